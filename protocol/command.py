@@ -1,0 +1,336 @@
+"""RemotingCommand: the one message type of RocketMQ remoting, in both header codecs.
+
+JSON header (serialize type 0, spec 1.3): a JSON object with keys
+``code language version opaque flag remark extFields`` (``serializeTypeCurrentRPC``
+is informational and ignored). Real clients send ext field values as strings,
+numbers or booleans, and ``language`` as a name or a number; all are accepted.
+We always write ext field values as strings, because the Go and C++ clients
+decode them strictly as strings.
+
+ROCKETMQ binary header (serialize type 1, spec 1.4), big-endian:
+
+    offset  size  field
+    0       2     code (short)
+    2       1     language (byte)
+    3       2     version (short)
+    5       4     opaque (int)
+    9       4     flag (int)
+    13      4     remark length R (0 = no remark)
+    17      R     remark (UTF-8)
+    17+R    4     ext length E
+    21+R    E     entries: key length (short), key, value length (int), value
+
+A response is encoded in the serialization its request used, so a client that
+cannot read one kind (old C++ clients read the header word unmasked) never
+receives it.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Iterable, Sequence
+
+from .codes import FLAG_ONEWAY, FLAG_RESPONSE, VERSION_4_9_8, LanguageCode, ResponseCode, SerializeType
+from .errors import FrameError, HeaderError
+from .frame import HEADER_LENGTH_MASK, LENGTH, MAX_FRAME_SIZE, PREFIX, check_prefix
+
+_BIN_FIXED = struct.Struct(">hBhiii")  # code, language, version, opaque, flag, remark length: 17 bytes
+_I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_LANG_BY_NAME = {lang.name: int(lang) for lang in LanguageCode}
+_LANG_NAME = {int(lang): lang.name for lang in LanguageCode}
+_json_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False).encode
+_json_loads = json.JSONDecoder().decode
+
+BodyParts = Sequence[bytes | bytearray | memoryview]
+
+
+class RemotingCommand:
+    """A request or response. ``body`` is bytes, or a sequence of buffers to send without joining."""
+
+    __slots__ = ("code", "language", "version", "opaque", "flag", "remark", "ext_fields", "body", "serialize_type")
+
+    def __init__(self, code: int, *, language: int = LanguageCode.JAVA, version: int = VERSION_4_9_8,
+                 opaque: int = 0, flag: int = 0, remark: str | None = None,
+                 ext_fields: dict[str, str] | None = None, body: bytes | BodyParts = b"",
+                 serialize_type: int = SerializeType.JSON):
+        self.code = code
+        self.language = language
+        self.version = version
+        self.opaque = opaque
+        self.flag = flag
+        self.remark = remark
+        self.ext_fields = ext_fields if ext_fields is not None else {}
+        self.body = body
+        self.serialize_type = serialize_type
+
+    # ----------------------------------------------------------------- kinds
+    @property
+    def is_response(self) -> bool:
+        return bool(self.flag & FLAG_RESPONSE)
+
+    @property
+    def is_oneway(self) -> bool:
+        return bool(self.flag & FLAG_ONEWAY)
+
+    @classmethod
+    def request(cls, code: int, ext_fields: dict | None = None, body: bytes = b"", *, oneway: bool = False,
+                opaque: int = 0, language: int = LanguageCode.PYTHON, version: int = VERSION_4_9_8,
+                remark: str | None = None, serialize_type: int = SerializeType.JSON) -> "RemotingCommand":
+        fields = {k: _field_text(v) for k, v in ext_fields.items() if v is not None} if ext_fields else {}
+        return cls(code, language=language, version=version, opaque=opaque, flag=FLAG_ONEWAY if oneway else 0,
+                   remark=remark, ext_fields=fields, body=body, serialize_type=serialize_type)
+
+    def response(self, code: int = ResponseCode.SUCCESS, remark: str | None = None,
+                 ext_fields: dict | None = None, body: bytes | BodyParts = b"") -> "RemotingCommand":
+        """The response to this request: same opaque and serialization, response bit set."""
+        fields = {k: _field_text(v) for k, v in ext_fields.items() if v is not None} if ext_fields else {}
+        return RemotingCommand(code, language=LanguageCode.JAVA, version=VERSION_4_9_8, opaque=self.opaque,
+                               flag=FLAG_RESPONSE, remark=remark, ext_fields=fields, body=body,
+                               serialize_type=self.serialize_type)
+
+    def __repr__(self) -> str:
+        kind = "response" if self.is_response else ("oneway" if self.is_oneway else "request")
+        return (f"RemotingCommand({kind} code={self.code} opaque={self.opaque} remark={self.remark!r} "
+                f"ext_fields={self.ext_fields!r} body={self.body_length()}B)")
+
+    def body_length(self) -> int:
+        body = self.body
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            return len(body)
+        return sum(len(part) for part in body)
+
+    def body_bytes(self) -> bytes:
+        body = self.body
+        if isinstance(body, bytes):
+            return body
+        if isinstance(body, (bytearray, memoryview)):
+            return bytes(body)
+        return b"".join(body)
+
+    # -------------------------------------------------------------- encoding
+    def encode_header(self) -> bytes:
+        if self.serialize_type == SerializeType.ROCKETMQ:
+            return self._encode_binary_header()
+        return self._encode_json_header()
+
+    def encode_parts(self) -> list:
+        """Buffers that together make the frame; the body parts are not copied."""
+        header = self.encode_header()
+        body = self.body
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            parts = [body] if body else []
+        else:
+            parts = list(body)
+        body_len = sum(len(p) for p in parts)
+        prefix = PREFIX.pack(4 + len(header) + body_len, (int(self.serialize_type) << 24) | len(header))
+        return [prefix + header, *parts]
+
+    def encode(self) -> bytes:
+        return b"".join(self.encode_parts())
+
+    def _encode_json_header(self) -> bytes:
+        obj: dict = {"code": self.code}
+        if self.ext_fields:
+            obj["extFields"] = self.ext_fields
+        obj["flag"] = self.flag
+        obj["language"] = _LANG_NAME.get(self.language, "OTHER")
+        obj["opaque"] = self.opaque
+        if self.remark is not None:
+            obj["remark"] = self.remark
+        obj["serializeTypeCurrentRPC"] = "JSON"
+        obj["version"] = self.version
+        return _json_dumps(obj).encode()
+
+    def _encode_binary_header(self) -> bytes:
+        remark = self.remark.encode() if self.remark else b""
+        out = [_BIN_FIXED.pack(self.code, self.language & 0xFF, self.version, self.opaque, self.flag, len(remark)),
+               remark]
+        entries = []
+        for key, value in self.ext_fields.items():
+            if key is None or value is None:
+                continue
+            k = key.encode()
+            v = value.encode()
+            entries.append(_I16.pack(len(k)) + k + _I32.pack(len(v)) + v)
+        ext = b"".join(entries)
+        out.append(_I32.pack(len(ext)))
+        out.append(ext)
+        return b"".join(out)
+
+    # -------------------------------------------------------------- decoding
+    @classmethod
+    def decode(cls, frame: bytes | bytearray | memoryview, max_frame_size: int = MAX_FRAME_SIZE) -> "RemotingCommand":
+        """Decode one whole frame, 4-byte length prefix included."""
+        n = len(frame)
+        if n < 8:
+            raise FrameError(f"frame of {n} bytes is shorter than the 8-byte prefix")
+        length, word = PREFIX.unpack_from(frame, 0)
+        if length != n - 4:
+            raise FrameError(f"frame length field says {length} bytes but {n - 4} follow it")
+        header_length = check_prefix(length, word, max(max_frame_size, length))
+        stype = (word >> 24) & 0xFF
+        header = frame[8:8 + header_length]
+        body = bytes(frame[8 + header_length:])
+        if stype == SerializeType.JSON:
+            cmd = cls._decode_json_header(header)
+        elif stype == SerializeType.ROCKETMQ:
+            cmd = cls._decode_binary_header(header)
+        else:
+            raise HeaderError(f"unknown serialize type {stype}")
+        cmd.body = body
+        cmd.serialize_type = stype
+        return cmd
+
+    @classmethod
+    def _decode_json_header(cls, header) -> "RemotingCommand":
+        try:
+            obj = _json_loads(bytes(header).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise HeaderError(f"JSON header does not parse: {exc}") from None
+        if not isinstance(obj, dict):
+            raise HeaderError(f"JSON header is a {type(obj).__name__}, not an object")
+        if "code" not in obj:
+            raise HeaderError("JSON header has no code")
+        code = _json_int(obj, "code", 0, -32768, 32767)
+        lang = obj.get("language", "JAVA")
+        if isinstance(lang, str):
+            language = _LANG_BY_NAME.get(lang.strip().upper())
+            if language is None:
+                language = _parse_int(lang, "language", LanguageCode.OTHER) if lang.strip().isdigit() else LanguageCode.OTHER
+        elif isinstance(lang, int) and not isinstance(lang, bool):
+            language = lang & 0xFF
+        elif lang is None:
+            language = LanguageCode.JAVA
+        else:
+            raise HeaderError(f"language has type {type(lang).__name__}")
+        version = _json_int(obj, "version", 0, -32768, 32767)
+        opaque = _json_int(obj, "opaque", 0, _INT32_MIN, _INT32_MAX)
+        flag = _json_int(obj, "flag", 0, _INT32_MIN, _INT32_MAX)
+        remark = obj.get("remark")
+        if remark is not None and not isinstance(remark, str):
+            raise HeaderError(f"remark has type {type(remark).__name__}")
+        raw_ext = obj.get("extFields")
+        ext: dict[str, str] = {}
+        if raw_ext is not None:
+            if not isinstance(raw_ext, dict):
+                raise HeaderError(f"extFields is a {type(raw_ext).__name__}, not an object")
+            for key, value in raw_ext.items():
+                if value is None:
+                    continue
+                if isinstance(value, (dict, list)):
+                    raise HeaderError(f"extFields[{key!r}] is a {type(value).__name__}, not a scalar")
+                ext[key] = _field_text(value)
+        return cls(code, language=language, version=version, opaque=opaque, flag=flag, remark=remark,
+                   ext_fields=ext)
+
+    @classmethod
+    def _decode_binary_header(cls, header) -> "RemotingCommand":
+        header = bytes(header)
+        n = len(header)
+        if n < 21:
+            raise HeaderError(f"ROCKETMQ header of {n} bytes is shorter than its 21 fixed bytes")
+        code, language, version, opaque, flag, remark_len = _BIN_FIXED.unpack_from(header, 0)
+        pos = 17
+        if remark_len < 0 or pos + remark_len + 4 > n:
+            raise HeaderError(f"remark length {remark_len} runs past the header")
+        remark = _utf8(header[pos:pos + remark_len], "remark") if remark_len else None
+        pos += remark_len
+        (ext_len,) = _I32.unpack_from(header, pos)
+        pos += 4
+        if ext_len < 0 or pos + ext_len != n:
+            raise HeaderError(f"ext fields length {ext_len} does not fill the header's remaining {n - pos} bytes")
+        ext: dict[str, str] = {}
+        while pos < n:
+            if pos + 2 > n:
+                raise HeaderError("ext field key length cut short")
+            (klen,) = _I16.unpack_from(header, pos)
+            pos += 2
+            if klen < 0 or pos + klen + 4 > n:
+                raise HeaderError(f"ext field key length {klen} runs past the header")
+            key = _utf8(header[pos:pos + klen], "ext field key")
+            pos += klen
+            (vlen,) = _I32.unpack_from(header, pos)
+            pos += 4
+            if vlen < 0 or pos + vlen > n:
+                raise HeaderError(f"ext field {key!r} value length {vlen} runs past the header")
+            ext[key] = _utf8(header[pos:pos + vlen], f"ext field {key!r}")
+            pos += vlen
+        return cls(code, language=language, version=version, opaque=opaque, flag=flag, remark=remark,
+                   ext_fields=ext)
+
+    # ------------------------------------------------------- typed ext fields
+    def str_field(self, key: str, default: str | None = None, *, required: bool = False) -> str | None:
+        value = self.ext_fields.get(key)
+        if value is None or value == "":
+            if required:
+                raise HeaderError(f"the header field {key} is missing")
+            return default
+        return value
+
+    def int_field(self, key: str, default: int | None = None, *, required: bool = False) -> int | None:
+        value = self.ext_fields.get(key)
+        if value is None or value == "":
+            if required:
+                raise HeaderError(f"the header field {key} is missing")
+            return default
+        return _parse_int(value, key)
+
+    def bool_field(self, key: str, default: bool = False) -> bool:
+        value = self.ext_fields.get(key)
+        if value is None or value == "":
+            return default
+        text = value.strip().lower()
+        if text in ("true", "1"):
+            return True
+        if text in ("false", "0"):
+            return False
+        raise HeaderError(f"the header field {key}={value!r} is not a boolean")
+
+
+def _field_text(value) -> str:
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _parse_int(text: str, key: str, default=None) -> int:
+    try:
+        value = int(text.strip())
+    except (ValueError, AttributeError):
+        raise HeaderError(f"the header field {key}={text!r} is not an integer") from None
+    if not -(1 << 63) <= value < (1 << 63):
+        raise HeaderError(f"the header field {key}={text!r} is out of range")
+    return value
+
+
+def _json_int(obj: dict, key: str, default: int, lo: int, hi: int) -> int:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise HeaderError(f"{key} has type {type(value).__name__}, not an integer")
+    if isinstance(value, str):
+        value = _parse_int(value, key)
+    if not lo <= value <= hi:
+        raise HeaderError(f"{key}={value} is out of range")
+    return value
+
+
+def _utf8(raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HeaderError(f"{what} is not valid UTF-8") from None
+
+
+def iter_commands(frames: Iterable[bytes]) -> Iterable[RemotingCommand]:
+    for frame in frames:
+        yield RemotingCommand.decode(frame)

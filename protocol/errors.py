@@ -1,0 +1,130 @@
+"""The one exception tree of txmq (ARCHITECTURE section 4).
+
+    BrokerError
+     +-- ProtocolError            malformed bytes; .response_code says what to answer
+     |    +-- FrameError          framing: bad length, oversized frame, header past its frame
+     |    +-- HeaderError         a header that does not parse, or a field of the wrong type
+     |    +-- RecordError         a store record or batch body that does not parse
+     +-- ResponseError            the peer answered with a non-success code; one subclass a code
+     +-- RequestTimeoutError      no answer in time (also a TimeoutError)
+     +-- ConnectionClosedError    the connection went away with requests pending
+     +-- StoreError               a segment file is damaged or unwritable (never on the wire)
+     +-- ConfigError              a setting is wrong (also a ValueError)
+
+Expected outcomes (a send that was flushed late, a pull that found nothing) are
+values, not exceptions.
+"""
+from __future__ import annotations
+
+from .codes import ResponseCode
+
+
+class BrokerError(Exception):
+    """Root of every error txmq raises on purpose."""
+
+
+class ProtocolError(BrokerError):
+    """Bytes that do not follow the protocol. The peer is told with ``response_code``."""
+
+    response_code: int = ResponseCode.SYSTEM_ERROR
+
+    def __init__(self, message: str, *, response_code: int | None = None):
+        super().__init__(message)
+        if response_code is not None:
+            self.response_code = response_code
+
+
+class FrameError(ProtocolError):
+    """The length prefix or header-length word cannot be right."""
+
+
+class HeaderError(ProtocolError):
+    """A command header (JSON or ROCKETMQ binary) or one of its fields is malformed."""
+
+
+class RecordError(ProtocolError):
+    """A store record or a batch body is malformed."""
+
+    response_code = ResponseCode.MESSAGE_ILLEGAL
+
+
+class ResponseError(BrokerError):
+    """The peer answered a request with a non-success code."""
+
+    code: int = ResponseCode.SYSTEM_ERROR
+    retriable: bool = False
+
+    def __init__(self, remark: str | None = None, *, code: int | None = None):
+        if code is not None:
+            self.code = code
+        self.remark = remark or ""
+        name = _code_name(self.code)
+        super().__init__(f"{name} ({self.code}): {self.remark}" if self.remark else f"{name} ({self.code})")
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ResponseCode(code).name
+    except ValueError:
+        return "UNKNOWN_RESPONSE_CODE"
+
+
+_BY_CODE: dict[int, type[ResponseError]] = {}
+
+
+def _response_error(name: str, code: int, retriable: bool) -> type[ResponseError]:
+    cls = type(name, (ResponseError,), {"code": code, "retriable": retriable, "__doc__": f"Response code {code}."})
+    cls.__module__ = __name__
+    _BY_CODE[code] = cls
+    return cls
+
+
+# Retriable follows the Java producer's retry set (spec 2.2): another queue or a
+# later attempt can succeed.
+SystemError_ = _response_error("SystemErrorResponse", ResponseCode.SYSTEM_ERROR, True)
+SystemBusyError = _response_error("SystemBusyError", ResponseCode.SYSTEM_BUSY, True)
+RequestCodeNotSupportedError = _response_error(
+    "RequestCodeNotSupportedError", ResponseCode.REQUEST_CODE_NOT_SUPPORTED, False)
+FlushDiskTimeoutError = _response_error("FlushDiskTimeoutError", ResponseCode.FLUSH_DISK_TIMEOUT, False)
+MessageIllegalError = _response_error("MessageIllegalError", ResponseCode.MESSAGE_ILLEGAL, False)
+ServiceNotAvailableError = _response_error("ServiceNotAvailableError", ResponseCode.SERVICE_NOT_AVAILABLE, True)
+NoPermissionError = _response_error("NoPermissionError", ResponseCode.NO_PERMISSION, True)
+TopicNotExistError = _response_error("TopicNotExistError", ResponseCode.TOPIC_NOT_EXIST, True)
+QueryNotFoundError = _response_error("QueryNotFoundError", ResponseCode.QUERY_NOT_FOUND, False)
+SubscriptionNotExistError = _response_error(
+    "SubscriptionNotExistError", ResponseCode.SUBSCRIPTION_NOT_EXIST, True)
+SubscriptionGroupNotExistError = _response_error(
+    "SubscriptionGroupNotExistError", ResponseCode.SUBSCRIPTION_GROUP_NOT_EXIST, False)
+FlowControlError = _response_error("FlowControlError", ResponseCode.FLOW_CONTROL, True)
+
+
+def error_for_code(code: int, remark: str | None = None) -> ResponseError:
+    """The ResponseError instance for a response code (unknown codes keep their number)."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return ResponseError(remark, code=code)
+    return cls(remark)
+
+
+class RequestTimeoutError(BrokerError, TimeoutError):
+    """A request got no response within its timeout."""
+
+
+class ConnectionClosedError(BrokerError):
+    """The connection closed while a request was waiting or before it was sent."""
+
+
+class StoreError(BrokerError):
+    """A segment file is damaged or cannot be written. Never crosses the wire."""
+
+    def __init__(self, message: str, *, segment: str | None = None, position: int | None = None):
+        where = ""
+        if segment is not None:
+            where = f" [segment {segment}" + (f" at byte {position}" if position is not None else "") + "]"
+        super().__init__(message + where)
+        self.segment = segment
+        self.position = position
+
+
+class ConfigError(BrokerError, ValueError):
+    """A configuration value is invalid."""

@@ -1,0 +1,101 @@
+"""Remoting framing: a sans-IO decoder fed bytes in any split, and the encoder.
+
+Frame layout (spec 1.1), big-endian:
+
+    offset  size  field
+    0       4     length        bytes after this field: 4 + header length + body length
+    4       4     header word   high byte: serialize type (0 JSON, 1 ROCKETMQ); low 3 bytes: header length
+    8       H     header
+    8+H     B     body          B = length - 4 - H; there is no body-length field
+
+A frame handed out by FrameDecoder is whole, length prefix included, and its
+header length has been checked against its length, so RemotingCommand.decode
+can slice it without further bounds worries.
+"""
+from __future__ import annotations
+
+import struct
+
+from .errors import FrameError
+
+MAX_FRAME_SIZE = 16 * 1024 * 1024  # RocketMQ's com.rocketmq.remoting.frameMaxLength default
+HEADER_LENGTH_MASK = 0xFFFFFF
+
+PREFIX = struct.Struct(">iI")  # length, header word
+LENGTH = struct.Struct(">i")
+
+
+def check_prefix(length: int, header_word: int, max_frame_size: int) -> int:
+    """Validate a frame's first 8 bytes; return the header length."""
+    if length < 4:
+        raise FrameError(f"frame length {length} is below the 4-byte minimum")
+    if length > max_frame_size:
+        raise FrameError(f"frame length {length} exceeds the maximum of {max_frame_size} bytes")
+    header_length = header_word & HEADER_LENGTH_MASK
+    if header_length > length - 4:
+        raise FrameError(f"header length {header_length} exceeds the frame's {length - 4} bytes after the header word")
+    return header_length
+
+
+def encode_frame(header: bytes, body: bytes = b"", serialize_type: int = 0) -> bytes:
+    """One whole frame: prefix, header, body."""
+    return b"".join((PREFIX.pack(4 + len(header) + len(body), (serialize_type << 24) | len(header)), header, body))
+
+
+class FrameDecoder:
+    """Cut a byte stream into whole frames.
+
+    ``feed(data)`` returns every frame completed by ``data`` (possibly none).
+    Bytes of an incomplete frame stay buffered. Once a FrameError has been
+    raised the stream cannot be re-synchronised, so later feeds raise it again.
+    """
+
+    __slots__ = ("max_frame_size", "_buf", "_pos", "_error")
+
+    def __init__(self, max_frame_size: int = MAX_FRAME_SIZE):
+        self.max_frame_size = max_frame_size
+        self._buf = bytearray()
+        self._pos = 0
+        self._error: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a returned frame."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self._error is not None:
+            raise self._error
+        buf = self._buf
+        buf += data
+        frames: list[bytes] = []
+        pos = self._pos
+        end = len(buf)
+        max_size = self.max_frame_size
+        try:
+            while end - pos >= 8:
+                length, word = PREFIX.unpack_from(buf, pos)
+                check_prefix(length, word, max_size)
+                total = length + 4
+                if end - pos < total:
+                    break
+                frames.append(bytes(buf[pos:pos + total]))
+                pos += total
+            if end - pos in (4, 5, 6, 7):
+                # A bad length is known as soon as its 4 bytes are here.
+                (length,) = LENGTH.unpack_from(buf, pos)
+                if length < 4 or length > max_size:
+                    check_prefix(length, 0, max_size)
+        except FrameError as exc:
+            self._error = exc
+            raise
+        finally:
+            # Compact lazily: drop consumed bytes once they dominate the buffer.
+            if pos == end:
+                buf.clear()
+                pos = 0
+            elif pos > 65536 and pos * 2 > end:
+                del buf[:pos]
+                pos = 0
+            self._pos = pos
+        return frames

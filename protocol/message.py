@@ -1,0 +1,520 @@
+"""Messages: the store record (= pull body = check body), properties, message ids, send headers.
+
+Store record (spec 6.1), big-endian, IPv4 hosts (each IPv6 host adds 12 bytes):
+
+    offset  size  field
+    0       4     TOTALSIZE              whole record, this field included
+    4       4     MAGICCODE              0xDAA320A7 (0xCBD43194 = end-of-segment blank)
+    8       4     BODYCRC                zlib.crc32(body) & 0x7FFFFFFF
+    12      4     QUEUEID
+    16      4     FLAG                   user flag
+    20      8     QUEUEOFFSET            logical offset in the consume queue
+    28      8     PHYSICALOFFSET         commit-log offset of this record
+    36      4     SYSFLAG
+    40      8     BORNTIMESTAMP          producer clock, ms
+    48      8     BORNHOST               IPv4 + int port (20 bytes if SYSFLAG has BORNHOST_V6)
+    56      8     STORETIMESTAMP         broker clock, ms
+    64      8     STOREHOST              IPv4 + int port (20 bytes if STOREHOST_V6)
+    72      4     RECONSUMETIMES
+    76      8     PREPARED TX OFFSET     half record's commit-log offset on committed messages
+    84      4+B   BODYLENGTH, BODY
+    88+B    1+T   TOPICLENGTH (byte), TOPIC
+    89+B+T  2+P   PROPERTIESLENGTH (short), PROPERTIES
+
+Properties string (spec 4.1): ``name\\x01value`` pairs joined by ``\\x02``.
+
+SEND_BATCH_MESSAGE body entry (spec 6.7): TOTALSIZE, MAGIC (0), BODYCRC (0), FLAG,
+BODYLENGTH + BODY, PROPERTIESLENGTH + PROPERTIES.
+"""
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import os
+import re
+import socket
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from .codes import RequestCode, ResponseCode, SysFlag
+from .errors import HeaderError, RecordError
+
+MESSAGE_MAGIC = -626843481      # 0xDAA320A7
+BLANK_MAGIC = -875286124        # 0xCBD43194
+MAX_TOPIC_LENGTH = 127
+MAX_PROPERTIES_LENGTH = 32767
+
+# The record up to and including BODYLENGTH, both hosts IPv4: 88 bytes.
+RECORD_HEAD_V4 = struct.Struct(">iiiiiqqiq8sq8siqi")
+_PRE_HOSTS = struct.Struct(">iiiiiqqiq")       # 0..47: through BORNTIMESTAMP
+_I64 = struct.Struct(">q")
+_I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
+_SIZE_MAGIC = struct.Struct(">ii")
+_HOST_V4 = struct.Struct(">4si")
+_HOST_V6 = struct.Struct(">16si")
+_BATCH_HEAD = struct.Struct(">iiiii")           # size, magic, crc, flag, body length
+
+# Fixed field positions the store patches in place after encoding.
+POS_QUEUE_OFFSET = 20
+POS_PHYSICAL_OFFSET = 28
+POS_SYSFLAG = 36
+POS_BORN_HOST = 48
+
+TOPIC_PATTERN = re.compile(r"[%|a-zA-Z0-9_-]+")
+
+
+class Prop:
+    """Property keys (MessageConst)."""
+
+    KEYS = "KEYS"
+    TAGS = "TAGS"
+    WAIT = "WAIT"
+    DELAY = "DELAY"
+    RETRY_TOPIC = "RETRY_TOPIC"
+    REAL_TOPIC = "REAL_TOPIC"
+    REAL_QID = "REAL_QID"
+    TRAN_MSG = "TRAN_MSG"
+    PGROUP = "PGROUP"
+    UNIQ_KEY = "UNIQ_KEY"
+    ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
+    RECONSUME_TIME = "RECONSUME_TIME"
+    MAX_RECONSUME_TIMES = "MAX_RECONSUME_TIMES"
+    CLUSTER = "CLUSTER"
+    TRANSACTION_CHECK_TIMES = "TRANSACTION_CHECK_TIMES"
+    CHECK_IMMUNITY_TIME_IN_SECONDS = "CHECK_IMMUNITY_TIME_IN_SECONDS"
+    TRAN_PREPARED_QUEUE_OFFSET = "TRAN_PREPARED_QUEUE_OFFSET"
+    MIN_OFFSET = "MIN_OFFSET"
+    MAX_OFFSET = "MAX_OFFSET"
+
+
+# ----------------------------------------------------------------- properties
+def properties_to_string(props: dict[str, str] | None) -> str:
+    if not props:
+        return ""
+    return "\x02".join(f"{k}\x01{v}" for k, v in props.items() if v is not None)
+
+
+def string_to_properties(text: str | None) -> dict[str, str]:
+    """Parse a properties string the way Java does: keep pairs with a non-empty name and value."""
+    props: dict[str, str] = {}
+    if not text:
+        return props
+    for piece in text.split("\x02"):
+        name, sep, value = piece.partition("\x01")
+        if sep and name and value:
+            props[name] = value
+    return props
+
+
+def java_string_hash(text: str) -> int:
+    """Java String.hashCode: 31*h + UTF-16 unit, signed 32-bit. The consume-queue tag code."""
+    h = 0
+    for unit in _utf16_units(text):
+        h = (31 * h + unit) & 0xFFFFFFFF
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def _utf16_units(text: str):
+    if text.isascii():
+        return text.encode("ascii")
+    data = text.encode("utf-16-be", "surrogatepass")
+    return struct.unpack(f">{len(data) // 2}H", data)
+
+
+def tags_code(props: dict[str, str]) -> int:
+    tags = props.get(Prop.TAGS)
+    return java_string_hash(tags) if tags else 0
+
+
+def validate_topic(topic: str | None) -> str | None:
+    """None if the topic name is acceptable, else why not (RocketMQ's TopicValidator rules)."""
+    if not topic:
+        return "the topic name is blank"
+    if len(topic) > MAX_TOPIC_LENGTH:
+        return f"the topic name is {len(topic)} characters, longer than {MAX_TOPIC_LENGTH}"
+    if not TOPIC_PATTERN.fullmatch(topic):
+        return f"the topic name {topic!r} contains characters outside [%|a-zA-Z0-9_-]"
+    return None
+
+
+# --------------------------------------------------------------------- hosts
+def pack_host(host: str, port: int) -> bytes:
+    """8 bytes for IPv4 (address + int port), 20 for IPv6."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        addr = ipaddress.ip_address(socket.gethostbyname(host))
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr.version == 4:
+        return _HOST_V4.pack(addr.packed, port)
+    return _HOST_V6.pack(addr.packed, port)
+
+
+def unpack_host(raw: bytes) -> tuple[str, int]:
+    if len(raw) == 8:
+        ip, port = _HOST_V4.unpack(raw)
+    else:
+        ip, port = _HOST_V6.unpack(raw)
+    return str(ipaddress.ip_address(ip)), port
+
+
+# ---------------------------------------------------------------- message ids
+def offset_msg_id(store_host: bytes, physical_offset: int) -> str:
+    """The 32 (IPv4) or 56 (IPv6) upper-case hex offset id of a stored record (spec 6.5)."""
+    return (store_host + _I64.pack(physical_offset)).hex().upper()
+
+
+def decode_offset_msg_id(msg_id: str) -> tuple[str, int, int]:
+    """(host, port, commit-log offset) from an offset message id."""
+    try:
+        raw = bytes.fromhex(msg_id)
+    except (ValueError, TypeError):
+        raise HeaderError(f"offset message id {msg_id!r} is not hex") from None
+    if len(raw) not in (16, 28):
+        raise HeaderError(f"offset message id {msg_id!r} has {len(msg_id)} characters, not 32 or 56")
+    host, port = unpack_host(raw[:-8])
+    return host, port, _I64.unpack(raw[-8:])[0]
+
+
+class UniqIdGenerator:
+    """UNIQ_KEY ids in the Java client's layout: ip, pid, a per-process hash, ms into the month, counter."""
+
+    def __init__(self, ip: str = "127.0.0.1"):
+        try:
+            packed_ip = ipaddress.ip_address(ip).packed
+        except ValueError:
+            packed_ip = b"\x7f\x00\x00\x01"
+        self._prefix = packed_ip + struct.pack(">H", os.getpid() & 0xFFFF) + os.urandom(4)
+        self._counter = itertools.count(int.from_bytes(os.urandom(2), "big"))
+        self._month_start = 0.0
+        self._next_month = 0.0
+
+    def _roll_month(self, now: float) -> None:
+        t = time.localtime(now)
+        start = time.mktime((t.tm_year, t.tm_mon, 1, 0, 0, 0, 0, 0, -1))
+        year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+        self._month_start = start
+        self._next_month = time.mktime((year, month, 1, 0, 0, 0, 0, 0, -1))
+
+    def next(self) -> str:
+        now = time.time()
+        if now >= self._next_month:
+            self._roll_month(now)
+        ms = int((now - self._month_start) * 1000) & 0xFFFFFFFF
+        tail = struct.pack(">IH", ms, next(self._counter) & 0xFFFF)
+        return (self._prefix + tail).hex().upper()
+
+
+# -------------------------------------------------------------------- records
+def body_crc(body) -> int:
+    return zlib.crc32(body) & 0x7FFFFFFF
+
+
+def record_size(body_len: int, topic_len: int, props_len: int, sys_flag: int = 0) -> int:
+    size = 91 + body_len + topic_len + props_len
+    if sys_flag & SysFlag.BORNHOST_V6:
+        size += 12
+    if sys_flag & SysFlag.STOREHOST_V6:
+        size += 12
+    return size
+
+
+def store_timestamp_pos(sys_flag: int) -> int:
+    return 68 if sys_flag & SysFlag.BORNHOST_V6 else 56
+
+
+def encode_record(*, topic: bytes, body: bytes, queue_id: int, flag: int, sys_flag: int,
+                  born_timestamp: int, born_host: bytes, store_host: bytes, properties: bytes,
+                  queue_offset: int = 0, physical_offset: int = 0, store_timestamp: int = 0,
+                  reconsume_times: int = 0, prepared_offset: int = 0, crc: int | None = None) -> bytearray:
+    """One store record. Hosts are packed (pack_host); the v6 sysFlag bits follow their lengths."""
+    topic_len = len(topic)
+    props_len = len(properties)
+    if topic_len > MAX_TOPIC_LENGTH:
+        raise RecordError(f"topic of {topic_len} bytes is longer than {MAX_TOPIC_LENGTH}")
+    if props_len > MAX_PROPERTIES_LENGTH:
+        raise RecordError(f"properties of {props_len} bytes are longer than {MAX_PROPERTIES_LENGTH}")
+    sys_flag &= ~(SysFlag.BORNHOST_V6 | SysFlag.STOREHOST_V6)
+    if len(born_host) == 20:
+        sys_flag |= SysFlag.BORNHOST_V6
+    if len(store_host) == 20:
+        sys_flag |= SysFlag.STOREHOST_V6
+    body_len = len(body)
+    total = 91 + body_len + topic_len + props_len + (len(born_host) - 8) + (len(store_host) - 8)
+    if crc is None:
+        crc = zlib.crc32(body) & 0x7FFFFFFF
+    if len(born_host) == 8 and len(store_host) == 8:
+        head = RECORD_HEAD_V4.pack(total, MESSAGE_MAGIC, crc, queue_id, flag, queue_offset, physical_offset,
+                                   sys_flag, born_timestamp, born_host, store_timestamp, store_host,
+                                   reconsume_times, prepared_offset, body_len)
+    else:
+        head = b"".join((
+            _PRE_HOSTS.pack(total, MESSAGE_MAGIC, crc, queue_id, flag, queue_offset, physical_offset, sys_flag,
+                            born_timestamp),
+            born_host, _I64.pack(store_timestamp), store_host,
+            struct.pack(">iqi", reconsume_times, prepared_offset, body_len)))
+    out = bytearray(head)
+    out += body
+    out.append(topic_len)
+    out += topic
+    out += _I16.pack(props_len)
+    out += properties
+    return out
+
+
+@dataclass(slots=True)
+class MessageExt:
+    """A decoded store record."""
+
+    topic: str
+    body: bytes
+    queue_id: int = 0
+    flag: int = 0
+    queue_offset: int = 0
+    physical_offset: int = 0
+    sys_flag: int = 0
+    born_timestamp: int = 0
+    born_host: tuple[str, int] = ("127.0.0.1", 0)
+    store_timestamp: int = 0
+    store_host: tuple[str, int] = ("127.0.0.1", 0)
+    reconsume_times: int = 0
+    prepared_offset: int = 0
+    properties: dict[str, str] = field(default_factory=dict)
+    body_crc: int = 0
+    store_size: int = 0
+
+    @property
+    def tags(self) -> str | None:
+        return self.properties.get(Prop.TAGS)
+
+    @property
+    def keys(self) -> str | None:
+        return self.properties.get(Prop.KEYS)
+
+    @property
+    def offset_msg_id(self) -> str:
+        return offset_msg_id(pack_host(*self.store_host), self.physical_offset)
+
+    @property
+    def msg_id(self) -> str:
+        """What a Java client calls getMsgId(): UNIQ_KEY, else the offset id."""
+        return self.properties.get(Prop.UNIQ_KEY) or self.offset_msg_id
+
+    def encode(self) -> bytearray:
+        return encode_record(
+            topic=self.topic.encode(), body=self.body, queue_id=self.queue_id, flag=self.flag,
+            sys_flag=self.sys_flag, born_timestamp=self.born_timestamp, born_host=pack_host(*self.born_host),
+            store_host=pack_host(*self.store_host), properties=properties_to_string(self.properties).encode(),
+            queue_offset=self.queue_offset, physical_offset=self.physical_offset,
+            store_timestamp=self.store_timestamp, reconsume_times=self.reconsume_times,
+            prepared_offset=self.prepared_offset)
+
+
+def peek_record(buf, pos: int = 0) -> tuple[int, int]:
+    """(TOTALSIZE, MAGIC) at pos; RecordError if fewer than 8 bytes remain."""
+    if pos < 0 or len(buf) - pos < 8:
+        raise RecordError(f"record header at {pos} is cut short")
+    return _SIZE_MAGIC.unpack_from(buf, pos)
+
+
+def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> tuple[MessageExt, int]:
+    """Decode the record at ``pos``; returns (message, TOTALSIZE). Bounds and layout are checked."""
+    end = len(buf)
+    if pos < 0 or end - pos < 91:
+        raise RecordError(f"record at {pos} is cut short: {max(end - pos, 0)} bytes, the minimum is 91")
+    (total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag,
+     born_ts) = _PRE_HOSTS.unpack_from(buf, pos)
+    if magic != MESSAGE_MAGIC:
+        raise RecordError(f"record at {pos} has magic {magic & 0xFFFFFFFF:#010x}, not {MESSAGE_MAGIC & 0xFFFFFFFF:#010x}")
+    if total < 91 or total > end - pos:
+        raise RecordError(f"record at {pos} claims {total} bytes; {end - pos} are available")
+    limit = pos + total
+    p = pos + 48
+    bh_len = 20 if sys_flag & SysFlag.BORNHOST_V6 else 8
+    sh_len = 20 if sys_flag & SysFlag.STOREHOST_V6 else 8
+    if p + bh_len + 8 + sh_len + 16 > limit:
+        raise RecordError(f"record at {pos} is too short for its hosts")
+    born_host = unpack_host(bytes(buf[p:p + bh_len]))
+    p += bh_len
+    (store_ts,) = _I64.unpack_from(buf, p)
+    p += 8
+    store_host = unpack_host(bytes(buf[p:p + sh_len]))
+    p += sh_len
+    reconsume, prepared, body_len = struct.unpack_from(">iqi", buf, p)
+    p += 16
+    if body_len < 0 or p + body_len + 3 > limit:
+        raise RecordError(f"record at {pos}: body length {body_len} runs past the record's {total} bytes")
+    body = bytes(buf[p:p + body_len])
+    p += body_len
+    topic_len = buf[p]
+    p += 1
+    if topic_len > MAX_TOPIC_LENGTH or p + topic_len + 2 > limit:
+        raise RecordError(f"record at {pos}: topic length {topic_len} runs past the record")
+    try:
+        topic = bytes(buf[p:p + topic_len]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise RecordError(f"record at {pos}: topic is not UTF-8") from None
+    p += topic_len
+    (props_len,) = _I16.unpack_from(buf, p)
+    p += 2
+    if props_len < 0 or p + props_len != limit:
+        raise RecordError(f"record at {pos}: properties length {props_len} does not end the record")
+    try:
+        props = string_to_properties(bytes(buf[p:p + props_len]).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RecordError(f"record at {pos}: properties are not UTF-8") from None
+    if check_crc and (zlib.crc32(body) & 0x7FFFFFFF) != crc:
+        raise RecordError(f"record at {pos}: body CRC mismatch")
+    msg = MessageExt(topic, body, queue_id, flag, queue_offset, physical_offset, sys_flag, born_ts, born_host,
+                     store_ts, store_host, reconsume, prepared, props, crc, total)
+    return msg, total
+
+
+def decode_records(buf) -> list[MessageExt]:
+    """Every record of a pull / query body, in order."""
+    out = []
+    pos = 0
+    end = len(buf)
+    while pos < end:
+        msg, size = decode_record(buf, pos)
+        out.append(msg)
+        pos += size
+    return out
+
+
+# --------------------------------------------------------------------- batch
+def encode_batch(entries: list[tuple[int, bytes, str]]) -> bytes:
+    """SEND_BATCH_MESSAGE body from (flag, body, properties string) entries."""
+    out = bytearray()
+    for flag, body, props in entries:
+        p = props.encode()
+        out += _BATCH_HEAD.pack(20 + len(body) + 2 + len(p), 0, 0, flag, len(body))
+        out += body
+        out += _I16.pack(len(p))
+        out += p
+    return bytes(out)
+
+
+def decode_batch(buf) -> list[tuple[int, bytes, str]]:
+    """(flag, body, properties string) for each entry of a batch body."""
+    entries = []
+    pos = 0
+    end = len(buf)
+    while pos < end:
+        if end - pos < 22:
+            raise RecordError(f"batch entry at {pos} is cut short")
+        size, _magic, _crc, flag, body_len = _BATCH_HEAD.unpack_from(buf, pos)
+        if size < 22 or pos + size > end:
+            raise RecordError(f"batch entry at {pos} claims {size} bytes; {end - pos} are available")
+        if body_len < 0 or 20 + body_len + 2 > size:
+            raise RecordError(f"batch entry at {pos}: body length {body_len} runs past the entry")
+        body = bytes(buf[pos + 20:pos + 20 + body_len])
+        (props_len,) = _I16.unpack_from(buf, pos + 20 + body_len)
+        if props_len < 0 or 22 + body_len + props_len != size:
+            raise RecordError(f"batch entry at {pos}: properties length {props_len} does not end the entry")
+        start = pos + 22 + body_len
+        try:
+            props = bytes(buf[start:start + props_len]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RecordError(f"batch entry at {pos}: properties are not UTF-8") from None
+        entries.append((flag, body, props))
+        pos += size
+    return entries
+
+
+# --------------------------------------------------------------- send header
+_V2_KEYS = {"a": "producerGroup", "b": "topic", "c": "defaultTopic", "d": "defaultTopicQueueNums",
+            "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag", "i": "properties",
+            "j": "reconsumeTimes", "k": "unitMode", "l": "maxReconsumeTimes", "m": "batch", "n": "bname"}
+_V1_TO_V2 = {v: k for k, v in _V2_KEYS.items()}
+
+
+@dataclass(slots=True)
+class SendMessageRequestHeader:
+    """SEND_MESSAGE (long keys) and SEND_MESSAGE_V2 / SEND_BATCH_MESSAGE (one-letter keys)."""
+
+    producer_group: str
+    topic: str
+    default_topic: str = "TBW102"
+    default_topic_queue_nums: int = 4
+    queue_id: int = -1
+    sys_flag: int = 0
+    born_timestamp: int = 0
+    flag: int = 0
+    properties: str = ""
+    reconsume_times: int = 0
+    unit_mode: bool = False
+    max_reconsume_times: int | None = None
+    batch: bool = False
+    bname: str | None = None
+
+    @classmethod
+    def from_command(cls, cmd) -> "SendMessageRequestHeader":
+        ext = cmd.ext_fields
+        if cmd.code in (RequestCode.SEND_MESSAGE_V2, RequestCode.SEND_BATCH_MESSAGE) and "b" in ext:
+            get = lambda long: ext.get(_V1_TO_V2[long])  # noqa: E731
+        else:
+            get = ext.get
+
+        def text(name, required=False, default=None):
+            value = get(name)
+            if value is None or value == "":
+                if required:
+                    raise HeaderError(f"the send header field {name} is missing")
+                return default
+            return value
+
+        def number(name, required=False, default=0):
+            value = text(name, required)
+            if value is None:
+                return default
+            try:
+                return int(value)
+            except ValueError:
+                raise HeaderError(f"the send header field {name}={value!r} is not an integer") from None
+
+        def flag_(name):
+            value = text(name)
+            return value is not None and value.strip().lower() in ("true", "1")
+
+        return cls(
+            producer_group=text("producerGroup", True),
+            topic=text("topic", True),
+            default_topic=text("defaultTopic", default="TBW102"),
+            default_topic_queue_nums=number("defaultTopicQueueNums", default=4),
+            queue_id=number("queueId", True),
+            sys_flag=number("sysFlag", True),
+            born_timestamp=number("bornTimestamp", True),
+            flag=number("flag", True),
+            properties=text("properties", default=""),
+            reconsume_times=number("reconsumeTimes"),
+            unit_mode=flag_("unitMode"),
+            max_reconsume_times=number("maxReconsumeTimes", default=None),
+            batch=flag_("batch"),
+            bname=text("bname"),
+        )
+
+    def to_ext_fields(self, v2: bool = True) -> dict[str, str]:
+        fields = {
+            "producerGroup": self.producer_group, "topic": self.topic, "defaultTopic": self.default_topic,
+            "defaultTopicQueueNums": str(self.default_topic_queue_nums), "queueId": str(self.queue_id),
+            "sysFlag": str(self.sys_flag), "bornTimestamp": str(self.born_timestamp), "flag": str(self.flag),
+            "properties": self.properties, "reconsumeTimes": str(self.reconsume_times),
+            "unitMode": "true" if self.unit_mode else "false", "batch": "true" if self.batch else "false",
+        }
+        if self.max_reconsume_times is not None:
+            fields["maxReconsumeTimes"] = str(self.max_reconsume_times)
+        if self.bname:
+            fields["bname"] = self.bname
+        if v2:
+            return {_V1_TO_V2[k]: v for k, v in fields.items()}
+        return fields
+
+
+# The response codes a store outcome maps to (spec 3.4 step 10); here so clients share them.
+STORED_NOT_OK_CODES = (ResponseCode.FLUSH_DISK_TIMEOUT, ResponseCode.SLAVE_NOT_AVAILABLE,
+                       ResponseCode.FLUSH_SLAVE_TIMEOUT)
