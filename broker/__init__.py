@@ -1,0 +1,1 @@
+"""The txmq broker: name-server and broker roles, the store, transactions, metrics."""

@@ -1,0 +1,97 @@
+"""``python -m broker admin``: inspect and resolve in-doubt transactions on a running broker.
+
+    python -m broker admin list [--group G] [--json]
+    python -m broker admin commit OFFSET | rollback OFFSET | resume OFFSET
+    python -m broker admin apply-expiry PLAN.json
+
+OFFSET is the half message's commit-log offset (the ``commit_log_offset``
+column of ``list``). Every action is logged by the broker with the caller's
+address. The broker address comes from --broker or BROKER_ADMIN_ADDR
+(default 127.0.0.1:10911).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.errors import BrokerError
+
+
+async def _call(addr: str, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(cmd, timeout)
+    finally:
+        conn.close()
+
+
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return "no undecided transactions"
+    cols = ["commit_log_offset", "group", "topic", "age_ms", "checks", "owner", "last_answer", "uniq_key"]
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    lines = ["  ".join(c.upper().ljust(widths[c]) for c in cols)]
+    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m broker admin", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--broker", default=os.environ.get("BROKER_ADMIN_ADDR", "127.0.0.1:10911"))
+    parser.add_argument("--timeout", type=float, default=10.0)
+    sub = parser.add_subparsers(dest="action", required=True)
+    ls = sub.add_parser("list", help="undecided transactions, oldest first")
+    ls.add_argument("--group")
+    ls.add_argument("--limit", type=int, default=1000)
+    ls.add_argument("--json", action="store_true")
+    for name in ("commit", "rollback", "resume"):
+        p = sub.add_parser(name, help=f"{name} the transaction whose half is at OFFSET")
+        p.add_argument("offset", type=int)
+    ap = sub.add_parser("apply-expiry", help="apply an expiry plan made by `python -m ops.spark expiry`")
+    ap.add_argument("plan")
+    args = parser.parse_args(argv)
+
+    if args.action == "list":
+        cmd = RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": args.group, "limit": args.limit})
+    elif args.action in ("commit", "rollback"):
+        cmd = RemotingCommand.request(RequestCode.TXMQ_RESOLVE_TRANSACTION,
+                                      {"commitLogOffset": args.offset, "decision": args.action})
+    elif args.action == "resume":
+        cmd = RemotingCommand.request(RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": args.offset})
+    else:
+        try:
+            with open(args.plan, "rb") as fh:
+                body = fh.read()
+            json.loads(body)
+        except (OSError, ValueError) as exc:
+            print(f"cannot read plan {args.plan}: {exc}", file=sys.stderr)
+            return 2
+        cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=body)
+    try:
+        resp = asyncio.run(_call(args.broker, cmd, args.timeout))
+    except (BrokerError, OSError) as exc:
+        print(f"broker {args.broker}: {exc}", file=sys.stderr)
+        return 1
+    if resp.code != ResponseCode.SUCCESS:
+        print(f"refused ({resp.code}): {resp.remark}", file=sys.stderr)
+        return 1
+    if args.action == "list":
+        data = json.loads(resp.body_bytes())
+        if args.json:
+            print(json.dumps(data, indent=1))
+        else:
+            print(_table(data["pending"]))
+            print(f"{data['total']} undecided, {data['dead_lettered']} dead-lettered")
+    elif args.action == "apply-expiry":
+        print(json.dumps(json.loads(resp.body_bytes()), indent=1))
+    else:
+        print(resp.remark or "done")
+    return 0

@@ -1,0 +1,88 @@
+"""``python -m broker``: flags and BROKER_* environment variables generated from BrokerConfig.
+
+Precedence: command line, then environment, then the field's default.
+``python -m broker admin ...`` runs the administration client instead.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Sequence
+
+from protocol.errors import ConfigError
+
+from .config import BrokerConfig
+
+ENV_PREFIX = "BROKER_"
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{text!r} is not a boolean")
+
+
+def _converter(kind):
+    if kind in (bool, "bool"):
+        return _parse_bool
+    if kind in (int, "int"):
+        return int
+    if kind in (float, "float"):
+        return float
+    return str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m broker",
+        description="txmq broker: RocketMQ 4.x-compatible transactional message broker. "
+                    "Every flag can also be set as the environment variable BROKER_<NAME>.",
+    )
+    for f in dataclasses.fields(BrokerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if not isinstance(f.type, str) else f.type
+        help_text = f"{f.metadata['doc']} [env {ENV_PREFIX}{f.name.upper()}]".replace("%", "%%")
+        if kind in (bool, "bool"):
+            parser.add_argument(flag, dest=f.name, type=_parse_bool, nargs="?", const=True, default=None,
+                                metavar="BOOL", help=help_text + f" (default: {f.default})")
+        else:
+            parser.add_argument(flag, dest=f.name, type=_converter(kind), default=None,
+                                choices=f.metadata.get("choices"), help=help_text + f" (default: {f.default})")
+    return parser
+
+
+def config_from(argv: Sequence[str] | None = None, environ: dict | None = None) -> BrokerConfig:
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values = {}
+    for f in dataclasses.fields(BrokerConfig):
+        cli_value = getattr(args, f.name)
+        if cli_value is not None:
+            values[f.name] = cli_value
+            continue
+        env_value = environ.get(ENV_PREFIX + f.name.upper())
+        if env_value is not None:
+            try:
+                values[f.name] = _converter(f.type)(env_value)
+            except ValueError as exc:
+                raise ConfigError(f"{ENV_PREFIX}{f.name.upper()}={env_value!r}: {exc}") from None
+    return BrokerConfig(**values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "admin":
+        from .admin import main as admin_main
+        return admin_main(argv[1:])
+    try:
+        config = config_from(argv)
+    except ConfigError as exc:
+        print(f"txmq-broker: {exc}", file=sys.stderr)
+        return 2
+    from .server import run
+    return run(config)

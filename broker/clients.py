@@ -1,0 +1,216 @@
+"""Who is connected: producer and consumer groups, subscriptions, liveness (RocketMQ's client managers).
+
+A channel is one client connection in one group. Channels come from
+HEART_BEAT, and, unlike RocketMQ, also from a transactional send: a producer
+that has sent a half message can be asked about it even before its first
+heartbeat (ali-ons sends none for 30 s). A closed connection leaves every
+group at once; a silent one after ``channel_expire_ms``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.errors import HeaderError
+from protocol.message import java_string_hash
+
+log = logging.getLogger("txmq.clients")
+
+
+@dataclass
+class Channel:
+    conn: object                     # protocol.connection.RemotingConnection
+    client_id: str
+    language: int = 0
+    version: int = 0
+    last_seen_ms: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return getattr(self.conn, "is_open", False)
+
+
+@dataclass
+class Subscription:
+    topic: str
+    sub_string: str = "*"
+    tags: frozenset = frozenset()
+    codes: frozenset = frozenset()
+    sub_version: int = 0
+    expression_type: str = "TAG"
+
+    @property
+    def matches_all(self) -> bool:
+        return self.sub_string in ("", "*") or not self.codes
+
+    def tag_filter(self):
+        """A predicate on consume-queue tag codes, or None for everything."""
+        if self.matches_all:
+            return None
+        codes = self.codes
+        return lambda code: code in codes
+
+
+def build_subscription(topic: str, expression: str | None, sub_version: int = 0) -> Subscription:
+    """A TAG subscription from an expression like 'TagA || TagB' (FilterAPI.buildSubscriptionData)."""
+    if expression is None or expression.strip() in ("", "*"):
+        return Subscription(topic, "*", sub_version=sub_version)
+    tags = frozenset(t.strip() for t in expression.split("||") if t.strip())
+    return Subscription(topic, expression, tags, frozenset(java_string_hash(t) for t in tags), sub_version)
+
+
+@dataclass
+class ConsumerGroup:
+    name: str
+    channels: dict = field(default_factory=dict)        # conn -> Channel
+    subscriptions: dict = field(default_factory=dict)   # topic -> Subscription
+    consume_type: str = "CONSUME_PASSIVELY"
+    message_model: str = "CLUSTERING"
+    consume_from_where: str = "CONSUME_FROM_LAST_OFFSET"
+
+
+class ClientRegistry:
+    def __init__(self, clock):
+        self.clock = clock
+        self.producers: dict[str, dict] = {}      # group -> {conn: Channel}
+        self.consumers: dict[str, ConsumerGroup] = {}
+        self.on_new_retry_group = None            # callback(group) -> creates %RETRY%group
+
+    # ------------------------------------------------------------ heartbeat
+    def heartbeat(self, conn, cmd: RemotingCommand) -> list[str]:
+        """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed."""
+        try:
+            data = json.loads(cmd.body_bytes() or b"{}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HeaderError(f"heartbeat body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise HeaderError("heartbeat body is not a JSON object")
+        client_id = str(data.get("clientID") or f"{conn.peer[0]}@{conn.peer[1]}")
+        now = self.clock()
+        changed = []
+        for producer in data.get("producerDataSet") or []:
+            group = producer.get("groupName") if isinstance(producer, dict) else None
+            if group:
+                self.add_producer(group, conn, client_id, cmd.language, cmd.version, now)
+        for consumer in data.get("consumerDataSet") or []:
+            if not isinstance(consumer, dict) or not consumer.get("groupName"):
+                continue
+            if self._register_consumer(conn, client_id, cmd, consumer, now):
+                changed.append(consumer["groupName"])
+        conn.attributes["client_id"] = client_id
+        return changed
+
+    def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
+                     now: int | None = None) -> None:
+        channels = self.producers.setdefault(group, {})
+        ch = channels.get(conn)
+        if ch is None:
+            channels[conn] = Channel(conn, client_id, language, version, now or self.clock())
+        else:
+            ch.last_seen_ms = now or self.clock()
+            ch.client_id = client_id
+
+    def _register_consumer(self, conn, client_id, cmd, data: dict, now: int) -> bool:
+        name = data["groupName"]
+        group = self.consumers.get(name)
+        if group is None:
+            group = self.consumers[name] = ConsumerGroup(name)
+            if self.on_new_retry_group is not None:
+                self.on_new_retry_group(name)
+        group.consume_type = data.get("consumeType") or group.consume_type
+        group.message_model = data.get("messageModel") or group.message_model
+        group.consume_from_where = data.get("consumeFromWhere") or group.consume_from_where
+        changed = False
+        ch = group.channels.get(conn)
+        if ch is None:
+            group.channels[conn] = Channel(conn, client_id, cmd.language, cmd.version, now)
+            changed = True
+        else:
+            ch.last_seen_ms = now
+        topics = set()
+        for sub in data.get("subscriptionDataSet") or []:
+            if not isinstance(sub, dict) or not sub.get("topic"):
+                continue
+            topic = sub["topic"]
+            topics.add(topic)
+            version = int(sub.get("subVersion") or 0)
+            old = group.subscriptions.get(topic)
+            if old is None:
+                changed = True
+            elif old.sub_version > version:
+                continue
+            codes = sub.get("codeSet") or []
+            tags = sub.get("tagsSet") or []
+            if codes or tags:
+                group.subscriptions[topic] = Subscription(
+                    topic, sub.get("subString") or "*", frozenset(tags),
+                    frozenset(int(c) for c in codes) or frozenset(java_string_hash(t) for t in tags), version,
+                    sub.get("expressionType") or "TAG")
+            else:
+                group.subscriptions[topic] = build_subscription(topic, sub.get("subString"), version)
+        for topic in list(group.subscriptions):
+            if topic not in topics and topics:
+                del group.subscriptions[topic]
+                changed = True
+        return changed
+
+    # ----------------------------------------------------------- departures
+    def unregister(self, conn, producer_group: str | None, consumer_group: str | None) -> list[str]:
+        changed = []
+        if producer_group:
+            self.producers.get(producer_group, {}).pop(conn, None)
+        if consumer_group:
+            group = self.consumers.get(consumer_group)
+            if group is not None and group.channels.pop(conn, None) is not None:
+                changed.append(consumer_group)
+        return changed
+
+    def connection_closed(self, conn) -> list[str]:
+        for channels in self.producers.values():
+            channels.pop(conn, None)
+        changed = []
+        for group in self.consumers.values():
+            if group.channels.pop(conn, None) is not None:
+                changed.append(group.name)
+        return changed
+
+    def expire(self, max_idle_ms: int) -> list[str]:
+        cutoff = self.clock() - max_idle_ms
+        changed = []
+        for channels in self.producers.values():
+            for conn in [c for c, ch in channels.items() if ch.last_seen_ms < cutoff or not ch.alive]:
+                del channels[conn]
+        for group in self.consumers.values():
+            stale = [c for c, ch in group.channels.items() if ch.last_seen_ms < cutoff or not ch.alive]
+            for conn in stale:
+                del group.channels[conn]
+            if stale:
+                changed.append(group.name)
+        return changed
+
+    # -------------------------------------------------------------- queries
+    def producer_channels(self, group: str) -> list[Channel]:
+        return [ch for ch in self.producers.get(group, {}).values() if ch.alive]
+
+    def consumer_ids(self, group: str) -> list[str]:
+        g = self.consumers.get(group)
+        return [] if g is None else sorted({ch.client_id for ch in g.channels.values() if ch.alive})
+
+    def subscription(self, group: str, topic: str) -> Subscription | None:
+        g = self.consumers.get(group)
+        return None if g is None else g.subscriptions.get(topic)
+
+    def notify_ids_changed(self, group: str) -> None:
+        g = self.consumers.get(group)
+        if g is None:
+            return
+        for ch in list(g.channels.values()):
+            if ch.alive:
+                try:
+                    ch.conn.oneway(RemotingCommand.request(RequestCode.NOTIFY_CONSUMER_IDS_CHANGED,
+                                                           {"consumerGroup": group}))
+                except Exception:  # noqa: BLE001 - a dying channel must not stop the others
+                    log.debug("could not notify %s", ch.client_id)

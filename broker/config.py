@@ -1,0 +1,84 @@
+"""BrokerConfig: every broker setting in one frozen dataclass.
+
+Each field documents its default and why. The command line (``--store-dir``)
+and the environment (``BROKER_STORE_DIR``) are generated from these fields by
+broker/cli.py, so a new setting is one line here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from protocol.errors import ConfigError
+
+
+def setting(default, doc: str, *, choices: tuple | None = None):
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    # ---- network
+    host: str = setting("127.0.0.1", "Address the three listeners bind to. Loopback by default: a fresh broker is not exposed.")
+    port: int = setting(10911, "Broker port (RocketMQ's default). 0 picks a free port.")
+    namesrv_port: int = setting(9876, "Name-server port (RocketMQ's default). 0 picks a free port.")
+    metrics_port: int = setting(5557, "Prometheus /metrics HTTP port. 0 picks a free port; -1 disables it.")
+    advertised_host: str = setting("", "Address clients are told to use (routes, message ids). Empty: the bind host, or 127.0.0.1 when binding all interfaces.")
+    # ---- identity
+    broker_name: str = setting("broker-a", "Broker name in routes.")
+    cluster_name: str = setting("DefaultCluster", "Cluster name in routes and the CLUSTER property (RocketMQ's default).")
+    region_id: str = setting("DefaultRegion", "MSG_REGION in send responses; the Java client reads it unconditionally.")
+    # ---- store
+    store_dir: str = setting("./txmq-store", "Store directory, created when missing.")
+    flush: str = setting("sync", "sync: acknowledge a send after it is on disk (group commit); async: flush every flush_interval_ms.", choices=("sync", "async"))
+    flush_interval_ms: int = setting(500, "Async flush period.")
+    segment_size: int = setting(1 << 30, "Commit-log segment size in bytes (RocketMQ's 1 GiB).")
+    max_message_size: int = setting(4 * 1024 * 1024, "Largest message body accepted (RocketMQ's 4 MiB); larger gets MESSAGE_ILLEGAL.")
+    truncate_corrupt_tail: bool = setting(False, "Start even when the log is corrupt mid-way, truncating from the damage (the data after it is lost). Off: refuse to start and say where.")
+    # ---- limits
+    max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB); larger closes the connection.")
+    max_connections: int = setting(10000, "Connections accepted at once per listener; more are closed on accept.")
+    max_in_flight: int = setting(256, "Requests one connection may have in progress; past it the broker stops reading that connection.")
+    max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
+    # ---- topics and consumers
+    auto_create_topic: bool = setting(True, "Create unknown topics on first send from TBW102 (RocketMQ's default).")
+    default_topic_queue_nums: int = setting(8, "Queues of TBW102, the auto-create template (RocketMQ's default).")
+    long_polling: bool = setting(True, "Hold pulls that find nothing until a message arrives or the client's suspend time ends.")
+    short_polling_ms: int = setting(1000, "Hold time when long polling is off.")
+    max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")
+    channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s).")
+    max_reconsume_times: int = setting(16, "Retries before a failed message goes to %DLQ%<group> (RocketMQ's 16).")
+    # ---- transactions
+    transaction_check_interval_ms: int = setting(60000, "How often undecided transactions are checked (RocketMQ's transactionCheckInterval).")
+    transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message.")
+    transaction_check_max: int = setting(15, "Checks before an undecided transaction goes to TRANS_CHECK_MAX_TIME_TOPIC.")
+    transaction_retention_hours: float = setting(72.0, "Undecided half messages older than this are expired to the dead-letter topic.")
+    # ---- operations
+    metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
+    log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
+        for name in ("port", "namesrv_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name}={getattr(self, name)} is not a port number")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port} is not a port number (-1 disables metrics)")
+        for name in ("segment_size", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
+                     "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max",
+                     "default_topic_queue_nums"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if self.transaction_timeout_ms < 0:
+            raise ConfigError("transaction_timeout_ms must not be negative")
+        if self.max_message_size + 4096 > self.segment_size:
+            raise ConfigError(f"segment_size={self.segment_size} cannot hold a max_message_size={self.max_message_size} record")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertised_host:
+            return self.advertised_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host

@@ -1,0 +1,37 @@
+"""BrokerContext: what every processor needs, built once by the server."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocol.message import UniqIdGenerator, pack_host
+
+from .clients import ClientRegistry
+from .config import BrokerConfig
+from .metrics import BrokerMetrics
+from .topics import TopicManager
+
+
+def wall_clock_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class BrokerContext:
+    config: BrokerConfig
+    store: object                    # broker.store.MessageStore
+    offsets: object                  # broker.store.ConsumerOffsets
+    topics: TopicManager
+    clients: ClientRegistry
+    metrics: BrokerMetrics
+    broker_addr: str = ""            # host:port clients reach the broker at
+    store_host: bytes = b""          # packed host of broker_addr, in every stored record
+    clock: object = wall_clock_ms
+    holds: object = None             # broker.longpoll.PullHoldService
+    tx: object = None                # broker.transaction.TransactionService
+    uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
+
+    def set_address(self, host: str, port: int) -> None:
+        self.broker_addr = f"{host}:{port}"
+        self.store_host = pack_host(host, port)
+        self.uniq_ids = UniqIdGenerator(host)

@@ -1,0 +1,54 @@
+"""Parked pulls (RocketMQ's PullRequestHoldService), woken by the store's dispatch, not by polling.
+
+A pull that finds nothing new and may be suspended waits here under
+(topic, queue id) until a message lands in that queue at or past the offset it
+asked for, or its hold time ends. The store calls ``on_dispatch`` for every
+stored record, after it is readable.
+"""
+from __future__ import annotations
+
+import asyncio
+
+
+class PullHoldService:
+    def __init__(self):
+        self._waiters: dict[tuple[str, int], list[tuple[int, asyncio.Future]]] = {}
+
+    @property
+    def parked(self) -> int:
+        return sum(len(w) for w in self._waiters.values())
+
+    async def wait(self, topic: str, queue_id: int, offset: int, timeout_s: float) -> bool:
+        """True if a message at or past ``offset`` arrived within ``timeout_s``."""
+        fut = asyncio.get_running_loop().create_future()
+        key = (topic, queue_id)
+        entry = (offset, fut)
+        self._waiters.setdefault(key, []).append(entry)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            waiters = self._waiters.get(key)
+            if waiters is not None:
+                try:
+                    waiters.remove(entry)
+                except ValueError:
+                    pass
+                if not waiters:
+                    del self._waiters[key]
+
+    def on_dispatch(self, info) -> None:
+        waiters = self._waiters.get((info.topic, info.queue_id))
+        if not waiters:
+            return
+        for offset, fut in waiters:
+            if info.queue_offset >= offset and not fut.done():
+                fut.set_result(None)
+
+    def wake_all(self) -> None:
+        for waiters in self._waiters.values():
+            for _, fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)

@@ -1,0 +1,137 @@
+"""Prometheus metrics on a per-broker registry, and the minute snapshots the Spark rollups read.
+
+Names follow RocketMQ 5's metrics where one exists (``rocketmq_messages_in_total``,
+``rocketmq_rpc_latency``, ``rocketmq_half_messages``, ...); txmq-only ones start
+with ``txmq_``. A per-broker registry (not the global one) lets tests run
+several brokers in one process.
+
+Snapshots: every ``metrics_snapshot_interval_s`` one JSON line is appended to
+<store>/metrics/<UTC date>.jsonl:
+``{"ts": ms, "connections": n, "consumer_lag": [{"group", "topic", "queue_id", "lag"}],
+"requests": {"SEND_MESSAGE_V2": {"count": n, "p50_ms": x, "p99_ms": y}}}``
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from protocol.codes import request_name
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
+_RESERVOIR = 4096
+
+
+class BrokerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.messages_in = Counter("rocketmq_messages_in", "Messages stored, by topic.", ["topic"], registry=r)
+        self.bytes_in = Counter("rocketmq_throughput_in", "Message body bytes stored, by topic.", ["topic"],
+                                registry=r)
+        self.messages_out = Counter("rocketmq_messages_out", "Messages delivered by pulls.",
+                                    ["topic", "consumer_group"], registry=r)
+        self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
+                                 ["topic", "consumer_group"], registry=r)
+        self.rpc_latency = Histogram("rocketmq_rpc_latency", "Request handling time in seconds.",
+                                     ["request_code", "response_code"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.append_latency = Histogram("txmq_store_append_latency_seconds",
+                                        "From a put entering the writer queue to its acknowledgement.",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.flush_latency = Histogram("txmq_store_flush_latency_seconds", "Duration of one commit-log flush.",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.connections = Gauge("txmq_open_connections", "Open client connections.", ["listener"], registry=r)
+        self.rejected_frames = Counter("txmq_rejected_frames", "Connections closed for malformed input.",
+                                       registry=r)
+        # transactions
+        self.half_messages = Gauge("rocketmq_half_messages", "Undecided half messages.", registry=r)
+        self.half_in = Counter("txmq_half_messages", "Half messages stored, by producer group.",
+                               ["producer_group"], registry=r)
+        self.commits = Counter("rocketmq_commit_messages", "Transactions committed, by producer group.",
+                               ["producer_group"], registry=r)
+        self.rollbacks = Counter("rocketmq_rollback_messages", "Transactions rolled back, by producer group.",
+                                 ["producer_group"], registry=r)
+        self.unknowns = Counter("txmq_unknown_decisions", "END_TRANSACTION with UNKNOWN, by producer group.",
+                                ["producer_group"], registry=r)
+        self.conflicts = Counter("txmq_conflicting_decisions",
+                                 "Decisions refused because another was recorded first.", ["producer_group"],
+                                 registry=r)
+        self.duplicates = Counter("txmq_duplicate_decisions", "Repeated identical decisions acknowledged.",
+                                  ["producer_group"], registry=r)
+        self.checks_sent = Counter("txmq_transaction_checks", "CHECK_TRANSACTION_STATE sent.", ["producer_group"],
+                                   registry=r)
+        self.check_answers = Counter("txmq_transaction_check_answers", "Answers to checks, by result.",
+                                     ["producer_group", "result"], registry=r)
+        self.checks_skipped = Counter("txmq_transaction_checks_deferred",
+                                      "Checks not sent because no producer of the group was connected.",
+                                      ["producer_group"], registry=r)
+        self.dead_letters = Counter("txmq_transaction_dead_letters", "Transactions dead-lettered, by reason.",
+                                    ["producer_group", "reason"], registry=r)
+        self.finish_latency = Histogram("rocketmq_finish_message_latency",
+                                        "Seconds from half message to decision.", ["producer_group"],
+                                        buckets=_DECISION_BUCKETS, registry=r)
+        self._samples: dict[str, list[float]] = {}
+        self._counts: dict[str, int] = {}
+
+    # --------------------------------------------------------------- helpers
+    def observe_request(self, code: int, response_code: int, seconds: float) -> None:
+        name = request_name(code)
+        self.rpc_latency.labels(name, str(response_code)).observe(seconds)
+        n = self._counts.get(name, 0) + 1
+        self._counts[name] = n
+        samples = self._samples.setdefault(name, [])
+        if len(samples) < _RESERVOIR:
+            samples.append(seconds)
+        else:
+            j = random.randrange(n)
+            if j < _RESERVOIR:
+                samples[j] = seconds
+
+    def add_gauge_collector(self, name: str, doc: str, labels: list[str], fn) -> None:
+        """A gauge computed at scrape time: fn() yields (label values, value)."""
+
+        class _Collector:
+            def collect(self_inner):
+                family = GaugeMetricFamily(name, doc, labels=labels)
+                for label_values, value in fn():
+                    family.add_metric(list(label_values), value)
+                yield family
+
+            def describe(self_inner):
+                return [GaugeMetricFamily(name, doc, labels=labels)]
+
+        self.registry.register(_Collector())
+
+    # ------------------------------------------------------------- snapshots
+    def snapshot(self, connections: int, lag: list[dict]) -> dict:
+        requests = {}
+        for name, samples in self._samples.items():
+            ordered = sorted(samples)
+            requests[name] = {"count": self._counts.get(name, 0),
+                              "p50_ms": round(_quantile(ordered, 0.50) * 1000, 3),
+                              "p99_ms": round(_quantile(ordered, 0.99) * 1000, 3)}
+        self._samples = {}
+        self._counts = {}
+        return {"ts": int(time.time() * 1000), "connections": connections, "consumer_lag": lag,
+                "requests": requests}
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def append_snapshot(store_dir: str, snapshot: dict) -> str:
+    """Append one snapshot line under <store>/metrics/<UTC date>.jsonl; returns the path."""
+    folder = os.path.join(store_dir, "metrics")
+    os.makedirs(folder, exist_ok=True)
+    day = time.strftime("%Y-%m-%d", time.gmtime(snapshot["ts"] / 1000))
+    path = os.path.join(folder, f"{day}.jsonl")
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(snapshot, separators=(",", ":")) + "\n")
+    return path

@@ -1,0 +1,49 @@
+"""Request processors: one module a request family, each handler ``(ctx, conn, cmd)``.
+
+A handler returns a RemotingCommand, None (nothing to send), or an awaitable of
+either. ``broker_table`` and ``namesrv_table`` map request codes to handlers;
+codes without one are answered REQUEST_CODE_NOT_SUPPORTED, as RocketMQ's admin
+processor does.
+"""
+from __future__ import annotations
+
+from protocol.codes import RequestCode as R
+
+from . import admin, client, namesrv, offsets, pull, send, transaction
+
+
+def broker_table() -> dict:
+    return {
+        R.SEND_MESSAGE: send.handle_send, R.SEND_MESSAGE_V2: send.handle_send,
+        R.SEND_BATCH_MESSAGE: send.handle_batch, R.CONSUMER_SEND_MSG_BACK: send.handle_send_back,
+        R.PULL_MESSAGE: pull.handle_pull,
+        R.QUERY_CONSUMER_OFFSET: offsets.query_consumer_offset,
+        R.UPDATE_CONSUMER_OFFSET: offsets.update_consumer_offset,
+        R.GET_MAX_OFFSET: offsets.get_max_offset, R.GET_MIN_OFFSET: offsets.get_min_offset,
+        R.SEARCH_OFFSET_BY_TIMESTAMP: offsets.search_offset_by_timestamp,
+        R.GET_EARLIEST_MSG_STORETIME: offsets.get_earliest_msg_storetime,
+        R.HEART_BEAT: client.heart_beat, R.UNREGISTER_CLIENT: client.unregister_client,
+        R.GET_CONSUMER_LIST_BY_GROUP: client.get_consumer_list_by_group,
+        R.CHECK_CLIENT_CONFIG: client.check_client_config,
+        R.LOCK_BATCH_MQ: client.lock_batch_mq, R.UNLOCK_BATCH_MQ: client.unlock_batch_mq,
+        R.UPDATE_AND_CREATE_TOPIC: admin.update_and_create_topic,
+        R.VIEW_MESSAGE_BY_ID: admin.view_message_by_id,
+        R.GET_ALL_TOPIC_CONFIG: admin.get_all_topic_config,
+        R.END_TRANSACTION: transaction.end_transaction,
+        R.TXMQ_LIST_TRANSACTIONS: transaction.list_transactions,
+        R.TXMQ_RESOLVE_TRANSACTION: transaction.resolve_transaction,
+        R.TXMQ_RESUME_TRANSACTION: transaction.resume_transaction,
+        R.TXMQ_APPLY_EXPIRY: transaction.apply_expiry,
+        # Stock clients ask the broker for routes too when it is their only address.
+        R.GET_ROUTEINFO_BY_TOPIC: namesrv.get_route_info,
+        R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,
+    }
+
+
+def namesrv_table() -> dict:
+    return {
+        R.GET_ROUTEINFO_BY_TOPIC: namesrv.get_route_info,
+        R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,
+        R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: namesrv.get_all_topic_list,
+        R.REGISTER_BROKER: namesrv.register_broker,
+    }

@@ -1,0 +1,43 @@
+"""Topic administration and message lookup: UPDATE_AND_CREATE_TOPIC (17), VIEW_MESSAGE_BY_ID (33),
+GET_ALL_TOPIC_CONFIG (21)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from protocol.codes import Perm, ResponseCode
+from protocol.message import validate_topic
+
+from ..topics import TopicConfig, is_system_topic
+
+
+def update_and_create_topic(ctx, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    why = validate_topic(topic)
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+    if is_system_topic(topic):
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
+    read = cmd.int_field("readQueueNums", 16)
+    write = cmd.int_field("writeQueueNums", 16)
+    if not (0 < read <= 1024 and 0 < write <= 1024):
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"queue numbers must be 1..1024, got read={read} write={write}")
+    ctx.topics.create(TopicConfig(topic, read, write, cmd.int_field("perm", Perm.READ_WRITE),
+                                  cmd.str_field("topicFilterType", "SINGLE_TAG"), cmd.int_field("topicSysFlag", 0),
+                                  cmd.bool_field("order")))
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def view_message_by_id(ctx, conn, cmd):
+    offset = cmd.int_field("offset", required=True)
+    view = ctx.store.get_record(offset)
+    if view is None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"can not find message by the offset, {offset}")
+    return cmd.response(ResponseCode.SUCCESS, body=[view])
+
+
+def get_all_topic_config(ctx, conn, cmd):
+    table = {name: {"topicName": tc.name, "readQueueNums": tc.read_queue_nums, "writeQueueNums": tc.write_queue_nums,
+                    "perm": tc.perm, "topicFilterType": tc.filter_type, "topicSysFlag": tc.sys_flag,
+                    "order": tc.order} for name, tc in ctx.topics.topics.items()}
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"topicConfigTable": table}).encode())

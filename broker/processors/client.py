@@ -1,0 +1,75 @@
+"""Client management: HEART_BEAT (34), UNREGISTER_CLIENT (35), GET_CONSUMER_LIST_BY_GROUP (38),
+CHECK_CLIENT_CONFIG (46), LOCK_BATCH_MQ (41), UNLOCK_BATCH_MQ (42)."""
+from __future__ import annotations
+
+import json
+
+from protocol.codes import ResponseCode
+from protocol.errors import HeaderError
+
+LOCK_TTL_MS = 60000   # RocketMQ's rocketmq.broker.rebalance.lockMaxLiveTime
+
+
+def heart_beat(ctx, conn, cmd):
+    changed = ctx.clients.heartbeat(conn, cmd)
+    for group in changed:
+        ctx.clients.notify_ids_changed(group)
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def unregister_client(ctx, conn, cmd):
+    changed = ctx.clients.unregister(conn, cmd.str_field("producerGroup"), cmd.str_field("consumerGroup"))
+    for group in changed:
+        ctx.clients.notify_ids_changed(group)
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def get_consumer_list_by_group(ctx, conn, cmd):
+    group = cmd.str_field("consumerGroup", required=True)
+    ids = ctx.clients.consumer_ids(group)
+    if not ids:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"no consumer for this group, {group}")
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"consumerIdList": ids}).encode())
+
+
+def check_client_config(ctx, conn, cmd):
+    try:
+        data = json.loads(cmd.body_bytes() or b"{}")
+        expression_type = (data.get("subscriptionData") or {}).get("expressionType") or "TAG"
+    except (ValueError, AttributeError):
+        raise HeaderError("CHECK_CLIENT_CONFIG body is not a JSON object") from None
+    if expression_type != "TAG":
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"The broker does not support consumer to filter message by {expression_type}")
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def _lock_body(cmd):
+    try:
+        data = json.loads(cmd.body_bytes())
+        return data["consumerGroup"], data["clientId"], data.get("mqSet") or []
+    except (ValueError, KeyError, TypeError):
+        raise HeaderError("lock body must be {consumerGroup, clientId, mqSet}") from None
+
+
+def lock_batch_mq(ctx, conn, cmd):
+    group, client_id, mqs = _lock_body(cmd)
+    locks = ctx.clients.__dict__.setdefault("locks", {})
+    now = ctx.clock()
+    granted = []
+    for mq in mqs:
+        key = (group, mq.get("topic"), mq.get("brokerName"), mq.get("queueId"))
+        holder = locks.get(key)
+        if holder is None or holder[0] == client_id or now - holder[1] > LOCK_TTL_MS:
+            locks[key] = (client_id, now)
+            granted.append(mq)
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"lockOKMQSet": granted}).encode())
+
+
+def unlock_batch_mq(ctx, conn, cmd):
+    group, client_id, mqs = _lock_body(cmd)
+    locks = ctx.clients.__dict__.setdefault("locks", {})
+    for mq in mqs:
+        key = (group, mq.get("topic"), mq.get("brokerName"), mq.get("queueId"))
+        if locks.get(key, (None,))[0] == client_id:
+            del locks[key]
+    return cmd.response(ResponseCode.SUCCESS)

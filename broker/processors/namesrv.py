@@ -1,0 +1,45 @@
+"""Name-server role: routes for topics this broker serves (spec 3.1, 3.19).
+
+txmq is its own name server: every route points at this broker, id 0 (master).
+"""
+from __future__ import annotations
+
+import json
+
+from protocol.codes import ResponseCode
+from protocol.message import validate_topic
+from protocol.route import BrokerData, QueueData, TopicRouteData, encode_cluster_info, encode_route, strict_json_for
+
+from ..topics import RETRY_PREFIX
+
+
+def _broker_data(ctx) -> BrokerData:
+    return BrokerData(ctx.config.cluster_name, ctx.config.broker_name, {0: ctx.broker_addr})
+
+
+def get_route_info(ctx, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    tc = ctx.topics.get(topic)
+    if tc is None and topic.startswith(RETRY_PREFIX) and validate_topic(topic) is None:
+        tc = ctx.topics.ensure(topic)
+    if tc is None:
+        return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
+                            f"No topic route info in name server for the topic: {topic}")
+    route = TopicRouteData([QueueData(ctx.config.broker_name, tc.read_queue_nums, tc.write_queue_nums, tc.perm,
+                                      tc.sys_flag)], [_broker_data(ctx)])
+    strict = strict_json_for(cmd.version, cmd.bool_field("acceptStandardJsonOnly"))
+    return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=strict))
+
+
+def get_broker_cluster_info(ctx, conn, cmd):
+    return cmd.response(ResponseCode.SUCCESS, body=encode_cluster_info([_broker_data(ctx)],
+                                                                        strict=strict_json_for(cmd.version)))
+
+
+def get_all_topic_list(ctx, conn, cmd):
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"topicList": sorted(ctx.topics.topics)}).encode())
+
+
+def register_broker(ctx, conn, cmd):
+    # Other brokers cannot join a txmq name server: it routes only to its own broker.
+    return cmd.response(ResponseCode.SYSTEM_ERROR, "txmq's name server serves only its own broker")

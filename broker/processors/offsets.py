@@ -1,0 +1,52 @@
+"""Consumer offsets and queue bounds: codes 14, 15, 29, 30, 31, 32 (spec 3.8, 3.9, 3.13, 9.2)."""
+from __future__ import annotations
+
+from protocol.codes import ResponseCode
+
+
+def _queue(cmd):
+    return cmd.str_field("topic", required=True), cmd.int_field("queueId", required=True)
+
+
+def query_consumer_offset(ctx, conn, cmd):
+    group = cmd.str_field("consumerGroup", required=True)
+    topic, qid = _queue(cmd)
+    stored = ctx.offsets.get(group, topic, qid)
+    if stored is not None and stored >= 0:
+        return cmd.response(ResponseCode.SUCCESS, None, {"offset": stored})
+    # RocketMQ answers 0 while the queue's first message is still in memory, which on
+    # a broker that has deleted nothing means "start at the beginning" (spec 9.2 rule 2).
+    if ctx.store.min_offset(topic, qid) <= 0:
+        return cmd.response(ResponseCode.SUCCESS, None, {"offset": 0})
+    return cmd.response(ResponseCode.QUERY_NOT_FOUND, "Not found, V3_0_6_SNAPSHOT maybe this group consumer boot first")
+
+
+def update_consumer_offset(ctx, conn, cmd):
+    group = cmd.str_field("consumerGroup", required=True)
+    topic, qid = _queue(cmd)
+    offset = cmd.int_field("commitOffset", required=True)
+    if offset >= 0:
+        ctx.offsets.commit(group, topic, qid, offset)
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def get_max_offset(ctx, conn, cmd):
+    topic, qid = _queue(cmd)
+    return cmd.response(ResponseCode.SUCCESS, None, {"offset": ctx.store.max_offset(topic, qid)})
+
+
+def get_min_offset(ctx, conn, cmd):
+    topic, qid = _queue(cmd)
+    return cmd.response(ResponseCode.SUCCESS, None, {"offset": ctx.store.min_offset(topic, qid)})
+
+
+def search_offset_by_timestamp(ctx, conn, cmd):
+    topic, qid = _queue(cmd)
+    ts = cmd.int_field("timestamp", required=True)
+    return cmd.response(ResponseCode.SUCCESS, None, {"offset": ctx.store.search_offset_by_time(topic, qid, ts)})
+
+
+def get_earliest_msg_storetime(ctx, conn, cmd):
+    topic, qid = _queue(cmd)
+    ts = ctx.store.earliest_store_time(topic, qid)
+    return cmd.response(ResponseCode.SUCCESS, None, {"timestamp": -1 if ts is None else ts})

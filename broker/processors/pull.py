@@ -1,0 +1,79 @@
+"""PULL_MESSAGE (11): consume-queue reads, long polling, offset commit through the pull (spec 3.7).
+
+The response body is the stored records themselves, as memoryview slices of
+the commit log handed to the transport without a copy.
+"""
+from __future__ import annotations
+
+from protocol.codes import Perm, PullSysFlag, ResponseCode
+
+from ..clients import build_subscription
+from ..store import GetStatus
+
+# Store status -> (response code, how nextBeginOffset is chosen) on a master (spec 3.7 table).
+_MAX_BYTES = 256 * 1024
+
+
+def _reply(ctx, cmd, group, topic, got):
+    status = got.status
+    if status is GetStatus.FOUND:
+        code = ResponseCode.SUCCESS
+    elif status in (GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING):
+        code = ResponseCode.PULL_RETRY_IMMEDIATELY
+    elif status in (GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_FOUND_NULL):
+        code = ResponseCode.PULL_NOT_FOUND
+    elif status in (GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE_IN_QUEUE):
+        code = ResponseCode.PULL_OFFSET_MOVED if cmd.int_field("queueOffset", 0) != 0 else ResponseCode.PULL_NOT_FOUND
+    else:  # OFFSET_TOO_SMALL, OFFSET_OVERFLOW_BADLY
+        code = ResponseCode.PULL_OFFSET_MOVED
+    fields = {"suggestWhichBrokerId": 0, "nextBeginOffset": got.next_begin_offset,
+              "minOffset": got.min_offset, "maxOffset": got.max_offset}
+    if code == ResponseCode.SUCCESS:
+        size = sum(len(b) for b in got.buffers)
+        ctx.metrics.messages_out.labels(topic, group).inc(len(got.buffers))
+        ctx.metrics.bytes_out.labels(topic, group).inc(size)
+        return cmd.response(code, status.name, fields, got.buffers)
+    return cmd.response(code, status.name, fields)
+
+
+def handle_pull(ctx, conn, cmd):
+    group = cmd.str_field("consumerGroup", required=True)
+    topic = cmd.str_field("topic", required=True)
+    qid = cmd.int_field("queueId", required=True)
+    offset = cmd.int_field("queueOffset", required=True)
+    max_nums = cmd.int_field("maxMsgNums", 32) or 32
+    sys_flag = cmd.int_field("sysFlag", 0)
+    tc = ctx.topics.get(topic)
+    if tc is None:
+        return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"topic[{topic}] not exist, apply first please!")
+    if not tc.perm & Perm.READ:
+        return cmd.response(ResponseCode.NO_PERMISSION, f"the topic[{topic}] pulling message is forbidden")
+    if qid < 0 or qid >= tc.read_queue_nums:
+        return cmd.response(ResponseCode.SYSTEM_ERROR,
+                            f"queueId[{qid}] is illegal, topic:[{topic}] topicConfig.readQueueNums:[{tc.read_queue_nums}]")
+    if sys_flag & PullSysFlag.SUBSCRIPTION:
+        sub = build_subscription(topic, cmd.str_field("subscription"), cmd.int_field("subVersion", 0))
+    else:
+        sub = ctx.clients.subscription(group, topic)
+        if sub is None:
+            return cmd.response(ResponseCode.SUBSCRIPTION_NOT_EXIST,
+                                f"the consumer's subscription not exist, group: {group}")
+    if sys_flag & PullSysFlag.COMMIT_OFFSET:
+        commit = cmd.int_field("commitOffset", -1)
+        if commit is not None and commit >= 0:
+            ctx.offsets.commit(group, topic, qid, commit)
+    tag_filter = sub.tag_filter()
+    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
+    if got.status in (GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.NO_MESSAGE_IN_QUEUE) and sys_flag & PullSysFlag.SUSPEND \
+            and (got.status is GetStatus.OFFSET_OVERFLOW_ONE or offset == 0):
+        suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
+        hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
+        if hold_ms > 0:
+            return _parked(ctx, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms)
+    return _reply(ctx, cmd, group, topic, got)
+
+
+async def _parked(ctx, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms):
+    await ctx.holds.wait(topic, qid, offset, hold_ms / 1000)
+    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
+    return _reply(ctx, cmd, group, topic, got)

@@ -1,0 +1,65 @@
+"""END_TRANSACTION (37) and txmq's transaction administration (901-904).
+
+END_TRANSACTION arrives oneway from stock clients and is then never answered;
+our clients send it as a request and get the outcome, so a lost END is
+retried instead of waiting for a check.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from protocol.codes import ResponseCode
+from protocol.errors import HeaderError
+
+from ..transaction import DecisionError
+from ..transaction.records import COMMIT, ROLLBACK
+from ..transaction.service import dumps
+
+log = logging.getLogger("txmq.admin")
+
+
+def end_transaction(ctx, conn, cmd):
+    return ctx.tx.end(conn, cmd)
+
+
+def list_transactions(ctx, conn, cmd):
+    rows = ctx.tx.describe(cmd.str_field("group"), cmd.int_field("limit", 1000))
+    return cmd.response(ResponseCode.SUCCESS, body=dumps({"pending": rows, "total": len(ctx.tx.pending),
+                                                          "dead_lettered": len(ctx.tx.dead_letters())}))
+
+
+async def resolve_transaction(ctx, conn, cmd):
+    off = cmd.int_field("commitLogOffset", required=True)
+    decision = (cmd.str_field("decision", required=True) or "").upper()
+    if decision not in (COMMIT, ROLLBACK):
+        raise HeaderError(f"decision={decision!r}: expected commit or rollback")
+    log.warning("admin %s:%s forces %s of the transaction at %d", conn.peer[0], conn.peer[1], decision, off)
+    try:
+        remark = await ctx.tx.decide(off, decision)
+    except DecisionError as exc:
+        return cmd.response(exc.code, exc.remark)
+    return cmd.response(ResponseCode.SUCCESS, remark)
+
+
+async def resume_transaction(ctx, conn, cmd):
+    off = cmd.int_field("commitLogOffset", required=True)
+    log.warning("admin %s:%s resumes the dead-lettered transaction at %d", conn.peer[0], conn.peer[1], off)
+    try:
+        remark = await ctx.tx.resume(off)
+    except DecisionError as exc:
+        return cmd.response(exc.code, exc.remark)
+    return cmd.response(ResponseCode.SUCCESS, remark)
+
+
+async def apply_expiry(ctx, conn, cmd):
+    try:
+        plan = json.loads(cmd.body_bytes())
+        if not isinstance(plan, dict) or plan.get("version") != 1:
+            raise ValueError("expected a version 1 plan object")
+    except ValueError as exc:
+        raise HeaderError(f"expiry plan does not parse: {exc}") from None
+    log.warning("admin %s:%s applies an expiry plan: %d halves, %d segments", conn.peer[0], conn.peer[1],
+                len(plan.get("halves") or []), len(plan.get("segments") or []))
+    summary = await ctx.tx.apply_expiry(plan)
+    return cmd.response(ResponseCode.SUCCESS, body=dumps(summary))

@@ -1,0 +1,256 @@
+"""Broker lifecycle: bind, recover, serve the broker, name-server and metrics roles, stop gracefully.
+
+Start-up order matters: the listeners are bound first (so port 0 resolves and
+message ids can carry the real address), then the store recovers and the
+transaction index is rebuilt, and only then do the listeners accept. The
+``LISTENING`` line is printed last, when every role answers.
+
+SIGTERM / SIGINT: stop accepting, release parked pulls, let in-flight requests
+finish (bounded), stop the check timer, flush and close the store, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+from protocol.codes import ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import RemotingConnection
+
+from .clients import ClientRegistry
+from .config import BrokerConfig
+from .context import BrokerContext, wall_clock_ms
+from .longpoll import PullHoldService
+from .metrics import BrokerMetrics, append_snapshot
+from .processors import broker_table, namesrv_table
+from .store import ConsumerOffsets, MessageStore, StoreConfig
+from .topics import RETRY_PREFIX, TopicManager
+from .transaction import TransactionService
+
+log = logging.getLogger("txmq.server")
+
+
+class BrokerServer:
+    def __init__(self, config: BrokerConfig, clock=wall_clock_ms):
+        self.config = config
+        self.clock = clock
+        self.metrics = BrokerMetrics()
+        self.connections: dict[str, set] = {"broker": set(), "namesrv": set()}
+        self._servers: list = []
+        self._tasks: list[asyncio.Task] = []
+        self._metrics_httpd = None
+        self.addresses: dict[str, str] = {}
+        self.ctx: BrokerContext | None = None
+
+    # ------------------------------------------------------------- start-up
+    async def start(self) -> None:
+        c = self.config
+        loop = asyncio.get_running_loop()
+        store_dir = os.path.abspath(c.store_dir)
+        os.makedirs(store_dir, exist_ok=True)
+        clients = ClientRegistry(self.clock)
+        topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
+                              default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
+                              broker=c.broker_name)
+        clients.on_new_retry_group = lambda group: topics.ensure(RETRY_PREFIX + group)
+        ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
+
+        broker_srv = await loop.create_server(lambda: self._connection("broker", broker_table()), c.host, c.port,
+                                              start_serving=False, backlog=1024)
+        ns_srv = await loop.create_server(lambda: self._connection("namesrv", namesrv_table()), c.host,
+                                          c.namesrv_port, start_serving=False, backlog=1024)
+        self._servers = [broker_srv, ns_srv]
+        broker_port = broker_srv.sockets[0].getsockname()[1]
+        ctx.set_address(c.public_host, broker_port)
+
+        store = MessageStore(store_dir, StoreConfig(segment_size=c.segment_size, flush=c.flush,
+                                                    flush_interval_ms=c.flush_interval_ms,
+                                                    max_message_size=c.max_message_size + 64 * 1024,
+                                                    truncate_corrupt_tail=c.truncate_corrupt_tail),
+                             clock=self.clock)
+        ctx.store = store
+        ctx.holds = PullHoldService()
+        ctx.tx = TransactionService(ctx)
+        store.add_dispatch_listener(ctx.holds.on_dispatch)
+        store.add_dispatch_listener(ctx.tx.on_dispatch)
+        report = await store.open()
+        log.info("store open: %s", report)
+        ctx.offsets = ConsumerOffsets(store_dir)
+        await _maybe_await(getattr(ctx.offsets, "open", None))
+        await ctx.tx.recover()
+        ctx.tx.start()
+        self._install_metrics(ctx)
+
+        await broker_srv.start_serving()
+        await ns_srv.start_serving()
+        self._tasks.append(loop.create_task(self._housekeeping(), name="txmq-housekeeping"))
+        if c.metrics_snapshot_interval_s > 0:
+            self._tasks.append(loop.create_task(self._snapshots(store_dir), name="txmq-metric-snapshots"))
+        host = c.public_host
+        self.addresses = {"broker": f"{host}:{broker_port}",
+                          "namesrv": f"{host}:{ns_srv.sockets[0].getsockname()[1]}",
+                          "metrics": f"{host}:{self._metrics_port}" if self._metrics_httpd else "disabled"}
+
+    def _install_metrics(self, ctx) -> None:
+        m = self.metrics
+        m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
+                              ["consumer_group", "topic"], self._lag_by_group_topic)
+        m.add_gauge_collector("txmq_commitlog_bytes", "Commit-log bytes on disk.", [],
+                              lambda: [((), sum(s.size for s in ctx.store.segments()))])
+        m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [],
+                              lambda: [((), ctx.holds.parked)])
+        self._metrics_port = None
+        if self.config.metrics_port >= 0:
+            from prometheus_client import start_http_server
+            httpd, _thread = start_http_server(self.config.metrics_port, addr=self.config.host, registry=m.registry)
+            self._metrics_httpd = httpd
+            self._metrics_port = httpd.server_address[1]
+
+    def _lag(self):
+        store = self.ctx.store
+        for (group, topic, qid), offset in self.ctx.offsets.items():
+            yield group, topic, qid, max(0, store.max_offset(topic, qid) - offset)
+
+    def _lag_by_group_topic(self):
+        totals: dict[tuple[str, str], int] = {}
+        for group, topic, _qid, lag in self._lag():
+            totals[(group, topic)] = totals.get((group, topic), 0) + lag
+        return list(totals.items())
+
+    def _connection(self, listener: str, table: dict) -> RemotingConnection:
+        c = self.config
+        conns = self.connections[listener]
+        gauge = self.metrics.connections.labels(listener)
+
+        def opened(conn) -> bool:
+            if len(conns) >= c.max_connections:
+                log.warning("%s listener: refusing %s:%s, %d connections open", listener, *conn.peer, len(conns))
+                return False
+            conns.add(conn)
+            gauge.inc()
+            return True
+
+        def closed(conn) -> None:
+            if conn in conns:
+                conns.discard(conn)
+                gauge.dec()
+            if listener == "broker" and self.ctx is not None:
+                for group in self.ctx.clients.connection_closed(conn):
+                    self.ctx.clients.notify_ids_changed(group)
+
+        return RemotingConnection(self._handler(table), max_frame_size=c.max_frame_size,
+                                  max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
+                                  on_open=opened, on_close=closed)
+
+    def _handler(self, table: dict):
+        ctx = self.ctx
+        observe = self.metrics.observe_request
+        perf = time.perf_counter
+
+        def handle(conn, cmd):
+            fn = table.get(cmd.code)
+            if fn is None:
+                if cmd.is_oneway:
+                    return None
+                return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED, f" request type {cmd.code} not supported")
+            start = perf()
+            result = fn(ctx, conn, cmd)
+            if result is None or isinstance(result, RemotingCommand):
+                observe(cmd.code, result.code if result is not None else 0, perf() - start)
+                return result
+            return _timed(result, cmd.code, start, observe)
+
+        return handle
+
+    # ------------------------------------------------------------ background
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(10)
+            for group in self.ctx.clients.expire(self.config.channel_expire_ms):
+                self.ctx.clients.notify_ids_changed(group)
+
+    async def _snapshots(self, store_dir: str) -> None:
+        while True:
+            await asyncio.sleep(self.config.metrics_snapshot_interval_s)
+            try:
+                self.write_snapshot(store_dir)
+            except OSError as exc:
+                log.error("metric snapshot not written: %s", exc)
+
+    def write_snapshot(self, store_dir: str) -> str:
+        lag = [{"group": g, "topic": t, "queue_id": q, "lag": n} for g, t, q, n in self._lag()]
+        connections = sum(len(s) for s in self.connections.values())
+        return append_snapshot(store_dir, self.metrics.snapshot(connections, lag))
+
+    # -------------------------------------------------------------- shutdown
+    async def stop(self, grace_s: float = 5.0) -> None:
+        for srv in self._servers:
+            srv.close()
+        for task in self._tasks:
+            task.cancel()
+        ctx = self.ctx
+        if ctx is not None and ctx.holds is not None:
+            ctx.holds.wake_all()
+        pending = [t for conns in self.connections.values() for conn in conns for t in list(conn._tasks)]
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+        for conns in self.connections.values():
+            for conn in list(conns):
+                conn.close()
+        if ctx is not None and ctx.tx is not None:
+            await ctx.tx.stop()
+        if ctx is not None and ctx.store is not None:
+            await ctx.store.close()
+        if ctx is not None and ctx.offsets is not None:
+            await _maybe_await(getattr(ctx.offsets, "close", None))
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+        log.info("stopped")
+
+
+async def _timed(awaitable, code, start, observe):
+    result = await awaitable
+    observe(code, result.code if result is not None else 0, time.perf_counter() - start)
+    return result
+
+
+async def _maybe_await(fn):
+    if fn is None:
+        return None
+    result = fn()
+    if asyncio.iscoroutine(result):
+        return await result
+    return result
+
+
+async def serve(config: BrokerConfig) -> int:
+    server = BrokerServer(config)
+    try:
+        await server.start()
+    except Exception as exc:  # noqa: BLE001 - start-up failures end the process with their reason
+        log.error("txmq broker failed to start: %s", exc)
+        print(f"txmq-broker: cannot start: {exc}", file=sys.stderr, flush=True)
+        await server.stop(grace_s=0)
+        return 1
+    a = server.addresses
+    print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: stopping")
+    await server.stop()
+    return 0
+
+
+def run(config: BrokerConfig) -> int:
+    logging.basicConfig(level=config.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+    return uvloop.run(serve(config))

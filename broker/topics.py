@@ -1,0 +1,124 @@
+"""Topic configurations: system topics, auto-creation, persistence (RocketMQ's TopicConfigManager).
+
+Topics live in <store>/config/topics.json, written atomically on change, so a
+topic created by a send survives a restart with its queue count.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+from protocol.codes import Perm
+
+log = logging.getLogger("txmq.topics")
+
+AUTO_CREATE_TOPIC = "TBW102"
+HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
+OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
+TRANS_DLQ_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
+SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+RETRY_PREFIX = "%RETRY%"
+DLQ_PREFIX = "%DLQ%"
+
+# Producers may not send to these (spec 3.4 step 3).
+NO_SEND_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC, "SELF_TEST_TOPIC",
+                            "OFFSET_MOVED_EVENT"})
+SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC"}
+
+
+def is_system_topic(topic: str) -> bool:
+    return topic in SYSTEM_TOPICS or topic.startswith("rmq_sys_")
+
+
+@dataclass
+class TopicConfig:
+    name: str
+    read_queue_nums: int = 16
+    write_queue_nums: int = 16
+    perm: int = Perm.READ_WRITE
+    filter_type: str = "SINGLE_TAG"
+    sys_flag: int = 0
+    order: bool = False
+
+    @property
+    def queue_count(self) -> int:
+        return max(self.read_queue_nums, self.write_queue_nums)
+
+
+class TopicManager:
+    def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str):
+        self.path = os.path.join(config_dir, "topics.json")
+        self.auto_create = auto_create
+        self.topics: dict[str, TopicConfig] = {}
+        self._system = {
+            AUTO_CREATE_TOPIC: TopicConfig(AUTO_CREATE_TOPIC, default_queue_nums, default_queue_nums,
+                                           Perm.INHERIT | Perm.READ_WRITE if auto_create else Perm.READ_WRITE),
+            HALF_TOPIC: TopicConfig(HALF_TOPIC, 1, 1),
+            OP_TOPIC: TopicConfig(OP_TOPIC, 1, 1),
+            TRANS_DLQ_TOPIC: TopicConfig(TRANS_DLQ_TOPIC, 1, 1),
+            SCHEDULE_TOPIC: TopicConfig(SCHEDULE_TOPIC, 18, 18),
+            "SELF_TEST_TOPIC": TopicConfig("SELF_TEST_TOPIC", 1, 1),
+            "OFFSET_MOVED_EVENT": TopicConfig("OFFSET_MOVED_EVENT", 1, 1),
+            cluster: TopicConfig(cluster, 16, 16, Perm.INHERIT | Perm.READ_WRITE),
+            broker: TopicConfig(broker, 1, 1, Perm.INHERIT | Perm.READ_WRITE),
+        }
+        os.makedirs(config_dir, exist_ok=True)
+        self._load()
+        for name, tc in self._system.items():
+            self.topics.setdefault(name, tc)
+        self.topics[AUTO_CREATE_TOPIC] = self._system[AUTO_CREATE_TOPIC]
+
+    def _load(self) -> None:
+        try:
+            with open(self.path, "r", encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.error("ignoring unreadable %s (%s); topics will be re-created on use", self.path, exc)
+            return
+        for entry in data.get("topics", []):
+            try:
+                tc = TopicConfig(**entry)
+            except TypeError:
+                log.warning("skipping malformed topic entry %r", entry)
+                continue
+            self.topics[tc.name] = tc
+
+    def _persist(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"topics": [asdict(t) for t in self.topics.values() if t.name not in self._system]}, fh,
+                      indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+
+    def get(self, topic: str) -> TopicConfig | None:
+        return self.topics.get(topic)
+
+    def create(self, tc: TopicConfig) -> TopicConfig:
+        self.topics[tc.name] = tc
+        self._persist()
+        log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
+                 tc.perm)
+        return tc
+
+    def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int) -> TopicConfig | None:
+        """The topic's config, creating it from its template as RocketMQ does; None: TOPIC_NOT_EXIST."""
+        tc = self.topics.get(topic)
+        if tc is not None:
+            return tc
+        if topic.startswith(RETRY_PREFIX) or topic.startswith(DLQ_PREFIX):
+            return self.create(TopicConfig(topic, 1, 1))
+        template = self.topics.get(default_topic or AUTO_CREATE_TOPIC)
+        if template is None or not template.perm & Perm.INHERIT:
+            return None
+        nums = max(1, min(default_queue_nums, template.write_queue_nums))
+        return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type))
+
+    def ensure(self, topic: str, queues: int = 1) -> TopicConfig:
+        tc = self.topics.get(topic)
+        return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))

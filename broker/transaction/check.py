@@ -1,0 +1,106 @@
+"""When to check an undecided transaction, and whom to ask. ``decide`` is pure; the timer is small.
+
+RocketMQ re-reads the half queue every round and re-writes every half it
+checks. txmq keeps the undecided ones in memory ordered by their next check
+time, so a pass touches only what is due and writes a 150-byte check record,
+never the payload.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from enum import Enum
+
+log = logging.getLogger("txmq.transaction")
+
+# Consecutive unanswered checks stretch the interval 2x, 4x, then stay at 4x, so
+# a hung producer is not stormed, while a producer that answers is asked on time.
+MAX_BACKOFF = 4
+
+
+class Action(Enum):
+    WAIT = "wait"              # not due yet
+    CHECK = "check"            # send CHECK_TRANSACTION_STATE
+    DEFER = "defer"            # due, but no producer of the group is connected: no check spent
+    DEAD_MAX_CHECKS = "max-checks"
+    DEAD_EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class Policy:
+    check_interval_ms: int
+    timeout_ms: int             # default immunity
+    check_max: int
+    retention_ms: int
+
+
+def decide(policy: Policy, *, now: int, store_ts: int, next_check: int, checks: int,
+           has_producer: bool) -> Action:
+    if now - store_ts > policy.retention_ms:
+        return Action.DEAD_EXPIRED
+    if now < next_check:
+        return Action.WAIT
+    if checks >= policy.check_max:
+        return Action.DEAD_MAX_CHECKS
+    if not has_producer:
+        return Action.DEFER
+    return Action.CHECK
+
+
+def next_check_after_check(policy: Policy, now: int, unanswered: int) -> int:
+    return now + policy.check_interval_ms * min(2 ** max(unanswered, 0), MAX_BACKOFF)
+
+
+def first_check_time(policy: Policy, store_ts: int, immunity_s: str | None) -> int:
+    """Immunity: CHECK_IMMUNITY_TIME_IN_SECONDS when it parses as non-negative, else the default."""
+    immunity = policy.timeout_ms
+    if immunity_s:
+        try:
+            value = int(immunity_s)
+            if value >= 0:
+                immunity = value * 1000
+        except ValueError:
+            pass
+    return store_ts + immunity
+
+
+class CheckTimer:
+    """Runs ``run_due(now)`` when the earliest transaction is due, or when woken."""
+
+    def __init__(self, service, clock, max_sleep_s: float = 1.0):
+        self.service = service
+        self.clock = clock
+        self.max_sleep_s = max_sleep_s
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-check-timer")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.service.run_due(self.clock())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the timer must survive a bad pass
+                log.exception("transaction check pass failed")
+            due = self.service.next_due()
+            delay = self.max_sleep_s if due is None else max(0.0, min(self.max_sleep_s, (due - self.clock()) / 1000))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass

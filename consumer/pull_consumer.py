@@ -1,0 +1,167 @@
+"""PullConsumer: pull by queue from an offset, with long polling, and commit offsets. Plain RocketMQ 4.x."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import ConnectionPool
+from protocol.errors import error_for_code
+from protocol.message import MessageExt, decode_records
+from protocol.route import decode_route
+
+
+@dataclass(frozen=True, slots=True)
+class MessageQueue:
+    topic: str
+    broker_name: str
+    queue_id: int
+
+
+class PullStatus(enum.Enum):
+    FOUND = ResponseCode.SUCCESS
+    NO_NEW_MSG = ResponseCode.PULL_NOT_FOUND
+    NO_MATCHED_MSG = ResponseCode.PULL_RETRY_IMMEDIATELY
+    OFFSET_ILLEGAL = ResponseCode.PULL_OFFSET_MOVED
+
+
+@dataclass(slots=True)
+class PullResult:
+    status: PullStatus
+    next_begin_offset: int
+    min_offset: int
+    max_offset: int
+    messages: list[MessageExt] = field(default_factory=list)
+
+
+class PullConsumer:
+    def __init__(self, namesrv_addr: str, group: str, *, timeout: float = 3.0, instance_name: str | None = None):
+        self.group = group
+        self.timeout = timeout
+        self.namesrv_addrs = [a.strip() for a in namesrv_addr.split(";") if a.strip()]
+        try:
+            ip = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            ip = "127.0.0.1"
+        self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
+        self.pool = ConnectionPool(self._on_request)
+        self._brokers: dict[str, str] = {}
+        self.subscriptions: dict[str, str] = {}
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.shutdown()
+
+    def _on_request(self, conn, cmd):
+        return None   # NOTIFY_CONSUMER_IDS_CHANGED is oneway; a pull consumer does not rebalance
+
+    async def fetch_queues(self, topic: str) -> list[MessageQueue]:
+        last = None
+        for addr in self.namesrv_addrs:
+            try:
+                resp = await self.pool.request(addr, RemotingCommand.request(
+                    RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}), self.timeout)
+            except Exception as exc:  # noqa: BLE001 - next name server
+                last = exc
+                continue
+            if resp.code != ResponseCode.SUCCESS:
+                raise error_for_code(resp.code, resp.remark)
+            route = decode_route(resp.body_bytes())
+            for bd in route.broker_datas:
+                if 0 in bd.broker_addrs:
+                    self._brokers[bd.broker_name] = bd.broker_addrs[0]
+            return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
+                    for i in range(qd.read_queue_nums)]
+        raise last or ConnectionError("no name server")
+
+    def _addr(self, mq: MessageQueue) -> str:
+        return self._brokers[mq.broker_name]
+
+    async def subscribe(self, topic: str, expression: str = "*") -> None:
+        """Register the group and subscription with a heartbeat (needed only for pulls without a subscription)."""
+        self.subscriptions[topic] = expression
+        await self.fetch_queues(topic)
+        await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        subs = [{"topic": t, "subString": e, "tagsSet": [] if e == "*" else [x.strip() for x in e.split("||")],
+                 "codeSet": [], "subVersion": int(time.time() * 1000), "expressionType": "TAG",
+                 "classFilterMode": False} for t, e in self.subscriptions.items()]
+        body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
+            "groupName": self.group, "consumeType": "CONSUME_ACTIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "subscriptionDataSet": subs, "unitMode": False}]})
+        for addr in set(self._brokers.values()):
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT, body=body.encode()),
+                                           self.timeout)
+            if resp.code != ResponseCode.SUCCESS:
+                raise error_for_code(resp.code, resp.remark)
+
+    async def pull(self, mq: MessageQueue, offset: int, *, max_nums: int = 32, expression: str = "*",
+                   suspend_ms: int = 0, commit_offset: int | None = None) -> PullResult:
+        """One pull; with ``suspend_ms`` > 0 the broker holds it until a message arrives (long polling)."""
+        sys_flag = PullSysFlag.SUBSCRIPTION
+        if suspend_ms > 0:
+            sys_flag |= PullSysFlag.SUSPEND
+        if commit_offset is not None:
+            sys_flag |= PullSysFlag.COMMIT_OFFSET
+        cmd = RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": self.group, "topic": mq.topic, "queueId": mq.queue_id, "queueOffset": offset,
+            "maxMsgNums": max_nums, "sysFlag": sys_flag, "commitOffset": commit_offset or 0,
+            "suspendTimeoutMillis": suspend_ms, "subscription": expression, "subVersion": 0,
+            "expressionType": "TAG"})
+        resp = await self.pool.request(self._addr(mq), cmd, self.timeout + suspend_ms / 1000)
+        if resp.code not in (0, 19, 20, 21):
+            raise error_for_code(resp.code, resp.remark)
+        messages = decode_records(resp.body_bytes()) if resp.code == ResponseCode.SUCCESS else []
+        if expression not in ("", "*"):
+            tags = {t.strip() for t in expression.split("||")}
+            messages = [m for m in messages if m.tags in tags]
+        return PullResult(PullStatus(resp.code), resp.int_field("nextBeginOffset", offset),
+                          resp.int_field("minOffset", 0), resp.int_field("maxOffset", 0), messages)
+
+    async def _offset_call(self, code, mq: MessageQueue, **extra) -> RemotingCommand:
+        fields = {"topic": mq.topic, "queueId": mq.queue_id, **extra}
+        return await self.pool.request(self._addr(mq), RemotingCommand.request(code, fields), self.timeout)
+
+    async def commit_offset(self, mq: MessageQueue, offset: int) -> None:
+        resp = await self._offset_call(RequestCode.UPDATE_CONSUMER_OFFSET, mq, consumerGroup=self.group,
+                                       commitOffset=offset)
+        if resp.code != ResponseCode.SUCCESS:
+            raise error_for_code(resp.code, resp.remark)
+
+    async def fetch_offset(self, mq: MessageQueue) -> int | None:
+        resp = await self._offset_call(RequestCode.QUERY_CONSUMER_OFFSET, mq, consumerGroup=self.group)
+        if resp.code == ResponseCode.QUERY_NOT_FOUND:
+            return None
+        if resp.code != ResponseCode.SUCCESS:
+            raise error_for_code(resp.code, resp.remark)
+        return resp.int_field("offset")
+
+    async def max_offset(self, mq: MessageQueue) -> int:
+        resp = await self._offset_call(RequestCode.GET_MAX_OFFSET, mq)
+        return resp.int_field("offset", 0)
+
+    async def min_offset(self, mq: MessageQueue) -> int:
+        resp = await self._offset_call(RequestCode.GET_MIN_OFFSET, mq)
+        return resp.int_field("offset", 0)
+
+    async def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
+        resp = await self._offset_call(RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, mq, timestamp=timestamp_ms)
+        return resp.int_field("offset", 0)
+
+    async def shutdown(self) -> None:
+        for addr in set(self._brokers.values()):
+            try:
+                await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
+                    "clientID": self.client_id, "consumerGroup": self.group}), 1.0)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        await self.pool.close()

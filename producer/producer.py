@@ -1,0 +1,196 @@
+"""Producer: plain RocketMQ 4.x sends over asyncio (SEND_MESSAGE_V2, SEND_BATCH_MESSAGE, oneway).
+
+Nothing here is txmq-specific: it works against an Apache RocketMQ broker too.
+A send picks a queue round robin, retries retriable failures (another queue,
+another broker when there is one) up to ``retries`` times, and heartbeats its
+group to every broker it knows every ``heartbeat_interval_s``.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import ConnectionPool
+from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
+from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
+
+from .routes import MessageQueue, RouteCache
+
+log = logging.getLogger("txmq.producer")
+
+
+class SendStatus(enum.Enum):
+    SEND_OK = 0
+    FLUSH_DISK_TIMEOUT = 10
+    SLAVE_NOT_AVAILABLE = 11
+    FLUSH_SLAVE_TIMEOUT = 12
+
+
+@dataclass(slots=True)
+class SendResult:
+    status: SendStatus
+    msg_id: str                 # UNIQ_KEY (what Java calls msgId)
+    offset_msg_id: str          # the broker's id of the stored record (encodes its commit-log offset)
+    queue: MessageQueue
+    queue_offset: int
+    transaction_id: str | None = None
+
+
+def _client_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Producer:
+    def __init__(self, namesrv_addr: str, group: str, *, send_timeout: float = 3.0, retries: int = 2,
+                 heartbeat_interval_s: float = 30.0, instance_name: str | None = None):
+        self.group = group
+        self.send_timeout = send_timeout
+        self.retries = retries
+        self.heartbeat_interval_s = heartbeat_interval_s
+        ip = _client_ip()
+        self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
+        self.pool = ConnectionPool(self._on_request)
+        self.routes = RouteCache(self.pool, [a.strip() for a in namesrv_addr.split(";") if a.strip()],
+                                 timeout=send_timeout)
+        self.uniq_ids = UniqIdGenerator(ip)
+        self._heartbeat_task: asyncio.Task | None = None
+        self._started = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> "Producer":
+        # Learn a broker now (TBW102) so the first heartbeat registers the group at once.
+        try:
+            await self.routes.route("TBW102")
+        except (ResponseError, RequestTimeoutError, ConnectionClosedError) as exc:
+            log.warning("name server lookup of TBW102 failed: %s", exc)
+        await self.heartbeat()
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        self._started = True
+        return self
+
+    async def __aenter__(self):
+        return await self.start()
+
+    async def __aexit__(self, *exc):
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        for addr in self.routes.all_broker_addrs():
+            try:
+                await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
+                    "clientID": self.client_id, "producerGroup": self.group}), 1.0)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        await self.pool.close()
+
+    def _heartbeat_body(self) -> bytes:
+        return json.dumps({"clientID": self.client_id, "consumerDataSet": [],
+                           "producerDataSet": [{"groupName": self.group}]}).encode()
+
+    async def heartbeat(self) -> None:
+        for addr in self.routes.all_broker_addrs():
+            try:
+                await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                                      body=self._heartbeat_body()), 3.0)
+            except Exception as exc:  # noqa: BLE001 - the next beat retries
+                log.info("heartbeat to %s failed: %s", addr, exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            await self.heartbeat()
+
+    def _on_request(self, conn, cmd):
+        return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
+                                                      f"producer does not serve request {cmd.code}")
+
+    # ---------------------------------------------------------------- sends
+    def _header(self, mq: MessageQueue, props: dict, *, sys_flag: int = 0, flag: int = 0,
+                batch: bool = False) -> SendMessageRequestHeader:
+        return SendMessageRequestHeader(
+            producer_group=self.group, topic=mq.topic, default_topic="TBW102", default_topic_queue_nums=4,
+            queue_id=mq.queue_id, sys_flag=sys_flag, born_timestamp=int(time.time() * 1000), flag=flag,
+            properties=properties_to_string(props), batch=batch)
+
+    def message_properties(self, tags=None, keys=None, properties=None) -> dict:
+        props = dict(properties or {})
+        if tags:
+            props[Prop.TAGS] = tags
+        if keys:
+            props[Prop.KEYS] = keys if isinstance(keys, str) else " ".join(keys)
+        props.setdefault(Prop.UNIQ_KEY, self.uniq_ids.next())
+        props.setdefault(Prop.WAIT, "true")
+        return props
+
+    async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
+                   properties: dict | None = None, queue: MessageQueue | None = None, flag: int = 0) -> SendResult:
+        props = self.message_properties(tags, keys, properties)
+        return await self._send(RequestCode.SEND_MESSAGE_V2, topic, body, props, queue, flag=flag)
+
+    async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
+                         queue: MessageQueue | None = None) -> SendResult:
+        entries = []
+        for body in bodies:
+            props = self.message_properties(tags)
+            props.pop(Prop.WAIT, None)
+            entries.append((0, body, properties_to_string(props)))
+        return await self._send(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), {Prop.WAIT: "true"},
+                                queue, batch=True)
+
+    async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
+                          properties: dict | None = None) -> None:
+        props = self.message_properties(tags, keys, properties)
+        queues = await self.routes.publish_queues(topic)
+        mq = self.routes.select(queues)
+        h = self._header(mq, props)
+        cmd = RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, h.to_ext_fields(v2=True), body)
+        await self.pool.oneway(self._addr(mq), cmd)
+
+    def _addr(self, mq: MessageQueue) -> str:
+        addr = self.routes.broker_addr(mq.broker_name)
+        if addr is None:
+            raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, f"no address for broker {mq.broker_name}")
+        return addr
+
+    async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
+        avoid = None
+        last_error: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if queue is not None:
+                mq = queue
+            else:
+                mq = self.routes.select(await self.routes.publish_queues(topic), avoid)
+            h = self._header(mq, props, sys_flag=sys_flag, flag=flag, batch=batch)
+            cmd = RemotingCommand.request(code, h.to_ext_fields(v2=code != RequestCode.SEND_MESSAGE), body)
+            try:
+                resp = await self.pool.request(self._addr(mq), cmd, self.send_timeout)
+            except (RequestTimeoutError, ConnectionClosedError) as exc:
+                last_error = exc
+                avoid = mq.broker_name
+                continue
+            if resp.code in (ResponseCode.SUCCESS, ResponseCode.FLUSH_DISK_TIMEOUT,
+                             ResponseCode.SLAVE_NOT_AVAILABLE, ResponseCode.FLUSH_SLAVE_TIMEOUT):
+                return SendResult(SendStatus(resp.code), props.get(Prop.UNIQ_KEY, ""),
+                                  resp.str_field("msgId", ""), MessageQueue(topic, mq.broker_name,
+                                                                             resp.int_field("queueId", mq.queue_id)),
+                                  resp.int_field("queueOffset", -1), resp.str_field("transactionId"))
+            error = error_for_code(resp.code, resp.remark)
+            if not error.retriable or queue is not None:
+                raise error
+            last_error = error
+            avoid = mq.broker_name
+        assert last_error is not None
+        raise last_error

@@ -1,0 +1,105 @@
+"""Name-server bodies: TopicRouteData and ClusterInfo JSON, as a 4.x name server writes them.
+
+fastjson writes keys sorted, and writes Long-keyed maps (``brokerAddrs``) with
+unquoted numeric keys: ``{0:"127.0.0.1:10911"}``. That is not JSON, but
+clients released before 4.9.4 parse it by hand and expect it, so the 4.9.8
+name server keeps it for requests below version 401 and answers strictly valid
+JSON (quoted keys) to newer ones or on ``acceptStandardJsonOnly`` (spec 3.1).
+The queue-data flag was spelled ``topicSynFlag`` until 4.8.0; both spellings are
+written, readers ignore the one they do not know.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from .codes import VERSION_STRICT_ROUTE_JSON
+from .errors import HeaderError
+
+
+@dataclass(slots=True)
+class QueueData:
+    broker_name: str
+    read_queue_nums: int
+    write_queue_nums: int
+    perm: int
+    topic_sys_flag: int = 0
+
+
+@dataclass(slots=True)
+class BrokerData:
+    cluster: str
+    broker_name: str
+    broker_addrs: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TopicRouteData:
+    queue_datas: list[QueueData]
+    broker_datas: list[BrokerData]
+    order_topic_conf: str | None = None
+
+
+def _dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _addrs(addrs: dict[int, str], strict: bool) -> str:
+    items = sorted(addrs.items())
+    if strict:
+        return "{" + ",".join(f'"{k}":{_dump(v)}' for k, v in items) + "}"
+    return "{" + ",".join(f"{k}:{_dump(v)}" for k, v in items) + "}"
+
+
+def _broker_data(bd: BrokerData, strict: bool) -> str:
+    return (f'{{"brokerAddrs":{_addrs(bd.broker_addrs, strict)},"brokerName":{_dump(bd.broker_name)},'
+            f'"cluster":{_dump(bd.cluster)}}}')
+
+
+def _queue_data(qd: QueueData) -> str:
+    return (f'{{"brokerName":{_dump(qd.broker_name)},"perm":{qd.perm},"readQueueNums":{qd.read_queue_nums},'
+            f'"topicSynFlag":{qd.topic_sys_flag},"topicSysFlag":{qd.topic_sys_flag},'
+            f'"writeQueueNums":{qd.write_queue_nums}}}')
+
+
+def strict_json_for(version: int, accept_standard_json_only: bool = False) -> bool:
+    return accept_standard_json_only or version >= VERSION_STRICT_ROUTE_JSON
+
+
+def encode_route(route: TopicRouteData, *, strict: bool) -> bytes:
+    parts = ['{"brokerDatas":[', ",".join(_broker_data(b, strict) for b in route.broker_datas), "]",
+             ',"filterServerTable":{}']
+    if route.order_topic_conf:
+        parts.append(f',"orderTopicConf":{_dump(route.order_topic_conf)}')
+    parts.append(',"queueDatas":[')
+    parts.append(",".join(_queue_data(q) for q in sorted(route.queue_datas, key=lambda q: q.broker_name)))
+    parts.append("]}")
+    return "".join(parts).encode()
+
+
+def encode_cluster_info(brokers: list[BrokerData], *, strict: bool) -> bytes:
+    table = ",".join(f"{_dump(b.broker_name)}:{_broker_data(b, strict)}" for b in brokers)
+    clusters: dict[str, list[str]] = {}
+    for b in brokers:
+        clusters.setdefault(b.cluster, []).append(b.broker_name)
+    return f'{{"brokerAddrTable":{{{table}}},"clusterAddrTable":{_dump(clusters)}}}'.encode()
+
+
+_UNQUOTED_INT_KEY = re.compile(r'([{,])\s*(-?\d+)\s*:')
+
+
+def decode_route(body: bytes) -> TopicRouteData:
+    """Parse either form of route JSON (the non-strict one has unquoted integer keys)."""
+    try:
+        text = body.decode("utf-8")
+        obj = json.loads(_UNQUOTED_INT_KEY.sub(r'\1"\2":', text))
+        queue_datas = [QueueData(q["brokerName"], int(q["readQueueNums"]), int(q["writeQueueNums"]),
+                                 int(q["perm"]), int(q.get("topicSysFlag", q.get("topicSynFlag", 0))))
+                       for q in obj.get("queueDatas") or []]
+        broker_datas = [BrokerData(b.get("cluster", ""), b["brokerName"],
+                                   {int(k): v for k, v in (b.get("brokerAddrs") or {}).items()})
+                        for b in obj.get("brokerDatas") or []]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HeaderError(f"route data does not parse: {exc}") from None
+    return TopicRouteData(queue_datas, broker_datas, obj.get("orderTopicConf"))
