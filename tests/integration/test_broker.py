@@ -1,0 +1,179 @@
+"""The real broker over TCP: sends, pulls, routes, offsets, limits, metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from consumer import PullConsumer, PullStatus
+from consumer.pull_consumer import MessageQueue
+from producer import Producer, SendStatus
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.errors import MessageIllegalError, NoPermissionError, ResponseError
+from protocol.route import decode_route
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _conn(addr):
+    host, _, port = addr.rpartition(":")
+    return await open_connection(host, int(port))
+
+
+async def _request(addr, code, fields=None, body=b"", version=409, timeout=5.0):
+    conn = await _conn(addr)
+    try:
+        cmd = RemotingCommand.request(code, fields, body, version=version)
+        return await conn.request(cmd, timeout)
+    finally:
+        conn.close()
+
+
+async def test_send_then_pull_round_trip(broker):
+    async with Producer(broker.namesrv, "PG_basic") as producer:
+        results = [await producer.send("Orders", f"order-{i}".encode(), tags="TagA" if i % 2 else "TagB",
+                                       keys=f"k{i}") for i in range(20)]
+    assert all(r.status is SendStatus.SEND_OK for r in results)
+    assert len({r.offset_msg_id for r in results}) == 20
+    async with asyncio.timeout(20):
+        consumer = PullConsumer(broker.namesrv, "CG_basic")
+        queues = await consumer.fetch_queues("Orders")
+        bodies, tagged = [], []
+        for mq in queues:
+            res = await consumer.pull(mq, 0, max_nums=64)
+            bodies += [m.body for m in res.messages]
+            res = await consumer.pull(mq, 0, max_nums=64, expression="TagA")
+            tagged += [m.body for m in res.messages]
+        await consumer.shutdown()
+    assert sorted(bodies) == sorted(f"order-{i}".encode() for i in range(20))
+    assert sorted(tagged) == sorted(f"order-{i}".encode() for i in range(1, 20, 2))
+
+
+async def test_batch_send_gets_consecutive_offsets(broker):
+    async with Producer(broker.namesrv, "PG_batch") as producer:
+        mq = (await producer.routes.publish_queues("TBW102"))[0]
+        await producer.send("Batched", b"warm-up")
+        queues = await producer.routes.publish_queues("Batched")
+        result = await producer.send_batch("Batched", [b"a", b"b", b"c"], queue=queues[0])
+    assert mq.topic == "TBW102"
+    ids = result.offset_msg_id.split(",")
+    assert len(ids) == 3
+    consumer = PullConsumer(broker.namesrv, "CG_batch")
+    await consumer.fetch_queues("Batched")
+    res = await consumer.pull(MessageQueue("Batched", queues[0].broker_name, queues[0].queue_id),
+                              result.queue_offset, max_nums=10)
+    assert [m.body for m in res.messages][:3] == [b"a", b"b", b"c"]
+    assert [m.queue_offset for m in res.messages][:3] == [result.queue_offset + i for i in range(3)]
+    await consumer.shutdown()
+
+
+async def test_route_json_follows_the_client_version(broker):
+    old = await _request(broker.namesrv, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"}, version=121)
+    new = await _request(broker.namesrv, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"}, version=409)
+    assert old.code == new.code == ResponseCode.SUCCESS
+    assert b'{0:"' in old.body_bytes()
+    assert b'{"0":"' in new.body_bytes()
+    json.loads(new.body_bytes())
+    route = decode_route(old.body_bytes())
+    assert route.broker_datas[0].broker_addrs[0] == broker.broker
+    missing = await _request(broker.namesrv, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "NoSuchTopic"})
+    assert missing.code == ResponseCode.TOPIC_NOT_EXIST
+    retry = await _request(broker.namesrv, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "%RETRY%G1"})
+    assert retry.code == ResponseCode.SUCCESS
+
+
+async def test_bad_requests_get_rocketmq_codes(broker):
+    unknown = await _request(broker.broker, 9999)
+    assert unknown.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED
+    async with Producer(broker.namesrv, "PG_bad", retries=0) as producer:
+        await producer.send("Fine", b"x")
+        queues = await producer.routes.publish_queues("Fine")
+        with pytest.raises(NoPermissionError):
+            await producer.send("RMQ_SYS_TRANS_HALF_TOPIC", b"x", queue=queues[0].__class__(
+                "RMQ_SYS_TRANS_HALF_TOPIC", queues[0].broker_name, 0))
+        with pytest.raises(MessageIllegalError):
+            await producer.send("Fine", b"x" * (4 * 1024 * 1024 + 1), queue=queues[0])
+    hostile = {"a": "PG", "b": "../../etc/passwd", "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": "0", "h": "0"}
+    resp = await _request(broker.broker, RequestCode.SEND_MESSAGE_V2, hostile, b"x")
+    assert resp.code == ResponseCode.SYSTEM_ERROR and "topic" in resp.remark
+    missing_field = await _request(broker.broker, RequestCode.SEND_MESSAGE_V2, {"a": "PG"}, b"x")
+    assert missing_field.code == ResponseCode.SYSTEM_ERROR
+    bad_int = await _request(broker.broker, RequestCode.PULL_MESSAGE, {
+        "consumerGroup": "G", "topic": "Fine", "queueId": "zero", "queueOffset": "0"})
+    assert bad_int.code == ResponseCode.SYSTEM_ERROR and "queueId" in bad_int.remark
+
+
+async def test_long_poll_is_woken_by_a_send(broker):
+    consumer = PullConsumer(broker.namesrv, "CG_poll")
+    async with Producer(broker.namesrv, "PG_poll") as producer:
+        await producer.send("Polled", b"first")
+        queues = await producer.routes.publish_queues("Polled")
+        mq = queues[0]
+        await consumer.fetch_queues("Polled")
+        cmq = MessageQueue("Polled", mq.broker_name, mq.queue_id)
+        start = (await consumer.pull(cmq, 0, max_nums=100)).next_begin_offset
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        pull = asyncio.ensure_future(consumer.pull(cmq, start, suspend_ms=15000))
+        await asyncio.sleep(0)          # let the pull leave before the send
+        done, _ = await asyncio.wait({pull}, timeout=0.3)
+        assert not done, "an empty pull with the suspend flag must be held"
+        await producer.send("Polled", b"wake", queue=mq)
+        res = await asyncio.wait_for(pull, 10)
+        assert res.status is PullStatus.FOUND and res.messages[0].body == b"wake"
+        assert loop.time() - t0 < 10
+        timed = await consumer.pull(cmq, res.next_begin_offset, suspend_ms=300)
+        assert timed.status is PullStatus.NO_NEW_MSG
+    await consumer.shutdown()
+
+
+async def test_offsets_and_queue_bounds(broker):
+    async with Producer(broker.namesrv, "PG_off") as producer:
+        await producer.send("Offsets", b"0")
+        mq = (await producer.routes.publish_queues("Offsets"))[0]
+        for i in range(5):
+            await producer.send("Offsets", str(i).encode(), queue=mq)
+    consumer = PullConsumer(broker.namesrv, "CG_off")
+    await consumer.fetch_queues("Offsets")
+    cmq = MessageQueue("Offsets", mq.broker_name, mq.queue_id)
+    top = await consumer.max_offset(cmq)
+    assert top >= 5
+    assert await consumer.min_offset(cmq) == 0
+    assert await consumer.fetch_offset(cmq) == 0       # young queue: start at the beginning, as RocketMQ
+    await consumer.commit_offset(cmq, 3)
+    assert await consumer.fetch_offset(cmq) == 3
+    assert await consumer.search_offset(cmq, 0) == 0
+    await consumer.shutdown()
+
+
+async def test_metrics_scrape(broker):
+    async with Producer(broker.namesrv, "PG_metrics") as producer:
+        for _ in range(3):
+            await producer.send("Metered", b"m")
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    sent = [s for s in families["rocketmq_messages_in"].samples
+            if s.name == "rocketmq_messages_in_total" and s.labels.get("topic") == "Metered"]
+    assert sent and sent[0].value == 3
+    assert "rocketmq_rpc_latency" in families
+    assert "txmq_open_connections" in families
+    assert "rocketmq_half_messages" in families
+
+
+async def test_heartbeat_and_consumer_list(broker):
+    consumer = PullConsumer(broker.namesrv, "CG_hb")
+    async with Producer(broker.namesrv, "PG_hb") as producer:
+        await producer.send("HB", b"x")
+    await consumer.subscribe("HB", "*")
+    resp = await _request(broker.broker, RequestCode.GET_CONSUMER_LIST_BY_GROUP, {"consumerGroup": "CG_hb"})
+    assert resp.code == ResponseCode.SUCCESS
+    assert consumer.client_id in json.loads(resp.body_bytes())["consumerIdList"]
+    await consumer.shutdown()
+    none = await _request(broker.broker, RequestCode.GET_CONSUMER_LIST_BY_GROUP, {"consumerGroup": "CG_none"})
+    assert none.code == ResponseCode.SYSTEM_ERROR

@@ -1,0 +1,218 @@
+"""Transactional messages against the real broker: commit, rollback, check-back, failover, lost END,
+dead letters and resume. Short check intervals keep every test within seconds."""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+
+import pytest
+
+from consumer import PullConsumer, PullStatus
+from consumer.pull_consumer import MessageQueue
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.frame import FrameDecoder
+
+pytestmark = pytest.mark.asyncio
+
+FAST = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "300")
+
+
+class Listener:
+    def __init__(self, execute=S.COMMIT_MESSAGE, check=S.COMMIT_MESSAGE):
+        self.execute = execute
+        self.check = check
+        self.checked = asyncio.Event()
+        self.checks = 0
+
+    def execute_local_transaction(self, msg, arg):
+        return self.execute
+
+    async def check_local_transaction(self, msg):
+        self.checks += 1
+        self.checked.set()
+        return self.check
+
+
+async def _drain(namesrv, topic, expect=None, timeout=10.0, group="CG_tx"):
+    """All bodies on a topic; with ``expect``, long-polls until that many arrived (bounded)."""
+    consumer = PullConsumer(namesrv, group)
+    bodies = []
+    try:
+        async with asyncio.timeout(timeout):
+            queues = await consumer.fetch_queues(topic)
+            offsets = {mq: 0 for mq in queues}
+            while True:
+                for mq in queues:
+                    res = await consumer.pull(mq, offsets[mq], max_nums=256)
+                    offsets[mq] = res.next_begin_offset
+                    bodies += [m.body for m in res.messages]
+                if expect is None or len(bodies) >= expect:
+                    return bodies
+                await consumer.pull(queues[0], offsets[queues[0]], suspend_ms=200)
+    finally:
+        await consumer.shutdown()
+
+
+async def _admin(addr, code, fields=None, body=b""):
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields, body), 5.0)
+    finally:
+        conn.close()
+
+
+async def test_commit_is_delivered_once_and_rollback_never(broker_factory):
+    b = broker_factory(*FAST)
+    listener = Listener()
+    async with TransactionProducer(b.namesrv, "PG_tx", listener) as producer:
+        committed = await producer.send_in_transaction("TxTopic", b"commit-me")
+        listener.execute = S.ROLLBACK_MESSAGE
+        rolled = await producer.send_in_transaction("TxTopic", b"roll-me-back")
+        assert committed.acknowledged and rolled.acknowledged
+        # The decision is idempotent: replaying it changes nothing; the opposite is refused.
+        _, _, off = __import__("protocol.message", fromlist=["x"]).decode_offset_msg_id(
+            committed.send_result.offset_msg_id)
+        again = await producer._end(b.broker, off, committed.send_result.queue_offset,
+                                    committed.send_result.msg_id, S.COMMIT_MESSAGE, False, None)
+        assert again is True
+        with pytest.raises(Exception, match="first decision wins"):
+            await producer._end(b.broker, off, committed.send_result.queue_offset,
+                                committed.send_result.msg_id, S.ROLLBACK_MESSAGE, False, None)
+    bodies = await _drain(b.namesrv, "TxTopic", expect=1)
+    await asyncio.sleep(0)
+    assert bodies == [b"commit-me"]
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    assert listed["total"] == 0
+
+
+async def test_unknown_then_check_decides(broker_factory):
+    b = broker_factory(*FAST)
+    listener = Listener(execute=S.UNKNOW, check=S.COMMIT_MESSAGE)
+    async with TransactionProducer(b.namesrv, "PG_unknown", listener) as producer:
+        await producer.send_in_transaction("TxUnknown", b"decided-by-check")
+        listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+        assert listed["total"] == 1 and listed["pending"][0]["last_answer"] == "UNKNOWN"
+        await asyncio.wait_for(listener.checked.wait(), 10)
+        bodies = await _drain(b.namesrv, "TxUnknown", expect=1)
+        listener.check = S.ROLLBACK_MESSAGE
+        listener.checked.clear()
+        await producer.send_in_transaction("TxUnknown", b"rolled-back-by-check")
+        await asyncio.wait_for(listener.checked.wait(), 10)
+    assert bodies == [b"decided-by-check"]
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    async with asyncio.timeout(10):
+        while listed["total"]:
+            await asyncio.sleep(0.05)
+            listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    assert await _drain(b.namesrv, "TxUnknown") == [b"decided-by-check"]
+
+
+async def test_another_producer_of_the_group_answers_when_the_sender_died(broker_factory):
+    b = broker_factory(*FAST)
+    survivor_listener = Listener(check=S.COMMIT_MESSAGE)
+    survivor = await TransactionProducer(b.namesrv, "PG_failover", survivor_listener).start()
+    dying = await TransactionProducer(b.namesrv, "PG_failover", Listener(execute=S.UNKNOW)).start()
+    await dying.send_in_transaction("TxFailover", b"orphan")
+    await dying.pool.close()           # the sender is gone before any check
+    await asyncio.wait_for(survivor_listener.checked.wait(), 10)
+    assert await _drain(b.namesrv, "TxFailover", expect=1) == [b"orphan"]
+    await survivor.shutdown()
+
+
+class DroppingProxy:
+    """A TCP proxy that forwards frames and drops END_TRANSACTION requests (like a lost oneway)."""
+
+    def __init__(self, target):
+        self.target = target
+        self.dropped = 0
+
+    async def start(self):
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _client(self, reader, writer):
+        host, _, port = self.target.rpartition(":")
+        up_r, up_w = await asyncio.open_connection(host, int(port))
+
+        async def pump(src, dst, filtered):
+            decoder = FrameDecoder()
+            try:
+                while data := await src.read(65536):
+                    if not filtered:
+                        dst.write(data)
+                        continue
+                    for frame in decoder.feed(data):
+                        cmd = RemotingCommand.decode(frame)
+                        if cmd.code == RequestCode.END_TRANSACTION and not cmd.is_response:
+                            self.dropped += 1
+                            continue
+                        dst.write(frame)
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_w, True), pump(up_r, writer, False), return_exceptions=True)
+
+
+async def test_a_dropped_end_transaction_is_resolved_by_the_check(broker_factory):
+    b = broker_factory(*FAST)
+    proxy = DroppingProxy(b.broker)
+    proxy_addr = await proxy.start()
+    listener = Listener(execute=S.COMMIT_MESSAGE, check=S.COMMIT_MESSAGE)
+    producer = TransactionProducer(b.namesrv, "PG_lost", listener, end_retries=0, end_timeout=0.5)
+    await producer.start()
+    producer.end_acknowledged = False     # send END oneway, as a stock client does
+    producer.routes.broker_addr = lambda name: proxy_addr
+    await producer.send_in_transaction("TxLost", b"end-was-lost")
+    assert proxy.dropped == 1
+    await asyncio.wait_for(listener.checked.wait(), 10)
+    assert await _drain(b.namesrv, "TxLost", expect=1) == [b"end-was-lost"]
+    await producer.shutdown()
+    proxy.server.close()
+
+
+async def test_unanswered_checks_dead_letter_then_resume(broker_factory):
+    b = broker_factory("--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "15")
+    listener = Listener(execute=S.UNKNOW, check=S.UNKNOW)
+    async with TransactionProducer(b.namesrv, "PG_dead", listener) as producer:
+        sent = await producer.send_in_transaction("TxDead", b"never-decided")
+        async with asyncio.timeout(30):
+            while True:
+                dlq = await _drain(b.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC", group="CG_dlq")
+                if dlq:
+                    break
+                await asyncio.sleep(0.1)
+        assert dlq == [b"never-decided"]
+        assert listener.checks == 15
+        consumer = PullConsumer(b.namesrv, "CG_dlq2")
+        mq = (await consumer.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC"))[0]
+        msg = (await consumer.pull(mq, 0)).messages[0]
+        await consumer.shutdown()
+        assert msg.properties["TXMQ_REASON"] == "max-checks"
+        off = int(msg.properties["TXMQ_HALF"])
+        listener.check = S.COMMIT_MESSAGE
+        listener.checked.clear()
+        resumed = await _admin(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": off})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+        await asyncio.wait_for(listener.checked.wait(), 10)
+        assert await _drain(b.namesrv, "TxDead", expect=1) == [b"never-decided"]
+        assert sent.state is S.UNKNOW
+
+
+async def test_admin_force_commit(broker_factory):
+    b = broker_factory("--transaction-check-interval-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_admin", Listener(execute=S.UNKNOW)) as producer:
+        await producer.send_in_transaction("TxAdmin", b"forced")
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    row = listed["pending"][0]
+    assert row["group"] == "PG_admin" and row["topic"] == "TxAdmin" and row["owner"].endswith("(gone)")
+    forced = await _admin(b.broker, RequestCode.TXMQ_RESOLVE_TRANSACTION,
+                          {"commitLogOffset": row["commit_log_offset"], "decision": "commit"})
+    assert forced.code == ResponseCode.SUCCESS
+    assert await _drain(b.namesrv, "TxAdmin", expect=1) == [b"forced"]

@@ -1,0 +1,92 @@
+"""The real broker as a child process on 127.0.0.1, ports chosen by the OS, for integration tests."""
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_LISTENING = re.compile(r"LISTENING broker=(\S+) namesrv=(\S+) metrics=(\S+)")
+
+
+class BrokerProcess:
+    def __init__(self, store_dir, *flags: str, env: dict | None = None):
+        self.store_dir = Path(store_dir)
+        self.flags = list(flags)
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.broker = self.namesrv = self.metrics = ""
+        self.log_path = self.store_dir.parent / f"{self.store_dir.name}-broker.log"
+
+    def start(self, timeout: float = 30.0) -> "BrokerProcess":
+        self.store_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "broker", "--host", "127.0.0.1", "--port", "0", "--namesrv-port", "0",
+             "--metrics-port", "0", "--store-dir", str(self.store_dir), *self.flags],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=log, env=env)
+        log.close()
+        line = self._read_line(timeout)
+        m = _LISTENING.search(line)
+        if not m:
+            self.kill()
+            raise RuntimeError(f"broker did not start: {line!r}\n{self.log()}")
+        self.broker, self.namesrv, self.metrics = m.groups()
+        return self
+
+    def _read_line(self, timeout: float) -> str:
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        buf = b""
+        while time.monotonic() < deadline:
+            if not sel.select(max(0.0, deadline - time.monotonic())):
+                break
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buf += chunk
+            if b"\n" in buf:
+                break
+        sel.close()
+        return buf.decode(errors="replace").strip()
+
+    @property
+    def broker_port(self) -> int:
+        return int(self.broker.rsplit(":", 1)[1])
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait: the broker's clean shutdown."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: the crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
