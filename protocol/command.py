@@ -27,6 +27,7 @@ receives it.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Iterable, Sequence
 
@@ -42,6 +43,7 @@ _LANG_BY_NAME = {lang.name: int(lang) for lang in LanguageCode}
 _LANG_NAME = {int(lang): lang.name for lang in LanguageCode}
 _json_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False).encode
 _json_loads = json.JSONDecoder().decode
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 BodyParts = Sequence[bytes | bytearray | memoryview]
 
@@ -185,8 +187,9 @@ class RemotingCommand:
 
     @classmethod
     def _decode_json_header(cls, header) -> "RemotingCommand":
+        raw = bytes(header)
         try:
-            obj = _json_loads(bytes(header).decode("utf-8"))
+            obj = _json_loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise HeaderError(f"JSON header does not parse: {exc}") from None
         if not isinstance(obj, dict):
@@ -222,6 +225,14 @@ class RemotingCommand:
                 if isinstance(value, (dict, list)):
                     raise HeaderError(f"extFields[{key!r}] is a {type(value).__name__}, not a scalar")
                 ext[key] = _field_text(value)
+        if _SURROGATE_ESCAPE.search(raw):
+            # JSON escapes can spell a lone surrogate, which no UTF-8 encoder
+            # (ours, the record's, the reply's) can write back: refuse it here.
+            for text in (remark or "", *ext.keys(), *ext.values()):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise HeaderError(f"JSON header string {text!r} holds a lone surrogate") from None
         return cls(code, language=language, version=version, opaque=opaque, flag=flag, remark=remark,
                    ext_fields=ext)
 
