@@ -468,14 +468,18 @@ class SendMessageRequestHeader:
                 return default
             return value
 
-        def number(name, required=False, default=0):
+        def number(name, required=False, default=0, bits=32):
             value = text(name, required)
             if value is None:
                 return default
             try:
-                return int(value)
+                result = int(value)
             except ValueError:
                 raise HeaderError(f"the send header field {name}={value!r} is not an integer") from None
+            # Java parses these as Integer / Long; anything wider cannot be stored in a record.
+            if not -(1 << (bits - 1)) <= result < (1 << (bits - 1)):
+                raise HeaderError(f"the send header field {name}={value!r} is out of range")
+            return result
 
         def flag_(name):
             value = text(name)
@@ -488,7 +492,7 @@ class SendMessageRequestHeader:
             default_topic_queue_nums=number("defaultTopicQueueNums", default=4),
             queue_id=number("queueId", True),
             sys_flag=number("sysFlag", True),
-            born_timestamp=number("bornTimestamp", True),
+            born_timestamp=number("bornTimestamp", True, bits=64),
             flag=number("flag", True),
             properties=text("properties", default=""),
             reconsume_times=number("reconsumeTimes"),
