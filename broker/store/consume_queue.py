@@ -1,0 +1,233 @@
+"""Consume queues: the per-(topic, queue) index of the commit log (spec 7.3).
+
+``<store_dir>/consumequeue/<topic>/<queueId>/<20-digit start byte offset>``; each file holds
+``cq_units_per_file`` units; logical offset n lives at byte n * 20. A unit, big-endian:
+
+    offset  size  field
+    0       8     commit-log offset of the record
+    8       4     record size
+    12      8     tag code (Java String.hashCode of TAGS, sign-extended; 0 without a tag)
+
+Units before a queue's first real unit (a queue rebuilt after old segments expired) are
+RocketMQ's pre-blank ``(0, 0x7FFFFFFF, 0)``. Consume queues are derived data: the
+writer appends units only for records that are already readable, the files are flushed
+lazily before each checkpoint, and recovery rebuilds any tail they lack from the log.
+Only the event-loop thread touches a queue, except ``flush`` (the flush thread, on
+ranges snapshotted by ``dirty_ranges``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+from protocol.errors import StoreError
+
+from .mapped_file import MappedFile, parse_name
+
+log = logging.getLogger("txmq.store")
+
+UNIT = struct.Struct(">qiq")
+UNIT_SIZE = 20
+BLANK_SIZE = 0x7FFFFFFF
+RESERVE_CHUNK = 64 * 1024      # allocate ahead in small steps: a queue costs disk only as it fills
+_SCAN_CHUNK = 64 * 1024
+
+
+class ConsumeQueue:
+    def __init__(self, directory: str, topic: str, queue_id: int, file_size: int):
+        self.directory = directory
+        self.topic = topic
+        self.queue_id = queue_id
+        self.file_size = file_size
+        self.files: list[MappedFile] = []
+        self.min_offset = 0
+        self.max_offset = 0
+        self._flush_mark: tuple[MappedFile | None, int] = (None, 0)
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, directory: str, topic: str, queue_id: int, file_size: int) -> "ConsumeQueue":
+        cq = cls(directory, topic, queue_id, file_size)
+        starts = sorted(s for s in map(parse_name, os.listdir(directory)) if s is not None)
+        # Keep the newest run of consecutive files: a gap means older files are unusable anyway.
+        for i in range(len(starts) - 1, 0, -1):
+            if starts[i] - starts[i - 1] != file_size:
+                log.warning("consume queue %s-%d: file %020d does not follow %020d; ignoring the older files",
+                            topic, queue_id, starts[i], starts[i - 1])
+                starts = starts[i:]
+                break
+        for start in starts:
+            if start % file_size:
+                raise StoreError(f"consume queue {topic}-{queue_id}: file name is not a multiple of the "
+                                 f"{file_size}-byte file size (was cq_units_per_file changed? delete "
+                                 f"{directory} to rebuild it from the commit log)", segment=f"{start:020d}")
+            mf, found = MappedFile.open(os.path.join(directory, f"{start:020d}"), start, file_size)
+            cq.files.append(mf)
+            if found > file_size:
+                raise StoreError(f"consume queue {topic}-{queue_id}: file is {found} bytes, expected {file_size} "
+                                 f"(delete {directory} to rebuild it from the commit log)", segment=mf.name)
+        if cq.files:
+            last = cq.files[-1]
+            used = _written_length(last)
+            last.reserved = used
+            cq.max_offset = (last.start + used) // UNIT_SIZE
+            cq.min_offset = cq.files[0].start // UNIT_SIZE
+            cq._flush_mark = (last, used)
+        return cq
+
+    # ------------------------------------------------------------ hot path
+    def append(self, phys: int, size: int, tag: int) -> None:
+        byte = self.max_offset * UNIT_SIZE
+        files = self.files
+        if not files or byte >= files[-1].start + self.file_size:
+            self._new_file(byte)
+        mf = files[-1]
+        pos = byte - mf.start
+        if pos + UNIT_SIZE > mf.reserved:
+            mf.reserve(pos + RESERVE_CHUNK)
+        UNIT.pack_into(mf.mm, pos, phys, size, tag)
+        self.max_offset += 1
+
+    def _new_file(self, byte: int) -> None:
+        if not self.files:
+            os.makedirs(self.directory, exist_ok=True)
+            self.min_offset = self.max_offset
+        start = byte - byte % self.file_size
+        self.files.append(MappedFile.create(self.directory, start, self.file_size, reserve=RESERVE_CHUNK))
+
+    # --------------------------------------------------------------- reads
+    def _locate(self, offset: int) -> tuple[MappedFile, int] | None:
+        files = self.files
+        if not files:
+            return None
+        byte = offset * UNIT_SIZE
+        idx = (byte - files[0].start) // self.file_size
+        if idx < 0 or idx >= len(files):
+            return None
+        mf = files[idx]
+        return mf, byte - mf.start
+
+    def unit(self, offset: int) -> tuple[int, int, int] | None:
+        if offset < 0 or offset >= self.max_offset:
+            return None
+        where = self._locate(offset)
+        if where is None:
+            return None
+        return UNIT.unpack_from(where[0].mm, where[1])
+
+    def read(self, offset: int, count: int) -> bytes | None:
+        """Raw units from ``offset``, at most ``count`` and never past the end of its file; None if no file."""
+        where = self._locate(offset)
+        if where is None:
+            return None
+        mf, pos = where
+        n = min(count, self.max_offset - offset, (self.file_size - pos) // UNIT_SIZE)
+        return mf.mm[pos:pos + n * UNIT_SIZE]
+
+    def next_file_offset(self, offset: int) -> int:
+        byte = offset * UNIT_SIZE
+        return (byte - byte % self.file_size + self.file_size) // UNIT_SIZE
+
+    def first_unit_at_or_after(self, phys: int, lo: int | None = None) -> int:
+        """The smallest logical offset whose unit points at ``phys`` or later (units are in log order)."""
+        lo = self.min_offset if lo is None else lo
+        hi = self.max_offset
+        while lo < hi:
+            mid = (lo + hi) // 2
+            u = self.unit(mid)
+            if u is not None and u[0] >= phys and u[1] != BLANK_SIZE:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    # ------------------------------------------------------ maintenance
+    def truncate(self, offset: int) -> int:
+        """Drop units from ``offset`` on (zeroed, so a restart does not see them); returns how many."""
+        dropped = self.max_offset - offset
+        if dropped <= 0:
+            return 0
+        byte = offset * UNIT_SIZE
+        keep = [mf for mf in self.files if mf.start <= byte]
+        for mf in self.files[len(keep):]:
+            mf.remove()
+        self.files = keep
+        self.max_offset = offset
+        self.min_offset = min(self.min_offset, offset)
+        if keep:
+            mf = keep[-1]
+            pos = byte - mf.start
+            end = min(pos + dropped * UNIT_SIZE, self.file_size)
+            mf.mm[pos:end] = bytes(end - pos)
+            mf.flush(pos, end)
+            self._flush_mark = (mf, pos)
+        return dropped
+
+    def pad(self, offset: int) -> None:
+        """Fill up to ``offset`` with pre-blank units (for records whose units cannot be rebuilt).
+
+        An empty queue starts at the file that holds ``offset``, as RocketMQ's fillPreBlank does.
+        """
+        if not self.files:
+            byte = offset * UNIT_SIZE
+            self.max_offset = self.min_offset = (byte - byte % self.file_size) // UNIT_SIZE
+        while self.max_offset < offset:
+            self.append(0, BLANK_SIZE, 0)
+
+    def expire_before(self, phys: int) -> list[MappedFile]:
+        """Move min_offset past units below commit-log offset ``phys``; returns whole files to delete."""
+        dead = []
+        while len(self.files) > 1:
+            first = self.files[0]
+            last_unit = UNIT.unpack_from(first.mm, self.file_size - UNIT_SIZE)
+            if last_unit[0] >= phys:
+                break
+            dead.append(self.files.pop(0))
+        if self.files:
+            self.min_offset = max(self.min_offset, self.files[0].start // UNIT_SIZE)
+            self.min_offset = self.first_unit_at_or_after(phys)
+        return dead
+
+    def dirty_ranges(self) -> list[tuple[MappedFile, int, int]]:
+        """Ranges written since the last call, for the flush thread."""
+        if not self.files:
+            return []
+        mark_file, mark_pos = self._flush_mark
+        last = self.files[-1]
+        end = self.max_offset * UNIT_SIZE - last.start
+        if mark_file is last and mark_pos == end:
+            return []
+        ranges = []
+        started = mark_file not in self.files
+        for mf in self.files:
+            if mf is mark_file:
+                started = True
+                lo = mark_pos
+            elif started:
+                lo = 0
+            else:
+                continue
+            hi = end if mf is last else self.file_size
+            if hi > lo:
+                ranges.append((mf, lo, hi))
+        self._flush_mark = (last, end)
+        return ranges
+
+    def close(self) -> None:
+        for mf in self.files:
+            mf.close()
+        self.files = []
+
+
+def _written_length(mf: MappedFile) -> int:
+    """Bytes up to the last whole unit holding a non-zero byte (every real unit has a non-zero size)."""
+    end = mf.size
+    while end > 0:
+        start = max(0, end - _SCAN_CHUNK)
+        tail = mf.mm[start:end].rstrip(b"\0")
+        if tail:
+            last = start + len(tail)
+            return min(-(-last // UNIT_SIZE) * UNIT_SIZE, mf.size - mf.size % UNIT_SIZE)
+        end = start
+    return 0

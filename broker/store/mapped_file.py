@@ -1,0 +1,138 @@
+"""One fixed-size file mapped read-write: the unit of the commit log and of each consume queue.
+
+Files are named by the offset of their first byte in their log, 20 decimal digits
+(``00000000001073741824``), so a directory listing sorts in log order and RocketMQ
+tools recognise them.
+
+Why things are done this way:
+
+* Space is reserved with posix_fallocate, never left sparse under a mapping: writing to
+  a sparse page on a full disk raises SIGBUS and kills the process, while fallocate
+  fails with a plain ENOSPC the writer can turn into a status.
+* ``flush`` is msync(MS_SYNC) on the page-aligned range (mmap.flush drops the GIL while
+  the kernel writes), so it can run on a worker thread while the event loop goes on.
+* Readers get slices of ``view``; while any slice is alive the mapping cannot be closed
+  (mmap.close raises BufferError). ``close`` then just drops our references: the mapping
+  is unmapped by the garbage collector when the last slice goes, and the file, already
+  unlinked by ``remove``, disappears with it.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+log = logging.getLogger("txmq.store")
+
+PAGE = mmap.PAGESIZE
+NAME_DIGITS = 20
+
+
+def file_name(start: int) -> str:
+    return f"{start:0{NAME_DIGITS}d}"
+
+
+def parse_name(name: str) -> int | None:
+    """The start offset a file name stands for, or None for files that are not ours."""
+    if len(name) != NAME_DIGITS or not name.isdigit():
+        return None
+    return int(name)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a create, rename or unlink in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MappedFile:
+    __slots__ = ("path", "name", "start", "size", "fd", "mm", "view", "reserved")
+
+    def __init__(self, path: str, start: int, size: int, fd: int, reserved: int):
+        self.path = path
+        self.name = os.path.basename(path)
+        self.start = start
+        self.size = size
+        self.fd = fd
+        self.reserved = reserved    # bytes from 0 known to be allocated on disk
+        self.mm = mmap.mmap(fd, size)
+        self.view = memoryview(self.mm)
+
+    @classmethod
+    def create(cls, directory: str, start: int, size: int, *, reserve: int) -> "MappedFile":
+        """A new zero-filled file of ``size`` bytes with the first ``reserve`` bytes allocated."""
+        path = os.path.join(directory, file_name(start))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            if reserve:
+                os.posix_fallocate(fd, 0, min(reserve, size))
+            mf = cls(path, start, size, fd, min(reserve, size))
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        fsync_dir(directory)
+        return mf
+
+    @classmethod
+    def open(cls, path: str, start: int, size: int) -> tuple["MappedFile", int]:
+        """Map an existing file; a short file is extended to ``size``. Returns (file, length found)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            found = os.fstat(fd).st_size
+            if found < size:
+                os.ftruncate(fd, size)
+            mf = cls(path, start, size, fd, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return mf, found
+
+    def reserve(self, end: int) -> None:
+        """Allocate disk blocks up to ``end`` (a chunk ahead of the writer), raising OSError on ENOSPC."""
+        end = min(end, self.size)
+        if end > self.reserved:
+            os.posix_fallocate(self.fd, self.reserved, end - self.reserved)
+            self.reserved = end
+
+    def flush(self, lo: int, hi: int) -> None:
+        """msync bytes [lo, hi); msync wants a page-aligned start."""
+        mm = self.mm
+        if hi > lo and mm is not None:
+            start = lo - lo % PAGE
+            mm.flush(start, hi - start)
+
+    def close(self) -> bool:
+        """Unmap now if no reader holds a slice; otherwise leave it to the garbage collector. True if unmapped."""
+        if self.mm is None:
+            return True
+        self.view.release()
+        try:
+            self.mm.close()
+            closed = True
+        except BufferError:
+            closed = False
+            log.debug("%s is still referenced by readers; it is unmapped when they release it", self.path)
+        self.mm = None
+        self.view = None
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.fd = -1
+        return closed
+
+    def remove(self) -> bool:
+        """Unlink and close; readers holding slices keep reading the unlinked pages safely."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        return self.close()

@@ -1,0 +1,142 @@
+"""ConsumerOffsets: committed consumer positions, durable across restarts.
+
+``<store_dir>/config/consumerOffset.json``:
+
+    {"<topic>@<group>": {"<queueId>": <offset>, ...}, ...}
+
+Commits only touch memory and mark the table dirty; a task persists a dirty table every
+``persist_interval_s`` (consumers commit every 5 s and re-commit after a restart, so
+losing the last few seconds costs a few redeliveries, never a lost message) and
+``close`` persists once more. Each write goes to a temporary file that is fsync'ed and
+renamed over the old one, then the directory is fsync'ed: a crash leaves the old table
+or the new one, never a torn file.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+
+from protocol.errors import StoreError
+
+from .mapped_file import fsync_dir
+
+log = logging.getLogger("txmq.store")
+
+FILE_NAME = "consumerOffset.json"
+
+
+class ConsumerOffsets:
+    def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0):
+        self.path = os.path.join(store_dir, "config", FILE_NAME)
+        self.persist_interval_s = persist_interval_s
+        self._table: dict[tuple[str, str, int], int] = {}
+        self._dirty = False
+        self._task: asyncio.Task | None = None
+        self._write_lock = threading.Lock()     # a cancelled background write may still be running
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"consumer offsets file {self.path} cannot be read: {exc}") from None
+        if not isinstance(raw, dict):
+            raise StoreError(f"consumer offsets file {self.path} is not a JSON object")
+        for key, queues in raw.items():
+            topic, sep, group = key.rpartition("@")
+            if not sep or not isinstance(queues, dict):
+                log.warning("consumer offsets: skipping malformed entry %r", key)
+                continue
+            for qid, offset in queues.items():
+                try:
+                    self._table[(group, topic, int(qid))] = int(offset)
+                except (TypeError, ValueError):
+                    log.warning("consumer offsets: skipping %s queue %r = %r", key, qid, offset)
+
+    # ------------------------------------------------------------------ API
+    def get(self, group: str, topic: str, queue_id: int) -> int | None:
+        return self._table.get((group, topic, queue_id))
+
+    def commit(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        key = (group, topic, queue_id)
+        if self._table.get(key) != offset:
+            self._table[key] = offset
+            self._dirty = True
+
+    def remove_group(self, group: str) -> None:
+        for key in [k for k in self._table if k[0] == group]:
+            del self._table[key]
+            self._dirty = True
+
+    def items(self):
+        """((group, topic, queue id), offset) pairs."""
+        return list(self._table.items())
+
+    # ------------------------------------------------------------ lifecycle
+    async def open(self) -> None:
+        """Start persisting a dirty table every ``persist_interval_s``."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._persist_loop(), name="txmq-offsets")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self.persist()
+
+    async def _persist_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.persist_interval_s)
+            if self._dirty:
+                self._dirty = False
+                data = self._encode()
+                try:
+                    await loop.run_in_executor(None, self._write, data)
+                except OSError as exc:
+                    self._dirty = True
+                    log.error("consumer offsets not persisted (retrying): %s", exc)
+
+    def persist(self) -> None:
+        """Write the table now (blocking)."""
+        self._dirty = False
+        try:
+            self._write(self._encode())
+        except OSError:
+            self._dirty = True
+            raise
+
+    def _encode(self) -> bytes:
+        out: dict[str, dict[str, int]] = {}
+        for (group, topic, qid), offset in sorted(self._table.items()):
+            out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
+        return json.dumps(out, indent=1, sort_keys=True).encode()
+
+    def _write(self, data: bytes) -> None:
+        with self._write_lock:
+            self._write_locked(data)
+
+    def _write_locked(self, data: bytes) -> None:
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        fsync_dir(directory)

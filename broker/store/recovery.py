@@ -1,0 +1,327 @@
+"""Start-up recovery: find where the valid log ends, cut a torn tail, bring consume queues in line.
+
+Where the scan starts: the segment holding the checkpoint's flushed offset, or earlier if
+``recovery_verify_segments`` asks to re-verify more of the newest segments; the first
+segment when there is no valid checkpoint. Each record is checked for MESSAGE magic, a
+size that fits the segment (with room for the 8-byte end marker), its PHYSICALOFFSET
+field equal to where it lies, a layout whose lengths add up to TOTALSIZE, and its body
+CRC. An end marker (BLANK magic, TOTALSIZE = bytes left) moves the scan to the next
+segment. Eight zero bytes where a record would start are the end of the data.
+
+Torn tail or damage in the middle -- the rule:
+
+* A bad record (or zeros) followed by nothing but zeros, in a segment after which no
+  later segment holds a non-zero byte, is the end of the log: a write cut short by a
+  crash. Bytes from the bad record to the last non-zero byte are zeroed and the cut is
+  logged (segment, position, length) and reported; later all-zero segments are deleted.
+* A bad record with a valid record anywhere after it in its segment (found by searching
+  for the magic and checking every candidate in full, its offset field included), or
+  with a later segment holding any non-zero byte, is damage in the middle of the log:
+  acknowledged data lies beyond it. Start-up stops with StoreError naming the segment
+  and position, unless ``StoreConfig.truncate_corrupt_tail`` is set, in which case the
+  log is cut at the bad record and every later segment is deleted (logged at ERROR).
+* A segment file shorter than ``segment_size`` is re-extended with zeros first; its
+  missing tail then reads as zeros and the rule above applies.
+
+Consume queues: units that point at or past the new end are dropped; each record
+scanned is checked against its unit (a wrong unit is rewritten from there on) and
+missing units are appended. A queue with a gap (units lost before the scanned range)
+is rebuilt by a second, CRC-free pass over the whole log; units that no longer exist
+in the log become pre-blank units. Dispatch listeners are called, with
+``recovering=True``, for every valid record at or after the checkpoint offset.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import time
+import zlib
+from typing import Callable
+
+from protocol.errors import StoreError
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, string_to_properties, tags_code, validate_topic
+
+from .checkpoint import Checkpoint
+from .commit_log import CommitLog, Segment
+from .consume_queue import ConsumeQueue
+from .mapped_file import parse_name
+from .results import DispatchInfo, RecoveryReport, Truncation
+
+log = logging.getLogger("txmq.store")
+
+_HEAD = struct.Struct(">iiiiiqqi")      # TOTALSIZE MAGIC BODYCRC QUEUEID FLAG QUEUEOFFSET PHYSICALOFFSET SYSFLAG
+_SIZE_MAGIC = struct.Struct(">ii")
+_I64 = struct.Struct(">q")
+_I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
+_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)
+_CHUNK = 1 << 20
+
+
+class BadRecord(Exception):
+    pass
+
+
+def parse_record(seg: Segment, pos: int, check_crc: bool = True):
+    """(size, queue id, queue offset, sys flag, store ts, prepared offset, topic, props span) or BadRecord."""
+    mm = seg.mm
+    limit = seg.size - 8
+    if pos + 91 > limit:
+        raise BadRecord("no room for a record before the end marker")
+    size, magic, crc, qid, _flag, qoff, phys, sys_flag = _HEAD.unpack_from(mm, pos)
+    if magic != MESSAGE_MAGIC:
+        raise BadRecord(f"magic {magic & 0xFFFFFFFF:#010x} is not a record's")
+    if size < 91 or pos + size > limit:
+        raise BadRecord(f"size {size} does not fit the segment")
+    if phys != seg.start + pos:
+        raise BadRecord(f"its offset field says {phys}, not {seg.start + pos}")
+    p = pos + 48 + (20 if sys_flag & 0x10 else 8)
+    ts = _I64.unpack_from(mm, p)[0]
+    p += 8 + (20 if sys_flag & 0x20 else 8) + 4
+    prepared = _I64.unpack_from(mm, p)[0]
+    body_len = _I32.unpack_from(mm, p + 8)[0]
+    p += 12
+    end = pos + size
+    if body_len < 0 or p + body_len + 3 > end:
+        raise BadRecord(f"body length {body_len} runs past the record")
+    if check_crc and zlib.crc32(seg.view[p:p + body_len]) & 0x7FFFFFFF != crc:
+        raise BadRecord("body CRC mismatch")
+    t = p + body_len
+    topic_len = mm[t]
+    if topic_len > 127 or t + 3 + topic_len > end:
+        raise BadRecord(f"topic length {topic_len} runs past the record")
+    props_len = _I16.unpack_from(mm, t + 1 + topic_len)[0]
+    if t + 3 + topic_len + props_len != end:
+        raise BadRecord(f"properties length {props_len} does not end the record")
+    try:
+        topic = mm[t + 1:t + 1 + topic_len].decode()
+    except UnicodeDecodeError:
+        raise BadRecord("topic is not UTF-8") from None
+    return size, qid, qoff, sys_flag, ts, prepared, topic, (t + 3 + topic_len, props_len)
+
+
+def _tag(seg: Segment, span) -> int:
+    lo, n = span
+    try:
+        return tags_code(string_to_properties(seg.mm[lo:lo + n].decode()))
+    except UnicodeDecodeError:
+        return 0
+
+
+def data_end(seg: Segment, lo: int) -> int:
+    """One past the last non-zero byte at or after ``lo`` (``lo`` if none); skips holes when the fs can."""
+    regions = []
+    pos = lo
+    while pos < seg.size:
+        try:
+            start = os.lseek(seg.fd, pos, os.SEEK_DATA)
+            stop = min(os.lseek(seg.fd, start, os.SEEK_HOLE), seg.size)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:    # no SEEK_DATA on this file system: look at every byte
+                regions = [(lo, seg.size)]
+            break                           # ENXIO: nothing but holes after pos
+        regions.append((start, stop))
+        pos = stop
+    for start, stop in reversed(regions):
+        end = stop
+        while end > start:
+            a = max(start, end - _CHUNK)
+            tail = seg.mm[a:end].rstrip(b"\0")
+            if tail:
+                return a + len(tail)
+            end = a
+    return lo
+
+
+def _valid_record_in(seg: Segment, lo: int, hi: int) -> int | None:
+    """Position of a fully valid record starting in (lo, hi), found through its magic, or None."""
+    at = lo + 1
+    while True:
+        hit = seg.mm.find(_MAGIC_BYTES, at + 4, hi)
+        if hit < 0:
+            return None
+        try:
+            parse_record(seg, hit - 4)
+            return hit - 4
+        except BadRecord:
+            at = hit - 3
+
+
+def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
+    """Map every segment; returns the index of the first one found short, if any."""
+    short = None
+    seg_size = clog.seg_size
+    starts = sorted(s for s in map(parse_name, os.listdir(clog.directory)) if s is not None)
+    for i, start in enumerate(starts):
+        name = f"{start:020d}"
+        if start % seg_size or (i and start != starts[i - 1] + seg_size):
+            raise StoreError(f"segment {name} does not follow the previous one for segment_size={seg_size} "
+                             "(was segment_size changed, or a segment deleted from the middle?)", segment=name)
+        found = os.stat(os.path.join(clog.directory, name)).st_size
+        if found > seg_size:
+            raise StoreError(f"segment {name} is {found} bytes but segment_size is {seg_size} "
+                             "(was segment_size changed?)", segment=name, position=seg_size)
+        if found < seg_size and i < len(starts) - 1 and not truncate_corrupt:
+            raise StoreError(f"segment {name} is cut short at {found} of {seg_size} bytes and later segments "
+                             "exist: the log is damaged in the middle. To start anyway, discarding the log from "
+                             "the first bad record on, set StoreConfig(truncate_corrupt_tail=True)",
+                             segment=name, position=found)
+        seg, found = Segment.open(os.path.join(clog.directory, name), start, seg_size)
+        clog.segments.append(seg)
+        if found < seg_size:
+            log.warning("segment %s was %d bytes, short of %d; extended with zeros", name, found, seg_size)
+            short = i if short is None else short
+    return short
+
+
+def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_queue: Callable,
+            checkpoint: Checkpoint | None, verify_segments: int, truncate_corrupt: bool,
+            listeners: list) -> RecoveryReport:
+    began = time.monotonic()
+    short = load_segments(clog, truncate_corrupt)
+    segs = clog.segments
+    point = checkpoint.flushed_offset if checkpoint else 0
+    first = 0
+    if checkpoint is not None and segs:
+        at = clog.locate(point)
+        ck_idx = (0 if point < segs[0].start else len(segs) - 1) if at is None else segs.index(at[0])
+        first = min(ck_idx, max(0, len(segs) - verify_segments), len(segs) if short is None else short)
+    report = RecoveryReport(point, segs[first].start if segs else 0, 0)
+    end, last_ts, gaps = None, 0, set()
+
+    for i in range(first, len(segs)):
+        seg, pos = segs[i], 0
+        while True:
+            try:
+                size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(seg, pos)
+            except BadRecord as bad:
+                total, magic = _SIZE_MAGIC.unpack_from(seg.mm, pos) if pos + 8 <= seg.size else (0, 0)
+                if magic == BLANK_MAGIC and total == seg.size - pos:
+                    seg.written = pos
+                    break
+                end = _end_of_data(clog, i, pos, str(bad) if (total, magic) != (0, 0) else None,
+                                   truncate_corrupt, report)
+                seg.written = pos
+                break
+            if seg.first_ts < 0:
+                seg.first_ts = ts
+            seg.last_ts = last_ts = ts
+            phys = seg.start + pos
+            report.records_scanned += 1
+            if not sys_flag & 0x4:
+                _replay_unit(queues, make_queue, (topic, qid), qoff, phys, size, seg, span, gaps, report)
+            if listeners and phys >= point:
+                info = DispatchInfo(topic, qid, qoff if not sys_flag & 0x4 else -1, phys, size, _tag(seg, span),
+                                    ts, sys_flag, prepared, True)
+                for fn in listeners:
+                    fn(info)
+                report.dispatched += 1
+            pos += size
+        if end is not None:
+            break
+    if not segs:
+        clog.new_segment(0)
+        end = 0
+    elif end is None:                       # the last segment ends with an end marker
+        end = segs[-1].start + clog.seg_size
+        clog.new_segment(end).written = 0
+    at = clog.locate(end)
+    if at is not None:
+        report.removed_segments += clog.drop_segments_from(segs.index(at[0]) + 1)
+    clog.set_end(end, last_ts or (checkpoint.store_timestamp if checkpoint else 0))
+    report.end_offset = end
+
+    for key, cq in queues.items():
+        report.cq_units_dropped += cq.truncate(cq.first_unit_at_or_after(end, lo=0))
+    if gaps:
+        _fill_gaps(clog, queues, gaps, end, report)
+    for cq in queues.values():
+        for mf in cq.expire_before(clog.min_offset):
+            mf.remove()
+        clog.qoffsets[(cq.topic, cq.queue_id)] = cq.max_offset
+    report.seconds = time.monotonic() - began
+    log.info("recovered the commit log: %d records verified from offset %d, end %d, %d cut, "
+             "%d consume-queue units appended and %d dropped, in %.3f s", report.records_scanned,
+             report.scanned_from, end, len(report.truncations), report.cq_units_appended,
+             report.cq_units_dropped, report.seconds)
+    return report
+
+
+def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate_corrupt: bool,
+                 report: RecoveryReport) -> int:
+    """Decide torn tail, clean end or mid-log damage at segment ``i``, byte ``pos``; returns the log end."""
+    segs = clog.segments
+    seg = segs[i]
+    tail_end = data_end(seg, pos)
+    later = next((s for s in segs[i + 1:] if data_end(s, 0) > 0), None)
+    if reason is None and tail_end <= pos and later is None:
+        return seg.start + pos                              # zeros: the clean end of the data
+    reason = reason or "zeros where a record should start"
+    valid_at = _valid_record_in(seg, pos, tail_end) if tail_end > pos else None
+    if valid_at is not None or later is not None:
+        where = (f"a valid record follows at byte {valid_at}" if valid_at is not None
+                 else f"later segment {later.name} holds data")
+        if not truncate_corrupt:
+            raise StoreError(f"commit log damaged at segment {seg.name} byte {pos} ({reason}) and {where}, "
+                             "so acknowledged data lies beyond it. To start anyway, discarding this record and "
+                             "everything after it, set StoreConfig(truncate_corrupt_tail=True)",
+                             segment=seg.name, position=pos)
+        log.error("truncate_corrupt_tail: cutting the commit log at segment %s byte %d (%s; %s): %d bytes "
+                  "and segments %s discarded", seg.name, pos, reason, where, tail_end - pos,
+                  [s.name for s in segs[i + 1:]])
+    else:
+        log.warning("torn tail: cut %d bytes from segment %s at byte %d (%s)", tail_end - pos, seg.name, pos,
+                    reason)
+    if tail_end > pos:
+        clog.zero(seg, pos, tail_end)
+    report.truncations.append(Truncation(seg.name, pos, tail_end - pos, reason))
+    return seg.start + pos
+
+
+def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report) -> None:
+    cq = queues.get(key)
+    if cq is None:
+        if validate_topic(key[0]) is not None or key[1] < 0:
+            log.warning("record at %d has topic %r queue %d, which cannot be a consume queue; not indexed",
+                        phys, key[0], key[1])
+            return
+        cq = queues[key] = make_queue(key)
+    if key in gaps:
+        return
+    if qoff < cq.max_offset:
+        unit = cq.unit(qoff)
+        if unit is not None and unit[0] == phys and unit[1] == size:
+            return
+        log.warning("consume queue %s-%d: unit %d does not match the log; rewriting from there", *key, qoff)
+        report.cq_units_dropped += cq.truncate(qoff)
+    if qoff == cq.max_offset:
+        cq.append(phys, size, _tag(seg, span))
+        report.cq_units_appended += 1
+    else:
+        gaps.add(key)
+
+
+def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryReport) -> None:
+    """Rebuild queues that lost units before the verified range from the whole log (no CRC: read-only)."""
+    log.warning("consume queues %s lack units before the verified range; rebuilding them from the whole log",
+                sorted(gaps))
+    for key in gaps:
+        report.cq_units_dropped += queues[key].truncate(0)
+    for seg in clog.segments:
+        pos = 0
+        while seg.start + pos < end:
+            try:
+                size, qid, qoff, sys_flag, _ts, _p, topic, span = parse_record(seg, pos, check_crc=False)
+            except BadRecord:
+                break                               # the end marker (the scan has already vetted the log)
+            key = (topic, qid)
+            if not sys_flag & 0x4 and key in gaps:
+                cq = queues[key]
+                if qoff > cq.max_offset:
+                    cq.pad(qoff)
+                if qoff == cq.max_offset:
+                    cq.append(seg.start + pos, size, _tag(seg, span))
+                    report.cq_units_appended += 1
+            pos += size

@@ -1,0 +1,375 @@
+"""MessageStore: the storage facade of docs/design.md -- commit log, consume queues, checkpoint.
+
+Threads: everything runs on the event loop except msync/fsync/unmap, which go to ONE
+flush thread in submission order. Because that thread is FIFO, a file queued for
+removal is never unmapped while an earlier flush of it is still pending.
+"""
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from protocol.errors import StoreError
+from protocol.message import MESSAGE_MAGIC, validate_topic
+
+from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from .commit_log import CommitLog, Segment
+from .config import StoreConfig
+from .consume_queue import UNIT, ConsumeQueue
+from .recovery import recover
+from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
+
+log = logging.getLogger("txmq.store")
+
+_SIZE_MAGIC = struct.Struct(">ii")
+_I32 = struct.Struct(">i")
+_I64 = struct.Struct(">q")
+_MIN_SCAN_UNITS = 800       # RocketMQ scans at least 16000 bytes of consume queue per pull
+_FOUND, _NO_MATCH, _REMOVING = GetStatus.FOUND, GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING
+
+
+def _default_clock() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class MessageStore:
+    def __init__(self, store_dir: str, config: StoreConfig | None = None, *,
+                 clock: Callable[[], int] | None = None):
+        self.store_dir = os.path.abspath(store_dir)
+        self.config = config or StoreConfig()
+        self.clock = clock or _default_clock
+        self._log = CommitLog(os.path.join(self.store_dir, "commitlog"), self.config, self.clock)
+        self._cq_root = os.path.join(self.store_dir, "consumequeue")
+        self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
+        self._listeners: list[Callable[[DispatchInfo], None]] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._housekeeping: asyncio.Task | None = None
+        self._last_checkpoint: Checkpoint | None = None
+        self._lock_fd = -1
+        self._state = "new"
+        self.report: RecoveryReport | None = None
+
+    # ---------------------------------------------------------- lifecycle
+    def add_dispatch_listener(self, fn: Callable[[DispatchInfo], None]) -> None:
+        """fn(DispatchInfo) for every stored record; added before open() it also sees recovery replays."""
+        self._listeners.append(fn)
+        self._log.dispatching = True
+
+    async def open(self) -> RecoveryReport:
+        if self._state != "new":
+            raise StoreError(f"the store at {self.store_dir} was already opened")
+        for sub in ("commitlog", "consumequeue", "config"):
+            os.makedirs(os.path.join(self.store_dir, sub), exist_ok=True)
+        self._lock()
+        try:
+            self._load_queues()
+            self.report = recover(self._log, self._cqs, self._make_queue, read_checkpoint(self.store_dir),
+                                  self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
+                                  self._listeners)
+        except BaseException:
+            self._close_files()
+            raise
+        self._log.on_commit = self._on_commit
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-flush")
+        self._log.start(self._executor)
+        self._housekeeping = asyncio.get_running_loop().create_task(self._checkpoint_loop(),
+                                                                    name="txmq-store-checkpoint")
+        self._state = "open"
+        return self.report
+
+    async def close(self) -> None:
+        """Drain queued puts, flush, checkpoint, unmap."""
+        if self._state != "open":
+            return
+        self._state = "closing"
+        await self._log.close()
+        self._housekeeping.cancel()
+        try:
+            await self._housekeeping
+        except asyncio.CancelledError:
+            pass
+        try:
+            await self._checkpoint()
+        except OSError as exc:
+            log.error("final checkpoint failed: %s", exc)
+        self._executor.shutdown(wait=True)
+        self._close_files()
+        self._state = "closed"
+
+    async def __aenter__(self) -> "MessageStore":
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _lock(self) -> None:
+        fd = os.open(os.path.join(self.store_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StoreError(f"the store at {self.store_dir} is in use by another process") from None
+        self._lock_fd = fd
+
+    def _close_files(self) -> None:
+        for cq in self._cqs.values():
+            cq.close()
+        for seg in self._log.segments:
+            seg.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _load_queues(self) -> None:
+        size = self.config.cq_file_size
+        for topic in sorted(os.listdir(self._cq_root)):
+            tdir = os.path.join(self._cq_root, topic)
+            if validate_topic(topic) is not None or not os.path.isdir(tdir):
+                continue
+            for qid in sorted(os.listdir(tdir)):
+                if qid.isdigit():
+                    self._cqs[(topic, int(qid))] = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size)
+
+    def _make_queue(self, key: tuple[str, int]) -> ConsumeQueue:
+        topic, qid = key
+        return ConsumeQueue(os.path.join(self._cq_root, topic, str(qid)), topic, qid, self.config.cq_file_size)
+
+    def _on_commit(self, units: list, infos: list) -> None:
+        """Records just became readable: index them, then tell the listeners."""
+        cqs = self._cqs
+        try:
+            for key, phys, size, tag in units:
+                cq = cqs.get(key)
+                if cq is None:
+                    cq = cqs[key] = self._make_queue(key)
+                cq.append(phys, size, tag)
+        except OSError as exc:      # the records are durable; recovery re-indexes them at the next start
+            self._log._fail(f"cannot extend a consume queue: {exc}")
+        for info in infos:
+            for fn in self._listeners:
+                try:
+                    fn(info)
+                except Exception:
+                    log.exception("dispatch listener %r failed on %s", fn, info)
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_interval_ms / 1000)
+            try:
+                await self._checkpoint()
+            except OSError as exc:
+                log.error("checkpoint failed (retrying): %s", exc)
+
+    async def _checkpoint(self) -> None:
+        point = Checkpoint(self._log.flushed, self._log.flushed_ts)
+        if point == self._last_checkpoint:
+            return
+        # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
+        ranges = [r for cq in self._cqs.values() for r in cq.dirty_ranges()]
+        await asyncio.get_running_loop().run_in_executor(self._executor, _checkpoint_job, ranges,
+                                                         self.store_dir, point)
+        self._last_checkpoint = point
+
+    # ---------------------------------------------------------- writes
+    def put(self, req: PutRequest) -> "asyncio.Future":
+        """Queue one record; await the returned future for its PutResult."""
+        return self._log.put(req)
+
+    def put_many(self, reqs: list[PutRequest]) -> "asyncio.Future":
+        """Queue records to be written back to back in one batch and flushed together.
+
+        All or none are accepted (MESSAGE_ILLEGAL for all if any is illegal); they land in one
+        segment unless together they are larger than a segment.
+        """
+        return self._log.put_many(reqs)
+
+    @property
+    def writable(self) -> bool:
+        return self._state == "open" and self._log.failed is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the store stopped accepting writes, if it did."""
+        return self._log.failed
+
+    @property
+    def min_physical_offset(self) -> int:
+        return self._log.min_offset
+
+    @property
+    def max_physical_offset(self) -> int:
+        """End of the readable log."""
+        return self._log.readable
+
+    @property
+    def flushed_offset(self) -> int:
+        return self._log.flushed
+
+    # ---------------------------------------------------------- reads
+    def get_record(self, physical_offset: int) -> memoryview | None:
+        return self._log.record(physical_offset)
+
+    def get_messages(self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int,
+                     tag_filter: Callable[[int], bool] | None = None) -> GetResult:
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None:
+            return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, 0, 0, 0)
+        lo, hi = cq.min_offset, cq.max_offset
+        if hi == 0:
+            return GetResult(GetStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
+        if offset < lo:
+            return GetResult(GetStatus.OFFSET_TOO_SMALL, lo, lo, hi)
+        if offset == hi:
+            return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, offset, lo, hi)
+        if offset > hi:
+            return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, hi, lo, hi)
+        raw = cq.read(offset, max(_MIN_SCAN_UNITS, max_count))
+        if raw is None:
+            return GetResult(GetStatus.OFFSET_FOUND_NULL, cq.next_file_offset(offset), lo, hi)
+        status = _NO_MATCH
+        buffers: list[memoryview] = []
+        total = scanned = 0
+        skip_below = -1
+        clog = self._log
+        for phys, size, tag in UNIT.iter_unpack(raw):
+            if phys < skip_below:
+                scanned += 1
+                continue
+            if buffers and (len(buffers) >= max_count or total + size > max_bytes):
+                break
+            scanned += 1
+            if tag_filter is not None and not tag_filter(tag):
+                if not buffers:
+                    status = _NO_MATCH
+                continue
+            view = clog.slice(phys, size)
+            if view is None:
+                if not buffers:
+                    status = _REMOVING
+                skip_below = phys - (phys - clog.min_offset) % clog.seg_size + clog.seg_size
+                continue
+            buffers.append(view)
+            total += size
+            status = _FOUND
+        return GetResult(status, offset + scanned, lo, hi, buffers)
+
+    def queues(self) -> list[tuple[str, int]]:
+        """Every (topic, queue id) with a consume queue."""
+        return list(self._cqs)
+
+    def max_offset(self, topic: str, queue_id: int) -> int:
+        cq = self._cqs.get((topic, queue_id))
+        return cq.max_offset if cq is not None else 0
+
+    def min_offset(self, topic: str, queue_id: int) -> int:
+        cq = self._cqs.get((topic, queue_id))
+        return cq.min_offset if cq is not None else 0
+
+    def _store_time_at(self, cq: ConsumeQueue, offset: int) -> int | None:
+        unit = cq.unit(offset)
+        view = self._log.record(unit[0]) if unit is not None else None
+        if view is None:
+            return None
+        sys_flag = _I32.unpack_from(view, 36)[0]
+        return _I64.unpack_from(view, 68 if sys_flag & 0x10 else 56)[0]
+
+    def earliest_store_time(self, topic: str, queue_id: int) -> int:
+        """Store time of the message at the queue's min offset; -1 if there is none."""
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None or cq.min_offset >= cq.max_offset:
+            return -1
+        ts = self._store_time_at(cq, cq.min_offset)
+        return -1 if ts is None else ts
+
+    def search_offset_by_time(self, topic: str, queue_id: int, timestamp: int) -> int:
+        """Spec 3.13: the first offset stored exactly at ``timestamp``, else the one closest in time
+        (the earlier on a tie), 0 when the queue is empty."""
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None or cq.min_offset >= cq.max_offset:
+            return 0
+        first, last = cq.min_offset, cq.max_offset - 1
+        lo, hi = first, last + 1
+        while lo < hi:                      # lower bound: first offset with store time >= timestamp
+            mid = (lo + hi) // 2
+            ts = self._store_time_at(cq, mid)
+            if ts is not None and ts >= timestamp:
+                hi = mid
+            else:
+                lo = mid + 1
+        right_ts = self._store_time_at(cq, lo) if lo <= last else None
+        if right_ts == timestamp:
+            return lo
+        left_ts = self._store_time_at(cq, lo - 1) if lo - 1 >= first else None
+        if left_ts is None:
+            return lo if right_ts is not None else 0
+        if right_ts is None:
+            return lo - 1
+        return lo if timestamp - left_ts > right_ts - timestamp else lo - 1
+
+    # ---------------------------------------------------------- retention
+    def segments(self) -> list[SegmentInfo]:
+        segs = self._log.segments
+        out = []
+        for seg in segs:
+            sealed = seg is not segs[-1]
+            if sealed and seg.written < 0:
+                _summarize(seg)
+            out.append(SegmentInfo(seg.name, seg.path, seg.start, seg.size, max(seg.written, 0), seg.first_ts,
+                                   seg.last_ts, sealed))
+        return out
+
+    async def remove_segment(self, name: str) -> None:
+        """Delete the oldest segment (never the active one), through the writer so no append races it."""
+        if self._state != "open":
+            raise StoreError("the store is not open", segment=name)
+        clog = self._log
+
+        async def op():
+            segs = clog.segments
+            if len(segs) < 2 or segs[0].name != name:
+                why = "the active segment" if segs and segs[-1].name == name else "not the oldest segment"
+                raise StoreError(f"cannot remove segment {name}: {why} (oldest is "
+                                 f"{segs[0].name if segs else None})", segment=name)
+            if segs[0].start + clog.seg_size > clog.flushed:
+                raise StoreError(f"cannot remove segment {name}: not flushed yet", segment=name)
+            dead = [segs.pop(0)]
+            for cq in self._cqs.values():
+                dead += cq.expire_before(clog.min_offset)
+            await asyncio.get_running_loop().run_in_executor(self._executor, _remove_files, dead)
+            log.info("removed segment %s; the log now starts at %d", name, clog.min_offset)
+
+        await clog.control(op)
+
+
+def _checkpoint_job(ranges, store_dir: str, point: Checkpoint) -> None:
+    for mf, lo, hi in ranges:
+        mf.flush(lo, hi)
+    write_checkpoint(store_dir, point)
+
+
+def _remove_files(files) -> None:
+    for mf in files:
+        mf.remove()
+
+
+def _summarize(seg: Segment) -> None:
+    """First/last store time and data length of a sealed segment, by hopping over record headers."""
+    pos, first, last = 0, -1, -1
+    limit = seg.size - 8
+    while pos + 91 <= limit:
+        size, magic = _SIZE_MAGIC.unpack_from(seg.mm, pos)
+        if magic != MESSAGE_MAGIC or size < 91 or pos + size > limit:
+            break
+        sys_flag = _I32.unpack_from(seg.mm, pos + 36)[0]
+        last = _I64.unpack_from(seg.mm, pos + (68 if sys_flag & 0x10 else 56))[0]
+        if first < 0:
+            first = last
+        pos += size
+    seg.first_ts, seg.last_ts, seg.written = first, last, pos
