@@ -1,0 +1,102 @@
+"""`python -m ops.spark`: rollup, expiry, validate-plan. Logs one line per step on stderr."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import sys
+
+from protocol.errors import StoreError
+
+from .load import DEFAULT_CHUNK_BYTES
+from .plan import PlanError, validate_plan
+
+
+def _date(text: str) -> str:
+    try:
+        return dt.date.fromisoformat(text).isoformat()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date like 2024-03-10") from None
+
+
+def _spark_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store-dir", required=True, help="the broker's store directory (read only)")
+    p.add_argument("--master", default=None,
+                   help="Spark master (default: spark-submit's, else local[*])")
+    p.add_argument("--shuffle-partitions", type=int, default=None, help="spark.sql.shuffle.partitions")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="extra Spark setting")
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="leave a damaged segment tail out (and report it) instead of failing")
+    p.add_argument("--check-crc", action="store_true", help="also verify every body CRC (slower)")
+    p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_BYTES >> 20,
+                   help="split segments into tasks of about this many MiB (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no Spark console progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ops.spark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("rollup", help="hourly/daily metrics as Parquet + an HTML/CSV report")
+    _spark_args(r)
+    r.add_argument("--out", required=True, help="output directory (Parquet tables and report/)")
+    r.add_argument("--date", type=_date, default=None,
+                   help="UTC date to roll up (default: every date in the store)")
+    r.add_argument("--report-dir", default=None, help="where the report goes (default OUT/report)")
+    e = sub.add_parser("expiry", help="write the expiry plan (undecided halves, removable segments)")
+    _spark_args(e)
+    e.add_argument("--out", required=True, help="plan file to write (JSON)")
+    e.add_argument("--retention-hours", type=float, default=72.0)
+    e.add_argument("--now-ms", type=int, default=None, help="the time to plan for (default: now)")
+    v = sub.add_parser("validate-plan", help="check a plan file (exit 0 when valid)")
+    v.add_argument("plan")
+    return parser
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("ops.spark")
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging()
+    log = logging.getLogger("ops.spark")
+    if args.command == "validate-plan":
+        try:
+            plan = validate_plan(args.plan)
+        except PlanError as exc:
+            print(f"validate-plan: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps({"valid": True, "halves": len(plan["halves"]), "segments": len(plan["segments"])}))
+        return 0
+
+    from .session import build_session
+
+    conf = dict(kv.split("=", 1) for kv in args.conf)
+    spark = build_session(args.master, app_name=f"txmq-{args.command}", shuffle_partitions=args.shuffle_partitions,
+                          progress=not args.no_progress, conf=conf)
+    scan = {"skip_damaged": args.skip_damaged, "check_crc": args.check_crc, "chunk_bytes": args.chunk_mb << 20}
+    try:
+        if args.command == "rollup":
+            from .rollup import run_rollup
+
+            summary = run_rollup(spark, args.store_dir, args.out, date=args.date, report_dir=args.report_dir,
+                                 **scan)
+            print(json.dumps({k: summary[k] for k in ("dates", "records", "rows", "reports")}))
+        else:
+            from .expiry import run_expiry
+
+            plan = run_expiry(spark, args.store_dir, args.out, retention_hours=args.retention_hours,
+                              now_ms=args.now_ms, **scan)
+            print(json.dumps({"plan": args.out, "halves": len(plan["halves"]), "segments": len(plan["segments"])}))
+        return 0
+    except (StoreError, ValueError) as exc:
+        log.error("%s: %s", args.command, exc)
+        return 2
+    finally:
+        spark.stop()

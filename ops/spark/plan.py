@@ -1,0 +1,141 @@
+"""The expiry plan: its JSON format, writing it, and validating it (pure Python, no Spark).
+
+The broker's `python -m broker admin apply-expiry PLAN` calls validate_plan() before it
+acts, so a plan that is malformed, from a future version, or that would expire anything
+not strictly older than its own retention is refused as a whole. Format (docs/ops-spark.md):
+
+    {"version": 1, "created_ms": int, "retention_ms": int, "now_ms": int,
+     "halves":   [{"commit_log_offset": int, "queue_offset": int, "producer_group": str,
+                   "topic": str, "store_timestamp": int, "uniq_key": str | null}],
+     "segments": [{"name": "<20 digits>", "first_store_timestamp": int | null,
+                   "last_store_timestamp": int | null}]}
+
+Readers ignore keys they do not know; a change that readers must understand bumps version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+
+PLAN_VERSION = 1
+_SEGMENT_NAME = re.compile(r"\d{20}")
+_HALF_KEYS = {"commit_log_offset": int, "queue_offset": int, "producer_group": str, "topic": str,
+              "store_timestamp": int, "uniq_key": (str, type(None))}
+
+
+class PlanError(ValueError):
+    """The plan file cannot be applied; the message lists every problem found."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_type(v, kind) -> bool:
+    if kind is int:
+        return _is_int(v)
+    return isinstance(v, kind)
+
+
+def validate_plan(source) -> dict:
+    """Check a plan (a path, JSON text/bytes, or an already parsed dict); return it as a dict.
+
+    Raises PlanError naming every problem. A valid plan expires only halves and segments
+    whose store timestamps are strictly older than now_ms - retention_ms.
+    """
+    if isinstance(source, dict):
+        plan = source
+    else:
+        try:
+            if isinstance(source, bytes) or (isinstance(source, str) and source.lstrip().startswith("{")):
+                plan = json.loads(source)
+            else:
+                with open(source, "rb") as f:
+                    plan = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"cannot read the expiry plan: {exc}") from None
+    if not isinstance(plan, dict):
+        raise PlanError("the expiry plan is not a JSON object")
+    problems: list[str] = []
+    if plan.get("version") != PLAN_VERSION:
+        raise PlanError(f"expiry plan version {plan.get('version')!r} is not {PLAN_VERSION}")
+    for key in ("created_ms", "retention_ms", "now_ms"):
+        if not _is_int(plan.get(key)) or plan[key] < 0:
+            problems.append(f"{key} must be a non-negative integer, not {plan.get(key)!r}")
+    if _is_int(plan.get("retention_ms")) and plan["retention_ms"] <= 0:
+        problems.append("retention_ms must be positive")
+    if problems:
+        raise PlanError("; ".join(problems))
+    cutoff = plan["now_ms"] - plan["retention_ms"]
+
+    halves = plan.get("halves")
+    if not isinstance(halves, list):
+        problems.append("halves must be a list")
+        halves = []
+    seen = set()
+    for i, h in enumerate(halves):
+        where = f"halves[{i}]"
+        if not isinstance(h, dict):
+            problems.append(f"{where} is not an object")
+            continue
+        bad = [k for k, kind in _HALF_KEYS.items() if k not in h or not _check_type(h[k], kind)]
+        if bad:
+            problems.append(f"{where}: missing or mistyped {', '.join(bad)}")
+            continue
+        if h["commit_log_offset"] < 0 or h["queue_offset"] < 0:
+            problems.append(f"{where}: offsets must not be negative")
+        if h["commit_log_offset"] in seen:
+            problems.append(f"{where}: commit_log_offset {h['commit_log_offset']} is listed twice")
+        seen.add(h["commit_log_offset"])
+        if not h["store_timestamp"] < cutoff:
+            problems.append(f"{where}: store_timestamp {h['store_timestamp']} is not older than the "
+                            f"retention (cutoff {cutoff})")
+
+    segments = plan.get("segments")
+    if not isinstance(segments, list):
+        problems.append("segments must be a list")
+        segments = []
+    names = []
+    for i, s in enumerate(segments):
+        where = f"segments[{i}]"
+        if not isinstance(s, dict):
+            problems.append(f"{where} is not an object")
+            continue
+        name = s.get("name")
+        if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
+            problems.append(f"{where}: name {name!r} is not a 20-digit segment name")
+            continue
+        first, last = s.get("first_store_timestamp"), s.get("last_store_timestamp")
+        if not all(v is None or _is_int(v) for v in (first, last)) or (first is None) != (last is None):
+            problems.append(f"{where}: first/last_store_timestamp must both be integers (or both null)")
+            continue
+        if last is not None and (first > last or not last < cutoff):
+            problems.append(f"{where}: store timestamps {first}..{last} are not all older than the "
+                            f"retention (cutoff {cutoff})")
+        names.append(name)
+    if len(set(names)) != len(names):
+        problems.append("a segment is listed twice")
+    if names != sorted(names):
+        problems.append("segments are not listed oldest first")
+    if problems:
+        raise PlanError("; ".join(problems))
+    return plan
+
+
+def write_plan(plan: dict, path: str) -> None:
+    """Write atomically (temp file + rename) so the broker never reads half a plan."""
+    validate_plan(plan)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".plan-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(plan, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

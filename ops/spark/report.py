@@ -1,0 +1,188 @@
+"""The daily report: one self-contained HTML page (inline SVG charts, no script, no network)
+and a CSV summary with one row per hour and one for the day.
+
+collect() pulls the few hundred numbers a day needs from the cached rollup tables;
+render_html() / render_csv() are pure functions of that dict.
+"""
+from __future__ import annotations
+
+import csv
+import html
+import io
+import os
+
+from .svg import bar_chart, line_chart
+
+CSV_COLUMNS = ("date", "window", "messages", "bytes", "halves", "commits", "rollbacks", "checks", "dead_letters",
+               "undecided_at_end", "decided", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
+               "latency_max_ms")
+TX_COLUMNS = CSV_COLUMNS[4:]
+
+
+def collect(tables: dict, date: str, summary: dict) -> dict:
+    from pyspark.sql import functions as F
+
+    def rows(df):
+        return [r.asDict() for r in df.collect()]
+
+    on_date = F.col("date") == date
+    traffic = tables["traffic"].where(on_date)
+    hours = {r["h"]: r for r in rows(traffic.where("grain = 'hour'").groupBy(F.hour("window_start").alias("h"))
+                                     .agg(F.sum("messages").alias("messages"), F.sum("bytes").alias("bytes")))}
+    tx = tables["transactions"].where(on_date & (F.col("producer_group") == "*"))
+    tx_hours = {r["window_start"].hour: r for r in rows(tx.where("grain = 'hour'"))}
+    tx_day = rows(tx.where("grain = 'day'"))
+    day_traffic = traffic.where("grain = 'day'")
+    return {
+        "date": date,
+        "hours": [{"hour": h, "messages": hours.get(h, {}).get("messages") or 0,
+                   "bytes": hours.get(h, {}).get("bytes") or 0,
+                   **{c: tx_hours.get(h, {}).get(c) for c in TX_COLUMNS}} for h in range(24)],
+        "day": {"messages": sum(v["messages"] for v in hours.values()),
+                "bytes": sum(v["bytes"] for v in hours.values()),
+                **{c: (tx_day[0][c] if tx_day else None) for c in TX_COLUMNS}},
+        "topics": rows(day_traffic.groupBy("topic", "topic_kind")
+                       .agg(F.sum("messages").alias("messages"), F.sum("bytes").alias("bytes"))
+                       .orderBy(F.desc("messages"), "topic")),
+        "groups": rows(tables["transactions"].where(on_date & (F.col("grain") == "day")
+                                                    & (F.col("producer_group") != "*"))
+                       .orderBy("producer_group")),
+        "lag": rows(tables["consumer_lag"].where(on_date & (F.col("grain") == "day")).orderBy(F.desc("lag_max"))),
+        "broker": rows(tables["broker"].where(on_date & (F.col("grain") == "day"))),
+        "scan": {k: summary[k] for k in ("records", "segments", "damage", "snapshot_lines", "bad_snapshot_lines",
+                                         "incomplete_snapshot_lines")},
+    }
+
+
+def write_report(report_dir: str, date: str, tables: dict, summary: dict) -> list[str]:
+    data = collect(tables, date, summary)
+    os.makedirs(report_dir, exist_ok=True)
+    paths = []
+    for ext, text in (("html", render_html(data)), ("csv", render_csv(data))):
+        path = os.path.join(report_dir, f"txmq-{date}.{ext}")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+def render_csv(data: dict) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for h in data["hours"]:
+        w.writerow([data["date"], f"{h['hour']:02d}:00"] + [_csv(h.get(c)) for c in CSV_COLUMNS[2:]])
+    w.writerow([data["date"], "day"] + [_csv(data["day"].get(c)) for c in CSV_COLUMNS[2:]])
+    return out.getvalue()
+
+
+def _csv(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.3f}".rstrip("0").rstrip(".")
+    return v
+
+
+def _num(v, digits: int = 0) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float) and digits:
+        return f"{v:,.{digits}f}"
+    return f"{int(round(v)):,}"
+
+
+def _mb(v) -> str:
+    return f"{(v or 0) / 1e6:,.1f} MB"
+
+
+def _table(head, body) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in body)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+def render_html(data: dict) -> str:
+    d, day, hours = data["date"], data["day"], data["hours"]
+    labels = [f"{h['hour']:02d}" for h in hours]
+    charts = [
+        ("Hourly throughput (messages in)", bar_chart(
+            labels, [("messages", [h["messages"] for h in hours], "#4878a8")], y_label="messages", id="throughput")),
+        ("Transaction outcomes per hour", bar_chart(
+            labels, [("commits", [h["commits"] or 0 for h in hours], "#3c9a5f"),
+                     ("rollbacks", [h["rollbacks"] or 0 for h in hours], "#d08a2e"),
+                     ("dead letters", [h["dead_letters"] or 0 for h in hours], "#b33c3c")],
+            y_label="transactions", id="outcomes",
+            line=("undecided at hour end", [h["undecided_at_end"] or 0 for h in hours], "#6a4c93"))),
+        ("Decision latency (half stored to decision stored)", line_chart(
+            labels, [("p50", [h["latency_p50_ms"] for h in hours], "#4878a8"),
+                     ("p95", [h["latency_p95_ms"] for h in hours], "#d08a2e"),
+                     ("p99", [h["latency_p99_ms"] for h in hours], "#b33c3c"),
+                     ("max", [h["latency_max_ms"] for h in hours], "#777777")], y_label="ms", id="latency")),
+    ]
+    tiles = [("messages in", _num(day["messages"])), ("bytes in", _mb(day["bytes"])),
+             ("half messages", _num(day["halves"])), ("commits", _num(day["commits"])),
+             ("rollbacks", _num(day["rollbacks"])), ("checks", _num(day["checks"])),
+             ("dead letters", _num(day["dead_letters"])), ("undecided at day end", _num(day["undecided_at_end"])),
+             ("decision p50", _num(day["latency_p50_ms"], 1) + " ms"),
+             ("decision p99", _num(day["latency_p99_ms"], 1) + " ms")]
+    scan = data["scan"]
+    notes = [f"{scan['records']:,} records decoded from {scan['segments']} segments; "
+             f"{scan['snapshot_lines']:,} metric snapshots ({scan['bad_snapshot_lines']} bad lines, "
+             f"{scan['incomplete_snapshot_lines']} incomplete)."]
+    for dmg in scan["damage"]:
+        notes.append(f"Damaged tail skipped: {dmg['file']} from byte {dmg['position']} "
+                     f"({dmg['skipped_bytes']:,} bytes): {dmg['reason']}")
+    parts = [
+        f"<h1>txmq daily report — {html.escape(d)} (UTC)</h1>",
+        '<div class="tiles">' + "".join(f'<div class="tile"><div class="v">{html.escape(v)}</div>'
+                                        f'<div class="k">{html.escape(k)}</div></div>' for k, v in tiles) + "</div>",
+    ]
+    for title, svg in charts:
+        parts.append(f"<h2>{html.escape(title)}</h2>{svg}")
+    parts.append("<h2>Hours</h2>" + _table(
+        ["hour", "messages", "bytes", "halves", "commits", "rollbacks", "checks", "dead letters", "undecided",
+         "p50 ms", "p95 ms", "p99 ms", "max ms"],
+        [[f"{h['hour']:02d}:00", _num(h["messages"]), _num(h["bytes"]), _num(h["halves"]), _num(h["commits"]),
+          _num(h["rollbacks"]), _num(h["checks"]), _num(h["dead_letters"]), _num(h["undecided_at_end"]),
+          _num(h["latency_p50_ms"], 1), _num(h["latency_p95_ms"], 1), _num(h["latency_p99_ms"], 1),
+          _num(h["latency_max_ms"])] for h in hours]))
+    parts.append("<h2>Topics</h2>" + _table(
+        ["topic", "kind", "messages", "bytes"],
+        [[t["topic"], t["topic_kind"], _num(t["messages"]), _mb(t["bytes"])] for t in data["topics"]]))
+    parts.append("<h2>Producer groups (transactions)</h2>" + _table(
+        ["group", "halves", "commits", "rollbacks", "checks", "dead letters", "undecided at day end", "p50 ms",
+         "p99 ms", "max ms"],
+        [[g["producer_group"], _num(g["halves"]), _num(g["commits"]), _num(g["rollbacks"]), _num(g["checks"]),
+          _num(g["dead_letters"]), _num(g["undecided_at_end"]), _num(g["latency_p50_ms"], 1),
+          _num(g["latency_p99_ms"], 1), _num(g["latency_max_ms"])] for g in data["groups"]]))
+    parts.append("<h2>Consumer lag</h2>" + _table(
+        ["consumer group", "snapshots", "max lag", "average lag"],
+        [[c["consumer_group"], _num(c["snapshots"]), _num(c["lag_max"]), _num(c["lag_avg"], 1)]
+         for c in data["lag"]]))
+    for b in data["broker"]:
+        parts.append(f"<p>Connections: max {_num(b['connections_max'])}, average "
+                     f"{_num(b['connections_avg'], 1)} over {_num(b['snapshots'])} snapshots.</p>")
+    parts.append("<h2>Inputs</h2>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes))
+    return _PAGE.format(title=html.escape(f"txmq {d}"), body="\n".join(parts))
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 1000px; color: #222; }}
+h1 {{ font-size: 1.5em; }} h2 {{ font-size: 1.15em; margin-top: 2em; }}
+.tiles {{ display: flex; flex-wrap: wrap; gap: 8px; }}
+.tile {{ border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; min-width: 120px; }}
+.tile .v {{ font-size: 1.3em; font-weight: 600; }} .tile .k {{ color: #666; font-size: .85em; }}
+table {{ border-collapse: collapse; font-size: .9em; }}
+th, td {{ border-bottom: 1px solid #eee; padding: 3px 8px; text-align: right; }}
+th:first-child, td:first-child {{ text-align: left; }}
+svg text {{ font: 11px system-ui, sans-serif; fill: #444; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""

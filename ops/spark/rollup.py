@@ -1,0 +1,219 @@
+"""The nightly rollup: hourly and daily metrics as Parquet partitioned by date, plus a report.
+
+Tables under --out (each partitioned by date=YYYY-MM-DD, windows in UTC; grain is "hour"
+or "day", window_start the window's first instant):
+
+    traffic        topic, topic_kind (normal/retry/dlq), producer_group: messages, bytes, body_bytes
+    transactions   producer_group ("*" = all): halves, commits, rollbacks, checks, dead_letters(+ by
+                   reason), undecided_at_end, decided, latency_p50/p95/p99/max_ms (exact)
+    consumer_lag   consumer_group: snapshots, lag_max, lag_avg (lag summed over the group's queues)
+    broker         snapshots, connections_max, connections_avg
+
+Re-running a date replaces that date's partition of every table and nothing else
+(dynamic partition overwrite; a date that now has no rows in a table loses its old ones).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import time
+
+from .load import DEFAULT_CHUNK_BYTES, load_snapshots, scan_store
+from .transactions import (ALL_GROUPS, NO_GROUP, classify, dead_resume, first_decisions, halves, ops)
+
+log = logging.getLogger("ops.spark")
+
+HOUR = 3_600_000
+DAY = 86_400_000
+TX_METRICS = ("halves", "commits", "rollbacks", "checks", "dead_letters", "dead_letters_expired",
+              "dead_letters_max_checks")
+DEAD_REASONS = {"expired": "dead_letters_expired", "max-checks": "dead_letters_max_checks"}
+KEYS = ["date", "grain", "window_ms"]
+
+
+def _F():
+    from pyspark.sql import functions as F
+    return F
+
+
+def _windows(df, ts: str):
+    """One row per (hour, day) window the timestamp falls in, with date and window_ms."""
+    F = _F()
+    grains = F.array(
+        F.struct(F.lit("hour").alias("grain"), (F.floor(F.col(ts) / HOUR) * HOUR).cast("long").alias("w")),
+        F.struct(F.lit("day").alias("grain"), (F.floor(F.col(ts) / DAY) * DAY).cast("long").alias("w")))
+    return (df.withColumn("_w", F.explode(grains))
+            .withColumn("grain", F.col("_w.grain")).withColumn("window_ms", F.col("_w.w")).drop("_w")
+            .withColumn("date", F.date_format(F.expr("timestamp_millis(window_ms)"), "yyyy-MM-dd")))
+
+
+def _all_groups(df, column: str = "producer_group"):
+    F = _F()
+    return df.withColumn(column, F.explode(F.array(F.col(column), F.lit(ALL_GROUPS))))
+
+
+def _finish(df):
+    F = _F()
+    return df.withColumn("window_start", F.expr("timestamp_millis(window_ms)"))
+
+
+def traffic_table(rec, dates):
+    F = _F()
+    msgs = rec.where(F.col("kind") == "message").select(
+        "store_ts", "topic", "topic_kind", F.coalesce("pgroup", F.lit(NO_GROUP)).alias("producer_group"),
+        "size", "body_size")
+    return _finish(_windows(msgs, "store_ts").where(F.col("date").isin(dates))
+                   .groupBy(*KEYS, "topic", "topic_kind", "producer_group")
+                   .agg(F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"),
+                        F.sum("body_size").alias("body_bytes")))
+
+
+def transactions_table(spark, rec, dates):
+    F = _F()
+    h = halves(rec)
+    o = ops(rec)
+    first = first_decisions(o)
+    hg = h.select("half", "producer_group", "half_ts")
+    dec = first.join(hg, "half", "left")
+    by_half = hg.select(F.col("half").alias("txmq_half"), F.col("producer_group").alias("half_group"))
+
+    reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])[F.col("txmq_reason")]
+    dead = rec.where(F.col("kind") == "dead").join(by_half, "txmq_half", "left").select(
+        F.coalesce("pgroup", "half_group", F.lit(NO_GROUP)).alias("producer_group"), F.col("store_ts").alias("ts"),
+        F.explode(F.array_compact(F.array(F.lit("dead_letters"), reason_metric))).alias("metric"))
+    facts = (h.select("producer_group", F.col("half_ts").alias("ts"), F.lit("halves").alias("metric"))
+             .unionByName(dec.select(F.coalesce("producer_group", F.lit(NO_GROUP)).alias("producer_group"),
+                                     F.col("dec_ts").alias("ts"),
+                                     F.when(F.col("outcome") == "COMMIT", "commits").otherwise("rollbacks")
+                                     .alias("metric")))
+             .unionByName(rec.where(F.col("kind") == "check").join(by_half, "txmq_half", "left").select(
+                 F.coalesce("half_group", F.lit(NO_GROUP)).alias("producer_group"), F.col("store_ts").alias("ts"),
+                 F.lit("checks").alias("metric")))
+             .unionByName(dead))
+    counts = (_windows(_all_groups(facts), "ts").where(F.col("date").isin(dates))
+              .groupBy(*KEYS, "producer_group").pivot("metric", list(TX_METRICS)).count())
+
+    latency = (_windows(_all_groups(dec.where(F.col("half_ts").isNotNull()).select(
+        "producer_group", "dec_ts", (F.col("dec_ts") - F.col("half_ts")).alias("latency"))), "dec_ts")
+        .where(F.col("date").isin(dates))
+        .groupBy(*KEYS, "producer_group")
+        .agg(F.count(F.lit(1)).alias("decided"),
+             F.expr("percentile(latency, array(0.5, 0.95, 0.99))").alias("p"),
+             F.max("latency").alias("latency_max_ms"))
+        .select(*KEYS, "producer_group", "decided", F.col("p")[0].alias("latency_p50_ms"),
+                F.col("p")[1].alias("latency_p95_ms"), F.col("p")[2].alias("latency_p99_ms"), "latency_max_ms"))
+
+    # Undecided at a window's end = sum of +1 (half), -1 (decision or DEAD), +1 (RESUME) before it.
+    events = (hg.select("producer_group", F.col("half_ts").alias("ts"), F.lit(1).alias("delta"))
+              .unionByName(dec.where(F.col("half_ts").isNotNull())
+                           .select("producer_group", F.col("dec_ts").alias("ts"), F.lit(-1).alias("delta")))
+              .unionByName(dead_resume(o, first).join(hg, "half")
+                           .select("producer_group", F.col("op_ts").alias("ts"), "delta")))
+    per_hour = (_all_groups(events).groupBy("producer_group", (F.floor(F.col("ts") / HOUR) * HOUR).alias("bucket"))
+                .agg(F.sum("delta").alias("delta")))
+    grid_rows = []
+    for d in dates:
+        day = int(dt.datetime.fromisoformat(d).replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
+        grid_rows.append((d, "day", day, day + DAY))
+        grid_rows += [(d, "hour", day + k * HOUR, day + (k + 1) * HOUR) for k in range(24)]
+    grid = spark.createDataFrame(grid_rows, "date string, grain string, window_ms long, window_end long")
+    groups = (per_hour.select("producer_group").unionByName(counts.select("producer_group"))
+              .unionByName(spark.createDataFrame([(ALL_GROUPS,)], "producer_group string")).distinct())
+    undecided = (grid.crossJoin(groups).alias("g")
+                 .join(per_hour.alias("e"), (F.col("g.producer_group") == F.col("e.producer_group"))
+                       & (F.col("e.bucket") < F.col("g.window_end")), "left")
+                 .groupBy(*[F.col("g." + k) for k in KEYS], F.col("g.producer_group"))
+                 .agg(F.coalesce(F.sum("e.delta"), F.lit(0)).cast("long").alias("undecided_at_end")))
+    table = (undecided.join(counts, KEYS + ["producer_group"], "left")
+             .join(latency, KEYS + ["producer_group"], "left")
+             .fillna(0, subset=list(TX_METRICS) + ["decided"]))
+    busy = F.lit(False)
+    for c in TX_METRICS + ("undecided_at_end",):
+        busy = busy | (F.col(c) != 0)
+    return _finish(table.where((F.col("producer_group") == ALL_GROUPS) | busy))
+
+
+def consumer_lag_table(snap_rows, dates):
+    F = _F()
+    per_snapshot = (snap_rows.where(F.col("kind") == "lag").groupBy("ts", "group")
+                    .agg(F.sum("lag").alias("lag")))
+    return _finish(_windows(per_snapshot, "ts").where(F.col("date").isin(dates))
+                   .groupBy(*KEYS, F.col("group").alias("consumer_group"))
+                   .agg(F.count(F.lit(1)).alias("snapshots"), F.max("lag").alias("lag_max"),
+                        F.avg("lag").alias("lag_avg")))
+
+
+def broker_table(snap_rows, dates):
+    F = _F()
+    return _finish(_windows(snap_rows.where(F.col("kind") == "snap"), "ts").where(F.col("date").isin(dates))
+                   .groupBy(*KEYS)
+                   .agg(F.count(F.lit(1)).alias("snapshots"), F.max("connections").alias("connections_max"),
+                        F.avg("connections").alias("connections_avg")))
+
+
+def _dates_of(df, ts: str) -> set[str]:
+    F = _F()
+    return {r[0] for r in df.select(F.date_format(F.expr(f"timestamp_millis({ts})"), "yyyy-MM-dd"))
+            .distinct().collect()}
+
+
+def write_partitions(spark, df, path: str, dates) -> int:
+    """Replace the given dates' partitions of a table with df's rows; return the row count."""
+    df.write.mode("overwrite").partitionBy("date").parquet(path)
+    present = {r["date"]: r["n"] for r in df.groupBy("date").count().withColumnRenamed("count", "n").collect()}
+    jvm = spark.sparkContext._jvm
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    for d in set(dates) - set(present):
+        part = jvm.org.apache.hadoop.fs.Path(f"{path}/date={d}")
+        fs = part.getFileSystem(conf)
+        if fs.exists(part):
+            fs.delete(part, True)
+    return sum(present.values())
+
+
+def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, skip_damaged: bool = False,
+               check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               report_dir: str | None = None) -> dict:
+    """Roll up one UTC date (or, without date, every date found in the store) into out_dir."""
+    from . import report as report_mod
+
+    started = time.monotonic()
+    if date is not None:
+        dt.date.fromisoformat(date)          # ValueError on a malformed date, before any work
+    scan = scan_store(spark, store_dir, job="rollup", skip_damaged=skip_damaged, check_crc=check_crc,
+                      chunk_bytes=chunk_bytes)
+    snaps = None
+    try:
+        rec = classify(scan.records)
+        snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
+        dates = [date] if date else sorted(_dates_of(rec, "store_ts") | _dates_of(
+            snaps.rows.where("kind = 'snap'"), "ts"))
+        summary = {"dates": dates, "records": scan.record_count, "segments": len(scan.segments),
+                   "damage": scan.damage, "snapshot_lines": snaps.lines, "bad_snapshot_lines": snaps.bad_lines,
+                   "incomplete_snapshot_lines": snaps.incomplete_lines, "rows": {}, "reports": []}
+        if not dates:
+            log.info("rollup: the store has no records and no snapshots; nothing to write")
+            return summary
+        tables = {"traffic": traffic_table(rec, dates), "transactions": transactions_table(spark, rec, dates),
+                  "consumer_lag": consumer_lag_table(snaps.rows, dates), "broker": broker_table(snaps.rows, dates)}
+        for name, df in tables.items():
+            t0 = time.monotonic()
+            tables[name] = df = df.drop("window_ms").cache()
+            summary["rows"][name] = write_partitions(spark, df, os.path.join(out_dir, name), dates)
+            log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
+                     ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
+        t0 = time.monotonic()
+        report_dir = report_dir or os.path.join(out_dir, "report")
+        for d in dates:
+            summary["reports"] += report_mod.write_report(report_dir, d, tables, summary)
+        log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
+                 time.monotonic() - t0)
+        for df in tables.values():
+            df.unpersist()
+        log.info("rollup: done in %.1f s", time.monotonic() - started)
+        return summary
+    finally:
+        scan.release()
+        if snaps is not None:
+            snaps.cached.unpersist()

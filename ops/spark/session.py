@@ -1,0 +1,92 @@
+"""One place that builds the SparkSession for the jobs, the CLI and the tests.
+
+Small-machine defaults: few shuffle partitions (the aggregates here are tiny), no web UI,
+log4j quiet (ops/spark/log4j2.properties), UTC session time zone (every window is UTC),
+dynamic partition overwrite (re-running a day replaces that day only). Under spark-submit
+the master and anything in spark-defaults.conf win unless --master is given.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import zipfile
+
+log = logging.getLogger("ops.spark")
+
+LOG4J2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
+
+
+def build_session(master: str | None = None, *, app_name: str = "txmq-ops", shuffle_partitions: int | None = None,
+                  progress: bool = True, conf: dict[str, str] | None = None):
+    from pyspark import SparkConf, SparkContext
+    from pyspark.sql import SparkSession
+
+    if master is None and not _master_configured():
+        master = "local[*]"
+    if master and master.startswith("local") and "PYSPARK_PYTHON" not in os.environ:
+        # Python workers run the interpreter (and venv) that runs the driver.
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+    settings = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "true" if progress else "false",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.sources.partitionOverwriteMode": "dynamic",
+        "spark.sql.shuffle.partitions": str(shuffle_partitions or _default_shuffle_partitions(master)),
+        "spark.sql.adaptive.enabled": "true",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}",
+        "spark.executor.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}",
+        "spark.python.worker.reuse": "true",
+    }
+    settings.update(conf or {})
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    ship_code(spark)
+    return spark
+
+
+def _master_configured() -> bool:
+    """True under spark-submit (or with spark.master in spark-defaults.conf)."""
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()
+    return SparkConf().contains("spark.master")
+
+
+def _default_shuffle_partitions(master: str | None) -> int:
+    # The grouped results are a few thousand rows: a handful of partitions per core is plenty.
+    return max(2, min(16, 2 * (os.cpu_count() or 2)))
+
+
+def ship_code(spark) -> None:
+    """Send the protocol and ops packages to the executors once per SparkContext.
+
+    Workers then import the very code the driver runs, on a cluster as well as locally,
+    whether or not txmq is installed there.
+    """
+    sc = spark.sparkContext
+    if getattr(sc, "_txmq_shipped", False):
+        return
+    import ops
+    import protocol
+
+    directory = tempfile.mkdtemp(prefix="txmq-spark-")
+    path = os.path.join(directory, "txmq_code.zip")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for package in (protocol, ops):
+            root = os.path.dirname(os.path.abspath(package.__file__))
+            parent = os.path.dirname(root)
+            for folder, dirs, files in os.walk(root):
+                dirs[:] = [d for d in dirs if d != "__pycache__"]
+                for name in files:
+                    if name.endswith((".py", ".properties")):
+                        full = os.path.join(folder, name)
+                        zf.write(full, os.path.relpath(full, parent))
+    sc.addPyFile(path)
+    sc._txmq_shipped = True
