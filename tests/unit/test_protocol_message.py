@@ -1,0 +1,295 @@
+"""Store records (IPv4 and IPv6 hosts), batches, properties, message ids, tag hashes and the send header."""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.codes import RequestCode, SysFlag
+from protocol.command import RemotingCommand
+from protocol.errors import HeaderError, RecordError
+from protocol.message import (
+    BLANK_MAGIC, MESSAGE_MAGIC, POS_PHYSICAL_OFFSET, POS_QUEUE_OFFSET, POS_SYSFLAG, MessageExt, Prop,
+    SendMessageRequestHeader, UniqIdGenerator, decode_batch, decode_offset_msg_id, decode_record, decode_records,
+    encode_batch, encode_record, java_string_hash, offset_msg_id, pack_host, peek_record, properties_to_string,
+    record_size, store_timestamp_pos, string_to_properties, tags_code, unpack_host, validate_topic,
+)
+
+V4 = pack_host("10.0.0.5", 40000)
+V6 = pack_host("2001:db8::1", 10911)
+STORE_V4 = pack_host("127.0.0.1", 10911)
+
+
+def make(born=V4, store=STORE_V4, **overrides) -> bytearray:
+    fields = dict(topic=b"T", body=b"hello", queue_id=3, flag=-1, sys_flag=SysFlag.TRANSACTION_COMMIT,
+                  born_timestamp=1_700_000_000_000, born_host=born, store_host=store,
+                  properties=b"TAGS\x01TagA\x02KEYS\x01k1 k2\x02UNIQ_KEY\x01ABC",
+                  queue_offset=7, physical_offset=4096, store_timestamp=1_700_000_000_500, reconsume_times=2,
+                  prepared_offset=1024)
+    fields.update(overrides)
+    return encode_record(**fields)
+
+
+# ------------------------------------------------------------------ records
+@pytest.mark.parametrize("born, store, size", [(V4, STORE_V4, 0), (V6, STORE_V4, 12), (V4, V6, 12), (V6, V6, 24)],
+                         ids=["v4-v4", "v6-born", "v6-store", "v6-v6"])
+def test_record_round_trip_with_host_variants(born, store, size):
+    raw = make(born, store)
+    props = b"TAGS\x01TagA\x02KEYS\x01k1 k2\x02UNIQ_KEY\x01ABC"
+    assert len(raw) == 91 + 5 + 1 + len(props) + size == record_size(5, 1, len(props), decode_record(raw)[0].sys_flag)
+    msg, total = decode_record(raw, check_crc=True)
+    assert total == len(raw) == msg.store_size
+    assert (msg.topic, msg.body, msg.queue_id, msg.flag, msg.queue_offset, msg.physical_offset) == \
+        ("T", b"hello", 3, -1, 7, 4096)
+    assert (msg.born_timestamp, msg.store_timestamp, msg.reconsume_times, msg.prepared_offset) == \
+        (1_700_000_000_000, 1_700_000_000_500, 2, 1024)
+    assert msg.born_host == unpack_host(born) and msg.store_host == unpack_host(store)
+    assert bool(msg.sys_flag & SysFlag.BORNHOST_V6) == (born is V6)
+    assert bool(msg.sys_flag & SysFlag.STOREHOST_V6) == (store is V6)
+    assert SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_COMMIT
+    assert msg.properties == {"TAGS": "TagA", "KEYS": "k1 k2", "UNIQ_KEY": "ABC"}
+    assert msg.tags == "TagA" and msg.keys == "k1 k2" and msg.msg_id == "ABC"
+    assert msg.body_crc == zlib.crc32(b"hello") & 0x7FFFFFFF
+    assert bytes(msg.encode()) == bytes(raw)
+
+
+def test_record_layout_fixed_positions():
+    raw = make()
+    assert struct.unpack_from(">ii", raw) == (len(raw), MESSAGE_MAGIC)
+    assert MESSAGE_MAGIC & 0xFFFFFFFF == 0xDAA320A7 and BLANK_MAGIC & 0xFFFFFFFF == 0xCBD43194
+    assert struct.unpack_from(">q", raw, POS_QUEUE_OFFSET)[0] == 7
+    assert struct.unpack_from(">q", raw, POS_PHYSICAL_OFFSET)[0] == 4096
+    assert struct.unpack_from(">i", raw, POS_SYSFLAG)[0] == SysFlag.TRANSACTION_COMMIT
+    assert struct.unpack_from(">q", raw, store_timestamp_pos(0))[0] == 1_700_000_000_500
+
+
+def test_spec_size_example():
+    # spec 6.1: body "hello", topic "T", 20 bytes of properties -> TOTALSIZE 117.
+    assert len(make(properties=b"p" * 20)) == 117
+
+
+@pytest.mark.parametrize("born", [V4, V6], ids=["v4", "v6"])
+def test_store_patches_offsets_and_time_in_place(born):
+    raw = make(born, queue_offset=0, physical_offset=0, store_timestamp=0)
+    sys_flag = decode_record(raw)[0].sys_flag
+    struct.pack_into(">q", raw, POS_QUEUE_OFFSET, 99)
+    struct.pack_into(">q", raw, POS_PHYSICAL_OFFSET, 1 << 40)
+    struct.pack_into(">q", raw, store_timestamp_pos(sys_flag), 123456)
+    msg, _ = decode_record(raw, check_crc=True)
+    assert (msg.queue_offset, msg.physical_offset, msg.store_timestamp) == (99, 1 << 40, 123456)
+    assert msg.offset_msg_id == offset_msg_id(STORE_V4, 1 << 40)
+
+
+def test_record_run_and_offsets_inside_a_buffer():
+    a, b = make(), make(V6, V6, body=b"", properties=b"")
+    run = bytes(a + b)
+    assert [m.store_size for m in decode_records(run)] == [len(a), len(b)]
+    msg, size = decode_record(memoryview(b"junk" + run), 4 + len(a))
+    assert size == len(b) and msg.body == b"" and msg.properties == {}
+    assert decode_records(b"") == []
+
+
+def test_empty_and_maximum_fields():
+    raw = make(topic=b"x" * 127, body=b"", properties=b"a\x01" + b"b" * 32765)
+    msg, _ = decode_record(raw)
+    assert msg.topic == "x" * 127 and len(msg.properties["a"]) == 32765
+    with pytest.raises(RecordError):
+        make(topic=b"x" * 128)
+    with pytest.raises(RecordError):
+        make(properties=b"p" * 32768)
+
+
+def test_crc_is_checked_only_when_asked():
+    raw = make(crc=12345)
+    assert decode_record(raw)[0].body_crc == 12345
+    with pytest.raises(RecordError, match="CRC"):
+        decode_record(raw, check_crc=True)
+
+
+def _patched(fmt: str, pos: int, value) -> bytearray:
+    raw = make()
+    struct.pack_into(fmt, raw, pos, value)
+    return raw
+
+
+@pytest.mark.parametrize("raw", [
+    bytes(make())[:90], bytes(make())[:-1],
+    _patched(">i", 4, BLANK_MAGIC), _patched(">i", 4, 0),                     # not a message record
+    _patched(">i", 0, 90), _patched(">i", 0, 10_000), _patched(">i", 0, -1),  # TOTALSIZE
+    _patched(">i", 84, -1), _patched(">i", 84, 6), _patched(">i", 84, 1 << 30),  # BODYLENGTH
+    _patched(">b", 93, -1), _patched(">B", 93, 60),                           # TOPICLENGTH
+    _patched(">h", 95, -1), _patched(">h", 95, 1),                            # PROPERTIESLENGTH
+    _patched(">i", 36, SysFlag.BORNHOST_V6),                                  # host size no longer fits
+    _patched(">B", 94, 0xFF),                                                 # topic not UTF-8
+    _patched(">B", 97, 0xC0),                                                 # properties not UTF-8
+], ids=lambda raw: f"{len(raw)}B")
+def test_malformed_records_are_record_errors(raw):
+    with pytest.raises(RecordError):
+        decode_record(bytes(raw))
+
+
+def test_peek_record_reads_size_and_magic():
+    assert peek_record(struct.pack(">ii", 64, BLANK_MAGIC)) == (64, BLANK_MAGIC)
+    raw = make()
+    assert peek_record(b"xx" + raw, 2) == (len(raw), MESSAGE_MAGIC)
+    with pytest.raises(RecordError):
+        peek_record(b"\x00" * 7)
+    with pytest.raises(RecordError):
+        peek_record(raw, -1)
+    with pytest.raises(RecordError):
+        decode_record(raw, -1)
+
+
+# ---------------------------------------------------------------- batches
+def test_batch_round_trip_and_layout():
+    entries = [(0, b"one", "UNIQ_KEY\x01A\x02TAGS\x01x"), (-5, b"", ""), (1, b"\x00" * 300, "é\x01ü")]
+    raw = encode_batch(entries)
+    assert decode_batch(raw) == entries
+    size, magic, crc, flag, body_len = struct.unpack_from(">iiiii", raw)
+    assert (size, magic, crc, flag, body_len) == (20 + 3 + 2 + len("UNIQ_KEY\x01A\x02TAGS\x01x"), 0, 0, 0, 3)
+    assert decode_batch(b"") == []
+
+
+@pytest.mark.parametrize("raw", [
+    encode_batch([(0, b"x", "")])[:-1], encode_batch([(0, b"x", "")])[:21],
+    struct.pack(">iiiii", 21, 0, 0, 0, 0) + b"\x00\x00",   # size below the minimum
+    struct.pack(">iiiii", 99, 0, 0, 0, 0) + b"\x00\x00",   # size past the end
+    struct.pack(">iiiii", 22, 0, 0, 0, -1) + b"\x00\x00",  # negative body length
+    struct.pack(">iiiii", 22, 0, 0, 0, 1) + b"\x00\x00",   # body runs past the entry
+    struct.pack(">iiiii", 23, 0, 0, 0, 0) + b"\x00\x02\xff",  # properties length disagrees with size
+    struct.pack(">iiiii", 23, 0, 0, 0, 0) + b"\x00\x01\xff",  # properties not UTF-8
+])
+def test_malformed_batches_are_record_errors(raw):
+    with pytest.raises(RecordError):
+        decode_batch(raw)
+
+
+# ------------------------------------------------------------- properties
+def test_properties_round_trip_and_java_parsing_rules():
+    props = {"TAGS": "A", "KEYS": "k1 k2", "é": "ü"}
+    text = properties_to_string(props)
+    assert text == "TAGS\x01A\x02KEYS\x01k1 k2\x02é\x01ü"  # no trailing separator
+    assert string_to_properties(text) == props
+    assert properties_to_string({"a": "1", "b": None}) == "a\x011"
+    assert properties_to_string(None) == "" == properties_to_string({})
+    # Java keeps a piece only with a non-empty name and value; the value may hold U+0001.
+    assert string_to_properties("a\x011\x02\x02=\x01\x02\x01v\x02b\x01x\x01y\x02c\x02") == {"a": "1", "b": "x\x01y"}
+    assert string_to_properties("") == {} == string_to_properties(None)
+
+
+# ---------------------------------------------------------------- tag hash
+def reference_java_hash(text: str) -> int:
+    """String.hashCode over UTF-16 code units, surrogate pairs computed by hand."""
+    h = 0
+    for ch in text:
+        cp = ord(ch)
+        units = [cp] if cp < 0x10000 else [0xD800 + ((cp - 0x10000) >> 10), 0xDC00 + ((cp - 0x10000) & 0x3FF)]
+        for unit in units:
+            h = (h * 31 + unit) % (1 << 32)
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("TagA", 2598919), ("d", 100), ("", 0), ("hello", 99162322),
+    ("polygenelubricants", -2 ** 31),  # Integer.MIN_VALUE: the sign wraps like Java's
+    ("\U0001f600", 31 * 0xD83D + 0xDE00), ("é", 0xE9),
+])
+def test_java_string_hash_known_values(text, expected):
+    assert java_string_hash(text) == expected == reference_java_hash(text)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(st.text(max_size=40))
+def test_java_string_hash_matches_utf16_reference(text):
+    value = java_string_hash(text)
+    assert value == reference_java_hash(text)
+    assert -2 ** 31 <= value < 2 ** 31
+
+
+def test_tags_code():
+    assert tags_code({Prop.TAGS: "TagA"}) == 2598919
+    assert tags_code({}) == 0 == tags_code({Prop.TAGS: ""})
+
+
+# --------------------------------------------------------------- message ids
+def test_offset_msg_id_spec_example_and_round_trip():
+    assert offset_msg_id(pack_host("127.0.0.1", 10911), 0) == "7F00000100002A9F0000000000000000"
+    assert decode_offset_msg_id("7F00000100002A9F0000000000000000") == ("127.0.0.1", 10911, 0)
+    assert decode_offset_msg_id("7f00000100002a9f00000000000003e8") == ("127.0.0.1", 10911, 1000)  # Go: either case
+    v6 = offset_msg_id(V6, 2 ** 63 - 1)
+    assert len(v6) == 56 and v6 == v6.upper()
+    assert decode_offset_msg_id(v6) == ("2001:db8::1", 10911, 2 ** 63 - 1)
+
+
+@pytest.mark.parametrize("text", ["", "7F", "7F00000100002A9F000000000000000", "7F00000100002A9F00000000000000000",
+                                  "ZZ00000100002A9F0000000000000000", "7F00000100002A9F00000000000000é0", None, 42])
+def test_bad_offset_msg_ids_are_header_errors(text):
+    with pytest.raises(HeaderError):
+        decode_offset_msg_id(text)
+
+
+def test_hosts():
+    assert pack_host("::ffff:10.0.0.1", 1) == pack_host("10.0.0.1", 1)  # v4-mapped stays 8 bytes
+    assert len(pack_host("10.0.0.1", 1)) == 8 and len(pack_host("::1", 1)) == 20
+    assert unpack_host(pack_host("fe80::2", 65535)) == ("fe80::2", 65535)
+
+
+def test_uniq_ids_are_32_upper_hex_and_distinct():
+    gen = UniqIdGenerator("10.1.2.3")
+    ids = [gen.next() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(len(i) == 32 and i == i.upper() and i.startswith("0A010203") for i in ids)
+    assert len(UniqIdGenerator("::1").next()) == 56
+
+
+def test_message_ext_msg_id_falls_back_to_offset_id():
+    msg = MessageExt("T", b"", store_host=("127.0.0.1", 10911), physical_offset=5)
+    assert msg.msg_id == msg.offset_msg_id == "7F00000100002A9F0000000000000005"
+
+
+@pytest.mark.parametrize("topic, ok", [("T", True), ("%RETRY%G|x_y-z", True), ("", False), (None, False),
+                                      ("a" * 127, True), ("a" * 128, False), ("a b", False), ("é", False)])
+def test_validate_topic(topic, ok):
+    assert (validate_topic(topic) is None) == ok
+
+
+# -------------------------------------------------------------- send header
+def test_send_header_v1_and_v2_round_trip():
+    header = SendMessageRequestHeader("PID", "T", queue_id=2, sys_flag=4, born_timestamp=2 ** 40, flag=-3,
+                                      properties="TRAN_MSG\x01true", reconsume_times=1, unit_mode=True,
+                                      max_reconsume_times=16, batch=False, bname="broker-a")
+    for code, v2 in ((RequestCode.SEND_MESSAGE_V2, True), (RequestCode.SEND_MESSAGE, False),
+                     (RequestCode.SEND_BATCH_MESSAGE, True)):
+        cmd = RemotingCommand.request(code, header.to_ext_fields(v2=v2))
+        assert ("b" in cmd.ext_fields) == v2
+        assert SendMessageRequestHeader.from_command(RemotingCommand.decode(cmd.encode())) == header
+
+
+def test_send_header_v2_code_with_long_keys_is_read_too():
+    cmd = RemotingCommand(RequestCode.SEND_MESSAGE_V2, ext_fields={
+        "producerGroup": "G", "topic": "T", "queueId": "0", "sysFlag": "0", "bornTimestamp": "1", "flag": "0"})
+    header = SendMessageRequestHeader.from_command(cmd)
+    assert (header.producer_group, header.topic, header.default_topic, header.max_reconsume_times) == \
+        ("G", "T", "TBW102", None)
+
+
+_V2_OK = {"a": "G", "b": "T", "e": "0", "f": "0", "g": "1", "h": "0"}
+
+
+@pytest.mark.parametrize("change", [
+    {"a": ""}, {"b": None}, {"e": "x"}, {"f": "1.5"}, {"g": ""}, {"e": "2147483648"}, {"h": "-2147483649"},
+    {"g": "9223372036854775808"}, {"d": "99999999999"}, {"j": "1e3"},
+])
+def test_send_header_errors(change):
+    ext = {k: v for k, v in {**_V2_OK, **change}.items() if v is not None}
+    with pytest.raises(HeaderError):
+        SendMessageRequestHeader.from_command(RemotingCommand(RequestCode.SEND_MESSAGE_V2, ext_fields=ext))
+
+
+def test_send_header_java_type_bounds_are_accepted():
+    ext = {**_V2_OK, "e": "2147483647", "h": "-2147483648", "g": "9223372036854775807"}
+    header = SendMessageRequestHeader.from_command(RemotingCommand(RequestCode.SEND_MESSAGE_V2, ext_fields=ext))
+    assert (header.queue_id, header.flag, header.born_timestamp) == (2 ** 31 - 1, -2 ** 31, 2 ** 63 - 1)
