@@ -8,7 +8,8 @@ A sealed segment (every segment but the newest) is listed when
   * every record is consumed: on topic T, queue q, at queue offset o, every consumer group
     with an entry for T in config/consumerOffset.json has an offset > o for q (a group with
     T but without q has consumed nothing of q; records no consume queue indexes, and topics
-    no group has an entry for, count as consumed),
+    no group has an entry for, count as consumed). The scan gives, per chunk and (T, q),
+    the highest queue offset, so this is one comparison per (chunk, T, q),
   * no open half in it stays behind (an open half must be in the plan's list), and
   * nothing in it is damaged.
 Segments are listed oldest first and only as an unbroken run from the oldest: the store's
@@ -54,7 +55,7 @@ def read_consumer_offsets(store_dir: str) -> dict[str, dict[str, dict[int, int]]
         raise ValueError(f"{path}: expected an object of \"topic@group\" keys")
     out: dict[str, dict[str, dict[int, int]]] = {}
     for key, queues in raw.items():
-        topic, sep, group = key.partition("@")
+        topic, sep, group = key.rpartition("@")
         if not sep or not isinstance(queues, dict):
             raise ValueError(f"{path}: entry {key!r} is not \"topic@group\": {{queueId: offset}}")
         try:
@@ -92,14 +93,15 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
         open_.unpersist()
 
         floor = spark.createDataFrame(consumed_floor(offsets) or [], "topic string, queue_id int, floor long")
-        watched = list(offsets)
-        consumed = (F.col("tx_type").isin(4, 12) | ~F.col("topic").isin(watched)
-                    | (F.col("floor").isNotNull() & (F.col("floor") > F.col("queue_offset"))))
+        # A (topic, queue) partial is consumed when its highest indexed queue offset is below
+        # every group's offset (qo_max is None: nothing in it reaches a consume queue).
+        consumed = (~F.col("topic").isin(list(offsets)) | F.col("qo_max").isNull()
+                    | (F.col("floor").isNotNull() & (F.col("floor") > F.col("qo_max"))))
         per_segment = {r["segment"]: r for r in (
-            rec.join(F.broadcast(floor), ["topic", "queue_id"], "left")
+            scan.queues.join(F.broadcast(floor), ["topic", "queue_id"], "left")
             .groupBy("segment")
-            .agg(F.min("store_ts").alias("first"), F.max("store_ts").alias("last"),
-                 F.min(consumed.cast("int")).alias("all_consumed"), F.count(F.lit(1)).alias("records"))
+            .agg(F.min("store_ts").alias("first"), F.max("ts_max").alias("last"),
+                 F.min(consumed.cast("int")).alias("all_consumed"), F.sum("n").alias("records"))
             .collect())}
 
         damaged = {d["segment"] for d in scan.damage}

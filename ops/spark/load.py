@@ -19,10 +19,10 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 def record_schema():
     from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-    types = {"segment": StringType(), "offset": LongType(), "size": LongType(), "body_size": IntegerType(),
-             "topic": StringType(), "queue_id": IntegerType(), "queue_offset": LongType(),
-             "tx_type": IntegerType(), "store_ts": LongType(), "prepared_offset": LongType(),
-             "txmq_half": LongType(), "txmq_checks": IntegerType()}
+    longs = ("offset", "size", "queue_offset", "store_ts", "prepared_offset", "txmq_half", "n", "bytes",
+             "body_bytes", "ts_max", "qo_max")
+    types = {**{n: LongType() for n in longs}, "queue_id": IntegerType(), "tx_type": IntegerType(),
+             "txmq_checks": IntegerType()}
     return StructType([StructField(n, types.get(n, StringType())) for n in seg_mod.ROW_FIELDS])
 
 
@@ -30,8 +30,10 @@ def record_schema():
 class Scan:
     """What a pass over the commit log found."""
 
-    records: object                 # DataFrame of records (damaged tails left out)
-    cached: object                  # the persisted DataFrame records is read from
+    records: object                 # transaction records, one row each ("rec" rows of segments.ROW_FIELDS)
+    traffic: object                 # per-chunk user traffic partials ("msg" rows)
+    queues: object                  # per-chunk (topic, queue) partials ("seg" rows)
+    cached: object                  # the persisted DataFrame the three are read from
     segments: list                  # [segments.Segment]
     chunks: int
     record_count: int
@@ -63,9 +65,9 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
         df = spark.createDataFrame([], schema)
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
     damage = [_damage_dict(r, segments) for r in
-              df.where(F.col("damage").isNotNull()).select("segment", "offset", "size", "damage").collect()]
+              df.where(F.col("row") == "dmg").select("segment", "offset", "size", "damage").collect()]
     damage.sort(key=lambda d: (d["segment"], d["position"]))
-    records = df.where(F.col("damage").isNull())
+    rows = df.where(F.col("row") != "dmg")
     if damage and not skip_damaged:
         df.unpersist()
         first = damage[0]
@@ -76,12 +78,13 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
     for d in damage:
         log.warning("%s: skipped damaged tail of %s from byte %d (%d bytes): %s", job, d["file"], d["position"],
                     d["skipped_bytes"], d["reason"])
-        records = records.where(~((F.col("segment") == d["segment"]) & (F.col("offset") >= d["offset"])))
-    count = records.count()
+        rows = rows.where(~((F.col("segment") == d["segment"]) & (F.col("offset") >= d["offset"])))
+    count = rows.where(F.col("row") == "seg").agg(F.sum("n")).first()[0] or 0
     seconds = time.monotonic() - started
     log.info("%s: decoded %d records from %d segments (%d chunks) in %.1f s", job, count, len(segments),
              len(chunks), seconds)
-    return Scan(records, df, segments, len(chunks), count, damage, seconds)
+    return Scan(rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
+                rows.where(F.col("row") == "seg"), df, segments, len(chunks), count, damage, seconds)
 
 
 def _damage_dict(row, segments) -> dict:

@@ -4,6 +4,7 @@ Tables under --out (each partitioned by date=YYYY-MM-DD, windows in UTC; grain i
 or "day", window_start the window's first instant):
 
     traffic        topic, topic_kind (normal/retry/dlq), producer_group: messages, bytes, body_bytes
+                   (records on user topics, committed transactional messages included)
     transactions   producer_group ("*" = all): halves, commits, rollbacks, checks, dead_letters(+ by
                    reason), undecided_at_end, decided, latency_p50/p95/p99/max_ms (exact)
     consumer_lag   consumer_group: snapshots, lag_max, lag_avg (lag summed over the group's queues)
@@ -58,24 +59,27 @@ def _finish(df):
     return df.withColumn("window_start", F.expr("timestamp_millis(window_ms)"))
 
 
-def traffic_table(rec, dates):
+def traffic_table(parts, dates):
+    """From the scan's per-chunk traffic partials (store_ts = hour start)."""
     F = _F()
-    msgs = rec.where(F.col("kind") == "message").select(
-        "store_ts", "topic", "topic_kind", F.coalesce("pgroup", F.lit(NO_GROUP)).alias("producer_group"),
-        "size", "body_size")
-    return _finish(_windows(msgs, "store_ts").where(F.col("date").isin(dates))
-                   .groupBy(*KEYS, "topic", "topic_kind", "producer_group")
-                   .agg(F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"),
-                        F.sum("body_size").alias("body_bytes")))
+    topic = F.col("topic")
+    topic_kind = (F.when(topic.startswith("%RETRY%"), "retry").when(topic.startswith("%DLQ%"), "dlq")
+                  .otherwise("normal"))
+    return _finish(_windows(parts, "store_ts").where(F.col("date").isin(dates))
+                   .groupBy(*KEYS, "topic", topic_kind.alias("topic_kind"),
+                            F.col("pgroup").alias("producer_group"))
+                   .agg(F.sum("n").alias("messages"), F.sum("bytes").alias("bytes"),
+                        F.sum("body_bytes").alias("body_bytes")))
 
 
 def transactions_table(spark, rec, dates):
     F = _F()
-    h = halves(rec)
-    o = ops(rec)
+    # Each of these feeds several aggregates below: materialise them once (lineage cut too).
+    h = halves(rec).localCheckpoint()
+    o = ops(rec).localCheckpoint()
     first = first_decisions(o)
     hg = h.select("half", "producer_group", "half_ts")
-    dec = first.join(hg, "half", "left")
+    dec = first.join(hg, "half", "left").localCheckpoint()
     by_half = hg.select(F.col("half").alias("txmq_half"), F.col("producer_group").alias("half_group"))
 
     reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])[F.col("txmq_reason")]
@@ -187,15 +191,16 @@ def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, 
     try:
         rec = classify(scan.records)
         snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
-        dates = [date] if date else sorted(_dates_of(rec, "store_ts") | _dates_of(
-            snaps.rows.where("kind = 'snap'"), "ts"))
+        dates = [date] if date else sorted(
+            _dates_of(scan.queues, "store_ts") | _dates_of(scan.queues, "ts_max")
+            | _dates_of(scan.traffic, "store_ts") | _dates_of(snaps.rows.where("kind = 'snap'"), "ts"))
         summary = {"dates": dates, "records": scan.record_count, "segments": len(scan.segments),
                    "damage": scan.damage, "snapshot_lines": snaps.lines, "bad_snapshot_lines": snaps.bad_lines,
                    "incomplete_snapshot_lines": snaps.incomplete_lines, "rows": {}, "reports": []}
         if not dates:
             log.info("rollup: the store has no records and no snapshots; nothing to write")
             return summary
-        tables = {"traffic": traffic_table(rec, dates), "transactions": transactions_table(spark, rec, dates),
+        tables = {"traffic": traffic_table(scan.traffic, dates), "transactions": transactions_table(spark, rec, dates),
                   "consumer_lag": consumer_lag_table(snaps.rows, dates), "broker": broker_table(snaps.rows, dates)}
         for name, df in tables.items():
             t0 = time.monotonic()

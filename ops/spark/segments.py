@@ -16,6 +16,10 @@ do not add up, optionally a bad body CRC) is damage too. In the active (last) se
 record can be caught half-copied by the broker's writer, so damage there is re-read a few
 times before it is believed.
 
+Rows: transaction records become one row each; everything else is summed per chunk
+(traffic per hour / topic / producer group, and first / last store time, count and
+highest queue offset per topic / queue), which keeps the Python-to-JVM hand-over small.
+
 Splitting: the driver walks record boundaries with peek_record (8 bytes a record, about
 0.7 us each, so ~0.7 s per GiB of 1 KiB messages against ~11 us a record to decode) and
 cuts each segment into chunks of about ``chunk_bytes`` that start on a record. A 1 GiB
@@ -40,28 +44,39 @@ _NONZERO = re.compile(rb"[^\x00]")
 ACTIVE_REREADS = 5
 ACTIVE_REREAD_DELAY_S = 0.05
 
-# One decoded record (or one damage report) as a tuple, in this column order.
+# Transaction bookkeeping topics (docs/design.md "Transaction records"): their records are
+# emitted one row each. Every other record is only counted, per chunk, in two partial
+# aggregates, so the JVM receives a few rows per chunk instead of one per plain message.
+HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
+OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
+DEAD_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
+ROW_TOPICS = frozenset((HALF_TOPIC, OP_TOPIC, DEAD_TOPIC))
+# Not user traffic. SCHEDULE_TOPIC_XXXX holds delayed messages before they reach their real
+# topic, so counting it would count them twice.
+SYSTEM_TOPICS = frozenset((DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX"))
+NO_GROUP = "-"
+HOUR_MS = 3_600_000
+_INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
+
+# Every output row is a tuple in this column order; "row" says which columns it uses:
+#   rec  one transaction record: segment .. txmq_checks
+#   msg  user traffic of a chunk: topic, pgroup, store_ts = hour start, n, bytes, body_bytes
+#   seg  a chunk's records of one (topic, queue): store_ts = first, ts_max, n, qo_max
+#        (highest queue offset of records that consume queues index; None if none)
+#   dmg  damage: segment, offset, size = bytes skipped to the segment's end, damage = reason
+# msg and seg rows carry offset = the chunk's first offset, so a damaged tail (whose chunks
+# start after the damage) can be left out by offset alone.
 ROW_FIELDS = (
-    "segment",          # segment file name (its 20-digit start offset)
-    "offset",           # commit-log offset of the record (segment start + position)
-    "size",             # TOTALSIZE; for a damage row: bytes skipped to the segment's end
-    "body_size",
-    "topic",
-    "queue_id",
-    "queue_offset",
-    "tx_type",          # sysFlag & 0xC
-    "store_ts",
-    "prepared_offset",
-    "pgroup",           # PGROUP
-    "real_topic",       # REAL_TOPIC
-    "uniq_key",         # UNIQ_KEY
-    "tags",             # TAGS
-    "txmq_op",          # TXMQ_OP
-    "txmq_half",        # TXMQ_HALF (half commit-log offset)
-    "txmq_reason",      # TXMQ_REASON
-    "txmq_checks",      # TXMQ_CHECKS
-    "damage",           # None for a record; the reason for a damage row
+    "row", "segment", "offset", "size", "topic", "queue_id", "queue_offset", "tx_type", "store_ts",
+    "prepared_offset", "pgroup", "real_topic", "uniq_key", "tags", "txmq_op", "txmq_half", "txmq_reason",
+    "txmq_checks", "n", "bytes", "body_bytes", "ts_max", "qo_max", "damage",
 )
+_TAIL = (None,) * 6
+
+
+def is_traffic(topic: str, tx_type: int) -> bool:
+    """User traffic: not a system topic, and a record a consume queue indexes (NOT / COMMIT)."""
+    return (tx_type in _INDEXED and not topic.startswith("RMQ_SYS_") and topic not in SYSTEM_TOPICS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,16 +152,25 @@ def _int(text):
         return None
 
 
-def _row(seg: Segment, pos: int, msg, size: int) -> tuple:
+def _record_row(seg: Segment, pos: int, msg, size: int, tx_type: int) -> tuple:
     p = msg.properties
-    return (seg.name, seg.base + pos, size, len(msg.body), msg.topic, msg.queue_id, msg.queue_offset,
-            msg.sys_flag & SysFlag.TRANSACTION_MASK, msg.store_timestamp, msg.prepared_offset,
-            p.get(Prop.PGROUP), p.get(Prop.REAL_TOPIC), p.get(Prop.UNIQ_KEY), p.get(Prop.TAGS),
-            p.get("TXMQ_OP"), _int(p.get("TXMQ_HALF")), p.get("TXMQ_REASON"), _int(p.get("TXMQ_CHECKS")), None)
+    return ("rec", seg.name, seg.base + pos, size, msg.topic, msg.queue_id, msg.queue_offset, tx_type,
+            msg.store_timestamp, msg.prepared_offset, p.get(Prop.PGROUP), p.get(Prop.REAL_TOPIC),
+            p.get(Prop.UNIQ_KEY), p.get(Prop.TAGS), p.get("TXMQ_OP"), _int(p.get("TXMQ_HALF")),
+            p.get("TXMQ_REASON"), _int(p.get("TXMQ_CHECKS"))) + _TAIL
 
 
 def damage_row(seg: Segment, pos: int, reason: str) -> tuple:
-    return (seg.name, seg.base + pos, seg.size - pos) + (None,) * (len(ROW_FIELDS) - 4) + (reason,)
+    return ("dmg", seg.name, seg.base + pos, seg.size - pos) + (None,) * (len(ROW_FIELDS) - 5) + (reason,)
+
+
+def _partials(seg: Segment, chunk_offset: int, traffic: dict, queues: dict):
+    for (hour, topic, group), (n, size, body) in traffic.items():
+        yield ("msg", seg.name, chunk_offset, None, topic, None, None, None, hour, None, group) + (None,) * 7 + (
+            n, size, body, None, None, None)
+    for (topic, qid), (n, first, last, qo_max) in queues.items():
+        yield ("seg", seg.name, chunk_offset, None, topic, qid, None, None, first) + (None,) * 9 + (
+            n, None, None, last, qo_max, None)
 
 
 def _step(mm, pos: int, check_crc: bool):
@@ -171,11 +195,15 @@ def _step(mm, pos: int, check_crc: bool):
 
 
 def decode_chunk(chunk: Chunk, check_crc: bool = False):
-    """Yield one row per record of the chunk; a damage row (and stop) where the data is bad."""
+    """Rows for one chunk: rec rows as records are met, then its msg / seg partials, then a
+    dmg row if the chunk ends in damage."""
     seg = chunk.segment
     mm = _open(seg.path)
     if mm is None:
         return
+    traffic: dict = {}
+    queues: dict = {}
+    damage = None
     try:
         pos = chunk.start
         while pos < chunk.end:
@@ -187,14 +215,42 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
                 rereads -= 1
                 kind, what, size = _step(mm, pos, check_crc)
             if kind == "end":
-                return
+                break
             if kind == "damage":
-                yield damage_row(seg, pos, what)
-                return
-            yield _row(seg, pos, what, size)
+                damage = damage_row(seg, pos, what)
+                break
+            msg = what
+            topic, ts, tx_type = msg.topic, msg.store_timestamp, msg.sys_flag & SysFlag.TRANSACTION_MASK
+            if topic in ROW_TOPICS:
+                yield _record_row(seg, pos, msg, size, tx_type)
+            elif is_traffic(topic, tx_type):
+                key = (ts - ts % HOUR_MS, topic, msg.properties.get(Prop.PGROUP) or NO_GROUP)
+                t = traffic.get(key)
+                if t is None:
+                    traffic[key] = [1, size, len(msg.body)]
+                else:
+                    t[0] += 1
+                    t[1] += size
+                    t[2] += len(msg.body)
+            qkey = (topic, msg.queue_id)
+            q = queues.get(qkey)
+            qo = msg.queue_offset if tx_type in _INDEXED else None
+            if q is None:
+                queues[qkey] = [1, ts, ts, qo]
+            else:
+                q[0] += 1
+                if ts < q[1]:
+                    q[1] = ts
+                if ts > q[2]:
+                    q[2] = ts
+                if qo is not None and (q[3] is None or qo > q[3]):
+                    q[3] = qo
             pos += size
     finally:
         mm.close()
+    yield from _partials(seg, seg.base + chunk.start, traffic, queues)
+    if damage:
+        yield damage
 
 
 def decode_chunks(chunks, check_crc: bool = False):

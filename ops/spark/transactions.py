@@ -2,7 +2,7 @@
 
     record              recognised by                                 here
     half                topic RMQ_SYS_TRANS_HALF_TOPIC                kind "half"
-    committed message   real topic, tx type COMMIT, prepared offset   kind "message"
+    committed message   real topic, tx type COMMIT, prepared offset   counted as traffic
     decision op         RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS=d           kind "op" (TXMQ_OP, TXMQ_HALF)
     check attempt       RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS=c           kind "check" (TXMQ_HALF)
     dead letter         TRANS_CHECK_MAX_TIME_TOPIC                    kind "dead" (TXMQ_REASON, TXMQ_HALF)
@@ -13,19 +13,14 @@ again. Ops and dead letters find their half through TXMQ_HALF = the half's commi
 """
 from __future__ import annotations
 
-HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
-OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
-DEAD_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
-# Not user traffic. RMQ_SYS_* is matched by prefix; SCHEDULE_TOPIC_XXXX holds delayed
-# messages before they reach their real topic, so counting it would count them twice.
-SYSTEM_TOPICS = (DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX")
-NO_GROUP = "-"
+from .segments import DEAD_TOPIC, HALF_TOPIC, NO_GROUP, OP_TOPIC  # noqa: F401 (re-exported)
+
 ALL_GROUPS = "*"
 DECISIONS = ("COMMIT", "ROLLBACK")
 
 
 def classify(records):
-    """Add kind (half/op/check/dead/system/message) and topic_kind (normal/retry/dlq/system)."""
+    """Add kind (half / op / check / dead / other) to the transaction records of a scan."""
     from pyspark.sql import functions as F
 
     topic, tags = F.col("topic"), F.col("tags")
@@ -33,13 +28,8 @@ def classify(records):
             .when((topic == OP_TOPIC) & (tags == "d"), "op")
             .when((topic == OP_TOPIC) & (tags == "c"), "check")
             .when(topic == DEAD_TOPIC, "dead")
-            .when(topic.startswith("RMQ_SYS_") | topic.isin(*SYSTEM_TOPICS), "system")
-            # PREPARED / ROLLBACK typed records never reach a consume queue: not traffic.
-            .when(F.col("tx_type").isin(4, 12), "system")
-            .otherwise("message"))
-    topic_kind = (F.when(topic.startswith("%RETRY%"), "retry").when(topic.startswith("%DLQ%"), "dlq")
-                  .otherwise("normal"))
-    return records.withColumn("kind", kind).withColumn("topic_kind", topic_kind)
+            .otherwise("other"))
+    return records.withColumn("kind", kind)
 
 
 def halves(classified):

@@ -1,0 +1,168 @@
+"""The parts of ops/spark that need no JVM: segment scanning, snapshot parsing, plan validation."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+
+from ops.spark import PlanError, validate_plan
+from ops.spark import segments as seg
+from ops.spark.plan import write_plan
+from ops.spark.snapshots import parse_line
+from storegen import StoreBuilder
+
+T0 = 1710028800000
+H = 3_600_000
+
+
+def _store(tmp_path, n=120, segment_size=8192):
+    """Plain messages, and every 10th a half message (a "rec" row)."""
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=segment_size) as b:
+        for i in range(n):
+            b.at(T0 + i * 60_000)
+            if i % 10 == 9:
+                b.half("pg", "Pay")
+            else:
+                b.send("Orders", b"m%03d" % i * 20, queue_id=i % 3)
+        written = list(b.written)
+    return d, written
+
+
+def _rows(chunks):
+    return [r for c in chunks for r in seg.decode_chunk(c)]
+
+
+def _totals(rows):
+    """What the rows say, independent of how the log was cut into chunks."""
+    rec = sorted(r[2] for r in rows if r[0] == "rec")
+    traffic, queues = {}, {}
+    for r in rows:
+        f = dict(zip(seg.ROW_FIELDS, r))
+        if f["row"] == "msg":
+            t = traffic.setdefault((f["store_ts"], f["topic"], f["pgroup"]), [0, 0, 0])
+            t[0] += f["n"]
+            t[1] += f["bytes"]
+            t[2] += f["body_bytes"]
+        elif f["row"] == "seg":
+            q = queues.setdefault((f["segment"], f["topic"], f["queue_id"]), [0, 1 << 62, 0, -1])
+            q[0] += f["n"]
+            q[1] = min(q[1], f["store_ts"])
+            q[2] = max(q[2], f["ts_max"])
+            q[3] = max(q[3], f["qo_max"] if f["qo_max"] is not None else -1)
+    return rec, traffic, queues
+
+
+def test_rows_account_for_every_record_however_the_log_is_cut(tmp_path):
+    d, written = _store(tmp_path)
+    segments = seg.list_segments(d)
+    assert len(segments) > 3 and segments[-1].active and not segments[0].active
+    whole = _rows(seg.plan_chunks(d, 1 << 40)[1])
+    _, small = seg.plan_chunks(d, 1000)
+    assert len(small) > 2 * len(segments)
+    assert _totals(_rows(small)) == _totals(whole)
+    rec, traffic, queues = _totals(whole)
+    assert rec == [w.offset for w in written if w.topic == "RMQ_SYS_TRANS_HALF_TOPIC"]
+    plain = [w for w in written if w.topic == "Orders"]
+    assert sum(t[0] for t in traffic.values()) == len(plain)
+    assert sum(t[1] for t in traffic.values()) == sum(w.size for w in plain)
+    assert sum(q[0] for q in queues.values()) == len(written)
+    first = min(w.store_ts for w in written if w.offset < 8192)
+    assert min(q[1] for k, q in queues.items() if k[0] == segments[0].name) == first
+    assert max(q[3] for k, q in queues.items() if k[1] == "Orders") == max(w.queue_offset for w in plain)
+    # half messages are indexed in the half topic's queue 0
+    assert max(q[3] for k, q in queues.items() if k[1] == "RMQ_SYS_TRANS_HALF_TOPIC") == len(rec) - 1
+
+
+def _corrupt(path, pos, data):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        f.write(data)
+
+
+def test_damage_names_position_and_stops_the_segment(tmp_path):
+    d, written = _store(tmp_path)
+    segments = seg.list_segments(d)
+    victim = [w for w in written if w.offset // 8192 == 1][3]
+    pos = victim.offset - segments[1].base
+    # TOPICLENGTH (just after the body) now runs past the record
+    _corrupt(segments[1].path, pos + 88 + len(victim.body), b"\x7f")
+    rows = _rows(seg.plan_chunks(d, 1 << 40)[1])
+    damage = [r for r in rows if r[0] == "dmg"]
+    assert len(damage) == 1
+    assert damage[0][1] == segments[1].name and damage[0][2] == victim.offset
+    assert damage[0][3] == segments[1].size - pos
+    assert f"record at {pos}" in damage[0][-1]
+    counted = sum(r[18] for r in rows if r[0] == "seg")
+    lost = [w for w in written if w.offset // 8192 == 1 and w.offset >= victim.offset]
+    assert counted == len(written) - len(lost)
+
+
+def test_zeros_end_the_data_but_garbage_after_them_is_damage(tmp_path, monkeypatch):
+    d, written = _store(tmp_path, n=10, segment_size=1 << 20)
+    (active,) = seg.list_segments(d)
+    end = written[-1].offset + written[-1].size
+    rows = list(seg.decode_chunk(seg.split_segment(active, 1 << 40)[0]))
+    assert sum(r[18] for r in rows if r[0] == "seg") == 10 and not [r for r in rows if r[0] == "dmg"]
+    _corrupt(active.path, end + 500, b"\x01")
+    monkeypatch.setattr(seg, "ACTIVE_REREADS", 1)
+    rows = list(seg.decode_chunk(seg.split_segment(active, 1 << 40)[0]))
+    assert rows[-1][0] == "dmg" and rows[-1][2] == end
+    assert f"non-zero bytes follow at {end + 500}" in rows[-1][-1]
+
+
+def test_snapshot_lines_tolerate_missing_keys():
+    assert parse_line("nope") == [("bad",) + (None,) * 6]
+    assert parse_line('{"connections": 3}')[0][0] == "bad"
+    assert parse_line("  ") == []
+    rows = parse_line(json.dumps({"ts": 5, "connections": 2, "consumer_lag": [
+        {"group": "g", "topic": "T", "queue_id": 1, "lag": 4}, {"group": 7, "lag": 1}]}))
+    assert rows == [("snap", 5, 2, None, None, None, None), ("lag", 5, None, "g", "T", 1, 4),
+                    ("incomplete",) + (None,) * 6]
+    assert [r[0] for r in parse_line('{"ts": 9, "connections": 1, "consumer_lag": []}')] == ["snap"]
+
+
+def _plan(**over):
+    now, ret = 1_000 * H, 72 * H
+    plan = {"version": 1, "created_ms": now, "retention_ms": ret, "now_ms": now,
+            "halves": [{"commit_log_offset": 10, "queue_offset": 0, "producer_group": "g", "topic": "T",
+                        "store_timestamp": now - ret - 1, "uniq_key": "U"}],
+            "segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": now - ret - 1}]}
+    plan.update(over)
+    return plan
+
+
+def test_validate_plan_accepts_a_good_plan_from_file_text_or_dict(tmp_path):
+    path = str(tmp_path / "plan.json")
+    write_plan(_plan(), path)
+    assert validate_plan(path)["halves"][0]["commit_log_offset"] == 10
+    with open(path) as f:
+        assert validate_plan(f.read())["segments"][0]["name"] == "0" * 20
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".plan-")]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"version": 2}, "version"),
+    ({"now_ms": "soon"}, "now_ms"),
+    ({"retention_ms": 0}, "positive"),
+    ({"halves": [{"commit_log_offset": 1}]}, "missing or mistyped"),
+    ({"halves": [{"commit_log_offset": 1, "queue_offset": 0, "producer_group": "g", "topic": "T",
+                  "store_timestamp": 1000 * H - 72 * H, "uniq_key": None}]}, "not older than the retention"),
+    ({"segments": [{"name": "12", "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "20-digit"),
+    ({"segments": [{"name": "1" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2},
+                   {"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "oldest first"),
+    ({"segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 1000 * H}]},
+     "not all older"),
+])
+def test_validate_plan_refuses_bad_plans(change, message):
+    with pytest.raises(PlanError, match=message):
+        validate_plan(_plan(**change))
+
+
+def test_validate_plan_refuses_unreadable_input(tmp_path):
+    with pytest.raises(PlanError, match="cannot read"):
+        validate_plan(str(tmp_path / "missing.json"))
+    with pytest.raises(PlanError, match="cannot read"):
+        validate_plan(b"{not json")
