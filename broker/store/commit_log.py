@@ -31,7 +31,7 @@ import os
 import struct
 from typing import Callable
 
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_OFFSET, validate_topic
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_PHYSICAL_OFFSET, POS_QUEUE_OFFSET, validate_topic
 
 from .config import StoreConfig
 from .mapped_file import MappedFile
@@ -41,11 +41,14 @@ log = logging.getLogger("txmq.store")
 
 _SIZE_MAGIC = struct.Struct(">ii")
 _CHECK = struct.Struct(">ii4xi20xi")   # TOTALSIZE, MAGIC, QUEUEID, SYSFLAG
-_QOFF_PHYS = struct.Struct(">qq")      # QUEUEOFFSET, PHYSICALOFFSET (adjacent at 20)
+_QOFF_PHYS = struct.Struct(">qq")      # QUEUEOFFSET, PHYSICALOFFSET: adjacent, one pack patches both
+assert POS_PHYSICAL_OFFSET == POS_QUEUE_OFFSET + 8
 _I64 = struct.Struct(">q")
 _OK, _ILLEGAL = PutStatus.PUT_OK, PutStatus.MESSAGE_ILLEGAL
 _UNAVAILABLE, _CREATE_FAILED = PutStatus.SERVICE_NOT_AVAILABLE, PutStatus.CREATE_MAPPED_FILE_FAILED
 _BORN_V6, _STORE_V6 = 0x10, 0x20
+RESERVE_LOW = 4 << 20       # top up the zero-written space ahead of the writer below this much ...
+RESERVE_HIGH = 16 << 20     # ... to this much
 
 
 class Segment(MappedFile):
@@ -58,11 +61,10 @@ class Segment(MappedFile):
         self.written = -1       # end of the last record; -1 while unknown (sealed, not yet walked)
 
 
-class _Illegal(Exception):
-    pass
-
-
 class CommitLog:
+    # Copy newer batches while a flush is in flight (measured in bench/bench_store.py --compare).
+    _overlap = True
+
     def __init__(self, directory: str, config: StoreConfig, clock: Callable[[], int]):
         self.directory = directory
         self.config = config
@@ -94,6 +96,8 @@ class CommitLog:
         self._tick = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = None
+        self._reserver = None       # the helper thread that writes zeros ahead of the writer
+        self._reserve_job = None    # (concurrent future, segment, target)
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ layout
@@ -116,10 +120,49 @@ class CommitLog:
         return seg, phys - seg.start
 
     def new_segment(self, start: int) -> Segment:
-        seg = Segment.create(self.directory, start, self.seg_size,
-                             reserve=self.seg_size if self.config.preallocate else 0)
+        seg = Segment.create(self.directory, start, self.seg_size, reserve=0)
+        if self.config.preallocate:
+            seg.reserved = 0
+            self._reserve_now(seg, min(self.seg_size, RESERVE_LOW))
+        else:
+            seg.reserved = self.seg_size
         self.segments.append(seg)
         return seg
+
+    # ------------------------------------------------------------ space reservation
+    # Segments are sparse files; the writer only copies into bytes already written as zeros by
+    # pwrite ("reserved"). pwrite reserves the blocks (delalloc) and fails with ENOSPC on a full
+    # disk, where a write to an unbacked mmap page would SIGBUS; and the page-cache pages it leaves
+    # behind make the writer's copy a cheap minor fault. A helper thread keeps RESERVE_LOW..HIGH
+    # bytes reserved ahead of the writer; the writer only waits for it when it outruns it.
+    def _poll_reservation(self, wait: bool = False) -> None:
+        job = self._reserve_job
+        if job is None or not (wait or job[0].done()):
+            return
+        self._reserve_job = None
+        fut, seg, target = job
+        try:
+            fut.result()
+        except OSError as exc:
+            log.warning("reserving segment %s up to %d failed: %s", seg.name, target, exc)
+            return
+        seg.reserved = max(seg.reserved, target)
+
+    def _reserve_now(self, seg: Segment, end: int) -> None:
+        """Make [0, end) writable now (OSError on a full disk). Never overlaps a running job."""
+        self._poll_reservation(wait=self._reserve_job is not None and self._reserve_job[1] is seg)
+        if end > seg.reserved:
+            target = min(self.seg_size, max(end, seg.reserved + RESERVE_LOW))
+            _write_zeros(seg.fd, seg.reserved, target)
+            seg.reserved = target
+
+    def _top_up(self, seg: Segment, pos: int) -> None:
+        self._poll_reservation()
+        if (self._reserve_job is None and self._reserver is not None and seg.reserved < self.seg_size
+                and seg.reserved - pos < RESERVE_LOW):
+            target = min(self.seg_size, pos + RESERVE_HIGH)
+            fut = self._reserver.submit(_write_zeros, seg.fd, seg.reserved, target)
+            self._reserve_job = (fut, seg, target)
 
     def set_end(self, phys: int, last_ts: int) -> None:
         """Where appends continue after recovery; everything below is durable and readable."""
@@ -127,6 +170,8 @@ class CommitLog:
         if not last.start <= phys <= last.start + self.seg_size - 8:
             raise AssertionError(f"log end {phys} is not in the active segment {last.name}")
         self._pos = self._dirty_lo = last.written = phys - last.start
+        if self.config.preallocate:
+            last.reserved = self._pos      # nothing beyond the data is known to be backed
         self.readable = self.flushed = phys
         self.flushed_ts = self._last_ts = last_ts
 
@@ -174,9 +219,10 @@ class CommitLog:
         return seg.view[pos:pos + size]
 
     # ------------------------------------------------------------ writer API
-    def start(self, executor) -> None:
+    def start(self, executor, reserver) -> None:
         self._loop = asyncio.get_running_loop()
         self._executor = executor
+        self._reserver = reserver
         self._task = self._loop.create_task(self._run(), name="txmq-store-writer")
 
     def put(self, req: PutRequest) -> asyncio.Future:
@@ -222,7 +268,7 @@ class CommitLog:
         loop = self._loop
         try:
             while True:
-                if self._queue and not self._controls:
+                if self._queue and not self._controls and (self._overlap or self._flushing is None):
                     entries, self._queue = self._queue, []
                     self._write(entries)
                 fl = self._flushing
@@ -243,16 +289,18 @@ class CommitLog:
                         continue
                     if self._closing and not self._queue:
                         break
-                if self._queue and not self._controls:
+                if self._queue and not self._controls and (self._overlap or fl is None):
                     continue
                 if not self._sync and dirty and self._tick is None:
                     self._tick = loop.call_later(self.config.flush_interval_ms / 1000, self._flush_tick)
                 self._wake = w = loop.create_future()
                 await w
         except BaseException as exc:
-            self._fail(f"the writer stopped unexpectedly: {exc!r}")
-            if not isinstance(exc, asyncio.CancelledError):
+            if isinstance(exc, asyncio.CancelledError):
+                self.failed = self.failed or "the writer was cancelled"
+            else:
                 log.exception("store writer crashed")
+            self._fail(f"the writer stopped unexpectedly: {exc!r}")
             pending = list(self._waiting) + (list(self._flushing[3]) if self._flushing else [])
             self._waiting = []
             for fut, res in pending:
@@ -271,103 +319,139 @@ class CommitLog:
         self._wakeup()
 
     def _write(self, entries: list) -> None:
+        """Copy drained entries into the log. The hot loop: one frame, locals only, one clock read."""
         sync = self._sync
         done = self._waiting if sync else []
         units = self._units
-        infos = self._infos
-        for i, (req, fut) in enumerate(entries):
+        infos = self._infos if self.dispatching else None
+        qoffsets = self.qoffsets
+        limit, seg_size = self._limit, self.seg_size
+        seg = self.segments[-1]
+        mm, base, pos, room = seg.mm, seg.start, self._pos, min(seg.reserved, seg_size)
+        now = self._clock()
+        check, pack_qp, pack_ts = _CHECK.unpack_from, _QOFF_PHYS.pack_into, _I64.pack_into
+        wrote = False
+        for req, fut in entries:
             if self.failed is not None:
-                for req, fut in entries[i:]:
-                    _resolve(fut, _unavailable(req))
-                break
-            many = req.__class__ is list
-            try:
-                res = self._append_many(req) if many else self._append(req, self._check(req))
-            except _Illegal:
-                _resolve(fut, [PutResult(_ILLEGAL) for _ in req] if many else PutResult(_ILLEGAL))
+                _resolve(fut, _unavailable(req))
                 continue
-            except OSError as exc:
-                self._fail(f"cannot create segment {self.segments[-1].start + self.seg_size:020d}: {exc}")
-                res = [PutResult(_CREATE_FAILED) for _ in req] if many else PutResult(_CREATE_FAILED)
-            done.append((fut, res))
-        self.segments[-1].written = self._pos
+            if req.__class__ is list:
+                batch, results = req, []
+                total = self._precheck(batch)
+                if total < 0:
+                    _resolve(fut, [PutResult(_ILLEGAL) for _ in batch])
+                    continue
+                if pos + total + 8 > seg_size and total + 8 <= seg_size:   # keep the batch contiguous
+                    new = self._roll(pos)
+                    if new is None:
+                        _resolve(fut, [PutResult(_CREATE_FAILED) for _ in batch])
+                        continue
+                    seg, mm, base, pos, room = new, new.mm, new.start, 0, new.reserved
+            else:
+                batch, results = (req,), None
+            for r in batch:
+                rec = r.record
+                if rec.__class__ is not bytearray:
+                    rec = r.record = bytearray(rec)
+                n = len(rec)
+                size_field, magic, qid, sys_flag = check(rec, 0) if n >= 91 else (0, 0, 0, 0)
+                key = None
+                if not sys_flag & 0x4:      # NOT and COMMIT records get a consume-queue unit (spec 7.2)
+                    key = (r.topic, qid)
+                if (n > limit or size_field != n or magic != MESSAGE_MAGIC or qid != r.queue_id or qid < 0
+                        or (key is not None and key not in qoffsets and validate_topic(r.topic) is not None)):
+                    _resolve(fut, PutResult(_ILLEGAL))      # only single puts get here; batches are prechecked
+                    break
+                if pos + n + 8 > room:
+                    new = self._roll(pos) if pos + n + 8 > seg_size else self._reserve(seg, pos + n + 8)
+                    if new is None:
+                        if results is None:
+                            _resolve(fut, PutResult(_CREATE_FAILED))
+                        else:
+                            results += [PutResult(_CREATE_FAILED) for _ in range(len(batch) - len(results))]
+                        break
+                    if new is not seg:
+                        seg, mm, base, pos = new, new.mm, new.start, 0
+                    room = min(seg.reserved, seg_size)
+                phys = base + pos
+                if key is None:
+                    qoff = 0
+                else:
+                    qoff = qoffsets.get(key, 0)
+                    qoffsets[key] = qoff + 1
+                pack_qp(rec, POS_QUEUE_OFFSET, qoff, phys)
+                pack_ts(rec, 68 if sys_flag & _BORN_V6 else 56, now)
+                mm[pos:pos + n] = rec
+                if pos == 0:
+                    seg.first_ts = now
+                pos += n
+                wrote = True
+                if key is None:
+                    qoff = -1
+                else:
+                    units.append((key, phys, n, r.tags_code))
+                if infos is not None:
+                    infos.append(_info(r, rec, qoff, phys, n, now, sys_flag))
+                if results is None:
+                    done.append((fut, PutResult(_OK, phys, n, now, qoff)))
+                else:
+                    results.append(PutResult(_OK, phys, n, now, qoff))
+            if results:
+                done.append((fut, results))
+        self._pos = seg.written = pos
+        if wrote:
+            seg.last_ts = self._last_ts = now
+            self._top_up(seg, pos)
         if not sync:
             self.readable = self.written
             self._units, self._infos = [], []
-            self.on_commit(units, infos)
+            self.on_commit(units, infos or ())
             for fut, res in done:
                 _resolve(fut, res)
 
-    def _check(self, req: PutRequest):
-        rec = req.record
-        if rec.__class__ is not bytearray:
-            rec = bytearray(rec)
-        n = len(rec)
-        if n < 91 or n > self._limit:
-            raise _Illegal
-        total, magic, qid, sys_flag = _CHECK.unpack_from(rec, 0)
-        if total != n or magic != MESSAGE_MAGIC or qid != req.queue_id or qid < 0:
-            raise _Illegal
-        key = None
-        if not sys_flag & 0x4:      # NOT (0) and COMMIT (8) get a consume-queue unit; PREPARED, ROLLBACK none
-            key = (req.topic, qid)
-            if key not in self.qoffsets:
-                if validate_topic(req.topic) is not None:
-                    raise _Illegal
-                self.qoffsets[key] = 0
-        return rec, n, sys_flag, key
+    def _precheck(self, batch: list) -> int:
+        """Total size of a put_many batch, or -1 if any record is illegal (then none is written)."""
+        total = 0
+        new_keys = set()
+        for r in batch:
+            if r.record.__class__ is not bytearray:
+                r.record = bytearray(r.record)
+            n = len(r.record)
+            if n < 91 or n > self._limit:
+                return -1
+            size_field, magic, qid, sys_flag = _CHECK.unpack_from(r.record, 0)
+            if size_field != n or magic != MESSAGE_MAGIC or qid != r.queue_id or qid < 0:
+                return -1
+            key = (r.topic, qid)
+            if not sys_flag & 0x4 and key not in self.qoffsets and key not in new_keys:
+                if validate_topic(r.topic) is not None:
+                    return -1
+                new_keys.add(key)
+            total += n
+        return total
 
-    def _append_many(self, reqs: list) -> list[PutResult]:
-        checked = [self._check(r) for r in reqs]
-        total = sum(c[1] for c in checked)
-        if self._pos + total + 8 > self.seg_size and total + 8 <= self.seg_size:
-            self._roll()        # keep the batch in one segment, contiguous
-        return [self._append(r, c) for r, c in zip(reqs, checked)]
+    def _reserve(self, seg: Segment, end: int) -> Segment | None:
+        try:
+            self._reserve_now(seg, end)
+            return seg
+        except OSError as exc:
+            self._fail(f"cannot reserve space in segment {seg.name}: {exc}")
+            return None
 
-    def _append(self, req: PutRequest, checked) -> PutResult:
-        rec, n, sys_flag, key = checked
-        pos = self._pos
-        if pos + n + 8 > self.seg_size:
-            self._roll()
-            pos = 0
-        seg = self.segments[-1]
-        phys = seg.start + pos
-        if key is not None:
-            qoff = self.qoffsets[key]
-            self.qoffsets[key] = qoff + 1
-        else:
-            qoff = 0
-        now = self._clock()
-        _QOFF_PHYS.pack_into(rec, POS_QUEUE_OFFSET, qoff, phys)
-        _I64.pack_into(rec, 68 if sys_flag & _BORN_V6 else 56, now)
-        seg.mm[pos:pos + n] = rec
-        self._pos = pos + n
-        if pos == 0:
-            seg.first_ts = now
-        seg.last_ts = self._last_ts = now
-        tag = req.tags_code
-        if key is not None:
-            self._units.append((key, phys, n, tag))
-        else:
-            qoff = -1
-        if self.dispatching:
-            prepared = 0
-            if sys_flag & 0xC:
-                p = 76 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
-                prepared = _I64.unpack_from(rec, p)[0]
-            self._infos.append(DispatchInfo(req.topic, req.queue_id, qoff, phys, n, tag, now, sys_flag, prepared,
-                                            False))
-        return PutResult(_OK, phys, n, now, qoff)
-
-    def _roll(self) -> None:
+    def _roll(self, pos: int) -> Segment | None:
+        """Seal the active segment with an end marker and start the next; None (and stop) if it cannot be made."""
         old = self.segments[-1]
-        pos = self._pos
-        new = self.new_segment(old.start + self.seg_size)     # OSError: nothing written yet
+        try:
+            self._reserve_now(old, pos + 8)
+            new = self.new_segment(old.start + self.seg_size)    # before the marker: on failure nothing is written
+        except OSError as exc:
+            self._fail(f"cannot create segment {old.start + self.seg_size:020d}: {exc}")
+            return None
         _SIZE_MAGIC.pack_into(old.mm, pos, self.seg_size - pos, BLANK_MAGIC)
         old.written = pos
         self._dirty_sealed.append((old, self._dirty_lo, pos + 8))
-        self._pos = self._dirty_lo = 0
-        new.written = 0
+        self._pos = self._dirty_lo = new.written = 0
+        return new
 
     def _start_flush(self) -> None:
         ranges = self._dirty_sealed
@@ -404,6 +488,21 @@ class CommitLog:
         queued, self._queue = self._queue, []
         for req, fut in queued:
             _resolve(fut, _unavailable(req))
+
+
+def _info(r: PutRequest, rec: bytearray, qoff: int, phys: int, n: int, now: int, sys_flag: int) -> DispatchInfo:
+    prepared = 0
+    if sys_flag & 0xC:
+        prepared = _I64.unpack_from(rec, 76 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0))[0]
+    return DispatchInfo(r.topic, r.queue_id, qoff, phys, n, r.tags_code, now, sys_flag, prepared, False)
+
+
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def _write_zeros(fd: int, lo: int, hi: int) -> None:
+    while lo < hi:
+        lo += os.pwrite(fd, _ZEROS[:min(len(_ZEROS), hi - lo)], lo)
 
 
 def _flush_ranges(ranges) -> None:

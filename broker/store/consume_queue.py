@@ -89,6 +89,22 @@ class ConsumeQueue:
         UNIT.pack_into(mf.mm, pos, phys, size, tag)
         self.max_offset += 1
 
+    def extend(self, units: list) -> None:
+        """append() for many (phys, size, tag) units: the commit path, once per flushed batch."""
+        pack = UNIT.pack_into
+        byte = self.max_offset * UNIT_SIZE
+        for phys, size, tag in units:
+            files = self.files
+            if not files or byte >= files[-1].start + self.file_size:
+                self._new_file(byte)
+            mf = files[-1] if files else self.files[-1]
+            pos = byte - mf.start
+            if pos + UNIT_SIZE > mf.reserved:
+                mf.reserve(pos + RESERVE_CHUNK)
+            pack(mf.mm, pos, phys, size, tag)
+            byte += UNIT_SIZE
+            self.max_offset += 1
+
     def _new_file(self, byte: int) -> None:
         if not self.files:
             os.makedirs(self.directory, exist_ok=True)

@@ -77,7 +77,8 @@ class MessageStore:
             raise
         self._log.on_commit = self._on_commit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-flush")
-        self._log.start(self._executor)
+        self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-reserve")
+        self._log.start(self._executor, self._reserver)
         self._housekeeping = asyncio.get_running_loop().create_task(self._checkpoint_loop(),
                                                                     name="txmq-store-checkpoint")
         self._state = "open"
@@ -99,6 +100,7 @@ class MessageStore:
         except OSError as exc:
             log.error("final checkpoint failed: %s", exc)
         self._executor.shutdown(wait=True)
+        self._reserver.shutdown(wait=True)
         self._close_files()
         self._state = "closed"
 
@@ -144,12 +146,18 @@ class MessageStore:
     def _on_commit(self, units: list, infos: list) -> None:
         """Records just became readable: index them, then tell the listeners."""
         cqs = self._cqs
+        by_key: dict = {}
+        for key, phys, size, tag in units:
+            pending = by_key.get(key)
+            if pending is None:
+                pending = by_key[key] = []
+            pending.append((phys, size, tag))
         try:
-            for key, phys, size, tag in units:
+            for key, pending in by_key.items():
                 cq = cqs.get(key)
                 if cq is None:
                     cq = cqs[key] = self._make_queue(key)
-                cq.append(phys, size, tag)
+                cq.extend(pending)
         except OSError as exc:      # the records are durable; recovery re-indexes them at the next start
             self._log._fail(f"cannot extend a consume queue: {exc}")
         for info in infos:

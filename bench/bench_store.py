@@ -1,0 +1,146 @@
+"""Store append throughput against the raw floor (not collected by pytest).
+
+    python bench/bench_store.py [--seconds 3] [--appenders 64] [--size 1024] [--dir /tmp] [--compare]
+
+* store sync   64 coroutines each awaiting ``store.put`` in a loop, flush="sync" (group commit)
+* store async  the same with flush="async"
+* raw floor    one plain loop: copy the same record into an mmap 64 times, msync once; no event
+               loop, no bookkeeping -- what a Python appender cannot beat on this disk
+* --compare    also runs sync mode with the writer NOT copying while a flush is in flight
+
+Prints a table, then as the LAST line one JSON object; "ratio" = store sync appends/s
+divided by raw floor appends/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import uvloop  # noqa: E402
+
+from broker.store import MessageStore, PutRequest, StoreConfig  # noqa: E402
+from broker.store.commit_log import CommitLog  # noqa: E402
+
+
+def make_request(size: int, queue_id: int = 0) -> PutRequest:
+    """A record of exactly ``size`` bytes."""
+    probe = PutRequest.build("BenchTopic", b"", queue_id=queue_id, properties={"TAGS": "bench"})
+    body = b"x" * max(0, size - len(probe.record))
+    return PutRequest.build("BenchTopic", body, queue_id=queue_id, properties={"TAGS": "bench"})
+
+
+async def store_run(base: str, flush: str, seconds: float, appenders: int, size: int, queues: int) -> dict:
+    d = tempfile.mkdtemp(prefix=f"bench-{flush}-", dir=base)
+    try:
+        store = MessageStore(d, StoreConfig(flush=flush))
+        await store.open()
+        reqs = [make_request(size, q) for q in range(queues)]
+        count = 0
+        stop = False
+
+        async def appender(i: int):
+            nonlocal count
+            req = reqs[i % len(reqs)]
+            req = PutRequest(bytearray(req.record), req.topic, req.queue_id, req.tags_code)
+            put = store.put
+            while not stop:
+                res = await put(req)
+                if res.status.value != "PUT_OK":
+                    raise RuntimeError(res)
+                count += 1
+
+        tasks = [asyncio.ensure_future(appender(i)) for i in range(appenders)]
+        await asyncio.sleep(0.5)                    # warm-up: first pages, first segment
+        c0, t0 = count, time.perf_counter()
+        await asyncio.sleep(seconds)
+        c1, t1 = count, time.perf_counter()
+        stop = True
+        await asyncio.gather(*tasks)
+        await store.close()
+        rate = (c1 - c0) / (t1 - t0)
+        return {"appends_per_s": rate, "mb_per_s": rate * size / 1e6}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def floor_run(base: str, seconds: float, batch: int, size: int) -> dict:
+    d = tempfile.mkdtemp(prefix="bench-floor-", dir=base)
+    path = os.path.join(d, "seg")
+    seg = 1 << 30
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, seg)
+        os.posix_fallocate(fd, 0, seg)
+        mm = mmap.mmap(fd, seg)
+        data = bytes(make_request(size).record)
+        page = mmap.PAGESIZE
+        pos = n = 0
+        warm_end = time.perf_counter() + 0.5
+        t0 = None
+        while True:
+            now = time.perf_counter()
+            if t0 is None and now >= warm_end:
+                t0, n = now, 0
+            if t0 is not None and now - t0 >= seconds:
+                break
+            if pos + batch * size > seg:
+                pos = 0
+            start = pos
+            for _ in range(batch):
+                mm[pos:pos + size] = data
+                pos += size
+            a = start - start % page
+            mm.flush(a, pos - a)
+            n += batch
+        rate = n / (time.perf_counter() - t0)
+        mm.close()
+        return {"appends_per_s": rate, "mb_per_s": rate * size / 1e6}
+    finally:
+        os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--appenders", type=int, default=64)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--queues", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
+    ap.add_argument("--compare", action="store_true", help="also run sync without copy/flush overlap")
+    args = ap.parse_args()
+    base = args.dir or tempfile.gettempdir()
+
+    run = lambda flush: uvloop.run(store_run(base, flush, args.seconds, args.appenders, args.size,  # noqa: E731
+                                             args.queues))
+    results = {"floor": floor_run(base, args.seconds, args.appenders, args.size), "sync": run("sync")}
+    results["async"] = run("async")
+    if args.compare:
+        CommitLog._overlap = False
+        results["sync_no_overlap"] = run("sync")
+        CommitLog._overlap = True
+    ratio = results["sync"]["appends_per_s"] / results["floor"]["appends_per_s"]
+
+    print(f"{args.size}-byte records, {args.appenders} concurrent appenders, {args.seconds:g} s each, in {base}")
+    print(f"{'run':<18}{'appends/s':>12}{'MB/s':>10}")
+    for name, r in results.items():
+        print(f"{name:<18}{r['appends_per_s']:>12,.0f}{r['mb_per_s']:>10.1f}")
+    print(f"ratio sync/floor = {ratio:.2f}")
+    out = {"record_bytes": args.size, "appenders": args.appenders, "seconds": args.seconds,
+           **{f"{k}_appends_per_s": round(v["appends_per_s"]) for k, v in results.items()},
+           **{f"{k}_mb_per_s": round(v["mb_per_s"], 1) for k, v in results.items()},
+           "ratio": round(ratio, 3)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
