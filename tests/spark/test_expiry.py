@@ -1,0 +1,151 @@
+"""The expiry plan on a real local SparkSession over a store written by broker.store.
+
+Applying a plan against a running broker (dead letters with reason `expired`, segments
+removed, applying twice changes nothing) is tested by the broker's engineer with
+`python -m broker admin apply-expiry`; here the plan itself is checked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from broker.store import ConsumerOffsets
+from ops.spark import validate_plan
+from storegen import StoreBuilder
+
+pytestmark = pytest.mark.spark
+
+H = 3_600_000
+M = 60_000
+NOW = 1710028800000 + 100 * H
+CUTOFF = NOW - 72 * H
+SEG = 8192
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("expiry") / "store")
+    s = {}
+    with StoreBuilder(d, segment_size=SEG) as b:
+        for i in range(40):
+            b.at(NOW - 100 * H + i).send("Orders")
+        h = b.at(NOW - 99 * H).half("pg-a", "Pay")
+        b.at(NOW - 99 * H + 1000).commit(h)                    # decided: never listed
+        h = b.at(NOW - 98 * H).half("pg-a", "Pay")
+        b.at(NOW - 98 * H + 1000).dead(h, "max-checks")        # closed by DEAD: not listed
+        s["resumed"] = b.at(NOW - 97 * H).half("pg-b", "Ship")
+        b.at(NOW - 97 * H + 1000).dead(s["resumed"], "max-checks")
+        b.at(NOW - 97 * H + 2000).resume(s["resumed"])         # open again: listed
+        s["expired"] = b.at(NOW - 72 * H - M).half("pg-a", "Pay")      # 72h01m: listed
+        s["exact"] = b.at(NOW - 72 * H).half("pg-a", "Pay")            # exactly 72h: kept
+        s["young"] = b.at(NOW - 72 * H + M).half("pg-a", "Pay")        # 71h59m: kept
+        for i in range(40):
+            b.at(NOW - 71 * H + i).send("Orders")
+        for i in range(5):
+            b.at(NOW - H + i).send("Orders")
+        s["written"] = list(b.written)
+    s["dir"] = d
+    return s
+
+
+def set_offsets(store_dir, entries):
+    path = os.path.join(store_dir, "config", "consumerOffset.json")
+    if os.path.exists(path):
+        os.unlink(path)
+    offsets = ConsumerOffsets(store_dir)
+    for group, topic, qid, offset in entries:
+        offsets.commit(group, topic, qid, offset)
+    offsets.persist()
+
+
+def expected_segments(written, blocked_topic_queue_offsets=None):
+    """Hand rule: oldest sealed segments while every record is older than the cutoff."""
+    segs = sorted({w.offset // SEG for w in written})
+    out = []
+    for s in segs[:-1]:
+        recs = [w for w in written if w.offset // SEG == s]
+        if max(w.store_ts for w in recs) >= CUTOFF:
+            break
+        out.append({"name": f"{s * SEG:020d}", "first_store_timestamp": min(w.store_ts for w in recs),
+                    "last_store_timestamp": max(w.store_ts for w in recs)})
+    return out
+
+
+def test_plan_lists_old_undecided_halves_and_old_consumed_segments(spark, store, tmp_path):
+    from ops.spark.expiry import run_expiry
+
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 85), ("cg2", "Orders", 0, 85)])
+    path = str(tmp_path / "plan.json")
+    plan = run_expiry(spark, store["dir"], path, now_ms=NOW)
+    assert validate_plan(path) == plan
+    assert (plan["version"], plan["now_ms"], plan["retention_ms"]) == (1, NOW, 72 * H)
+    r, e = store["resumed"], store["expired"]
+    assert plan["halves"] == [
+        {"commit_log_offset": r.offset, "queue_offset": r.queue_offset, "producer_group": "pg-b", "topic": "Ship",
+         "store_timestamp": NOW - 97 * H, "uniq_key": r.props["UNIQ_KEY"]},
+        {"commit_log_offset": e.offset, "queue_offset": e.queue_offset, "producer_group": "pg-a", "topic": "Pay",
+         "store_timestamp": NOW - 72 * H - M, "uniq_key": e.props["UNIQ_KEY"]}]
+    want = expected_segments(store["written"])
+    assert len(want) >= 2 and plan["segments"] == want
+    listed = {s["name"] for s in plan["segments"]}
+    for half in ("exact", "young"):
+        assert f"{store[half].offset // SEG * SEG:020d}" not in listed
+    again = run_expiry(spark, store["dir"], str(tmp_path / "again.json"), now_ms=NOW)
+    assert (again["halves"], again["segments"]) == (plan["halves"], plan["segments"])
+
+
+def test_the_72_hour_boundary(spark, store, tmp_path):
+    from ops.spark.expiry import build_plan
+
+    set_offsets(store["dir"], [])
+    offsets = {h["commit_log_offset"] for h in build_plan(spark, store["dir"], retention_ms=72 * H,
+                                                           now_ms=NOW)["halves"]}
+    assert store["expired"].offset in offsets                     # 72h01m old
+    assert store["exact"].offset not in offsets                   # exactly 72h: not strictly older
+    assert store["young"].offset not in offsets                   # 71h59m old
+    two_min_later = {h["commit_log_offset"] for h in build_plan(spark, store["dir"], retention_ms=72 * H,
+                                                                now_ms=NOW + 2 * M)["halves"]}
+    assert {store["exact"].offset, store["young"].offset} <= two_min_later
+
+
+def test_unconsumed_records_hold_segments_back(spark, store):
+    from ops.spark.expiry import build_plan
+
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 85), ("slow", "Orders", 0, 5)])
+    assert build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)["segments"] == []
+    # a group with an entry for the topic but not for queue 0 has consumed nothing of queue 0
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 85), ("other", "Orders", 3, 100)])
+    assert build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)["segments"] == []
+    # consumed exactly up to the first segment's last Orders record: only that segment may go
+    first = [w for w in store["written"] if w.offset < SEG]
+    set_offsets(store["dir"], [("cg1", "Orders", 0, max(w.queue_offset for w in first) + 1)])
+    plan = build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)
+    assert [s["name"] for s in plan["segments"]] == ["0" * 20]
+
+
+def test_cli_expiry_and_validate_plan(store, tmp_path):
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 85)])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    path = str(tmp_path / "plan.json")
+    proc = subprocess.run([sys.executable, "-m", "ops.spark", "expiry", "--store-dir", store["dir"], "--out", path,
+                           "--now-ms", str(NOW), "--retention-hours", "72", "--master", "local[1]",
+                           "--no-progress"], capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "expiry: decoded" in proc.stderr and "expiry: 2 undecided half messages" in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["halves"] == 2
+    ok = subprocess.run([sys.executable, "-m", "ops.spark", "validate-plan", path], capture_output=True, text=True,
+                        env=env, cwd=root)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["valid"] is True
+    with open(path) as f:
+        plan = json.load(f)
+    plan["halves"][0]["store_timestamp"] = NOW
+    with open(path, "w") as f:
+        json.dump(plan, f)
+    bad = subprocess.run([sys.executable, "-m", "ops.spark", "validate-plan", path], capture_output=True, text=True,
+                         env=env, cwd=root)
+    assert bad.returncode == 1 and "not older than the retention" in bad.stderr
