@@ -1,0 +1,346 @@
+"""Recovery: torn tails are cut and reported, mid-log damage stops start-up, consume queues follow the log."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.store import GetStatus, MessageStore, PutRequest, StoreConfig
+from broker.store.recovery import BadRecord, parse_record
+from protocol.codes import SysFlag
+from protocol.errors import StoreError
+from protocol.message import decode_record, encode_record, pack_host, properties_to_string
+
+SEG = 1 << 20
+CFG = StoreConfig(segment_size=SEG, cq_units_per_file=64)
+CUT = StoreConfig(segment_size=SEG, cq_units_per_file=64, truncate_corrupt_tail=True)
+
+
+def bounded(seconds: float = 20):
+    def deco(fn):
+        @functools.wraps(fn)
+        async def run(*args, **kwargs):
+            return await asyncio.wait_for(fn(*args, **kwargs), seconds)
+        return run
+    return deco
+
+
+def req(i: int, size: int = 2000, queue_id: int = 0) -> PutRequest:
+    return PutRequest.build("T", bytes([i % 251]) * size, queue_id=queue_id, properties={"TAGS": f"t{i % 3}"})
+
+
+async def fill(path, n: int, size: int = 2000, cfg=CFG, queues: int = 1):
+    store = MessageStore(str(path), cfg)
+    await store.open()
+    results = await asyncio.gather(*[store.put(req(i, size, i % queues)) for i in range(n)])
+    assert all(r.ok for r in results)
+    await store.close()
+    return results
+
+
+async def reopen(path, cfg=CFG) -> MessageStore:
+    store = MessageStore(str(path), cfg)
+    await store.open()
+    return store
+
+
+def seg_path(path, start: int) -> str:
+    return os.path.join(path, "commitlog", f"{start:020d}")
+
+
+def patch(path, physical_offset: int, data: bytes) -> None:
+    start = physical_offset - physical_offset % SEG
+    with open(seg_path(path, start), "r+b") as f:
+        f.seek(physical_offset - start)
+        f.write(data)
+
+
+def flip(path, physical_offset: int) -> None:
+    start = physical_offset - physical_offset % SEG
+    with open(seg_path(path, start), "r+b") as f:
+        f.seek(physical_offset - start)
+        b = f.read(1)
+        f.seek(physical_offset - start)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def assert_readable(store: MessageStore, results) -> None:
+    for r in results:
+        msg, _ = decode_record(bytes(store.get_record(r.physical_offset)), check_crc=True)
+        assert msg.queue_offset == r.queue_offset
+
+
+# ------------------------------------------------------------ torn tails
+@bounded()
+async def test_flipped_last_record_is_cut_and_reported(tmp_path, caplog):
+    results = await fill(tmp_path, 50)
+    last = results[-1]
+    flip(tmp_path, last.physical_offset + last.size - 500)      # inside the body: CRC
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    cut = store.report.truncations
+    assert len(cut) == 1 and cut[0].segment == f"{0:020d}" and cut[0].position == last.physical_offset
+    assert cut[0].length == last.size and "CRC" in cut[0].reason
+    assert any("torn tail" in r.getMessage() and str(last.physical_offset) in r.getMessage() for r in caplog.records)
+    assert store.max_offset("T", 0) == 49 and store.get_record(last.physical_offset) is None
+    assert_readable(store, results[:-1])
+    again = await store.put(req(99))
+    assert again.physical_offset == last.physical_offset and again.queue_offset == 49
+    await store.close()
+    store = await reopen(tmp_path)          # the cut is permanent: nothing to cut the second time
+    assert store.report.truncations == [] and store.max_offset("T", 0) == 50
+    await store.close()
+
+
+@bounded()
+async def test_garbage_after_the_last_record_is_zeroed(tmp_path):
+    results = await fill(tmp_path, 10)
+    end = results[-1].physical_offset + results[-1].size
+    patch(tmp_path, end, b"\x00\x00\x01\x00" + os.urandom(700))      # a half-written header and noise
+    store = await reopen(tmp_path)
+    assert [(t.position, t.length) for t in store.report.truncations] == [(end, 704)]
+    assert store.max_offset("T", 0) == 10
+    await store.close()
+    with open(seg_path(tmp_path, 0), "rb") as f:
+        f.seek(end)
+        assert f.read(704) == bytes(704)
+
+
+@bounded()
+async def test_zero_filled_tail_is_just_the_end(tmp_path):
+    results = await fill(tmp_path, 20)
+    os.unlink(tmp_path / "checkpoint")              # as if the last writes never reached the disk
+    cut_from = results[-3].physical_offset
+    patch(tmp_path, cut_from, bytes(results[-1].physical_offset + results[-1].size - cut_from))
+    store = await reopen(tmp_path)
+    assert store.report.truncations == []
+    assert store.report.end_offset == cut_from
+    assert store.report.cq_units_dropped == 3       # units of the vanished records
+    assert store.max_offset("T", 0) == 17
+    got = store.get_messages("T", 0, 16, 32, 1 << 20)
+    assert got.message_count == 1 and got.next_begin_offset == 17
+    await store.close()
+
+
+@bounded()
+async def test_truncated_last_segment_file_is_extended_and_its_torn_record_cut(tmp_path, caplog):
+    results = await fill(tmp_path, 700)
+    last_seg = max(r.physical_offset for r in results) // SEG * SEG
+    in_last = [r for r in results if r.physical_offset >= last_seg]
+    victim = in_last[len(in_last) // 2]
+    os.truncate(seg_path(tmp_path, last_seg), victim.physical_offset - last_seg + 100)
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    assert os.path.getsize(seg_path(tmp_path, last_seg)) == SEG
+    assert any("short" in r.getMessage() for r in caplog.records)
+    assert [t.position for t in store.report.truncations] == [victim.physical_offset - last_seg]
+    assert store.max_offset("T", 0) == victim.queue_offset
+    assert_readable(store, [r for r in results if r.queue_offset < victim.queue_offset])
+    await store.close()
+
+
+@bounded()
+async def test_torn_first_record_of_a_new_segment(tmp_path):
+    results = await fill(tmp_path, 600)
+    first_in_last = min((r for r in results if r.physical_offset >= SEG), key=lambda r: r.physical_offset)
+    flip(tmp_path, first_in_last.physical_offset + 200)
+    later = [r for r in results if r.physical_offset > first_in_last.physical_offset]
+    for r in later:                                  # nothing after the torn record reached the disk
+        patch(tmp_path, r.physical_offset, bytes(r.size))
+    store = await reopen(tmp_path)
+    assert [(t.segment, t.position) for t in store.report.truncations] == [(f"{SEG:020d}", 0)]
+    assert store.max_offset("T", 0) == first_in_last.queue_offset
+    await store.close()
+
+
+@bounded()
+async def test_an_empty_segment_after_a_crash_mid_roll_is_removed(tmp_path):
+    await fill(tmp_path, 100)                        # all in segment 0
+    with open(seg_path(tmp_path, SEG), "wb") as f:   # created, but the end marker never written
+        f.truncate(SEG)
+    store = await reopen(tmp_path)
+    assert store.report.removed_segments == [f"{SEG:020d}"] and store.report.truncations == []
+    assert len(store.segments()) == 1 and store.max_offset("T", 0) == 100
+    assert (await store.put(req(1))).physical_offset < SEG
+    await store.close()
+
+
+# --------------------------------------------------------- mid-log damage
+@bounded()
+async def test_damage_in_the_middle_stops_start_up(tmp_path, caplog):
+    results = await fill(tmp_path, 60)
+    bad = results[30]
+    flip(tmp_path, bad.physical_offset + 150)
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert err.value.segment == f"{0:020d}" and err.value.position == bad.physical_offset
+    assert "truncate_corrupt_tail=True" in str(err.value) and "CRC" in str(err.value)
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        store = await reopen(tmp_path, CUT)
+    assert any("truncate_corrupt_tail" in r.getMessage() for r in caplog.records)
+    assert store.max_offset("T", 0) == 30
+    assert_readable(store, results[:30])
+    assert store.get_record(results[40].physical_offset) is None
+    assert (await store.put(req(5))).queue_offset == 30
+    await store.close()
+
+
+@bounded()
+async def test_damage_in_an_older_segment_stops_start_up(tmp_path):
+    results = await fill(tmp_path, 900)
+    bad = results[100]
+    patch(tmp_path, bad.physical_offset + 4, b"\x00\x00\x00\x00")     # magic gone
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert err.value.segment == f"{0:020d}" and err.value.position == bad.physical_offset
+    store = await reopen(tmp_path, CUT)
+    assert len(store.segments()) == 1 and not os.path.exists(seg_path(tmp_path, SEG))
+    assert store.max_offset("T", 0) == 100
+    await store.close()
+
+
+@bounded()
+async def test_zeros_in_the_middle_are_damage_too(tmp_path):
+    results = await fill(tmp_path, 40)
+    hole = results[10]
+    patch(tmp_path, hole.physical_offset, bytes(hole.size))
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert err.value.position == hole.physical_offset
+
+
+@bounded()
+async def test_a_short_segment_before_the_last_is_damage(tmp_path):
+    results = await fill(tmp_path, 700)
+    os.truncate(seg_path(tmp_path, 0), 5000)
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert err.value.segment == f"{0:020d}" and err.value.position == 5000
+    store = await reopen(tmp_path, CUT)
+    survivors = [r for r in results if r.physical_offset + r.size <= 5000]
+    assert store.max_offset("T", 0) == len(survivors)
+    assert_readable(store, survivors)
+    await store.close()
+
+
+@bounded()
+async def test_damage_before_the_verify_window_is_not_scanned_but_never_served(tmp_path):
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+    results = await fill(tmp_path, 900, cfg=cfg)
+    bad = results[5]
+    patch(tmp_path, bad.physical_offset + 4, b"\x00\x00\x00\x00")
+    store = await reopen(tmp_path, cfg)                  # clean checkpoint: only the last segment is verified
+    assert store.get_record(bad.physical_offset) is None
+    got = store.get_messages("T", 0, 5, 1, 1 << 20)
+    assert got.status is GetStatus.MESSAGE_WAS_REMOVING and got.message_count == 0
+    await store.close()
+
+
+# --------------------------------------------------------- checkpoint / CQ
+@bounded()
+async def test_a_damaged_checkpoint_means_a_full_scan(tmp_path, caplog):
+    await fill(tmp_path, 700)
+    with open(tmp_path / "checkpoint", "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff")
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    assert any("checkpoint" in r.getMessage() for r in caplog.records)
+    assert store.report.scanned_from == 0 and store.report.records_scanned == 700
+    assert store.max_offset("T", 0) == 700
+    await store.close()
+
+
+@bounded()
+async def test_consume_queues_are_rebuilt_when_deleted(tmp_path):
+    results = await fill(tmp_path, 600, queues=3)
+    shutil.rmtree(tmp_path / "consumequeue")
+    store = await reopen(tmp_path)
+    assert store.report.cq_units_appended == 600
+    for qid in range(3):
+        assert store.max_offset("T", qid) == 200
+    for r in results[::37]:
+        qid = results.index(r) % 3
+        got = store.get_messages("T", qid, r.queue_offset, 1, 1 << 20)
+        assert decode_record(bytes(got.buffers[0]))[0].physical_offset == r.physical_offset
+    await store.close()
+
+
+@bounded()
+async def test_queue_units_beyond_the_log_are_dropped_and_wrong_ones_rewritten(tmp_path):
+    results = await fill(tmp_path, 30)
+    os.unlink(tmp_path / "checkpoint")
+    cq_file = tmp_path / "consumequeue" / "T" / "0" / f"{0:020d}"
+    with open(cq_file, "r+b") as f:
+        f.seek(20 * 5)
+        f.write(b"\x00" * 8 + b"\x00\x00\x00\x05" + b"\x00" * 8)     # unit 5 points at the wrong record
+        f.seek(20 * 30)
+        f.write((10 ** 9).to_bytes(8, "big") + b"\x00\x00\x04\x00" + b"\x00" * 8)   # a unit past the log
+    store = await reopen(tmp_path)
+    assert store.max_offset("T", 0) == 30
+    for r in results:
+        got = store.get_messages("T", 0, r.queue_offset, 1, 1 << 20)
+        assert decode_record(bytes(got.buffers[0]))[0].physical_offset == r.physical_offset
+    await store.close()
+
+
+@bounded()
+async def test_consume_queue_files_roll(tmp_path):
+    results = await fill(tmp_path, 200, size=100)        # 64 units a file -> 4 files
+    files = sorted(os.listdir(tmp_path / "consumequeue" / "T" / "0"))
+    assert files == [f"{i * 64 * 20:020d}" for i in range(4)]
+    store = await reopen(tmp_path)
+    assert store.max_offset("T", 0) == 200
+    got = store.get_messages("T", 0, 60, 32, 1 << 20)
+    assert got.message_count == 4 and got.next_begin_offset == 64     # a read stops at its file's end
+    assert_readable(store, results)
+    await store.close()
+
+
+# ----------------------------------------------------------- record parser
+hosts = st.sampled_from([("127.0.0.1", 10911), ("10.1.2.3", 1), ("::1", 7), ("2001:db8::5", 65535)])
+
+
+class FakeSegment:
+    """What parse_record reads of a segment, in memory."""
+
+    def __init__(self, start: int, size: int):
+        self.start, self.size = start, size
+        self.mm = bytearray(size)
+        self.view = memoryview(self.mm)
+
+
+@settings(max_examples=200, deadline=None)
+@given(topic=st.from_regex(r"[A-Za-z0-9_%|-]{1,127}", fullmatch=True), body=st.binary(max_size=3000),
+       props=st.dictionaries(st.text("abcXYZ", min_size=1, max_size=5), st.text("xyz01é", min_size=1, max_size=9),
+                             max_size=4),
+       born=hosts, store=hosts, pos=st.integers(0, 4000), sys_flag=st.sampled_from([0, 4, 8, 12, 1]))
+def test_recovery_parser_agrees_with_the_codec(topic, body, props, born, store, pos, sys_flag):
+    seg = FakeSegment(8192 * 4, 16384)
+    born_host, store_host = pack_host(*born), pack_host(*store)
+    rec = encode_record(topic=topic.encode(), body=body, queue_id=3, flag=1, sys_flag=sys_flag,
+                        born_timestamp=5, born_host=born_host, store_host=store_host,
+                        properties=properties_to_string(props).encode(), queue_offset=9,
+                        physical_offset=seg.start + pos, store_timestamp=77, prepared_offset=12)
+    if pos + len(rec) + 8 > seg.size:
+        return
+    seg.mm[pos:pos + len(rec)] = rec
+    size, qid, qoff, flag, ts, prepared, got_topic, _ = parse_record(seg, pos)
+    msg, total = decode_record(seg.mm, pos, check_crc=True)
+    assert (size, qid, qoff, flag, ts, prepared, got_topic) == (
+        total, msg.queue_id, msg.queue_offset, msg.sys_flag, msg.store_timestamp, msg.prepared_offset, msg.topic)
+    body_at = 72 + len(born_host) + len(store_host)
+    damage = [(0, 0x41), (4, 0x41), (29, 0x41), (body_at + len(body), 0x80)]   # size, magic, offset, topic length
+    if body:
+        damage.append((body_at + len(body) // 2, 0x41))                          # body: CRC
+    for at, mask in damage:
+        seg.mm[pos + at] ^= mask
+        with pytest.raises(BadRecord):
+            parse_record(seg, pos)
+        seg.mm[pos + at] ^= mask
