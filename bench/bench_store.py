@@ -8,8 +8,8 @@
                loop, no bookkeeping -- what a Python appender cannot beat on this disk
 * --compare    also runs sync mode with the writer NOT copying while a flush is in flight
 
-Prints a table, then as the LAST line one JSON object; "ratio" = store sync appends/s
-divided by raw floor appends/s.
+Prints a table per round and the medians, then as the LAST line one JSON object with the
+medians; "ratio" = median over rounds of (store sync appends/s / raw floor appends/s).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -112,6 +113,7 @@ def floor_run(base: str, seconds: float, batch: int, size: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3, help="floor/sync/async rounds; medians are reported")
     ap.add_argument("--appenders", type=int, default=64)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--queues", type=int, default=1)
@@ -120,24 +122,36 @@ def main() -> None:
     args = ap.parse_args()
     base = args.dir or tempfile.gettempdir()
 
-    run = lambda flush: uvloop.run(store_run(base, flush, args.seconds, args.appenders, args.size,  # noqa: E731
-                                             args.queues))
-    results = {"floor": floor_run(base, args.seconds, args.appenders, args.size), "sync": run("sync")}
-    results["async"] = run("async")
-    if args.compare:
-        CommitLog._overlap = False
-        results["sync_no_overlap"] = run("sync")
-        CommitLog._overlap = True
-    ratio = results["sync"]["appends_per_s"] / results["floor"]["appends_per_s"]
+    def run(flush: str) -> dict:
+        return uvloop.run(store_run(base, flush, args.seconds, args.appenders, args.size, args.queues))
 
-    print(f"{args.size}-byte records, {args.appenders} concurrent appenders, {args.seconds:g} s each, in {base}")
-    print(f"{'run':<18}{'appends/s':>12}{'MB/s':>10}")
-    for name, r in results.items():
-        print(f"{name:<18}{r['appends_per_s']:>12,.0f}{r['mb_per_s']:>10.1f}")
-    print(f"ratio sync/floor = {ratio:.2f}")
-    out = {"record_bytes": args.size, "appenders": args.appenders, "seconds": args.seconds,
-           **{f"{k}_appends_per_s": round(v["appends_per_s"]) for k, v in results.items()},
-           **{f"{k}_mb_per_s": round(v["mb_per_s"], 1) for k, v in results.items()},
+    # Floor and store alternate within each round: the disk's speed drifts, and a ratio of
+    # neighbouring runs is steadier than a ratio of runs minutes apart.
+    rounds = []
+    for _ in range(args.rounds):
+        r = {"floor": floor_run(base, args.seconds, args.appenders, args.size), "sync": run("sync"),
+             "async": run("async")}
+        if args.compare:
+            CommitLog._overlap = False
+            r["sync_no_overlap"] = run("sync")
+            CommitLog._overlap = True
+        r["ratio"] = r["sync"]["appends_per_s"] / r["floor"]["appends_per_s"]
+        rounds.append(r)
+    names = [k for k in rounds[0] if k != "ratio"]
+
+    print(f"{args.size}-byte records, {args.appenders} concurrent appenders, {args.seconds:g} s a run, "
+          f"{args.rounds} rounds, in {base}")
+    print(f"{'round':<7}" + "".join(f"{n + ' ops/s':>22}" for n in names) + f"{'sync/floor':>12}")
+    for i, r in enumerate(rounds):
+        print(f"{i:<7}" + "".join(f"{r[n]['appends_per_s']:>22,.0f}" for n in names) + f"{r['ratio']:>12.2f}")
+    med = {n: {k: statistics.median(r[n][k] for r in rounds) for k in ("appends_per_s", "mb_per_s")}
+           for n in names}
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    print(f"{'median':<7}" + "".join(f"{med[n]['appends_per_s']:>22,.0f}" for n in names) + f"{ratio:>12.2f}")
+    print("MB/s (median): " + ", ".join(f"{n} {med[n]['mb_per_s']:.1f}" for n in names))
+    out = {"record_bytes": args.size, "appenders": args.appenders, "seconds": args.seconds, "rounds": args.rounds,
+           **{f"{n}_appends_per_s": round(med[n]["appends_per_s"]) for n in names},
+           **{f"{n}_mb_per_s": round(med[n]["mb_per_s"], 1) for n in names},
            "ratio": round(ratio, 3)}
     print(json.dumps(out))
 

@@ -31,6 +31,7 @@ import os
 import struct
 from typing import Callable
 
+from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_PHYSICAL_OFFSET, POS_QUEUE_OFFSET, validate_topic
 
 from .config import StoreConfig
@@ -180,6 +181,13 @@ class CommitLog:
         seg.mm[lo:hi] = bytes(hi - lo)
         seg.flush(lo, hi)
 
+    def release_oldest(self) -> Segment:
+        """Take the oldest segment out of the log (the caller unmaps and unlinks it)."""
+        seg = self.segments.pop(0)
+        if self._reserve_job is not None and self._reserve_job[1] is seg:
+            self._poll_reservation(wait=True)   # its fd must not be closed under a running pwrite
+        return seg
+
     def drop_segments_from(self, index: int) -> list[str]:
         gone = [seg.name for seg in self.segments[index:]]
         for seg in self.segments[index:]:
@@ -226,9 +234,9 @@ class CommitLog:
         self._task = self._loop.create_task(self._run(), name="txmq-store-writer")
 
     def put(self, req: PutRequest) -> asyncio.Future:
-        fut = self._loop.create_future()
-        if self.failed is not None or self._closing:
-            fut.set_result(PutResult(_UNAVAILABLE))
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
+        if self._task is None or self.failed is not None or self._closing:
+            fut.set_result(_unavailable(req))       # not open, closed, or stopped after an I/O error
             return fut
         self._queue.append((req, fut))
         w = self._wake
@@ -239,13 +247,15 @@ class CommitLog:
 
     def put_many(self, reqs: list[PutRequest]) -> asyncio.Future:
         if not reqs:
-            fut = self._loop.create_future()
+            fut = (self._loop or asyncio.get_running_loop()).create_future()
             fut.set_result([])
             return fut
         return self.put(list(reqs))
 
     async def control(self, fn):
         """Run ``fn`` (a coroutine function) in the writer, between batches, with no flush in flight."""
+        if self._task is None or self._task.done():
+            raise StoreError("the store writer is not running")
         fut = self._loop.create_future()
         self._controls.append((fn, fut))
         self._wakeup()
@@ -300,7 +310,7 @@ class CommitLog:
                 self.failed = self.failed or "the writer was cancelled"
             else:
                 log.exception("store writer crashed")
-            self._fail(f"the writer stopped unexpectedly: {exc!r}")
+            self.fail(f"the writer stopped unexpectedly: {exc!r}")
             pending = list(self._waiting) + (list(self._flushing[3]) if self._flushing else [])
             self._waiting = []
             for fut, res in pending:
@@ -435,7 +445,7 @@ class CommitLog:
             self._reserve_now(seg, end)
             return seg
         except OSError as exc:
-            self._fail(f"cannot reserve space in segment {seg.name}: {exc}")
+            self.fail(f"cannot reserve space in segment {seg.name}: {exc}")
             return None
 
     def _roll(self, pos: int) -> Segment | None:
@@ -445,7 +455,7 @@ class CommitLog:
             self._reserve_now(old, pos + 8)
             new = self.new_segment(old.start + self.seg_size)    # before the marker: on failure nothing is written
         except OSError as exc:
-            self._fail(f"cannot create segment {old.start + self.seg_size:020d}: {exc}")
+            self.fail(f"cannot create segment {old.start + self.seg_size:020d}: {exc}")
             return None
         _SIZE_MAGIC.pack_into(old.mm, pos, self.seg_size - pos, BLANK_MAGIC)
         old.written = pos
@@ -470,8 +480,12 @@ class CommitLog:
         self._flushing = None
         exc = fut.exception()
         if exc is not None:
-            self._fail(f"msync failed: {exc}")
-            for f, res in waiting:
+            # Nothing of this flush, nor of what was written after it, is acknowledged or made
+            # readable, and nothing is flushed again: the store's state on disk is unknown.
+            self.fail(f"msync failed: {exc}")
+            later, self._waiting, self._units, self._infos = self._waiting, [], [], []
+            self._dirty_sealed, self._dirty_lo = [], self._pos
+            for f, res in waiting + later:
                 _resolve(f, _unavailable(res))
             return
         self.flushed, self.flushed_ts = end, end_ts
@@ -481,7 +495,7 @@ class CommitLog:
             for f, res in waiting:
                 _resolve(f, res)
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         if self.failed is None:
             self.failed = reason
             log.error("store stops accepting writes: %s", reason)

@@ -159,7 +159,7 @@ class MessageStore:
                     cq = cqs[key] = self._make_queue(key)
                 cq.extend(pending)
         except OSError as exc:      # the records are durable; recovery re-indexes them at the next start
-            self._log._fail(f"cannot extend a consume queue: {exc}")
+            self._log.fail(f"cannot extend a consume queue: {exc}")
         for info in infos:
             for fn in self._listeners:
                 try:
@@ -261,7 +261,7 @@ class MessageStore:
             if view is None:
                 if not buffers:
                     status = _REMOVING
-                skip_below = phys - (phys - clog.min_offset) % clog.seg_size + clog.seg_size
+                skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
                 continue
             buffers.append(view)
             total += size
@@ -347,7 +347,7 @@ class MessageStore:
                                  f"{segs[0].name if segs else None})", segment=name)
             if segs[0].start + clog.seg_size > clog.flushed:
                 raise StoreError(f"cannot remove segment {name}: not flushed yet", segment=name)
-            dead = [segs.pop(0)]
+            dead = [clog.release_oldest()]
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)
             await asyncio.get_running_loop().run_in_executor(self._executor, _remove_files, dead)

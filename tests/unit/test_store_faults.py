@@ -1,0 +1,108 @@
+"""I/O failures: a failed msync, a full disk at roll-over or while reserving space. The store says so with a
+status, acknowledges nothing it did not write and flush, and accepts nothing more."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+
+from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
+from broker.store import commit_log
+from broker.store.commit_log import Segment
+
+SEG = 1 << 20
+
+
+def bounded(seconds: float = 15):
+    def deco(fn):
+        @functools.wraps(fn)
+        async def run(*args, **kwargs):
+            return await asyncio.wait_for(fn(*args, **kwargs), seconds)
+        return run
+    return deco
+
+
+def req(size: int = 1000) -> PutRequest:
+    return PutRequest.build("T", b"x" * size)
+
+
+@bounded()
+async def test_a_failed_msync_stops_the_store_and_acknowledges_nothing(tmp_path, monkeypatch):
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    good = await store.put(req())
+    assert good.ok
+
+    def broken(ranges):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(commit_log, "_flush_ranges", broken)
+    results = await asyncio.gather(*[store.put(req()) for _ in range(20)])
+    assert {r.status for r in results} == {PutStatus.SERVICE_NOT_AVAILABLE}
+    assert not store.writable and "msync failed" in store.failure
+    assert store.max_physical_offset == good.physical_offset + good.size     # nothing unflushed became readable
+    assert store.max_offset("T", 0) == 1
+    assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
+    assert (await store.put_many([req(), req()]))[0].status is PutStatus.SERVICE_NOT_AVAILABLE
+    monkeypatch.undo()
+    await store.close()
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()                      # a restart recovers; the unacknowledged records may remain
+    assert store.writable and store.max_offset("T", 0) >= 1
+    await store.close()
+
+
+@bounded()
+async def test_a_full_disk_at_roll_over_fails_cleanly(tmp_path, monkeypatch):
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    real_create = Segment.create.__func__
+
+    def full(cls, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Segment, "create", classmethod(full))
+    results = [await store.put(req(5000)) for _ in range(250)]
+    statuses = [r.status for r in results]
+    first_bad = statuses.index(PutStatus.CREATE_MAPPED_FILE_FAILED)
+    assert set(statuses[:first_bad]) == {PutStatus.PUT_OK}
+    assert set(statuses[first_bad + 1:]) == {PutStatus.SERVICE_NOT_AVAILABLE}
+    assert "No space left" in store.failure
+    for r in results[:first_bad]:
+        assert store.get_record(r.physical_offset) is not None
+    monkeypatch.setattr(Segment, "create", classmethod(real_create))
+    await store.close()
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    assert store.max_offset("T", 0) == first_bad and (await store.put(req(5000))).ok
+    await store.close()
+
+
+@bounded()
+async def test_a_full_disk_while_reserving_ahead_fails_cleanly(tmp_path, monkeypatch):
+    calls = []
+    real = commit_log._write_zeros
+
+    def limited(fd, lo, hi):
+        calls.append((lo, hi))
+        if lo >= commit_log.RESERVE_LOW:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, lo, hi)
+    monkeypatch.setattr(commit_log, "_write_zeros", limited)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 << 20))
+    await store.open()
+    results = [await store.put(req(50_000)) for _ in range(120)]
+    statuses = [r.status for r in results]
+    assert PutStatus.CREATE_MAPPED_FILE_FAILED in statuses and statuses[0] is PutStatus.PUT_OK
+    ok = [r for r in results if r.ok]
+    assert ok[-1].physical_offset + ok[-1].size <= commit_log.RESERVE_LOW   # never wrote past the reserve
+    assert "reserve" in store.failure
+    await store.close()
+
+
+@bounded()
+async def test_put_before_open_and_after_close(tmp_path):
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
+    await store.open()
+    await store.close()
+    assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
+    await store.close()                     # closing twice is harmless
