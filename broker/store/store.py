@@ -23,6 +23,7 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import UNIT, ConsumeQueue
 from .recovery import recover
+from .writer import Writer
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 
 log = logging.getLogger("txmq.store")
@@ -45,10 +46,12 @@ class MessageStore:
         self.config = config or StoreConfig()
         self.clock = clock or _default_clock
         self._log = CommitLog(os.path.join(self.store_dir, "commitlog"), self.config, self.clock)
+        self._writer = Writer(self._log, self._on_commit)
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._listeners: list[Callable[[DispatchInfo], None]] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None    # msync, checkpoint, unmap: in order
+        self._reserver: ThreadPoolExecutor | None = None    # zeros ahead of the writer
         self._housekeeping: asyncio.Task | None = None
         self._last_checkpoint: Checkpoint | None = None
         self._lock_fd = -1
@@ -75,10 +78,11 @@ class MessageStore:
         except BaseException:
             self._close_files()
             raise
-        self._log.on_commit = self._on_commit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-flush")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-reserve")
-        self._log.start(self._executor, self._reserver)
+        if self._log.reserver is not None:
+            self._log.reserver.start(self._reserver)
+        self._writer.start(self._executor)
         self._housekeeping = asyncio.get_running_loop().create_task(self._checkpoint_loop(),
                                                                     name="txmq-store-checkpoint")
         self._state = "open"
@@ -89,7 +93,7 @@ class MessageStore:
         if self._state != "open":
             return
         self._state = "closing"
-        await self._log.close()
+        await self._writer.close()
         self._housekeeping.cancel()
         try:
             await self._housekeeping
@@ -188,7 +192,7 @@ class MessageStore:
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest) -> "asyncio.Future":
         """Queue one record; await the returned future for its PutResult."""
-        return self._log.put(req)
+        return self._writer.put(req)
 
     def put_many(self, reqs: list[PutRequest]) -> "asyncio.Future":
         """Queue records to be written back to back in one batch and flushed together.
@@ -196,7 +200,7 @@ class MessageStore:
         All or none are accepted (MESSAGE_ILLEGAL for all if any is illegal); they land in one
         segment unless together they are larger than a segment.
         """
-        return self._log.put_many(reqs)
+        return self._writer.put_many(reqs)
 
     @property
     def writable(self) -> bool:
@@ -353,7 +357,7 @@ class MessageStore:
             await asyncio.get_running_loop().run_in_executor(self._executor, _remove_files, dead)
             log.info("removed segment %s; the log now starts at %d", name, clog.min_offset)
 
-        await clog.control(op)
+        await self._writer.control(op)
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint) -> None:

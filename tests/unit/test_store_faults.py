@@ -7,7 +7,7 @@ import errno
 import functools
 
 from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
-from broker.store import commit_log
+from broker.store import commit_log, mapped_file, writer
 from broker.store.commit_log import Segment
 
 SEG = 1 << 20
@@ -35,7 +35,7 @@ async def test_a_failed_msync_stops_the_store_and_acknowledges_nothing(tmp_path,
 
     def broken(ranges):
         raise OSError(errno.EIO, "Input/output error")
-    monkeypatch.setattr(commit_log, "_flush_ranges", broken)
+    monkeypatch.setattr(writer, "_flush_ranges", broken)
     results = await asyncio.gather(*[store.put(req()) for _ in range(20)])
     assert {r.status for r in results} == {PutStatus.SERVICE_NOT_AVAILABLE}
     assert not store.writable and "msync failed" in store.failure
@@ -79,14 +79,14 @@ async def test_a_full_disk_at_roll_over_fails_cleanly(tmp_path, monkeypatch):
 @bounded()
 async def test_a_full_disk_while_reserving_ahead_fails_cleanly(tmp_path, monkeypatch):
     calls = []
-    real = commit_log._write_zeros
+    real = mapped_file.write_zeros
 
     def limited(fd, lo, hi):
         calls.append((lo, hi))
         if lo >= commit_log.RESERVE_LOW:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, lo, hi)
-    monkeypatch.setattr(commit_log, "_write_zeros", limited)
+    monkeypatch.setattr(mapped_file, "write_zeros", limited)
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 << 20))
     await store.open()
     results = [await store.put(req(50_000)) for _ in range(120)]

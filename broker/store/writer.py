@@ -1,0 +1,208 @@
+"""The single writer coroutine: queueing, group commit, completion.
+
+``put`` / ``put_many`` queue (request, future) and return the future. The writer drains
+everything queued and hands it to ``CommitLog.append`` in one go. Then:
+
+* sync: the written ranges are msync'ed on the flush thread while the writer goes on
+  copying whatever arrives meanwhile; when the flush returns, everything it covered
+  becomes readable, gets its consume-queue units and dispatch (``on_commit``), and its
+  futures resolve; the next flush covers all that was copied during this one (group
+  commit: one msync per batch, never one per message).
+* async: a batch is readable, indexed and resolved as soon as it is copied; a timer
+  flushes every ``flush_interval_ms``.
+
+One flush is in flight at a time, so completions happen in log order. Controls
+(segment removal) run between batches with no flush in flight. An I/O error stops the
+writer for good: nothing more is accepted and nothing unflushed is acknowledged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from protocol.errors import StoreError
+
+from .commit_log import CommitLog, resolve, unavailable
+from .results import PutRequest
+
+log = logging.getLogger("txmq.store")
+
+
+class Writer:
+    # Copy newer batches while a flush is in flight (measured in bench/bench_store.py --compare).
+    _overlap = True
+
+    def __init__(self, clog: CommitLog, on_commit: Callable[[list, list], None]):
+        self.clog = clog
+        self.on_commit = on_commit  # (units, dispatch infos) of records that just became readable
+        self._sync = clog.config.flush == "sync"
+        self._interval = clog.config.flush_interval_ms / 1000
+        self._queue: list = []
+        self._controls: list = []
+        self._wake: asyncio.Future | None = None
+        self._closing = False
+        self._waiting: list = []    # sync: (future, result) and the units / dispatch awaiting the next flush
+        self._units: list = []
+        self._infos: list = []
+        self._flushing = None       # (executor future, end, end ts, waiting, units, infos)
+        self._flush_due = False
+        self._tick = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor = None
+        self._task: asyncio.Task | None = None
+        clog.on_fail = self._drop_queue
+
+    def start(self, executor) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._executor = executor
+        self._task = self._loop.create_task(self._run(), name="txmq-store-writer")
+
+    # ------------------------------------------------------------ API
+    def put(self, req) -> asyncio.Future:
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
+        if self._task is None or self.clog.failed is not None or self._closing:
+            fut.set_result(unavailable(req))        # not open, closed, or stopped after an I/O error
+            return fut
+        self._queue.append((req, fut))
+        w = self._wake
+        if w is not None:
+            self._wake = None
+            w.set_result(None)
+        return fut
+
+    def put_many(self, reqs: list[PutRequest]) -> asyncio.Future:
+        if not reqs:
+            fut = (self._loop or asyncio.get_running_loop()).create_future()
+            fut.set_result([])
+            return fut
+        return self.put(list(reqs))
+
+    async def control(self, fn):
+        """Run ``fn`` (a coroutine function) in the writer, between batches, with no flush in flight."""
+        if self._task is None or self._task.done():
+            raise StoreError("the store writer is not running")
+        fut = self._loop.create_future()
+        self._controls.append((fn, fut))
+        self._wakeup()
+        return await fut
+
+    async def close(self) -> None:
+        """Write and flush everything queued, then stop."""
+        self._closing = True
+        self._wakeup()
+        if self._task is not None:
+            await self._task
+
+    def _wakeup(self, _=None) -> None:
+        w = self._wake
+        if w is not None and not w.done():
+            self._wake = None
+            w.set_result(None)
+
+    # ------------------------------------------------------------ the loop
+    async def _run(self) -> None:
+        loop = self._loop
+        clog = self.clog
+        try:
+            while True:
+                if self._queue and not self._controls and (self._overlap or self._flushing is None):
+                    entries, self._queue = self._queue, []
+                    self._write(entries)
+                fl = self._flushing
+                if fl is not None and fl[0].done():
+                    self._flush_done()
+                    fl = None
+                if fl is None:
+                    if clog.dirty and (self._sync or self._flush_due or self._closing or self._controls):
+                        self._start_flush()
+                        continue
+                    if self._controls:
+                        fn, fut = self._controls.pop(0)
+                        try:
+                            fut.set_result(await fn())
+                        except Exception as exc:
+                            fut.set_exception(exc)
+                        continue
+                    if self._closing and not self._queue:
+                        break
+                if self._queue and not self._controls and (self._overlap or fl is None):
+                    continue
+                if not self._sync and clog.dirty and self._tick is None:
+                    self._tick = loop.call_later(self._interval, self._flush_tick)
+                self._wake = w = loop.create_future()
+                await w
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                clog.failed = clog.failed or "the writer was cancelled"
+            else:
+                log.exception("store writer crashed")
+            clog.fail(f"the writer stopped unexpectedly: {exc!r}")
+            pending = self._waiting + (self._flushing[3] if self._flushing else [])
+            self._waiting = []
+            for fut, res in pending:
+                resolve(fut, unavailable(res))
+            for _fn, fut in self._controls:
+                if not fut.done():
+                    fut.set_exception(StoreError("the store writer stopped"))
+            raise
+        finally:
+            if self._tick is not None:
+                self._tick.cancel()
+
+    def _flush_tick(self) -> None:
+        self._tick = None
+        self._flush_due = True
+        self._wakeup()
+
+    def _write(self, entries: list) -> None:
+        if self._sync:
+            self.clog.append(entries, self._waiting, self._units, self._infos if self.clog.dispatching else None)
+            return
+        done, units, infos = [], [], []
+        self.clog.append(entries, done, units, infos if self.clog.dispatching else None)
+        self.clog.readable = self.clog.written
+        self.on_commit(units, infos)
+        for fut, res in done:
+            resolve(fut, res)
+
+    def _start_flush(self) -> None:
+        clog = self.clog
+        ranges = clog.take_dirty()
+        self._flush_due = False
+        fut = self._loop.run_in_executor(self._executor, _flush_ranges, ranges)
+        fut.add_done_callback(self._wakeup)
+        self._flushing = (fut, clog.written, clog.last_ts, self._waiting, self._units, self._infos)
+        if self._sync:
+            self._waiting, self._units, self._infos = [], [], []
+
+    def _flush_done(self) -> None:
+        fut, end, end_ts, waiting, units, infos = self._flushing
+        self._flushing = None
+        exc = fut.exception()
+        if exc is not None:
+            # Nothing of this flush, nor of what was written after it, is acknowledged or made
+            # readable, and nothing is flushed again: the state on disk is unknown.
+            self.clog.fail(f"msync failed: {exc}")
+            later, self._waiting, self._units, self._infos = self._waiting, [], [], []
+            self.clog.take_dirty()
+            for f, res in waiting + later:
+                resolve(f, unavailable(res))
+            return
+        self.clog.flushed, self.clog.flushed_ts = end, end_ts
+        if self._sync:
+            self.clog.readable = end
+            self.on_commit(units, infos)
+            for f, res in waiting:
+                resolve(f, res)
+
+    def _drop_queue(self) -> None:
+        """The log failed: refuse everything still queued."""
+        queued, self._queue = self._queue, []
+        for req, fut in queued:
+            resolve(fut, unavailable(req))
+
+
+def _flush_ranges(ranges) -> None:
+    for seg, lo, hi in ranges:
+        seg.flush(lo, hi)
