@@ -6,7 +6,8 @@
 * store async  the same with flush="async"
 * raw floor    one plain loop: copy the same record into an mmap of a sparse 1 GiB file 64 times,
                msync once; no event loop, no bookkeeping
-* --compare    also runs sync mode with the writer NOT copying while a flush is in flight
+* --compare    also runs sync mode with the writer NOT copying while a flush is in flight, and
+               with msync called on the event loop instead of the flush thread
 
 Prints a table per round and the medians, then as the LAST line one JSON object with the
 medians; "ratio" = median over rounds of (store sync appends/s / raw floor appends/s).
@@ -118,7 +119,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--queues", type=int, default=1)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
-    ap.add_argument("--compare", action="store_true", help="also run sync without copy/flush overlap")
+    ap.add_argument("--compare", action="store_true",
+                    help="also run sync without copy/flush overlap, and with msync on the event loop")
     args = ap.parse_args()
     base = args.dir or tempfile.gettempdir()
 
@@ -135,6 +137,9 @@ def main() -> None:
             Writer._overlap = False
             r["sync_no_overlap"] = run("sync")
             Writer._overlap = True
+            Writer._flush_inline = True
+            r["sync_inline_msync"] = run("sync")
+            Writer._flush_inline = False
         r["ratio"] = r["sync"]["appends_per_s"] / r["floor"]["appends_per_s"]
         rounds.append(r)
     names = [k for k in rounds[0] if k != "ratio"]

@@ -97,7 +97,7 @@ class ConsumeQueue:
             files = self.files
             if not files or byte >= files[-1].start + self.file_size:
                 self._new_file(byte)
-            mf = files[-1] if files else self.files[-1]
+            mf = files[-1]
             pos = byte - mf.start
             if pos + UNIT_SIZE > mf.reserved:
                 mf.reserve(pos + RESERVE_CHUNK)
@@ -110,7 +110,8 @@ class ConsumeQueue:
             os.makedirs(self.directory, exist_ok=True)
             self.min_offset = self.max_offset
         start = byte - byte % self.file_size
-        self.files.append(MappedFile.create(self.directory, start, self.file_size, reserve=RESERVE_CHUNK))
+        self.files.append(MappedFile.create(self.directory, start, self.file_size, reserve=RESERVE_CHUNK,
+                                            durable_name=False))
 
     # --------------------------------------------------------------- reads
     def _locate(self, offset: int) -> tuple[MappedFile, int] | None:

@@ -68,8 +68,11 @@ class MappedFile:
         self.view = memoryview(self.mm)
 
     @classmethod
-    def create(cls, directory: str, start: int, size: int, *, reserve: int) -> "MappedFile":
-        """A new zero-filled file of ``size`` bytes with the first ``reserve`` bytes allocated."""
+    def create(cls, directory: str, start: int, size: int, *, reserve: int, durable_name: bool = True) -> "MappedFile":
+        """A new zero-filled file of ``size`` bytes with the first ``reserve`` bytes allocated.
+
+        ``durable_name=False`` skips the directory fsync, for derived files that recovery rebuilds.
+        """
         path = os.path.join(directory, file_name(start))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -84,7 +87,8 @@ class MappedFile:
             except OSError:
                 pass
             raise
-        fsync_dir(directory)
+        if durable_name:
+            fsync_dir(directory)
         return mf
 
     @classmethod
