@@ -49,6 +49,9 @@ MAX_PROPERTIES_LENGTH = 32767
 # The record up to and including BODYLENGTH, both hosts IPv4: 88 bytes.
 RECORD_HEAD_V4 = struct.Struct(">iiiiiqqiq8sq8siqi")
 _PRE_HOSTS = struct.Struct(">iiiiiqqiq")       # 0..47: through BORNTIMESTAMP
+_HEAD_V4_HOSTS = struct.Struct(">iiiiiqqiq4siq4siiqi")  # the 88-byte head with each host split into ip, port
+_TAIL_FIXED = struct.Struct(">iqi")             # RECONSUMETIMES, PREPARED TX OFFSET, BODYLENGTH
+_HOSTS_V6 = SysFlag.BORNHOST_V6 | SysFlag.STOREHOST_V6
 _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _I16 = struct.Struct(">h")
@@ -157,8 +160,8 @@ def pack_host(host: str, port: int) -> bytes:
 def unpack_host(raw: bytes) -> tuple[str, int]:
     if len(raw) == 8:
         ip, port = _HOST_V4.unpack(raw)
-    else:
-        ip, port = _HOST_V6.unpack(raw)
+        return socket.inet_ntoa(ip), port   # same text as ipaddress, a tenth of the cost
+    ip, port = _HOST_V6.unpack(raw)
     return str(ipaddress.ip_address(ip)), port
 
 
@@ -326,26 +329,33 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> tuple[Messag
     end = len(buf)
     if pos < 0 or end - pos < 91:
         raise RecordError(f"record at {pos} is cut short: {max(end - pos, 0)} bytes, the minimum is 91")
-    (total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag,
-     born_ts) = _PRE_HOSTS.unpack_from(buf, pos)
+    # One unpack reads the whole head when both hosts are IPv4 (the usual case);
+    # the fields from BORNHOST on are read again below when either is IPv6.
+    (total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag, born_ts, born_ip, born_port,
+     store_ts, store_ip, store_port, reconsume, prepared, body_len) = _HEAD_V4_HOSTS.unpack_from(buf, pos)
     if magic != MESSAGE_MAGIC:
         raise RecordError(f"record at {pos} has magic {magic & 0xFFFFFFFF:#010x}, not {MESSAGE_MAGIC & 0xFFFFFFFF:#010x}")
     if total < 91 or total > end - pos:
         raise RecordError(f"record at {pos} claims {total} bytes; {end - pos} are available")
     limit = pos + total
-    p = pos + 48
-    bh_len = 20 if sys_flag & SysFlag.BORNHOST_V6 else 8
-    sh_len = 20 if sys_flag & SysFlag.STOREHOST_V6 else 8
-    if p + bh_len + 8 + sh_len + 16 > limit:
-        raise RecordError(f"record at {pos} is too short for its hosts")
-    born_host = unpack_host(bytes(buf[p:p + bh_len]))
-    p += bh_len
-    (store_ts,) = _I64.unpack_from(buf, p)
-    p += 8
-    store_host = unpack_host(bytes(buf[p:p + sh_len]))
-    p += sh_len
-    reconsume, prepared, body_len = struct.unpack_from(">iqi", buf, p)
-    p += 16
+    if not sys_flag & _HOSTS_V6:
+        born_host = (socket.inet_ntoa(born_ip), born_port)
+        store_host = (socket.inet_ntoa(store_ip), store_port)
+        p = pos + 88
+    else:
+        p = pos + 48
+        bh_len = 20 if sys_flag & SysFlag.BORNHOST_V6 else 8
+        sh_len = 20 if sys_flag & SysFlag.STOREHOST_V6 else 8
+        if p + bh_len + 8 + sh_len + 16 > limit:
+            raise RecordError(f"record at {pos} is too short for its hosts")
+        born_host = unpack_host(bytes(buf[p:p + bh_len]))
+        p += bh_len
+        (store_ts,) = _I64.unpack_from(buf, p)
+        p += 8
+        store_host = unpack_host(bytes(buf[p:p + sh_len]))
+        p += sh_len
+        reconsume, prepared, body_len = _TAIL_FIXED.unpack_from(buf, p)
+        p += 16
     if body_len < 0 or p + body_len + 3 > limit:
         raise RecordError(f"record at {pos}: body length {body_len} runs past the record's {total} bytes")
     body = bytes(buf[p:p + body_len])
@@ -355,7 +365,7 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> tuple[Messag
     if topic_len > MAX_TOPIC_LENGTH or p + topic_len + 2 > limit:
         raise RecordError(f"record at {pos}: topic length {topic_len} runs past the record")
     try:
-        topic = bytes(buf[p:p + topic_len]).decode("utf-8")
+        topic = str(buf[p:p + topic_len], "utf-8")
     except UnicodeDecodeError:
         raise RecordError(f"record at {pos}: topic is not UTF-8") from None
     p += topic_len
@@ -364,7 +374,7 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> tuple[Messag
     if props_len < 0 or p + props_len != limit:
         raise RecordError(f"record at {pos}: properties length {props_len} does not end the record")
     try:
-        props = string_to_properties(bytes(buf[p:p + props_len]).decode("utf-8"))
+        props = string_to_properties(str(buf[p:p + props_len], "utf-8"))
     except UnicodeDecodeError:
         raise RecordError(f"record at {pos}: properties are not UTF-8") from None
     if check_crc and (zlib.crc32(body) & 0x7FFFFFFF) != crc:
