@@ -146,13 +146,15 @@ def main() -> None:
 
     print(f"{args.size}-byte records, {args.appenders} concurrent appenders, {args.seconds:g} s a run, "
           f"{args.rounds} rounds, in {base}")
-    print(f"{'round':<7}" + "".join(f"{n + ' ops/s':>22}" for n in names) + f"{'sync/floor':>12}")
+    w = {n: max(len(n), 9) + 3 for n in names}
+    print("appends/s")
+    print(f"{'round':<7}" + "".join(f"{n:>{w[n]}}" for n in names) + f"{'sync/floor':>12}")
     for i, r in enumerate(rounds):
-        print(f"{i:<7}" + "".join(f"{r[n]['appends_per_s']:>22,.0f}" for n in names) + f"{r['ratio']:>12.2f}")
+        print(f"{i:<7}" + "".join(f"{r[n]['appends_per_s']:>{w[n]},.0f}" for n in names) + f"{r['ratio']:>12.2f}")
     med = {n: {k: statistics.median(r[n][k] for r in rounds) for k in ("appends_per_s", "mb_per_s")}
            for n in names}
     ratio = statistics.median(r["ratio"] for r in rounds)
-    print(f"{'median':<7}" + "".join(f"{med[n]['appends_per_s']:>22,.0f}" for n in names) + f"{ratio:>12.2f}")
+    print(f"{'median':<7}" + "".join(f"{med[n]['appends_per_s']:>{w[n]},.0f}" for n in names) + f"{ratio:>12.2f}")
     print("MB/s (median): " + ", ".join(f"{n} {med[n]['mb_per_s']:.1f}" for n in names))
     print("CPU of the appending thread, us per append (median): " + ", ".join(
         f"{n} {statistics.median(r[n]['loop_cpu_us'] for r in rounds):.1f}" for n in names))

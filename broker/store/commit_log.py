@@ -26,6 +26,7 @@ from typing import Callable
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_PHYSICAL_OFFSET, POS_QUEUE_OFFSET, validate_topic
 
 from .config import StoreConfig
+from .consume_queue import UNIT
 from .mapped_file import MappedFile, SpaceReserver
 from .results import DispatchInfo, PutRequest, PutResult, PutStatus
 
@@ -172,18 +173,19 @@ class CommitLog:
         return seg.view[pos:pos + size]
 
     # ------------------------------------------------------------ appends
-    def append(self, entries: list, done: list, units: list, infos: list | None) -> None:
+    def append(self, entries: list, done: list, units: dict, infos: list | None) -> None:
         """Copy drained (request or list of requests, future) entries into the log.
 
         Accepted entries go to ``done`` as (future, result); the consume-queue units of their
-        records to ``units``; refused entries are resolved at once.
+        records, already packed, to ``units[(topic, queue id)]`` (a bytearray each, so a queue
+        takes a whole batch in one copy); refused entries are resolved at once.
         """
         qoffsets = self.qoffsets
         limit, seg_size = self._limit, self.seg_size
         seg = self.segments[-1]
         mm, base, pos, room = seg.mm, seg.start, self._pos, min(seg.reserved, seg_size)
         now = self._clock()
-        check, pack_qp, pack_ts = _CHECK.unpack_from, _QOFF_PHYS.pack_into, _I64.pack_into
+        check, pack_qp, pack_ts, pack_unit = _CHECK.unpack_from, _QOFF_PHYS.pack_into, _I64.pack_into, UNIT.pack
         wrote = False
         for req, fut in entries:
             if self.failed is not None:
@@ -243,7 +245,10 @@ class CommitLog:
                 if key is None:
                     qoff = -1
                 else:
-                    units.append((key, phys, n, r.tags_code))
+                    packed = units.get(key)
+                    if packed is None:
+                        packed = units[key] = bytearray()
+                    packed += pack_unit(phys, n, r.tags_code)
                 if infos is not None:
                     infos.append(_info(r, rec, qoff, phys, n, now, sys_flag))
                 if results is None:

@@ -89,21 +89,22 @@ class ConsumeQueue:
         UNIT.pack_into(mf.mm, pos, phys, size, tag)
         self.max_offset += 1
 
-    def extend(self, units: list) -> None:
-        """append() for many (phys, size, tag) units: the commit path, once per flushed batch."""
-        pack = UNIT.pack_into
-        byte = self.max_offset * UNIT_SIZE
-        for phys, size, tag in units:
+    def extend(self, packed) -> None:
+        """Append already packed units (a batch's worth for this queue): one copy per file touched."""
+        data = memoryview(packed)
+        while data:
+            byte = self.max_offset * UNIT_SIZE
             files = self.files
             if not files or byte >= files[-1].start + self.file_size:
                 self._new_file(byte)
             mf = files[-1]
             pos = byte - mf.start
-            if pos + UNIT_SIZE > mf.reserved:
-                mf.reserve(pos + RESERVE_CHUNK)
-            pack(mf.mm, pos, phys, size, tag)
-            byte += UNIT_SIZE
-            self.max_offset += 1
+            n = min(len(data), self.file_size - pos)
+            if pos + n > mf.reserved:
+                mf.reserve(pos + n + RESERVE_CHUNK)
+            mf.mm[pos:pos + n] = data[:n]
+            self.max_offset += n // UNIT_SIZE
+            data = data[n:]
 
     def _new_file(self, byte: int) -> None:
         if not self.files:

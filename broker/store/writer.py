@@ -37,7 +37,7 @@ class Writer:
 
     def __init__(self, clog: CommitLog, on_commit: Callable[[list, list], None]):
         self.clog = clog
-        self.on_commit = on_commit  # (units, dispatch infos) of records that just became readable
+        self.on_commit = on_commit  # ({queue: packed units}, dispatch infos) of records just made readable
         self._sync = clog.config.flush == "sync"
         self._interval = clog.config.flush_interval_ms / 1000
         self._queue: list = []
@@ -45,7 +45,7 @@ class Writer:
         self._wake: asyncio.Future | None = None
         self._closing = False
         self._waiting: list = []    # sync: (future, result) and the units / dispatch awaiting the next flush
-        self._units: list = []
+        self._units: dict = {}
         self._infos: list = []
         self._flushing = None       # (executor future, end, end ts, waiting, units, infos)
         self._flush_due = False
@@ -161,12 +161,13 @@ class Writer:
         if self._sync:
             self.clog.append(entries, self._waiting, self._units, self._infos if self.clog.dispatching else None)
             return
-        done, units, infos = [], [], []
+        done, units, infos = [], {}, []
         self.clog.append(entries, done, units, infos if self.clog.dispatching else None)
         self.clog.readable = self.clog.written
         self.on_commit(units, infos)
         for fut, res in done:
-            resolve(fut, res)
+            if not fut.done():
+                fut.set_result(res)
 
     def _start_flush(self) -> None:
         clog = self.clog
@@ -183,7 +184,7 @@ class Writer:
             fut.add_done_callback(self._wakeup)
         self._flushing = (fut, clog.written, clog.last_ts, self._waiting, self._units, self._infos)
         if self._sync:
-            self._waiting, self._units, self._infos = [], [], []
+            self._waiting, self._units, self._infos = [], {}, []
 
     def _flush_done(self) -> None:
         fut, end, end_ts, waiting, units, infos = self._flushing
@@ -193,7 +194,7 @@ class Writer:
             # Nothing of this flush, nor of what was written after it, is acknowledged or made
             # readable, and nothing is flushed again: the state on disk is unknown.
             self.clog.fail(f"msync failed: {exc}")
-            later, self._waiting, self._units, self._infos = self._waiting, [], [], []
+            later, self._waiting, self._units, self._infos = self._waiting, [], {}, []
             self.clog.take_dirty()
             for f, res in waiting + later:
                 resolve(f, unavailable(res))
@@ -203,7 +204,8 @@ class Writer:
             self.clog.readable = end
             self.on_commit(units, infos)
             for f, res in waiting:
-                resolve(f, res)
+                if not f.done():
+                    f.set_result(res)
 
     def _drop_queue(self) -> None:
         """The log failed: refuse everything still queued."""
