@@ -23,7 +23,7 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import UNIT, ConsumeQueue
 from .recovery import recover
-from .writer import Writer
+from .writer import IoThread, Writer
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 
 log = logging.getLogger("txmq.store")
@@ -53,7 +53,7 @@ class MessageStore:
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._listeners: list[Callable[[DispatchInfo], None]] = []
-        self._executor: ThreadPoolExecutor | None = None    # msync, checkpoint, unmap: in order
+        self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
         self._reserver: ThreadPoolExecutor | None = None    # zeros ahead of the writer
         self._housekeeping: asyncio.Task | None = None
         self._last_checkpoint: Checkpoint | None = None
@@ -81,11 +81,11 @@ class MessageStore:
         except BaseException:
             self._close_files()
             raise
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-flush")
+        self._io = IoThread("txmq-flush")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-reserve")
         if self._log.reserver is not None:
             self._log.reserver.start(self._reserver)
-        self._writer.start(self._executor)
+        self._writer.start(self._io)
         self._housekeeping = asyncio.get_running_loop().create_task(self._checkpoint_loop(),
                                                                     name="txmq-store-checkpoint")
         self._state = "open"
@@ -106,7 +106,7 @@ class MessageStore:
             await self._checkpoint()
         except OSError as exc:
             log.error("final checkpoint failed: %s", exc)
-        self._executor.shutdown(wait=True)
+        self._io.stop()
         self._reserver.shutdown(wait=True)
         self._close_files()
         self._state = "closed"
@@ -182,8 +182,7 @@ class MessageStore:
             return
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
         ranges = [r for cq in self._cqs.values() for r in cq.dirty_ranges()]
-        await asyncio.get_running_loop().run_in_executor(self._executor, _checkpoint_job, ranges,
-                                                         self.store_dir, point)
+        await self._io.submit(_checkpoint_job, ranges, self.store_dir, point)
         self._last_checkpoint = point
 
     # ---------------------------------------------------------- writes
@@ -351,7 +350,7 @@ class MessageStore:
             dead = [clog.release_oldest()]
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)
-            await asyncio.get_running_loop().run_in_executor(self._executor, _remove_files, dead)
+            await self._io.submit(_remove_files, dead)
             log.info("removed segment %s; the log now starts at %d", name, clog.min_offset)
 
         await self._writer.control(op)

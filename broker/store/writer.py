@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 from typing import Callable
 
 from protocol.errors import StoreError
@@ -51,13 +53,13 @@ class Writer:
         self._flush_due = False
         self._tick = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor = None
+        self._io: IoThread | None = None
         self._task: asyncio.Task | None = None
         clog.on_fail = self._drop_queue
 
-    def start(self, executor) -> None:
+    def start(self, io: "IoThread") -> None:
         self._loop = asyncio.get_running_loop()
-        self._executor = executor
+        self._io = io
         self._task = self._loop.create_task(self._run(), name="txmq-store-writer")
 
     # ------------------------------------------------------------ API
@@ -180,8 +182,7 @@ class Writer:
             except OSError as exc:
                 fut.set_exception(exc)
         else:
-            fut = self._loop.run_in_executor(self._executor, _flush_ranges, ranges)
-            fut.add_done_callback(self._wakeup)
+            fut = self._io.submit(_flush_ranges, ranges, then=self._wakeup)
         self._flushing = (fut, clog.written, clog.last_ts, self._waiting, self._units, self._infos)
         if self._sync:
             self._waiting, self._units, self._infos = [], {}, []
@@ -217,3 +218,58 @@ class Writer:
 def _flush_ranges(ranges) -> None:
     for seg, lo, hi in ranges:
         seg.flush(lo, hi)
+
+
+class IoThread:
+    """One thread running blocking file calls (msync, fsync, unmap) in submission order.
+
+    Lighter than run_in_executor -- no concurrent.futures.Future to chain, no pool -- which
+    matters because the sync-flush cycle is serial (every appender of a batch waits for the
+    same msync), so this hand-off is on its critical path: measured ~57 us against ~92 us a
+    round trip. FIFO order also means a file queued for unmapping is never unmapped while an
+    earlier flush of it is pending.
+    """
+
+    def __init__(self, name: str):
+        self._loop = asyncio.get_running_loop()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args, then: Callable[[], None] | None = None) -> asyncio.Future:
+        """Run fn(*args) on the thread; the future resolves on the loop, then ``then()`` runs."""
+        fut = self._loop.create_future()
+        self._jobs.put((fn, args, fut, then))
+        return fut
+
+    def stop(self) -> None:
+        """Finish the queued jobs and end the thread (blocking)."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _main(self) -> None:
+        call = self._loop.call_soon_threadsafe
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, fut, then = job
+            try:
+                outcome = (fn(*args), None)
+            except BaseException as exc:    # handed to the awaiting coroutine
+                outcome = (None, exc)
+            try:
+                call(_settle, fut, outcome, then)
+            except RuntimeError:            # the loop is closed: nobody is waiting any more
+                return
+
+
+def _settle(fut: asyncio.Future, outcome, then) -> None:
+    if not fut.done():
+        result, exc = outcome
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(exc)
+    if then is not None:
+        then()
