@@ -115,7 +115,7 @@ class RemotingCommand:
 
     # -------------------------------------------------------------- encoding
     def encode_header(self) -> bytes:
-        if self.serialize_type == SerializeType.ROCKETMQ:
+        if self.serialize_type == 1:  # SerializeType.ROCKETMQ; a literal, as enum member lookups are slow
             return self._encode_binary_header()
         return self._encode_json_header()
 
@@ -177,13 +177,15 @@ class RemotingCommand:
         length, word = PREFIX.unpack_from(frame, 0)
         if length != n - 4:
             raise FrameError(f"frame length field says {length} bytes but {n - 4} follow it")
-        header_length = check_prefix(length, word, max(max_frame_size, length))
+        header_length = word & HEADER_LENGTH_MASK
+        if header_length > length - 4:  # the only check_prefix rule a whole frame of n >= 8 bytes can break
+            check_prefix(length, word, max(max_frame_size, length))
         stype = (word >> 24) & 0xFF
         header = frame[8:8 + header_length]
         body = bytes(frame[8 + header_length:])
-        if stype == SerializeType.JSON:
+        if stype == 0:    # SerializeType.JSON (plain ints: an IntEnum compare costs more than this branch)
             cmd = cls._decode_json_header(header)
-        elif stype == SerializeType.ROCKETMQ:
+        elif stype == 1:  # SerializeType.ROCKETMQ
             cmd = cls._decode_binary_header(header)
         else:
             raise HeaderError(f"unknown serialize type {stype}")
