@@ -28,7 +28,7 @@ import time
 
 from .load import DEFAULT_CHUNK_BYTES, scan_store
 from .plan import PLAN_VERSION, write_plan
-from .transactions import classify, open_halves
+from .transactions import classify, half_summary, open_halves
 
 log = logging.getLogger("ops.spark")
 HOUR = 3_600_000
@@ -86,7 +86,7 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
     try:
         started = time.monotonic()
         rec = classify(scan.records)
-        open_ = open_halves(rec).cache()
+        open_ = open_halves(half_summary(rec)).cache()
         expired = open_.where(F.col("half_ts") < cutoff).orderBy("half").collect()
         kept_open = {r["segment"] for r in open_.where(F.col("half_ts") >= cutoff).select("segment")
                      .distinct().collect()}

@@ -21,7 +21,7 @@ import os
 import time
 
 from .load import DEFAULT_CHUNK_BYTES, load_snapshots, scan_store
-from .transactions import (ALL_GROUPS, NO_GROUP, classify, dead_resume, first_decisions, halves, ops)
+from .transactions import ALL_GROUPS, classify, half_summary
 
 log = logging.getLogger("ops.spark")
 
@@ -72,34 +72,46 @@ def traffic_table(parts, dates):
                         F.sum("body_bytes").alias("body_bytes")))
 
 
+def _undecided(spark, per_hour, groups, dates):
+    """Undecided at each window's end = sum of the +1 / -1 events of every hour before it."""
+    F = _F()
+    grid_rows = []
+    for d in dates:
+        day = int(dt.datetime.fromisoformat(d).replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
+        grid_rows.append((d, "day", day, day + DAY))
+        grid_rows += [(d, "hour", day + k * HOUR, day + (k + 1) * HOUR) for k in range(24)]
+    grid = spark.createDataFrame(grid_rows, "date string, grain string, window_ms long, window_end long")
+    return (grid.crossJoin(groups).alias("g")
+            .join(per_hour.alias("e"), (F.col("g.producer_group") == F.col("e.producer_group"))
+                  & (F.col("e.bucket") < F.col("g.window_end")), "left")
+            .groupBy(*[F.col("g." + k) for k in KEYS], F.col("g.producer_group"))
+            .agg(F.coalesce(F.sum("e.delta"), F.lit(0)).cast("long").alias("undecided_at_end")))
+
+
 def transactions_table(spark, rec, dates):
     F = _F()
-    # Each of these feeds several aggregates below: materialise them once (lineage cut too).
-    h = halves(rec).localCheckpoint()
-    o = ops(rec).localCheckpoint()
-    first = first_decisions(o)
-    hg = h.select("half", "producer_group", "half_ts")
-    dec = first.join(hg, "half", "left").localCheckpoint()
-    by_half = hg.select(F.col("half").alias("txmq_half"), F.col("producer_group").alias("half_group"))
-
-    reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])[F.col("txmq_reason")]
-    dead = rec.where(F.col("kind") == "dead").join(by_half, "txmq_half", "left").select(
-        F.coalesce("pgroup", "half_group", F.lit(NO_GROUP)).alias("producer_group"), F.col("store_ts").alias("ts"),
-        F.explode(F.array_compact(F.array(F.lit("dead_letters"), reason_metric))).alias("metric"))
-    facts = (h.select("producer_group", F.col("half_ts").alias("ts"), F.lit("halves").alias("metric"))
-             .unionByName(dec.select(F.coalesce("producer_group", F.lit(NO_GROUP)).alias("producer_group"),
-                                     F.col("dec_ts").alias("ts"),
-                                     F.when(F.col("outcome") == "COMMIT", "commits").otherwise("rollbacks")
-                                     .alias("metric")))
-             .unionByName(rec.where(F.col("kind") == "check").join(by_half, "txmq_half", "left").select(
-                 F.coalesce("half_group", F.lit(NO_GROUP)).alias("producer_group"), F.col("store_ts").alias("ts"),
-                 F.lit("checks").alias("metric")))
-             .unionByName(dead))
+    # One row per half; it feeds three aggregates, so materialise it once.
+    s = half_summary(rec).localCheckpoint()
+    ev = F.struct
+    reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])
+    facts = s.select(F.col("group").alias("producer_group"), F.explode(F.concat(
+        F.when(F.col("h").isNotNull(), F.array(ev(F.col("h.ts").alias("ts"), F.lit("halves").alias("metric"))))
+        .otherwise(F.array()),
+        F.when(F.col("decision").isNotNull(), F.array(ev(F.col("decision.ts").alias("ts"), F.when(
+            F.col("decision.outcome") == "COMMIT", "commits").otherwise("rollbacks").alias("metric"))))
+        .otherwise(F.array()),
+        F.transform("checks", lambda t: ev(t.alias("ts"), F.lit("checks").alias("metric"))),
+        F.transform("deads", lambda d: ev(d["ts"].alias("ts"), F.lit("dead_letters").alias("metric"))),
+        F.transform(F.filter("deads", lambda d: reason_metric[d["reason"]].isNotNull()),
+                    lambda d: ev(d["ts"].alias("ts"), reason_metric[d["reason"]].alias("metric"))),
+    )).alias("e")).select("producer_group", "e.ts", "e.metric")
     counts = (_windows(_all_groups(facts), "ts").where(F.col("date").isin(dates))
               .groupBy(*KEYS, "producer_group").pivot("metric", list(TX_METRICS)).count())
 
-    latency = (_windows(_all_groups(dec.where(F.col("half_ts").isNotNull()).select(
-        "producer_group", "dec_ts", (F.col("dec_ts") - F.col("half_ts")).alias("latency"))), "dec_ts")
+    decided = s.where(F.col("h").isNotNull() & F.col("decision").isNotNull())
+    latency = (_windows(_all_groups(decided.select(
+        F.col("group").alias("producer_group"), F.col("decision.ts").alias("dec_ts"),
+        (F.col("decision.ts") - F.col("h.ts")).alias("latency"))), "dec_ts")
         .where(F.col("date").isin(dates))
         .groupBy(*KEYS, "producer_group")
         .agg(F.count(F.lit(1)).alias("decided"),
@@ -108,28 +120,19 @@ def transactions_table(spark, rec, dates):
         .select(*KEYS, "producer_group", "decided", F.col("p")[0].alias("latency_p50_ms"),
                 F.col("p")[1].alias("latency_p95_ms"), F.col("p")[2].alias("latency_p99_ms"), "latency_max_ms"))
 
-    # Undecided at a window's end = sum of +1 (half), -1 (decision or DEAD), +1 (RESUME) before it.
-    events = (hg.select("producer_group", F.col("half_ts").alias("ts"), F.lit(1).alias("delta"))
-              .unionByName(dec.where(F.col("half_ts").isNotNull())
-                           .select("producer_group", F.col("dec_ts").alias("ts"), F.lit(-1).alias("delta")))
-              .unionByName(dead_resume(o, first).join(hg, "half")
-                           .select("producer_group", F.col("op_ts").alias("ts"), "delta")))
-    per_hour = (_all_groups(events).groupBy("producer_group", (F.floor(F.col("ts") / HOUR) * HOUR).alias("bucket"))
-                .agg(F.sum("delta").alias("delta")))
-    grid_rows = []
-    for d in dates:
-        day = int(dt.datetime.fromisoformat(d).replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
-        grid_rows.append((d, "day", day, day + DAY))
-        grid_rows += [(d, "hour", day + k * HOUR, day + (k + 1) * HOUR) for k in range(24)]
-    grid = spark.createDataFrame(grid_rows, "date string, grain string, window_ms long, window_end long")
-    groups = (per_hour.select("producer_group").unionByName(counts.select("producer_group"))
+    # +1 at the half, -1 at its decision, -1 / +1 at DEAD / RESUME ops before the decision.
+    events = s.where(F.col("h").isNotNull()).select(F.col("group").alias("producer_group"), F.explode(F.concat(
+        F.array(ev(F.col("h.ts").alias("ts"), F.lit(1).alias("delta"))),
+        F.when(F.col("decision").isNotNull(), F.array(ev(F.col("decision.ts").alias("ts"),
+                                                         F.lit(-1).alias("delta")))).otherwise(F.array()),
+        F.transform("toggles", lambda t: ev(t["ts"].alias("ts"), t["delta"].alias("delta"))),
+    )).alias("e"))
+    per_hour = (_all_groups(events).groupBy("producer_group", (F.floor(F.col("e.ts") / HOUR) * HOUR).alias("bucket"))
+                .agg(F.sum("e.delta").alias("delta")))
+    groups = (s.select(F.col("group").alias("producer_group"))
               .unionByName(spark.createDataFrame([(ALL_GROUPS,)], "producer_group string")).distinct())
-    undecided = (grid.crossJoin(groups).alias("g")
-                 .join(per_hour.alias("e"), (F.col("g.producer_group") == F.col("e.producer_group"))
-                       & (F.col("e.bucket") < F.col("g.window_end")), "left")
-                 .groupBy(*[F.col("g." + k) for k in KEYS], F.col("g.producer_group"))
-                 .agg(F.coalesce(F.sum("e.delta"), F.lit(0)).cast("long").alias("undecided_at_end")))
-    table = (undecided.join(counts, KEYS + ["producer_group"], "left")
+    table = (_undecided(spark, per_hour, groups, dates)
+             .join(counts, KEYS + ["producer_group"], "left")
              .join(latency, KEYS + ["producer_group"], "left")
              .fillna(0, subset=list(TX_METRICS) + ["decided"]))
     busy = F.lit(False)
@@ -210,8 +213,7 @@ def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, 
                      ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
         t0 = time.monotonic()
         report_dir = report_dir or os.path.join(out_dir, "report")
-        for d in dates:
-            summary["reports"] += report_mod.write_report(report_dir, d, tables, summary)
+        summary["reports"] = report_mod.write_reports(report_dir, dates, tables, summary)
         log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
                  time.monotonic() - t0)
         for df in tables.values():

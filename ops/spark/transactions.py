@@ -9,7 +9,8 @@
 
 A half is *open* (undecided) until its first COMMIT or ROLLBACK op (the first decision
 wins; later ones are ignored). Before that, a DEAD op closes it and a RESUME op opens it
-again. Ops and dead letters find their half through TXMQ_HALF = the half's commit-log offset.
+again. Ops and dead letters find their half through TXMQ_HALF = the half's commit-log offset,
+so one groupBy on that offset (half_summary) gathers a transaction's whole story.
 """
 from __future__ import annotations
 
@@ -32,54 +33,49 @@ def classify(records):
     return records.withColumn("kind", kind)
 
 
-def halves(classified):
+def half_summary(classified):
+    """One row per half commit-log offset (one shuffle), everything the log says about it:
+
+    half      struct(ts, group, segment, queue_offset, real_topic, uniq_key), or null when the
+              half itself is gone (its segment was removed) but ops still name it
+    decision  struct(off, ts, outcome): the first COMMIT / ROLLBACK op, or null
+    toggles   [struct(off, ts, delta)]: DEAD (-1) / RESUME (+1) ops before the decision
+    checks    [store ts] of `c` check attempts
+    deads     [struct(ts, reason, group)] of dead letters
+    """
     from pyspark.sql import functions as F
 
-    return classified.where(F.col("kind") == "half").select(
-        F.col("offset").alias("half"), F.col("segment"), F.col("store_ts").alias("half_ts"), F.col("queue_offset"),
-        F.coalesce(F.col("pgroup"), F.lit(NO_GROUP)).alias("producer_group"),
-        F.coalesce(F.col("real_topic"), F.lit(NO_GROUP)).alias("real_topic"), F.col("uniq_key"))
+    kind, op = F.col("kind"), F.col("txmq_op")
+    key = F.when(kind == "half", F.col("offset")).otherwise(F.col("txmq_half"))
+    group = F.coalesce(F.col("pgroup"), F.lit(NO_GROUP))
+    return (classified.where(kind.isin("half", "op", "check", "dead") & key.isNotNull())
+            .groupBy(key.alias("half"))
+            .agg(F.max(F.when(kind == "half", F.struct(
+                     F.col("store_ts").alias("ts"), group.alias("group"), "segment", "queue_offset",
+                     F.coalesce(F.col("real_topic"), F.lit(NO_GROUP)).alias("real_topic"), "uniq_key")))
+                 .alias("h"),
+                 F.min(F.when((kind == "op") & op.isin(*DECISIONS), F.struct(
+                     F.col("offset").alias("off"), F.col("store_ts").alias("ts"), op.alias("outcome"))))
+                 .alias("decision"),
+                 F.collect_list(F.when((kind == "op") & op.isin("DEAD", "RESUME"), F.struct(
+                     F.col("offset").alias("off"), F.col("store_ts").alias("ts"),
+                     F.when(op == "DEAD", -1).otherwise(1).alias("delta")))).alias("all_toggles"),
+                 F.collect_list(F.when(kind == "check", F.col("store_ts"))).alias("checks"),
+                 F.collect_list(F.when(kind == "dead", F.struct(
+                     F.col("store_ts").alias("ts"), F.col("txmq_reason").alias("reason"),
+                     F.col("pgroup").alias("group")))).alias("deads"))
+            .withColumn("toggles", F.filter("all_toggles", lambda t: F.col("decision").isNull()
+                                            | (t["off"] < F.col("decision.off"))))
+            .drop("all_toggles")
+            .withColumn("group", F.coalesce(F.col("h.group"), F.col("deads")[0]["group"], F.lit(NO_GROUP))))
 
 
-def ops(classified):
-    from pyspark.sql import functions as F
-
-    return classified.where((F.col("kind") == "op") & F.col("txmq_half").isNotNull()).select(
-        F.col("txmq_half").alias("half"), F.col("offset").alias("op_offset"), F.col("store_ts").alias("op_ts"),
-        F.col("txmq_op"))
-
-
-def first_decisions(op_rows):
-    """(half, dec_offset, dec_ts, outcome): the first COMMIT or ROLLBACK op of each half."""
-    from pyspark.sql import functions as F
-
-    return (op_rows.where(F.col("txmq_op").isin(*DECISIONS))
-            .groupBy("half").agg(F.min(F.struct("op_offset", "op_ts", "txmq_op")).alias("d"))
-            .select("half", F.col("d.op_offset").alias("dec_offset"), F.col("d.op_ts").alias("dec_ts"),
-                    F.col("d.txmq_op").alias("outcome")))
-
-
-def dead_resume(op_rows, first):
-    """DEAD / RESUME ops that came before their half's decision, if any: (half, op_ts, delta)."""
-    from pyspark.sql import functions as F
-
-    return (op_rows.where(F.col("txmq_op").isin("DEAD", "RESUME"))
-            .join(first.select("half", "dec_offset"), "half", "left")
-            .where(F.col("dec_offset").isNull() | (F.col("op_offset") < F.col("dec_offset")))
-            .select("half", "op_offset", "op_ts",
-                    F.when(F.col("txmq_op") == "DEAD", -1).otherwise(1).alias("delta")))
-
-
-def open_halves(classified):
+def open_halves(summary):
     """Halves that are undecided now: no decision, and not closed by a DEAD op since the last RESUME."""
     from pyspark.sql import functions as F
 
-    op_rows = ops(classified)
-    first = first_decisions(op_rows)
-    last_toggle = (dead_resume(op_rows, first).groupBy("half")
-                   .agg(F.max(F.struct("op_offset", "delta")).alias("t"))
-                   .select("half", F.col("t.delta").alias("last_delta")))
-    return (halves(classified).join(first.select("half"), "half", "left_anti")
-            .join(last_toggle, "half", "left")
-            .where(F.col("last_delta").isNull() | (F.col("last_delta") == 1))
-            .drop("last_delta"))
+    last = F.array_max("toggles")          # structs compare by their first field, the op's offset
+    return (summary.where(F.col("h").isNotNull() & F.col("decision").isNull()
+                          & (last.isNull() | (last["delta"] == 1)))
+            .select("half", F.col("h.ts").alias("half_ts"), F.col("h.group").alias("producer_group"),
+                    "h.segment", "h.queue_offset", "h.real_topic", "h.uniq_key"))

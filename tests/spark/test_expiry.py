@@ -40,6 +40,8 @@ def store(tmp_path_factory):
         s["resumed"] = b.at(NOW - 97 * H).half("pg-b", "Ship")
         b.at(NOW - 97 * H + 1000).dead(s["resumed"], "max-checks")
         b.at(NOW - 97 * H + 2000).resume(s["resumed"])         # open again: listed
+        for i in range(40):
+            b.at(NOW - 80 * H + i).send("Orders")
         s["expired"] = b.at(NOW - 72 * H - M).half("pg-a", "Pay")      # 72h01m: listed
         s["exact"] = b.at(NOW - 72 * H).half("pg-a", "Pay")            # exactly 72h: kept
         s["young"] = b.at(NOW - 72 * H + M).half("pg-a", "Pay")        # 71h59m: kept
@@ -78,7 +80,7 @@ def expected_segments(written, blocked_topic_queue_offsets=None):
 def test_plan_lists_old_undecided_halves_and_old_consumed_segments(spark, store, tmp_path):
     from ops.spark.expiry import run_expiry
 
-    set_offsets(store["dir"], [("cg1", "Orders", 0, 85), ("cg2", "Orders", 0, 85)])
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 200), ("cg2", "Orders", 0, 200)])
     path = str(tmp_path / "plan.json")
     plan = run_expiry(spark, store["dir"], path, now_ms=NOW)
     assert validate_plan(path) == plan
@@ -115,10 +117,10 @@ def test_the_72_hour_boundary(spark, store, tmp_path):
 def test_unconsumed_records_hold_segments_back(spark, store):
     from ops.spark.expiry import build_plan
 
-    set_offsets(store["dir"], [("cg1", "Orders", 0, 85), ("slow", "Orders", 0, 5)])
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 200), ("slow", "Orders", 0, 5)])
     assert build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)["segments"] == []
     # a group with an entry for the topic but not for queue 0 has consumed nothing of queue 0
-    set_offsets(store["dir"], [("cg1", "Orders", 0, 85), ("other", "Orders", 3, 100)])
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 200), ("other", "Orders", 3, 100)])
     assert build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)["segments"] == []
     # consumed exactly up to the first segment's last Orders record: only that segment may go
     first = [w for w in store["written"] if w.offset < SEG]
@@ -128,7 +130,7 @@ def test_unconsumed_records_hold_segments_back(spark, store):
 
 
 def test_cli_expiry_and_validate_plan(store, tmp_path):
-    set_offsets(store["dir"], [("cg1", "Orders", 0, 85)])
+    set_offsets(store["dir"], [("cg1", "Orders", 0, 200)])
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)
     path = str(tmp_path / "plan.json")
