@@ -106,3 +106,34 @@ async def test_put_before_open_and_after_close(tmp_path):
     await store.close()
     assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
     await store.close()                     # closing twice is harmless
+
+
+@bounded()
+async def test_every_acknowledged_byte_was_inside_a_flushed_range(tmp_path, monkeypatch):
+    """kill -9 keeps the page cache, so only this shows that sync mode msyncs what it acknowledges."""
+    flushed: list[tuple[int, int]] = []
+    real = writer._flush_ranges
+
+    def recording(ranges):
+        real(ranges)
+        flushed.extend((seg.start + lo, seg.start + hi) for seg, lo, hi in ranges)
+    monkeypatch.setattr(writer, "_flush_ranges", recording)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    results = await asyncio.gather(*[store.put(req(3000 + i % 500)) for i in range(900)])   # ~3 segments
+    results += [r for batch in await asyncio.gather(*[store.put_many([req(), req(20_000)]) for _ in range(20)])
+                for r in batch]
+    covered = sorted(flushed)
+    merged = [list(covered[0])]
+    for lo, hi in covered[1:]:
+        if lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    for r in results:
+        assert r.ok
+        assert any(lo <= r.physical_offset and r.physical_offset + r.size <= hi for lo, hi in merged), r
+    for seg in store.segments()[:-1]:                   # end markers too
+        end_marker = seg.start_offset + seg.written
+        assert any(lo <= end_marker and end_marker + 8 <= hi for lo, hi in merged)
+    await store.close()
