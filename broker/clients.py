@@ -12,7 +12,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from protocol.codes import RequestCode
+from protocol.codes import LanguageCode, RequestCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
 from protocol.message import java_string_hash
@@ -211,6 +211,6 @@ class ClientRegistry:
             if ch.alive:
                 try:
                     ch.conn.oneway(RemotingCommand.request(RequestCode.NOTIFY_CONSUMER_IDS_CHANGED,
-                                                           {"consumerGroup": group}))
+                                                           {"consumerGroup": group}, language=LanguageCode.JAVA))
                 except Exception:  # noqa: BLE001 - a dying channel must not stop the others
                     log.debug("could not notify %s", ch.client_id)

@@ -126,11 +126,12 @@ async def test_another_producer_of_the_group_answers_when_the_sender_died(broker
 
 
 class DroppingProxy:
-    """A TCP proxy that forwards frames and drops END_TRANSACTION requests (like a lost oneway)."""
+    """A TCP proxy that forwards frames and drops the first END_TRANSACTION (a lost oneway)."""
 
     def __init__(self, target):
         self.target = target
         self.dropped = 0
+        self.dropped_one = asyncio.Event()
 
     async def start(self):
         self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
@@ -149,8 +150,9 @@ class DroppingProxy:
                         continue
                     for frame in decoder.feed(data):
                         cmd = RemotingCommand.decode(frame)
-                        if cmd.code == RequestCode.END_TRANSACTION and not cmd.is_response:
+                        if cmd.code == RequestCode.END_TRANSACTION and not cmd.is_response and not self.dropped:
                             self.dropped += 1
+                            self.dropped_one.set()
                             continue
                         dst.write(frame)
             finally:
@@ -169,9 +171,10 @@ async def test_a_dropped_end_transaction_is_resolved_by_the_check(broker_factory
     producer.end_acknowledged = False     # send END oneway, as a stock client does
     producer.routes.broker_addr = lambda name: proxy_addr
     await producer.send_in_transaction("TxLost", b"end-was-lost")
-    assert proxy.dropped == 1
+    await asyncio.wait_for(proxy.dropped_one.wait(), 10)
     await asyncio.wait_for(listener.checked.wait(), 10)
     assert await _drain(b.namesrv, "TxLost", expect=1) == [b"end-was-lost"]
+    assert proxy.dropped == 1
     await producer.shutdown()
     proxy.server.close()
 

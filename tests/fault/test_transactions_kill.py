@@ -1,0 +1,125 @@
+"""SIGKILL the broker at random moments during a stream of 1,000 transactions with random outcomes.
+
+After every restart (same store, same ports) the stream goes on. At the end,
+once every transaction is decided: each transaction whose local transaction
+committed is delivered exactly once, no rolled-back one is, and the broker
+stored no message twice. Checks answer from what the local transactions really
+did: one that never ran (its half send failed as the broker died) rolls back.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from consumer import PullConsumer
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.errors import BrokerError
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+
+TOTAL = 1000
+CONCURRENCY = 16
+OUTCOMES = [S.COMMIT_MESSAGE, S.ROLLBACK_MESSAGE, "unknown-commit", "unknown-rollback"]
+
+
+class Ledger:
+    """What each local transaction did: the truth the broker's checks are answered from."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.plan: dict[bytes, object] = {}
+        self.executed: dict[bytes, S] = {}
+
+    def execute_local_transaction(self, msg, arg):
+        outcome = self.plan[msg.body]
+        final = {"unknown-commit": S.COMMIT_MESSAGE, "unknown-rollback": S.ROLLBACK_MESSAGE}.get(outcome, outcome)
+        self.executed[msg.body] = final
+        return S.UNKNOW if isinstance(outcome, str) else outcome
+
+    def check_local_transaction(self, msg):
+        return self.executed.get(msg.body, S.ROLLBACK_MESSAGE)
+
+
+async def _pending(addr) -> int:
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1}), 5)
+        return json.loads(resp.body_bytes())["total"]
+    finally:
+        conn.close()
+
+
+async def _delivered(namesrv, topic) -> list[bytes]:
+    consumer = PullConsumer(namesrv, "CG_kill")
+    bodies = []
+    for mq in await consumer.fetch_queues(topic):
+        offset = 0
+        while True:
+            res = await consumer.pull(mq, offset, max_nums=256)
+            bodies += [m.body for m in res.messages]
+            if res.next_begin_offset == offset or not res.messages:
+                break
+            offset = res.next_begin_offset
+    await consumer.shutdown()
+    return bodies
+
+
+async def test_kill_during_transactions_loses_and_duplicates_nothing(broker_factory):
+    flags = ("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "500")
+    b = broker_factory(*flags)
+    fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1], *flags)
+    ledger = Ledger(seed=20261121)
+    for i in range(TOTAL):
+        ledger.plan[f"tx-{i}".encode()] = ledger.rng.choice(OUTCOMES)
+    producer = TransactionProducer(b.namesrv, "PG_kill", ledger, end_retries=8, end_timeout=2.0, retries=0)
+    await producer.start()
+    queue = asyncio.Queue()
+    for body in ledger.plan:
+        queue.put_nowait(body)
+    failed_sends = 0
+    kills = 0
+    brokers = [b]
+    up = asyncio.Event()
+    up.set()
+
+    async def worker():
+        nonlocal failed_sends
+        while not queue.empty():
+            body = queue.get_nowait()
+            try:
+                await producer.send_in_transaction("TxKill", body)
+            except (BrokerError, OSError):
+                failed_sends += 1           # never retried: its half may be stored, and checks settle it
+                await up.wait()
+
+    async def killer():
+        nonlocal kills
+        rng = random.Random(7)
+        while not queue.empty() and kills < 6:
+            await asyncio.sleep(rng.uniform(0.1, 0.4))
+            up.clear()
+            brokers[-1].kill()
+            kills += 1
+            brokers.append(await asyncio.to_thread(broker_factory, *fixed))
+            up.set()
+
+    async with asyncio.timeout(240):
+        await asyncio.gather(killer(), *(worker() for _ in range(CONCURRENCY)))
+        while await _pending(brokers[-1].broker):     # checks settle what the crashes left undecided
+            await asyncio.sleep(0.2)
+    await producer.shutdown()
+    delivered = await _delivered(brokers[-1].namesrv, "TxKill")
+    committed = {body for body, state in ledger.executed.items() if state is S.COMMIT_MESSAGE}
+    assert len(delivered) == len(set(delivered)), "a message was stored twice"
+    assert set(delivered) == committed
+    assert kills >= 3, "the broker must actually have been killed mid-stream"
+    print(f"{TOTAL} transactions, {kills} kills, {failed_sends} sends failed, "
+          f"{len(committed)} committed and delivered once, {len(ledger.executed) - len(committed)} rolled back")

@@ -1,0 +1,71 @@
+"""Pure parts of the broker and clients: check policy, config and CLI, route JSON, allocation, subscriptions."""
+from __future__ import annotations
+
+import pytest
+
+from broker.cli import config_from
+from broker.clients import build_subscription
+from broker.config import BrokerConfig
+from broker.transaction.check import Action, Policy, decide, first_check_time, next_check_after_check
+from consumer.rebalance import allocate_averagely
+from consumer.pull_consumer import MessageQueue
+from protocol.errors import ConfigError
+from protocol.message import java_string_hash
+from protocol.route import BrokerData, QueueData, TopicRouteData, decode_route, encode_route
+
+P = Policy(check_interval_ms=60000, timeout_ms=6000, check_max=15, retention_ms=72 * 3600 * 1000)
+
+
+def test_check_decisions():
+    base = dict(now=10_000, store_ts=0, next_check=6_000, checks=0, has_producer=True)
+    assert decide(P, **base) is Action.CHECK
+    assert decide(P, **{**base, "now": 5_999}) is Action.WAIT
+    assert decide(P, **{**base, "has_producer": False}) is Action.DEFER
+    assert decide(P, **{**base, "checks": 15}) is Action.DEAD_MAX_CHECKS
+    assert decide(P, **{**base, "checks": 14}) is Action.CHECK
+    over = 72 * 3600 * 1000 + 1
+    assert decide(P, **{**base, "now": over, "next_check": over + 5}) is Action.DEAD_EXPIRED
+    assert decide(P, **{**base, "now": over - 2}) is Action.CHECK
+
+
+def test_immunity_and_backoff():
+    assert first_check_time(P, 1000, None) == 7000
+    assert first_check_time(P, 1000, "30") == 31000
+    assert first_check_time(P, 1000, "-1") == 7000
+    assert first_check_time(P, 1000, "soon") == 7000
+    assert [next_check_after_check(P, 0, n) for n in range(5)] == [60000, 120000, 240000, 240000, 240000]
+
+
+def test_config_from_flags_and_environment():
+    c = config_from(["--port", "0", "--store-dir", "/tmp/x"], {"BROKER_PORT": "5", "BROKER_FLUSH": "async",
+                                                                 "BROKER_AUTO_CREATE_TOPIC": "false"})
+    assert (c.port, c.store_dir, c.flush, c.auto_create_topic) == (0, "/tmp/x", "async", False)
+    with pytest.raises(ConfigError):
+        config_from([], {"BROKER_NAMESRV_PORT": "seventy"})
+    with pytest.raises(ConfigError):
+        BrokerConfig(flush="sometimes")
+    with pytest.raises(ConfigError):
+        BrokerConfig(port=70000)
+    assert BrokerConfig(host="0.0.0.0").public_host == "127.0.0.1"
+
+
+def test_route_json_round_trip_both_forms():
+    route = TopicRouteData([QueueData("b", 4, 4, 6)], [BrokerData("C", "b", {0: "127.0.0.1:10911", 1: "h:2"})])
+    for strict in (False, True):
+        assert decode_route(encode_route(route, strict=strict)) == route
+
+
+def test_allocate_averagely_matches_rocketmq():
+    queues = [MessageQueue("T", "b", i) for i in range(8)]
+    parts = [allocate_averagely(queues, ["c1", "c2", "c3"], me) for me in ("c1", "c2", "c3")]
+    assert [[q.queue_id for q in p] for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert allocate_averagely(queues, ["c1"], "c9") == []
+    many = [allocate_averagely(queues[:2], ["a", "b", "c"], me) for me in "abc"]
+    assert [len(p) for p in many] == [1, 1, 0]
+
+
+def test_tag_subscription_filters_by_java_hash():
+    sub = build_subscription("T", "TagA || TagB ")
+    f = sub.tag_filter()
+    assert f(java_string_hash("TagA")) and f(java_string_hash("TagB")) and not f(java_string_hash("TagC"))
+    assert build_subscription("T", "*").tag_filter() is None
