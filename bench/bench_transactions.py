@@ -1,0 +1,130 @@
+"""Committed transactions per second end to end, beside plain sends, in one run.
+
+    python bench/bench_transactions.py [--seconds 5] [--inflight 64] [--size 1024]
+
+A client process keeps ``--inflight`` transactions in flight against the real
+broker (sync flush): half message, a no-op local transaction, END_TRANSACTION
+(acknowledged), and counts a transaction done when a long-polling consumer in
+the same process has received its message. In the same run, the same client
+stack does plain sends with the same concurrency. A transaction is two round
+trips and three appends (half; committed message + op record in one batch).
+
+The last line is JSON: the figures and "ratio" = transactions/s / plain sends/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+class Commit:
+    def execute_local_transaction(self, msg, arg):
+        from producer import LocalTransactionState
+        return LocalTransactionState.COMMIT_MESSAGE
+
+    def check_local_transaction(self, msg):
+        from producer import LocalTransactionState
+        return LocalTransactionState.COMMIT_MESSAGE
+
+
+async def consume(namesrv, topic, target, seen, stop):
+    from consumer import PullConsumer
+    consumer = PullConsumer(namesrv, f"CG_{topic}")
+    queues = await consumer.fetch_queues(topic)
+    offsets = {mq: 0 for mq in queues}
+    last = time.perf_counter()
+
+    async def one(mq):
+        nonlocal last
+        while not stop.is_set() or seen[0] < target[0]:
+            res = await consumer.pull(mq, offsets[mq], max_nums=32, suspend_ms=500)
+            if res.messages:
+                seen[0] += len(res.messages)
+                last = time.perf_counter()
+            offsets[mq] = res.next_begin_offset
+            if stop.is_set() and seen[0] >= target[0]:
+                break
+
+    await asyncio.gather(*(one(mq) for mq in queues))
+    await consumer.shutdown()
+    return last
+
+
+async def run(namesrv: str, mode: str, seconds: float, inflight: int, size: int) -> dict:
+    from producer import Producer, TransactionProducer
+    topic = "BenchTx" if mode == "tx" else "BenchPlain"
+    producer = TransactionProducer(namesrv, "PG_benchtx", Commit()) if mode == "tx" else Producer(namesrv, "PG_bench")
+    await producer.start()
+    body = b"x" * size
+    # warm-up creates the topic so the consumer can find its queues
+    await (producer.send_in_transaction(topic, body) if mode == "tx" else producer.send(topic, body))
+    loop = asyncio.get_running_loop()
+    target, seen, stop = [1], [0], asyncio.Event()
+    consumer = loop.create_task(consume(namesrv, topic, target, seen, stop))
+    done = 0
+    stop_at = loop.time() + seconds
+    t0 = time.perf_counter()
+
+    async def worker():
+        nonlocal done
+        while loop.time() < stop_at:
+            if mode == "tx":
+                r = await producer.send_in_transaction(topic, body)
+                assert r.acknowledged
+            else:
+                await producer.send(topic, body)
+            done += 1
+
+    await asyncio.gather(*(worker() for _ in range(inflight)))
+    target[0] = done + 1
+    stop.set()
+    last_seen = await asyncio.wait_for(consumer, 60)
+    await producer.shutdown()
+    elapsed = max(last_seen, time.perf_counter() if seen[0] < target[0] else last_seen) - t0
+    return {"count": done, "seconds": elapsed, "per_s": done / elapsed, "consumed": seen[0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--inflight", type=int, default=64)
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--client", nargs=2, metavar=("NAMESRV", "MODE"))
+    args = p.parse_args()
+    import uvloop
+    if args.client:
+        print(json.dumps(uvloop.run(run(args.client[0], args.client[1], args.seconds, args.inflight, args.size))))
+        return
+    from tests.support.broker_process import BrokerProcess
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="txmq-benchtx-") as tmp:
+        broker = BrokerProcess(Path(tmp) / "store", "--flush", "sync", "--metrics-snapshot-interval-s", "0").start()
+        try:
+            for mode in ("plain", "tx"):
+                out = subprocess.run([sys.executable, __file__, "--client", broker.namesrv, mode,
+                                      "--seconds", str(args.seconds), "--inflight", str(args.inflight),
+                                      "--size", str(args.size)], capture_output=True, text=True, check=True,
+                                     cwd=REPO)
+                results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            broker.stop()
+    ratio = results["tx"]["per_s"] / results["plain"]["per_s"]
+    for mode, label in (("plain", "plain sends"), ("tx", "transactions (committed, consumed)")):
+        r = results[mode]
+        print(f"{label:36}{r['per_s']:10.0f}/s  ({r['count']} in {r['seconds']:.1f} s, {r['consumed']} consumed)")
+    print(f"ratio transactions/plain: {ratio:.2f}  (inflight {args.inflight}, {args.size} B, sync flush)")
+    print(json.dumps({"bench": "transactions", "tx_per_s": round(results["tx"]["per_s"]),
+                      "plain_per_s": round(results["plain"]["per_s"]), "ratio": round(ratio, 3)}))
+
+
+if __name__ == "__main__":
+    main()
