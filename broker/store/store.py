@@ -1,8 +1,11 @@
 """MessageStore: the storage facade of docs/design.md -- commit log, consume queues, checkpoint.
 
-Threads: everything runs on the event loop except msync/fsync/unmap, which go to ONE
-flush thread in submission order. Because that thread is FIFO, a file queued for
-removal is never unmapped while an earlier flush of it is still pending.
+Threads: everything runs on the event loop except msync / fsync / unmap, which go to ONE
+I/O thread in submission order (so a file queued for removal is never unmapped while an
+earlier flush of it is pending), and the zero-writing ahead of the commit-log writer,
+on a second thread that only ever writes past the writer's reserved mark.
+
+Consumer offsets live next door in offsets.py (ConsumerOffsets), persisted on their own.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import UNIT, ConsumeQueue
 from .recovery import recover
-from .writer import IoThread, Writer
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
+from .writer import IoThread, Writer
 
 log = logging.getLogger("txmq.store")
 
