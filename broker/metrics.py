@@ -76,11 +76,24 @@ class BrokerMetrics:
                                         buckets=_DECISION_BUCKETS, registry=r)
         self._samples: dict[str, list[float]] = {}
         self._counts: dict[str, int] = {}
+        self._in_children: dict[str, tuple] = {}
+        self._rpc_children: dict[tuple[int, int], object] = {}
+
+    def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
+        """Messages stored; label children are cached because labels() costs a lock and a dict per call."""
+        children = self._in_children.get(topic)
+        if children is None:
+            children = self._in_children[topic] = (self.messages_in.labels(topic), self.bytes_in.labels(topic))
+        children[0].inc(messages)
+        children[1].inc(body_bytes)
 
     # --------------------------------------------------------------- helpers
     def observe_request(self, code: int, response_code: int, seconds: float) -> None:
         name = request_name(code)
-        self.rpc_latency.labels(name, str(response_code)).observe(seconds)
+        child = self._rpc_children.get((code, response_code))
+        if child is None:
+            child = self._rpc_children[(code, response_code)] = self.rpc_latency.labels(name, str(response_code))
+        child.observe(seconds)
         n = self._counts.get(name, 0) + 1
         self._counts[name] = n
         samples = self._samples.setdefault(name, [])

@@ -150,6 +150,7 @@ class BrokerServer:
         ctx = self.ctx
         observe = self.metrics.observe_request
         perf = time.perf_counter
+        create_task = asyncio.get_running_loop().create_task
 
         def handle(conn, cmd):
             fn = table.get(cmd.code)
@@ -162,7 +163,11 @@ class BrokerServer:
             if result is None or isinstance(result, RemotingCommand):
                 observe(cmd.code, result.code if result is not None else 0, perf() - start)
                 return result
-            return _timed(result, cmd.code, start, observe)
+            task = create_task(result)
+            task.add_done_callback(lambda t, code=cmd.code: observe(
+                code, t.result().code if not t.cancelled() and t.exception() is None and t.result() is not None
+                else 1, perf() - start))
+            return task
 
         return handle
 
@@ -211,12 +216,6 @@ class BrokerServer:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
         log.info("stopped")
-
-
-async def _timed(awaitable, code, start, observe):
-    result = await awaitable
-    observe(code, result.code if result is not None else 0, time.perf_counter() - start)
-    return result
 
 
 async def _maybe_await(fn):

@@ -32,6 +32,7 @@ from .frame import MAX_FRAME_SIZE, FrameDecoder
 
 log = logging.getLogger("txmq.connection")
 
+# A handler answers at once (a command or None), or later: a coroutine, or a Task it made itself.
 HandlerResult = Union[RemotingCommand, None, Awaitable[Optional[RemotingCommand]]]
 Handler = Callable[["RemotingConnection", RemotingCommand], HandlerResult]
 
@@ -157,7 +158,7 @@ class RemotingConnection(asyncio.Protocol):
             if not cmd.flag & FLAG_ONEWAY:
                 self.send(result)
             return
-        task = self._loop.create_task(result)
+        task = result if isinstance(result, asyncio.Future) else self._loop.create_task(result)
         self._tasks.add(task)
         task.add_done_callback(lambda t, c=cmd: self._handler_done(t, c))
         if len(self._tasks) >= self.max_in_flight:
@@ -245,18 +246,18 @@ class RemotingConnection(asyncio.Protocol):
         """Send a request and wait for its response (RequestTimeoutError after ``timeout`` s)."""
         if self.transport is None or self.transport.is_closing():
             raise ConnectionClosedError(f"connection to {self.peer[0]}:{self.peer[1]} is closed")
-        cmd.opaque = next(_opaques) & 0x7FFFFFFF
+        opaque = cmd.opaque = next(_opaques) & 0x7FFFFFFF
         cmd.flag &= ~(FLAG_RESPONSE | FLAG_ONEWAY)
         fut = self._loop.create_future()
-        self._pending[cmd.opaque] = fut
+        self._pending[opaque] = fut
+        # A timer, not asyncio.wait_for: wait_for costs a Task per request.
+        timer = self._loop.call_later(timeout, _expire, fut, cmd.code, self.peer, timeout)
         self.send(cmd)
         try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise RequestTimeoutError(f"{request_name(cmd.code)} to {self.peer[0]}:{self.peer[1]} "
-                                      f"got no response in {timeout:.3g} s") from None
+            return await fut
         finally:
-            self._pending.pop(cmd.opaque, None)
+            timer.cancel()
+            self._pending.pop(opaque, None)
 
     def oneway(self, cmd: RemotingCommand) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -264,6 +265,12 @@ class RemotingConnection(asyncio.Protocol):
         cmd.opaque = next(_opaques) & 0x7FFFFFFF
         cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
         self.send(cmd)
+
+
+def _expire(fut: asyncio.Future, code: int, peer: tuple, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(RequestTimeoutError(f"{request_name(code)} to {peer[0]}:{peer[1]} "
+                                              f"got no response in {timeout:.3g} s"))
 
 
 def _best_effort_opaque(frame: bytes) -> int | None:

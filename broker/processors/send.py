@@ -87,8 +87,7 @@ async def _store_and_reply(ctx, cmd, req, qid, topic, body_len):
     result = await ctx.store.put(req)
     if not result.ok:
         return put_failure_response(cmd, result)
-    ctx.metrics.messages_in.labels(topic).inc()
-    ctx.metrics.bytes_in.labels(topic).inc(body_len)
+    ctx.metrics.count_in(topic, 1, body_len)
     return cmd.response(ResponseCode.SUCCESS, None, {
         "msgId": offset_msg_id(ctx.store_host, result.physical_offset), "queueId": qid,
         "queueOffset": result.queue_offset, "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
@@ -132,8 +131,7 @@ async def _store_batch(ctx, cmd, reqs, qid, topic, body_bytes):
     for result in results:
         if not result.ok:
             return put_failure_response(cmd, result)
-    ctx.metrics.messages_in.labels(topic).inc(len(results))
-    ctx.metrics.bytes_in.labels(topic).inc(body_bytes)
+    ctx.metrics.count_in(topic, len(results), body_bytes)
     return cmd.response(ResponseCode.SUCCESS, None, {
         "msgId": ",".join(offset_msg_id(ctx.store_host, r.physical_offset) for r in results), "queueId": qid,
         "queueOffset": results[0].queue_offset, "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
@@ -169,5 +167,5 @@ async def handle_send_back(ctx, conn, cmd):
     result = await ctx.store.put(PutRequest(record, topic, 0, tags_code(props), msg.sys_flag))
     if not result.ok:
         return cmd.response(ResponseCode.SYSTEM_ERROR, result.status.name)
-    ctx.metrics.messages_in.labels(topic).inc()
+    ctx.metrics.count_in(topic, 1, len(msg.body))
     return cmd.response(ResponseCode.SUCCESS)

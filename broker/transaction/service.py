@@ -273,7 +273,7 @@ class TransactionService:
             now = self.ctx.clock()
             if op == COMMIT:
                 metrics.commits.labels(p.group).inc()
-                metrics.messages_in.labels(p.topic).inc()
+                metrics.count_in(p.topic, 1, 0)
             elif op == ROLLBACK:
                 metrics.rollbacks.labels(p.group).inc()
             else:
