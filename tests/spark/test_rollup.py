@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from html.parser import HTMLParser
 
 import pytest
@@ -260,24 +258,26 @@ def test_rerun_replaces_only_that_date(spark, world, tmp_path):
     from ops.spark.rollup import run_rollup
 
     out = str(tmp_path / "out")
-    shutil.copytree(world["out"], out)
-    run_rollup(spark, world["store"], out, date="2024-03-09")
-    run_rollup(spark, world["store"], out, date="2024-03-11")
-    d1_traffic = read(spark, out, "traffic", date="2024-03-09")
-    assert sum(r["messages"] for r in d1_traffic if r["grain"] == "day") == 2
-    d1_undecided = read(spark, out, "transactions", date="2024-03-09", producer_group="*", grain="day")
-    assert d1_undecided[0]["undecided_at_end"] == 2
-    # a stale partition for a date that has no lag rows must disappear on re-run
+    shutil.copytree(world["out"], out)                      # holds 2024-03-10
+    # a stale partition for a date that has no lag rows must disappear when that date is rolled up
     shutil.copytree(os.path.join(out, "consumer_lag", "date=2024-03-10"),
                     os.path.join(out, "consumer_lag", "date=2024-03-11"))
-    before_d1 = {t: _partition_files(os.path.join(out, t, "date=2024-03-09")) for t in ("traffic", "transactions")}
-    before_d2 = {t: sorted(map(str, read(spark, out, t))) for t in ("traffic", "transactions", "consumer_lag")}
+    run_rollup(spark, world["store"], out, date="2024-03-09")
     run_rollup(spark, world["store"], out, date="2024-03-11")
     assert not os.path.exists(os.path.join(out, "consumer_lag", "date=2024-03-11"))
+    assert sum(r["messages"] for r in read(spark, out, "traffic", date="2024-03-11", grain="day")) == 1
+    assert sum(r["messages"] for r in read(spark, out, "traffic", date="2024-03-09", grain="day")) == 2
+    d1 = read(spark, out, "transactions", date="2024-03-09", producer_group="*", grain="day")
+    assert d1[0]["undecided_at_end"] == 2
+
+    before_d1 = {t: _partition_files(os.path.join(out, t, "date=2024-03-09")) for t in ("traffic", "transactions")}
+    before_d2 = {t: sorted(map(str, read(spark, out, t))) for t in ("traffic", "transactions", "consumer_lag")}
+    d2_files = _partition_files(os.path.join(out, "traffic", "date=2024-03-10"))
     run_rollup(spark, world["store"], out, date="2024-03-10")
+    assert _partition_files(os.path.join(out, "traffic", "date=2024-03-10")) != d2_files    # rewritten
     after_d1 = {t: _partition_files(os.path.join(out, t, "date=2024-03-09")) for t in ("traffic", "transactions")}
-    assert after_d1 == before_d1
-    assert {t: sorted(map(str, read(spark, out, t))) for t in before_d2} == before_d2
+    assert after_d1 == before_d1                                                          # untouched
+    assert {t: sorted(map(str, read(spark, out, t))) for t in before_d2} == before_d2     # same content
     assert sorted(n for n in os.listdir(os.path.join(out, "traffic")) if n.startswith("date=")) == [
         "date=2024-03-09", "date=2024-03-10", "date=2024-03-11"]
 
@@ -331,16 +331,14 @@ def test_corrupt_segment_fails_clearly_or_is_skipped(spark, tmp_path):
         assert f"Damaged tail skipped: {segments[1].path} from byte {pos}" in f.read()
 
 
-def test_cli_rollup_logs_each_step(world, tmp_path):
-    out = str(tmp_path / "out")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-m", "ops.spark", "rollup", "--store-dir", world["store"], "--out", out,
-                           "--date", "2024-03-10", "--master", "local[1]", "--no-progress",
-                           "--shuffle-partitions", "2"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rollup: decoded" in proc.stderr and "records from" in proc.stderr
-    assert "rollup: wrote transactions" in proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["dates"] == ["2024-03-10"] and result["rows"]["transactions"] > 0
+def test_each_step_logs_a_line(spark, world, tmp_path, caplog):
+    from ops.spark.rollup import run_rollup
+
+    with caplog.at_level("INFO", logger="ops.spark"):
+        run_rollup(spark, world["store"], str(tmp_path / "out"), date="2024-03-11")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("rollup: decoded ") and " records from " in line and " segments " in line
+               for line in lines)
+    for table in ("traffic", "transactions", "consumer_lag", "broker"):
+        assert any(line.startswith(f"rollup: wrote {table} ") for line in lines)
+    assert any(line.startswith("rollup: done in ") for line in lines)
