@@ -10,11 +10,8 @@ Why things are done this way:
   sparse page on a full disk raises SIGBUS and kills the process, while reserving
   fails with a plain ENOSPC the writer can turn into a status. Consume-queue files
   reserve with posix_fallocate in small steps.
-* Commit-log segments are sparse files kept zero-written a few MiB ahead of the writer by
-  ``SpaceReserver`` (pwrite on a helper thread): pwrite reserves the blocks (delayed
-  allocation) and fails with ENOSPC just as fallocate does, and the page-cache pages it
-  leaves make the writer's copy a cheap minor fault -- copying into fallocated, never
-  written pages cost 2-3 us per KiB in page faults, more than all the writer's bookkeeping.
+* Commit-log segments are created sparse; commit_log.py keeps them zero-filled ahead of
+  the writer (see SpaceReserver there).
 * ``flush`` is msync(MS_SYNC) on the page-aligned range (mmap.flush drops the GIL while
   the kernel writes), so it can run on a worker thread while the event loop goes on.
 * Readers get slices of ``view``; while any slice is alive the mapping cannot be closed
@@ -147,69 +144,3 @@ class MappedFile:
             pass
         return self.close()
 
-
-_ZEROS = memoryview(bytes(1 << 20))
-
-
-def write_zeros(fd: int, lo: int, hi: int) -> None:
-    """Zero-fill [lo, hi) and make its block allocation durable.
-
-    After this, a later msync over these bytes overwrites allocated, written blocks: no
-    extent to allocate or convert, no journal commit on the commit path (the reason
-    PostgreSQL zero-fills its WAL segments). The cost is writing the log's bytes twice,
-    once as zeros, off the commit path.
-    """
-    start = lo
-    while lo < hi:
-        lo += os.pwrite(fd, _ZEROS[:min(len(_ZEROS), hi - lo)], lo)
-    if hi > start:
-        os.fdatasync(fd)
-
-
-class SpaceReserver:
-    """Keeps ``low``..``high`` bytes ahead of an appender zero-written, one job at a time on a helper thread.
-
-    The appender never writes at or past ``MappedFile.reserved``, which only moves once a job has
-    finished, and a job only writes past it: a job never overwrites data.
-    """
-
-    def __init__(self, low: int, high: int):
-        self.low, self.high = low, high
-        self._executor = None
-        self._job = None            # (concurrent future, file, target)
-
-    def start(self, executor) -> None:
-        self._executor = executor
-
-    def poll(self, wait: bool = False) -> None:
-        job = self._job
-        if job is None or not (wait or job[0].done()):
-            return
-        self._job = None
-        fut, mf, target = job
-        try:
-            fut.result()
-        except OSError as exc:      # the appender finds out for itself when it gets there
-            log.warning("reserving %s up to %d failed: %s", mf.path, target, exc)
-            return
-        mf.reserved = max(mf.reserved, target)
-
-    def forget(self, mf: MappedFile) -> None:
-        """Before closing ``mf``: its fd must not be closed (and reused) under a running pwrite."""
-        if self._job is not None and self._job[1] is mf:
-            self.poll(wait=True)
-
-    def reserve_now(self, mf: MappedFile, end: int) -> None:
-        """Make [0, end) writable before returning (OSError on a full disk)."""
-        self.forget(mf)
-        if end > mf.reserved:
-            target = min(mf.size, max(end, mf.reserved + self.low))
-            write_zeros(mf.fd, mf.reserved, target)
-            mf.reserved = target
-
-    def top_up(self, mf: MappedFile, pos: int) -> None:
-        self.poll()
-        if (self._job is None and self._executor is not None and mf.reserved < mf.size
-                and mf.reserved - pos < self.low):
-            target = min(mf.size, pos + self.high)
-            self._job = (self._executor.submit(write_zeros, mf.fd, mf.reserved, target), mf, target)

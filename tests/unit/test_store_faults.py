@@ -7,7 +7,7 @@ import errno
 import functools
 
 from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
-from broker.store import commit_log, mapped_file, writer
+from broker.store import commit_log, writer
 from broker.store.commit_log import Segment
 
 SEG = 1 << 20
@@ -79,14 +79,14 @@ async def test_a_full_disk_at_roll_over_fails_cleanly(tmp_path, monkeypatch):
 @bounded()
 async def test_a_full_disk_while_reserving_ahead_fails_cleanly(tmp_path, monkeypatch):
     calls = []
-    real = mapped_file.write_zeros
+    real = commit_log.write_zeros
 
     def limited(fd, lo, hi):
         calls.append((lo, hi))
         if lo >= commit_log.RESERVE_LOW:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, lo, hi)
-    monkeypatch.setattr(mapped_file, "write_zeros", limited)
+    monkeypatch.setattr(commit_log, "write_zeros", limited)
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 << 20))
     await store.open()
     results = [await store.put(req(50_000)) for _ in range(120)]
