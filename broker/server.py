@@ -163,7 +163,7 @@ class BrokerServer:
             if result is None or isinstance(result, RemotingCommand):
                 observe(cmd.code, result.code if result is not None else 0, perf() - start)
                 return result
-            task = create_task(result)
+            task = result if isinstance(result, asyncio.Future) else create_task(result)
             task.add_done_callback(lambda t, code=cmd.code: observe(
                 code, t.result().code if not t.cancelled() and t.exception() is None and t.result() is not None
                 else 1, perf() - start))

@@ -443,6 +443,17 @@ _V2_KEYS = {"a": "producerGroup", "b": "topic", "c": "defaultTopic", "d": "defau
 _V1_TO_V2 = {v: k for k, v in _V2_KEYS.items()}
 
 
+# (V1 key, V2 key, kind: "s" text / "b" boolean / int bits, required, default), in field order.
+_SEND_FIELDS = (
+    ("producerGroup", "a", "s", True, None), ("topic", "b", "s", True, None),
+    ("defaultTopic", "c", "s", False, "TBW102"), ("defaultTopicQueueNums", "d", 32, False, 4),
+    ("queueId", "e", 32, True, None), ("sysFlag", "f", 32, True, None), ("bornTimestamp", "g", 64, True, None),
+    ("flag", "h", 32, True, None), ("properties", "i", "s", False, ""), ("reconsumeTimes", "j", 32, False, 0),
+    ("unitMode", "k", "b", False, False), ("maxReconsumeTimes", "l", 32, False, None),
+    ("batch", "m", "b", False, False), ("bname", "n", "s", False, None),
+)
+
+
 @dataclass(slots=True)
 class SendMessageRequestHeader:
     """SEND_MESSAGE (long keys) and SEND_MESSAGE_V2 / SEND_BATCH_MESSAGE (one-letter keys)."""
@@ -464,53 +475,31 @@ class SendMessageRequestHeader:
 
     @classmethod
     def from_command(cls, cmd) -> "SendMessageRequestHeader":
+        # One table-driven pass: this runs for every message the broker stores.
         ext = cmd.ext_fields
-        if cmd.code in (RequestCode.SEND_MESSAGE_V2, RequestCode.SEND_BATCH_MESSAGE) and "b" in ext:
-            get = lambda long: ext.get(_V1_TO_V2[long])  # noqa: E731
-        else:
-            get = ext.get
-
-        def text(name, required=False, default=None):
-            value = get(name)
+        v2 = cmd.code in (RequestCode.SEND_MESSAGE_V2, RequestCode.SEND_BATCH_MESSAGE) and "b" in ext
+        values = []
+        append = values.append
+        for long, short, kind, required, default in _SEND_FIELDS:
+            value = ext.get(short if v2 else long)
             if value is None or value == "":
                 if required:
-                    raise HeaderError(f"the send header field {name} is missing")
-                return default
-            return value
-
-        def number(name, required=False, default=0, bits=32):
-            value = text(name, required)
-            if value is None:
-                return default
-            try:
-                result = int(value)
-            except ValueError:
-                raise HeaderError(f"the send header field {name}={value!r} is not an integer") from None
-            # Java parses these as Integer / Long; anything wider cannot be stored in a record.
-            if not -(1 << (bits - 1)) <= result < (1 << (bits - 1)):
-                raise HeaderError(f"the send header field {name}={value!r} is out of range")
-            return result
-
-        def flag_(name):
-            value = text(name)
-            return value is not None and value.strip().lower() in ("true", "1")
-
-        return cls(
-            producer_group=text("producerGroup", True),
-            topic=text("topic", True),
-            default_topic=text("defaultTopic", default="TBW102"),
-            default_topic_queue_nums=number("defaultTopicQueueNums", default=4),
-            queue_id=number("queueId", True),
-            sys_flag=number("sysFlag", True),
-            born_timestamp=number("bornTimestamp", True, bits=64),
-            flag=number("flag", True),
-            properties=text("properties", default=""),
-            reconsume_times=number("reconsumeTimes"),
-            unit_mode=flag_("unitMode"),
-            max_reconsume_times=number("maxReconsumeTimes", default=None),
-            batch=flag_("batch"),
-            bname=text("bname"),
-        )
+                    raise HeaderError(f"the send header field {long} is missing")
+                append(default)
+            elif kind == "s":
+                append(value)
+            elif kind == "b":
+                append(value.strip().lower() in ("true", "1"))
+            else:
+                try:
+                    number = int(value)
+                except ValueError:
+                    raise HeaderError(f"the send header field {long}={value!r} is not an integer") from None
+                # Java parses these as Integer / Long; anything wider cannot be stored in a record.
+                if not -(1 << (kind - 1)) <= number < (1 << (kind - 1)):
+                    raise HeaderError(f"the send header field {long}={value!r} is out of range")
+                append(number)
+        return cls(*values)
 
     def to_ext_fields(self, v2: bool = True) -> dict[str, str]:
         fields = {

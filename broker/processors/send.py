@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 
-from protocol.codes import Perm, ResponseCode, SysFlag
+from protocol.codes import FLAG_RESPONSE, Perm, ResponseCode, SysFlag
+from protocol.command import RemotingCommand
 from protocol.message import (Prop, SendMessageRequestHeader, decode_batch, decode_record, encode_record,
                               offset_msg_id, properties_to_string, string_to_properties, tags_code, validate_topic)
 
@@ -30,15 +31,17 @@ def _born_host(conn) -> bytes:
 
 def _check_topic(ctx, cmd, h: SendMessageRequestHeader):
     """(topic config, queue id) or an error response."""
-    why = validate_topic(h.topic)
-    if why is not None:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
-    if h.topic in NO_SEND_TOPICS:
-        return cmd.response(ResponseCode.NO_PERMISSION, f"sending message to topic[{h.topic}] is forbidden")
-    tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums)
-    if tc is None:
-        return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
-                            f"topic[{h.topic}] not exist, apply first please!")
+    tc = ctx.topics.topics.get(h.topic)
+    if tc is None or h.topic in NO_SEND_TOPICS:      # known topics were validated when they were made
+        why = validate_topic(h.topic)
+        if why is not None:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+        if h.topic in NO_SEND_TOPICS:
+            return cmd.response(ResponseCode.NO_PERMISSION, f"sending message to topic[{h.topic}] is forbidden")
+        tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums)
+        if tc is None:
+            return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
+                                f"topic[{h.topic}] not exist, apply first please!")
     if not tc.perm & Perm.WRITE:
         return cmd.response(ResponseCode.NO_PERMISSION, f"the topic[{h.topic}] sending message is forbidden")
     qid = h.queue_id
@@ -80,17 +83,38 @@ def handle_send(ctx, conn, cmd):
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=reconsume)
     req = PutRequest(record, topic, qid, tags_code(props), h.sys_flag)
-    return _store_and_reply(ctx, cmd, req, qid, topic, len(body))
+    return reply_when_stored(ctx, cmd, ctx.store.put(req), qid, topic, len(body))
 
 
-async def _store_and_reply(ctx, cmd, req, qid, topic, body_len):
-    result = await ctx.store.put(req)
-    if not result.ok:
-        return put_failure_response(cmd, result)
-    ctx.metrics.count_in(topic, 1, body_len)
-    return cmd.response(ResponseCode.SUCCESS, None, {
-        "msgId": offset_msg_id(ctx.store_host, result.physical_offset), "queueId": qid,
-        "queueOffset": result.queue_offset, "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
+def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
+    """A future of the send response, chained on the store's put future (no coroutine, no Task)."""
+    out = put.get_loop().create_future()
+
+    def stored(f):
+        if f.cancelled():
+            out.cancel()
+            return
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+            return
+        result = f.result()
+        if not result.ok:
+            out.set_result(put_failure_response(cmd, result))
+            return
+        ctx.metrics.count_in(topic, 1, body_len)
+        out.set_result(send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid,
+                               result.queue_offset))
+
+    put.add_done_callback(stored)
+    return out
+
+
+def send_ok(ctx, cmd, msg_id: str, qid: int, queue_offset: int):
+    """SUCCESS with the fields every client reads (the Java client dereferences MSG_REGION and TRACE_ON)."""
+    return RemotingCommand(ResponseCode.SUCCESS, opaque=cmd.opaque, flag=FLAG_RESPONSE, ext_fields={
+        "msgId": msg_id, "queueId": str(qid), "queueOffset": str(queue_offset),
+        "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"}, serialize_type=cmd.serialize_type)
 
 
 def handle_batch(ctx, conn, cmd):
@@ -132,9 +156,8 @@ async def _store_batch(ctx, cmd, reqs, qid, topic, body_bytes):
         if not result.ok:
             return put_failure_response(cmd, result)
     ctx.metrics.count_in(topic, len(results), body_bytes)
-    return cmd.response(ResponseCode.SUCCESS, None, {
-        "msgId": ",".join(offset_msg_id(ctx.store_host, r.physical_offset) for r in results), "queueId": qid,
-        "queueOffset": results[0].queue_offset, "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
+    return send_ok(ctx, cmd, ",".join(offset_msg_id(ctx.store_host, r.physical_offset) for r in results), qid,
+                   results[0].queue_offset)
 
 
 async def handle_send_back(ctx, conn, cmd):

@@ -1,0 +1,77 @@
+"""Operating the broker: metric snapshots on disk, the admin command line, clean shutdown."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from producer import LocalTransactionState as S
+from producer import Producer, TransactionProducer
+from tests.support.broker_process import REPO
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_metric_snapshots_are_appended_for_the_rollups(broker_factory, tmp_path):
+    b = broker_factory("--metrics-snapshot-interval-s", "0.2")
+    async with Producer(b.namesrv, "PG_snap") as producer:
+        await producer.send("Snap", b"x")
+    folder = tmp_path / "store" / "metrics"
+    async with asyncio.timeout(10):
+        while not (folder.exists() and any(
+                "SEND_MESSAGE_V2" in line for f in folder.glob("*.jsonl") for line in f.read_text().splitlines())):
+            await asyncio.sleep(0.1)
+    lines = [json.loads(line) for f in folder.glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert all({"ts", "connections", "consumer_lag", "requests"} <= set(s) for s in lines)
+    sends = [s["requests"]["SEND_MESSAGE_V2"] for s in lines if "SEND_MESSAGE_V2" in s["requests"]]
+    assert sends[0]["count"] >= 1 and sends[0]["p99_ms"] >= sends[0]["p50_ms"] >= 0
+
+
+def _admin(b, *args):
+    return subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=30)
+
+
+class Unknown:
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    def check_local_transaction(self, msg):
+        return S.UNKNOW
+
+
+async def test_admin_cli_lists_and_resolves(broker_factory):
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_cli", Unknown()) as producer:
+        await producer.send_in_transaction("TxCli", b"in doubt")
+        listed = await asyncio.to_thread(_admin, b, "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        rows = json.loads(listed.stdout)["pending"]
+        assert [(r["group"], r["topic"], r["last_answer"]) for r in rows] == [("PG_cli", "TxCli", "UNKNOWN")]
+        table = await asyncio.to_thread(_admin, b, "list")
+        assert "PG_cli" in table.stdout and "1 undecided" in table.stdout
+        done = await asyncio.to_thread(_admin, b, "rollback", str(rows[0]["commit_log_offset"]))
+        assert done.returncode == 0, done.stderr
+        again = await asyncio.to_thread(_admin, b, "commit", str(rows[0]["commit_log_offset"]))
+        assert again.returncode == 1 and "first decision wins" in again.stderr
+        missing = await asyncio.to_thread(_admin, b, "resume", "123456789")
+        assert missing.returncode == 1 and "not dead-lettered" in missing.stderr
+    assert "forces ROLLBACK" in b.log()
+
+
+async def test_sigterm_exits_zero_and_keeps_what_was_acknowledged(broker_factory):
+    b = broker_factory("--flush", "async", "--flush-interval-ms", "60000")
+    async with Producer(b.namesrv, "PG_term") as producer:
+        results = [await producer.send("Term", f"{i}".encode()) for i in range(20)]
+    assert b.stop() == 0
+    b2 = broker_factory()
+    from consumer import PullConsumer
+    consumer = PullConsumer(b2.namesrv, "CG_term")
+    got = []
+    for mq in await consumer.fetch_queues("Term"):
+        got += [m.body for m in (await consumer.pull(mq, 0, max_nums=100)).messages]
+    await consumer.shutdown()
+    assert sorted(got, key=int) == [f"{i}".encode() for i in range(20)] and len(results) == 20

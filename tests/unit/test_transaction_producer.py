@@ -1,0 +1,71 @@
+"""TransactionProducer against a stand-in broker that, like Apache RocketMQ for oneway-minded ENDs,
+never answers END_TRANSACTION: the producer notices once and sends END oneway from then on."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.connection import RemotingConnection
+from protocol.message import offset_msg_id, pack_host
+from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
+
+pytestmark = pytest.mark.asyncio
+
+
+class SilentEndBroker:
+    def __init__(self):
+        self.ends = []
+        self.sends = 0
+        self.got_end = asyncio.Event()
+        self.addr = ""
+
+    def handle(self, conn, cmd):
+        if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+            route = TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: self.addr})])
+            return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
+        if cmd.code in (RequestCode.HEART_BEAT, RequestCode.UNREGISTER_CLIENT):
+            return cmd.response(ResponseCode.SUCCESS)
+        if cmd.code == RequestCode.SEND_MESSAGE_V2:
+            self.sends += 1
+            return cmd.response(ResponseCode.SUCCESS, None, {
+                "msgId": offset_msg_id(pack_host("127.0.0.1", 1), 999 + self.sends), "queueId": 0,
+                "queueOffset": self.sends - 1, "MSG_REGION": "r", "TRACE_ON": "true"})
+        if cmd.code == RequestCode.END_TRANSACTION:
+            self.ends.append(cmd)
+            self.got_end.set()
+            return None
+        return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED)
+
+
+class Commit:
+    def execute_local_transaction(self, msg, arg):
+        return S.COMMIT_MESSAGE
+
+    def check_local_transaction(self, msg):
+        return S.COMMIT_MESSAGE
+
+
+async def test_falls_back_to_oneway_when_end_is_never_acknowledged():
+    fake = SilentEndBroker()
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    producer = TransactionProducer(fake.addr, "PG", Commit(), end_timeout=0.3)
+    async with asyncio.timeout(10):
+        await producer.start()
+        first = await producer.send_in_transaction("T", b"one")
+        second = await producer.send_in_transaction("T", b"two")
+        while len(fake.ends) < 3:
+            fake.got_end.clear()
+            await fake.got_end.wait()
+        await producer.shutdown()
+    server.close()
+    assert producer.end_acknowledged is False
+    assert not first.acknowledged and not second.acknowledged
+    # the first END went as a request (timed out), then oneway for it and for every later one
+    assert [e.is_oneway for e in fake.ends] == [False, True, True]
+    assert {e.ext_fields["commitOrRollback"] for e in fake.ends} == {"8"}
+    assert [e.int_field("commitLogOffset") for e in fake.ends] == [1000, 1000, 1001]
