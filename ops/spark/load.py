@@ -30,6 +30,7 @@ def record_schema():
 class Scan:
     """What a pass over the commit log found."""
 
+    rows: object                    # every row but damage reports (damaged tails left out)
     records: object                 # transaction records, one row each ("rec" rows of segments.ROW_FIELDS)
     traffic: object                 # per-chunk user traffic partials ("msg" rows)
     queues: object                  # per-chunk (topic, queue) partials ("seg" rows)
@@ -83,7 +84,7 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
     seconds = time.monotonic() - started
     log.info("%s: decoded %d records from %d segments (%d chunks) in %.1f s", job, count, len(segments),
              len(chunks), seconds)
-    return Scan(rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
+    return Scan(rows, rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
                 rows.where(F.col("row") == "seg"), df, segments, len(chunks), count, damage, seconds)
 
 

@@ -159,10 +159,13 @@ def broker_table(snap_rows, dates):
                         F.avg("connections").alias("connections_avg")))
 
 
-def _dates_of(df, ts: str) -> set[str]:
+def _dates_present(scan, snaps) -> list[str]:
+    """Every UTC date with a record (first / last store time of each partial) or a snapshot."""
     F = _F()
-    return {r[0] for r in df.select(F.date_format(F.expr(f"timestamp_millis({ts})"), "yyyy-MM-dd"))
-            .distinct().collect()}
+    stamps = (scan.rows.select(F.explode(F.array("store_ts", "ts_max")).alias("ts"))
+              .unionByName(snaps.rows.where("kind = 'snap'").select("ts")).where(F.col("ts").isNotNull()))
+    return sorted(r[0] for r in stamps.select(F.date_format(F.expr("timestamp_millis(ts)"), "yyyy-MM-dd"))
+                  .distinct().collect())
 
 
 def write_partitions(spark, df, path: str, dates) -> int:
@@ -194,9 +197,7 @@ def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, 
     try:
         rec = classify(scan.records)
         snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
-        dates = [date] if date else sorted(
-            _dates_of(scan.queues, "store_ts") | _dates_of(scan.queues, "ts_max")
-            | _dates_of(scan.traffic, "store_ts") | _dates_of(snaps.rows.where("kind = 'snap'"), "ts"))
+        dates = [date] if date else _dates_present(scan, snaps)
         summary = {"dates": dates, "records": scan.record_count, "segments": len(scan.segments),
                    "damage": scan.damage, "snapshot_lines": snaps.lines, "bad_snapshot_lines": snaps.bad_lines,
                    "incomplete_snapshot_lines": snaps.incomplete_lines, "rows": {}, "reports": []}

@@ -20,7 +20,6 @@ LOG4J2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.proper
 
 def build_session(master: str | None = None, *, app_name: str = "txmq-ops", shuffle_partitions: int | None = None,
                   progress: bool = True, conf: dict[str, str] | None = None):
-    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     if master is None and not _master_configured():

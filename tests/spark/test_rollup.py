@@ -331,11 +331,15 @@ def test_corrupt_segment_fails_clearly_or_is_skipped(spark, tmp_path):
         assert f"Damaged tail skipped: {segments[1].path} from byte {pos}" in f.read()
 
 
-def test_each_step_logs_a_line(spark, world, tmp_path, caplog):
+def test_without_a_date_every_day_is_rolled_up_and_each_step_logs_a_line(spark, world, tmp_path, caplog):
     from ops.spark.rollup import run_rollup
 
     with caplog.at_level("INFO", logger="ops.spark"):
-        run_rollup(spark, world["store"], str(tmp_path / "out"), date="2024-03-11")
+        summary = run_rollup(spark, world["store"], str(tmp_path / "out"))
+    assert summary["dates"] == ["2024-03-09", "2024-03-10", "2024-03-11"]
+    assert len(summary["reports"]) == 6
+    day2 = read(spark, str(tmp_path / "out"), "transactions", producer_group="*", grain="day")
+    assert (day2[0]["halves"], day2[0]["undecided_at_end"]) == (14, 1)
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("rollup: decoded ") and " records from " in line and " segments " in line
                for line in lines)
