@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
+from protocol.errors import StoreError
 from protocol.message import Prop, decode_record, offset_msg_id
 
 from ..results import put_failure_response, response_code
@@ -431,7 +432,7 @@ class TransactionService:
                 expired.append(off)
         removed, kept = [], []
         segments = {s.name: s for s in self.ctx.store.segments()}
-        for seg in plan.get("segments") or []:
+        for seg in sorted(plan.get("segments") or [], key=lambda s: s["name"]):    # the store removes oldest first
             info = segments.get(seg["name"])
             if info is None:
                 kept.append({"name": seg["name"], "why": "not present (already removed?)"})
@@ -440,7 +441,11 @@ class TransactionService:
             if any(info.start_offset <= off < end for off in self.pending):
                 kept.append({"name": seg["name"], "why": "holds an undecided half message"})
                 continue
-            await self.ctx.store.remove_segment(seg["name"])
+            try:
+                await self.ctx.store.remove_segment(seg["name"])
+            except StoreError as exc:       # not the oldest, still active, or not yet flushed
+                kept.append({"name": seg["name"], "why": str(exc)})
+                continue
             removed.append(seg["name"])
         log.warning("expiry plan applied: %d halves expired, %d skipped, %d segments removed, %d kept",
                     len(expired), len(skipped), len(removed), len(kept))
