@@ -88,10 +88,9 @@ def _undecided(spark, per_hour, groups, dates):
             .agg(F.coalesce(F.sum("e.delta"), F.lit(0)).cast("long").alias("undecided_at_end")))
 
 
-def transactions_table(spark, rec, dates):
+def transactions_table(spark, s, dates):
+    """From half_summary() rows (cached by the caller: three aggregates read them)."""
     F = _F()
-    # One row per half; it feeds three aggregates, so materialise it once.
-    s = half_summary(rec).localCheckpoint()
     ev = F.struct
     reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])
     facts = s.select(F.col("group").alias("producer_group"), F.explode(F.concat(
@@ -194,8 +193,9 @@ def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, 
     scan = scan_store(spark, store_dir, job="rollup", skip_damaged=skip_damaged, check_crc=check_crc,
                       chunk_bytes=chunk_bytes)
     snaps = None
+    tables: dict = {}
+    per_half = half_summary(classify(scan.records)).cache()
     try:
-        rec = classify(scan.records)
         snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         dates = [date] if date else _dates_present(scan, snaps)
         summary = {"dates": dates, "records": scan.record_count, "segments": len(scan.segments),
@@ -204,11 +204,12 @@ def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, 
         if not dates:
             log.info("rollup: the store has no records and no snapshots; nothing to write")
             return summary
-        tables = {"traffic": traffic_table(scan.traffic, dates), "transactions": transactions_table(spark, rec, dates),
-                  "consumer_lag": consumer_lag_table(snaps.rows, dates), "broker": broker_table(snaps.rows, dates)}
-        for name, df in tables.items():
+        queries = {"traffic": traffic_table(scan.traffic, dates),
+                   "transactions": transactions_table(spark, per_half, dates),
+                   "consumer_lag": consumer_lag_table(snaps.rows, dates), "broker": broker_table(snaps.rows, dates)}
+        for name, df in queries.items():
             t0 = time.monotonic()
-            tables[name] = df = df.drop("window_ms").cache()
+            tables[name] = df = df.drop("window_ms").cache()      # written, then read by the report
             summary["rows"][name] = write_partitions(spark, df, os.path.join(out_dir, name), dates)
             log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                      ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
@@ -217,11 +218,12 @@ def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, 
         summary["reports"] = report_mod.write_reports(report_dir, dates, tables, summary)
         log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
                  time.monotonic() - t0)
-        for df in tables.values():
-            df.unpersist()
         log.info("rollup: done in %.1f s", time.monotonic() - started)
         return summary
     finally:
+        for df in tables.values():
+            df.unpersist()
+        per_half.unpersist()
         scan.release()
         if snaps is not None:
             snaps.cached.unpersist()
