@@ -20,7 +20,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "spark")]
+sys.path.insert(0, ROOT)
 
 from ops.spark import segments as seg_mod  # noqa: E402
 
@@ -33,7 +33,7 @@ GROUPS = ("pg-orders", "pg-payments", "pg-billing")
 def generate(store_dir: str, gib: float, seed: int = 7) -> dict:
     """~gib GiB of traffic: 80% plain 1 KiB messages, 20% transactions decided in the next batch
     (85% commit, 10% rollback, 3% checked and left open, 2% dead-lettered)."""
-    from storegen import HALF_TOPIC, StoreBuilder
+    from tests.spark.storegen import HALF_TOPIC, StoreBuilder
 
     rng = random.Random(seed)
     target = int(gib * (1 << 30))

@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # storegen
 
 if shutil.which("java") is None:
     SPARK_SKIP = "no `java` on PATH: the Spark jobs need a JVM (Java 17)"

@@ -15,7 +15,7 @@ import pytest
 
 from broker.store import ConsumerOffsets
 from ops.spark import validate_plan
-from storegen import StoreBuilder
+from tests.spark.storegen import StoreBuilder
 
 pytestmark = pytest.mark.spark
 

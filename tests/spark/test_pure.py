@@ -10,7 +10,7 @@ from ops.spark import PlanError, validate_plan
 from ops.spark import segments as seg
 from ops.spark.plan import write_plan
 from ops.spark.snapshots import parse_line
-from storegen import StoreBuilder
+from tests.spark.storegen import StoreBuilder
 
 T0 = 1710028800000
 H = 3_600_000

@@ -25,7 +25,7 @@ from html.parser import HTMLParser
 import pytest
 
 from protocol.errors import StoreError
-from storegen import StoreBuilder
+from tests.spark.storegen import StoreBuilder
 
 pytestmark = pytest.mark.spark
 
