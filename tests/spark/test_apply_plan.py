@@ -1,0 +1,121 @@
+"""An expiry plan made by the Spark job from a running broker's store, applied through that broker:
+expired transactions land in the dead-letter topic with reason `expired`, the younger undecided one is
+untouched, sealed consumed segments are removed by the store, and applying a plan twice changes nothing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+from consumer import PullConsumer
+from producer import LocalTransactionState as S
+from producer import Producer, TransactionProducer
+from tests.integration.conftest import broker_factory  # noqa: F401 - the real-broker fixture
+from tests.support.broker_process import REPO
+
+RETENTION_H = 0.0006                      # 2.16 s: the 72 hours of production, shrunk
+RETENTION_MS = int(RETENTION_H * 3600 * 1000)
+
+
+class Undecided:
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    def check_local_transaction(self, msg):
+        return S.UNKNOW
+
+
+def _admin(b, *args) -> dict:
+    out = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+async def _fill(b):
+    async with TransactionProducer(b.namesrv, "PG_expiry", Undecided()) as tx:
+        for i in range(2):
+            await tx.send_in_transaction("Expiring", f"old-{i}".encode())
+    async with Producer(b.namesrv, "PG_flow") as producer:
+        for i in range(600):
+            await producer.send("Flow", b"f" * 1024)
+    consumer = PullConsumer(b.namesrv, "CG_flow")
+    for mq in await consumer.fetch_queues("Flow"):
+        await consumer.commit_offset(mq, await consumer.max_offset(mq))
+    await consumer.shutdown()
+
+
+async def _young(b):
+    async with TransactionProducer(b.namesrv, "PG_expiry", Undecided()) as tx:
+        await tx.send_in_transaction("Expiring", b"young")
+
+
+async def _dead_letters(b):
+    consumer = PullConsumer(b.namesrv, "CG_dead")
+    mq = (await consumer.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC"))[0]
+    msgs = (await consumer.pull(mq, 0, max_nums=32)).messages
+    await consumer.shutdown()
+    return msgs
+
+
+def _wait_persisted(path, check, timeout=20.0):
+    """Until the broker's periodic offset persistence has written what ``check`` looks for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check(json.loads(path.read_text())):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never showed the expected offsets")
+
+
+def test_apply_expiry_plan_against_a_running_broker(spark, broker_factory, tmp_path):  # noqa: F811
+    from ops.spark.expiry import build_plan
+    from ops.spark.plan import write_plan
+
+    store = tmp_path / "store"
+    b = broker_factory("--segment-size", "262144", "--max-message-size", "16384",
+                       "--transaction-retention-hours", str(RETENTION_H),
+                       "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000")
+    asyncio.run(_fill(b))
+    _wait_persisted(store / "config" / "consumerOffset.json", lambda o: any(k.endswith("@CG_flow") for k in o))
+    time.sleep(RETENTION_MS / 1000 + 0.3)     # the subject of the test: age past the retention
+    young_ms = int(time.time() * 1000)
+    asyncio.run(_young(b))
+
+    plan = build_plan(spark, str(store), retention_ms=RETENTION_MS, now_ms=young_ms + 200)
+    assert sorted(h["uniq_key"] != "" for h in plan["halves"]) == [True, True]
+    assert {h["producer_group"] for h in plan["halves"]} == {"PG_expiry"}
+    write_plan(plan, str(tmp_path / "plan1.json"))
+    first = _admin(b, "apply-expiry", str(tmp_path / "plan1.json"))
+    assert len(first["expired"]) == 2 and first["skipped"] == []
+
+    dead = asyncio.run(_dead_letters(b))
+    assert sorted(m.body for m in dead) == [b"old-0", b"old-1"]
+    assert {m.properties["TXMQ_REASON"] for m in dead} == {"expired"}
+    pending = _admin(b, "list", "--json")["pending"]
+    assert [p["uniq_key"] for p in pending] and len(pending) == 1     # the young one, untouched
+
+    again = _admin(b, "apply-expiry", str(tmp_path / "plan1.json"))
+    assert again["expired"] == [] and len(again["skipped"]) == 2
+
+    # Now the old halves are decided, the half queue's progress moves past them: the sealed,
+    # consumed, old segments can go.
+    _wait_persisted(store / "config" / "consumerOffset.json",
+                    lambda o: o.get("RMQ_SYS_TRANS_HALF_TOPIC@CID_RMQ_SYS_TRANS", {}).get("0", 0) >= 2)
+    # Planned as of just after the young half was sent, so it is still inside the retention.
+    plan2 = build_plan(spark, str(store), retention_ms=RETENTION_MS, now_ms=young_ms + 200)
+    assert plan2["halves"] == []
+    write_plan(plan2, str(tmp_path / "plan2.json"))
+    second = _admin(b, "apply-expiry", str(tmp_path / "plan2.json"))
+    assert second["segments_removed"] == [s["name"] for s in plan2["segments"]]
+    assert second["segments_removed"], f"no segment could go: {second}"
+    on_disk = {p.name for p in (store / "commitlog").iterdir()}
+    assert not on_disk & set(second["segments_removed"])
+    repeat = _admin(b, "apply-expiry", str(tmp_path / "plan2.json"))
+    assert repeat["segments_removed"] == [] and repeat["expired"] == []
+    assert len(_admin(b, "list", "--json")["pending"]) == 1
