@@ -73,6 +73,7 @@ class BrokerServer:
                                                     truncate_corrupt_tail=c.truncate_corrupt_tail),
                              clock=self.clock)
         ctx.store = store
+        store.set_flush_observer(self.metrics.flush_latency.observe)
         ctx.holds = PullHoldService()
         ctx.tx = TransactionService(ctx)
         store.add_dispatch_listener(ctx.holds.on_dispatch)

@@ -8,6 +8,7 @@ MESSAGE_ILLEGAL. A message whose TRAN_MSG is true becomes a half message.
 from __future__ import annotations
 
 import random
+from time import perf_counter
 
 from protocol.codes import FLAG_RESPONSE, Perm, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
@@ -89,6 +90,7 @@ def handle_send(ctx, conn, cmd):
 def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
     """A future of the send response, chained on the store's put future (no coroutine, no Task)."""
     out = put.get_loop().create_future()
+    started = perf_counter()
 
     def stored(f):
         if f.cancelled():
@@ -103,6 +105,7 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
             out.set_result(put_failure_response(cmd, result))
             return
         ctx.metrics.count_in(topic, 1, body_len)
+        ctx.metrics.append_latency.observe(perf_counter() - started)
         out.set_result(send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid,
                                result.queue_offset))
 

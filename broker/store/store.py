@@ -52,6 +52,7 @@ class MessageStore:
         self._writer = Writer(self._log, self._on_commit)
         # The hot path skips a call layer: put / put_many ARE the writer's (documented below).
         self.put = self._writer.put
+        self.set_flush_observer = lambda fn: setattr(self._writer, "on_flush", fn)   # fn(seconds) per flush
         self.put_many = self._writer.put_many
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
 from protocol.errors import StoreError
@@ -55,6 +56,7 @@ class Writer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._io: IoThread | None = None
         self._task: asyncio.Task | None = None
+        self.on_flush: Callable[[float], None] | None = None    # seconds one flush took (metrics)
         clog.on_fail = self._drop_queue
 
     def start(self, io: "IoThread") -> None:
@@ -183,13 +185,16 @@ class Writer:
                 fut.set_exception(exc)
         else:
             fut = self._io.submit(_flush_ranges, ranges, then=self._wakeup)
-        self._flushing = (fut, clog.written, clog.last_ts, self._waiting, self._units, self._infos)
+        self._flushing = (fut, clog.written, clog.last_ts, self._waiting, self._units, self._infos,
+                          time.perf_counter())
         if self._sync:
             self._waiting, self._units, self._infos = [], {}, []
 
     def _flush_done(self) -> None:
-        fut, end, end_ts, waiting, units, infos = self._flushing
+        fut, end, end_ts, waiting, units, infos, started = self._flushing
         self._flushing = None
+        if self.on_flush is not None:
+            self.on_flush(time.perf_counter() - started)
         exc = fut.exception()
         if exc is not None:
             # Nothing of this flush, nor of what was written after it, is acknowledged or made

@@ -164,6 +164,11 @@ async def test_metrics_scrape(broker):
     assert "rocketmq_rpc_latency" in families
     assert "txmq_open_connections" in families
     assert "rocketmq_half_messages" in families
+    flushes = [s for s in families["txmq_store_flush_latency_seconds"].samples if s.name.endswith("_count")]
+    appends = [s for s in families["txmq_store_append_latency_seconds"].samples if s.name.endswith("_count")]
+    assert flushes[0].value >= 1 and appends[0].value >= 3
+    lag = families["rocketmq_consumer_lag_messages"]
+    assert "txmq_commitlog_bytes" in families and lag is not None
 
 
 async def test_heartbeat_and_consumer_list(broker):
