@@ -7,8 +7,10 @@ the master and anything in spark-defaults.conf win unless --master is given.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -32,7 +34,7 @@ def build_session(master: str | None = None, *, app_name: str = "txmq-ops", shuf
         "spark.ui.showConsoleProgress": "true" if progress else "false",
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.sources.partitionOverwriteMode": "dynamic",
-        "spark.sql.shuffle.partitions": str(shuffle_partitions or _default_shuffle_partitions(master)),
+        "spark.sql.shuffle.partitions": str(shuffle_partitions or _default_shuffle_partitions()),
         "spark.sql.adaptive.enabled": "true",
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}",
         "spark.executor.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}",
@@ -58,7 +60,7 @@ def _master_configured() -> bool:
     return SparkConf().contains("spark.master")
 
 
-def _default_shuffle_partitions(master: str | None) -> int:
+def _default_shuffle_partitions() -> int:
     # The grouped results are a few thousand rows: a handful of partitions per core is plenty.
     return max(2, min(16, 2 * (os.cpu_count() or 2)))
 
@@ -76,6 +78,7 @@ def ship_code(spark) -> None:
     import protocol
 
     directory = tempfile.mkdtemp(prefix="txmq-spark-")
+    atexit.register(shutil.rmtree, directory, True)
     path = os.path.join(directory, "txmq_code.zip")
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         for package in (protocol, ops):
