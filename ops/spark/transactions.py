@@ -14,7 +14,7 @@ so one groupBy on that offset (half_summary) gathers a transaction's whole story
 """
 from __future__ import annotations
 
-from .segments import DEAD_TOPIC, HALF_TOPIC, NO_GROUP, OP_TOPIC  # noqa: F401 (re-exported)
+from .segments import DEAD_TOPIC, HALF_TOPIC, NO_GROUP, OP_TOPIC
 
 ALL_GROUPS = "*"
 DECISIONS = ("COMMIT", "ROLLBACK")
