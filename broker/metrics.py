@@ -18,7 +18,7 @@ import random
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol.codes import request_name
 
@@ -30,9 +30,10 @@ _RESERVOIR = 4096
 class BrokerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.messages_in = Counter("rocketmq_messages_in", "Messages stored, by topic.", ["topic"], registry=r)
-        self.bytes_in = Counter("rocketmq_throughput_in", "Message body bytes stored, by topic.", ["topic"],
-                                registry=r)
+        # Stored messages are counted in plain ints and exported at scrape time: a prometheus
+        # Counter takes a lock per increment, on the path every message takes.
+        self._in: dict[str, list[int]] = {}
+        r.register(_InCollector(self._in))
         self.messages_out = Counter("rocketmq_messages_out", "Messages delivered by pulls.",
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
@@ -76,16 +77,14 @@ class BrokerMetrics:
                                         buckets=_DECISION_BUCKETS, registry=r)
         self._samples: dict[str, list[float]] = {}
         self._counts: dict[str, int] = {}
-        self._in_children: dict[str, tuple] = {}
         self._rpc_children: dict[tuple[int, int], object] = {}
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
-        """Messages stored; label children are cached because labels() costs a lock and a dict per call."""
-        children = self._in_children.get(topic)
-        if children is None:
-            children = self._in_children[topic] = (self.messages_in.labels(topic), self.bytes_in.labels(topic))
-        children[0].inc(messages)
-        children[1].inc(body_bytes)
+        counts = self._in.get(topic)
+        if counts is None:
+            counts = self._in[topic] = [0, 0]
+        counts[0] += messages
+        counts[1] += body_bytes
 
     # --------------------------------------------------------------- helpers
     def observe_request(self, code: int, response_code: int, seconds: float) -> None:
@@ -131,6 +130,23 @@ class BrokerMetrics:
         self._counts = {}
         return {"ts": int(time.time() * 1000), "connections": connections, "consumer_lag": lag,
                 "requests": requests}
+
+
+class _InCollector:
+    def __init__(self, counts: dict):
+        self.counts = counts
+
+    def collect(self):
+        messages = CounterMetricFamily("rocketmq_messages_in", "Messages stored, by topic.", labels=["topic"])
+        body = CounterMetricFamily("rocketmq_throughput_in", "Message body bytes stored, by topic.", labels=["topic"])
+        for topic, (n, nbytes) in list(self.counts.items()):
+            messages.add_metric([topic], n)
+            body.add_metric([topic], nbytes)
+        yield messages
+        yield body
+
+    def describe(self):
+        return list(self.collect())
 
 
 def _quantile(ordered: list[float], q: float) -> float:

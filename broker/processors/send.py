@@ -10,14 +10,13 @@ from __future__ import annotations
 import random
 from time import perf_counter
 
-from protocol.codes import FLAG_RESPONSE, Perm, ResponseCode, SysFlag
-from protocol.command import RemotingCommand
+from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.message import (Prop, SendMessageRequestHeader, decode_batch, decode_record, encode_record,
                               offset_msg_id, properties_to_string, string_to_properties, tags_code, validate_topic)
 
 from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX
-from ..results import put_failure_response
+from ..results import put_failure_response, send_ok
 
 _rand = random.Random()
 
@@ -112,12 +111,6 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
     put.add_done_callback(stored)
     return out
 
-
-def send_ok(ctx, cmd, msg_id: str, qid: int, queue_offset: int):
-    """SUCCESS with the fields every client reads (the Java client dereferences MSG_REGION and TRACE_ON)."""
-    return RemotingCommand(ResponseCode.SUCCESS, opaque=cmd.opaque, flag=FLAG_RESPONSE, ext_fields={
-        "msgId": msg_id, "queueId": str(qid), "queueOffset": str(queue_offset),
-        "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"}, serialize_type=cmd.serialize_type)
 
 
 def handle_batch(ctx, conn, cmd):

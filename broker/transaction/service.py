@@ -29,7 +29,7 @@ from protocol.command import RemotingCommand
 from protocol.errors import StoreError
 from protocol.message import Prop, decode_record, offset_msg_id
 
-from ..results import put_failure_response, response_code
+from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import Action, CheckTimer, Policy, decide, first_check_time, next_check_after_check
 from .records import COMMIT, DEAD, OP_TAG_CHECK, OP_TAG_DECISION, RESUME, ROLLBACK, RecordFactory, parse_op
@@ -201,9 +201,7 @@ class TransactionService:
             self.timer.wake()
         ctx.clients.add_producer(group, conn, client_id, cmd.language, cmd.version)
         ctx.metrics.half_in.labels(group).inc()
-        return cmd.response(ResponseCode.SUCCESS, None, {
-            "msgId": offset_msg_id(ctx.store_host, result.physical_offset), "queueId": qid,
-            "queueOffset": result.queue_offset, "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
+        return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
     # ------------------------------------------------------------ decisions
     def end(self, conn, cmd):
