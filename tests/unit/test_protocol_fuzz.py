@@ -20,6 +20,7 @@ import random
 import signal
 import struct
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -45,22 +46,34 @@ class Hang(Exception):
 
 @contextlib.contextmanager
 def bounded(seconds: float = PER_EXAMPLE_LIMIT_S):
-    """Interrupt a decoder that does not return (SIGALRM; a no-op off the main thread or when nested)."""
-    if (not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread()
-            or signal.getitimer(signal.ITIMER_REAL)[0]):
+    """Interrupt a decoder that does not return, with SIGALRM (a no-op off the main thread).
+
+    An alarm already armed (an outer bounded(), pytest-timeout's signal method)
+    is respected: if it is due first it stays in charge, otherwise it is put
+    back, with its remaining time, when this block ends.
+    """
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    if outer_left and outer_left <= seconds:
         yield
         return
 
     def on_alarm(signum, frame):
         raise Hang(f"decoder still running after {seconds} s")
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
+    outer_handler = signal.signal(signal.SIGALRM, on_alarm)
+    started = time.monotonic()
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGALRM, outer_handler)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - started), 0.001),
+                             outer_interval)
 
 
 def only_protocol_errors(fn, *args, **kwargs):
@@ -385,7 +398,10 @@ def test_lone_surrogate_in_json_header_is_refused_not_crashing_a_reply():
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
 def test_hang_guard_interrupts_a_looping_decoder():
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]
     with pytest.raises(Hang):
         with bounded(0.05):
             while True:
                 pass
+    # An alarm armed around the test (pytest-timeout) is still armed afterwards.
+    assert bool(signal.getitimer(signal.ITIMER_REAL)[0]) == bool(outer)
