@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 
 import pytest
@@ -11,19 +10,12 @@ from broker.store import (DispatchInfo, GetStatus, MessageStore, PutRequest, Put
 from protocol.codes import SysFlag
 from protocol.errors import ConfigError, StoreError
 from protocol.message import BLANK_MAGIC, decode_record, java_string_hash, peek_record
+from tests.support.bounded import bounded
 
 SEG = 1 << 20
 CFG = StoreConfig(segment_size=SEG, cq_units_per_file=100, checkpoint_interval_ms=20)
 
 
-def bounded(seconds: float = 15):
-    """Every async test runs under a deadline, so a hang fails instead of stalling the suite."""
-    def deco(fn):
-        @functools.wraps(fn)
-        async def run(*args, **kwargs):
-            return await asyncio.wait_for(fn(*args, **kwargs), seconds)
-        return run
-    return deco
 
 
 class Clock:

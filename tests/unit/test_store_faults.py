@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 
 from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
 from broker.store import commit_log, writer
 from broker.store.commit_log import Segment
+from tests.support.bounded import bounded
 
 SEG = 1 << 20
 
 
-def bounded(seconds: float = 15):
-    def deco(fn):
-        @functools.wraps(fn)
-        async def run(*args, **kwargs):
-            return await asyncio.wait_for(fn(*args, **kwargs), seconds)
-        return run
-    return deco
 
 
 def req(size: int = 1000) -> PutRequest:

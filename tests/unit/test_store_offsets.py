@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 
@@ -10,18 +9,12 @@ import pytest
 
 from broker.store import ConsumerOffsets
 from protocol.errors import StoreError
+from tests.support.bounded import bounded
 
 
-def bounded(seconds: float = 10):
-    def deco(fn):
-        @functools.wraps(fn)
-        async def run(*args, **kwargs):
-            return await asyncio.wait_for(fn(*args, **kwargs), seconds)
-        return run
-    return deco
 
 
-@bounded()
+@bounded(10)
 async def test_commit_get_and_persist_on_close(tmp_path):
     offsets = ConsumerOffsets(str(tmp_path))
     await offsets.open()
@@ -38,7 +31,7 @@ async def test_commit_get_and_persist_on_close(tmp_path):
     assert sorted(again.items()) == [(("g", "T", 0), 5), (("g", "T", 3), 7), (("h", "T", 0), 1)]
 
 
-@bounded()
+@bounded(10)
 async def test_a_dirty_table_is_persisted_in_the_background(tmp_path):
     offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
     await offsets.open()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import shutil
@@ -16,19 +15,13 @@ from broker.store.recovery import BadRecord, parse_record
 from protocol.codes import SysFlag
 from protocol.errors import StoreError
 from protocol.message import decode_record, encode_record, pack_host, properties_to_string
+from tests.support.bounded import bounded
 
 SEG = 1 << 20
 CFG = StoreConfig(segment_size=SEG, cq_units_per_file=64)
 CUT = StoreConfig(segment_size=SEG, cq_units_per_file=64, truncate_corrupt_tail=True)
 
 
-def bounded(seconds: float = 20):
-    def deco(fn):
-        @functools.wraps(fn)
-        async def run(*args, **kwargs):
-            return await asyncio.wait_for(fn(*args, **kwargs), seconds)
-        return run
-    return deco
 
 
 def req(i: int, size: int = 2000, queue_id: int = 0) -> PutRequest:
@@ -77,7 +70,7 @@ def assert_readable(store: MessageStore, results) -> None:
 
 
 # ------------------------------------------------------------ torn tails
-@bounded()
+@bounded(20)
 async def test_flipped_last_record_is_cut_and_reported(tmp_path, caplog):
     results = await fill(tmp_path, 50)
     last = results[-1]
@@ -98,7 +91,7 @@ async def test_flipped_last_record_is_cut_and_reported(tmp_path, caplog):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_garbage_after_the_last_record_is_zeroed(tmp_path):
     results = await fill(tmp_path, 10)
     end = results[-1].physical_offset + results[-1].size
@@ -112,7 +105,7 @@ async def test_garbage_after_the_last_record_is_zeroed(tmp_path):
         assert f.read(704) == bytes(704)
 
 
-@bounded()
+@bounded(20)
 async def test_zero_filled_tail_is_just_the_end(tmp_path):
     results = await fill(tmp_path, 20)
     os.unlink(tmp_path / "checkpoint")              # as if the last writes never reached the disk
@@ -128,7 +121,7 @@ async def test_zero_filled_tail_is_just_the_end(tmp_path):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_truncated_last_segment_file_is_extended_and_its_torn_record_cut(tmp_path, caplog):
     results = await fill(tmp_path, 700)
     last_seg = max(r.physical_offset for r in results) // SEG * SEG
@@ -145,7 +138,7 @@ async def test_truncated_last_segment_file_is_extended_and_its_torn_record_cut(t
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_torn_first_record_of_a_new_segment(tmp_path):
     results = await fill(tmp_path, 600)
     first_in_last = min((r for r in results if r.physical_offset >= SEG), key=lambda r: r.physical_offset)
@@ -159,7 +152,7 @@ async def test_torn_first_record_of_a_new_segment(tmp_path):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_an_empty_segment_after_a_crash_mid_roll_is_removed(tmp_path):
     await fill(tmp_path, 100)                        # all in segment 0
     with open(seg_path(tmp_path, SEG), "wb") as f:   # created, but the end marker never written
@@ -172,7 +165,7 @@ async def test_an_empty_segment_after_a_crash_mid_roll_is_removed(tmp_path):
 
 
 # --------------------------------------------------------- mid-log damage
-@bounded()
+@bounded(20)
 async def test_damage_in_the_middle_stops_start_up(tmp_path, caplog):
     results = await fill(tmp_path, 60)
     bad = results[30]
@@ -191,7 +184,7 @@ async def test_damage_in_the_middle_stops_start_up(tmp_path, caplog):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_damage_in_an_older_segment_stops_start_up(tmp_path):
     results = await fill(tmp_path, 900)
     bad = results[100]
@@ -205,7 +198,7 @@ async def test_damage_in_an_older_segment_stops_start_up(tmp_path):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_zeros_in_the_middle_are_damage_too(tmp_path):
     results = await fill(tmp_path, 40)
     hole = results[10]
@@ -215,7 +208,7 @@ async def test_zeros_in_the_middle_are_damage_too(tmp_path):
     assert err.value.position == hole.physical_offset
 
 
-@bounded()
+@bounded(20)
 async def test_a_short_segment_before_the_last_is_damage(tmp_path):
     results = await fill(tmp_path, 700)
     os.truncate(seg_path(tmp_path, 0), 5000)
@@ -229,7 +222,7 @@ async def test_a_short_segment_before_the_last_is_damage(tmp_path):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_damage_before_the_verify_window_is_not_scanned_but_never_served(tmp_path):
     cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
     results = await fill(tmp_path, 900, cfg=cfg)
@@ -243,7 +236,7 @@ async def test_damage_before_the_verify_window_is_not_scanned_but_never_served(t
 
 
 # --------------------------------------------------------- checkpoint / CQ
-@bounded()
+@bounded(20)
 async def test_a_damaged_checkpoint_means_a_full_scan(tmp_path, caplog):
     await fill(tmp_path, 700)
     with open(tmp_path / "checkpoint", "r+b") as f:
@@ -257,7 +250,7 @@ async def test_a_damaged_checkpoint_means_a_full_scan(tmp_path, caplog):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_consume_queues_are_rebuilt_when_deleted(tmp_path):
     results = await fill(tmp_path, 600, queues=3)
     shutil.rmtree(tmp_path / "consumequeue")
@@ -272,7 +265,7 @@ async def test_consume_queues_are_rebuilt_when_deleted(tmp_path):
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_queue_units_beyond_the_log_are_dropped_and_wrong_ones_rewritten(tmp_path):
     results = await fill(tmp_path, 30)
     os.unlink(tmp_path / "checkpoint")
@@ -290,7 +283,7 @@ async def test_queue_units_beyond_the_log_are_dropped_and_wrong_ones_rewritten(t
     await store.close()
 
 
-@bounded()
+@bounded(20)
 async def test_consume_queue_files_roll(tmp_path):
     results = await fill(tmp_path, 200, size=100)        # 64 units a file -> 4 files
     files = sorted(os.listdir(tmp_path / "consumequeue" / "T" / "0"))
