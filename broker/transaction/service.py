@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import json
 import logging
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ from .records import COMMIT, DEAD, OP_TAG_CHECK, OP_TAG_DECISION, RESUME, ROLLBA
 log = logging.getLogger("txmq.transaction")
 
 PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue progress offset
+# Decisions remembered to answer a repeated END ("already COMMIT") or refuse a conflicting
+# one. Past this many the oldest are forgotten: a very late END then finds no half message
+# to decide and is refused, so forgetting can cost a nicer answer, never a second delivery.
+DECIDED_MEMORY = 1_000_000
 UNKNOWN = "UNKNOWN"
 _STATES = {8: COMMIT, 12: ROLLBACK, 0: UNKNOWN}
 
@@ -141,6 +146,8 @@ class TransactionService:
             p.next_check = max(first_check_time(self.policy, msg.store_timestamp,
                                                 props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)), now)
             self._add(p)
+        for off in list(itertools.islice(self.decided, max(0, len(self.decided) - DECIDED_MEMORY))):
+            del self.decided[off]
         log.info("transactions recovered: %d undecided, %d decided, %d repaired", len(self.pending),
                  len(self.decided), len(repaired))
 
@@ -159,6 +166,12 @@ class TransactionService:
         self.ctx.offsets.commit(PROGRESS_GROUP, HALF_TOPIC, 0, progress)
 
     # ------------------------------------------------------------ the index
+    def _remember(self, half_offset: int, op: str, group: str) -> None:
+        decided = self.decided
+        decided[half_offset] = (op, group)
+        if len(decided) > DECIDED_MEMORY:
+            del decided[next(iter(decided))]      # dicts keep insertion order: the oldest decision
+
     def _add(self, p: Pending) -> None:
         self.pending[p.half_offset] = p
         heapq.heappush(self._heap, (p.next_check, p.half_offset))
@@ -268,7 +281,7 @@ class TransactionService:
             if failed:
                 raise DecisionError(response_code(failed[0]), f"store refused the decision: {failed[0].status.name}")
             del self.pending[half_offset]
-            self.decided[half_offset] = (op, p.group)
+            self._remember(half_offset, op, p.group)
             now = self.ctx.clock()
             if op == COMMIT:
                 metrics.commits.labels(p.group).inc()
