@@ -80,6 +80,7 @@ class BrokerServer:
         store.add_dispatch_listener(ctx.tx.on_dispatch)
         report = await store.open()
         log.info("store open: %s", report)
+        topics.adopt(store.queues())
         ctx.offsets = ConsumerOffsets(store_dir)
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()

@@ -119,6 +119,21 @@ class TopicManager:
         nums = max(1, min(default_queue_nums, template.write_queue_nums))
         return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type))
 
+    def adopt(self, queues: list[tuple[str, int]]) -> list[str]:
+        """Topics the store holds queues for but the config lost (a crash before it was written,
+        a deleted topics.json): serve them again rather than hide their messages."""
+        found: dict[str, int] = {}
+        for topic, qid in queues:
+            found[topic] = max(found.get(topic, 0), qid + 1)
+        adopted = [t for t in found if t not in self.topics]
+        for topic in adopted:
+            self.topics[topic] = TopicConfig(topic, found[topic], found[topic])
+            log.warning("topic %s was missing from %s; restored from the store with %d queues",
+                        topic, self.path, found[topic])
+        if adopted:
+            self._persist()
+        return adopted
+
     def ensure(self, topic: str, queues: int = 1) -> TopicConfig:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))

@@ -93,8 +93,8 @@ class TransactionService:
     # ------------------------------------------------------------ recovery
     def on_dispatch(self, info) -> None:
         """Store dispatch listener: remember commits replayed by recovery (their op may be lost)."""
-        if info.recovering and info.prepared_offset and \
-                SysFlag.transaction_type(info.sys_flag) == SysFlag.TRANSACTION_COMMIT:
+        # (prepared_offset may be 0: the very first record of a store can be a half message)
+        if info.recovering and SysFlag.transaction_type(info.sys_flag) == SysFlag.TRANSACTION_COMMIT:
             self._recovered_commits.add(info.prepared_offset)
 
     def _scan(self, topic: str, start: int | None = None):

@@ -1,0 +1,78 @@
+"""A crash between a committed message and its op record (they share one writer batch, but a torn
+batch can keep the first) must not make the broker check and commit the transaction a second time.
+
+A child process writes a half message and its committed message, but no op record, then is killed
+before any checkpoint covers them. The broker started on that store finds the commit in the replayed
+tail, rewrites the missing op record, and never delivers the message twice, across restarts too."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from consumer import PullConsumer
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from tests.support.broker_process import REPO
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+
+CHILD = r"""
+import asyncio, os, sys
+from broker.store import MessageStore, StoreConfig
+from broker.transaction.records import RecordFactory
+from protocol.message import UniqIdGenerator, decode_record, pack_host, string_to_properties
+
+async def main(store_dir):
+    store = MessageStore(store_dir, StoreConfig(segment_size=1 << 20, checkpoint_interval_ms=600000))
+    await store.open()
+    rf = RecordFactory(pack_host("127.0.0.1", 10911), UniqIdGenerator(), lambda: 1)
+    props = {"TAGS": "t", "UNIQ_KEY": "ABCDEF", "TRAN_MSG": "true", "PGROUP": "PG_torn", "WAIT": "true"}
+    half = await store.put(rf.half(body=b"paid once", real_topic="Torn", real_qid=0, flag=0, sys_flag=4,
+                                   born_timestamp=1, born_host=pack_host("127.0.0.1", 5), props=props))
+    msg, _ = decode_record(store.get_record(half.physical_offset))
+    await store.put(rf.committed(msg, half.physical_offset))      # ... and the op record is lost
+    print("written", flush=True)
+    os.kill(os.getpid(), 9)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def _pending(addr) -> int:
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS), 5)
+        return json.loads(resp.body_bytes())["total"]
+    finally:
+        conn.close()
+
+
+async def _bodies(namesrv):
+    consumer = PullConsumer(namesrv, "CG_torn")
+    bodies = []
+    for mq in await consumer.fetch_queues("Torn"):
+        bodies += [m.body for m in (await consumer.pull(mq, 0, max_nums=10)).messages]
+    await consumer.shutdown()
+    return bodies
+
+
+async def test_commit_whose_op_was_lost_is_not_committed_again(broker_factory, tmp_path):
+    store = tmp_path / "store"
+    child = subprocess.run([sys.executable, "-c", CHILD, str(store)], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+    assert "written" in child.stdout and child.returncode == -9, child.stderr
+    flags = ("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
+    b = broker_factory(*flags)
+    assert await _pending(b.broker) == 0
+    assert "lost its op record; rewritten" in b.log()
+    assert await _bodies(b.namesrv) == [b"paid once"]
+    assert b.stop() == 0
+    b2 = broker_factory(*flags)
+    assert await _pending(b2.broker) == 0
+    assert await _bodies(b2.namesrv) == [b"paid once"]
