@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import urllib.request
 
 import pytest
 
@@ -219,3 +220,34 @@ async def test_admin_force_commit(broker_factory):
                           {"commitLogOffset": row["commit_log_offset"], "decision": "commit"})
     assert forced.code == ResponseCode.SUCCESS
     assert await _drain(b.namesrv, "TxAdmin", expect=1) == [b"forced"]
+
+
+async def test_no_live_producer_defers_checks_without_spending_them(broker_factory):
+    b = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
+    gone = await TransactionProducer(b.namesrv, "PG_nobody", Listener(execute=S.UNKNOW)).start()
+    await gone.send_in_transaction("TxNobody", b"waits for a producer")
+    await gone.pool.close()
+
+    async def deferred() -> float:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics",
+                                                                      timeout=5).read().decode())
+        lines = [line for line in text.splitlines()
+                 if line.startswith('txmq_transaction_checks_deferred_total{producer_group="PG_nobody"}')]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    async def row() -> dict:
+        return json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"][0]
+
+    async with asyncio.timeout(10):      # several check intervals pass with nobody to ask
+        while await deferred() < 1:
+            await asyncio.sleep(0.05)
+        spent = (await row())["checks"]  # a check may have gone out before the producer left
+        start = await deferred()
+        while await deferred() < start + 5:
+            await asyncio.sleep(0.05)
+    later = await row()
+    assert later["checks"] == spent and later["owner"].endswith("(gone)")
+    listener = Listener(check=S.COMMIT_MESSAGE)
+    async with TransactionProducer(b.namesrv, "PG_nobody", listener):
+        await asyncio.wait_for(listener.checked.wait(), 10)
+        assert await _drain(b.namesrv, "TxNobody", expect=1) == [b"waits for a producer"]
