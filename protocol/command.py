@@ -271,21 +271,25 @@ class RemotingCommand:
         if ext_len < 0 or pos + ext_len != n:
             raise HeaderError(f"ext fields length {ext_len} does not fill the header's remaining {n - pos} bytes")
         ext: dict[str, str] = {}
-        while pos < n:
-            if pos + 2 > n:
-                raise HeaderError("ext field key length cut short")
-            (klen,) = _I16.unpack_from(header, pos)
-            pos += 2
-            if klen < 0 or pos + klen + 4 > n:
-                raise HeaderError(f"ext field key length {klen} runs past the header")
-            key = _utf8(header[pos:pos + klen], "ext field key")
-            pos += klen
-            (vlen,) = _I32.unpack_from(header, pos)
-            pos += 4
-            if vlen < 0 or pos + vlen > n:
-                raise HeaderError(f"ext field {key!r} value length {vlen} runs past the header")
-            ext[key] = _utf8(header[pos:pos + vlen], f"ext field {key!r}")
-            pos += vlen
+        unpack_i16, unpack_i32 = _I16.unpack_from, _I32.unpack_from
+        try:  # one handler for the loop: no per-field helper call or message formatting
+            while pos < n:
+                if pos + 2 > n:
+                    raise HeaderError("ext field key length cut short")
+                (klen,) = unpack_i16(header, pos)
+                pos += 2
+                if klen < 0 or pos + klen + 4 > n:
+                    raise HeaderError(f"ext field key length {klen} runs past the header")
+                key = header[pos:pos + klen].decode("utf-8")
+                pos += klen
+                (vlen,) = unpack_i32(header, pos)
+                pos += 4
+                if vlen < 0 or pos + vlen > n:
+                    raise HeaderError(f"ext field {key!r} value length {vlen} runs past the header")
+                ext[key] = header[pos:pos + vlen].decode("utf-8")
+                pos += vlen
+        except UnicodeDecodeError:
+            raise HeaderError(f"the ext field near header byte {pos} is not valid UTF-8") from None
         return _decoded(cls, code, language, version, opaque, flag, remark, ext)
 
     # ------------------------------------------------------- typed ext fields
