@@ -131,6 +131,10 @@ class RemotingConnection(asyncio.Protocol):
                     fut.set_result(cmd)
                 continue
             self._dispatch(cmd)
+        if self._decoder.error is not None:
+            log.warning("closing %s:%s after its last good frame: %s", self.peer[0], self.peer[1],
+                        self._decoder.error)
+            self.close()
 
     def _reject_frame(self, frame: bytes, exc: ProtocolError) -> None:
         """Answer a frame we cannot decode when its opaque is findable, then close."""

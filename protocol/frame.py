@@ -46,8 +46,10 @@ class FrameDecoder:
     """Cut a byte stream into whole frames.
 
     ``feed(data)`` returns every frame completed by ``data`` (possibly none).
-    Bytes of an incomplete frame stay buffered. Once a FrameError has been
-    raised the stream cannot be re-synchronised, so later feeds raise it again.
+    Bytes of an incomplete frame stay buffered. A bad length ends the stream: it
+    cannot be re-synchronised. If frames were completed before the bad bytes in
+    the same feed, they are returned (they are good requests) and the error is
+    left in ``error``; otherwise FrameError is raised. Later feeds raise it.
     """
 
     __slots__ = ("max_frame_size", "_buf", "_pos", "_error")
@@ -57,6 +59,11 @@ class FrameDecoder:
         self._buf = bytearray()
         self._pos = 0
         self._error: FrameError | None = None
+
+    @property
+    def error(self) -> FrameError | None:
+        """The FrameError that ended the stream, once there is one."""
+        return self._error
 
     @property
     def buffered(self) -> int:
@@ -88,7 +95,8 @@ class FrameDecoder:
                     check_prefix(length, 0, max_size)
         except FrameError as exc:
             self._error = exc
-            raise
+            if not frames:
+                raise
         finally:
             # Compact lazily: drop consumed bytes once they dominate the buffer.
             if pos == end:

@@ -136,8 +136,13 @@ def test_oversized_frame_detected_as_soon_as_its_length_arrives():
 
 
 def test_bad_length_after_a_good_frame_detected_at_once():
+    # The good frame before the bad length is a real request: it is handed out, and the
+    # error is known in the same feed, so the connection can close right after it.
+    dec = FrameDecoder()
+    assert dec.feed(frame_a() + struct.pack(">i", 2)) == [frame_a()]
+    assert isinstance(dec.error, FrameError)
     with pytest.raises(FrameError):
-        FrameDecoder().feed(frame_a() + struct.pack(">i", 2))
+        dec.feed(b"")
 
 
 def test_header_length_past_the_frame_is_a_frame_error():
@@ -197,3 +202,13 @@ def test_decode_accepts_memoryview_and_bytearray():
         cmd = RemotingCommand.decode(view)
         assert cmd.code == RequestCode.SEND_MESSAGE_V2 and cmd.body == b"hello"
         assert isinstance(cmd.body, bytes)
+
+
+def test_good_frames_before_a_bad_length_in_one_read_are_kept():
+    good = RemotingCommand.request(34, body=b"{}").encode()
+    dec = FrameDecoder()
+    frames = dec.feed(good + good + b"\xff\xff\xff\xff")
+    assert frames == [good, good]
+    assert isinstance(dec.error, FrameError)
+    with pytest.raises(FrameError):
+        dec.feed(good)
