@@ -97,7 +97,6 @@ async def drain(namesrv: str) -> dict:
 
 # ------------------------------------------------------------------- floor
 async def floor_server(portfile: str) -> None:
-    from protocol.codes import FLAG_RESPONSE
     from protocol.frame import FrameDecoder
     fd = os.open(os.path.join(os.path.dirname(portfile), "floor.mmap"), os.O_RDWR | os.O_CREAT, 0o644)
     size = 1 << 30

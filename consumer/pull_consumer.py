@@ -1,7 +1,6 @@
 """PullConsumer: pull by queue from an offset, with long polling, and commit offsets. Plain RocketMQ 4.x."""
 from __future__ import annotations
 
-import asyncio
 import enum
 import json
 import os

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 from .codes import FLAG_ONEWAY, FLAG_RESPONSE, VERSION_4_9_8, LanguageCode, ResponseCode, SerializeType
 from .errors import FrameError, HeaderError
-from .frame import HEADER_LENGTH_MASK, LENGTH, MAX_FRAME_SIZE, PREFIX, check_prefix
+from .frame import HEADER_LENGTH_MASK, MAX_FRAME_SIZE, PREFIX, check_prefix
 
 _BIN_FIXED = struct.Struct(">hBhiii")  # code, language, version, opaque, flag, remark length: 17 bytes
 _I32 = struct.Struct(">i")

@@ -3,7 +3,6 @@ GET_ALL_TOPIC_CONFIG (21)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 
 from protocol.codes import Perm, ResponseCode
 from protocol.message import validate_topic

@@ -33,7 +33,7 @@ from protocol.message import Prop, decode_record, offset_msg_id
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import Action, CheckTimer, Policy, decide, first_check_time, next_check_after_check
-from .records import COMMIT, DEAD, OP_TAG_CHECK, OP_TAG_DECISION, RESUME, ROLLBACK, RecordFactory, parse_op
+from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, RecordFactory, parse_op
 
 log = logging.getLogger("txmq.transaction")
 

@@ -6,7 +6,6 @@ before any checkpoint covers them. The broker started on that store finds the co
 tail, rewrites the missing op record, and never delivers the message twice, across restarts too."""
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys

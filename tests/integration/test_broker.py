@@ -14,7 +14,7 @@ from producer import Producer, SendStatus
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.errors import MessageIllegalError, NoPermissionError, ResponseError
+from protocol.errors import MessageIllegalError, NoPermissionError
 from protocol.route import decode_route
 
 pytestmark = pytest.mark.asyncio

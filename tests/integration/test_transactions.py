@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import urllib.request
 
 import pytest
 
-from consumer import PullConsumer, PullStatus
-from consumer.pull_consumer import MessageQueue
+from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode

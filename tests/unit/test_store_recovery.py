@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from broker.store import GetStatus, MessageStore, PutRequest, StoreConfig
 from broker.store.recovery import BadRecord, parse_record
-from protocol.codes import SysFlag
 from protocol.errors import StoreError
 from protocol.message import decode_record, encode_record, pack_host, properties_to_string
 from tests.support.bounded import bounded
