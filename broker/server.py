@@ -101,8 +101,14 @@ class BrokerServer:
         m = self.metrics
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
                               ["consumer_group", "topic"], self._lag_by_group_topic)
-        m.add_gauge_collector("txmq_commitlog_bytes", "Commit-log bytes on disk.", [],
+        m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [],
                               lambda: [((), sum(s.size for s in ctx.store.segments()))])
+        m.add_gauge_collector("rocketmq_producer_connections", "Live producer connections, by group.",
+                              ["producer_group"], lambda: [((g,), len(ctx.clients.producer_channels(g)))
+                                                           for g in list(ctx.clients.producers)])
+        m.add_gauge_collector("rocketmq_consumer_connections", "Live consumer connections, by group.",
+                              ["consumer_group"], lambda: [((g,), len(ctx.clients.consumer_ids(g)))
+                                                           for g in list(ctx.clients.consumers)])
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [],
                               lambda: [((), ctx.holds.parked)])
         self._metrics_port = None

@@ -168,7 +168,9 @@ async def test_metrics_scrape(broker):
     appends = [s for s in families["txmq_store_append_latency_seconds"].samples if s.name.endswith("_count")]
     assert flushes[0].value >= 1 and appends[0].value >= 3
     lag = families["rocketmq_consumer_lag_messages"]
-    assert "txmq_commitlog_bytes" in families and lag is not None
+    assert families["rocketmq_storage_size"].samples[0].value > 0 and lag is not None
+    producers = {s.labels["producer_group"]: s.value for s in families["rocketmq_producer_connections"].samples}
+    assert producers.get("PG_metrics") == 0       # the producer left before the scrape
 
 
 async def test_heartbeat_and_consumer_list(broker):
