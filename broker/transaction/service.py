@@ -329,7 +329,11 @@ class TransactionService:
         while heap and heap[0][0] <= now:
             when, off = heapq.heappop(heap)
             p = self.pending.get(off)
-            if p is None or p.next_check != when or p.deciding is not None:
+            if p is None or p.next_check != when:
+                continue
+            if p.deciding is not None:
+                # Keep it scheduled: should the decision being written fail, it is still undecided.
+                self._reschedule(p, now + self.policy.check_interval_ms)
                 continue
             if p.awaiting:
                 p.unanswered += 1

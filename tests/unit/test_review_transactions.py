@@ -1,0 +1,115 @@
+"""Review regressions for the transaction service, on a real store with a controllable clock."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker.clients import ClientRegistry
+from broker.config import BrokerConfig
+from broker.context import BrokerContext
+from broker.metrics import BrokerMetrics
+from broker.store import ConsumerOffsets, MessageStore, PutResult, PutStatus, StoreConfig
+from broker.topics import TopicManager
+from broker.transaction import DecisionError, TransactionService
+from broker.transaction.records import COMMIT
+from protocol.message import Prop
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+
+class Clock:
+    def __init__(self, now=1_000_000):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+class GatedStore:
+    """Delegates to a real store; ``put_many`` can be held at a gate and made to fail."""
+
+    def __init__(self, store):
+        self._store = store
+        self.gate: asyncio.Event | None = None
+        self.entered = asyncio.Event()
+        self.fail = False
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def put_many(self, reqs):
+        if self.gate is None:
+            return self._store.put_many(reqs)
+        return self._gated(reqs)
+
+    async def _gated(self, reqs):
+        self.entered.set()
+        await self.gate.wait()
+        if self.fail:
+            return [PutResult(PutStatus.SERVICE_NOT_AVAILABLE) for _ in reqs]
+        return await self._store.put_many(reqs)
+
+
+async def make_service(tmp_path, clock, **cfg):
+    config = BrokerConfig(store_dir=str(tmp_path), transaction_check_interval_ms=1000,
+                          transaction_timeout_ms=1000, **cfg)
+    store = MessageStore(str(tmp_path / "s"), StoreConfig(segment_size=1 << 20), clock=clock)
+    topics = TopicManager(str(tmp_path / "config"), auto_create=True, default_queue_nums=4, cluster="c",
+                          broker="b")
+    ctx = BrokerContext(config, None, None, topics, ClientRegistry(clock), BrokerMetrics(), clock=clock)
+    ctx.set_address("127.0.0.1", 10911)
+    ctx.tx = TransactionService(ctx)
+    store.add_dispatch_listener(ctx.tx.on_dispatch)
+    await store.open()
+    ctx.offsets = ConsumerOffsets(str(tmp_path / "s"))
+    ctx.store = GatedStore(store)
+    await ctx.tx.recover()
+    return ctx
+
+
+async def add_half(ctx, body=b"x", group="PG"):
+    """Store a half message and index it as the send path does; returns its Pending."""
+    tx = ctx.tx
+    props = {Prop.UNIQ_KEY: f"U{body!r}", Prop.PGROUP: group, Prop.TRAN_MSG: "true"}
+    req = tx.records.half(body=body, real_topic="T", real_qid=0, flag=0, sys_flag=0, born_timestamp=ctx.clock(),
+                          born_host=ctx.store_host, props=props)
+
+    class Conn:
+        attributes = {}
+        peer = ("127.0.0.1", 1)
+        is_open = False
+
+    class Cmd:
+        language = 0
+        version = 0
+        opaque = 1
+        serialize_type = 0
+
+    await tx._prepare(Conn(), Cmd(), req, group, "T", 0, props)
+    return max(tx.pending.values(), key=lambda p: p.half_offset)
+
+
+@bounded(20)
+async def test_check_pass_during_a_failing_decision_keeps_the_transaction_scheduled(tmp_path):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        p = await add_half(ctx)
+        ctx.store.gate = asyncio.Event()
+        ctx.store.fail = True
+        deciding = asyncio.ensure_future(tx.decide(p.half_offset, COMMIT, group="PG"))
+        await ctx.store.entered.wait()
+        clock.now = p.next_check + 1          # due while the decision is being written
+        await tx.run_due(clock.now)
+        ctx.store.gate.set()
+        with pytest.raises(DecisionError):
+            await deciding
+        ctx.store.gate = None
+        assert p.half_offset in tx.pending
+        # Still undecided, so it must still be scheduled for a check.
+        assert tx.next_due() is not None, "the undecided transaction fell out of the check schedule"
+    finally:
+        await ctx.store._store.close()
