@@ -115,6 +115,7 @@ class TransactionService:
     async def recover(self) -> None:
         """Rebuild the index from the op queue, the replayed tail and the half queue."""
         checks: dict[int, int] = {}
+        resumed: dict[int, int] = {}    # half offset -> half queue offset, for halves a RESUME re-opened
         for msg in self._scan(OP_TOPIC):
             op = parse_op(msg)
             if op is None:
@@ -124,12 +125,17 @@ class TransactionService:
             elif op.op == RESUME:
                 self.decided.pop(op.half_offset, None)
                 checks[op.half_offset] = 0
+                resumed[op.half_offset] = op.half_queue_offset
             elif op.op in (COMMIT, ROLLBACK, DEAD):
                 self.decided[op.half_offset] = (op.op, "")
+                resumed.pop(op.half_offset, None)
         repaired = [off for off in self._recovered_commits if off not in self.decided]
         for off in self._recovered_commits:
             self.decided.setdefault(off, (COMMIT, ""))
         progress = self.ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
+        if progress is not None and resumed:
+            # The progress may have been persisted while the resumed half was dead, past it.
+            progress = min(progress, min(resumed.values()))
         now = self.ctx.clock()
         for msg in self._scan(HALF_TOPIC, progress):
             off = msg.physical_offset

@@ -113,3 +113,28 @@ async def test_check_pass_during_a_failing_decision_keeps_the_transaction_schedu
         assert tx.next_due() is not None, "the undecided transaction fell out of the check schedule"
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_resumed_transaction_survives_a_crash_before_the_progress_is_persisted(tmp_path):
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    p = await add_half(ctx, b"dead-then-resumed")
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+    later = await add_half(ctx, b"younger")
+    tx._save_progress()                   # progress moves past the dead-lettered half
+    ctx.offsets.persist()
+    assert ctx.offsets.get("CID_RMQ_SYS_TRANS", "RMQ_SYS_TRANS_HALF_TOPIC", 0) == later.queue_offset
+    await tx.resume(p.half_offset)
+    assert p.half_offset in tx.pending
+    # Crash: the store's records are durable, the lowered progress never reached the offsets file.
+    await ctx.store._store.close()
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert set(ctx2.tx.pending) == {p.half_offset, later.half_offset}, \
+            "the resumed transaction was forgotten by recovery"
+    finally:
+        await ctx2.store._store.close()
