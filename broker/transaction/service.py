@@ -82,6 +82,7 @@ class TransactionService:
         self.decided: dict[int, tuple[str, str]] = {}     # half offset -> (decision, group)
         self._heap: list[tuple[int, int]] = []
         self._recovered_commits: set[int] = set()
+        self._storing: list[int] = []      # half-queue end offsets seen by halves still being stored
         self._rr = 0
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
         ctx.metrics.half_messages.set_function(lambda: len(self.pending))
@@ -165,10 +166,9 @@ class TransactionService:
         self._save_progress()
 
     def _save_progress(self) -> None:
-        if self.pending:
-            progress = min(p.queue_offset for p in self.pending.values())
-        else:
-            progress = self.ctx.store.max_offset(HALF_TOPIC, 0)
+        # A half being stored is not pending yet; its queue offset is at or past the end it saw.
+        floors = [p.queue_offset for p in self.pending.values()] + self._storing
+        progress = min(floors) if floors else self.ctx.store.max_offset(HALF_TOPIC, 0)
         self.ctx.offsets.commit(PROGRESS_GROUP, HALF_TOPIC, 0, progress)
 
     # ------------------------------------------------------------ the index
@@ -207,7 +207,12 @@ class TransactionService:
 
     async def _prepare(self, conn, cmd, req, group, topic, qid, props):
         ctx = self.ctx
-        result = await ctx.store.put(req)
+        floor = ctx.store.max_offset(HALF_TOPIC, 0)
+        self._storing.append(floor)
+        try:
+            result = await ctx.store.put(req)
+        finally:
+            self._storing.remove(floor)
         if not result.ok:
             return put_failure_response(cmd, result)
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"

@@ -138,3 +138,33 @@ async def test_a_resumed_transaction_survives_a_crash_before_the_progress_is_per
             "the resumed transaction was forgotten by recovery"
     finally:
         await ctx2.store._store.close()
+
+
+@bounded(20)
+async def test_progress_saved_while_a_half_is_being_indexed_does_not_skip_it(tmp_path):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    real_put = ctx.store._store.put
+    written, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_put(req):
+        result = await real_put(req)      # stored and dispatched ...
+        written.set()
+        await release.wait()              # ... but the sender has not indexed it yet
+        return result
+
+    ctx.store.put = slow_put
+    adding = asyncio.ensure_future(add_half(ctx, b"in-flight"))
+    await written.wait()
+    tx._save_progress()                   # a check pass ends here, with nothing pending yet
+    ctx.offsets.persist()
+    release.set()
+    p = await adding
+    await ctx.store._store.close()        # crash: the progress saved above is the persisted one
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert p.half_offset in ctx2.tx.pending, "a half stored just before a progress save was forgotten"
+    finally:
+        await ctx2.store._store.close()
