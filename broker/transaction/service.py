@@ -454,7 +454,11 @@ class TransactionService:
             elif now - p.store_ts <= retention:
                 skipped.append({"commit_log_offset": off, "why": "younger than the retention"})
             else:
-                await self.decide(off, DEAD, reason="expired")
+                try:
+                    await self.decide(off, DEAD, reason="expired")
+                except DecisionError as exc:    # decided meanwhile (an END, a check answer, an admin)
+                    skipped.append({"commit_log_offset": off, "why": exc.remark})
+                    continue
                 expired.append(off)
         removed, kept = [], []
         segments = {s.name: s for s in self.ctx.store.segments()}

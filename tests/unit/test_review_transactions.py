@@ -168,3 +168,30 @@ async def test_progress_saved_while_a_half_is_being_indexed_does_not_skip_it(tmp
         assert p.half_offset in ctx2.tx.pending, "a half stored just before a progress save was forgotten"
     finally:
         await ctx2.store._store.close()
+
+
+@bounded(20)
+async def test_expiry_plan_racing_a_commit_skips_that_half_and_finishes(tmp_path):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        p = await add_half(ctx, b"committed-meanwhile")
+        old = await add_half(ctx, b"really-expired")
+        clock.now += tx.policy.retention_ms + 1
+        ctx.store.gate = asyncio.Event()
+        committing = asyncio.ensure_future(tx.decide(p.half_offset, COMMIT, group="PG"))
+        await ctx.store.entered.wait()
+        plan = {"version": 1, "halves": [{"commit_log_offset": p.half_offset},
+                                         {"commit_log_offset": old.half_offset}], "segments": []}
+        applying = asyncio.ensure_future(tx.apply_expiry(plan))
+        await asyncio.sleep(0)
+        ctx.store.gate.set()
+        ctx.store.gate = None
+        assert await committing == COMMIT
+        summary = await applying
+        assert summary["expired"] == [old.half_offset]
+        assert [s["commit_log_offset"] for s in summary["skipped"]] == [p.half_offset]
+        assert tx.decided[p.half_offset][0] == COMMIT
+    finally:
+        await ctx.store._store.close()
