@@ -14,18 +14,21 @@ from ..store import GetStatus
 _MAX_BYTES = 256 * 1024
 
 
+def _code(cmd, status):
+    if status is GetStatus.FOUND:
+        return ResponseCode.SUCCESS
+    if status in (GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING):
+        return ResponseCode.PULL_RETRY_IMMEDIATELY
+    if status in (GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_FOUND_NULL):
+        return ResponseCode.PULL_NOT_FOUND
+    if status in (GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE_IN_QUEUE):
+        return ResponseCode.PULL_OFFSET_MOVED if cmd.int_field("queueOffset", 0) != 0 else ResponseCode.PULL_NOT_FOUND
+    return ResponseCode.PULL_OFFSET_MOVED  # OFFSET_TOO_SMALL, OFFSET_OVERFLOW_BADLY
+
+
 def _reply(ctx, cmd, group, topic, got):
     status = got.status
-    if status is GetStatus.FOUND:
-        code = ResponseCode.SUCCESS
-    elif status in (GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING):
-        code = ResponseCode.PULL_RETRY_IMMEDIATELY
-    elif status in (GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_FOUND_NULL):
-        code = ResponseCode.PULL_NOT_FOUND
-    elif status in (GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE_IN_QUEUE):
-        code = ResponseCode.PULL_OFFSET_MOVED if cmd.int_field("queueOffset", 0) != 0 else ResponseCode.PULL_NOT_FOUND
-    else:  # OFFSET_TOO_SMALL, OFFSET_OVERFLOW_BADLY
-        code = ResponseCode.PULL_OFFSET_MOVED
+    code = _code(cmd, status)
     fields = {"suggestWhichBrokerId": 0, "nextBeginOffset": got.next_begin_offset,
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:
@@ -64,8 +67,8 @@ def handle_pull(ctx, conn, cmd):
             ctx.offsets.commit(group, topic, qid, commit)
     tag_filter = sub.tag_filter()
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
-    if got.status in (GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.NO_MESSAGE_IN_QUEUE) and sys_flag & PullSysFlag.SUSPEND \
-            and (got.status is GetStatus.OFFSET_OVERFLOW_ONE or offset == 0):
+    # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
+    if sys_flag & PullSysFlag.SUSPEND and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:
         suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
         hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
         if hold_ms > 0:

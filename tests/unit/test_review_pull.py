@@ -1,0 +1,55 @@
+"""Review regressions for long polling (PULL_MESSAGE with the suspend flag)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker.longpoll import PullHoldService
+from broker.processors.pull import handle_pull
+from broker.store import PutRequest
+from protocol.codes import PullSysFlag, RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from tests.support.bounded import bounded
+from tests.unit.test_review_transactions import Clock, make_service
+
+pytestmark = pytest.mark.asyncio
+
+
+async def make_ctx(tmp_path):
+    ctx = await make_service(tmp_path, Clock())
+    ctx.holds = PullHoldService()
+    ctx.store._store.add_dispatch_listener(ctx.holds.on_dispatch)
+    ctx.topics.ensure("PT", 4)
+    return ctx
+
+
+def pull_cmd(queue_id, offset, suspend_ms=10000):
+    return RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+        "consumerGroup": "CG", "topic": "PT", "queueId": queue_id, "queueOffset": offset, "maxMsgNums": 32,
+        "sysFlag": PullSysFlag.SUSPEND | PullSysFlag.SUBSCRIPTION, "commitOffset": 0,
+        "suspendTimeoutMillis": suspend_ms, "subscription": "*", "subVersion": 0})
+
+
+async def put(ctx, queue_id, body=b"m"):
+    result = await ctx.store.put(PutRequest.build("PT", body, queue_id=queue_id))
+    assert result.ok
+
+
+@bounded(20)
+async def test_pull_on_a_queue_never_written_is_held_until_a_message_arrives(tmp_path):
+    # RocketMQ holds every PULL_NOT_FOUND with the suspend flag; answering at once makes a stock
+    # push consumer re-pull at once, spinning on every empty queue of the topic.
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 0)                       # the topic has data, queue 3 never had any
+        result = handle_pull(ctx, None, pull_cmd(3, 0))
+        assert not isinstance(result, RemotingCommand), f"not held: {result.code} {result.remark}"
+        held = asyncio.ensure_future(result)
+        await asyncio.sleep(0)                  # let the pull park
+        await put(ctx, 3, b"late")
+        reply = await asyncio.wait_for(held, 5)
+        assert reply.code == ResponseCode.SUCCESS
+    finally:
+        await ctx.store._store.close()
+
