@@ -77,6 +77,11 @@ def handle_pull(ctx, conn, cmd):
 
 
 async def _parked(ctx, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms):
+    # Read again as the wait registers (no await in between): a message stored since the first
+    # read, before this task ran, was dispatched to no waiter and would not wake this one.
+    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
+    if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
+        return _reply(ctx, cmd, group, topic, got)
     await ctx.holds.wait(topic, qid, offset, hold_ms / 1000)
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     return _reply(ctx, cmd, group, topic, got)

@@ -53,3 +53,16 @@ async def test_pull_on_a_queue_never_written_is_held_until_a_message_arrives(tmp
     finally:
         await ctx.store._store.close()
 
+
+@bounded(20)
+async def test_message_stored_before_the_parked_pull_registers_wakes_it(tmp_path):
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 0)
+        result = handle_pull(ctx, None, pull_cmd(0, 1))     # nothing at offset 1 yet: parked
+        assert not isinstance(result, RemotingCommand)
+        await put(ctx, 0, b"raced")            # lands after the read, before the wait registers
+        reply = await asyncio.wait_for(result, 3)   # must not sit out the 10 s hold
+        assert reply.code == ResponseCode.SUCCESS
+    finally:
+        await ctx.store._store.close()
