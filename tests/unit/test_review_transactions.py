@@ -9,7 +9,13 @@ from broker.clients import ClientRegistry
 from broker.config import BrokerConfig
 from broker.context import BrokerContext
 from broker.metrics import BrokerMetrics
-from broker.store import ConsumerOffsets, MessageStore, PutResult, PutStatus, StoreConfig
+from broker.store import (
+    ConsumerOffsets,
+    MessageStore,
+    PutResult,
+    PutStatus,
+    StoreConfig,
+)
 from broker.topics import TopicManager
 from broker.transaction import DecisionError, TransactionService
 from broker.transaction.records import COMMIT
@@ -77,9 +83,11 @@ async def add_half(ctx, body=b"x", group="PG"):
                           born_host=ctx.store_host, props=props)
 
     class Conn:
-        attributes = {}
         peer = ("127.0.0.1", 1)
         is_open = False
+
+        def __init__(self):
+            self.attributes = {}
 
     class Cmd:
         language = 0
