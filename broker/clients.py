@@ -166,7 +166,15 @@ class ClientRegistry:
             group = self.consumers.get(consumer_group)
             if group is not None and group.channels.pop(conn, None) is not None:
                 changed.append(consumer_group)
+        self._prune()
         return changed
+
+    def _prune(self) -> None:
+        """Forget groups nobody is in, so clients cycling through group names cannot grow memory."""
+        for name in [g for g, channels in self.producers.items() if not channels]:
+            del self.producers[name]
+        for name in [g for g, group in self.consumers.items() if not group.channels]:
+            del self.consumers[name]
 
     def connection_closed(self, conn) -> list[str]:
         for channels in self.producers.values():
@@ -175,6 +183,7 @@ class ClientRegistry:
         for group in self.consumers.values():
             if group.channels.pop(conn, None) is not None:
                 changed.append(group.name)
+        self._prune()
         return changed
 
     def expire(self, max_idle_ms: int) -> list[str]:
@@ -189,6 +198,7 @@ class ClientRegistry:
                 del group.channels[conn]
             if stale:
                 changed.append(group.name)
+        self._prune()
         return changed
 
     # -------------------------------------------------------------- queries

@@ -16,7 +16,7 @@ class PullHoldService:
 
     @property
     def parked(self) -> int:
-        return sum(len(w) for w in self._waiters.values())
+        return sum(len(w) for w in list(self._waiters.values()))   # list(): read from the scrape thread
 
     async def wait(self, topic: str, queue_id: int, offset: int, timeout_s: float) -> bool:
         """True if a message at or past ``offset`` arrived within ``timeout_s``."""

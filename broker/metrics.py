@@ -108,8 +108,17 @@ class BrokerMetrics:
 
         class _Collector:
             def collect(self_inner):
+                # Scrapes run on prometheus-client's thread while the loop changes the dicts fn
+                # reads; a read that races a resize is simply taken again.
+                for attempt in range(5):
+                    try:
+                        rows = list(fn())
+                        break
+                    except RuntimeError:
+                        if attempt == 4:
+                            raise
                 family = GaugeMetricFamily(name, doc, labels=labels)
-                for label_values, value in fn():
+                for label_values, value in rows:
                     family.add_metric(list(label_values), value)
                 yield family
 

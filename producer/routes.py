@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from protocol.codes import Perm, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.errors import TopicNotExistError, error_for_code
+from protocol.errors import NoPermissionError, TopicNotExistError, error_for_code
 from protocol.route import TopicRouteData, decode_route
 
 AUTO_CREATE_TOPIC = "TBW102"
@@ -90,6 +90,8 @@ class RouteCache:
 
     def select(self, queues: list[MessageQueue], avoid: str | None = None) -> MessageQueue:
         """Round robin, skipping the broker that just failed when another exists."""
+        if not queues:
+            raise NoPermissionError("the topic has no writable queue on any broker")
         n = next(self._counter)
         for i in range(len(queues)):
             mq = queues[(n + i) % len(queues)]

@@ -222,7 +222,7 @@ async def test_admin_force_commit(broker_factory):
 
 async def test_no_live_producer_defers_checks_without_spending_them(broker_factory):
     b = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
-    gone = await TransactionProducer(b.namesrv, "PG_nobody", Listener(execute=S.UNKNOW)).start()
+    gone = await TransactionProducer(b.namesrv, "PG_nobody", Listener(execute=S.UNKNOW, check=S.UNKNOW)).start()
     await gone.send_in_transaction("TxNobody", b"waits for a producer")
     await gone.pool.close()
 
