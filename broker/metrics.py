@@ -78,6 +78,15 @@ class BrokerMetrics:
         self._samples: dict[str, list[float]] = {}
         self._counts: dict[str, int] = {}
         self._rpc_children: dict[tuple[int, int], object] = {}
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels):
+        """``metric.labels(*labels)``, cached: labels() takes a lock and builds a tuple per call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
         counts = self._in.get(topic)

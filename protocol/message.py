@@ -384,6 +384,42 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> tuple[Messag
     return msg, total
 
 
+def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, prepared_offset: int) -> bytearray:
+    """A copy of one whole stored record moved to another topic and queue.
+
+    Body, flag, born time and host, reconsume times and the properties bytes are kept as
+    they are; the transaction type and prepared offset are set; queue offset, physical
+    offset and store timestamp are zeroed for the store's writer to fill. This is how a
+    committed message is made from its half without decoding and re-encoding it.
+    """
+    n = len(buf)
+    total, magic = peek_record(buf, 0)
+    if magic != MESSAGE_MAGIC or total != n or n < 91:
+        raise RecordError(f"not one whole record: {n} bytes, TOTALSIZE {total}")
+    (old_sys,) = _I32.unpack_from(buf, POS_SYSFLAG)
+    extra = (12 if old_sys & SysFlag.BORNHOST_V6 else 0) + (12 if old_sys & SysFlag.STOREHOST_V6 else 0)
+    body_len_pos = 84 + extra
+    (body_len,) = _I32.unpack_from(buf, body_len_pos)
+    body_end = body_len_pos + 4 + body_len
+    if body_len < 0 or body_end + 3 > n or len(topic) > MAX_TOPIC_LENGTH:
+        raise RecordError("record body or topic runs past the record")
+    props_start = body_end + 1 + buf[body_end]
+    if props_start + 2 > n:
+        raise RecordError("record topic runs past the record")
+    out = bytearray(buf[:body_end])
+    out.append(len(topic))
+    out += topic
+    out += buf[props_start:n]
+    _I32.pack_into(out, 0, len(out))
+    _I32.pack_into(out, 12, queue_id)
+    _I64.pack_into(out, POS_QUEUE_OFFSET, 0)
+    _I64.pack_into(out, POS_PHYSICAL_OFFSET, 0)
+    _I32.pack_into(out, POS_SYSFLAG, SysFlag.with_transaction_type(old_sys, transaction_type))
+    _I64.pack_into(out, store_timestamp_pos(old_sys), 0)
+    _I64.pack_into(out, 76 + extra, prepared_offset)
+    return out
+
+
 def decode_records(buf) -> list[MessageExt]:
     """Every record of a pull / query body, in order."""
     out = []

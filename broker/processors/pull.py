@@ -33,8 +33,8 @@ def _reply(ctx, cmd, group, topic, got):
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:
         size = sum(len(b) for b in got.buffers)
-        ctx.metrics.messages_out.labels(topic, group).inc(len(got.buffers))
-        ctx.metrics.bytes_out.labels(topic, group).inc(size)
+        ctx.metrics.child(ctx.metrics.messages_out, topic, group).inc(len(got.buffers))
+        ctx.metrics.child(ctx.metrics.bytes_out, topic, group).inc(size)
         return cmd.response(code, status.name, fields, got.buffers)
     return cmd.response(code, status.name, fields)
 

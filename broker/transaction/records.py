@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.codes import SysFlag
-from protocol.message import (MessageExt, Prop, encode_record, properties_to_string, tags_code)
+from protocol.message import MessageExt, Prop, encode_record, properties_to_string, retopic_record, tags_code
 
 from ..store import PutRequest
 from ..topics import HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC
@@ -34,6 +34,7 @@ DEAD = "DEAD"
 RESUME = "RESUME"
 
 _OP_TAG_CODE = {OP_TAG_DECISION: 100, OP_TAG_CHECK: 99}  # Java hashCode of "d" and "c"
+_OP_TOPIC = OP_TOPIC.encode()
 
 
 @dataclass(slots=True)
@@ -65,24 +66,21 @@ class RecordFactory:
                                properties=properties_to_string(props).encode(), reconsume_times=reconsume_times)
         return PutRequest(record, HALF_TOPIC, 0, tags_code(props), sys_flag)
 
-    def committed(self, half: MessageExt, half_offset: int) -> PutRequest:
-        """The half's message on its real topic (RocketMQ 8.3: properties unchanged, sysFlag COMMIT)."""
-        topic = half.properties.get(Prop.REAL_TOPIC, "")
-        qid = int(half.properties.get(Prop.REAL_QID, "0") or 0)
-        sys_flag = SysFlag.with_transaction_type(half.sys_flag, SysFlag.TRANSACTION_COMMIT)
-        record = encode_record(topic=topic.encode(), body=half.body, queue_id=qid, flag=half.flag,
-                               sys_flag=sys_flag, born_timestamp=half.born_timestamp,
-                               born_host=_host(half.born_host), store_host=self.store_host,
-                               properties=properties_to_string(half.properties).encode(),
-                               reconsume_times=half.reconsume_times, prepared_offset=half_offset)
-        return PutRequest(record, topic, qid, tags_code(half.properties), sys_flag)
+    def committed(self, half_view, half_offset: int, topic: str, queue_id: int, tags: int) -> PutRequest:
+        """The half's message on its real topic (RocketMQ 8.3: properties unchanged, sysFlag COMMIT),
+        made from the half's stored bytes without decoding them."""
+        record = retopic_record(half_view, topic=topic.encode(), queue_id=queue_id,
+                                transaction_type=SysFlag.TRANSACTION_COMMIT, prepared_offset=half_offset)
+        return PutRequest(record, topic, queue_id, tags, SysFlag.TRANSACTION_COMMIT)
 
     def op(self, tag: str, half_offset: int, half_queue_offset: int, **extra: str) -> PutRequest:
-        props = {Prop.TAGS: tag, Prop.WAIT: "false", Prop.UNIQ_KEY: self.uniq_ids.next(), P_HALF: str(half_offset)}
-        props.update(extra)
-        record = encode_record(topic=OP_TOPIC.encode(), body=str(half_queue_offset).encode(), queue_id=0, flag=0,
+        # The properties string written directly: fixed keys, values that never hold separators.
+        props = f"TAGS\x01{tag}\x02WAIT\x01false\x02UNIQ_KEY\x01{self.uniq_ids.next()}\x02{P_HALF}\x01{half_offset}"
+        for key, value in extra.items():
+            props += f"\x02{key}\x01{value}"
+        record = encode_record(topic=_OP_TOPIC, body=str(half_queue_offset).encode(), queue_id=0, flag=0,
                                sys_flag=0, born_timestamp=self.clock(), born_host=self.store_host,
-                               store_host=self.store_host, properties=properties_to_string(props).encode())
+                               store_host=self.store_host, properties=props.encode())
         return PutRequest(record, OP_TOPIC, 0, _OP_TAG_CODE[tag], 0)
 
     def decision(self, op: str, half_offset: int, half_queue_offset: int, reason: str | None = None) -> PutRequest:

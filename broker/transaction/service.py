@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.errors import StoreError
-from protocol.message import Prop, decode_record, offset_msg_id
+from protocol.message import Prop, decode_record, offset_msg_id, tags_code
 
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
@@ -63,6 +63,19 @@ class Pending:
     last_answer: str = ""
     deciding: asyncio.Future | None = None
     deciding_op: str | None = None
+    real_qid: int = 0
+    tags_code: int = 0
+
+
+def _pending_from_half(msg, next_check: int, checks: int) -> Pending:
+    props = msg.properties
+    try:
+        real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
+    except ValueError:
+        real_qid = 0
+    return Pending(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
+                   props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, next_check, checks, real_qid=real_qid,
+                   tags_code=tags_code(props))
 
 
 class DecisionError(Exception):
@@ -148,8 +161,7 @@ class TransactionService:
                                 off, res.status.name)
                     self.decided[off] = (COMMIT, props.get(Prop.PGROUP, ""))
                 continue
-            p = Pending(off, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
-                        props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, 0, checks.get(off, 0))
+            p = _pending_from_half(msg, 0, checks.get(off, 0))
             p.next_check = max(first_check_time(self.policy, msg.store_timestamp,
                                                 props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)), now)
             self._add(p)
@@ -217,14 +229,15 @@ class TransactionService:
             return put_failure_response(cmd, result)
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
         p = Pending(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
-                    result.store_timestamp, 0, owner=conn, owner_id=client_id)
+                    result.store_timestamp, 0, owner=conn, owner_id=client_id, real_qid=qid,
+                    tags_code=req.tags_code)
         p.next_check = first_check_time(self.policy, result.store_timestamp,
                                         props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
         self._add(p)
         if p.next_check <= (self._heap[0][0] if self._heap else p.next_check):
             self.timer.wake()
         ctx.clients.add_producer(group, conn, client_id, cmd.language, cmd.version)
-        ctx.metrics.half_in.labels(group).inc()
+        ctx.metrics.child(ctx.metrics.half_in, group).inc()
         return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
     # ------------------------------------------------------------ decisions
@@ -247,10 +260,10 @@ class TransactionService:
             if from_check:
                 p.awaiting = False
                 p.unanswered = 0
-                self.ctx.metrics.check_answers.labels(group, op).inc()
+                self.ctx.metrics.child(self.ctx.metrics.check_answers, group, op).inc()
             p.last_answer = op
         if op == UNKNOWN:
-            self.ctx.metrics.unknowns.labels(group).inc()
+            self.ctx.metrics.child(self.ctx.metrics.unknowns, group).inc()
             return None if cmd.is_oneway else cmd.response(
                 ResponseCode.SUCCESS, "UNKNOWN recorded; the broker will check back")
         return self._end(cmd, group, half_offset, op)
@@ -278,9 +291,9 @@ class TransactionService:
             if earlier is None:
                 raise DecisionError(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed")
             if earlier[0] == op:
-                metrics.duplicates.labels(group or earlier[1]).inc()
+                metrics.child(metrics.duplicates, group or earlier[1]).inc()
                 return f"already {op}; nothing changed"
-            metrics.conflicts.labels(group or earlier[1]).inc()
+            metrics.child(metrics.conflicts, group or earlier[1]).inc()
             raise DecisionError(ResponseCode.TRANSACTION_FAILED,
                                 f"transaction already {earlier[0]}; {op} refused (the first decision wins)")
         p.deciding = asyncio.get_running_loop().create_future()
@@ -295,15 +308,15 @@ class TransactionService:
             self._remember(half_offset, op, p.group)
             now = self.ctx.clock()
             if op == COMMIT:
-                metrics.commits.labels(p.group).inc()
+                metrics.child(metrics.commits, p.group).inc()
                 metrics.count_in(p.topic, 1, 0)
             elif op == ROLLBACK:
-                metrics.rollbacks.labels(p.group).inc()
+                metrics.child(metrics.rollbacks, p.group).inc()
             else:
-                metrics.dead_letters.labels(p.group, reason or "").inc()
+                metrics.child(metrics.dead_letters, p.group, reason or "").inc()
                 log.warning("transaction %s (group %s, topic %s, half %d) dead-lettered: %s after %d checks",
                             p.uniq_key, p.group, p.topic, half_offset, reason, p.checks)
-            metrics.finish_latency.labels(p.group).observe(max(0, now - p.store_ts) / 1000)
+            metrics.child(metrics.finish_latency, p.group).observe(max(0, now - p.store_ts) / 1000)
             return op
         finally:
             fut, p.deciding = p.deciding, None
@@ -316,9 +329,10 @@ class TransactionService:
         view = self.ctx.store.get_record(p.half_offset)
         if view is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed")
-        half, _ = decode_record(view)
         if op == COMMIT:
-            return [rf.committed(half, p.half_offset), rf.decision(COMMIT, p.half_offset, p.queue_offset)]
+            return [rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code),
+                    rf.decision(COMMIT, p.half_offset, p.queue_offset)]
+        half, _ = decode_record(view)
         return [rf.dead_letter(half, p.half_offset, reason or "unknown"),
                 rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
 
@@ -355,7 +369,7 @@ class TransactionService:
             if action is Action.CHECK:
                 check_batch.append((p, conn))
             elif action is Action.DEFER:
-                self.ctx.metrics.checks_skipped.labels(p.group).inc()
+                self.ctx.metrics.child(self.ctx.metrics.checks_skipped, p.group).inc()
                 self._reschedule(p, now + self.policy.check_interval_ms)
             elif action in (Action.DEAD_MAX_CHECKS, Action.DEAD_EXPIRED):
                 deaths.append((p, action.value))
@@ -389,7 +403,7 @@ class TransactionService:
                 log.info("check of %s not sent: %s", p.uniq_key, exc)
                 continue
             p.awaiting = True
-            self.ctx.metrics.checks_sent.labels(p.group).inc()
+            self.ctx.metrics.child(self.ctx.metrics.checks_sent, p.group).inc()
 
     def _check_command(self, p: Pending) -> RemotingCommand:
         view = self.ctx.store.get_record(p.half_offset)
@@ -434,10 +448,7 @@ class TransactionService:
         if not result.ok:
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
         del self.decided[half_offset]
-        props = msg.properties
-        now = self.ctx.clock()
-        p = Pending(half_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
-                    props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, now)
+        p = _pending_from_half(msg, self.ctx.clock(), 0)
         self._add(p)
         self.timer.wake()
         return "resumed: pending again with its check count reset"

@@ -24,7 +24,7 @@ CHILD = r"""
 import asyncio, os, sys
 from broker.store import MessageStore, StoreConfig
 from broker.transaction.records import RecordFactory
-from protocol.message import UniqIdGenerator, decode_record, pack_host, string_to_properties
+from protocol.message import UniqIdGenerator, pack_host, tags_code
 
 async def main(store_dir):
     store = MessageStore(store_dir, StoreConfig(segment_size=1 << 20, checkpoint_interval_ms=600000))
@@ -33,8 +33,8 @@ async def main(store_dir):
     props = {"TAGS": "t", "UNIQ_KEY": "ABCDEF", "TRAN_MSG": "true", "PGROUP": "PG_torn", "WAIT": "true"}
     half = await store.put(rf.half(body=b"paid once", real_topic="Torn", real_qid=0, flag=0, sys_flag=4,
                                    born_timestamp=1, born_host=pack_host("127.0.0.1", 5), props=props))
-    msg, _ = decode_record(store.get_record(half.physical_offset))
-    await store.put(rf.committed(msg, half.physical_offset))      # ... and the op record is lost
+    view = store.get_record(half.physical_offset)
+    await store.put(rf.committed(view, half.physical_offset, "Torn", 0, tags_code(props)))  # the op is lost
     print("written", flush=True)
     os.kill(os.getpid(), 9)
 

@@ -293,3 +293,24 @@ def test_send_header_java_type_bounds_are_accepted():
     ext = {**_V2_OK, "e": "2147483647", "h": "-2147483648", "g": "9223372036854775807"}
     header = SendMessageRequestHeader.from_command(RemotingCommand(RequestCode.SEND_MESSAGE_V2, ext_fields=ext))
     assert (header.queue_id, header.flag, header.born_timestamp) == (2 ** 31 - 1, -2 ** 31, 2 ** 63 - 1)
+
+
+@pytest.mark.parametrize("born, store", [(("10.1.2.3", 4), ("127.0.0.1", 10911)), (("::1", 5), ("fe80::1", 6))])
+def test_retopic_record_moves_a_record_without_touching_its_payload(born, store):
+    from protocol.codes import SysFlag
+    from protocol.message import retopic_record
+    half = MessageExt("RMQ_SYS_TRANS_HALF_TOPIC", b"payload" * 50, queue_id=0, flag=7, queue_offset=3,
+                      physical_offset=999, sys_flag=SysFlag.COMPRESSED, born_timestamp=123, born_host=born,
+                      store_timestamp=456, store_host=store, reconsume_times=2,
+                      properties={"REAL_TOPIC": "Orders", "REAL_QID": "5", "TAGS": "t"})
+    moved, size = decode_record(retopic_record(half.encode(), topic=b"Orders", queue_id=5,
+                                               transaction_type=SysFlag.TRANSACTION_COMMIT, prepared_offset=999))
+    assert (moved.topic, moved.queue_id, moved.prepared_offset) == ("Orders", 5, 999)
+    assert (moved.queue_offset, moved.physical_offset, moved.store_timestamp) == (0, 0, 0)
+    assert moved.sys_flag & SysFlag.TRANSACTION_MASK == SysFlag.TRANSACTION_COMMIT
+    assert moved.sys_flag & SysFlag.COMPRESSED
+    assert (moved.body, moved.flag, moved.born_timestamp, moved.born_host, moved.store_host,
+            moved.reconsume_times, moved.properties) == (half.body, 7, 123, half.born_host, half.store_host, 2,
+                                                           half.properties)
+    with pytest.raises(RecordError):
+        retopic_record(half.encode()[:-1], topic=b"x", queue_id=0, transaction_type=8, prepared_offset=0)
