@@ -76,18 +76,10 @@ class ConsumeQueue:
             cq._flush_mark = (last, used)
         return cq
 
-    # ------------------------------------------------------------ hot path
+    # ------------------------------------------------------------ appends
     def append(self, phys: int, size: int, tag: int) -> None:
-        byte = self.max_offset * UNIT_SIZE
-        files = self.files
-        if not files or byte >= files[-1].start + self.file_size:
-            self._new_file(byte)
-        mf = files[-1]
-        pos = byte - mf.start
-        if pos + UNIT_SIZE > mf.reserved:
-            mf.reserve(pos + RESERVE_CHUNK)
-        UNIT.pack_into(mf.mm, pos, phys, size, tag)
-        self.max_offset += 1
+        """One unit (recovery's path; the writer packs a batch's units and calls extend)."""
+        self.extend(UNIT.pack(phys, size, tag))
 
     def extend(self, packed) -> None:
         """Append already packed units (a batch's worth for this queue): one copy per file touched."""
