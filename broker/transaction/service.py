@@ -444,8 +444,11 @@ class TransactionService:
         if view is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"half message at {half_offset} is no longer stored")
         msg, _ = decode_record(view)
+        # Marked before the write: a second resume racing this one is refused, not written twice.
+        self.decided[half_offset] = (RESUME, earlier[1])
         result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset))
         if not result.ok:
+            self.decided[half_offset] = earlier
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
         del self.decided[half_offset]
         p = _pending_from_half(msg, self.ctx.clock(), 0)

@@ -203,3 +203,25 @@ async def test_expiry_plan_racing_a_commit_skips_that_half_and_finishes(tmp_path
         assert tx.decided[p.half_offset][0] == COMMIT
     finally:
         await ctx.store._store.close()
+
+
+
+@bounded(20)
+async def test_two_concurrent_resumes_write_one_resume(tmp_path):
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        p = await add_half(ctx, b"dead")
+        await tx.decide(p.half_offset, DEAD, reason="max-checks")
+        writes = []
+        real_put = ctx.store._store.put
+        ctx.store.put = lambda req: (writes.append(req), real_put(req))[1]
+        results = await asyncio.gather(tx.resume(p.half_offset), tx.resume(p.half_offset), return_exceptions=True)
+        assert sum(isinstance(r, str) for r in results) == 1
+        refused = [r for r in results if isinstance(r, DecisionError)]
+        assert len(refused) == 1 and "not dead-lettered" in refused[0].remark
+        assert len(writes) == 1 and p.half_offset in tx.pending
+    finally:
+        await ctx.store._store.close()
