@@ -1,0 +1,50 @@
+"""Consumer retries through the broker: CONSUMER_SEND_MSG_BACK copies a failed message to %RETRY%<group>
+with its retry count, and past the group's maximum to %DLQ%<group>; nothing is dropped on the way."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import MessageQueue
+from producer import Producer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _send_back(consumer, mq_addr, msg, group, max_times):
+    cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+        "offset": msg.physical_offset, "group": group, "delayLevel": 0, "originMsgId": msg.msg_id,
+        "originTopic": msg.properties.get("RETRY_TOPIC", msg.topic), "maxReconsumeTimes": max_times})
+    return await consumer.pool.request(mq_addr, cmd, 5)
+
+
+async def test_failed_messages_go_to_retry_then_dead_letter_queue(broker):
+    group = "CG_retry"
+    async with Producer(broker.namesrv, "PG_retry") as producer:
+        sent = await producer.send("Work", b"fails every time", tags="job")
+    consumer = PullConsumer(broker.namesrv, group)
+    async with asyncio.timeout(20):
+        queues = await consumer.fetch_queues("Work")
+        mq = next(q for q in queues if q.queue_id == sent.queue.queue_id)
+        msg = (await consumer.pull(mq, sent.queue_offset)).messages[0]
+        addr = consumer._addr(mq)
+        seen = []
+        for attempt in range(1, 4):
+            resp = await _send_back(consumer, addr, msg, group, max_times=2)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            if attempt < 3:
+                retry_mq = (await consumer.fetch_queues(f"%RETRY%{group}"))[0]
+                got = await consumer.pull(retry_mq, attempt - 1)
+                msg = got.messages[0]
+                seen.append((msg.topic, msg.reconsume_times, msg.properties["RETRY_TOPIC"]))
+        dlq = MessageQueue(f"%DLQ%{group}", mq.broker_name, 0)
+        await consumer.fetch_queues(f"%DLQ%{group}")
+        dead = (await consumer.pull(dlq, 0)).messages
+    await consumer.shutdown()
+    assert seen == [(f"%RETRY%{group}", 1, "Work"), (f"%RETRY%{group}", 2, "Work")]
+    assert [m.body for m in dead] == [b"fails every time"]
+    assert dead[0].properties["ORIGIN_MESSAGE_ID"] == sent.msg_id and dead[0].reconsume_times == 3
