@@ -52,6 +52,7 @@ class PullConsumer:
         self.pool = ConnectionPool(self._on_request)
         self._brokers: dict[str, str] = {}
         self.subscriptions: dict[str, str] = {}
+        self.on_ids_changed = None
 
     async def __aenter__(self):
         return self
@@ -60,7 +61,10 @@ class PullConsumer:
         await self.shutdown()
 
     def _on_request(self, conn, cmd):
-        return None   # NOTIFY_CONSUMER_IDS_CHANGED is oneway; a pull consumer does not rebalance
+        # NOTIFY_CONSUMER_IDS_CHANGED is oneway; a pull consumer does not rebalance, a push consumer does.
+        if self.on_ids_changed is not None and cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
+            self.on_ids_changed()
+        return None
 
     async def fetch_queues(self, topic: str) -> list[MessageQueue]:
         last = None
@@ -90,13 +94,14 @@ class PullConsumer:
         await self.fetch_queues(topic)
         await self.heartbeat()
 
-    async def heartbeat(self) -> None:
+    async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
+                        consume_from: str = "CONSUME_FROM_FIRST_OFFSET") -> None:
         subs = [{"topic": t, "subString": e, "tagsSet": [] if e == "*" else [x.strip() for x in e.split("||")],
                  "codeSet": [], "subVersion": int(time.time() * 1000), "expressionType": "TAG",
                  "classFilterMode": False} for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
-            "groupName": self.group, "consumeType": "CONSUME_ACTIVELY", "messageModel": "CLUSTERING",
-            "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "subscriptionDataSet": subs, "unitMode": False}]})
+            "groupName": self.group, "consumeType": consume_type, "messageModel": "CLUSTERING",
+            "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
         for addr in set(self._brokers.values()):
             resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT, body=body.encode()),
                                            self.timeout)
@@ -133,6 +138,26 @@ class PullConsumer:
     async def commit_offset(self, mq: MessageQueue, offset: int) -> None:
         resp = await self._offset_call(RequestCode.UPDATE_CONSUMER_OFFSET, mq, consumerGroup=self.group,
                                        commitOffset=offset)
+        if resp.code != ResponseCode.SUCCESS:
+            raise error_for_code(resp.code, resp.remark)
+
+    async def consumer_ids(self, mq: MessageQueue) -> list[str]:
+        resp = await self.pool.request(self._addr(mq), RemotingCommand.request(
+            RequestCode.GET_CONSUMER_LIST_BY_GROUP, {"consumerGroup": self.group}), self.timeout)
+        if resp.code != ResponseCode.SUCCESS:
+            return []
+        return json.loads(resp.body_bytes()).get("consumerIdList") or []
+
+    async def send_back(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int = 16,
+                        delay_level: int = 0) -> None:
+        """Give a failed message (pulled from ``mq``) back to the broker: %RETRY%<group>, or %DLQ%<group>
+        when out of retries."""
+        addr = self._addr(mq)
+        cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": msg.physical_offset, "group": self.group, "delayLevel": delay_level,
+            "originMsgId": msg.msg_id, "originTopic": msg.properties.get("RETRY_TOPIC", msg.topic),
+            "maxReconsumeTimes": max_reconsume_times})
+        resp = await self.pool.request(addr, cmd, self.timeout)
         if resp.code != ResponseCode.SUCCESS:
             raise error_for_code(resp.code, resp.remark)
 

@@ -1,0 +1,51 @@
+"""Effectively-once consumption on top of at-least-once delivery.
+
+A message may arrive more than once (a retry after a lost acknowledgement, a producer that
+resent after a timeout, a rebalance). Each message carries a key that survives all of these:
+UNIQ_KEY, the producer's id for it (kept through retries). ``SqliteIdempotency.run_once`` runs
+the handler and records the key in ONE local SQLite transaction, so the handler's own writes
+and the "done" mark commit together or not at all: a redelivered message finds its key and is
+skipped. Keep the business data in the same database for this guarantee; with another store,
+do the same there (a unique key inserted in the same transaction as the side effect).
+"""
+from __future__ import annotations
+
+import sqlite3
+import time
+from typing import Callable
+
+from protocol.message import MessageExt, Prop
+
+
+def message_key(msg: MessageExt) -> str:
+    return msg.properties.get(Prop.UNIQ_KEY) or msg.offset_msg_id
+
+
+class SqliteIdempotency:
+    def __init__(self, path: str, table: str = "txmq_consumed"):
+        if not table.isidentifier():
+            raise ValueError(f"table name {table!r} is not an identifier")
+        self.table = table
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, consumed_ms INTEGER NOT NULL)")
+
+    def run_once(self, msg: MessageExt, handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
+        """Run ``handler(msg, db)`` unless this message was consumed before; True if it ran."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            try:
+                db.execute(f"INSERT INTO {self.table} (key, consumed_ms) VALUES (?, ?)",
+                           (message_key(msg), int(time.time() * 1000)))
+            except sqlite3.IntegrityError:
+                db.execute("ROLLBACK")
+                return False
+            handler(msg, db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return True
+
+    def close(self) -> None:
+        self.db.close()

@@ -1,0 +1,63 @@
+"""PushConsumer against the real broker: every message consumed, failures retried through %RETRY%,
+a poison message parked in %DLQ%, and SqliteIdempotency turning duplicates into exactly-once effects."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from consumer import ConsumeStatus, PullConsumer, PushConsumer, SqliteIdempotency
+from consumer.pull_consumer import MessageQueue
+from producer import Producer
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_push_consumer_retries_parks_poison_and_applies_once(broker, tmp_path):
+    async with Producer(broker.namesrv, "PG_push") as producer:
+        for i in range(20):
+            await producer.send("Jobs", f"job-{i}".encode(), tags="job")
+        await producer.send("Jobs", b"job-5", tags="job", properties={"UNIQ_KEY": "DUP-KEY"})
+        await producer.send("Jobs", b"job-5", tags="job", properties={"UNIQ_KEY": "DUP-KEY"})   # resent
+        await producer.send("Jobs", b"poison", tags="job")
+
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ledger.db.execute("CREATE TABLE applied (body TEXT)")
+    attempts = Counter()
+    done = asyncio.Event()
+    skipped = []
+
+    def apply(msg, db):
+        db.execute("INSERT INTO applied VALUES (?)", (msg.body.decode(),))
+
+    def listener(msg):
+        body = msg.body.decode()
+        attempts[body] += 1
+        assert msg.topic == "Jobs"                    # retries come back under the subscribed topic
+        if body == "poison" or (body.endswith(("0", "4", "8")) and attempts[body] == 1):
+            return ConsumeStatus.RECONSUME_LATER
+        if not ledger.run_once(msg, apply):
+            skipped.append(body)
+        if ledger.db.execute("SELECT COUNT(*) FROM applied").fetchone()[0] >= 21:
+            done.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_push", listener, consume_from="first", max_reconsume_times=2,
+                            suspend_ms=500)
+    consumer.subscribe("Jobs", "job")
+    async with asyncio.timeout(30):
+        await consumer.start()
+        await done.wait()
+        while attempts["poison"] < 3:                 # first delivery + two retries, then the DLQ
+            await asyncio.sleep(0.05)
+        await consumer.shutdown()
+        probe = PullConsumer(broker.namesrv, "CG_probe")
+        dlq = (await probe.fetch_queues("%DLQ%CG_push"))[0]
+        dead = (await probe.pull(MessageQueue(dlq.topic, dlq.broker_name, 0), 0)).messages
+        await probe.shutdown()
+    applied = Counter(row[0] for row in ledger.db.execute("SELECT body FROM applied"))
+    assert applied == Counter([f"job-{i}" for i in range(20)] + ["job-5"])   # the resent copy applied once
+    assert skipped == ["job-5"]
+    assert all(attempts[f"job-{i}"] == 2 for i in (0, 4, 8, 10, 14, 18))
+    assert [m.body for m in dead] == [b"poison"]
