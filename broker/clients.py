@@ -78,6 +78,7 @@ class ClientRegistry:
         self.producers: dict[str, dict] = {}      # group -> {conn: Channel}
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group) -> creates %RETRY%group
+        self.locks: dict[tuple, tuple[str, int]] = {}  # (group, topic, broker, queue) -> (client id, ms)
 
     # ------------------------------------------------------------ heartbeat
     def heartbeat(self, conn, cmd: RemotingCommand) -> list[str]:

@@ -208,7 +208,7 @@ class BrokerServer:
         ctx = self.ctx
         if ctx is not None and ctx.holds is not None:
             ctx.holds.wake_all()
-        pending = [t for conns in self.connections.values() for conn in conns for t in list(conn._tasks)]
+        pending = [t for conns in self.connections.values() for conn in conns for t in conn.in_flight]
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
         for conns in self.connections.values():

@@ -99,6 +99,11 @@ class RemotingConnection(asyncio.Protocol):
             self.on_close(self)
 
     @property
+    def in_flight(self) -> list[asyncio.Future]:
+        """The requests this connection is handling now."""
+        return list(self._tasks)
+
+    @property
     def is_open(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 

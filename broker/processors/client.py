@@ -53,7 +53,7 @@ def _lock_body(cmd):
 
 def lock_batch_mq(ctx, conn, cmd):
     group, client_id, mqs = _lock_body(cmd)
-    locks = ctx.clients.__dict__.setdefault("locks", {})
+    locks = ctx.clients.locks
     now = ctx.clock()
     granted = []
     for mq in mqs:
@@ -67,7 +67,7 @@ def lock_batch_mq(ctx, conn, cmd):
 
 def unlock_batch_mq(ctx, conn, cmd):
     group, client_id, mqs = _lock_body(cmd)
-    locks = ctx.clients.__dict__.setdefault("locks", {})
+    locks = ctx.clients.locks
     for mq in mqs:
         key = (group, mq.get("topic"), mq.get("brokerName"), mq.get("queueId"))
         if locks.get(key, (None,))[0] == client_id:

@@ -11,12 +11,23 @@ import random
 from time import perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
-from protocol.message import (Prop, SendMessageRequestHeader, decode_batch, decode_record, encode_record,
-                              offset_msg_id, properties_to_string, string_to_properties, tags_code, validate_topic)
+from protocol.message import (
+    Prop,
+    SendMessageRequestHeader,
+    decode_batch,
+    decode_record,
+    encode_record,
+    offset_msg_id,
+    pack_host,
+    properties_to_string,
+    string_to_properties,
+    tags_code,
+    validate_topic,
+)
 
+from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX
-from ..results import put_failure_response, send_ok
 
 _rand = random.Random()
 
@@ -24,8 +35,7 @@ _rand = random.Random()
 def _born_host(conn) -> bytes:
     host = conn.attributes.get("born_host")
     if host is None:
-        from protocol.message import pack_host
-        host = conn.attributes["born_host"] = pack_host(*conn.peer) if conn.peer[0] else b"\x7f\x00\x00\x01\x00\x00\x00\x00"
+        host = conn.attributes["born_host"] = pack_host(*conn.peer) if conn.peer[0] else pack_host("127.0.0.1", 0)
     return host
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.codes import SysFlag
-from protocol.message import MessageExt, Prop, encode_record, properties_to_string, retopic_record, tags_code
+from protocol.message import MessageExt, Prop, encode_record, pack_host, properties_to_string, retopic_record, tags_code
 
 from ..store import PutRequest
 from ..topics import HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC
@@ -105,7 +105,6 @@ class RecordFactory:
 
 
 def _host(host: tuple[str, int]) -> bytes:
-    from protocol.message import pack_host
     return pack_host(*host)
 
 

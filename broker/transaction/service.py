@@ -19,6 +19,7 @@ Promises, beyond RocketMQ 4.x:
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import json
@@ -100,8 +101,9 @@ class TransactionService:
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
         ctx.metrics.half_messages.set_function(lambda: len(self.pending))
 
-    @property
+    @functools.cached_property
     def records(self) -> RecordFactory:
+        # Built on first use: by then the server has bound its port and set the store host.
         return RecordFactory(self.ctx.store_host, self.ctx.uniq_ids, self.ctx.clock)
 
     # ------------------------------------------------------------ recovery

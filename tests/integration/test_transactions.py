@@ -15,6 +15,7 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.frame import FrameDecoder
+from protocol.message import decode_offset_msg_id
 
 pytestmark = pytest.mark.asyncio
 
@@ -75,8 +76,7 @@ async def test_commit_is_delivered_once_and_rollback_never(broker_factory):
         rolled = await producer.send_in_transaction("TxTopic", b"roll-me-back")
         assert committed.acknowledged and rolled.acknowledged
         # The decision is idempotent: replaying it changes nothing; the opposite is refused.
-        _, _, off = __import__("protocol.message", fromlist=["x"]).decode_offset_msg_id(
-            committed.send_result.offset_msg_id)
+        _, _, off = decode_offset_msg_id(committed.send_result.offset_msg_id)
         again = await producer._end(b.broker, off, committed.send_result.queue_offset,
                                     committed.send_result.msg_id, S.COMMIT_MESSAGE, False, None)
         assert again is True
@@ -84,7 +84,6 @@ async def test_commit_is_delivered_once_and_rollback_never(broker_factory):
             await producer._end(b.broker, off, committed.send_result.queue_offset,
                                 committed.send_result.msg_id, S.ROLLBACK_MESSAGE, False, None)
     bodies = await _drain(b.namesrv, "TxTopic", expect=1)
-    await asyncio.sleep(0)
     assert bodies == [b"commit-me"]
     listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
     assert listed["total"] == 0
