@@ -78,11 +78,17 @@ class DiskMonitor:
             except Exception:
                 log.exception("disk state listener %r failed", fn)
 
-    def remark(self) -> str:
+    def remark(self, why: str = "") -> str:
         """What a refused client reads: RocketMQ's opening words, then how full and where the line is."""
-        return (f"service not available now: the broker's disk is full [{self.ratio * 100:.1f}% used, "
-                f"{human_bytes(self.free_bytes)} free of {human_bytes(self.total_bytes)}; writes are refused "
-                f"at {self.refuse_ratio * 100:.0f}% and resume below {self.resume_ratio * 100:.0f}%]")
+        return (f"service not available now: the broker's disk is full [{why + '; ' if why else ''}"
+                f"{self.ratio * 100:.1f}% used, {human_bytes(self.free_bytes)} free of "
+                f"{human_bytes(self.total_bytes)}; writes are refused at {self.refuse_ratio * 100:.0f}% "
+                f"and resume below {self.resume_ratio * 100:.0f}%]")
+
+    def refuse(self, why: str = "") -> str:
+        """Count one refused write request and return its remark."""
+        self.refusals += 1
+        return self.remark(why)
 
     def describe(self) -> str:
         """One line for a start-up failure: the store, its free space."""
