@@ -73,6 +73,7 @@ class SpaceReserver:
         self._bg = None             # the background job in flight, if any (one at a time)
         self._last = None           # the newest job submitted: retention waits for it before unmapping
         self._warned = False        # a background job failed (logged once until one succeeds)
+        self.after_job = None       # called on the loop after every job: space was just taken (disk probe)
 
     def start(self, io) -> None:
         self._io = io
@@ -135,6 +136,8 @@ class SpaceReserver:
 
     def _submit(self, fn, *args, then=None):
         fut = self._io.submit(fn, *args, then=then)
+        if self.after_job is not None:
+            fut.add_done_callback(lambda _f: self.after_job())
         self._last = fut
         return fut
 

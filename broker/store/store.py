@@ -96,6 +96,7 @@ class MessageStore:
         self._reserve_io = IoThread("txmq-reserve")
         if self._log.reserver is not None:
             self._log.reserver.start(self._reserve_io)
+            self._log.reserver.after_job = self.disk.probe     # reserving is what fills the disk
         self._writer.start(self._io)
         loop = asyncio.get_running_loop()
         self._housekeeping = loop.create_task(self._checkpoint_loop(), name="txmq-store-checkpoint")
