@@ -266,7 +266,10 @@ def start_failure(exc: BaseException, store_dir: str) -> str:
     """The one line a failed start prints: the reason, and for a full disk the store, its free space and
     what it needs."""
     text = str(exc) or type(exc).__name__
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+    cause = exc
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+        cause = cause.__cause__
+    if cause is not None:
         disk = DiskMonitor(os.path.abspath(store_dir))
         text += (f" ({disk.describe()}; start-up needs room for its checkpoint, offsets and configuration "
                  f"files: free some space, or move the store)")

@@ -52,6 +52,7 @@ class ConsumeQueue:
         self._flush_mark: tuple[MappedFile | None, int] = (None, 0)
         self.backlog = bytearray()      # packed units waiting for disk space
         self._attempt_from = 0
+        self.last_error: OSError | None = None
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -87,8 +88,15 @@ class ConsumeQueue:
 
     # ------------------------------------------------------------ appends
     def append(self, phys: int, size: int, tag: int) -> None:
-        """One unit (recovery's path; the writer packs a batch's units and calls extend)."""
-        self.extend(UNIT.pack(phys, size, tag))
+        """One unit (recovery's path; the writer packs a batch's units and calls extend).
+
+        Recovery cannot leave units waiting (queue offsets are assigned from what is written), so
+        here no space is a StoreError: start-up stops with one line saying so.
+        """
+        if not self.extend(UNIT.pack(phys, size, tag)):
+            raise StoreError(f"no disk space to rebuild consume queue {self.topic}-{self.queue_id} in "
+                             f"{self.directory}: it needs {RESERVE_CHUNK // 1024} KiB; free some space and start "
+                             "again", segment=self.files[-1].name if self.files else None) from self.last_error
 
     def extend(self, packed) -> bool:
         """Append already packed units (a batch's worth for this queue): one copy per file touched.
@@ -120,6 +128,7 @@ class ConsumeQueue:
         return True
 
     def _defer(self, packed, exc: OSError) -> None:
+        self.last_error = exc
         written = self.max_offset * UNIT_SIZE
         # _write advances max_offset unit by unit run; keep exactly the units it did not copy
         done = written - self._attempt_from
