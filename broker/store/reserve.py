@@ -161,10 +161,10 @@ class SpaceReserver:
         return marker_end, spare
 
     def close(self) -> None:
-        """After the I/O thread stopped. A spare stays on disk zero-filled; recovery removes it."""
+        """After the I/O thread stopped: a spare nobody wrote goes (recovery would remove it anyway)."""
         for seg in self._made.values():
             if seg not in self.clog.segments:
-                seg.close()
+                seg.remove()
         self._made = {}
         self.spare = None
 

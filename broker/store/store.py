@@ -184,12 +184,20 @@ class MessageStore:
                     log.exception("dispatch listener %r failed on %s", fn, info)
 
     async def _checkpoint_loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.config.checkpoint_interval_ms / 1000)
             try:
                 await self._checkpoint()
             except OSError as exc:
-                log.error("checkpoint failed (retrying): %s", exc)
+                if not failing:     # once per outage, not once a second on a full disk
+                    log.error("checkpoint failed (retrying every %d ms): %s", self.config.checkpoint_interval_ms,
+                              exc)
+                failing = True
+                continue
+            if failing:
+                log.warning("checkpoint written again")
+                failing = False
 
     async def _disk_loop(self) -> None:
         while True:
