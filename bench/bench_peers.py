@@ -13,6 +13,7 @@ Python clients on uvloop in their own process, so the client's CPU is not the se
 | redis consume  | XRANGE COUNT 32 pages over what was added                               |
 | plain c=N      | ``Producer.send`` with N in flight (N = ``--inflight`` and 1)           |
 | batch          | ``Producer.send_batch`` of ``--batch`` messages, 8 batches in flight    |
+| linger         | ``Producer(batch_size=--batch, linger_ms=1).send``, 256 in flight       |
 | transactions   | ``TransactionProducer.send_in_transaction`` (half + acknowledged END)   |
 | consume        | ``PullConsumer`` draining the plain topic, 32 a pull                    |
 
@@ -247,7 +248,8 @@ async def txmq_client(namesrv: str, mode: str, seconds: float, inflight: int, si
             await tx.send_in_transaction(TX_TOPIC, body)
             latencies, elapsed = await closed_loop(seconds, inflight, lambda: tx.send_in_transaction(TX_TOPIC, body))
         return summary(latencies, len(latencies), elapsed)
-    async with Producer(namesrv, "PG_peers") as producer:
+    options = {"batch_size": batch, "linger_ms": 1.0} if mode == "linger" else {}
+    async with Producer(namesrv, "PG_peers", **options) as producer:
         await producer.send(TOPIC, body)
         if mode == "batch":
             bodies = [body] * batch
@@ -272,6 +274,7 @@ def run_txmq(tmp: str, args) -> dict:
         res["plain"] = _child(["--txmq", broker.namesrv, "plain"], args)
         res["plain_c1"] = _child(["--txmq", broker.namesrv, "plain", "--inflight-override", "1"], args)
         res["batch"] = _child(["--txmq", broker.namesrv, "batch", "--inflight-override", "8"], args)
+        res["linger"] = _child(["--txmq", broker.namesrv, "linger", "--inflight-override", "256"], args)
         res["tx"] = _child(["--txmq", broker.namesrv, "tx"], args)
         res["consume"] = _child(["--txmq", broker.namesrv, "consume"], args)
     finally:
@@ -282,6 +285,7 @@ def run_txmq(tmp: str, args) -> dict:
 def report(disk: dict, redis: dict | None, txmq: dict, args) -> dict:
     rows = [("fdatasync (disk)", disk), ("txmq plain c=%d" % args.inflight, txmq["plain"]),
             ("txmq plain c=1", txmq["plain_c1"]), ("txmq batch %dx, c=8" % args.batch, txmq["batch"]),
+            ("txmq send, linger 1 ms, c=256", txmq["linger"]),
             ("txmq transactions c=%d" % args.inflight, txmq["tx"]), ("txmq consume", txmq["consume"])]
     if redis is not None:
         rows[1:1] = [("redis xadd c=%d" % args.inflight, redis["xadd"]), ("redis consume", redis["consume"])]
@@ -289,7 +293,7 @@ def report(disk: dict, redis: dict | None, txmq: dict, args) -> dict:
     for label, r in rows:
         print(f"{label:28}{r['per_s']:12.0f}{r.get('p50_ms', float('nan')):10.3f}{r.get('p99_ms', float('nan')):10.3f}")
     fig = {"bench": "peers", "plain_per_s": round(txmq["plain"]["per_s"]), "tx_per_s": round(txmq["tx"]["per_s"]),
-           "batch_msgs_per_s": round(txmq["batch"]["per_s"]), "consume_per_s": round(txmq["consume"]["per_s"]),
+           "batch_msgs_per_s": round(txmq["batch"]["per_s"]), "linger_per_s": round(txmq["linger"]["per_s"]), "consume_per_s": round(txmq["consume"]["per_s"]),
            "c1_p50_ms": round(txmq["plain_c1"]["p50_ms"], 3), "fdatasync_p50_ms": round(disk["p50_ms"], 3),
            "tx_over_plain": round(txmq["tx"]["per_s"] / txmq["plain"]["per_s"], 3),
            "c1_p50_over_fdatasync": round(txmq["plain_c1"]["p50_ms"] / disk["p50_ms"], 3)}
