@@ -231,7 +231,15 @@ class CommitLog:
                 if pos + need <= seg_size:
                     self.need = (seg, pos + need, 0)
                     break
-                spare = self.reserver.spare if self.reserver is not None else self.make_segment(base + seg_size)
+                if self.reserver is not None:
+                    spare = self.reserver.spare
+                else:                       # preallocate=False: made here, on the loop
+                    try:
+                        spare = self.make_segment(base + seg_size)
+                    except OSError as exc:
+                        resolve(fut, unavailable(req, f"the broker's disk is full: cannot create a segment: {exc}"))
+                        i += 1
+                        continue
                 if pos + 8 > room or spare is None or spare.reserved < need:
                     self.need = (seg, pos + 8, need)
                     break
@@ -333,11 +341,11 @@ def _info(r: PutRequest, rec: bytearray, qoff: int, phys: int, n: int, now: int,
     return DispatchInfo(r.topic, r.queue_id, qoff, phys, n, r.tags_code, now, sys_flag, prepared, False)
 
 
-def unavailable(req_or_res):
+def unavailable(req_or_res, remark: str = ""):
     """SERVICE_NOT_AVAILABLE shaped like the request: one result, or a list for put_many."""
     if req_or_res.__class__ is list:
-        return [PutResult(_UNAVAILABLE) for _ in req_or_res]
-    return PutResult(_UNAVAILABLE)
+        return [PutResult(_UNAVAILABLE, remark=remark) for _ in req_or_res]
+    return PutResult(_UNAVAILABLE, remark=remark)
 
 
 def resolve(fut, value) -> None:

@@ -35,7 +35,7 @@ from protocol.errors import StoreError
 
 from .commit_log import CommitLog, resolve, unavailable
 from .disk import DiskMonitor
-from .results import PutRequest, PutResult, PutStatus
+from .results import PutRequest
 
 log = logging.getLogger("txmq.store")
 
@@ -81,7 +81,7 @@ class Writer:
             fut.set_result(unavailable(req))        # not open, closed, or stopped after an I/O error
             return fut
         if self.disk.refusing:
-            fut.set_result(self._disk_full(req, self.disk.refuse()))
+            fut.set_result(unavailable(req, self.disk.refuse()))
             return fut
         self._queue.append((req, fut))
         w = self._wake
@@ -214,7 +214,7 @@ class Writer:
             del self._queue[0]
             req, fut = entry
             log.warning("refused a write: no space to reserve for it (%s)", exc)
-            resolve(fut, self._disk_full(req, self.disk.refuse(f"no space for this write: {exc.strerror or exc}")))
+            resolve(fut, unavailable(req, self.disk.refuse(f"no space for this write: {exc.strerror or exc}")))
 
     def _start_flush(self) -> None:
         clog = self.clog
@@ -255,12 +255,6 @@ class Writer:
             for f, res in waiting:
                 if not f.done():
                     f.set_result(res)
-
-    @staticmethod
-    def _disk_full(req, remark: str):
-        if req.__class__ is list:
-            return [PutResult(PutStatus.SERVICE_NOT_AVAILABLE, remark=remark) for _ in req]
-        return PutResult(PutStatus.SERVICE_NOT_AVAILABLE, remark=remark)
 
     def _drop_queue(self) -> None:
         """The log failed: refuse everything still queued."""

@@ -236,3 +236,23 @@ async def test_over_the_watermark_puts_are_refused_before_the_log_and_reads_go_o
     store.disk.probe()
     assert (await store.put(req(100))).ok
     await store.close()
+
+
+@bounded()
+async def test_without_preallocation_a_segment_that_cannot_be_made_is_a_refusal(tmp_path, monkeypatch):
+    failing = {"on": False}
+    real_create = Segment.create.__func__
+
+    def create(cls, *args, **kwargs):
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(cls, *args, **kwargs)
+    monkeypatch.setattr(Segment, "create", classmethod(create))
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 * 1024, preallocate=False))
+    await store.open()
+    failing["on"] = True
+    results = [await store.put(req(5000)) for _ in range(20)]
+    assert results[0].ok and remark_is_disk_full(results[-1]) and store.writable
+    failing["on"] = False
+    assert (await store.put(req(5000))).physical_offset == 64 * 1024
+    await store.close()
