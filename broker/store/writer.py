@@ -66,6 +66,7 @@ class Writer:
         self._io: IoThread | None = None
         self._task: asyncio.Task | None = None
         self._space = None          # (job future, settle, the entry waiting for it) while awaiting the reserver
+        self._space_failing = False
         self.on_flush: Callable[[float], None] | None = None    # seconds one flush took (metrics)
         clog.on_fail = self._drop_queue
 
@@ -204,6 +205,9 @@ class Writer:
         self._space = None
         exc = settle()
         if exc is None:
+            if self._space_failing:
+                log.warning("space for writes is back: accepting them again")
+                self._space_failing = False
             return
         if not isinstance(exc, OSError):
             raise exc                       # a bug, not the disk: the writer stops and says so
@@ -213,7 +217,9 @@ class Writer:
         if self._queue and self._queue[0] is entry:
             del self._queue[0]
             req, fut = entry
-            log.warning("refused a write: no space to reserve for it (%s)", exc)
+            if not self._space_failing:     # once per shortage: every write would say the same
+                log.warning("refusing writes that find no space to reserve (%s)", exc)
+                self._space_failing = True
             resolve(fut, unavailable(req, self.disk.refuse(f"no space for this write: {exc.strerror or exc}")))
 
     def _start_flush(self) -> None:
