@@ -25,7 +25,7 @@ def guard_writes(table: dict) -> dict:
 def _guarded(fn):
     def handle(ctx, conn, cmd):
         store = ctx.store
-        if store is not None and store.disk.refusing:
+        if store is not None and store.disk.refusing and store.disk.still_refusing():
             remark = store.disk.refuse()
             return None if cmd.is_oneway else cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE, remark)
         return fn(ctx, conn, cmd)

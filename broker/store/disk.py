@@ -9,8 +9,10 @@ writes resume by themselves once usage falls again. ``DiskMonitor`` is that stat
 * ``refusing`` turns on at ``ratio >= refuse_ratio`` and off only below
   ``refuse_ratio - HYSTERESIS``, so a store hovering at the mark does not flap;
 * ``probe()`` is one statvfs (a couple of microseconds): the store calls it every
-  ``PROBE_INTERVAL_S`` from its housekeeping task, and at once when a reservation fails
-  with ENOSPC, so a disk filled between probes is refused from the next write on;
+  ``PROBE_INTERVAL_S`` from its housekeeping task, after every reservation of space (what
+  fills the disk), and at once when one fails with ENOSPC, so a disk filled between probes
+  is refused from the next write on; while refusing, ``still_refusing()`` re-probes for a
+  write at most every ``RECHECK_S``, so writes resume as soon as a client tries again;
 * every change of state is logged once, and ``on_change`` listeners hear it (metrics;
   the retention helper's pressure cleaning reads ``ratio`` the same way).
 
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Callable
 
 log = logging.getLogger("txmq.store")
 
 HYSTERESIS = 0.01           # resume below refuse_ratio - 1 point: one point of a 48 MiB disk is ~0.5 MiB
 PROBE_INTERVAL_S = 0.5      # well inside the 2 s in which writes must resume once space is back
+RECHECK_S = 0.05            # while refusing, a write request re-probes when the last probe is older
 
 
 class DiskMonitor:
@@ -43,9 +47,17 @@ class DiskMonitor:
         self.refusals = 0           # write requests refused while ``refusing`` (a counter for metrics)
         self.on_change: list[Callable[[bool], None]] = []
         self._statvfs = statvfs
+        self._probed_at = float("-inf")
+
+    def still_refusing(self) -> bool:
+        """For a write while ``refusing``: measure again if the last probe is stale; returns ``refusing``."""
+        if time.monotonic() - self._probed_at >= RECHECK_S:
+            self.probe()
+        return self.refusing
 
     def probe(self) -> bool:
         """Measure now; returns ``refusing``. A failing statvfs keeps the last state (and says so)."""
+        self._probed_at = time.monotonic()
         try:
             st = self._statvfs(self.path)
         except OSError as exc:

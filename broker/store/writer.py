@@ -81,7 +81,7 @@ class Writer:
         if self._task is None or self.clog.failed is not None or self._closing:
             fut.set_result(unavailable(req))        # not open, closed, or stopped after an I/O error
             return fut
-        if self.disk.refusing:
+        if self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(req, self.disk.refuse()))
             return fut
         self._queue.append((req, fut))
