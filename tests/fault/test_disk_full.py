@@ -5,9 +5,9 @@ A real broker process with its store on its own small tmpfs, and a 20 MiB ballas
 1. sends and transactions until the disk passes disk_refuse_ratio (90%): the writes are
    refused with SERVICE_NOT_AVAILABLE and a remark saying the disk is full and how full;
    pulls and metrics keep working;
-2. the rest of the file system is filled to 100% and the broker is killed (-9) and
-   started again on the full disk: it starts (no SIGBUS reading its files), serves reads
-   and refuses writes;
+2. the rest of the file system is filled to 100%; there the broker stops cleanly (exit 0),
+   starts (no SIGBUS reading its files), serves reads and refuses writes, is killed (-9)
+   and starts again;
 3. the ballast goes: writes resume without a restart (the time it took is printed);
 4. a clean restart, the checks settle what the refusals left undecided, and then every
    acknowledged send and every committed transaction is there exactly once, and no
@@ -155,19 +155,31 @@ async def test_a_full_disk_is_refused_survived_and_resumed(small_disk):
             assert len(await _bodies(broker.namesrv, "DiskSend")) == len(work.acked_sends)   # reads go on
             print(f"full disk: {type(refused).__name__} code {refused.code}: {refused.remark}")
 
-            # 2. fill the last 10% too, crash, and start on a disk with no byte free
+            # 2. fill the last 10% too; on a disk with no byte free: a clean stop, a start, a crash, a start
             await work.shutdown()
             _fill(store / "ballast-2", None)
-            broker.kill()
+            assert broker.stop() == 0, broker.log()
+            for crash in (False, True):
+                broker = BrokerProcess(store, *FLAGS, *fixed).start()
+                brokers.append(broker)
+                _fill(store / f"ballast-{3 + crash}", None)     # whatever start-up released, take it too
+                work = _resumed(work, broker.namesrv)
+                await work.start()
+                assert len(await _bodies(broker.namesrv, "DiskSend")) == len(work.acked_sends)
+                assert not await work.step() and "disk is full" in work.refusals[-1].remark
+                await work.shutdown()
+                if crash:
+                    broker.kill()
+                else:
+                    assert broker.stop() == 0, broker.log()
             broker = BrokerProcess(store, *FLAGS, *fixed).start()
             brokers.append(broker)
             work = _resumed(work, broker.namesrv)
             await work.start()
-            assert len(await _bodies(broker.namesrv, "DiskSend")) == len(work.acked_sends)
-            assert not await work.step() and "disk is full" in work.refusals[-1].remark
 
             # 3. free the space: writes resume by themselves
-            os.unlink(store / "ballast-2")
+            for name in ("ballast-2", "ballast-3", "ballast-4"):
+                os.unlink(store / name)
             os.unlink(ballast)
             freed = time.monotonic()
             attempts = 0
