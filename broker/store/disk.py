@@ -34,7 +34,8 @@ RECHECK_S = 0.05            # while refusing, a write request re-probes when the
 
 class DiskMonitor:
     def __init__(self, path: str, refuse_ratio: float = 0.90, *,
-                 statvfs: Callable[[str], os.statvfs_result] = os.statvfs):
+                 statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+                 clock: Callable[[], float] = time.monotonic):
         if not 0.0 < refuse_ratio <= 1.0:
             raise ValueError(f"refuse_ratio={refuse_ratio} must be in (0, 1]")
         self.path = path
@@ -47,17 +48,18 @@ class DiskMonitor:
         self.refusals = 0           # write requests refused while ``refusing`` (a counter for metrics)
         self.on_change: list[Callable[[bool], None]] = []
         self._statvfs = statvfs
+        self._clock = clock
         self._probed_at = float("-inf")
 
     def still_refusing(self) -> bool:
         """For a write while ``refusing``: measure again if the last probe is stale; returns ``refusing``."""
-        if time.monotonic() - self._probed_at >= RECHECK_S:
+        if self._clock() - self._probed_at >= RECHECK_S:
             self.probe()
         return self.refusing
 
     def probe(self) -> bool:
         """Measure now; returns ``refusing``. A failing statvfs keeps the last state (and says so)."""
-        self._probed_at = time.monotonic()
+        self._probed_at = self._clock()
         try:
             st = self._statvfs(self.path)
         except OSError as exc:

@@ -217,6 +217,23 @@ def test_the_watermark_refuses_at_the_ratio_and_resumes_below_it_less_the_hyster
     assert "disk is full" in disk.remark() and "95.0% used" in disk.remark() and "at 90%" in disk.remark()
 
 
+def test_while_refusing_a_write_re_measures_a_stale_probe_only():
+    fs, now = FakeFs(0.95), [100.0]
+    calls = []
+
+    def statvfs(path):
+        calls.append(now[0])
+        return fs(path)
+    disk = DiskMonitor("/store", 0.90, statvfs=statvfs, clock=lambda: now[0])
+    assert disk.probe() and len(calls) == 1
+    assert disk.still_refusing() and len(calls) == 1        # fresh: no second statvfs
+    fs.ratio = 0.5
+    now[0] += 0.049
+    assert disk.still_refusing() and len(calls) == 1
+    now[0] += 0.001                                         # RECHECK_S old: measured again, and resumed
+    assert not disk.still_refusing() and len(calls) == 2
+
+
 @bounded()
 async def test_over_the_watermark_puts_are_refused_before_the_log_and_reads_go_on(tmp_path):
     fs = FakeFs(0.5)
