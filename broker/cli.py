@@ -81,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return admin_main(argv[1:])
     try:
         config = config_from(argv)
-    except ConfigError as exc:
-        print(f"txmq-broker: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:      # a start failure like any other: one line, exit code 1
+        print(f"txmq-broker: cannot start: {exc}", file=sys.stderr)
+        return 1
     from .server import run
     return run(config)

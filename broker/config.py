@@ -33,6 +33,7 @@ class BrokerConfig:
     flush_interval_ms: int = setting(500, "Async flush period.")
     segment_size: int = setting(1 << 30, "Commit-log segment size in bytes (RocketMQ's 1 GiB).")
     max_message_size: int = setting(4 * 1024 * 1024, "Largest message body accepted (RocketMQ's 4 MiB); larger gets MESSAGE_ILLEGAL.")
+    disk_refuse_ratio: float = setting(0.90, "Refuse writes (SERVICE_NOT_AVAILABLE, 'disk is full') while the store's file system is at least this full; they resume by themselves below it less 0.01 (RocketMQ's diskSpaceWarningLevelRatio).")
     truncate_corrupt_tail: bool = setting(False, "Start even when the log is corrupt mid-way, truncating from the damage (the data after it is lost). Off: refuse to start and say where.")
     # ---- limits
     max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB); larger closes the connection.")
@@ -72,6 +73,8 @@ class BrokerConfig:
                      "default_topic_queue_nums"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if not 0.0 < self.disk_refuse_ratio <= 1.0:
+            raise ConfigError(f"disk_refuse_ratio={self.disk_refuse_ratio} must be in (0, 1]")
         if self.transaction_timeout_ms < 0:
             raise ConfigError("transaction_timeout_ms must not be negative")
         if self.max_message_size + 4096 > self.segment_size:

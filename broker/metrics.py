@@ -136,6 +136,10 @@ class BrokerMetrics:
 
         self.registry.register(_Collector())
 
+    def add_disk_collector(self, disk) -> None:
+        """The store's disk watermark state (a store/disk.py DiskMonitor), read at scrape time."""
+        self.registry.register(_DiskCollector(disk))
+
     # ------------------------------------------------------------- snapshots
     def snapshot(self, connections: int, lag: list[dict]) -> dict:
         requests = {}
@@ -162,6 +166,24 @@ class _InCollector:
             body.add_metric([topic], nbytes)
         yield messages
         yield body
+
+    def describe(self):
+        return list(self.collect())
+
+
+class _DiskCollector:
+    def __init__(self, disk):
+        self.disk = disk
+
+    def collect(self):
+        d = self.disk
+        yield GaugeMetricFamily("txmq_store_disk_usage_ratio", "Fraction (0..1) of the store's file system in use.",
+                                value=d.ratio)
+        yield GaugeMetricFamily("txmq_store_writes_refused",
+                                "1 while writes are refused because the disk is over disk_refuse_ratio, else 0.",
+                                value=1 if d.refusing else 0)
+        yield CounterMetricFamily("txmq_store_write_refusals", "Write requests refused for disk space.",
+                                  value=d.refusals)
 
     def describe(self):
         return list(self.collect())

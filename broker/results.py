@@ -21,7 +21,7 @@ def response_code(result) -> int:
 
 
 def put_failure_response(cmd, result):
-    return cmd.response(response_code(result), f"store refused the message: {result.status.name}")
+    return cmd.response(response_code(result), result.remark or f"store refused the message: {result.status.name}")
 
 
 def send_ok(ctx, cmd, msg_id: str, qid: int, queue_offset: int):

@@ -11,6 +11,7 @@ finish (bounded), stop the check timer, flush and close the store, exit 0.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from .context import BrokerContext, wall_clock_ms
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot
 from .processors import broker_table, namesrv_table
-from .store import ConsumerOffsets, MessageStore, StoreConfig
+from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .topics import RETRY_PREFIX, TopicManager
 from .transaction import TransactionService
 
@@ -70,7 +71,8 @@ class BrokerServer:
         store = MessageStore(store_dir, StoreConfig(segment_size=c.segment_size, flush=c.flush,
                                                     flush_interval_ms=c.flush_interval_ms,
                                                     max_message_size=c.max_message_size + 64 * 1024,
-                                                    truncate_corrupt_tail=c.truncate_corrupt_tail),
+                                                    truncate_corrupt_tail=c.truncate_corrupt_tail,
+                                                    disk_refuse_ratio=c.disk_refuse_ratio),
                              clock=self.clock)
         ctx.store = store
         store.set_flush_observer(self.metrics.flush_latency.observe)
@@ -111,6 +113,7 @@ class BrokerServer:
                                                            for g in list(ctx.clients.consumers)])
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [],
                               lambda: [((), ctx.holds.parked)])
+        m.add_disk_collector(ctx.store.disk)
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -223,7 +226,8 @@ class BrokerServer:
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
-        log.info("stopped")
+        if self.addresses:      # a start that failed has said so in its one line already
+            log.info("stopped")
 
 
 async def _maybe_await(fn):
@@ -240,9 +244,11 @@ async def serve(config: BrokerConfig) -> int:
     try:
         await server.start()
     except Exception as exc:  # noqa: BLE001 - start-up failures end the process with their reason
-        log.error("txmq broker failed to start: %s", exc)
-        print(f"txmq-broker: cannot start: {exc}", file=sys.stderr, flush=True)
-        await server.stop(grace_s=0)
+        print(f"txmq-broker: cannot start: {start_failure(exc, config.store_dir)}", file=sys.stderr, flush=True)
+        try:        # release what was opened; its own troubles would only bury the one line above
+            await server.stop(grace_s=0)
+        except Exception:  # noqa: BLE001
+            log.debug("cleanup after a failed start", exc_info=True)
         return 1
     a = server.addresses
     print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}", flush=True)
@@ -254,6 +260,20 @@ async def serve(config: BrokerConfig) -> int:
     log.info("signal received: stopping")
     await server.stop()
     return 0
+
+
+def start_failure(exc: BaseException, store_dir: str) -> str:
+    """The one line a failed start prints: the reason, and for a full disk the store, its free space and
+    what it needs."""
+    text = str(exc) or type(exc).__name__
+    cause = exc
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+        cause = cause.__cause__
+    if cause is not None:
+        disk = DiskMonitor(os.path.abspath(store_dir))
+        text += (f" ({disk.describe()}; start-up needs room for its checkpoint, offsets and configuration "
+                 f"files: free some space, or move the store)")
+    return text.replace("\n", " ")
 
 
 def run(config: BrokerConfig) -> int:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from protocol.codes import RequestCode as R
 
 from . import admin, client, namesrv, offsets, pull, send, transaction
+from .disk_guard import guard_writes
 
 
 def broker_table() -> dict:
-    return {
+    return guard_writes({
         R.SEND_MESSAGE: send.handle_send, R.SEND_MESSAGE_V2: send.handle_send,
         R.SEND_BATCH_MESSAGE: send.handle_batch, R.CONSUMER_SEND_MSG_BACK: send.handle_send_back,
         R.PULL_MESSAGE: pull.handle_pull,
@@ -37,7 +38,7 @@ def broker_table() -> dict:
         # Stock clients ask the broker for routes too when it is their only address.
         R.GET_ROUTEINFO_BY_TOPIC: namesrv.get_route_info,
         R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,
-    }
+    })
 
 
 def namesrv_table() -> dict:

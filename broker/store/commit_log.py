@@ -10,12 +10,12 @@ segment is closed with an end marker and the record starts at byte 0 of the next
     4       4     MAGIC        BLANK_MAGIC 0xCBD43194
     8       ...   zeros        (never written)
 
-Segments are sparse files kept zero-filled (pwrite + fdatasync) 4-16 MiB ahead of the
-writer by SpaceReserver, on a helper thread that only writes past the writer's mark:
-pwrite reserves the blocks and fails with ENOSPC where a store into an unbacked mapped
-page would SIGBUS; the pages it leaves make the writer's copy a cheap minor fault
-(copying into fallocated, never written pages cost 2-3 us per KiB in page faults); and
-msync then overwrites allocated, written blocks with no journal commit.
+Segments are sparse files; reserve.py keeps them zero-filled ahead of the writer and the
+next one made before it is needed, on a thread of its own. ``append`` never copies a byte
+past ``Segment.reserved``: a store into an unbacked mapped page would SIGBUS on a full disk.
+When a record (or a whole ``put_many`` batch: all or none) does not fit what is reserved,
+``append`` stops before it and says what it needs (``need``); the writer awaits that from
+the reserver and calls ``append`` again, or refuses that one entry if the disk has no room.
 
 ``append`` is the writer's hot loop (writer.py calls it with everything it drained): it
 validates each pre-encoded record, assigns its physical and queue offsets, patches them
@@ -27,7 +27,6 @@ a half-written record.
 from __future__ import annotations
 
 import logging
-import os
 import struct
 from typing import Callable
 
@@ -36,6 +35,7 @@ from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_PHYSICAL_OFFSET, PO
 from .config import StoreConfig
 from .consume_queue import UNIT
 from .mapped_file import MappedFile
+from .reserve import SpaceReserver, write_zeros
 from .results import DispatchInfo, PutRequest, PutResult, PutStatus
 
 log = logging.getLogger("txmq.store")
@@ -46,7 +46,7 @@ _QOFF_PHYS = struct.Struct(">qq")      # QUEUEOFFSET, PHYSICALOFFSET: adjacent, 
 assert POS_PHYSICAL_OFFSET == POS_QUEUE_OFFSET + 8
 _I64 = struct.Struct(">q")
 _OK, _ILLEGAL = PutStatus.PUT_OK, PutStatus.MESSAGE_ILLEGAL
-_UNAVAILABLE, _CREATE_FAILED = PutStatus.SERVICE_NOT_AVAILABLE, PutStatus.CREATE_MAPPED_FILE_FAILED
+_UNAVAILABLE = PutStatus.SERVICE_NOT_AVAILABLE
 _BORN_V6, _STORE_V6 = 0x10, 0x20
 RESERVE_LOW = 4 << 20       # keep at least this much zero-written space ahead of the writer ...
 RESERVE_HIGH = 16 << 20     # ... topping it up to this much
@@ -75,7 +75,8 @@ class CommitLog:
         self.on_fail: Callable[[], None] = lambda: None
         self.qoffsets: dict[tuple[str, int], int] = {}   # next queue offset per (topic, queue)
         self.dispatching = False    # build DispatchInfo only when someone listens
-        self.reserver = SpaceReserver(RESERVE_LOW, RESERVE_HIGH) if config.preallocate else None
+        self.reserver = SpaceReserver(self, RESERVE_LOW, RESERVE_HIGH) if config.preallocate else None
+        self.need: tuple[Segment, int, int] | None = None   # set when append stops for space (see append)
         self.last_ts = 0            # store timestamp of the last record written
         self._clock = clock
         self._limit = config.record_limit
@@ -102,13 +103,16 @@ class CommitLog:
         seg = segs[idx]
         return seg, phys - seg.start
 
-    def new_segment(self, start: int) -> Segment:
+    def make_segment(self, start: int) -> Segment:
+        """A new sparse segment file, nothing reserved (unless preallocate is off); not yet in the log."""
         seg = Segment.create(self.directory, start, self.seg_size, reserve=0)
-        if self.reserver is not None:
-            seg.reserved = 0
-            self.reserver.reserve_now(seg, min(self.seg_size, RESERVE_LOW))
-        else:
-            seg.reserved = self.seg_size
+        if self.reserver is None:
+            seg.reserved = seg.zeroed = self.seg_size       # preallocate=False: trust the file system
+        return seg
+
+    def new_segment(self, start: int) -> Segment:
+        """Start-up only (recovery): append a fresh segment; space is reserved when first written."""
+        seg = self.make_segment(start)
         self.segments.append(seg)
         return seg
 
@@ -125,15 +129,15 @@ class CommitLog:
         if not last.start <= phys <= last.start + self.seg_size - 8:
             raise AssertionError(f"log end {phys} is not in the active segment {last.name}")
         self._pos = self._dirty_lo = last.written = phys - last.start
-        if self.reserver is not None:
-            last.reserved = self._pos      # nothing beyond the data is known to be backed
+        # Nothing beyond the data is known to be backed (unless preallocate is off: trust the fs).
+        last.reserved = last.zeroed = self._pos if self.reserver is not None else self.seg_size
         self.readable = self.flushed = phys
         self.flushed_ts = self.last_ts = last_ts
 
     def zero(self, seg: Segment, lo: int, hi: int) -> None:
-        """Erase a torn or cut tail so the next start does not see it again."""
-        seg.mm[lo:hi] = bytes(hi - lo)
-        seg.flush(lo, hi)
+        """Erase a torn or cut tail so the next start does not see it again (pwrite: the range may hold a
+        hole, and a store through the mapping into a hole SIGBUSes on a full disk)."""
+        write_zeros(seg.fd, lo, hi)
 
     def drop_segments_from(self, index: int) -> list[str]:
         gone = [seg.name for seg in self.segments[index:]]
@@ -144,10 +148,7 @@ class CommitLog:
 
     def release_oldest(self) -> Segment:
         """Take the oldest segment out of the log; the caller unmaps and unlinks it."""
-        seg = self.segments.pop(0)
-        if self.reserver is not None:
-            self.reserver.forget(seg)
-        return seg
+        return self.segments.pop(0)
 
     # ------------------------------------------------------------ reads
     def record(self, phys: int) -> memoryview | None:
@@ -181,62 +182,76 @@ class CommitLog:
         return seg.view[pos:pos + size]
 
     # ------------------------------------------------------------ appends
-    def append(self, entries: list, done: list, units: dict, infos: list | None) -> None:
-        """Copy drained (request or list of requests, future) entries into the log.
+    def append(self, entries: list, i: int, done: list, units: dict, infos: list | None) -> int:
+        """Copy drained (request or list of requests, future) entries, from index ``i``, into the log.
 
         Accepted entries go to ``done`` as (future, result); the consume-queue units of their
         records, already packed, to ``units[(topic, queue id)]`` (a bytearray each, so a queue
-        takes a whole batch in one copy); refused entries are resolved at once.
+        takes a whole batch in one copy); refused entries are resolved at once. Returns the index
+        it stopped at: ``len(entries)``, or an entry that does not fit the reserved space, with
+        ``need`` = (segment, end of the space it needs there, bytes in the next segment) -- the
+        last is 0 unless the entry must go to the next segment.
         """
         qoffsets = self.qoffsets
         limit, seg_size = self._limit, self.seg_size
         seg = self.segments[-1]
-        mm, base, pos, room = seg.mm, seg.start, self._pos, min(seg.reserved, seg_size)
+        mm, base, pos, room = seg.mm, seg.start, self._pos, seg.reserved
         now = self._clock()
         check, pack_qp, pack_ts, pack_unit = _CHECK.unpack_from, _QOFF_PHYS.pack_into, _I64.pack_into, UNIT.pack
         wrote = False
-        for req, fut in entries:
+        stop = len(entries)
+        while i < stop:
+            req, fut = entries[i]
             if self.failed is not None:
                 resolve(fut, unavailable(req))
+                i += 1
                 continue
             if req.__class__ is list:
                 batch, results = req, []
-                total = self._precheck(batch)
-                if total < 0:
+                need = self._precheck(batch) + 8
+                if need < 8 or need > seg_size:     # illegal, or more than a segment holds: none is written
                     resolve(fut, [PutResult(_ILLEGAL) for _ in batch])
+                    i += 1
                     continue
-                if pos + total + 8 > seg_size and total + 8 <= seg_size:   # keep the batch contiguous
-                    new = self._roll(pos)
-                    if new is None:
-                        resolve(fut, [PutResult(_CREATE_FAILED) for _ in batch])
-                        continue
-                    seg, mm, base, pos, room = new, new.mm, new.start, 0, min(new.reserved, seg_size)
             else:
                 batch, results = (req,), None
-            for r in batch:
-                rec = r.record
+                rec = req.record
                 if rec.__class__ is not bytearray:
-                    rec = r.record = bytearray(rec)
+                    rec = req.record = bytearray(rec)
                 n = len(rec)
                 size_field, magic, qid, sys_flag = check(rec, 0) if n >= 91 else (0, 0, 0, 0)
+                key = (req.topic, qid)
+                if (n > limit or size_field != n or magic != MESSAGE_MAGIC or qid != req.queue_id or qid < 0
+                        or (not sys_flag & 0x4 and key not in qoffsets and validate_topic(req.topic) is not None)):
+                    resolve(fut, PutResult(_ILLEGAL))
+                    i += 1
+                    continue
+                need = n + 8
+            if pos + need > room:           # every record keeps room for the end marker after it
+                if pos + need <= seg_size:
+                    self.need = (seg, pos + need, 0)
+                    break
+                if self.reserver is not None:
+                    spare = self.reserver.spare
+                else:                       # preallocate=False: made here, on the loop
+                    try:
+                        spare = self.make_segment(base + seg_size)
+                    except OSError as exc:
+                        resolve(fut, unavailable(req, f"the broker's disk is full: cannot create a segment: {exc}"))
+                        i += 1
+                        continue
+                if pos + 8 > room or spare is None or spare.reserved < need:
+                    self.need = (seg, pos + 8, need)
+                    break
+                self._seal(seg, pos, spare)
+                seg, mm, base, pos, room = spare, spare.mm, spare.start, 0, spare.reserved
+            for r in batch:
+                rec = r.record
+                n = len(rec)
+                sys_flag = check(rec, 0)[3]
                 key = None
                 if not sys_flag & 0x4:      # NOT and COMMIT records get a consume-queue unit (spec 7.2)
-                    key = (r.topic, qid)
-                if (n > limit or size_field != n or magic != MESSAGE_MAGIC or qid != r.queue_id or qid < 0
-                        or (key is not None and key not in qoffsets and validate_topic(r.topic) is not None)):
-                    resolve(fut, PutResult(_ILLEGAL))       # only single puts get here; batches are prechecked
-                    break
-                if pos + n + 8 > room:
-                    new = self._roll(pos) if pos + n + 8 > seg_size else self._reserve(seg, pos + n + 8)
-                    if new is None:
-                        if results is None:
-                            resolve(fut, PutResult(_CREATE_FAILED))
-                        else:
-                            results += [PutResult(_CREATE_FAILED) for _ in range(len(batch) - len(results))]
-                        break
-                    if new is not seg:
-                        seg, mm, base, pos = new, new.mm, new.start, 0
-                    room = min(seg.reserved, seg_size)
+                    key = (r.topic, r.queue_id)
                 phys = base + pos
                 if key is None:
                     qoff = 0
@@ -263,13 +278,15 @@ class CommitLog:
                     done.append((fut, PutResult(_OK, phys, n, now, qoff)))
                 else:
                     results.append(PutResult(_OK, phys, n, now, qoff))
-            if results:
+            if results is not None:
                 done.append((fut, results))
+            i += 1
         self._pos = seg.written = pos
         if wrote:
             seg.last_ts = self.last_ts = now
-            if self.reserver is not None:
-                self.reserver.top_up(seg, pos)
+        if self.reserver is not None:
+            self.reserver.top_up(seg, pos)
+        return i
 
     def _precheck(self, batch: list) -> int:
         """Total size of a put_many batch, or -1 if any record is illegal (then none is written)."""
@@ -292,29 +309,15 @@ class CommitLog:
             total += n
         return total
 
-    def _reserve(self, seg: Segment, end: int) -> Segment | None:
-        try:
-            self.reserver.reserve_now(seg, end)
-            return seg
-        except OSError as exc:
-            self.fail(f"cannot reserve space in segment {seg.name}: {exc}")
-            return None
-
-    def _roll(self, pos: int) -> Segment | None:
-        """Seal the active segment with an end marker and start the next; None (and stop) if it cannot be made."""
-        old = self.segments[-1]
-        try:
-            if self.reserver is not None:
-                self.reserver.reserve_now(old, pos + 8)
-            new = self.new_segment(old.start + self.seg_size)    # before the marker: on failure nothing is written
-        except OSError as exc:
-            self.fail(f"cannot create segment {old.start + self.seg_size:020d}: {exc}")
-            return None
+    def _seal(self, old: Segment, pos: int, new: Segment) -> None:
+        """Close the active segment with an end marker (in reserved space) and make ``new`` active."""
+        if self.reserver is not None:
+            self.reserver.take_spare()
         _SIZE_MAGIC.pack_into(old.mm, pos, self.seg_size - pos, BLANK_MAGIC)
         old.written = pos
         self._dirty_sealed.append((old, self._dirty_lo, pos + 8))
         self._pos = self._dirty_lo = new.written = 0
-        return new
+        self.segments.append(new)
 
     # ------------------------------------------------------------ flushing
     @property
@@ -330,73 +333,6 @@ class CommitLog:
         return ranges
 
 
-_ZEROS = memoryview(bytes(1 << 20))
-
-
-def write_zeros(fd: int, lo: int, hi: int) -> None:
-    """Zero-fill [lo, hi) and make its block allocation durable.
-
-    After this, a later msync over these bytes overwrites allocated, written blocks: no
-    extent to allocate or convert, no journal commit on the commit path (the reason
-    PostgreSQL zero-fills its WAL segments). The cost is writing the log's bytes twice,
-    once as zeros, off the commit path.
-    """
-    start = lo
-    while lo < hi:
-        lo += os.pwrite(fd, _ZEROS[:min(len(_ZEROS), hi - lo)], lo)
-    if hi > start:
-        os.fdatasync(fd)
-
-
-class SpaceReserver:
-    """Keeps ``low``..``high`` bytes ahead of an appender zero-written, one job at a time on a helper thread.
-
-    The appender never writes at or past ``MappedFile.reserved``, which only moves once a job has
-    finished, and a job only writes past it: a job never overwrites data.
-    """
-
-    def __init__(self, low: int, high: int):
-        self.low, self.high = low, high
-        self._executor = None
-        self._job = None            # (concurrent future, file, target)
-
-    def start(self, executor) -> None:
-        self._executor = executor
-
-    def poll(self, wait: bool = False) -> None:
-        job = self._job
-        if job is None or not (wait or job[0].done()):
-            return
-        self._job = None
-        fut, mf, target = job
-        try:
-            fut.result()
-        except OSError as exc:      # the appender finds out for itself when it gets there
-            log.warning("reserving %s up to %d failed: %s", mf.path, target, exc)
-            return
-        mf.reserved = max(mf.reserved, target)
-
-    def forget(self, mf: MappedFile) -> None:
-        """Before closing ``mf``: its fd must not be closed (and reused) under a running pwrite."""
-        if self._job is not None and self._job[1] is mf:
-            self.poll(wait=True)
-
-    def reserve_now(self, mf: MappedFile, end: int) -> None:
-        """Make [0, end) writable before returning (OSError on a full disk)."""
-        self.forget(mf)
-        if end > mf.reserved:
-            target = min(mf.size, max(end, mf.reserved + self.low))
-            write_zeros(mf.fd, mf.reserved, target)
-            mf.reserved = target
-
-    def top_up(self, mf: MappedFile, pos: int) -> None:
-        self.poll()
-        if (self._job is None and self._executor is not None and mf.reserved < mf.size
-                and mf.reserved - pos < self.low):
-            target = min(mf.size, pos + self.high)
-            self._job = (self._executor.submit(write_zeros, mf.fd, mf.reserved, target), mf, target)
-
-
 def _info(r: PutRequest, rec: bytearray, qoff: int, phys: int, n: int, now: int, sys_flag: int) -> DispatchInfo:
     prepared = 0
     if sys_flag & 0xC:
@@ -405,11 +341,11 @@ def _info(r: PutRequest, rec: bytearray, qoff: int, phys: int, n: int, now: int,
     return DispatchInfo(r.topic, r.queue_id, qoff, phys, n, r.tags_code, now, sys_flag, prepared, False)
 
 
-def unavailable(req_or_res):
+def unavailable(req_or_res, remark: str = ""):
     """SERVICE_NOT_AVAILABLE shaped like the request: one result, or a list for put_many."""
     if req_or_res.__class__ is list:
-        return [PutResult(_UNAVAILABLE) for _ in req_or_res]
-    return PutResult(_UNAVAILABLE)
+        return [PutResult(_UNAVAILABLE, remark=remark) for _ in req_or_res]
+    return PutResult(_UNAVAILABLE, remark=remark)
 
 
 def resolve(fut, value) -> None:

@@ -48,6 +48,12 @@ class StoreConfig:
     # fails the roll with a clear status instead of a SIGBUS on the first write to a sparse page.
     preallocate: bool = True
 
+    # 0.90, RocketMQ's diskSpaceWarningLevelRatio: at or above this fraction of the store's file
+    # system in use, writes are refused (SERVICE_NOT_AVAILABLE) before any file is touched, and
+    # resume by themselves once usage is back under it (less disk.HYSTERESIS). The space above is
+    # what lets reads, checkpoints and consume queues go on, and start-up work, on a "full" disk.
+    disk_refuse_ratio: float = 0.90
+
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
             if not ok:
@@ -70,6 +76,8 @@ class StoreConfig:
              f"recovery_verify_segments={self.recovery_verify_segments} must not be negative")
         need(isinstance(self.truncate_corrupt_tail, bool), "truncate_corrupt_tail must be a bool")
         need(isinstance(self.preallocate, bool), "preallocate must be a bool")
+        need(isinstance(self.disk_refuse_ratio, (int, float)) and 0.0 < self.disk_refuse_ratio <= 1.0,
+             f"disk_refuse_ratio={self.disk_refuse_ratio!r} must be in (0, 1]")
 
     @property
     def record_limit(self) -> int:

@@ -14,6 +14,13 @@ writer appends units only for records that are already readable, the files are f
 lazily before each checkpoint, and recovery rebuilds any tail they lack from the log.
 Only the event-loop thread touches a queue, except ``flush`` (the flush thread, on
 ranges snapshotted by ``dirty_ranges``).
+
+Full disk: blocks are allocated (posix_fallocate, in RESERVE_CHUNK steps) before units are
+copied through the mapping, and start-up finds the written length with pread, never by
+reading the mapping (a read fault on a tmpfs hole SIGBUSes when the disk is full). Units
+that cannot get space wait in ``backlog`` (in memory, in order) and are written by the next
+``extend`` or ``retry``; meanwhile readers see the queue up to ``max_offset`` and the store
+does not checkpoint past them, so a crash rebuilds them from the log.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import struct
 
 from protocol.errors import StoreError
 
-from .mapped_file import MappedFile, parse_name
+from .mapped_file import MappedFile, last_nonzero, parse_name
 
 log = logging.getLogger("txmq.store")
 
@@ -31,7 +38,6 @@ UNIT = struct.Struct(">qiq")
 UNIT_SIZE = 20
 BLANK_SIZE = 0x7FFFFFFF
 RESERVE_CHUNK = 64 * 1024      # allocate ahead in small steps: a queue costs disk only as it fills
-_SCAN_CHUNK = 64 * 1024
 
 
 class ConsumeQueue:
@@ -44,6 +50,9 @@ class ConsumeQueue:
         self.min_offset = 0
         self.max_offset = 0
         self._flush_mark: tuple[MappedFile | None, int] = (None, 0)
+        self.backlog = bytearray()      # packed units waiting for disk space
+        self._attempt_from = 0
+        self.last_error: OSError | None = None
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -70,7 +79,8 @@ class ConsumeQueue:
         if cq.files:
             last = cq.files[-1]
             used = _written_length(last)
-            last.reserved = used
+            # Blocks up to the first hole exist; past it the next extend allocates before writing.
+            last.reserved = min(used, last.allocated_prefix())
             cq.max_offset = (last.start + used) // UNIT_SIZE
             cq.min_offset = cq.files[0].start // UNIT_SIZE
             cq._flush_mark = (last, used)
@@ -78,12 +88,57 @@ class ConsumeQueue:
 
     # ------------------------------------------------------------ appends
     def append(self, phys: int, size: int, tag: int) -> None:
-        """One unit (recovery's path; the writer packs a batch's units and calls extend)."""
-        self.extend(UNIT.pack(phys, size, tag))
+        """One unit (recovery's path; the writer packs a batch's units and calls extend).
 
-    def extend(self, packed) -> None:
-        """Append already packed units (a batch's worth for this queue): one copy per file touched."""
-        data = memoryview(packed)
+        Recovery cannot leave units waiting (queue offsets are assigned from what is written), so
+        here no space is a StoreError: start-up stops with one line saying so.
+        """
+        if not self.extend(UNIT.pack(phys, size, tag)):
+            raise StoreError(f"no disk space to rebuild consume queue {self.topic}-{self.queue_id} in "
+                             f"{self.directory}: it needs {RESERVE_CHUNK // 1024} KiB; free some space and start "
+                             "again", segment=self.files[-1].name if self.files else None) from self.last_error
+
+    def extend(self, packed) -> bool:
+        """Append already packed units (a batch's worth for this queue): one copy per file touched.
+
+        False when the disk has no room: what was not written waits in ``backlog``.
+        """
+        if self.backlog:
+            self.backlog += packed
+            return self.retry()
+        try:
+            self._write(memoryview(packed))
+        except OSError as exc:
+            self._defer(packed, exc)
+            return False
+        return True
+
+    def retry(self) -> bool:
+        """Write the backlog; True once it is empty."""
+        if not self.backlog:
+            return True
+        pending, self.backlog = self.backlog, bytearray()
+        try:
+            self._write(memoryview(pending))
+        except OSError as exc:
+            self._defer(pending, exc)
+            return False
+        log.info("consume queue %s-%d: space is back, %d waiting units written", self.topic, self.queue_id,
+                 len(pending) // UNIT_SIZE)
+        return True
+
+    def _defer(self, packed, exc: OSError) -> None:
+        self.last_error = exc
+        written = self.max_offset * UNIT_SIZE
+        # _write advances max_offset unit by unit run; keep exactly the units it did not copy
+        done = written - self._attempt_from
+        if not self.backlog:
+            log.warning("consume queue %s-%d: no space for units (%s); they wait in memory until there is",
+                        self.topic, self.queue_id, exc)
+        self.backlog = bytearray(packed[done:]) + self.backlog
+
+    def _write(self, data: memoryview) -> None:
+        self._attempt_from = self.max_offset * UNIT_SIZE
         while data:
             byte = self.max_offset * UNIT_SIZE
             files = self.files
@@ -93,7 +148,10 @@ class ConsumeQueue:
             pos = byte - mf.start
             n = min(len(data), self.file_size - pos)
             if pos + n > mf.reserved:
-                mf.reserve(pos + n + RESERVE_CHUNK)
+                try:
+                    mf.reserve(pos + n + RESERVE_CHUNK)
+                except OSError:
+                    mf.reserve(pos + n)     # a disk too full for the chunk may still take these units
             mf.mm[pos:pos + n] = data[:n]
             self.max_offset += n // UNIT_SIZE
             data = data[n:]
@@ -231,13 +289,10 @@ class ConsumeQueue:
 
 
 def _written_length(mf: MappedFile) -> int:
-    """Bytes up to the last whole unit holding a non-zero byte (every real unit has a non-zero size)."""
-    end = mf.size
-    while end > 0:
-        start = max(0, end - _SCAN_CHUNK)
-        tail = mf.mm[start:end].rstrip(b"\0")
-        if tail:
-            last = start + len(tail)
-            return min(-(-last // UNIT_SIZE) * UNIT_SIZE, mf.size - mf.size % UNIT_SIZE)
-        end = start
-    return 0
+    """Bytes up to the last whole unit holding a non-zero byte (every real unit has a non-zero size).
+
+    pread, not the mapping: the file's tail may be a hole, and on a full tmpfs reading one
+    through a mapping is SIGBUS.
+    """
+    last = last_nonzero(mf.fd, 0, mf.size)
+    return min(-(-last // UNIT_SIZE) * UNIT_SIZE, mf.size - mf.size % UNIT_SIZE)

@@ -10,8 +10,11 @@ Why things are done this way:
   sparse page on a full disk raises SIGBUS and kills the process, while reserving
   fails with a plain ENOSPC the writer can turn into a status. Consume-queue files
   reserve with posix_fallocate in small steps.
-* Commit-log segments are created sparse; commit_log.py keeps them zero-filled ahead of
-  the writer (see SpaceReserver there).
+* Commit-log segments are created sparse; reserve.py keeps them zero-filled ahead of
+  the writer (``zeroed`` is its thread's mark, ``reserved`` the writer's).
+* Nothing reads a file through its mapping where it may hold a hole, either: on tmpfs a
+  read fault on a hole needs a page the full disk no longer has (SIGBUS too). Start-up
+  finds where data ends with ``last_nonzero`` (lseek SEEK_DATA + pread), never the mapping.
 * ``flush`` is msync(MS_SYNC) on the page-aligned range (mmap.flush drops the GIL while
   the kernel writes), so it can run on a worker thread while the event loop goes on.
 * Readers get slices of ``view``; while any slice is alive the mapping cannot be closed
@@ -21,6 +24,7 @@ Why things are done this way:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -52,7 +56,7 @@ def fsync_dir(path: str) -> None:
 
 
 class MappedFile:
-    __slots__ = ("path", "name", "start", "size", "fd", "mm", "view", "reserved")
+    __slots__ = ("path", "name", "start", "size", "fd", "mm", "view", "reserved", "zeroed")
 
     def __init__(self, path: str, start: int, size: int, fd: int, reserved: int):
         self.path = path
@@ -60,7 +64,8 @@ class MappedFile:
         self.start = start
         self.size = size
         self.fd = fd
-        self.reserved = reserved    # bytes from 0 known to be allocated on disk
+        self.reserved = reserved    # bytes from 0 known to be allocated on disk: writes go only below it
+        self.zeroed = reserved      # (segments) how far the reserver thread has written zeros
         self.mm = mmap.mmap(fd, size)
         self.view = memoryview(self.mm)
 
@@ -101,6 +106,13 @@ class MappedFile:
             os.close(fd)
             raise
         return mf, found
+
+    def allocated_prefix(self) -> int:
+        """Bytes from 0 up to the first hole: what may be read through the mapping on any file system."""
+        try:
+            return min(os.lseek(self.fd, 0, os.SEEK_HOLE), self.size)
+        except OSError:     # no SEEK_HOLE: not tmpfs, where reading a hole maps a zero page harmlessly
+            return self.size
 
     def reserve(self, end: int) -> None:
         """Allocate disk blocks up to ``end`` (a chunk ahead of the writer), raising OSError on ENOSPC."""
@@ -144,3 +156,33 @@ class MappedFile:
             pass
         return self.close()
 
+
+_PREAD_CHUNK = 1 << 20
+
+
+def last_nonzero(fd: int, lo: int, hi: int) -> int:
+    """One past the last non-zero byte of the file in [lo, hi), ``lo`` if none. Reads with pread, so
+    holes cost nothing to read and fault nothing in; skips them outright where the fs has SEEK_DATA."""
+    regions = []
+    pos = lo
+    while pos < hi:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            stop = min(os.lseek(fd, start, os.SEEK_HOLE), hi)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:    # no SEEK_DATA here: look at every byte
+                regions = [(lo, hi)]
+            break                           # ENXIO: nothing but holes after pos
+        if start >= hi:
+            break
+        regions.append((start, stop))
+        pos = stop
+    for start, stop in reversed(regions):
+        end = stop
+        while end > start:
+            a = max(start, end - _PREAD_CHUNK)
+            tail = os.pread(fd, end - a, a).rstrip(b"\0")
+            if tail:
+                return a + len(tail)
+            end = a
+    return lo

@@ -92,10 +92,15 @@ class ConsumerOffsets:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        self.persist()
+        try:
+            self.persist()
+        except OSError as exc:  # a full disk must not turn a clean stop into a crash; consumers re-read
+            log.error("consumer offsets not persisted at close: %s (consumers resume from the last saved "
+                      "offsets and may see messages again)", exc)
 
     async def _persist_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        failing = False
         while True:
             await asyncio.sleep(self.persist_interval_s)
             if self._dirty:
@@ -105,7 +110,13 @@ class ConsumerOffsets:
                     await loop.run_in_executor(None, self._write, data)
                 except OSError as exc:
                     self._dirty = True
-                    log.error("consumer offsets not persisted (retrying): %s", exc)
+                    if not failing:     # once per outage (a full disk), not every few seconds
+                        log.error("consumer offsets not persisted (retrying): %s", exc)
+                    failing = True
+                    continue
+                if failing:
+                    log.warning("consumer offsets persisted again")
+                    failing = False
 
     def persist(self) -> None:
         """Write the table now (blocking)."""

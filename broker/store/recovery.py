@@ -32,7 +32,6 @@ in the log become pre-blank units. Dispatch listeners are called, with
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import struct
@@ -46,7 +45,7 @@ from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, string_to_properties, t
 from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
 from .consume_queue import ConsumeQueue
-from .mapped_file import parse_name
+from .mapped_file import last_nonzero, parse_name
 from .results import DispatchInfo, RecoveryReport, Truncation
 
 log = logging.getLogger("txmq.store")
@@ -57,7 +56,6 @@ _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _I16 = struct.Struct(">h")
 _MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)
-_CHUNK = 1 << 20
 
 
 class BadRecord(Exception):
@@ -65,16 +63,23 @@ class BadRecord(Exception):
 
 
 def parse_record(seg: Segment, pos: int, check_crc: bool = True):
-    """(size, queue id, queue offset, sys flag, store ts, prepared offset, topic, props span) or BadRecord."""
+    """(size, queue id, queue offset, sys flag, store ts, prepared offset, topic, props span) or BadRecord.
+
+    Reads only below ``seg.reserved``, which load_segments sets to the file's first hole.
+    """
     mm = seg.mm
     limit = seg.size - 8
     if pos + 91 > limit:
         raise BadRecord("no room for a record before the end marker")
+    if pos + 91 > seg.reserved:
+        raise BadRecord("no data on disk here")
     size, magic, crc, qid, _flag, qoff, phys, sys_flag = _HEAD.unpack_from(mm, pos)
     if magic != MESSAGE_MAGIC:
         raise BadRecord(f"magic {magic & 0xFFFFFFFF:#010x} is not a record's")
     if size < 91 or pos + size > limit:
         raise BadRecord(f"size {size} does not fit the segment")
+    if pos + size > seg.reserved:
+        raise BadRecord(f"size {size} runs into a hole at byte {seg.reserved}")
     if phys != seg.start + pos:
         raise BadRecord(f"its offset field says {phys}, not {seg.start + pos}")
     p = pos + 48 + (20 if sys_flag & 0x10 else 8)
@@ -111,33 +116,14 @@ def _tag(seg: Segment, span) -> int:
 
 
 def data_end(seg: Segment, lo: int) -> int:
-    """One past the last non-zero byte at or after ``lo`` (``lo`` if none); skips holes when the fs can."""
-    regions = []
-    pos = lo
-    while pos < seg.size:
-        try:
-            start = os.lseek(seg.fd, pos, os.SEEK_DATA)
-            stop = min(os.lseek(seg.fd, start, os.SEEK_HOLE), seg.size)
-        except OSError as exc:
-            if exc.errno != errno.ENXIO:    # no SEEK_DATA on this file system: look at every byte
-                regions = [(lo, seg.size)]
-            break                           # ENXIO: nothing but holes after pos
-        regions.append((start, stop))
-        pos = stop
-    for start, stop in reversed(regions):
-        end = stop
-        while end > start:
-            a = max(start, end - _CHUNK)
-            tail = seg.mm[a:end].rstrip(b"\0")
-            if tail:
-                return a + len(tail)
-            end = a
-    return lo
+    """One past the last non-zero byte at or after ``lo`` (``lo`` if none), read with pread, never the mapping."""
+    return last_nonzero(seg.fd, lo, seg.size)
 
 
 def _valid_record_in(seg: Segment, lo: int, hi: int) -> int | None:
     """Position of a fully valid record starting in (lo, hi), found through its magic, or None."""
     at = lo + 1
+    hi = min(hi, seg.reserved)      # the mapping is read only where the file has data
     while True:
         hit = seg.mm.find(_MAGIC_BYTES, at + 4, hi)
         if hit < 0:
@@ -169,6 +155,7 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
                              "the first bad record on, set StoreConfig(truncate_corrupt_tail=True)",
                              segment=name, position=found)
         seg, found = Segment.open(os.path.join(clog.directory, name), start, seg_size)
+        seg.reserved = seg.allocated_prefix()      # what recovery may read through the mapping
         clog.segments.append(seg)
         if found < seg_size:
             log.warning("segment %s was %d bytes, short of %d; extended with zeros", name, found, seg_size)
@@ -197,7 +184,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             try:
                 size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(seg, pos)
             except BadRecord as bad:
-                total, magic = _SIZE_MAGIC.unpack_from(seg.mm, pos) if pos + 8 <= seg.size else (0, 0)
+                total, magic = _SIZE_MAGIC.unpack_from(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
                 if magic == BLANK_MAGIC and total == seg.size - pos:
                     seg.written = pos
                     break

@@ -73,6 +73,7 @@ class PutResult:
     size: int = 0
     store_timestamp: int = 0
     queue_offset: int = -1          # -1 when the record got no consume-queue unit (PREPARED / ROLLBACK)
+    remark: str = ""                # why, for a refusal a client should read (a full disk)
 
     @property
     def ok(self) -> bool:

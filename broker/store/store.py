@@ -2,8 +2,11 @@
 
 Threads: everything runs on the event loop except msync / fsync / unmap, which go to ONE
 I/O thread in submission order (so a file queued for removal is never unmapped while an
-earlier flush of it is pending), and the zero-writing ahead of the commit-log writer,
-on a second thread that only ever writes past the writer's reserved mark.
+earlier flush of it is pending), and segment creation and the zero-writing ahead of the
+commit-log writer, on a second thread that only ever writes past the writer's reserved mark.
+
+Disk: ``disk`` (a DiskMonitor) is probed every PROBE_INTERVAL_S; above its refuse ratio puts
+are refused before they are queued, and they resume by themselves once it falls.
 
 Consumer offsets live next door in offsets.py (ConsumerOffsets), persisted on their own.
 """
@@ -15,7 +18,6 @@ import logging
 import os
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from protocol.errors import StoreError
@@ -25,6 +27,7 @@ from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import UNIT, ConsumeQueue
+from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .recovery import recover
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 from .writer import IoThread, Writer
@@ -49,7 +52,8 @@ class MessageStore:
         self.config = config or StoreConfig()
         self.clock = clock or _default_clock
         self._log = CommitLog(os.path.join(self.store_dir, "commitlog"), self.config, self.clock)
-        self._writer = Writer(self._log, self._on_commit)
+        self.disk = DiskMonitor(self.store_dir, self.config.disk_refuse_ratio)
+        self._writer = Writer(self._log, self._on_commit, self.disk)
         # The hot path skips a call layer: put / put_many ARE the writer's (documented below).
         self.put = self._writer.put
         self.set_flush_observer = lambda fn: setattr(self._writer, "on_flush", fn)   # fn(seconds) per flush
@@ -58,8 +62,10 @@ class MessageStore:
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._listeners: list[Callable[[DispatchInfo], None]] = []
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
-        self._reserver: ThreadPoolExecutor | None = None    # zeros ahead of the writer
+        self._reserve_io: IoThread | None = None            # new segments, zeros ahead of the writer
         self._housekeeping: asyncio.Task | None = None
+        self._disk_task: asyncio.Task | None = None
+        self._backlogged: set = set()                       # consume queues with units waiting for space
         self._last_checkpoint: Checkpoint | None = None
         self._lock_fd = -1
         self._state = "new"
@@ -76,6 +82,7 @@ class MessageStore:
             raise StoreError(f"the store at {self.store_dir} was already opened")
         for sub in ("commitlog", "consumequeue", "config"):
             os.makedirs(os.path.join(self.store_dir, sub), exist_ok=True)
+        self.disk.probe()
         self._lock()
         try:
             self._load_queues()
@@ -86,12 +93,14 @@ class MessageStore:
             self._close_files()
             raise
         self._io = IoThread("txmq-flush")
-        self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-reserve")
+        self._reserve_io = IoThread("txmq-reserve")
         if self._log.reserver is not None:
-            self._log.reserver.start(self._reserver)
+            self._log.reserver.start(self._reserve_io)
+            self._log.reserver.after_job = self.disk.probe     # reserving is what fills the disk
         self._writer.start(self._io)
-        self._housekeeping = asyncio.get_running_loop().create_task(self._checkpoint_loop(),
-                                                                    name="txmq-store-checkpoint")
+        loop = asyncio.get_running_loop()
+        self._housekeeping = loop.create_task(self._checkpoint_loop(), name="txmq-store-checkpoint")
+        self._disk_task = loop.create_task(self._disk_loop(), name="txmq-store-disk")
         self._state = "open"
         return self.report
 
@@ -101,17 +110,19 @@ class MessageStore:
             return
         self._state = "closing"
         await self._writer.close()
-        self._housekeeping.cancel()
-        try:
-            await self._housekeeping
-        except asyncio.CancelledError:
-            pass
+        for task in (self._housekeeping, self._disk_task):
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._retry_backlogs()
         try:
             await self._checkpoint()
         except OSError as exc:
             log.error("final checkpoint failed: %s", exc)
         self._io.stop()
-        self._reserver.shutdown(wait=True)
+        self._reserve_io.stop()
         self._close_files()
         self._state = "closed"
 
@@ -132,6 +143,8 @@ class MessageStore:
         self._lock_fd = fd
 
     def _close_files(self) -> None:
+        if self._log.reserver is not None:
+            self._log.reserver.close()
         for cq in self._cqs.values():
             cq.close()
         for seg in self._log.segments:
@@ -157,14 +170,12 @@ class MessageStore:
     def _on_commit(self, units: list, infos: list) -> None:
         """Records just became readable: index them, then tell the listeners."""
         cqs = self._cqs
-        try:
-            for key, packed in units.items():
-                cq = cqs.get(key)
-                if cq is None:
-                    cq = cqs[key] = self._make_queue(key)
-                cq.extend(packed)
-        except OSError as exc:      # the records are durable; recovery re-indexes them at the next start
-            self._log.fail(f"cannot extend a consume queue: {exc}")
+        for key, packed in units.items():
+            cq = cqs.get(key)
+            if cq is None:
+                cq = cqs[key] = self._make_queue(key)
+            if not cq.extend(packed):       # no space: the units wait in memory (see consume_queue.py)
+                self._backlogged.add(cq)
         for info in infos:
             for fn in self._listeners:
                 try:
@@ -173,14 +184,34 @@ class MessageStore:
                     log.exception("dispatch listener %r failed on %s", fn, info)
 
     async def _checkpoint_loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.config.checkpoint_interval_ms / 1000)
             try:
                 await self._checkpoint()
             except OSError as exc:
-                log.error("checkpoint failed (retrying): %s", exc)
+                if not failing:     # once per outage, not once a second on a full disk
+                    log.error("checkpoint failed (retrying every %d ms): %s", self.config.checkpoint_interval_ms,
+                              exc)
+                failing = True
+                continue
+            if failing:
+                log.warning("checkpoint written again")
+                failing = False
+
+    async def _disk_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            self.disk.probe()
+            self._retry_backlogs()
+
+    def _retry_backlogs(self) -> None:
+        if self._backlogged:
+            self._backlogged = {cq for cq in self._backlogged if not cq.retry()}
 
     async def _checkpoint(self) -> None:
+        if self._backlogged:        # units below the flushed offset are not all in their queues yet
+            return
         point = Checkpoint(self._log.flushed, self._log.flushed_ts)
         if point == self._last_checkpoint:
             return
@@ -351,6 +382,8 @@ class MessageStore:
                                  f"{segs[0].name if segs else None})", segment=name)
             if segs[0].start + clog.seg_size > clog.flushed:
                 raise StoreError(f"cannot remove segment {name}: not flushed yet", segment=name)
+            if clog.reserver is not None and clog.reserver.idle is not None:
+                await clog.reserver.idle    # no reserve job may still hold the file
             dead = [clog.release_oldest()]
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)

@@ -12,8 +12,15 @@ everything queued and hands it to ``CommitLog.append`` in one go. Then:
   flushes every ``flush_interval_ms``.
 
 One flush is in flight at a time, so completions happen in log order. Controls
-(segment removal) run between batches with no flush in flight. An I/O error stops the
-writer for good: nothing more is accepted and nothing unflushed is acknowledged.
+(segment removal) run between batches with no flush in flight.
+
+Space: when ``append`` stops at an entry that does not fit the reserved space, the rest
+goes back to the head of the queue and the writer awaits the reserver (off the loop's
+thread); then it goes on, or, if the disk had no room, refuses that one entry
+(SERVICE_NOT_AVAILABLE, "the broker's disk is full") and goes on with the next. While
+the disk is over its refuse ratio (``DiskMonitor.refusing``) puts are refused before
+they are queued. Only an I/O error after bytes reached a segment stops the writer for
+good: nothing more is accepted and nothing unflushed is acknowledged.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from typing import Callable
 from protocol.errors import StoreError
 
 from .commit_log import CommitLog, resolve, unavailable
+from .disk import DiskMonitor
 from .results import PutRequest
 
 log = logging.getLogger("txmq.store")
@@ -38,8 +46,9 @@ class Writer:
     # msync on the event loop itself instead of the flush thread (only for that measurement).
     _flush_inline = False
 
-    def __init__(self, clog: CommitLog, on_commit: Callable[[list, list], None]):
+    def __init__(self, clog: CommitLog, on_commit: Callable[[list, list], None], disk: DiskMonitor):
         self.clog = clog
+        self.disk = disk
         self.on_commit = on_commit  # ({queue: packed units}, dispatch infos) of records just made readable
         self._sync = clog.config.flush == "sync"
         self._interval = clog.config.flush_interval_ms / 1000
@@ -56,6 +65,8 @@ class Writer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._io: IoThread | None = None
         self._task: asyncio.Task | None = None
+        self._space = None          # (job future, settle, the entry waiting for it) while awaiting the reserver
+        self._space_failing = False
         self.on_flush: Callable[[float], None] | None = None    # seconds one flush took (metrics)
         clog.on_fail = self._drop_queue
 
@@ -69,6 +80,9 @@ class Writer:
         fut = (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing:
             fut.set_result(unavailable(req))        # not open, closed, or stopped after an I/O error
+            return fut
+        if self.disk.refusing and self.disk.still_refusing():
+            fut.set_result(unavailable(req, self.disk.refuse()))
             return fut
         self._queue.append((req, fut))
         w = self._wake
@@ -112,7 +126,11 @@ class Writer:
         clog = self.clog
         try:
             while True:
-                if self._queue and not self._controls and (self._overlap or self._flushing is None):
+                sp = self._space
+                if sp is not None and sp[0].done():
+                    self._space_done()
+                if (self._queue and self._space is None and not self._controls
+                        and (self._overlap or self._flushing is None)):
                     entries, self._queue = self._queue, []
                     self._write(entries)
                 fl = self._flushing
@@ -130,9 +148,9 @@ class Writer:
                         except Exception as exc:
                             fut.set_exception(exc)
                         continue
-                    if self._closing and not self._queue:
+                    if self._closing and not self._queue and self._space is None:
                         break
-                if self._queue and not self._controls and (self._overlap or fl is None):
+                if self._queue and self._space is None and not self._controls and (self._overlap or fl is None):
                     continue
                 if not self._sync and clog.dirty and self._tick is None:
                     self._tick = loop.call_later(self._interval, self._flush_tick)
@@ -162,16 +180,47 @@ class Writer:
         self._wakeup()
 
     def _write(self, entries: list) -> None:
+        clog = self.clog
         if self._sync:
-            self.clog.append(entries, self._waiting, self._units, self._infos if self.clog.dispatching else None)
+            stop = clog.append(entries, 0, self._waiting, self._units, self._infos if clog.dispatching else None)
+        else:
+            done, units, infos = [], {}, []
+            stop = clog.append(entries, 0, done, units, infos if clog.dispatching else None)
+            clog.readable = clog.written
+            self.on_commit(units, infos)
+            for fut, res in done:
+                if not fut.done():
+                    fut.set_result(res)
+        if stop < len(entries):             # out of reserved space: the rest waits, in order, for the reserver
+            self._queue[:0] = entries[stop:]
+            seg, end, next_need = clog.need
+            if next_need:
+                job, settle = clog.reserver.prepare_roll(seg, end, next_need, then=self._wakeup)
+            else:
+                job, settle = clog.reserver.ensure(seg, end, then=self._wakeup)
+            self._space = (job, settle, entries[stop])
+
+    def _space_done(self) -> None:
+        _job, settle, entry = self._space
+        self._space = None
+        exc = settle()
+        if exc is None:
+            if self._space_failing:
+                log.warning("space for writes is back: accepting them again")
+                self._space_failing = False
             return
-        done, units, infos = [], {}, []
-        self.clog.append(entries, done, units, infos if self.clog.dispatching else None)
-        self.clog.readable = self.clog.written
-        self.on_commit(units, infos)
-        for fut, res in done:
-            if not fut.done():
-                fut.set_result(res)
+        if not isinstance(exc, OSError):
+            raise exc                       # a bug, not the disk: the writer stops and says so
+        # No room for this entry: refuse it alone; the next one asks again (it may be smaller, or
+        # space may be back), so the store stays writable and resumes by itself.
+        self.disk.probe()
+        if self._queue and self._queue[0] is entry:
+            del self._queue[0]
+            req, fut = entry
+            if not self._space_failing:     # once per shortage: every write would say the same
+                log.warning("refusing writes that find no space to reserve (%s)", exc)
+                self._space_failing = True
+            resolve(fut, unavailable(req, self.disk.refuse(f"no space for this write: {exc.strerror or exc}")))
 
     def _start_flush(self) -> None:
         clog = self.clog

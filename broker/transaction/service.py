@@ -180,6 +180,8 @@ class TransactionService:
         self._save_progress()
 
     def _save_progress(self) -> None:
+        if self.ctx.offsets is None:    # a start that failed before the offsets were opened
+            return
         # A half being stored is not pending yet; its queue offset is at or past the end it saw.
         floors = [p.queue_offset for p in self.pending.values()] + self._storing
         progress = min(floors) if floors else self.ctx.store.max_offset(HALF_TOPIC, 0)

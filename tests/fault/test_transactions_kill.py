@@ -1,6 +1,9 @@
-"""SIGKILL the broker at random moments during a stream of 1,000 transactions with random outcomes.
+"""SIGKILL the broker during a stream of at least 1,000 transactions with random outcomes.
 
-After every restart (same store, same ports) the stream goes on. At the end,
+The kills are paced by progress, not by the clock: one after every KILL_EVERY acknowledged
+transactions, and the stream goes on (past 1,000 if need be) until all KILLS happened, so
+the test means the same on a fast machine as on a slow one. After every restart (same
+store, same ports) the stream goes on. At the end,
 once every transaction is decided: each transaction whose local transaction
 committed is delivered exactly once, no rolled-back one is, and the broker
 stored no message twice. Checks answer from what the local transactions really
@@ -26,6 +29,8 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 TOTAL = 1000
 CONCURRENCY = 16
+KILLS = 4
+KILL_EVERY = 150        # acknowledged transactions between kills: 4 kills need 600 of the 1,000
 OUTCOMES = [S.COMMIT_MESSAGE, S.ROLLBACK_MESSAGE, "unknown-commit", "unknown-rollback"]
 
 
@@ -77,34 +82,42 @@ async def test_kill_during_transactions_loses_and_duplicates_nothing(broker_fact
     b = broker_factory(*flags)
     fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1], *flags)
     ledger = Ledger(seed=20261121)
-    for i in range(TOTAL):
-        ledger.plan[f"tx-{i}".encode()] = ledger.rng.choice(OUTCOMES)
     producer = TransactionProducer(b.namesrv, "PG_kill", ledger, end_retries=8, end_timeout=2.0, retries=0)
     await producer.start()
-    queue = asyncio.Queue()
-    for body in ledger.plan:
-        queue.put_nowait(body)
-    failed_sends = 0
-    kills = 0
+    started = 0
+    failed_sends = acked = kills = 0
     brokers = [b]
     up = asyncio.Event()
     up.set()
+    kill_due = asyncio.Event()
+
+    def next_body() -> bytes | None:
+        nonlocal started
+        if started >= TOTAL and kills >= KILLS:
+            return None
+        body = f"tx-{started}".encode()
+        started += 1
+        ledger.plan[body] = ledger.rng.choice(OUTCOMES)
+        return body
 
     async def worker():
-        nonlocal failed_sends
-        while not queue.empty():
-            body = queue.get_nowait()
+        nonlocal failed_sends, acked
+        while (body := next_body()) is not None:
             try:
                 await producer.send_in_transaction("TxKill", body)
             except (BrokerError, OSError):
                 failed_sends += 1           # never retried: its half may be stored, and checks settle it
                 await up.wait()
+                continue
+            acked += 1
+            if acked % KILL_EVERY == 0:
+                kill_due.set()
 
     async def killer():
         nonlocal kills
-        rng = random.Random(7)
-        while not queue.empty() and kills < 6:
-            await asyncio.sleep(rng.uniform(0.1, 0.4))
+        while kills < KILLS:
+            await kill_due.wait()           # progress, not time: KILL_EVERY more acknowledged
+            kill_due.clear()
             up.clear()
             brokers[-1].kill()
             kills += 1
@@ -120,6 +133,6 @@ async def test_kill_during_transactions_loses_and_duplicates_nothing(broker_fact
     committed = {body for body, state in ledger.executed.items() if state is S.COMMIT_MESSAGE}
     assert len(delivered) == len(set(delivered)), "a message was stored twice"
     assert set(delivered) == committed
-    assert kills >= 3, "the broker must actually have been killed mid-stream"
-    print(f"{TOTAL} transactions, {kills} kills, {failed_sends} sends failed, "
+    assert kills == KILLS, "the broker must actually have been killed mid-stream"
+    print(f"{started} transactions, {kills} kills, {failed_sends} sends failed, "
           f"{len(committed)} committed and delivered once, {len(ledger.executed) - len(committed)} rolled back")

@@ -1,13 +1,12 @@
-"""I/O failures: a failed msync, a full disk at roll-over or while reserving space. The store says so with a
-status, acknowledges nothing it did not write and flush, and accepts nothing more."""
+"""I/O failures: a failed msync stops the store; it says so with a status, acknowledges nothing it did not
+write and flush, and accepts nothing more. (A full disk is not such a failure: test_store_space.py.)"""
 from __future__ import annotations
 
 import asyncio
 import errno
 
 from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
-from broker.store import commit_log, writer
-from broker.store.commit_log import Segment
+from broker.store import writer
 from tests.support.bounded import bounded
 
 SEG = 1 << 20
@@ -41,53 +40,6 @@ async def test_a_failed_msync_stops_the_store_and_acknowledges_nothing(tmp_path,
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
     await store.open()                      # a restart recovers; the unacknowledged records may remain
     assert store.writable and store.max_offset("T", 0) >= 1
-    await store.close()
-
-
-@bounded()
-async def test_a_full_disk_at_roll_over_fails_cleanly(tmp_path, monkeypatch):
-    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
-    await store.open()
-    real_create = Segment.create.__func__
-
-    def full(cls, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(Segment, "create", classmethod(full))
-    results = [await store.put(req(5000)) for _ in range(250)]
-    statuses = [r.status for r in results]
-    first_bad = statuses.index(PutStatus.CREATE_MAPPED_FILE_FAILED)
-    assert set(statuses[:first_bad]) == {PutStatus.PUT_OK}
-    assert set(statuses[first_bad + 1:]) == {PutStatus.SERVICE_NOT_AVAILABLE}
-    assert "No space left" in store.failure
-    for r in results[:first_bad]:
-        assert store.get_record(r.physical_offset) is not None
-    monkeypatch.setattr(Segment, "create", classmethod(real_create))
-    await store.close()
-    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
-    await store.open()
-    assert store.max_offset("T", 0) == first_bad and (await store.put(req(5000))).ok
-    await store.close()
-
-
-@bounded()
-async def test_a_full_disk_while_reserving_ahead_fails_cleanly(tmp_path, monkeypatch):
-    calls = []
-    real = commit_log.write_zeros
-
-    def limited(fd, lo, hi):
-        calls.append((lo, hi))
-        if lo >= commit_log.RESERVE_LOW:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, lo, hi)
-    monkeypatch.setattr(commit_log, "write_zeros", limited)
-    store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 << 20))
-    await store.open()
-    results = [await store.put(req(50_000)) for _ in range(120)]
-    statuses = [r.status for r in results]
-    assert PutStatus.CREATE_MAPPED_FILE_FAILED in statuses and statuses[0] is PutStatus.PUT_OK
-    ok = [r for r in results if r.ok]
-    assert ok[-1].physical_offset + ok[-1].size <= commit_log.RESERVE_LOW   # never wrote past the reserve
-    assert "reserve" in store.failure
     await store.close()
 
 

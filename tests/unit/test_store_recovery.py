@@ -304,6 +304,7 @@ class FakeSegment:
 
     def __init__(self, start: int, size: int):
         self.start, self.size = start, size
+        self.reserved = size            # no holes
         self.mm = bytearray(size)
         self.view = memoryview(self.mm)
 

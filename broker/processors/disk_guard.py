@@ -1,0 +1,34 @@
+"""Write requests on a full disk: refused at the door, before any file is touched.
+
+Above ``disk_refuse_ratio`` (the store's DiskMonitor says ``refusing``) a request that
+would write -- a send, a batch, a half message, an END_TRANSACTION, a send-back, an
+operator's resolve or resume -- is answered SERVICE_NOT_AVAILABLE with RocketMQ's words
+and how full the disk is, before its processor runs: no topic is auto-created, no record
+encoded, nothing queued. A oneway request (stock clients send END_TRANSACTION oneway)
+gets no answer, as in RocketMQ; its transaction is checked again later. Reads -- pulls,
+offsets, routes, admin views, metrics -- never pass through here.
+"""
+from __future__ import annotations
+
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode
+
+WRITES = frozenset({R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE, R.CONSUMER_SEND_MSG_BACK,
+                    R.END_TRANSACTION, R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION})
+
+
+def guard_writes(table: dict) -> dict:
+    """The table with each write handler wrapped by the disk check (a no-op attribute read when not full)."""
+    return {code: _guarded(fn) if code in WRITES else fn for code, fn in table.items()}
+
+
+def _guarded(fn):
+    def handle(ctx, conn, cmd):
+        store = ctx.store
+        if store is not None and store.disk.refusing and store.disk.still_refusing():
+            remark = store.disk.refuse()
+            return None if cmd.is_oneway else cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE, remark)
+        return fn(ctx, conn, cmd)
+    handle.__name__ = handle.__qualname__ = getattr(fn, "__name__", "handle")
+    handle.__wrapped__ = fn
+    return handle

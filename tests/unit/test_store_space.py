@@ -1,0 +1,275 @@
+"""A full disk is a refusal, never a crash or a stop for good.
+
+Space is taken away by making the reserver's zero-writes fail with ENOSPC past a byte limit
+(or segment creation fail), exactly where a real full disk makes them fail. Each test checks
+that the refused write left no byte behind, that the store stayed writable, and that writes
+resume, in place, once "space" is back. The watermark half (DiskMonitor) runs on a fake statvfs.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
+from broker.store import reserve
+from broker.store.commit_log import Segment
+from broker.store.disk import HYSTERESIS, DiskMonitor
+from tests.support.bounded import bounded
+
+SEG = 1 << 20
+SIZES = [300, 500, 700, 900]            # record bodies of the batch under test
+
+
+def req(size: int, topic: str = "T") -> PutRequest:
+    return PutRequest.build(topic, b"x" * size)
+
+
+class Budget:
+    """Zero-writes past ``limit`` (a byte offset in every segment) fail with ENOSPC, like a full disk."""
+
+    def __init__(self, monkeypatch, limit: int | None = None):
+        self.limit = limit
+        real = reserve.write_zeros
+
+        def limited(fd, lo, hi):
+            if self.limit is not None and hi > self.limit:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(fd, lo, hi)
+        monkeypatch.setattr(reserve, "write_zeros", limited)
+
+
+def remark_is_disk_full(result) -> bool:
+    return result.status is PutStatus.SERVICE_NOT_AVAILABLE and "disk is full" in result.remark
+
+
+# ---------------------------------------------------------------------- batches: all or none
+def _split_points() -> list[int]:
+    """Reservation limits, relative to the batch's first byte: before, inside and at the end of every record,
+    inside the end marker's 8 bytes, and the first limit that fits."""
+    records = [len(req(n).record) for n in SIZES]
+    points, at = [8, 9], 0       # below 8 the first record's own end-marker room does not fit
+    for n in records:
+        points += [at + n // 2, at + n - 1, at + n, at + n + 1]
+        at += n
+    points += [at + 4, at + 7, at + 8]
+    return sorted(set(points))
+
+
+@pytest.mark.parametrize("split", _split_points())
+@bounded()
+async def test_a_batch_is_reserved_whole_at_every_split_point(tmp_path, monkeypatch, split):
+    base = len(req(1000).record)
+    budget = Budget(monkeypatch, limit=base + split)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    first = await store.put(req(1000))
+    assert first.ok and first.physical_offset + first.size == base
+    total = sum(len(req(n).record) for n in SIZES)
+    results = await store.put_many([req(n) for n in SIZES])
+    fits = split >= total + 8                   # the batch and the end marker after it
+    if fits:
+        assert all(r.ok for r in results)
+        assert [r.physical_offset for r in results][0] == base
+    else:
+        assert all(remark_is_disk_full(r) for r in results), results
+        assert store.max_physical_offset == base and store.max_offset("T", 0) == 1
+        assert store.writable
+        budget.limit = None                     # space is back: the same batch goes in whole, in place
+        again = await store.put_many([req(n) for n in SIZES])
+        assert all(r.ok for r in again) and again[0].physical_offset == base
+    await store.close()
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()                          # the log holds the first record and one whole batch
+    assert store.max_offset("T", 0) == 1 + len(SIZES)
+    assert store.max_physical_offset == base + total
+    await store.close()
+
+
+@bounded()
+async def test_a_batch_that_needs_the_next_segment_is_refused_whole_when_it_cannot_be_made(tmp_path, monkeypatch):
+    failing = {"on": False}
+    real_create = Segment.create.__func__
+
+    def create(cls, *args, **kwargs):
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(cls, *args, **kwargs)
+    monkeypatch.setattr(Segment, "create", classmethod(create))
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 * 1024))
+    await store.open()
+    failing["on"] = True
+    results, stored = [], 0
+    while not results or results[-1].ok:        # fill the first segment until a batch must roll
+        stored += len(results)
+        results = await store.put_many([req(2000), req(2000)])
+        assert len(store.segments()) == 1
+    assert all(remark_is_disk_full(r) for r in results)
+    assert store.writable and store.max_offset("T", 0) == stored
+    assert store.max_physical_offset + 2 * len(req(2000).record) + 8 > 64 * 1024   # it really had to roll
+    failing["on"] = False
+    again = await store.put_many([req(2000), req(2000)])
+    assert all(r.ok for r in again) and again[0].physical_offset == 64 * 1024
+    assert len(store.segments()) == 2
+    await store.close()
+
+
+# ------------------------------------------------------------------------ single writes
+@bounded()
+async def test_a_full_disk_while_reserving_refuses_that_write_and_resumes(tmp_path, monkeypatch):
+    budget = Budget(monkeypatch, limit=200_000)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 << 20))
+    await store.open()
+    results = [await store.put(req(50_000)) for _ in range(6)]
+    ok = [r for r in results if r.ok]
+    assert len(ok) == 3 and all(remark_is_disk_full(r) for r in results[3:])
+    assert ok[-1].physical_offset + ok[-1].size + 8 <= 200_000      # never wrote past the reserved space
+    small = await store.put(req(100))                               # a smaller write still fits
+    assert small.ok and store.writable and store.failure is None
+    budget.limit = None
+    assert all(r.ok for r in [await store.put(req(50_000)) for _ in range(3)])
+    await store.close()
+
+
+@bounded()
+async def test_a_full_disk_at_roll_over_refuses_and_the_next_segment_comes_later(tmp_path, monkeypatch):
+    failing = {"on": False}
+    real_create = Segment.create.__func__
+
+    def create(cls, *args, **kwargs):
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(cls, *args, **kwargs)
+    monkeypatch.setattr(Segment, "create", classmethod(create))
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()                          # a fresh store's first segment is made at start-up
+    failing["on"] = True
+    results = [await store.put(req(5000)) for _ in range(250)]
+    statuses = [r.status for r in results]
+    first_bad = statuses.index(PutStatus.SERVICE_NOT_AVAILABLE)
+    assert set(statuses[:first_bad]) == {PutStatus.PUT_OK}
+    assert all(remark_is_disk_full(r) for r in results[first_bad:])
+    assert store.writable and store.failure is None
+    for r in results[:first_bad]:
+        assert store.get_record(r.physical_offset) is not None
+    failing["on"] = False
+    later = await store.put(req(5000))
+    assert later.ok and later.physical_offset == SEG
+    await store.close()
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    assert store.max_offset("T", 0) == first_bad + 1 and (await store.put(req(5000))).ok
+    await store.close()
+
+
+@bounded()
+async def test_a_consume_queue_without_space_catches_up_and_holds_the_checkpoint(tmp_path, monkeypatch):
+    from broker.store import mapped_file
+    full = {"on": False}
+    real = os.posix_fallocate
+
+    def fallocate(fd, off, n):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, off, n)
+    monkeypatch.setattr(mapped_file.os, "posix_fallocate", fallocate)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG, cq_units_per_file=100_000))
+    await store.open()
+    assert (await store.put(req(10, "A"))).ok
+    full["on"] = True                           # a new queue cannot get its first file
+    got = await store.put(req(10, "B"))
+    assert got.ok and store.writable            # durable in the log; its unit waits in memory
+    assert store.max_offset("B", 0) == 0
+    full["on"] = False
+    assert (await store.put(req(10, "B"))).ok   # the next write brings the waiting unit along
+    assert store.max_offset("B", 0) == 2
+    assert store.get_messages("B", 0, 0, 10, 1 << 20).buffers
+    await store.close()
+
+
+# ------------------------------------------------------------------------- the watermark
+class FakeFs:
+    def __init__(self, ratio: float):
+        self.ratio = ratio
+
+    def __call__(self, path):
+        total = 1_000_000
+        used = int(total * self.ratio)
+        return os.statvfs_result((4096, 4096, total, total - used, total - used, 0, 0, 0, 0, 255))
+
+
+def test_the_watermark_refuses_at_the_ratio_and_resumes_below_it_less_the_hysteresis():
+    fs = FakeFs(0.5)
+    changes = []
+    disk = DiskMonitor("/store", 0.90, statvfs=fs)
+    disk.on_change.append(changes.append)
+    assert disk.probe() is False and disk.ratio == pytest.approx(0.5)
+    fs.ratio = 0.90
+    assert disk.probe() is True
+    fs.ratio = 0.90 - HYSTERESIS / 2            # under the ratio but inside the hysteresis: still refusing
+    assert disk.probe() is True
+    fs.ratio = 0.90 - HYSTERESIS - 0.001
+    assert disk.probe() is False
+    assert changes == [True, False]             # one notice per change
+    fs.ratio = 0.95
+    disk.probe()
+    assert "disk is full" in disk.remark() and "95.0% used" in disk.remark() and "at 90%" in disk.remark()
+
+
+def test_while_refusing_a_write_re_measures_a_stale_probe_only():
+    fs, now = FakeFs(0.95), [100.0]
+    calls = []
+
+    def statvfs(path):
+        calls.append(now[0])
+        return fs(path)
+    disk = DiskMonitor("/store", 0.90, statvfs=statvfs, clock=lambda: now[0])
+    assert disk.probe() and len(calls) == 1
+    assert disk.still_refusing() and len(calls) == 1        # fresh: no second statvfs
+    fs.ratio = 0.5
+    now[0] += 0.049
+    assert disk.still_refusing() and len(calls) == 1
+    now[0] += 0.001                                         # RECHECK_S old: measured again, and resumed
+    assert not disk.still_refusing() and len(calls) == 2
+
+
+@bounded()
+async def test_over_the_watermark_puts_are_refused_before_the_log_and_reads_go_on(tmp_path):
+    fs = FakeFs(0.5)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    store.disk._statvfs = fs
+    await store.open()
+    stored = await store.put(req(100))
+    fs.ratio = 0.97
+    store.disk.probe()
+    refused = await store.put(req(100))
+    batch = await store.put_many([req(100), req(100)])
+    assert remark_is_disk_full(refused) and all(remark_is_disk_full(r) for r in batch)
+    assert "97.0% used" in refused.remark and store.disk.refusals == 2
+    assert store.max_physical_offset == stored.physical_offset + stored.size
+    assert store.get_messages("T", 0, 0, 10, 1 << 20).buffers          # reads are not refused
+    fs.ratio = 0.5
+    store.disk.probe()
+    assert (await store.put(req(100))).ok
+    await store.close()
+
+
+@bounded()
+async def test_without_preallocation_a_segment_that_cannot_be_made_is_a_refusal(tmp_path, monkeypatch):
+    failing = {"on": False}
+    real_create = Segment.create.__func__
+
+    def create(cls, *args, **kwargs):
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(cls, *args, **kwargs)
+    monkeypatch.setattr(Segment, "create", classmethod(create))
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=64 * 1024, preallocate=False))
+    await store.open()
+    failing["on"] = True
+    results = [await store.put(req(5000)) for _ in range(20)]
+    assert results[0].ok and remark_is_disk_full(results[-1]) and store.writable
+    failing["on"] = False
+    assert (await store.put(req(5000))).physical_offset == 64 * 1024
+    await store.close()
