@@ -33,7 +33,7 @@ class ConsumeStatus(enum.Enum):
 class PushConsumer:
     def __init__(self, namesrv_addr: str, group: str, listener, *, consume_from: str = "last",
                  max_reconsume_times: int = 16, rebalance_interval_s: float = 20.0, suspend_ms: int = 15000,
-                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0):
+                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0, credentials=None):
         self.group = group
         self.listener = listener          # listener(msg) -> ConsumeStatus, plain or async
         self.consume_from = consume_from  # where a queue with no committed offset starts: "first" or "last"
@@ -42,7 +42,7 @@ class PushConsumer:
         self.suspend_ms = suspend_ms
         self.offset_commit_interval_s = offset_commit_interval_s
         self.local_retry_delay_s = local_retry_delay_s
-        self.client = PullConsumer(namesrv_addr, group)
+        self.client = PullConsumer(namesrv_addr, group, credentials=credentials)
         self.client.on_ids_changed = self._request_rebalance
         self.subscriptions: dict[str, str] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}

@@ -43,8 +43,10 @@ class RemotingConnection(asyncio.Protocol):
     def __init__(self, handler: Handler | None = None, *, max_frame_size: int = MAX_FRAME_SIZE,
                  max_in_flight: int = 1024, max_write_buffer: int = 64 * 1024 * 1024,
                  on_open: Callable[["RemotingConnection"], bool] | None = None,
-                 on_close: Callable[["RemotingConnection"], None] | None = None):
+                 on_close: Callable[["RemotingConnection"], None] | None = None,
+                 sign: Callable[[RemotingCommand], None] | None = None):
         self.handler = handler
+        self.sign = sign                    # signs each request we send (credentials for a broker's ACL)
         self.on_open = on_open
         self.max_in_flight = max_in_flight
         self.max_write_buffer = max_write_buffer
@@ -261,6 +263,8 @@ class RemotingConnection(asyncio.Protocol):
         self._pending[opaque] = fut
         # A timer, not asyncio.wait_for: wait_for costs a Task per request.
         timer = self._loop.call_later(timeout, _expire, fut, cmd.code, self.peer, timeout)
+        if self.sign is not None:
+            self.sign(cmd)
         self.send(cmd)
         try:
             return await fut
@@ -273,6 +277,8 @@ class RemotingConnection(asyncio.Protocol):
             raise ConnectionClosedError(f"connection to {self.peer[0]}:{self.peer[1]} is closed")
         cmd.opaque = next(_opaques) & 0x7FFFFFFF
         cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
+        if self.sign is not None:
+            self.sign(cmd)
         self.send(cmd)
 
 
@@ -315,8 +321,10 @@ class ConnectionPool:
     requests the server sends (CHECK_TRANSACTION_STATE, NOTIFY_CONSUMER_IDS_CHANGED).
     """
 
-    def __init__(self, handler: Handler | None = None, *, connect_timeout: float = 3.0):
+    def __init__(self, handler: Handler | None = None, *, connect_timeout: float = 3.0,
+                 sign: Callable[[RemotingCommand], None] | None = None):
         self.handler = handler
+        self.sign = sign
         self.connect_timeout = connect_timeout
         self._conns: dict[str, RemotingConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -330,7 +338,7 @@ class ConnectionPool:
             conn = self._conns.get(addr)
             if conn is None or not conn.is_open:
                 host, _, port = addr.rpartition(":")
-                conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout)
+                conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout, sign=self.sign)
                 self._conns[addr] = conn
             return conn
 
