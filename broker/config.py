@@ -40,7 +40,7 @@ class BrokerConfig:
     max_in_flight: int = setting(256, "Requests one connection may have in progress; past it the broker stops reading that connection.")
     max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
     max_topics: int = setting(2048, "Topics the broker holds at most (system topics included); past it a new topic is refused with NO_PERMISSION naming this limit. Each topic costs memory, files and a catalogue entry; raise it for a larger catalogue.")
-    max_auto_create_topics_per_s: float = setting(10.0, "Topics one client connection may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
+    max_auto_create_topics_per_s: float = setting(10.0, "Topics one client (remote address) may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
     max_writer_queued_bytes: int = setting(64 * 1024 * 1024, "Send bytes waiting for the store writer; past it sends get SYSTEM_BUSY with RocketMQ's [TIMEOUT_CLEAN_QUEUE] remark, so stock clients back off instead of growing the queue.")
     max_undecided_per_group: int = setting(100000, "Undecided transactions one producer group may hold; past it new half messages get SYSTEM_BUSY. Bounds the pending index one group can grow.")
     max_retry_groups: int = setting(1024, "%RETRY% topics (consumer groups that may retry) the broker creates at most; past it a new group's retry topic is refused.")

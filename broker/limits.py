@@ -22,6 +22,7 @@ class Limits:
         self.monotonic = monotonic
         self.queued_bytes = 0               # send bodies handed to the writer and not yet answered
         self._undecided: dict[str, int] = {}
+        self._topic_tokens: dict[str, tuple[float, float]] = {}    # client host -> (tokens, when)
         self._undecided_at = -1.0
 
     def refused(self, reason: str) -> None:
@@ -29,7 +30,10 @@ class Limits:
 
     # ------------------------------------------------------------ topics
     def may_auto_create(self, conn, cmd, topics, topic: str):
-        """None, or the response refusing to create ``topic`` for this connection."""
+        """None, or the response refusing to create ``topic`` for this client.
+
+        A client is its address, not its connection: opening fifty connections must not buy
+        fifty times the rate (each new topic costs files and a catalogue entry)."""
         c = self.config
         if len(topics.topics) >= c.max_topics:
             self.refused("topic-limit")
@@ -38,15 +42,21 @@ class Limits:
                                 f"its limit (max_topics={c.max_topics})")
         rate = c.max_auto_create_topics_per_s
         now = self.monotonic()
-        tokens, last = conn.attributes.get("topic_tokens", (float(rate), now))
+        buckets = self._topic_tokens
+        host = conn.peer[0]
+        tokens, last = buckets.get(host, (float(rate), now))
         tokens = min(float(rate), tokens + (now - last) * rate)
+        if len(buckets) > 4096:         # forget clients whose bucket has refilled: they lose nothing
+            for h, (t, when) in list(buckets.items()):
+                if t + (now - when) * rate >= rate:
+                    del buckets[h]
         if tokens < 1.0:
-            conn.attributes["topic_tokens"] = (tokens, now)
+            buckets[host] = (tokens, now)
             self.refused("topic-rate")
             return cmd.response(ResponseCode.SYSTEM_BUSY,
-                                f"topic[{topic}] not created: this client creates topics faster than "
+                                f"topic[{topic}] not created: client {host} creates topics faster than "
                                 f"max_auto_create_topics_per_s={rate:g}; retry later")
-        conn.attributes["topic_tokens"] = (tokens - 1.0, now)
+        buckets[host] = (tokens - 1.0, now)
         return None
 
     # ------------------------------------------------------------ writer pressure

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from protocol.codes import ResponseCode
@@ -52,7 +53,8 @@ class BrokerServer:
         self.fatal: str | None = None
         self.supervisor = Supervisor(self.metrics, self._fatal)
         self.loop_lag = LoopLag(self.metrics.loop_lag, self.metrics.loop_lag_worst)
-        self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced each second
+        self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
+        self._loop = None
 
     def _fatal(self, why: str) -> None:
         self.fatal = why
@@ -109,6 +111,7 @@ class BrokerServer:
         self._install_metrics(ctx)
 
         topics.start_background(loop)
+        self._loop = loop
         self._refresh_gauges()
         await broker_srv.start_serving()
         await ns_srv.start_serving()
@@ -129,7 +132,7 @@ class BrokerServer:
         m = self.metrics
         # The scrape runs on prometheus' thread: these read the snapshot _refresh_gauges builds on
         # the loop each second, never the live store or registries (a segment may be removed meanwhile).
-        snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
+        snap = lambda key: lambda: self._fresh_gauges().get(key, [])  # noqa: E731
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
                               ["consumer_group", "topic"], snap("lag"))
         m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
@@ -146,9 +149,28 @@ class BrokerServer:
             self._metrics_httpd = httpd
             self._metrics_port = httpd.server_address[1]
 
+    def _fresh_gauges(self) -> dict:
+        """On the scrape thread: ask the loop for a new snapshot (at most every 50 ms), wait up to
+        1 s for it, else serve the last one. The loop builds it; this thread only reads it."""
+        if time.monotonic() - self._gauges.get("at", 0.0) > 0.05 and self._loop is not None:
+            done = threading.Event()
+
+            def build():
+                try:
+                    self._refresh_gauges()
+                finally:
+                    done.set()
+            try:
+                self._loop.call_soon_threadsafe(build)
+                done.wait(1.0)
+            except RuntimeError:        # the loop is closed: the last snapshot will do
+                pass
+        return self._gauges
+
     def _refresh_gauges(self) -> None:
         ctx = self.ctx
         self._gauges = {
+            "at": time.monotonic(),
             "lag": [((g, t), n) for (g, t), n in self._lag_by_group_topic()],
             "storage": [((), ctx.store.storage_bytes())],
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],

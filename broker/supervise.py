@@ -77,6 +77,8 @@ class LoopLag:
             self.record(lag)
 
     def record(self, lag: float) -> None:
+        if lag >= 0.1:
+            log.warning("event loop stalled for %.0f ms", lag * 1000)
         recent = self._recent
         recent.append(lag)
         if len(recent) > self.window:

@@ -11,7 +11,10 @@ listener), and applies the limits a server facing unknown clients needs:
   write buffer is over its high-water mark) we stop reading its requests, and
   a peer whose unread backlog passes ``max_write_buffer`` is disconnected;
 * a malformed frame is answered with an error where its opaque can be found,
-  then the connection closes (the stream cannot be re-synchronised).
+  then the connection closes (the stream cannot be re-synchronised);
+* fairness: one read handles at most ``FRAMES_PER_TURN`` frames; the rest wait for the next
+  loop iteration (reading paused meanwhile), so fifty connections that each pipeline hundreds
+  of cheap requests cannot hold the loop for a second while one good client waits.
 
 Outgoing frames produced in one event-loop iteration are written with one
 ``writelines`` call, so 64 pipelined responses cost one send syscall, not 64.
@@ -37,6 +40,7 @@ HandlerResult = Union[RemotingCommand, None, Awaitable[Optional[RemotingCommand]
 Handler = Callable[["RemotingConnection", RemotingCommand], HandlerResult]
 
 _opaques = itertools.count(1)
+FRAMES_PER_TURN = 16
 
 
 class RemotingConnection(asyncio.Protocol):
@@ -60,6 +64,7 @@ class RemotingConnection(asyncio.Protocol):
         self._pending: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._out: list = []
+        self._backlog: list = []            # frames read but not yet handled (fairness, see above)
         self._flush_scheduled = False
         self._reading_paused_for: set[str] = set()
         self._writing_paused = False
@@ -126,10 +131,22 @@ class RemotingConnection(asyncio.Protocol):
             log.warning("closing %s:%s: %s", self.peer[0], self.peer[1], exc)
             self.close()
             return
+        if self._backlog:                   # a turn is already scheduled: these wait behind it
+            self._backlog.extend(frames)
+            return
+        self._handle_frames(frames)
+
+    def _handle_frames(self, frames: list) -> None:
+        if len(frames) > FRAMES_PER_TURN:
+            self._backlog = frames[FRAMES_PER_TURN:]
+            frames = frames[:FRAMES_PER_TURN]
+            self.pause_reading("turn")
+            self._loop.call_soon(self._next_turn)
         for frame in frames:
             try:
                 cmd = RemotingCommand.decode(frame)
             except ProtocolError as exc:
+                self._backlog = []
                 self._reject_frame(frame, exc)
                 return
             if cmd.flag & FLAG_RESPONSE:
@@ -138,10 +155,18 @@ class RemotingConnection(asyncio.Protocol):
                     fut.set_result(cmd)
                 continue
             self._dispatch(cmd)
-        if self._decoder.error is not None:
+        if not self._backlog and self._decoder.error is not None:
             log.warning("closing %s:%s after its last good frame: %s", self.peer[0], self.peer[1],
                         self._decoder.error)
             self.close()
+
+    def _next_turn(self) -> None:
+        frames, self._backlog = self._backlog, []
+        if self.transport is None or self.transport.is_closing():
+            return
+        self._handle_frames(frames)
+        if not self._backlog:
+            self.resume_reading("turn")
 
     def _reject_frame(self, frame: bytes, exc: ProtocolError) -> None:
         """Answer a frame we cannot decode when its opaque is findable, then close."""
