@@ -92,14 +92,16 @@ async def test_soak_good_producer_is_not_starved(broker_factory):
                         await load.wait()
                 except TimeoutError:
                     load.kill()
+    segments = sorted((b.store_dir / "commitlog").iterdir())
     latencies.sort()
     figures = {"sends": len(latencies), "errors": len(errors), "max_ms": round(latencies[-1] * 1000, 1),
                "p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 1),
                "anon_growth_mib": round((rss_after - rss_before) / (1 << 20), 1), "topics": int(topics),
-               "worst_loop_lag_ms": round(worst_lag * 1000, 1), "flood": flood["codes"]}
+               "worst_loop_lag_ms": round(worst_lag * 1000, 1), "segments": len(segments), "flood": flood["codes"]}
     print("SOAK", json.dumps(figures))
     assert errors == [], errors[:5]
     assert flood["codes"].get("2", 0) > 0, "the flood was never rate-limited"
     assert topics <= 2048
     assert rss_after - rss_before <= 64 << 20
-    assert latencies[-1] <= 0.25, figures
+    assert len(segments) >= 3, "the good producer's load should have rolled segments"
+    assert latencies[-1] <= 0.25 and worst_lag <= 0.25, figures
