@@ -75,10 +75,7 @@ class BrokerServer:
         ctx.limits = Limits(c, self.metrics)
         if c.acl_file:
             ctx.acl = PlainAcl(c.acl_file)
-        elif c.host not in ("127.0.0.1", "localhost", "::1") and not c.host.startswith("127."):
-            warning = (f"txmq broker bound to {c.host or 'all interfaces'} WITHOUT an ACL file: anyone who "
-                       f"reaches the port can send, create topics, decide transactions and delete data. "
-                       f"Pass --acl-file plain_acl.yml.")
+        elif (warning := exposure_warning(c)) is not None:
             log.warning("!" * 20 + " " + warning)
             print(f"WARNING: {warning}", file=sys.stderr, flush=True)
 
@@ -312,6 +309,15 @@ class BrokerServer:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
         log.info("stopped")
+
+
+def exposure_warning(config: BrokerConfig) -> str | None:
+    """What to shout when the broker listens beyond loopback with no access control."""
+    host = config.host
+    if config.acl_file or host in ("localhost", "::1") or host.startswith("127."):
+        return None
+    return (f"txmq broker bound to {host or 'all interfaces'} WITHOUT an ACL file: anyone who reaches the "
+            f"port can send, create topics, decide transactions and delete data. Pass --acl-file plain_acl.yml.")
 
 
 async def _maybe_await(fn):

@@ -176,3 +176,32 @@ def test_loop_lag_gauge_holds_the_worst_of_the_window():
     for value in (0.001, 0.3, 0.002, 0.001, 0.001, 0.001):
         lag.record(value)
     assert metrics.loop_lag._value.get() == 0.002 and lag.worst == 0.3
+
+
+def test_exposure_warning_only_beyond_loopback_without_acl():
+    from broker.server import exposure_warning
+    assert exposure_warning(BrokerConfig(host="127.0.0.1")) is None
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", acl_file="plain_acl.yml")) is None
+    assert "WITHOUT an ACL file" in exposure_warning(BrokerConfig(host="0.0.0.0"))
+
+
+async def test_topic_flood_writes_the_catalogue_in_batches_off_the_loop(tmp_path, monkeypatch):
+    import threading
+
+    from broker.topics import TopicConfig, TopicManager
+    tm = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
+    writes = []
+    real = tm._write
+    monkeypatch.setattr(tm, "_write", lambda topics: (writes.append((threading.current_thread().name, len(topics))),
+                                                      real(topics)))
+    tm.start_background(asyncio.get_running_loop())
+    for i in range(500):
+        tm.create(TopicConfig(f"T{i}", 8, 8))
+    assert writes == []                             # nothing written on the loop, per topic
+    async with asyncio.timeout(5):
+        while not writes:
+            await asyncio.sleep(0.02)
+    await tm.close()
+    assert len(writes) <= 3 and all(name.startswith("txmq-topics") for name, _ in writes)
+    again = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
+    assert all(f"T{i}" in again.topics for i in range(500))
