@@ -129,7 +129,17 @@ class BrokerServer:
         m = self.metrics
         # The scrape runs on prometheus' thread: these read the snapshot _refresh_gauges builds on
         # the loop each second, never the live store or registries (a segment may be removed meanwhile).
-        snap = lambda key: lambda: self._fresh_gauges().get(key, [])  # noqa: E731
+        server = self
+
+        class _Refresh:                 # registered before the gauges below: runs first in each scrape
+            def describe(self):
+                return []
+
+            def collect(self):
+                server._fresh_gauges()
+                return []
+        m.registry.register(_Refresh())
+        snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
                               ["consumer_group", "topic"], snap("lag"))
         m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
@@ -146,23 +156,23 @@ class BrokerServer:
             self._metrics_httpd = httpd
             self._metrics_port = httpd.server_address[1]
 
-    def _fresh_gauges(self) -> dict:
-        """On the scrape thread: ask the loop for a new snapshot (at most every 50 ms), wait up to
-        1 s for it, else serve the last one. The loop builds it; this thread only reads it."""
-        if time.monotonic() - self._gauges.get("at", 0.0) > 0.05 and self._loop is not None:
-            done = threading.Event()
+    def _fresh_gauges(self) -> None:
+        """On the scrape thread, once per scrape: ask the loop for a new snapshot and wait up to 1 s
+        for it (else the last one serves). The loop builds it; this thread only reads it."""
+        if self._loop is None:
+            return
+        done = threading.Event()
 
-            def build():
-                try:
-                    self._refresh_gauges()
-                finally:
-                    done.set()
+        def build():
             try:
-                self._loop.call_soon_threadsafe(build)
-                done.wait(1.0)
-            except RuntimeError:        # the loop is closed: the last snapshot will do
-                pass
-        return self._gauges
+                self._refresh_gauges()
+            finally:
+                done.set()
+        try:
+            self._loop.call_soon_threadsafe(build)
+        except RuntimeError:            # the loop is closed: the last snapshot will do
+            return
+        done.wait(1.0)
 
     def _refresh_gauges(self) -> None:
         ctx = self.ctx
