@@ -7,7 +7,8 @@
 OFFSET is the half message's commit-log offset (the ``commit_log_offset``
 column of ``list``). Every action is logged by the broker with the caller's
 address. The broker address comes from --broker or BROKER_ADMIN_ADDR
-(default 127.0.0.1:10911).
+(default 127.0.0.1:10911). A broker with an ACL file needs an admin account's
+credentials: --access-key/--secret-key or BROKER_ADMIN_ACCESS_KEY/BROKER_ADMIN_SECRET_KEY.
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
+from protocol.signature import Credentials
 
 
-async def _call(addr: str, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
+async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
     host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port))
+    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
     try:
         return await conn.request(cmd, timeout)
     finally:
@@ -47,6 +49,8 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--broker", default=os.environ.get("BROKER_ADMIN_ADDR", "127.0.0.1:10911"))
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--access-key", default=os.environ.get("BROKER_ADMIN_ACCESS_KEY", ""))
+    parser.add_argument("--secret-key", default=os.environ.get("BROKER_ADMIN_SECRET_KEY", ""))
     sub = parser.add_subparsers(dest="action", required=True)
     ls = sub.add_parser("list", help="undecided transactions, oldest first")
     ls.add_argument("--group")
@@ -75,8 +79,15 @@ def main(argv: list[str]) -> int:
             print(f"cannot read plan {args.plan}: {exc}", file=sys.stderr)
             return 2
         cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=body)
+    credentials = None
+    if args.access_key or args.secret_key:
+        try:
+            credentials = Credentials(args.access_key, args.secret_key)
+        except ValueError as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
     try:
-        resp = asyncio.run(_call(args.broker, cmd, args.timeout))
+        resp = asyncio.run(_call(args.broker, cmd, args.timeout, credentials))
     except (BrokerError, OSError) as exc:
         print(f"broker {args.broker}: {exc}", file=sys.stderr)
         return 1

@@ -40,6 +40,13 @@ class BrokerConfig:
     max_connections: int = setting(10000, "Connections accepted at once per listener; more are closed on accept.")
     max_in_flight: int = setting(256, "Requests one connection may have in progress; past it the broker stops reading that connection.")
     max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
+    max_topics: int = setting(2048, "Topics the broker holds at most (system topics included); past it a new topic is refused with NO_PERMISSION naming this limit. Each topic costs memory, files and a catalogue entry; raise it for a larger catalogue.")
+    max_auto_create_topics_per_s: float = setting(10.0, "Topics one client (remote address) may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
+    max_writer_queued_bytes: int = setting(64 * 1024 * 1024, "Send bytes waiting for the store writer; past it sends get SYSTEM_BUSY with RocketMQ's [TIMEOUT_CLEAN_QUEUE] remark, so stock clients back off instead of growing the queue.")
+    max_undecided_per_group: int = setting(100000, "Undecided transactions one producer group may hold; past it new half messages get SYSTEM_BUSY. Bounds the pending index one group can grow.")
+    max_retry_groups: int = setting(1024, "%RETRY% topics (consumer groups that may retry) the broker creates at most; past it a new group's retry topic is refused.")
+    # ---- security
+    acl_file: str = setting("", "RocketMQ plain_acl.yml: requests must be signed by an account (AclClientRPCHook) and permitted; reloaded when it changes. Empty: no access control (say so loudly when bound beyond loopback).")
     # ---- topics and consumers
     auto_create_topic: bool = setting(True, "Create unknown topics on first send from TBW102 (RocketMQ's default).")
     default_topic_queue_nums: int = setting(8, "Queues of TBW102, the auto-create template (RocketMQ's default).")
@@ -70,11 +77,14 @@ class BrokerConfig:
             raise ConfigError(f"metrics_port={self.metrics_port} is not a port number (-1 disables metrics)")
         for name in ("segment_size", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max",
-                     "default_topic_queue_nums"):
+                     "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes",
+                     "max_undecided_per_group", "max_retry_groups"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         if not 0.0 < self.disk_refuse_ratio <= 1.0:
             raise ConfigError(f"disk_refuse_ratio={self.disk_refuse_ratio} must be in (0, 1]")
+        if self.max_auto_create_topics_per_s <= 0:
+            raise ConfigError("max_auto_create_topics_per_s must be positive")
         if self.transaction_timeout_ms < 0:
             raise ConfigError("transaction_timeout_ms must not be negative")
         if self.max_message_size + 4096 > self.segment_size:

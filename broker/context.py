@@ -29,6 +29,8 @@ class BrokerContext:
     clock: object = wall_clock_ms
     holds: object = None             # broker.longpoll.PullHoldService
     tx: object = None                # broker.transaction.TransactionService
+    limits: object = None            # broker.limits.Limits
+    acl: object = None               # broker.acl.PlainAcl, None without --acl-file
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
 
     def set_address(self, host: str, port: int) -> None:

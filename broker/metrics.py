@@ -48,6 +48,15 @@ class BrokerMetrics:
         self.connections = Gauge("txmq_open_connections", "Open client connections.", ["listener"], registry=r)
         self.rejected_frames = Counter("txmq_rejected_frames", "Connections closed for malformed input.",
                                        registry=r)
+        self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
+                               "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit).",
+                               ["reason"], registry=r)
+        self.loop_lag = Gauge("txmq_event_loop_lag_seconds", "Worst event-loop lag seen over the last second.",
+                              registry=r)
+        self.loop_lag_worst = Gauge("txmq_event_loop_lag_max_seconds", "Worst event-loop lag since start.",
+                                    registry=r)
+        self.task_crashes = Counter("txmq_background_task_crashes", "Background tasks that raised, by task.",
+                                    ["task"], registry=r)
         # transactions
         self.half_messages = Gauge("rocketmq_half_messages", "Undecided half messages.", registry=r)
         self.half_in = Counter("txmq_half_messages", "Half messages stored, by producer group.",

@@ -16,20 +16,24 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import RemotingConnection
 
+from .acl import PlainAcl
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, wall_clock_ms
+from .limits import Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot
 from .processors import broker_table, namesrv_table
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
-from .topics import RETRY_PREFIX, TopicManager
+from .supervise import LoopLag, Supervisor
+from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
 from .transaction import TransactionService
 
 log = logging.getLogger("txmq.server")
@@ -46,6 +50,16 @@ class BrokerServer:
         self._metrics_httpd = None
         self.addresses: dict[str, str] = {}
         self.ctx: BrokerContext | None = None
+        self.stopping = asyncio.Event()
+        self.fatal: str | None = None
+        self.supervisor = Supervisor(self.metrics, self._fatal)
+        self.loop_lag = LoopLag(self.metrics.loop_lag, self.metrics.loop_lag_worst)
+        self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
+        self._loop = None
+
+    def _fatal(self, why: str) -> None:
+        self.fatal = why
+        self.stopping.set()
 
     # ------------------------------------------------------------- start-up
     async def start(self) -> None:
@@ -56,9 +70,15 @@ class BrokerServer:
         clients = ClientRegistry(self.clock)
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
-                              broker=c.broker_name)
-        clients.on_new_retry_group = lambda group: topics.ensure(RETRY_PREFIX + group)
+                              broker=c.broker_name, max_retry_groups=c.max_retry_groups)
+        clients.on_new_retry_group = self._new_retry_group
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
+        ctx.limits = Limits(c, self.metrics)
+        if c.acl_file:
+            ctx.acl = PlainAcl(c.acl_file)
+        elif (warning := exposure_warning(c)) is not None:
+            log.warning("!" * 20 + " " + warning)
+            print(f"WARNING: {warning}", file=sys.stderr, flush=True)
 
         broker_srv = await loop.create_server(lambda: self._connection("broker", broker_table()), c.host, c.port,
                                               start_serving=False, backlog=1024)
@@ -89,11 +109,19 @@ class BrokerServer:
         ctx.tx.start()
         self._install_metrics(ctx)
 
+        topics.start_background(loop)
+        self._loop = loop
+        self._refresh_gauges()
         await broker_srv.start_serving()
         await ns_srv.start_serving()
-        self._tasks.append(loop.create_task(self._housekeeping(), name="txmq-housekeeping"))
+        spawn = self.supervisor.spawn
+        spawn("txmq-housekeeping", self._housekeeping)
+        spawn("txmq-loop-lag", self.loop_lag.run)
+        spawn("txmq-gauges", self._gauge_loop)
+        if ctx.acl is not None:
+            spawn("txmq-acl-reload", self._acl_reload)
         if c.metrics_snapshot_interval_s > 0:
-            self._tasks.append(loop.create_task(self._snapshots(store_dir), name="txmq-metric-snapshots"))
+            spawn("txmq-metric-snapshots", lambda: self._snapshots(store_dir))
         host = c.public_host
         self.addresses = {"broker": f"{host}:{broker_port}",
                           "namesrv": f"{host}:{ns_srv.sockets[0].getsockname()[1]}",
@@ -101,18 +129,28 @@ class BrokerServer:
 
     def _install_metrics(self, ctx) -> None:
         m = self.metrics
+        # The scrape runs on prometheus' thread: these read the snapshot _refresh_gauges builds on
+        # the loop each second, never the live store or registries (a segment may be removed meanwhile).
+        server = self
+
+        class _Refresh:                 # registered before the gauges below: runs first in each scrape
+            def describe(self):
+                return []
+
+            def collect(self):
+                server._fresh_gauges()
+                return []
+        m.registry.register(_Refresh())
+        snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
-                              ["consumer_group", "topic"], self._lag_by_group_topic)
-        m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [],
-                              lambda: [((), sum(s.size for s in ctx.store.segments()))])
+                              ["consumer_group", "topic"], snap("lag"))
+        m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
         m.add_gauge_collector("rocketmq_producer_connections", "Live producer connections, by group.",
-                              ["producer_group"], lambda: [((g,), len(ctx.clients.producer_channels(g)))
-                                                           for g in list(ctx.clients.producers)])
+                              ["producer_group"], snap("producers"))
         m.add_gauge_collector("rocketmq_consumer_connections", "Live consumer connections, by group.",
-                              ["consumer_group"], lambda: [((g,), len(ctx.clients.consumer_ids(g)))
-                                                           for g in list(ctx.clients.consumers)])
-        m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [],
-                              lambda: [((), ctx.holds.parked)])
+                              ["consumer_group"], snap("consumers"))
+        m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
+        m.add_gauge_collector("txmq_topics", "Topics the broker holds.", [], snap("topics"))
         m.add_disk_collector(ctx.store.disk)
         self._metrics_port = None
         if self.config.metrics_port >= 0:
@@ -120,6 +158,53 @@ class BrokerServer:
             httpd, _thread = start_http_server(self.config.metrics_port, addr=self.config.host, registry=m.registry)
             self._metrics_httpd = httpd
             self._metrics_port = httpd.server_address[1]
+
+    def _fresh_gauges(self) -> None:
+        """On the scrape thread, once per scrape: ask the loop for a new snapshot and wait up to 1 s
+        for it (else the last one serves). The loop builds it; this thread only reads it."""
+        if self._loop is None:
+            return
+        done = threading.Event()
+
+        def build():
+            try:
+                self._refresh_gauges()
+            finally:
+                done.set()
+        try:
+            self._loop.call_soon_threadsafe(build)
+        except RuntimeError:            # the loop is closed: the last snapshot will do
+            return
+        done.wait(1.0)
+
+    def _refresh_gauges(self) -> None:
+        ctx = self.ctx
+        self._gauges = {
+            "at": time.monotonic(),
+            "lag": [((g, t), n) for (g, t), n in self._lag_by_group_topic()],
+            "storage": [((), ctx.store.storage_bytes())],
+            "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
+            "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
+            "parked": [((), ctx.holds.parked)],
+            "topics": [((), len(ctx.topics.topics))],
+        }
+
+    async def _gauge_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._refresh_gauges()
+
+    async def _acl_reload(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(self.ctx.acl.reload_if_changed)
+
+    def _new_retry_group(self, group: str) -> None:
+        try:
+            self.ctx.topics.ensure(RETRY_PREFIX + group)
+        except TopicLimitError as exc:
+            self.ctx.limits.refused("retry-group-limit")
+            log.warning("consumer group %s: %s", group, exc)
 
     def _lag(self):
         store = self.ctx.store
@@ -153,17 +238,24 @@ class BrokerServer:
                 for group in self.ctx.clients.connection_closed(conn):
                     self.ctx.clients.notify_ids_changed(group)
 
-        return RemotingConnection(self._handler(table), max_frame_size=c.max_frame_size,
+        return RemotingConnection(self._handler(table, guarded=listener == "broker"), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
                                   on_open=opened, on_close=closed)
 
-    def _handler(self, table: dict):
+    def _handler(self, table: dict, guarded: bool = False):
         ctx = self.ctx
         observe = self.metrics.observe_request
         perf = time.perf_counter
         create_task = asyncio.get_running_loop().create_task
+        acl_refused = self.metrics.refused.labels("acl")
 
         def handle(conn, cmd):
+            if guarded and ctx.acl is not None:
+                why = ctx.acl.check(cmd, conn.peer[0])
+                if why is not None:
+                    acl_refused.inc()
+                    log.info("refused %s from %s:%s: %s", cmd.code, conn.peer[0], conn.peer[1], why)
+                    return None if cmd.is_oneway else cmd.response(ResponseCode.NO_PERMISSION, why)
             fn = table.get(cmd.code)
             if fn is None:
                 if cmd.is_oneway:
@@ -208,6 +300,7 @@ class BrokerServer:
             srv.close()
         for task in self._tasks:
             task.cancel()
+        self.supervisor.cancel()
         ctx = self.ctx
         if ctx is not None and ctx.holds is not None:
             ctx.holds.wake_all()
@@ -221,6 +314,8 @@ class BrokerServer:
             await ctx.tx.stop()
         if ctx is not None and ctx.store is not None:
             await ctx.store.close()
+        if ctx is not None:
+            await ctx.topics.close()
         if ctx is not None and ctx.offsets is not None:
             await _maybe_await(getattr(ctx.offsets, "close", None))
         if self._metrics_httpd is not None:
@@ -228,6 +323,15 @@ class BrokerServer:
             self._metrics_httpd.server_close()
         if self.addresses:      # a start that failed has said so in its one line already
             log.info("stopped")
+
+
+def exposure_warning(config: BrokerConfig) -> str | None:
+    """What to shout when the broker listens beyond loopback with no access control."""
+    host = config.host
+    if config.acl_file or host in ("localhost", "::1") or host.startswith("127."):
+        return None
+    return (f"txmq broker bound to {host or 'all interfaces'} WITHOUT an ACL file: anyone who reaches the "
+            f"port can send, create topics, decide transactions and delete data. Pass --acl-file plain_acl.yml.")
 
 
 async def _maybe_await(fn):
@@ -252,14 +356,18 @@ async def serve(config: BrokerConfig) -> int:
         return 1
     a = server.addresses
     print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}", flush=True)
-    stop = asyncio.Event()
+    stop = server.stopping
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("signal received: stopping")
+    if server.fatal:
+        log.critical("stopping on a fatal error: %s", server.fatal)
+        print(f"txmq-broker: fatal: {server.fatal}", file=sys.stderr, flush=True)
+    else:
+        log.info("signal received: stopping")
     await server.stop()
-    return 0
+    return 1 if server.fatal else 0
 
 
 def start_failure(exc: BaseException, store_dir: str) -> str:

@@ -1,13 +1,20 @@
 """Topic configurations: system topics, auto-creation, persistence (RocketMQ's TopicConfigManager).
 
 Topics live in <store>/config/topics.json, written atomically on change, so a
-topic created by a send survives a restart with its queue count.
+topic created by a send survives a restart with its queue count. Once the broker
+serves, writes leave the event loop: a change marks the catalogue dirty and one
+write (serialise, fsync, rename) runs on a config thread at most every 100 ms for
+all the changes since -- a flood of new topics costs one write per batch, not a
+rewrite of the whole file per topic on the loop. A crash before the write loses
+nothing: ``adopt`` restores any topic the store holds queues for.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from protocol.codes import Perm
@@ -26,6 +33,10 @@ DLQ_PREFIX = "%DLQ%"
 NO_SEND_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC, "SELF_TEST_TOPIC",
                             "OFFSET_MOVED_EVENT"})
 SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC"}
+
+
+class TopicLimitError(ValueError):
+    """A topic was not created because a configured limit was reached; the text names it."""
 
 
 def is_system_topic(topic: str) -> bool:
@@ -48,9 +59,16 @@ class TopicConfig:
 
 
 class TopicManager:
-    def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str):
+    def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str,
+                 max_retry_groups: int = 1 << 30):
         self.path = os.path.join(config_dir, "topics.json")
         self.auto_create = auto_create
+        self.max_retry_groups = max_retry_groups
+        self._loop = None                   # set by start_background: writes then go to _pool
+        self._pool: ThreadPoolExecutor | None = None
+        self._write_scheduled = False
+        self._dirty = False                 # changed since the last catalogue write that succeeded
+        self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
         self._system = {
             AUTO_CREATE_TOPIC: TopicConfig(AUTO_CREATE_TOPIC, default_queue_nums, default_queue_nums,
@@ -87,19 +105,78 @@ class TopicManager:
                 continue
             self.topics[tc.name] = tc
 
+    def start_background(self, loop) -> None:
+        """From now on, catalogue writes are batched on a config thread, off ``loop``."""
+        self._loop = loop
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="txmq-topics")
+
+    async def close(self) -> None:
+        """Write what is pending and stop the config thread."""
+        if self._pool is None:
+            return
+        loop, self._loop = self._loop, None
+        pool, self._pool = self._pool, None
+        try:
+            # On the config thread, after any write still running there: skipped when nothing changed.
+            await loop.run_in_executor(pool, self._write_if_dirty, list(self.topics.values()))
+        except OSError as exc:          # a full disk must not turn a clean stop into a crash
+            log.error("topics catalogue %s not written at stop (topics are restored from the store at "
+                      "start-up): %s", self.path, exc)
+        finally:
+            pool.shutdown(wait=False)
+
     def _persist(self) -> None:
+        self._dirty = True
+        if self._loop is None:
+            self._write(list(self.topics.values()))
+        elif not self._write_scheduled:
+            self._write_scheduled = True
+            self._loop.call_later(0.1, self._write_batch)
+
+    def _write_batch(self) -> None:
+        self._write_scheduled = False
+        if self._pool is None:
+            return
+        # TopicConfigs are replaced, never mutated, so the list is a consistent snapshot.
+        fut = self._loop.run_in_executor(self._pool, self._write, list(self.topics.values()))
+        fut.add_done_callback(self._written)
+
+    def _written(self, fut) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            log.error("topics catalogue %s not written (topics are restored from the store at start-up): %s",
+                      self.path, exc)
+
+    def _write_if_dirty(self, topics: list) -> None:
+        if self._dirty:
+            self._write(topics)
+
+    def _write(self, topics: list) -> None:
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"topics": [asdict(t) for t in self.topics.values() if t.name not in self._system]}, fh,
-                      indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        self._dirty = False             # a change made while this write runs sets it again
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump({"topics": [asdict(t) for t in topics if t.name not in self._system]}, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except OSError:
+            self._dirty = True
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def retry_groups(self) -> int:
+        return sum(1 for name in self.topics if name.startswith(RETRY_PREFIX))
 
     def get(self, topic: str) -> TopicConfig | None:
         return self.topics.get(topic)
 
     def create(self, tc: TopicConfig) -> TopicConfig:
+        if tc.name.startswith(RETRY_PREFIX) and tc.name not in self.topics:
+            if self.retry_groups() >= self.max_retry_groups:
+                raise TopicLimitError(f"retry topic {tc.name} not created: {self.max_retry_groups} %RETRY% "
+                                      f"groups exist, the limit (max_retry_groups)")
         self.topics[tc.name] = tc
         self._persist()
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,

@@ -14,6 +14,7 @@ from protocol.connection import ConnectionPool
 from protocol.errors import error_for_code
 from protocol.message import MessageExt, decode_records
 from protocol.route import decode_route
+from protocol.signature import Credentials
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,8 @@ class PullResult:
 
 
 class PullConsumer:
-    def __init__(self, namesrv_addr: str, group: str, *, timeout: float = 3.0, instance_name: str | None = None):
+    def __init__(self, namesrv_addr: str, group: str, *, timeout: float = 3.0, instance_name: str | None = None,
+                 credentials: Credentials | None = None):
         self.group = group
         self.timeout = timeout
         self.namesrv_addrs = [a.strip() for a in namesrv_addr.split(";") if a.strip()]
@@ -49,7 +51,7 @@ class PullConsumer:
         except OSError:
             ip = "127.0.0.1"
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
-        self.pool = ConnectionPool(self._on_request)
+        self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self._brokers: dict[str, str] = {}
         self.subscriptions: dict[str, str] = {}
         self.on_ids_changed = None

@@ -33,7 +33,7 @@ class ConsumeStatus(enum.Enum):
 class PushConsumer:
     def __init__(self, namesrv_addr: str, group: str, listener, *, consume_from: str = "last",
                  max_reconsume_times: int = 16, rebalance_interval_s: float = 20.0, suspend_ms: int = 15000,
-                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0):
+                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0, credentials=None):
         self.group = group
         self.listener = listener          # listener(msg) -> ConsumeStatus, plain or async
         self.consume_from = consume_from  # where a queue with no committed offset starts: "first" or "last"
@@ -42,13 +42,14 @@ class PushConsumer:
         self.suspend_ms = suspend_ms
         self.offset_commit_interval_s = offset_commit_interval_s
         self.local_retry_delay_s = local_retry_delay_s
-        self.client = PullConsumer(namesrv_addr, group)
+        self.client = PullConsumer(namesrv_addr, group, credentials=credentials)
         self.client.on_ids_changed = self._request_rebalance
         self.subscriptions: dict[str, str] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
         self._committed: dict[MessageQueue, int] = {}
         self._tasks: list[asyncio.Task] = []
+        self.crashes = 0                  # background loops that raised (each logged with its traceback)
         self._rebalance_now = asyncio.Event()
 
     def subscribe(self, topic: str, expression: str = "*") -> None:
@@ -67,7 +68,22 @@ class PushConsumer:
         await self.rebalance()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._rebalance_loop()), loop.create_task(self._commit_loop())]
+        for task in self._tasks:
+            task.add_done_callback(self._crashed)
         return self
+
+    def _crashed(self, task: asyncio.Task, mq: MessageQueue | None = None) -> None:
+        """A background loop that raised is logged, never silent; a crashed pull loop is dropped so
+        the next rebalance starts it again."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.crashes += 1
+        exc = task.exception()
+        log.error("push consumer %s: %s crashed", self.group, f"pull loop of {mq}" if mq else task.get_coro(),
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        if mq is not None and self._loops.get(mq) is task:
+            del self._loops[mq]
+            self._request_rebalance()
 
     async def __aenter__(self):
         return await self.start()
@@ -104,7 +120,8 @@ class PushConsumer:
             self._loops.pop(mq).cancel()
             await self._commit(mq)
         for mq in owned - set(self._loops):
-            self._loops[mq] = asyncio.get_running_loop().create_task(self._pull_loop(mq))
+            task = self._loops[mq] = asyncio.get_running_loop().create_task(self._pull_loop(mq))
+            task.add_done_callback(lambda t, q=mq: self._crashed(t, q))
 
     # ------------------------------------------------------------ consuming
     async def _start_offset(self, mq: MessageQueue) -> int:

@@ -24,6 +24,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
+from protocol.signature import Credentials
 
 from .accumulator import Accumulator
 from .routes import MessageQueue, RouteCache
@@ -58,14 +59,15 @@ def _client_ip() -> str:
 class Producer:
     def __init__(self, namesrv_addr: str, group: str, *, send_timeout: float = 3.0, retries: int = 2,
                  heartbeat_interval_s: float = 30.0, instance_name: str | None = None,
-                 batch_size: int = 1, linger_ms: float = 0.0, max_batch_bytes: int = 1 << 20):
+                 batch_size: int = 1, linger_ms: float = 0.0, max_batch_bytes: int = 1 << 20,
+                 credentials: Credentials | None = None):
         self.group = group
         self.send_timeout = send_timeout
         self.retries = retries
         self.heartbeat_interval_s = heartbeat_interval_s
         ip = _client_ip()
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
-        self.pool = ConnectionPool(self._on_request)
+        self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self.routes = RouteCache(self.pool, [a.strip() for a in namesrv_addr.split(";") if a.strip()],
                                  timeout=send_timeout)
         self.uniq_ids = UniqIdGenerator(ip)

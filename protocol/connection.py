@@ -11,7 +11,10 @@ listener), and applies the limits a server facing unknown clients needs:
   write buffer is over its high-water mark) we stop reading its requests, and
   a peer whose unread backlog passes ``max_write_buffer`` is disconnected;
 * a malformed frame is answered with an error where its opaque can be found,
-  then the connection closes (the stream cannot be re-synchronised).
+  then the connection closes (the stream cannot be re-synchronised);
+* fairness: one read handles at most ``FRAMES_PER_TURN`` frames; the rest wait for the next
+  loop iteration (reading paused meanwhile), so fifty connections that each pipeline hundreds
+  of cheap requests cannot hold the loop for a second while one good client waits.
 
 Outgoing frames produced in one event-loop iteration are written with one
 ``writelines`` call, so 64 pipelined responses cost one send syscall, not 64.
@@ -37,14 +40,17 @@ HandlerResult = Union[RemotingCommand, None, Awaitable[Optional[RemotingCommand]
 Handler = Callable[["RemotingConnection", RemotingCommand], HandlerResult]
 
 _opaques = itertools.count(1)
+FRAMES_PER_TURN = 16
 
 
 class RemotingConnection(asyncio.Protocol):
     def __init__(self, handler: Handler | None = None, *, max_frame_size: int = MAX_FRAME_SIZE,
                  max_in_flight: int = 1024, max_write_buffer: int = 64 * 1024 * 1024,
                  on_open: Callable[["RemotingConnection"], bool] | None = None,
-                 on_close: Callable[["RemotingConnection"], None] | None = None):
+                 on_close: Callable[["RemotingConnection"], None] | None = None,
+                 sign: Callable[[RemotingCommand], None] | None = None):
         self.handler = handler
+        self.sign = sign                    # signs each request we send (credentials for a broker's ACL)
         self.on_open = on_open
         self.max_in_flight = max_in_flight
         self.max_write_buffer = max_write_buffer
@@ -58,6 +64,7 @@ class RemotingConnection(asyncio.Protocol):
         self._pending: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._out: list = []
+        self._backlog: list = []            # frames read but not yet handled (fairness, see above)
         self._flush_scheduled = False
         self._reading_paused_for: set[str] = set()
         self._writing_paused = False
@@ -124,10 +131,22 @@ class RemotingConnection(asyncio.Protocol):
             log.warning("closing %s:%s: %s", self.peer[0], self.peer[1], exc)
             self.close()
             return
+        if self._backlog:                   # a turn is already scheduled: these wait behind it
+            self._backlog.extend(frames)
+            return
+        self._handle_frames(frames)
+
+    def _handle_frames(self, frames: list) -> None:
+        if len(frames) > FRAMES_PER_TURN:
+            self._backlog = frames[FRAMES_PER_TURN:]
+            frames = frames[:FRAMES_PER_TURN]
+            self.pause_reading("turn")
+            self._loop.call_soon(self._next_turn)
         for frame in frames:
             try:
                 cmd = RemotingCommand.decode(frame)
             except ProtocolError as exc:
+                self._backlog = []
                 self._reject_frame(frame, exc)
                 return
             if cmd.flag & FLAG_RESPONSE:
@@ -136,10 +155,18 @@ class RemotingConnection(asyncio.Protocol):
                     fut.set_result(cmd)
                 continue
             self._dispatch(cmd)
-        if self._decoder.error is not None:
+        if not self._backlog and self._decoder.error is not None:
             log.warning("closing %s:%s after its last good frame: %s", self.peer[0], self.peer[1],
                         self._decoder.error)
             self.close()
+
+    def _next_turn(self) -> None:
+        frames, self._backlog = self._backlog, []
+        if self.transport is None or self.transport.is_closing():
+            return
+        self._handle_frames(frames)
+        if not self._backlog:
+            self.resume_reading("turn")
 
     def _reject_frame(self, frame: bytes, exc: ProtocolError) -> None:
         """Answer a frame we cannot decode when its opaque is findable, then close."""
@@ -261,6 +288,8 @@ class RemotingConnection(asyncio.Protocol):
         self._pending[opaque] = fut
         # A timer, not asyncio.wait_for: wait_for costs a Task per request.
         timer = self._loop.call_later(timeout, _expire, fut, cmd.code, self.peer, timeout)
+        if self.sign is not None:
+            self.sign(cmd)
         self.send(cmd)
         try:
             return await fut
@@ -273,6 +302,8 @@ class RemotingConnection(asyncio.Protocol):
             raise ConnectionClosedError(f"connection to {self.peer[0]}:{self.peer[1]} is closed")
         cmd.opaque = next(_opaques) & 0x7FFFFFFF
         cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
+        if self.sign is not None:
+            self.sign(cmd)
         self.send(cmd)
 
 
@@ -315,8 +346,10 @@ class ConnectionPool:
     requests the server sends (CHECK_TRANSACTION_STATE, NOTIFY_CONSUMER_IDS_CHANGED).
     """
 
-    def __init__(self, handler: Handler | None = None, *, connect_timeout: float = 3.0):
+    def __init__(self, handler: Handler | None = None, *, connect_timeout: float = 3.0,
+                 sign: Callable[[RemotingCommand], None] | None = None):
         self.handler = handler
+        self.sign = sign
         self.connect_timeout = connect_timeout
         self._conns: dict[str, RemotingConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -330,7 +363,7 @@ class ConnectionPool:
             conn = self._conns.get(addr)
             if conn is None or not conn.is_open:
                 host, _, port = addr.rpartition(":")
-                conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout)
+                conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout, sign=self.sign)
                 self._conns[addr] = conn
             return conn
 

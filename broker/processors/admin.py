@@ -21,6 +21,10 @@ def update_and_create_topic(ctx, conn, cmd):
     write = cmd.int_field("writeQueueNums", 16)
     if not (0 < read <= 1024 and 0 < write <= 1024):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"queue numbers must be 1..1024, got read={read} write={write}")
+    if topic not in ctx.topics.topics and len(ctx.topics.topics) >= ctx.config.max_topics:
+        ctx.limits.refused("topic-limit")
+        return cmd.response(ResponseCode.NO_PERMISSION, f"topic[{topic}] not created: the broker holds "
+                            f"{len(ctx.topics.topics)} topics, its limit (max_topics={ctx.config.max_topics})")
     ctx.topics.create(TopicConfig(topic, read, write, cmd.int_field("perm", Perm.READ_WRITE),
                                   cmd.str_field("topicFilterType", "SINGLE_TAG"), cmd.int_field("topicSysFlag", 0),
                                   cmd.bool_field("order")))

@@ -27,7 +27,7 @@ from protocol.message import (
 
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
-from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX
+from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
 
 _rand = random.Random()
 
@@ -39,7 +39,7 @@ def _born_host(conn) -> bytes:
     return host
 
 
-def _check_topic(ctx, cmd, h: SendMessageRequestHeader):
+def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
     """(topic config, queue id) or an error response."""
     tc = ctx.topics.topics.get(h.topic)
     if tc is None or h.topic in NO_SEND_TOPICS:      # known topics were validated when they were made
@@ -48,7 +48,14 @@ def _check_topic(ctx, cmd, h: SendMessageRequestHeader):
             return cmd.response(ResponseCode.SYSTEM_ERROR, why)
         if h.topic in NO_SEND_TOPICS:
             return cmd.response(ResponseCode.NO_PERMISSION, f"sending message to topic[{h.topic}] is forbidden")
-        tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums)
+        refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic)
+        if refused is not None:
+            return refused
+        try:
+            tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums)
+        except TopicLimitError as exc:
+            ctx.limits.refused("retry-group-limit")
+            return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
         if tc is None:
             return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
                                 f"topic[{h.topic}] not exist, apply first please!")
@@ -65,7 +72,7 @@ def _check_topic(ctx, cmd, h: SendMessageRequestHeader):
 
 def handle_send(ctx, conn, cmd):
     h = SendMessageRequestHeader.from_command(cmd)
-    checked = _check_topic(ctx, cmd, h)
+    checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
     _, qid = checked
@@ -73,6 +80,9 @@ def handle_send(ctx, conn, cmd):
     if len(body) > ctx.config.max_message_size:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL,
                             f"the message body size {len(body)} is over the maximum {ctx.config.max_message_size}")
+    busy = ctx.limits.busy(cmd, len(body))
+    if busy is not None:
+        return busy
     props = string_to_properties(h.properties)
     topic = h.topic
     reconsume = h.reconsume_times
@@ -86,6 +96,9 @@ def handle_send(ctx, conn, cmd):
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
     if props.get(Prop.TRAN_MSG, "").lower() == "true" and not (reconsume > 0 and props.get(Prop.DELAY, "0") != "0"):
+        refused = ctx.limits.may_prepare(cmd, ctx.tx, props.get(Prop.PGROUP) or h.producer_group)
+        if refused is not None:
+            return refused
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
     props.pop(Prop.WAIT, None)
     record = encode_record(
@@ -93,7 +106,7 @@ def handle_send(ctx, conn, cmd):
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=reconsume)
     req = PutRequest(record, topic, qid, tags_code(props), h.sys_flag)
-    return reply_when_stored(ctx, cmd, ctx.store.put(req), qid, topic, len(body))
+    return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body))
 
 
 def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
@@ -127,7 +140,7 @@ def handle_batch(ctx, conn, cmd):
     h = SendMessageRequestHeader.from_command(cmd)
     if h.topic.startswith(RETRY_PREFIX):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "batch message does not support retry group")
-    checked = _check_topic(ctx, cmd, h)
+    checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
     _, qid = checked
@@ -136,6 +149,9 @@ def handle_batch(ctx, conn, cmd):
                             f"the batch body size {len(cmd.body)} is over the maximum {ctx.config.max_message_size}")
     if SysFlag.transaction_type(h.sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "batch messages cannot be transactional")
+    busy = ctx.limits.busy(cmd, len(cmd.body))
+    if busy is not None:
+        return busy
     entries = decode_batch(cmd.body)
     if not entries:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "the batch is empty")
@@ -157,7 +173,7 @@ def handle_batch(ctx, conn, cmd):
 
 
 async def _store_batch(ctx, cmd, reqs, qid, topic, body_bytes):
-    results = await ctx.store.put_many(reqs)
+    results = await ctx.limits.track(ctx.store.put_many(reqs), body_bytes)
     for result in results:
         if not result.ok:
             return put_failure_response(cmd, result)

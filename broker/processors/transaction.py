@@ -61,5 +61,6 @@ async def apply_expiry(ctx, conn, cmd):
         raise HeaderError(f"expiry plan does not parse: {exc}") from None
     log.warning("admin %s:%s applies an expiry plan: %d halves, %d segments", conn.peer[0], conn.peer[1],
                 len(plan.get("halves") or []), len(plan.get("segments") or []))
+    await ctx.store.summarize()          # the O(GiB) header walk, off the event loop
     summary = await ctx.tx.apply_expiry(plan)
     return cmd.response(ResponseCode.SUCCESS, body=dumps(summary))

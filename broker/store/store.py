@@ -368,6 +368,19 @@ class MessageStore:
                                    seg.last_ts, sealed))
         return out
 
+    async def summarize(self) -> None:
+        """Summarise sealed segments (first/last store time, data length) on the I/O thread.
+
+        Hopping over a sealed segment's record headers costs ~0.8 s a GiB: callers that are
+        about to read ``segments()`` on the event loop (an expiry plan) await this first."""
+        for seg in list(self._log.segments[:-1]):
+            if seg.written < 0:
+                await self._io.submit(_summarize, seg)
+
+    def storage_bytes(self) -> int:
+        """Bytes of commit-log segments, without summarising anything (safe for gauges)."""
+        return sum(seg.size for seg in self._log.segments)
+
     async def remove_segment(self, name: str) -> None:
         """Delete the oldest segment (never the active one), through the writer so no append races it."""
         if self._state != "open":

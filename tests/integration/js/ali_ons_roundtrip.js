@@ -53,6 +53,7 @@ const USAGE = `usage: node ali_ons_roundtrip.js [options]
                                                           [ONS_VERBOSE=1]
   -h, --help             this text
 
+ONS_ACCESS_KEY / ONS_SECRET_KEY: sign every request with these credentials (broker ACL).
 Environment variables are read first; command-line options override them.
 Exit status: 0 ok, 1 failure or timeout, 2 bad arguments / unsupported mode.
 For record-decoding problems also set DEBUG=mq:decoder (ali-ons drops a
@@ -384,6 +385,11 @@ async function main() {
       clientIP: '127.0.0.1',
       connectTimeout: 3000,
     };
+    // ACL credentials (AclClientRPCHook-style signing is built into ali-ons' channel).
+    if (process.env.ONS_ACCESS_KEY) {
+      common.accessKeyId = process.env.ONS_ACCESS_KEY;
+      common.accessKeySecret = process.env.ONS_SECRET_KEY || '';
+    }
 
     // 2. Producer.
     producer = new ons.Producer(Object.assign({}, common, { producerGroup: opts.producerGroup }));

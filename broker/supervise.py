@@ -1,0 +1,90 @@
+"""Background tasks that are never silent, and the event loop's lag measured from inside.
+
+``Supervisor.spawn`` runs a background coroutine; if it raises, the crash is logged with its
+traceback, counted in ``txmq_background_task_crashes_total{task}`` and the task restarted after
+a short pause. A task that keeps crashing (``max_crashes`` within ``window_s``) is beyond
+restarting: the supervisor calls ``on_fatal`` and the broker exits non-zero.
+
+``LoopLag`` wakes every ``interval`` seconds and measures how late it woke: that lateness is
+time the loop spent on something else without yielding. The gauge holds the worst lag of the
+last second; ``worst`` the worst since start (tests and the soak read it from /metrics).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+log = logging.getLogger("txmq.supervise")
+
+
+class Supervisor:
+    def __init__(self, metrics, on_fatal, *, max_crashes: int = 5, window_s: float = 60.0, pause_s: float = 1.0):
+        self.metrics = metrics
+        self.on_fatal = on_fatal
+        self.max_crashes = max_crashes
+        self.window_s = window_s
+        self.pause_s = pause_s
+        self.tasks: list[asyncio.Task] = []
+
+    def spawn(self, name: str, factory) -> asyncio.Task:
+        """Run ``factory()`` (a coroutine function) under supervision until it returns or is cancelled."""
+        task = asyncio.get_running_loop().create_task(self._run(name, factory), name=name)
+        self.tasks.append(task)
+        return task
+
+    async def _run(self, name: str, factory) -> None:
+        crashes: list[float] = []
+        while True:
+            try:
+                await factory()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a background task must not die unseen
+                now = time.monotonic()
+                crashes = [t for t in crashes if now - t < self.window_s] + [now]
+                self.metrics.task_crashes.labels(name).inc()
+                log.exception("background task %s crashed (%d in %.0f s)", name, len(crashes), self.window_s)
+                if len(crashes) >= self.max_crashes:
+                    log.critical("background task %s keeps crashing; stopping the broker", name)
+                    self.on_fatal(f"background task {name} crashed {len(crashes)} times")
+                    return
+            await asyncio.sleep(self.pause_s)
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+class LoopLag:
+    def __init__(self, gauge, worst_gauge=None, *, interval: float = 0.02, window_s: float = 1.0):
+        self.gauge = gauge
+        self.worst_gauge = worst_gauge
+        self.interval = interval
+        self.window = max(1, int(window_s / interval))
+        self.worst = 0.0
+        self._recent: list[float] = []
+
+    async def run(self) -> None:
+        clock = time.perf_counter
+        sleep = asyncio.sleep
+        interval = self.interval
+        while True:
+            expected = clock() + interval
+            await sleep(interval)
+            lag = max(0.0, clock() - expected)
+            self.record(lag)
+
+    def record(self, lag: float) -> None:
+        if lag >= 0.1:
+            log.warning("event loop stalled for %.0f ms", lag * 1000)
+        recent = self._recent
+        recent.append(lag)
+        if len(recent) > self.window:
+            del recent[0]
+        self.gauge.set(max(recent))
+        if lag > self.worst:
+            self.worst = lag
+            if self.worst_gauge is not None:
+                self.worst_gauge.set(lag)

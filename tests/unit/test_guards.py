@@ -1,0 +1,207 @@
+"""The guards without sockets: ACL parsing, addresses, signature and permissions; limits; supervision."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from broker.acl import AclTable, PlainAcl, address_matcher, parse_perm
+from broker.config import BrokerConfig
+from broker.limits import BUSY_REMARK, Limits
+from broker.metrics import BrokerMetrics
+from broker.supervise import LoopLag, Supervisor
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode
+from protocol.command import RemotingCommand
+from protocol.errors import ConfigError
+from protocol.signature import Credentials, signature, signed_content
+
+APP = Credentials("appuser", "app-secret")
+TABLE = {
+    "globalWhiteRemoteAddresses": ["10.10.103.*"],
+    "accounts": [
+        {"accessKey": "appuser", "secretKey": "app-secret", "defaultTopicPerm": "DENY", "defaultGroupPerm": "SUB",
+         "topicPerms": ["Orders=PUB|SUB", "Audit=SUB"], "groupPerms": ["Banned=DENY"]},
+        {"accessKey": "rootuser", "secretKey": "root-secret", "admin": True, "whiteRemoteAddress": "192.168.1.1-20"},
+    ],
+}
+
+
+def _signed(code, fields, creds=APP, body=b""):
+    cmd = RemotingCommand.request(code, fields, body)
+    creds.sign(cmd)
+    return cmd
+
+
+def test_signature_is_hmac_sha1_over_sorted_values_then_body():
+    # The exact content AclClientRPCHook signs: values sorted by key, Signature left out, then the body.
+    fields = {"b": "T", "AccessKey": "ak", "a": "G"}
+    assert signed_content(fields, b"BODY") == b"akGTBODY"
+    # Computed independently with node: crypto.createHmac("sha1", "secret").update("akGTBODY").digest("base64")
+    assert signature(b"akGTBODY", "secret") == "yGHIMOl4s4+Q5yUucs+7red/vXg="
+
+
+@pytest.mark.parametrize("spec,host,ok", [
+    ("*", "1.2.3.4", True), ("", "127.0.0.1", False), ("192.168.*.*", "192.168.9.9", True),
+    ("192.168.*.*", "192.169.9.9", False), ("192.168.1.1-20", "192.168.1.20", True),
+    ("192.168.1.1-20", "192.168.1.21", False), ("10.0.0.{1,5}", "10.0.0.5", True), ("10.0.0.{1,5}", "10.0.0.2", False),
+    ("1.1.1.1,2.2.2.2", "2.2.2.2", True),
+])
+def test_remote_address_patterns(spec, host, ok):
+    assert address_matcher(spec)(host) is ok
+
+
+def test_bad_files_are_config_errors():
+    with pytest.raises(ConfigError):
+        AclTable.parse({"accounts": [{"accessKey": "short", "secretKey": "x"}]})
+    with pytest.raises(ConfigError):
+        AclTable.parse({"accounts": [{"accessKey": "appuser", "secretKey": "app-secret", "topicPerms": ["nope"]}]})
+    with pytest.raises(ConfigError):
+        address_matcher("300.not.an.address")
+    assert parse_perm("PUB|SUB") == 12 and parse_perm("whatever") == 1
+
+
+def test_check_follows_rocketmq_order_and_remarks():
+    t = AclTable.parse(TABLE)
+    send = lambda topic, creds=APP: _signed(R.SEND_MESSAGE_V2, {"a": "PG", "b": topic}, creds, b"x")  # noqa: E731
+    assert t.check(send("Orders"), "127.0.0.1") is None
+    assert t.check(send("Other"), "127.0.0.1") == "No default permission for topic:Other"
+    assert t.check(send("Audit"), "127.0.0.1") == "No default permission for topic:Audit"
+    assert t.check(RemotingCommand.request(R.SEND_MESSAGE_V2, {"b": "Orders"}), "10.10.103.7") is None  # global white
+    assert t.check(RemotingCommand.request(R.SEND_MESSAGE_V2, {"b": "Orders"}), "127.0.0.1") == \
+        "No accessKey is configured"
+    assert t.check(send("Orders", Credentials("stranger", "secret")), "127.0.0.1") == "No acl config for stranger"
+    tampered = send("Orders")
+    tampered.ext_fields["b"] = "Other"
+    assert t.check(tampered, "127.0.0.1") == "Check signature failed for accessKey=appuser"
+    pull = _signed(R.PULL_MESSAGE, {"topic": "Orders", "consumerGroup": "Banned"})
+    assert t.check(pull, "127.0.0.1") == "No default permission for group:Banned"
+    create = _signed(R.UPDATE_AND_CREATE_TOPIC, {"topic": "X"})
+    assert t.check(create, "127.0.0.1") == "Need admin permission for request code=17, but accessKey=appuser is not"
+    root = Credentials("rootuser", "root-secret")
+    assert t.check(_signed(R.TXMQ_APPLY_EXPIRY, {}, root, b"{}"), "127.0.0.1") is None
+    assert t.check(RemotingCommand.request(R.TXMQ_APPLY_EXPIRY, {"AccessKey": "rootuser"}), "192.168.1.3") is None
+
+
+def test_heartbeat_resources_come_from_the_body():
+    t = AclTable.parse(TABLE)
+    body = b'{"clientID":"c","consumerDataSet":[{"groupName":"G1","subscriptionDataSet":[{"topic":"Other"}]}]}'
+    assert t.check(_signed(R.HEART_BEAT, {}, body=body), "127.0.0.1") == "No default permission for topic:Other"
+
+
+def test_reload_keeps_the_old_table_when_the_new_file_is_bad(tmp_path):
+    path = tmp_path / "plain_acl.yml"
+    path.write_text("accounts:\n  - accessKey: appuser\n    secretKey: app-secret\n")
+    acl = PlainAcl(str(path))
+    assert not acl.reload_if_changed()
+    path.write_text("accounts: [ {accessKey: x")
+    os.utime(path, ns=(1, 1))
+    assert not acl.reload_if_changed() and "appuser" in acl.table.accounts
+    path.write_text("accounts:\n  - accessKey: other1\n    secretKey: other-secret\n")
+    os.utime(path, ns=(2, 2))
+    assert acl.reload_if_changed() and set(acl.table.accounts) == {"other1"}
+
+
+class _Conn:
+    def __init__(self, host="127.0.0.1"):
+        self.peer = (host, 1)
+        self.attributes = {}
+
+
+class _Topics:
+    def __init__(self, n):
+        self.topics = dict.fromkeys(range(n))
+
+
+def test_topic_limits_name_the_limit():
+    now = [0.0]
+    lim = Limits(BrokerConfig(max_topics=5, max_auto_create_topics_per_s=2), BrokerMetrics(), monotonic=lambda: now[0])
+    cmd = RemotingCommand.request(R.SEND_MESSAGE_V2, {})
+    full = lim.may_auto_create(_Conn(), cmd, _Topics(5), "T")
+    assert full.code == ResponseCode.NO_PERMISSION and "max_topics=5" in full.remark
+    a, b = _Conn(), _Conn()                     # two connections, one client address: one budget
+    assert lim.may_auto_create(a, cmd, _Topics(1), "T1") is None
+    assert lim.may_auto_create(b, cmd, _Topics(1), "T2") is None
+    busy = lim.may_auto_create(a, cmd, _Topics(1), "T3")
+    assert busy.code == ResponseCode.SYSTEM_BUSY and "max_auto_create_topics_per_s=2" in busy.remark
+    assert lim.may_auto_create(_Conn("10.0.0.9"), cmd, _Topics(1), "T4") is None
+    now[0] += 0.5
+    assert lim.may_auto_create(a, cmd, _Topics(1), "T3") is None
+
+
+async def test_writer_busy_until_queued_bytes_drain():
+    lim = Limits(BrokerConfig(max_writer_queued_bytes=100), BrokerMetrics())
+    cmd = RemotingCommand.request(R.SEND_MESSAGE_V2, {})
+    assert lim.busy(cmd, 500) is None           # an empty queue always takes one (a big message is not starved)
+    fut = asyncio.get_running_loop().create_future()
+    lim.track(fut, 500)
+    busy = lim.busy(cmd, 1)
+    assert busy.code == ResponseCode.SYSTEM_BUSY and busy.remark.startswith(BUSY_REMARK)
+    fut.set_result(None)
+    await asyncio.sleep(0)
+    assert lim.queued_bytes == 0 and lim.busy(cmd, 1) is None
+
+
+def test_undecided_per_group():
+    class Tx:
+        pending = {}
+    lim = Limits(BrokerConfig(max_undecided_per_group=2), BrokerMetrics())
+    cmd = RemotingCommand.request(R.SEND_MESSAGE_V2, {})
+    assert lim.may_prepare(cmd, Tx, "G") is None and lim.may_prepare(cmd, Tx, "G") is None
+    refused = lim.may_prepare(cmd, Tx, "G")
+    assert refused.code == ResponseCode.SYSTEM_BUSY and "max_undecided_per_group=2" in refused.remark
+    assert lim.may_prepare(cmd, Tx, "H") is None
+
+
+async def test_supervisor_restarts_then_gives_up():
+    metrics = BrokerMetrics()
+    fatal = []
+    runs = []
+
+    async def crashes():
+        runs.append(1)
+        raise ValueError("boom")
+
+    sup = Supervisor(metrics, fatal.append, max_crashes=3, pause_s=0)
+    async with asyncio.timeout(5):
+        await sup.spawn("t", crashes)
+    assert len(runs) == 3 and fatal and "t crashed 3 times" in fatal[0]
+    assert metrics.task_crashes.labels("t")._value.get() == 3
+
+
+def test_loop_lag_gauge_holds_the_worst_of_the_window():
+    metrics = BrokerMetrics()
+    lag = LoopLag(metrics.loop_lag, metrics.loop_lag_worst, interval=0.25, window_s=1.0)
+    for value in (0.001, 0.3, 0.002, 0.001, 0.001, 0.001):
+        lag.record(value)
+    assert metrics.loop_lag._value.get() == 0.002 and lag.worst == 0.3
+
+
+def test_exposure_warning_only_beyond_loopback_without_acl():
+    from broker.server import exposure_warning
+    assert exposure_warning(BrokerConfig(host="127.0.0.1")) is None
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", acl_file="plain_acl.yml")) is None
+    assert "WITHOUT an ACL file" in exposure_warning(BrokerConfig(host="0.0.0.0"))
+
+
+async def test_topic_flood_writes_the_catalogue_in_batches_off_the_loop(tmp_path, monkeypatch):
+    import threading
+
+    from broker.topics import TopicConfig, TopicManager
+    tm = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
+    writes = []
+    real = tm._write
+    monkeypatch.setattr(tm, "_write", lambda topics: (writes.append((threading.current_thread().name, len(topics))),
+                                                      real(topics)))
+    tm.start_background(asyncio.get_running_loop())
+    for i in range(500):
+        tm.create(TopicConfig(f"T{i}", 8, 8))
+    assert writes == []                             # nothing written on the loop, per topic
+    async with asyncio.timeout(5):
+        while not writes:
+            await asyncio.sleep(0.02)
+    await tm.close()
+    assert len(writes) <= 3 and all(name.startswith("txmq-topics") for name, _ in writes)
+    again = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
+    assert all(f"T{i}" in again.topics for i in range(500))
