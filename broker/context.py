@@ -29,6 +29,7 @@ class BrokerContext:
     clock: object = wall_clock_ms
     holds: object = None             # broker.longpoll.PullHoldService
     tx: object = None                # broker.transaction.TransactionService
+    retention: object = None         # broker.retention.Retention
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
 
     def set_address(self, host: str, port: int) -> None:

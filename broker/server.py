@@ -27,6 +27,7 @@ from .context import BrokerContext, wall_clock_ms
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot
 from .processors import broker_table, namesrv_table
+from .retention import Retention
 from .store import ConsumerOffsets, MessageStore, StoreConfig
 from .topics import RETRY_PREFIX, TopicManager
 from .transaction import TransactionService
@@ -85,6 +86,8 @@ class BrokerServer:
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
         ctx.tx.start()
+        ctx.retention = Retention(ctx)
+        ctx.retention.start()
         self._install_metrics(ctx)
 
         await broker_srv.start_serving()
@@ -214,6 +217,8 @@ class BrokerServer:
         for conns in self.connections.values():
             for conn in list(conns):
                 conn.close()
+        if ctx is not None and ctx.retention is not None:
+            await ctx.retention.stop()
         if ctx is not None and ctx.tx is not None:
             await ctx.tx.stop()
         if ctx is not None and ctx.store is not None:

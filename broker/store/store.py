@@ -25,6 +25,7 @@ from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import UNIT, ConsumeQueue
+from .manifest import SegmentFacts, load_or_create_store_id, sealed_from_disk, summarize_file, write_manifest
 from .recovery import recover
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 from .writer import IoThread, Writer
@@ -64,6 +65,9 @@ class MessageStore:
         self._lock_fd = -1
         self._state = "new"
         self.report: RecoveryReport | None = None
+        self.store_id = ""                                  # manifest.py: written when the store is created
+        self._facts: dict[str, SegmentFacts] = {}           # sealed segments, computed once from their bytes
+        self._manifest_key: tuple | None = None             # what the manifest on disk describes
 
     # ---------------------------------------------------------- lifecycle
     def add_dispatch_listener(self, fn: Callable[[DispatchInfo], None]) -> None:
@@ -82,9 +86,13 @@ class MessageStore:
             self.report = recover(self._log, self._cqs, self._make_queue, read_checkpoint(self.store_dir),
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners)
+            self.store_id = load_or_create_store_id(self.store_dir)
         except BaseException:
             self._close_files()
             raise
+        if not self.report.truncations:     # a cut segment is not what its old entry says
+            sealed = {seg.name for seg in self._log.segments[:-1]}
+            self._facts = {n: f for n, f in sealed_from_disk(self.store_dir).items() if n in sealed}
         self._io = IoThread("txmq-flush")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txmq-reserve")
         if self._log.reserver is not None:
@@ -110,6 +118,10 @@ class MessageStore:
             await self._checkpoint()
         except OSError as exc:
             log.error("final checkpoint failed: %s", exc)
+        try:
+            await self.refresh_manifest(force=True)
+        except OSError as exc:
+            log.error("final segment manifest not written: %s", exc)
         self._io.stop()
         self._reserver.shutdown(wait=True)
         self._close_files()
@@ -179,6 +191,10 @@ class MessageStore:
                 await self._checkpoint()
             except OSError as exc:
                 log.error("checkpoint failed (retrying): %s", exc)
+            try:
+                await self.refresh_manifest()
+            except OSError as exc:
+                log.error("segment manifest not written (retrying): %s", exc)
 
     async def _checkpoint(self) -> None:
         point = Checkpoint(self._log.flushed, self._log.flushed_ts)
@@ -337,11 +353,49 @@ class MessageStore:
                                    seg.last_ts, sealed))
         return out
 
-    async def remove_segment(self, name: str) -> None:
-        """Delete the oldest segment (never the active one), through the writer so no append races it."""
+    def physical_offset_of(self, topic: str, queue_id: int, offset: int) -> int | None:
+        """Commit-log offset of the message at a queue offset (None past the end or before the start)."""
+        cq = self._cqs.get((topic, queue_id))
+        unit = cq.unit(offset) if cq is not None and cq.min_offset <= offset < cq.max_offset else None
+        return None if unit is None else unit[0]
+
+    async def segment_facts(self) -> list[SegmentFacts]:
+        """Every segment, oldest first: sealed ones as read from their bytes, the active one as of now."""
+        segs = self._log.segments
+        missing = [(seg.name, seg.path, seg.start) for seg in segs[:-1] if seg.name not in self._facts]
+        if missing:
+            # A walk over a 1 GiB segment's headers takes about a second: never on the event loop.
+            found = await asyncio.get_running_loop().run_in_executor(None, _summarize_files, missing)
+            self._facts.update(found)
+        segs, clog = self._log.segments, self._log
+        out = [self._facts[seg.name] for seg in segs[:-1] if seg.name in self._facts]
+        if segs:
+            act = segs[-1]
+            out.append(SegmentFacts(act.name, act.start, clog.written, -1, act.first_ts,
+                                    clog.last_ts if act.first_ts >= 0 else -1, False))
+        return out
+
+    async def refresh_manifest(self, force: bool = False) -> None:
+        """Rewrite segments.json when the set of segments changed (a roll or a removal)."""
+        if self._state not in ("open", "closing"):
+            return
+        segs = self._log.segments
+        key = (tuple(seg.name for seg in segs), segs[-1].first_ts if segs else -1)
+        if key == self._manifest_key and not force:
+            return
+        facts = await self.segment_facts()
+        await self._io.submit(write_manifest, self.store_dir, self.store_id, self.clock(), facts)
+        self._manifest_key = key
+
+    async def remove_segment(self, name: str, reason: str = "") -> SegmentFacts:
+        """Delete the oldest segment (never the active one), through the writer so no append races it.
+
+        Returns what the segment held (its manifest entry); the manifest is rewritten after.
+        """
         if self._state != "open":
             raise StoreError("the store is not open", segment=name)
         clog = self._log
+        facts = {f.name: f for f in await self.segment_facts()}
 
         async def op():
             segs = clog.segments
@@ -355,15 +409,32 @@ class MessageStore:
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)
             await self._io.submit(_remove_files, dead)
-            log.info("removed segment %s; the log now starts at %d", name, clog.min_offset)
+            f = facts.get(name)
+            log.warning("removed segment %s (%s; %s records, store times %s..%s); the log now starts at %d",
+                        name, reason or "asked", f.records if f else "?", f.first_ts if f else "?",
+                        f.last_ts if f else "?", clog.min_offset)
 
         await self._writer.control(op)
+        self._facts.pop(name, None)
+        try:
+            await self.refresh_manifest()
+        except OSError as exc:
+            log.error("segment manifest not written (retried at the next checkpoint): %s", exc)
+        return facts.get(name)
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     write_checkpoint(store_dir, point)
+
+
+def _summarize_files(items) -> dict[str, SegmentFacts]:
+    out = {}
+    for name, path, start in items:
+        end, n, first, last = summarize_file(path, start)
+        out[name] = SegmentFacts(name, start, end, n, first, last, True)
+    return out
 
 
 def _remove_files(files) -> None:
