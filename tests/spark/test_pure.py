@@ -123,12 +123,18 @@ def test_snapshot_lines_tolerate_missing_keys():
     assert [r[0] for r in parse_line('{"ts": 9, "connections": 1, "consumer_lag": []}')] == ["snap"]
 
 
+def _seg(name, first, last, end=100):
+    return {"name": name, "start_offset": int(name), "end_offset": int(name) + end,
+            "first_store_timestamp": first, "last_store_timestamp": last}
+
+
 def _plan(**over):
     now, ret = 1_000 * H, 72 * H
-    plan = {"version": 1, "created_ms": now, "retention_ms": ret, "now_ms": now,
+    plan = {"version": 2, "store_id": "0b0e5a9c-3f0e-4d7e-9a51-0d6c1a2b3c4d", "created_ms": now,
+            "retention_ms": ret, "now_ms": now,
             "halves": [{"commit_log_offset": 10, "queue_offset": 0, "producer_group": "g", "topic": "T",
                         "store_timestamp": now - ret - 1, "uniq_key": "U"}],
-            "segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": now - ret - 1}]}
+            "segments": [_seg("0" * 20, 1, now - ret - 1)]}
     plan.update(over)
     return plan
 
@@ -143,17 +149,18 @@ def test_validate_plan_accepts_a_good_plan_from_file_text_or_dict(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"version": 2}, "version"),
+    ({"version": 1}, "version"),
+    ({"store_id": None}, "store_id"),
     ({"now_ms": "soon"}, "now_ms"),
     ({"retention_ms": 0}, "positive"),
     ({"halves": [{"commit_log_offset": 1}]}, "missing or mistyped"),
     ({"halves": [{"commit_log_offset": 1, "queue_offset": 0, "producer_group": "g", "topic": "T",
                   "store_timestamp": 1000 * H - 72 * H, "uniq_key": None}]}, "not older than the retention"),
     ({"segments": [{"name": "12", "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "20-digit"),
-    ({"segments": [{"name": "1" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2},
-                   {"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "oldest first"),
-    ({"segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 1000 * H}]},
-     "not all older"),
+    ({"segments": [_seg("1" * 20, 1, 2), _seg("0" * 20, 1, 2)]}, "oldest first"),
+    ({"segments": [_seg("0" * 20, 1, 1000 * H)]}, "not all older"),
+    ({"segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "must be integers"),
+    ({"segments": [dict(_seg("0" * 20, 1, 2), start_offset=5)]}, "do not fit"),
 ])
 def test_validate_plan_refuses_bad_plans(change, message):
     with pytest.raises(PlanError, match=message):
