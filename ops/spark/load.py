@@ -105,8 +105,8 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
     count = rows.where(F.col("row") == "seg").agg(F.sum("n")).first()[0] or 0
     bytes_read = sum(r["size"] or 0 for r in notes if r["row"] == "end")
     seconds = time.monotonic() - started
-    log.info("%s: decoded %d records (%d bytes) from %d of %d segments in %.1f s", job, count, bytes_read,
-             len(chosen), len(segments), seconds)
+    log.info("%s: decoded %d records from %d of %d segments (%d bytes) in %.1f s", job, count, len(chosen),
+             len(segments), bytes_read, seconds)
     return Scan(rows, rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
                 rows.where(F.col("row") == "seg"), df, segments, len(chosen), count, damage, seconds,
                 list(chosen), ends, bytes_read)
