@@ -3,7 +3,10 @@
 Nothing here is txmq-specific: it works against an Apache RocketMQ broker too.
 A send picks a queue round robin, retries retriable failures (another queue,
 another broker when there is one) up to ``retries`` times, and heartbeats its
-group to every broker it knows every ``heartbeat_interval_s``.
+group to every broker it knows every ``heartbeat_interval_s``. With
+``batch_size`` > 1, plain sends to a topic are gathered for up to ``linger_ms``
+and leave as one SEND_BATCH_MESSAGE (accumulator.py); each send still resolves
+to its own message's result.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from protocol.connection import ConnectionPool
 from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 
+from .accumulator import Accumulator
 from .routes import MessageQueue, RouteCache
 
 log = logging.getLogger("txmq.producer")
@@ -53,7 +57,8 @@ def _client_ip() -> str:
 
 class Producer:
     def __init__(self, namesrv_addr: str, group: str, *, send_timeout: float = 3.0, retries: int = 2,
-                 heartbeat_interval_s: float = 30.0, instance_name: str | None = None):
+                 heartbeat_interval_s: float = 30.0, instance_name: str | None = None,
+                 batch_size: int = 1, linger_ms: float = 0.0, max_batch_bytes: int = 1 << 20):
         self.group = group
         self.send_timeout = send_timeout
         self.retries = retries
@@ -66,6 +71,7 @@ class Producer:
         self.uniq_ids = UniqIdGenerator(ip)
         self._heartbeat_task: asyncio.Task | None = None
         self._started = False
+        self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> "Producer":
@@ -86,6 +92,8 @@ class Producer:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        if self._accumulator is not None:
+            await self._accumulator.flush()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         for addr in self.routes.all_broker_addrs():
@@ -138,6 +146,8 @@ class Producer:
     async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
                    properties: dict | None = None, queue: MessageQueue | None = None, flag: int = 0) -> SendResult:
         props = self.message_properties(tags, keys, properties)
+        if self._accumulator is not None and queue is None and flag == 0 and Prop.DELAY not in props:
+            return await self._accumulator.add(topic, body, props)
         return await self._send(RequestCode.SEND_MESSAGE_V2, topic, body, props, queue, flag=flag)
 
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
