@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                               "segments": len(plan["segments"]), "report": plan["report"]}))
         return 0
     except (StoreError, ValueError) as exc:
-        log.error("%s: %s", args.command, exc)
+        text = str(exc)
+        log.error("%s", text if text.startswith(f"{args.command}:") else f"{args.command}: {text}")
         return 2
     finally:
         spark.stop()

@@ -132,7 +132,9 @@ def _report(spark, scan, names: list[str], offsets) -> dict:
     """Per topic, messages in the segments that go; per topic and group, how many of those are unconsumed."""
     from pyspark.sql import functions as F
 
-    going = scan.queues.where(F.col("segment").isin(names) & F.col("qo_max").isNotNull())
+    # Transaction bookkeeping queues are the broker's own (their halves are in "halves").
+    going = scan.queues.where(F.col("segment").isin(names) & F.col("qo_max").isNotNull()
+                              & ~F.col("topic").startswith("RMQ_SYS_"))
     by_topic = [{"topic": r["topic"], "messages": r["n"]} for r in
                 going.groupBy("topic").agg(F.sum("n").alias("n")).orderBy("topic").collect()]
     committed = spark.createDataFrame(group_offsets(offsets) or [],

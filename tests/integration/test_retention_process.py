@@ -11,7 +11,6 @@ that was behind them is answered PULL_OFFSET_MOVED and continues from the new mi
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ from consumer.pull_consumer import PullStatus
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from tests.support.broker_process import REPO
+from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
 
 pytestmark = pytest.mark.asyncio
 
@@ -33,14 +33,9 @@ H = 3_600_000
 N = 1500
 FLAGS = ("--segment-size", "262144", "--max-message-size", "16384", "--transaction-timeout-ms", "600000",
          "--transaction-check-interval-ms", "600000")
-LIBFAKETIME = next(iter(glob.glob("/usr/lib/*/faketime/libfaketime.so.1") + glob.glob("/usr/lib/faketime/libfaketime.so.1")), None)
-
 if LIBFAKETIME is None:
-    pytest.skip("libfaketime is not installed (apt-get install faketime; scripts/test.sh does)",
-                allow_module_level=True)
-
-PAST = {"LD_PRELOAD": LIBFAKETIME, "FAKETIME": "-80h", "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        "FAKETIME_NO_CACHE": "1"}
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+PAST = past_env("-80h")
 
 
 class Undecided:

@@ -10,11 +10,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from tests.integration.conftest import broker_factory  # noqa: F401 - the real-broker fixture
 from tests.support.broker_process import REPO
+from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
 
 RETENTION_H = 0.0006                      # 2.16 s: the 72 hours of production, shrunk
 RETENTION_MS = int(RETENTION_H * 3600 * 1000)
@@ -110,3 +113,39 @@ def test_apply_expiry_plan_against_a_running_broker(spark, broker_factory, tmp_p
     assert {k["why"] for k in again["segments_kept"]} <= {"not in this store (already removed?)",
                                                           f"an older listed segment ({plan['segments'][0]['name']}) is kept"}
     assert len(_admin(b, "list", "--json")["pending"]) == 1
+
+
+@pytest.mark.skipif(LIBFAKETIME is None, reason=SKIP_REASON)
+def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh_messages(spark, broker_factory, tmp_path):  # noqa: F811
+    """The issue's scenario end to end: the plan of `ops.spark expiry --now-ms <now + 100 h>` removes
+    nothing (it used to delete 1,044 of 1,500 fresh messages); the plan for now removes the old segments."""
+    from ops.spark.expiry import build_plan
+    from ops.spark.plan import write_plan
+    from tests.integration.test_retention_process import FLAGS, N, _drain, _old_traffic, _send
+
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=past_env("-80h"))
+    asyncio.run(_old_traffic(past))
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    asyncio.run(_send(b, "fresh", N))
+    _wait_persisted(store / "segments.json", lambda m: len(m["segments"]) == len(list((store / "commitlog").iterdir())))
+    future = build_plan(spark, str(store), retention_ms=72 * 3_600_000, now_ms=now + 100 * 3_600_000)
+    assert len(future["halves"]) == 1 and future["segments"]
+    write_plan(future, str(tmp_path / "future.json"))
+    out = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "apply-expiry",
+                          str(tmp_path / "future.json")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "ahead of this broker's clock" in out.stderr
+    good = build_plan(spark, str(store), retention_ms=72 * 3_600_000, now_ms=int(time.time() * 1000))
+    assert [u["group"] for u in good["report"]["unconsumed"]] == ["CG_behind"]
+    write_plan(good, str(tmp_path / "good.json"))
+    applied = _admin(b, "apply-expiry", str(tmp_path / "good.json"))
+    assert applied["segments_removed"] == [s["name"] for s in good["segments"]] and applied["segments_removed"]
+    assert applied["expired"] == [good["halves"][0]["commit_log_offset"]]
+    _, moved, bodies = asyncio.run(_drain(b, "CG_behind"))
+    assert moved >= 1 and sum(1 for x in bodies if x.startswith(b"fresh-")) == N
+    print(f"\nSPARK-PLANS future plan listed {len(future['segments'])} segments ({len(future['halves'])} half), "
+          f"removed 0: {out.stderr.strip()[:120]}; good plan removed {len(applied['segments_removed'])} segments "
+          f"and expired {len(applied['expired'])} half; report {good['report']}; fresh readable "
+          f"{sum(1 for x in bodies if x.startswith(b'fresh-'))}/{N}")
