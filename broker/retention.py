@@ -68,8 +68,9 @@ def check_plan_header(plan, store_id: str, now: int, skew_ms: int) -> None:
         raise PlanRefused(f"the plan was made for {plan_now}, {plan_now - now} ms ahead of this broker's clock "
                           f"({now}; allowed skew {skew_ms} ms): a future plan would remove live data")
     for key in ("segments", "halves"):
-        if not isinstance(plan.get(key, []), list):
-            raise PlanRefused(f"{key} must be a list")
+        items = plan.get(key) or []
+        if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+            raise PlanRefused(f"{key} must be a list of objects")
 
 
 def judge(seg: dict, facts, *, cutoff: int) -> str | None:
@@ -134,8 +135,8 @@ class Retention:
         undecided = tx.undecided()
         due, skipped = [], []
         for half in listed:
-            off = half.get("commit_log_offset") if isinstance(half, dict) else None
-            ts = undecided.get(off)
+            off = half.get("commit_log_offset")
+            ts = undecided.get(off) if isinstance(off, int) else None
             if ts is None:
                 skipped.append({"commit_log_offset": off, "why": "already decided or unknown"})
             elif now - ts <= self.half_retention_ms:
@@ -148,9 +149,9 @@ class Retention:
     def _held(self, facts) -> str | None:
         """The opt-in: an unconsumed expired segment stays while the log is within retain_unconsumed_max_bytes."""
         cap = self.ctx.config.retain_unconsumed_max_bytes
-        if cap <= 0 or sum(s.size for s in self.ctx.store.segments()) > cap:
-            return None
         store = self.ctx.store
+        if cap <= 0 or store.max_physical_offset - store.min_physical_offset > cap:
+            return None
         for (group, topic, qid), offset in self.ctx.offsets.items():
             phys = store.physical_offset_of(topic, qid, offset)
             if phys is not None and phys < facts.end:
@@ -168,7 +169,8 @@ class Retention:
                         half_reason)
             still = [f for f in failed if f["commit_log_offset"] in tx.undecided(facts.start, facts.end)]
             if still:
-                return f"undecided half at {still[0]['commit_log_offset']} could not be dead-lettered: {still[0]['why']}"
+                first = still[0]
+                return f"undecided half at {first['commit_log_offset']} could not be dead-lettered: {first['why']}"
         try:
             await self.ctx.store.remove_segment(facts.name, reason)
         except StoreError as exc:        # not the oldest, not yet flushed

@@ -72,14 +72,6 @@ def load_or_create_store_id(store_dir: str) -> str:
     return new
 
 
-def read_store_id(store_dir: str) -> str | None:
-    try:
-        with open(os.path.join(store_dir, STORE_ID_FILE), encoding="ascii") as f:
-            return str(uuid.UUID(f.read().strip()))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
 def summarize_file(path: str, start: int) -> tuple[int, int, int, int]:
     """(end offset, records, first_ts, last_ts) of a segment file, hopping over record headers.
 

@@ -116,7 +116,7 @@ def test_apply_expiry_plan_against_a_running_broker(spark, broker_factory, tmp_p
 
 
 @pytest.mark.skipif(LIBFAKETIME is None, reason=SKIP_REASON)
-def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh_messages(spark, broker_factory, tmp_path):  # noqa: F811
+def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh(spark, broker_factory, tmp_path):  # noqa: F811
     """The issue's scenario end to end: the plan of `ops.spark expiry --now-ms <now + 100 h>` removes
     nothing (it used to delete 1,044 of 1,500 fresh messages); the plan for now removes the old segments."""
     from ops.spark.expiry import build_plan
@@ -130,7 +130,8 @@ def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh_messages(spark,
     b = broker_factory(*FLAGS)
     now = int(time.time() * 1000)
     asyncio.run(_send(b, "fresh", N))
-    _wait_persisted(store / "segments.json", lambda m: len(m["segments"]) == len(list((store / "commitlog").iterdir())))
+    _wait_persisted(store / "segments.json",
+                    lambda m: len(m["segments"]) == len(list((store / "commitlog").iterdir())))
     future = build_plan(spark, str(store), retention_ms=72 * 3_600_000, now_ms=now + 100 * 3_600_000)
     assert len(future["halves"]) == 1 and future["segments"]
     write_plan(future, str(tmp_path / "future.json"))
