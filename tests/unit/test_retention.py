@@ -279,3 +279,32 @@ async def test_disk_usage_ratio_is_a_share(tmp_path):
     assert 0.0 <= disk_usage_ratio(str(tmp_path)) <= 1.0
     with pytest.raises(OSError):
         disk_usage_ratio(os.path.join(str(tmp_path), "missing"))
+
+
+@bounded(30)
+async def test_the_check_timer_never_expires_a_half_by_age_the_plan_does_it_once(world):
+    ctx, clock, half, old, fresh = world          # the half is 80 hours old by the broker's clock
+    await ctx.tx.run_due(clock.now)                # a check pass (start-up runs one at once)
+    assert half.half_offset in ctx.tx.pending and not ctx.tx.dead_letters()
+    plan = await spark_like_plan(ctx, clock.now)
+    plan["halves"] = [{"commit_log_offset": half.half_offset}]
+    first = await Retention(ctx).apply_plan(plan)
+    assert first["expired"] == [half.half_offset]
+    second = await Retention(ctx).apply_plan(plan)
+    assert second["expired"] == [] and second["skipped"][0]["why"] == "already decided or unknown"
+    got = ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 8, 1 << 20)
+    assert len(got.buffers) == 1                  # dead-lettered once
+
+
+@bounded(30)
+async def test_malformed_plans_are_refused_without_a_change(world):
+    ctx, clock, *_ = world
+    before = names(ctx)
+    good = await spark_like_plan(ctx, clock.now)
+    for bad in (["not", "an", "object"], dict(good, segments="all"), dict(good, segments=["00000000000000000000"]),
+                dict(good, halves=[7]), dict(good, now_ms="now")):
+        with pytest.raises(PlanRefused):
+            await Retention(ctx).apply_plan(bad)
+    weird = dict(good, halves=[{"commit_log_offset": [1]}, {"commit_log_offset": "x"}])
+    summary = await Retention(ctx).apply_plan(dict(weird, segments=[]))
+    assert summary["expired"] == [] and len(summary["skipped"]) == 2 and names(ctx) == before
