@@ -432,7 +432,10 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint) -> None:
 def _summarize_files(items) -> dict[str, SegmentFacts]:
     out = {}
     for name, path, start in items:
-        end, n, first, last = summarize_file(path, start)
+        try:
+            end, n, first, last = summarize_file(path, start)
+        except FileNotFoundError:       # removed meanwhile: it has no facts any more
+            continue
         out[name] = SegmentFacts(name, start, end, n, first, last, True)
     return out
 
