@@ -97,9 +97,16 @@ class Retention:
         c = ctx.config
         self.retention_ms = int(c.file_reserved_hours * HOUR_MS)
         self.half_retention_ms = int(c.transaction_retention_hours * HOUR_MS)
-        self.usage = usage or (lambda: disk_usage_ratio(ctx.store.store_dir))
+        self.usage = usage or self._probe
         self._lock = asyncio.Lock()          # one removal pass at a time: a plan or the pressure cleaner
         self._task: asyncio.Task | None = None
+
+    def _probe(self) -> float:
+        disk = getattr(self.ctx.store, "disk", None)
+        if disk is None:
+            return disk_usage_ratio(self.ctx.store.store_dir)
+        disk.probe()                 # fresh after a removal, and writes resume as soon as space is back
+        return disk.ratio
 
     # ------------------------------------------------------------------ plans
     async def apply_plan(self, plan: dict) -> dict:
