@@ -60,6 +60,13 @@ class BrokerConfig:
     transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message.")
     transaction_check_max: int = setting(15, "Checks before an undecided transaction goes to TRANS_CHECK_MAX_TIME_TOPIC.")
     transaction_retention_hours: float = setting(72.0, "Undecided half messages older than this are expired to the dead-letter topic.")
+    # ---- retention (broker/retention.py)
+    file_reserved_hours: float = setting(72.0, "A sealed segment whose newest record is older than this may be removed, consumed or not (RocketMQ's fileReservedTime); consumers behind it get PULL_OFFSET_MOVED and go on from the new minimum.")
+    retain_unconsumed_max_bytes: int = setting(0, "Opt-in: keep expired segments some consumer group has not consumed while the commit log is at most this many bytes. 0 (RocketMQ's behaviour): expired data goes, consumed or not.")
+    plan_clock_skew_ms: int = setting(60000, "An expiry plan whose now_ms is ahead of the broker's clock by more than this is refused whole: it was made on a host with a wrong clock or for a time to come.")
+    disk_clean_ratio: float = setting(0.75, "Above this share of the store's file system in use the broker removes expired segments at once, without waiting for the nightly plan (RocketMQ's diskMaxUsedSpaceRatio).")
+    disk_force_clean_ratio: float = setting(0.85, "Above this it removes the oldest segments even if younger than the retention, never the active one; undecided halves in them are dead-lettered first (RocketMQ's diskSpaceCleanForciblyRatio).")
+    disk_clean_interval_s: float = setting(5.0, "How often the disk usage is compared with the two ratios above.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
     log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -87,6 +94,13 @@ class BrokerConfig:
             raise ConfigError("max_auto_create_topics_per_s must be positive")
         if self.transaction_timeout_ms < 0:
             raise ConfigError("transaction_timeout_ms must not be negative")
+        if not 0 < self.disk_clean_ratio <= self.disk_force_clean_ratio < 1:
+            raise ConfigError(f"disk ratios must satisfy 0 < disk_clean_ratio ({self.disk_clean_ratio}) <= "
+                              f"disk_force_clean_ratio ({self.disk_force_clean_ratio}) < 1")
+        if self.file_reserved_hours <= 0 or self.disk_clean_interval_s <= 0:
+            raise ConfigError("file_reserved_hours and disk_clean_interval_s must be positive")
+        if self.retain_unconsumed_max_bytes < 0 or self.plan_clock_skew_ms < 0:
+            raise ConfigError("retain_unconsumed_max_bytes and plan_clock_skew_ms must not be negative")
         if self.max_message_size + 4096 > self.segment_size:
             raise ConfigError(f"segment_size={self.segment_size} cannot hold a max_message_size={self.max_message_size} record")
 

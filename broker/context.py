@@ -31,6 +31,7 @@ class BrokerContext:
     tx: object = None                # broker.transaction.TransactionService
     limits: object = None            # broker.limits.Limits
     acl: object = None               # broker.acl.PlainAcl, None without --acl-file
+    retention: object = None         # broker.retention.Retention
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
 
     def set_address(self, host: str, port: int) -> None:

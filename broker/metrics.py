@@ -81,6 +81,9 @@ class BrokerMetrics:
                                       ["producer_group"], registry=r)
         self.dead_letters = Counter("txmq_transaction_dead_letters", "Transactions dead-lettered, by reason.",
                                     ["producer_group", "reason"], registry=r)
+        self.segments_removed = Counter("txmq_store_segments_removed_total",
+                                        "Commit-log segments removed, by reason (expired, plan, pressure).",
+                                        ["reason"], registry=r)
         self.finish_latency = Histogram("rocketmq_finish_message_latency",
                                         "Seconds from half message to decision.", ["producer_group"],
                                         buckets=_DECISION_BUCKETS, registry=r)

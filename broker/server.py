@@ -31,6 +31,7 @@ from .limits import Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot
 from .processors import broker_table, namesrv_table
+from .retention import Retention
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
@@ -107,6 +108,8 @@ class BrokerServer:
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
         ctx.tx.start()
+        ctx.retention = Retention(ctx)
+        ctx.retention.start()
         self._install_metrics(ctx)
 
         topics.start_background(loop)
@@ -310,6 +313,8 @@ class BrokerServer:
         for conns in self.connections.values():
             for conn in list(conns):
                 conn.close()
+        if ctx is not None and ctx.retention is not None:
+            await ctx.retention.stop()
         if ctx is not None and ctx.tx is not None:
             await ctx.tx.stop()
         if ctx is not None and ctx.store is not None:

@@ -33,6 +33,9 @@ if [ -f tests/integration/js/package.json ] && command -v npm >/dev/null; then
   (cd tests/integration/js && npm ci --no-audit --no-fund --loglevel=error)
 fi
 
+step "libfaketime for the retention tests (a broker process that lives 80 hours in the past)"
+command -v faketime >/dev/null || apt_install faketime
+
 step "tests"
 set +e
 "$venv/bin/python" -m pytest "$@"

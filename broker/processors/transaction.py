@@ -12,6 +12,7 @@ import logging
 from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
 
+from ..retention import PlanRefused
 from ..transaction import DecisionError
 from ..transaction.records import COMMIT, ROLLBACK
 from ..transaction.service import dumps
@@ -55,12 +56,15 @@ async def resume_transaction(ctx, conn, cmd):
 async def apply_expiry(ctx, conn, cmd):
     try:
         plan = json.loads(cmd.body_bytes())
-        if not isinstance(plan, dict) or plan.get("version") != 1:
-            raise ValueError("expected a version 1 plan object")
     except ValueError as exc:
         raise HeaderError(f"expiry plan does not parse: {exc}") from None
+    n_halves = len(plan.get("halves") or []) if isinstance(plan, dict) else 0
+    n_segments = len(plan.get("segments") or []) if isinstance(plan, dict) else 0
     log.warning("admin %s:%s applies an expiry plan: %d halves, %d segments", conn.peer[0], conn.peer[1],
-                len(plan.get("halves") or []), len(plan.get("segments") or []))
-    await ctx.store.summarize()          # the O(GiB) header walk, off the event loop
-    summary = await ctx.tx.apply_expiry(plan)
+                n_halves, n_segments)
+    try:
+        summary = await ctx.retention.apply_plan(plan)
+    except PlanRefused as exc:
+        log.warning("expiry plan from %s:%s refused, nothing changed: %s", conn.peer[0], conn.peer[1], exc)
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"plan refused, nothing changed: {exc}")
     return cmd.response(ResponseCode.SUCCESS, body=dumps(summary))

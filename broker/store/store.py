@@ -28,6 +28,7 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
+from .manifest import SegmentFacts, load_or_create_store_id, sealed_from_disk, summarize_file, write_manifest
 from .recovery import recover
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 from .writer import IoThread, Writer
@@ -70,6 +71,9 @@ class MessageStore:
         self._lock_fd = -1
         self._state = "new"
         self.report: RecoveryReport | None = None
+        self.store_id = ""                                  # manifest.py: written when the store is created
+        self._facts: dict[str, SegmentFacts] = {}           # sealed segments, computed once from their bytes
+        self._manifest_key: tuple | None = None             # what the manifest on disk describes
 
     # ---------------------------------------------------------- lifecycle
     def add_dispatch_listener(self, fn: Callable[[DispatchInfo], None]) -> None:
@@ -89,9 +93,13 @@ class MessageStore:
             self.report = recover(self._log, self._cqs, self._make_queue, read_checkpoint(self.store_dir),
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners)
+            self.store_id = load_or_create_store_id(self.store_dir)
         except BaseException:
             self._close_files()
             raise
+        if not self.report.truncations:     # a cut segment is not what its old entry says
+            sealed = {seg.name for seg in self._log.segments[:-1]}
+            self._facts = {n: f for n, f in sealed_from_disk(self.store_dir).items() if n in sealed}
         self._io = IoThread("txmq-flush")
         self._reserve_io = IoThread("txmq-reserve")
         if self._log.reserver is not None:
@@ -121,6 +129,10 @@ class MessageStore:
             await self._checkpoint()
         except OSError as exc:
             log.error("final checkpoint failed: %s", exc)
+        try:
+            await self.refresh_manifest(force=True)
+        except OSError as exc:
+            log.error("final segment manifest not written: %s", exc)
         self._io.stop()
         self._reserve_io.stop()
         self._close_files()
@@ -184,20 +196,21 @@ class MessageStore:
                     log.exception("dispatch listener %r failed on %s", fn, info)
 
     async def _checkpoint_loop(self) -> None:
-        failing = False
+        failing = {"checkpoint": False, "segment manifest": False}     # log once per outage, not each turn
         while True:
             await asyncio.sleep(self.config.checkpoint_interval_ms / 1000)
-            try:
-                await self._checkpoint()
-            except OSError as exc:
-                if not failing:     # once per outage, not once a second on a full disk
-                    log.error("checkpoint failed (retrying every %d ms): %s", self.config.checkpoint_interval_ms,
-                              exc)
-                failing = True
-                continue
-            if failing:
-                log.warning("checkpoint written again")
-                failing = False
+            for what, step in (("checkpoint", self._checkpoint), ("segment manifest", self.refresh_manifest)):
+                try:
+                    await step()
+                except OSError as exc:
+                    if not failing[what]:
+                        log.error("%s not written (retrying every %d ms): %s", what,
+                                  self.config.checkpoint_interval_ms, exc)
+                    failing[what] = True
+                    continue
+                if failing[what]:
+                    log.warning("%s written again", what)
+                    failing[what] = False
 
     async def _disk_loop(self) -> None:
         while True:
@@ -225,13 +238,14 @@ class MessageStore:
         """Queue one record; await the returned future for its PutResult."""
         return self._writer.put(req)
 
-    def put_many(self, reqs: list[PutRequest]) -> "asyncio.Future":
+    def put_many(self, reqs: list[PutRequest], reclaim: bool = False) -> "asyncio.Future":
         """Queue records to be written back to back in one batch and flushed together.
 
         All or none are accepted (MESSAGE_ILLEGAL for all if any is illegal); they land in one
-        segment unless together they are larger than a segment.
+        segment unless together they are larger than a segment. ``reclaim``: written to free space
+        (see Writer.put), so not refused by the disk watermark.
         """
-        return self._writer.put_many(reqs)
+        return self._writer.put_many(reqs, reclaim)
 
     @property
     def writable(self) -> bool:
@@ -368,24 +382,53 @@ class MessageStore:
                                    seg.last_ts, sealed))
         return out
 
-    async def summarize(self) -> None:
-        """Summarise sealed segments (first/last store time, data length) on the I/O thread.
-
-        Hopping over a sealed segment's record headers costs ~0.8 s a GiB: callers that are
-        about to read ``segments()`` on the event loop (an expiry plan) await this first."""
-        for seg in list(self._log.segments[:-1]):
-            if seg.written < 0:
-                await self._io.submit(_summarize, seg)
-
     def storage_bytes(self) -> int:
         """Bytes of commit-log segments, without summarising anything (safe for gauges)."""
         return sum(seg.size for seg in self._log.segments)
 
-    async def remove_segment(self, name: str) -> None:
-        """Delete the oldest segment (never the active one), through the writer so no append races it."""
+    def physical_offset_of(self, topic: str, queue_id: int, offset: int) -> int | None:
+        """Commit-log offset of the message at a queue offset (None past the end or before the start)."""
+        cq = self._cqs.get((topic, queue_id))
+        unit = cq.unit(offset) if cq is not None and cq.min_offset <= offset < cq.max_offset else None
+        return None if unit is None else unit[0]
+
+    async def segment_facts(self) -> list[SegmentFacts]:
+        """Every segment, oldest first: sealed ones as read from their bytes, the active one as of now."""
+        segs = self._log.segments
+        missing = [(seg.name, seg.path, seg.start) for seg in segs[:-1] if seg.name not in self._facts]
+        if missing:
+            # A walk over a 1 GiB segment's headers takes about a second: never on the event loop.
+            found = await asyncio.get_running_loop().run_in_executor(None, _summarize_files, missing)
+            self._facts.update(found)
+        segs, clog = self._log.segments, self._log
+        out = [self._facts[seg.name] for seg in segs[:-1] if seg.name in self._facts]
+        if segs:
+            act = segs[-1]
+            out.append(SegmentFacts(act.name, act.start, clog.written, -1, act.first_ts,
+                                    clog.last_ts if act.first_ts >= 0 else -1, False))
+        return out
+
+    async def refresh_manifest(self, force: bool = False) -> None:
+        """Rewrite segments.json when the set of segments changed (a roll or a removal)."""
+        if self._state not in ("open", "closing"):
+            return
+        segs = self._log.segments
+        key = (tuple(seg.name for seg in segs), segs[-1].first_ts if segs else -1)
+        if key == self._manifest_key and not force:
+            return
+        facts = await self.segment_facts()
+        await self._io.submit(write_manifest, self.store_dir, self.store_id, self.clock(), facts)
+        self._manifest_key = key
+
+    async def remove_segment(self, name: str, reason: str = "") -> SegmentFacts:
+        """Delete the oldest segment (never the active one), through the writer so no append races it.
+
+        Returns what the segment held (its manifest entry); the manifest is rewritten after.
+        """
         if self._state != "open":
             raise StoreError("the store is not open", segment=name)
         clog = self._log
+        facts = {f.name: f for f in await self.segment_facts()}
 
         async def op():
             segs = clog.segments
@@ -401,15 +444,35 @@ class MessageStore:
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)
             await self._io.submit(_remove_files, dead)
-            log.info("removed segment %s; the log now starts at %d", name, clog.min_offset)
+            f = facts.get(name)
+            log.warning("removed segment %s (%s; %s records, store times %s..%s); the log now starts at %d",
+                        name, reason or "asked", f.records if f else "?", f.first_ts if f else "?",
+                        f.last_ts if f else "?", clog.min_offset)
 
         await self._writer.control(op)
+        self._facts.pop(name, None)
+        try:
+            await self.refresh_manifest()
+        except OSError as exc:
+            log.error("segment manifest not written (retried at the next checkpoint): %s", exc)
+        return facts.get(name)
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     write_checkpoint(store_dir, point)
+
+
+def _summarize_files(items) -> dict[str, SegmentFacts]:
+    out = {}
+    for name, path, start in items:
+        try:
+            end, n, first, last = summarize_file(path, start)
+        except FileNotFoundError:       # removed meanwhile: it has no facts any more
+            continue
+        out[name] = SegmentFacts(name, start, end, n, first, last, True)
+    return out
 
 
 def _remove_files(files) -> None:

@@ -76,12 +76,15 @@ class Writer:
         self._task = self._loop.create_task(self._run(), name="txmq-store-writer")
 
     # ------------------------------------------------------------ API
-    def put(self, req) -> asyncio.Future:
+    def put(self, req, reclaim: bool = False) -> asyncio.Future:
+        """Queue ``req`` (a PutRequest, or a list written all or none). ``reclaim`` marks the few records
+        written to free space (dead letters before a segment is removed): the watermark does not refuse
+        them, though a disk with truly no room still does."""
         fut = (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing:
             fut.set_result(unavailable(req))        # not open, closed, or stopped after an I/O error
             return fut
-        if self.disk.refusing and self.disk.still_refusing():
+        if not reclaim and self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(req, self.disk.refuse()))
             return fut
         self._queue.append((req, fut))
@@ -91,12 +94,12 @@ class Writer:
             w.set_result(None)
         return fut
 
-    def put_many(self, reqs: list[PutRequest]) -> asyncio.Future:
+    def put_many(self, reqs: list[PutRequest], reclaim: bool = False) -> asyncio.Future:
         if not reqs:
             fut = (self._loop or asyncio.get_running_loop()).create_future()
             fut.set_result([])
             return fut
-        return self.put(list(reqs))
+        return self.put(list(reqs), reclaim)
 
     async def control(self, fn):
         """Run ``fn`` (a coroutine function) in the writer, between batches, with no flush in flight."""

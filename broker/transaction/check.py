@@ -24,7 +24,7 @@ class Action(Enum):
     CHECK = "check"            # send CHECK_TRANSACTION_STATE
     DEFER = "defer"            # due, but no producer of the group is connected: no check spent
     DEAD_MAX_CHECKS = "max-checks"
-    DEAD_EXPIRED = "expired"
+    DEAD_EXPIRED = "expired"   # not produced here: expiry past the retention is the nightly plan's (retention.py)
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class Policy:
 
 def decide(policy: Policy, *, now: int, store_ts: int, next_check: int, checks: int,
            has_producer: bool) -> Action:
-    if now - store_ts > policy.retention_ms:
-        return Action.DEAD_EXPIRED
+    # Age alone never dead-letters here: one owner expires a half, once, the night it passes
+    # the retention (the plan, applied by broker/retention.py), so it is not also expired at
+    # start-up and then listed again by the plan.
     if now < next_check:
         return Action.WAIT
     if checks >= policy.check_max:

@@ -12,9 +12,10 @@ Promises, beyond RocketMQ 4.x:
 * undecided transactions live in memory (``pending``), ordered by next check
   time: a check pass costs O(due), and writes a small check record, never the
   payload;
-* nothing is dropped silently: after ``transaction_check_max`` checks, or past
-  the retention, a transaction is copied to TRANS_CHECK_MAX_TIME_TOPIC with its
-  reason, and can be resumed.
+* nothing is dropped silently: after ``transaction_check_max`` checks, or when
+  the nightly expiry plan (or disk pressure) expires it (broker/retention.py), a
+  transaction is copied to TRANS_CHECK_MAX_TIME_TOPIC with its reason, and can be
+  resumed.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
-from protocol.errors import StoreError
 from protocol.message import Prop, decode_record, offset_msg_id, tags_code
 
 from ..results import put_failure_response, response_code, send_ok
@@ -283,8 +283,11 @@ class TransactionService:
             return self._refuse(cmd, exc.code, exc.remark)
         return None if cmd.is_oneway else cmd.response(ResponseCode.SUCCESS, outcome)
 
-    async def decide(self, half_offset: int, op: str, *, group: str | None = None, reason: str | None = None) -> str:
-        """Record ``op`` for the transaction; returns a remark, raises DecisionError when refused."""
+    async def decide(self, half_offset: int, op: str, *, group: str | None = None, reason: str | None = None,
+                     reclaim: bool = False) -> str:
+        """Record ``op`` for the transaction; returns a remark, raises DecisionError when refused.
+
+        ``reclaim``: the decision is written to free space (retention), past the disk watermark."""
         metrics = self.ctx.metrics
         p = self.pending.get(half_offset)
         while p is not None and p.deciding is not None:
@@ -304,7 +307,7 @@ class TransactionService:
         p.deciding_op = op
         try:
             reqs = self._decision_records(p, op, reason)
-            results = await self.ctx.store.put_many(reqs)
+            results = await self.ctx.store.put_many(reqs, reclaim)
             failed = [r for r in results if not r.ok]
             if failed:
                 raise DecisionError(response_code(failed[0]), f"store refused the decision: {failed[0].status.name}")
@@ -460,44 +463,25 @@ class TransactionService:
         self.timer.wake()
         return "resumed: pending again with its check count reset"
 
-    async def apply_expiry(self, plan: dict) -> dict:
-        retention = int(plan.get("retention_ms") or self.policy.retention_ms)
-        now = self.ctx.clock()
-        expired, skipped = [], []
-        for half in plan.get("halves") or []:
-            off = int(half["commit_log_offset"])
-            p = self.pending.get(off)
-            if p is None:
-                skipped.append({"commit_log_offset": off, "why": "already decided or unknown"})
-            elif now - p.store_ts <= retention:
-                skipped.append({"commit_log_offset": off, "why": "younger than the retention"})
-            else:
-                try:
-                    await self.decide(off, DEAD, reason="expired")
-                except DecisionError as exc:    # decided meanwhile (an END, a check answer, an admin)
-                    skipped.append({"commit_log_offset": off, "why": exc.remark})
-                    continue
-                expired.append(off)
-        removed, kept = [], []
-        segments = {s.name: s for s in self.ctx.store.segments()}
-        for seg in sorted(plan.get("segments") or [], key=lambda s: s["name"]):    # the store removes oldest first
-            info = segments.get(seg["name"])
-            if info is None:
-                kept.append({"name": seg["name"], "why": "not present (already removed?)"})
-                continue
-            end = info.start_offset + info.size
-            if any(info.start_offset <= off < end for off in self.pending):
-                kept.append({"name": seg["name"], "why": "holds an undecided half message"})
-                continue
+    # ------------------------------------------------------------ retention (broker/retention.py)
+    def undecided(self, lo: int = 0, hi: int | None = None) -> dict[int, int]:
+        """{half offset: store time} of the undecided halves stored in commit-log range [lo, hi)."""
+        return {off: p.store_ts for off, p in self.pending.items() if lo <= off and (hi is None or off < hi)}
+
+    async def dead_letter(self, offsets, reason: str) -> tuple[list[int], list[dict]]:
+        """Dead-letter these undecided halves with ``reason``; (done, [{commit_log_offset, why}] not done).
+
+        Retention calls this to remove segments, so the records pass the disk watermark (a full disk
+        that refused them could never clean itself)."""
+        done, failed = [], []
+        for off in offsets:
             try:
-                await self.ctx.store.remove_segment(seg["name"])
-            except StoreError as exc:       # not the oldest, still active, or not yet flushed
-                kept.append({"name": seg["name"], "why": str(exc)})
+                await self.decide(off, DEAD, reason=reason, reclaim=True)
+            except DecisionError as exc:    # decided meanwhile (an END, a check answer, an admin)
+                failed.append({"commit_log_offset": off, "why": exc.remark})
                 continue
-            removed.append(seg["name"])
-        log.warning("expiry plan applied: %d halves expired, %d skipped, %d segments removed, %d kept",
-                    len(expired), len(skipped), len(removed), len(kept))
-        return {"expired": expired, "skipped": skipped, "segments_removed": removed, "segments_kept": kept}
+            done.append(off)
+        return done, failed
 
 
 def dumps(obj) -> bytes:

@@ -87,16 +87,19 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = run_rollup(spark, args.store_dir, args.out, date=args.date, report_dir=args.report_dir,
                                  **scan)
-            print(json.dumps({k: summary[k] for k in ("dates", "records", "rows", "reports")}))
+            print(json.dumps({k: summary[k] for k in ("dates", "records", "rows", "reports", "incremental",
+                                                      "segments_read", "segments", "bytes_read")}))
         else:
             from .expiry import run_expiry
 
             plan = run_expiry(spark, args.store_dir, args.out, retention_hours=args.retention_hours,
                               now_ms=args.now_ms, **scan)
-            print(json.dumps({"plan": args.out, "halves": len(plan["halves"]), "segments": len(plan["segments"])}))
+            print(json.dumps({"plan": args.out, "store_id": plan["store_id"], "halves": len(plan["halves"]),
+                              "segments": len(plan["segments"]), "report": plan["report"]}))
         return 0
     except (StoreError, ValueError) as exc:
-        log.error("%s: %s", args.command, exc)
+        text = str(exc)
+        log.error("%s", text if text.startswith(f"{args.command}:") else f"{args.command}: {text}")
         return 2
     finally:
         spark.stop()

@@ -1,23 +1,20 @@
-"""The 72-hour expiry: which undecided halves and which sealed segments may go.
+"""The 72-hour expiry plan: which undecided halves and which sealed segments may go, and what that costs whom.
+
+RocketMQ's retention (fileReservedTime): a sealed segment (every segment but the newest) is
+listed when its newest record is strictly older than the retention and nothing in it is
+damaged, consumed or not. Segments are listed oldest first and only as an unbroken run from
+the oldest: the store's first offset is its first segment's start. Each is listed with its
+identity as read here (start offset, end of data, newest store timestamp); the broker
+removes it only if it still has exactly that identity and is old by its own clock.
 
 A half is listed when it is open (transactions.open_halves) and its store time is strictly
-older than the retention: now - store_ts > retention (71h59m kept, 72h01m listed).
+older than the retention: now - store_ts > retention (71h59m kept, 72h01m listed). The
+broker dead-letters it with reason `expired`, once; it also dead-letters any undecided half
+inside a segment it removes, first.
 
-A sealed segment (every segment but the newest) is listed when
-  * every record in it is strictly older than the retention,
-  * every record is consumed: on topic T, queue q, at queue offset o, every consumer group
-    with an entry for T in config/consumerOffset.json has an offset > o for q (a group with
-    T but without q has consumed nothing of q; records no consume queue indexes, and topics
-    no group has an entry for, count as consumed). The scan gives, per chunk and (T, q),
-    the highest queue offset, so this is one comparison per (chunk, T, q),
-  * no open half in it stays behind (an open half must be in the plan's list), and
-  * nothing in it is damaged.
-Segments are listed oldest first and only as an unbroken run from the oldest: the store's
-first offset is its first segment's start, and a hole would leave consume-queue units that
-point at nothing.
-
-The broker applies the plan: expired halves first (copied to the dead-letter topic with
-reason `expired`, then a DEAD op), then the segments. See docs/ops-spark.md.
+The report (plan["report"], and one log line each) says per topic how many messages go and
+per topic and consumer group how many of them that group has not consumed: the group's
+committed offset in config/consumerOffset.json is below their queue offsets.
 """
 from __future__ import annotations
 
@@ -26,7 +23,10 @@ import logging
 import os
 import time
 
+from protocol.errors import StoreError
+
 from .load import DEFAULT_CHUNK_BYTES, scan_store
+from .manifest import read_store_id
 from .plan import PLAN_VERSION, write_plan
 from .transactions import classify, half_summary, open_halves
 
@@ -65,20 +65,20 @@ def read_consumer_offsets(store_dir: str) -> dict[str, dict[str, dict[int, int]]
     return out
 
 
-def consumed_floor(offsets) -> list[tuple[str, int, int]]:
-    """(topic, queue_id, lowest committed offset over the topic's groups); 0 where a group lacks the queue."""
-    rows = []
-    for topic, groups in offsets.items():
-        queues = set().union(*(g.keys() for g in groups.values())) if groups else set()
-        for q in sorted(queues):
-            rows.append((topic, q, min(g.get(q, 0) for g in groups.values())))
-    return rows
+def group_offsets(offsets) -> list[tuple[str, str, int, int]]:
+    """(topic, group, queue_id, committed offset) rows."""
+    return [(topic, group, q, o) for topic, groups in offsets.items() for group, queues in groups.items()
+            for q, o in queues.items()]
 
 
 def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_damaged: bool = False,
                check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
     from pyspark.sql import functions as F
 
+    store_id = read_store_id(store_dir)
+    if store_id is None:
+        raise StoreError(f"{store_dir}/store_id is missing or unreadable: a plan must name its store; start a "
+                         "broker of this version on the store once to give it an id")
     cutoff = now_ms - retention_ms
     offsets = read_consumer_offsets(store_dir)
     scan = scan_store(spark, store_dir, job="expiry", skip_damaged=skip_damaged, check_crc=check_crc,
@@ -86,56 +86,68 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
     try:
         started = time.monotonic()
         rec = classify(scan.records)
-        open_ = open_halves(half_summary(rec)).cache()
-        expired = open_.where(F.col("half_ts") < cutoff).orderBy("half").collect()
-        kept_open = {r["segment"] for r in open_.where(F.col("half_ts") >= cutoff).select("segment")
-                     .distinct().collect()}
-        open_.unpersist()
-
-        floor = spark.createDataFrame(consumed_floor(offsets) or [], "topic string, queue_id int, floor long")
-        # A (topic, queue) partial is consumed when its highest indexed queue offset is below
-        # every group's offset (qo_max is None: nothing in it reaches a consume queue).
-        consumed = (~F.col("topic").isin(list(offsets)) | F.col("qo_max").isNull()
-                    | (F.col("floor").isNotNull() & (F.col("floor") > F.col("qo_max"))))
+        expired = open_halves(half_summary(rec)).where(F.col("half_ts") < cutoff).orderBy("half").collect()
         per_segment = {r["segment"]: r for r in (
-            scan.queues.join(F.broadcast(floor), ["topic", "queue_id"], "left")
-            .groupBy("segment")
-            .agg(F.min("store_ts").alias("first"), F.max("ts_max").alias("last"),
-                 F.min(consumed.cast("int")).alias("all_consumed"), F.sum("n").alias("records"))
+            scan.queues.groupBy("segment")
+            .agg(F.min("store_ts").alias("first"), F.max("ts_max").alias("last"), F.sum("n").alias("records"))
             .collect())}
-
         damaged = {d["segment"] for d in scan.damage}
         chosen = []
         for seg in scan.segments[:-1]:              # the newest segment is never sealed
             info = per_segment.get(seg.name)
             why = (("it is damaged" if seg.name in damaged else None)
-                   or ("no record could be read from it" if info is None else None)
+                   or ("no record could be read from it" if info is None or seg.name not in scan.ends else None)
                    or (f"its newest record ({info['last']}) is not older than the retention"
-                       if info["last"] >= cutoff else None)
-                   or ("a consumer group has not consumed all of it" if not info["all_consumed"] else None)
-                   or ("it holds an undecided half message younger than the retention"
-                       if seg.name in kept_open else None))
+                       if info["last"] >= cutoff else None))
             if why:
                 log.info("expiry: keeping segment %s and every newer one: %s", seg.name, why)
                 break
-            chosen.append({"name": seg.name, "first_store_timestamp": info["first"],
-                           "last_store_timestamp": info["last"]})
+            chosen.append({"name": seg.name, "start_offset": seg.base, "end_offset": scan.ends[seg.name],
+                           "first_store_timestamp": info["first"], "last_store_timestamp": info["last"],
+                           "records": info["records"]})
+        report = _report(spark, scan, [c["name"] for c in chosen], offsets)
         plan = {
-            "version": PLAN_VERSION, "created_ms": int(time.time() * 1000), "retention_ms": retention_ms,
-            "now_ms": now_ms,
+            "version": PLAN_VERSION, "store_id": store_id, "created_ms": int(time.time() * 1000),
+            "retention_ms": retention_ms, "now_ms": now_ms,
             "halves": [{"commit_log_offset": r["half"], "queue_offset": r["queue_offset"],
                         "producer_group": r["producer_group"], "topic": r["real_topic"],
                         "store_timestamp": r["half_ts"], "uniq_key": r["uniq_key"]} for r in expired],
             "segments": chosen,
+            "report": report,
         }
         log.info("expiry: %d undecided half messages older than %.4g h; %d of %d sealed segments can go "
                  "(planned in %.1f s)", len(plan["halves"]), retention_ms / HOUR, len(chosen),
                  max(len(scan.segments) - 1, 0), time.monotonic() - started)
+        for t in report["messages_by_topic"]:
+            log.info("expiry: topic %s: %d messages go", t["topic"], t["messages"])
+        for u in report["unconsumed"]:
+            log.warning("expiry: group %s has not consumed %d of them on topic %s", u["group"], u["messages"],
+                        u["topic"])
         return plan
     finally:
         scan.release()
 
 
+def _report(spark, scan, names: list[str], offsets) -> dict:
+    """Per topic, messages in the segments that go; per topic and group, how many of those are unconsumed."""
+    from pyspark.sql import functions as F
+
+    # Transaction bookkeeping queues are the broker's own (their halves are in "halves").
+    going = scan.queues.where(F.col("segment").isin(names) & F.col("qo_max").isNotNull()
+                              & ~F.col("topic").startswith("RMQ_SYS_"))
+    by_topic = [{"topic": r["topic"], "messages": r["n"]} for r in
+                going.groupBy("topic").agg(F.sum("n").alias("n")).orderBy("topic").collect()]
+    committed = spark.createDataFrame(group_offsets(offsets) or [],
+                                      "topic string, group string, queue_id int, committed long")
+    # A partial holds queue offsets qo_max - n + 1 .. qo_max of its queue; those at or past the
+    # group's committed offset are unconsumed.
+    lo = F.col("qo_max") - F.col("n") + 1
+    unconsumed = F.greatest(F.lit(0), F.col("qo_max") - F.greatest(lo, F.col("committed")) + 1)
+    rows = (going.join(F.broadcast(committed), ["topic", "queue_id"])
+            .groupBy("topic", "group").agg(F.sum(unconsumed).alias("n")).where(F.col("n") > 0)
+            .orderBy("topic", "group").collect())
+    return {"segments": len(names), "messages_by_topic": by_topic,
+            "unconsumed": [{"topic": r["topic"], "group": r["group"], "messages": r["n"]} for r in rows]}
 def run_expiry(spark, store_dir: str, out_path: str, *, retention_hours: float = 72, now_ms: int | None = None,
                **scan_options) -> dict:
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms

@@ -30,45 +30,67 @@ def record_schema():
 class Scan:
     """What a pass over the commit log found."""
 
-    rows: object                    # every row but damage reports (damaged tails left out)
+    rows: object                    # every rec / msg / seg row (damaged tails left out)
     records: object                 # transaction records, one row each ("rec" rows of segments.ROW_FIELDS)
     traffic: object                 # per-chunk user traffic partials ("msg" rows)
     queues: object                  # per-chunk (topic, queue) partials ("seg" rows)
     cached: object                  # the persisted DataFrame the three are read from
-    segments: list                  # [segments.Segment]
+    segments: list                  # [segments.Segment]: every segment of the store
     chunks: int
     record_count: int
     damage: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    read: list = field(default_factory=list)        # the segments actually read
+    ends: dict = field(default_factory=dict)        # segment name -> commit-log offset after its data
+    bytes_read: int = 0                             # bytes of record data decoded
 
     def release(self) -> None:
         self.cached.unpersist()
 
 
 def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, check_crc: bool = False,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Scan:
-    """Decode every segment in the executors. Damage raises StoreError unless skip_damaged,
-    in which case the damaged tail of each segment (from the bad record on) is left out."""
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, select=None) -> Scan:
+    """Decode segments in Spark tasks: every one, or those ``select(segments)`` returns.
+
+    Damage raises StoreError unless skip_damaged, in which case the damaged tail of each
+    segment (from the bad record on) is left out. A file a task cannot read raises
+    StoreError with one line naming the path and the host, whatever skip_damaged says.
+    """
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     started = time.monotonic()
-    segments, chunks = seg_mod.plan_chunks(store_dir, chunk_bytes)
+    segments = seg_mod.list_segments(store_dir)
+    chosen = segments if select is None else select(segments)
     schema = record_schema()
     sc = spark.sparkContext
-    if chunks:
-        total = sum(s.size for s in segments)
-        slices = min(len(chunks), max(sc.defaultParallelism, math.ceil(total / chunk_bytes)))
-        rdd = sc.parallelize(chunks, slices).mapPartitions(
+    par = sc.defaultParallelism
+    if not chosen:
+        df = spark.createDataFrame([], schema)
+    elif all(s.size <= chunk_bytes for s in chosen):       # one chunk a segment: nothing to walk
+        chunks = [seg_mod.Chunk(s, 0, s.size, True) for s in chosen]
+        rdd = sc.parallelize(chunks, min(len(chunks), max(par, 1))).mapPartitions(
             lambda part: seg_mod.decode_chunks(part, check_crc))
         df = spark.createDataFrame(rdd, schema, verifySchema=False)
     else:
-        df = spark.createDataFrame([], schema)
+        # The record-boundary walk runs in tasks (one per segment), then the chunks spread out.
+        total = sum(s.size for s in chosen)
+        slices = max(par, math.ceil(total / chunk_bytes))
+        rdd = (sc.parallelize(chosen, len(chosen)).flatMap(lambda s: seg_mod.split_segment(s, chunk_bytes))
+               .repartition(slices).mapPartitions(lambda part: seg_mod.decode_chunks(part, check_crc)))
+        df = spark.createDataFrame(rdd, schema, verifySchema=False)
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
-    damage = [_damage_dict(r, segments) for r in
-              df.where(F.col("row") == "dmg").select("segment", "offset", "size", "damage").collect()]
+    notes = df.where(F.col("row").isin("dmg", "err", "end")).select("row", "segment", "offset", "size",
+                                                                      "damage").collect()
+    errors = sorted(r["damage"] for r in notes if r["row"] == "err")
+    if errors:
+        df.unpersist()
+        more = f" (and {len(errors) - 1} more file(s))" if len(errors) > 1 else ""
+        raise StoreError(f"{job}: {errors[0]}{more}")
+    ends = {r["segment"]: r["offset"] for r in notes if r["row"] == "end"}
+    damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"]
     damage.sort(key=lambda d: (d["segment"], d["position"]))
-    rows = df.where(F.col("row") != "dmg")
+    rows = df.where(F.col("row").isin("rec", "msg", "seg"))
     if damage and not skip_damaged:
         df.unpersist()
         first = damage[0]
@@ -81,11 +103,47 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
                     d["skipped_bytes"], d["reason"])
         rows = rows.where(~((F.col("segment") == d["segment"]) & (F.col("offset") >= d["offset"])))
     count = rows.where(F.col("row") == "seg").agg(F.sum("n")).first()[0] or 0
+    bytes_read = sum(r["size"] or 0 for r in notes if r["row"] == "end")
     seconds = time.monotonic() - started
-    log.info("%s: decoded %d records from %d segments (%d chunks) in %.1f s", job, count, len(segments),
-             len(chunks), seconds)
+    log.info("%s: decoded %d records from %d of %d segments (%d bytes) in %.1f s", job, count, len(chosen),
+             len(segments), bytes_read, seconds)
     return Scan(rows, rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
-                rows.where(F.col("row") == "seg"), df, segments, len(chunks), count, damage, seconds)
+                rows.where(F.col("row") == "seg"), df, segments, len(chosen), count, damage, seconds,
+                list(chosen), ends, bytes_read)
+
+
+def read_halves(spark, scan: Scan, offsets: list[int]):
+    """rec rows of the records at these commit-log offsets (halves an incremental scan did not
+    read but whose decisions it met), read one record each in Spark tasks; also adds their
+    bytes to scan.bytes_read. Offsets whose segment is gone are skipped."""
+    from pyspark.sql import functions as F
+
+    read = {s.name for s in scan.read}
+    items = []
+    for off in sorted(set(offsets)):
+        seg = _segment_of(scan.segments, off)
+        if seg is not None and seg.name not in read:
+            items.append((seg, off))
+    if not items:
+        return None
+    sc = spark.sparkContext
+    rdd = sc.parallelize(items, min(len(items), sc.defaultParallelism)).mapPartitions(seg_mod.read_records)
+    df = spark.createDataFrame(rdd, record_schema(), verifySchema=False).cache()
+    errors = [r["damage"] for r in df.where(F.col("row") == "err").select("damage").collect()]
+    if errors:
+        df.unpersist()
+        raise StoreError(errors[0])
+    got = df.where(F.col("row") == "rec")
+    scan.bytes_read += got.agg(F.sum("size")).first()[0] or 0
+    log.info("read %d records outside the segments scanned (halves decided in them)", got.count())
+    return got
+
+
+def _segment_of(segments, offset: int):
+    for seg in segments:
+        if seg.base <= offset < seg.base + seg.size:
+            return seg
+    return None
 
 
 def _damage_dict(row, segments) -> dict:

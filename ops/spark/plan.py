@@ -1,14 +1,18 @@
 """The expiry plan: its JSON format, writing it, and validating it (pure Python, no Spark).
 
-The broker's `python -m broker admin apply-expiry PLAN` calls validate_plan() before it
-acts, so a plan that is malformed, from a future version, or that would expire anything
-not strictly older than its own retention is refused as a whole. Format (docs/ops-spark.md):
+`validate-plan` and write_plan() check a plan before it is written or applied, so a plan
+that is malformed, from another version, or that would expire anything not strictly older
+than its own retention is refused as a whole. The broker trusts none of it: it checks the
+store id, its own clock and each segment's identity again (broker/retention.py). Format
+(docs/ops-spark.md):
 
-    {"version": 1, "created_ms": int, "retention_ms": int, "now_ms": int,
+    {"version": 2, "store_id": "<uuid>", "created_ms": int, "retention_ms": int, "now_ms": int,
      "halves":   [{"commit_log_offset": int, "queue_offset": int, "producer_group": str,
                    "topic": str, "store_timestamp": int, "uniq_key": str | null}],
-     "segments": [{"name": "<20 digits>", "first_store_timestamp": int | null,
-                   "last_store_timestamp": int | null}]}
+     "segments": [{"name": "<20 digits>", "start_offset": int, "end_offset": int,
+                   "first_store_timestamp": int, "last_store_timestamp": int, "records": int}],
+     "report":   {"segments": int, "messages_by_topic": [{"topic", "messages"}],
+                  "unconsumed": [{"topic", "group", "messages"}]}}
 
 Readers ignore keys they do not know; a change that readers must understand bumps version.
 """
@@ -19,7 +23,7 @@ import os
 import re
 import tempfile
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2           # 2: store_id and each segment's identity (start, end, newest timestamp)
 _SEGMENT_NAME = re.compile(r"\d{20}")
 _HALF_KEYS = {"commit_log_offset": int, "queue_offset": int, "producer_group": str, "topic": str,
               "store_timestamp": int, "uniq_key": (str, type(None))}
@@ -61,6 +65,8 @@ def validate_plan(source) -> dict:
     problems: list[str] = []
     if plan.get("version") != PLAN_VERSION:
         raise PlanError(f"expiry plan version {plan.get('version')!r} is not {PLAN_VERSION}")
+    if not isinstance(plan.get("store_id"), str) or not plan["store_id"]:
+        problems.append("store_id must name the store the plan was made from")
     for key in ("created_ms", "retention_ms", "now_ms"):
         if not _is_int(plan.get(key)) or plan[key] < 0:
             problems.append(f"{key} must be a non-negative integer, not {plan.get(key)!r}")
@@ -108,10 +114,13 @@ def validate_plan(source) -> dict:
             problems.append(f"{where}: name {name!r} is not a 20-digit segment name")
             continue
         first, last = s.get("first_store_timestamp"), s.get("last_store_timestamp")
-        if not all(v is None or _is_int(v) for v in (first, last)) or (first is None) != (last is None):
-            problems.append(f"{where}: first/last_store_timestamp must both be integers (or both null)")
+        start, end = s.get("start_offset"), s.get("end_offset")
+        if not all(_is_int(v) for v in (first, last, start, end)):
+            problems.append(f"{where}: start_offset, end_offset, first/last_store_timestamp must be integers")
             continue
-        if last is not None and (first > last or not last < cutoff):
+        if start != int(name) or end < start:
+            problems.append(f"{where}: offsets {start}..{end} do not fit segment {name}")
+        if first > last or not last < cutoff:
             problems.append(f"{where}: store timestamps {first}..{last} are not all older than the "
                             f"retention (cutoff {cutoff})")
         names.append(name)

@@ -20,7 +20,8 @@ import logging
 import os
 import time
 
-from .load import DEFAULT_CHUNK_BYTES, load_snapshots, scan_store
+from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
+from .manifest import segments_for_window
 from .transactions import ALL_GROUPS, classify, half_summary
 
 log = logging.getLogger("ops.spark")
@@ -88,8 +89,12 @@ def _undecided(spark, per_hour, groups, dates):
             .agg(F.coalesce(F.sum("e.delta"), F.lit(0)).cast("long").alias("undecided_at_end")))
 
 
-def transactions_table(spark, s, dates):
-    """From half_summary() rows (cached by the caller: three aggregates read them)."""
+def transactions_table(spark, s, dates, since: int | None = None, baseline: list | None = None):
+    """From half_summary() rows (cached by the caller: three aggregates read them).
+
+    Incremental (``since`` = the day's first instant): undecided_at_end counts from
+    ``baseline`` [(producer_group, undecided at since)] plus the events at or after since,
+    so nothing before the day needs to be read."""
     F = _F()
     ev = F.struct
     reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])
@@ -126,10 +131,17 @@ def transactions_table(spark, s, dates):
                                                          F.lit(-1).alias("delta")))).otherwise(F.array()),
         F.transform("toggles", lambda t: ev(t["ts"].alias("ts"), t["delta"].alias("delta"))),
     )).alias("e"))
+    if since is not None:
+        events = events.where(F.col("e.ts") >= since)
     per_hour = (_all_groups(events).groupBy("producer_group", (F.floor(F.col("e.ts") / HOUR) * HOUR).alias("bucket"))
                 .agg(F.sum("e.delta").alias("delta")))
     groups = (s.select(F.col("group").alias("producer_group"))
               .unionByName(spark.createDataFrame([(ALL_GROUPS,)], "producer_group string")).distinct())
+    if since is not None:
+        start = spark.createDataFrame([(g, since - HOUR, int(n)) for g, n in baseline or []],
+                                      "producer_group string, bucket long, delta long")
+        per_hour = per_hour.unionByName(start)
+        groups = groups.unionByName(start.select("producer_group")).distinct()
     table = (_undecided(spark, per_hour, groups, dates)
              .join(counts, KEYS + ["producer_group"], "left")
              .join(latency, KEYS + ["producer_group"], "left")
@@ -181,31 +193,76 @@ def write_partitions(spark, df, path: str, dates) -> int:
     return sum(present.values())
 
 
+def previous_undecided(spark, out_dir: str, date: str) -> list | None:
+    """[(producer_group, undecided_at_end)] of the day before ``date`` as rolled up under out_dir,
+    or None when that day has not been rolled up there."""
+    from pyspark.sql.utils import AnalysisException
+
+    F = _F()
+    prev = (dt.date.fromisoformat(date) - dt.timedelta(days=1)).isoformat()
+    try:
+        rows = (spark.read.parquet(os.path.join(out_dir, "transactions"))
+                .where((F.col("date").cast("string") == prev) & (F.col("grain") == "day"))
+                .select("producer_group", "undecided_at_end").collect())
+    except AnalysisException:
+        return None
+    return [(r["producer_group"], r["undecided_at_end"] or 0) for r in rows] or None
+
+
+def _decided_elsewhere(records) -> list[int]:
+    """Halves whose ops / check records / dead letters were read but which were not."""
+    F = _F()
+    have = records.where(F.col("kind") == "half").select(F.col("offset").alias("half"))
+    named = (records.where(F.col("kind").isin("op", "check", "dead") & F.col("txmq_half").isNotNull())
+             .select(F.col("txmq_half").alias("half")).distinct())
+    return [r[0] for r in named.join(have, "half", "left_anti").collect()]
+
+
 def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, skip_damaged: bool = False,
                check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                report_dir: str | None = None) -> dict:
-    """Roll up one UTC date (or, without date, every date found in the store) into out_dir."""
+    """Roll up one UTC date (or, without date, every date found in the store) into out_dir.
+
+    With a date whose previous day is already rolled up under out_dir, only the segments
+    that can hold the date (by the broker's segment manifest) are read, plus the few halves
+    decided that day but stored before it; otherwise the whole store is read once.
+    """
     from . import report as report_mod
 
     started = time.monotonic()
+    since = baseline = select = None
     if date is not None:
-        dt.date.fromisoformat(date)          # ValueError on a malformed date, before any work
+        day = dt.date.fromisoformat(date)          # ValueError on a malformed date, before any work
+        since = int(dt.datetime(day.year, day.month, day.day, tzinfo=dt.timezone.utc).timestamp() * 1000)
+        baseline = previous_undecided(spark, out_dir, date)
+        if baseline is None:
+            log.info("rollup: %s is not rolled up under %s: reading the whole store for %s", day - dt.timedelta(1),
+                     out_dir, date)
+            since = None
+        else:
+            select = lambda segs: segments_for_window(segs, store_dir, since, since + DAY)  # noqa: E731
     scan = scan_store(spark, store_dir, job="rollup", skip_damaged=skip_damaged, check_crc=check_crc,
-                      chunk_bytes=chunk_bytes)
+                      chunk_bytes=chunk_bytes, select=select)
     snaps = None
     tables: dict = {}
-    per_half = half_summary(classify(scan.records)).cache()
+    records = classify(scan.records)
+    if since is not None:
+        extra = read_halves(spark, scan, _decided_elsewhere(records))
+        if extra is not None:
+            records = records.unionByName(classify(extra))
+    per_half = half_summary(records).cache()
     try:
         snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         dates = [date] if date else _dates_present(scan, snaps)
         summary = {"dates": dates, "records": scan.record_count, "segments": len(scan.segments),
+                   "segments_read": len(scan.read), "bytes_read": scan.bytes_read, "incremental": since is not None,
                    "damage": scan.damage, "snapshot_lines": snaps.lines, "bad_snapshot_lines": snaps.bad_lines,
                    "incomplete_snapshot_lines": snaps.incomplete_lines, "rows": {}, "reports": []}
         if not dates:
             log.info("rollup: the store has no records and no snapshots; nothing to write")
             return summary
         queries = {"traffic": traffic_table(scan.traffic, dates),
-                   "transactions": transactions_table(spark, per_half, dates),
+                   "transactions": transactions_table(spark, per_half, dates, since, baseline),
                    "consumer_lag": consumer_lag_table(snaps.rows, dates), "broker": broker_table(snaps.rows, dates)}
         for name, df in queries.items():
             t0 = time.monotonic()

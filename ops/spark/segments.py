@@ -20,23 +20,27 @@ Rows: transaction records become one row each; everything else is summed per chu
 (traffic per hour / topic / producer group, and first / last store time, count and
 highest queue offset per topic / queue), which keeps the Python-to-JVM hand-over small.
 
-Splitting: the driver walks record boundaries with peek_record (8 bytes a record, about
-0.7 us each, so ~0.7 s per GiB of 1 KiB messages against ~11 us a record to decode) and
-cuts each segment into chunks of about ``chunk_bytes`` that start on a record. A 1 GiB
-segment thus spreads over every core instead of pinning one task; the walk stops at the
+Splitting: a Spark task per segment walks record boundaries with peek_record (8 bytes a
+record, about 0.7 us each, so ~0.7 s per GiB of 1 KiB messages against ~11 us a record to
+decode) and cuts it into chunks of about ``chunk_bytes`` that start on a record; the chunks
+are then spread over every core. The driver only lists file names. The walk stops at the
 first thing that is not a plausible record and leaves the rest to the last chunk, whose
 decoder reports it precisely.
+
+A file that cannot be opened or read where a task runs becomes an ``err`` row naming the
+path and the host (a store path missing on one worker of a cluster), never a task failure.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 
 from protocol.codes import SysFlag
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, decode_record, peek_record
 
 SEGMENT_NAME = re.compile(r"\d{20}")
@@ -64,6 +68,9 @@ _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
 #   seg  a chunk's records of one (topic, queue): store_ts = first, ts_max, n, qo_max
 #        (highest queue offset of records that consume queues index; None if none)
 #   dmg  damage: segment, offset, size = bytes skipped to the segment's end, damage = reason
+#   end  where a segment's data ends (its last chunk): segment, offset = the end, size = bytes
+#        of data in the segment
+#   err  the file could not be read where the task ran: segment, damage = the one-line reason
 # msg and seg rows carry offset = the chunk's first offset, so a damaged tail (whose chunks
 # start after the damage) can be left out by offset alone.
 ROW_FIELDS = (
@@ -100,11 +107,15 @@ class Chunk:
 
 def list_segments(store_dir: str) -> list[Segment]:
     """The commit-log segments of a store, oldest first; the newest one is the active one."""
+    if not os.path.isdir(store_dir):
+        raise StoreError(f"store directory {store_dir} does not exist on host {socket.gethostname()} (the driver)")
     directory = os.path.join(store_dir, "commitlog")
     try:
         names = sorted(n for n in os.listdir(directory) if SEGMENT_NAME.fullmatch(n))
     except FileNotFoundError:
         return []
+    except OSError as exc:
+        raise StoreError(read_error(directory, exc) + " (the driver)") from None
     names.sort(key=int)
     out = []
     for i, name in enumerate(names):
@@ -120,11 +131,24 @@ def _open(path: str):
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
+def read_error(path: str, exc: OSError) -> str:
+    return f"cannot read {path} on host {socket.gethostname()}: {exc.strerror or exc}"
+
+
+def error_row(seg: Segment, reason: str) -> tuple:
+    return ("err", seg.name, seg.base) + (None,) * (len(ROW_FIELDS) - 4) + (reason,)
+
+
 def split_segment(seg: Segment, chunk_bytes: int) -> list[Chunk]:
-    """Cut a segment into chunks of about chunk_bytes, each starting on a record boundary."""
+    """Cut a segment into chunks of about chunk_bytes, each starting on a record boundary.
+
+    An unreadable file is one chunk, whose decoder then reports why."""
     if seg.size <= chunk_bytes:
         return [Chunk(seg, 0, seg.size, True)]
-    mm = _open(seg.path)
+    try:
+        mm = _open(seg.path)
+    except OSError:
+        return [Chunk(seg, 0, seg.size, True)]
     if mm is None:
         return [Chunk(seg, 0, 0, True)]
     chunks = []
@@ -198,8 +222,14 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
     """Rows for one chunk: rec rows as records are met, then its msg / seg partials, then a
     dmg row if the chunk ends in damage."""
     seg = chunk.segment
-    mm = _open(seg.path)
+    try:
+        mm = _open(seg.path)
+    except OSError as exc:
+        yield error_row(seg, read_error(seg.path, exc))
+        return
     if mm is None:
+        if chunk.last:
+            yield _end_row(seg, 0)
         return
     traffic: dict = {}
     queues: dict = {}
@@ -249,8 +279,31 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
     finally:
         mm.close()
     yield from _partials(seg, seg.base + chunk.start, traffic, queues)
+    if chunk.last:
+        yield _end_row(seg, pos)
     if damage:
         yield damage
+
+
+def _end_row(seg: Segment, pos: int) -> tuple:
+    return ("end", seg.name, seg.base + pos, pos) + (None,) * (len(ROW_FIELDS) - 4)
+
+
+def read_records(items):
+    """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, or an err row."""
+    for seg, offset in items:
+        try:
+            with open(seg.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            yield error_row(seg, read_error(seg.path, exc))
+            continue
+        try:
+            kind, msg, size = _step(mm, offset - seg.base, False)
+            if kind == "rec":
+                yield _record_row(seg, offset - seg.base, msg, size, msg.sys_flag & SysFlag.TRANSACTION_MASK)
+        finally:
+            mm.close()
 
 
 def decode_chunks(chunks, check_crc: bool = False):
@@ -260,6 +313,7 @@ def decode_chunks(chunks, check_crc: bool = False):
 
 
 def plan_chunks(store_dir: str, chunk_bytes: int) -> tuple[list[Segment], list[Chunk]]:
+    """Every segment's chunks, split here (one process: tests and the benchmark baseline)."""
     segments = list_segments(store_dir)
     chunks = [c for seg in segments for c in split_segment(seg, chunk_bytes)]
     return segments, chunks

@@ -1,6 +1,7 @@
 """An expiry plan made by the Spark job from a running broker's store, applied through that broker:
 expired transactions land in the dead-letter topic with reason `expired`, the younger undecided one is
-untouched, sealed consumed segments are removed by the store, and applying a plan twice changes nothing."""
+untouched, old sealed segments are removed by the store (the broker agreeing by its own clock), and
+applying a plan twice changes nothing."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +10,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from tests.integration.conftest import broker_factory  # noqa: F401 - the real-broker fixture
 from tests.support.broker_process import REPO
+from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
 
 RETENTION_H = 0.0006                      # 2.16 s: the 72 hours of production, shrunk
 RETENTION_MS = int(RETENTION_H * 3600 * 1000)
@@ -79,7 +83,7 @@ def test_apply_expiry_plan_against_a_running_broker(spark, broker_factory, tmp_p
 
     store = tmp_path / "store"
     b = broker_factory("--segment-size", "262144", "--max-message-size", "16384",
-                       "--transaction-retention-hours", str(RETENTION_H),
+                       "--transaction-retention-hours", str(RETENTION_H), "--file-reserved-hours", str(RETENTION_H),
                        "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000")
     asyncio.run(_fill(b))
     _wait_persisted(store / "config" / "consumerOffset.json", lambda o: any(k.endswith("@CG_flow") for k in o))
@@ -90,9 +94,13 @@ def test_apply_expiry_plan_against_a_running_broker(spark, broker_factory, tmp_p
     plan = build_plan(spark, str(store), retention_ms=RETENTION_MS, now_ms=young_ms + 200)
     assert sorted(h["uniq_key"] != "" for h in plan["halves"]) == [True, True]
     assert {h["producer_group"] for h in plan["halves"]} == {"PG_expiry"}
+    assert plan["segments"], "the old traffic filled no sealed segment"
     write_plan(plan, str(tmp_path / "plan1.json"))
     first = _admin(b, "apply-expiry", str(tmp_path / "plan1.json"))
     assert len(first["expired"]) == 2 and first["skipped"] == []
+    assert first["segments_removed"] == [s["name"] for s in plan["segments"]], first
+    on_disk = {p.name for p in (store / "commitlog").iterdir()}
+    assert not on_disk & set(first["segments_removed"])
 
     dead = asyncio.run(_dead_letters(b))
     assert sorted(m.body for m in dead) == [b"old-0", b"old-1"]
@@ -101,21 +109,44 @@ def test_apply_expiry_plan_against_a_running_broker(spark, broker_factory, tmp_p
     assert [p["uniq_key"] for p in pending] and len(pending) == 1     # the young one, untouched
 
     again = _admin(b, "apply-expiry", str(tmp_path / "plan1.json"))
-    assert again["expired"] == [] and len(again["skipped"]) == 2
-
-    # Now the old halves are decided, the half queue's progress moves past them: the sealed,
-    # consumed, old segments can go.
-    _wait_persisted(store / "config" / "consumerOffset.json",
-                    lambda o: o.get("RMQ_SYS_TRANS_HALF_TOPIC@CID_RMQ_SYS_TRANS", {}).get("0", 0) >= 2)
-    # Planned as of just after the young half was sent, so it is still inside the retention.
-    plan2 = build_plan(spark, str(store), retention_ms=RETENTION_MS, now_ms=young_ms + 200)
-    assert plan2["halves"] == []
-    write_plan(plan2, str(tmp_path / "plan2.json"))
-    second = _admin(b, "apply-expiry", str(tmp_path / "plan2.json"))
-    assert second["segments_removed"] == [s["name"] for s in plan2["segments"]]
-    assert second["segments_removed"], f"no segment could go: {second}"
-    on_disk = {p.name for p in (store / "commitlog").iterdir()}
-    assert not on_disk & set(second["segments_removed"])
-    repeat = _admin(b, "apply-expiry", str(tmp_path / "plan2.json"))
-    assert repeat["segments_removed"] == [] and repeat["expired"] == []
+    assert again["expired"] == [] and len(again["skipped"]) == 2 and again["segments_removed"] == []
+    assert {k["why"] for k in again["segments_kept"]} <= {"not in this store (already removed?)",
+                                                          f"an older listed segment ({plan['segments'][0]['name']}) is kept"}
     assert len(_admin(b, "list", "--json")["pending"]) == 1
+
+
+@pytest.mark.skipif(LIBFAKETIME is None, reason=SKIP_REASON)
+def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh(spark, broker_factory, tmp_path):  # noqa: F811
+    """The issue's scenario end to end: the plan of `ops.spark expiry --now-ms <now + 100 h>` removes
+    nothing (it used to delete 1,044 of 1,500 fresh messages); the plan for now removes the old segments."""
+    from ops.spark.expiry import build_plan
+    from ops.spark.plan import write_plan
+    from tests.integration.test_retention_process import FLAGS, N, _drain, _old_traffic, _send
+
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=past_env("-80h"))
+    asyncio.run(_old_traffic(past))
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    asyncio.run(_send(b, "fresh", N))
+    _wait_persisted(store / "segments.json",
+                    lambda m: len(m["segments"]) == len(list((store / "commitlog").iterdir())))
+    future = build_plan(spark, str(store), retention_ms=72 * 3_600_000, now_ms=now + 100 * 3_600_000)
+    assert len(future["halves"]) == 1 and future["segments"]
+    write_plan(future, str(tmp_path / "future.json"))
+    out = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "apply-expiry",
+                          str(tmp_path / "future.json")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "ahead of this broker's clock" in out.stderr
+    good = build_plan(spark, str(store), retention_ms=72 * 3_600_000, now_ms=int(time.time() * 1000))
+    assert [u["group"] for u in good["report"]["unconsumed"]] == ["CG_behind"]
+    write_plan(good, str(tmp_path / "good.json"))
+    applied = _admin(b, "apply-expiry", str(tmp_path / "good.json"))
+    assert applied["segments_removed"] == [s["name"] for s in good["segments"]] and applied["segments_removed"]
+    assert applied["expired"] == [good["halves"][0]["commit_log_offset"]]
+    _, moved, bodies = asyncio.run(_drain(b, "CG_behind"))
+    assert moved >= 1 and sum(1 for x in bodies if x.startswith(b"fresh-")) == N
+    print(f"\nSPARK-PLANS future plan listed {len(future['segments'])} segments ({len(future['halves'])} half), "
+          f"removed 0: {out.stderr.strip()[:120]}; good plan removed {len(applied['segments_removed'])} segments "
+          f"and expired {len(applied['expired'])} half; report {good['report']}; fresh readable "
+          f"{sum(1 for x in bodies if x.startswith(b'fresh-'))}/{N}")

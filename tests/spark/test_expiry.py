@@ -72,19 +72,24 @@ def expected_segments(written, blocked_topic_queue_offsets=None):
         recs = [w for w in written if w.offset // SEG == s]
         if max(w.store_ts for w in recs) >= CUTOFF:
             break
-        out.append({"name": f"{s * SEG:020d}", "first_store_timestamp": min(w.store_ts for w in recs),
-                    "last_store_timestamp": max(w.store_ts for w in recs)})
+        out.append({"name": f"{s * SEG:020d}", "start_offset": s * SEG,
+                    "end_offset": max(w.offset + w.size for w in recs),
+                    "first_store_timestamp": min(w.store_ts for w in recs),
+                    "last_store_timestamp": max(w.store_ts for w in recs), "records": len(recs)})
     return out
 
 
-def test_plan_lists_old_undecided_halves_and_old_consumed_segments(spark, store, tmp_path):
+def test_plan_lists_old_undecided_halves_and_old_segments_with_the_store_id(spark, store, tmp_path):
+    from ops.spark.manifest import read_store_id
+
     from ops.spark.expiry import run_expiry
 
     set_offsets(store["dir"], [("cg1", "Orders", 0, 200), ("cg2", "Orders", 0, 200)])
     path = str(tmp_path / "plan.json")
     plan = run_expiry(spark, store["dir"], path, now_ms=NOW)
     assert validate_plan(path) == plan
-    assert (plan["version"], plan["now_ms"], plan["retention_ms"]) == (1, NOW, 72 * H)
+    assert (plan["version"], plan["now_ms"], plan["retention_ms"]) == (2, NOW, 72 * H)
+    assert plan["store_id"] == read_store_id(store["dir"]) and len(plan["store_id"]) == 36
     r, e = store["resumed"], store["expired"]
     assert plan["halves"] == [
         {"commit_log_offset": r.offset, "queue_offset": r.queue_offset, "producer_group": "pg-b", "topic": "Ship",
@@ -93,6 +98,9 @@ def test_plan_lists_old_undecided_halves_and_old_consumed_segments(spark, store,
          "store_timestamp": NOW - 72 * H - M, "uniq_key": e.props["UNIQ_KEY"]}]
     want = expected_segments(store["written"])
     assert len(want) >= 2 and plan["segments"] == want
+    assert plan["report"]["unconsumed"] == []
+    going = sum(1 for w in store["written"] if w.topic == "Orders" and w.offset < len(want) * SEG)
+    assert {t["topic"]: t["messages"] for t in plan["report"]["messages_by_topic"]}["Orders"] == going
     listed = {s["name"] for s in plan["segments"]}
     for half in ("exact", "young"):
         assert f"{store[half].offset // SEG * SEG:020d}" not in listed
@@ -114,19 +122,17 @@ def test_the_72_hour_boundary(spark, store, tmp_path):
     assert {store["exact"].offset, store["young"].offset} <= two_min_later
 
 
-def test_unconsumed_records_hold_segments_back(spark, store):
+def test_unconsumed_records_go_too_and_the_report_says_whose(spark, store):
+    """RocketMQ's retention: consumed or not. An abandoned group holds nothing back; the report names it."""
     from ops.spark.expiry import build_plan
 
     set_offsets(store["dir"], [("cg1", "Orders", 0, 200), ("slow", "Orders", 0, 5)])
-    assert build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)["segments"] == []
-    # a group with an entry for the topic but not for queue 0 has consumed nothing of queue 0
-    set_offsets(store["dir"], [("cg1", "Orders", 0, 200), ("other", "Orders", 3, 100)])
-    assert build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)["segments"] == []
-    # consumed exactly up to the first segment's last Orders record: only that segment may go
-    first = [w for w in store["written"] if w.offset < SEG]
-    set_offsets(store["dir"], [("cg1", "Orders", 0, max(w.queue_offset for w in first) + 1)])
     plan = build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)
-    assert [s["name"] for s in plan["segments"]] == ["0" * 20]
+    want = expected_segments(store["written"])
+    assert plan["segments"] == want
+    going = [w for w in store["written"] if w.topic == "Orders" and w.offset < len(want) * SEG]
+    assert plan["report"]["unconsumed"] == [
+        {"topic": "Orders", "group": "slow", "messages": sum(1 for w in going if w.queue_offset >= 5)}]
 
 
 def test_cli_expiry_and_validate_plan(store, tmp_path):

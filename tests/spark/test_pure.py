@@ -123,12 +123,18 @@ def test_snapshot_lines_tolerate_missing_keys():
     assert [r[0] for r in parse_line('{"ts": 9, "connections": 1, "consumer_lag": []}')] == ["snap"]
 
 
+def _seg(name, first, last, end=100):
+    return {"name": name, "start_offset": int(name), "end_offset": int(name) + end,
+            "first_store_timestamp": first, "last_store_timestamp": last}
+
+
 def _plan(**over):
     now, ret = 1_000 * H, 72 * H
-    plan = {"version": 1, "created_ms": now, "retention_ms": ret, "now_ms": now,
+    plan = {"version": 2, "store_id": "0b0e5a9c-3f0e-4d7e-9a51-0d6c1a2b3c4d", "created_ms": now,
+            "retention_ms": ret, "now_ms": now,
             "halves": [{"commit_log_offset": 10, "queue_offset": 0, "producer_group": "g", "topic": "T",
                         "store_timestamp": now - ret - 1, "uniq_key": "U"}],
-            "segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": now - ret - 1}]}
+            "segments": [_seg("0" * 20, 1, now - ret - 1)]}
     plan.update(over)
     return plan
 
@@ -143,17 +149,18 @@ def test_validate_plan_accepts_a_good_plan_from_file_text_or_dict(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"version": 2}, "version"),
+    ({"version": 1}, "version"),
+    ({"store_id": None}, "store_id"),
     ({"now_ms": "soon"}, "now_ms"),
     ({"retention_ms": 0}, "positive"),
     ({"halves": [{"commit_log_offset": 1}]}, "missing or mistyped"),
     ({"halves": [{"commit_log_offset": 1, "queue_offset": 0, "producer_group": "g", "topic": "T",
                   "store_timestamp": 1000 * H - 72 * H, "uniq_key": None}]}, "not older than the retention"),
     ({"segments": [{"name": "12", "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "20-digit"),
-    ({"segments": [{"name": "1" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2},
-                   {"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "oldest first"),
-    ({"segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 1000 * H}]},
-     "not all older"),
+    ({"segments": [_seg("1" * 20, 1, 2), _seg("0" * 20, 1, 2)]}, "oldest first"),
+    ({"segments": [_seg("0" * 20, 1, 1000 * H)]}, "not all older"),
+    ({"segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "must be integers"),
+    ({"segments": [dict(_seg("0" * 20, 1, 2), start_offset=5)]}, "do not fit"),
 ])
 def test_validate_plan_refuses_bad_plans(change, message):
     with pytest.raises(PlanError, match=message):
@@ -165,3 +172,41 @@ def test_validate_plan_refuses_unreadable_input(tmp_path):
         validate_plan(str(tmp_path / "missing.json"))
     with pytest.raises(PlanError, match="cannot read"):
         validate_plan(b"{not json")
+
+
+def test_the_last_chunk_says_where_the_data_ends_and_an_unreadable_file_is_an_err_row(tmp_path):
+    d, written = _store(tmp_path)
+    segments = seg.list_segments(d)
+    ends = {r[1]: r[2] for r in _rows(seg.plan_chunks(d, 1000)[1]) if r[0] == "end"}
+    for s in segments:
+        mine = [w for w in written if s.base <= w.offset < s.base + s.size]
+        assert ends[s.name] == max(w.offset + w.size for w in mine)
+    os.unlink(segments[1].path)
+    rows = list(seg.decode_chunk(seg.Chunk(segments[1], 0, segments[1].size, True)))
+    assert [r[0] for r in rows] == ["err"]
+    assert f"cannot read {segments[1].path} on host " in rows[0][-1] and "No such file" in rows[0][-1]
+
+
+def test_the_manifest_picks_the_segments_a_day_can_be_in(tmp_path):
+    from ops.spark.manifest import can_hold, segments_for_window
+
+    assert can_hold(None, 0, 10)                                        # unknown: read it
+    assert can_hold({"first_ts": 5, "last_ts": 20, "sealed": True}, 0, 10)
+    assert not can_hold({"first_ts": 10, "last_ts": 20, "sealed": True}, 0, 10)
+    assert not can_hold({"first_ts": 1, "last_ts": 4, "sealed": True}, 5, 10)
+    assert can_hold({"first_ts": 1, "last_ts": 4, "sealed": False}, 5, 10)      # active: still growing
+    assert not can_hold({"first_ts": -1, "last_ts": -1, "sealed": True}, 5, 10)
+    d, written = _store(tmp_path)                                   # 2 h of records, one a minute
+    segments = seg.list_segments(d)
+    hour2 = segments_for_window(segments, d, T0 + H, T0 + 2 * H)
+    assert segments[0] not in hour2 and segments[-1] in hour2
+    assert {w.offset // 8192 for w in written if w.store_ts >= T0 + H} == {int(s.name) // 8192 for s in hour2}
+    os.unlink(os.path.join(d, "segments.json"))
+    assert segments_for_window(segments, d, T0 + H, T0 + 2 * H) == segments
+
+
+def test_a_missing_store_is_one_line_naming_it(tmp_path):
+    from protocol.errors import StoreError
+
+    with pytest.raises(StoreError, match=r"store directory .*nowhere does not exist on host \S+"):
+        seg.list_segments(str(tmp_path / "nowhere"))

@@ -294,7 +294,8 @@ def test_empty_store(spark, tmp_path, caplog):
     assert len(rows) == 25 and all(r["halves"] == 0 and r["undecided_at_end"] == 0 for r in rows)
     with open(summary["reports"][1]) as f:
         assert f.read().splitlines()[-1].startswith("2024-03-10,day,0,0,0,0,0,0,0,0,0")
-    assert run_rollup(spark, str(tmp_path / "missing"), str(tmp_path / "out2"), date="2024-03-10")["records"] == 0
+    with pytest.raises(StoreError, match=r"store directory .*missing does not exist on host \S+ \(the driver\)"):
+        run_rollup(spark, str(tmp_path / "missing"), str(tmp_path / "out2"), date="2024-03-10")
 
 
 def test_corrupt_segment_fails_clearly_or_is_skipped(spark, tmp_path):

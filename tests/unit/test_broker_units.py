@@ -24,7 +24,7 @@ def test_check_decisions():
     assert decide(P, **{**base, "checks": 15}) is Action.DEAD_MAX_CHECKS
     assert decide(P, **{**base, "checks": 14}) is Action.CHECK
     over = 72 * 3600 * 1000 + 1
-    assert decide(P, **{**base, "now": over, "next_check": over + 5}) is Action.DEAD_EXPIRED
+    assert decide(P, **{**base, "now": over, "next_check": over + 5}) is Action.WAIT    # the plan expires it
     assert decide(P, **{**base, "now": over - 2}) is Action.CHECK
 
 
@@ -46,6 +46,8 @@ def test_config_from_flags_and_environment():
         BrokerConfig(flush="sometimes")
     with pytest.raises(ConfigError):
         BrokerConfig(port=70000)
+    with pytest.raises(ConfigError):
+        BrokerConfig(disk_clean_ratio=0.86)                 # above the force ratio
     assert BrokerConfig(host="0.0.0.0").public_host == "127.0.0.1"
 
 

@@ -9,6 +9,7 @@ from broker.clients import ClientRegistry
 from broker.config import BrokerConfig
 from broker.context import BrokerContext
 from broker.metrics import BrokerMetrics
+from broker.retention import Retention
 from broker.store import (
     ConsumerOffsets,
     MessageStore,
@@ -45,17 +46,17 @@ class GatedStore:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def put_many(self, reqs):
+    def put_many(self, reqs, reclaim=False):
         if self.gate is None:
-            return self._store.put_many(reqs)
-        return self._gated(reqs)
+            return self._store.put_many(reqs, reclaim)
+        return self._gated(reqs, reclaim)
 
-    async def _gated(self, reqs):
+    async def _gated(self, reqs, reclaim):
         self.entered.set()
         await self.gate.wait()
         if self.fail:
             return [PutResult(PutStatus.SERVICE_NOT_AVAILABLE) for _ in reqs]
-        return await self._store.put_many(reqs)
+        return await self._store.put_many(reqs, reclaim)
 
 
 async def make_service(tmp_path, clock, **cfg):
@@ -190,9 +191,10 @@ async def test_expiry_plan_racing_a_commit_skips_that_half_and_finishes(tmp_path
         ctx.store.gate = asyncio.Event()
         committing = asyncio.ensure_future(tx.decide(p.half_offset, COMMIT, group="PG"))
         await ctx.store.entered.wait()
-        plan = {"version": 1, "halves": [{"commit_log_offset": p.half_offset},
-                                         {"commit_log_offset": old.half_offset}], "segments": []}
-        applying = asyncio.ensure_future(tx.apply_expiry(plan))
+        plan = {"version": 2, "store_id": ctx.store.store_id, "now_ms": clock.now,
+                "halves": [{"commit_log_offset": p.half_offset}, {"commit_log_offset": old.half_offset}],
+                "segments": []}
+        applying = asyncio.ensure_future(Retention(ctx).apply_plan(plan))
         await asyncio.sleep(0)
         ctx.store.gate.set()
         ctx.store.gate = None

@@ -1,0 +1,224 @@
+"""Retention: which commit-log segments go, judged by the broker's own clock and store, never by a plan's word.
+
+Three ways a segment goes, one at a time, oldest first, never the active one:
+
+    reason     when                                                         who asks
+    plan       listed by the nightly plan AND every check below holds       `admin apply-expiry PLAN`
+    expired    newest record older than file_reserved_hours, disk above     this module, every
+               disk_clean_ratio                                             disk_clean_interval_s
+    pressure   any age, disk above disk_force_clean_ratio                   this module
+
+A plan is refused whole (nothing changes) when it is not version 2, names another store
+(store_id), or its now_ms is ahead of the broker's clock by more than plan_clock_skew_ms.
+Each listed segment is then kept, with its reason in the reply and the log, unless:
+it is in the store and sealed; its start, end offset and newest store timestamp are the
+ones the plan saw (a segment that grew, or another store's segment of the same name, is
+not what was planned); its newest record, read from the store, is older than the broker's
+clock minus the retention (the larger of the broker's and the plan's); and every older
+listed segment went. Undecided halves inside a segment are dead-lettered first (reason
+`expired`, or `disk-pressure` for a forced removal); one that cannot be keeps the segment.
+
+Consumed or not does not matter (RocketMQ's fileReservedTime): a consumer behind a removed
+segment gets PULL_OFFSET_MOVED and continues from the new minimum. retain_unconsumed_max_bytes
+> 0 keeps expired segments a group has not consumed while the log is within that size.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from protocol.errors import StoreError
+
+log = logging.getLogger("txmq.retention")
+HOUR_MS = 3_600_000
+PLAN_VERSION = 2
+
+
+class PlanRefused(Exception):
+    """The plan as a whole cannot be applied; nothing was changed."""
+
+
+def check_plan_header(plan, store_id: str, now: int, skew_ms: int) -> None:
+    """Raise PlanRefused unless the plan is this store's, in a format this broker knows, and not from the future."""
+    if not isinstance(plan, dict):
+        raise PlanRefused("the plan is not a JSON object")
+    if plan.get("version") != PLAN_VERSION:
+        raise PlanRefused(f"plan version {plan.get('version')!r} is not {PLAN_VERSION}; a version 1 plan carries "
+                          "no store id or segment identity: make a new plan with `python -m ops.spark expiry`")
+    if plan.get("store_id") != store_id:
+        raise PlanRefused(f"the plan is for store {plan.get('store_id')!r}, this broker's store is {store_id}: "
+                          "check --broker / BROKER_ADMIN_ADDR")
+    plan_now = plan.get("now_ms")
+    if not isinstance(plan_now, int) or isinstance(plan_now, bool):
+        raise PlanRefused(f"now_ms {plan_now!r} is not an integer")
+    if plan_now > now + skew_ms:
+        raise PlanRefused(f"the plan was made for {plan_now}, {plan_now - now} ms ahead of this broker's clock "
+                          f"({now}; allowed skew {skew_ms} ms): a future plan would remove live data")
+    for key in ("segments", "halves"):
+        items = plan.get(key) or []
+        if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+            raise PlanRefused(f"{key} must be a list of objects")
+
+
+def judge(seg: dict, facts, *, cutoff: int) -> str | None:
+    """Why the broker keeps a segment the plan lists (None: it may go). ``facts``: the store's SegmentFacts or None."""
+    if facts is None:
+        return "not in this store (already removed?)"
+    if not facts.sealed:
+        return "it is the active segment"
+    seen = (seg.get("start_offset"), seg.get("end_offset"), seg.get("last_store_timestamp"))
+    if seen != (facts.start, facts.end, facts.last_ts):
+        return (f"it changed since the plan: the plan saw start {seen[0]}, end {seen[1]}, newest {seen[2]}; "
+                f"the store has start {facts.start}, end {facts.end}, newest {facts.last_ts}")
+    if facts.last_ts < 0:
+        return "it holds no record the broker can date"
+    if facts.last_ts >= cutoff:
+        return (f"its newest record ({facts.last_ts}) is not older than the retention by the broker's clock "
+                f"(cutoff {cutoff})")
+    return None
+
+
+class Retention:
+    def __init__(self, ctx, usage=None):
+        self.ctx = ctx
+        c = ctx.config
+        self.retention_ms = int(c.file_reserved_hours * HOUR_MS)
+        self.half_retention_ms = int(c.transaction_retention_hours * HOUR_MS)
+        self.usage = usage or self._probe
+        self._lock = asyncio.Lock()          # one removal pass at a time: a plan or the pressure cleaner
+        self._task: asyncio.Task | None = None
+
+    def _probe(self) -> float:
+        disk = self.ctx.store.disk   # the store's watermark monitor: one measure of the disk
+        disk.probe()                 # fresh after a removal, and writes resume as soon as space is back
+        return disk.ratio
+
+    # ------------------------------------------------------------------ plans
+    async def apply_plan(self, plan: dict) -> dict:
+        ctx = self.ctx
+        now = ctx.clock()
+        check_plan_header(plan, ctx.store.store_id, now, ctx.config.plan_clock_skew_ms)
+        plan_retention = plan.get("retention_ms") if isinstance(plan.get("retention_ms"), int) else 0
+        cutoff = now - max(self.retention_ms, plan_retention)
+        async with self._lock:
+            expired, skipped = await self._expire_halves(plan.get("halves") or [], now)
+            removed, kept = [], []
+            by_name = {f.name: f for f in await ctx.store.segment_facts()}
+            blocked = None
+            for seg in sorted(plan.get("segments") or [], key=lambda s: str(s.get("name"))):
+                name = str(seg.get("name"))
+                why = blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
+                if why is None:
+                    why = await self._remove(by_name[name], "plan", "expired")
+                if why is None:
+                    removed.append(name)
+                    continue
+                kept.append({"name": name, "why": why})
+                log.warning("expiry plan: keeping segment %s: %s", name, why)
+                blocked = blocked or f"an older listed segment ({name}) is kept"
+        log.warning("expiry plan applied: %d halves expired, %d skipped, %d segments removed, %d kept",
+                    len(expired), len(skipped), len(removed), len(kept))
+        return {"store_id": ctx.store.store_id, "now_ms": now, "cutoff_ms": cutoff, "expired": expired,
+                "skipped": skipped, "segments_removed": removed, "segments_kept": kept}
+
+    async def _expire_halves(self, listed: list, now: int) -> tuple[list[int], list[dict]]:
+        """Listed halves older than the retention by the broker's own record of their store time."""
+        tx = self.ctx.tx
+        undecided = tx.undecided()
+        due, skipped = [], []
+        for half in listed:
+            off = half.get("commit_log_offset")
+            ts = undecided.get(off) if isinstance(off, int) else None
+            if ts is None:
+                skipped.append({"commit_log_offset": off, "why": "already decided or unknown"})
+            elif now - ts <= self.half_retention_ms:
+                skipped.append({"commit_log_offset": off, "why": "younger than the retention by the broker's clock"})
+            else:
+                due.append(off)
+        done, failed = await tx.dead_letter(due, "expired")
+        return done, skipped + failed
+
+    def _held(self, facts) -> str | None:
+        """The opt-in: an unconsumed expired segment stays while the log is within retain_unconsumed_max_bytes."""
+        cap = self.ctx.config.retain_unconsumed_max_bytes
+        store = self.ctx.store
+        if cap <= 0 or store.max_physical_offset - store.min_physical_offset > cap:
+            return None
+        for (group, topic, qid), offset in self.ctx.offsets.items():
+            phys = store.physical_offset_of(topic, qid, offset)
+            if phys is not None and phys < facts.end:
+                return (f"group {group} has not consumed {topic}:{qid} in it and the log is within "
+                        f"retain_unconsumed_max_bytes ({cap})")
+        return None
+
+    async def _remove(self, facts, reason: str, half_reason: str) -> str | None:
+        """Dead-letter the undecided halves inside, then remove; None when it went, else why not."""
+        tx = self.ctx.tx
+        inside = sorted(tx.undecided(facts.start, facts.end))
+        if inside:
+            done, failed = await tx.dead_letter(inside, half_reason)
+            log.warning("segment %s: %d undecided halves dead-lettered (%s) before removal", facts.name, len(done),
+                        half_reason)
+            still = [f for f in failed if f["commit_log_offset"] in tx.undecided(facts.start, facts.end)]
+            if still:
+                first = still[0]
+                return f"undecided half at {first['commit_log_offset']} could not be dead-lettered: {first['why']}"
+        try:
+            await self.ctx.store.remove_segment(facts.name, reason)
+        except StoreError as exc:        # not the oldest, not yet flushed
+            return str(exc)
+        self.ctx.metrics.child(self.ctx.metrics.segments_removed, reason).inc()
+        return None
+
+    # --------------------------------------------------------------- pressure
+    async def clean_once(self) -> list[tuple[str, str]]:
+        """One pass of disk-pressure cleaning; [(segment, reason)] removed."""
+        c = self.ctx.config
+        usage = self.usage()
+        if usage < c.disk_clean_ratio:
+            return []
+        removed = []
+        async with self._lock:
+            while True:
+                facts = await self.ctx.store.segment_facts()
+                if len(facts) < 2:
+                    break
+                oldest = facts[0]
+                expired = 0 <= oldest.last_ts < self.ctx.clock() - self.retention_ms
+                if expired and (usage >= c.disk_force_clean_ratio or self._held(oldest) is None):
+                    reason, half_reason = "expired", "expired"
+                elif usage >= c.disk_force_clean_ratio:
+                    reason, half_reason = "pressure", "disk-pressure"
+                else:
+                    break
+                log.warning("disk %.1f%% used (clean above %.0f%%, force above %.0f%%): removing segment %s (%s)",
+                            usage * 100, c.disk_clean_ratio * 100, c.disk_force_clean_ratio * 100, oldest.name,
+                            reason)
+                why = await self._remove(oldest, reason, half_reason)
+                if why is not None:
+                    log.error("disk pressure: cannot remove segment %s: %s", oldest.name, why)
+                    break
+                removed.append((oldest.name, reason))
+                usage = self.usage()
+        return removed
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-retention")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.ctx.config.disk_clean_interval_s)
+            try:
+                await self.clean_once()
+            except OSError as exc:
+                log.error("disk pressure check failed: %s", exc)
+            except Exception:  # noqa: BLE001 - the cleaner must survive a bad pass
+                log.exception("disk pressure cleaning failed")

@@ -1,0 +1,131 @@
+"""The store's identity and its segment manifest: what a retention plan is checked against.
+
+``<store>/store_id``        one line, a UUID written when the store is created. A plan carries
+                            the id of the store it was made from; a broker applies only its own.
+``<store>/segments.json``   one entry per commit-log segment, oldest first, written by the broker:
+
+    {"store_id": str, "written_ms": int,
+     "segments": [{"name": "<20 digits>", "start": int, "end": int, "records": int,
+                   "first_ts": int, "last_ts": int, "sealed": bool}]}
+
+``end`` is the commit-log offset after the segment's last record, ``first_ts`` / ``last_ts``
+the smallest and largest store timestamps in it (-1 when it holds no record). A sealed
+segment never changes, so its entry is computed once, from the bytes (read through a mapping
+of its own, off the event loop), and carried over; the active segment's entry is the broker's
+view at ``written_ms`` and only grows. The Spark jobs read this file to pick the segments a
+date can be in; the broker reads nothing back from it but its own sealed entries.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import uuid
+from dataclasses import asdict, dataclass
+
+from protocol.message import MESSAGE_MAGIC
+
+from .mapped_file import fsync_dir
+
+STORE_ID_FILE = "store_id"
+MANIFEST_FILE = "segments.json"
+_SIZE_MAGIC = struct.Struct(">ii")
+_I32 = struct.Struct(">i")
+_I64 = struct.Struct(">q")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentFacts:
+    name: str
+    start: int
+    end: int             # offset after the last record
+    records: int
+    first_ts: int        # -1: no record
+    last_ts: int
+    sealed: bool
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def load_or_create_store_id(store_dir: str) -> str:
+    """The store's id; a new one is written when the store has none (a new store, or one made before ids)."""
+    path = os.path.join(store_dir, STORE_ID_FILE)
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+        return str(uuid.UUID(text))
+    except FileNotFoundError:
+        pass
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{path} does not hold a store id (a UUID); it was damaged or written by hand") from None
+    new = str(uuid.uuid4())
+    _write_atomically(path, (new + "\n").encode())
+    return new
+
+
+def summarize_file(path: str, start: int) -> tuple[int, int, int, int]:
+    """(end offset, records, first_ts, last_ts) of a segment file, hopping over record headers.
+
+    Maps the file itself, read-only: the store may unmap or remove its own mapping meanwhile.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 91:
+            return start, 0, -1, -1
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        pos, n, first, last = 0, 0, -1, -1
+        limit = size - 8
+        while pos + 91 <= limit:
+            length, magic = _SIZE_MAGIC.unpack_from(mm, pos)
+            if magic != MESSAGE_MAGIC or length < 91 or pos + length > limit:
+                break
+            sys_flag = _I32.unpack_from(mm, pos + 36)[0]
+            ts = _I64.unpack_from(mm, pos + (68 if sys_flag & 0x10 else 56))[0]
+            if first < 0 or ts < first:
+                first = ts
+            if ts > last:
+                last = ts
+            n += 1
+            pos += length
+        return start + pos, n, first, last
+    finally:
+        mm.close()
+
+
+def read_manifest(store_dir: str) -> dict:
+    """The manifest as written ({} when absent or unreadable: callers then read every segment)."""
+    try:
+        with open(os.path.join(store_dir, MANIFEST_FILE), "rb") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) and isinstance(data.get("segments"), list) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_manifest(store_dir: str, store_id: str, now_ms: int, facts: list[SegmentFacts]) -> None:
+    body = {"store_id": store_id, "written_ms": now_ms, "segments": [asdict(f) for f in facts]}
+    _write_atomically(os.path.join(store_dir, MANIFEST_FILE), json.dumps(body, indent=0).encode())
+
+
+def sealed_from_disk(store_dir: str) -> dict[str, SegmentFacts]:
+    """Sealed entries of the manifest on disk, to carry over across restarts."""
+    out = {}
+    for e in read_manifest(store_dir).get("segments", []):
+        try:
+            if e.get("sealed"):
+                f = SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
+                                 int(e["first_ts"]), int(e["last_ts"]), True)
+                out[f.name] = f
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out

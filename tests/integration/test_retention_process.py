@@ -1,0 +1,183 @@
+"""Retention through the real broker process, its clock moved with libfaketime.
+
+A broker living 80 hours in the past writes 1,500 messages and an undecided transaction and a
+consumer group commits a little of it; the same store is then served at the real time and gets
+1,500 fresh messages. Plans are made from the broker's segment manifest exactly as the Spark
+job lists segments (tests/spark covers the job itself), bent into each kind of bad plan, and
+applied with `python -m broker admin apply-expiry`. Bad plans remove nothing; the good plan
+removes the 80-hour-old sealed segments, dead-letters the half inside first, and the consumer
+that was behind them is answered PULL_OFFSET_MOVED and continues from the new minimum.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import PullStatus
+from producer import LocalTransactionState as S
+from producer import Producer, TransactionProducer
+from tests.support.broker_process import REPO
+from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
+
+pytestmark = pytest.mark.asyncio
+
+H = 3_600_000
+N = 1500
+FLAGS = ("--segment-size", "262144", "--max-message-size", "16384", "--transaction-timeout-ms", "600000",
+         "--transaction-check-interval-ms", "600000")
+if LIBFAKETIME is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+PAST = past_env("-80h")
+
+
+class Undecided:
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    def check_local_transaction(self, msg):
+        return S.UNKNOW
+
+
+async def _send(b, prefix: str, n: int) -> None:
+    async with Producer(b.namesrv, "PG_flow") as producer:
+        for lo in range(0, n, 50):
+            await asyncio.gather(*(producer.send("Flow", f"{prefix}-{i}".encode().ljust(1000, b".")) for i in
+                                   range(lo, min(n, lo + 50))))
+
+
+async def _old_traffic(b) -> None:
+    async with TransactionProducer(b.namesrv, "PG_tx", Undecided()) as tx:
+        await tx.send_in_transaction("Paid", b"undecided-80h")
+    await _send(b, "old", N)
+    consumer = PullConsumer(b.namesrv, "CG_behind")
+    for mq in await consumer.fetch_queues("Flow"):
+        await consumer.commit_offset(mq, 3)          # consumed a little, then abandoned
+    await consumer.shutdown()
+
+
+def _admin(b, plan: dict, tmp_path, name: str):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(plan))
+    out = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "apply-expiry", str(path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    return out.returncode, (json.loads(out.stdout) if out.returncode == 0 else out.stderr.strip())
+
+
+def _plan(store, now_ms: int, *, retention_ms: int = 72 * H, include_active: bool = False) -> dict:
+    """Segments listed as `ops.spark expiry` lists them, from the broker's manifest."""
+    manifest = json.loads((store / "segments.json").read_text())
+    chosen = []
+    for e in manifest["segments"]:
+        if (not e["sealed"] and not include_active) or (e["sealed"] and e["last_ts"] >= now_ms - retention_ms):
+            break
+        chosen.append({"name": e["name"], "start_offset": e["start"], "end_offset": e["end"],
+                       "first_store_timestamp": e["first_ts"], "last_store_timestamp": e["last_ts"]})
+    return {"version": 2, "store_id": manifest["store_id"], "created_ms": now_ms, "now_ms": now_ms,
+            "retention_ms": retention_ms, "halves": [], "segments": chosen}
+
+
+def _segments(store) -> list[str]:
+    return sorted(os.listdir(store / "commitlog"))
+
+
+async def _wait_manifest(store, check, timeout=10.0):
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                data = json.loads((store / "segments.json").read_text())
+                if check(data):
+                    return data
+            except (OSError, ValueError):
+                pass
+            await asyncio.sleep(0.1)
+
+
+async def _drain(b, group: str) -> tuple[list[PullStatus], int, list[bytes]]:
+    """Pull every queue of Flow from the group's committed offset; statuses met, moved count, bodies."""
+    consumer = PullConsumer(b.namesrv, group)
+    statuses, bodies, moved = [], [], 0
+    try:
+        for mq in await consumer.fetch_queues("Flow"):
+            offset = await consumer.fetch_offset(mq) or 0
+            for _ in range(200):
+                res = await consumer.pull(mq, offset, max_nums=32)
+                statuses.append(res.status)
+                if res.status is PullStatus.OFFSET_ILLEGAL:
+                    moved += 1
+                    assert res.next_begin_offset == res.min_offset > offset
+                elif res.status is PullStatus.NO_NEW_MSG:
+                    break
+                bodies += [m.body for m in res.messages]
+                offset = res.next_begin_offset
+    finally:
+        await consumer.shutdown()
+    return statuses, moved, bodies
+
+
+async def test_plans_judged_by_the_broker_on_a_store_written_80_hours_ago(broker_factory, tmp_path):
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    old_segments = _segments(store)
+
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    await _send(b, "fresh", N)
+    await _wait_manifest(store, lambda m: len(m["segments"]) == len(_segments(store)))
+    before = _segments(store)
+    manifest = json.loads((store / "segments.json").read_text())
+    old = [e["name"] for e in manifest["segments"] if e["sealed"] and e["last_ts"] < now - 72 * H]
+    assert len(old) >= 4 and set(old) < set(old_segments)
+
+    results = {}
+    results["future (--now-ms now+100h)"] = _admin(b, _plan(store, now + 100 * H), tmp_path, "future")
+    other = dict(_plan(store, now), store_id="5c0ffee0-0000-4000-8000-000000000000")
+    results["another store's id"] = _admin(b, other, tmp_path, "other")
+    results["version 1 (no store id)"] = _admin(b, dict(_plan(store, now), version=1), tmp_path, "v1")
+    short = _plan(store, now + 30_000, retention_ms=1)        # every sealed segment looks old to it
+    short["segments"] = [s for s in short["segments"] if s["name"] not in old]
+    results["its own 1 ms retention"] = _admin(b, short, tmp_path, "short")
+    grown = _plan(store, now + 100 * H, include_active=True)
+    grown["now_ms"] = now
+    grown["segments"] = grown["segments"][-1:]                 # the active segment, as it is now
+    await _send(b, "later", 300)                               # ... which then grows and seals
+    results["segment grown since the plan"] = _admin(b, grown, tmp_path, "grown")
+    for kind, (rc, reply) in results.items():
+        removed = reply["segments_removed"] if rc == 0 else []
+        assert removed == [], (kind, reply)
+    assert results["future (--now-ms now+100h)"][0] == 1 and "ahead of this broker's clock" in \
+        results["future (--now-ms now+100h)"][1]
+    assert "is for store" in results["another store's id"][1]
+    assert "version 1" in results["version 1 (no store id)"][1]
+    assert "changed since the plan" in results["segment grown since the plan"][1]["segments_kept"][0]["why"]
+    assert "not older than the retention" in results["its own 1 ms retention"][1]["segments_kept"][0]["why"]
+    assert _segments(store)[:len(before)] == before
+
+    rc, good = _admin(b, _plan(store, now), tmp_path, "good")
+    assert rc == 0 and good["segments_removed"] == old and good["segments_kept"] == []
+    assert not set(old) & set(_segments(store))
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5)
+                                   .read().decode())
+    assert f'txmq_store_segments_removed_total{{reason="plan"}} {float(len(old))}' in text
+
+    statuses, moved, bodies = await _drain(b, "CG_behind")
+    assert moved >= 1                                          # PULL_OFFSET_MOVED, then on from the minimum
+    fresh = [x for x in bodies if x.startswith(b"fresh-")]
+    assert len(fresh) == N and len({x for x in bodies if x.startswith(b"later-")}) == 300
+    async with PullConsumer(b.namesrv, "CG_dead") as dl:
+        (mq,) = await dl.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC")
+        letters = (await dl.pull(mq, 0, max_nums=8)).messages
+    assert [(m.body, m.properties["TXMQ_REASON"]) for m in letters] == [(b"undecided-80h", "expired")]
+    print("\nRETENTION " + json.dumps({
+        "old_segments": len(old), "segments_before": len(before), "bad_plans_removed": {
+            k: (v[1]["segments_removed"] if v[0] == 0 else f"refused: {v[1][:90]}") for k, v in results.items()},
+        "good_plan_removed": good["segments_removed"], "fresh_messages_readable": len(fresh)}))

@@ -1,0 +1,99 @@
+"""`rollup --date D` reads only the segments that can hold D (the broker's manifest), and its tables
+equal those of a rollup of the whole store; a file no task can read is one line naming path and host.
+
+Store (UTC, D1..D3 = 2024-03-09..11, 4 KiB segments so each day spans several):
+  every hour of the three days: 3 x Orders
+  D1 23:00  half pg-a "evening"      -> COMMIT at D2 01:00 (crosses midnight: latency 2 h)
+  D1 12:00  half pg-b "long"         -> ROLLBACK at D3 02:00
+  D2 10:00  half pg-a "open"         -> never decided
+  D2 12:00  half pg-a "dead"         -> DEAD (max-checks) D2 13:00, RESUME D3 09:00, COMMIT D3 10:00
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from protocol.errors import StoreError
+from tests.spark.storegen import StoreBuilder
+
+pytestmark = pytest.mark.spark
+
+H = 3_600_000
+D1, D2, D3 = 1709942400000, 1710028800000, 1710115200000
+DATES = ("2024-03-09", "2024-03-10", "2024-03-11")
+
+
+def build(d: str) -> None:
+    with StoreBuilder(d, segment_size=4096) as b:
+        late = {}
+        for hour in range(72):
+            now = D1 + hour * H
+            for i in range(3):
+                b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+            if now == D1 + 12 * H:
+                late["long"] = b.at(now + 10).half("pg-b", "Ship")
+            if now == D1 + 23 * H:
+                late["evening"] = b.at(now + 10).half("pg-a", "Pay")
+            if now == D2 + H:
+                b.at(now + 10).commit(late["evening"])
+            if now == D2 + 10 * H:
+                b.at(now + 10).half("pg-a", "Pay")
+            if now == D2 + 12 * H:
+                late["dead"] = b.at(now + 10).half("pg-a", "Pay")
+            if now == D2 + 13 * H:
+                b.at(now + 10).dead(late["dead"], "max-checks")
+            if now == D3 + 2 * H:
+                b.at(now + 10).rollback(late["long"])
+            if now == D3 + 9 * H:
+                b.at(now + 10).resume(late["dead"])
+            if now == D3 + 10 * H:
+                b.at(now + 10).commit(late["dead"])
+
+
+def table(spark, out, name, date):
+    df = spark.read.parquet(os.path.join(out, name)).where(f"date = '{date}'").drop("date")
+    return sorted((tuple(sorted(r.asDict().items())) for r in df.collect()), key=repr)
+
+
+def test_one_day_reads_its_segments_only_and_matches_the_whole_store(spark, tmp_path):
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    build(store)
+    whole = run_rollup(spark, store, out)
+    assert whole["dates"] == list(DATES) and not whole["incremental"]
+    expected = {(t, d): table(spark, out, t, d) for t in ("traffic", "transactions") for d in DATES[1:]}
+    assert any(r for r in expected[("transactions", "2024-03-10")])
+    for d in DATES[1:]:
+        shutil.rmtree(os.path.join(out, "traffic", f"date={d}"))     # prove the rows are rewritten
+        one = run_rollup(spark, store, out, date=d)
+        assert one["incremental"], one
+        assert one["segments_read"] < one["segments"] and one["bytes_read"] < 0.6 * whole["bytes_read"], one
+        for t in ("traffic", "transactions"):
+            assert table(spark, out, t, d) == expected[(t, d)], (t, d)
+
+
+def test_without_the_previous_day_the_whole_store_is_read(spark, tmp_path):
+    from ops.spark.rollup import run_rollup
+
+    store = str(tmp_path / "store")
+    build(store)
+    first = run_rollup(spark, store, str(tmp_path / "fresh"), date="2024-03-10")
+    assert not first["incremental"] and first["segments_read"] == first["segments"]
+
+
+def test_a_segment_no_task_can_read_is_one_line_naming_path_and_host(spark, tmp_path):
+    from ops.spark.rollup import run_rollup
+    from ops.spark import segments as seg
+
+    store = str(tmp_path / "store")
+    build(store)
+    victim = seg.list_segments(store)[2].path
+    os.unlink(victim)
+    os.mkdir(victim)               # listed by the driver, unreadable where the task opens it
+    with pytest.raises(StoreError) as err:
+        run_rollup(spark, store, str(tmp_path / "out"), date="2024-03-10")
+    text = str(err.value)
+    assert "\n" not in text and f"cannot read {victim} on host " in text and "Is a directory" in text

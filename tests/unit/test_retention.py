@@ -1,0 +1,333 @@
+"""Retention judged by the broker (broker/retention.py) on a real store, time driven through its clock.
+
+The store is written 80 hours in the past, then fresh messages are written now; plans are made
+the way the Spark job makes them (from the store's own segment facts) and then bent into each
+kind of bad plan. A bad plan removes nothing; a good one removes exactly the old sealed segments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from broker.clients import ClientRegistry
+from broker.config import BrokerConfig
+from broker.context import BrokerContext
+from broker.metrics import BrokerMetrics
+from broker.retention import PlanRefused, Retention
+from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, StoreConfig
+from broker.topics import TopicManager
+from broker.transaction import TransactionService
+from broker.transaction.records import DEAD
+from protocol.message import decode_record
+from tests.support.bounded import bounded
+from tests.unit.test_review_transactions import Clock, add_half
+
+pytestmark = pytest.mark.asyncio
+
+H = 3_600_000
+T0 = 1_800_000_000_000
+SEG = 64 * 1024
+BODY = b"m" * 900          # ~1 KiB records: ~60 a segment
+
+
+async def make(tmp_path, clock, **cfg):
+    config = BrokerConfig(store_dir=str(tmp_path), transaction_check_interval_ms=1000,
+                          transaction_timeout_ms=1000, **cfg)
+    store = MessageStore(str(tmp_path / "s"), StoreConfig(segment_size=SEG), clock=clock)
+    topics = TopicManager(str(tmp_path / "config"), auto_create=True, default_queue_nums=4, cluster="c", broker="b")
+    ctx = BrokerContext(config, store, None, topics, ClientRegistry(clock), BrokerMetrics(), clock=clock)
+    ctx.set_address("127.0.0.1", 10911)
+    ctx.tx = TransactionService(ctx)
+    store.add_dispatch_listener(ctx.tx.on_dispatch)
+    await store.open()
+    ctx.offsets = ConsumerOffsets(str(tmp_path / "s"))
+    await ctx.tx.recover()
+    return ctx
+
+
+async def send(ctx, n, topic="Flow"):
+    results = [await ctx.store.put(PutRequest.build(topic, BODY)) for _ in range(n)]
+    assert all(r.ok for r in results)
+    return results
+
+
+@pytest.fixture
+async def world(tmp_path):
+    """A half and 200 messages written 80 h ago, then 150 fresh messages (the last ones in the active segment)."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided-80h")
+    old = await send(ctx, 200)
+    clock.now = T0
+    fresh = await send(ctx, 150)
+    yield ctx, clock, half, old, fresh
+    await ctx.store.close()
+
+
+async def spark_like_plan(ctx, now_ms, retention_ms=72 * H) -> dict:
+    """What `python -m ops.spark expiry` lists: the run of sealed segments from the oldest whose newest
+    record is older than now_ms - retention_ms, with the identity it saw."""
+    chosen = []
+    for f in await ctx.store.segment_facts():
+        if not f.sealed or f.last_ts >= now_ms - retention_ms:
+            break
+        chosen.append({"name": f.name, "start_offset": f.start, "end_offset": f.end,
+                       "first_store_timestamp": f.first_ts, "last_store_timestamp": f.last_ts})
+    return {"version": 2, "store_id": ctx.store.store_id, "created_ms": now_ms, "now_ms": now_ms,
+            "retention_ms": retention_ms, "halves": [], "segments": chosen}
+
+
+def names(ctx):
+    return [s.name for s in ctx.store.segments()]
+
+
+def readable(ctx, results):
+    return sum(ctx.store.get_record(r.physical_offset) is not None for r in results)
+
+
+@bounded(30)
+async def test_store_id_and_manifest_survive_a_restart(tmp_path):
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    sid = ctx.store.store_id
+    await send(ctx, 100)
+    facts = await ctx.store.segment_facts()
+    await ctx.store.close()
+    manifest = json.loads((tmp_path / "s" / "segments.json").read_text())
+    assert manifest["store_id"] == sid and [e["name"] for e in manifest["segments"]] == [f.name for f in facts]
+    assert manifest["segments"][0]["first_ts"] == T0 and manifest["segments"][0]["sealed"]
+    ctx = await make(tmp_path, clock)
+    try:
+        assert ctx.store.store_id == sid
+        assert [dataclasses.astuple(f) for f in await ctx.store.segment_facts()][:-1] == \
+            [dataclasses.astuple(f) for f in facts][:-1]
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_good_plan_removes_the_old_segments_and_dead_letters_the_half_inside_first(world):
+    ctx, clock, half, old, fresh = world
+    before = names(ctx)
+    plan = await spark_like_plan(ctx, clock.now)
+    assert plan["segments"], "the 80-hour-old data filled no whole segment"
+    summary = await Retention(ctx).apply_plan(plan)
+    assert summary["segments_removed"] == [s["name"] for s in plan["segments"]]
+    assert summary["segments_kept"] == []
+    assert names(ctx) == before[len(plan["segments"]):]
+    assert readable(ctx, fresh) == len(fresh)
+    assert ctx.tx.decided[half.half_offset][0] == DEAD and half.half_offset not in ctx.tx.pending
+    got = ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 8, 1 << 20)
+    letters = [decode_record(b)[0] for b in got.buffers]
+    assert [(m.body, m.properties["TXMQ_REASON"]) for m in letters] == [(b"undecided-80h", "expired")]
+    removed = ctx.metrics.segments_removed.labels("plan")._value.get()
+    assert removed == len(plan["segments"])
+    again = await Retention(ctx).apply_plan(plan)             # applying twice changes nothing
+    assert again["segments_removed"] == [] and names(ctx) == before[len(plan["segments"]):]
+
+
+@bounded(30)
+async def test_a_future_plan_is_refused_whole(world):
+    ctx, clock, half, old, fresh = world
+    before = names(ctx)
+    plan = await spark_like_plan(ctx, clock.now + 100 * H)      # `--now-ms <now + 100 h>`
+    assert len(plan["segments"]) == len(before) - 1             # it lists every sealed segment, fresh ones too
+    with pytest.raises(PlanRefused, match="ahead of this broker's clock"):
+        await Retention(ctx).apply_plan(plan)
+    assert names(ctx) == before and readable(ctx, old + fresh) == len(old + fresh)
+    assert half.half_offset in ctx.tx.pending
+
+
+@bounded(30)
+async def test_a_plan_of_another_store_or_an_old_format_is_refused_whole(world):
+    ctx, clock, *_ = world
+    before = names(ctx)
+    plan = await spark_like_plan(ctx, clock.now)
+    for bad, match in ((dict(plan, store_id="5c0ffee0-0000-4000-8000-000000000000"), "is for store"),
+                       ({k: v for k, v in plan.items() if k != "store_id"}, "is for store None"),
+                       (dict(plan, version=1), "version 1")):
+        with pytest.raises(PlanRefused, match=match):
+            await Retention(ctx).apply_plan(bad)
+    assert names(ctx) == before
+
+
+@bounded(30)
+async def test_a_plan_trusting_its_own_short_retention_removes_nothing_young(world):
+    ctx, clock, half, old, fresh = world
+    plan = await spark_like_plan(ctx, clock.now + 30_000, retention_ms=1)    # in the skew; all sealed look old
+    summary = await Retention(ctx).apply_plan(plan)
+    young = {k["name"]: k["why"] for k in summary["segments_kept"]}
+    assert young and all("not older than the retention" in w or "older listed segment" in w for w in young.values())
+    assert readable(ctx, fresh) == len(fresh)
+    kept_names = set(names(ctx))
+    assert all(n in kept_names for n in young)
+
+
+@bounded(30)
+async def test_a_stale_plan_keeps_the_segment_that_was_active_and_has_grown(world):
+    ctx, clock, half, old, fresh = world
+    facts = await ctx.store.segment_facts()
+    active = facts[-1]
+    # A plan made while the now-active segment was active (and listed by a buggy or doctored
+    # planner), applied after it has grown and sealed, with everything in it "old" by then.
+    stale = {"version": 2, "store_id": ctx.store.store_id, "now_ms": clock.now, "retention_ms": 72 * H,
+             "halves": [], "segments": [{"name": f.name, "start_offset": f.start, "end_offset": f.end,
+                                         "last_store_timestamp": f.last_ts} for f in facts]}
+    await send(ctx, 80)                                   # it grows and seals; a new segment is active
+    clock.now += 100 * H
+    summary = await Retention(ctx).apply_plan(stale)
+    kept = {k["name"]: k["why"] for k in summary["segments_kept"]}
+    assert "changed since the plan" in kept[active.name]
+    assert active.name in names(ctx)
+    assert summary["segments_removed"] == [f.name for f in facts[:-1]]    # those are what the plan saw, and old
+
+
+@bounded(30)
+async def test_the_active_segment_is_never_removed(world):
+    ctx, clock, *_ = world
+    clock.now += 1000 * H
+    f = (await ctx.store.segment_facts())[-1]
+    plan = {"version": 2, "store_id": ctx.store.store_id, "now_ms": clock.now, "retention_ms": 72 * H,
+            "halves": [], "segments": [{"name": f.name, "start_offset": f.start, "end_offset": f.end,
+                                        "last_store_timestamp": f.last_ts}]}
+    summary = await Retention(ctx).apply_plan(plan)
+    assert summary["segments_kept"] == [{"name": f.name, "why": "it is the active segment"}]
+
+
+@bounded(30)
+async def test_a_consumer_behind_a_removed_segment_is_moved_to_the_new_minimum(world):
+    ctx, clock, half, old, fresh = world
+    await Retention(ctx).apply_plan(await spark_like_plan(ctx, clock.now))
+    got = ctx.store.get_messages("Flow", 0, 0, 32, 1 << 20)
+    assert got.status is GetStatus.OFFSET_TOO_SMALL          # the pull processor answers PULL_OFFSET_MOVED
+    lo = got.next_begin_offset
+    assert lo == ctx.store.min_offset("Flow", 0) > 0
+    nxt = ctx.store.get_messages("Flow", 0, lo, 32, 1 << 20)
+    assert nxt.status is GetStatus.FOUND and decode_record(nxt.buffers[0])[0].body == BODY
+
+
+@bounded(30)
+async def test_keeping_unconsumed_data_is_an_opt_in_with_a_size_cap(tmp_path):
+    for cap, expect_removed in ((10 << 20, False), (SEG, True)):       # within the cap: kept; over it: goes
+        clock = Clock(T0 - 80 * H)
+        ctx = await make(tmp_path / str(cap), clock, retain_unconsumed_max_bytes=cap)
+        try:
+            await send(ctx, 150)
+            clock.now = T0
+            await send(ctx, 10)
+            ctx.offsets.commit("CG_slow", "Flow", 0, 3)
+            summary = await Retention(ctx).apply_plan(await spark_like_plan(ctx, clock.now))
+            assert bool(summary["segments_removed"]) is expect_removed, summary
+            if not expect_removed:
+                assert "CG_slow" in summary["segments_kept"][0]["why"]
+        finally:
+            await ctx.store.close()
+
+
+@bounded(30)
+async def test_disk_pressure_cleans_expired_then_forces_the_oldest_never_the_active(world):
+    ctx, clock, half, old, fresh = world
+    usage = [0.5]
+    r = Retention(ctx, usage=lambda: usage[0])
+    before = names(ctx)
+    assert await r.clean_once() == []                          # below the clean ratio: nothing
+    plan = await spark_like_plan(ctx, clock.now)
+    usage[0] = 0.80                                            # clean: the expired ones, at once
+    removed = await r.clean_once()
+    assert [n for n, _ in removed] == [s["name"] for s in plan["segments"]]
+    assert {why for _, why in removed} == {"expired"}
+    assert ctx.tx.decided[half.half_offset][0] == DEAD        # dead-lettered before its segment went
+    young = names(ctx)
+    assert await r.clean_once() == []                          # the rest is young: kept at 0.80
+
+    fresh_half = await add_half(ctx, b"young-undecided")
+    assert fresh_half.half_offset >= ctx.store.segments()[-1].start_offset
+    usage[0] = 0.90                                            # force: oldest first, even young ones
+    removed = await r.clean_once()
+    assert [n for n, _ in removed] == young[:-1] and {w for _, w in removed} == {"pressure"}
+    assert names(ctx) == young[-1:]                           # never the active one
+    assert fresh_half.half_offset in ctx.tx.pending            # it lives in the active segment
+    m = ctx.metrics.segments_removed
+    assert m.labels("expired")._value.get() == len(plan["segments"])
+    assert m.labels("pressure")._value.get() == len(young) - 1
+    assert len(before) == len(plan["segments"]) + len(young)
+
+
+@bounded(30)
+async def test_forced_removal_dead_letters_a_young_undecided_half_with_its_reason(tmp_path):
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    try:
+        half = await add_half(ctx, b"young")
+        await send(ctx, 80)
+        r = Retention(ctx, usage=lambda: 0.95)
+        removed = await r.clean_once()
+        assert removed and removed[0][1] == "pressure"
+        got = ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 8, 1 << 20)
+        assert [decode_record(b)[0].properties["TXMQ_REASON"] for b in got.buffers] == ["disk-pressure"]
+        assert half.half_offset not in ctx.tx.pending
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
+async def test_forced_cleaning_works_while_the_disk_refuses_writes(tmp_path):
+    """Above disk_refuse_ratio every client write is refused; the dead-letter records that must precede a
+    forced removal are what frees the disk, so they are not, or a full disk could never clean itself."""
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    try:
+        half = await add_half(ctx, b"young")
+        await send(ctx, 80)
+        full = [True]
+
+        def statvfs(path):      # 95% used while full, 50% once a segment is gone
+            used = 95 if full[0] else 50
+            return os.statvfs_result((4096, 4096, 100, 100 - used, 100 - used, 0, 0, 0, 0, 255))
+        disk = ctx.store.disk
+        disk._statvfs = statvfs
+        assert disk.probe() and disk.ratio == pytest.approx(0.95)
+        refused = await ctx.store.put(PutRequest.build("Flow", BODY))
+        assert not refused.ok                                   # clients are refused ...
+        r = Retention(ctx)                                      # ... and the cleaner reads the same monitor
+        before = names(ctx)
+        removed = await r.clean_once()
+        assert removed and {why for _, why in removed} == {"pressure"}, removed
+        assert names(ctx) == before[-1:]
+        assert ctx.tx.decided[half.half_offset][0] == DEAD      # dead-lettered although writes were refused
+        full[0] = False
+        assert not disk.probe() and (await ctx.store.put(PutRequest.build("Flow", BODY))).ok
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
+async def test_the_check_timer_never_expires_a_half_by_age_the_plan_does_it_once(world):
+    ctx, clock, half, old, fresh = world          # the half is 80 hours old by the broker's clock
+    await ctx.tx.run_due(clock.now)                # a check pass (start-up runs one at once)
+    assert half.half_offset in ctx.tx.pending and not ctx.tx.dead_letters()
+    plan = await spark_like_plan(ctx, clock.now)
+    plan["halves"] = [{"commit_log_offset": half.half_offset}]
+    first = await Retention(ctx).apply_plan(plan)
+    assert first["expired"] == [half.half_offset]
+    second = await Retention(ctx).apply_plan(plan)
+    assert second["expired"] == [] and second["skipped"][0]["why"] == "already decided or unknown"
+    got = ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 8, 1 << 20)
+    assert len(got.buffers) == 1                  # dead-lettered once
+
+
+@bounded(30)
+async def test_malformed_plans_are_refused_without_a_change(world):
+    ctx, clock, *_ = world
+    before = names(ctx)
+    good = await spark_like_plan(ctx, clock.now)
+    for bad in (["not", "an", "object"], dict(good, segments="all"), dict(good, segments=["00000000000000000000"]),
+                dict(good, halves=[7]), dict(good, now_ms="now")):
+        with pytest.raises(PlanRefused):
+            await Retention(ctx).apply_plan(bad)
+    weird = dict(good, halves=[{"commit_log_offset": [1]}, {"commit_log_offset": "x"}])
+    summary = await Retention(ctx).apply_plan(dict(weird, segments=[]))
+    assert summary["expired"] == [] and len(summary["skipped"]) == 2 and names(ctx) == before
