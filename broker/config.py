@@ -55,6 +55,7 @@ class BrokerConfig:
     max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")
     channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s).")
     max_reconsume_times: int = setting(16, "Retries before a failed message goes to %DLQ%<group> (RocketMQ's 16).")
+    queue_lock_max_live_ms: int = setting(60000, "An orderly consumer's queue lock (LOCK_BATCH_MQ) not renewed for this long may be taken by another consumer of the group: how long a crashed orderly consumer holds its queues (RocketMQ's rocketmq.broker.rebalance.lockMaxLiveTime, 60 s).")
     # ---- transactions
     transaction_check_interval_ms: int = setting(60000, "How often undecided transactions are checked (RocketMQ's transactionCheckInterval).")
     transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message.")

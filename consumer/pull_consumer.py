@@ -97,12 +97,12 @@ class PullConsumer:
         await self.heartbeat()
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
-                        consume_from: str = "CONSUME_FROM_FIRST_OFFSET") -> None:
+                        consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
         subs = [{"topic": t, "subString": e, "tagsSet": [] if e == "*" else [x.strip() for x in e.split("||")],
                  "codeSet": [], "subVersion": int(time.time() * 1000), "expressionType": "TAG",
                  "classFilterMode": False} for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
-            "groupName": self.group, "consumeType": consume_type, "messageModel": "CLUSTERING",
+            "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
         for addr in set(self._brokers.values()):
             resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT, body=body.encode()),
@@ -149,6 +149,33 @@ class PullConsumer:
         if resp.code != ResponseCode.SUCCESS:
             return []
         return json.loads(resp.body_bytes()).get("consumerIdList") or []
+
+    async def lock_queues(self, mqs) -> set[MessageQueue]:
+        """LOCK_BATCH_MQ: ask the brokers for exclusive use of ``mqs`` within the group (orderly
+        consumption); returns the queues granted. A lock lasts the broker's queue_lock_max_live_ms
+        unless renewed."""
+        return await self._lock_call(RequestCode.LOCK_BATCH_MQ, mqs)
+
+    async def unlock_queues(self, mqs) -> None:
+        """UNLOCK_BATCH_MQ: give queues up so another consumer of the group can lock them at once."""
+        await self._lock_call(RequestCode.UNLOCK_BATCH_MQ, mqs)
+
+    async def _lock_call(self, code, mqs) -> set[MessageQueue]:
+        by_broker: dict[str, list[MessageQueue]] = {}
+        for mq in mqs:
+            by_broker.setdefault(mq.broker_name, []).append(mq)
+        granted: set[MessageQueue] = set()
+        for broker_name, queues in by_broker.items():
+            body = json.dumps({"consumerGroup": self.group, "clientId": self.client_id, "mqSet": [
+                {"topic": q.topic, "brokerName": q.broker_name, "queueId": q.queue_id} for q in queues]})
+            resp = await self.pool.request(self._brokers[broker_name], RemotingCommand.request(
+                code, body=body.encode()), self.timeout)
+            if resp.code != ResponseCode.SUCCESS:
+                raise error_for_code(resp.code, resp.remark)
+            if code == RequestCode.LOCK_BATCH_MQ:
+                for q in json.loads(resp.body_bytes() or b"{}").get("lockOKMQSet") or []:
+                    granted.add(MessageQueue(q["topic"], q["brokerName"], int(q["queueId"])))
+        return granted
 
     async def send_back(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int = 16,
                         delay_level: int = 0) -> None:

@@ -8,6 +8,17 @@ returns RECONSUME_LATER (or raises) goes back to the broker (CONSUMER_SEND_MSG_B
 redelivers it through %RETRY%<group> and, after ``max_reconsume_times``, parks it in %DLQ%<group>.
 If the broker cannot take it back, it is retried here: a queue never moves past a message that
 was neither consumed nor handed back.
+
+Two RocketMQ modes beyond the default:
+- ``orderly=True`` (MessageListenerOrderly): a queue is consumed only while this consumer holds the
+  broker's lock on it (LOCK_BATCH_MQ, renewed every ``lock_interval_s``; trusted locally for
+  ``lock_expire_s``, RocketMQ's 20 s and 30 s), one message at a time, and a failed message is retried
+  here in place after ``suspend_s`` (handing it back would let later messages overtake it) until
+  ``max_reconsume_times``, then goes to %DLQ%<group>. A crashed consumer's locks expire on the broker
+  (queue_lock_max_live_ms, 60 s) and its queues move to the others.
+- ``message_model="BROADCASTING"``: every consumer of the group reads every queue and keeps its own
+  offsets in a local file (consumer/offset_store.py); a failed message is retried here and, after
+  ``max_reconsume_times``, logged as dropped and counted (RocketMQ drops it at once).
 """
 from __future__ import annotations
 
@@ -15,14 +26,20 @@ import asyncio
 import enum
 import inspect
 import logging
+import time
 
 from protocol.errors import BrokerError
 from protocol.message import MessageExt, Prop
 
+from .offset_store import DEFAULT_DIR, BrokerOffsetStore, LocalOffsetStore
 from .pull_consumer import MessageQueue, PullConsumer, PullStatus
 from .rebalance import allocate_averagely
 
 log = logging.getLogger("txmq.consumer")
+
+
+class _LockLost(Exception):
+    """An orderly queue's lock lapsed while a message waited to be retried."""
 
 
 class ConsumeStatus(enum.Enum):
@@ -33,7 +50,12 @@ class ConsumeStatus(enum.Enum):
 class PushConsumer:
     def __init__(self, namesrv_addr: str, group: str, listener, *, consume_from: str = "last",
                  max_reconsume_times: int = 16, rebalance_interval_s: float = 20.0, suspend_ms: int = 15000,
-                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0, credentials=None):
+                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0, credentials=None,
+                 orderly: bool = False, message_model: str = "CLUSTERING", instance_name: str | None = None,
+                 offset_store_dir: str | None = None, lock_interval_s: float = 20.0, lock_expire_s: float = 30.0,
+                 lock_retry_s: float = 1.0, suspend_s: float = 1.0):
+        if message_model not in ("CLUSTERING", "BROADCASTING"):
+            raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
         self.listener = listener          # listener(msg) -> ConsumeStatus, plain or async
         self.consume_from = consume_from  # where a queue with no committed offset starts: "first" or "last"
@@ -42,8 +64,24 @@ class PushConsumer:
         self.suspend_ms = suspend_ms
         self.offset_commit_interval_s = offset_commit_interval_s
         self.local_retry_delay_s = local_retry_delay_s
-        self.client = PullConsumer(namesrv_addr, group, credentials=credentials)
+        self.orderly = orderly
+        self.message_model = message_model
+        self.lock_interval_s = lock_interval_s
+        self.lock_expire_s = lock_expire_s
+        self.lock_retry_s = lock_retry_s
+        self.suspend_s = suspend_s
+        broadcasting = message_model == "BROADCASTING"
+        # A broadcasting consumer's offsets file is found again by its client id, so that id must not
+        # change between runs: RocketMQ keeps the instance name "DEFAULT" in this mode.
+        self.client = PullConsumer(namesrv_addr, group, credentials=credentials,
+                                   instance_name=instance_name or ("DEFAULT" if broadcasting else None))
         self.client.on_ids_changed = self._request_rebalance
+        self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
+                             if broadcasting else BrokerOffsetStore(self.client))
+        self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
+        self._owned: set[MessageQueue] = set()
+        self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
+        self._lock_changed = asyncio.Event()
         self.subscriptions: dict[str, str] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
@@ -59,15 +97,24 @@ class PushConsumer:
     def retry_topic(self) -> str:
         return f"%RETRY%{self.group}"
 
+    @property
+    def broadcasting(self) -> bool:
+        return self.message_model == "BROADCASTING"
+
+    def _topics(self) -> dict[str, str]:
+        # Broadcasting consumers retry locally and never use the group's %RETRY% topic.
+        return dict(self.subscriptions) if self.broadcasting else {**self.subscriptions, self.retry_topic: "*"}
+
     async def start(self) -> "PushConsumer":
-        for topic, expression in {**self.subscriptions, self.retry_topic: "*"}.items():
+        for topic, expression in self._topics().items():
             self.client.subscriptions[topic] = expression
             await self.client.fetch_queues(topic)
-        await self.client.heartbeat("CONSUME_PASSIVELY", "CONSUME_FROM_LAST_OFFSET" if self.consume_from == "last"
-                                    else "CONSUME_FROM_FIRST_OFFSET")
+        await self._heartbeat()
         await self.rebalance()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._rebalance_loop()), loop.create_task(self._commit_loop())]
+        if self.orderly:
+            self._tasks.append(loop.create_task(self._lock_loop()))
         for task in self._tasks:
             task.add_done_callback(self._crashed)
         return self
@@ -103,29 +150,87 @@ class PushConsumer:
                 pass
             self._rebalance_now.clear()
             try:
-                await self.client.heartbeat("CONSUME_PASSIVELY")
+                await self._heartbeat()
                 await self.rebalance()
             except BrokerError as exc:
                 log.warning("rebalance of %s failed: %s", self.group, exc)
 
+    async def _heartbeat(self) -> None:
+        await self.client.heartbeat("CONSUME_PASSIVELY", "CONSUME_FROM_LAST_OFFSET" if self.consume_from == "last"
+                                    else "CONSUME_FROM_FIRST_OFFSET", self.message_model)
+
     async def rebalance(self) -> None:
         owned: set[MessageQueue] = set()
-        for topic in (*self.subscriptions, self.retry_topic):
+        for topic in self._topics():
             queues = await self.client.fetch_queues(topic)
             if not queues:
                 continue
+            if self.broadcasting:
+                owned.update(queues)
+                continue
             ids = await self.client.consumer_ids(queues[0])
             owned.update(allocate_averagely(queues, ids, self.client.client_id))
-        for mq in [q for q in self._loops if q not in owned]:
-            self._loops.pop(mq).cancel()
+        self._owned = owned
+        dropped = [q for q in self._loops if q not in owned]
+        for mq in dropped:
+            task = self._loops.pop(mq)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)   # its message in hand is finished or abandoned
             await self._commit(mq)
+        if self.orderly:
+            released = [q for q in self._locks if q not in owned]
+            for mq in released:
+                del self._locks[mq]
+            if released:
+                await self.client.unlock_queues(released)     # the new owner need not wait for expiry
+            await self._lock_owned()
         for mq in owned - set(self._loops):
             task = self._loops[mq] = asyncio.get_running_loop().create_task(self._pull_loop(mq))
             task.add_done_callback(lambda t, q=mq: self._crashed(t, q))
 
+    # ------------------------------------------------------------ orderly locks
+    async def _lock_owned(self) -> None:
+        """Lock (or renew) every owned queue; a queue whose lock is refused is not consumed until a
+        later attempt succeeds."""
+        if not self._owned:
+            return
+        granted = await self.client.lock_queues(self._owned)
+        now = time.monotonic()
+        for mq in granted:
+            self._locks[mq] = now
+        for mq in self._owned - granted:
+            self._locks.pop(mq, None)     # someone else holds it now: stop at once, as RocketMQ does
+        self._lock_changed.set()
+
+    @property
+    def locked_queues(self) -> set[MessageQueue]:
+        """Orderly: the owned queues this consumer holds the broker's lock on now."""
+        return {q for q in self._owned if self._locked(q)}
+
+    def _locked(self, mq: MessageQueue) -> bool:
+        granted = self._locks.get(mq)
+        return granted is not None and time.monotonic() - granted <= self.lock_expire_s
+
+    async def _lock_loop(self) -> None:
+        while True:
+            waiting = any(not self._locked(q) for q in self._owned)
+            await asyncio.sleep(self.lock_retry_s if waiting else self.lock_interval_s)
+            try:
+                await self._lock_owned()
+            except BrokerError as exc:
+                log.warning("lock renewal of %s failed: %s", self.group, exc)
+
+    async def _wait_for_lock(self, mq: MessageQueue) -> None:
+        while not self._locked(mq):
+            self._lock_changed.clear()
+            try:
+                await asyncio.wait_for(self._lock_changed.wait(), self.lock_retry_s)
+            except asyncio.TimeoutError:
+                pass
+
     # ------------------------------------------------------------ consuming
     async def _start_offset(self, mq: MessageQueue) -> int:
-        stored = await self.client.fetch_offset(mq)
+        stored = await self.offset_store.read(mq)
         if stored is not None:
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
@@ -137,33 +242,48 @@ class PushConsumer:
         offset = None
         while True:
             try:
+                if self.orderly and not self._locked(mq):
+                    # Whoever held the queue meanwhile may have moved on: start again from the stored offset.
+                    await self._wait_for_lock(mq)
+                    offset = None
                 if offset is None:
                     offset = self._offsets[mq] = await self._start_offset(mq)
                 res = await self.client.pull(mq, offset, expression=expression, suspend_ms=self.suspend_ms)
                 for msg in res.messages:
+                    if self.orderly and not self._locked(mq):
+                        break          # the lock lapsed mid-batch: consuming on could race the next owner
                     await self._consume(mq, msg)
-                if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:
-                    offset = res.next_begin_offset
-                    self._offsets[mq] = offset
+                    self._offsets[mq] = msg.queue_offset + 1
+                else:
+                    if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:
+                        self._offsets[mq] = res.next_begin_offset
+                offset = self._offsets[mq]
             except asyncio.CancelledError:
                 raise
+            except _LockLost:
+                offset = None          # the message is retried by whoever holds the queue next
             except BrokerError as exc:
                 log.info("pull of %s failed: %s; retrying in 3 s", mq, exc)
                 await asyncio.sleep(3)
 
+    async def _listen(self, msg: MessageExt) -> ConsumeStatus:
+        try:
+            status = self.listener(msg)
+            if inspect.isawaitable(status):
+                status = await status
+        except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
+            log.warning("listener failed on %s: %s", msg.msg_id, exc)
+            return ConsumeStatus.RECONSUME_LATER
+        return status if status is ConsumeStatus.CONSUME_SUCCESS else ConsumeStatus.RECONSUME_LATER
+
     async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
+        if self.orderly or self.broadcasting:
+            return await self._consume_in_place(mq, msg)
         pulled_topic = msg.topic
         if pulled_topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:
             msg.topic = msg.properties[Prop.RETRY_TOPIC]     # the user sees the topic it subscribed to
         while True:
-            try:
-                status = self.listener(msg)
-                if inspect.isawaitable(status):
-                    status = await status
-            except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
-                log.warning("listener failed on %s: %s", msg.msg_id, exc)
-                status = ConsumeStatus.RECONSUME_LATER
-            if status is ConsumeStatus.CONSUME_SUCCESS:
+            if await self._listen(msg) is ConsumeStatus.CONSUME_SUCCESS:
                 return
             try:
                 msg.topic = pulled_topic
@@ -173,11 +293,37 @@ class PushConsumer:
                 log.warning("could not hand %s back (%s); retrying it here", msg.msg_id, exc)
                 await asyncio.sleep(self.local_retry_delay_s)
 
+    async def _consume_in_place(self, mq: MessageQueue, msg: MessageExt) -> None:
+        """Orderly and broadcasting: a failed message is retried here, in its place in the queue, every
+        ``suspend_s``; after ``max_reconsume_times`` an orderly one goes to %DLQ%<group> and a
+        broadcasting one is dropped, loudly."""
+        retries = 0
+        while await self._listen(msg) is not ConsumeStatus.CONSUME_SUCCESS:
+            if retries >= self.max_reconsume_times:
+                if self.broadcasting:
+                    self.dropped += 1
+                    log.error("broadcasting consumer %s gives up %s of %s after %d retries", self.group,
+                              msg.msg_id, mq, retries)
+                    return
+                while True:
+                    try:     # delayLevel -1: straight to the dead-letter queue
+                        await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times,
+                                                    delay_level=-1)
+                        return
+                    except BrokerError as exc:
+                        log.warning("could not dead-letter %s (%s); retrying", msg.msg_id, exc)
+                        await asyncio.sleep(self.local_retry_delay_s)
+            retries += 1
+            msg.reconsume_times += 1
+            await asyncio.sleep(self.suspend_s)
+            if self.orderly and not self._locked(mq):
+                raise _LockLost()
+
     # ------------------------------------------------------------ offsets
     async def _commit(self, mq: MessageQueue) -> None:
         offset = self._offsets.get(mq)
         if offset is not None and self._committed.get(mq) != offset:
-            await self.client.commit_offset(mq, offset)
+            await self.offset_store.write(mq, offset)
             self._committed[mq] = offset
 
     async def _commit_loop(self) -> None:
@@ -188,6 +334,10 @@ class PushConsumer:
                     await self._commit(mq)
                 except BrokerError as exc:
                     log.info("offset commit of %s failed: %s", mq, exc)
+            try:
+                await self.offset_store.flush()
+            except OSError as exc:
+                log.warning("offsets of %s not saved: %s", self.group, exc)
 
     async def shutdown(self) -> None:
         for task in [*self._tasks, *self._loops.values()]:
@@ -199,4 +349,14 @@ class PushConsumer:
                 await self._commit(mq)
             except BrokerError:
                 pass
+        try:
+            await self.offset_store.flush()
+        except OSError as exc:
+            log.error("offsets of %s not saved at shutdown: %s", self.group, exc)
+        if self.orderly and self._locks:
+            try:      # the next owner need not wait for the locks to expire
+                await self.client.unlock_queues(list(self._locks))
+            except (BrokerError, OSError, asyncio.TimeoutError):
+                pass
+            self._locks.clear()
         await self.client.shutdown()

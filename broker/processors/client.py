@@ -7,8 +7,6 @@ import json
 from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
 
-LOCK_TTL_MS = 60000   # RocketMQ's rocketmq.broker.rebalance.lockMaxLiveTime
-
 
 def heart_beat(ctx, conn, cmd):
     changed = ctx.clients.heartbeat(conn, cmd)
@@ -55,11 +53,12 @@ def lock_batch_mq(ctx, conn, cmd):
     group, client_id, mqs = _lock_body(cmd)
     locks = ctx.clients.locks
     now = ctx.clock()
+    ttl = ctx.config.queue_lock_max_live_ms
     granted = []
     for mq in mqs:
         key = (group, mq.get("topic"), mq.get("brokerName"), mq.get("queueId"))
         holder = locks.get(key)
-        if holder is None or holder[0] == client_id or now - holder[1] > LOCK_TTL_MS:
+        if holder is None or holder[0] == client_id or now - holder[1] > ttl:
             locks[key] = (client_id, now)
             granted.append(mq)
     return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"lockOKMQSet": granted}).encode())

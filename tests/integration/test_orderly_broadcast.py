@@ -1,0 +1,192 @@
+"""Orderly consumption across a consumer's death, and broadcasting, against the real broker.
+
+Orderly: two orderly consumers of one group share a topic's queues through the broker's queue locks.
+The first runs in its own process, hangs after 60 messages and is killed with SIGKILL while it
+holds its locks; its queues pass to the second only once the broker's lock expires
+(queue_lock_max_live_ms, shortened here), and every queue is still consumed in order with no gap.
+Broadcasting: every consumer of the group gets every message and keeps its offsets in a local file.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
+from producer import Producer
+from tests.support.broker_process import REPO
+
+pytestmark = pytest.mark.asyncio
+
+LOCK_TTL_MS = 3000
+QUEUES, PER_QUEUE = 4, 60
+
+
+async def _send_sequences(namesrv: str, topic: str) -> None:
+    async with Producer(namesrv, "PG_orderly") as producer:
+        queues = await producer.routes.publish_queues(topic)
+        assert len(queues) == QUEUES
+        for seq in range(PER_QUEUE):
+            await asyncio.gather(*(producer.send(topic, f"{q.queue_id}:{seq}".encode(), queue=q) for q in queues))
+
+
+async def _lines(proc, sink: list, events: dict):
+    """Read the child's lines into ``sink``; set ``events[n]`` once n messages were consumed."""
+    while line := await proc.stdout.readline():
+        sink.append(line.decode().split())
+        consumed = sum(1 for p in sink if p[0] == "C")
+        for n, ev in events.items():
+            if consumed >= n:
+                ev.set()
+
+
+async def test_a_killed_orderly_consumers_queues_move_after_the_lock_expires_in_order(broker_factory):
+    broker = broker_factory("--queue-lock-max-live-ms", str(LOCK_TTL_MS))
+    topic, group = "Orders", "CG_orderly"
+    await _send_sequences(broker.namesrv, topic)
+
+    first_out: list[list[str]] = []
+    stalled = asyncio.Event()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.support.orderly_consumer", broker.namesrv, group, topic, "60",
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    reader = asyncio.get_running_loop().create_task(_lines(proc, first_out, {60: stalled}))
+
+    second: dict[int, list[int]] = defaultdict(list)
+    second_times: dict[int, float] = {}
+    done = asyncio.Event()
+    killed_at = None
+
+    def listener(msg):
+        q, seq = map(int, msg.body.decode().split(":"))
+        second[q].append(seq)
+        second_times.setdefault(q, time.monotonic())
+        if all(second[i] and second[i][-1] == PER_QUEUE - 1 for i in range(QUEUES)):
+            done.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, orderly=True, consume_from="first", suspend_ms=500,
+                            lock_interval_s=0.5, lock_expire_s=1.5, lock_retry_s=0.2,
+                            offset_commit_interval_s=0.2, rebalance_interval_s=1.0)
+    consumer.subscribe(topic)
+    try:
+        async with asyncio.timeout(60):
+            await stalled.wait()                          # the first consumer holds every queue and hangs
+            assert max(int(p[1]) for p in first_out if p[0] == "LOCKED") >= QUEUES   # and its %RETRY% queue
+            await consumer.start()                        # the group splits: the first gives half up
+            def mine():
+                return {mq.queue_id for mq in consumer.locked_queues if mq.topic == topic}
+            while len(mine()) < QUEUES // 2:
+                await asyncio.sleep(0.05)
+            held_by_first = set(range(QUEUES)) - mine()
+            assert len(held_by_first) == QUEUES // 2
+            proc.send_signal(signal.SIGKILL)              # dies holding the rest: no unlock is ever sent
+            await proc.wait()
+            killed_at = time.monotonic()
+            await done.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+        await consumer.shutdown()
+
+    first: dict[int, list[int]] = defaultdict(list)
+    for parts in first_out:
+        if parts[0] == "C":
+            q, seq = map(int, parts[2].split(":"))
+            first[int(parts[1])].append(seq)
+    for q in range(QUEUES):
+        assert first[q] == sorted(first[q]) and len(set(first[q])) == len(first[q]), f"queue {q} out of order"
+        got = second[q]
+        assert got == list(range(got[0], PER_QUEUE)), f"queue {q}: the second consumer skipped or reordered {got}"
+        # No gap at the hand-over: the second starts at or before the first one's next message.
+        assert got[0] <= (first[q][-1] + 1 if first[q] else 0)
+    # The dead consumer's queues were taken only after the broker's lock had expired.
+    waits = [second_times[q] - killed_at for q in held_by_first]
+    assert min(waits) > 0
+    print(f"hand-over after kill: {min(waits):.2f}-{max(waits):.2f} s (lock max live {LOCK_TTL_MS} ms)")
+
+
+async def test_a_live_orderly_consumers_lock_is_refused_to_another_until_it_expires(broker_factory):
+    broker = broker_factory("--queue-lock-max-live-ms", str(LOCK_TTL_MS))
+    async with Producer(broker.namesrv, "PG_lock") as producer:
+        await producer.send("Locked", b"x")
+    a, b = PullConsumer(broker.namesrv, "CG_lock"), PullConsumer(broker.namesrv, "CG_lock")
+    try:
+        queues = await a.fetch_queues("Locked")
+        await b.fetch_queues("Locked")
+        assert await a.lock_queues(queues) == set(queues)
+        assert await b.lock_queues(queues) == set()               # held, and not expired
+        assert await a.lock_queues(queues[:1]) == set(queues[:1])  # the holder renews
+        await a.unlock_queues(queues[1:])
+        assert await b.lock_queues(queues) == set(queues[1:])     # released ones are free at once
+    finally:
+        await a.shutdown()
+        await b.shutdown()
+
+
+async def test_broadcasting_consumers_each_get_every_message_and_keep_their_own_offsets(broker, tmp_path):
+    topic, group = "News", "CG_broadcast"
+    async with Producer(broker.namesrv, "PG_broadcast") as producer:
+        for i in range(40):
+            await producer.send(topic, f"n{i}".encode())
+
+    class Seen(list):
+        """Bodies consumed, and a way to wait until there are n of them."""
+        def __init__(self):
+            super().__init__()
+            self.grew = asyncio.Condition()
+
+        async def reach(self, n: int) -> None:
+            async with self.grew:
+                await self.grew.wait_for(lambda: len(self) >= n)
+
+    def make(name: str, seen: Seen):
+        async def listener(msg):
+            seen.append(msg.body.decode())
+            async with seen.grew:
+                seen.grew.notify_all()
+            return ConsumeStatus.CONSUME_SUCCESS
+        c = PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name=name,
+                         offset_store_dir=str(tmp_path / "offsets"), consume_from="first", suspend_ms=500)
+        c.subscribe(topic)
+        return c
+
+    seen_a, seen_b = Seen(), Seen()
+    a, b = make("a", seen_a), make("b", seen_b)
+    async with asyncio.timeout(30):
+        await a.start()
+        await b.start()
+        await asyncio.gather(seen_a.reach(40), seen_b.reach(40))
+        await a.shutdown()
+        assert sorted(seen_a) == sorted(seen_b) == sorted(f"n{i}" for i in range(40))
+        assert list((tmp_path / "offsets").glob("*@a/CG_broadcast/offsets.json"))
+
+        async with Producer(broker.namesrv, "PG_broadcast") as producer:
+            for i in range(40, 50):
+                await producer.send(topic, f"n{i}".encode())
+        again = Seen()
+        a2 = make("a", again)                                   # the same instance starts where it stopped
+        await a2.start()
+        await asyncio.gather(again.reach(10), seen_b.reach(50))
+        await a2.shutdown()
+        await b.shutdown()
+    assert sorted(again) == sorted(f"n{i}" for i in range(40, 50))
+    assert sorted(seen_b) == sorted(f"n{i}" for i in range(50))
+    # Each consumer's progress is its own file: both read all 50 messages of the topic's queues.
+    for name in ("a", "b"):
+        (path,) = (tmp_path / "offsets").glob(f"*@{name}/{group}/offsets.json")
+        table = json.loads(path.read_text())["offsetTable"]
+        assert sum(v for k, v in table.items() if k.startswith(f"{topic}@")) == 50
+
+
+async def test_an_unknown_message_model_is_refused_at_once():
+    with pytest.raises(ValueError, match="BROADCASTING"):
+        PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, message_model="broadcast")

@@ -1,0 +1,51 @@
+"""LOCK_BATCH_MQ / UNLOCK_BATCH_MQ on a broker clock we drive: a queue lock is exclusive within a group,
+renewed by its holder, and free for another consumer only after queue_lock_max_live_ms (RocketMQ's 60 s)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from broker.clients import ClientRegistry
+from broker.config import BrokerConfig
+from broker.processors.client import lock_batch_mq, unlock_batch_mq
+from protocol.codes import RequestCode as R
+from protocol.command import RemotingCommand
+
+MQ = {"topic": "Orders", "brokerName": "broker-a", "queueId": 0}
+
+
+def _ctx():
+    clock = SimpleNamespace(now=1_000_000)
+    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now)
+    ctx.clients = ClientRegistry(ctx.clock)
+    return ctx, clock
+
+
+def _call(handler, ctx, client_id, group="CG", mqs=(MQ,)):
+    body = json.dumps({"consumerGroup": group, "clientId": client_id, "mqSet": list(mqs)}).encode()
+    resp = handler(ctx, None, RemotingCommand.request(R.LOCK_BATCH_MQ, body=body))
+    return json.loads(resp.body_bytes() or b"{}").get("lockOKMQSet")
+
+
+def test_a_lock_is_exclusive_until_it_has_gone_unrenewed_for_60_s():
+    ctx, clock = _ctx()
+    assert ctx.config.queue_lock_max_live_ms == 60000
+    assert _call(lock_batch_mq, ctx, "A") == [MQ]
+    clock.now += 59_999
+    assert _call(lock_batch_mq, ctx, "B") == []               # A may still be consuming
+    assert _call(lock_batch_mq, ctx, "A") == [MQ]             # A renews: the 60 s start again
+    clock.now += 60_000
+    assert _call(lock_batch_mq, ctx, "B") == []
+    clock.now += 1
+    assert _call(lock_batch_mq, ctx, "B") == [MQ]             # A went quiet (crashed): B takes over
+    assert _call(lock_batch_mq, ctx, "A") == []
+
+
+def test_locks_are_per_group_and_only_the_holder_unlocks():
+    ctx, clock = _ctx()
+    assert _call(lock_batch_mq, ctx, "A") == [MQ]
+    assert _call(lock_batch_mq, ctx, "B", group="OTHER") == [MQ]   # another group reads the queue on its own
+    _call(unlock_batch_mq, ctx, "B")                               # B does not hold CG's lock: nothing changes
+    assert _call(lock_batch_mq, ctx, "B") == []
+    _call(unlock_batch_mq, ctx, "A")
+    assert _call(lock_batch_mq, ctx, "B") == [MQ]                  # freed at once, no wait for expiry
