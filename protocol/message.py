@@ -28,6 +28,7 @@ BODYLENGTH + BODY, PROPERTIESLENGTH + PROPERTIES.
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import itertools
 import os
@@ -112,6 +113,65 @@ def string_to_properties(text: str | None) -> dict[str, str]:
     return props
 
 
+def _find_property(text: str, name: str) -> int:
+    """Index of the pair named ``name`` in a properties string, or -1 (a name starts the string or follows U+0002)."""
+    key = name + "\x01"
+    i = text.find(key)
+    while i > 0 and text[i - 1] != "\x02":
+        i = text.find(key, i + 1)
+    return i
+
+
+def property_value(text: str, name: str) -> str | None:
+    """The value of ``name`` in a properties string, without parsing the rest (the first pair wins)."""
+    i = _find_property(text, name)
+    if i < 0:
+        return None
+    start = i + len(name) + 1
+    end = text.find("\x02", start)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def drop_property(text: str, name: str) -> str:
+    """The properties string without its first pair named ``name``."""
+    i = _find_property(text, name)
+    if i < 0:
+        return text
+    end = text.find("\x02", i)
+    return text[:i] + ("" if end < 0 else text[end + 1:])
+
+
+def add_missing_properties(text: str, extra: dict[str, str]) -> str:
+    """``text`` followed by the pairs of ``extra`` it does not name already: the pairs in ``text`` win."""
+    return properties_appender(extra)(text)
+
+
+def properties_appender(extra: dict[str, str]):
+    """A function ``text -> text + the pairs of extra that text does not name``, for many texts in a row.
+
+    ``text`` is kept byte for byte, so a batch entry's own properties (its UNIQ_KEY, KEYS, TAGS) are stored
+    exactly as its producer wrote them, followed by the batch-level ones (RocketMQ's batch encoder appends
+    them the same way). The common case, an entry naming none of them, costs a substring test per name.
+    """
+    names = [(k, k + "\x01") for k in extra]
+    tail = properties_to_string(extra)
+
+    def append(text: str) -> str:
+        if any(key in text for _, key in names):
+            missing = {k: extra[k] for k, _ in names if _find_property(text, k) < 0}
+            if not missing:
+                return text
+            more = properties_to_string(missing)
+        else:
+            more = tail
+        if not text or not more:
+            return text or more
+        return text + more if text.endswith("\x02") else text + "\x02" + more
+
+    return append
+
+
+@functools.lru_cache(maxsize=4096)
 def java_string_hash(text: str) -> int:
     """Java String.hashCode: 31*h + UTF-16 unit, signed 32-bit. The consume-queue tag code."""
     h = 0

@@ -16,10 +16,14 @@ from protocol.message import (
     SendMessageRequestHeader,
     decode_batch,
     decode_record,
+    drop_property,
     encode_record,
+    java_string_hash,
     offset_msg_id,
     pack_host,
+    properties_appender,
     properties_to_string,
+    property_value,
     string_to_properties,
     tags_code,
     validate_topic,
@@ -72,6 +76,8 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
 
 def handle_send(ctx, conn, cmd):
     h = SendMessageRequestHeader.from_command(cmd)
+    if h.batch:             # rocketmq-client-cpp sends batches as SEND_MESSAGE with batch=true (`m` in V2)
+        return handle_batch(ctx, conn, cmd, h)
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
@@ -136,8 +142,21 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
 
 
 
-def handle_batch(ctx, conn, cmd):
-    h = SendMessageRequestHeader.from_command(cmd)
+# Batch-level properties an entry never inherits: WAIT is the producer's affair, and the batch's own UNIQ_KEY
+# would give every message of the batch the same id.
+_NOT_INHERITED = (Prop.WAIT, Prop.UNIQ_KEY)
+
+
+def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
+    """SEND_BATCH_MESSAGE, or a SEND_MESSAGE(_V2) whose header says batch: one record per entry.
+
+    Each entry keeps its own properties (UNIQ_KEY, KEYS, TAGS) byte for byte; the batch header's properties
+    and CLUSTER are appended only where the entry does not name them. A batch may not be transactional or
+    delayed, in the header or in any entry: RocketMQ's store refuses both (MESSAGE_ILLEGAL), and storing them
+    as plain messages would deliver at once what the producer meant to hold back.
+    """
+    if h is None:
+        h = SendMessageRequestHeader.from_command(cmd)
     if h.topic.startswith(RETRY_PREFIX):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "batch message does not support retry group")
     checked = _check_topic(ctx, conn, cmd, h)
@@ -156,20 +175,43 @@ def handle_batch(ctx, conn, cmd):
     if not entries:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "the batch is empty")
     batch_props = string_to_properties(h.properties)
+    refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch")
+    if refused is not None:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
+    for name in _NOT_INHERITED:
+        batch_props.pop(name, None)
     batch_props[Prop.CLUSTER] = ctx.config.cluster_name
-    batch_props.pop(Prop.WAIT, None)
+    append_batch_props = properties_appender(batch_props)
     born = _born_host(conn)
     topic_b = h.topic.encode()
+    store_host = ctx.store_host
     reqs = []
-    for flag, body, props_text in entries:
-        props = string_to_properties(props_text)
-        props.pop(Prop.WAIT, None)
-        props.update(batch_props)
+    body_bytes = 0
+    for i, (flag, body, text) in enumerate(entries):
+        if "DELAY\x01" in text or "TRAN_MSG\x01" in text:
+            refused = _held_back(property_value(text, Prop.DELAY), property_value(text, Prop.TRAN_MSG),
+                                 f"message {i} of the batch")
+            if refused is not None:
+                return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
+        if "WAIT\x01" in text:
+            text = drop_property(text, Prop.WAIT)
+        text = append_batch_props(text)
         record = encode_record(topic=topic_b, body=body, queue_id=qid, flag=flag, sys_flag=h.sys_flag,
-                               born_timestamp=h.born_timestamp, born_host=born, store_host=ctx.store_host,
-                               properties=properties_to_string(props).encode())
-        reqs.append(PutRequest(record, h.topic, qid, tags_code(props), h.sys_flag))
-    return _store_batch(ctx, cmd, reqs, qid, h.topic, sum(len(e[1]) for e in entries))
+                               born_timestamp=h.born_timestamp, born_host=born, store_host=store_host,
+                               properties=text.encode())
+        tags = property_value(text, Prop.TAGS)
+        reqs.append(PutRequest(record, h.topic, qid, java_string_hash(tags) if tags else 0, h.sys_flag))
+        body_bytes += len(body)
+    return _store_batch(ctx, cmd, reqs, qid, h.topic, body_bytes)
+
+
+def _held_back(delay: str | None, tran: str | None, what: str) -> str | None:
+    """Why a batch (entry) may not be stored as it is, or None."""
+    if tran is not None and tran.lower() == "true":
+        return f"{what} is transactional: batch messages cannot be transactional"
+    if delay is not None and delay.strip() not in ("", "0"):
+        return f"{what} has delay level {delay}: batch messages cannot be delayed"
+    return None
 
 
 async def _store_batch(ctx, cmd, reqs, qid, topic, body_bytes):

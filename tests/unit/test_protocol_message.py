@@ -314,3 +314,33 @@ def test_retopic_record_moves_a_record_without_touching_its_payload(born, store)
                                                            half.properties)
     with pytest.raises(RecordError):
         retopic_record(half.encode()[:-1], topic=b"x", queue_id=0, transaction_type=8, prepared_offset=0)
+
+
+# ------------------------------------------------ batch entry properties, without a parse and re-serialise
+def test_property_value_finds_whole_names_only():
+    from protocol.message import property_value
+    text = "MY_TAGS\x01no\x02TAGS\x01yes\x02KEYS\x01k1 k2"
+    assert property_value(text, "TAGS") == "yes"
+    assert property_value(text, "KEYS") == "k1 k2"                 # the last pair, no trailing separator
+    assert property_value(text, "MY_TAGS") == "no"
+    assert property_value(text, "AGS") is None
+    assert property_value("", "TAGS") is None
+
+
+def test_drop_property_keeps_the_rest_byte_for_byte():
+    from protocol.message import drop_property
+    assert drop_property("WAIT\x01true\x02KEYS\x01a\x02", "WAIT") == "KEYS\x01a\x02"
+    assert drop_property("KEYS\x01a\x02WAIT\x01true\x02", "WAIT") == "KEYS\x01a\x02"
+    assert drop_property("KEYS\x01a\x02WAIT\x01true", "WAIT") == "KEYS\x01a\x02"
+    assert drop_property("NOWAIT\x01x\x02", "WAIT") == "NOWAIT\x01x\x02"
+
+
+def test_add_missing_properties_lets_the_entry_win():
+    from protocol.message import add_missing_properties, string_to_properties
+    entry = "UNIQ_KEY\x01mine\x02KEYS\x01own"
+    merged = add_missing_properties(entry, {"KEYS": "batch", "CLUSTER": "C1"})
+    assert merged.startswith(entry)
+    assert string_to_properties(merged) == {"UNIQ_KEY": "mine", "KEYS": "own", "CLUSTER": "C1"}
+    assert add_missing_properties("A\x01b\x02", {"C": "d"}) == "A\x01b\x02C\x01d"
+    assert add_missing_properties("", {"C": "d"}) == "C\x01d"
+    assert add_missing_properties("C\x01mine", {"C": "d"}) == "C\x01mine"

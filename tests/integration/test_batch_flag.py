@@ -1,0 +1,129 @@
+"""Batches the way every stock client sends them: SEND_BATCH_MESSAGE (320), and SEND_MESSAGE (10) /
+SEND_MESSAGE_V2 (310) with the header's batch field set, as rocketmq-client-cpp 1.0.1 does.
+
+Each entry must arrive as its own message with its own UNIQ_KEY, KEYS and TAGS; the batch header's properties
+(the cpp client puts the batch's own UNIQ_KEY there) must not overwrite them. A malformed or delayed batch is
+refused with MESSAGE_ILLEGAL and stores nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import MessageQueue
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import encode_batch
+
+pytestmark = pytest.mark.asyncio
+
+SEP, PAIR = "\x02", "\x01"
+
+
+def _props(**pairs) -> str:
+    """A properties string as the Java and cpp clients write it (each pair ends with U+0002)."""
+    return "".join(f"{k}{PAIR}{v}{SEP}" for k, v in pairs.items())
+
+
+def _entries(n: int, tag: str):
+    return [(0, f"{tag}-{i}".encode(),
+             _props(WAIT="true", KEYS=f"order-{tag}-{i}", TAGS=f"T{i % 3}", UNIQ_KEY=f"UNIQ-{tag}-{i:04d}"))
+            for i in range(n)]
+
+
+def _v1_fields(topic: str, queue_id: int, properties: str, **extra) -> dict:
+    fields = {"producerGroup": "PG_cpp", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
+              "queueId": str(queue_id), "sysFlag": "0", "bornTimestamp": str(int(time.time() * 1000)),
+              "flag": "0", "properties": properties, "reconsumeTimes": "0", "unitMode": "false"}
+    fields.update(extra)
+    return fields
+
+
+_V2 = {"producerGroup": "a", "topic": "b", "defaultTopic": "c", "defaultTopicQueueNums": "d", "queueId": "e",
+       "sysFlag": "f", "bornTimestamp": "g", "flag": "h", "properties": "i", "reconsumeTimes": "j",
+       "unitMode": "k", "batch": "m"}
+
+
+async def _send(broker, code: int, fields: dict, body: bytes) -> RemotingCommand:
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields, body, version=409), 10)
+    finally:
+        conn.close()
+
+
+async def _pull_all(broker, topic: str, queue_id: int, group: str):
+    consumer = PullConsumer(broker.namesrv, group)
+    try:
+        queues = await consumer.fetch_queues(topic)
+        mq = MessageQueue(topic, queues[0].broker_name, queue_id)
+        res = await consumer.pull(mq, 0, max_nums=64)
+        return res.messages
+    finally:
+        await consumer.shutdown()
+
+
+@pytest.mark.parametrize("code, header", [
+    (RequestCode.SEND_MESSAGE, "v1"),            # rocketmq-client-cpp 1.0.1: code 10, "batch": "true"
+    (RequestCode.SEND_MESSAGE_V2, "v2"),         # code 310 with the V2 key "m"
+    (RequestCode.SEND_BATCH_MESSAGE, "v2"),      # Java and Go clients
+])
+async def test_each_entry_of_a_batch_is_its_own_message(broker, code, header):
+    topic = f"CppBatch{code}"
+    entries = _entries(10, str(code))
+    batch_props = _props(WAIT="true", UNIQ_KEY="THE-BATCH-ITSELF", KEYS="batch-level-key")
+    fields = _v1_fields(topic, 1, batch_props, batch="true")
+    if header == "v2":
+        fields = {_V2[k]: v for k, v in fields.items()}
+    async with asyncio.timeout(30):
+        reply = await _send(broker, code, fields, encode_batch(entries))
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        assert len(reply.ext_fields["msgId"].split(",")) == 10
+        assert int(reply.ext_fields["queueOffset"]) == 0
+        messages = await _pull_all(broker, topic, 1, f"CG_{code}")
+    assert [m.body for m in messages] == [e[1] for e in entries]          # not one message holding the batch
+    assert [m.queue_offset for m in messages] == list(range(10))
+    for i, m in enumerate(messages):
+        assert m.properties["UNIQ_KEY"] == f"UNIQ-{code}-{i:04d}"         # its own id, not the batch's
+        assert m.properties["KEYS"] == f"order-{code}-{i}"                # its own keys win over the batch's
+        assert m.tags == f"T{i % 3}"
+        assert m.properties["CLUSTER"] == "DefaultCluster"
+        assert "WAIT" not in m.properties
+    assert len({m.msg_id for m in messages}) == 10
+
+
+async def test_batch_flag_false_stays_a_single_message(broker):
+    body = b"just one message"
+    reply = await _send(broker, RequestCode.SEND_MESSAGE,
+                        _v1_fields("CppSingle", 0, _props(UNIQ_KEY="ONE"), batch="false"), body)
+    assert reply.code == ResponseCode.SUCCESS, reply.remark
+    async with asyncio.timeout(30):
+        messages = await _pull_all(broker, "CppSingle", 0, "CG_single")
+    assert [m.body for m in messages] == [body]
+
+
+@pytest.mark.parametrize("what, body, props, remark", [
+    ("cut short", encode_batch(_entries(3, "cut"))[:-5], "", "claims"),
+    ("garbage", b"\x00\x00\x00\x05garbage-that-is-not-a-batch", "", "batch entry"),
+    ("delayed entry", encode_batch([(0, b"x", _props(DELAY="2", UNIQ_KEY="D1"))]), "", "cannot be delayed"),
+    ("delayed batch", encode_batch(_entries(2, "d")), _props(DELAY="1"), "cannot be delayed"),
+    ("transactional entry", encode_batch([(0, b"x", _props(TRAN_MSG="true"))]), "", "cannot be transactional"),
+])
+async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, props, remark):
+    topic = "CppRefused"
+    async with asyncio.timeout(30):
+        reply = await _send(broker, RequestCode.SEND_MESSAGE, _v1_fields(topic, 0, props, batch="true"), body)
+        assert reply.code == ResponseCode.MESSAGE_ILLEGAL, (what, reply.code, reply.remark)
+        assert remark in reply.remark
+        good = await _send(broker, RequestCode.SEND_MESSAGE, _v1_fields(topic, 0, "", batch="true"),
+                           encode_batch(_entries(2, "ok")))
+        assert good.code == ResponseCode.SUCCESS
+        messages = await _pull_all(broker, topic, 0, "CG_refused")
+    # Only the good batch was stored: the refused one left no partial entries before it.
+    assert [m.body for m in messages][-2:] == [b"ok-0", b"ok-1"]
+    assert all(not m.body.startswith((b"cut", b"x", b"d-")) for m in messages)
