@@ -61,6 +61,7 @@ class BrokerConfig:
     transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message.")
     transaction_check_max: int = setting(15, "Checks before an undecided transaction goes to TRANS_CHECK_MAX_TIME_TOPIC.")
     transaction_retention_hours: float = setting(72.0, "Undecided half messages older than this are expired to the dead-letter topic.")
+    transaction_snapshot_interval_s: float = setting(10.0, "How often (when something changed) the undecided-transaction index and the op-queue offset it covers are written to transactions/snapshot.json; start-up replays only the op records after it. Also written at a clean stop.")
     # ---- retention (broker/retention.py)
     file_reserved_hours: float = setting(72.0, "A sealed segment whose newest record is older than this may be removed, consumed or not (RocketMQ's fileReservedTime); consumers behind it get PULL_OFFSET_MOVED and go on from the new minimum.")
     retain_unconsumed_max_bytes: int = setting(0, "Opt-in: keep expired segments some consumer group has not consumed while the commit log is at most this many bytes. 0 (RocketMQ's behaviour): expired data goes, consumed or not.")
@@ -93,6 +94,8 @@ class BrokerConfig:
             raise ConfigError(f"disk_refuse_ratio={self.disk_refuse_ratio} must be in (0, 1]")
         if self.max_auto_create_topics_per_s <= 0:
             raise ConfigError("max_auto_create_topics_per_s must be positive")
+        if self.transaction_snapshot_interval_s <= 0:
+            raise ConfigError(f"transaction_snapshot_interval_s={self.transaction_snapshot_interval_s} must be positive")
         if self.transaction_timeout_ms < 0:
             raise ConfigError("transaction_timeout_ms must not be negative")
         if not 0 < self.disk_clean_ratio <= self.disk_force_clean_ratio < 1:

@@ -27,7 +27,7 @@ def end_transaction(ctx, conn, cmd):
 def list_transactions(ctx, conn, cmd):
     rows = ctx.tx.describe(cmd.str_field("group"), cmd.int_field("limit", 1000))
     return cmd.response(ResponseCode.SUCCESS, body=dumps({"pending": rows, "total": len(ctx.tx.pending),
-                                                          "dead_lettered": len(ctx.tx.dead_letters())}))
+                                                          "dead_lettered": ctx.tx.dead_count}))
 
 
 async def resolve_transaction(ctx, conn, cmd):

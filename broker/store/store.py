@@ -371,6 +371,12 @@ class MessageStore:
         return lo if timestamp - left_ts > right_ts - timestamp else lo - 1
 
     # ---------------------------------------------------------- retention
+    def run_io(self, fn, *args) -> "asyncio.Future":
+        """Run ``fn(*args)`` on the store's I/O thread, after the flushes queued before it."""
+        if self._io is None:
+            raise StoreError(f"the store at {self.store_dir} is not open")
+        return self._io.submit(fn, *args)
+
     def segments(self) -> list[SegmentInfo]:
         segs = self._log.segments
         out = []

@@ -1,4 +1,6 @@
-"""When to check an undecided transaction, and whom to ask. ``decide`` is pure; the timer is small.
+"""The check policy's arithmetic (immunity, interval, back-off) and the timer that runs due checks.
+
+The rules that use them are in core.py.
 
 RocketMQ re-reads the half queue every round and re-writes every half it
 checks. txmq keeps the undecided ones in memory ordered by their next check
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from enum import Enum
 
 log = logging.getLogger("txmq.transaction")
 
@@ -19,34 +20,12 @@ log = logging.getLogger("txmq.transaction")
 MAX_BACKOFF = 4
 
 
-class Action(Enum):
-    WAIT = "wait"              # not due yet
-    CHECK = "check"            # send CHECK_TRANSACTION_STATE
-    DEFER = "defer"            # due, but no producer of the group is connected: no check spent
-    DEAD_MAX_CHECKS = "max-checks"
-    DEAD_EXPIRED = "expired"   # not produced here: expiry past the retention is the nightly plan's (retention.py)
-
-
 @dataclass(frozen=True)
 class Policy:
     check_interval_ms: int
     timeout_ms: int             # default immunity
     check_max: int
     retention_ms: int
-
-
-def decide(policy: Policy, *, now: int, store_ts: int, next_check: int, checks: int,
-           has_producer: bool) -> Action:
-    # Age alone never dead-letters here: one owner expires a half, once, the night it passes
-    # the retention (the plan, applied by broker/retention.py), so it is not also expired at
-    # start-up and then listed again by the plan.
-    if now < next_check:
-        return Action.WAIT
-    if checks >= policy.check_max:
-        return Action.DEAD_MAX_CHECKS
-    if not has_producer:
-        return Action.DEFER
-    return Action.CHECK
 
 
 def next_check_after_check(policy: Policy, now: int, unanswered: int) -> int:

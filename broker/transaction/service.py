@@ -1,82 +1,64 @@
-"""The transaction service: half messages, decisions, the in-memory index of undecided transactions.
+"""The transaction service: a thin shell around the rules in core.py.
+
+It parses nothing off the wire (processors/transaction.py does), keeps the undecided transactions in
+the core's index, performs the core's actions (records to append, checks to send, replies) and keeps
+what became of every decided transaction in the decision table (decisions.py): one byte each, on disk.
 
 Promises, beyond RocketMQ 4.x:
 
 * the first recorded decision wins: a later different one is refused
   (TRANSACTION_FAILED) and counted, a repeated identical one is acknowledged
   and changes nothing, so an END_TRANSACTION retried by our client or replayed
-  by a check never delivers twice;
+  by a check never delivers twice, however old the transaction;
 * a commit writes the real message and its op record in ONE writer batch; at
   start-up a committed message whose op record was lost in a crash is found in
   the replayed log tail, so it is never committed a second time;
-* undecided transactions live in memory (``pending``), ordered by next check
-  time: a check pass costs O(due), and writes a small check record, never the
-  payload;
+* undecided transactions live in memory, ordered by next check time: a check
+  pass costs O(due), and writes a small check record, never the payload; decided
+  ones cost no memory;
+* start-up reads a snapshot of the undecided index and replays only the op
+  records written after it, not every decision ever made;
 * nothing is dropped silently: after ``transaction_check_max`` checks, or when
-  the nightly expiry plan (or disk pressure) expires it (broker/retention.py), a
-  transaction is copied to TRANS_CHECK_MAX_TIME_TOPIC with its reason, and can be
-  resumed.
+  retention (or disk pressure) expires it (broker/retention.py), a transaction is
+  copied to TRANS_CHECK_MAX_TIME_TOPIC with its reason, and can be resumed.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-import heapq
-import itertools
 import json
 import logging
-from dataclasses import dataclass
+import os
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
+from protocol.errors import StoreError
 from protocol.message import Prop, decode_record, offset_msg_id, tags_code
 
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
-from .check import Action, CheckTimer, Policy, decide, first_check_time, next_check_after_check
+from .check import CheckTimer, Policy
+from .core import UNKNOWN, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write
+from .decisions import DecisionTable, flush_maps
 from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, RecordFactory, parse_op
 
 log = logging.getLogger("txmq.transaction")
 
 PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue progress offset
-# Decisions remembered to answer a repeated END ("already COMMIT") or refuse a conflicting
-# one. Past this many the oldest are forgotten: a very late END then finds no half message
-# to decide and is refused, so forgetting can cost a nicer answer, never a second delivery.
-DECIDED_MEMORY = 1_000_000
-UNKNOWN = "UNKNOWN"
+SNAPSHOT_VERSION = 1
 _STATES = {8: COMMIT, 12: ROLLBACK, 0: UNKNOWN}
+Pending = Tx                            # the name the rest of the broker and the tests know
 
 
-@dataclass(slots=True, eq=False)
-class Pending:
-    half_offset: int
-    queue_offset: int
-    group: str
-    topic: str
-    uniq_key: str
-    store_ts: int
-    next_check: int
-    checks: int = 0
-    unanswered: int = 0
-    awaiting: bool = False
-    owner: object = None
-    owner_id: str = ""
-    last_answer: str = ""
-    deciding: asyncio.Future | None = None
-    deciding_op: str | None = None
-    real_qid: int = 0
-    tags_code: int = 0
-
-
-def _pending_from_half(msg, next_check: int, checks: int) -> Pending:
+def _tx_from_half(msg, checks: int = 0) -> Tx:
     props = msg.properties
     try:
         real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
     except ValueError:
         real_qid = 0
-    return Pending(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
-                   props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, next_check, checks, real_qid=real_qid,
-                   tags_code=tags_code(props))
+    return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
+              props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
+              checks=checks)
 
 
 class DecisionError(Exception):
@@ -92,11 +74,17 @@ class TransactionService:
         self.ctx = ctx
         self.policy = Policy(c.transaction_check_interval_ms, c.transaction_timeout_ms, c.transaction_check_max,
                              int(c.transaction_retention_hours * 3600 * 1000))
-        self.pending: dict[int, Pending] = {}
-        self.decided: dict[int, tuple[str, str]] = {}     # half offset -> (decision, group)
-        self._heap: list[tuple[int, int]] = []
+        self.core = TransactionCore(self.policy, self.decision_of)
+        self.pending = self.core.pending
+        self.table: DecisionTable | None = None
+        self.dead_count = 0
+        self.snapshot_interval_s = c.transaction_snapshot_interval_s
+        self._deciding: dict[int, asyncio.Future] = {}
         self._recovered_commits: set[int] = set()
         self._storing: list[int] = []      # half-queue end offsets seen by halves still being stored
+        self._writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
+        self._changed = True
+        self._snapshot_task: asyncio.Task | None = None
         self._rr = 0
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
         ctx.metrics.half_messages.set_function(lambda: len(self.pending))
@@ -105,6 +93,42 @@ class TransactionService:
     def records(self) -> RecordFactory:
         # Built on first use: by then the server has bound its port and set the store host.
         return RecordFactory(self.ctx.store_host, self.ctx.uniq_ids, self.ctx.clock)
+
+    @property
+    def _dir(self) -> str:
+        return os.path.join(self.ctx.store.store_dir, "transactions")
+
+    # ------------------------------------------------------------ what became of a transaction
+    def decision_of(self, half_offset: int) -> str | None:
+        """COMMIT, ROLLBACK or DEAD for a decided transaction; None if undecided or unknown here."""
+        if half_offset in self.pending or self.table is None:
+            return None
+        q = self._half_queue_offset(half_offset)
+        return None if q is None else self.table.get(q)
+
+    def _half_queue_offset(self, half_offset: int) -> int | None:
+        msg = self._half_at(half_offset)
+        return None if msg is None else msg.queue_offset
+
+    def _half_at(self, half_offset: int):
+        """The half message stored at ``half_offset``, or None (removed, or not a half's offset)."""
+        if half_offset < 0:
+            return None
+        try:
+            view = self.ctx.store.get_record(half_offset)
+            msg = decode_record(view)[0] if view is not None else None
+        except Exception:  # noqa: BLE001 - not a record boundary: no half there
+            return None
+        return msg if msg is not None and msg.topic == HALF_TOPIC else None
+
+    def _record(self, queue_offset: int, op: str | None) -> None:
+        before = self.table.get(queue_offset)
+        if before == DEAD and op != DEAD:
+            self.dead_count -= 1
+        elif op == DEAD and before != DEAD:
+            self.dead_count += 1
+        self.table.set(queue_offset, op)
+        self._changed = True
 
     # ------------------------------------------------------------ recovery
     def on_dispatch(self, info) -> None:
@@ -128,89 +152,159 @@ class TransactionService:
                 yield decode_record(buf)[0]
             offset = got.next_begin_offset
 
+    def _read_snapshot(self) -> dict | None:
+        path = os.path.join(self._dir, "snapshot.json")
+        try:
+            with open(path, "rb") as f:
+                snap = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("transaction snapshot %s unreadable (%s): rebuilding from the log", path, exc)
+            return None
+        store = self.ctx.store
+        why = None
+        if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
+            why = f"version {snap.get('version') if isinstance(snap, dict) else '?'}"
+        elif snap.get("store_id") != store.store_id:
+            why = "written for another store"
+        elif snap.get("op_offset", -1) > store.max_offset(OP_TOPIC, 0):
+            why = "it covers op records the log no longer has"
+        elif snap.get("half_offset", -1) > store.max_offset(HALF_TOPIC, 0):
+            why = "it covers half messages the log no longer has"
+        if why:
+            log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
+            return None
+        return snap
+
     async def recover(self) -> None:
-        """Rebuild the index from the op queue, the replayed tail and the half queue."""
+        """Rebuild the index: from the snapshot and the op records after it, or from the whole log."""
+        started = self.ctx.clock()
+        self.table = DecisionTable(os.path.join(self._dir, "decisions"))
+        snap = self._read_snapshot()
         checks: dict[int, int] = {}
-        resumed: dict[int, int] = {}    # half offset -> half queue offset, for halves a RESUME re-opened
-        for msg in self._scan(OP_TOPIC):
+        undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
+        if snap is None:
+            self.table.clear()
+            op_from, half_from = None, self.ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
+        else:
+            op_from, half_from = snap["op_offset"], snap["half_offset"]
+            for off, _q, n in snap.get("pending", []):
+                undecided.add(off)
+                checks[off] = n
+        resumed_floor = None
+        for msg in self._scan(OP_TOPIC, op_from):
             op = parse_op(msg)
             if op is None:
                 continue
             if op.tag == OP_TAG_CHECK:
                 checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
             elif op.op == RESUME:
-                self.decided.pop(op.half_offset, None)
+                self._record(op.half_queue_offset, None)
+                undecided.add(op.half_offset)
                 checks[op.half_offset] = 0
-                resumed[op.half_offset] = op.half_queue_offset
+                resumed_floor = op.half_queue_offset if resumed_floor is None else \
+                    min(resumed_floor, op.half_queue_offset)
             elif op.op in (COMMIT, ROLLBACK, DEAD):
-                self.decided[op.half_offset] = (op.op, "")
-                resumed.pop(op.half_offset, None)
-        repaired = [off for off in self._recovered_commits if off not in self.decided]
-        for off in self._recovered_commits:
-            self.decided.setdefault(off, (COMMIT, ""))
-        progress = self.ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
-        if progress is not None and resumed:
-            # The progress may have been persisted while the resumed half was dead, past it.
-            progress = min(progress, min(resumed.values()))
+                self._record(op.half_queue_offset, op.op)
+                undecided.discard(op.half_offset)
         now = self.ctx.clock()
-        for msg in self._scan(HALF_TOPIC, progress):
-            off = msg.physical_offset
-            props = msg.properties
-            if off in self.decided:
-                if off in repaired:
-                    res = await self.ctx.store.put(self.records.decision(COMMIT, off, msg.queue_offset))
-                    log.warning("recovery: committed transaction at %d had lost its op record; rewritten (%s)",
-                                off, res.status.name)
-                    self.decided[off] = (COMMIT, props.get(Prop.PGROUP, ""))
+        repaired = 0
+        for off in self._recovered_commits:
+            q = self._half_queue_offset(off)
+            if q is not None and self.table.get(q) is None:
+                res = await self.ctx.store.put(self.records.decision(COMMIT, off, q))
+                log.warning("recovery: committed transaction at %d had lost its op record; rewritten (%s)",
+                            off, res.status.name)
+                self._record(q, COMMIT)
+                undecided.discard(off)
+                repaired += 1
+        self._recovered_commits.clear()
+        # The undecided halves: those the snapshot or a resume names, and every half stored after.
+        for off in sorted(undecided):
+            view = self.ctx.store.get_record(off)
+            if view is None:
                 continue
-            p = _pending_from_half(msg, 0, checks.get(off, 0))
-            p.next_check = max(first_check_time(self.policy, msg.store_timestamp,
-                                                props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)), now)
-            self._add(p)
-        for off in list(itertools.islice(self.decided, max(0, len(self.decided) - DECIDED_MEMORY))):
-            del self.decided[off]
-        log.info("transactions recovered: %d undecided, %d decided, %d repaired", len(self.pending),
-                 len(self.decided), len(repaired))
+            msg, _ = decode_record(view)
+            if self.table.get(msg.queue_offset) is None:
+                self.core.add(_tx_from_half(msg, checks.get(off, 0)), now,
+                              msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
+        if half_from is not None and resumed_floor is not None and snap is None:
+            half_from = min(half_from, resumed_floor)
+        for msg in self._scan(HALF_TOPIC, half_from):
+            if msg.physical_offset in self.pending or self.table.get(msg.queue_offset) is not None:
+                continue
+            self.core.add(_tx_from_half(msg, checks.get(msg.physical_offset, 0)), now,
+                          msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
+        self.table.trim(self.ctx.store.min_offset(HALF_TOPIC, 0))
+        self.dead_count = self.table.count(DEAD)    # the table may be ahead of the snapshot: count it
+        log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
+                 "from the snapshot and the op records after it" if snap else "from the whole log",
+                 self.ctx.clock() - started, len(self.pending), self.dead_count, repaired)
+        if snap is None:
+            await self.write_snapshot()
+
+    def trim(self) -> None:
+        """Forget the decisions of halves that retention removed."""
+        self.dead_count -= self.table.trim(self.ctx.store.min_offset(HALF_TOPIC, 0))
 
     def start(self) -> None:
         self.timer.start()
+        self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshots(), name="txmq-tx-snapshot")
 
     async def stop(self) -> None:
         await self.timer.stop()
+        if self._snapshot_task is not None:
+            self._snapshot_task.cancel()
+            try:
+                await self._snapshot_task
+            except asyncio.CancelledError:
+                pass
         self._save_progress()
+        if self.table is not None:
+            try:
+                await self.write_snapshot()
+            except (OSError, StoreError) as exc:
+                log.error("transaction snapshot not written at stop: %s", exc)
+            self.table.close()
 
     def _save_progress(self) -> None:
         if self.ctx.offsets is None:    # a start that failed before the offsets were opened
             return
+        self.ctx.offsets.commit(PROGRESS_GROUP, HALF_TOPIC, 0, self._half_floor())
+
+    def _half_floor(self) -> int:
         # A half being stored is not pending yet; its queue offset is at or past the end it saw.
         floors = [p.queue_offset for p in self.pending.values()] + self._storing
-        progress = min(floors) if floors else self.ctx.store.max_offset(HALF_TOPIC, 0)
-        self.ctx.offsets.commit(PROGRESS_GROUP, HALF_TOPIC, 0, progress)
+        return min(floors) if floors else self.ctx.store.max_offset(HALF_TOPIC, 0)
 
-    # ------------------------------------------------------------ the index
-    def _remember(self, half_offset: int, op: str, group: str) -> None:
-        decided = self.decided
-        decided[half_offset] = (op, group)
-        if len(decided) > DECIDED_MEMORY:
-            del decided[next(iter(decided))]      # dicts keep insertion order: the oldest decision
+    # ------------------------------------------------------------ snapshots
+    async def _snapshots(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            if not self._changed:
+                continue
+            try:
+                await self.write_snapshot()
+            except OSError as exc:
+                log.error("transaction snapshot not written: %s", exc)
 
-    def _add(self, p: Pending) -> None:
-        self.pending[p.half_offset] = p
-        heapq.heappush(self._heap, (p.next_check, p.half_offset))
+    async def write_snapshot(self) -> None:
+        """The undecided index and the op-queue offset the decision table covers, through the I/O thread.
 
-    def _reschedule(self, p: Pending, when: int) -> None:
-        p.next_check = when
-        heapq.heappush(self._heap, (when, p.half_offset))
-
-    def next_due(self) -> int | None:
-        heap = self._heap
-        while heap:
-            when, off = heap[0]
-            p = self.pending.get(off)
-            if p is not None and p.next_check == when:
-                return when
-            heapq.heappop(heap)
-        return None
+        Taken on the loop in one step: every op record below ``op_offset`` has its byte in the table
+        (decisions being written hold the offset down), every half below ``half_offset`` is pending or
+        decided. The table is msync'd before the file names those offsets."""
+        store = self.ctx.store
+        self._changed = False
+        self.trim()
+        op_end = store.max_offset(OP_TOPIC, 0)
+        snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
+                "op_offset": min(self._writing_ops + [op_end]),
+                "half_offset": min(self._storing + [store.max_offset(HALF_TOPIC, 0)]),
+                "dead": self.dead_count, "written_ms": self.ctx.clock(),
+                "pending": [[t.half_offset, t.queue_offset, t.checks] for t in self.pending.values()]}
+        await store.run_io(_write_snapshot, self._dir, self.table.dirty(), dumps(snap))
 
     # -------------------------------------------------------- half messages
     def prepare(self, conn, cmd, h, qid: int, props: dict, born_host: bytes):
@@ -232,20 +326,18 @@ class TransactionService:
         if not result.ok:
             return put_failure_response(cmd, result)
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
-        p = Pending(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
-                    result.store_timestamp, 0, owner=conn, owner_id=client_id, real_qid=qid,
-                    tags_code=req.tags_code)
-        p.next_check = first_check_time(self.policy, result.store_timestamp,
-                                        props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
-        self._add(p)
-        if p.next_check <= (self._heap[0][0] if self._heap else p.next_check):
+        tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
+                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id)
+        if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)):
             self.timer.wake()
+        self._changed = True
         ctx.clients.add_producer(group, conn, client_id, cmd.language, cmd.version)
         ctx.metrics.child(ctx.metrics.half_in, group).inc()
         return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
     # ------------------------------------------------------------ decisions
     def end(self, conn, cmd):
+        """END_TRANSACTION: its fields are the processor's to parse; this is the shell's part."""
         group = cmd.str_field("producerGroup", required=True)
         table_offset = cmd.int_field("tranStateTableOffset", required=True)
         half_offset = cmd.int_field("commitLogOffset", required=True)
@@ -255,81 +347,99 @@ class TransactionService:
         if op is None:
             return None if cmd.is_oneway else cmd.response(
                 ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12")
-        p = self.pending.get(half_offset)
-        if p is not None:
-            if p.group != group:
-                return self._refuse(cmd, ResponseCode.SYSTEM_ERROR, "The producer group wrong")
-            if p.queue_offset != table_offset:
-                return self._refuse(cmd, ResponseCode.SYSTEM_ERROR, "The transaction state table offset wrong")
-            if from_check:
-                p.awaiting = False
-                p.unanswered = 0
-                self.ctx.metrics.child(self.ctx.metrics.check_answers, group, op).inc()
-            p.last_answer = op
-        if op == UNKNOWN:
-            self.ctx.metrics.child(self.ctx.metrics.unknowns, group).inc()
-            return None if cmd.is_oneway else cmd.response(
-                ResponseCode.SUCCESS, "UNKNOWN recorded; the broker will check back")
-        return self._end(cmd, group, half_offset, op)
+        if from_check and half_offset in self.pending:
+            self.ctx.metrics.child(self.ctx.metrics.check_answers, group, op).inc()
+        origin = Origin.CHECK if from_check else Origin.PRODUCER
+        action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
+        if isinstance(action, Reply):
+            return self._reply(cmd, action, group)
+        if isinstance(action, Write):       # claimed now, before any other request is handled
+            return self._answer(cmd, self._write_decision(action, self._claim(action.tx)))
+        return self._answer(cmd, self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
-    def _refuse(self, cmd, code, remark):
-        log.warning("END_TRANSACTION refused: %s (%s)", remark, cmd.ext_fields)
-        return None if cmd.is_oneway else cmd.response(code, remark)
+    def _reply(self, cmd, reply: Reply, group: str):
+        metrics = self.ctx.metrics
+        if reply.event == "unknown":
+            metrics.child(metrics.unknowns, group).inc()
+        elif reply.event == "duplicate":
+            metrics.child(metrics.duplicates, group).inc()
+        elif reply.event == "conflict":
+            metrics.child(metrics.conflicts, group).inc()
+        if reply.code != ResponseCode.SUCCESS:
+            log.warning("END_TRANSACTION refused: %s (%s)", reply.remark, cmd.ext_fields)
+        return None if cmd.is_oneway else cmd.response(reply.code, reply.remark)
 
-    async def _end(self, cmd, group, half_offset, op):
+    async def _answer(self, cmd, deciding):
         try:
-            outcome = await self.decide(half_offset, op, group=group)
+            outcome = await deciding
         except DecisionError as exc:
-            return self._refuse(cmd, exc.code, exc.remark)
+            log.warning("END_TRANSACTION refused: %s (%s)", exc.remark, cmd.ext_fields)
+            return None if cmd.is_oneway else cmd.response(exc.code, exc.remark)
         return None if cmd.is_oneway else cmd.response(ResponseCode.SUCCESS, outcome)
 
     async def decide(self, half_offset: int, op: str, *, group: str | None = None, reason: str | None = None,
-                     reclaim: bool = False) -> str:
+                     reclaim: bool = False, origin: Origin = Origin.ADMIN, queue_offset: int | None = None) -> str:
         """Record ``op`` for the transaction; returns a remark, raises DecisionError when refused.
 
         ``reclaim``: the decision is written to free space (retention), past the disk watermark."""
+        while True:
+            action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=queue_offset,
+                                   reason=reason)
+            if not isinstance(action, Wait):
+                break
+            await asyncio.shield(self._deciding[half_offset])
+        if isinstance(action, Reply):
+            metrics = self.ctx.metrics
+            if action.event in ("duplicate", "conflict"):
+                counter = metrics.duplicates if action.event == "duplicate" else metrics.conflicts
+                metrics.child(counter, group or self._group_of(half_offset)).inc()
+            if action.code != ResponseCode.SUCCESS:
+                raise DecisionError(action.code, action.remark)
+            return action.remark
+        return await self._write_decision(action, self._claim(action.tx), reclaim)
+
+    def _group_of(self, half_offset: int) -> str:
+        msg = self._half_at(half_offset)
+        return msg.properties.get(Prop.PGROUP, "") if msg is not None else ""
+
+    def _claim(self, tx: Tx) -> asyncio.Future:
+        """Mark the write of ``tx``'s decision as under way, at once: others wait on this future."""
+        fut = self._deciding[tx.half_offset] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def _write_decision(self, action: Write, done: asyncio.Future, reclaim: bool = False) -> str:
+        tx, op, reason = action.tx, action.op, action.reason
         metrics = self.ctx.metrics
-        p = self.pending.get(half_offset)
-        while p is not None and p.deciding is not None:
-            await asyncio.shield(p.deciding)
-            p = self.pending.get(half_offset)
-        if p is None:
-            earlier = self.decided.get(half_offset)
-            if earlier is None:
-                raise DecisionError(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed")
-            if earlier[0] == op:
-                metrics.child(metrics.duplicates, group or earlier[1]).inc()
-                return f"already {op}; nothing changed"
-            metrics.child(metrics.conflicts, group or earlier[1]).inc()
-            raise DecisionError(ResponseCode.TRANSACTION_FAILED,
-                                f"transaction already {earlier[0]}; {op} refused (the first decision wins)")
-        p.deciding = asyncio.get_running_loop().create_future()
-        p.deciding_op = op
+        floor = self.ctx.store.max_offset(OP_TOPIC, 0)
+        self._writing_ops.append(floor)
+        ok = False
         try:
-            reqs = self._decision_records(p, op, reason)
+            reqs = self._decision_records(tx, op, reason)
             results = await self.ctx.store.put_many(reqs, reclaim)
             failed = [r for r in results if not r.ok]
             if failed:
                 raise DecisionError(response_code(failed[0]), f"store refused the decision: {failed[0].status.name}")
-            del self.pending[half_offset]
-            self._remember(half_offset, op, p.group)
-            now = self.ctx.clock()
-            if op == COMMIT:
-                metrics.child(metrics.commits, p.group).inc()
-                metrics.count_in(p.topic, 1, 0)
-            elif op == ROLLBACK:
-                metrics.child(metrics.rollbacks, p.group).inc()
-            else:
-                metrics.child(metrics.dead_letters, p.group, reason or "").inc()
-                log.warning("transaction %s (group %s, topic %s, half %d) dead-lettered: %s after %d checks",
-                            p.uniq_key, p.group, p.topic, half_offset, reason, p.checks)
-            metrics.child(metrics.finish_latency, p.group).observe(max(0, now - p.store_ts) / 1000)
-            return op
+            ok = True
+            self._record(tx.queue_offset, op)
         finally:
-            fut, p.deciding = p.deciding, None
-            fut.set_result(None)
+            self.core.written(tx, ok)
+            self._writing_ops.remove(floor)
+            del self._deciding[tx.half_offset]
+            done.set_result(None)
+        now = self.ctx.clock()
+        if op == COMMIT:
+            metrics.child(metrics.commits, tx.group).inc()
+            metrics.count_in(tx.topic, 1, 0)
+        elif op == ROLLBACK:
+            metrics.child(metrics.rollbacks, tx.group).inc()
+        else:
+            metrics.child(metrics.dead_letters, tx.group, reason or "").inc()
+            log.warning("transaction %s (group %s, topic %s, half %d) dead-lettered: %s after %d checks",
+                        tx.uniq_key, tx.group, tx.topic, tx.half_offset, reason, tx.checks)
+        metrics.child(metrics.finish_latency, tx.group).observe(max(0, now - tx.store_ts) / 1000)
+        return op
 
-    def _decision_records(self, p: Pending, op: str, reason: str | None):
+    def _decision_records(self, p: Tx, op: str, reason: str | None):
         rf = self.records
         if op == ROLLBACK:
             return [rf.decision(ROLLBACK, p.half_offset, p.queue_offset)]
@@ -344,82 +454,62 @@ class TransactionService:
                 rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
 
     # --------------------------------------------------------------- checks
-    def _channel_for(self, p: Pending):
-        owner = p.owner
+    def _channel_for(self, tx: Tx):
+        """The producer that sent the half first, else one of its group, in turn; None if none is here."""
+        owner = tx.owner
         if owner is not None and getattr(owner, "is_open", False):
             return owner
-        channels = self.ctx.clients.producer_channels(p.group)
+        channels = self.ctx.clients.producer_channels(tx.group)
         if not channels:
             return None
         self._rr += 1
         return channels[self._rr % len(channels)].conn
 
+    def next_due(self) -> int | None:
+        return self.core.next_due()
+
     async def run_due(self, now: int) -> None:
-        heap = self._heap
-        check_batch: list[tuple[Pending, object]] = []
-        deaths: list[tuple[Pending, str]] = []
-        while heap and heap[0][0] <= now:
-            when, off = heapq.heappop(heap)
-            p = self.pending.get(off)
-            if p is None or p.next_check != when:
-                continue
-            if p.deciding is not None:
-                # Keep it scheduled: should the decision being written fail, it is still undecided.
-                self._reschedule(p, now + self.policy.check_interval_ms)
-                continue
-            if p.awaiting:
-                p.unanswered += 1
-                p.awaiting = False
-            conn = self._channel_for(p)
-            action = decide(self.policy, now=now, store_ts=p.store_ts, next_check=p.next_check, checks=p.checks,
-                            has_producer=conn is not None)
-            if action is Action.CHECK:
-                check_batch.append((p, conn))
-            elif action is Action.DEFER:
-                self.ctx.metrics.child(self.ctx.metrics.checks_skipped, p.group).inc()
-                self._reschedule(p, now + self.policy.check_interval_ms)
-            elif action in (Action.DEAD_MAX_CHECKS, Action.DEAD_EXPIRED):
-                deaths.append((p, action.value))
-            else:
-                self._reschedule(p, p.next_check)
-        if check_batch:
-            await self._send_checks(check_batch, now)
-        for p, reason in deaths:
+        actions, deferred = self.core.due(now, self._channel_for)
+        metrics = self.ctx.metrics
+        for tx in deferred:
+            metrics.child(metrics.checks_skipped, tx.group).inc()
+        checks = [a for a in actions if isinstance(a, SendCheck)]
+        deaths = [(a, self._claim(a.tx)) for a in actions if isinstance(a, Write)]
+        if checks:
+            await self._send_checks(checks, now)
+        for action, claim in deaths:
             try:
-                await self.decide(p.half_offset, DEAD, reason=reason)
+                await self._write_decision(action, claim)
             except DecisionError as exc:
-                log.error("could not dead-letter %d: %s", p.half_offset, exc.remark)
-                self._reschedule(p, now + self.policy.check_interval_ms)
+                log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
+                self.core.dead_letter_failed(action.tx, now)
         self._save_progress()
 
-    async def _send_checks(self, batch, now: int) -> None:
+    async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
-        for p, _ in batch:
-            p.checks += 1
-        results = await self.ctx.store.put_many([rf.check(p.half_offset, p.queue_offset, p.checks) for p, _ in batch])
-        for (p, conn), result in zip(batch, results):
-            if p.half_offset not in self.pending:
-                continue
-            self._reschedule(p, next_check_after_check(self.policy, now, p.unanswered))
-            if not result.ok:
-                p.checks -= 1
+        results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks)
+                                                 for a in batch])
+        self._changed = True
+        for action, result in zip(batch, results):
+            tx = action.tx
+            if not self.core.check_written(tx, now, result.ok):
                 continue
             try:
-                conn.oneway(self._check_command(p))
+                action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
-                log.info("check of %s not sent: %s", p.uniq_key, exc)
+                log.info("check of %s not sent: %s", tx.uniq_key, exc)
                 continue
-            p.awaiting = True
-            self.ctx.metrics.child(self.ctx.metrics.checks_sent, p.group).inc()
+            self.core.check_sent(tx)
+            self.ctx.metrics.child(self.ctx.metrics.checks_sent, tx.group).inc()
 
-    def _check_command(self, p: Pending) -> RemotingCommand:
-        view = self.ctx.store.get_record(p.half_offset)
+    def _check_command(self, tx: Tx) -> RemotingCommand:
+        view = self.ctx.store.get_record(tx.half_offset)
         msg, _ = decode_record(view)
         msg.topic = msg.properties.get(Prop.REAL_TOPIC, msg.topic)
         msg.queue_id = int(msg.properties.get(Prop.REAL_QID, "0") or 0)
         return RemotingCommand.request(RequestCode.CHECK_TRANSACTION_STATE, {
-            "tranStateTableOffset": p.queue_offset, "commitLogOffset": p.half_offset, "msgId": p.uniq_key,
-            "transactionId": p.uniq_key, "offsetMsgId": offset_msg_id(self.ctx.store_host, p.half_offset),
+            "tranStateTableOffset": tx.queue_offset, "commitLogOffset": tx.half_offset, "msgId": tx.uniq_key,
+            "transactionId": tx.uniq_key, "offsetMsgId": offset_msg_id(self.ctx.store_host, tx.half_offset),
         }, bytes(msg.encode()), language=LanguageCode.JAVA)
 
     # ---------------------------------------------------------------- admin
@@ -438,28 +528,20 @@ class TransactionService:
                 break
         return rows
 
-    def dead_letters(self) -> list[int]:
-        return [off for off, (op, _) in self.decided.items() if op == DEAD]
-
     async def resume(self, half_offset: int) -> str:
-        earlier = self.decided.get(half_offset)
-        if earlier is None or earlier[0] != DEAD:
-            raise DecisionError(ResponseCode.SYSTEM_ERROR,
-                                f"transaction at {half_offset} is not dead-lettered"
-                                + (f" (it is {earlier[0]})" if earlier else " (unknown)"))
-        view = self.ctx.store.get_record(half_offset)
-        if view is None:
-            raise DecisionError(ResponseCode.SYSTEM_ERROR, f"half message at {half_offset} is no longer stored")
-        msg, _ = decode_record(view)
-        # Marked before the write: a second resume racing this one is refused, not written twice.
-        self.decided[half_offset] = (RESUME, earlier[1])
+        msg = self._half_at(half_offset)
+        if msg is None:
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
+                                "(unknown): no half message is stored there")
+        tx = _tx_from_half(msg)
+        why = self.core.resume(tx, self.ctx.clock())      # pending again at once: a second resume is refused
+        if why is not None:
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
         result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset))
         if not result.ok:
-            self.decided[half_offset] = earlier
+            self.pending.pop(half_offset, None)
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
-        del self.decided[half_offset]
-        p = _pending_from_half(msg, self.ctx.clock(), 0)
-        self._add(p)
+        self._record(msg.queue_offset, None)
         self.timer.wake()
         return "resumed: pending again with its check count reset"
 
@@ -476,12 +558,29 @@ class TransactionService:
         done, failed = [], []
         for off in offsets:
             try:
-                await self.decide(off, DEAD, reason=reason, reclaim=True)
+                await self.decide(off, DEAD, reason=reason, reclaim=True, origin=Origin.EXPIRY)
             except DecisionError as exc:    # decided meanwhile (an END, a check answer, an admin)
                 failed.append({"commit_log_offset": off, "why": exc.remark})
                 continue
             done.append(off)
         return done, failed
+
+
+def _write_snapshot(directory: str, maps, data: bytes) -> None:
+    """On the store's I/O thread: the decision bytes first, then the snapshot that relies on them."""
+    flush_maps(maps)
+    path = os.path.join(directory, "snapshot.json")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def dumps(obj) -> bytes:

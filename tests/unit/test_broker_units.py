@@ -6,7 +6,7 @@ import pytest
 from broker.cli import config_from
 from broker.clients import build_subscription
 from broker.config import BrokerConfig
-from broker.transaction.check import Action, Policy, decide, first_check_time, next_check_after_check
+from broker.transaction.check import Policy, first_check_time, next_check_after_check
 from consumer.rebalance import allocate_averagely
 from consumer.pull_consumer import MessageQueue
 from protocol.errors import ConfigError
@@ -17,15 +17,22 @@ P = Policy(check_interval_ms=60000, timeout_ms=6000, check_max=15, retention_ms=
 
 
 def test_check_decisions():
-    base = dict(now=10_000, store_ts=0, next_check=6_000, checks=0, has_producer=True)
-    assert decide(P, **base) is Action.CHECK
-    assert decide(P, **{**base, "now": 5_999}) is Action.WAIT
-    assert decide(P, **{**base, "has_producer": False}) is Action.DEFER
-    assert decide(P, **{**base, "checks": 15}) is Action.DEAD_MAX_CHECKS
-    assert decide(P, **{**base, "checks": 14}) is Action.CHECK
-    over = 72 * 3600 * 1000 + 1
-    assert decide(P, **{**base, "now": over, "next_check": over + 5}) is Action.WAIT    # the plan expires it
-    assert decide(P, **{**base, "now": over - 2}) is Action.CHECK
+    from broker.transaction.core import SendCheck, TransactionCore, Tx, Write
+
+    def due(now, checks=0, has_producer=True, store_ts=0):
+        core = TransactionCore(P, lambda off: None)
+        tx = Tx(1, 0, "PG", "T", "U", store_ts, checks=checks)
+        core.add(tx)
+        actions, deferred = core.due(now, lambda t: "conn" if has_producer else None)
+        return ([type(a) for a in actions], [t.half_offset for t in deferred])
+
+    assert due(6_000) == ([SendCheck], [])
+    assert due(5_999) == ([], [])
+    assert due(10_000, has_producer=False) == ([], [1])
+    assert due(10_000, checks=15) == ([Write], [])
+    assert due(10_000, checks=14) == ([SendCheck], [])
+    over = 72 * 3600 * 1000 + 1          # age alone never dead-letters here: the plan expires it
+    assert due(over + 6_000, store_ts=over - 72 * 3600 * 1000 - 10) == ([SendCheck], [])
 
 
 def test_immunity_and_backoff():

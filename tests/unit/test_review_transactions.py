@@ -202,7 +202,7 @@ async def test_expiry_plan_racing_a_commit_skips_that_half_and_finishes(tmp_path
         summary = await applying
         assert summary["expired"] == [old.half_offset]
         assert [s["commit_log_offset"] for s in summary["skipped"]] == [p.half_offset]
-        assert tx.decided[p.half_offset][0] == COMMIT
+        assert tx.decision_of(p.half_offset) == COMMIT
     finally:
         await ctx.store._store.close()
 

@@ -1,0 +1,242 @@
+"""The transaction rules, once: a state machine with no asyncio, no I/O and no clock of its own.
+
+The service (service.py) feeds it events and performs the actions it returns:
+
+    event                               what the core answers
+    half stored                         schedule the first check (immunity, CHECK_IMMUNITY_TIME_IN_SECONDS)
+    END COMMIT/ROLLBACK (any origin)    Write(tx, op)  | Reply (duplicate, conflict, unknown half) | Wait
+    END UNKNOWN                         Reply "recorded"; the check schedule stands
+    the decision written / failed       the transaction leaves the index / stays pending, still scheduled
+    due(now)                            SendCheck(tx, channel) | Write(tx, DEAD, "max-checks") | defer
+    check written / failed              next check after the interval, 2x / 4x while unanswered
+    resume (admin, of a dead letter)    pending again, checks reset
+    recovered                           pending with its check count, due no earlier than now
+
+States of a transaction (docs/design.md, "Transaction state machine"):
+
+    PENDING --END/check answer/admin/max-checks/expiry--> DECIDING(op) --written--> COMMITTED | ROLLED_BACK | DEAD
+    DECIDING --write failed--> PENDING          DEAD --resume--> PENDING
+
+The first decision wins: while one is being written, every other decision waits for it (Wait), then
+finds the transaction decided and is acknowledged when it is the same decision or refused when it is
+not. Decided transactions are not kept here: ``decided(half_offset)`` looks them up (the service reads
+its decision table, one byte a transaction on disk).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+from protocol.codes import ResponseCode
+
+from .check import Policy, first_check_time, next_check_after_check
+from .records import COMMIT, DEAD, RESUME, ROLLBACK
+
+UNKNOWN = "UNKNOWN"
+DECISIONS = (COMMIT, ROLLBACK, DEAD)
+
+
+class Origin(Enum):
+    PRODUCER = "producer"        # END_TRANSACTION after the local transaction
+    CHECK = "check"              # END_TRANSACTION answering a check (fromTransactionCheck)
+    ADMIN = "admin"              # txmq admin resolve
+    MAX_CHECKS = "max-checks"    # the core itself, after transaction_check_max checks
+    EXPIRY = "expiry"            # retention: the half's segment is going (a reason is given)
+
+
+@dataclass(slots=True, eq=False)
+class Tx:
+    """An undecided transaction: what its checks and decisions need, never the payload."""
+
+    half_offset: int
+    queue_offset: int
+    group: str
+    topic: str
+    uniq_key: str
+    store_ts: int
+    real_qid: int = 0
+    tags_code: int = 0
+    next_check: int = 0
+    checks: int = 0
+    unanswered: int = 0          # consecutive checks without an answer: they stretch the interval
+    awaiting: bool = False       # a check was sent and not answered yet
+    last_answer: str = ""
+    deciding: str | None = None  # the decision being written
+    owner: object = None         # the producer connection that sent the half (opaque here)
+    owner_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Answer the request; ``event`` names what happened, for the metrics."""
+
+    code: int
+    remark: str
+    event: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Append the records of ``op`` for ``tx``; then call written()."""
+
+    tx: Tx
+    op: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A decision for ``tx`` is being written: ask again once it is (the first decision wins)."""
+
+    tx: Tx
+
+
+@dataclass(frozen=True, slots=True)
+class SendCheck:
+    """Append a check record (attempt ``tx.checks``), then send CHECK_TRANSACTION_STATE on ``channel``."""
+
+    tx: Tx
+    channel: object
+
+
+class TransactionCore:
+    """Undecided transactions ordered by their next check; every rule of the transaction lifecycle."""
+
+    def __init__(self, policy: Policy, decided: Callable[[int], str | None]):
+        self.policy = policy
+        self.decided = decided                  # half offset -> COMMIT/ROLLBACK/DEAD or None
+        self.pending: dict[int, Tx] = {}
+        self._heap: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------ the index
+    def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None) -> bool:
+        """A half is stored (or recovered, ``now`` given): index it. True when it is now the earliest due."""
+        tx.next_check = first_check_time(self.policy, tx.store_ts, immunity_s)
+        if now is not None:
+            tx.next_check = max(tx.next_check, now)
+        earliest = self.next_due()
+        self.pending[tx.half_offset] = tx
+        heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
+        return earliest is None or tx.next_check <= earliest
+
+    def _reschedule(self, tx: Tx, when: int) -> None:
+        tx.next_check = when
+        heapq.heappush(self._heap, (when, tx.half_offset))
+
+    def next_due(self) -> int | None:
+        heap = self._heap
+        while heap:
+            when, off = heap[0]
+            tx = self.pending.get(off)
+            if tx is not None and tx.next_check == when:
+                return when
+            heapq.heappop(heap)
+        return None
+
+    # ------------------------------------------------------------ decisions
+    def end(self, half_offset: int, op: str, *, origin: Origin, group: str | None = None,
+            queue_offset: int | None = None, reason: str | None = None) -> Reply | Write | Wait:
+        """A decision (or UNKNOWN) for the transaction at ``half_offset``, from ``origin``."""
+        tx = self.pending.get(half_offset)
+        if tx is not None and origin in (Origin.PRODUCER, Origin.CHECK):
+            if group is not None and tx.group != group:
+                return Reply(ResponseCode.SYSTEM_ERROR, "The producer group wrong", "refused")
+            if queue_offset is not None and tx.queue_offset != queue_offset:
+                return Reply(ResponseCode.SYSTEM_ERROR, "The transaction state table offset wrong", "refused")
+            if origin is Origin.CHECK:
+                tx.awaiting = False
+                tx.unanswered = 0
+            tx.last_answer = op
+        if op == UNKNOWN:
+            return Reply(ResponseCode.SUCCESS, "UNKNOWN recorded; the broker will check back", "unknown")
+        if op not in DECISIONS:
+            return Reply(ResponseCode.SYSTEM_ERROR, f"{op} is not a decision", "refused")
+        if tx is None:
+            earlier = self.decided(half_offset)
+            if earlier is None:
+                return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "refused")
+            if earlier == op:
+                return Reply(ResponseCode.SUCCESS, f"already {op}; nothing changed", "duplicate")
+            return Reply(ResponseCode.TRANSACTION_FAILED,
+                         f"transaction already {earlier}; {op} refused (the first decision wins)", "conflict")
+        if tx.deciding is not None:
+            return Wait(tx)
+        tx.deciding = op
+        return Write(tx, op, reason)
+
+    def written(self, tx: Tx, ok: bool) -> None:
+        """The records of ``tx.deciding`` are durable (ok) or were refused (it stays pending, scheduled)."""
+        if ok:
+            self.pending.pop(tx.half_offset, None)
+        tx.deciding = None
+
+    def resume(self, tx: Tx, now: int) -> str | None:
+        """Re-open a dead-lettered transaction; None, or why not."""
+        earlier = self.decided(tx.half_offset)
+        if earlier != DEAD:
+            return (f"transaction at {tx.half_offset} is not dead-lettered"
+                    + (f" (it is {earlier})" if earlier else " (unknown)"))
+        if tx.half_offset in self.pending:
+            return f"transaction at {tx.half_offset} is already pending again"
+        tx.checks = 0
+        tx.unanswered = 0
+        self.pending[tx.half_offset] = tx
+        self._reschedule(tx, now)
+        return None
+
+    # --------------------------------------------------------------- checks
+    def due(self, now: int, channel_for: Callable[[Tx], object]) -> tuple[list, list[Tx]]:
+        """What is due at ``now``: (actions, deferred) with SendCheck and Write(DEAD) actions.
+
+        ``deferred`` are due but have no producer connected: no check is spent, they come back after
+        one interval. A transaction being decided stays scheduled (should the write fail)."""
+        heap, policy = self._heap, self.policy
+        actions: list = []
+        deferred: list[Tx] = []
+        while heap and heap[0][0] <= now:
+            when, off = heapq.heappop(heap)
+            tx = self.pending.get(off)
+            if tx is None or tx.next_check != when:
+                continue
+            if tx.deciding is not None:
+                self._reschedule(tx, now + policy.check_interval_ms)
+                continue
+            if tx.awaiting:
+                tx.unanswered += 1
+                tx.awaiting = False
+            if tx.checks >= policy.check_max:
+                tx.deciding = DEAD
+                actions.append(Write(tx, DEAD, Origin.MAX_CHECKS.value))
+                continue
+            channel = channel_for(tx)
+            if channel is None:
+                deferred.append(tx)
+                self._reschedule(tx, now + policy.check_interval_ms)
+                continue
+            tx.checks += 1
+            actions.append(SendCheck(tx, channel))
+        return actions, deferred
+
+    def check_written(self, tx: Tx, now: int, ok: bool) -> bool:
+        """The check record of ``tx`` is durable (send the check: True) or refused (False)."""
+        if tx.half_offset not in self.pending:
+            return False
+        self._reschedule(tx, next_check_after_check(self.policy, now, tx.unanswered))
+        if not ok:
+            tx.checks -= 1
+            return False
+        return True
+
+    def check_sent(self, tx: Tx) -> None:
+        tx.awaiting = True
+
+    def dead_letter_failed(self, tx: Tx, now: int) -> None:
+        """A max-checks dead letter was refused by the store: try again after an interval."""
+        if tx.half_offset in self.pending:
+            self._reschedule(tx, now + self.policy.check_interval_ms)
+
+
+__all__ = ["TransactionCore", "Tx", "Origin", "Reply", "Write", "Wait", "SendCheck", "UNKNOWN", "DECISIONS",
+           "COMMIT", "ROLLBACK", "DEAD", "RESUME"]

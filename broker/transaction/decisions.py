@@ -1,0 +1,123 @@
+"""What became of every transaction, one byte each, on disk: the decision table.
+
+Indexed by the half message's offset in the half queue (RMQ_SYS_TRANS_HALF_TOPIC queue 0, dense
+from 0), in files of ``FILE_ENTRIES`` bytes named by their first index, mmap'd:
+
+    0 undecided (or resumed)    1 COMMIT    2 ROLLBACK    3 DEAD
+
+A late or repeated END, or an admin action on an old half, is answered from here, so the broker
+keeps nothing in memory per decided transaction (RocketMQ keeps nothing either, and answers from its
+op queue). The bytes are set after the decision's op record is durable; ``flush()`` (on the store's
+I/O thread) makes them durable before a snapshot names the op-queue offset they cover. Files wholly
+below the half queue's first offset (removed by retention) are deleted by ``trim``.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+from .records import COMMIT, DEAD, ROLLBACK
+
+log = logging.getLogger("txmq.transaction")
+
+FILE_ENTRIES = 1 << 20
+_CODE = {COMMIT: 1, ROLLBACK: 2, DEAD: 3}
+_NAME = {1: COMMIT, 2: ROLLBACK, 3: DEAD}
+
+
+class DecisionTable:
+    def __init__(self, directory: str, file_entries: int = FILE_ENTRIES):
+        self.directory = directory
+        self.file_entries = file_entries
+        os.makedirs(directory, exist_ok=True)
+        self._maps: dict[int, mmap.mmap] = {}
+        self._dirty: set[int] = set()
+        for name in sorted(os.listdir(directory)):
+            if name.isdigit() and len(name) == 20:
+                self._open(int(name))
+
+    def _path(self, base: int) -> str:
+        return os.path.join(self.directory, f"{base:020d}")
+
+    def _open(self, base: int) -> mmap.mmap:
+        path = self._path(base)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size != self.file_entries:
+                os.ftruncate(fd, self.file_entries)     # a sparse file: holes read as 0, undecided
+            m = mmap.mmap(fd, self.file_entries)
+        finally:
+            os.close(fd)
+        self._maps[base] = m
+        return m
+
+    def get(self, index: int) -> str | None:
+        if index < 0:
+            return None
+        m = self._maps.get(index - index % self.file_entries)
+        return None if m is None else _NAME.get(m[index % self.file_entries])
+
+    def set(self, index: int, op: str | None) -> None:
+        """Record ``op`` (COMMIT, ROLLBACK, DEAD) or None (undecided again: a resume)."""
+        if index < 0:
+            return
+        base = index - index % self.file_entries
+        m = self._maps.get(base) or self._open(base)
+        m[index % self.file_entries] = _CODE.get(op, 0) if op is not None else 0
+        self._dirty.add(base)
+
+    def count(self, op: str) -> int:
+        """How many entries hold ``op`` (a full read: start-up and tests, not the request path)."""
+        return sum(_count(m, _CODE[op]) for m in self._maps.values())
+
+    def dirty(self) -> list[mmap.mmap]:
+        """The maps changed since the last call: hand them to ``flush_maps`` on the I/O thread."""
+        maps = [self._maps[b] for b in self._dirty if b in self._maps]
+        self._dirty.clear()
+        return maps
+
+    def trim(self, first_index: int) -> int:
+        """Delete the files wholly below ``first_index``; returns how many DEAD entries went with them."""
+        dead = 0
+        for base in [b for b in self._maps if b + self.file_entries <= first_index]:
+            m = self._maps.pop(base)
+            dead += _count(m, _CODE[DEAD])
+            m.close()
+            self._dirty.discard(base)
+            try:
+                os.unlink(self._path(base))
+            except OSError as exc:
+                log.warning("decision file %s not removed: %s", self._path(base), exc)
+        return dead
+
+    def clear(self) -> None:
+        """Forget everything (a rebuild from the log follows)."""
+        for base in list(self._maps):
+            self._maps.pop(base).close()
+            os.unlink(self._path(base))
+        self._dirty.clear()
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.flush()
+            m.close()
+        self._maps.clear()
+
+    @property
+    def file_count(self) -> int:
+        return len(self._maps)
+
+
+def _count(m: mmap.mmap, code: int, chunk: int = 1 << 20) -> int:
+    needle = bytes([code])
+    return sum(m[i:i + chunk].count(needle) for i in range(0, len(m), chunk))
+
+
+def flush_maps(maps: list[mmap.mmap]) -> None:
+    """msync each map (blocking: the store's I/O thread)."""
+    for m in maps:
+        try:
+            m.flush()
+        except ValueError:      # closed meanwhile (trimmed): nothing to keep
+            pass

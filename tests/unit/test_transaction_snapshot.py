@@ -1,0 +1,203 @@
+"""Start-up from the transaction snapshot and the op records after it; the decision table on disk.
+
+A real store with a controllable clock. "Crash" = the store is closed (its records are durable, as after
+kill -9 of a process whose page cache survives) without the transaction service's stop, so the snapshot
+on disk is whatever was last written.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+from broker.transaction.decisions import DecisionTable
+from broker.transaction.records import COMMIT, DEAD, ROLLBACK
+from tests.support.bounded import bounded
+from tests.unit.test_review_transactions import Clock, add_half, make_service
+
+
+def _snapshot(ctx) -> dict:
+    with open(os.path.join(ctx.store.store_dir, "transactions", "snapshot.json")) as f:
+        return json.load(f)
+
+
+async def _history(ctx, n: int = 30):
+    """n halves: a third committed, a third rolled back, a third undecided (one dead-lettered)."""
+    halves = [await add_half(ctx, f"h{i}".encode()) for i in range(n)]
+    for i, p in enumerate(halves):
+        if i % 3 == 0:
+            await ctx.tx.decide(p.half_offset, COMMIT, group="PG")
+        elif i % 3 == 1:
+            await ctx.tx.decide(p.half_offset, ROLLBACK, group="PG")
+    await ctx.tx.decide(halves[2].half_offset, DEAD, reason="max-checks")
+    return halves
+
+
+def _expected(halves):
+    want = {}
+    for i, p in enumerate(halves):
+        want[p.half_offset] = COMMIT if i % 3 == 0 else ROLLBACK if i % 3 == 1 else None
+    want[halves[2].half_offset] = DEAD
+    return want
+
+
+@bounded(30)
+async def test_a_clean_restart_reads_the_snapshot_not_the_history(tmp_path, caplog):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    halves = await _history(ctx)
+    ctx.tx.pending[halves[5].half_offset].checks = 4
+    await ctx.tx.stop()
+    await ctx.store._store.close()
+    snap = _snapshot(ctx)
+    assert snap["op_offset"] == 30 - 10 + 1 and snap["dead"] == 1     # 20 decisions + 1 dead letter
+
+    caplog.set_level(logging.INFO, "txmq.transaction")
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert "from the snapshot" in caplog.text
+        assert sorted(ctx2.tx.pending) == sorted(o for o, d in _expected(halves).items() if d is None)
+        assert ctx2.tx.pending[halves[5].half_offset].checks == 4
+        assert {o: ctx2.tx.decision_of(o) for o in _expected(halves)} == _expected(halves)
+        assert ctx2.tx.dead_count == 1
+        # A late, repeated END of an old transaction is answered from the table ...
+        assert await ctx2.tx.decide(halves[0].half_offset, COMMIT, group="PG") == "already COMMIT; nothing changed"
+        # ... and a conflicting one refused: the first decision wins, whatever was kept in memory.
+        refused = await _refusal(ctx2.tx.decide(halves[1].half_offset, COMMIT, group="PG"))
+        assert "already ROLLBACK" in refused
+    finally:
+        await ctx2.store._store.close()
+
+
+async def _refusal(coro) -> str:
+    from broker.transaction import DecisionError
+    try:
+        await coro
+    except DecisionError as exc:
+        return exc.remark
+    raise AssertionError("not refused")
+
+
+@bounded(30)
+async def test_a_crash_after_the_snapshot_replays_only_what_came_after(tmp_path, caplog):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    halves = await _history(ctx)
+    await ctx.tx.write_snapshot()
+    at_snapshot = _snapshot(ctx)
+    # After the snapshot: a commit of an undecided one, a resume of the dead letter, two new halves.
+    await ctx.tx.decide(halves[5].half_offset, COMMIT, group="PG")
+    await ctx.tx.resume(halves[2].half_offset)
+    late = [await add_half(ctx, b"late-1"), await add_half(ctx, b"late-2")]
+    await ctx.tx.decide(late[0].half_offset, ROLLBACK, group="PG")
+    await ctx.store._store.close()                 # crash: no stop, no new snapshot
+    assert _snapshot(ctx) == at_snapshot
+
+    caplog.set_level(logging.INFO, "txmq.transaction")
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert "from the snapshot" in caplog.text
+        want = _expected(halves)
+        want[halves[5].half_offset] = COMMIT
+        want[halves[2].half_offset] = None
+        want[late[0].half_offset] = ROLLBACK
+        want[late[1].half_offset] = None
+        assert sorted(ctx2.tx.pending) == sorted(o for o, d in want.items() if d is None)
+        assert {o: ctx2.tx.decision_of(o) for o in want} == want
+        assert ctx2.tx.dead_count == 0
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_a_snapshot_of_another_store_is_ignored_and_the_log_rebuilds_everything(tmp_path, caplog):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    halves = await _history(ctx)
+    await ctx.tx.stop()
+    await ctx.store._store.close()
+    path = os.path.join(ctx.store.store_dir, "transactions", "snapshot.json")
+    snap = _snapshot(ctx)
+    snap["store_id"] = "someone-else"
+    snap["pending"] = []                           # were it believed, every undecided one would be lost
+    with open(path, "w") as f:
+        json.dump(snap, f)
+
+    caplog.set_level(logging.INFO, "txmq.transaction")
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert "written for another store" in caplog.text and "from the whole log" in caplog.text
+        assert sorted(ctx2.tx.pending) == sorted(o for o, d in _expected(halves).items() if d is None)
+        assert {o: ctx2.tx.decision_of(o) for o in _expected(halves)} == _expected(halves)
+        assert _snapshot(ctx2)["store_id"] == ctx2.store.store_id          # rewritten at once
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(20)
+async def test_a_snapshot_taken_while_a_half_is_being_indexed_does_not_skip_it(tmp_path):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    real_put = ctx.store._store.put
+    written, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_put(req):
+        result = await real_put(req)      # stored and dispatched ...
+        written.set()
+        await release.wait()              # ... but the sender has not indexed it yet
+        return result
+
+    ctx.store.put = slow_put
+    adding = asyncio.ensure_future(add_half(ctx, b"in-flight"))
+    await written.wait()
+    await ctx.tx.write_snapshot()
+    release.set()
+    p = await adding
+    await ctx.store._store.close()        # crash: the snapshot above is the one on disk
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert p.half_offset in ctx2.tx.pending, "a half stored just before a snapshot was forgotten"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(20)
+async def test_a_snapshot_taken_while_a_decision_is_being_written_replays_it(tmp_path):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    p = await add_half(ctx, b"deciding")
+    ctx.store.gate = asyncio.Event()
+    deciding = asyncio.ensure_future(ctx.tx.decide(p.half_offset, COMMIT, group="PG"))
+    await ctx.store.entered.wait()
+    snapshotting = asyncio.ensure_future(ctx.tx.write_snapshot())
+    await asyncio.sleep(0)
+    ctx.store.gate.set()
+    assert await deciding == COMMIT
+    await snapshotting
+    assert _snapshot(ctx)["op_offset"] == 0          # held down by the decision in flight
+    await ctx.store._store.close()
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert p.half_offset not in ctx2.tx.pending and ctx2.tx.decision_of(p.half_offset) == COMMIT
+    finally:
+        await ctx2.store._store.close()
+
+
+def test_decision_table_files_and_trim(tmp_path):
+    t = DecisionTable(str(tmp_path), file_entries=8)
+    for i, op in enumerate([COMMIT, ROLLBACK, DEAD, None] * 5):
+        t.set(i, op)
+    assert [t.get(i) for i in range(5)] == [COMMIT, ROLLBACK, DEAD, None, COMMIT]
+    assert t.get(10_000) is None and t.get(-1) is None
+    assert t.file_count == 3 and t.count(DEAD) == 5
+    t.set(2, None)                                   # a resume
+    assert t.get(2) is None
+    assert t.trim(17) == 3                           # files [0, 8) and [8, 16) go, with 3 DEAD entries
+    assert t.file_count == 1 and sorted(os.listdir(tmp_path)) == [f"{16:020d}"]
+    t.close()
+    again = DecisionTable(str(tmp_path), file_entries=8)
+    assert again.get(16) == COMMIT and again.get(18) == DEAD
+    again.close()
