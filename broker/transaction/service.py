@@ -66,6 +66,14 @@ class Pending:
     deciding_op: str | None = None
     real_qid: int = 0
     tags_code: int = 0
+    delayed: bool = False           # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
+
+
+_DELAY_KEYS = (Prop.DELAY, "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
+
+
+def _asks_delay(props: dict) -> bool:
+    return any(props.get(k, "0") != "0" for k in _DELAY_KEYS)
 
 
 def _pending_from_half(msg, next_check: int, checks: int) -> Pending:
@@ -76,7 +84,7 @@ def _pending_from_half(msg, next_check: int, checks: int) -> Pending:
         real_qid = 0
     return Pending(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
                    props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, next_check, checks, real_qid=real_qid,
-                   tags_code=tags_code(props))
+                   tags_code=tags_code(props), delayed=_asks_delay(props))
 
 
 class DecisionError(Exception):
@@ -234,7 +242,7 @@ class TransactionService:
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
         p = Pending(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
                     result.store_timestamp, 0, owner=conn, owner_id=client_id, real_qid=qid,
-                    tags_code=req.tags_code)
+                    tags_code=req.tags_code, delayed=_asks_delay(props))
         p.next_check = first_check_time(self.policy, result.store_timestamp,
                                         props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
         self._add(p)
@@ -337,8 +345,12 @@ class TransactionService:
         if view is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed")
         if op == COMMIT:
-            return [rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code),
-                    rf.decision(COMMIT, p.half_offset, p.queue_offset)]
+            real = None
+            if p.delayed and self.ctx.schedule is not None:     # RocketMQ delays COMMIT messages too
+                real = self.ctx.schedule.delayed_commit(decode_record(view)[0], p.topic, p.real_qid, p.half_offset)
+            if real is None:
+                real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
+            return [real, rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
         return [rf.dead_letter(half, p.half_offset, reason or "unknown"),
                 rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
