@@ -53,6 +53,7 @@ class ScheduleService:
         self._progress_end = 0          # commit-log end of the last progress record applied
         self._snapshot_key = None
         self.delivered = 0
+        self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
         m = ctx.metrics
         self._late = m.schedule_delivered_late
@@ -155,11 +156,13 @@ class ScheduleService:
         clock = self.ctx.clock
         while True:
             now = clock()
-            batch, levels, timers, next_due = self._collect(now)
-            if levels or timers:
-                if not await self._deliver(batch, levels, timers, now):
-                    await asyncio.sleep(REFUSED_RETRY_S)
+            moved = await self.run_due(now)
+            if moved < 0:
+                await asyncio.sleep(REFUSED_RETRY_S)
                 continue
+            if moved > 0:
+                continue
+            next_due = self.next_due
             wait_ms = MAX_SLEEP_S * 1000 if next_due is None else min(MAX_SLEEP_S * 1000, max(1, next_due - now))
             self._sleep_until = now + wait_ms
             self._wake.clear()
@@ -168,6 +171,18 @@ class ScheduleService:
             except asyncio.TimeoutError:
                 pass
             self._sleep_until = None
+
+    async def run_due(self, now: int) -> int:
+        """One turn: deliver (at most one batch of) what is due at ``now``. Returns how many queue entries it
+        moved past (delivered, or dropped as undeliverable), 0 when nothing was due, -1 when the store
+        refused the batch (nothing moved; the same messages are tried next time). Sets ``next_due``."""
+        batch, levels, timers, self.next_due = self._collect(now)
+        if not levels and not timers:
+            return 0
+        moved = sum(offset - self.progress.levels.get(level, 0) for level, offset in levels.items()) + len(timers)
+        if not await self._deliver(batch, levels, timers):
+            return -1
+        return moved
 
     def _collect(self, now: int):
         """What is due now: (delivery requests with their due times, new level offsets, timer entries taken,
@@ -252,7 +267,7 @@ class ScheduleService:
                                store_host=ctx.store_host, properties=b"WAIT\x01false")
         return PutRequest(record, PROGRESS_TOPIC, 0, 0, 0)
 
-    async def _deliver(self, batch, levels: dict[int, int], timers: list, now: int) -> bool:
+    async def _deliver(self, batch, levels: dict[int, int], timers: list) -> bool:
         timer_offsets = [t[1] for t in timers]
         reqs = [req for req, _, _ in batch] + [self._progress_record(levels, timer_offsets)]
         try:
