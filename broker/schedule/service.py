@@ -20,8 +20,8 @@ import logging
 import os
 
 from protocol.codes import SysFlag
-from protocol.message import Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code, \
-    validate_topic
+from protocol.message import (Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code,
+                              validate_topic)
 
 from ..store import PutRequest
 from ..store.results import PutStatus

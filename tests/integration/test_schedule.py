@@ -66,7 +66,6 @@ def _scrape(broker) -> dict:
 
 async def test_rocketmqs_real_delays_level_1_level_2_timer_and_reconsume_later(broker):
     """The one slow test (about 11 s): the default levels, measured."""
-    measured = {}
     retried = asyncio.get_running_loop().create_future()
     attempts = []
 
