@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 
 from protocol.errors import ConfigError
 
+from .schedule.levels import parse_delay_levels
+
 
 def setting(default, doc: str, *, choices: tuple | None = None):
     return field(default=default, metadata={"doc": doc, "choices": choices})
@@ -55,6 +57,8 @@ class BrokerConfig:
     max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")
     channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s).")
     max_reconsume_times: int = setting(16, "Retries before a failed message goes to %DLQ%<group> (RocketMQ's 16).")
+    message_delay_level: str = setting("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h", "Delay of each DELAY level, level 1 first (RocketMQ's messageDelayLevel; units ms, s, m, h, d). A failed message's n-th retry waits level 3 + n.")
+    timer_max_delay_s: int = setting(3 * 24 * 3600, "Latest a timer message (TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS) may ask to be delivered, in seconds from now; later is refused MESSAGE_ILLEGAL (RocketMQ 5's timerMaxDelaySec, 3 days, within the log's 72 h retention).")
     queue_lock_max_live_ms: int = setting(60000, "An orderly consumer's queue lock (LOCK_BATCH_MQ) not renewed for this long may be taken by another consumer of the group: how long a crashed orderly consumer holds its queues (RocketMQ's rocketmq.broker.rebalance.lockMaxLiveTime, 60 s).")
     # ---- transactions
     transaction_check_interval_ms: int = setting(60000, "How often undecided transactions are checked (RocketMQ's transactionCheckInterval).")
@@ -105,6 +109,12 @@ class BrokerConfig:
             raise ConfigError("file_reserved_hours and disk_clean_interval_s must be positive")
         if self.retain_unconsumed_max_bytes < 0 or self.plan_clock_skew_ms < 0:
             raise ConfigError("retain_unconsumed_max_bytes and plan_clock_skew_ms must not be negative")
+        try:
+            parse_delay_levels(self.message_delay_level)
+        except ValueError as exc:
+            raise ConfigError(f"message_delay_level={self.message_delay_level!r}: {exc}") from None
+        if self.timer_max_delay_s <= 0:
+            raise ConfigError("timer_max_delay_s must be positive")
         if self.max_message_size + 4096 > self.segment_size:
             raise ConfigError(f"segment_size={self.segment_size} cannot hold a max_message_size={self.max_message_size} record")
 

@@ -32,6 +32,7 @@ class BrokerContext:
     limits: object = None            # broker.limits.Limits
     acl: object = None               # broker.acl.PlainAcl, None without --acl-file
     retention: object = None         # broker.retention.Retention
+    schedule: object = None          # broker.schedule.ScheduleService
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
 
     def set_address(self, host: str, port: int) -> None:

@@ -84,6 +84,12 @@ class BrokerMetrics:
         self.segments_removed = Counter("txmq_store_segments_removed_total",
                                         "Commit-log segments removed, by reason (expired, plan, pressure).",
                                         ["reason"], registry=r)
+        # scheduled messages (broker/schedule); the waiting gauge is collected from the server's snapshot
+        self.schedule_delivered = Counter("txmq_schedule_delivered", "Delayed and timer messages delivered to "
+                                          "their real topic, by level (\"timer\" for timer messages).", ["level"],
+                                          registry=r)
+        self.schedule_delivered_late = Counter("txmq_schedule_delivered_late", "Scheduled messages delivered "
+                                               "more than 1 s after they were due.", registry=r)
         self.finish_latency = Histogram("rocketmq_finish_message_latency",
                                         "Seconds from half message to decision.", ["producer_group"],
                                         buckets=_DECISION_BUCKETS, registry=r)

@@ -32,6 +32,7 @@ from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot
 from .processors import broker_table, namesrv_table
 from .retention import Retention
+from .schedule import DelayLevels, ScheduleService
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
@@ -89,18 +90,21 @@ class BrokerServer:
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
 
+        levels = DelayLevels(c.message_delay_level, c.timer_max_delay_s * 1000)
         store = MessageStore(store_dir, StoreConfig(segment_size=c.segment_size, flush=c.flush,
                                                     flush_interval_ms=c.flush_interval_ms,
                                                     max_message_size=c.max_message_size + 64 * 1024,
                                                     truncate_corrupt_tail=c.truncate_corrupt_tail,
                                                     disk_refuse_ratio=c.disk_refuse_ratio),
-                             clock=self.clock)
+                             clock=self.clock, tag_rule=levels.consume_queue_tag)
         ctx.store = store
         store.set_flush_observer(self.metrics.flush_latency.observe)
         ctx.holds = PullHoldService()
         ctx.tx = TransactionService(ctx)
+        ctx.schedule = ScheduleService(ctx, levels)
         store.add_dispatch_listener(ctx.holds.on_dispatch)
         store.add_dispatch_listener(ctx.tx.on_dispatch)
+        store.add_dispatch_listener(ctx.schedule.on_dispatch)
         report = await store.open()
         log.info("store open: %s", report)
         topics.adopt(store.queues())
@@ -108,6 +112,8 @@ class BrokerServer:
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
         ctx.tx.start()
+        await ctx.schedule.recover()
+        ctx.schedule.start()
         ctx.retention = Retention(ctx)
         ctx.retention.start()
         self._install_metrics(ctx)
@@ -154,6 +160,8 @@ class BrokerServer:
                               ["consumer_group"], snap("consumers"))
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
         m.add_gauge_collector("txmq_topics", "Topics the broker holds.", [], snap("topics"))
+        m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
+                              "(\"timer\" for timer messages).", ["level"], snap("schedule"))
         m.add_disk_collector(ctx.store.disk)
         self._metrics_port = None
         if self.config.metrics_port >= 0:
@@ -190,6 +198,7 @@ class BrokerServer:
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
             "parked": [((), ctx.holds.parked)],
             "topics": [((), len(ctx.topics.topics))],
+            "schedule": [((level,), n) for level, n in ctx.schedule.waiting()],
         }
 
     async def _gauge_loop(self) -> None:
@@ -315,6 +324,8 @@ class BrokerServer:
                 conn.close()
         if ctx is not None and ctx.retention is not None:
             await ctx.retention.stop()
+        if ctx is not None and ctx.schedule is not None:
+            await ctx.schedule.stop()
         if ctx is not None and ctx.tx is not None:
             await ctx.tx.stop()
         if ctx is not None and ctx.store is not None:

@@ -26,12 +26,14 @@ HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
 OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
 TRANS_DLQ_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+TIMER_TOPIC = "rmq_sys_wheel_timer"                     # RocketMQ 5's timer messages
+SCHEDULE_PROGRESS_TOPIC = "rmq_sys_schedule_progress"   # txmq: the scheduler's progress records
 RETRY_PREFIX = "%RETRY%"
 DLQ_PREFIX = "%DLQ%"
 
 # Producers may not send to these (spec 3.4 step 3).
 NO_SEND_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC, "SELF_TEST_TOPIC",
-                            "OFFSET_MOVED_EVENT"})
+                            "OFFSET_MOVED_EVENT", TIMER_TOPIC, SCHEDULE_PROGRESS_TOPIC})
 SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC"}
 
 
@@ -77,6 +79,8 @@ class TopicManager:
             OP_TOPIC: TopicConfig(OP_TOPIC, 1, 1),
             TRANS_DLQ_TOPIC: TopicConfig(TRANS_DLQ_TOPIC, 1, 1),
             SCHEDULE_TOPIC: TopicConfig(SCHEDULE_TOPIC, 18, 18),
+            TIMER_TOPIC: TopicConfig(TIMER_TOPIC, 1, 1),
+            SCHEDULE_PROGRESS_TOPIC: TopicConfig(SCHEDULE_PROGRESS_TOPIC, 1, 1),
             "SELF_TEST_TOPIC": TopicConfig("SELF_TEST_TOPIC", 1, 1),
             "OFFSET_MOVED_EVENT": TopicConfig("OFFSET_MOVED_EVENT", 1, 1),
             cluster: TopicConfig(cluster, 16, 16, Perm.INHERIT | Perm.READ_WRITE),

@@ -146,9 +146,18 @@ class Producer:
         return props
 
     async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
-                   properties: dict | None = None, queue: MessageQueue | None = None, flag: int = 0) -> SendResult:
+                   properties: dict | None = None, queue: MessageQueue | None = None, flag: int = 0,
+                   delay_level: int = 0, deliver_at_ms: int | None = None) -> SendResult:
+        """Send one message. ``delay_level`` n > 0: delivered after the broker's n-th delay level (1 s, 5 s,
+        10 s, ... by default); ``deliver_at_ms``: delivered at that wall-clock time (RocketMQ 5's
+        TIMER_DELIVER_MS, up to the broker's timer_max_delay_s ahead)."""
         props = self.message_properties(tags, keys, properties)
-        if self._accumulator is not None and queue is None and flag == 0 and Prop.DELAY not in props:
+        if delay_level:
+            props[Prop.DELAY] = str(delay_level)
+        if deliver_at_ms is not None:
+            props["TIMER_DELIVER_MS"] = str(deliver_at_ms)
+        waits = Prop.DELAY in props or any(k.startswith("TIMER_") for k in props)
+        if self._accumulator is not None and queue is None and flag == 0 and not waits:
             return await self._accumulator.add(topic, body, props)
         return await self._send(RequestCode.SEND_MESSAGE_V2, topic, body, props, queue, flag=flag)
 

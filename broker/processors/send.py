@@ -107,11 +107,17 @@ def handle_send(ctx, conn, cmd):
             return refused
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
     props.pop(Prop.WAIT, None)
+    to_topic, to_qid, tags, delay_ms = topic, qid, None, -1
+    waits = ctx.schedule.levels.divert(topic, qid, props, h.sys_flag, ctx.clock())   # DELAY, TIMER_*
+    if isinstance(waits, str):
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, waits)
+    if waits is not None:
+        to_topic, to_qid, delay_ms, tags = waits
     record = encode_record(
-        topic=topic.encode(), body=body, queue_id=qid, flag=h.flag, sys_flag=h.sys_flag,
+        topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=h.sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=reconsume)
-    req = PutRequest(record, topic, qid, tags_code(props), h.sys_flag)
+    req = PutRequest(record, to_topic, to_qid, tags_code(props) if tags is None else tags, h.sys_flag, delay_ms)
     return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body))
 
 
@@ -242,16 +248,19 @@ async def handle_send_back(ctx, conn, cmd):
         topic = DLQ_PREFIX + group
         props[Prop.DELAY] = "0"
     else:
+        # Backoff: the n-th retry waits level 3 + n (10 s, 30 s, 1 min, ...) in SCHEDULE_TOPIC_XXXX.
         topic = RETRY_PREFIX + group
-        # Delivery delays (levels 3 + n) need the schedule service; txmq redelivers at once and
-        # records the level the client asked for.
         props[Prop.DELAY] = str(delay_level or 3 + msg.reconsume_times)
     ctx.topics.ensure(topic)
+    to_topic, to_qid, tags, delay_ms = topic, 0, tags_code(props), -1
+    waits = ctx.schedule.levels.divert(topic, 0, props, msg.sys_flag, ctx.clock())
+    if waits is not None and not isinstance(waits, str):
+        to_topic, to_qid, delay_ms, tags = waits
     record = encode_record(
-        topic=topic.encode(), body=msg.body, queue_id=0, flag=msg.flag, sys_flag=msg.sys_flag,
+        topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=msg.sys_flag,
         born_timestamp=msg.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=msg.reconsume_times + 1)
-    result = await ctx.store.put(PutRequest(record, topic, 0, tags_code(props), msg.sys_flag))
+    result = await ctx.store.put(PutRequest(record, to_topic, to_qid, tags, msg.sys_flag, delay_ms))
     if not result.ok:
         return cmd.response(ResponseCode.SYSTEM_ERROR, result.status.name)
     ctx.metrics.count_in(topic, 1, len(msg.body))

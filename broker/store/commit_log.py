@@ -271,7 +271,7 @@ class CommitLog:
                     packed = units.get(key)
                     if packed is None:
                         packed = units[key] = bytearray()
-                    packed += pack_unit(phys, n, r.tags_code)
+                    packed += pack_unit(phys, n, r.tags_code if r.delay_ms < 0 else now + r.delay_ms)
                 if infos is not None:
                     infos.append(_info(r, rec, qoff, phys, n, now, sys_flag))
                 if results is None:
@@ -338,7 +338,8 @@ def _info(r: PutRequest, rec: bytearray, qoff: int, phys: int, n: int, now: int,
     if sys_flag & 0xC:
         at = 76 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
         prepared = _I64.unpack_from(rec, at)[0]
-    return DispatchInfo(r.topic, r.queue_id, qoff, phys, n, r.tags_code, now, sys_flag, prepared, False)
+    tag = r.tags_code if r.delay_ms < 0 else now + r.delay_ms
+    return DispatchInfo(r.topic, r.queue_id, qoff, phys, n, tag, now, sys_flag, prepared, False)
 
 
 def unavailable(req_or_res, remark: str = ""):

@@ -107,12 +107,19 @@ def parse_record(seg: Segment, pos: int, check_crc: bool = True):
     return size, qid, qoff, sys_flag, ts, prepared, topic, (t + 3 + topic_len, props_len)
 
 
-def _tag(seg: Segment, span) -> int:
+def _tag(seg: Segment, span, topic: str = "", ts: int = 0, rule: Callable | None = None) -> int:
+    """The consume-queue tagsCode of a record: its TAGS hash, or what ``rule(topic, props, store ts)`` says
+    for the topics it knows (a delayed message's delivery time)."""
     lo, n = span
     try:
-        return tags_code(string_to_properties(seg.mm[lo:lo + n].decode()))
+        props = string_to_properties(seg.mm[lo:lo + n].decode())
     except UnicodeDecodeError:
         return 0
+    if rule is not None:
+        special = rule(topic, props, ts)
+        if special is not None:
+            return special
+    return tags_code(props)
 
 
 def data_end(seg: Segment, lo: int) -> int:
@@ -165,7 +172,7 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
 
 def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_queue: Callable,
             checkpoint: Checkpoint | None, verify_segments: int, truncate_corrupt: bool,
-            listeners: list) -> RecoveryReport:
+            listeners: list, tag_rule: Callable | None = None) -> RecoveryReport:
     began = time.monotonic()
     short = load_segments(clog, truncate_corrupt)
     segs = clog.segments
@@ -198,9 +205,11 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             phys = seg.start + pos
             report.records_scanned += 1
             if not sys_flag & 0x4:
-                _replay_unit(queues, make_queue, (topic, qid), qoff, phys, size, seg, span, gaps, report)
+                _replay_unit(queues, make_queue, (topic, qid), qoff, phys, size, seg, span, gaps, report,
+                             ts, tag_rule)
             if listeners and phys >= point:
-                info = DispatchInfo(topic, qid, qoff if not sys_flag & 0x4 else -1, phys, size, _tag(seg, span),
+                info = DispatchInfo(topic, qid, qoff if not sys_flag & 0x4 else -1, phys, size,
+                                    _tag(seg, span, topic, ts, tag_rule),
                                     ts, sys_flag, prepared, True)
                 for fn in listeners:
                     fn(info)
@@ -223,7 +232,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     for key, cq in queues.items():
         report.cq_units_dropped += cq.truncate(cq.first_unit_at_or_after(end, lo=0))
     if gaps:
-        _fill_gaps(clog, queues, gaps, end, report)
+        _fill_gaps(clog, queues, gaps, end, report, tag_rule)
     for cq in queues.values():
         for mf in cq.expire_before(clog.min_offset):
             mf.remove()
@@ -267,7 +276,7 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
     return seg.start + pos
 
 
-def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report) -> None:
+def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report, ts=0, rule=None) -> None:
     cq = queues.get(key)
     if cq is None:
         if validate_topic(key[0]) is not None or key[1] < 0:
@@ -284,13 +293,13 @@ def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, rep
         log.warning("consume queue %s-%d: unit %d does not match the log; rewriting from there", *key, qoff)
         report.cq_units_dropped += cq.truncate(qoff)
     if qoff == cq.max_offset:
-        cq.append(phys, size, _tag(seg, span))
+        cq.append(phys, size, _tag(seg, span, key[0], ts, rule))
         report.cq_units_appended += 1
     else:
         gaps.add(key)
 
 
-def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryReport) -> None:
+def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryReport, rule=None) -> None:
     """Rebuild queues that lost units before the verified range from the whole log (no CRC: read-only)."""
     log.warning("consume queues %s lack units before the verified range; rebuilding them from the whole log",
                 sorted(gaps))
@@ -300,7 +309,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
         pos = 0
         while seg.start + pos < end:
             try:
-                size, qid, qoff, sys_flag, _ts, _p, topic, span = parse_record(seg, pos, check_crc=False)
+                size, qid, qoff, sys_flag, ts, _p, topic, span = parse_record(seg, pos, check_crc=False)
             except BadRecord:
                 break                               # the end marker (the scan has already vetted the log)
             key = (topic, qid)
@@ -309,6 +318,6 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
                 if qoff > cq.max_offset:
                     cq.pad(qoff)
                 if qoff == cq.max_offset:
-                    cq.append(seg.start + pos, size, _tag(seg, span))
+                    cq.append(seg.start + pos, size, _tag(seg, span, topic, ts, rule))
                     report.cq_units_appended += 1
             pos += size

@@ -42,7 +42,9 @@ class PutRequest:
     ``record`` comes from ``protocol.message.encode_record`` with queue offset, physical offset and
     store timestamp zero; the writer patches them IN PLACE (so pass the bytearray; other buffers are
     copied first) and then copies the record into the segment. The record's own SYSFLAG and QUEUEID
-    are authoritative; ``sys_flag`` is informational.
+    are authoritative; ``sys_flag`` is informational. ``delay_ms`` >= 0 (a delayed message in
+    SCHEDULE_TOPIC_XXXX): its consume-queue tagsCode is the store timestamp plus this, its delivery
+    time, as in RocketMQ, instead of ``tags_code``.
     """
 
     record: bytearray
@@ -50,6 +52,7 @@ class PutRequest:
     queue_id: int
     tags_code: int = 0
     sys_flag: int = 0
+    delay_ms: int = -1
 
     @classmethod
     def build(cls, topic: str, body: bytes, *, queue_id: int = 0, properties: dict[str, str] | None = None,

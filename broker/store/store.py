@@ -48,8 +48,11 @@ def _default_clock() -> int:
 
 class MessageStore:
     def __init__(self, store_dir: str, config: StoreConfig | None = None, *,
-                 clock: Callable[[], int] | None = None):
+                 clock: Callable[[], int] | None = None, tag_rule: Callable | None = None):
         self.store_dir = os.path.abspath(store_dir)
+        # tag_rule(topic, properties, store ts) -> tagsCode | None: the consume-queue tag of a unit rebuilt
+        # from the log when it is not the TAGS hash (a delayed message's delivery time; see PutRequest.delay_ms).
+        self.tag_rule = tag_rule
         self.config = config or StoreConfig()
         self.clock = clock or _default_clock
         self._log = CommitLog(os.path.join(self.store_dir, "commitlog"), self.config, self.clock)
@@ -92,7 +95,7 @@ class MessageStore:
             self._load_queues()
             self.report = recover(self._log, self._cqs, self._make_queue, read_checkpoint(self.store_dir),
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
-                                  self._listeners)
+                                  self._listeners, self.tag_rule)
             self.store_id = load_or_create_store_id(self.store_dir)
         except BaseException:
             self._close_files()
@@ -316,6 +319,13 @@ class MessageStore:
             total += size
             status = _FOUND
         return GetResult(status, offset + scanned, lo, hi, buffers)
+
+    def queue_unit(self, topic: str, queue_id: int, offset: int) -> tuple[int, int, int] | None:
+        """(commit-log offset, size, tagsCode) of the unit at a queue offset; None outside the queue."""
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None or not cq.min_offset <= offset < cq.max_offset:
+            return None
+        return cq.unit(offset)
 
     def queues(self) -> list[tuple[str, int]]:
         """Every (topic, queue id) with a consume queue."""

@@ -66,6 +66,7 @@ class Tx:
     deciding: str | None = None  # the decision being written
     owner: object = None         # the producer connection that sent the half (opaque here)
     owner_id: str = ""
+    delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
 
 
 @dataclass(frozen=True, slots=True)

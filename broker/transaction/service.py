@@ -50,6 +50,14 @@ _STATES = {8: COMMIT, 12: ROLLBACK, 0: UNKNOWN}
 Pending = Tx                            # the name the rest of the broker and the tests know
 
 
+_DELAY_KEYS = (Prop.DELAY, "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
+
+
+def _asks_delay(props: dict) -> bool:
+    """DELAY / TIMER_* properties: once committed, the message waits in broker/schedule."""
+    return any(props.get(k, "0") != "0" for k in _DELAY_KEYS)
+
+
 def _tx_from_half(msg, checks: int = 0) -> Tx:
     props = msg.properties
     try:
@@ -58,7 +66,7 @@ def _tx_from_half(msg, checks: int = 0) -> Tx:
         real_qid = 0
     return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
               props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
-              checks=checks)
+              checks=checks, delayed=_asks_delay(props))
 
 
 class DecisionError(Exception):
@@ -327,7 +335,8 @@ class TransactionService:
             return put_failure_response(cmd, result)
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
-                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id)
+                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id,
+                delayed=_asks_delay(props))
         if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)):
             self.timer.wake()
         self._changed = True
@@ -447,8 +456,12 @@ class TransactionService:
         if view is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed")
         if op == COMMIT:
-            return [rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code),
-                    rf.decision(COMMIT, p.half_offset, p.queue_offset)]
+            real = None
+            if p.delayed and self.ctx.schedule is not None:     # RocketMQ delays COMMIT messages too
+                real = self.ctx.schedule.delayed_commit(decode_record(view)[0], p.topic, p.real_qid, p.half_offset)
+            if real is None:
+                real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
+            return [real, rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
         return [rf.dead_letter(half, p.half_offset, reason or "unknown"),
                 rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]

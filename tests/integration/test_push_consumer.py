@@ -10,11 +10,13 @@ import pytest
 from consumer import ConsumeStatus, PullConsumer, PushConsumer, SqliteIdempotency
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
+from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
 
 
-async def test_push_consumer_retries_parks_poison_and_applies_once(broker, tmp_path):
+async def test_push_consumer_retries_parks_poison_and_applies_once(broker_factory, tmp_path):
+    broker = broker_factory(*FAST)      # retries back off n x 100 ms, not RocketMQ's 10 s, 30 s
     async with Producer(broker.namesrv, "PG_push") as producer:
         for i in range(20):
             await producer.send("Jobs", f"job-{i}".encode(), tags="job")

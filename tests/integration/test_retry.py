@@ -1,5 +1,6 @@
 """Consumer retries through the broker: CONSUMER_SEND_MSG_BACK copies a failed message to %RETRY%<group>
-with its retry count, and past the group's maximum to %DLQ%<group>; nothing is dropped on the way."""
+with its retry count, after the backoff of level 3 + retries, and past the group's maximum to %DLQ%<group>
+at once; nothing is dropped on the way."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
+from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
 
@@ -22,7 +24,16 @@ async def _send_back(consumer, mq_addr, msg, group, max_times):
     return await consumer.pool.request(mq_addr, cmd, 5)
 
 
-async def test_failed_messages_go_to_retry_then_dead_letter_queue(broker):
+async def _pull_one(consumer, mq, offset):
+    """The message at ``offset``, waiting (long polls) for the scheduler to deliver it."""
+    while True:
+        got = await consumer.pull(mq, offset, suspend_ms=1000)
+        if got.messages:
+            return got.messages[0]
+
+
+async def test_failed_messages_go_to_retry_then_dead_letter_queue(broker_factory):
+    broker = broker_factory(*FAST)      # level n waits n x 100 ms
     group = "CG_retry"
     async with Producer(broker.namesrv, "PG_retry") as producer:
         sent = await producer.send("Work", b"fails every time", tags="job")
@@ -38,8 +49,7 @@ async def test_failed_messages_go_to_retry_then_dead_letter_queue(broker):
             assert resp.code == ResponseCode.SUCCESS, resp.remark
             if attempt < 3:
                 retry_mq = (await consumer.fetch_queues(f"%RETRY%{group}"))[0]
-                got = await consumer.pull(retry_mq, attempt - 1)
-                msg = got.messages[0]
+                msg = await _pull_one(consumer, retry_mq, attempt - 1)
                 seen.append((msg.topic, msg.reconsume_times, msg.properties["RETRY_TOPIC"]))
         dlq = MessageQueue(f"%DLQ%{group}", mq.broker_name, 0)
         await consumer.fetch_queues(f"%DLQ%{group}")

@@ -1,0 +1,152 @@
+"""Delay levels and timer times: the pure part of scheduling (no I/O, no clock of its own).
+
+RocketMQ 4.x (ScheduleMessageService.parseDelayLevel): ``message_delay_level`` is a
+space-separated list, level n (from 1) is the n-th entry, each a number and a unit
+``s`` ``m`` ``h`` ``d``; txmq also accepts ``ms`` (for tests that must not sleep).
+A message with DELAY = n > 0 is stored in SCHEDULE_TOPIC_XXXX queue n-1 (n clamped to
+the last level, as CommitLog.asyncPutMessage does), with REAL_TOPIC / REAL_QID naming
+where it goes; its consume-queue tagsCode is its delivery time, store time + delay.
+
+RocketMQ 5 timer messages (HookUtils.transformTimerMessage): TIMER_DELAY_SEC, else
+TIMER_DELAY_MS (both from now), else TIMER_DELIVER_MS (absolute ms) give the delivery
+time; a value that does not parse, or a time more than ``timer_max_delay_ms`` ahead,
+is refused; a time already past is sent at once; a DELAY level wins over them (they
+are dropped). A timer message is stored in rmq_sys_wheel_timer queue 0 with
+TIMER_OUT_MS = its delivery time, which is also its tagsCode.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from protocol.codes import SysFlag
+from protocol.message import Prop
+
+from ..topics import SCHEDULE_TOPIC, TIMER_TOPIC
+
+DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+TIMER_DELIVER_MS = "TIMER_DELIVER_MS"
+TIMER_DELAY_SEC = "TIMER_DELAY_SEC"
+TIMER_DELAY_MS = "TIMER_DELAY_MS"
+TIMER_OUT_MS = "TIMER_OUT_MS"
+TIMER_PROPS = (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS)
+
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_delay_levels(text: str) -> tuple[int, ...]:
+    """``"1s 5s 2m"`` -> (1000, 5000, 120000): the delay of level n is element n-1. ValueError names the
+    bad entry."""
+    out = []
+    for entry in text.split():
+        unit = "ms" if entry.endswith("ms") else entry[-1:]
+        number = entry[:-len(unit)]
+        if unit not in _UNITS_MS or not number.isdigit():
+            raise ValueError(f"delay level {len(out) + 1} {entry!r}: write a whole number and a unit "
+                             f"(ms, s, m, h, d), as in '1s 5s 10s 30s 1m'")
+        out.append(int(number) * _UNITS_MS[unit])
+    if not out:
+        raise ValueError("no delay levels: give at least one, as in '1s 5s 10s 30s 1m'")
+    return tuple(out)
+
+
+class Diverted(NamedTuple):
+    """Where a message that must wait is stored instead of its topic."""
+
+    topic: str              # SCHEDULE_TOPIC or TIMER_TOPIC
+    queue_id: int
+    delay_ms: int           # level messages: store time + this is the delivery time; -1 for timers
+    tags_code: int          # timers: the delivery time; level messages: 0 (the store fills it in)
+
+
+class DelayLevels:
+    """The level table and the rules that send a message to wait."""
+
+    def __init__(self, text: str, timer_max_delay_ms: int = 3 * 86_400_000):
+        self.delays_ms = parse_delay_levels(text)
+        self.timer_max_delay_ms = timer_max_delay_ms
+
+    @property
+    def max_level(self) -> int:
+        return len(self.delays_ms)
+
+    def clamp(self, level: int) -> int:
+        return min(level, self.max_level)
+
+    def delay_ms(self, level: int) -> int:
+        """The delay of ``level`` (clamped to the table; RocketMQ's 1 s for a level it does not know)."""
+        if level < 1:
+            return 1000
+        return self.delays_ms[self.clamp(level) - 1]
+
+    def deliver_at(self, level: int, store_ts: int) -> int:
+        """ScheduleMessageService.computeDeliverTimestamp."""
+        return store_ts + self.delay_ms(level)
+
+    @staticmethod
+    def corrected(deliver_ms: int, now: int, delay_ms: int) -> int:
+        """RocketMQ's correctDeliverTimestamp: a time further ahead than the level's whole delay (the clock
+        went back, or the table shrank) means deliver now."""
+        return now if deliver_ms > now + delay_ms else deliver_ms
+
+    def divert(self, topic: str, queue_id: int, props: dict, sys_flag: int, now: int) -> Diverted | str | None:
+        """Rewrite ``props`` (in place) for a message that must wait, and say where it goes; None: it
+        goes to ``topic`` now; a string: why it is refused (MESSAGE_ILLEGAL).
+
+        Only NOT and COMMIT transaction types wait (a half waits only once committed)."""
+        if SysFlag.transaction_type(sys_flag) not in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT):
+            return None
+        level = _int(props.get(Prop.DELAY))
+        if level is not None and level > 0:
+            for key in TIMER_PROPS:
+                props.pop(key, None)
+            level = self.clamp(level)
+            props[Prop.DELAY] = str(level)
+            props[Prop.REAL_TOPIC] = topic
+            props[Prop.REAL_QID] = str(queue_id)
+            return Diverted(SCHEDULE_TOPIC, level - 1, self.delays_ms[level - 1], 0)
+        if not any(key in props for key in TIMER_PROPS) or TIMER_OUT_MS in props:
+            return None
+        deliver_ms = self.timer_deliver_ms(props, now)
+        if isinstance(deliver_ms, str):
+            return deliver_ms
+        if deliver_ms <= now:
+            return None
+        props[TIMER_OUT_MS] = str(deliver_ms)
+        props[Prop.REAL_TOPIC] = topic
+        props[Prop.REAL_QID] = str(queue_id)
+        return Diverted(TIMER_TOPIC, 0, -1, deliver_ms)
+
+    def timer_deliver_ms(self, props: dict, now: int) -> int | str:
+        """The absolute delivery time a timer message asks for, or why it is refused."""
+        deliver_ms = now
+        for key, scale, relative in ((TIMER_DELAY_SEC, 1000, True), (TIMER_DELAY_MS, 1, True),
+                                     (TIMER_DELIVER_MS, 1, False)):
+            if key in props:
+                value = _int(props[key])
+                if value is None:
+                    return f"timer message illegal: {key}={props[key]!r} is not a whole number"
+                deliver_ms = now + value * scale if relative else value
+                break
+        if deliver_ms - now > self.timer_max_delay_ms:
+            return (f"timer message illegal: delivery in {(deliver_ms - now) // 1000} s is beyond the "
+                    f"{self.timer_max_delay_ms // 1000} s maximum (timer_max_delay_s)")
+        return deliver_ms
+
+    def consume_queue_tag(self, topic: str, props: dict, store_ts: int) -> int | None:
+        """The tagsCode of a waiting message's consume-queue unit (its delivery time), for units rebuilt
+        from the log; None for every other topic."""
+        if topic == SCHEDULE_TOPIC:
+            level = _int(props.get(Prop.DELAY))
+            return self.deliver_at(level, store_ts) if level is not None and level > 0 else None
+        if topic == TIMER_TOPIC:
+            return _int(props.get(TIMER_OUT_MS))
+        return None
+
+
+def _int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None

@@ -1,0 +1,114 @@
+"""The scheduler's progress: records in the log, and delayOffset.json.
+
+Truth is in the commit log. Every delivery batch ends with one progress record in
+rmq_sys_schedule_progress queue 0, written in the SAME all-or-none ``put_many`` as the
+messages it delivers, so a crash (kill -9 included) keeps both or neither: a delivery is
+never lost nor repeated. The record comes last in the batch, so a torn tail that cut a
+batch could only ever repeat a delivery, never lose one.
+
+Progress record body (JSON)::
+
+    {"levels": {"<level>": <next queue offset of SCHEDULE_TOPIC_XXXX queue level-1>, ...},
+     "timers": [<rmq_sys_wheel_timer queue offsets delivered by this batch>, ...]}
+
+delayOffset.json (<store>/config), RocketMQ's file with txmq's additions, is a shortcut
+for start-up, written every 10 s and at stop (only for progress that is on disk)::
+
+    {"offsetTable": {"<level>": <offset>}, "timerFloor": <every timer below it delivered>,
+     "timerDone": [<delivered timer offsets at or above the floor>],
+     "progressOffset": <progress records below this queue offset are reflected here>}
+
+Start-up loads it and replays the progress records after ``progressOffset``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+from ..topics import SCHEDULE_PROGRESS_TOPIC
+
+log = logging.getLogger("txmq.schedule")
+
+PROGRESS_TOPIC = SCHEDULE_PROGRESS_TOPIC
+SNAPSHOT_NAME = "delayOffset.json"
+
+
+@dataclass
+class Progress:
+    """How far delivery has gone: per level, and for the timer messages."""
+
+    levels: dict[int, int] = field(default_factory=dict)    # level -> next queue offset to deliver
+    timer_floor: int = 0                                     # timer queue offsets below: all delivered
+    timer_done: set[int] = field(default_factory=set)       # delivered offsets >= timer_floor
+    progress_offset: int = 0                                 # progress records below this are applied
+
+    def apply(self, levels: dict[int, int], timers) -> None:
+        for level, offset in levels.items():
+            if offset > self.levels.get(level, 0):
+                self.levels[level] = offset
+        done = self.timer_done
+        done.update(t for t in timers if t >= self.timer_floor)
+        while self.timer_floor in done:
+            done.discard(self.timer_floor)
+            self.timer_floor += 1
+
+    def timer_delivered(self, offset: int) -> bool:
+        return offset < self.timer_floor or offset in self.timer_done
+
+    def to_json(self) -> dict:
+        return {"offsetTable": {str(k): v for k, v in sorted(self.levels.items())},
+                "timerFloor": self.timer_floor, "timerDone": sorted(self.timer_done),
+                "progressOffset": self.progress_offset}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Progress":
+        return cls({int(k): int(v) for k, v in (data.get("offsetTable") or {}).items()},
+                   int(data.get("timerFloor", 0)), {int(t) for t in data.get("timerDone") or []},
+                   int(data.get("progressOffset", 0)))
+
+
+def encode_progress(levels: dict[int, int], timers: list[int]) -> bytes:
+    return json.dumps({"levels": {str(k): v for k, v in levels.items()}, "timers": timers},
+                      separators=(",", ":")).encode()
+
+
+def decode_progress(body: bytes) -> tuple[dict[int, int], list[int]] | None:
+    """(levels, timers) of a progress record; None (logged) for a body that is not one."""
+    try:
+        data = json.loads(body)
+        return {int(k): int(v) for k, v in data.get("levels", {}).items()}, [int(t) for t in data.get("timers", [])]
+    except (ValueError, TypeError, AttributeError) as exc:
+        log.error("ignoring a malformed schedule progress record: %s", exc)
+        return None
+
+
+def load_snapshot(config_dir: str) -> Progress:
+    path = os.path.join(config_dir, SNAPSHOT_NAME)
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            return Progress.from_json(json.load(fh))
+    except FileNotFoundError:
+        return Progress()
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.error("ignoring unreadable %s (%s): progress is replayed from the log", path, exc)
+        return Progress()
+
+
+def write_snapshot(config_dir: str, data: dict) -> None:
+    """Write delayOffset.json atomically (temp file, fsync, rename). Runs off the event loop."""
+    path = os.path.join(config_dir, SNAPSHOT_NAME)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

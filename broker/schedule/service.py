@@ -1,0 +1,332 @@
+"""ScheduleService: delivers delayed and timer messages to their real topics when due.
+
+One coroutine on the event loop. Each turn it looks at the head of every level's queue
+in SCHEDULE_TOPIC_XXXX (a level's messages share one delay, so they fall due in queue
+order, and the head's consume-queue tagsCode is its delivery time) and at the in-memory
+heap of timer messages (rmq_sys_wheel_timer, rebuilt from its consume queue at start),
+takes what is due (at most BATCH_MESSAGES / BATCH_BYTES), and writes the delivered copies
+(RocketMQ's messageTimeup: real topic and queue, DELAY removed, a new record) plus one
+progress record in a single all-or-none ``put_many`` (see progress.py). Only when that
+put succeeds does it move on; when the store refuses (a full disk) it waits and tries
+the same messages again, so nothing is lost or delivered twice. Between turns it
+sleeps until the next delivery time, at most MAX_SLEEP_S, and a new waiting message
+that is due sooner wakes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import os
+
+from protocol.codes import SysFlag
+from protocol.message import (Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code,
+                              validate_topic)
+
+from ..store import PutRequest
+from ..store.results import PutStatus
+from ..topics import HALF_TOPIC
+from .levels import SCHEDULE_TOPIC, TIMER_DELAY_MS, TIMER_DELAY_SEC, TIMER_DELIVER_MS, TIMER_TOPIC, DelayLevels
+from .progress import PROGRESS_TOPIC, Progress, decode_progress, encode_progress, load_snapshot, write_snapshot
+
+log = logging.getLogger("txmq.schedule")
+
+BATCH_MESSAGES = 256
+BATCH_BYTES = 4 * 1024 * 1024
+MAX_SLEEP_S = 1.0
+REFUSED_RETRY_S = 1.0           # the disk monitor probes once a second
+SNAPSHOT_INTERVAL_S = 10.0      # RocketMQ's flushDelayOffsetInterval
+LATE_MS = 1000
+
+
+class ScheduleService:
+    def __init__(self, ctx, levels: DelayLevels):
+        self.ctx = ctx
+        self.levels = levels
+        self.progress = Progress()
+        self._timers: list[tuple[int, int, int]] = []      # (deliver ms, timer queue offset, commit-log offset)
+        self._timers_indexed = 0                            # timer queue offsets below this are in the heap or done
+        self._wake = asyncio.Event()
+        self._sleep_until: int | None = None
+        self._task: asyncio.Task | None = None
+        self._snap_task: asyncio.Task | None = None
+        self._progress_end = 0          # commit-log end of the last progress record applied
+        self._snapshot_key = None
+        self.delivered = 0
+        self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
+        self._recovered = False
+        m = ctx.metrics
+        self._late = m.schedule_delivered_late
+        self._delivered = m.schedule_delivered
+
+    # ----------------------------------------------------------- start / stop
+    @property
+    def config_dir(self) -> str:
+        return os.path.join(self.ctx.store.store_dir, "config")
+
+    async def recover(self) -> None:
+        """Load delayOffset.json, replay the progress records after it, index the waiting timers."""
+        store = self.ctx.store
+        p = self.progress = load_snapshot(self.config_dir)
+        start = max(p.progress_offset, store.min_offset(PROGRESS_TOPIC, 0))
+        end = store.max_offset(PROGRESS_TOPIC, 0)
+        replayed = 0
+        for offset in range(start, end):
+            unit = store.queue_unit(PROGRESS_TOPIC, 0, offset)
+            view = store.get_record(unit[0]) if unit is not None else None
+            if view is None:
+                continue
+            parsed = decode_progress(decode_record(view)[0].body)
+            if parsed is not None:
+                p.apply(*parsed)
+                replayed += 1
+        p.progress_offset = end
+        for level in range(1, self.levels.max_level + 1):
+            qid = level - 1
+            lo, hi = store.min_offset(SCHEDULE_TOPIC, qid), store.max_offset(SCHEDULE_TOPIC, qid)
+            p.levels[level] = min(max(p.levels.get(level, 0), lo), hi)
+        hi = store.max_offset(TIMER_TOPIC, 0)
+        for offset in range(max(p.timer_floor, store.min_offset(TIMER_TOPIC, 0)), hi):
+            if not p.timer_delivered(offset):
+                unit = store.queue_unit(TIMER_TOPIC, 0, offset)
+                if unit is not None:
+                    self._timers.append((unit[2], offset, unit[0]))
+        heapq.heapify(self._timers)
+        self._timers_indexed = hi
+        self._recovered = True
+        log.info("schedule recovered: %d progress records replayed, %d level messages and %d timers waiting",
+                 replayed, sum(n for _, n in self.waiting() if _ != "timer"), len(self._timers))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-schedule")
+        self._snap_task = asyncio.get_running_loop().create_task(self._snapshots(), name="txmq-schedule-snapshot")
+
+    async def stop(self) -> None:
+        """Stop delivering; a batch in the writer still lands with its progress record. Then write
+        delayOffset.json for what is on disk."""
+        for task in (self._task, self._snap_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                except Exception:  # noqa: BLE001 - logged; stopping goes on
+                    log.exception("schedule task failed")
+        try:
+            await self.snapshot()
+        except OSError as exc:
+            log.error("%s not written at stop (progress is replayed from the log): %s", self.config_dir, exc)
+
+    async def snapshot(self) -> None:
+        """Write delayOffset.json when progress moved and its last record is flushed."""
+        if not self._recovered or self._progress_end > self.ctx.store.flushed_offset:
+            return
+        data = self.progress.to_json()
+        key = repr(data)
+        if key == self._snapshot_key:
+            return
+        await asyncio.to_thread(write_snapshot, self.config_dir, data)
+        self._snapshot_key = key
+
+    async def _snapshots(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+            try:
+                await self.snapshot()
+            except OSError as exc:
+                log.error("%s not written (retried in %.0f s): %s", self.config_dir, SNAPSHOT_INTERVAL_S, exc)
+
+    # ----------------------------------------------------------- dispatch
+    def on_dispatch(self, info) -> None:
+        """Store listener: index a new timer message; wake the loop for one due before it would wake."""
+        topic = info.topic
+        if info.recovering or (topic != SCHEDULE_TOPIC and topic != TIMER_TOPIC):
+            return
+        if topic == TIMER_TOPIC:
+            if info.queue_offset < self._timers_indexed:
+                return
+            self._timers_indexed = info.queue_offset + 1
+            heapq.heappush(self._timers, (info.tags_code, info.queue_offset, info.physical_offset))
+        if self._sleep_until is not None and info.tags_code < self._sleep_until:
+            self._wake.set()
+
+    # ----------------------------------------------------------- the loop
+    async def _run(self) -> None:
+        clock = self.ctx.clock
+        while True:
+            now = clock()
+            moved = await self.run_due(now)
+            if moved < 0:
+                await asyncio.sleep(REFUSED_RETRY_S)
+                continue
+            if moved > 0:
+                continue
+            next_due = self.next_due
+            wait_ms = MAX_SLEEP_S * 1000 if next_due is None else min(MAX_SLEEP_S * 1000, max(1, next_due - now))
+            self._sleep_until = now + wait_ms
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait_ms / 1000)
+            except asyncio.TimeoutError:
+                pass
+            self._sleep_until = None
+
+    async def run_due(self, now: int) -> int:
+        """One turn: deliver (at most one batch of) what is due at ``now``. Returns how many queue entries it
+        moved past (delivered, or dropped as undeliverable), 0 when nothing was due, -1 when the store
+        refused the batch (nothing moved; the same messages are tried next time). Sets ``next_due``."""
+        batch, levels, timers, self.next_due = self._collect(now)
+        if not levels and not timers:
+            return 0
+        moved = sum(offset - self.progress.levels.get(level, 0) for level, offset in levels.items()) + len(timers)
+        if not await self._deliver(batch, levels, timers):
+            return -1
+        return moved
+
+    def _collect(self, now: int):
+        """What is due now: (delivery requests with their due times, new level offsets, timer entries taken,
+        the earliest time something not yet due falls due)."""
+        store = self.ctx.store
+        batch: list[tuple[PutRequest, int, str]] = []
+        levels: dict[int, int] = {}
+        size = 0
+        next_due = None
+        for level in range(1, self.levels.max_level + 1):
+            qid, delay = level - 1, self.levels.delays_ms[level - 1]
+            offset = self.progress.levels.get(level, 0)
+            start = offset
+            end = store.max_offset(SCHEDULE_TOPIC, qid)
+            if offset < end and offset < store.min_offset(SCHEDULE_TOPIC, qid):
+                offset = store.min_offset(SCHEDULE_TOPIC, qid)     # removed by retention meanwhile
+                log.error("schedule level %d: offsets %d..%d were removed before delivery", level, start, offset)
+            while offset < end and len(batch) < BATCH_MESSAGES and size < BATCH_BYTES:
+                unit = store.queue_unit(SCHEDULE_TOPIC, qid, offset)
+                if unit is None:
+                    break
+                due = self.levels.corrected(unit[2], now, delay)
+                if due > now:
+                    next_due = due if next_due is None else min(next_due, due)
+                    break
+                req = self._delivery(unit[0], SCHEDULE_TOPIC, offset)
+                if req is not None:
+                    batch.append((req, due, str(level)))
+                    size += len(req.record)
+                offset += 1
+            if offset != start:
+                levels[level] = offset
+        timers: list[tuple[int, int, int]] = []
+        heap = self._timers
+        while heap and heap[0][0] <= now and len(batch) < BATCH_MESSAGES and size < BATCH_BYTES:
+            entry = heapq.heappop(heap)
+            timers.append(entry)
+            req = self._delivery(entry[2], TIMER_TOPIC, entry[1])
+            if req is not None:
+                batch.append((req, entry[0], "timer"))
+                size += len(req.record)
+        if heap and heap[0][0] > now:
+            next_due = heap[0][0] if next_due is None else min(next_due, heap[0][0])
+        elif heap:
+            next_due = now
+        return batch, levels, timers, next_due
+
+    def _delivery(self, phys: int, source: str, offset: int) -> PutRequest | None:
+        """The message as it goes to its real topic, or None (logged) when it cannot go anywhere."""
+        view = self.ctx.store.get_record(phys)
+        if view is None:
+            log.error("%s offset %d: its record at %d was removed before delivery", source, offset, phys)
+            return None
+        msg, _ = decode_record(view)
+        props = dict(msg.properties)
+        props.pop(Prop.DELAY, None)
+        for key in (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS):
+            props.pop(key, None)
+        topic = props.get(Prop.REAL_TOPIC, "")
+        try:
+            qid = int(props.get(Prop.REAL_QID, ""))
+        except ValueError:
+            qid = -1
+        why = validate_topic(topic)
+        if why is None and (topic in (HALF_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC) or qid < 0):
+            why = f"REAL_TOPIC {topic!r} / REAL_QID {props.get(Prop.REAL_QID)!r} is not a destination"
+        if why is not None:
+            log.error("%s offset %d (record %d) dropped: %s", source, offset, phys, why)
+            return None
+        sys_flag = msg.sys_flag
+        record = encode_record(
+            topic=topic.encode(), body=msg.body, queue_id=qid, flag=msg.flag, sys_flag=sys_flag,
+            born_timestamp=msg.born_timestamp, born_host=pack_host(*msg.born_host),
+            store_host=pack_host(*msg.store_host), properties=properties_to_string(props).encode(),
+            reconsume_times=msg.reconsume_times, prepared_offset=msg.prepared_offset)
+        return PutRequest(record, topic, qid, tags_code(props), sys_flag)
+
+    def _progress_record(self, levels: dict[int, int], timers: list[int]) -> PutRequest:
+        ctx = self.ctx
+        record = encode_record(topic=PROGRESS_TOPIC.encode(), body=encode_progress(levels, timers), queue_id=0,
+                               flag=0, sys_flag=0, born_timestamp=ctx.clock(), born_host=ctx.store_host,
+                               store_host=ctx.store_host, properties=b"WAIT\x01false")
+        return PutRequest(record, PROGRESS_TOPIC, 0, 0, 0)
+
+    async def _deliver(self, batch, levels: dict[int, int], timers: list) -> bool:
+        timer_offsets = [t[1] for t in timers]
+        reqs = [req for req, _, _ in batch] + [self._progress_record(levels, timer_offsets)]
+        try:
+            results = await self.ctx.store.put_many(reqs)
+        except BaseException:
+            for entry in timers:            # not taken after all (the put's outcome is in the log)
+                heapq.heappush(self._timers, entry)
+            raise
+        if not all(r.ok for r in results):
+            for entry in timers:
+                heapq.heappush(self._timers, entry)
+            status = next(r for r in results if not r.ok)
+            if status.status is PutStatus.MESSAGE_ILLEGAL:
+                log.error("schedule delivery batch refused as illegal; retrying")
+            else:
+                log.warning("schedule delivery of %d messages refused (%s %s); retrying in %.0f s", len(batch),
+                            status.status.name, status.remark, REFUSED_RETRY_S)
+            return False
+        last = results[-1]
+        self.progress.apply(levels, timer_offsets)
+        self.progress.progress_offset = last.queue_offset + 1
+        self._progress_end = last.physical_offset + last.size
+        for (req, due, label), result in zip(batch, results):
+            self.delivered += 1
+            self._delivered.labels(label).inc()
+            if result.store_timestamp - due > LATE_MS:
+                self._late.inc()
+        return True
+
+    def delayed_commit(self, half, topic: str, queue_id: int, half_offset: int) -> PutRequest | None:
+        """The committed message of a half that asked for a delay, as it waits; None: it goes now."""
+        return diverted_request(self.levels, half, topic, queue_id, half_offset, self.ctx.store_host,
+                                self.ctx.clock())
+
+    # ----------------------------------------------------------- views
+    def waiting(self) -> list[tuple[str, int]]:
+        """(level, messages waiting) for every level with a queue, and ("timer", n)."""
+        store = self.ctx.store
+        out = []
+        for level in range(1, self.levels.max_level + 1):
+            hi = store.max_offset(SCHEDULE_TOPIC, level - 1)
+            if hi:
+                out.append((str(level), max(0, hi - self.progress.levels.get(level, 0))))
+        out.append(("timer", len(self._timers)))
+        return out
+
+
+def diverted_request(levels: DelayLevels, msg, topic: str, queue_id: int, prepared_offset: int, store_host: bytes,
+                     now: int) -> PutRequest | None:
+    """A committed transaction whose half asked for a delay: its message in SCHEDULE_TOPIC_XXXX (or the
+    timer topic) instead of ``topic`` (CommitLog applies DELAY to COMMIT messages). None: it goes now."""
+    props = dict(msg.properties)
+    sys_flag = SysFlag.with_transaction_type(msg.sys_flag, SysFlag.TRANSACTION_COMMIT)
+    d = levels.divert(topic, queue_id, props, sys_flag, now)
+    if d is None or isinstance(d, str):
+        return None
+    record = encode_record(
+        topic=d.topic.encode(), body=msg.body, queue_id=d.queue_id, flag=msg.flag, sys_flag=sys_flag,
+        born_timestamp=msg.born_timestamp, born_host=pack_host(*msg.born_host), store_host=store_host,
+        properties=properties_to_string(props).encode(), reconsume_times=msg.reconsume_times,
+        prepared_offset=prepared_offset)
+    return PutRequest(record, d.topic, d.queue_id, d.tags_code, sys_flag, d.delay_ms)

@@ -1,0 +1,194 @@
+"""Delay levels, timer messages and retry backoff against the real broker.
+
+One test measures RocketMQ's real times (level 1 = 1 s, level 2 = 5 s, a RECONSUME_LATER back after
+10 s, a timer at 3 s); the others start the broker with level n = n x 100 ms so the suite does not sleep.
+Exactly-once delivery is checked across a kill -9 paced by deliveries seen, a clean restart, and a disk
+that refuses writes while messages fall due.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections import Counter
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
+from producer import LocalTransactionState, Producer, TransactionProducer
+from protocol.errors import MessageIllegalError
+from tests.support.delays import FAST
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _first_arrival(namesrv, group, topic, queue_id, sent_at):
+    """Seconds from ``sent_at`` until the topic's queue holds a message, and that message."""
+    consumer = PullConsumer(namesrv, group)
+    try:
+        mq = next(q for q in await consumer.fetch_queues(topic) if q.queue_id == queue_id)
+        while True:
+            got = await consumer.pull(mq, 0, suspend_ms=2000)
+            if got.messages:
+                return time.monotonic() - sent_at, got.messages[0]
+    finally:
+        await consumer.shutdown()
+
+
+async def _all_messages(namesrv, topic):
+    """Every message stored in the topic's queues (from offset 0)."""
+    consumer = PullConsumer(namesrv, "CG_audit")
+    out = []
+    try:
+        for mq in await consumer.fetch_queues(topic):
+            offset = 0
+            while True:
+                got = await consumer.pull(mq, offset, max_nums=256)
+                if not got.messages:
+                    break
+                out += got.messages
+                offset = got.next_begin_offset
+    finally:
+        await consumer.shutdown()
+    return out
+
+
+def _scrape(broker) -> dict:
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_rocketmqs_real_delays_level_1_level_2_timer_and_reconsume_later(broker):
+    """The one slow test (about 11 s): the default levels, measured."""
+    retried = asyncio.get_running_loop().create_future()
+    attempts = []
+
+    def listener(msg):
+        attempts.append((time.monotonic(), msg.reconsume_times))
+        if len(attempts) == 1:
+            return ConsumeStatus.RECONSUME_LATER
+        if not retried.done():
+            retried.set_result(None)
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    push = PushConsumer(broker.namesrv, "CG_backoff", listener, consume_from="first", suspend_ms=1000)
+    push.subscribe("Backoff", "*")
+    async with asyncio.timeout(30):
+        async with Producer(broker.namesrv, "PG_delay") as producer:
+            await producer.send("Backoff", b"fails once")
+            await push.start()
+            t1 = time.monotonic()
+            r1 = await producer.send("DelayOne", b"level 1", delay_level=1)
+            t2 = time.monotonic()
+            r2 = await producer.send("DelayTwo", b"level 2", delay_level=2)
+            tt = time.monotonic()
+            rt = await producer.send("Timer", b"at +3 s", deliver_at_ms=int(time.time() * 1000) + 3000)
+        one, two, timer = await asyncio.gather(
+            _first_arrival(broker.namesrv, "CG_one", "DelayOne", r1.queue.queue_id, t1),
+            _first_arrival(broker.namesrv, "CG_two", "DelayTwo", r2.queue.queue_id, t2),
+            _first_arrival(broker.namesrv, "CG_timer", "Timer", rt.queue.queue_id, tt))
+        await retried
+        await push.shutdown()
+    measured = {"level 1": one[0], "level 2": two[0], "timer 3 s": timer[0],
+                "RECONSUME_LATER": attempts[1][0] - attempts[0][0]}
+    print("measured delays:", {k: round(v, 3) for k, v in measured.items()})
+    assert 1.0 <= measured["level 1"] < 2.0
+    assert 5.0 <= measured["level 2"] < 6.0
+    assert 2.9 <= measured["timer 3 s"] < 4.0        # TIMER_DELIVER_MS is a wall time: allow clock rounding
+    assert 10.0 <= measured["RECONSUME_LATER"] < 11.5
+    assert [n for _, n in attempts] == [0, 1]         # back with reconsume times 1
+    assert "DELAY" not in one[1].properties and one[1].properties["REAL_TOPIC"] == "DelayOne"
+    assert one[1].body == b"level 1" and two[1].body == b"level 2" and timer[1].body == b"at +3 s"
+    m = _scrape(broker)
+    assert m[("txmq_schedule_delivered_total", (("level", "1"),))] == 1
+    assert m[("txmq_schedule_delivered_total", (("level", "3"),))] == 1       # the retry: level 3 + 0
+    assert m[("txmq_schedule_delivered_total", (("level", "timer"),))] == 1
+    assert m[("txmq_schedule_delivered_late_total", ())] == 0
+
+
+async def test_timer_limits_and_a_delayed_commit(broker_factory):
+    broker = broker_factory(*FAST, "--timer-max-delay-s", "60")
+    async with Producer(broker.namesrv, "PG_timer") as producer:
+        with pytest.raises(MessageIllegalError, match="beyond the 60 s maximum"):
+            await producer.send("Timed", b"too far", properties={"TIMER_DELAY_SEC": "61"})
+        with pytest.raises(MessageIllegalError, match="not a whole number"):
+            await producer.send("Timed", b"bad", properties={"TIMER_DELIVER_MS": "tomorrow"})
+        past = await producer.send("Timed", b"past", deliver_at_ms=int(time.time() * 1000) - 1000)
+    got = await _all_messages(broker.namesrv, "Timed")
+    assert [m.body for m in got] == [b"past"] and past.queue_offset == 0     # a time gone by: at once
+
+    class Commit:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+    async with asyncio.timeout(15):
+        async with TransactionProducer(broker.namesrv, "PG_tx_delay", Commit()) as tx:
+            started = time.monotonic()
+            r = await tx.send_in_transaction("TxDelayed", b"paid", properties={"TIMER_DELAY_MS": "800"})
+            committed = time.monotonic()
+            assert await _all_messages(broker.namesrv, "TxDelayed") == []    # committed, still waiting
+            took, msg = await _first_arrival(broker.namesrv, "CG_txd", "TxDelayed", r.send_result.queue.queue_id,
+                                               started)
+    assert took >= 0.8 and took - (committed - started) < 1.8
+    assert msg.body == b"paid" and "TIMER_DELAY_MS" not in msg.properties
+
+
+async def _count_keys(namesrv, topic) -> Counter:
+    return Counter(m.properties["UNIQ_KEY"] for m in await _all_messages(namesrv, topic))
+
+
+async def test_kill_9_mid_delivery_loses_and_repeats_nothing(broker_factory):
+    broker = broker_factory(*FAST)
+    total = 150
+    sent = set()
+    async with asyncio.timeout(60):
+        async with Producer(broker.namesrv, "PG_kill") as producer:
+            for i in range(total):             # levels 5..18: due 0.5 s .. 1.8 s after their send
+                r = await producer.send("Sched", f"m{i}".encode(), delay_level=5 + i % 14)
+                sent.add(r.msg_id)
+        while sum((await _count_keys(broker.namesrv, "Sched")).values()) < 40:
+            await asyncio.sleep(0.02)
+        broker.kill()                           # SIGKILL while deliveries go on
+        broker = broker_factory(*FAST)          # same store
+        while True:
+            keys = await _count_keys(broker.namesrv, "Sched")
+            if sum(keys.values()) >= total:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)                # anything repeated would show by now
+        keys = await _count_keys(broker.namesrv, "Sched")
+    assert set(keys) == sent
+    assert [k for k, n in keys.items() if n > 1] == []
+
+
+async def test_a_refusing_disk_holds_deliveries_until_it_has_room_then_each_goes_once(broker_factory, tmp_path):
+    broker = broker_factory(*FAST)
+    async with Producer(broker.namesrv, "PG_full") as producer:
+        sent = {(await producer.send("Held", f"h{i}".encode(), delay_level=10)).msg_id for i in range(20)}
+    assert broker.stop() == 0
+    assert (tmp_path / "store" / "config" / "delayOffset.json").exists()
+    broker = broker_factory(*FAST, "--disk-refuse-ratio", "0.0001")       # every write refused
+    await asyncio.sleep(2.0)                    # they fell due 1 s after their send, and are held
+    assert await _all_messages(broker.namesrv, "Held") == []
+    m = _scrape(broker)
+    assert m[("txmq_schedule_messages_waiting", (("level", "10"),))] == 20
+    assert broker.stop() == 0
+    broker = broker_factory(*FAST)
+    async with asyncio.timeout(20):
+        while sum((keys := await _count_keys(broker.namesrv, "Held")).values()) < 20:
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
+    keys = await _count_keys(broker.namesrv, "Held")
+    assert set(keys) == sent and max(keys.values()) == 1
+    offsets = json.loads((tmp_path / "store" / "config" / "delayOffset.json").read_text())
+    assert offsets["offsetTable"]["10"] == 0    # written at the stop, when nothing had been delivered
+    assert _scrape(broker)[("txmq_schedule_delivered_late_total", ())] == 20    # held past due by the disk

@@ -1,0 +1,229 @@
+"""Delay levels, timer times and the scheduler, driven by a fake clock over a real store in a tmp dir."""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from broker.config import BrokerConfig
+from broker.metrics import BrokerMetrics
+from broker.schedule import (DEFAULT_DELAY_LEVELS, PROGRESS_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels,
+                             ScheduleService, parse_delay_levels)
+from broker.schedule.progress import Progress, decode_progress
+from broker.store import MessageStore, PutRequest, StoreConfig
+from protocol.codes import SysFlag
+from protocol.errors import ConfigError
+from protocol.message import decode_record, encode_record, pack_host, properties_to_string
+from tests.support.bounded import bounded
+
+HOST = pack_host("127.0.0.1", 10911)
+
+
+# ------------------------------------------------------------------ levels
+def test_the_default_levels_are_rocketmqs_eighteen():
+    delays = parse_delay_levels(DEFAULT_DELAY_LEVELS)
+    assert len(delays) == 18
+    assert delays[:4] == (1000, 5000, 10000, 30000)
+    assert delays[4] == 60_000 and delays[15] == 30 * 60_000 and delays[-1] == 2 * 3_600_000
+
+
+def test_levels_take_every_unit_and_ms_for_tests():
+    assert parse_delay_levels("300ms 1s 2m 1h 1d") == (300, 1000, 120_000, 3_600_000, 86_400_000)
+    assert parse_delay_levels("  5s   10s ") == (5000, 10000)
+
+
+@pytest.mark.parametrize("text, where", [("", "no delay levels"), ("1s 5x", "level 2 '5x'"),
+                                         ("s", "level 1"), ("1.5s", "level 1"), ("-1s", "level 1"),
+                                         ("10", "level 1")])
+def test_a_bad_level_string_says_which_entry(text, where):
+    with pytest.raises(ValueError, match=where):
+        parse_delay_levels(text)
+
+
+def test_the_broker_refuses_to_start_with_bad_levels():
+    with pytest.raises(ConfigError, match="message_delay_level"):
+        BrokerConfig(message_delay_level="1s 5 10s")
+    assert BrokerConfig(message_delay_level="100ms 200ms").message_delay_level == "100ms 200ms"
+
+
+def test_due_time_is_store_time_plus_the_levels_delay_clamped_to_the_last_level():
+    lv = DelayLevels("1s 5s 10s")
+    assert lv.deliver_at(1, 10_000) == 11_000
+    assert lv.deliver_at(2, 10_000) == 15_000
+    assert lv.deliver_at(99, 10_000) == 20_000          # clamped to level 3
+    assert lv.deliver_at(0, 10_000) == 11_000           # RocketMQ's 1 s for a level it does not know
+
+
+def test_a_due_time_beyond_the_whole_delay_is_corrected_to_now():
+    # The clock went back (or the table shrank): RocketMQ's correctDeliverTimestamp delivers at once.
+    assert DelayLevels.corrected(15_000, now=10_000, delay_ms=5_000) == 15_000
+    assert DelayLevels.corrected(15_001, now=10_000, delay_ms=5_000) == 10_000
+
+
+def test_a_delayed_message_is_rewritten_into_the_schedule_topic():
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS)
+    props = {"DELAY": "2", "TAGS": "t"}
+    d = lv.divert("Orders", 3, props, 0, now=1000)
+    assert d == (SCHEDULE_TOPIC, 1, 5000, 0)
+    assert props == {"DELAY": "2", "TAGS": "t", "REAL_TOPIC": "Orders", "REAL_QID": "3"}
+    props = {"DELAY": "40"}
+    d = lv.divert("Orders", 0, props, 0, now=1000)
+    assert (d.queue_id, props["DELAY"]) == (17, "18")   # clamped to the max level, as CommitLog does
+    assert lv.divert("Orders", 0, {"DELAY": "0"}, 0, now=1000) is None
+    assert lv.divert("Orders", 0, {"DELAY": "x"}, 0, now=1000) is None
+    committed = SysFlag.with_transaction_type(0, SysFlag.TRANSACTION_COMMIT)
+    assert lv.divert("Orders", 0, {"DELAY": "1"}, committed, now=1000).topic == SCHEDULE_TOPIC
+    prepared = SysFlag.with_transaction_type(0, SysFlag.TRANSACTION_PREPARED)
+    assert lv.divert("Orders", 0, {"DELAY": "1"}, prepared, now=1000) is None   # a half waits only once committed
+
+
+def test_timer_properties_give_an_exact_delivery_time():
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS, timer_max_delay_ms=3_600_000)
+    now = 1_000_000
+    for props, due in (({"TIMER_DELIVER_MS": str(now + 2500)}, now + 2500),
+                       ({"TIMER_DELAY_SEC": "3"}, now + 3000),
+                       ({"TIMER_DELAY_MS": "700"}, now + 700),
+                       ({"TIMER_DELAY_SEC": "2", "TIMER_DELAY_MS": "1", "TIMER_DELIVER_MS": "5"}, now + 2000)):
+        d = lv.divert("T", 1, props, 0, now)
+        assert d == (TIMER_TOPIC, 0, -1, due)
+        assert props["TIMER_OUT_MS"] == str(due) and props["REAL_TOPIC"] == "T" and props["REAL_QID"] == "1"
+    assert lv.divert("T", 0, {"TIMER_DELIVER_MS": str(now - 1)}, 0, now) is None        # past: at once
+    assert "not a whole number" in lv.divert("T", 0, {"TIMER_DELAY_SEC": "soon"}, 0, now)
+    assert "beyond the 3600 s maximum" in lv.divert("T", 0, {"TIMER_DELAY_SEC": "3601"}, 0, now)
+    props = {"DELAY": "1", "TIMER_DELAY_SEC": "60"}
+    assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC     # a level wins; timer props dropped
+    assert "TIMER_DELAY_SEC" not in props
+
+
+def test_rebuilt_consume_queue_units_carry_the_delivery_time():
+    lv = DelayLevels("1s 5s")
+    assert lv.consume_queue_tag(SCHEDULE_TOPIC, {"DELAY": "2"}, 7_000) == 12_000
+    assert lv.consume_queue_tag(TIMER_TOPIC, {"TIMER_OUT_MS": "99"}, 7_000) == 99
+    assert lv.consume_queue_tag("Orders", {"DELAY": "2"}, 7_000) is None
+
+
+def test_progress_merges_levels_and_folds_delivered_timers_into_a_floor():
+    p = Progress()
+    p.apply({1: 5, 2: 3}, [2, 0])
+    p.apply({1: 4}, [1, 5])                      # an older level offset never moves progress back
+    assert p.levels == {1: 5, 2: 3}
+    assert (p.timer_floor, p.timer_done) == (3, {5})
+    assert p.timer_delivered(1) and p.timer_delivered(5) and not p.timer_delivered(3)
+    assert Progress.from_json(json.loads(json.dumps(p.to_json()))) == p
+    assert decode_progress(b"not json") is None
+
+
+# ------------------------------------------------------------------ the scheduler, on a fake clock
+class Clock:
+    def __init__(self, now: int):
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+async def _service(path, clock, levels="1s 5s 10s"):
+    store = MessageStore(str(path), StoreConfig(segment_size=1 << 20, cq_units_per_file=100), clock=clock,
+                         tag_rule=DelayLevels(levels).consume_queue_tag)
+    ctx = SimpleNamespace(store=store, clock=clock, metrics=BrokerMetrics(), store_host=HOST)
+    svc = ScheduleService(ctx, DelayLevels(levels))
+    store.add_dispatch_listener(svc.on_dispatch)
+    await store.open()
+    await svc.recover()
+    return svc
+
+
+async def _schedule(svc, topic, body, props, now):
+    d = svc.levels.divert(topic, 0, props, 0, now)
+    record = encode_record(topic=d.topic.encode(), body=body, queue_id=d.queue_id, flag=0, sys_flag=0,
+                           born_timestamp=now, born_host=HOST, store_host=HOST,
+                           properties=properties_to_string(props).encode())
+    result = await svc.ctx.store.put(PutRequest(record, d.topic, d.queue_id, d.tags_code, 0, d.delay_ms))
+    assert result.ok
+    return result
+
+
+def _delivered(store, topic):
+    out = []
+    for offset in range(store.max_offset(topic, 0)):
+        unit = store.queue_unit(topic, 0, offset)
+        out.append(decode_record(store.get_record(unit[0]))[0])
+    return out
+
+
+@bounded()
+async def test_a_level_message_is_delivered_when_due_and_not_before(tmp_path):
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    stored = await _schedule(svc, "Orders", b"two", {"DELAY": "2", "TAGS": "a"}, clock.now)
+    store = svc.ctx.store
+    assert store.queue_unit(SCHEDULE_TOPIC, 1, 0)[2] == 105_000     # tagsCode: its delivery time
+    assert await svc.run_due(104_999) == 0 and svc.next_due == 105_000
+    assert _delivered(store, "Orders") == []
+    clock.now = 105_000
+    assert await svc.run_due(105_000) == 1
+    [msg] = _delivered(store, "Orders")
+    assert msg.body == b"two" and msg.tags == "a" and "DELAY" not in msg.properties
+    assert msg.properties["REAL_TOPIC"] == "Orders" and msg.physical_offset != stored.physical_offset
+    assert store.queue_unit("Orders", 0, 0)[2] != 105_000             # an ordinary unit: the TAGS hash
+    assert dict(svc.waiting()) == {"2": 0, "timer": 0}
+    await svc.stop()
+    await store.close()
+    assert json.load(open(os.path.join(tmp_path, "config", "delayOffset.json")))["offsetTable"]["2"] == 1
+
+
+@bounded()
+async def test_timers_leave_in_time_order_and_no_delivery_repeats_after_a_restart(tmp_path):
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    for body, at in ((b"late", 103_000), (b"early", 101_000), (b"mid", 102_000)):
+        await _schedule(svc, "T", body, {"TIMER_DELIVER_MS": str(at)}, clock.now)
+    await _schedule(svc, "T", b"level", {"DELAY": "1"}, clock.now)
+    assert await svc.run_due(101_000) == 2                   # "early" and the 1 s level message
+    assert await svc.run_due(102_500) == 1
+    assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"level", b"early", b"mid"]
+    # No stop, no delayOffset.json: as after kill -9, the progress records alone say what went.
+    await svc.ctx.store.close()
+    svc2 = await _service(tmp_path, clock)
+    assert svc2.progress.levels[1] == 1 and dict(svc2.waiting())["timer"] == 1
+    assert await svc2.run_due(102_999) == 0
+    assert await svc2.run_due(103_000) == 1
+    assert [m.body for m in _delivered(svc2.ctx.store, "T")] == [b"level", b"early", b"mid", b"late"]
+    assert svc2.ctx.store.max_offset(PROGRESS_TOPIC, 0) == 3
+    await svc2.ctx.store.close()
+
+
+@bounded()
+async def test_a_full_disk_holds_deliveries_back_and_loses_none(tmp_path):
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _schedule(svc, "T", b"a", {"DELAY": "1"}, clock.now)
+    await _schedule(svc, "T", b"b", {"TIMER_DELAY_MS": "500"}, clock.now)
+    disk = svc.ctx.store.disk
+    disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
+    assert await svc.run_due(102_000) == -1
+    assert await svc.run_due(103_000) == -1
+    assert _delivered(svc.ctx.store, "T") == [] and dict(svc.waiting()) == {"1": 1, "timer": 1}
+    disk.refusing = False
+    assert await svc.run_due(104_000) == 2
+    assert await svc.run_due(105_000) == 0
+    assert sorted(m.body for m in _delivered(svc.ctx.store, "T")) == [b"a", b"b"]
+    await svc.ctx.store.close()
+
+
+@bounded()
+async def test_an_undeliverable_message_is_passed_over_with_progress_kept(tmp_path):
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    props = {"DELAY": "1", "REAL_TOPIC": "RMQ_SYS_TRANS_HALF_TOPIC", "REAL_QID": "0"}
+    record = encode_record(topic=SCHEDULE_TOPIC.encode(), body=b"x", queue_id=0, flag=0, sys_flag=0,
+                           born_timestamp=0, born_host=HOST, store_host=HOST,
+                           properties=properties_to_string(props).encode())
+    assert (await svc.ctx.store.put(PutRequest(record, SCHEDULE_TOPIC, 0, 0, 0, 1000))).ok
+    await _schedule(svc, "T", b"fine", {"DELAY": "1"}, clock.now)
+    assert await svc.run_due(101_000) == 2
+    assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"fine"]
+    assert svc.ctx.store.max_offset("RMQ_SYS_TRANS_HALF_TOPIC", 0) == 0
+    await svc.ctx.store.close()
