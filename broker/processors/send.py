@@ -181,7 +181,8 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     if not entries:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "the batch is empty")
     batch_props = string_to_properties(h.properties)
-    refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch")
+    refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch",
+                         next((batch_props[k] for k in _TIMER_KEYS if k in batch_props), None))
     if refused is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
     for name in _NOT_INHERITED:
@@ -194,9 +195,9 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     reqs = []
     body_bytes = 0
     for i, (flag, body, text) in enumerate(entries):
-        if "DELAY\x01" in text or "TRAN_MSG\x01" in text:
+        if "DELAY\x01" in text or "TRAN_MSG\x01" in text or "TIMER_" in text:
             refused = _held_back(property_value(text, Prop.DELAY), property_value(text, Prop.TRAN_MSG),
-                                 f"message {i} of the batch")
+                                 f"message {i} of the batch", _timer_of(text))
             if refused is not None:
                 return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
         if "WAIT\x01" in text:
@@ -211,12 +212,21 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     return _store_batch(ctx, cmd, reqs, qid, h.topic, body_bytes)
 
 
-def _held_back(delay: str | None, tran: str | None, what: str) -> str | None:
+_TIMER_KEYS = ("TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
+
+
+def _timer_of(text: str) -> str | None:
+    return next((v for v in (property_value(text, k) for k in _TIMER_KEYS) if v is not None), None)
+
+
+def _held_back(delay: str | None, tran: str | None, what: str, timer: str | None = None) -> str | None:
     """Why a batch (entry) may not be stored as it is, or None."""
     if tran is not None and tran.lower() == "true":
         return f"{what} is transactional: batch messages cannot be transactional"
     if delay is not None and delay.strip() not in ("", "0"):
         return f"{what} has delay level {delay}: batch messages cannot be delayed"
+    if timer is not None and timer.strip() not in ("", "0"):
+        return f"{what} asks for a delivery time ({timer}): batch messages cannot be delayed"
     return None
 
 
@@ -253,14 +263,17 @@ async def handle_send_back(ctx, conn, cmd):
         props[Prop.DELAY] = str(delay_level or 3 + msg.reconsume_times)
     ctx.topics.ensure(topic)
     to_topic, to_qid, tags, delay_ms = topic, 0, tags_code(props), -1
-    waits = ctx.schedule.levels.divert(topic, 0, props, msg.sys_flag, ctx.clock())
+    # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed
+    # message (with PREPARED OFFSET 0) would claim to commit whatever half is stored at offset 0.
+    sys_flag = SysFlag.with_transaction_type(msg.sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
+    waits = ctx.schedule.levels.divert(topic, 0, props, sys_flag, ctx.clock())
     if waits is not None and not isinstance(waits, str):
         to_topic, to_qid, delay_ms, tags = waits
     record = encode_record(
-        topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=msg.sys_flag,
+        topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=sys_flag,
         born_timestamp=msg.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=msg.reconsume_times + 1)
-    result = await ctx.store.put(PutRequest(record, to_topic, to_qid, tags, msg.sys_flag, delay_ms))
+    result = await ctx.store.put(PutRequest(record, to_topic, to_qid, tags, sys_flag, delay_ms))
     if not result.ok:
         return cmd.response(ResponseCode.SYSTEM_ERROR, result.status.name)
     ctx.metrics.count_in(topic, 1, len(msg.body))

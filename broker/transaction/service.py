@@ -118,6 +118,21 @@ class TransactionService:
         msg = self._half_at(half_offset)
         return None if msg is None else msg.queue_offset
 
+    def _committed_half(self, half_offset: int, record_offset: int) -> int | None:
+        """The queue offset of the half that the COMMIT-type record at ``record_offset`` commits, or None.
+
+        The record must be that half's message (same UNIQ_KEY, same body): a COMMIT-type record can also
+        be a copy of a committed message (a retry written by an older txmq, with PREPARED OFFSET 0), and
+        taking its prepared offset at its word would commit whatever half is stored there."""
+        half = self._half_at(half_offset)
+        view = self.ctx.store.get_record(record_offset)
+        if half is None or view is None:
+            return None
+        msg = decode_record(view)[0]
+        if msg.properties.get(Prop.UNIQ_KEY) != half.properties.get(Prop.UNIQ_KEY) or msg.body != half.body:
+            return None
+        return half.queue_offset
+
     def _half_at(self, half_offset: int):
         """The half message stored at ``half_offset``, or None (removed, or not a half's offset)."""
         if half_offset < 0:
@@ -143,7 +158,7 @@ class TransactionService:
         """Store dispatch listener: remember commits replayed by recovery (their op may be lost)."""
         # (prepared_offset may be 0: the very first record of a store can be a half message)
         if info.recovering and SysFlag.transaction_type(info.sys_flag) == SysFlag.TRANSACTION_COMMIT:
-            self._recovered_commits.add(info.prepared_offset)
+            self._recovered_commits.add((info.prepared_offset, info.physical_offset))
 
     def _scan(self, topic: str, start: int | None = None):
         store = self.ctx.store
@@ -218,8 +233,8 @@ class TransactionService:
                 undecided.discard(op.half_offset)
         now = self.ctx.clock()
         repaired = 0
-        for off in self._recovered_commits:
-            q = self._half_queue_offset(off)
+        for off, at in sorted(self._recovered_commits):
+            q = self._committed_half(off, at)
             if q is not None and self.table.get(q) is None:
                 res = await self.ctx.store.put(self.records.decision(COMMIT, off, q))
                 log.warning("recovery: committed transaction at %d had lost its op record; rewritten (%s)",

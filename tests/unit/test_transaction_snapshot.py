@@ -201,3 +201,28 @@ def test_decision_table_files_and_trim(tmp_path):
     again = DecisionTable(str(tmp_path), file_entries=8)
     assert again.get(16) == COMMIT and again.get(18) == DEAD
     again.close()
+
+
+@bounded(20)
+async def test_a_commit_type_copy_with_prepared_offset_0_does_not_commit_the_half_stored_there(tmp_path):
+    """Older txmq wrote retries with the committed message's sysFlag and PREPARED OFFSET 0; recovery's
+    lost-op repair must not take that for the commit of the half at offset 0."""
+    from broker.store import PutRequest
+    from protocol.codes import SysFlag
+    from protocol.message import encode_record
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    first = await add_half(ctx, b"first-half")
+    assert first.half_offset == 0
+    record = encode_record(topic=b"%RETRY%CG", body=b"some other message", queue_id=0, flag=0,
+                           sys_flag=SysFlag.TRANSACTION_COMMIT, born_timestamp=clock(), born_host=ctx.store_host,
+                           store_host=ctx.store_host, properties=b"UNIQ_KEY\x01OTHER")
+    copy = await ctx.store.put(PutRequest(record, "%RETRY%CG", 0, 0, SysFlag.TRANSACTION_COMMIT))
+    assert copy.ok
+    ctx.tx._recovered_commits.add((0, copy.physical_offset))     # as the replay of the log tail reports it
+    await ctx.tx.recover()
+    try:
+        assert 0 in ctx.tx.pending and ctx.tx.decision_of(0) is None
+        assert ctx.store.max_offset("RMQ_SYS_TRANS_OP_HALF_TOPIC", 0) == 0, "a repair op was written"
+    finally:
+        await ctx.store._store.close()
