@@ -40,9 +40,11 @@ _PERMS = {"DENY": DENY, "PUB": PUB, "SUB": SUB, "PUB|SUB": PUB | SUB, "SUB|PUB":
 RETRY = "%RETRY%"
 TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"
 
-# RocketMQ's Permission.ADMIN_CODE, plus txmq's own codes that decide or delete data.
+# RocketMQ's Permission.ADMIN_CODE, plus codes that decide, rewind or delete data: txmq's own and
+# INVOKE_BROKER_TO_RESET_OFFSET (any signed account may reset a group in RocketMQ; here an admin).
 ADMIN_CODES = frozenset({R.UPDATE_AND_CREATE_TOPIC, 25, R.DELETE_TOPIC_IN_BROKER,
-                         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, 207, R.TXMQ_LIST_TRANSACTIONS,
+                         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, 207, R.INVOKE_BROKER_TO_RESET_OFFSET,
+                         R.TXMQ_LIST_TRANSACTIONS,
                          R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION, R.TXMQ_APPLY_EXPIRY})
 
 

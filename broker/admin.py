@@ -1,8 +1,12 @@
-"""``python -m broker admin``: inspect and resolve in-doubt transactions on a running broker.
+"""``python -m broker admin``: operate a running broker.
 
     python -m broker admin list [--group G] [--json]
     python -m broker admin commit OFFSET | rollback OFFSET | resume OFFSET
     python -m broker admin apply-expiry PLAN.json
+    python -m broker admin query-key TOPIC KEY | show-msg ID | consumer-progress GROUP
+    python -m broker admin reset-offset GROUP TOPIC --timestamp T | topic-status TOPIC | broker-status
+
+The last six find messages and operate consumers (broker/admin_ops.py; ``--json`` on each).
 
 OFFSET is the half message's commit-log offset (the ``commit_log_offset``
 column of ``list``). Every action is logged by the broker with the caller's
@@ -24,12 +28,24 @@ from protocol.connection import open_connection
 from protocol.errors import BrokerError
 from protocol.signature import Credentials
 
+from . import admin_ops
+
 
 async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
     host, _, port = addr.rpartition(":")
     conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
     try:
         return await conn.request(cmd, timeout)
+    finally:
+        conn.close()
+
+
+async def _run_ops(addr: str, args, timeout: float, credentials=None) -> int:
+    """One connection for the several requests an operations command may make."""
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    try:
+        return await admin_ops.run(args, lambda cmd: conn.request(cmd, timeout))
     finally:
         conn.close()
 
@@ -61,7 +77,24 @@ def main(argv: list[str]) -> int:
         p.add_argument("offset", type=int)
     ap = sub.add_parser("apply-expiry", help="apply an expiry plan made by `python -m ops.spark expiry`")
     ap.add_argument("plan")
+    admin_ops.add_parsers(sub)
     args = parser.parse_args(argv)
+    credentials = None
+    if args.access_key or args.secret_key:
+        try:
+            credentials = Credentials(args.access_key, args.secret_key)
+        except ValueError as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+    if args.action in admin_ops.COMMANDS:
+        try:
+            return asyncio.run(_run_ops(args.broker, args, args.timeout, credentials))
+        except admin_ops.Refused as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+        except (BrokerError, OSError) as exc:
+            print(f"broker {args.broker}: {exc}", file=sys.stderr)
+            return 1
 
     if args.action == "list":
         cmd = RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": args.group, "limit": args.limit})
@@ -79,13 +112,6 @@ def main(argv: list[str]) -> int:
             print(f"cannot read plan {args.plan}: {exc}", file=sys.stderr)
             return 2
         cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=body)
-    credentials = None
-    if args.access_key or args.secret_key:
-        try:
-            credentials = Credentials(args.access_key, args.secret_key)
-        except ValueError as exc:
-            print(str(exc), file=sys.stderr)
-            return 2
     try:
         resp = asyncio.run(_call(args.broker, cmd, args.timeout, credentials))
     except (BrokerError, OSError) as exc:

@@ -73,6 +73,11 @@ class BrokerConfig:
     disk_clean_ratio: float = setting(0.75, "Above this share of the store's file system in use the broker removes expired segments at once, without waiting for the nightly plan (RocketMQ's diskMaxUsedSpaceRatio).")
     disk_force_clean_ratio: float = setting(0.85, "Above this it removes the oldest segments even if younger than the retention, never the active one; undecided halves in them are dead-lettered first (RocketMQ's diskSpaceCleanForciblyRatio).")
     disk_clean_interval_s: float = setting(5.0, "How often the disk usage is compared with the two ratios above.")
+    # ---- message index (broker/store/index.py)
+    message_index_enable: bool = setting(True, "Index every message by its KEYS and UNIQ_KEY for QUERY_MESSAGE and `admin query-key` (RocketMQ's messageIndexEnable).")
+    index_hash_slots: int = setting(5_000_000, "Hash slots per index file (RocketMQ's maxHashSlotNum); files are sparse, only touched pages take disk.")
+    index_max_entries: int = setting(20_000_000, "Entries per index file (RocketMQ's maxIndexNum); a full file is followed by a new one.")
+    index_file_period_hours: float = setting(24.0, "A new index file starts when the last one holds entries this old, so retention can remove old files with their segments.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
     log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -115,6 +120,8 @@ class BrokerConfig:
             raise ConfigError(f"message_delay_level={self.message_delay_level!r}: {exc}") from None
         if self.timer_max_delay_s <= 0:
             raise ConfigError("timer_max_delay_s must be positive")
+        if self.index_hash_slots <= 0 or self.index_max_entries < 2 or self.index_file_period_hours <= 0:
+            raise ConfigError("index_hash_slots and index_file_period_hours must be positive, index_max_entries at least 2")
         if self.max_message_size + 4096 > self.segment_size:
             raise ConfigError(f"segment_size={self.segment_size} cannot hold a max_message_size={self.max_message_size} record")
 

@@ -33,6 +33,9 @@ class BrokerContext:
     acl: object = None               # broker.acl.PlainAcl, None without --acl-file
     retention: object = None         # broker.retention.Retention
     schedule: object = None          # broker.schedule.ScheduleService
+    index: object = None             # broker.store.index.IndexService, None when message_index_enable is off
+    subscriptions: object = None     # broker.subscriptions.SubscriptionGroups
+    started_ms: int = 0              # when the broker began serving (runtime info)
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
 
     def set_address(self, host: str, port: int) -> None:

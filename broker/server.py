@@ -34,6 +34,8 @@ from .processors import broker_table, namesrv_table
 from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
+from .store.index import IndexService
+from .subscriptions import SubscriptionGroups
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
 from .transaction import TransactionService
@@ -107,6 +109,7 @@ class BrokerServer:
         store.add_dispatch_listener(ctx.schedule.on_dispatch)
         report = await store.open()
         log.info("store open: %s", report)
+        await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
         ctx.offsets = ConsumerOffsets(store_dir)
         await _maybe_await(getattr(ctx.offsets, "open", None))
@@ -135,6 +138,20 @@ class BrokerServer:
         self.addresses = {"broker": f"{host}:{broker_port}",
                           "namesrv": f"{host}:{ns_srv.sockets[0].getsockname()[1]}",
                           "metrics": f"{host}:{self._metrics_port}" if self._metrics_httpd else "disabled"}
+
+    async def _open_index(self, ctx, store_dir: str) -> None:
+        """The key index (QUERY_MESSAGE) and the subscription groups; both off the hot path."""
+        c, store = self.config, ctx.store
+        ctx.subscriptions = SubscriptionGroups(os.path.join(store_dir, "config"), self.clock)
+        ctx.started_ms = self.clock()
+        if not c.message_index_enable:
+            return
+        ctx.index = IndexService(store_dir, segment_size=c.segment_size, slots=c.index_hash_slots,
+                                 entries=c.index_max_entries, period_ms=int(c.index_file_period_hours * 3_600_000),
+                                 clock=self.clock)
+        store.add_dispatch_listener(ctx.index.on_dispatch)
+        store.add_removal_listener(ctx.index.expire)
+        await ctx.index.open(store.min_physical_offset, store.max_physical_offset)
 
     def _install_metrics(self, ctx) -> None:
         m = self.metrics
@@ -330,6 +347,8 @@ class BrokerServer:
             await ctx.tx.stop()
         if ctx is not None and ctx.store is not None:
             await ctx.store.close()
+        if ctx is not None and ctx.index is not None:
+            await ctx.index.close()
         if ctx is not None:
             await ctx.topics.close()
         if ctx is not None and ctx.offsets is not None:

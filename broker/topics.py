@@ -215,6 +215,14 @@ class TopicManager:
             self._persist()
         return adopted
 
+    def delete(self, topic: str) -> bool:
+        """Forget a topic's config (DELETE_TOPIC_IN_BROKER); False when it had none."""
+        if self.topics.pop(topic, None) is None:
+            return False
+        self._persist()
+        log.warning("topic %s deleted", topic)
+        return True
+
     def ensure(self, topic: str, queues: int = 1) -> TopicConfig:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))

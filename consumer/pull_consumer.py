@@ -3,18 +3,22 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 
+from protocol.admin_bodies import decode_mq_table
 from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
-from protocol.errors import error_for_code
+from protocol.errors import HeaderError, error_for_code
 from protocol.message import MessageExt, decode_records
 from protocol.route import decode_route
 from protocol.signature import Credentials
+
+log = logging.getLogger("txmq.consumer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,8 @@ class PullConsumer:
         self._brokers: dict[str, str] = {}
         self.subscriptions: dict[str, str] = {}
         self.on_ids_changed = None
+        self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
+        self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
     async def __aenter__(self):
         return self
@@ -66,6 +72,26 @@ class PullConsumer:
         # NOTIFY_CONSUMER_IDS_CHANGED is oneway; a pull consumer does not rebalance, a push consumer does.
         if self.on_ids_changed is not None and cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
             self.on_ids_changed()
+        elif cmd.code == RequestCode.RESET_CONSUMER_CLIENT_OFFSET:
+            return self._on_reset(cmd)
+        return None
+
+    def _on_reset(self, cmd):
+        """An operator reset the group's offsets (INVOKE_BROKER_TO_RESET_OFFSET): remember them in
+        ``reset_offsets`` (a pull consumer's owner reads them) and tell ``on_reset_offset``."""
+        if cmd.ext_fields.get("group") not in (None, self.group):
+            return None
+        try:
+            _obj, table = decode_mq_table(cmd.body_bytes())
+            offsets = {MessageQueue(t, b, q): int(o) for (t, b, q), o in table.items()}
+        except (HeaderError, TypeError, ValueError) as exc:
+            log.warning("RESET_CONSUMER_CLIENT_OFFSET with a body that does not parse: %s", exc)
+            return None
+        self.reset_offsets.update(offsets)
+        log.info("group %s: offsets of %s reset by the broker to %s", self.group, cmd.ext_fields.get("topic"),
+                 {mq.queue_id: o for mq, o in offsets.items()})
+        if self.on_reset_offset is not None:
+            self.on_reset_offset(cmd.ext_fields.get("topic"), offsets)
         return None
 
     async def fetch_queues(self, topic: str) -> list[MessageQueue]:

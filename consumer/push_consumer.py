@@ -76,6 +76,7 @@ class PushConsumer:
         self.client = PullConsumer(namesrv_addr, group, credentials=credentials,
                                    instance_name=instance_name or ("DEFAULT" if broadcasting else None))
         self.client.on_ids_changed = self._request_rebalance
+        self.client.on_reset_offset = self._on_reset_offset
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
         self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
@@ -185,8 +186,35 @@ class PushConsumer:
                 await self.client.unlock_queues(released)     # the new owner need not wait for expiry
             await self._lock_owned()
         for mq in owned - set(self._loops):
-            task = self._loops[mq] = asyncio.get_running_loop().create_task(self._pull_loop(mq))
-            task.add_done_callback(lambda t, q=mq: self._crashed(t, q))
+            self._start_loop(mq)
+
+    def _start_loop(self, mq: MessageQueue) -> None:
+        task = self._loops[mq] = asyncio.get_running_loop().create_task(self._pull_loop(mq))
+        task.add_done_callback(lambda t, q=mq: self._crashed(t, q))
+
+    # ------------------------------------------------------------ offsets reset by an operator
+    def _on_reset_offset(self, topic: str, offsets: dict) -> None:
+        task = asyncio.get_running_loop().create_task(self.reset_offsets(topic, offsets))
+        task.add_done_callback(self._crashed)
+        self._tasks.append(task)
+
+    async def reset_offsets(self, topic: str, offsets: dict[MessageQueue, int]) -> None:
+        """RESET_CONSUMER_CLIENT_OFFSET: stop the topic's pull loops (the message in hand is finished
+        or abandoned), store the new offsets, and start the loops again from them."""
+        stopped = [mq for mq in self._loops if mq.topic == topic]
+        tasks = [self._loops.pop(mq) for mq in stopped]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for mq, offset in offsets.items():
+            self._offsets[mq] = offset
+            await self.offset_store.write(mq, offset)
+            self._committed[mq] = offset
+        log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
+                 {mq.queue_id: o for mq, o in offsets.items()})
+        for mq in stopped:
+            if mq in self._owned and mq not in self._loops:
+                self._start_loop(mq)
 
     # ------------------------------------------------------------ orderly locks
     async def _lock_owned(self) -> None:

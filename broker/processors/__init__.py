@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from protocol.codes import RequestCode as R
 
-from . import admin, client, namesrv, offsets, pull, send, transaction
+from . import admin, client, namesrv, offsets, ops, pull, query, send, transaction
 from .disk_guard import guard_writes
 
 
@@ -17,7 +17,7 @@ def broker_table() -> dict:
     return guard_writes({
         R.SEND_MESSAGE: send.handle_send, R.SEND_MESSAGE_V2: send.handle_send,
         R.SEND_BATCH_MESSAGE: send.handle_batch, R.CONSUMER_SEND_MSG_BACK: send.handle_send_back,
-        R.PULL_MESSAGE: pull.handle_pull,
+        R.PULL_MESSAGE: ops.consume_guard(pull.handle_pull),
         R.QUERY_CONSUMER_OFFSET: offsets.query_consumer_offset,
         R.UPDATE_CONSUMER_OFFSET: offsets.update_consumer_offset,
         R.GET_MAX_OFFSET: offsets.get_max_offset, R.GET_MIN_OFFSET: offsets.get_min_offset,
@@ -35,6 +35,17 @@ def broker_table() -> dict:
         R.TXMQ_RESOLVE_TRANSACTION: transaction.resolve_transaction,
         R.TXMQ_RESUME_TRANSACTION: transaction.resume_transaction,
         R.TXMQ_APPLY_EXPIRY: transaction.apply_expiry,
+        # Query and operations (processors/query.py, processors/ops.py)
+        R.QUERY_MESSAGE: query.query_message,
+        R.INVOKE_BROKER_TO_RESET_OFFSET: ops.reset_offset,
+        R.GET_CONSUME_STATS: ops.get_consume_stats,
+        R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,
+        R.GET_TOPIC_STATS_INFO: ops.get_topic_stats_info,
+        R.GET_BROKER_RUNTIME_INFO: ops.get_broker_runtime_info,
+        R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
+        R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG: ops.get_all_subscription_group,
+        R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP: ops.update_and_create_subscription_group,
+        R.DELETE_TOPIC_IN_BROKER: ops.delete_topic_in_broker,
         # Stock clients ask the broker for routes too when it is their only address.
         R.GET_ROUTEINFO_BY_TOPIC: namesrv.get_route_info,
         R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,

@@ -74,6 +74,11 @@ class ConsumerOffsets:
             del self._table[key]
             self._dirty = True
 
+    def remove_topic(self, topic: str) -> None:
+        for key in [k for k in self._table if k[1] == topic]:
+            del self._table[key]
+            self._dirty = True
+
     def items(self):
         """((group, topic, queue id), offset) pairs."""
         return list(self._table.items())

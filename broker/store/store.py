@@ -16,6 +16,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import shutil
 import struct
 import time
 from typing import Callable
@@ -65,6 +66,7 @@ class MessageStore:
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._listeners: list[Callable[[DispatchInfo], None]] = []
+        self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
         self._reserve_io: IoThread | None = None            # new segments, zeros ahead of the writer
         self._housekeeping: asyncio.Task | None = None
@@ -83,6 +85,10 @@ class MessageStore:
         """fn(DispatchInfo) for every stored record; added before open() it also sees recovery replays."""
         self._listeners.append(fn)
         self._log.dispatching = True
+
+    def add_removal_listener(self, fn: Callable[[int], object]) -> None:
+        """fn(min physical offset) after each segment removal (the index drops files with it)."""
+        self._removal_listeners.append(fn)
 
     async def open(self) -> RecoveryReport:
         if self._state != "new":
@@ -347,6 +353,36 @@ class MessageStore:
         sys_flag = _I32.unpack_from(view, 36)[0]
         return _I64.unpack_from(view, 68 if sys_flag & 0x10 else 56)[0]
 
+    def store_time_of(self, topic: str, queue_id: int, offset: int) -> int:
+        """Store time of the message at a queue offset, -1 when there is none (getMessageStoreTimeStamp)."""
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None or not cq.min_offset <= offset < cq.max_offset:
+            return -1
+        ts = self._store_time_at(cq, offset)
+        return -1 if ts is None else ts
+
+    async def delete_topic(self, topic: str) -> int:
+        """Remove every consume queue of ``topic`` (its records stay in the log until retention);
+        returns how many queues went. A topic of the same name later starts again at offset 0."""
+        if self._state != "open":
+            raise StoreError("the store is not open")
+        gone: list[ConsumeQueue] = []
+
+        async def op():
+            for key in [k for k in self._cqs if k[0] == topic]:
+                cq = self._cqs.pop(key)
+                self._backlogged.discard(cq)
+                self._log.qoffsets.pop(key, None)
+                gone.append(cq)
+            await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic))
+
+        await self._writer.control(op)
+        try:        # recovery must not bring the queues back from records before this point
+            await self._checkpoint()
+        except OSError as exc:
+            log.error("checkpoint after deleting topic %s failed: %s", topic, exc)
+        return len(gone)
+
     def earliest_store_time(self, topic: str, queue_id: int) -> int:
         """Store time of the message at the queue's min offset; -1 if there is none."""
         cq = self._cqs.get((topic, queue_id))
@@ -466,6 +502,11 @@ class MessageStore:
                         f.last_ts if f else "?", clog.min_offset)
 
         await self._writer.control(op)
+        for fn in self._removal_listeners:
+            try:
+                fn(clog.min_offset)
+            except Exception:
+                log.exception("removal listener %r failed", fn)
         self._facts.pop(name, None)
         try:
             await self.refresh_manifest()
@@ -478,6 +519,14 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     write_checkpoint(store_dir, point)
+
+
+def _remove_queue_files(queues, directory: str) -> None:
+    for cq in queues:
+        for mf in cq.files:
+            mf.remove()
+        cq.files = []
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _summarize_files(items) -> dict[str, SegmentFacts]:

@@ -1,0 +1,246 @@
+"""Operators' codes, with the bodies a 4.x broker writes (protocol/admin_bodies.py):
+
+GET_CONSUME_STATS (208), GET_CONSUMER_CONNECTION_LIST (203), GET_TOPIC_STATS_INFO (202),
+GET_BROKER_RUNTIME_INFO (28), QUERY_TOPIC_CONSUME_BY_WHO (300), GET_ALL_SUBSCRIPTIONGROUP_CONFIG (201),
+UPDATE_AND_CREATE_SUBSCRIPTIONGROUP (200), DELETE_TOPIC_IN_BROKER (215) and
+INVOKE_BROKER_TO_RESET_OFFSET (222), which tells live consumers with RESET_CONSUMER_CLIENT_OFFSET (220).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+
+from protocol.admin_bodies import dump, encode_consume_stats, encode_reset_offset, encode_topic_stats
+from protocol.codes import LanguageCode, RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.message import validate_topic
+
+from ..store.disk import human_bytes
+from ..topics import is_system_topic
+
+log = logging.getLogger("txmq.ops")
+
+VERSION_DESC = "V4_9_8"
+
+
+def _language(code: int) -> str:
+    try:
+        return LanguageCode(code).name
+    except ValueError:
+        return "OTHER"
+
+
+def _peer(conn) -> str:
+    peer = getattr(conn, "peer", None) or ("", 0)
+    return f"{peer[0]}:{peer[1]}"
+
+
+def _queue_nums(tc, read: bool) -> int:
+    return tc.read_queue_nums if read else tc.write_queue_nums
+
+
+# ------------------------------------------------------------------ consumer progress
+def get_consume_stats(ctx, conn, cmd):
+    group = cmd.str_field("consumerGroup", required=True)
+    topic = cmd.str_field("topic")
+    topics = [topic] if topic else sorted({t for (g, t, _q), _o in ctx.offsets.items() if g == group})
+    consumers = ctx.clients.consumers.get(group)
+    rows = {}
+    for t in topics:
+        tc = ctx.topics.get(t)
+        if tc is None:
+            continue
+        if consumers is not None and consumers.subscriptions and t not in consumers.subscriptions:
+            continue        # RocketMQ: the group is online and does not subscribe to it
+        for qid in range(tc.read_queue_nums):
+            broker_offset = max(0, ctx.store.max_offset(t, qid))
+            consumer_offset = max(0, ctx.offsets.get(group, t, qid) or 0)
+            last = ctx.store.store_time_of(t, qid, consumer_offset - 1) if consumer_offset > 0 else 0
+            rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
+    return cmd.response(ResponseCode.SUCCESS, body=encode_consume_stats(rows))
+
+
+def get_consumer_connection_list(ctx, conn, cmd):
+    name = cmd.str_field("consumerGroup", required=True)
+    group = ctx.clients.consumers.get(name)
+    if group is None or not group.channels:
+        return cmd.response(ResponseCode.CONSUMER_NOT_ONLINE, f"the consumer group[{name}] not online")
+    connections = [{"clientAddr": _peer(ch.conn), "clientId": ch.client_id, "language": _language(ch.language),
+                    "version": ch.version} for ch in group.channels.values()]
+    subs = {t: {"classFilterMode": False, "codeSet": sorted(s.codes), "expressionType": s.expression_type,
+                "subString": s.sub_string, "subVersion": s.sub_version, "tagsSet": sorted(s.tags), "topic": t}
+            for t, s in group.subscriptions.items()}
+    body = {"connectionSet": sorted(connections, key=lambda c: c["clientId"]),
+            "consumeFromWhere": group.consume_from_where, "consumeType": group.consume_type,
+            "messageModel": group.message_model, "subscriptionTable": subs}
+    return cmd.response(ResponseCode.SUCCESS, body=dump(body).encode())
+
+
+def query_topic_consume_by_who(ctx, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    groups = {name for name, g in ctx.clients.consumers.items() if topic in g.subscriptions}
+    groups |= {g for (g, t, _q), _o in ctx.offsets.items() if t == topic}
+    return cmd.response(ResponseCode.SUCCESS, body=dump({"groupList": sorted(groups)}).encode())
+
+
+# ------------------------------------------------------------------ topics and the broker
+def get_topic_stats_info(ctx, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    tc = ctx.topics.get(topic)
+    if tc is None:
+        return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"topic[{topic}] not exist")
+    rows = {}
+    for qid in range(tc.write_queue_nums):
+        lo, hi = max(0, ctx.store.min_offset(topic, qid)), max(0, ctx.store.max_offset(topic, qid))
+        rows[(topic, ctx.config.broker_name, qid)] = (lo, hi, ctx.store.store_time_of(topic, qid, hi - 1)
+                                                       if hi > 0 else 0)
+    return cmd.response(ResponseCode.SUCCESS, body=encode_topic_stats(rows))
+
+
+def runtime_info(ctx) -> dict[str, str]:
+    """The KVTable of GET_BROKER_RUNTIME_INFO: RocketMQ's keys where this broker has the value, txmq's after."""
+    store, disk = ctx.store, ctx.store.disk
+    now = ctx.clock()
+    up = max(0, now - ctx.started_ms) // 1000
+    earliest = [t for t in (store.earliest_store_time(t, q) for t, q in store.queues()) if t > 0]
+    index = ctx.index.stats() if ctx.index is not None else None
+    puts = sum(n for n, _b in ctx.metrics._in.values()) if hasattr(ctx.metrics, "_in") else 0
+    info = {
+        "brokerVersionDesc": VERSION_DESC, "brokerVersion": "409",
+        "bootTimestamp": str(ctx.started_ms),
+        "runtime": f"[ {up // 86400} days, {up % 86400 // 3600} hours, {up % 3600 // 60} minutes, "
+                   f"{up % 60} seconds ]",
+        "msgPutTotalTodayNow": str(puts),
+        "commitLogMinOffset": str(store.min_physical_offset), "commitLogMaxOffset": str(store.max_physical_offset),
+        "commitLogDiskRatio": str(disk.ratio), "consumeQueueDiskRatio": str(disk.ratio),
+        "commitLogDirCapacity": f"Total : {human_bytes(disk.total_bytes)}, Free : {human_bytes(disk.free_bytes)}.",
+        "remainHowManyDataToFlush": human_bytes(store.max_physical_offset - store.flushed_offset),
+        "dispatchBehindBytes": str(max(0, store.max_physical_offset - index["covered"]) if index else 0),
+        "earliestMessageTimeStamp": str(min(earliest) if earliest else -1),
+        "startAcceptSendRequestTimeStamp": "0",
+        "txmqTopics": str(len(ctx.topics.topics)),
+        "txmqConsumerGroups": str(len(ctx.clients.consumers)),
+        "txmqProducerGroups": str(len(ctx.clients.producers)),
+        "txmqUndecidedTransactions": str(len(ctx.tx.pending) if ctx.tx is not None else 0),
+        "txmqDiskRefusingWrites": str(disk.refusing).lower(),
+    }
+    if index is not None:
+        info.update(txmqIndexFiles=str(index["files"]), txmqIndexEntries=str(index["entries"]),
+                    txmqIndexLastUpdateTimestamp=str(index["last_update_ts"]))
+    return info
+
+
+def get_broker_runtime_info(ctx, conn, cmd):
+    return cmd.response(ResponseCode.SUCCESS, body=dump({"table": runtime_info(ctx)}).encode())
+
+
+async def delete_topic_in_broker(ctx, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    why = validate_topic(topic)
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+    if is_system_topic(topic):
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
+    existed = ctx.topics.delete(topic)
+    queues = await ctx.store.delete_topic(topic)
+    ctx.offsets.remove_topic(topic)
+    log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
+                "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+# ------------------------------------------------------------------ subscription groups
+def get_all_subscription_group(ctx, conn, cmd):
+    known = set(ctx.clients.consumers) | {g for (g, _t, _q), _o in ctx.offsets.items()}
+    return cmd.response(ResponseCode.SUCCESS, body=ctx.subscriptions.encode(sorted(known)))
+
+
+async def update_and_create_subscription_group(ctx, conn, cmd):
+    try:
+        values = json.loads(cmd.body_bytes() or b"null")
+        if not isinstance(values, dict):
+            raise ValueError("not a JSON object")
+        cfg = ctx.subscriptions.update(values)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group config body is not usable: {exc}")
+    log.info("subscription group %s updated by %s", cfg["groupName"], _peer(conn))
+    try:
+        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode())
+    except OSError as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group {cfg['groupName']} set but not "
+                            f"saved: {exc}")
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def consume_guard(handler):
+    """Pulls of a group whose config says consumeEnable=false are refused, as RocketMQ does."""
+    @functools.wraps(handler)
+    def guarded(ctx, conn, cmd):
+        subs = ctx.subscriptions
+        if subs is not None and subs.groups:
+            group = cmd.ext_fields.get("consumerGroup")
+            if group is not None and not subs.consume_enabled(group):
+                return cmd.response(ResponseCode.NO_PERMISSION, f"subscription group no permission, {group}")
+        return handler(ctx, conn, cmd)
+    return guarded
+
+
+# ------------------------------------------------------------------ offsets reset
+def reset_offset(ctx, conn, cmd):
+    """Move a group's offsets on a topic to the message stored at ``timestamp`` (-1: the end).
+
+    Broker2Client.resetOffset, with one addition: the new offsets are also committed here, so a
+    group with no live consumer is reset as well (RocketMQ answers CONSUMER_NOT_ONLINE, and
+    mqadmin then writes the same offsets itself).
+    """
+    topic = cmd.str_field("topic", required=True)
+    group = cmd.str_field("group", required=True)
+    timestamp = cmd.int_field("timestamp", required=True)
+    force = cmd.bool_field("isForce", False)
+    tc = ctx.topics.get(topic)
+    if tc is None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR,
+                            f"[reset-offset] reset offset failed, no topic in this broker. topic={topic}")
+    if not any(g == group and t == topic for (g, t, _q), _o in ctx.offsets.items()):
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"THe consumer group <{group}> not exist")
+    broker = ctx.config.broker_name
+    table = {}
+    for qid in range(tc.write_queue_nums):
+        current = ctx.offsets.get(group, topic, qid) or 0
+        target = (ctx.store.max_offset(topic, qid) if timestamp == -1
+                  else ctx.store.search_offset_by_time(topic, qid, timestamp))
+        target = max(target, 0)
+        table[(topic, broker, qid)] = target if force or target < current else current
+    for (_t, _b, qid), offset in table.items():
+        ctx.offsets.commit(group, topic, qid, offset)
+    notified = _notify_reset(ctx, group, topic, timestamp, force, table, cmd.language == LanguageCode.CPP)
+    log.warning("[reset-offset] group %s topic %s to timestamp %d (force=%s) by %s: %s; %d consumers told",
+                group, topic, timestamp, force, _peer(conn), {q: o for (_t, _b, q), o in table.items()}, notified)
+    return cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table))
+
+
+def _notify_reset(ctx, group: str, topic: str, timestamp: int, force: bool, table: dict, for_c: bool) -> int:
+    g = ctx.clients.consumers.get(group)
+    if g is None:
+        return 0
+    if for_c:       # ResetOffsetBodyForC: a list of MessageQueueForC
+        body = dump({"offsetTable": [{"brokerName": b, "offset": o, "queueId": q, "topic": t}
+                                     for (t, b, q), o in sorted(table.items())]}).encode()
+    else:
+        body = encode_reset_offset(table)
+    told = 0
+    for ch in list(g.channels.values()):
+        if not ch.alive:
+            continue
+        request = RemotingCommand.request(RequestCode.RESET_CONSUMER_CLIENT_OFFSET,
+                                          {"topic": topic, "group": group, "timestamp": timestamp,
+                                           "isForce": force}, body, oneway=True, language=LanguageCode.JAVA)
+        try:
+            ch.conn.oneway(request)
+            told += 1
+        except Exception as exc:  # noqa: BLE001 - one dying channel must not stop the others
+            log.info("[reset-offset] could not tell %s: %s", ch.client_id, exc)
+    return told
+

@@ -1,0 +1,35 @@
+"""Message lookup by key: QUERY_MESSAGE (12), by UNIQ_KEY too (the ``_UNIQUE_KEY_QUERY`` ext field).
+
+Request header (QueryMessageRequestHeader): topic, key, maxNum, beginTimestamp, endTimestamp.
+Reply: the stored records of the matches concatenated, oldest first (as a pull body), with
+indexLastUpdateTimestamp / indexLastUpdatePhyoffset (the index's newest entry) in the header;
+QUERY_NOT_FOUND when nothing matches. Unlike RocketMQ, every match is checked against its
+record's topic, KEYS and UNIQ_KEY, so a hash collision never returns another key's message.
+"""
+from __future__ import annotations
+
+from protocol.codes import ResponseCode
+
+UNIQUE_KEY_QUERY = "_UNIQUE_KEY_QUERY"      # MixAll.UNIQUE_MSG_QUERY_FLAG
+DEFAULT_QUERY_MAX_NUM = 32                  # BrokerConfig.defaultQueryMaxNum
+_FOREVER = (1 << 63) - 1
+
+
+async def query_message(ctx, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    key = cmd.str_field("key", required=True)
+    max_num = cmd.int_field("maxNum", DEFAULT_QUERY_MAX_NUM)
+    begin = cmd.int_field("beginTimestamp", 0)
+    end = cmd.int_field("endTimestamp", _FOREVER)
+    if cmd.ext_fields.get(UNIQUE_KEY_QUERY) == "true":
+        max_num = DEFAULT_QUERY_MAX_NUM
+    if ctx.index is None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, "the message index is off on this broker "
+                            "(message_index_enable=false)")
+    found, last_ts, last_phy = await ctx.index.query(topic, key, max_num, begin, end)
+    header = {"indexLastUpdateTimestamp": last_ts, "indexLastUpdatePhyoffset": last_phy}
+    views = [v for v in (ctx.store.get_record(phy) for phy in sorted(found)) if v is not None]
+    if not views:
+        return cmd.response(ResponseCode.QUERY_NOT_FOUND, "can not find message, maybe time range not correct",
+                            header)
+    return cmd.response(ResponseCode.SUCCESS, None, header, body=views)

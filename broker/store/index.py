@@ -1,0 +1,398 @@
+"""IndexService: the message index by key and by UNIQ_KEY, kept off the event loop (RocketMQ's IndexService).
+
+Every stored record that is not a ROLLBACK gets one entry for ``topic#UNIQ_KEY`` and one for each
+word of its KEYS property (space separated), in index files of index_file.py; a new file starts
+when the last is full or ``period_ms`` old, and a file is removed once retention has removed
+every segment it points into (its END PHYOFFSET is below the log's first offset; never the last).
+
+Threads: the dispatch listener only queues ``(offset, size)``; ONE index thread reads the record
+back from its segment file (pread, its own descriptors), writes the entries, answers queries and
+removes files, all in queue order -- so a query sent after a send was acknowledged sees it.
+
+What is indexed is a prefix of the log: ``covered`` is the offset below which every record is
+indexed (or needs no entry). A dispatch beyond ``covered`` first fills the gap from the log, so
+nothing can be skipped. At start-up ``covered`` is the larger of ``index/progress`` (written
+every second after an fsync of the files) and the newest entry's record, and the thread catches
+up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
+message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
+from the commit log.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import re
+import struct
+import threading
+import time
+import zlib
+from typing import Callable
+
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
+
+from .index_file import IndexCorrupt, IndexFile, key_hash
+
+log = logging.getLogger("txmq.index")
+
+_NAME = re.compile(r"^\d{17}$")
+_SIZE_MAGIC = struct.Struct(">ii")
+_I32 = struct.Struct(">i")
+_I64 = struct.Struct(">q")
+_I16 = struct.Struct(">h")
+_PROGRESS = struct.Struct(">qI")
+PROGRESS_FILE = "progress"
+PROGRESS_EVERY_S = 1.0
+MAX_QUERY = 64                  # RocketMQ's maxMsgsNumBatch
+_ROLLBACK = 0xC
+_CHUNK = 1 << 20
+
+
+def record_keys(raw, pos: int = 0):
+    """(topic, store timestamp, sys flag, UNIQ_KEY or None, [KEYS words]) of the record at ``pos``."""
+    sys_flag = _I32.unpack_from(raw, pos + 36)[0]
+    p = pos + 48 + (20 if sys_flag & 0x10 else 8)
+    ts = _I64.unpack_from(raw, p)[0]
+    p += 8 + (20 if sys_flag & 0x20 else 8) + 12
+    body_len = _I32.unpack_from(raw, p)[0]
+    p += 4 + body_len
+    topic_len = raw[p]
+    topic = bytes(raw[p + 1:p + 1 + topic_len]).decode("utf-8", "replace")
+    p += 1 + topic_len
+    props_len = _I16.unpack_from(raw, p)[0]
+    props = string_to_properties(bytes(raw[p + 2:p + 2 + props_len]).decode("utf-8", "replace"))
+    keys = [k for k in (props.get(Prop.KEYS) or "").split(" ") if k]
+    return topic, ts, sys_flag, props.get(Prop.UNIQ_KEY), keys
+
+
+class IndexService:
+    def __init__(self, store_dir: str, *, segment_size: int, slots: int = 5_000_000, entries: int = 20_000_000,
+                 period_ms: int = 86_400_000, clock: Callable[[], int] | None = None):
+        self.directory = os.path.join(store_dir, "index")
+        self.log_dir = os.path.join(store_dir, "commitlog")
+        self.seg_size = segment_size
+        self.slots, self.entries, self.period_ms = slots, entries, period_ms
+        self.clock = clock or (lambda: time.time_ns() // 1_000_000)
+        self.files: list[IndexFile] = []
+        self.covered = 0                # every record below is indexed (or has no key)
+        self.rebuilt: list[str] = []    # files found damaged at start-up (removed and re-indexed)
+        self._skip = -1                 # the newest entry's record: indexed already
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._fds: dict[int, int] = {}  # segment start -> descriptor, the index thread's own
+        self._last_progress = 0.0
+        self._loop = None
+        self._closed = False
+        self._saved = -1
+        self.failed: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def on_dispatch(self, info) -> None:
+        """The store's dispatch listener: a record is durable and readable; index it (on the thread)."""
+        if not info.recovering:
+            self._q.put((info.physical_offset, info.size))
+
+    async def open(self, log_min: int, log_end: int) -> None:
+        """Load the files (blocking work on a thread), start the index thread and let it catch up to
+        ``log_end`` in the background: queries queue behind the catch-up."""
+        self._loop = asyncio.get_running_loop()
+        await self._loop.run_in_executor(None, self._load, log_min, log_end)
+        self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
+        self._thread.start()
+        self._q.put(lambda: self._scan(self.covered, log_end))
+
+    async def close(self) -> None:
+        if self._thread is None:
+            return
+        done = self._submit(self._shutdown)
+        try:
+            await done
+        finally:
+            self._q.put(None)
+            await self._loop.run_in_executor(None, self._thread.join)
+            self._thread = None
+
+    def _submit(self, fn, *args) -> asyncio.Future:
+        fut = self._loop.create_future()
+        loop = self._loop
+
+        def job():
+            try:
+                value = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, value, None)
+        self._q.put(job)
+        return fut
+
+    # ------------------------------------------------------------ the API (awaitable)
+    def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> asyncio.Future:
+        """(commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest first,
+        at most min(max_num, 64); the last file's END TIMESTAMP; its END PHYOFFSET)."""
+        return self._submit(self._query, topic, key, max(0, min(max_num, MAX_QUERY)), begin, end)
+
+    def expire(self, min_offset: int) -> asyncio.Future:
+        """Remove the files every entry of which points below ``min_offset`` (never the last one)."""
+        return self._submit(self._expire, min_offset)
+
+    def stats(self) -> dict:
+        files = list(self.files)
+        return {"files": len(files), "entries": sum(f.count - 1 for f in files), "covered": self.covered,
+                "last_update_ts": files[-1].end_ts if files else 0}
+
+    # ------------------------------------------------------------ start-up (a worker thread)
+    def _load(self, log_min: int, log_end: int) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        names = sorted(n for n in os.listdir(self.directory) if _NAME.match(n))
+        for i, name in enumerate(names):
+            path = os.path.join(self.directory, name)
+            try:
+                self.files.append(IndexFile.open(path, self.slots, self.entries))
+            except (IndexCorrupt, OSError) as exc:
+                self._drop_damaged(names[i:], str(exc))
+                break
+        newest = next((f for f in reversed(self.files) if f.count > 1), None)
+        start = log_min
+        if newest is not None:
+            start = max(start, newest.end_phy)
+            self._skip = newest.end_phy
+        if not self.rebuilt:
+            start = max(start, min(self._read_progress(), log_end))
+        self.covered = start
+        behind = log_end - start
+        log.info("index: %d files, catching up %d bytes of the commit log from offset %d", len(self.files),
+                 max(behind, 0), start)
+
+    def _drop_damaged(self, names: list[str], why: str) -> None:
+        prev = self.files[-1].end_phy if self.files else 0
+        log.error("index file %s is damaged (%s): removing it%s and rebuilding their entries from the commit "
+                  "log from offset %d", names[0], why, f" and the {len(names) - 1} newer files" if len(names) > 1
+                  else "", prev)
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.directory, name))
+            except OSError as exc:
+                log.error("could not remove index file %s: %s", name, exc)
+        self.rebuilt = list(names)
+
+    def _read_progress(self) -> int:
+        try:
+            with open(os.path.join(self.directory, PROGRESS_FILE), "rb") as fh:
+                raw = fh.read(_PROGRESS.size + 1)
+        except OSError:
+            return 0
+        if len(raw) != _PROGRESS.size:
+            return 0
+        value, crc = _PROGRESS.unpack(raw)
+        return value if crc == zlib.crc32(raw[:8]) and value >= 0 else 0
+
+    # ------------------------------------------------------------ the index thread
+    def _main(self) -> None:
+        q = self._q
+        while True:
+            item = q.get()
+            batch = []
+            while isinstance(item, tuple):
+                batch.append(item)
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    item = False
+            try:
+                if batch:
+                    self._index(batch)
+                if item is None:
+                    return
+                if item is not False:
+                    item()
+                if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
+                    self._save_progress()
+            except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
+                if self.failed is None:
+                    log.exception("index thread: %s (entries resume from the log after a restart)", exc)
+                self.failed = str(exc)
+
+    def _shutdown(self) -> None:
+        self._save_progress()
+        self._closed = True
+        for f in self.files:
+            f.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _save_progress(self) -> None:
+        self._last_progress = time.monotonic()
+        value = self.covered
+        if value == self._saved:
+            return
+        if self.files:
+            self.files[-1].sync()       # entries before the progress that says they exist
+        raw = struct.pack(">q", value)
+        raw += struct.pack(">I", zlib.crc32(raw))
+        path = os.path.join(self.directory, PROGRESS_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(raw)
+        os.replace(tmp, path)
+        self._saved = value
+
+    def _index(self, batch: list[tuple[int, int]]) -> None:
+        if self._closed:
+            return
+        items: list[tuple[int, int, int]] = []
+        for phy, size in batch:
+            if phy < self.covered:
+                continue
+            if phy > self.covered:      # a record the queue never saw (or a segment's end): read the log
+                self._flush(items)
+                self._scan(self.covered, phy)
+            raw = self._read(phy, size)
+            if raw is not None and len(raw) == size and _SIZE_MAGIC.unpack_from(raw, 0) == (size, MESSAGE_MAGIC):
+                self._collect(items, raw, 0, phy)
+            self.covered = phy + size
+            if len(items) >= 4096:
+                self._flush(items)
+        self._flush(items)
+
+    def _collect(self, items: list, raw, pos: int, phy: int) -> None:
+        if phy == self._skip:
+            return
+        topic, ts, sys_flag, uniq, keys = record_keys(raw, pos)
+        if sys_flag & 0xC == _ROLLBACK:
+            return
+        if uniq:
+            items.append((key_hash(f"{topic}#{uniq}"), phy, ts))
+        for k in keys:
+            items.append((key_hash(f"{topic}#{k}"), phy, ts))
+
+    def _flush(self, items: list) -> None:
+        while items:
+            f = self._writable(items[0][2])
+            n = f.put_many(items)
+            del items[:n]
+
+    def _writable(self, ts: int) -> IndexFile:
+        last = self.files[-1] if self.files else None
+        if last is not None and not last.full and not (last.count > 1 and ts - last.begin_ts >= self.period_ms):
+            return last
+        name = _file_name(self.clock())
+        if last is not None and name <= last.name:
+            name = f"{int(last.name) + 1:017d}"
+        f = IndexFile.create(os.path.join(self.directory, name), self.slots, self.entries,
+                             last.end_phy if last else 0, last.end_ts if last else 0)
+        if last is not None:
+            last.sync()
+            log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
+        self.files.append(f)
+        return f
+
+    def _scan(self, lo: int, hi: int) -> None:
+        """Index the records in [lo, hi) straight from the segment files."""
+        items: list = []
+        pos = lo
+        while pos < hi:
+            start = pos - pos % self.seg_size
+            chunk = self._pread(start, pos - start, min(_CHUNK, hi - pos, start + self.seg_size - pos))
+            if not chunk:
+                pos = start + self.seg_size     # removed meanwhile, or nothing there
+                continue
+            at = 0
+            while at + 8 <= len(chunk):
+                size, magic = _SIZE_MAGIC.unpack_from(chunk, at)
+                if magic == BLANK_MAGIC:
+                    at = -1
+                    break
+                if magic != MESSAGE_MAGIC or size < 91:
+                    log.warning("index catch-up: no record at offset %d; stopping the scan there", pos + at)
+                    self.covered = max(self.covered, hi)
+                    self._flush(items)
+                    return
+                if at + size > len(chunk):
+                    if at == 0:         # a record larger than the chunk
+                        chunk = self._pread(start, pos - start, size)
+                        if len(chunk) < size:
+                            break
+                    else:
+                        break
+                self._collect(items, chunk, at, pos + at)
+                at += size
+            if at < 0:
+                pos = start + self.seg_size
+            else:
+                pos += at
+            self.covered = max(self.covered, min(pos, hi))
+            self._flush(items)
+        self.covered = max(self.covered, hi)
+
+    def _read(self, phy: int, size: int):
+        start = phy - phy % self.seg_size
+        return self._pread(start, phy - start, size)
+
+    def _pread(self, start: int, pos: int, n: int) -> bytes:
+        fd = self._fds.get(start)
+        if fd is None:
+            try:
+                fd = self._fds[start] = os.open(os.path.join(self.log_dir, f"{start:020d}"), os.O_RDONLY)
+            except FileNotFoundError:
+                return b""
+        return os.pread(fd, n, pos)
+
+    def _query(self, topic: str, key: str, max_num: int, begin: int, end: int):
+        found: list[int] = []
+        h = key_hash(f"{topic}#{key}")
+        files = self.files
+        for f in reversed(files):
+            if f.count > 1 and f.time_matched(begin, end):
+                for phy in f.select(h, begin, end, limit=2 * max_num + 16):
+                    if phy not in found and self._has_key(phy, topic, key):
+                        found.append(phy)
+                        if len(found) >= max_num:
+                            break
+            if len(found) >= max_num or (f.count > 1 and f.begin_ts < begin):
+                break
+        last = files[-1] if files else None
+        return found, (last.end_ts if last else 0), (last.end_phy if last else 0)
+
+    def _has_key(self, phy: int, topic: str, key: str) -> bool:
+        """The record at ``phy`` is still there and really has the key (hashes collide)."""
+        head = self._read(phy, 8)
+        if len(head) < 8:
+            return False
+        size, magic = _SIZE_MAGIC.unpack(head)
+        if magic != MESSAGE_MAGIC or size < 91:
+            return False
+        raw = self._read(phy, size)
+        if len(raw) < size or _I64.unpack_from(raw, 28)[0] != phy:
+            return False
+        t, _ts, _sf, uniq, keys = record_keys(raw, 0)
+        return t == topic and (uniq == key or key in keys)
+
+    def _expire(self, min_offset: int) -> list[str]:
+        gone = []
+        while len(self.files) > 1 and self.files[0].end_phy < min_offset:
+            f = self.files.pop(0)
+            f.remove()
+            gone.append(f.name)
+        for start in [s for s in self._fds if s + self.seg_size <= min_offset]:
+            os.close(self._fds.pop(start))
+        if gone:
+            log.info("removed index files %s: every entry points below the log's first offset %d", gone,
+                     min_offset)
+        return gone
+
+
+def _file_name(ms: int) -> str:
+    """UtilAll.timeMillisToHumanString: yyyyMMddHHmmssSSS, local time."""
+    return time.strftime("%Y%m%d%H%M%S", time.localtime(ms / 1000)) + f"{ms % 1000:03d}"
+
+
+def _settle(fut: asyncio.Future, value, exc) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)

@@ -1,0 +1,254 @@
+"""One index file: RocketMQ's IndexFile layout, hash slots and linked entries, read and written with pread/pwrite.
+
+``<store_dir>/index/<yyyyMMddHHmmssSSS>`` (the creation time, as RocketMQ names them), big-endian:
+
+    offset                  size          field
+    0                       8             BEGIN TIMESTAMP   store time of the first entry (ms)
+    8                       8             END TIMESTAMP     store time of the last entry
+    16                      8             BEGIN PHYOFFSET   commit-log offset of the first entry's record
+    24                      8             END PHYOFFSET     commit-log offset of the last entry's record
+    32                      4             HASH SLOT COUNT   slots in use
+    36                      4             INDEX COUNT       next entry number; entries are 1..COUNT-1 (0 is unused)
+    40                      4 * SLOTS     SLOT[i]           newest entry whose key hash % SLOTS == i (0: none)
+    40 + 4*SLOTS            20 * ENTRIES  ENTRY[n]:
+                                            0  4  KEY HASH   abs(Java String.hashCode("topic#key")), 0 for MIN_VALUE
+                                            4  8  PHYOFFSET  the record's commit-log offset
+                                            12 4  TIME DIFF  (store time - BEGIN TIMESTAMP) / 1000, seconds
+                                            16 4  PREV       the entry this one replaced in its slot (0: none)
+
+SLOTS and ENTRIES are RocketMQ's maxHashSlotNum (5,000,000) and maxIndexNum (20,000,000) by
+default: a 420,000,040-byte sparse file, of which only the touched pages take disk space.
+
+Unlike RocketMQ, the file is not mapped: a pwrite that meets a full disk fails with ENOSPC,
+where a store into an unbacked mapped page would kill the process with SIGBUS. Each batch is
+written in a fixed order -- its entries, then the slots, then the header -- so a process
+killed mid-batch leaves entries past INDEX COUNT and slots that may point at them.
+``open`` undoes exactly that: walking the entries past COUNT from the newest down, a slot
+that names one is set back to the entry's PREV (the value it replaced), and the entries are
+zeroed. The file is then the one its header describes, and the records of the lost batch
+are indexed again from the commit log (index.py). A header that cannot be right (size,
+counts, offsets) is reported as IndexCorrupt; the caller rebuilds.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+HEADER = struct.Struct(">qqqqii")
+HEADER_SIZE = 40
+SLOT = struct.Struct(">i")
+ENTRY = struct.Struct(">iqii")
+ENTRY_SIZE = 20
+MAX_BATCH = 1024            # entries per header update: bounds what open() may have to undo
+_INT_MAX = 0x7FFFFFFF
+
+
+class IndexCorrupt(Exception):
+    """The file cannot be the index it claims to be; the text says why."""
+
+
+def key_hash(key: str) -> int:
+    """IndexFile.indexKeyHashMethod: abs(String.hashCode), with Integer.MIN_VALUE mapped to 0."""
+    h = 0
+    if key.isascii():
+        units = key.encode("ascii")
+    else:
+        data = key.encode("utf-16-be", "surrogatepass")
+        units = struct.unpack(f">{len(data) // 2}H", data)
+    for u in units:
+        h = (31 * h + u) & 0xFFFFFFFF
+    if h & 0x80000000:
+        h -= 1 << 32
+    h = abs(h)
+    return 0 if h > _INT_MAX else h
+
+
+def file_size(slots: int, entries: int) -> int:
+    return HEADER_SIZE + 4 * slots + ENTRY_SIZE * entries
+
+
+class IndexFile:
+    def __init__(self, path: str, fd: int, slots: int, entries: int):
+        self.path = path
+        self.name = os.path.basename(path)
+        self.fd = fd
+        self.slots = slots
+        self.entries = entries
+        self.begin_ts = self.end_ts = self.begin_phy = self.end_phy = 0
+        self.slot_count = 0
+        self.count = 1
+        self._entry_base = HEADER_SIZE + 4 * slots
+
+    # ------------------------------------------------------------ lifecycle
+    @classmethod
+    def create(cls, path: str, slots: int, entries: int, end_phy: int = 0, end_ts: int = 0) -> "IndexFile":
+        """A new sparse file; like RocketMQ, it starts where the previous file ended."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, file_size(slots, entries))
+            f = cls(path, fd, slots, entries)
+            if end_phy > 0:
+                f.begin_phy = f.end_phy = end_phy
+            if end_ts > 0:
+                f.begin_ts = f.end_ts = end_ts
+            f._write_header()
+        except BaseException:
+            os.close(fd)
+            raise
+        return f
+
+    @classmethod
+    def open(cls, path: str, slots: int, entries: int) -> "IndexFile":
+        """Load and check a file; undo a batch a crash cut short. IndexCorrupt when it cannot be right."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            f = cls(path, fd, slots, entries)
+            f._load()
+            f.undo_unfinished()
+        except BaseException:
+            os.close(fd)
+            raise
+        return f
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def remove(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def _load(self) -> None:
+        expected = file_size(self.slots, self.entries)
+        size = os.fstat(self.fd).st_size
+        if size != expected:
+            raise IndexCorrupt(f"{size} bytes, not {expected} for {self.slots} slots and {self.entries} entries "
+                               "(were index_hash_slots / index_max_entries changed?)")
+        raw = os.pread(self.fd, HEADER_SIZE, 0)
+        if len(raw) != HEADER_SIZE:
+            raise IndexCorrupt("header cut short")
+        (self.begin_ts, self.end_ts, self.begin_phy, self.end_phy, self.slot_count, count) = HEADER.unpack(raw)
+        self.count = max(count, 1)
+        why = None
+        if count > self.entries:
+            why = f"index count {count} exceeds the file's {self.entries} entries"
+        elif not 0 <= self.slot_count <= min(self.slots, max(self.count - 1, 0)):
+            why = f"hash slot count {self.slot_count} is impossible with {self.count - 1} entries"
+        elif self.begin_phy < 0 or self.end_phy < self.begin_phy:
+            why = f"offsets {self.begin_phy}..{self.end_phy} are not a range"
+        elif self.begin_ts < 0 or self.end_ts < self.begin_ts:
+            why = f"timestamps {self.begin_ts}..{self.end_ts} are not a range"
+        if why:
+            raise IndexCorrupt(why)
+
+    def undo_unfinished(self) -> int:
+        """Roll back entries written past COUNT by a batch that never reached its header; returns how many."""
+        lo = self.count
+        n = min(MAX_BATCH, self.entries - lo)
+        if n <= 0:
+            return 0
+        raw = os.pread(self.fd, n * ENTRY_SIZE, self._entry_base + lo * ENTRY_SIZE)
+        written = [i for i in range(len(raw) // ENTRY_SIZE) if any(raw[i * ENTRY_SIZE:(i + 1) * ENTRY_SIZE])]
+        if not written:
+            return 0
+        for i in reversed(range(written[-1] + 1)):
+            h, _phy, _td, prev = ENTRY.unpack_from(raw, i * ENTRY_SIZE)
+            slot = h % self.slots
+            if self._slot(slot) == lo + i:
+                self._set_slot(slot, prev)
+        os.pwrite(self.fd, bytes((written[-1] + 1) * ENTRY_SIZE), self._entry_base + lo * ENTRY_SIZE)
+        return len(written)
+
+    # ------------------------------------------------------------ writes
+    @property
+    def full(self) -> bool:
+        return self.count >= self.entries
+
+    @property
+    def room(self) -> int:
+        return max(0, self.entries - self.count)
+
+    def put_many(self, items: list[tuple[int, int, int]]) -> int:
+        """Add (key hash, commit-log offset, store time) entries, in order, as far as the file has room
+        (at most MAX_BATCH); returns how many were added. Blocking: the index thread's work."""
+        items = items[:min(self.room, MAX_BATCH)]
+        if not items:
+            return 0
+        slots: dict[int, int] = {}
+        out = bytearray(len(items) * ENTRY_SIZE)
+        count, begin_ts = self.count, self.begin_ts
+        first = count
+        for j, (h, phy, ts) in enumerate(items):
+            slot = h % self.slots
+            value = slots.get(slot)
+            if value is None:
+                value = self._slot(slot)
+                if value <= 0 or value >= first:    # invalid, or left by a batch a crash cut short
+                    value = 0
+                    self.slot_count += 1
+            if count <= 1:              # the file's first entry fixes its begin (RocketMQ sets it just after)
+                self.begin_phy, begin_ts = phy, ts
+            diff = min(max((ts - begin_ts) // 1000, 0), _INT_MAX) if begin_ts > 0 else 0
+            ENTRY.pack_into(out, j * ENTRY_SIZE, h, phy, diff, value)
+            slots[slot] = count
+            count += 1
+        os.pwrite(self.fd, out, self._entry_base + first * ENTRY_SIZE)
+        for slot, value in slots.items():
+            self._set_slot(slot, value)
+        last = items[-1]
+        self.count, self.begin_ts, self.end_phy, self.end_ts = count, begin_ts, last[1], last[2]
+        self._write_header()
+        return len(items)
+
+    def _write_header(self) -> None:
+        os.pwrite(self.fd, HEADER.pack(self.begin_ts, self.end_ts, self.begin_phy, self.end_phy, self.slot_count,
+                                       self.count), 0)
+
+    def _slot(self, slot: int) -> int:
+        return SLOT.unpack(os.pread(self.fd, 4, HEADER_SIZE + 4 * slot))[0]
+
+    def _set_slot(self, slot: int, value: int) -> None:
+        os.pwrite(self.fd, SLOT.pack(value), HEADER_SIZE + 4 * slot)
+
+    # ------------------------------------------------------------ reads
+    def time_matched(self, begin: int, end: int) -> bool:
+        """IndexFile.isTimeMatched."""
+        b, e = self.begin_ts, self.end_ts
+        return (begin < b and end > e) or b <= begin <= e or b <= end <= e
+
+    def select(self, h: int, begin: int, end: int, limit: int = 1 << 30) -> list[int]:
+        """Commit-log offsets of the entries with key hash ``h`` stored in [begin, end], newest first
+        (IndexFile.selectPhyOffset). Entries of other keys with the same hash are included: the caller
+        checks each record's key."""
+        out: list[int] = []
+        count = self.count
+        at = self._slot(h % self.slots)
+        if at <= 0 or at >= count or count <= 1:
+            return out
+        seen = 0
+        while len(out) < limit and seen < count:
+            seen += 1
+            raw = os.pread(self.fd, ENTRY_SIZE, self._entry_base + at * ENTRY_SIZE)
+            if len(raw) != ENTRY_SIZE:
+                break
+            hr, phy, diff, prev = ENTRY.unpack(raw)
+            if diff < 0:
+                break
+            t = self.begin_ts + diff * 1000
+            if hr == h and begin <= t <= end:
+                out.append(phy)
+            if prev <= 0 or prev >= count or prev == at or t < begin:
+                break
+            at = prev
+        return out
+
+    def __repr__(self) -> str:
+        return (f"IndexFile({self.name}, entries 1..{self.count - 1}, offsets {self.begin_phy}..{self.end_phy}, "
+                f"times {self.begin_ts}..{self.end_ts})")

@@ -1,0 +1,101 @@
+"""Subscription groups (RocketMQ's SubscriptionGroupManager): UPDATE_AND_CREATE_SUBSCRIPTIONGROUP and
+GET_ALL_SUBSCRIPTIONGROUP_CONFIG.
+
+``<store>/config/subscriptionGroup.json`` is the body a 4.x broker keeps and answers::
+
+    {"dataVersion":{"counter":N,"timestamp":MS},"subscriptionGroupTable":{"<group>":{...config...}}}
+
+Groups created by an operator are stored; a group the broker only knows from its clients (a
+heartbeat, a committed offset) is listed with the defaults, as RocketMQ auto-creates it
+(autoCreateSubscriptionGroup). ``consumeEnable: false`` stops the group's pulls (NO_PERMISSION).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+from protocol.admin_bodies import dump
+
+log = logging.getLogger("txmq.subscriptions")
+
+FILE_NAME = "subscriptionGroup.json"
+# SubscriptionGroupManager.init: the groups every 4.x broker lists.
+SYSTEM_GROUPS = ("TOOLS_CONSUMER", "FILTERSRV_CONSUMER", "SELF_TEST_C_GROUP", "CID_ONS-HTTP-PROXY",
+                 "CID_ONSAPI_PULL", "CID_ONSAPI_PERMISSION", "CID_ONSAPI_OWNER", "CID_SYS_RMQ_TRANS")
+DEFAULTS = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True, "consumeFromMinEnable": True,
+            "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16, "retryQueueNums": 1,
+            "whichBrokerWhenConsumeSlowly": 1}
+_TYPES = {"brokerId": int, "retryMaxTimes": int, "retryQueueNums": int, "whichBrokerWhenConsumeSlowly": int,
+          "consumeBroadcastEnable": bool, "consumeEnable": bool, "consumeFromMinEnable": bool,
+          "notifyConsumerIdsChangedEnable": bool}
+
+
+def group_config(name: str, values: dict | None = None) -> dict:
+    """A whole SubscriptionGroupConfig: the defaults, overridden by the known fields of ``values``."""
+    cfg = dict(DEFAULTS, groupName=name)
+    for key, kind in _TYPES.items():
+        if values and key in values and values[key] is not None:
+            value = values[key]
+            if kind is bool and isinstance(value, str):
+                value = value.strip().lower() == "true"
+            cfg[key] = kind(value)
+    return cfg
+
+
+class SubscriptionGroups:
+    def __init__(self, config_dir: str, clock):
+        self.path = os.path.join(config_dir, FILE_NAME)
+        self.clock = clock
+        self.groups: dict[str, dict] = {}
+        self.counter = 0
+        self.timestamp = clock()
+        self._write_lock = threading.Lock()
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            table = data.get("subscriptionGroupTable") or {}
+            version = data.get("dataVersion") or {}
+            self.counter, self.timestamp = int(version.get("counter", 0)), int(version.get("timestamp", 0))
+            self.groups = {name: group_config(name, cfg) for name, cfg in table.items() if isinstance(cfg, dict)}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            log.error("ignoring unreadable %s (%s): groups keep their defaults until updated", self.path, exc)
+
+    def update(self, values: dict) -> dict:
+        """Create or replace a group's config (the caller persists: ``encode`` then ``write``)."""
+        name = values.get("groupName")
+        if not isinstance(name, str) or not name:
+            raise ValueError("the body names no groupName")
+        cfg = self.groups[name] = group_config(name, values)
+        self.counter += 1
+        self.timestamp = self.clock()
+        log.info("subscription group %s: %s", name, cfg)
+        return cfg
+
+    def consume_enabled(self, group: str) -> bool:
+        cfg = self.groups.get(group)
+        return cfg is None or cfg["consumeEnable"]
+
+    def encode(self, known_groups=()) -> bytes:
+        """The body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG (and the file): stored groups, then the system
+        groups and those the broker knows from clients, with the defaults."""
+        table = {name: group_config(name) for name in (*SYSTEM_GROUPS, *known_groups)}
+        table.update(self.groups)
+        return dump({"dataVersion": {"counter": self.counter, "timestamp": self.timestamp},
+                     "subscriptionGroupTable": table}).encode()
+
+    def write(self, data: bytes) -> None:
+        """Blocking (fsync, rename): call it off the loop."""
+        tmp = self.path + ".tmp"
+        with self._write_lock:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)

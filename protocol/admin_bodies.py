@@ -1,0 +1,71 @@
+"""Admin bodies a 4.x broker writes with fastjson, and their readers.
+
+fastjson quirks kept here (clients and mqadmin parse what Java writes):
+
+* keys sorted, compact, doubles with a fraction (``0.0``);
+* a map keyed by MessageQueue is written with the key as a JSON object -- not JSON, but what
+  ``ConsumeStats``, ``TopicStatsTable`` and ``ResetOffsetBody`` look like on the wire::
+
+      {"offsetTable":{{"brokerName":"broker-a","queueId":0,"topic":"T"}:12}}
+
+  ``decode_mq_table`` reads that form (and a quoted-key form, for other writers).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from .errors import HeaderError
+
+MQ = tuple[str, str, int]       # (topic, broker name, queue id)
+
+
+def dump(value) -> str:
+    """fastjson's compact, key-sorted JSON."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def mq_json(mq: MQ) -> str:
+    topic, broker, qid = mq
+    return f'{{"brokerName":{dump(broker)},"queueId":{int(qid)},"topic":{dump(topic)}}}'
+
+
+def _mq_map(rows) -> str:
+    return "{" + ",".join(f"{mq_json(mq)}:{value}" for mq, value in rows) + "}"
+
+
+def encode_reset_offset(offsets: dict[MQ, int]) -> bytes:
+    """ResetOffsetBody: {"offsetTable":{MessageQueue: offset}}."""
+    return ('{"offsetTable":' + _mq_map(sorted(offsets.items())) + "}").encode()
+
+
+def encode_consume_stats(rows: dict[MQ, tuple[int, int, int]], tps: float = 0.0) -> bytes:
+    """ConsumeStats: {"consumeTps":d,"offsetTable":{MessageQueue: OffsetWrapper}}; rows hold
+    (broker offset, consumer offset, last timestamp)."""
+    table = _mq_map((mq, f'{{"brokerOffset":{b},"consumerOffset":{c},"lastTimestamp":{t}}}')
+                    for mq, (b, c, t) in sorted(rows.items()))
+    return f'{{"consumeTps":{float(tps)!r},"offsetTable":{table}}}'.encode()
+
+
+def encode_topic_stats(rows: dict[MQ, tuple[int, int, int]]) -> bytes:
+    """TopicStatsTable: {"offsetTable":{MessageQueue: TopicOffset}}; rows hold (min, max, last update)."""
+    table = _mq_map((mq, f'{{"lastUpdateTimestamp":{t},"maxOffset":{hi},"minOffset":{lo}}}')
+                    for mq, (lo, hi, t) in sorted(rows.items()))
+    return f'{{"offsetTable":{table}}}'.encode()
+
+
+_OBJECT_KEY = re.compile(r'([{,])\s*(\{[^{}]*\})\s*:')
+
+
+def decode_mq_table(body: bytes, field: str = "offsetTable") -> tuple[dict, dict[MQ, object]]:
+    """(the whole object, {(topic, broker, queue id): value}) from a body with a MessageQueue-keyed map."""
+    try:
+        text = body.decode("utf-8")
+        obj = json.loads(_OBJECT_KEY.sub(lambda m: m.group(1) + json.dumps(m.group(2)) + ":", text))
+        table = {}
+        for key, value in (obj.get(field) or {}).items():
+            mq = json.loads(key)
+            table[(mq["topic"], mq["brokerName"], int(mq["queueId"]))] = value
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HeaderError(f"{field} body does not parse: {exc}") from None
+    return obj, table

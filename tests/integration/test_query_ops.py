@@ -1,0 +1,201 @@
+"""Query by key and operations against the real broker: the admin CLI as a subprocess, our clients over TCP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
+from consumer.pull_consumer import MessageQueue
+from producer import Producer
+from protocol.admin_bodies import decode_mq_table
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import decode_records
+from tests.support.bounded import bounded
+from tests.support.broker_process import REPO
+
+pytestmark = pytest.mark.asyncio
+
+
+def _admin(b, *args):
+    return subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=30)
+
+
+async def _admin_json(b, *args):
+    done = await asyncio.to_thread(_admin, b, *args, "--json")
+    assert done.returncode == 0, done.stderr + done.stdout
+    return json.loads(done.stdout)
+
+
+async def _request(b, code, fields=None, body=b""):
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields, body), 5.0)
+    finally:
+        conn.close()
+
+
+async def _create(b, topic, queues):
+    resp = await _request(b, R.UPDATE_AND_CREATE_TOPIC, {"topic": topic, "readQueueNums": queues,
+                                                         "writeQueueNums": queues, "perm": 6})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+
+
+@bounded(60)
+async def test_found_by_key_by_uniq_key_and_by_id(broker):
+    b = broker
+    async with Producer(b.namesrv, "PG_query") as producer:
+        sent = [await producer.send("Orders", f"order {i}".encode(), tags="created", keys=[f"order-{i}", "shop-1"])
+                for i in range(5)]
+        other = await producer.send("Refunds", b"refund", keys="order-3")
+    rows = await _admin_json(b, "query-key", "Orders", "order-3")
+    assert [(r["msg_id"], r["body"], r["keys"], r["queue_offset"]) for r in rows] == [
+        (sent[3].msg_id, "order 3", "order-3 shop-1", sent[3].queue_offset)]
+    shop = await _admin_json(b, "query-key", "Orders", "shop-1")
+    assert sorted(r["msg_id"] for r in shop) == sorted(s.msg_id for s in sent)
+    table = await asyncio.to_thread(_admin, b, "query-key", "Orders", "order-3")
+    assert table.returncode == 0 and sent[3].msg_id in table.stdout and "1 message(s)" in table.stdout
+    missing = await asyncio.to_thread(_admin, b, "query-key", "Orders", "order-99")
+    assert missing.returncode == 1 and "0 message(s)" in missing.stdout
+
+    # QUERY_MESSAGE as a Java client's queryMessageByUniqKey sends it
+    resp = await _request(b, R.QUERY_MESSAGE, {"topic": "Orders", "key": sent[1].msg_id, "maxNum": 32,
+                                               "beginTimestamp": 0, "endTimestamp": 2**63 - 1,
+                                               "_UNIQUE_KEY_QUERY": "true"})
+    assert resp.code == ResponseCode.SUCCESS
+    assert [m.body for m in decode_records(resp.body_bytes())] == [b"order 1"]
+    assert resp.int_field("indexLastUpdatePhyoffset") == int(other.offset_msg_id[-16:], 16)
+    assert resp.int_field("indexLastUpdateTimestamp") > 0
+    nothing = await _request(b, R.QUERY_MESSAGE, {"topic": "Orders", "key": "nope", "maxNum": 32,
+                                                  "beginTimestamp": 0, "endTimestamp": 2**63 - 1})
+    assert nothing.code == ResponseCode.QUERY_NOT_FOUND and "maybe time range not correct" in nothing.remark
+
+    by_offset_id = await _admin_json(b, "show-msg", sent[2].offset_msg_id)
+    assert [(m["body"], m["msg_id"]) for m in by_offset_id] == [("order 2", sent[2].msg_id)]
+    by_uniq = await _admin_json(b, "show-msg", sent[4].msg_id)
+    assert [(m["topic"], m["body"], m["properties"]["TAGS"]) for m in by_uniq] == [("Orders", "order 4", "created")]
+    shown = await asyncio.to_thread(_admin, b, "show-msg", sent[4].msg_id, "--topic", "Orders")
+    assert shown.returncode == 0 and "order 4" in shown.stdout
+
+
+@bounded(60)
+async def test_consumer_progress_lag_is_exact(broker):
+    b = broker
+    await _create(b, "Progress", 2)
+    async with Producer(b.namesrv, "PG_progress") as producer:
+        sent = [await producer.send("Progress", b"p%d" % i) for i in range(7)]
+    per_queue = {q: sum(1 for s in sent if s.queue.queue_id == q) for q in (0, 1)}
+    consumer = PullConsumer(b.namesrv, "CG_progress")
+    try:
+        queues = await consumer.fetch_queues("Progress")
+        await consumer.commit_offset(next(q for q in queues if q.queue_id == 0), 1)
+        await consumer.commit_offset(next(q for q in queues if q.queue_id == 1), 0)
+        report = await _admin_json(b, "consumer-progress", "CG_progress")
+        lags = {r["queue_id"]: (r["broker_offset"], r["consumer_offset"], r["lag"]) for r in report["queues"]}
+        assert lags == {0: (per_queue[0], 1, per_queue[0] - 1), 1: (per_queue[1], 0, per_queue[1])}
+        assert report["total_lag"] == 6 and report["consumers"] == []
+        table = await asyncio.to_thread(_admin, b, "consumer-progress", "CG_progress")
+        assert "total lag 6; 0 consumer(s) online" in table.stdout
+        status = await _admin_json(b, "topic-status", "Progress")
+        assert [r["max_offset"] for r in status["queues"]] == [per_queue[0], per_queue[1]]
+        assert status["consumer_groups"] == ["CG_progress"]
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(90)
+async def test_reset_by_timestamp_makes_a_live_consumer_read_again(broker):
+    b = broker
+    await _create(b, "Replay", 1)
+    async with Producer(b.namesrv, "PG_replay") as producer:
+        for i in range(6):
+            await producer.send("Replay", b"r%d" % i)
+            await asyncio.sleep(0.01)       # distinct store times, so the target offset is unambiguous
+    seen: list = []
+    got = asyncio.Event()
+
+    def listener(msg):
+        seen.append(msg)
+        got.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(b.namesrv, "CG_replay", listener, consume_from="first", offset_commit_interval_s=0.2,
+                            suspend_ms=1000)
+    consumer.subscribe("Replay")
+    await consumer.start()
+    try:
+        while len(seen) < 6:
+            got.clear()
+            await got.wait()
+        mq = MessageQueue("Replay", "broker-a", 0)
+        while (await consumer.client.fetch_offset(mq)) != 6:        # committed by the commit loop
+            await asyncio.sleep(0.05)
+        target = seen[2]
+        before = len(seen)
+        report = await _admin_json(b, "reset-offset", "CG_replay", "Replay", "--timestamp",
+                                   str(target.store_timestamp))
+        assert [(r["queue_id"], r["offset"]) for r in report["queues"]] == [(0, target.queue_offset)]
+        while len(seen) < before + 4:
+            got.clear()
+            await got.wait()
+        assert [m.queue_offset for m in seen[before:]] == [2, 3, 4, 5]
+        assert consumer.client.reset_offsets[mq] == 2
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(90)
+async def test_kill_9_loses_no_index_entry_and_a_lost_index_is_rebuilt(broker_factory):
+    b = broker_factory()
+    async with Producer(b.namesrv, "PG_kill") as producer:
+        sent = [await producer.send("Crash", b"c%d" % i, keys=f"k{i} batch") for i in range(50)]
+    b.kill()
+    b = broker_factory()
+    rows = await _admin_json(b, "query-key", "Crash", "batch")
+    assert sorted(r["msg_id"] for r in rows) == sorted(s.msg_id for s in sent)
+    assert [r["body"] for r in await _admin_json(b, "query-key", "Crash", "k49")] == ["c49"]
+    b.stop()
+    shutil.rmtree(b.store_dir / "index")
+    b = broker_factory()
+    assert len(await _admin_json(b, "query-key", "Crash", "batch")) == 50
+
+
+@bounded(60)
+async def test_subscription_groups_topic_delete_and_broker_status(broker):
+    b = broker
+    resp = await _request(b, R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, body=json.dumps(
+        {"groupName": "CG_off", "consumeEnable": False, "retryMaxTimes": 3}).encode())
+    assert resp.code == ResponseCode.SUCCESS
+    table = json.loads((await _request(b, R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG)).body_bytes())
+    assert table["subscriptionGroupTable"]["CG_off"]["retryMaxTimes"] == 3
+    assert table["dataVersion"]["counter"] == 1
+    async with Producer(b.namesrv, "PG_ops") as producer:
+        await producer.send("Doomed", b"x")
+    pull = await _request(b, R.PULL_MESSAGE, {"consumerGroup": "CG_off", "topic": "Doomed", "queueId": 0,
+                                              "queueOffset": 0, "maxMsgNums": 1, "sysFlag": 0, "commitOffset": 0,
+                                              "suspendTimeoutMillis": 0, "subVersion": 0})
+    assert pull.code == ResponseCode.NO_PERMISSION and "subscription group no permission" in pull.remark
+    bad = await _request(b, R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, body=b"{not json")
+    assert bad.code == ResponseCode.SYSTEM_ERROR
+
+    stats = await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": "Doomed"})
+    _obj, offsets = decode_mq_table(stats.body_bytes())
+    assert sum(v["maxOffset"] for v in offsets.values()) == 1
+    assert (await _request(b, R.DELETE_TOPIC_IN_BROKER, {"topic": "Doomed"})).code == ResponseCode.SUCCESS
+    gone = await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": "Doomed"})
+    assert gone.code == ResponseCode.TOPIC_NOT_EXIST and gone.remark == "topic[Doomed] not exist"
+    system = await _request(b, R.DELETE_TOPIC_IN_BROKER, {"topic": "SCHEDULE_TOPIC_XXXX"})
+    assert system.code == ResponseCode.SYSTEM_ERROR and "conflict with system topic" in system.remark
+
+    status = await _admin_json(b, "broker-status")
+    assert status["brokerVersionDesc"] == "V4_9_8" and int(status["commitLogMaxOffset"]) > 0
+    assert status["dispatchBehindBytes"] == "0" and int(status["txmqIndexEntries"]) >= 1

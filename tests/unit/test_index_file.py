@@ -1,0 +1,156 @@
+"""The index file (RocketMQ's IndexFile layout) and the index service's catch-up, without a broker."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+
+import pytest
+
+from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store.index import IndexService, record_keys
+from broker.store.index_file import ENTRY, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
+
+SLOTS, ENTRIES = 16, 10
+
+
+def _new(tmp_path, name="20240101000000000", **kw):
+    return IndexFile.create(str(tmp_path / name), SLOTS, ENTRIES, **kw)
+
+
+def test_key_hash_is_javas_abs_hashcode():
+    # "topic#key".hashCode() from Java: values computed with the JDK.
+    assert key_hash("a") == 97
+    assert key_hash("TopicTest#KEY1") == abs(_java_hash("TopicTest#KEY1"))
+    assert key_hash("订单#1") == abs(_java_hash("订单#1"))
+    assert key_hash("polygenelubricants") == 0      # hashCode is Integer.MIN_VALUE: abs stays negative -> 0
+
+
+def _java_hash(s):
+    h = 0
+    data = s.encode("utf-16-be")
+    for (u,) in struct.iter_unpack(">H", data):
+        h = (31 * h + u) & 0xFFFFFFFF
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def test_layout_is_rocketmqs(tmp_path):
+    f = _new(tmp_path)
+    assert os.path.getsize(f.path) == 40 + 4 * SLOTS + 20 * ENTRIES == file_size(SLOTS, ENTRIES)
+    f.put_many([(5, 1000, 1_700_000_000_000), (21, 2000, 1_700_000_003_500)])
+    raw = open(f.path, "rb").read()
+    assert HEADER.unpack_from(raw, 0) == (1_700_000_000_000, 1_700_000_003_500, 1000, 2000, 1, 3)
+    # both hashes land in slot 5 (21 % 16): the slot holds entry 2, whose PREV is entry 1
+    assert struct.unpack_from(">i", raw, 40 + 4 * 5)[0] == 2
+    base = 40 + 4 * SLOTS
+    assert ENTRY.unpack_from(raw, base + 20 * 1) == (5, 1000, 0, 0)
+    assert ENTRY.unpack_from(raw, base + 20 * 2) == (21, 2000, 3, 1)
+
+
+def test_collisions_follow_the_chain_and_keep_only_their_hash(tmp_path):
+    f = _new(tmp_path)
+    f.put_many([(3, 100, 1000), (19, 200, 1000), (3, 300, 2000), (35, 400, 2000)])   # all slot 3
+    assert f.select(3, 0, 10**13) == [300, 100]
+    assert f.select(19, 0, 10**13) == [200]
+    assert f.select(35, 0, 10**13) == [400]
+    assert f.select(4, 0, 10**13) == []
+    assert f.select(3, 0, 10**13, limit=1) == [300]
+
+
+def test_full_file_takes_no_more(tmp_path):
+    f = _new(tmp_path)
+    assert f.put_many([(i, i * 10, 1000) for i in range(1, 20)]) == ENTRIES - 1
+    assert f.full and f.put_many([(1, 1, 1)]) == 0
+
+
+def test_reopen_undoes_a_batch_cut_before_its_header(tmp_path):
+    f = _new(tmp_path)
+    f.put_many([(3, 100, 1000)])
+    header = open(f.path, "rb").read(40)
+    f.put_many([(3, 200, 1000), (19, 300, 1000)])       # then "crash": the header goes back
+    with open(f.path, "r+b") as fh:
+        fh.write(header)
+    f.close()
+    g = IndexFile.open(f.path, SLOTS, ENTRIES)
+    assert g.count == 2 and g.select(3, 0, 10**13) == [100] and g.select(19, 0, 10**13) == []
+    g.put_many([(3, 400, 1000)])
+    assert g.select(3, 0, 10**13) == [400, 100]
+
+
+def test_damaged_header_is_refused(tmp_path):
+    f = _new(tmp_path)
+    f.put_many([(3, 100, 1000)])
+    with open(f.path, "r+b") as fh:
+        fh.seek(36)
+        fh.write(struct.pack(">i", ENTRIES + 5))
+    with pytest.raises(IndexCorrupt, match="exceeds"):
+        IndexFile.open(f.path, SLOTS, ENTRIES)
+    with pytest.raises(IndexCorrupt, match="bytes, not"):
+        IndexFile.open(f.path, SLOTS * 2, ENTRIES)
+
+
+# ------------------------------------------------------------------ the service over a real store
+async def _store_with(tmp_path, n, *, keys=lambda i: f"k{i} shared", seg=4096 * 4):
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=seg, max_message_size=2048))
+    await store.open()
+    for i in range(n):
+        props = {"KEYS": keys(i), "UNIQ_KEY": f"U{i:04d}"}
+        res = await store.put(PutRequest.build("T", b"x" * 100, properties=props))
+        assert res.ok
+    return store
+
+
+async def _service(tmp_path, store, **kw):
+    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=ENTRIES, **kw)
+    store.add_dispatch_listener(svc.on_dispatch)
+    await svc.open(store.min_physical_offset, store.max_physical_offset)
+    return svc
+
+
+async def test_service_catches_up_rolls_files_and_finds_every_key(tmp_path):
+    store = await _store_with(tmp_path, 40)          # spans several segments and 3 entries a record
+    svc = await _service(tmp_path, store)
+    found, _, _ = await asyncio.wait_for(svc.query("T", "k7", 64, 0, 2**62), 10)
+    assert len(found) == 1 and record_keys(store.get_record(found[0]))[3] == "U0007"
+    shared, _, _ = await svc.query("T", "shared", 64, 0, 2**62)
+    assert len(shared) == 40 and shared == sorted(shared, reverse=True)
+    assert (await svc.query("T", "U0039", 64, 0, 2**62))[0] == [shared[0]]
+    assert (await svc.query("Other", "k7", 64, 0, 2**62))[0] == []
+    assert len(svc.files) >= 120 // (ENTRIES - 1)
+    # live dispatches after open, then a key added across a file boundary
+    res = await store.put(PutRequest.build("T", b"y", properties={"KEYS": "late"}))
+    assert (await svc.query("T", "late", 64, 0, 2**62))[0] == [res.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+async def test_corrupt_file_is_rebuilt_with_a_clear_log_line(tmp_path, caplog):
+    store = await _store_with(tmp_path, 12)
+    svc = await _service(tmp_path, store)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 12
+    names = [f.name for f in svc.files]
+    await svc.close()
+    with open(os.path.join(tmp_path, "index", names[1]), "r+b") as fh:
+        fh.truncate(100)
+    caplog.set_level(logging.ERROR, "txmq.index")
+    svc = await _service(tmp_path, store)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 12
+    assert any(f"index file {names[1]} is damaged" in r.getMessage() and "rebuilding" in r.getMessage()
+               for r in caplog.records)
+    await svc.close()
+    await store.close()
+
+
+async def test_expire_removes_files_below_the_log(tmp_path):
+    store = await _store_with(tmp_path, 30)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+    first = svc.files[0]
+    assert await svc.expire(first.end_phy) == []
+    gone = await svc.expire(first.end_phy + 1)
+    assert gone[0] == first.name and not os.path.exists(first.path)
+    await svc.expire(2**62)
+    assert len(svc.files) == 1             # never the last file
+    await svc.close()
+    await store.close()

@@ -1,0 +1,83 @@
+"""Operators' bodies as fastjson writes them, the admin CLI's time parsing, and who may call the new codes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from broker.acl import AclTable
+from broker.admin_ops import parse_time
+from broker.subscriptions import SubscriptionGroups, group_config
+from protocol.admin_bodies import decode_mq_table, encode_consume_stats, encode_reset_offset, encode_topic_stats
+from protocol.codes import RequestCode as R
+from protocol.command import RemotingCommand
+from protocol.errors import HeaderError
+from protocol.signature import Credentials
+
+
+def test_message_queue_keys_are_written_as_objects_like_fastjson():
+    assert encode_reset_offset({("T", "broker-a", 1): 7, ("T", "broker-a", 0): 3}) == (
+        b'{"offsetTable":{{"brokerName":"broker-a","queueId":0,"topic":"T"}:3,'
+        b'{"brokerName":"broker-a","queueId":1,"topic":"T"}:7}}')
+    assert encode_consume_stats({("T", "b", 0): (10, 4, 1700000000000)}) == (
+        b'{"consumeTps":0.0,"offsetTable":{{"brokerName":"b","queueId":0,"topic":"T"}:'
+        b'{"brokerOffset":10,"consumerOffset":4,"lastTimestamp":1700000000000}}}')
+    assert encode_topic_stats({("T", "b", 2): (1, 9, 5)}) == (
+        b'{"offsetTable":{{"brokerName":"b","queueId":2,"topic":"T"}:'
+        b'{"lastUpdateTimestamp":5,"maxOffset":9,"minOffset":1}}}')
+
+
+def test_message_queue_tables_decode_both_forms():
+    body = encode_consume_stats({("T", "b", 0): (10, 4, 0), ("%RETRY%G", "b", 0): (0, 0, 0)})
+    obj, table = decode_mq_table(body)
+    assert obj["consumeTps"] == 0.0
+    assert table[("T", "b", 0)]["consumerOffset"] == 4 and ("%RETRY%G", "b", 0) in table
+    quoted = json.dumps({"offsetTable": {json.dumps({"brokerName": "b", "queueId": 3, "topic": "T"}): 8}})
+    assert decode_mq_table(quoted.encode())[1] == {("T", "b", 3): 8}
+    with pytest.raises(HeaderError):
+        decode_mq_table(b'{"offsetTable":{{"queueId":1}:2}}')
+
+
+def test_parse_time_accepts_ms_iso_rocketmq_and_words():
+    assert parse_time("1700000000123") == 1700000000123
+    assert parse_time("latest") == -1
+    assert parse_time("2024-05-01T10:00:00.250") == parse_time("2024-05-01#10:00:00:250")
+    assert abs(parse_time("now") - parse_time(str(parse_time("now")))) < 1000
+    with pytest.raises(ValueError, match="--timestamp"):
+        parse_time("yesterday")
+
+
+def test_subscription_group_defaults_and_persistence(tmp_path):
+    groups = SubscriptionGroups(str(tmp_path), lambda: 42)
+    assert group_config("G") == {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True,
+                                 "consumeFromMinEnable": True, "groupName": "G",
+                                 "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16, "retryQueueNums": 1,
+                                 "whichBrokerWhenConsumeSlowly": 1}
+    groups.update({"groupName": "G", "consumeEnable": "false", "retryMaxTimes": 2, "unknown": 1})
+    with pytest.raises(ValueError):
+        groups.update({"consumeEnable": False})
+    groups.write(groups.encode())
+    again = SubscriptionGroups(str(tmp_path), lambda: 43)
+    assert not again.consume_enabled("G") and again.consume_enabled("Other") and again.counter == 1
+    table = json.loads(again.encode(["Seen"]))["subscriptionGroupTable"]
+    assert table["Seen"]["consumeEnable"] and "TOOLS_CONSUMER" in table and table["G"]["retryMaxTimes"] == 2
+
+
+def test_reset_needs_an_admin_and_reads_need_a_signature():
+    t = AclTable.parse({"accounts": [
+        {"accessKey": "appuser", "secretKey": "app-secret", "defaultTopicPerm": "SUB", "defaultGroupPerm": "SUB"},
+        {"accessKey": "rootuser", "secretKey": "root-secret", "admin": True}]})
+
+    def signed(code, fields, creds):
+        cmd = RemotingCommand.request(code, fields)
+        creds.sign(cmd)
+        return cmd
+    app, root = Credentials("appuser", "app-secret"), Credentials("rootuser", "root-secret")
+    reset = {"topic": "T", "group": "G", "timestamp": 1, "isForce": True}
+    assert t.check(signed(R.INVOKE_BROKER_TO_RESET_OFFSET, reset, app), "127.0.0.1") == \
+        "Need admin permission for request code=222, but accessKey=appuser is not"
+    assert t.check(signed(R.INVOKE_BROKER_TO_RESET_OFFSET, reset, root), "127.0.0.1") is None
+    assert t.check(signed(R.DELETE_TOPIC_IN_BROKER, {"topic": "T"}, app), "127.0.0.1").startswith("Need admin")
+    assert t.check(signed(R.GET_CONSUME_STATS, {"consumerGroup": "G"}, app), "127.0.0.1") is None
+    assert t.check(RemotingCommand.request(R.GET_CONSUME_STATS, {"consumerGroup": "G"}), "127.0.0.1") == \
+        "No accessKey is configured"
