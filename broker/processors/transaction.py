@@ -14,14 +14,41 @@ from protocol.errors import HeaderError
 
 from ..retention import PlanRefused
 from ..transaction import DecisionError
+from ..transaction.core import UNKNOWN
 from ..transaction.records import COMMIT, ROLLBACK
 from ..transaction.service import dumps
 
 log = logging.getLogger("txmq.admin")
 
 
+_STATES = {8: COMMIT, 12: ROLLBACK, 0: UNKNOWN}     # commitOrRollback: TransactionCommitType, RollbackType, NotType
+
+
 def end_transaction(ctx, conn, cmd):
-    return ctx.tx.end(conn, cmd)
+    group = cmd.str_field("producerGroup", required=True)
+    table_offset = cmd.int_field("tranStateTableOffset", required=True)
+    half_offset = cmd.int_field("commitLogOffset", required=True)
+    state = cmd.int_field("commitOrRollback", required=True)
+    from_check = cmd.bool_field("fromTransactionCheck")
+    op = _STATES.get(state)
+    if op is None:
+        return _end_reply(cmd, (ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12"))
+    answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check)
+    if isinstance(answer, tuple):
+        return _end_reply(cmd, answer)
+    return _end_reply_later(cmd, answer)
+
+
+def _end_reply(cmd, answer: tuple[int, str]):
+    """Stock clients send END oneway: nothing goes back to them, but a refusal is logged either way."""
+    code, remark = answer
+    if code != ResponseCode.SUCCESS:
+        log.warning("END_TRANSACTION refused: %s (%s)", remark, cmd.ext_fields)
+    return None if cmd.is_oneway else cmd.response(code, remark)
+
+
+async def _end_reply_later(cmd, answer):
+    return _end_reply(cmd, await answer)
 
 
 def list_transactions(ctx, conn, cmd):

@@ -38,15 +38,13 @@ from protocol.message import Prop, decode_record, offset_msg_id, tags_code
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
-from .core import UNKNOWN, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write
-from .decisions import DecisionTable, flush_maps
-from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, RecordFactory, parse_op
+from .core import Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write
+from .decisions import DecisionTable
+from .records import COMMIT, DEAD, RESUME, ROLLBACK, RecordFactory
+from .recovery import PROGRESS_GROUP, recover, write_snapshot
 
 log = logging.getLogger("txmq.transaction")
 
-PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue progress offset
-SNAPSHOT_VERSION = 1
-_STATES = {8: COMMIT, 12: ROLLBACK, 0: UNKNOWN}
 Pending = Tx                            # the name the rest of the broker and the tests know
 
 
@@ -88,10 +86,10 @@ class TransactionService:
         self.dead_count = 0
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
-        self._recovered_commits: set[int] = set()
-        self._storing: list[int] = []      # half-queue end offsets seen by halves still being stored
-        self._writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
-        self._changed = True
+        self.recovered_commits: set[int] = set()
+        self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
+        self.writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
+        self.changed = True
         self._snapshot_task: asyncio.Task | None = None
         self._rr = 0
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
@@ -103,7 +101,7 @@ class TransactionService:
         return RecordFactory(self.ctx.store_host, self.ctx.uniq_ids, self.ctx.clock)
 
     @property
-    def _dir(self) -> str:
+    def directory(self) -> str:
         return os.path.join(self.ctx.store.store_dir, "transactions")
 
     # ------------------------------------------------------------ what became of a transaction
@@ -118,7 +116,7 @@ class TransactionService:
         msg = self._half_at(half_offset)
         return None if msg is None else msg.queue_offset
 
-    def _committed_half(self, half_offset: int, record_offset: int) -> int | None:
+    def committed_half(self, half_offset: int, record_offset: int) -> int | None:
         """The queue offset of the half that the COMMIT-type record at ``record_offset`` commits, or None.
 
         The record must be that half's message (same UNIQ_KEY, same body): a COMMIT-type record can also
@@ -144,128 +142,25 @@ class TransactionService:
             return None
         return msg if msg is not None and msg.topic == HALF_TOPIC else None
 
-    def _record(self, queue_offset: int, op: str | None) -> None:
+    def record(self, queue_offset: int, op: str | None) -> None:
         before = self.table.get(queue_offset)
         if before == DEAD and op != DEAD:
             self.dead_count -= 1
         elif op == DEAD and before != DEAD:
             self.dead_count += 1
         self.table.set(queue_offset, op)
-        self._changed = True
+        self.changed = True
 
     # ------------------------------------------------------------ recovery
     def on_dispatch(self, info) -> None:
         """Store dispatch listener: remember commits replayed by recovery (their op may be lost)."""
         # (prepared_offset may be 0: the very first record of a store can be a half message)
         if info.recovering and SysFlag.transaction_type(info.sys_flag) == SysFlag.TRANSACTION_COMMIT:
-            self._recovered_commits.add((info.prepared_offset, info.physical_offset))
-
-    def _scan(self, topic: str, start: int | None = None):
-        store = self.ctx.store
-        offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
-        end = store.max_offset(topic, 0)
-        while offset < end:
-            got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None)
-            if not got.buffers:
-                if got.next_begin_offset <= offset:
-                    break
-                offset = got.next_begin_offset
-                continue
-            for buf in got.buffers:
-                yield decode_record(buf)[0]
-            offset = got.next_begin_offset
-
-    def _read_snapshot(self) -> dict | None:
-        path = os.path.join(self._dir, "snapshot.json")
-        try:
-            with open(path, "rb") as f:
-                snap = json.load(f)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            log.warning("transaction snapshot %s unreadable (%s): rebuilding from the log", path, exc)
-            return None
-        store = self.ctx.store
-        why = None
-        if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
-            why = f"version {snap.get('version') if isinstance(snap, dict) else '?'}"
-        elif snap.get("store_id") != store.store_id:
-            why = "written for another store"
-        elif snap.get("op_offset", -1) > store.max_offset(OP_TOPIC, 0):
-            why = "it covers op records the log no longer has"
-        elif snap.get("half_offset", -1) > store.max_offset(HALF_TOPIC, 0):
-            why = "it covers half messages the log no longer has"
-        if why:
-            log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
-            return None
-        return snap
+            self.recovered_commits.add((info.prepared_offset, info.physical_offset))
 
     async def recover(self) -> None:
         """Rebuild the index: from the snapshot and the op records after it, or from the whole log."""
-        started = self.ctx.clock()
-        self.table = DecisionTable(os.path.join(self._dir, "decisions"))
-        snap = self._read_snapshot()
-        checks: dict[int, int] = {}
-        undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
-        if snap is None:
-            self.table.clear()
-            op_from, half_from = None, self.ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
-        else:
-            op_from, half_from = snap["op_offset"], snap["half_offset"]
-            for off, _q, n in snap.get("pending", []):
-                undecided.add(off)
-                checks[off] = n
-        resumed_floor = None
-        for msg in self._scan(OP_TOPIC, op_from):
-            op = parse_op(msg)
-            if op is None:
-                continue
-            if op.tag == OP_TAG_CHECK:
-                checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
-            elif op.op == RESUME:
-                self._record(op.half_queue_offset, None)
-                undecided.add(op.half_offset)
-                checks[op.half_offset] = 0
-                resumed_floor = op.half_queue_offset if resumed_floor is None else \
-                    min(resumed_floor, op.half_queue_offset)
-            elif op.op in (COMMIT, ROLLBACK, DEAD):
-                self._record(op.half_queue_offset, op.op)
-                undecided.discard(op.half_offset)
-        now = self.ctx.clock()
-        repaired = 0
-        for off, at in sorted(self._recovered_commits):
-            q = self._committed_half(off, at)
-            if q is not None and self.table.get(q) is None:
-                res = await self.ctx.store.put(self.records.decision(COMMIT, off, q))
-                log.warning("recovery: committed transaction at %d had lost its op record; rewritten (%s)",
-                            off, res.status.name)
-                self._record(q, COMMIT)
-                undecided.discard(off)
-                repaired += 1
-        self._recovered_commits.clear()
-        # The undecided halves: those the snapshot or a resume names, and every half stored after.
-        for off in sorted(undecided):
-            view = self.ctx.store.get_record(off)
-            if view is None:
-                continue
-            msg, _ = decode_record(view)
-            if self.table.get(msg.queue_offset) is None:
-                self.core.add(_tx_from_half(msg, checks.get(off, 0)), now,
-                              msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
-        if half_from is not None and resumed_floor is not None and snap is None:
-            half_from = min(half_from, resumed_floor)
-        for msg in self._scan(HALF_TOPIC, half_from):
-            if msg.physical_offset in self.pending or self.table.get(msg.queue_offset) is not None:
-                continue
-            self.core.add(_tx_from_half(msg, checks.get(msg.physical_offset, 0)), now,
-                          msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
-        self.table.trim(self.ctx.store.min_offset(HALF_TOPIC, 0))
-        self.dead_count = self.table.count(DEAD)    # the table may be ahead of the snapshot: count it
-        log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
-                 "from the snapshot and the op records after it" if snap else "from the whole log",
-                 self.ctx.clock() - started, len(self.pending), self.dead_count, repaired)
-        if snap is None:
-            await self.write_snapshot()
+        await recover(self)
 
     def trim(self) -> None:
         """Forget the decisions of halves that retention removed."""
@@ -298,14 +193,14 @@ class TransactionService:
 
     def _half_floor(self) -> int:
         # A half being stored is not pending yet; its queue offset is at or past the end it saw.
-        floors = [p.queue_offset for p in self.pending.values()] + self._storing
+        floors = [p.queue_offset for p in self.pending.values()] + self.storing
         return min(floors) if floors else self.ctx.store.max_offset(HALF_TOPIC, 0)
 
     # ------------------------------------------------------------ snapshots
     async def _snapshots(self) -> None:
         while True:
             await asyncio.sleep(self.snapshot_interval_s)
-            if not self._changed:
+            if not self.changed:
                 continue
             try:
                 await self.write_snapshot()
@@ -313,21 +208,7 @@ class TransactionService:
                 log.error("transaction snapshot not written: %s", exc)
 
     async def write_snapshot(self) -> None:
-        """The undecided index and the op-queue offset the decision table covers, through the I/O thread.
-
-        Taken on the loop in one step: every op record below ``op_offset`` has its byte in the table
-        (decisions being written hold the offset down), every half below ``half_offset`` is pending or
-        decided. The table is msync'd before the file names those offsets."""
-        store = self.ctx.store
-        self._changed = False
-        self.trim()
-        op_end = store.max_offset(OP_TOPIC, 0)
-        snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
-                "op_offset": min(self._writing_ops + [op_end]),
-                "half_offset": min(self._storing + [store.max_offset(HALF_TOPIC, 0)]),
-                "dead": self.dead_count, "written_ms": self.ctx.clock(),
-                "pending": [[t.half_offset, t.queue_offset, t.checks] for t in self.pending.values()]}
-        await store.run_io(_write_snapshot, self._dir, self.table.dirty(), dumps(snap))
+        await write_snapshot(self)
 
     # -------------------------------------------------------- half messages
     def prepare(self, conn, cmd, h, qid: int, props: dict, born_host: bytes):
@@ -341,11 +222,11 @@ class TransactionService:
     async def _prepare(self, conn, cmd, req, group, topic, qid, props):
         ctx = self.ctx
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
-        self._storing.append(floor)
+        self.storing.append(floor)
         try:
             result = await ctx.store.put(req)
         finally:
-            self._storing.remove(floor)
+            self.storing.remove(floor)
         if not result.ok:
             return put_failure_response(cmd, result)
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
@@ -354,52 +235,39 @@ class TransactionService:
                 delayed=_asks_delay(props))
         if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)):
             self.timer.wake()
-        self._changed = True
+        self.changed = True
         ctx.clients.add_producer(group, conn, client_id, cmd.language, cmd.version)
         ctx.metrics.child(ctx.metrics.half_in, group).inc()
         return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
     # ------------------------------------------------------------ decisions
-    def end(self, conn, cmd):
-        """END_TRANSACTION: its fields are the processor's to parse; this is the shell's part."""
-        group = cmd.str_field("producerGroup", required=True)
-        table_offset = cmd.int_field("tranStateTableOffset", required=True)
-        half_offset = cmd.int_field("commitLogOffset", required=True)
-        state = cmd.int_field("commitOrRollback", required=True)
-        from_check = cmd.bool_field("fromTransactionCheck")
-        op = _STATES.get(state)
-        if op is None:
-            return None if cmd.is_oneway else cmd.response(
-                ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12")
+    def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool):
+        """An END_TRANSACTION (parsed by its processor): (code, remark) now, or an awaitable of it."""
+        metrics = self.ctx.metrics
         if from_check and half_offset in self.pending:
-            self.ctx.metrics.child(self.ctx.metrics.check_answers, group, op).inc()
+            metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
         if isinstance(action, Reply):
-            return self._reply(cmd, action, group)
+            self._count(action, group)
+            return action.code, action.remark
         if isinstance(action, Write):       # claimed now, before any other request is handled
-            return self._answer(cmd, self._write_decision(action, self._claim(action.tx)))
-        return self._answer(cmd, self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
+            return self._answer(self._write_decision(action, self._claim(action.tx)))
+        return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
-    def _reply(self, cmd, reply: Reply, group: str):
+    def _count(self, reply: Reply, group: str) -> None:
         metrics = self.ctx.metrics
-        if reply.event == "unknown":
-            metrics.child(metrics.unknowns, group).inc()
-        elif reply.event == "duplicate":
-            metrics.child(metrics.duplicates, group).inc()
-        elif reply.event == "conflict":
-            metrics.child(metrics.conflicts, group).inc()
-        if reply.code != ResponseCode.SUCCESS:
-            log.warning("END_TRANSACTION refused: %s (%s)", reply.remark, cmd.ext_fields)
-        return None if cmd.is_oneway else cmd.response(reply.code, reply.remark)
+        counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates,
+                   "conflict": metrics.conflicts}.get(reply.event)
+        if counter is not None:
+            metrics.child(counter, group).inc()
 
-    async def _answer(self, cmd, deciding):
+    @staticmethod
+    async def _answer(deciding) -> tuple[int, str]:
         try:
-            outcome = await deciding
+            return ResponseCode.SUCCESS, await deciding
         except DecisionError as exc:
-            log.warning("END_TRANSACTION refused: %s (%s)", exc.remark, cmd.ext_fields)
-            return None if cmd.is_oneway else cmd.response(exc.code, exc.remark)
-        return None if cmd.is_oneway else cmd.response(ResponseCode.SUCCESS, outcome)
+            return exc.code, exc.remark
 
     async def decide(self, half_offset: int, op: str, *, group: str | None = None, reason: str | None = None,
                      reclaim: bool = False, origin: Origin = Origin.ADMIN, queue_offset: int | None = None) -> str:
@@ -413,10 +281,8 @@ class TransactionService:
                 break
             await asyncio.shield(self._deciding[half_offset])
         if isinstance(action, Reply):
-            metrics = self.ctx.metrics
             if action.event in ("duplicate", "conflict"):
-                counter = metrics.duplicates if action.event == "duplicate" else metrics.conflicts
-                metrics.child(counter, group or self._group_of(half_offset)).inc()
+                self._count(action, group or self._group_of(half_offset))
             if action.code != ResponseCode.SUCCESS:
                 raise DecisionError(action.code, action.remark)
             return action.remark
@@ -435,7 +301,7 @@ class TransactionService:
         tx, op, reason = action.tx, action.op, action.reason
         metrics = self.ctx.metrics
         floor = self.ctx.store.max_offset(OP_TOPIC, 0)
-        self._writing_ops.append(floor)
+        self.writing_ops.append(floor)
         ok = False
         try:
             reqs = self._decision_records(tx, op, reason)
@@ -444,10 +310,10 @@ class TransactionService:
             if failed:
                 raise DecisionError(response_code(failed[0]), f"store refused the decision: {failed[0].status.name}")
             ok = True
-            self._record(tx.queue_offset, op)
+            self.record(tx.queue_offset, op)
         finally:
             self.core.written(tx, ok)
-            self._writing_ops.remove(floor)
+            self.writing_ops.remove(floor)
             del self._deciding[tx.half_offset]
             done.set_result(None)
         now = self.ctx.clock()
@@ -517,7 +383,7 @@ class TransactionService:
         rf = self.records
         results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks)
                                                  for a in batch])
-        self._changed = True
+        self.changed = True
         for action, result in zip(batch, results):
             tx = action.tx
             if not self.core.check_written(tx, now, result.ok):
@@ -569,7 +435,7 @@ class TransactionService:
         if not result.ok:
             self.pending.pop(half_offset, None)
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
-        self._record(msg.queue_offset, None)
+        self.record(msg.queue_offset, None)
         self.timer.wake()
         return "resumed: pending again with its check count reset"
 
@@ -592,23 +458,6 @@ class TransactionService:
                 continue
             done.append(off)
         return done, failed
-
-
-def _write_snapshot(directory: str, maps, data: bytes) -> None:
-    """On the store's I/O thread: the decision bytes first, then the snapshot that relies on them."""
-    flush_maps(maps)
-    path = os.path.join(directory, "snapshot.json")
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def dumps(obj) -> bytes:

@@ -219,7 +219,7 @@ async def test_a_commit_type_copy_with_prepared_offset_0_does_not_commit_the_hal
                            store_host=ctx.store_host, properties=b"UNIQ_KEY\x01OTHER")
     copy = await ctx.store.put(PutRequest(record, "%RETRY%CG", 0, 0, SysFlag.TRANSACTION_COMMIT))
     assert copy.ok
-    ctx.tx._recovered_commits.add((0, copy.physical_offset))     # as the replay of the log tail reports it
+    ctx.tx.recovered_commits.add((0, copy.physical_offset))     # as the replay of the log tail reports it
     await ctx.tx.recover()
     try:
         assert 0 in ctx.tx.pending and ctx.tx.decision_of(0) is None

@@ -1,0 +1,179 @@
+"""Start-up of the transaction service, and the snapshot that keeps it short (docs/design.md).
+
+``transactions/snapshot.json`` holds the undecided index, the op-queue offset up to which the decision
+table is complete and the half-queue offset below which every half is pending or decided. Start-up
+replays only what the log holds after those two offsets; without a usable snapshot, the whole op queue
+and the half queue from the saved progress rebuild everything (and a snapshot is written at once).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from protocol.message import Prop, decode_record
+
+from ..topics import HALF_TOPIC, OP_TOPIC
+from .decisions import DecisionTable, flush_maps
+from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_op
+
+log = logging.getLogger("txmq.transaction")
+
+PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue progress offset
+SNAPSHOT_VERSION = 1
+
+
+def scan(store, topic: str, start: int | None = None):
+    """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end."""
+    offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
+    end = store.max_offset(topic, 0)
+    while offset < end:
+        got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None)
+        if not got.buffers:
+            if got.next_begin_offset <= offset:
+                break
+            offset = got.next_begin_offset
+            continue
+        for buf in got.buffers:
+            yield decode_record(buf)[0]
+        offset = got.next_begin_offset
+
+
+def read_snapshot(directory: str, store) -> dict | None:
+    """The snapshot, or None (missing, unreadable, or not this store's as it is now: said in the log)."""
+    path = os.path.join(directory, "snapshot.json")
+    try:
+        with open(path, "rb") as f:
+            snap = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("transaction snapshot %s unreadable (%s): rebuilding from the log", path, exc)
+        return None
+    why = None
+    if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
+        why = f"version {snap.get('version') if isinstance(snap, dict) else '?'}"
+    elif snap.get("store_id") != store.store_id:
+        why = "written for another store"
+    elif not isinstance(snap.get("op_offset"), int) or not isinstance(snap.get("half_offset"), int):
+        why = "its offsets are missing"
+    elif snap["op_offset"] > store.max_offset(OP_TOPIC, 0):
+        why = "it covers op records the log no longer has"
+    elif snap["half_offset"] > store.max_offset(HALF_TOPIC, 0):
+        why = "it covers half messages the log no longer has"
+    if why:
+        log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
+        return None
+    return snap
+
+
+async def recover(tx) -> None:
+    """Rebuild ``tx``'s (a TransactionService) index and decision table."""
+    from .service import _tx_from_half     # the shell's reading of a half
+
+    ctx, store = tx.ctx, tx.ctx.store
+    started = ctx.clock()
+    tx.table = DecisionTable(os.path.join(tx.directory, "decisions"))
+    snap = read_snapshot(tx.directory, store)
+    checks: dict[int, int] = {}
+    undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
+    if snap is None:
+        tx.table.clear()
+        op_from, half_from = None, ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
+    else:
+        op_from, half_from = snap["op_offset"], snap["half_offset"]
+        for off, _q, n in snap.get("pending", []):
+            undecided.add(off)
+            checks[off] = n
+    resumed_floor = None
+    for msg in scan(store, OP_TOPIC, op_from):
+        op = parse_op(msg)
+        if op is None:
+            continue
+        if op.tag == OP_TAG_CHECK:
+            checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
+        elif op.op == RESUME:
+            tx.record(op.half_queue_offset, None)
+            undecided.add(op.half_offset)
+            checks[op.half_offset] = 0
+            resumed_floor = op.half_queue_offset if resumed_floor is None else min(resumed_floor,
+                                                                                   op.half_queue_offset)
+        elif op.op in (COMMIT, ROLLBACK, DEAD):
+            tx.record(op.half_queue_offset, op.op)
+            undecided.discard(op.half_offset)
+    repaired = await _repair_lost_commit_ops(tx, undecided)
+    # The undecided halves: those the snapshot or a resume names, and every half stored after.
+    now = ctx.clock()
+    for off in sorted(undecided):
+        view = store.get_record(off)
+        if view is None:
+            continue
+        msg, _ = decode_record(view)
+        if tx.table.get(msg.queue_offset) is None:
+            tx.core.add(_tx_from_half(msg, checks.get(off, 0)), now,
+                        msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
+    if half_from is not None and resumed_floor is not None and snap is None:
+        half_from = min(half_from, resumed_floor)
+    for msg in scan(store, HALF_TOPIC, half_from):
+        if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
+            continue
+        tx.core.add(_tx_from_half(msg, checks.get(msg.physical_offset, 0)), now,
+                    msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
+    tx.table.trim(store.min_offset(HALF_TOPIC, 0))
+    tx.dead_count = tx.table.count(DEAD)    # the table may be ahead of the snapshot: count it
+    log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
+             "from the snapshot and the op records after it" if snap else "from the whole log",
+             ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
+    if snap is None:
+        await write_snapshot(tx)
+
+
+async def _repair_lost_commit_ops(tx, undecided: set[int]) -> int:
+    """Committed messages replayed from the log tail whose op record a crash lost: write the op now."""
+    repaired = 0
+    for off, at in sorted(tx.recovered_commits):
+        q = tx.committed_half(off, at)
+        if q is not None and tx.table.get(q) is None:
+            res = await tx.ctx.store.put(tx.records.decision(COMMIT, off, q))
+            log.warning("recovery: committed transaction at %d had lost its op record; rewritten (%s)",
+                        off, res.status.name)
+            tx.record(q, COMMIT)
+            undecided.discard(off)
+            repaired += 1
+    tx.recovered_commits.clear()
+    return repaired
+
+
+async def write_snapshot(tx) -> None:
+    """The undecided index and the op-queue offset the decision table covers, through the I/O thread.
+
+    Taken on the loop in one step: every op record below ``op_offset`` has its byte in the table
+    (decisions being written hold the offset down), every half below ``half_offset`` is pending or
+    decided (halves being stored hold it down). The table is msync'd before the file names them."""
+    store = tx.ctx.store
+    tx.changed = False
+    tx.trim()
+    snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
+            "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
+            "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
+            "dead": tx.dead_count, "written_ms": tx.ctx.clock(),
+            "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()]}
+    data = json.dumps(snap, separators=(",", ":")).encode()
+    await store.run_io(_write_files, tx.directory, tx.table.dirty(), data)
+
+
+def _write_files(directory: str, maps, data: bytes) -> None:
+    """On the store's I/O thread: the decision bytes first, then the snapshot that relies on them."""
+    flush_maps(maps)
+    path = os.path.join(directory, "snapshot.json")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
