@@ -76,7 +76,7 @@ def parse_record(seg: Segment, pos: int, check_crc: bool = True):
     if phys != seg.start + pos:
         raise BadRecord(f"its offset field says {phys}, not {seg.start + pos}")
     try:
-        ts, prepared, topic, span = read_index_fields(seg.mm, pos, size, sys_flag, crc if check_crc else None)
+        ts, prepared, topic, span = read_index_fields(seg.view, pos, size, sys_flag, crc if check_crc else None)
     except RecordError as exc:
         raise BadRecord(str(exc)) from None
     return size, qid, qoff, sys_flag, ts, prepared, topic, span
