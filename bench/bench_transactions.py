@@ -1,6 +1,8 @@
-"""Committed transactions per second end to end, beside plain sends, in one run.
+"""Committed transactions per second end to end, beside plain sends, in one run;
+or, with ``--startup``, start-up time and memory of a store full of decided transactions.
 
     python bench/bench_transactions.py [--seconds 5] [--inflight 64] [--size 1024]
+    python bench/bench_transactions.py --startup [N=60000] [--starts 3] [--inflight 256] [--size 1024]
 
 A client process keeps ``--inflight`` transactions in flight against the real
 broker (sync flush): half message, a no-op local transaction, END_TRANSACTION
@@ -10,6 +12,14 @@ stack does plain sends with the same concurrency. A transaction is two round
 trips and three appends (half; committed message + op record in one batch).
 
 The last line is JSON: the figures and "ratio" = transactions/s / plain sends/s.
+
+Start-up mode (``--startup``, bench/startup.py does the work): the real broker (sync
+flush, port 0, its own temporary store) takes N committed transactions (acknowledged
+END, ``--inflight`` at once); a second broker takes plain sends of the same number of
+records and the same bytes; each is restarted ``--starts`` times, after a clean stop and
+after kill -9, and the medians are reported. JSON figures: startup_tx_s, startup_plain_s,
+"ratio" = startup_tx_s / startup_plain_s, bytes_per_decided = (RSS tx - RSS plain) / N,
+and the same after a crash (crash_*).
 """
 from __future__ import annotations
 
@@ -96,10 +106,18 @@ async def run(namesrv: str, mode: str, seconds: float, inflight: int, size: int)
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--inflight", type=int, default=64)
+    p.add_argument("--inflight", type=int, default=None, help="in flight at once (64; start-up mode 256)")
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--client", nargs=2, metavar=("NAMESRV", "MODE"))
+    p.add_argument("--startup", type=int, nargs="?", const=60000, metavar="N",
+                   help="start-up / memory mode: a store of N committed transactions against a plain one")
+    p.add_argument("--starts", type=int, default=3, help="start-up mode: restarts per store (median)")
     args = p.parse_args()
+    if args.startup is not None:
+        from bench.startup import main as startup_main
+        startup_main(args.startup, starts=args.starts, inflight=args.inflight or 256, size=args.size)
+        return
+    args.inflight = args.inflight or 64
     import uvloop
     if args.client:
         print(json.dumps(uvloop.run(run(args.client[0], args.client[1], args.seconds, args.inflight, args.size))))

@@ -389,12 +389,13 @@ async def serve(config: BrokerConfig) -> int:
         except Exception:  # noqa: BLE001
             log.debug("cleanup after a failed start", exc_info=True)
         return 1
-    a = server.addresses
-    print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}", flush=True)
     stop = server.stopping
     loop = asyncio.get_running_loop()
+    # Before the ready line: a supervisor may send SIGTERM as soon as it reads it, and that must be a clean stop.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    a = server.addresses
+    print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}", flush=True)
     await stop.wait()
     if server.fatal:
         log.critical("stopping on a fatal error: %s", server.fatal)

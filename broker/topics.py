@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from protocol.codes import Perm
+from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
+from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
 log = logging.getLogger("txmq.topics")
 
 AUTO_CREATE_TOPIC = "TBW102"
-HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
-OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
-TRANS_DLQ_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+# HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC: the transaction topics, named in protocol/txlog.py
 TIMER_TOPIC = "rmq_sys_wheel_timer"                     # RocketMQ 5's timer messages
 SCHEDULE_PROGRESS_TOPIC = "rmq_sys_schedule_progress"   # txmq: the scheduler's progress records
 RETRY_PREFIX = "%RETRY%"

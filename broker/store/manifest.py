@@ -20,19 +20,16 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import struct
 import uuid
 from dataclasses import asdict, dataclass
 
-from protocol.message import MESSAGE_MAGIC
+from protocol.message import MESSAGE_MAGIC, peek_record
+from protocol.record import MIN_RECORD_SIZE, store_timestamp_at
 
 from .mapped_file import fsync_dir
 
 STORE_ID_FILE = "store_id"
 MANIFEST_FILE = "segments.json"
-_SIZE_MAGIC = struct.Struct(">ii")
-_I32 = struct.Struct(">i")
-_I64 = struct.Struct(">q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +76,17 @@ def summarize_file(path: str, start: int) -> tuple[int, int, int, int]:
     """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size < 91:
+        if size < MIN_RECORD_SIZE:
             return start, 0, -1, -1
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         pos, n, first, last = 0, 0, -1, -1
         limit = size - 8
-        while pos + 91 <= limit:
-            length, magic = _SIZE_MAGIC.unpack_from(mm, pos)
-            if magic != MESSAGE_MAGIC or length < 91 or pos + length > limit:
+        while pos + MIN_RECORD_SIZE <= limit:
+            length, magic = peek_record(mm, pos)
+            if magic != MESSAGE_MAGIC or length < MIN_RECORD_SIZE or pos + length > limit:
                 break
-            sys_flag = _I32.unpack_from(mm, pos + 36)[0]
-            ts = _I64.unpack_from(mm, pos + (68 if sys_flag & 0x10 else 56))[0]
+            ts = store_timestamp_at(mm, pos)
             if first < 0 or ts < first:
                 first = ts
             if ts > last:

@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import time
-import zlib
 from typing import Callable
 
-from protocol.errors import StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, string_to_properties, tags_code, validate_topic
+from protocol.errors import RecordError, StoreError
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, peek_record, string_to_properties, tags_code, validate_topic
+from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
 
 from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
@@ -50,12 +49,6 @@ from .results import DispatchInfo, RecoveryReport, Truncation
 
 log = logging.getLogger("txmq.store")
 
-_HEAD = struct.Struct(">iiiiiqqi")      # TOTALSIZE MAGIC BODYCRC QUEUEID FLAG QUEUEOFFSET PHYSICALOFFSET SYSFLAG
-_SIZE_MAGIC = struct.Struct(">ii")
-_I64 = struct.Struct(">q")
-_I32 = struct.Struct(">i")
-_I16 = struct.Struct(">h")
-_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)
 
 
 class BadRecord(Exception):
@@ -66,45 +59,27 @@ def parse_record(seg: Segment, pos: int, check_crc: bool = True):
     """(size, queue id, queue offset, sys flag, store ts, prepared offset, topic, props span) or BadRecord.
 
     Reads only below ``seg.reserved``, which load_segments sets to the file's first hole.
+    The fields are read by protocol.record; what they must say of this segment is judged here.
     """
-    mm = seg.mm
     limit = seg.size - 8
-    if pos + 91 > limit:
+    if pos + MIN_RECORD_SIZE > limit:
         raise BadRecord("no room for a record before the end marker")
-    if pos + 91 > seg.reserved:
+    if pos + MIN_RECORD_SIZE > seg.reserved:
         raise BadRecord("no data on disk here")
-    size, magic, crc, qid, _flag, qoff, phys, sys_flag = _HEAD.unpack_from(mm, pos)
+    size, magic, crc, qid, _flag, qoff, phys, sys_flag = RECORD_HEAD.unpack_from(seg.mm, pos)
     if magic != MESSAGE_MAGIC:
         raise BadRecord(f"magic {magic & 0xFFFFFFFF:#010x} is not a record's")
-    if size < 91 or pos + size > limit:
+    if size < MIN_RECORD_SIZE or pos + size > limit:
         raise BadRecord(f"size {size} does not fit the segment")
     if pos + size > seg.reserved:
         raise BadRecord(f"size {size} runs into a hole at byte {seg.reserved}")
     if phys != seg.start + pos:
         raise BadRecord(f"its offset field says {phys}, not {seg.start + pos}")
-    p = pos + 48 + (20 if sys_flag & 0x10 else 8)
-    ts = _I64.unpack_from(mm, p)[0]
-    p += 8 + (20 if sys_flag & 0x20 else 8) + 4
-    prepared = _I64.unpack_from(mm, p)[0]
-    body_len = _I32.unpack_from(mm, p + 8)[0]
-    p += 12
-    end = pos + size
-    if body_len < 0 or p + body_len + 3 > end:
-        raise BadRecord(f"body length {body_len} runs past the record")
-    if check_crc and zlib.crc32(seg.view[p:p + body_len]) & 0x7FFFFFFF != crc:
-        raise BadRecord("body CRC mismatch")
-    t = p + body_len
-    topic_len = mm[t]
-    if topic_len > 127 or t + 3 + topic_len > end:
-        raise BadRecord(f"topic length {topic_len} runs past the record")
-    props_len = _I16.unpack_from(mm, t + 1 + topic_len)[0]
-    if t + 3 + topic_len + props_len != end:
-        raise BadRecord(f"properties length {props_len} does not end the record")
     try:
-        topic = mm[t + 1:t + 1 + topic_len].decode()
-    except UnicodeDecodeError:
-        raise BadRecord("topic is not UTF-8") from None
-    return size, qid, qoff, sys_flag, ts, prepared, topic, (t + 3 + topic_len, props_len)
+        ts, prepared, topic, span = read_index_fields(seg.view, pos, size, sys_flag, crc if check_crc else None)
+    except RecordError as exc:
+        raise BadRecord(str(exc)) from None
+    return size, qid, qoff, sys_flag, ts, prepared, topic, span
 
 
 def _tag(seg: Segment, span, topic: str = "", ts: int = 0, rule: Callable | None = None) -> int:
@@ -132,7 +107,7 @@ def _valid_record_in(seg: Segment, lo: int, hi: int) -> int | None:
     at = lo + 1
     hi = min(hi, seg.reserved)      # the mapping is read only where the file has data
     while True:
-        hit = seg.mm.find(_MAGIC_BYTES, at + 4, hi)
+        hit = seg.mm.find(MESSAGE_MAGIC_BYTES, at + 4, hi)
         if hit < 0:
             return None
         try:
@@ -191,7 +166,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             try:
                 size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(seg, pos)
             except BadRecord as bad:
-                total, magic = _SIZE_MAGIC.unpack_from(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
+                total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
                 if magic == BLANK_MAGIC and total == seg.size - pos:
                     seg.written = pos
                     break

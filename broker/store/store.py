@@ -17,12 +17,12 @@ import fcntl
 import logging
 import os
 import shutil
-import struct
 import time
 from typing import Callable
 
 from protocol.errors import StoreError
-from protocol.message import MESSAGE_MAGIC, validate_topic
+from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
+from protocol.record import MIN_RECORD_SIZE, store_timestamp_at
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
@@ -36,9 +36,6 @@ from .writer import IoThread, Writer
 
 log = logging.getLogger("txmq.store")
 
-_SIZE_MAGIC = struct.Struct(">ii")
-_I32 = struct.Struct(">i")
-_I64 = struct.Struct(">q")
 _MIN_SCAN_UNITS = 800       # RocketMQ scans at least 16000 bytes of consume queue per pull
 _FOUND, _NO_MATCH, _REMOVING = GetStatus.FOUND, GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING
 
@@ -350,8 +347,7 @@ class MessageStore:
         view = self._log.record(unit[0]) if unit is not None else None
         if view is None:
             return None
-        sys_flag = _I32.unpack_from(view, 36)[0]
-        return _I64.unpack_from(view, 68 if sys_flag & 0x10 else 56)[0]
+        return store_timestamp_at(view, 0)
 
     def store_time_of(self, topic: str, queue_id: int, offset: int) -> int:
         """Store time of the message at a queue offset, -1 when there is none (getMessageStoreTimeStamp)."""
@@ -549,12 +545,11 @@ def _summarize(seg: Segment) -> None:
     """First/last store time and data length of a sealed segment, by hopping over record headers."""
     pos, first, last = 0, -1, -1
     limit = seg.size - 8
-    while pos + 91 <= limit:
-        size, magic = _SIZE_MAGIC.unpack_from(seg.mm, pos)
-        if magic != MESSAGE_MAGIC or size < 91 or pos + size > limit:
+    while pos + MIN_RECORD_SIZE <= limit:
+        size, magic = peek_record(seg.mm, pos)
+        if magic != MESSAGE_MAGIC or size < MIN_RECORD_SIZE or pos + size > limit:
             break
-        sys_flag = _I32.unpack_from(seg.mm, pos + 36)[0]
-        last = _I64.unpack_from(seg.mm, pos + (68 if sys_flag & 0x10 else 56))[0]
+        last = store_timestamp_at(seg.mm, pos)
         if first < 0:
             first = last
         pos += size

@@ -32,7 +32,7 @@ from typing import Callable
 from protocol.codes import ResponseCode
 
 from .check import Policy, first_check_time, next_check_after_check
-from .records import COMMIT, DEAD, RESUME, ROLLBACK
+from protocol.txlog import COMMIT, DEAD, RESUME, ROLLBACK
 
 UNKNOWN = "UNKNOWN"
 DECISIONS = (COMMIT, ROLLBACK, DEAD)

@@ -17,7 +17,7 @@ import logging
 import mmap
 import os
 
-from .records import COMMIT, DEAD, ROLLBACK
+from protocol.txlog import COMMIT, DEAD, ROLLBACK
 
 log = logging.getLogger("txmq.transaction")
 

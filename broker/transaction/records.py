@@ -1,4 +1,8 @@
-"""The records a transaction writes, and how to read them back (docs/design.md, "Transaction records").
+"""Builds the records a transaction writes, as PutRequests for the store.
+
+Their layout and every name in them (topics, op tags, TXMQ_* properties, decision words,
+OpRecord and parse_op) are declared once in protocol/txlog.py, shared with ops/spark;
+they are re-exported here so the transaction service imports them from one place.
 
     record             topic / queue                       marks
     half               RMQ_SYS_TRANS_HALF_TOPIC q0          REAL_TOPIC, REAL_QID
@@ -6,46 +10,21 @@
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
     check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF
     dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       TXMQ_REASON, TXMQ_HALF
-
-Decision ops are what RocketMQ writes (tag ``d``, body = the half's queue
-offset), so RocketMQ tooling reads them; the TXMQ_* properties carry what
-RocketMQ would have to re-read the log for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from protocol.codes import SysFlag
 from protocol.message import MessageExt, Prop, encode_record, pack_host, properties_to_string, retopic_record, tags_code
+from protocol.txlog import (COMMIT, DEAD, DEAD_TOPIC, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION,
+                            OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_REASON, RESUME, ROLLBACK, OpRecord, check_extra,
+                            dead_letter_properties, decision_extra, op_body, op_properties, parse_op)
 
 from ..store import PutRequest
-from ..topics import HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC
 
-OP_TAG_DECISION = "d"
-OP_TAG_CHECK = "c"
-P_OP = "TXMQ_OP"
-P_HALF = "TXMQ_HALF"
-P_CHECKS = "TXMQ_CHECKS"
-P_REASON = "TXMQ_REASON"
+__all__ = ["RecordFactory", "OpRecord", "parse_op", "OP_TAG_DECISION", "OP_TAG_CHECK", "P_OP", "P_HALF",
+           "P_CHECKS", "P_REASON", "COMMIT", "ROLLBACK", "DEAD", "RESUME"]
 
-COMMIT = "COMMIT"
-ROLLBACK = "ROLLBACK"
-DEAD = "DEAD"
-RESUME = "RESUME"
-
-_OP_TAG_CODE = {OP_TAG_DECISION: 100, OP_TAG_CHECK: 99}  # Java hashCode of "d" and "c"
 _OP_TOPIC = OP_TOPIC.encode()
-
-
-@dataclass(slots=True)
-class OpRecord:
-    tag: str
-    half_offset: int            # commit-log offset of the half
-    half_queue_offset: int
-    op: str | None = None       # decision ops
-    checks: int = 0             # check attempts
-    reason: str | None = None
-    store_timestamp: int = 0
 
 
 class RecordFactory:
@@ -74,49 +53,27 @@ class RecordFactory:
         return PutRequest(record, topic, queue_id, tags, SysFlag.TRANSACTION_COMMIT)
 
     def op(self, tag: str, half_offset: int, half_queue_offset: int, **extra: str) -> PutRequest:
-        # The properties string written directly: fixed keys, values that never hold separators.
-        props = f"TAGS\x01{tag}\x02WAIT\x01false\x02UNIQ_KEY\x01{self.uniq_ids.next()}\x02{P_HALF}\x01{half_offset}"
-        for key, value in extra.items():
-            props += f"\x02{key}\x01{value}"
-        record = encode_record(topic=_OP_TOPIC, body=str(half_queue_offset).encode(), queue_id=0, flag=0,
+        props = op_properties(tag, half_offset, self.uniq_ids.next(), **extra)
+        record = encode_record(topic=_OP_TOPIC, body=op_body(half_queue_offset), queue_id=0, flag=0,
                                sys_flag=0, born_timestamp=self.clock(), born_host=self.store_host,
                                store_host=self.store_host, properties=props.encode())
-        return PutRequest(record, OP_TOPIC, 0, _OP_TAG_CODE[tag], 0)
+        return PutRequest(record, OP_TOPIC, 0, OP_TAG_CODES[tag], 0)
 
     def decision(self, op: str, half_offset: int, half_queue_offset: int, reason: str | None = None) -> PutRequest:
-        extra = {P_OP: op}
-        if reason:
-            extra[P_REASON] = reason
-        return self.op(OP_TAG_DECISION, half_offset, half_queue_offset, **extra)
+        return self.op(OP_TAG_DECISION, half_offset, half_queue_offset, **decision_extra(op, reason))
 
     def check(self, half_offset: int, half_queue_offset: int, attempt: int) -> PutRequest:
-        return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **{P_CHECKS: str(attempt)})
+        return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **check_extra(attempt))
 
     def dead_letter(self, half: MessageExt, half_offset: int, reason: str) -> PutRequest:
-        props = dict(half.properties)
-        props[P_REASON] = reason
-        props[P_HALF] = str(half_offset)
-        record = encode_record(topic=TRANS_DLQ_TOPIC.encode(), body=half.body, queue_id=0, flag=half.flag,
+        props = dead_letter_properties(half.properties, half_offset, reason)
+        record = encode_record(topic=DEAD_TOPIC.encode(), body=half.body, queue_id=0, flag=half.flag,
                                sys_flag=half.sys_flag, born_timestamp=half.born_timestamp,
                                born_host=_host(half.born_host), store_host=self.store_host,
                                properties=properties_to_string(props).encode(),
                                reconsume_times=half.reconsume_times)
-        return PutRequest(record, TRANS_DLQ_TOPIC, 0, tags_code(props), half.sys_flag)
+        return PutRequest(record, DEAD_TOPIC, 0, tags_code(props), half.sys_flag)
 
 
 def _host(host: tuple[str, int]) -> bytes:
     return pack_host(*host)
-
-
-def parse_op(msg: MessageExt) -> OpRecord | None:
-    """An op-queue record as an OpRecord; None for ops txmq did not write (no TXMQ_HALF)."""
-    props = msg.properties
-    tag = props.get(Prop.TAGS)
-    half = props.get(P_HALF)
-    if tag not in (OP_TAG_DECISION, OP_TAG_CHECK) or half is None:
-        return None
-    try:
-        return OpRecord(tag, int(half), int(msg.body.decode() or -1), props.get(P_OP),
-                        int(props.get(P_CHECKS, "0")), props.get(P_REASON), msg.store_timestamp)
-    except (ValueError, UnicodeDecodeError):
-        return None

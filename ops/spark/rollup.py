@@ -20,6 +20,8 @@ import logging
 import os
 import time
 
+from protocol.txlog import COMMIT
+
 from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
 from .manifest import segments_for_window
 from .transactions import ALL_GROUPS, classify, half_summary
@@ -102,7 +104,7 @@ def transactions_table(spark, s, dates, since: int | None = None, baseline: list
         F.when(F.col("h").isNotNull(), F.array(ev(F.col("h.ts").alias("ts"), F.lit("halves").alias("metric"))))
         .otherwise(F.array()),
         F.when(F.col("decision").isNotNull(), F.array(ev(F.col("decision.ts").alias("ts"), F.when(
-            F.col("decision.outcome") == "COMMIT", "commits").otherwise("rollbacks").alias("metric"))))
+            F.col("decision.outcome") == COMMIT, "commits").otherwise("rollbacks").alias("metric"))))
         .otherwise(F.array()),
         F.transform("checks", lambda t: ev(t.alias("ts"), F.lit("checks").alias("metric"))),
         F.transform("deads", lambda d: ev(d["ts"].alias("ts"), F.lit("dead_letters").alias("metric"))),

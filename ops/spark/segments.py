@@ -42,18 +42,17 @@ from dataclasses import dataclass
 from protocol.codes import SysFlag
 from protocol.errors import ProtocolError, StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, decode_record, peek_record
+from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_REASON
 
 SEGMENT_NAME = re.compile(r"\d{20}")
 _NONZERO = re.compile(rb"[^\x00]")
 ACTIVE_REREADS = 5
 ACTIVE_REREAD_DELAY_S = 0.05
 
-# Transaction bookkeeping topics (docs/design.md "Transaction records"): their records are
-# emitted one row each. Every other record is only counted, per chunk, in two partial
-# aggregates, so the JVM receives a few rows per chunk instead of one per plain message.
-HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
-OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
-DEAD_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
+# Transaction bookkeeping topics (protocol/txlog.py, docs/design.md "Transaction records"):
+# their records are emitted one row each. Every other record is only counted, per chunk, in
+# two partial aggregates, so the JVM receives a few rows per chunk instead of one per plain
+# message.
 ROW_TOPICS = frozenset((HALF_TOPIC, OP_TOPIC, DEAD_TOPIC))
 # Not user traffic. SCHEDULE_TOPIC_XXXX holds delayed messages before they reach their real
 # topic, so counting it would count them twice.
@@ -180,8 +179,8 @@ def _record_row(seg: Segment, pos: int, msg, size: int, tx_type: int) -> tuple:
     p = msg.properties
     return ("rec", seg.name, seg.base + pos, size, msg.topic, msg.queue_id, msg.queue_offset, tx_type,
             msg.store_timestamp, msg.prepared_offset, p.get(Prop.PGROUP), p.get(Prop.REAL_TOPIC),
-            p.get(Prop.UNIQ_KEY), p.get(Prop.TAGS), p.get("TXMQ_OP"), _int(p.get("TXMQ_HALF")),
-            p.get("TXMQ_REASON"), _int(p.get("TXMQ_CHECKS"))) + _TAIL
+            p.get(Prop.UNIQ_KEY), p.get(Prop.TAGS), p.get(P_OP), _int(p.get(P_HALF)),
+            p.get(P_REASON), _int(p.get(P_CHECKS))) + _TAIL
 
 
 def damage_row(seg: Segment, pos: int, reason: str) -> tuple:

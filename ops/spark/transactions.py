@@ -1,4 +1,4 @@
-"""What the records say about transactions (docs/design.md, "Transaction records").
+"""What the records say about transactions (protocol/txlog.py, docs/design.md "Transaction records").
 
     record              recognised by                                 here
     half                topic RMQ_SYS_TRANS_HALF_TOPIC                kind "half"
@@ -14,10 +14,12 @@ so one groupBy on that offset (half_summary) gathers a transaction's whole story
 """
 from __future__ import annotations
 
-from .segments import DEAD_TOPIC, HALF_TOPIC, NO_GROUP, OP_TOPIC
+from protocol.txlog import (DEAD, DEAD_TOPIC, DECISIONS, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_DECISION, OP_TOPIC,
+                            RESUME)
+
+from .segments import NO_GROUP
 
 ALL_GROUPS = "*"
-DECISIONS = ("COMMIT", "ROLLBACK")
 
 
 def classify(records):
@@ -26,8 +28,8 @@ def classify(records):
 
     topic, tags = F.col("topic"), F.col("tags")
     kind = (F.when(topic == HALF_TOPIC, "half")
-            .when((topic == OP_TOPIC) & (tags == "d"), "op")
-            .when((topic == OP_TOPIC) & (tags == "c"), "check")
+            .when((topic == OP_TOPIC) & (tags == OP_TAG_DECISION), "op")
+            .when((topic == OP_TOPIC) & (tags == OP_TAG_CHECK), "check")
             .when(topic == DEAD_TOPIC, "dead")
             .otherwise("other"))
     return records.withColumn("kind", kind)
@@ -57,9 +59,9 @@ def half_summary(classified):
                  F.min(F.when((kind == "op") & op.isin(*DECISIONS), F.struct(
                      F.col("offset").alias("off"), F.col("store_ts").alias("ts"), op.alias("outcome"))))
                  .alias("decision"),
-                 F.collect_list(F.when((kind == "op") & op.isin("DEAD", "RESUME"), F.struct(
+                 F.collect_list(F.when((kind == "op") & op.isin(DEAD, RESUME), F.struct(
                      F.col("offset").alias("off"), F.col("store_ts").alias("ts"),
-                     F.when(op == "DEAD", -1).otherwise(1).alias("delta")))).alias("all_toggles"),
+                     F.when(op == DEAD, -1).otherwise(1).alias("delta")))).alias("all_toggles"),
                  F.collect_list(F.when(kind == "check", F.col("store_ts"))).alias("checks"),
                  F.collect_list(F.when(kind == "dead", F.struct(
                      F.col("store_ts").alias("ts"), F.col("txmq_reason").alias("reason"),

@@ -1,0 +1,75 @@
+"""Store-record fields read in place: what the store's scans need without decoding a record.
+
+The layout is the store record's (protocol/message.py has the table). Recovery reads every
+record of the newest segments at start-up, and segment summaries hop over whole segments,
+so these readers take the mapping as it is and return plain tuples: no body, properties
+or host is copied or decoded. Positions are absolute in ``buf``.
+
+    reader                 reads                                               from
+    RECORD_HEAD            TOTALSIZE MAGIC BODYCRC QUEUEID FLAG QUEUEOFFSET    bytes 0..39
+                           PHYSICALOFFSET SYSFLAG
+    read_index_fields      STORETIMESTAMP, PREPARED TX OFFSET, BODY (its CRC   after the hosts (their lengths
+                           optionally), TOPIC, where PROPERTIES lie            follow SYSFLAG's v6 bits)
+    store_timestamp_at     STORETIMESTAMP                                      56, or 68 after an IPv6 born host
+
+The caller judges what the head says (magic, size against its file, offset field against
+the record's place); read_index_fields checks that the lengths inside add up to TOTALSIZE
+and raises RecordError saying which does not.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+
+from .codes import SysFlag
+from .errors import RecordError
+from .message import MAX_TOPIC_LENGTH, MESSAGE_MAGIC, POS_BORN_HOST
+
+MIN_RECORD_SIZE = 91                        # empty body, topic and properties, IPv4 hosts
+MESSAGE_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)     # what a search for a record start looks for
+# RECORD_HEAD.unpack_from(buf, pos): (TOTALSIZE, MAGIC, BODYCRC, QUEUEID, FLAG, QUEUEOFFSET, PHYSICALOFFSET,
+# SYSFLAG); a Struct rather than a function, as a scan calls it once per record. The caller makes sure
+# the 40 bytes are there (a record is at least MIN_RECORD_SIZE).
+RECORD_HEAD = struct.Struct(">iiiiiqqi")
+_BORN_V6 = int(SysFlag.BORNHOST_V6)        # module constants: read once per record, class attributes cost more
+_STORE_V6 = int(SysFlag.STOREHOST_V6)
+_I64 = struct.Struct(">q")
+_I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
+
+
+def read_index_fields(buf, pos: int, size: int, sys_flag: int, crc: int | None = None):
+    """(STORETIMESTAMP, PREPARED TX OFFSET, topic, (properties start, properties length)) of the
+    record of ``size`` bytes at pos, whose head says ``sys_flag``.
+
+    With ``crc`` (the head's BODYCRC) the body's CRC is checked too. RecordError says which
+    length does not fit; the record's bytes [pos, pos + size) must be readable."""
+    p = pos + POS_BORN_HOST + (20 if sys_flag & _BORN_V6 else 8)
+    ts = _I64.unpack_from(buf, p)[0]
+    p += 8 + (20 if sys_flag & _STORE_V6 else 8) + 4
+    prepared = _I64.unpack_from(buf, p)[0]
+    body_len = _I32.unpack_from(buf, p + 8)[0]
+    p += 12
+    end = pos + size
+    if body_len < 0 or p + body_len + 3 > end:
+        raise RecordError(f"body length {body_len} runs past the record")
+    if crc is not None and zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF != crc:
+        raise RecordError("body CRC mismatch")
+    t = p + body_len
+    topic_len = buf[t]
+    if topic_len > MAX_TOPIC_LENGTH or t + 3 + topic_len > end:
+        raise RecordError(f"topic length {topic_len} runs past the record")
+    props_len = _I16.unpack_from(buf, t + 1 + topic_len)[0]
+    if t + 3 + topic_len + props_len != end:
+        raise RecordError(f"properties length {props_len} does not end the record")
+    try:
+        topic = str(buf[t + 1:t + 1 + topic_len], "utf-8")
+    except UnicodeDecodeError:
+        raise RecordError("topic is not UTF-8") from None
+    return ts, prepared, topic, (t + 3 + topic_len, props_len)
+
+
+def store_timestamp_at(buf, pos: int) -> int:
+    """STORETIMESTAMP of the record at pos (its SYSFLAG says where the field lies)."""
+    sys_flag = _I32.unpack_from(buf, pos + 36)[0]
+    return _I64.unpack_from(buf, pos + (68 if sys_flag & _BORN_V6 else 56))[0]

@@ -1,0 +1,126 @@
+"""The transaction records' vocabulary, declared once (docs/design.md, "Transaction records").
+
+The broker writes these records (broker/transaction) and the Spark jobs read them
+(ops/spark); both take every name from here. Pure: no I/O, nothing of the broker.
+
+    record             topic / queue                       marks
+    half               RMQ_SYS_TRANS_HALF_TOPIC q0          REAL_TOPIC, REAL_QID (the real destination)
+    committed message  REAL_TOPIC / REAL_QID               sysFlag COMMIT, PREPARED TX OFFSET = half offset
+    decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
+                                                           (+ TXMQ_REASON on a DEAD op)
+    check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF
+    dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       the half's properties + TXMQ_REASON, TXMQ_HALF
+
+    op record properties, in this order:
+    TAGS      d | c                     tag code in the consume queue: Java "d".hashCode() = 100, "c" = 99
+    WAIT      false
+    UNIQ_KEY  the op's own message id
+    TXMQ_HALF the half's commit-log offset: how an op or a dead letter finds its half
+    TXMQ_OP   COMMIT | ROLLBACK | DEAD | RESUME            decision ops
+    TXMQ_REASON why a half was dead-lettered               DEAD ops
+    TXMQ_CHECKS the attempt's number (1, 2, ...)            check ops
+
+Decision ops are what RocketMQ writes (tag ``d``, body = the half's queue offset), so
+RocketMQ tooling reads them; the TXMQ_* properties carry what RocketMQ would have to
+re-read the log for. A half is open until its first COMMIT or ROLLBACK op (the first
+decision wins); before that a DEAD op closes it and a RESUME op opens it again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .message import MessageExt, Prop
+
+HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
+OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
+DEAD_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"       # RocketMQ's name: transactions checked too often
+TOPICS = (HALF_TOPIC, OP_TOPIC, DEAD_TOPIC)
+
+OP_TAG_DECISION = "d"
+OP_TAG_CHECK = "c"
+OP_TAG_CODES = {OP_TAG_DECISION: 100, OP_TAG_CHECK: 99}     # Java String.hashCode of "d" and "c"
+
+P_OP = "TXMQ_OP"
+P_HALF = "TXMQ_HALF"
+P_CHECKS = "TXMQ_CHECKS"
+P_REASON = "TXMQ_REASON"
+PROPERTIES = (P_OP, P_HALF, P_CHECKS, P_REASON)
+
+COMMIT = "COMMIT"
+ROLLBACK = "ROLLBACK"
+DEAD = "DEAD"
+RESUME = "RESUME"
+DECISIONS = (COMMIT, ROLLBACK)          # final: the first of them wins
+OPS = (COMMIT, ROLLBACK, DEAD, RESUME)
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One op-queue record as txmq wrote it (decision or check attempt)."""
+
+    tag: str
+    half_offset: int            # commit-log offset of the half
+    half_queue_offset: int
+    op: str | None = None       # decision ops
+    checks: int = 0             # check attempts
+    reason: str | None = None
+    store_timestamp: int = 0
+
+
+def op_properties(tag: str, half_offset: int, uniq_key: str, **extra: str) -> str:
+    """An op record's properties string (the order above), written directly: its keys are fixed and
+    its values (numbers, op and reason words) never hold the \\x01 / \\x02 separators."""
+    if tag not in OP_TAG_CODES:
+        raise ValueError(f"op tag {tag!r} is not one of {sorted(OP_TAG_CODES)}")
+    props = f"{Prop.TAGS}\x01{tag}\x02{Prop.WAIT}\x01false\x02{Prop.UNIQ_KEY}\x01{uniq_key}\x02{P_HALF}\x01{half_offset}"
+    for key, value in extra.items():
+        props += f"\x02{key}\x01{value}"
+    return props
+
+
+def decision_extra(op: str, reason: str | None = None) -> dict[str, str]:
+    """The op_properties extras of a decision op."""
+    if op not in OPS:
+        raise ValueError(f"decision {op!r} is not one of {OPS}")
+    return {P_OP: op, P_REASON: reason} if reason else {P_OP: op}
+
+
+def check_extra(attempt: int) -> dict[str, str]:
+    """The op_properties extras of a check attempt."""
+    return {P_CHECKS: str(attempt)}
+
+
+def op_body(half_queue_offset: int) -> bytes:
+    """An op record's body: the half's queue offset in decimal, as RocketMQ writes it."""
+    return str(half_queue_offset).encode()
+
+
+def dead_letter_properties(half_props: dict[str, str], half_offset: int, reason: str) -> dict[str, str]:
+    """A dead letter's properties: the half's, plus why and which half."""
+    props = dict(half_props)
+    props[P_REASON] = reason
+    props[P_HALF] = str(half_offset)
+    return props
+
+
+def parse_op(msg: MessageExt) -> OpRecord | None:
+    """An op-queue record as an OpRecord; None for ops txmq did not write (no TXMQ_HALF)."""
+    props = msg.properties
+    tag = props.get(Prop.TAGS)
+    half = props.get(P_HALF)
+    if tag not in OP_TAG_CODES or half is None:
+        return None
+    try:
+        return OpRecord(tag, int(half), int(msg.body.decode() or -1), props.get(P_OP),
+                        int(props.get(P_CHECKS, "0")), props.get(P_REASON), msg.store_timestamp)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def parse_dead_letter(msg: MessageExt) -> tuple[int, str | None] | None:
+    """(half offset, reason) of a dead letter; None for a record without TXMQ_HALF."""
+    half = msg.properties.get(P_HALF)
+    try:
+        return (int(half), msg.properties.get(P_REASON)) if half is not None else None
+    except ValueError:
+        return None
