@@ -103,7 +103,8 @@ async def _ok(call, code, fields=None, body=b"") -> RemotingCommand:
 
 def _message(m: MessageExt, with_body: bool = False) -> dict:
     out = {"msg_id": m.msg_id, "offset_msg_id": m.offset_msg_id, "topic": m.topic, "queue_id": m.queue_id,
-           "queue_offset": m.queue_offset, "commit_log_offset": m.physical_offset, "store_time": when(m.store_timestamp),
+           "queue_offset": m.queue_offset, "commit_log_offset": m.physical_offset,
+           "store_time": when(m.store_timestamp),
            "store_timestamp": m.store_timestamp, "keys": m.keys or "", "tags": m.tags or "",
            "body_bytes": len(m.body)}
     if with_body:

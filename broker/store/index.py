@@ -200,19 +200,23 @@ class IndexService:
                     item = q.get_nowait()
                 except queue.Empty:
                     item = False
-            try:
-                if batch:
-                    self._index(batch)
-                if item is None:
-                    return
-                if item is not False:
-                    item()
-                if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
-                    self._save_progress()
-            except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
-                if self.failed is None:
-                    log.exception("index thread: %s (entries resume from the log after a restart)", exc)
-                self.failed = str(exc)
+            if batch:
+                self._guarded(self._index, batch)
+            if item is None:
+                return
+            if item is not False:       # a job: each runs whatever failed before it (a query must be answered)
+                self._guarded(item)
+            if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
+                self._guarded(self._save_progress)
+
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
+            if self.failed is None:
+                log.exception("index thread: %s; indexing stops here and resumes from the commit log at the "
+                              "next start (queries go on answering from what is indexed)", exc)
+            self.failed = str(exc)
 
     def _shutdown(self) -> None:
         self._save_progress()
@@ -226,7 +230,7 @@ class IndexService:
     def _save_progress(self) -> None:
         self._last_progress = time.monotonic()
         value = self.covered
-        if value == self._saved:
+        if value == self._saved or self.failed is not None:
             return
         if self.files:
             self.files[-1].sync()       # entries before the progress that says they exist
@@ -240,8 +244,8 @@ class IndexService:
         self._saved = value
 
     def _index(self, batch: list[tuple[int, int]]) -> None:
-        if self._closed:
-            return
+        if self._closed or self.failed is not None:
+            return      # after a failure, ``covered`` may be past what was written: never save it
         items: list[tuple[int, int, int]] = []
         for phy, size in batch:
             if phy < self.covered:

@@ -154,3 +154,24 @@ async def test_expire_removes_files_below_the_log(tmp_path):
     assert len(svc.files) == 1             # never the last file
     await svc.close()
     await store.close()
+
+
+async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path, monkeypatch):
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+    real = IndexFile.put_many
+
+    def no_space(self, items):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [] and "No space" in svc.failed
+    monkeypatch.setattr(IndexFile, "put_many", real)
+    await store.put(PutRequest.build("T", b"z", properties={"KEYS": "after"}))
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [lost.physical_offset]
+    assert len((await svc.query("T", "after", 64, 0, 2**62))[0]) == 1
+    await svc.close()
+    await store.close()
