@@ -152,6 +152,10 @@ class BrokerServer:
                               ["producer_group"], snap("producers"))
         m.add_gauge_collector("rocketmq_consumer_connections", "Live consumer connections, by group.",
                               ["consumer_group"], snap("consumers"))
+        m.add_gauge_collector("txmq_half_message_oldest_age_seconds",
+                              "Age of the oldest undecided half message, by producer group (absent: none).",
+                              ["producer_group"], snap("oldest_half"))
+        m.describe_broker(self.config)
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
         m.add_gauge_collector("txmq_topics", "Topics the broker holds.", [], snap("topics"))
         m.add_disk_collector(ctx.store.disk)
@@ -182,6 +186,7 @@ class BrokerServer:
 
     def _refresh_gauges(self) -> None:
         ctx = self.ctx
+        now_ms = self.clock()
         self._gauges = {
             "at": time.monotonic(),
             "lag": [((g, t), n) for (g, t), n in self._lag_by_group_topic()],
@@ -190,6 +195,7 @@ class BrokerServer:
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
             "parked": [((), ctx.holds.parked)],
             "topics": [((), len(ctx.topics.topics))],
+            "oldest_half": [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
         }
 
     async def _gauge_loop(self) -> None:

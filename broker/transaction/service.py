@@ -95,6 +95,8 @@ class TransactionService:
         self.pending: dict[int, Pending] = {}
         self.decided: dict[int, tuple[str, str]] = {}     # half offset -> (decision, group)
         self._heap: list[tuple[int, int]] = []
+        self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
+        self._by_age_entries = 0
         self._recovered_commits: set[int] = set()
         self._storing: list[int] = []      # half-queue end offsets seen by halves still being stored
         self._rr = 0
@@ -197,6 +199,33 @@ class TransactionService:
     def _add(self, p: Pending) -> None:
         self.pending[p.half_offset] = p
         heapq.heappush(self._heap, (p.next_check, p.half_offset))
+        heapq.heappush(self._by_age.setdefault(p.group, []), (p.store_ts, p.half_offset))
+        self._by_age_entries += 1
+
+    def oldest_by_group(self) -> dict[str, int]:
+        """{producer group: store time (ms) of its oldest undecided half}, for the age gauge.
+
+        Lazy heaps: a decided half leaves its entry behind until it reaches the top, so a read
+        costs O(log n) per decided entry; when stale entries outnumber the live ones the heaps
+        are rebuilt from the pending index (amortised O(1) per decision)."""
+        pending = self.pending
+        if self._by_age_entries > 2 * len(pending) + 1024:
+            self._by_age = {}
+            for p in pending.values():
+                self._by_age.setdefault(p.group, []).append((p.store_ts, p.half_offset))
+            for heap in self._by_age.values():
+                heapq.heapify(heap)
+            self._by_age_entries = len(pending)
+        out = {}
+        for group, heap in list(self._by_age.items()):
+            while heap and (heap[0][1] not in pending or pending[heap[0][1]].group != group):
+                heapq.heappop(heap)
+                self._by_age_entries -= 1
+            if heap:
+                out[group] = heap[0][0]
+            else:
+                del self._by_age[group]
+        return out
 
     def _reschedule(self, p: Pending, when: int) -> None:
         p.next_check = when
