@@ -95,10 +95,10 @@ ROWS = [
         ("Time to decision", "timeseries", "s", "From half message to commit, rollback or dead letter (p50, p99).",
          quantiles("rocketmq_finish_message_latency", SEL)),
         ("Dead letters by reason", "timeseries", "short",
-         "Transactions dead-lettered in the window by reason (max-checks, expired, ...), and messages "
-         "consumers gave up on (%DLQ% topics).",
-         [q(f"sum by (reason) (increase(txmq_transaction_dead_letters_total{{{SEL}}}[{RATE}]))"
-            f' or label_replace(sum(increase(rocketmq_messages_in_total{{{SEL}, topic=~"%DLQ%.*"}}[{RATE}])),'
+         "Transactions dead-lettered since the broker started, by reason (max-checks, expired, ...), and "
+         "messages consumers gave up on (%DLQ% topics). A step up is a new dead letter (TxmqTransactionDeadLetters).",
+         [q(f"sum by (reason) (txmq_transaction_dead_letters_total{{{SEL}}})"
+            f' or label_replace(sum(rocketmq_messages_in_total{{{SEL}, topic=~"%DLQ%.*"}}),'
             ' "reason", "consumer-retries-exhausted", "", "")', "{{reason}}")]),
     ]),
     ("Storage", [
