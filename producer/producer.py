@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
-from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
+from protocol.errors import (ConnectionClosedError, RequestTimeoutError, ResponseError, TopicNotExistError,
+                             error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
 
@@ -57,11 +58,22 @@ def _client_ip() -> str:
 
 
 class Producer:
+    """Sends messages to the brokers that serve a topic (RocketMQ's DefaultMQProducer).
+
+    ``namesrv_addr``: name servers, ``;``-separated. ``group``: the producer group. A send times out
+    after ``send_timeout`` seconds and retriable failures are retried ``retries`` times on another
+    queue. ``heartbeat_interval_s``: how often the group is announced to every known broker;
+    ``route_refresh_interval_s``: how often cached routes are fetched again. ``batch_size`` > 1
+    gathers plain sends for up to ``linger_ms`` into one batch of at most ``max_batch_bytes``.
+    ``credentials`` sign every request (ACL). Use it as ``async with Producer(...) as producer``.
+    """
+
     def __init__(self, namesrv_addr: str, group: str, *, send_timeout: float = 3.0, retries: int = 2,
                  heartbeat_interval_s: float = 30.0, instance_name: str | None = None,
                  batch_size: int = 1, linger_ms: float = 0.0, max_batch_bytes: int = 1 << 20,
-                 credentials: Credentials | None = None):
+                 credentials: Credentials | None = None, route_refresh_interval_s: float = 30.0):
         self.group = group
+        self.route_refresh_interval_s = route_refresh_interval_s
         self.send_timeout = send_timeout
         self.retries = retries
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -69,35 +81,41 @@ class Producer:
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
         self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self.routes = RouteCache(self.pool, [a.strip() for a in namesrv_addr.split(";") if a.strip()],
-                                 timeout=send_timeout)
+                                 ttl_s=route_refresh_interval_s, timeout=send_timeout)
         self.uniq_ids = UniqIdGenerator(ip)
         self._heartbeat_task: asyncio.Task | None = None
+        self._route_task: asyncio.Task | None = None
         self._started = False
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> "Producer":
+        """Learn a broker, announce the group, start the heartbeat and route refresh; returns self."""
         # Learn a broker now (TBW102) so the first heartbeat registers the group at once.
         try:
             await self.routes.route("TBW102")
         except (ResponseError, RequestTimeoutError, ConnectionClosedError) as exc:
             log.warning("name server lookup of TBW102 failed: %s", exc)
         await self.heartbeat()
-        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        loop = asyncio.get_running_loop()
+        self._heartbeat_task = loop.create_task(self._heartbeat_loop())
+        self._route_task = loop.create_task(self._route_loop())
         self._started = True
         return self
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "Producer":
         return await self.start()
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        """Flush batched sends, stop the background tasks, unregister from the brokers, close."""
         if self._accumulator is not None:
             await self._accumulator.flush()
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
+        for task in (self._heartbeat_task, self._route_task):
+            if task is not None:
+                task.cancel()
         for addr in self.routes.all_broker_addrs():
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
@@ -111,6 +129,7 @@ class Producer:
                            "producerDataSet": [{"groupName": self.group}]}).encode()
 
     async def heartbeat(self) -> None:
+        """Announce the group to every known broker now (failures are logged; the next beat retries)."""
         for addr in self.routes.all_broker_addrs():
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
@@ -122,6 +141,13 @@ class Producer:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             await self.heartbeat()
+
+    async def _route_loop(self) -> None:
+        """Fetch every cached route again each period: failovers and new brokers are seen without a
+        send having to fail first (and off the send path)."""
+        while True:
+            await asyncio.sleep(self.route_refresh_interval_s)
+            await self.routes.refresh_all()
 
     def _on_request(self, conn, cmd):
         return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
@@ -179,19 +205,23 @@ class Producer:
 
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
         avoid = None
+        refresh = False                 # after a routing error the next attempt asks the name server
         last_error: Exception | None = None
         for attempt in range(self.retries + 1):
             if queue is not None:
                 mq = queue
+                if refresh:
+                    await self.routes.publish_queues(topic, refresh=True)
             else:
-                mq = self.routes.select(await self.routes.publish_queues(topic), avoid)
+                mq = self.routes.select(await self.routes.publish_queues(topic, refresh=refresh), avoid)
             h = self._header(mq, props, sys_flag=sys_flag, flag=flag, batch=batch)
             cmd = RemotingCommand.request(code, h.to_ext_fields(v2=code != RequestCode.SEND_MESSAGE), body)
             try:
                 resp = await self.pool.request(self._addr(mq), cmd, self.send_timeout)
-            except (RequestTimeoutError, ConnectionClosedError) as exc:
+            except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
                 last_error = exc
                 avoid = mq.broker_name
+                refresh = True
                 continue
             if resp.code in (ResponseCode.SUCCESS, ResponseCode.FLUSH_DISK_TIMEOUT,
                              ResponseCode.SLAVE_NOT_AVAILABLE, ResponseCode.FLUSH_SLAVE_TIMEOUT):
@@ -201,8 +231,11 @@ class Producer:
                                   resp.int_field("queueOffset", -1), resp.str_field("transactionId"))
             error = error_for_code(resp.code, resp.remark)
             if not error.retriable or queue is not None:
+                if resp.code == ResponseCode.TOPIC_NOT_EXIST:
+                    self.routes.forget(topic)       # the route was wrong: the next send asks again
                 raise error
             last_error = error
             avoid = mq.broker_name
+            refresh = True
         assert last_error is not None
         raise last_error
