@@ -203,13 +203,13 @@ class PullConsumer:
             return []
         return json.loads(resp.body_bytes()).get("consumerIdList") or []
 
-    async def lock_queues(self, mqs: "list[MessageQueue] | set[MessageQueue]") -> set[MessageQueue]:
+    async def lock_queues(self, mqs: list[MessageQueue] | set[MessageQueue]) -> set[MessageQueue]:
         """LOCK_BATCH_MQ: ask the brokers for exclusive use of ``mqs`` within the group (orderly
         consumption); returns the queues granted. A lock lasts the broker's queue_lock_max_live_ms
         unless renewed."""
         return await self._lock_call(RequestCode.LOCK_BATCH_MQ, mqs)
 
-    async def unlock_queues(self, mqs: "list[MessageQueue] | set[MessageQueue]") -> None:
+    async def unlock_queues(self, mqs: list[MessageQueue] | set[MessageQueue]) -> None:
         """UNLOCK_BATCH_MQ: give queues up so another consumer of the group can lock them at once."""
         await self._lock_call(RequestCode.UNLOCK_BATCH_MQ, mqs)
 

@@ -34,6 +34,8 @@ log = logging.getLogger("txmq.producer")
 
 
 class SendStatus(enum.Enum):
+    """How a send ended on the broker (RocketMQ's SendStatus); anything else raises."""
+
     SEND_OK = 0
     FLUSH_DISK_TIMEOUT = 10
     SLAVE_NOT_AVAILABLE = 11
@@ -42,6 +44,8 @@ class SendStatus(enum.Enum):
 
 @dataclass(slots=True)
 class SendResult:
+    """A stored message: its status, ids, the queue it went to and its offset there."""
+
     status: SendStatus
     msg_id: str                 # UNIQ_KEY (what Java calls msgId)
     offset_msg_id: str          # the broker's id of the stored record (encodes its commit-log offset)
@@ -161,7 +165,9 @@ class Producer:
             queue_id=mq.queue_id, sys_flag=sys_flag, born_timestamp=int(time.time() * 1000), flag=flag,
             properties=properties_to_string(props), batch=batch)
 
-    def message_properties(self, tags=None, keys=None, properties=None) -> dict:
+    def message_properties(self, tags: str | None = None, keys: str | list[str] | None = None,
+                           properties: dict[str, str] | None = None) -> dict[str, str]:
+        """The properties a message is sent with: yours, TAGS, KEYS (space-joined), a new UNIQ_KEY, WAIT."""
         props = dict(properties or {})
         if tags:
             props[Prop.TAGS] = tags
@@ -171,8 +177,15 @@ class Producer:
         props.setdefault(Prop.WAIT, "true")
         return props
 
-    async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
-                   properties: dict | None = None, queue: MessageQueue | None = None, flag: int = 0) -> SendResult:
+    async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys: str | list[str] | None = None,
+                   properties: dict[str, str] | None = None, queue: MessageQueue | None = None,
+                   flag: int = 0) -> SendResult:
+        """Send one message and wait until the broker stored it.
+
+        ``tags`` (one tag consumers filter on), ``keys`` (searchable keys), ``properties`` (user
+        properties; ``DELAY`` for a delay level). ``queue`` pins the queue (no retry elsewhere). A
+        refusal raises the ``ResponseError`` of its code; timeouts raise ``RequestTimeoutError``.
+        """
         props = self.message_properties(tags, keys, properties)
         if self._accumulator is not None and queue is None and flag == 0 and Prop.DELAY not in props:
             return await self._accumulator.add(topic, body, props)
@@ -180,6 +193,7 @@ class Producer:
 
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
                          queue: MessageQueue | None = None) -> SendResult:
+        """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
         entries = []
         for body in bodies:
             props = self.message_properties(tags)
@@ -188,8 +202,9 @@ class Producer:
         return await self._send(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), {Prop.WAIT: "true"},
                                 queue, batch=True)
 
-    async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
-                          properties: dict | None = None) -> None:
+    async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None,
+                          keys: str | list[str] | None = None, properties: dict[str, str] | None = None) -> None:
+        """Send without waiting for the broker (no result, no retry: it may be lost)."""
         props = self.message_properties(tags, keys, properties)
         queues = await self.routes.publish_queues(topic)
         mq = self.routes.select(queues)

@@ -32,6 +32,8 @@ log = logging.getLogger("txmq.producer")
 
 
 class LocalTransactionState(enum.Enum):
+    """A local transaction's outcome (RocketMQ's spelling, UNKNOW included): the decision sent."""
+
     COMMIT_MESSAGE = SysFlag.TRANSACTION_COMMIT
     ROLLBACK_MESSAGE = SysFlag.TRANSACTION_ROLLBACK
     UNKNOW = SysFlag.TRANSACTION_NOT_TYPE
