@@ -100,6 +100,23 @@ def test_wheel_installs_in_a_clean_venv_and_its_scripts_run(tmp_path):
                  cwd=work, env=env)
     assert names.returncode == 0 and names.stdout.strip() == "[]", names.stderr
 
+    # the Spark jobs ship the installed code to executors under its installed names (a stand-in
+    # SparkContext records the file), and that zip alone imports on a Python without txmq
+    shipped = _run(str(bin_dir / "python"), "-c",
+                   "import shutil, types, txmq.ops.spark.session as s\n"
+                   "class SC:\n    def addPyFile(self, p): shutil.copy(p, 'shipped.zip')\n"
+                   "s.ship_code(types.SimpleNamespace(sparkContext=SC()))", cwd=work, env=env)
+    assert shipped.returncode == 0, shipped.stderr
+    zip_path = str(work / "shipped.zip")
+    import zipfile
+
+    names = set(zipfile.ZipFile(zip_path).namelist())
+    assert {"txmq/__init__.py", "txmq/protocol/message.py", "txmq/ops/spark/segments.py",
+            "txmq/ops/spark/log4j2.properties"} <= names and not any(n.startswith("txmq/broker/") for n in names)
+    alone = _run(sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {zip_path!r});"
+                 "import txmq.ops.spark.segments as s; print(s.__file__)", cwd=work, env=env)
+    assert alone.returncode == 0 and alone.stdout.startswith(zip_path), alone.stderr
+
     broker = subprocess.Popen([str(bin_dir / "txmq-broker"), "--port", "0", "--namesrv-port", "0", "--metrics-port",
                                "-1", "--store-dir", str(work / "store")], cwd=work, env=env,
                               stdout=subprocess.PIPE, stderr=open(tmp_path / "broker.log", "wb"))
