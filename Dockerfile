@@ -6,13 +6,16 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY setup.cfg pyproject.toml README.md ./
+COPY setup.cfg setup.py pyproject.toml README.md ./
+COPY txmq ./txmq
 COPY protocol ./protocol
 COPY broker ./broker
 COPY producer ./producer
 COPY consumer ./consumer
 COPY ops ./ops
-RUN pip install --no-cache-dir '.[spark]'
+# installs one package, txmq (setup.py), and the console scripts txmq-broker, txmq-admin, txmq-spark
+RUN pip install --no-cache-dir '.[spark]' && cd / && rm -rf /app
+WORKDIR /data
 
 # Listen on every interface inside the container; clients reach it through the published ports.
 ENV BROKER_HOST=0.0.0.0 \
@@ -20,6 +23,7 @@ ENV BROKER_HOST=0.0.0.0 \
     BROKER_ADVERTISED_HOST=127.0.0.1
 VOLUME ["/data"]
 EXPOSE 9876 10911 5557
-ENTRYPOINT ["tini", "--", "python", "-m", "broker"]
-# Spark jobs from the same image:
-#   docker run --rm -v txmq:/data txmq-image python -m ops.spark rollup --store-dir /data --out /data/rollups
+ENTRYPOINT ["tini", "--"]
+CMD ["txmq-broker"]
+# Spark jobs and the admin client from the same image:
+#   docker run --rm -v txmq:/data txmq-image txmq-spark rollup --store-dir /data --out /data/rollups

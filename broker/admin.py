@@ -60,7 +60,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m broker admin", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--broker", default=os.environ.get("BROKER_ADMIN_ADDR", "127.0.0.1:10911"))

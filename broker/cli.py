@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Sequence
 
+from protocol import __version__
 from protocol.errors import ConfigError
 
 from .config import BrokerConfig
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="txmq broker: RocketMQ 4.x-compatible transactional message broker. "
                     "Every flag can also be set as the environment variable BROKER_<NAME>.",
     )
+    parser.add_argument("--version", action="version", version=f"txmq {__version__}")
     for f in dataclasses.fields(BrokerConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if not isinstance(f.type, str) else f.type

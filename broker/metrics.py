@@ -17,9 +17,12 @@ import os
 import random
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+import platform
+
+from protocol import __version__
 from protocol.codes import request_name
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -29,6 +32,10 @@ _RESERVOIR = 4096
 
 class BrokerMetrics:
     def __init__(self):
+        # ``*_created`` series (one per counter and histogram child) are noise nobody graphs; the
+        # switch is process-wide, which suits a broker process (PROMETHEUS_DISABLE_CREATED_SERIES=True
+        # does the same from the environment).
+        disable_created_metrics()
         r = self.registry = CollectorRegistry(auto_describe=True)
         # Stored messages are counted in plain ints and exported at scrape time: a prometheus
         # Counter takes a lock per increment, on the path every message takes.
@@ -154,6 +161,19 @@ class BrokerMetrics:
 
         self.registry.register(_Collector())
 
+    def describe_broker(self, config) -> None:
+        """Constant series a dashboard and alerts join on: the build, and the configured disk ratios
+        (so an alert compares the disk with this broker's own thresholds, not a number copied into a rule)."""
+        info = GaugeMetricFamily("txmq_build_info", "Always 1; the labels say which txmq runs.",
+                                 labels=["version", "python"])
+        info.add_metric([__version__, platform.python_version()], 1)
+        limits = GaugeMetricFamily("txmq_store_disk_ratio_limit",
+                                   "Configured disk usage ratios: clean (expired segments go at once), "
+                                   "force_clean (the oldest go), refuse (writes are refused).", labels=["limit"])
+        for name in ("clean", "force_clean", "refuse"):
+            limits.add_metric([name], getattr(config, f"disk_{name}_ratio"))
+        self.registry.register(_Constant([info, limits]))
+
     def add_disk_collector(self, disk) -> None:
         """The store's disk watermark state (a store/disk.py DiskMonitor), read at scrape time."""
         self.registry.register(_DiskCollector(disk))
@@ -187,6 +207,17 @@ class _InCollector:
 
     def describe(self):
         return list(self.collect())
+
+
+class _Constant:
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return list(self.families)
+
+    def describe(self):
+        return list(self.families)
 
 
 class _DiskCollector:

@@ -175,6 +175,10 @@ class BrokerServer:
                               ["producer_group"], snap("producers"))
         m.add_gauge_collector("rocketmq_consumer_connections", "Live consumer connections, by group.",
                               ["consumer_group"], snap("consumers"))
+        m.add_gauge_collector("txmq_half_message_oldest_age_seconds",
+                              "Age of the oldest undecided half message, by producer group (absent: none).",
+                              ["producer_group"], snap("oldest_half"))
+        m.describe_broker(self.config)
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
         m.add_gauge_collector("txmq_topics", "Topics the broker holds.", [], snap("topics"))
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
@@ -207,6 +211,7 @@ class BrokerServer:
 
     def _refresh_gauges(self) -> None:
         ctx = self.ctx
+        now_ms = self.clock()
         self._gauges = {
             "at": time.monotonic(),
             "lag": [((g, t), n) for (g, t), n in self._lag_by_group_topic()],
@@ -216,6 +221,7 @@ class BrokerServer:
             "parked": [((), ctx.holds.parked)],
             "topics": [((), len(ctx.topics.topics))],
             "schedule": [((level,), n) for level, n in ctx.schedule.waiting()],
+            "oldest_half": [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
         }
 
     async def _gauge_loop(self) -> None:

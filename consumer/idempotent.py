@@ -18,10 +18,14 @@ from protocol.message import MessageExt, Prop
 
 
 def message_key(msg: MessageExt) -> str:
+    """The key that identifies a message across redeliveries: UNIQ_KEY, else its offset message id."""
     return msg.properties.get(Prop.UNIQ_KEY) or msg.offset_msg_id
 
 
 class SqliteIdempotency:
+    """Run a handler once per message: its key and the handler's writes commit in one SQLite
+    transaction in the database at ``path`` (the key table is ``table``)."""
+
     def __init__(self, path: str, table: str = "txmq_consumed"):
         if not table.isidentifier():
             raise ValueError(f"table name {table!r} is not an identifier")
@@ -48,4 +52,5 @@ class SqliteIdempotency:
         return True
 
     def close(self) -> None:
+        """Close the database."""
         self.db.close()

@@ -1,4 +1,9 @@
-"""PullConsumer: pull by queue from an offset, with long polling, and commit offsets. Plain RocketMQ 4.x."""
+"""PullConsumer: pull by queue from an offset, with long polling, and commit offsets. Plain RocketMQ 4.x.
+
+Broker addresses come from the topic routes the name server gives; a route is fetched on first use,
+again when it is older than ``route_ttl_s`` (30 s), and again at once after a routing error (the
+broker cannot be reached, or does not know the topic), so a failover is followed by the next call.
+"""
 from __future__ import annotations
 
 import enum
@@ -13,7 +18,7 @@ from protocol.admin_bodies import decode_mq_table
 from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
-from protocol.errors import HeaderError, error_for_code
+from protocol.errors import ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
 from protocol.message import MessageExt, decode_records
 from protocol.route import decode_route
 from protocol.signature import Credentials
@@ -23,12 +28,16 @@ log = logging.getLogger("txmq.consumer")
 
 @dataclass(frozen=True, slots=True)
 class MessageQueue:
+    """One queue of a topic on one broker (RocketMQ's MessageQueue)."""
+
     topic: str
     broker_name: str
     queue_id: int
 
 
 class PullStatus(enum.Enum):
+    """How a pull ended: messages found, nothing new, none matching the tags, or the offset was illegal."""
+
     FOUND = ResponseCode.SUCCESS
     NO_NEW_MSG = ResponseCode.PULL_NOT_FOUND
     NO_MATCHED_MSG = ResponseCode.PULL_RETRY_IMMEDIATELY
@@ -37,6 +46,8 @@ class PullStatus(enum.Enum):
 
 @dataclass(slots=True)
 class PullResult:
+    """A pull's messages and where to pull next (``next_begin_offset``), with the queue's min/max."""
+
     status: PullStatus
     next_begin_offset: int
     min_offset: int
@@ -45,10 +56,19 @@ class PullResult:
 
 
 class PullConsumer:
+    """Pull messages queue by queue and manage the group's offsets yourself (DefaultMQPullConsumer).
+
+    ``namesrv_addr``: name servers, ``;``-separated; ``group``: the consumer group; ``timeout``: seconds
+    per request (a long poll adds its suspend time); ``route_ttl_s``: how long a topic route serves;
+    ``credentials`` sign every request (ACL). Use it as ``async with PullConsumer(...) as consumer``.
+    """
+
     def __init__(self, namesrv_addr: str, group: str, *, timeout: float = 3.0, instance_name: str | None = None,
-                 credentials: Credentials | None = None):
+                 credentials: Credentials | None = None, route_ttl_s: float = 30.0):
         self.group = group
         self.timeout = timeout
+        self.route_ttl_s = route_ttl_s
+        self._route_at: dict[str, float] = {}      # topic -> time.monotonic() of its last route
         self.namesrv_addrs = [a.strip() for a in namesrv_addr.split(";") if a.strip()]
         try:
             ip = socket.gethostbyname(socket.gethostname())
@@ -62,10 +82,10 @@ class PullConsumer:
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "PullConsumer":
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
     def _on_request(self, conn, cmd):
@@ -95,6 +115,7 @@ class PullConsumer:
         return None
 
     async def fetch_queues(self, topic: str) -> list[MessageQueue]:
+        """The readable queues of ``topic``, from the name server (also refreshes its broker addresses)."""
         last = None
         for addr in self.namesrv_addrs:
             try:
@@ -109,12 +130,41 @@ class PullConsumer:
             for bd in route.broker_datas:
                 if 0 in bd.broker_addrs:
                     self._brokers[bd.broker_name] = bd.broker_addrs[0]
+            self._route_at[topic] = time.monotonic()
             return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
                     for i in range(qd.read_queue_nums)]
         raise last or ConnectionError("no name server")
 
     def _addr(self, mq: MessageQueue) -> str:
         return self._brokers[mq.broker_name]
+
+    async def _broker_addr(self, mq: MessageQueue) -> str:
+        """``mq``'s broker address, from a route no older than route_ttl_s (fetched when needed; when
+        the name server cannot answer, a known address still serves)."""
+        known = self._brokers.get(mq.broker_name)
+        if known is None or time.monotonic() - self._route_at.get(mq.topic, float("-inf")) >= self.route_ttl_s:
+            try:
+                await self.fetch_queues(mq.topic)
+            except Exception:
+                if known is None:
+                    raise
+            known = self._brokers.get(mq.broker_name)
+            if known is None:
+                raise error_for_code(ResponseCode.TOPIC_NOT_EXIST,
+                                     f"no route of {mq.topic} names broker {mq.broker_name}")
+        return known
+
+    async def _request(self, mq: MessageQueue, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
+        """One request to ``mq``'s broker; a routing error makes the next call fetch the route again."""
+        addr = await self._broker_addr(mq)
+        try:
+            resp = await self.pool.request(addr, cmd, timeout)
+        except (ConnectionClosedError, RequestTimeoutError):
+            self._route_at.pop(mq.topic, None)
+            raise
+        if resp.code in (ResponseCode.TOPIC_NOT_EXIST, ResponseCode.NO_PERMISSION):
+            self._route_at.pop(mq.topic, None)
+        return resp
 
     async def subscribe(self, topic: str, expression: str = "*") -> None:
         """Register the group and subscription with a heartbeat (needed only for pulls without a subscription)."""
@@ -124,6 +174,7 @@ class PullConsumer:
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
                         consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
+        """Announce the group and its subscriptions to every known broker."""
         subs = [{"topic": t, "subString": e, "tagsSet": [] if e == "*" else [x.strip() for x in e.split("||")],
                  "codeSet": [], "subVersion": int(time.time() * 1000), "expressionType": "TAG",
                  "classFilterMode": False} for t, e in self.subscriptions.items()]
@@ -149,7 +200,7 @@ class PullConsumer:
             "maxMsgNums": max_nums, "sysFlag": sys_flag, "commitOffset": commit_offset or 0,
             "suspendTimeoutMillis": suspend_ms, "subscription": expression, "subVersion": 0,
             "expressionType": "TAG"})
-        resp = await self.pool.request(self._addr(mq), cmd, self.timeout + suspend_ms / 1000)
+        resp = await self._request(mq, cmd, self.timeout + suspend_ms / 1000)
         if resp.code not in (0, 19, 20, 21):
             raise error_for_code(resp.code, resp.remark)
         messages = decode_records(resp.body_bytes()) if resp.code == ResponseCode.SUCCESS else []
@@ -161,28 +212,30 @@ class PullConsumer:
 
     async def _offset_call(self, code, mq: MessageQueue, **extra) -> RemotingCommand:
         fields = {"topic": mq.topic, "queueId": mq.queue_id, **extra}
-        return await self.pool.request(self._addr(mq), RemotingCommand.request(code, fields), self.timeout)
+        return await self._request(mq, RemotingCommand.request(code, fields), self.timeout)
 
     async def commit_offset(self, mq: MessageQueue, offset: int) -> None:
+        """Store the group's offset for ``mq`` on its broker (the next message to consume)."""
         resp = await self._offset_call(RequestCode.UPDATE_CONSUMER_OFFSET, mq, consumerGroup=self.group,
                                        commitOffset=offset)
         if resp.code != ResponseCode.SUCCESS:
             raise error_for_code(resp.code, resp.remark)
 
     async def consumer_ids(self, mq: MessageQueue) -> list[str]:
-        resp = await self.pool.request(self._addr(mq), RemotingCommand.request(
+        """Client ids of the group's live consumers, as ``mq``'s broker knows them."""
+        resp = await self._request(mq, RemotingCommand.request(
             RequestCode.GET_CONSUMER_LIST_BY_GROUP, {"consumerGroup": self.group}), self.timeout)
         if resp.code != ResponseCode.SUCCESS:
             return []
         return json.loads(resp.body_bytes()).get("consumerIdList") or []
 
-    async def lock_queues(self, mqs) -> set[MessageQueue]:
+    async def lock_queues(self, mqs: list[MessageQueue] | set[MessageQueue]) -> set[MessageQueue]:
         """LOCK_BATCH_MQ: ask the brokers for exclusive use of ``mqs`` within the group (orderly
         consumption); returns the queues granted. A lock lasts the broker's queue_lock_max_live_ms
         unless renewed."""
         return await self._lock_call(RequestCode.LOCK_BATCH_MQ, mqs)
 
-    async def unlock_queues(self, mqs) -> None:
+    async def unlock_queues(self, mqs: list[MessageQueue] | set[MessageQueue]) -> None:
         """UNLOCK_BATCH_MQ: give queues up so another consumer of the group can lock them at once."""
         await self._lock_call(RequestCode.UNLOCK_BATCH_MQ, mqs)
 
@@ -194,8 +247,7 @@ class PullConsumer:
         for broker_name, queues in by_broker.items():
             body = json.dumps({"consumerGroup": self.group, "clientId": self.client_id, "mqSet": [
                 {"topic": q.topic, "brokerName": q.broker_name, "queueId": q.queue_id} for q in queues]})
-            resp = await self.pool.request(self._brokers[broker_name], RemotingCommand.request(
-                code, body=body.encode()), self.timeout)
+            resp = await self._request(queues[0], RemotingCommand.request(code, body=body.encode()), self.timeout)
             if resp.code != ResponseCode.SUCCESS:
                 raise error_for_code(resp.code, resp.remark)
             if code == RequestCode.LOCK_BATCH_MQ:
@@ -207,16 +259,16 @@ class PullConsumer:
                         delay_level: int = 0) -> None:
         """Give a failed message (pulled from ``mq``) back to the broker: %RETRY%<group>, or %DLQ%<group>
         when out of retries."""
-        addr = self._addr(mq)
         cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
             "offset": msg.physical_offset, "group": self.group, "delayLevel": delay_level,
             "originMsgId": msg.msg_id, "originTopic": msg.properties.get("RETRY_TOPIC", msg.topic),
             "maxReconsumeTimes": max_reconsume_times})
-        resp = await self.pool.request(addr, cmd, self.timeout)
+        resp = await self._request(mq, cmd, self.timeout)
         if resp.code != ResponseCode.SUCCESS:
             raise error_for_code(resp.code, resp.remark)
 
     async def fetch_offset(self, mq: MessageQueue) -> int | None:
+        """The group's stored offset for ``mq``, or None when it has none."""
         resp = await self._offset_call(RequestCode.QUERY_CONSUMER_OFFSET, mq, consumerGroup=self.group)
         if resp.code == ResponseCode.QUERY_NOT_FOUND:
             return None
@@ -225,18 +277,22 @@ class PullConsumer:
         return resp.int_field("offset")
 
     async def max_offset(self, mq: MessageQueue) -> int:
+        """The offset after the last message of ``mq``."""
         resp = await self._offset_call(RequestCode.GET_MAX_OFFSET, mq)
         return resp.int_field("offset", 0)
 
     async def min_offset(self, mq: MessageQueue) -> int:
+        """The offset of the oldest message ``mq`` still holds."""
         resp = await self._offset_call(RequestCode.GET_MIN_OFFSET, mq)
         return resp.int_field("offset", 0)
 
     async def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
+        """The offset of the first message of ``mq`` stored at or after ``timestamp_ms``."""
         resp = await self._offset_call(RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, mq, timestamp=timestamp_ms)
         return resp.int_field("offset", 0)
 
     async def shutdown(self) -> None:
+        """Unregister from the brokers and close the connections."""
         for addr in set(self._brokers.values()):
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {

@@ -27,9 +27,11 @@ import enum
 import inspect
 import logging
 import time
+from typing import Any, Callable
 
 from protocol.errors import BrokerError
 from protocol.message import MessageExt, Prop
+from protocol.signature import Credentials
 
 from .offset_store import DEFAULT_DIR, BrokerOffsetStore, LocalOffsetStore
 from .pull_consumer import MessageQueue, PullConsumer, PullStatus
@@ -43,14 +45,28 @@ class _LockLost(Exception):
 
 
 class ConsumeStatus(enum.Enum):
+    """A listener's verdict: consumed, or hand the message back for a later retry."""
+
     CONSUME_SUCCESS = "CONSUME_SUCCESS"
     RECONSUME_LATER = "RECONSUME_LATER"
 
 
 class PushConsumer:
-    def __init__(self, namesrv_addr: str, group: str, listener, *, consume_from: str = "last",
+    """Subscribe, and the consumer calls ``listener(msg)`` for every message (DefaultMQPushConsumer).
+
+    ``listener`` (plain or async) returns a ``ConsumeStatus``; raising is RECONSUME_LATER.
+    ``consume_from``: where a queue the group never consumed starts, ``"first"`` or ``"last"``;
+    ``max_reconsume_times``: retries before %DLQ%<group>; ``orderly`` / ``message_model``: see the
+    module's docstring. The intervals (seconds) set rebalancing, offset commits, long-poll time and
+    queue locks. Use it as ``consumer.subscribe(topic)`` then ``async with consumer:`` (or
+    ``await consumer.start()`` ... ``await consumer.shutdown()``).
+    """
+
+    def __init__(self, namesrv_addr: str, group: str, listener: Callable[[MessageExt], Any], *,
+                 consume_from: str = "last",
                  max_reconsume_times: int = 16, rebalance_interval_s: float = 20.0, suspend_ms: int = 15000,
-                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0, credentials=None,
+                 offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0,
+                 credentials: Credentials | None = None,
                  orderly: bool = False, message_model: str = "CLUSTERING", instance_name: str | None = None,
                  offset_store_dir: str | None = None, lock_interval_s: float = 20.0, lock_expire_s: float = 30.0,
                  lock_retry_s: float = 1.0, suspend_s: float = 1.0):
@@ -92,14 +108,17 @@ class PushConsumer:
         self._rebalance_now = asyncio.Event()
 
     def subscribe(self, topic: str, expression: str = "*") -> None:
+        """Consume ``topic``, only tags in ``expression`` (``"a || b"``; ``"*"`` for all). Before start()."""
         self.subscriptions[topic] = expression
 
     @property
     def retry_topic(self) -> str:
+        """The group's retry topic, %RETRY%<group>."""
         return f"%RETRY%{self.group}"
 
     @property
     def broadcasting(self) -> bool:
+        """True in BROADCASTING mode (every consumer reads every queue)."""
         return self.message_model == "BROADCASTING"
 
     def _topics(self) -> dict[str, str]:
@@ -107,6 +126,7 @@ class PushConsumer:
         return dict(self.subscriptions) if self.broadcasting else {**self.subscriptions, self.retry_topic: "*"}
 
     async def start(self) -> "PushConsumer":
+        """Announce the group, take this consumer's share of the queues and start consuming; returns self."""
         for topic, expression in self._topics().items():
             self.client.subscriptions[topic] = expression
             await self.client.fetch_queues(topic)
@@ -133,10 +153,10 @@ class PushConsumer:
             del self._loops[mq]
             self._request_rebalance()
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "PushConsumer":
         return await self.start()
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
     # ------------------------------------------------------------ rebalance
@@ -161,6 +181,7 @@ class PushConsumer:
                                     else "CONSUME_FROM_FIRST_OFFSET", self.message_model)
 
     async def rebalance(self) -> None:
+        """Recompute this consumer's queues now (also run periodically and when the group changes)."""
         owned: set[MessageQueue] = set()
         for topic in self._topics():
             queues = await self.client.fetch_queues(topic)
@@ -368,6 +389,7 @@ class PushConsumer:
                 log.warning("offsets of %s not saved: %s", self.group, exc)
 
     async def shutdown(self) -> None:
+        """Stop the pull loops, commit the offsets consumed, unlock, unregister and close."""
         for task in [*self._tasks, *self._loops.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._loops.values(), return_exceptions=True)

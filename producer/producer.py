@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
-from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
+from protocol.errors import (ConnectionClosedError, RequestTimeoutError, ResponseError, TopicNotExistError,
+                             error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
 
@@ -33,6 +34,8 @@ log = logging.getLogger("txmq.producer")
 
 
 class SendStatus(enum.Enum):
+    """How a send ended on the broker (RocketMQ's SendStatus); anything else raises."""
+
     SEND_OK = 0
     FLUSH_DISK_TIMEOUT = 10
     SLAVE_NOT_AVAILABLE = 11
@@ -41,6 +44,8 @@ class SendStatus(enum.Enum):
 
 @dataclass(slots=True)
 class SendResult:
+    """A stored message: its status, ids, the queue it went to and its offset there."""
+
     status: SendStatus
     msg_id: str                 # UNIQ_KEY (what Java calls msgId)
     offset_msg_id: str          # the broker's id of the stored record (encodes its commit-log offset)
@@ -57,11 +62,22 @@ def _client_ip() -> str:
 
 
 class Producer:
+    """Sends messages to the brokers that serve a topic (RocketMQ's DefaultMQProducer).
+
+    ``namesrv_addr``: name servers, ``;``-separated. ``group``: the producer group. A send times out
+    after ``send_timeout`` seconds and retriable failures are retried ``retries`` times on another
+    queue. ``heartbeat_interval_s``: how often the group is announced to every known broker;
+    ``route_refresh_interval_s``: how often cached routes are fetched again. ``batch_size`` > 1
+    gathers plain sends for up to ``linger_ms`` into one batch of at most ``max_batch_bytes``.
+    ``credentials`` sign every request (ACL). Use it as ``async with Producer(...) as producer``.
+    """
+
     def __init__(self, namesrv_addr: str, group: str, *, send_timeout: float = 3.0, retries: int = 2,
                  heartbeat_interval_s: float = 30.0, instance_name: str | None = None,
                  batch_size: int = 1, linger_ms: float = 0.0, max_batch_bytes: int = 1 << 20,
-                 credentials: Credentials | None = None):
+                 credentials: Credentials | None = None, route_refresh_interval_s: float = 30.0):
         self.group = group
+        self.route_refresh_interval_s = route_refresh_interval_s
         self.send_timeout = send_timeout
         self.retries = retries
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -69,35 +85,41 @@ class Producer:
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
         self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self.routes = RouteCache(self.pool, [a.strip() for a in namesrv_addr.split(";") if a.strip()],
-                                 timeout=send_timeout)
+                                 ttl_s=route_refresh_interval_s, timeout=send_timeout)
         self.uniq_ids = UniqIdGenerator(ip)
         self._heartbeat_task: asyncio.Task | None = None
+        self._route_task: asyncio.Task | None = None
         self._started = False
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> "Producer":
+        """Learn a broker, announce the group, start the heartbeat and route refresh; returns self."""
         # Learn a broker now (TBW102) so the first heartbeat registers the group at once.
         try:
             await self.routes.route("TBW102")
         except (ResponseError, RequestTimeoutError, ConnectionClosedError) as exc:
             log.warning("name server lookup of TBW102 failed: %s", exc)
         await self.heartbeat()
-        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        loop = asyncio.get_running_loop()
+        self._heartbeat_task = loop.create_task(self._heartbeat_loop())
+        self._route_task = loop.create_task(self._route_loop())
         self._started = True
         return self
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "Producer":
         return await self.start()
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        """Flush batched sends, stop the background tasks, unregister from the brokers, close."""
         if self._accumulator is not None:
             await self._accumulator.flush()
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
+        for task in (self._heartbeat_task, self._route_task):
+            if task is not None:
+                task.cancel()
         for addr in self.routes.all_broker_addrs():
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
@@ -111,6 +133,7 @@ class Producer:
                            "producerDataSet": [{"groupName": self.group}]}).encode()
 
     async def heartbeat(self) -> None:
+        """Announce the group to every known broker now (failures are logged; the next beat retries)."""
         for addr in self.routes.all_broker_addrs():
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
@@ -122,6 +145,13 @@ class Producer:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             await self.heartbeat()
+
+    async def _route_loop(self) -> None:
+        """Fetch every cached route again each period: failovers and new brokers are seen without a
+        send having to fail first (and off the send path)."""
+        while True:
+            await asyncio.sleep(self.route_refresh_interval_s)
+            await self.routes.refresh_all()
 
     def _on_request(self, conn, cmd):
         return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
@@ -135,7 +165,9 @@ class Producer:
             queue_id=mq.queue_id, sys_flag=sys_flag, born_timestamp=int(time.time() * 1000), flag=flag,
             properties=properties_to_string(props), batch=batch)
 
-    def message_properties(self, tags=None, keys=None, properties=None) -> dict:
+    def message_properties(self, tags: str | None = None, keys: str | list[str] | None = None,
+                           properties: dict[str, str] | None = None) -> dict[str, str]:
+        """The properties a message is sent with: yours, TAGS, KEYS (space-joined), a new UNIQ_KEY, WAIT."""
         props = dict(properties or {})
         if tags:
             props[Prop.TAGS] = tags
@@ -145,12 +177,18 @@ class Producer:
         props.setdefault(Prop.WAIT, "true")
         return props
 
-    async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
-                   properties: dict | None = None, queue: MessageQueue | None = None, flag: int = 0,
-                   delay_level: int = 0, deliver_at_ms: int | None = None) -> SendResult:
-        """Send one message. ``delay_level`` n > 0: delivered after the broker's n-th delay level (1 s, 5 s,
-        10 s, ... by default); ``deliver_at_ms``: delivered at that wall-clock time (RocketMQ 5's
-        TIMER_DELIVER_MS, up to the broker's timer_max_delay_s ahead)."""
+    async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys: str | list[str] | None = None,
+                   properties: dict[str, str] | None = None, queue: MessageQueue | None = None,
+                   flag: int = 0, delay_level: int = 0, deliver_at_ms: int | None = None) -> SendResult:
+        """Send one message and wait until the broker stored it.
+
+        ``tags`` (one tag consumers filter on), ``keys`` (searchable keys), ``properties`` (user
+        properties). ``queue`` pins the queue (no retry elsewhere). ``delay_level`` n > 0: delivered
+        after the broker's n-th delay level (1 s, 5 s, 10 s, ... by default); ``deliver_at_ms``:
+        delivered at that wall-clock time (RocketMQ 5's TIMER_DELIVER_MS, up to the broker's
+        timer_max_delay_s ahead). A refusal raises the ``ResponseError`` of its code; timeouts raise
+        ``RequestTimeoutError``.
+        """
         props = self.message_properties(tags, keys, properties)
         if delay_level:
             props[Prop.DELAY] = str(delay_level)
@@ -163,6 +201,7 @@ class Producer:
 
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
                          queue: MessageQueue | None = None) -> SendResult:
+        """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
         entries = []
         for body in bodies:
             props = self.message_properties(tags)
@@ -171,8 +210,9 @@ class Producer:
         return await self._send(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), {Prop.WAIT: "true"},
                                 queue, batch=True)
 
-    async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None, keys=None,
-                          properties: dict | None = None) -> None:
+    async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None,
+                          keys: str | list[str] | None = None, properties: dict[str, str] | None = None) -> None:
+        """Send without waiting for the broker (no result, no retry: it may be lost)."""
         props = self.message_properties(tags, keys, properties)
         queues = await self.routes.publish_queues(topic)
         mq = self.routes.select(queues)
@@ -188,19 +228,23 @@ class Producer:
 
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
         avoid = None
+        refresh = False                 # after a routing error the next attempt asks the name server
         last_error: Exception | None = None
         for attempt in range(self.retries + 1):
             if queue is not None:
                 mq = queue
+                if refresh:
+                    await self.routes.publish_queues(topic, refresh=True)
             else:
-                mq = self.routes.select(await self.routes.publish_queues(topic), avoid)
+                mq = self.routes.select(await self.routes.publish_queues(topic, refresh=refresh), avoid)
             h = self._header(mq, props, sys_flag=sys_flag, flag=flag, batch=batch)
             cmd = RemotingCommand.request(code, h.to_ext_fields(v2=code != RequestCode.SEND_MESSAGE), body)
             try:
                 resp = await self.pool.request(self._addr(mq), cmd, self.send_timeout)
-            except (RequestTimeoutError, ConnectionClosedError) as exc:
+            except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
                 last_error = exc
                 avoid = mq.broker_name
+                refresh = True
                 continue
             if resp.code in (ResponseCode.SUCCESS, ResponseCode.FLUSH_DISK_TIMEOUT,
                              ResponseCode.SLAVE_NOT_AVAILABLE, ResponseCode.FLUSH_SLAVE_TIMEOUT):
@@ -210,8 +254,11 @@ class Producer:
                                   resp.int_field("queueOffset", -1), resp.str_field("transactionId"))
             error = error_for_code(resp.code, resp.remark)
             if not error.retriable or queue is not None:
+                if resp.code == ResponseCode.TOPIC_NOT_EXIST:
+                    self.routes.forget(topic)       # the route was wrong: the next send asks again
                 raise error
             last_error = error
             avoid = mq.broker_name
+            refresh = True
         assert last_error is not None
         raise last_error

@@ -1,7 +1,14 @@
-"""Route lookup through the name server, cached per topic, and queue selection."""
+"""Route lookup through the name server, cached per topic, and queue selection.
+
+A cached route serves for ``ttl_s`` (30 s, the Java client's pollNameServerInterval); the producer
+also refreshes every cached route in the background at that period, and asks again at once after a
+routing error (a broker that cannot be reached or does not know the topic), so a failover or a new
+broker is seen within one period or one failed attempt.
+"""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -11,16 +18,21 @@ from protocol.errors import NoPermissionError, TopicNotExistError, error_for_cod
 from protocol.route import TopicRouteData, decode_route
 
 AUTO_CREATE_TOPIC = "TBW102"
+log = logging.getLogger("txmq.producer")
 
 
 @dataclass(frozen=True, slots=True)
 class MessageQueue:
+    """One queue of a topic on one broker (RocketMQ's MessageQueue)."""
+
     topic: str
     broker_name: str
     queue_id: int
 
 
 class RouteCache:
+    """Topic routes from the name servers, cached for ``ttl_s``; round-robin queue selection."""
+
     def __init__(self, pool, namesrv_addrs: list[str], *, ttl_s: float = 30.0, timeout: float = 3.0,
                  default_queue_nums: int = 4):
         self.pool = pool
@@ -29,9 +41,11 @@ class RouteCache:
         self.timeout = timeout
         self.default_queue_nums = default_queue_nums
         self._routes: dict[str, tuple[float, TopicRouteData]] = {}
+        self._addrs: dict[str, str] = {}          # broker name -> master address, from the latest route
         self._counter = itertools.count()
 
     async def fetch(self, topic: str) -> TopicRouteData:
+        """Ask the name servers (in order) for ``topic``'s route; raises the first answer's error."""
         last_error = None
         for addr in self.namesrv_addrs:
             try:
@@ -49,20 +63,38 @@ class RouteCache:
         raise last_error or TopicNotExistError("no name server answered")
 
     async def route(self, topic: str, *, refresh: bool = False) -> TopicRouteData:
+        """The cached route, fetched when missing, older than ``ttl_s``, or ``refresh`` is set."""
         cached = self._routes.get(topic)
         if cached is not None and not refresh and time.monotonic() - cached[0] < self.ttl_s:
             return cached[1]
         route = await self.fetch(topic)
         self._routes[topic] = (time.monotonic(), route)
+        for bd in route.broker_datas:       # the newest answer wins: a broker that moved is found there
+            if 0 in bd.broker_addrs:
+                self._addrs[bd.broker_name] = bd.broker_addrs[0]
         return route
 
-    async def publish_queues(self, topic: str) -> list[MessageQueue]:
+    def forget(self, topic: str) -> None:
+        """Drop ``topic``'s route: the next use asks the name server (after a routing error)."""
+        self._routes.pop(topic, None)
+
+    async def refresh_all(self) -> None:
+        """Fetch every cached route again (the background refresh); a failure keeps the old route."""
+        for topic in list(self._routes):
+            try:
+                await self.route(topic, refresh=True)
+            except TopicNotExistError:
+                self._routes.pop(topic, None)
+            except Exception as exc:  # noqa: BLE001 - name server unreachable: keep serving the old one
+                log.info("route refresh of %s failed: %s", topic, exc)
+
+    async def publish_queues(self, topic: str, *, refresh: bool = False) -> list[MessageQueue]:
         """Writable queues of a topic; an unknown topic uses TBW102's brokers (auto-creation on send)."""
         try:
-            route = await self.route(topic)
+            route = await self.route(topic, refresh=refresh)
             limit = None
         except TopicNotExistError:
-            route = await self.route(AUTO_CREATE_TOPIC)
+            route = await self.route(AUTO_CREATE_TOPIC, refresh=refresh)
             limit = self.default_queue_nums
         queues = []
         for qd in sorted(route.queue_datas, key=lambda q: q.broker_name):
@@ -73,18 +105,17 @@ class RouteCache:
         return queues
 
     async def subscribe_queues(self, topic: str) -> list[MessageQueue]:
+        """Readable queues of a topic."""
         route = await self.route(topic)
         return [MessageQueue(topic, qd.broker_name, i) for qd in sorted(route.queue_datas, key=lambda q: q.broker_name)
                 if qd.perm & Perm.READ for i in range(qd.read_queue_nums)]
 
     def broker_addr(self, broker_name: str) -> str | None:
-        for _, route in self._routes.values():
-            for bd in route.broker_datas:
-                if bd.broker_name == broker_name and 0 in bd.broker_addrs:
-                    return bd.broker_addrs[0]
-        return None
+        """The master address of ``broker_name`` in the latest route that named it, or None."""
+        return self._addrs.get(broker_name)
 
     def all_broker_addrs(self) -> set[str]:
+        """Master addresses of every broker in the cached routes (heartbeats go to each)."""
         return {bd.broker_addrs[0] for _, route in self._routes.values() for bd in route.broker_datas
                 if 0 in bd.broker_addrs}
 

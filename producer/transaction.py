@@ -6,7 +6,10 @@ transaction; then END_TRANSACTION with its outcome. Against txmq the END is a
 request that the broker acknowledges, retried until it is, so a lost END does
 not wait for a check. A broker that never answers END (Apache RocketMQ answers
 nothing for UNKNOWN, and older ones nothing at all) is detected on the first
-timeout, and from then on END goes oneway, as the Java client sends it.
+timeout, and END goes oneway, as the Java client sends it; every
+``end_probe_interval_s`` one END is sent as a request again, so a timeout that
+was only a slow moment (or a broker upgraded meanwhile) does not cost the
+acknowledgement for the rest of the producer's life.
 """
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ import asyncio
 import enum
 import inspect
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
@@ -28,22 +32,33 @@ log = logging.getLogger("txmq.producer")
 
 
 class LocalTransactionState(enum.Enum):
+    """A local transaction's outcome (RocketMQ's spelling, UNKNOW included): the decision sent."""
+
     COMMIT_MESSAGE = SysFlag.TRANSACTION_COMMIT
     ROLLBACK_MESSAGE = SysFlag.TRANSACTION_ROLLBACK
     UNKNOW = SysFlag.TRANSACTION_NOT_TYPE
 
 
 class TransactionListener(Protocol):
-    def execute_local_transaction(self, msg: MessageExt, arg: Any): ...
+    """Your side of a transaction. Either method may be a plain function or a coroutine function;
+    anything but a ``LocalTransactionState`` (or an exception) counts as ``UNKNOW``."""
 
-    def check_local_transaction(self, msg: MessageExt): ...
+    def execute_local_transaction(self, msg: MessageExt, arg: Any) -> "LocalTransactionState | Awaitable[LocalTransactionState]":
+        """Run the local transaction for ``msg`` (its half message is stored) and say how it ended."""
+
+    def check_local_transaction(self, msg: MessageExt) -> "LocalTransactionState | Awaitable[LocalTransactionState]":
+        """The broker asks about an undecided transaction: look up its outcome (e.g. by ``msg.keys``)."""
 
 
 @dataclass(slots=True)
 class TransactionSendResult:
+    """What ``send_in_transaction`` did: the half message's send result, the decision sent, and
+    whether the broker acknowledged recording it (False: sent oneway, or not acknowledged; the
+    broker's check-back then settles it)."""
+
     send_result: SendResult
     state: LocalTransactionState
-    acknowledged: bool          # the broker confirmed it recorded the decision
+    acknowledged: bool
 
 
 async def _call(fn, *args):
@@ -60,17 +75,34 @@ def _state(value) -> LocalTransactionState:
 
 
 class TransactionProducer(Producer):
+    """A producer of transactional messages: half message, ``listener``'s local transaction, decision.
+
+    ``end_retries`` / ``end_timeout``: how often and how long an END_TRANSACTION request is tried.
+    ``end_probe_interval_s``: while ENDs go oneway (the broker did not acknowledge one), how often one is
+    sent as a request again to find out whether acknowledgements are back. Other keywords: ``Producer``.
+    """
+
     def __init__(self, namesrv_addr: str, group: str, listener: TransactionListener, *,
-                 end_retries: int = 5, end_timeout: float = 3.0, **kwargs):
+                 end_retries: int = 5, end_timeout: float = 3.0, end_probe_interval_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, **kwargs: Any):
         super().__init__(namesrv_addr, group, **kwargs)
         self.listener = listener
         self.end_retries = end_retries
         self.end_timeout = end_timeout
+        self.end_probe_interval_s = end_probe_interval_s
         self.end_acknowledged: bool | None = None     # None until a broker has shown which it does
+        self._clock = clock
+        self._oneway_since = 0.0                      # clock() when ENDs went oneway (or were last probed)
         self._check_tasks: set[asyncio.Task] = set()
 
     async def send_in_transaction(self, topic: str, body: bytes, arg: Any = None, *, tags: str | None = None,
-                                  keys=None, properties: dict | None = None) -> TransactionSendResult:
+                                  keys: str | list[str] | None = None,
+                                  properties: dict[str, str] | None = None) -> TransactionSendResult:
+        """Send ``body`` as a half message, run the listener's local transaction, send its decision.
+
+        The local transaction runs only when the half message is stored (SEND_OK); an exception in it
+        is UNKNOW (the broker checks back later). ``arg`` is passed to the listener as is.
+        """
         props = self.message_properties(tags, keys, properties)
         props.pop(Prop.DELAY, None)
         props[Prop.TRAN_MSG] = "true"
@@ -100,17 +132,24 @@ class TransactionProducer(Producer):
                   "commitLogOffset": half_offset, "commitOrRollback": state.value,
                   "fromTransactionCheck": from_check, "msgId": msg_id, "transactionId": msg_id}
         if self.end_acknowledged is False:
-            await self.pool.oneway(addr, RemotingCommand.request(RequestCode.END_TRANSACTION, fields, remark=remark))
-            return False
+            if self._clock() - self._oneway_since < self.end_probe_interval_s:
+                await self.pool.oneway(addr, RemotingCommand.request(RequestCode.END_TRANSACTION, fields,
+                                                                     remark=remark))
+                return False
+            self.end_acknowledged = None            # probe: this END goes as a request again
+            log.info("probing whether broker %s acknowledges END_TRANSACTION again", addr)
         delay = 0.05
         for attempt in range(self.end_retries + 1):
             cmd = RemotingCommand.request(RequestCode.END_TRANSACTION, fields, remark=remark)
             try:
                 resp = await self.pool.request(addr, cmd, self.end_timeout)
             except RequestTimeoutError:
-                if self.end_acknowledged is None:
-                    log.info("broker %s does not acknowledge END_TRANSACTION: sending it oneway from now on", addr)
-                    self.end_acknowledged = False
+                if self.end_acknowledged is not True:     # unknown, or a concurrent END just found out
+                    if self.end_acknowledged is None:
+                        log.info("broker %s does not acknowledge END_TRANSACTION: sending it oneway for %.0f s",
+                                 addr, self.end_probe_interval_s)
+                        self.end_acknowledged = False
+                        self._oneway_since = self._clock()
                     await self.pool.oneway(addr, RemotingCommand.request(RequestCode.END_TRANSACTION, fields,
                                                                          remark=remark))
                     return False
@@ -127,6 +166,7 @@ class TransactionProducer(Producer):
             error = error_for_code(resp.code, resp.remark)
             if resp.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED:
                 self.end_acknowledged = False
+                self._oneway_since = self._clock()
                 return False
             raise error
         log.warning("END_TRANSACTION for %s not acknowledged after %d attempts; the broker will check back",

@@ -36,6 +36,9 @@ fi
 step "libfaketime for the retention tests (a broker process that lives 80 hours in the past)"
 command -v faketime >/dev/null || apt_install faketime
 
+step "prometheus and promtool for the dashboard and alert-rule tests (a real Prometheus scrapes a broker)"
+command -v promtool >/dev/null && command -v prometheus >/dev/null || apt_install prometheus
+
 step "tests"
 set +e
 "$venv/bin/python" -m pytest "$@"

@@ -110,6 +110,8 @@ class TransactionCore:
         self.decided = decided                  # half offset -> COMMIT/ROLLBACK/DEAD or None
         self.pending: dict[int, Tx] = {}
         self._heap: list[tuple[int, int]] = []
+        self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
+        self._by_age_entries = 0
 
     # ------------------------------------------------------------ the index
     def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None) -> bool:
@@ -120,7 +122,37 @@ class TransactionCore:
         earliest = self.next_due()
         self.pending[tx.half_offset] = tx
         heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
+        self._age(tx)
         return earliest is None or tx.next_check <= earliest
+
+    def _age(self, tx: Tx) -> None:
+        heapq.heappush(self._by_age.setdefault(tx.group, []), (tx.store_ts, tx.half_offset))
+        self._by_age_entries += 1
+
+    def oldest_by_group(self) -> dict[str, int]:
+        """{producer group: store time (ms) of its oldest undecided half}.
+
+        Lazy heaps: a decided half leaves its entry behind until it reaches the top, so a read
+        costs O(log n) per decided entry; when stale entries outnumber the live ones the heaps
+        are rebuilt from the pending index (amortised O(1) per decision)."""
+        pending = self.pending
+        if self._by_age_entries > 2 * len(pending) + 1024:
+            self._by_age = {}
+            for tx in pending.values():
+                self._by_age.setdefault(tx.group, []).append((tx.store_ts, tx.half_offset))
+            for heap in self._by_age.values():
+                heapq.heapify(heap)
+            self._by_age_entries = len(pending)
+        out = {}
+        for group, heap in list(self._by_age.items()):
+            while heap and (heap[0][1] not in pending or pending[heap[0][1]].group != group):
+                heapq.heappop(heap)
+                self._by_age_entries -= 1
+            if heap:
+                out[group] = heap[0][0]
+            else:
+                del self._by_age[group]
+        return out
 
     def _reschedule(self, tx: Tx, when: int) -> None:
         tx.next_check = when
@@ -185,6 +217,7 @@ class TransactionCore:
         tx.unanswered = 0
         self.pending[tx.half_offset] = tx
         self._reschedule(tx, now)
+        self._age(tx)
         return None
 
     # --------------------------------------------------------------- checks

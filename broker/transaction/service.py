@@ -362,6 +362,10 @@ class TransactionService:
     def next_due(self) -> int | None:
         return self.core.next_due()
 
+    def oldest_by_group(self) -> dict[str, int]:
+        """{producer group: store time (ms) of its oldest undecided half}, for the age gauge."""
+        return self.core.oldest_by_group()
+
     async def run_due(self, now: int) -> None:
         actions, deferred = self.core.due(now, self._channel_for)
         metrics = self.ctx.metrics

@@ -11,6 +11,7 @@ from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES
 from .plan import PlanError, validate_plan
+from .segments import require_store
 
 
 def _date(text: str) -> str:
@@ -74,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(json.dumps({"valid": True, "halves": len(plan["halves"]), "segments": len(plan["segments"])}))
         return 0
+
+    try:        # before a JVM starts: a wrong path costs a second, not a Spark session
+        require_store(args.store_dir)
+    except StoreError as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return 2
 
     from .session import build_session
 

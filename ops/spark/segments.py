@@ -104,6 +104,22 @@ class Chunk:
     last: bool
 
 
+def require_store(store_dir: str) -> None:
+    """Refuse a path that is not a broker's store, in one line a person can act on.
+
+    A store is a directory holding ``commitlog/`` or ``store_id`` (the broker creates both when it
+    opens one). Without this check a typo in ``--store-dir`` reads as an empty store: a quiet night.
+    """
+    if not os.path.exists(store_dir):
+        raise StoreError(f"store directory {store_dir} does not exist (check --store-dir)")
+    if not os.path.isdir(store_dir):
+        raise StoreError(f"{store_dir} is not a directory: --store-dir names the broker's store directory")
+    if not (os.path.isdir(os.path.join(store_dir, "commitlog"))
+            or os.path.isfile(os.path.join(store_dir, "store_id"))):
+        raise StoreError(f"{store_dir} holds no txmq store (no commitlog/ and no store_id): "
+                         "point --store-dir at the broker's --store-dir")
+
+
 def list_segments(store_dir: str) -> list[Segment]:
     """The commit-log segments of a store, oldest first; the newest one is the active one."""
     if not os.path.isdir(store_dir):

@@ -74,21 +74,32 @@ def ship_code(spark) -> None:
     sc = spark.sparkContext
     if getattr(sc, "_txmq_shipped", False):
         return
-    import ops
-    import protocol
+    import importlib
 
+    # "protocol" and "ops" in a checkout, "txmq.protocol" and "txmq.ops" in an installed wheel: ship
+    # them under the names this process uses (with txmq/__init__.py when they live inside it).
+    ops_name = __name__.rsplit(".spark.", 1)[0]
+    prefix = ops_name[:-len("ops")]
+    packages = [importlib.import_module(prefix + "protocol"), importlib.import_module(ops_name)]
+    if prefix:
+        packages.insert(0, importlib.import_module(prefix.rstrip(".")))
     directory = tempfile.mkdtemp(prefix="txmq-spark-")
     atexit.register(shutil.rmtree, directory, True)
     path = os.path.join(directory, "txmq_code.zip")
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
-        for package in (protocol, ops):
+        for package in packages:
             root = os.path.dirname(os.path.abspath(package.__file__))
-            parent = os.path.dirname(root)
+            base = root
+            for _ in package.__name__.split("."):
+                base = os.path.dirname(base)
+            if package.__name__ == prefix.rstrip("."):       # txmq itself: its __init__ only
+                zf.write(package.__file__, os.path.relpath(package.__file__, base))
+                continue
             for folder, dirs, files in os.walk(root):
                 dirs[:] = [d for d in dirs if d != "__pycache__"]
                 for name in files:
                     if name.endswith((".py", ".properties")):
                         full = os.path.join(folder, name)
-                        zf.write(full, os.path.relpath(full, parent))
+                        zf.write(full, os.path.relpath(full, base))
     sc.addPyFile(path)
     sc._txmq_shipped = True

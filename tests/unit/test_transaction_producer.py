@@ -22,6 +22,7 @@ class SilentEndBroker:
         self.sends = 0
         self.got_end = asyncio.Event()
         self.addr = ""
+        self.answer_end = False
 
     def handle(self, conn, cmd):
         if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
@@ -37,7 +38,7 @@ class SilentEndBroker:
         if cmd.code == RequestCode.END_TRANSACTION:
             self.ends.append(cmd)
             self.got_end.set()
-            return None
+            return cmd.response(ResponseCode.SUCCESS) if self.answer_end and not cmd.is_oneway else None
         return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED)
 
 
@@ -69,3 +70,34 @@ async def test_falls_back_to_oneway_when_end_is_never_acknowledged():
     assert [e.is_oneway for e in fake.ends] == [False, True, True]
     assert {e.ext_fields["commitOrRollback"] for e in fake.ends} == {"8"}
     assert [e.int_field("commitLogOffset") for e in fake.ends] == [1000, 1000, 1001]
+
+
+async def test_oneway_ends_are_reprobed_and_acknowledgement_comes_back():
+    """One END timeout is not forever: after end_probe_interval_s (a driven clock) an END goes as a
+    request again, and once the broker answers it, ENDs are acknowledged requests again."""
+    fake = SilentEndBroker()
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    now = [1000.0]
+    producer = TransactionProducer(fake.addr, "PG", Commit(), end_timeout=0.3, end_probe_interval_s=60,
+                                   clock=lambda: now[0])
+    results = []
+    async with asyncio.timeout(10):
+        await producer.start()
+        results.append(await producer.send_in_transaction("T", b"times out"))    # request, then oneway
+        now[0] += 30
+        results.append(await producer.send_in_transaction("T", b"oneway"))
+        fake.answer_end = True
+        now[0] += 29
+        results.append(await producer.send_in_transaction("T", b"still oneway: 59 s after the timeout"))
+        now[0] += 1
+        results.append(await producer.send_in_transaction("T", b"probe, answered"))
+        results.append(await producer.send_in_transaction("T", b"acknowledged"))
+        while len(fake.ends) < 6:
+            fake.got_end.clear()
+            await fake.got_end.wait()
+        await producer.shutdown()
+    server.close()
+    assert [e.is_oneway for e in fake.ends] == [False, True, True, True, False, False]
+    assert [r.acknowledged for r in results] == [False, False, False, True, True]
+    assert producer.end_acknowledged is True

@@ -1,0 +1,100 @@
+"""Clients follow route changes: on a routing error (the broker cannot be reached) the next attempt asks
+the name server again, and the producer refreshes cached routes in the background. A stand-in name
+server moves broker "b" from a dead address to a live one."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from consumer import PullConsumer
+from producer import Producer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.connection import RemotingConnection
+from protocol.errors import ConnectionClosedError
+from protocol.message import encode_record, offset_msg_id, pack_host
+from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
+
+pytestmark = pytest.mark.asyncio
+
+
+def _dead_addr() -> str:
+    with socket.socket() as s:            # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+class Cluster:
+    """Name server and the live broker in one handler; ``broker_addr`` is what the route says."""
+
+    def __init__(self):
+        self.broker_addr = _dead_addr()
+        self.live_addr = ""
+        self.route_requests = 0
+        self.sends = 0
+
+    def handle(self, conn, cmd):
+        if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+            self.route_requests += 1
+            route = TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: self.broker_addr})])
+            return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
+        if cmd.code in (RequestCode.HEART_BEAT, RequestCode.UNREGISTER_CLIENT):
+            return cmd.response(ResponseCode.SUCCESS)
+        if cmd.code == RequestCode.SEND_MESSAGE_V2:
+            self.sends += 1
+            return cmd.response(ResponseCode.SUCCESS, None, {
+                "msgId": offset_msg_id(pack_host("127.0.0.1", 1), 100), "queueId": 0, "queueOffset": self.sends - 1})
+        if cmd.code == RequestCode.PULL_MESSAGE:
+            body = encode_record(topic=b"T", body=b"hello", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                                 born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                                 properties=b"")
+            return cmd.response(ResponseCode.SUCCESS, None, {"nextBeginOffset": 1, "minOffset": 0, "maxOffset": 1},
+                                body=body)
+        return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED)
+
+
+@pytest.fixture
+async def cluster():
+    c = Cluster()
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(c.handle), "127.0.0.1", 0)
+    c.live_addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    yield c
+    server.close()
+
+
+async def test_a_send_that_cannot_reach_its_broker_refreshes_the_route_and_succeeds(cluster):
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG", send_timeout=1.0, retries=2) as producer:
+            await producer.routes.route("T")                  # cached: broker b at a dead address
+            cluster.broker_addr = cluster.live_addr           # the name server now says where b went
+            result = await producer.send("T", b"x")
+    assert result.queue.broker_name == "b" and cluster.sends == 1
+
+
+async def test_the_producer_refreshes_cached_routes_in_the_background(cluster):
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG", route_refresh_interval_s=0.05) as producer:
+            await producer.routes.route("T")
+            assert producer.routes.broker_addr("b") != cluster.live_addr
+            cluster.broker_addr = cluster.live_addr
+            while producer.routes.broker_addr("b") != cluster.live_addr:
+                await asyncio.sleep(0.02)
+            assert cluster.sends == 0                         # learned without a send failing first
+
+
+async def test_pull_resolves_routes_itself_and_refetches_after_a_routing_error(cluster):
+    async with asyncio.timeout(10):
+        async with PullConsumer(cluster.live_addr, "CG", timeout=1.0) as consumer:
+            mq = (await consumer.fetch_queues("T"))[0]
+            with pytest.raises(ConnectionClosedError):
+                await consumer.pull(mq, 0)                    # route says: a dead address
+            cluster.broker_addr = cluster.live_addr
+            before = cluster.route_requests
+            res = await consumer.pull(mq, 0)                  # no fetch_queues by hand: it asks again itself
+            assert [m.body for m in res.messages] == [b"hello"] and cluster.route_requests == before + 1
+            fresh = PullConsumer(cluster.live_addr, "CG2", timeout=1.0)
+            try:                                              # a queue from elsewhere: its route is fetched on use
+                assert [m.body for m in (await fresh.pull(mq, 0)).messages] == [b"hello"]
+            finally:
+                await fresh.shutdown()

@@ -1,0 +1,51 @@
+"""Errors an operator can act on: the Spark jobs refuse a path that is no store; no ``*_created`` noise."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import generate_latest
+
+from broker.metrics import BrokerMetrics
+from tests.support.broker_process import REPO
+
+
+def _spark_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ops.spark", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("job", ["rollup", "expiry"])
+@pytest.mark.parametrize("kind, says", [
+    ("missing", "does not exist"),
+    ("file", "is not a directory"),
+    ("empty", "holds no txmq store"),
+])
+def test_spark_jobs_refuse_a_path_that_is_no_store(tmp_path, job, kind, says):
+    target = tmp_path / "store"
+    if kind == "file":
+        target.write_text("not a store")
+    elif kind == "empty":
+        target.mkdir()
+    proc = _spark_cli(job, "--store-dir", str(target), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{job}: ") and says in lines[0] and str(target) in lines[0]
+    assert proc.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_a_directory_with_a_commitlog_is_a_store(tmp_path):
+    from ops.spark.segments import require_store
+
+    (tmp_path / "commitlog").mkdir()
+    require_store(str(tmp_path))           # no error: an empty store is still a store
+
+
+def test_counters_export_no_created_series():
+    m = BrokerMetrics()
+    m.child(m.commits, "PG").inc()
+    m.rpc_latency.labels("SEND_MESSAGE_V2", "0").observe(0.001)
+    text = generate_latest(m.registry).decode()
+    assert "rocketmq_commit_messages_total" in text and "rocketmq_rpc_latency_bucket" in text
+    assert "_created" not in text
