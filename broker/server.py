@@ -345,20 +345,19 @@ class BrokerServer:
         for conns in self.connections.values():
             for conn in list(conns):
                 conn.close()
-        if ctx is not None and ctx.retention is not None:
-            await ctx.retention.stop()
-        if ctx is not None and ctx.schedule is not None:
-            await ctx.schedule.stop()
-        if ctx is not None and ctx.tx is not None:
-            await ctx.tx.stop()
-        if ctx is not None and ctx.store is not None:
-            await ctx.store.close()
-        if ctx is not None and ctx.index is not None:
-            await ctx.index.close()
         if ctx is not None:
-            await ctx.topics.close()
-        if ctx is not None and ctx.offsets is not None:
-            await _maybe_await(getattr(ctx.offsets, "close", None))
+            # In this order; one that fails is logged and the rest still stop: everything they save
+            # is derived from the log or replayed from it, and the store must always be closed.
+            for name, part, method in (("retention", ctx.retention, "stop"), ("scheduler", ctx.schedule, "stop"),
+                                       ("transactions", ctx.tx, "stop"), ("store", ctx.store, "close"),
+                                       ("index", ctx.index, "close"), ("topics", ctx.topics, "close"),
+                                       ("offsets", ctx.offsets, "close")):
+                if part is None or getattr(part, method, None) is None:
+                    continue
+                try:
+                    await _maybe_await(getattr(part, method))
+                except Exception:  # noqa: BLE001 - see above
+                    log.exception("stopping the %s failed; going on with the rest", name)
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()

@@ -219,7 +219,10 @@ class IndexService:
             self.failed = str(exc)
 
     def _shutdown(self) -> None:
-        self._save_progress()
+        try:
+            self._save_progress()
+        except OSError as exc:      # a full disk must not turn a clean stop into a crash
+            log.error("index progress not saved at stop (the next start catches up from the commit log): %s", exc)
         self._closed = True
         for f in self.files:
             f.close()
