@@ -33,6 +33,7 @@ class DecisionTable:
         os.makedirs(directory, exist_ok=True)
         self._maps: dict[int, mmap.mmap] = {}
         self._dirty: set[int] = set()
+        self._pending: dict[int, int] = {}      # entries whose file could not be made yet (a full disk)
         for name in sorted(os.listdir(directory)):
             if name.isdigit() and len(name) == 20:
                 self._open(int(name))
@@ -41,11 +42,14 @@ class DecisionTable:
         return os.path.join(self.directory, f"{base:020d}")
 
     def _open(self, base: int) -> mmap.mmap:
+        """Map the file of ``base``, its blocks allocated first: a store through a mapping into a hole
+        of a full disk is SIGBUS, not an error (ENOSPC comes from fallocate instead, here)."""
         path = self._path(base)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if os.fstat(fd).st_size != self.file_entries:
-                os.ftruncate(fd, self.file_entries)     # a sparse file: holes read as 0, undecided
+                os.ftruncate(fd, self.file_entries)     # holes read as 0, undecided
+            os.posix_fallocate(fd, 0, self.file_entries)
             m = mmap.mmap(fd, self.file_entries)
         finally:
             os.close(fd)
@@ -55,21 +59,56 @@ class DecisionTable:
     def get(self, index: int) -> str | None:
         if index < 0:
             return None
+        if self._pending and index in self._pending:
+            return _NAME.get(self._pending[index])
         m = self._maps.get(index - index % self.file_entries)
         return None if m is None else _NAME.get(m[index % self.file_entries])
 
     def set(self, index: int, op: str | None) -> None:
-        """Record ``op`` (COMMIT, ROLLBACK, DEAD) or None (undecided again: a resume)."""
+        """Record ``op`` (COMMIT, ROLLBACK, DEAD) or None (undecided again: a resume).
+
+        When a new file cannot be made (a full disk), the entry waits in memory, still answered by
+        ``get``, and is written when a later ``set`` or ``retry`` can make the file: the decision's op
+        record is durable already, so nothing is lost meanwhile (a restart replays it)."""
         if index < 0:
             return
+        code = _CODE.get(op, 0) if op is not None else 0
         base = index - index % self.file_entries
-        m = self._maps.get(base) or self._open(base)
-        m[index % self.file_entries] = _CODE.get(op, 0) if op is not None else 0
+        m = self._maps.get(base)
+        if m is None:
+            try:
+                m = self._open(base)
+            except OSError as exc:
+                if not self._pending:
+                    log.error("decision file %s cannot be made (%s): decisions wait in memory until it can",
+                              self._path(base), exc)
+                self._pending[index] = code
+                return
+        m[index % self.file_entries] = code
         self._dirty.add(base)
+        self._pending.pop(index, None)
+        if self._pending:
+            self.retry()
+
+    def retry(self) -> None:
+        """Write the entries that waited in memory for their file (those whose file still cannot be
+        made wait on)."""
+        for index, code in sorted(self._pending.items()):
+            base = index - index % self.file_entries
+            m = self._maps.get(base)
+            if m is None:
+                try:
+                    m = self._open(base)
+                except OSError:
+                    continue
+            m[index % self.file_entries] = code
+            self._dirty.add(base)
+            del self._pending[index]
 
     def count(self, op: str) -> int:
         """How many entries hold ``op`` (a full read: start-up and tests, not the request path)."""
-        return sum(_count(m, _CODE[op]) for m in self._maps.values())
+        return (sum(_count(m, _CODE[op]) for m in self._maps.values())
+                + sum(1 for c in self._pending.values() if c == _CODE[op]))
 
     def dirty(self) -> list[mmap.mmap]:
         """The maps changed since the last call: hand them to ``flush_maps`` on the I/O thread."""

@@ -226,3 +226,41 @@ async def test_a_commit_type_copy_with_prepared_offset_0_does_not_commit_the_hal
         assert ctx.store.max_offset("RMQ_SYS_TRANS_OP_HALF_TOPIC", 0) == 0, "a repair op was written"
     finally:
         await ctx.store._store.close()
+
+
+def test_a_decision_file_that_cannot_be_made_waits_in_memory_instead_of_crashing(tmp_path):
+    """On a full disk a store into a hole of a mapping is SIGBUS: files are allocated before they are
+    mapped, and when that fails (ENOSPC) the entries wait in memory, answered, until a file can be made."""
+    import subprocess
+    if os.geteuid() != 0:
+        import pytest
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        import pytest
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        t = DecisionTable(str(disk / "decisions"), file_entries=16 * 1024)
+        t.set(0, COMMIT)                                  # the first file: 16 KiB of 64
+        ballast = disk / "ballast"
+        fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)   # take everything that is left
+        try:
+            while os.write(fd, b"\xff" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        t.set(16 * 1024 + 5, ROLLBACK)                    # a second file cannot be allocated: no SIGBUS
+        t.set(16 * 1024 + 6, DEAD)
+        assert t.get(16 * 1024 + 5) == ROLLBACK and t.get(16 * 1024 + 6) == DEAD and t.count(DEAD) == 1
+        assert t.file_count == 1
+        os.unlink(ballast)
+        t.set(1, ROLLBACK)                                # any later write retries the waiting ones
+        assert t.file_count == 2 and t.get(16 * 1024 + 5) == ROLLBACK and t.get(16 * 1024 + 6) == DEAD
+        t.close()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
