@@ -183,6 +183,12 @@ class BrokerServer:
         m.add_gauge_collector("txmq_topics", "Topics the broker holds.", [], snap("topics"))
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
                               "(\"timer\" for timer messages).", ["level"], snap("schedule"))
+        m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
+                              "QUERY_MESSAGE misses messages stored since, until the broker restarts and catches "
+                              "up from the commit log.", [], snap("index_failed"))
+        m.add_gauge_collector("txmq_transaction_decisions_waiting_for_disk",
+                              "Transaction decisions whose decision-table file could not be made (a full disk): "
+                              "answered from memory until it can.", [], snap("decisions_waiting"))
         m.add_disk_collector(ctx.store.disk)
         self._metrics_port = None
         if self.config.metrics_port >= 0:
@@ -222,6 +228,8 @@ class BrokerServer:
             "topics": [((), len(ctx.topics.topics))],
             "schedule": [((level,), n) for level, n in ctx.schedule.waiting()],
             "oldest_half": [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
+            "index_failed": [((), 1 if ctx.index is not None and ctx.index.failed else 0)],
+            "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
         }
 
     async def _gauge_loop(self) -> None:

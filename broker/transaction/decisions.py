@@ -144,6 +144,11 @@ class DecisionTable:
         self._maps.clear()
 
     @property
+    def waiting(self) -> int:
+        """Entries waiting in memory for a file that could not be made."""
+        return len(self._pending)
+
+    @property
     def file_count(self) -> int:
         return len(self._maps)
 
