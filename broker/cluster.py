@@ -36,6 +36,8 @@ log = logging.getLogger("txmq.cluster")
 _LISTENING = re.compile(rb"LISTENING (.*)")
 MAX_BACKOFF_S = 30.0
 STABLE_S = 10.0
+# "broker" in a checkout, "txmq.broker" in an installed wheel: children run the same code as this process.
+MODULE = __package__ or "broker"
 
 
 @dataclass
@@ -83,7 +85,7 @@ class ClusterSupervisor:
     def __init__(self, args: argparse.Namespace, python: str = sys.executable):
         self.args = args
         self.python = python
-        self.namesrv = Child("namesrv", [python, "-m", "broker", "namesrv", "--host", args.host,
+        self.namesrv = Child("namesrv", [python, "-m", MODULE, "namesrv", "--host", args.host,
                                          "--port", str(args.namesrv_port),
                                          "--broker-expire-ms", str(args.broker_expire_ms),
                                          "--scan-interval-ms", str(max(100, min(10000, args.broker_expire_ms // 4)))])
@@ -95,7 +97,7 @@ class ClusterSupervisor:
         name = f"{a.broker_prefix}-{i}"
         metrics = -1 if a.metrics_base_port < 0 else (0 if a.metrics_base_port == 0 else a.metrics_base_port + i)
         extra = [f for f in a.broker_flags if f != "--"]
-        return Child(name, [self.python, "-m", "broker", "--host", a.host,
+        return Child(name, [self.python, "-m", MODULE, "--host", a.host,
                             "--port", str(_port(a.base_port, i, a.port_step)), "--metrics-port", str(metrics),
                             "--store-dir", os.path.join(a.store_root, name), "--broker-name", name,
                             "--cluster-name", a.cluster_name, "--namesrv-addr", namesrv_addr,

@@ -239,3 +239,58 @@ async def test_a_silent_broker_expires_and_comes_back_when_it_registers_again(cl
         b.proc.send_signal(signal.SIGCONT)
     # The name server closed its connection; the next registration reopens it and the queues return.
     await wait_for_route(c.namesrv.addr, "TBW102", {"broker-a", "broker-b"}, timeout=10)
+
+
+def _children(pid: int) -> dict[str, int]:
+    """Child pids of ``pid`` by role (namesrv / broker-i), from /proc."""
+    out = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        name = "namesrv" if b"namesrv" in argv[:4] else argv[argv.index(b"--broker-name") + 1].decode()
+        out[name] = int(child)
+    return out
+
+
+@bounded(90)
+async def test_cluster_supervisor_runs_restarts_and_stops_everything(tmp_path):
+    import os
+    import signal
+    import sys
+    from tests.support.broker_process import REPO
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "broker", "cluster", "--brokers", "2", "--store-root", str(tmp_path / "stores"),
+        "--namesrv-port", "0", "--base-port", "0", "--metrics-base-port", "-1", "--register-period-ms", "1000",
+        "--broker-expire-ms", "3000", "--restart-delay-s", "0.1", "--", "--flush", "async",
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.startswith("LISTENING namesrv="), line
+        fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+        ns, addrs = fields["namesrv"], fields["brokers"].split(";")
+        assert await route_brokers(ns, "TBW102") == {"broker-0", "broker-1"}
+        assert sorted(os.listdir(tmp_path / "stores")) == ["broker-0", "broker-1"]
+        children = _children(proc.pid)
+        os.kill(children["broker-1"], signal.SIGKILL)
+        assert (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().startswith("EXITED broker-1")
+        restarted = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert restarted.startswith("RESTARTED broker-1") and f"broker={addrs[1]}" in restarted   # same port
+        await wait_for_route(ns, "TBW102", {"broker-0", "broker-1"})
+        children = _children(proc.pid)
+        assert set(children) == {"namesrv", "broker-0", "broker-1"}
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        for pid in _children_gone(children):
+            raise AssertionError(f"child {pid} outlived the supervisor")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
+def _children_gone(children: dict[str, int]):
+    import os
+    for pid in children.values():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        yield pid
