@@ -78,6 +78,12 @@ class BrokerConfig:
     index_hash_slots: int = setting(5_000_000, "Hash slots per index file (RocketMQ's maxHashSlotNum); files are sparse, only touched pages take disk.")
     index_max_entries: int = setting(20_000_000, "Entries per index file (RocketMQ's maxIndexNum); a full file is followed by a new one.")
     index_file_period_hours: float = setting(24.0, "A new index file starts when the last one holds entries this old, so retention can remove old files with their segments.")
+    # ---- cluster: many brokers under stand-alone name servers (broker/registration.py)
+    namesrv_addr: str = setting("", "Name servers to register with, HOST:PORT separated by ';' (RocketMQ's namesrvAddr). Set: the broker registers with each (REGISTER_BROKER every register_period_ms, UNREGISTER_BROKER at a clean stop) and runs no name server of its own. Empty: the embedded name server serves this broker alone.")
+    broker_id: int = setting(0, "0: master; 1 and up: a slave of the master with the same broker_name (RocketMQ's brokerId).")
+    register_period_ms: int = setting(30000, "How often the broker registers with its name servers (RocketMQ's registerNameServerPeriod); they drop a broker silent for broker_expire_ms (120 s). A topic created or deleted registers at once.")
+    register_timeout_ms: int = setting(6000, "How long one registration may take per name server (RocketMQ's registerBrokerTimeoutMills).")
+    register_compressed: bool = setting(False, "Send the registration body deflated (RocketMQ's compressedRegister); for very many topics.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
     log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -125,8 +131,36 @@ class BrokerConfig:
         if self.max_message_size + 4096 > self.segment_size:
             raise ConfigError(f"segment_size={self.segment_size} cannot hold a max_message_size={self.max_message_size} record")
 
+        self._check_cluster()
+
+    def _check_cluster(self) -> None:
+        self.namesrv_addrs          # parses, or raises ConfigError
+        if self.broker_id < 0:
+            raise ConfigError(f"broker_id={self.broker_id} must not be negative (0 master, 1+ slave)")
+        if self.register_period_ms <= 0 or self.register_timeout_ms <= 0:
+            raise ConfigError("register_period_ms and register_timeout_ms must be positive")
+
+    @property
+    def namesrv_addrs(self) -> list[str]:
+        """``namesrv_addr`` split into HOST:PORT strings; [] runs the embedded name server."""
+        return parse_namesrv_addr(self.namesrv_addr)
+
     @property
     def public_host(self) -> str:
         if self.advertised_host:
             return self.advertised_host
         return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+
+
+def parse_namesrv_addr(text: str) -> list[str]:
+    """'h1:p1;h2:p2' -> ['h1:p1', 'h2:p2'], each checked; ConfigError names a bad one."""
+    addrs = []
+    for part in text.split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"namesrv_addr: {part!r} is not HOST:PORT")
+        addrs.append(part)
+    return addrs

@@ -31,6 +31,7 @@ from .limits import Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot
 from .processors import broker_table, namesrv_table
+from .registration import BrokerRegistrar
 from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
@@ -60,6 +61,7 @@ class BrokerServer:
         self.loop_lag = LoopLag(self.metrics.loop_lag, self.metrics.loop_lag_worst)
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
         self._loop = None
+        self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
 
     def _fatal(self, why: str) -> None:
         self.fatal = why
@@ -86,9 +88,11 @@ class BrokerServer:
 
         broker_srv = await loop.create_server(lambda: self._connection("broker", broker_table()), c.host, c.port,
                                               start_serving=False, backlog=1024)
-        ns_srv = await loop.create_server(lambda: self._connection("namesrv", namesrv_table()), c.host,
-                                          c.namesrv_port, start_serving=False, backlog=1024)
-        self._servers = [broker_srv, ns_srv]
+        ns_srv = None               # with --namesrv-addr the broker registers elsewhere and serves no routes
+        if not c.namesrv_addrs:
+            ns_srv = await loop.create_server(lambda: self._connection("namesrv", namesrv_table()), c.host,
+                                              c.namesrv_port, start_serving=False, backlog=1024)
+        self._servers = [srv for srv in (broker_srv, ns_srv) if srv is not None]
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
 
@@ -125,7 +129,8 @@ class BrokerServer:
         self._loop = loop
         self._refresh_gauges()
         await broker_srv.start_serving()
-        await ns_srv.start_serving()
+        if ns_srv is not None:
+            await ns_srv.start_serving()
         spawn = self.supervisor.spawn
         spawn("txmq-housekeeping", self._housekeeping)
         spawn("txmq-loop-lag", self.loop_lag.run)
@@ -136,8 +141,23 @@ class BrokerServer:
             spawn("txmq-metric-snapshots", lambda: self._snapshots(store_dir))
         host = c.public_host
         self.addresses = {"broker": f"{host}:{broker_port}",
-                          "namesrv": f"{host}:{ns_srv.sockets[0].getsockname()[1]}",
+                          "namesrv": f"{host}:{ns_srv.sockets[0].getsockname()[1]}" if ns_srv is not None
+                          else ";".join(c.namesrv_addrs),
                           "metrics": f"{host}:{self._metrics_port}" if self._metrics_httpd else "disabled"}
+        if c.namesrv_addrs:
+            await self._start_registration(host, broker_port)
+
+    async def _start_registration(self, host: str, broker_port: int) -> None:
+        """Register once before the ready line (so a client that reads it finds this broker in the routes
+        when the name servers are up), then every period. The HA address is RocketMQ's default, the
+        broker port + 1, unless an HA listener said otherwise (``self.addresses["ha"]``)."""
+        ha = self.addresses.get("ha") or f"{host}:{broker_port + 1}"
+        self.registrar = BrokerRegistrar(self.ctx, self.config.namesrv_addrs, ha_server_addr=ha)
+        accepted = await self.registrar.register_all()
+        if not accepted:
+            log.warning("no name server accepted the registration yet (%s); retrying every %d ms",
+                        self.config.namesrv_addr, self.config.register_period_ms)
+        self.registrar.start()
 
     async def _open_index(self, ctx, store_dir: str) -> None:
         """The key index (QUERY_MESSAGE) and the subscription groups; both off the hot path."""
@@ -339,6 +359,8 @@ class BrokerServer:
 
     # -------------------------------------------------------------- shutdown
     async def stop(self, grace_s: float = 5.0) -> None:
+        if self.registrar is not None:      # out of the routes first: clients stop choosing this broker
+            await self.registrar.stop()
         for srv in self._servers:
             srv.close()
         for task in self._tasks:

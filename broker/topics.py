@@ -14,10 +14,12 @@ import contextlib
 import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from protocol.codes import Perm
+from protocol.registration import DataVersion
 from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
@@ -72,6 +74,9 @@ class TopicManager:
         self._dirty = False                 # changed since the last catalogue write that succeeded
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
+        # Name servers re-read the topic table when this changes; on_change (the registrar) registers at once.
+        self.data_version = DataVersion(int(time.time() * 1000), 0)
+        self.on_change = None
         self._system = {
             AUTO_CREATE_TOPIC: TopicConfig(AUTO_CREATE_TOPIC, default_queue_nums, default_queue_nums,
                                            Perm.INHERIT | Perm.READ_WRITE if auto_create else Perm.READ_WRITE),
@@ -131,6 +136,9 @@ class TopicManager:
 
     def _persist(self) -> None:
         self._dirty = True
+        self.data_version = DataVersion(int(time.time() * 1000), self.data_version.counter + 1)
+        if self.on_change is not None:
+            self.on_change()
         if self._loop is None:
             self._write(list(self.topics.values()))
         elif not self._write_scheduled:

@@ -52,6 +52,7 @@ class SendResult:
     queue: MessageQueue
     queue_offset: int
     transaction_id: str | None = None
+    broker_addr: str = ""       # the address that stored it: a transaction's END goes back there
 
 
 def _client_ip() -> str:
@@ -239,8 +240,10 @@ class Producer:
                 mq = self.routes.select(await self.routes.publish_queues(topic, refresh=refresh), avoid)
             h = self._header(mq, props, sys_flag=sys_flag, flag=flag, batch=batch)
             cmd = RemotingCommand.request(code, h.to_ext_fields(v2=code != RequestCode.SEND_MESSAGE), body)
+            addr = None
             try:
-                resp = await self.pool.request(self._addr(mq), cmd, self.send_timeout)
+                addr = self._addr(mq)
+                resp = await self.pool.request(addr, cmd, self.send_timeout)
             except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
                 last_error = exc
                 avoid = mq.broker_name
@@ -251,7 +254,7 @@ class Producer:
                 return SendResult(SendStatus(resp.code), props.get(Prop.UNIQ_KEY, ""),
                                   resp.str_field("msgId", ""), MessageQueue(topic, mq.broker_name,
                                                                              resp.int_field("queueId", mq.queue_id)),
-                                  resp.int_field("queueOffset", -1), resp.str_field("transactionId"))
+                                  resp.int_field("queueOffset", -1), resp.str_field("transactionId"), addr)
             error = error_for_code(resp.code, resp.remark)
             if not error.retriable or queue is not None:
                 if resp.code == ResponseCode.TOPIC_NOT_EXIST:

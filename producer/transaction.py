@@ -122,7 +122,9 @@ class TransactionProducer(Producer):
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
         _, _, half_offset = decode_offset_msg_id(result.offset_msg_id)
-        addr = self._addr(result.queue)
+        # The broker that stored the half, not whatever the route says now: with several brokers (or a
+        # route refreshed meanwhile) only that one holds the half and can decide it.
+        addr = result.broker_addr or self._addr(result.queue)
         acked = await self._end(addr, half_offset, result.queue_offset, result.msg_id, state, False, remark)
         return TransactionSendResult(result, state, acked)
 

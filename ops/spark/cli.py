@@ -5,6 +5,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+import os
 import sys
 
 from protocol.errors import StoreError
@@ -22,7 +23,10 @@ def _date(text: str) -> str:
 
 
 def _spark_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store-dir", required=True, help="the broker's store directory (read only)")
+    p.add_argument("--store-dir", action="append", default=[],
+                   help="a broker's store directory (read only); repeat it for several brokers")
+    p.add_argument("--store-root", default=None,
+                   help="every store directly under this directory (python -m broker cluster's --store-root)")
     p.add_argument("--master", default=None,
                    help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--shuffle-partitions", type=int, default=None, help="spark.sql.shuffle.partitions")
@@ -54,6 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def store_dirs(dirs: list[str], root: str | None) -> list[str]:
+    """--store-dir values, plus every store directly under --store-root (sorted); at least one."""
+    found = list(dirs)
+    if root is not None:
+        if not os.path.isdir(root):
+            raise StoreError(f"store root {root} is not a directory (check --store-root)")
+        found += [os.path.join(root, name) for name in sorted(os.listdir(root))
+                  if os.path.isdir(os.path.join(root, name, "commitlog"))
+                  or os.path.exists(os.path.join(root, name, "store_id"))]
+        if len(found) == len(dirs):
+            raise StoreError(f"store root {root} holds no store (no subdirectory with commitlog/ or store_id)")
+    if not found:
+        raise StoreError("give --store-dir (once per broker) or --store-root")
+    return found
+
+
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -77,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:        # before a JVM starts: a wrong path costs a second, not a Spark session
-        require_store(args.store_dir)
+        stores = store_dirs(args.store_dir, args.store_root)
+        for store in stores:
+            require_store(store)
     except StoreError as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "expiry" and len(stores) != 1:
+        print("expiry: plans are per broker: give one --store-dir (run it once per store)", file=sys.stderr)
         return 2
 
     from .session import build_session
@@ -92,14 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "rollup":
             from .rollup import run_rollup
 
-            summary = run_rollup(spark, args.store_dir, args.out, date=args.date, report_dir=args.report_dir,
+            summary = run_rollup(spark, stores, args.out, date=args.date, report_dir=args.report_dir,
                                  **scan)
             print(json.dumps({k: summary[k] for k in ("dates", "records", "rows", "reports", "incremental",
-                                                      "segments_read", "segments", "bytes_read")}))
+                                                      "segments_read", "segments", "bytes_read",
+                                                      "brokers")}))
         else:
             from .expiry import run_expiry
 
-            plan = run_expiry(spark, args.store_dir, args.out, retention_hours=args.retention_hours,
+            plan = run_expiry(spark, stores[0], args.out, retention_hours=args.retention_hours,
                               now_ms=args.now_ms, **scan)
             print(json.dumps({"plan": args.out, "store_id": plan["store_id"], "halves": len(plan["halves"]),
                               "segments": len(plan["segments"]), "report": plan["report"]}))

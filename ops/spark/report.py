@@ -3,6 +3,12 @@ and a CSV summary with one row per hour and one for the day.
 
 collect() pulls the few hundred numbers a day needs from the cached rollup tables;
 render_html() / render_csv() are pure functions of that dict.
+
+With several brokers (one store each) the tables hold one row set per broker. The page's
+figures are then across the brokers: counts add up, ``max`` is the largest, and the decision
+latency percentiles are the highest broker's (an upper bound: exact cross-broker percentiles
+would need every latency). A "Brokers" table gives each broker's day, and the CSV's last column,
+``broker``, is ``*`` on the across-brokers rows, followed by each broker's own hour and day rows.
 """
 from __future__ import annotations
 
@@ -15,8 +21,32 @@ from .svg import bar_chart, line_chart
 
 CSV_COLUMNS = ("date", "window", "messages", "bytes", "halves", "commits", "rollbacks", "checks", "dead_letters",
                "undecided_at_end", "decided", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
-               "latency_max_ms")
-TX_COLUMNS = CSV_COLUMNS[4:]
+               "latency_max_ms", "broker")
+TX_COLUMNS = CSV_COLUMNS[4:-1]
+ALL_BROKERS = "*"
+
+
+def combine(rows: list[dict], columns=TX_COLUMNS) -> dict:
+    """Several brokers' rows of one window as one: counts add, max and percentiles take the largest."""
+    if len(rows) == 1:
+        return {c: rows[0].get(c) for c in columns}
+    out = {}
+    for c in columns:
+        values = [r.get(c) for r in rows if r.get(c) is not None]
+        if not values:
+            out[c] = None
+        elif c.startswith("latency_"):
+            out[c] = max(values)
+        else:
+            out[c] = sum(values)
+    return out
+
+
+def _by(rows, key) -> dict:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    return groups
 
 
 def collect(tables: dict, dates: list[str], summary: dict) -> dict[str, dict]:
@@ -32,7 +62,7 @@ def collect(tables: dict, dates: list[str], summary: dict) -> dict[str, dict]:
     # Hours come from Spark (UTC session zone): collected timestamps would be in local time.
     hour = F.hour("window_start").alias("h")
     traffic = tables["traffic"]
-    hours = rows(traffic.where("grain = 'hour'").groupBy("date", hour)
+    hours = rows(traffic.where("grain = 'hour'").groupBy("date", "broker", hour)
                  .agg(F.sum("messages").alias("messages"), F.sum("bytes").alias("bytes")))
     topics = rows(traffic.where("grain = 'day'").groupBy("date", "topic", "topic_kind")
                   .agg(F.sum("messages").alias("messages"), F.sum("bytes").alias("bytes")))
@@ -41,26 +71,39 @@ def collect(tables: dict, dates: list[str], summary: dict) -> dict[str, dict]:
     broker = rows(tables["broker"].where("grain = 'day'"))
     scan = {k: summary[k] for k in ("records", "segments", "damage", "snapshot_lines", "bad_snapshot_lines",
                                     "incomplete_snapshot_lines")}
+    brokers = list(summary.get("brokers") or [])
     out = {}
     for d in dates:
-        traffic_hours = {r["h"]: r for r in hours[d]}
-        tx_hours = {r["h"]: r for r in tx[d] if r["producer_group"] == "*" and r["grain"] == "hour"}
-        tx_day = [r for r in tx[d] if r["producer_group"] == "*" and r["grain"] == "day"]
-        out[d] = {
-            "date": d,
-            "hours": [{"hour": h, "messages": traffic_hours.get(h, {}).get("messages") or 0,
-                       "bytes": traffic_hours.get(h, {}).get("bytes") or 0,
-                       **{c: tx_hours.get(h, {}).get(c) for c in TX_COLUMNS}} for h in range(24)],
-            "day": {"messages": sum(r["messages"] for r in hours[d]), "bytes": sum(r["bytes"] for r in hours[d]),
-                    **{c: (tx_day[0][c] if tx_day else None) for c in TX_COLUMNS}},
-            "topics": sorted(topics[d], key=lambda t: (-t["messages"], t["topic"])),
-            "groups": sorted((r for r in tx[d] if r["grain"] == "day" and r["producer_group"] != "*"),
-                             key=lambda r: r["producer_group"]),
-            "lag": sorted(lag[d], key=lambda r: (-(r["lag_max"] or 0), r["consumer_group"])),
-            "broker": broker[d],
-            "scan": scan,
-        }
+        names = brokers or sorted({r["broker"] for r in hours[d] + tx[d]})
+        out[d] = {"date": d, **_window_rows(hours[d], tx[d], names),
+                  "per_broker": {b: _window_rows([r for r in hours[d] if r["broker"] == b],
+                                                 [r for r in tx[d] if r["broker"] == b], [b])
+                                 for b in names} if len(names) > 1 else {},
+                  "topics": sorted(topics[d], key=lambda t: (-t["messages"], t["topic"])),
+                  "groups": [{"producer_group": g, **combine(rs)} for g, rs in sorted(_by(
+                      (r for r in tx[d] if r["grain"] == "day" and r["producer_group"] != "*"),
+                      lambda r: r["producer_group"]).items())],
+                  "lag": sorted(lag[d], key=lambda r: (-(r["lag_max"] or 0), r["consumer_group"],
+                                                       r.get("broker") or "")),
+                  "broker": sorted(broker[d], key=lambda r: r.get("broker") or ""),
+                  "brokers": names,
+                  "scan": scan}
     return out
+
+
+def _window_rows(hours: list[dict], tx: list[dict], brokers: list[str]) -> dict:
+    """The hour rows and the day row of the given traffic and transaction rows (any brokers)."""
+    traffic = _by(hours, lambda r: r["h"])
+    tx_hours = _by((r for r in tx if r["producer_group"] == "*" and r["grain"] == "hour"), lambda r: r["h"])
+    tx_day = [r for r in tx if r["producer_group"] == "*" and r["grain"] == "day"]
+    empty = {c: None for c in TX_COLUMNS}
+    return {
+        "hours": [{"hour": h, "messages": sum(r["messages"] or 0 for r in traffic.get(h, [])),
+                   "bytes": sum(r["bytes"] or 0 for r in traffic.get(h, [])),
+                   **(combine(tx_hours[h]) if h in tx_hours else empty)} for h in range(24)],
+        "day": {"messages": sum(r["messages"] for r in hours), "bytes": sum(r["bytes"] for r in hours),
+                **(combine(tx_day) if tx_day else empty)},
+    }
 
 
 def write_reports(report_dir: str, dates: list[str], tables: dict, summary: dict) -> list[str]:
@@ -81,9 +124,11 @@ def render_csv(data: dict) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
-    for h in data["hours"]:
-        w.writerow([data["date"], f"{h['hour']:02d}:00"] + [_csv(h.get(c)) for c in CSV_COLUMNS[2:]])
-    w.writerow([data["date"], "day"] + [_csv(data["day"].get(c)) for c in CSV_COLUMNS[2:]])
+    sets = [(ALL_BROKERS, data)] + sorted(data.get("per_broker", {}).items())
+    for broker, rows in sets:
+        for h in rows["hours"]:
+            w.writerow([data["date"], f"{h['hour']:02d}:00"] + [_csv(h.get(c)) for c in CSV_COLUMNS[2:-1]] + [broker])
+        w.writerow([data["date"], "day"] + [_csv(rows["day"].get(c)) for c in CSV_COLUMNS[2:-1]] + [broker])
     return out.getvalue()
 
 
@@ -167,12 +212,20 @@ def render_html(data: dict) -> str:
         [[g["producer_group"], _num(g["halves"]), _num(g["commits"]), _num(g["rollbacks"]), _num(g["checks"]),
           _num(g["dead_letters"]), _num(g["undecided_at_end"]), _num(g["latency_p50_ms"], 1),
           _num(g["latency_p99_ms"], 1), _num(g["latency_max_ms"])] for g in data["groups"]]))
+    many = len(data.get("brokers") or []) > 1
     parts.append("<h2>Consumer lag</h2>" + _table(
-        ["consumer group", "snapshots", "max lag", "average lag"],
-        [[c["consumer_group"], _num(c["snapshots"]), _num(c["lag_max"]), _num(c["lag_avg"], 1)]
-         for c in data["lag"]]))
+        ["consumer group"] + (["broker"] if many else []) + ["snapshots", "max lag", "average lag"],
+        [[c["consumer_group"]] + ([c["broker"]] if many else []) +
+         [_num(c["snapshots"]), _num(c["lag_max"]), _num(c["lag_avg"], 1)] for c in data["lag"]]))
+    if data.get("per_broker"):
+        parts.append("<h2>Brokers</h2>" + _table(
+            ["broker", "messages", "bytes", "halves", "commits", "rollbacks", "undecided at day end", "p99 ms"],
+            [[b, _num(r["day"]["messages"]), _mb(r["day"]["bytes"]), _num(r["day"]["halves"]),
+              _num(r["day"]["commits"]), _num(r["day"]["rollbacks"]), _num(r["day"]["undecided_at_end"]),
+              _num(r["day"]["latency_p99_ms"], 1)] for b, r in sorted(data["per_broker"].items())]))
     for b in data["broker"]:
-        parts.append(f"<p>Connections: max {_num(b['connections_max'])}, average "
+        who = f"{b['broker']}: " if len(data.get("brokers") or []) > 1 else ""
+        parts.append(f"<p>{html.escape(who)}Connections: max {_num(b['connections_max'])}, average "
                      f"{_num(b['connections_avg'], 1)} over {_num(b['snapshots'])} snapshots.</p>")
     parts.append("<h2>Inputs</h2>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes))
     return _PAGE.format(title=html.escape(f"txmq {d}"), body="\n".join(parts))

@@ -10,6 +10,12 @@ or "day", window_start the window's first instant):
     consumer_lag   consumer_group: snapshots, lag_max, lag_avg (lag summed over the group's queues)
     broker         snapshots, connections_max, connections_avg
 
+Every table also has a ``broker`` column: the rollup reads one store or several (one per broker of
+a cluster, ``--store-dir A --store-dir B`` or ``--store-root``), computes each store's rows on their
+own (a store's commit-log offsets mean nothing in another) and writes them together, so one run
+gives one set of tables and one report across the brokers. A store's broker is its directory's name
+(``python -m broker cluster`` names each store after its broker).
+
 Re-running a date replaces that date's partition of every table and nothing else
 (dynamic partition overwrite; a date that now has no rows in a table loses its old ones).
 """
@@ -195,20 +201,34 @@ def write_partitions(spark, df, path: str, dates) -> int:
     return sum(present.values())
 
 
-def previous_undecided(spark, out_dir: str, date: str) -> list | None:
-    """[(producer_group, undecided_at_end)] of the day before ``date`` as rolled up under out_dir,
-    or None when that day has not been rolled up there."""
+def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
+    """[(producer_group, undecided_at_end)] of the day before ``date`` as rolled up under out_dir for
+    ``broker`` (tables written before the broker column: every row), or None when that day has not
+    been rolled up there."""
     from pyspark.sql.utils import AnalysisException
 
     F = _F()
     prev = (dt.date.fromisoformat(date) - dt.timedelta(days=1)).isoformat()
     try:
-        rows = (spark.read.parquet(os.path.join(out_dir, "transactions"))
-                .where((F.col("date").cast("string") == prev) & (F.col("grain") == "day"))
-                .select("producer_group", "undecided_at_end").collect())
+        df = spark.read.parquet(os.path.join(out_dir, "transactions"))
+        where = (F.col("date").cast("string") == prev) & (F.col("grain") == "day")
+        if broker is not None and "broker" in df.columns:
+            where = where & (F.col("broker") == broker)
+        rows = df.where(where).select("producer_group", "undecided_at_end").collect()
     except AnalysisException:
         return None
     return [(r["producer_group"], r["undecided_at_end"] or 0) for r in rows] or None
+
+
+def store_brokers(store_dirs) -> list[tuple[str, str]]:
+    """[(broker, store dir)] from one directory or several; the broker is the directory's name,
+    which must differ between stores."""
+    dirs = [store_dirs] if isinstance(store_dirs, (str, os.PathLike)) else list(store_dirs)
+    pairs = [(os.path.basename(os.path.normpath(str(d))) or str(d), str(d)) for d in dirs]
+    names = [b for b, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"store directories must have different names (the broker column): {names}")
+    return pairs
 
 
 def _decided_elsewhere(records) -> list[int]:
@@ -220,52 +240,33 @@ def _decided_elsewhere(records) -> list[int]:
     return [r[0] for r in named.join(have, "half", "left_anti").collect()]
 
 
-def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, skip_damaged: bool = False,
+def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_damaged: bool = False,
                check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                report_dir: str | None = None) -> dict:
-    """Roll up one UTC date (or, without date, every date found in the store) into out_dir.
+    """Roll up one UTC date (or, without date, every date found in the stores) into out_dir.
 
-    With a date whose previous day is already rolled up under out_dir, only the segments
-    that can hold the date (by the broker's segment manifest) are read, plus the few halves
-    decided that day but stored before it; otherwise the whole store is read once.
+    ``store_dir``: one store directory, or several (one per broker). With a date whose previous
+    day is already rolled up under out_dir, only the segments that can hold the date (by each
+    broker's segment manifest) are read, plus the few halves decided that day but stored before
+    it; otherwise the whole store is read once.
     """
     from . import report as report_mod
 
     started = time.monotonic()
-    since = baseline = select = None
-    if date is not None:
-        day = dt.date.fromisoformat(date)          # ValueError on a malformed date, before any work
-        since = int(dt.datetime(day.year, day.month, day.day, tzinfo=dt.timezone.utc).timestamp() * 1000)
-        baseline = previous_undecided(spark, out_dir, date)
-        if baseline is None:
-            log.info("rollup: %s is not rolled up under %s: reading the whole store for %s", day - dt.timedelta(1),
-                     out_dir, date)
-            since = None
-        else:
-            select = lambda segs: segments_for_window(segs, store_dir, since, since + DAY)  # noqa: E731
-    scan = scan_store(spark, store_dir, job="rollup", skip_damaged=skip_damaged, check_crc=check_crc,
-                      chunk_bytes=chunk_bytes, select=select)
-    snaps = None
+    day = dt.date.fromisoformat(date) if date is not None else None   # ValueError before any work
+    stores = store_brokers(store_dir)
+    parts = []
     tables: dict = {}
-    records = classify(scan.records)
-    if since is not None:
-        extra = read_halves(spark, scan, _decided_elsewhere(records))
-        if extra is not None:
-            records = records.unionByName(classify(extra))
-    per_half = half_summary(records).cache()
     try:
-        snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
-        dates = [date] if date else _dates_present(scan, snaps)
-        summary = {"dates": dates, "records": scan.record_count, "segments": len(scan.segments),
-                   "segments_read": len(scan.read), "bytes_read": scan.bytes_read, "incremental": since is not None,
-                   "damage": scan.damage, "snapshot_lines": snaps.lines, "bad_snapshot_lines": snaps.bad_lines,
-                   "incomplete_snapshot_lines": snaps.incomplete_lines, "rows": {}, "reports": []}
+        for broker, path in stores:
+            parts.append(_StoreRollup(spark, broker, path, out_dir, day, skip_damaged=skip_damaged,
+                                      check_crc=check_crc, chunk_bytes=chunk_bytes))
+        summary = _summary(parts, date)
+        dates = summary["dates"]
         if not dates:
             log.info("rollup: the store has no records and no snapshots; nothing to write")
             return summary
-        queries = {"traffic": traffic_table(scan.traffic, dates),
-                   "transactions": transactions_table(spark, per_half, dates, since, baseline),
-                   "consumer_lag": consumer_lag_table(snaps.rows, dates), "broker": broker_table(snaps.rows, dates)}
+        queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
         for name, df in queries.items():
             t0 = time.monotonic()
             tables[name] = df = df.drop("window_ms").cache()      # written, then read by the report
@@ -282,7 +283,86 @@ def run_rollup(spark, store_dir: str, out_dir: str, *, date: str | None = None, 
     finally:
         for df in tables.values():
             df.unpersist()
-        per_half.unpersist()
-        scan.release()
-        if snaps is not None:
-            snaps.cached.unpersist()
+        for p in parts:
+            p.release()
+
+
+TABLES = ("traffic", "transactions", "consumer_lag", "broker")
+
+
+def _union(dfs):
+    out = dfs[0]
+    for df in dfs[1:]:
+        out = out.unionByName(df)
+    return out
+
+
+def _summary(parts, date: str | None) -> dict:
+    """The run's summary: counts summed over the stores, every date any store has."""
+    dates = [date] if date else sorted({d for p in parts for d in p.dates()})
+    total = lambda key: sum(p.summary[key] for p in parts)  # noqa: E731
+    return {"dates": dates, "records": total("records"), "segments": total("segments"),
+            "segments_read": total("segments_read"), "bytes_read": total("bytes_read"),
+            "incremental": all(p.summary["incremental"] for p in parts),
+            "damage": [d for p in parts for d in p.summary["damage"]],
+            "snapshot_lines": total("snapshot_lines"), "bad_snapshot_lines": total("bad_snapshot_lines"),
+            "incomplete_snapshot_lines": total("incomplete_snapshot_lines"),
+            "brokers": [p.broker for p in parts], "rows": {}, "reports": []}
+
+
+class _StoreRollup:
+    """One broker's store: its scan, snapshots and per-table queries (each with the broker column)."""
+
+    def __init__(self, spark, broker: str, store_dir: str, out_dir: str, day, *, skip_damaged: bool,
+                 check_crc: bool, chunk_bytes: int):
+        self.spark, self.broker, self.day = spark, broker, day
+        self.scan = self.snaps = self.per_half = None
+        date = day.isoformat() if day is not None else None
+        self.since = baseline = select = None
+        if day is not None:
+            self.since = int(dt.datetime(day.year, day.month, day.day, tzinfo=dt.timezone.utc).timestamp() * 1000)
+            baseline = previous_undecided(spark, out_dir, date, broker)
+            if baseline is None:
+                log.info("rollup: %s is not rolled up under %s for %s: reading the whole store for %s",
+                         day - dt.timedelta(1), out_dir, broker, date)
+                self.since = None
+            else:
+                since = self.since
+                select = lambda segs: segments_for_window(segs, store_dir, since, since + DAY)  # noqa: E731
+        self.baseline = baseline
+        self.scan = scan = scan_store(spark, store_dir, job="rollup", skip_damaged=skip_damaged,
+                                      check_crc=check_crc, chunk_bytes=chunk_bytes, select=select)
+        records = classify(scan.records)
+        if self.since is not None:
+            extra = read_halves(spark, scan, _decided_elsewhere(records))
+            if extra is not None:
+                records = records.unionByName(classify(extra))
+        self.per_half = half_summary(records).cache()
+        self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
+        self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
+                        "bytes_read": scan.bytes_read, "incremental": self.since is not None,
+                        "damage": [{**d, "broker": broker} for d in scan.damage],
+                        "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
+                        "incomplete_snapshot_lines": self.snaps.incomplete_lines}
+
+    def dates(self) -> list[str]:
+        return _dates_present(self.scan, self.snaps)
+
+    def query(self, name: str, dates):
+        if name == "traffic":
+            df = traffic_table(self.scan.traffic, dates)
+        elif name == "transactions":
+            df = transactions_table(self.spark, self.per_half, dates, self.since, self.baseline)
+        elif name == "consumer_lag":
+            df = consumer_lag_table(self.snaps.rows, dates)
+        else:
+            df = broker_table(self.snaps.rows, dates)
+        return df.withColumn("broker", _F().lit(self.broker))
+
+    def release(self) -> None:
+        if self.per_half is not None:
+            self.per_half.unpersist()
+        if self.scan is not None:
+            self.scan.release()
+        if self.snaps is not None:
+            self.snaps.cached.unpersist()

@@ -3,7 +3,8 @@
 * ``protocol`` imports nothing of ours; only protocol/connection.py imports asyncio.
 * ``broker``, ``producer`` and ``consumer`` may import ``protocol``, never each other.
 * ``ops`` imports only ``protocol`` of ours.
-* Only protocol/connection.py and broker/server.py may open sockets: call
+* Only protocol/connection.py, broker/server.py and broker/namesrv/server.py (the stand-alone
+  name server) may open sockets: call
   asyncio's start_server / open_connection (and unix variants), a loop's
   create_server / create_connection / create_datagram_endpoint / sock_* methods,
   or socket.socket / create_connection / create_server / socketpair / fromfd.
@@ -40,7 +41,7 @@ ALLOWED = {
     "ops": {"ops", "protocol"},
     "txmq": {"txmq", "protocol", "broker", "producer", "consumer", "ops"},   # the umbrella name (setup.py)
 }
-SOCKET_OPENERS = {"protocol/connection.py", "broker/server.py"}
+SOCKET_OPENERS = {"protocol/connection.py", "broker/server.py", "broker/namesrv/server.py"}
 SEGMENT_WRITER = "broker/store/commit_log.py"
 
 

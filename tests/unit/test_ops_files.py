@@ -103,7 +103,7 @@ def _check_job(argv: list[str]) -> None:
         from ops.spark.cli import build_parser
 
         args = build_parser().parse_args(argv[1:])
-        assert args.store_dir == "/var/lib/txmq/store"
+        assert args.store_dir == ["/var/lib/txmq/store"]      # repeatable: one per broker
     elif name == "txmq-admin":
         assert argv[1:][-2:][0] == "apply-expiry" and argv[-1] == "/var/lib/txmq/plans/expiry.json"
 

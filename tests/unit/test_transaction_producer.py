@@ -101,3 +101,33 @@ async def test_oneway_ends_are_reprobed_and_acknowledgement_comes_back():
     assert [e.is_oneway for e in fake.ends] == [False, True, True, True, False, False]
     assert [r.acknowledged for r in results] == [False, False, False, True, True]
     assert producer.end_acknowledged is True
+
+
+async def test_end_goes_to_the_broker_that_stored_the_half_even_when_the_route_moves():
+    """A route refreshed between the half and END (the broker name now at another address) must not
+    send END elsewhere: only the broker that stored the half can decide it."""
+    first, second = SilentEndBroker(), SilentEndBroker()
+    first.answer_end = second.answer_end = True
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(lambda f=f: RemotingConnection(f.handle), "127.0.0.1", 0)
+               for f in (first, second)]
+    for fake, server in zip((first, second), servers):
+        fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    class MovesTheRoute:
+        def execute_local_transaction(self, msg, arg):
+            producer.routes._addrs["b"] = second.addr       # what a route refresh would do
+            return S.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(first.addr, "PG", MovesTheRoute(), end_timeout=2)
+    async with asyncio.timeout(10):
+        await producer.start()
+        result = await producer.send_in_transaction("T", b"one")
+        await producer.shutdown()
+    for server in servers:
+        server.close()
+    assert result.acknowledged and result.send_result.broker_addr == first.addr
+    assert len(first.ends) == 1 and second.ends == [] and second.sends == 0

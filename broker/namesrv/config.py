@@ -1,0 +1,35 @@
+"""NamesrvConfig: the stand-alone name server's settings (flags and NAMESRV_* environment, as the broker's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.errors import ConfigError
+
+from ..config import setting
+
+
+@dataclass(frozen=True)
+class NamesrvConfig:
+    host: str = setting("127.0.0.1", "Address the name server binds to. Loopback by default.")
+    port: int = setting(9876, "Name-server port (RocketMQ's default). 0 picks a free port.")
+    advertised_host: str = setting("", "Address printed in the LISTENING line. Empty: the bind host, or 127.0.0.1 when binding all interfaces.")
+    broker_expire_ms: int = setting(120000, "A broker not registered again for this long leaves the routes (RocketMQ's BROKER_CHANNEL_EXPIRED_TIME, 120 s; brokers register every 30 s). A broker whose connection closes leaves at once.")
+    scan_interval_ms: int = setting(10000, "How often brokers are checked for expiry (RocketMQ's 10 s).")
+    max_connections: int = setting(10000, "Connections accepted at once; more are closed on accept.")
+    max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB).")
+    log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level={self.log_level!r}: choose one of DEBUG, INFO, WARNING, ERROR")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port} is not a port number")
+        for name in ("broker_expire_ms", "scan_interval_ms", "max_connections", "max_frame_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertised_host:
+            return self.advertised_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host

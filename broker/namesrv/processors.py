@@ -1,0 +1,97 @@
+"""Requests a stand-alone name server answers (RocketMQ's DefaultRequestProcessor, the 4.x subset).
+
+Handlers are ``(ctx, conn, cmd)`` like the broker's, with a NamesrvContext:
+the route table and the clock. Codes without a handler are answered
+REQUEST_CODE_NOT_SUPPORTED by the server.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode
+from protocol.errors import HeaderError
+from protocol.registration import DataVersion, body_crc32, decode_register_body
+from protocol.route import encode_cluster_info, encode_route, strict_json_for
+
+from .table import RouteTable
+
+
+@dataclass
+class NamesrvContext:
+    table: RouteTable
+    clock: object                   # () -> wall-clock ms
+
+
+def register_broker(ctx: NamesrvContext, conn, cmd):
+    crc = cmd.int_field("bodyCrc32", 0)
+    body = cmd.body_bytes()
+    if crc != 0 and body_crc32(body) != crc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, "crc32 not match")
+    registration = decode_register_body(body, compressed=cmd.bool_field("compressed"))
+    broker_id = cmd.int_field("brokerId", required=True)
+    if broker_id < 0:
+        raise HeaderError(f"brokerId={broker_id} is negative")
+    result = ctx.table.register(
+        cluster=cmd.str_field("clusterName", required=True), broker_addr=cmd.str_field("brokerAddr", required=True),
+        broker_name=cmd.str_field("brokerName", required=True), broker_id=broker_id,
+        ha_server_addr=cmd.str_field("haServerAddr", ""), body=registration, conn=conn, now_ms=ctx.clock())
+    return cmd.response(ResponseCode.SUCCESS, ext_fields={"masterAddr": result.master_addr,
+                                                          "haServerAddr": result.ha_server_addr})
+
+
+def unregister_broker(ctx: NamesrvContext, conn, cmd):
+    ctx.table.unregister(cluster=cmd.str_field("clusterName", ""), broker_addr=cmd.str_field("brokerAddr", required=True),
+                         broker_name=cmd.str_field("brokerName", required=True),
+                         broker_id=cmd.int_field("brokerId", required=True))
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def query_data_version(ctx: NamesrvContext, conn, cmd):
+    """QUERY_DATA_VERSION (322): has the broker's topic table changed since it last registered?
+
+    A Java broker with forceRegister=false asks this before registering; an unchanged answer
+    counts as being heard from."""
+    addr = cmd.str_field("brokerAddr", required=True)
+    try:
+        obj = json.loads(cmd.body_bytes() or b"{}")
+        theirs = DataVersion(int(obj.get("timestamp", 0)), int(obj.get("counter", 0)))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise HeaderError(f"data version does not parse: {exc}") from None
+    live = ctx.table.live.get(addr)
+    changed = live is None or live.data_version != theirs
+    if not changed:
+        live.last_ms = ctx.clock()
+    body = b"" if live is None else \
+        f'{{"counter":{live.data_version.counter},"timestamp":{live.data_version.timestamp}}}'.encode()
+    return cmd.response(ResponseCode.SUCCESS, ext_fields={"changed": "true" if changed else "false"}, body=body)
+
+
+def get_route_info(ctx: NamesrvContext, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    route = ctx.table.route(topic)
+    if route is None:
+        return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"No topic route info in name server for the topic: {topic}")
+    strict = strict_json_for(cmd.version, cmd.bool_field("acceptStandardJsonOnly"))
+    return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=strict))
+
+
+def get_broker_cluster_info(ctx: NamesrvContext, conn, cmd):
+    return cmd.response(ResponseCode.SUCCESS, body=encode_cluster_info(ctx.table.broker_datas(),
+                                                                        strict=strict_json_for(cmd.version)))
+
+
+def get_all_topic_list(ctx: NamesrvContext, conn, cmd):
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"topicList": ctx.table.topic_names()}).encode())
+
+
+def namesrv_table() -> dict:
+    return {
+        R.REGISTER_BROKER: register_broker,
+        R.UNREGISTER_BROKER: unregister_broker,
+        R.QUERY_DATA_VERSION: query_data_version,
+        R.GET_ROUTEINFO_BY_TOPIC: get_route_info,
+        R.GET_BROKER_CLUSTER_INFO: get_broker_cluster_info,
+        R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: get_all_topic_list,
+    }

@@ -1,0 +1,111 @@
+"""The stand-alone name server process: listen, answer, expire silent brokers, stop on SIGTERM.
+
+``python -m broker namesrv`` prints ``LISTENING namesrv=HOST:PORT`` once it
+answers. State lives in memory only, as in RocketMQ: brokers register again
+within one period after a restart.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from protocol.codes import ResponseCode
+from protocol.connection import RemotingConnection
+
+from ..context import wall_clock_ms
+from .config import NamesrvConfig
+from .processors import NamesrvContext, namesrv_table
+from .table import RouteTable
+
+log = logging.getLogger("txmq.namesrv")
+
+
+class NameServer:
+    def __init__(self, config: NamesrvConfig, clock=wall_clock_ms):
+        self.config = config
+        self.ctx = NamesrvContext(RouteTable(expire_ms=config.broker_expire_ms), clock)
+        self.connections: set[RemotingConnection] = set()
+        self.address = ""
+        self._server = None
+        self._scan: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        c = self.config
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._connection, c.host, c.port, backlog=1024)
+        self.address = f"{c.public_host}:{self._server.sockets[0].getsockname()[1]}"
+        self._scan = loop.create_task(self._scan_loop())
+
+    def _connection(self) -> RemotingConnection:
+        table = namesrv_table()
+        ctx = self.ctx
+
+        def handle(conn, cmd):
+            fn = table.get(cmd.code)
+            if fn is None:
+                return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
+                                                               f" request type {cmd.code} not supported")
+            return fn(ctx, conn, cmd)
+
+        def opened(conn) -> bool:
+            if len(self.connections) >= self.config.max_connections:
+                log.warning("refusing %s:%s, %d connections open", *conn.peer, len(self.connections))
+                return False
+            self.connections.add(conn)
+            return True
+
+        def closed(conn) -> None:
+            self.connections.discard(conn)
+            ctx.table.connection_closed(conn)
+
+        return RemotingConnection(handle, max_frame_size=self.config.max_frame_size, on_open=opened, on_close=closed)
+
+    async def _scan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.scan_interval_ms / 1000)
+            self.scan()
+
+    def scan(self) -> list[str]:
+        """Expire silent brokers and close their connections (what RocketMQ's scanNotActiveBroker does)."""
+        conns = {addr: live.conn for addr, live in self.ctx.table.live.items()}
+        gone = self.ctx.table.expire(self.ctx.clock())
+        for addr in gone:
+            conn = conns.get(addr)
+            if conn is not None:
+                conn.close()
+        return gone
+
+    async def stop(self) -> None:
+        if self._scan is not None:
+            self._scan.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close()
+
+
+async def serve(config: NamesrvConfig) -> int:
+    server = NameServer(config)
+    try:
+        await server.start()
+    except OSError as exc:
+        print(f"txmq-namesrv: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"LISTENING namesrv={server.address}", flush=True)
+    await stop.wait()
+    log.info("signal received: stopping")
+    await server.stop()
+    return 0
+
+
+def run(config: NamesrvConfig) -> int:
+    logging.basicConfig(level=config.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+    return uvloop.run(serve(config))

@@ -1,0 +1,175 @@
+"""RouteTable: what a name server knows, RocketMQ's RouteInfoManager as plain data.
+
+Tables (all keyed as in RouteInfoManager):
+
+| table     | key                  | value                                                       |
+|-----------|----------------------|-------------------------------------------------------------|
+| clusters  | cluster name         | broker names in it                                          |
+| brokers   | broker name          | BrokerData: cluster, {broker id: address}                   |
+| queues    | topic                | {broker name: QueueData} -- from the master's registration  |
+| live      | broker address       | BrokerLive: last heard, data version, connection, HA address |
+
+A master's registration replaces that broker's queue data when its data
+version changed or it is new (a topic it no longer holds leaves the routes;
+RocketMQ 4.9.8 only adds and updates, and needs DELETE_TOPIC_IN_NAMESRV for
+that). A slave's registration adds its address only. A broker goes when it
+unregisters, when its connection closes, or when it has not registered for
+``expire_ms`` (RocketMQ's BROKER_CHANNEL_EXPIRED_TIME, 120 s); the last address
+of a broker name going takes that name's queues out of every route.
+
+No I/O and no asyncio: the clock is a parameter, so expiry is tested by
+moving it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from protocol.registration import DataVersion, RegisterBrokerBody
+from protocol.route import BrokerData, QueueData, TopicRouteData
+
+log = logging.getLogger("txmq.namesrv")
+
+MASTER_ID = 0
+
+
+@dataclass(slots=True)
+class BrokerLive:
+    """A registered broker address: when it was last heard from and over which connection."""
+
+    last_ms: int
+    data_version: DataVersion
+    conn: object
+    ha_server_addr: str
+    cluster: str
+    broker_name: str
+    broker_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    """What the name server tells a registering slave: its master's address and HA address."""
+
+    master_addr: str | None = None
+    ha_server_addr: str | None = None
+
+
+class RouteTable:
+    def __init__(self, *, expire_ms: int = 120_000):
+        self.expire_ms = expire_ms
+        self.clusters: dict[str, set[str]] = {}
+        self.brokers: dict[str, BrokerData] = {}
+        self.queues: dict[str, dict[str, QueueData]] = {}
+        self.live: dict[str, BrokerLive] = {}
+
+    # ---------------------------------------------------------- registration
+    def register(self, *, cluster: str, broker_addr: str, broker_name: str, broker_id: int, ha_server_addr: str,
+                 body: RegisterBrokerBody, conn: object, now_ms: int) -> RegisterResult:
+        self.clusters.setdefault(cluster, set()).add(broker_name)
+        bd = self.brokers.get(broker_name)
+        first = bd is None
+        if bd is None:
+            bd = self.brokers[broker_name] = BrokerData(cluster, broker_name, {})
+        # One address, one id: a slave promoted to master drops its old id first.
+        for bid, addr in list(bd.broker_addrs.items()):
+            if addr == broker_addr and bid != broker_id:
+                del bd.broker_addrs[bid]
+        old_addr = bd.broker_addrs.get(broker_id)
+        bd.broker_addrs[broker_id] = broker_addr
+        first = first or old_addr is None
+        if old_addr is not None and old_addr != broker_addr:
+            self._forget_address(old_addr)
+        prev = self.live.get(broker_addr)
+        if broker_id == MASTER_ID and (first or prev is None or prev.data_version != body.data_version):
+            self._replace_queues(broker_name, body)
+        self.live[broker_addr] = BrokerLive(now_ms, body.data_version, conn, ha_server_addr, cluster, broker_name,
+                                            broker_id)
+        if prev is None:
+            log.info("broker registered: %s %s id %d at %s (%d topics)", cluster, broker_name, broker_id,
+                     broker_addr, len(body.topics))
+        if broker_id != MASTER_ID:
+            master = bd.broker_addrs.get(MASTER_ID)
+            live = self.live.get(master) if master else None
+            if live is not None:
+                return RegisterResult(master, live.ha_server_addr)
+        return RegisterResult()
+
+    def _replace_queues(self, broker_name: str, body: RegisterBrokerBody) -> None:
+        for topic in [t for t, by_broker in self.queues.items() if broker_name in by_broker
+                      and t not in body.topics]:
+            self._drop_queue(topic, broker_name)
+        for t in body.topics.values():
+            self.queues.setdefault(t.name, {})[broker_name] = QueueData(broker_name, t.read_queue_nums,
+                                                                         t.write_queue_nums, t.perm, t.sys_flag)
+
+    def _drop_queue(self, topic: str, broker_name: str) -> None:
+        by_broker = self.queues.get(topic)
+        if by_broker is not None:
+            by_broker.pop(broker_name, None)
+            if not by_broker:
+                del self.queues[topic]
+
+    def unregister(self, *, cluster: str, broker_addr: str, broker_name: str, broker_id: int) -> bool:
+        """UNREGISTER_BROKER: the broker says it is going (a clean shutdown)."""
+        known = self.live.pop(broker_addr, None) is not None
+        bd = self.brokers.get(broker_name)
+        if bd is not None and bd.broker_addrs.get(broker_id) == broker_addr:
+            del bd.broker_addrs[broker_id]
+            if not bd.broker_addrs:
+                self._forget_broker_name(broker_name)
+        log.info("broker unregistered: %s %s id %d at %s", cluster, broker_name, broker_id, broker_addr)
+        return known
+
+    # --------------------------------------------------------------- going
+    def connection_closed(self, conn: object) -> list[str]:
+        """The broker's connection closed: every address registered over it goes at once."""
+        gone = [addr for addr, live in self.live.items() if live.conn is conn]
+        for addr in gone:
+            log.warning("broker %s: connection closed, removed from routes", addr)
+            self._forget_address(addr)
+        return gone
+
+    def expire(self, now_ms: int) -> list[str]:
+        """Drop brokers not heard from for ``expire_ms``; their addresses, for closing their connections."""
+        gone = [addr for addr, live in self.live.items() if now_ms - live.last_ms > self.expire_ms]
+        for addr in gone:
+            log.warning("broker %s: not heard from for %d ms, removed from routes", addr, self.expire_ms)
+            self._forget_address(addr)
+        return gone
+
+    def _forget_address(self, addr: str) -> None:
+        self.live.pop(addr, None)
+        for name, bd in list(self.brokers.items()):
+            for bid in [bid for bid, a in bd.broker_addrs.items() if a == addr]:
+                del bd.broker_addrs[bid]
+            if not bd.broker_addrs:
+                self._forget_broker_name(name)
+
+    def _forget_broker_name(self, broker_name: str) -> None:
+        self.brokers.pop(broker_name, None)
+        for cluster, names in list(self.clusters.items()):
+            names.discard(broker_name)
+            if not names:
+                del self.clusters[cluster]
+        for topic in [t for t, by_broker in self.queues.items() if broker_name in by_broker]:
+            self._drop_queue(topic, broker_name)
+
+    # ------------------------------------------------------------- answers
+    def route(self, topic: str) -> TopicRouteData | None:
+        """The topic's route (every broker name holding it, sorted), or None: TOPIC_NOT_EXIST."""
+        by_broker = self.queues.get(topic)
+        if not by_broker:
+            return None
+        names = sorted(by_broker)
+        broker_datas = [BrokerData(bd.cluster, bd.broker_name, dict(bd.broker_addrs))
+                        for bd in (self.brokers.get(n) for n in names) if bd is not None]
+        if not broker_datas:
+            return None
+        return TopicRouteData([by_broker[n] for n in names], broker_datas)
+
+    def broker_datas(self) -> list[BrokerData]:
+        """Every broker name with its addresses, for GET_BROKER_CLUSTER_INFO."""
+        return [BrokerData(bd.cluster, bd.broker_name, dict(bd.broker_addrs)) for _, bd in sorted(self.brokers.items())]
+
+    def topic_names(self) -> list[str]:
+        return sorted(self.queues)

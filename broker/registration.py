@@ -1,0 +1,111 @@
+"""The broker's side of the name servers: REGISTER_BROKER every period, UNREGISTER_BROKER at a clean stop.
+
+What a 4.9.8 broker does (BrokerOuterAPI.registerBrokerAll): one request per
+name server, all in parallel, the same header and body to each; the body lists
+every topic config and the table's data version, so a name server re-reads the
+table only when the version moved. A topic created or deleted registers at once
+(RocketMQ registers on topic creation too), so clients see a new topic's queues
+on this broker without waiting a period. A name server that cannot be reached
+is logged and tried again next period; it never stops the broker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import ConnectionPool
+from protocol.registration import (RegisterBrokerBody, RegisteredTopic, encode_register_body, register_header,
+                                   unregister_header)
+
+log = logging.getLogger("txmq.registration")
+DEBOUNCE_S = 0.05           # topic changes arriving together register once
+
+
+class BrokerRegistrar:
+    """Registers one broker (``ctx``: its BrokerContext) with ``namesrv_addrs``.
+
+    ``on_result(namesrv_addr, response)`` sees every SUCCESS answer (a slave learns its master's
+    address and HA address there)."""
+
+    def __init__(self, ctx, namesrv_addrs: list[str], *, ha_server_addr: str, on_result=None):
+        c = ctx.config
+        self.ctx = ctx
+        self.namesrv_addrs = namesrv_addrs
+        self.ha_server_addr = ha_server_addr
+        self.period_s = c.register_period_ms / 1000
+        self.timeout_s = c.register_timeout_ms / 1000
+        self.compressed = c.register_compressed
+        self.on_result = on_result
+        self.pool = ConnectionPool(connect_timeout=min(3.0, self.timeout_s))
+        self.registrations = 0          # successful REGISTER_BROKER answers, all name servers
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def body(self) -> RegisterBrokerBody:
+        topics = {tc.name: RegisteredTopic(tc.name, tc.read_queue_nums, tc.write_queue_nums, tc.perm,
+                                           tc.filter_type, tc.sys_flag, tc.order)
+                  for tc in list(self.ctx.topics.topics.values())}
+        return RegisterBrokerBody(topics, self.ctx.topics.data_version, [])
+
+    def request(self) -> RemotingCommand:
+        c = self.ctx.config
+        body = encode_register_body(self.body(), compressed=self.compressed)
+        return RemotingCommand.request(RequestCode.REGISTER_BROKER, register_header(
+            broker_name=c.broker_name, broker_addr=self.ctx.broker_addr, cluster_name=c.cluster_name,
+            ha_server_addr=self.ha_server_addr, broker_id=c.broker_id, compressed=self.compressed, body=body), body)
+
+    async def register_all(self) -> int:
+        """One registration with every name server at once; how many accepted it."""
+        results = await asyncio.gather(*(self._register(addr) for addr in self.namesrv_addrs))
+        return sum(results)
+
+    async def _register(self, addr: str) -> bool:
+        try:
+            resp = await self.pool.request(addr, self.request(), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a name server down is retried next period
+            log.warning("registering with name server %s failed: %s", addr, exc)
+            return False
+        if resp.code != ResponseCode.SUCCESS:
+            log.warning("name server %s refused the registration: code %d %s", addr, resp.code, resp.remark)
+            return False
+        self.registrations += 1
+        if self.on_result is not None:
+            self.on_result(addr, resp)
+        return True
+
+    def topics_changed(self) -> None:
+        """A topic was created or deleted: register now rather than at the next period."""
+        self._changed.set()
+
+    def start(self) -> None:
+        self.ctx.topics.on_change = self.topics_changed
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-registration")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.period_s)
+                await asyncio.sleep(DEBOUNCE_S)
+            except asyncio.TimeoutError:
+                pass
+            self._changed.clear()
+            await self.register_all()
+
+    async def stop(self) -> None:
+        """Stop registering and tell every name server this broker is going (bounded by the timeout)."""
+        self.ctx.topics.on_change = None
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        c = self.ctx.config
+        cmd = lambda: RemotingCommand.request(RequestCode.UNREGISTER_BROKER, unregister_header(  # noqa: E731
+            broker_name=c.broker_name, broker_addr=self.ctx.broker_addr, cluster_name=c.cluster_name,
+            broker_id=c.broker_id))
+        results = await asyncio.gather(*(self.pool.request(a, cmd(), min(3.0, self.timeout_s))
+                                         for a in self.namesrv_addrs), return_exceptions=True)
+        for addr, r in zip(self.namesrv_addrs, results):
+            if isinstance(r, BaseException):
+                log.warning("unregistering from name server %s failed: %s", addr, r)
+        await self.pool.close()

@@ -1,0 +1,225 @@
+"""The stand-alone name server's pure parts: the REGISTER_BROKER body both ways, the route table, the handlers."""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import pytest
+
+from broker.namesrv.processors import NamesrvContext, namesrv_table
+from broker.namesrv.table import RouteTable
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode
+from protocol.command import RemotingCommand
+from protocol.errors import HeaderError
+from protocol.registration import (DataVersion, RegisterBrokerBody, RegisteredTopic, body_crc32,
+                                   decode_register_body, encode_register_body, register_header)
+from protocol.route import decode_route
+
+T1 = RegisteredTopic("TopicA", 4, 4, 6)
+SYS = RegisteredTopic("TBW102", 8, 8, 7, sys_flag=0)
+
+
+def body(*topics, counter=1, ts=1700000000000) -> RegisterBrokerBody:
+    return RegisterBrokerBody({t.name: t for t in topics}, DataVersion(ts, counter), [])
+
+
+# ----------------------------------------------------------------- the body
+def test_plain_body_is_what_fastjson_writes():
+    got = encode_register_body(body(T1, counter=3, ts=17))
+    assert got == (b'{"filterServerList":[],"topicConfigSerializeWrapper":{"dataVersion":{"counter":3,'
+                   b'"timestamp":17},"topicConfigTable":{"TopicA":{"order":false,"perm":6,"readQueueNums":4,'
+                   b'"topicFilterType":"SINGLE_TAG","topicName":"TopicA","topicSysFlag":0,"writeQueueNums":4}}}}')
+
+
+def test_plain_body_round_trips_every_field():
+    b = body(T1, RegisteredTopic("Ordered", 2, 3, 4, "MULTI_TAG", 1, True), counter=9)
+    assert decode_register_body(encode_register_body(b)) == b
+
+
+def _java_compressed(version_json: bytes, topic_lines: list[bytes], filters: bytes) -> bytes:
+    """The compressed form built from RegisterBrokerBody.encode(true)'s description, independently."""
+    out = struct.pack(">i", len(version_json)) + version_json + struct.pack(">i", len(topic_lines))
+    for line in topic_lines:
+        out += struct.pack(">i", len(line)) + line
+    out += struct.pack(">i", len(filters)) + filters
+    return zlib.compress(out, 9)
+
+
+def test_compressed_body_decodes_the_java_layout():
+    data = _java_compressed(b'{"counter":5,"timestamp":42}', [b"TopicA 4 4 6 SINGLE_TAG", b"TBW102 8 8 7 SINGLE_TAG"],
+                            b"[]")
+    got = decode_register_body(data, compressed=True)
+    assert got == body(T1, SYS, counter=5, ts=42)
+
+
+def test_compressed_body_round_trips_and_drops_what_java_drops():
+    b = body(T1, RegisteredTopic("Ordered", 2, 3, 4, "SINGLE_TAG", 1, True), counter=2)
+    got = decode_register_body(encode_register_body(b, compressed=True), compressed=True)
+    assert got.data_version == b.data_version
+    assert got.topics["TopicA"] == T1
+    assert got.topics["Ordered"] == RegisteredTopic("Ordered", 2, 3, 4)      # sys flag and order are not sent
+
+
+@pytest.mark.parametrize("data, compressed", [
+    (b"{not json", False),
+    (b'{"topicConfigSerializeWrapper":{"topicConfigTable":{"T":{"readQueueNums":"x"}}}}', False),
+    (b"\x78\x9c garbage", True),
+    (zlib.compress(struct.pack(">i", 100) + b"{}"), True),
+    (_java_compressed(b'{"counter":1,"timestamp":1}', [b"only three fields"], b"[]"), True),
+    (zlib.compress(struct.pack(">i", 2) + b"{}" + struct.pack(">i", -1)), True),
+])
+def test_malformed_bodies_raise_header_errors(data, compressed):
+    with pytest.raises(HeaderError):
+        decode_register_body(data, compressed=compressed)
+
+
+def test_crc_is_java_masked_crc32():
+    assert body_crc32(b"hello") == zlib.crc32(b"hello") & 0x7FFFFFFF
+    assert body_crc32(b"") == 0 and body_crc32(None) == 0
+    h = register_header(broker_name="b", broker_addr="1.2.3.4:5", cluster_name="c", ha_server_addr="1.2.3.4:6",
+                        broker_id=0, compressed=False, body=b"hello")
+    assert h["bodyCrc32"] == str(zlib.crc32(b"hello") & 0x7FFFFFFF) and h["compressed"] == "false"
+
+
+# ------------------------------------------------------------ route table
+def reg(table, name, addr, *topics, bid=0, counter=1, conn=None, now=0, cluster="C"):
+    return table.register(cluster=cluster, broker_addr=addr, broker_name=name, broker_id=bid,
+                          ha_server_addr=addr + "1", body=body(*topics, counter=counter), conn=conn, now_ms=now)
+
+
+def test_route_merges_the_queues_of_every_broker_holding_the_topic():
+    t = RouteTable()
+    reg(t, "b", "h:2", RegisteredTopic("TopicA", 8, 8, 6))
+    reg(t, "a", "h:1", T1, SYS)
+    route = t.route("TopicA")
+    assert [(q.broker_name, q.write_queue_nums) for q in route.queue_datas] == [("a", 4), ("b", 8)]
+    assert [(b.broker_name, b.broker_addrs) for b in route.broker_datas] == [("a", {0: "h:1"}), ("b", {0: "h:2"})]
+    assert [b.broker_name for b in t.route("TBW102").broker_datas] == ["a"]
+    assert t.route("Nope") is None
+    assert t.clusters == {"C": {"a", "b"}}
+
+
+def test_a_new_data_version_replaces_the_brokers_topics_and_the_same_one_does_not():
+    t = RouteTable()
+    reg(t, "a", "h:1", T1, SYS, counter=1)
+    reg(t, "a", "h:1", SYS, counter=1)              # same version: the table is not re-read (RocketMQ)
+    assert t.route("TopicA") is not None
+    reg(t, "a", "h:1", SYS, counter=2)              # TopicA deleted on the broker
+    assert t.route("TopicA") is None and t.route("TBW102") is not None
+
+
+def test_silent_brokers_expire_on_the_clock_and_take_their_queues():
+    t = RouteTable(expire_ms=3000)
+    reg(t, "a", "h:1", T1, now=0)
+    reg(t, "b", "h:2", T1, now=0)
+    reg(t, "b", "h:2", T1, now=2500)                # b keeps registering
+    assert t.expire(3000) == []
+    assert t.expire(3001) == ["h:1"]
+    assert [q.broker_name for q in t.route("TopicA").queue_datas] == ["b"]
+    assert "a" not in t.brokers and t.clusters == {"C": {"b"}}
+
+
+def test_a_closed_connection_removes_its_broker_at_once():
+    t = RouteTable()
+    conn_a, conn_b = object(), object()
+    reg(t, "a", "h:1", T1, conn=conn_a)
+    reg(t, "b", "h:2", T1, conn=conn_b)
+    assert t.connection_closed(conn_a) == ["h:1"]
+    assert [b.broker_name for b in t.route("TopicA").broker_datas] == ["b"]
+    assert t.connection_closed(object()) == []
+
+
+def test_unregister_and_a_restart_at_a_new_address():
+    t = RouteTable()
+    reg(t, "a", "h:1", T1)
+    reg(t, "a", "h:9", T1)                          # restarted on another port, same name
+    assert t.route("TopicA").broker_datas[0].broker_addrs == {0: "h:9"} and "h:1" not in t.live
+    assert t.unregister(cluster="C", broker_addr="h:9", broker_name="a", broker_id=0)
+    assert t.route("TopicA") is None and t.brokers == {} and t.clusters == {}
+
+
+def test_slaves_join_the_broker_data_and_learn_their_master():
+    t = RouteTable()
+    result = reg(t, "a", "h:2", T1, bid=1)          # slave first: no master yet
+    assert result.master_addr is None
+    assert t.route("TopicA") is None                # a slave's topics do not make routes
+    reg(t, "a", "h:1", T1)
+    result = reg(t, "a", "h:2", T1, bid=1)
+    assert (result.master_addr, result.ha_server_addr) == ("h:1", "h:11")
+    assert t.route("TopicA").broker_datas[0].broker_addrs == {0: "h:1", 1: "h:2"}
+    t.connection_closed(None)                       # no-op
+    t.expire(10 ** 9)
+    assert t.brokers == {}
+
+
+# ---------------------------------------------------------------- handlers
+class _Clock:
+    def __init__(self):
+        self.now = 0
+
+    def __call__(self):
+        return self.now
+
+
+def _register_cmd(name, addr, *topics, crc=None, compressed=False, counter=1):
+    data = encode_register_body(body(*topics, counter=counter), compressed=compressed)
+    fields = register_header(broker_name=name, broker_addr=addr, cluster_name="C", ha_server_addr="",
+                             broker_id=0, compressed=compressed, body=data)
+    if crc is not None:
+        fields["bodyCrc32"] = str(crc)
+    return RemotingCommand.request(R.REGISTER_BROKER, fields, data)
+
+
+def _call(ctx, cmd, conn=None):
+    return namesrv_table()[cmd.code](ctx, conn, cmd)
+
+
+def test_handlers_register_route_and_refuse_a_bad_crc():
+    ctx = NamesrvContext(RouteTable(), _Clock())
+    assert _call(ctx, _register_cmd("a", "h:1", T1)).code == ResponseCode.SUCCESS
+    assert _call(ctx, _register_cmd("b", "h:2", T1, compressed=True)).code == ResponseCode.SUCCESS
+    bad = _call(ctx, _register_cmd("c", "h:3", T1, crc=12345))
+    assert (bad.code, bad.remark) == (ResponseCode.SYSTEM_ERROR, "crc32 not match") and "c" not in ctx.table.brokers
+
+    old = RemotingCommand.request(R.GET_ROUTEINFO_BY_TOPIC, {"topic": "TopicA"}, version=317)
+    resp = _call(ctx, old)
+    assert b'"brokerAddrs":{0:"h:1"}' in resp.body and b'"brokerAddrs":{0:"h:2"}' in resp.body
+    assert [q.broker_name for q in decode_route(resp.body).queue_datas] == ["a", "b"]
+    missing = _call(ctx, RemotingCommand.request(R.GET_ROUTEINFO_BY_TOPIC, {"topic": "Nope"}))
+    assert missing.code == ResponseCode.TOPIC_NOT_EXIST
+
+    info = json.loads(_call(ctx, RemotingCommand.request(R.GET_BROKER_CLUSTER_INFO)).body)
+    assert info["clusterAddrTable"] == {"C": ["a", "b"]}
+    assert info["brokerAddrTable"]["b"]["brokerAddrs"] == {"0": "h:2"}
+    topics = json.loads(_call(ctx, RemotingCommand.request(R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)).body)
+    assert topics == {"topicList": ["TopicA"]}
+
+    unreg = RemotingCommand.request(R.UNREGISTER_BROKER, {"brokerName": "a", "brokerAddr": "h:1",
+                                                          "clusterName": "C", "brokerId": "0"})
+    assert _call(ctx, unreg).code == ResponseCode.SUCCESS
+    assert [b.broker_name for b in ctx.table.route("TopicA").broker_datas] == ["b"]
+
+
+def test_query_data_version_says_whether_the_table_changed_and_counts_as_heard_from():
+    clock = _Clock()
+    ctx = NamesrvContext(RouteTable(expire_ms=1000), clock)
+    _call(ctx, _register_cmd("a", "h:1", T1, counter=4))
+    q = lambda counter: RemotingCommand.request(  # noqa: E731
+        R.QUERY_DATA_VERSION, {"brokerAddr": "h:1", "brokerName": "a", "clusterName": "C", "brokerId": "0"},
+        f'{{"counter":{counter},"timestamp":1700000000000}}'.encode())
+    clock.now = 900
+    assert _call(ctx, q(4)).ext_fields["changed"] == "false"
+    clock.now = 1500
+    assert ctx.table.expire(clock.now) == []        # the query at 900 refreshed it
+    assert _call(ctx, q(5)).ext_fields["changed"] == "true"
+
+
+def test_a_malformed_register_body_is_a_header_error():
+    ctx = NamesrvContext(RouteTable(), _Clock())
+    cmd = RemotingCommand.request(R.REGISTER_BROKER, {"brokerName": "a", "brokerAddr": "h:1", "clusterName": "C",
+                                                      "haServerAddr": "", "brokerId": "0"}, b"{oops")
+    with pytest.raises(HeaderError):
+        _call(ctx, cmd)
+    assert ctx.table.brokers == {}
