@@ -24,6 +24,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import RemotingConnection
 
 from .acl import PlainAcl
+from . import ha as ha_roles
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, wall_clock_ms
@@ -109,16 +110,21 @@ class BrokerServer:
         store.add_dispatch_listener(ctx.schedule.on_dispatch)
         report = await store.open()
         log.info("store open: %s", report)
+        ctx.ha = ha_roles.build(c, store, self._connect_master)
+        slave = ha_roles.is_slave(c)
+        if slave:
+            store.add_dispatch_listener(ha_roles.topic_follower(topics))
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
         ctx.offsets = ConsumerOffsets(store_dir)
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
-        ctx.tx.start()
         await ctx.schedule.recover()
-        ctx.schedule.start()
         ctx.retention = Retention(ctx)
-        ctx.retention.start()
+        if not slave:       # a slave writes nothing of its own: no checks, deliveries or removals
+            ctx.tx.start()
+            ctx.schedule.start()
+            ctx.retention.start()
         self._install_metrics(ctx)
 
         topics.start_background(loop)
@@ -126,6 +132,7 @@ class BrokerServer:
         self._refresh_gauges()
         await broker_srv.start_serving()
         await ns_srv.start_serving()
+        ha_addr = await self._start_ha(ctx)
         spawn = self.supervisor.spawn
         spawn("txmq-housekeeping", self._housekeeping)
         spawn("txmq-loop-lag", self.loop_lag.run)
@@ -138,6 +145,25 @@ class BrokerServer:
         self.addresses = {"broker": f"{host}:{broker_port}",
                           "namesrv": f"{host}:{ns_srv.sockets[0].getsockname()[1]}",
                           "metrics": f"{host}:{self._metrics_port}" if self._metrics_httpd else "disabled"}
+        if ha_addr:
+            self.addresses["ha"] = ha_addr
+
+    async def _start_ha(self, ctx) -> str:
+        """The master's HA listener (returns its address) or the slave's follower task (broker/ha)."""
+        c = self.config
+        if isinstance(ctx.ha, ha_roles.HASlave):
+            self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
+            return ""
+        if ctx.ha is None:
+            return ""
+        srv = await asyncio.start_server(ctx.ha.serve, c.host, c.ha_port)
+        self._servers.append(srv)
+        return f"{c.public_host}:{srv.sockets[0].getsockname()[1]}"
+
+    async def _connect_master(self):
+        """(Slave) open the connection to the master's HA port; broker/ha gets the streams."""
+        host, _, port = self.config.ha_master_addr.rpartition(":")
+        return await asyncio.open_connection(host, int(port))
 
     async def _open_index(self, ctx, store_dir: str) -> None:
         """The key index (QUERY_MESSAGE) and the subscription groups; both off the hot path."""
@@ -184,6 +210,12 @@ class BrokerServer:
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
                               "(\"timer\" for timer messages).", ["level"], snap("schedule"))
         m.add_disk_collector(ctx.store.disk)
+        m.add_gauge_collector("txmq_ha_slave_lag_bytes", "Replication lag in bytes: on a master, its log end less "
+                              "the furthest offset a slave acknowledged; on a slave, what the master last sent "
+                              "less what is stored here (absent without replication).", [], snap("ha_lag"))
+        m.add_gauge_collector("txmq_ha_slave_connected", "On a master, slaves connected to its HA port; on a "
+                              "slave, 1 while it follows its master (absent without replication).", [],
+                              snap("ha_connected"))
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -222,6 +254,7 @@ class BrokerServer:
             "topics": [((), len(ctx.topics.topics))],
             "schedule": [((level,), n) for level, n in ctx.schedule.waiting()],
             "oldest_half": [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
+            **_ha_gauges(ctx.ha),
         }
 
     async def _gauge_loop(self) -> None:
@@ -339,6 +372,8 @@ class BrokerServer:
         ctx = self.ctx
         if ctx is not None and ctx.holds is not None:
             ctx.holds.wake_all()
+        if ctx is not None and isinstance(ctx.ha, ha_roles.HAMaster):
+            ctx.ha.close()
         pending = [t for conns in self.connections.values() for conn in conns for t in conn.in_flight]
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
@@ -364,6 +399,13 @@ class BrokerServer:
             self._metrics_httpd.server_close()
         if self.addresses:      # a start that failed has said so in its one line already
             log.info("stopped")
+
+
+def _ha_gauges(ha) -> dict:
+    if ha is None:
+        return {}
+    connected = int(ha.connected) if isinstance(ha, ha_roles.HASlave) else len(ha.links)
+    return {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
 
 
 def exposure_warning(config: BrokerConfig) -> str | None:
@@ -401,7 +443,8 @@ async def serve(config: BrokerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     a = server.addresses
-    print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}", flush=True)
+    ha = f" ha={a['ha']}" if "ha" in a else ""
+    print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}{ha}", flush=True)
     await stop.wait()
     if server.fatal:
         log.critical("stopping on a fatal error: %s", server.fatal)
