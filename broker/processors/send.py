@@ -147,7 +147,7 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len, waits_for_slave=True)
             out.set_result(send_ok(ctx, cmd, msg_id, qid, result.queue_offset))
             return
         verdict = ha.confirm(result.physical_offset + result.size)      # SYNC_MASTER: the slave must have it
-        if verdict.__class__ is int:
+        if isinstance(verdict, int):
             out.set_result(send_ok(ctx, cmd, msg_id, qid, result.queue_offset, verdict))
         else:
             verdict.add_done_callback(lambda v: out.done() or out.set_result(
