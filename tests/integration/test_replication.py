@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,33 @@ async def test_slave_refuses_writes(broker_factory):
         assert (await pool.request(slave.broker, end)).code == ResponseCode.SLAVE_NOT_AVAILABLE
     finally:
         await pool.close()
+
+
+def _scrape(metrics_addr: str) -> dict[str, float]:
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("txmq_ha_")}
+
+
+async def test_sync_master_answers_flush_slave_timeout_when_the_slave_stalls(broker_factory):
+    master = broker_factory("--broker-role", "SYNC_MASTER", "--ha-port", "0", "--ha-slave-timeout-ms", "300",
+                            store="master")
+    slave = _slave(broker_factory, master)
+    async with Producer(master.namesrv, "PG_stall") as producer:
+        mq = await _until_replicating(producer)
+        gauges = await asyncio.to_thread(_scrape, master.metrics)
+        assert gauges["txmq_ha_slave_connected"] == 1
+        slave.proc.send_signal(signal.SIGSTOP)      # connected, but confirming nothing
+        try:
+            res = await producer.send(TOPIC, b"unconfirmed", queue=mq)
+            assert res.status is SendStatus.FLUSH_SLAVE_TIMEOUT and res.queue_offset >= 0
+            gauges = await asyncio.to_thread(_scrape, master.metrics)
+            assert gauges["txmq_ha_slave_connected"] == 1 and gauges["txmq_ha_slave_lag_bytes"] > 0
+        finally:
+            slave.proc.send_signal(signal.SIGCONT)
+        async with asyncio.timeout(20):             # resumed: it confirms again, and catches up
+            while (await producer.send(TOPIC, b"again", queue=mq)).status is not SendStatus.SEND_OK:
+                await asyncio.sleep(0.1)
+    assert (await asyncio.to_thread(_scrape, master.metrics))["txmq_ha_slave_lag_bytes"] == 0
+    assert b"unconfirmed" in await _pull_all(slave.namesrv, mq, res.queue_offset + 1)
