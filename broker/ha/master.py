@@ -62,7 +62,8 @@ class HAMaster:
 
     @property
     def acked(self) -> int:
-        """The furthest offset any slave has confirmed (RocketMQ's push2SlaveMaxOffset)."""
+        """The furthest offset a connected slave has confirmed (RocketMQ's push2SlaveMaxOffset, which also
+        keeps the confirmations of slaves since gone)."""
         return self.watermark.acked
 
     def slave_lag_bytes(self) -> int:
@@ -107,6 +108,8 @@ class HAMaster:
                     log.warning("slave %s: %s", link.peer, exc)
         finally:
             self.links.discard(link)
+            # Only a connected slave's confirmation counts: a new, empty slave must not inherit the old one's.
+            self.watermark.reset(max((other.acked for other in self.links), default=0))
             for task in (reading, sending):
                 task.cancel()
             await asyncio.gather(reading, sending, return_exceptions=True)

@@ -63,6 +63,11 @@ class OffsetWatermark:
                 n += 1
         return n
 
+    def reset(self, offset: int) -> None:
+        """The slave that confirmed up to ``acked`` is gone: from now on only ``offset`` counts (waiters
+        already resolved stay resolved; the rest wait for a report past their end)."""
+        self.acked = min(self.acked, offset)
+
     def expire(self, now: float | None = None) -> int:
         """Resolve the entries whose deadline has passed as timed out; returns how many."""
         now = self._now() if now is None else now

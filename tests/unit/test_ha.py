@@ -210,3 +210,14 @@ async def test_empty_slave_starts_its_log_where_the_masters_starts(tmp_path):
     await reopened.open()
     assert reopened.min_physical_offset == start and reopened.max_physical_offset == master.max_physical_offset
     await reopened.close()
+
+
+@bounded()
+async def test_watermark_reset_forgets_a_gone_slaves_confirmations():
+    w = OffsetWatermark(3.0, clock=Clock(), use_timer=False)
+    w.advance(100)
+    w.reset(0)                       # that slave left; a new one has confirmed nothing yet
+    fut = w.wait(50)
+    assert not fut.done()
+    w.advance(50)
+    assert fut.result() is True
