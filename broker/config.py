@@ -84,6 +84,16 @@ class BrokerConfig:
     register_period_ms: int = setting(30000, "How often the broker registers with its name servers (RocketMQ's registerNameServerPeriod); they drop a broker silent for broker_expire_ms (120 s). A topic created or deleted registers at once.")
     register_timeout_ms: int = setting(6000, "How long one registration may take per name server (RocketMQ's registerBrokerTimeoutMills).")
     register_compressed: bool = setting(False, "Send the registration body deflated (RocketMQ's compressedRegister); for very many topics.")
+    # ---- replication (broker/ha; RocketMQ 4.x HA)
+    broker_role: str = setting("ASYNC_MASTER", "RocketMQ's brokerRole. ASYNC_MASTER: acknowledge when stored here (a slave, if any, follows). SYNC_MASTER: acknowledge a send only when a slave has it too (else FLUSH_SLAVE_TIMEOUT or SLAVE_NOT_AVAILABLE, the message stored all the same). SLAVE: copy --ha-master-addr's commit log byte for byte, serve pulls, refuse sends.", choices=("ASYNC_MASTER", "SYNC_MASTER", "SLAVE"))
+    ha_port: int = setting(-1, "Port a master listens on for its slaves (RocketMQ's haListenPort, there the broker port + 1). 0 picks a free port (printed as ha=HOST:PORT on the LISTENING line); -1: no HA listener (a SYNC_MASTER needs one).")
+    ha_master_addr: str = setting("", "SLAVE: the master's HA address HOST:PORT to follow (RocketMQ's haMasterAddress).")
+    ha_slave_timeout_ms: int = setting(3000, "SYNC_MASTER: how long a send waits for the slave to confirm it before FLUSH_SLAVE_TIMEOUT (RocketMQ 4.9.8's slaveTimeout).")
+    ha_slave_fallbehind_max: int = setting(256 * 1024 * 1024, "SYNC_MASTER: a slave further behind than this many bytes counts as absent: sends get SLAVE_NOT_AVAILABLE at once (RocketMQ's haSlaveFallbehindMax).")
+    ha_heartbeat_interval_ms: int = setting(5000, "A slave reports its offset at least this often, and a master with nothing to send sends an empty frame this often (RocketMQ's haSendHeartbeatInterval).")
+    ha_housekeeping_interval_ms: int = setting(20000, "Either side drops an HA connection silent for this long; the slave reconnects (RocketMQ's haHousekeepingInterval).")
+    ha_transfer_batch_size: int = setting(32 * 1024, "Bytes of commit log a master sends a slave per frame, at least one whole record (RocketMQ's haTransferBatchSize).")
+    slave_read_enable: bool = setting(False, "RocketMQ's slaveReadEnable: pull replies suggest the slave (suggestWhichBrokerId 1) to a consumer far behind the log (more than 40% of RAM). A slave serves pulls either way.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
     log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -128,6 +138,7 @@ class BrokerConfig:
             raise ConfigError("timer_max_delay_s must be positive")
         if self.index_hash_slots <= 0 or self.index_max_entries < 2 or self.index_file_period_hours <= 0:
             raise ConfigError("index_hash_slots and index_file_period_hours must be positive, index_max_entries at least 2")
+        self._check_replication()
         if self.max_message_size + 4096 > self.segment_size:
             raise ConfigError(f"segment_size={self.segment_size} cannot hold a max_message_size={self.max_message_size} record")
 
@@ -144,6 +155,25 @@ class BrokerConfig:
     def namesrv_addrs(self) -> list[str]:
         """``namesrv_addr`` split into HOST:PORT strings; [] runs the embedded name server."""
         return parse_namesrv_addr(self.namesrv_addr)
+
+    def _check_replication(self) -> None:
+        if not -1 <= self.ha_port <= 65535:
+            raise ConfigError(f"ha_port={self.ha_port} is not a port number (-1: no HA listener)")
+        if self.broker_role == "SYNC_MASTER" and self.ha_port < 0:
+            raise ConfigError("broker_role=SYNC_MASTER needs --ha-port for its slave to connect to (0 picks one)")
+        if self.broker_role == "SLAVE":
+            if self.broker_id <= 0:
+                raise ConfigError(f"broker_role=SLAVE needs --broker-id 1 or more, not {self.broker_id}: 0 is its "
+                                  "master's id in the routes (RocketMQ refuses it too)")
+            host, _, port = self.ha_master_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"broker_role=SLAVE needs --ha-master-addr HOST:PORT, not {self.ha_master_addr!r}")
+        elif self.ha_master_addr:
+            raise ConfigError(f"ha_master_addr is for a SLAVE; this broker is {self.broker_role}")
+        for name in ("ha_slave_timeout_ms", "ha_slave_fallbehind_max", "ha_heartbeat_interval_ms",
+                     "ha_housekeeping_interval_ms", "ha_transfer_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
 
     @property
     def public_host(self) -> str:

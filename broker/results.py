@@ -24,11 +24,14 @@ def put_failure_response(cmd, result):
     return cmd.response(response_code(result), result.remark or f"store refused the message: {result.status.name}")
 
 
-def send_ok(ctx, cmd, msg_id: str, qid: int, queue_offset: int):
-    """SUCCESS with the fields every client reads (the Java client dereferences MSG_REGION and TRACE_ON)."""
-    if cmd.serialize_type == SerializeType.JSON and "," not in msg_id:
+def send_ok(ctx, cmd, msg_id: str, qid: int, queue_offset: int, code: int = ResponseCode.SUCCESS):
+    """SUCCESS with the fields every client reads (the Java client dereferences MSG_REGION and TRACE_ON).
+
+    ``code``: a stored message's other answers fill the same header (spec 3.4 item 10): SLAVE_NOT_AVAILABLE
+    and FLUSH_SLAVE_TIMEOUT from a SYNC_MASTER."""
+    if cmd.serialize_type == SerializeType.JSON and "," not in msg_id and code == ResponseCode.SUCCESS:
         return _SendOk(_send_ok_template(ctx.config.region_id) % (msg_id, qid, queue_offset, cmd.opaque))
-    return RemotingCommand(ResponseCode.SUCCESS, opaque=cmd.opaque, flag=FLAG_RESPONSE, ext_fields={
+    return RemotingCommand(code, opaque=cmd.opaque, flag=FLAG_RESPONSE, ext_fields={
         "msgId": msg_id, "queueId": str(qid), "queueOffset": str(queue_offset),
         "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"}, serialize_type=cmd.serialize_type)
 

@@ -24,6 +24,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import RemotingConnection
 
 from .acl import PlainAcl
+from . import ha as ha_roles
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, wall_clock_ms
@@ -113,16 +114,21 @@ class BrokerServer:
         store.add_dispatch_listener(ctx.schedule.on_dispatch)
         report = await store.open()
         log.info("store open: %s", report)
+        ctx.ha = ha_roles.build(c, store, self._connect_master)
+        slave = ha_roles.is_slave(c)
+        if slave:
+            store.add_dispatch_listener(ha_roles.topic_follower(topics))
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
         ctx.offsets = ConsumerOffsets(store_dir)
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
-        ctx.tx.start()
         await ctx.schedule.recover()
-        ctx.schedule.start()
         ctx.retention = Retention(ctx)
-        ctx.retention.start()
+        if not slave:       # a slave writes nothing of its own: no checks, deliveries or removals
+            ctx.tx.start()
+            ctx.schedule.start()
+            ctx.retention.start()
         self._install_metrics(ctx)
 
         topics.start_background(loop)
@@ -131,6 +137,7 @@ class BrokerServer:
         await broker_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
+        ha_addr = await self._start_ha(ctx)
         spawn = self.supervisor.spawn
         spawn("txmq-housekeeping", self._housekeeping)
         spawn("txmq-loop-lag", self.loop_lag.run)
@@ -144,6 +151,8 @@ class BrokerServer:
                           "namesrv": f"{host}:{ns_srv.sockets[0].getsockname()[1]}" if ns_srv is not None
                           else ";".join(c.namesrv_addrs),
                           "metrics": f"{host}:{self._metrics_port}" if self._metrics_httpd else "disabled"}
+        if ha_addr:
+            self.addresses["ha"] = ha_addr
         if c.namesrv_addrs:
             await self._start_registration(host, broker_port)
 
@@ -158,6 +167,23 @@ class BrokerServer:
             log.warning("no name server accepted the registration yet (%s); retrying every %d ms",
                         self.config.namesrv_addr, self.config.register_period_ms)
         self.registrar.start()
+
+    async def _start_ha(self, ctx) -> str:
+        """The master's HA listener (returns its address) or the slave's follower task (broker/ha)."""
+        c = self.config
+        if isinstance(ctx.ha, ha_roles.HASlave):
+            self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
+            return ""
+        if ctx.ha is None:
+            return ""
+        srv = await asyncio.start_server(ctx.ha.serve, c.host, c.ha_port)
+        self._servers.append(srv)
+        return f"{c.public_host}:{srv.sockets[0].getsockname()[1]}"
+
+    async def _connect_master(self):
+        """(Slave) open the connection to the master's HA port; broker/ha gets the streams."""
+        host, _, port = self.config.ha_master_addr.rpartition(":")
+        return await asyncio.open_connection(host, int(port))
 
     async def _open_index(self, ctx, store_dir: str) -> None:
         """The key index (QUERY_MESSAGE) and the subscription groups; both off the hot path."""
@@ -210,6 +236,12 @@ class BrokerServer:
                               "Transaction decisions whose decision-table file could not be made (a full disk): "
                               "answered from memory until it can.", [], snap("decisions_waiting"))
         m.add_disk_collector(ctx.store.disk)
+        m.add_gauge_collector("txmq_ha_slave_lag_bytes", "Replication lag in bytes: on a master, its log end less "
+                              "the furthest offset a slave acknowledged; on a slave, what the master last sent "
+                              "less what is stored here (absent without replication).", [], snap("ha_lag"))
+        m.add_gauge_collector("txmq_ha_slave_connected", "On a master, slaves connected to its HA port; on a "
+                              "slave, 1 while it follows its master (absent without replication).", [],
+                              snap("ha_connected"))
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -250,6 +282,7 @@ class BrokerServer:
             "oldest_half": [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.failed else 0)],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
+            **_ha_gauges(ctx.ha),
         }
 
     async def _gauge_loop(self) -> None:
@@ -369,6 +402,8 @@ class BrokerServer:
         ctx = self.ctx
         if ctx is not None and ctx.holds is not None:
             ctx.holds.wake_all()
+        if ctx is not None and isinstance(ctx.ha, ha_roles.HAMaster):
+            ctx.ha.close()
         pending = [t for conns in self.connections.values() for conn in conns for t in conn.in_flight]
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
@@ -393,6 +428,13 @@ class BrokerServer:
             self._metrics_httpd.server_close()
         if self.addresses:      # a start that failed has said so in its one line already
             log.info("stopped")
+
+
+def _ha_gauges(ha) -> dict:
+    if ha is None:
+        return {}
+    connected = int(ha.connected) if isinstance(ha, ha_roles.HASlave) else len(ha.links)
+    return {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
 
 
 def exposure_warning(config: BrokerConfig) -> str | None:
@@ -430,7 +472,8 @@ async def serve(config: BrokerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     a = server.addresses
-    print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}", flush=True)
+    ha = f" ha={a['ha']}" if "ha" in a else ""
+    print(f"LISTENING broker={a['broker']} namesrv={a['namesrv']} metrics={a['metrics']}{ha}", flush=True)
     await stop.wait()
     if server.fatal:
         log.critical("stopping on a fatal error: %s", server.fatal)

@@ -128,8 +128,8 @@ class PullConsumer:
                 raise error_for_code(resp.code, resp.remark)
             route = decode_route(resp.body_bytes())
             for bd in route.broker_datas:
-                if 0 in bd.broker_addrs:
-                    self._brokers[bd.broker_name] = bd.broker_addrs[0]
+                if bd.broker_addrs:     # the master (id 0); while it is gone, a slave (RocketMQ's
+                    self._brokers[bd.broker_name] = bd.broker_addrs[min(bd.broker_addrs)]  # findBrokerAddressInSubscribe)
             self._route_at[topic] = time.monotonic()
             return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
                     for i in range(qd.read_queue_nums)]

@@ -5,7 +5,8 @@ would write -- a send, a batch, a half message, an END_TRANSACTION, a send-back,
 operator's resolve or resume -- is answered SERVICE_NOT_AVAILABLE with RocketMQ's words
 and how full the disk is, before its processor runs: no topic is auto-created, no record
 encoded, nothing queued. A oneway request (stock clients send END_TRANSACTION oneway)
-gets no answer, as in RocketMQ; its transaction is checked again later. Reads -- pulls,
+gets no answer, as in RocketMQ; its transaction is checked again later. A SLAVE refuses the same
+requests the same way, always (its log is its master's copy). Reads -- pulls,
 offsets, routes, admin views, metrics -- never pass through here.
 """
 from __future__ import annotations
@@ -22,8 +23,25 @@ def guard_writes(table: dict) -> dict:
     return {code: _guarded(fn) if code in WRITES else fn for code, fn in table.items()}
 
 
+def slave_refusal(ctx, cmd):
+    """A SLAVE takes no writes from clients (RocketMQ: the store answers SERVICE_NOT_AVAILABLE to a put, the
+    END_TRANSACTION processor SLAVE_NOT_AVAILABLE); a oneway request gets no answer."""
+    if cmd.is_oneway:
+        return None
+    if cmd.code == R.END_TRANSACTION:
+        return cmd.response(ResponseCode.SLAVE_NOT_AVAILABLE, "Message store is slave mode, so end transaction "
+                                                              "is forbidden.")
+    used = ctx.store.disk.ratio * 100 if ctx.store is not None else 0.0
+    return cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE,
+                        "service not available now. It may be caused by one of the following reasons: the "
+                        f"broker's disk is full [CL: {used:5.2f}], messages are put to the slave, message store "
+                        "has been shut down, etc. (this broker's role is SLAVE: send to its master)")
+
+
 def _guarded(fn):
     def handle(ctx, conn, cmd):
+        if ctx.config.broker_role == "SLAVE":
+            return slave_refusal(ctx, cmd)
         store = ctx.store
         if store is not None and store.disk.refusing and store.disk.still_refusing():
             remark = store.disk.refuse()

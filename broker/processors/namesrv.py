@@ -10,11 +10,13 @@ from protocol.codes import ResponseCode
 from protocol.message import validate_topic
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_cluster_info, encode_route, strict_json_for
 
+from ..ha import broker_id_of
 from ..topics import RETRY_PREFIX
 
 
 def _broker_data(ctx) -> BrokerData:
-    return BrokerData(ctx.config.cluster_name, ctx.config.broker_name, {0: ctx.broker_addr})
+    # A SLAVE lists itself under id 1 (ha.broker_id_of), as RocketMQ routes a slave.
+    return BrokerData(ctx.config.cluster_name, ctx.config.broker_name, {broker_id_of(ctx.config): ctx.broker_addr})
 
 
 def get_route_info(ctx, conn, cmd):

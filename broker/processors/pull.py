@@ -5,13 +5,19 @@ the commit log handed to the transport without a copy.
 """
 from __future__ import annotations
 
+import os
+import struct
+
 from protocol.codes import Perm, PullSysFlag, ResponseCode
+from protocol.message import POS_PHYSICAL_OFFSET
 
 from ..clients import build_subscription
 from ..store import GetStatus
 
 # Store status -> (response code, how nextBeginOffset is chosen) on a master (spec 3.7 table).
 _MAX_BYTES = 256 * 1024
+_PHYS = struct.Struct(">q")
+_MEMORY_SHARE = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.40)
 
 
 def _code(cmd, status):
@@ -26,10 +32,20 @@ def _code(cmd, status):
     return ResponseCode.PULL_OFFSET_MOVED  # OFFSET_TOO_SMALL, OFFSET_OVERFLOW_BADLY
 
 
+def _suggest(ctx, got) -> int:
+    """suggestWhichBrokerId (RocketMQ's PullMessageProcessor): 0, the master, unless slaveReadEnable and the
+    consumer is further behind the log end than 40% of RAM would cache (accessMessageInMemoryMaxRatio); then
+    1, the subscription group's whichBrokerWhenConsumeSlowly default."""
+    if not ctx.config.slave_read_enable or not got.buffers:
+        return 0
+    behind = ctx.store.max_physical_offset - _PHYS.unpack_from(got.buffers[-1], POS_PHYSICAL_OFFSET)[0]
+    return 1 if behind > _MEMORY_SHARE else 0
+
+
 def _reply(ctx, cmd, group, topic, got):
     status = got.status
     code = _code(cmd, status)
-    fields = {"suggestWhichBrokerId": 0, "nextBeginOffset": got.next_begin_offset,
+    fields = {"suggestWhichBrokerId": _suggest(ctx, got), "nextBeginOffset": got.next_begin_offset,
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:
         size = sum(len(b) for b in got.buffers)
@@ -61,7 +77,7 @@ def handle_pull(ctx, conn, cmd):
         if sub is None:
             return cmd.response(ResponseCode.SUBSCRIPTION_NOT_EXIST,
                                 f"the consumer's subscription not exist, group: {group}")
-    if sys_flag & PullSysFlag.COMMIT_OFFSET:
+    if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE":     # as RocketMQ: not on a slave
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:
             ctx.offsets.commit(group, topic, qid, commit)

@@ -106,7 +106,7 @@ def handle_send(ctx, conn, cmd):
         if refused is not None:
             return refused
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
-    props.pop(Prop.WAIT, None)
+    waits_for_slave = props.pop(Prop.WAIT, "true").lower() != "false"     # isWaitStoreMsgOK
     to_topic, to_qid, tags, delay_ms = topic, qid, None, -1
     waits = ctx.schedule.levels.divert(topic, qid, props, h.sys_flag, ctx.clock())   # DELAY, TIMER_*
     if isinstance(waits, str):
@@ -118,10 +118,11 @@ def handle_send(ctx, conn, cmd):
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=reconsume)
     req = PutRequest(record, to_topic, to_qid, tags_code(props) if tags is None else tags, h.sys_flag, delay_ms)
-    return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body))
+    return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body),
+                             waits_for_slave)
 
 
-def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
+def reply_when_stored(ctx, cmd, put, qid, topic, body_len, waits_for_slave=True):
     """A future of the send response, chained on the store's put future (no coroutine, no Task)."""
     out = put.get_loop().create_future()
     started = perf_counter()
@@ -140,8 +141,17 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len):
             return
         ctx.metrics.count_in(topic, 1, body_len)
         ctx.metrics.append_latency.observe(perf_counter() - started)
-        out.set_result(send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid,
-                               result.queue_offset))
+        msg_id = offset_msg_id(ctx.store_host, result.physical_offset)
+        ha = ctx.ha
+        if ha is None or not ha.sync or not waits_for_slave:
+            out.set_result(send_ok(ctx, cmd, msg_id, qid, result.queue_offset))
+            return
+        verdict = ha.confirm(result.physical_offset + result.size)      # SYNC_MASTER: the slave must have it
+        if isinstance(verdict, int):
+            out.set_result(send_ok(ctx, cmd, msg_id, qid, result.queue_offset, verdict))
+        else:
+            verdict.add_done_callback(lambda v: out.done() or out.set_result(
+                send_ok(ctx, cmd, msg_id, qid, result.queue_offset, v.result())))
 
     put.add_done_callback(stored)
     return out
@@ -236,8 +246,11 @@ async def _store_batch(ctx, cmd, reqs, qid, topic, body_bytes):
         if not result.ok:
             return put_failure_response(cmd, result)
     ctx.metrics.count_in(topic, len(results), body_bytes)
+    code = ResponseCode.SUCCESS
+    if ctx.ha is not None and ctx.ha.sync:      # SYNC_MASTER: the slave must have the whole batch
+        code = await ctx.ha.confirm_async(results[-1].physical_offset + results[-1].size)
     return send_ok(ctx, cmd, ",".join(offset_msg_id(ctx.store_host, r.physical_offset) for r in results), qid,
-                   results[0].queue_offset)
+                   results[0].queue_offset, code)
 
 
 async def handle_send_back(ctx, conn, cmd):

@@ -35,6 +35,7 @@ from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_PHYSICAL_OFFSET, PO
 from .config import StoreConfig
 from .consume_queue import UNIT
 from .mapped_file import MappedFile
+from .replica import ReplicaChunk, chunk_span
 from .reserve import SpaceReserver, write_zeros
 from .results import DispatchInfo, PutRequest, PutResult, PutStatus
 
@@ -206,6 +207,14 @@ class CommitLog:
                 resolve(fut, unavailable(req))
                 i += 1
                 continue
+            if req.__class__ is ReplicaChunk:   # a slave copying its master's bytes (replica.py)
+                self._pos = seg.written = pos
+                if not self._append_replica(req, fut, done, units, infos):
+                    break
+                seg = self.segments[-1]
+                mm, base, pos, room = seg.mm, seg.start, self._pos, seg.reserved
+                i += 1
+                continue
             if req.__class__ is list:
                 batch, results = req, []
                 need = self._precheck(batch) + 8
@@ -287,6 +296,83 @@ class CommitLog:
         if self.reserver is not None:
             self.reserver.top_up(seg, pos)
         return i
+
+    def _append_replica(self, chunk: ReplicaChunk, fut, done: list, units: dict, infos: list | None) -> bool:
+        """Copy a master's chunk in at its own offset (a slave); False when it waits for space (``need``).
+
+        The bytes go in as they are: records keep the queue offsets, physical offsets and store times the
+        master gave them, an end marker seals the segment exactly where the master's did.
+        """
+        seg = self.segments[-1]
+        pos = self._pos
+        here = seg.start + pos
+        if chunk.phys != here:
+            resolve(fut, PutResult(_ILLEGAL, remark=f"the master sent offset {chunk.phys}, this log ends at {here}"))
+            return True
+        if chunk.seal:
+            spare = self.reserver.spare if self.reserver is not None else None
+            if self.reserver is None:
+                try:
+                    spare = self.make_segment(seg.start + self.seg_size)
+                except OSError as exc:
+                    resolve(fut, unavailable(chunk, f"cannot create a segment: {exc}"))
+                    return True
+            if pos + 8 > seg.reserved or spare is None or spare.reserved < 8:
+                self.need = (seg, pos + 8, RESERVE_LOW)
+                return False
+            self._seal(seg, pos, spare)
+            done.append((fut, PutResult(_OK, chunk.phys, 8, self.last_ts, -1)))
+            return True
+        n = len(chunk.data)
+        if pos + n + 8 > seg.reserved:
+            self.need = (seg, pos + n + 8, 0)
+            return False
+        seg.mm[pos:pos + n] = chunk.data
+        qoffsets = self.qoffsets
+        pack_unit = UNIT.pack
+        for r in chunk.records:
+            if r.queue_offset >= 0:
+                key = (r.topic, r.queue_id)
+                qoffsets[key] = r.queue_offset + 1
+                packed = units.get(key)
+                if packed is None:
+                    packed = units[key] = bytearray()
+                packed += pack_unit(here + r.pos, r.size, r.tags_code)
+        if infos is not None:
+            infos.extend(chunk.infos())
+        if chunk.records:
+            if pos == 0:
+                seg.first_ts = chunk.records[0].store_timestamp
+            seg.last_ts = self.last_ts = chunk.records[-1].store_timestamp
+        self._pos = seg.written = pos + n
+        done.append((fut, PutResult(_OK, chunk.phys, n, self.last_ts, -1)))
+        return True
+
+    def read_chunk(self, phys: int, limit: int) -> memoryview | None:
+        """(Master) the readable chunk at ``phys`` for a slave (replica.py): whole records or an end marker;
+        None when nothing is readable there yet. ValueError when ``phys`` is outside the log or not a
+        record boundary."""
+        if phys >= self.readable:
+            return None
+        where = self.locate(phys)
+        if where is None:
+            raise ValueError(f"offset {phys} is not in the log (it starts at {self.min_offset})")
+        seg, pos = where
+        if seg.mm is None:
+            raise ValueError(f"offset {phys} is in a segment being removed")
+        avail = min(self.readable - phys, self.seg_size - pos)
+        n = chunk_span(seg.mm, pos, self.seg_size, avail, limit)
+        return seg.view[pos:pos + n] if n else None
+
+    def rebase(self, new: Segment) -> Segment:
+        """(Empty log only) start the log at segment ``new`` instead of 0: a new slave of a master whose log
+        no longer begins at 0. Returns the segment taken out; the caller removes its file."""
+        if len(self.segments) != 1 or self._pos or self.segments[0].start or self.dirty:
+            raise AssertionError("only an empty log that starts at 0 can be rebased")
+        old = self.segments.pop()
+        self.segments.append(new)
+        self.set_end(new.start, 0)
+        return old
 
     def _precheck(self, batch: list) -> int:
         """Total size of a put_many batch, or -1 if any record is illegal (then none is written)."""

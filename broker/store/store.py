@@ -31,6 +31,7 @@ from .consume_queue import UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import SegmentFacts, load_or_create_store_id, sealed_from_disk, summarize_file, write_manifest
 from .recovery import recover
+from .replica import parse_chunk
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 from .writer import IoThread, Writer
 
@@ -252,6 +253,47 @@ class MessageStore:
         (see Writer.put), so not refused by the disk watermark.
         """
         return self._writer.put_many(reqs, reclaim)
+
+    # ---------------------------------------------------------- replication (replica.py)
+    def set_replica_only(self) -> None:
+        """Make this a slave's store: puts are refused, only ``append_replica`` writes."""
+        self._writer.replica_only = True
+
+    def append_replica(self, phys: int, data) -> tuple["asyncio.Future", int]:
+        """(Slave) check and queue a chunk of the master's log for ``phys``: (future, log end after it).
+        The future's PutResult is PUT_OK once the bytes are on disk (sync flush) and indexed.
+        ValueError at once for a malformed chunk."""
+        chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
+        return self._writer.put_replica(chunk), chunk.end
+
+    def replica_chunk(self, phys: int, limit: int) -> memoryview | None:
+        """(Master) readable bytes at ``phys`` for a slave: whole records up to ``limit`` bytes (at least
+        one) or an end marker; None when nothing is readable there yet."""
+        return self._log.read_chunk(phys, limit)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing was ever written (a new slave may then start its log where its master's starts)."""
+        clog = self._log
+        return len(clog.segments) == 1 and clog.segments[0].start == 0 and clog.written == 0
+
+    async def rebase_empty(self, start: int) -> None:
+        """(Empty store) begin the log at segment offset ``start``: a new slave whose master's log was
+        trimmed by retention. The new segment is made on the I/O thread, swapped in by the writer."""
+        if start % self._log.seg_size:
+            raise ValueError(f"offset {start} is not the start of a segment")
+        if start == 0 or not self.is_empty:
+            return
+        new = await self._reserve_io.submit(self._log.make_segment, start)
+
+        async def op():
+            if self._log.reserver is not None and self._log.reserver.idle is not None:
+                await self._log.reserver.idle
+            old = self._log.rebase(new)
+            await self._io.submit(_remove_files, [old])
+
+        await self._writer.control(op)
+        log.warning("empty store: the log now starts at offset %d, where the master's does", start)
 
     @property
     def writable(self) -> bool:

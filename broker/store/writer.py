@@ -38,6 +38,8 @@ from .disk import DiskMonitor
 from .results import PutRequest
 
 log = logging.getLogger("txmq.store")
+# RocketMQ's DefaultMessageStore answers a put on a slave SERVICE_NOT_AVAILABLE; its log line says why.
+_SLAVE_REMARK = "the broker role is SLAVE: messages are written to its master, never to a slave"
 
 
 class Writer:
@@ -68,6 +70,7 @@ class Writer:
         self._space = None          # (job future, settle, the entry waiting for it) while awaiting the reserver
         self._space_failing = False
         self.on_flush: Callable[[float], None] | None = None    # seconds one flush took (metrics)
+        self.replica_only = False   # a slave: its log takes its master's bytes only (put_replica)
         clog.on_fail = self._drop_queue
 
     def start(self, io: "IoThread") -> None:
@@ -81,9 +84,9 @@ class Writer:
         written to free space (dead letters before a segment is removed): the watermark does not refuse
         them, though a disk with truly no room still does."""
         fut = (self._loop or asyncio.get_running_loop()).create_future()
-        if self._task is None or self.clog.failed is not None or self._closing:
-            fut.set_result(unavailable(req))        # not open, closed, or stopped after an I/O error
-            return fut
+        if self._task is None or self.clog.failed is not None or self._closing or self.replica_only:
+            fut.set_result(unavailable(req, self.replica_only and _SLAVE_REMARK or ""))
+            return fut                              # not open, closed, stopped after an I/O error, a slave
         if not reclaim and self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(req, self.disk.refuse()))
             return fut
@@ -92,6 +95,19 @@ class Writer:
         if w is not None:
             self._wake = None
             w.set_result(None)
+        return fut
+
+    def put_replica(self, chunk) -> asyncio.Future:
+        """Queue a master's chunk (a ReplicaChunk) on a slave: the one write a slave's log takes."""
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
+        if self._task is None or self.clog.failed is not None or self._closing:
+            fut.set_result(unavailable(chunk))
+            return fut
+        if self.disk.refusing and self.disk.still_refusing():
+            fut.set_result(unavailable(chunk, self.disk.refuse()))
+            return fut
+        self._queue.append((chunk, fut))
+        self._wakeup()
         return fut
 
     def put_many(self, reqs: list[PutRequest], reclaim: bool = False) -> asyncio.Future:

@@ -238,7 +238,11 @@ class TransactionService:
         self.changed = True
         ctx.clients.add_producer(group, conn, client_id, cmd.language, cmd.version)
         ctx.metrics.child(ctx.metrics.half_in, group).inc()
-        return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset)
+        code = ResponseCode.SUCCESS
+        if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
+            code = await ctx.ha.confirm_async(result.physical_offset + result.size)   # SYNC_MASTER
+        return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset,
+                       code)
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool):

@@ -38,6 +38,8 @@ class BrokerProcess:
             self.kill()
             raise RuntimeError(f"broker did not start: {line!r}\n{self.log()}")
         self.broker, self.namesrv, self.metrics = m.groups()
+        ha = re.search(r" ha=(\S+)", line)
+        self.ha = ha.group(1) if ha else ""          # a master's HA listener (--ha-port)
         return self
 
     def _read_line(self, timeout: float) -> str:

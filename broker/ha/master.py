@@ -1,0 +1,172 @@
+"""The master's side of HA: one link per connected slave, and what a SYNC_MASTER's sends wait for.
+
+Per slave (RocketMQ's HAConnection): a reader takes the slave's offset reports -- the first one says
+where to start, each one acknowledges -- and a sender streams the log from there: chunks of whole
+records (store/replica.py), at most ``ha_transfer_batch_size`` bytes each, or an empty frame after a
+heartbeat interval with nothing to send. The sender sleeps on an event the store's dispatch sets, so
+a new record goes out at once and an idle master costs nothing.
+
+A new slave (it reports 0) gets the whole log from the master's first segment, not, as RocketMQ
+does, only from the start of the last segment: consumers that fail over to the slave can then read
+everything the master still holds. The slave starts its own log at that segment (rebase_empty).
+
+SYNC_MASTER (RocketMQ's CommitLog.submitReplicaRequest + GroupTransferService): after a message is
+stored, ``confirm(end)`` answers SUCCESS at once if a slave already reported ``end``,
+SLAVE_NOT_AVAILABLE at once if no slave is connected or it is ``ha_slave_fallbehind_max`` behind,
+else a future of SUCCESS / FLUSH_SLAVE_TIMEOUT from the offset watermark (waiter.py).
+
+Sockets are opened by broker/server.py; this module gets the streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from protocol.codes import ResponseCode
+
+from .codec import HAProtocolError, OffsetDecoder, encode_transfer
+from .waiter import OffsetWatermark
+
+log = logging.getLogger("txmq.ha")
+
+
+class SlaveLink:
+    """One connected slave: where it asked to start and what it last acknowledged."""
+
+    def __init__(self, peer: str):
+        self.peer = peer
+        self.request_offset = -1        # its first report: where its log ends
+        self.acked = -1                 # its latest report
+        self.reported = asyncio.Event()
+        self.wake = asyncio.Event()     # set when the master's log grew
+
+
+class HAMaster:
+    def __init__(self, store, config):
+        self.store = store
+        self.sync = config.broker_role == "SYNC_MASTER"
+        self.batch = config.ha_transfer_batch_size
+        self.heartbeat_s = config.ha_heartbeat_interval_ms / 1000
+        self.housekeeping_s = config.ha_housekeeping_interval_ms / 1000
+        self.fallbehind_max = config.ha_slave_fallbehind_max
+        self.links: set[SlaveLink] = set()
+        self.watermark = OffsetWatermark(config.ha_slave_timeout_ms / 1000)
+        self.connections_total = 0
+
+    # ------------------------------------------------------------ what others ask
+    def on_dispatch(self, _info) -> None:
+        """Store dispatch listener: records became readable; wake the senders."""
+        for link in self.links:
+            if not link.wake.is_set():
+                link.wake.set()
+
+    @property
+    def acked(self) -> int:
+        """The furthest offset a connected slave has confirmed (RocketMQ's push2SlaveMaxOffset, which also
+        keeps the confirmations of slaves since gone)."""
+        return self.watermark.acked
+
+    def slave_lag_bytes(self) -> int:
+        """The master's log end less the furthest slave acknowledgement (the whole log if none ever came)."""
+        return max(0, self.store.max_physical_offset - self.acked)
+
+    def confirm(self, end: int):
+        """(SYNC_MASTER) the send response code for a message stored up to ``end``: an int now, or a
+        future of one."""
+        if not self.links or end - self.acked >= self.fallbehind_max:
+            return ResponseCode.SLAVE_NOT_AVAILABLE
+        if end <= self.acked:
+            return ResponseCode.SUCCESS
+        fut = self.watermark.wait(end)
+        out = fut.get_loop().create_future()
+        fut.add_done_callback(lambda f: out.done() or out.set_result(
+            ResponseCode.SUCCESS if f.result() else ResponseCode.FLUSH_SLAVE_TIMEOUT))
+        return out
+
+    async def confirm_async(self, end: int) -> int:
+        verdict = self.confirm(end)
+        return verdict if isinstance(verdict, int) else await verdict
+
+    def close(self) -> None:
+        self.watermark.fail_all()
+
+    # ------------------------------------------------------------ one slave
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The whole life of one slave connection (broker/server.py's HA listener calls this)."""
+        peer = writer.get_extra_info("peername")
+        link = SlaveLink(f"{peer[0]}:{peer[1]}" if peer else "?")
+        self.links.add(link)
+        self.connections_total += 1
+        log.info("slave %s connected", link.peer)
+        reading = asyncio.ensure_future(self._read(link, reader))
+        sending = asyncio.ensure_future(self._send(link, writer))
+        try:
+            done, _ = await asyncio.wait({reading, sending}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is not None and not isinstance(exc, (ConnectionError, asyncio.IncompleteReadError)):
+                    log.warning("slave %s: %s", link.peer, exc)
+        finally:
+            self.links.discard(link)
+            # Only a connected slave's confirmation counts: a new, empty slave must not inherit the old one's.
+            self.watermark.reset(max((other.acked for other in self.links), default=0))
+            for task in (reading, sending):
+                task.cancel()
+            await asyncio.gather(reading, sending, return_exceptions=True)
+            writer.close()
+            log.info("slave %s disconnected (acknowledged up to %d)", link.peer, link.acked)
+
+    async def _read(self, link: SlaveLink, reader: asyncio.StreamReader) -> None:
+        decoder = OffsetDecoder()
+        while True:
+            data = await asyncio.wait_for(reader.read(4096), self.housekeeping_s)
+            if not data:
+                return
+            offsets = decoder.feed(data)
+            if not offsets:
+                continue
+            if link.request_offset < 0:
+                link.request_offset = offsets[0]
+            link.acked = offsets[-1]
+            if link.acked > self.store.max_physical_offset:
+                log.warning("slave %s reports offset %d, past this master's log end %d", link.peer, link.acked,
+                            self.store.max_physical_offset)
+            self.watermark.advance(link.acked)
+            link.reported.set()
+
+    def _start_offset(self, link: SlaveLink) -> int:
+        start = link.request_offset
+        if start == 0:
+            return self.store.min_physical_offset   # a new slave: everything this master still holds
+        if start < self.store.min_physical_offset:
+            raise HAProtocolError(f"slave {link.peer} asks for offset {start}, but this master's log now starts "
+                                  f"at {self.store.min_physical_offset}: it cannot catch up (start it afresh)")
+        return start
+
+    async def _send(self, link: SlaveLink, writer: asyncio.StreamWriter) -> None:
+        await link.reported.wait()
+        nxt = self._start_offset(link)
+        log.info("slave %s: sending the log from offset %d", link.peer, nxt)
+        loop = asyncio.get_running_loop()
+        last_write = loop.time()
+        while True:
+            link.wake.clear()
+            chunk = self.store.replica_chunk(nxt, self.batch)
+            if chunk is not None:
+                body = bytes(chunk)     # a copy: the mapping may be unmapped while bytes wait in the buffer
+                chunk.release()
+                writer.write(encode_transfer(nxt, body) + body)
+                nxt += len(body)
+                await writer.drain()
+                last_write = loop.time()
+                continue
+            idle = self.heartbeat_s - (loop.time() - last_write)
+            if idle <= 0:
+                writer.write(encode_transfer(nxt))
+                await writer.drain()
+                last_write = loop.time()
+                continue
+            try:
+                await asyncio.wait_for(link.wake.wait(), idle)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,140 @@
+"""Replication at the store level: the bytes a master hands out, the chunks a slave appends.
+
+A slave's commit log is a byte-for-byte copy of its master's: the same records at the same
+physical offsets, the same end markers at the same positions. So the master hands out runs of
+its own segment bytes, and the slave copies them in at the offset they came from; nothing is
+re-encoded on either side.
+
+What one chunk is (the master's ``read_chunk``; the slave's ``parse_chunk`` insists on it):
+
+    a run of whole records in one segment    (at least one record, at most ``limit`` bytes
+                                              unless the first record alone is larger)
+    or one end marker, 8 bytes               (TOTALSIZE = bytes left in the segment, BLANK magic):
+                                              the segment is sealed, the next chunk starts at the
+                                              next segment's first byte
+
+Whole records keep the slave simple: every chunk it appends is indexable at once (consume-queue
+units from each record's own QUEUEOFFSET, dispatch as after a put), with no partial record carried
+between frames. RocketMQ cuts its 32 KiB transfers anywhere; the frame layout (ha/codec.py) is the
+same, only the cut points differ.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Callable, NamedTuple
+
+from protocol.errors import RecordError
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, string_to_properties, tags_code
+from protocol.record import MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
+
+from .results import DispatchInfo
+
+_MARKER_SIZE = 8
+_SIZE_MAGIC = struct.Struct(">ii")
+
+
+class ReplicaRecord(NamedTuple):
+    """One record of a chunk, as the slave indexes it (positions relative to the chunk)."""
+
+    pos: int
+    size: int
+    queue_id: int
+    queue_offset: int       # -1: no consume-queue unit (PREPARED / ROLLBACK records)
+    sys_flag: int
+    store_timestamp: int
+    prepared_offset: int
+    topic: str
+    tags_code: int
+
+
+class ReplicaChunk:
+    """What the slave queues for the writer: bytes for ``phys``, their records parsed, or a seal."""
+
+    __slots__ = ("phys", "data", "records", "seal", "end")
+
+    def __init__(self, phys: int, data: bytes, records: list[ReplicaRecord], seal: bool, end: int):
+        self.phys = phys
+        self.data = data
+        self.records = records
+        self.seal = seal
+        self.end = end          # the log end after this chunk (after a seal: the next segment's start)
+
+    def infos(self) -> list[DispatchInfo]:
+        base = self.phys
+        return [DispatchInfo(r.topic, r.queue_id, r.queue_offset, base + r.pos, r.size, r.tags_code,
+                             r.store_timestamp, r.sys_flag, r.prepared_offset, False) for r in self.records]
+
+
+def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None = None) -> ReplicaChunk:
+    """Check a chunk from the master and parse its records; ValueError says what is wrong with it.
+
+    Every record is checked as recovery checks it (magic, size, its PHYSICALOFFSET field equal to where
+    it will lie, lengths, body CRC), so a damaged transfer never reaches the slave's log.
+    """
+    pos_in_seg = phys % seg_size
+    n = len(data)
+    if n == _MARKER_SIZE:
+        size, magic = _SIZE_MAGIC.unpack_from(data, 0)
+        if magic == BLANK_MAGIC:
+            if size != seg_size - pos_in_seg:
+                raise ValueError(f"end marker at {phys} says {size} bytes left, the segment has "
+                                 f"{seg_size - pos_in_seg} (do master and slave use the same segment_size?)")
+            return ReplicaChunk(phys, bytes(data), [], True, phys + size)
+    if n == 0:
+        raise ValueError(f"empty chunk at {phys}")
+    if pos_in_seg + n + _MARKER_SIZE > seg_size:
+        raise ValueError(f"chunk of {n} bytes at {phys} does not fit its segment with room for the end marker "
+                         "(do master and slave use the same segment_size?)")
+    records: list[ReplicaRecord] = []
+    pos = 0
+    while pos < n:
+        if n - pos < MIN_RECORD_SIZE:
+            raise ValueError(f"chunk at {phys} ends with {n - pos} bytes, not a whole record")
+        size, magic, crc, qid, _flag, qoff, rphys, sys_flag = RECORD_HEAD.unpack_from(data, pos)
+        if magic != MESSAGE_MAGIC or size < MIN_RECORD_SIZE or pos + size > n:
+            raise ValueError(f"no whole record at {phys + pos} (magic {magic & 0xFFFFFFFF:#x}, size {size})")
+        if rphys != phys + pos:
+            raise ValueError(f"record at {phys + pos} says its offset is {rphys}")
+        try:
+            ts, prepared, topic, (plo, plen) = read_index_fields(data, pos, size, sys_flag, crc)
+        except RecordError as exc:
+            raise ValueError(f"record at {phys + pos}: {exc}") from None
+        unit = not sys_flag & 0x4       # NOT and COMMIT records have a consume-queue unit (spec 7.2)
+        records.append(ReplicaRecord(pos, size, qid, qoff if unit else -1, sys_flag, ts, prepared, topic,
+                                     _tag(data, plo, plen, topic, ts, tag_rule) if unit else 0))
+        pos += size
+    return ReplicaChunk(phys, bytes(data), records, False, phys + n)
+
+
+def _tag(data, lo: int, n: int, topic: str, ts: int, rule: Callable | None) -> int:
+    """The unit's tagsCode, as recovery computes it (a delayed message's is its delivery time)."""
+    try:
+        props = string_to_properties(bytes(data[lo:lo + n]).decode())
+    except UnicodeDecodeError:
+        return 0
+    if rule is not None:
+        special = rule(topic, props, ts)
+        if special is not None:
+            return special
+    return tags_code(props)
+
+
+def chunk_span(mm, pos: int, seg_size: int, avail: int, limit: int) -> int:
+    """(Master) bytes of the chunk starting ``pos`` in a segment mapping, reading at most ``avail`` bytes:
+    whole records up to ``limit`` bytes (at least one), or 8 for an end marker; 0 when nothing whole is
+    there yet. ValueError when ``pos`` is not a record boundary."""
+    size, magic = _SIZE_MAGIC.unpack_from(mm, pos) if pos + 8 <= seg_size else (0, 0)
+    if magic == BLANK_MAGIC and size == seg_size - pos:
+        return _MARKER_SIZE if avail >= _MARKER_SIZE else 0
+    if magic != MESSAGE_MAGIC:
+        raise ValueError(f"offset {pos} of its segment is not a record boundary")
+    end = pos
+    stop = pos + avail
+    while end + MIN_RECORD_SIZE <= stop:
+        size, magic = _SIZE_MAGIC.unpack_from(mm, end)
+        if magic != MESSAGE_MAGIC or end + size > stop:
+            break
+        if end > pos and end + size - pos > limit:
+            break
+        end += size
+    return end - pos

@@ -1,0 +1,216 @@
+"""Master-slave replication (RocketMQ HA) with real broker processes on loopback.
+
+* A SYNC_MASTER acknowledges N sends (SEND_OK), is killed with SIGKILL right after the N-th, and a
+  PullConsumer pointed at the slave reads all N; the slave's commit log equals the master's, byte for
+  byte, over the acknowledged range.
+* A SYNC_MASTER with no slave answers SLAVE_NOT_AVAILABLE, and has stored the message.
+* A slave that is killed and restarted catches up from its own log end.
+* A slave refuses sends and END_TRANSACTION as RocketMQ does.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import MessageQueue
+from producer import Producer
+from producer.producer import SendStatus
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import ConnectionPool
+from protocol.message import SendMessageRequestHeader, decode_offset_msg_id, peek_record
+
+pytestmark = pytest.mark.asyncio
+
+TOPIC = "Replicated"
+SEGMENT = "0" * 20
+
+
+def _master(broker_factory, role="SYNC_MASTER", **kw):
+    return broker_factory("--broker-role", role, "--ha-port", "0", "--ha-heartbeat-interval-ms", "500",
+                          store="master", **kw)
+
+
+def _slave(broker_factory, master, store="slave"):
+    return broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                          "--ha-heartbeat-interval-ms", "500", store=store)
+
+
+async def _until_replicating(producer: Producer, timeout: float = 20.0) -> MessageQueue:
+    """Send seeds until one comes back SEND_OK: the slave is connected and confirming. Returns the queue."""
+    async with asyncio.timeout(timeout):
+        while True:
+            res = await producer.send(TOPIC, b"seed")
+            if res.status is SendStatus.SEND_OK:
+                return res.queue
+            await asyncio.sleep(0.1)
+
+
+async def _pull_all(namesrv: str, mq: MessageQueue, want: int, timeout: float = 20.0) -> list[bytes]:
+    """Everything in ``mq`` from offset 0, waiting (long polls) until there are ``want`` messages."""
+    async with PullConsumer(namesrv, "CG_replica") as consumer:
+        await consumer.fetch_queues(mq.topic)
+        bodies: list[bytes] = []
+        async with asyncio.timeout(timeout):
+            while len(bodies) < want:
+                res = await consumer.pull(mq, len(bodies), max_nums=256, suspend_ms=1000)
+                bodies += [m.body for m in res.messages]
+        return bodies
+
+
+def _log_bytes(store: Path, end: int) -> bytes:
+    with open(store / "commitlog" / SEGMENT, "rb") as f:
+        return f.read(end)
+
+
+def _record_end(store: Path, phys: int) -> int:
+    with open(store / "commitlog" / SEGMENT, "rb") as f:
+        f.seek(phys)
+        size, _magic = peek_record(f.read(8))
+    return phys + size
+
+
+async def test_slave_holds_every_message_its_sync_master_acknowledged(broker_factory, tmp_path):
+    master = _master(broker_factory)
+    assert master.ha, "a master with --ha-port prints ha=HOST:PORT on its LISTENING line"
+    slave = _slave(broker_factory, master)
+    n = 300
+    async with Producer(master.namesrv, "PG_replica") as producer:
+        mq = await _until_replicating(producer)
+        seeds = (await producer.send(TOPIC, b"last-seed", queue=mq)).queue_offset
+        acked = []
+        for start in range(0, n, 30):           # 30 in flight at a time: many sends on one watermark
+            results = await asyncio.gather(*(producer.send(TOPIC, f"m{i}".encode(), queue=mq)
+                                             for i in range(start, start + 30)))
+            assert [r.status for r in results] == [SendStatus.SEND_OK] * 30
+            acked += results
+    master.kill()                                # right after the N-th acknowledgement
+    bodies = await _pull_all(slave.namesrv, mq, seeds + 1 + n)
+    assert bodies[seeds + 1:] == [f"m{i}".encode() for i in range(n)]
+    last = max(decode_offset_msg_id(r.offset_msg_id)[1] for r in acked)
+    end = _record_end(tmp_path / "master", last)
+    assert _log_bytes(tmp_path / "slave", end) == _log_bytes(tmp_path / "master", end)
+
+
+async def test_sync_master_without_slave_answers_slave_not_available(broker_factory):
+    master = _master(broker_factory)
+    async with Producer(master.namesrv, "PG_alone") as producer:
+        res = await producer.send(TOPIC, b"kept anyway")
+        assert res.status is SendStatus.SLAVE_NOT_AVAILABLE
+        assert res.offset_msg_id and res.queue_offset >= 0     # the header is filled as for SEND_OK
+        mq = res.queue
+    assert await _pull_all(master.namesrv, mq, res.queue_offset + 1) == [b"kept anyway"]
+
+
+async def test_restarted_slave_catches_up_from_its_own_end(broker_factory, tmp_path):
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    async with Producer(master.namesrv, "PG_catchup") as producer:
+        first = await producer.send(TOPIC, b"m0")
+        mq = first.queue
+        for i in range(1, 50):
+            await producer.send(TOPIC, f"m{i}".encode(), queue=mq)
+        assert await _pull_all(slave.namesrv, mq, 50) == [f"m{i}".encode() for i in range(50)]
+        slave.kill()
+        for i in range(50, 120):
+            res = await producer.send(TOPIC, f"m{i}".encode(), queue=mq)
+            assert res.status is SendStatus.SEND_OK          # an ASYNC_MASTER does not wait for a slave
+    slave2 = _slave(broker_factory, master)
+    assert await _pull_all(slave2.namesrv, mq, 120) == [f"m{i}".encode() for i in range(120)]
+    resumed = [int(x) for x in re.findall(r"following master \S+ from offset (\d+)", slave2.log())]
+    assert len(resumed) >= 2 and resumed[0] == 0 and resumed[-1] > 0     # the restart asked from its own end
+    end = _record_end(tmp_path / "master", decode_offset_msg_id(res.offset_msg_id)[1])
+    assert _log_bytes(tmp_path / "slave", end) == _log_bytes(tmp_path / "master", end)
+
+
+async def test_slave_refuses_writes(broker_factory):
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    try:
+        h = SendMessageRequestHeader("PG", TOPIC, queue_id=0, properties="")
+        resp = await pool.request(slave.broker, RemotingCommand.request(RequestCode.SEND_MESSAGE,
+                                                                        h.to_ext_fields(v2=False), b"no"))
+        assert resp.code == ResponseCode.SERVICE_NOT_AVAILABLE
+        assert "messages are put to the slave" in resp.remark
+        end = RemotingCommand.request(RequestCode.END_TRANSACTION, {
+            "producerGroup": "PG", "tranStateTableOffset": "0", "commitLogOffset": "0",
+            "commitOrRollback": "8", "msgId": "x"})
+        assert (await pool.request(slave.broker, end)).code == ResponseCode.SLAVE_NOT_AVAILABLE
+    finally:
+        await pool.close()
+
+
+def _scrape(metrics_addr: str) -> dict[str, float]:
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("txmq_ha_")}
+
+
+async def test_sync_master_answers_flush_slave_timeout_when_the_slave_stalls(broker_factory):
+    master = broker_factory("--broker-role", "SYNC_MASTER", "--ha-port", "0", "--ha-slave-timeout-ms", "300",
+                            store="master")
+    slave = _slave(broker_factory, master)
+    async with Producer(master.namesrv, "PG_stall") as producer:
+        mq = await _until_replicating(producer)
+        gauges = await asyncio.to_thread(_scrape, master.metrics)
+        assert gauges["txmq_ha_slave_connected"] == 1
+        slave.proc.send_signal(signal.SIGSTOP)      # connected, but confirming nothing
+        try:
+            res = await producer.send(TOPIC, b"unconfirmed", queue=mq)
+            assert res.status is SendStatus.FLUSH_SLAVE_TIMEOUT and res.queue_offset >= 0
+            gauges = await asyncio.to_thread(_scrape, master.metrics)
+            assert gauges["txmq_ha_slave_connected"] == 1 and gauges["txmq_ha_slave_lag_bytes"] > 0
+        finally:
+            slave.proc.send_signal(signal.SIGCONT)
+        async with asyncio.timeout(20):             # resumed: it confirms again, and catches up
+            while (await producer.send(TOPIC, b"again", queue=mq)).status is not SendStatus.SEND_OK:
+                await asyncio.sleep(0.1)
+    assert (await asyncio.to_thread(_scrape, master.metrics))["txmq_ha_slave_lag_bytes"] == 0
+    assert b"unconfirmed" in await _pull_all(slave.namesrv, mq, res.queue_offset + 1)
+
+
+async def test_through_a_name_server_consumers_fail_over_to_the_slave(tmp_path):
+    """Master and slave register with one stand-alone name server under one broker name (ids 0 and 1);
+    a stock-style consumer finds the master in the routes, and when it dies (kill -9 after the N-th
+    acknowledged send) the routes keep the slave, from which the consumer reads all N."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags, route
+
+    started = []
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000",
+                            "--scan-interval-ms", "200").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-r", 1000), "--broker-role",
+                               "SYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500").start()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-r", 1000), "--broker-role",
+                              "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                              "--ha-heartbeat-interval-ms", "500").start()
+        started.append(slave)
+        n = 100
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_ns_replica") as producer:
+                mq = await _until_replicating(producer)
+                seeds = (await producer.send(TOPIC, b"last-seed", queue=mq)).queue_offset
+                for start in range(0, n, 20):
+                    results = await asyncio.gather(*(producer.send(TOPIC, f"n{i}".encode(), queue=mq)
+                                                     for i in range(start, start + 20)))
+                    assert [r.status for r in results] == [SendStatus.SEND_OK] * 20
+            addrs = (await route(ns.addr, TOPIC)).broker_datas[0].broker_addrs
+            assert addrs == {0: master.broker, 1: slave.broker}, addrs
+            master.kill()
+            while 0 in (await route(ns.addr, TOPIC)).broker_datas[0].broker_addrs:
+                await asyncio.sleep(0.1)        # dropped when its connection closed (bounded by the timeout)
+            bodies = await _pull_all(ns.addr, mq, seeds + 1 + n)
+        assert bodies[seeds + 1:] == [f"n{i}".encode() for i in range(n)]
+    finally:
+        for p in reversed(started):
+            p.kill()

@@ -1,0 +1,223 @@
+"""HA units: the frame codec (fed in any cuts), the offset watermark (a driven clock), and the store's replica
+path (a master store's chunks copied into a slave store: same bytes, same queues, across segment rolls)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import pytest
+
+from broker.ha.codec import (HEADER, HAProtocolError, OffsetDecoder, TransferDecoder, encode_offset,
+                             encode_transfer)
+from broker.ha.waiter import OffsetWatermark
+from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
+from tests.support.bounded import bounded
+
+SEG = 64 * 1024
+CFG = StoreConfig(segment_size=SEG, cq_units_per_file=100, checkpoint_interval_ms=20)
+
+
+# ------------------------------------------------------------------ codec
+def _cuts(data: bytes, rng: random.Random):
+    pos = 0
+    while pos < len(data):
+        step = rng.randint(1, 13)
+        yield data[pos:pos + step]
+        pos += step
+
+
+def test_transfer_frames_survive_any_split():
+    frames = [(0, b""), (12345, b"x" * 100), (1 << 40, b"abc"), (7, b"")]
+    wire = b"".join(encode_transfer(p, b) + b for p, b in frames)
+    assert encode_transfer(5, b"ab") == HEADER.pack(5, 2) == (5).to_bytes(8, "big") + (2).to_bytes(4, "big")
+    for seed in range(20):
+        dec = TransferDecoder()
+        got = [f for cut in _cuts(wire, random.Random(seed)) for f in dec.feed(cut)]
+        assert got == frames and dec.buffered == 0
+
+
+def test_transfer_decoder_refuses_nonsense_headers():
+    with pytest.raises(HAProtocolError):
+        TransferDecoder().feed(HEADER.pack(-1, 0))
+    with pytest.raises(HAProtocolError):
+        TransferDecoder(max_body=10).feed(HEADER.pack(0, 11))
+
+
+def test_offset_reports_in_any_split():
+    wire = b"".join(encode_offset(v) for v in (0, 1, 1 << 33, 42))
+    assert encode_offset(1) == b"\0" * 7 + b"\1"
+    for seed in range(20):
+        dec = OffsetDecoder()
+        assert [v for cut in _cuts(wire, random.Random(seed)) for v in dec.feed(cut)] == [0, 1, 1 << 33, 42]
+    with pytest.raises(HAProtocolError):
+        OffsetDecoder().feed(encode_offset(-5))
+
+
+# ------------------------------------------------------------------ watermark
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@bounded()
+async def test_watermark_resolves_every_waiter_it_covers_in_one_advance():
+    w = OffsetWatermark(3.0, clock=Clock(), use_timer=False)
+    futs = [w.wait(end) for end in (10, 20, 30, 40)]
+    assert w.advance(25) == 2
+    assert [f.done() for f in futs] == [True, True, False, False]
+    assert all(f.result() is True for f in futs[:2])
+    assert w.advance(20) == 0 and w.acked == 25          # never goes back
+    assert w.wait(25).result() is True                    # already covered: resolved at once
+    w.advance(40)
+    assert all(f.result() is True for f in futs)
+
+
+@bounded()
+async def test_watermark_times_out_by_the_clock():
+    clock = Clock()
+    w = OffsetWatermark(3.0, clock=clock, use_timer=False)
+    a = w.wait(10)
+    clock.now += 2.0
+    b = w.wait(20)
+    clock.now += 1.5                                     # a is 3.5 s old, b 1.5 s
+    assert w.expire() == 1
+    assert a.result() is False and not b.done()
+    w.advance(20)
+    assert b.result() is True
+    clock.now += 10
+    assert w.expire() == 0 and w.waiting == 0
+
+
+@bounded()
+async def test_watermark_timer_fires_on_the_loop():
+    w = OffsetWatermark(0.05)
+    fut = w.wait(1)
+    assert await asyncio.wait_for(fut, 2) is False
+    w.fail_all()
+
+
+# ------------------------------------------------------------------ store replica path
+def _req(i: int, size: int = 3000) -> PutRequest:
+    return PutRequest.build(f"T{i % 3}", os.urandom(size), queue_id=i % 2, properties={"TAGS": f"t{i % 4}"},
+                            born_timestamp=123)
+
+
+async def _copy(master: MessageStore, slave: MessageStore, start: int, batch: int = 8000) -> int:
+    """What an HA link does, without the socket: chunks from the master, appended by the slave."""
+    nxt = start
+    last = None
+    while True:
+        chunk = master.replica_chunk(nxt, batch)
+        if chunk is None:
+            break
+        fut, nxt = slave.append_replica(nxt, bytes(chunk))
+        chunk.release()
+        last = fut
+    if last is not None:
+        assert (await last).ok
+    return nxt
+
+
+def _files(store_dir) -> dict[str, bytes]:
+    d = os.path.join(store_dir, "commitlog")
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
+
+
+@bounded(30)
+async def test_slave_store_is_a_byte_copy_across_segment_rolls(tmp_path):
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    slave = MessageStore(str(tmp_path / "s"), CFG)
+    seen = []
+    slave.add_dispatch_listener(seen.append)
+    await master.open()
+    await slave.open()
+    slave.set_replica_only()
+    try:
+        for i in range(60):                          # ~180 KB: three segment rolls
+            assert (await master.put(_req(i))).ok
+        end = await _copy(master, slave, 0)
+        assert end == slave.max_physical_offset == master.max_physical_offset > 2 * SEG
+        for key in master.queues():
+            assert slave.max_offset(*key) == master.max_offset(*key)
+            got_m = master.get_messages(*key, 0, 100, 1 << 20)
+            got_s = slave.get_messages(*key, 0, 100, 1 << 20)
+            assert [bytes(b) for b in got_s.buffers] == [bytes(b) for b in got_m.buffers]
+        assert len(seen) == 60 and not any(info.recovering for info in seen)
+        assert (await slave.put(_req(0))).status is PutStatus.SERVICE_NOT_AVAILABLE   # a slave takes no puts
+        with pytest.raises(ValueError, match="whole record"):
+            slave.append_replica(master.max_physical_offset, bytes(100))
+    finally:
+        await master.close()
+        await slave.close()
+    assert _files(tmp_path / "m") == _files(tmp_path / "s")
+
+
+@bounded(30)
+async def test_slave_store_refuses_a_chunk_for_another_offset_and_resumes_after_restart(tmp_path):
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    await master.open()
+    for i in range(10):
+        await master.put(_req(i, 500))
+    slave = MessageStore(str(tmp_path / "s"), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    half = await _copy(master, slave, 0, batch=2000)
+    first = master.replica_chunk(0, 2000)
+    fut, _ = slave.append_replica(0, bytes(first))          # the log already holds offset 0
+    first.release()
+    res = await fut
+    assert res.status is PutStatus.MESSAGE_ILLEGAL and "ends at" in res.remark
+    await slave.close()
+    for i in range(10, 20):
+        await master.put(_req(i, 500))
+    slave = MessageStore(str(tmp_path / "s"), CFG)       # restart: recovery, then on from its own end
+    await slave.open()
+    slave.set_replica_only()
+    assert slave.max_physical_offset == half
+    await _copy(master, slave, half)
+    assert slave.max_physical_offset == master.max_physical_offset
+    await master.close()
+    await slave.close()
+    assert _files(tmp_path / "m") == _files(tmp_path / "s")
+
+
+@bounded(30)
+async def test_empty_slave_starts_its_log_where_the_masters_starts(tmp_path):
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    await master.open()
+    for i in range(30):
+        await master.put(_req(i))
+    first = master.segments()[0].name
+    await master.remove_segment(first, "test")
+    start = master.min_physical_offset
+    assert start == SEG
+    slave = MessageStore(str(tmp_path / "s"), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    assert slave.is_empty
+    await slave.rebase_empty(start)
+    assert slave.min_physical_offset == slave.max_physical_offset == start
+    await _copy(master, slave, start)
+    assert slave.max_physical_offset == master.max_physical_offset
+    await master.close()
+    await slave.close()
+    assert _files(tmp_path / "m") == _files(tmp_path / "s")
+    reopened = MessageStore(str(tmp_path / "s"), CFG)
+    await reopened.open()
+    assert reopened.min_physical_offset == start and reopened.max_physical_offset == master.max_physical_offset
+    await reopened.close()
+
+
+@bounded()
+async def test_watermark_reset_forgets_a_gone_slaves_confirmations():
+    w = OffsetWatermark(3.0, clock=Clock(), use_timer=False)
+    w.advance(100)
+    w.reset(0)                       # that slave left; a new one has confirmed nothing yet
+    fut = w.wait(50)
+    assert not fut.done()
+    w.advance(50)
+    assert fut.result() is True
