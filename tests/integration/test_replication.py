@@ -92,7 +92,7 @@ async def test_slave_holds_every_message_its_sync_master_acknowledged(broker_fac
     master.kill()                                # right after the N-th acknowledgement
     bodies = await _pull_all(slave.namesrv, mq, seeds + 1 + n)
     assert bodies[seeds + 1:] == [f"m{i}".encode() for i in range(n)]
-    last = max(decode_offset_msg_id(r.offset_msg_id)[1] for r in acked)
+    last = max(decode_offset_msg_id(r.offset_msg_id)[2] for r in acked)     # (host, port, offset)
     end = _record_end(tmp_path / "master", last)
     assert _log_bytes(tmp_path / "slave", end) == _log_bytes(tmp_path / "master", end)
 
@@ -124,7 +124,7 @@ async def test_restarted_slave_catches_up_from_its_own_end(broker_factory, tmp_p
     assert await _pull_all(slave2.namesrv, mq, 120) == [f"m{i}".encode() for i in range(120)]
     resumed = [int(x) for x in re.findall(r"following master \S+ from offset (\d+)", slave2.log())]
     assert len(resumed) >= 2 and resumed[0] == 0 and resumed[-1] > 0     # the restart asked from its own end
-    end = _record_end(tmp_path / "master", decode_offset_msg_id(res.offset_msg_id)[1])
+    end = _record_end(tmp_path / "master", decode_offset_msg_id(res.offset_msg_id)[2])
     assert _log_bytes(tmp_path / "slave", end) == _log_bytes(tmp_path / "master", end)
 
 
