@@ -250,19 +250,35 @@ class IndexService:
         if self._closed or self.failed is not None:
             return      # after a failure, ``covered`` may be past what was written: never save it
         items: list[tuple[int, int, int]] = []
+        run: list[tuple[int, int]] = []         # contiguous records of one segment: read with one pread
         for phy, size in batch:
             if phy < self.covered:
                 continue
             if phy > self.covered:      # a record the queue never saw (or a segment's end): read the log
+                self._index_run(run, items)
                 self._flush(items)
                 self._scan(self.covered, phy)
-            raw = self._read(phy, size)
-            if raw is not None and len(raw) == size and _SIZE_MAGIC.unpack_from(raw, 0) == (size, MESSAGE_MAGIC):
-                self._collect(items, raw, 0, phy)
+            if run and (phy != run[-1][0] + run[-1][1] or phy // self.seg_size != run[0][0] // self.seg_size
+                        or phy + size - run[0][0] > _CHUNK):
+                self._index_run(run, items)
+            run.append((phy, size))
             self.covered = phy + size
             if len(items) >= 4096:
                 self._flush(items)
+        self._index_run(run, items)
         self._flush(items)
+
+    def _index_run(self, run: list[tuple[int, int]], items: list) -> None:
+        if not run:
+            return
+        lo = run[0][0]
+        raw = self._read(lo, run[-1][0] + run[-1][1] - lo)
+        for phy, size in run:
+            at = phy - lo
+            if (raw is not None and len(raw) >= at + size
+                    and _SIZE_MAGIC.unpack_from(raw, at) == (size, MESSAGE_MAGIC)):
+                self._collect(items, raw, at, phy)
+        run.clear()
 
     def _collect(self, items: list, raw, pos: int, phy: int) -> None:
         if phy == self._skip:
@@ -291,6 +307,7 @@ class IndexService:
         f = IndexFile.create(os.path.join(self.directory, name), self.slots, self.entries,
                              last.end_phy if last else 0, last.end_ts if last else 0)
         if last is not None:
+            last.release_slots()
             last.sync()
             log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
         self.files.append(f)

@@ -31,6 +31,7 @@ counts, offsets) is reported as IndexCorrupt; the caller rebuilds.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
@@ -78,6 +79,7 @@ class IndexFile:
         self.slot_count = 0
         self.count = 1
         self._entry_base = HEADER_SIZE + 4 * slots
+        self._mem: mmap.mmap | None = None  # header and slot table of the file being written, mapped
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -111,6 +113,7 @@ class IndexFile:
         return f
 
     def close(self) -> None:
+        self.release_slots()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -181,6 +184,7 @@ class IndexFile:
         items = items[:min(self.room, MAX_BATCH)]
         if not items:
             return 0
+        self.cache_slots()
         slots: dict[int, int] = {}
         out = bytearray(len(items) * ENTRY_SIZE)
         count, begin_ts = self.count, self.begin_ts
@@ -208,14 +212,39 @@ class IndexFile:
         return len(items)
 
     def _write_header(self) -> None:
-        os.pwrite(self.fd, HEADER.pack(self.begin_ts, self.end_ts, self.begin_phy, self.end_phy, self.slot_count,
-                                       self.count), 0)
+        fields = (self.begin_ts, self.end_ts, self.begin_phy, self.end_phy, self.slot_count, self.count)
+        if self._mem is not None:
+            HEADER.pack_into(self._mem, 0, *fields)
+        else:
+            os.pwrite(self.fd, HEADER.pack(*fields), 0)
 
     def _slot(self, slot: int) -> int:
+        if self._mem is not None:
+            return SLOT.unpack_from(self._mem, HEADER_SIZE + 4 * slot)[0]
         return SLOT.unpack(os.pread(self.fd, 4, HEADER_SIZE + 4 * slot))[0]
 
     def _set_slot(self, slot: int, value: int) -> None:
-        os.pwrite(self.fd, SLOT.pack(value), HEADER_SIZE + 4 * slot)
+        if self._mem is not None:
+            SLOT.pack_into(self._mem, HEADER_SIZE + 4 * slot, value)
+        else:
+            os.pwrite(self.fd, SLOT.pack(value), HEADER_SIZE + 4 * slot)
+
+    def cache_slots(self) -> None:
+        """Map the slot table of the file being written, its blocks allocated first.
+
+        A pread and a pwrite per key were two system calls, and two GIL hand-offs, per key indexed: a
+        third of the broker's CPU per send. Stores into the mapping cost neither; the blocks are
+        allocated before it is mapped, so a full disk is ENOSPC here (the index stops, loudly), never a
+        SIGBUS later. ``sync`` (fsync) makes the mapped slots durable with the rest of the file."""
+        if self._mem is not None:
+            return
+        os.posix_fallocate(self.fd, 0, self._entry_base)
+        self._mem = mmap.mmap(self.fd, self._entry_base)
+
+    def release_slots(self) -> None:
+        if self._mem is not None:
+            self._mem.close()
+            self._mem = None
 
     # ------------------------------------------------------------ reads
     def time_matched(self, begin: int, end: int) -> bool:

@@ -24,14 +24,48 @@ Why things are done this way:
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
 import os
+import sys
 
 log = logging.getLogger("txmq.store")
 
 PAGE = mmap.PAGESIZE
+
+
+def _libc_msync():
+    """libc's msync through ctypes, which lets go of the GIL for the call; None where it is not found.
+
+    CPython's ``mmap.flush`` (3.11) holds the GIL for the whole msync: while the flush thread waited for
+    the disk, the event loop could not run at all (measured: the loop thread stalled up to 29 ms and ran
+    half its iterations beside a thread msyncing 64 KiB at a time; beside fdatasync, 0.4 ms)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.msync
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MSYNC = _libc_msync()
+_MS_SYNC = 4        # Linux <sys/mman.h>
+
+
+def _address(mm: mmap.mmap) -> int:
+    """The mapping's start address (the temporary buffer export is released at once)."""
+    ref = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(ref)
+    finally:
+        del ref
 NAME_DIGITS = 20
 
 
@@ -56,7 +90,7 @@ def fsync_dir(path: str) -> None:
 
 
 class MappedFile:
-    __slots__ = ("path", "name", "start", "size", "fd", "mm", "view", "reserved", "zeroed")
+    __slots__ = ("path", "name", "start", "size", "fd", "mm", "addr", "view", "reserved", "zeroed")
 
     def __init__(self, path: str, start: int, size: int, fd: int, reserved: int):
         self.path = path
@@ -67,6 +101,7 @@ class MappedFile:
         self.reserved = reserved    # bytes from 0 known to be allocated on disk: writes go only below it
         self.zeroed = reserved      # (segments) how far the reserver thread has written zeros
         self.mm = mmap.mmap(fd, size)
+        self.addr = _address(self.mm) if _MSYNC is not None else 0
         self.view = memoryview(self.mm)
 
     @classmethod
@@ -126,7 +161,14 @@ class MappedFile:
         mm = self.mm
         if hi > lo and mm is not None:
             start = lo - lo % PAGE
-            mm.flush(start, hi - start)
+            if self.addr:
+                # Safe: flushes and unmapping of a file run in order on one I/O thread, so the mapping
+                # is alive for the whole call.
+                if _MSYNC(self.addr + start, hi - start, _MS_SYNC) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"msync of {self.path} [{start}, {hi}): {os.strerror(err)}")
+            else:
+                mm.flush(start, hi - start)
 
     def close(self) -> bool:
         """Unmap now if no reader holds a slice; otherwise leave it to the garbage collector. True if unmapped."""
