@@ -31,6 +31,7 @@ from .accumulator import Accumulator
 from .routes import MessageQueue, RouteCache
 
 log = logging.getLogger("txmq.producer")
+_TIMER_PROPS = frozenset({"TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS"})   # RocketMQ 5 timers
 
 
 class SendStatus(enum.Enum):
@@ -195,7 +196,7 @@ class Producer:
             props[Prop.DELAY] = str(delay_level)
         if deliver_at_ms is not None:
             props["TIMER_DELIVER_MS"] = str(deliver_at_ms)
-        waits = Prop.DELAY in props or any(k.startswith("TIMER_") for k in props)
+        waits = Prop.DELAY in props or not props.keys().isdisjoint(_TIMER_PROPS)
         if self._accumulator is not None and queue is None and flag == 0 and not waits:
             return await self._accumulator.add(topic, body, props)
         return await self._send(RequestCode.SEND_MESSAGE_V2, topic, body, props, queue, flag=flag)

@@ -93,6 +93,8 @@ class DelayLevels:
         goes to ``topic`` now; a string: why it is refused (MESSAGE_ILLEGAL).
 
         Only NOT and COMMIT transaction types wait (a half waits only once committed)."""
+        if Prop.DELAY not in props and props.keys().isdisjoint(TIMER_PROPS):
+            return None         # the common case, first: nothing asks to wait
         if SysFlag.transaction_type(sys_flag) not in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT):
             return None
         level = _int(props.get(Prop.DELAY))
