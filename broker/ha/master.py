@@ -104,7 +104,9 @@ class HAMaster:
             done, _ = await asyncio.wait({reading, sending}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 exc = task.exception()
-                if exc is not None and not isinstance(exc, (ConnectionError, asyncio.IncompleteReadError)):
+                if isinstance(exc, HAProtocolError):
+                    log.error("slave %s dropped: %s", link.peer, exc)
+                elif exc is not None and not isinstance(exc, (ConnectionError, asyncio.IncompleteReadError)):
                     log.warning("slave %s: %s", link.peer, exc)
         finally:
             self.links.discard(link)
@@ -125,12 +127,16 @@ class HAMaster:
             offsets = decoder.feed(data)
             if not offsets:
                 continue
+            if offsets[-1] > self.store.max_physical_offset:
+                # Its log holds bytes this master never had (the master cut a torn tail at recovery, or its
+                # store was replaced): counting it would acknowledge sends no slave holds.
+                raise HAProtocolError(
+                    f"slave {link.peer} reports offset {offsets[-1]}, past this master's log end "
+                    f"{self.store.max_physical_offset}: its log has diverged from this master's and it is not "
+                    "counted for acknowledgements; rebuild the slave's store")
             if link.request_offset < 0:
                 link.request_offset = offsets[0]
             link.acked = offsets[-1]
-            if link.acked > self.store.max_physical_offset:
-                log.warning("slave %s reports offset %d, past this master's log end %d", link.peer, link.acked,
-                            self.store.max_physical_offset)
             self.watermark.advance(link.acked)
             link.reported.set()
 

@@ -156,7 +156,16 @@ class ScheduleService:
         clock = self.ctx.clock
         while True:
             now = clock()
-            moved = await self.run_due(now)
+            try:
+                moved = await self.run_due(now)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must survive a bad turn, loudly
+                log.exception("schedule pass failed; trying again in %.0f s", REFUSED_RETRY_S)
+                crashes = getattr(self.ctx.metrics, "task_crashes", None)
+                if crashes is not None:         # txmq_background_task_crashes_total: the alert sees it
+                    crashes.labels("txmq-schedule").inc()
+                moved = -1
             if moved < 0:
                 await asyncio.sleep(REFUSED_RETRY_S)
                 continue
@@ -192,6 +201,10 @@ class ScheduleService:
         levels: dict[int, int] = {}
         size = 0
         next_due = None
+        # A batch is written all or none, and one larger than a segment is refused whole, every time: it
+        # would stall every level behind it for good. Stay within half a segment (one message alone may
+        # be bigger: at most max_message_size, which a segment always holds).
+        budget = min(BATCH_BYTES, store.config.segment_size // 2)
         for level in range(1, self.levels.max_level + 1):
             qid, delay = level - 1, self.levels.delays_ms[level - 1]
             offset = self.progress.levels.get(level, 0)
@@ -200,7 +213,7 @@ class ScheduleService:
             if offset < end and offset < store.min_offset(SCHEDULE_TOPIC, qid):
                 offset = store.min_offset(SCHEDULE_TOPIC, qid)     # removed by retention meanwhile
                 log.error("schedule level %d: offsets %d..%d were removed before delivery", level, start, offset)
-            while offset < end and len(batch) < BATCH_MESSAGES and size < BATCH_BYTES:
+            while offset < end and len(batch) < BATCH_MESSAGES and size < budget:
                 unit = store.queue_unit(SCHEDULE_TOPIC, qid, offset)
                 if unit is None:
                     break
@@ -210,6 +223,9 @@ class ScheduleService:
                     break
                 req = self._delivery(unit[0], SCHEDULE_TOPIC, offset)
                 if req is not None:
+                    if batch and size + len(req.record) > budget:
+                        next_due = now          # it goes in the next batch, at once
+                        break
                     batch.append((req, due, str(level)))
                     size += len(req.record)
                 offset += 1
@@ -217,10 +233,13 @@ class ScheduleService:
                 levels[level] = offset
         timers: list[tuple[int, int, int]] = []
         heap = self._timers
-        while heap and heap[0][0] <= now and len(batch) < BATCH_MESSAGES and size < BATCH_BYTES:
-            entry = heapq.heappop(heap)
-            timers.append(entry)
+        while heap and heap[0][0] <= now and len(batch) < BATCH_MESSAGES and size < budget:
+            entry = heap[0]
             req = self._delivery(entry[2], TIMER_TOPIC, entry[1])
+            if req is not None and batch and size + len(req.record) > budget:
+                break                           # the next batch takes it, at once (next_due = now below)
+            heapq.heappop(heap)
+            timers.append(entry)
             if req is not None:
                 batch.append((req, entry[0], "timer"))
                 size += len(req.record)

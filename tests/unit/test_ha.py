@@ -221,3 +221,34 @@ async def test_watermark_reset_forgets_a_gone_slaves_confirmations():
     assert not fut.done()
     w.advance(50)
     assert fut.result() is True
+
+
+async def test_a_slave_ahead_of_its_master_is_dropped_not_counted():
+    """A slave whose log is longer than the master's (the master cut a torn tail at recovery, or its store
+    was replaced) must not confirm anything: its report would acknowledge sends no slave holds."""
+    from types import SimpleNamespace
+
+    from broker.ha.codec import encode_offset
+    from broker.ha.master import HAMaster
+    from protocol.codes import ResponseCode
+
+    store = SimpleNamespace(max_physical_offset=1000, min_physical_offset=0, replica_chunk=lambda *a: None)
+    config = SimpleNamespace(broker_role="SYNC_MASTER", ha_transfer_batch_size=32 * 1024,
+                             ha_heartbeat_interval_ms=60_000, ha_housekeeping_interval_ms=60_000,
+                             ha_slave_fallbehind_max=1 << 28, ha_slave_timeout_ms=3000)
+    master = HAMaster(store, config)
+    server = await asyncio.start_server(master.serve, "127.0.0.1", 0)
+    try:
+        async with asyncio.timeout(10):
+            reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+            writer.write(encode_offset(50_000))                   # "I hold 50,000 bytes" of a 1,000-byte log
+            await writer.drain()
+            assert await reader.read() == b""                     # the master closes the connection ...
+            writer.close()
+            while master.links:
+                await asyncio.sleep(0.01)
+        assert master.acked < 1200                                # ... and counted nothing of it
+        assert master.confirm(1200) == ResponseCode.SLAVE_NOT_AVAILABLE
+    finally:
+        server.close()
+        master.close()

@@ -227,3 +227,56 @@ async def test_an_undeliverable_message_is_passed_over_with_progress_kept(tmp_pa
     assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"fine"]
     assert svc.ctx.store.max_offset("RMQ_SYS_TRANS_HALF_TOPIC", 0) == 0
     await svc.ctx.store.close()
+
+
+@bounded()
+async def test_due_messages_larger_together_than_a_segment_are_delivered_in_several_batches(tmp_path):
+    """One batch is written all or none, and the store refuses one larger than a segment: a batch of two
+    600 KiB messages in 1 MiB segments was refused every second, and everything delayed stalled behind it."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    bodies = [bytes([65 + i]) * (600 * 1024) for i in range(3)]
+    for body in bodies:
+        await _schedule(svc, "Big", body, {"DELAY": "1"}, clock.now)
+    clock.now = 101_000
+    moved = []
+    for _ in range(5):
+        n = await svc.run_due(clock.now)
+        assert n >= 0, "the store refused the batch"
+        if n == 0:
+            break
+        moved.append(n)
+    assert moved == [1, 1, 1]
+    assert [m.body for m in _delivered(store, "Big")] == bodies
+    await svc.stop()
+    await store.close()
+
+
+@bounded()
+async def test_a_pass_that_raises_is_logged_counted_and_the_loop_goes_on(tmp_path, caplog, monkeypatch):
+    import asyncio
+
+    import broker.schedule.service as service_mod
+    monkeypatch.setattr(service_mod, "REFUSED_RETRY_S", 0.01)
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    real, calls = svc.run_due, []
+
+    async def flaky(now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("a record that does not decode")
+        return await real(now)
+    svc.run_due = flaky
+    await _schedule(svc, "Orders", b"later", {"DELAY": "1"}, clock.now)
+    clock.now = 101_000
+    svc.start()
+    try:
+        while not _delivered(svc.ctx.store, "Orders"):
+            await asyncio.sleep(0.01)
+    finally:
+        await svc.stop()
+        await svc.ctx.store.close()
+    assert "schedule pass failed" in caplog.text and len(calls) >= 2
+    assert svc.ctx.metrics.task_crashes.labels("txmq-schedule")._value.get() == 1

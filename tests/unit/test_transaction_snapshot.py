@@ -264,3 +264,34 @@ def test_a_decision_file_that_cannot_be_made_waits_in_memory_instead_of_crashing
         t.close()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@bounded(20)
+async def test_no_snapshot_is_written_past_decisions_that_wait_in_memory(tmp_path, monkeypatch):
+    """A decision whose table file could not be made (a full disk) lives in memory: a snapshot naming an
+    op-queue offset past it would leave it out of the next start."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    p1 = await add_half(ctx, b"before")
+    await ctx.tx.decide(p1.half_offset, COMMIT, group="PG")
+    await ctx.tx.write_snapshot()
+    before = _snapshot(ctx)
+    table = ctx.tx.table
+
+    def no_space(base):
+        raise OSError(28, "No space left on device")
+    p2 = await add_half(ctx, b"waiting")
+    monkeypatch.setattr(table, "_open", no_space)
+    table.clear()                                   # the next decision needs a new file: it cannot be made
+    await ctx.tx.decide(p2.half_offset, ROLLBACK, group="PG")
+    assert table.waiting == 1 and ctx.tx.decision_of(p2.half_offset) == ROLLBACK
+    await ctx.tx.write_snapshot()
+    assert _snapshot(ctx) == before                 # kept: its replay covers the waiting decision
+    await ctx.store._store.close()                  # crash
+
+    monkeypatch.undo()
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.decision_of(p2.half_offset) == ROLLBACK and p2.half_offset not in ctx2.tx.pending
+    finally:
+        await ctx2.store._store.close()
