@@ -77,7 +77,8 @@ class IndexService:
         self.files: list[IndexFile] = []
         self.covered = 0                # every record below is indexed (or has no key)
         self.rebuilt: list[str] = []    # files found damaged at start-up (removed and re-indexed)
-        self._skip = -1                 # the newest entry's record: indexed already
+        self._skip = -1                 # the newest entry's record: indexed already (at least in part) ...
+        self._skip_hashes: set[int] = set()     # ... these of its keys: a crash may have cut its batch
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._fds: dict[int, int] = {}  # segment start -> descriptor, the index thread's own
@@ -158,6 +159,7 @@ class IndexService:
         if newest is not None:
             start = max(start, newest.end_phy)
             self._skip = newest.end_phy
+            self._skip_hashes = newest.tail_hashes(newest.end_phy)
         if not self.rebuilt:
             start = max(start, min(self._read_progress(), log_end))
         self.covered = start
@@ -281,15 +283,16 @@ class IndexService:
         run.clear()
 
     def _collect(self, items: list, raw, pos: int, phy: int) -> None:
-        if phy == self._skip:
-            return
         topic, ts, sys_flag, uniq, keys = record_keys(raw, pos)
         if sys_flag & 0xC == _ROLLBACK:
             return
-        if uniq:
-            items.append((key_hash(f"{topic}#{uniq}"), phy, ts))
-        for k in keys:
-            items.append((key_hash(f"{topic}#{k}"), phy, ts))
+        hashes = [key_hash(f"{topic}#{uniq}")] if uniq else []
+        hashes += [key_hash(f"{topic}#{k}") for k in keys]
+        if phy == self._skip:           # the record the newest entry names: only the keys it lacks
+            hashes = [h for h in hashes if h not in self._skip_hashes]
+            self._skip, self._skip_hashes = -1, set()
+        for h in hashes:
+            items.append((h, phy, ts))
 
     def _flush(self, items: list) -> None:
         while items:

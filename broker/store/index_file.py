@@ -229,6 +229,20 @@ class IndexFile:
         else:
             os.pwrite(self.fd, SLOT.pack(value), HEADER_SIZE + 4 * slot)
 
+    def tail_hashes(self, phy: int, look_back: int = 256) -> set[int]:
+        """Key hashes of the newest entries that point at the record at ``phy`` (what of it is indexed)."""
+        n = min(self.count - 1, look_back)
+        if n <= 0:
+            return set()
+        first = self.count - n
+        raw = os.pread(self.fd, n * ENTRY_SIZE, self._entry_base + first * ENTRY_SIZE)
+        out = set()
+        for i in range(len(raw) // ENTRY_SIZE):
+            h, p, _diff, _prev = ENTRY.unpack_from(raw, i * ENTRY_SIZE)
+            if p == phy:
+                out.add(h)
+        return out
+
     def cache_slots(self) -> None:
         """Map the slot table of the file being written, its blocks allocated first.
 

@@ -175,3 +175,32 @@ async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path
     assert len((await svc.query("T", "after", 64, 0, 2**62))[0]) == 1
     await svc.close()
     await store.close()
+
+
+async def test_a_record_whose_keys_a_crash_split_gets_the_rest_at_the_next_start(tmp_path, monkeypatch):
+    """A record's keys can span two header updates (MAX_BATCH entries each, or a full file): a crash
+    between them left its first keys indexed and the next start skipped the whole record as done."""
+    import broker.store.index_file as index_file_mod
+    store = await _store_with(tmp_path, 2)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)                   # caught up
+    monkeypatch.setattr(index_file_mod, "MAX_BATCH", 2)  # this record's 5 entries take 3 header updates
+    real, calls = IndexFile.put_many, []
+
+    def crash_after_first(self, items):
+        calls.append(len(items))
+        if len(calls) > 1:
+            raise OSError(5, "simulated crash between two batches")
+        return real(self, items)
+    monkeypatch.setattr(IndexFile, "put_many", crash_after_first)
+    split = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "a b c d", "UNIQ_KEY": "USPLIT"}))
+    await svc.query("T", "x", 1, 0, 1)                   # the index thread has been through it
+    assert svc.failed
+    monkeypatch.setattr(IndexFile, "put_many", real)
+    await svc.close()
+
+    svc = await _service(tmp_path, store)
+    for key in ("USPLIT", "a", "b", "c", "d"):
+        assert (await svc.query("T", key, 64, 0, 2**62))[0] == [split.physical_offset], key
+    await svc.close()
+    await store.close()
