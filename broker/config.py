@@ -177,9 +177,14 @@ class BrokerConfig:
 
     @property
     def public_host(self) -> str:
-        if self.advertised_host:
-            return self.advertised_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return public_host(self.host, self.advertised_host)
+
+
+def public_host(host: str, advertised: str) -> str:
+    """The address clients are told: ``advertised``, else ``host`` (loopback for a wildcard bind)."""
+    if advertised:
+        return advertised
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def parse_namesrv_addr(text: str) -> list[str]:

@@ -141,11 +141,6 @@ def drop_property(text: str, name: str) -> str:
     return text[:i] + ("" if end < 0 else text[end + 1:])
 
 
-def add_missing_properties(text: str, extra: dict[str, str]) -> str:
-    """``text`` followed by the pairs of ``extra`` it does not name already: the pairs in ``text`` win."""
-    return properties_appender(extra)(text)
-
-
 def properties_appender(extra: dict[str, str]):
     """A function ``text -> text + the pairs of extra that text does not name``, for many texts in a row.
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from protocol.errors import ConfigError
 
-from ..config import setting
+from ..config import public_host, setting
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,4 @@ class NamesrvConfig:
 
     @property
     def public_host(self) -> str:
-        if self.advertised_host:
-            return self.advertised_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return public_host(self.host, self.advertised_host)

@@ -38,13 +38,14 @@ import time
 from typing import Callable
 
 from protocol.errors import RecordError, StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, peek_record, string_to_properties, tags_code, validate_topic
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, peek_record, validate_topic
 from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
 
 from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
 from .consume_queue import ConsumeQueue
 from .mapped_file import last_nonzero, parse_name
+from .replica import tag_of
 from .results import DispatchInfo, RecoveryReport, Truncation
 
 log = logging.getLogger("txmq.store")
@@ -83,18 +84,8 @@ def parse_record(seg: Segment, pos: int, check_crc: bool = True):
 
 
 def _tag(seg: Segment, span, topic: str = "", ts: int = 0, rule: Callable | None = None) -> int:
-    """The consume-queue tagsCode of a record: its TAGS hash, or what ``rule(topic, props, store ts)`` says
-    for the topics it knows (a delayed message's delivery time)."""
     lo, n = span
-    try:
-        props = string_to_properties(seg.mm[lo:lo + n].decode())
-    except UnicodeDecodeError:
-        return 0
-    if rule is not None:
-        special = rule(topic, props, ts)
-        if special is not None:
-            return special
-    return tags_code(props)
+    return tag_of(seg.mm[lo:lo + n], topic, ts, rule)
 
 
 def data_end(seg: Segment, lo: int) -> int:

@@ -101,15 +101,17 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
             raise ValueError(f"record at {phys + pos}: {exc}") from None
         unit = not sys_flag & 0x4       # NOT and COMMIT records have a consume-queue unit (spec 7.2)
         records.append(ReplicaRecord(pos, size, qid, qoff if unit else -1, sys_flag, ts, prepared, topic,
-                                     _tag(data, plo, plen, topic, ts, tag_rule) if unit else 0))
+                                     tag_of(data[plo:plo + plen], topic, ts, tag_rule) if unit else 0))
         pos += size
     return ReplicaChunk(phys, bytes(data), records, False, phys + n)
 
 
-def _tag(data, lo: int, n: int, topic: str, ts: int, rule: Callable | None) -> int:
-    """The unit's tagsCode, as recovery computes it (a delayed message's is its delivery time)."""
+def tag_of(props_raw, topic: str = "", ts: int = 0, rule: Callable | None = None) -> int:
+    """The consume-queue tagsCode of a record from its properties bytes: its TAGS hash, or what
+    ``rule(topic, props, store ts)`` says for the topics it knows (a delayed message's delivery time).
+    Recovery and a slave's replica chunks both use it."""
     try:
-        props = string_to_properties(bytes(data[lo:lo + n]).decode())
+        props = string_to_properties(bytes(props_raw).decode())
     except UnicodeDecodeError:
         return 0
     if rule is not None:

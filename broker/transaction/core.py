@@ -30,6 +30,7 @@ from enum import Enum
 from typing import Callable
 
 from protocol.codes import ResponseCode
+from protocol.message import Prop, tags_code
 
 from .check import Policy, first_check_time, next_check_after_check
 from protocol.txlog import COMMIT, DEAD, RESUME, ROLLBACK
@@ -67,6 +68,26 @@ class Tx:
     owner: object = None         # the producer connection that sent the half (opaque here)
     owner_id: str = ""
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
+
+
+_DELAY_KEYS = (Prop.DELAY, "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
+
+
+def asks_delay(props: dict) -> bool:
+    """DELAY / TIMER_* properties: once committed, the message waits in broker/schedule."""
+    return any(props.get(k, "0") != "0" for k in _DELAY_KEYS)
+
+
+def tx_from_half(msg, checks: int = 0) -> Tx:
+    """An undecided transaction as its stored half message describes it."""
+    props = msg.properties
+    try:
+        real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
+    except ValueError:
+        real_qid = 0
+    return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
+              props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
+              checks=checks, delayed=asks_delay(props))
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,5 +293,5 @@ class TransactionCore:
             self._reschedule(tx, now + self.policy.check_interval_ms)
 
 
-__all__ = ["TransactionCore", "Tx", "Origin", "Reply", "Write", "Wait", "SendCheck", "UNKNOWN", "DECISIONS",
-           "COMMIT", "ROLLBACK", "DEAD", "RESUME"]
+__all__ = ["TransactionCore", "Tx", "tx_from_half", "asks_delay", "Origin", "Reply", "Write", "Wait", "SendCheck",
+           "UNKNOWN", "DECISIONS", "COMMIT", "ROLLBACK", "DEAD", "RESUME"]

@@ -45,12 +45,17 @@ class DecisionTable:
         """Map the file of ``base``, its blocks allocated first: a store through a mapping into a hole
         of a full disk is SIGBUS, not an error (ENOSPC comes from fallocate instead, here)."""
         path = self._path(base)
+        created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if os.fstat(fd).st_size != self.file_entries:
                 os.ftruncate(fd, self.file_entries)     # holes read as 0, undecided
             os.posix_fallocate(fd, 0, self.file_entries)
             m = mmap.mmap(fd, self.file_entries)
+        except OSError:
+            if created:     # leave no half-made file for the next start to trip over
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self._maps[base] = m

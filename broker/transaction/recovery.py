@@ -14,6 +14,7 @@ import os
 from protocol.message import Prop, decode_record
 
 from ..topics import HALF_TOPIC, OP_TOPIC
+from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
 from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_op
 
@@ -69,8 +70,6 @@ def read_snapshot(directory: str, store) -> dict | None:
 
 async def recover(tx) -> None:
     """Rebuild ``tx``'s (a TransactionService) index and decision table."""
-    from .service import _tx_from_half     # the shell's reading of a half
-
     ctx, store = tx.ctx, tx.ctx.store
     started = ctx.clock()
     tx.table = DecisionTable(os.path.join(tx.directory, "decisions"))
@@ -110,14 +109,14 @@ async def recover(tx) -> None:
             continue
         msg, _ = decode_record(view)
         if tx.table.get(msg.queue_offset) is None:
-            tx.core.add(_tx_from_half(msg, checks.get(off, 0)), now,
+            tx.core.add(tx_from_half(msg, checks.get(off, 0)), now,
                         msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
-        tx.core.add(_tx_from_half(msg, checks.get(msg.physical_offset, 0)), now,
+        tx.core.add(tx_from_half(msg, checks.get(msg.physical_offset, 0)), now,
                     msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
     tx.table.trim(store.min_offset(HALF_TOPIC, 0))
     tx.dead_count = tx.table.count(DEAD)    # the table may be ahead of the snapshot: count it

@@ -33,12 +33,12 @@ import os
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.errors import StoreError
-from protocol.message import Prop, decode_record, offset_msg_id, tags_code
+from protocol.message import Prop, decode_record, offset_msg_id
 
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
-from .core import Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write
+from .core import Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
 from .records import COMMIT, DEAD, RESUME, ROLLBACK, RecordFactory
 from .recovery import PROGRESS_GROUP, recover, write_snapshot
@@ -46,25 +46,6 @@ from .recovery import PROGRESS_GROUP, recover, write_snapshot
 log = logging.getLogger("txmq.transaction")
 
 Pending = Tx                            # the name the rest of the broker and the tests know
-
-
-_DELAY_KEYS = (Prop.DELAY, "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
-
-
-def _asks_delay(props: dict) -> bool:
-    """DELAY / TIMER_* properties: once committed, the message waits in broker/schedule."""
-    return any(props.get(k, "0") != "0" for k in _DELAY_KEYS)
-
-
-def _tx_from_half(msg, checks: int = 0) -> Tx:
-    props = msg.properties
-    try:
-        real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
-    except ValueError:
-        real_qid = 0
-    return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
-              props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
-              checks=checks, delayed=_asks_delay(props))
 
 
 class DecisionError(Exception):
@@ -232,7 +213,7 @@ class TransactionService:
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
                 result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id,
-                delayed=_asks_delay(props))
+                delayed=asks_delay(props))
         if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)):
             self.timer.wake()
         self.changed = True
@@ -435,7 +416,7 @@ class TransactionService:
         if msg is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
                                 "(unknown): no half message is stored there")
-        tx = _tx_from_half(msg)
+        tx = tx_from_half(msg)
         why = self.core.resume(tx, self.ctx.clock())      # pending again at once: a second resume is refused
         if why is not None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)

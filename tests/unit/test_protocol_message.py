@@ -335,8 +335,11 @@ def test_drop_property_keeps_the_rest_byte_for_byte():
     assert drop_property("NOWAIT\x01x\x02", "WAIT") == "NOWAIT\x01x\x02"
 
 
-def test_add_missing_properties_lets_the_entry_win():
-    from protocol.message import add_missing_properties, string_to_properties
+def test_appended_batch_properties_let_the_entry_win():
+    from protocol.message import properties_appender, string_to_properties
+
+    def add_missing_properties(text, extra):
+        return properties_appender(extra)(text)
     entry = "UNIQ_KEY\x01mine\x02KEYS\x01own"
     merged = add_missing_properties(entry, {"KEYS": "batch", "CLUSTER": "C1"})
     assert merged.startswith(entry)

@@ -257,7 +257,7 @@ def test_a_decision_file_that_cannot_be_made_waits_in_memory_instead_of_crashing
         t.set(16 * 1024 + 5, ROLLBACK)                    # a second file cannot be allocated: no SIGBUS
         t.set(16 * 1024 + 6, DEAD)
         assert t.get(16 * 1024 + 5) == ROLLBACK and t.get(16 * 1024 + 6) == DEAD and t.count(DEAD) == 1
-        assert t.file_count == 1
+        assert t.file_count == 1 and len(os.listdir(disk / "decisions")) == 1   # no half-made file left
         os.unlink(ballast)
         t.set(1, ROLLBACK)                                # any later write retries the waiting ones
         assert t.file_count == 2 and t.get(16 * 1024 + 5) == ROLLBACK and t.get(16 * 1024 + 6) == DEAD
