@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +18,8 @@ from .broker_process import REPO, BrokerProcess
 _LISTENING = re.compile(r"LISTENING namesrv=(\S+)")
 
 
-class NamesrvProcess:
-    """``python -m broker namesrv`` on 127.0.0.1, port chosen by the OS."""
+class NamesrvProcess(BrokerProcess):
+    """``python -m broker namesrv`` on 127.0.0.1, port chosen by the OS; stop/kill/log as a broker's."""
 
     def __init__(self, log_path: Path, *flags: str):
         self.log_path = Path(log_path)
@@ -34,33 +33,13 @@ class NamesrvProcess:
             self.proc = subprocess.Popen([sys.executable, "-m", "broker", "namesrv", "--host", "127.0.0.1",
                                           "--port", "0", *self.flags], cwd=REPO, stdout=subprocess.PIPE,
                                          stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = BrokerProcess._read_line(self, timeout)
+        line = self._read_line(timeout)
         m = _LISTENING.search(line)
         if not m:
             self.kill()
             raise RuntimeError(f"name server did not start: {line!r}\n{self.log()}")
         self.addr = m.group(1)
         return self
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-6000:]
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 10.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def cluster_flags(namesrv: str, name: str, period_ms: int = 1000) -> list[str]:

@@ -100,6 +100,31 @@ async def add_half(ctx, body=b"x", group="PG"):
     return max(tx.pending.values(), key=lambda p: p.half_offset)
 
 
+
+async def half_stored_while(ctx, during, body=b"in-flight"):
+    """Store a half (as add_half) and run ``during()`` (awaited if it returns an awaitable) once the half is
+    stored and dispatched but before its sender indexed it; returns its Pending."""
+    real_put = ctx.store._store.put
+    written, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_put(req):
+        result = await real_put(req)      # stored and dispatched ...
+        written.set()
+        await release.wait()              # ... but the sender has not indexed it yet
+        return result
+
+    ctx.store.put = slow_put
+    try:
+        adding = asyncio.ensure_future(add_half(ctx, body))
+        await written.wait()
+        outcome = during()
+        if asyncio.iscoroutine(outcome):
+            await outcome
+        release.set()
+        return await adding
+    finally:
+        del ctx.store.put                 # GatedStore delegates to the real store again
+
 @bounded(20)
 async def test_check_pass_during_a_failing_decision_keeps_the_transaction_scheduled(tmp_path):
     clock = Clock()
@@ -154,22 +179,11 @@ async def test_progress_saved_while_a_half_is_being_indexed_does_not_skip_it(tmp
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
     tx = ctx.tx
-    real_put = ctx.store._store.put
-    written, release = asyncio.Event(), asyncio.Event()
 
-    async def slow_put(req):
-        result = await real_put(req)      # stored and dispatched ...
-        written.set()
-        await release.wait()              # ... but the sender has not indexed it yet
-        return result
-
-    ctx.store.put = slow_put
-    adding = asyncio.ensure_future(add_half(ctx, b"in-flight"))
-    await written.wait()
-    tx._save_progress()                   # a check pass ends here, with nothing pending yet
-    ctx.offsets.persist()
-    release.set()
-    p = await adding
+    def save_progress():                  # a check pass ends here, with nothing pending yet
+        tx._save_progress()
+        ctx.offsets.persist()
+    p = await half_stored_while(ctx, save_progress)
     await ctx.store._store.close()        # crash: the progress saved above is the persisted one
 
     ctx2 = await make_service(tmp_path, clock)

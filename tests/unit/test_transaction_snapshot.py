@@ -14,7 +14,7 @@ import os
 from broker.transaction.decisions import DecisionTable
 from broker.transaction.records import COMMIT, DEAD, ROLLBACK
 from tests.support.bounded import bounded
-from tests.unit.test_review_transactions import Clock, add_half, make_service
+from tests.unit.test_review_transactions import Clock, add_half, half_stored_while, make_service
 
 
 def _snapshot(ctx) -> dict:
@@ -139,21 +139,7 @@ async def test_a_snapshot_of_another_store_is_ignored_and_the_log_rebuilds_every
 async def test_a_snapshot_taken_while_a_half_is_being_indexed_does_not_skip_it(tmp_path):
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
-    real_put = ctx.store._store.put
-    written, release = asyncio.Event(), asyncio.Event()
-
-    async def slow_put(req):
-        result = await real_put(req)      # stored and dispatched ...
-        written.set()
-        await release.wait()              # ... but the sender has not indexed it yet
-        return result
-
-    ctx.store.put = slow_put
-    adding = asyncio.ensure_future(add_half(ctx, b"in-flight"))
-    await written.wait()
-    await ctx.tx.write_snapshot()
-    release.set()
-    p = await adding
+    p = await half_stored_while(ctx, ctx.tx.write_snapshot)
     await ctx.store._store.close()        # crash: the snapshot above is the one on disk
 
     ctx2 = await make_service(tmp_path, clock)
@@ -171,11 +157,9 @@ async def test_a_snapshot_taken_while_a_decision_is_being_written_replays_it(tmp
     ctx.store.gate = asyncio.Event()
     deciding = asyncio.ensure_future(ctx.tx.decide(p.half_offset, COMMIT, group="PG"))
     await ctx.store.entered.wait()
-    snapshotting = asyncio.ensure_future(ctx.tx.write_snapshot())
-    await asyncio.sleep(0)
+    await ctx.tx.write_snapshot()                   # while the decision waits at the writer's gate
     ctx.store.gate.set()
     assert await deciding == COMMIT
-    await snapshotting
     assert _snapshot(ctx)["op_offset"] == 0          # held down by the decision in flight
     await ctx.store._store.close()
 
