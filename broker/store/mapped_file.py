@@ -15,8 +15,10 @@ Why things are done this way:
 * Nothing reads a file through its mapping where it may hold a hole, either: on tmpfs a
   read fault on a hole needs a page the full disk no longer has (SIGBUS too). Start-up
   finds where data ends with ``last_nonzero`` (lseek SEEK_DATA + pread), never the mapping.
-* ``flush`` is msync(MS_SYNC) on the page-aligned range (mmap.flush drops the GIL while
-  the kernel writes), so it can run on a worker thread while the event loop goes on.
+* ``flush`` is msync(MS_SYNC) on the page-aligned range, called through libc so the GIL
+  is released while the kernel writes, on a worker thread while the event loop goes on.
+* The commit log's records go in with pwritev, not stores through the mapping (see
+  commit_log._pwrite_all): the mapping reads the same page-cache pages.
 * Readers get slices of ``view``; while any slice is alive the mapping cannot be closed
   (mmap.close raises BufferError). ``close`` then just drops our references: the mapping
   is unmapped by the garbage collector when the last slice goes, and the file, already

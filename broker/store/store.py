@@ -66,6 +66,7 @@ class MessageStore:
         self._listeners: list[Callable[[DispatchInfo], None]] = []
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
+        self._io2: IoThread | None = None                   # a second group commit's msync while one is in flight
         self._reserve_io: IoThread | None = None            # new segments, zeros ahead of the writer
         self._housekeeping: asyncio.Task | None = None
         self._disk_task: asyncio.Task | None = None
@@ -108,11 +109,12 @@ class MessageStore:
             sealed = {seg.name for seg in self._log.segments[:-1]}
             self._facts = {n: f for n, f in sealed_from_disk(self.store_dir).items() if n in sealed}
         self._io = IoThread("txmq-flush")
+        self._io2 = IoThread("txmq-flush-2") if self.config.flush == "sync" else None
         self._reserve_io = IoThread("txmq-reserve")
         if self._log.reserver is not None:
             self._log.reserver.start(self._reserve_io)
             self._log.reserver.after_job = self.disk.probe     # reserving is what fills the disk
-        self._writer.start(self._io)
+        self._writer.start(self._io, self._io2)
         loop = asyncio.get_running_loop()
         self._housekeeping = loop.create_task(self._checkpoint_loop(), name="txmq-store-checkpoint")
         self._disk_task = loop.create_task(self._disk_loop(), name="txmq-store-disk")
@@ -141,6 +143,8 @@ class MessageStore:
         except OSError as exc:
             log.error("final segment manifest not written: %s", exc)
         self._io.stop()
+        if self._io2 is not None:
+            self._io2.stop()
         self._reserve_io.stop()
         self._close_files()
         self._state = "closed"
@@ -241,9 +245,9 @@ class MessageStore:
         self._last_checkpoint = point
 
     # ---------------------------------------------------------- writes
-    def put(self, req: PutRequest) -> "asyncio.Future":
-        """Queue one record; await the returned future for its PutResult."""
-        return self._writer.put(req)
+    def put(self, req: PutRequest, then=None) -> "asyncio.Future":
+        """Queue one record; await the returned future for its PutResult (or see Writer.put's ``then``)."""
+        return self._writer.put(req, then=then)
 
     def put_many(self, reqs: list[PutRequest], reclaim: bool = False) -> "asyncio.Future":
         """Queue records to be written back to back in one batch and flushed together.

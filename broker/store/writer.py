@@ -11,8 +11,12 @@ everything queued and hands it to ``CommitLog.append`` in one go. Then:
 * async: a batch is readable, indexed and resolved as soon as it is copied; a timer
   flushes every ``flush_interval_ms``.
 
-One flush is in flight at a time, so completions happen in log order. Controls
-(segment removal) run between batches with no flush in flight.
+Sync mode keeps up to two flushes in flight, one per flush thread: a batch copied while
+one msync is in the kernel starts its own at once instead of waiting a whole cycle (the
+hand-off to a thread and back costs about what a 30 KiB msync does). Completions still
+happen in log order: a flush that returns first waits for the ones before it, and a
+failed flush refuses every later one in flight too. Controls (segment removal) run
+between batches with no flush in flight.
 
 Space: when ``append`` stops at an entry that does not fit the reserved space, the rest
 goes back to the head of the queue and the writer awaits the reserver (off the loop's
@@ -61,7 +65,7 @@ class Writer:
         self._waiting: list = []    # sync: (future, result) and the units / dispatch awaiting the next flush
         self._units: dict = {}
         self._infos: list = []
-        self._flushing = None       # (executor future, end, end ts, waiting, units, infos)
+        self._flushing: list = []   # in log order: (future, end, end ts, waiting, units, infos, started, thread)
         self._flush_due = False
         self._tick = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -73,17 +77,24 @@ class Writer:
         self.replica_only = False   # a slave: its log takes its master's bytes only (put_replica)
         clog.on_fail = self._drop_queue
 
-    def start(self, io: "IoThread") -> None:
+    def start(self, io: "IoThread", io2: "IoThread | None" = None) -> None:
+        """``io2``, if given, lets a second flush start while the first is in the kernel (pipelined group
+        commit: the hand-off to a thread and back costs about what the msync itself does)."""
         self._loop = asyncio.get_running_loop()
         self._io = io
+        self._threads = [t for t in (io, io2) if t is not None]
         self._task = self._loop.create_task(self._run(), name="txmq-store-writer")
 
     # ------------------------------------------------------------ API
-    def put(self, req, reclaim: bool = False) -> asyncio.Future:
+    def put(self, req, reclaim: bool = False, then=None) -> asyncio.Future:
         """Queue ``req`` (a PutRequest, or a list written all or none). ``reclaim`` marks the few records
         written to free space (dead letters before a segment is removed): the watermark does not refuse
-        them, though a disk with truly no room still does."""
-        fut = (self._loop or asyncio.get_running_loop()).create_future()
+        them, though a disk with truly no room still does.
+
+        ``then``: instead of a new future, any object with ``done()`` and ``set_result(result)`` (a
+        completion called directly when the result is known, with no loop callback between; it must not
+        raise). It is returned."""
+        fut = then if then is not None else (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing or self.replica_only:
             fut.set_result(unavailable(req, self.replica_only and _SLAVE_REMARK or ""))
             return fut                              # not open, closed, stopped after an I/O error, a slave
@@ -149,17 +160,17 @@ class Writer:
                 if sp is not None and sp[0].done():
                     self._space_done()
                 if (self._queue and self._space is None and not self._controls
-                        and (self._overlap or self._flushing is None)):
+                        and (self._overlap or not self._flushing)):
                     entries, self._queue = self._queue, []
                     self._write(entries)
                 fl = self._flushing
-                if fl is not None and fl[0].done():
+                while fl and fl[0][0].done():      # completions in log order
                     self._flush_done()
-                    fl = None
-                if fl is None:
-                    if clog.dirty and (self._sync or self._flush_due or self._closing or self._controls):
-                        self._start_flush()
-                        continue
+                if len(fl) < len(self._threads) and (self._overlap or not fl) and clog.dirty and (
+                        self._sync or self._flush_due or self._closing or self._controls):
+                    self._start_flush()
+                    continue
+                if not fl:
                     if self._controls:
                         fn, fut = self._controls.pop(0)
                         try:
@@ -169,7 +180,7 @@ class Writer:
                         continue
                     if self._closing and not self._queue and self._space is None:
                         break
-                if self._queue and self._space is None and not self._controls and (self._overlap or fl is None):
+                if self._queue and self._space is None and not self._controls and (self._overlap or not fl):
                     continue
                 if not self._sync and clog.dirty and self._tick is None:
                     self._tick = loop.call_later(self._interval, self._flush_tick)
@@ -181,7 +192,7 @@ class Writer:
             else:
                 log.exception("store writer crashed")
             clog.fail(f"the writer stopped unexpectedly: {exc!r}")
-            pending = self._waiting + (self._flushing[3] if self._flushing else [])
+            pending = self._waiting + [w for fl in self._flushing for w in fl[3]]
             self._waiting = []
             for fut, res in pending:
                 resolve(fut, unavailable(res))
@@ -245,6 +256,8 @@ class Writer:
         clog = self.clog
         ranges = clog.take_dirty()
         self._flush_due = False
+        busy = [fl[7] for fl in self._flushing]
+        io = next(t for t in self._threads if t not in busy)
         if self._flush_inline:
             fut = self._loop.create_future()
             try:
@@ -252,15 +265,14 @@ class Writer:
             except OSError as exc:
                 fut.set_exception(exc)
         else:
-            fut = self._io.submit(_flush_ranges, ranges, then=self._wakeup)
-        self._flushing = (fut, clog.written, clog.last_ts, self._waiting, self._units, self._infos,
-                          time.perf_counter())
+            fut = io.submit(_flush_ranges, ranges, then=self._wakeup)
+        self._flushing.append((fut, clog.written, clog.last_ts, self._waiting, self._units, self._infos,
+                               time.perf_counter(), io))
         if self._sync:
             self._waiting, self._units, self._infos = [], {}, []
 
     def _flush_done(self) -> None:
-        fut, end, end_ts, waiting, units, infos, started = self._flushing
-        self._flushing = None
+        fut, end, end_ts, waiting, units, infos, started, _io = self._flushing.pop(0)
         if self.on_flush is not None:
             self.on_flush(time.perf_counter() - started)
         exc = fut.exception()
@@ -269,6 +281,9 @@ class Writer:
             # readable, and nothing is flushed again: the state on disk is unknown.
             self.clog.fail(f"msync failed: {exc}")
             later, self._waiting, self._units, self._infos = self._waiting, [], {}, []
+            for fl in self._flushing:       # flushes after this one: in flight, but never acknowledged
+                later = fl[3] + later
+            del self._flushing[:]
             self.clog.take_dirty()
             for f, res in waiting + later:
                 resolve(f, unavailable(res))

@@ -82,3 +82,76 @@ async def test_every_acknowledged_byte_was_inside_a_flushed_range(tmp_path, monk
         end_marker = seg.start_offset + seg.written
         assert any(lo <= end_marker and end_marker + 8 <= hi for lo, hi in merged)
     await store.close()
+
+
+def _gated_flushes(monkeypatch):
+    """Make the first flush wait for a gate while later ones run: (started_first, released, calls)."""
+    import threading
+    real = writer._flush_ranges
+    first_started, gate = threading.Event(), threading.Event()
+    calls = []
+
+    def gated(ranges):
+        calls.append(ranges)
+        if len(calls) == 1:
+            first_started.set()
+            assert gate.wait(10), "the test never opened the gate"
+            raise_ = getattr(gated, "fail_first", None)
+            if raise_:
+                raise OSError(errno.EIO, "Input/output error")
+        real(ranges)
+    monkeypatch.setattr(writer, "_flush_ranges", gated)
+    return first_started, gate, calls, gated
+
+
+async def _second_flush_finished(store, calls) -> None:
+    """Wait (bounded) until the writer has two flushes in flight and the second one has returned."""
+    w = store._writer
+    for _ in range(100_000):
+        fl = w._flushing
+        if len(calls) >= 2 and len(fl) == 2 and fl[1][0].done():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"no second flush finished: {len(calls)} calls, {len(w._flushing)} in flight")
+
+
+@bounded()
+async def test_pipelined_flushes_acknowledge_in_log_order(tmp_path, monkeypatch):
+    """Two group commits are in flight at once (one per flush thread); a later one that returns first waits
+    for the earlier: nothing is acknowledged, or readable, before everything before it is flushed."""
+    first_started, gate, calls, _ = _gated_flushes(monkeypatch)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    a = store.put(req())
+    await asyncio.to_thread(first_started.wait, 10)
+    b = store.put(req())
+    await _second_flush_finished(store, calls)
+    await asyncio.sleep(0)                  # the writer's turn after the second flush's wake-up
+    assert not a.done() and not b.done()
+    assert store.max_offset("T", 0) == 0    # the second batch is flushed, but not readable before the first
+    gate.set()
+    ra, rb = await a, await b
+    assert ra.ok and rb.ok
+    assert rb.physical_offset == ra.physical_offset + ra.size
+    assert store.max_offset("T", 0) == 2
+    await store.close()
+
+
+@bounded()
+async def test_a_failed_flush_refuses_the_later_flush_in_flight_too(tmp_path, monkeypatch):
+    """The second flush succeeded, but it comes after bytes whose state on disk is unknown: refused too."""
+    first_started, gate, calls, gated = _gated_flushes(monkeypatch)
+    gated.fail_first = True
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    a = store.put(req())
+    await asyncio.to_thread(first_started.wait, 10)
+    b = store.put(req())
+    await _second_flush_finished(store, calls)
+    gate.set()
+    ra, rb = await a, await b
+    assert ra.status is PutStatus.SERVICE_NOT_AVAILABLE and rb.status is PutStatus.SERVICE_NOT_AVAILABLE
+    assert not store.writable and "msync failed" in store.failure
+    assert store.max_offset("T", 0) == 0
+    assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
+    await store.close()
