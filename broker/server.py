@@ -21,7 +21,7 @@ import time
 
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
-from protocol.connection import RemotingConnection
+from protocol.connection import DEFERRED, RemotingConnection
 
 from .acl import PlainAcl
 from . import ha as ha_roles
@@ -359,6 +359,8 @@ class BrokerServer:
                 return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED, f" request type {cmd.code} not supported")
             start = perf()
             result = fn(ctx, conn, cmd)
+            if result is DEFERRED:                  # the handler answers, and observes, by itself
+                return result
             if result is None or isinstance(result, RemotingCommand):
                 observe(cmd.code, result.code if result is not None else 0, perf() - start)
                 return result

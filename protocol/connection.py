@@ -43,6 +43,19 @@ _opaques = itertools.count(1)
 FRAMES_PER_TURN = 16
 
 
+class _Deferred:
+    """What a handler returns when it will answer later itself: it called ``conn.hold()`` and will call
+    ``conn.release()`` and ``conn.send(reply)`` (a store completion does, with no future or Task between)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED = _Deferred()
+
+
 class RemotingConnection(asyncio.Protocol):
     def __init__(self, handler: Handler | None = None, *, max_frame_size: int = MAX_FRAME_SIZE,
                  max_in_flight: int = 1024, max_write_buffer: int = 64 * 1024 * 1024,
@@ -63,6 +76,7 @@ class RemotingConnection(asyncio.Protocol):
         self._decoder = FrameDecoder(max_frame_size)
         self._pending: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._held = 0                      # requests answered later by their handler (DEFERRED)
         self._out: list = []
         self._backlog: list = []            # frames read but not yet handled (fairness, see above)
         self._flush_scheduled = False
@@ -188,7 +202,7 @@ class RemotingConnection(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
             self._reply_error(cmd, exc)
             return
-        if result is None:
+        if result is None or result is DEFERRED:
             return
         if isinstance(result, RemotingCommand):
             if not cmd.flag & FLAG_ONEWAY:
@@ -197,12 +211,23 @@ class RemotingConnection(asyncio.Protocol):
         task = result if isinstance(result, asyncio.Future) else self._loop.create_task(result)
         self._tasks.add(task)
         task.add_done_callback(lambda t, c=cmd: self._handler_done(t, c))
-        if len(self._tasks) >= self.max_in_flight:
+        if len(self._tasks) + self._held >= self.max_in_flight:
             self.pause_reading("in-flight")
+
+    def hold(self) -> None:
+        """A request whose handler answers later (it returns DEFERRED): counted in flight until release()."""
+        self._held += 1
+        if len(self._tasks) + self._held >= self.max_in_flight:
+            self.pause_reading("in-flight")
+
+    def release(self) -> None:
+        self._held -= 1
+        if self._reading_paused_for and len(self._tasks) + self._held <= self.max_in_flight // 2:
+            self.resume_reading("in-flight")
 
     def _handler_done(self, task: asyncio.Task, cmd: RemotingCommand) -> None:
         self._tasks.discard(task)
-        if len(self._tasks) <= self.max_in_flight // 2:
+        if len(self._tasks) + self._held <= self.max_in_flight // 2:
             self.resume_reading("in-flight")
         if task.cancelled():
             return

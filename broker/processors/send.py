@@ -7,10 +7,12 @@ MESSAGE_ILLEGAL. A message whose TRAN_MSG is true becomes a half message.
 """
 from __future__ import annotations
 
+import logging
 import random
 from time import perf_counter
 
-from protocol.codes import Perm, ResponseCode, SysFlag
+from protocol.codes import FLAG_ONEWAY, Perm, ResponseCode, SysFlag
+from protocol.connection import DEFERRED
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
@@ -34,6 +36,7 @@ from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
 
 _rand = random.Random()
+log = logging.getLogger("txmq.send")
 
 
 def _born_host(conn) -> bytes:
@@ -118,8 +121,58 @@ def handle_send(ctx, conn, cmd):
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=reconsume)
     req = PutRequest(record, to_topic, to_qid, tags_code(props) if tags is None else tags, h.sys_flag, delay_ms)
-    return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body),
-                             waits_for_slave)
+    if ctx.ha is not None and ctx.ha.sync and waits_for_slave:      # SYNC_MASTER: the answer waits for the slave
+        return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body),
+                                 waits_for_slave)
+    ctx.limits.queued_bytes += len(body)
+    conn.hold()
+    ctx.store.put(req, then=_Stored(ctx, conn, cmd, qid, topic, len(body)))
+    return DEFERRED
+
+
+class _Stored:
+    """A plain send's completion, called by the store's writer when the record is flushed (or refused).
+
+    In place of a future and callbacks chained on it (one loop callback each): the writer calls
+    ``set_result`` directly, which answers on the connection (one write per connection per loop turn).
+    Never raises into the writer: a failure to answer is logged and the request answered SYSTEM_ERROR.
+    """
+
+    __slots__ = ("ctx", "conn", "cmd", "qid", "topic", "body_len", "started", "_done")
+
+    def __init__(self, ctx, conn, cmd, qid, topic, body_len):
+        self.ctx, self.conn, self.cmd, self.qid, self.topic, self.body_len = ctx, conn, cmd, qid, topic, body_len
+        self.started = perf_counter()
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result) -> None:
+        if self._done:
+            return
+        self._done = True
+        ctx, cmd = self.ctx, self.cmd
+        ctx.limits.queued_bytes -= self.body_len
+        try:
+            if result.ok:
+                metrics = ctx.metrics
+                metrics.count_in(self.topic, 1, self.body_len)
+                took = perf_counter() - self.started
+                metrics.append_latency.observe(took)
+                reply = send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), self.qid,
+                                result.queue_offset)
+            else:
+                reply = put_failure_response(cmd, result)
+                took = perf_counter() - self.started
+            ctx.metrics.observe_request(cmd.code, reply.code, took)
+        except Exception as exc:    # noqa: BLE001 - the writer must go on; this request gets an error
+            log.exception("answering a stored send failed")
+            reply = cmd.response(ResponseCode.SYSTEM_ERROR, f"{type(exc).__name__}: {exc}")
+        conn = self.conn
+        conn.release()
+        if not cmd.flag & FLAG_ONEWAY:
+            conn.send(reply)
 
 
 def reply_when_stored(ctx, cmd, put, qid, topic, body_len, waits_for_slave=True):

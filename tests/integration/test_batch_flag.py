@@ -127,3 +127,23 @@ async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, pro
     # Only the good batch was stored: the refused one left no partial entries before it.
     assert [m.body for m in messages][-2:] == [b"ok-0", b"ok-1"]
     assert all(not m.body.startswith((b"cut", b"x", b"d-")) for m in messages)
+
+
+async def test_a_oneway_send_is_stored_and_answers_nothing(broker):
+    """sendOneway: the store's completion answers no one, and the connection goes on."""
+    topic = "OnewaySend"
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        async with asyncio.timeout(30):
+            for i in range(10):
+                conn.oneway(RemotingCommand.request(RequestCode.SEND_MESSAGE, _v1_fields(topic, 0, _props(
+                    UNIQ_KEY=f"OW-{i}")), f"oneway-{i}".encode(), version=409))
+            reply = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, _v1_fields(
+                topic, 0, _props(UNIQ_KEY="LAST")), b"answered", version=409), 10)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+            assert int(reply.ext_fields["queueOffset"]) == 10
+            messages = await _pull_all(broker, topic, 0, "CG_oneway")
+    finally:
+        conn.close()
+    assert [m.body for m in messages] == [f"oneway-{i}".encode() for i in range(10)] + [b"answered"]
