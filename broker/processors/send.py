@@ -7,11 +7,11 @@ MESSAGE_ILLEGAL. A message whose TRAN_MSG is true becomes a half message.
 """
 from __future__ import annotations
 
-import logging
 import random
+from functools import partial
 from time import perf_counter
 
-from protocol.codes import FLAG_ONEWAY, Perm, ResponseCode, SysFlag
+from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
 from protocol.message import (
     Prop,
@@ -31,12 +31,12 @@ from protocol.message import (
     validate_topic,
 )
 
+from ..answer import Answer
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
 
 _rand = random.Random()
-log = logging.getLogger("txmq.send")
 
 
 def _born_host(conn) -> bytes:
@@ -125,54 +125,19 @@ def handle_send(ctx, conn, cmd):
         return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body),
                                  waits_for_slave)
     ctx.limits.queued_bytes += len(body)
-    conn.hold()
-    ctx.store.put(req, then=_Stored(ctx, conn, cmd, qid, topic, len(body)))
+    ctx.store.put(req, then=Answer(ctx, conn, cmd, partial(_stored, ctx, cmd, qid, topic, len(body), perf_counter())))
     return DEFERRED
 
 
-class _Stored:
-    """A plain send's completion, called by the store's writer when the record is flushed (or refused).
-
-    In place of a future and callbacks chained on it (one loop callback each): the writer calls
-    ``set_result`` directly, which answers on the connection (one write per connection per loop turn).
-    Never raises into the writer: a failure to answer is logged and the request answered SYSTEM_ERROR.
-    """
-
-    __slots__ = ("ctx", "conn", "cmd", "qid", "topic", "body_len", "started", "_done")
-
-    def __init__(self, ctx, conn, cmd, qid, topic, body_len):
-        self.ctx, self.conn, self.cmd, self.qid, self.topic, self.body_len = ctx, conn, cmd, qid, topic, body_len
-        self.started = perf_counter()
-        self._done = False
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, result) -> None:
-        if self._done:
-            return
-        self._done = True
-        ctx, cmd = self.ctx, self.cmd
-        ctx.limits.queued_bytes -= self.body_len
-        try:
-            if result.ok:
-                metrics = ctx.metrics
-                metrics.count_in(self.topic, 1, self.body_len)
-                took = perf_counter() - self.started
-                metrics.append_latency.observe(took)
-                reply = send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), self.qid,
-                                result.queue_offset)
-            else:
-                reply = put_failure_response(cmd, result)
-                took = perf_counter() - self.started
-            ctx.metrics.observe_request(cmd.code, reply.code, took)
-        except Exception as exc:    # noqa: BLE001 - the writer must go on; this request gets an error
-            log.exception("answering a stored send failed")
-            reply = cmd.response(ResponseCode.SYSTEM_ERROR, f"{type(exc).__name__}: {exc}")
-        conn = self.conn
-        conn.release()
-        if not cmd.flag & FLAG_ONEWAY:
-            conn.send(reply)
+def _stored(ctx, cmd, qid, topic, body_len, started, result):
+    """The reply to a plain send once the store is done with it (called by the writer, through Answer)."""
+    ctx.limits.queued_bytes -= body_len
+    if not result.ok:
+        return put_failure_response(cmd, result)
+    metrics = ctx.metrics
+    metrics.count_in(topic, 1, body_len)
+    metrics.append_latency.observe(perf_counter() - started)
+    return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
 
 def reply_when_stored(ctx, cmd, put, qid, topic, body_len, waits_for_slave=True):
@@ -208,7 +173,6 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len, waits_for_slave=True)
 
     put.add_done_callback(stored)
     return out
-
 
 
 # Batch-level properties an entry never inherits: WAIT is the producer's affair, and the batch's own UNIQ_KEY

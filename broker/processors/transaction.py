@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 
 from protocol.codes import ResponseCode
+from protocol.connection import DEFERRED
 from protocol.errors import HeaderError
 
+from ..answer import Answer
 from ..retention import PlanRefused
 from ..transaction import DecisionError
 from ..transaction.core import UNKNOWN
@@ -33,7 +36,11 @@ def end_transaction(ctx, conn, cmd):
     op = _STATES.get(state)
     if op is None:
         return _end_reply(cmd, (ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12"))
-    answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check)
+    later = Answer(ctx, conn, cmd, partial(_end_reply, cmd))
+    answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check, later=later)
+    if answer is None:                  # written at once: the store's writer answers through ``later``
+        return DEFERRED
+    conn.release()                      # answered here after all
     if isinstance(answer, tuple):
         return _end_reply(cmd, answer)
     return _end_reply_later(cmd, answer)

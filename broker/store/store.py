@@ -249,14 +249,14 @@ class MessageStore:
         """Queue one record; await the returned future for its PutResult (or see Writer.put's ``then``)."""
         return self._writer.put(req, then=then)
 
-    def put_many(self, reqs: list[PutRequest], reclaim: bool = False) -> "asyncio.Future":
+    def put_many(self, reqs: list[PutRequest], reclaim: bool = False, then=None) -> "asyncio.Future":
         """Queue records to be written back to back in one batch and flushed together.
 
         All or none are accepted (MESSAGE_ILLEGAL for all if any is illegal); they land in one
         segment unless together they are larger than a segment. ``reclaim``: written to free space
         (see Writer.put), so not refused by the disk watermark.
         """
-        return self._writer.put_many(reqs, reclaim)
+        return self._writer.put_many(reqs, reclaim, then)
 
     # ---------------------------------------------------------- replication (replica.py)
     def set_replica_only(self) -> None:

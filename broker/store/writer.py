@@ -121,12 +121,12 @@ class Writer:
         self._wakeup()
         return fut
 
-    def put_many(self, reqs: list[PutRequest], reclaim: bool = False) -> asyncio.Future:
+    def put_many(self, reqs: list[PutRequest], reclaim: bool = False, then=None) -> asyncio.Future:
         if not reqs:
-            fut = (self._loop or asyncio.get_running_loop()).create_future()
+            fut = then if then is not None else (self._loop or asyncio.get_running_loop()).create_future()
             fut.set_result([])
             return fut
-        return self.put(list(reqs), reclaim)
+        return self.put(list(reqs), reclaim, then)
 
     async def control(self, fn):
         """Run ``fn`` (a coroutine function) in the writer, between batches, with no flush in flight."""

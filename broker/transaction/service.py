@@ -33,8 +33,10 @@ import os
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.errors import StoreError
+from protocol.connection import DEFERRED
 from protocol.message import Prop, decode_record, offset_msg_id
 
+from ..answer import Answer
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
@@ -198,7 +200,20 @@ class TransactionService:
         req = self.records.half(body=cmd.body, real_topic=h.topic, real_qid=qid, flag=h.flag, sys_flag=h.sys_flag,
                                 born_timestamp=h.born_timestamp, born_host=born_host, props=props,
                                 reconsume_times=h.reconsume_times)
-        return self._prepare(conn, cmd, req, group, h.topic, qid, props)
+        ctx = self.ctx
+        if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
+            return self._prepare(conn, cmd, req, group, h.topic, qid, props)    # SYNC_MASTER: waits for the slave
+        floor = ctx.store.max_offset(HALF_TOPIC, 0)
+        self.storing.append(floor)
+        ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
+            self._half_answer, conn, cmd, req, group, h.topic, qid, props, floor)))
+        return DEFERRED
+
+    def _half_answer(self, conn, cmd, req, group, topic, qid, props, floor, result):
+        """The reply to a half once stored (called by the store's writer, through Answer)."""
+        self.storing.remove(floor)
+        return self._half_stored(conn, cmd, req, group, topic, qid, props, result) or send_ok(
+            self.ctx, cmd, offset_msg_id(self.ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
     async def _prepare(self, conn, cmd, req, group, topic, qid, props):
         ctx = self.ctx
@@ -208,8 +223,20 @@ class TransactionService:
             result = await ctx.store.put(req)
         finally:
             self.storing.remove(floor)
+        refused = self._half_stored(conn, cmd, req, group, topic, qid, props, result)
+        if refused is not None:
+            return refused
+        code = ResponseCode.SUCCESS
+        if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
+            code = await ctx.ha.confirm_async(result.physical_offset + result.size)   # SYNC_MASTER
+        return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset,
+                       code)
+
+    def _half_stored(self, conn, cmd, req, group, topic, qid, props, result):
+        """A half's store result: the refusal to answer, or None once it is in the undecided index."""
         if not result.ok:
             return put_failure_response(cmd, result)
+        ctx = self.ctx
         client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
                 result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id,
@@ -219,15 +246,13 @@ class TransactionService:
         self.changed = True
         ctx.clients.add_producer(group, conn, client_id, cmd.language, cmd.version)
         ctx.metrics.child(ctx.metrics.half_in, group).inc()
-        code = ResponseCode.SUCCESS
-        if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
-            code = await ctx.ha.confirm_async(result.physical_offset + result.size)   # SYNC_MASTER
-        return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset,
-                       code)
+        return None
 
     # ------------------------------------------------------------ decisions
-    def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool):
-        """An END_TRANSACTION (parsed by its processor): (code, remark) now, or an awaitable of it."""
+    def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None):
+        """An END_TRANSACTION (parsed by its processor): (code, remark) now, or an awaitable of it; or, when
+        ``later`` (an Answer of (code, remark) results) is given and the decision is written at once, None:
+        the store's writer hands ``later`` the answer."""
         metrics = self.ctx.metrics
         if from_check and half_offset in self.pending:
             metrics.child(metrics.check_answers, group, op).inc()
@@ -237,7 +262,15 @@ class TransactionService:
             self._count(action, group)
             return action.code, action.remark
         if isinstance(action, Write):       # claimed now, before any other request is handled
-            return self._answer(self._write_decision(action, self._claim(action.tx)))
+            done = self._claim(action.tx)
+            if later is None:
+                return self._answer(self._write_decision(action, done))
+            try:
+                floor, reqs = self._decision_begin(action, done)
+            except DecisionError as exc:
+                return exc.code, exc.remark
+            self.ctx.store.put_many(reqs, then=_DecisionWritten(self, action, floor, done, later))
+            return None
         return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
     def _count(self, reply: Reply, group: str) -> None:
@@ -283,24 +316,43 @@ class TransactionService:
         return fut
 
     async def _write_decision(self, action: Write, done: asyncio.Future, reclaim: bool = False) -> str:
-        tx, op, reason = action.tx, action.op, action.reason
-        metrics = self.ctx.metrics
+        floor, reqs = self._decision_begin(action, done)
+        try:
+            results = await self.ctx.store.put_many(reqs, reclaim)
+        except BaseException:
+            self._decision_settled(action.tx, floor, done, False)
+            raise
+        return self._decision_end(action, floor, done, results)
+
+    def _decision_begin(self, action: Write, done: asyncio.Future) -> tuple[int, list]:
+        """(op-queue floor held, records to write) for a claimed decision; if the records cannot be made,
+        the decision is settled as not written and the DecisionError raised."""
         floor = self.ctx.store.max_offset(OP_TOPIC, 0)
         self.writing_ops.append(floor)
-        ok = False
         try:
-            reqs = self._decision_records(tx, op, reason)
-            results = await self.ctx.store.put_many(reqs, reclaim)
-            failed = [r for r in results if not r.ok]
-            if failed:
-                raise DecisionError(response_code(failed[0]), f"store refused the decision: {failed[0].status.name}")
-            ok = True
-            self.record(tx.queue_offset, op)
+            return floor, self._decision_records(action.tx, action.op, action.reason)
+        except BaseException:
+            self._decision_settled(action.tx, floor, done, False)
+            raise
+
+    def _decision_settled(self, tx: Tx, floor: int, done: asyncio.Future, ok: bool) -> None:
+        self.core.written(tx, ok)
+        self.writing_ops.remove(floor)
+        del self._deciding[tx.half_offset]
+        done.set_result(None)
+
+    def _decision_end(self, action: Write, floor: int, done: asyncio.Future, results: list) -> str:
+        """The store's results for a decision's records: settle it, count it; its remark, or DecisionError."""
+        tx, op, reason = action.tx, action.op, action.reason
+        metrics = self.ctx.metrics
+        failed = [r for r in results if not r.ok]
+        try:
+            if not failed:
+                self.record(tx.queue_offset, op)
         finally:
-            self.core.written(tx, ok)
-            self.writing_ops.remove(floor)
-            del self._deciding[tx.half_offset]
-            done.set_result(None)
+            self._decision_settled(tx, floor, done, not failed)
+        if failed:
+            raise DecisionError(response_code(failed[0]), f"store refused the decision: {failed[0].status.name}")
         now = self.ctx.clock()
         if op == COMMIT:
             metrics.child(metrics.commits, tx.group).inc()
@@ -451,3 +503,27 @@ class TransactionService:
 
 def dumps(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class _DecisionWritten:
+    """The store completion of a producer's decision written at once: settles it and answers (code, remark)."""
+
+    __slots__ = ("svc", "action", "floor", "claim", "later", "_done")
+
+    def __init__(self, svc, action: Write, floor: int, claim: asyncio.Future, later):
+        self.svc, self.action, self.floor, self.claim, self.later = svc, action, floor, claim, later
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, results) -> None:
+        self._done = True
+        try:
+            answer = ResponseCode.SUCCESS, self.svc._decision_end(self.action, self.floor, self.claim, results)
+        except DecisionError as exc:
+            answer = exc.code, exc.remark
+        except Exception as exc:    # noqa: BLE001 - never into the writer
+            log.exception("recording the decision of the transaction at %d failed", self.action.tx.half_offset)
+            answer = ResponseCode.SYSTEM_ERROR, f"{type(exc).__name__}: {exc}"
+        self.later.set_result(answer)
