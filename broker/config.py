@@ -33,6 +33,7 @@ class BrokerConfig:
     store_dir: str = setting("./txmq-store", "Store directory, created when missing.")
     flush: str = setting("sync", "sync: acknowledge a send after it is on disk (group commit); async: flush every flush_interval_ms.", choices=("sync", "async"))
     flush_interval_ms: int = setting(500, "Async flush period.")
+    gil_switch_interval_ms: float = setting(0.2, "Python's thread switch interval (sys.setswitchinterval, 5 ms by default): how long the flush and index threads may wait for a busy event loop to hand them the interpreter. Each group commit passes through a flush thread twice, so 5 ms stretched flushes of 0.2 ms to several ms under load.")
     segment_size: int = setting(1 << 30, "Commit-log segment size in bytes (RocketMQ's 1 GiB).")
     max_message_size: int = setting(4 * 1024 * 1024, "Largest message body accepted (RocketMQ's 4 MiB); larger gets MESSAGE_ILLEGAL.")
     disk_refuse_ratio: float = setting(0.90, "Refuse writes (SERVICE_NOT_AVAILABLE, 'disk is full') while the store's file system is at least this full; they resume by themselves below it less 0.01 (RocketMQ's diskSpaceWarningLevelRatio).")
@@ -115,6 +116,8 @@ class BrokerConfig:
                      "max_undecided_per_group", "max_retry_groups"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if not 0.0 < self.gil_switch_interval_ms <= 100:
+            raise ConfigError(f"gil_switch_interval_ms={self.gil_switch_interval_ms} must be in (0, 100]")
         if not 0.0 < self.disk_refuse_ratio <= 1.0:
             raise ConfigError(f"disk_refuse_ratio={self.disk_refuse_ratio} must be in (0, 1]")
         if self.max_auto_create_topics_per_s <= 0:

@@ -504,4 +504,5 @@ def run(config: BrokerConfig) -> int:
     logging.basicConfig(level=config.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvloop
+    sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     return uvloop.run(serve(config))

@@ -55,6 +55,9 @@ def test_config_from_flags_and_environment():
         BrokerConfig(port=70000)
     with pytest.raises(ConfigError):
         BrokerConfig(disk_clean_ratio=0.86)                 # above the force ratio
+    with pytest.raises(ConfigError):
+        BrokerConfig(gil_switch_interval_ms=0)
+    assert config_from(["--gil-switch-interval-ms", "0.5"], {}).gil_switch_interval_ms == 0.5
     assert BrokerConfig(host="0.0.0.0").public_host == "127.0.0.1"
 
 
