@@ -32,7 +32,7 @@ from typing import Callable
 
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
 
-from .index_file import IndexCorrupt, IndexFile, index_hash, java_hash, key_hash, pow31, string_hash
+from .index_file import IndexCorrupt, IndexFile, KeyHasher, key_hash
 
 log = logging.getLogger("txmq.index")
 
@@ -68,9 +68,7 @@ def record_keys(raw, pos: int = 0):
 
 _UNIQ_PAIR = b"\x02" + Prop.UNIQ_KEY.encode() + b"\x01"
 _KEYS_PAIR = b"\x02" + Prop.KEYS.encode() + b"\x01"
-_TAIL = 12          # a key's last characters, hashed each time; what precedes them is cached
-_HEADS_MAX = 4096   # cached heads before the cache starts over
-_TOPICS_MAX = 4096
+_V4_FIELDS = struct.Struct(">i16xq20xi")   # at 36: sys flag, store time, body length (both hosts IPv4)
 
 
 def _prop_bytes(props: bytes, pair: bytes):
@@ -89,51 +87,6 @@ def _prop_bytes(props: bytes, pair: bytes):
         if j > i + k:
             return props[i + k:j]
         end = i             # an empty value is no pair: an earlier one stands
-
-
-class KeyHasher:
-    """abs(String.hashCode("topic#key")) of the keys of stored records, from their bytes.
-
-    hashCode(a + b) = hashCode(a) * 31**len(b) + hashCode(b) (mod 2**32), so the ``topic#`` part is
-    hashed once per topic, and a long key's head (all but its last 12 characters: a UNIQ_KEY's
-    producer address, pid and class-loader parts, the same for every message of a producer) once
-    per head; only the tail is hashed per key. An ASCII key's bytes are its UTF-16 code units;
-    any other key is decoded and hashed by its code units (as Java does)."""
-
-    def __init__(self):
-        self.topics: dict[bytes, tuple[str, int]] = {}
-        self.heads: dict[bytes, int] = {}
-
-    def topic(self, raw: bytes) -> tuple[str, int]:
-        """(topic, unsigned hashCode of ``topic#``) of a record's topic bytes."""
-        got = self.topics.get(raw)
-        if got is None:
-            if len(self.topics) >= _TOPICS_MAX:
-                self.topics.clear()
-            name = raw.decode("utf-8", "replace")
-            got = self.topics[raw] = (name, string_hash(name + "#"))
-        return got
-
-    def key(self, th: int, key: bytes) -> int:
-        """The index hash of ``topic#key``, th the topic's from topic(); ``key`` as stored (UTF-8)."""
-        n = len(key)
-        if not key.isascii():
-            text = key.decode("utf-8", "replace")
-            data = text.encode("utf-16-be", "surrogatepass")
-            units = struct.unpack(f">{len(data) // 2}H", data)
-            return index_hash((th * pow31(len(units)) + java_hash(units)) & 0xFFFFFFFF)
-        if n <= _TAIL + 4:
-            return index_hash((th * pow31(n) + java_hash(key)) & 0xFFFFFFFF)
-        head = key[:-_TAIL]
-        hh = self.heads.get(head)
-        if hh is None:
-            if len(self.heads) >= _HEADS_MAX:
-                self.heads.clear()
-            hh = self.heads[head] = java_hash(head)
-        return index_hash((th * pow31(n) + hh * _POW_TAIL + java_hash(key[-_TAIL:])) & 0xFFFFFFFF)
-
-
-_POW_TAIL = pow31(_TAIL)
 
 
 class IndexService:
@@ -353,31 +306,32 @@ class IndexService:
                 self._collect(items, raw, at, phy)
         run.clear()
 
-    def _collect(self, items: list, raw, pos: int, phy: int) -> None:
+    def _collect(self, items: list, raw: bytes, pos: int, phy: int) -> None:
         """Append (hash, phy, store time) for the keys of the record at ``pos`` -- what record_keys and
         key_hash give, read straight from the bytes (see KeyHasher): the index thread's per-record work."""
-        sys_flag = _I32.unpack_from(raw, pos + 36)[0]
+        sys_flag, ts, body_len = _V4_FIELDS.unpack_from(raw, pos + 36)
         if sys_flag & 0xC == _ROLLBACK:
             return
-        p = pos + 48 + (20 if sys_flag & 0x10 else 8)
-        ts = _I64.unpack_from(raw, p)[0]
-        p += 8 + (20 if sys_flag & 0x20 else 8) + 12
-        p += 4 + _I32.unpack_from(raw, p)[0]
+        if sys_flag & 0x30:             # an IPv6 host: the fields after it move
+            p = pos + 48 + (20 if sys_flag & 0x10 else 8)
+            ts = _I64.unpack_from(raw, p)[0]
+            p += 8 + (20 if sys_flag & 0x20 else 8) + 12
+            p += 4 + _I32.unpack_from(raw, p)[0]
+        else:
+            p = pos + 88 + body_len
         topic_len = raw[p]
         hasher = self._hasher
-        _topic, th = hasher.topic(bytes(raw[p + 1:p + 1 + topic_len]))
+        th = hasher.topic(raw[p + 1:p + 1 + topic_len])
         p += 1 + topic_len
-        props_len = _I16.unpack_from(raw, p)[0]
-        props = b"\x02" + bytes(raw[p + 2:p + 2 + props_len])
-        hashes = []
+        props = b"\x02" + raw[p + 2:p + 2 + _I16.unpack_from(raw, p)[0]]
+        key = hasher.key
         uniq = _prop_bytes(props, _UNIQ_PAIR)
-        if uniq is not None:
-            hashes.append(hasher.key(th, uniq))
+        hashes = [key(th, uniq)] if uniq is not None else []
         keys = _prop_bytes(props, _KEYS_PAIR)
         if keys is not None:
             for k in keys.split(b" "):
                 if k:
-                    hashes.append(hasher.key(th, k))
+                    hashes.append(key(th, k))
         if phy == self._skip:           # the record the newest entry names: only the keys it lacks
             hashes = [h for h in hashes if h not in self._skip_hashes]
             self._skip, self._skip_hashes = -1, set()

@@ -51,8 +51,9 @@ class IndexCorrupt(Exception):
 
 _M32 = 0xFFFFFFFF
 _POW_CHUNK = 64
-_POW = [1]                  # 31**k mod 2**32, k <= 1024
-for _ in range(1024):
+_POW_MAX = 1024
+_POW = [1]                  # 31**k mod 2**32, k <= _POW_MAX
+for _ in range(_POW_MAX):
     _POW.append(_POW[-1] * 31 & _M32)
 _WEIGHTS = tuple(tuple(reversed(_POW[:n])) for n in range(_POW_CHUNK + 1))    # [n]: 31**(n-1) .. 31**0
 _mul = operator.mul
@@ -100,6 +101,53 @@ def index_hash(h: int) -> int:
 def key_hash(key: str) -> int:
     """IndexFile.indexKeyHashMethod: abs(String.hashCode), with Integer.MIN_VALUE mapped to 0."""
     return index_hash(string_hash(key))
+
+
+_TAIL = 12          # a key's last characters, hashed each time; what precedes them is cached
+_W_TAIL = _WEIGHTS[_TAIL]
+_HEADS_MAX = 4096   # cached heads before the cache starts over
+_TOPICS_MAX = 4096
+
+
+class KeyHasher:
+    """abs(String.hashCode("topic#key")) of the keys of stored records, from their bytes.
+
+    hashCode(a + b) = hashCode(a) * 31**len(b) + hashCode(b) (mod 2**32), so the ``topic#`` part is
+    hashed once per topic, and a long key's head (all but its last 12 characters: a UNIQ_KEY's
+    producer address, pid and class-loader parts, the same for every message of a producer) once
+    per head; only the tail is hashed per key. An ASCII key's bytes are its UTF-16 code units;
+    any other key is decoded and hashed by its code units (as Java does)."""
+
+    def __init__(self):
+        self.topics: dict[bytes, int] = {}
+        self.heads: dict[bytes, int] = {}      # head -> hashCode(head) * 31**_TAIL
+
+    def topic(self, raw: bytes) -> int:
+        """The unsigned hashCode of ``topic#`` for a record's topic bytes (UTF-8, decoded as the record's reader does)."""
+        got = self.topics.get(raw)
+        if got is None:
+            if len(self.topics) >= _TOPICS_MAX:
+                self.topics.clear()
+            got = self.topics[raw] = string_hash(raw.decode("utf-8", "replace") + "#")
+        return got
+
+    def key(self, th: int, key: bytes) -> int:
+        """The index hash of ``topic#key``, th the topic's from topic(); ``key`` as stored (UTF-8)."""
+        n = len(key)
+        if _TAIL + 4 < n <= _POW_MAX and key.isascii():
+            head = key[:-_TAIL]
+            hh = self.heads.get(head)
+            if hh is None:
+                if len(self.heads) >= _HEADS_MAX:
+                    self.heads.clear()
+                hh = self.heads[head] = java_hash(head) * _POW[_TAIL] & _M32
+            h = (th * _POW[n] + hh + sum(map(_mul, key[-_TAIL:], _W_TAIL))) & _M32
+        elif key.isascii():
+            h = extend_hash(th, key)
+        else:
+            data = key.decode("utf-8", "replace").encode("utf-16-be", "surrogatepass")
+            h = extend_hash(th, struct.unpack(f">{len(data) // 2}H", data))
+        return (0x100000000 - h) & _INT_MAX if h & 0x80000000 else h
 
 
 def file_size(slots: int, entries: int) -> int:
