@@ -44,9 +44,14 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
+    return proc_stat(pid)[0]
+
+
+def proc_stat(pid: int) -> tuple[float, int]:
+    """(utime + stime in seconds, minor page faults) of a process."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK      # utime, stime
+    return (int(fields[11]) + int(fields[12])) / _TICK, int(fields[7])
 
 
 def start_broker(repo: Path, store: Path, index: bool) -> tuple[subprocess.Popen, str]:
@@ -93,7 +98,7 @@ async def drive(addr: str, pid: int, index: bool, count: int, inflight: int, siz
         assert resp.code == 0, resp.remark
     errors = 0
     nxt = 0
-    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    (cpu0, flt0), t0 = proc_stat(pid), time.perf_counter()
 
     async def worker():
         nonlocal errors, nxt
@@ -111,9 +116,10 @@ async def drive(addr: str, pid: int, index: bool, count: int, inflight: int, siz
                                                                  "endTimestamp": 1 << 62})
         resp = await conn.request(q, 60)
         found = resp.code == ResponseCode.SUCCESS
-    cpu1, t1 = cpu_seconds(pid), time.perf_counter()
+    (cpu1, flt1), t1 = proc_stat(pid), time.perf_counter()
     conn.close()
     return {"cpu_us_per_msg": (cpu1 - cpu0) / count * 1e6, "msgs_per_s": count / (sent - t0),
+            "minflt_per_msg": (flt1 - flt0) / count,
             "query_wait_ms": (t1 - sent) * 1000, "errors": errors, "found": found}
 
 
@@ -157,7 +163,7 @@ def main() -> None:
                 res = run_arm(repo, index, args)
                 results.setdefault(key, []).append(res)
                 print(f"round {r + 1} {key:16} {res['cpu_us_per_msg']:7.1f} us CPU/msg {res['msgs_per_s']:8.0f} msgs/s"
-                      f"  query wait {res['query_wait_ms']:6.1f} ms  errors {res['errors']}  found {res['found']}",
+                      f"  faults/msg {res['minflt_per_msg']:5.2f}  query wait {res['query_wait_ms']:6.1f} ms  errors {res['errors']}  found {res['found']}",
                       flush=True)
     finally:
         if tmp:

@@ -287,20 +287,22 @@ class IndexService:
             return      # after a failure, ``covered`` may be past what was written: never save it
         items: list[tuple[int, int, int]] = []
         run: list[tuple[int, int]] = []         # contiguous records of one segment: read with one pread
+        seg = self.seg_size
+        lo = 0                                  # the run's first offset
         for phy, size in batch:
-            if phy < self.covered:
-                continue
-            if phy > self.covered:      # a record the queue never saw (or a segment's end): read the log
-                self._index_run(run, items)
+            covered = self.covered
+            if phy != covered:
+                if phy < covered:
+                    continue
+                self._index_run(run, items)     # a record the queue never saw (or a segment's end): read the log
                 self._flush(items)
-                self._scan(self.covered, phy)
-            if run and (phy != run[-1][0] + run[-1][1] or phy // self.seg_size != run[0][0] // self.seg_size
-                        or phy + size - run[0][0] > _CHUNK):
+                self._scan(covered, phy)
+            if run and (phy + size - lo > _CHUNK or phy // seg != lo // seg):
                 self._index_run(run, items)
+            if not run:
+                lo = phy
             run.append((phy, size))
             self.covered = phy + size
-            if len(items) >= 4096:
-                self._flush(items)
         self._index_run(run, items)
         self._flush(items)
 
@@ -309,12 +311,14 @@ class IndexService:
             return
         lo = run[0][0]
         raw = self._read(lo, run[-1][0] + run[-1][1] - lo)
+        n, head, collect = len(raw), _SIZE_MAGIC.unpack_from, self._collect
         for phy, size in run:
             at = phy - lo
-            if (raw is not None and len(raw) >= at + size
-                    and _SIZE_MAGIC.unpack_from(raw, at) == (size, MESSAGE_MAGIC)):
-                self._collect(items, raw, at, phy)
+            if n >= at + size and head(raw, at) == (size, MESSAGE_MAGIC):
+                collect(items, raw, at, phy)
         run.clear()
+        if len(items) >= 4096:
+            self._flush(items)
 
     def _collect(self, items: list, raw: bytes, pos: int, phy: int) -> None:
         """Append (hash, phy, store time) for the keys of the record at ``pos`` -- what record_keys and
@@ -331,22 +335,24 @@ class IndexService:
             p = pos + 88 + body_len
         topic_len = raw[p]
         hasher = self._hasher
-        th = hasher.topic(raw[p + 1:p + 1 + topic_len])
+        tb = raw[p + 1:p + 1 + topic_len]
+        th = hasher.topics.get(tb)
+        if th is None:
+            th = hasher.topic(tb)
         p += 1 + topic_len
         props = b"\x02" + raw[p + 2:p + 2 + _I16.unpack_from(raw, p)[0]]
-        key = hasher.key
+        key, append, first = hasher.key, items.append, len(items)
         uniq = _prop_bytes(props, _UNIQ_PAIR)
-        hashes = [key(th, uniq)] if uniq is not None else []
+        if uniq is not None:
+            append((key(th, uniq), phy, ts))
         keys = _prop_bytes(props, _KEYS_PAIR)
         if keys is not None:
             for k in keys.split(b" "):
                 if k:
-                    hashes.append(key(th, k))
+                    append((key(th, k), phy, ts))
         if phy == self._skip:           # the record the newest entry names: only the keys it lacks
-            hashes = [h for h in hashes if h not in self._skip_hashes]
+            items[first:] = [it for it in items[first:] if it[0] not in self._skip_hashes]
             self._skip, self._skip_hashes = -1, set()
-        for h in hashes:
-            items.append((h, phy, ts))
 
     def _flush(self, items: list) -> None:
         while items:
