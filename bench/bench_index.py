@@ -11,8 +11,9 @@ the CPU it lags behind is counted, and it must find the message). The broker's C
 from /proc/PID/stat, from after the warm-up to the answer.
 
 The base code is ``git archive <ref>`` of this repository into a temporary directory (``--base-dir``
-to use a checkout instead). The last line is JSON; "ratio" = this tree's index cost (CPU per send
-on less off) / the base's, medians over the rounds.
+to use a checkout instead). First, in-process, the hash of ``topic#key`` in us per key on the bench's
+keys (the base's key_hash, this tree's, and the cached KeyHasher the index thread uses). The last line
+is JSON; "ratio" = this tree's index cost (CPU per send on less off) / the base's, medians over the rounds.
 """
 from __future__ import annotations
 
@@ -123,6 +124,29 @@ async def drive(addr: str, pid: int, index: bool, count: int, inflight: int, siz
             "query_wait_ms": (t1 - sent) * 1000, "errors": errors, "found": found}
 
 
+def hash_figures(base: Path) -> dict:
+    """us per key of abs(hashCode("topic#key")): the base tree's key_hash, this tree's key_hash, and this
+    tree's KeyHasher as the index thread uses it (topic# and a UNIQ_KEY's head cached), on the bench's keys."""
+    import importlib.util
+    import timeit
+    spec = importlib.util.spec_from_file_location("base_index_file", base / "broker/store/index_file.py")
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    from broker.store.index_file import KeyHasher, key_hash
+    keys = [f"7F0000010C3418B4AAC2{i:012X}" for i in range(1000)] + [f"order-{i:08d}" for i in range(1000)]
+    texts = [f"{TOPIC}#{k}" for k in keys]
+    raw = [k.encode() for k in keys]
+    hasher = KeyHasher()
+    th = hasher.topic(TOPIC.encode())
+    assert [hasher.key(th, k) for k in raw] == [key_hash(t) for t in texts] == [old.key_hash(t) for t in texts]
+    out = {}
+    for name, fn in (("base key_hash", lambda: [old.key_hash(t) for t in texts]),
+                     ("new key_hash", lambda: [key_hash(t) for t in texts]),
+                     ("new KeyHasher.key", lambda: [hasher.key(th, k) for k in raw])):
+        out[name] = round(min(timeit.repeat(fn, number=20, repeat=3)) / 20 / len(keys) * 1e6, 3)
+    return out
+
+
 def run_arm(repo: Path, index: bool, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
         proc, addr = start_broker(repo, Path(tmp) / "store", index)
@@ -154,6 +178,8 @@ def main() -> None:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", args.base], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         base = Path(tmp)
+    hashes = hash_figures(base)
+    print("hash us/key:", hashes, flush=True)
     arms = [("base", base, False), ("base", base, True), ("new", REPO, False), ("new", REPO, True)]
     results: dict[str, list[dict]] = {}
     try:
@@ -177,7 +203,7 @@ def main() -> None:
                       "rounds": args.rounds, "cpu_us_per_msg": {k: round(v, 1) for k, v in med.items()},
                       "msgs_per_s": {k: round(v) for k, v in rate.items()},
                       "index_cost_us": {"base": round(base_cost, 1), "new": round(new_cost, 1)},
-                      "all_ok": ok, "ratio": round(new_cost / base_cost, 3) if base_cost > 0 else None}))
+                      "hash_us_per_key": hashes, "all_ok": ok, "ratio": round(new_cost / base_cost, 3) if base_cost > 0 else None}))
 
 
 if __name__ == "__main__":
