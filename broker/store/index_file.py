@@ -142,6 +142,8 @@ class KeyHasher:
                     self.heads.clear()
                 hh = self.heads[head] = java_hash(head) * _POW[_TAIL] & _M32
             h = (th * _POW[n] + hh + sum(map(_mul, key[-_TAIL:], _W_TAIL))) & _M32
+        elif n <= _POW_CHUNK and key.isascii():
+            h = (th * _POW[n] + sum(map(_mul, key, _WEIGHTS[n]))) & _M32
         elif key.isascii():
             h = extend_hash(th, key)
         else:
