@@ -189,7 +189,8 @@ def main() -> None:
                 res = run_arm(repo, index, args)
                 results.setdefault(key, []).append(res)
                 print(f"round {r + 1} {key:16} {res['cpu_us_per_msg']:7.1f} us CPU/msg {res['msgs_per_s']:8.0f} msgs/s"
-                      f"  faults/msg {res['minflt_per_msg']:5.2f}  query wait {res['query_wait_ms']:6.1f} ms  errors {res['errors']}  found {res['found']}",
+                      f"  faults/msg {res['minflt_per_msg']:5.2f}  query wait {res['query_wait_ms']:6.1f} ms"
+                      f"  errors {res['errors']}  found {res['found']}",
                       flush=True)
     finally:
         if tmp:
@@ -203,7 +204,8 @@ def main() -> None:
                       "rounds": args.rounds, "cpu_us_per_msg": {k: round(v, 1) for k, v in med.items()},
                       "msgs_per_s": {k: round(v) for k, v in rate.items()},
                       "index_cost_us": {"base": round(base_cost, 1), "new": round(new_cost, 1)},
-                      "hash_us_per_key": hashes, "all_ok": ok, "ratio": round(new_cost / base_cost, 3) if base_cost > 0 else None}))
+                      "hash_us_per_key": hashes, "all_ok": ok,
+                      "ratio": round(new_cost / base_cost, 3) if base_cost > 0 else None}))
 
 
 if __name__ == "__main__":

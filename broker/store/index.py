@@ -79,7 +79,7 @@ _V4_FIELDS = struct.Struct(">i16xq20xi")   # at 36: sys flag, store time, body l
 
 
 def _prop_bytes(props: bytes, pair: bytes):
-    """The value of the last pair ``pair`` (``\x02NAME\x01``) with a non-empty value in ``\x02`` + a record's
+    """The value of the last pair ``pair`` (U+0002 NAME U+0001) with a non-empty value in U+0002 + a record's
     properties, or None: what string_to_properties(...).get(NAME) gives, without building the dict. The
     separators are ASCII, so splitting the bytes then decoding a value is decoding then splitting."""
     end = len(props)

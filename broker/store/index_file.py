@@ -62,7 +62,7 @@ _mul = operator.mul
 def java_hash(units) -> int:
     """Java's String.hashCode over UTF-16 code units (ints, or bytes when every unit is ASCII), as an
     unsigned 32-bit value: sum(u[i] * 31**(n-1-i)) mod 2**32, a chunk of up to 64 units per step in C
-    (sum of map) instead of a Python step per unit -- 3-4 times faster on 40-character keys."""
+    (sum of map) instead of a Python step per unit (1.87 -> 1.25 us for a 43-character key)."""
     n = len(units)
     if n <= _POW_CHUNK:
         return sum(map(_mul, units, _WEIGHTS[n])) & _M32
@@ -123,7 +123,7 @@ class KeyHasher:
         self.heads: dict[bytes, int] = {}      # head -> hashCode(head) * 31**_TAIL
 
     def topic(self, raw: bytes) -> int:
-        """The unsigned hashCode of ``topic#`` for a record's topic bytes (UTF-8, decoded as the record's reader does)."""
+        """The unsigned hashCode of ``topic#`` for a record's topic bytes (UTF-8, decoded as record_keys does)."""
         got = self.topics.get(raw)
         if got is None:
             if len(self.topics) >= _TOPICS_MAX:

@@ -239,7 +239,8 @@ def test_collect_gives_what_record_keys_and_key_hash_give(tmp_path, topic, props
 
 def test_key_hash_parts_agree_with_javas_hashcode():
     from broker.store.index_file import extend_hash, string_hash
-    for text in ["", "a", "x" * 63, "y" * 64, "z" * 65, "w" * 2000, "订单#1", "\U0001F600" * 40, "polygenelubricants"]:
+    for text in ["", "a", "x" * 63, "y" * 64, "z" * 65, "w" * 2000, "订单#1", "\U0001F600" * 40,
+                 "polygenelubricants"]:
         java = _java_hash(text)
         assert key_hash(text) == (0 if java == -2**31 else abs(java))
         for cut in (0, 1, len(text) // 2, len(text)):
