@@ -5,14 +5,17 @@ word of its KEYS property (space separated), in index files of index_file.py; a 
 when the last is full or ``period_ms`` old, and a file is removed once retention has removed
 every segment it points into (its END PHYOFFSET is below the log's first offset; never the last).
 
-Threads: the dispatch listener only queues ``(offset, size)``; ONE index thread reads the record
-back from its segment file (pread, its own descriptors), writes the entries, answers queries and
-removes files, all in queue order -- so a query sent after a send was acknowledged sees it.
+Threads: the dispatch listener only appends ``(offset, size)`` to a deque, and wakes the thread only
+when the deque was empty; ONE index thread, woken, lets records gather for ``lag_ms`` (10 ms: one
+wake-up and one run of reads and writes per 10 ms under load instead of one per group commit), then
+reads the records back from their segment files (pread, its own descriptors), writes the entries,
+answers queries and removes files. A job (a query) ends the wait, and the thread takes every record
+dispatched before it first -- so a query sent after a send was acknowledged sees it.
 
 What is indexed is a prefix of the log: ``covered`` is the offset below which every record is
 indexed (or needs no entry). A dispatch beyond ``covered`` first fills the gap from the log, so
 nothing can be skipped. At start-up ``covered`` is the larger of ``index/progress`` (written
-every second after an fsync of the files) and the newest entry's record, and the thread catches
+every 10 s after an fsync of the files) and the newest entry's record, and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
 message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
 from the commit log.
@@ -20,6 +23,7 @@ from the commit log.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import queue
@@ -32,7 +36,7 @@ from typing import Callable
 
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
 
-from .index_file import IndexCorrupt, IndexFile, key_hash
+from .index_file import IndexCorrupt, IndexFile, KeyHasher, key_hash
 
 log = logging.getLogger("txmq.index")
 
@@ -43,10 +47,13 @@ _I64 = struct.Struct(">q")
 _I16 = struct.Struct(">h")
 _PROGRESS = struct.Struct(">qI")
 PROGRESS_FILE = "progress"
-PROGRESS_EVERY_S = 1.0
+PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page dirtied since the last (under
+                                # load, most of its 20 MB): once a second that cost the broker 2-5 us per send
 MAX_QUERY = 64                  # RocketMQ's maxMsgsNumBatch
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
+LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
+_WAKE = object()
 
 
 def record_keys(raw, pos: int = 0):
@@ -66,9 +73,32 @@ def record_keys(raw, pos: int = 0):
     return topic, ts, sys_flag, props.get(Prop.UNIQ_KEY), keys
 
 
+_UNIQ_PAIR = b"\x02" + Prop.UNIQ_KEY.encode() + b"\x01"
+_KEYS_PAIR = b"\x02" + Prop.KEYS.encode() + b"\x01"
+_V4_FIELDS = struct.Struct(">i16xq20xi")   # at 36: sys flag, store time, body length (both hosts IPv4)
+
+
+def _prop_bytes(props: bytes, pair: bytes):
+    """The value of the last pair ``pair`` (U+0002 NAME U+0001) with a non-empty value in U+0002 + a record's
+    properties, or None: what string_to_properties(...).get(NAME) gives, without building the dict. The
+    separators are ASCII, so splitting the bytes then decoding a value is decoding then splitting."""
+    end = len(props)
+    k = len(pair)
+    while True:
+        i = props.rfind(pair, 0, end)
+        if i < 0:
+            return None
+        j = props.find(b"\x02", i + k)
+        if j < 0:
+            j = len(props)
+        if j > i + k:
+            return props[i + k:j]
+        end = i             # an empty value is no pair: an earlier one stands
+
+
 class IndexService:
     def __init__(self, store_dir: str, *, segment_size: int, slots: int = 5_000_000, entries: int = 20_000_000,
-                 period_ms: int = 86_400_000, clock: Callable[[], int] | None = None):
+                 period_ms: int = 86_400_000, lag_ms: float = LAG_MS, clock: Callable[[], int] | None = None):
         self.directory = os.path.join(store_dir, "index")
         self.log_dir = os.path.join(store_dir, "commitlog")
         self.seg_size = segment_size
@@ -79,7 +109,10 @@ class IndexService:
         self.rebuilt: list[str] = []    # files found damaged at start-up (removed and re-indexed)
         self._skip = -1                 # the newest entry's record: indexed already (at least in part) ...
         self._skip_hashes: set[int] = set()     # ... these of its keys: a crash may have cut its batch
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()       # jobs, _WAKE, None (stop)
+        self._pending: collections.deque = collections.deque()  # (offset, size) dispatched, not yet taken
+        self.lag_s = lag_ms / 1000
+        self._hasher = KeyHasher()
         self._thread: threading.Thread | None = None
         self._fds: dict[int, int] = {}  # segment start -> descriptor, the index thread's own
         self._last_progress = 0.0
@@ -92,7 +125,10 @@ class IndexService:
     def on_dispatch(self, info) -> None:
         """The store's dispatch listener: a record is durable and readable; index it (on the thread)."""
         if not info.recovering:
-            self._q.put((info.physical_offset, info.size))
+            pending = self._pending
+            pending.append((info.physical_offset, info.size))
+            if len(pending) == 1:       # the first since the thread last took them: wake it
+                self._q.put(_WAKE)
 
     async def open(self, log_min: int, log_end: int) -> None:
         """Load the files (blocking work on a thread), start the index thread and let it catch up to
@@ -192,21 +228,20 @@ class IndexService:
 
     # ------------------------------------------------------------ the index thread
     def _main(self) -> None:
-        q = self._q
+        q, pending, popleft = self._q, self._pending, self._pending.popleft
         while True:
             item = q.get()
-            batch = []
-            while isinstance(item, tuple):
-                batch.append(item)
-                try:
-                    item = q.get_nowait()
+            if item is _WAKE and self.lag_s > 0:
+                try:                    # let records gather; a job (a query) ends the wait
+                    item = q.get(timeout=self.lag_s)
                 except queue.Empty:
-                    item = False
+                    item = _WAKE
+            batch = [popleft() for _ in range(len(pending))]     # before the job: a query sees them
             if batch:
                 self._guarded(self._index, batch)
             if item is None:
                 return
-            if item is not False:       # a job: each runs whatever failed before it (a query must be answered)
+            if item is not _WAKE:       # a job: each runs whatever failed before it (a query must be answered)
                 self._guarded(item)
             if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
                 self._guarded(self._save_progress)
@@ -253,20 +288,22 @@ class IndexService:
             return      # after a failure, ``covered`` may be past what was written: never save it
         items: list[tuple[int, int, int]] = []
         run: list[tuple[int, int]] = []         # contiguous records of one segment: read with one pread
+        seg = self.seg_size
+        lo = 0                                  # the run's first offset
         for phy, size in batch:
-            if phy < self.covered:
-                continue
-            if phy > self.covered:      # a record the queue never saw (or a segment's end): read the log
-                self._index_run(run, items)
+            covered = self.covered
+            if phy != covered:
+                if phy < covered:
+                    continue
+                self._index_run(run, items)     # a record the queue never saw (or a segment's end): read the log
                 self._flush(items)
-                self._scan(self.covered, phy)
-            if run and (phy != run[-1][0] + run[-1][1] or phy // self.seg_size != run[0][0] // self.seg_size
-                        or phy + size - run[0][0] > _CHUNK):
+                self._scan(covered, phy)
+            if run and (phy + size - lo > _CHUNK or phy // seg != lo // seg):
                 self._index_run(run, items)
+            if not run:
+                lo = phy
             run.append((phy, size))
             self.covered = phy + size
-            if len(items) >= 4096:
-                self._flush(items)
         self._index_run(run, items)
         self._flush(items)
 
@@ -275,24 +312,48 @@ class IndexService:
             return
         lo = run[0][0]
         raw = self._read(lo, run[-1][0] + run[-1][1] - lo)
+        n, head, collect = len(raw), _SIZE_MAGIC.unpack_from, self._collect
         for phy, size in run:
             at = phy - lo
-            if (raw is not None and len(raw) >= at + size
-                    and _SIZE_MAGIC.unpack_from(raw, at) == (size, MESSAGE_MAGIC)):
-                self._collect(items, raw, at, phy)
+            if n >= at + size and head(raw, at) == (size, MESSAGE_MAGIC):
+                collect(items, raw, at, phy)
         run.clear()
+        if len(items) >= 4096:
+            self._flush(items)
 
-    def _collect(self, items: list, raw, pos: int, phy: int) -> None:
-        topic, ts, sys_flag, uniq, keys = record_keys(raw, pos)
+    def _collect(self, items: list, raw: bytes, pos: int, phy: int) -> None:
+        """Append (hash, phy, store time) for the keys of the record at ``pos`` -- what record_keys and
+        key_hash give, read straight from the bytes (see KeyHasher): the index thread's per-record work."""
+        sys_flag, ts, body_len = _V4_FIELDS.unpack_from(raw, pos + 36)
         if sys_flag & 0xC == _ROLLBACK:
             return
-        hashes = [key_hash(f"{topic}#{uniq}")] if uniq else []
-        hashes += [key_hash(f"{topic}#{k}") for k in keys]
+        if sys_flag & 0x30:             # an IPv6 host: the fields after it move
+            p = pos + 48 + (20 if sys_flag & 0x10 else 8)
+            ts = _I64.unpack_from(raw, p)[0]
+            p += 8 + (20 if sys_flag & 0x20 else 8) + 12
+            p += 4 + _I32.unpack_from(raw, p)[0]
+        else:
+            p = pos + 88 + body_len
+        topic_len = raw[p]
+        hasher = self._hasher
+        tb = raw[p + 1:p + 1 + topic_len]
+        th = hasher.topics.get(tb)
+        if th is None:
+            th = hasher.topic(tb)
+        p += 1 + topic_len
+        props = b"\x02" + raw[p + 2:p + 2 + _I16.unpack_from(raw, p)[0]]
+        key, append, first = hasher.key, items.append, len(items)
+        uniq = _prop_bytes(props, _UNIQ_PAIR)
+        if uniq is not None:
+            append((key(th, uniq), phy, ts))
+        keys = _prop_bytes(props, _KEYS_PAIR)
+        if keys is not None:
+            for k in keys.split(b" "):
+                if k:
+                    append((key(th, k), phy, ts))
         if phy == self._skip:           # the record the newest entry names: only the keys it lacks
-            hashes = [h for h in hashes if h not in self._skip_hashes]
+            items[first:] = [it for it in items[first:] if it[0] not in self._skip_hashes]
             self._skip, self._skip_hashes = -1, set()
-        for h in hashes:
-            items.append((h, phy, ts))
 
     def _flush(self, items: list) -> None:
         while items:

@@ -204,3 +204,47 @@ async def test_a_record_whose_keys_a_crash_split_gets_the_rest_at_the_next_start
         assert (await svc.query("T", key, 64, 0, 2**62))[0] == [split.physical_offset], key
     await svc.close()
     await store.close()
+
+
+def _reference_hashes(raw):
+    topic, ts, sys_flag, uniq, keys = record_keys(raw)
+    if sys_flag & 0xC == 0xC:
+        return []
+    return [(key_hash(f"{topic}#{k}"), 7, ts) for k in ([uniq] if uniq else []) + keys]
+
+
+@pytest.mark.parametrize("topic, props, sys_flag, hosts", [
+    (b"T", b"KEYS\x01k1 k2\x02UNIQ_KEY\x017F0000010C3418B4AAC2000000000001", 0, 8),
+    (b"TopicTest", b"UNIQ_KEY\x01" + b"A" * 70 + b"\x02KEYS\x01" + b"x" * 1500 + b"  y ", 0, 8),
+    (b"T", b"KEYS\x01first\x02KEYS\x01\x02KEYS\x01last one\x02KEYS\x01\x02X\x01y", 0, 20),
+    (b"T", b"XKEYS\x01no\x02UNIQ_KEY\x01\x02KEYS\x01a\x01b\x02\x02\x01\x02KEYS", 0x4, 20),
+    ("订单".encode(), "KEYS\x01订单-1 \U0001F600 plain-ascii-key-longer-than-16\x02UNIQ_KEY\x01u".encode(), 0, 8),
+    (b"T\xff", b"KEYS\x01bad\xe2 \xe2\x82x \xff\xfe\x02UNIQ_KEY\x01\xed\xa0\x80", 0, 8),
+    (b"T", b"", 0, 8),
+    (b"T", b"KEYS\x01rolled back", 0xC, 8),
+])
+def test_collect_gives_what_record_keys_and_key_hash_give(tmp_path, topic, props, sys_flag, hosts):
+    """The index thread reads keys straight from a record's bytes and hashes them by parts (topic# once,
+    a long key's head once); the entries must be those of the plain parse and Java's hashCode."""
+    from protocol.message import encode_record
+    raw = bytes(encode_record(topic=topic, body=b"body", queue_id=0, flag=0, sys_flag=sys_flag,
+                              born_timestamp=1, born_host=b"\0" * hosts, store_host=b"\1" * hosts,
+                              properties=props, store_timestamp=1_700_000_000_123))
+    svc = IndexService(str(tmp_path), segment_size=1 << 20)
+    for _ in range(2):                  # the second time from the caches
+        items = []
+        svc._collect(items, b"pad" + raw, 3, 7)
+        assert items == _reference_hashes(raw)
+
+
+def test_key_hash_parts_agree_with_javas_hashcode():
+    from broker.store.index_file import extend_hash, string_hash
+    for text in ["", "a", "x" * 63, "y" * 64, "z" * 65, "w" * 2000, "订单#1", "\U0001F600" * 40,
+                 "polygenelubricants"]:
+        java = _java_hash(text)
+        assert key_hash(text) == (0 if java == -2**31 else abs(java))
+        for cut in (0, 1, len(text) // 2, len(text)):
+            head, tail = text[:cut], text[cut:]
+            units = struct.unpack(f">{len(tail.encode('utf-16-be', 'surrogatepass')) // 2}H",
+                                  tail.encode("utf-16-be", "surrogatepass"))
+            assert extend_hash(string_hash(head), units) == _java_hash(text) & 0xFFFFFFFF
