@@ -247,9 +247,13 @@ class PullConsumer:
 
         try:
             while True:
-                while len(pending) < inflight and (not pending or max_known is None or guess < max_known):
-                    pending.append((guess, create_task(self.pull(mq, guess, max_nums=max_nums, expression=expression))))
-                    guess += step
+                # Topped up once half are answered, so the new requests leave together (one write,
+                # and the broker's answers to them go back in one write too).
+                if len(pending) <= inflight // 2:
+                    while len(pending) < inflight and (not pending or max_known is None or guess < max_known):
+                        pending.append((guess, create_task(self.pull(mq, guess, max_nums=max_nums,
+                                                                     expression=expression))))
+                        guess += step
                 at, task = pending.popleft()
                 res = await task
                 yield res

@@ -480,8 +480,8 @@ def decode_records(buf) -> list[MessageExt]:
 
     The same messages decode_record gives at each record, for less: the usual record (IPv4 hosts,
     UTF-8 topic and properties, pairs that all have a name and a value) is decoded inline, its hosts'
-    tuples and topic string shared with the records that repeat them; any other record, a malformed
-    one included (for its error), goes to decode_record.
+    tuples and topic string shared with the records before it that have the same; any other record,
+    a malformed one included (for its error), goes to decode_record.
     """
     if not isinstance(buf, bytes):
         buf = bytes(buf)
@@ -489,12 +489,11 @@ def decode_records(buf) -> list[MessageExt]:
     append = out.append
     unpack_head = _HEAD_V4_HOSTS.unpack_from
     unpack_i16 = _I16.unpack_from
-    hosts: dict = {}
-    topics: dict = {}
+    inet_ntoa = socket.inet_ntoa
+    born_key = store_key = raw_topic = None
     pos = 0
     end = len(buf)
     while pos < end:
-        msg = None
         if end - pos >= 91:
             (total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag, born_ts, born_ip, born_port,
              store_ts, store_ip, store_port, reconsume, prepared, body_len) = unpack_head(buf, pos)
@@ -504,46 +503,42 @@ def decode_records(buf) -> list[MessageExt]:
                     and body_len >= 0 and p + 3 <= limit):
                 t_end = p + 1 + buf[p]
                 if buf[p] <= MAX_TOPIC_LENGTH and t_end + 2 <= limit and unpack_i16(buf, t_end)[0] == limit - t_end - 2:
-                    msg = _decode_v4(buf, pos, p, t_end, limit, topics, hosts, total, crc, queue_id, flag,
-                                     queue_offset, physical_offset, sys_flag, born_ts, born_ip, born_port,
-                                     store_ts, store_ip, store_port, reconsume, prepared, body_len)
-        if msg is None:
-            msg, total = decode_record(buf, pos)
+                    try:
+                        if buf[p + 1:t_end] != raw_topic:
+                            topic = buf[p + 1:t_end].decode()
+                            raw_topic = buf[p + 1:t_end]
+                        text = buf[t_end + 2:limit].decode()
+                    except UnicodeDecodeError:
+                        text = None
+                    if text:
+                        # Java ends every pair with U+0002 (this project does not): one split per pair
+                        # either way, and string_to_properties' rules when a pair lacks its separator,
+                        # its name or its value.
+                        try:
+                            props = dict([piece.split("\x01", 1) for piece in
+                                          (text[:-1] if text[-1] == "\x02" else text).split("\x02")])
+                            if "" in props or "" in props.values():
+                                props = string_to_properties(text)
+                        except ValueError:
+                            props = string_to_properties(text)
+                    elif text is not None:
+                        props = {}
+                    if text is not None:
+                        if born_key != (born_ip, born_port):
+                            born_key = (born_ip, born_port)
+                            born_host = (inet_ntoa(born_ip), born_port)
+                        if store_key != (store_ip, store_port):
+                            store_key = (store_ip, store_port)
+                            store_host = (inet_ntoa(store_ip), store_port)
+                        append(MessageExt(topic, buf[pos + 88:p], queue_id, flag, queue_offset, physical_offset,
+                                          sys_flag, born_ts, born_host, store_ts, store_host, reconsume, prepared,
+                                          props, crc, total))
+                        pos = limit
+                        continue
+        msg, total = decode_record(buf, pos)
         append(msg)
         pos += total
     return out
-
-
-def _decode_v4(buf, pos, p, t_end, limit, topics, hosts, total, crc, queue_id, flag, queue_offset, physical_offset,
-               sys_flag, born_ts, born_ip, born_port, store_ts, store_ip, store_port, reconsume, prepared, body_len):
-    """decode_records' usual record, its layout already checked; None when its text needs decode_record."""
-    raw_topic = buf[p + 1:t_end]
-    topic = topics.get(raw_topic)
-    try:
-        if topic is None:
-            topic = topics[raw_topic] = raw_topic.decode()
-        text = buf[t_end + 2:limit].decode()
-    except UnicodeDecodeError:
-        return None
-    props = {}
-    if text:
-        # Java ends every pair with U+0002 (this project does not): one split per pair either way,
-        # and string_to_properties' rules when a pair lacks its separator, its name or its value.
-        try:
-            props = dict([piece.split("\x01", 1) for piece in
-                          (text[:-1] if text[-1] == "\x02" else text).split("\x02")])
-        except ValueError:
-            props = None
-        if props is None or "" in props or "" in props.values():
-            props = string_to_properties(text)
-    born_host = hosts.get((born_ip, born_port))
-    if born_host is None:
-        born_host = hosts[(born_ip, born_port)] = (socket.inet_ntoa(born_ip), born_port)
-    store_host = hosts.get((store_ip, store_port))
-    if store_host is None:
-        store_host = hosts[(store_ip, store_port)] = (socket.inet_ntoa(store_ip), store_port)
-    return MessageExt(topic, buf[pos + 88:pos + 88 + body_len], queue_id, flag, queue_offset, physical_offset,
-                      sys_flag, born_ts, born_host, store_ts, store_host, reconsume, prepared, props, crc, total)
 
 
 # --------------------------------------------------------------------- batch
