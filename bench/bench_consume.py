@@ -14,7 +14,7 @@ for ``PullConsumer.drain`` with K pulls in flight per queue (only where the tree
 CPU per message: the broker's utime+stime from /proc/PID/stat over the drain, the client's from
 os.times() in the client process. Figures are medians of the repetitions. The last line is JSON;
 ``"ratio"`` = this tree's msgs/s / Redis msgs/s (issue 15's target: >= 2); ``"vs_baseline"`` = this
-tree / the baseline tree.
+tree / the baseline tree; ``"pipelined_ratio"`` = this tree's pipelined row / Redis.
 """
 from __future__ import annotations
 
@@ -261,6 +261,9 @@ def main() -> None:
         fig["ratio"] = None
     if "base" in fig:
         fig["vs_baseline"] = round(fig["new"]["per_s"] / fig["base"]["per_s"], 3)
+    piped = f"new_pipelined_x{args.pipeline}"
+    if redis and piped in fig:
+        fig["pipelined_ratio"] = round(fig[piped]["per_s"] / fig["redis_per_s"], 3)
     print(json.dumps(fig))
 
 
