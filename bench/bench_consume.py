@@ -5,7 +5,7 @@
 
 Each tree (this checkout, and ``--baseline`` when given, e.g. a worktree of main) gets its own broker
 (its own code, sync flush) holding ``--messages`` records of ``--size`` bytes in the topic's queues,
-sent as batches of 32; then a client process of the same tree drains every queue from offset 0,
+sent as batches of 32 (``--fill-mode plain``: single sends); then a client process of the same tree drains every queue from offset 0,
 ``--max-nums`` a pull, one pull at a time (bench_peers' consume row), ``--repeat`` times, the trees
 taking turns so drift hits both. Redis (appendfsync always) holds the same count of bodies in one
 stream and is drained with XRANGE COUNT ``--max-nums`` pages by bench_peers' client. ``--pipeline K`` adds a row per tree
@@ -46,17 +46,23 @@ def cpu_s(pid: int) -> float:
 
 
 # ------------------------------------------------------------------ children (run inside a tree)
-async def _fill(namesrv: str, count: int, size: int) -> None:
+async def _fill(namesrv: str, count: int, size: int, mode: str) -> None:
     from producer import Producer
     body = b"x" * size
-    sem = asyncio.Semaphore(8)
+    sem = asyncio.Semaphore(8 if mode == "batch" else 64)
 
     async def one(n):
         async with sem:
-            await producer.send_batch(TOPIC, [body] * n)
+            if mode == "batch":
+                await producer.send_batch(TOPIC, [body] * n)
+            else:
+                await producer.send(TOPIC, body)
 
     async with Producer(namesrv, "PG_bench_consume") as producer:
-        sizes = [32] * (count // 32) + ([count % 32] if count % 32 else [])
+        if mode == "batch":
+            sizes = [32] * (count // 32) + ([count % 32] if count % 32 else [])
+        else:
+            sizes = [1] * count
         await asyncio.gather(*(one(n) for n in sizes))
 
 
@@ -91,7 +97,7 @@ def child_main(args) -> None:
     sys.path.insert(0, args.tree)
     import uvloop
     if args.fill:
-        uvloop.run(_fill(args.namesrv, args.messages, args.size))
+        uvloop.run(_fill(args.namesrv, args.messages, args.size, args.fill_mode))
         print(json.dumps({"filled": args.messages}))
     else:
         print(json.dumps(uvloop.run(_drain(args.namesrv, args.max_nums, args.pipeline))))
@@ -210,6 +216,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--baseline", help="another checkout (e.g. a worktree of main) measured in the same run")
     p.add_argument("--pipeline", type=int, default=0, help="also drain with K pulls in flight per queue")
+    p.add_argument("--fill-mode", choices=["batch", "plain"], default="batch",
+                   help="batch: batches of 32, each a run of one queue; plain: single sends, 64 in flight, "
+                        "queues taking turns (no two records of a queue side by side)")
     p.add_argument("--child", action="store_true")
     p.add_argument("--fill", action="store_true")
     p.add_argument("--tree", default=str(REPO))
@@ -229,7 +238,7 @@ def main() -> None:
             for name, tree in trees.items():
                 brokers[name] = Broker(tree, os.path.join(tmp, name))
                 child(tree, "--fill", "--namesrv", brokers[name].namesrv, "--messages", str(args.messages),
-                      "--size", str(args.size))
+                      "--size", str(args.size), "--fill-mode", args.fill_mode)
             rows = [(name, 0) for name in trees]
             if args.pipeline:
                 rows += [(name, args.pipeline) for name in trees
@@ -241,7 +250,7 @@ def main() -> None:
         finally:
             for b in brokers.values():
                 b.stop()
-    fig: dict = {"bench": "consume", "messages": args.messages, "size": args.size, "max_nums": args.max_nums,
+    fig: dict = {"bench": "consume", "fill": args.fill_mode, "messages": args.messages, "size": args.size, "max_nums": args.max_nums,
                  "repeat": args.repeat}
     print(f"{'':26}{'msgs/s':>10}{'broker us/msg':>15}{'client us/msg':>15}   (median of {args.repeat})")
     if redis:
