@@ -6,12 +6,15 @@ broker cannot be reached, or does not know the topic), so a failover is followed
 """
 from __future__ import annotations
 
+import asyncio
+import collections
 import enum
 import json
 import logging
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from protocol.admin_bodies import decode_mq_table
@@ -209,6 +212,63 @@ class PullConsumer:
             messages = [m for m in messages if m.tags in tags]
         return PullResult(PullStatus(resp.code), resp.int_field("nextBeginOffset", offset),
                           resp.int_field("minOffset", 0), resp.int_field("maxOffset", 0), messages)
+
+    async def drain(self, mq: MessageQueue, offset: int, *, max_nums: int = 32, expression: str = "*",
+                    inflight: int = 4) -> AsyncIterator[PullResult]:
+        """Pull ``mq`` from ``offset`` until caught up, with up to ``inflight`` pulls in flight.
+
+        Yields every pull's result in queue order, each pull starting at the previous one's
+        ``next_begin_offset``; the last result yielded is the first that is neither FOUND nor
+        NO_MATCHED_MSG (NO_NEW_MSG once caught up, OFFSET_ILLEGAL). The pulls after the first are
+        sent before their offsets are known: each is guessed to start where the previous one
+        advanced by as much as the last result did (``max_nums`` at first; queue offsets are dense,
+        so a pull that found ``max_nums`` messages unfiltered ends ``max_nums`` further), never past
+        the queue's last known max offset. A result that ends elsewhere drops the pulls sent after
+        it (their answers are not used) and the next ones start where it ended, so what is yielded is
+        what one pull at a time would give. No long polling and no offset commit: commit with
+        ``commit_offset`` (the last result's ``next_begin_offset``). Close it early with
+        ``contextlib.aclosing`` (or let ``break`` and the loop's async-generator finalizer do it).
+        """
+        if inflight < 1:
+            raise ValueError(f"inflight must be at least 1, not {inflight}")
+        pending: collections.deque = collections.deque()      # (offset, task), in queue order
+        create_task = asyncio.get_running_loop().create_task
+        step, guess, max_known = max_nums, offset, None
+
+        dropped: set = set()
+
+        def cancel_pending():
+            for _, task in pending:
+                task.cancel()
+                dropped.add(task)
+                # A dropped pull's failure (a timeout, a closed connection) is not this drain's.
+                task.add_done_callback(lambda t: dropped.discard(t) or t.cancelled() or t.exception())
+            pending.clear()
+
+        try:
+            while True:
+                # Topped up once half are answered, so the new requests leave together (one write,
+                # and the broker's answers to them go back in one write too).
+                if len(pending) <= inflight // 2:
+                    while len(pending) < inflight and (not pending or max_known is None or guess < max_known):
+                        pending.append((guess, create_task(self.pull(mq, guess, max_nums=max_nums,
+                                                                     expression=expression))))
+                        guess += step
+                at, task = pending.popleft()
+                res = await task
+                yield res
+                if res.status not in (PullStatus.FOUND, PullStatus.NO_MATCHED_MSG):
+                    return
+                max_known = res.max_offset
+                if res.next_begin_offset > at:
+                    step = res.next_begin_offset - at
+                if res.next_begin_offset != (pending[0][0] if pending else guess):
+                    cancel_pending()
+                    guess = res.next_begin_offset
+        finally:
+            cancel_pending()
+            if dropped:         # settled before the caller goes on (they wait for no answer then)
+                await asyncio.gather(*dropped, return_exceptions=True)
 
     async def _offset_call(self, code, mq: MessageQueue, **extra) -> RemotingCommand:
         fields = {"topic": mq.topic, "queueId": mq.queue_id, **extra}

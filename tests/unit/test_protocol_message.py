@@ -131,6 +131,43 @@ def test_malformed_records_are_record_errors(raw):
         decode_record(bytes(raw))
 
 
+@pytest.mark.parametrize("raw", [
+    bytes(make())[:90], bytes(make())[:-1], _patched(">i", 4, BLANK_MAGIC), _patched(">i", 0, 90),
+    _patched(">i", 84, -1), _patched(">i", 84, 6), _patched(">B", 93, 60), _patched(">h", 95, 1),
+    _patched(">i", 36, SysFlag.BORNHOST_V6), _patched(">B", 94, 0xFF), _patched(">B", 97, 0xC0),
+], ids=lambda raw: f"{len(raw)}B")
+def test_malformed_records_in_a_run_are_decode_records_errors_too(raw):
+    good = bytes(make())
+    with pytest.raises(RecordError) as fast:
+        decode_records(good + bytes(raw))
+    with pytest.raises(RecordError) as slow:
+        decode_record(good + bytes(raw), len(good))
+    assert str(fast.value) == str(slow.value)
+
+
+_PROPS_TEXT = st.lists(st.tuples(st.sampled_from(["", "TAGS", "KEYS", "UNIQ_KEY", "a\x01b", "é"]),
+                                 st.sampled_from(["", "v", "x\x01y", "TagA", "ü"]),
+                                 st.sampled_from(["\x01", "", "\x01\x01"])), max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_PROPS_TEXT, st.booleans(), st.booleans(), st.sampled_from([b"T", b"Topic_%RETRY%g", "é".encode()]),
+                          st.binary(max_size=40)), max_size=6), st.booleans())
+def test_decode_records_is_decode_record_at_each_record(records, trailing):
+    # decode_records' inline path (IPv4 hosts, split properties) gives what decode_record gives,
+    # properties with Java's trailing separator, empty names or values and duplicates included.
+    run, expected = bytearray(), []
+    for i, (pairs, born6, store6, topic, body) in enumerate(records):
+        text = "\x02".join(n + sep + v for n, v, sep in pairs) + ("\x02" if trailing and pairs else "")
+        raw = make(V6 if born6 else V4, V6 if store6 else pack_host(f"10.0.0.{i}", 10911 + i % 2), topic=topic,
+                   body=body, properties=text.encode(), queue_offset=i, physical_offset=len(run))
+        expected.append(decode_record(raw)[0])
+        run += raw
+    assert decode_records(bytes(run)) == expected
+    assert decode_records(memoryview(run)) == expected
+    assert all(m.properties == string_to_properties(properties_to_string(m.properties)) for m in expected)
+
+
 def test_peek_record_reads_size_and_magic():
     assert peek_record(struct.pack(">ii", 64, BLANK_MAGIC)) == (64, BLANK_MAGIC)
     raw = make()
