@@ -16,9 +16,11 @@ import json
 import os
 import random
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 import platform
 
@@ -28,6 +30,65 @@ from protocol.codes import request_name
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
 _RESERVOIR = 4096
+_random = random.random
+
+
+class LoopHistogram:
+    """A histogram observed from the event loop's thread only, exported at scrape time.
+
+    prometheus_client's Histogram takes a mutex for the sum and one for the bucket on every
+    observation (0.55 us; 1.5 us with the label lookup): here an observation is a bisect and two
+    additions on plain lists. The scrape, on the HTTP server's thread, copies the counts; the
+    exposition is the same (``_bucket`` with ``le``, ``_count``, ``_sum``; no ``_created``).
+    """
+
+    def __init__(self, name: str, doc: str, labelnames: list[str], buckets, registry):
+        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self.bounds = [float(b) for b in buckets if b != float("inf")]
+        self._children: dict[tuple, "_LoopHistogramChild"] = {}
+        if not labelnames:
+            self._default = self.labels()
+        registry.register(self)
+
+    def labels(self, *values) -> "_LoopHistogramChild":
+        key = tuple(str(v) for v in values)
+        if len(key) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = _LoopHistogramChild(self.bounds)
+        return child
+
+    def observe(self, seconds: float) -> None:
+        self._default.observe(seconds)
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)]
+
+    def collect(self):
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        for key, child in list(self._children.items()):
+            counts, total = list(child.counts), child.sum
+            running, buckets = 0, []
+            for le, n in zip(les, counts):
+                running += n
+                buckets.append((le, running))
+            fam.add_metric(list(key), buckets, total)
+        yield fam
+
+
+class _LoopHistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)      # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
 
 
 class BrokerMetrics:
@@ -45,11 +106,12 @@ class BrokerMetrics:
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
                                  ["topic", "consumer_group"], registry=r)
-        self.rpc_latency = Histogram("rocketmq_rpc_latency", "Request handling time in seconds.",
-                                     ["request_code", "response_code"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.append_latency = Histogram("txmq_store_append_latency_seconds",
-                                        "From a put entering the writer queue to its acknowledgement.",
-                                        buckets=_LATENCY_BUCKETS, registry=r)
+        # Observed once or twice per request on the event loop: lock-free histograms (see LoopHistogram).
+        self.rpc_latency = LoopHistogram("rocketmq_rpc_latency", "Request handling time in seconds.",
+                                         ["request_code", "response_code"], _LATENCY_BUCKETS, r)
+        self.append_latency = LoopHistogram("txmq_store_append_latency_seconds",
+                                            "From a put entering the writer queue to its acknowledgement.",
+                                            [], _LATENCY_BUCKETS, r)
         self.flush_latency = Histogram("txmq_store_flush_latency_seconds", "Duration of one commit-log flush.",
                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.connections = Gauge("txmq_open_connections", "Open client connections.", ["listener"], registry=r)
@@ -103,6 +165,7 @@ class BrokerMetrics:
         self._samples: dict[str, list[float]] = {}
         self._counts: dict[str, int] = {}
         self._rpc_children: dict[tuple[int, int], object] = {}
+        self._names: dict[int, str] = {}
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels):
@@ -122,18 +185,25 @@ class BrokerMetrics:
 
     # --------------------------------------------------------------- helpers
     def observe_request(self, code: int, response_code: int, seconds: float) -> None:
-        name = request_name(code)
+        # Once or twice per request: one dict lookup for the histogram child, one for the snapshot's
+        # per-request state (its name, count and reservoir of latencies).
         child = self._rpc_children.get((code, response_code))
         if child is None:
-            child = self._rpc_children[(code, response_code)] = self.rpc_latency.labels(name, str(response_code))
+            child = self._rpc_children[(code, response_code)] = self.rpc_latency.labels(request_name(code),
+                                                                                        str(response_code))
         child.observe(seconds)
+        name = self._names.get(code)
+        if name is None:
+            name = self._names[code] = request_name(code)
         n = self._counts.get(name, 0) + 1
         self._counts[name] = n
-        samples = self._samples.setdefault(name, [])
-        if len(samples) < _RESERVOIR:
+        samples = self._samples.get(name)
+        if samples is None:
+            samples = self._samples[name] = []
+        if n <= _RESERVOIR:
             samples.append(seconds)
         else:
-            j = random.randrange(n)
+            j = int(_random() * n)              # reservoir sampling (Algorithm R)
             if j < _RESERVOIR:
                 samples[j] = seconds
 

@@ -236,7 +236,11 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
         tags = property_value(text, Prop.TAGS)
         reqs.append(PutRequest(record, h.topic, qid, java_string_hash(tags) if tags else 0, h.sys_flag))
         body_bytes += len(body)
-    return _store_batch(ctx, cmd, reqs, qid, h.topic, body_bytes)
+    if ctx.ha is not None and ctx.ha.sync:      # SYNC_MASTER: the answer waits for the slave
+        return _store_batch(ctx, cmd, reqs, qid, h.topic, body_bytes)
+    ctx.limits.queued_bytes += body_bytes
+    ctx.store.put_many(reqs, then=Answer(ctx, conn, cmd, partial(_batch_stored, ctx, cmd, qid, h.topic, body_bytes)))
+    return DEFERRED
 
 
 _TIMER_KEYS = ("TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
@@ -258,15 +262,33 @@ def _held_back(delay: str | None, tran: str | None, what: str, timer: str | None
 
 
 async def _store_batch(ctx, cmd, reqs, qid, topic, body_bytes):
+    """A batch on a SYNC_MASTER: stored, then confirmed by the slave."""
     results = await ctx.limits.track(ctx.store.put_many(reqs), body_bytes)
+    refused = _batch_refused(ctx, cmd, topic, body_bytes, results)
+    if refused is not None:
+        return refused
+    code = await ctx.ha.confirm_async(results[-1].physical_offset + results[-1].size)
+    return _batch_ok(ctx, cmd, qid, results, code)
+
+
+def _batch_stored(ctx, cmd, qid, topic, body_bytes, results):
+    """The reply to a batch once the store is done with it (called by the writer, through Answer)."""
+    ctx.limits.queued_bytes -= body_bytes
+    return _batch_refused(ctx, cmd, topic, body_bytes, results) or _batch_ok(ctx, cmd, qid, results)
+
+
+def _batch_refused(ctx, cmd, topic, body_bytes, results):
+    """The refusal of a batch the store did not take (all or none), else None once counted."""
     for result in results:
         if not result.ok:
             return put_failure_response(cmd, result)
     ctx.metrics.count_in(topic, len(results), body_bytes)
-    code = ResponseCode.SUCCESS
-    if ctx.ha is not None and ctx.ha.sync:      # SYNC_MASTER: the slave must have the whole batch
-        code = await ctx.ha.confirm_async(results[-1].physical_offset + results[-1].size)
-    return send_ok(ctx, cmd, ",".join(offset_msg_id(ctx.store_host, r.physical_offset) for r in results), qid,
+    return None
+
+
+def _batch_ok(ctx, cmd, qid, results, code=ResponseCode.SUCCESS):
+    host = ctx.store_host
+    return send_ok(ctx, cmd, ",".join([offset_msg_id(host, r.physical_offset) for r in results]), qid,
                    results[0].queue_offset, code)
 
 

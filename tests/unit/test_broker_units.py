@@ -81,3 +81,20 @@ def test_tag_subscription_filters_by_java_hash():
     f = sub.tag_filter()
     assert f(java_string_hash("TagA")) and f(java_string_hash("TagB")) and not f(java_string_hash("TagC"))
     assert build_subscription("T", "*").tag_filter() is None
+
+
+def test_loop_histogram_exposes_what_prometheus_clients_histogram_does():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from broker.metrics import LoopHistogram
+    buckets = (0.0005, 0.001, 0.01, 1.0)
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    h = Histogram("lat", "doc", ["code"], buckets=buckets, registry=theirs)
+    mine = LoopHistogram("lat", "doc", ["code"], buckets, ours)
+    for v, code in [(0.0005, "0"), (0.0004, "0"), (0.002, "1"), (5.0, "0"), (1.0, "1"), (0.01, "0")]:
+        h.labels(code).observe(v)
+        mine.labels(code).observe(v)
+
+    def lines(registry):
+        return sorted(line for line in generate_latest(registry).decode().splitlines()
+                      if line.startswith("lat_") and "_created" not in line)
+    assert lines(ours) == lines(theirs)
