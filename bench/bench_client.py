@@ -61,13 +61,14 @@ async def client(namesrv: str, mode: str, seconds: float, inflight: int, size: i
         else:
             op, per_op = (lambda: producer.send(TOPIC, body)), 1
         requests = 0
-        send = producer._send
+        name = "_send_text" if hasattr(producer, "_send_text") else "_send"     # the method every send calls
+        send = getattr(producer, name)
 
         def counted(*a, **kw):          # requests on the wire: messages / requests is the batch size reached
             nonlocal requests
             requests += 1
             return send(*a, **kw)
-        producer._send = counted
+        setattr(producer, name, counted)
         loop = asyncio.get_running_loop()
         stop_at = loop.time() + seconds
         done = 0
@@ -174,8 +175,9 @@ def main() -> None:
                             if shared is None:
                                 broker.stop()
                         results[label][mode].append(r)
-                        print(f"rep {rep} {mode:7} {label:10} {r['per_s']:9.0f} msgs/s  client {r['cpu_us']:6.1f} us/msg"
-                              f"  broker {r['broker_us']:6.1f} us/msg  {r['per_request']:5.1f} msgs/request", flush=True)
+                        print(f"rep {rep} {mode:7} {label:10} {r['per_s']:9.0f} msgs/s  client {r['cpu_us']:6.1f} "
+                              f"us/msg  broker {r['broker_us']:6.1f} us/msg  {r['per_request']:5.1f} msgs/request",
+                              flush=True)
         finally:
             if shared is not None:
                 shared.stop()
