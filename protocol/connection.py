@@ -328,7 +328,7 @@ class RemotingConnection(asyncio.Protocol):
     def _expire_due(self) -> None:
         """The timeout timer: fail every request past its deadline, forget abandoned ones, re-arm."""
         self._sweep, self._sweep_at = None, _NEVER
-        now = self._loop.time()
+        now = self._loop.time() + 0.001     # the loop's clock and timers tick in ms: due within one is due
         due, earliest = [], _NEVER
         for opaque, (fut, deadline, _, _) in self._pending.items():
             if deadline <= now or fut.done():
