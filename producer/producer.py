@@ -235,13 +235,6 @@ class Producer:
                                                       f"producer does not serve request {cmd.code}")
 
     # ---------------------------------------------------------------- sends
-    def _header(self, mq: MessageQueue, props: dict, *, sys_flag: int = 0, flag: int = 0,
-                batch: bool = False) -> SendMessageRequestHeader:
-        return SendMessageRequestHeader(
-            producer_group=self.group, topic=mq.topic, default_topic="TBW102", default_topic_queue_nums=4,
-            queue_id=mq.queue_id, sys_flag=sys_flag, born_timestamp=int(time.time() * 1000), flag=flag,
-            properties=properties_to_string(props), batch=batch)
-
     def message_properties(self, tags: str | None = None, keys: str | list[str] | None = None,
                            properties: dict[str, str] | None = None) -> dict[str, str]:
         """The properties a message is sent with: yours, TAGS, KEYS (space-joined), a new UNIQ_KEY, WAIT."""
@@ -256,7 +249,7 @@ class Producer:
 
     def _command(self, code: int, mq: MessageQueue, props: str, body: bytes, sys_flag: int = 0, flag: int = 0,
                  batch: bool = False) -> RemotingCommand:
-        """The send request to ``mq``: the header ``_header(...).to_ext_fields()`` gives, from a template."""
+        """The send request to ``mq``, its header from the template of (code, topic, queue, flags)."""
         key = (code, mq.topic, mq.queue_id, sys_flag, flag, batch)
         tpl = self._templates.get(key)
         if tpl is None:
