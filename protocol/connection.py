@@ -296,10 +296,11 @@ class RemotingConnection(asyncio.Protocol):
     async def request(self, cmd: RemotingCommand, timeout: float = 3.0) -> RemotingCommand:
         """Send a request and wait for its response (RequestTimeoutError after ``timeout`` s)."""
         fut = self.start_request(cmd, timeout)
+        opaque = cmd.opaque
         try:
             return await fut
         finally:
-            self._pending.pop(cmd.opaque, None)
+            self._pending.pop(opaque, None)
 
     def start_request(self, cmd: RemotingCommand, timeout: float = 3.0) -> asyncio.Future:
         """Send a request now; the future resolves to its response, or fails with RequestTimeoutError after
