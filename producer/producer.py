@@ -7,6 +7,11 @@ group to every broker it knows every ``heartbeat_interval_s``. With
 ``batch_size`` > 1, plain sends to a topic are gathered for up to ``linger_ms``
 and leave as one SEND_BATCH_MESSAGE (accumulator.py); each send still resolves
 to its own message's result.
+
+The send path is the client's hot loop (one call per message), so it builds no properties dict,
+header object or ext-fields dict for a plain send: the properties string is written directly, and
+the JSON header comes from a per-(topic, queue) template pre-encoded around the fields that change
+per message (bornTimestamp, properties, opaque), byte for byte what RemotingCommand would write.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from protocol.codes import RequestCode, ResponseCode
+from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import (ConnectionClosedError, RequestTimeoutError, ResponseError, TopicNotExistError,
@@ -32,6 +37,9 @@ from .routes import MessageQueue, RouteCache
 
 log = logging.getLogger("txmq.producer")
 _TIMER_PROPS = frozenset({"TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS"})   # RocketMQ 5 timers
+_esc = json.encoder.encode_basestring           # the escaper RemotingCommand's JSON header writer uses
+_STORED = (ResponseCode.SUCCESS, ResponseCode.FLUSH_DISK_TIMEOUT, ResponseCode.SLAVE_NOT_AVAILABLE,
+           ResponseCode.FLUSH_SLAVE_TIMEOUT)
 
 
 class SendStatus(enum.Enum):
@@ -54,6 +62,72 @@ class SendResult:
     queue_offset: int
     transaction_id: str | None = None
     broker_addr: str = ""       # the address that stored it: a transaction's END goes back there
+
+
+_STATUS = {s.value: s for s in SendStatus}      # SendStatus(code) is an Enum call: ~0.5 us a send
+
+
+class _SendTemplate:
+    """The JSON header of the sends to one queue with one code and flags, pre-encoded around what changes
+    per message: bornTimestamp, properties (escaped per message), the command's flag and opaque."""
+
+    __slots__ = ("fields", "born_key", "props_key", "head", "mid", "tail")
+
+    def __init__(self, code: int, group: str, topic: str, queue_id: int, sys_flag: int, flag: int, batch: bool):
+        v2 = code != RequestCode.SEND_MESSAGE
+        self.fields = SendMessageRequestHeader(
+            producer_group=group, topic=topic, default_topic="TBW102", default_topic_queue_nums=4,
+            queue_id=queue_id, sys_flag=sys_flag, born_timestamp=0, flag=flag, properties="",
+            batch=batch).to_ext_fields(v2=v2)
+        self.born_key, self.props_key = ("g", "i") if v2 else ("bornTimestamp", "properties")
+        pairs = [_esc(k) + ":" + _esc(v) for k, v in self.fields.items()]
+        keys = list(self.fields)
+        b, p = keys.index(self.born_key), keys.index(self.props_key)     # b < p: to_ext_fields' order
+        self.head = '{"code":%d,"extFields":{%s%s:"' % (code, "".join(x + "," for x in pairs[:b]), _esc(self.born_key))
+        self.mid = '",%s%s:' % ("".join(x + "," for x in pairs[b + 1:p]), _esc(self.props_key))
+        self.tail = '%s},"flag":' % "".join("," + x for x in pairs[p + 1:])
+
+
+class _SendCommand(RemotingCommand):
+    """A send request whose JSON header is written from a template. ``ext_fields`` is built only when read
+    (signing, repr, tests); once built, or with anything the template does not cover, the generic encoder runs."""
+
+    __slots__ = ("_tpl", "_born", "_props", "_ext")
+
+    def __init__(self, code: int, tpl: _SendTemplate, born: int, props: str, body: bytes):
+        self.code = code
+        self.language = LanguageCode.PYTHON
+        self.version = VERSION_4_9_8
+        self.opaque = 0
+        self.flag = 0
+        self.remark = None
+        self.body = body
+        self.serialize_type = 0                     # SerializeType.JSON
+        self._tpl = tpl
+        self._born = born
+        self._props = props
+        self._ext = None
+
+    @property
+    def ext_fields(self) -> dict[str, str]:
+        if self._ext is None:
+            ext = dict(self._tpl.fields)
+            ext[self._tpl.born_key] = str(self._born)
+            ext[self._tpl.props_key] = self._props
+            self._ext = ext
+        return self._ext
+
+    @ext_fields.setter
+    def ext_fields(self, value: dict[str, str]) -> None:
+        self._ext = value
+
+    def _encode_json_header(self) -> bytes:
+        if (self._ext is not None or self.remark is not None or self.language != LanguageCode.PYTHON
+                or self.version != VERSION_4_9_8):
+            return RemotingCommand._encode_json_header(self)
+        t = self._tpl
+        return (f'{t.head}{self._born}{t.mid}{_esc(self._props)}{t.tail}{self.flag},"language":"PYTHON",'
+                f'"opaque":{self.opaque},"serializeTypeCurrentRPC":"JSON","version":{VERSION_4_9_8}}}').encode()
 
 
 def _client_ip() -> str:
@@ -93,6 +167,7 @@ class Producer:
         self._route_task: asyncio.Task | None = None
         self._started = False
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
+        self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> "Producer":
@@ -160,13 +235,6 @@ class Producer:
                                                       f"producer does not serve request {cmd.code}")
 
     # ---------------------------------------------------------------- sends
-    def _header(self, mq: MessageQueue, props: dict, *, sys_flag: int = 0, flag: int = 0,
-                batch: bool = False) -> SendMessageRequestHeader:
-        return SendMessageRequestHeader(
-            producer_group=self.group, topic=mq.topic, default_topic="TBW102", default_topic_queue_nums=4,
-            queue_id=mq.queue_id, sys_flag=sys_flag, born_timestamp=int(time.time() * 1000), flag=flag,
-            properties=properties_to_string(props), batch=batch)
-
     def message_properties(self, tags: str | None = None, keys: str | list[str] | None = None,
                            properties: dict[str, str] | None = None) -> dict[str, str]:
         """The properties a message is sent with: yours, TAGS, KEYS (space-joined), a new UNIQ_KEY, WAIT."""
@@ -178,6 +246,17 @@ class Producer:
         props.setdefault(Prop.UNIQ_KEY, self.uniq_ids.next())
         props.setdefault(Prop.WAIT, "true")
         return props
+
+    def _command(self, code: int, mq: MessageQueue, props: str, body: bytes, sys_flag: int = 0, flag: int = 0,
+                 batch: bool = False) -> RemotingCommand:
+        """The send request to ``mq``, its header from the template of (code, topic, queue, flags)."""
+        key = (code, mq.topic, mq.queue_id, sys_flag, flag, batch)
+        tpl = self._templates.get(key)
+        if tpl is None:
+            if len(self._templates) >= 4096:
+                self._templates.clear()
+            tpl = self._templates[key] = _SendTemplate(code, self.group, mq.topic, mq.queue_id, sys_flag, flag, batch)
+        return _SendCommand(code, tpl, int(time.time() * 1000), props, body)
 
     async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys: str | list[str] | None = None,
                    properties: dict[str, str] | None = None, queue: MessageQueue | None = None,
@@ -191,15 +270,36 @@ class Producer:
         timer_max_delay_s ahead). A refusal raises the ``ResponseError`` of its code; timeouts raise
         ``RequestTimeoutError``.
         """
-        props = self.message_properties(tags, keys, properties)
+        if properties:
+            props = self.message_properties(tags, keys, properties)
+            if delay_level:
+                props[Prop.DELAY] = str(delay_level)
+            if deliver_at_ms is not None:
+                props["TIMER_DELIVER_MS"] = str(deliver_at_ms)
+            waits = Prop.DELAY in props or not props.keys().isdisjoint(_TIMER_PROPS)
+            uniq = props.get(Prop.UNIQ_KEY, "")
+            if self._accumulator is not None and queue is None and flag == 0 and not waits:
+                return await self._accumulator.add(
+                    topic, body, properties_to_string({k: v for k, v in props.items() if k != Prop.WAIT}), uniq)
+            return await self._send_text(RequestCode.SEND_MESSAGE_V2, topic, body, properties_to_string(props), uniq,
+                                         queue, flag=flag)
+        # No user properties: the string message_properties + properties_to_string would give, written directly
+        # (TAGS, KEYS, UNIQ_KEY, WAIT, then DELAY and TIMER_DELIVER_MS).
+        uniq = self.uniq_ids.next()
+        text = "UNIQ_KEY\x01" + uniq
+        if keys:
+            text = "KEYS\x01" + (keys if isinstance(keys, str) else " ".join(keys)) + "\x02" + text
+        if tags:
+            text = "TAGS\x01" + tags + "\x02" + text
+        if (self._accumulator is not None and queue is None and flag == 0 and not delay_level
+                and deliver_at_ms is None):
+            return await self._accumulator.add(topic, body, text, uniq)      # a batch entry carries no WAIT
+        text += "\x02WAIT\x01true"
         if delay_level:
-            props[Prop.DELAY] = str(delay_level)
+            text += "\x02DELAY\x01" + str(delay_level)
         if deliver_at_ms is not None:
-            props["TIMER_DELIVER_MS"] = str(deliver_at_ms)
-        waits = Prop.DELAY in props or not props.keys().isdisjoint(_TIMER_PROPS)
-        if self._accumulator is not None and queue is None and flag == 0 and not waits:
-            return await self._accumulator.add(topic, body, props)
-        return await self._send(RequestCode.SEND_MESSAGE_V2, topic, body, props, queue, flag=flag)
+            text += "\x02TIMER_DELIVER_MS\x01" + str(deliver_at_ms)
+        return await self._send_text(RequestCode.SEND_MESSAGE_V2, topic, body, text, uniq, queue, flag=flag)
 
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
                          queue: MessageQueue | None = None) -> SendResult:
@@ -209,8 +309,8 @@ class Producer:
             props = self.message_properties(tags)
             props.pop(Prop.WAIT, None)
             entries.append((0, body, properties_to_string(props)))
-        return await self._send(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), {Prop.WAIT: "true"},
-                                queue, batch=True)
+        return await self._send_text(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), "WAIT\x01true",
+                                     "", queue, batch=True)
 
     async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None,
                           keys: str | list[str] | None = None, properties: dict[str, str] | None = None) -> None:
@@ -218,8 +318,7 @@ class Producer:
         props = self.message_properties(tags, keys, properties)
         queues = await self.routes.publish_queues(topic)
         mq = self.routes.select(queues)
-        h = self._header(mq, props)
-        cmd = RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, h.to_ext_fields(v2=True), body)
+        cmd = self._command(RequestCode.SEND_MESSAGE_V2, mq, properties_to_string(props), body)
         await self.pool.oneway(self._addr(mq), cmd)
 
     def _addr(self, mq: MessageQueue) -> str:
@@ -229,33 +328,44 @@ class Producer:
         return addr
 
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
+        """Send with properties given as a dict (the transaction producer's half)."""
+        return await self._send_text(code, topic, body, properties_to_string(props), props.get(Prop.UNIQ_KEY, ""),
+                                     queue, sys_flag=sys_flag, flag=flag, batch=batch)
+
+    async def _send_text(self, code, topic, body, props: str, uniq: str, queue, *, sys_flag=0, flag=0,
+                         batch=False) -> SendResult:
+        """Send with the properties string ``props`` (whose UNIQ_KEY is ``uniq``), retrying elsewhere."""
         avoid = None
         refresh = False                 # after a routing error the next attempt asks the name server
         last_error: Exception | None = None
+        routes = self.routes
         for attempt in range(self.retries + 1):
             if queue is not None:
                 mq = queue
                 if refresh:
-                    await self.routes.publish_queues(topic, refresh=True)
+                    await routes.publish_queues(topic, refresh=True)
             else:
-                mq = self.routes.select(await self.routes.publish_queues(topic, refresh=refresh), avoid)
-            h = self._header(mq, props, sys_flag=sys_flag, flag=flag, batch=batch)
-            cmd = RemotingCommand.request(code, h.to_ext_fields(v2=code != RequestCode.SEND_MESSAGE), body)
+                queues = None if refresh else routes.cached_publish_queues(topic)
+                if queues is None:
+                    queues = await routes.publish_queues(topic, refresh=refresh)
+                mq = routes.select(queues, avoid)
+            cmd = self._command(code, mq, props, body, sys_flag, flag, batch)
             addr = None
             try:
                 addr = self._addr(mq)
-                resp = await self.pool.request(addr, cmd, self.send_timeout)
+                conn = self.pool.cached(addr) or await self.pool.get(addr)
+                # the connection's future, awaited here: no coroutine per layer, no timer per request
+                resp = await conn.start_request(cmd, self.send_timeout)
             except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
                 last_error = exc
                 avoid = mq.broker_name
                 refresh = True
                 continue
-            if resp.code in (ResponseCode.SUCCESS, ResponseCode.FLUSH_DISK_TIMEOUT,
-                             ResponseCode.SLAVE_NOT_AVAILABLE, ResponseCode.FLUSH_SLAVE_TIMEOUT):
-                return SendResult(SendStatus(resp.code), props.get(Prop.UNIQ_KEY, ""),
-                                  resp.str_field("msgId", ""), MessageQueue(topic, mq.broker_name,
-                                                                             resp.int_field("queueId", mq.queue_id)),
-                                  resp.int_field("queueOffset", -1), resp.str_field("transactionId"), addr)
+            if resp.code in _STORED:
+                ext = resp.ext_fields
+                return SendResult(_STATUS[resp.code], uniq, ext.get("msgId") or "",
+                                  MessageQueue(topic, mq.broker_name, resp.int_field("queueId", mq.queue_id)),
+                                  resp.int_field("queueOffset", -1), ext.get("transactionId") or None, addr)
             error = error_for_code(resp.code, resp.remark)
             if not error.retriable or queue is not None:
                 if resp.code == ResponseCode.TOPIC_NOT_EXIST:

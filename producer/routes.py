@@ -42,6 +42,8 @@ class RouteCache:
         self.default_queue_nums = default_queue_nums
         self._routes: dict[str, tuple[float, TopicRouteData]] = {}
         self._addrs: dict[str, str] = {}          # broker name -> master address, from the latest route
+        # topic -> (the _routes entry they were computed from, its writable queues): a send's fast path
+        self._queues: dict[str, tuple[tuple[float, TopicRouteData], list[MessageQueue]]] = {}
         self._counter = itertools.count()
 
     async def fetch(self, topic: str) -> TopicRouteData:
@@ -88,20 +90,36 @@ class RouteCache:
             except Exception as exc:  # noqa: BLE001 - name server unreachable: keep serving the old one
                 log.info("route refresh of %s failed: %s", topic, exc)
 
+    def cached_publish_queues(self, topic: str) -> list[MessageQueue] | None:
+        """``publish_queues(topic)`` without awaiting, while the route they came from is cached and fresh; else None."""
+        entry = self._queues.get(topic)
+        if entry is None:
+            return None
+        source, queues = entry
+        if self._routes.get(topic) is not source or time.monotonic() - source[0] >= self.ttl_s:
+            return None
+        return queues
+
     async def publish_queues(self, topic: str, *, refresh: bool = False) -> list[MessageQueue]:
         """Writable queues of a topic; an unknown topic uses TBW102's brokers (auto-creation on send)."""
         try:
             route = await self.route(topic, refresh=refresh)
             limit = None
+            source = self._routes.get(topic)
         except TopicNotExistError:
             route = await self.route(AUTO_CREATE_TOPIC, refresh=refresh)
             limit = self.default_queue_nums
+            source = None
         queues = []
         for qd in sorted(route.queue_datas, key=lambda q: q.broker_name):
             if not qd.perm & Perm.WRITE:
                 continue
             n = qd.write_queue_nums if limit is None else min(limit, qd.read_queue_nums)
             queues.extend(MessageQueue(topic, qd.broker_name, i) for i in range(n))
+        if source is not None:
+            if len(self._queues) >= 4096:
+                self._queues.clear()
+            self._queues[topic] = (source, queues)
         return queues
 
     async def subscribe_queues(self, topic: str) -> list[MessageQueue]:

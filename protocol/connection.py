@@ -14,7 +14,12 @@ listener), and applies the limits a server facing unknown clients needs:
   then the connection closes (the stream cannot be re-synchronised);
 * fairness: one read handles at most ``FRAMES_PER_TURN`` frames; the rest wait for the next
   loop iteration (reading paused meanwhile), so fifty connections that each pipeline hundreds
-  of cheap requests cannot hold the loop for a second while one good client waits.
+  of cheap requests cannot hold the loop for a second while one good client waits. A client's
+  connections (ConnectionPool) take ``CLIENT_FRAMES_PER_TURN``: they read answers to their own
+  requests, and a burst of 64 answers handled in one turn is answered by one write, not four.
+
+A request's timeout is not a timer of its own: each connection keeps one timer, armed at its
+earliest deadline, that expires every request past its deadline when it fires.
 
 Outgoing frames produced in one event-loop iteration are written with one
 ``writelines`` call, so 64 pipelined responses cost one send syscall, not 64.
@@ -41,6 +46,8 @@ Handler = Callable[["RemotingConnection", RemotingCommand], HandlerResult]
 
 _opaques = itertools.count(1)
 FRAMES_PER_TURN = 16
+CLIENT_FRAMES_PER_TURN = 1024
+_NEVER = float("inf")
 
 
 class _Deferred:
@@ -61,8 +68,9 @@ class RemotingConnection(asyncio.Protocol):
                  max_in_flight: int = 1024, max_write_buffer: int = 64 * 1024 * 1024,
                  on_open: Callable[["RemotingConnection"], bool] | None = None,
                  on_close: Callable[["RemotingConnection"], None] | None = None,
-                 sign: Callable[[RemotingCommand], None] | None = None):
+                 sign: Callable[[RemotingCommand], None] | None = None, frames_per_turn: int = FRAMES_PER_TURN):
         self.handler = handler
+        self.frames_per_turn = frames_per_turn
         self.sign = sign                    # signs each request we send (credentials for a broker's ACL)
         self.on_open = on_open
         self.max_in_flight = max_in_flight
@@ -74,7 +82,10 @@ class RemotingConnection(asyncio.Protocol):
         self.closed = asyncio.Event()
         self.attributes: dict = {}          # per-connection state owned by the handler side
         self._decoder = FrameDecoder(max_frame_size)
-        self._pending: dict[int, asyncio.Future] = {}
+        # opaque -> (future, deadline, request code, timeout); insertion order is the order requests left
+        self._pending: dict[int, tuple[asyncio.Future, float, int, float]] = {}
+        self._sweep: asyncio.TimerHandle | None = None    # the one timeout timer, armed at self._sweep_at
+        self._sweep_at = _NEVER
         self._tasks: set[asyncio.Task] = set()
         self._held = 0                      # requests answered later by their handler (DEFERRED)
         self._out: list = []
@@ -106,10 +117,13 @@ class RemotingConnection(asyncio.Protocol):
         self.transport = None
         error = ConnectionClosedError(f"connection to {self.peer[0]}:{self.peer[1]} closed"
                                       + (f": {exc}" if exc else ""))
-        for fut in self._pending.values():
+        for fut, *_ in self._pending.values():
             if not fut.done():
                 fut.set_exception(error)
         self._pending.clear()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep, self._sweep_at = None, _NEVER
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_exception(error)
@@ -151,9 +165,10 @@ class RemotingConnection(asyncio.Protocol):
         self._handle_frames(frames)
 
     def _handle_frames(self, frames: list) -> None:
-        if len(frames) > FRAMES_PER_TURN:
-            self._backlog = frames[FRAMES_PER_TURN:]
-            frames = frames[:FRAMES_PER_TURN]
+        per_turn = self.frames_per_turn
+        if len(frames) > per_turn:
+            self._backlog = frames[per_turn:]
+            frames = frames[:per_turn]
             self.pause_reading("turn")
             self._loop.call_soon(self._next_turn)
         for frame in frames:
@@ -164,9 +179,9 @@ class RemotingConnection(asyncio.Protocol):
                 self._reject_frame(frame, exc)
                 return
             if cmd.flag & FLAG_RESPONSE:
-                fut = self._pending.pop(cmd.opaque, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(cmd)
+                entry = self._pending.pop(cmd.opaque, None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(cmd)
                 continue
             self._dispatch(cmd)
         if not self._backlog and self._decoder.error is not None:
@@ -305,22 +320,52 @@ class RemotingConnection(asyncio.Protocol):
     # ------------------------------------------------------------- requests
     async def request(self, cmd: RemotingCommand, timeout: float = 3.0) -> RemotingCommand:
         """Send a request and wait for its response (RequestTimeoutError after ``timeout`` s)."""
+        fut = self.start_request(cmd, timeout)
+        opaque = cmd.opaque
+        try:
+            return await fut
+        finally:
+            self._pending.pop(opaque, None)
+
+    def start_request(self, cmd: RemotingCommand, timeout: float = 3.0) -> asyncio.Future:
+        """Send a request now; the future resolves to its response, or fails with RequestTimeoutError after
+        ``timeout`` s or ConnectionClosedError. For callers that await it without a coroutine of their own."""
         if self.transport is None or self.transport.is_closing():
             raise ConnectionClosedError(f"connection to {self.peer[0]}:{self.peer[1]} is closed")
         opaque = cmd.opaque = next(_opaques) & 0x7FFFFFFF
         cmd.flag &= ~(FLAG_RESPONSE | FLAG_ONEWAY)
         fut = self._loop.create_future()
-        self._pending[opaque] = fut
-        # A timer, not asyncio.wait_for: wait_for costs a Task per request.
-        timer = self._loop.call_later(timeout, _expire, fut, cmd.code, self.peer, timeout)
+        # No timer per request (nor asyncio.wait_for, a Task per request): the connection's sweep expires it.
+        deadline = self._loop.time() + timeout
+        self._pending[opaque] = (fut, deadline, cmd.code, timeout)
+        if deadline < self._sweep_at:
+            self._arm_sweep(deadline)
         if self.sign is not None:
             self.sign(cmd)
         self.send(cmd)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
-            self._pending.pop(opaque, None)
+        return fut
+
+    def _arm_sweep(self, when: float) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_at = when
+        self._sweep = self._loop.call_at(when, self._expire_due)
+
+    def _expire_due(self) -> None:
+        """The timeout timer: fail every request past its deadline, forget abandoned ones, re-arm."""
+        self._sweep, self._sweep_at = None, _NEVER
+        now = self._loop.time() + 0.001     # the loop's clock and timers tick in ms: due within one is due
+        due, earliest = [], _NEVER
+        for opaque, (fut, deadline, _, _) in self._pending.items():
+            if deadline <= now or fut.done():
+                due.append(opaque)
+            elif deadline < earliest:
+                earliest = deadline
+        for opaque in due:
+            fut, _, code, timeout = self._pending.pop(opaque)
+            _expire(fut, code, self.peer, timeout)
+        if earliest != _NEVER and self.transport is not None:
+            self._arm_sweep(earliest)
 
     def oneway(self, cmd: RemotingCommand) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -388,9 +433,15 @@ class ConnectionPool:
             conn = self._conns.get(addr)
             if conn is None or not conn.is_open:
                 host, _, port = addr.rpartition(":")
-                conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout, sign=self.sign)
+                conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout,
+                                             sign=self.sign, frames_per_turn=CLIENT_FRAMES_PER_TURN)
                 self._conns[addr] = conn
             return conn
+
+    def cached(self, addr: str) -> RemotingConnection | None:
+        """The open connection to ``addr``, or None (then ``get`` opens one): a send's fast path."""
+        conn = self._conns.get(addr)
+        return conn if conn is not None and conn.is_open else None
 
     async def request(self, addr: str, cmd: RemotingCommand, timeout: float = 3.0) -> RemotingCommand:
         conn = await self.get(addr)
