@@ -211,11 +211,16 @@ class Writer:
 
     def _write(self, entries: list) -> None:
         clog = self.clog
-        if self._sync:
-            stop = clog.append(entries, 0, self._waiting, self._units, self._infos if clog.dispatching else None)
-        else:
-            done, units, infos = [], {}, []
-            stop = clog.append(entries, 0, done, units, infos if clog.dispatching else None)
+        try:
+            if self._sync:
+                stop = clog.append(entries, 0, self._waiting, self._units, self._infos if clog.dispatching else None)
+            else:
+                done, units, infos = [], {}, []
+                stop = clog.append(entries, 0, done, units, infos if clog.dispatching else None)
+        except OSError as exc:
+            self._write_failed(entries, exc)
+            return
+        if not self._sync:
             clog.readable = clog.written
             self.on_commit(units, infos)
             for fut, res in done:
@@ -229,6 +234,17 @@ class Writer:
             else:
                 job, settle = clog.reserver.ensure(seg, end, then=self._wakeup)
             self._space = (job, settle, entries[stop])
+
+    def _write_failed(self, entries: list, exc: OSError) -> None:
+        """Copying records into a segment failed (an I/O error: the space was reserved). As after a failed
+        msync: nothing not yet flushed is acknowledged, nothing more is written or flushed."""
+        self.clog.fail(f"writing to the commit log failed: {exc}")
+        waiting, self._waiting, self._units, self._infos = self._waiting, [], {}, []
+        self.clog.take_dirty()
+        for fut, res in waiting:
+            resolve(fut, unavailable(res))
+        for req, fut in entries:
+            resolve(fut, unavailable(req))
 
     def _space_done(self) -> None:
         _job, settle, entry = self._space

@@ -155,3 +155,29 @@ async def test_a_failed_flush_refuses_the_later_flush_in_flight_too(tmp_path, mo
     assert store.max_offset("T", 0) == 0
     assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
     await store.close()
+
+
+@bounded()
+async def test_a_failed_write_stops_the_store_and_acknowledges_nothing(tmp_path, monkeypatch):
+    """Records go into segments with pwritev: an I/O error there (not a SIGBUS any more) refuses the batch
+    and stops the store, like a failed msync."""
+    from broker.store import commit_log
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    good = await store.put(req())
+    assert good.ok
+
+    def broken(seg, at, bufs):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(commit_log, "_pwrite_all", broken)
+    results = await asyncio.gather(*[store.put(req()) for _ in range(5)])
+    assert {r.status for r in results} == {PutStatus.SERVICE_NOT_AVAILABLE}
+    assert not store.writable
+    assert store.max_offset("T", 0) == 1
+    assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
+    monkeypatch.undo()
+    await store.close()
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    assert store.max_offset("T", 0) == 1 and (await store.put(req())).ok
+    await store.close()
