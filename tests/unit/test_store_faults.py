@@ -122,6 +122,7 @@ async def test_pipelined_flushes_acknowledge_in_log_order(tmp_path, monkeypatch)
     first_started, gate, calls, _ = _gated_flushes(monkeypatch)
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
     await store.open()
+    store._writer.second_flush_after = 0        # the second batch does not wait for the first flush at all
     a = store.put(req())
     await asyncio.to_thread(first_started.wait, 10)
     b = store.put(req())
@@ -144,6 +145,7 @@ async def test_a_failed_flush_refuses_the_later_flush_in_flight_too(tmp_path, mo
     gated.fail_first = True
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
     await store.open()
+    store._writer.second_flush_after = 0        # the second batch does not wait for the first flush at all
     a = store.put(req())
     await asyncio.to_thread(first_started.wait, 10)
     b = store.put(req())
