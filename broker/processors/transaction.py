@@ -37,7 +37,12 @@ def end_transaction(ctx, conn, cmd):
     if op is None:
         return _end_reply(cmd, (ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12"))
     later = Answer(ctx, conn, cmd, partial(_end_reply, cmd))
-    answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check, later=later)
+    try:
+        answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check,
+                            later=later)
+    except BaseException:
+        conn.release()                  # answered by the connection's error reply, not by ``later``
+        raise
     if answer is None:                  # written at once: the store's writer answers through ``later``
         return DEFERRED
     conn.release()                      # answered here after all
