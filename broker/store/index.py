@@ -236,7 +236,12 @@ class IndexService:
                     item = q.get(timeout=self.lag_s)
                 except queue.Empty:
                     item = _WAKE
-            batch = [popleft() for _ in range(len(pending))]     # before the job: a query sees them
+            # Before the job, so a query sees them. Until empty, not len(pending) of them: a record the
+            # loop appends after that count would find the deque non-empty, skip its wake-up and wait for
+            # the next send (found in review).
+            batch = []
+            while pending:
+                batch.append(popleft())
             if batch:
                 self._guarded(self._index, batch)
             if item is None:

@@ -1,0 +1,55 @@
+"""The index thread's deque hand-off must not lose a wake-up (broker/store/index.py on_dispatch / _main; found in review)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+
+from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store.index import IndexService
+from tests.support.bounded import bounded
+
+
+class GatedDeque(collections.deque):
+    """popleft pauses once (after _main took len(pending)), as a GIL switch to the loop thread would."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+        self.arrived = threading.Event()
+        self.go = threading.Event()
+
+    def popleft(self):
+        if self.armed:
+            self.armed = False
+            self.arrived.set()
+            self.go.wait(5)
+        return super().popleft()
+
+
+@bounded(30)
+async def test_a_dispatch_during_the_take_is_indexed_without_a_query(tmp_path):
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 20, max_message_size=2048))
+    await store.open()
+    svc = IndexService(str(tmp_path), segment_size=1 << 20, slots=16, entries=1000)
+    gated = svc._pending = GatedDeque()
+    store.add_dispatch_listener(svc.on_dispatch)
+    await svc.open(store.min_physical_offset, store.max_physical_offset)
+    try:
+        gated.armed = True
+        a = await store.put(PutRequest.build("T", b"a", properties={"KEYS": "ka"}))
+        # the index thread has read len(pending) == 1 and is about to popleft: the loop dispatches b now
+        assert await asyncio.get_running_loop().run_in_executor(None, gated.arrived.wait, 5)
+        b = await store.put(PutRequest.build("T", b"b", properties={"KEYS": "kb"}))
+        gated.go.set()
+        assert a.ok and b.ok
+        for _ in range(500):            # up to 5 s (500 times the 10 ms lag); no query: it would drain the deque
+            if svc.covered >= b.physical_offset + b.size:
+                break
+            await asyncio.sleep(0.01)
+        assert svc.covered >= b.physical_offset + b.size, (
+            f"b never indexed: covered={svc.covered}, still pending={list(svc._pending)}")
+    finally:
+        gated.go.set()
+        await svc.close()
+        await store.close()
