@@ -616,29 +616,35 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
     crc32 = zlib.crc32
     codes = _tag_codes
     view = memoryview(buf)
-    out = bytearray()
-    sizes = []
-    tags = []
-    bodies = 0
+    entries = []
     pos = 0
     end = len(buf)
-    while pos < end:
+    while pos < end:                    # the entries: checked as decode_batch checks them
         if end - pos < 22:
             return None
         size, _magic, _crc, flag, body_len = unpack_entry(buf, pos)
         if size < 22 or pos + size > end or body_len < 0 or 22 + body_len > size:
             return None
-        body_at = pos + 20
-        props_at = body_at + body_len + 2
+        props_at = pos + 22 + body_len
         (props_len,) = unpack_i16(buf, props_at - 2)
         if props_len < 0 or 22 + body_len + props_len != size:
             return None
-        props = bytes(view[props_at:props_at + props_len])
-        if not props.isascii():
+        entries.append((flag, pos + 20, body_len, bytes(view[props_at:props_at + props_len])))
+        pos += size
+    if not entries:
+        return None
+    every = b"\x00".join([e[3] for e in entries])     # one search per mark for the whole batch
+    if not every.isascii():
+        return None
+    for mark in marks:
+        if mark in every:
             return None
-        for mark in marks:
-            if mark in props:
-                return None
+    parts = []
+    extend = parts.extend
+    sizes = []
+    tags = []
+    bodies = 0
+    for flag, body_at, body_len, props in entries:
         if not props:
             props = tail
         elif props[-1] == 2:
@@ -650,12 +656,9 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
             return None
         body = view[body_at:body_at + body_len]
         total = fixed + body_len + n
-        out += head(total, MESSAGE_MAGIC, crc32(body) & 0x7FFFFFFF, queue_id, flag, 0, 0, sys_flag, born_timestamp,
-                    born_host, 0, store_host, 0, 0, body_len)
-        out += body
-        out += topic_part
-        out += pack_i16(n)
-        out += props
+        extend((head(total, MESSAGE_MAGIC, crc32(body) & 0x7FFFFFFF, queue_id, flag, 0, 0, sys_flag,
+                      born_timestamp, born_host, 0, store_host, 0, 0, body_len),
+                body, topic_part, pack_i16(n), props))
         sizes.append(total)
         bodies += body_len
         i = props.find(_TAGS_KEY)        # property_value(text, "TAGS"): a name starts the text or follows \x02
@@ -672,7 +675,7 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
                 if len(codes) < 4096:
                     codes[value] = code
             tags.append(code)
-        pos += size
+    out = bytearray().join(parts)
     if not sizes:
         return None
     return out, sizes, tags, bodies
