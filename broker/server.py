@@ -35,6 +35,7 @@ from .processors import broker_table, namesrv_table
 from .registration import BrokerRegistrar
 from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
+from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store.index import IndexService
 from .subscriptions import SubscriptionGroups
@@ -110,8 +111,8 @@ class BrokerServer:
         ctx.tx = TransactionService(ctx)
         ctx.schedule = ScheduleService(ctx, levels)
         store.add_dispatch_listener(ctx.holds.on_dispatch)
-        store.add_dispatch_listener(ctx.tx.on_dispatch)
-        store.add_dispatch_listener(ctx.schedule.on_dispatch)
+        store.add_dispatch_listener(ctx.tx.on_dispatch, live=False)          # it keeps recovered commits only
+        store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
         report = await store.open()
         log.info("store open: %s", report)
         ctx.ha = ha_roles.build(c, store, self._connect_master)

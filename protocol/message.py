@@ -582,6 +582,105 @@ def decode_batch(buf) -> list[tuple[int, bytes, str]]:
     return entries
 
 
+_BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", b"WAIT\x01")
+_TAGS_KEY = b"TAGS\x01"
+_tag_codes: dict[bytes, int] = {}
+
+
+def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, born_timestamp: int,
+                         born_host: bytes, store_host: bytes, extra: dict[str, str]):
+    """The store records of a whole SEND_BATCH_MESSAGE body in one pass, or None for the uncommon batch.
+
+    Returns (records, sizes, tag codes, body bytes): the records back to back in one bytearray, each exactly what
+    ``encode_record`` makes of the entry (queue/physical offsets and store timestamp zero) whose properties are
+    the entry's own bytes followed by the pairs of ``extra`` (as ``properties_appender(extra)`` appends them),
+    and each record's consume-queue tag code (Java hash of its TAGS, 0 without). The properties are not parsed
+    or re-joined: an entry is copied as it came.
+
+    None -- the caller then takes the general path (``decode_batch``, the per-entry checks, ``encode_record``),
+    which gives the same records or the same error -- when anything is out of the ordinary: a malformed or
+    empty body, an entry naming DELAY, TRAN_MSG, TIMER_*, WAIT or any name of ``extra``, properties that are
+    not ASCII or too long, IPv6 hosts, a long topic, an empty ``extra``.
+    """
+    if len(born_host) != 8 or len(store_host) != 8 or len(topic) > MAX_TOPIC_LENGTH or not extra:
+        return None
+    tail = properties_to_string(extra).encode()
+    marks = _BATCH_SLOW_MARKS + tuple(k.encode() + b"\x01" for k in extra)
+    sys_flag &= ~(SysFlag.BORNHOST_V6 | SysFlag.STOREHOST_V6)
+    topic_part = bytes((len(topic),)) + topic
+    fixed = 91 + len(topic)
+    head = RECORD_HEAD_V4.pack
+    unpack_entry = _BATCH_HEAD.unpack_from
+    unpack_i16 = _I16.unpack_from
+    pack_i16 = _I16.pack
+    crc32 = zlib.crc32
+    codes = _tag_codes
+    view = memoryview(buf)
+    entries = []
+    pos = 0
+    end = len(buf)
+    while pos < end:                    # the entries: checked as decode_batch checks them
+        if end - pos < 22:
+            return None
+        size, _magic, _crc, flag, body_len = unpack_entry(buf, pos)
+        if size < 22 or pos + size > end or body_len < 0 or 22 + body_len > size:
+            return None
+        props_at = pos + 22 + body_len
+        (props_len,) = unpack_i16(buf, props_at - 2)
+        if props_len < 0 or 22 + body_len + props_len != size:
+            return None
+        entries.append((flag, pos + 20, body_len, bytes(view[props_at:props_at + props_len])))
+        pos += size
+    if not entries:
+        return None
+    every = b"\x00".join([e[3] for e in entries])     # one search per mark for the whole batch
+    if not every.isascii():
+        return None
+    for mark in marks:
+        if mark in every:
+            return None
+    parts = []
+    extend = parts.extend
+    sizes = []
+    tags = []
+    bodies = 0
+    for flag, body_at, body_len, props in entries:
+        if not props:
+            props = tail
+        elif props[-1] == 2:
+            props += tail
+        else:
+            props += b"\x02" + tail
+        n = len(props)
+        if n > MAX_PROPERTIES_LENGTH:
+            return None
+        body = view[body_at:body_at + body_len]
+        total = fixed + body_len + n
+        extend((head(total, MESSAGE_MAGIC, crc32(body) & 0x7FFFFFFF, queue_id, flag, 0, 0, sys_flag,
+                      born_timestamp, born_host, 0, store_host, 0, 0, body_len),
+                body, topic_part, pack_i16(n), props))
+        sizes.append(total)
+        bodies += body_len
+        i = props.find(_TAGS_KEY)        # property_value(text, "TAGS"): a name starts the text or follows \x02
+        while i > 0 and props[i - 1] != 2:
+            i = props.find(_TAGS_KEY, i + 1)
+        if i < 0:
+            tags.append(0)
+        else:
+            j = props.find(b"\x02", i + 5)
+            value = props[i + 5:] if j < 0 else props[i + 5:j]
+            code = codes.get(value)
+            if code is None:
+                code = java_string_hash(value.decode()) if value else 0
+                if len(codes) < 4096:
+                    codes[value] = code
+            tags.append(code)
+    out = bytearray().join(parts)
+    if not sizes:
+        return None
+    return out, sizes, tags, bodies
+
+
 # --------------------------------------------------------------- send header
 _V2_KEYS = {"a": "producerGroup", "b": "topic", "c": "defaultTopic", "d": "defaultTopicQueueNums",
             "e": "queueId", "f": "sysFlag", "g": "bornTimestamp", "h": "flag", "i": "properties",

@@ -19,6 +19,7 @@ from protocol.message import (
     decode_batch,
     decode_record,
     drop_property,
+    encode_batch_records,
     encode_record,
     java_string_hash,
     offset_msg_id,
@@ -204,21 +205,54 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     busy = ctx.limits.busy(cmd, len(cmd.body))
     if busy is not None:
         return busy
-    entries = decode_batch(cmd.body)
-    if not entries:
-        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "the batch is empty")
     batch_props = string_to_properties(h.properties)
     refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch",
                          next((batch_props[k] for k in _TIMER_KEYS if k in batch_props), None))
-    if refused is not None:
-        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
     for name in _NOT_INHERITED:
         batch_props.pop(name, None)
     batch_props[Prop.CLUSTER] = ctx.config.cluster_name
-    append_batch_props = properties_appender(batch_props)
     born = _born_host(conn)
     topic_b = h.topic.encode()
     store_host = ctx.store_host
+    fast = None if refused is not None else encode_batch_records(
+        cmd.body, topic=topic_b, queue_id=qid, sys_flag=h.sys_flag, born_timestamp=h.born_timestamp,
+        born_host=born, store_host=store_host, extra=batch_props)
+    if fast is not None:        # the usual batch: records packed in one pass, properties copied as they came
+        reqs = _batch_requests(fast, h.topic, qid, h.sys_flag)
+        body_bytes = fast[3]
+    else:
+        reqs = _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, store_host)
+        if reqs.__class__ is not list:
+            return reqs
+        body_bytes = reqs.pop()
+    if ctx.ha is not None and ctx.ha.sync:      # SYNC_MASTER: the answer waits for the slave
+        return _store_batch(ctx, cmd, reqs, qid, h.topic, body_bytes)
+    ctx.limits.queued_bytes += body_bytes
+    ctx.store.put_many(reqs, then=Answer(ctx, conn, cmd, partial(_batch_stored, ctx, cmd, qid, h.topic, body_bytes)))
+    return DEFERRED
+
+
+def _batch_requests(fast, topic: str, qid: int, sys_flag: int) -> list:
+    """PutRequests over the records of encode_batch_records: each record a view of the one buffer."""
+    out, sizes, tags, _ = fast
+    view = memoryview(out)
+    reqs = []
+    append = reqs.append
+    at = 0
+    for size, tag in zip(sizes, tags):
+        append(PutRequest(view[at:at + size], topic, qid, tag, sys_flag))
+        at += size
+    return reqs
+
+
+def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, store_host):
+    """The general path: a list of PutRequests followed by the body bytes, or an error response."""
+    entries = decode_batch(cmd.body)
+    if not entries:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "the batch is empty")
+    if refused is not None:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
+    append_batch_props = properties_appender(batch_props)
     reqs = []
     body_bytes = 0
     for i, (flag, body, text) in enumerate(entries):
@@ -236,11 +270,8 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
         tags = property_value(text, Prop.TAGS)
         reqs.append(PutRequest(record, h.topic, qid, java_string_hash(tags) if tags else 0, h.sys_flag))
         body_bytes += len(body)
-    if ctx.ha is not None and ctx.ha.sync:      # SYNC_MASTER: the answer waits for the slave
-        return _store_batch(ctx, cmd, reqs, qid, h.topic, body_bytes)
-    ctx.limits.queued_bytes += body_bytes
-    ctx.store.put_many(reqs, then=Answer(ctx, conn, cmd, partial(_batch_stored, ctx, cmd, qid, h.topic, body_bytes)))
-    return DEFERRED
+    reqs.append(body_bytes)
+    return reqs
 
 
 _TIMER_KEYS = ("TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")

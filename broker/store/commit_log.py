@@ -47,6 +47,7 @@ _CHECK = struct.Struct(">ii4xi20xi")   # TOTALSIZE, MAGIC, QUEUEID, SYSFLAG
 _QOFF_PHYS = struct.Struct(">qq")      # QUEUEOFFSET, PHYSICALOFFSET: adjacent, one pack patches both
 assert POS_PHYSICAL_OFFSET == POS_QUEUE_OFFSET + 8
 _I64 = struct.Struct(">q")
+_I32 = struct.Struct(">i")
 _OK, _ILLEGAL = PutStatus.PUT_OK, PutStatus.MESSAGE_ILLEGAL
 _UNAVAILABLE = PutStatus.SERVICE_NOT_AVAILABLE
 _BORN_V6, _STORE_V6 = 0x10, 0x20
@@ -201,6 +202,8 @@ class CommitLog:
         pend, pend_at = [], pos         # records copied in with one pwritev per run, not one mmap store each
         now = self._clock()
         check, pack_qp, pack_ts, pack_unit = _CHECK.unpack_from, _QOFF_PHYS.pack_into, _I64.pack_into, UNIT.pack
+        sys_flag_of, new_tuple = _I32.unpack_from, tuple.__new__
+        last_key = next_qoff = packed = None
         wrote = False
         stop = len(entries)
         while i < stop:
@@ -267,36 +270,44 @@ class CommitLog:
             for r in batch:
                 rec = r.record
                 n = len(rec)
-                sys_flag = check(rec, 0)[3]
-                key = None
-                if not sys_flag & 0x4:      # NOT and COMMIT records get a consume-queue unit (spec 7.2)
-                    key = (r.topic, r.queue_id)
+                sys_flag = sys_flag_of(rec, 36)[0]
                 phys = base + pos
-                if key is None:
-                    qoff = 0
-                else:
-                    qoff = qoffsets.get(key, 0)
-                    qoffsets[key] = qoff + 1
-                pack_qp(rec, POS_QUEUE_OFFSET, qoff, phys)
                 pack_ts(rec, 68 if sys_flag & _BORN_V6 else 56, now)
                 pend.append(rec)
                 if pos == 0:
                     seg.first_ts = now
                 pos += n
                 wrote = True
-                if key is None:
+                if sys_flag & 0x4:          # PREPARED / ROLLBACK: no consume-queue unit (spec 7.2)
+                    pack_qp(rec, POS_QUEUE_OFFSET, 0, phys)
                     qoff = -1
+                    tag = r.tags_code if r.delay_ms < 0 else now + r.delay_ms
                 else:
-                    packed = units.get(key)
-                    if packed is None:
-                        packed = units[key] = bytearray()
-                    packed += pack_unit(phys, n, r.tags_code if r.delay_ms < 0 else now + r.delay_ms)
+                    key = (r.topic, r.queue_id)
+                    if key != last_key:     # a batch is mostly one queue: one lookup, not one a record
+                        if last_key is not None:
+                            qoffsets[last_key] = next_qoff
+                        last_key = key
+                        next_qoff = qoffsets.get(key, 0)
+                        packed = units.get(key)
+                        if packed is None:
+                            packed = units[key] = bytearray()
+                    qoff = next_qoff
+                    next_qoff += 1
+                    pack_qp(rec, POS_QUEUE_OFFSET, qoff, phys)
+                    tag = r.tags_code if r.delay_ms < 0 else now + r.delay_ms
+                    packed += pack_unit(phys, n, tag)
                 if infos is not None:
-                    infos.append(_info(r, rec, qoff, phys, n, now, sys_flag))
+                    infos.append(_info(r, rec, qoff, phys, n, now, sys_flag) if sys_flag & 0xC else
+                                 new_tuple(DispatchInfo, (r.topic, r.queue_id, qoff, phys, n, tag, now, sys_flag,
+                                                          0, False)))
                 if results is None:
                     done.append((fut, PutResult(_OK, phys, n, now, qoff)))
                 else:
                     results.append(PutResult(_OK, phys, n, now, qoff))
+            if last_key is not None:
+                qoffsets[last_key] = next_qoff
+                last_key = None
             if results is not None:
                 done.append((fut, results))
             i += 1
@@ -387,23 +398,31 @@ class CommitLog:
         return old
 
     def _precheck(self, batch: list) -> int:
-        """Total size of a put_many batch, or -1 if any record is illegal (then none is written)."""
+        """Total size of a put_many batch, or -1 if any record is illegal (then none is written).
+
+        A record may be a bytearray or a writable memoryview (handle_batch's records are views of one buffer);
+        anything else is copied into a bytearray first, as the writer patches records in place.
+        """
         total = 0
-        new_keys = set()
+        limit, qoffsets, unpack = self._limit, self.qoffsets, _CHECK.unpack_from
+        checked = None
         for r in batch:
-            if r.record.__class__ is not bytearray:
-                r.record = bytearray(r.record)
-            n = len(r.record)
-            if n < 91 or n > self._limit:
+            rec = r.record
+            cls = rec.__class__
+            if cls is not bytearray and (cls is not memoryview or rec.readonly or rec.format != "B"):
+                rec = r.record = bytearray(rec)
+            n = len(rec)
+            if n < 91 or n > limit:
                 return -1
-            size_field, magic, qid, sys_flag = _CHECK.unpack_from(r.record, 0)
+            size_field, magic, qid, sys_flag = unpack(rec, 0)
             if size_field != n or magic != MESSAGE_MAGIC or qid != r.queue_id or qid < 0:
                 return -1
-            key = (r.topic, qid)
-            if not sys_flag & 0x4 and key not in self.qoffsets and key not in new_keys:
-                if validate_topic(r.topic) is not None:
-                    return -1
-                new_keys.add(key)
+            if not sys_flag & 0x4:
+                key = (r.topic, qid)
+                if key != checked and key not in qoffsets:
+                    if validate_topic(r.topic) is not None:
+                        return -1
+                    checked = key
             total += n
         return total
 

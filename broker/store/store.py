@@ -63,7 +63,9 @@ class MessageStore:
         self.put_many = self._writer.put_many
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
-        self._listeners: list[Callable[[DispatchInfo], None]] = []
+        self._listeners: list[Callable[[DispatchInfo], None]] = []        # all: recovery replays reach each
+        self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
+        self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
         self._io2: IoThread | None = None                   # a second group commit's msync while one is in flight
@@ -80,9 +82,20 @@ class MessageStore:
         self._manifest_key: tuple | None = None             # what the manifest on disk describes
 
     # ---------------------------------------------------------- lifecycle
-    def add_dispatch_listener(self, fn: Callable[[DispatchInfo], None]) -> None:
-        """fn(DispatchInfo) for every stored record; added before open() it also sees recovery replays."""
+    def add_dispatch_listener(self, fn: Callable[[DispatchInfo], None], *, live: bool = True,
+                              topics: tuple[str, ...] | None = None) -> None:
+        """fn(DispatchInfo) for every stored record; added before open() it also sees recovery replays.
+
+        A listener that ignores new records (``live=False``: it wants only recovery replays) or all but
+        those of some ``topics`` says so, and the store does not call it for the rest: a call per record
+        and listener is a good part of a batched send's cost. Recovery replays reach every listener.
+        """
         self._listeners.append(fn)
+        if live and topics is None:
+            self._live.append(fn)
+        elif live:
+            for topic in topics:
+                self._live_by_topic.setdefault(topic, []).append(fn)
         self._log.dispatching = True
 
     def add_removal_listener(self, fn: Callable[[int], object]) -> None:
@@ -199,12 +212,21 @@ class MessageStore:
                 cq = cqs[key] = self._make_queue(key)
             if not cq.extend(packed):       # no space: the units wait in memory (see consume_queue.py)
                 self._backlogged.add(cq)
+        live, by_topic = self._live, self._live_by_topic
         for info in infos:
-            for fn in self._listeners:
+            for fn in live:
                 try:
                     fn(info)
                 except Exception:
                     log.exception("dispatch listener %r failed on %s", fn, info)
+            if by_topic:
+                fns = by_topic.get(info.topic)
+                if fns is not None:
+                    for fn in fns:
+                        try:
+                            fn(info)
+                        except Exception:
+                            log.exception("dispatch listener %r failed on %s", fn, info)
 
     async def _checkpoint_loop(self) -> None:
         failing = {"checkpoint": False, "segment manifest": False}     # log once per outage, not each turn

@@ -1,0 +1,80 @@
+"""encode_batch_records (the one-pass batch encoder) makes exactly the records of the per-entry path."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.message import (
+    decode_batch,
+    encode_batch,
+    encode_batch_records,
+    encode_record,
+    java_string_hash,
+    pack_host,
+    properties_appender,
+    property_value,
+)
+
+BORN = pack_host("10.1.2.3", 40000)
+STORE = pack_host("127.0.0.1", 10911)
+
+
+def per_entry(body: bytes, extra: dict[str, str], topic=b"T", qid=3, sys_flag=0, born_ts=1234567890123):
+    append = properties_appender(extra)
+    recs, tags = [], []
+    for flag, b, text in decode_batch(body):
+        text = append(text)
+        recs.append(bytes(encode_record(topic=topic, body=b, queue_id=qid, flag=flag, sys_flag=sys_flag,
+                                        born_timestamp=born_ts, born_host=BORN, store_host=STORE,
+                                        properties=text.encode())))
+        t = property_value(text, "TAGS")
+        tags.append(java_string_hash(t) if t else 0)
+    return recs, tags
+
+
+def one_pass(body: bytes, extra: dict[str, str], topic=b"T", qid=3, sys_flag=0, born_ts=1234567890123):
+    got = encode_batch_records(body, topic=topic, queue_id=qid, sys_flag=sys_flag, born_timestamp=born_ts,
+                               born_host=BORN, store_host=STORE, extra=extra)
+    if got is None:
+        return None
+    out, sizes, tags, bodies = got
+    recs, at = [], 0
+    for n in sizes:
+        recs.append(bytes(out[at:at + n]))
+        at += n
+    assert at == len(out)
+    assert bodies == sum(len(b) for _, b, _ in decode_batch(body))
+    return recs, tags
+
+
+@pytest.mark.parametrize("entries, extra", [
+    ([(0, b"x" * 100, f"TAGS\x01t{i}\x02KEYS\x01k{i}\x02UNIQ_KEY\x01ABC{i:04X}\x02") for i in range(32)],
+     {"CLUSTER": "DefaultCluster"}),
+    ([(7, b"", ""), (1, b"y", "KEYS\x01a b"), (2, b"z" * 3, "UNIQ_KEY\x01U\x02")],
+     {"CLUSTER": "c", "TAGS": "batchtag"}),                      # TAGS inherited from the batch
+    ([(0, b"q", "XTAGS\x01no\x02TAGS\x01yes\x02"), (0, b"r", "TAGS\x01\x02")], {"CLUSTER": "c"}),
+    ([(0, b"body", "a\x01b\x02\x02TAGS\x01x")], {"CLUSTER": "c", "PGROUP": "g"}),
+])
+def test_same_records_as_the_per_entry_path(entries, extra):
+    body = encode_batch(entries)
+    for sys_flag in (0, 1):
+        assert one_pass(body, extra, sys_flag=sys_flag) == per_entry(body, extra, sys_flag=sys_flag)
+
+
+@pytest.mark.parametrize("entries, extra", [
+    ([(0, b"x", "DELAY\x013")], {"CLUSTER": "c"}),
+    ([(0, b"x", "TRAN_MSG\x01true")], {"CLUSTER": "c"}),
+    ([(0, b"x", "TIMER_DELAY_MS\x0110")], {"CLUSTER": "c"}),
+    ([(0, b"x", "WAIT\x01false\x02")], {"CLUSTER": "c"}),
+    ([(0, b"x", "CLUSTER\x01mine\x02")], {"CLUSTER": "c"}),      # names a batch-level pair itself
+    ([(0, b"x", "KEYS\x01\u00e9")], {"CLUSTER": "c"}),            # not ASCII
+    ([(0, b"x", "KEYS\x01k")], {}),
+    ([], {"CLUSTER": "c"}),
+])
+def test_the_uncommon_batch_takes_the_general_path(entries, extra):
+    assert one_pass(encode_batch(entries), extra) is None
+
+
+def test_malformed_body_takes_the_general_path():
+    body = encode_batch([(0, b"x" * 10, "KEYS\x01k")])
+    for bad in (body[:-1], body + b"\x00", body[:21]):
+        assert one_pass(bad, {"CLUSTER": "c"}) is None
