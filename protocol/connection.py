@@ -88,6 +88,7 @@ class RemotingConnection(asyncio.Protocol):
         self._sweep_at = _NEVER
         self._tasks: set[asyncio.Task] = set()
         self._held = 0                      # requests answered later by their handler (DEFERRED)
+        self._release_waiters: list[asyncio.Future] = []
         self._out: list = []
         self._backlog: list = []            # frames read but not yet handled (fairness, see above)
         self._flush_scheduled = False
@@ -135,8 +136,14 @@ class RemotingConnection(asyncio.Protocol):
 
     @property
     def in_flight(self) -> list[asyncio.Future]:
-        """The requests this connection is handling now."""
-        return list(self._tasks)
+        """The requests this connection is handling now: its Tasks, and a future done once no request
+        answered later by its handler (DEFERRED) is held any more."""
+        pending = list(self._tasks)
+        if self._held:
+            fut = self._loop.create_future()
+            self._release_waiters.append(fut)
+            pending.append(fut)
+        return pending
 
     @property
     def is_open(self) -> bool:
@@ -237,6 +244,11 @@ class RemotingConnection(asyncio.Protocol):
 
     def release(self) -> None:
         self._held -= 1
+        if not self._held and self._release_waiters:
+            for waiter in self._release_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._release_waiters.clear()
         if self._reading_paused_for and len(self._tasks) + self._held <= self.max_in_flight // 2:
             self.resume_reading("in-flight")
 

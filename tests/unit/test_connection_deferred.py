@@ -49,3 +49,20 @@ async def test_deferred_answers_count_in_flight_and_pause_reading():
         client.close()
         server.close()
         await server.wait_closed()
+
+
+@bounded()
+async def test_a_held_request_is_in_flight_until_released():
+    """A graceful stop waits for conn.in_flight: requests answered by their store completion count too
+    (found in review: the stop closed the connection at once and the answers went nowhere)."""
+    conn = RemotingConnection(lambda c, m: None)
+    assert conn.in_flight == []
+    conn.hold()
+    conn.hold()
+    pending = conn.in_flight
+    assert len(pending) == 1 and not pending[0].done()
+    conn.release()
+    assert not pending[0].done()
+    conn.release()
+    await asyncio.wait_for(asyncio.gather(*pending), 5)
+    assert conn.in_flight == []
