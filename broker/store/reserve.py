@@ -58,15 +58,22 @@ def zero_to(mf: MappedFile, need: int, want: int) -> int:
     need, want = min(need, mf.size), min(max(want, need), mf.size)
     if mf.zeroed >= want:
         return mf.zeroed
+    # A file descriptor of its own: Linux reports a file's writeback error to one fsync / msync per open
+    # file, so this fdatasync on the mapping's file could take the error of a page the writer's next msync
+    # must see (and that msync would then return 0 for a page that never reached the disk).
+    fd = os.open(mf.path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        write_zeros(mf.fd, mf.zeroed, want)
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC or want <= need:
-            raise
-        if mf.zeroed >= need:       # what was asked for is there; the read-ahead must wait
-            return mf.zeroed
-        want = need
-        write_zeros(mf.fd, mf.zeroed, want)
+        try:
+            write_zeros(fd, mf.zeroed, want)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or want <= need:
+                raise
+            if mf.zeroed >= need:       # what was asked for is there; the read-ahead must wait
+                return mf.zeroed
+            want = need
+            write_zeros(fd, mf.zeroed, want)
+    finally:
+        os.close(fd)
     mf.zeroed = want
     return want
 

@@ -13,9 +13,9 @@ everything queued and hands it to ``CommitLog.append`` in one go. Then:
 
 Sync mode keeps up to two flushes in flight, one per flush thread: a batch copied while
 one msync has been in the kernel for ``second_flush_after`` (0.5 ms: the disk is slow right
-now) starts its own instead of waiting a whole cycle. Completions still
-happen in log order: a flush that returns first waits for the ones before it, and a
-failed flush refuses every later one in flight too. Controls (segment removal) run
+now) starts its own instead of waiting a whole cycle. Flushes in flight together complete
+together, in log order, once both have returned, and an error from either refuses both (a
+file's writeback error reaches one msync of it, not necessarily the one whose range failed). Controls (segment removal) run
 between batches with no flush in flight.
 
 Space: when ``append`` stops at an entry that does not fit the reserved space, the rest
@@ -170,8 +170,8 @@ class Writer:
                     entries, self._queue = self._queue, []
                     self._write(entries)
                 fl = self._flushing
-                while fl and fl[0][0].done():      # completions in log order
-                    self._flush_done()
+                if fl and all(f[0].done() for f in fl):
+                    self._flushes_done()
                 if (clog.dirty and (not fl or (len(fl) < len(self._threads) and self._overlap
                                                and time.perf_counter() - fl[-1][6] >= self.second_flush_after))
                         and (self._sync or self._flush_due or self._closing or self._controls)):
@@ -294,11 +294,18 @@ class Writer:
         if self._sync:
             self._waiting, self._units, self._infos = [], {}, []
 
-    def _flush_done(self) -> None:
+    def _flushes_done(self) -> None:
+        """Every flush in flight has returned: complete them in log order, judged together. Linux reports
+        a file's writeback error to one msync of that open file, whatever range it asked for: a later
+        flush may return the error of an earlier one's page, which then returns 0 (found in review)."""
+        failure = next((f[0].exception() for f in self._flushing if f[0].exception() is not None), None)
+        while self._flushing:
+            self._flush_done(failure)
+
+    def _flush_done(self, exc: BaseException | None) -> None:
         fut, end, end_ts, waiting, units, infos, started, _io = self._flushing.pop(0)
         if self.on_flush is not None:
             self.on_flush(time.perf_counter() - started)
-        exc = fut.exception()
         if exc is not None:
             # Nothing of this flush, nor of what was written after it, is acknowledged or made
             # readable, and nothing is flushed again: the state on disk is unknown.

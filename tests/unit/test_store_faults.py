@@ -183,3 +183,44 @@ async def test_a_failed_write_stops_the_store_and_acknowledges_nothing(tmp_path,
     await store.open()
     assert store.max_offset("T", 0) == 1 and (await store.put(req())).ok
     await store.close()
+
+
+@bounded()
+async def test_a_flush_that_returns_after_a_later_one_failed_is_not_acknowledged(tmp_path, monkeypatch):
+    """Linux reports a file's writeback error to one msync of that open file, whichever range it asked for:
+    if the second flush reports the EIO of a page in the first one's range, the first returns 0 (found in
+    review). Flushes in flight together are judged together: neither batch is acknowledged."""
+    import threading
+    real = writer._flush_ranges
+    first_started, gate = threading.Event(), threading.Event()
+    calls = []
+
+    def flush(ranges):
+        calls.append(ranges)
+        if len(calls) == 1:             # flush 1: its msync is in the kernel ...
+            first_started.set()
+            assert gate.wait(10)
+            return real(ranges)         # ... and returns 0: the EIO of its page went to flush 2's check
+        raise OSError(errno.EIO, "Input/output error")     # flush 2 (same file) reports that EIO
+    monkeypatch.setattr(writer, "_flush_ranges", flush)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 20))
+    await store.open()
+    store._writer.second_flush_after = 0
+    try:
+        a = store.put(req())
+        await asyncio.to_thread(first_started.wait, 10)
+        b = store.put(req())
+        w = store._writer
+        for _ in range(100_000):
+            if len(calls) >= 2 and len(w._flushing) == 2 and w._flushing[1][0].done():
+                break
+            await asyncio.sleep(0)
+        assert w._flushing[1][0].exception() is not None
+        gate.set()
+        ra, rb = await a, await b
+        assert not rb.ok
+        assert not ra.ok, ("batch 1 acknowledged although a concurrent msync of the same file reported EIO "
+                           "(Linux reports a file's writeback error to one fsync/msync per open file)")
+    finally:
+        gate.set()
+        await store.close()
