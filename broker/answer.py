@@ -47,9 +47,12 @@ class Answer:
     def answer(self, reply) -> None:
         """Send ``reply`` (None: nothing) and release the request; also for answers that come from elsewhere."""
         self._done = True
-        cmd = self.cmd
-        self.ctx.metrics.observe_request(cmd.code, reply.code if reply is not None else 0, perf_counter() - self.started)
-        conn = self.conn
+        cmd, conn = self.cmd, self.conn
         conn.release()
-        if reply is not None and not cmd.flag & FLAG_ONEWAY:
-            conn.send(reply)
+        try:
+            self.ctx.metrics.observe_request(cmd.code, reply.code if reply is not None else 0,
+                                             perf_counter() - self.started)
+            if reply is not None and not cmd.flag & FLAG_ONEWAY:
+                conn.send(reply)
+        except Exception:           # noqa: BLE001 - never into the store's writer
+            log.exception("sending the answer to %s failed", cmd.code)
