@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
-from protocol.codes import RequestCode, ResponseCode, SysFlag
-from protocol.command import RemotingCommand
+from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
+from protocol.command import RemotingCommand, _field_text
 from protocol.errors import ConnectionClosedError, RequestTimeoutError, error_for_code
 from protocol.message import MessageExt, Prop, decode_offset_msg_id, decode_record
 
@@ -66,6 +66,16 @@ async def _call(fn, *args):
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+_STATE_TEXT = {s: _field_text(s.value) for s in LocalTransactionState}    # commitOrRollback, as sent
+
+
+def _end_command(fields: dict[str, str], remark: str | None) -> RemotingCommand:
+    """END_TRANSACTION with ``fields`` already text: what RemotingCommand.request makes, without its pass
+    over the fields."""
+    return RemotingCommand(RequestCode.END_TRANSACTION, language=LanguageCode.PYTHON, remark=remark,
+                           ext_fields=dict(fields))
 
 
 def _state(value) -> LocalTransactionState:
@@ -130,21 +140,25 @@ class TransactionProducer(Producer):
 
     async def _end(self, addr: str, half_offset: int, table_offset: int, msg_id: str,
                    state: LocalTransactionState, from_check: bool, remark: str | None) -> bool:
-        fields = {"producerGroup": self.group, "tranStateTableOffset": table_offset,
-                  "commitLogOffset": half_offset, "commitOrRollback": state.value,
-                  "fromTransactionCheck": from_check, "msgId": msg_id, "transactionId": msg_id}
+        # The header fields as text at once (one dict, no per-field conversion), in request()'s order.
+        fields = {"producerGroup": self.group, "tranStateTableOffset": str(table_offset),
+                  "commitLogOffset": str(half_offset), "commitOrRollback": _STATE_TEXT[state],
+                  "fromTransactionCheck": "true" if from_check else "false"}
+        if msg_id is not None:
+            fields["msgId"] = fields["transactionId"] = msg_id
         if self.end_acknowledged is False:
             if self._clock() - self._oneway_since < self.end_probe_interval_s:
-                await self.pool.oneway(addr, RemotingCommand.request(RequestCode.END_TRANSACTION, fields,
-                                                                     remark=remark))
+                await self.pool.oneway(addr, _end_command(fields, remark))
                 return False
             self.end_acknowledged = None            # probe: this END goes as a request again
             log.info("probing whether broker %s acknowledges END_TRANSACTION again", addr)
         delay = 0.05
         for attempt in range(self.end_retries + 1):
-            cmd = RemotingCommand.request(RequestCode.END_TRANSACTION, fields, remark=remark)
+            cmd = _end_command(fields, remark)
             try:
-                resp = await self.pool.request(addr, cmd, self.end_timeout)
+                # the connection's future, awaited here (as Producer._send_text does): no coroutine per layer
+                conn = self.pool.cached(addr) or await self.pool.get(addr)
+                resp = await conn.start_request(cmd, self.end_timeout)
             except RequestTimeoutError:
                 if self.end_acknowledged is not True:     # unknown, or a concurrent END just found out
                     if self.end_acknowledged is None:
@@ -152,8 +166,7 @@ class TransactionProducer(Producer):
                                  addr, self.end_probe_interval_s)
                         self.end_acknowledged = False
                         self._oneway_since = self._clock()
-                    await self.pool.oneway(addr, RemotingCommand.request(RequestCode.END_TRANSACTION, fields,
-                                                                         remark=remark))
+                    await self.pool.oneway(addr, _end_command(fields, remark))
                     return False
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
