@@ -363,8 +363,9 @@ def _decode_json_fast(cls, header):
         return _json_command(cls, obj, header)
     else:
         for value in ext.values():
-            if type(value) is not str:
-                return _json_command(cls, obj, header)
+            if type(value) is not str:  # ali-ons' numbers and booleans: as _json_command converts them
+                ext = _json_ext_fields(ext)
+                break
     escape = header.find(b"\\")  # one memchr; the regex (slower) only from the first backslash on
     if escape >= 0 and _SURROGATE_ESCAPE.search(header, escape):
         return _json_command(cls, obj, header)
