@@ -15,6 +15,14 @@ machine it equals wall time (--timer wall to check):
 * a store record with a 1 KiB body: decode_record / encode_record against
   schema.StoreRecord.parse / .build.
 
+With ``--baseline DIR`` (a checkout of the code to compare against, e.g. a worktree of main)
+it also times the hot path of a plain send, old (DIR's protocol/command.py and message.py)
+against new (this tree's), interleaved in the same run: RemotingCommand.decode of a real
+SEND_MESSAGE_V2 request (ali-ons' frame from shared/vectors if present, and a Java 4.9.8
+producer's all-string one), SendMessageRequestHeader.from_command of it, and decode of the
+broker's send response (code 0; msgId, queueId, queueOffset, MSG_REGION, TRACE_ON). Its
+figures go under "hot_path" in the JSON line, with their own ratios (new / old).
+
 Prints a table, then as the LAST line one JSON object: every figure, per-codec
 ratios (struct us / construct us, lower is better), and "ratio" = that of the
 JSON-header frame (decode + encode). The target is ratio <= 0.2 (struct at least
@@ -104,10 +112,66 @@ def record_cases():
     }, len(raw)
 
 
+def _load_baseline(root: Path):
+    """DIR's protocol package, imported under another name so both versions live in this process."""
+    import importlib.util
+    name = "protocol_baseline"
+    spec = importlib.util.spec_from_file_location(name, root / "protocol" / "__init__.py",
+                                                  submodule_search_locations=[str(root / "protocol")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    import importlib
+    return importlib.import_module(f"{name}.command"), importlib.import_module(f"{name}.message")
+
+
+def _vector_send_frame() -> bytes | None:
+    """ali-ons' SEND_MESSAGE_V2 frame from shared/vectors (ext values as JSON numbers and booleans)."""
+    path = REPO.parent / "shared" / "vectors" / "ali-ons.jsonl"
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        frame = bytes.fromhex(json.loads(line)["frame_hex"])
+        if frame[4] == 0 and RemotingCommand.decode(frame).code == RequestCode.SEND_MESSAGE_V2:
+            return frame
+    return None
+
+
+def hot_path_cases(baseline: Path):
+    from protocol.message import SendMessageRequestHeader
+    old_command, old_message = _load_baseline(baseline)
+    Old, OldHeader = old_command.RemotingCommand, old_message.SendMessageRequestHeader
+    New, NewHeader = RemotingCommand, SendMessageRequestHeader
+    java = New.request(RequestCode.SEND_MESSAGE_V2, V2_EXT, BODY, opaque=4242, language=0)
+    response = java.response(0, ext_fields={"msgId": "0A0102030000291F00000000075BCD15", "queueId": "2",
+                                            "queueOffset": "123456", "MSG_REGION": "DefaultRegion",
+                                            "TRACE_ON": "true"}).encode()
+    frames = {"java_v2": java.encode()}
+    ali = _vector_send_frame()
+    if ali is not None:
+        frames["ali_ons_v2"] = ali
+    cases = {}
+    for name, frame in frames.items():
+        old_cmd, new_cmd = Old.decode(frame), New.decode(frame)
+        assert (old_cmd.code, old_cmd.opaque, old_cmd.ext_fields, old_cmd.body) == \
+            (new_cmd.code, new_cmd.opaque, new_cmd.ext_fields, new_cmd.body)
+        assert OldHeader.from_command(old_cmd).__repr__() == NewHeader.from_command(new_cmd).__repr__()
+        cases[f"decode_{name}"] = (lambda f=frame: New.decode(f), lambda f=frame: Old.decode(f))
+        cases[f"header_{name}"] = (lambda c=new_cmd: NewHeader.from_command(c),
+                                   lambda c=old_cmd: OldHeader.from_command(c))
+        cases[f"both_{name}"] = (lambda f=frame: NewHeader.from_command(New.decode(f)),
+                                 lambda f=frame: OldHeader.from_command(Old.decode(f)))
+    assert Old.decode(response).ext_fields == New.decode(response).ext_fields
+    cases["decode_send_response"] = (lambda: New.decode(response), lambda: Old.decode(response))
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0.2, help="target duration of one timed run")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per figure; the best is kept")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout (e.g. a worktree of main) whose decode to time against this tree's")
     parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu",
                         help="cpu: process CPU time (robust on a busy machine); wall: perf_counter")
     args = parser.parse_args()
@@ -137,6 +201,15 @@ def main() -> None:
           f"{codecs['frame_rocketmq']['bytes']} B binary; record: {codecs['record']['bytes']} B; "
           "ratio = struct / construct, target <= 0.2)")
 
+    hot = None
+    if args.baseline is not None:
+        hot = {}
+        print(f"\n{'hot path (old = ' + str(args.baseline) + ')':<40}{'new us':>9}{'old us':>9}{'new/old':>9}")
+        for name, (new, old) in hot_path_cases(args.baseline.resolve()).items():
+            new_us, old_us = per_op_us(new, old, args.seconds, args.repeat)
+            hot[name] = {"new_us": round(new_us, 4), "old_us": round(old_us, 4), "ratio": round(new_us / old_us, 4)}
+            print(f"{name:<40}{new_us:>9.3f}{old_us:>9.3f}{new_us / old_us:>9.3f}")
+
     rounded = {name: {k: round(v, 4) if isinstance(v, float) else v for k, v in f.items()}
                for name, f in codecs.items()}
     summary = {
@@ -148,6 +221,8 @@ def main() -> None:
         "meets_target": all(f["roundtrip_ratio"] <= 0.2 for f in codecs.values()),
         "ratio": round(codecs["frame_json"]["roundtrip_ratio"], 4),
     }
+    if hot is not None:
+        summary["hot_path"] = hot
     print(json.dumps(summary, separators=(",", ":")))
 
 

@@ -697,6 +697,49 @@ _SEND_FIELDS = (
     ("unitMode", "k", "b", False, False), ("maxReconsumeTimes", "l", 32, False, None),
     ("batch", "m", "b", False, False), ("bname", "n", "s", False, None),
 )
+_SEND_KEYS_V1 = tuple(f[0] for f in _SEND_FIELDS)
+_SEND_KEYS_V2 = tuple(f[1] for f in _SEND_FIELDS)
+_I32_LO, _I32_HI, _I64_LO, _I64_HI = -(1 << 31), 1 << 31, -(1 << 63), 1 << 63
+_PLAIN_BOOL = {"true": True, "false": False, "1": True, "0": False, "": False, None: False}
+
+
+def _send_header_fast(cls, ext, keys):
+    """SendMessageRequestHeader from ext fields that need no check, or None (or an exception) to say
+    "decide with the checked pass": never a value the checked pass would not give. Absent means
+    ``None or ""`` there, spelled the same here (a hand-made command may hold non-strings)."""
+    a, b, c, d, e, f, g, h, i, j, k, l, m, n = keys
+    get = ext.get
+    group = get(a)
+    topic = get(b)
+    if group is None or group == "" or topic is None or topic == "":
+        return None
+    default_topic = get(c)
+    if default_topic is None or default_topic == "":
+        default_topic = "TBW102"
+    nums = get(d)
+    nums = 4 if nums is None or nums == "" else int(nums)
+    queue_id = int(ext[e])        # required: a KeyError, or int("")'s ValueError, means "check"
+    sys_flag = int(ext[f])
+    born = int(ext[g])
+    flag = int(ext[h])
+    properties = get(i)
+    if properties is None:
+        properties = ""
+    reconsume = get(j)
+    reconsume = 0 if reconsume is None or reconsume == "" else int(reconsume)
+    unit = _PLAIN_BOOL[get(k)]    # anything but these exact spellings: a KeyError, "check"
+    max_reconsume = get(l)
+    max_reconsume = None if max_reconsume is None or max_reconsume == "" else int(max_reconsume)
+    batch = _PLAIN_BOOL[get(m)]
+    bname = get(n)
+    if bname == "":
+        bname = None
+    if not (_I32_LO <= nums < _I32_HI and _I32_LO <= queue_id < _I32_HI and _I32_LO <= sys_flag < _I32_HI
+            and _I64_LO <= born < _I64_HI and _I32_LO <= flag < _I32_HI and _I32_LO <= reconsume < _I32_HI
+            and (max_reconsume is None or _I32_LO <= max_reconsume < _I32_HI)):
+        return None
+    return cls(group, topic, default_topic, nums, queue_id, sys_flag, born, flag, properties, reconsume, unit,
+               max_reconsume, batch, bname)
 
 
 @dataclass(slots=True)
@@ -720,9 +763,23 @@ class SendMessageRequestHeader:
 
     @classmethod
     def from_command(cls, cmd) -> "SendMessageRequestHeader":
-        # One table-driven pass: this runs for every message the broker stores.
+        # This runs for every message the broker stores. First one straight-line pass that
+        # takes the header only if every field is well formed (a real producer's); any doubt
+        # (missing, empty, not a number, out of range, an unusual boolean) and the checked
+        # table-driven pass below decides, value and error alike.
         ext = cmd.ext_fields
-        v2 = cmd.code in (RequestCode.SEND_MESSAGE_V2, RequestCode.SEND_BATCH_MESSAGE) and "b" in ext
+        v2 = (cmd.code == 310 or cmd.code == 320) and "b" in ext  # SEND_MESSAGE_V2, SEND_BATCH_MESSAGE
+        try:
+            header = _send_header_fast(cls, ext, _SEND_KEYS_V2 if v2 else _SEND_KEYS_V1)
+        except (KeyError, ValueError, TypeError, AttributeError):
+            header = None
+        if header is not None:
+            return header
+        return cls._from_command_checked(ext, v2)
+
+    @classmethod
+    def _from_command_checked(cls, ext, v2: bool) -> "SendMessageRequestHeader":
+        """The table-driven decode, with every check and its error; from_command's reference."""
         values = []
         append = values.append
         for long, short, kind, required, default in _SEND_FIELDS:
