@@ -39,7 +39,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from .codes import RequestCode, ResponseCode, SysFlag
+from .codes import ResponseCode, SysFlag
 from .errors import HeaderError, RecordError
 
 MESSAGE_MAGIC = -626843481      # 0xDAA320A7

@@ -14,7 +14,6 @@ import pytest
 
 from protocol.codes import RequestCode
 from protocol.command import RemotingCommand, _decode_json_fast
-from protocol.errors import HeaderError
 from protocol.message import _SEND_FIELDS, SendMessageRequestHeader
 
 _STR_VALUES = ["", "PID_x", "orders", " ", "TBW102", "\u00e9t\u00e9", "TAGS\x01a\x02KEYS\x01k\x02"]
