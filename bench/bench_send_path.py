@@ -67,29 +67,33 @@ async def _closed_loop(addr: str, n: int, inflight: int, batch: int, pid: int) -
     frames, dec = _frames(batch), FrameDecoder()
     sent = got = errors = 0
 
-    async def replies(expect: int) -> None:
+    async def replies(expect: int, refill: bool) -> None:
         nonlocal sent, got, errors
         while got < expect:
-            data = await reader.read(1 << 20)
+            try:
+                data = await asyncio.wait_for(reader.read(1 << 20), 30)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"no reply for 30 s: {got} of {expect} replies, {sent} sent") from None
             if not data:
                 raise RuntimeError("the broker closed the connection")
             for fr in dec.feed(data):
                 errors += b'{"code":0,' not in fr[8:20]   # a JSON reply header starts with its code
                 got += 1
-                if sent < n:
+                if refill and sent < n:
                     writer.write(frames[sent % 4])
                     sent += 1
 
     for f in frames:                    # warm-up: creates the topic and its queues
         writer.write(f)
-    sent, n_warm = 0, len(frames)
-    await replies(n_warm)
+    # No refill here: a read holding the last warm-up reply and the reply to a frame sent on an earlier
+    # one counted that reply as warm-up, and the run then waited for it forever (a hang found in round 3).
+    await replies(len(frames), refill=False)
     got = 0
     cpu0, t0 = _cpu_s(pid), time.perf_counter()
     for _ in range(min(inflight, n)):
         writer.write(frames[sent % 4])
         sent += 1
-    await replies(n)
+    await replies(n, refill=True)
     elapsed, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
     writer.close()
     msgs = n * batch
@@ -104,8 +108,8 @@ async def _one_at_a_time(addr: str, n: int) -> dict:
     for i in range(n + 50):
         t = time.perf_counter()
         writer.write(frame)
-        size = int.from_bytes(await reader.readexactly(4), "big")
-        await reader.readexactly(size)
+        size = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 30), "big")
+        await asyncio.wait_for(reader.readexactly(size), 30)
         if i >= 50:
             lat.append(time.perf_counter() - t)
     writer.close()
