@@ -244,9 +244,29 @@ class TransactionService:
         if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)):
             self.timer.wake()
         self.changed = True
+        ahead = self.table.wants(result.queue_offset)
+        if ahead is not None:
+            self._make_ahead(ahead)
         ctx.clients.add_producer(group, conn, client_id, cmd.language, cmd.version)
         ctx.metrics.child(ctx.metrics.half_in, group).inc()
         return None
+
+    def _make_ahead(self, base: int) -> None:
+        """A decision-table file made on a thread before the first decision needs it (see DecisionTable.wants)."""
+        table = self.table
+
+        def made(fut: asyncio.Future) -> None:
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is not None:     # the decision that needs it makes it (or waits in memory) and says why
+                log.debug("decision file %d not made ahead: %s", base, exc)
+            table.adopt(base, None if fut.cancelled() or exc is not None else fut.result())
+
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(None, table.make, base)
+        except RuntimeError:        # stopping: the executor is gone; the decision makes its file itself
+            table.adopt(base, None)
+            return
+        fut.add_done_callback(made)
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None):

@@ -248,3 +248,19 @@ async def test_no_live_producer_defers_checks_without_spending_them(broker_facto
     async with TransactionProducer(b.namesrv, "PG_nobody", listener):
         await asyncio.wait_for(listener.checked.wait(), 10)
         assert await _drain(b.namesrv, "TxNobody", expect=1) == [b"waits for a producer"]
+
+
+async def test_the_decision_file_is_made_ahead_of_the_first_decision(broker_factory):
+    """A fresh store's first half message has a thread make its decision-table file, so the decision
+    finds it instead of making it on the event loop (0.2 ms alone, ~70 ms under a busy disk)."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    decisions = b.store_dir / "transactions" / "decisions"
+    first = decisions / f"{0:020d}"
+    listener = Listener(execute=S.UNKNOW)
+    async with TransactionProducer(b.namesrv, "PG_ahead", listener) as producer:
+        await producer.send_in_transaction("TxAhead", b"undecided")
+        async with asyncio.timeout(10):         # made on a thread after the half was stored
+            while not first.exists():
+                await asyncio.sleep(0.01)
+        assert first.stat().st_size == 1 << 20
+        assert not any(p.name.endswith(".ahead") for p in decisions.iterdir())
