@@ -37,7 +37,7 @@ import socket
 import struct
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .codes import ResponseCode, SysFlag
 from .errors import HeaderError, RecordError
@@ -325,26 +325,95 @@ def encode_record(*, topic: bytes, body: bytes, queue_id: int, flag: int, sys_fl
     return out
 
 
-@dataclass(slots=True)
-class MessageExt:
-    """A decoded store record."""
+_EXT_FIELDS = ("topic", "body", "queue_id", "flag", "queue_offset", "physical_offset", "sys_flag", "born_timestamp",
+               "born_host", "store_timestamp", "store_host", "reconsume_times", "prepared_offset", "properties",
+               "body_crc", "store_size")
 
-    topic: str
-    body: bytes
-    queue_id: int = 0
-    flag: int = 0
-    queue_offset: int = 0
-    physical_offset: int = 0
-    sys_flag: int = 0
-    born_timestamp: int = 0
-    born_host: tuple[str, int] = ("127.0.0.1", 0)
-    store_timestamp: int = 0
-    store_host: tuple[str, int] = ("127.0.0.1", 0)
-    reconsume_times: int = 0
-    prepared_offset: int = 0
-    properties: dict[str, str] = field(default_factory=dict)
-    body_crc: int = 0
-    store_size: int = 0
+
+def _properties_from_text(text: str) -> dict[str, str]:
+    """string_to_properties' result, one split per pair in the usual case.
+
+    Java ends every pair with U+0002 (this project does not); a pair that lacks its separator, its
+    name or its value sends the whole string to string_to_properties, whose rules decide.
+    """
+    if not text:
+        return {}
+    try:
+        props = dict([piece.split("\x01", 1) for piece in (text[:-1] if text[-1] == "\x02" else text).split("\x02")])
+    except ValueError:
+        return string_to_properties(text)
+    if "" in props or "" in props.values():
+        return string_to_properties(text)
+    return props
+
+
+class MessageExt:
+    """A decoded store record.
+
+    ``properties`` is a dict; a record decoded by ``decode_records`` keeps its properties' text
+    and splits it on first use (a consumer that reads only bodies never pays for the dict).
+    Compared, printed and pickled field by field, as the dataclass it was.
+    """
+
+    __slots__ = ("topic", "body", "queue_id", "flag", "queue_offset", "physical_offset", "sys_flag",
+                 "born_timestamp", "born_host", "store_timestamp", "store_host", "reconsume_times",
+                 "prepared_offset", "_props", "body_crc", "store_size", "_props_text")
+
+    def __init__(self, topic: str, body: bytes, queue_id: int = 0, flag: int = 0, queue_offset: int = 0,
+                 physical_offset: int = 0, sys_flag: int = 0, born_timestamp: int = 0,
+                 born_host: tuple[str, int] = ("127.0.0.1", 0), store_timestamp: int = 0,
+                 store_host: tuple[str, int] = ("127.0.0.1", 0), reconsume_times: int = 0,
+                 prepared_offset: int = 0, properties: dict[str, str] | None = None, body_crc: int = 0,
+                 store_size: int = 0, properties_text: str | None = None):
+        self.topic = topic
+        self.body = body
+        self.queue_id = queue_id
+        self.flag = flag
+        self.queue_offset = queue_offset
+        self.physical_offset = physical_offset
+        self.sys_flag = sys_flag
+        self.born_timestamp = born_timestamp
+        self.born_host = born_host
+        self.store_timestamp = store_timestamp
+        self.store_host = store_host
+        self.reconsume_times = reconsume_times
+        self.prepared_offset = prepared_offset
+        self._props = properties if properties is not None or properties_text is not None else {}
+        self.body_crc = body_crc
+        self.store_size = store_size
+        self._props_text = properties_text
+
+    @property
+    def properties(self) -> dict[str, str]:
+        props = self._props
+        if props is None:
+            props = self._props = _properties_from_text(self._props_text)
+            self._props_text = None
+        return props
+
+    @properties.setter
+    def properties(self, value: dict[str, str]) -> None:
+        self._props = value
+        self._props_text = None
+
+    def _fields(self) -> tuple:
+        return tuple(getattr(self, name) for name in _EXT_FIELDS)
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return "MessageExt(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in _EXT_FIELDS) + ")"
+
+    def __getstate__(self):
+        return self._fields()
+
+    def __setstate__(self, state) -> None:
+        self.__init__(*state)
 
     @property
     def tags(self) -> str | None:
@@ -480,9 +549,9 @@ def decode_records(buf) -> list[MessageExt]:
     """Every record of a pull / query body, in order.
 
     The same messages decode_record gives at each record, for less: the usual record (IPv4 hosts,
-    UTF-8 topic and properties, pairs that all have a name and a value) is decoded inline, its hosts'
-    tuples and topic string shared with the records before it that have the same; any other record,
-    a malformed one included (for its error), goes to decode_record.
+    UTF-8 topic and properties) is decoded inline, its hosts' tuples and topic string shared with the
+    records before it that have the same, its properties' text split only when first asked for; any
+    other record, a malformed one included (for its error), goes to decode_record.
     """
     if not isinstance(buf, bytes):
         buf = bytes(buf)
@@ -511,19 +580,6 @@ def decode_records(buf) -> list[MessageExt]:
                         text = buf[t_end + 2:limit].decode()
                     except UnicodeDecodeError:
                         text = None
-                    if text:
-                        # Java ends every pair with U+0002 (this project does not): one split per pair
-                        # either way, and string_to_properties' rules when a pair lacks its separator,
-                        # its name or its value.
-                        try:
-                            props = dict([piece.split("\x01", 1) for piece in
-                                          (text[:-1] if text[-1] == "\x02" else text).split("\x02")])
-                            if "" in props or "" in props.values():
-                                props = string_to_properties(text)
-                        except ValueError:
-                            props = string_to_properties(text)
-                    elif text is not None:
-                        props = {}
                     if text is not None:
                         if born_key != (born_ip, born_port):
                             born_key = (born_ip, born_port)
@@ -533,7 +589,7 @@ def decode_records(buf) -> list[MessageExt]:
                             store_host = (inet_ntoa(store_ip), store_port)
                         append(MessageExt(topic, buf[pos + 88:p], queue_id, flag, queue_offset, physical_offset,
                                           sys_flag, born_ts, born_host, store_ts, store_host, reconsume, prepared,
-                                          props, crc, total))
+                                          None, crc, total, text))
                         pos = limit
                         continue
         msg, total = decode_record(buf, pos)

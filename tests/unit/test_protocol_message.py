@@ -384,3 +384,34 @@ def test_appended_batch_properties_let_the_entry_win():
     assert add_missing_properties("A\x01b\x02", {"C": "d"}) == "A\x01b\x02C\x01d"
     assert add_missing_properties("", {"C": "d"}) == "C\x01d"
     assert add_missing_properties("C\x01mine", {"C": "d"}) == "C\x01mine"
+
+
+def test_a_pulled_record_splits_its_properties_on_first_use_and_keeps_them():
+    raw = bytes(make(properties=b"TAGS\x01a\x02KEYS\x01k1 k2\x02UNIQ_KEY\x01ID1\x02"))
+    (msg,) = decode_records(raw)
+    assert msg._props is None and msg._props_text is not None          # nothing split yet
+    assert msg.body == b"hello" and msg.topic == "T"                    # the rest is there without it
+    assert msg.tags == "a" and msg.keys == "k1 k2" and msg.msg_id == "ID1"
+    props = msg.properties
+    assert props is msg.properties and msg._props_text is None          # split once, then kept
+    msg.properties["EXTRA"] = "1"
+    assert msg.properties["EXTRA"] == "1"                               # a change is kept
+    msg.properties = {"TAGS": "b"}
+    assert msg.tags == "b"
+    assert MessageExt("T", b"").properties == {}
+
+
+def test_message_ext_compares_prints_copies_and_pickles_by_its_fields():
+    import copy
+    import pickle
+    raw = bytes(make(properties=b"TAGS\x01a"))
+    (lazy,) = decode_records(raw)
+    eager, _ = decode_record(raw)
+    assert lazy == eager and lazy != MessageExt("T", b"hello")
+    assert repr(lazy) == repr(eager) and "properties={'TAGS': 'a'}" in repr(lazy)
+    (lazy2,) = decode_records(raw)
+    for clone in (copy.copy(lazy2), copy.deepcopy(lazy2), pickle.loads(pickle.dumps(lazy2))):
+        assert clone == eager and clone.properties == {"TAGS": "a"}
+    with pytest.raises(TypeError):
+        hash(lazy)
+    assert lazy.__eq__(object()) is NotImplemented
