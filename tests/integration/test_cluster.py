@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 

@@ -20,7 +20,6 @@ from broker.retention import PlanRefused, Retention
 from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, StoreConfig
 from broker.topics import TopicManager
 from broker.transaction import TransactionService
-from broker.transaction.records import DEAD
 from protocol.message import decode_record
 from tests.support.bounded import bounded
 from tests.unit.test_review_transactions import Clock, add_half
