@@ -415,3 +415,24 @@ def test_message_ext_compares_prints_copies_and_pickles_by_its_fields():
     with pytest.raises(TypeError):
         hash(lazy)
     assert lazy.__eq__(object()) is NotImplemented
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PROPS_TEXT, st.booleans())
+def test_decode_records_keeps_decode_records_property_order(pairs, trailing):
+    # Equal dicts are not enough: the order of msg.properties is what properties_to_string writes
+    # back (a send-back, MessageExt.encode) and what repr shows. A name repeated after an empty
+    # value ("A\x01\x02B\x01b\x02A\x01y") is where a plain dict() of the pairs orders it otherwise.
+    text = "\x02".join(n + sep + v for n, v, sep in pairs) + ("\x02" if trailing and pairs else "")
+    raw = bytes(make(properties=text.encode()))
+    (lazy,) = decode_records(raw)
+    eager, _ = decode_record(raw)
+    assert list(lazy.properties.items()) == list(eager.properties.items())
+    assert repr(lazy) == repr(eager)
+    assert lazy.encode() == eager.encode()
+
+
+def test_decode_records_orders_a_name_repeated_after_an_empty_value_as_decode_record():
+    raw = bytes(make(properties=b"A\x01\x02B\x01b\x02A\x01y"))
+    (lazy,) = decode_records(raw)
+    assert list(lazy.properties) == list(decode_record(raw)[0].properties) == ["B", "A"]
