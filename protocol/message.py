@@ -831,7 +831,7 @@ class SendMessageRequestHeader:
         v2 = (cmd.code == 310 or cmd.code == 320) and "b" in ext  # SEND_MESSAGE_V2, SEND_BATCH_MESSAGE
         try:
             header = _send_header_fast(cls, ext, _SEND_KEYS_V2 if v2 else _SEND_KEYS_V1)
-        except (KeyError, ValueError, TypeError, AttributeError):
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError):  # int(inf): check
             header = None
         if header is not None:
             return header
