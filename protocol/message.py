@@ -391,7 +391,10 @@ class MessageExt:
     def properties(self) -> dict[str, str]:
         props = self._props
         if props is None:
-            props = self._props = _properties_from_text(self._props_text)
+            text = self._props_text
+            if text is None:    # another thread's first read split it since ours found nothing: take its dict
+                return self._props
+            props = self._props = _properties_from_text(text)
             self._props_text = None
         return props
 
