@@ -334,15 +334,19 @@ def _properties_from_text(text: str) -> dict[str, str]:
     """string_to_properties' result, one split per pair in the usual case.
 
     Java ends every pair with U+0002 (this project does not); a pair that lacks its separator, its
-    name or its value sends the whole string to string_to_properties, whose rules decide.
+    name or its value, or a name given twice, sends the whole string to string_to_properties, whose
+    rules (and order) decide.
     """
     if not text:
         return {}
+    pieces = (text[:-1] if text[-1] == "\x02" else text).split("\x02")
     try:
-        props = dict([piece.split("\x01", 1) for piece in (text[:-1] if text[-1] == "\x02" else text).split("\x02")])
+        props = dict([piece.split("\x01", 1) for piece in pieces])
     except ValueError:
         return string_to_properties(text)
-    if "" in props or "" in props.values():
+    # A repeated name too: dict() keeps a name where it first came, string_to_properties where it
+    # was first kept, and an empty value skipped there makes the two orders differ.
+    if len(props) != len(pieces) or "" in props or "" in props.values():
         return string_to_properties(text)
     return props
 
@@ -387,7 +391,10 @@ class MessageExt:
     def properties(self) -> dict[str, str]:
         props = self._props
         if props is None:
-            props = self._props = _properties_from_text(self._props_text)
+            text = self._props_text
+            if text is None:    # another thread's first read split it since ours found nothing: take its dict
+                return self._props
+            props = self._props = _properties_from_text(text)
             self._props_text = None
         return props
 
@@ -827,7 +834,7 @@ class SendMessageRequestHeader:
         v2 = (cmd.code == 310 or cmd.code == 320) and "b" in ext  # SEND_MESSAGE_V2, SEND_BATCH_MESSAGE
         try:
             header = _send_header_fast(cls, ext, _SEND_KEYS_V2 if v2 else _SEND_KEYS_V1)
-        except (KeyError, ValueError, TypeError, AttributeError):
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError):  # int(inf): check
             header = None
         if header is not None:
             return header

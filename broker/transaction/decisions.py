@@ -51,8 +51,15 @@ class DecisionTable:
         """Map the file of ``base``, its blocks allocated first: a store through a mapping into a hole
         of a full disk is SIGBUS, not an error (ENOSPC comes from fallocate instead, here)."""
         path = self._path(base)
-        created = not os.path.exists(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Created by this call, known from the open itself: a check before it could be stale (the
+        # thread of ``make`` may link the file in between), and a failure below would then unlink a
+        # file this call did not make.
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
+            created = False
         try:
             if os.fstat(fd).st_size != self.file_entries:
                 os.ftruncate(fd, self.file_entries)     # holes read as 0, undecided

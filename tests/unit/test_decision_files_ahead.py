@@ -91,3 +91,31 @@ def test_a_failed_make_leaves_no_file_and_the_decision_still_lands(tmp_path, mon
     t.set(0, COMMIT)                    # the fallback on the loop
     assert t.get(0) == COMMIT
     assert t.wants(5) == 8              # and the next file is wanted again later
+
+
+def test_a_failed_open_on_the_loop_never_unlinks_the_file_the_thread_linked_meanwhile(tmp_path, monkeypatch):
+    # _open decided "I create it" from os.path.exists, then opened the name: if the thread linked its
+    # file in between and the map then failed (ENOMEM, max_map_count), _open unlinked the thread's
+    # file. adopt() then kept the thread's map of the unlinked inode: decisions written there were
+    # gone at the next start.
+    import broker.transaction.decisions as decisions
+    t = DecisionTable(str(tmp_path), file_entries=8)
+    base = t.wants(0)
+    path = os.path.join(str(tmp_path), f"{base:020d}")
+    made = t.make(base)                                     # the thread linked and mapped it...
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if p == path else real_exists(p))  # ...after the check
+
+    class NoMap:
+        @staticmethod
+        def mmap(fd, n):
+            raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(decisions, "mmap", NoMap)
+    t.set(0, COMMIT)                                        # the loop's map fails: the entry waits in memory
+    assert t.get(0) == COMMIT and t.waiting == 1
+    monkeypatch.undo()
+    assert os.path.exists(path)                             # the thread's file is still there
+    t.adopt(base, made)                                     # and taken: the waiting entry lands in it
+    assert t.waiting == 0
+    t.close()
+    assert DecisionTable(str(tmp_path), file_entries=8).get(0) == COMMIT

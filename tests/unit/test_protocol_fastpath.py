@@ -154,3 +154,15 @@ def test_json_header_fast_path_on_real_client_frames():
             assert got == _outcome(lambda: SendMessageRequestHeader._from_command_checked(cmd.ext_fields, v2))
             sends += got[0] == "ok"
     assert sends > 0
+
+
+@pytest.mark.parametrize("odd", [float("inf"), float("-inf"), float("nan")])
+def test_send_header_fast_path_gives_the_checked_error_for_an_earlier_field_before_a_float_infinity(odd):
+    # The straight-line pass checks ranges last; int(inf) raised OverflowError out of it before the
+    # checked pass could report the earlier field (hand-made commands only: decoded ones hold text).
+    ext = {"producerGroup": "g", "topic": "t", "defaultTopicQueueNums": "2200000000", "queueId": odd,
+           "sysFlag": "0", "bornTimestamp": "17", "flag": "0"}
+    cmd = RemotingCommand(RequestCode.SEND_MESSAGE, ext_fields=ext)
+    want = _outcome(lambda: SendMessageRequestHeader._from_command_checked(ext, False))
+    assert want[:2] == ("error", "HeaderError")
+    assert _outcome(lambda: SendMessageRequestHeader.from_command(cmd)) == want
