@@ -330,27 +330,6 @@ _EXT_FIELDS = ("topic", "body", "queue_id", "flag", "queue_offset", "physical_of
                "body_crc", "store_size")
 
 
-def _properties_from_text(text: str) -> dict[str, str]:
-    """string_to_properties' result, one split per pair in the usual case.
-
-    Java ends every pair with U+0002 (this project does not); a pair that lacks its separator, its
-    name or its value, or a name given twice, sends the whole string to string_to_properties, whose
-    rules (and order) decide.
-    """
-    if not text:
-        return {}
-    pieces = (text[:-1] if text[-1] == "\x02" else text).split("\x02")
-    try:
-        props = dict([piece.split("\x01", 1) for piece in pieces])
-    except ValueError:
-        return string_to_properties(text)
-    # A repeated name too: dict() keeps a name where it first came, string_to_properties where it
-    # was first kept, and an empty value skipped there makes the two orders differ.
-    if len(props) != len(pieces) or "" in props or "" in props.values():
-        return string_to_properties(text)
-    return props
-
-
 class MessageExt:
     """A decoded store record.
 
@@ -394,7 +373,7 @@ class MessageExt:
             text = self._props_text
             if text is None:    # another thread's first read split it since ours found nothing: take its dict
                 return self._props
-            props = self._props = _properties_from_text(text)
+            props = self._props = string_to_properties(text)
             self._props_text = None
         return props
 

@@ -419,7 +419,7 @@ def test_message_ext_compares_prints_copies_and_pickles_by_its_fields():
 
 @settings(max_examples=300, deadline=None)
 @given(_PROPS_TEXT, st.booleans())
-def test_decode_records_keeps_decode_records_property_order(pairs, trailing):
+def test_decode_records_keeps_decode_record_s_property_order(pairs, trailing):
     # Equal dicts are not enough: the order of msg.properties is what properties_to_string writes
     # back (a send-back, MessageExt.encode) and what repr shows. A name repeated after an empty
     # value ("A\x01\x02B\x01b\x02A\x01y") is where a plain dict() of the pairs orders it otherwise.
