@@ -1,6 +1,6 @@
 """txmq beside its durable peer, Redis with appendfsync always, in one run on one disk.
 
-    python bench/bench_peers.py [--seconds 5] [--size 1024] [--inflight 64] [--batch 32]
+    python bench/bench_peers.py [--seconds 5] [--size 1024] [--inflight 64] [--batch 32] [--no-floor]
 
 Every figure is acknowledged-after-sync (txmq: sync flush, msync per group commit;
 Redis: AOF with appendfsync always, fsync per event-loop cycle), loopback, 1 KiB bodies,
@@ -17,6 +17,12 @@ Python clients on uvloop in their own process, so the client's CPU is not the se
 | transactions   | ``TransactionProducer.send_in_transaction`` (half + acknowledged END)   |
 | consume        | ``PullConsumer`` draining the plain topic, 32 a pull                    |
 | consume x4     | the same with ``PullConsumer.drain``: 4 pulls of a queue in flight      |
+| floor c=N, c=1 | bench/bare_server.py: frames pwritev'ed, msync on a thread, answered    |
+
+The floor rows are not txmq: a server that does only what this design must for a durable
+send (read, copy into a file, msync handed to a thread and back, answer), driven by a raw
+client like Redis's. They show, in the same run, how much of a target's gap belongs to the
+design and the machine rather than to txmq's own work.
 
 Redis comes from the Debian package (``apt-get install redis-server``); without it the
 Redis rows are skipped and said so. The last line is JSON with every figure and
@@ -28,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -182,6 +189,62 @@ async def redis_client(port: int, seconds: float, inflight: int, size: int) -> d
     return {"xadd": add, "consume": {"count": total, "seconds": consume_s, "per_s": total / consume_s}}
 
 
+# ------------------------------------------------------------------ the design's floor
+class Framed(asyncio.Protocol):
+    """Length-prefixed requests to bench/bare_server.py; its 20-byte answers arrive in request order."""
+
+    def __init__(self):
+        self.waiters: list[asyncio.Future] = []
+        self.head = 0
+        self.buf = bytearray()
+        self.transport = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def request(self, frame: bytes) -> asyncio.Future:
+        self.transport.write(frame)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        return fut
+
+    def data_received(self, data):
+        self.buf += data
+        answers = len(self.buf) // 20
+        del self.buf[:answers * 20]
+        for fut in self.waiters[self.head:self.head + answers]:
+            fut.set_result(None)
+        self.head += answers
+        if self.head > 4096:
+            del self.waiters[:self.head]
+            self.head = 0
+
+
+async def bare_client(port: int, seconds: float, inflight: int, size: int) -> dict:
+    _, conn = await asyncio.get_running_loop().create_connection(Framed, "127.0.0.1", port)
+    frame = size.to_bytes(4, "big") + b"x" * size
+    latencies, elapsed = await closed_loop(seconds, inflight, lambda: conn.request(frame))
+    conn.transport.close()
+    return summary(latencies, len(latencies), elapsed)
+
+
+def run_bare(tmp: str, args) -> dict:
+    data = os.path.join(tmp, "bare")
+    os.makedirs(data)
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "bare_server.py"), data],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)     # printed once its file is zero-filled
+        line = proc.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
+            raise RuntimeError(f"bench/bare_server.py did not start (exit {proc.poll()})")
+        port = line.strip()
+        return {"c": _child(["--bare", port], args), "c1": _child(["--bare", port, "--inflight-override", "1"], args)}
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -288,7 +351,7 @@ def run_txmq(tmp: str, args) -> dict:
     return res
 
 
-def report(disk: dict, redis: dict | None, txmq: dict, args) -> dict:
+def report(disk: dict, redis: dict | None, txmq: dict, args, bare: dict | None = None) -> dict:
     rows = [("fdatasync (disk)", disk), ("txmq plain c=%d" % args.inflight, txmq["plain"]),
             ("txmq plain c=1", txmq["plain_c1"]), ("txmq batch %dx, c=8" % args.batch, txmq["batch"]),
             ("txmq send, linger 1 ms, c=256", txmq["linger"]),
@@ -296,6 +359,8 @@ def report(disk: dict, redis: dict | None, txmq: dict, args) -> dict:
             ("txmq consume, 4 in flight", txmq["consume_x4"])]
     if redis is not None:
         rows[1:1] = [("redis xadd c=%d" % args.inflight, redis["xadd"]), ("redis consume", redis["consume"])]
+    if bare is not None:
+        rows[1:1] = [("floor c=%d (bare_server)" % args.inflight, bare["c"]), ("floor c=1 (bare_server)", bare["c1"])]
     print(f"{'':28}{'msgs/s':>12}{'p50 ms':>10}{'p99 ms':>10}")
     for label, r in rows:
         print(f"{label:28}{r['per_s']:12.0f}{r.get('p50_ms', float('nan')):10.3f}{r.get('p99_ms', float('nan')):10.3f}")
@@ -312,6 +377,12 @@ def report(disk: dict, redis: dict | None, txmq: dict, args) -> dict:
                    ratio=round(txmq["plain"]["per_s"] / redis["xadd"]["per_s"], 3))
     else:
         fig["ratio"] = None
+    if bare is not None:
+        fig.update(floor_per_s=round(bare["c"]["per_s"]), floor_c1_p50_ms=round(bare["c1"]["p50_ms"], 3),
+                   floor_c1_p50_over_fdatasync=round(bare["c1"]["p50_ms"] / disk["p50_ms"], 3),
+                   plain_over_floor=round(txmq["plain"]["per_s"] / bare["c"]["per_s"], 3))
+        if redis is not None:
+            fig["floor_over_redis"] = round(bare["c"]["per_s"] / redis["xadd"]["per_s"], 3)
     targets = [("plain / redis xadd", fig.get("ratio"), ">=", 1.5), ("transactions / plain", fig["tx_over_plain"], ">=", 0.6),
                ("c=1 p50 / fdatasync p50", fig["c1_p50_over_fdatasync"], "<=", 2.5),
                ("consume / redis consume", fig.get("consume_over_redis"), ">=", 2.0),
@@ -322,6 +393,12 @@ def report(disk: dict, redis: dict | None, txmq: dict, args) -> dict:
             continue
         met = value >= goal if op == ">=" else value <= goal
         print(f"{name:28}{value:>12,.3f}  target {op} {goal:,}  {'met' if met else 'MISSED'}")
+    if bare is not None:
+        print("the design's floor (bench/bare_server.py, same run): "
+              f"c={args.inflight} {fig['floor_per_s']:,} msgs/s"
+              + (f" = {fig['floor_over_redis']:.3f}x Redis" if "floor_over_redis" in fig else "")
+              + f", txmq plain at {fig['plain_over_floor']:.3f} of it; "
+              f"c=1 p50 {fig['floor_c1_p50_ms']:.3f} ms = {fig['floor_c1_p50_over_fdatasync']:.2f}x fdatasync")
     return fig
 
 
@@ -334,19 +411,23 @@ def main() -> None:
     p.add_argument("--inflight-override", type=int)
     p.add_argument("--redis", type=int, metavar="PORT")
     p.add_argument("--txmq", nargs=2, metavar=("NAMESRV", "MODE"))
+    p.add_argument("--bare", type=int, metavar="PORT")
+    p.add_argument("--no-floor", action="store_true", help="skip the bare_server rows")
     args = p.parse_args()
     inflight = args.inflight_override or args.inflight
-    if args.redis or args.txmq:
+    if args.redis or args.txmq or args.bare:
         import uvloop
         coro = (redis_client(args.redis, args.seconds, inflight, args.size) if args.redis else
+                bare_client(args.bare, args.seconds, inflight, args.size) if args.bare else
                 txmq_client(args.txmq[0], args.txmq[1], args.seconds, inflight, args.size, args.batch))
         print(json.dumps(uvloop.run(coro)))
         return
     with tempfile.TemporaryDirectory(prefix="txmq-peers-", dir=os.environ.get("TXMQ_BENCH_DIR")) as tmp:
         disk = fdatasync_p50(tmp, args.size)
         redis = run_redis(tmp, args)
+        bare = None if args.no_floor else run_bare(tmp, args)
         txmq = run_txmq(tmp, args)
-    print(json.dumps(report(disk, redis, txmq, args)))
+    print(json.dumps(report(disk, redis, txmq, args, bare)))
 
 
 if __name__ == "__main__":
