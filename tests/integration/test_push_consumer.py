@@ -10,6 +10,7 @@ import pytest
 from consumer import ConsumeStatus, PullConsumer, PushConsumer, SqliteIdempotency
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
+from protocol.errors import BrokerError
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -53,10 +54,19 @@ async def test_push_consumer_retries_parks_poison_and_applies_once(broker_factor
         await done.wait()
         while attempts["poison"] < 3:                 # first delivery + two retries, then the DLQ
             await asyncio.sleep(0.05)
-        await consumer.shutdown()
+        # The third attempt's hand-back may still be on its way when the listener has returned (a pull
+        # before it landed found the DLQ empty, once in a full-suite run): wait for the dead letter
+        # itself, the consumer still running, then shut down.
         probe = PullConsumer(broker.namesrv, "CG_probe")
-        dlq = (await probe.fetch_queues("%DLQ%CG_push"))[0]
-        dead = (await probe.pull(MessageQueue(dlq.topic, dlq.broker_name, 0), 0)).messages
+        dead = []
+        while not dead:
+            try:
+                dlq = (await probe.fetch_queues("%DLQ%CG_push"))[0]
+            except BrokerError:                       # that hand-back makes the DLQ topic
+                await asyncio.sleep(0.05)
+                continue
+            dead = (await probe.pull(MessageQueue(dlq.topic, dlq.broker_name, 0), 0, suspend_ms=1000)).messages
+        await consumer.shutdown()
         await probe.shutdown()
     applied = Counter(row[0] for row in ledger.db.execute("SELECT body FROM applied"))
     assert applied == Counter([f"job-{i}" for i in range(20)] + ["job-5"])   # the resent copy applied once
