@@ -148,7 +148,10 @@ class Writer:
         self._closing = True
         self._wakeup()
         if self._task is not None:
-            await self._task
+            try:
+                await self._task
+            except Exception:   # a crash: logged when it happened, and the log's failure says why
+                pass
 
     def _wakeup(self, _=None) -> None:
         w = self._wake
@@ -229,7 +232,12 @@ class Writer:
             return
         if not self._sync:
             clog.readable = clog.written
-            self.on_commit(units, infos)
+            try:
+                self.on_commit(units, infos)
+            except BaseException:       # a bug: as in _flush_done, answer this batch before stopping
+                for fut, res in done:
+                    resolve(fut, unavailable(res))
+                raise
             for fut, res in done:
                 if not fut.done():
                     fut.set_result(res)
@@ -321,7 +329,14 @@ class Writer:
         self.clog.flushed, self.clog.flushed_ts = end, end_ts
         if self._sync:
             self.clog.readable = end
-            self.on_commit(units, infos)
+            try:
+                self.on_commit(units, infos)
+            except BaseException:
+                # A bug: the writer stops (its task says why). This batch left _flushing above, so the
+                # writer's own clean-up would not see its waiters: answer them here, or they wait forever.
+                for f, res in waiting:
+                    resolve(f, unavailable(res))
+                raise
             for f, res in waiting:
                 if not f.done():
                     f.set_result(res)

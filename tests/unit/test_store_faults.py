@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import errno
 
+import pytest
+
 from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
 from broker.store import writer
 from tests.support.bounded import bounded
@@ -224,3 +226,25 @@ async def test_a_flush_that_returns_after_a_later_one_failed_is_not_acknowledged
     finally:
         gate.set()
         await store.close()
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+@bounded()
+async def test_a_failing_completion_stops_the_writer_and_answers_every_put(tmp_path, flush):
+    """A bug while flushed records are made readable (here: the consume-queue step raises) stops the
+    writer loudly. Every put waiting on it is answered SERVICE_NOT_AVAILABLE, those of the batch being
+    completed included, and nothing more is accepted: none may wait forever for an answer."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG, flush=flush))
+    await store.open()
+    assert (await store.put(req())).ok
+    real = store._writer.on_commit
+
+    def failing(units, infos):
+        raise RuntimeError("a bug in the completion")
+    store._writer.on_commit = failing
+    results = await asyncio.gather(*[store.put(req()) for _ in range(20)])
+    assert {r.status for r in results} == {PutStatus.SERVICE_NOT_AVAILABLE}
+    assert not store.writable and "a bug in the completion" in store.failure
+    assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
+    store._writer.on_commit = real
+    await store.close()
