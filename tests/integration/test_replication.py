@@ -23,6 +23,7 @@ from producer.producer import SendStatus
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
+from protocol.errors import TopicNotExistError
 from protocol.message import SendMessageRequestHeader, decode_offset_msg_id, peek_record
 
 pytestmark = pytest.mark.asyncio
@@ -54,9 +55,14 @@ async def _until_replicating(producer: Producer, timeout: float = 20.0) -> Messa
 async def _pull_all(namesrv: str, mq: MessageQueue, want: int, timeout: float = 20.0) -> list[bytes]:
     """Everything in ``mq`` from offset 0, waiting (long polls) until there are ``want`` messages."""
     async with PullConsumer(namesrv, "CG_replica") as consumer:
-        await consumer.fetch_queues(mq.topic)
         bodies: list[bytes] = []
         async with asyncio.timeout(timeout):
+            while True:     # a slave's name server routes the topic once the slave has registered it (it
+                try:        # came with the replicated records): on a loaded machine that is not at once
+                    await consumer.fetch_queues(mq.topic)
+                    break
+                except TopicNotExistError:
+                    await asyncio.sleep(0.1)
             while len(bodies) < want:
                 res = await consumer.pull(mq, len(bodies), max_nums=256, suspend_ms=1000)
                 bodies += [m.body for m in res.messages]
