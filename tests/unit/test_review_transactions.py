@@ -319,3 +319,29 @@ async def test_a_check_pass_whose_write_raises_keeps_its_transactions_scheduled(
         assert tx.decision_of(dying.half_offset) == DEAD, "the dead letter due in the same pass was not written"
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_check_pass_that_raises_is_counted_and_the_timer_goes_on(tmp_path):
+    """A check pass that raises is logged and counted in txmq_background_task_crashes_total (the alert's
+    metric): a timer failing every pass would otherwise stop all checks with only a log line to show."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    tx.timer.max_sleep_s = 0.01
+    second = asyncio.Event()
+    calls = []
+
+    async def run_due(now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the check pass")
+        second.set()
+    tx.run_due = run_due
+    tx.timer.start()
+    try:
+        await second.wait()
+    finally:
+        await tx.timer.stop()
+        await ctx.store._store.close()
+    assert ctx.metrics.task_crashes.labels("txmq-check-timer")._value.get() == 1
