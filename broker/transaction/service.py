@@ -187,8 +187,9 @@ class TransactionService:
                 continue
             try:
                 await self.write_snapshot()
-            except OSError as exc:
-                log.error("transaction snapshot not written: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later snapshot
+                self.changed = True     # write_snapshot cleared it before writing: try again next turn
+                log.error("transaction snapshot not written: %s", exc, exc_info=not isinstance(exc, OSError))
 
     async def write_snapshot(self) -> None:
         await write_snapshot(self)
