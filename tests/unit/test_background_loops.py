@@ -131,3 +131,56 @@ async def test_the_name_server_keeps_expiring_brokers_after_a_scan_that_raised(c
         finally:
             await server.stop()
     assert "scan" in caplog.text
+
+
+# ---------------------------------------------------------------- the push consumer (client side)
+def _push_consumer(**kw):
+    from consumer.push_consumer import PushConsumer
+    return PushConsumer("127.0.0.1:1", "G", lambda msg: None, **kw)
+
+
+@bounded(20)
+async def test_the_push_consumers_rebalance_loop_goes_on_after_a_turn_that_raised(caplog):
+    """A rebalance that raises something other than BrokerError (a route or consumer list that does not
+    parse) must not end rebalancing for good: it is also what restarts a crashed pull loop."""
+    consumer = _push_consumer(rebalance_interval_s=0.01)
+    second = asyncio.Event()
+
+    async def heartbeat():
+        pass
+    consumer._heartbeat = heartbeat
+    consumer.rebalance = await failing_once_async(lambda: asyncio.sleep(0), ValueError("not JSON"), second)
+    task = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    task.add_done_callback(consumer._crashed)
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.client.shutdown()
+    assert consumer.crashes == 1 and "rebalance of G failed" in caplog.text
+
+
+@bounded(20)
+async def test_the_push_consumers_commit_loop_goes_on_after_a_turn_that_raised(caplog):
+    """An offset commit that raises something other than BrokerError must not end the commit loop: the
+    consumer would go on consuming with nothing committed until shutdown."""
+    from consumer.pull_consumer import MessageQueue
+    consumer = _push_consumer(offset_commit_interval_s=0.01)
+    mq = MessageQueue("T", "b", 0)
+    consumer._offsets[mq] = 7
+    second = asyncio.Event()
+    written = {}
+
+    async def write(q, offset):
+        written[q] = offset
+    consumer.offset_store.write = await failing_once_async(write, ValueError("a bug"), second)
+    task = asyncio.get_running_loop().create_task(consumer._commit_loop())
+    task.add_done_callback(consumer._crashed)
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.client.shutdown()
+    assert written == {mq: 7} and consumer.crashes == 1
