@@ -248,8 +248,11 @@ class MessageStore:
     async def _disk_loop(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            self.disk.probe()
-            self._retry_backlogs()
+            try:
+                self.disk.probe()
+                self._retry_backlogs()
+            except Exception:  # noqa: BLE001 - ending here would leave backlogged units (and the checkpoint) stuck
+                log.exception("disk check failed; trying again in %.1f s", PROBE_INTERVAL_S)
 
     def _retry_backlogs(self) -> None:
         if self._backlogged:

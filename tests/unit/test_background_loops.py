@@ -75,6 +75,22 @@ async def test_the_store_checkpoint_loop_goes_on_after_a_turn_that_raised(tmp_pa
 
 
 @bounded(20)
+async def test_the_store_disk_loop_goes_on_after_a_turn_that_raised(tmp_path, caplog, monkeypatch):
+    """The disk loop also writes consume-queue units that waited for space; the checkpoint waits for them."""
+    import broker.store.store as store_mod
+    monkeypatch.setattr(store_mod, "PROBE_INTERVAL_S", 0.01)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 20))
+    await store.open()
+    second = asyncio.Event()
+    store._retry_backlogs = failing_once(store._retry_backlogs, RuntimeError("a bug"), second)
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        await store.close()
+    assert "disk check failed" in caplog.text
+
+
+@bounded(20)
 async def test_the_transaction_snapshot_loop_retries_after_a_turn_that_raised(tmp_path, caplog):
     from tests.unit.test_review_transactions import Clock, make_service
     ctx = await make_service(tmp_path, Clock(), transaction_snapshot_interval_s=0.01)
