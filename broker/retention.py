@@ -222,3 +222,6 @@ class Retention:
                 log.error("disk pressure check failed: %s", exc)
             except Exception:  # noqa: BLE001 - the cleaner must survive a bad pass
                 log.exception("disk pressure cleaning failed")
+                # Counted where the alert looks (txmq_background_task_crashes_total): a cleaner failing
+                # every pass, logged only, lets the disk fill unnoticed.
+                self.ctx.metrics.task_crashes.labels("txmq-retention").inc()

@@ -104,7 +104,7 @@ class PushConsumer:
         self._offsets: dict[MessageQueue, int] = {}
         self._committed: dict[MessageQueue, int] = {}
         self._tasks: list[asyncio.Task] = []
-        self.crashes = 0                  # background loops that raised (each logged with its traceback)
+        self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
 
     def subscribe(self, topic: str, expression: str = "*") -> None:
@@ -153,6 +153,12 @@ class PushConsumer:
             del self._loops[mq]
             self._request_rebalance()
 
+    def _turn_failed(self, what: str) -> None:
+        """A turn of a periodic loop raised something unexpected: logged with its traceback and counted
+        in ``crashes`` as a crashed loop is, while the loop goes on with its next turn."""
+        self.crashes += 1
+        log.exception("%s of %s failed; trying again next turn", what, self.group)
+
     async def __aenter__(self) -> "PushConsumer":
         return await self.start()
 
@@ -175,6 +181,8 @@ class PushConsumer:
                 await self.rebalance()
             except BrokerError as exc:
                 log.warning("rebalance of %s failed: %s", self.group, exc)
+            except Exception:  # noqa: BLE001 - ending here would stop rebalancing (and restarting pull loops) for good
+                self._turn_failed("rebalance")
 
     async def _heartbeat(self) -> None:
         await self.client.heartbeat("CONSUME_PASSIVELY", "CONSUME_FROM_LAST_OFFSET" if self.consume_from == "last"
@@ -268,6 +276,8 @@ class PushConsumer:
                 await self._lock_owned()
             except BrokerError as exc:
                 log.warning("lock renewal of %s failed: %s", self.group, exc)
+            except Exception:  # noqa: BLE001 - ending here would let every lock lapse: orderly consuming stops
+                self._turn_failed("lock renewal")
 
     async def _wait_for_lock(self, mq: MessageQueue) -> None:
         while not self._locked(mq):
@@ -383,10 +393,14 @@ class PushConsumer:
                     await self._commit(mq)
                 except BrokerError as exc:
                     log.info("offset commit of %s failed: %s", mq, exc)
+                except Exception:  # noqa: BLE001 - ending here would leave every later offset uncommitted
+                    self._turn_failed(f"offset commit of {mq}")
             try:
                 await self.offset_store.flush()
             except OSError as exc:
                 log.warning("offsets of %s not saved: %s", self.group, exc)
+            except Exception:  # noqa: BLE001 - as above
+                self._turn_failed("offset flush")
 
     async def shutdown(self) -> None:
         """Stop the pull loops, commit the offsets consumed, unlock, unregister and close."""

@@ -65,7 +65,10 @@ class NameServer:
     async def _scan_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.scan_interval_ms / 1000)
-            self.scan()
+            try:
+                self.scan()
+            except Exception:  # noqa: BLE001 - ending the loop would keep every dead broker in the routes
+                log.exception("broker expiry scan failed; scanning again in %d ms", self.config.scan_interval_ms)
 
     def scan(self) -> list[str]:
         """Expire silent brokers and close their connections (what RocketMQ's scanNotActiveBroker does)."""

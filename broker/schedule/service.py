@@ -134,8 +134,9 @@ class ScheduleService:
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
             try:
                 await self.snapshot()
-            except OSError as exc:
-                log.error("%s not written (retried in %.0f s): %s", self.config_dir, SNAPSHOT_INTERVAL_S, exc)
+            except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later snapshot
+                log.error("%s not written (retried in %.0f s): %s", self.config_dir, SNAPSHOT_INTERVAL_S, exc,
+                          exc_info=not isinstance(exc, OSError))
 
     # ----------------------------------------------------------- dispatch
     def on_dispatch(self, info) -> None:

@@ -110,13 +110,14 @@ class ConsumerOffsets:
             await asyncio.sleep(self.persist_interval_s)
             if self._dirty:
                 self._dirty = False
-                data = self._encode()
                 try:
+                    data = self._encode()
                     await loop.run_in_executor(None, self._write, data)
-                except OSError as exc:
+                except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
                     if not failing:     # once per outage (a full disk), not every few seconds
-                        log.error("consumer offsets not persisted (retrying): %s", exc)
+                        log.error("consumer offsets not persisted (retrying): %s", exc,
+                                  exc_info=not isinstance(exc, OSError))
                     failing = True
                     continue
                 if failing:

@@ -235,10 +235,10 @@ class MessageStore:
             for what, step in (("checkpoint", self._checkpoint), ("segment manifest", self.refresh_manifest)):
                 try:
                     await step()
-                except OSError as exc:
+                except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later one
                     if not failing[what]:
                         log.error("%s not written (retrying every %d ms): %s", what,
-                                  self.config.checkpoint_interval_ms, exc)
+                                  self.config.checkpoint_interval_ms, exc, exc_info=not isinstance(exc, OSError))
                     failing[what] = True
                     continue
                 if failing[what]:
@@ -248,8 +248,11 @@ class MessageStore:
     async def _disk_loop(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            self.disk.probe()
-            self._retry_backlogs()
+            try:
+                self.disk.probe()
+                self._retry_backlogs()
+            except Exception:  # noqa: BLE001 - ending here would leave backlogged units (and the checkpoint) stuck
+                log.exception("disk check failed; trying again in %.1f s", PROBE_INTERVAL_S)
 
     def _retry_backlogs(self) -> None:
         if self._backlogged:

@@ -77,6 +77,9 @@ class CheckTimer:
                 raise
             except Exception:  # noqa: BLE001 - the timer must survive a bad pass
                 log.exception("transaction check pass failed")
+                # Counted where the alert looks (txmq_background_task_crashes_total): a pass failing every
+                # time stops all checks and dead letters, which a log line alone would not make seen.
+                self.service.ctx.metrics.task_crashes.labels("txmq-check-timer").inc()
             due = self.service.next_due()
             delay = self.max_sleep_s if due is None else max(0.0, min(self.max_sleep_s, (due - self.clock()) / 1000))
             self._wake.clear()

@@ -187,8 +187,9 @@ class TransactionService:
                 continue
             try:
                 await self.write_snapshot()
-            except OSError as exc:
-                log.error("transaction snapshot not written: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later snapshot
+                self.changed = True     # write_snapshot cleared it before writing: try again next turn
+                log.error("transaction snapshot not written: %s", exc, exc_info=not isinstance(exc, OSError))
 
     async def write_snapshot(self) -> None:
         await write_snapshot(self)
@@ -428,26 +429,36 @@ class TransactionService:
         metrics = self.ctx.metrics
         for tx in deferred:
             metrics.child(metrics.checks_skipped, tx.group).inc()
+        # due() took every one of these off the schedule and claimed the dead letters: each must be put
+        # back or settled whatever goes wrong below, or it is never checked again and a decision on it
+        # waits forever for the claim (the timer logs a raising pass and goes on, so nothing else would).
         checks = [a for a in actions if isinstance(a, SendCheck)]
         deaths = [(a, self._claim(a.tx)) for a in actions if isinstance(a, Write)]
         if checks:
             await self._send_checks(checks, now)
         for action, claim in deaths:
             try:
-                await self._write_decision(action, claim)
+                await self._write_decision(action, claim)       # settles its claim, written or not
             except DecisionError as exc:
                 log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
+                self.core.dead_letter_failed(action.tx, now)
+            except Exception:  # noqa: BLE001 - e.g. a corrupt half: the others still go, this one is retried
+                log.exception("could not dead-letter %d", action.tx.half_offset)
                 self.core.dead_letter_failed(action.tx, now)
         self._save_progress()
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
-        results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks)
-                                                 for a in batch])
+        try:
+            results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks)
+                                                     for a in batch])
+        except Exception:  # noqa: BLE001 - as a refusal: rescheduled below, the attempt not counted
+            log.exception("check records of %d transactions not written", len(batch))
+            results = [None] * len(batch)
         self.changed = True
         for action, result in zip(batch, results):
             tx = action.tx
-            if not self.core.check_written(tx, now, result.ok):
+            if not self.core.check_written(tx, now, result is not None and result.ok):
                 continue
             try:
                 action.channel.oneway(self._check_command(tx))

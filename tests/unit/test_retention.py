@@ -336,3 +336,29 @@ async def test_malformed_plans_are_refused_without_a_change(world):
     weird = dict(good, halves=[{"commit_log_offset": [1]}, {"commit_log_offset": "x"}])
     summary = await Retention(ctx).apply_plan(dict(weird, segments=[]))
     assert summary["expired"] == [] and len(summary["skipped"]) == 2 and names(ctx) == before
+
+
+@bounded(20)
+async def test_a_cleaning_pass_that_raises_is_counted_and_the_next_pass_runs(tmp_path):
+    """The cleaner survives a pass that raises (a bug) and says so where the alert looks: a cleaner
+    failing every pass, logged only, would let the disk fill unnoticed."""
+    import asyncio
+    ctx = await make(tmp_path, Clock(T0), disk_clean_interval_s=0.01)
+    retention = Retention(ctx)
+    second = asyncio.Event()
+    calls = []
+
+    async def clean_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the cleaner")
+        second.set()
+        return []
+    retention.clean_once = clean_once
+    retention.start()
+    try:
+        await second.wait()
+    finally:
+        await retention.stop()
+        await ctx.store.close()
+    assert ctx.metrics.task_crashes.labels("txmq-retention")._value.get() == 1

@@ -241,3 +241,107 @@ async def test_two_concurrent_resumes_write_one_resume(tmp_path):
         assert len(writes) == 1 and p.half_offset in tx.pending
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_dead_letter_that_raises_leaves_no_transaction_unscheduled_or_claimed_forever(tmp_path):
+    """Two transactions reach transaction_check_max in one pass and making the first one's dead letter
+    raises (a corrupt half record, a bug). The pass must not end there: the other one is dead-lettered,
+    the failed one stays pending and scheduled, and no decision on either waits forever for a claim that
+    is never settled (an END_TRANSACTION or admin resolve would otherwise hang)."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        a = await add_half(ctx, b"a")
+        b = await add_half(ctx, b"b")
+        for p in (a, b):
+            p.checks = tx.policy.check_max
+        real, calls = tx.records.dead_letter, []
+
+        def dead_letter(half, half_offset, reason):
+            calls.append(half_offset)
+            if len(calls) == 1:
+                raise ValueError("corrupt half record")
+            return real(half, half_offset, reason)
+        tx.records.dead_letter = dead_letter
+        clock.now = max(a.next_check, b.next_check) + 1
+        try:
+            await tx.run_due(clock.now)
+        except ValueError:
+            pass                            # (the timer would log it and go on)
+        first = a if calls[0] == a.half_offset else b
+        other = b if first is a else a
+        assert tx.decision_of(other.half_offset) == DEAD, "the pass stopped before the other dead letter"
+        assert first.half_offset in tx.pending and first.deciding is None
+        assert tx.next_due() is not None, "the transaction whose dead letter failed fell out of the schedule"
+        # A decision on it is answered, not left waiting for a claim nobody settles.
+        assert await asyncio.wait_for(tx.decide(first.half_offset, COMMIT, group="PG"), 5) == COMMIT
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_check_pass_whose_write_raises_keeps_its_transactions_scheduled(tmp_path):
+    """The check records' write raises (a bug, not a refusal): the transactions the pass took off the
+    schedule are put back (checked again later) and the dead letter due in the same pass is still written."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        checked = await add_half(ctx, b"checked")
+        dying = await add_half(ctx, b"dying")
+        dying.checks = tx.policy.check_max
+
+        class Producer:
+            is_open = True
+
+            def oneway(self, cmd):
+                pass
+        checked.owner = Producer()
+        real = ctx.store._store.put_many
+
+        def put_many(reqs, reclaim=False):
+            if len(reqs) == 1 and reqs[0].topic == "RMQ_SYS_TRANS_OP_HALF_TOPIC":
+                raise RuntimeError("a bug in the check write")
+            return real(reqs, reclaim)
+        ctx.store.put_many = put_many
+        clock.now = max(checked.next_check, dying.next_check) + 1
+        try:
+            await tx.run_due(clock.now)
+        except RuntimeError:
+            pass
+        del ctx.store.put_many
+        assert checked.half_offset in tx.pending and checked.checks == 0, "a check never written was counted"
+        assert tx.next_due() is not None, "the transaction whose check failed fell out of the schedule"
+        assert tx.decision_of(dying.half_offset) == DEAD, "the dead letter due in the same pass was not written"
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_check_pass_that_raises_is_counted_and_the_timer_goes_on(tmp_path):
+    """A check pass that raises is logged and counted in txmq_background_task_crashes_total (the alert's
+    metric): a timer failing every pass would otherwise stop all checks with only a log line to show."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    tx.timer.max_sleep_s = 0.01
+    second = asyncio.Event()
+    calls = []
+
+    async def run_due(now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the check pass")
+        second.set()
+    tx.run_due = run_due
+    tx.timer.start()
+    try:
+        await second.wait()
+    finally:
+        await tx.timer.stop()
+        await ctx.store._store.close()
+    assert ctx.metrics.task_crashes.labels("txmq-check-timer")._value.get() == 1

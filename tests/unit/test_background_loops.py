@@ -1,0 +1,202 @@
+"""Periodic background loops survive a turn that raises something other than OSError (a bug, a value
+that does not encode): each is logged and the loop runs its next turn, rather than ending with the
+exception kept in a task nobody awaits until shutdown (offsets, checkpoints and snapshots would then
+silently stop being written, and a name server would stop expiring dead brokers).
+
+Each test makes the first turn raise and waits (bounded) for the second turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from broker.store import ConsumerOffsets, MessageStore, StoreConfig
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+SECOND_TURN_S = 5.0     # how long a loop may take to run its next turn (the intervals are 10 ms)
+
+
+def failing_once(real, exc, second: asyncio.Event, loop=None):
+    """``real`` wrapped: the first call raises ``exc``, later ones set ``second`` and call ``real``.
+    With ``loop``, ``second`` is set through it (the wrapper runs on a thread)."""
+    calls = []
+
+    def wrapper(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise exc
+        (loop.call_soon_threadsafe(second.set) if loop is not None else second.set())
+        return real(*args)
+    return wrapper
+
+
+async def failing_once_async(real, exc, second: asyncio.Event):
+    calls = []
+
+    async def wrapper(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise exc
+        second.set()
+        return await real(*args)
+    return wrapper
+
+
+@bounded(20)
+async def test_consumer_offsets_are_persisted_after_a_turn_that_raised(tmp_path, caplog):
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
+    second = asyncio.Event()
+    offsets._write = failing_once(offsets._write, ValueError("a bug"), second, asyncio.get_running_loop())
+    await offsets.open()
+    try:
+        offsets.commit("G", "T", 0, 42)
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        await offsets.close()
+    assert ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 42
+    assert "consumer offsets not persisted" in caplog.text
+
+
+@bounded(20)
+async def test_the_store_checkpoint_loop_goes_on_after_a_turn_that_raised(tmp_path, caplog):
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 20, checkpoint_interval_ms=10))
+    await store.open()
+    second = asyncio.Event()
+    store._checkpoint = await failing_once_async(store._checkpoint, RuntimeError("a bug"), second)
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        await store.close()
+    assert "checkpoint not written" in caplog.text
+
+
+@bounded(20)
+async def test_the_store_disk_loop_goes_on_after_a_turn_that_raised(tmp_path, caplog, monkeypatch):
+    """The disk loop also writes consume-queue units that waited for space; the checkpoint waits for them."""
+    import broker.store.store as store_mod
+    monkeypatch.setattr(store_mod, "PROBE_INTERVAL_S", 0.01)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 20))
+    await store.open()
+    second = asyncio.Event()
+    store._retry_backlogs = failing_once(store._retry_backlogs, RuntimeError("a bug"), second)
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        await store.close()
+    assert "disk check failed" in caplog.text
+
+
+@bounded(20)
+async def test_the_transaction_snapshot_loop_retries_after_a_turn_that_raised(tmp_path, caplog):
+    from tests.unit.test_review_transactions import Clock, make_service
+    ctx = await make_service(tmp_path, Clock(), transaction_snapshot_interval_s=0.01)
+    tx = ctx.tx
+    second = asyncio.Event()
+    real, calls = tx.write_snapshot, []
+
+    async def write_snapshot():
+        calls.append(1)
+        if len(calls) == 1:
+            tx.changed = False          # as the real one does before it writes ...
+            raise RuntimeError("a bug")     # ... then the write fails: it must be tried again
+        second.set()
+        await real()
+    tx.write_snapshot = write_snapshot
+    tx.changed = True
+    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        await tx.stop()                 # and stopping does not raise the failed turn's exception
+        await ctx.store._store.close()
+    assert "transaction snapshot not written" in caplog.text
+
+
+@bounded(20)
+async def test_the_schedule_snapshot_loop_goes_on_after_a_turn_that_raised(tmp_path, caplog, monkeypatch):
+    import broker.schedule.service as service_mod
+    from tests.unit.test_schedule import Clock, _service
+    monkeypatch.setattr(service_mod, "SNAPSHOT_INTERVAL_S", 0.01)
+    svc = await _service(tmp_path, Clock(100_000))
+    second = asyncio.Event()
+    svc.snapshot = await failing_once_async(svc.snapshot, RuntimeError("a bug"), second)
+    svc._snap_task = asyncio.get_running_loop().create_task(svc._snapshots())
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        await svc.stop()
+        await svc.ctx.store.close()
+    assert "not written" in caplog.text
+
+
+@bounded(20)
+async def test_the_name_server_keeps_expiring_brokers_after_a_scan_that_raised(caplog):
+    from broker.namesrv.config import NamesrvConfig
+    from broker.namesrv.server import NameServer
+    server = NameServer(NamesrvConfig(port=0, scan_interval_ms=10))
+    second = asyncio.Event()
+    server.scan = failing_once(server.scan, RuntimeError("a bug"), second)
+    with caplog.at_level(logging.ERROR):
+        await server.start()
+        try:
+            await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+        finally:
+            await server.stop()
+    assert "scan" in caplog.text
+
+
+# ---------------------------------------------------------------- the push consumer (client side)
+def _push_consumer(**kw):
+    from consumer.push_consumer import PushConsumer
+    return PushConsumer("127.0.0.1:1", "G", lambda msg: None, **kw)
+
+
+@bounded(20)
+async def test_the_push_consumers_rebalance_loop_goes_on_after_a_turn_that_raised(caplog):
+    """A rebalance that raises something other than BrokerError (a route or consumer list that does not
+    parse) must not end rebalancing for good: it is also what restarts a crashed pull loop."""
+    consumer = _push_consumer(rebalance_interval_s=0.01)
+    second = asyncio.Event()
+
+    async def heartbeat():
+        pass
+    consumer._heartbeat = heartbeat
+    consumer.rebalance = await failing_once_async(lambda: asyncio.sleep(0), ValueError("not JSON"), second)
+    task = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    task.add_done_callback(consumer._crashed)
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.client.shutdown()
+    assert consumer.crashes == 1 and "rebalance of G failed" in caplog.text
+
+
+@bounded(20)
+async def test_the_push_consumers_commit_loop_goes_on_after_a_turn_that_raised(caplog):
+    """An offset commit that raises something other than BrokerError must not end the commit loop: the
+    consumer would go on consuming with nothing committed until shutdown."""
+    from consumer.pull_consumer import MessageQueue
+    consumer = _push_consumer(offset_commit_interval_s=0.01)
+    mq = MessageQueue("T", "b", 0)
+    consumer._offsets[mq] = 7
+    second = asyncio.Event()
+    written = {}
+
+    async def write(q, offset):
+        written[q] = offset
+    consumer.offset_store.write = await failing_once_async(write, ValueError("a bug"), second)
+    task = asyncio.get_running_loop().create_task(consumer._commit_loop())
+    task.add_done_callback(consumer._crashed)
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.client.shutdown()
+    assert written == {mq: 7} and consumer.crashes == 1
