@@ -157,6 +157,10 @@ class BrokerMetrics:
         self.schedule_delivered = Counter("txmq_schedule_delivered", "Delayed and timer messages delivered to "
                                           "their real topic, by level (\"timer\" for timer messages).", ["level"],
                                           registry=r)
+        self.schedule_dropped = Counter("txmq_schedule_dropped", "Scheduled messages passed over because they "
+                                        "cannot be delivered (each logged), by reason: removed (by retention "
+                                        "before delivery), undecodable (a damaged record), no_destination.",
+                                        ["reason"], registry=r)
         self.schedule_delivered_late = Counter("txmq_schedule_delivered_late", "Scheduled messages delivered "
                                                "more than 1 s after they were due.", registry=r)
         self.finish_latency = Histogram("rocketmq_finish_message_latency",

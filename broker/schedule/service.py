@@ -20,6 +20,7 @@ import logging
 import os
 
 from protocol.codes import SysFlag
+from protocol.errors import ProtocolError
 from protocol.message import (Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code,
                               validate_topic)
 
@@ -255,8 +256,17 @@ class ScheduleService:
         view = self.ctx.store.get_record(phys)
         if view is None:
             log.error("%s offset %d: its record at %d was removed before delivery", source, offset, phys)
+            self._dropped("removed")
             return None
-        msg, _ = decode_record(view)
+        try:
+            msg, _ = decode_record(view)
+        except ProtocolError as exc:
+            # A damaged record never decodes: raising here failed every pass, and all delayed delivery
+            # (every level, every timer) stalled behind it for good. Passed over loudly, as RocketMQ's
+            # scheduler passes over a message it cannot look up.
+            log.error("%s offset %d (record %d) dropped: it cannot be decoded: %s", source, offset, phys, exc)
+            self._dropped("undecodable")
+            return None
         props = dict(msg.properties)
         props.pop(Prop.DELAY, None)
         for key in (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS):
@@ -271,6 +281,7 @@ class ScheduleService:
             why = f"REAL_TOPIC {topic!r} / REAL_QID {props.get(Prop.REAL_QID)!r} is not a destination"
         if why is not None:
             log.error("%s offset %d (record %d) dropped: %s", source, offset, phys, why)
+            self._dropped("no_destination")
             return None
         sys_flag = msg.sys_flag
         record = encode_record(
@@ -279,6 +290,11 @@ class ScheduleService:
             store_host=pack_host(*msg.store_host), properties=properties_to_string(props).encode(),
             reconsume_times=msg.reconsume_times, prepared_offset=msg.prepared_offset)
         return PutRequest(record, topic, qid, tags_code(props), sys_flag)
+
+    def _dropped(self, reason: str) -> None:
+        counter = getattr(self.ctx.metrics, "schedule_dropped", None)
+        if counter is not None:             # txmq_schedule_dropped_total{reason}
+            counter.labels(reason).inc()
 
     def _progress_record(self, levels: dict[int, int], timers: list[int]) -> PutRequest:
         ctx = self.ctx

@@ -226,7 +226,29 @@ async def test_an_undeliverable_message_is_passed_over_with_progress_kept(tmp_pa
     assert await svc.run_due(101_000) == 2
     assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"fine"]
     assert svc.ctx.store.max_offset("RMQ_SYS_TRANS_HALF_TOPIC", 0) == 0
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "no_destination"}) == 1
     await svc.ctx.store.close()
+
+
+@bounded()
+async def test_a_damaged_record_is_passed_over_loudly_and_delivery_goes_on(tmp_path, caplog):
+    """A record whose header passes the log's checks but which does not decode (here: a body length past
+    its end) made every pass raise, so every delayed and timer message behind it waited for good."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    bad = await _schedule(svc, "T", b"damaged", {"DELAY": "1"}, clock.now)
+    await _schedule(svc, "T", b"fine", {"DELAY": "1"}, clock.now)
+    await _schedule(svc, "T", b"timer", {"TIMER_DELIVER_MS": "100500"}, clock.now)
+    seg, pos = store._log.locate(bad.physical_offset)
+    os.pwrite(seg.fd, (0x7FFF_FFFF).to_bytes(4, "big"), pos + 84)       # BODYLEN, as a bit flip might leave it
+    assert store.get_record(bad.physical_offset) is not None            # the log's own checks pass
+    assert await svc.run_due(101_000) == 3
+    assert [m.body for m in _delivered(store, "T")] == [b"fine", b"timer"]
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "undecodable"}) == 1
+    assert f"(record {bad.physical_offset}) dropped: it cannot be decoded" in caplog.text
+    assert await svc.run_due(102_000) == 0
+    await store.close()
 
 
 @bounded()
