@@ -9,7 +9,7 @@ from broker.processors import send as send_processor
 from broker.store.results import PutResult, PutStatus
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
-from protocol.connection import RemotingConnection, open_connection
+from protocol.connection import DEFERRED, RemotingConnection, open_connection
 from tests.support.bounded import bounded
 
 
@@ -76,3 +76,79 @@ async def test_sync_master_send_is_answered_when_its_reply_after_the_slave_raise
         asyncio.get_running_loop().call_soon(verdict.set_result, ResponseCode.SUCCESS)
         return verdict
     await _sync_master_send_answers(monkeypatch, confirm)
+
+
+def _unencodable(cmd):
+    """A reply with a bug in it: its body holds something that is not a buffer, so encoding it raises."""
+    return cmd.response(ResponseCode.SUCCESS, body=[b"ok", 42])
+
+
+@bounded()
+async def test_a_reply_that_cannot_be_encoded_is_answered_and_the_connection_keeps_reading():
+    """Pipelined past one turn (FRAMES_PER_TURN), the bad reply's exception escaped the deferred turn: only the
+    loop logged it, the frames after it were dropped and reading stayed paused -- every later request on the
+    connection waited for its client's timeout. Each request must get its answer, the bad one SYSTEM_ERROR."""
+    def handler(conn, cmd):
+        return _unencodable(cmd) if cmd.ext_fields.get("bad") else cmd.response(ResponseCode.SUCCESS, "ok")
+
+    server, client, conns = await _serve(handler, frames_per_turn=4)
+    try:
+        calls = [client.request(RemotingCommand.request(10, {"bad": "1"} if i == 6 else {}), 5) for i in range(12)]
+        replies = await asyncio.gather(*calls)
+        assert [r.code for r in replies] == [ResponseCode.SUCCESS] * 6 + [ResponseCode.SYSTEM_ERROR] \
+            + [ResponseCode.SUCCESS] * 5
+        assert "TypeError" in replies[6].remark
+        later = await client.request(RemotingCommand.request(10, {}), 5)   # still reading
+        assert later.code == ResponseCode.SUCCESS and not conns[0]._reading_paused_for
+    finally:
+        await _stop(server, client)
+
+
+@bounded()
+async def test_a_handler_returning_no_awaitable_is_answered():
+    def handler(conn, cmd):
+        return ("not", "a", "reply")    # a bug: neither a command, None, DEFERRED nor an awaitable
+
+    server, client, _ = await _serve(handler)
+    try:
+        reply = await client.request(RemotingCommand.request(10, {}), 5)
+        assert reply.code == ResponseCode.SYSTEM_ERROR
+    finally:
+        await _stop(server, client)
+
+
+@bounded()
+async def test_a_task_whose_reply_cannot_be_encoded_is_answered():
+    async def later(cmd):
+        await asyncio.sleep(0)
+        return _unencodable(cmd)
+
+    server, client, conns = await _serve(lambda conn, cmd: later(cmd))
+    try:
+        reply = await client.request(RemotingCommand.request(10, {}), 5)
+        assert reply.code == ResponseCode.SYSTEM_ERROR and "TypeError" in reply.remark
+        assert conns[0].in_flight == []
+    finally:
+        await _stop(server, client)
+
+
+@bounded()
+async def test_a_store_completion_whose_reply_cannot_be_encoded_is_answered():
+    """Answer (a store completion) logged the failed send and nothing went back."""
+    from broker.answer import Answer
+
+    ctx = types.SimpleNamespace(metrics=types.SimpleNamespace(observe_request=lambda *a: None))
+    loop = asyncio.get_running_loop()
+
+    def handler(conn, cmd):
+        later = Answer(ctx, conn, cmd, lambda result: _unencodable(cmd))
+        loop.call_soon(later.set_result, None)     # the store's writer, a moment later
+        return DEFERRED
+
+    server, client, conns = await _serve(handler)
+    try:
+        reply = await client.request(RemotingCommand.request(10, {}), 5)
+        assert reply.code == ResponseCode.SYSTEM_ERROR and "TypeError" in reply.remark
+        assert conns[0].in_flight == []
+    finally:
+        await _stop(server, client)
