@@ -429,14 +429,28 @@ class TransactionService:
         for tx in deferred:
             metrics.child(metrics.checks_skipped, tx.group).inc()
         checks = [a for a in actions if isinstance(a, SendCheck)]
+        # Claimed now: the core marked them DECIDING, and a decision arriving meanwhile waits on the claim.
+        # So each claim must be settled whatever happens in this pass -- one left claimed made every later
+        # decision for that transaction (a producer's END_TRANSACTION included) wait forever.
         deaths = [(a, self._claim(a.tx)) for a in actions if isinstance(a, Write)]
-        if checks:
-            await self._send_checks(checks, now)
-        for action, claim in deaths:
-            try:
-                await self._write_decision(action, claim)
-            except DecisionError as exc:
-                log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
+        try:
+            if checks:
+                await self._send_checks(checks, now)
+            while deaths:
+                action, claim = deaths.pop(0)
+                try:
+                    await self._write_decision(action, claim)   # settles its claim however it ends
+                except DecisionError as exc:
+                    log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
+                    self.core.dead_letter_failed(action.tx, now)
+                except Exception:  # noqa: BLE001 - a bug with this one: the others of the pass still go
+                    log.exception("could not dead-letter %d", action.tx.half_offset)
+                    self.core.dead_letter_failed(action.tx, now)
+        finally:
+            for action, claim in deaths:    # not attempted (the checks failed, or a stop): undecided again
+                self.core.written(action.tx, False)
+                del self._deciding[action.tx.half_offset]
+                claim.set_result(None)
                 self.core.dead_letter_failed(action.tx, now)
         self._save_progress()
 
