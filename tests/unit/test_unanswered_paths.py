@@ -10,6 +10,7 @@ from broker.store.results import PutResult, PutStatus
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import DEFERRED, RemotingConnection, open_connection
+from protocol.errors import ConnectionClosedError
 from tests.support.bounded import bounded
 
 
@@ -150,5 +151,31 @@ async def test_a_store_completion_whose_reply_cannot_be_encoded_is_answered():
         reply = await client.request(RemotingCommand.request(10, {}), 5)
         assert reply.code == ResponseCode.SYSTEM_ERROR and "TypeError" in reply.remark
         assert conns[0].in_flight == []
+    finally:
+        await _stop(server, client)
+
+
+@bounded()
+async def test_an_unexpected_failure_in_a_later_turn_closes_the_connection_instead_of_stalling_it(monkeypatch):
+    """Whatever escapes a frame's handling (a bug: decoding raises no ProtocolError here) in the first turn of
+    a read makes the transport close the connection, so its client learns at once. In a later turn (past
+    frames_per_turn) it reached only the loop's log and left reading paused: the client waited for its
+    timeouts on a connection that would never read again."""
+    real_decode = RemotingCommand.decode
+
+    def decode(frame, *a, **kw):
+        if b"poison" in bytes(frame):
+            raise RuntimeError("a bug in decoding")
+        return real_decode(frame, *a, **kw)
+    monkeypatch.setattr(RemotingCommand, "decode", staticmethod(decode))
+
+    server, client, conns = await _serve(lambda conn, cmd: cmd.response(ResponseCode.SUCCESS), frames_per_turn=4)
+    try:
+        calls = [client.request(RemotingCommand.request(10, {"poison": "1"} if i == 6 else {}), 10)
+                 for i in range(12)]
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(not isinstance(r, Exception) for r in replies[:6])     # those handled before it: answered
+        assert all(isinstance(r, ConnectionClosedError) for r in replies[6:]), replies
+        await conns[0].closed.wait()
     finally:
         await _stop(server, client)
