@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from time import perf_counter
 
-from protocol.codes import FLAG_ONEWAY, ResponseCode
+from protocol.codes import ResponseCode
 
 log = logging.getLogger("txmq.answer")
 
@@ -50,9 +50,10 @@ class Answer:
         cmd, conn = self.cmd, self.conn
         conn.release()
         try:
+            # Sent before the metrics: the answer must not depend on them. conn.answer replaces a reply that
+            # cannot be encoded with SYSTEM_ERROR (only logging it here left the client waiting).
+            conn.answer(cmd, reply)
             self.ctx.metrics.observe_request(cmd.code, reply.code if reply is not None else 0,
                                              perf_counter() - self.started)
-            if reply is not None and not cmd.flag & FLAG_ONEWAY:
-                conn.send(reply)
         except Exception:           # noqa: BLE001 - never into the store's writer
-            log.exception("sending the answer to %s failed", cmd.code)
+            log.exception("answering %s failed", cmd.code)

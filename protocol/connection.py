@@ -200,7 +200,16 @@ class RemotingConnection(asyncio.Protocol):
         frames, self._backlog = self._backlog, []
         if self.transport is None or self.transport.is_closing():
             return
-        self._handle_frames(frames)
+        try:
+            self._handle_frames(frames)
+        except Exception:  # noqa: BLE001 - a bug: every expected failure is answered in _dispatch
+            # What the transport does when data_received raises (the first turn of a read): give up on the
+            # connection, so its client learns at once. Raised from this loop callback instead, it reached
+            # only the loop's log and left reading paused for good -- every later request silently unanswered.
+            log.exception("closing %s:%s: handling its frames failed", self.peer[0], self.peer[1])
+            self._backlog = []
+            self.close()        # what was answered before it still goes out
+            return
         if not self._backlog:
             self.resume_reading("turn")
 
@@ -219,18 +228,22 @@ class RemotingConnection(asyncio.Protocol):
                 self.send(cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
                                        f" request type {cmd.code} not supported"))
             return
+        # Every failure becomes an error reply: the handler's, and a bug in what it returned (a reply that
+        # does not encode, something that is not awaitable). Let out, it would skip the rest of this read's
+        # frames; in a later turn (_next_turn) it would also leave reading paused for good, every later
+        # request waiting for its client's timeout.
         try:
             result = self.handler(self, cmd)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
+            if result is None or result is DEFERRED:
+                return
+            if isinstance(result, RemotingCommand):
+                if not cmd.flag & FLAG_ONEWAY:
+                    self.send(result)
+                return
+            task = result if isinstance(result, asyncio.Future) else self._loop.create_task(result)
+        except Exception as exc:  # noqa: BLE001
             self._reply_error(cmd, exc)
             return
-        if result is None or result is DEFERRED:
-            return
-        if isinstance(result, RemotingCommand):
-            if not cmd.flag & FLAG_ONEWAY:
-                self.send(result)
-            return
-        task = result if isinstance(result, asyncio.Future) else self._loop.create_task(result)
         self._tasks.add(task)
         task.add_done_callback(lambda t, c=cmd: self._handler_done(t, c))
         if len(self._tasks) + self._held >= self.max_in_flight:
@@ -262,9 +275,18 @@ class RemotingConnection(asyncio.Protocol):
         if exc is not None:
             self._reply_error(cmd, exc)
             return
-        reply = task.result()
-        if reply is not None and not cmd.flag & FLAG_ONEWAY:
-            self.send(reply)
+        self.answer(cmd, task.result())
+
+    def answer(self, cmd: RemotingCommand, reply: RemotingCommand | None) -> None:
+        """Send ``reply`` to the request ``cmd`` (nothing for None, nor to a oneway request). A reply that cannot
+        be encoded (a bug) is answered SYSTEM_ERROR: left to raise, it would reach only the loop's log, and the
+        client would wait for its timeout."""
+        if reply is None or cmd.flag & FLAG_ONEWAY:
+            return
+        try:
+            self.send(reply)        # encodes before it queues anything: a failure leaves no partial frame
+        except Exception as exc:  # noqa: BLE001
+            self._reply_error(cmd, exc)
 
     def _reply_error(self, cmd: RemotingCommand, exc: BaseException) -> None:
         if isinstance(exc, ProtocolError):

@@ -146,6 +146,17 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len, waits_for_slave=True)
     out = put.get_loop().create_future()
     started = perf_counter()
 
+    def settle(make, *args):
+        # These run as loop callbacks: an exception from building the reply would only be logged, and ``out``
+        # (the request, counted in flight by its connection) would never complete -- the client waiting for
+        # its own timeout, the in-flight count never released. Hand it to ``out``: the connection answers
+        # SYSTEM_ERROR, as for any handler's exception.
+        try:
+            make(*args)
+        except Exception as exc:  # noqa: BLE001 - becomes this request's error reply
+            if not out.done():
+                out.set_exception(exc)
+
     def stored(f):
         if f.cancelled():
             out.cancel()
@@ -169,10 +180,13 @@ def reply_when_stored(ctx, cmd, put, qid, topic, body_len, waits_for_slave=True)
         if isinstance(verdict, int):
             out.set_result(send_ok(ctx, cmd, msg_id, qid, result.queue_offset, verdict))
         else:
-            verdict.add_done_callback(lambda v: out.done() or out.set_result(
-                send_ok(ctx, cmd, msg_id, qid, result.queue_offset, v.result())))
+            verdict.add_done_callback(lambda v: settle(confirmed, msg_id, result, v))
 
-    put.add_done_callback(stored)
+    def confirmed(msg_id, result, v):
+        if not out.done():
+            out.set_result(send_ok(ctx, cmd, msg_id, qid, result.queue_offset, v.result()))
+
+    put.add_done_callback(lambda f: settle(stored, f))
     return out
 
 

@@ -230,6 +230,13 @@ class Writer:
         except OSError as exc:
             self._write_failed(entries, exc)
             return
+        except BaseException:
+            # A bug: the writer stops (its task says why). These entries left the queue and only those copied
+            # so far reached a waiting list, so the crash clean-up would miss the rest: refuse them all here
+            # (none is acknowledged: nothing of this batch was flushed), or they wait forever.
+            for req, fut in entries:
+                resolve(fut, unavailable(req))
+            raise
         if not self._sync:
             clog.readable = clog.written
             try:

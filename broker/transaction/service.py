@@ -429,21 +429,30 @@ class TransactionService:
         metrics = self.ctx.metrics
         for tx in deferred:
             metrics.child(metrics.checks_skipped, tx.group).inc()
-        # due() took every one of these off the schedule and claimed the dead letters: each must be put
-        # back or settled whatever goes wrong below, or it is never checked again and a decision on it
-        # waits forever for the claim (the timer logs a raising pass and goes on, so nothing else would).
+        # due() took every one of these off the schedule and claimed the dead letters (the core marked them
+        # DECIDING; a decision arriving meanwhile, a producer's END_TRANSACTION included, waits on the claim).
+        # Each must be put back or settled whatever goes wrong below, or it is never checked again and a
+        # decision on it waits forever (the timer logs and counts a raising pass and goes on).
         checks = [a for a in actions if isinstance(a, SendCheck)]
         deaths = [(a, self._claim(a.tx)) for a in actions if isinstance(a, Write)]
-        if checks:
-            await self._send_checks(checks, now)
-        for action, claim in deaths:
-            try:
-                await self._write_decision(action, claim)       # settles its claim, written or not
-            except DecisionError as exc:
-                log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
-                self.core.dead_letter_failed(action.tx, now)
-            except Exception:  # noqa: BLE001 - e.g. a corrupt half: the others still go, this one is retried
-                log.exception("could not dead-letter %d", action.tx.half_offset)
+        try:
+            if checks:
+                await self._send_checks(checks, now)       # a failed write reschedules them (below)
+            while deaths:
+                action, claim = deaths.pop(0)
+                try:
+                    await self._write_decision(action, claim)   # settles its claim however it ends
+                except DecisionError as exc:
+                    log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
+                    self.core.dead_letter_failed(action.tx, now)
+                except Exception:  # noqa: BLE001 - e.g. a corrupt half: the others still go, this one is retried
+                    log.exception("could not dead-letter %d", action.tx.half_offset)
+                    self.core.dead_letter_failed(action.tx, now)
+        finally:
+            for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
+                self.core.written(action.tx, False)
+                del self._deciding[action.tx.half_offset]
+                claim.set_result(None)
                 self.core.dead_letter_failed(action.tx, now)
         self._save_progress()
 

@@ -345,3 +345,66 @@ async def test_a_check_pass_that_raises_is_counted_and_the_timer_goes_on(tmp_pat
         await tx.timer.stop()
         await ctx.store._store.close()
     assert ctx.metrics.task_crashes.labels("txmq-check-timer")._value.get() == 1
+
+
+@bounded(20)
+async def test_a_failing_max_checks_dead_letter_does_not_strand_the_others_of_its_pass(tmp_path):
+    """Two transactions reach transaction_check_max in one pass; the first one's dead letter raises (a bug,
+    not a DecisionError). The second was claimed (DECIDING) in the same pass: left so, any END_TRANSACTION
+    for it waited on that claim forever -- the producer got no answer and its request stayed in flight."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        first, second = await add_half(ctx, b"a"), await add_half(ctx, b"b")
+        for p in (first, second):
+            p.checks = ctx.config.transaction_check_max
+        real_records = tx._decision_records
+
+        def records(p, op, reason):
+            if p.half_offset == first.half_offset:
+                raise RuntimeError("a damaged half")
+            return real_records(p, op, reason)
+
+        tx._decision_records = records
+        clock.now = max(first.next_check, second.next_check) + 1
+        try:
+            await tx.run_due(clock.now)
+        except RuntimeError:
+            pass                        # the check timer logs a failed pass and goes on
+        del tx._decision_records
+        # The second one is dead-lettered (or, at worst, still pending); either way decisions get an answer.
+        for p in (first, second):
+            try:
+                await asyncio.wait_for(tx.decide(p.half_offset, COMMIT, group="PG"), 5)
+            except DecisionError:
+                pass
+        assert first.half_offset not in tx._deciding and second.half_offset not in tx._deciding
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_failing_check_write_does_not_strand_the_dead_letters_of_its_pass(tmp_path):
+    """The same pass claims a dead letter and sends a check; the check's write raises before the dead letter
+    is attempted: the dead letter must not stay claimed (DECIDING, every decision for it waiting)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        dying, checked = await add_half(ctx, b"a"), await add_half(ctx, b"b")
+        dying.checks = ctx.config.transaction_check_max
+
+        async def send_checks(batch, now):
+            raise RuntimeError("the check's write failed")
+
+        tx._channel_for = lambda p: object()      # a producer to check with
+        tx._send_checks = send_checks
+        clock.now = max(dying.next_check, checked.next_check) + 1
+        with pytest.raises(RuntimeError):
+            await tx.run_due(clock.now)
+        del tx._send_checks, tx._channel_for
+        assert await asyncio.wait_for(tx.decide(dying.half_offset, COMMIT, group="PG"), 5) == COMMIT
+        assert dying.half_offset not in tx.pending
+    finally:
+        await ctx.store._store.close()

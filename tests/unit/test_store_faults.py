@@ -248,3 +248,26 @@ async def test_a_failing_completion_stops_the_writer_and_answers_every_put(tmp_p
     assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
     store._writer.on_commit = real
     await store.close()
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+@bounded()
+async def test_a_failing_copy_stops_the_writer_and_answers_every_put(tmp_path, flush):
+    """A bug while a drained batch is copied into the log (here: append raises something not an OSError)
+    stops the writer. The batch had left the queue and was in no waiting list yet, so the crash clean-up
+    missed it: its puts waited forever. Every one is answered SERVICE_NOT_AVAILABLE."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG, flush=flush))
+    await store.open()
+    assert (await store.put(req())).ok
+    clog = store._writer.clog
+    real = clog.append
+
+    def failing(entries, i, done, units, infos):
+        real(entries[:1], i, done, units, infos)      # the first one copied, then the bug
+        raise RuntimeError("a bug in the copy")
+    clog.append = failing
+    results = await asyncio.gather(*[store.put(req()) for _ in range(20)])
+    assert {r.status for r in results} == {PutStatus.SERVICE_NOT_AVAILABLE}
+    assert not store.writable and "a bug in the copy" in store.failure
+    del clog.append
+    await store.close()
