@@ -80,6 +80,7 @@ class PushConsumer:
         self.suspend_ms = suspend_ms
         self.offset_commit_interval_s = offset_commit_interval_s
         self.local_retry_delay_s = local_retry_delay_s
+        self.pull_retry_delay_s = 3.0       # after a pull that failed (a broker error, or a bug, logged and counted)
         self.orderly = orderly
         self.message_model = message_model
         self.lock_interval_s = lock_interval_s
@@ -322,8 +323,12 @@ class PushConsumer:
             except _LockLost:
                 offset = None          # the message is retried by whoever holds the queue next
             except BrokerError as exc:
-                log.info("pull of %s failed: %s; retrying in 3 s", mq, exc)
-                await asyncio.sleep(3)
+                log.info("pull of %s failed: %s; retrying in %.0f s", mq, exc, self.pull_retry_delay_s)
+                await asyncio.sleep(self.pull_retry_delay_s)
+            except Exception:  # noqa: BLE001 - a bug: ended here, rebalance restarted it at once, in a tight loop
+                self._turn_failed(f"pull loop of {mq}")
+                offset = self._offsets.get(mq)      # what was consumed stays consumed; the rest is pulled again
+                await asyncio.sleep(self.pull_retry_delay_s)
 
     async def _listen(self, msg: MessageExt) -> ConsumeStatus:
         try:

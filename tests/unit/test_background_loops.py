@@ -200,3 +200,38 @@ async def test_the_push_consumers_commit_loop_goes_on_after_a_turn_that_raised(c
         await asyncio.gather(task, return_exceptions=True)
         await consumer.client.shutdown()
     assert written == {mq: 7} and consumer.crashes == 1
+
+
+@bounded(20)
+async def test_a_push_consumers_pull_loop_goes_on_after_a_turn_that_raised(caplog):
+    """A pull loop that raised something other than BrokerError ended; the rebalance it asked for started
+    it again at once, so a bug that repeats spun in a tight loop. It now logs, counts, waits like a failed
+    pull and goes on from what was consumed."""
+    from consumer.pull_consumer import MessageQueue
+    consumer = _push_consumer()
+    consumer.pull_retry_delay_s = 0.01
+    mq = MessageQueue("T", "b", 0)
+    second = asyncio.Event()
+    asked = []
+
+    async def start_offset(q):
+        return 0
+
+    async def pull(q, offset, **kw):
+        asked.append(offset)
+        if len(asked) == 1:
+            raise ValueError("a bug decoding the answer")
+        second.set()
+        await asyncio.Event().wait()        # the next pull long-polls until cancelled
+    consumer._start_offset = start_offset
+    consumer.client.pull = pull
+    task = asyncio.get_running_loop().create_task(consumer._pull_loop(mq))
+    task.add_done_callback(lambda t: consumer._crashed(t, mq))
+    try:
+        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.client.shutdown()
+    assert asked == [0, 0] and consumer.crashes == 1 and "pull loop of" in caplog.text
