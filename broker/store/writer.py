@@ -73,6 +73,7 @@ class Writer:
         self._task: asyncio.Task | None = None
         self._space = None          # (job future, settle, the entry waiting for it) while awaiting the reserver
         self._space_failing = False
+        self._taken: list | None = None     # the (request, future) entries _write is copying
         self.on_flush: Callable[[float], None] | None = None    # seconds one flush took (metrics)
         # A second flush starts only once the one in flight has run this long (seconds): the disk is slow
         # right now and the next batch should not wait a whole cycle for it. Sooner, waiting is cheaper:
@@ -171,7 +172,9 @@ class Writer:
                 if (self._queue and self._space is None and not self._controls
                         and (self._overlap or not self._flushing)):
                     entries, self._queue = self._queue, []
+                    self._taken = entries       # if _write raises, the clean-up below refuses them
                     self._write(entries)
+                    self._taken = None
                 fl = self._flushing
                 if fl and all(f[0].done() for f in fl):
                     self._flushes_done()
@@ -202,8 +205,11 @@ class Writer:
             else:
                 log.exception("store writer crashed")
             clog.fail(f"the writer stopped unexpectedly: {exc!r}")
+            # Everything not yet answered: what waits for a flush, what is in one (a batch leaves _flushing
+            # only once completed), and the batch being copied (only its copied part is on a list so far).
             pending = self._waiting + [w for fl in self._flushing for w in fl[3]]
-            self._waiting = []
+            pending += [(fut, req) for req, fut in self._taken or ()]
+            self._waiting, self._taken = [], None
             for fut, res in pending:
                 resolve(fut, unavailable(res))
             for _fn, fut in self._controls:
@@ -230,21 +236,9 @@ class Writer:
         except OSError as exc:
             self._write_failed(entries, exc)
             return
-        except BaseException:
-            # A bug: the writer stops (its task says why). These entries left the queue and only those copied
-            # so far reached a waiting list, so the crash clean-up would miss the rest: refuse them all here
-            # (none is acknowledged: nothing of this batch was flushed), or they wait forever.
-            for req, fut in entries:
-                resolve(fut, unavailable(req))
-            raise
         if not self._sync:
             clog.readable = clog.written
-            try:
-                self.on_commit(units, infos)
-            except BaseException:       # a bug: as in _flush_done, answer this batch before stopping
-                for fut, res in done:
-                    resolve(fut, unavailable(res))
-                raise
+            self.on_commit(units, infos)
             for fut, res in done:
                 if not fut.done():
                     fut.set_result(res)
@@ -318,7 +312,8 @@ class Writer:
             self._flush_done(failure)
 
     def _flush_done(self, exc: BaseException | None) -> None:
-        fut, end, end_ts, waiting, units, infos, started, _io = self._flushing.pop(0)
+        # Left in _flushing until completed: if completing raises (a bug), the writer's clean-up answers it.
+        fut, end, end_ts, waiting, units, infos, started, _io = self._flushing[0]
         if self.on_flush is not None:
             self.on_flush(time.perf_counter() - started)
         if exc is not None:
@@ -326,7 +321,7 @@ class Writer:
             # readable, and nothing is flushed again: the state on disk is unknown.
             self.clog.fail(f"msync failed: {exc}")
             later, self._waiting, self._units, self._infos = self._waiting, [], {}, []
-            for fl in self._flushing:       # flushes after this one: in flight, but never acknowledged
+            for fl in self._flushing[1:]:   # flushes after this one: in flight, but never acknowledged
                 later = fl[3] + later
             del self._flushing[:]
             self.clog.take_dirty()
@@ -336,17 +331,11 @@ class Writer:
         self.clog.flushed, self.clog.flushed_ts = end, end_ts
         if self._sync:
             self.clog.readable = end
-            try:
-                self.on_commit(units, infos)
-            except BaseException:
-                # A bug: the writer stops (its task says why). This batch left _flushing above, so the
-                # writer's own clean-up would not see its waiters: answer them here, or they wait forever.
-                for f, res in waiting:
-                    resolve(f, unavailable(res))
-                raise
+            self.on_commit(units, infos)
             for f, res in waiting:
                 if not f.done():
                     f.set_result(res)
+        del self._flushing[0]
 
     def _drop_queue(self) -> None:
         """The log failed: refuse everything still queued."""
