@@ -96,8 +96,8 @@ def fdatasync_p50(directory: str, size: int, count: int = 400) -> dict:
 
 
 # ------------------------------------------------------------------ redis
-class Resp(asyncio.Protocol):
-    """A minimal pipelining RESP2 client: replies arrive in request order, one future each."""
+class Pipelined(asyncio.Protocol):
+    """A pipelining client's bookkeeping: answers arrive in request order, one future per request."""
 
     def __init__(self):
         self.waiters: list[asyncio.Future] = []
@@ -108,14 +108,30 @@ class Resp(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport = transport
 
+    def _expect(self) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        return fut
+
+    def _answered(self, n: int) -> list[asyncio.Future]:
+        """The futures of the next ``n`` answers, in order."""
+        futs = self.waiters[self.head:self.head + n]
+        self.head += n
+        if self.head > 4096:
+            del self.waiters[:self.head]
+            self.head = 0
+        return futs
+
+
+class Resp(Pipelined):
+    """A minimal pipelining RESP2 client."""
+
     def command(self, *args: bytes) -> asyncio.Future:
         out = [b"*%d\r\n" % len(args)]
         for a in args:
             out += (b"$%d\r\n" % len(a), a, b"\r\n")
         self.transport.writelines(out)
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        return fut
+        return self._expect()
 
     def data_received(self, data):
         self.buf += data
@@ -125,16 +141,12 @@ class Resp(asyncio.Protocol):
             if parsed is None:
                 break
             value, pos = parsed
-            fut = self.waiters[self.head]
-            self.head += 1
+            [fut] = self._answered(1)
             if isinstance(value, Exception):
                 fut.set_exception(value)
             else:
                 fut.set_result(value)
         del self.buf[:pos]
-        if self.head > 4096:
-            del self.waiters[:self.head]
-            self.head = 0
 
 
 def _parse(buf: bytearray, pos: int):
@@ -190,34 +202,19 @@ async def redis_client(port: int, seconds: float, inflight: int, size: int) -> d
 
 
 # ------------------------------------------------------------------ the design's floor
-class Framed(asyncio.Protocol):
-    """Length-prefixed requests to bench/bare_server.py; its 20-byte answers arrive in request order."""
-
-    def __init__(self):
-        self.waiters: list[asyncio.Future] = []
-        self.head = 0
-        self.buf = bytearray()
-        self.transport = None
-
-    def connection_made(self, transport):
-        self.transport = transport
+class Framed(Pipelined):
+    """Length-prefixed requests to bench/bare_server.py; its answers are 20 bytes each."""
 
     def request(self, frame: bytes) -> asyncio.Future:
         self.transport.write(frame)
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        return fut
+        return self._expect()
 
     def data_received(self, data):
         self.buf += data
         answers = len(self.buf) // 20
         del self.buf[:answers * 20]
-        for fut in self.waiters[self.head:self.head + answers]:
+        for fut in self._answered(answers):
             fut.set_result(None)
-        self.head += answers
-        if self.head > 4096:
-            del self.waiters[:self.head]
-            self.head = 0
 
 
 async def bare_client(port: int, seconds: float, inflight: int, size: int) -> dict:
