@@ -237,8 +237,7 @@ class RemotingConnection(asyncio.Protocol):
             if result is None or result is DEFERRED:
                 return
             if isinstance(result, RemotingCommand):
-                if not cmd.flag & FLAG_ONEWAY:
-                    self.send(result)
+                self.answer(cmd, result)
                 return
             task = result if isinstance(result, asyncio.Future) else self._loop.create_task(result)
         except Exception as exc:  # noqa: BLE001

@@ -357,8 +357,12 @@ class TransactionService:
             raise
 
     def _decision_settled(self, tx: Tx, floor: int, done: asyncio.Future, ok: bool) -> None:
-        self.core.written(tx, ok)
         self.writing_ops.remove(floor)
+        self._unclaim(tx, done, ok)
+
+    def _unclaim(self, tx: Tx, done: asyncio.Future, ok: bool) -> None:
+        """End a claim (``_claim``): the decision was written (``ok``) or not; whoever waits on it goes on."""
+        self.core.written(tx, ok)
         del self._deciding[tx.half_offset]
         done.set_result(None)
 
@@ -450,9 +454,7 @@ class TransactionService:
                     self.core.dead_letter_failed(action.tx, now)
         finally:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
-                self.core.written(action.tx, False)
-                del self._deciding[action.tx.half_offset]
-                claim.set_result(None)
+                self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
         self._save_progress()
 
