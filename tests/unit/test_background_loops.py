@@ -34,7 +34,8 @@ def failing_once(real, exc, second: asyncio.Event, loop=None):
     return wrapper
 
 
-async def failing_once_async(real, exc, second: asyncio.Event):
+def failing_once_async(real, exc, second: asyncio.Event):
+    """As failing_once, for a coroutine function."""
     calls = []
 
     async def wrapper(*args):
@@ -66,7 +67,7 @@ async def test_the_store_checkpoint_loop_goes_on_after_a_turn_that_raised(tmp_pa
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 20, checkpoint_interval_ms=10))
     await store.open()
     second = asyncio.Event()
-    store._checkpoint = await failing_once_async(store._checkpoint, RuntimeError("a bug"), second)
+    store._checkpoint = failing_once_async(store._checkpoint, RuntimeError("a bug"), second)
     try:
         await asyncio.wait_for(second.wait(), SECOND_TURN_S)
     finally:
@@ -123,7 +124,7 @@ async def test_the_schedule_snapshot_loop_goes_on_after_a_turn_that_raised(tmp_p
     monkeypatch.setattr(service_mod, "SNAPSHOT_INTERVAL_S", 0.01)
     svc = await _service(tmp_path, Clock(100_000))
     second = asyncio.Event()
-    svc.snapshot = await failing_once_async(svc.snapshot, RuntimeError("a bug"), second)
+    svc.snapshot = failing_once_async(svc.snapshot, RuntimeError("a bug"), second)
     svc._snap_task = asyncio.get_running_loop().create_task(svc._snapshots())
     try:
         await asyncio.wait_for(second.wait(), SECOND_TURN_S)
@@ -165,7 +166,7 @@ async def test_the_push_consumers_rebalance_loop_goes_on_after_a_turn_that_raise
     async def heartbeat():
         pass
     consumer._heartbeat = heartbeat
-    consumer.rebalance = await failing_once_async(lambda: asyncio.sleep(0), ValueError("not JSON"), second)
+    consumer.rebalance = failing_once_async(lambda: asyncio.sleep(0), ValueError("not JSON"), second)
     task = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
     task.add_done_callback(consumer._crashed)
     try:
@@ -190,7 +191,7 @@ async def test_the_push_consumers_commit_loop_goes_on_after_a_turn_that_raised(c
 
     async def write(q, offset):
         written[q] = offset
-    consumer.offset_store.write = await failing_once_async(write, ValueError("a bug"), second)
+    consumer.offset_store.write = failing_once_async(write, ValueError("a bug"), second)
     task = asyncio.get_running_loop().create_task(consumer._commit_loop())
     task.add_done_callback(consumer._crashed)
     try:
