@@ -338,9 +338,8 @@ class MessageExt:
     Compared, printed and pickled field by field, as the dataclass it was.
     """
 
-    __slots__ = ("topic", "body", "queue_id", "flag", "queue_offset", "physical_offset", "sys_flag",
-                 "born_timestamp", "born_host", "store_timestamp", "store_host", "reconsume_times",
-                 "prepared_offset", "_props", "body_crc", "store_size", "_props_text")
+    # The fields, with ``properties`` held as the dict (or None) and the text not split yet.
+    __slots__ = tuple("_props" if name == "properties" else name for name in _EXT_FIELDS) + ("_props_text",)
 
     def __init__(self, topic: str, body: bytes, queue_id: int = 0, flag: int = 0, queue_offset: int = 0,
                  physical_offset: int = 0, sys_flag: int = 0, born_timestamp: int = 0,
