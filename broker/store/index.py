@@ -34,6 +34,7 @@ import time
 import zlib
 from typing import Callable
 
+from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
 
 from .index_file import IndexCorrupt, IndexFile, KeyHasher, key_hash
@@ -118,6 +119,7 @@ class IndexService:
         self._last_progress = 0.0
         self._loop = None
         self._closed = False
+        self._stopping = False          # close() queued the thread's last job: later jobs would never run
         self._saved = -1
         self.failed: str | None = None
 
@@ -143,6 +145,7 @@ class IndexService:
         if self._thread is None:
             return
         done = self._submit(self._shutdown)
+        self._stopping = True
         try:
             await done
         finally:
@@ -152,6 +155,9 @@ class IndexService:
 
     def _submit(self, fn, *args) -> asyncio.Future:
         fut = self._loop.create_future()
+        if self._stopping:      # a query arriving while the broker stops: answered, not left waiting
+            fut.set_exception(StoreError("the message index is closed"))
+            return fut
         loop = self._loop
 
         def job():

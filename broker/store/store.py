@@ -146,21 +146,23 @@ class MessageStore:
                 await task
             except asyncio.CancelledError:
                 pass
-        self._retry_backlogs()
         try:
-            await self._checkpoint()
-        except OSError as exc:
-            log.error("final checkpoint failed: %s", exc)
-        try:
-            await self.refresh_manifest(force=True)
-        except OSError as exc:
-            log.error("final segment manifest not written: %s", exc)
-        self._io.stop()
-        if self._io2 is not None:
-            self._io2.stop()
-        self._reserve_io.stop()
-        self._close_files()
-        self._state = "closed"
+            self._retry_backlogs()
+            try:
+                await self._checkpoint()
+            except OSError as exc:
+                log.error("final checkpoint failed: %s", exc)
+            try:
+                await self.refresh_manifest(force=True)
+            except OSError as exc:
+                log.error("final segment manifest not written: %s", exc)
+        finally:        # whatever the last writes raised, the threads end and the files (and the lock) are released
+            self._io.stop()
+            if self._io2 is not None:
+                self._io2.stop()
+            self._reserve_io.stop()
+            self._close_files()
+            self._state = "closed"
 
     async def __aenter__(self) -> "MessageStore":
         await self.open()

@@ -362,17 +362,24 @@ class IoThread:
     def __init__(self, name: str):
         self._loop = asyncio.get_running_loop()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn, *args, then: Callable[[], None] | None = None) -> asyncio.Future:
         """Run fn(*args) on the thread; the future resolves on the loop, then ``then()`` runs."""
         fut = self._loop.create_future()
+        if self._stopped:       # the thread has ended (or will, before this job): fail it now, not never
+            fut.set_exception(StoreError(f"{self._thread.name} is stopped"))
+            if then is not None:
+                self._loop.call_soon(then)
+            return fut
         self._jobs.put((fn, args, fut, then))
         return fut
 
     def stop(self) -> None:
         """Finish the queued jobs and end the thread (blocking)."""
+        self._stopped = True
         self._jobs.put(None)
         self._thread.join()
 

@@ -5,6 +5,8 @@ import asyncio
 import collections
 import threading
 
+import pytest
+
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store.index import IndexService
 from tests.support.bounded import bounded
@@ -53,3 +55,14 @@ async def test_a_dispatch_during_the_take_is_indexed_without_a_query(tmp_path):
         gated.go.set()
         await svc.close()
         await store.close()
+
+
+@bounded(30)
+async def test_a_query_after_close_is_refused_not_left_waiting(tmp_path):
+    """A QUERY_MESSAGE arriving while the broker stops used to queue a job behind the thread's stop: never run."""
+    svc = IndexService(str(tmp_path), segment_size=1 << 20, slots=16, entries=1000)
+    await svc.open(0, 0)
+    assert (await svc.query("T", "k", 8, 0, 2**62))[0] == []
+    await svc.close()
+    with pytest.raises(Exception, match="the message index is closed"):
+        await svc.query("T", "k", 8, 0, 2**62)

@@ -271,3 +271,37 @@ async def test_a_failing_copy_stops_the_writer_and_answers_every_put(tmp_path, f
     assert not store.writable and "a bug in the copy" in store.failure
     del clog.append
     await store.close()
+
+
+@bounded()
+async def test_a_failing_final_checkpoint_still_releases_the_store(tmp_path, monkeypatch):
+    """close() used to raise before stopping its threads and unlocking the directory when the checkpoint failed
+    with anything but an OSError: the same process could not open the store again."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    assert (await store.put(req())).status is PutStatus.PUT_OK
+
+    async def broken_checkpoint():
+        raise RuntimeError("a bug in the checkpoint")
+    monkeypatch.setattr(store, "_checkpoint", broken_checkpoint)
+    with pytest.raises(RuntimeError, match="a bug in the checkpoint"):
+        await store.close()
+    assert not store._io._thread.is_alive() and not store._reserve_io._thread.is_alive()
+    again = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await again.open()              # the lock was released: the store opens, with what was acknowledged
+    try:
+        assert again.max_physical_offset > 0
+    finally:
+        await again.close()
+
+
+@bounded()
+async def test_a_job_handed_to_a_stopped_io_thread_fails_instead_of_waiting_forever():
+    io = writer.IoThread("test-io")
+    assert await io.submit(lambda x: x + 1, 1) == 2
+    io.stop()
+    woken = asyncio.Event()
+    fut = io.submit(lambda: 1, then=woken.set)
+    with pytest.raises(Exception, match="test-io is stopped"):
+        await fut
+    await woken.wait()              # the caller's wake-up runs too, as after a job that ran
