@@ -72,6 +72,8 @@ class TopicManager:
         self._pool: ThreadPoolExecutor | None = None
         self._write_scheduled = False
         self._dirty = False                 # changed since the last catalogue write that succeeded
+        self._write_failing = False         # the last write failed: it is retried every retry_write_s
+        self.retry_write_s = 5.0
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
         # Name servers re-read the topic table when this changes; on_change (the registrar) registers at once.
@@ -155,9 +157,20 @@ class TopicManager:
 
     def _written(self, fut) -> None:
         exc = None if fut.cancelled() else fut.exception()
-        if exc is not None:
-            log.error("topics catalogue %s not written (topics are restored from the store at start-up): %s",
-                      self.path, exc)
+        if exc is None:
+            if self._write_failing:
+                self._write_failing = False
+                log.warning("topics catalogue %s written again", self.path)
+            return
+        if not self._write_failing:     # once per failure run: each retry would say the same
+            self._write_failing = True
+            log.error("topics catalogue %s not written, retrying every %g s (a topic without messages and a "
+                      "topic's settings are lost if the broker stops before it is; topics with messages are "
+                      "restored from the store at start-up): %s", self.path, self.retry_write_s, exc)
+        # Not only at the next topic change, which may never come: a full disk usually frees up.
+        if self._loop is not None and not self._write_scheduled:
+            self._write_scheduled = True
+            self._loop.call_later(self.retry_write_s, self._write_batch)
 
     def _write_if_dirty(self, topics: list) -> None:
         if self._dirty:

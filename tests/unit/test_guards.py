@@ -205,3 +205,31 @@ async def test_topic_flood_writes_the_catalogue_in_batches_off_the_loop(tmp_path
     assert len(writes) <= 3 and all(name.startswith("txmq-topics") for name, _ in writes)
     again = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
     assert all(f"T{i}" in again.topics for i in range(500))
+
+
+async def test_a_failed_catalogue_write_is_retried_without_another_topic_change(tmp_path, monkeypatch, caplog):
+    """A topics.json write that failed (a full disk) used to wait for the next topic change, which may never come:
+    a topic created then was lost at the next restart if it had no messages yet."""
+    import errno
+
+    from broker.topics import TopicConfig, TopicManager
+    tm = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
+    tm.retry_write_s = 0.01
+    real, calls, written = tm._write, [], asyncio.Event()
+
+    def write(topics):
+        calls.append(len(topics))
+        if len(calls) <= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(topics)
+        written.set()
+    monkeypatch.setattr(tm, "_write", write)
+    tm.start_background(asyncio.get_running_loop())
+    tm.create(TopicConfig("Orders", 6, 6))
+    async with asyncio.timeout(10):
+        await written.wait()
+    await tm.close()
+    assert len(calls) == 4                          # three failures, then the retry that worked; close had nothing
+    assert caplog.text.count("not written, retrying") == 1 and "written again" in caplog.text
+    again = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
+    assert again.get("Orders") == TopicConfig("Orders", 6, 6)
