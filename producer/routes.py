@@ -81,13 +81,15 @@ class RouteCache:
         self._routes.pop(topic, None)
 
     async def refresh_all(self) -> None:
-        """Fetch every cached route again (the background refresh); a failure keeps the old route."""
+        """Fetch every cached route again (the background refresh); a failure keeps the old route.
+
+        TOPIC_NOT_EXIST too, as in the Java client: a name server answers it while the topic's only broker is
+        away (unregistered on a clean stop) or before brokers register again after its own restart. Dropped,
+        the route's brokers would get no heartbeat, even once back, until a send asked for the topic again."""
         for topic in list(self._routes):
             try:
                 await self.route(topic, refresh=True)
-            except TopicNotExistError:
-                self._routes.pop(topic, None)
-            except Exception as exc:  # noqa: BLE001 - name server unreachable: keep serving the old one
+            except Exception as exc:  # noqa: BLE001 - name server unreachable or forgetful: keep the old one
                 log.info("route refresh of %s failed: %s", topic, exc)
 
     def cached_publish_queues(self, topic: str) -> list[MessageQueue] | None:

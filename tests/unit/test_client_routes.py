@@ -98,3 +98,34 @@ async def test_pull_resolves_routes_itself_and_refetches_after_a_routing_error(c
                 assert [m.body for m in (await fresh.pull(mq, 0)).messages] == [b"hello"]
             finally:
                 await fresh.shutdown()
+
+
+async def test_a_route_the_name_server_forgets_for_a_moment_keeps_the_heartbeat_going(cluster):
+    """A name server answers TOPIC_NOT_EXIST while the topic's broker is away (it unregistered on a clean
+    stop, or the name server restarted and brokers have not registered again yet). The background refresh
+    must keep the route it had, as the Java client does: dropped, the producer knows no broker, heartbeats
+    stop, and the broker forgets the producer after its channel expiry -- a transaction producer is then
+    never asked about its undecided transactions. Nothing is logged above INFO and nothing fails."""
+    forgets = False
+    handle = cluster.handle
+    heartbeats = []
+
+    def flaky(conn, cmd):
+        if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC and forgets:
+            return cmd.response(ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server")
+        if cmd.code == RequestCode.HEART_BEAT:
+            heartbeats.append(cmd)
+        return handle(conn, cmd)
+
+    cluster.handle = flaky
+    cluster.broker_addr = cluster.live_addr
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG", route_refresh_interval_s=3600) as producer:
+            await producer.send("T", b"x")
+            forgets = True
+            await producer.routes.refresh_all()               # the broker is away: the name server forgot it
+            forgets = False                                   # back
+            del heartbeats[:]
+            await producer.heartbeat()
+            assert len(heartbeats) == 1                       # the producer still announces itself
+            assert producer.routes.broker_addr("b") == cluster.live_addr
