@@ -156,8 +156,15 @@ class TransactionProducer(Producer):
         for attempt in range(self.end_retries + 1):
             cmd = _end_command(fields, remark)
             try:
-                # the connection's future, awaited here (as Producer._send_text does): no coroutine per layer
                 conn = self.pool.cached(addr) or await self.pool.get(addr)
+            except (RequestTimeoutError, ConnectionClosedError):
+                # connecting failed or timed out: no END reached the broker, so this says nothing about
+                # whether it acknowledges one
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            try:
+                # the connection's future, awaited here (as Producer._send_text does): no coroutine per layer
                 resp = await conn.start_request(cmd, self.end_timeout)
             except RequestTimeoutError:
                 if self.end_acknowledged is not True:     # unknown, or a concurrent END just found out

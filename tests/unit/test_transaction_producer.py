@@ -10,6 +10,7 @@ from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.connection import RemotingConnection
+from protocol.errors import RequestTimeoutError
 from protocol.message import offset_msg_id, pack_host
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
 
@@ -131,3 +132,38 @@ async def test_end_goes_to_the_broker_that_stored_the_half_even_when_the_route_m
         server.close()
     assert result.acknowledged and result.send_result.broker_addr == first.addr
     assert len(first.ends) == 1 and second.ends == [] and second.sends == 0
+
+
+async def test_a_connect_timeout_before_end_is_retried_not_taken_for_a_broker_that_never_answers_end():
+    """The connection drops between the half and END, and connecting again times out once (a SYN lost, a
+    full accept backlog). That is not the broker leaving END unanswered: END is retried as a request and
+    acknowledged. Taken for one, END went oneway unacknowledged, and so did every END of the producer, to
+    every broker, for end_probe_interval_s."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    class DropsTheConnection:
+        def execute_local_transaction(self, msg, arg):
+            for conn in producer.pool.connections():
+                conn.abort()
+            get = producer.pool.get
+
+            async def times_out_once(addr):
+                producer.pool.get = get
+                raise RequestTimeoutError(f"connecting to {addr} timed out after 3 s")
+            producer.pool.get = times_out_once
+            return S.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", DropsTheConnection(), end_timeout=2)
+    async with asyncio.timeout(10):
+        await producer.start()
+        result = await producer.send_in_transaction("T", b"one")
+        await producer.shutdown()
+    server.close()
+    assert result.acknowledged and producer.end_acknowledged is True
+    assert [e.is_oneway for e in fake.ends] == [False]
