@@ -69,6 +69,9 @@ async def _call(fn, *args):
 
 
 _STATE_TEXT = {s: _field_text(s.value) for s in LocalTransactionState}    # commitOrRollback, as sent
+# END refusals that pass (disk over its watermark, the writer's queue full): the transaction stays pending on
+# the broker, so END is retried as a lost one is, and past the retries the check-back settles it
+_REFUSED_FOR_NOW = (ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_BUSY)
 
 
 def _end_command(fields: dict[str, str], remark: str | None) -> RemotingCommand:
@@ -190,7 +193,11 @@ class TransactionProducer(Producer):
                 self.end_acknowledged = False
                 self._oneway_since = self._clock()
                 return False
-            raise error
+            if resp.code not in _REFUSED_FOR_NOW:
+                raise error
+            log.info("END_TRANSACTION for %s refused for now: %s", msg_id, error)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
         log.warning("END_TRANSACTION for %s not acknowledged after %d attempts; the broker will check back",
                     msg_id, self.end_retries + 1)
         return False

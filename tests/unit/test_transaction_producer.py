@@ -24,6 +24,7 @@ class SilentEndBroker:
         self.got_end = asyncio.Event()
         self.addr = ""
         self.answer_end = False
+        self.refuse_end: list[int] = []         # codes the next END requests are answered with
 
     def handle(self, conn, cmd):
         if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
@@ -39,6 +40,8 @@ class SilentEndBroker:
         if cmd.code == RequestCode.END_TRANSACTION:
             self.ends.append(cmd)
             self.got_end.set()
+            if self.refuse_end and not cmd.is_oneway:
+                return cmd.response(self.refuse_end.pop(0), "refused for now")
             return cmd.response(ResponseCode.SUCCESS) if self.answer_end and not cmd.is_oneway else None
         return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED)
 
@@ -167,3 +170,35 @@ async def test_a_connect_timeout_before_end_is_retried_not_taken_for_a_broker_th
     server.close()
     assert result.acknowledged and producer.end_acknowledged is True
     assert [e.is_oneway for e in fake.ends] == [False]
+
+
+@pytest.mark.parametrize("code", [ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_BUSY])
+async def test_an_end_refused_for_now_is_retried_and_never_reported_as_a_failed_send(code):
+    """The broker refuses END for a moment (disk over its watermark: SERVICE_NOT_AVAILABLE; its writer
+    queue full: SYSTEM_BUSY); the transaction stays pending there. END is retried like a lost one, and
+    when the refusals outlast the retries send_in_transaction still returns, unacknowledged (the check-back
+    settles it). It raised the refusal instead: the caller saw a failed send for a half that is stored and a
+    local transaction that has run -- and retrying the send runs the local transaction again."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    runs = []
+
+    class Counts(Commit):
+        def execute_local_transaction(self, msg, arg):
+            runs.append(msg)
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", Counts(), end_timeout=2, end_retries=3)
+    async with asyncio.timeout(10):
+        await producer.start()
+        fake.refuse_end = [code, code]
+        first = await producer.send_in_transaction("T", b"refused twice, then acknowledged")
+        assert first.acknowledged and len(fake.ends) == 3
+        fake.refuse_end = [code] * 4
+        second = await producer.send_in_transaction("T", b"refused past the retries")
+        assert not second.acknowledged and second.state is S.COMMIT_MESSAGE and len(fake.ends) == 7
+        await producer.shutdown()
+    server.close()
+    assert len(runs) == 2 and producer.end_acknowledged is True
