@@ -151,8 +151,7 @@ class TransactionProducer(Producer):
             fields["msgId"] = fields["transactionId"] = msg_id
         if self.end_acknowledged is False:
             if self._clock() - self._oneway_since < self.end_probe_interval_s:
-                await self.pool.oneway(addr, _end_command(fields, remark))
-                return False
+                return await self._end_oneway(addr, fields, remark, msg_id)
             self.end_acknowledged = None            # probe: this END goes as a request again
             log.info("probing whether broker %s acknowledges END_TRANSACTION again", addr)
         delay = 0.05
@@ -176,8 +175,7 @@ class TransactionProducer(Producer):
                                  addr, self.end_probe_interval_s)
                         self.end_acknowledged = False
                         self._oneway_since = self._clock()
-                    await self.pool.oneway(addr, _end_command(fields, remark))
-                    return False
+                    return await self._end_oneway(addr, fields, remark, msg_id)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -200,6 +198,16 @@ class TransactionProducer(Producer):
             delay = min(delay * 2, 1.0)
         log.warning("END_TRANSACTION for %s not acknowledged after %d attempts; the broker will check back",
                     msg_id, self.end_retries + 1)
+        return False
+
+    async def _end_oneway(self, addr: str, fields: dict[str, str], remark: str | None, msg_id: str) -> bool:
+        """END oneway; False (unacknowledged) even when it cannot be sent: like any oneway END it may be lost,
+        and the check-back settles the transaction. Raised, it failed a send whose half is stored and whose
+        local transaction has run."""
+        try:
+            await self.pool.oneway(addr, _end_command(fields, remark))
+        except (ConnectionClosedError, RequestTimeoutError) as exc:
+            log.warning("END_TRANSACTION for %s could not be sent (%s); the broker will check back", msg_id, exc)
         return False
 
     # ------------------------------------------------------ broker's checks

@@ -10,7 +10,7 @@ from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.connection import RemotingConnection
-from protocol.errors import RequestTimeoutError
+from protocol.errors import ConnectionClosedError, RequestTimeoutError
 from protocol.message import offset_msg_id, pack_host
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
 
@@ -202,3 +202,39 @@ async def test_an_end_refused_for_now_is_retried_and_never_reported_as_a_failed_
         await producer.shutdown()
     server.close()
     assert len(runs) == 2 and producer.end_acknowledged is True
+
+
+async def test_a_oneway_end_that_cannot_be_sent_is_unacknowledged_not_a_failed_send():
+    """ENDs go oneway (the broker never answers them: Apache RocketMQ), and the connection drops between the
+    half and END with the broker not accepting connections yet. The oneway END is lost as any oneway may be;
+    the half is stored and the local transaction has run, so send_in_transaction returns it unacknowledged
+    (the check-back settles it), as the Java client does. It raised the connect error instead: a caller
+    retrying the send ran its local transaction again."""
+    fake = SilentEndBroker()
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    drop = False
+
+    class DropsTheConnection(Commit):
+        def execute_local_transaction(self, msg, arg):
+            if drop:
+                for conn in producer.pool.connections():
+                    conn.abort()
+                get = producer.pool.get
+
+                async def refused_once(addr):
+                    producer.pool.get = get
+                    raise ConnectionClosedError(f"cannot connect to {addr}: connection refused")
+                producer.pool.get = refused_once
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", DropsTheConnection(), end_timeout=0.3)
+    async with asyncio.timeout(10):
+        await producer.start()
+        await producer.send_in_transaction("T", b"END times out: oneway from now on")
+        assert producer.end_acknowledged is False
+        drop = True
+        result = await producer.send_in_transaction("T", b"its oneway END cannot be sent")
+        await producer.shutdown()
+    server.close()
+    assert not result.acknowledged and result.state is S.COMMIT_MESSAGE
