@@ -459,8 +459,11 @@ class ConnectionPool:
         # within one connect timeout when the peer cannot be reached (queued on a lock, each made its own
         # attempt after the one before it had timed out: the n-th waited n connect timeouts)
         self._connecting: dict[str, asyncio.Task] = {}
+        self._closed = False
 
     async def get(self, addr: str) -> RemotingConnection:
+        if self._closed:        # a late send, check answer or heartbeat must not reopen what close() closed
+            raise ConnectionClosedError(f"connection pool is closed: not connecting to {addr}")
         conn = self._conns.get(addr)
         if conn is not None and conn.is_open:
             return conn
@@ -475,6 +478,9 @@ class ConnectionPool:
         host, _, port = addr.rpartition(":")
         conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout,
                                      sign=self.sign, frames_per_turn=CLIENT_FRAMES_PER_TURN)
+        if self._closed:
+            conn.abort()
+            raise ConnectionClosedError(f"connection pool closed while connecting to {addr}")
         self._conns[addr] = conn
         return conn
 
@@ -495,6 +501,8 @@ class ConnectionPool:
         return [c for c in self._conns.values() if c.is_open]
 
     async def close(self) -> None:
+        """Close every connection; the pool opens none after this (``get`` raises ConnectionClosedError)."""
+        self._closed = True
         conns = list(self._conns.values())
         self._conns.clear()
         for conn in conns:

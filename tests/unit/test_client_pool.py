@@ -8,7 +8,7 @@ import pytest
 
 from protocol import connection
 from protocol.connection import ConnectionPool
-from protocol.errors import RequestTimeoutError
+from protocol.errors import ConnectionClosedError, RequestTimeoutError
 
 pytestmark = pytest.mark.asyncio
 
@@ -43,3 +43,26 @@ async def test_concurrent_gets_of_an_unreachable_broker_share_one_connect_timeou
         await asyncio.gather(*(get() for _ in range(2)))   # a later get tries again
         assert len(attempts) == 2
     await pool.close()
+
+
+async def test_a_closed_pool_opens_no_connection_again():
+    """After close() (a client's shutdown) nothing reopens a connection behind it: a send gathered in the
+    batching accumulator during the shutdown, the answer to a transaction check that was running, a
+    heartbeat. Each reopened one and left it open for good -- a socket the client never closes, a producer
+    still sending after its shutdown returned. They now fail with ConnectionClosedError, and a connect under
+    way when the pool closes is closed, not kept."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: connection.RemotingConnection(), "127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = ConnectionPool()
+    async with asyncio.timeout(10):
+        await pool.get(addr)
+        under_way = loop.create_task(pool.get(addr.replace("127.0.0.1", "localhost")))
+        await asyncio.sleep(0)
+        await pool.close()
+        with pytest.raises(ConnectionClosedError):
+            await pool.get(addr)
+        with pytest.raises(ConnectionClosedError):
+            await under_way
+        assert pool.connections() == [] and pool._conns == {}
+    server.close()
