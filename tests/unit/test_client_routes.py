@@ -129,3 +129,43 @@ async def test_a_route_the_name_server_forgets_for_a_moment_keeps_the_heartbeat_
             await producer.heartbeat()
             assert len(heartbeats) == 1                       # the producer still announces itself
             assert producer.routes.broker_addr("b") == cluster.live_addr
+
+
+async def test_shutdown_flushes_sends_gathered_while_it_waits_for_a_batch_in_flight(cluster):
+    """shutdown() flushes the accumulator: it ships what is gathered and waits for the batches in flight. A
+    send gathered meanwhile started a new batch, left to its linger timer; shutdown returned with it still
+    queued, closed the pool, and the send failed later (before the pool stayed closed: it was sent after
+    the shutdown, on a connection nobody closed). Every send gathered before the flush ends is now sent."""
+    release = asyncio.Event()
+    arrived = asyncio.Event()
+    batches = []
+    handle = cluster.handle
+
+    async def answer_later(cmd):
+        arrived.set()
+        await release.wait()
+        batches.append(cmd)
+        return cmd.response(ResponseCode.SUCCESS, None, {"msgId": ",".join(["0" * 32] * 2), "queueId": 0,
+                                                          "queueOffset": len(batches)})
+
+    def held(conn, cmd):
+        if cmd.code == RequestCode.SEND_BATCH_MESSAGE:
+            return answer_later(cmd)
+        return handle(conn, cmd)
+
+    cluster.handle = held
+    cluster.broker_addr = cluster.live_addr
+    async with asyncio.timeout(10):
+        producer = await Producer(cluster.live_addr, "PG", batch_size=2, linger_ms=3000).start()
+        await producer.routes.route("T")
+        first = [asyncio.ensure_future(producer.send("T", body)) for body in (b"a", b"b")]   # a full batch
+        await arrived.wait()
+        stopping = asyncio.ensure_future(producer.shutdown())
+        await asyncio.sleep(0)                                 # flushing: waiting for the batch in flight
+        late = asyncio.ensure_future(producer.send("T", b"c"))
+        while not producer._accumulator._pending:
+            await asyncio.sleep(0)
+        release.set()
+        await stopping
+        assert late.done() and late.result().queue.broker_name == "b"
+        assert all(f.result() for f in first) and len(batches) == 2
