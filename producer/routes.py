@@ -112,9 +112,12 @@ class RouteCache:
             route = await self.route(AUTO_CREATE_TOPIC, refresh=refresh)
             limit = self.default_queue_nums
             source = None
+        # a broker without a master in this route (its slave still registered) takes no sends, and the address
+        # an older route gave its master is stale: none of its queues, as in the Java client
+        masters = {bd.broker_name for bd in route.broker_datas if 0 in bd.broker_addrs}
         queues = []
         for qd in sorted(route.queue_datas, key=lambda q: q.broker_name):
-            if not qd.perm & Perm.WRITE:
+            if not qd.perm & Perm.WRITE or qd.broker_name not in masters:
                 continue
             n = qd.write_queue_nums if limit is None else min(limit, qd.read_queue_nums)
             queues.extend(MessageQueue(topic, qd.broker_name, i) for i in range(n))

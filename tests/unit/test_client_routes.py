@@ -169,3 +169,30 @@ async def test_shutdown_flushes_sends_gathered_while_it_waits_for_a_batch_in_fli
         await stopping
         assert late.done() and late.result().queue.broker_name == "b"
         assert all(f.result() for f in first) and len(batches) == 2
+
+
+async def test_sends_skip_a_broker_whose_route_names_no_master(cluster):
+    """Broker "b"'s master is gone and its slave still registered: the route keeps b's queues, with only
+    the slave's address (brokerId 1). A slave takes no sends, so the Java client publishes to no queue of a
+    broker without a master. Ours kept b's queues and sent to the master address an older route had given
+    -- a dead one -- so a send landing there failed or, with retries, cost a failed connect (a connect
+    timeout on a host that is down) before going elsewhere."""
+    routes = []
+    handle = cluster.handle
+
+    def two_brokers(conn, cmd):
+        if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+            routes.append(cmd)
+            b_addrs = {0: _dead_addr()} if len(routes) == 1 else {1: _dead_addr()}   # then: master gone
+            route = TopicRouteData([QueueData("a", 2, 2, 6), QueueData("b", 2, 2, 6)],
+                                   [BrokerData("c", "a", {0: cluster.live_addr}), BrokerData("c", "b", b_addrs)])
+            return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
+        return handle(conn, cmd)
+
+    cluster.handle = two_brokers
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG", retries=0) as producer:
+            await producer.routes.route("T")                  # b had a master then
+            await producer.routes.refresh_all()               # now only its slave
+            results = [await producer.send("T", b"x") for _ in range(8)]
+    assert {r.queue.broker_name for r in results} == {"a"} and cluster.sends == 8
