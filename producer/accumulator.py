@@ -68,10 +68,11 @@ class Accumulator:
         return fut
 
     async def flush(self) -> None:
-        """Send everything queued now and wait until every batch in flight has its answer."""
-        for topic in list(self._pending):
-            self._ship(topic)
-        while self._in_flight:
+        """Send everything queued now and wait until every batch in flight has its answer; what is gathered
+        meanwhile is sent too (left to its linger timer, it was still queued when the producer closed)."""
+        while self._pending or self._in_flight:
+            for topic in list(self._pending):
+                self._ship(topic)
             await asyncio.gather(*self._in_flight, return_exceptions=True)
 
     def _ship(self, topic: str) -> None:

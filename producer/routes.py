@@ -81,13 +81,15 @@ class RouteCache:
         self._routes.pop(topic, None)
 
     async def refresh_all(self) -> None:
-        """Fetch every cached route again (the background refresh); a failure keeps the old route."""
+        """Fetch every cached route again (the background refresh); a failure keeps the old route.
+
+        TOPIC_NOT_EXIST too, as in the Java client: a name server answers it while the topic's only broker is
+        away (unregistered on a clean stop) or before brokers register again after its own restart. Dropped,
+        the route's brokers would get no heartbeat, even once back, until a send asked for the topic again."""
         for topic in list(self._routes):
             try:
                 await self.route(topic, refresh=True)
-            except TopicNotExistError:
-                self._routes.pop(topic, None)
-            except Exception as exc:  # noqa: BLE001 - name server unreachable: keep serving the old one
+            except Exception as exc:  # noqa: BLE001 - name server unreachable or forgetful: keep the old one
                 log.info("route refresh of %s failed: %s", topic, exc)
 
     def cached_publish_queues(self, topic: str) -> list[MessageQueue] | None:
@@ -110,9 +112,12 @@ class RouteCache:
             route = await self.route(AUTO_CREATE_TOPIC, refresh=refresh)
             limit = self.default_queue_nums
             source = None
+        # a broker without a master in this route (its slave still registered) takes no sends, and the address
+        # an older route gave its master is stale: none of its queues, as in the Java client
+        masters = {bd.broker_name for bd in route.broker_datas if 0 in bd.broker_addrs}
         queues = []
         for qd in sorted(route.queue_datas, key=lambda q: q.broker_name):
-            if not qd.perm & Perm.WRITE:
+            if not qd.perm & Perm.WRITE or qd.broker_name not in masters:
                 continue
             n = qd.write_queue_nums if limit is None else min(limit, qd.read_queue_nums)
             queues.extend(MessageQueue(topic, qd.broker_name, i) for i in range(n))

@@ -69,6 +69,9 @@ async def _call(fn, *args):
 
 
 _STATE_TEXT = {s: _field_text(s.value) for s in LocalTransactionState}    # commitOrRollback, as sent
+# END refusals that pass (disk over its watermark, the writer's queue full): the transaction stays pending on
+# the broker, so END is retried as a lost one is, and past the retries the check-back settles it
+_REFUSED_FOR_NOW = (ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_BUSY)
 
 
 def _end_command(fields: dict[str, str], remark: str | None) -> RemotingCommand:
@@ -148,16 +151,22 @@ class TransactionProducer(Producer):
             fields["msgId"] = fields["transactionId"] = msg_id
         if self.end_acknowledged is False:
             if self._clock() - self._oneway_since < self.end_probe_interval_s:
-                await self.pool.oneway(addr, _end_command(fields, remark))
-                return False
+                return await self._end_oneway(addr, fields, remark, msg_id)
             self.end_acknowledged = None            # probe: this END goes as a request again
             log.info("probing whether broker %s acknowledges END_TRANSACTION again", addr)
         delay = 0.05
         for attempt in range(self.end_retries + 1):
             cmd = _end_command(fields, remark)
             try:
-                # the connection's future, awaited here (as Producer._send_text does): no coroutine per layer
                 conn = self.pool.cached(addr) or await self.pool.get(addr)
+            except (RequestTimeoutError, ConnectionClosedError):
+                # connecting failed or timed out: no END reached the broker, so this says nothing about
+                # whether it acknowledges one
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            try:
+                # the connection's future, awaited here (as Producer._send_text does): no coroutine per layer
                 resp = await conn.start_request(cmd, self.end_timeout)
             except RequestTimeoutError:
                 if self.end_acknowledged is not True:     # unknown, or a concurrent END just found out
@@ -166,8 +175,7 @@ class TransactionProducer(Producer):
                                  addr, self.end_probe_interval_s)
                         self.end_acknowledged = False
                         self._oneway_since = self._clock()
-                    await self.pool.oneway(addr, _end_command(fields, remark))
-                    return False
+                    return await self._end_oneway(addr, fields, remark, msg_id)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -183,9 +191,23 @@ class TransactionProducer(Producer):
                 self.end_acknowledged = False
                 self._oneway_since = self._clock()
                 return False
-            raise error
+            if resp.code not in _REFUSED_FOR_NOW:
+                raise error
+            log.info("END_TRANSACTION for %s refused for now: %s", msg_id, error)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
         log.warning("END_TRANSACTION for %s not acknowledged after %d attempts; the broker will check back",
                     msg_id, self.end_retries + 1)
+        return False
+
+    async def _end_oneway(self, addr: str, fields: dict[str, str], remark: str | None, msg_id: str) -> bool:
+        """END oneway; False (unacknowledged) even when it cannot be sent: like any oneway END it may be lost,
+        and the check-back settles the transaction. Raised, it failed a send whose half is stored and whose
+        local transaction has run."""
+        try:
+            await self.pool.oneway(addr, _end_command(fields, remark))
+        except (ConnectionClosedError, RequestTimeoutError) as exc:
+            log.warning("END_TRANSACTION for %s could not be sent (%s); the broker will check back", msg_id, exc)
         return False
 
     # ------------------------------------------------------ broker's checks

@@ -455,21 +455,34 @@ class ConnectionPool:
         self.sign = sign
         self.connect_timeout = connect_timeout
         self._conns: dict[str, RemotingConnection] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # addr -> the connect under way: every caller waiting for that connection shares it, so each fails
+        # within one connect timeout when the peer cannot be reached (queued on a lock, each made its own
+        # attempt after the one before it had timed out: the n-th waited n connect timeouts)
+        self._connecting: dict[str, asyncio.Task] = {}
+        self._closed = False
 
     async def get(self, addr: str) -> RemotingConnection:
+        if self._closed:        # a late send, check answer or heartbeat must not reopen what close() closed
+            raise ConnectionClosedError(f"connection pool is closed: not connecting to {addr}")
         conn = self._conns.get(addr)
         if conn is not None and conn.is_open:
             return conn
-        lock = self._locks.setdefault(addr, asyncio.Lock())
-        async with lock:
-            conn = self._conns.get(addr)
-            if conn is None or not conn.is_open:
-                host, _, port = addr.rpartition(":")
-                conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout,
-                                             sign=self.sign, frames_per_turn=CLIENT_FRAMES_PER_TURN)
-                self._conns[addr] = conn
-            return conn
+        connecting = self._connecting.get(addr)
+        if connecting is None:
+            connecting = self._connecting[addr] = asyncio.get_running_loop().create_task(self._connect(addr))
+            connecting.add_done_callback(
+                lambda t, a=addr: self._connecting.pop(a) if self._connecting.get(a) is t else None)
+        return await asyncio.shield(connecting)       # one caller cancelled does not cancel the others' connect
+
+    async def _connect(self, addr: str) -> RemotingConnection:
+        host, _, port = addr.rpartition(":")
+        conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout,
+                                     sign=self.sign, frames_per_turn=CLIENT_FRAMES_PER_TURN)
+        if self._closed:
+            conn.abort()
+            raise ConnectionClosedError(f"connection pool closed while connecting to {addr}")
+        self._conns[addr] = conn
+        return conn
 
     def cached(self, addr: str) -> RemotingConnection | None:
         """The open connection to ``addr``, or None (then ``get`` opens one): a send's fast path."""
@@ -488,6 +501,8 @@ class ConnectionPool:
         return [c for c in self._conns.values() if c.is_open]
 
     async def close(self) -> None:
+        """Close every connection; the pool opens none after this (``get`` raises ConnectionClosedError)."""
+        self._closed = True
         conns = list(self._conns.values())
         self._conns.clear()
         for conn in conns:

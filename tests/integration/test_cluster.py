@@ -224,6 +224,34 @@ async def test_a_killed_brokers_undecided_half_is_checked_when_it_returns(cluste
     assert await stored_count(a.broker, "TxCluster", 2) == 1
 
 
+@bounded(90)
+async def test_an_idle_producer_is_checked_after_its_only_broker_restarts_cleanly(cluster):
+    """A clean stop unregisters the broker, so the name server answers TOPIC_NOT_EXIST for its topics until
+    it is back. The producer's route refresh dropped such routes: it then knew no broker, sent no heartbeat
+    to the restarted one, and the broker -- with no channel of the group -- never asked it about its
+    undecided half. The routes are kept, the heartbeat reaches the broker at its new address, and the
+    check comes."""
+    tx_flags = ("--transaction-timeout-ms", "1000", "--transaction-check-interval-ms", "300")
+    c = cluster.start(*tx_flags, names=("broker-a",))
+    await create_topic(c.brokers["broker-a"].broker, "TxAlone", 1)
+    await wait_for_route(c.namesrv.addr, "TxAlone", {"broker-a"})
+    listener = UndecidedThenCommit()
+    producer = TransactionProducer(c.namesrv.addr, "PG_tx_alone", listener, heartbeat_interval_s=0.3,
+                                   route_refresh_interval_s=0.3)
+    await producer.start()
+    try:
+        sent = await producer.send_in_transaction("TxAlone", b"undecided")
+        assert sent.state is S.UNKNOW
+        c.brokers["broker-a"].stop()                      # SIGTERM: unregisters, before its first check
+        await wait_for_route(c.namesrv.addr, "TxAlone", set())
+        await producer.routes.refresh_all()               # what the background refresh does meanwhile
+        c.start_broker("broker-a", *tx_flags)             # same store, new port
+        await asyncio.wait_for(listener.checked_event.wait(), 30)
+        assert listener.checked == ["undecided"]
+    finally:
+        await producer.shutdown()
+
+
 @bounded(60)
 async def test_a_silent_broker_expires_and_comes_back_when_it_registers_again(cluster):
     """SIGSTOP keeps the broker's connection open but silences it: only the expiry can drop it."""

@@ -98,3 +98,101 @@ async def test_pull_resolves_routes_itself_and_refetches_after_a_routing_error(c
                 assert [m.body for m in (await fresh.pull(mq, 0)).messages] == [b"hello"]
             finally:
                 await fresh.shutdown()
+
+
+async def test_a_route_the_name_server_forgets_for_a_moment_keeps_the_heartbeat_going(cluster):
+    """A name server answers TOPIC_NOT_EXIST while the topic's broker is away (it unregistered on a clean
+    stop, or the name server restarted and brokers have not registered again yet). The background refresh
+    must keep the route it had, as the Java client does: dropped, the producer knows no broker, heartbeats
+    stop, and the broker forgets the producer after its channel expiry -- a transaction producer is then
+    never asked about its undecided transactions. Nothing is logged above INFO and nothing fails."""
+    forgets = False
+    handle = cluster.handle
+    heartbeats = []
+
+    def flaky(conn, cmd):
+        if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC and forgets:
+            return cmd.response(ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server")
+        if cmd.code == RequestCode.HEART_BEAT:
+            heartbeats.append(cmd)
+        return handle(conn, cmd)
+
+    cluster.handle = flaky
+    cluster.broker_addr = cluster.live_addr
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG", route_refresh_interval_s=3600) as producer:
+            await producer.send("T", b"x")
+            forgets = True
+            await producer.routes.refresh_all()               # the broker is away: the name server forgot it
+            forgets = False                                   # back
+            del heartbeats[:]
+            await producer.heartbeat()
+            assert len(heartbeats) == 1                       # the producer still announces itself
+            assert producer.routes.broker_addr("b") == cluster.live_addr
+
+
+async def test_shutdown_flushes_sends_gathered_while_it_waits_for_a_batch_in_flight(cluster):
+    """shutdown() flushes the accumulator: it ships what is gathered and waits for the batches in flight. A
+    send gathered meanwhile started a new batch, left to its linger timer; shutdown returned with it still
+    queued, closed the pool, and the send failed later (before the pool stayed closed: it was sent after
+    the shutdown, on a connection nobody closed). Every send gathered before the flush ends is now sent."""
+    release = asyncio.Event()
+    arrived = asyncio.Event()
+    batches = []
+    handle = cluster.handle
+
+    async def answer_later(cmd):
+        arrived.set()
+        await release.wait()
+        batches.append(cmd)
+        return cmd.response(ResponseCode.SUCCESS, None, {"msgId": ",".join(["0" * 32] * 2), "queueId": 0,
+                                                          "queueOffset": len(batches)})
+
+    def held(conn, cmd):
+        if cmd.code == RequestCode.SEND_BATCH_MESSAGE:
+            return answer_later(cmd)
+        return handle(conn, cmd)
+
+    cluster.handle = held
+    cluster.broker_addr = cluster.live_addr
+    async with asyncio.timeout(10):
+        producer = await Producer(cluster.live_addr, "PG", batch_size=2, linger_ms=3000).start()
+        await producer.routes.route("T")
+        first = [asyncio.ensure_future(producer.send("T", body)) for body in (b"a", b"b")]   # a full batch
+        await arrived.wait()
+        stopping = asyncio.ensure_future(producer.shutdown())
+        await asyncio.sleep(0)                                 # flushing: waiting for the batch in flight
+        late = asyncio.ensure_future(producer.send("T", b"c"))
+        while not producer._accumulator._pending:
+            await asyncio.sleep(0)
+        release.set()
+        await stopping
+        assert late.done() and late.result().queue.broker_name == "b"
+        assert all(f.result() for f in first) and len(batches) == 2
+
+
+async def test_sends_skip_a_broker_whose_route_names_no_master(cluster):
+    """Broker "b"'s master is gone and its slave still registered: the route keeps b's queues, with only
+    the slave's address (brokerId 1). A slave takes no sends, so the Java client publishes to no queue of a
+    broker without a master. Ours kept b's queues and sent to the master address an older route had given
+    -- a dead one -- so a send landing there failed or, with retries, cost a failed connect (a connect
+    timeout on a host that is down) before going elsewhere."""
+    routes = []
+    handle = cluster.handle
+
+    def two_brokers(conn, cmd):
+        if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+            routes.append(cmd)
+            b_addrs = {0: _dead_addr()} if len(routes) == 1 else {1: _dead_addr()}   # then: master gone
+            route = TopicRouteData([QueueData("a", 2, 2, 6), QueueData("b", 2, 2, 6)],
+                                   [BrokerData("c", "a", {0: cluster.live_addr}), BrokerData("c", "b", b_addrs)])
+            return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
+        return handle(conn, cmd)
+
+    cluster.handle = two_brokers
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG", retries=0) as producer:
+            await producer.routes.route("T")                  # b had a master then
+            await producer.routes.refresh_all()               # now only its slave
+            results = [await producer.send("T", b"x") for _ in range(8)]
+    assert {r.queue.broker_name for r in results} == {"a"} and cluster.sends == 8

@@ -10,6 +10,7 @@ from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.connection import RemotingConnection
+from protocol.errors import ConnectionClosedError, RequestTimeoutError
 from protocol.message import offset_msg_id, pack_host
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
 
@@ -23,6 +24,7 @@ class SilentEndBroker:
         self.got_end = asyncio.Event()
         self.addr = ""
         self.answer_end = False
+        self.refuse_end: list[int] = []         # codes the next END requests are answered with
 
     def handle(self, conn, cmd):
         if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
@@ -38,6 +40,8 @@ class SilentEndBroker:
         if cmd.code == RequestCode.END_TRANSACTION:
             self.ends.append(cmd)
             self.got_end.set()
+            if self.refuse_end and not cmd.is_oneway:
+                return cmd.response(self.refuse_end.pop(0), "refused for now")
             return cmd.response(ResponseCode.SUCCESS) if self.answer_end and not cmd.is_oneway else None
         return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED)
 
@@ -131,3 +135,106 @@ async def test_end_goes_to_the_broker_that_stored_the_half_even_when_the_route_m
         server.close()
     assert result.acknowledged and result.send_result.broker_addr == first.addr
     assert len(first.ends) == 1 and second.ends == [] and second.sends == 0
+
+
+async def test_a_connect_timeout_before_end_is_retried_not_taken_for_a_broker_that_never_answers_end():
+    """The connection drops between the half and END, and connecting again times out once (a SYN lost, a
+    full accept backlog). That is not the broker leaving END unanswered: END is retried as a request and
+    acknowledged. Taken for one, END went oneway unacknowledged, and so did every END of the producer, to
+    every broker, for end_probe_interval_s."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    class DropsTheConnection:
+        def execute_local_transaction(self, msg, arg):
+            for conn in producer.pool.connections():
+                conn.abort()
+            get = producer.pool.get
+
+            async def times_out_once(addr):
+                producer.pool.get = get
+                raise RequestTimeoutError(f"connecting to {addr} timed out after 3 s")
+            producer.pool.get = times_out_once
+            return S.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", DropsTheConnection(), end_timeout=2)
+    async with asyncio.timeout(10):
+        await producer.start()
+        result = await producer.send_in_transaction("T", b"one")
+        await producer.shutdown()
+    server.close()
+    assert result.acknowledged and producer.end_acknowledged is True
+    assert [e.is_oneway for e in fake.ends] == [False]
+
+
+@pytest.mark.parametrize("code", [ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_BUSY])
+async def test_an_end_refused_for_now_is_retried_and_never_reported_as_a_failed_send(code):
+    """The broker refuses END for a moment (disk over its watermark: SERVICE_NOT_AVAILABLE; its writer
+    queue full: SYSTEM_BUSY); the transaction stays pending there. END is retried like a lost one, and
+    when the refusals outlast the retries send_in_transaction still returns, unacknowledged (the check-back
+    settles it). It raised the refusal instead: the caller saw a failed send for a half that is stored and a
+    local transaction that has run -- and retrying the send runs the local transaction again."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    runs = []
+
+    class Counts(Commit):
+        def execute_local_transaction(self, msg, arg):
+            runs.append(msg)
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", Counts(), end_timeout=2, end_retries=3)
+    async with asyncio.timeout(10):
+        await producer.start()
+        fake.refuse_end = [code, code]
+        first = await producer.send_in_transaction("T", b"refused twice, then acknowledged")
+        assert first.acknowledged and len(fake.ends) == 3
+        fake.refuse_end = [code] * 4
+        second = await producer.send_in_transaction("T", b"refused past the retries")
+        assert not second.acknowledged and second.state is S.COMMIT_MESSAGE and len(fake.ends) == 7
+        await producer.shutdown()
+    server.close()
+    assert len(runs) == 2 and producer.end_acknowledged is True
+
+
+async def test_a_oneway_end_that_cannot_be_sent_is_unacknowledged_not_a_failed_send():
+    """ENDs go oneway (the broker never answers them: Apache RocketMQ), and the connection drops between the
+    half and END with the broker not accepting connections yet. The oneway END is lost as any oneway may be;
+    the half is stored and the local transaction has run, so send_in_transaction returns it unacknowledged
+    (the check-back settles it), as the Java client does. It raised the connect error instead: a caller
+    retrying the send ran its local transaction again."""
+    fake = SilentEndBroker()
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    drop = False
+
+    class DropsTheConnection(Commit):
+        def execute_local_transaction(self, msg, arg):
+            if drop:
+                for conn in producer.pool.connections():
+                    conn.abort()
+                get = producer.pool.get
+
+                async def refused_once(addr):
+                    producer.pool.get = get
+                    raise ConnectionClosedError(f"cannot connect to {addr}: connection refused")
+                producer.pool.get = refused_once
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", DropsTheConnection(), end_timeout=0.3)
+    async with asyncio.timeout(10):
+        await producer.start()
+        await producer.send_in_transaction("T", b"END times out: oneway from now on")
+        assert producer.end_acknowledged is False
+        drop = True
+        result = await producer.send_in_transaction("T", b"its oneway END cannot be sent")
+        await producer.shutdown()
+    server.close()
+    assert not result.acknowledged and result.state is S.COMMIT_MESSAGE

@@ -1,0 +1,68 @@
+"""ConnectionPool: sends waiting for the same connection share one connect attempt, so each fails within the
+connect timeout when the broker cannot be reached, not one connect timeout after another."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from protocol import connection
+from protocol.connection import ConnectionPool
+from protocol.errors import ConnectionClosedError, RequestTimeoutError
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_concurrent_gets_of_an_unreachable_broker_share_one_connect_timeout(monkeypatch):
+    """A black-holed broker (its host down, SYNs dropped): each connect attempt ends only at the connect
+    timeout. Every send waiting for that connection queued on the address's lock and then made its own
+    attempt, so the n-th of them failed after n connect timeouts -- 64 sends in flight, 64 x 3 s: a send
+    with a 3 s send_timeout waiting over three minutes."""
+    attempts = []
+
+    async def black_hole(host, port, handler=None, *, timeout, **kwargs):
+        attempts.append((host, port))
+        await asyncio.sleep(timeout)
+        raise RequestTimeoutError(f"connecting to {host}:{port} timed out after {timeout:.3g} s")
+
+    monkeypatch.setattr(connection, "open_connection", black_hole)
+    pool = ConnectionPool(connect_timeout=0.2)
+    loop = asyncio.get_running_loop()
+    ended = []
+
+    async def get():
+        t0 = loop.time()
+        with pytest.raises(RequestTimeoutError):
+            await pool.get("10.0.0.1:10911")
+        ended.append(loop.time() - t0)
+
+    async with asyncio.timeout(10):
+        await asyncio.gather(*(get() for _ in range(8)))
+        assert max(ended) < 0.6, ended                  # one connect timeout each, not up to eight
+        assert len(attempts) == 1
+        await asyncio.gather(*(get() for _ in range(2)))   # a later get tries again
+        assert len(attempts) == 2
+    await pool.close()
+
+
+async def test_a_closed_pool_opens_no_connection_again():
+    """After close() (a client's shutdown) nothing reopens a connection behind it: a send gathered in the
+    batching accumulator during the shutdown, the answer to a transaction check that was running, a
+    heartbeat. Each reopened one and left it open for good -- a socket the client never closes, a producer
+    still sending after its shutdown returned. They now fail with ConnectionClosedError, and a connect under
+    way when the pool closes is closed, not kept."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: connection.RemotingConnection(), "127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = ConnectionPool()
+    async with asyncio.timeout(10):
+        await pool.get(addr)
+        under_way = loop.create_task(pool.get(addr.replace("127.0.0.1", "localhost")))
+        await asyncio.sleep(0)
+        await pool.close()
+        with pytest.raises(ConnectionClosedError):
+            await pool.get(addr)
+        with pytest.raises(ConnectionClosedError):
+            await under_way
+        assert pool.connections() == [] and pool._conns == {}
+    server.close()
