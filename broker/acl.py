@@ -208,7 +208,9 @@ def resources(cmd) -> dict[str, int]:
 
     code = cmd.code
     if code in (R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE):
-        topic = f.get("topic") if code == R.SEND_MESSAGE else f.get("b")
+        # The topic the broker will write to, read as SendMessageRequestHeader.from_command reads it: under
+        # 310 and 320 the V2 field "b", or the V1 name when "b" is absent (else that header goes unchecked).
+        topic = f.get("b") if code != R.SEND_MESSAGE and "b" in f else f.get("topic")
         add(topic, SUB if topic is not None and topic.startswith(RETRY) else PUB)
     elif code == R.CONSUMER_SEND_MSG_BACK:
         add(_retry(f.get("group")), SUB)

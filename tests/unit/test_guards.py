@@ -90,6 +90,23 @@ def test_heartbeat_resources_come_from_the_body():
     assert t.check(_signed(R.HEART_BEAT, {}, body=body), "127.0.0.1") == "No default permission for topic:Other"
 
 
+def test_a_send_is_checked_against_the_topic_the_broker_reads_from_its_header():
+    """SEND_MESSAGE_V2 and SEND_BATCH_MESSAGE carry the V2 header ("b" the topic), but the broker also takes
+    the V1 field names under those codes (SendMessageRequestHeader.from_command). The ACL must check the
+    topic the broker will write to, whichever header carried it: a V1 header under code 310 or 320 named
+    no topic for the ACL, and a DENY account could write to any topic."""
+    from protocol.message import SendMessageRequestHeader
+
+    t = AclTable.parse(TABLE)
+    v1 = {"producerGroup": "PG", "topic": "Other", "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
+          "queueId": 0, "sysFlag": 0, "bornTimestamp": 1, "flag": 0, "properties": "", "reconsumeTimes": 0}
+    for code in (R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE):
+        cmd = _signed(code, dict(v1), body=b"x")
+        assert SendMessageRequestHeader.from_command(cmd).topic == "Other"
+        assert t.check(cmd, "127.0.0.1") == "No default permission for topic:Other", code
+        allowed_cmd = _signed(code, dict(v1, topic="Orders"), body=b"x")
+        assert t.check(allowed_cmd, "127.0.0.1") is None, code
+
 def test_reload_keeps_the_old_table_when_the_new_file_is_bad(tmp_path):
     path = tmp_path / "plain_acl.yml"
     path.write_text("accounts:\n  - accessKey: appuser\n    secretKey: app-secret\n")
