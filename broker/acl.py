@@ -156,7 +156,9 @@ class AclTable:
                 data = yaml.safe_load(fh)
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"ACL file {path}: {exc}") from None
-        return cls.parse(data or {}, path)
+        if not data:        # RocketMQ refuses it too: an empty file is not "no accounts", it refuses everyone
+            raise ConfigError(f"ACL file {path} has no data (empty, or only comments)")
+        return cls.parse(data, path)
 
     def check(self, cmd, host: str) -> str | None:
         """None when the request may go on, else RocketMQ's reason for refusing it."""

@@ -120,6 +120,20 @@ def test_reload_keeps_the_old_table_when_the_new_file_is_bad(tmp_path):
     assert acl.reload_if_changed() and set(acl.table.accounts) == {"other1"}
 
 
+def test_an_empty_acl_file_is_refused_not_taken_for_no_accounts(tmp_path):
+    """RocketMQ refuses a plain_acl.yml with no data ("file is not data"). Taken as a table with no accounts,
+    an empty file -- the moment a `cat new.yml > plain_acl.yml` has truncated it, a copy gone wrong, a file of
+    comments -- refused every request ("No acl config for ...") until the next good reload."""
+    path = tmp_path / "plain_acl.yml"
+    path.write_text("accounts:\n  - accessKey: appuser\n    secretKey: app-secret\n")
+    acl = PlainAcl(str(path))
+    for n, text in enumerate(("", "# nothing yet\n", "\n")):
+        path.write_text(text)
+        os.utime(path, ns=(10 + n, 10 + n))
+        assert not acl.reload_if_changed() and "appuser" in acl.table.accounts, repr(text)
+    with pytest.raises(ConfigError, match="no data"):
+        PlainAcl(str(path))
+
 class _Conn:
     def __init__(self, host="127.0.0.1"):
         self.peer = (host, 1)
