@@ -167,7 +167,7 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group config body is not usable: {exc}")
     log.info("subscription group %s updated by %s", cfg["groupName"], _peer(conn))
     try:
-        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode())
+        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode(), ctx.subscriptions.counter)
     except OSError as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group {cfg['groupName']} set but not "
                             f"saved: {exc}")
