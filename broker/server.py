@@ -280,7 +280,9 @@ class BrokerServer:
             "parked": [((), ctx.holds.parked)],
             "topics": [((), len(ctx.topics.topics))],
             "schedule": [((level,), n) for level, n in ctx.schedule.waiting()],
-            "oldest_half": [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
+            # (none on a slave: its index is the one it had at start-up, whose ages would only grow)
+            "oldest_half": [] if ha_roles.is_slave(self.config) else
+            [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.failed else 0)],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
