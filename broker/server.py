@@ -84,7 +84,7 @@ class BrokerServer:
         ctx.limits = Limits(c, self.metrics)
         if c.acl_file:
             ctx.acl = PlainAcl(c.acl_file)
-        elif (warning := exposure_warning(c)) is not None:
+        if (warning := exposure_warning(c)) is not None:
             log.warning("!" * 20 + " " + warning)
             print(f"WARNING: {warning}", file=sys.stderr, flush=True)
 
@@ -443,12 +443,19 @@ def _ha_gauges(ha) -> dict:
 
 
 def exposure_warning(config: BrokerConfig) -> str | None:
-    """What to shout when the broker listens beyond loopback with no access control."""
+    """What to shout when the broker listens beyond loopback with no access control, or with an HA port
+    the access control does not cover."""
     host = config.host
-    if config.acl_file or host in ("localhost", "::1") or host.startswith("127."):
+    if host in ("localhost", "::1") or host.startswith("127."):
         return None
-    return (f"txmq broker bound to {host or 'all interfaces'} WITHOUT an ACL file: anyone who reaches the "
-            f"port can send, create topics, decide transactions and delete data. Pass --acl-file plain_acl.yml.")
+    if not config.acl_file:
+        return (f"txmq broker bound to {host or 'all interfaces'} WITHOUT an ACL file: anyone who reaches the "
+                f"port can send, create topics, decide transactions and delete data. Pass --acl-file plain_acl.yml.")
+    if config.broker_role != "SLAVE" and config.ha_port >= 0:
+        return (f"txmq broker bound to {host or 'all interfaces'} with an HA port the ACL does not cover (as in "
+                "RocketMQ): anyone who reaches it is sent the whole commit log, every topic's messages, and a "
+                "SYNC_MASTER counts its reports as a slave's. Let only the slaves reach the HA port.")
+    return None
 
 
 async def _maybe_await(fn):

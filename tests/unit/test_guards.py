@@ -216,6 +216,21 @@ def test_exposure_warning_only_beyond_loopback_without_acl():
     assert "WITHOUT an ACL file" in exposure_warning(BrokerConfig(host="0.0.0.0"))
 
 
+
+def test_an_acl_does_not_hide_an_open_ha_port():
+    """The HA port answers no ACL (nor does RocketMQ's): whoever connects and reports 0 is sent the whole
+    commit log -- every topic's messages -- and a SYNC_MASTER counts its reports as a slave's. With an ACL
+    file the broker said nothing of it, as if the ACL covered the broker."""
+    from broker.server import exposure_warning
+    acl = dict(acl_file="plain_acl.yml")
+    warning = exposure_warning(BrokerConfig(host="0.0.0.0", ha_port=0, **acl))
+    assert warning is not None and "HA port" in warning and "ACL does not cover" in warning
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", broker_role="SYNC_MASTER", ha_port=10912, **acl))
+    assert exposure_warning(BrokerConfig(host="127.0.0.1", ha_port=0, **acl)) is None
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", **acl)) is None              # no HA listener
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", broker_role="SLAVE", broker_id=1, ha_port=0,
+                                         ha_master_addr="h:1", **acl)) is None         # a slave listens for none
+
 async def test_topic_flood_writes_the_catalogue_in_batches_off_the_loop(tmp_path, monkeypatch):
     import threading
 
