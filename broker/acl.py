@@ -156,7 +156,9 @@ class AclTable:
                 data = yaml.safe_load(fh)
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"ACL file {path}: {exc}") from None
-        return cls.parse(data or {}, path)
+        if not data:        # RocketMQ refuses it too: an empty file is not "no accounts", it refuses everyone
+            raise ConfigError(f"ACL file {path} has no data (empty, or only comments)")
+        return cls.parse(data, path)
 
     def check(self, cmd, host: str) -> str | None:
         """None when the request may go on, else RocketMQ's reason for refusing it."""
@@ -208,7 +210,9 @@ def resources(cmd) -> dict[str, int]:
 
     code = cmd.code
     if code in (R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE):
-        topic = f.get("topic") if code == R.SEND_MESSAGE else f.get("b")
+        # The topic the broker will write to, read as SendMessageRequestHeader.from_command reads it: under
+        # 310 and 320 the V2 field "b", or the V1 name when "b" is absent (else that header goes unchecked).
+        topic = f.get("b") if code != R.SEND_MESSAGE and "b" in f else f.get("topic")
         add(topic, SUB if topic is not None and topic.startswith(RETRY) else PUB)
     elif code == R.CONSUMER_SEND_MSG_BACK:
         add(_retry(f.get("group")), SUB)

@@ -171,8 +171,13 @@ class BrokerConfig:
             host, _, port = self.ha_master_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"broker_role=SLAVE needs --ha-master-addr HOST:PORT, not {self.ha_master_addr!r}")
-        elif self.ha_master_addr:
-            raise ConfigError(f"ha_master_addr is for a SLAVE; this broker is {self.broker_role}")
+        else:
+            if self.broker_id > 0:
+                raise ConfigError(f"broker_id={self.broker_id} is a slave's id, but broker_role={self.broker_role}: "
+                                  "name servers route a broker's topics only from its id 0 (RocketMQ sets a "
+                                  "master's id to 0)")
+            if self.ha_master_addr:
+                raise ConfigError(f"ha_master_addr is for a SLAVE; this broker is {self.broker_role}")
         for name in ("ha_slave_timeout_ms", "ha_slave_fallbehind_max", "ha_heartbeat_interval_ms",
                      "ha_housekeeping_interval_ms", "ha_transfer_batch_size"):
             if getattr(self, name) <= 0:

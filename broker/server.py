@@ -84,7 +84,7 @@ class BrokerServer:
         ctx.limits = Limits(c, self.metrics)
         if c.acl_file:
             ctx.acl = PlainAcl(c.acl_file)
-        elif (warning := exposure_warning(c)) is not None:
+        if (warning := exposure_warning(c)) is not None:
             log.warning("!" * 20 + " " + warning)
             print(f"WARNING: {warning}", file=sys.stderr, flush=True)
 
@@ -280,7 +280,9 @@ class BrokerServer:
             "parked": [((), ctx.holds.parked)],
             "topics": [((), len(ctx.topics.topics))],
             "schedule": [((level,), n) for level, n in ctx.schedule.waiting()],
-            "oldest_half": [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
+            # (none on a slave: its index is the one it had at start-up, whose ages would only grow)
+            "oldest_half": [] if ha_roles.is_slave(self.config) else
+            [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.failed else 0)],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
@@ -441,12 +443,19 @@ def _ha_gauges(ha) -> dict:
 
 
 def exposure_warning(config: BrokerConfig) -> str | None:
-    """What to shout when the broker listens beyond loopback with no access control."""
+    """What to shout when the broker listens beyond loopback with no access control, or with an HA port
+    the access control does not cover."""
     host = config.host
-    if config.acl_file or host in ("localhost", "::1") or host.startswith("127."):
+    if host in ("localhost", "::1") or host.startswith("127."):
         return None
-    return (f"txmq broker bound to {host or 'all interfaces'} WITHOUT an ACL file: anyone who reaches the "
-            f"port can send, create topics, decide transactions and delete data. Pass --acl-file plain_acl.yml.")
+    if not config.acl_file:
+        return (f"txmq broker bound to {host or 'all interfaces'} WITHOUT an ACL file: anyone who reaches the "
+                f"port can send, create topics, decide transactions and delete data. Pass --acl-file plain_acl.yml.")
+    if config.broker_role != "SLAVE" and config.ha_port >= 0:
+        return (f"txmq broker bound to {host or 'all interfaces'} with an HA port the ACL does not cover (as in "
+                "RocketMQ): anyone who reaches it is sent the whole commit log, every topic's messages, and a "
+                "SYNC_MASTER counts its reports as a slave's. Let only the slaves reach the HA port.")
+    return None
 
 
 async def _maybe_await(fn):

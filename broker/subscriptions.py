@@ -53,6 +53,7 @@ class SubscriptionGroups:
         self.timestamp = clock()
         self._write_lock = threading.Lock()
         self._load()
+        self._saved_counter = self.counter     # the newest table on disk (write)
 
     def _load(self) -> None:
         try:
@@ -90,12 +91,18 @@ class SubscriptionGroups:
         return dump({"dataVersion": {"counter": self.counter, "timestamp": self.timestamp},
                      "subscriptionGroupTable": table}).encode()
 
-    def write(self, data: bytes) -> None:
-        """Blocking (fsync, rename): call it off the loop."""
+    def write(self, data: bytes, counter: int | None = None) -> None:
+        """Blocking (fsync, rename): call it off the loop. ``counter``: the one ``data`` was encoded at; two
+        updates' writes run on two threads and may finish in either order, and an older table written
+        after a newer one would lose the newer update, so it is skipped."""
         tmp = self.path + ".tmp"
         with self._write_lock:
+            if counter is not None and counter < self._saved_counter:
+                return
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)
+            if counter is not None:
+                self._saved_counter = counter

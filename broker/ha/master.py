@@ -135,19 +135,33 @@ class HAMaster:
                     f"{self.store.max_physical_offset}: its log has diverged from this master's and it is not "
                     "counted for acknowledgements; rebuild the slave's store")
             if link.request_offset < 0:
+                self._check_start(link, offsets[0])
                 link.request_offset = offsets[0]
             link.acked = offsets[-1]
             self.watermark.advance(link.acked)
             link.reported.set()
 
-    def _start_offset(self, link: SlaveLink) -> int:
-        start = link.request_offset
+    def _check_start(self, link: SlaveLink, start: int) -> None:
+        """A slave's first report says where its log ends; before it counts, this master's log must have
+        a record boundary there (or end there). Anywhere else the two logs hold different bytes."""
         if start == 0:
-            return self.store.min_physical_offset   # a new slave: everything this master still holds
+            return                                  # a new slave
         if start < self.store.min_physical_offset:
             raise HAProtocolError(f"slave {link.peer} asks for offset {start}, but this master's log now starts "
                                   f"at {self.store.min_physical_offset}: it cannot catch up (start it afresh)")
-        return start
+        try:
+            chunk = self.store.replica_chunk(start, 1)
+        except ValueError as exc:
+            raise HAProtocolError(
+                f"slave {link.peer} reports its log ends at {start}, where this master's log has no record "
+                f"boundary ({exc}): its log has diverged from this master's and it is not counted for "
+                "acknowledgements; rebuild the slave's store") from None
+        if chunk is not None:
+            chunk.release()
+
+    def _start_offset(self, link: SlaveLink) -> int:
+        start = link.request_offset
+        return self.store.min_physical_offset if start == 0 else start   # 0: everything this master holds
 
     async def _send(self, link: SlaveLink, writer: asyncio.StreamWriter) -> None:
         await link.reported.wait()

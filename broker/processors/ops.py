@@ -123,9 +123,10 @@ def runtime_info(ctx) -> dict[str, str]:
         "txmqTopics": str(len(ctx.topics.topics)),
         "txmqConsumerGroups": str(len(ctx.clients.consumers)),
         "txmqProducerGroups": str(len(ctx.clients.producers)),
-        "txmqUndecidedTransactions": str(len(ctx.tx.pending) if ctx.tx is not None else 0),
         "txmqDiskRefusingWrites": str(disk.refusing).lower(),
     }
+    if ctx.tx is not None and ctx.config.broker_role != "SLAVE":    # a slave's index is its start-up one
+        info["txmqUndecidedTransactions"] = str(len(ctx.tx.pending))
     if index is not None:
         info.update(txmqIndexFiles=str(index["files"]), txmqIndexEntries=str(index["entries"]),
                     txmqIndexLastUpdateTimestamp=str(index["last_update_ts"]))
@@ -167,7 +168,7 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group config body is not usable: {exc}")
     log.info("subscription group %s updated by %s", cfg["groupName"], _peer(conn))
     try:
-        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode())
+        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode(), ctx.subscriptions.counter)
     except OSError as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group {cfg['groupName']} set but not "
                             f"saved: {exc}")

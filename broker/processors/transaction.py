@@ -64,6 +64,11 @@ async def _end_reply_later(cmd, answer):
 
 
 def list_transactions(ctx, conn, cmd):
+    if ctx.config.broker_role == "SLAVE":
+        # Its index is the one recovery built at start-up: the master's later halves and decisions reach its
+        # log but not its index (a slave runs no checks). That list would be a wrong answer, not a stale view.
+        return cmd.response(ResponseCode.SYSTEM_ERROR, "this broker is a SLAVE: it does not follow its master's "
+                            "undecided transactions; list them on the master")
     rows = ctx.tx.describe(cmd.str_field("group"), cmd.int_field("limit", 1000))
     return cmd.response(ResponseCode.SUCCESS, body=dumps({"pending": rows, "total": len(ctx.tx.pending),
                                                           "dead_lettered": ctx.tx.dead_count}))

@@ -116,6 +116,20 @@ async def test_producer_credentials_right_wrong_missing_unpermitted(acl_broker):
     assert 'txmq_requests_refused_total{reason="acl"}' in metrics
 
 
+
+async def test_a_v1_header_under_send_v2_is_checked_like_any_send(acl_broker):
+    """The broker reads a SEND_MESSAGE_V2 or SEND_BATCH_MESSAGE whose header has V1 names ("topic", not "b");
+    the ACL must check that topic too. It did not: a DENY account stored messages in any topic."""
+    b = acl_broker
+    assert (await _create(b, "OtherTopic")).code == ResponseCode.SUCCESS
+    v1 = {"producerGroup": "PG_acl", "topic": "OtherTopic", "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
+          "queueId": 0, "sysFlag": 0, "bornTimestamp": 1, "flag": 0, "properties": "", "reconsumeTimes": 0}
+    for code in (RequestCode.SEND_MESSAGE_V2, RequestCode.SEND_MESSAGE):
+        resp = await _request(b, code, v1, APP, b"not for appuser")
+        assert (resp.code, resp.remark) == (ResponseCode.NO_PERMISSION, "No default permission for topic:OtherTopic")
+    stored = await _request(b, RequestCode.GET_MAX_OFFSET, {"topic": "OtherTopic", "queueId": 0}, ADMIN)
+    assert stored.code == ResponseCode.SUCCESS and stored.ext_fields["offset"] == "0"
+
 def _scrape(b) -> str:
     import urllib.request
     with urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5) as resp:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 from pathlib import Path
@@ -220,3 +221,44 @@ async def test_through_a_name_server_consumers_fail_over_to_the_slave(tmp_path):
     finally:
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_slave_does_not_list_transactions_it_does_not_follow(broker_factory):
+    """A slave rebuilds its undecided-transaction index once, at start-up, and never follows its master's
+    halves and decisions after that (it runs no checks). Its TXMQ_LIST_TRANSACTIONS answered SUCCESS with
+    that start-up list -- here none, while the master holds one undecided transaction -- and its runtime
+    info counted the same. It refuses the list and says where to ask."""
+    from producer import LocalTransactionState, TransactionProducer
+
+    class Unknown:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    try:
+        async with TransactionProducer(master.namesrv, "PG_slave_tx", Unknown()) as producer:
+            await producer.send_in_transaction(TOPIC, b"undecided")
+
+        async def call(b, code):
+            return await pool.request(b.broker, RemotingCommand.request(code), 5.0)
+        listed = await call(master, RequestCode.TXMQ_LIST_TRANSACTIONS)
+        assert json.loads(listed.body_bytes())["total"] == 1
+
+        async def log_end(b):
+            info = await call(b, RequestCode.GET_BROKER_RUNTIME_INFO)
+            return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+        async with asyncio.timeout(20):
+            while await log_end(slave) < await log_end(master):     # the half is on the slave too
+                await asyncio.sleep(0.05)
+        on_slave = await call(slave, RequestCode.TXMQ_LIST_TRANSACTIONS)
+        assert on_slave.code != ResponseCode.SUCCESS, on_slave.body_bytes()
+        assert "SLAVE" in on_slave.remark and "master" in on_slave.remark
+        info = json.loads((await call(slave, RequestCode.GET_BROKER_RUNTIME_INFO)).body_bytes())["table"]
+        assert "txmqUndecidedTransactions" not in info
+    finally:
+        await pool.close()

@@ -98,3 +98,23 @@ def test_loop_histogram_exposes_what_prometheus_clients_histogram_does():
         return sorted(line for line in generate_latest(registry).decode().splitlines()
                       if line.startswith("lat_") and "_created" not in line)
     assert lines(ours) == lines(theirs)
+
+
+def test_a_master_must_be_broker_id_0():
+    """Name servers take a broker name's queues only from its id 0 (RocketMQ's MASTER_ID; RocketMQ's broker
+    forces a master's id to 0). A master started with --broker-id 1 registered as a slave of nobody: every
+    registration answered SUCCESS and none of its topics was ever routed (clients: TOPIC_NOT_EXIST). It is
+    refused at start-up, as a SLAVE with id 0 is."""
+    from broker.namesrv.table import RouteTable
+    from protocol.registration import DataVersion, RegisterBrokerBody, RegisteredTopic
+
+    table = RouteTable()
+    table.register(cluster="C", broker_addr="h:1", broker_name="b", broker_id=1, ha_server_addr="",
+                   body=RegisterBrokerBody({"T": RegisteredTopic("T", 4, 4, 6)}, DataVersion(1, 1), []), conn=None,
+                   now_ms=0)
+    assert table.route("T") is None                         # what such a master's clients were told
+    for role in ("ASYNC_MASTER", "SYNC_MASTER"):
+        with pytest.raises(ConfigError, match="broker_id"):
+            BrokerConfig(broker_role=role, broker_id=1, ha_port=0)
+    assert BrokerConfig(broker_role="SYNC_MASTER", ha_port=0).broker_id == 0
+    assert BrokerConfig(broker_role="SLAVE", broker_id=2, ha_master_addr="h:1").broker_id == 2

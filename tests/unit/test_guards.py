@@ -90,6 +90,23 @@ def test_heartbeat_resources_come_from_the_body():
     assert t.check(_signed(R.HEART_BEAT, {}, body=body), "127.0.0.1") == "No default permission for topic:Other"
 
 
+def test_a_send_is_checked_against_the_topic_the_broker_reads_from_its_header():
+    """SEND_MESSAGE_V2 and SEND_BATCH_MESSAGE carry the V2 header ("b" the topic), but the broker also takes
+    the V1 field names under those codes (SendMessageRequestHeader.from_command). The ACL must check the
+    topic the broker will write to, whichever header carried it: a V1 header under code 310 or 320 named
+    no topic for the ACL, and a DENY account could write to any topic."""
+    from protocol.message import SendMessageRequestHeader
+
+    t = AclTable.parse(TABLE)
+    v1 = {"producerGroup": "PG", "topic": "Other", "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
+          "queueId": 0, "sysFlag": 0, "bornTimestamp": 1, "flag": 0, "properties": "", "reconsumeTimes": 0}
+    for code in (R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE):
+        cmd = _signed(code, dict(v1), body=b"x")
+        assert SendMessageRequestHeader.from_command(cmd).topic == "Other"
+        assert t.check(cmd, "127.0.0.1") == "No default permission for topic:Other", code
+        allowed_cmd = _signed(code, dict(v1, topic="Orders"), body=b"x")
+        assert t.check(allowed_cmd, "127.0.0.1") is None, code
+
 def test_reload_keeps_the_old_table_when_the_new_file_is_bad(tmp_path):
     path = tmp_path / "plain_acl.yml"
     path.write_text("accounts:\n  - accessKey: appuser\n    secretKey: app-secret\n")
@@ -102,6 +119,20 @@ def test_reload_keeps_the_old_table_when_the_new_file_is_bad(tmp_path):
     os.utime(path, ns=(2, 2))
     assert acl.reload_if_changed() and set(acl.table.accounts) == {"other1"}
 
+
+def test_an_empty_acl_file_is_refused_not_taken_for_no_accounts(tmp_path):
+    """RocketMQ refuses a plain_acl.yml with no data ("file is not data"). Taken as a table with no accounts,
+    an empty file -- the moment a `cat new.yml > plain_acl.yml` has truncated it, a copy gone wrong, a file of
+    comments -- refused every request ("No acl config for ...") until the next good reload."""
+    path = tmp_path / "plain_acl.yml"
+    path.write_text("accounts:\n  - accessKey: appuser\n    secretKey: app-secret\n")
+    acl = PlainAcl(str(path))
+    for n, text in enumerate(("", "# nothing yet\n", "\n")):
+        path.write_text(text)
+        os.utime(path, ns=(10 + n, 10 + n))
+        assert not acl.reload_if_changed() and "appuser" in acl.table.accounts, repr(text)
+    with pytest.raises(ConfigError, match="no data"):
+        PlainAcl(str(path))
 
 class _Conn:
     def __init__(self, host="127.0.0.1"):
@@ -184,6 +215,21 @@ def test_exposure_warning_only_beyond_loopback_without_acl():
     assert exposure_warning(BrokerConfig(host="0.0.0.0", acl_file="plain_acl.yml")) is None
     assert "WITHOUT an ACL file" in exposure_warning(BrokerConfig(host="0.0.0.0"))
 
+
+
+def test_an_acl_does_not_hide_an_open_ha_port():
+    """The HA port answers no ACL (nor does RocketMQ's): whoever connects and reports 0 is sent the whole
+    commit log -- every topic's messages -- and a SYNC_MASTER counts its reports as a slave's. With an ACL
+    file the broker said nothing of it, as if the ACL covered the broker."""
+    from broker.server import exposure_warning
+    acl = dict(acl_file="plain_acl.yml")
+    warning = exposure_warning(BrokerConfig(host="0.0.0.0", ha_port=0, **acl))
+    assert warning is not None and "HA port" in warning and "ACL does not cover" in warning
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", broker_role="SYNC_MASTER", ha_port=10912, **acl))
+    assert exposure_warning(BrokerConfig(host="127.0.0.1", ha_port=0, **acl)) is None
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", **acl)) is None              # no HA listener
+    assert exposure_warning(BrokerConfig(host="0.0.0.0", broker_role="SLAVE", broker_id=1, ha_port=0,
+                                         ha_master_addr="h:1", **acl)) is None         # a slave listens for none
 
 async def test_topic_flood_writes_the_catalogue_in_batches_off_the_loop(tmp_path, monkeypatch):
     import threading

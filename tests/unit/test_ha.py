@@ -252,3 +252,50 @@ async def test_a_slave_ahead_of_its_master_is_dropped_not_counted():
     finally:
         server.close()
         master.close()
+
+
+async def test_a_slave_whose_log_end_is_no_record_boundary_here_is_dropped_not_counted():
+    """A slave's first report is where its log ends. If that is not where a record of this master's log
+    begins, the two logs differ (the master's store was replaced, or rebuilt from another copy, and has
+    grown past the slave's end): the slave holds other bytes. It was counted first -- a send waiting at
+    that moment was answered SUCCESS -- and only then did the sender fail, logged as a warning about a record
+    boundary. It is dropped before its report counts, and the log says the slave diverged."""
+    import logging
+    from types import SimpleNamespace
+
+    from broker.ha.codec import encode_offset
+    from broker.ha.master import HAMaster
+    from protocol.codes import ResponseCode
+
+    def replica_chunk(phys, limit):
+        if phys == 600:
+            raise ValueError("offset 600 of its segment is not a record boundary")
+        return None
+
+    store = SimpleNamespace(max_physical_offset=1000, min_physical_offset=0, replica_chunk=replica_chunk)
+    config = SimpleNamespace(broker_role="SYNC_MASTER", ha_transfer_batch_size=32 * 1024,
+                             ha_heartbeat_interval_ms=60_000, ha_housekeeping_interval_ms=60_000,
+                             ha_slave_fallbehind_max=1 << 28, ha_slave_timeout_ms=300)
+    master = HAMaster(store, config)
+    server = await asyncio.start_server(master.serve, "127.0.0.1", 0)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("txmq.ha").addHandler(handler)
+    try:
+        async with asyncio.timeout(10):
+            reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+            while not master.links:
+                await asyncio.sleep(0.01)
+            waiting = master.confirm(500)                           # a send stored up to 500 waits
+            writer.write(encode_offset(600))                        # "my log ends at 600"
+            await writer.drain()
+            assert await reader.read() == b""                       # dropped ...
+            writer.close()
+            assert await waiting == ResponseCode.FLUSH_SLAVE_TIMEOUT  # ... and it confirmed nothing
+        assert master.acked < 500
+        assert any(r.levelno >= logging.ERROR and "diverged" in r.getMessage() for r in records)
+    finally:
+        logging.getLogger("txmq.ha").removeHandler(handler)
+        server.close()
+        master.close()

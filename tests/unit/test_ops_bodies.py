@@ -81,3 +81,42 @@ def test_reset_needs_an_admin_and_reads_need_a_signature():
     assert t.check(signed(R.GET_CONSUME_STATS, {"consumerGroup": "G"}, app), "127.0.0.1") is None
     assert t.check(RemotingCommand.request(R.GET_CONSUME_STATS, {"consumerGroup": "G"}), "127.0.0.1") == \
         "No accessKey is configured"
+
+
+async def test_group_updates_whose_writes_finish_out_of_order_are_all_saved(tmp_path, monkeypatch):
+    """Each UPDATE_AND_CREATE_SUBSCRIPTIONGROUP writes the whole table on a worker thread. Two updates close
+    together write on two threads, in whichever order the threads get there: the first update's table (without
+    the second group) written last replaced the second's, both were answered SUCCESS, and the second group's
+    config was gone at the next start."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from broker.processors.ops import update_and_create_subscription_group
+    from protocol.codes import ResponseCode
+
+    groups = SubscriptionGroups(str(tmp_path), lambda: 42)
+    real = SubscriptionGroups.write
+    newer_written = threading.Event()
+
+    def write(self, data, *args):
+        if json.loads(data)["dataVersion"]["counter"] == 1:     # the first update's table: overtaken
+            assert newer_written.wait(10)
+            return real(self, data, *args)
+        try:
+            return real(self, data, *args)
+        finally:
+            newer_written.set()
+    monkeypatch.setattr(SubscriptionGroups, "write", write)
+    ctx = SimpleNamespace(subscriptions=groups)
+    conn = SimpleNamespace(peer=("127.0.0.1", 1))
+
+    def update(name):
+        body = json.dumps({"groupName": name, "consumeEnable": False}).encode()
+        return update_and_create_subscription_group(
+            ctx, conn, RemotingCommand.request(R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, body=body))
+    async with asyncio.timeout(20):
+        answers = await asyncio.gather(update("First"), update("Second"))
+    assert [a.code for a in answers] == [ResponseCode.SUCCESS] * 2
+    again = SubscriptionGroups(str(tmp_path), lambda: 43)
+    assert not again.consume_enabled("First") and not again.consume_enabled("Second")
