@@ -27,6 +27,7 @@ Outgoing frames produced in one event-loop iteration are written with one
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -470,9 +471,14 @@ class ConnectionPool:
         connecting = self._connecting.get(addr)
         if connecting is None:
             connecting = self._connecting[addr] = asyncio.get_running_loop().create_task(self._connect(addr))
-            connecting.add_done_callback(
-                lambda t, a=addr: self._connecting.pop(a) if self._connecting.get(a) is t else None)
+            connecting.add_done_callback(functools.partial(self._connect_done, addr))
         return await asyncio.shield(connecting)       # one caller cancelled does not cancel the others' connect
+
+    def _connect_done(self, addr: str, task: asyncio.Task) -> None:
+        if self._connecting.get(addr) is task:
+            del self._connecting[addr]
+        if not task.cancelled():
+            task.exception()    # retrieved: when every waiter was cancelled, its failure is no loop error
 
     async def _connect(self, addr: str) -> RemotingConnection:
         host, _, port = addr.rpartition(":")
