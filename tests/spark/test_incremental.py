@@ -97,3 +97,36 @@ def test_a_segment_no_task_can_read_is_one_line_naming_path_and_host(spark, tmp_
         run_rollup(spark, store, str(tmp_path / "out"), date="2024-03-10")
     text = str(err.value)
     assert "\n" not in text and f"cannot read {victim} on host " in text and "Is a directory" in text
+
+
+def test_a_half_whose_segment_retention_removed_leaves_the_undecided_count_when_dead_lettered(spark, tmp_path):
+    """The nightly order: D1 is rolled up while the half is undecided; on D2 the expiry dead-letters it
+    and removes its segment. D2's incremental rollup must count the dead letter, as the broker has no
+    undecided transaction left."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    with StoreBuilder(store, segment_size=4096) as b:
+        half = b.at(D1 + H).half("pg-x", "Pay")
+        for hour in range(26):
+            for i in range(3):
+                b.at(D1 + hour * H + i + 20).send("Orders", b"o" * 150, queue_id=i)
+    run_rollup(spark, store, out, date="2024-03-09")
+    day = [r for r in table(spark, out, "transactions", "2024-03-09")
+           if dict(r)["grain"] == "day" and dict(r)["producer_group"] == "pg-x"]
+    assert [dict(r)["undecided_at_end"] for r in day] == [1]
+
+    with StoreBuilder(store, segment_size=4096) as b:       # the broker's expiry on D2 at 01:15
+        b.at(D2 + H + 15 * 60_000).dead(half, "expired")
+        store_ = b.log.store
+        while store_.min_physical_offset <= half.offset:
+            oldest = b.log.loop.run_until_complete(store_.segment_facts())[0]
+            b.log.loop.run_until_complete(store_.remove_segment(oldest.name, "plan"))
+        for i in range(3):
+            b.at(D2 + 2 * H + i).send("Orders", b"o" * 150, queue_id=i)
+    one = run_rollup(spark, store, out, date="2024-03-10")
+    assert one["incremental"], one
+    rows = {dict(r)["producer_group"]: dict(r) for r in table(spark, out, "transactions", "2024-03-10")
+            if dict(r)["grain"] == "day"}
+    assert rows["pg-x"]["dead_letters"] == 1 and rows["pg-x"]["dead_letters_expired"] == 1
+    assert (rows["pg-x"]["undecided_at_end"], rows["*"]["undecided_at_end"]) == (0, 0)
