@@ -88,7 +88,7 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
         more = f" (and {len(errors) - 1} more file(s))" if len(errors) > 1 else ""
         raise StoreError(f"{job}: {errors[0]}{more}")
     ends = {r["segment"]: r["offset"] for r in notes if r["row"] == "end"}
-    damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"]
+    damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"] + holes(segments)
     damage.sort(key=lambda d: (d["segment"], d["position"]))
     rows = df.where(F.col("row").isin("rec", "msg", "seg"))
     if damage and not skip_damaged:
@@ -137,6 +137,19 @@ def read_halves(spark, scan: Scan, offsets: list[int]):
     scan.bytes_read += got.agg(F.sum("size")).first()[0] or 0
     log.info("read %d records outside the segments scanned (halves decided in them)", got.count())
     return got
+
+
+def holes(segments) -> list[dict]:
+    """Damage entries for places where a segment file does not run to the next one's start: a
+    segment missing from the middle of the log, or cut short (the broker will not start on either)."""
+    out = []
+    for seg, nxt in zip(segments, segments[1:]):
+        if seg.base + seg.size != nxt.base:
+            out.append({"segment": seg.name, "file": seg.path, "offset": seg.base + seg.size, "position": seg.size,
+                        "skipped_bytes": nxt.base - seg.base - seg.size,
+                        "reason": f"the log has a hole: this file ends at commit-log offset {seg.base + seg.size} "
+                                  f"but the next segment starts at {nxt.base} (a segment file missing or cut short)"})
+    return out
 
 
 def _segment_of(segments, offset: int):
