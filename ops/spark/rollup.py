@@ -338,7 +338,7 @@ class _StoreRollup:
                                       check_crc=check_crc, chunk_bytes=chunk_bytes, select=select)
         records = classify(scan.records)
         if self.since is not None:
-            extra = read_halves(spark, scan, _decided_elsewhere(records))
+            extra = read_halves(spark, scan, _decided_elsewhere(records), skip_damaged=skip_damaged)
             if extra is not None:
                 records = records.unionByName(classify(extra))
         self.per_half = half_summary(records).cache()

@@ -329,7 +329,8 @@ def _end_row(seg: Segment, pos: int) -> tuple:
 
 
 def read_records(items):
-    """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, or an err row."""
+    """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, a dmg row (no
+    record can be decoded there), or an err row."""
     for seg, offset in items:
         try:
             with open(seg.path, "rb") as f:
@@ -337,10 +338,14 @@ def read_records(items):
         except OSError as exc:
             yield error_row(seg, read_error(seg.path, exc))
             continue
+        pos = offset - seg.base
         try:
-            kind, msg, size = _step(mm, offset - seg.base, False)
+            kind, what, size = _step(mm, pos, False)
             if kind == "rec":
-                yield _record_row(seg, offset - seg.base, msg, size, msg.sys_flag & SysFlag.TRANSACTION_MASK)
+                yield _record_row(seg, pos, what, size, what.sys_flag & SysFlag.TRANSACTION_MASK)
+            else:
+                yield damage_row(seg, pos, what if kind == "damage" else f"no record at {pos}, where a "
+                                 "transaction record says its half is")
         finally:
             mm.close()
 

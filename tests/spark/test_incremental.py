@@ -25,7 +25,7 @@ D1, D2, D3 = 1709942400000, 1710028800000, 1710115200000
 DATES = ("2024-03-09", "2024-03-10", "2024-03-11")
 
 
-def build(d: str) -> None:
+def build(d: str) -> dict:
     with StoreBuilder(d, segment_size=4096) as b:
         late = {}
         for hour in range(72):
@@ -50,6 +50,7 @@ def build(d: str) -> None:
                 b.at(now + 10).resume(late["dead"])
             if now == D3 + 10 * H:
                 b.at(now + 10).commit(late["dead"])
+    return late
 
 
 def table(spark, out, name, date):
@@ -130,3 +131,23 @@ def test_a_half_whose_segment_retention_removed_leaves_the_undecided_count_when_
             if dict(r)["grain"] == "day"}
     assert rows["pg-x"]["dead_letters"] == 1 and rows["pg-x"]["dead_letters_expired"] == 1
     assert (rows["pg-x"]["undecided_at_end"], rows["*"]["undecided_at_end"]) == (0, 0)
+
+
+def test_a_damaged_half_read_for_a_decision_of_the_day_fails_clearly_or_is_reported(spark, tmp_path):
+    """The one record an incremental run reads outside the day's segments is checked like the rest:
+    a damaged one is an error, or a reported skip, never a decision silently left out."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    long = build(store)["long"]                        # stored D1 12:00, rolled back D3 02:00
+    run_rollup(spark, store, out)
+    path = os.path.join(store, "commitlog", f"{long.offset // 4096 * 4096:020d}")
+    with open(path, "r+b") as f:                       # TOPICLENGTH now runs past the record
+        f.seek(long.offset % 4096 + 88 + len(long.body))
+        f.write(b"\x7f")
+    with pytest.raises(StoreError) as err:
+        run_rollup(spark, store, out, date="2024-03-11")
+    assert f"{path} at byte {long.offset % 4096}" in str(err.value)
+    summary = run_rollup(spark, store, out, date="2024-03-11", skip_damaged=True)
+    assert summary["incremental"] and [(d["file"], d["position"]) for d in summary["damage"]] == [
+        (path, long.offset % 4096)]
