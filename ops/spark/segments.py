@@ -57,8 +57,11 @@ ACTIVE_REREAD_DELAY_S = 0.05
 # message.
 ROW_TOPICS = frozenset((HALF_TOPIC, OP_TOPIC, DEAD_TOPIC))
 # Not user traffic. SCHEDULE_TOPIC_XXXX holds delayed messages before they reach their real
-# topic, so counting it would count them twice.
+# topic, so counting it would count them twice; so does rmq_sys_wheel_timer for timer messages.
+# RMQ_SYS_* (the transaction topics) and rmq_sys_* (RocketMQ 5's prefix: the timer topic, the
+# scheduler's progress records) are the broker's own.
 SYSTEM_TOPICS = frozenset((DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX"))
+SYSTEM_PREFIXES = ("RMQ_SYS_", "rmq_sys_")
 NO_GROUP = "-"
 HOUR_MS = 3_600_000
 _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
@@ -84,7 +87,7 @@ _TAIL = (None,) * 6
 
 def is_traffic(topic: str, tx_type: int) -> bool:
     """User traffic: not a system topic, and a record a consume queue indexes (NOT / COMMIT)."""
-    return (tx_type in _INDEXED and not topic.startswith("RMQ_SYS_") and topic not in SYSTEM_TOPICS)
+    return (tx_type in _INDEXED and not topic.startswith(SYSTEM_PREFIXES) and topic not in SYSTEM_TOPICS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,3 +243,17 @@ def test_the_segment_before_the_brokers_unwritten_spare_is_still_the_active_one(
     rows = _rows(seg.plan_chunks(d, 1 << 40)[1])
     assert not [r for r in rows if r[0] == "dmg"]
     assert sum(r[18] for r in rows if r[0] == "seg") == len(written)
+
+
+def test_timer_messages_and_scheduler_progress_are_not_counted_as_traffic(tmp_path):
+    """A timer message waits on rmq_sys_wheel_timer and is counted when delivered to its real topic
+    (as SCHEDULE_TOPIC_XXXX's delayed messages are); the scheduler's progress records are nobody's
+    traffic. RocketMQ 5 names its system topics rmq_sys_*."""
+    d = str(tmp_path / "store")
+    with StoreBuilder(d) as b:
+        b.at(T0).send("rmq_sys_wheel_timer", b"later", props={"TIMER_DELAY_SEC": "60", "REAL_TOPIC": "Orders",
+                                                               "REAL_QID": "0"})
+        b.at(T0 + 1).send("rmq_sys_schedule_progress", b"{}")
+        b.at(T0 + 60_000).send("Orders", b"later")            # the same message, delivered
+    rows = [dict(zip(seg.ROW_FIELDS, r)) for r in _rows(seg.plan_chunks(d, 1 << 40)[1])]
+    assert {(r["topic"], r["n"]) for r in rows if r["row"] == "msg"} == {("Orders", 1)}
