@@ -1,6 +1,6 @@
 """The 72-hour expiry plan: which undecided halves and which sealed segments may go, and what that costs whom.
 
-RocketMQ's retention (fileReservedTime): a sealed segment (every segment but the newest) is
+RocketMQ's retention (fileReservedTime): a sealed segment (not one being written) is
 listed when its newest record is strictly older than the retention and nothing in it is
 damaged, consumed or not. Segments are listed oldest first and only as an unbroken run from
 the oldest: the store's first offset is its first segment's start. Each is listed with its
@@ -93,7 +93,9 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
             .collect())}
         damaged = {d["segment"] for d in scan.damage}
         chosen = []
-        for seg in scan.segments[:-1]:              # the newest segment is never sealed
+        for seg in scan.segments:
+            if seg.active:                          # the newest, or the one before the broker's spare
+                break
             info = per_segment.get(seg.name)
             why = (("it is damaged" if seg.name in damaged else None)
                    or ("no record could be read from it" if info is None or seg.name not in scan.ends else None)

@@ -88,7 +88,7 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
         more = f" (and {len(errors) - 1} more file(s))" if len(errors) > 1 else ""
         raise StoreError(f"{job}: {errors[0]}{more}")
     ends = {r["segment"]: r["offset"] for r in notes if r["row"] == "end"}
-    damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"]
+    damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"] + holes(segments)
     damage.sort(key=lambda d: (d["segment"], d["position"]))
     rows = df.where(F.col("row").isin("rec", "msg", "seg"))
     if damage and not skip_damaged:
@@ -112,10 +112,12 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
                 list(chosen), ends, bytes_read)
 
 
-def read_halves(spark, scan: Scan, offsets: list[int]):
+def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = False):
     """rec rows of the records at these commit-log offsets (halves an incremental scan did not
     read but whose decisions it met), read one record each in Spark tasks; also adds their
-    bytes to scan.bytes_read. Offsets whose segment is gone are skipped."""
+    bytes to scan.bytes_read. Offsets whose segment is gone are skipped. A record that does not
+    decode is damage, as in scan_store: StoreError, or with skip_damaged left out and added to
+    scan.damage."""
     from pyspark.sql import functions as F
 
     read = {s.name for s in scan.read}
@@ -129,14 +131,39 @@ def read_halves(spark, scan: Scan, offsets: list[int]):
     sc = spark.sparkContext
     rdd = sc.parallelize(items, min(len(items), sc.defaultParallelism)).mapPartitions(seg_mod.read_records)
     df = spark.createDataFrame(rdd, record_schema(), verifySchema=False).cache()
-    errors = [r["damage"] for r in df.where(F.col("row") == "err").select("damage").collect()]
+    notes = df.where(F.col("row").isin("dmg", "err")).select("row", "segment", "offset", "size", "damage").collect()
+    errors = [r["damage"] for r in notes if r["row"] == "err"]
     if errors:
         df.unpersist()
         raise StoreError(errors[0])
+    damage = sorted((_damage_dict(r, scan.segments) for r in notes), key=lambda d: (d["segment"], d["position"]))
+    if damage and not skip_damaged:
+        df.unpersist()
+        first = damage[0]
+        more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
+        raise StoreError(f"rollup: damaged half in {first['file']} at byte {first['position']}: {first['reason']}"
+                         f"{more}; rerun with --skip-damaged to leave it out", segment=first["file"],
+                         position=first["position"])
+    for d in damage:
+        log.warning("rollup: left out the damaged half in %s at byte %d: %s", d["file"], d["position"], d["reason"])
+    scan.damage += damage
     got = df.where(F.col("row") == "rec")
     scan.bytes_read += got.agg(F.sum("size")).first()[0] or 0
     log.info("read %d records outside the segments scanned (halves decided in them)", got.count())
     return got
+
+
+def holes(segments) -> list[dict]:
+    """Damage entries for places where a segment file does not run to the next one's start: a
+    segment missing from the middle of the log, or cut short (the broker will not start on either)."""
+    out = []
+    for seg, nxt in zip(segments, segments[1:]):
+        if seg.base + seg.size != nxt.base:
+            out.append({"segment": seg.name, "file": seg.path, "offset": seg.base + seg.size, "position": seg.size,
+                        "skipped_bytes": nxt.base - seg.base - seg.size,
+                        "reason": f"the log has a hole: this file ends at commit-log offset {seg.base + seg.size} "
+                                  f"but the next segment starts at {nxt.base} (a segment file missing or cut short)"})
+    return out
 
 
 def _segment_of(segments, offset: int):

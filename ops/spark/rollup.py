@@ -132,13 +132,17 @@ def transactions_table(spark, s, dates, since: int | None = None, baseline: list
         .select(*KEYS, "producer_group", "decided", F.col("p")[0].alias("latency_p50_ms"),
                 F.col("p")[1].alias("latency_p95_ms"), F.col("p")[2].alias("latency_p99_ms"), "latency_max_ms"))
 
-    # +1 at the half, -1 at its decision, -1 / +1 at DEAD / RESUME ops before the decision.
-    events = s.where(F.col("h").isNotNull()).select(F.col("group").alias("producer_group"), F.explode(F.concat(
-        F.array(ev(F.col("h.ts").alias("ts"), F.lit(1).alias("delta"))),
-        F.when(F.col("decision").isNotNull(), F.array(ev(F.col("decision.ts").alias("ts"),
-                                                         F.lit(-1).alias("delta")))).otherwise(F.array()),
-        F.transform("toggles", lambda t: ev(t["ts"].alias("ts"), t["delta"].alias("delta"))),
-    )).alias("e"))
+    # +1 at the half, -1 at its decision, -1 / +1 at DEAD / RESUME ops before the decision. A half whose
+    # segment retention removed (after dead-lettering it) has only its ops left: over the whole store it
+    # counts for nothing, but an incremental run's baseline counted it undecided, so its ops still count.
+    known = F.col("h").isNotNull()
+    events = (s if since is not None else s.where(known)).select(
+        F.col("group").alias("producer_group"), F.explode(F.concat(
+            F.when(known, F.array(ev(F.col("h.ts").alias("ts"), F.lit(1).alias("delta")))).otherwise(F.array()),
+            F.when(F.col("decision").isNotNull(), F.array(ev(F.col("decision.ts").alias("ts"),
+                                                             F.lit(-1).alias("delta")))).otherwise(F.array()),
+            F.transform("toggles", lambda t: ev(t["ts"].alias("ts"), t["delta"].alias("delta"))),
+        )).alias("e"))
     if since is not None:
         events = events.where(F.col("e.ts") >= since)
     per_hour = (_all_groups(events).groupBy("producer_group", (F.floor(F.col("e.ts") / HOUR) * HOUR).alias("bucket"))
@@ -334,7 +338,7 @@ class _StoreRollup:
                                       check_crc=check_crc, chunk_bytes=chunk_bytes, select=select)
         records = classify(scan.records)
         if self.since is not None:
-            extra = read_halves(spark, scan, _decided_elsewhere(records))
+            extra = read_halves(spark, scan, _decided_elsewhere(records), skip_damaged=skip_damaged)
             if extra is not None:
                 records = records.unionByName(classify(extra))
         self.per_half = half_summary(records).cache()

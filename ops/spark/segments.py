@@ -8,7 +8,9 @@ Where the written data of a segment ends (spec 7.1):
     at byte p            meaning
     TOTALSIZE, MESSAGE   a record: decode it, go on at p + TOTALSIZE
     size, BLANK_MAGIC    end-of-segment marker: the segment is sealed, nothing follows
-    zeros to file end    end of written data (the active segment, or fewer than 8 bytes left)
+    zeros to file end    end of written data in the active segment; in a sealed one (the
+                         broker always ends those with the marker) damage: records were lost
+    end of the file      the same: a sealed segment cut short is damage
     anything else        damage: a torn or corrupt record. The scan names the file and p.
 
 A record whose magic is right but which does not decode (length past the file, fields that
@@ -37,7 +39,7 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from protocol.codes import SysFlag
 from protocol.errors import ProtocolError, StoreError
@@ -55,8 +57,11 @@ ACTIVE_REREAD_DELAY_S = 0.05
 # message.
 ROW_TOPICS = frozenset((HALF_TOPIC, OP_TOPIC, DEAD_TOPIC))
 # Not user traffic. SCHEDULE_TOPIC_XXXX holds delayed messages before they reach their real
-# topic, so counting it would count them twice.
+# topic, so counting it would count them twice; so does rmq_sys_wheel_timer for timer messages.
+# RMQ_SYS_* (the transaction topics) and rmq_sys_* (RocketMQ 5's prefix: the timer topic, the
+# scheduler's progress records) are the broker's own.
 SYSTEM_TOPICS = frozenset((DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX"))
+SYSTEM_PREFIXES = ("RMQ_SYS_", "rmq_sys_")
 NO_GROUP = "-"
 HOUR_MS = 3_600_000
 _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
@@ -82,7 +87,7 @@ _TAIL = (None,) * 6
 
 def is_traffic(topic: str, tx_type: int) -> bool:
     """User traffic: not a system topic, and a record a consume queue indexes (NOT / COMMIT)."""
-    return (tx_type in _INDEXED and not topic.startswith("RMQ_SYS_") and topic not in SYSTEM_TOPICS)
+    return (tx_type in _INDEXED and not topic.startswith(SYSTEM_PREFIXES) and topic not in SYSTEM_TOPICS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +96,7 @@ class Segment:
     path: str
     base: int           # commit-log offset of byte 0
     size: int           # file size in bytes
-    active: bool        # the newest segment: still being written
+    active: bool        # still being written: the newest segment, or the one before its unwritten spare
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,7 @@ def require_store(store_dir: str) -> None:
 
 
 def list_segments(store_dir: str) -> list[Segment]:
-    """The commit-log segments of a store, oldest first; the newest one is the active one."""
+    """The commit-log segments of a store, oldest first; the newest (or the one before its spare) is active."""
     if not os.path.isdir(store_dir):
         raise StoreError(f"store directory {store_dir} does not exist on host {socket.gethostname()} (the driver)")
     directory = os.path.join(store_dir, "commitlog")
@@ -136,7 +141,19 @@ def list_segments(store_dir: str) -> list[Segment]:
     for i, name in enumerate(names):
         path = os.path.join(directory, name)
         out.append(Segment(name, path, int(name), os.path.getsize(path), i == len(names) - 1))
+    # The broker creates the next segment before it needs it (broker/store/reserve.py): until that
+    # spare holds a record, the segment before it is the one being written, with no end marker yet.
+    if len(out) > 1 and _unwritten(out[-1]):
+        out[-2] = replace(out[-2], active=True)
     return out
+
+
+def _unwritten(seg: Segment) -> bool:
+    try:
+        with open(seg.path, "rb") as f:
+            return not any(f.read(8))
+    except OSError:
+        return False
 
 
 def _open(path: str):
@@ -213,13 +230,13 @@ def _partials(seg: Segment, chunk_offset: int, traffic: dict, queues: dict):
 
 
 def _step(mm, pos: int, check_crc: bool):
-    """What is at pos: ('rec', msg, size) | ('end', None, 0) | ('damage', reason, 0)."""
+    """What is at pos: ('rec', msg, size) | ('marker' | 'end', None, 0) | ('damage', reason, 0)."""
     end = len(mm)
     if end - pos < 8:
         return "end", None, 0
     size, magic = peek_record(mm, pos)
     if magic == BLANK_MAGIC:
-        return "end", None, 0
+        return "marker", None, 0
     if magic == MESSAGE_MAGIC:
         try:
             msg, size = decode_record(mm, pos, check_crc=check_crc)
@@ -245,10 +262,13 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
     if mm is None:
         if chunk.last:
             yield _end_row(seg, 0)
+            if not seg.active:
+                yield _unsealed(seg, 0)
         return
     traffic: dict = {}
     queues: dict = {}
     damage = None
+    kind = None
     try:
         pos = chunk.start
         while pos < chunk.end:
@@ -259,7 +279,7 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
                 time.sleep(ACTIVE_REREAD_DELAY_S)
                 rereads -= 1
                 kind, what, size = _step(mm, pos, check_crc)
-            if kind == "end":
+            if kind in ("end", "marker"):
                 break
             if kind == "damage":
                 damage = damage_row(seg, pos, what)
@@ -296,8 +316,15 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
     yield from _partials(seg, seg.base + chunk.start, traffic, queues)
     if chunk.last:
         yield _end_row(seg, pos)
+        if damage is None and kind != "marker" and not seg.active:
+            damage = _unsealed(seg, pos)
     if damage:
         yield damage
+
+
+def _unsealed(seg: Segment, pos: int) -> tuple:
+    return damage_row(seg, pos, f"sealed segment's data stops at byte {pos} without its end marker: the file "
+                                "was cut short or zeroed, and the records after it are lost")
 
 
 def _end_row(seg: Segment, pos: int) -> tuple:
@@ -305,7 +332,8 @@ def _end_row(seg: Segment, pos: int) -> tuple:
 
 
 def read_records(items):
-    """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, or an err row."""
+    """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, a dmg row (no
+    record can be decoded there), or an err row."""
     for seg, offset in items:
         try:
             with open(seg.path, "rb") as f:
@@ -313,10 +341,14 @@ def read_records(items):
         except OSError as exc:
             yield error_row(seg, read_error(seg.path, exc))
             continue
+        pos = offset - seg.base
         try:
-            kind, msg, size = _step(mm, offset - seg.base, False)
+            kind, what, size = _step(mm, pos, False)
             if kind == "rec":
-                yield _record_row(seg, offset - seg.base, msg, size, msg.sys_flag & SysFlag.TRANSACTION_MASK)
+                yield _record_row(seg, pos, what, size, what.sys_flag & SysFlag.TRANSACTION_MASK)
+            else:
+                yield damage_row(seg, pos, what if kind == "damage" else f"no record at {pos}, where a "
+                                 "transaction record says its half is")
         finally:
             mm.close()
 

@@ -25,7 +25,7 @@ D1, D2, D3 = 1709942400000, 1710028800000, 1710115200000
 DATES = ("2024-03-09", "2024-03-10", "2024-03-11")
 
 
-def build(d: str) -> None:
+def build(d: str) -> dict:
     with StoreBuilder(d, segment_size=4096) as b:
         late = {}
         for hour in range(72):
@@ -50,6 +50,7 @@ def build(d: str) -> None:
                 b.at(now + 10).resume(late["dead"])
             if now == D3 + 10 * H:
                 b.at(now + 10).commit(late["dead"])
+    return late
 
 
 def table(spark, out, name, date):
@@ -97,3 +98,56 @@ def test_a_segment_no_task_can_read_is_one_line_naming_path_and_host(spark, tmp_
         run_rollup(spark, store, str(tmp_path / "out"), date="2024-03-10")
     text = str(err.value)
     assert "\n" not in text and f"cannot read {victim} on host " in text and "Is a directory" in text
+
+
+def test_a_half_whose_segment_retention_removed_leaves_the_undecided_count_when_dead_lettered(spark, tmp_path):
+    """The nightly order: D1 is rolled up while the half is undecided; on D2 the expiry dead-letters it
+    and removes its segment. D2's incremental rollup must count the dead letter, as the broker has no
+    undecided transaction left."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    with StoreBuilder(store, segment_size=4096) as b:
+        half = b.at(D1 + H).half("pg-x", "Pay")
+        for hour in range(26):
+            for i in range(3):
+                b.at(D1 + hour * H + i + 20).send("Orders", b"o" * 150, queue_id=i)
+    run_rollup(spark, store, out, date="2024-03-09")
+    day = [r for r in table(spark, out, "transactions", "2024-03-09")
+           if dict(r)["grain"] == "day" and dict(r)["producer_group"] == "pg-x"]
+    assert [dict(r)["undecided_at_end"] for r in day] == [1]
+
+    with StoreBuilder(store, segment_size=4096) as b:       # the broker's expiry on D2 at 01:15
+        b.at(D2 + H + 15 * 60_000).dead(half, "expired")
+        store_ = b.log.store
+        while store_.min_physical_offset <= half.offset:
+            oldest = b.log.loop.run_until_complete(store_.segment_facts())[0]
+            b.log.loop.run_until_complete(store_.remove_segment(oldest.name, "plan"))
+        for i in range(3):
+            b.at(D2 + 2 * H + i).send("Orders", b"o" * 150, queue_id=i)
+    one = run_rollup(spark, store, out, date="2024-03-10")
+    assert one["incremental"], one
+    rows = {dict(r)["producer_group"]: dict(r) for r in table(spark, out, "transactions", "2024-03-10")
+            if dict(r)["grain"] == "day"}
+    assert rows["pg-x"]["dead_letters"] == 1 and rows["pg-x"]["dead_letters_expired"] == 1
+    assert (rows["pg-x"]["undecided_at_end"], rows["*"]["undecided_at_end"]) == (0, 0)
+
+
+def test_a_damaged_half_read_for_a_decision_of_the_day_fails_clearly_or_is_reported(spark, tmp_path):
+    """The one record an incremental run reads outside the day's segments is checked like the rest:
+    a damaged one is an error, or a reported skip, never a decision silently left out."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    long = build(store)["long"]                        # stored D1 12:00, rolled back D3 02:00
+    run_rollup(spark, store, out)
+    path = os.path.join(store, "commitlog", f"{long.offset // 4096 * 4096:020d}")
+    with open(path, "r+b") as f:                       # TOPICLENGTH now runs past the record
+        f.seek(long.offset % 4096 + 88 + len(long.body))
+        f.write(b"\x7f")
+    with pytest.raises(StoreError) as err:
+        run_rollup(spark, store, out, date="2024-03-11")
+    assert f"{path} at byte {long.offset % 4096}" in str(err.value)
+    summary = run_rollup(spark, store, out, date="2024-03-11", skip_damaged=True)
+    assert summary["incremental"] and [(d["file"], d["position"]) for d in summary["damage"]] == [
+        (path, long.offset % 4096)]

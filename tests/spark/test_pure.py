@@ -210,3 +210,50 @@ def test_a_missing_store_is_one_line_naming_it(tmp_path):
 
     with pytest.raises(StoreError, match=r"store directory .*nowhere does not exist on host \S+"):
         seg.list_segments(str(tmp_path / "nowhere"))
+
+
+def test_a_sealed_segment_cut_short_or_zeroed_after_a_record_is_damage_not_fewer_rows(tmp_path):
+    """A sealed segment's data ends at its end marker; a file that stops at a record boundary
+    before it (a copy cut short, a tail zeroed) has lost records, which must not look like a
+    quiet hour."""
+    d, written = _store(tmp_path)
+    segments = seg.list_segments(d)
+    cut, zeroed = ([w for w in written if w.offset // 8192 == k][3] for k in (1, 2))
+    os.truncate(segments[1].path, cut.offset - segments[1].base)     # the file stops at a record boundary
+    with open(segments[2].path, "r+b") as f:                          # zeros from a record on
+        f.seek(zeroed.offset - segments[2].base)
+        f.write(bytes(segments[2].base + 8192 - zeroed.offset))
+    rows = _rows(seg.plan_chunks(d, 1 << 40)[1])
+    damage = {r[1]: r for r in rows if r[0] == "dmg"}
+    assert set(damage) == {segments[1].name, segments[2].name}
+    assert [damage[s.name][2] for s in segments[1:3]] == [cut.offset, zeroed.offset]
+    assert all("end marker" in damage[s.name][-1] for s in segments[1:3])
+
+
+def test_the_segment_before_the_brokers_unwritten_spare_is_still_the_active_one(tmp_path):
+    """The broker creates the next segment before it needs it (store/reserve.py): until that
+    spare holds a record, the segment before it is being written and has no end marker yet."""
+    d, written = _store(tmp_path)
+    segments = seg.list_segments(d)
+    spare = os.path.join(d, "commitlog", f"{segments[-1].base + 8192:020d}")
+    with open(spare, "wb") as f:
+        f.truncate(8192)
+    listed = seg.list_segments(d)
+    assert [s.active for s in listed] == [False] * (len(segments) - 1) + [True, True]
+    rows = _rows(seg.plan_chunks(d, 1 << 40)[1])
+    assert not [r for r in rows if r[0] == "dmg"]
+    assert sum(r[18] for r in rows if r[0] == "seg") == len(written)
+
+
+def test_timer_messages_and_scheduler_progress_are_not_counted_as_traffic(tmp_path):
+    """A timer message waits on rmq_sys_wheel_timer and is counted when delivered to its real topic
+    (as SCHEDULE_TOPIC_XXXX's delayed messages are); the scheduler's progress records are nobody's
+    traffic. RocketMQ 5 names its system topics rmq_sys_*."""
+    d = str(tmp_path / "store")
+    with StoreBuilder(d) as b:
+        b.at(T0).send("rmq_sys_wheel_timer", b"later", props={"TIMER_DELAY_SEC": "60", "REAL_TOPIC": "Orders",
+                                                               "REAL_QID": "0"})
+        b.at(T0 + 1).send("rmq_sys_schedule_progress", b"{}")
+        b.at(T0 + 60_000).send("Orders", b"later")            # the same message, delivered
+    rows = [dict(zip(seg.ROW_FIELDS, r)) for r in _rows(seg.plan_chunks(d, 1 << 40)[1])]
+    assert {(r["topic"], r["n"]) for r in rows if r["row"] == "msg"} == {("Orders", 1)}

@@ -347,3 +347,26 @@ def test_without_a_date_every_day_is_rolled_up_and_each_step_logs_a_line(spark, 
     for table in ("traffic", "transactions", "consumer_lag", "broker"):
         assert any(line.startswith(f"rollup: wrote {table} ") for line in lines)
     assert any(line.startswith("rollup: done in ") for line in lines)
+
+
+def test_a_segment_missing_from_the_middle_of_the_log_fails_clearly_or_is_reported(spark, tmp_path):
+    """The broker refuses to start on such a log; the jobs must not read it as a quieter day."""
+    from ops.spark import segments as seg
+    from ops.spark.rollup import run_rollup
+
+    store = str(tmp_path / "store")
+    with StoreBuilder(store, segment_size=8192) as b:
+        for i in range(60):
+            b.at(D2 + i * 1000).send("Orders", b"x" * 200)
+        written = list(b.written)
+    segments = seg.list_segments(store)
+    os.unlink(segments[1].path)
+    with pytest.raises(StoreError) as err:
+        run_rollup(spark, store, str(tmp_path / "out"), date="2024-03-10")
+    assert f"{segments[0].path} at byte 8192" in str(err.value) and "missing" in str(err.value)
+    assert not os.path.exists(tmp_path / "out")
+
+    summary = run_rollup(spark, store, str(tmp_path / "out"), date="2024-03-10", skip_damaged=True)
+    (damage,) = summary["damage"]
+    assert (damage["file"], damage["position"], damage["skipped_bytes"]) == (segments[0].path, 8192, 8192)
+    assert summary["records"] == len([w for w in written if not segments[1].base <= w.offset < segments[2].base])
