@@ -54,6 +54,10 @@ def add_parsers(sub) -> None:
         sub.choices[name].add_argument("--json", action="store_true")
 
 
+# Below this, a "ms since the epoch" is early 1973 as ms but the year 5138 as seconds: it was meant as seconds.
+SECONDS_LOOK_ALIKE = 100_000_000_000
+
+
 def parse_time(text: str) -> int:
     """ms since the epoch from '1700000000000', 'now', 'latest' (-1), ISO '2024-05-01T10:00:00[.123]' (local)
     or RocketMQ's 'yyyy-MM-dd#HH:mm:ss:SSS'."""
@@ -63,7 +67,11 @@ def parse_time(text: str) -> int:
     if t in ("latest", "-1"):
         return -1
     if t.isdigit():
-        return int(t)
+        ms = int(t)
+        if 0 < ms < SECONDS_LOOK_ALIKE:     # read as ms it is a moment of 1970: every offset would go back
+            raise ValueError(f"--timestamp {text!r} looks like seconds since the epoch; give milliseconds "
+                             f"({ms * 1000}), or 0 for the earliest offsets")
+        return ms
     if "#" in t:
         day, _, clock = t.partition("#")
         h, m, s, ms = (clock.split(":") + ["0", "0", "0", "0"])[:4]

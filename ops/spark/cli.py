@@ -39,6 +39,14 @@ def _spark_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no Spark console progress bar")
 
 
+def _epoch_ms(text: str) -> int:
+    ms = int(text)
+    if ms < 100_000_000_000:    # as ms that is before 1973: nothing would be old enough, and the plan empty
+        raise argparse.ArgumentTypeError(f"{text} looks like seconds since the epoch, not milliseconds "
+                                         f"({ms * 1000})")
+    return ms
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ops.spark", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     _spark_args(e)
     e.add_argument("--out", required=True, help="plan file to write (JSON)")
     e.add_argument("--retention-hours", type=float, default=72.0)
-    e.add_argument("--now-ms", type=int, default=None, help="the time to plan for (default: now)")
+    e.add_argument("--now-ms", type=_epoch_ms, default=None, help="the time to plan for, ms since the epoch "
+                   "(default: now)")
     v = sub.add_parser("validate-plan", help="check a plan file (exit 0 when valid)")
     v.add_argument("plan")
     return parser

@@ -47,6 +47,23 @@ def test_parse_time_accepts_ms_iso_rocketmq_and_words():
         parse_time("yesterday")
 
 
+def test_a_timestamp_in_seconds_is_refused_not_read_as_1970():
+    """reset-offset --timestamp 1700000000 (seconds) used to reset the group to the start of every queue."""
+    with pytest.raises(ValueError, match="looks like seconds since the epoch; give milliseconds \\(1700000000000\\)"):
+        parse_time("1700000000")
+    assert parse_time("0") == 0                     # the earliest offsets, said on purpose
+
+
+def test_an_expiry_now_in_seconds_is_refused(capsys):
+    """`ops.spark expiry --now-ms <seconds>` used to write an empty plan (nothing is old in 1970) and exit 0."""
+    from ops.spark.cli import build_parser
+    args = ["expiry", "--store-dir", "s", "--out", "p.json", "--now-ms"]
+    assert build_parser().parse_args(args + ["1710028800000"]).now_ms == 1710028800000
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(args + ["1710028800"])
+    assert "looks like seconds since the epoch" in capsys.readouterr().err
+
+
 def test_subscription_group_defaults_and_persistence(tmp_path):
     groups = SubscriptionGroups(str(tmp_path), lambda: 42)
     assert group_config("G") == {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True,
