@@ -207,14 +207,24 @@ class PushConsumer:
             task = self._loops.pop(mq)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)   # its message in hand is finished or abandoned
-            await self._commit(mq)
+            try:
+                await self._commit(mq)
+            except BrokerError as exc:     # often its broker is what went away: the queues taken on still start
+                log.warning("push consumer %s could not commit the offset of %s it gave up: %s (its next owner "
+                            "starts from the last offset committed)", self.group, mq, exc)
         if self.orderly:
             released = [q for q in self._locks if q not in owned]
             for mq in released:
                 del self._locks[mq]
-            if released:
-                await self.client.unlock_queues(released)     # the new owner need not wait for expiry
-            await self._lock_owned()
+            try:
+                if released:
+                    await self.client.unlock_queues(released)     # the new owner need not wait for expiry
+            except BrokerError as exc:     # they expire on the broker
+                log.warning("push consumer %s could not unlock %s: %s", self.group, released, exc)
+            try:
+                await self._lock_owned()
+            except BrokerError as exc:     # the queues wait for their locks; the lock loop asks again
+                log.warning("push consumer %s could not lock its queues: %s", self.group, exc)
         for mq in owned - set(self._loops):
             self._start_loop(mq)
 

@@ -7,9 +7,9 @@ import zlib
 
 import pytest
 
-from consumer import MessageQueue, PullConsumer
+from consumer import ConsumeStatus, MessageQueue, PullConsumer, PushConsumer
 from protocol.codes import ResponseCode, SysFlag
-from protocol.command import RemotingCommand
+from protocol.errors import ConnectionClosedError
 from protocol.message import encode_record, pack_host
 from tests.support.bounded import bounded
 
@@ -40,3 +40,51 @@ async def test_a_body_its_producer_compressed_reaches_the_consumer_as_sent():
     finally:
         await client.shutdown()
     assert [m.body for m in res.messages] == [sent, b"small"]
+
+
+def _push_consumer(**kw) -> PushConsumer:
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda msg: ConsumeStatus.CONSUME_SUCCESS, **kw)
+    consumer.subscribe("T")
+    return consumer
+
+
+def _stand_in_queues(consumer: PushConsumer, routes: dict, ids: list | None = None) -> None:
+    """``routes``: topic -> its queues now (changed by the test); pull loops that only wait."""
+    async def fetch_queues(topic):
+        return list(routes.get(topic, []))
+
+    async def consumer_ids(mq):
+        return [consumer.client.client_id] if ids is None else list(ids)
+
+    async def pull_loop(mq):
+        await asyncio.Event().wait()
+    consumer.client.fetch_queues = fetch_queues
+    consumer.client.consumer_ids = consumer_ids
+    consumer._pull_loop = pull_loop
+
+
+@bounded(10)
+async def test_a_dropped_queue_whose_offset_cannot_be_committed_does_not_stop_the_rebalance(caplog):
+    """Broker "gone" left the route: its queue is dropped, and its last offset cannot be committed
+    there. That commit's error ended the rebalance, so the queue given to this consumer instead got no
+    pull loop (and each later rebalance ended the same way while another queue of "gone" was left)."""
+    consumer = _push_consumer()
+    gone, new = MessageQueue("T", "gone", 0), MessageQueue("T", "live", 0)
+    routes = {"T": [gone]}
+    _stand_in_queues(consumer, routes)
+
+    async def write(mq, offset):
+        raise ConnectionClosedError(f"cannot connect to {mq.broker_name}")
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        consumer._offsets[gone] = 5              # consumed since the last commit
+        routes["T"] = [new]
+        await consumer.rebalance()
+        assert set(consumer._loops) == {new}
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
+    assert "could not commit" in caplog.text
