@@ -178,7 +178,10 @@ class PushConsumer:
                 pass
             self._rebalance_now.clear()
             try:
-                await self._heartbeat()
+                try:
+                    await self._heartbeat()
+                except BrokerError as exc:     # a broker gone for good stays known: rebalance all the same
+                    log.warning("heartbeat of %s failed: %s", self.group, exc)
                 await self.rebalance()
             except BrokerError as exc:
                 log.warning("rebalance of %s failed: %s", self.group, exc)

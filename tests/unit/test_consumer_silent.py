@@ -88,3 +88,35 @@ async def test_a_dropped_queue_whose_offset_cannot_be_committed_does_not_stop_th
         await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
         await consumer.client.shutdown()
     assert "could not commit" in caplog.text
+
+
+@bounded(10)
+async def test_a_broker_gone_for_good_does_not_stop_heartbeats_or_rebalancing(caplog):
+    """A broker the client once knew stays in its table after it left every route. The heartbeat went
+    to each known broker and raised at the first that did not answer: the brokers after it never heard
+    from this consumer again (they expire it and give its queues to the others), and the rebalance
+    after the heartbeat never ran, turn after turn."""
+    consumer = _push_consumer(rebalance_interval_s=0.01)
+    consumer.client._brokers = {"gone": "gone:1", "live": "live:1"}
+    heard = []
+
+    async def request(addr, cmd, timeout):
+        if addr == "gone:1":
+            raise ConnectionClosedError("cannot connect to gone:1")
+        heard.append(addr)
+        return cmd.response(ResponseCode.SUCCESS)
+    consumer.client.pool.request = request
+    rebalanced = asyncio.Event()
+
+    async def rebalance():
+        rebalanced.set()
+    consumer.rebalance = rebalance
+    task = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        await asyncio.wait_for(rebalanced.wait(), 5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        consumer.client._brokers.clear()
+        await consumer.client.shutdown()
+    assert "live:1" in heard and "gone:1" in caplog.text
