@@ -261,17 +261,27 @@ class PushConsumer:
 
     # ------------------------------------------------------------ orderly locks
     async def _lock_owned(self) -> None:
-        """Lock (or renew) every owned queue; a queue whose lock is refused is not consumed until a
-        later attempt succeeds."""
-        if not self._owned:
-            return
-        granted = await self.client.lock_queues(self._owned)
-        now = time.monotonic()
-        for mq in granted:
-            self._locks[mq] = now
-        for mq in self._owned - granted:
-            self._locks.pop(mq, None)     # someone else holds it now: stop at once, as RocketMQ does
+        """Lock (or renew) every owned queue, broker by broker; a queue whose lock is refused is not
+        consumed until a later attempt succeeds. A broker that does not answer does not keep the
+        others' locks from being taken (its own lapse here in time); its error is raised after."""
+        by_broker: dict[str, set[MessageQueue]] = {}
+        for mq in self._owned:
+            by_broker.setdefault(mq.broker_name, set()).add(mq)
+        failed = None
+        for queues in by_broker.values():
+            try:
+                granted = await self.client.lock_queues(queues)
+            except BrokerError as exc:
+                failed = failed or exc
+                continue
+            now = time.monotonic()
+            for mq in granted:
+                self._locks[mq] = now
+            for mq in queues - granted:
+                self._locks.pop(mq, None)     # someone else holds it now: stop at once, as RocketMQ does
         self._lock_changed.set()
+        if failed is not None:
+            raise failed
 
     @property
     def locked_queues(self) -> set[MessageQueue]:

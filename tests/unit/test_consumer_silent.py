@@ -3,6 +3,7 @@ broker (no sockets) and shows the message reaching the listener, or the queue st
 from __future__ import annotations
 
 import asyncio
+import json
 import zlib
 
 import pytest
@@ -120,3 +121,26 @@ async def test_a_broker_gone_for_good_does_not_stop_heartbeats_or_rebalancing(ca
         consumer.client._brokers.clear()
         await consumer.client.shutdown()
     assert "live:1" in heard and "gone:1" in caplog.text
+
+
+@bounded(10)
+async def test_an_orderly_consumer_keeps_the_locks_of_the_brokers_that_answer(caplog):
+    """Orderly: the owned queues were locked in one call over all their brokers, which raised at the
+    first broker that did not answer, so the locks the others granted were never taken: every queue,
+    on every broker, stopped being consumed while one broker could not be reached."""
+    consumer = _push_consumer(orderly=True)
+    gone, live = MessageQueue("T", "gone", 0), MessageQueue("T", "live", 0)
+    consumer._owned = {gone, live}
+
+    async def request(mq, cmd, timeout):
+        if mq.broker_name == "gone":
+            raise ConnectionClosedError("cannot connect to gone")
+        body = {"lockOKMQSet": [{"topic": "T", "brokerName": "live", "queueId": 0}]}
+        return cmd.response(ResponseCode.SUCCESS, body=json.dumps(body).encode())
+    consumer.client._request = request
+    try:
+        with pytest.raises(ConnectionClosedError):     # still said (the lock loop logs it)
+            await consumer._lock_owned()
+    finally:
+        await consumer.client.shutdown()
+    assert consumer.locked_queues == {live}
