@@ -203,6 +203,11 @@ class PushConsumer:
                 owned.update(queues)
                 continue
             ids = await self.client.consumer_ids(queues[0])
+            if not ids:     # the broker knows no consumer of the group (it restarted): as RocketMQ, change nothing
+                log.warning("push consumer %s: no consumer list for %s from broker %s; its queues stay as they are",
+                            self.group, topic, queues[0].broker_name)
+                owned.update(self._owned.intersection(queues))
+                continue
             owned.update(allocate_averagely(queues, ids, self.client.client_id))
         self._owned = owned
         dropped = [q for q in self._loops if q not in owned]

@@ -144,3 +144,27 @@ async def test_an_orderly_consumer_keeps_the_locks_of_the_brokers_that_answer(ca
     finally:
         await consumer.client.shutdown()
     assert consumer.locked_queues == {live}
+
+
+@bounded(10)
+async def test_a_consumer_list_the_broker_cannot_give_leaves_the_queues_as_they_are(caplog):
+    """GET_CONSUMER_LIST_BY_GROUP answers SYSTEM_ERROR "no consumer for this group" while the broker does
+    not know the group (it restarted since the heartbeats), and the client made that an empty list: every
+    consumer gave up every queue of the topic, without a word, until the next rebalance. RocketMQ leaves
+    the topic's queues as they are when it gets no list (RebalanceImpl: "get consumer id list failed")."""
+    consumer = _push_consumer()
+    queues = [MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)]
+    ids = [consumer.client.client_id]
+    _stand_in_queues(consumer, {"T": queues}, ids)
+    try:
+        await consumer.rebalance()
+        assert set(consumer._loops) == set(queues)
+        ids.clear()
+        await consumer.rebalance()
+        assert set(consumer._loops) == set(queues)
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
+    assert "no consumer list" in caplog.text
