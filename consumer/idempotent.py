@@ -45,10 +45,11 @@ class SqliteIdempotency:
                 db.execute("ROLLBACK")
                 return False
             handler(msg, db)
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:       # a COMMIT that failed (busy, disk full) leaves it open
+                db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
         return True
 
     def close(self) -> None:
