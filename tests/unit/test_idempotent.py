@@ -41,3 +41,19 @@ def test_a_commit_that_fails_leaves_no_transaction_open(tmp_path):
     reader.close()
     ledger.close()
 
+
+def test_an_async_handler_is_refused_not_marked_consumed(tmp_path):
+    """run_once calls its handler synchronously. An ``async def`` handler (natural next to an async
+    listener) returned a coroutine that never ran, and the message was marked consumed: its
+    redelivery was skipped and its effect never happened."""
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ran = []
+
+    async def apply(msg, db):
+        ran.append(msg)
+    msg = _message("K2")
+    with pytest.raises(TypeError):
+        ledger.run_once(msg, apply)
+    assert ledger.run_once(msg, lambda m, db: ran.append(m))
+    assert ran == [msg]
+    ledger.close()
