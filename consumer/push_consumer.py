@@ -444,8 +444,9 @@ class PushConsumer:
         for mq in list(self._offsets):
             try:
                 await self._commit(mq)
-            except BrokerError:
-                pass
+            except BrokerError as exc:
+                log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
+                            "since the last commit comes again", self.group, self._offsets[mq], mq, exc)
         try:
             await self.offset_store.flush()
         except OSError as exc:

@@ -168,3 +168,18 @@ async def test_a_consumer_list_the_broker_cannot_give_leaves_the_queues_as_they_
         await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
         await consumer.client.shutdown()
     assert "no consumer list" in caplog.text
+
+
+@bounded(10)
+async def test_offsets_that_cannot_be_committed_at_shutdown_are_logged(caplog):
+    """Shutdown commits what was consumed; a commit that failed there was passed over without a word, and
+    the messages consumed since the last commit came again at the next start for no visible reason."""
+    consumer = _push_consumer()
+    mq = MessageQueue("T", "b", 0)
+    consumer._offsets[mq] = 9
+
+    async def write(q, offset):
+        raise ConnectionClosedError("cannot connect to b")
+    consumer.offset_store.write = write
+    await consumer.shutdown()
+    assert "offset 9 of" in caplog.text
