@@ -369,16 +369,14 @@ class PushConsumer:
         return status if status is ConsumeStatus.CONSUME_SUCCESS else ConsumeStatus.RECONSUME_LATER
 
     async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
+        if msg.topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:
+            msg.topic = msg.properties[Prop.RETRY_TOPIC]     # the user sees the topic it subscribed to
         if self.orderly or self.broadcasting:
             return await self._consume_in_place(mq, msg)
-        pulled_topic = msg.topic
-        if pulled_topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:
-            msg.topic = msg.properties[Prop.RETRY_TOPIC]     # the user sees the topic it subscribed to
         while True:
             if await self._listen(msg) is ConsumeStatus.CONSUME_SUCCESS:
                 return
             try:
-                msg.topic = pulled_topic
                 await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times)
                 return
             except BrokerError as exc:

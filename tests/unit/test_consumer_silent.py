@@ -11,7 +11,7 @@ import pytest
 from consumer import ConsumeStatus, MessageQueue, PullConsumer, PushConsumer
 from protocol.codes import ResponseCode, SysFlag
 from protocol.errors import ConnectionClosedError
-from protocol.message import encode_record, pack_host
+from protocol.message import decode_record, encode_record, pack_host
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -183,3 +183,30 @@ async def test_offsets_that_cannot_be_committed_at_shutdown_are_logged(caplog):
     consumer.offset_store.write = write
     await consumer.shutdown()
     assert "offset 9 of" in caplog.text
+
+
+@bounded(10)
+async def test_a_retried_message_retried_here_still_shows_its_own_topic():
+    """A message from %RETRY%<group> is shown under the topic it was sent to. When handing it back failed
+    and it was tried again here, the listener saw %RETRY%<group> instead: a listener that dispatches on
+    the topic did not recognise it (and may well have acknowledged it unhandled)."""
+    consumer = _push_consumer(local_retry_delay_s=0)
+    record = encode_record(topic=b"%RETRY%G", body=b"x", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                           properties=b"RETRY_TOPIC\x01T\x02")
+    msg = decode_record(record)[0]
+    seen = []
+
+    def listener(m):
+        seen.append(m.topic)
+        return ConsumeStatus.CONSUME_SUCCESS if len(seen) == 2 else ConsumeStatus.RECONSUME_LATER
+    consumer.listener = listener
+
+    async def send_back(mq, m, **kw):
+        raise ConnectionClosedError("cannot connect to b")
+    consumer.client.send_back = send_back
+    try:
+        await consumer._consume(MessageQueue("%RETRY%G", "b", 0), msg)
+    finally:
+        await consumer.client.shutdown()
+    assert seen == ["T", "T"]
