@@ -196,13 +196,19 @@ class PushConsumer:
         """Recompute this consumer's queues now (also run periodically and when the group changes)."""
         owned: set[MessageQueue] = set()
         for topic in self._topics():
-            queues = await self.client.fetch_queues(topic)
+            try:
+                queues = await self.client.fetch_queues(topic)
+                ids = await self.client.consumer_ids(queues[0]) if queues and not self.broadcasting else None
+            except BrokerError as exc:     # as RocketMQ: this topic's queues stay as they are, the others go on
+                log.warning("push consumer %s: no route or consumer list for %s (%s); its queues stay as they are",
+                            self.group, topic, exc)
+                owned.update(q for q in self._owned if q.topic == topic)
+                continue
             if not queues:
                 continue
             if self.broadcasting:
                 owned.update(queues)
                 continue
-            ids = await self.client.consumer_ids(queues[0])
             if not ids:     # the broker knows no consumer of the group (it restarted): as RocketMQ, change nothing
                 log.warning("push consumer %s: no consumer list for %s from broker %s; its queues stay as they are",
                             self.group, topic, queues[0].broker_name)

@@ -10,7 +10,7 @@ import pytest
 
 from consumer import ConsumeStatus, MessageQueue, PullConsumer, PushConsumer
 from protocol.codes import ResponseCode, SysFlag
-from protocol.errors import ConnectionClosedError
+from protocol.errors import ConnectionClosedError, error_for_code
 from protocol.message import decode_record, encode_record, pack_host
 from tests.support.bounded import bounded
 
@@ -210,3 +210,32 @@ async def test_a_retried_message_retried_here_still_shows_its_own_topic():
     finally:
         await consumer.client.shutdown()
     assert seen == ["T", "T"]
+
+
+@bounded(10)
+async def test_a_topic_whose_route_cannot_be_had_does_not_stop_the_others_rebalancing(caplog):
+    """One subscribed topic the name server does not know (deleted, or not created yet) made every
+    rebalance raise before any change: the group's other topics were never rebalanced again, so a
+    consumer that joined got nothing and the queues of one that left were consumed by nobody.
+    RocketMQ rebalances the other topics ("the topic not exist")."""
+    consumer = _push_consumer()
+    consumer.subscribe("U")
+    t0, t1 = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    routes = {"T": [t0, t1]}
+    _stand_in_queues(consumer, routes)
+    fetch = consumer.client.fetch_queues
+
+    async def fetch_queues(topic):
+        if topic == "U":
+            raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: U")
+        return await fetch(topic)
+    consumer.client.fetch_queues = fetch_queues
+    try:
+        await consumer.rebalance()
+        assert set(consumer._loops) == {t0, t1}
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
+    assert "No topic route info" in caplog.text
