@@ -260,15 +260,17 @@ class PushConsumer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for mq, offset in offsets.items():
-            self._offsets[mq] = offset
-            await self.offset_store.write(mq, offset)
-            self._committed[mq] = offset
-        log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
-                 {mq.queue_id: o for mq, o in offsets.items()})
-        for mq in stopped:
-            if mq in self._owned and mq not in self._loops:
-                self._start_loop(mq)
+        try:
+            for mq, offset in offsets.items():
+                self._offsets[mq] = offset
+                await self.offset_store.write(mq, offset)
+                self._committed[mq] = offset
+            log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
+                     {mq.queue_id: o for mq, o in offsets.items()})
+        finally:        # stored or not (the failure is logged as the task ends), the queues are consumed again
+            for mq in stopped:
+                if mq in self._owned and mq not in self._loops:
+                    self._start_loop(mq)
 
     # ------------------------------------------------------------ orderly locks
     async def _lock_owned(self) -> None:

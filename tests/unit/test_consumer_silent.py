@@ -239,3 +239,27 @@ async def test_a_topic_whose_route_cannot_be_had_does_not_stop_the_others_rebala
         await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
         await consumer.client.shutdown()
     assert "No topic route info" in caplog.text
+
+
+@bounded(10)
+async def test_the_pull_loops_stopped_for_an_offset_reset_start_again_when_storing_it_fails():
+    """RESET_CONSUMER_CLIENT_OFFSET stops the topic's pull loops, stores the new offsets and starts the
+    loops again. A store that raised ended it in between: the topic's queues had no pull loop until
+    the next rebalance noticed (20 s by default)."""
+    consumer = _push_consumer()
+    q0, q1 = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    _stand_in_queues(consumer, {"T": [q0, q1]})
+
+    async def write(mq, offset):
+        raise ConnectionClosedError("cannot connect to b")
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        with pytest.raises(ConnectionClosedError):      # still raised: the task's failure is logged
+            await consumer.reset_offsets("T", {q0: 0, q1: 0})
+        assert set(consumer._loops) == {q0, q1}
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
