@@ -374,7 +374,11 @@ class PushConsumer:
         except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
             log.warning("listener failed on %s: %s", msg.msg_id, exc)
             return ConsumeStatus.RECONSUME_LATER
-        return status if status is ConsumeStatus.CONSUME_SUCCESS else ConsumeStatus.RECONSUME_LATER
+        if status is ConsumeStatus.CONSUME_SUCCESS:
+            return status
+        if status is not ConsumeStatus.RECONSUME_LATER:     # a forgotten return: said, as RocketMQ does
+            log.warning("listener returned %r on %s, not a ConsumeStatus: RECONSUME_LATER", status, msg.msg_id)
+        return ConsumeStatus.RECONSUME_LATER
 
     async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
         if msg.topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:

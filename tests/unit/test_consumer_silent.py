@@ -263,3 +263,17 @@ async def test_the_pull_loops_stopped_for_an_offset_reset_start_again_when_stori
             task.cancel()
         await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
         await consumer.client.shutdown()
+
+
+@bounded(10)
+async def test_a_listener_that_returns_no_status_is_told_about(caplog):
+    """A listener that forgets to return CONSUME_SUCCESS (None) has every message retried and then
+    dead-lettered; that was done without a word. RocketMQ logs "consumeMessage return null"."""
+    consumer = _push_consumer()
+    consumer.listener = lambda m: None
+    msg = decode_record(_record(b"x"))[0]
+    try:
+        assert await consumer._listen(msg) is ConsumeStatus.RECONSUME_LATER
+    finally:
+        await consumer.client.shutdown()
+    assert "returned None" in caplog.text
