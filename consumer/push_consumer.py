@@ -276,7 +276,8 @@ class PushConsumer:
     async def _lock_owned(self) -> None:
         """Lock (or renew) every owned queue, broker by broker; a queue whose lock is refused is not
         consumed until a later attempt succeeds. A broker that does not answer does not keep the
-        others' locks from being taken (its own lapse here in time); its error is raised after."""
+        others' locks from being taken (the locks it gave lapse here after lock_expire_s); its error
+        is raised once all were asked."""
         by_broker: dict[str, set[MessageQueue]] = {}
         for mq in self._owned:
             by_broker.setdefault(mq.broker_name, set()).add(mq)
