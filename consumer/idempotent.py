@@ -10,6 +10,7 @@ do the same there (a unique key inserted in the same transaction as the side eff
 """
 from __future__ import annotations
 
+import inspect
 import sqlite3
 import time
 from typing import Callable
@@ -34,7 +35,9 @@ class SqliteIdempotency:
         self.db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, consumed_ms INTEGER NOT NULL)")
 
     def run_once(self, msg: MessageExt, handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
-        """Run ``handler(msg, db)`` unless this message was consumed before; True if it ran."""
+        """Run ``handler(msg, db)`` unless this message was consumed before; True if it ran.
+
+        ``handler`` is a plain function: its writes must be done when it returns."""
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -44,11 +47,16 @@ class SqliteIdempotency:
             except sqlite3.IntegrityError:
                 db.execute("ROLLBACK")
                 return False
-            handler(msg, db)
+            result = handler(msg, db)
+            if inspect.isawaitable(result):     # its writes have not happened: it must not be marked done
+                if inspect.iscoroutine(result):
+                    result.close()
+                raise TypeError(f"run_once needs a plain function; {handler!r} returned an awaitable")
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:       # a COMMIT that failed (busy, disk full) leaves it open
+                db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
         return True
 
     def close(self) -> None:

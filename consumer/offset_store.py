@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 log = logging.getLogger("txmq.consumer")
@@ -48,6 +49,7 @@ class LocalOffsetStore:
         self.path = Path(directory) / _safe(client_id) / _safe(group) / "offsets.json"
         self._offsets: dict[str, int] = {}
         self._dirty = False
+        self._save_lock = threading.Lock()     # a flush cancelled at shutdown may still be saving in its thread
         self._load()
 
     @staticmethod
@@ -87,6 +89,10 @@ class LocalOffsetStore:
             raise
 
     def _save(self, text: str) -> None:
+        with self._save_lock:
+            self._save_locked(text)
+
+    def _save_locked(self, text: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:

@@ -14,14 +14,15 @@ import logging
 import os
 import socket
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from protocol.admin_bodies import decode_mq_table
-from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode
+from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
-from protocol.errors import ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
+from protocol.errors import BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
 from protocol.message import MessageExt, decode_records
 from protocol.route import decode_route
 from protocol.signature import Credentials
@@ -56,6 +57,16 @@ class PullResult:
     min_offset: int
     max_offset: int
     messages: list[MessageExt] = field(default_factory=list)
+
+
+def _inflate(msg: MessageExt) -> None:
+    """The body as its producer sent it: Java and Go producers zlib-compress bodies over 4 KiB and set
+    sysFlag COMPRESSED, and the broker keeps them so (RocketMQ's client inflates them, MessageDecoder)."""
+    try:
+        msg.body = zlib.decompress(msg.body)
+    except zlib.error as exc:
+        log.error("message %s of %s says its body is compressed but it does not inflate (%s); "
+                  "it is given as stored", msg.msg_id, msg.topic, exc)
 
 
 class PullConsumer:
@@ -177,18 +188,25 @@ class PullConsumer:
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
                         consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
-        """Announce the group and its subscriptions to every known broker."""
+        """Announce the group and its subscriptions to every known broker; a broker that does not answer
+        does not keep the others from hearing (the first failure is raised once all were tried)."""
         subs = [{"topic": t, "subString": e, "tagsSet": [] if e == "*" else [x.strip() for x in e.split("||")],
                  "codeSet": [], "subVersion": int(time.time() * 1000), "expressionType": "TAG",
                  "classFilterMode": False} for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
+        failed = None
         for addr in set(self._brokers.values()):
-            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT, body=body.encode()),
-                                           self.timeout)
-            if resp.code != ResponseCode.SUCCESS:
-                raise error_for_code(resp.code, resp.remark)
+            try:
+                resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                                             body=body.encode()), self.timeout)
+                if resp.code != ResponseCode.SUCCESS:
+                    raise error_for_code(resp.code, resp.remark)
+            except BrokerError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     async def pull(self, mq: MessageQueue, offset: int, *, max_nums: int = 32, expression: str = "*",
                    suspend_ms: int = 0, commit_offset: int | None = None) -> PullResult:
@@ -207,6 +225,9 @@ class PullConsumer:
         if resp.code not in (0, 19, 20, 21):
             raise error_for_code(resp.code, resp.remark)
         messages = decode_records(resp.body_bytes()) if resp.code == ResponseCode.SUCCESS else []
+        for m in messages:
+            if m.sys_flag & SysFlag.COMPRESSED:
+                _inflate(m)
         if expression not in ("", "*"):
             tags = {t.strip() for t in expression.split("||")}
             messages = [m for m in messages if m.tags in tags]

@@ -178,7 +178,10 @@ class PushConsumer:
                 pass
             self._rebalance_now.clear()
             try:
-                await self._heartbeat()
+                try:
+                    await self._heartbeat()
+                except BrokerError as exc:     # a broker gone for good stays known: rebalance all the same
+                    log.warning("heartbeat of %s failed: %s", self.group, exc)
                 await self.rebalance()
             except BrokerError as exc:
                 log.warning("rebalance of %s failed: %s", self.group, exc)
@@ -193,13 +196,24 @@ class PushConsumer:
         """Recompute this consumer's queues now (also run periodically and when the group changes)."""
         owned: set[MessageQueue] = set()
         for topic in self._topics():
-            queues = await self.client.fetch_queues(topic)
+            try:
+                queues = await self.client.fetch_queues(topic)
+                ids = await self.client.consumer_ids(queues[0]) if queues and not self.broadcasting else None
+            except BrokerError as exc:     # as RocketMQ: this topic's queues stay as they are, the others go on
+                log.warning("push consumer %s: no route or consumer list for %s (%s); its queues stay as they are",
+                            self.group, topic, exc)
+                owned.update(q for q in self._owned if q.topic == topic)
+                continue
             if not queues:
                 continue
             if self.broadcasting:
                 owned.update(queues)
                 continue
-            ids = await self.client.consumer_ids(queues[0])
+            if not ids:     # the broker knows no consumer of the group (it restarted): as RocketMQ, change nothing
+                log.warning("push consumer %s: no consumer list for %s from broker %s; its queues stay as they are",
+                            self.group, topic, queues[0].broker_name)
+                owned.update(self._owned.intersection(queues))
+                continue
             owned.update(allocate_averagely(queues, ids, self.client.client_id))
         self._owned = owned
         dropped = [q for q in self._loops if q not in owned]
@@ -207,14 +221,24 @@ class PushConsumer:
             task = self._loops.pop(mq)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)   # its message in hand is finished or abandoned
-            await self._commit(mq)
+            try:
+                await self._commit(mq)
+            except BrokerError as exc:     # often its broker is what went away: the queues taken on still start
+                log.warning("push consumer %s could not commit the offset of %s it gave up: %s (its next owner "
+                            "starts from the last offset committed)", self.group, mq, exc)
         if self.orderly:
             released = [q for q in self._locks if q not in owned]
             for mq in released:
                 del self._locks[mq]
-            if released:
-                await self.client.unlock_queues(released)     # the new owner need not wait for expiry
-            await self._lock_owned()
+            try:
+                if released:
+                    await self.client.unlock_queues(released)     # the new owner need not wait for expiry
+            except BrokerError as exc:     # they expire on the broker
+                log.warning("push consumer %s could not unlock %s: %s", self.group, released, exc)
+            try:
+                await self._lock_owned()
+            except BrokerError as exc:     # the queues wait for their locks; the lock loop asks again
+                log.warning("push consumer %s could not lock its queues: %s", self.group, exc)
         for mq in owned - set(self._loops):
             self._start_loop(mq)
 
@@ -236,29 +260,42 @@ class PushConsumer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for mq, offset in offsets.items():
-            self._offsets[mq] = offset
-            await self.offset_store.write(mq, offset)
-            self._committed[mq] = offset
-        log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
-                 {mq.queue_id: o for mq, o in offsets.items()})
-        for mq in stopped:
-            if mq in self._owned and mq not in self._loops:
-                self._start_loop(mq)
+        try:
+            for mq, offset in offsets.items():
+                self._offsets[mq] = offset
+                await self.offset_store.write(mq, offset)
+                self._committed[mq] = offset
+            log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
+                     {mq.queue_id: o for mq, o in offsets.items()})
+        finally:        # stored or not (the failure is logged as the task ends), the queues are consumed again
+            for mq in stopped:
+                if mq in self._owned and mq not in self._loops:
+                    self._start_loop(mq)
 
     # ------------------------------------------------------------ orderly locks
     async def _lock_owned(self) -> None:
-        """Lock (or renew) every owned queue; a queue whose lock is refused is not consumed until a
-        later attempt succeeds."""
-        if not self._owned:
-            return
-        granted = await self.client.lock_queues(self._owned)
-        now = time.monotonic()
-        for mq in granted:
-            self._locks[mq] = now
-        for mq in self._owned - granted:
-            self._locks.pop(mq, None)     # someone else holds it now: stop at once, as RocketMQ does
+        """Lock (or renew) every owned queue, broker by broker; a queue whose lock is refused is not
+        consumed until a later attempt succeeds. A broker that does not answer does not keep the
+        others' locks from being taken (the locks it gave lapse here after lock_expire_s); its error
+        is raised once all were asked."""
+        by_broker: dict[str, set[MessageQueue]] = {}
+        for mq in self._owned:
+            by_broker.setdefault(mq.broker_name, set()).add(mq)
+        failed = None
+        for queues in by_broker.values():
+            try:
+                granted = await self.client.lock_queues(queues)
+            except BrokerError as exc:
+                failed = failed or exc
+                continue
+            now = time.monotonic()
+            for mq in granted:
+                self._locks[mq] = now
+            for mq in queues - granted:
+                self._locks.pop(mq, None)     # someone else holds it now: stop at once, as RocketMQ does
         self._lock_changed.set()
+        if failed is not None:
+            raise failed
 
     @property
     def locked_queues(self) -> set[MessageQueue]:
@@ -338,19 +375,21 @@ class PushConsumer:
         except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
             log.warning("listener failed on %s: %s", msg.msg_id, exc)
             return ConsumeStatus.RECONSUME_LATER
-        return status if status is ConsumeStatus.CONSUME_SUCCESS else ConsumeStatus.RECONSUME_LATER
+        if status is ConsumeStatus.CONSUME_SUCCESS:
+            return status
+        if status is not ConsumeStatus.RECONSUME_LATER:     # a forgotten return: said, as RocketMQ does
+            log.warning("listener returned %r on %s, not a ConsumeStatus: RECONSUME_LATER", status, msg.msg_id)
+        return ConsumeStatus.RECONSUME_LATER
 
     async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
+        if msg.topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:
+            msg.topic = msg.properties[Prop.RETRY_TOPIC]     # the user sees the topic it subscribed to
         if self.orderly or self.broadcasting:
             return await self._consume_in_place(mq, msg)
-        pulled_topic = msg.topic
-        if pulled_topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:
-            msg.topic = msg.properties[Prop.RETRY_TOPIC]     # the user sees the topic it subscribed to
         while True:
             if await self._listen(msg) is ConsumeStatus.CONSUME_SUCCESS:
                 return
             try:
-                msg.topic = pulled_topic
                 await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times)
                 return
             except BrokerError as exc:
@@ -416,8 +455,9 @@ class PushConsumer:
         for mq in list(self._offsets):
             try:
                 await self._commit(mq)
-            except BrokerError:
-                pass
+            except BrokerError as exc:
+                log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
+                            "since the last commit comes again", self.group, self._offsets[mq], mq, exc)
         try:
             await self.offset_store.flush()
         except OSError as exc:

@@ -37,3 +37,56 @@ def test_a_hostile_client_id_stays_inside_the_directory(tmp_path):
         store = LocalOffsetStore(tmp_path, client_id, group)
         parts = store.path.relative_to(tmp_path).parts
         assert len(parts) == 3 and ".." not in parts and "." not in parts
+
+
+def test_a_save_cancelled_at_shutdown_and_the_final_one_do_not_tear_the_file(tmp_path, monkeypatch):
+    """Shutdown cancels the commit loop, possibly in the middle of a flush whose thread goes on writing
+    the temporary file, then flushes again. The two threads wrote the same temporary file at once: the
+    older, shorter text landed over the start of the newer one, the next start found the file unreadable
+    and consumed from the default position again (skipping what arrived meanwhile, from "last")."""
+    import threading
+
+    store = LocalOffsetStore(tmp_path, "c@DEFAULT", "CG")
+    entered, release, written = threading.Event(), threading.Event(), threading.Event()
+    real_open = open
+    opened = []
+
+    class HeldFile:                          # the first save's file: its write waits for ``release``
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            entered.set()
+            release.wait(10)
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+            written.set()
+
+    def open_(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        opened.append(path)
+        return HeldFile(f) if len(opened) == 1 else f
+    monkeypatch.setattr("consumer.offset_store.open", open_, raising=False)
+
+    async def run():
+        await store.write(MQ, 1)
+        first = asyncio.get_running_loop().create_task(store.flush())     # the commit loop's flush
+        await asyncio.to_thread(entered.wait, 10)
+        first.cancel()                                                     # shutdown cancels it
+        await asyncio.gather(first, return_exceptions=True)
+        await store.write(MQ, 123456789)
+        final = asyncio.get_running_loop().create_task(store.flush())     # shutdown's own flush
+        await asyncio.wait({final}, timeout=1.0)    # unheld, it is done long before; held, it waits
+        release.set()
+        await asyncio.wait_for(final, 10)
+        await asyncio.to_thread(written.wait, 10)
+    asyncio.run(run())
+    assert asyncio.run(LocalOffsetStore(tmp_path, "c@DEFAULT", "CG").read(MQ)) == 123456789

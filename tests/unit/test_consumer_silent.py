@@ -1,0 +1,279 @@
+"""Consumer-side failures that used to be silent: each test drives the client with a stand-in for the
+broker (no sockets) and shows the message reaching the listener, or the queue staying consumed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+
+import pytest
+
+from consumer import ConsumeStatus, MessageQueue, PullConsumer, PushConsumer
+from protocol.codes import ResponseCode, SysFlag
+from protocol.errors import ConnectionClosedError, error_for_code
+from protocol.message import decode_record, encode_record, pack_host
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+
+def _record(body: bytes, sys_flag: int = 0, queue_offset: int = 0) -> bytearray:
+    return encode_record(topic=b"T", body=body, queue_id=0, flag=0, sys_flag=sys_flag, born_timestamp=1,
+                         born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                         properties=b"TAGS\x01a\x02", queue_offset=queue_offset)
+
+
+@bounded(10)
+async def test_a_body_its_producer_compressed_reaches_the_consumer_as_sent():
+    """Java and Go producers zlib-compress bodies over 4 KiB and set sysFlag COMPRESSED; the broker stores
+    and serves them compressed (as RocketMQ does), so the consumer must inflate them, as RocketMQ's
+    client does. The listener was handed the zlib bytes, with nothing said."""
+    sent = b"order line " * 1000
+    body = _record(zlib.compress(sent), SysFlag.COMPRESSED) + _record(b"small", 0, 1)
+    client = PullConsumer("127.0.0.1:1", "G")
+
+    async def request(mq, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, None, {"nextBeginOffset": 2, "minOffset": 0, "maxOffset": 2},
+                            body=bytes(body))
+    client._request = request
+    try:
+        res = await client.pull(MessageQueue("T", "b", 0), 0)
+    finally:
+        await client.shutdown()
+    assert [m.body for m in res.messages] == [sent, b"small"]
+
+
+def _push_consumer(**kw) -> PushConsumer:
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda msg: ConsumeStatus.CONSUME_SUCCESS, **kw)
+    consumer.subscribe("T")
+    return consumer
+
+
+def _stand_in_queues(consumer: PushConsumer, routes: dict, ids: list | None = None) -> None:
+    """``routes``: topic -> its queues now (changed by the test); pull loops that only wait."""
+    async def fetch_queues(topic):
+        return list(routes.get(topic, []))
+
+    async def consumer_ids(mq):
+        return [consumer.client.client_id] if ids is None else list(ids)
+
+    async def pull_loop(mq):
+        await asyncio.Event().wait()
+    consumer.client.fetch_queues = fetch_queues
+    consumer.client.consumer_ids = consumer_ids
+    consumer._pull_loop = pull_loop
+
+
+@bounded(10)
+async def test_a_dropped_queue_whose_offset_cannot_be_committed_does_not_stop_the_rebalance(caplog):
+    """Broker "gone" left the route: its queue is dropped, and its last offset cannot be committed
+    there. That commit's error ended the rebalance, so the queue given to this consumer instead got no
+    pull loop (and each later rebalance ended the same way while another queue of "gone" was left)."""
+    consumer = _push_consumer()
+    gone, new = MessageQueue("T", "gone", 0), MessageQueue("T", "live", 0)
+    routes = {"T": [gone]}
+    _stand_in_queues(consumer, routes)
+
+    async def write(mq, offset):
+        raise ConnectionClosedError(f"cannot connect to {mq.broker_name}")
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        consumer._offsets[gone] = 5              # consumed since the last commit
+        routes["T"] = [new]
+        await consumer.rebalance()
+        assert set(consumer._loops) == {new}
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
+    assert "could not commit" in caplog.text
+
+
+@bounded(10)
+async def test_a_broker_gone_for_good_does_not_stop_heartbeats_or_rebalancing(caplog):
+    """A broker the client once knew stays in its table after it left every route. The heartbeat went
+    to each known broker and raised at the first that did not answer: the brokers after it never heard
+    from this consumer again (they expire it and give its queues to the others), and the rebalance
+    after the heartbeat never ran, turn after turn."""
+    consumer = _push_consumer(rebalance_interval_s=0.01)
+    consumer.client._brokers = {"gone": "gone:1", "live": "live:1"}
+    heard = []
+
+    async def request(addr, cmd, timeout):
+        if addr == "gone:1":
+            raise ConnectionClosedError("cannot connect to gone:1")
+        heard.append(addr)
+        return cmd.response(ResponseCode.SUCCESS)
+    consumer.client.pool.request = request
+    rebalanced = asyncio.Event()
+
+    async def rebalance():
+        rebalanced.set()
+    consumer.rebalance = rebalance
+    task = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        await asyncio.wait_for(rebalanced.wait(), 5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        consumer.client._brokers.clear()
+        await consumer.client.shutdown()
+    assert "live:1" in heard and "gone:1" in caplog.text
+
+
+@bounded(10)
+async def test_an_orderly_consumer_keeps_the_locks_of_the_brokers_that_answer(caplog):
+    """Orderly: the owned queues were locked in one call over all their brokers, which raised at the
+    first broker that did not answer, so the locks the others granted were never taken: every queue,
+    on every broker, stopped being consumed while one broker could not be reached."""
+    consumer = _push_consumer(orderly=True)
+    gone, live = MessageQueue("T", "gone", 0), MessageQueue("T", "live", 0)
+    consumer._owned = {gone, live}
+
+    async def request(mq, cmd, timeout):
+        if mq.broker_name == "gone":
+            raise ConnectionClosedError("cannot connect to gone")
+        body = {"lockOKMQSet": [{"topic": "T", "brokerName": "live", "queueId": 0}]}
+        return cmd.response(ResponseCode.SUCCESS, body=json.dumps(body).encode())
+    consumer.client._request = request
+    try:
+        with pytest.raises(ConnectionClosedError):     # still said (the lock loop logs it)
+            await consumer._lock_owned()
+    finally:
+        await consumer.client.shutdown()
+    assert consumer.locked_queues == {live}
+
+
+@bounded(10)
+async def test_a_consumer_list_the_broker_cannot_give_leaves_the_queues_as_they_are(caplog):
+    """GET_CONSUMER_LIST_BY_GROUP answers SYSTEM_ERROR "no consumer for this group" while the broker does
+    not know the group (it restarted since the heartbeats), and the client made that an empty list: every
+    consumer gave up every queue of the topic, without a word, until the next rebalance. RocketMQ leaves
+    the topic's queues as they are when it gets no list (RebalanceImpl: "get consumer id list failed")."""
+    consumer = _push_consumer()
+    queues = [MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)]
+    ids = [consumer.client.client_id]
+    _stand_in_queues(consumer, {"T": queues}, ids)
+    try:
+        await consumer.rebalance()
+        assert set(consumer._loops) == set(queues)
+        ids.clear()
+        await consumer.rebalance()
+        assert set(consumer._loops) == set(queues)
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
+    assert "no consumer list" in caplog.text
+
+
+@bounded(10)
+async def test_offsets_that_cannot_be_committed_at_shutdown_are_logged(caplog):
+    """Shutdown commits what was consumed; a commit that failed there was passed over without a word, and
+    the messages consumed since the last commit came again at the next start for no visible reason."""
+    consumer = _push_consumer()
+    mq = MessageQueue("T", "b", 0)
+    consumer._offsets[mq] = 9
+
+    async def write(q, offset):
+        raise ConnectionClosedError("cannot connect to b")
+    consumer.offset_store.write = write
+    await consumer.shutdown()
+    assert "offset 9 of" in caplog.text
+
+
+@bounded(10)
+async def test_a_retried_message_retried_here_still_shows_its_own_topic():
+    """A message from %RETRY%<group> is shown under the topic it was sent to. When handing it back failed
+    and it was tried again here, the listener saw %RETRY%<group> instead: a listener that dispatches on
+    the topic did not recognise it (and may well have acknowledged it unhandled)."""
+    consumer = _push_consumer(local_retry_delay_s=0)
+    record = encode_record(topic=b"%RETRY%G", body=b"x", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                           properties=b"RETRY_TOPIC\x01T\x02")
+    msg = decode_record(record)[0]
+    seen = []
+
+    def listener(m):
+        seen.append(m.topic)
+        return ConsumeStatus.CONSUME_SUCCESS if len(seen) == 2 else ConsumeStatus.RECONSUME_LATER
+    consumer.listener = listener
+
+    async def send_back(mq, m, **kw):
+        raise ConnectionClosedError("cannot connect to b")
+    consumer.client.send_back = send_back
+    try:
+        await consumer._consume(MessageQueue("%RETRY%G", "b", 0), msg)
+    finally:
+        await consumer.client.shutdown()
+    assert seen == ["T", "T"]
+
+
+@bounded(10)
+async def test_a_topic_whose_route_cannot_be_had_does_not_stop_the_others_rebalancing(caplog):
+    """One subscribed topic the name server does not know (deleted, or not created yet) made every
+    rebalance raise before any change: the group's other topics were never rebalanced again, so a
+    consumer that joined got nothing and the queues of one that left were consumed by nobody.
+    RocketMQ rebalances the other topics ("the topic not exist")."""
+    consumer = _push_consumer()
+    consumer.subscribe("U")
+    t0, t1 = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    routes = {"T": [t0, t1]}
+    _stand_in_queues(consumer, routes)
+    fetch = consumer.client.fetch_queues
+
+    async def fetch_queues(topic):
+        if topic == "U":
+            raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: U")
+        return await fetch(topic)
+    consumer.client.fetch_queues = fetch_queues
+    try:
+        await consumer.rebalance()
+        assert set(consumer._loops) == {t0, t1}
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
+    assert "No topic route info" in caplog.text
+
+
+@bounded(10)
+async def test_the_pull_loops_stopped_for_an_offset_reset_start_again_when_storing_it_fails():
+    """RESET_CONSUMER_CLIENT_OFFSET stops the topic's pull loops, stores the new offsets and starts the
+    loops again. A store that raised ended it in between: the topic's queues had no pull loop until
+    the next rebalance noticed (20 s by default)."""
+    consumer = _push_consumer()
+    q0, q1 = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    _stand_in_queues(consumer, {"T": [q0, q1]})
+
+    async def write(mq, offset):
+        raise ConnectionClosedError("cannot connect to b")
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        with pytest.raises(ConnectionClosedError):      # still raised: the task's failure is logged
+            await consumer.reset_offsets("T", {q0: 0, q1: 0})
+        assert set(consumer._loops) == {q0, q1}
+    finally:
+        for task in consumer._loops.values():
+            task.cancel()
+        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+        await consumer.client.shutdown()
+
+
+@bounded(10)
+async def test_a_listener_that_returns_no_status_is_told_about(caplog):
+    """A listener that forgets to return CONSUME_SUCCESS (None) has every message retried and then
+    dead-lettered; that was done without a word. RocketMQ logs "consumeMessage return null"."""
+    consumer = _push_consumer()
+    consumer.listener = lambda m: None
+    msg = decode_record(_record(b"x"))[0]
+    try:
+        assert await consumer._listen(msg) is ConsumeStatus.RECONSUME_LATER
+    finally:
+        await consumer.client.shutdown()
+    assert "returned None" in caplog.text

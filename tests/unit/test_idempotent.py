@@ -1,0 +1,59 @@
+"""SqliteIdempotency marks a message consumed only when its handler's writes are committed with the mark."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from consumer import SqliteIdempotency
+from protocol.message import MessageExt, decode_record, encode_record, pack_host
+
+
+def _message(key: str) -> MessageExt:
+    record = encode_record(topic=b"T", body=b"x", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                           properties=f"UNIQ_KEY\x01{key}\x02".encode())
+    return decode_record(record)[0]
+
+
+def test_a_commit_that_fails_leaves_no_transaction_open(tmp_path):
+    """COMMIT can fail (SQLITE_BUSY while a reader holds the database, a full disk), and SQLite then
+    keeps the transaction open: every later run_once failed at BEGIN ("cannot start a transaction
+    within a transaction"), so every later message was retried until it went to the dead-letter
+    queue. The failed run is rolled back and the message runs again on its redelivery."""
+    path = str(tmp_path / "ledger.db")
+    ledger = SqliteIdempotency(path)
+    ledger.db.execute("PRAGMA busy_timeout = 10")
+    ledger.db.execute("CREATE TABLE applied (body TEXT)")
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM applied").fetchone()      # a reader holds the database
+
+    def apply(msg, db):
+        db.execute("INSERT INTO applied VALUES ('a')")
+    msg = _message("K1")
+    with pytest.raises(sqlite3.OperationalError):
+        ledger.run_once(msg, apply)
+    reader.execute("COMMIT")
+    assert ledger.run_once(msg, apply)                  # redelivered: runs, as it was never consumed
+    assert not ledger.run_once(msg, apply)
+    assert ledger.db.execute("SELECT COUNT(*) FROM applied").fetchone()[0] == 1
+    reader.close()
+    ledger.close()
+
+
+def test_an_async_handler_is_refused_not_marked_consumed(tmp_path):
+    """run_once calls its handler synchronously. An ``async def`` handler (natural next to an async
+    listener) returned a coroutine that never ran, and the message was marked consumed: its
+    redelivery was skipped and its effect never happened."""
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ran = []
+
+    async def apply(msg, db):
+        ran.append(msg)
+    msg = _message("K2")
+    with pytest.raises(TypeError):
+        ledger.run_once(msg, apply)
+    assert ledger.run_once(msg, lambda m, db: ran.append(m))
+    assert ran == [msg]
+    ledger.close()
