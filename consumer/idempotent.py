@@ -19,8 +19,11 @@ from protocol.message import MessageExt, Prop
 
 
 def message_key(msg: MessageExt) -> str:
-    """The key that identifies a message across redeliveries: UNIQ_KEY, else its offset message id."""
-    return msg.properties.get(Prop.UNIQ_KEY) or msg.offset_msg_id
+    """The key that identifies a message across redeliveries: UNIQ_KEY, else the offset id of the message as
+    first stored. A retry copy is a new record with its own offset id; the broker names the first one in
+    ORIGIN_MESSAGE_ID (without that, a message sent with no UNIQ_KEY ran once more per retry)."""
+    props = msg.properties
+    return props.get(Prop.UNIQ_KEY) or props.get(Prop.ORIGIN_MESSAGE_ID) or msg.offset_msg_id
 
 
 class SqliteIdempotency:

@@ -57,3 +57,24 @@ def test_an_async_handler_is_refused_not_marked_consumed(tmp_path):
     assert ledger.run_once(msg, lambda m, db: ran.append(m))
     assert ran == [msg]
     ledger.close()
+
+
+def test_a_retry_copy_of_a_message_without_uniq_key_has_the_original_key(tmp_path):
+    """Stock clients set UNIQ_KEY, but a message may come without one (a raw or older client); its key was
+    its offset id, and a retry copy (a new record in %RETRY%<group>) has another: the handler ran again."""
+    from consumer.idempotent import message_key
+
+    def stored(props: str, offset: int) -> MessageExt:
+        record = encode_record(topic=b"T", body=b"x", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                               born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                               properties=props.encode(), physical_offset=offset)
+        return decode_record(record)[0]
+    first = stored("", 4096)
+    retry = stored(f"ORIGIN_MESSAGE_ID\x01{first.msg_id}\x02RETRY_TOPIC\x01T\x02", 81920)
+    assert first.offset_msg_id != retry.offset_msg_id
+    assert message_key(retry) == message_key(first)
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ran = []
+    assert ledger.run_once(first, lambda msg, db: ran.append(msg))
+    assert not ledger.run_once(retry, lambda msg, db: ran.append(msg))
+    assert ran == [first]
