@@ -69,8 +69,12 @@ class RemotingConnection(asyncio.Protocol):
                  max_in_flight: int = 1024, max_write_buffer: int = 64 * 1024 * 1024,
                  on_open: Callable[["RemotingConnection"], bool] | None = None,
                  on_close: Callable[["RemotingConnection"], None] | None = None,
-                 sign: Callable[[RemotingCommand], None] | None = None, frames_per_turn: int = FRAMES_PER_TURN):
+                 sign: Callable[[RemotingCommand], None] | None = None, frames_per_turn: int = FRAMES_PER_TURN,
+                 client: bool = False):
         self.handler = handler
+        # A client's connection reads on while its writes are backed up: what it reads are mostly answers, and
+        # its server stops reading requests while answers wait unread, so pausing would stall both for good.
+        self.client = client
         self.frames_per_turn = frames_per_turn
         self.sign = sign                    # signs each request we send (credentials for a broker's ACL)
         self.on_open = on_open
@@ -333,9 +337,10 @@ class RemotingConnection(asyncio.Protocol):
             self.transport.abort()
 
     def pause_writing(self) -> None:
-        # The peer is not reading; stop taking its requests until it does.
+        # The peer is not reading; stop taking its requests until it does (a server's side only).
         self._writing_paused = True
-        self.pause_reading("write-buffer")
+        if not self.client:
+            self.pause_reading("write-buffer")
 
     def resume_writing(self) -> None:
         self._writing_paused = False
@@ -435,7 +440,7 @@ async def open_connection(host: str, port: int, handler: Handler | None = None, 
     loop = asyncio.get_running_loop()
     try:
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: RemotingConnection(handler, **kwargs), host, port), timeout)
+            loop.create_connection(lambda: RemotingConnection(handler, client=True, **kwargs), host, port), timeout)
     except asyncio.TimeoutError:
         raise RequestTimeoutError(f"connecting to {host}:{port} timed out after {timeout:.3g} s") from None
     except OSError as exc:
