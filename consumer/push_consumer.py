@@ -69,7 +69,7 @@ class PushConsumer:
                  credentials: Credentials | None = None,
                  orderly: bool = False, message_model: str = "CLUSTERING", instance_name: str | None = None,
                  offset_store_dir: str | None = None, lock_interval_s: float = 20.0, lock_expire_s: float = 30.0,
-                 lock_retry_s: float = 1.0, suspend_s: float = 1.0):
+                 lock_retry_s: float = 1.0, suspend_s: float = 1.0, consume_timeout_s: float = 900.0):
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
@@ -87,6 +87,9 @@ class PushConsumer:
         self.lock_expire_s = lock_expire_s
         self.lock_retry_s = lock_retry_s
         self.suspend_s = suspend_s
+        # An async listener still running after this is cancelled and its message retried (RocketMQ's
+        # consumeTimeout, 15 min): one that never returns would hold its queue, with nothing said.
+        self.consume_timeout_s = consume_timeout_s
         broadcasting = message_model == "BROADCASTING"
         # A broadcasting consumer's offsets file is found again by its client id, so that id must not
         # change between runs: RocketMQ keeps the instance name "DEFAULT" in this mode.
@@ -371,7 +374,11 @@ class PushConsumer:
         try:
             status = self.listener(msg)
             if inspect.isawaitable(status):
-                status = await status
+                status = await asyncio.wait_for(status, self.consume_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("listener still running on %s after %g s (consume_timeout_s): cancelled, RECONSUME_LATER",
+                        msg.msg_id, self.consume_timeout_s)
+            return ConsumeStatus.RECONSUME_LATER
         except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
             log.warning("listener failed on %s: %s", msg.msg_id, exc)
             return ConsumeStatus.RECONSUME_LATER

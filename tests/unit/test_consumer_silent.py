@@ -277,3 +277,25 @@ async def test_a_listener_that_returns_no_status_is_told_about(caplog):
     finally:
         await consumer.client.shutdown()
     assert "returned None" in caplog.text
+
+
+@bounded(10)
+async def test_a_listener_that_never_returns_is_timed_out_and_its_message_retried(caplog):
+    """An async listener stuck on a call that never returns held its queue for good, with nothing said
+    (RocketMQ's consumeTimeout, 15 min by default, gives such a message back for a retry)."""
+    consumer = _push_consumer(consume_timeout_s=0.05)
+    cancelled = asyncio.Event()
+
+    async def stuck(msg):
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+    consumer.listener = stuck
+    msg = decode_record(_record(b"x"))[0]
+    try:
+        assert await consumer._listen(msg) is ConsumeStatus.RECONSUME_LATER
+    finally:
+        await consumer.client.shutdown()
+    assert cancelled.is_set()
+    assert "still running" in caplog.text and "consume_timeout_s" in caplog.text
