@@ -11,7 +11,7 @@ from protocol.message import validate_topic
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_cluster_info, encode_route, strict_json_for
 
 from ..ha import broker_id_of
-from ..topics import RETRY_PREFIX
+from ..topics import RETRY_PREFIX, TopicConfig
 
 
 def _broker_data(ctx) -> BrokerData:
@@ -23,7 +23,10 @@ def get_route_info(ctx, conn, cmd):
     topic = cmd.str_field("topic", required=True)
     tc = ctx.topics.get(topic)
     if tc is None and topic.startswith(RETRY_PREFIX) and validate_topic(topic) is None:
-        tc = ctx.topics.ensure(topic)
+        # A consumer group's retry topic, asked for before the group's first heartbeat creates it: routed as it
+        # will be, but not created here. This port takes no credentials, and every name asked for became a
+        # persistent topic, until max_retry_groups refused the groups that really heartbeat.
+        tc = TopicConfig(topic, 1, 1)
     if tc is None:
         return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
                             f"No topic route info in name server for the topic: {topic}")

@@ -85,6 +85,9 @@ async def test_route_json_follows_the_client_version(broker):
     assert missing.code == ResponseCode.TOPIC_NOT_EXIST
     retry = await _request(broker.namesrv, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "%RETRY%G1"})
     assert retry.code == ResponseCode.SUCCESS
+    # ... routed before its group's first heartbeat, not created by an (unauthenticated) route query
+    topics = await _request(broker.namesrv, RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)
+    assert "%RETRY%G1" not in json.loads(topics.body_bytes())["topicList"]
 
 
 async def test_bad_requests_get_rocketmq_codes(broker):
