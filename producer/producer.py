@@ -304,13 +304,15 @@ class Producer:
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
                          queue: MessageQueue | None = None) -> SendResult:
         """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
-        entries = []
+        entries, uniqs = [], []
         for body in bodies:
             props = self.message_properties(tags)
             props.pop(Prop.WAIT, None)
+            uniqs.append(props[Prop.UNIQ_KEY])
             entries.append((0, body, properties_to_string(props)))
+        # msg_id: the messages' UNIQ_KEYs, comma-joined, as the Java client's batch SendResult says it
         return await self._send_text(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), "WAIT\x01true",
-                                     "", queue, batch=True)
+                                     ",".join(uniqs), queue, batch=True)
 
     async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None,
                           keys: str | list[str] | None = None, properties: dict[str, str] | None = None) -> None:

@@ -63,12 +63,15 @@ async def test_batch_send_gets_consecutive_offsets(broker):
     assert mq.topic == "TBW102"
     ids = result.offset_msg_id.split(",")
     assert len(ids) == 3
+    uniq = result.msg_id.split(",")     # the Java client's batch msgId: the messages' UNIQ_KEYs
+    assert len(set(uniq)) == 3
     consumer = PullConsumer(broker.namesrv, "CG_batch")
     await consumer.fetch_queues("Batched")
     res = await consumer.pull(MessageQueue("Batched", queues[0].broker_name, queues[0].queue_id),
                               result.queue_offset, max_nums=10)
     assert [m.body for m in res.messages][:3] == [b"a", b"b", b"c"]
     assert [m.queue_offset for m in res.messages][:3] == [result.queue_offset + i for i in range(3)]
+    assert [m.msg_id for m in res.messages][:3] == uniq
     await consumer.shutdown()
 
 
