@@ -20,7 +20,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
-from protocol.message import MessageExt, decode_offset_msg_id, decode_records
+from protocol.message import MessageExt, decode_offset_msg_id, decode_records, inflate
 
 COMMANDS = ("query-key", "show-msg", "consumer-progress", "reset-offset", "topic-status", "broker-status")
 
@@ -116,6 +116,9 @@ def _message(m: MessageExt, with_body: bool = False) -> dict:
            "store_timestamp": m.store_timestamp, "keys": m.keys or "", "tags": m.tags or "",
            "body_bytes": len(m.body)}
     if with_body:
+        why = inflate(m)        # shown as its producer sent it
+        if why is not None:
+            out["body_note"] = why
         out.update(born_time=when(m.born_timestamp), born_host="%s:%d" % m.born_host,
                    store_host="%s:%d" % m.store_host, reconsume_times=m.reconsume_times, sys_flag=m.sys_flag,
                    properties=m.properties, body=m.body.decode("utf-8", "replace"))

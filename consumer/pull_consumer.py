@@ -14,7 +14,6 @@ import logging
 import os
 import socket
 import time
-import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
-from protocol.message import MessageExt, decode_records
+from protocol.message import MessageExt, decode_records, inflate
 from protocol.route import decode_route
 from protocol.signature import Credentials
 
@@ -57,16 +56,6 @@ class PullResult:
     min_offset: int
     max_offset: int
     messages: list[MessageExt] = field(default_factory=list)
-
-
-def _inflate(msg: MessageExt) -> None:
-    """The body as its producer sent it: Java and Go producers zlib-compress bodies over 4 KiB and set
-    sysFlag COMPRESSED, and the broker keeps them so (RocketMQ's client inflates them, MessageDecoder)."""
-    try:
-        msg.body = zlib.decompress(msg.body)
-    except zlib.error as exc:
-        log.error("message %s of %s says its body is compressed but it does not inflate (%s); "
-                  "it is given as stored", msg.msg_id, msg.topic, exc)
 
 
 class PullConsumer:
@@ -227,7 +216,9 @@ class PullConsumer:
         messages = decode_records(resp.body_bytes()) if resp.code == ResponseCode.SUCCESS else []
         for m in messages:
             if m.sys_flag & SysFlag.COMPRESSED:
-                _inflate(m)
+                why = inflate(m)
+                if why is not None:
+                    log.error("message %s of %s: %s; it is given as stored", m.msg_id, m.topic, why)
         if expression not in ("", "*"):
             tags = {t.strip() for t in expression.split("||")}
             messages = [m for m in messages if m.tags in tags]

@@ -530,6 +530,19 @@ def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, p
     return out
 
 
+def inflate(msg: MessageExt) -> str | None:
+    """Give ``msg`` the body its producer sent: Java and Go producers zlib-compress bodies over 4 KiB and set
+    sysFlag COMPRESSED, and a broker keeps them so (RocketMQ's client inflates them, MessageDecoder). None
+    when done or not compressed; else why the body was left as stored."""
+    if not msg.sys_flag & SysFlag.COMPRESSED:
+        return None
+    try:
+        msg.body = zlib.decompress(msg.body)
+    except zlib.error as exc:
+        return f"its body is marked compressed but does not inflate ({exc})"
+    return None
+
+
 def decode_records(buf) -> list[MessageExt]:
     """Every record of a pull / query body, in order.
 

@@ -137,3 +137,20 @@ async def test_group_updates_whose_writes_finish_out_of_order_are_all_saved(tmp_
     assert [a.code for a in answers] == [ResponseCode.SUCCESS] * 2
     again = SubscriptionGroups(str(tmp_path), lambda: 43)
     assert not again.consume_enabled("First") and not again.consume_enabled("Second")
+
+
+def test_show_msg_shows_a_compressed_body_as_its_producer_sent_it():
+    """Java and Go producers compress bodies over 4 KiB; show-msg printed the zlib bytes as text."""
+    import zlib
+
+    from broker.admin_ops import _message
+    from protocol.message import decode_record, encode_record, pack_host
+
+    def stored(body: bytes) -> object:
+        return decode_record(encode_record(topic=b"T", body=body, queue_id=0, flag=0, sys_flag=1, born_timestamp=1,
+                                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                                           properties=b""))[0]
+    sent = "order line " * 1000
+    assert _message(stored(zlib.compress(sent.encode())), True)["body"] == sent
+    broken = _message(stored(b"not zlib"), True)
+    assert broken["body"] == "not zlib" and "does not inflate" in broken["body_note"]
