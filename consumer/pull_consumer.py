@@ -23,7 +23,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
 from protocol.message import MessageExt, decode_records, inflate
-from protocol.route import decode_route
+from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
 
 log = logging.getLogger("txmq.consumer")
@@ -72,7 +72,7 @@ class PullConsumer:
         self.timeout = timeout
         self.route_ttl_s = route_ttl_s
         self._route_at: dict[str, float] = {}      # topic -> time.monotonic() of its last route
-        self.namesrv_addrs = [a.strip() for a in namesrv_addr.split(";") if a.strip()]
+        self.namesrv_addrs = NameServers([a.strip() for a in namesrv_addr.split(";") if a.strip()])
         try:
             ip = socket.gethostbyname(socket.gethostname())
         except OSError:
@@ -127,6 +127,7 @@ class PullConsumer:
             except Exception as exc:  # noqa: BLE001 - next name server
                 last = exc
                 continue
+            self.namesrv_addrs.answered(addr)
             if resp.code != ResponseCode.SUCCESS:
                 raise error_for_code(resp.code, resp.remark)
             route = decode_route(resp.body_bytes())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from protocol.codes import Perm, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import NoPermissionError, TopicNotExistError, error_for_code
-from protocol.route import TopicRouteData, decode_route
+from protocol.route import NameServers, TopicRouteData, decode_route
 
 AUTO_CREATE_TOPIC = "TBW102"
 log = logging.getLogger("txmq.producer")
@@ -36,7 +36,7 @@ class RouteCache:
     def __init__(self, pool, namesrv_addrs: list[str], *, ttl_s: float = 30.0, timeout: float = 3.0,
                  default_queue_nums: int = 4):
         self.pool = pool
-        self.namesrv_addrs = namesrv_addrs
+        self.namesrv_addrs = NameServers(namesrv_addrs)
         self.ttl_s = ttl_s
         self.timeout = timeout
         self.default_queue_nums = default_queue_nums
@@ -47,7 +47,7 @@ class RouteCache:
         self._counter = itertools.count()
 
     async def fetch(self, topic: str) -> TopicRouteData:
-        """Ask the name servers (in order) for ``topic``'s route; raises the first answer's error."""
+        """Ask the name servers (from the one that answered last) for ``topic``'s route; raises the first answer's error."""
         last_error = None
         for addr in self.namesrv_addrs:
             try:
@@ -59,6 +59,7 @@ class RouteCache:
             except Exception as exc:  # noqa: BLE001 - try the next name server
                 last_error = exc
                 continue
+            self.namesrv_addrs.answered(addr)
             if resp.code == ResponseCode.SUCCESS:
                 return decode_route(resp.body_bytes())
             raise error_for_code(resp.code, resp.remark)

@@ -103,3 +103,22 @@ def decode_route(body: bytes) -> TopicRouteData:
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise HeaderError(f"route data does not parse: {exc}") from None
     return TopicRouteData(queue_datas, broker_datas, obj.get("orderTopicConf"))
+
+
+class NameServers:
+    """The name servers a client asks, in turn from the one that answered last (RocketMQ's client, too, keeps
+    the name server it reached): a first one that is down costs one connect timeout, not one per route fetch."""
+
+    def __init__(self, addrs: list[str]):
+        self.addrs = list(addrs)
+        self._first = 0
+
+    def __iter__(self):
+        n = len(self.addrs)
+        return (self.addrs[(self._first + i) % n] for i in range(n))
+
+    def __len__(self) -> int:
+        return len(self.addrs)
+
+    def answered(self, addr: str) -> None:
+        self._first = self.addrs.index(addr)

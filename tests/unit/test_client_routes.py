@@ -196,3 +196,36 @@ async def test_sends_skip_a_broker_whose_route_names_no_master(cluster):
             await producer.routes.refresh_all()               # now only its slave
             results = [await producer.send("T", b"x") for _ in range(8)]
     assert {r.queue.broker_name for r in results} == {"a"} and cluster.sends == 8
+
+
+async def test_route_fetches_start_at_the_name_server_that_answered_last():
+    """A first name server that is down (its host gone: each connect ends at the connect timeout) was asked
+    first on every route fetch, so each cost a connect timeout before the second name server answered."""
+    from producer.routes import RouteCache
+    from protocol.errors import RequestTimeoutError
+    route = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    asked = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            asked.append(addr)
+            if addr == "10.255.0.1:9876":
+                raise RequestTimeoutError("connecting to 10.255.0.1:9876 timed out after 3 s")
+            return cmd.response(ResponseCode.SUCCESS, body=route)
+
+        async def close(self):
+            pass
+    routes = RouteCache(Pool(), ["10.255.0.1:9876", "127.0.0.1:9876"])
+    consumer = PullConsumer("10.255.0.1:9876;127.0.0.1:9876", "G")
+    consumer.pool = Pool()
+    try:
+        for _ in range(3):
+            await routes.fetch("T")
+        assert asked == ["10.255.0.1:9876", "127.0.0.1:9876", "127.0.0.1:9876", "127.0.0.1:9876"]
+        asked.clear()
+        for _ in range(3):
+            await consumer.fetch_queues("T")
+        assert asked == ["10.255.0.1:9876", "127.0.0.1:9876", "127.0.0.1:9876", "127.0.0.1:9876"]
+    finally:
+        await consumer.shutdown()
