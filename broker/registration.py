@@ -42,6 +42,9 @@ class BrokerRegistrar:
         self.registrations = 0          # successful REGISTER_BROKER answers, all name servers
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # From now, not from start(): a topic made while the first registration is under way (the broker
+        # already listens) registers right after it, not a period later.
+        ctx.topics.on_change = self.topics_changed
 
     def body(self) -> RegisterBrokerBody:
         topics = {tc.name: RegisteredTopic(tc.name, tc.read_queue_nums, tc.write_queue_nums, tc.perm,
@@ -80,7 +83,6 @@ class BrokerRegistrar:
         self._changed.set()
 
     def start(self) -> None:
-        self.ctx.topics.on_change = self.topics_changed
         self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-registration")
 
     async def _run(self) -> None:

@@ -1,0 +1,41 @@
+"""BrokerRegistrar: topic changes register at once, including those made during the first registration."""
+from __future__ import annotations
+
+import asyncio
+import types
+
+from broker.registration import BrokerRegistrar
+from broker.topics import TopicConfig, TopicManager
+from protocol.codes import ResponseCode
+from tests.support.bounded import bounded
+
+
+@bounded(20)
+async def test_a_topic_made_during_the_first_registration_registers_without_waiting_a_period(tmp_path):
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
+    config = types.SimpleNamespace(register_period_ms=600_000, register_timeout_ms=3000, register_compressed=False,
+                                   broker_name="B", cluster_name="C", broker_id=0)
+    ctx = types.SimpleNamespace(config=config, topics=topics, broker_addr="127.0.0.1:10911")
+    registrar = BrokerRegistrar(ctx, ["127.0.0.1:9876"], ha_server_addr="127.0.0.1:10912")
+    bodies, first_sent, go_on, second = [], asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def request(addr, cmd, timeout):
+        bodies.append(cmd.body_bytes())
+        if len(bodies) == 1:
+            first_sent.set()
+            await go_on.wait()          # the name server is slow to answer the first one
+        else:
+            second.set()
+        return cmd.response(ResponseCode.SUCCESS)
+    registrar.pool.request = request
+    first = asyncio.ensure_future(registrar.register_all())
+    await first_sent.wait()
+    topics.create(TopicConfig("MadeMeanwhile", 4, 4))     # a client's first send, while the broker registers
+    go_on.set()
+    assert await first == 1
+    registrar.start()
+    try:
+        await asyncio.wait_for(second.wait(), 10)       # the period is 10 minutes
+    finally:
+        await registrar.stop()
+    assert b"MadeMeanwhile" not in bodies[0] and b"MadeMeanwhile" in bodies[1]
