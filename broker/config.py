@@ -94,6 +94,7 @@ class BrokerConfig:
     ha_heartbeat_interval_ms: int = setting(5000, "A slave reports its offset at least this often, and a master with nothing to send sends an empty frame this often (RocketMQ's haSendHeartbeatInterval).")
     ha_housekeeping_interval_ms: int = setting(20000, "Either side drops an HA connection silent for this long; the slave reconnects (RocketMQ's haHousekeepingInterval).")
     ha_transfer_batch_size: int = setting(32 * 1024, "Bytes of commit log a master sends a slave per frame, at least one whole record (RocketMQ's haTransferBatchSize).")
+    slave_sync_interval_ms: int = setting(10000, "SLAVE: how often it copies its master's committed consumer offsets (GET_ALL_CONSUMER_OFFSET, RocketMQ's SlaveSynchronize every 10 s), so consumers that fail over to it go on from there. The master's broker address comes from the name server (--namesrv-addr); with an ACL on the master, whitelist the slave's address there.")
     slave_read_enable: bool = setting(False, "RocketMQ's slaveReadEnable: pull replies suggest the slave (suggestWhichBrokerId 1) to a consumer far behind the log (more than 40% of RAM). A slave serves pulls either way.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
@@ -179,7 +180,7 @@ class BrokerConfig:
             if self.ha_master_addr:
                 raise ConfigError(f"ha_master_addr is for a SLAVE; this broker is {self.broker_role}")
         for name in ("ha_slave_timeout_ms", "ha_slave_fallbehind_max", "ha_heartbeat_interval_ms",
-                     "ha_housekeeping_interval_ms", "ha_transfer_batch_size"):
+                     "ha_housekeeping_interval_ms", "ha_transfer_batch_size", "slave_sync_interval_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
 

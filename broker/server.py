@@ -25,6 +25,7 @@ from protocol.connection import DEFERRED, RemotingConnection
 
 from .acl import PlainAcl
 from . import ha as ha_roles
+from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, wall_clock_ms
@@ -64,6 +65,7 @@ class BrokerServer:
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
+        self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
 
     def _fatal(self, why: str) -> None:
         self.fatal = why
@@ -162,7 +164,8 @@ class BrokerServer:
         when the name servers are up), then every period. The HA address is RocketMQ's default, the
         broker port + 1, unless an HA listener said otherwise (``self.addresses["ha"]``)."""
         ha = self.addresses.get("ha") or f"{host}:{broker_port + 1}"
-        self.registrar = BrokerRegistrar(self.ctx, self.config.namesrv_addrs, ha_server_addr=ha)
+        self.registrar = BrokerRegistrar(self.ctx, self.config.namesrv_addrs, ha_server_addr=ha,
+                                         on_result=self.slave_sync.on_registered if self.slave_sync else None)
         accepted = await self.registrar.register_all()
         if not accepted:
             log.warning("no name server accepted the registration yet (%s); retrying every %d ms",
@@ -173,6 +176,8 @@ class BrokerServer:
         """The master's HA listener (returns its address) or the slave's follower task (broker/ha)."""
         c = self.config
         if isinstance(ctx.ha, ha_roles.HASlave):
+            self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000)
+            self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""
         if ctx.ha is None:
@@ -399,6 +404,8 @@ class BrokerServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         if self.registrar is not None:      # out of the routes first: clients stop choosing this broker
             await self.registrar.stop()
+        if self.slave_sync is not None:
+            await self.slave_sync.close()
         for srv in self._servers:
             srv.close()
         for task in self._tasks:

@@ -69,3 +69,36 @@ def decode_mq_table(body: bytes, field: str = "offsetTable") -> tuple[dict, dict
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise HeaderError(f"{field} body does not parse: {exc}") from None
     return obj, table
+
+
+def encode_consumer_offsets(table) -> bytes:
+    """ConsumerOffsetManager's JSON, as GET_ALL_CONSUMER_OFFSET answers it (a slave copies it from its
+    master): ``{"offsetTable":{"<topic>@<group>":{<queueId>:<offset>}}}`` -- fastjson writes the integer keys
+    bare. ``table``: ((group, topic, queue id), offset) pairs."""
+    by_key: dict[str, list[tuple[int, int]]] = {}
+    for (group, topic, qid), offset in table:
+        by_key.setdefault(f"{topic}@{group}", []).append((int(qid), int(offset)))
+    inner = ",".join(f"{dump(key)}:{{" + ",".join(f"{q}:{o}" for q, o in sorted(rows)) + "}"
+                     for key, rows in sorted(by_key.items()))
+    return ('{"offsetTable":{' + inner + "}}").encode()
+
+
+_BARE_INT_KEY = re.compile(r'([{,])\s*(-?\d+)\s*:')
+
+
+def decode_consumer_offsets(body: bytes) -> dict[tuple[str, str, int], int]:
+    """{(group, topic, queue id): offset} from a GET_ALL_CONSUMER_OFFSET body (bare or quoted queue ids).
+    Topic and group names hold no ``{``, ``,`` or ``:``, so quoting the bare keys cannot touch them."""
+    try:
+        raw = json.loads(_BARE_INT_KEY.sub(r'\1"\2":', body.decode("utf-8")))
+        table = raw["offsetTable"]
+        out = {}
+        for key, queues in table.items():
+            topic, sep, group = key.rpartition("@")
+            if not sep or not topic or not group:
+                raise ValueError(f"offset key {key!r} is not <topic>@<group>")
+            for qid, offset in queues.items():
+                out[(group, topic, int(qid))] = int(offset)
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise HeaderError(f"consumer offsets body is not usable: {exc}") from None

@@ -20,6 +20,7 @@ def broker_table() -> dict:
         R.PULL_MESSAGE: ops.consume_guard(pull.handle_pull),
         R.QUERY_CONSUMER_OFFSET: offsets.query_consumer_offset,
         R.UPDATE_CONSUMER_OFFSET: offsets.update_consumer_offset,
+        R.GET_ALL_CONSUMER_OFFSET: offsets.get_all_consumer_offset,
         R.GET_MAX_OFFSET: offsets.get_max_offset, R.GET_MIN_OFFSET: offsets.get_min_offset,
         R.SEARCH_OFFSET_BY_TIMESTAMP: offsets.search_offset_by_timestamp,
         R.GET_EARLIEST_MSG_STORETIME: offsets.get_earliest_msg_storetime,

@@ -1,6 +1,7 @@
-"""Consumer offsets and queue bounds: codes 14, 15, 29, 30, 31, 32 (spec 3.8, 3.9, 3.13, 9.2)."""
+"""Consumer offsets and queue bounds: codes 14, 15, 29, 30, 31, 32, 43 (spec 3.8, 3.9, 3.13, 9.2)."""
 from __future__ import annotations
 
+from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import ResponseCode
 
 
@@ -50,3 +51,10 @@ def get_earliest_msg_storetime(ctx, conn, cmd):
     topic, qid = _queue(cmd)
     ts = ctx.store.earliest_store_time(topic, qid)
     return cmd.response(ResponseCode.SUCCESS, None, {"timestamp": -1 if ts is None else ts})
+
+
+def get_all_consumer_offset(ctx, conn, cmd):
+    """Every committed offset (GET_ALL_CONSUMER_OFFSET): what a slave copies from its master every
+    ``slave_sync_interval_ms`` (RocketMQ's SlaveSynchronize), so consumers that fail over to it go on from
+    where they were, not from the start or the end."""
+    return cmd.response(ResponseCode.SUCCESS, body=encode_consumer_offsets(ctx.offsets.items()))

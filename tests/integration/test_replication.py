@@ -223,6 +223,56 @@ async def test_through_a_name_server_consumers_fail_over_to_the_slave(tmp_path):
             p.kill()
 
 
+async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_offset(tmp_path):
+    """The log carries messages, not consumer offsets: a slave answered a failed-over consumer's offset query
+    from its own empty table (0 here: every message again; past retention, the end: the rest never
+    delivered). It copies its master's offsets (GET_ALL_CONSUMER_OFFSET), as RocketMQ's slave does."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags, route
+
+    started = []
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000",
+                            "--scan-interval-ms", "200").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-o", 1000), "--broker-role",
+                               "SYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500").start()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-o", 1000), "--broker-role",
+                              "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                              "--ha-heartbeat-interval-ms", "500", "--slave-sync-interval-ms", "200").start()
+        started.append(slave)
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_offsets") as producer:
+                mq = await _until_replicating(producer)
+                for i in range(30):
+                    await producer.send(TOPIC, f"o{i}".encode(), queue=mq)
+            async with PullConsumer(ns.addr, "CG_failover") as consumer:
+                await consumer.fetch_queues(TOPIC)
+                await consumer.commit_offset(mq, 17)            # to the master, while it is there
+                assert await consumer.fetch_offset(mq) == 17
+            query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_failover", "topic": TOPIC, "queueId": mq.queue_id})
+            pool = ConnectionPool()
+            try:
+                while True:                                     # copied within a few sync intervals
+                    resp = await pool.request(slave.broker, query, 3.0)
+                    if resp.code == ResponseCode.SUCCESS and resp.int_field("offset") == 17:
+                        break
+                    await asyncio.sleep(0.1)
+            finally:
+                await pool.close()
+            master.kill()
+            while 0 in (await route(ns.addr, TOPIC)).broker_datas[0].broker_addrs:
+                await asyncio.sleep(0.1)
+            async with PullConsumer(ns.addr, "CG_failover") as consumer:
+                await consumer.fetch_queues(TOPIC)
+                assert await consumer.fetch_offset(mq) == 17    # from the slave now
+    finally:
+        for p in reversed(started):
+            p.kill()
+
+
 async def test_a_slave_does_not_list_transactions_it_does_not_follow(broker_factory):
     """A slave rebuilds its undecided-transaction index once, at start-up, and never follows its master's
     halves and decisions after that (it runs no checks). Its TXMQ_LIST_TRANSACTIONS answered SUCCESS with

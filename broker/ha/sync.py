@@ -1,0 +1,78 @@
+"""(Slave) what the commit log does not carry, copied from the master (RocketMQ's SlaveSynchronize).
+
+The log gives a slave every message, but not where each consumer group is: committed offsets live in the
+master's consumerOffset.json. Without them, a consumer that fails over to the slave (its master gone from
+the routes) asks for its offset and gets none: it starts over from the first message (every one again) or,
+once retention has trimmed the queue, from the last (the rest never delivered). So every
+``slave_sync_interval_ms`` the slave asks its master GET_ALL_CONSUMER_OFFSET and takes every offset it
+lists, as RocketMQ's slave does (putAll: the master's value wins; offsets only the slave has stay).
+
+The master's broker address comes from the name server's answer to the slave's registration
+(``masterAddr``), as in RocketMQ; a slave that registers with no name server has nobody to ask, and says so.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from protocol.admin_bodies import decode_consumer_offsets
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import ConnectionPool
+
+log = logging.getLogger("txmq.ha")
+
+
+class SlaveSync:
+    def __init__(self, offsets, interval_s: float, *, timeout_s: float = 3.0, sign=None):
+        self.offsets = offsets
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.master_addr: str | None = None     # the master's broker address, from the name server
+        self.synced = 0                         # copies taken (metrics, tests)
+        self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s), sign=sign)
+        self._failing: str | None = None
+
+    def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
+        """The registrar's on_result: the name server names this broker's master (empty while none)."""
+        addr = (resp.ext_fields or {}).get("masterAddr") or None
+        if addr != self.master_addr:
+            log.info("master broker address for offset copies: %s", addr or "none (not registered yet)")
+            self.master_addr = addr
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)    # first after one interval: registration names the master
+            await self.sync_once()
+
+    async def sync_once(self) -> bool:
+        addr = self.master_addr
+        if addr is None:
+            self._failed("no master broker address yet (it comes from the name server's answer to this "
+                         "slave's registration; a slave with no --namesrv-addr never learns it)")
+            return False
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET),
+                                           self.timeout_s)
+            if resp.code != ResponseCode.SUCCESS:
+                self._failed(f"master {addr} refused GET_ALL_CONSUMER_OFFSET: code {resp.code} {resp.remark}")
+                return False
+            table = decode_consumer_offsets(resp.body_bytes())
+        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
+            self._failed(f"consumer offsets not copied from master {addr}: {exc}")
+            return False
+        for (group, topic, qid), offset in table.items():
+            self.offsets.commit(group, topic, qid, offset)
+        self.synced += 1
+        if self._failing is not None:
+            log.warning("consumer offsets copied from master %s again", addr)
+            self._failing = None
+        return True
+
+    def _failed(self, why: str) -> None:
+        if why != self._failing:        # once per cause, not every interval
+            log.warning("%s", why)
+            self._failing = why
+
+    async def close(self) -> None:
+        await self.pool.close()

@@ -1,0 +1,64 @@
+"""A slave copies its master's consumer offsets (broker/ha/sync.py); the GET_ALL_CONSUMER_OFFSET body both ways."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from broker.ha.sync import SlaveSync
+from broker.store.offsets import ConsumerOffsets
+from protocol.admin_bodies import decode_consumer_offsets, encode_consumer_offsets
+from protocol.codes import ResponseCode
+from protocol.command import RemotingCommand
+from protocol.errors import ConnectionClosedError, HeaderError
+from tests.support.bounded import bounded
+
+
+def test_the_body_is_javas_and_reads_back():
+    table = [(("CG", "Orders", 0), 12), (("CG", "Orders", 1), 3), (("CG2", "%RETRY%CG2", 0), 0)]
+    body = encode_consumer_offsets(table)
+    assert body == b'{"offsetTable":{"%RETRY%CG2@CG2":{0:0},"Orders@CG":{0:12,1:3}}}'     # fastjson: bare ids
+    assert decode_consumer_offsets(body) == dict(table)
+    assert decode_consumer_offsets(b'{"offsetTable":{"T@G":{"2":7}}}') == {("G", "T", 2): 7}   # quoted ids too
+    assert decode_consumer_offsets(b'{"offsetTable":{"a@b@G":{0:1}}}') == {("G", "a@b", 0): 1}
+    for bad in (b"", b"[]", b'{"offsetTable":{"NoGroup":{0:1}}}', b'{"offsetTable":{"T@G":{0:"x"}}}'):
+        with pytest.raises(HeaderError, match="consumer offsets body"):
+            decode_consumer_offsets(bad)
+
+
+@bounded(10)
+async def test_the_master_offsets_win_and_a_failure_is_said_once(tmp_path, caplog):
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG", "Orders", 0, 5)            # committed here while the master was away
+    offsets.commit("Only", "Here", 0, 9)
+    sync = SlaveSync(offsets, 10.0)
+    answers = []
+
+    async def request(addr, cmd, timeout):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return cmd.response(ResponseCode.SUCCESS, body=answer)
+    sync.pool.request = request
+    try:
+        assert not await sync.sync_once()       # no name server has named the master yet
+        sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+        answers += [ConnectionClosedError("cannot connect"), ConnectionClosedError("cannot connect"),
+                    encode_consumer_offsets([(("CG", "Orders", 0), 12), (("CG", "Orders", 1), 3)])]
+        assert not await sync.sync_once() and not await sync.sync_once()
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    assert offsets.get("CG", "Orders", 0) == 12 and offsets.get("CG", "Orders", 1) == 3
+    assert offsets.get("Only", "Here", 0) == 9      # RocketMQ's putAll: what the master lacks stays
+    assert caplog.text.count("not copied from master") == 1 and "copied from master 127.0.0.1:10911 again" in caplog.text
+    assert "no master broker address yet" in caplog.text
+
+
+def test_a_response_command_has_the_master_address_field():
+    """What the name server answers a registration with (broker/namesrv/processors.py), as the slave reads it."""
+    cmd = RemotingCommand.request(103)
+    resp = cmd.response(ResponseCode.SUCCESS, None, {"masterAddr": "127.0.0.1:10911", "haServerAddr": ""})
+    sync = SlaveSync(None, 10.0)
+    sync.on_registered("ns", resp)
+    assert sync.master_addr == "127.0.0.1:10911"
