@@ -341,7 +341,14 @@ class Producer:
         refresh = False                 # after a routing error the next attempt asks the name server
         last_error: Exception | None = None
         routes = self.routes
+        timeout = self.send_timeout
+        started = time.monotonic()
         for attempt in range(self.retries + 1):
+            if attempt:     # send_timeout bounds the whole send, retries included (as the Java client's)
+                timeout = self.send_timeout - (time.monotonic() - started)
+                if timeout <= 0:
+                    raise RequestTimeoutError(f"send to {topic} timed out after {self.send_timeout:g} s and "
+                                              f"{attempt} attempt(s); the last failed with: {last_error}") from last_error
             if queue is not None:
                 mq = queue
                 if refresh:
@@ -357,7 +364,7 @@ class Producer:
                 addr = self._addr(mq)
                 conn = self.pool.cached(addr) or await self.pool.get(addr)
                 # the connection's future, awaited here: no coroutine per layer, no timer per request
-                resp = await conn.start_request(cmd, self.send_timeout)
+                resp = await conn.start_request(cmd, timeout)
             except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
                 last_error = exc
                 avoid = mq.broker_name

@@ -11,7 +11,7 @@ import pytest
 from consumer import PullConsumer
 from producer import Producer
 from protocol.codes import RequestCode, ResponseCode
-from protocol.connection import RemotingConnection
+from protocol.connection import DEFERRED, RemotingConnection
 from protocol.errors import ConnectionClosedError
 from protocol.message import encode_record, offset_msg_id, pack_host
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
@@ -33,6 +33,7 @@ class Cluster:
         self.live_addr = ""
         self.route_requests = 0
         self.sends = 0
+        self.silent = False
 
     def handle(self, conn, cmd):
         if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
@@ -43,6 +44,8 @@ class Cluster:
             return cmd.response(ResponseCode.SUCCESS)
         if cmd.code == RequestCode.SEND_MESSAGE_V2:
             self.sends += 1
+            if self.silent:
+                return DEFERRED         # taken, never answered: a broker stuck on its disk
             return cmd.response(ResponseCode.SUCCESS, None, {
                 "msgId": offset_msg_id(pack_host("127.0.0.1", 1), 100), "queueId": 0, "queueOffset": self.sends - 1})
         if cmd.code == RequestCode.PULL_MESSAGE:
@@ -229,3 +232,16 @@ async def test_route_fetches_start_at_the_name_server_that_answered_last():
         assert asked == ["10.255.0.1:9876", "127.0.0.1:9876", "127.0.0.1:9876", "127.0.0.1:9876"]
     finally:
         await consumer.shutdown()
+
+
+async def test_send_timeout_bounds_the_whole_send_retries_included(cluster):
+    """A broker that takes sends and never answers: each attempt waited a whole send_timeout, so a send with
+    retries=2 took three of them (9 s with the default 3 s) although send_timeout is the send's."""
+    from protocol.errors import RequestTimeoutError
+    cluster.broker_addr = cluster.live_addr
+    cluster.silent = True
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG_deadline", send_timeout=0.3, retries=2) as producer:
+            with pytest.raises(RequestTimeoutError, match=r"timed out after 0.3 s and 1 attempt"):
+                await producer.send("T", b"x")
+    assert cluster.sends == 1
