@@ -36,7 +36,12 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro, timeout: float | None):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:       # TimeoutError, KeyboardInterrupt: the call is over for the caller, so it ends
+            fut.cancel()            # (left running, a send that timed out here could still be stored later)
+            raise
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
