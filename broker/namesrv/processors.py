@@ -21,7 +21,7 @@ from .table import RouteTable
 @dataclass
 class NamesrvContext:
     table: RouteTable
-    clock: object                   # () -> wall-clock ms
+    clock: object                   # () -> ms of a monotonic clock (broker expiry)
 
 
 def register_broker(ctx: NamesrvContext, conn, cmd):

@@ -10,11 +10,11 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 from protocol.codes import ResponseCode
 from protocol.connection import RemotingConnection
 
-from ..context import wall_clock_ms
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
 from .table import RouteTable
@@ -22,8 +22,14 @@ from .table import RouteTable
 log = logging.getLogger("txmq.namesrv")
 
 
+def monotonic_ms() -> int:
+    """The clock broker expiry is timed with: a wall clock stepped forward (NTP, a VM resumed) expired every
+    broker at once, emptying every route until the next registrations; stepped back, kept dead ones."""
+    return int(time.monotonic() * 1000)
+
+
 class NameServer:
-    def __init__(self, config: NamesrvConfig, clock=wall_clock_ms):
+    def __init__(self, config: NamesrvConfig, clock=monotonic_ms):
         self.config = config
         self.ctx = NamesrvContext(RouteTable(expire_ms=config.broker_expire_ms), clock)
         self.connections: set[RemotingConnection] = set()

@@ -223,3 +223,19 @@ def test_a_malformed_register_body_is_a_header_error():
     with pytest.raises(HeaderError):
         _call(ctx, cmd)
     assert ctx.table.brokers == {}
+
+
+def test_a_wall_clock_step_does_not_expire_the_brokers(monkeypatch):
+    """Expiry was timed with the wall clock: stepped forward by more than broker_expire_ms (NTP after a drift,
+    a VM resumed), it dropped every live broker at the next scan and every route went empty."""
+    import time
+
+    from broker.namesrv.config import NamesrvConfig
+    from broker.namesrv.server import NameServer
+    server = NameServer(NamesrvConfig(port=0, broker_expire_ms=120_000))
+    reg(server.ctx.table, "b", "h:1", T1, now=server.ctx.clock())
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    monkeypatch.setattr(time, "time_ns", lambda: int((real() + 3600) * 1e9))
+    assert server.scan() == []
+    assert server.ctx.table.route("TopicA") is not None
