@@ -16,6 +16,13 @@ def wall_clock_ms() -> int:
     return int(time.time() * 1000)
 
 
+def monotonic_ms() -> int:
+    """For timing liveness (client channels, queue locks, name-server broker expiry): a wall clock stepped
+    forward (NTP, a VM resumed) expired every client, lock or broker at once; stepped back, kept dead ones
+    and held a crashed consumer's orderly queues locked until the clock caught up."""
+    return int(time.monotonic() * 1000)
+
+
 @dataclass
 class BrokerContext:
     config: BrokerConfig

@@ -28,7 +28,7 @@ from . import ha as ha_roles
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
-from .context import BrokerContext, wall_clock_ms
+from .context import BrokerContext, monotonic_ms, wall_clock_ms
 from .limits import Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot
@@ -77,7 +77,7 @@ class BrokerServer:
         loop = asyncio.get_running_loop()
         store_dir = os.path.abspath(c.store_dir)
         os.makedirs(store_dir, exist_ok=True)
-        clients = ClientRegistry(self.clock)
+        clients = ClientRegistry(monotonic_ms)     # liveness and queue locks: not the wall clock
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
                               broker=c.broker_name, max_retry_groups=c.max_retry_groups)

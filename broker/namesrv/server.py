@@ -10,22 +10,16 @@ import asyncio
 import logging
 import signal
 import sys
-import time
 
 from protocol.codes import ResponseCode
 from protocol.connection import RemotingConnection
 
+from ..context import monotonic_ms
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
 from .table import RouteTable
 
 log = logging.getLogger("txmq.namesrv")
-
-
-def monotonic_ms() -> int:
-    """The clock broker expiry is timed with: a wall clock stepped forward (NTP, a VM resumed) expired every
-    broker at once, emptying every route until the next registrations; stepped back, kept dead ones."""
-    return int(time.monotonic() * 1000)
 
 
 class NameServer:

@@ -52,7 +52,7 @@ def _lock_body(cmd):
 def lock_batch_mq(ctx, conn, cmd):
     group, client_id, mqs = _lock_body(cmd)
     locks = ctx.clients.locks
-    now = ctx.clock()
+    now = ctx.clients.clock()           # monotonic: a wall clock step must not free or pin a lock
     ttl = ctx.config.queue_lock_max_live_ms
     granted = []
     for mq in mqs:

@@ -49,3 +49,22 @@ def test_locks_are_per_group_and_only_the_holder_unlocks():
     assert _call(lock_batch_mq, ctx, "B") == []
     _call(unlock_batch_mq, ctx, "A")
     assert _call(lock_batch_mq, ctx, "B") == [MQ]                  # freed at once, no wait for expiry
+
+
+def test_a_wall_clock_step_neither_frees_nor_pins_a_lock():
+    """Locks were timed with the broker's wall clock: stepped forward, another consumer took a queue its holder
+    was consuming (two consumers of one orderly queue); stepped back, a crashed holder's queue stayed locked
+    until the clock caught up. They are timed with the client registry's monotonic clock."""
+    from broker.context import monotonic_ms
+    wall = SimpleNamespace(now=1_700_000_000_000)
+    mono = SimpleNamespace(now=5_000)
+    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: wall.now)
+    ctx.clients = ClientRegistry(lambda: mono.now)
+    assert _call(lock_batch_mq, ctx, "A") == [MQ]
+    wall.now += 3_600_000                                     # NTP steps the wall clock an hour ahead
+    assert _call(lock_batch_mq, ctx, "B") == []
+    wall.now -= 7_200_000                                     # ... and two hours back; A has crashed
+    mono.now += 60_001
+    assert _call(lock_batch_mq, ctx, "B") == [MQ]
+    import time
+    assert abs(monotonic_ms() - time.monotonic() * 1000) < 1000
