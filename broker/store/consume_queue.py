@@ -98,6 +98,12 @@ class ConsumeQueue:
                              f"{self.directory}: it needs {RESERVE_CHUNK // 1024} KiB; free some space and start "
                              "again", segment=self.files[-1].name if self.files else None) from self.last_error
 
+    def begin_at(self, offset: int) -> None:
+        """(Empty queue) its first unit is logical offset ``offset``: a slave copying a master queue that does
+        not begin at 0. Units are written where their offset says, not at 0."""
+        if not self.files and not self.backlog:
+            self.min_offset = self.max_offset = offset
+
     def extend(self, packed) -> bool:
         """Append already packed units (a batch's worth for this queue): one copy per file touched.
 

@@ -212,6 +212,7 @@ class MessageStore:
             cq = cqs.get(key)
             if cq is None:
                 cq = cqs[key] = self._make_queue(key)
+                cq.begin_at(self._log.queue_starts.pop(key, 0))
             if not cq.extend(packed):       # no space: the units wait in memory (see consume_queue.py)
                 self._backlogged.add(cq)
         live, by_topic = self._live, self._live_by_topic
