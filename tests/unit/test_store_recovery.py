@@ -282,6 +282,61 @@ async def test_queue_units_beyond_the_log_are_dropped_and_wrong_ones_rewritten(t
     await store.close()
 
 
+# Queue files before the last one that lost units, with only the last segment verified: their records are not
+# scanned, so the damage is found when the files load, and the queue is rebuilt from the whole log (a zeroed,
+# cut or missing file used to be served as it was: consumers skipped the units, or found the queue began late).
+LAST_ONLY = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+
+
+def _zero_file(path):
+    with open(path, "r+b") as f:
+        f.write(bytes(64 * 20))
+
+
+def _cut_file(path):
+    with open(path, "r+b") as f:
+        f.truncate(20 * 10)
+
+
+def read_queue(store, qid: int = 0) -> list[int]:
+    seen, off = [], store.min_offset("T", qid)
+    while off < store.max_offset("T", qid):
+        got = store.get_messages("T", qid, off, 32, 1 << 20)
+        assert got.status is GetStatus.FOUND, (off, got.status)
+        seen += [decode_record(bytes(b))[0].physical_offset for b in got.buffers]
+        off = got.next_begin_offset
+    return seen
+
+
+@pytest.mark.parametrize("damage", [_zero_file, _cut_file, os.unlink], ids=["zeroed", "cut", "deleted"])
+@bounded(30)
+async def test_a_damaged_queue_file_before_the_verified_range_is_rebuilt(tmp_path, caplog, damage):
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)      # two segments; queue files of 64 units
+    damage(tmp_path / "consumequeue" / "T" / "0" / f"{64 * 20:020d}")
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.scanned_from == SEG
+    assert any("rebuilding the queue" in r.getMessage() for r in caplog.records)
+    assert store.min_offset("T", 0) == 0 and store.max_offset("T", 0) == 900
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
+
+
+@bounded(30)
+async def test_a_rebuilt_queue_whose_records_are_gone_keeps_its_offsets(tmp_path):
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i, 2000, 1)) for i in range(130)]))
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i, 2000, 0)) for i in range(900)]))
+    await store.remove_segment(store.segments()[0].name, "test")    # every record of queue 1 goes
+    await store.close()
+    with open(tmp_path / "consumequeue" / "T" / "1" / f"{0:020d}", "wb") as f:
+        f.write(b"\1" * 64 * 20)                            # a stale file that does not precede the others
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.max_offset("T", 1) == 130                  # rebuilt empty, its offsets are not handed out again
+    assert (await store.put(req(0, 100, 1))).queue_offset == 130
+    await store.close()
+
+
 @bounded(20)
 async def test_consume_queue_files_roll(tmp_path):
     results = await fill(tmp_path, 200, size=100)        # 64 units a file -> 4 files
