@@ -24,7 +24,7 @@ Torn tail or damage in the middle -- the rule:
   missing tail then reads as zeros and the rule above applies.
 
 Consume queues: units that point at or past the new end are dropped; each record
-scanned is checked against its unit (a wrong unit is rewritten from there on) and
+scanned is checked against its unit, tag included (a wrong unit is rewritten from there on) and
 missing units are appended. A queue with a gap (units lost before the scanned range, or
 a file before its last one found cut short, ending in a zeroed unit or missing when it
 loaded) is rebuilt by a second, CRC-free pass over the whole log; units that no longer
@@ -256,7 +256,9 @@ def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, rep
         return
     if qoff < cq.max_offset:
         unit = cq.unit(qoff)
-        if unit is not None and unit[0] == phys and unit[1] == size:
+        # the tag too: a unit torn by the crash may hold the offset and size but not the tag, which
+        # filters the message out of tag subscriptions (or, for a delayed one, makes it due at once)
+        if unit is not None and unit[:2] == (phys, size) and unit[2] == _tag(seg, span, key[0], ts, rule):
             return
         log.warning("consume queue %s-%d: unit %d does not match the log; rewriting from there", *key, qoff)
         report.cq_units_dropped += cq.truncate(qoff)

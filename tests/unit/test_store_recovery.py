@@ -338,6 +338,23 @@ async def test_a_rebuilt_queue_whose_records_are_gone_keeps_its_offsets(tmp_path
 
 
 @bounded(20)
+async def test_a_unit_torn_after_its_size_gets_its_tag_back(tmp_path):
+    """A crash in the copy of a unit can leave its offset and size but not its tag: recovery took the unit as
+    right, and the message was filtered out of its tag's subscriptions from then on."""
+    await fill(tmp_path, 30)
+    store = await reopen(tmp_path)
+    want = store.queue_unit("T", 0, 29)
+    await store.close()
+    assert want[2] != 0
+    with open(tmp_path / "consumequeue" / "T" / "0" / f"{0:020d}", "r+b") as f:
+        f.seek(20 * 29 + 12)
+        f.write(bytes(8))
+    store = await reopen(tmp_path)
+    assert store.queue_unit("T", 0, 29) == want
+    await store.close()
+
+
+@bounded(20)
 async def test_consume_queue_files_roll(tmp_path):
     results = await fill(tmp_path, 200, size=100)        # 64 units a file -> 4 files
     files = sorted(os.listdir(tmp_path / "consumequeue" / "T" / "0"))
