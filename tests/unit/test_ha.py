@@ -213,6 +213,33 @@ async def test_empty_slave_starts_its_log_where_the_masters_starts(tmp_path):
 
 
 @bounded(30)
+async def test_a_crash_while_an_empty_slave_is_rebased_leaves_a_store_that_starts(tmp_path, monkeypatch):
+    """Killed between making the new first segment and removing the old empty one, a slave left both files:
+    recovery then refused to start (a segment missing from the middle of the log)."""
+    from broker.store.commit_log import CommitLog
+
+    def killed(self, new):
+        raise RuntimeError("killed here")
+
+    slave = MessageStore(str(tmp_path), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    monkeypatch.setattr(CommitLog, "rebase", killed)
+    with pytest.raises(RuntimeError, match="killed here"):
+        await slave.rebase_empty(3 * SEG)
+    await slave.close()
+    monkeypatch.undo()
+    again = MessageStore(str(tmp_path), CFG)
+    await again.open()
+    try:
+        assert again.is_empty or (again.min_physical_offset == again.max_physical_offset == 3 * SEG)
+        await again.rebase_empty(3 * SEG)
+        assert again.min_physical_offset == again.max_physical_offset == 3 * SEG
+    finally:
+        await again.close()
+
+
+@bounded(30)
 async def test_a_slave_begun_past_zero_keeps_the_masters_queue_offsets(tmp_path):
     """A slave whose log begins where retention trimmed its master's: each queue's first record has a queue
     offset past 0, and the slave's queue must hold it there, as the master's does (it went in at 0, so a
