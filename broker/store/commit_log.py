@@ -146,8 +146,10 @@ class CommitLog:
         write_zeros(seg.fd, lo, hi)
 
     def drop_segments_from(self, index: int) -> list[str]:
+        """Remove the segments from ``index`` on, newest first: a crash part way leaves a log without a gap
+        (the next start cuts the rest again), not one whose later segments follow a missing one."""
         gone = [seg.name for seg in self.segments[index:]]
-        for seg in self.segments[index:]:
+        for seg in reversed(self.segments[index:]):
             seg.remove()
         del self.segments[index:]
         return gone

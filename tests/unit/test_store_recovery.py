@@ -234,6 +234,33 @@ async def test_damage_before_the_verify_window_is_not_scanned_but_never_served(t
     await store.close()
 
 
+@bounded(60)
+async def test_a_crash_while_cut_segments_are_removed_leaves_no_gap(tmp_path, monkeypatch):
+    """Killed after removing the first of the segments after a cut, the store kept the later ones, and the
+    next start refused the log as one with a segment missing from the middle (truncate_corrupt_tail or not)."""
+    from broker.store.commit_log import Segment
+
+    results = await fill(tmp_path, 2000, cfg=CUT)            # five segments
+    bad = results[1000]                                      # in the third: the verified ones are cut there
+    patch(tmp_path, bad.physical_offset + 4, b"\0\0\0\0")
+    real, removed = Segment.remove, []
+
+    def killed_after_one(self):
+        if removed:
+            raise KeyboardInterrupt("killed")
+        removed.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(Segment, "remove", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        await reopen(tmp_path, CUT)
+    monkeypatch.undo()
+    store = await reopen(tmp_path, CUT)
+    assert store.max_physical_offset == bad.physical_offset
+    assert len(store.segments()) == 3
+    await store.close()
+
+
 # --------------------------------------------------------- checkpoint / CQ
 @bounded(20)
 async def test_a_damaged_checkpoint_means_a_full_scan(tmp_path, caplog):
