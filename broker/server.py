@@ -124,6 +124,7 @@ class BrokerServer:
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
         ctx.offsets = ConsumerOffsets(store_dir)
+        ctx.offsets.fit(store.max_offset)       # queues a cut log left shorter than what was committed
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
         await ctx.schedule.recover()

@@ -28,7 +28,8 @@ from ..store import PutRequest
 from ..store.results import PutStatus
 from ..topics import HALF_TOPIC
 from .levels import SCHEDULE_TOPIC, TIMER_DELAY_MS, TIMER_DELAY_SEC, TIMER_DELIVER_MS, TIMER_TOPIC, DelayLevels
-from .progress import PROGRESS_TOPIC, Progress, decode_progress, encode_progress, load_snapshot, write_snapshot
+from .progress import (PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress, load_snapshot,
+                       write_snapshot)
 
 log = logging.getLogger("txmq.schedule")
 
@@ -69,6 +70,11 @@ class ScheduleService:
         """Load delayOffset.json, replay the progress records after it, index the waiting timers."""
         store = self.ctx.store
         p = self.progress = load_snapshot(self.config_dir)
+        ahead = p.progress_offset > store.max_offset(PROGRESS_TOPIC, 0)
+        if ahead:       # the log was cut below it: its deliveries and timer offsets may be gone or reused
+            log.warning("%s covers schedule progress records the recovered log no longer has (it was cut); "
+                        "replaying the progress records of the log alone", SNAPSHOT_NAME)
+            p = self.progress = Progress()
         start = max(p.progress_offset, store.min_offset(PROGRESS_TOPIC, 0))
         end = store.max_offset(PROGRESS_TOPIC, 0)
         replayed = 0
@@ -95,6 +101,11 @@ class ScheduleService:
         heapq.heapify(self._timers)
         self._timers_indexed = hi
         self._recovered = True
+        if ahead:       # replace it now: once new progress records pass its offset, it would look valid
+            try:
+                await self.snapshot()
+            except OSError as exc:
+                log.error("%s not rewritten (%s): remove it before the next start", SNAPSHOT_NAME, exc)
         log.info("schedule recovered: %d progress records replayed, %d level messages and %d timers waiting",
                  replayed, sum(n for _, n in self.waiting() if _ != "timer"), len(self._timers))
 

@@ -77,6 +77,9 @@ class CommitLog:
         self.failed: str | None = None
         self.on_fail: Callable[[], None] = lambda: None
         self.qoffsets: dict[tuple[str, int], int] = {}   # next queue offset per (topic, queue)
+        # (slave) queues new to this log whose first record the master numbered past 0 (the slave's log began
+        # where retention had trimmed the master's): that first queue offset, where the store begins the queue
+        self.queue_starts: dict[tuple[str, int], int] = {}
         self.dispatching = False    # build DispatchInfo only when someone listens
         self.reserver = SpaceReserver(self, RESERVE_LOW, RESERVE_HIGH) if config.preallocate else None
         self.need: tuple[Segment, int, int] | None = None   # set when append stops for space (see append)
@@ -143,8 +146,10 @@ class CommitLog:
         write_zeros(seg.fd, lo, hi)
 
     def drop_segments_from(self, index: int) -> list[str]:
+        """Remove the segments from ``index`` on, newest first: a crash part way leaves a log without a gap
+        (the next start cuts the rest again), not one whose later segments follow a missing one."""
         gone = [seg.name for seg in self.segments[index:]]
-        for seg in self.segments[index:]:
+        for seg in reversed(self.segments[index:]):
             seg.remove()
         del self.segments[index:]
         return gone
@@ -356,6 +361,8 @@ class CommitLog:
         for r in chunk.records:
             if r.queue_offset >= 0:
                 key = (r.topic, r.queue_id)
+                if key not in qoffsets and r.queue_offset:
+                    self.queue_starts[key] = r.queue_offset
                 qoffsets[key] = r.queue_offset + 1
                 packed = units.get(key)
                 if packed is None:

@@ -53,17 +53,20 @@ class ConsumeQueue:
         self.backlog = bytearray()      # packed units waiting for disk space
         self._attempt_from = 0
         self.last_error: OSError | None = None
+        self.damaged: str | None = None     # why load found units missing before the last file (recovery rebuilds)
 
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, directory: str, topic: str, queue_id: int, file_size: int) -> "ConsumeQueue":
         cq = cls(directory, topic, queue_id, file_size)
         starts = sorted(s for s in map(parse_name, os.listdir(directory)) if s is not None)
-        # Keep the newest run of consecutive files: a gap means older files are unusable anyway.
+        # Keep the newest run of consecutive files: a gap means the units in it and before are lost here, so
+        # the older files go and recovery rebuilds the queue from the log.
         for i in range(len(starts) - 1, 0, -1):
             if starts[i] - starts[i - 1] != file_size:
-                log.warning("consume queue %s-%d: file %020d does not follow %020d; ignoring the older files",
-                            topic, queue_id, starts[i], starts[i - 1])
+                cq.damaged = f"file {starts[i]:020d} does not follow {starts[i - 1]:020d}"
+                for start in starts[:i]:
+                    os.unlink(os.path.join(directory, f"{start:020d}"))
                 starts = starts[i:]
                 break
         for start in starts:
@@ -76,6 +79,11 @@ class ConsumeQueue:
             if found > file_size:
                 raise StoreError(f"consume queue {topic}-{queue_id}: file is {found} bytes, expected {file_size} "
                                  f"(delete {directory} to rebuild it from the commit log)", segment=mf.name)
+            if start != starts[-1] and cq.damaged is None:     # a file before the last one must be full
+                if found < file_size:
+                    cq.damaged = f"file {mf.name} is cut short at {found} of {file_size} bytes"
+                elif not any(os.pread(mf.fd, UNIT_SIZE, file_size - UNIT_SIZE)):
+                    cq.damaged = f"file {mf.name} ends with a zeroed unit"
         if cq.files:
             last = cq.files[-1]
             used = _written_length(last)
@@ -84,6 +92,9 @@ class ConsumeQueue:
             cq.max_offset = (last.start + used) // UNIT_SIZE
             cq.min_offset = cq.files[0].start // UNIT_SIZE
             cq._flush_mark = (last, used)
+        if cq.damaged is not None:
+            log.warning("consume queue %s-%d: %s: units are missing; rebuilding the queue from the commit log",
+                        topic, queue_id, cq.damaged)
         return cq
 
     # ------------------------------------------------------------ appends
@@ -97,6 +108,12 @@ class ConsumeQueue:
             raise StoreError(f"no disk space to rebuild consume queue {self.topic}-{self.queue_id} in "
                              f"{self.directory}: it needs {RESERVE_CHUNK // 1024} KiB; free some space and start "
                              "again", segment=self.files[-1].name if self.files else None) from self.last_error
+
+    def begin_at(self, offset: int) -> None:
+        """(Empty queue) its first unit is logical offset ``offset``: a slave copying a master queue that does
+        not begin at 0. Units are written where their offset says, not at 0."""
+        if not self.files and not self.backlog:
+            self.min_offset = self.max_offset = offset
 
     def extend(self, packed) -> bool:
         """Append already packed units (a batch's worth for this queue): one copy per file touched.

@@ -15,7 +15,8 @@ dispatched before it first -- so a query sent after a send was acknowledged sees
 What is indexed is a prefix of the log: ``covered`` is the offset below which every record is
 indexed (or needs no entry). A dispatch beyond ``covered`` first fills the gap from the log, so
 nothing can be skipped. At start-up ``covered`` is the larger of ``index/progress`` (written
-every 10 s after an fsync of the files) and the newest entry's record, and the thread catches
+every 10 s after an fsync of the files) and the newest entry's record, neither past the end
+recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
 message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
 from the commit log.
@@ -198,8 +199,11 @@ class IndexService:
                 break
         newest = next((f for f in reversed(self.files) if f.count > 1), None)
         start = log_min
+        # Entries at or past the log's end name records recovery cut off: the records written there from now
+        # on are new and must be indexed, not taken as covered.
         if newest is not None:
-            start = max(start, newest.end_phy)
+            start = max(start, min(newest.end_phy, log_end))
+        if newest is not None and newest.end_phy < log_end:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
         if not self.rebuilt:

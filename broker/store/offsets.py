@@ -9,7 +9,8 @@ Commits only touch memory and mark the table dirty; a task persists a dirty tabl
 losing the last few seconds costs a few redeliveries, never a lost message) and
 ``close`` persists once more. Each write goes to a temporary file that is fsync'ed and
 renamed over the old one, then the directory is fsync'ed: a crash leaves the old table
-or the new one, never a torn file.
+or the new one, never a torn file. At start-up the broker lowers offsets past the end of a
+queue that recovery cut short (``fit``).
 """
 from __future__ import annotations
 
@@ -82,6 +83,25 @@ class ConsumerOffsets:
     def items(self):
         """((group, topic, queue id), offset) pairs."""
         return list(self._table.items())
+
+    def fit(self, max_offset) -> list[tuple[tuple[str, str, int], int, int]]:
+        """Lower every offset past its queue's end (``max_offset(topic, queue id)``) to that end; returns
+        ((group, topic, queue id), was, now) for each one lowered.
+
+        At start-up, after recovery: a log cut short (a torn tail after a power loss, or
+        truncate_corrupt_tail) leaves queues shorter than what consumers had committed, and the new
+        messages that refill those offsets would be skipped by a consumer resuming from its old offset.
+        """
+        lowered = []
+        for (group, topic, qid), offset in self._table.items():
+            end = max_offset(topic, qid)
+            if offset > end:
+                lowered.append(((group, topic, qid), offset, end))
+        for key, was, end in lowered:
+            self.commit(*key, end)
+            log.warning("consumer offsets: %s of %s queue %d was %d, past the queue's end %d (the log was cut "
+                        "after it was committed); it is now %d", key[0], key[1], key[2], was, end, end)
+        return lowered
 
     # ------------------------------------------------------------ lifecycle
     async def open(self) -> None:

@@ -24,10 +24,11 @@ Torn tail or damage in the middle -- the rule:
   missing tail then reads as zeros and the rule above applies.
 
 Consume queues: units that point at or past the new end are dropped; each record
-scanned is checked against its unit (a wrong unit is rewritten from there on) and
-missing units are appended. A queue with a gap (units lost before the scanned range)
-is rebuilt by a second, CRC-free pass over the whole log; units that no longer exist
-in the log become pre-blank units. Dispatch listeners are called, with
+scanned is checked against its unit, tag included (a wrong unit is rewritten from there on) and
+missing units are appended. A queue with a gap (units lost before the scanned range, or
+a file before its last one found cut short, ending in a zeroed unit or missing when it
+loaded) is rebuilt by a second, CRC-free pass over the whole log; units that no longer
+exist in the log become pre-blank units, up to the offset the queue had reached. Dispatch listeners are called, with
 ``recovering=True``, for every valid record at or after the checkpoint offset.
 """
 from __future__ import annotations
@@ -149,7 +150,8 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
         ck_idx = (0 if point < segs[0].start else len(segs) - 1) if at is None else segs.index(at[0])
         first = min(ck_idx, max(0, len(segs) - verify_segments), len(segs) if short is None else short)
     report = RecoveryReport(point, segs[first].start if segs else 0, 0)
-    end, last_ts, gaps = None, 0, set()
+    end, last_ts = None, 0
+    gaps = {key for key, cq in queues.items() if cq.damaged is not None}     # units lost before the last file
 
     for i in range(first, len(segs)):
         seg, pos = segs[i], 0
@@ -254,7 +256,9 @@ def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, rep
         return
     if qoff < cq.max_offset:
         unit = cq.unit(qoff)
-        if unit is not None and unit[0] == phys and unit[1] == size:
+        # the tag too: a unit torn by the crash may hold the offset and size but not the tag, which
+        # filters the message out of tag subscriptions (or, for a delayed one, makes it due at once)
+        if unit is not None and unit[:2] == (phys, size) and unit[2] == _tag(seg, span, key[0], ts, rule):
             return
         log.warning("consume queue %s-%d: unit %d does not match the log; rewriting from there", *key, qoff)
         report.cq_units_dropped += cq.truncate(qoff)
@@ -269,6 +273,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
     """Rebuild queues that lost units before the verified range from the whole log (no CRC: read-only)."""
     log.warning("consume queues %s lack units before the verified range; rebuilding them from the whole log",
                 sorted(gaps))
+    had = {key: queues[key].max_offset for key in gaps}
     for key in gaps:
         report.cq_units_dropped += queues[key].truncate(0)
     for seg in clog.segments:
@@ -287,3 +292,5 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
                     cq.append(seg.start + pos, size, _tag(seg, span, topic, ts, rule))
                     report.cq_units_appended += 1
             pos += size
+    for key in gaps:        # records retention removed: their offsets stay taken (pre-blank), never reused
+        queues[key].pad(had[key])

@@ -212,6 +212,7 @@ class MessageStore:
             cq = cqs.get(key)
             if cq is None:
                 cq = cqs[key] = self._make_queue(key)
+                cq.begin_at(self._log.queue_starts.pop(key, 0))
             if not cq.extend(packed):       # no space: the units wait in memory (see consume_queue.py)
                 self._backlogged.add(cq)
         live, by_topic = self._live, self._live_by_topic
@@ -310,16 +311,23 @@ class MessageStore:
 
     async def rebase_empty(self, start: int) -> None:
         """(Empty store) begin the log at segment offset ``start``: a new slave whose master's log was
-        trimmed by retention. The new segment is made on the I/O thread, swapped in by the writer."""
+        trimmed by retention. The new segment is made on the I/O thread, swapped in by the writer.
+
+        The empty segment's file is unlinked before the new one is made: a crash in between leaves no
+        segment (the store starts empty at 0 and is rebased again), never both, which recovery refuses
+        as a log with segments missing from the middle."""
         if start % self._log.seg_size:
             raise ValueError(f"offset {start} is not the start of a segment")
         if start == 0 or not self.is_empty:
             return
-        new = await self._reserve_io.submit(self._log.make_segment, start)
 
         async def op():
             if self._log.reserver is not None and self._log.reserver.idle is not None:
                 await self._log.reserver.idle
+            if not self.is_empty:
+                raise AssertionError("only an empty log can be rebased")
+            await self._io.submit(os.unlink, self._log.segments[0].path)
+            new = await self._reserve_io.submit(self._log.make_segment, start)
             old = self._log.rebase(new)
             await self._io.submit(_remove_files, [old])
 

@@ -203,6 +203,25 @@ class DecisionTable:
                 log.warning("decision file %s not removed: %s", self._path(base), exc)
         return dead
 
+    def forget_from(self, index: int) -> int:
+        """Undecide every entry from ``index`` on; returns how many were decided. At start-up, with the
+        half queue's end: a log cut shorter at recovery leaves decisions for halves that are gone, and
+        the new halves stored at those queue offsets would be taken as decided."""
+        forgotten = 0
+        for base, m in self._maps.items():
+            lo = max(index - base, 0)
+            if lo < self.file_entries:
+                tail = m[lo:]
+                decided = len(tail) - tail.count(0)
+                if decided:
+                    m[lo:] = bytes(len(tail))
+                    self._dirty.add(base)
+                    forgotten += decided
+        for i in [i for i in self._pending if i >= index]:
+            del self._pending[i]
+            forgotten += 1
+        return forgotten
+
     def clear(self) -> None:
         """Forget everything (a rebuild from the log follows)."""
         for base in list(self._maps):

@@ -73,6 +73,11 @@ async def recover(tx) -> None:
     ctx, store = tx.ctx, tx.ctx.store
     started = ctx.clock()
     tx.table = DecisionTable(os.path.join(tx.directory, "decisions"))
+    half_end = store.max_offset(HALF_TOPIC, 0)
+    gone = tx.table.forget_from(half_end)
+    if gone:
+        log.warning("transactions: %d decisions were for halves at queue offset %d or later, which the recovered "
+                    "log no longer holds (it was cut); forgotten, as new halves take those offsets", gone, half_end)
     snap = read_snapshot(tx.directory, store)
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)

@@ -11,7 +11,7 @@ import pytest
 from broker.ha.codec import (HEADER, HAProtocolError, OffsetDecoder, TransferDecoder, encode_offset,
                              encode_transfer)
 from broker.ha.waiter import OffsetWatermark
-from broker.store import MessageStore, PutRequest, PutStatus, StoreConfig
+from broker.store import GetStatus, MessageStore, PutRequest, PutStatus, StoreConfig
 from tests.support.bounded import bounded
 
 SEG = 64 * 1024
@@ -210,6 +210,68 @@ async def test_empty_slave_starts_its_log_where_the_masters_starts(tmp_path):
     await reopened.open()
     assert reopened.min_physical_offset == start and reopened.max_physical_offset == master.max_physical_offset
     await reopened.close()
+
+
+@bounded(30)
+async def test_a_crash_while_an_empty_slave_is_rebased_leaves_a_store_that_starts(tmp_path, monkeypatch):
+    """Killed between making the new first segment and removing the old empty one, a slave left both files:
+    recovery then refused to start (a segment missing from the middle of the log)."""
+    from broker.store.commit_log import CommitLog
+
+    def killed(self, new):
+        raise RuntimeError("killed here")
+
+    slave = MessageStore(str(tmp_path), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    monkeypatch.setattr(CommitLog, "rebase", killed)
+    with pytest.raises(RuntimeError, match="killed here"):
+        await slave.rebase_empty(3 * SEG)
+    await slave.close()
+    monkeypatch.undo()
+    again = MessageStore(str(tmp_path), CFG)
+    await again.open()
+    try:
+        assert again.is_empty or (again.min_physical_offset == again.max_physical_offset == 3 * SEG)
+        await again.rebase_empty(3 * SEG)
+        assert again.min_physical_offset == again.max_physical_offset == 3 * SEG
+    finally:
+        await again.close()
+
+
+@bounded(30)
+async def test_a_slave_begun_past_zero_keeps_the_masters_queue_offsets(tmp_path):
+    """A slave whose log begins where retention trimmed its master's: each queue's first record has a queue
+    offset past 0, and the slave's queue must hold it there, as the master's does (it went in at 0, so a
+    consumer reading the slave got the master's unit 4 as its unit 0 and found nothing at 4)."""
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    await master.open()
+    for i in range(30):
+        await master.put(_req(i))
+    await master.remove_segment(master.segments()[0].name, "test")
+    slave = MessageStore(str(tmp_path / "s"), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    await slave.rebase_empty(master.min_physical_offset)
+    await _copy(master, slave, master.min_physical_offset)
+
+    def same_queues(store):
+        for key in master.queues():
+            lo, hi = master.min_offset(*key), master.max_offset(*key)
+            assert lo > 0 and (store.min_offset(*key), store.max_offset(*key)) == (lo, hi)
+            got_m, got_s = master.get_messages(*key, lo, 100, 1 << 20), store.get_messages(*key, lo, 100, 1 << 20)
+            assert got_s.status is got_m.status is GetStatus.FOUND
+            assert [bytes(b) for b in got_s.buffers] == [bytes(b) for b in got_m.buffers]
+
+    try:
+        same_queues(slave)
+        await slave.close()
+        slave = MessageStore(str(tmp_path / "s"), CFG)
+        await slave.open()
+        same_queues(slave)
+    finally:
+        await master.close()
+        await slave.close()
 
 
 @bounded()

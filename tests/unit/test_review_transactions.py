@@ -372,3 +372,33 @@ async def test_a_failing_check_write_does_not_strand_the_dead_letters_of_its_pas
         assert dying.half_offset not in tx.pending
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_new_half_at_a_queue_offset_a_cut_log_freed_is_not_taken_as_decided(tmp_path, monkeypatch):
+    """truncate_corrupt_tail cut the log at a committed half; the decision table kept its COMMIT, and the next
+    half stored at that queue offset was taken as decided by the following recovery: never checked."""
+    import tests.unit.test_review_transactions as here
+    real = StoreConfig
+    monkeypatch.setattr(here, "StoreConfig", lambda **kw: real(truncate_corrupt_tail=True, **kw))
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    await add_half(ctx, b"kept")
+    await tx.write_snapshot()             # a snapshot older than the cut: it is used, with the table
+    cut = await add_half(ctx, b"cut")
+    await tx.decide(cut.half_offset, COMMIT, group="PG")
+    await add_half(ctx, b"after")         # valid data after the damage: the cut is a truncate_corrupt_tail
+    await ctx.store._store.close()
+    with open(tmp_path / "s" / "commitlog" / f"{0:020d}", "r+b") as f:
+        f.seek(cut.half_offset + 4)
+        f.write(b"\0\0\0\0")
+    ctx = await make_service(tmp_path, clock)
+    new = await add_half(ctx, b"new")
+    assert new.queue_offset == cut.queue_offset
+    await ctx.store._store.close()        # a crash before the new half is decided
+    ctx = await make_service(tmp_path, clock)
+    try:
+        assert new.half_offset in ctx.tx.pending, "the new half was taken as decided by a gone half's COMMIT"
+    finally:
+        await ctx.store._store.close()

@@ -124,9 +124,9 @@ class Clock:
         return self.now
 
 
-async def _service(path, clock, levels="1s 5s 10s"):
-    store = MessageStore(str(path), StoreConfig(segment_size=1 << 20, cq_units_per_file=100), clock=clock,
-                         tag_rule=DelayLevels(levels).consume_queue_tag)
+async def _service(path, clock, levels="1s 5s 10s", **store_config):
+    store = MessageStore(str(path), StoreConfig(segment_size=1 << 20, cq_units_per_file=100, **store_config),
+                         clock=clock, tag_rule=DelayLevels(levels).consume_queue_tag)
     ctx = SimpleNamespace(store=store, clock=clock, metrics=BrokerMetrics(), store_host=HOST)
     svc = ScheduleService(ctx, DelayLevels(levels))
     store.add_dispatch_listener(svc.on_dispatch)
@@ -193,6 +193,33 @@ async def test_timers_leave_in_time_order_and_no_delivery_repeats_after_a_restar
     assert [m.body for m in _delivered(svc2.ctx.store, "T")] == [b"level", b"early", b"mid", b"late"]
     assert svc2.ctx.store.max_offset(PROGRESS_TOPIC, 0) == 3
     await svc2.ctx.store.close()
+
+
+@bounded()
+async def test_after_a_log_cut_the_snapshot_ahead_of_it_is_not_trusted(tmp_path):
+    """truncate_corrupt_tail cut the log at a timer message, and with it the delivery batch after it; the
+    delayOffset.json written before still said every timer below 3 was delivered. The one whose delivery was
+    cut was never delivered again, nor were the new timers stored at the offsets the cut freed."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock, truncate_corrupt_tail=True)
+    timers = [await _schedule(svc, "T", body, {"TIMER_DELIVER_MS": "101000"}, clock.now) for body in (b"a", b"b", b"c")]
+    assert await svc.run_due(101_000) == 3
+    await svc.stop()                                        # delayOffset.json: timers below 3 delivered
+    await svc.ctx.store.close()
+    with open(os.path.join(tmp_path, "commitlog", f"{0:020d}"), "r+b") as f:
+        f.seek(timers[1].physical_offset + 4)               # damage b: the log is cut there
+        f.write(b"\0\0\0\0")
+    svc = await _service(tmp_path, clock, truncate_corrupt_tail=True)
+    assert await svc.run_due(101_000) == 1                  # a: its delivery was cut with the rest
+    for body in (b"x", b"y"):                               # at timer queue offsets 1 and 2 again
+        await _schedule(svc, "T", body, {"TIMER_DELIVER_MS": "200000"}, clock.now)
+    await svc.ctx.store.close()                             # killed: no stop, no new delayOffset.json
+    svc = await _service(tmp_path, clock, truncate_corrupt_tail=True)
+    try:
+        assert await svc.run_due(200_000) == 2
+        assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"a", b"x", b"y"]
+    finally:
+        await svc.ctx.store.close()
 
 
 @bounded()

@@ -66,3 +66,36 @@ def test_malformed_entries_are_skipped(tmp_path):
         json.dumps({"T@g": {"0": 3, "x": 1}, "nogroup": {"0": 1}, "U@g": {"1": "7"}}))
     offsets = ConsumerOffsets(str(tmp_path))
     assert sorted(offsets.items()) == [(("g", "T", 0), 3), (("g", "U", 1), 7)]
+
+
+@bounded(30)
+async def test_offsets_past_a_queue_a_cut_log_shortened_are_lowered_at_start(tmp_path):
+    """A log cut at start-up (truncate_corrupt_tail here; a torn tail after a power loss alike) leaves a queue
+    shorter than a group's committed offset. That offset must come down to the queue's end: left as it was,
+    the consumer resumed there and silently skipped the new messages that refilled the offsets below it."""
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+    from broker.store import MessageStore, PutRequest, StoreConfig
+
+    store_dir = tmp_path / "store"
+    store = MessageStore(str(store_dir), StoreConfig(segment_size=1 << 20))
+    await store.open()
+    results = [await store.put(PutRequest.build("T", b"x" * 100, queue_id=0)) for _ in range(10)]
+    await store.close()
+    offsets = ConsumerOffsets(str(store_dir))
+    offsets.commit("g", "T", 0, 10)
+    offsets.commit("h", "T", 0, 5)
+    offsets.persist()
+    with open(store_dir / "commitlog" / f"{0:020d}", "r+b") as f:     # damage record 7 of 10: cut from there
+        f.seek(results[7].physical_offset + 4)
+        f.write(b"\0\0\0\0")
+    server = BrokerServer(BrokerConfig(store_dir=str(store_dir), port=0, namesrv_port=0, metrics_port=-1,
+                                       segment_size=1 << 20, max_message_size=64 * 1024,
+                                       truncate_corrupt_tail=True))
+    await server.start()
+    try:
+        assert server.ctx.store.max_offset("T", 0) == 7
+        assert server.ctx.offsets.get("g", "T", 0) == 7      # was 10: offsets 7..9 are the next messages'
+        assert server.ctx.offsets.get("h", "T", 0) == 5
+    finally:
+        await server.stop()

@@ -234,6 +234,33 @@ async def test_damage_before_the_verify_window_is_not_scanned_but_never_served(t
     await store.close()
 
 
+@bounded(60)
+async def test_a_crash_while_cut_segments_are_removed_leaves_no_gap(tmp_path, monkeypatch):
+    """Killed after removing the first of the segments after a cut, the store kept the later ones, and the
+    next start refused the log as one with a segment missing from the middle (truncate_corrupt_tail or not)."""
+    from broker.store.commit_log import Segment
+
+    results = await fill(tmp_path, 2000, cfg=CUT)            # five segments
+    bad = results[1000]                                      # in the third: the verified ones are cut there
+    patch(tmp_path, bad.physical_offset + 4, b"\0\0\0\0")
+    real, removed = Segment.remove, []
+
+    def killed_after_one(self):
+        if removed:
+            raise KeyboardInterrupt("killed")
+        removed.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(Segment, "remove", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        await reopen(tmp_path, CUT)
+    monkeypatch.undo()
+    store = await reopen(tmp_path, CUT)
+    assert store.max_physical_offset == bad.physical_offset
+    assert len(store.segments()) == 3
+    await store.close()
+
+
 # --------------------------------------------------------- checkpoint / CQ
 @bounded(20)
 async def test_a_damaged_checkpoint_means_a_full_scan(tmp_path, caplog):
@@ -282,6 +309,78 @@ async def test_queue_units_beyond_the_log_are_dropped_and_wrong_ones_rewritten(t
     await store.close()
 
 
+# Queue files before the last one that lost units, with only the last segment verified: their records are not
+# scanned, so the damage is found when the files load, and the queue is rebuilt from the whole log (a zeroed,
+# cut or missing file used to be served as it was: consumers skipped the units, or found the queue began late).
+LAST_ONLY = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+
+
+def _zero_file(path):
+    with open(path, "r+b") as f:
+        f.write(bytes(64 * 20))
+
+
+def _cut_file(path):
+    with open(path, "r+b") as f:
+        f.truncate(20 * 10)
+
+
+def read_queue(store, qid: int = 0) -> list[int]:
+    seen, off = [], store.min_offset("T", qid)
+    while off < store.max_offset("T", qid):
+        got = store.get_messages("T", qid, off, 32, 1 << 20)
+        assert got.status is GetStatus.FOUND, (off, got.status)
+        seen += [decode_record(bytes(b))[0].physical_offset for b in got.buffers]
+        off = got.next_begin_offset
+    return seen
+
+
+@pytest.mark.parametrize("damage", [_zero_file, _cut_file, os.unlink], ids=["zeroed", "cut", "deleted"])
+@bounded(30)
+async def test_a_damaged_queue_file_before_the_verified_range_is_rebuilt(tmp_path, caplog, damage):
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)      # two segments; queue files of 64 units
+    damage(tmp_path / "consumequeue" / "T" / "0" / f"{64 * 20:020d}")
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.scanned_from == SEG
+    assert any("rebuilding the queue" in r.getMessage() for r in caplog.records)
+    assert store.min_offset("T", 0) == 0 and store.max_offset("T", 0) == 900
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
+
+
+@bounded(30)
+async def test_a_rebuilt_queue_whose_records_are_gone_keeps_its_offsets(tmp_path):
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i, 2000, 1)) for i in range(130)]))
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i, 2000, 0)) for i in range(900)]))
+    await store.remove_segment(store.segments()[0].name, "test")    # every record of queue 1 goes
+    await store.close()
+    with open(tmp_path / "consumequeue" / "T" / "1" / f"{0:020d}", "wb") as f:
+        f.write(b"\1" * 64 * 20)                            # a stale file that does not precede the others
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.max_offset("T", 1) == 130                  # rebuilt empty, its offsets are not handed out again
+    assert (await store.put(req(0, 100, 1))).queue_offset == 130
+    await store.close()
+
+
+@bounded(20)
+async def test_a_unit_torn_after_its_size_gets_its_tag_back(tmp_path):
+    """A crash in the copy of a unit can leave its offset and size but not its tag: recovery took the unit as
+    right, and the message was filtered out of its tag's subscriptions from then on."""
+    await fill(tmp_path, 30)
+    store = await reopen(tmp_path)
+    want = store.queue_unit("T", 0, 29)
+    await store.close()
+    assert want[2] != 0
+    with open(tmp_path / "consumequeue" / "T" / "0" / f"{0:020d}", "r+b") as f:
+        f.seek(20 * 29 + 12)
+        f.write(bytes(8))
+    store = await reopen(tmp_path)
+    assert store.queue_unit("T", 0, 29) == want
+    await store.close()
+
+
 @bounded(20)
 async def test_consume_queue_files_roll(tmp_path):
     results = await fill(tmp_path, 200, size=100)        # 64 units a file -> 4 files
@@ -293,6 +392,46 @@ async def test_consume_queue_files_roll(tmp_path):
     assert got.message_count == 4 and got.next_begin_offset == 64     # a read stops at its file's end
     assert_readable(store, results)
     await store.close()
+
+
+# ------------------------------------------------------------ the key index
+@bounded(30)
+async def test_records_written_where_a_cut_log_ended_are_indexed(tmp_path):
+    """The index had entries up to a record the recovery then cut off; it took everything below its newest
+    entry as indexed, so the new records written over the cut range were never indexed (QUERY_MESSAGE by key
+    or message id found nothing)."""
+    from broker.store.index import IndexService
+
+    cfg = StoreConfig(segment_size=SEG, max_message_size=2048, truncate_corrupt_tail=True)
+
+    async def open_both():
+        store = MessageStore(str(tmp_path), cfg)
+        index = IndexService(str(tmp_path), segment_size=SEG, slots=16, entries=1000)
+        store.add_dispatch_listener(index.on_dispatch)
+        await store.open()
+        await index.open(store.min_physical_offset, store.max_physical_offset)
+        return store, index
+
+    def put(store, key):
+        return store.put(PutRequest.build("T", b"x" * 50, properties={"KEYS": key}))
+
+    store, index = await open_both()
+    old = [await put(store, f"old{i}") for i in range(10)]
+    assert (await index.query("T", "old9", 8, 0, 2**62))[0] == [old[9].physical_offset]
+    await index.close()
+    await store.close()
+    patch(tmp_path, old[3].physical_offset + 4, b"\0\0\0\0")   # damage record 3: cut there
+    store, index = await open_both()
+    try:
+        assert store.max_physical_offset == old[3].physical_offset
+        new = [await put(store, f"new{i}") for i in range(10)]
+        for i, r in enumerate(new):
+            assert (await index.query("T", f"new{i}", 8, 0, 2**62))[0] == [r.physical_offset]
+        assert (await index.query("T", "old9", 8, 0, 2**62))[0] == []
+        assert (await index.query("T", "old2", 8, 0, 2**62))[0] == [old[2].physical_offset]
+    finally:
+        await index.close()
+        await store.close()
 
 
 # ----------------------------------------------------------- record parser
