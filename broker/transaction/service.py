@@ -337,13 +337,24 @@ class TransactionService:
         return fut
 
     async def _write_decision(self, action: Write, done: asyncio.Future, reclaim: bool = False) -> str:
+        """Write a claimed decision; its remark, or DecisionError.
+
+        Settled by the store's writer when the records are written, not by this coroutine: once queued they
+        are written whoever waits, so a caller cancelled meanwhile (a stop cancels the check timer) must not
+        settle the decision as refused, leaving it pending with its op record in the log."""
         floor, reqs = self._decision_begin(action, done)
+        answer = asyncio.get_running_loop().create_future()
+        written = _DecisionWritten(self, action, floor, done, answer)
         try:
-            results = await self.ctx.store.put_many(reqs, reclaim)
+            self.ctx.store.put_many(reqs, reclaim, then=written)
         except BaseException:
-            self._decision_settled(action.tx, floor, done, False)
+            if not written.done():
+                self._decision_settled(action.tx, floor, done, False)
             raise
-        return self._decision_end(action, floor, done, results)
+        code, remark = await asyncio.shield(answer)
+        if code != ResponseCode.SUCCESS:
+            raise DecisionError(code, remark)
+        return remark
 
     def _decision_begin(self, action: Write, done: asyncio.Future) -> tuple[int, list]:
         """(op-queue floor held, records to write) for a claimed decision; if the records cannot be made,
