@@ -421,3 +421,32 @@ async def test_a_dead_letter_written_after_its_pass_was_cancelled_is_recorded_on
         assert ctx2.store.max_offset(DEAD_TOPIC, 0) == 1, "dead-lettered twice"
     finally:
         await ctx2.store._store.close()
+
+
+@bounded(20)
+async def test_the_in_doubt_view_of_one_group_counts_that_group(tmp_path):
+    """TXMQ_LIST_TRANSACTIONS with a group: its "total" (printed as "N undecided" under the group's rows) was
+    every group's count, so a group with nothing in doubt read as having the whole broker's undecided ones."""
+    import json
+
+    from broker.processors.transaction import list_transactions
+    from protocol.codes import RequestCode
+    from protocol.command import RemotingCommand
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    try:
+        for i in range(3):
+            await add_half(ctx, f"a{i}".encode(), group="PG_A")
+        await add_half(ctx, b"b", group="PG_B")
+
+        def listed(**fields):
+            cmd = RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, fields)
+            return json.loads(list_transactions(ctx, None, cmd).body_bytes())
+        assert listed()["total"] == 4 == len(ctx.tx.pending)
+        one = listed(group="PG_B", limit=10)
+        assert [r["group"] for r in one["pending"]] == ["PG_B"] and one["total"] == 1
+        some = listed(group="PG_A", limit=1)
+        assert len(some["pending"]) == 1 and some["total"] == 3
+        assert listed(group="PG_NONE")["total"] == 0
+    finally:
+        await ctx.store._store.close()
