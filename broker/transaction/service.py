@@ -78,7 +78,10 @@ class TransactionService:
         self._snapshot_task: asyncio.Task | None = None
         self._rr = 0
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
-        ctx.metrics.half_messages.set_function(lambda: len(self.pending))
+        if c.broker_role == "SLAVE":    # its index is its start-up one, never following its master's decisions
+            ctx.metrics.half_messages.set_function(lambda: 0)
+        else:
+            ctx.metrics.half_messages.set_function(lambda: len(self.pending))
 
     @functools.cached_property
     def records(self) -> RecordFactory:

@@ -450,3 +450,28 @@ async def test_the_in_doubt_view_of_one_group_counts_that_group(tmp_path):
         assert listed(group="PG_NONE")["total"] == 0
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_slave_does_not_export_its_start_up_undecided_count(tmp_path):
+    """A slave builds its undecided index once, at start-up, and never follows its master's decisions (its list
+    is refused, its runtime info and oldest-half gauge leave it out). Its rocketmq_half_messages still exported
+    that start-up count, for good: a half its master decided long ago stayed "undecided" there, and a sum over
+    the cluster counted the master's ones twice."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    await add_half(ctx, b"undecided at the slave's start")
+    await ctx.tx.stop()
+    await ctx.store._store.close()
+    slave = await make_service(tmp_path, clock, broker_role="SLAVE", broker_id=1,
+                               ha_master_addr="127.0.0.1:1")
+    try:
+        assert len(slave.tx.pending) == 1       # the start-up index (the master goes on without it)
+        assert slave.metrics.registry.get_sample_value("rocketmq_half_messages") == 0
+    finally:
+        await slave.store._store.close()
+    master = await make_service(tmp_path, clock)
+    try:
+        assert master.metrics.registry.get_sample_value("rocketmq_half_messages") == 1
+    finally:
+        await master.store._store.close()
