@@ -106,6 +106,12 @@ def handle_send(ctx, conn, cmd):
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
     if props.get(Prop.TRAN_MSG, "").lower() == "true" and not (reconsume > 0 and props.get(Prop.DELAY, "0") != "0"):
+        if any(k in props for k in _TIMER_KEYS):
+            # A half waits only once committed, where a refused timer could only mean "deliver now": judge it
+            # here, as a plain send's (on a copy: the half keeps its properties as sent).
+            illegal = ctx.schedule.levels.divert(topic, qid, dict(props), SysFlag.TRANSACTION_COMMIT, ctx.clock())
+            if isinstance(illegal, str):
+                return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
         refused = ctx.limits.may_prepare(cmd, ctx.tx, props.get(Prop.PGROUP) or h.producer_group)
         if refused is not None:
             return refused

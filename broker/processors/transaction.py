@@ -69,8 +69,11 @@ def list_transactions(ctx, conn, cmd):
         # log but not its index (a slave runs no checks). That list would be a wrong answer, not a stale view.
         return cmd.response(ResponseCode.SYSTEM_ERROR, "this broker is a SLAVE: it does not follow its master's "
                             "undecided transactions; list them on the master")
-    rows = ctx.tx.describe(cmd.str_field("group"), cmd.int_field("limit", 1000))
-    return cmd.response(ResponseCode.SUCCESS, body=dumps({"pending": rows, "total": len(ctx.tx.pending),
+    group = cmd.str_field("group")
+    rows = ctx.tx.describe(group, cmd.int_field("limit", 1000))
+    pending = ctx.tx.pending
+    total = sum(1 for p in pending.values() if p.group == group) if group else len(pending)    # of what is listed
+    return cmd.response(ResponseCode.SUCCESS, body=dumps({"pending": rows, "total": total,
                                                           "dead_lettered": ctx.tx.dead_count}))
 
 

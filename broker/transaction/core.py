@@ -5,7 +5,8 @@ The service (service.py) feeds it events and performs the actions it returns:
     event                               what the core answers
     half stored                         schedule the first check (immunity, CHECK_IMMUNITY_TIME_IN_SECONDS)
     END COMMIT/ROLLBACK (any origin)    Write(tx, op)  | Reply (duplicate, conflict, unknown half) | Wait
-    END UNKNOWN                         Reply "recorded"; the check schedule stands
+    END UNKNOWN                         Reply "recorded"; the check schedule stands (decided or unknown
+                                        half: what became of it, never "will check back")
     the decision written / failed       the transaction leaves the index / stays pending, still scheduled
     due(now)                            SendCheck(tx, channel) | Write(tx, DEAD, "max-checks") | defer
     check written / failed              next check after the interval, 2x / 4x while unanswered
@@ -203,18 +204,23 @@ class TransactionCore:
                 tx.awaiting = False
                 tx.unanswered = 0
             tx.last_answer = op
-        if op == UNKNOWN:
-            return Reply(ResponseCode.SUCCESS, "UNKNOWN recorded; the broker will check back", "unknown")
-        if op not in DECISIONS:
+        if op not in DECISIONS and op != UNKNOWN:
             return Reply(ResponseCode.SYSTEM_ERROR, f"{op} is not a decision", "refused")
         if tx is None:
             earlier = self.decided(half_offset)
             if earlier is None:
                 return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "refused")
+            if op == UNKNOWN:       # no check will come: say what became of it instead of "will check back"
+                if earlier == DEAD:
+                    return Reply(ResponseCode.TRANSACTION_FAILED, "transaction already DEAD (dead-lettered): it is "
+                                 "not checked back; UNKNOWN changes nothing", "unknown")
+                return Reply(ResponseCode.SUCCESS, f"already {earlier}; UNKNOWN changes nothing", "unknown")
             if earlier == op:
                 return Reply(ResponseCode.SUCCESS, f"already {op}; nothing changed", "duplicate")
             return Reply(ResponseCode.TRANSACTION_FAILED,
                          f"transaction already {earlier}; {op} refused (the first decision wins)", "conflict")
+        if op == UNKNOWN:
+            return Reply(ResponseCode.SUCCESS, "UNKNOWN recorded; the broker will check back", "unknown")
         if tx.deciding is not None:
             return Wait(tx)
         tx.deciding = op

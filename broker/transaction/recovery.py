@@ -16,7 +16,7 @@ from protocol.message import Prop, decode_record
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
-from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_op
+from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_letter, parse_op
 
 log = logging.getLogger("txmq.transaction")
 
@@ -105,7 +105,7 @@ async def recover(tx) -> None:
         elif op.op in (COMMIT, ROLLBACK, DEAD):
             tx.record(op.half_queue_offset, op.op)
             undecided.discard(op.half_offset)
-    repaired = await _repair_lost_commit_ops(tx, undecided)
+    repaired = await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
     now = ctx.clock()
     for off in sorted(undecided):
@@ -151,6 +151,31 @@ async def _repair_lost_commit_ops(tx, undecided: set[int]) -> int:
             repaired += 1
     tx.recovered_commits.clear()
     return repaired
+
+
+async def _repair_lost_dead_op(tx, undecided: set[int]) -> int:
+    """A dead letter that ends the replayed log had its batch torn before its op record (the two are written
+    together, the dead letter first, and only the log's last batch can be torn): write the op now, or the
+    transaction would be pending again with its dead letter out, and be dead-lettered twice or decided anew."""
+    at, tx.recovered_dead_letter = tx.recovered_dead_letter, None
+    store = tx.ctx.store
+    if at is None or at[0] + at[1] != store.max_physical_offset:
+        return 0
+    view = store.get_record(at[0])
+    parsed = parse_dead_letter(decode_record(view)[0]) if view is not None else None
+    if parsed is None:
+        return 0
+    off, reason = parsed
+    q = tx._half_queue_offset(off)
+    if q is None or tx.table.get(q) is not None:
+        return 0
+    if getattr(tx.ctx.config, "broker_role", "") != "SLAVE":   # a slave's log is its master's: the op arrives
+        res = await store.put(tx.records.decision(DEAD, off, q, reason))
+        log.warning("recovery: dead-lettered transaction at %d had lost its op record; rewritten (%s)",
+                    off, res.status.name)
+    tx.record(q, DEAD)
+    undecided.discard(off)
+    return 1
 
 
 async def write_snapshot(tx) -> None:

@@ -12,7 +12,8 @@ Promises, beyond RocketMQ 4.x:
   by a check never delivers twice, however old the transaction;
 * a commit writes the real message and its op record in ONE writer batch; at
   start-up a committed message whose op record was lost in a crash is found in
-  the replayed log tail, so it is never committed a second time;
+  the replayed log tail, so it is never committed a second time (a dead letter
+  likewise: never dead-lettered twice);
 * undecided transactions live in memory, ordered by next check time: a check
   pass costs O(due), and writes a small check record, never the payload; decided
   ones cost no memory;
@@ -42,7 +43,7 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
 from .core import Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
-from .records import COMMIT, DEAD, RESUME, ROLLBACK, RecordFactory
+from .records import COMMIT, DEAD, DEAD_TOPIC, RESUME, ROLLBACK, RecordFactory
 from .recovery import PROGRESS_GROUP, recover, write_snapshot
 
 log = logging.getLogger("txmq.transaction")
@@ -70,13 +71,17 @@ class TransactionService:
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
         self.recovered_commits: set[int] = set()
+        self.recovered_dead_letter: tuple[int, int] | None = None     # (offset, size)
         self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
         self.writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
         self.changed = True
         self._snapshot_task: asyncio.Task | None = None
         self._rr = 0
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
-        ctx.metrics.half_messages.set_function(lambda: len(self.pending))
+        if c.broker_role == "SLAVE":    # its index is its start-up one, never following its master's decisions
+            ctx.metrics.half_messages.set_function(lambda: 0)
+        else:
+            ctx.metrics.half_messages.set_function(lambda: len(self.pending))
 
     @functools.cached_property
     def records(self) -> RecordFactory:
@@ -136,10 +141,12 @@ class TransactionService:
 
     # ------------------------------------------------------------ recovery
     def on_dispatch(self, info) -> None:
-        """Store dispatch listener: remember commits replayed by recovery (their op may be lost)."""
+        """Store dispatch listener: remember commits and dead letters replayed by recovery (their op may be lost)."""
         # (prepared_offset may be 0: the very first record of a store can be a half message)
         if info.recovering and SysFlag.transaction_type(info.sys_flag) == SysFlag.TRANSACTION_COMMIT:
             self.recovered_commits.add((info.prepared_offset, info.physical_offset))
+        elif info.recovering and info.topic == DEAD_TOPIC:
+            self.recovered_dead_letter = (info.physical_offset, info.size)      # the last one replayed
 
     async def recover(self) -> None:
         """Rebuild the index: from the snapshot and the op records after it, or from the whole log."""
@@ -337,13 +344,24 @@ class TransactionService:
         return fut
 
     async def _write_decision(self, action: Write, done: asyncio.Future, reclaim: bool = False) -> str:
+        """Write a claimed decision; its remark, or DecisionError.
+
+        Settled by the store's writer when the records are written, not by this coroutine: once queued they
+        are written whoever waits, so a caller cancelled meanwhile (a stop cancels the check timer) must not
+        settle the decision as refused, leaving it pending with its op record in the log."""
         floor, reqs = self._decision_begin(action, done)
+        answer = asyncio.get_running_loop().create_future()
+        written = _DecisionWritten(self, action, floor, done, answer)
         try:
-            results = await self.ctx.store.put_many(reqs, reclaim)
+            self.ctx.store.put_many(reqs, reclaim, then=written)
         except BaseException:
-            self._decision_settled(action.tx, floor, done, False)
+            if not written.done():
+                self._decision_settled(action.tx, floor, done, False)
             raise
-        return self._decision_end(action, floor, done, results)
+        code, remark = await asyncio.shield(answer)
+        if code != ResponseCode.SUCCESS:
+            raise DecisionError(code, remark)
+        return remark
 
     def _decision_begin(self, action: Write, done: asyncio.Future) -> tuple[int, list]:
         """(op-queue floor held, records to write) for a claimed decision; if the records cannot be made,

@@ -75,3 +75,62 @@ async def test_commit_whose_op_was_lost_is_not_committed_again(broker_factory, t
     b2 = broker_factory(*flags)
     assert await _pending(b2.broker) == 0
     assert await _bodies(b2.namesrv) == [b"paid once"]
+
+
+DEAD_CHILD = r"""
+import asyncio, os, sys
+from broker.store import MessageStore, StoreConfig
+from broker.transaction.records import RecordFactory
+from protocol.message import UniqIdGenerator, decode_record, pack_host
+
+async def main(store_dir):
+    store = MessageStore(store_dir, StoreConfig(segment_size=1 << 20, checkpoint_interval_ms=600000))
+    await store.open()
+    rf = RecordFactory(pack_host("127.0.0.1", 10911), UniqIdGenerator(), lambda: 1)
+    props = {"TAGS": "t", "UNIQ_KEY": "FEDCBA", "TRAN_MSG": "true", "PGROUP": "PG_torn", "WAIT": "true"}
+    half = await store.put(rf.half(body=b"given up once", real_topic="Torn", real_qid=0, flag=0, sys_flag=4,
+                                   born_timestamp=1, born_host=pack_host("127.0.0.1", 5), props=props))
+    msg = decode_record(store.get_record(half.physical_offset))[0]
+    await store.put(rf.dead_letter(msg, half.physical_offset, "max-checks"))     # its DEAD op is lost
+    print("written", flush=True)
+    os.kill(os.getpid(), 9)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def _listed(addr) -> dict:
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS), 5)
+        return json.loads(resp.body_bytes())
+    finally:
+        conn.close()
+
+
+async def _dead_letters(namesrv):
+    consumer = PullConsumer(namesrv, "CG_torn_dead")
+    (mq,) = await consumer.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC")
+    bodies = [m.body for m in (await consumer.pull(mq, 0, max_nums=10)).messages]
+    await consumer.shutdown()
+    return bodies
+
+
+async def test_a_dead_letter_whose_op_was_lost_is_not_pending_again(broker_factory, tmp_path):
+    """The same torn batch for a dead letter (the copy in TRANS_CHECK_MAX_TIME_TOPIC, then its DEAD op): the
+    transaction came back pending with its dead letter already out, to be dead-lettered a second time, or
+    committed by a later answer though its first recorded outcome was the dead letter."""
+    store = tmp_path / "store"
+    child = subprocess.run([sys.executable, "-c", DEAD_CHILD, str(store)], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert "written" in child.stdout and child.returncode == -9, child.stderr
+    b = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
+    listed = await _listed(b.broker)
+    assert (listed["total"], listed["dead_lettered"]) == (0, 1), listed
+    assert "lost its op record; rewritten" in b.log()
+    assert await _dead_letters(b.namesrv) == [b"given up once"]
+    assert b.stop() == 0
+    b2 = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
+    listed = await _listed(b2.broker)
+    assert (listed["total"], listed["dead_lettered"]) == (0, 1), listed

@@ -142,6 +142,30 @@ async def test_timer_limits_and_a_delayed_commit(broker_factory):
     assert msg.body == b"paid" and "TIMER_DELAY_MS" not in msg.properties
 
 
+async def test_a_transactional_message_with_an_illegal_timer_is_refused_at_its_half(broker_factory):
+    """A half is never diverted: its timer applies at COMMIT. One the broker would refuse on a plain send
+    (beyond timer_max_delay_s, not a number) was stored as a half all the same, and at COMMIT the refusal
+    came back as "no delay": the message was delivered at once, with nobody told."""
+    broker = broker_factory(*FAST, "--timer-max-delay-s", "60")
+    executed = []
+
+    class Commit:
+        def execute_local_transaction(self, msg, arg):
+            executed.append(msg.body)
+            return LocalTransactionState.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+    async with asyncio.timeout(15):
+        async with TransactionProducer(broker.namesrv, "PG_tx_timer", Commit()) as tx:
+            with pytest.raises(MessageIllegalError, match="beyond the 60 s maximum"):
+                await tx.send_in_transaction("TxTimed", b"too far", properties={"TIMER_DELAY_SEC": "61"})
+            with pytest.raises(MessageIllegalError, match="not a whole number"):
+                await tx.send_in_transaction("TxTimed", b"bad", properties={"TIMER_DELIVER_MS": "tomorrow"})
+        assert executed == [] and await _all_messages(broker.namesrv, "TxTimed") == []
+
+
 async def _count_keys(namesrv, topic) -> Counter:
     return Counter(m.properties["UNIQ_KEY"] for m in await _all_messages(namesrv, topic))
 

@@ -46,10 +46,14 @@ class GatedStore:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def put_many(self, reqs, reclaim=False):
+    def put_many(self, reqs, reclaim=False, then=None):
         if self.gate is None:
-            return self._store.put_many(reqs, reclaim)
-        return self._gated(reqs, reclaim)
+            return self._store.put_many(reqs, reclaim, then)
+        gated = asyncio.ensure_future(self._gated(reqs, reclaim))
+        if then is None:
+            return gated
+        gated.add_done_callback(lambda f: then.set_result(f.result()))     # as the writer completes ``then``
+        return then
 
     async def _gated(self, reqs, reclaim):
         self.entered.set()
@@ -304,10 +308,10 @@ async def test_a_check_pass_whose_write_raises_keeps_its_transactions_scheduled(
         checked.owner = Producer()
         real = ctx.store._store.put_many
 
-        def put_many(reqs, reclaim=False):
+        def put_many(reqs, reclaim=False, then=None):
             if len(reqs) == 1 and reqs[0].topic == "RMQ_SYS_TRANS_OP_HALF_TOPIC":
                 raise RuntimeError("a bug in the check write")
-            return real(reqs, reclaim)
+            return real(reqs, reclaim, then)
         ctx.store.put_many = put_many
         clock.now = max(checked.next_check, dying.next_check) + 1
         try:
@@ -402,3 +406,102 @@ async def test_a_new_half_at_a_queue_offset_a_cut_log_freed_is_not_taken_as_deci
         assert new.half_offset in ctx.tx.pending, "the new half was taken as decided by a gone half's COMMIT"
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_dead_letter_written_after_its_pass_was_cancelled_is_recorded_once(tmp_path):
+    """A stop cancels the check timer while its pass waits for a max-checks dead letter. Its records were the
+    writer's already and were written; the cancelled wait settled the decision as refused, so the transaction
+    stayed pending with nothing recorded: the snapshot written at stop named it pending past its DEAD op, and
+    after the restart it was dead-lettered a second time (an END COMMIT meanwhile would have overruled the
+    first recorded decision)."""
+    from broker.transaction.records import DEAD
+    from protocol.txlog import DEAD_TOPIC
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    dying = await add_half(ctx, b"dying")
+    dying.checks = tx.policy.check_max
+    queued = asyncio.Event()
+    real = ctx.store._store.put_many
+
+    def put_many(reqs, reclaim=False, then=None):
+        written = real(reqs, reclaim, then)
+        queued.set()                        # handed to the writer: it will be written, whoever waits for it
+        return written
+    ctx.store.put_many = put_many
+    clock.now = dying.next_check + 1
+    passing = asyncio.ensure_future(tx.run_due(clock.now))
+    await queued.wait()
+    passing.cancel()                        # as timer.stop() does
+    with pytest.raises(asyncio.CancelledError):
+        await passing
+    del ctx.store.put_many
+    await add_half(ctx, b"after")           # the writer is FIFO: the dead letter's batch is done
+    assert ctx.store.max_offset(DEAD_TOPIC, 0) == 1
+    assert tx.decision_of(dying.half_offset) == DEAD and dying.half_offset not in tx.pending
+    await tx.stop()
+    await ctx.store._store.close()
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert dying.half_offset not in ctx2.tx.pending and ctx2.tx.decision_of(dying.half_offset) == DEAD
+        assert ctx2.tx.dead_count == 1
+        await ctx2.tx.run_due(clock.now + 3_600_000)
+        assert ctx2.store.max_offset(DEAD_TOPIC, 0) == 1, "dead-lettered twice"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(20)
+async def test_the_in_doubt_view_of_one_group_counts_that_group(tmp_path):
+    """TXMQ_LIST_TRANSACTIONS with a group: its "total" (printed as "N undecided" under the group's rows) was
+    every group's count, so a group with nothing in doubt read as having the whole broker's undecided ones."""
+    import json
+
+    from broker.processors.transaction import list_transactions
+    from protocol.codes import RequestCode
+    from protocol.command import RemotingCommand
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    try:
+        for i in range(3):
+            await add_half(ctx, f"a{i}".encode(), group="PG_A")
+        await add_half(ctx, b"b", group="PG_B")
+
+        def listed(**fields):
+            cmd = RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, fields)
+            return json.loads(list_transactions(ctx, None, cmd).body_bytes())
+        assert listed()["total"] == 4 == len(ctx.tx.pending)
+        one = listed(group="PG_B", limit=10)
+        assert [r["group"] for r in one["pending"]] == ["PG_B"] and one["total"] == 1
+        some = listed(group="PG_A", limit=1)
+        assert len(some["pending"]) == 1 and some["total"] == 3
+        assert listed(group="PG_NONE")["total"] == 0
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_slave_does_not_export_its_start_up_undecided_count(tmp_path):
+    """A slave builds its undecided index once, at start-up, and never follows its master's decisions (its list
+    is refused, its runtime info and oldest-half gauge leave it out). Its rocketmq_half_messages still exported
+    that start-up count, for good: a half its master decided long ago stayed "undecided" there, and a sum over
+    the cluster counted the master's ones twice."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    await add_half(ctx, b"undecided at the slave's start")
+    await ctx.tx.stop()
+    await ctx.store._store.close()
+    slave = await make_service(tmp_path, clock, broker_role="SLAVE", broker_id=1,
+                               ha_master_addr="127.0.0.1:1")
+    try:
+        assert len(slave.tx.pending) == 1       # the start-up index (the master goes on without it)
+        assert slave.metrics.registry.get_sample_value("rocketmq_half_messages") == 0
+    finally:
+        await slave.store._store.close()
+    master = await make_service(tmp_path, clock)
+    try:
+        assert master.metrics.registry.get_sample_value("rocketmq_half_messages") == 1
+    finally:
+        await master.store._store.close()

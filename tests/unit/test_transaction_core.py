@@ -197,6 +197,23 @@ def test_unknown_half_is_refused():
     assert r.code == ResponseCode.SYSTEM_ERROR and r.remark == "Find prepared transaction message failed"
 
 
+def test_unknown_for_a_half_that_will_never_be_checked_says_so():
+    """UNKNOWN for an unknown, dead-lettered or decided half was answered SUCCESS "UNKNOWN recorded; the broker
+    will check back": our producer took that as acknowledged, yet no check would ever come."""
+    s = Shell()
+    s.half(1)
+    s.half(2)
+    s.finish(s.end(1, DEAD, origin=Origin.EXPIRY))
+    s.finish(s.end(2, COMMIT))
+    unknown = s.end(42, UNKNOWN)
+    assert unknown.code == ResponseCode.SYSTEM_ERROR and unknown.remark == "Find prepared transaction message failed"
+    dead = s.end(1, UNKNOWN)
+    assert dead.code == ResponseCode.TRANSACTION_FAILED and "already DEAD" in dead.remark
+    assert "check back" not in dead.remark
+    committed = s.end(2, UNKNOWN, origin=Origin.CHECK)       # a check answer overtaken by the producer's END
+    assert committed.code == ResponseCode.SUCCESS and committed.remark == "already COMMIT; UNKNOWN changes nothing"
+
+
 # ------------------------------------------------------------ random sequences
 OPS = st.sampled_from([COMMIT, ROLLBACK, UNKNOWN, DEAD])
 ORIGINS = st.sampled_from([Origin.PRODUCER, Origin.CHECK, Origin.ADMIN, Origin.EXPIRY])
