@@ -114,7 +114,8 @@ class BrokerServer:
         ctx.schedule = ScheduleService(ctx, levels)
         store.add_dispatch_listener(ctx.holds.on_dispatch)
         store.add_dispatch_listener(ctx.tx.on_dispatch, live=False)          # it keeps recovered commits only
-        store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
+        if not ha_roles.is_slave(c):     # a slave delivers nothing: its master does, and the copies replicate
+            store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
         report = await store.open()
         log.info("store open: %s", report)
         ctx.ha = ha_roles.build(c, store, self._connect_master)
@@ -285,8 +286,10 @@ class BrokerServer:
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
             "parked": [((), ctx.holds.parked)],
             "topics": [((), len(ctx.topics.topics))],
-            "schedule": [((level,), n) for level, n in ctx.schedule.waiting()],
-            # (none on a slave: its index is the one it had at start-up, whose ages would only grow)
+            # (none on a slave: its delivery progress and undecided index are the ones it had at start-up,
+            # never following its master's, so what they count as waiting, and for how long, only grows)
+            "schedule": [] if ha_roles.is_slave(self.config) else
+            [((level,), n) for level, n in ctx.schedule.waiting()],
             "oldest_half": [] if ha_roles.is_slave(self.config) else
             [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.failed else 0)],

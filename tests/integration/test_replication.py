@@ -312,3 +312,41 @@ async def test_a_slave_does_not_list_transactions_it_does_not_follow(broker_fact
         assert "txmqUndecidedTransactions" not in info
     finally:
         await pool.close()
+
+
+def _waiting(metrics_addr: str) -> dict[str, float]:
+    """txmq_schedule_messages_waiting by level, as a broker exports it."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    return {s.labels["level"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "txmq_schedule_messages_waiting"}
+
+
+async def test_a_slave_does_not_export_deliveries_it_does_not_make(broker_factory):
+    """A slave delivers no delayed or timer message (its master does, and the deliveries replicate). Its
+    txmq_schedule_messages_waiting counted every delayed message ever replicated to it as waiting (its level
+    progress is the one it had at start-up) and every replicated timer message too, for good: a cluster sum
+    showed the master's backlog, and then messages delivered long ago, as waiting."""
+    import time
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    try:
+        async with Producer(master.namesrv, "PG_slave_sched") as producer:
+            for i in range(3):
+                await producer.send(TOPIC, f"delayed {i}".encode(), delay_level=1)
+            for i in range(2):
+                await producer.send(TOPIC, f"timer {i}".encode(), deliver_at_ms=int(time.time() * 1000) + 500)
+
+        async def log_end(b):
+            info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+            return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+        async with asyncio.timeout(20):
+            while any((await asyncio.to_thread(_waiting, master.metrics)).values()):    # delivered...
+                await asyncio.sleep(0.1)
+            while await log_end(slave) < await log_end(master):                         # ...and replicated
+                await asyncio.sleep(0.05)
+        assert not any((await asyncio.to_thread(_waiting, slave.metrics)).values())
+    finally:
+        await pool.close()
