@@ -494,6 +494,13 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> tuple[Messag
     return msg, total
 
 
+def record_body_length(buf) -> int:
+    """BODYLENGTH of the whole record in ``buf`` (at most a few header bytes read, the body not copied)."""
+    (sys_flag,) = _I32.unpack_from(buf, POS_SYSFLAG)
+    extra = (12 if sys_flag & SysFlag.BORNHOST_V6 else 0) + (12 if sys_flag & SysFlag.STOREHOST_V6 else 0)
+    return _I32.unpack_from(buf, 84 + extra)[0]
+
+
 def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, prepared_offset: int) -> bytearray:
     """A copy of one whole stored record moved to another topic and queue.
 

@@ -35,7 +35,7 @@ from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.errors import StoreError
 from protocol.connection import DEFERRED
-from protocol.message import Prop, decode_record, offset_msg_id
+from protocol.message import Prop, decode_record, offset_msg_id, record_body_length
 
 from ..answer import Answer
 from ..results import put_failure_response, response_code, send_ok
@@ -399,7 +399,8 @@ class TransactionService:
         now = self.ctx.clock()
         if op == COMMIT:
             metrics.child(metrics.commits, tx.group).inc()
-            metrics.count_in(tx.topic, 1, 0)
+            half = self.ctx.store.get_record(tx.half_offset)     # its body is the committed message's
+            metrics.count_in(tx.topic, 1, record_body_length(half) if half is not None else 0)
         elif op == ROLLBACK:
             metrics.child(metrics.rollbacks, tx.group).inc()
         else:

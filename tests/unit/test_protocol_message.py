@@ -353,6 +353,17 @@ def test_retopic_record_moves_a_record_without_touching_its_payload(born, store)
         retopic_record(half.encode()[:-1], topic=b"x", queue_id=0, transaction_type=8, prepared_offset=0)
 
 
+
+@pytest.mark.parametrize("born, store", [(("10.1.2.3", 4), ("127.0.0.1", 10911)), (("::1", 5), ("10.0.0.1", 6)),
+                                         (("10.0.0.1", 5), ("fe80::1", 6))])
+def test_record_body_length_reads_the_body_length_past_either_host_form(born, store):
+    from protocol.message import record_body_length
+    for body in (b"", b"x" * 123):
+        m = MessageExt("T", body, queue_id=0, flag=0, queue_offset=0, physical_offset=0, sys_flag=0,
+                       born_timestamp=1, born_host=born, store_timestamp=2, store_host=store,
+                       properties={"TAGS": "t"})
+        assert record_body_length(memoryview(m.encode())) == len(body)
+
 # ------------------------------------------------ batch entry properties, without a parse and re-serialise
 def test_property_value_finds_whole_names_only():
     from protocol.message import property_value
