@@ -22,6 +22,7 @@ import time
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import DEFERRED, RemotingConnection
+from protocol.errors import ProtocolError
 
 from .acl import PlainAcl
 from . import ha as ha_roles
@@ -370,16 +371,18 @@ class BrokerServer:
                     return None
                 return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED, f" request type {cmd.code} not supported")
             start = perf()
-            result = fn(ctx, conn, cmd)
+            try:
+                result = fn(ctx, conn, cmd)
+            except Exception as exc:    # the connection answers it with its error reply: counted with that code
+                observe(cmd.code, _error_code(exc), perf() - start)
+                raise
             if result is DEFERRED:                  # the handler answers, and observes, by itself
                 return result
             if result is None or isinstance(result, RemotingCommand):
                 observe(cmd.code, result.code if result is not None else 0, perf() - start)
                 return result
             task = result if isinstance(result, asyncio.Future) else create_task(result)
-            task.add_done_callback(lambda t, code=cmd.code: observe(
-                code, t.result().code if not t.cancelled() and t.exception() is None and t.result() is not None
-                else 1, perf() - start))
+            task.add_done_callback(lambda t, code=cmd.code: observe(code, _outcome(t), perf() - start))
             return task
 
         return handle
@@ -444,6 +447,22 @@ class BrokerServer:
             self._metrics_httpd.server_close()
         if self.addresses:      # a start that failed has said so in its one line already
             log.info("stopped")
+
+
+def _error_code(exc: BaseException) -> int:
+    """The code a handler's exception is answered with (RemotingConnection._reply_error)."""
+    return exc.response_code if isinstance(exc, ProtocolError) else ResponseCode.SYSTEM_ERROR
+
+
+def _outcome(task: asyncio.Future) -> int:
+    """The code a handler's task was answered with: its reply's, 0 for none (a oneway request), its error's."""
+    if task.cancelled():
+        return ResponseCode.SYSTEM_ERROR
+    exc = task.exception()
+    if exc is not None:
+        return _error_code(exc)
+    reply = task.result()
+    return reply.code if reply is not None else 0
 
 
 def _ha_gauges(ha) -> dict:
