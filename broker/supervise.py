@@ -7,7 +7,8 @@ restarting: the supervisor calls ``on_fatal`` and the broker exits non-zero.
 
 ``LoopLag`` wakes every ``interval`` seconds and measures how late it woke: that lateness is
 time the loop spent on something else without yielding. The gauge holds the worst lag of the
-last second; ``worst`` the worst since start (tests and the soak read it from /metrics).
+last second, or, read while the loop is stuck, how long it has been stuck so far (a scrape runs
+on its own thread); ``worst`` the worst since start (tests and the soak read it from /metrics).
 """
 from __future__ import annotations
 
@@ -65,16 +66,26 @@ class LoopLag:
         self.window = max(1, int(window_s / interval))
         self.worst = 0.0
         self._recent: list[float] = []
+        self._window_worst = 0.0
+        self._due: float | None = None      # perf_counter() by which run() should have woken
+        gauge.set_function(self.current)
 
     async def run(self) -> None:
         clock = time.perf_counter
         sleep = asyncio.sleep
         interval = self.interval
         while True:
-            expected = clock() + interval
+            expected = self._due = clock() + interval
             await sleep(interval)
             lag = max(0.0, clock() - expected)
             self.record(lag)
+
+    def current(self) -> float:
+        """The gauge at a scrape: the worst of the window, or the stall under way when longer (a stuck loop
+        records nothing, and the window alone would show the lag from before the stall)."""
+        due = self._due
+        stuck = time.perf_counter() - due if due is not None else 0.0
+        return max(self._window_worst, stuck)
 
     def record(self, lag: float) -> None:
         if lag >= 0.1:
@@ -83,7 +94,7 @@ class LoopLag:
         recent.append(lag)
         if len(recent) > self.window:
             del recent[0]
-        self.gauge.set(max(recent))
+        self._window_worst = max(recent)
         if lag > self.worst:
             self.worst = lag
             if self.worst_gauge is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import ConfigError
 from protocol.signature import Credentials, signature, signed_content
+from tests.support.bounded import bounded
 
 APP = Credentials("appuser", "app-secret")
 TABLE = {
@@ -206,7 +208,7 @@ def test_loop_lag_gauge_holds_the_worst_of_the_window():
     lag = LoopLag(metrics.loop_lag, metrics.loop_lag_worst, interval=0.25, window_s=1.0)
     for value in (0.001, 0.3, 0.002, 0.001, 0.001, 0.001):
         lag.record(value)
-    assert metrics.loop_lag._value.get() == 0.002 and lag.worst == 0.3
+    assert metrics.registry.get_sample_value("txmq_event_loop_lag_seconds") == 0.002 and lag.worst == 0.3
 
 
 def test_exposure_warning_only_beyond_loopback_without_acl():
@@ -279,3 +281,28 @@ async def test_a_failed_catalogue_write_is_retried_without_another_topic_change(
     assert caplog.text.count("not written, retrying") == 1 and "written again" in caplog.text
     again = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B")
     assert again.get("Orders") == TopicConfig("Orders", 6, 6)
+
+
+@bounded(10)
+async def test_loop_lag_gauge_shows_a_stall_while_it_lasts():
+    """The lag gauge was set only when the measuring task woke: while the loop was stuck it kept showing
+    the lag from before the stall (about 0), so a scrape during a stall of any length said all was well
+    and the alert on it could not fire until the stall had ended."""
+    import threading
+    metrics = BrokerMetrics()
+    lag = LoopLag(metrics.loop_lag, metrics.loop_lag_worst, interval=0.02, window_s=1.0)
+    task = asyncio.get_running_loop().create_task(lag.run())
+    try:
+        while not lag._recent:          # it measured once: it is running
+            await asyncio.sleep(0.01)
+        seen = []
+        stalled = threading.Event()
+        reader = threading.Thread(target=lambda: (stalled.wait(5), time.sleep(0.5), seen.append(
+            metrics.registry.get_sample_value("txmq_event_loop_lag_seconds"))))
+        reader.start()
+        stalled.set()
+        time.sleep(0.8)                 # a blocking call on the loop: nothing on it runs meanwhile
+        reader.join(5)
+        assert seen and seen[0] >= 0.4, seen
+    finally:
+        task.cancel()
