@@ -30,6 +30,8 @@ from protocol.codes import request_name
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
 _RESERVOIR = 4096
+_TPS_SLOT_S = 10        # consume TPS: messages pulled per (topic, group) in 10 s slots over the last minute
+_TPS_SLOTS = 6
 _random = random.random
 
 
@@ -171,6 +173,7 @@ class BrokerMetrics:
         self._rpc_children: dict[tuple[int, int], object] = {}
         self._names: dict[int, str] = {}
         self._children: dict[tuple, object] = {}
+        self._pulled: dict[tuple[str, str], dict[int, int]] = {}     # (topic, group) -> {slot: messages}
 
     def child(self, metric, *labels):
         """``metric.labels(*labels)``, cached: labels() takes a lock and builds a tuple per call."""
@@ -186,6 +189,27 @@ class BrokerMetrics:
             counts = self._in[topic] = [0, 0]
         counts[0] += messages
         counts[1] += body_bytes
+
+    def count_out(self, topic: str, group: str, messages: int, nbytes: int, now: float | None = None) -> None:
+        """Messages delivered by a pull: the counters, and the slots consume_tps reads."""
+        self.child(self.messages_out, topic, group).inc(messages)
+        self.child(self.bytes_out, topic, group).inc(nbytes)
+        slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
+        slots = self._pulled.get((topic, group))
+        if slots is None:
+            slots = self._pulled[(topic, group)] = {}
+        slots[slot] = slots.get(slot, 0) + messages
+        if len(slots) > _TPS_SLOTS:
+            for old in [s for s in slots if s <= slot - _TPS_SLOTS]:
+                del slots[old]
+
+    def consume_tps(self, group: str, topic: str, now: float | None = None) -> float:
+        """Messages of ``topic`` pulled by ``group`` per second over the last minute (RocketMQ's consumeTps):
+        the five slots before the current one and the current one so far."""
+        now = time.monotonic() if now is None else now
+        first = int(now // _TPS_SLOT_S) - _TPS_SLOTS + 1
+        slots = self._pulled.get((topic, group), {})
+        return sum(n for s, n in slots.items() if s >= first) / (now - first * _TPS_SLOT_S)
 
     # --------------------------------------------------------------- helpers
     def observe_request(self, code: int, response_code: int, seconds: float) -> None:

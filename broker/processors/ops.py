@@ -48,18 +48,20 @@ def get_consume_stats(ctx, conn, cmd):
     topics = [topic] if topic else sorted({t for (g, t, _q), _o in ctx.offsets.items() if g == group})
     consumers = ctx.clients.consumers.get(group)
     rows = {}
+    tps = 0.0
     for t in topics:
         tc = ctx.topics.get(t)
         if tc is None:
             continue
         if consumers is not None and consumers.subscriptions and t not in consumers.subscriptions:
             continue        # RocketMQ: the group is online and does not subscribe to it
+        tps += ctx.metrics.consume_tps(group, t)
         for qid in range(tc.read_queue_nums):
             broker_offset = max(0, ctx.store.max_offset(t, qid))
             consumer_offset = max(0, ctx.offsets.get(group, t, qid) or 0)
             last = ctx.store.store_time_of(t, qid, consumer_offset - 1) if consumer_offset > 0 else 0
             rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
-    return cmd.response(ResponseCode.SUCCESS, body=encode_consume_stats(rows))
+    return cmd.response(ResponseCode.SUCCESS, body=encode_consume_stats(rows, tps))
 
 
 def get_consumer_connection_list(ctx, conn, cmd):

@@ -49,8 +49,7 @@ def _reply(ctx, cmd, group, topic, got):
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:
         size = sum(len(b) for b in got.buffers)
-        ctx.metrics.child(ctx.metrics.messages_out, topic, group).inc(len(got.buffers))
-        ctx.metrics.child(ctx.metrics.bytes_out, topic, group).inc(size)
+        ctx.metrics.count_out(topic, group, len(got.buffers), size)
         return cmd.response(code, status.name, fields, got.buffers)
     return cmd.response(code, status.name, fields)
 
