@@ -13,6 +13,7 @@ Snapshots: every ``metrics_snapshot_interval_s`` one JSON line is appended to
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import time
@@ -30,9 +31,11 @@ from protocol.codes import request_name
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
 _RESERVOIR = 4096
+OTHER = "_other"         # the label values of series past BrokerMetrics.max_series
 _TPS_SLOT_S = 10        # consume TPS: messages pulled per (topic, group) in 10 s slots over the last minute
 _TPS_SLOTS = 6
 _random = random.random
+log = logging.getLogger("txmq.metrics")
 
 
 class LoopHistogram:
@@ -94,6 +97,11 @@ class _LoopHistogramChild:
 
 
 class BrokerMetrics:
+    # Label sets one metric may have through child(): group names are the client's to choose, and a client
+    # inventing one per request would otherwise add series (and cached children) for good. Past it, new ones
+    # are counted under OTHER, so sums over a label stay exact.
+    max_series = 10_000
+
     def __init__(self):
         # ``*_created`` series (one per counter and histogram child) are noise nobody graphs; the
         # switch is process-wide, which suits a broker process (PROMETHEUS_DISABLE_CREATED_SERIES=True
@@ -174,13 +182,28 @@ class BrokerMetrics:
         self._names: dict[int, str] = {}
         self._children: dict[tuple, object] = {}
         self._pulled: dict[tuple[str, str], dict[int, int]] = {}     # (topic, group) -> {slot: messages}
+        self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
 
     def child(self, metric, *labels):
-        """``metric.labels(*labels)``, cached: labels() takes a lock and builds a tuple per call."""
+        """``metric.labels(*labels)``, cached: labels() takes a lock and builds a tuple per call. Past
+        ``max_series`` label sets of ``metric``, its child with OTHER in every label."""
         key = (id(metric), labels)
         found = self._children.get(key)
         if found is None:
+            made = self._made.get(id(metric), 0)
+            if made >= self.max_series:
+                return self._other(metric, len(labels))
+            self._made[id(metric)] = made + 1
             found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def _other(self, metric, n: int):
+        key = (id(metric), (OTHER,) * n)
+        found = self._children.get(key)
+        if found is None:
+            log.warning("%s has %d label sets: new ones are counted under %s (names a client makes up?)",
+                        metric._name, self.max_series, OTHER)
+            found = self._children[key] = metric.labels(*key[1])
         return found
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
@@ -197,6 +220,8 @@ class BrokerMetrics:
         slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
         slots = self._pulled.get((topic, group))
         if slots is None:
+            if len(self._pulled) >= self.max_series:    # (no rate for pairs past it, as for their series)
+                return
             slots = self._pulled[(topic, group)] = {}
         slots[slot] = slots.get(slot, 0) + messages
         if len(slots) > _TPS_SLOTS:

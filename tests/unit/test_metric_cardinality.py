@@ -1,0 +1,32 @@
+"""Label values a client chooses (consumer and producer group names) cannot grow the exposition without
+bound: a client pulling or sending halves under a new group name each time made new series for good --
+thousands of series per scrape, and as many cached children in the broker's memory. Past ``max_series``
+label sets of one metric the rest are counted under ``_other``; totals stay exact."""
+from __future__ import annotations
+
+import logging
+
+from broker.metrics import OTHER, BrokerMetrics
+
+
+def _series(m: BrokerMetrics, name: str) -> dict:
+    return {tuple(sorted(s.labels.items())): s.value for family in m.registry.collect() for s in family.samples
+            if s.name == name}
+
+
+def test_invented_group_names_fold_into_other_past_the_limit(caplog):
+    m = BrokerMetrics()
+    m.max_series = 3
+    with caplog.at_level(logging.WARNING, logger="txmq.metrics"):
+        for i in range(50):
+            m.count_out("T", f"CG_invented_{i}", 2, 20)
+            m.child(m.half_in, f"PG_invented_{i}").inc()
+            m.child(m.finish_latency, f"PG_invented_{i}").observe(0.5)
+    out = _series(m, "rocketmq_messages_out_total")
+    assert len(out) == 4 and sum(out.values()) == 100
+    assert out[(("consumer_group", OTHER), ("topic", OTHER))] == 94
+    half = _series(m, "txmq_half_messages_total")
+    assert len(half) == 4 and sum(half.values()) == 50
+    assert len(_series(m, "rocketmq_finish_message_latency_count")) == 4
+    assert len(m._children) == 4 * (3 + 1) and len(m._pulled) == 3     # four metrics; no rate past the limit
+    assert sum("rocketmq_messages_out" in r.getMessage() for r in caplog.records) == 1     # said once
