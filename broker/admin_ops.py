@@ -85,7 +85,8 @@ def parse_time(text: str) -> int:
 def when(ms: int) -> str:
     if ms <= 0:
         return "-"
-    return dt.datetime.fromtimestamp(ms / 1000).isoformat(sep=" ", timespec="milliseconds")
+    # Local time with its offset: read beside the UTC reports, or on another host, it says which zone it is in.
+    return dt.datetime.fromtimestamp(ms / 1000).astimezone().isoformat(sep=" ", timespec="milliseconds")
 
 
 def table(cols: list[str], rows: list[dict]) -> str:

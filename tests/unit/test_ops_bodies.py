@@ -47,6 +47,24 @@ def test_parse_time_accepts_ms_iso_rocketmq_and_words():
         parse_time("yesterday")
 
 
+
+def test_printed_times_name_their_zone(monkeypatch):
+    """consumer-progress, topic-status, show-msg and query-key print times in the local zone of the machine
+    running the command, and printed them with no zone: read beside the nightly report (UTC), or on another
+    host, a time was off by the zones' difference with nothing to show it. The offset is printed, and a
+    printed time given back to --timestamp is the same instant."""
+    import time
+    from broker.admin_ops import when
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        assert when(1700000000123) == "2023-11-15 07:13:20.123+09:00"
+        assert parse_time(when(1700000000123).replace(" ", "T")) == 1700000000123
+        assert when(0) == "-"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
 def test_a_timestamp_in_seconds_is_refused_not_read_as_1970():
     """reset-offset --timestamp 1700000000 (seconds) used to reset the group to the start of every queue."""
     with pytest.raises(ValueError, match="looks like seconds since the epoch; give milliseconds \\(1700000000000\\)"):
