@@ -54,6 +54,7 @@ class ScheduleService:
         self._snap_task: asyncio.Task | None = None
         self._progress_end = 0          # commit-log end of the last progress record applied
         self._snapshot_key = None
+        self._drops: list[str] = []     # reasons of the entries the batch being gathered passes over
         self.delivered = 0
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
@@ -210,6 +211,7 @@ class ScheduleService:
         """What is due now: (delivery requests with their due times, new level offsets, timer entries taken,
         the earliest time something not yet due falls due)."""
         store = self.ctx.store
+        self._drops = []
         batch: list[tuple[PutRequest, int, str]] = []
         levels: dict[int, int] = {}
         size = 0
@@ -303,9 +305,8 @@ class ScheduleService:
         return PutRequest(record, topic, qid, tags_code(props), sys_flag)
 
     def _dropped(self, reason: str) -> None:
-        counter = getattr(self.ctx.metrics, "schedule_dropped", None)
-        if counter is not None:             # txmq_schedule_dropped_total{reason}
-            counter.labels(reason).inc()
+        # Counted once the batch's progress is written (_deliver): a refused batch is gathered again.
+        self._drops.append(reason)
 
     def _progress_record(self, levels: dict[int, int], timers: list[int]) -> PutRequest:
         ctx = self.ctx
@@ -337,6 +338,10 @@ class ScheduleService:
         self.progress.apply(levels, timer_offsets)
         self.progress.progress_offset = last.queue_offset + 1
         self._progress_end = last.physical_offset + last.size
+        counter = getattr(self.ctx.metrics, "schedule_dropped", None)
+        if counter is not None:             # txmq_schedule_dropped_total{reason}
+            for reason in self._drops:
+                counter.labels(reason).inc()
         for (req, due, label), result in zip(batch, results):
             self.delivered += 1
             self._delivered.labels(label).inc()

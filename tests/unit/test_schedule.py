@@ -257,6 +257,33 @@ async def test_an_undeliverable_message_is_passed_over_with_progress_kept(tmp_pa
     await svc.ctx.store.close()
 
 
+
+@bounded()
+async def test_a_message_passed_over_is_counted_once_while_the_disk_refuses_its_batch(tmp_path):
+    """txmq_schedule_dropped_total was counted when a batch was gathered, not when the scheduler moved past:
+    while the disk refused the batch it was gathered again every second, and one undeliverable message was
+    counted (and logged as dropped) once a second for as long as the disk stayed full."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    props = {"DELAY": "1", "REAL_TOPIC": "RMQ_SYS_TRANS_HALF_TOPIC", "REAL_QID": "0"}
+    record = encode_record(topic=SCHEDULE_TOPIC.encode(), body=b"x", queue_id=0, flag=0, sys_flag=0,
+                           born_timestamp=0, born_host=HOST, store_host=HOST,
+                           properties=properties_to_string(props).encode())
+    assert (await svc.ctx.store.put(PutRequest(record, SCHEDULE_TOPIC, 0, 0, 0, 1000))).ok
+    await _schedule(svc, "T", b"fine", {"DELAY": "1"}, clock.now)
+    disk = svc.ctx.store.disk
+    disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
+
+    def dropped():
+        return svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "no_destination"})
+    for now in (101_000, 102_000, 103_000):
+        assert await svc.run_due(now) == -1
+    assert not dropped()                    # nothing passed over yet: the same batch is tried again
+    disk.refusing = False
+    assert await svc.run_due(104_000) == 2
+    assert dropped() == 1
+    await svc.ctx.store.close()
+
 @bounded()
 async def test_a_damaged_record_is_passed_over_loudly_and_delivery_goes_on(tmp_path, caplog):
     """A record whose header passes the log's checks but which does not decode (here: a body length past
