@@ -74,11 +74,14 @@ class LoopLag:
         clock = time.perf_counter
         sleep = asyncio.sleep
         interval = self.interval
-        while True:
-            expected = self._due = clock() + interval
-            await sleep(interval)
-            lag = max(0.0, clock() - expected)
-            self.record(lag)
+        try:
+            while True:
+                expected = self._due = clock() + interval
+                await sleep(interval)
+                lag = max(0.0, clock() - expected)
+                self.record(lag)
+        finally:
+            self._due = None        # stopped (the broker is stopping): not a stall
 
     def current(self) -> float:
         """The gauge at a scrape: the worst of the window, or the stall under way when longer (a stuck loop
