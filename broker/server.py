@@ -340,6 +340,8 @@ class BrokerServer:
                 conns.discard(conn)
                 gauge.dec()
             if listener == "broker" and self.ctx is not None:
+                if self.ctx.holds is not None:
+                    self.ctx.holds.connection_closed(conn)
                 for group in self.ctx.clients.connection_closed(conn):
                     self.ctx.clients.notify_ids_changed(group)
 

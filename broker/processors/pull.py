@@ -88,16 +88,18 @@ def handle_pull(ctx, conn, cmd):
         suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
         hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
         if hold_ms > 0:
-            return _parked(ctx, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms)
+            return _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms)
     return _reply(ctx, cmd, group, topic, got)
 
 
-async def _parked(ctx, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms):
+async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms):
+    if conn is not None and not conn.is_open:      # closed before this task ran: nobody to answer
+        return None
     # Read again as the wait registers (no await in between): a message stored since the first
     # read, before this task ran, was dispatched to no waiter and would not wake this one.
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
         return _reply(ctx, cmd, group, topic, got)
-    await ctx.holds.wait(topic, qid, offset, hold_ms / 1000)
+    await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     return _reply(ctx, cmd, group, topic, got)

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from producer import Producer, SendStatus
-from protocol.codes import RequestCode, ResponseCode
+from protocol.codes import PullSysFlag, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 
 pytestmark = pytest.mark.asyncio
@@ -95,3 +95,44 @@ async def test_a_client_that_never_reads(broker):
                 break   # the broker stopped reading us: back-pressure works
     await _still_serves(broker)
     writer.transport.abort()
+
+
+def _parked_pulls(metrics_addr) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return families["txmq_parked_pulls"].samples[0].value
+
+
+async def _parked_becomes(broker, want, within_s):
+    """Poll the (once a second) txmq_parked_pulls gauge until it reads ``want``; its last reading."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        seen = await asyncio.to_thread(_parked_pulls, broker.metrics)
+        if seen == want or loop.time() > deadline:
+            return seen
+        await asyncio.sleep(0.2)
+
+
+async def test_pulls_parked_by_a_closed_connection_are_released(broker):
+    """A client that parks pulls and hangs up, again and again, must not leave them held: each connection may
+    have max_in_flight requests, but parked pulls outliving their connection escaped that bound (and the
+    connection limit), each held for its whole suspend time with nobody to read its answer."""
+    async with Producer(broker.namesrv, "PG_park", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("Parked", b"one"), 10)
+    assert sent.status is SendStatus.SEND_OK
+    reader, writer = await asyncio.open_connection(*_hostport(broker.broker))
+    for _ in range(50):             # each at the queue's end: held up to 20 s
+        writer.write(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_park", "topic": "Parked", "queueId": sent.queue.queue_id,
+            "queueOffset": sent.queue_offset + 1,
+            "maxMsgNums": 32, "sysFlag": PullSysFlag.SUSPEND | PullSysFlag.SUBSCRIPTION, "commitOffset": 0, "suspendTimeoutMillis": 20000,
+            "subscription": "*", "subVersion": 0}).encode())
+    await writer.drain()
+    assert await _parked_becomes(broker, 50, 10) == 50
+    writer.transport.abort()
+    assert await _parked_becomes(broker, 0, 6) == 0
+    await _still_serves(broker)

@@ -66,3 +66,30 @@ async def test_message_stored_before_the_parked_pull_registers_wakes_it(tmp_path
         assert reply.code == ResponseCode.SUCCESS
     finally:
         await ctx.store._store.close()
+
+
+class _Conn:
+    def __init__(self, is_open=True):
+        self.attributes = {}
+        self.is_open = is_open
+
+
+@bounded(20)
+async def test_a_closed_connections_parked_pull_is_released_and_not_answered(tmp_path):
+    # Held on, a parked pull outlived its connection for its whole suspend time, outside the connection's
+    # in-flight limit: parking pulls and hanging up, over and over, held any number of them.
+    ctx = await make_ctx(tmp_path)
+    try:
+        conn = _Conn()
+        held = asyncio.ensure_future(handle_pull(ctx, conn, pull_cmd(3, 0)))
+        await asyncio.sleep(0)                  # let the pull park
+        assert ctx.holds.parked == 1
+        ctx.holds.connection_closed(conn)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(held, 3)
+        assert ctx.holds.parked == 0
+        # pulls read in the same turn as the close run after it: they must not park at all
+        late = handle_pull(ctx, _Conn(is_open=False), pull_cmd(3, 0))
+        assert await asyncio.wait_for(late, 3) is None and ctx.holds.parked == 0
+    finally:
+        await ctx.store._store.close()
