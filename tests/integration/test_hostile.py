@@ -136,3 +136,28 @@ async def test_pulls_parked_by_a_closed_connection_are_released(broker):
     writer.transport.abort()
     assert await _parked_becomes(broker, 0, 6) == 0
     await _still_serves(broker)
+
+
+async def test_offsets_for_queues_that_do_not_exist_are_refused_not_stored(broker):
+    """UPDATE_CONSUMER_OFFSET stored whatever it was given: any topic name, any queue id. One client could grow
+    the offset table without bound -- in memory, in consumerOffset.json rewritten every 5 s, in the lag it
+    computes every second, in what every slave copies -- all answered SUCCESS."""
+    from protocol.admin_bodies import decode_consumer_offsets
+    from protocol.connection import open_connection
+
+    async with Producer(broker.namesrv, "PG_offsets", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("Offsets", b"one"), 10)
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def commit(topic, qid):
+            return await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_offsets", "topic": topic, "queueId": qid, "commitOffset": 1}), 5)
+        assert (await commit("Offsets", sent.queue.queue_id)).code == ResponseCode.SUCCESS
+        assert (await commit("NoSuchTopic", 0)).code == ResponseCode.TOPIC_NOT_EXIST
+        for qid in (4096, -1):
+            assert (await commit("Offsets", qid)).code == ResponseCode.SYSTEM_ERROR
+        everything = await conn.request(RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET), 5)
+    finally:
+        conn.close()
+    stored = {k for k in decode_consumer_offsets(everything.body_bytes()) if k[0] == "CG_offsets"}
+    assert stored == {("CG_offsets", "Offsets", sent.queue.queue_id)}
