@@ -343,6 +343,26 @@ def _batch_ok(ctx, cmd, qid, results, code=ResponseCode.SUCCESS):
                    results[0].queue_offset, code)
 
 
+def _ensure_back_topic(ctx, conn, cmd, topic: str):
+    """None once ``topic`` (%RETRY% or %DLQ% and the group the client names) exists, or the refusal: a new one
+    is checked and limited as any topic a send creates, or one client naming group after group filled the
+    catalogue (every other client's new topic then refused) with names the store cannot write."""
+    if topic in ctx.topics.topics:
+        return None
+    why = validate_topic(topic)
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+    refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, topic)
+    if refused is not None:
+        return refused
+    try:
+        ctx.topics.ensure(topic)
+    except TopicLimitError as exc:
+        ctx.limits.refused("retry-group-limit")
+        return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
+    return None
+
+
 async def handle_send_back(ctx, conn, cmd):
     """A consumer failed a message: copy it to %RETRY%<group>, or %DLQ%<group> when out of retries."""
     offset = cmd.int_field("offset", required=True)
@@ -364,7 +384,9 @@ async def handle_send_back(ctx, conn, cmd):
         # Backoff: the n-th retry waits level 3 + n (10 s, 30 s, 1 min, ...) in SCHEDULE_TOPIC_XXXX.
         topic = RETRY_PREFIX + group
         props[Prop.DELAY] = str(delay_level or 3 + msg.reconsume_times)
-    ctx.topics.ensure(topic)
+    refused = _ensure_back_topic(ctx, conn, cmd, topic)
+    if refused is not None:
+        return refused
     to_topic, to_qid, tags, delay_ms = topic, 0, tags_code(props), -1
     # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed
     # message (with PREPARED OFFSET 0) would claim to commit whatever half is stored at offset 0.

@@ -161,3 +161,39 @@ async def test_offsets_for_queues_that_do_not_exist_are_refused_not_stored(broke
         conn.close()
     stored = {k for k in decode_consumer_offsets(everything.body_bytes()) if k[0] == "CG_offsets"}
     assert stored == {("CG_offsets", "Offsets", sent.queue.queue_id)}
+
+
+async def test_send_back_cannot_create_topics_past_the_limits(broker):
+    """CONSUMER_SEND_MSG_BACK creates %RETRY%<group> / %DLQ%<group> for whatever group it names. It skipped the
+    limits every other topic creation obeys (max_topics, max_auto_create_topics_per_s) and the name check: one
+    message's offset and a loop over group names filled the catalogue (then every other client's new topic
+    was refused) and stored topics whose names the broker itself cannot write."""
+    import json
+
+    from protocol.connection import open_connection
+    from protocol.message import decode_offset_msg_id
+
+    async with Producer(broker.namesrv, "PG_back", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("Back", b"one"), 10)
+    offset = decode_offset_msg_id(sent.offset_msg_id)[2]
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def back(group, level):
+            return await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+                "offset": offset, "group": group, "delayLevel": level, "originMsgId": sent.msg_id}), 5)
+        bad = await back("not a group/name", -1)
+        assert bad.code != ResponseCode.SUCCESS
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        codes = [(await back(f"CG_flood{i}", -1 if i % 2 else 0)).code for i in range(60)]
+        elapsed = loop.time() - started
+        table = json.loads((await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5))
+                           .body_bytes())["topicConfigTable"]
+    finally:
+        conn.close()
+    assert not [t for t in table if "not a group" in t]
+    # 10 topics a second, a burst of 10 (max_auto_create_topics_per_s): the rest are refused, loudly
+    assert codes.count(ResponseCode.SUCCESS) <= 10 + 10 * elapsed + 1
+    assert set(codes) <= {ResponseCode.SUCCESS, ResponseCode.SYSTEM_BUSY}
+    flood = [t for t in table if "CG_flood" in t]
+    assert len(flood) == codes.count(ResponseCode.SUCCESS)
