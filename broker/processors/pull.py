@@ -71,12 +71,16 @@ def handle_pull(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"queueId[{qid}] is illegal, topic:[{topic}] topicConfig.readQueueNums:[{tc.read_queue_nums}]")
     if sys_flag & PullSysFlag.SUBSCRIPTION:
-        sub = build_subscription(topic, cmd.str_field("subscription"), cmd.int_field("subVersion", 0))
+        sub = build_subscription(topic, cmd.str_field("subscription"), cmd.int_field("subVersion", 0),
+                                 cmd.str_field("expressionType") or "TAG")
     else:
         sub = ctx.clients.subscription(group, topic)
         if sub is None:
             return cmd.response(ResponseCode.SUBSCRIPTION_NOT_EXIST,
                                 f"the consumer's subscription not exist, group: {group}")
+    if sub.expression_type != "TAG":     # read as a tag no message has, it skipped every message unsaid
+        return cmd.response(ResponseCode.SYSTEM_ERROR,
+                            f"The broker does not support consumer to filter message by {sub.expression_type}")
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE":     # as RocketMQ: not on a slave
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from broker.longpoll import PullHoldService
+from broker.clients import build_subscription
 from broker.processors.pull import handle_pull
 from broker.store import PutRequest
 from protocol.codes import PullSysFlag, RequestCode, ResponseCode
@@ -91,5 +92,27 @@ async def test_a_closed_connections_parked_pull_is_released_and_not_answered(tmp
         # pulls read in the same turn as the close run after it: they must not park at all
         late = handle_pull(ctx, _Conn(is_open=False), pull_cmd(3, 0))
         assert await asyncio.wait_for(late, 3) is None and ctx.holds.parked == 0
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_sql92_pull_is_refused_not_read_as_a_tag(tmp_path):
+    # The broker filters by tag only. A pull asking for SQL92 had its expression taken for a tag name that no
+    # message carries: every message skipped (nextBeginOffset moved past it) and none delivered, without a
+    # word. RocketMQ without enablePropertyFilter answers SYSTEM_ERROR; so do we, for the pull's own
+    # subscription and for one a heartbeat registered.
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 0)
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"subscription": "a > 5", "expressionType": "SQL92"})
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SYSTEM_ERROR and "SQL92" in reply.remark, (reply.code, reply.ext_fields)
+        ctx.clients.subscription = lambda group, topic: build_subscription(topic, "a > 5", 0, "SQL92")
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields["sysFlag"] = str(PullSysFlag.SUSPEND)        # no subscription in the pull: the heartbeat's
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SYSTEM_ERROR and "SQL92" in reply.remark, (reply.code, reply.ext_fields)
     finally:
         await ctx.store._store.close()
