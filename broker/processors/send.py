@@ -38,6 +38,7 @@ from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
 
 _rand = random.Random()
+_MAX_RECONSUME_TIMES = (1 << 31) - 1     # the record's RECONSUMETIMES is a Java int
 
 
 def _born_host(conn) -> bytes:
@@ -397,7 +398,9 @@ async def handle_send_back(ctx, conn, cmd):
     record = encode_record(
         topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=sys_flag,
         born_timestamp=msg.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
-        properties=properties_to_string(props).encode(), reconsume_times=msg.reconsume_times + 1)
+        properties=properties_to_string(props).encode(),
+        # (a producer may send any 32-bit count: one more must still fit, or the failed message goes nowhere)
+        reconsume_times=min(msg.reconsume_times + 1, _MAX_RECONSUME_TIMES))
     result = await ctx.store.put(PutRequest(record, to_topic, to_qid, tags, sys_flag, delay_ms))
     if not result.ok:
         return cmd.response(ResponseCode.SYSTEM_ERROR, result.status.name)

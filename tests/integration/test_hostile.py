@@ -197,3 +197,31 @@ async def test_send_back_cannot_create_topics_past_the_limits(broker):
     assert set(codes) <= {ResponseCode.SUCCESS, ResponseCode.SYSTEM_BUSY}
     flood = [t for t in table if "CG_flood" in t]
     assert len(flood) == codes.count(ResponseCode.SUCCESS)
+
+
+async def test_a_message_sent_with_the_largest_reconsume_count_still_goes_to_the_dlq(broker):
+    """A producer may set reconsumeTimes on any message; at 2**31-1 the send-back's +1 no longer fit the record's
+    32-bit field: a consumer group failing that message got SYSTEM_ERROR instead of a dead letter (RocketMQ
+    stores it), and a stock client's fallback re-sent it with the count wrapped negative, retrying it at once
+    for good."""
+    from protocol.connection import open_connection
+    from protocol.message import decode_offset_msg_id
+
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async with Producer(broker.namesrv, "PG_poison", retries=0) as producer:      # the topic, made the usual way
+            await asyncio.wait_for(producer.send("Poison", b"first"), 10)
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "PG_poison", "topic": "Poison", "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
+            "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0, "properties": "",
+            "reconsumeTimes": 2**31 - 1}, b"poison"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+        back = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": "CG_victim", "delayLevel": 0, "originMsgId": "x"}), 5)
+        assert back.code == ResponseCode.SUCCESS, back.remark
+        dlq_max = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET,
+                                                             {"topic": "%DLQ%CG_victim", "queueId": 0}), 5)
+        assert dlq_max.ext_fields["offset"] == "1"
+    finally:
+        conn.close()
