@@ -116,3 +116,28 @@ async def test_a_sql92_pull_is_refused_not_read_as_a_tag(tmp_path):
         assert reply.code == ResponseCode.SYSTEM_ERROR and "SQL92" in reply.remark, (reply.code, reply.ext_fields)
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_one_filtered_pull_scans_no_more_than_its_bytes_could_return(tmp_path):
+    # A pull scanned max(800, maxMsgNums) consume-queue units in one go, on the loop: with a tag no message
+    # has and maxMsgNums 2**31-1, a whole 300,000-unit file per request (tens of ms each, 16 requests a turn),
+    # every other client waiting. Past what max_bytes could return (records of 91 bytes and more), more units
+    # change nothing but that wait.
+    ctx = await make_ctx(tmp_path)
+    try:
+        n = 4000
+        results = await ctx.store.put_many([PutRequest.build("PT", b"m", queue_id=0, properties={"TAGS": "T"})
+                                            for _ in range(n)])
+        assert all(r.ok for r in results)
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"subscription": "NoSuchTag", "maxMsgNums": str(2**31 - 1), "sysFlag": "4"})
+        reply = handle_pull(ctx, None, cmd)
+        scanned = int(reply.ext_fields["nextBeginOffset"])
+        assert reply.code == ResponseCode.PULL_RETRY_IMMEDIATELY and 0 < scanned <= 256 * 1024 // 91 + 1, scanned
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"maxMsgNums": str(2**31 - 1), "sysFlag": "4"})      # unfiltered: as many as fit
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SUCCESS and int(reply.ext_fields["nextBeginOffset"]) > 2000
+    finally:
+        await ctx.store._store.close()
