@@ -78,6 +78,8 @@ def handle_pull(ctx, conn, cmd):
         if sub is None:
             return cmd.response(ResponseCode.SUBSCRIPTION_NOT_EXIST,
                                 f"the consumer's subscription not exist, group: {group}")
+        if sub.sub_version < cmd.int_field("subVersion", 0):   # filtered by older tags, wanted ones were skipped
+            return cmd.response(ResponseCode.SUBSCRIPTION_NOT_LATEST, "the consumer's subscription not latest")
     if sub.expression_type != "TAG":     # read as a tag no message has, it skipped every message unsaid
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"The broker does not support consumer to filter message by {sub.expression_type}")

@@ -141,3 +141,23 @@ async def test_one_filtered_pull_scans_no_more_than_its_bytes_could_return(tmp_p
         assert reply.code == ResponseCode.SUCCESS and int(reply.ext_fields["nextBeginOffset"]) > 2000
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_pull_newer_than_the_stored_subscription_is_refused_not_filtered_by_the_old_one(tmp_path):
+    # Without the subscription flag (the Java push consumer's default) the broker filters with what the group's
+    # heartbeat stored. A pull whose subVersion is newer (the subscription changed, the heartbeat saying so not
+    # here yet) was filtered by the old tags: messages only the new one wants were skipped past, never delivered.
+    # RocketMQ answers SUBSCRIPTION_NOT_LATEST and the client pulls again later.
+    ctx = await make_ctx(tmp_path)
+    try:
+        assert (await ctx.store.put(PutRequest.build("PT", b"b", queue_id=0, properties={"TAGS": "TagB"}))).ok
+        ctx.clients.subscription = lambda group, topic: build_subscription(topic, "TagA", 100)
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"sysFlag": "0", "subscription": "TagA || TagB", "subVersion": "200"})
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SUBSCRIPTION_NOT_LATEST, (reply.code, reply.ext_fields)
+        cmd.ext_fields["subVersion"] = "100"        # the same version (or 0, as Go sends): the stored one is used
+        assert handle_pull(ctx, None, cmd).code == ResponseCode.PULL_RETRY_IMMEDIATELY
+    finally:
+        await ctx.store._store.close()
