@@ -225,3 +225,29 @@ async def test_a_message_sent_with_the_largest_reconsume_count_still_goes_to_the
         assert dlq_max.ext_fields["offset"] == "1"
     finally:
         conn.close()
+
+
+async def test_a_heartbeat_cannot_put_unwritable_retry_topics_in_the_catalogue(broker):
+    """A consumer group new to the broker gets %RETRY%<group>; its name came straight from the heartbeat body.
+    One client could register names of any length and character -- topics the store refuses to write,
+    registered with every name server all the same (1024 groups of 15 KB names make a registration body
+    over the 16 MiB frame limit, and the broker drops out of every route)."""
+    import json
+
+    from protocol.connection import open_connection
+
+    long_name = "G" * 5000
+    body = json.dumps({"clientID": "hostile@1", "producerDataSet": [], "consumerDataSet": [
+        {"groupName": name, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+         "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": []}
+        for name in ("not a group/name", long_name, "CG_fine")]}).encode()
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        reply = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=body), 5)
+        assert reply.code == ResponseCode.SUCCESS
+        table = json.loads((await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5))
+                           .body_bytes())["topicConfigTable"]
+    finally:
+        conn.close()
+    assert "%RETRY%CG_fine" in table
+    assert not [t for t in table if "not a group" in t or long_name in t]
