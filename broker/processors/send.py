@@ -378,13 +378,15 @@ async def handle_send_back(ctx, conn, cmd):
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, cmd.str_field("originMsgId") or msg.offset_msg_id)
     limit = cmd.int_field("maxReconsumeTimes") if cmd.version >= 121 and cmd.int_field("maxReconsumeTimes") \
         is not None else ctx.config.max_reconsume_times
-    if msg.reconsume_times >= limit or delay_level < 0:
+    # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
+    times = max(msg.reconsume_times, 0)
+    if times >= limit or delay_level < 0:
         topic = DLQ_PREFIX + group
         props[Prop.DELAY] = "0"
     else:
         # Backoff: the n-th retry waits level 3 + n (10 s, 30 s, 1 min, ...) in SCHEDULE_TOPIC_XXXX.
         topic = RETRY_PREFIX + group
-        props[Prop.DELAY] = str(delay_level or 3 + msg.reconsume_times)
+        props[Prop.DELAY] = str(delay_level or 3 + times)
     refused = _ensure_back_topic(ctx, conn, cmd, topic)
     if refused is not None:
         return refused
@@ -400,7 +402,7 @@ async def handle_send_back(ctx, conn, cmd):
         born_timestamp=msg.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(),
         # (a producer may send any 32-bit count: one more must still fit, or the failed message goes nowhere)
-        reconsume_times=min(msg.reconsume_times + 1, _MAX_RECONSUME_TIMES))
+        reconsume_times=min(times + 1, _MAX_RECONSUME_TIMES))
     result = await ctx.store.put(PutRequest(record, to_topic, to_qid, tags, sys_flag, delay_ms))
     if not result.ok:
         return cmd.response(ResponseCode.SYSTEM_ERROR, result.status.name)

@@ -251,3 +251,30 @@ async def test_a_heartbeat_cannot_put_unwritable_retry_topics_in_the_catalogue(b
         conn.close()
     assert "%RETRY%CG_fine" in table
     assert not [t for t in table if "not a group" in t or long_name in t]
+
+
+async def test_a_message_sent_with_a_negative_reconsume_count_is_retried_with_backoff(broker):
+    """With reconsumeTimes -5 from its producer, a failed message's backoff level 3 + reconsumeTimes was -2: no
+    delay at all, so each failure stored a copy in %RETRY% for immediate redelivery -- a consumer group failing
+    it looped as fast as it could, a new record each turn, billions of times before the count reached the DLQ."""
+    from protocol.connection import open_connection
+    from protocol.message import decode_offset_msg_id
+
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async with Producer(broker.namesrv, "PG_negative", retries=0) as producer:
+            await asyncio.wait_for(producer.send("Negative", b"first"), 10)
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "PG_negative", "topic": "Negative", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": 4, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0,
+            "properties": "", "reconsumeTimes": -5}, b"negative"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+        back = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": "CG_negative", "delayLevel": 0, "originMsgId": "x"}), 5)
+        assert back.code == ResponseCode.SUCCESS, back.remark
+        retry_max = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET,
+                                                               {"topic": "%RETRY%CG_negative", "queueId": 0}), 5)
+        assert retry_max.ext_fields["offset"] == "0"        # waiting in the schedule, not redelivered at once
+    finally:
+        conn.close()
