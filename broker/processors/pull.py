@@ -106,6 +106,11 @@ async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filte
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
         return _reply(ctx, cmd, group, topic, got)
-    await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes
+    parked = conn is not None and conn.park()      # not counted in flight while it waits
+    try:
+        await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes
+    finally:
+        if parked:
+            conn.unpark()
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     return _reply(ctx, cmd, group, topic, got)

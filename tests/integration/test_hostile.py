@@ -278,3 +278,28 @@ async def test_a_message_sent_with_a_negative_reconsume_count_is_retried_with_ba
         assert retry_max.ext_fields["offset"] == "0"        # waiting in the schedule, not redelivered at once
     finally:
         conn.close()
+
+
+async def test_parked_pulls_past_max_in_flight_do_not_stall_the_connection(broker):
+    """A push consumer keeps one pull parked per queue it was given, and shares its connection with its
+    heartbeats, offset commits, send-backs and its instance's producer. Counted in flight, more than
+    max_in_flight (256) parked pulls stopped the broker reading that connection: every other request on it
+    waited for a pull's suspend time to end (15 s for Java), past the client's 3 s timeout."""
+    from protocol.connection import open_connection
+
+    async with Producer(broker.namesrv, "PG_many", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("ManyQueues", b"x"), 10)
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        pulls = [conn.start_request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_many", "topic": "ManyQueues", "queueId": sent.queue.queue_id,
+            "queueOffset": sent.queue_offset + 1, "maxMsgNums": 32,
+            "sysFlag": PullSysFlag.SUSPEND | PullSysFlag.SUBSCRIPTION, "commitOffset": 0,
+            "suspendTimeoutMillis": 15000, "subscription": "*", "subVersion": 0}), 30) for _ in range(300)]
+        assert await _parked_becomes(broker, 300, 10) == 300
+        reply = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {
+            "topic": "ManyQueues", "queueId": sent.queue.queue_id}), 3)
+        assert reply.code == ResponseCode.SUCCESS
+    finally:
+        conn.close()
+    await asyncio.gather(*pulls, return_exceptions=True)

@@ -74,6 +74,9 @@ class _Conn:
         self.attributes = {}
         self.is_open = is_open
 
+    def park(self):
+        return False
+
 
 @bounded(20)
 async def test_a_closed_connections_parked_pull_is_released_and_not_answered(tmp_path):
