@@ -54,12 +54,15 @@ class Subscription:
         return lambda code: code in codes
 
 
-def build_subscription(topic: str, expression: str | None, sub_version: int = 0) -> Subscription:
-    """A TAG subscription from an expression like 'TagA || TagB' (FilterAPI.buildSubscriptionData)."""
+def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
+                       expression_type: str = "TAG") -> Subscription:
+    """A TAG subscription from an expression like 'TagA || TagB' (FilterAPI.buildSubscriptionData); any other
+    ``expression_type`` is kept, for the pull to refuse."""
     if expression is None or expression.strip() in ("", "*"):
-        return Subscription(topic, "*", sub_version=sub_version)
+        return Subscription(topic, "*", sub_version=sub_version, expression_type=expression_type)
     tags = frozenset(t.strip() for t in expression.split("||") if t.strip())
-    return Subscription(topic, expression, tags, frozenset(java_string_hash(t) for t in tags), sub_version)
+    return Subscription(topic, expression, tags, frozenset(java_string_hash(t) for t in tags), sub_version,
+                        expression_type)
 
 
 @dataclass
@@ -151,7 +154,8 @@ class ClientRegistry:
                     frozenset(int(c) for c in codes) or frozenset(java_string_hash(t) for t in tags), version,
                     sub.get("expressionType") or "TAG")
             else:
-                group.subscriptions[topic] = build_subscription(topic, sub.get("subString"), version)
+                group.subscriptions[topic] = build_subscription(topic, sub.get("subString"), version,
+                                                                sub.get("expressionType") or "TAG")
         for topic in list(group.subscriptions):
             if topic not in topics and topics:
                 del group.subscriptions[topic]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+_PARKED = "parked_pulls"        # a connection's attribute: the futures its parked pulls wait on
+
 
 class PullHoldService:
     def __init__(self):
@@ -18,18 +20,24 @@ class PullHoldService:
     def parked(self) -> int:
         return sum(len(w) for w in list(self._waiters.values()))   # list(): read from the scrape thread
 
-    async def wait(self, topic: str, queue_id: int, offset: int, timeout_s: float) -> bool:
-        """True if a message at or past ``offset`` arrived within ``timeout_s``."""
+    async def wait(self, topic: str, queue_id: int, offset: int, timeout_s: float, conn=None) -> bool:
+        """True if a message at or past ``offset`` arrived within ``timeout_s``; cancelled if ``conn`` (the
+        pull's connection) closes first (``connection_closed``)."""
         fut = asyncio.get_running_loop().create_future()
         key = (topic, queue_id)
         entry = (offset, fut)
         self._waiters.setdefault(key, []).append(entry)
+        parked = None if conn is None else conn.attributes.setdefault(_PARKED, set())
+        if parked is not None:
+            parked.add(fut)
         try:
             await asyncio.wait_for(fut, timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
         finally:
+            if parked is not None:
+                parked.discard(fut)
             waiters = self._waiters.get(key)
             if waiters is not None:
                 try:
@@ -38,6 +46,14 @@ class PullHoldService:
                     pass
                 if not waiters:
                     del self._waiters[key]
+
+    @staticmethod
+    def connection_closed(conn) -> None:
+        """End the pulls ``conn`` has parked: nobody is left to read their answers. Held on, they outlived the
+        connection for their whole suspend time, outside its in-flight limit: a client parking pulls and
+        hanging up, again and again, could hold any number of them."""
+        for fut in conn.attributes.pop(_PARKED, ()):
+            fut.cancel()
 
     def on_dispatch(self, info) -> None:
         waiters = self._waiters.get((info.topic, info.queue_id))

@@ -23,6 +23,7 @@ from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import DEFERRED, RemotingConnection
 from protocol.errors import ProtocolError
+from protocol.message import validate_topic
 
 from .acl import PlainAcl
 from . import ha as ha_roles
@@ -309,6 +310,12 @@ class BrokerServer:
             await asyncio.to_thread(self.ctx.acl.reload_if_changed)
 
     def _new_retry_group(self, group: str) -> None:
+        # The name comes from a heartbeat body: one the store cannot write (any length, any character) would
+        # only sit in the catalogue and in every registration (1024 of 15 KB make a body past the frame limit).
+        why = validate_topic(RETRY_PREFIX + group)
+        if why is not None:
+            log.warning("consumer group %.200r: no retry topic: %s", group, why[:200])
+            return
         try:
             self.ctx.topics.ensure(RETRY_PREFIX + group)
         except TopicLimitError as exc:
@@ -344,6 +351,8 @@ class BrokerServer:
                 conns.discard(conn)
                 gauge.dec()
             if listener == "broker" and self.ctx is not None:
+                if self.ctx.holds is not None:
+                    self.ctx.holds.connection_closed(conn)
                 for group in self.ctx.clients.connection_closed(conn):
                     self.ctx.clients.notify_ids_changed(group)
 

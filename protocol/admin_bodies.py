@@ -83,14 +83,19 @@ def encode_consumer_offsets(table) -> bytes:
     return ('{"offsetTable":{' + inner + "}}").encode()
 
 
-_BARE_INT_KEY = re.compile(r'([{,])\s*(-?\d+)\s*:')
+# A bare integer key, or a whole string literal (kept as it is: names are the client's text, and one holding
+# ``,5:`` must not be rewritten into a body that no longer parses).
+_BARE_INT_KEY = re.compile(r'("(?:[^"\\]|\\.)*")|([{,])\s*(-?\d+)\s*:')
+
+
+def _quote_int_key(m: re.Match) -> str:
+    return m.group(1) or f'{m.group(2)}"{m.group(3)}":'
 
 
 def decode_consumer_offsets(body: bytes) -> dict[tuple[str, str, int], int]:
-    """{(group, topic, queue id): offset} from a GET_ALL_CONSUMER_OFFSET body (bare or quoted queue ids).
-    Topic and group names hold no ``{``, ``,`` or ``:``, so quoting the bare keys cannot touch them."""
+    """{(group, topic, queue id): offset} from a GET_ALL_CONSUMER_OFFSET body (bare or quoted queue ids)."""
     try:
-        raw = json.loads(_BARE_INT_KEY.sub(r'\1"\2":', body.decode("utf-8")))
+        raw = json.loads(_BARE_INT_KEY.sub(_quote_int_key, body.decode("utf-8")))
         table = raw["offsetTable"]
         out = {}
         for key, queues in table.items():

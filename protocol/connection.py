@@ -6,7 +6,9 @@ incoming requests (the broker's processors, or a client's CHECK_TRANSACTION_STAT
 listener), and applies the limits a server facing unknown clients needs:
 
 * in-flight limit: at most ``max_in_flight`` requests being handled at once;
-  past it the connection stops reading until handlers catch up;
+  past it the connection stops reading until handlers catch up. A request parked by its
+  handler (``park``: a long-polling pull waiting for a message) does not count, up to
+  ``max_in_flight * 4`` of them;
 * back-pressure: while the peer is not reading our responses (the transport's
   write buffer is over its high-water mark) we stop reading its requests, and
   a peer whose unread backlog passes ``max_write_buffer`` is disconnected;
@@ -93,6 +95,7 @@ class RemotingConnection(asyncio.Protocol):
         self._sweep_at = _NEVER
         self._tasks: set[asyncio.Task] = set()
         self._held = 0                      # requests answered later by their handler (DEFERRED)
+        self._parked = 0                    # requests waiting for an event, not for work (park)
         self._release_waiters: list[asyncio.Future] = []
         self._out: list = []
         self._backlog: list = []            # frames read but not yet handled (fairness, see above)
@@ -250,13 +253,33 @@ class RemotingConnection(asyncio.Protocol):
             return
         self._tasks.add(task)
         task.add_done_callback(lambda t, c=cmd: self._handler_done(t, c))
-        if len(self._tasks) + self._held >= self.max_in_flight:
+        if self._busy() >= self.max_in_flight:
+            self.pause_reading("in-flight")
+
+    def _busy(self) -> int:
+        return len(self._tasks) + self._held - self._parked
+
+    def park(self) -> bool:
+        """The handler of a request is about to wait for an event, not to work: a long-polling pull, held until
+        a message arrives. Until ``unpark`` it does not count towards ``max_in_flight`` (a push consumer keeps
+        one pull parked per queue; counted, more than max_in_flight queues stopped every other request on its
+        connection for a suspend time). False, and it goes on counting, past ``max_in_flight * 4`` parked."""
+        if self._parked >= self.max_in_flight * 4:
+            return False
+        self._parked += 1
+        if self._reading_paused_for and self._busy() <= self.max_in_flight // 2:
+            self.resume_reading("in-flight")
+        return True
+
+    def unpark(self) -> None:
+        self._parked -= 1
+        if self._busy() >= self.max_in_flight:
             self.pause_reading("in-flight")
 
     def hold(self) -> None:
         """A request whose handler answers later (it returns DEFERRED): counted in flight until release()."""
         self._held += 1
-        if len(self._tasks) + self._held >= self.max_in_flight:
+        if self._busy() >= self.max_in_flight:
             self.pause_reading("in-flight")
 
     def release(self) -> None:
@@ -266,12 +289,12 @@ class RemotingConnection(asyncio.Protocol):
                 if not waiter.done():
                     waiter.set_result(None)
             self._release_waiters.clear()
-        if self._reading_paused_for and len(self._tasks) + self._held <= self.max_in_flight // 2:
+        if self._reading_paused_for and self._busy() <= self.max_in_flight // 2:
             self.resume_reading("in-flight")
 
     def _handler_done(self, task: asyncio.Task, cmd: RemotingCommand) -> None:
         self._tasks.discard(task)
-        if len(self._tasks) + self._held <= self.max_in_flight // 2:
+        if self._busy() <= self.max_in_flight // 2:
             self.resume_reading("in-flight")
         if task.cancelled():
             return

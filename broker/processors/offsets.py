@@ -26,6 +26,14 @@ def update_consumer_offset(ctx, conn, cmd):
     group = cmd.str_field("consumerGroup", required=True)
     topic, qid = _queue(cmd)
     offset = cmd.int_field("commitOffset", required=True)
+    # Only a queue this broker has: stored as given, any topic name and queue id grew the table (its file,
+    # the lag computed every second, what slaves copy) without bound, each answered SUCCESS.
+    tc = ctx.topics.get(topic)
+    if tc is None:
+        return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"topic[{topic}] not exist, offset not stored")
+    if qid < 0 or qid >= tc.queue_count:
+        return cmd.response(ResponseCode.SYSTEM_ERROR,
+                            f"queueId[{qid}] is illegal, topic:[{topic}] has {tc.queue_count} queues")
     if offset >= 0:
         ctx.offsets.commit(group, topic, qid, offset)
     return cmd.response(ResponseCode.SUCCESS)

@@ -70,12 +70,18 @@ def handle_pull(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"queueId[{qid}] is illegal, topic:[{topic}] topicConfig.readQueueNums:[{tc.read_queue_nums}]")
     if sys_flag & PullSysFlag.SUBSCRIPTION:
-        sub = build_subscription(topic, cmd.str_field("subscription"), cmd.int_field("subVersion", 0))
+        sub = build_subscription(topic, cmd.str_field("subscription"), cmd.int_field("subVersion", 0),
+                                 cmd.str_field("expressionType") or "TAG")
     else:
         sub = ctx.clients.subscription(group, topic)
         if sub is None:
             return cmd.response(ResponseCode.SUBSCRIPTION_NOT_EXIST,
                                 f"the consumer's subscription not exist, group: {group}")
+        if sub.sub_version < cmd.int_field("subVersion", 0):   # filtered by older tags, wanted ones were skipped
+            return cmd.response(ResponseCode.SUBSCRIPTION_NOT_LATEST, "the consumer's subscription not latest")
+    if sub.expression_type != "TAG":     # read as a tag no message has, it skipped every message unsaid
+        return cmd.response(ResponseCode.SYSTEM_ERROR,
+                            f"The broker does not support consumer to filter message by {sub.expression_type}")
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE":     # as RocketMQ: not on a slave
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:
@@ -87,16 +93,23 @@ def handle_pull(ctx, conn, cmd):
         suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
         hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
         if hold_ms > 0:
-            return _parked(ctx, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms)
+            return _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms)
     return _reply(ctx, cmd, group, topic, got)
 
 
-async def _parked(ctx, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms):
+async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms):
+    if conn is not None and not conn.is_open:      # closed before this task ran: nobody to answer
+        return None
     # Read again as the wait registers (no await in between): a message stored since the first
     # read, before this task ran, was dispatched to no waiter and would not wake this one.
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
         return _reply(ctx, cmd, group, topic, got)
-    await ctx.holds.wait(topic, qid, offset, hold_ms / 1000)
+    parked = conn is not None and conn.park()      # not counted in flight while it waits
+    try:
+        await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes
+    finally:
+        if parked:
+            conn.unpark()
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     return _reply(ctx, cmd, group, topic, got)

@@ -38,6 +38,7 @@ from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
 
 _rand = random.Random()
+_MAX_RECONSUME_TIMES = (1 << 31) - 1     # the record's RECONSUMETIMES is a Java int
 
 
 def _born_host(conn) -> bytes:
@@ -343,6 +344,26 @@ def _batch_ok(ctx, cmd, qid, results, code=ResponseCode.SUCCESS):
                    results[0].queue_offset, code)
 
 
+def _ensure_back_topic(ctx, conn, cmd, topic: str):
+    """None once ``topic`` (%RETRY% or %DLQ% and the group the client names) exists, or the refusal: a new one
+    is checked and limited as any topic a send creates, or one client naming group after group filled the
+    catalogue (every other client's new topic then refused) with names the store cannot write."""
+    if topic in ctx.topics.topics:
+        return None
+    why = validate_topic(topic)
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+    refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, topic)
+    if refused is not None:
+        return refused
+    try:
+        ctx.topics.ensure(topic)
+    except TopicLimitError as exc:
+        ctx.limits.refused("retry-group-limit")
+        return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
+    return None
+
+
 async def handle_send_back(ctx, conn, cmd):
     """A consumer failed a message: copy it to %RETRY%<group>, or %DLQ%<group> when out of retries."""
     offset = cmd.int_field("offset", required=True)
@@ -357,14 +378,18 @@ async def handle_send_back(ctx, conn, cmd):
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, cmd.str_field("originMsgId") or msg.offset_msg_id)
     limit = cmd.int_field("maxReconsumeTimes") if cmd.version >= 121 and cmd.int_field("maxReconsumeTimes") \
         is not None else ctx.config.max_reconsume_times
-    if msg.reconsume_times >= limit or delay_level < 0:
+    # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
+    times = max(msg.reconsume_times, 0)
+    if times >= limit or delay_level < 0:
         topic = DLQ_PREFIX + group
         props[Prop.DELAY] = "0"
     else:
         # Backoff: the n-th retry waits level 3 + n (10 s, 30 s, 1 min, ...) in SCHEDULE_TOPIC_XXXX.
         topic = RETRY_PREFIX + group
-        props[Prop.DELAY] = str(delay_level or 3 + msg.reconsume_times)
-    ctx.topics.ensure(topic)
+        props[Prop.DELAY] = str(delay_level or 3 + times)
+    refused = _ensure_back_topic(ctx, conn, cmd, topic)
+    if refused is not None:
+        return refused
     to_topic, to_qid, tags, delay_ms = topic, 0, tags_code(props), -1
     # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed
     # message (with PREPARED OFFSET 0) would claim to commit whatever half is stored at offset 0.
@@ -375,7 +400,9 @@ async def handle_send_back(ctx, conn, cmd):
     record = encode_record(
         topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=sys_flag,
         born_timestamp=msg.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
-        properties=properties_to_string(props).encode(), reconsume_times=msg.reconsume_times + 1)
+        properties=properties_to_string(props).encode(),
+        # (a producer may send any 32-bit count: one more must still fit, or the failed message goes nowhere)
+        reconsume_times=min(times + 1, _MAX_RECONSUME_TIMES))
     result = await ctx.store.put(PutRequest(record, to_topic, to_qid, tags, sys_flag, delay_ms))
     if not result.ok:
         return cmd.response(ResponseCode.SYSTEM_ERROR, result.status.name)

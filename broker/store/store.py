@@ -374,7 +374,9 @@ class MessageStore:
             return GetResult(GetStatus.OFFSET_OVERFLOW_ONE, offset, lo, hi)
         if offset > hi:
             return GetResult(GetStatus.OFFSET_OVERFLOW_BADLY, hi, lo, hi)
-        raw = cq.read(offset, max(_MIN_SCAN_UNITS, max_count))
+        # Never more units than max_bytes of records could fill: a filtered pull asking for 2**31-1 messages
+        # scanned a whole consume-queue file on the loop, every other client waiting.
+        raw = cq.read(offset, max(_MIN_SCAN_UNITS, min(max_count, max_bytes // MIN_RECORD_SIZE + 1)))
         if raw is None:
             return GetResult(GetStatus.OFFSET_FOUND_NULL, cq.next_file_offset(offset), lo, hi)
         status = _NO_MATCH

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from producer import Producer, SendStatus
-from protocol.codes import RequestCode, ResponseCode
+from protocol.codes import PullSysFlag, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 
 pytestmark = pytest.mark.asyncio
@@ -95,3 +95,211 @@ async def test_a_client_that_never_reads(broker):
                 break   # the broker stopped reading us: back-pressure works
     await _still_serves(broker)
     writer.transport.abort()
+
+
+def _parked_pulls(metrics_addr) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return families["txmq_parked_pulls"].samples[0].value
+
+
+async def _parked_becomes(broker, want, within_s):
+    """Poll the (once a second) txmq_parked_pulls gauge until it reads ``want``; its last reading."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        seen = await asyncio.to_thread(_parked_pulls, broker.metrics)
+        if seen == want or loop.time() > deadline:
+            return seen
+        await asyncio.sleep(0.2)
+
+
+async def test_pulls_parked_by_a_closed_connection_are_released(broker):
+    """A client that parks pulls and hangs up, again and again, must not leave them held: each connection may
+    have max_in_flight requests, but parked pulls outliving their connection escaped that bound (and the
+    connection limit), each held for its whole suspend time with nobody to read its answer."""
+    async with Producer(broker.namesrv, "PG_park", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("Parked", b"one"), 10)
+    assert sent.status is SendStatus.SEND_OK
+    reader, writer = await asyncio.open_connection(*_hostport(broker.broker))
+    for _ in range(50):             # each at the queue's end: held up to 20 s
+        writer.write(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_park", "topic": "Parked", "queueId": sent.queue.queue_id,
+            "queueOffset": sent.queue_offset + 1,
+            "maxMsgNums": 32, "sysFlag": PullSysFlag.SUSPEND | PullSysFlag.SUBSCRIPTION, "commitOffset": 0, "suspendTimeoutMillis": 20000,
+            "subscription": "*", "subVersion": 0}).encode())
+    await writer.drain()
+    assert await _parked_becomes(broker, 50, 10) == 50
+    writer.transport.abort()
+    assert await _parked_becomes(broker, 0, 6) == 0
+    await _still_serves(broker)
+
+
+async def test_offsets_for_queues_that_do_not_exist_are_refused_not_stored(broker):
+    """UPDATE_CONSUMER_OFFSET stored whatever it was given: any topic name, any queue id. One client could grow
+    the offset table without bound -- in memory, in consumerOffset.json rewritten every 5 s, in the lag it
+    computes every second, in what every slave copies -- all answered SUCCESS."""
+    from protocol.admin_bodies import decode_consumer_offsets
+    from protocol.connection import open_connection
+
+    async with Producer(broker.namesrv, "PG_offsets", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("Offsets", b"one"), 10)
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def commit(topic, qid):
+            return await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_offsets", "topic": topic, "queueId": qid, "commitOffset": 1}), 5)
+        assert (await commit("Offsets", sent.queue.queue_id)).code == ResponseCode.SUCCESS
+        assert (await commit("NoSuchTopic", 0)).code == ResponseCode.TOPIC_NOT_EXIST
+        for qid in (4096, -1):
+            assert (await commit("Offsets", qid)).code == ResponseCode.SYSTEM_ERROR
+        everything = await conn.request(RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET), 5)
+    finally:
+        conn.close()
+    stored = {k for k in decode_consumer_offsets(everything.body_bytes()) if k[0] == "CG_offsets"}
+    assert stored == {("CG_offsets", "Offsets", sent.queue.queue_id)}
+
+
+async def test_send_back_cannot_create_topics_past_the_limits(broker):
+    """CONSUMER_SEND_MSG_BACK creates %RETRY%<group> / %DLQ%<group> for whatever group it names. It skipped the
+    limits every other topic creation obeys (max_topics, max_auto_create_topics_per_s) and the name check: one
+    message's offset and a loop over group names filled the catalogue (then every other client's new topic
+    was refused) and stored topics whose names the broker itself cannot write."""
+    import json
+
+    from protocol.connection import open_connection
+    from protocol.message import decode_offset_msg_id
+
+    async with Producer(broker.namesrv, "PG_back", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("Back", b"one"), 10)
+    offset = decode_offset_msg_id(sent.offset_msg_id)[2]
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def back(group, level):
+            return await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+                "offset": offset, "group": group, "delayLevel": level, "originMsgId": sent.msg_id}), 5)
+        bad = await back("not a group/name", -1)
+        assert bad.code != ResponseCode.SUCCESS
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        codes = [(await back(f"CG_flood{i}", -1 if i % 2 else 0)).code for i in range(60)]
+        elapsed = loop.time() - started
+        table = json.loads((await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5))
+                           .body_bytes())["topicConfigTable"]
+    finally:
+        conn.close()
+    assert not [t for t in table if "not a group" in t]
+    # 10 topics a second, a burst of 10 (max_auto_create_topics_per_s): the rest are refused, loudly
+    assert codes.count(ResponseCode.SUCCESS) <= 10 + 10 * elapsed + 1
+    assert set(codes) <= {ResponseCode.SUCCESS, ResponseCode.SYSTEM_BUSY}
+    flood = [t for t in table if "CG_flood" in t]
+    assert len(flood) == codes.count(ResponseCode.SUCCESS)
+
+
+async def test_a_message_sent_with_the_largest_reconsume_count_still_goes_to_the_dlq(broker):
+    """A producer may set reconsumeTimes on any message; at 2**31-1 the send-back's +1 no longer fit the record's
+    32-bit field: a consumer group failing that message got SYSTEM_ERROR instead of a dead letter (RocketMQ
+    stores it), and a stock client's fallback re-sent it with the count wrapped negative, retrying it at once
+    for good."""
+    from protocol.connection import open_connection
+    from protocol.message import decode_offset_msg_id
+
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async with Producer(broker.namesrv, "PG_poison", retries=0) as producer:      # the topic, made the usual way
+            await asyncio.wait_for(producer.send("Poison", b"first"), 10)
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "PG_poison", "topic": "Poison", "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
+            "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0, "properties": "",
+            "reconsumeTimes": 2**31 - 1}, b"poison"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+        back = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": "CG_victim", "delayLevel": 0, "originMsgId": "x"}), 5)
+        assert back.code == ResponseCode.SUCCESS, back.remark
+        dlq_max = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET,
+                                                             {"topic": "%DLQ%CG_victim", "queueId": 0}), 5)
+        assert dlq_max.ext_fields["offset"] == "1"
+    finally:
+        conn.close()
+
+
+async def test_a_heartbeat_cannot_put_unwritable_retry_topics_in_the_catalogue(broker):
+    """A consumer group new to the broker gets %RETRY%<group>; its name came straight from the heartbeat body.
+    One client could register names of any length and character -- topics the store refuses to write,
+    registered with every name server all the same (1024 groups of 15 KB names make a registration body
+    over the 16 MiB frame limit, and the broker drops out of every route)."""
+    import json
+
+    from protocol.connection import open_connection
+
+    long_name = "G" * 5000
+    body = json.dumps({"clientID": "hostile@1", "producerDataSet": [], "consumerDataSet": [
+        {"groupName": name, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+         "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": []}
+        for name in ("not a group/name", long_name, "CG_fine")]}).encode()
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        reply = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=body), 5)
+        assert reply.code == ResponseCode.SUCCESS
+        table = json.loads((await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5))
+                           .body_bytes())["topicConfigTable"]
+    finally:
+        conn.close()
+    assert "%RETRY%CG_fine" in table
+    assert not [t for t in table if "not a group" in t or long_name in t]
+
+
+async def test_a_message_sent_with_a_negative_reconsume_count_is_retried_with_backoff(broker):
+    """With reconsumeTimes -5 from its producer, a failed message's backoff level 3 + reconsumeTimes was -2: no
+    delay at all, so each failure stored a copy in %RETRY% for immediate redelivery -- a consumer group failing
+    it looped as fast as it could, a new record each turn, billions of times before the count reached the DLQ."""
+    from protocol.connection import open_connection
+    from protocol.message import decode_offset_msg_id
+
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async with Producer(broker.namesrv, "PG_negative", retries=0) as producer:
+            await asyncio.wait_for(producer.send("Negative", b"first"), 10)
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "PG_negative", "topic": "Negative", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": 4, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0,
+            "properties": "", "reconsumeTimes": -5}, b"negative"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+        back = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": "CG_negative", "delayLevel": 0, "originMsgId": "x"}), 5)
+        assert back.code == ResponseCode.SUCCESS, back.remark
+        retry_max = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET,
+                                                               {"topic": "%RETRY%CG_negative", "queueId": 0}), 5)
+        assert retry_max.ext_fields["offset"] == "0"        # waiting in the schedule, not redelivered at once
+    finally:
+        conn.close()
+
+
+async def test_parked_pulls_past_max_in_flight_do_not_stall_the_connection(broker):
+    """A push consumer keeps one pull parked per queue it was given, and shares its connection with its
+    heartbeats, offset commits, send-backs and its instance's producer. Counted in flight, more than
+    max_in_flight (256) parked pulls stopped the broker reading that connection: every other request on it
+    waited for a pull's suspend time to end (15 s for Java), past the client's 3 s timeout."""
+    from protocol.connection import open_connection
+
+    async with Producer(broker.namesrv, "PG_many", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("ManyQueues", b"x"), 10)
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        pulls = [conn.start_request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_many", "topic": "ManyQueues", "queueId": sent.queue.queue_id,
+            "queueOffset": sent.queue_offset + 1, "maxMsgNums": 32,
+            "sysFlag": PullSysFlag.SUSPEND | PullSysFlag.SUBSCRIPTION, "commitOffset": 0,
+            "suspendTimeoutMillis": 15000, "subscription": "*", "subVersion": 0}), 30) for _ in range(300)]
+        assert await _parked_becomes(broker, 300, 10) == 300
+        reply = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {
+            "topic": "ManyQueues", "queueId": sent.queue.queue_id}), 3)
+        assert reply.code == ResponseCode.SUCCESS
+    finally:
+        conn.close()
+    await asyncio.gather(*pulls, return_exceptions=True)

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from broker.longpoll import PullHoldService
+from broker.clients import build_subscription
 from broker.processors.pull import handle_pull
 from broker.store import PutRequest
 from protocol.codes import PullSysFlag, RequestCode, ResponseCode
@@ -64,5 +65,102 @@ async def test_message_stored_before_the_parked_pull_registers_wakes_it(tmp_path
         await put(ctx, 0, b"raced")            # lands after the read, before the wait registers
         reply = await asyncio.wait_for(result, 3)   # must not sit out the 10 s hold
         assert reply.code == ResponseCode.SUCCESS
+    finally:
+        await ctx.store._store.close()
+
+
+class _Conn:
+    def __init__(self, is_open=True):
+        self.attributes = {}
+        self.is_open = is_open
+
+    def park(self):
+        return False
+
+
+@bounded(20)
+async def test_a_closed_connections_parked_pull_is_released_and_not_answered(tmp_path):
+    # Held on, a parked pull outlived its connection for its whole suspend time, outside the connection's
+    # in-flight limit: parking pulls and hanging up, over and over, held any number of them.
+    ctx = await make_ctx(tmp_path)
+    try:
+        conn = _Conn()
+        held = asyncio.ensure_future(handle_pull(ctx, conn, pull_cmd(3, 0)))
+        await asyncio.sleep(0)                  # let the pull park
+        assert ctx.holds.parked == 1
+        ctx.holds.connection_closed(conn)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(held, 3)
+        assert ctx.holds.parked == 0
+        # pulls read in the same turn as the close run after it: they must not park at all
+        late = handle_pull(ctx, _Conn(is_open=False), pull_cmd(3, 0))
+        assert await asyncio.wait_for(late, 3) is None and ctx.holds.parked == 0
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_sql92_pull_is_refused_not_read_as_a_tag(tmp_path):
+    # The broker filters by tag only. A pull asking for SQL92 had its expression taken for a tag name that no
+    # message carries: every message skipped (nextBeginOffset moved past it) and none delivered, without a
+    # word. RocketMQ without enablePropertyFilter answers SYSTEM_ERROR; so do we, for the pull's own
+    # subscription and for one a heartbeat registered.
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 0)
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"subscription": "a > 5", "expressionType": "SQL92"})
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SYSTEM_ERROR and "SQL92" in reply.remark, (reply.code, reply.ext_fields)
+        ctx.clients.subscription = lambda group, topic: build_subscription(topic, "a > 5", 0, "SQL92")
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields["sysFlag"] = str(PullSysFlag.SUSPEND)        # no subscription in the pull: the heartbeat's
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SYSTEM_ERROR and "SQL92" in reply.remark, (reply.code, reply.ext_fields)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_one_filtered_pull_scans_no_more_than_its_bytes_could_return(tmp_path):
+    # A pull scanned max(800, maxMsgNums) consume-queue units in one go, on the loop: with a tag no message
+    # has and maxMsgNums 2**31-1, a whole 300,000-unit file per request (tens of ms each, 16 requests a turn),
+    # every other client waiting. Past what max_bytes could return (records of 91 bytes and more), more units
+    # change nothing but that wait.
+    ctx = await make_ctx(tmp_path)
+    try:
+        n = 4000
+        results = await ctx.store.put_many([PutRequest.build("PT", b"m", queue_id=0, properties={"TAGS": "T"})
+                                            for _ in range(n)])
+        assert all(r.ok for r in results)
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"subscription": "NoSuchTag", "maxMsgNums": str(2**31 - 1), "sysFlag": "4"})
+        reply = handle_pull(ctx, None, cmd)
+        scanned = int(reply.ext_fields["nextBeginOffset"])
+        assert reply.code == ResponseCode.PULL_RETRY_IMMEDIATELY and 0 < scanned <= 256 * 1024 // 91 + 1, scanned
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"maxMsgNums": str(2**31 - 1), "sysFlag": "4"})      # unfiltered: as many as fit
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SUCCESS and int(reply.ext_fields["nextBeginOffset"]) > 2000
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_pull_newer_than_the_stored_subscription_is_refused_not_filtered_by_the_old_one(tmp_path):
+    # Without the subscription flag (the Java push consumer's default) the broker filters with what the group's
+    # heartbeat stored. A pull whose subVersion is newer (the subscription changed, the heartbeat saying so not
+    # here yet) was filtered by the old tags: messages only the new one wants were skipped past, never delivered.
+    # RocketMQ answers SUBSCRIPTION_NOT_LATEST and the client pulls again later.
+    ctx = await make_ctx(tmp_path)
+    try:
+        assert (await ctx.store.put(PutRequest.build("PT", b"b", queue_id=0, properties={"TAGS": "TagB"}))).ok
+        ctx.clients.subscription = lambda group, topic: build_subscription(topic, "TagA", 100)
+        cmd = pull_cmd(0, 0)
+        cmd.ext_fields.update({"sysFlag": "0", "subscription": "TagA || TagB", "subVersion": "200"})
+        reply = handle_pull(ctx, None, cmd)
+        assert reply.code == ResponseCode.SUBSCRIPTION_NOT_LATEST, (reply.code, reply.ext_fields)
+        cmd.ext_fields["subVersion"] = "100"        # the same version (or 0, as Go sends): the stored one is used
+        assert handle_pull(ctx, None, cmd).code == ResponseCode.PULL_RETRY_IMMEDIATELY
     finally:
         await ctx.store._store.close()

@@ -26,6 +26,14 @@ def test_the_body_is_javas_and_reads_back():
             decode_consumer_offsets(bad)
 
 
+
+def test_a_group_name_that_looks_like_json_does_not_stop_every_groups_copy():
+    """Group names reach the table unchecked (UPDATE_CONSUMER_OFFSET, a pull's commit): one named like
+    ``G,5:x`` had its text rewritten by the bare-id quoting, the body no longer parsed, and the slave copied
+    no group's offsets at all from then on -- every consumer failing over went back to stale offsets."""
+    table = [(("CG", "Orders", 0), 12), (('G,5:x{0:"\\', "Orders", 1), 3), (("H,", "T", 2), 4)]
+    assert decode_consumer_offsets(encode_consumer_offsets(table)) == dict(table)
+
 @bounded(10)
 async def test_the_master_offsets_win_and_a_failure_is_said_once(tmp_path, caplog):
     offsets = ConsumerOffsets(str(tmp_path))
