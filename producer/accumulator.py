@@ -7,7 +7,9 @@ offset message id and queue offset), so batching changes throughput, not what a 
 
 A batch leaves when it holds ``batch_size`` messages or ``max_batch_bytes`` of bodies, or
 ``linger_ms`` after its first message arrived, whichever comes first. A failed batch fails
-every send in it with the same error (the broker stores a batch all or none).
+every send in it with the same error (the broker stores a batch all or none), except a batch
+the broker refuses as MESSAGE_ILLEGAL for what one entry holds: each of its sends goes again
+alone, so only the one at fault fails.
 """
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from protocol.codes import RequestCode
-from protocol.message import Prop, encode_batch
+from protocol.errors import MessageIllegalError
+from protocol.message import MAX_PROPERTIES_LENGTH, Prop, encode_batch
 
 if TYPE_CHECKING:
     from .producer import Producer, SendResult
 
 _BATCH_PROPS = f"{Prop.WAIT}\x01true"          # the batch request's own properties
+_PROPS_CHECK = MAX_PROPERTIES_LENGTH // 4       # shorter strings cannot encode past the limit
 
 
 class _Pending:
@@ -49,6 +53,13 @@ class Accumulator:
         """Queue one message (``props``: its properties string, without WAIT; ``uniq``: its UNIQ_KEY);
         the future resolves to its own SendResult."""
         loop = asyncio.get_running_loop()
+        if len(props) > _PROPS_CHECK and len(props.encode()) > MAX_PROPERTIES_LENGTH:
+            # more than a batch entry can carry: it goes alone, and the broker answers it as it would unbatched
+            fut = loop.create_future()
+            task = loop.create_task(self._send_alone(topic, (0, body, props), uniq, fut))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+            return fut
         batch = self._pending.get(topic)
         if batch is not None and batch.nbytes + len(body) > self._max_bytes:
             self._ship(topic)
@@ -89,14 +100,39 @@ class Accumulator:
         try:
             result = await self._producer._send_text(RequestCode.SEND_BATCH_MESSAGE, topic,
                                                      encode_batch(batch.entries), _BATCH_PROPS, "", None, batch=True)
+        except MessageIllegalError as exc:
+            if len(batch.entries) == 1:
+                _fail(batch.futures, exc)
+                return
+            # Refused for what one entry holds (its size, a property): the sends gathered here are strangers to
+            # each other, so each goes again alone and only the one at fault fails.
+            await asyncio.gather(*(self._send_alone(topic, entry, uniq, fut)
+                                   for entry, uniq, fut in zip(batch.entries, batch.uniqs, batch.futures)))
+            return
         except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
-            for fut in batch.futures:
-                if not fut.done():
-                    fut.set_exception(exc)
+            _fail(batch.futures, exc)
             return
         for fut, single in zip(batch.futures, split_result(result, batch.uniqs)):
             if not fut.done():
                 fut.set_result(single)
+
+
+    async def _send_alone(self, topic: str, entry: tuple[int, bytes, str], uniq: str, fut: asyncio.Future) -> None:
+        _flag, body, props = entry
+        try:
+            result = await self._producer._send_text(RequestCode.SEND_MESSAGE_V2, topic, body,
+                                                     f"{props}\x02{_BATCH_PROPS}" if props else _BATCH_PROPS, uniq, None)
+        except Exception as exc:  # noqa: BLE001 - this send's own failure, to its caller
+            _fail([fut], exc)
+            return
+        if not fut.done():
+            fut.set_result(result)
+
+
+def _fail(futures: list[asyncio.Future], exc: BaseException) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_exception(exc)
 
 
 def split_result(result: "SendResult", uniqs: list[str]) -> list["SendResult"]:

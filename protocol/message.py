@@ -40,7 +40,7 @@ import zlib
 from dataclasses import dataclass
 
 from .codes import ResponseCode, SysFlag
-from .errors import HeaderError, RecordError
+from .errors import HeaderError, MessageIllegalError, RecordError
 
 MESSAGE_MAGIC = -626843481      # 0xDAA320A7
 BLANK_MAGIC = -875286124        # 0xCBD43194
@@ -607,8 +607,11 @@ def decode_records(buf) -> list[MessageExt]:
 def encode_batch(entries: list[tuple[int, bytes, str]]) -> bytes:
     """SEND_BATCH_MESSAGE body from (flag, body, properties string) entries."""
     out = bytearray()
-    for flag, body, props in entries:
+    for i, (flag, body, props) in enumerate(entries):
         p = props.encode()
+        if len(p) > MAX_PROPERTIES_LENGTH:      # the entry's length field is a short: refused, not a struct.error
+            raise MessageIllegalError(f"message {i} of the batch not sent: its properties are {len(p)} bytes, "
+                                      f"more than {MAX_PROPERTIES_LENGTH}")
         out += _BATCH_HEAD.pack(20 + len(body) + 2 + len(p), 0, 0, flag, len(body))
         out += body
         out += _I16.pack(len(p))

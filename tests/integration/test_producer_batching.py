@@ -62,3 +62,33 @@ async def test_shutdown_sends_what_is_still_lingering(broker):
         await producer.shutdown()                                    # ... until shutdown sends it
         assert all(p.result().status is SendStatus.SEND_OK for p in pending)
         await _pull_all(broker.namesrv, "Lingered2", 6)
+
+
+async def test_one_message_the_broker_refuses_fails_alone_not_its_whole_batch(broker):
+    """Sends gathered into one batch are strangers to each other: the broker refuses a batch for what one entry
+    holds (here properties past RocketMQ's 32767 bytes), and every other send in it failed with that error."""
+    from protocol.errors import MessageIllegalError
+    async with asyncio.timeout(30):
+        async with Producer(broker.namesrv, "PG_alone", batch_size=16, linger_ms=50) as producer:
+            await producer.send("Strangers", b"warm-up")
+            sends = [producer.send("Strangers", f"ok{i}".encode()) for i in range(3)]
+            sends.insert(1, producer.send("Strangers", b"bad", properties={"note": "x" * 40000}))
+            results = await asyncio.gather(*sends, return_exceptions=True)
+        got = await _pull_all(broker.namesrv, "Strangers", 4)
+    assert isinstance(results[1], MessageIllegalError), results[1]
+    assert [r.status for i, r in enumerate(results) if i != 1] == [SendStatus.SEND_OK] * 3
+    assert sorted(m.body for m in got) == [b"ok0", b"ok1", b"ok2", b"warm-up"]
+
+
+async def test_a_batch_the_broker_refuses_as_a_whole_is_sent_again_message_by_message(broker):
+    """With max_batch_bytes above the broker's message size limit (4 MiB), two 3 MiB sends gathered together made
+    a batch the broker refuses (MESSAGE_ILLEGAL), and both failed although each alone is fine."""
+    body = b"y" * (3 << 20)
+    async with asyncio.timeout(60):
+        async with Producer(broker.namesrv, "PG_big", batch_size=4, linger_ms=50, max_batch_bytes=8 << 20,
+                            send_timeout=20) as producer:
+            await producer.send("BigOnes", b"warm-up")
+            results = await asyncio.gather(producer.send("BigOnes", body), producer.send("BigOnes", body))
+        got = await _pull_all(broker.namesrv, "BigOnes", 3)
+    assert [r.status for r in results] == [SendStatus.SEND_OK] * 2
+    assert sorted(len(m.body) for m in got) == [7, 3 << 20, 3 << 20]

@@ -78,3 +78,13 @@ def test_malformed_body_takes_the_general_path():
     body = encode_batch([(0, b"x" * 10, "KEYS\x01k")])
     for bad in (body[:-1], body + b"\x00", body[:21]):
         assert one_pass(bad, {"CLUSTER": "c"}) is None
+
+
+def test_a_batch_entry_with_properties_past_the_limit_is_refused_clearly():
+    """The entry's properties length is a short: past 32767 bytes encode_batch raised struct.error."""
+    import pytest
+
+    from protocol.errors import MessageIllegalError
+    from protocol.message import encode_batch
+    with pytest.raises(MessageIllegalError, match="message 1 of the batch not sent: its properties are 40006 bytes"):
+        encode_batch([(0, b"a", "k\x01v"), (0, b"b", "k\x01" + "x" * 40004)])
