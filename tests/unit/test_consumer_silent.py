@@ -49,6 +49,14 @@ def _push_consumer(**kw) -> PushConsumer:
     return consumer
 
 
+async def _stop(consumer: PushConsumer) -> None:
+    """End the stand-in pull loops and the client (what shutdown would, without committing anything)."""
+    for task in consumer._loops.values():
+        task.cancel()
+    await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
+    await consumer.client.shutdown()
+
+
 def _stand_in_queues(consumer: PushConsumer, routes: dict, ids: list | None = None) -> None:
     """``routes``: topic -> its queues now (changed by the test); pull loops that only wait."""
     async def fetch_queues(topic):
@@ -84,10 +92,7 @@ async def test_a_dropped_queue_whose_offset_cannot_be_committed_does_not_stop_th
         await consumer.rebalance()
         assert set(consumer._loops) == {new}
     finally:
-        for task in consumer._loops.values():
-            task.cancel()
-        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
-        await consumer.client.shutdown()
+        await _stop(consumer)
     assert "could not commit" in caplog.text
 
 
@@ -163,10 +168,7 @@ async def test_a_consumer_list_the_broker_cannot_give_leaves_the_queues_as_they_
         await consumer.rebalance()
         assert set(consumer._loops) == set(queues)
     finally:
-        for task in consumer._loops.values():
-            task.cancel()
-        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
-        await consumer.client.shutdown()
+        await _stop(consumer)
     assert "no consumer list" in caplog.text
 
 
@@ -234,10 +236,7 @@ async def test_a_topic_whose_route_cannot_be_had_does_not_stop_the_others_rebala
         await consumer.rebalance()
         assert set(consumer._loops) == {t0, t1}
     finally:
-        for task in consumer._loops.values():
-            task.cancel()
-        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
-        await consumer.client.shutdown()
+        await _stop(consumer)
     assert "No topic route info" in caplog.text
 
 
@@ -259,10 +258,7 @@ async def test_the_pull_loops_stopped_for_an_offset_reset_start_again_when_stori
             await consumer.reset_offsets("T", {q0: 0, q1: 0})
         assert set(consumer._loops) == {q0, q1}
     finally:
-        for task in consumer._loops.values():
-            task.cancel()
-        await asyncio.gather(*consumer._loops.values(), return_exceptions=True)
-        await consumer.client.shutdown()
+        await _stop(consumer)
 
 
 @bounded(10)
