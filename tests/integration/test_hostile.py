@@ -199,32 +199,38 @@ async def test_send_back_cannot_create_topics_past_the_limits(broker):
     assert len(flood) == codes.count(ResponseCode.SUCCESS)
 
 
-async def test_a_message_sent_with_the_largest_reconsume_count_still_goes_to_the_dlq(broker):
-    """A producer may set reconsumeTimes on any message; at 2**31-1 the send-back's +1 no longer fit the record's
-    32-bit field: a consumer group failing that message got SYSTEM_ERROR instead of a dead letter (RocketMQ
-    stores it), and a stock client's fallback re-sent it with the count wrapped negative, retrying it at once
-    for good."""
+async def _sent_back(broker, topic: str, group: str, reconsume_times: int, max_topic: str) -> str:
+    """Send one message of ``topic`` with ``reconsume_times`` (a raw V1 send), hand it back as failed by ``group``
+    and answer the max offset of ``max_topic`` then."""
     from protocol.connection import open_connection
     from protocol.message import decode_offset_msg_id
 
     conn = await open_connection(*_hostport(broker.broker))
     try:
-        async with Producer(broker.namesrv, "PG_poison", retries=0) as producer:      # the topic, made the usual way
-            await asyncio.wait_for(producer.send("Poison", b"first"), 10)
+        async with Producer(broker.namesrv, f"PG_{topic}", retries=0) as producer:      # the topic, the usual way
+            await asyncio.wait_for(producer.send(topic, b"first"), 10)
         sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
-            "producerGroup": "PG_poison", "topic": "Poison", "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
+            "producerGroup": f"PG_{topic}", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
             "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0, "properties": "",
-            "reconsumeTimes": 2**31 - 1}, b"poison"), 5)
+            "reconsumeTimes": reconsume_times}, topic.encode()), 5)
         assert sent.code == ResponseCode.SUCCESS, sent.remark
         offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
         back = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
-            "offset": offset, "group": "CG_victim", "delayLevel": 0, "originMsgId": "x"}), 5)
+            "offset": offset, "group": group, "delayLevel": 0, "originMsgId": "x"}), 5)
         assert back.code == ResponseCode.SUCCESS, back.remark
-        dlq_max = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET,
-                                                             {"topic": "%DLQ%CG_victim", "queueId": 0}), 5)
-        assert dlq_max.ext_fields["offset"] == "1"
+        got = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": max_topic,
+                                                                                       "queueId": 0}), 5)
+        return got.ext_fields["offset"]
     finally:
         conn.close()
+
+
+async def test_a_message_sent_with_the_largest_reconsume_count_still_goes_to_the_dlq(broker):
+    """A producer may set reconsumeTimes on any message; at 2**31-1 the send-back's +1 no longer fit the record's
+    32-bit field: a consumer group failing that message got SYSTEM_ERROR instead of a dead letter (RocketMQ
+    stores it), and a stock client's fallback re-sent it with the count wrapped negative, retrying it at once
+    for good."""
+    assert await _sent_back(broker, "Poison", "CG_victim", 2**31 - 1, "%DLQ%CG_victim") == "1"
 
 
 async def test_a_heartbeat_cannot_put_unwritable_retry_topics_in_the_catalogue(broker):
@@ -257,27 +263,8 @@ async def test_a_message_sent_with_a_negative_reconsume_count_is_retried_with_ba
     """With reconsumeTimes -5 from its producer, a failed message's backoff level 3 + reconsumeTimes was -2: no
     delay at all, so each failure stored a copy in %RETRY% for immediate redelivery -- a consumer group failing
     it looped as fast as it could, a new record each turn, billions of times before the count reached the DLQ."""
-    from protocol.connection import open_connection
-    from protocol.message import decode_offset_msg_id
-
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
-        async with Producer(broker.namesrv, "PG_negative", retries=0) as producer:
-            await asyncio.wait_for(producer.send("Negative", b"first"), 10)
-        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
-            "producerGroup": "PG_negative", "topic": "Negative", "defaultTopic": "TBW102",
-            "defaultTopicQueueNums": 4, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0,
-            "properties": "", "reconsumeTimes": -5}, b"negative"), 5)
-        assert sent.code == ResponseCode.SUCCESS, sent.remark
-        offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
-        back = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
-            "offset": offset, "group": "CG_negative", "delayLevel": 0, "originMsgId": "x"}), 5)
-        assert back.code == ResponseCode.SUCCESS, back.remark
-        retry_max = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET,
-                                                               {"topic": "%RETRY%CG_negative", "queueId": 0}), 5)
-        assert retry_max.ext_fields["offset"] == "0"        # waiting in the schedule, not redelivered at once
-    finally:
-        conn.close()
+    # waiting in the schedule, not redelivered at once
+    assert await _sent_back(broker, "Negative", "CG_negative", -5, "%RETRY%CG_negative") == "0"
 
 
 async def test_parked_pulls_past_max_in_flight_do_not_stall_the_connection(broker):
