@@ -240,22 +240,26 @@ async def test_a_full_disk_holds_deliveries_back_and_loses_none(tmp_path):
     await svc.ctx.store.close()
 
 
-@bounded()
-async def test_an_undeliverable_message_is_passed_over_with_progress_kept(tmp_path):
-    clock = Clock(100_000)
-    svc = await _service(tmp_path, clock)
+async def _put_undeliverable(svc) -> None:
+    """A level-1 message whose destination is a system topic nothing may be delivered to."""
     props = {"DELAY": "1", "REAL_TOPIC": "RMQ_SYS_TRANS_HALF_TOPIC", "REAL_QID": "0"}
     record = encode_record(topic=SCHEDULE_TOPIC.encode(), body=b"x", queue_id=0, flag=0, sys_flag=0,
                            born_timestamp=0, born_host=HOST, store_host=HOST,
                            properties=properties_to_string(props).encode())
     assert (await svc.ctx.store.put(PutRequest(record, SCHEDULE_TOPIC, 0, 0, 0, 1000))).ok
+
+
+@bounded()
+async def test_an_undeliverable_message_is_passed_over_with_progress_kept(tmp_path):
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _put_undeliverable(svc)
     await _schedule(svc, "T", b"fine", {"DELAY": "1"}, clock.now)
     assert await svc.run_due(101_000) == 2
     assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"fine"]
     assert svc.ctx.store.max_offset("RMQ_SYS_TRANS_HALF_TOPIC", 0) == 0
     assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "no_destination"}) == 1
     await svc.ctx.store.close()
-
 
 
 @bounded()
@@ -265,11 +269,7 @@ async def test_a_message_passed_over_is_counted_once_while_the_disk_refuses_its_
     counted (and logged as dropped) once a second for as long as the disk stayed full."""
     clock = Clock(100_000)
     svc = await _service(tmp_path, clock)
-    props = {"DELAY": "1", "REAL_TOPIC": "RMQ_SYS_TRANS_HALF_TOPIC", "REAL_QID": "0"}
-    record = encode_record(topic=SCHEDULE_TOPIC.encode(), body=b"x", queue_id=0, flag=0, sys_flag=0,
-                           born_timestamp=0, born_host=HOST, store_host=HOST,
-                           properties=properties_to_string(props).encode())
-    assert (await svc.ctx.store.put(PutRequest(record, SCHEDULE_TOPIC, 0, 0, 0, 1000))).ok
+    await _put_undeliverable(svc)
     await _schedule(svc, "T", b"fine", {"DELAY": "1"}, clock.now)
     disk = svc.ctx.store.disk
     disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
@@ -283,6 +283,7 @@ async def test_a_message_passed_over_is_counted_once_while_the_disk_refuses_its_
     assert await svc.run_due(104_000) == 2
     assert dropped() == 1
     await svc.ctx.store.close()
+
 
 @bounded()
 async def test_a_damaged_record_is_passed_over_loudly_and_delivery_goes_on(tmp_path, caplog):
