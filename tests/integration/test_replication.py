@@ -183,25 +183,33 @@ async def test_sync_master_answers_flush_slave_timeout_when_the_slave_stalls(bro
     assert b"unconfirmed" in await _pull_all(slave.namesrv, mq, res.queue_offset + 1)
 
 
+def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str):
+    """A stand-alone name server, a SYNC_MASTER and its SLAVE registered under broker name ``name``; each
+    process goes on ``started`` as it starts (the caller kills them)."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+
+    ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000", "--scan-interval-ms", "200").start()
+    started.append(ns)
+    master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SYNC_MASTER",
+                           "--ha-port", "0", "--ha-heartbeat-interval-ms", "500").start()
+    started.append(master)
+    slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SLAVE",
+                          "--broker-id", "1", "--ha-master-addr", master.ha, "--ha-heartbeat-interval-ms", "500",
+                          *slave_flags).start()
+    started.append(slave)
+    return ns, master, slave
+
+
 async def test_through_a_name_server_consumers_fail_over_to_the_slave(tmp_path):
     """Master and slave register with one stand-alone name server under one broker name (ids 0 and 1);
     a stock-style consumer finds the master in the routes, and when it dies (kill -9 after the N-th
     acknowledged send) the routes keep the slave, from which the consumer reads all N."""
-    from tests.support.broker_process import BrokerProcess
-    from tests.support.cluster_process import NamesrvProcess, cluster_flags, route
+    from tests.support.cluster_process import route
 
     started = []
     try:
-        ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000",
-                            "--scan-interval-ms", "200").start()
-        started.append(ns)
-        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-r", 1000), "--broker-role",
-                               "SYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500").start()
-        started.append(master)
-        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-r", 1000), "--broker-role",
-                              "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
-                              "--ha-heartbeat-interval-ms", "500").start()
-        started.append(slave)
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-r", started)
         n = 100
         async with asyncio.timeout(60):
             async with Producer(ns.addr, "PG_ns_replica") as producer:
@@ -227,21 +235,11 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
     """The log carries messages, not consumer offsets: a slave answered a failed-over consumer's offset query
     from its own empty table (0 here: every message again; past retention, the end: the rest never
     delivered). It copies its master's offsets (GET_ALL_CONSUMER_OFFSET), as RocketMQ's slave does."""
-    from tests.support.broker_process import BrokerProcess
-    from tests.support.cluster_process import NamesrvProcess, cluster_flags, route
+    from tests.support.cluster_process import route
 
     started = []
     try:
-        ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000",
-                            "--scan-interval-ms", "200").start()
-        started.append(ns)
-        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-o", 1000), "--broker-role",
-                               "SYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500").start()
-        started.append(master)
-        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-o", 1000), "--broker-role",
-                              "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
-                              "--ha-heartbeat-interval-ms", "500", "--slave-sync-interval-ms", "200").start()
-        started.append(slave)
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-o", started, "--slave-sync-interval-ms", "200")
         async with asyncio.timeout(60):
             async with Producer(ns.addr, "PG_offsets") as producer:
                 mq = await _until_replicating(producer)
