@@ -114,8 +114,8 @@ class NameServers:
         self._first = 0
 
     def __iter__(self):
-        n = len(self.addrs)
-        return (self.addrs[(self._first + i) % n] for i in range(n))
+        first = self._first     # once: another lookup's answered() must not move this walk past a server
+        return iter(self.addrs[first:] + self.addrs[:first])
 
     def __len__(self) -> int:
         return len(self.addrs)

@@ -245,3 +245,14 @@ async def test_send_timeout_bounds_the_whole_send_retries_included(cluster):
             with pytest.raises(RequestTimeoutError, match=r"timed out after 0.3 s and 1 attempt"):
                 await producer.send("T", b"x")
     assert cluster.sends == 1
+
+
+def test_a_walk_over_the_name_servers_asks_each_once_whatever_another_lookup_learns():
+    """Concurrent route lookups: one learning that B answered moved another's walk along, which then skipped B."""
+    from protocol.route import NameServers
+    servers = NameServers(["A:1", "B:1", "C:1"])
+    walk = iter(servers)
+    assert next(walk) == "A:1"
+    servers.answered("B:1")
+    assert list(walk) == ["B:1", "C:1"]
+    assert list(servers) == ["B:1", "C:1", "A:1"]
