@@ -247,7 +247,7 @@ async def test_send_timeout_bounds_the_whole_send_retries_included(cluster):
     assert cluster.sends == 1
 
 
-def test_a_walk_over_the_name_servers_asks_each_once_whatever_another_lookup_learns():
+async def test_a_walk_over_the_name_servers_asks_each_once_whatever_another_lookup_learns():
     """Concurrent route lookups: one learning that B answered moved another's walk along, which then skipped B."""
     from protocol.route import NameServers
     servers = NameServers(["A:1", "B:1", "C:1"])
