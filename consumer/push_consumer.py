@@ -371,15 +371,17 @@ class PushConsumer:
                 await asyncio.sleep(self.pull_retry_delay_s)
 
     async def _listen(self, msg: MessageExt) -> ConsumeStatus:
+        deadline = None
         try:
             status = self.listener(msg)
             if inspect.isawaitable(status):
-                status = await asyncio.wait_for(status, self.consume_timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("listener still running on %s after %g s (consume_timeout_s): cancelled, RECONSUME_LATER",
-                        msg.msg_id, self.consume_timeout_s)
-            return ConsumeStatus.RECONSUME_LATER
+                async with asyncio.timeout(self.consume_timeout_s) as deadline:     # a timer, not a Task, a message
+                    status = await status
         except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
+            if deadline is not None and deadline.expired():     # not the listener's own TimeoutError
+                log.warning("listener still running on %s after %g s (consume_timeout_s): cancelled, "
+                            "RECONSUME_LATER", msg.msg_id, self.consume_timeout_s)
+                return ConsumeStatus.RECONSUME_LATER
             log.warning("listener failed on %s: %s", msg.msg_id, exc)
             return ConsumeStatus.RECONSUME_LATER
         if status is ConsumeStatus.CONSUME_SUCCESS:

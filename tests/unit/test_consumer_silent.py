@@ -295,3 +295,19 @@ async def test_a_listener_that_never_returns_is_timed_out_and_its_message_retrie
         await consumer.client.shutdown()
     assert cancelled.is_set()
     assert "still running" in caplog.text and "consume_timeout_s" in caplog.text
+
+
+@bounded(10)
+async def test_a_listener_raising_its_own_timeout_is_not_reported_as_running_too_long(caplog):
+    """A listener's own TimeoutError (a request it made timed out) is a failure like any other, not the consume
+    timeout: it was logged as "still running after 900 s"."""
+    consumer = _push_consumer()
+
+    async def times_out(msg):
+        raise TimeoutError("the database did not answer")
+    consumer.listener = times_out
+    try:
+        assert await consumer._listen(decode_record(_record(b"x"))[0]) is ConsumeStatus.RECONSUME_LATER
+    finally:
+        await consumer.client.shutdown()
+    assert "listener failed" in caplog.text and "still running" not in caplog.text
