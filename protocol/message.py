@@ -494,11 +494,15 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> tuple[Messag
     return msg, total
 
 
+def _sys_flag_and_host_extra(buf) -> tuple[int, int]:
+    """The record's SYSFLAG, and how far its fields after the hosts move: 12 bytes for each IPv6 host."""
+    (sys_flag,) = _I32.unpack_from(buf, POS_SYSFLAG)
+    return sys_flag, (12 if sys_flag & SysFlag.BORNHOST_V6 else 0) + (12 if sys_flag & SysFlag.STOREHOST_V6 else 0)
+
+
 def record_body_length(buf) -> int:
     """BODYLENGTH of the whole record in ``buf`` (at most a few header bytes read, the body not copied)."""
-    (sys_flag,) = _I32.unpack_from(buf, POS_SYSFLAG)
-    extra = (12 if sys_flag & SysFlag.BORNHOST_V6 else 0) + (12 if sys_flag & SysFlag.STOREHOST_V6 else 0)
-    return _I32.unpack_from(buf, 84 + extra)[0]
+    return _I32.unpack_from(buf, 84 + _sys_flag_and_host_extra(buf)[1])[0]
 
 
 def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, prepared_offset: int) -> bytearray:
@@ -513,8 +517,7 @@ def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, p
     total, magic = peek_record(buf, 0)
     if magic != MESSAGE_MAGIC or total != n or n < 91:
         raise RecordError(f"not one whole record: {n} bytes, TOTALSIZE {total}")
-    (old_sys,) = _I32.unpack_from(buf, POS_SYSFLAG)
-    extra = (12 if old_sys & SysFlag.BORNHOST_V6 else 0) + (12 if old_sys & SysFlag.STOREHOST_V6 else 0)
+    old_sys, extra = _sys_flag_and_host_extra(buf)
     body_len_pos = 84 + extra
     (body_len,) = _I32.unpack_from(buf, body_len_pos)
     body_end = body_len_pos + 4 + body_len
