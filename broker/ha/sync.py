@@ -24,13 +24,14 @@ log = logging.getLogger("txmq.ha")
 
 
 class SlaveSync:
-    def __init__(self, offsets, interval_s: float, *, timeout_s: float = 3.0, sign=None):
+    def __init__(self, offsets, interval_s: float, *, timeout_s: float = 3.0):
         self.offsets = offsets
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.master_addr: str | None = None     # the master's broker address, from the name server
         self.synced = 0                         # copies taken (metrics, tests)
-        self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s), sign=sign)
+        # unsigned, as RocketMQ's slave asks: a master with an ACL must whitelist the slave's address
+        self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s))
         self._failing: str | None = None
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:

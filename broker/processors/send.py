@@ -102,7 +102,9 @@ def handle_send(ctx, conn, cmd):
             else ctx.config.max_reconsume_times
         if reconsume >= limit:
             topic = DLQ_PREFIX + topic[len(RETRY_PREFIX):]
-            ctx.topics.ensure(topic)
+            refused = _ensure_back_topic(ctx, conn, cmd, topic)     # made as send-back makes it
+            if refused is not None:
+                return refused
             qid = 0
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
