@@ -87,6 +87,13 @@ def _state(value) -> LocalTransactionState:
     return LocalTransactionState.UNKNOW
 
 
+async def _pause_before_retry(delay: float, attempt: int, retries: int) -> float:
+    """Wait ``delay`` before another END attempt (none after the last); the next delay, doubled up to 1 s."""
+    if attempt < retries:
+        await asyncio.sleep(delay)
+    return min(delay * 2, 1.0)
+
+
 class TransactionProducer(Producer):
     """A producer of transactional messages: half message, ``listener``'s local transaction, decision.
 
@@ -162,8 +169,7 @@ class TransactionProducer(Producer):
             except (RequestTimeoutError, ConnectionClosedError):
                 # connecting failed or timed out: no END reached the broker, so this says nothing about
                 # whether it acknowledges one
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                delay = await _pause_before_retry(delay, attempt, self.end_retries)
                 continue
             try:
                 # the connection's future, awaited here (as Producer._send_text does): no coroutine per layer
@@ -176,12 +182,10 @@ class TransactionProducer(Producer):
                         self.end_acknowledged = False
                         self._oneway_since = self._clock()
                     return await self._end_oneway(addr, fields, remark, msg_id)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                delay = await _pause_before_retry(delay, attempt, self.end_retries)
                 continue
             except ConnectionClosedError:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                delay = await _pause_before_retry(delay, attempt, self.end_retries)
                 continue
             if resp.code == ResponseCode.SUCCESS:
                 self.end_acknowledged = True
@@ -194,8 +198,7 @@ class TransactionProducer(Producer):
             if resp.code not in _REFUSED_FOR_NOW:
                 raise error
             log.info("END_TRANSACTION for %s refused for now: %s", msg_id, error)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = await _pause_before_retry(delay, attempt, self.end_retries)
         log.warning("END_TRANSACTION for %s not acknowledged after %d attempts; the broker will check back",
                     msg_id, self.end_retries + 1)
         return False

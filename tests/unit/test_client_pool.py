@@ -59,6 +59,7 @@ async def test_a_closed_pool_opens_no_connection_again():
         await pool.get(addr)
         under_way = loop.create_task(pool.get(addr.replace("127.0.0.1", "localhost")))
         await asyncio.sleep(0)
+        assert pool._connecting, "the second connect is under way when the pool closes"
         await pool.close()
         with pytest.raises(ConnectionClosedError):
             await pool.get(addr)
