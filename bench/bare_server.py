@@ -74,7 +74,9 @@ class Store:
             for lo, hi in ranges:
                 start = lo - lo % PAGE
                 if _libc.msync(self.addr + start, hi - start, _MS_SYNC) != 0:
-                    raise OSError(ctypes.get_errno(), "msync failed")
+                    # nothing more would be answered: say why and end, rather than leave the bench waiting
+                    print(f"bare_server: msync failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr, flush=True)
+                    os._exit(1)
             self.loop.call_soon_threadsafe(self._flushed, done)
 
     def _flushed(self, done: list) -> None:
