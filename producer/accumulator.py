@@ -9,7 +9,7 @@ A batch leaves when it holds ``batch_size`` messages or ``max_batch_bytes`` of b
 ``linger_ms`` after its first message arrived, whichever comes first. A failed batch fails
 every send in it with the same error (the broker stores a batch all or none), except a batch
 the broker refuses as MESSAGE_ILLEGAL for what one entry holds: each of its sends goes again
-alone, so only the one at fault fails.
+alone, so only the one at fault fails (properties too long for any record are refused at once).
 """
 from __future__ import annotations
 
@@ -53,12 +53,11 @@ class Accumulator:
         """Queue one message (``props``: its properties string, without WAIT; ``uniq``: its UNIQ_KEY);
         the future resolves to its own SendResult."""
         loop = asyncio.get_running_loop()
-        if len(props) > _PROPS_CHECK and len(props.encode()) > MAX_PROPERTIES_LENGTH:
-            # more than a batch entry can carry: it goes alone, and the broker answers it as it would unbatched
+        if len(props) > _PROPS_CHECK and (n := len(props.encode())) > MAX_PROPERTIES_LENGTH:
+            # what a broker answers such a message sent alone (the record's length field is a short), said here:
+            # in a batch it would fail the sends gathered with it
             fut = loop.create_future()
-            task = loop.create_task(self._send_alone(topic, (0, body, props), uniq, fut))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+            fut.set_exception(MessageIllegalError(f"properties of {n} bytes are longer than {MAX_PROPERTIES_LENGTH}"))
             return fut
         batch = self._pending.get(topic)
         if batch is not None and batch.nbytes + len(body) > self._max_bytes:
