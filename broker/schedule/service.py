@@ -61,6 +61,7 @@ class ScheduleService:
         m = ctx.metrics
         self._late = m.schedule_delivered_late
         self._delivered = m.schedule_delivered
+        self._dropped_total = m.schedule_dropped        # txmq_schedule_dropped_total{reason}
 
     # ----------------------------------------------------------- start / stop
     @property
@@ -338,10 +339,8 @@ class ScheduleService:
         self.progress.apply(levels, timer_offsets)
         self.progress.progress_offset = last.queue_offset + 1
         self._progress_end = last.physical_offset + last.size
-        counter = getattr(self.ctx.metrics, "schedule_dropped", None)
-        if counter is not None:             # txmq_schedule_dropped_total{reason}
-            for reason in self._drops:
-                counter.labels(reason).inc()
+        for reason in self._drops:
+            self._dropped_total.labels(reason).inc()
         for (req, due, label), result in zip(batch, results):
             self.delivered += 1
             self._delivered.labels(label).inc()
