@@ -391,7 +391,7 @@ class BrokerServer:
                 observe(cmd.code, result.code if result is not None else 0, perf() - start)
                 return result
             task = result if isinstance(result, asyncio.Future) else create_task(result)
-            task.add_done_callback(lambda t, code=cmd.code: observe(code, _outcome(t), perf() - start))
+            task.add_done_callback(lambda t, code=cmd.code: t.cancelled() or observe(code, _outcome(t), perf() - start))
             return task
 
         return handle
@@ -464,9 +464,8 @@ def _error_code(exc: BaseException) -> int:
 
 
 def _outcome(task: asyncio.Future) -> int:
-    """The code a handler's task was answered with: its reply's, 0 for none (a oneway request), its error's."""
-    if task.cancelled():
-        return ResponseCode.SYSTEM_ERROR
+    """The code a handler's task was answered with: its reply's, 0 for none (a oneway request), its error's.
+    (A cancelled one -- its connection closed, a parked pull released -- was answered nothing: not counted.)"""
     exc = task.exception()
     if exc is not None:
         return _error_code(exc)

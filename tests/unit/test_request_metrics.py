@@ -66,3 +66,21 @@ async def test_requests_are_counted_with_the_code_they_were_answered_with(tmp_pa
     assert {name: r["count"] for name, r in snapshot.items()} == {
         request_name(c): 1 for c in (R.GET_CONSUME_STATS, R.SEND_MESSAGE, R.PULL_MESSAGE, R.QUERY_MESSAGE,
                                      R.END_TRANSACTION)}
+
+
+@bounded(10)
+async def test_a_request_cancelled_with_its_connection_is_not_counted_as_an_error(tmp_path):
+    """A long-polled pull is cancelled when its client hangs up: nothing is answered, and every consumer
+    disconnecting with pulls parked was counted as a SYSTEM_ERROR response (found in review)."""
+    import asyncio
+
+    async def parked(ctx, conn, cmd):
+        await asyncio.Event().wait()
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    server.ctx = types.SimpleNamespace(acl=None)
+    task = server._handler({RequestCode.PULL_MESSAGE: parked})(None, RemotingCommand.request(RequestCode.PULL_MESSAGE))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert server.metrics.registry.get_sample_value("rocketmq_rpc_latency_count", {
+        "request_code": request_name(RequestCode.PULL_MESSAGE), "response_code": str(ResponseCode.SYSTEM_ERROR)}) is None
