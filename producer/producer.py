@@ -137,6 +137,10 @@ def _client_ip() -> str:
         return "127.0.0.1"
 
 
+# A send attempt needs at least this long; the loop's timers fire to the millisecond.
+_MIN_ATTEMPT_S = 0.005
+
+
 class Producer:
     """Sends messages to the brokers that serve a topic (RocketMQ's DefaultMQProducer).
 
@@ -346,7 +350,7 @@ class Producer:
         for attempt in range(self.retries + 1):
             if attempt:     # send_timeout bounds the whole send, retries included (as the Java client's)
                 timeout = self.send_timeout - (time.monotonic() - started)
-                if timeout <= 0:
+                if timeout < _MIN_ATTEMPT_S:    # (a timer may fire a little early: less is no attempt)
                     raise RequestTimeoutError(f"send to {topic} timed out after {self.send_timeout:g} s and "
                                               f"{attempt} attempt(s); the last failed with: {last_error}") from last_error
             if queue is not None:
