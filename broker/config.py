@@ -43,6 +43,7 @@ class BrokerConfig:
     max_connections: int = setting(10000, "Connections accepted at once per listener; more are closed on accept.")
     max_in_flight: int = setting(256, "Requests one connection may have in progress; past it the broker stops reading that connection. Pulls parked by long polling do not count, up to four times this many.")
     max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
+    max_total_write_buffer: int = setting(256 * 1024 * 1024, "Unread response bytes all connections may hold together. Past it, the connections holding the most (those that stopped reading first) are closed, largest first, until the total is back under it, each logged and counted in txmq_unread_closes_total{reason=\"max_total_write_buffer\"}: without it, a hundred clients that send but never read could hold max_write_buffer each, and the broker would be killed for its memory.")
     max_topics: int = setting(2048, "Topics the broker holds at most (system topics included); past it a new topic is refused with NO_PERMISSION naming this limit. Each topic costs memory, files and a catalogue entry; raise it for a larger catalogue.")
     max_auto_create_topics_per_s: float = setting(10.0, "Topics one client (remote address) may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
     max_writer_queued_bytes: int = setting(64 * 1024 * 1024, "Send bytes waiting for the store writer; past it sends get SYSTEM_BUSY with RocketMQ's [TIMEOUT_CLEAN_QUEUE] remark, so stock clients back off instead of growing the queue.")
@@ -113,7 +114,8 @@ class BrokerConfig:
             raise ConfigError(f"metrics_port={self.metrics_port} is not a port number (-1 disables metrics)")
         for name in ("segment_size", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max",
-                     "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes",
+                     "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
+                     "max_total_write_buffer",
                      "max_undecided_per_group", "max_retry_groups"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")

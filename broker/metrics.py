@@ -130,6 +130,10 @@ class BrokerMetrics:
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
                                "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit).",
                                ["reason"], registry=r)
+        self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
+                                     "limit (max_write_buffer: this one's; max_total_write_buffer: all "
+                                     "connections' together, the largest holders closed first).", ["reason"],
+                                     registry=r)
         self.loop_lag = Gauge("txmq_event_loop_lag_seconds", "Worst event-loop lag seen over the last second.",
                               registry=r)
         self.loop_lag_worst = Gauge("txmq_event_loop_lag_max_seconds", "Worst event-loop lag since start.",

@@ -21,7 +21,7 @@ import time
 
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
-from protocol.connection import DEFERRED, RemotingConnection
+from protocol.connection import DEFERRED, RemotingConnection, WriteBudget
 from protocol.errors import ProtocolError
 from protocol.message import validate_topic
 
@@ -55,6 +55,9 @@ class BrokerServer:
         self.clock = clock
         self.metrics = BrokerMetrics()
         self.connections: dict[str, set] = {"broker": set(), "namesrv": set()}
+        # unread responses of every connection of both listeners, together (max_total_write_buffer)
+        self.write_budget = WriteBudget(config.max_total_write_buffer,
+                                        on_close=lambda reason: self.metrics.unread_closes.labels(reason).inc())
         self._servers: list = []
         self._tasks: list[asyncio.Task] = []
         self._metrics_httpd = None
@@ -236,6 +239,9 @@ class BrokerServer:
                               ["producer_group"], snap("oldest_half"))
         m.describe_broker(self.config)
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
+        m.add_gauge_collector("txmq_unsent_response_bytes", "Response bytes all connections hold that their "
+                              "peers have not read yet (as of each connection's last write; limit: "
+                              "max_total_write_buffer).", [], snap("unsent"))
         m.add_gauge_collector("txmq_topics", "Topics the broker holds.", [], snap("topics"))
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
                               "(\"timer\" for timer messages).", ["level"], snap("schedule"))
@@ -287,6 +293,7 @@ class BrokerServer:
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
             "parked": [((), ctx.holds.parked)],
+            "unsent": [((), self.write_budget.total)],
             "topics": [((), len(ctx.topics.topics))],
             # (none on a slave: its delivery progress and undecided index are the ones it had at start-up,
             # never following its master's, so what they count as waiting, and for how long, only grows)
@@ -358,7 +365,7 @@ class BrokerServer:
 
         return RemotingConnection(self._handler(table, guarded=listener == "broker"), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
-                                  on_open=opened, on_close=closed)
+                                  on_open=opened, on_close=closed, budget=self.write_budget)
 
     def _handler(self, table: dict, guarded: bool = False):
         ctx = self.ctx

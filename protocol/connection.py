@@ -12,6 +12,9 @@ listener), and applies the limits a server facing unknown clients needs:
 * back-pressure: while the peer is not reading our responses (the transport's
   write buffer is over its high-water mark) we stop reading its requests, and
   a peer whose unread backlog passes ``max_write_buffer`` is disconnected;
+* a shared ``WriteBudget`` caps what all of a server's connections hold unsent together: past
+  it, the connections holding the most are closed, largest first (one peer that does not read
+  may hold ``max_write_buffer``; a hundred of them must not hold a hundred times that);
 * a malformed frame is answered with an error where its opaque can be found,
   then the connection closes (the stream cannot be re-synchronised);
 * fairness: one read handles at most ``FRAMES_PER_TURN`` frames; the rest wait for the next
@@ -72,8 +75,9 @@ class RemotingConnection(asyncio.Protocol):
                  on_open: Callable[["RemotingConnection"], bool] | None = None,
                  on_close: Callable[["RemotingConnection"], None] | None = None,
                  sign: Callable[[RemotingCommand], None] | None = None, frames_per_turn: int = FRAMES_PER_TURN,
-                 client: bool = False):
+                 client: bool = False, budget: "WriteBudget | None" = None):
         self.handler = handler
+        self.budget = budget                # shared with the server's other connections (WriteBudget)
         # A client's connection reads on while its writes are backed up: what it reads are mostly answers, and
         # its server stops reading requests while answers wait unread, so pausing would stall both for good.
         self.client = client
@@ -102,6 +106,7 @@ class RemotingConnection(asyncio.Protocol):
         self._flush_scheduled = False
         self._reading_paused_for: set[str] = set()
         self._writing_paused = False
+        self._turn_waiting = False          # a backlog waits for the peer to read (see _next_turn)
         self._drain_waiters: list[asyncio.Future] = []
         self._loop = asyncio.get_event_loop()
 
@@ -138,6 +143,8 @@ class RemotingConnection(asyncio.Protocol):
                 waiter.set_exception(error)
         self._drain_waiters.clear()
         self._out.clear()
+        if self.budget is not None:
+            self.budget.report(self, 0)
         self.closed.set()
         if self.on_close is not None:
             self.on_close(self)
@@ -205,6 +212,12 @@ class RemotingConnection(asyncio.Protocol):
             self.close()
 
     def _next_turn(self) -> None:
+        if self._writing_paused and not self.client:
+            # Its peer is not reading: the frames already read wait too, until it does (resume_writing). Handled
+            # meanwhile, one read's worth of small requests asking for large answers (thousands of them in 256 KiB)
+            # grew the unread responses far past the point where reading stopped.
+            self._turn_waiting = True
+            return
         frames, self._backlog = self._backlog, []
         if self.transport is None or self.transport.is_closing():
             return
@@ -354,20 +367,44 @@ class RemotingConnection(asyncio.Protocol):
             return
         out, self._out = self._out, []
         self.transport.writelines(out)
-        if self._writing_paused and self.transport.get_write_buffer_size() > self.max_write_buffer:
-            log.warning("closing %s:%s: %d bytes of responses unread", self.peer[0], self.peer[1],
-                        self.transport.get_write_buffer_size())
+        unsent = self.unsent_bytes
+        if self._writing_paused and unsent > self.max_write_buffer:
+            log.warning("closing %s:%s: %d bytes of responses unread (max_write_buffer=%d)", self.peer[0],
+                        self.peer[1], unsent, self.max_write_buffer)
+            if self.budget is not None:
+                self.budget.closed_for("max_write_buffer")
             self.transport.abort()
+            unsent = 0
+        if self.budget is not None:
+            self.budget.report(self, unsent)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Reply bytes queued here that the peer has not taken yet (0 once closed)."""
+        t = self.transport
+        return 0 if t is None or t.is_closing() else t.get_write_buffer_size()
+
+    @property
+    def writing_paused(self) -> bool:
+        """The peer left more than the high-water mark unread, and has not caught up since."""
+        return self._writing_paused
 
     def pause_writing(self) -> None:
         # The peer is not reading; stop taking its requests until it does (a server's side only).
         self._writing_paused = True
         if not self.client:
             self.pause_reading("write-buffer")
+        if self.budget is not None:
+            self.budget.report(self, self.unsent_bytes)
 
     def resume_writing(self) -> None:
         self._writing_paused = False
         self.resume_reading("write-buffer")
+        if self._turn_waiting:
+            self._turn_waiting = False
+            self._loop.call_soon(self._next_turn)
+        if self.budget is not None:
+            self.budget.report(self, self.unsent_bytes)
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -437,6 +474,65 @@ class RemotingConnection(asyncio.Protocol):
         if self.sign is not None:
             self.sign(cmd)
         self.send(cmd)
+
+
+class WriteBudget:
+    """What all of a server's connections hold unsent, together, against ``cap`` bytes.
+
+    Each connection reports its transport's unsent bytes when it writes, when writing pauses or resumes and
+    when it closes. A buffer that drains tells nobody until then, so the running total may be high; when it
+    passes the cap the sizes are read afresh, and only if they are still over it are connections closed:
+    those whose peer stopped reading (writing paused) before the others, the largest first, until the total is
+    back under the cap. A peer that reads its replies holds little for long, so it is the last to go, and one
+    that never reads cannot make the server's memory grow past the cap (a connection may hold up to
+    ``max_write_buffer`` alone; a hundred of them held a hundred times that, until the process was killed).
+    ``on_close(reason)`` counts each connection closed for its unread replies (``closed_for``).
+    """
+
+    def __init__(self, cap: int, on_close: Callable[[str], None] | None = None):
+        self.cap = cap
+        self.total = 0
+        self.on_close = on_close
+        self._held: dict[RemotingConnection, int] = {}
+
+    def report(self, conn: RemotingConnection, unsent: int) -> None:
+        before = self._held.get(conn, 0)
+        if unsent == before:
+            return
+        if unsent:
+            self._held[conn] = unsent
+        else:
+            del self._held[conn]
+        self.total += unsent - before
+        if self.total > self.cap:
+            self._shed()
+
+    def closed_for(self, reason: str) -> None:
+        if self.on_close is not None:
+            self.on_close(reason)
+
+    def _shed(self) -> None:
+        held = self._held
+        for conn in list(held):             # what each holds now: some drained since they last wrote
+            unsent = conn.unsent_bytes
+            if unsent:
+                held[conn] = unsent
+            else:
+                del held[conn]
+        self.total = sum(held.values())
+        if self.total <= self.cap:
+            return
+        order = sorted(held.items(), key=lambda kv: (kv[0].writing_paused, kv[1]), reverse=True)
+        for conn, unsent in order:
+            if self.total <= self.cap:
+                break
+            log.warning("closing %s:%s: %d bytes of responses unread, the most of any connection, while all "
+                        "connections hold %d, over the broker's limit (max_total_write_buffer=%d)",
+                        conn.peer[0], conn.peer[1], unsent, self.total, self.cap)
+            del held[conn]
+            self.total -= unsent
+            self.closed_for("max_total_write_buffer")
+            conn.abort()
 
 
 def _expire(fut: asyncio.Future, code: int, peer: tuple, timeout: float) -> None:

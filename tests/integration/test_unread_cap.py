@@ -1,0 +1,137 @@
+"""Clients that send but never read: the broker's memory for their unread responses is capped as a whole.
+
+Each connection may hold up to max_write_buffer (64 MiB) of responses its peer has not read; without a cap
+on the total, a hundred such clients held 6.4 GiB and the broker was killed for its memory, down for
+everyone. Here several never-reading sockets each pipeline thousands of GET_ALL_TOPIC_CONFIG (70 bytes
+asking for about 25 KB) against a broker with a small --max-total-write-buffer, while a normal producer
+keeps sending and must get every answer; the broker's peak RSS (VmHWM) must stay within the cap and some
+slack, and the connections closed for it are counted.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer import Producer, SendStatus
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.codes import ResponseCode
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+MiB = 1024 * 1024
+CAP = 16 * MiB
+NEVER_READERS = 8
+REQUESTS_EACH = 4000        # ~280 KB of requests; answered in full, ~100 MB of responses each
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])
+        return out
+
+
+def _metrics(addr: str) -> dict[tuple, float]:
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _flood(host: str, port: int, frame: bytes) -> socket.socket:
+    """A socket that sends REQUESTS_EACH requests and never reads: as much as the kernel takes without waiting
+    (a broker that stopped reading leaves the rest unsent)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # before connect: a small window
+    sock.connect((host, port))
+    sock.setblocking(False)
+    data = memoryview(frame * REQUESTS_EACH)
+    try:
+        while data:
+            data = data[sock.send(data):]
+    except (BlockingIOError, ConnectionError):
+        pass
+    return sock
+
+
+@bounded(120)
+async def test_unread_responses_of_many_clients_are_capped_broker_wide(broker_factory):
+    b = broker_factory("--max-total-write-buffer", str(CAP))
+    host, _, port = b.broker.rpartition(":")
+    port = int(port)
+    conn = await open_connection(host, port)
+    try:        # a catalogue whose listing is ~25 KB: each 70-byte request asks for that much
+        for i in range(100):
+            reply = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+                "topic": f"Catalogue_{i:03d}_" + "x" * 100, "readQueueNums": 4, "writeQueueNums": 4,
+                "perm": 6}), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+        listing = await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5)
+        assert len(listing.body_bytes()) > 20_000
+    finally:
+        conn.close()
+    frame = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG).encode()
+
+    async with Producer(b.namesrv, "PG_reads", retries=0) as producer:
+        async def send(i):
+            result = await asyncio.wait_for(producer.send("Readers", f"m{i}".encode()), 10)
+            assert result.status is SendStatus.SEND_OK
+        for i in range(20):                 # routes known, connection warm
+            await send(i)
+        before = _memory_kib(b.proc.pid)
+        socks = [await asyncio.to_thread(_flood, host, port, frame) for _ in range(NEVER_READERS)]
+        try:
+            # Paced by the broker's progress: each answer takes at least one loop turn, and each turn handles 16
+            # of a connection's requests, so 400 answers later every request read has been handled.
+            for i in range(400):
+                await send(20 + i)
+            after = _memory_kib(b.proc.pid)
+            seen = await asyncio.to_thread(_metrics, b.metrics)
+        finally:
+            for s in socks:
+                s.close()
+    grew_mib = (after["VmHWM"] - before["VmRSS"]) / 1024
+    assert grew_mib < CAP / MiB + 48, f"broker RSS peaked {grew_mib:.0f} MiB above where it was ({before}, {after})"
+    assert seen[("txmq_unsent_response_bytes", ())] <= CAP
+    closed = seen.get(("txmq_unread_closes_total", (("reason", "max_total_write_buffer"),)), 0)
+    assert 1 <= closed < NEVER_READERS, seen      # some are closed, not every one: the rest hold the cap
+    assert "over the broker's limit (max_total_write_buffer" in b.log()
+
+
+@bounded(60)
+async def test_a_client_that_stopped_reading_is_not_answered_further(broker):
+    """Reading stops when a peer leaves 4 MiB unread, but the requests already read went on being answered, 16 a
+    turn: one read of 256 KiB holds ~3700 small requests, so a single client grew its unread responses to
+    max_write_buffer (64 MiB) before it was dropped. They now wait until it reads."""
+    host, _, port = broker.broker.rpartition(":")
+    port = int(port)
+    conn = await open_connection(host, port)
+    try:
+        for i in range(100):
+            reply = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+                "topic": f"Catalogue_{i:03d}_" + "x" * 100, "readQueueNums": 4, "writeQueueNums": 4,
+                "perm": 6}), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+        frame = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG).encode()
+        sock = await asyncio.to_thread(_flood, host, port, frame)
+        try:
+            for _ in range(400):        # progress: each answer is at least one loop turn (16 requests a turn)
+                reply = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {
+                    "topic": "Catalogue_000_" + "x" * 100, "queueId": 0}), 5)
+                assert reply.code == ResponseCode.SUCCESS
+            seen = await asyncio.to_thread(_metrics, broker.metrics)
+        finally:
+            sock.close()
+    finally:
+        conn.close()
+    assert not [k for k in seen if k[0] == "txmq_unread_closes_total"], seen    # not dropped: held back
+    assert 4 * MiB < seen[("txmq_unsent_response_bytes", ())] < 8 * MiB
