@@ -127,9 +127,11 @@ class SendCheck:
 class TransactionCore:
     """Undecided transactions ordered by their next check; every rule of the transaction lifecycle."""
 
-    def __init__(self, policy: Policy, decided: Callable[[int], str | None]):
+    def __init__(self, policy: Policy, decided: Callable[[int], str | None],
+                 half_of: Callable[[int], tuple[str, int] | None] | None = None):
         self.policy = policy
         self.decided = decided                  # half offset -> COMMIT/ROLLBACK/DEAD or None
+        self.half_of = half_of                  # half offset -> (its producer group, its queue offset) or None
         self.pending: dict[int, Tx] = {}
         self._heap: list[tuple[int, int]] = []
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
@@ -196,10 +198,9 @@ class TransactionCore:
         """A decision (or UNKNOWN) for the transaction at ``half_offset``, from ``origin``."""
         tx = self.pending.get(half_offset)
         if tx is not None and origin in (Origin.PRODUCER, Origin.CHECK):
-            if group is not None and tx.group != group:
-                return Reply(ResponseCode.SYSTEM_ERROR, "The producer group wrong", "refused")
-            if queue_offset is not None and tx.queue_offset != queue_offset:
-                return Reply(ResponseCode.SYSTEM_ERROR, "The transaction state table offset wrong", "refused")
+            refused = _not_its_half(tx.group, tx.queue_offset, group, queue_offset)
+            if refused is not None:
+                return refused
             if origin is Origin.CHECK:
                 tx.awaiting = False
                 tx.unanswered = 0
@@ -210,6 +211,13 @@ class TransactionCore:
             earlier = self.decided(half_offset)
             if earlier is None:
                 return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "refused")
+            # A decided half is held to the same checks as an undecided one (RocketMQ's checkPrepareMessage reads
+            # the half whatever became of it): another group's END was answered as if it were the producer's.
+            half = self.half_of(half_offset) if self.half_of is not None else None
+            if half is not None and origin in (Origin.PRODUCER, Origin.CHECK):
+                refused = _not_its_half(*half, group, queue_offset)
+                if refused is not None:
+                    return refused
             if op == UNKNOWN:       # no check will come: say what became of it instead of "will check back"
                 if earlier == DEAD:
                     return Reply(ResponseCode.TRANSACTION_FAILED, "transaction already DEAD (dead-lettered): it is "
@@ -297,6 +305,16 @@ class TransactionCore:
         """A max-checks dead letter was refused by the store: try again after an interval."""
         if tx.half_offset in self.pending:
             self._reschedule(tx, now + self.policy.check_interval_ms)
+
+
+def _not_its_half(half_group: str, half_queue_offset: int, group: str | None,
+                  queue_offset: int | None) -> Reply | None:
+    """RocketMQ's refusal of an END naming a half that is not the sender's (EndTransactionProcessor), or None."""
+    if group is not None and half_group != group:
+        return Reply(ResponseCode.SYSTEM_ERROR, "The producer group wrong", "refused")
+    if queue_offset is not None and half_queue_offset != queue_offset:
+        return Reply(ResponseCode.SYSTEM_ERROR, "The transaction state table offset wrong", "refused")
+    return None
 
 
 __all__ = ["TransactionCore", "Tx", "tx_from_half", "asks_delay", "Origin", "Reply", "Write", "Wait", "SendCheck",

@@ -64,7 +64,7 @@ class TransactionService:
         self.ctx = ctx
         self.policy = Policy(c.transaction_check_interval_ms, c.transaction_timeout_ms, c.transaction_check_max,
                              int(c.transaction_retention_hours * 3600 * 1000))
-        self.core = TransactionCore(self.policy, self.decision_of)
+        self.core = TransactionCore(self.policy, self.decision_of, self._identity)
         self.pending = self.core.pending
         self.table: DecisionTable | None = None
         self.dead_count = 0
@@ -99,6 +99,11 @@ class TransactionService:
             return None
         q = self._half_queue_offset(half_offset)
         return None if q is None else self.table.get(q)
+
+    def _identity(self, half_offset: int) -> tuple[str, int] | None:
+        """(producer group, queue offset) of the half stored at ``half_offset``, or None."""
+        msg = self._half_at(half_offset)
+        return None if msg is None else (msg.properties.get(Prop.PGROUP, ""), msg.queue_offset)
 
     def _half_queue_offset(self, half_offset: int) -> int | None:
         msg = self._half_at(half_offset)
@@ -282,7 +287,8 @@ class TransactionService:
         ``later`` (an Answer of (code, remark) results) is given and the decision is written at once, None:
         the store's writer hands ``later`` the answer."""
         metrics = self.ctx.metrics
-        if from_check and half_offset in self.pending:
+        tx = self.pending.get(half_offset)
+        if from_check and tx is not None and tx.group == group:    # another group's answer is refused below
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)

@@ -176,6 +176,23 @@ def test_wrong_group_or_table_offset_is_refused_but_admin_is_not_asked_for_them(
     assert isinstance(s.end(1, ROLLBACK, origin=Origin.ADMIN, group=None), Write)
 
 
+def test_a_decided_half_is_held_to_the_same_group_and_table_offset_checks():
+    """RocketMQ checks the half whatever became of it: another group's END of a decided transaction was
+    acknowledged ("already COMMIT") or told the decision, where it must be refused like an undecided one's."""
+    s = Shell()
+    s.core.half_of = {1: ("PG", 1)}.get
+    s.half(1)
+    s.finish(s.end(1, COMMIT))
+    assert s.end(1, COMMIT).code == ResponseCode.SUCCESS                        # the owner's repeat
+    for op in (COMMIT, ROLLBACK, UNKNOWN):
+        r = s.end(1, op, group="OTHER")
+        assert (r.code, r.remark) == (ResponseCode.SYSTEM_ERROR, "The producer group wrong")
+    bad = s.core.end(1, COMMIT, origin=Origin.PRODUCER, group="PG", queue_offset=99)
+    assert bad.remark == "The transaction state table offset wrong"
+    assert s.core.end(1, COMMIT, origin=Origin.ADMIN, group=None).code == ResponseCode.SUCCESS
+    assert s.delivered == {1: 1}
+
+
 def test_resume_reopens_only_a_dead_letter_with_checks_reset():
     s = Shell()
     s.half(1)

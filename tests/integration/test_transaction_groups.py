@@ -1,0 +1,66 @@
+"""A transaction belongs to the producer group that sent its half: another group can neither decide it nor be
+told what became of it, and one group's halves are never charged to another's limit."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.codes import RequestCode, ResponseCode, SysFlag
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, properties_to_string
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+TOPIC = "GroupOwned"
+
+
+async def _half(conn, header_group: str, pgroup: str | None = None):
+    """A raw half message: the header names ``header_group``, the PGROUP property ``pgroup`` (default the same)."""
+    props = {Prop.TRAN_MSG: "true", Prop.PGROUP: pgroup or header_group}
+    h = SendMessageRequestHeader(header_group, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                 properties=properties_to_string(props))
+    return await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                      b"half"), 5)
+
+
+async def _end(conn, group: str, sent, state: int):
+    half_offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+    return await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+        "producerGroup": group, "tranStateTableOffset": sent.ext_fields["queueOffset"],
+        "commitLogOffset": str(half_offset), "commitOrRollback": str(state), "fromTransactionCheck": "false",
+        "msgId": sent.ext_fields["msgId"]}), 5)
+
+
+COMMIT, ROLLBACK = 8, 12
+
+
+async def _delivered(conn) -> int:
+    reply = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": TOPIC,
+                                                                                     "queueId": 0}), 5)
+    return int(reply.ext_fields["offset"]) if reply.code == ResponseCode.SUCCESS else 0
+
+
+@bounded(60)
+async def test_another_group_cannot_decide_or_learn_the_decision_of_a_transaction(broker):
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        sent = await _half(conn, "PG_owner")
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        # undecided: another group's COMMIT is refused as RocketMQ refuses it, and decides nothing
+        wrong = await _end(conn, "PG_other", sent, COMMIT)
+        assert (wrong.code, wrong.remark) == (ResponseCode.SYSTEM_ERROR, "The producer group wrong")
+        assert await _delivered(conn) == 0
+        owner = await _end(conn, "PG_owner", sent, ROLLBACK)      # still the owner's to decide
+        assert owner.code == ResponseCode.SUCCESS, owner.remark
+        # decided: the owner's repeat is acknowledged; another group's END, same or different, is refused
+        # (it was acknowledged as "already ROLLBACK", or told TRANSACTION_FAILED and what was decided)
+        assert (await _end(conn, "PG_owner", sent, ROLLBACK)).code == ResponseCode.SUCCESS
+        for state in (ROLLBACK, COMMIT):
+            wrong = await _end(conn, "PG_other", sent, state)
+            assert (wrong.code, wrong.remark) == (ResponseCode.SYSTEM_ERROR, "The producer group wrong")
+        assert await _delivered(conn) == 0
+    finally:
+        conn.close()
+    assert broker.log().count("END_TRANSACTION refused: The producer group wrong") == 3
