@@ -128,7 +128,8 @@ class BrokerMetrics:
         self.rejected_frames = Counter("txmq_rejected_frames", "Connections closed for malformed input.",
                                        registry=r)
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
-                               "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit).",
+                               "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit, "
+                               "producer-group-mismatch).",
                                ["reason"], registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "

@@ -7,6 +7,7 @@ MESSAGE_ILLEGAL. A message whose TRAN_MSG is true becomes a half message.
 """
 from __future__ import annotations
 
+import logging
 import random
 from functools import partial
 from time import perf_counter
@@ -36,6 +37,8 @@ from ..answer import Answer
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
+
+log = logging.getLogger("txmq.send")
 
 _rand = random.Random()
 _MAX_RECONSUME_TIMES = (1 << 31) - 1     # the record's RECONSUMETIMES is a Java int
@@ -115,7 +118,18 @@ def handle_send(ctx, conn, cmd):
             illegal = ctx.schedule.levels.divert(topic, qid, dict(props), SysFlag.TRANSACTION_COMMIT, ctx.clock())
             if isinstance(illegal, str):
                 return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
-        refused = ctx.limits.may_prepare(cmd, ctx.tx, props.get(Prop.PGROUP) or h.producer_group)
+        group = props.get(Prop.PGROUP) or h.producer_group
+        if group != h.producer_group:
+            # The half is kept, checked and limited as PGROUP's: sent by another group it was charged to that
+            # group's max_undecided_per_group (one group's flood refused another's halves), its checks went to
+            # producers that never began it, and its sender could not decide it. Stock clients set both alike.
+            ctx.limits.refused("producer-group-mismatch")
+            log.warning("half message from %s:%s refused: producerGroup %.200r, PGROUP %.200r", *conn.peer,
+                        h.producer_group, group)
+            return cmd.response(ResponseCode.MESSAGE_ILLEGAL,
+                                f"transaction message claims producer group {group} (PGROUP) but is sent by "
+                                f"producer group {h.producer_group}: they must be the same")
+        refused = ctx.limits.may_prepare(cmd, ctx.tx, group)
         if refused is not None:
             return refused
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))

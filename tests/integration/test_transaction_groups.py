@@ -64,3 +64,33 @@ async def test_another_group_cannot_decide_or_learn_the_decision_of_a_transactio
     finally:
         conn.close()
     assert broker.log().count("END_TRANSACTION refused: The producer group wrong") == 3
+
+
+@bounded(60)
+async def test_halves_claiming_another_group_are_not_charged_to_it(broker_factory):
+    """The PGROUP property named the group a half was kept (and its limit charged) under, whatever group sent
+    it: a client of group B sending halves that claim group A used up A's max_undecided_per_group, and A's
+    own producers were refused SYSTEM_BUSY; A's producers were checked for transactions they never began, and
+    B could not decide them ("The producer group wrong"). Such a half is now refused, and A is not touched."""
+    import json
+
+    b = broker_factory("--max-undecided-per-group", "5")
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        beat = json.dumps({"clientID": "hostile@1", "consumerDataSet": [],
+                           "producerDataSet": [{"groupName": "PG_flooder"}]}).encode()
+        assert (await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=beat), 5)).code == 0
+        claimed = [await _half(conn, "PG_flooder", pgroup="PG_victim") for _ in range(8)]
+        assert {r.code for r in claimed} == {ResponseCode.MESSAGE_ILLEGAL}
+        assert "PG_victim" in claimed[0].remark and "PG_flooder" in claimed[0].remark
+        victims = [await _half(conn, "PG_victim") for _ in range(5)]       # its whole allowance is its own
+        assert [r.code for r in victims] == [ResponseCode.SUCCESS] * 5, [r.remark for r in victims]
+        over = await _half(conn, "PG_victim")
+        assert over.code == ResponseCode.SYSTEM_BUSY and "PG_victim" in over.remark
+        assert (await _half(conn, "PG_flooder")).code == ResponseCode.SUCCESS      # its own, under its name
+        listed = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS,
+                                                            {"group": "PG_victim"}), 5)
+        assert json.loads(listed.body_bytes())["total"] == 5
+    finally:
+        conn.close()
