@@ -394,8 +394,7 @@ class RemotingConnection(asyncio.Protocol):
         self._writing_paused = True
         if not self.client:
             self.pause_reading("write-buffer")
-        if self.budget is not None:
-            self.budget.report(self, self.unsent_bytes)
+        # (no budget report here: this runs inside the transport's write, and _flush reports right after it)
 
     def resume_writing(self) -> None:
         self._writing_paused = False
@@ -479,8 +478,8 @@ class RemotingConnection(asyncio.Protocol):
 class WriteBudget:
     """What all of a server's connections hold unsent, together, against ``cap`` bytes.
 
-    Each connection reports its transport's unsent bytes when it writes, when writing pauses or resumes and
-    when it closes. A buffer that drains tells nobody until then, so the running total may be high; when it
+    Each connection reports its transport's unsent bytes when it writes, when writing resumes and when it
+    closes. A buffer that drains tells nobody until then, so the running total may be high; when it
     passes the cap the sizes are read afresh, and only if they are still over it are connections closed:
     those whose peer stopped reading (writing paused) before the others, the largest first, until the total is
     back under the cap. A peer that reads its replies holds little for long, so it is the last to go, and one

@@ -1,0 +1,52 @@
+"""WriteBudget (protocol/connection.py): which connections go when all of them together hold too much unread."""
+from __future__ import annotations
+
+from protocol.connection import WriteBudget
+
+MiB = 1024 * 1024
+
+
+class FakeConn:
+    """What the budget reads of a connection: its unsent bytes, whether its peer stopped reading, abort()."""
+
+    def __init__(self, name, unsent, paused):
+        self.peer = (name, 1)
+        self.unsent_bytes = unsent
+        self.writing_paused = paused
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+        self.unsent_bytes = 0
+
+
+def test_the_largest_holders_that_stopped_reading_go_first_and_only_until_under_the_cap():
+    closed = []
+    budget = WriteBudget(10 * MiB, on_close=closed.append)
+    reader = FakeConn("reader", 4 * MiB, paused=False)      # a slow but reading consumer: biggest, not paused
+    small, big = FakeConn("small", 3 * MiB, True), FakeConn("big", 3.5 * MiB, True)    # 10.5 MiB in all
+    for c in (reader, small, big):
+        budget.report(c, c.unsent_bytes)
+    assert [c.peer[0] for c in (reader, small, big) if c.aborted] == ["big"]
+    assert closed == ["max_total_write_buffer"] and budget.total == 7 * MiB
+
+
+def test_buffers_that_drained_since_their_last_report_are_read_afresh_before_anyone_is_closed():
+    budget = WriteBudget(10 * MiB)
+    drained = FakeConn("drained", 8 * MiB, True)
+    budget.report(drained, drained.unsent_bytes)
+    drained.unsent_bytes = 0            # its peer read it all; nothing told the budget
+    other = FakeConn("other", 5 * MiB, True)
+    budget.report(other, other.unsent_bytes)
+    assert not other.aborted and not drained.aborted and budget.total == 5 * MiB
+
+
+def test_a_closed_connection_leaves_the_total():
+    budget = WriteBudget(10 * MiB)
+    c = FakeConn("c", 6 * MiB, True)
+    budget.report(c, c.unsent_bytes)
+    budget.report(c, 0)
+    assert budget.total == 0
+    d = FakeConn("d", 9 * MiB, True)
+    budget.report(d, d.unsent_bytes)
+    assert not d.aborted
