@@ -129,7 +129,7 @@ class BrokerMetrics:
                                        registry=r)
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
                                "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit, "
-                               "producer-group-mismatch).",
+                               "producer-group-mismatch, end-not-its-half).",
                                ["reason"], registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "

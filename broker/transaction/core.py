@@ -311,9 +311,9 @@ def _not_its_half(half_group: str, half_queue_offset: int, group: str | None,
                   queue_offset: int | None) -> Reply | None:
     """RocketMQ's refusal of an END naming a half that is not the sender's (EndTransactionProcessor), or None."""
     if group is not None and half_group != group:
-        return Reply(ResponseCode.SYSTEM_ERROR, "The producer group wrong", "refused")
+        return Reply(ResponseCode.SYSTEM_ERROR, "The producer group wrong", "not-its-half")
     if queue_offset is not None and half_queue_offset != queue_offset:
-        return Reply(ResponseCode.SYSTEM_ERROR, "The transaction state table offset wrong", "refused")
+        return Reply(ResponseCode.SYSTEM_ERROR, "The transaction state table offset wrong", "not-its-half")
     return None
 
 

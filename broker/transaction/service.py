@@ -309,6 +309,9 @@ class TransactionService:
 
     def _count(self, reply: Reply, group: str) -> None:
         metrics = self.ctx.metrics
+        if reply.event == "not-its-half":   # another group's END, or a wrong offset: refused, counted by reason
+            metrics.refused.labels("end-not-its-half").inc()
+            return
         counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates,
                    "conflict": metrics.conflicts}.get(reply.event)
         if counter is not None:

@@ -64,6 +64,9 @@ async def test_another_group_cannot_decide_or_learn_the_decision_of_a_transactio
     finally:
         conn.close()
     assert broker.log().count("END_TRANSACTION refused: The producer group wrong") == 3
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    assert 'txmq_requests_refused_total{reason="end-not-its-half"} 3.0' in scraped
 
 
 @bounded(60)
