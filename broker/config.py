@@ -57,6 +57,7 @@ class BrokerConfig:
     long_polling: bool = setting(True, "Hold pulls that find nothing until a message arrives or the client's suspend time ends.")
     short_polling_ms: int = setting(1000, "Hold time when long polling is off.")
     max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")
+    flush_consumer_offset_interval_ms: int = setting(5000, "How often committed consumer offsets, when changed, are written to config/consumerOffset.json (RocketMQ's flushConsumerOffsetInterval). A kill -9 loses the last interval's commits; consumers commit their position again every round, changed or not, so that costs redeliveries only to a consumer that takes a queue over meanwhile.")
     channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s).")
     max_reconsume_times: int = setting(16, "Retries before a failed message goes to %DLQ%<group> (RocketMQ's 16).")
     message_delay_level: str = setting("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h", "Delay of each DELAY level, level 1 first (RocketMQ's messageDelayLevel; units ms, s, m, h, d). A failed message's n-th retry waits level 3 + n.")
@@ -115,8 +116,8 @@ class BrokerConfig:
         for name in ("segment_size", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max",
                      "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
-                     "max_total_write_buffer",
-                     "max_undecided_per_group", "max_retry_groups"):
+                     "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",
+                     "flush_consumer_offset_interval_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         if not 0.0 < self.gil_switch_interval_ms <= 100:

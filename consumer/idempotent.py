@@ -7,6 +7,9 @@ the handler and records the key in ONE local SQLite transaction, so the handler'
 and the "done" mark commit together or not at all: a redelivered message finds its key and is
 skipped. Keep the business data in the same database for this guarantee; with another store,
 do the same there (a unique key inserted in the same transaction as the side effect).
+
+The keys table grows by one row a message for as long as the consumer runs; ``forget_older_than``
+drops the keys of messages consumed long enough ago that no copy of them can still arrive.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class SqliteIdempotency:
         self.table = table
         self.db = sqlite3.connect(path, isolation_level=None)
         self.db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, consumed_ms INTEGER NOT NULL)")
+        self.db.execute(f"CREATE INDEX IF NOT EXISTS {table}_by_time ON {table} (consumed_ms)")
 
     def run_once(self, msg: MessageExt, handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
         """Run ``handler(msg, db)`` unless this message was consumed before; True if it ran.
@@ -61,6 +65,25 @@ class SqliteIdempotency:
                 db.execute("ROLLBACK")
             raise
         return True
+
+    def forget_older_than(self, seconds: float, *, chunk: int = 10_000) -> int:
+        """Delete the keys of messages consumed more than ``seconds`` ago; the number deleted.
+
+        A message whose key is forgotten runs again if a copy of it still arrives, so keep at least
+        as long as the broker can deliver one: its file retention (72 hours by default) covers
+        retries (the 16th waits 2 hours), dead letters resent by an operator and offsets reset to
+        an earlier time. Deletes ``chunk`` rows a transaction so that run_once, on this or another
+        connection, waits at most one chunk."""
+        if not seconds > 0:
+            raise ValueError(f"seconds={seconds!r}: keep the keys of some past, or nothing is idempotent")
+        cutoff = int((time.time() - seconds) * 1000)
+        deleted = 0
+        while True:
+            n = self.db.execute(f"DELETE FROM {self.table} WHERE rowid IN (SELECT rowid FROM {self.table} "
+                                f"WHERE consumed_ms < ? LIMIT ?)", (cutoff, chunk)).rowcount
+            deleted += n
+            if n < chunk:
+                return deleted
 
     def close(self) -> None:
         """Close the database."""

@@ -432,18 +432,22 @@ class PushConsumer:
                 raise _LockLost()
 
     # ------------------------------------------------------------ offsets
-    async def _commit(self, mq: MessageQueue) -> None:
+    async def _commit(self, mq: MessageQueue, again: bool = False) -> None:
         offset = self._offsets.get(mq)
-        if offset is not None and self._committed.get(mq) != offset:
+        if offset is not None and (again or self._committed.get(mq) != offset):
             await self.offset_store.write(mq, offset)
             self._committed[mq] = offset
 
     async def _commit_loop(self) -> None:
         while True:
             await asyncio.sleep(self.offset_commit_interval_s)
-            for mq in list(self._offsets):
+            # Every round, changed or not, as RocketMQ's persistAll: a broker killed before it saved our last
+            # commits has forgotten them, and a queue with nothing new would keep the old offset for good, to
+            # be consumed again from there by whoever takes it next. Only queues this consumer pulls: one
+            # given away belongs to its new owner, whose progress an old offset would undo.
+            for mq in list(self._loops):
                 try:
-                    await self._commit(mq)
+                    await self._commit(mq, again=True)
                 except BrokerError as exc:
                     log.info("offset commit of %s failed: %s", mq, exc)
                 except Exception:  # noqa: BLE001 - ending here would leave every later offset uncommitted

@@ -5,8 +5,9 @@
     {"<topic>@<group>": {"<queueId>": <offset>, ...}, ...}
 
 Commits only touch memory and mark the table dirty; a task persists a dirty table every
-``persist_interval_s`` (consumers commit every 5 s and re-commit after a restart, so
-losing the last few seconds costs a few redeliveries, never a lost message) and
+``persist_interval_s`` (--flush-consumer-offset-interval-ms; consumers commit every 5 s,
+changed or not, so a kill -9 that loses the last few seconds costs at most a few
+redeliveries, never a lost message) and
 ``close`` persists once more. Each write goes to a temporary file that is fsync'ed and
 renamed over the old one, then the directory is fsync'ed: a crash leaves the old table
 or the new one, never a torn file. At start-up the broker lowers offsets past the end of a

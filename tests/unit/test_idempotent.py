@@ -78,3 +78,26 @@ def test_a_retry_copy_of_a_message_without_uniq_key_has_the_original_key(tmp_pat
     assert ledger.run_once(first, lambda msg, db: ran.append(msg))
     assert not ledger.run_once(retry, lambda msg, db: ran.append(msg))
     assert ran == [first]
+
+
+def test_forget_older_than_drops_only_old_keys(tmp_path, monkeypatch):
+    """The keys table grew by one row a message for as long as a consumer ran, months on end.
+    forget_older_than deletes the keys consumed before the cutoff, in chunks, and only those: a
+    recent message is still skipped on redelivery, a forgotten one runs again."""
+    import consumer.idempotent as idem
+
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    clock = [1_000_000.0]
+    monkeypatch.setattr(idem.time, "time", lambda: clock[0])
+    for i in range(25):
+        assert ledger.run_once(_message(f"old-{i}"), lambda m, db: None)
+    clock[0] += 3600
+    assert ledger.run_once(_message("new"), lambda m, db: None)
+    clock[0] += 1800
+    assert ledger.forget_older_than(3000, chunk=10) == 25          # three chunks: 10, 10, 5
+    assert ledger.db.execute("SELECT key FROM txmq_consumed").fetchall() == [("new",)]
+    assert not ledger.run_once(_message("new"), lambda m, db: None)
+    assert ledger.run_once(_message("old-3"), lambda m, db: None)
+    assert ledger.forget_older_than(3000) == 0
+    with pytest.raises(ValueError):
+        ledger.forget_older_than(0)
