@@ -83,6 +83,11 @@ class SubscriptionGroups:
         cfg = self.groups.get(group)
         return cfg is None or cfg["consumeEnable"]
 
+    def retry_max_times(self, group: str) -> int | None:
+        """The group's retryMaxTimes when an operator set its config, else None (the broker's default)."""
+        cfg = self.groups.get(group)
+        return None if cfg is None else cfg["retryMaxTimes"]
+
     def encode(self, known_groups=()) -> bytes:
         """The body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG (and the file): stored groups, then the system
         groups and those the broker knows from clients, with the defaults."""

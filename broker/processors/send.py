@@ -42,6 +42,18 @@ log = logging.getLogger("txmq.send")
 
 _rand = random.Random()
 _MAX_RECONSUME_TIMES = (1 << 31) - 1     # the record's RECONSUMETIMES is a Java int
+_V3_4_9 = 121                             # MQVersion.Version.V3_4_9.ordinal(): requests may carry maxReconsumeTimes
+
+
+def _retry_limit(ctx, cmd, group: str, from_request: int | None) -> int:
+    """How many retries ``group`` gets, as RocketMQ decides it: the request's maxReconsumeTimes from a client
+    of V3_4_9 or later, else the group's retryMaxTimes (UPDATE_AND_CREATE_SUBSCRIPTIONGROUP), else the broker's
+    default. Clients that send none (rocketmq-client-cpp before 2.0 among them) follow the group's config."""
+    if from_request is not None and cmd.version >= _V3_4_9:
+        return from_request
+    subs = ctx.subscriptions
+    configured = subs.retry_max_times(group) if subs is not None else None
+    return ctx.config.max_reconsume_times if configured is None else configured
 
 
 def _born_host(conn) -> bytes:
@@ -101,9 +113,7 @@ def handle_send(ctx, conn, cmd):
     topic = h.topic
     reconsume = h.reconsume_times
     if topic.startswith(RETRY_PREFIX):
-        limit = h.max_reconsume_times if (h.max_reconsume_times is not None and cmd.version >= 121) \
-            else ctx.config.max_reconsume_times
-        if reconsume >= limit:
+        if reconsume >= _retry_limit(ctx, cmd, topic[len(RETRY_PREFIX):], h.max_reconsume_times):
             topic = DLQ_PREFIX + topic[len(RETRY_PREFIX):]
             refused = _ensure_back_topic(ctx, conn, cmd, topic)     # made as send-back makes it
             if refused is not None:
@@ -392,8 +402,7 @@ async def handle_send_back(ctx, conn, cmd):
     props = dict(msg.properties)
     props.setdefault(Prop.RETRY_TOPIC, msg.topic)
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, cmd.str_field("originMsgId") or msg.offset_msg_id)
-    limit = cmd.int_field("maxReconsumeTimes") if cmd.version >= 121 and cmd.int_field("maxReconsumeTimes") \
-        is not None else ctx.config.max_reconsume_times
+    limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
     times = max(msg.reconsume_times, 0)
     if times >= limit or delay_level < 0:

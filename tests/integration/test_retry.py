@@ -4,6 +4,7 @@ at once; nothing is dropped on the way."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -12,6 +13,9 @@ from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import SendMessageRequestHeader
+from tests.support.bounded import bounded
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -58,3 +62,50 @@ async def test_failed_messages_go_to_retry_then_dead_letter_queue(broker_factory
     assert seen == [(f"%RETRY%{group}", 1, "Work"), (f"%RETRY%{group}", 2, "Work")]
     assert [m.body for m in dead] == [b"fails every time"]
     assert dead[0].properties["ORIGIN_MESSAGE_ID"] == sent.msg_id and dead[0].reconsume_times == 3
+
+
+async def _call(broker, code, fields, body=b""):
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields, body), 5.0)
+    finally:
+        conn.close()
+
+
+async def _queue_size(broker, topic, qid=0):
+    resp = await _call(broker, RequestCode.GET_MAX_OFFSET, {"topic": topic, "queueId": qid})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    return resp.int_field("offset")
+
+
+@bounded(60)
+async def test_group_retry_max_times_applies_when_the_request_names_none(broker_factory):
+    """A consumer that sends no maxReconsumeTimes (rocketmq-client-cpp 1.x) gets its group's retryMaxTimes, as
+    RocketMQ gives it; the broker's default (16 retries) was used whatever the operator had set."""
+    broker = broker_factory()
+    strict, lenient = "CG_no_retries", "CG_default_retries"
+    resp = await _call(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                       json.dumps({"groupName": strict, "retryMaxTimes": 0}).encode())
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(broker.namesrv, "PG_retry_cfg") as producer:
+        sent = await producer.send("Work", b"fails once")
+    offset = int(sent.offset_msg_id[-16:], 16)
+    for group in (strict, lenient):
+        resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK,
+                           {"offset": offset, "group": group, "delayLevel": 0, "originMsgId": sent.msg_id})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    # A retry sent straight to %RETRY% (the Java client's fallback when send-back fails) with no maximum either.
+    header = SendMessageRequestHeader(producer_group="PG_retry_cfg", topic=f"%RETRY%{strict}", queue_id=0,
+                                      properties="RETRY_TOPIC\x01Work\x02", reconsume_times=0)
+    resp = await _call(broker, RequestCode.SEND_MESSAGE, header.to_ext_fields(v2=False), b"fails again")
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _queue_size(broker, f"%DLQ%{strict}") == 2
+    assert await _queue_size(broker, f"%DLQ%{lenient}") == 0
+    assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 1      # level 3 (the first retry): the lenient one
+    # The request's own maximum still wins over the group's (V3_4_9 and later).
+    resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK,
+                       {"offset": offset, "group": strict, "delayLevel": 0, "maxReconsumeTimes": 5})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _queue_size(broker, f"%DLQ%{strict}") == 2
+    assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 2
