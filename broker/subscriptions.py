@@ -7,7 +7,9 @@ GET_ALL_SUBSCRIPTIONGROUP_CONFIG.
 
 Groups created by an operator are stored; a group the broker only knows from its clients (a
 heartbeat, a committed offset) is listed with the defaults, as RocketMQ auto-creates it
-(autoCreateSubscriptionGroup). ``consumeEnable: false`` stops the group's pulls (NO_PERMISSION).
+(autoCreateSubscriptionGroup). ``consumeEnable: false`` stops the group's pulls (NO_PERMISSION), and
+``consumeBroadcastEnable: false`` those of its BROADCASTING consumers; ``retryMaxTimes`` is the group's retries
+when a send-back names none.
 """
 from __future__ import annotations
 
@@ -82,6 +84,10 @@ class SubscriptionGroups:
     def consume_enabled(self, group: str) -> bool:
         cfg = self.groups.get(group)
         return cfg is None or cfg["consumeEnable"]
+
+    def broadcast_enabled(self, group: str) -> bool:
+        cfg = self.groups.get(group)
+        return cfg is None or cfg["consumeBroadcastEnable"]
 
     def retry_max_times(self, group: str) -> int | None:
         """The group's retryMaxTimes when an operator set its config, else None (the broker's default)."""

@@ -79,6 +79,13 @@ def handle_pull(ctx, conn, cmd):
                                 f"the consumer's subscription not exist, group: {group}")
         if sub.sub_version < cmd.int_field("subVersion", 0):   # filtered by older tags, wanted ones were skipped
             return cmd.response(ResponseCode.SUBSCRIPTION_NOT_LATEST, "the consumer's subscription not latest")
+        # As RocketMQ, checked where the broker knows the group's model (a pull carrying its subscription
+        # is not): a group set to consumeBroadcastEnable=false went on being consumed by broadcast.
+        subs = ctx.subscriptions
+        if subs is not None and subs.groups and not subs.broadcast_enabled(group) \
+                and getattr(ctx.clients.consumers.get(group), "message_model", None) == "BROADCASTING":
+            return cmd.response(ResponseCode.NO_PERMISSION,
+                                f"the consumer group[{group}] can not consume by broadcast way")
     if sub.expression_type != "TAG":     # read as a tag no message has, it skipped every message unsaid
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"The broker does not support consumer to filter message by {sub.expression_type}")

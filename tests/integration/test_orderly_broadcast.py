@@ -20,6 +20,10 @@ import pytest
 
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import Producer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
 pytestmark = pytest.mark.asyncio
@@ -190,3 +194,42 @@ async def test_broadcasting_consumers_each_get_every_message_and_keep_their_own_
 async def test_an_unknown_message_model_is_refused_at_once():
     with pytest.raises(ValueError, match="BROADCASTING"):
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, message_model="broadcast")
+
+
+@bounded(30)
+async def test_a_group_set_to_refuse_broadcast_is_not_consumed_by_broadcast(broker):
+    """consumeBroadcastEnable=false (UPDATE_AND_CREATE_SUBSCRIPTIONGROUP) refuses the pulls of the group's
+    BROADCASTING consumers, as RocketMQ does; it was stored and shown by the admin tools, and changed nothing."""
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+
+    async def call(code, fields=None, body=b""):
+        return await conn.request(RemotingCommand.request(code, fields, body), 5)
+
+    try:
+        for group in ("CG_no_broadcast", "CG_clustering"):
+            resp = await call(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP,
+                              body=json.dumps({"groupName": group, "consumeBroadcastEnable": False}).encode())
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+        resp = await call(RequestCode.UPDATE_AND_CREATE_TOPIC, {"topic": "News", "readQueueNums": 1,
+                                                                "writeQueueNums": 1, "perm": 6})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        sub = {"topic": "News", "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 1,
+               "expressionType": "TAG", "classFilterMode": False}
+        body = json.dumps({"clientID": "127.0.0.1@bc", "producerDataSet": [], "consumerDataSet": [
+            {"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": model,
+             "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "unitMode": False, "subscriptionDataSet": [sub]}
+            for group, model in (("CG_no_broadcast", "BROADCASTING"), ("CG_clustering", "CLUSTERING"))]}).encode()
+        assert (await call(RequestCode.HEART_BEAT, body=body)).code == ResponseCode.SUCCESS
+        codes = {}
+        for group in ("CG_no_broadcast", "CG_clustering"):
+            # a Java push consumer's pull: no subscription in it (postSubscriptionWhenPull=false)
+            resp = await call(RequestCode.PULL_MESSAGE, {
+                "consumerGroup": group, "topic": "News", "queueId": 0, "queueOffset": 0, "maxMsgNums": 32,
+                "sysFlag": 0, "commitOffset": 0, "suspendTimeoutMillis": 0, "subVersion": 1})
+            codes[group] = (resp.code, resp.remark)
+    finally:
+        conn.close()
+    assert codes["CG_no_broadcast"] == (ResponseCode.NO_PERMISSION,
+                                        "the consumer group[CG_no_broadcast] can not consume by broadcast way")
+    assert codes["CG_clustering"][0] == ResponseCode.PULL_NOT_FOUND
