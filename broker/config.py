@@ -59,6 +59,7 @@ class BrokerConfig:
     max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")
     flush_consumer_offset_interval_ms: int = setting(5000, "How often committed consumer offsets, when changed, are written to config/consumerOffset.json (RocketMQ's flushConsumerOffsetInterval). A kill -9 loses the last interval's commits; consumers commit their position again every round, changed or not, so that costs redeliveries only to a consumer that takes a queue over meanwhile.")
     channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s).")
+    access_message_in_memory_max_ratio: int = setting(40, "RocketMQ's accessMessageInMemoryMaxRatio, percent of physical RAM: a message further than this from the log's end counts as on disk. A group with no offset for a queue is told 0 (start at its first message) only while that message is not on disk; else QUERY_NOT_FOUND, and the client starts where its consumeFromWhere says (the end, or its timestamp). Also the distance past which slave_read_enable suggests the slave.")
     max_reconsume_times: int = setting(16, "Retries before a failed message goes to %DLQ%<group> (RocketMQ's 16).")
     message_delay_level: str = setting("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h", "Delay of each DELAY level, level 1 first (RocketMQ's messageDelayLevel; units ms, s, m, h, d). A failed message's n-th retry waits level 3 + n.")
     timer_max_delay_s: int = setting(3 * 24 * 3600, "Latest a timer message (TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS) may ask to be delivered, in seconds from now; later is refused MESSAGE_ILLEGAL (RocketMQ 5's timerMaxDelaySec, 3 days, within the log's 72 h retention).")
@@ -97,7 +98,7 @@ class BrokerConfig:
     ha_housekeeping_interval_ms: int = setting(20000, "Either side drops an HA connection silent for this long; the slave reconnects (RocketMQ's haHousekeepingInterval).")
     ha_transfer_batch_size: int = setting(32 * 1024, "Bytes of commit log a master sends a slave per frame, at least one whole record (RocketMQ's haTransferBatchSize).")
     slave_sync_interval_ms: int = setting(10000, "SLAVE: how often it copies its master's committed consumer offsets (GET_ALL_CONSUMER_OFFSET, RocketMQ's SlaveSynchronize every 10 s), so consumers that fail over to it go on from there. The master's broker address comes from the name server (--namesrv-addr); with an ACL on the master, whitelist the slave's address there.")
-    slave_read_enable: bool = setting(False, "RocketMQ's slaveReadEnable: pull replies suggest the slave (suggestWhichBrokerId 1) to a consumer far behind the log (more than 40% of RAM). A slave serves pulls either way.")
+    slave_read_enable: bool = setting(False, "RocketMQ's slaveReadEnable: pull replies suggest the slave (suggestWhichBrokerId 1) to a consumer far behind the log (more than access_message_in_memory_max_ratio of RAM). A slave serves pulls either way.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
     log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -122,6 +123,9 @@ class BrokerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         if not 0.0 < self.gil_switch_interval_ms <= 100:
             raise ConfigError(f"gil_switch_interval_ms={self.gil_switch_interval_ms} must be in (0, 100]")
+        if not 0 <= self.access_message_in_memory_max_ratio <= 100:
+            raise ConfigError(f"access_message_in_memory_max_ratio={self.access_message_in_memory_max_ratio} must be "
+                              "a percentage, 0 to 100")
         if not 0.0 < self.disk_refuse_ratio <= 1.0:
             raise ConfigError(f"disk_refuse_ratio={self.disk_refuse_ratio} must be in (0, 1]")
         if self.max_auto_create_topics_per_s <= 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import ResponseCode
 
+from .pull import on_disk
+
 
 def _queue(cmd):
     return cmd.str_field("topic", required=True), cmd.int_field("queueId", required=True)
@@ -15,10 +17,14 @@ def query_consumer_offset(ctx, conn, cmd):
     stored = ctx.offsets.get(group, topic, qid)
     if stored is not None and stored >= 0:
         return cmd.response(ResponseCode.SUCCESS, None, {"offset": stored})
-    # RocketMQ answers 0 while the queue's first message is still in memory, which on
-    # a broker that has deleted nothing means "start at the beginning" (spec 9.2 rule 2).
+    # RocketMQ answers 0 while the queue starts at 0 and its first message is still "in memory" (spec 9.2 rule 2):
+    # a young queue is read from its start. One whose start is far behind the log's end is not, though nothing
+    # was deleted: QUERY_NOT_FOUND lets the client start at the end or at its consumeFromWhere timestamp, where
+    # 0 had a new group replay days of messages and ignore the timestamp it was given.
     if ctx.store.min_offset(topic, qid) <= 0:
-        return cmd.response(ResponseCode.SUCCESS, None, {"offset": 0})
+        first = ctx.store.physical_offset_of(topic, qid, 0)
+        if first is None or not on_disk(ctx, first):
+            return cmd.response(ResponseCode.SUCCESS, None, {"offset": 0})
     return cmd.response(ResponseCode.QUERY_NOT_FOUND, "Not found, V3_0_6_SNAPSHOT maybe this group consumer boot first")
 
 

@@ -17,7 +17,13 @@ from ..store import GetStatus
 # Store status -> (response code, how nextBeginOffset is chosen) on a master (spec 3.7 table).
 _MAX_BYTES = 256 * 1024
 _PHYS = struct.Struct(">q")
-_MEMORY_SHARE = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.40)
+_RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def on_disk(ctx, physical_offset: int) -> bool:
+    """RocketMQ's checkInDiskByCommitOffset: the record at ``physical_offset`` is further from the log's end than
+    access_message_in_memory_max_ratio of RAM (so no longer expected in the page cache)."""
+    return ctx.store.max_physical_offset - physical_offset > _RAM * ctx.config.access_message_in_memory_max_ratio // 100
 
 
 def _code(cmd, status):
@@ -38,8 +44,7 @@ def _suggest(ctx, got) -> int:
     1, the subscription group's whichBrokerWhenConsumeSlowly default."""
     if not ctx.config.slave_read_enable or not got.buffers:
         return 0
-    behind = ctx.store.max_physical_offset - _PHYS.unpack_from(got.buffers[-1], POS_PHYSICAL_OFFSET)[0]
-    return 1 if behind > _MEMORY_SHARE else 0
+    return 1 if on_disk(ctx, _PHYS.unpack_from(got.buffers[-1], POS_PHYSICAL_OFFSET)[0]) else 0
 
 
 def _reply(ctx, cmd, group, topic, got):

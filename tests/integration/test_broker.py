@@ -15,7 +15,9 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import MessageIllegalError, NoPermissionError
+from protocol.message import SendMessageRequestHeader
 from protocol.route import decode_route
+from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
 
@@ -190,3 +192,36 @@ async def test_heartbeat_and_consumer_list(broker):
     await consumer.shutdown()
     none = await _request(broker.broker, RequestCode.GET_CONSUMER_LIST_BY_GROUP, {"consumerGroup": "CG_none"})
     assert none.code == ResponseCode.SYSTEM_ERROR
+
+
+@bounded(60)
+async def test_a_new_group_starts_from_zero_only_while_the_queues_first_message_is_in_memory(broker_factory):
+    """QUERY_CONSUMER_OFFSET for a queue the group never consumed: 0 only while the queue's first message is within
+    access_message_in_memory_max_ratio of RAM from the log's end (RocketMQ's checkInDiskByConsumeOffset), else
+    QUERY_NOT_FOUND, so a stock client starts at the end (CONSUME_FROM_LAST_OFFSET) or at its timestamp
+    (CONSUME_FROM_TIMESTAMP). It was 0 for any queue retention had not trimmed: a new group replayed the whole
+    log and its timestamp was never asked for. Ratio 0 here: every stored message counts as on disk."""
+    disk = broker_factory("--access-message-in-memory-max-ratio", "0", store="on-disk")
+    memory = broker_factory(store="in-memory")          # the default 40% of RAM: a few bytes are in memory
+    for b in (disk, memory):
+        host, _, port = b.broker.rpartition(":")
+        conn = await open_connection(host, int(port))
+        try:
+            create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+                "topic": "Young", "readQueueNums": 2, "writeQueueNums": 2, "perm": 6})
+            assert (await conn.request(create, 5)).code == ResponseCode.SUCCESS
+            header = SendMessageRequestHeader(producer_group="PG", topic="Young", queue_id=0)
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE,
+                                                              header.to_ext_fields(v2=False), b"m"), 5)
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+            answers = []
+            for qid in (0, 1):
+                resp = await conn.request(RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+                    "consumerGroup": "CG_new", "topic": "Young", "queueId": qid}), 5)
+                answers.append((resp.code, resp.ext_fields.get("offset")))
+        finally:
+            conn.close()
+        if b is disk:
+            assert answers == [(ResponseCode.QUERY_NOT_FOUND, None), (ResponseCode.SUCCESS, "0")]   # q1 is empty
+        else:
+            assert answers == [(ResponseCode.SUCCESS, "0"), (ResponseCode.SUCCESS, "0")]
