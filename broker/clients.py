@@ -210,6 +210,15 @@ class ClientRegistry:
     def producer_channels(self, group: str) -> list[Channel]:
         return [ch for ch in self.producers.get(group, {}).values() if ch.alive]
 
+    def producer_channel(self, client_id: str) -> Channel | None:
+        """The live channel of a producer with this client id, in any group (ProducerManager.findChannel): where
+        a reply to its request is pushed."""
+        for channels in self.producers.values():
+            for ch in channels.values():
+                if ch.client_id == client_id and ch.alive:
+                    return ch
+        return None
+
     def consumer_ids(self, group: str) -> list[str]:
         g = self.consumers.get(group)
         return [] if g is None else sorted({ch.client_id for ch in g.channels.values() if ch.alive})

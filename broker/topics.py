@@ -43,6 +43,11 @@ class TopicLimitError(ValueError):
     """A topic was not created because a configured limit was reached; the text names it."""
 
 
+def reply_topic(cluster: str) -> str:
+    """"<cluster>_REPLY_TOPIC" (MixAll.REPLY_TOPIC_POSTFIX): request-reply's replies (processors/reply.py)."""
+    return f"{cluster}_REPLY_TOPIC"
+
+
 def is_system_topic(topic: str) -> bool:
     return topic in SYSTEM_TOPICS or topic.startswith("rmq_sys_")
 
@@ -91,6 +96,9 @@ class TopicManager:
             "SELF_TEST_TOPIC": TopicConfig("SELF_TEST_TOPIC", 1, 1),
             "OFFSET_MOVED_EVENT": TopicConfig("OFFSET_MOVED_EVENT", 1, 1),
             cluster: TopicConfig(cluster, 16, 16, Perm.INHERIT | Perm.READ_WRITE),
+            # Where repliers send replies to request messages (their CLUSTER property names it): it must have a
+            # route before any reply is sent, as RocketMQ's TopicConfigManager makes it.
+            reply_topic(cluster): TopicConfig(reply_topic(cluster), 1, 1),
             broker: TopicConfig(broker, 1, 1, Perm.INHERIT | Perm.READ_WRITE),
         }
         os.makedirs(config_dir, exist_ok=True)

@@ -66,6 +66,9 @@ class RequestCode(IntEnum):
     QUERY_CONSUME_QUEUE = 321
     QUERY_DATA_VERSION = 322
     RESUME_CHECK_HALF_MESSAGE = 323
+    SEND_REPLY_MESSAGE = 324
+    SEND_REPLY_MESSAGE_V2 = 325
+    PUSH_REPLY_MESSAGE_TO_CLIENT = 326
     GET_ALL_PRODUCER_INFO = 328
     # txmq's own admin family. RocketMQ 4.9.8 leaves 900-999 unused; stock
     # brokers answer them with REQUEST_CODE_NOT_SUPPORTED, which is how our

@@ -835,7 +835,8 @@ class SendMessageRequestHeader:
         # (missing, empty, not a number, out of range, an unusual boolean) and the checked
         # table-driven pass below decides, value and error alike.
         ext = cmd.ext_fields
-        v2 = (cmd.code == 310 or cmd.code == 320) and "b" in ext  # SEND_MESSAGE_V2, SEND_BATCH_MESSAGE
+        # SEND_MESSAGE_V2, SEND_BATCH_MESSAGE, SEND_REPLY_MESSAGE_V2
+        v2 = (cmd.code == 310 or cmd.code == 320 or cmd.code == 325) and "b" in ext
         try:
             header = _send_header_fast(cls, ext, _SEND_KEYS_V2 if v2 else _SEND_KEYS_V1)
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError):  # int(inf): check

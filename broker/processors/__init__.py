@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from protocol.codes import RequestCode as R
 
-from . import admin, client, namesrv, offsets, ops, pull, query, send, transaction
+from . import admin, client, namesrv, offsets, ops, pull, query, reply, send, transaction
 from .disk_guard import guard_writes
 
 
@@ -17,6 +17,7 @@ def broker_table() -> dict:
     return guard_writes({
         R.SEND_MESSAGE: send.handle_send, R.SEND_MESSAGE_V2: send.handle_send,
         R.SEND_BATCH_MESSAGE: send.handle_batch, R.CONSUMER_SEND_MSG_BACK: send.handle_send_back,
+        R.SEND_REPLY_MESSAGE: reply.handle_reply, R.SEND_REPLY_MESSAGE_V2: reply.handle_reply,
         R.PULL_MESSAGE: ops.consume_guard(pull.handle_pull),
         R.QUERY_CONSUMER_OFFSET: offsets.query_consumer_offset,
         R.UPDATE_CONSUMER_OFFSET: offsets.update_consumer_offset,

@@ -15,6 +15,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 
 WRITES = frozenset({R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE, R.CONSUMER_SEND_MSG_BACK,
+                    R.SEND_REPLY_MESSAGE, R.SEND_REPLY_MESSAGE_V2,
                     R.END_TRANSACTION, R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION})
 
 

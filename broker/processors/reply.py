@@ -1,0 +1,101 @@
+"""SEND_REPLY_MESSAGE (324) and SEND_REPLY_MESSAGE_V2 (325): request-reply, RocketMQ 4.6+ (ReplyMessageProcessor).
+
+A requester (``producer.request()``) sends an ordinary message carrying CORRELATION_ID, REPLY_TO_CLIENT (its client
+id) and TTL; the send stamps CLUSTER on it. The consumer that handles it builds a reply with MSG_TYPE=reply for
+"<CLUSTER>_REPLY_TOPIC" and sends it with one of these codes. The broker then:
+
+1. checks the topic as any send (unknown, forbidden, bad queue id: the same answers);
+2. pushes the reply to the producer connection registered (HEART_BEAT) under REPLY_TO_CLIENT, as
+   PUSH_REPLY_MESSAGE_TO_CLIENT (326), a ReplyMessageRequestHeader and the body, and waits for its answer;
+3. stores the reply in its topic as well (storeReplyMessageEnable, on by default in RocketMQ);
+4. answers the replier: SUCCESS (msgId and queueOffset of the stored copy) once the requester took the reply, else
+   SYSTEM_ERROR with RocketMQ's remark -- no REPLY_TO_CLIENT, requester not connected here, push refused or
+   timed out -- so a reply that reached nobody is never answered as sent.
+"""
+from __future__ import annotations
+
+import logging
+
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.message import (
+    SendMessageRequestHeader,
+    encode_record,
+    offset_msg_id,
+    properties_to_string,
+    string_to_properties,
+    tags_code,
+    unpack_host,
+)
+
+from ..store import PutRequest
+from .send import _born_host, _check_topic
+
+log = logging.getLogger("txmq.reply")
+
+REPLY_TO_CLIENT = "REPLY_TO_CLIENT"     # MessageConst.PROPERTY_MESSAGE_REPLY_TO_CLIENT
+PUSH_REPLY_TIME = "PUSH_REPLY_TIME"     # MessageConst.PROPERTY_PUSH_REPLY_TIME
+PUSH_TIMEOUT_S = 3.0                    # the replier's own send times out at 3 s: answer before it gives up
+
+
+def _addr(host: str, port: int) -> str:
+    return f"/{host}:{port}"            # InetSocketAddress.toString(), as RocketMQ writes both hosts
+
+
+async def handle_reply(ctx, conn, cmd):
+    h = SendMessageRequestHeader.from_command(cmd)
+    checked = _check_topic(ctx, conn, cmd, h)
+    if not isinstance(checked, tuple):
+        return checked
+    _, qid = checked
+    body = cmd.body_bytes()
+    if len(body) > ctx.config.max_message_size:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL,
+                            f"the message body size {len(body)} is over the maximum {ctx.config.max_message_size}")
+    props = string_to_properties(h.properties)
+    pushed, remark = await _push(ctx, conn, h, props, body)
+    record = encode_record(
+        topic=h.topic.encode(), body=body, queue_id=qid, flag=h.flag, sys_flag=h.sys_flag,
+        born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
+        properties=h.properties.encode(), reconsume_times=h.reconsume_times)
+    result = await ctx.store.put(PutRequest(record, h.topic, qid, tags_code(props), h.sys_flag))
+    if not pushed:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, remark)
+    msg_id, queue_offset = "0", 0               # RocketMQ's answer when the push worked but the copy was not stored
+    if result.ok:
+        ctx.metrics.count_in(h.topic, 1, len(body))
+        msg_id, queue_offset = offset_msg_id(ctx.store_host, result.physical_offset), result.queue_offset
+    else:
+        log.warning("reply to %s pushed but not stored in %s: %s", props.get(REPLY_TO_CLIENT), h.topic,
+                    result.status.name)
+    return cmd.response(ResponseCode.SUCCESS, None, {"msgId": msg_id, "queueId": qid, "queueOffset": queue_offset,
+                                                      "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
+
+
+async def _push(ctx, conn, h: SendMessageRequestHeader, props: dict, body: bytes) -> tuple[bool, str | None]:
+    """PUSH_REPLY_MESSAGE_TO_CLIENT to the requester: (taken, why not)."""
+    sender = props.get(REPLY_TO_CLIENT)
+    if sender is None:
+        return False, f"reply message properties[{REPLY_TO_CLIENT}] is null"
+    ch = ctx.clients.producer_channel(sender)
+    if ch is None:
+        return False, f"push reply message fail, channel of <{sender}> not found."
+    props = dict(props, **{PUSH_REPLY_TIME: str(ctx.clock())})
+    store_host = unpack_host(ctx.store_host)
+    fields = {
+        "producerGroup": h.producer_group, "topic": h.topic, "defaultTopic": h.default_topic,
+        "defaultTopicQueueNums": h.default_topic_queue_nums, "queueId": h.queue_id, "sysFlag": h.sys_flag,
+        "bornTimestamp": h.born_timestamp, "flag": h.flag, "properties": properties_to_string(props),
+        "reconsumeTimes": h.reconsume_times, "unitMode": "true" if h.unit_mode else "false",
+        "bornHost": _addr(*conn.peer[:2]) if conn.peer[0] else _addr("127.0.0.1", 0),
+        "storeHost": _addr(*store_host), "storeTimestamp": ctx.clock()}
+    push = RemotingCommand.request(RequestCode.PUSH_REPLY_MESSAGE_TO_CLIENT, fields, body)
+    try:
+        answer = await ch.conn.request(push, PUSH_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - a dead or slow requester is this reply's failure, said to the replier
+        log.warning("push reply message to <%s> failed: %s", sender, exc)
+        return False, f"push reply message to {sender}fail."
+    if answer.code != ResponseCode.SUCCESS:
+        log.warning("push reply message to <%s> return fail, response remark: %s", sender, answer.remark)
+        return False, f"push reply message to {sender}fail."
+    return True, None
