@@ -262,6 +262,28 @@ async def test_the_pull_loops_stopped_for_an_offset_reset_start_again_when_stori
 
 
 @bounded(10)
+async def test_an_offset_reset_cut_short_by_shutdown_starts_no_pull_loop_after_it():
+    """Shutdown cancels an offset reset under way; the reset's clean-up started the topic's pull loops
+    again, after shutdown had gathered the loops it stops, so they pulled on with the client closed."""
+    consumer = _push_consumer()
+    q0 = MessageQueue("T", "b", 0)
+    _stand_in_queues(consumer, {"T": [q0]})
+    writing = asyncio.Event()
+
+    async def write(mq, offset):
+        if not writing.is_set():        # the reset's store hangs; shutdown's own commit goes through
+            writing.set()
+            await asyncio.Event().wait()
+    consumer.offset_store.write = write
+    await consumer.rebalance()
+    consumer._on_reset_offset("T", {q0: 0})
+    await writing.wait()
+    await consumer.shutdown()
+    assert consumer._loops == {}
+    assert not [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("pull_loop")]
+
+
+@bounded(10)
 async def test_a_listener_that_returns_no_status_is_told_about(caplog):
     """A listener that forgets to return CONSUME_SUCCESS (None) has every message retried and then
     dead-lettered; that was done without a word. RocketMQ logs "consumeMessage return null"."""
