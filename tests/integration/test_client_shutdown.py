@@ -1,20 +1,24 @@
 """Our clients' shutdown against the real broker: a push consumer lets the listener call in hand finish
 (within shutdown_grace_s), commits what was consumed and leaves the rest to the next consumer; an orderly
-one keeps its queue locked until then; unlocking asks every broker even when one is down.
+one keeps its queue locked until then; unlocking asks every broker even when one is down; a transaction
+producer answers the check in hand before it closes and takes no new one.
 
 Each topic here has one queue, so its messages are consumed strictly in order and "the next consumer
 starts exactly after the message in hand" is a plain list comparison."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
-from producer import Producer
+from producer import LocalTransactionState as S
+from producer import Producer, TransactionProducer
+from protocol.codes import RequestCode
 from protocol.errors import BrokerError
 from tests.support.broker_process import BrokerProcess
-from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, wait_for_route
+from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, request, wait_for_route
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -237,3 +241,45 @@ async def test_unlock_asks_every_broker_when_one_is_down(tmp_path):
         await rival.shutdown()
         for p in [*brokers.values(), namesrv]:
             p.kill()
+
+
+async def test_a_transaction_check_in_hand_is_answered_before_the_producer_closes(broker_factory):
+    broker = broker_factory("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "300")
+    entered, release = asyncio.Event(), asyncio.Event()
+    calls = []
+
+    class Listener:
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            calls.append(msg.body)
+            entered.set()
+            await release.wait()
+            return S.COMMIT_MESSAGE
+
+    async def pending() -> list:
+        resp = await request(broker.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)
+        return json.loads(resp.body_bytes())["pending"]
+
+    producer = await TransactionProducer(broker.namesrv, "PG_drain", Listener(), shutdown_grace_s=10).start()
+    async with asyncio.timeout(30):
+        await producer.send_in_transaction("TxDrain", b"answered at shutdown")
+        await entered.wait()
+        stopping = asyncio.get_running_loop().create_task(producer.shutdown())
+        while not producer.shutting_down:
+            await asyncio.sleep(0)
+        # The broker asks again (the first check is unanswered): that check is not taken.
+        while not stopping.done() and (await pending())[0]["checks"] < 2:
+            await asyncio.sleep(0.05)
+        assert not stopping.done()                  # shutdown waits for the check in hand
+        release.set()
+        await stopping
+        assert calls == [b"answered at shutdown"]
+        assert await pending() == []                # the answer reached the broker before the connection closed
+        probe = PullConsumer(broker.namesrv, "CG_drain")
+        try:
+            got = [m.body for q in await probe.fetch_queues("TxDrain") for m in (await probe.pull(q, 0)).messages]
+        finally:
+            await probe.shutdown()
+    assert got == [b"answered at shutdown"]
