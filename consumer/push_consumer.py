@@ -535,7 +535,9 @@ class PushConsumer:
         if self._lock_task is not None:
             self._lock_task.cancel()
             await asyncio.gather(self._lock_task, return_exceptions=True)
-        for mq in list(self._offsets):
+        # Only the queues still this consumer's: one given away (whose hand-over commit failed) belongs to
+        # its new owner, and its old offset written now would undo that owner's progress.
+        for mq in [q for q in self._offsets if q in self._owned]:
             try:
                 await self._commit(mq)
             except BrokerError as exc:

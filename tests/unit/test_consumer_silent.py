@@ -178,6 +178,7 @@ async def test_offsets_that_cannot_be_committed_at_shutdown_are_logged(caplog):
     the messages consumed since the last commit came again at the next start for no visible reason."""
     consumer = _push_consumer()
     mq = MessageQueue("T", "b", 0)
+    consumer._owned = {mq}
     consumer._offsets[mq] = 9
 
     async def write(q, offset):
@@ -238,6 +239,23 @@ async def test_a_topic_whose_route_cannot_be_had_does_not_stop_the_others_rebala
     finally:
         await _stop(consumer)
     assert "No topic route info" in caplog.text
+
+
+@bounded(10)
+async def test_shutdown_does_not_commit_a_queue_given_away_over_its_new_owner():
+    """A queue given away whose hand-over commit failed kept its old offset here, and shutdown wrote it:
+    the new owner's progress was undone and what it had consumed since came again."""
+    consumer = _push_consumer()
+    kept, given = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    consumer._owned = {kept}
+    consumer._offsets.update({kept: 5, given: 3})
+    written = {}
+
+    async def write(mq, offset):
+        written[mq] = offset
+    consumer.offset_store.write = write
+    await consumer.shutdown()
+    assert written == {kept: 5}
 
 
 @bounded(10)
