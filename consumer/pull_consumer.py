@@ -309,24 +309,46 @@ class PullConsumer:
         return await self._lock_call(RequestCode.LOCK_BATCH_MQ, mqs)
 
     async def unlock_queues(self, mqs: list[MessageQueue] | set[MessageQueue]) -> None:
-        """UNLOCK_BATCH_MQ: give queues up so another consumer of the group can lock them at once."""
-        await self._lock_call(RequestCode.UNLOCK_BATCH_MQ, mqs)
+        """UNLOCK_BATCH_MQ: give queues up so another consumer of the group can lock them at once.
 
-    async def _lock_call(self, code, mqs) -> set[MessageQueue]:
+        Every broker is asked, whatever the others answer: one that cannot be reached does not keep the
+        other brokers' queues locked until they expire. Each failure is logged; the first is raised once
+        all were asked (that broker's locks expire after its queue_lock_max_live_ms)."""
+        failed = None
+        for broker_name, queues in self._by_broker(mqs).items():
+            try:
+                await self._lock_call_one(RequestCode.UNLOCK_BATCH_MQ, queues)
+            except Exception as exc:  # noqa: BLE001 - a route lookup may fail with anything; the next broker is still asked
+                log.warning("group %s: could not unlock %d queue(s) on broker %s: %s", self.group, len(queues),
+                            broker_name, exc)
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+    @staticmethod
+    def _by_broker(mqs) -> dict[str, list[MessageQueue]]:
         by_broker: dict[str, list[MessageQueue]] = {}
         for mq in mqs:
             by_broker.setdefault(mq.broker_name, []).append(mq)
+        return by_broker
+
+    async def _lock_call(self, code, mqs) -> set[MessageQueue]:
         granted: set[MessageQueue] = set()
-        for broker_name, queues in by_broker.items():
-            body = json.dumps({"consumerGroup": self.group, "clientId": self.client_id, "mqSet": [
-                {"topic": q.topic, "brokerName": q.broker_name, "queueId": q.queue_id} for q in queues]})
-            resp = await self._request(queues[0], RemotingCommand.request(code, body=body.encode()), self.timeout)
-            if resp.code != ResponseCode.SUCCESS:
-                raise error_for_code(resp.code, resp.remark)
-            if code == RequestCode.LOCK_BATCH_MQ:
-                for q in json.loads(resp.body_bytes() or b"{}").get("lockOKMQSet") or []:
-                    granted.add(MessageQueue(q["topic"], q["brokerName"], int(q["queueId"])))
+        for queues in self._by_broker(mqs).values():
+            granted |= await self._lock_call_one(code, queues)
         return granted
+
+    async def _lock_call_one(self, code, queues: list[MessageQueue]) -> set[MessageQueue]:
+        """One LOCK/UNLOCK_BATCH_MQ to the broker of ``queues`` (all of one broker); the queues granted."""
+        body = json.dumps({"consumerGroup": self.group, "clientId": self.client_id, "mqSet": [
+            {"topic": q.topic, "brokerName": q.broker_name, "queueId": q.queue_id} for q in queues]})
+        resp = await self._request(queues[0], RemotingCommand.request(code, body=body.encode()), self.timeout)
+        if resp.code != ResponseCode.SUCCESS:
+            raise error_for_code(resp.code, resp.remark)
+        if code != RequestCode.LOCK_BATCH_MQ:
+            return set()
+        return {MessageQueue(q["topic"], q["brokerName"], int(q["queueId"]))
+                for q in json.loads(resp.body_bytes() or b"{}").get("lockOKMQSet") or []}
 
     async def send_back(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int = 16,
                         delay_level: int = 0) -> None:

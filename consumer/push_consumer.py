@@ -44,6 +44,11 @@ class _LockLost(Exception):
     """An orderly queue's lock lapsed while a message waited to be retried."""
 
 
+class _Stopping(Exception):
+    """Shutdown began while a message waited to be retried or handed back: it is left unconsumed
+    (its offset is not committed), for whoever consumes the queue next."""
+
+
 class ConsumeStatus(enum.Enum):
     """A listener's verdict: consumed, or hand the message back for a later retry."""
 
@@ -58,7 +63,8 @@ class PushConsumer:
     ``consume_from``: where a queue the group never consumed starts, ``"first"`` or ``"last"``;
     ``max_reconsume_times``: retries before %DLQ%<group>; ``orderly`` / ``message_model``: see the
     module's docstring. The intervals (seconds) set rebalancing, offset commits, long-poll time and
-    queue locks. Use it as ``consumer.subscribe(topic)`` then ``async with consumer:`` (or
+    queue locks. ``shutdown_grace_s``: how long shutdown lets listeners already running finish (see
+    ``shutdown``). Use it as ``consumer.subscribe(topic)`` then ``async with consumer:`` (or
     ``await consumer.start()`` ... ``await consumer.shutdown()``).
     """
 
@@ -69,7 +75,10 @@ class PushConsumer:
                  credentials: Credentials | None = None,
                  orderly: bool = False, message_model: str = "CLUSTERING", instance_name: str | None = None,
                  offset_store_dir: str | None = None, lock_interval_s: float = 20.0, lock_expire_s: float = 30.0,
-                 lock_retry_s: float = 1.0, suspend_s: float = 1.0, consume_timeout_s: float = 900.0):
+                 lock_retry_s: float = 1.0, suspend_s: float = 1.0, consume_timeout_s: float = 900.0,
+                 shutdown_grace_s: float = 5.0):
+        if shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r}: 0 or more seconds")
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
@@ -90,6 +99,9 @@ class PushConsumer:
         # An async listener still running after this is cancelled and its message retried (RocketMQ's
         # consumeTimeout, 15 min): one that never returns would hold its queue, with nothing said.
         self.consume_timeout_s = consume_timeout_s
+        # Shutdown waits this long for listeners already running (RocketMQ's awaitTerminationMillisWhenShutdown);
+        # 0 cancels them at once, and their messages come again.
+        self.shutdown_grace_s = shutdown_grace_s
         broadcasting = message_model == "BROADCASTING"
         # A broadcasting consumer's offsets file is found again by its client id, so that id must not
         # change between runs: RocketMQ keeps the instance name "DEFAULT" in this mode.
@@ -108,6 +120,9 @@ class PushConsumer:
         self._offsets: dict[MessageQueue, int] = {}
         self._committed: dict[MessageQueue, int] = {}
         self._tasks: list[asyncio.Task] = []
+        self._lock_task: asyncio.Task | None = None
+        self._consuming: set[MessageQueue] = set()    # queues whose loop has a message in hand
+        self._stopping = False
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
 
@@ -139,7 +154,8 @@ class PushConsumer:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._rebalance_loop()), loop.create_task(self._commit_loop())]
         if self.orderly:
-            self._tasks.append(loop.create_task(self._lock_loop()))
+            self._lock_task = loop.create_task(self._lock_loop())
+            self._tasks.append(self._lock_task)
         for task in self._tasks:
             task.add_done_callback(self._crashed)
         return self
@@ -233,11 +249,11 @@ class PushConsumer:
             released = [q for q in self._locks if q not in owned]
             for mq in released:
                 del self._locks[mq]
-            try:
-                if released:
+            if released:
+                try:
                     await self.client.unlock_queues(released)     # the new owner need not wait for expiry
-            except BrokerError as exc:     # they expire on the broker
-                log.warning("push consumer %s could not unlock %s: %s", self.group, released, exc)
+                except Exception:  # noqa: BLE001 - logged broker by broker; those expire on their brokers
+                    pass     # and the queues taken on are still locked and started below
             try:
                 await self._lock_owned()
             except BrokerError as exc:     # the queues wait for their locks; the lock loop asks again
@@ -246,6 +262,8 @@ class PushConsumer:
             self._start_loop(mq)
 
     def _start_loop(self, mq: MessageQueue) -> None:
+        if self._stopping:      # a rebalance or offset reset ending as shutdown cancels it starts nothing new
+            return
         task = self._loops[mq] = asyncio.get_running_loop().create_task(self._pull_loop(mq))
         task.add_done_callback(lambda t, q=mq: self._crashed(t, q))
 
@@ -340,7 +358,7 @@ class PushConsumer:
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
         offset = None
-        while True:
+        while not self._stopping:
             try:
                 if self.orderly and not self._locked(mq):
                     # Whoever held the queue meanwhile may have moved on: start again from the stored offset.
@@ -350,9 +368,15 @@ class PushConsumer:
                     offset = self._offsets[mq] = await self._start_offset(mq)
                 res = await self.client.pull(mq, offset, expression=expression, suspend_ms=self.suspend_ms)
                 for msg in res.messages:
+                    if self._stopping:
+                        break          # shutdown: the rest of the batch is the next consumer's
                     if self.orderly and not self._locked(mq):
                         break          # the lock lapsed mid-batch: consuming on could race the next owner
-                    await self._consume(mq, msg)
+                    self._consuming.add(mq)
+                    try:
+                        await self._consume(mq, msg)
+                    finally:
+                        self._consuming.discard(mq)
                     self._offsets[mq] = msg.queue_offset + 1
                 else:
                     if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:
@@ -362,6 +386,8 @@ class PushConsumer:
                 raise
             except _LockLost:
                 offset = None          # the message is retried by whoever holds the queue next
+            except _Stopping:
+                return
             except BrokerError as exc:
                 log.info("pull of %s failed: %s; retrying in %.0f s", mq, exc, self.pull_retry_delay_s)
                 await asyncio.sleep(self.pull_retry_delay_s)
@@ -402,6 +428,10 @@ class PushConsumer:
                 await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times)
                 return
             except BrokerError as exc:
+                if self._stopping:
+                    log.warning("could not hand %s back (%s) while shutting down: left uncommitted, it comes "
+                                "again", msg.msg_id, exc)
+                    raise _Stopping() from None
                 log.warning("could not hand %s back (%s); retrying it here", msg.msg_id, exc)
                 await asyncio.sleep(self.local_retry_delay_s)
 
@@ -423,11 +453,19 @@ class PushConsumer:
                                                     delay_level=-1)
                         return
                     except BrokerError as exc:
+                        if self._stopping:
+                            log.warning("could not dead-letter %s (%s) while shutting down: left uncommitted",
+                                        msg.msg_id, exc)
+                            raise _Stopping() from None
                         log.warning("could not dead-letter %s (%s); retrying", msg.msg_id, exc)
                         await asyncio.sleep(self.local_retry_delay_s)
+            if self._stopping:      # retried in place by whoever consumes the queue next, in its order
+                raise _Stopping()
             retries += 1
             msg.reconsume_times += 1
             await asyncio.sleep(self.suspend_s)
+            if self._stopping:
+                raise _Stopping()
             if self.orderly and not self._locked(mq):
                 raise _LockLost()
 
@@ -459,13 +497,47 @@ class PushConsumer:
             except Exception:  # noqa: BLE001 - as above
                 self._turn_failed("offset flush")
 
+    @property
+    def shutting_down(self) -> bool:
+        """True once ``shutdown`` has begun: no new pulls, no new messages handed to the listener."""
+        return self._stopping
+
     async def shutdown(self) -> None:
-        """Stop the pull loops, commit the offsets consumed, unlock, unregister and close."""
-        for task in [*self._tasks, *self._loops.values()]:
+        """Stop fetching, let the listener calls running finish, commit, unlock, unregister and close.
+
+        No pull is made and no new message is given to the listener once this begins. A listener
+        already running is given up to ``shutdown_grace_s`` to return, and its verdict is acted on
+        (consumed: its offset is committed; RECONSUME_LATER: handed back once); one still running then
+        is cancelled and its message, like the rest of its batch, is not committed, so the queue's next
+        consumer gets it. Then the offsets of what was consumed are committed, an orderly consumer's
+        locks are released (only now, so no one else consumes a queue while its message is in hand),
+        and the consumer leaves the group.
+        """
+        self._stopping = True
+        others = [t for t in self._tasks if t is not self._lock_task]     # locks held while messages are in hand
+        for task in others:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._loops.values(), return_exceptions=True)
+        loops = list(self._loops.items())
+        busy = [task for mq, task in loops if mq in self._consuming]
+        for mq, task in loops:
+            if mq not in self._consuming:
+                task.cancel()        # waiting for a pull, a lock or a retry: nothing in hand
+        late = busy
+        if busy and self.shutdown_grace_s > 0:
+            _, late = await asyncio.wait(busy, timeout=self.shutdown_grace_s)
+        if late:
+            log.warning("push consumer %s: %d listener call(s) still running after %g s (shutdown_grace_s): "
+                        "cancelled, their messages not committed", self.group, len(late), self.shutdown_grace_s)
+            for task in late:
+                task.cancel()
+        await asyncio.gather(*others, *(task for _, task in loops), return_exceptions=True)
         self._loops.clear()
-        for mq in list(self._offsets):
+        if self._lock_task is not None:
+            self._lock_task.cancel()
+            await asyncio.gather(self._lock_task, return_exceptions=True)
+        # Only the queues still this consumer's: one given away (whose hand-over commit failed) belongs to
+        # its new owner, and its old offset written now would undo that owner's progress.
+        for mq in [q for q in self._offsets if q in self._owned]:
             try:
                 await self._commit(mq)
             except BrokerError as exc:
@@ -478,7 +550,8 @@ class PushConsumer:
         if self.orderly and self._locks:
             try:      # the next owner need not wait for the locks to expire
                 await self.client.unlock_queues(list(self._locks))
-            except (BrokerError, OSError, asyncio.TimeoutError):
-                pass
+            except Exception as exc:  # noqa: BLE001 - each broker's failure was logged; theirs expire
+                log.warning("push consumer %s: some queue locks not released at shutdown (%s); they expire on "
+                            "their brokers", self.group, exc)
             self._locks.clear()
         await self.client.shutdown()

@@ -99,12 +99,15 @@ class TransactionProducer(Producer):
 
     ``end_retries`` / ``end_timeout``: how often and how long an END_TRANSACTION request is tried.
     ``end_probe_interval_s``: while ENDs go oneway (the broker did not acknowledge one), how often one is
-    sent as a request again to find out whether acknowledgements are back. Other keywords: ``Producer``.
+    sent as a request again to find out whether acknowledgements are back. ``shutdown_grace_s``: how long
+    shutdown waits for the broker's checks being answered (see ``shutdown``). Other keywords: ``Producer``.
     """
 
     def __init__(self, namesrv_addr: str, group: str, listener: TransactionListener, *,
                  end_retries: int = 5, end_timeout: float = 3.0, end_probe_interval_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, **kwargs: Any):
+                 clock: Callable[[], float] = time.monotonic, shutdown_grace_s: float = 5.0, **kwargs: Any):
+        if shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r}: 0 or more seconds")
         super().__init__(namesrv_addr, group, **kwargs)
         self.listener = listener
         self.end_retries = end_retries
@@ -114,6 +117,8 @@ class TransactionProducer(Producer):
         self._clock = clock
         self._oneway_since = 0.0                      # clock() when ENDs went oneway (or were last probed)
         self._check_tasks: set[asyncio.Task] = set()
+        self.shutdown_grace_s = shutdown_grace_s
+        self._stopping = False
 
     async def send_in_transaction(self, topic: str, body: bytes, arg: Any = None, *, tags: str | None = None,
                                   keys: str | list[str] | None = None,
@@ -217,6 +222,9 @@ class TransactionProducer(Producer):
     def _on_request(self, conn, cmd):
         if cmd.code != RequestCode.CHECK_TRANSACTION_STATE:
             return super()._on_request(conn, cmd)
+        if self._stopping:      # oneway, nothing to answer: the broker asks again (this group's other producers)
+            log.info("CHECK_TRANSACTION_STATE not taken: producer %s is shutting down", self.group)
+            return None
         task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd))
         self._check_tasks.add(task)
         task.add_done_callback(self._check_tasks.discard)
@@ -244,3 +252,25 @@ class TransactionProducer(Producer):
                             msg_id, state, True, remark)
         except Exception as exc:  # noqa: BLE001 - the broker will ask again
             log.info("answer to check of %s failed: %s", msg_id, exc)
+
+    @property
+    def shutting_down(self) -> bool:
+        """True once ``shutdown`` has begun: the broker's checks are no longer taken."""
+        return self._stopping
+
+    async def shutdown(self) -> None:
+        """Take no more checks, let those being answered finish (up to ``shutdown_grace_s``), then as
+        ``Producer.shutdown``: a check answered meanwhile reaches the broker over a connection still open.
+        A check still running after the grace period is cancelled; its transaction is asked about again."""
+        self._stopping = True
+        running = set(self._check_tasks)
+        late = running
+        if running and self.shutdown_grace_s > 0:
+            _, late = await asyncio.wait(running, timeout=self.shutdown_grace_s)
+        if late:
+            log.warning("producer %s: %d transaction check(s) still running after %g s (shutdown_grace_s): "
+                        "cancelled; the broker will ask again", self.group, len(late), self.shutdown_grace_s)
+            for task in late:
+                task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await super().shutdown()

@@ -178,6 +178,7 @@ async def test_offsets_that_cannot_be_committed_at_shutdown_are_logged(caplog):
     the messages consumed since the last commit came again at the next start for no visible reason."""
     consumer = _push_consumer()
     mq = MessageQueue("T", "b", 0)
+    consumer._owned = {mq}
     consumer._offsets[mq] = 9
 
     async def write(q, offset):
@@ -241,6 +242,23 @@ async def test_a_topic_whose_route_cannot_be_had_does_not_stop_the_others_rebala
 
 
 @bounded(10)
+async def test_shutdown_does_not_commit_a_queue_given_away_over_its_new_owner():
+    """A queue given away whose hand-over commit failed kept its old offset here, and shutdown wrote it:
+    the new owner's progress was undone and what it had consumed since came again."""
+    consumer = _push_consumer()
+    kept, given = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    consumer._owned = {kept}
+    consumer._offsets.update({kept: 5, given: 3})
+    written = {}
+
+    async def write(mq, offset):
+        written[mq] = offset
+    consumer.offset_store.write = write
+    await consumer.shutdown()
+    assert written == {kept: 5}
+
+
+@bounded(10)
 async def test_the_pull_loops_stopped_for_an_offset_reset_start_again_when_storing_it_fails():
     """RESET_CONSUMER_CLIENT_OFFSET stops the topic's pull loops, stores the new offsets and starts the
     loops again. A store that raised ended it in between: the topic's queues had no pull loop until
@@ -259,6 +277,28 @@ async def test_the_pull_loops_stopped_for_an_offset_reset_start_again_when_stori
         assert set(consumer._loops) == {q0, q1}
     finally:
         await _stop(consumer)
+
+
+@bounded(10)
+async def test_an_offset_reset_cut_short_by_shutdown_starts_no_pull_loop_after_it():
+    """Shutdown cancels an offset reset under way; the reset's clean-up started the topic's pull loops
+    again, after shutdown had gathered the loops it stops, so they pulled on with the client closed."""
+    consumer = _push_consumer()
+    q0 = MessageQueue("T", "b", 0)
+    _stand_in_queues(consumer, {"T": [q0]})
+    writing = asyncio.Event()
+
+    async def write(mq, offset):
+        if not writing.is_set():        # the reset's store hangs; shutdown's own commit goes through
+            writing.set()
+            await asyncio.Event().wait()
+    consumer.offset_store.write = write
+    await consumer.rebalance()
+    consumer._on_reset_offset("T", {q0: 0})
+    await writing.wait()
+    await consumer.shutdown()
+    assert consumer._loops == {}
+    assert not [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("pull_loop")]
 
 
 @bounded(10)

@@ -1,0 +1,285 @@
+"""Our clients' shutdown against the real broker: a push consumer lets the listener call in hand finish
+(within shutdown_grace_s), commits what was consumed and leaves the rest to the next consumer; an orderly
+one keeps its queue locked until then; unlocking asks every broker even when one is down; a transaction
+producer answers the check in hand before it closes and takes no new one.
+
+Each topic here has one queue, so its messages are consumed strictly in order and "the next consumer
+starts exactly after the message in hand" is a plain list comparison."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
+from producer import LocalTransactionState as S
+from producer import Producer, TransactionProducer
+from protocol.codes import RequestCode
+from protocol.errors import BrokerError
+from tests.support.broker_process import BrokerProcess
+from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, request, wait_for_route
+from tests.support.delays import FAST
+
+pytestmark = pytest.mark.asyncio
+BODIES = [f"m{i}".encode() for i in range(10)]
+
+
+async def _one_queue_topic(broker, topic: str) -> str:
+    await create_topic(broker.broker, topic, 1)
+    async with Producer(broker.namesrv, "PG_shutdown") as producer:
+        for body in BODIES:
+            await producer.send(topic, body)
+    return topic
+
+
+async def _committed(namesrv: str, group: str, topic: str) -> int | None:
+    """``group``'s committed offset of ``topic``'s one queue."""
+    probe = PullConsumer(namesrv, group)
+    try:
+        return await probe.fetch_offset((await probe.fetch_queues(topic))[0])
+    finally:
+        await probe.shutdown()
+
+
+async def _blocked_then_shutdown(consumer: PushConsumer, entered: asyncio.Event, during=None) -> float:
+    """Start ``consumer``, wait until its listener holds a message, start shutdown, run ``during()``
+    while shutdown waits, and return how long shutdown took."""
+    loop = asyncio.get_running_loop()
+    await consumer.start()
+    await entered.wait()
+    began = loop.time()
+    stopping = loop.create_task(consumer.shutdown())
+    while not consumer.shutting_down:     # its first step (stop pulling, pick the loops to wait for) is done
+        await asyncio.sleep(0)
+    if during is not None:
+        await during()
+    await stopping
+    return loop.time() - began
+
+
+async def _next_consumer_gets(namesrv: str, group: str, topic: str, count: int, **options) -> list:
+    """What a fresh consumer of ``group`` is given, once it has been given ``count`` messages."""
+    got = []
+    enough = asyncio.Event()
+
+    def listener(msg):
+        got.append(msg)
+        if len(got) >= count:
+            enough.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(namesrv, group, listener, consume_from="first", suspend_ms=300, **options)
+    consumer.subscribe(topic)
+    async with consumer:
+        await enough.wait()
+    return got
+
+
+async def test_shutdown_lets_the_message_in_hand_finish_commits_it_and_leaves_the_rest(broker_factory):
+    broker = broker_factory(*FAST)
+    topic = await _one_queue_topic(broker, "Graceful")
+    entered, release = asyncio.Event(), asyncio.Event()
+    finished = []
+
+    async def listener(msg):
+        entered.set()
+        await release.wait()
+        finished.append(msg.body)
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    first = PushConsumer(broker.namesrv, "CG_grace", listener, consume_from="first", suspend_ms=300,
+                         shutdown_grace_s=10)
+    first.subscribe("Graceful")
+
+    async def released():
+        assert not finished
+        release.set()
+
+    async with asyncio.timeout(30):
+        await _blocked_then_shutdown(first, entered, released)
+        assert finished == [b"m0"]                  # not cancelled mid-way, and nothing after it taken
+        assert await _committed(broker.namesrv, "CG_grace", topic) == 1
+        rest = await _next_consumer_gets(broker.namesrv, "CG_grace", "Graceful", 9)
+    assert [m.body for m in rest] == BODIES[1:]     # m0 not again, none lost
+
+
+async def test_a_message_failed_during_shutdown_is_handed_back_not_lost(broker_factory):
+    broker = broker_factory(*FAST)                  # retries come back after 100s of ms
+    topic = await _one_queue_topic(broker, "GracefulRetry")
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        entered.set()
+        await release.wait()
+        return ConsumeStatus.RECONSUME_LATER
+
+    first = PushConsumer(broker.namesrv, "CG_grace_retry", listener, consume_from="first", suspend_ms=300,
+                         shutdown_grace_s=10)
+    first.subscribe("GracefulRetry")
+
+    async def released():
+        release.set()
+
+    async with asyncio.timeout(30):
+        await _blocked_then_shutdown(first, entered, released)
+        assert await _committed(broker.namesrv, "CG_grace_retry", topic) == 1    # handed back: the queue moves on
+        rest = await _next_consumer_gets(broker.namesrv, "CG_grace_retry", "GracefulRetry", 10)
+    assert [m.body for m in rest if m.reconsume_times == 0] == BODIES[1:]
+    assert [(m.body, m.reconsume_times) for m in rest if m.reconsume_times] == [(b"m0", 1)]
+
+
+async def test_a_listener_past_the_grace_period_is_cancelled_and_its_message_comes_again(broker_factory):
+    broker = broker_factory()
+    topic = await _one_queue_topic(broker, "Ungraceful")
+    entered = asyncio.Event()
+    cancelled = []
+
+    async def listener(msg):
+        entered.set()
+        try:
+            await asyncio.Event().wait()            # never returns
+        except asyncio.CancelledError:
+            cancelled.append(msg.body)
+            raise
+
+    first = PushConsumer(broker.namesrv, "CG_ungraceful", listener, consume_from="first", suspend_ms=300,
+                         shutdown_grace_s=0.3)
+    first.subscribe("Ungraceful")
+    async with asyncio.timeout(30):
+        took = await _blocked_then_shutdown(first, entered)
+        assert cancelled == [b"m0"]
+        assert 0.3 <= took < 5
+        assert await _committed(broker.namesrv, "CG_ungraceful", topic) in (None, 0)
+        rest = await _next_consumer_gets(broker.namesrv, "CG_ungraceful", "Ungraceful", 10)
+    assert [m.body for m in rest] == BODIES
+
+
+async def test_an_orderly_consumer_keeps_its_lock_until_the_message_in_hand_is_done(broker_factory):
+    broker = broker_factory()
+    topic = await _one_queue_topic(broker, "OrderlyGrace")
+    entered, release = asyncio.Event(), asyncio.Event()
+    finished = []
+
+    async def listener(msg):
+        entered.set()
+        await release.wait()
+        finished.append(msg.body)
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    first = PushConsumer(broker.namesrv, "CG_orderly_grace", listener, orderly=True, consume_from="first",
+                         suspend_ms=300, shutdown_grace_s=10)
+    first.subscribe("OrderlyGrace")
+    rival = PullConsumer(broker.namesrv, "CG_orderly_grace")
+    queue = (await rival.fetch_queues("OrderlyGrace"))[0]
+
+    async def rival_refused_then_release():
+        assert await rival.lock_queues([queue]) == set()     # still held while m0 is in hand
+        release.set()
+
+    try:
+        async with asyncio.timeout(30):
+            await _blocked_then_shutdown(first, entered, rival_refused_then_release)
+            assert finished == [b"m0"]
+            assert await _committed(broker.namesrv, "CG_orderly_grace", topic) == 1
+            assert await rival.lock_queues([queue]) == {queue}   # released at shutdown, not left to expire
+            await rival.unlock_queues([queue])
+            rest = await _next_consumer_gets(broker.namesrv, "CG_orderly_grace", "OrderlyGrace", 9, orderly=True)
+    finally:
+        await rival.shutdown()
+    assert [m.body for m in rest] == BODIES[1:]
+
+
+async def test_an_orderly_message_failed_during_shutdown_is_left_in_place_for_the_next_owner(broker_factory):
+    broker = broker_factory()
+    topic = await _one_queue_topic(broker, "OrderlyFailed")
+    entered, release = asyncio.Event(), asyncio.Event()
+    calls = []
+
+    async def listener(msg):
+        calls.append(msg.body)
+        entered.set()
+        await release.wait()
+        return ConsumeStatus.RECONSUME_LATER
+
+    first = PushConsumer(broker.namesrv, "CG_orderly_failed", listener, orderly=True, consume_from="first",
+                         suspend_ms=300, suspend_s=0.2, shutdown_grace_s=10)
+    first.subscribe("OrderlyFailed")
+
+    async def released():
+        release.set()
+
+    async with asyncio.timeout(30):
+        await _blocked_then_shutdown(first, entered, released)
+        # Not retried here until the grace period ends, nor skipped: the next owner retries it, in order.
+        assert calls == [b"m0"]
+        assert await _committed(broker.namesrv, "CG_orderly_failed", topic) in (None, 0)
+        rest = await _next_consumer_gets(broker.namesrv, "CG_orderly_failed", "OrderlyFailed", 10, orderly=True)
+    assert [m.body for m in rest] == BODIES
+
+
+async def test_unlock_asks_every_broker_when_one_is_down(tmp_path):
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    brokers = {name: BrokerProcess(tmp_path / name, *cluster_flags(namesrv.addr, name, 1000)).start()
+               for name in ("broker-a", "broker-b")}
+    holder = PullConsumer(namesrv.addr, "CG_unlock")
+    rival = PullConsumer(namesrv.addr, "CG_unlock")
+    try:
+        async with asyncio.timeout(30):
+            for b in brokers.values():
+                await create_topic(b.broker, "Locked", 1)
+            await wait_for_route(namesrv.addr, "Locked", set(brokers))
+            queues = {q.broker_name: q for q in await holder.fetch_queues("Locked")}
+            assert await holder.lock_queues(queues.values()) == set(queues.values())
+            brokers["broker-b"].kill()
+            with pytest.raises(BrokerError):      # broker-b's failure is reported...
+                await holder.unlock_queues([queues["broker-b"], queues["broker-a"]])
+            # ...and broker-a, asked after it, released its queue all the same
+            assert await rival.lock_queues([queues["broker-a"]]) == {queues["broker-a"]}
+    finally:
+        await holder.shutdown()
+        await rival.shutdown()
+        for p in [*brokers.values(), namesrv]:
+            p.kill()
+
+
+async def test_a_transaction_check_in_hand_is_answered_before_the_producer_closes(broker_factory):
+    broker = broker_factory("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "300")
+    entered, release = asyncio.Event(), asyncio.Event()
+    calls = []
+
+    class Listener:
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            calls.append(msg.body)
+            entered.set()
+            await release.wait()
+            return S.COMMIT_MESSAGE
+
+    async def pending() -> list:
+        resp = await request(broker.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)
+        return json.loads(resp.body_bytes())["pending"]
+
+    producer = await TransactionProducer(broker.namesrv, "PG_drain", Listener(), shutdown_grace_s=10).start()
+    async with asyncio.timeout(30):
+        await producer.send_in_transaction("TxDrain", b"answered at shutdown")
+        await entered.wait()
+        stopping = asyncio.get_running_loop().create_task(producer.shutdown())
+        while not producer.shutting_down:
+            await asyncio.sleep(0)
+        # The broker asks again (the first check is unanswered): that check is not taken.
+        while not stopping.done() and (await pending())[0]["checks"] < 2:
+            await asyncio.sleep(0.05)
+        assert not stopping.done()                  # shutdown waits for the check in hand
+        release.set()
+        await stopping
+        assert calls == [b"answered at shutdown"]
+        assert await pending() == []                # the answer reached the broker before the connection closed
+        probe = PullConsumer(broker.namesrv, "CG_drain")
+        try:
+            got = [m.body for q in await probe.fetch_queues("TxDrain") for m in (await probe.pull(q, 0)).messages]
+        finally:
+            await probe.shutdown()
+    assert got == [b"answered at shutdown"]
