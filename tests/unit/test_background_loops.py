@@ -186,6 +186,7 @@ async def test_the_push_consumers_commit_loop_goes_on_after_a_turn_that_raised(c
     consumer = _push_consumer(offset_commit_interval_s=0.01)
     mq = MessageQueue("T", "b", 0)
     consumer._offsets[mq] = 7
+    consumer._loops[mq] = asyncio.get_running_loop().create_future()     # owned: its pull loop stands in
     second = asyncio.Event()
     written = {}
 
@@ -199,6 +200,7 @@ async def test_the_push_consumers_commit_loop_goes_on_after_a_turn_that_raised(c
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        consumer._loops.pop(mq).cancel()
         await consumer.client.shutdown()
     assert written == {mq: 7} and consumer.crashes == 1
 
@@ -236,3 +238,32 @@ async def test_a_push_consumers_pull_loop_goes_on_after_a_turn_that_raised(caplo
         await asyncio.gather(task, return_exceptions=True)
         await consumer.client.shutdown()
     assert asked == [0, 0] and consumer.crashes == 1 and "pull loop of" in caplog.text
+
+
+@bounded(20)
+async def test_the_push_consumers_commit_loop_recommits_owned_queues_only():
+    """Every round commits each owned queue's offset again, changed or not (a broker killed before saving
+    forgot it), and never a queue given away (its old offset would undo the new owner's progress)."""
+    from consumer.pull_consumer import MessageQueue
+    consumer = _push_consumer(offset_commit_interval_s=0.01)
+    owned, given_away = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    consumer._offsets.update({owned: 7, given_away: 3})
+    consumer._committed.update({owned: 7})
+    consumer._loops[owned] = asyncio.get_running_loop().create_future()
+    writes = []
+    third = asyncio.Event()
+
+    async def write(q, offset):
+        writes.append((q, offset))
+        if len(writes) == 3:
+            third.set()
+    consumer.offset_store.write = write
+    task = asyncio.get_running_loop().create_task(consumer._commit_loop())
+    try:
+        await asyncio.wait_for(third.wait(), SECOND_TURN_S)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        consumer._loops.pop(owned).cancel()
+        await consumer.client.shutdown()
+    assert writes[:3] == [(owned, 7)] * 3
