@@ -11,7 +11,10 @@
 Units before a queue's first real unit (a queue rebuilt after old segments expired) are
 RocketMQ's pre-blank ``(0, 0x7FFFFFFF, 0)``. Consume queues are derived data: the
 writer appends units only for records that are already readable, the files are flushed
-lazily before each checkpoint, and recovery rebuilds any tail they lack from the log.
+lazily before each checkpoint, and recovery rebuilds any tail they lack from the log. A new
+file's (or queue directory's) name is synced into its directory once, by that same checkpoint
+(``unsynced``): the checkpoint vouches for the units in it, and a name a power loss took would
+take them along where recovery does not look.
 Only the event-loop thread touches a queue, except ``flush`` (the flush thread, on
 ranges snapshotted by ``dirty_ranges``).
 
@@ -30,7 +33,7 @@ import struct
 
 from protocol.errors import StoreError
 
-from .mapped_file import MappedFile, last_nonzero, parse_name
+from .mapped_file import MappedFile, last_nonzero, make_dirs, parse_name
 
 log = logging.getLogger("txmq.store")
 
@@ -54,6 +57,9 @@ class ConsumeQueue:
         self._attempt_from = 0
         self.last_error: OSError | None = None
         self.damaged: str | None = None     # why load found units missing before the last file (recovery rebuilds)
+        # Directories whose entries changed (a new file, a new queue directory) and are not fsynced yet: the
+        # store syncs them once, on its I/O thread, before the checkpoint that says these units are durable.
+        self.unsynced: list[str] = []
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -175,11 +181,19 @@ class ConsumeQueue:
 
     def _new_file(self, byte: int) -> None:
         if not self.files:
-            os.makedirs(self.directory, exist_ok=True)
+            self.unsynced += make_dirs(self.directory)
             self.min_offset = self.max_offset
         start = byte - byte % self.file_size
+        # Not synced here (this is the event loop): the next checkpoint syncs the directory, and the units in
+        # the file are not durable before that checkpoint either (a crash rebuilds them from the log).
         self.files.append(MappedFile.create(self.directory, start, self.file_size, reserve=RESERVE_CHUNK,
                                             durable_name=False))
+        self.unsynced.append(self.directory)
+
+    def take_unsynced(self) -> list[str]:
+        """The directories to fsync before the next checkpoint (parents first); the list is handed over."""
+        dirs, self.unsynced = self.unsynced, []
+        return dirs
 
     # --------------------------------------------------------------- reads
     def _locate(self, offset: int) -> tuple[MappedFile, int] | None:
