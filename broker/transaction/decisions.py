@@ -46,7 +46,10 @@ class DecisionTable:
             if name.isdigit() and len(name) == 20:
                 self._open(int(name))
             elif name.endswith(_AHEAD):         # a file made ahead by a process that stopped before linking it
-                os.unlink(os.path.join(directory, name))
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except FileNotFoundError:       # or by a table of this process, whose thread just did
+                    pass
 
     def _path(self, base: int) -> str:
         return os.path.join(self.directory, f"{base:020d}")
@@ -109,6 +112,7 @@ class DecisionTable:
         if os.path.exists(path):
             return None
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        linked = False
         try:
             # Zeros written, not fallocate'd: the first store into an allocated-but-unwritten block through
             # the mapping converts the extent on the loop (first decision 187 us against 15 us, each new page
@@ -118,11 +122,16 @@ class DecisionTable:
                 os.link(tmp, path)
             except FileExistsError:
                 return None
-            fsync_dir(self.directory)       # a thread: its name is durable before any decision goes in it
+            linked = True
             return mmap.mmap(fd, self.file_entries)
         finally:
             os.close(fd)
-            os.unlink(tmp)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:   # a table opened meanwhile took it for a dead process's leftover
+                pass
+            if linked:      # a thread: the name is durable before any decision goes in (the temporary one gone)
+                fsync_dir(self.directory)
 
     def adopt(self, base: int, made: mmap.mmap | None) -> None:
         """(Loop) take a file ``make`` returned (None: it failed, or the loop made it first)."""
