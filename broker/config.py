@@ -35,6 +35,7 @@ class BrokerConfig:
     flush_interval_ms: int = setting(500, "Async flush period.")
     gil_switch_interval_ms: float = setting(0.2, "Python's thread switch interval (sys.setswitchinterval, 5 ms by default): how long the flush and index threads may wait for a busy event loop to hand them the interpreter. Each group commit passes through a flush thread twice, so 5 ms stretched flushes of 0.2 ms to several ms under load.")
     segment_size: int = setting(1 << 30, "Commit-log segment size in bytes (RocketMQ's 1 GiB).")
+    cq_units_per_file: int = setting(300_000, "Consume-queue units (20 bytes each) per file (RocketMQ's mappedFileSizeConsumeQueue, 300000). Fixed for a store: a store written with another value does not start.")
     max_message_size: int = setting(4 * 1024 * 1024, "Largest message body accepted (RocketMQ's 4 MiB); larger gets MESSAGE_ILLEGAL.")
     disk_refuse_ratio: float = setting(0.90, "Refuse writes (SERVICE_NOT_AVAILABLE, 'disk is full') while the store's file system is at least this full; they resume by themselves below it less 0.01 (RocketMQ's diskSpaceWarningLevelRatio).")
     truncate_corrupt_tail: bool = setting(False, "Start even when the log is corrupt mid-way, truncating from the damage (the data after it is lost). Off: refuse to start and say where.")
@@ -114,7 +115,7 @@ class BrokerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} is not a port number")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port} is not a port number (-1 disables metrics)")
-        for name in ("segment_size", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
+        for name in ("segment_size", "cq_units_per_file", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max",
                      "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",

@@ -168,6 +168,9 @@ class BrokerMetrics:
         self.segments_removed = Counter("txmq_store_segments_removed_total",
                                         "Commit-log segments removed, by reason (expired, plan, pressure).",
                                         ["reason"], registry=r)
+        self.queues_rebuilt = Counter("txmq_store_consume_queues_rebuilt_total",
+                                      "Consume queues found damaged at start-up (zeroed, cut or missing units) "
+                                      "and rebuilt from the commit log.", registry=r)
         # scheduled messages (broker/schedule); the waiting gauge is collected from the server's snapshot
         self.schedule_delivered = Counter("txmq_schedule_delivered", "Delayed and timer messages delivered to "
                                           "their real topic, by level (\"timer\" for timer messages).", ["level"],

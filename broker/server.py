@@ -107,6 +107,7 @@ class BrokerServer:
 
         levels = DelayLevels(c.message_delay_level, c.timer_max_delay_s * 1000)
         store = MessageStore(store_dir, StoreConfig(segment_size=c.segment_size, flush=c.flush,
+                                                    cq_units_per_file=c.cq_units_per_file,
                                                     flush_interval_ms=c.flush_interval_ms,
                                                     max_message_size=c.max_message_size + 64 * 1024,
                                                     truncate_corrupt_tail=c.truncate_corrupt_tail,
@@ -123,6 +124,8 @@ class BrokerServer:
             store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
         report = await store.open()
         log.info("store open: %s", report)
+        if report.queues_rebuilt:
+            self.metrics.queues_rebuilt.inc(len(report.queues_rebuilt))
         ctx.ha = ha_roles.build(c, store, self._connect_master)
         slave = ha_roles.is_slave(c)
         if slave:

@@ -11,7 +11,10 @@
 Units before a queue's first real unit (a queue rebuilt after old segments expired) are
 RocketMQ's pre-blank ``(0, 0x7FFFFFFF, 0)``. Consume queues are derived data: the
 writer appends units only for records that are already readable, the files are flushed
-lazily before each checkpoint, and recovery rebuilds any tail they lack from the log.
+lazily before each checkpoint, and recovery rebuilds any tail they lack from the log. A new
+file's (or queue directory's) name is synced into its directory once, by that same checkpoint
+(``unsynced``): the checkpoint vouches for the units in it, and a name a power loss took would
+take them along where recovery does not look.
 Only the event-loop thread touches a queue, except ``flush`` (the flush thread, on
 ranges snapshotted by ``dirty_ranges``).
 
@@ -30,7 +33,7 @@ import struct
 
 from protocol.errors import StoreError
 
-from .mapped_file import MappedFile, last_nonzero, parse_name
+from .mapped_file import MappedFile, last_nonzero, make_dirs, parse_name
 
 log = logging.getLogger("txmq.store")
 
@@ -54,6 +57,12 @@ class ConsumeQueue:
         self._attempt_from = 0
         self.last_error: OSError | None = None
         self.damaged: str | None = None     # why load found units missing before the last file (recovery rebuilds)
+        # (queue offset, file name, byte in it) of the first all-zero unit load found below max_offset, if any:
+        # a lost page. Recovery rewrites it if its record is in the verified range, else rebuilds the queue.
+        self.zeroed: tuple[int, str, int] | None = None
+        # Directories whose entries changed (a new file, a new queue directory) and are not fsynced yet: the
+        # store syncs them once, on its I/O thread, before the checkpoint that says these units are durable.
+        self.unsynced: list[str] = []
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -82,11 +91,13 @@ class ConsumeQueue:
             if start != starts[-1] and cq.damaged is None:     # a file before the last one must be full
                 if found < file_size:
                     cq.damaged = f"file {mf.name} is cut short at {found} of {file_size} bytes"
-                elif not any(os.pread(mf.fd, UNIT_SIZE, file_size - UNIT_SIZE)):
-                    cq.damaged = f"file {mf.name} ends with a zeroed unit"
+                elif cq.zeroed is None:
+                    cq._find_zeroed(mf, file_size)
         if cq.files:
             last = cq.files[-1]
             used = _written_length(last)
+            if cq.damaged is None and cq.zeroed is None:
+                cq._find_zeroed(last, used)
             # Blocks up to the first hole exist; past it the next extend allocates before writing.
             last.reserved = min(used, last.allocated_prefix())
             cq.max_offset = (last.start + used) // UNIT_SIZE
@@ -96,6 +107,13 @@ class ConsumeQueue:
             log.warning("consume queue %s-%d: %s: units are missing; rebuilding the queue from the commit log",
                         topic, queue_id, cq.damaged)
         return cq
+
+    def _find_zeroed(self, mf: MappedFile, end: int) -> None:
+        """Note the first all-zero unit in ``mf`` below byte ``end`` (every unit there must be real: its size is
+        never 0). Read with pread in large chunks and searched with bytes.find, so a 6 MB file costs a few ms."""
+        at = _first_zeroed_unit(mf.fd, end)
+        if at is not None:
+            self.zeroed = ((mf.start + at) // UNIT_SIZE, mf.name, at)
 
     # ------------------------------------------------------------ appends
     def append(self, phys: int, size: int, tag: int) -> None:
@@ -175,11 +193,19 @@ class ConsumeQueue:
 
     def _new_file(self, byte: int) -> None:
         if not self.files:
-            os.makedirs(self.directory, exist_ok=True)
+            self.unsynced += make_dirs(self.directory)
             self.min_offset = self.max_offset
         start = byte - byte % self.file_size
+        # Not synced here (this is the event loop): the next checkpoint syncs the directory, and the units in
+        # the file are not durable before that checkpoint either (a crash rebuilds them from the log).
         self.files.append(MappedFile.create(self.directory, start, self.file_size, reserve=RESERVE_CHUNK,
                                             durable_name=False))
+        self.unsynced.append(self.directory)
+
+    def take_unsynced(self) -> list[str]:
+        """The directories to fsync before the next checkpoint (parents first); the list is handed over."""
+        dirs, self.unsynced = self.unsynced, []
+        return dirs
 
     # --------------------------------------------------------------- reads
     def _locate(self, offset: int) -> tuple[MappedFile, int] | None:
@@ -200,6 +226,16 @@ class ConsumeQueue:
         if where is None:
             return None
         return UNIT.unpack_from(where[0].mm, where[1])
+
+    def unit_on_disk(self, offset: int) -> tuple[int, int, int] | None:
+        """``unit``, read with pread: for start-up, where the file may hold a hole (see the top)."""
+        if offset < 0 or offset >= self.max_offset:
+            return None
+        where = self._locate(offset)
+        if where is None:
+            return None
+        raw = os.pread(where[0].fd, UNIT_SIZE, where[1])
+        return UNIT.unpack(raw) if len(raw) == UNIT_SIZE else None
 
     def read(self, offset: int, count: int) -> bytes | None:
         """Raw units from ``offset``, at most ``count`` and never past the end of its file; None if no file."""
@@ -303,6 +339,31 @@ class ConsumeQueue:
         for mf in self.files:
             mf.close()
         self.files = []
+
+
+_ZERO_UNIT = bytes(UNIT_SIZE)
+_SCAN = UNIT_SIZE * 52_428      # about 1 MiB of whole units per pread
+
+
+def _first_zeroed_unit(fd: int, end: int) -> int | None:
+    """Byte position of the first unit-aligned run of UNIT_SIZE zero bytes in [0, end), or None."""
+    pos = 0
+    while pos < end:
+        n = min(_SCAN, end - pos)
+        data = os.pread(fd, n, pos)
+        if len(data) < n:                   # the file ends early: what is missing is lost too
+            return pos + len(data) - len(data) % UNIT_SIZE
+        hit = data.find(_ZERO_UNIT)
+        while hit >= 0:
+            # a real unit's size field is never 0, so 20 zero bytes not on a unit boundary are the ends of
+            # two real units (a zero tag, then offset 0): the aligned units around the run decide
+            u = hit - hit % UNIT_SIZE
+            for cand in (u, u + UNIT_SIZE):
+                if cand + UNIT_SIZE <= n and data[cand:cand + UNIT_SIZE] == _ZERO_UNIT:
+                    return pos + cand
+            hit = data.find(_ZERO_UNIT, hit + 1)
+        pos += n
+    return None
 
 
 def _written_length(mf: MappedFile) -> int:

@@ -39,6 +39,7 @@ from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
 
 from .index_file import IndexCorrupt, IndexFile, KeyHasher, key_hash
+from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 
 log = logging.getLogger("txmq.index")
 
@@ -188,7 +189,7 @@ class IndexService:
 
     # ------------------------------------------------------------ start-up (a worker thread)
     def _load(self, log_min: int, log_end: int) -> None:
-        os.makedirs(self.directory, exist_ok=True)
+        fsync_dirs(make_dirs(self.directory))
         names = sorted(n for n in os.listdir(self.directory) if _NAME.match(n))
         for i, name in enumerate(names):
             path = os.path.join(self.directory, name)
@@ -385,6 +386,9 @@ class IndexService:
             name = f"{int(last.name) + 1:017d}"
         f = IndexFile.create(os.path.join(self.directory, name), self.slots, self.entries,
                              last.end_phy if last else 0, last.end_ts if last else 0)
+        # Once a file (this is the index thread): the progress saved later says its entries exist, and a file
+        # whose name a power loss took would be skipped, not rebuilt, at the next start.
+        fsync_dir(self.directory)
         if last is not None:
             last.release_slots()
             last.sync()

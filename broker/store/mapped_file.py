@@ -91,6 +91,33 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def make_dirs(path: str) -> list[str]:
+    """``os.makedirs(path, exist_ok=True)``; returns the directories whose entries it changed (the parent of
+    each directory it created), which ``fsync_dirs`` must sync before anything in ``path`` is relied on:
+    a directory created but not synced into its parent can vanish at a power loss with every file in it."""
+    missing = []
+    at = os.path.abspath(path)
+    while not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    if not missing:
+        return []
+    os.makedirs(path, exist_ok=True)
+    return [os.path.dirname(d) for d in reversed(missing)]
+
+
+def fsync_dirs(paths) -> None:
+    """fsync each directory once, in order (parents first when listed so)."""
+    seen = set()
+    for path in paths:
+        if path not in seen:
+            seen.add(path)
+            fsync_dir(path)
+
+
 class MappedFile:
     __slots__ = ("path", "name", "start", "size", "fd", "mm", "addr", "view", "reserved", "zeroed")
 
@@ -110,7 +137,8 @@ class MappedFile:
     def create(cls, directory: str, start: int, size: int, *, reserve: int, durable_name: bool = True) -> "MappedFile":
         """A new zero-filled file of ``size`` bytes with the first ``reserve`` bytes allocated.
 
-        ``durable_name=False`` skips the directory fsync, for derived files that recovery rebuilds.
+        ``durable_name=False`` skips the directory fsync here, on the event loop: the caller has it done later,
+        before anything relies on the file (consume queues: by the next checkpoint, ConsumeQueue.unsynced).
         """
         path = os.path.join(directory, file_name(start))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)

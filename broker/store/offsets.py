@@ -23,7 +23,7 @@ import threading
 
 from protocol.errors import StoreError
 
-from .mapped_file import fsync_dir
+from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 
 log = logging.getLogger("txmq.store")
 
@@ -166,7 +166,7 @@ class ConsumerOffsets:
 
     def _write_locked(self, data: bytes) -> None:
         directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
+        fsync_dirs(make_dirs(directory))
         tmp = self.path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

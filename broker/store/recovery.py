@@ -28,7 +28,11 @@ scanned is checked against its unit, tag included (a wrong unit is rewritten fro
 missing units are appended. A queue with a gap (units lost before the scanned range, or
 a file before its last one found cut short, ending in a zeroed unit or missing when it
 loaded) is rebuilt by a second, CRC-free pass over the whole log; units that no longer
-exist in the log become pre-blank units, up to the offset the queue had reached. Dispatch listeners are called, with
+exist in the log become pre-blank units, up to the offset the queue had reached. An all-zero
+unit with units after it, anywhere in a queue's files (a lost page, a zeroed range), is damage
+too: the scan rewrites it when its record is in the verified range, otherwise the queue is
+rebuilt that way (logged at ERROR with file and byte; ``RecoveryReport.queues_rebuilt`` and
+the broker's ``txmq_store_consume_queues_rebuilt_total`` count it), so a pull never meets it. Dispatch listeners are called, with
 ``recovering=True``, for every valid record at or after the checkpoint offset.
 """
 from __future__ import annotations
@@ -198,7 +202,11 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     report.end_offset = end
 
     for key, cq in queues.items():
+        if cq.zeroed is not None and key not in gaps:
+            _check_zeroed(key, cq, gaps)
+    for key, cq in queues.items():
         report.cq_units_dropped += cq.truncate(cq.first_unit_at_or_after(end, lo=0))
+    report.queues_rebuilt = sorted(f"{t}-{q}" for t, q in gaps)
     if gaps:
         _fill_gaps(clog, queues, gaps, end, report, tag_rule)
     for cq in queues.values():
@@ -242,6 +250,22 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
         clog.zero(seg, pos, tail_end)
     report.truncations.append(Truncation(seg.name, pos, tail_end - pos, reason))
     return seg.start + pos
+
+
+def _check_zeroed(key, cq: ConsumeQueue, gaps: set) -> None:
+    """A unit load found all zeros (a lost page, a zeroed range) is damage, not the end of the queue: the
+    units after it are real. The scan rewrote it if its record was in the verified range; if it is still
+    zero, the queue is rebuilt from the whole log, or a pull there would skip messages without a word."""
+    off, name, byte = cq.zeroed
+    cq.zeroed = None
+    unit = cq.unit_on_disk(off)
+    if unit is None or unit[1] != 0:
+        log.warning("consume queue %s-%d: the zeroed unit %d (file %s byte %d) was rewritten from the verified "
+                    "part of the log", *key, off, name, byte)
+        return
+    log.error("consume queue %s-%d: file %s is zeroed at byte %d (queue offset %d) with units after it: units "
+              "are missing; rebuilding the queue from the commit log", *key, name, byte, off)
+    gaps.add(key)
 
 
 def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report, ts=0, rule=None) -> None:

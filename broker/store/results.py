@@ -147,5 +147,6 @@ class RecoveryReport:
     removed_segments: list[str] = field(default_factory=list)
     cq_units_appended: int = 0
     cq_units_dropped: int = 0
+    queues_rebuilt: list[str] = field(default_factory=list)    # "topic-queue" rebuilt from the whole log
     dispatched: int = 0
     seconds: float = 0.0

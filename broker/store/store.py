@@ -30,6 +30,7 @@ from .config import StoreConfig
 from .consume_queue import UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import SegmentFacts, load_or_create_store_id, sealed_from_disk, summarize_file, write_manifest
+from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
@@ -73,6 +74,7 @@ class MessageStore:
         self._housekeeping: asyncio.Task | None = None
         self._disk_task: asyncio.Task | None = None
         self._backlogged: set = set()                       # consume queues with units waiting for space
+        self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
         self._last_checkpoint: Checkpoint | None = None
         self._lock_fd = -1
         self._state = "new"
@@ -105,8 +107,11 @@ class MessageStore:
     async def open(self) -> RecoveryReport:
         if self._state != "new":
             raise StoreError(f"the store at {self.store_dir} was already opened")
+        made = []
         for sub in ("commitlog", "consumequeue", "config"):
-            os.makedirs(os.path.join(self.store_dir, sub), exist_ok=True)
+            made += make_dirs(os.path.join(self.store_dir, sub))
+        if made:    # a new store: its directories must outlive a power loss before its first segment counts
+            fsync_dirs([os.path.dirname(self.store_dir)] + made)
         self.disk.probe()
         self._lock()
         try:
@@ -269,7 +274,17 @@ class MessageStore:
             return
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
         ranges = [r for cq in self._cqs.values() for r in cq.dirty_ranges()]
-        await self._io.submit(_checkpoint_job, ranges, self.store_dir, point)
+        # ...and the directory entries of queue files made since the last one (one fsync per new file or
+        # directory, none per unit): a file whose name was lost at a power loss would take its units with it.
+        dirs, self._dirs_to_sync = self._dirs_to_sync, []
+        for cq in self._cqs.values():
+            if cq.unsynced:
+                dirs += cq.take_unsynced()
+        try:
+            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs)
+        except BaseException:
+            self._dirs_to_sync = dirs + self._dirs_to_sync
+            raise
         self._last_checkpoint = point
 
     # ---------------------------------------------------------- writes
@@ -594,9 +609,14 @@ class MessageStore:
         return facts.get(name)
 
 
-def _checkpoint_job(ranges, store_dir: str, point: Checkpoint) -> None:
+def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = ()) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
+    for path in dict.fromkeys(dirs):        # once each, parents first (the order they were made in)
+        try:
+            fsync_dir(path)
+        except FileNotFoundError:           # its topic was deleted meanwhile: nothing there to keep
+            pass
     write_checkpoint(store_dir, point)
 
 

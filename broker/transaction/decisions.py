@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 
+from broker.store.mapped_file import fsync_dir, fsync_dirs, make_dirs
 from broker.store.reserve import write_zeros
 from protocol.txlog import COMMIT, DEAD, ROLLBACK
 
@@ -32,7 +33,10 @@ class DecisionTable:
     def __init__(self, directory: str, file_entries: int = FILE_ENTRIES):
         self.directory = directory
         self.file_entries = file_entries
-        os.makedirs(directory, exist_ok=True)
+        fsync_dirs(make_dirs(directory))       # once, at start-up (a new store)
+        # Files whose names are not synced into the directory yet: the snapshot that relies on their bytes
+        # syncs it first (``files_made`` != ``files_synced``), once per new file, never per decision.
+        self.files_made = self.files_synced = 0
         self._maps: dict[int, mmap.mmap] = {}
         self._dirty: set[int] = set()
         self._pending: dict[int, int] = {}      # entries whose file could not be made yet (a full disk)
@@ -42,7 +46,10 @@ class DecisionTable:
             if name.isdigit() and len(name) == 20:
                 self._open(int(name))
             elif name.endswith(_AHEAD):         # a file made ahead by a process that stopped before linking it
-                os.unlink(os.path.join(directory, name))
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except FileNotFoundError:       # or by a table of this process, whose thread just did
+                    pass
 
     def _path(self, base: int) -> str:
         return os.path.join(self.directory, f"{base:020d}")
@@ -71,6 +78,8 @@ class DecisionTable:
             raise
         finally:
             os.close(fd)
+        if created:
+            self.files_made += 1
         self._maps[base] = m
         return m
 
@@ -103,6 +112,7 @@ class DecisionTable:
         if os.path.exists(path):
             return None
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        linked = False
         try:
             # Zeros written, not fallocate'd: the first store into an allocated-but-unwritten block through
             # the mapping converts the extent on the loop (first decision 187 us against 15 us, each new page
@@ -112,10 +122,16 @@ class DecisionTable:
                 os.link(tmp, path)
             except FileExistsError:
                 return None
+            linked = True
             return mmap.mmap(fd, self.file_entries)
         finally:
             os.close(fd)
-            os.unlink(tmp)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:   # a table opened meanwhile took it for a dead process's leftover
+                pass
+            if linked:      # a thread: the name is durable before any decision goes in (the temporary one gone)
+                fsync_dir(self.directory)
 
     def adopt(self, base: int, made: mmap.mmap | None) -> None:
         """(Loop) take a file ``make`` returned (None: it failed, or the loop made it first)."""

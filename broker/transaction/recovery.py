@@ -11,6 +11,7 @@ import json
 import logging
 import os
 
+from broker.store.mapped_file import fsync_dir
 from protocol.message import Prop, decode_record
 
 from ..topics import HALF_TOPIC, OP_TOPIC
@@ -202,13 +203,20 @@ async def write_snapshot(tx) -> None:
             "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()]}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the
     # event loop must not spend (the list above is the loop's one consistent view; nothing else shares it).
-    await store.run_io(_write_files, tx.directory, tx.table.dirty(), snap)
+    table = tx.table
+    made = table.files_made
+    new_files = table.directory if made != table.files_synced else None
+    await store.run_io(_write_files, tx.directory, table.dirty(), snap, new_files)
+    table.files_synced = made
 
 
-def _write_files(directory: str, maps, snap: dict) -> None:
-    """On the store's I/O thread: the decision bytes first, then the snapshot that relies on them."""
+def _write_files(directory: str, maps, snap: dict, new_files: str | None = None) -> None:
+    """On the store's I/O thread: the decision bytes first (and the names of files made since the last
+    snapshot: ``new_files`` is their directory), then the snapshot that relies on them."""
     data = json.dumps(snap, separators=(",", ":")).encode()
     flush_maps(maps)
+    if new_files is not None:
+        fsync_dir(new_files)
     path = os.path.join(directory, "snapshot.json")
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:

@@ -476,3 +476,57 @@ def test_recovery_parser_agrees_with_the_codec(topic, body, props, born, store, 
         with pytest.raises(BadRecord):
             parse_record(seg, pos)
         seg.mm[pos + at] ^= mask
+
+
+# A range of units zeroed in the middle of an old queue file (a lost page), valid units after it. Load took the
+# file's length from its last non-zero byte, so the zeros were served: a pull there found no record, took the
+# segment as removed and skipped the rest of it, without a word.
+def _zero_units(path, lo: int, hi: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(lo * 20)
+        f.write(bytes((hi - lo) * 20))
+
+
+@bounded(30)
+async def test_units_zeroed_mid_file_before_the_verified_range_rebuild_the_queue(tmp_path, caplog):
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)      # two segments; queue files of 64 units
+    cq_file = tmp_path / "consumequeue" / "T" / "0" / f"{64 * 20:020d}"
+    _zero_units(cq_file, 6, 17)                             # queue offsets 70..80, records in segment 0
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.scanned_from == SEG
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(f"{64 * 20:020d} is zeroed at byte {6 * 20} (queue offset 70)" in m and "rebuilding" in m
+               for m in errors), errors
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert store.min_offset("T", 0) == 0 and store.max_offset("T", 0) == 900
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
+    store = await reopen(tmp_path, LAST_ONLY)               # repaired on disk: the next start is quiet
+    assert store.report.queues_rebuilt == []
+    await store.close()
+
+
+@bounded(30)
+async def test_units_zeroed_mid_file_in_the_verified_range_are_rewritten(tmp_path, caplog):
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)
+    late = next(r for r in results if r.physical_offset >= SEG).queue_offset      # first record of segment 1
+    lo = late + 64 - late % 64 + 3                          # inside a later file, not the last one
+    _zero_units(tmp_path / "consumequeue" / "T" / "0" / f"{(lo - lo % 64) * 20:020d}", lo % 64, lo % 64 + 5)
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == []                # the scan had the records: no whole-log pass
+    assert any(f"unit {lo} does not match the log" in r.getMessage() for r in caplog.records)
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
+
+
+@bounded(30)
+async def test_units_zeroed_in_the_last_file_before_the_verified_range_rebuild_the_queue(tmp_path):
+    results = await fill(tmp_path, 900, cfg=StoreConfig(segment_size=SEG, cq_units_per_file=1000,
+                                                        recovery_verify_segments=1))
+    _zero_units(tmp_path / "consumequeue" / "T" / "0" / f"{0:020d}", 100, 120)
+    store = await reopen(tmp_path, StoreConfig(segment_size=SEG, cq_units_per_file=1000, recovery_verify_segments=1))
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
