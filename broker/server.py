@@ -246,6 +246,9 @@ class BrokerServer:
                               "peers have not read yet (as of each connection's last write; limit: "
                               "max_total_write_buffer).", [], snap("unsent"))
         m.add_gauge_collector("txmq_topics", "Topics the broker holds.", [], snap("topics"))
+        m.add_gauge_collector("txmq_store_consume_queues_damaged", "Consume queues where a read met a zeroed unit "
+                              "(units lost, their messages still in the commit log): pulls there get SYSTEM_ERROR "
+                              "until a restart rebuilds them.", [], snap("damaged"))
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
                               "(\"timer\" for timer messages).", ["level"], snap("schedule"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
@@ -298,6 +301,7 @@ class BrokerServer:
             "parked": [((), ctx.holds.parked)],
             "unsent": [((), self.write_budget.total)],
             "topics": [((), len(ctx.topics.topics))],
+            "damaged": [((), len(ctx.store.damaged_queues()))],
             # (none on a slave: its delivery progress and undecided index are the ones it had at start-up,
             # never following its master's, so what they count as waiting, and for how long, only grows)
             "schedule": [] if ha_roles.is_slave(self.config) else

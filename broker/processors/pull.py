@@ -29,6 +29,8 @@ def on_disk(ctx, physical_offset: int) -> bool:
 def _code(cmd, status):
     if status is GetStatus.FOUND:
         return ResponseCode.SUCCESS
+    if status is GetStatus.QUEUE_DAMAGED:       # an error the client retries, never a skip past lost units
+        return ResponseCode.SYSTEM_ERROR
     if status in (GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING):
         return ResponseCode.PULL_RETRY_IMMEDIATELY
     if status in (GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_FOUND_NULL):
@@ -56,6 +58,10 @@ def _reply(ctx, cmd, group, topic, got):
         size = sum(len(b) for b in got.buffers)
         ctx.metrics.count_out(topic, group, len(got.buffers), size)
         return cmd.response(code, status.name, fields, got.buffers)
+    if status is GetStatus.QUEUE_DAMAGED:
+        return cmd.response(code, f"consume queue {topic}-{cmd.int_field('queueId')} is damaged at offset "
+                            f"{got.next_begin_offset} (a zeroed unit; see the broker's log): restart the broker "
+                            "to rebuild it from the commit log", fields)
     return cmd.response(code, status.name, fields)
 
 

@@ -63,12 +63,22 @@ class ConsumeQueue:
         # Directories whose entries changed (a new file, a new queue directory) and are not fsynced yet: the
         # store syncs them once, on its I/O thread, before the checkpoint that says these units are durable.
         self.unsynced: list[str] = []
+        self.damage: int | None = None      # queue offset of a zeroed unit a read met (mark_damaged)
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def load(cls, directory: str, topic: str, queue_id: int, file_size: int) -> "ConsumeQueue":
+    def load(cls, directory: str, topic: str, queue_id: int, file_size: int,
+             durable_below: int | None = None) -> "ConsumeQueue":
+        """Open a queue's files. ``durable_below`` is the checkpoint's commit-log offset: an older file whose
+        last unit names a record below it was flushed whole before that checkpoint, so a crash cannot have
+        left a hole in it and it is not read through (start-up must not grow with the history kept); the
+        others, and every file when there is no checkpoint, are searched for zeroed units (lost pages).
+        Damage outside the crash model (a disk, a hand) is found when a read meets it (``mark_damaged``)."""
         cq = cls(directory, topic, queue_id, file_size)
-        starts = sorted(s for s in map(parse_name, os.listdir(directory)) if s is not None)
+        names = os.listdir(directory)
+        if DAMAGE_MARK in names:
+            cq.damaged = f"a read found a zeroed unit ({_read_mark(directory)})"
+        starts = sorted(s for s in map(parse_name, names) if s is not None)
         # Keep the newest run of consecutive files: a gap means the units in it and before are lost here, so
         # the older files go and recovery rebuilds the queue from the log.
         for i in range(len(starts) - 1, 0, -1):
@@ -91,7 +101,9 @@ class ConsumeQueue:
             if start != starts[-1] and cq.damaged is None:     # a file before the last one must be full
                 if found < file_size:
                     cq.damaged = f"file {mf.name} is cut short at {found} of {file_size} bytes"
-                elif cq.zeroed is None:
+                    continue
+                if cq.zeroed is None and not _vouched(os.pread(mf.fd, UNIT_SIZE, file_size - UNIT_SIZE),
+                                                      durable_below):
                     cq._find_zeroed(mf, file_size)
         if cq.files:
             last = cq.files[-1]
@@ -201,6 +213,34 @@ class ConsumeQueue:
         self.files.append(MappedFile.create(self.directory, start, self.file_size, reserve=RESERVE_CHUNK,
                                             durable_name=False))
         self.unsynced.append(self.directory)
+
+    def mark_damaged(self, offset: int) -> bool:
+        """A read met an all-zero unit at ``offset`` (no real unit has size 0): the units there are lost from
+        this file though their records are in the log. Said once (ERROR) and marked on disk, so that the next
+        start rebuilds the queue from the commit log; reads stop at it until then (pulls get an error, never a
+        skip). True the first time."""
+        if self.damage is not None:
+            return False
+        self.damage = offset
+        where = self._locate(offset)
+        name = where[0].name if where else "?"
+        log.error("consume queue %s-%d: zeroed unit at queue offset %d (file %s): messages from there are not "
+                  "served until the broker restarts and rebuilds the queue from the commit log", self.topic,
+                  self.queue_id, offset, name)
+        try:
+            with open(os.path.join(self.directory, DAMAGE_MARK), "w") as f:
+                f.write(f"queue offset {offset}, file {name}\n")
+        except OSError as exc:      # a restart will not know: say so, reads stay refused meanwhile
+            log.error("consume queue %s-%d: could not mark it for a rebuild (%s): delete %s before the next start "
+                      "to have it rebuilt", self.topic, self.queue_id, exc, self.directory)
+        return True
+
+    def clear_damage_mark(self) -> None:
+        """Recovery rebuilt the queue: the mark has served."""
+        try:
+            os.unlink(os.path.join(self.directory, DAMAGE_MARK))
+        except FileNotFoundError:
+            pass
 
     def take_unsynced(self) -> list[str]:
         """The directories to fsync before the next checkpoint (parents first); the list is handed over."""
@@ -339,6 +379,25 @@ class ConsumeQueue:
         for mf in self.files:
             mf.close()
         self.files = []
+
+
+DAMAGE_MARK = "DAMAGED"        # in a queue's directory: rebuild it at the next start (mark_damaged)
+
+
+def _read_mark(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, DAMAGE_MARK)) as f:
+            return f.read(200).strip()
+    except OSError as exc:
+        return str(exc)
+
+
+def _vouched(last_unit: bytes, durable_below: int | None) -> bool:
+    """The file whose last unit this is was flushed whole before the checkpoint at ``durable_below``."""
+    if durable_below is None:
+        return False
+    phys, size, _tag = UNIT.unpack(last_unit)
+    return size != 0x7FFFFFFF and 0 < size and phys + size <= durable_below
 
 
 _ZERO_UNIT = bytes(UNIT_SIZE)

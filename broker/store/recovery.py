@@ -318,3 +318,4 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
             pos += size
     for key in gaps:        # records retention removed: their offsets stay taken (pre-blank), never reused
         queues[key].pad(had[key])
+        queues[key].clear_damage_mark()

@@ -33,6 +33,9 @@ class GetStatus(enum.Enum):
     OFFSET_TOO_SMALL = "OFFSET_TOO_SMALL"
     NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"
     NO_MESSAGE_IN_QUEUE = "NO_MESSAGE_IN_QUEUE"
+    # txmq's own: the consume queue holds a zeroed unit here (units lost, their records still in the log); reads
+    # stop at it, the next start rebuilds the queue (ConsumeQueue.mark_damaged)
+    QUEUE_DAMAGED = "QUEUE_DAMAGED"
 
 
 @dataclass(slots=True)

@@ -115,8 +115,9 @@ class MessageStore:
         self.disk.probe()
         self._lock()
         try:
-            self._load_queues()
-            self.report = recover(self._log, self._cqs, self._make_queue, read_checkpoint(self.store_dir),
+            checkpoint = read_checkpoint(self.store_dir)
+            self._load_queues(checkpoint.flushed_offset if checkpoint else None)
+            self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule)
             self.store_id = load_or_create_store_id(self.store_dir)
@@ -196,7 +197,7 @@ class MessageStore:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
-    def _load_queues(self) -> None:
+    def _load_queues(self, durable_below: int | None) -> None:
         size = self.config.cq_file_size
         for topic in sorted(os.listdir(self._cq_root)):
             tdir = os.path.join(self._cq_root, topic)
@@ -204,7 +205,8 @@ class MessageStore:
                 continue
             for qid in sorted(os.listdir(tdir)):
                 if qid.isdigit():
-                    self._cqs[(topic, int(qid))] = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size)
+                    self._cqs[(topic, int(qid))] = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size,
+                                                                       durable_below)
 
     def _make_queue(self, key: tuple[str, int]) -> ConsumeQueue:
         topic, qid = key
@@ -400,6 +402,11 @@ class MessageStore:
         skip_below = -1
         clog = self._log
         for phys, size, tag in UNIT.iter_unpack(raw):
+            if not size:        # a zeroed unit (a lost page, a damaged file): its message must not be skipped
+                if not buffers:
+                    cq.mark_damaged(offset + scanned)
+                    return GetResult(GetStatus.QUEUE_DAMAGED, offset + scanned, lo, hi)
+                break
             if phys < skip_below:
                 scanned += 1
                 continue
@@ -426,7 +433,11 @@ class MessageStore:
         cq = self._cqs.get((topic, queue_id))
         if cq is None or not cq.min_offset <= offset < cq.max_offset:
             return None
-        return cq.unit(offset)
+        return _real_unit(cq, offset)
+
+    def damaged_queues(self) -> dict[tuple[str, int], int]:
+        """(topic, queue id) -> queue offset of the zeroed unit a read met; rebuilt at the next start."""
+        return {key: cq.damage for key, cq in self._cqs.items() if cq.damage is not None}
 
     def queues(self) -> list[tuple[str, int]]:
         """Every (topic, queue id) with a consume queue."""
@@ -441,7 +452,7 @@ class MessageStore:
         return cq.min_offset if cq is not None else 0
 
     def _store_time_at(self, cq: ConsumeQueue, offset: int) -> int | None:
-        unit = cq.unit(offset)
+        unit = _real_unit(cq, offset)
         view = self._log.record(unit[0]) if unit is not None else None
         if view is None:
             return None
@@ -535,7 +546,7 @@ class MessageStore:
     def physical_offset_of(self, topic: str, queue_id: int, offset: int) -> int | None:
         """Commit-log offset of the message at a queue offset (None past the end or before the start)."""
         cq = self._cqs.get((topic, queue_id))
-        unit = cq.unit(offset) if cq is not None and cq.min_offset <= offset < cq.max_offset else None
+        unit = _real_unit(cq, offset) if cq is not None and cq.min_offset <= offset < cq.max_offset else None
         return None if unit is None else unit[0]
 
     async def segment_facts(self) -> list[SegmentFacts]:
@@ -607,6 +618,16 @@ class MessageStore:
         except OSError as exc:
             log.error("segment manifest not written (retried at the next checkpoint): %s", exc)
         return facts.get(name)
+
+
+def _real_unit(cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:
+    """``cq.unit(offset)``, or None for a zeroed unit (marked damaged): (0, 0, 0) read as a unit would name the
+    log's first record, which a scheduled delivery would then copy to the wrong topic."""
+    unit = cq.unit(offset)
+    if unit is not None and not unit[1]:
+        cq.mark_damaged(offset)
+        return None
+    return unit
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = ()) -> None:

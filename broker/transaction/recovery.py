@@ -12,8 +12,10 @@ import logging
 import os
 
 from broker.store.mapped_file import fsync_dir
+from protocol.errors import StoreError
 from protocol.message import Prop, decode_record
 
+from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
@@ -31,6 +33,9 @@ def scan(store, topic: str, start: int | None = None):
     end = store.max_offset(topic, 0)
     while offset < end:
         got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None)
+        if got.status is GetStatus.QUEUE_DAMAGED:      # stopping here would forget the transactions after it
+            raise StoreError(f"consume queue {topic}-0 is damaged at offset {offset} (a zeroed unit): it is marked "
+                             "to be rebuilt from the commit log; start the broker again")
         if not got.buffers:
             if got.next_begin_offset <= offset:
                 break

@@ -11,6 +11,7 @@ import pytest
 from consumer import PullConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
+from protocol.errors import BrokerError
 
 pytestmark = pytest.mark.asyncio
 
@@ -70,11 +71,36 @@ async def test_messages_and_offsets_survive(broker_factory, tmp_path, crash):
 SMALL_STORE = ("--segment-size", str(256 * 1024), "--max-message-size", "65536", "--cq-units-per-file", "64")
 
 
-async def test_units_zeroed_mid_way_through_an_old_queue_file_are_rebuilt_and_pulled(broker_factory, tmp_path):
-    """A zeroed range (a lost page) in an old consume-queue file, valid units after it: the restarted broker
-    says where (ERROR, file and byte), counts it in a metric, rebuilds the queue from the commit log, and a
-    consumer pulling from 0 gets every message in order. Before: the pull came to a zeroed unit, took its
-    segment for removed and skipped the rest of it without a word."""
+async def _pull_all(b, mq) -> tuple[list[bytes], Exception | None]:
+    """Pull the queue from 0 to its end: the bodies, and the error that stopped it, if one did."""
+    consumer = PullConsumer(b.namesrv, "CG_zeroed")
+    await consumer.fetch_queues("Zeroed")
+    queue = MessageQueue("Zeroed", mq.broker_name, mq.queue_id)
+    got, offset = [], 0
+    try:
+        async with asyncio.timeout(30):
+            for _ in range(200):                                # bounded: 1201 messages at 32 a pull
+                res = await consumer.pull(queue, offset, max_nums=32)
+                got += [m.body for m in res.messages]
+                if res.next_begin_offset >= res.max_offset:
+                    break
+                assert res.next_begin_offset > offset, res
+                offset = res.next_begin_offset
+    except BrokerError as exc:
+        return got, exc
+    finally:
+        await consumer.shutdown()
+    return got, None
+
+
+async def test_units_zeroed_mid_way_through_an_old_queue_file_stop_pulls_until_a_restart_rebuilds(
+        broker_factory, tmp_path):
+    """A zeroed range (a lost page, a bad disk) in an old consume-queue file, valid units after it. The file
+    was flushed before the last checkpoint, so start-up does not read it through; the first pull that meets
+    the zeros gets SYSTEM_ERROR naming the queue and offset (ERROR in the log, a gauge), never the messages
+    after them instead; the queue is marked, and the next start rebuilds it from the commit log and serves
+    every message in order. Before: the pull took the zeroed units for a removed segment and skipped them
+    without a word."""
     b = broker_factory(*SMALL_STORE)
     bodies = [f"m{i:04d}".encode() + b"." * 1000 for i in range(1200)]
     async with Producer(b.namesrv, "PG_zeroed") as producer:
@@ -88,29 +114,25 @@ async def test_units_zeroed_mid_way_through_an_old_queue_file_are_rebuilt_and_pu
     qdir = store / "consumequeue" / "Zeroed" / str(mq.queue_id)
     files = sorted(os.listdir(qdir))
     assert len(files) >= 10
-    victim = qdir / files[1]                                    # an old file, not the last
-    with open(victim, "r+b") as f:
+    with open(qdir / files[1], "r+b") as f:                     # an old file, not the last
         f.seek(6 * 20)
         f.write(bytes(20 * 20))                                 # units 6..25 of the file, valid units after
 
     b2 = broker_factory(*SMALL_STORE)
-    consumer = PullConsumer(b2.namesrv, "CG_zeroed")
-    await consumer.fetch_queues("Zeroed")
-    queue = MessageQueue("Zeroed", mq.broker_name, mq.queue_id)
-    got, offset = [], 0
-    try:
-        async with asyncio.timeout(30):
-            for _ in range(200):                                # bounded: 1201 messages at 32 a pull
-                res = await consumer.pull(queue, offset, max_nums=32)
-                got += [m.body for m in res.messages]
-                if res.next_begin_offset >= res.max_offset:
-                    break
-                assert res.next_begin_offset > offset, res
-                offset = res.next_begin_offset
-    finally:
-        await consumer.shutdown()
-    assert [x for x in got if x != b"seed"] == bodies
-    log_text = (tmp_path / "store-broker.log").read_text(errors="replace")
-    assert f"file {files[1]} is zeroed at byte 120" in log_text and "rebuilding the queue" in log_text
+    got, error = await _pull_all(b2, mq)
+    damaged_at = int(files[1]) // 20 + 6
+    assert error is not None and f"damaged at offset {damaged_at}" in str(error), error
+    assert [x for x in got if x != b"seed"] == bodies[:len([x for x in got if x != b"seed"])]    # nothing skipped
+    assert len(got) <= damaged_at
     metrics = urllib.request.urlopen(f"http://{b2.metrics}/metrics", timeout=5).read().decode()
+    assert "txmq_store_consume_queues_damaged 1.0" in metrics
+    assert b2.stop() == 0
+    log_text = (tmp_path / "store-broker.log").read_text(errors="replace")
+    assert f"zeroed unit at queue offset {damaged_at} (file {files[1]})" in log_text
+
+    b3 = broker_factory(*SMALL_STORE)
+    got, error = await _pull_all(b3, mq)
+    assert error is None and [x for x in got if x != b"seed"] == bodies
+    metrics = urllib.request.urlopen(f"http://{b3.metrics}/metrics", timeout=5).read().decode()
     assert "txmq_store_consume_queues_rebuilt_total 1.0" in metrics
+    assert "txmq_store_consume_queues_damaged 0.0" in metrics

@@ -488,22 +488,48 @@ def _zero_units(path, lo: int, hi: int) -> None:
 
 
 @bounded(30)
-async def test_units_zeroed_mid_file_before_the_verified_range_rebuild_the_queue(tmp_path, caplog):
+async def test_units_zeroed_mid_file_with_no_checkpoint_are_found_at_start_up(tmp_path, caplog):
+    """No checkpoint vouches for the file (a crash before the first one, or it was lost): start-up reads it
+    through, finds the zeros and repairs them from the log before anyone reads there."""
     results = await fill(tmp_path, 900, cfg=LAST_ONLY)      # two segments; queue files of 64 units
-    cq_file = tmp_path / "consumequeue" / "T" / "0" / f"{64 * 20:020d}"
-    _zero_units(cq_file, 6, 17)                             # queue offsets 70..80, records in segment 0
+    os.unlink(tmp_path / "checkpoint")
+    _zero_units(tmp_path / "consumequeue" / "T" / "0" / f"{64 * 20:020d}", 6, 17)    # queue offsets 70..80
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
         store = await reopen(tmp_path, LAST_ONLY)
-    assert store.report.scanned_from == SEG
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any(f"{64 * 20:020d} is zeroed at byte {6 * 20} (queue offset 70)" in m and "rebuilding" in m
-               for m in errors), errors
-    assert store.report.queues_rebuilt == ["T-0"]
+    assert any(f"zeroed unit 70 (file {64 * 20:020d} byte {6 * 20})" in r.getMessage() for r in caplog.records)
     assert store.min_offset("T", 0) == 0 and store.max_offset("T", 0) == 900
     assert read_queue(store) == [r.physical_offset for r in results]
+    assert store.damaged_queues() == {}
     await store.close()
-    store = await reopen(tmp_path, LAST_ONLY)               # repaired on disk: the next start is quiet
-    assert store.report.queues_rebuilt == []
+
+
+@bounded(30)
+async def test_units_zeroed_in_a_checkpointed_file_stop_reads_and_the_next_start_rebuilds(tmp_path, caplog):
+    """A file the checkpoint vouches for (flushed whole before it) cannot hold a crash's hole, so start-up does
+    not read it through: start-up time must not grow with the history kept. Zeros there anyway (a disk, a
+    hand) are found by the first read that meets them: it stops there with QUEUE_DAMAGED instead of skipping
+    (the pull answers an error), says so once at ERROR, marks the queue, and the next start rebuilds it."""
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    _zero_units(qdir / f"{64 * 20:020d}", 6, 17)            # queue offsets 70..80, records in segment 0
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == []                # not read through at start-up
+    got = store.get_messages("T", 0, 64, 32, 1 << 20)
+    assert got.status is GetStatus.FOUND and got.next_begin_offset == 70 and len(got.buffers) == 6
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        for _ in range(2):
+            got = store.get_messages("T", 0, 70, 32, 1 << 20)
+            assert got.status is GetStatus.QUEUE_DAMAGED and got.next_begin_offset == 70 and not got.buffers
+    assert [r.getMessage() for r in caplog.records if "zeroed unit at queue offset 70" in r.getMessage()] \
+        and len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1    # said once
+    assert store.damaged_queues() == {("T", 0): 70}
+    assert store.queue_unit("T", 0, 75) is None             # the schedule service's read stops there too
+    assert (qdir / "DAMAGED").exists()
+    await store.close()
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert read_queue(store) == [r.physical_offset for r in results]
+    assert not (qdir / "DAMAGED").exists() and store.damaged_queues() == {}
     await store.close()
 
 
