@@ -141,9 +141,17 @@ class ConsumeQueue:
 
     def begin_at(self, offset: int) -> None:
         """(Empty queue) its first unit is logical offset ``offset``: a slave copying a master queue that does
-        not begin at 0. Units are written where their offset says, not at 0."""
-        if not self.files and not self.backlog:
-            self.min_offset = self.max_offset = offset
+        not begin at 0. Units are written where their offset says, not at 0; the file holding ``offset`` is
+        filled before it with pre-blank units, as RocketMQ's fillPreBlank does. Zeros there would read, after a
+        restart starts the queue at its file, as units lost (a damaged queue)."""
+        if self.files or self.backlog or offset <= 0:
+            return
+        byte = offset * UNIT_SIZE
+        self.min_offset = self.max_offset = (byte - byte % self.file_size) // UNIT_SIZE
+        if offset > self.max_offset:
+            self.extend(_BLANK_UNIT * (offset - self.max_offset))    # one copy; no space: they wait in backlog
+        if not self.backlog:
+            self.min_offset = offset
 
     def extend(self, packed) -> bool:
         """Append already packed units (a batch's worth for this queue): one copy per file touched.
@@ -381,6 +389,7 @@ class ConsumeQueue:
         self.files = []
 
 
+_BLANK_UNIT = UNIT.pack(0, BLANK_SIZE, 0)
 DAMAGE_MARK = "DAMAGED"        # in a queue's directory: rebuild it at the next start (mark_damaged)
 
 
