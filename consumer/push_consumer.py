@@ -245,6 +245,11 @@ class PushConsumer:
             except BrokerError as exc:     # often its broker is what went away: the queues taken on still start
                 log.warning("push consumer %s could not commit the offset of %s it gave up: %s (its next owner "
                             "starts from the last offset committed)", self.group, mq, exc)
+            # Its position is the next owner's now (RocketMQ's removeOffset): kept here, the commit loop, which
+            # re-commits every owned queue each round, wrote it over that owner's progress as soon as the queue
+            # came back, before its new pull loop had read where to start (an orderly one waits for its lock).
+            self._offsets.pop(mq, None)
+            self._committed.pop(mq, None)
         if self.orderly:
             released = [q for q in self._locks if q not in owned]
             for mq in released:
@@ -283,9 +288,12 @@ class PushConsumer:
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
             for mq, offset in offsets.items():
-                self._offsets[mq] = offset
+                mine = mq in self._owned        # another consumer's queue: its position is not ours to keep
+                if mine:
+                    self._offsets[mq] = offset
                 await self.offset_store.write(mq, offset)
-                self._committed[mq] = offset
+                if mine:
+                    self._committed[mq] = offset
             log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
                      {mq.queue_id: o for mq, o in offsets.items()})
         finally:        # stored or not (the failure is logged as the task ends), the queues are consumed again

@@ -267,3 +267,65 @@ async def test_the_push_consumers_commit_loop_recommits_owned_queues_only():
         consumer._loops.pop(owned).cancel()
         await consumer.client.shutdown()
     assert writes[:3] == [(owned, 7)] * 3
+
+
+@bounded(20)
+async def test_a_queue_taken_back_is_not_recommitted_at_the_offset_it_had_when_given_away():
+    """A queue given away keeps nothing of its old position here: taken back later, it starts from the
+    offset its broker holds (what the other owner committed). The commit loop re-commits every owned queue
+    every round; with the old position kept, a round that ran before the new pull loop had read its start
+    offset (an orderly queue waits there for its lock, often for seconds) wrote it over the other owner's
+    progress, and the group consumed again everything since."""
+    from consumer.pull_consumer import MessageQueue
+    consumer = _push_consumer(offset_commit_interval_s=0.01)
+    back, kept = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    me = consumer.client.client_id
+    ids = [me]
+
+    async def fetch_queues(topic):
+        return [back, kept] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+    consumer.client.fetch_queues = fetch_queues
+    consumer.client.consumer_ids = consumer_ids
+    consumer.subscribe("T")
+    broker = {back: 0, kept: 0}
+    rounds = asyncio.Event()
+    kept_commits = []
+
+    async def write(q, offset):
+        broker[q] = offset
+        if q == kept:
+            kept_commits.append(offset)
+            if len(kept_commits) >= 3:
+                rounds.set()
+    consumer.offset_store.write = write
+    never = asyncio.Event()
+
+    async def start_offset(q):      # the pull loops stay where a new one waits: reading its start offset
+        await never.wait()
+    consumer._start_offset = start_offset
+    try:
+        await consumer.rebalance()                      # both ours
+        consumer._offsets.update({back: 100, kept: 7})  # consumed so far (as the pull loops record it)
+        ids[:] = ["!", me]                              # "!" sorts first: it gets `back`, this consumer `kept`
+        await consumer.rebalance()
+        assert back not in consumer._loops and broker[back] == 100      # handed over with its offset
+        broker[back] = 500                              # the other owner consumed on and committed
+        ids[:] = [me]
+        await consumer.rebalance()                      # taken back: its loop waits for its start offset
+        assert back in consumer._loops
+        task = asyncio.get_running_loop().create_task(consumer._commit_loop())
+        try:
+            await asyncio.wait_for(rounds.wait(), SECOND_TURN_S)     # three commit rounds
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert broker[back] == 500, "the position given away was committed over the new owner's progress"
+    finally:
+        loops = list(consumer._loops.values())
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        await consumer.client.shutdown()
