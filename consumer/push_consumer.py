@@ -484,6 +484,16 @@ class PushConsumer:
             await self.offset_store.write(mq, offset)
             self._committed[mq] = offset
 
+    async def _recommit(self, queues: list[MessageQueue]) -> None:
+        """Commit again the offsets of one broker's ``queues``, changed or not (the commit loop's round)."""
+        for mq in queues:
+            try:
+                await self._commit(mq, again=True)
+            except BrokerError as exc:
+                log.info("offset commit of %s failed: %s", mq, exc)
+            except Exception:  # noqa: BLE001 - ending here would leave every later offset uncommitted
+                self._turn_failed(f"offset commit of {mq}")
+
     async def _commit_loop(self) -> None:
         while True:
             await asyncio.sleep(self.offset_commit_interval_s)
@@ -491,13 +501,13 @@ class PushConsumer:
             # commits has forgotten them, and a queue with nothing new would keep the old offset for good, to
             # be consumed again from there by whoever takes it next. Only queues this consumer pulls: one
             # given away belongs to its new owner, whose progress an old offset would undo.
+            # Broker by broker, side by side: a broker that does not answer costs a request timeout per queue,
+            # and every queue is committed each round now, not only those that moved; one after another, the
+            # queues of the brokers that answer waited behind its timeouts, round after round.
+            by_broker: dict[str, list[MessageQueue]] = {}
             for mq in list(self._loops):
-                try:
-                    await self._commit(mq, again=True)
-                except BrokerError as exc:
-                    log.info("offset commit of %s failed: %s", mq, exc)
-                except Exception:  # noqa: BLE001 - ending here would leave every later offset uncommitted
-                    self._turn_failed(f"offset commit of {mq}")
+                by_broker.setdefault(mq.broker_name, []).append(mq)
+            await asyncio.gather(*(self._recommit(queues) for queues in by_broker.values()))
             try:
                 await self.offset_store.flush()
             except OSError as exc:

@@ -329,3 +329,38 @@ async def test_a_queue_taken_back_is_not_recommitted_at_the_offset_it_had_when_g
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         await consumer.client.shutdown()
+
+
+@bounded(20)
+async def test_a_broker_that_does_not_answer_does_not_hold_up_the_other_brokers_commits():
+    """Every owned queue is committed every round; one after another, the queues of a broker that does not
+    answer (a request timeout each) held up every other broker's commits, round after round."""
+    from consumer.pull_consumer import MessageQueue
+    consumer = _push_consumer(offset_commit_interval_s=0.01)
+    hung = MessageQueue("T", "hung", 0)
+    fine = [MessageQueue("T", "fine", 0), MessageQueue("T", "fine", 1)]
+    for mq in (hung, *fine):                            # the hung broker's queue first
+        consumer._offsets[mq] = 7
+        consumer._loops[mq] = asyncio.get_running_loop().create_future()
+    answer = asyncio.Event()                            # the hung broker's answer (its timeout, really)
+    committed = asyncio.Event()
+    written = []
+
+    async def write(q, offset):
+        if q.broker_name == "hung":
+            await answer.wait()
+        written.append(q)
+        if set(fine) <= set(written):
+            committed.set()
+    consumer.offset_store.write = write
+    task = asyncio.get_running_loop().create_task(consumer._commit_loop())
+    try:
+        await asyncio.wait_for(committed.wait(), SECOND_TURN_S)
+        assert hung not in written
+    finally:
+        answer.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for mq in (hung, *fine):
+            consumer._loops.pop(mq).cancel()
+        await consumer.client.shutdown()
