@@ -108,8 +108,8 @@ class ConsumeQueue:
         if cq.files:
             last = cq.files[-1]
             used = _written_length(last)
-            if cq.damaged is None and cq.zeroed is None:
-                cq._find_zeroed(last, used)
+            if cq.damaged is None and cq.zeroed is None:     # only the part no checkpoint vouches for
+                cq._find_zeroed(last, used, _unvouched_from(last.fd, used, durable_below))
             # Blocks up to the first hole exist; past it the next extend allocates before writing.
             last.reserved = min(used, last.allocated_prefix())
             cq.max_offset = (last.start + used) // UNIT_SIZE
@@ -120,10 +120,10 @@ class ConsumeQueue:
                         topic, queue_id, cq.damaged)
         return cq
 
-    def _find_zeroed(self, mf: MappedFile, end: int) -> None:
-        """Note the first all-zero unit in ``mf`` below byte ``end`` (every unit there must be real: its size is
-        never 0). Read with pread in large chunks and searched with bytes.find, so a 6 MB file costs a few ms."""
-        at = _first_zeroed_unit(mf.fd, end)
+    def _find_zeroed(self, mf: MappedFile, end: int, start: int = 0) -> None:
+        """Note the first all-zero unit in ``mf`` in bytes [start, end) (every unit there must be real: its size
+        is never 0). Read with pread in large chunks and searched with bytes.find: a 6 MB file costs a few ms."""
+        at = _first_zeroed_unit(mf.fd, end, start)
         if at is not None:
             self.zeroed = ((mf.start + at) // UNIT_SIZE, mf.name, at)
 
@@ -224,24 +224,29 @@ class ConsumeQueue:
 
     def mark_damaged(self, offset: int) -> bool:
         """A read met an all-zero unit at ``offset`` (no real unit has size 0): the units there are lost from
-        this file though their records are in the log. Said once (ERROR) and marked on disk, so that the next
-        start rebuilds the queue from the commit log; reads stop at it until then (pulls get an error, never a
-        skip). True the first time."""
+        this file though their records are in the log. Said once (ERROR); reads stop at it (pulls get an
+        error, never a skip). True the first time: the caller then has ``write_damage_mark`` run on its I/O
+        thread, so that the next start rebuilds the queue from the commit log."""
         if self.damage is not None:
             return False
         self.damage = offset
         where = self._locate(offset)
-        name = where[0].name if where else "?"
-        log.error("consume queue %s-%d: zeroed unit at queue offset %d (file %s): messages from there are not "
-                  "served until the broker restarts and rebuilds the queue from the commit log", self.topic,
-                  self.queue_id, offset, name)
+        self._damage_where = f"queue offset {offset}, file {where[0].name if where else '?'}"
+        log.error("consume queue %s-%d: zeroed unit at %s: messages from there are not served until the broker "
+                  "restarts and rebuilds the queue from the commit log", self.topic, self.queue_id,
+                  self._damage_where)
+        return True
+
+    def write_damage_mark(self) -> None:
+        """(I/O thread) The mark that has the next start rebuild this queue (see ``load``)."""
         try:
             with open(os.path.join(self.directory, DAMAGE_MARK), "w") as f:
-                f.write(f"queue offset {offset}, file {name}\n")
-        except OSError as exc:      # a restart will not know: say so, reads stay refused meanwhile
+                f.write(self._damage_where + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:      # a restart will not know: say so; reads stay refused meanwhile
             log.error("consume queue %s-%d: could not mark it for a rebuild (%s): delete %s before the next start "
                       "to have it rebuilt", self.topic, self.queue_id, exc, self.directory)
-        return True
 
     def clear_damage_mark(self) -> None:
         """Recovery rebuilt the queue: the mark has served."""
@@ -413,9 +418,25 @@ _ZERO_UNIT = bytes(UNIT_SIZE)
 _SCAN = UNIT_SIZE * 52_428      # about 1 MiB of whole units per pread
 
 
-def _first_zeroed_unit(fd: int, end: int) -> int | None:
-    """Byte position of the first unit-aligned run of UNIT_SIZE zero bytes in [0, end), or None."""
-    pos = 0
+def _unvouched_from(fd: int, end: int, durable_below: int | None) -> int:
+    """A unit-aligned byte of the file before which every unit is vouched for by the checkpoint: found from the
+    end back, a chunk at a time, until a chunk starts with a vouched unit (units are in log order, so all
+    before it are vouched too). What start-up reads of a queue's last file is then about what was written
+    since the last checkpoint, not the whole file."""
+    if durable_below is None:
+        return 0
+    pos = end - end % UNIT_SIZE
+    while pos > 0:
+        start = max(0, pos - _SCAN)
+        if _vouched(os.pread(fd, UNIT_SIZE, start), durable_below):
+            return start
+        pos = start
+    return 0
+
+
+def _first_zeroed_unit(fd: int, end: int, start: int = 0) -> int | None:
+    """Byte position of the first unit-aligned run of UNIT_SIZE zero bytes in [start, end), or None."""
+    pos = start
     while pos < end:
         n = min(_SCAN, end - pos)
         data = os.pread(fd, n, pos)

@@ -202,10 +202,10 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     report.end_offset = end
 
     for key, cq in queues.items():
+        report.cq_units_dropped += cq.truncate(cq.first_unit_at_or_after(end, lo=0))
+    for key, cq in queues.items():      # after the cut: zeros past the log's recovered end went with it
         if cq.zeroed is not None and key not in gaps:
             _check_zeroed(key, cq, gaps)
-    for key, cq in queues.items():
-        report.cq_units_dropped += cq.truncate(cq.first_unit_at_or_after(end, lo=0))
     report.queues_rebuilt = sorted(f"{t}-{q}" for t, q in gaps)
     if gaps:
         _fill_gaps(clog, queues, gaps, end, report, tag_rule)
@@ -258,6 +258,8 @@ def _check_zeroed(key, cq: ConsumeQueue, gaps: set) -> None:
     zero, the queue is rebuilt from the whole log, or a pull there would skip messages without a word."""
     off, name, byte = cq.zeroed
     cq.zeroed = None
+    if off >= cq.max_offset:            # cut with the log's torn tail: nothing was lost there
+        return
     unit = cq.unit_on_disk(off)
     if unit is None or unit[1] != 0:
         log.warning("consume queue %s-%d: the zeroed unit %d (file %s byte %d) was rewritten from the verified "

@@ -75,6 +75,7 @@ class MessageStore:
         self._disk_task: asyncio.Task | None = None
         self._backlogged: set = set()                       # consume queues with units waiting for space
         self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
+        self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
         self._lock_fd = -1
         self._state = "new"
@@ -275,7 +276,9 @@ class MessageStore:
         if point == self._last_checkpoint:
             return
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
-        ranges = [r for cq in self._cqs.values() for r in cq.dirty_ranges()]
+        # (with those a failed checkpoint took: their marks have moved on, and no later range covers them)
+        ranges, self._ranges_to_retry = self._ranges_to_retry, []
+        ranges += [r for cq in self._cqs.values() for r in cq.dirty_ranges()]
         # ...and the directory entries of queue files made since the last one (one fsync per new file or
         # directory, none per unit): a file whose name was lost at a power loss would take its units with it.
         dirs, self._dirs_to_sync = self._dirs_to_sync, []
@@ -286,6 +289,7 @@ class MessageStore:
             await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
+            self._ranges_to_retry = ranges + self._ranges_to_retry      # flushing a range twice is harmless
             raise
         self._last_checkpoint = point
 
@@ -404,7 +408,7 @@ class MessageStore:
         for phys, size, tag in UNIT.iter_unpack(raw):
             if not size:        # a zeroed unit (a lost page, a damaged file): its message must not be skipped
                 if not buffers:
-                    cq.mark_damaged(offset + scanned)
+                    self._damaged(cq, offset + scanned)
                     return GetResult(GetStatus.QUEUE_DAMAGED, offset + scanned, lo, hi)
                 break
             if phys < skip_below:
@@ -433,7 +437,20 @@ class MessageStore:
         cq = self._cqs.get((topic, queue_id))
         if cq is None or not cq.min_offset <= offset < cq.max_offset:
             return None
-        return _real_unit(cq, offset)
+        return self._real_unit(cq, offset)
+
+    def _damaged(self, cq: ConsumeQueue, offset: int) -> None:
+        if cq.mark_damaged(offset) and self._io is not None:
+            self._io.submit(cq.write_damage_mark).add_done_callback(_quiet)    # it logs its own failure
+
+    def _real_unit(self, cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:
+        """``cq.unit(offset)``, or None for a zeroed unit (marked damaged): (0, 0, 0) read as a unit would name
+        the log's first record, which a scheduled delivery would then copy to the wrong topic."""
+        unit = cq.unit(offset)
+        if unit is not None and not unit[1]:
+            self._damaged(cq, offset)
+            return None
+        return unit
 
     def damaged_queues(self) -> dict[tuple[str, int], int]:
         """(topic, queue id) -> queue offset of the zeroed unit a read met; rebuilt at the next start."""
@@ -452,7 +469,7 @@ class MessageStore:
         return cq.min_offset if cq is not None else 0
 
     def _store_time_at(self, cq: ConsumeQueue, offset: int) -> int | None:
-        unit = _real_unit(cq, offset)
+        unit = self._real_unit(cq, offset)
         view = self._log.record(unit[0]) if unit is not None else None
         if view is None:
             return None
@@ -546,7 +563,7 @@ class MessageStore:
     def physical_offset_of(self, topic: str, queue_id: int, offset: int) -> int | None:
         """Commit-log offset of the message at a queue offset (None past the end or before the start)."""
         cq = self._cqs.get((topic, queue_id))
-        unit = _real_unit(cq, offset) if cq is not None and cq.min_offset <= offset < cq.max_offset else None
+        unit = self._real_unit(cq, offset) if cq is not None and cq.min_offset <= offset < cq.max_offset else None
         return None if unit is None else unit[0]
 
     async def segment_facts(self) -> list[SegmentFacts]:
@@ -620,14 +637,9 @@ class MessageStore:
         return facts.get(name)
 
 
-def _real_unit(cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:
-    """``cq.unit(offset)``, or None for a zeroed unit (marked damaged): (0, 0, 0) read as a unit would name the
-    log's first record, which a scheduled delivery would then copy to the wrong topic."""
-    unit = cq.unit(offset)
-    if unit is not None and not unit[1]:
-        cq.mark_damaged(offset)
-        return None
-    return unit
+def _quiet(fut: "asyncio.Future") -> None:
+    if not fut.cancelled():
+        fut.exception()         # retrieved: a stopped I/O thread at shutdown is not worth a traceback
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = ()) -> None:

@@ -524,8 +524,8 @@ async def test_units_zeroed_in_a_checkpointed_file_stop_reads_and_the_next_start
         and len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1    # said once
     assert store.damaged_queues() == {("T", 0): 70}
     assert store.queue_unit("T", 0, 75) is None             # the schedule service's read stops there too
-    assert (qdir / "DAMAGED").exists()
-    await store.close()
+    await store.close()                                     # the mark is written on the I/O thread, in order
+    assert (qdir / "DAMAGED").read_text() == f"queue offset 70, file {64 * 20:020d}\n"
     store = await reopen(tmp_path, LAST_ONLY)
     assert store.report.queues_rebuilt == ["T-0"]
     assert read_queue(store) == [r.physical_offset for r in results]
