@@ -402,6 +402,7 @@ class BrokerServer:
             await asyncio.sleep(10)
             for group in self.ctx.clients.expire(self.config.channel_expire_ms):
                 self.ctx.clients.notify_ids_changed(group)
+            self.ctx.clients.expire_locks(self.config.queue_lock_max_live_ms)
 
     async def _snapshots(self, store_dir: str) -> None:
         while True:

@@ -125,6 +125,7 @@ def runtime_info(ctx) -> dict[str, str]:
         "txmqTopics": str(len(ctx.topics.topics)),
         "txmqConsumerGroups": str(len(ctx.clients.consumers)),
         "txmqProducerGroups": str(len(ctx.clients.producers)),
+        "txmqQueueLocks": str(len(ctx.clients.locks)),
         "txmqDiskRefusingWrites": str(disk.refusing).lower(),
     }
     if ctx.tx is not None and ctx.config.broker_role != "SLAVE":    # a slave's index is its start-up one
