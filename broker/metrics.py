@@ -206,6 +206,20 @@ class BrokerMetrics:
             found = self._children[key] = metric.labels(*key[1])
         return found
 
+    def forget_topic(self, topic: str) -> None:
+        """Drop the series and rates of a deleted topic (DELETE_TOPIC_IN_BROKER), as RocketMQ's broker stats do
+        on a topic's deletion: kept, every topic ever deleted stayed in each scrape and in memory, and a topic
+        made again under its name went on from the old counts."""
+        self._in.pop(topic, None)
+        for metric in (self.messages_out, self.bytes_out):
+            mid = id(metric)
+            for key in [k for k in self._children if k[0] == mid and k[1][:1] == (topic,) and k[1][1:] != (OTHER,)]:
+                del self._children[key]
+                self._made[mid] -= 1
+                metric.remove(*key[1])
+        for pair in [p for p in self._pulled if p[0] == topic]:
+            del self._pulled[pair]
+
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
         counts = self._in.get(topic)
         if counts is None:

@@ -150,6 +150,7 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     existed = ctx.topics.delete(topic)
     queues = await ctx.store.delete_topic(topic)
     ctx.offsets.remove_topic(topic)
+    ctx.metrics.forget_topic(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
                 "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
     return cmd.response(ResponseCode.SUCCESS)

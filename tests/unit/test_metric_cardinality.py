@@ -30,3 +30,17 @@ def test_invented_group_names_fold_into_other_past_the_limit(caplog):
     assert len(_series(m, "rocketmq_finish_message_latency_count")) == 4
     assert len(m._children) == 4 * (3 + 1) and len(m._pulled) == 3     # four metrics; no rate past the limit
     assert sum("rocketmq_messages_out" in r.getMessage() for r in caplog.records) == 1     # said once
+
+
+def test_a_deleted_topic_gives_its_series_back():
+    m = BrokerMetrics()
+    m.max_series = 2
+    m.count_in("Gone", 1, 10)
+    m.count_out("Gone", "CG1", 1, 10)
+    m.count_out("Gone", "CG2", 1, 10)
+    m.count_out("Kept", "CG1", 1, 10)                                 # past the limit: under _other
+    m.forget_topic("Gone")
+    assert not [k for k in _series(m, "rocketmq_messages_out_total") if ("topic", "Gone") in k]
+    assert "Gone" not in m._in and not [p for p in m._pulled if p[0] == "Gone"]
+    m.count_out("Kept", "CG2", 1, 10)                                 # the room it held is free again
+    assert _series(m, "rocketmq_messages_out_total")[(("consumer_group", "CG2"), ("topic", "Kept"))] == 1
