@@ -182,6 +182,7 @@ class BrokerMetrics:
         self._names: dict[int, str] = {}
         self._children: dict[tuple, object] = {}
         self._pulled: dict[tuple[str, str], dict[int, int]] = {}     # (topic, group) -> {slot: messages}
+        self._pulled_swept = -1                                        # the slot of the last sweep of _pulled
         self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
 
     def child(self, metric, *labels):
@@ -234,13 +235,25 @@ class BrokerMetrics:
         slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
         slots = self._pulled.get((topic, group))
         if slots is None:
-            if len(self._pulled) >= self.max_series:    # (no rate for pairs past it, as for their series)
-                return
+            if len(self._pulled) >= self.max_series and not self._room_for_rate(slot):
+                return                                  # (no rate for pairs past it, as for their series)
             slots = self._pulled[(topic, group)] = {}
         slots[slot] = slots.get(slot, 0) + messages
         if len(slots) > _TPS_SLOTS:
             for old in [s for s in slots if s <= slot - _TPS_SLOTS]:
                 del slots[old]
+
+    def _room_for_rate(self, slot: int) -> bool:
+        """Forget the pairs that pulled nothing over the last minute (their rate is 0 either way), at most once
+        a slot; True if that made room. Kept, the first ``max_series`` (topic, group) pairs ever seen held
+        every place, and each group that came after them read a rate of 0 however fast it consumed."""
+        if self._pulled_swept == slot:
+            return False
+        self._pulled_swept = slot
+        stale = slot - _TPS_SLOTS          # consume_tps counts only the slots after this one
+        for pair in [p for p, slots in self._pulled.items() if max(slots) <= stale]:
+            del self._pulled[pair]
+        return len(self._pulled) < self.max_series
 
     def consume_tps(self, group: str, topic: str, now: float | None = None) -> float:
         """Messages of ``topic`` pulled by ``group`` per second over the last minute (RocketMQ's consumeTps):

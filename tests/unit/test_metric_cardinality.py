@@ -32,6 +32,24 @@ def test_invented_group_names_fold_into_other_past_the_limit(caplog):
     assert sum("rocketmq_messages_out" in r.getMessage() for r in caplog.records) == 1     # said once
 
 
+def test_groups_that_stopped_pulling_make_room_for_the_rates_of_new_ones():
+    """consumeTps is kept for max_series (topic, group) pairs; the first ones ever seen held every place for good,
+    so on a broker whose groups come and go, every group after them read a rate of 0 however fast it consumed.
+    A pair that pulled nothing for a minute (rate 0 either way) gives its place up."""
+    m = BrokerMetrics()
+    m.max_series = 3
+    for i in range(3):
+        m.count_out("T", f"CG_old{i}", 10, 100, now=1000.0)
+    m.count_out("T", "CG_new", 10, 100, now=1005.0)
+    assert m.consume_tps("CG_new", "T", now=1005.0) == 0.0           # all three still count: no room
+    assert m.consume_tps("CG_old0", "T", now=1005.0) > 0
+    m.count_out("T", "CG_old0", 10, 100, now=1059.0)                  # one old group goes on pulling
+    m.count_out("T", "CG_new", 60, 100, now=1065.0)                   # a minute on: two have stopped
+    assert m.consume_tps("CG_new", "T", now=1065.0) == 60 / 55
+    assert set(m._pulled) == {("T", "CG_old0"), ("T", "CG_new")}
+    assert m.consume_tps("CG_old0", "T", now=1065.0) == 10 / 55
+
+
 def test_a_deleted_topic_gives_its_series_back():
     m = BrokerMetrics()
     m.max_series = 2
