@@ -209,16 +209,23 @@ class BrokerMetrics:
 
     def forget_topic(self, topic: str) -> None:
         """Drop the series and rates of a deleted topic (DELETE_TOPIC_IN_BROKER), as RocketMQ's broker stats do
-        on a topic's deletion: kept, every topic ever deleted stayed in each scrape and in memory, and a topic
-        made again under its name went on from the old counts."""
+        with autoDeleteUnusedStats: kept, every topic ever deleted stayed in each scrape and in memory, and a
+        topic made again under its name went on from the old counts."""
         self._in.pop(topic, None)
-        for metric in (self.messages_out, self.bytes_out):
+        self._forget_out(lambda labels: labels[0] == topic)
+
+    def forget_consumer_group(self, group: str) -> None:
+        """Drop the delivery series and rates of a deleted consumer group (DELETE_SUBSCRIPTIONGROUP)."""
+        self._forget_out(lambda labels: labels[1] == group)
+
+    def _forget_out(self, match) -> None:
+        for metric in (self.messages_out, self.bytes_out):          # labels (topic, consumer group)
             mid = id(metric)
-            for key in [k for k in self._children if k[0] == mid and k[1][:1] == (topic,) and k[1][1:] != (OTHER,)]:
+            for key in [k for k in self._children if k[0] == mid and k[1] != (OTHER, OTHER) and match(k[1])]:
                 del self._children[key]
                 self._made[mid] -= 1
                 metric.remove(*key[1])
-        for pair in [p for p in self._pulled if p[0] == topic]:
+        for pair in [p for p in self._pulled if match(p)]:
             del self._pulled[pair]
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
