@@ -401,6 +401,33 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def prune_snapshots(store_dir: str, keep_days: int, now_ms: int) -> list[str]:
+    """Remove the snapshot files of UTC dates more than ``keep_days`` before ``now_ms``'s; returns their paths.
+    Blocking: call it off the loop. Nothing else removed them: one file a day, for as long as the broker ran,
+    on the store's disk (whose pressure cleaning removes commit-log segments, never these)."""
+    folder = os.path.join(store_dir, "metrics")
+    oldest = time.strftime("%Y-%m-%d", time.gmtime(now_ms / 1000 - keep_days * 86400))
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        day, dot, ext = name.partition(".")
+        if ext == "jsonl" and _is_date(day) and day < oldest:
+            path = os.path.join(folder, name)
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _is_date(text: str) -> bool:
+    try:
+        return time.strftime("%Y-%m-%d", time.strptime(text, "%Y-%m-%d")) == text
+    except ValueError:
+        return False
+
+
 def append_snapshot(store_dir: str, snapshot: dict) -> str:
     """Append one snapshot line under <store>/metrics/<UTC date>.jsonl; returns the path."""
     folder = os.path.join(store_dir, "metrics")
