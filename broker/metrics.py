@@ -98,9 +98,11 @@ class _LoopHistogramChild:
 
 class BrokerMetrics:
     # Label sets one metric may have through child(): group names are the client's to choose, and a client
-    # inventing one per request would otherwise add series (and cached children) for good. Past it, new ones
-    # are counted under OTHER, so sums over a label stay exact.
+    # inventing one per request would otherwise add series (and cached children) for good. Past it, the label
+    # sets that have not moved for ``idle_s`` give their places up; while none has, new ones are counted under
+    # OTHER, so sums over a label stay exact.
     max_series = 10_000
+    idle_s = 3600.0
 
     def __init__(self):
         # ``*_created`` series (one per counter and histogram child) are noise nobody graphs; the
@@ -184,6 +186,8 @@ class BrokerMetrics:
         self._pulled: dict[tuple[str, str], dict[int, int]] = {}     # (topic, group) -> {slot: messages}
         self._pulled_swept = -1                                        # the slot of the last sweep of _pulled
         self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
+        self._marks: dict[int, tuple[float, dict]] = {}    # id(metric) at its limit -> (when, {labels: reading})
+        self.monotonic = time.monotonic
 
     def child(self, metric, *labels):
         """``metric.labels(*labels)``, cached: labels() takes a lock and builds a tuple per call. Past
@@ -193,10 +197,36 @@ class BrokerMetrics:
         if found is None:
             made = self._made.get(id(metric), 0)
             if made >= self.max_series:
-                return self._other(metric, len(labels))
+                if not self._evict_idle(metric):
+                    return self._other(metric, len(labels))
+                made = self._made[id(metric)]
             self._made[id(metric)] = made + 1
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def _evict_idle(self, metric) -> bool:
+        """At ``metric``'s limit: remove its label sets whose value has not changed for ``idle_s`` (a group that
+        is gone: a producer group named after its host, made anew by each deployment); True if that made room.
+        Values are read when the limit is reached and compared ``idle_s`` later, so a call costs O(1) in between.
+        Kept, the first ``max_series`` names ever seen held every place for good, and after months of such
+        churn every new group's transactions and deliveries were counted under OTHER, unseen."""
+        mid, now = id(metric), self.monotonic()
+        marked = self._marks.get(mid)
+        if marked is not None and now - marked[0] < self.idle_s:
+            return False
+        mine = [(key[1], child) for key, child in self._children.items()
+                if key[0] == mid and key[1] != (OTHER,) * len(key[1])]
+        before = marked[1] if marked is not None else {}
+        idle = {labels for labels, child in mine if before.get(labels) == _reading(child)}
+        for labels in idle:
+            del self._children[(mid, labels)]
+            metric.remove(*labels)
+        self._made[mid] -= len(idle)
+        if idle:
+            log.info("%s: %d label sets unchanged for %.0f s removed to make room", metric._name, len(idle),
+                     self.idle_s)
+        self._marks[mid] = (now, {labels: _reading(child) for labels, child in mine if labels not in idle})
+        return self._made[mid] < self.max_series
 
     def _other(self, metric, n: int):
         key = (id(metric), (OTHER,) * n)
@@ -393,6 +423,14 @@ class _DiskCollector:
 
     def describe(self):
         return list(self.collect())
+
+
+def _reading(child):
+    """What changes when a counter or histogram child is used (prometheus-client's value holders)."""
+    value = getattr(child, "_value", None)
+    if value is not None:
+        return value.get()
+    return child._sum.get(), tuple(b.get() for b in child._buckets)
 
 
 def _quantile(ordered: list[float], q: float) -> float:
