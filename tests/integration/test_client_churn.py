@@ -64,15 +64,16 @@ def _parked_pull(group: str) -> RemotingCommand:
         "sysFlag": PullSysFlag.SUSPEND, "commitOffset": 0, "suspendTimeoutMillis": 60_000, "subVersion": 1})
 
 
-async def _until(predicate, what: str, tries: int = 200):
+async def _until(predicate, what: str, tries: int = 500):
     """Poll a broker view until ``predicate`` holds: its state changes on its own loop, with no event to await
-    from here. Bounded by count (each try is one request or scrape)."""
+    from here. Bounded by count (each try is one request or scrape). ``predicate`` returns (done, value)."""
+    value = None
     for _ in range(tries):
-        value = await predicate()
-        if value:
+        done, value = await predicate()
+        if done:
             return value
         await asyncio.sleep(0.02)
-    raise AssertionError(f"never: {what}")
+    raise AssertionError(f"never: {what}; last seen {value}")
 
 
 @bounded(120)
@@ -100,7 +101,7 @@ async def test_two_hundred_clients_come_and_go_and_leave_nothing_behind(broker_f
 
     async def all_in():
         m = await asyncio.to_thread(_scrape, b)
-        return m[("txmq_parked_pulls", ())] == CLIENTS and m
+        return m[("txmq_parked_pulls", ())] == CLIENTS, m
     during = await _until(all_in, f"{CLIENTS} pulls parked")
     assert during[("rocketmq_consumer_connections", (("consumer_group", "CG_churn1"),))] == CLIENTS // 5
     info = await _runtime(b)
@@ -113,9 +114,11 @@ async def test_two_hundred_clients_come_and_go_and_leave_nothing_behind(broker_f
 
     async def all_gone():
         m = await asyncio.to_thread(_scrape, b)
-        return (m[("txmq_parked_pulls", ())] == 0
-                and m[("txmq_open_connections", (("listener", "broker"),))]
-                == scrape_before[("txmq_open_connections", (("listener", "broker"),))]) and m
+        parked, conns = m[("txmq_parked_pulls", ())], m[("txmq_open_connections", (("listener", "broker"),))]
+        # (one connection stays: ``setup``; the baseline scrape may still count the runtime query's, closed
+        # just before it)
+        return parked == 0 and conns == 1, m if parked == 0 and conns == 1 else {"parked": parked,
+                                                                                 "connections": conns}
     after = await _until(all_gone, "the clients' connections and pulls gone")
     info = await _runtime(b)
     assert info["txmqConsumerGroups"] == info["txmqProducerGroups"] == "1"
