@@ -180,9 +180,9 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
 
 
 async def delete_subscription_group(ctx, conn, cmd):
-    """DELETE_SUBSCRIPTIONGROUP: the group's config goes and, with removeOffset, its committed offsets (as
-    RocketMQ's; mqadmin deleteSubGroup then deletes its %RETRY% and %DLQ% topics). A group that is gone kept
-    its offsets, its lag series and its entry in every subscription-group listing for good."""
+    """DELETE_SUBSCRIPTIONGROUP: the group's config goes and, with removeOffset, its committed offsets, as
+    RocketMQ's (mqadmin deleteSubGroup -c, and `admin delete-group`, then delete its %RETRY% and %DLQ% topics).
+    A group that was gone kept its offsets, its lag series and its entry in every group listing for good."""
     group = cmd.str_field("groupName", required=True)
     remove_offset = cmd.bool_field("removeOffset", False)
     existed = ctx.subscriptions.delete(group)

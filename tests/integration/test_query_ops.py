@@ -280,3 +280,20 @@ async def test_a_deleted_subscription_group_leaves_its_offsets_config_and_series
     assert b.stop() == 0
     b = broker_factory()
     await check()
+
+
+@bounded(60)
+async def test_admin_delete_group_removes_its_retry_and_dead_letter_topics(broker):
+    b = broker
+    for topic in ("%RETRY%CG_old", "%DLQ%CG_old", "%RETRY%CG_new"):
+        await _create(b, topic, 1)
+    await _request(b, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "CG_old", "topic": "%RETRY%CG_old", "queueId": 0,
+                                                 "commitOffset": 0})
+    done = await _admin_json(b, "delete-group", "CG_old")
+    assert done == {"group": "CG_old", "offsets_removed": True, "topics_deleted": ["%RETRY%CG_old", "%DLQ%CG_old"]}
+    for topic, code in (("%RETRY%CG_old", ResponseCode.TOPIC_NOT_EXIST), ("%DLQ%CG_old", ResponseCode.TOPIC_NOT_EXIST),
+                        ("%RETRY%CG_new", ResponseCode.SUCCESS)):
+        assert (await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": topic})).code == code
+    listed, _ = await _groups_known(b, "%RETRY%CG_old")
+    assert "CG_old" not in listed
+
