@@ -22,7 +22,10 @@ from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
 from protocol.message import MessageExt, decode_offset_msg_id, decode_records, inflate
 
-COMMANDS = ("query-key", "show-msg", "consumer-progress", "reset-offset", "topic-status", "broker-status")
+from .topics import DLQ_PREFIX, RETRY_PREFIX
+
+COMMANDS = ("query-key", "show-msg", "consumer-progress", "reset-offset", "topic-status", "broker-status",
+            "delete-group")
 
 
 class Refused(Exception):
@@ -50,6 +53,11 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("topic-status", help="a topic's queues and consumers")
     p.add_argument("topic")
     sub.add_parser("broker-status", help="the broker's runtime info")
+    p = sub.add_parser("delete-group", help="forget a consumer group that is gone: its config, committed offsets "
+                       "and series, and its %%RETRY%% and %%DLQ%% topics")
+    p.add_argument("group")
+    p.add_argument("--keep-offsets", action="store_true", help="keep its committed offsets")
+    p.add_argument("--keep-topics", action="store_true", help="keep its %%RETRY%% and %%DLQ%% topics")
     for name in COMMANDS:
         sub.choices[name].add_argument("--json", action="store_true")
 
@@ -99,7 +107,8 @@ def table(cols: list[str], rows: list[dict]) -> str:
 async def run(args, call) -> int:
     """Run one command; ``call(cmd)`` sends a request and returns the response."""
     fn = {"query-key": query_key, "show-msg": show_msg, "consumer-progress": consumer_progress,
-          "reset-offset": reset_offset, "topic-status": topic_status, "broker-status": broker_status}[args.action]
+          "reset-offset": reset_offset, "topic-status": topic_status, "broker-status": broker_status,
+          "delete-group": delete_group}[args.action]
     return await fn(args, call)
 
 
@@ -241,4 +250,18 @@ async def broker_status(args, call) -> int:
         print(json.dumps(info, indent=1, sort_keys=True))
     else:
         print(table(["key", "value"], [{"key": k, "value": v} for k, v in sorted(info.items())]))
+    return 0
+
+
+async def delete_group(args, call) -> int:
+    """mqadmin deleteSubGroup -r true -c: the group's config and offsets, then its retry and dead-letter topics."""
+    await _ok(call, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": args.group, "removeOffset": not args.keep_offsets})
+    topics = [] if args.keep_topics else [RETRY_PREFIX + args.group, DLQ_PREFIX + args.group]
+    for topic in topics:
+        await _ok(call, R.DELETE_TOPIC_IN_BROKER, {"topic": topic})
+    if args.json:
+        print(json.dumps({"group": args.group, "offsets_removed": not args.keep_offsets, "topics_deleted": topics}))
+    else:
+        print(f"group {args.group} deleted" + ("" if args.keep_offsets else ", with its offsets")
+              + (f"; topics {', '.join(topics)} deleted" if topics else ""))
     return 0

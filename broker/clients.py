@@ -82,6 +82,7 @@ class ClientRegistry:
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group) -> creates %RETRY%group
         self.locks: dict[tuple, tuple[str, int]] = {}  # (group, topic, broker, queue) -> (client id, ms)
+        self._locks_swept = clock()
 
     # ------------------------------------------------------------ heartbeat
     def heartbeat(self, conn, cmd: RemotingCommand) -> list[str]:
@@ -205,6 +206,24 @@ class ClientRegistry:
                 changed.append(group.name)
         self._prune()
         return changed
+
+    def expire_locks(self, max_live_ms: int, now: int | None = None) -> int:
+        """Forget queue locks not renewed for ``max_live_ms``; returns how many went.
+
+        An expired lock is free already (LOCK_BATCH_MQ grants it to anyone), so forgetting it changes
+        no answer; kept, every lock of an orderly consumer that crashed, of a group that is gone or of a
+        queue no longer there stayed in memory for good. Run by the housekeeping and, at most once a
+        ``max_live_ms``, by a lock request itself."""
+        now = self.clock() if now is None else now
+        self._locks_swept = now
+        stale = [key for key, (_client, ms) in self.locks.items() if now - ms > max_live_ms]
+        for key in stale:
+            del self.locks[key]
+        return len(stale)
+
+    def maybe_expire_locks(self, max_live_ms: int, now: int) -> None:
+        if now - self._locks_swept > max_live_ms:
+            self.expire_locks(max_live_ms, now)
 
     # -------------------------------------------------------------- queries
     def producer_channels(self, group: str) -> list[Channel]:

@@ -102,6 +102,7 @@ class BrokerConfig:
     slave_read_enable: bool = setting(False, "RocketMQ's slaveReadEnable: pull replies suggest the slave (suggestWhichBrokerId 1) to a consumer far behind the log (more than access_message_in_memory_max_ratio of RAM). A slave serves pulls either way.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
+    metrics_snapshot_retention_days: int = setting(7, "Days of metric snapshot files (<store>/metrics/<UTC date>.jsonl) kept besides today's; older ones are removed once a day. The nightly rollup reads the day before and the day after its date. 0 keeps them all (archive them some other way: they share the store's disk, whose pressure cleaning removes only commit-log segments).")
     log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
@@ -129,6 +130,9 @@ class BrokerConfig:
                               "a percentage, 0 to 100")
         if not 0.0 < self.disk_refuse_ratio <= 1.0:
             raise ConfigError(f"disk_refuse_ratio={self.disk_refuse_ratio} must be in (0, 1]")
+        if self.metrics_snapshot_retention_days < 0:
+            raise ConfigError(f"metrics_snapshot_retention_days={self.metrics_snapshot_retention_days} must not be "
+                              "negative (0 keeps every file)")
         if self.max_auto_create_topics_per_s <= 0:
             raise ConfigError("max_auto_create_topics_per_s must be positive")
         if self.transaction_snapshot_interval_s <= 0:

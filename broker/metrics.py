@@ -98,9 +98,11 @@ class _LoopHistogramChild:
 
 class BrokerMetrics:
     # Label sets one metric may have through child(): group names are the client's to choose, and a client
-    # inventing one per request would otherwise add series (and cached children) for good. Past it, new ones
-    # are counted under OTHER, so sums over a label stay exact.
+    # inventing one per request would otherwise add series (and cached children) for good. Past it, the label
+    # sets that have not moved for ``idle_s`` give their places up; while none has, new ones are counted under
+    # OTHER, so sums over a label stay exact.
     max_series = 10_000
+    idle_s = 3600.0
 
     def __init__(self):
         # ``*_created`` series (one per counter and histogram child) are noise nobody graphs; the
@@ -190,7 +192,10 @@ class BrokerMetrics:
         self._names: dict[int, str] = {}
         self._children: dict[tuple, object] = {}
         self._pulled: dict[tuple[str, str], dict[int, int]] = {}     # (topic, group) -> {slot: messages}
+        self._pulled_swept = -1                                        # the slot of the last sweep of _pulled
         self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
+        self._marks: dict[int, tuple[float, dict]] = {}    # id(metric) at its limit -> (when, {labels: reading})
+        self.monotonic = time.monotonic
 
     def child(self, metric, *labels):
         """``metric.labels(*labels)``, cached: labels() takes a lock and builds a tuple per call. Past
@@ -200,10 +205,36 @@ class BrokerMetrics:
         if found is None:
             made = self._made.get(id(metric), 0)
             if made >= self.max_series:
-                return self._other(metric, len(labels))
+                if not self._evict_idle(metric):
+                    return self._other(metric, len(labels))
+                made = self._made[id(metric)]
             self._made[id(metric)] = made + 1
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def _evict_idle(self, metric) -> bool:
+        """At ``metric``'s limit: remove its label sets whose value has not changed for ``idle_s`` (a group that
+        is gone: a producer group named after its host, made anew by each deployment); True if that made room.
+        Values are read when the limit is reached and compared ``idle_s`` later, so a call costs O(1) in between.
+        Kept, the first ``max_series`` names ever seen held every place for good, and after months of such
+        churn every new group's transactions and deliveries were counted under OTHER, unseen."""
+        mid, now = id(metric), self.monotonic()
+        marked = self._marks.get(mid)
+        if marked is not None and now - marked[0] < self.idle_s:
+            return False
+        mine = [(key[1], child) for key, child in self._children.items()
+                if key[0] == mid and key[1] != (OTHER,) * len(key[1])]
+        before = marked[1] if marked is not None else {}
+        idle = {labels for labels, child in mine if before.get(labels) == _reading(child)}
+        for labels in idle:
+            del self._children[(mid, labels)]
+            metric.remove(*labels)
+        self._made[mid] -= len(idle)
+        if idle:
+            log.info("%s: %d label sets unchanged for %.0f s removed to make room", metric._name, len(idle),
+                     self.idle_s)
+        self._marks[mid] = (now, {labels: _reading(child) for labels, child in mine if labels not in idle})
+        return self._made[mid] < self.max_series
 
     def _other(self, metric, n: int):
         key = (id(metric), (OTHER,) * n)
@@ -213,6 +244,27 @@ class BrokerMetrics:
                         metric._name, self.max_series, OTHER)
             found = self._children[key] = metric.labels(*key[1])
         return found
+
+    def forget_topic(self, topic: str) -> None:
+        """Drop the series and rates of a deleted topic (DELETE_TOPIC_IN_BROKER), as RocketMQ's broker stats do
+        with autoDeleteUnusedStats: kept, every topic ever deleted stayed in each scrape and in memory, and a
+        topic made again under its name went on from the old counts."""
+        self._in.pop(topic, None)
+        self._forget_out(lambda labels: labels[0] == topic)
+
+    def forget_consumer_group(self, group: str) -> None:
+        """Drop the delivery series and rates of a deleted consumer group (DELETE_SUBSCRIPTIONGROUP)."""
+        self._forget_out(lambda labels: labels[1] == group)
+
+    def _forget_out(self, match) -> None:
+        for metric in (self.messages_out, self.bytes_out):          # labels (topic, consumer group)
+            mid = id(metric)
+            for key in [k for k in self._children if k[0] == mid and k[1] != (OTHER, OTHER) and match(k[1])]:
+                del self._children[key]
+                self._made[mid] -= 1
+                metric.remove(*key[1])
+        for pair in [p for p in self._pulled if match(p)]:
+            del self._pulled[pair]
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
         counts = self._in.get(topic)
@@ -228,13 +280,25 @@ class BrokerMetrics:
         slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
         slots = self._pulled.get((topic, group))
         if slots is None:
-            if len(self._pulled) >= self.max_series:    # (no rate for pairs past it, as for their series)
-                return
+            if len(self._pulled) >= self.max_series and not self._room_for_rate(slot):
+                return                                  # (no rate for pairs past it, as for their series)
             slots = self._pulled[(topic, group)] = {}
         slots[slot] = slots.get(slot, 0) + messages
         if len(slots) > _TPS_SLOTS:
             for old in [s for s in slots if s <= slot - _TPS_SLOTS]:
                 del slots[old]
+
+    def _room_for_rate(self, slot: int) -> bool:
+        """Forget the pairs that pulled nothing over the last minute (their rate is 0 either way), at most once
+        a slot; True if that made room. Kept, the first ``max_series`` (topic, group) pairs ever seen held
+        every place, and each group that came after them read a rate of 0 however fast it consumed."""
+        if self._pulled_swept == slot:
+            return False
+        self._pulled_swept = slot
+        stale = slot - _TPS_SLOTS          # consume_tps counts only the slots after this one
+        for pair in [p for p, slots in self._pulled.items() if max(slots) <= stale]:
+            del self._pulled[pair]
+        return len(self._pulled) < self.max_series
 
     def consume_tps(self, group: str, topic: str, now: float | None = None) -> float:
         """Messages of ``topic`` pulled by ``group`` per second over the last minute (RocketMQ's consumeTps):
@@ -369,10 +433,45 @@ class _DiskCollector:
         return list(self.collect())
 
 
+def _reading(child):
+    """What changes when a counter or histogram child is used (prometheus-client's value holders)."""
+    value = getattr(child, "_value", None)
+    if value is not None:
+        return value.get()
+    return child._sum.get(), tuple(b.get() for b in child._buckets)
+
+
 def _quantile(ordered: list[float], q: float) -> float:
     if not ordered:
         return 0.0
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def prune_snapshots(store_dir: str, keep_days: int, now_ms: int) -> list[str]:
+    """Remove the snapshot files of UTC dates more than ``keep_days`` before ``now_ms``'s; returns their paths.
+    Blocking: call it off the loop. Nothing else removed them: one file a day, for as long as the broker ran,
+    on the store's disk (whose pressure cleaning removes commit-log segments, never these)."""
+    folder = os.path.join(store_dir, "metrics")
+    oldest = time.strftime("%Y-%m-%d", time.gmtime(now_ms / 1000 - keep_days * 86400))
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        day, dot, ext = name.partition(".")
+        if ext == "jsonl" and _is_date(day) and day < oldest:
+            path = os.path.join(folder, name)
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _is_date(text: str) -> bool:
+    try:
+        return time.strftime("%Y-%m-%d", time.strptime(text, "%Y-%m-%d")) == text
+    except ValueError:
+        return False
 
 
 def append_snapshot(store_dir: str, snapshot: dict) -> str:

@@ -33,7 +33,7 @@ from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
 from .limits import Limits
 from .longpoll import PullHoldService
-from .metrics import BrokerMetrics, append_snapshot
+from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
 from .registration import BrokerRegistrar
 from .retention import Retention
@@ -416,14 +416,27 @@ class BrokerServer:
             await asyncio.sleep(10)
             for group in self.ctx.clients.expire(self.config.channel_expire_ms):
                 self.ctx.clients.notify_ids_changed(group)
+            self.ctx.clients.expire_locks(self.config.queue_lock_max_live_ms)
 
     async def _snapshots(self, store_dir: str) -> None:
+        keep = self.config.metrics_snapshot_retention_days
+        pruned_day = None
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
             try:
                 self.write_snapshot(store_dir)
             except OSError as exc:
                 log.error("metric snapshot not written: %s", exc)
+            now_ms = int(time.time() * 1000)        # the files are named by the UTC date of the wall clock
+            day = now_ms // 86_400_000
+            if keep > 0 and day != pruned_day:
+                try:
+                    for path in await asyncio.to_thread(prune_snapshots, store_dir, keep, now_ms):
+                        log.info("metric snapshot file %s removed (older than metrics_snapshot_retention_days=%d)",
+                                 path, keep)
+                    pruned_day = day
+                except OSError as exc:
+                    log.error("old metric snapshot files not removed: %s", exc)
 
     def write_snapshot(self, store_dir: str) -> str:
         lag = [{"group": g, "topic": t, "queue_id": q, "lag": n} for g, t, q, n in self._lag()]

@@ -81,6 +81,15 @@ class SubscriptionGroups:
         log.info("subscription group %s: %s", name, cfg)
         return cfg
 
+    def delete(self, name: str) -> bool:
+        """Forget a group's config (DELETE_SUBSCRIPTIONGROUP; the caller persists); False when it had none."""
+        if self.groups.pop(name, None) is None:
+            return False
+        self.counter += 1
+        self.timestamp = self.clock()
+        log.info("subscription group %s deleted", name)
+        return True
+
     def consume_enabled(self, group: str) -> bool:
         cfg = self.groups.get(group)
         return cfg is None or cfg["consumeEnable"]

@@ -610,6 +610,10 @@ class ConnectionPool:
         if self._closed:
             conn.abort()
             raise ConnectionClosedError(f"connection pool closed while connecting to {addr}")
+        # Closed connections go when another is made: kept, a client long in service held one for every broker
+        # address it ever used (brokers that moved, were replaced or scaled in), each with its read buffer.
+        for gone in [a for a, c in self._conns.items() if not c.is_open]:
+            del self._conns[gone]
         self._conns[addr] = conn
         return conn
 

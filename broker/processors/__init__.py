@@ -47,6 +47,7 @@ def broker_table() -> dict:
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
         R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG: ops.get_all_subscription_group,
         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP: ops.update_and_create_subscription_group,
+        R.DELETE_SUBSCRIPTIONGROUP: ops.delete_subscription_group,
         R.DELETE_TOPIC_IN_BROKER: ops.delete_topic_in_broker,
         # Stock clients ask the broker for routes too when it is their only address.
         R.GET_ROUTEINFO_BY_TOPIC: namesrv.get_route_info,

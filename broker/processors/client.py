@@ -54,6 +54,7 @@ def lock_batch_mq(ctx, conn, cmd):
     locks = ctx.clients.locks
     now = ctx.clients.clock()           # monotonic: a wall clock step must not free or pin a lock
     ttl = ctx.config.queue_lock_max_live_ms
+    ctx.clients.maybe_expire_locks(ttl, now)
     granted = []
     for mq in mqs:
         key = (group, mq.get("topic"), mq.get("brokerName"), mq.get("queueId"))

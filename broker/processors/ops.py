@@ -2,7 +2,7 @@
 
 GET_CONSUME_STATS (208), GET_CONSUMER_CONNECTION_LIST (203), GET_TOPIC_STATS_INFO (202),
 GET_BROKER_RUNTIME_INFO (28), QUERY_TOPIC_CONSUME_BY_WHO (300), GET_ALL_SUBSCRIPTIONGROUP_CONFIG (201),
-UPDATE_AND_CREATE_SUBSCRIPTIONGROUP (200), DELETE_TOPIC_IN_BROKER (215) and
+UPDATE_AND_CREATE_SUBSCRIPTIONGROUP (200), DELETE_SUBSCRIPTIONGROUP (207), DELETE_TOPIC_IN_BROKER (215) and
 INVOKE_BROKER_TO_RESET_OFFSET (222), which tells live consumers with RESET_CONSUMER_CLIENT_OFFSET (220).
 """
 from __future__ import annotations
@@ -125,6 +125,7 @@ def runtime_info(ctx) -> dict[str, str]:
         "txmqTopics": str(len(ctx.topics.topics)),
         "txmqConsumerGroups": str(len(ctx.clients.consumers)),
         "txmqProducerGroups": str(len(ctx.clients.producers)),
+        "txmqQueueLocks": str(len(ctx.clients.locks)),
         "txmqDiskRefusingWrites": str(disk.refusing).lower(),
     }
     if ctx.tx is not None and ctx.config.broker_role != "SLAVE":    # a slave's index is its start-up one
@@ -149,6 +150,7 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     existed = ctx.topics.delete(topic)
     queues = await ctx.store.delete_topic(topic)
     ctx.offsets.remove_topic(topic)
+    ctx.metrics.forget_topic(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
                 "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
     return cmd.response(ResponseCode.SUCCESS)
@@ -174,6 +176,27 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     except OSError as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group {cfg['groupName']} set but not "
                             f"saved: {exc}")
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+async def delete_subscription_group(ctx, conn, cmd):
+    """DELETE_SUBSCRIPTIONGROUP: the group's config goes and, with removeOffset, its committed offsets, as
+    RocketMQ's (mqadmin deleteSubGroup -c, and `admin delete-group`, then delete its %RETRY% and %DLQ% topics).
+    A group that was gone kept its offsets, its lag series and its entry in every group listing for good."""
+    group = cmd.str_field("groupName", required=True)
+    remove_offset = cmd.bool_field("removeOffset", False)
+    existed = ctx.subscriptions.delete(group)
+    if remove_offset:
+        ctx.offsets.remove_group(group)
+    ctx.metrics.forget_consumer_group(group)
+    log.warning("subscription group %s deleted by %s (%s%s)", group, _peer(conn),
+                "configured" if existed else "not configured", ", offsets removed" if remove_offset else "")
+    if existed:
+        try:
+            await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode(), ctx.subscriptions.counter)
+        except OSError as exc:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group {group} deleted but the change "
+                                f"not saved: {exc}")
     return cmd.response(ResponseCode.SUCCESS)
 
 

@@ -8,7 +8,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer import LocalTransactionState, TransactionProducer
+from consumer import PullConsumer
+from producer import LocalTransactionState, Producer, TransactionProducer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
 
@@ -41,3 +46,49 @@ async def test_committed_transactional_messages_count_their_body_bytes(broker_fa
     m = await asyncio.to_thread(_scrape, broker)
     assert m[("rocketmq_messages_in_total", (("topic", "TxBytes"),))] == 2
     assert m[("rocketmq_throughput_in_total", (("topic", "TxBytes"),))] == 123
+
+
+async def _delete_topic(broker, topic: str) -> None:
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER, {"topic": topic}), 5.0)
+    finally:
+        conn.close()
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+
+
+def _topic_series(m: dict, topic: str) -> dict:
+    return {k: v for k, v in m.items() if ("topic", topic) in k[1]}
+
+
+@bounded(60)
+async def test_a_deleted_topic_leaves_the_scrape_and_a_new_one_of_its_name_counts_from_zero(broker_factory):
+    """The series of a deleted topic (messages and bytes in, and out per consumer group) stayed in every scrape
+    for as long as the broker ran: a broker whose topics come and go (one per tenant, per test run) grew its
+    scrape and its memory by every topic it ever had, and a topic made again under the name went on from the
+    old counts."""
+    broker = broker_factory()
+    async with Producer(broker.namesrv, "PG_gone") as producer:
+        for i in range(3):
+            await producer.send("Gone", b"g%d" % i)
+        await producer.send("Kept", b"k")
+    async with PullConsumer(broker.namesrv, "CG_gone") as consumer:
+        for topic in ("Gone", "Kept"):
+            for mq in await consumer.fetch_queues(topic):
+                await consumer.pull(mq, 0)
+    m = await asyncio.to_thread(_scrape, broker)
+    assert m[("rocketmq_messages_in_total", (("topic", "Gone"),))] == 3
+    assert m[("rocketmq_messages_out_total", (("consumer_group", "CG_gone"), ("topic", "Gone")))] == 3
+    kept = _topic_series(m, "Kept")
+    assert len(kept) == 4
+
+    await _delete_topic(broker, "Gone")
+    m = await asyncio.to_thread(_scrape, broker)
+    assert _topic_series(m, "Gone") == {}
+    assert _topic_series(m, "Kept") == kept
+
+    async with Producer(broker.namesrv, "PG_gone") as producer:
+        await producer.send("Gone", b"again")
+    m = await asyncio.to_thread(_scrape, broker)
+    assert m[("rocketmq_messages_in_total", (("topic", "Gone"),))] == 1

@@ -5,6 +5,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,6 +29,27 @@ async def test_metric_snapshots_are_appended_for_the_rollups(broker_factory, tmp
     assert all({"ts", "connections", "consumer_lag", "requests"} <= set(s) for s in lines)
     sends = [s["requests"]["SEND_MESSAGE_V2"] for s in lines if "SEND_MESSAGE_V2" in s["requests"]]
     assert sends[0]["count"] >= 1 and sends[0]["p99_ms"] >= sends[0]["p50_ms"] >= 0
+
+
+async def test_old_metric_snapshot_files_are_removed_not_kept_for_good(broker_factory, tmp_path):
+    """One snapshot file a day was appended under <store>/metrics and none was ever removed: months of them on
+    the store's disk, whose pressure cleaning removes commit-log segments (messages) and never these. Files of
+    dates more than metrics_snapshot_retention_days (here 7) before today go; others in the folder stay."""
+    folder = tmp_path / "store" / "metrics"
+    folder.mkdir(parents=True)
+    now = time.time()
+    day = lambda days_ago: time.strftime("%Y-%m-%d", time.gmtime(now - days_ago * 86400))  # noqa: E731
+    old = [folder / "2020-01-01.jsonl", folder / f"{day(8)}.jsonl", folder / f"{day(30)}.jsonl"]
+    kept = [folder / f"{day(7)}.jsonl", folder / f"{day(1)}.jsonl", folder / "2020-13-45.jsonl",
+            folder / "notes.txt"]
+    for path in old + kept:
+        path.write_text('{"ts": 0}\n')
+    broker_factory("--metrics-snapshot-interval-s", "0.05")
+    async with asyncio.timeout(10):
+        while any(p.exists() for p in old):
+            await asyncio.sleep(0.05)
+    assert all(p.exists() for p in kept)
+    assert (folder / f"{day(0)}.jsonl").exists() or (folder / f"{day(-1)}.jsonl").exists()
 
 
 def _admin(b, *args):

@@ -222,3 +222,78 @@ async def test_consumer_progress_reports_the_rate_the_group_consumes_at(broker):
     other = decode_mq_table((await _request(b, R.GET_CONSUME_STATS, {"consumerGroup": "CG_idle", "topic": "Rate"}))
                             .body_bytes())[0]
     assert other["consumeTps"] == 0.0
+
+
+def _group_series(broker, group: str) -> dict:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.labels.get("consumer_group") == group}
+
+
+async def _groups_known(b, topic: str) -> tuple[set, set]:
+    table = json.loads((await _request(b, R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG)).body_bytes())
+    who = json.loads((await _request(b, R.QUERY_TOPIC_CONSUME_BY_WHO, {"topic": topic})).body_bytes())
+    return set(table["subscriptionGroupTable"]), set(who["groupList"])
+
+
+@bounded(90)
+async def test_a_deleted_subscription_group_leaves_its_offsets_config_and_series(broker_factory):
+    """DELETE_SUBSCRIPTIONGROUP was answered REQUEST_CODE_NOT_SUPPORTED (mqadmin deleteSubGroup failed): a group
+    that was gone kept its committed offsets (rewritten with the whole table every 5 s), its lag and delivery
+    series in every scrape and its place in every group listing, for as long as the broker ran. With removeOffset
+    the offsets go too, as RocketMQ's; both survive a restart."""
+    b = broker_factory()
+    await _create(b, "Ended", 1)
+    async with Producer(b.namesrv, "PG_ended") as producer:
+        for i in range(3):
+            await producer.send("Ended", b"e%d" % i)
+    resp = await _request(b, R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, body=json.dumps(
+        {"groupName": "CG_ended", "retryMaxTimes": 2}).encode())
+    assert resp.code == ResponseCode.SUCCESS
+    for group in ("CG_ended", "CG_stays"):
+        async with PullConsumer(b.namesrv, group) as consumer:
+            mq = (await consumer.fetch_queues("Ended"))[0]
+            assert len((await consumer.pull(mq, 0)).messages) == 3
+            await consumer.commit_offset(mq, 2)
+    listed, consuming = await _groups_known(b, "Ended")
+    assert {"CG_ended", "CG_stays"} <= listed and {"CG_ended", "CG_stays"} <= consuming
+    series = await asyncio.to_thread(_group_series, b, "CG_ended")
+    assert series[("rocketmq_consumer_lag_messages", (("consumer_group", "CG_ended"), ("topic", "Ended")))] == 1
+    assert series[("rocketmq_messages_out_total", (("consumer_group", "CG_ended"), ("topic", "Ended")))] == 3
+
+    gone = await _request(b, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_ended", "removeOffset": "true"})
+    assert gone.code == ResponseCode.SUCCESS, gone.remark
+    kept = await _request(b, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_never", "removeOffset": "false"})
+    assert kept.code == ResponseCode.SUCCESS
+
+    async def check():
+        listed, consuming = await _groups_known(b, "Ended")
+        assert "CG_ended" not in listed and "CG_ended" not in consuming
+        assert "CG_stays" in listed and "CG_stays" in consuming
+        assert await asyncio.to_thread(_group_series, b, "CG_ended") == {}
+        stays = await asyncio.to_thread(_group_series, b, "CG_stays")
+        assert stays[("rocketmq_consumer_lag_messages", (("consumer_group", "CG_stays"), ("topic", "Ended")))] == 1
+    await check()
+    assert b.stop() == 0
+    b = broker_factory()
+    await check()
+
+
+@bounded(60)
+async def test_admin_delete_group_removes_its_retry_and_dead_letter_topics(broker):
+    b = broker
+    for topic in ("%RETRY%CG_old", "%DLQ%CG_old", "%RETRY%CG_new"):
+        await _create(b, topic, 1)
+    await _request(b, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "CG_old", "topic": "%RETRY%CG_old", "queueId": 0,
+                                                 "commitOffset": 0})
+    done = await _admin_json(b, "delete-group", "CG_old")
+    assert done == {"group": "CG_old", "offsets_removed": True, "topics_deleted": ["%RETRY%CG_old", "%DLQ%CG_old"]}
+    for topic, code in (("%RETRY%CG_old", ResponseCode.TOPIC_NOT_EXIST), ("%DLQ%CG_old", ResponseCode.TOPIC_NOT_EXIST),
+                        ("%RETRY%CG_new", ResponseCode.SUCCESS)):
+        assert (await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": topic})).code == code
+    listed, _ = await _groups_known(b, "%RETRY%CG_old")
+    assert "CG_old" not in listed
+

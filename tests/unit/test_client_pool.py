@@ -67,3 +67,20 @@ async def test_a_closed_pool_opens_no_connection_again():
             await under_way
         assert pool.connections() == [] and pool._conns == {}
     server.close()
+
+
+async def test_connections_to_brokers_gone_away_are_not_kept():
+    """A client in service for months sees brokers move (a new address after each restart, scaled in, replaced):
+    the pool kept the closed connection of every address it ever used. They go when another is made."""
+    loop = asyncio.get_running_loop()
+    pool = ConnectionPool()
+    async with asyncio.timeout(10):
+        for _ in range(20):         # each broker comes up at a new address, serves, and goes away for good
+            server = await loop.create_server(lambda: connection.RemotingConnection(), "127.0.0.1", 0)
+            conn = await pool.get(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            server.close()
+            conn.close()
+            await conn.closed.wait()
+            await server.wait_closed()
+        assert len(pool._conns) == 1 and pool.connections() == []
+    await pool.close()

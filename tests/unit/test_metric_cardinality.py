@@ -1,7 +1,8 @@
 """Label values a client chooses (consumer and producer group names) cannot grow the exposition without
 bound: a client pulling or sending halves under a new group name each time made new series for good --
 thousands of series per scrape, and as many cached children in the broker's memory. Past ``max_series``
-label sets of one metric the rest are counted under ``_other``; totals stay exact."""
+label sets of one metric the rest are counted under ``_other`` (totals stay exact), until label sets that have
+not moved for an hour give their places up."""
 from __future__ import annotations
 
 import logging
@@ -30,3 +31,79 @@ def test_invented_group_names_fold_into_other_past_the_limit(caplog):
     assert len(_series(m, "rocketmq_finish_message_latency_count")) == 4
     assert len(m._children) == 4 * (3 + 1) and len(m._pulled) == 3     # four metrics; no rate past the limit
     assert sum("rocketmq_messages_out" in r.getMessage() for r in caplog.records) == 1     # said once
+
+
+def test_groups_that_stopped_pulling_make_room_for_the_rates_of_new_ones():
+    """consumeTps is kept for max_series (topic, group) pairs; the first ones ever seen held every place for good,
+    so on a broker whose groups come and go, every group after them read a rate of 0 however fast it consumed.
+    A pair that pulled nothing for a minute (rate 0 either way) gives its place up."""
+    m = BrokerMetrics()
+    m.max_series = 3
+    for i in range(3):
+        m.count_out("T", f"CG_old{i}", 10, 100, now=1000.0)
+    m.count_out("T", "CG_new", 10, 100, now=1005.0)
+    assert m.consume_tps("CG_new", "T", now=1005.0) == 0.0           # all three still count: no room
+    assert m.consume_tps("CG_old0", "T", now=1005.0) > 0
+    m.count_out("T", "CG_old0", 10, 100, now=1059.0)                  # one old group goes on pulling
+    m.count_out("T", "CG_new", 60, 100, now=1065.0)                   # a minute on: two have stopped
+    assert m.consume_tps("CG_new", "T", now=1065.0) == 60 / 55
+    assert set(m._pulled) == {("T", "CG_old0"), ("T", "CG_new")}
+    assert m.consume_tps("CG_old0", "T", now=1065.0) == 10 / 55
+
+
+def test_a_deleted_topic_gives_its_series_back():
+    m = BrokerMetrics()
+    m.max_series = 2
+    m.count_in("Gone", 1, 10)
+    m.count_out("Gone", "CG1", 1, 10)
+    m.count_out("Gone", "CG2", 1, 10)
+    m.count_out("Kept", "CG1", 1, 10)                                 # past the limit: under _other
+    m.forget_topic("Gone")
+    assert not [k for k in _series(m, "rocketmq_messages_out_total") if ("topic", "Gone") in k]
+    assert "Gone" not in m._in and not [p for p in m._pulled if p[0] == "Gone"]
+    m.count_out("Kept", "CG2", 1, 10)                                 # the room it held is free again
+    assert _series(m, "rocketmq_messages_out_total")[(("consumer_group", "CG2"), ("topic", "Kept"))] == 1
+
+
+def test_groups_gone_for_an_hour_give_their_series_up_to_new_ones():
+    """Past max_series the first names ever seen held every place for good: a broker whose producer groups come
+    and go (named after their host, new with each deployment) counted every later group's transactions under
+    _other after months, unseen. Label sets unchanged for idle_s give their places up; moving ones stay."""
+    m = BrokerMetrics()
+    clock = [1000.0]
+    m.monotonic = lambda: clock[0]
+    m.max_series = 3
+    for i in range(3):
+        m.child(m.commits, f"PG_pod{i}").inc()
+        m.child(m.finish_latency, f"PG_pod{i}").observe(0.0)
+    m.child(m.commits, "PG_new").inc()                  # at the limit, nothing idle for an hour yet
+    m.child(m.finish_latency, "PG_new").observe(1.0)
+    assert _series(m, "rocketmq_commit_messages_total")[(("producer_group", OTHER),)] == 1
+    clock[0] += 1800
+    m.child(m.commits, "PG_pod0").inc()                 # pod0 lives on; pods 1 and 2 are gone
+    m.child(m.finish_latency, "PG_pod0").observe(0.0)   # (a histogram whose sum does not move still moves)
+    m.child(m.commits, "PG_new").inc()                  # half an hour: still no room
+    clock[0] += 1800
+    m.child(m.commits, "PG_new").inc()
+    m.child(m.finish_latency, "PG_new").observe(1.0)
+    commits = _series(m, "rocketmq_commit_messages_total")
+    assert commits == {(("producer_group", "PG_pod0"),): 2, (("producer_group", OTHER),): 2,
+                       (("producer_group", "PG_new"),): 1}
+    latency = _series(m, "rocketmq_finish_message_latency_count")
+    assert latency == {(("producer_group", "PG_pod0"),): 2, (("producer_group", OTHER),): 1,
+                       (("producer_group", "PG_new"),): 1}
+    assert len(m._children) == 2 * 3 and m._made[id(m.commits)] == 2
+
+
+def test_names_invented_per_request_stay_bounded_hour_after_hour():
+    m = BrokerMetrics()
+    clock = [0.0]
+    m.monotonic = lambda: clock[0]
+    m.max_series = 100
+    for hour in range(5):
+        for i in range(1000):
+            m.child(m.half_in, f"PG_{hour}_{i}").inc()
+        clock[0] += m.idle_s
+        assert len(_series(m, "txmq_half_messages_total")) <= 101
+        assert _series(m, "txmq_half_messages_total")[(("producer_group", OTHER),)] >= 900
+    assert len(m._children) <= 101

@@ -68,3 +68,34 @@ def test_a_wall_clock_step_neither_frees_nor_pins_a_lock():
     assert _call(lock_batch_mq, ctx, "B") == [MQ]
     import time
     assert abs(monotonic_ms() - time.monotonic() * 1000) < 1000
+
+
+def test_expired_locks_are_forgotten_not_kept_for_good():
+    """An expired lock was only ever replaced, never removed: every lock of an orderly consumer that crashed,
+    of a group that went away or of a queue no longer there stayed in memory for as long as the broker ran.
+    They go once expired (nothing changes for anyone: an expired lock is free either way), by the next lock
+    request at most once a lifetime, and by the housekeeping."""
+    ctx, clock = _ctx()
+    ttl = ctx.config.queue_lock_max_live_ms
+    for i in range(200):                                      # orderly consumers come, lock and crash
+        assert _call(lock_batch_mq, ctx, f"client-{i}", group=f"CG{i}") == [MQ]
+    assert len(ctx.clients.locks) == 200
+    clock.now += ttl // 2
+    assert _call(lock_batch_mq, ctx, "live", group="CG-live") == [MQ]
+    assert len(ctx.clients.locks) == 201                      # none has expired yet: all kept
+    clock.now += ttl // 2 + 1
+    assert _call(lock_batch_mq, ctx, "live", group="CG-live") == [MQ]
+    assert set(ctx.clients.locks) == {("CG-live", "Orders", "broker-a", 0)}
+    assert _call(lock_batch_mq, ctx, "B", group="CG7") == [MQ]     # the crashed holder's queue is free
+    clock.now += ttl + 1
+    assert ctx.clients.expire_locks(ttl) == 2                 # the housekeeping's sweep
+    assert ctx.clients.locks == {}
+
+
+def test_the_housekeeping_sweep_keeps_live_locks():
+    ctx, clock = _ctx()
+    ttl = ctx.config.queue_lock_max_live_ms
+    assert _call(lock_batch_mq, ctx, "A") == [MQ]
+    clock.now += ttl
+    assert ctx.clients.expire_locks(ttl) == 0                 # exactly the lifetime: still A's
+    assert _call(lock_batch_mq, ctx, "B") == []
