@@ -289,7 +289,10 @@ class MessageStore:
             await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
-            self._ranges_to_retry = ranges + self._ranges_to_retry      # flushing a range twice is harmless
+            # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
+            # failing (a bad block under one queue file) added every active queue's range each turn, so memory
+            # and the msyncs each attempt makes grew for as long as it failed. Flushing more is harmless.
+            self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
             raise
         self._last_checkpoint = point
 
@@ -635,6 +638,20 @@ class MessageStore:
         except OSError as exc:
             log.error("segment manifest not written (retried at the next checkpoint): %s", exc)
         return facts.get(name)
+
+
+def _coalesce(ranges) -> list:
+    """(file, lo, hi) ranges merged into one per file, [lowest lo, highest hi); files since removed dropped."""
+    merged: dict[int, list] = {}
+    for mf, lo, hi in ranges:
+        if mf.mm is None:                   # removed (topic deleted, queue truncated): nothing left to flush
+            continue
+        seen = merged.get(id(mf))
+        if seen is None:
+            merged[id(mf)] = [mf, lo, hi]
+        else:
+            seen[1], seen[2] = min(seen[1], lo), max(seen[2], hi)
+    return [tuple(r) for r in merged.values()]
 
 
 def _quiet(fut: "asyncio.Future") -> None:

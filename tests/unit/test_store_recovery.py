@@ -569,10 +569,12 @@ async def test_start_up_reads_only_the_unvouched_tail_of_a_queues_last_file(tmp_
     real = cqmod._first_zeroed_unit
     monkeypatch.setattr(cqmod, "_first_zeroed_unit", lambda fd, end, start=0: reads.append((start, end)) or
                         real(fd, end, start))
+    # 900 units are 18,000 bytes, well under one real chunk (1 MiB): with it, reading the whole file read one
+    # chunk too, and no assertion on the chunks could tell the two apart. Chunks of 50 units can.
+    monkeypatch.setattr(cqmod, "_SCAN", 50 * 20)
     store = await reopen(tmp_path, cfg)
     await store.close()
-    assert reads and all(end - start <= cqmod._SCAN for start, end in reads), reads
-    assert all(start > 0 for start, _ in reads if _ > cqmod._SCAN)
+    assert reads == [(900 * 20 - cqmod._SCAN, 900 * 20)]     # the last chunk: the close's checkpoint vouches
     os.unlink(tmp_path / "checkpoint")                      # nothing vouched: the whole file is read
     reads.clear()
     store = await reopen(tmp_path, cfg)
@@ -603,5 +605,38 @@ async def test_a_failed_checkpoint_leaves_its_queue_ranges_to_the_next_one(tmp_p
         await store.put(req(10))
         await store._checkpoint()
         assert calls[0] and set(calls[0]) <= set(calls[1])
+    finally:
+        await store.close()
+
+
+@bounded(30)
+async def test_a_checkpoint_failing_turn_after_turn_keeps_one_range_per_queue_file(tmp_path, monkeypatch):
+    """Each failed checkpoint handed its ranges to the next one as they were: while it kept failing (a bad block
+    under one queue file), every turn added each active queue's range again, so the list (and the msyncs each
+    attempt made) grew for as long as the broker ran. Merged per file, what the next one flushes still covers
+    every range a failed one took."""
+    import broker.store.store as storemod
+    store = await reopen(tmp_path, CFG)
+    try:
+        calls = []
+        real = storemod._checkpoint_job
+
+        def job(ranges, *args):
+            calls.append([(mf.name, lo, hi) for mf, lo, hi in ranges])
+            if len(calls) <= 20:
+                raise OSError("EIO")
+            return real(ranges, *args)
+        monkeypatch.setattr(storemod, "_checkpoint_job", job)
+        for i in range(20):                     # 20 turns, each with new units in the queue's one file
+            await store.put(req(i))
+            with pytest.raises(OSError):
+                await store._checkpoint()
+        assert len(store._ranges_to_retry) == 1, store._ranges_to_retry
+        await store.put(req(20))
+        await store._checkpoint()
+        assert store._ranges_to_retry == []
+        last = calls[-1]
+        for name, lo, hi in (r for failed in calls[:-1] for r in failed):
+            assert any(n == name and a <= lo and hi <= b for n, a, b in last), (name, lo, hi, last)
     finally:
         await store.close()
