@@ -58,6 +58,7 @@ def add_parsers(sub) -> None:
     p.add_argument("group")
     p.add_argument("--keep-offsets", action="store_true", help="keep its committed offsets")
     p.add_argument("--keep-topics", action="store_true", help="keep its %%RETRY%% and %%DLQ%% topics")
+    p.add_argument("--force", action="store_true", help="delete it even while consumers of it are connected")
     for name in COMMANDS:
         sub.choices[name].add_argument("--json", action="store_true")
 
@@ -254,7 +255,20 @@ async def broker_status(args, call) -> int:
 
 
 async def delete_group(args, call) -> int:
-    """mqadmin deleteSubGroup -r true -c: the group's config and offsets, then its retry and dead-letter topics."""
+    """mqadmin deleteSubGroup -r true -c: the group's config and offsets, then its retry and dead-letter topics.
+    Refused while consumers of the group are connected (unless --force): their retries waiting in %RETRY% and
+    the dead letters in %DLQ% would go, and this broker makes a group's retry topic again only when the group
+    is new, so the live consumers went on without one until a message failed."""
+    if not args.force:
+        conns = await call(RemotingCommand.request(R.GET_CONSUMER_CONNECTION_LIST, {"consumerGroup": args.group}))
+        if conns.code == ResponseCode.SUCCESS:
+            clients = [c["clientId"] for c in json.loads(conns.body_bytes())["connectionSet"]]
+            if clients:
+                raise Refused(f"consumer group {args.group} has {len(clients)} connected consumer(s) "
+                              f"({', '.join(clients[:5])}{', ...' if len(clients) > 5 else ''}): stop them "
+                              "first, or give --force")
+        elif conns.code != ResponseCode.CONSUMER_NOT_ONLINE:
+            raise Refused(f"could not tell whether {args.group} has consumers ({conns.code}): {conns.remark}")
     await _ok(call, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": args.group, "removeOffset": not args.keep_offsets})
     topics = [] if args.keep_topics else [RETRY_PREFIX + args.group, DLQ_PREFIX + args.group]
     for topic in topics:

@@ -297,3 +297,30 @@ async def test_admin_delete_group_removes_its_retry_and_dead_letter_topics(broke
     listed, _ = await _groups_known(b, "%RETRY%CG_old")
     assert "CG_old" not in listed
 
+
+
+@bounded(60)
+async def test_admin_delete_group_refuses_a_group_with_connected_consumers(broker):
+    """delete-group removes the group's %RETRY% and %DLQ% topics: with consumers still connected, their retries
+    waiting there went, and the broker makes a group's retry topic again only for a group it has not seen, so
+    they went on without one. Refused unless --force."""
+    b = broker
+    for topic in ("%RETRY%CG_live", "%DLQ%CG_live"):
+        await _create(b, topic, 1)
+    host, _, port = b.broker.rpartition(":")
+    live = await open_connection(host, int(port))
+    try:
+        body = {"clientID": "10.0.0.9@live", "consumerDataSet": [{
+            "groupName": "CG_live", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
+            "subscriptionDataSet": [{"topic": "%RETRY%CG_live", "subString": "*", "subVersion": 1}]}]}
+        beat = await live.request(RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()), 5.0)
+        assert beat.code == ResponseCode.SUCCESS
+        refused = await asyncio.to_thread(_admin, b, "delete-group", "CG_live")
+        assert refused.returncode == 1 and "10.0.0.9@live" in refused.stderr, refused.stderr + refused.stdout
+        for topic in ("%RETRY%CG_live", "%DLQ%CG_live"):
+            assert (await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": topic})).code == ResponseCode.SUCCESS
+        done = await _admin_json(b, "delete-group", "CG_live", "--force")
+        assert done["topics_deleted"] == ["%RETRY%CG_live", "%DLQ%CG_live"]
+    finally:
+        live.close()
