@@ -80,7 +80,7 @@ class ClientRegistry:
         self.clock = clock
         self.producers: dict[str, dict] = {}      # group -> {conn: Channel}
         self.consumers: dict[str, ConsumerGroup] = {}
-        self.on_new_retry_group = None            # callback(group) -> creates %RETRY%group
+        self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
         self.locks: dict[tuple, tuple[str, int]] = {}  # (group, topic, broker, queue) -> (client id, ms)
         self._locks_swept = clock()
 
@@ -121,10 +121,11 @@ class ClientRegistry:
     def _register_consumer(self, conn, client_id, cmd, data: dict, now: int) -> bool:
         name = data["groupName"]
         group = self.consumers.get(name)
-        if group is None:
+        first = group is None
+        if first:
             group = self.consumers[name] = ConsumerGroup(name)
-            if self.on_new_retry_group is not None:
-                self.on_new_retry_group(name)
+        if self.on_new_retry_group is not None:     # every heartbeat, as RocketMQ: a deleted one comes back
+            self.on_new_retry_group(name, first)
         group.consume_type = data.get("consumeType") or group.consume_type
         group.message_model = data.get("messageModel") or group.message_model
         group.consume_from_where = data.get("consumeFromWhere") or group.consume_from_where

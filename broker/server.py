@@ -323,18 +323,30 @@ class BrokerServer:
             await asyncio.sleep(1.0)
             await asyncio.to_thread(self.ctx.acl.reload_if_changed)
 
-    def _new_retry_group(self, group: str) -> None:
+    def _new_retry_group(self, group: str, first: bool = True) -> None:
+        """A consumer group's heartbeat: its %RETRY% topic must exist. Checked on every heartbeat, as RocketMQ's
+        heartBeat does: made only on a group's first one, a retry topic deleted later (admin delete-group
+        --force, a topic deletion) stayed gone while the group's consumers ran on, and their failed messages
+        could not be handed back. Said (and counted) on the first heartbeat only."""
+        topic = RETRY_PREFIX + group
+        if not first and topic in self.ctx.topics.topics:
+            return                      # every later heartbeat: one dict lookup
         # The name comes from a heartbeat body: one the store cannot write (any length, any character) would
         # only sit in the catalogue and in every registration (1024 of 15 KB make a body past the frame limit).
-        why = validate_topic(RETRY_PREFIX + group)
+        why = validate_topic(topic)
         if why is not None:
-            log.warning("consumer group %.200r: no retry topic: %s", group, why[:200])
+            if first:
+                log.warning("consumer group %.200r: no retry topic: %s", group, why[:200])
             return
         try:
-            self.ctx.topics.ensure(RETRY_PREFIX + group)
+            self.ctx.topics.ensure(topic)
         except TopicLimitError as exc:
-            self.ctx.limits.refused("retry-group-limit")
-            log.warning("consumer group %s: %s", group, exc)
+            if first:
+                self.ctx.limits.refused("retry-group-limit")
+                log.warning("consumer group %s: %s", group, exc)
+        else:
+            if not first:
+                log.info("consumer group %s: its retry topic %s was gone; made again", group, topic)
 
     def _lag(self):
         store = self.ctx.store

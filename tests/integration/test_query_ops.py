@@ -302,8 +302,8 @@ async def test_admin_delete_group_removes_its_retry_and_dead_letter_topics(broke
 @bounded(60)
 async def test_admin_delete_group_refuses_a_group_with_connected_consumers(broker):
     """delete-group removes the group's %RETRY% and %DLQ% topics: with consumers still connected, their retries
-    waiting there went, and the broker makes a group's retry topic again only for a group it has not seen, so
-    they went on without one. Refused unless --force."""
+    waiting there went. Refused unless --force; forced, the consumers' next heartbeat makes the retry topic
+    again (as RocketMQ's heartBeat does: made only on a group's first heartbeat, it stayed gone)."""
     b = broker
     for topic in ("%RETRY%CG_live", "%DLQ%CG_live"):
         await _create(b, topic, 1)
@@ -322,5 +322,12 @@ async def test_admin_delete_group_refuses_a_group_with_connected_consumers(broke
             assert (await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": topic})).code == ResponseCode.SUCCESS
         done = await _admin_json(b, "delete-group", "CG_live", "--force")
         assert done["topics_deleted"] == ["%RETRY%CG_live", "%DLQ%CG_live"]
+        assert (await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": "%RETRY%CG_live"})).code \
+            == ResponseCode.TOPIC_NOT_EXIST
+        beat = await live.request(RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()), 5.0)
+        assert beat.code == ResponseCode.SUCCESS
+        assert (await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": "%RETRY%CG_live"})).code == ResponseCode.SUCCESS
+        assert (await _request(b, R.GET_TOPIC_STATS_INFO, {"topic": "%DLQ%CG_live"})).code \
+            == ResponseCode.TOPIC_NOT_EXIST                    # made by the first dead letter, as before
     finally:
         live.close()
