@@ -171,12 +171,7 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group config body is not usable: {exc}")
     log.info("subscription group %s updated by %s", cfg["groupName"], _peer(conn))
-    try:
-        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode(), ctx.subscriptions.counter)
-    except OSError as exc:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group {cfg['groupName']} set but not "
-                            f"saved: {exc}")
-    return cmd.response(ResponseCode.SUCCESS)
+    return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
 
 
 async def delete_subscription_group(ctx, conn, cmd):
@@ -192,11 +187,16 @@ async def delete_subscription_group(ctx, conn, cmd):
     log.warning("subscription group %s deleted by %s (%s%s)", group, _peer(conn),
                 "configured" if existed else "not configured", ", offsets removed" if remove_offset else "")
     if existed:
-        try:
-            await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode(), ctx.subscriptions.counter)
-        except OSError as exc:
-            return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group {group} deleted but the change "
-                                f"not saved: {exc}")
+        return await _saved(ctx, cmd, f"subscription group {group} deleted")
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+async def _saved(ctx, cmd, done: str):
+    """Write the subscription groups' file (off the loop); SUCCESS, or SYSTEM_ERROR saying ``done`` but not saved."""
+    try:
+        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode(), ctx.subscriptions.counter)
+    except OSError as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved: {exc}")
     return cmd.response(ResponseCode.SUCCESS)
 
 
