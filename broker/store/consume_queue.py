@@ -272,22 +272,17 @@ class ConsumeQueue:
         mf = files[idx]
         return mf, byte - mf.start
 
+    def _unit_at(self, offset: int) -> tuple[MappedFile, int] | None:
+        return self._locate(offset) if 0 <= offset < self.max_offset else None
+
     def unit(self, offset: int) -> tuple[int, int, int] | None:
-        if offset < 0 or offset >= self.max_offset:
-            return None
-        where = self._locate(offset)
-        if where is None:
-            return None
-        return UNIT.unpack_from(where[0].mm, where[1])
+        where = self._unit_at(offset)
+        return None if where is None else UNIT.unpack_from(where[0].mm, where[1])
 
     def unit_on_disk(self, offset: int) -> tuple[int, int, int] | None:
         """``unit``, read with pread: for start-up, where the file may hold a hole (see the top)."""
-        if offset < 0 or offset >= self.max_offset:
-            return None
-        where = self._locate(offset)
-        if where is None:
-            return None
-        raw = os.pread(where[0].fd, UNIT_SIZE, where[1])
+        where = self._unit_at(offset)
+        raw = b"" if where is None else os.pread(where[0].fd, UNIT_SIZE, where[1])
         return UNIT.unpack(raw) if len(raw) == UNIT_SIZE else None
 
     def read(self, offset: int, count: int) -> bytes | None:
