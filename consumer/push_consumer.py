@@ -64,7 +64,8 @@ class PushConsumer:
     ``max_reconsume_times``: retries before %DLQ%<group>; ``orderly`` / ``message_model``: see the
     module's docstring. The intervals (seconds) set rebalancing, offset commits, long-poll time and
     queue locks. ``shutdown_grace_s``: how long shutdown lets listeners already running finish (see
-    ``shutdown``). Use it as ``consumer.subscribe(topic)`` then ``async with consumer:`` (or
+    ``shutdown``); ``handover_grace_s``: the same when a rebalance gives a queue to another consumer (see
+    ``rebalance``). Use it as ``consumer.subscribe(topic)`` then ``async with consumer:`` (or
     ``await consumer.start()`` ... ``await consumer.shutdown()``).
     """
 
@@ -76,9 +77,10 @@ class PushConsumer:
                  orderly: bool = False, message_model: str = "CLUSTERING", instance_name: str | None = None,
                  offset_store_dir: str | None = None, lock_interval_s: float = 20.0, lock_expire_s: float = 30.0,
                  lock_retry_s: float = 1.0, suspend_s: float = 1.0, consume_timeout_s: float = 900.0,
-                 shutdown_grace_s: float = 5.0):
-        if shutdown_grace_s < 0:
-            raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r}: 0 or more seconds")
+                 shutdown_grace_s: float = 5.0, handover_grace_s: float = 5.0):
+        for name, grace in (("shutdown_grace_s", shutdown_grace_s), ("handover_grace_s", handover_grace_s)):
+            if grace < 0:
+                raise ValueError(f"{name}={grace!r}: 0 or more seconds")
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
@@ -102,6 +104,9 @@ class PushConsumer:
         # Shutdown waits this long for listeners already running (RocketMQ's awaitTerminationMillisWhenShutdown);
         # 0 cancels them at once, and their messages come again.
         self.shutdown_grace_s = shutdown_grace_s
+        # A queue a rebalance gives away waits this long for its listener call in hand (RocketMQ marks the
+        # process queue dropped, and waits about 1 s for an orderly one before unlocking); 0 cancels it at once.
+        self.handover_grace_s = handover_grace_s
         broadcasting = message_model == "BROADCASTING"
         # A broadcasting consumer's offsets file is found again by its client id, so that id must not
         # change between runs: RocketMQ keeps the instance name "DEFAULT" in this mode.
@@ -122,6 +127,10 @@ class PushConsumer:
         self._tasks: list[asyncio.Task] = []
         self._lock_task: asyncio.Task | None = None
         self._consuming: set[MessageQueue] = set()    # queues whose loop has a message in hand
+        # Queues a rebalance gave away whose pull loop is finishing its message in hand (RocketMQ's dropped
+        # process queue): no new pull, no new message; committed, then unlocked, once it is done.
+        self._leaving: dict[MessageQueue, asyncio.Task] = {}
+        self._handovers: set[asyncio.Task] = set()
         self._stopping = False
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
@@ -212,7 +221,10 @@ class PushConsumer:
                                     else "CONSUME_FROM_FIRST_OFFSET", self.message_model)
 
     async def rebalance(self) -> None:
-        """Recompute this consumer's queues now (also run periodically and when the group changes)."""
+        """Recompute this consumer's queues now (also run periodically and when the group changes).
+
+        Queues taken on start at once; a queue given away is handed over (``_hand_over``) and this returns
+        once that is done: within ``handover_grace_s``, plus its commit and unlock."""
         owned: set[MessageQueue] = set()
         for topic in self._topics():
             try:
@@ -235,23 +247,17 @@ class PushConsumer:
                 continue
             owned.update(allocate_averagely(queues, ids, self.client.client_id))
         self._owned = owned
-        dropped = [q for q in self._loops if q not in owned]
-        for mq in dropped:
-            task = self._loops.pop(mq)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)   # its message in hand is finished or abandoned
-            try:
-                await self._commit(mq)
-            except BrokerError as exc:     # often its broker is what went away: the queues taken on still start
-                log.warning("push consumer %s could not commit the offset of %s it gave up: %s (its next owner "
-                            "starts from the last offset committed)", self.group, mq, exc)
-            # Its position is the next owner's now (RocketMQ's removeOffset): kept here, the commit loop, which
-            # re-commits every owned queue each round, wrote it over that owner's progress as soon as the queue
-            # came back, before its new pull loop had read where to start (an orderly one waits for its lock).
-            self._offsets.pop(mq, None)
-            self._committed.pop(mq, None)
+        leaving = {q: self._loops.pop(q) for q in list(self._loops) if q not in owned}
+        handover = None
+        if leaving:
+            self._leaving.update(leaving)
+            handover = asyncio.get_running_loop().create_task(self._hand_over(leaving))
+            self._handovers.add(handover)
+            handover.add_done_callback(self._handovers.discard)
+            handover.add_done_callback(self._crashed)
         if self.orderly:
-            released = [q for q in self._locks if q not in owned]
+            # A queue being handed over keeps its lock until its message in hand is done (_hand_over).
+            released = [q for q in self._locks if q not in owned and q not in self._leaving]
             for mq in released:
                 del self._locks[mq]
             if released:
@@ -265,6 +271,61 @@ class PushConsumer:
                 log.warning("push consumer %s could not lock its queues: %s", self.group, exc)
         for mq in owned - set(self._loops):
             self._start_loop(mq)
+        if handover is not None:
+            # Shielded: a rebalance cancelled (shutdown) must not cut the commit and unlock half-way. Waited
+            # for, so no later rebalance takes a queue back while its old loop still has a message in hand.
+            await asyncio.shield(handover)
+
+    async def _hand_over(self, leaving: dict[MessageQueue, asyncio.Task]) -> None:
+        """Give away queues a rebalance took from this consumer, as shutdown gives up all of them: their
+        pull loops fetch nothing more and take no new message (``_halted``); a listener call in hand has
+        ``handover_grace_s`` to return and its verdict is acted on; one still running then is cancelled
+        and its message, not committed, goes to the next owner. What was consumed is committed, and only
+        then is an orderly queue unlocked, so its next owner starts after the message in hand."""
+        try:
+            busy = [task for mq, task in leaving.items() if mq in self._consuming]
+            for mq, task in leaving.items():
+                if mq not in self._consuming:
+                    task.cancel()        # waiting for a pull, a lock or a retry: nothing in hand
+            late = busy
+            if busy and self.handover_grace_s > 0:
+                _, late = await asyncio.wait(busy, timeout=self.handover_grace_s)
+            if late:
+                log.warning("push consumer %s: %d listener call(s) on queues given away still running after %g s "
+                            "(handover_grace_s): cancelled, their messages not committed", self.group, len(late),
+                            self.handover_grace_s)
+                for task in late:
+                    task.cancel()
+            await asyncio.gather(*leaving.values(), return_exceptions=True)
+            for mq in leaving:
+                try:
+                    await self._commit(mq)
+                except BrokerError as exc:     # often its broker is what went away
+                    log.warning("push consumer %s could not commit the offset of %s it gave up: %s (its next owner "
+                                "starts from the last offset committed)", self.group, mq, exc)
+                # Its position is the next owner's now (RocketMQ's removeOffset): kept here, the commit loop, which
+                # re-commits every owned queue each round, wrote it over that owner's progress as soon as the
+                # queue came back, before its new pull loop had read where to start (an orderly one waits for
+                # its lock).
+                self._offsets.pop(mq, None)
+                self._committed.pop(mq, None)
+            if self.orderly:
+                released = [q for q in leaving if q in self._locks and q not in self._owned]
+                for mq in released:
+                    del self._locks[mq]
+                if released:
+                    try:
+                        await self.client.unlock_queues(released)     # the new owner need not wait for expiry
+                    except Exception:  # noqa: BLE001 - logged broker by broker; those expire on their brokers
+                        pass
+        finally:
+            for mq, task in leaving.items():
+                if self._leaving.get(mq) is task:
+                    del self._leaving[mq]
+
+    def _halted(self, mq: MessageQueue) -> bool:
+        """No new pull and no new message for ``mq``: shutdown began, or a rebalance gave it away."""
+        return self._stopping or mq in self._leaving
 
     def _start_loop(self, mq: MessageQueue) -> None:
         if self._stopping:      # a rebalance or offset reset ending as shutdown cancels it starts nothing new
@@ -366,7 +427,7 @@ class PushConsumer:
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
         offset = None
-        while not self._stopping:
+        while not self._halted(mq):
             try:
                 if self.orderly and not self._locked(mq):
                     # Whoever held the queue meanwhile may have moved on: start again from the stored offset.
@@ -376,8 +437,8 @@ class PushConsumer:
                     offset = self._offsets[mq] = await self._start_offset(mq)
                 res = await self.client.pull(mq, offset, expression=expression, suspend_ms=self.suspend_ms)
                 for msg in res.messages:
-                    if self._stopping:
-                        break          # shutdown: the rest of the batch is the next consumer's
+                    if self._halted(mq):
+                        break          # shutdown or given away: the rest of the batch is the next consumer's
                     if self.orderly and not self._locked(mq):
                         break          # the lock lapsed mid-batch: consuming on could race the next owner
                     self._consuming.add(mq)
@@ -436,9 +497,9 @@ class PushConsumer:
                 await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times)
                 return
             except BrokerError as exc:
-                if self._stopping:
-                    log.warning("could not hand %s back (%s) while shutting down: left uncommitted, it comes "
-                                "again", msg.msg_id, exc)
+                if self._halted(mq):
+                    log.warning("could not hand %s back (%s) while shutting down or giving %s away: left "
+                                "uncommitted, it comes again", msg.msg_id, exc, mq)
                     raise _Stopping() from None
                 log.warning("could not hand %s back (%s); retrying it here", msg.msg_id, exc)
                 await asyncio.sleep(self.local_retry_delay_s)
@@ -461,18 +522,18 @@ class PushConsumer:
                                                     delay_level=-1)
                         return
                     except BrokerError as exc:
-                        if self._stopping:
-                            log.warning("could not dead-letter %s (%s) while shutting down: left uncommitted",
-                                        msg.msg_id, exc)
+                        if self._halted(mq):
+                            log.warning("could not dead-letter %s (%s) while shutting down or giving %s away: "
+                                        "left uncommitted", msg.msg_id, exc, mq)
                             raise _Stopping() from None
                         log.warning("could not dead-letter %s (%s); retrying", msg.msg_id, exc)
                         await asyncio.sleep(self.local_retry_delay_s)
-            if self._stopping:      # retried in place by whoever consumes the queue next, in its order
+            if self._halted(mq):    # retried in place by whoever consumes the queue next, in its order
                 raise _Stopping()
             retries += 1
             msg.reconsume_times += 1
             await asyncio.sleep(self.suspend_s)
-            if self._stopping:
+            if self._halted(mq):
                 raise _Stopping()
             if self.orderly and not self._locked(mq):
                 raise _LockLost()
@@ -535,7 +596,9 @@ class PushConsumer:
         others = [t for t in self._tasks if t is not self._lock_task]     # locks held while messages are in hand
         for task in others:
             task.cancel()
-        loops = list(self._loops.items())
+        # Queues being handed over are given no longer than shutdown's grace either; their hand-over then
+        # commits and unlocks them, and is waited for below.
+        loops = [*self._loops.items(), *self._leaving.items()]
         busy = [task for mq, task in loops if mq in self._consuming]
         for mq, task in loops:
             if mq not in self._consuming:
@@ -550,6 +613,7 @@ class PushConsumer:
                 task.cancel()
         await asyncio.gather(*others, *(task for _, task in loops), return_exceptions=True)
         self._loops.clear()
+        await asyncio.gather(*self._handovers, return_exceptions=True)
         if self._lock_task is not None:
             self._lock_task.cancel()
             await asyncio.gather(self._lock_task, return_exceptions=True)
