@@ -619,9 +619,11 @@ class PushConsumer:
             await asyncio.gather(self._lock_task, return_exceptions=True)
         # Only the queues still this consumer's: one given away (whose hand-over commit failed) belongs to
         # its new owner, and its old offset written now would undo that owner's progress.
+        # Changed or not since the last round: an old owner's late hand-over commit, or a broker restarted
+        # since, may have set the group's offset back.
         for mq in [q for q in self._offsets if q in self._owned]:
             try:
-                await self._commit(mq)
+                await self._commit(mq, again=True)
             except BrokerError as exc:
                 log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
                             "since the last commit comes again", self.group, self._offsets[mq], mq, exc)

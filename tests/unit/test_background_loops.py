@@ -364,3 +364,21 @@ async def test_a_broker_that_does_not_answer_does_not_hold_up_the_other_brokers_
         for mq in (hung, *fine):
             consumer._loops.pop(mq).cancel()
         await consumer.client.shutdown()
+
+
+@bounded(20)
+async def test_shutdown_commits_an_owned_queue_even_if_unchanged_since_the_last_round():
+    """The last round's commit may have been undone since (an old owner's late hand-over commit, a broker
+    restarted before saving it): shutdown commits each owned queue's position again, changed or not."""
+    from consumer.pull_consumer import MessageQueue
+    consumer = _push_consumer(offset_commit_interval_s=3600)
+    mq = MessageQueue("T", "b", 0)
+    consumer._owned = {mq}
+    consumer._offsets[mq] = consumer._committed[mq] = 7
+    writes = []
+
+    async def write(q, offset):
+        writes.append((q, offset))
+    consumer.offset_store.write = write
+    await consumer.shutdown()
+    assert writes == [(mq, 7)]
