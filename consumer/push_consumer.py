@@ -29,6 +29,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from protocol.connection import finish_within
 from protocol.errors import BrokerError
 from protocol.message import MessageExt, Prop
 from protocol.signature import Credentials
@@ -276,6 +277,20 @@ class PushConsumer:
             # for, so no later rebalance takes a queue back while its old loop still has a message in hand.
             await asyncio.shield(handover)
 
+    async def _let_finish(self, loops, grace_s: float, which: str, option: str) -> None:
+        """End pull loops: those with nothing in hand (waiting for a pull, a lock or a retry) at once, those
+        whose listener call is running after ``grace_s`` (``option``), their messages then not committed."""
+        busy = []
+        for mq, task in loops:
+            if mq in self._consuming:
+                busy.append(task)
+            else:
+                task.cancel()
+        late = await finish_within(busy, grace_s)
+        if late:
+            log.warning("push consumer %s: %d listener call(s)%s still running after %g s (%s): cancelled, their "
+                        "messages not committed", self.group, len(late), which, grace_s, option)
+
     async def _hand_over(self, leaving: dict[MessageQueue, asyncio.Task]) -> None:
         """Give away queues a rebalance took from this consumer, as shutdown gives up all of them: their
         pull loops fetch nothing more and take no new message (``_halted``); a listener call in hand has
@@ -283,19 +298,7 @@ class PushConsumer:
         and its message, not committed, goes to the next owner. What was consumed is committed, and only
         then is an orderly queue unlocked, so its next owner starts after the message in hand."""
         try:
-            busy = [task for mq, task in leaving.items() if mq in self._consuming]
-            for mq, task in leaving.items():
-                if mq not in self._consuming:
-                    task.cancel()        # waiting for a pull, a lock or a retry: nothing in hand
-            late = busy
-            if busy and self.handover_grace_s > 0:
-                _, late = await asyncio.wait(busy, timeout=self.handover_grace_s)
-            if late:
-                log.warning("push consumer %s: %d listener call(s) on queues given away still running after %g s "
-                            "(handover_grace_s): cancelled, their messages not committed", self.group, len(late),
-                            self.handover_grace_s)
-                for task in late:
-                    task.cancel()
+            await self._let_finish(leaving.items(), self.handover_grace_s, " on queues given away", "handover_grace_s")
             await asyncio.gather(*leaving.values(), return_exceptions=True)
             for mq in leaving:
                 try:
@@ -599,18 +602,7 @@ class PushConsumer:
         # Queues being handed over are given no longer than shutdown's grace either; their hand-over then
         # commits and unlocks them, and is waited for below.
         loops = [*self._loops.items(), *self._leaving.items()]
-        busy = [task for mq, task in loops if mq in self._consuming]
-        for mq, task in loops:
-            if mq not in self._consuming:
-                task.cancel()        # waiting for a pull, a lock or a retry: nothing in hand
-        late = busy
-        if busy and self.shutdown_grace_s > 0:
-            _, late = await asyncio.wait(busy, timeout=self.shutdown_grace_s)
-        if late:
-            log.warning("push consumer %s: %d listener call(s) still running after %g s (shutdown_grace_s): "
-                        "cancelled, their messages not committed", self.group, len(late), self.shutdown_grace_s)
-            for task in late:
-                task.cancel()
+        await self._let_finish(loops, self.shutdown_grace_s, "", "shutdown_grace_s")
         await asyncio.gather(*others, *(task for _, task in loops), return_exceptions=True)
         self._loops.clear()
         await asyncio.gather(*self._handovers, return_exceptions=True)

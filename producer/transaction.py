@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand, _field_text
+from protocol.connection import finish_within
 from protocol.errors import ConnectionClosedError, RequestTimeoutError, error_for_code
 from protocol.message import MessageExt, Prop, decode_offset_msg_id, decode_record
 
@@ -264,13 +265,9 @@ class TransactionProducer(Producer):
         A check still running after the grace period is cancelled; its transaction is asked about again."""
         self._stopping = True
         running = set(self._check_tasks)
-        late = running
-        if running and self.shutdown_grace_s > 0:
-            _, late = await asyncio.wait(running, timeout=self.shutdown_grace_s)
+        late = await finish_within(running, self.shutdown_grace_s)
         if late:
             log.warning("producer %s: %d transaction check(s) still running after %g s (shutdown_grace_s): "
                         "cancelled; the broker will ask again", self.group, len(late), self.shutdown_grace_s)
-            for task in late:
-                task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         await super().shutdown()

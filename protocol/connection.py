@@ -645,3 +645,16 @@ class ConnectionPool:
                 await asyncio.wait_for(conn.closed.wait(), 1.0)
             except asyncio.TimeoutError:
                 conn.abort()
+
+
+async def finish_within(tasks, grace_s: float) -> list:
+    """Give ``tasks`` up to ``grace_s`` seconds to finish, then cancel those still running (at once when
+    ``grace_s`` <= 0): the clients' shutdowns and hand-overs. Returns the ones cancelled; the caller still
+    gathers them."""
+    late = list(tasks)
+    if late and grace_s > 0:
+        _, pending = await asyncio.wait(late, timeout=grace_s)
+        late = [t for t in late if t in pending]
+    for task in late:
+        task.cancel()
+    return late
