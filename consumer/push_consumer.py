@@ -258,14 +258,7 @@ class PushConsumer:
             handover.add_done_callback(self._crashed)
         if self.orderly:
             # A queue being handed over keeps its lock until its message in hand is done (_hand_over).
-            released = [q for q in self._locks if q not in owned and q not in self._leaving]
-            for mq in released:
-                del self._locks[mq]
-            if released:
-                try:
-                    await self.client.unlock_queues(released)     # the new owner need not wait for expiry
-                except Exception:  # noqa: BLE001 - logged broker by broker; those expire on their brokers
-                    pass     # and the queues taken on are still locked and started below
+            await self._release_locks([q for q in self._locks if q not in owned and q not in self._leaving])
             try:
                 await self._lock_owned()
             except BrokerError as exc:     # the queues wait for their locks; the lock loop asks again
@@ -276,6 +269,16 @@ class PushConsumer:
             # Shielded: a rebalance cancelled (shutdown) must not cut the commit and unlock half-way. Waited
             # for, so no later rebalance takes a queue back while its old loop still has a message in hand.
             await asyncio.shield(handover)
+
+    async def _release_locks(self, queues: list[MessageQueue]) -> None:
+        """Forget and unlock ``queues``: their next owner need not wait for the locks to expire."""
+        for mq in queues:
+            del self._locks[mq]
+        if queues:
+            try:
+                await self.client.unlock_queues(queues)
+            except Exception:  # noqa: BLE001 - logged broker by broker; those expire on their brokers
+                pass
 
     async def _let_finish(self, loops, grace_s: float, which: str, option: str) -> None:
         """End pull loops: those with nothing in hand (waiting for a pull, a lock or a retry) at once, those
@@ -313,14 +316,7 @@ class PushConsumer:
                 self._offsets.pop(mq, None)
                 self._committed.pop(mq, None)
             if self.orderly:
-                released = [q for q in leaving if q in self._locks and q not in self._owned]
-                for mq in released:
-                    del self._locks[mq]
-                if released:
-                    try:
-                        await self.client.unlock_queues(released)     # the new owner need not wait for expiry
-                    except Exception:  # noqa: BLE001 - logged broker by broker; those expire on their brokers
-                        pass
+                await self._release_locks([q for q in leaving if q in self._locks and q not in self._owned])
         finally:
             for mq, task in leaving.items():
                 if self._leaving.get(mq) is task:
