@@ -259,10 +259,13 @@ class BrokerMetrics:
     def _forget_out(self, match) -> None:
         for metric in (self.messages_out, self.bytes_out):          # labels (topic, consumer group)
             mid = id(metric)
+            marked = self._marks.get(mid)
             for key in [k for k in self._children if k[0] == mid and k[1] != (OTHER, OTHER) and match(k[1])]:
                 del self._children[key]
                 self._made[mid] -= 1
                 metric.remove(*key[1])
+                if marked is not None:      # its last reading must not judge a series made again under the name
+                    marked[1].pop(key[1], None)
         for pair in [p for p in self._pulled if match(p)]:
             del self._pulled[pair]
 
