@@ -184,6 +184,24 @@ async def _queues_behind(namesrv: str) -> list[tuple[int, int | None, int]]:
         await probe.shutdown()
 
 
+async def _stored(namesrv: str) -> list[str]:
+    """Every message the broker holds in TOPIC's queues: what run_once would hide if stored twice."""
+    probe = PullConsumer(namesrv, "CG_audit")
+    bodies = []
+    try:
+        for mq in await probe.fetch_queues(TOPIC):
+            offset = 0
+            for _ in range(10_000):
+                res = await probe.pull(mq, offset, max_nums=256)
+                bodies += [m.body.decode() for m in res.messages]
+                if not res.messages or res.next_begin_offset == offset:
+                    break
+                offset = res.next_begin_offset
+        return bodies
+    finally:
+        await probe.shutdown()
+
+
 async def _crash(producer: TransactionProducer, shop: Shop, tasks: list[asyncio.Task]) -> None:
     """What a kill -9 of the producer's process does to it: its work stops where it is, its connections
     break, it unregisters nothing."""
@@ -294,6 +312,7 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
             while behind := await _queues_behind(namesrv):
                 await asyncio.sleep(0.2)
             await consumer.stop()
+            stored = await _stored(namesrv)
     except TimeoutError:
         missing = sorted(committed - consumer.applied) if "committed" in locals() else None
         pytest.fail(f"stalled: kills {kills}, acked {stats.acked}, undecided {pending}, queues behind "
@@ -317,5 +336,6 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
     assert set(shipments) - committed == set(), "an order that was rolled back (or never ran) was shipped"
     assert committed - set(shipments) == set(), "a committed order was never shipped"
     assert len(committed) == stats.commits
+    assert sorted(stored) == sorted(committed), "the broker stored a committed order twice, or a wrong one"
     assert pending["dead_lettered"] == 0, "a transaction went to the dead-letter topic instead of being decided"
     assert stats.checks_after_crash > 0, "the restarted producer was to settle the crashed one's transactions"
