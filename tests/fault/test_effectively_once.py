@@ -8,7 +8,8 @@ applies every message with ``SqliteIdempotency.run_once`` into its own database 
 
 Faults, each paced by progress (acknowledged transactions, shipments since the consumer started),
 never by the clock: the consumer is SIGKILLed and restarted twice, the broker twice (same store, same
-ports), and once the producer "crashes": a few transactions have run in the database but their
+ports; the second after the stream, the producer idle with transactions in doubt), and once the
+producer "crashes": a few transactions have run in the database but their
 END_TRANSACTION is never sent, the producer dies without a word (tasks cancelled, connections cut,
 no unregister), and a fresh TransactionProducer of the same group answers the broker's checks from
 the database alone.
@@ -48,9 +49,13 @@ CGROUP = "CG_shipping"
 TOTAL = 1200            # orders at least; the stream goes on until every fault has happened
 CONCURRENCY = 8
 HUNG = 6                # transactions decided in the database whose END the crashed producer never sends
-# (fault, acknowledged transactions before it): the consumer kills also wait for shipments since its start
-FAULTS = [("consumer", 150), ("broker", 350), ("producer", 550), ("consumer", 750), ("broker", 950)]
+# (fault, acknowledged transactions before it): the consumer kills also wait for shipments since its start.
+# The broker's second kill comes after the stream, with transactions in doubt and the producer idle.
+FAULTS = [("consumer", 150), ("broker", 350), ("producer", 550), ("consumer", 750)]
 SHIPPED_BEFORE_CONSUMER_KILL = 20
+# After that last restart the checks settle everything within about immunity (1 s) plus a few check rounds;
+# an idle producer the broker could not ask until its next heartbeat (30 s) took far longer.
+SETTLE_S = 10
 FLAGS = ("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1000", *FAST)
 
 
@@ -295,6 +300,7 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
         faults_done = True
 
     pending = behind = None
+    in_doubt = 0
     workers: list[asyncio.Task] = []
     try:
         async with asyncio.timeout(100):
@@ -304,9 +310,16 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
             await consumer.start()
             await faults()
             await asyncio.gather(*workers)
+            in_doubt = (await _admin(brokers[-1].broker))["total"]
+            await restart_broker()
             # the checks settle what the crashes left undecided; the consumer catches up
-            while (pending := await _admin(brokers[-1].broker))["total"]:
-                await asyncio.sleep(0.2)
+            try:
+                async with asyncio.timeout(SETTLE_S):
+                    while (pending := await _admin(brokers[-1].broker))["total"]:
+                        await asyncio.sleep(0.2)
+            except TimeoutError:
+                pytest.fail(f"{pending['total']} transactions still undecided {SETTLE_S} s after the last restart "
+                            f"({in_doubt} were in doubt before it): {pending['pending']}")
             committed = {r[0] for r in sqlite3.connect(orders_db).execute("SELECT order_id FROM orders")}
             await until(lambda: committed <= consumer.applied)
             while behind := await _queues_behind(namesrv):
@@ -328,10 +341,12 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
     duplicates = len(shipments) - len(set(shipments))
     print(f"\n{started} orders: {stats.transactions} local transactions ({stats.commits} committed, "
           f"{stats.rollbacks} rolled back, {stats.unknown} answered UNKNOW), {stats.failed_sends} sends failed, "
+          f"{in_doubt} in doubt at the last broker kill, "
           f"{stats.checks} checks answered ({stats.checks_after_crash} by the restarted producer); kills {kills}; "
           f"{len(shipments)} shipments, {consumer.suppressed} redeliveries suppressed by run_once; "
           f"{pending['dead_lettered']} dead-lettered")
     assert kills == {"broker": 2, "consumer": 2, "producer": 1}
+    assert in_doubt > 0, "the last broker kill was to find transactions in doubt"
     assert duplicates == 0, f"{duplicates} orders shipped more than once"
     assert set(shipments) - committed == set(), "an order that was rolled back (or never ran) was shipped"
     assert committed - set(shipments) == set(), "a committed order was never shipped"

@@ -39,7 +39,7 @@ async def main(namesrv: str, group: str, topic: str, path: str, idempotent: bool
 
     # commits every 0.5 s: a kill -9 leaves consumed-but-uncommitted messages to be delivered again
     consumer = PushConsumer(namesrv, group, listener, consume_from="first", suspend_ms=1000,
-                            rebalance_interval_s=1.0, offset_commit_interval_s=0.5, instance_name="shipper")
+                            rebalance_interval_s=1.0, offset_commit_interval_s=0.5)
     consumer.subscribe(topic)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
