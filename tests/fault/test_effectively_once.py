@@ -15,7 +15,11 @@ no unregister), and a fresh TransactionProducer of the same group answers the br
 the database alone.
 
 At the end, once no transaction is undecided and the consumer's offsets reach the end of every
-queue: the shipments are exactly the committed orders, each once, and no rolled-back order shipped.
+queue: the shipments are exactly the committed orders, each once, and no rolled-back order shipped;
+the broker stored each committed order once. It fails when the consumer ships without run_once
+(shipping_consumer.py --no-idempotency: duplicates after the consumer kills), when the checks are
+answered wrongly (rolled-back orders shipped), and when an idle producer is not asked about its
+transactions in doubt soon after a broker restart.
 """
 from __future__ import annotations
 
@@ -290,7 +294,8 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
         nonlocal faults_done
         for fault, after in FAULTS:
             if fault == "consumer":
-                await until(lambda: stats.acked >= after and consumer.shipped_since_start >= SHIPPED_BEFORE_CONSUMER_KILL)
+                await until(lambda: stats.acked >= after
+                            and consumer.shipped_since_start >= SHIPPED_BEFORE_CONSUMER_KILL)
                 await consumer.kill()
                 kills["consumer"] += 1
                 await consumer.start()
@@ -301,6 +306,7 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
 
     pending = behind = None
     in_doubt = 0
+    committed: set[str] = set()
     workers: list[asyncio.Task] = []
     try:
         async with asyncio.timeout(100):
@@ -327,9 +333,9 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
             await consumer.stop()
             stored = await _stored(namesrv)
     except TimeoutError:
-        missing = sorted(committed - consumer.applied) if "committed" in locals() else None
+        missing = sorted(committed - consumer.applied)
         pytest.fail(f"stalled: kills {kills}, acked {stats.acked}, undecided {pending}, queues behind "
-                    f"(id, committed, end) {behind}, committed orders not shipped {missing and missing[:5]}")
+                    f"(id, committed, end) {behind}, committed orders not shipped {missing[:5]}")
     finally:
         if consumer.proc is not None and consumer.proc.returncode is None:
             await consumer.kill()
