@@ -139,6 +139,9 @@ def _client_ip() -> str:
 
 # A send attempt needs at least this long; the loop's timers fire to the millisecond.
 _MIN_ATTEMPT_S = 0.005
+# Heartbeats: the first retry after a failed one (doubling up to the interval), and the least time between two
+# beats, so connections that keep breaking (a failed beat can lose one) never make a reconnect storm.
+_BEAT_RETRY_S = 0.5
 
 
 class Producer:
@@ -231,20 +234,25 @@ class Producer:
         return ok
 
     async def _heartbeat_loop(self) -> None:
-        """A beat every heartbeat_interval_s; one at once when a connection breaks, and while beats fail, one
-        after a back-off from 0.5 s doubling up to the interval: a broker restarted knows this group (and can
-        check its undecided transactions) within about a second of being back, not up to 30 s later."""
+        """A beat every heartbeat_interval_s; one soon (0.5 s at most after the last) when a connection breaks,
+        and while beats fail, one after a back-off from 0.5 s doubling up to the interval: a broker restarted
+        knows this group (and can check its undecided transactions) within about a second of being back, not
+        up to 30 s later."""
         retry: float | None = None
         while True:
-            try:
-                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval_s if retry is None else retry)
-            except asyncio.TimeoutError:
-                pass
+            if retry is None:
+                try:
+                    await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval_s)
+                except asyncio.TimeoutError:
+                    pass
+            else:       # a broker that fails beats is not tried sooner, connections lost meanwhile or not
+                await asyncio.sleep(retry)
             self._beat_now.clear()
             if await self.heartbeat():
                 retry = None
+                await asyncio.sleep(min(_BEAT_RETRY_S, self.heartbeat_interval_s))
             else:
-                retry = min(self.heartbeat_interval_s, 0.5 if retry is None else retry * 2)
+                retry = min(self.heartbeat_interval_s, _BEAT_RETRY_S if retry is None else retry * 2)
 
     async def _route_loop(self) -> None:
         """Fetch every cached route again each period: failovers and new brokers are seen without a
