@@ -584,6 +584,8 @@ class ConnectionPool:
         # attempt after the one before it had timed out: the n-th waited n connect timeouts)
         self._connecting: dict[str, asyncio.Task] = {}
         self._closed = False
+        # on_lost(addr): a connection this pool opened closed, other than by close() (the peer went away)
+        self.on_lost: Callable[[str], None] | None = None
 
     async def get(self, addr: str) -> RemotingConnection:
         if self._closed:        # a late send, check answer or heartbeat must not reopen what close() closed
@@ -606,7 +608,8 @@ class ConnectionPool:
     async def _connect(self, addr: str) -> RemotingConnection:
         host, _, port = addr.rpartition(":")
         conn = await open_connection(host, int(port), self.handler, timeout=self.connect_timeout,
-                                     sign=self.sign, frames_per_turn=CLIENT_FRAMES_PER_TURN)
+                                     sign=self.sign, frames_per_turn=CLIENT_FRAMES_PER_TURN,
+                                     on_close=functools.partial(self._lost, addr))
         if self._closed:
             conn.abort()
             raise ConnectionClosedError(f"connection pool closed while connecting to {addr}")
@@ -616,6 +619,10 @@ class ConnectionPool:
             del self._conns[gone]
         self._conns[addr] = conn
         return conn
+
+    def _lost(self, addr: str, conn: RemotingConnection) -> None:
+        if not self._closed and self.on_lost is not None:
+            self.on_lost(addr)
 
     def cached(self, addr: str) -> RemotingConnection | None:
         """The open connection to ``addr``, or None (then ``get`` opens one): a send's fast path."""

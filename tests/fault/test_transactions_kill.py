@@ -136,3 +136,42 @@ async def test_kill_during_transactions_loses_and_duplicates_nothing(broker_fact
     assert kills == KILLS, "the broker must actually have been killed mid-stream"
     print(f"{started} transactions, {kills} kills, {failed_sends} sends failed, "
           f"{len(committed)} committed and delivered once, {len(ledger.executed) - len(committed)} rolled back")
+
+
+async def test_an_idle_producer_is_asked_about_its_undecided_transaction_soon_after_a_broker_restart(broker_factory):
+    """After a restart the broker knows a producer group only once it heartbeats or sends a half again.
+    A producer with nothing more to send heartbeated every heartbeat_interval_s (30 s): its undecided
+    transactions went unchecked, and their messages unseen, for up to that long. It now heartbeats as
+    soon as a broker connection is lost, retrying with a short back-off until the broker is back."""
+    flags = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "1500")
+    b = broker_factory(*flags)
+    fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1], *flags)
+    restarted = False
+    checked = asyncio.Event()
+
+    class Undecided:
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        def check_local_transaction(self, msg):
+            if restarted:
+                checked.set()
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(b.namesrv, "PG_idle", Undecided(), retries=0)    # heartbeats every 30 s
+    async with asyncio.timeout(60):
+        await producer.start()
+        await producer.send_in_transaction("TxIdle", b"in doubt")
+        assert await _pending(b.broker) == 1
+        b.kill()
+        b2 = await asyncio.to_thread(broker_factory, *fixed)
+        restarted = True
+    try:
+        async with asyncio.timeout(10):       # immunity 1.5 s, then a check every 0.2 s: well within this
+            await checked.wait()
+            while await _pending(b2.broker):
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        pytest.fail("the idle producer's undecided transaction was not checked within 10 s of the restart")
+    finally:
+        await producer.shutdown()

@@ -382,3 +382,39 @@ async def test_shutdown_commits_an_owned_queue_even_if_unchanged_since_the_last_
     consumer.offset_store.write = write
     await consumer.shutdown()
     assert writes == [(mq, 7)]
+
+
+
+async def test_producer_heartbeat_is_sent_when_a_connection_breaks_and_backs_off_while_it_fails(monkeypatch):
+    """A lost connection triggers a heartbeat soon (a restarted broker learns the group only from one);
+    while beats fail they are retried after a back-off that doubles, and connections lost meanwhile (each
+    attempt can lose one, or a broker answer then close) never make beats come faster than the floor."""
+    from producer import Producer, producer as producer_module
+
+    monkeypatch.setattr(producer_module, "_BEAT_RETRY_S", 0.05)
+    producer = Producer("127.0.0.1:1", "PG_beat", heartbeat_interval_s=30.0)
+    beats = []
+    answers = [False, False, False]
+    enough = asyncio.Event()
+
+    async def heartbeat():
+        beats.append(asyncio.get_running_loop().time())
+        producer.pool.on_lost("127.0.0.1:10911")      # every attempt loses its connection again
+        if len(beats) == 6:
+            enough.set()
+        return answers.pop(0) if answers else True
+
+    producer.heartbeat = heartbeat
+    task = asyncio.get_running_loop().create_task(producer._heartbeat_loop())
+    try:
+        async with asyncio.timeout(10):
+            await asyncio.sleep(0)
+            producer.pool.on_lost("127.0.0.1:10911")
+            await enough.wait()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await producer.pool.close()
+    gaps = [b - a for a, b in zip(beats, beats[1:])]
+    floors = [0.05, 0.1, 0.2, 0.05, 0.05]        # the back-off while failing, then the floor between beats
+    assert all(floor - 0.005 <= gap < 5 for gap, floor in zip(gaps, floors)), gaps    # 5 s: far below 30 s

@@ -1,0 +1,362 @@
+"""The mission end to end, under crashes: an order and its message succeed or fail together, and
+the consumer ships each committed order exactly once.
+
+Producers run real local transactions in SQLite: each inserts an ``orders`` row and, in the same
+SQLite transaction, decides COMMIT or ROLLBACK at random; some answer UNKNOW instead, so the broker's
+check-back must ask the database. A consumer in its own process (tests/support/shipping_consumer.py)
+applies every message with ``SqliteIdempotency.run_once`` into its own database (``shipments``).
+
+Faults, each paced by progress (acknowledged transactions, shipments since the consumer started),
+never by the clock: the consumer is SIGKILLed and restarted twice, the broker twice (same store, same
+ports; the second after the stream, the producer idle with transactions in doubt), and once the
+producer "crashes": a few transactions have run in the database but their
+END_TRANSACTION is never sent, the producer dies without a word (tasks cancelled, connections cut,
+no unregister), and a fresh TransactionProducer of the same group answers the broker's checks from
+the database alone.
+
+At the end, once no transaction is undecided and the consumer's offsets reach the end of every
+queue: the shipments are exactly the committed orders, each once, and no rolled-back order shipped;
+the broker stored each committed order once. It fails when the consumer ships without run_once
+(shipping_consumer.py --no-idempotency: duplicates after the consumer kills), when the checks are
+answered wrongly (rolled-back orders shipped), and when an idle producer is not asked about its
+transactions in doubt soon after a broker restart.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import MessageQueue
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.errors import BrokerError
+from tests.support.broker_process import REPO
+from tests.support.delays import FAST
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+
+TOPIC = "Orders"
+PGROUP = "PG_shop"
+CGROUP = "CG_shipping"
+TOTAL = 1200            # orders at least; the stream goes on until every fault has happened
+CONCURRENCY = 8
+HUNG = 6                # transactions decided in the database whose END the crashed producer never sends
+# (fault, acknowledged transactions before it): the consumer kills also wait for shipments since its start.
+# The broker's second kill comes after the stream, with transactions in doubt and the producer idle.
+FAULTS = [("consumer", 150), ("broker", 350), ("producer", 550), ("consumer", 750)]
+SHIPPED_BEFORE_CONSUMER_KILL = 20
+# After that last restart the checks settle everything within about immunity (1 s) plus a few check rounds;
+# an idle producer the broker could not ask until its next heartbeat (30 s) took far longer.
+SETTLE_S = 10
+FLAGS = ("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1000", *FAST)
+
+
+class Stats:
+    def __init__(self):
+        self.transactions = self.commits = self.rollbacks = self.unknown = 0
+        self.checks = self.checks_after_crash = self.failed_sends = self.acked = 0
+
+
+class Shop:
+    """One producer process's side: the orders database and the TransactionListener over it.
+
+    A check is answered from the database alone (the row is there: COMMIT; not: ROLLBACK), except for
+    an order whose local transaction this process has not run yet (its half is being sent): UNKNOW."""
+
+    def __init__(self, path: Path, stats: Stats, rng: random.Random, *, fresh: bool = False):
+        self.db = sqlite3.connect(path, isolation_level=None, timeout=10)
+        self.db.execute("CREATE TABLE IF NOT EXISTS orders (order_id TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
+        self.stats, self.rng, self.fresh = stats, rng, fresh
+        self.not_run: set[str] = set()          # sent or being sent, local transaction not run
+        self.hang_next = 0                      # the next n local transactions never return (the crash)
+        self.hung: list[str] = []
+        self.all_hung = asyncio.Event()
+        self.dying = False
+
+    async def execute_local_transaction(self, msg, arg):
+        order = msg.body.decode()
+        self.not_run.discard(order)
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.execute("INSERT INTO orders VALUES (?, ?)", (order, self.rng.randrange(1, 1000)))
+        commit = self.rng.random() < 0.6
+        self.db.execute("COMMIT" if commit else "ROLLBACK")
+        self.stats.transactions += 1
+        if commit:
+            self.stats.commits += 1
+        else:
+            self.stats.rollbacks += 1
+        if self.hang_next > 0:                  # decided here, never announced: the process dies now
+            self.hang_next -= 1
+            self.hung.append(order)
+            if len(self.hung) == HUNG:
+                self.all_hung.set()
+            await asyncio.Event().wait()
+        if self.rng.random() < 0.25:
+            self.stats.unknown += 1
+            return S.UNKNOW
+        return S.COMMIT_MESSAGE if commit else S.ROLLBACK_MESSAGE
+
+    async def check_local_transaction(self, msg):
+        if self.dying:                          # a process about to die answers nothing
+            await asyncio.Event().wait()
+        order = msg.body.decode()
+        self.stats.checks += 1
+        self.stats.checks_after_crash += self.fresh
+        if order in self.not_run:
+            return S.UNKNOW
+        row = self.db.execute("SELECT 1 FROM orders WHERE order_id = ?", (order,)).fetchone()
+        return S.COMMIT_MESSAGE if row else S.ROLLBACK_MESSAGE
+
+
+class ShippingConsumer:
+    """tests/support/shipping_consumer.py as a child process; its stdout lines counted as they come."""
+
+    def __init__(self, namesrv: str, db: Path, log: Path, progress: asyncio.Event):
+        self.namesrv, self.db, self.log, self.progress = namesrv, db, log, progress
+        self.applied: set[str] = set()           # shipped, or suppressed as shipped before
+        self.suppressed = self.shipped_since_start = 0
+        self.proc = None
+        self._reader = None
+
+    async def start(self) -> None:
+        with open(self.log, "ab") as err:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.support.shipping_consumer", self.namesrv, CGROUP, TOPIC, str(self.db),
+                cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.shipped_since_start = 0
+        ready = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read(ready))
+        await ready
+
+    async def _read(self, ready: asyncio.Future) -> None:
+        async for line in self.proc.stdout:
+            kind, _, order = line.decode().strip().partition(" ")
+            if kind == "READY":
+                ready.set_result(None)
+            elif kind in ("S", "D"):
+                self.applied.add(order)
+                if kind == "S":
+                    self.shipped_since_start += 1
+                else:
+                    self.suppressed += 1
+                self.progress.set()
+        if not ready.done():
+            ready.set_exception(RuntimeError(f"shipping consumer exited before READY: {self.log.read_text()[-3000:]}"))
+
+    async def _end(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+        await self.proc.wait()
+        await self._reader                    # every line it wrote before it died is counted
+
+    async def kill(self) -> None:
+        await self._end(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        await self._end(signal.SIGTERM)
+
+
+async def _admin(addr: str) -> dict:
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 5}), 5)
+        return json.loads(resp.body_bytes())
+    finally:
+        conn.close()
+
+
+async def _queues_behind(namesrv: str) -> list[tuple[int, int | None, int]]:
+    """(queue, committed, end) of every queue of TOPIC whose committed offset is behind its end."""
+    probe = PullConsumer(namesrv, CGROUP)
+    try:
+        behind = []
+        for mq in await probe.fetch_queues(TOPIC):
+            mq = MessageQueue(mq.topic, mq.broker_name, mq.queue_id)
+            committed, end = await probe.fetch_offset(mq), await probe.max_offset(mq)
+            if committed is None or committed < end:
+                behind.append((mq.queue_id, committed, end))
+        return behind
+    finally:
+        await probe.shutdown()
+
+
+async def _stored(namesrv: str) -> list[str]:
+    """Every message the broker holds in TOPIC's queues: what run_once would hide if stored twice."""
+    probe = PullConsumer(namesrv, "CG_audit")
+    bodies = []
+    try:
+        for mq in await probe.fetch_queues(TOPIC):
+            offset = 0
+            for _ in range(10_000):
+                res = await probe.pull(mq, offset, max_nums=256)
+                bodies += [m.body.decode() for m in res.messages]
+                if not res.messages or res.next_begin_offset == offset:
+                    break
+                offset = res.next_begin_offset
+        return bodies
+    finally:
+        await probe.shutdown()
+
+
+async def _crash(producer: TransactionProducer, shop: Shop, tasks: list[asyncio.Task]) -> None:
+    """What a kill -9 of the producer's process does to it: its work stops where it is, its connections
+    break, it unregisters nothing."""
+    shop.dying = True
+    for task in (*tasks, *producer._check_tasks, producer._heartbeat_task, producer._route_task):
+        task.cancel()
+    for conn in producer.pool.connections():
+        conn.abort()
+    await producer.pool.close()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    shop.db.close()
+
+
+async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_crashes(broker_factory, tmp_path):
+    b = broker_factory(*FLAGS)
+    fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1], *FLAGS)
+    namesrv = b.namesrv
+    brokers = [b]
+    orders_db, shipments_db = tmp_path / "orders.db", tmp_path / "shipments.db"
+    stats = Stats()
+    rng = random.Random(20261126)
+    progress = asyncio.Event()
+    up = asyncio.Event()
+    up.set()
+    started = 0
+    kills = {"broker": 0, "consumer": 0, "producer": 0}
+    faults_done = False
+
+    def new_producer(shop: Shop) -> TransactionProducer:
+        return TransactionProducer(namesrv, PGROUP, shop, retries=0, send_timeout=2.0, end_retries=8,
+                                   end_timeout=2.0)
+
+    shop = Shop(orders_db, stats, rng)
+    producer = new_producer(shop)
+    consumer = ShippingConsumer(namesrv, shipments_db, tmp_path / "shipping-consumer.log", progress)
+
+    def next_order() -> str | None:
+        nonlocal started
+        if started >= TOTAL and faults_done:
+            return None
+        started += 1
+        return f"order-{started}"
+
+    async def worker(producer: TransactionProducer, shop: Shop):
+        while (order := next_order()) is not None:
+            shop.not_run.add(order)
+            try:
+                await producer.send_in_transaction(TOPIC, order.encode(), keys=order)
+            except (BrokerError, OSError, TimeoutError):
+                stats.failed_sends += 1   # never retried: a half it may have stored is checked, and rolls back
+                shop.not_run.discard(order)
+                await up.wait()
+                continue
+            stats.acked += 1
+            progress.set()
+
+    async def until(predicate) -> None:
+        while not predicate():
+            progress.clear()
+            await progress.wait()
+
+    async def restart_broker() -> None:
+        up.clear()
+        brokers[-1].kill()
+        kills["broker"] += 1
+        brokers.append(await asyncio.to_thread(broker_factory, *fixed))
+        up.set()
+
+    async def crash_producer() -> None:
+        nonlocal producer, shop, workers
+        shop.hang_next = HUNG
+        await shop.all_hung.wait()
+        await _crash(producer, shop, workers)
+        kills["producer"] += 1
+        shop = Shop(orders_db, stats, rng, fresh=True)          # the restarted process: the database, nothing else
+        producer = new_producer(shop)
+        await producer.start()
+        workers = [asyncio.create_task(worker(producer, shop)) for _ in range(CONCURRENCY)]
+
+    async def faults() -> None:
+        nonlocal faults_done
+        for fault, after in FAULTS:
+            if fault == "consumer":
+                await until(lambda: stats.acked >= after
+                            and consumer.shipped_since_start >= SHIPPED_BEFORE_CONSUMER_KILL)
+                await consumer.kill()
+                kills["consumer"] += 1
+                await consumer.start()
+            else:
+                await until(lambda: stats.acked >= after)
+                await (restart_broker() if fault == "broker" else crash_producer())
+        faults_done = True
+
+    pending = behind = None
+    in_doubt = 0
+    committed: set[str] = set()
+    workers: list[asyncio.Task] = []
+    try:
+        async with asyncio.timeout(100):
+            await producer.start()
+            workers = [asyncio.create_task(worker(producer, shop)) for _ in range(CONCURRENCY)]
+            await until(lambda: stats.acked > 0)      # the topic exists: the consumer finds its route at once
+            await consumer.start()
+            await faults()
+            await asyncio.gather(*workers)
+            in_doubt = (await _admin(brokers[-1].broker))["total"]
+            await restart_broker()
+            # the checks settle what the crashes left undecided; the consumer catches up
+            try:
+                async with asyncio.timeout(SETTLE_S):
+                    while (pending := await _admin(brokers[-1].broker))["total"]:
+                        await asyncio.sleep(0.2)
+            except TimeoutError:
+                pytest.fail(f"{pending['total']} transactions still undecided {SETTLE_S} s after the last restart "
+                            f"({in_doubt} were in doubt before it): {pending['pending']}")
+            committed = {r[0] for r in sqlite3.connect(orders_db).execute("SELECT order_id FROM orders")}
+            await until(lambda: committed <= consumer.applied)
+            while behind := await _queues_behind(namesrv):
+                await asyncio.sleep(0.2)
+            await consumer.stop()
+            stored = await _stored(namesrv)
+    except TimeoutError:
+        missing = sorted(committed - consumer.applied)
+        pytest.fail(f"stalled: kills {kills}, acked {stats.acked}, undecided {pending}, queues behind "
+                    f"(id, committed, end) {behind}, committed orders not shipped {missing[:5]}")
+    finally:
+        if consumer.proc is not None and consumer.proc.returncode is None:
+            await consumer.kill()
+    await producer.shutdown()
+
+    shipments = [r[0] for r in sqlite3.connect(shipments_db).execute("SELECT order_id FROM shipments")]
+    orders = sqlite3.connect(orders_db)
+    committed = {r[0] for r in orders.execute("SELECT order_id FROM orders")}
+    duplicates = len(shipments) - len(set(shipments))
+    print(f"\n{started} orders: {stats.transactions} local transactions ({stats.commits} committed, "
+          f"{stats.rollbacks} rolled back, {stats.unknown} answered UNKNOW), {stats.failed_sends} sends failed, "
+          f"{in_doubt} in doubt at the last broker kill, "
+          f"{stats.checks} checks answered ({stats.checks_after_crash} by the restarted producer); kills {kills}; "
+          f"{len(shipments)} shipments, {consumer.suppressed} redeliveries suppressed by run_once; "
+          f"{pending['dead_lettered']} dead-lettered")
+    assert kills == {"broker": 2, "consumer": 2, "producer": 1}
+    assert in_doubt > 0, "the last broker kill was to find transactions in doubt"
+    assert duplicates == 0, f"{duplicates} orders shipped more than once"
+    assert set(shipments) - committed == set(), "an order that was rolled back (or never ran) was shipped"
+    assert committed - set(shipments) == set(), "a committed order was never shipped"
+    assert len(committed) == stats.commits
+    assert sorted(stored) == sorted(committed), "the broker stored a committed order twice, or a wrong one"
+    assert pending["dead_lettered"] == 0, "a transaction went to the dead-letter topic instead of being decided"
+    assert stats.checks_after_crash > 0, "the restarted producer was to settle the crashed one's transactions"
