@@ -384,7 +384,6 @@ async def test_shutdown_commits_an_owned_queue_even_if_unchanged_since_the_last_
     assert writes == [(mq, 7)]
 
 
-
 async def test_producer_heartbeat_is_sent_when_a_connection_breaks_and_backs_off_while_it_fails(monkeypatch):
     """A lost connection triggers a heartbeat soon (a restarted broker learns the group only from one);
     while beats fail they are retried after a back-off that doubles, and connections lost meanwhile (each
