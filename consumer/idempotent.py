@@ -33,11 +33,14 @@ class SqliteIdempotency:
     """Run a handler once per message: its key and the handler's writes commit in one SQLite
     transaction in the database at ``path`` (the key table is ``table``)."""
 
-    def __init__(self, path: str, table: str = "txmq_consumed"):
+    def __init__(self, path: str, table: str = "txmq_consumed", *, busy_timeout_s: float = 30.0):
+        """``busy_timeout_s``: how long a call waits for another connection's lock on the database before
+        sqlite3.OperationalError "database is locked" (sqlite3's own default, 5 s, was too short for
+        several consumer processes sharing one database under load: a restarting one failed to open it)."""
         if not table.isidentifier():
             raise ValueError(f"table name {table!r} is not an identifier")
         self.table = table
-        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s)
         self.db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, consumed_ms INTEGER NOT NULL)")
         self.db.execute(f"CREATE INDEX IF NOT EXISTS {table}_by_time ON {table} (consumed_ms)")
 

@@ -101,3 +101,21 @@ def test_forget_older_than_drops_only_old_keys(tmp_path, monkeypatch):
     assert ledger.forget_older_than(3000) == 0
     with pytest.raises(ValueError):
         ledger.forget_older_than(0)
+
+
+
+def test_a_locked_database_is_waited_for_up_to_busy_timeout_s(tmp_path):
+    """Several consumer processes may share the database: a restarting one found it locked by another's
+    commit and failed to open after sqlite3's default 5 s. The wait is ``busy_timeout_s`` (30 s)."""
+    import threading
+    path = str(tmp_path / "ledger.db")
+    SqliteIdempotency(path).close()
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")                   # another process committing: no one may even read
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        SqliteIdempotency(path, busy_timeout_s=0.01)
+    threading.Timer(0.2, lambda: holder.execute("ROLLBACK")).start()
+    ledger = SqliteIdempotency(path, busy_timeout_s=10)     # waits for the lock instead of failing
+    assert ledger.run_once(_message("k"), lambda m, db: None)
+    ledger.close()
+    holder.close()
