@@ -263,7 +263,9 @@ class PushConsumer:
                 await self._lock_owned()
             except BrokerError as exc:     # the queues wait for their locks; the lock loop asks again
                 log.warning("push consumer %s could not lock its queues: %s", self.group, exc)
-        for mq in owned - set(self._loops):
+        # A queue taken back while its old loop still finishes its message in hand starts when that hand-over
+        # ends (_hand_over): started now, the new loop saw the queue leaving and ended before its first pull.
+        for mq in owned - set(self._loops) - self._leaving.keys():
             self._start_loop(mq)
         if handover is not None:
             # Shielded: a rebalance cancelled (shutdown) must not cut the commit and unlock half-way. Waited
@@ -321,6 +323,8 @@ class PushConsumer:
             for mq, task in leaving.items():
                 if self._leaving.get(mq) is task:
                     del self._leaving[mq]
+                    if mq in self._owned and mq not in self._loops:     # taken back meanwhile (rebalance)
+                        self._start_loop(mq)
 
     def _halted(self, mq: MessageQueue) -> bool:
         """No new pull and no new message for ``mq``: shutdown began, or a rebalance gave it away."""
