@@ -506,6 +506,8 @@ class PushConsumer:
                     raise _Stopping() from None
                 log.warning("could not hand %s back (%s); retrying it here", msg.msg_id, exc)
                 await asyncio.sleep(self.local_retry_delay_s)
+                if self._halted(mq):    # shutdown or given away meanwhile: no new listener call, as below
+                    raise _Stopping()
 
     async def _consume_in_place(self, mq: MessageQueue, msg: MessageExt) -> None:
         """Orderly and broadcasting: a failed message is retried here, in its place in the queue, every

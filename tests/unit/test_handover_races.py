@@ -80,3 +80,45 @@ async def test_a_queue_taken_back_during_its_hand_over_is_consumed_again_once_th
         if first is not None:
             await asyncio.gather(first, return_exceptions=True)
         await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_message_that_could_not_be_handed_back_is_not_given_to_the_listener_again_once_halted():
+    """RECONSUME_LATER, and the broker does not take the message back: it is retried here after
+    local_retry_delay_s. A hand-over or shutdown that began meanwhile leaves it uncommitted for the next
+    consumer; the listener was called on it once more first (a new call after "no new message")."""
+    from protocol.errors import ConnectionClosedError
+    mq = MessageQueue("T", "b", 0)
+    calls = []
+
+    def listener(msg):
+        calls.append(msg.body)
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, local_retry_delay_s=0.3, shutdown_grace_s=10)
+    handed_back = asyncio.Event()
+
+    async def send_back(q, msg, **kw):
+        handed_back.set()
+        raise ConnectionClosedError("the broker went away")
+
+    async def pull(q, offset, **kw):
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
+        await asyncio.Event().wait()
+
+    async def start_offset(q):
+        return 0
+    writes = []
+
+    async def write(q, offset):
+        writes.append(offset)
+    consumer.client.send_back, consumer.client.pull = send_back, pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    consumer._owned = {mq}
+    consumer._start_loop(mq)
+    await handed_back.wait()            # the listener said later, the hand-back failed: waiting to retry
+    await consumer.shutdown()
+    assert calls == [b"m0"], "the listener was called again after shutdown began"
+    assert writes == [0], "m0 was committed though not consumed"
