@@ -372,7 +372,10 @@ class PushConsumer:
         others' locks from being taken (the locks it gave lapse here after lock_expire_s); its error
         is raised once all were asked."""
         by_broker: dict[str, set[MessageQueue]] = {}
-        for mq in self._owned:
+        # And the queues being handed over that still hold theirs: their message in hand is still consumed
+        # (RocketMQ's lockAll renews a dropped process queue until it is removed). Not renewed, a hand-over
+        # longer than the broker's lock life let the next owner lock the queue while that message ran.
+        for mq in (*self._owned, *(q for q in self._leaving if q in self._locks)):
             by_broker.setdefault(mq.broker_name, set()).add(mq)
         failed = None
         for queues in by_broker.values():
@@ -382,10 +385,19 @@ class PushConsumer:
                 failed = failed or exc
                 continue
             now = time.monotonic()
+            stale = []
             for mq in granted:
-                self._locks[mq] = now
+                if mq in self._owned or (mq in self._leaving and mq in self._locks):
+                    self._locks[mq] = now
+                else:       # given away, and its lock released, while this was asked: not ours to hold
+                    stale.append(mq)
             for mq in queues - granted:
                 self._locks.pop(mq, None)     # someone else holds it now: stop at once, as RocketMQ does
+            if stale:
+                try:        # its next owner need not wait for the lock to expire
+                    await self.client.unlock_queues(stale)
+                except Exception:  # noqa: BLE001 - logged broker by broker; it expires on its broker
+                    pass
         self._lock_changed.set()
         if failed is not None:
             raise failed
