@@ -263,7 +263,9 @@ class PushConsumer:
                 await self._lock_owned()
             except BrokerError as exc:     # the queues wait for their locks; the lock loop asks again
                 log.warning("push consumer %s could not lock its queues: %s", self.group, exc)
-        for mq in owned - set(self._loops):
+        # A queue taken back while its old loop still finishes its message in hand starts when that hand-over
+        # ends (_hand_over): started now, the new loop saw the queue leaving and ended before its first pull.
+        for mq in owned - set(self._loops) - self._leaving.keys():
             self._start_loop(mq)
         if handover is not None:
             # Shielded: a rebalance cancelled (shutdown) must not cut the commit and unlock half-way. Waited
@@ -321,6 +323,8 @@ class PushConsumer:
             for mq, task in leaving.items():
                 if self._leaving.get(mq) is task:
                     del self._leaving[mq]
+                    if mq in self._owned and mq not in self._loops:     # taken back meanwhile (rebalance)
+                        self._start_loop(mq)
 
     def _halted(self, mq: MessageQueue) -> bool:
         """No new pull and no new message for ``mq``: shutdown began, or a rebalance gave it away."""
@@ -368,7 +372,10 @@ class PushConsumer:
         others' locks from being taken (the locks it gave lapse here after lock_expire_s); its error
         is raised once all were asked."""
         by_broker: dict[str, set[MessageQueue]] = {}
-        for mq in self._owned:
+        # And the queues being handed over that still hold theirs: their message in hand is still consumed
+        # (RocketMQ's lockAll renews a dropped process queue until it is removed). Not renewed, a hand-over
+        # longer than the broker's lock life let the next owner lock the queue while that message ran.
+        for mq in (*self._owned, *(q for q in self._leaving if q in self._locks)):
             by_broker.setdefault(mq.broker_name, set()).add(mq)
         failed = None
         for queues in by_broker.values():
@@ -378,10 +385,19 @@ class PushConsumer:
                 failed = failed or exc
                 continue
             now = time.monotonic()
+            stale = []
             for mq in granted:
-                self._locks[mq] = now
+                if mq in self._owned or (mq in self._leaving and mq in self._locks):
+                    self._locks[mq] = now
+                else:       # given away, and its lock released, while this was asked: not ours to hold
+                    stale.append(mq)
             for mq in queues - granted:
                 self._locks.pop(mq, None)     # someone else holds it now: stop at once, as RocketMQ does
+            if stale:
+                try:        # its next owner need not wait for the lock to expire
+                    await self.client.unlock_queues(stale)
+                except Exception:  # noqa: BLE001 - logged broker by broker; it expires on its broker
+                    pass
         self._lock_changed.set()
         if failed is not None:
             raise failed
@@ -502,6 +518,8 @@ class PushConsumer:
                     raise _Stopping() from None
                 log.warning("could not hand %s back (%s); retrying it here", msg.msg_id, exc)
                 await asyncio.sleep(self.local_retry_delay_s)
+                if self._halted(mq):    # shutdown or given away meanwhile: no new listener call, as below
+                    raise _Stopping()
 
     async def _consume_in_place(self, mq: MessageQueue, msg: MessageExt) -> None:
         """Orderly and broadcasting: a failed message is retried here, in its place in the queue, every

@@ -1,0 +1,218 @@
+"""PushConsumer hand-over races on the event loop, without a broker: a queue given away by one rebalance
+and taken back by another while its old pull loop still has a message in hand."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from consumer import ConsumeStatus, PushConsumer
+from consumer.pull_consumer import MessageQueue, PullResult, PullStatus
+from protocol.message import MessageExt
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+
+@bounded(20)
+async def test_a_queue_taken_back_during_its_hand_over_is_consumed_again_once_the_hand_over_ends():
+    """``rebalance()`` is public: one called while the loop's own waits on a hand-over can take the queue
+    back. Its pull loop was started at once and, the queue still leaving, ended before its first pull,
+    left in ``_loops`` as a finished task that no later rebalance replaced: the queue stopped for good."""
+    mq = MessageQueue("T", "b", 0)
+    release = asyncio.Event()
+    in_hand = asyncio.Event()
+    pulls = []
+
+    async def listener(msg):
+        in_hand.set()
+        await release.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=10)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    stored = {mq: 0}            # the broker's committed offsets
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
+        await asyncio.Event().wait()        # a long poll with nothing new
+
+    async def write(q, offset):
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull = pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    first = None
+    try:
+        await consumer.rebalance()
+        await in_hand.wait()
+        ids[:] = ["!", me]                  # "!" sorts first: it gets the queue
+        first = asyncio.get_running_loop().create_task(consumer.rebalance())
+        while mq not in consumer._leaving:
+            await asyncio.sleep(0)
+        ids[:] = [me]
+        await consumer.rebalance()          # taken back while m0 is still in hand
+        release.set()
+        await first
+        for _ in range(100):
+            if pulls[-1:] == [1]:
+                break
+            await asyncio.sleep(0.01)
+        assert mq in consumer._loops and not consumer._loops[mq].done(), "the queue taken back has no pull loop"
+        assert pulls == [0, 1], "the queue taken back is not pulled again after its hand-over, from its commit"
+    finally:
+        release.set()
+        if first is not None:
+            await asyncio.gather(first, return_exceptions=True)
+        await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_message_that_could_not_be_handed_back_is_not_given_to_the_listener_again_once_halted():
+    """RECONSUME_LATER, and the broker does not take the message back: it is retried here after
+    local_retry_delay_s. A hand-over or shutdown that began meanwhile leaves it uncommitted for the next
+    consumer; the listener was called on it once more first (a new call after "no new message")."""
+    from protocol.errors import ConnectionClosedError
+    mq = MessageQueue("T", "b", 0)
+    calls = []
+
+    def listener(msg):
+        calls.append(msg.body)
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, local_retry_delay_s=0.3, shutdown_grace_s=10)
+    handed_back = asyncio.Event()
+
+    async def send_back(q, msg, **kw):
+        handed_back.set()
+        raise ConnectionClosedError("the broker went away")
+
+    async def pull(q, offset, **kw):
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
+        await asyncio.Event().wait()
+
+    async def start_offset(q):
+        return 0
+    writes = []
+
+    async def write(q, offset):
+        writes.append(offset)
+    consumer.client.send_back, consumer.client.pull = send_back, pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    consumer._owned = {mq}
+    consumer._start_loop(mq)
+    await handed_back.wait()            # the listener said later, the hand-back failed: waiting to retry
+    await consumer.shutdown()
+    assert calls == [b"m0"], "the listener was called again after shutdown began"
+    assert writes == [0], "m0 was committed though not consumed"
+
+
+@bounded(20)
+async def test_an_orderly_queue_being_handed_over_keeps_its_lock_renewed_while_its_message_is_in_hand():
+    """The lock renewal asked only for the owned queues: a hand-over (handover_grace_s) longer than the
+    broker's lock life (60 s) let the next owner lock and consume the queue while the old owner's message
+    was still in hand, out of order."""
+    mq = MessageQueue("T", "b", 0)
+    release, in_hand = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        in_hand.set()
+        await release.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, orderly=True, handover_grace_s=10)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+    asked, unlocked = [], []
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    async def lock_queues(mqs):
+        asked.append(set(mqs))
+        return set(mqs)
+
+    async def unlock_queues(mqs):
+        unlocked.extend(mqs)
+
+    async def pull(q, offset, **kw):
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
+        await asyncio.Event().wait()
+
+    async def start_offset(q):
+        return 0
+
+    async def write(q, offset):
+        pass
+    c = consumer.client
+    c.fetch_queues, c.consumer_ids, c.lock_queues, c.unlock_queues, c.pull = (
+        fetch_queues, consumer_ids, lock_queues, unlock_queues, pull)
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    handing = None
+    try:
+        await consumer.rebalance()
+        await in_hand.wait()
+        ids[:] = ["!", me]
+        handing = asyncio.get_running_loop().create_task(consumer.rebalance())
+        while mq not in consumer._leaving:
+            await asyncio.sleep(0)
+        asked.clear()
+        await consumer._lock_owned()        # a turn of the lock loop during the hand-over
+        assert any(mq in s for s in asked), "the lock of the queue whose message is in hand was not renewed"
+        assert unlocked == []
+        release.set()
+        await handing
+        assert unlocked == [mq] and mq not in consumer._locks     # released once its message was done
+    finally:
+        release.set()
+        if handing is not None:
+            await asyncio.gather(handing, return_exceptions=True)
+        await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_lock_granted_for_a_queue_given_away_meanwhile_is_released_not_kept():
+    """The lock loop asks for the owned queues' locks; a rebalance that gives one away (and unlocks it)
+    while that request is out got the lock back here, held for nobody: its next owner waited until this
+    consumer's next rebalance or the broker's expiry."""
+    mq, kept = MessageQueue("T", "b", 0), MessageQueue("T", "b", 1)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True)
+    consumer._owned = {mq, kept}
+    unlocked = []
+
+    async def lock_queues(mqs):
+        consumer._owned = {kept}            # the rebalance ran meanwhile
+        return set(mqs)
+
+    async def unlock_queues(mqs):
+        unlocked.extend(mqs)
+    consumer.client.lock_queues, consumer.client.unlock_queues = lock_queues, unlock_queues
+    try:
+        await consumer._lock_owned()
+        assert mq not in consumer._locks and kept in consumer._locks
+        assert unlocked == [mq]
+    finally:
+        await consumer.client.shutdown()
