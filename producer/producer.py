@@ -139,9 +139,12 @@ def _client_ip() -> str:
 
 # A send attempt needs at least this long; the loop's timers fire to the millisecond.
 _MIN_ATTEMPT_S = 0.005
-# Heartbeats: the first retry after a failed one (doubling up to the interval), and the least time between two
+# Heartbeats: the first retry after a failed one (doubling up to _BEAT_RETRY_MAX_S), and the least time between two
 # beats, so connections that keep breaking (a failed beat can lose one) never make a reconnect storm.
 _BEAT_RETRY_S = 0.5
+# The back-off while beats fail stops here: the failures are counted over all brokers, so one broker down for
+# good would otherwise hold another one's beat, after its restart, back by up to heartbeat_interval_s.
+_BEAT_RETRY_MAX_S = 4.0
 
 
 class Producer:
@@ -235,7 +238,7 @@ class Producer:
 
     async def _heartbeat_loop(self) -> None:
         """A beat every heartbeat_interval_s; one soon (0.5 s at most after the last) when a connection breaks,
-        and while beats fail, one after a back-off from 0.5 s doubling up to the interval: a broker restarted
+        and while beats fail, one after a back-off from 0.5 s doubling up to 4 s: a broker restarted
         knows this group (and can check its undecided transactions) within about a second of being back, not
         up to 30 s later."""
         retry: float | None = None
@@ -252,7 +255,7 @@ class Producer:
                 retry = None
                 await asyncio.sleep(min(_BEAT_RETRY_S, self.heartbeat_interval_s))
             else:
-                retry = min(self.heartbeat_interval_s, _BEAT_RETRY_S if retry is None else retry * 2)
+                retry = min(self.heartbeat_interval_s, _BEAT_RETRY_MAX_S, _BEAT_RETRY_S if retry is None else retry * 2)
 
     async def _route_loop(self) -> None:
         """Fetch every cached route again each period: failovers and new brokers are seen without a

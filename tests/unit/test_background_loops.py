@@ -417,3 +417,37 @@ async def test_producer_heartbeat_is_sent_when_a_connection_breaks_and_backs_off
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     floors = [0.05, 0.1, 0.2, 0.05, 0.05]        # the back-off while failing, then the floor between beats
     assert all(floor - 0.005 <= gap < 5 for gap, floor in zip(gaps, floors)), gaps    # 5 s: far below 30 s
+
+
+@bounded(20)
+async def test_producer_heartbeat_back_off_is_capped_while_a_broker_stays_down(monkeypatch):
+    """The failures are counted over all brokers: one broker down for good doubled the back-off up to the
+    heartbeat interval (30 s), and another broker, restarted meanwhile, waited that long for the beat that
+    lets it check the group's undecided transactions. The back-off stops at _BEAT_RETRY_MAX_S."""
+    from producer import Producer, producer as producer_module
+
+    monkeypatch.setattr(producer_module, "_BEAT_RETRY_S", 0.05)
+    monkeypatch.setattr(producer_module, "_BEAT_RETRY_MAX_S", 0.15)
+    producer = Producer("127.0.0.1:1", "PG_beat_cap", heartbeat_interval_s=30.0)
+    beats = []
+    enough = asyncio.Event()
+
+    async def heartbeat():
+        beats.append(asyncio.get_running_loop().time())
+        if len(beats) == 7:
+            enough.set()
+        return False                                    # a broker that never answers
+
+    producer.heartbeat = heartbeat
+    task = asyncio.get_running_loop().create_task(producer._heartbeat_loop())
+    try:
+        async with asyncio.timeout(10):
+            await asyncio.sleep(0)
+            producer.pool.on_lost("127.0.0.1:10911")
+            await enough.wait()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await producer.pool.close()
+    gaps = [b - a for a, b in zip(beats, beats[1:])]
+    assert sum(gaps[-3:]) < 1.5, gaps                   # uncapped: 0.4 + 0.8 + 1.6 s
