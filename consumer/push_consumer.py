@@ -174,6 +174,14 @@ class PushConsumer:
         """A background loop that raised is logged, never silent; a crashed pull loop is dropped so
         the next rebalance starts it again."""
         if task.cancelled() or task.exception() is None:
+            # Nothing cancels (or ends) a pull loop still registered but shutdown: one that ended so anyway
+            # (a CancelledError from below it) left its queue owned, with a finished task no rebalance replaced.
+            if mq is not None and self._loops.get(mq) is task and not self._stopping:
+                self.crashes += 1
+                log.error("push consumer %s: pull loop of %s ended %s; restarted by a rebalance", self.group, mq,
+                          "cancelled by no one" if task.cancelled() else "on its own")
+                del self._loops[mq]
+                self._request_rebalance()
             return
         self.crashes += 1
         exc = task.exception()
@@ -487,6 +495,13 @@ class PushConsumer:
             if inspect.isawaitable(status):
                 async with asyncio.timeout(self.consume_timeout_s) as deadline:     # a timer, not a Task, a message
                     status = await status
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():     # shutdown or a hand-over cancels the call: go on ending
+                raise
+            # Not a cancel of this call: something the listener awaited was cancelled. Let through, it ended the
+            # pull loop as cancelled, and its queue stayed owned and unconsumed for good.
+            log.warning("listener raised CancelledError on %s (nothing cancelled it): RECONSUME_LATER", msg.msg_id)
+            return ConsumeStatus.RECONSUME_LATER
         except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
             if deadline is not None and deadline.expired():     # not the listener's own TimeoutError
                 log.warning("listener still running on %s after %g s (consume_timeout_s): cancelled, "
