@@ -132,6 +132,8 @@ class PushConsumer:
         # process queue): no new pull, no new message; committed, then unlocked, once it is done.
         self._leaving: dict[MessageQueue, asyncio.Task] = {}
         self._handovers: set[asyncio.Task] = set()
+        # Queues whose loops reset_offsets stopped and starts again once the new offsets are written.
+        self._resetting: set[MessageQueue] = set()
         self._stopping = False
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
@@ -273,7 +275,8 @@ class PushConsumer:
                 log.warning("push consumer %s could not lock its queues: %s", self.group, exc)
         # A queue taken back while its old loop still finishes its message in hand starts when that hand-over
         # ends (_hand_over): started now, the new loop saw the queue leaving and ended before its first pull.
-        for mq in owned - set(self._loops) - self._leaving.keys():
+        # Nor one an offset reset is writing: started now, its loop read the old offset and undid the reset.
+        for mq in owned - set(self._loops) - self._leaving.keys() - self._resetting:
             self._start_loop(mq)
         if handover is not None:
             # Shielded: a rebalance cancelled (shutdown) must not cut the commit and unlock half-way. Waited
@@ -355,10 +358,11 @@ class PushConsumer:
         or abandoned), store the new offsets, and start the loops again from them."""
         stopped = [mq for mq in self._loops if mq.topic == topic]
         tasks = [self._loops.pop(mq) for mq in stopped]
+        self._resetting.update(stopped)     # not started by a rebalance meanwhile: they would read the old offsets
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         try:
+            await asyncio.gather(*tasks, return_exceptions=True)
             for mq, offset in offsets.items():
                 mine = mq in self._owned        # another consumer's queue: its position is not ours to keep
                 if mine:
@@ -369,6 +373,7 @@ class PushConsumer:
             log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
                      {mq.queue_id: o for mq, o in offsets.items()})
         finally:        # stored or not (the failure is logged as the task ends), the queues are consumed again
+            self._resetting.difference_update(stopped)
             for mq in stopped:
                 if mq in self._owned and mq not in self._loops:
                     self._start_loop(mq)

@@ -292,3 +292,62 @@ async def test_a_pull_loop_ended_cancelled_by_no_one_is_restarted_by_the_next_re
         assert mq not in consumer._loops and consumer._rebalance_now.is_set() and consumer.crashes == 1
     finally:
         await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_rebalance_during_an_offset_reset_does_not_start_the_queue_from_its_old_offset():
+    """``reset_offsets`` stops the topic's pull loops, writes the new offsets, then starts them again. A
+    rebalance in between saw the queue owned with no loop and started one at once, which read the old
+    stored offset: the reset was silently undone (its loop's commits wrote the old position back)."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    stored = {mq: 5}
+    pulls = []
+    writing, go_on = asyncio.Event(), asyncio.Event()
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return [me]
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        await asyncio.Event().wait()
+
+    async def write(q, offset):
+        writing.set()
+        await go_on.wait()              # the broker answers slowly
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull = pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    reset = None
+    try:
+        await consumer.rebalance()
+        while pulls != [5]:
+            await asyncio.sleep(0)
+        reset = asyncio.get_running_loop().create_task(consumer.reset_offsets("T", {mq: 1}))
+        await writing.wait()
+        await consumer.rebalance()      # the rebalance loop's turn, while the reset is written
+        await asyncio.sleep(0.05)
+        go_on.set()
+        await reset
+        for _ in range(100):
+            if len(pulls) > 1:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert pulls == [5, 1], "the queue was not pulled from its reset offset (only)"
+        assert consumer._offsets[mq] == 1
+    finally:
+        go_on.set()
+        if reset is not None:
+            await asyncio.gather(reset, return_exceptions=True)
+        await consumer.shutdown()
