@@ -657,9 +657,12 @@ class PushConsumer:
             await self.offset_store.flush()
         except OSError as exc:
             log.error("offsets of %s not saved at shutdown: %s", self.group, exc)
-        if self.orderly and self._locks:
+        # And every owned queue: a lock request cut above (lock loop, rebalance) may have been granted on its
+        # broker without reaching _locks; unlocking a queue another consumer holds changes nothing.
+        held = {*self._locks, *self._owned} if self.orderly else set()
+        if held:
             try:      # the next owner need not wait for the locks to expire
-                await self.client.unlock_queues(list(self._locks))
+                await self.client.unlock_queues(list(held))
             except Exception as exc:  # noqa: BLE001 - each broker's failure was logged; theirs expire
                 log.warning("push consumer %s: some queue locks not released at shutdown (%s); they expire on "
                             "their brokers", self.group, exc)

@@ -351,3 +351,33 @@ async def test_a_rebalance_during_an_offset_reset_does_not_start_the_queue_from_
         if reset is not None:
             await asyncio.gather(reset, return_exceptions=True)
         await consumer.shutdown()
+
+
+@bounded(20)
+async def test_shutdown_unlocks_an_owned_queue_whose_lock_request_it_cut():
+    """Shutdown cancels the lock loop (or a rebalance) while its LOCK_BATCH_MQ is out: the broker may grant
+    a queue this consumer did not hold yet, and the answer, cut, never reached ``_locks``. Shutdown
+    unlocked only ``_locks``, so that queue stayed locked for nobody: its next owner waited for the
+    broker's expiry (60 s). Shutdown unlocks every owned queue too (an unlock of another's is a no-op)."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True)
+    consumer._owned = {mq}
+    broker_locks, asked = set(), asyncio.Event()
+
+    async def lock_queues(mqs):
+        broker_locks.update(mqs)        # granted on the broker; the answer is slow
+        asked.set()
+        await asyncio.Event().wait()
+
+    async def unlock_queues(mqs):
+        broker_locks.difference_update(mqs)
+
+    async def write(q, offset):
+        pass
+    consumer.client.lock_queues, consumer.client.unlock_queues = lock_queues, unlock_queues
+    consumer.offset_store.write = write
+    consumer._lock_task = asyncio.get_running_loop().create_task(consumer._lock_owned())
+    consumer._tasks = [consumer._lock_task]
+    await asyncio.wait_for(asked.wait(), 5)
+    await consumer.shutdown()
+    assert broker_locks == set(), "a queue locked on the broker by the cut request was left locked"
