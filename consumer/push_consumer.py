@@ -132,6 +132,8 @@ class PushConsumer:
         # process queue): no new pull, no new message; committed, then unlocked, once it is done.
         self._leaving: dict[MessageQueue, asyncio.Task] = {}
         self._handovers: set[asyncio.Task] = set()
+        # Queues whose loops reset_offsets stopped and starts again once the new offsets are written.
+        self._resetting: set[MessageQueue] = set()
         self._stopping = False
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
@@ -174,6 +176,14 @@ class PushConsumer:
         """A background loop that raised is logged, never silent; a crashed pull loop is dropped so
         the next rebalance starts it again."""
         if task.cancelled() or task.exception() is None:
+            # Nothing cancels (or ends) a pull loop still registered but shutdown: one that ended so anyway
+            # (a CancelledError from below it) left its queue owned, with a finished task no rebalance replaced.
+            if mq is not None and self._loops.get(mq) is task and not self._stopping:
+                self.crashes += 1
+                log.error("push consumer %s: pull loop of %s ended %s; restarted by a rebalance", self.group, mq,
+                          "cancelled by no one" if task.cancelled() else "on its own")
+                del self._loops[mq]
+                self._request_rebalance()
             return
         self.crashes += 1
         exc = task.exception()
@@ -265,7 +275,8 @@ class PushConsumer:
                 log.warning("push consumer %s could not lock its queues: %s", self.group, exc)
         # A queue taken back while its old loop still finishes its message in hand starts when that hand-over
         # ends (_hand_over): started now, the new loop saw the queue leaving and ended before its first pull.
-        for mq in owned - set(self._loops) - self._leaving.keys():
+        # Nor one an offset reset is writing: started now, its loop read the old offset and undid the reset.
+        for mq in owned - set(self._loops) - self._leaving.keys() - self._resetting:
             self._start_loop(mq)
         if handover is not None:
             # Shielded: a rebalance cancelled (shutdown) must not cut the commit and unlock half-way. Waited
@@ -347,10 +358,11 @@ class PushConsumer:
         or abandoned), store the new offsets, and start the loops again from them."""
         stopped = [mq for mq in self._loops if mq.topic == topic]
         tasks = [self._loops.pop(mq) for mq in stopped]
+        self._resetting.update(stopped)     # not started by a rebalance meanwhile: they would read the old offsets
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         try:
+            await asyncio.gather(*tasks, return_exceptions=True)
             for mq, offset in offsets.items():
                 mine = mq in self._owned        # another consumer's queue: its position is not ours to keep
                 if mine:
@@ -361,6 +373,7 @@ class PushConsumer:
             log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
                      {mq.queue_id: o for mq, o in offsets.items()})
         finally:        # stored or not (the failure is logged as the task ends), the queues are consumed again
+            self._resetting.difference_update(stopped)
             for mq in stopped:
                 if mq in self._owned and mq not in self._loops:
                     self._start_loop(mq)
@@ -487,6 +500,13 @@ class PushConsumer:
             if inspect.isawaitable(status):
                 async with asyncio.timeout(self.consume_timeout_s) as deadline:     # a timer, not a Task, a message
                     status = await status
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():     # shutdown or a hand-over cancels the call: go on ending
+                raise
+            # Not a cancel of this call: something the listener awaited was cancelled. Let through, it ended the
+            # pull loop as cancelled, and its queue stayed owned and unconsumed for good.
+            log.warning("listener raised CancelledError on %s (nothing cancelled it): RECONSUME_LATER", msg.msg_id)
+            return ConsumeStatus.RECONSUME_LATER
         except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
             if deadline is not None and deadline.expired():     # not the listener's own TimeoutError
                 log.warning("listener still running on %s after %g s (consume_timeout_s): cancelled, "
@@ -637,9 +657,12 @@ class PushConsumer:
             await self.offset_store.flush()
         except OSError as exc:
             log.error("offsets of %s not saved at shutdown: %s", self.group, exc)
-        if self.orderly and self._locks:
+        # And every owned queue: a lock request cut above (lock loop, rebalance) may have been granted on its
+        # broker without reaching _locks; unlocking a queue another consumer holds changes nothing.
+        held = {*self._locks, *self._owned} if self.orderly else set()
+        if held:
             try:      # the next owner need not wait for the locks to expire
-                await self.client.unlock_queues(list(self._locks))
+                await self.client.unlock_queues(list(held))
             except Exception as exc:  # noqa: BLE001 - each broker's failure was logged; theirs expire
                 log.warning("push consumer %s: some queue locks not released at shutdown (%s); they expire on "
                             "their brokers", self.group, exc)

@@ -216,3 +216,168 @@ async def test_a_lock_granted_for_a_queue_given_away_meanwhile_is_released_not_k
         assert unlocked == [mq]
     finally:
         await consumer.client.shutdown()
+
+
+@bounded(20)
+async def test_a_listener_raising_cancelled_error_does_not_stop_its_queue_for_good():
+    """A listener that awaits something cancelled elsewhere (a task it gathers, a shared future) raises
+    CancelledError though nothing cancelled the pull loop. It went through ``_listen`` (which catches
+    Exception only) and ended the pull loop as cancelled: ``_crashed`` ignores cancelled tasks, the done
+    task stayed in ``_loops`` and no rebalance replaced it. The queue, still owned, was never consumed
+    again, and nothing was logged. It is a failed listener call (RECONSUME_LATER), as any other raise."""
+    mq = MessageQueue("T", "b", 0)
+    calls, sent_back, pulls = [], [], []
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            gone = asyncio.get_running_loop().create_future()
+            gone.cancel()                   # e.g. a request another task gave up
+            await gone
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, shutdown_grace_s=1)
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        if offset < 2:
+            return PullResult(PullStatus.FOUND, offset + 1, 0, 2,
+                              [MessageExt("T", b"m%d" % offset, queue_offset=offset)])
+        await asyncio.Event().wait()
+
+    async def send_back(q, msg, **kw):
+        sent_back.append(msg.body)
+
+    async def start_offset(q):
+        return 0
+
+    async def write(q, offset):
+        pass
+    consumer.client.pull, consumer.client.send_back = pull, send_back
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    consumer._owned = {mq}
+    consumer._start_loop(mq)
+    try:
+        for _ in range(200):
+            if pulls[-1:] == [2]:
+                break
+            await asyncio.sleep(0.01)
+        assert not consumer._loops[mq].done(), "the pull loop ended: the queue is owned but never consumed"
+        assert sent_back == [b"m0"] and calls == [b"m0", b"m1"] and pulls == [0, 1, 2]
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_pull_loop_ended_cancelled_by_no_one_is_restarted_by_the_next_rebalance():
+    """Whatever ends a registered pull loop (a CancelledError from below it), the queue is not left with
+    a finished task in ``_loops``: it is dropped, counted, and a rebalance is asked for."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS)
+
+    async def pull(q, offset, **kw):
+        raise asyncio.CancelledError()      # not a cancel of the loop's task
+
+    async def start_offset(q):
+        return 0
+    consumer.client.pull = pull
+    consumer._start_offset = start_offset
+    consumer._owned = {mq}
+    consumer._start_loop(mq)
+    try:
+        task = consumer._loops[mq]
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert mq not in consumer._loops and consumer._rebalance_now.is_set() and consumer.crashes == 1
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_rebalance_during_an_offset_reset_does_not_start_the_queue_from_its_old_offset():
+    """``reset_offsets`` stops the topic's pull loops, writes the new offsets, then starts them again. A
+    rebalance in between saw the queue owned with no loop and started one at once, which read the old
+    stored offset: the reset was silently undone (its loop's commits wrote the old position back)."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    stored = {mq: 5}
+    pulls = []
+    writing, go_on = asyncio.Event(), asyncio.Event()
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return [me]
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        await asyncio.Event().wait()
+
+    async def write(q, offset):
+        writing.set()
+        await go_on.wait()              # the broker answers slowly
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull = pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    reset = None
+    try:
+        await consumer.rebalance()
+        while pulls != [5]:
+            await asyncio.sleep(0)
+        reset = asyncio.get_running_loop().create_task(consumer.reset_offsets("T", {mq: 1}))
+        await writing.wait()
+        await consumer.rebalance()      # the rebalance loop's turn, while the reset is written
+        await asyncio.sleep(0.05)
+        go_on.set()
+        await reset
+        for _ in range(100):
+            if len(pulls) > 1:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert pulls == [5, 1], "the queue was not pulled from its reset offset (only)"
+        assert consumer._offsets[mq] == 1
+    finally:
+        go_on.set()
+        if reset is not None:
+            await asyncio.gather(reset, return_exceptions=True)
+        await consumer.shutdown()
+
+
+@bounded(20)
+async def test_shutdown_unlocks_an_owned_queue_whose_lock_request_it_cut():
+    """Shutdown cancels the lock loop (or a rebalance) while its LOCK_BATCH_MQ is out: the broker may grant
+    a queue this consumer did not hold yet, and the answer, cut, never reached ``_locks``. Shutdown
+    unlocked only ``_locks``, so that queue stayed locked for nobody: its next owner waited for the
+    broker's expiry (60 s). Shutdown unlocks every owned queue too (an unlock of another's is a no-op)."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True)
+    consumer._owned = {mq}
+    broker_locks, asked = set(), asyncio.Event()
+
+    async def lock_queues(mqs):
+        broker_locks.update(mqs)        # granted on the broker; the answer is slow
+        asked.set()
+        await asyncio.Event().wait()
+
+    async def unlock_queues(mqs):
+        broker_locks.difference_update(mqs)
+
+    async def write(q, offset):
+        pass
+    consumer.client.lock_queues, consumer.client.unlock_queues = lock_queues, unlock_queues
+    consumer.offset_store.write = write
+    consumer._lock_task = asyncio.get_running_loop().create_task(consumer._lock_owned())
+    consumer._tasks = [consumer._lock_task]
+    await asyncio.wait_for(asked.wait(), 5)
+    await consumer.shutdown()
+    assert broker_locks == set(), "a queue locked on the broker by the cut request was left locked"
