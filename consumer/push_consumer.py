@@ -349,9 +349,15 @@ class PushConsumer:
 
     # ------------------------------------------------------------ offsets reset by an operator
     def _on_reset_offset(self, topic: str, offsets: dict) -> None:
+        if self._stopping:      # shutting down: its loops are ending, and no one would wait for this task
+            log.warning("push consumer %s: offset reset of %s arrived during shutdown: not applied", self.group,
+                        topic)
+            return
         task = asyncio.get_running_loop().create_task(self.reset_offsets(topic, offsets))
         task.add_done_callback(self._crashed)
         self._tasks.append(task)
+        # an operator's resets over months: not kept once done
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def reset_offsets(self, topic: str, offsets: dict[MessageQueue, int]) -> None:
         """RESET_CONSUMER_CLIENT_OFFSET: stop the topic's pull loops (the message in hand is finished

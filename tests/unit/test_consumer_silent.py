@@ -351,3 +351,30 @@ async def test_a_listener_raising_its_own_timeout_is_not_reported_as_running_too
     finally:
         await consumer.client.shutdown()
     assert "listener failed" in caplog.text and "still running" not in caplog.text
+
+
+@bounded(10)
+async def test_offset_reset_tasks_are_not_kept_once_done_and_none_starts_during_shutdown():
+    """Each RESET_CONSUMER_CLIENT_OFFSET added a task to the consumer's list for good (an operator's resets
+    over months), and one arriving during shutdown made a task nobody waited for."""
+    consumer = _push_consumer()
+    q0 = MessageQueue("T", "b", 0)
+    _stand_in_queues(consumer, {"T": [q0]})
+
+    async def write(mq, offset):
+        pass
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        before = list(consumer._tasks)
+        for _ in range(3):
+            consumer._on_reset_offset("T", {q0: 0})
+        resets = [t for t in consumer._tasks if t not in before]
+        await asyncio.gather(*resets)
+        await asyncio.sleep(0)                          # their done-callbacks run
+        assert consumer._tasks == before
+        consumer._stopping = True                       # what shutdown sets first
+        consumer._on_reset_offset("T", {q0: 0})         # after shutdown began: not applied, no task
+        assert consumer._tasks == before
+    finally:
+        await _stop(consumer)
