@@ -32,6 +32,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from protocol.connection import wait_within
+
 log = logging.getLogger("txmq.cluster")
 _LISTENING = re.compile(rb"LISTENING (.*)")
 MAX_BACKOFF_S = 30.0
@@ -107,7 +109,7 @@ class ClusterSupervisor:
         child.proc = await asyncio.create_subprocess_exec(*child.argv, stdout=asyncio.subprocess.PIPE,
                                                           stdin=asyncio.subprocess.DEVNULL)
         child.started_at = time.monotonic()
-        line = await asyncio.wait_for(child.proc.stdout.readline(), timeout)
+        line = await wait_within(child.proc.stdout.readline(), timeout)
         m = _LISTENING.search(line)
         if not m:
             rc = await child.proc.wait()
@@ -145,7 +147,7 @@ class ClusterSupervisor:
                       child.backoff_s)
             print(f"EXITED {child.name} code={rc}", flush=True)
             try:
-                await asyncio.wait_for(self.stopping.wait(), child.backoff_s)
+                await wait_within(self.stopping.wait(), child.backoff_s)
                 return
             except asyncio.TimeoutError:
                 pass
@@ -166,7 +168,7 @@ class ClusterSupervisor:
                 proc.send_signal(signal.SIGTERM)
             for proc in live:
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout)
+                    await wait_within(proc.wait(), timeout)
                 except asyncio.TimeoutError:
                     log.error("pid %d did not stop in %.0f s: killed", proc.pid, timeout)
                     proc.kill()

@@ -15,7 +15,7 @@ import logging
 
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.connection import ConnectionPool
+from protocol.connection import ConnectionPool, wait_within
 from protocol.registration import (RegisterBrokerBody, RegisteredTopic, encode_register_body, register_header,
                                    unregister_header)
 
@@ -88,7 +88,7 @@ class BrokerRegistrar:
     async def _run(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._changed.wait(), self.period_s)
+                await wait_within(self._changed.wait(), self.period_s)
                 await asyncio.sleep(DEBOUNCE_S)
             except asyncio.TimeoutError:
                 pass

@@ -29,7 +29,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from protocol.connection import finish_within
+from protocol.connection import finish_within, wait_within
 from protocol.errors import BrokerError
 from protocol.message import MessageExt, Prop
 from protocol.signature import Credentials
@@ -212,7 +212,7 @@ class PushConsumer:
     async def _rebalance_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._rebalance_now.wait(), self.rebalance_interval_s)
+                await wait_within(self._rebalance_now.wait(), self.rebalance_interval_s)
             except asyncio.TimeoutError:
                 pass
             self._rebalance_now.clear()
@@ -445,7 +445,7 @@ class PushConsumer:
         while not self._locked(mq):
             self._lock_changed.clear()
             try:
-                await asyncio.wait_for(self._lock_changed.wait(), self.lock_retry_s)
+                await wait_within(self._lock_changed.wait(), self.lock_retry_s)
             except asyncio.TimeoutError:
                 pass
 

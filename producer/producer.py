@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.connection import ConnectionPool
+from protocol.connection import ConnectionPool, wait_within
 from protocol.errors import (ConnectionClosedError, RequestTimeoutError, ResponseError, TopicNotExistError,
                              error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
@@ -245,7 +245,7 @@ class Producer:
         while True:
             if retry is None:
                 try:
-                    await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval_s)
+                    await wait_within(self._beat_now.wait(), self.heartbeat_interval_s)
                 except asyncio.TimeoutError:
                     pass
             else:       # a broker that fails beats is not tried sooner, connections lost meanwhile or not

@@ -665,3 +665,13 @@ async def finish_within(tasks, grace_s: float) -> list:
     for task in late:
         task.cancel()
     return late
+
+
+async def wait_within(aw, timeout: float | None):
+    """``await aw`` for at most ``timeout`` seconds (TimeoutError past it), as ``asyncio.wait_for``, but
+    never losing a cancellation: on Python 3.11 wait_for returns the result when ``aw`` completes just as
+    the waiting task is cancelled, and the cancel is gone. A loop waiting on an event that is set while
+    shutdown cancels it then went on for good, and shutdown waited for it for good (a push consumer whose
+    rebalance loop kept it in its group, owning queues no one pulled)."""
+    async with asyncio.timeout(timeout):
+        return await aw

@@ -23,6 +23,7 @@ import asyncio
 import logging
 
 from protocol.codes import ResponseCode
+from protocol.connection import wait_within
 
 from .codec import HAProtocolError, OffsetDecoder, encode_transfer
 from .waiter import OffsetWatermark
@@ -121,7 +122,7 @@ class HAMaster:
     async def _read(self, link: SlaveLink, reader: asyncio.StreamReader) -> None:
         decoder = OffsetDecoder()
         while True:
-            data = await asyncio.wait_for(reader.read(4096), self.housekeeping_s)
+            data = await wait_within(reader.read(4096), self.housekeeping_s)
             if not data:
                 return
             offsets = decoder.feed(data)
@@ -187,6 +188,6 @@ class HAMaster:
                 last_write = loop.time()
                 continue
             try:
-                await asyncio.wait_for(link.wake.wait(), idle)
+                await wait_within(link.wake.wait(), idle)
             except asyncio.TimeoutError:
                 pass

@@ -18,6 +18,8 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from protocol.connection import wait_within
+
 from .codec import HAProtocolError, TransferDecoder, encode_offset
 
 log = logging.getLogger("txmq.ha")
@@ -49,7 +51,7 @@ class HASlave:
         """Follow the master for ever: a lost connection is made again after RECONNECT_S."""
         while True:
             try:
-                reader, writer = await asyncio.wait_for(self.connect(), self.housekeeping_s)
+                reader, writer = await wait_within(self.connect(), self.housekeeping_s)
             except (OSError, asyncio.TimeoutError) as exc:
                 log.debug("master %s not reachable: %s", self.master_addr, exc)
                 await asyncio.sleep(RECONNECT_S)
@@ -77,7 +79,7 @@ class HASlave:
         decoder = TransferDecoder()
         try:
             while True:
-                data = await asyncio.wait_for(reader.read(256 * 1024), self.housekeeping_s)
+                data = await wait_within(reader.read(256 * 1024), self.housekeeping_s)
                 if not data:
                     raise ConnectionResetError(self._failure or "the master closed the connection")
                 for phys, body in decoder.feed(data):

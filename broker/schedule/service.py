@@ -20,6 +20,7 @@ import logging
 import os
 
 from protocol.codes import SysFlag
+from protocol.connection import wait_within
 from protocol.errors import ProtocolError
 from protocol.message import (Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code,
                               validate_topic)
@@ -191,7 +192,7 @@ class ScheduleService:
             self._sleep_until = now + wait_ms
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), wait_ms / 1000)
+                await wait_within(self._wake.wait(), wait_ms / 1000)
             except asyncio.TimeoutError:
                 pass
             self._sleep_until = None

@@ -13,6 +13,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from protocol.connection import wait_within
+
 log = logging.getLogger("txmq.transaction")
 
 # Consecutive unanswered checks stretch the interval 2x, 4x, then stay at 4x, so
@@ -84,6 +86,6 @@ class CheckTimer:
             delay = self.max_sleep_s if due is None else max(0.0, min(self.max_sleep_s, (due - self.clock()) / 1000))
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), delay)
+                await wait_within(self._wake.wait(), delay)
             except asyncio.TimeoutError:
                 pass

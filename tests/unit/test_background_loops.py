@@ -451,3 +451,49 @@ async def test_producer_heartbeat_back_off_is_capped_while_a_broker_stays_down(m
         await producer.pool.close()
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     assert sum(gaps[-3:]) < 1.5, gaps                   # uncapped: 0.4 + 0.8 + 1.6 s
+
+
+@bounded(20)
+async def test_a_cancel_that_meets_the_wake_up_still_ends_the_push_consumers_rebalance_loop():
+    """Python 3.11's asyncio.wait_for returns the result when the awaited event is set just as the waiting
+    task is cancelled, and the cancel is lost. Shutdown cancelled the rebalance loop as a group change set its
+    wake-up: the loop went on heartbeating (the consumer stayed in its group, owning queues no one pulled)
+    and shutdown waited for it for good. Found by a churn stress run (2 runs in 80)."""
+    consumer = _push_consumer(rebalance_interval_s=30)
+    turns = []
+
+    async def noop():
+        turns.append(1)
+    consumer._heartbeat = noop
+    consumer.rebalance = noop
+    task = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        await asyncio.sleep(0)                          # waiting for its wake-up
+        await asyncio.sleep(0)
+        consumer._rebalance_now.set()                   # a group change ...
+        task.cancel()                                   # ... as shutdown cancels the loop
+        done, _ = await asyncio.wait([task], timeout=2.0)
+        assert task in done and task.cancelled(), f"the loop went on ({len(turns)} more turns)"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.client.shutdown()
+
+
+@bounded(20)
+async def test_wait_within_never_loses_a_cancel_that_meets_the_result():
+    from protocol.connection import wait_within
+
+    event = asyncio.Event()
+
+    async def waiter():
+        await wait_within(event.wait(), 30)
+        await asyncio.sleep(0)                          # a cancel lost above would let this run on
+        return "went on"
+
+    task = asyncio.get_running_loop().create_task(waiter())
+    await asyncio.sleep(0)
+    event.set()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=2.0)
+    assert task in done and task.cancelled()
