@@ -137,6 +137,9 @@ def _state(churn: _Churn) -> str:
         lines.append(f"{c.client.client_id} stopping={c.shutting_down} owned={sorted((q.topic[:6], q.queue_id) for q in c._owned)} "
                      f"loops={ {(q.topic[:6], q.queue_id): t.done() for q, t in c._loops.items()} } "
                      f"leaving={sorted(q.queue_id for q in c._leaving)} crashes={c.crashes}")
+    for t in churn.ending:     # a shutdown() stuck before it leaves the group keeps its queues from the others
+        if not t.done():
+            lines.append(f"still running: {t.get_coro().__qualname__} {t.get_stack(limit=8)}")
     return "\n".join(lines)
 
 
