@@ -257,8 +257,7 @@ async def broker_status(args, call) -> int:
 async def delete_group(args, call) -> int:
     """mqadmin deleteSubGroup -r true -c: the group's config and offsets, then its retry and dead-letter topics.
     Refused while consumers of the group are connected (unless --force): their retries waiting in %RETRY% and
-    the dead letters in %DLQ% would go, and this broker makes a group's retry topic again only when the group
-    is new, so the live consumers went on without one until a message failed."""
+    the dead letters in %DLQ% would go (the consumers' next heartbeat makes an empty %RETRY% again)."""
     if not args.force:
         conns = await call(RemotingCommand.request(R.GET_CONSUMER_CONNECTION_LIST, {"consumerGroup": args.group}))
         if conns.code == ResponseCode.SUCCESS:

@@ -16,11 +16,11 @@ from collections import Counter
 
 import pytest
 
-from consumer import ConsumeStatus, PullConsumer, PushConsumer
-from consumer.pull_consumer import MessageQueue
+from consumer import ConsumeStatus, PushConsumer
 from producer import Producer
 from protocol.errors import BrokerError
 from tests.support.delays import FAST
+from tests.support.offsets import queues_behind
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -37,17 +37,7 @@ def _fails_first(body: bytes) -> bool:
 
 async def _committed_everywhere(namesrv: str) -> list[tuple[int, int | None, int]]:
     """(queue, committed, max) of every queue of TOPIC whose committed offset is behind its end."""
-    probe = PullConsumer(namesrv, GROUP)
-    try:
-        behind = []
-        for mq in await probe.fetch_queues(TOPIC):
-            mq = MessageQueue(mq.topic, mq.broker_name, mq.queue_id)
-            committed, end = await probe.fetch_offset(mq), await probe.max_offset(mq)
-            if committed is None or committed < end:
-                behind.append((mq.queue_id, committed, end))
-        return behind
-    finally:
-        await probe.shutdown()
+    return await queues_behind(namesrv, GROUP, TOPIC)
 
 
 async def test_consumers_lose_nothing_across_broker_kills_and_a_rebalance(broker_factory):

@@ -35,7 +35,6 @@ from pathlib import Path
 import pytest
 
 from consumer import PullConsumer
-from consumer.pull_consumer import MessageQueue
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode
@@ -44,6 +43,7 @@ from protocol.connection import open_connection
 from protocol.errors import BrokerError
 from tests.support.broker_process import REPO
 from tests.support.delays import FAST
+from tests.support.offsets import queues_behind
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -180,17 +180,7 @@ async def _admin(addr: str) -> dict:
 
 async def _queues_behind(namesrv: str) -> list[tuple[int, int | None, int]]:
     """(queue, committed, end) of every queue of TOPIC whose committed offset is behind its end."""
-    probe = PullConsumer(namesrv, CGROUP)
-    try:
-        behind = []
-        for mq in await probe.fetch_queues(TOPIC):
-            mq = MessageQueue(mq.topic, mq.broker_name, mq.queue_id)
-            committed, end = await probe.fetch_offset(mq), await probe.max_offset(mq)
-            if committed is None or committed < end:
-                behind.append((mq.queue_id, committed, end))
-        return behind
-    finally:
-        await probe.shutdown()
+    return await queues_behind(namesrv, CGROUP, TOPIC)
 
 
 async def _stored(namesrv: str) -> list[str]:
