@@ -281,7 +281,9 @@ class PushConsumer:
         if handover is not None:
             # Shielded: a rebalance cancelled (shutdown) must not cut the commit and unlock half-way. Waited
             # for, so no later rebalance takes a queue back while its old loop still has a message in hand.
-            await asyncio.shield(handover)
+            # Its failure is not raised here: the task's own callback (_crashed) logs and counts it, and
+            # raised again it was counted a second time by the rebalance loop (_turn_failed).
+            await asyncio.wait([handover])
 
     async def _release_locks(self, queues: list[MessageQueue]) -> None:
         """Forget and unlock ``queues``: their next owner need not wait for the locks to expire."""

@@ -381,3 +381,64 @@ async def test_shutdown_unlocks_an_owned_queue_whose_lock_request_it_cut():
     await asyncio.wait_for(asked.wait(), 5)
     await consumer.shutdown()
     assert broker_locks == set(), "a queue locked on the broker by the cut request was left locked"
+
+
+@bounded(20)
+async def test_a_failed_hand_over_is_counted_once(caplog):
+    """A hand-over that raises something other than BrokerError (here its offset commit) is logged and counted
+    by its task's callback; the rebalance that waited for it raised the same exception again, and the
+    rebalance loop counted it a second time as a failed turn."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=60)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+    turns = asyncio.Queue()
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    async def heartbeat():
+        pass
+
+    async def start_offset(q):
+        return 0
+
+    async def pull(q, offset, **kw):
+        await asyncio.Event().wait()        # a long poll with nothing new
+
+    async def write(q, offset):
+        raise ValueError("a bug in the offset store")
+
+    real_rebalance = consumer.rebalance
+
+    async def rebalance():
+        try:
+            await real_rebalance()
+        finally:
+            turns.put_nowait(None)
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull = pull
+    consumer._heartbeat, consumer._start_offset, consumer.rebalance = heartbeat, start_offset, rebalance
+    consumer.offset_store.write = write
+    task = None
+    try:
+        await real_rebalance()
+        assert mq in consumer._loops
+        consumer._offsets[mq] = 5           # consumed up to 5: the hand-over commits it
+        task = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+        ids[:] = ["!", me]                  # "!" sorts first: it gets the queue
+        consumer._request_rebalance()
+        await asyncio.wait_for(turns.get(), 5)
+        assert not consumer._handovers and mq not in consumer._loops and mq not in consumer._leaving
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        consumer._offsets.clear()
+        await consumer.shutdown()
+    assert consumer.crashes == 1, caplog.text
+    assert "rebalance of G failed" not in caplog.text and "a bug in the offset store" in caplog.text
