@@ -33,7 +33,7 @@ import struct
 
 from protocol.errors import StoreError
 
-from .mapped_file import MappedFile, last_nonzero, make_dirs, parse_name
+from .mapped_file import MappedFile, fsync_dir, last_nonzero, make_dirs, parse_name
 
 log = logging.getLogger("txmq.store")
 
@@ -238,22 +238,28 @@ class ConsumeQueue:
         return True
 
     def write_damage_mark(self) -> None:
-        """(I/O thread) The mark that has the next start rebuild this queue (see ``load``)."""
+        """(I/O thread) The mark that has the next start rebuild this queue (see ``load``). Its name is synced
+        into the directory too: only its presence counts, and a crash that lost the entry left the queue
+        unrebuilt, its zeroed units found again only when a read met them."""
         try:
             with open(os.path.join(self.directory, DAMAGE_MARK), "w") as f:
                 f.write(self._damage_where + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+            fsync_dir(self.directory)
         except OSError as exc:      # a restart will not know: say so; reads stay refused meanwhile
             log.error("consume queue %s-%d: could not mark it for a rebuild (%s): delete %s before the next start "
                       "to have it rebuilt", self.topic, self.queue_id, exc, self.directory)
 
     def clear_damage_mark(self) -> None:
-        """Recovery rebuilt the queue: the mark has served."""
+        """Recovery rebuilt the queue: the mark has served. Its removal is synced by the next checkpoint, after
+        the rebuilt units are flushed (``unsynced``), not here: durable before them, a crash could leave a
+        queue with lost units and no mark. Lost itself, it only costs one more rebuild."""
         try:
             os.unlink(os.path.join(self.directory, DAMAGE_MARK))
         except FileNotFoundError:
-            pass
+            return
+        self.unsynced.append(self.directory)
 
     def take_unsynced(self) -> list[str]:
         """The directories to fsync before the next checkpoint (parents first); the list is handed over."""

@@ -640,3 +640,66 @@ async def test_a_checkpoint_failing_turn_after_turn_keeps_one_range_per_queue_fi
             assert any(n == name and a <= lo and hi <= b for n, a, b in last), (name, lo, hi, last)
     finally:
         await store.close()
+
+
+class _SyncSpy:
+    """Records, in order, each fsync (inode, is a directory) and each queue-file flush (its path)."""
+
+    def __init__(self, monkeypatch):
+        import stat
+        from broker.store.mapped_file import MappedFile
+        self.events = []
+        real_fsync, real_flush = os.fsync, MappedFile.flush
+
+        def fsync(fd):
+            st = os.fstat(fd)
+            self.events.append(("fsync", st.st_ino, stat.S_ISDIR(st.st_mode)))
+            return real_fsync(fd)
+
+        def flush(mf, lo, hi):
+            self.events.append(("flush", mf.path))
+            return real_flush(mf, lo, hi)
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(MappedFile, "flush", flush)
+
+    def index(self, event) -> int:
+        return self.events.index(event) if event in self.events else -1
+
+
+@bounded(30)
+async def test_the_damage_mark_and_its_removal_reach_the_queue_directory(tmp_path, monkeypatch):
+    """Only the DAMAGED mark's presence counts, and a new file's name is durable once its directory is
+    synced: the mark's content was fsynced but not its name, so a crash could lose it and the next start
+    would not rebuild the queue. Its removal after the rebuild is synced by the checkpoint that flushes the
+    rebuilt units, after them (a rebuild that fits in the queue's first file makes no new file whose
+    directory entry would have had it synced)."""
+    import broker.store.consume_queue as cqmod
+    store = MessageStore(str(tmp_path), LAST_ONLY)
+    await store.open()
+    results = await asyncio.gather(*[store.put(req(i)) for i in range(40)])    # one queue file, 40 units used
+    # ...all in segment 0, before the verified range (the last segment), which another topic's records reach
+    others = await asyncio.gather(*[store.put(PutRequest.build("U", bytes(2000))) for _ in range(SEG // 2000)])
+    assert all(r.ok for r in results + others) and others[-1].physical_offset >= SEG
+    await store.close()
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    first = str(qdir / f"{0:020d}")
+    # Start-up reads a queue's last file back from its end until a chunk begins with a unit the checkpoint
+    # vouches for; chunks of 8 units here (1 MiB in production), so units 10..15 are not read through.
+    monkeypatch.setattr(cqmod, "_SCAN", 20 * 8)
+    _zero_units(first, 10, 16)
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == []
+    assert store.get_messages("T", 0, 10, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+    spy = _SyncSpy(monkeypatch)
+    await store.close()                                         # the mark is written on the I/O thread
+    mark = os.stat(qdir / "DAMAGED").st_ino
+    directory = os.stat(qdir).st_ino
+    assert 0 <= spy.index(("fsync", mark, False)) < spy.index(("fsync", directory, True)), spy.events
+
+    spy = _SyncSpy(monkeypatch)
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"] and not (qdir / "DAMAGED").exists()
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()                                         # its final checkpoint, if no earlier one
+    synced = spy.index(("fsync", directory, True))
+    assert 0 <= spy.index(("flush", first)) < synced, spy.events
