@@ -54,6 +54,7 @@ class BrokerConfig:
     acl_file: str = setting("", "RocketMQ plain_acl.yml: requests must be signed by an account (AclClientRPCHook) and permitted; reloaded when it changes. Empty: no access control (say so loudly when bound beyond loopback).")
     # ---- topics and consumers
     auto_create_topic: bool = setting(True, "Create unknown topics on first send from TBW102 (RocketMQ's default).")
+    trace_topic_enable: bool = setting(False, "Create RMQ_SYS_TRACE_TOPIC (1 queue) at start when missing, as RocketMQ's traceTopicEnable (off by default there too): clients with message tracing send their traces to it, and it is a system topic, so with auto_create_topic off nothing else can create it (updateTopic refuses system topics). A client's customized trace topic is an ordinary topic: create it with updateTopic.")
     default_topic_queue_nums: int = setting(8, "Queues of TBW102, the auto-create template (RocketMQ's default).")
     long_polling: bool = setting(True, "Hold pulls that find nothing until a message arrives or the client's suspend time ends.")
     short_polling_ms: int = setting(1000, "Hold time when long polling is off.")

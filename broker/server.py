@@ -85,7 +85,8 @@ class BrokerServer:
         clients = ClientRegistry(monotonic_ms)     # liveness and queue locks: not the wall clock
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
-                              broker=c.broker_name, max_retry_groups=c.max_retry_groups)
+                              broker=c.broker_name, max_retry_groups=c.max_retry_groups,
+                              trace_topic=c.trace_topic_enable)
         clients.on_new_retry_group = self._new_retry_group
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         ctx.limits = Limits(c, self.metrics)

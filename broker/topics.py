@@ -36,7 +36,8 @@ DLQ_PREFIX = "%DLQ%"
 # Producers may not send to these (spec 3.4 step 3).
 NO_SEND_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPIC, "SELF_TEST_TOPIC",
                             "OFFSET_MOVED_EVENT", TIMER_TOPIC, SCHEDULE_PROGRESS_TOPIC})
-SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC"}
+TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"      # message traces of clients with tracing on (trace_topic_enable)
+SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", TRACE_TOPIC}
 
 
 class TopicLimitError(ValueError):
@@ -69,7 +70,7 @@ class TopicConfig:
 
 class TopicManager:
     def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str,
-                 max_retry_groups: int = 1 << 30):
+                 max_retry_groups: int = 1 << 30, trace_topic: bool = False):
         self.path = os.path.join(config_dir, "topics.json")
         self.auto_create = auto_create
         self.max_retry_groups = max_retry_groups
@@ -106,6 +107,11 @@ class TopicManager:
         for name, tc in self._system.items():
             self.topics.setdefault(name, tc)
         self.topics[AUTO_CREATE_TOPIC] = self._system[AUTO_CREATE_TOPIC]
+        # As RocketMQ's TopicConfigManager with traceTopicEnable, but only when missing and then kept in the
+        # catalogue like any topic: one made before (auto-created with more queues) keeps its queues, and
+        # turning the option off later does not take the traces already stored out of the routes.
+        if trace_topic and TRACE_TOPIC not in self.topics:
+            self.create(TopicConfig(TRACE_TOPIC, 1, 1))
 
     def _load(self) -> None:
         try:

@@ -306,3 +306,17 @@ async def test_loop_lag_gauge_shows_a_stall_while_it_lasts():
         assert seen and seen[0] >= 0.4, seen
     finally:
         task.cancel()
+
+
+def test_trace_topic_enable_makes_the_trace_topic_only_when_missing(tmp_path):
+    """As RocketMQ's traceTopicEnable: RMQ_SYS_TRACE_TOPIC with one queue, written to the catalogue like any
+    topic. One there already (auto-created from TBW102 with more queues) keeps its queues."""
+    from broker.topics import TRACE_TOPIC, TopicConfig, TopicManager
+    kw = dict(auto_create=False, default_queue_nums=8, cluster="C", broker="B")
+    assert TRACE_TOPIC not in TopicManager(str(tmp_path / "off"), **kw).topics
+    made = TopicManager(str(tmp_path / "on"), trace_topic=True, **kw).topics[TRACE_TOPIC]
+    assert (made.read_queue_nums, made.write_queue_nums, made.perm) == (1, 1, 6)
+    assert TRACE_TOPIC in TopicManager(str(tmp_path / "on"), **kw).topics        # kept when turned off
+    older = TopicManager(str(tmp_path / "old"), **kw)
+    older.create(TopicConfig(TRACE_TOPIC, 8, 8))
+    assert TopicManager(str(tmp_path / "old"), trace_topic=True, **kw).topics[TRACE_TOPIC].write_queue_nums == 8
