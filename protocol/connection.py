@@ -488,8 +488,9 @@ class WriteBudget:
     ``on_close(reason)`` counts each connection closed for its unread replies (``closed_for``).
     """
 
-    def __init__(self, cap: int, on_close: Callable[[str], None] | None = None):
+    def __init__(self, cap: int, on_close: Callable[[str], None] | None = None, owner: str = "broker"):
         self.cap = cap
+        self.owner = owner                  # whose limit the log line names ("broker", "name server")
         self.total = 0
         self.on_close = on_close
         self._held: dict[RemotingConnection, int] = {}
@@ -526,8 +527,8 @@ class WriteBudget:
             if self.total <= self.cap:
                 break
             log.warning("closing %s:%s: %d bytes of responses unread, the most of any connection, while all "
-                        "connections hold %d, over the broker's limit (max_total_write_buffer=%d)",
-                        conn.peer[0], conn.peer[1], unsent, self.total, self.cap)
+                        "connections hold %d, over the %s's limit (max_total_write_buffer=%d)",
+                        conn.peer[0], conn.peer[1], unsent, self.total, self.owner, self.cap)
             del held[conn]
             self.total -= unsent
             self.closed_for("max_total_write_buffer")

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from protocol.codes import ResponseCode
-from protocol.connection import RemotingConnection
+from protocol.connection import RemotingConnection, WriteBudget
 
 from ..context import monotonic_ms
 from .config import NamesrvConfig
@@ -27,6 +27,8 @@ class NameServer:
         self.config = config
         self.ctx = NamesrvContext(RouteTable(expire_ms=config.broker_expire_ms), clock)
         self.connections: set[RemotingConnection] = set()
+        # unread replies of every connection, together (max_total_write_buffer); WriteBudget logs each close
+        self.write_budget = WriteBudget(config.max_total_write_buffer, owner="name server")
         self.address = ""
         self._server = None
         self._scan: asyncio.Task | None = None
@@ -60,7 +62,8 @@ class NameServer:
             self.connections.discard(conn)
             ctx.table.connection_closed(conn)
 
-        return RemotingConnection(handle, max_frame_size=self.config.max_frame_size, on_open=opened, on_close=closed)
+        return RemotingConnection(handle, max_frame_size=self.config.max_frame_size, on_open=opened, on_close=closed,
+                                  budget=self.write_budget)
 
     async def _scan_loop(self) -> None:
         while True:

@@ -21,7 +21,9 @@ from protocol.codes import RequestCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.codes import ResponseCode
+from protocol.registration import DataVersion, RegisterBrokerBody, RegisteredTopic, encode_register_body, register_header
 from tests.support.bounded import bounded
+from tests.support.cluster_process import NamesrvProcess
 
 pytestmark = pytest.mark.asyncio
 
@@ -135,3 +137,51 @@ async def test_a_client_that_stopped_reading_is_not_answered_further(broker):
         conn.close()
     assert not [k for k in seen if k[0] == "txmq_unread_closes_total"], seen    # not dropped: held back
     assert 4 * MiB < seen[("txmq_unsent_response_bytes", ())] < 8 * MiB
+
+
+@bounded(120)
+async def test_unread_replies_of_many_clients_are_capped_across_the_name_server(tmp_path):
+    """The stand-alone name server had no cap on the whole: each connection could hold 64 MiB of replies its peer
+    did not read. Never-reading sockets pipeline GET_ALL_TOPIC_LIST_FROM_NAMESERVER (about 40 KB each here)
+    against a small --max-total-write-buffer while a client that reads keeps asking for routes: it is answered
+    every time, the name server's memory stays within the cap and some slack, and some of the never-readers,
+    not all, are closed, each with a log line."""
+    ns = NamesrvProcess(tmp_path / "namesrv.log", "--max-total-write-buffer", str(CAP)).start()
+    try:
+        host, _, port = ns.addr.rpartition(":")
+        port = int(port)
+        topics = {f"Catalogue_{i:03d}_" + "x" * 100: RegisteredTopic(f"Catalogue_{i:03d}_" + "x" * 100, 4, 4, 6)
+                  for i in range(300)}
+        data = encode_register_body(RegisterBrokerBody(topics, DataVersion(1, 1), []))
+        registrant = await open_connection(host, port)      # kept open: a broker whose connection closes leaves
+        try:
+            reply = await registrant.request(RemotingCommand.request(RequestCode.REGISTER_BROKER, register_header(
+                broker_name="broker-a", broker_addr="127.0.0.1:1", cluster_name="C", ha_server_addr="",
+                broker_id=0, compressed=False, body=data), data), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+            asking = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)
+            listing = await registrant.request(asking, 5)
+            assert len(listing.body_bytes()) > 30_000
+            frame = asking.encode()
+            before = _memory_kib(ns.proc.pid)
+            socks = [await asyncio.to_thread(_flood, host, port, frame) for _ in range(NEVER_READERS)]
+            try:
+                # Paced by the name server's progress: each answer takes at least one loop turn, and each turn
+                # handles 16 of a connection's requests, so 400 answers later every request read has been handled.
+                for _ in range(400):
+                    reply = await registrant.request(RemotingCommand.request(
+                        RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "Catalogue_000_" + "x" * 100}), 5)
+                    assert reply.code == ResponseCode.SUCCESS, reply.remark
+                after = _memory_kib(ns.proc.pid)
+            finally:
+                for sock in socks:
+                    sock.close()
+        finally:
+            registrant.close()
+    finally:
+        ns.stop()
+    grew_mib = (after["VmHWM"] - before["VmRSS"]) / 1024
+    assert grew_mib < CAP / MiB + 48, f"name server RSS peaked {grew_mib:.0f} MiB above where it was ({before}, {after})"
+    text = (tmp_path / "namesrv.log").read_text(errors="replace")
+    closed = text.count("over the name server's limit (max_total_write_buffer")
+    assert 1 <= closed < NEVER_READERS, text[-3000:]
