@@ -252,11 +252,26 @@ class ConsumeQueue:
                       "to have it rebuilt", self.topic, self.queue_id, exc, self.directory)
 
     def clear_damage_mark(self) -> None:
-        """Recovery rebuilt the queue: the mark has served. Its removal is synced by the next checkpoint, after
-        the rebuilt units are flushed (``unsynced``), not here: durable before them, a crash could leave a
-        queue with lost units and no mark. Lost itself, it only costs one more rebuild."""
+        """Recovery rebuilt the queue: the mark has served, once the rebuilt units are on disk. They are
+        flushed here, before the unlink: an unlink reaches the disk with whatever journal commit comes next
+        (any file's fsync forces one), whether or not its directory is fsynced, and durable before the units
+        (dirty pages of the mapping; the rebuild zeroed and flushed the file first), a crash could leave a
+        queue with lost units and no mark. The removal's own sync is left to the next checkpoint
+        (``unsynced``): lost, it only costs one more rebuild."""
+        path = os.path.join(self.directory, DAMAGE_MARK)
+        if not os.path.exists(path):
+            return
+        mark = self._flush_mark
         try:
-            os.unlink(os.path.join(self.directory, DAMAGE_MARK))
+            for mf, lo, hi in self.dirty_ranges():
+                mf.flush(lo, hi)
+        except OSError as exc:      # kept: the next start rebuilds again; the checkpoint flushes them meanwhile
+            self._flush_mark = mark
+            log.error("consume queue %s-%d: rebuilt units not flushed (%s): its rebuild mark is kept", self.topic,
+                      self.queue_id, exc)
+            return
+        try:
+            os.unlink(path)
         except FileNotFoundError:
             return
         self.unsynced.append(self.directory)

@@ -703,3 +703,56 @@ async def test_the_damage_mark_and_its_removal_reach_the_queue_directory(tmp_pat
     await store.close()                                         # its final checkpoint, if no earlier one
     synced = spy.index(("fsync", directory, True))
     assert 0 <= spy.index(("flush", first)) < synced, spy.events
+
+
+@bounded(30)
+async def test_the_damage_mark_is_removed_only_after_the_rebuilt_units_are_flushed(tmp_path, monkeypatch):
+    """The mark's removal is a directory change the file system may make durable at any journal commit (another
+    file's fsync, the commit log's, forces one), not only when the queue's directory is fsynced: deferring that
+    fsync to the checkpoint does not keep the removal from reaching the disk before the rebuilt units, which
+    are dirty pages of the mapping until something flushes them (the rebuild zeroed and flushed the file
+    first). A power loss then left the queue zeroed and unmarked, the lost units found again only when a read
+    met them. So the units appended by the rebuild are flushed before the mark is unlinked."""
+    import broker.store.consume_queue as cqmod
+    from broker.store.mapped_file import MappedFile
+    store = MessageStore(str(tmp_path), LAST_ONLY)
+    await store.open()
+    results = await asyncio.gather(*[store.put(req(i)) for i in range(40)])
+    others = await asyncio.gather(*[store.put(PutRequest.build("U", bytes(2000))) for _ in range(SEG // 2000)])
+    assert all(r.ok for r in results + others) and others[-1].physical_offset >= SEG
+    await store.close()
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    first = str(qdir / f"{0:020d}")
+    monkeypatch.setattr(cqmod, "_SCAN", 20 * 8)
+    _zero_units(first, 10, 16)
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.get_messages("T", 0, 10, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+    await store.close()
+    assert (qdir / "DAMAGED").exists()
+
+    events = []
+    real_unlink, real_flush, real_append = os.unlink, MappedFile.flush, cqmod.ConsumeQueue.append
+
+    def unlink(path, *a, **kw):
+        events.append(("unlink", str(path)))
+        return real_unlink(path, *a, **kw)
+
+    def flush(mf, lo, hi):
+        events.append(("flush", mf.path))
+        return real_flush(mf, lo, hi)
+
+    def append(cq, *a, **kw):
+        events.append(("append", cq.directory))
+        return real_append(cq, *a, **kw)
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(MappedFile, "flush", flush)
+    monkeypatch.setattr(cqmod.ConsumeQueue, "append", append)
+    store = await reopen(tmp_path, LAST_ONLY)
+    try:
+        assert store.report.queues_rebuilt == ["T-0"] and not (qdir / "DAMAGED").exists()
+        assert read_queue(store) == [r.physical_offset for r in results]
+        removed = events.index(("unlink", str(qdir / "DAMAGED")))
+        appended = max(i for i, e in enumerate(events[:removed]) if e == ("append", str(qdir)))
+        assert ("flush", first) in events[appended:removed], events
+    finally:
+        await store.close()
