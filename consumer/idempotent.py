@@ -59,6 +59,7 @@ class SqliteIdempotency:
         self._worker: ThreadPoolExecutor | None = None
         self._worker_db: sqlite3.Connection | None = None
         self._worker_guard = threading.Lock()
+        self._closed = False
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_s)
@@ -96,6 +97,8 @@ class SqliteIdempotency:
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._worker_guard:
+            if self._closed:        # else a new worker would open the database again behind close()
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="txmq-idempotency")
             return self._worker
@@ -156,7 +159,7 @@ class SqliteIdempotency:
         run in hand there, up to ``busy_timeout_s`` if the database is locked; ``aclose`` waits without
         blocking the event loop)."""
         with self._worker_guard:
-            worker, self._worker = self._worker, None
+            worker, self._worker, self._closed = self._worker, None, True
         if worker is not None:
             worker.submit(self._close_worker_db)
             worker.shutdown(wait=True)
@@ -165,11 +168,14 @@ class SqliteIdempotency:
     async def aclose(self) -> None:
         """``close`` from an event loop: the worker's run in hand is waited for without blocking the loop."""
         with self._worker_guard:
-            worker, self._worker = self._worker, None
-        if worker is not None:
-            await asyncio.get_running_loop().run_in_executor(worker, self._close_worker_db)
-            worker.shutdown(wait=False)     # nothing is left in it
-        self.db.close()
+            worker, self._worker, self._closed = self._worker, None, True
+        try:
+            if worker is not None:
+                closed = asyncio.get_running_loop().run_in_executor(worker, self._close_worker_db)
+                worker.shutdown(wait=False)     # its thread ends once the close, queued last, has run
+                await asyncio.shield(closed)    # cancelled, this returns; the close still runs there
+        finally:
+            self.db.close()
 
     def _close_worker_db(self) -> None:
         if self._worker_db is not None:

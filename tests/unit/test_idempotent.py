@@ -209,3 +209,6 @@ def test_close_closes_the_workers_connection_too(tmp_path):
     assert ledger._worker is None and ledger._worker_db is None
     with pytest.raises(sqlite3.ProgrammingError):
         worker_db.execute("SELECT 1")
+    with pytest.raises(sqlite3.ProgrammingError):       # not a new worker opening the database again
+        asyncio.run(ledger.run_once_async(_message("k2"), lambda m, db: None))
+    assert ledger._worker is None
