@@ -10,12 +10,21 @@ do the same there (a unique key inserted in the same transaction as the side eff
 
 The keys table grows by one row a message for as long as the consumer runs; ``forget_older_than``
 drops the keys of messages consumed long enough ago that no copy of them can still arrive.
+
+``run_once`` blocks its caller while it waits for the database's write lock (up to ``busy_timeout_s``,
+30 s, when another process is committing). From an async listener that is the consumer's whole event
+loop: heartbeats, lock renewals and the pulls of every other queue stop with it. ``run_once_async``
+does the same work in a worker thread of its own, on a connection of its own (a sqlite3 connection
+belongs to the thread that opened it), and the loop goes on meanwhile.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import sqlite3
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from protocol.message import MessageExt, Prop
@@ -40,20 +49,77 @@ class SqliteIdempotency:
         if not table.isidentifier():
             raise ValueError(f"table name {table!r} is not an identifier")
         self.table = table
-        self.db = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s)
+        self.path = path
+        self.busy_timeout_s = busy_timeout_s
+        self.db = self._connect()
         self.db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, consumed_ms INTEGER NOT NULL)")
         self.db.execute(f"CREATE INDEX IF NOT EXISTS {table}_by_time ON {table} (consumed_ms)")
+        # run_once_async's worker: one thread, so its connection (opened there, on first use) is only ever
+        # used there. One is enough: every run takes the database's one write lock (BEGIN IMMEDIATE) anyway.
+        self._worker: ThreadPoolExecutor | None = None
+        self._worker_db: sqlite3.Connection | None = None
+        self._worker_guard = threading.Lock()
+        self._closed = False
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_s)
 
     def run_once(self, msg: MessageExt, handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
         """Run ``handler(msg, db)`` unless this message was consumed before; True if it ran.
 
-        ``handler`` is a plain function: its writes must be done when it returns."""
-        db = self.db
+        ``handler`` is a plain function: its writes must be done when it returns. This blocks the calling
+        thread while the database is locked (up to ``busy_timeout_s``): from an event loop, use
+        ``run_once_async``."""
+        return self._run(self.db, msg, message_key(msg), handler, None)
+
+    async def run_once_async(self, msg: MessageExt,
+                             handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
+        """``run_once`` without blocking the event loop: the lock wait, ``handler(msg, db)`` and the commit run
+        in this object's worker thread, on its own connection (``db`` is that connection, not ``self.db``).
+        Calls run one at a time, in the order made. ``handler`` is still a plain function, and runs in that
+        thread.
+
+        Cancelled (a consumer's consume timeout, hand-over or shutdown), the call returns at once; in the
+        worker, a run that has not got the write lock yet is dropped there (the message's redelivery runs
+        it), and one whose handler has begun commits or rolls back as a whole, its key with its writes: a
+        redelivery then finds the key, or runs it. Either way its effect happens once."""
+        if self.path in ("", ":memory:"):   # the worker's connection would open another, empty, database
+            raise ValueError("run_once_async needs a database file: each connection to :memory: is a new one")
+        key = message_key(msg)      # here: the message's properties are parsed on first read, not thread-safe
+        dropped = threading.Event()
+        future = asyncio.get_running_loop().run_in_executor(self._executor(), self._run_in_worker, msg, key,
+                                                            handler, dropped)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            dropped.set()
+            raise
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._worker_guard:
+            if self._closed:        # else a new worker would open the database again behind close()
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="txmq-idempotency")
+            return self._worker
+
+    def _run_in_worker(self, msg: MessageExt, key: str, handler, dropped: threading.Event) -> bool:
+        if dropped.is_set():
+            return False
+        if self._worker_db is None:
+            self._worker_db = self._connect()
+        return self._run(self._worker_db, msg, key, handler, dropped)
+
+    def _run(self, db: sqlite3.Connection, msg: MessageExt, key: str, handler,
+             dropped: threading.Event | None) -> bool:
         db.execute("BEGIN IMMEDIATE")
         try:
+            if dropped is not None and dropped.is_set():    # its caller went while this waited for the lock
+                db.execute("ROLLBACK")
+                return False
             try:
                 db.execute(f"INSERT INTO {self.table} (key, consumed_ms) VALUES (?, ?)",
-                           (message_key(msg), int(time.time() * 1000)))
+                           (key, int(time.time() * 1000)))
             except sqlite3.IntegrityError:
                 db.execute("ROLLBACK")
                 return False
@@ -89,5 +155,29 @@ class SqliteIdempotency:
                 return deleted
 
     def close(self) -> None:
-        """Close the database."""
+        """Close the database: this thread's connection and the worker's (waiting for a ``run_once_async``
+        run in hand there, up to ``busy_timeout_s`` if the database is locked; ``aclose`` waits without
+        blocking the event loop)."""
+        with self._worker_guard:
+            worker, self._worker, self._closed = self._worker, None, True
+        if worker is not None:
+            worker.submit(self._close_worker_db)
+            worker.shutdown(wait=True)
         self.db.close()
+
+    async def aclose(self) -> None:
+        """``close`` from an event loop: the worker's run in hand is waited for without blocking the loop."""
+        with self._worker_guard:
+            worker, self._worker, self._closed = self._worker, None, True
+        try:
+            if worker is not None:
+                closed = asyncio.get_running_loop().run_in_executor(worker, self._close_worker_db)
+                worker.shutdown(wait=False)     # its thread ends once the close, queued last, has run
+                await asyncio.shield(closed)    # cancelled, this returns; the close still runs there
+        finally:
+            self.db.close()
+
+    def _close_worker_db(self) -> None:
+        if self._worker_db is not None:
+            self._worker_db.close()
+            self._worker_db = None

@@ -66,8 +66,10 @@ class PushConsumer:
     module's docstring. The intervals (seconds) set rebalancing, offset commits, long-poll time and
     queue locks. ``shutdown_grace_s``: how long shutdown lets listeners already running finish (see
     ``shutdown``); ``handover_grace_s``: the same when a rebalance gives a queue to another consumer (see
-    ``rebalance``). Use it as ``consumer.subscribe(topic)`` then ``async with consumer:`` (or
-    ``await consumer.start()`` ... ``await consumer.shutdown()``).
+    ``rebalance``); ``abandon_after_s``: how long a call cancelled past either grace may still take to end
+    before it is given up on (a listener that swallows CancelledError; see ``_abandon``). Use it as
+    ``consumer.subscribe(topic)`` then ``async with consumer:`` (or ``await consumer.start()`` ...
+    ``await consumer.shutdown()``).
     """
 
     def __init__(self, namesrv_addr: str, group: str, listener: Callable[[MessageExt], Any], *,
@@ -78,10 +80,12 @@ class PushConsumer:
                  orderly: bool = False, message_model: str = "CLUSTERING", instance_name: str | None = None,
                  offset_store_dir: str | None = None, lock_interval_s: float = 20.0, lock_expire_s: float = 30.0,
                  lock_retry_s: float = 1.0, suspend_s: float = 1.0, consume_timeout_s: float = 900.0,
-                 shutdown_grace_s: float = 5.0, handover_grace_s: float = 5.0):
+                 shutdown_grace_s: float = 5.0, handover_grace_s: float = 5.0, abandon_after_s: float = 5.0):
         for name, grace in (("shutdown_grace_s", shutdown_grace_s), ("handover_grace_s", handover_grace_s)):
             if grace < 0:
                 raise ValueError(f"{name}={grace!r}: 0 or more seconds")
+        if not abandon_after_s > 0:     # 0 would give up on every call before its cancel was even delivered
+            raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
@@ -108,6 +112,9 @@ class PushConsumer:
         # A queue a rebalance gives away waits this long for its listener call in hand (RocketMQ marks the
         # process queue dropped, and waits about 1 s for an orderly one before unlocking); 0 cancels it at once.
         self.handover_grace_s = handover_grace_s
+        # A listener call cancelled past either grace that has not ended this long after (it caught the
+        # CancelledError and went on) is given up on: waited for, it held shutdown or the hand-over for ever.
+        self.abandon_after_s = abandon_after_s
         broadcasting = message_model == "BROADCASTING"
         # A broadcasting consumer's offsets file is found again by its client id, so that id must not
         # change between runs: RocketMQ keeps the instance name "DEFAULT" in this mode.
@@ -132,6 +139,9 @@ class PushConsumer:
         # process queue): no new pull, no new message; committed, then unlocked, once it is done.
         self._leaving: dict[MessageQueue, asyncio.Task] = {}
         self._handovers: set[asyncio.Task] = set()
+        # Pull loops whose listener call ignored its cancel past abandon_after_s: no longer waited for, and
+        # when the call ends at last they return at once, changing no offset (_listen, _pull_loop).
+        self._abandoned: set[asyncio.Task] = set()
         # Queues whose loops reset_offsets stopped and starts again once the new offsets are written.
         self._resetting: set[MessageQueue] = set()
         self._stopping = False
@@ -308,6 +318,25 @@ class PushConsumer:
         if late:
             log.warning("push consumer %s: %d listener call(s)%s still running after %g s (%s): cancelled, their "
                         "messages not committed", self.group, len(late), which, grace_s, option)
+            # A listener that catches the CancelledError and goes on would hold us here for ever: bounded.
+            _, stuck = await asyncio.wait(late, timeout=self.abandon_after_s)
+            for mq, task in loops:
+                if task in stuck:
+                    self._abandon(mq, task)
+
+    def _abandon(self, mq: MessageQueue, task: asyncio.Task) -> None:
+        """Give up on pull loop ``task`` of ``mq``, whose listener call ignored its cancel: it is no longer
+        waited for, its message is not committed (the queue's next consumer gets it, perhaps while this
+        call still runs it), and when the call ends at last the loop returns without touching an offset."""
+        if task in self._abandoned or task.done():
+            return
+        self._abandoned.add(task)
+        self._consuming.discard(mq)
+        task.add_done_callback(self._abandoned.discard)
+        log.error("push consumer %s: listener call on %s ignored its cancel for %g s (abandon_after_s): given up "
+                  "on, still running; its message is not committed and comes again to the queue's next consumer, "
+                  "perhaps while this call still runs it. A listener must let CancelledError through.",
+                  self.group, mq, self.abandon_after_s)
 
     async def _hand_over(self, leaving: dict[MessageQueue, asyncio.Task]) -> None:
         """Give away queues a rebalance took from this consumer, as shutdown gives up all of them: their
@@ -317,7 +346,7 @@ class PushConsumer:
         then is an orderly queue unlocked, so its next owner starts after the message in hand."""
         try:
             await self._let_finish(leaving.items(), self.handover_grace_s, " on queues given away", "handover_grace_s")
-            await asyncio.gather(*leaving.values(), return_exceptions=True)
+            await asyncio.gather(*(t for t in leaving.values() if t not in self._abandoned), return_exceptions=True)
             for mq in leaving:
                 try:
                     await self._commit(mq)
@@ -463,7 +492,7 @@ class PushConsumer:
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
         offset = None
-        while not self._halted(mq):
+        while not self._halted(mq) and not self._given_up():
             try:
                 if self.orderly and not self._locked(mq):
                     # Whoever held the queue meanwhile may have moved on: start again from the stored offset.
@@ -481,7 +510,10 @@ class PushConsumer:
                     try:
                         await self._consume(mq, msg)
                     finally:
-                        self._consuming.discard(mq)
+                        # Given up on, this loop's mark was dropped then; a loop started on the queue since
+                        # (taken back) may have set its own.
+                        if not self._given_up():
+                            self._consuming.discard(mq)
                     self._offsets[mq] = msg.queue_offset + 1
                 else:
                     if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:
@@ -501,7 +533,19 @@ class PushConsumer:
                 offset = self._offsets.get(mq)      # what was consumed stays consumed; the rest is pulled again
                 await asyncio.sleep(self.pull_retry_delay_s)
 
+    def _given_up(self) -> bool:
+        """The running pull loop was given up on (``_abandon``): it must change nothing any more."""
+        return bool(self._abandoned) and asyncio.current_task() in self._abandoned
+
     async def _listen(self, msg: MessageExt) -> ConsumeStatus:
+        status = await self._call_listener(msg)
+        if self._given_up():    # returned at last, long after its cancel: the queue is no longer this loop's
+            log.warning("push consumer %s: listener call on %s given up on has ended; its verdict is ignored",
+                        self.group, msg.msg_id)
+            raise _Stopping()
+        return status
+
+    async def _call_listener(self, msg: MessageExt) -> ConsumeStatus:
         deadline = None
         try:
             status = self.listener(msg)
@@ -645,7 +689,8 @@ class PushConsumer:
         # commits and unlocks them, and is waited for below.
         loops = [*self._loops.items(), *self._leaving.items()]
         await self._let_finish(loops, self.shutdown_grace_s, "", "shutdown_grace_s")
-        await asyncio.gather(*others, *(task for _, task in loops), return_exceptions=True)
+        await asyncio.gather(*others, *(task for _, task in loops if task not in self._abandoned),
+                             return_exceptions=True)
         self._loops.clear()
         await asyncio.gather(*self._handovers, return_exceptions=True)
         if self._lock_task is not None:

@@ -123,8 +123,9 @@ class Shop:
 class ShippingConsumer:
     """tests/support/shipping_consumer.py as a child process; its stdout lines counted as they come."""
 
-    def __init__(self, namesrv: str, db: Path, log: Path, progress: asyncio.Event):
+    def __init__(self, namesrv: str, db: Path, log: Path, progress: asyncio.Event, *options: str):
         self.namesrv, self.db, self.log, self.progress = namesrv, db, log, progress
+        self.options = options
         self.applied: set[str] = set()           # shipped, or suppressed as shipped before
         self.suppressed = self.shipped_since_start = 0
         self.proc = None
@@ -134,6 +135,7 @@ class ShippingConsumer:
         with open(self.log, "ab") as err:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tests.support.shipping_consumer", self.namesrv, CGROUP, TOPIC, str(self.db),
+                *self.options,
                 cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.shipped_since_start = 0
         ready = asyncio.get_running_loop().create_future()
@@ -214,7 +216,8 @@ async def _crash(producer: TransactionProducer, shop: Shop, tasks: list[asyncio.
     shop.db.close()
 
 
-async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_crashes(broker_factory, tmp_path):
+@pytest.mark.parametrize("listener", ["run_once", "run_once_async"])
+async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_crashes(broker_factory, tmp_path, listener):
     b = broker_factory(*FLAGS)
     fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1], *FLAGS)
     namesrv = b.namesrv
@@ -235,7 +238,8 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
 
     shop = Shop(orders_db, stats, rng)
     producer = new_producer(shop)
-    consumer = ShippingConsumer(namesrv, shipments_db, tmp_path / "shipping-consumer.log", progress)
+    consumer = ShippingConsumer(namesrv, shipments_db, tmp_path / "shipping-consumer.log", progress,
+                                *(["--async"] if listener == "run_once_async" else []))
 
     def next_order() -> str | None:
         nonlocal started

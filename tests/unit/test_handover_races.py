@@ -384,6 +384,94 @@ async def test_shutdown_unlocks_an_owned_queue_whose_lock_request_it_cut():
 
 
 @bounded(20)
+async def test_a_given_up_call_ending_late_leaves_the_queues_new_loop_alone():
+    """A listener that swallows its hand-over's cancel is given up on after abandon_after_s, and the queue
+    may come back to this consumer while that call still runs: a new loop then holds the same message.
+    When the given-up call ends at last, its loop must change nothing: not the offset, and not the new
+    loop's "message in hand" mark (dropped, shutdown cancelled the new loop's call at once instead of
+    giving it shutdown_grace_s)."""
+    mq = MessageQueue("T", "b", 0)
+    calls, cancelled_second = [], []
+    first_in, second_in = asyncio.Event(), asyncio.Event()
+    release_first, release_second = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            first_in.set()
+            for _ in range(100):        # swallows every cancel until released
+                try:
+                    await release_first.wait()
+                    break
+                except asyncio.CancelledError:
+                    pass
+            return ConsumeStatus.CONSUME_SUCCESS
+        second_in.set()
+        try:
+            await release_second.wait()
+        except asyncio.CancelledError:
+            cancelled_second.append(msg.body)
+            raise
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=0.1, abandon_after_s=0.1,
+                            shutdown_grace_s=10)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    stored = {mq: 0}
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
+        await asyncio.Event().wait()
+
+    async def write(q, offset):
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull = pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        await first_in.wait()
+        given_up = consumer._loops[mq]
+        ids[:] = ["!", me]
+        await consumer.rebalance()          # handed over: the call ignores its cancel and is given up on
+        assert given_up in consumer._abandoned and not given_up.done()
+        assert stored[mq] == 0
+        ids[:] = [me]
+        await consumer.rebalance()          # taken back: a new loop, m0 again
+        await second_in.wait()
+        release_first.set()
+        await given_up                      # the given-up call ends, its loop after it
+        assert stored[mq] == 0 and consumer._offsets[mq] == 0
+        assert mq in consumer._consuming, "the new loop's message in hand is no longer marked"
+        stopping = asyncio.get_running_loop().create_task(consumer.shutdown())
+        while not consumer.shutting_down:
+            await asyncio.sleep(0)
+        release_second.set()
+        await stopping
+        assert cancelled_second == [] and calls == [b"m0", b"m0"]
+        assert stored[mq] == 1
+    finally:
+        release_first.set()
+        release_second.set()
+        if not consumer.shutting_down:
+            await consumer.shutdown()
+
+
+@bounded(20)
 async def test_a_failed_hand_over_is_counted_once(caplog):
     """A hand-over that raises something other than BrokerError (here its offset commit) is logged and counted
     by its task's callback; the rebalance that waited for it raised the same exception again, and the

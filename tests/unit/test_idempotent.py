@@ -119,3 +119,96 @@ def test_a_locked_database_is_waited_for_up_to_busy_timeout_s(tmp_path):
     assert ledger.run_once(_message("k"), lambda m, db: None)
     ledger.close()
     holder.close()
+
+
+class _Traced(SqliteIdempotency):
+    """Sets ``waiting`` when a connection starts BEGIN IMMEDIATE: the worker is then waiting for the lock."""
+
+    def __init__(self, *args, **kwargs):
+        import threading
+        self.waiting = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _connect(self):
+        db = super()._connect()
+        db.set_trace_callback(lambda sql: sql == "BEGIN IMMEDIATE" and self.waiting.set())
+        return db
+
+
+async def test_run_once_async_cancelled_while_waiting_for_the_lock_runs_nothing(tmp_path):
+    """A consumer cancels a listener call (consume timeout, hand-over, shutdown) and its message comes
+    again; the call's run, still waiting in the worker for another connection's lock, must not go on to
+    run the handler after its caller has gone: it is dropped, and the redelivery runs it."""
+    import asyncio
+    path = str(tmp_path / "ledger.db")
+    ledger = _Traced(path, busy_timeout_s=20)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    ran = []
+    msg = _message("K-cancelled")
+    async with asyncio.timeout(20):
+        call = asyncio.get_running_loop().create_task(ledger.run_once_async(msg, lambda m, db: ran.append(m)))
+        assert await asyncio.to_thread(ledger.waiting.wait, 10)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        holder.execute("ROLLBACK")
+        # Calls run one at a time in order: once this one has run, the cancelled one is over.
+        assert await ledger.run_once_async(_message("K-next"), lambda m, db: None)
+        assert ran == []
+        assert ledger.db.execute("SELECT key FROM txmq_consumed").fetchall() == [("K-next",)]
+        assert await ledger.run_once_async(msg, lambda m, db: ran.append(m))     # the redelivery runs it
+        assert not await ledger.run_once_async(msg, lambda m, db: ran.append(m))
+    assert ran == [msg]
+    holder.close()
+    await ledger.aclose()
+
+
+async def test_run_once_async_cancelled_mid_handler_commits_its_writes_with_its_key(tmp_path):
+    """A handler already running when its call is cancelled finishes in the worker; its writes and its key
+    commit together, so the message's redelivery is skipped and the effect happened once."""
+    import asyncio
+    import threading
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ledger.db.execute("CREATE TABLE applied (body TEXT)")
+    inside, go_on = threading.Event(), threading.Event()
+
+    def apply(msg, db):
+        db.execute("INSERT INTO applied VALUES ('a')")
+        inside.set()
+        go_on.wait(10)
+    msg = _message("K-mid")
+    async with asyncio.timeout(20):
+        call = asyncio.get_running_loop().create_task(ledger.run_once_async(msg, apply))
+        assert await asyncio.to_thread(inside.wait, 10)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call      # returns at once, the handler still running
+        go_on.set()
+        assert not await ledger.run_once_async(msg, apply)      # redelivered: its key is there
+    assert ledger.db.execute("SELECT COUNT(*) FROM applied").fetchone()[0] == 1
+    await ledger.aclose()
+
+
+async def test_run_once_async_refuses_an_in_memory_database():
+    """The worker's connection to ":memory:" would be another, empty, database."""
+    ledger = SqliteIdempotency(":memory:")
+    with pytest.raises(ValueError):
+        await ledger.run_once_async(_message("k"), lambda m, db: None)
+    ledger.close()
+
+
+def test_close_closes_the_workers_connection_too(tmp_path):
+    """close() from plain code after run_once_async ran on a loop: the worker's connection is closed in
+    its own thread (sqlite3 refuses another), and the worker thread ends."""
+    import asyncio
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    assert asyncio.run(ledger.run_once_async(_message("k"), lambda m, db: None))
+    worker_db = ledger._worker_db
+    ledger.close()
+    assert ledger._worker is None and ledger._worker_db is None
+    with pytest.raises(sqlite3.ProgrammingError):
+        worker_db.execute("SELECT 1")
+    with pytest.raises(sqlite3.ProgrammingError):       # not a new worker opening the database again
+        asyncio.run(ledger.run_once_async(_message("k2"), lambda m, db: None))
+    assert ledger._worker is None
