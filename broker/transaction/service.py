@@ -41,7 +41,7 @@ from ..answer import Answer
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
-from .core import Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
+from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
 from .records import COMMIT, DEAD, DEAD_TOPIC, RESUME, ROLLBACK, RecordFactory
 from .recovery import PROGRESS_GROUP, recover, write_snapshot
@@ -77,6 +77,7 @@ class TransactionService:
         self.changed = True
         self._snapshot_task: asyncio.Task | None = None
         self._rr = 0
+        self.check_cap = c.transaction_check_in_flight_max
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
         if c.broker_role == "SLAVE":    # its index is its start-up one, never following its master's decisions
             ctx.metrics.half_messages.set_function(lambda: 0)
@@ -292,6 +293,8 @@ class TransactionService:
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
+        if from_check and self.core.parked():  # an answer frees a check slot: the parked may go now
+            self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group)
             return action.code, action.remark
@@ -439,15 +442,33 @@ class TransactionService:
 
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):
-        """The producer that sent the half first, else one of its group, in turn; None if none is here."""
+        """The producer that sent the half first, else one of its group, in turn, that has room for another
+        check (fewer than ``transaction_check_in_flight_max`` unanswered, and reading what is sent to it);
+        None if no producer of the group is here, BUSY if none has room."""
         owner = tx.owner
-        if owner is not None and getattr(owner, "is_open", False):
+        if owner is not None and getattr(owner, "is_open", False) and self._has_room(owner):
             return owner
         channels = self.ctx.clients.producer_channels(tx.group)
         if not channels:
             return None
-        self._rr += 1
-        return channels[self._rr % len(channels)].conn
+        for _ in range(len(channels)):
+            self._rr += 1
+            conn = channels[self._rr % len(channels)].conn
+            if self._has_room(conn):
+                return conn
+        return BUSY
+
+    def _has_room(self, conn) -> bool:
+        # A producer that stopped reading would have the checks pile up unread until the unread-reply cap closes
+        # it: every one of them spent, none answered.
+        return self.core.in_flight.get(conn, 0) < self.check_cap and not getattr(conn, "writing_paused", False)
+
+    def _room_for(self, group: str) -> int:
+        """Checks the group's producers can take now (see _channel_for)."""
+        in_flight = self.core.in_flight
+        return sum(max(0, self.check_cap - in_flight.get(ch.conn, 0))
+                   for ch in self.ctx.clients.producer_channels(group)
+                   if not getattr(ch.conn, "writing_paused", False))
 
     def next_due(self) -> int | None:
         return self.core.next_due()
@@ -456,8 +477,23 @@ class TransactionService:
         """{producer group: store time (ms) of its oldest undecided half}, for the age gauge."""
         return self.core.oldest_by_group()
 
+    # Due entries taken per slice of a check pass: the pass yields to the event loop between slices, so 50000
+    # transactions due at once (a restart after the producers died) do not hold every request for seconds.
+    CHECK_SLICE = 256
+
     async def run_due(self, now: int) -> None:
-        actions, deferred = self.core.due(now, self._channel_for)
+        room_for = self._room_for
+        while True:
+            await self._run_slice(now, room_for)
+            room_for = None                 # parked ones come back once a pass, with the room there is then
+            due = self.core.next_due()
+            if due is None or due > now:
+                break
+            await asyncio.sleep(0)
+        self._save_progress()
+
+    async def _run_slice(self, now: int, room_for) -> None:
+        actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         metrics = self.ctx.metrics
         for tx in deferred:
             metrics.child(metrics.checks_skipped, tx.group).inc()
@@ -484,7 +520,6 @@ class TransactionService:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
                 self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
-        self._save_progress()
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
@@ -503,6 +538,7 @@ class TransactionService:
                 action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
                 log.info("check of %s not sent: %s", tx.uniq_key, exc)
+                self.core.check_not_sent(tx)
                 continue
             self.core.check_sent(tx)
             self.ctx.metrics.child(self.ctx.metrics.checks_sent, tx.group).inc()

@@ -1,0 +1,124 @@
+"""A check storm (tens of thousands of transactions due at once, e.g. a restart after the producers died) is
+paced: a pass yields to the event loop between slices, and a producer connection is sent no more checks
+than it has left unanswered up to transaction_check_in_flight_max, nor any while it does not read; the
+transactions waiting for room spend no check."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker.transaction.core import UNKNOWN
+from tests.support.bounded import bounded
+from tests.unit.test_review_transactions import Clock, add_half, make_service
+
+pytestmark = pytest.mark.asyncio
+
+
+class Producer:
+    """A producer connection as the check pass sees it: records the checks sent to it."""
+
+    def __init__(self, name="P1"):
+        self.peer = ("127.0.0.1", 7)
+        self.attributes = {"client_id": name}
+        self.is_open = True
+        self.writing_paused = False
+        self.checks = []
+
+    def oneway(self, cmd):
+        self.checks.append(cmd)
+
+
+async def storm(tmp_path, n, **cfg):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock, **cfg)
+    txs = [await add_half(ctx, b"%d" % i) for i in range(n)]
+    clock.now = max(t.next_check for t in txs) + 1
+    return ctx, clock, txs
+
+
+def spent(txs) -> int:
+    return sum(1 for t in txs if t.checks)
+
+
+@bounded(60)
+async def test_a_producer_gets_at_most_its_cap_of_unanswered_checks_and_the_rest_spend_none(tmp_path):
+    ctx, clock, txs = await storm(tmp_path, 300, transaction_check_in_flight_max=40)
+    tx = ctx.tx
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    try:
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 40 and spent(txs) == 40
+        await tx.run_due(clock.now)                 # nothing answered: nothing more goes, nothing is spent
+        assert len(producer.checks) == 40 and spent(txs) == 40
+        # Answers free slots: as many more go on the next pass.
+        asked = [t for t in txs if t.checks]
+        for t in asked[:10]:
+            code, _ = tx.end(t.half_offset, UNKNOWN, group="PG", table_offset=t.queue_offset, from_check=True)
+            assert code == 0
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 50 and spent(txs) == 50
+        # A second producer of the group has room of its own.
+        other = Producer("P2")
+        ctx.clients.add_producer("PG", other, "P2")
+        await tx.run_due(clock.now)
+        assert len(other.checks) == 40 and spent(txs) == 90
+        assert all(t.half_offset in tx.pending for t in txs)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_producer_that_does_not_read_is_sent_no_checks(tmp_path):
+    ctx, clock, txs = await storm(tmp_path, 20)
+    tx = ctx.tx
+    stuck = Producer()
+    stuck.writing_paused = True                     # the unread-reply cap would close it, every check lost
+    ctx.clients.add_producer("PG", stuck, "P1")
+    try:
+        for _ in range(3):
+            await tx.run_due(clock.now)
+            clock.now += ctx.config.transaction_check_interval_ms * 4
+        assert stuck.checks == [] and spent(txs) == 0
+        stuck.writing_paused = False                # it reads again: the waiting transactions are checked
+        await tx.run_due(clock.now)
+        assert len(stuck.checks) == 20 and spent(txs) == 20
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_check_pass_yields_to_the_event_loop_between_slices(tmp_path):
+    n = 3 * ctx_slice() + 10
+    ctx, clock, txs = await storm(tmp_path, n)
+    tx = ctx.tx
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    seen = []
+    stop = False
+
+    async def ticker():
+        while not stop:
+            seen.append(len(producer.checks))
+            await asyncio.sleep(0)
+
+    ticking = asyncio.ensure_future(ticker())
+    try:
+        await asyncio.sleep(0)
+        await tx.run_due(clock.now)
+        seen.append(len(producer.checks))
+        stop = True
+        await ticking
+        assert len(producer.checks) == n
+        # No stretch of the pass without a turn of the loop sent more than one slice of checks.
+        jumps = [b - a for a, b in zip(seen, seen[1:])]
+        assert max(jumps) <= ctx_slice(), jumps
+    finally:
+        stop = True
+        await ctx.store._store.close()
+
+
+def ctx_slice() -> int:
+    from broker.transaction.service import TransactionService
+    return getattr(TransactionService, "CHECK_SLICE", 256)
