@@ -444,11 +444,20 @@ class TransactionService:
     def _channel_for(self, tx: Tx):
         """The producer that sent the half first, else one of its group, in turn, that has room for another
         check (fewer than ``transaction_check_in_flight_max`` unanswered, and reading what is sent to it);
-        None if no producer of the group is here, BUSY if none has room."""
-        owner = tx.owner
-        if owner is not None and getattr(owner, "is_open", False) and self._has_room(owner):
-            return owner
+        None if no producer of the group is here, BUSY if none has room.
+
+        The sender is found by its client id when it reconnected (a new connection, the same instance: the
+        one that knows its local transaction). It is not asked first again once a check went unanswered:
+        a sender hung with its connection open would otherwise get every check until the transaction is
+        dead-lettered, while the group's other producers could answer."""
         channels = self.ctx.clients.producer_channels(tx.group)
+        owner = tx.owner
+        if owner is not None and not getattr(owner, "is_open", False):
+            owner = next((ch.conn for ch in channels if ch.client_id == tx.owner_id), None) if tx.owner_id else None
+            if owner is not None:
+                tx.owner = owner
+        if owner is not None and not tx.unanswered and self._has_room(owner):
+            return owner
         if not channels:
             return None
         for _ in range(len(channels)):

@@ -122,3 +122,39 @@ async def test_a_check_pass_yields_to_the_event_loop_between_slices(tmp_path):
 def ctx_slice() -> int:
     from broker.transaction.service import TransactionService
     return getattr(TransactionService, "CHECK_SLICE", 256)
+
+
+@bounded(60)
+async def test_the_sender_reconnected_is_asked_first_by_its_client_id(tmp_path):
+    """The half's connection closed and its producer came back on a new one (same client id): the checks go
+    to it, not to whichever producer of the group is next in turn."""
+    ctx, clock, txs = await storm(tmp_path, 6)
+    tx = ctx.tx
+    other, back = Producer("P-other"), Producer("127.0.0.1:1")   # add_half's sender is 127.0.0.1:1, now closed
+    ctx.clients.add_producer("PG", back, "127.0.0.1:1")
+    ctx.clients.add_producer("PG", other, "P-other")
+    try:
+        await tx.run_due(clock.now)
+        assert len(back.checks) == 6 and other.checks == []
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_after_an_unanswered_check_the_sender_is_not_asked_first(tmp_path):
+    """A sender hung with its connection open does not answer: the next checks go to the group's others in
+    turn, not to it every time until the transaction is dead-lettered."""
+    ctx, clock, txs = await storm(tmp_path, 1, transaction_check_max=3)
+    tx = ctx.tx
+    hung, healthy = Producer("127.0.0.1:1"), Producer("P-healthy")
+    txs[0].owner = hung
+    ctx.clients.add_producer("PG", hung, "127.0.0.1:1")
+    ctx.clients.add_producer("PG", healthy, "P-healthy")
+    try:
+        for _ in range(3):
+            await tx.run_due(clock.now)
+            clock.now = txs[0].next_check + 1
+        assert len(hung.checks) + len(healthy.checks) == 3
+        assert healthy.checks, "every check went to the hung sender"
+    finally:
+        await ctx.store._store.close()
