@@ -591,7 +591,11 @@ class TransactionService:
         if not result.ok:
             self.pending.pop(half_offset, None)
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
-        self.record(msg.queue_offset, None)
+        # A decision taken once it was pending again (an END, a check answer) may have been written in the
+        # writer's same cycle, and recorded before this coroutine went on: it left the index, and its byte
+        # must stay, or the table says undecided of a transaction nobody checks any more.
+        if self.pending.get(half_offset) is tx:
+            self.record(msg.queue_offset, None)
         self.timer.wake()
         return "resumed: pending again with its check count reset"
 
