@@ -437,7 +437,7 @@ class TransactionService:
                 real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
             return [real, rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
-        return [rf.dead_letter(half, p.half_offset, reason or "unknown"),
+        return [rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks),
                 rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
 
     # --------------------------------------------------------------- checks

@@ -182,7 +182,9 @@ async def test_unanswered_checks_dead_letter_then_resume(broker_factory):
                        "--transaction-check-max", "15")
     listener = Listener(execute=S.UNKNOW, check=S.UNKNOW)
     async with TransactionProducer(b.namesrv, "PG_dead", listener) as producer:
-        sent = await producer.send_in_transaction("TxDead", b"never-decided")
+        # Hostile properties: a check count of its own, a negative immunity (taken as the default, 0 here).
+        sent = await producer.send_in_transaction("TxDead", b"never-decided", properties={
+            "TRANSACTION_CHECK_TIMES": "999", "CHECK_IMMUNITY_TIME_IN_SECONDS": "-5"})
         async with asyncio.timeout(30):
             while True:
                 dlq = await _drain(b.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC", group="CG_dlq")
@@ -196,6 +198,8 @@ async def test_unanswered_checks_dead_letter_then_resume(broker_factory):
         msg = (await consumer.pull(mq, 0)).messages[0]
         await consumer.shutdown()
         assert msg.properties["TXMQ_REASON"] == "max-checks"
+        assert msg.properties["REAL_TOPIC"] == "TxDead"
+        assert msg.properties["TRANSACTION_CHECK_TIMES"] == "15"       # RocketMQ's, not the producer's 999
         off = int(msg.properties["TXMQ_HALF"])
         listener.check = S.COMMIT_MESSAGE
         listener.checked.clear()
