@@ -78,6 +78,8 @@ class TransactionService:
         self._snapshot_task: asyncio.Task | None = None
         self._rr = 0
         self.check_cap = c.transaction_check_in_flight_max
+        self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
+        self._slice_bytes: dict = {}
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
         if c.broker_role == "SLAVE":    # its index is its start-up one, never following its master's decisions
             ctx.metrics.half_messages.set_function(lambda: 0)
@@ -443,8 +445,9 @@ class TransactionService:
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):
         """The producer that sent the half first, else one of its group, in turn, that has room for another
-        check (fewer than ``transaction_check_in_flight_max`` unanswered, and reading what is sent to it);
-        None if no producer of the group is here, BUSY if none has room.
+        check (fewer than ``transaction_check_in_flight_max`` unanswered, reading what is sent to it, and
+        this slice's checks to it under a quarter of ``max_write_buffer``); None if no producer of the group
+        is here, BUSY if none has room.
 
         The sender is found by its client id when it reconnected (a new connection, the same instance: the
         one that knows its local transaction). It is not asked first again once a check went unanswered:
@@ -456,21 +459,34 @@ class TransactionService:
             owner = next((ch.conn for ch in channels if ch.client_id == tx.owner_id), None) if tx.owner_id else None
             if owner is not None:
                 tx.owner = owner
-        if owner is not None and not tx.unanswered and self._has_room(owner):
-            return owner
+        size = self._check_size(tx)
+        if owner is not None and not tx.unanswered and self._has_room(owner, size):
+            return self._take(owner, size)
         if not channels:
             return None
         for _ in range(len(channels)):
             self._rr += 1
             conn = channels[self._rr % len(channels)].conn
-            if self._has_room(conn):
-                return conn
+            if self._has_room(conn, size):
+                return self._take(conn, size)
         return BUSY
 
-    def _has_room(self, conn) -> bool:
+    def _check_size(self, tx: Tx) -> int:
+        view = self.ctx.store.get_record(tx.half_offset)
+        return 0 if view is None else len(view)
+
+    def _take(self, conn, size: int):
+        self._slice_bytes[conn] = self._slice_bytes.get(conn, 0) + size
+        return conn
+
+    def _has_room(self, conn, size: int = 0) -> bool:
         # A producer that stopped reading would have the checks pile up unread until the unread-reply cap closes
-        # it: every one of them spent, none answered.
-        return self.core.in_flight.get(conn, 0) < self.check_cap and not getattr(conn, "writing_paused", False)
+        # it: every one of them spent, none answered. Nor may one slice queue more than the cap allows: 256
+        # checks of 1 MB messages (196 MB) had a producer that reads closed at once, every check lost.
+        if self.core.in_flight.get(conn, 0) >= self.check_cap or getattr(conn, "writing_paused", False):
+            return False
+        queued = self._slice_bytes.get(conn, 0) + getattr(conn, "unsent_bytes", 0)
+        return queued == 0 or queued + size <= self._check_bytes
 
     def _room_for(self, group: str) -> int:
         """Checks the group's producers can take now (see _channel_for)."""
@@ -502,6 +518,7 @@ class TransactionService:
         self._save_progress()
 
     async def _run_slice(self, now: int, room_for) -> None:
+        self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         metrics = self.ctx.metrics
         for tx in deferred:

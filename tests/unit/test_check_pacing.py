@@ -158,3 +158,47 @@ async def test_after_an_unanswered_check_the_sender_is_not_asked_first(tmp_path)
         assert healthy.checks, "every check went to the hung sender"
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_one_slice_queues_no_more_check_bytes_to_a_producer_than_a_quarter_of_its_unread_cap(tmp_path):
+    """Checks carry the message: 256 checks of 1 MB messages queued to one producer in one slice were 196 MB
+    unread at once, and the unread-reply cap (64 MB) closed a producer that reads, every check lost though
+    counted. A slice queues at most a quarter of max_write_buffer to a connection; the rest wait, unspent."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock, max_write_buffer=1 << 20)
+    tx = ctx.tx
+    txs = [await add_big(ctx, i, 100_000) for i in range(30)]
+    clock.now = max(t.next_check for t in txs) + 1
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    try:
+        await tx.run_due(clock.now)
+        sent = sum(len(c.body_bytes()) for c in producer.checks)
+        assert 0 < sent <= (1 << 20) // 4 + 101_000, sent
+        assert spent(txs) == len(producer.checks)
+        for _ in range(30):                         # the producer took them: the rest follow, pass by pass
+            if len(producer.checks) == 30:
+                break
+            await tx.run_due(clock.now)
+        assert len(producer.checks) == 30 and spent(txs) == 30
+    finally:
+        await ctx.store._store.close()
+
+
+async def add_big(ctx, i: int, size: int):
+    """add_half with a ``size``-byte body (add_half puts the body in the message id)."""
+    from protocol.message import Prop
+    tx = ctx.tx
+    props = {Prop.UNIQ_KEY: f"BIG{i}", Prop.PGROUP: "PG", Prop.TRAN_MSG: "true"}
+    req = tx.records.half(body=b"x" * size, real_topic="T", real_qid=0, flag=0, sys_flag=0,
+                          born_timestamp=ctx.clock(), born_host=ctx.store_host, props=props)
+    conn = Producer("127.0.0.1:1")
+    conn.is_open = False
+
+    class Cmd:
+        language = version = serialize_type = 0
+        opaque = 1
+
+    await tx._prepare(conn, Cmd(), req, "PG", "T", 0, props)
+    return max(tx.pending.values(), key=lambda p: p.half_offset)

@@ -264,11 +264,11 @@ async def test_a_dead_letter_that_raises_leaves_no_transaction_unscheduled_or_cl
             p.checks = tx.policy.check_max
         real, calls = tx.records.dead_letter, []
 
-        def dead_letter(half, half_offset, reason):
+        def dead_letter(half, half_offset, reason, checks=None):
             calls.append(half_offset)
             if len(calls) == 1:
                 raise ValueError("corrupt half record")
-            return real(half, half_offset, reason)
+            return real(half, half_offset, reason, checks)
         tx.records.dead_letter = dead_letter
         clock.now = max(a.next_check, b.next_check) + 1
         try:
