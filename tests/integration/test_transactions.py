@@ -306,3 +306,17 @@ async def test_a_producer_is_sent_no_more_unanswered_checks_than_its_cap(broker_
             while await rows():
                 await asyncio.sleep(0.1)
     assert sorted(await _drain(b.namesrv, "TxCapped", expect=100, timeout=20)) == sorted(b"%d" % i for i in range(100))
+
+
+async def test_a_huge_check_immunity_does_not_stop_the_checks_of_others(broker_factory):
+    """CHECK_IMMUNITY_TIME_IN_SECONDS of 321 digits parses as an int; when that transaction was the next one
+    due, the check timer's delay (ms / 1000) overflowed a float, the timer task died, and no transaction of
+    any producer was checked or dead-lettered again."""
+    b = broker_factory(*FAST)
+    listener = Listener(execute=S.UNKNOW, check=S.COMMIT_MESSAGE)
+    async with TransactionProducer(b.namesrv, "PG_huge", listener) as producer:
+        await producer.send_in_transaction("TxHuge", b"hostile", properties={
+            "CHECK_IMMUNITY_TIME_IN_SECONDS": "1" + "0" * 320})
+        await producer.send_in_transaction("TxHuge", b"ordinary")
+        await asyncio.wait_for(listener.checked.wait(), 10)
+        assert await _drain(b.namesrv, "TxHuge", expect=1) == [b"ordinary"]

@@ -202,3 +202,19 @@ async def add_big(ctx, i: int, size: int):
 
     await tx._prepare(conn, Cmd(), req, "PG", "T", 0, props)
     return max(tx.pending.values(), key=lambda p: p.half_offset)
+
+
+async def test_hostile_check_immunity_values():
+    """CHECK_IMMUNITY_TIME_IN_SECONDS as a producer may set it: negative or non-numeric is the default;
+    huge is capped at the retention (the half expires by then), so no due time overflows a float."""
+    from broker.transaction.check import CheckTimer, Policy, first_check_time
+    policy = Policy(check_interval_ms=60_000, timeout_ms=6_000, check_max=15, retention_ms=72 * 3600_000)
+    assert first_check_time(policy, 1_000, "-5") == 7_000
+    assert first_check_time(policy, 1_000, "abc") == 7_000
+    assert first_check_time(policy, 1_000, "1.5") == 7_000
+    assert first_check_time(policy, 1_000, "9" * 5000) == 7_000          # past int()'s digit limit
+    assert first_check_time(policy, 1_000, "30") == 31_000
+    assert first_check_time(policy, 1_000, "1" + "0" * 320) == 1_000 + policy.retention_ms
+    timer = CheckTimer(service=None, clock=lambda: 0, max_sleep_s=1.0)
+    assert timer._delay(10 ** 400) == 1.0 and timer._delay(None) == 1.0
+    assert timer._delay(250) == 0.25 and timer._delay(-5) == 0.0
