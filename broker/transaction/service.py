@@ -459,11 +459,13 @@ class TransactionService:
             owner = next((ch.conn for ch in channels if ch.client_id == tx.owner_id), None) if tx.owner_id else None
             if owner is not None:
                 tx.owner = owner
+        if owner is None and not channels:
+            return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
-        if owner is not None and not tx.unanswered and self._has_room(owner, size):
+        if owner is not None and (not tx.unanswered or not channels) and self._has_room(owner, size):
             return self._take(owner, size)
         if not channels:
-            return None
+            return None                 # its sender has no room and no other is registered: after an interval
         for _ in range(len(channels)):
             self._rr += 1
             conn = channels[self._rr % len(channels)].conn
