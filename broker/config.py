@@ -69,6 +69,7 @@ class BrokerConfig:
     # ---- transactions
     transaction_check_interval_ms: int = setting(60000, "How often undecided transactions are checked (RocketMQ's transactionCheckInterval).")
     transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message.")
+    transaction_check_in_flight_max: int = setting(2000, "Checks one producer connection may have unanswered at once; past it (or while that producer is not reading what the broker sends) the group's due transactions wait, no check spent, until answers come back. A stock Java producer holds 2000 checks (checkRequestHoldMax) and drops the rest; sending 50000 at once after a restart would spend checks nobody could answer.")
     transaction_check_max: int = setting(15, "Checks before an undecided transaction goes to TRANS_CHECK_MAX_TIME_TOPIC.")
     transaction_retention_hours: float = setting(72.0, "Undecided half messages older than this are expired to the dead-letter topic.")
     transaction_snapshot_interval_s: float = setting(10.0, "How often (when something changed) the undecided-transaction index and the op-queue offset it covers are written to transactions/snapshot.json; start-up replays only the op records after it. Also written at a clean stop.")
@@ -118,7 +119,7 @@ class BrokerConfig:
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port} is not a port number (-1 disables metrics)")
         for name in ("segment_size", "cq_units_per_file", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
-                     "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max",
+                     "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
                      "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",
                      "flush_consumer_offset_interval_ms"):

@@ -95,11 +95,16 @@ def op_body(half_queue_offset: int) -> bytes:
     return str(half_queue_offset).encode()
 
 
-def dead_letter_properties(half_props: dict[str, str], half_offset: int, reason: str) -> dict[str, str]:
-    """A dead letter's properties: the half's, plus why and which half."""
+def dead_letter_properties(half_props: dict[str, str], half_offset: int, reason: str,
+                           checks: int | None = None) -> dict[str, str]:
+    """A dead letter's properties: the half's, plus why and which half, and (``checks`` given) the checks it
+    had as TRANSACTION_CHECK_TIMES, where RocketMQ's dead letters carry it: a value the producer put on its
+    half would otherwise be what a RocketMQ tool reads there."""
     props = dict(half_props)
     props[P_REASON] = reason
     props[P_HALF] = str(half_offset)
+    if checks is not None:
+        props[Prop.TRANSACTION_CHECK_TIMES] = str(checks)
     return props
 
 

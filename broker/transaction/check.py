@@ -35,7 +35,8 @@ def next_check_after_check(policy: Policy, now: int, unanswered: int) -> int:
 
 
 def first_check_time(policy: Policy, store_ts: int, immunity_s: str | None) -> int:
-    """Immunity: CHECK_IMMUNITY_TIME_IN_SECONDS when it parses as non-negative, else the default."""
+    """Immunity: CHECK_IMMUNITY_TIME_IN_SECONDS when it parses as non-negative, else the default; never
+    past the retention (the half is expired by then; a 321-digit value made the check timer's delay overflow)."""
     immunity = policy.timeout_ms
     if immunity_s:
         try:
@@ -44,7 +45,7 @@ def first_check_time(policy: Policy, store_ts: int, immunity_s: str | None) -> i
                 immunity = value * 1000
         except ValueError:
             pass
-    return store_ts + immunity
+    return store_ts + min(immunity, max(policy.retention_ms, policy.timeout_ms))
 
 
 class CheckTimer:
@@ -71,6 +72,17 @@ class CheckTimer:
             except asyncio.CancelledError:
                 pass
 
+    def _delay(self, due: int | None) -> float:
+        """Seconds until ``due`` (ms), at most max_sleep_s. Compared as ints first: a due time far enough
+        ahead overflows a float, and an exception here, outside the pass's guard, ended the timer task:
+        no transaction was checked or dead-lettered again, and nothing said so."""
+        if due is None:
+            return self.max_sleep_s
+        ms = due - self.clock()
+        if ms >= self.max_sleep_s * 1000:
+            return self.max_sleep_s
+        return max(0.0, ms / 1000)
+
     async def _run(self) -> None:
         while True:
             try:
@@ -82,8 +94,7 @@ class CheckTimer:
                 # Counted where the alert looks (txmq_background_task_crashes_total): a pass failing every
                 # time stops all checks and dead letters, which a log line alone would not make seen.
                 self.service.ctx.metrics.task_crashes.labels("txmq-check-timer").inc()
-            due = self.service.next_due()
-            delay = self.max_sleep_s if due is None else max(0.0, min(self.max_sleep_s, (due - self.clock()) / 1000))
+            delay = self._delay(self.service.next_due())
             self._wake.clear()
             try:
                 await wait_within(self._wake.wait(), delay)

@@ -26,6 +26,7 @@ its decision table, one byte a transaction on disk).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
@@ -69,6 +70,8 @@ class Tx:
     owner: object = None         # the producer connection that sent the half (opaque here)
     owner_id: str = ""
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
+    check_channel: object = None  # where its check went: it holds one of that channel's check slots (in_flight)
+    parked: bool = False         # due, but every producer of its group has its checks in flight (see due)
 
 
 _DELAY_KEYS = (Prop.DELAY, "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
@@ -116,6 +119,11 @@ class Wait:
     tx: Tx
 
 
+# What ``channel_for`` answers when the group has producers but each has ``in_flight`` checks it has not
+# answered up to its cap (or stopped reading): the transaction waits, no check spent, until one has room.
+BUSY = object()
+
+
 @dataclass(frozen=True, slots=True)
 class SendCheck:
     """Append a check record (attempt ``tx.checks``), then send CHECK_TRANSACTION_STATE on ``channel``."""
@@ -136,6 +144,10 @@ class TransactionCore:
         self._heap: list[tuple[int, int]] = []
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
+        # Checks sent and not yet answered, per channel: a check holds its channel's slot from the channel's
+        # choice until the transaction is answered, decided, or comes due again (the check was lost).
+        self.in_flight: dict[object, int] = {}
+        self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
 
     # ------------------------------------------------------------ the index
     def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None) -> bool:
@@ -204,6 +216,7 @@ class TransactionCore:
             if origin is Origin.CHECK:
                 tx.awaiting = False
                 tx.unanswered = 0
+                self._release(tx)
             tx.last_answer = op
         if op not in DECISIONS and op != UNKNOWN:
             return Reply(ResponseCode.SYSTEM_ERROR, f"{op} is not a decision", "refused")
@@ -238,6 +251,8 @@ class TransactionCore:
         """The records of ``tx.deciding`` are durable (ok) or were refused (it stays pending, scheduled)."""
         if ok:
             self.pending.pop(tx.half_offset, None)
+            self._release(tx)
+            tx.parked = False
         tx.deciding = None
 
     def resume(self, tx: Tx, now: int) -> str | None:
@@ -256,22 +271,36 @@ class TransactionCore:
         return None
 
     # --------------------------------------------------------------- checks
-    def due(self, now: int, channel_for: Callable[[Tx], object]) -> tuple[list, list[Tx]]:
+    def due(self, now: int, channel_for: Callable[[Tx], object],
+            room_for: Callable[[str], int] | None = None, limit: int | None = None) -> tuple[list, list[Tx]]:
         """What is due at ``now``: (actions, deferred) with SendCheck and Write(DEAD) actions.
 
         ``deferred`` are due but have no producer connected: no check is spent, they come back after
-        one interval. A transaction being decided stays scheduled (should the write fail)."""
+        one interval. A transaction being decided stays scheduled (should the write fail).
+
+        ``channel_for`` answers BUSY when the group's producers all have their cap of checks in flight:
+        the transaction is parked, no check spent, until ``room_for(group)`` (asked first, each call that
+        passes it) says its producers have room again: checks go as fast as they are answered, not all at
+        once (a stock Java producer queues 2000 and drops the rest). ``limit``: at most that many due
+        entries are taken in this call (the caller yields to the event loop between calls)."""
         heap, policy = self._heap, self.policy
         actions: list = []
         deferred: list[Tx] = []
+        if room_for is not None:
+            self._unpark(room_for)
+        taken = 0
         while heap and heap[0][0] <= now:
+            if limit is not None and taken >= limit:
+                break
             when, off = heapq.heappop(heap)
             tx = self.pending.get(off)
             if tx is None or tx.next_check != when:
                 continue
+            taken += 1
             if tx.deciding is not None:
                 self._reschedule(tx, now + policy.check_interval_ms)
                 continue
+            self._release(tx)           # due again: its last check was answered, or is taken as lost
             if tx.awaiting:
                 tx.unanswered += 1
                 tx.awaiting = False
@@ -284,9 +313,46 @@ class TransactionCore:
                 deferred.append(tx)
                 self._reschedule(tx, now + policy.check_interval_ms)
                 continue
+            if channel is BUSY:
+                tx.parked = True
+                self._parked.setdefault(tx.group, deque()).append(tx)
+                continue
             tx.checks += 1
+            tx.check_channel = channel
+            self.in_flight[channel] = self.in_flight.get(channel, 0) + 1
             actions.append(SendCheck(tx, channel))
         return actions, deferred
+
+    def parked(self) -> int:
+        """Transactions due and waiting for a check slot (stale entries of decided ones included)."""
+        return sum(len(q) for q in self._parked.values())
+
+    def _unpark(self, room_for: Callable[[str], int]) -> None:
+        """Back on the schedule, due at once: as many parked transactions of each group as it has room."""
+        for group in list(self._parked):
+            queue = self._parked[group]
+            room = room_for(group)
+            while queue and room > 0:
+                tx = queue.popleft()
+                if not tx.parked or self.pending.get(tx.half_offset) is not tx:
+                    continue            # decided meanwhile
+                tx.parked = False
+                heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
+                room -= 1
+            if not queue:
+                del self._parked[group]
+
+    def _release(self, tx: Tx) -> None:
+        """``tx`` no longer holds a check slot of the channel its last check went to."""
+        channel = tx.check_channel
+        if channel is None:
+            return
+        tx.check_channel = None
+        left = self.in_flight.get(channel, 0) - 1
+        if left > 0:
+            self.in_flight[channel] = left
+        else:
+            self.in_flight.pop(channel, None)
 
     def check_written(self, tx: Tx, now: int, ok: bool) -> bool:
         """The check record of ``tx`` is durable (send the check: True) or refused (False)."""
@@ -295,11 +361,16 @@ class TransactionCore:
         self._reschedule(tx, next_check_after_check(self.policy, now, tx.unanswered))
         if not ok:
             tx.checks -= 1
+            self._release(tx)
             return False
         return True
 
     def check_sent(self, tx: Tx) -> None:
         tx.awaiting = True
+
+    def check_not_sent(self, tx: Tx) -> None:
+        """The check record was written but the check could not be sent (its channel closed): the slot is free."""
+        self._release(tx)
 
     def dead_letter_failed(self, tx: Tx, now: int) -> None:
         """A max-checks dead letter was refused by the store: try again after an interval."""
@@ -317,5 +388,5 @@ def _not_its_half(half_group: str, half_queue_offset: int, group: str | None,
     return None
 
 
-__all__ = ["TransactionCore", "Tx", "tx_from_half", "asks_delay", "Origin", "Reply", "Write", "Wait", "SendCheck",
+__all__ = ["TransactionCore", "Tx", "BUSY", "tx_from_half", "asks_delay", "Origin", "Reply", "Write", "Wait", "SendCheck",
            "UNKNOWN", "DECISIONS", "COMMIT", "ROLLBACK", "DEAD", "RESUME"]

@@ -66,8 +66,8 @@ class RecordFactory:
     def check(self, half_offset: int, half_queue_offset: int, attempt: int) -> PutRequest:
         return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **check_extra(attempt))
 
-    def dead_letter(self, half: MessageExt, half_offset: int, reason: str) -> PutRequest:
-        props = dead_letter_properties(half.properties, half_offset, reason)
+    def dead_letter(self, half: MessageExt, half_offset: int, reason: str, checks: int | None = None) -> PutRequest:
+        props = dead_letter_properties(half.properties, half_offset, reason, checks)
         record = encode_record(topic=DEAD_TOPIC.encode(), body=half.body, queue_id=0, flag=half.flag,
                                sys_flag=half.sys_flag, born_timestamp=half.born_timestamp,
                                born_host=_host(half.born_host), store_host=self.store_host,

@@ -41,7 +41,7 @@ from ..answer import Answer
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
-from .core import Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
+from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
 from .records import COMMIT, DEAD, DEAD_TOPIC, RESUME, ROLLBACK, RecordFactory
 from .recovery import PROGRESS_GROUP, recover, write_snapshot
@@ -77,6 +77,9 @@ class TransactionService:
         self.changed = True
         self._snapshot_task: asyncio.Task | None = None
         self._rr = 0
+        self.check_cap = c.transaction_check_in_flight_max
+        self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
+        self._slice_bytes: dict = {}
         self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
         if c.broker_role == "SLAVE":    # its index is its start-up one, never following its master's decisions
             ctx.metrics.half_messages.set_function(lambda: 0)
@@ -292,6 +295,8 @@ class TransactionService:
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
+        if from_check and self.core.parked():  # an answer frees a check slot: the parked may go now
+            self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group)
             return action.code, action.remark
@@ -434,20 +439,63 @@ class TransactionService:
                 real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
             return [real, rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
-        return [rf.dead_letter(half, p.half_offset, reason or "unknown"),
+        return [rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks),
                 rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
 
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):
-        """The producer that sent the half first, else one of its group, in turn; None if none is here."""
-        owner = tx.owner
-        if owner is not None and getattr(owner, "is_open", False):
-            return owner
+        """The producer that sent the half first, else one of its group, in turn, that has room for another
+        check (fewer than ``transaction_check_in_flight_max`` unanswered, reading what is sent to it, and
+        this slice's checks to it under a quarter of ``max_write_buffer``); None if no producer of the group
+        is here, BUSY if none has room.
+
+        The sender is found by its client id when it reconnected (a new connection, the same instance: the
+        one that knows its local transaction). It is not asked first again once a check went unanswered:
+        a sender hung with its connection open would otherwise get every check until the transaction is
+        dead-lettered, while the group's other producers could answer."""
         channels = self.ctx.clients.producer_channels(tx.group)
+        owner = tx.owner
+        if owner is not None and not getattr(owner, "is_open", False):
+            owner = next((ch.conn for ch in channels if ch.client_id == tx.owner_id), None) if tx.owner_id else None
+            if owner is not None:
+                tx.owner = owner
+        if owner is None and not channels:
+            return None                 # (before the half is read for its size: nobody to ask costs nothing)
+        size = self._check_size(tx)
+        if owner is not None and (not tx.unanswered or not channels) and self._has_room(owner, size):
+            return self._take(owner, size)
         if not channels:
-            return None
-        self._rr += 1
-        return channels[self._rr % len(channels)].conn
+            return None                 # its sender has no room and no other is registered: after an interval
+        for _ in range(len(channels)):
+            self._rr += 1
+            conn = channels[self._rr % len(channels)].conn
+            if self._has_room(conn, size):
+                return self._take(conn, size)
+        return BUSY
+
+    def _check_size(self, tx: Tx) -> int:
+        view = self.ctx.store.get_record(tx.half_offset)
+        return 0 if view is None else len(view)
+
+    def _take(self, conn, size: int):
+        self._slice_bytes[conn] = self._slice_bytes.get(conn, 0) + size
+        return conn
+
+    def _has_room(self, conn, size: int = 0) -> bool:
+        # A producer that stopped reading would have the checks pile up unread until the unread-reply cap closes
+        # it: every one of them spent, none answered. Nor may one slice queue more than the cap allows: 256
+        # checks of 1 MB messages (196 MB) had a producer that reads closed at once, every check lost.
+        if self.core.in_flight.get(conn, 0) >= self.check_cap or getattr(conn, "writing_paused", False):
+            return False
+        queued = self._slice_bytes.get(conn, 0) + getattr(conn, "unsent_bytes", 0)
+        return queued == 0 or queued + size <= self._check_bytes
+
+    def _room_for(self, group: str) -> int:
+        """Checks the group's producers can take now (see _channel_for)."""
+        in_flight = self.core.in_flight
+        return sum(max(0, self.check_cap - in_flight.get(ch.conn, 0))
+                   for ch in self.ctx.clients.producer_channels(group)
+                   if not getattr(ch.conn, "writing_paused", False))
 
     def next_due(self) -> int | None:
         return self.core.next_due()
@@ -456,8 +504,24 @@ class TransactionService:
         """{producer group: store time (ms) of its oldest undecided half}, for the age gauge."""
         return self.core.oldest_by_group()
 
+    # Due entries taken per slice of a check pass: the pass yields to the event loop between slices, so 50000
+    # transactions due at once (a restart after the producers died) do not hold every request for seconds.
+    CHECK_SLICE = 256
+
     async def run_due(self, now: int) -> None:
-        actions, deferred = self.core.due(now, self._channel_for)
+        room_for = self._room_for
+        while True:
+            await self._run_slice(now, room_for)
+            room_for = None                 # parked ones come back once a pass, with the room there is then
+            due = self.core.next_due()
+            if due is None or due > now:
+                break
+            await asyncio.sleep(0)
+        self._save_progress()
+
+    async def _run_slice(self, now: int, room_for) -> None:
+        self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
+        actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         metrics = self.ctx.metrics
         for tx in deferred:
             metrics.child(metrics.checks_skipped, tx.group).inc()
@@ -484,7 +548,6 @@ class TransactionService:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
                 self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
-        self._save_progress()
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
@@ -503,6 +566,7 @@ class TransactionService:
                 action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
                 log.info("check of %s not sent: %s", tx.uniq_key, exc)
+                self.core.check_not_sent(tx)
                 continue
             self.core.check_sent(tx)
             self.ctx.metrics.child(self.ctx.metrics.checks_sent, tx.group).inc()
@@ -546,7 +610,11 @@ class TransactionService:
         if not result.ok:
             self.pending.pop(half_offset, None)
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
-        self.record(msg.queue_offset, None)
+        # A decision taken once it was pending again (an END, a check answer) may have been written in the
+        # writer's same cycle, and recorded before this coroutine went on: it left the index, and its byte
+        # must stay, or the table says undecided of a transaction nobody checks any more.
+        if self.pending.get(half_offset) is tx:
+            self.record(msg.queue_offset, None)
         self.timer.wake()
         return "resumed: pending again with its check count reset"
 

@@ -182,7 +182,9 @@ async def test_unanswered_checks_dead_letter_then_resume(broker_factory):
                        "--transaction-check-max", "15")
     listener = Listener(execute=S.UNKNOW, check=S.UNKNOW)
     async with TransactionProducer(b.namesrv, "PG_dead", listener) as producer:
-        sent = await producer.send_in_transaction("TxDead", b"never-decided")
+        # Hostile properties: a check count of its own, a negative immunity (taken as the default, 0 here).
+        sent = await producer.send_in_transaction("TxDead", b"never-decided", properties={
+            "TRANSACTION_CHECK_TIMES": "999", "CHECK_IMMUNITY_TIME_IN_SECONDS": "-5"})
         async with asyncio.timeout(30):
             while True:
                 dlq = await _drain(b.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC", group="CG_dlq")
@@ -196,6 +198,8 @@ async def test_unanswered_checks_dead_letter_then_resume(broker_factory):
         msg = (await consumer.pull(mq, 0)).messages[0]
         await consumer.shutdown()
         assert msg.properties["TXMQ_REASON"] == "max-checks"
+        assert msg.properties["REAL_TOPIC"] == "TxDead"
+        assert msg.properties["TRANSACTION_CHECK_TIMES"] == "15"       # RocketMQ's, not the producer's 999
         off = int(msg.properties["TXMQ_HALF"])
         listener.check = S.COMMIT_MESSAGE
         listener.checked.clear()
@@ -264,3 +268,55 @@ async def test_the_decision_file_is_made_ahead_of_the_first_decision(broker_fact
                 await asyncio.sleep(0.01)
         assert first.stat().st_size == 1 << 20
         assert not any(p.name.endswith(".ahead") for p in decisions.iterdir())
+
+
+async def test_a_producer_is_sent_no_more_unanswered_checks_than_its_cap(broker_factory):
+    """100 transactions due at once, one producer whose checks hang: it holds at most
+    --transaction-check-in-flight-max (20) unanswered checks, the other transactions spend none meanwhile,
+    and once it answers every transaction is decided (the checks go as answers come back)."""
+    b = broker_factory("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "0",
+                       "--transaction-check-in-flight-max", "20")
+    release = asyncio.Event()
+    asked = []
+
+    class Hung(Listener):
+        async def check_local_transaction(self, msg):
+            asked.append(msg.body)
+            self.checked.set()
+            await release.wait()
+            return S.COMMIT_MESSAGE
+
+    listener = Hung(execute=S.UNKNOW)
+    async with TransactionProducer(b.namesrv, "PG_capped", listener, end_timeout=10) as producer:
+        await asyncio.gather(*(producer.send_in_transaction("TxCapped", b"%d" % i) for i in range(100)))
+
+        async def rows() -> list[dict]:
+            body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_capped"})).body_bytes()
+            return json.loads(body)["pending"]
+
+        await asyncio.wait_for(listener.checked.wait(), 10)
+        async with asyncio.timeout(10):         # several intervals pass: the hung checks come due again
+            while sum(r["checks"] for r in await rows()) < 40:
+                await asyncio.sleep(0.05)
+        listed = await rows()
+        assert len(listed) == 100
+        assert sum(1 for r in listed if r["checks"]) <= 20, "checks went out past the producer's cap"
+        release.set()
+        async with asyncio.timeout(30):
+            while await rows():
+                await asyncio.sleep(0.1)
+    assert sorted(await _drain(b.namesrv, "TxCapped", expect=100, timeout=20)) == sorted(b"%d" % i for i in range(100))
+
+
+async def test_a_huge_check_immunity_does_not_stop_the_checks_of_others(broker_factory):
+    """CHECK_IMMUNITY_TIME_IN_SECONDS of 321 digits parses as an int; when that transaction was the next one
+    due, the check timer's delay (ms / 1000) overflowed a float, the timer task died, and no transaction of
+    any producer was checked or dead-lettered again."""
+    b = broker_factory(*FAST)
+    listener = Listener(execute=S.UNKNOW, check=S.COMMIT_MESSAGE)
+    async with TransactionProducer(b.namesrv, "PG_huge", listener) as producer:
+        await producer.send_in_transaction("TxHuge", b"hostile", properties={
+            "CHECK_IMMUNITY_TIME_IN_SECONDS": "1" + "0" * 320})
+        await producer.send_in_transaction("TxHuge", b"ordinary")
+        await asyncio.wait_for(listener.checked.wait(), 10)
+        assert await _drain(b.namesrv, "TxHuge", expect=1) == [b"ordinary"]

@@ -264,11 +264,11 @@ async def test_a_dead_letter_that_raises_leaves_no_transaction_unscheduled_or_cl
             p.checks = tx.policy.check_max
         real, calls = tx.records.dead_letter, []
 
-        def dead_letter(half, half_offset, reason):
+        def dead_letter(half, half_offset, reason, checks=None):
             calls.append(half_offset)
             if len(calls) == 1:
                 raise ValueError("corrupt half record")
-            return real(half, half_offset, reason)
+            return real(half, half_offset, reason, checks)
         tx.records.dead_letter = dead_letter
         clock.now = max(a.next_check, b.next_check) + 1
         try:
@@ -505,3 +505,31 @@ async def test_a_slave_does_not_export_its_start_up_undecided_count(tmp_path):
         assert master.metrics.registry.get_sample_value("rocketmq_half_messages") == 1
     finally:
         await master.store._store.close()
+
+
+@bounded(20)
+async def test_a_decision_written_with_the_resume_is_not_erased_by_it(tmp_path):
+    """Admin resume of a dead letter and a producer's END COMMIT in one writer cycle: the commit is recorded as
+    its records are written, then the resume went on and set the table back to undecided: the transaction was
+    neither pending nor decided, and a repeated END got "Find prepared transaction message failed"."""
+    from broker.transaction.core import Origin
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        p = await add_half(ctx)
+        await tx.decide(p.half_offset, DEAD, reason="max-checks", origin=Origin.EXPIRY)
+
+        async def end():        # queued right behind the RESUME record, before the writer runs
+            answer = tx.end(p.half_offset, COMMIT, group="PG", table_offset=p.queue_offset, from_check=False)
+            return answer if isinstance(answer, tuple) else await answer
+
+        resumed, ended = await asyncio.gather(tx.resume(p.half_offset), end())
+        assert ended == (0, COMMIT)
+        assert p.half_offset not in tx.pending
+        assert tx.decision_of(p.half_offset) == COMMIT
+        assert tx.end(p.half_offset, COMMIT, group="PG", table_offset=p.queue_offset,
+                      from_check=False) == (0, "already COMMIT; nothing changed")
+    finally:
+        await ctx.store._store.close()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from broker.transaction.check import Policy
 from broker.transaction.core import (
+    BUSY,
     COMMIT,
     DEAD,
     ROLLBACK,
@@ -66,9 +67,23 @@ class Shell:
         if not ok and action.op == DEAD:
             self.core.dead_letter_failed(action.tx, self.now)
 
+    CAP = 2     # checks one producer may have unanswered (transaction_check_in_flight_max)
+
+    def _channel_for(self, tx):
+        if not self.producer:
+            return None
+        if self.producer == "busy" or self.core.in_flight.get("conn", 0) >= self.CAP:
+            return BUSY
+        return "conn"
+
+    def _room_for(self, group: str) -> int:
+        if self.producer is not True:
+            return 0
+        return max(0, self.CAP - self.core.in_flight.get("conn", 0))
+
     def tick(self, ms: int, check_record_ok: bool = True) -> list:
         self.now += ms
-        actions, _ = self.core.due(self.now, lambda tx: "conn" if self.producer else None)
+        actions, _ = self.core.due(self.now, self._channel_for, self._room_for)
         for a in actions:
             if isinstance(a, SendCheck):
                 if self.core.check_written(a.tx, self.now, check_record_ok):
@@ -239,13 +254,14 @@ EVENTS = st.lists(st.one_of(
     st.tuples(st.just("end"), st.integers(0, 5), OPS, ORIGINS),
     st.tuples(st.just("finish"), st.integers(0, 7), st.booleans()),
     st.tuples(st.just("tick"), st.sampled_from([0, 1, 500, INTERVAL, IMMUNITY, 4 * INTERVAL]), st.booleans()),
-    st.tuples(st.just("producer"), st.booleans()),
+    st.tuples(st.just("producer"), st.sampled_from([True, False, "busy"])),
     st.tuples(st.just("resume"), st.integers(0, 5)),
 ), max_size=60)
 
 
 def _scheduled(core: TransactionCore, tx: Tx) -> bool:
-    return (tx.next_check, tx.half_offset) in core._heap
+    """On the check schedule, or parked until its producers have room for its check."""
+    return (tx.next_check, tx.half_offset) in core._heap or (tx.parked and tx in core._parked.get(tx.group, ()))
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -286,7 +302,7 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
     for w in list(s.writing):
         s.finish(w)
     before = set(s.core.pending)
-    for _ in range(MAX_CHECKS + 2):
+    for _ in range((MAX_CHECKS + 2) * 4):      # parked ones wait for the slots of those checked first
         s.tick(4 * INTERVAL)
         for w in list(s.writing):
             s.finish(w)

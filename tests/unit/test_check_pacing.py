@@ -1,0 +1,220 @@
+"""A check storm (tens of thousands of transactions due at once, e.g. a restart after the producers died) is
+paced: a pass yields to the event loop between slices, and a producer connection is sent no more checks
+than it has left unanswered up to transaction_check_in_flight_max, nor any while it does not read; the
+transactions waiting for room spend no check."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker.transaction.core import UNKNOWN
+from tests.support.bounded import bounded
+from tests.unit.test_review_transactions import Clock, add_half, make_service
+
+pytestmark = pytest.mark.asyncio
+
+
+class Producer:
+    """A producer connection as the check pass sees it: records the checks sent to it."""
+
+    def __init__(self, name="P1"):
+        self.peer = ("127.0.0.1", 7)
+        self.attributes = {"client_id": name}
+        self.is_open = True
+        self.writing_paused = False
+        self.checks = []
+
+    def oneway(self, cmd):
+        self.checks.append(cmd)
+
+
+async def storm(tmp_path, n, **cfg):
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock, **cfg)
+    txs = [await add_half(ctx, b"%d" % i) for i in range(n)]
+    clock.now = max(t.next_check for t in txs) + 1
+    return ctx, clock, txs
+
+
+def spent(txs) -> int:
+    return sum(1 for t in txs if t.checks)
+
+
+@bounded(60)
+async def test_a_producer_gets_at_most_its_cap_of_unanswered_checks_and_the_rest_spend_none(tmp_path):
+    ctx, clock, txs = await storm(tmp_path, 300, transaction_check_in_flight_max=40)
+    tx = ctx.tx
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    try:
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 40 and spent(txs) == 40
+        await tx.run_due(clock.now)                 # nothing answered: nothing more goes, nothing is spent
+        assert len(producer.checks) == 40 and spent(txs) == 40
+        # Answers free slots: as many more go on the next pass.
+        asked = [t for t in txs if t.checks]
+        for t in asked[:10]:
+            code, _ = tx.end(t.half_offset, UNKNOWN, group="PG", table_offset=t.queue_offset, from_check=True)
+            assert code == 0
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 50 and spent(txs) == 50
+        # A second producer of the group has room of its own.
+        other = Producer("P2")
+        ctx.clients.add_producer("PG", other, "P2")
+        await tx.run_due(clock.now)
+        assert len(other.checks) == 40 and spent(txs) == 90
+        assert all(t.half_offset in tx.pending for t in txs)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_producer_that_does_not_read_is_sent_no_checks(tmp_path):
+    ctx, clock, txs = await storm(tmp_path, 20)
+    tx = ctx.tx
+    stuck = Producer()
+    stuck.writing_paused = True                     # the unread-reply cap would close it, every check lost
+    ctx.clients.add_producer("PG", stuck, "P1")
+    try:
+        for _ in range(3):
+            await tx.run_due(clock.now)
+            clock.now += ctx.config.transaction_check_interval_ms * 4
+        assert stuck.checks == [] and spent(txs) == 0
+        stuck.writing_paused = False                # it reads again: the waiting transactions are checked
+        await tx.run_due(clock.now)
+        assert len(stuck.checks) == 20 and spent(txs) == 20
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_check_pass_yields_to_the_event_loop_between_slices(tmp_path):
+    n = 3 * ctx_slice() + 10
+    ctx, clock, txs = await storm(tmp_path, n)
+    tx = ctx.tx
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    seen = []
+    stop = False
+
+    async def ticker():
+        while not stop:
+            seen.append(len(producer.checks))
+            await asyncio.sleep(0)
+
+    ticking = asyncio.ensure_future(ticker())
+    try:
+        await asyncio.sleep(0)
+        await tx.run_due(clock.now)
+        seen.append(len(producer.checks))
+        stop = True
+        await ticking
+        assert len(producer.checks) == n
+        # No stretch of the pass without a turn of the loop sent more than one slice of checks.
+        jumps = [b - a for a, b in zip(seen, seen[1:])]
+        assert max(jumps) <= ctx_slice(), jumps
+    finally:
+        stop = True
+        await ctx.store._store.close()
+
+
+def ctx_slice() -> int:
+    from broker.transaction.service import TransactionService
+    return getattr(TransactionService, "CHECK_SLICE", 256)
+
+
+@bounded(60)
+async def test_the_sender_reconnected_is_asked_first_by_its_client_id(tmp_path):
+    """The half's connection closed and its producer came back on a new one (same client id): the checks go
+    to it, not to whichever producer of the group is next in turn."""
+    ctx, clock, txs = await storm(tmp_path, 6)
+    tx = ctx.tx
+    other, back = Producer("P-other"), Producer("127.0.0.1:1")   # add_half's sender is 127.0.0.1:1, now closed
+    ctx.clients.add_producer("PG", back, "127.0.0.1:1")
+    ctx.clients.add_producer("PG", other, "P-other")
+    try:
+        await tx.run_due(clock.now)
+        assert len(back.checks) == 6 and other.checks == []
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_after_an_unanswered_check_the_sender_is_not_asked_first(tmp_path):
+    """A sender hung with its connection open does not answer: the next checks go to the group's others in
+    turn, not to it every time until the transaction is dead-lettered."""
+    ctx, clock, txs = await storm(tmp_path, 1, transaction_check_max=3)
+    tx = ctx.tx
+    hung, healthy = Producer("127.0.0.1:1"), Producer("P-healthy")
+    txs[0].owner = hung
+    ctx.clients.add_producer("PG", hung, "127.0.0.1:1")
+    ctx.clients.add_producer("PG", healthy, "P-healthy")
+    try:
+        for _ in range(3):
+            await tx.run_due(clock.now)
+            clock.now = txs[0].next_check + 1
+        assert len(hung.checks) + len(healthy.checks) == 3
+        assert healthy.checks, "every check went to the hung sender"
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_one_slice_queues_no_more_check_bytes_to_a_producer_than_a_quarter_of_its_unread_cap(tmp_path):
+    """Checks carry the message: 256 checks of 1 MB messages queued to one producer in one slice were 196 MB
+    unread at once, and the unread-reply cap (64 MB) closed a producer that reads, every check lost though
+    counted. A slice queues at most a quarter of max_write_buffer to a connection; the rest wait, unspent."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock, max_write_buffer=1 << 20)
+    tx = ctx.tx
+    txs = [await add_big(ctx, i, 100_000) for i in range(30)]
+    clock.now = max(t.next_check for t in txs) + 1
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    try:
+        await tx.run_due(clock.now)
+        sent = sum(len(c.body_bytes()) for c in producer.checks)
+        assert 0 < sent <= (1 << 20) // 4 + 101_000, sent
+        assert spent(txs) == len(producer.checks)
+        for _ in range(30):                         # the producer took them: the rest follow, pass by pass
+            if len(producer.checks) == 30:
+                break
+            await tx.run_due(clock.now)
+        assert len(producer.checks) == 30 and spent(txs) == 30
+    finally:
+        await ctx.store._store.close()
+
+
+async def add_big(ctx, i: int, size: int):
+    """add_half with a ``size``-byte body (add_half puts the body in the message id)."""
+    from protocol.message import Prop
+    tx = ctx.tx
+    props = {Prop.UNIQ_KEY: f"BIG{i}", Prop.PGROUP: "PG", Prop.TRAN_MSG: "true"}
+    req = tx.records.half(body=b"x" * size, real_topic="T", real_qid=0, flag=0, sys_flag=0,
+                          born_timestamp=ctx.clock(), born_host=ctx.store_host, props=props)
+    conn = Producer("127.0.0.1:1")
+    conn.is_open = False
+
+    class Cmd:
+        language = version = serialize_type = 0
+        opaque = 1
+
+    await tx._prepare(conn, Cmd(), req, "PG", "T", 0, props)
+    return max(tx.pending.values(), key=lambda p: p.half_offset)
+
+
+async def test_hostile_check_immunity_values():
+    """CHECK_IMMUNITY_TIME_IN_SECONDS as a producer may set it: negative or non-numeric is the default;
+    huge is capped at the retention (the half expires by then), so no due time overflows a float."""
+    from broker.transaction.check import CheckTimer, Policy, first_check_time
+    policy = Policy(check_interval_ms=60_000, timeout_ms=6_000, check_max=15, retention_ms=72 * 3600_000)
+    assert first_check_time(policy, 1_000, "-5") == 7_000
+    assert first_check_time(policy, 1_000, "abc") == 7_000
+    assert first_check_time(policy, 1_000, "1.5") == 7_000
+    assert first_check_time(policy, 1_000, "9" * 5000) == 7_000          # past int()'s digit limit
+    assert first_check_time(policy, 1_000, "30") == 31_000
+    assert first_check_time(policy, 1_000, "1" + "0" * 320) == 1_000 + policy.retention_ms
+    timer = CheckTimer(service=None, clock=lambda: 0, max_sleep_s=1.0)
+    assert timer._delay(10 ** 400) == 1.0 and timer._delay(None) == 1.0
+    assert timer._delay(250) == 0.25 and timer._delay(-5) == 0.0
