@@ -82,6 +82,9 @@ class ClientRegistry:
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
         self.locks: dict[tuple, tuple[str, int]] = {}  # (group, topic, broker, queue) -> (client id, ms)
+        # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
+        # connection between all its producers and consumers): no longer asked about those groups' halves.
+        self._left: dict[object, set[str]] = {}
         self._locks_swept = clock()
 
     # ------------------------------------------------------------ heartbeat
@@ -110,6 +113,11 @@ class ClientRegistry:
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
                      now: int | None = None) -> None:
+        left = self._left.get(conn)
+        if left is not None:                # back in the group (a new producer of it on this connection)
+            left.discard(group)
+            if not left:
+                del self._left[conn]
         channels = self.producers.setdefault(group, {})
         ch = channels.get(conn)
         if ch is None:
@@ -169,6 +177,8 @@ class ClientRegistry:
         changed = []
         if producer_group:
             self.producers.get(producer_group, {}).pop(conn, None)
+            if getattr(conn, "is_open", False):
+                self._left.setdefault(conn, set()).add(producer_group)
         if consumer_group:
             group = self.consumers.get(consumer_group)
             if group is not None and group.channels.pop(conn, None) is not None:
@@ -184,6 +194,7 @@ class ClientRegistry:
             del self.consumers[name]
 
     def connection_closed(self, conn) -> list[str]:
+        self._left.pop(conn, None)
         for channels in self.producers.values():
             channels.pop(conn, None)
         changed = []
@@ -229,6 +240,12 @@ class ClientRegistry:
     # -------------------------------------------------------------- queries
     def producer_channels(self, group: str) -> list[Channel]:
         return [ch for ch in self.producers.get(group, {}).values() if ch.alive]
+
+    def left_group(self, conn, group: str) -> bool:
+        """``conn`` unregistered its producer of ``group`` (UNREGISTER_CLIENT) and has not come back to it: it
+        cannot answer for the group's transactions any more (the Java client ignores such a check)."""
+        left = self._left.get(conn)
+        return left is not None and group in left
 
     def producer_channel(self, client_id: str) -> Channel | None:
         """The live channel of a producer with this client id, in any group (ProducerManager.findChannel): where

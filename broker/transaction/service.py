@@ -439,9 +439,15 @@ class TransactionService:
 
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):
-        """The producer that sent the half first, else one of its group, in turn; None if none is here."""
+        """The producer that sent the half first, else one of its group, in turn; None if none is here.
+
+        Not the sender once it unregistered the group (UNREGISTER_CLIENT) on a connection that stays open: as
+        RocketMQ's ProducerManager, only producers still in the group are asked. Asked anyway, a Java client
+        ignores the check (no producer of that group), and the transaction was checked to its limit and
+        dead-lettered while another producer of the group was never asked."""
         owner = tx.owner
-        if owner is not None and getattr(owner, "is_open", False):
+        if owner is not None and getattr(owner, "is_open", False) and not self.ctx.clients.left_group(owner,
+                                                                                                     tx.group):
             return owner
         channels = self.ctx.clients.producer_channels(tx.group)
         if not channels:
@@ -525,9 +531,11 @@ class TransactionService:
             if group and p.group != group:
                 continue
             owner_alive = p.owner is not None and getattr(p.owner, "is_open", False)
+            owner_left = owner_alive and self.ctx.clients.left_group(p.owner, p.group)
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,
                          "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": now - p.store_ts,
-                         "checks": p.checks, "owner": p.owner_id + ("" if owner_alive else " (gone)"),
+                         "checks": p.checks, "owner": p.owner_id + (" (left the group)" if owner_left else
+                                                                    "" if owner_alive else " (gone)"),
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - now)})
             if len(rows) >= limit:
                 break
