@@ -233,3 +233,50 @@ async def test_a_group_set_to_refuse_broadcast_is_not_consumed_by_broadcast(brok
     assert codes["CG_no_broadcast"] == (ResponseCode.NO_PERMISSION,
                                         "the consumer group[CG_no_broadcast] can not consume by broadcast way")
     assert codes["CG_clustering"][0] == ResponseCode.PULL_NOT_FOUND
+
+
+@bounded(30)
+async def test_a_group_set_not_to_be_notified_is_not_told_of_joins_and_leaves(broker):
+    """notifyConsumerIdsChangedEnable=false: no NOTIFY_CONSUMER_IDS_CHANGED when a consumer of the group joins
+    (HEART_BEAT) or leaves (UNREGISTER_CLIENT), as RocketMQ; it was stored and shown, and every join still
+    made the whole group rebalance at once. A group left at the default is told, as before."""
+    host, _, port = broker.broker.rpartition(":")
+    told = defaultdict(list)
+
+    def listener(name):
+        def handle(conn, cmd):
+            if cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
+                told[name].append(cmd.ext_fields.get("consumerGroup"))
+        return handle
+
+    first = await open_connection(host, int(port), listener("first"))
+    second = await open_connection(host, int(port), listener("second"))
+
+    def heartbeat(client_id):
+        sub = {"topic": "Quiet", "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 1,
+               "expressionType": "TAG", "classFilterMode": False}
+        return RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps({
+            "clientID": client_id, "producerDataSet": [], "consumerDataSet": [
+                {"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                 "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [sub]}
+                for group in ("CG_quiet", "CG_told")]}).encode())
+
+    try:
+        resp = await first.request(RemotingCommand.request(
+            RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP,
+            body=json.dumps({"groupName": "CG_quiet", "notifyConsumerIdsChangedEnable": False}).encode()), 5)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        assert (await first.request(heartbeat("127.0.0.1@first"), 5)).code == ResponseCode.SUCCESS
+        assert (await second.request(heartbeat("127.0.0.1@second"), 5)).code == ResponseCode.SUCCESS
+        for group in ("CG_quiet", "CG_told"):
+            left = await second.request(RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
+                "clientID": "127.0.0.1@second", "consumerGroup": group}), 5)
+            assert left.code == ResponseCode.SUCCESS
+        # A notice is sent before the request that caused it is answered, and one connection keeps its order:
+        # after one more round trip on ``first``, every notice it was sent has arrived.
+        await first.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": "Quiet", "queueId": 0}), 5)
+    finally:
+        first.close()
+        second.close()
+    assert "CG_quiet" not in told["first"] + told["second"]
+    assert told["first"].count("CG_told") == 3       # its own join, the second's join, the second's leaving
