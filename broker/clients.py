@@ -65,6 +65,29 @@ def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
                         expression_type)
 
 
+# Java enums by ordinal: rocketmq-client-cpp 1.x sends them as numbers ("messageModel":0 is BROADCASTING), as
+# fastjson reads them. Taken as they came, 0 fell back to the defaults: a C++ broadcasting consumer was listed
+# as CLUSTERING and a C++ pull consumer as CONSUME_PASSIVELY (GET_CONSUMER_CONNECTION_LIST).
+_CONSUME_TYPES = ("CONSUME_ACTIVELY", "CONSUME_PASSIVELY")
+_MESSAGE_MODELS = ("BROADCASTING", "CLUSTERING")
+_CONSUME_FROM = ("CONSUME_FROM_LAST_OFFSET", "CONSUME_FROM_LAST_OFFSET_AND_FROM_MIN_WHEN_BOOT_FIRST",
+                 "CONSUME_FROM_MIN_OFFSET", "CONSUME_FROM_MAX_OFFSET", "CONSUME_FROM_FIRST_OFFSET",
+                 "CONSUME_FROM_TIMESTAMP")
+
+
+def _enum(value, names: tuple, default: str) -> str:
+    """A heartbeat's enum field: its name, or its ordinal as a number (or a numeric string); else ``default``."""
+    if value is None or value == "" or isinstance(value, bool):
+        return default
+    if isinstance(value, str) and not value.lstrip("-").isdigit():
+        return value
+    try:
+        ordinal = int(value)
+    except (ValueError, TypeError, OverflowError):
+        return default
+    return names[ordinal] if 0 <= ordinal < len(names) else default
+
+
 @dataclass
 class ConsumerGroup:
     name: str
@@ -134,9 +157,9 @@ class ClientRegistry:
             group = self.consumers[name] = ConsumerGroup(name)
         if self.on_new_retry_group is not None:     # every heartbeat, as RocketMQ: a deleted one comes back
             self.on_new_retry_group(name, first)
-        group.consume_type = data.get("consumeType") or group.consume_type
-        group.message_model = data.get("messageModel") or group.message_model
-        group.consume_from_where = data.get("consumeFromWhere") or group.consume_from_where
+        group.consume_type = _enum(data.get("consumeType"), _CONSUME_TYPES, group.consume_type)
+        group.message_model = _enum(data.get("messageModel"), _MESSAGE_MODELS, group.message_model)
+        group.consume_from_where = _enum(data.get("consumeFromWhere"), _CONSUME_FROM, group.consume_from_where)
         changed = False
         ch = group.channels.get(conn)
         if ch is None:
