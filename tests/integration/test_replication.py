@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from consumer import PullConsumer
-from consumer.pull_consumer import MessageQueue
+from consumer.pull_consumer import MessageQueue, PullStatus
 from producer import Producer
 from producer.producer import SendStatus
 from protocol.codes import RequestCode, ResponseCode
@@ -383,3 +383,7 @@ async def test_slave_never_moves_a_consumer_offset_it_is_behind(broker_factory):
         assert (moved.code, moved.int_field("nextBeginOffset")) == (ResponseCode.PULL_OFFSET_MOVED, 5)
     finally:
         await pool.close()
+    async with PullConsumer(slave.namesrv, "CG_ahead") as consumer:    # drain stops there, it does not spin
+        await consumer.fetch_queues(TOPIC)
+        results = [r async for r in consumer.drain(mq, 9)]
+    assert [(r.status, r.next_begin_offset) for r in results] == [(PullStatus.NO_MATCHED_MSG, 9)]
