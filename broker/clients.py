@@ -199,8 +199,9 @@ class ClientRegistry:
     def unregister(self, conn, producer_group: str | None, consumer_group: str | None) -> list[str]:
         changed = []
         if producer_group:
-            self.producers.get(producer_group, {}).pop(conn, None)
-            if getattr(conn, "is_open", False):
+            # Recorded only when it was in the group: a client naming group after group it never joined must not
+            # grow this table.
+            if self.producers.get(producer_group, {}).pop(conn, None) is not None and getattr(conn, "is_open", False):
                 self._left.setdefault(conn, set()).add(producer_group)
         if consumer_group:
             group = self.consumers.get(consumer_group)
