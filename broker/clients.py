@@ -65,6 +65,29 @@ def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
                         expression_type)
 
 
+# Java enums by ordinal: rocketmq-client-cpp 1.x sends them as numbers ("messageModel":0 is BROADCASTING), as
+# fastjson reads them. Taken as they came, 0 fell back to the defaults: a C++ broadcasting consumer was listed
+# as CLUSTERING and a C++ pull consumer as CONSUME_PASSIVELY (GET_CONSUMER_CONNECTION_LIST).
+_CONSUME_TYPES = ("CONSUME_ACTIVELY", "CONSUME_PASSIVELY")
+_MESSAGE_MODELS = ("BROADCASTING", "CLUSTERING")
+_CONSUME_FROM = ("CONSUME_FROM_LAST_OFFSET", "CONSUME_FROM_LAST_OFFSET_AND_FROM_MIN_WHEN_BOOT_FIRST",
+                 "CONSUME_FROM_MIN_OFFSET", "CONSUME_FROM_MAX_OFFSET", "CONSUME_FROM_FIRST_OFFSET",
+                 "CONSUME_FROM_TIMESTAMP")
+
+
+def _enum(value, names: tuple, default: str) -> str:
+    """A heartbeat's enum field: its name, or its ordinal as a number (or a numeric string); else ``default``."""
+    if value is None or value == "" or isinstance(value, bool):
+        return default
+    if isinstance(value, str) and not value.lstrip("-").isdigit():
+        return value
+    try:
+        ordinal = int(value)
+    except (ValueError, TypeError, OverflowError):
+        return default
+    return names[ordinal] if 0 <= ordinal < len(names) else default
+
+
 @dataclass
 class ConsumerGroup:
     name: str
@@ -82,6 +105,9 @@ class ClientRegistry:
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
         self.locks: dict[tuple, tuple[str, int]] = {}  # (group, topic, broker, queue) -> (client id, ms)
+        # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
+        # connection between all its producers and consumers): no longer asked about those groups' halves.
+        self._left: dict[object, set[str]] = {}
         self._locks_swept = clock()
 
     # ------------------------------------------------------------ heartbeat
@@ -110,6 +136,11 @@ class ClientRegistry:
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
                      now: int | None = None) -> None:
+        left = self._left.get(conn)
+        if left is not None:                # back in the group (a new producer of it on this connection)
+            left.discard(group)
+            if not left:
+                del self._left[conn]
         channels = self.producers.setdefault(group, {})
         ch = channels.get(conn)
         if ch is None:
@@ -126,9 +157,9 @@ class ClientRegistry:
             group = self.consumers[name] = ConsumerGroup(name)
         if self.on_new_retry_group is not None:     # every heartbeat, as RocketMQ: a deleted one comes back
             self.on_new_retry_group(name, first)
-        group.consume_type = data.get("consumeType") or group.consume_type
-        group.message_model = data.get("messageModel") or group.message_model
-        group.consume_from_where = data.get("consumeFromWhere") or group.consume_from_where
+        group.consume_type = _enum(data.get("consumeType"), _CONSUME_TYPES, group.consume_type)
+        group.message_model = _enum(data.get("messageModel"), _MESSAGE_MODELS, group.message_model)
+        group.consume_from_where = _enum(data.get("consumeFromWhere"), _CONSUME_FROM, group.consume_from_where)
         changed = False
         ch = group.channels.get(conn)
         if ch is None:
@@ -168,7 +199,10 @@ class ClientRegistry:
     def unregister(self, conn, producer_group: str | None, consumer_group: str | None) -> list[str]:
         changed = []
         if producer_group:
-            self.producers.get(producer_group, {}).pop(conn, None)
+            # Recorded only when it was in the group: a client naming group after group it never joined must not
+            # grow this table.
+            if self.producers.get(producer_group, {}).pop(conn, None) is not None and getattr(conn, "is_open", False):
+                self._left.setdefault(conn, set()).add(producer_group)
         if consumer_group:
             group = self.consumers.get(consumer_group)
             if group is not None and group.channels.pop(conn, None) is not None:
@@ -184,6 +218,7 @@ class ClientRegistry:
             del self.consumers[name]
 
     def connection_closed(self, conn) -> list[str]:
+        self._left.pop(conn, None)
         for channels in self.producers.values():
             channels.pop(conn, None)
         changed = []
@@ -229,6 +264,12 @@ class ClientRegistry:
     # -------------------------------------------------------------- queries
     def producer_channels(self, group: str) -> list[Channel]:
         return [ch for ch in self.producers.get(group, {}).values() if ch.alive]
+
+    def left_group(self, conn, group: str) -> bool:
+        """``conn`` unregistered its producer of ``group`` (UNREGISTER_CLIENT) and has not come back to it: it
+        cannot answer for the group's transactions any more (the Java client ignores such a check)."""
+        left = self._left.get(conn)
+        return left is not None and group in left
 
     def producer_channel(self, client_id: str) -> Channel | None:
         """The live channel of a producer with this client id, in any group (ProducerManager.findChannel): where

@@ -9,7 +9,8 @@ Groups created by an operator are stored; a group the broker only knows from its
 heartbeat, a committed offset) is listed with the defaults, as RocketMQ auto-creates it
 (autoCreateSubscriptionGroup). ``consumeEnable: false`` stops the group's pulls (NO_PERMISSION), and
 ``consumeBroadcastEnable: false`` those of its BROADCASTING consumers; ``retryMaxTimes`` is the group's retries
-when a send-back names none.
+when a send-back names none; ``notifyConsumerIdsChangedEnable: false`` stops NOTIFY_CONSUMER_IDS_CHANGED on
+heartbeats and UNREGISTER_CLIENT (not when a connection closes, as RocketMQ).
 """
 from __future__ import annotations
 
@@ -97,6 +98,13 @@ class SubscriptionGroups:
     def broadcast_enabled(self, group: str) -> bool:
         cfg = self.groups.get(group)
         return cfg is None or cfg["consumeBroadcastEnable"]
+
+    def notify_enabled(self, group: str) -> bool:
+        """notifyConsumerIdsChangedEnable: tell the group's consumers when one joins or leaves it (HEART_BEAT,
+        UNREGISTER_CLIENT). Operators turn it off for large groups, whose members then rebalance on their own
+        timer (20 s) instead of all at once on every join."""
+        cfg = self.groups.get(group)
+        return cfg is None or cfg["notifyConsumerIdsChangedEnable"]
 
     def retry_max_times(self, group: str) -> int | None:
         """The group's retryMaxTimes when an operator set its config, else None (the broker's default)."""

@@ -232,7 +232,8 @@ class PullConsumer:
 
         Yields every pull's result in queue order, each pull starting at the previous one's
         ``next_begin_offset``; the last result yielded is the first that is neither FOUND nor
-        NO_MATCHED_MSG (NO_NEW_MSG once caught up, OFFSET_ILLEGAL). The pulls after the first are
+        NO_MATCHED_MSG (NO_NEW_MSG once caught up, OFFSET_ILLEGAL), or a NO_MATCHED_MSG that did not
+        move the offset (a slave behind its master answers so for an offset it lacks). The pulls after the first are
         sent before their offsets are known: each is guessed to start where the previous one
         advanced by as much as the last result did (``max_nums`` at first; queue offsets are dense,
         so a pull that found ``max_nums`` messages unfiltered ends ``max_nums`` further), never past
@@ -272,6 +273,8 @@ class PullConsumer:
                 yield res
                 if res.status not in (PullStatus.FOUND, PullStatus.NO_MATCHED_MSG):
                     return
+                if res.status is PullStatus.NO_MATCHED_MSG and res.next_begin_offset == at:
+                    return          # a slave behind its master: it has nothing at ``at`` yet
                 max_known = res.max_offset
                 if res.next_begin_offset > at:
                     step = res.next_begin_offset - at

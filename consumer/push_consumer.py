@@ -518,6 +518,10 @@ class PushConsumer:
                 else:
                     if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:
                         self._offsets[mq] = res.next_begin_offset
+                    if res.status is PullStatus.NO_MATCHED_MSG and res.next_begin_offset == offset:
+                        # A slave behind its master (the master gone) does not have this offset yet: it says
+                        # retry, offset unchanged. Asked again at once, it is asked in a tight loop.
+                        await asyncio.sleep(self.pull_retry_delay_s)
                 offset = self._offsets[mq]
             except asyncio.CancelledError:
                 raise

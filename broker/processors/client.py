@@ -8,17 +8,22 @@ from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
 
 
+def _notify(ctx, groups) -> None:
+    """NOTIFY_CONSUMER_IDS_CHANGED to each group's consumers, unless its config turned that off (RocketMQ's
+    ClientManageProcessor reads notifyConsumerIdsChangedEnable for HEART_BEAT and UNREGISTER_CLIENT)."""
+    subs = ctx.subscriptions
+    for group in groups:
+        if subs is None or subs.notify_enabled(group):
+            ctx.clients.notify_ids_changed(group)
+
+
 def heart_beat(ctx, conn, cmd):
-    changed = ctx.clients.heartbeat(conn, cmd)
-    for group in changed:
-        ctx.clients.notify_ids_changed(group)
+    _notify(ctx, ctx.clients.heartbeat(conn, cmd))
     return cmd.response(ResponseCode.SUCCESS)
 
 
 def unregister_client(ctx, conn, cmd):
-    changed = ctx.clients.unregister(conn, cmd.str_field("producerGroup"), cmd.str_field("consumerGroup"))
-    for group in changed:
-        ctx.clients.notify_ids_changed(group)
+    _notify(ctx, ctx.clients.unregister(conn, cmd.str_field("producerGroup"), cmd.str_field("consumerGroup")))
     return cmd.response(ResponseCode.SUCCESS)
 
 

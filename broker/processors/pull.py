@@ -49,10 +49,25 @@ def _suggest(ctx, got) -> int:
     return 1 if on_disk(ctx, _PHYS.unpack_from(got.buffers[-1], POS_PHYSICAL_OFFSET)[0]) else 0
 
 
+# Statuses whose nextBeginOffset is a correction of the consumer's offset (DefaultMessageStore.nextOffsetCorrection).
+_CORRECTIONS = frozenset({GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE_IN_QUEUE, GetStatus.OFFSET_TOO_SMALL,
+                          GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_OVERFLOW_BADLY, GetStatus.OFFSET_FOUND_NULL})
+
+
 def _reply(ctx, cmd, group, topic, got):
     status = got.status
     code = _code(cmd, status)
-    fields = {"suggestWhichBrokerId": _suggest(ctx, got), "nextBeginOffset": got.next_begin_offset,
+    next_begin = got.next_begin_offset
+    suggest = _suggest(ctx, got)
+    if ctx.config.broker_role == "SLAVE" and status in _CORRECTIONS:
+        # A slave never corrects a consumer's offset (RocketMQ's default offsetCheckInSlave=false): it may only be
+        # behind its master. PULL_OFFSET_MOVED became PULL_RETRY_IMMEDIATELY with the offset as asked, pointing
+        # at the master; answered as on a master, a consumer that failed over to a lagging slave (or one without
+        # the queue yet) moved its committed offset back to the slave's end, or to 0, and consumed again.
+        next_begin = cmd.int_field("queueOffset")
+        if code == ResponseCode.PULL_OFFSET_MOVED:
+            code, suggest = ResponseCode.PULL_RETRY_IMMEDIATELY, 0
+    fields = {"suggestWhichBrokerId": suggest, "nextBeginOffset": next_begin,
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:
         size = sum(len(b) for b in got.buffers)

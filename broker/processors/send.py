@@ -424,7 +424,8 @@ async def handle_send_back(ctx, conn, cmd):
         to_topic, to_qid, delay_ms, tags = waits
     record = encode_record(
         topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=sys_flag,
-        born_timestamp=msg.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
+        # the producer's born host, as RocketMQ copies it: the consumer that failed the message did not make it
+        born_timestamp=msg.born_timestamp, born_host=pack_host(*msg.born_host), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(),
         # (a producer may send any 32-bit count: one more must still fit, or the failed message goes nowhere)
         reconsume_times=min(times + 1, _MAX_RECONSUME_TIMES))

@@ -452,13 +452,18 @@ class TransactionService:
         The sender is found by its client id when it reconnected (a new connection, the same instance: the
         one that knows its local transaction). It is not asked first again once a check went unanswered:
         a sender hung with its connection open would otherwise get every check until the transaction is
-        dead-lettered, while the group's other producers could answer."""
+        dead-lettered, while the group's other producers could answer. Nor is it asked once it unregistered
+        the group (UNREGISTER_CLIENT) on a connection that stays open: as RocketMQ's ProducerManager, only
+        producers still in the group are asked (a Java client ignores a check for a group it has left, and the
+        transaction was checked to its limit and dead-lettered while another producer was never asked)."""
         channels = self.ctx.clients.producer_channels(tx.group)
         owner = tx.owner
         if owner is not None and not getattr(owner, "is_open", False):
             owner = next((ch.conn for ch in channels if ch.client_id == tx.owner_id), None) if tx.owner_id else None
             if owner is not None:
                 tx.owner = owner
+        if owner is not None and self.ctx.clients.left_group(owner, tx.group):
+            owner = None
         if owner is None and not channels:
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
@@ -589,9 +594,11 @@ class TransactionService:
             if group and p.group != group:
                 continue
             owner_alive = p.owner is not None and getattr(p.owner, "is_open", False)
+            owner_left = owner_alive and self.ctx.clients.left_group(p.owner, p.group)
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,
                          "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": now - p.store_ts,
-                         "checks": p.checks, "owner": p.owner_id + ("" if owner_alive else " (gone)"),
+                         "checks": p.checks, "owner": p.owner_id + (" (left the group)" if owner_left else
+                                                                    "" if owner_alive else " (gone)"),
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - now)})
             if len(rows) >= limit:
                 break

@@ -233,3 +233,87 @@ async def test_a_group_set_to_refuse_broadcast_is_not_consumed_by_broadcast(brok
     assert codes["CG_no_broadcast"] == (ResponseCode.NO_PERMISSION,
                                         "the consumer group[CG_no_broadcast] can not consume by broadcast way")
     assert codes["CG_clustering"][0] == ResponseCode.PULL_NOT_FOUND
+
+
+@bounded(30)
+async def test_a_group_set_not_to_be_notified_is_not_told_of_joins_and_leaves(broker):
+    """notifyConsumerIdsChangedEnable=false: no NOTIFY_CONSUMER_IDS_CHANGED when a consumer of the group joins
+    (HEART_BEAT) or leaves (UNREGISTER_CLIENT), as RocketMQ; it was stored and shown, and every join still
+    made the whole group rebalance at once. A group left at the default is told, as before."""
+    host, _, port = broker.broker.rpartition(":")
+    told = defaultdict(list)
+
+    def listener(name):
+        def handle(conn, cmd):
+            if cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
+                told[name].append(cmd.ext_fields.get("consumerGroup"))
+        return handle
+
+    first = await open_connection(host, int(port), listener("first"))
+    second = await open_connection(host, int(port), listener("second"))
+
+    def heartbeat(client_id):
+        sub = {"topic": "Quiet", "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 1,
+               "expressionType": "TAG", "classFilterMode": False}
+        return RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps({
+            "clientID": client_id, "producerDataSet": [], "consumerDataSet": [
+                {"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                 "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [sub]}
+                for group in ("CG_quiet", "CG_told")]}).encode())
+
+    try:
+        resp = await first.request(RemotingCommand.request(
+            RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP,
+            body=json.dumps({"groupName": "CG_quiet", "notifyConsumerIdsChangedEnable": False}).encode()), 5)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        assert (await first.request(heartbeat("127.0.0.1@first"), 5)).code == ResponseCode.SUCCESS
+        assert (await second.request(heartbeat("127.0.0.1@second"), 5)).code == ResponseCode.SUCCESS
+        for group in ("CG_quiet", "CG_told"):
+            left = await second.request(RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
+                "clientID": "127.0.0.1@second", "consumerGroup": group}), 5)
+            assert left.code == ResponseCode.SUCCESS
+        # A notice is sent before the request that caused it is answered, and one connection keeps its order:
+        # after one more round trip on ``first``, every notice it was sent has arrived.
+        await first.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": "Quiet", "queueId": 0}), 5)
+    finally:
+        first.close()
+        second.close()
+    assert "CG_quiet" not in told["first"] + told["second"]
+    assert told["first"].count("CG_told") == 3       # its own join, the second's join, the second's leaving
+
+
+@bounded(30)
+async def test_enums_sent_as_ordinals_by_the_cpp_client_are_read_as_java_reads_them(broker):
+    """rocketmq-client-cpp 1.x heartbeats carry messageModel, consumeType and consumeFromWhere as Java enum
+    ordinals (shared/vectors/rocketmq-0.4.4.jsonl). 0 (BROADCASTING, CONSUME_ACTIVELY) was taken as "none":
+    a C++ broadcasting pull consumer was listed as a CLUSTERING push consumer, and a group that refuses
+    broadcast consumption was consumed by broadcast."""
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+
+    async def call(code, fields=None, body=b""):
+        return await conn.request(RemotingCommand.request(code, fields, body), 5)
+
+    try:
+        resp = await call(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP,
+                          body=json.dumps({"groupName": "GID_cpp", "consumeBroadcastEnable": False}).encode())
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        resp = await call(RequestCode.UPDATE_AND_CREATE_TOPIC, {"topic": "CppNews", "readQueueNums": 1,
+                                                                "writeQueueNums": 1, "perm": 6})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        body = json.dumps({"clientID": "22784-127.0.0.1@DEFAULT", "consumerDataSet": [
+            {"consumeFromWhere": 4, "consumeType": 0, "groupName": "GID_cpp", "messageModel": 0,
+             "subscriptionDataSet": [{"subString": "*", "subVersion": "1795269198281", "topic": "CppNews"}]}]})
+        assert (await call(RequestCode.HEART_BEAT, body=body.encode())).code == ResponseCode.SUCCESS
+        listed = await call(RequestCode.GET_CONSUMER_CONNECTION_LIST, {"consumerGroup": "GID_cpp"})
+        assert listed.code == ResponseCode.SUCCESS, listed.remark
+        shown = json.loads(listed.body_bytes())
+        assert (shown["messageModel"], shown["consumeType"], shown["consumeFromWhere"]) == (
+            "BROADCASTING", "CONSUME_ACTIVELY", "CONSUME_FROM_FIRST_OFFSET")
+        pulled = await call(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "GID_cpp", "topic": "CppNews", "queueId": 0, "queueOffset": 0, "maxMsgNums": 32,
+            "sysFlag": 0, "commitOffset": 0, "suspendTimeoutMillis": 0, "subVersion": 0})
+        assert (pulled.code, pulled.remark) == (ResponseCode.NO_PERMISSION,
+                                                "the consumer group[GID_cpp] can not consume by broadcast way")
+    finally:
+        conn.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from consumer import PullConsumer
-from consumer.pull_consumer import MessageQueue
+from consumer.pull_consumer import MessageQueue, PullStatus
 from producer import Producer
 from producer.producer import SendStatus
 from protocol.codes import RequestCode, ResponseCode
@@ -348,3 +348,42 @@ async def test_a_slave_does_not_export_deliveries_it_does_not_make(broker_factor
         assert not any((await asyncio.to_thread(_waiting, slave.metrics)).values())
     finally:
         await pool.close()
+
+
+async def test_slave_never_moves_a_consumer_offset_it_is_behind(broker_factory):
+    """A consumer that fails over to a slave behind its master (ASYNC_MASTER, or a slave just started) asks
+    for offsets the slave does not have yet. RocketMQ's slave answers PULL_RETRY_IMMEDIATELY with the offset
+    as asked and suggests the master (offsetCheckInSlave=false); answered PULL_OFFSET_MOVED with the slave's
+    end, a stock consumer moved its committed offset back there and consumed everything after it again."""
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    async with Producer(master.namesrv, "PG_ahead") as producer:
+        first = await producer.send(TOPIC, b"m0")
+        mq = first.queue
+        for i in range(1, 5):
+            await producer.send(TOPIC, f"m{i}".encode(), queue=mq)
+    assert len(await _pull_all(slave.namesrv, mq, 5)) == 5      # the slave has the 5 messages
+    pool = ConnectionPool()
+    try:
+        async def pull(addr, offset):
+            return await pool.request(addr, RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                "consumerGroup": "CG_ahead", "topic": TOPIC, "queueId": mq.queue_id, "queueOffset": offset,
+                "maxMsgNums": 32, "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0,
+                "subscription": "*", "subVersion": 0, "expressionType": "TAG"}))
+
+        ahead = await pull(slave.broker, 9)     # the master had stored (and the consumer consumed) up to 9
+        assert (ahead.code, ahead.int_field("nextBeginOffset"), ahead.int_field("suggestWhichBrokerId")) == (
+            ResponseCode.PULL_RETRY_IMMEDIATELY, 9, 0), ahead.remark
+        at_end = await pull(slave.broker, 5)
+        assert (at_end.code, at_end.int_field("nextBeginOffset")) == (ResponseCode.PULL_NOT_FOUND, 5)
+        found = await pull(slave.broker, 3)
+        assert (found.code, found.int_field("nextBeginOffset")) == (ResponseCode.SUCCESS, 5)
+        # a master corrects the offset, as before
+        moved = await pull(master.broker, 9)
+        assert (moved.code, moved.int_field("nextBeginOffset")) == (ResponseCode.PULL_OFFSET_MOVED, 5)
+    finally:
+        await pool.close()
+    async with PullConsumer(slave.namesrv, "CG_ahead") as consumer:    # drain stops there, it does not spin
+        await consumer.fetch_queues(TOPIC)
+        results = [r async for r in consumer.drain(mq, 9)]
+    assert [(r.status, r.next_begin_offset) for r in results] == [(PullStatus.NO_MATCHED_MSG, 9)]

@@ -46,6 +46,7 @@ async def test_failed_messages_go_to_retry_then_dead_letter_queue(broker_factory
         queues = await consumer.fetch_queues("Work")
         mq = next(q for q in queues if q.queue_id == sent.queue.queue_id)
         msg = (await consumer.pull(mq, sent.queue_offset)).messages[0]
+        born = (msg.born_host, msg.born_timestamp)      # the producer's connection, not the consumer's
         addr = consumer._addr(mq)
         seen = []
         for attempt in range(1, 4):
@@ -54,13 +55,14 @@ async def test_failed_messages_go_to_retry_then_dead_letter_queue(broker_factory
             if attempt < 3:
                 retry_mq = (await consumer.fetch_queues(f"%RETRY%{group}"))[0]
                 msg = await _pull_one(consumer, retry_mq, attempt - 1)
-                seen.append((msg.topic, msg.reconsume_times, msg.properties["RETRY_TOPIC"]))
+                seen.append((msg.topic, msg.reconsume_times, msg.properties["RETRY_TOPIC"], (msg.born_host,
+                                                                                           msg.born_timestamp)))
         dlq = MessageQueue(f"%DLQ%{group}", mq.broker_name, 0)
         await consumer.fetch_queues(f"%DLQ%{group}")
         dead = (await consumer.pull(dlq, 0)).messages
     await consumer.shutdown()
-    assert seen == [(f"%RETRY%{group}", 1, "Work"), (f"%RETRY%{group}", 2, "Work")]
-    assert [m.body for m in dead] == [b"fails every time"]
+    assert seen == [(f"%RETRY%{group}", 1, "Work", born), (f"%RETRY%{group}", 2, "Work", born)]
+    assert [m.body for m in dead] == [b"fails every time"] and (dead[0].born_host, dead[0].born_timestamp) == born
     assert dead[0].properties["ORIGIN_MESSAGE_ID"] == sent.msg_id and dead[0].reconsume_times == 3
 
 

@@ -1,0 +1,101 @@
+"""A transaction check goes to a producer still in the half's group, as RocketMQ's ProducerManager picks it.
+
+A Java process shares one connection per broker (its MQClientInstance) between all its producers and
+consumers: a TransactionMQProducer shut down sends UNREGISTER_CLIENT for its group and the connection stays
+open for the rest. The Java client answers a check only for a group it still has a producer of (else it logs
+"pick producer by group failed" and says nothing), so a check sent there is never answered, while another
+producer of the group, which could answer it, is never asked: the committed transaction was checked until
+transaction_check_max and then dead-lettered, never delivered.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from protocol.codes import RequestCode, ResponseCode, SysFlag
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import Prop, SendMessageRequestHeader, properties_to_string
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+TOPIC = "CheckAfterLeave"
+GROUP = "PG_leaves"
+COMMIT = 8
+
+
+def _heartbeat(client_id: str, producer_groups=(), consumer_groups=()):
+    body = {"clientID": client_id, "producerDataSet": [{"groupName": g} for g in producer_groups],
+            "consumerDataSet": [{"groupName": g, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                                 "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False,
+                                 "subscriptionDataSet": [{"topic": "Elsewhere", "subString": "*", "tagsSet": [],
+                                                          "codeSet": [], "subVersion": 1,
+                                                          "classFilterMode": False}]}
+                                for g in consumer_groups]}
+    return RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(body).encode())
+
+
+class Checked:
+    """A client connection's handler: records the checks it is sent, and commits them when ``answers``."""
+
+    def __init__(self, answers: bool):
+        self.answers = answers
+        self.checks = []
+        self.asked = asyncio.Event()
+
+    def __call__(self, conn, cmd):
+        if cmd.code != RequestCode.CHECK_TRANSACTION_STATE:
+            return None
+        self.checks.append(dict(cmd.ext_fields))
+        self.asked.set()
+        if self.answers:
+            conn.oneway(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": GROUP, "tranStateTableOffset": cmd.ext_fields["tranStateTableOffset"],
+                "commitLogOffset": cmd.ext_fields["commitLogOffset"], "commitOrRollback": str(COMMIT),
+                "fromTransactionCheck": "true", "msgId": cmd.ext_fields["msgId"],
+                "transactionId": cmd.ext_fields.get("transactionId", "")}))
+        return None
+
+
+@bounded(60)
+async def test_check_skips_a_connection_that_unregistered_the_group(broker_factory):
+    b = broker_factory("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "2000",
+                       "--transaction-check-max", "5")
+    host, _, port = b.broker.rpartition(":")
+    gone, other = Checked(answers=False), Checked(answers=True)
+    leaver = await open_connection(host, int(port), gone)
+    stayer = await open_connection(host, int(port), other)
+    try:
+        created = await leaver.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        assert (await leaver.request(_heartbeat("leaver", [GROUP], ["CG_same_process"]), 5)).code == 0
+        # the half, sent by the producer that is about to shut down: its local transaction is undecided
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+        sent = await leaver.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                            b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        # TransactionMQProducer.shutdown(): UNREGISTER_CLIENT for its group; the process's consumer keeps the
+        # connection open and heartbeating, without the producer group.
+        left = await leaver.request(RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
+            "clientID": "leaver", "producerGroup": GROUP}), 5)
+        assert left.code == ResponseCode.SUCCESS
+        assert (await leaver.request(_heartbeat("leaver", [], ["CG_same_process"]), 5)).code == 0
+        # another producer of the group, which can answer the check
+        assert (await stayer.request(_heartbeat("stayer", [GROUP]), 5)).code == 0
+        # the first check goes to one of the two connections (the test's deadline bounds the wait)
+        await asyncio.wait([asyncio.ensure_future(gone.asked.wait()), asyncio.ensure_future(other.asked.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        assert gone.checks == [], f"checked a connection whose producer had unregistered the group:\n{b.log()}"
+        pulled = await stayer.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_reader", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+            "sysFlag": 2 | 4, "commitOffset": 0, "suspendTimeoutMillis": 20000, "subscription": "*",
+            "subVersion": 0, "expressionType": "TAG"}), 25)       # long-polls until the commit is stored
+        assert pulled.code == ResponseCode.SUCCESS, pulled.remark
+    finally:
+        leaver.close()
+        stayer.close()
