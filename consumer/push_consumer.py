@@ -369,8 +369,10 @@ class PushConsumer:
                         self._start_loop(mq)
 
     def _halted(self, mq: MessageQueue) -> bool:
-        """No new pull and no new message for ``mq``: shutdown began, or a rebalance gave it away."""
-        return self._stopping or mq in self._leaving
+        """No new pull and no new message for ``mq``: shutdown began, a rebalance gave it away, or the running
+        loop was given up on (``_abandon``), even once the queue is this consumer's again: one given up on after
+        its listener call (in a slow send-back) went on to the rest of its batch beside the queue's new loop."""
+        return self._stopping or mq in self._leaving or self._given_up()
 
     def _start_loop(self, mq: MessageQueue) -> None:
         if self._stopping:      # a rebalance or offset reset ending as shutdown cancels it starts nothing new
@@ -514,6 +516,10 @@ class PushConsumer:
                         # (taken back) may have set its own.
                         if not self._given_up():
                             self._consuming.discard(mq)
+                    if self._given_up():
+                        # Given up on after its listener call, in the send-back (a slow broker): the queue's
+                        # offset is no longer this loop's to move (a loop started since may hold it).
+                        return
                     self._offsets[mq] = msg.queue_offset + 1
                 else:
                     if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:

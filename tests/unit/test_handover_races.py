@@ -530,3 +530,85 @@ async def test_a_failed_hand_over_is_counted_once(caplog):
         await consumer.shutdown()
     assert consumer.crashes == 1, caplog.text
     assert "rebalance of G failed" not in caplog.text and "a bug in the offset store" in caplog.text
+
+
+@bounded(20)
+async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset_and_calls_no_listener():
+    """The listener swallows its hand-over's cancel and returns RECONSUME_LATER at once; the loop then hands
+    the message back (CONSUMER_SEND_MSG_BACK), which takes longer than abandon_after_s (a slow broker), and
+    the loop is given up on there, not in a listener call. The queue comes back meanwhile, a new loop
+    consumes it from the committed offset. When the send-back returns at last, the given-up loop set the
+    queue's offset past its batch's first message over the new loop's, and went on to the rest of its
+    batch: a listener call on m1 from a loop no longer the queue's, alongside the new loop's."""
+    mq = MessageQueue("T", "b", 0)
+    calls = []
+    first_in, second_in, sent_back = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    release_send_back, release_rest = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            first_in.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:      # swallowed: returns its verdict instead
+                return ConsumeStatus.RECONSUME_LATER
+        second_in.set()
+        await release_rest.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=0.1, abandon_after_s=0.1,
+                            shutdown_grace_s=0)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    stored = {mq: 0}
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 2, 0, 2, [MessageExt("T", b"m0", queue_offset=0),
+                                                          MessageExt("T", b"m1", queue_offset=1)])
+        await asyncio.Event().wait()
+
+    async def send_back(q, msg, **kw):
+        sent_back.set()
+        await release_send_back.wait()
+
+    async def write(q, offset):
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull, consumer.client.send_back = pull, send_back
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        await first_in.wait()
+        given_up = consumer._loops[mq]
+        ids[:] = ["!", me]
+        await consumer.rebalance()          # handed over: the call returns, its send-back hangs: given up on
+        assert sent_back.is_set() and given_up in consumer._abandoned and not given_up.done()
+        assert stored[mq] == 0
+        ids[:] = [me]
+        await consumer.rebalance()          # taken back: a new loop, m0 again
+        await second_in.wait()
+        new_loop = consumer._loops[mq]
+        release_send_back.set()             # the given-up loop's send-back returns
+        await asyncio.wait([given_up], timeout=1)
+        assert given_up.done(), "the given-up loop went on after its send-back"
+        assert calls == [b"m0", b"m0"], "the given-up loop called the listener on the rest of its batch"
+        assert consumer._offsets[mq] == 0, "the given-up loop moved the new loop's offset"
+        assert mq in consumer._consuming and consumer._loops[mq] is new_loop
+    finally:
+        release_send_back.set()
+        release_rest.set()
+        await consumer.shutdown()
