@@ -3,6 +3,7 @@ and taken back by another while its old pull loop still has a message in hand.""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -611,4 +612,104 @@ async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset
     finally:
         release_send_back.set()
         release_rest.set()
+        await consumer.shutdown()
+
+
+def _reset_fixture(listener, **options):
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, shutdown_grace_s=0, **options)
+    consumer.subscribe("T")
+    stored, pulls = {mq: 0}, []
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return [consumer.client.client_id]
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        if offset in (0, 5):
+            return PullResult(PullStatus.FOUND, offset + 2, 0, offset + 2,
+                              [MessageExt("T", b"m%d" % o, queue_offset=o) for o in (offset, offset + 1)])
+        await asyncio.Event().wait()
+
+    async def write(q, offset):
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull = pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    return consumer, mq, stored, pulls
+
+
+@bounded(20)
+async def test_an_offset_reset_gives_up_a_listener_that_ignores_its_cancel(caplog):
+    """RESET_CONSUMER_CLIENT_OFFSET cancels the topic's pull loops and waited for them without a limit: a
+    listener that swallows its cancel held the reset for ever -- the new offsets never written, the queue
+    never consumed again (kept out of rebalances while it resets). It is given up on after abandon_after_s,
+    as shutdown and hand-overs do; the reset completes, and the call's late end moves no offset."""
+    calls, entered, release = [], asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            entered.set()
+            for _ in range(100):
+                try:
+                    await release.wait()
+                    break
+                except asyncio.CancelledError:
+                    pass
+            return ConsumeStatus.CONSUME_SUCCESS
+        await asyncio.Event().wait()
+
+    consumer, mq, stored, pulls = _reset_fixture(listener, abandon_after_s=0.2)
+    try:
+        await consumer.rebalance()
+        await entered.wait()
+        old = consumer._loops[mq]
+        await asyncio.wait_for(consumer.reset_offsets("T", {mq: 5}), 3)
+        assert stored[mq] == 5 and old in consumer._abandoned
+        assert any(r.levelno >= logging.ERROR and "abandon_after_s" in r.getMessage() for r in caplog.records)
+        while calls != [b"m0", b"m5"]:          # the queue is consumed again, from the new offset
+            await asyncio.sleep(0.01)
+        release.set()
+        await old
+        assert consumer._offsets[mq] == 5 and stored[mq] == 5, "the given-up call moved the reset offset"
+        assert calls == [b"m0", b"m5"]
+    finally:
+        release.set()
+        await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_loop_an_offset_reset_cancels_takes_no_further_message():
+    """A listener swallows the reset's cancel and returns at once: its loop went on with the rest of its batch
+    (m1, the old position) and then pulled on from there, while the reset waited for it to end."""
+    calls, entered = [], asyncio.Event()
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            entered.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                return ConsumeStatus.CONSUME_SUCCESS
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer, mq, stored, pulls = _reset_fixture(listener, abandon_after_s=1)
+    try:
+        await consumer.rebalance()
+        await entered.wait()
+        await asyncio.wait_for(consumer.reset_offsets("T", {mq: 5}), 3)
+        while consumer._offsets.get(mq) != 7:
+            await asyncio.sleep(0.01)
+        assert calls == [b"m0", b"m5", b"m6"], "the cancelled loop consumed on from the old offset"
+        assert pulls == [0, 5, 7]
+    finally:
         await consumer.shutdown()
