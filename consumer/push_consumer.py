@@ -335,8 +335,10 @@ class PushConsumer:
         task.add_done_callback(self._abandoned.discard)
         log.error("push consumer %s: listener call on %s ignored its cancel for %g s (abandon_after_s): given up "
                   "on, still running; its message is not committed and comes again to the queue's next consumer, "
-                  "perhaps while this call still runs it. A listener must let CancelledError through.",
-                  self.group, mq, self.abandon_after_s)
+                  "perhaps while this call still runs it%s. A listener must let CancelledError through.",
+                  self.group, mq, self.abandon_after_s,
+                  " (orderly: the queue's lock is released all the same, so two calls may run on this queue at "
+                  "once, out of order)" if self.orderly else "")
 
     async def _hand_over(self, leaving: dict[MessageQueue, asyncio.Task]) -> None:
         """Give away queues a rebalance took from this consumer, as shutdown gives up all of them: their
