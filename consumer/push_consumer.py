@@ -335,8 +335,10 @@ class PushConsumer:
         task.add_done_callback(self._abandoned.discard)
         log.error("push consumer %s: listener call on %s ignored its cancel for %g s (abandon_after_s): given up "
                   "on, still running; its message is not committed and comes again to the queue's next consumer, "
-                  "perhaps while this call still runs it. A listener must let CancelledError through.",
-                  self.group, mq, self.abandon_after_s)
+                  "perhaps while this call still runs it%s. A listener must let CancelledError through.",
+                  self.group, mq, self.abandon_after_s,
+                  " (orderly: the queue's lock is released all the same, so two calls may run on this queue at "
+                  "once, out of order)" if self.orderly else "")
 
     async def _hand_over(self, leaving: dict[MessageQueue, asyncio.Task]) -> None:
         """Give away queues a rebalance took from this consumer, as shutdown gives up all of them: their
@@ -369,8 +371,11 @@ class PushConsumer:
                         self._start_loop(mq)
 
     def _halted(self, mq: MessageQueue) -> bool:
-        """No new pull and no new message for ``mq``: shutdown began, or a rebalance gave it away."""
-        return self._stopping or mq in self._leaving
+        """No new pull and no new message for ``mq``: shutdown began, a rebalance gave it away, an offset reset
+        is stopping its loop (one whose listener swallowed the reset's cancel went on from the old offset), or
+        the running loop was given up on (``_abandon``), even once the queue is this consumer's again: one given up on after
+        its listener call (in a slow send-back) went on to the rest of its batch beside the queue's new loop."""
+        return self._stopping or mq in self._leaving or mq in self._resetting or self._given_up()
 
     def _start_loop(self, mq: MessageQueue) -> None:
         if self._stopping:      # a rebalance or offset reset ending as shutdown cancels it starts nothing new
@@ -392,14 +397,19 @@ class PushConsumer:
 
     async def reset_offsets(self, topic: str, offsets: dict[MessageQueue, int]) -> None:
         """RESET_CONSUMER_CLIENT_OFFSET: stop the topic's pull loops (the message in hand is finished
-        or abandoned), store the new offsets, and start the loops again from them."""
+        or abandoned), store the new offsets, and start the loops again from them. A listener call that
+        ignores its cancel is given up on after ``abandon_after_s`` (``_abandon``), as shutdown does."""
         stopped = [mq for mq in self._loops if mq.topic == topic]
         tasks = [self._loops.pop(mq) for mq in stopped]
         self._resetting.update(stopped)     # not started by a rebalance meanwhile: they would read the old offsets
         for task in tasks:
             task.cancel()
         try:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:   # waited for without a limit, a listener swallowing its cancel held the reset for ever
+                _, stuck = await asyncio.wait(tasks, timeout=self.abandon_after_s)
+                for mq, task in zip(stopped, tasks):
+                    if task in stuck:
+                        self._abandon(mq, task)
             for mq, offset in offsets.items():
                 mine = mq in self._owned        # another consumer's queue: its position is not ours to keep
                 if mine:
@@ -514,6 +524,10 @@ class PushConsumer:
                         # (taken back) may have set its own.
                         if not self._given_up():
                             self._consuming.discard(mq)
+                    if self._given_up():
+                        # Given up on after its listener call, in the send-back (a slow broker): the queue's
+                        # offset is no longer this loop's to move (a loop started since may hold it).
+                        return
                     self._offsets[mq] = msg.queue_offset + 1
                 else:
                     if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:

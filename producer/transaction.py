@@ -101,14 +101,19 @@ class TransactionProducer(Producer):
     ``end_retries`` / ``end_timeout``: how often and how long an END_TRANSACTION request is tried.
     ``end_probe_interval_s``: while ENDs go oneway (the broker did not acknowledge one), how often one is
     sent as a request again to find out whether acknowledgements are back. ``shutdown_grace_s``: how long
-    shutdown waits for the broker's checks being answered (see ``shutdown``). Other keywords: ``Producer``.
+    shutdown waits for the broker's checks being answered (see ``shutdown``); ``abandon_after_s``: how long a
+    check cancelled past that grace may still take to end before it is given up on (a
+    ``check_local_transaction`` that swallows CancelledError). Other keywords: ``Producer``.
     """
 
     def __init__(self, namesrv_addr: str, group: str, listener: TransactionListener, *,
                  end_retries: int = 5, end_timeout: float = 3.0, end_probe_interval_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, shutdown_grace_s: float = 5.0, **kwargs: Any):
+                 clock: Callable[[], float] = time.monotonic, shutdown_grace_s: float = 5.0,
+                 abandon_after_s: float = 5.0, **kwargs: Any):
         if shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r}: 0 or more seconds")
+        if not abandon_after_s > 0:     # 0 would give up on every check before its cancel was even delivered
+            raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
         super().__init__(namesrv_addr, group, **kwargs)
         self.listener = listener
         self.end_retries = end_retries
@@ -119,6 +124,10 @@ class TransactionProducer(Producer):
         self._oneway_since = 0.0                      # clock() when ENDs went oneway (or were last probed)
         self._check_tasks: set[asyncio.Task] = set()
         self.shutdown_grace_s = shutdown_grace_s
+        # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
+        # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
+        self.abandon_after_s = abandon_after_s
+        self._abandoned: set[asyncio.Task] = set()      # checks given up on: they send no END when they end
         self._stopping = False
 
     async def send_in_transaction(self, topic: str, body: bytes, arg: Any = None, *, tags: str | None = None,
@@ -246,8 +255,12 @@ class TransactionProducer(Producer):
         except Exception as exc:  # noqa: BLE001
             state = LocalTransactionState.UNKNOW
             remark = f"checkLocalTransactionState Exception: {exc}"
-        addr = f"{conn.peer[0]}:{conn.peer[1]}"
         msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
+        if asyncio.current_task() in self._abandoned:   # the producer closed without it: no END on a new connection
+            log.warning("producer %s: check of %s given up on at shutdown has ended; left unanswered, the broker "
+                        "asks again", self.group, msg_id)
+            return
+        addr = f"{conn.peer[0]}:{conn.peer[1]}"
         try:
             await self._end(addr, cmd.int_field("commitLogOffset", 0), cmd.int_field("tranStateTableOffset", 0),
                             msg_id, state, True, remark)
@@ -262,12 +275,25 @@ class TransactionProducer(Producer):
     async def shutdown(self) -> None:
         """Take no more checks, let those being answered finish (up to ``shutdown_grace_s``), then as
         ``Producer.shutdown``: a check answered meanwhile reaches the broker over a connection still open.
-        A check still running after the grace period is cancelled; its transaction is asked about again."""
+        A check still running after the grace period is cancelled; its transaction is asked about again.
+        One that ignores its cancel for ``abandon_after_s`` more is given up on, with an error logged: shutdown
+        completes without it, and when it ends at last it sends no answer."""
         self._stopping = True
         running = set(self._check_tasks)
         late = await finish_within(running, self.shutdown_grace_s)
+        stuck: set[asyncio.Task] = set()
         if late:
             log.warning("producer %s: %d transaction check(s) still running after %g s (shutdown_grace_s): "
                         "cancelled; the broker will ask again", self.group, len(late), self.shutdown_grace_s)
-        await asyncio.gather(*running, return_exceptions=True)
+            # A check_local_transaction that catches the CancelledError and goes on held us here for ever: bounded.
+            _, stuck = await asyncio.wait(late, timeout=self.abandon_after_s)
+            for task in stuck:
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned.discard)
+            if stuck:
+                log.error("producer %s: %d transaction check(s) ignored their cancel for %g s (abandon_after_s): "
+                          "given up on, still running, left unanswered (the broker asks again). "
+                          "check_local_transaction must let CancelledError through.", self.group, len(stuck),
+                          self.abandon_after_s)
+        await asyncio.gather(*(t for t in running if t not in stuck), return_exceptions=True)
         await super().shutdown()

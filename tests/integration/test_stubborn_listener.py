@@ -93,7 +93,8 @@ async def test_an_orderly_hand_over_gives_up_a_listener_that_ignores_its_cancel(
             assert new.got == BODIES            # m0 again, then the rest, in order
             assert old.swallowed == [b"m0"] and old.finished == []
             assert set(old.commits) <= {0}
-            assert any(r.levelno >= logging.ERROR and "abandon_after_s" in r.getMessage() for r in caplog.records)
+            assert any(r.levelno >= logging.ERROR and "abandon_after_s" in r.getMessage()
+                       and "orderly: the queue's lock is released" in r.getMessage() for r in caplog.records)
             await _given_up_call_ends(old.consumer, old)
             assert old.finished == [b"m0"] and set(old.commits) <= {0}
             assert not old.consumer._consuming

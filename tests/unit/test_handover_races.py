@@ -3,6 +3,7 @@ and taken back by another while its old pull loop still has a message in hand.""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -530,3 +531,185 @@ async def test_a_failed_hand_over_is_counted_once(caplog):
         await consumer.shutdown()
     assert consumer.crashes == 1, caplog.text
     assert "rebalance of G failed" not in caplog.text and "a bug in the offset store" in caplog.text
+
+
+@bounded(20)
+async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset_and_calls_no_listener():
+    """The listener swallows its hand-over's cancel and returns RECONSUME_LATER at once; the loop then hands
+    the message back (CONSUMER_SEND_MSG_BACK), which takes longer than abandon_after_s (a slow broker), and
+    the loop is given up on there, not in a listener call. The queue comes back meanwhile, a new loop
+    consumes it from the committed offset. When the send-back returns at last, the given-up loop set the
+    queue's offset past its batch's first message over the new loop's, and went on to the rest of its
+    batch: a listener call on m1 from a loop no longer the queue's, alongside the new loop's."""
+    mq = MessageQueue("T", "b", 0)
+    calls = []
+    first_in, second_in, sent_back = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    release_send_back, release_rest = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            first_in.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:      # swallowed: returns its verdict instead
+                return ConsumeStatus.RECONSUME_LATER
+        second_in.set()
+        await release_rest.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=0.1, abandon_after_s=0.1,
+                            shutdown_grace_s=0)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    stored = {mq: 0}
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 2, 0, 2, [MessageExt("T", b"m0", queue_offset=0),
+                                                          MessageExt("T", b"m1", queue_offset=1)])
+        await asyncio.Event().wait()
+
+    async def send_back(q, msg, **kw):
+        sent_back.set()
+        await release_send_back.wait()
+
+    async def write(q, offset):
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull, consumer.client.send_back = pull, send_back
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    try:
+        await consumer.rebalance()
+        await first_in.wait()
+        given_up = consumer._loops[mq]
+        ids[:] = ["!", me]
+        await consumer.rebalance()          # handed over: the call returns, its send-back hangs: given up on
+        assert sent_back.is_set() and given_up in consumer._abandoned and not given_up.done()
+        assert stored[mq] == 0
+        ids[:] = [me]
+        await consumer.rebalance()          # taken back: a new loop, m0 again
+        await second_in.wait()
+        new_loop = consumer._loops[mq]
+        release_send_back.set()             # the given-up loop's send-back returns
+        await asyncio.wait([given_up], timeout=1)
+        assert given_up.done(), "the given-up loop went on after its send-back"
+        assert calls == [b"m0", b"m0"], "the given-up loop called the listener on the rest of its batch"
+        assert consumer._offsets[mq] == 0, "the given-up loop moved the new loop's offset"
+        assert mq in consumer._consuming and consumer._loops[mq] is new_loop
+    finally:
+        release_send_back.set()
+        release_rest.set()
+        await consumer.shutdown()
+
+
+def _reset_fixture(listener, **options):
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, shutdown_grace_s=0, **options)
+    consumer.subscribe("T")
+    stored, pulls = {mq: 0}, []
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return [consumer.client.client_id]
+
+    async def start_offset(q):
+        return stored[q]
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        if offset in (0, 5):
+            return PullResult(PullStatus.FOUND, offset + 2, 0, offset + 2,
+                              [MessageExt("T", b"m%d" % o, queue_offset=o) for o in (offset, offset + 1)])
+        await asyncio.Event().wait()
+
+    async def write(q, offset):
+        stored[q] = offset
+    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
+    consumer.client.pull = pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    return consumer, mq, stored, pulls
+
+
+@bounded(20)
+async def test_an_offset_reset_gives_up_a_listener_that_ignores_its_cancel(caplog):
+    """RESET_CONSUMER_CLIENT_OFFSET cancels the topic's pull loops and waited for them without a limit: a
+    listener that swallows its cancel held the reset for ever -- the new offsets never written, the queue
+    never consumed again (kept out of rebalances while it resets). It is given up on after abandon_after_s,
+    as shutdown and hand-overs do; the reset completes, and the call's late end moves no offset."""
+    calls, entered, release = [], asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            entered.set()
+            for _ in range(100):
+                try:
+                    await release.wait()
+                    break
+                except asyncio.CancelledError:
+                    pass
+            return ConsumeStatus.CONSUME_SUCCESS
+        await asyncio.Event().wait()
+
+    consumer, mq, stored, pulls = _reset_fixture(listener, abandon_after_s=0.2)
+    try:
+        await consumer.rebalance()
+        await entered.wait()
+        old = consumer._loops[mq]
+        await asyncio.wait_for(consumer.reset_offsets("T", {mq: 5}), 3)
+        assert stored[mq] == 5 and old in consumer._abandoned
+        assert any(r.levelno >= logging.ERROR and "abandon_after_s" in r.getMessage() for r in caplog.records)
+        while calls != [b"m0", b"m5"]:          # the queue is consumed again, from the new offset
+            await asyncio.sleep(0.01)
+        release.set()
+        await old
+        assert consumer._offsets[mq] == 5 and stored[mq] == 5, "the given-up call moved the reset offset"
+        assert calls == [b"m0", b"m5"]
+    finally:
+        release.set()
+        await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_loop_an_offset_reset_cancels_takes_no_further_message():
+    """A listener swallows the reset's cancel and returns at once: its loop went on with the rest of its batch
+    (m1, the old position) and then pulled on from there, while the reset waited for it to end."""
+    calls, entered = [], asyncio.Event()
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:
+            entered.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                return ConsumeStatus.CONSUME_SUCCESS
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer, mq, stored, pulls = _reset_fixture(listener, abandon_after_s=1)
+    try:
+        await consumer.rebalance()
+        await entered.wait()
+        await asyncio.wait_for(consumer.reset_offsets("T", {mq: 5}), 3)
+        while consumer._offsets.get(mq) != 7:
+            await asyncio.sleep(0.01)
+        assert calls == [b"m0", b"m5", b"m6"], "the cancelled loop consumed on from the old offset"
+        assert pulls == [0, 5, 7]
+    finally:
+        await consumer.shutdown()

@@ -238,3 +238,63 @@ async def test_a_oneway_end_that_cannot_be_sent_is_unacknowledged_not_a_failed_s
         await producer.shutdown()
     server.close()
     assert not result.acknowledged and result.state is S.COMMIT_MESSAGE
+
+
+async def test_shutdown_gives_up_a_check_that_ignores_its_cancel(caplog):
+    """shutdown() lets the broker's checks in hand finish for shutdown_grace_s, then cancels them. A
+    check_local_transaction that catches that CancelledError and goes on held shutdown for ever. It is given
+    up on after abandon_after_s, with an error logged, and shutdown completes: the check is left unanswered
+    (the broker asks again), and when it ends at last it sends no END over the closed producer."""
+    import logging
+
+    from protocol.command import RemotingCommand
+    from protocol.message import encode_record
+
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    entered, release, swallowed = asyncio.Event(), asyncio.Event(), []
+
+    class Stubborn(Commit):
+        async def check_local_transaction(self, msg):
+            entered.set()
+            for _ in range(100):
+                try:
+                    await release.wait()
+                    break
+                except asyncio.CancelledError:
+                    swallowed.append(msg.body)
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", Stubborn(), end_timeout=2, shutdown_grace_s=0.2,
+                                   abandon_after_s=0.3)
+    record = encode_record(topic=b"T", body=b"half", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                           properties=b"PGROUP\x01PG\x02")
+    check = RemotingCommand(RequestCode.CHECK_TRANSACTION_STATE, body=bytes(record),
+                            ext_fields={"commitLogOffset": "1000", "tranStateTableOffset": "0", "msgId": "M"})
+
+    class Conn:
+        peer = ("127.0.0.1", int(fake.addr.rsplit(":", 1)[1]))
+    try:
+        async with asyncio.timeout(10):
+            await producer.start()
+            producer._on_request(Conn(), check)
+            await entered.wait()
+            began = asyncio.get_running_loop().time()
+            stopping = asyncio.get_running_loop().create_task(producer.shutdown())
+            done, _ = await asyncio.wait([stopping], timeout=3)
+            assert stopping in done, "shutdown waited for a check that ignores its cancel"
+            await stopping
+            assert 0.4 <= asyncio.get_running_loop().time() - began < 3
+            assert swallowed == [b"half"]
+            assert any(r.levelno >= logging.ERROR and "abandon_after_s" in r.getMessage() for r in caplog.records)
+            tasks = list(producer._check_tasks)
+            release.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert fake.ends == [], "the given-up check answered over the producer shut down"
+            assert not producer.pool.connections()
+    finally:
+        release.set()
+        server.close()
