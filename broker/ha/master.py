@@ -25,6 +25,7 @@ import logging
 from protocol.codes import ResponseCode
 from protocol.connection import wait_within
 
+from ..store.replica import chunk_end
 from .codec import HAProtocolError, OffsetDecoder, encode_transfer
 from .waiter import OffsetWatermark
 
@@ -177,7 +178,7 @@ class HAMaster:
                 body = bytes(chunk)     # a copy: the mapping may be unmapped while bytes wait in the buffer
                 chunk.release()
                 writer.write(encode_transfer(nxt, body) + body)
-                nxt += len(body)
+                nxt = chunk_end(nxt, body)      # after an end marker: the next segment, not 8 bytes on
                 await writer.drain()
                 last_write = loop.time()
                 continue

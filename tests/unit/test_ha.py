@@ -363,3 +363,49 @@ async def test_a_slave_whose_log_end_is_no_record_boundary_here_is_dropped_not_c
         logging.getLogger("txmq.ha").removeHandler(handler)
         server.close()
         master.close()
+
+
+@bounded(30)
+async def test_a_master_streams_across_its_segment_rolls_on_one_connection(tmp_path):
+    """After an end marker the master went on at the marker's offset + 8, inside the sealed segment's blank
+    tail: 'not a record boundary', the link dropped (a WARNING), and the slave came back a second later. On a
+    SYNC_MASTER every send in that second was answered SLAVE_NOT_AVAILABLE -- at each segment roll."""
+    from types import SimpleNamespace
+
+    from broker.ha.master import HAMaster
+    from broker.ha.slave import HASlave
+
+    def config(role, addr=""):
+        return SimpleNamespace(broker_role=role, ha_master_addr=addr, ha_transfer_batch_size=8000,
+                               ha_heartbeat_interval_ms=50, ha_housekeeping_interval_ms=5000,
+                               ha_slave_fallbehind_max=1 << 28, ha_slave_timeout_ms=300)
+
+    m_store = MessageStore(str(tmp_path / "m"), CFG)
+    s_store = MessageStore(str(tmp_path / "s"), CFG)
+    await m_store.open()
+    await s_store.open()
+    s_store.set_replica_only()
+    master = HAMaster(m_store, config("SYNC_MASTER"))
+    m_store.add_dispatch_listener(master.on_dispatch)
+    server = await asyncio.start_server(master.serve, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    slave = HASlave(s_store, config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
+    task = asyncio.ensure_future(slave.run())
+    try:
+        while not any(link.request_offset >= 0 for link in master.links):     # connected and reported
+            await asyncio.sleep(0.01)
+        verdicts = []
+        for i in range(70):                                  # ~210 KB: three rolls, each send confirmed
+            res = await m_store.put(_req(i))
+            verdicts.append(await master.confirm_async(res.physical_offset + res.size))
+        assert m_store.max_physical_offset > 3 * SEG
+        assert set(verdicts) == {0}, verdicts                # SUCCESS, every one
+        assert master.connections_total == 1 and slave.sessions == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
+        master.close()
+        await m_store.close()
+        await s_store.close()
+    assert _files(tmp_path / "m") == _files(tmp_path / "s")
