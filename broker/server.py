@@ -264,6 +264,9 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_connected", "On a master, slaves connected to its HA port; on a "
                               "slave, 1 while it follows its master (absent without replication).", [],
                               snap("ha_connected"))
+        m.add_gauge_collector("txmq_ha_slave_diverged", "On a slave, 1 while its log has diverged from its "
+                              "master's (it appends nothing; rebuild its store); absent elsewhere.", [],
+                              snap("ha_diverged"))
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -516,7 +519,10 @@ def _ha_gauges(ha) -> dict:
     if ha is None:
         return {}
     connected = int(ha.connected) if isinstance(ha, ha_roles.HASlave) else len(ha.links)
-    return {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
+    out = {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
+    if isinstance(ha, ha_roles.HASlave):
+        out["ha_diverged"] = [((), int(ha.diverged is not None))]
+    return out
 
 
 def exposure_warning(config: BrokerConfig) -> str | None:

@@ -348,3 +348,54 @@ async def test_a_slave_does_not_export_deliveries_it_does_not_make(broker_factor
         assert not any((await asyncio.to_thread(_waiting, slave.metrics)).values())
     finally:
         await pool.close()
+
+
+async def _queue_max(addr: str, mq: MessageQueue) -> int:
+    pool = ConnectionPool()
+    try:
+        resp = await pool.request(addr, RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {
+            "topic": mq.topic, "queueId": mq.queue_id}), 5.0)
+        return resp.int_field("offset", 0) if resp.code == ResponseCode.SUCCESS else 0
+    finally:
+        await pool.close()
+
+
+async def test_a_slave_refuses_a_master_whose_log_is_not_the_one_it_copied(broker_factory, tmp_path):
+    """The master is killed and comes back at the same HA address with another log (its store lost or
+    replaced; a master that lost an unflushed tail and took new sends is the same case from that offset on).
+    Once the new log is longer than the slave's and has a record boundary where the slave's ends -- equal
+    record sizes make that certain -- the master's only check passed: the slave appended the new master's
+    records after its own old ones, a log neither broker ever had, and the SYNC_MASTER acknowledged sends
+    on the strength of it. A failed-over consumer read the old master's messages at the new one's offsets.
+    The slave compares its own last record with the master's copy before it appends anything."""
+    import shutil
+    from tests.support.prometheus import free_port
+
+    ha_port = str(free_port())
+
+    def master_at_that_port():
+        return broker_factory("--broker-role", "SYNC_MASTER", "--ha-port", ha_port, "--ha-heartbeat-interval-ms",
+                              "500", store="master")
+    master = master_at_that_port()
+    slave = _slave(broker_factory, master)
+    n = 30
+    async with Producer(master.namesrv, "PG_diverge") as producer:
+        mq = await _until_replicating(producer)
+        for i in range(n):
+            assert (await producer.send(TOPIC, b"a%03d" % i, queue=mq)).status is SendStatus.SEND_OK
+    copied = await _queue_max(slave.broker, mq)
+    master.kill()
+    shutil.rmtree(tmp_path / "master")
+    master = master_at_that_port()
+    statuses = []
+    async with Producer(master.namesrv, "PG_diverge") as producer:
+        for i in range(2 * copied + 10):        # same sizes: its log passes the slave's end at a record boundary
+            statuses.append((await producer.send(TOPIC, b"b%03d" % i, queue=mq)).status)
+        async with asyncio.timeout(30):         # the slave tries every second: it refuses, or it follows
+            while "diverged" not in slave.log() and await _queue_max(slave.broker, mq) == copied:
+                await asyncio.sleep(0.1)
+        assert await _queue_max(slave.broker, mq) == copied, "the slave appended another master's log to its own"
+        assert re.search(r"ERROR.*diverged", slave.log()), slave.log()
+        later = await producer.send(TOPIC, b"after", queue=mq)
+        assert later.status is SendStatus.SLAVE_NOT_AVAILABLE      # no slave holds what came before it
+    assert SendStatus.SEND_OK not in statuses
