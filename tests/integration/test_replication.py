@@ -399,3 +399,106 @@ async def test_a_slave_refuses_a_master_whose_log_is_not_the_one_it_copied(broke
         later = await producer.send(TOPIC, b"after", queue=mq)
         assert later.status is SendStatus.SLAVE_NOT_AVAILABLE      # no slave holds what came before it
     assert SendStatus.SEND_OK not in statuses
+
+
+async def _log_end(addr: str) -> int:
+    pool = ConnectionPool()
+    try:
+        info = await pool.request(addr, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+    finally:
+        await pool.close()
+
+
+class _HoldingProxy:
+    """Between a slave and its master's HA port: relays the master's bytes up to ``limit`` (cutting a frame
+    where it falls), then holds the rest; ``held`` is set at that point."""
+
+    def __init__(self, target: str, limit: int):
+        self.target, self.limit = target, limit
+        self.relayed = 0
+        self.held = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+
+    async def _conn(self, reader, writer):
+        host, _, port = self.target.rpartition(":")
+        m_reader, m_writer = await asyncio.open_connection(host, int(port))
+        self.tasks += [asyncio.ensure_future(self._pipe(reader, m_writer, False)),
+                       asyncio.ensure_future(self._pipe(m_reader, writer, True))]
+
+    async def _pipe(self, reader, writer, limited):
+        while data := await reader.read(65536):
+            if limited:
+                data = data[:max(0, self.limit - self.relayed)]
+                self.relayed += len(data)
+            if data:
+                writer.write(data)
+                await writer.drain()
+            if limited and self.relayed >= self.limit:
+                self.held.set()
+                await asyncio.Event().wait()        # the rest never comes (the slave is killed meanwhile)
+        writer.close()
+
+    async def close(self):
+        self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def test_a_slave_killed_while_catching_up_resumes_with_every_record_once(broker_factory, tmp_path):
+    """A slave SIGKILLed in the middle of a catch-up (half of a 3 MB backlog over small segments copied) and
+    restarted on the same store: it resumes from its own end, and ends with the master's log byte for byte and
+    every queue's messages once each, in order, at the master's offsets."""
+    small = ("--segment-size", str(1 << 20), "--max-message-size", str(64 * 1024), "--cq-units-per-file", "100")
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", *small, store="master")
+    queues, per_queue = 4, 700
+    sent: dict[int, list[bytes]] = {q: [] for q in range(queues)}
+    async with Producer(master.namesrv, "PG_resume") as producer:
+        mq = (await producer.send(TOPIC, b"x" * 1000)).queue
+        sent[mq.queue_id].append(b"x" * 1000)
+        for i in range(0, per_queue, 50):
+            batch = [(q, b"%d-%05d-" % (q, j) + b"y" * 990) for q in range(queues) for j in range(i, i + 50)]
+            await asyncio.gather(*(producer.send(TOPIC, body, queue=MessageQueue(TOPIC, mq.broker_name, q))
+                                   for q, body in batch))
+            for q, body in batch:
+                sent[q].append(body)
+    end = await _log_end(master.broker)
+    assert end > 2 * (1 << 20)
+
+    def slave_flags(addr):
+        return ("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", addr, *small)
+    proxy = _HoldingProxy(master.ha, end // 2 + 777)       # cuts a frame somewhere past the middle
+    slave = broker_factory(*slave_flags(await proxy.start()), store="slave")
+    try:
+        async with asyncio.timeout(30):
+            await proxy.held.wait()
+            while await _log_end(slave.broker) == 0:       # it has stored some of what it got
+                await asyncio.sleep(0.01)
+        slave.kill()                                       # with a transfer half received
+    finally:
+        await proxy.close()
+    slave = broker_factory(*slave_flags(master.ha), store="slave")
+    async with asyncio.timeout(30):
+        while await _log_end(slave.broker) < end:
+            await asyncio.sleep(0.05)
+    resumed = [int(x) for x in re.findall(r"following master \S+ from offset (\d+)", slave.log())]
+    assert 0 < resumed[-1] < end, resumed           # killed mid-way, resumed from its own end
+    assert "diverged" not in slave.log()
+    for q in range(queues):
+        mq_q = MessageQueue(TOPIC, mq.broker_name, q)
+        got = await _pull_all(slave.namesrv, mq_q, len(sent[q]))
+        assert got == sent[q], f"queue {q}: {len(got)} messages, {len(sent[q])} sent"
+        assert await _queue_max(slave.broker, mq_q) == len(sent[q])
+    slave.stop()
+    master.stop()
+    m_files = sorted((tmp_path / "master" / "commitlog").iterdir())
+    s_files = sorted((tmp_path / "slave" / "commitlog").iterdir())
+    assert [f.name for f in m_files] == [f.name for f in s_files]
+    for mf, sf in zip(m_files, s_files):
+        assert mf.read_bytes() == sf.read_bytes(), mf.name
