@@ -26,7 +26,21 @@ def on_disk(ctx, physical_offset: int) -> bool:
     return ctx.store.max_physical_offset - physical_offset > _RAM * ctx.config.access_message_in_memory_max_ratio // 100
 
 
-def _code(cmd, status):
+# A slave's copy may be behind its master's log: a consumer that read further on the master, or a queue the
+# slave has nothing of yet, is not at an illegal offset. RocketMQ's slave never corrects an offset
+# (offsetCheckInSlave=false); here the pull is answered as for the next message not written yet (and may be
+# held), its nextBeginOffset the offset asked for. A correction to the slave's end (or to 0) sent the consumer
+# back over everything again, and it committed that offset to the master once it was back.
+_NOT_YET_ON_SLAVE = (GetStatus.OFFSET_OVERFLOW_BADLY, GetStatus.NO_MESSAGE_IN_QUEUE, GetStatus.NO_MATCHED_LOGIC_QUEUE)
+
+
+def _not_yet(ctx, status) -> bool:
+    return status in _NOT_YET_ON_SLAVE and ctx.config.broker_role == "SLAVE"
+
+
+def _code(ctx, cmd, status):
+    if _not_yet(ctx, status):
+        return ResponseCode.PULL_NOT_FOUND
     if status is GetStatus.FOUND:
         return ResponseCode.SUCCESS
     if status is GetStatus.QUEUE_DAMAGED:       # an error the client retries, never a skip past lost units
@@ -51,8 +65,9 @@ def _suggest(ctx, got) -> int:
 
 def _reply(ctx, cmd, group, topic, got):
     status = got.status
-    code = _code(cmd, status)
-    fields = {"suggestWhichBrokerId": _suggest(ctx, got), "nextBeginOffset": got.next_begin_offset,
+    code = _code(ctx, cmd, status)
+    nxt = cmd.int_field("queueOffset", 0) if _not_yet(ctx, status) else got.next_begin_offset
+    fields = {"suggestWhichBrokerId": _suggest(ctx, got), "nextBeginOffset": nxt,
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:
         size = sum(len(b) for b in got.buffers)
@@ -107,7 +122,7 @@ def handle_pull(ctx, conn, cmd):
     tag_filter = sub.tag_filter()
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
-    if sys_flag & PullSysFlag.SUSPEND and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:
+    if sys_flag & PullSysFlag.SUSPEND and _code(ctx, cmd, got.status) == ResponseCode.PULL_NOT_FOUND:
         suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
         hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
         if hold_ms > 0:
@@ -121,7 +136,7 @@ async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filte
     # Read again as the wait registers (no await in between): a message stored since the first
     # read, before this task ran, was dispatched to no waiter and would not wake this one.
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
-    if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
+    if _code(ctx, cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
         return _reply(ctx, cmd, group, topic, got)
     parked = conn is not None and conn.park()      # not counted in flight while it waits
     try:

@@ -502,3 +502,38 @@ async def test_a_slave_killed_while_catching_up_resumes_with_every_record_once(b
     assert [f.name for f in m_files] == [f.name for f in s_files]
     for mf, sf in zip(m_files, s_files):
         assert mf.read_bytes() == sf.read_bytes(), mf.name
+
+
+async def test_a_slave_behind_a_consumer_does_not_move_its_offset(broker_factory):
+    """A consumer that read further on the master than the slave's copy reaches (an ASYNC_MASTER's slave is
+    behind; a new slave is catching up) and then pulls from the slave -- the master died, or slave reads --
+    was told PULL_OFFSET_MOVED with nextBeginOffset = the slave's end, or 0 for a queue the slave has nothing
+    of yet: the consumer went back and consumed it all again, and committed the earlier offset once the
+    master was back. RocketMQ's slave never corrects an offset (offsetCheckInSlave=false): not there yet."""
+    from consumer.pull_consumer import PullStatus
+    from tests.support.prometheus import free_port
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    async with Producer(master.namesrv, "PG_behind") as producer:
+        first = (await producer.send(TOPIC, b"m0")).queue
+        mq = MessageQueue(TOPIC, first.broker_name, 1)
+        other = MessageQueue(TOPIC, first.broker_name, 0)          # nothing of it on the slave
+        for i in range(1 if first == mq else 0, 10):
+            await producer.send(TOPIC, f"m{i}".encode(), queue=mq)
+        assert len(await _pull_all(slave.namesrv, mq, 10)) == 10
+        slave.kill()
+        for i in range(10, 20):
+            await producer.send(TOPIC, f"m{i}".encode(), queue=mq)
+    # The slave comes back cut off from its master (the master's HA port gone): its copy stays at 10.
+    slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr",
+                           f"127.0.0.1:{free_port()}", store="slave")
+    async with PullConsumer(slave.namesrv, "CG_behind") as consumer:
+        await consumer.fetch_queues(TOPIC)
+        for queue, offset in ((mq, 15), (other, 3)):
+            res = await consumer.pull(queue, offset)
+            assert res.status is not PullStatus.OFFSET_ILLEGAL, (queue, res)
+            assert res.next_begin_offset == offset and not res.messages, (queue, res)
+        held = await consumer.pull(mq, 15, suspend_ms=300)      # held as for the next message, not spun
+        assert held.status is PullStatus.NO_NEW_MSG and held.next_begin_offset == 15
+        assert [m.body for m in (await consumer.pull(mq, 8)).messages] == [b"m8", b"m9"]
