@@ -108,6 +108,9 @@ class HAMaster:
                 exc = task.exception()
                 if isinstance(exc, HAProtocolError):
                     log.error("slave %s dropped: %s", link.peer, exc)
+                elif isinstance(exc, asyncio.TimeoutError):     # its str() is empty
+                    log.warning("slave %s dropped: no offset report for %g s (--ha-housekeeping-interval-ms): "
+                                "it is stalled, or the network between us is", link.peer, self.housekeeping_s)
                 elif exc is not None and not isinstance(exc, (ConnectionError, asyncio.IncompleteReadError)):
                     log.warning("slave %s: %s", link.peer, exc)
         finally:

@@ -87,7 +87,11 @@ class HASlave:
                           "of the master's is appended; rebuild this slave's store (start it with an empty store "
                           "directory) to copy the master afresh. Trying again in %.0f s",
                           self.master_addr, exc, pause)
-            except (OSError, asyncio.TimeoutError, HAProtocolError, ValueError) as exc:
+            except asyncio.TimeoutError:       # its str() is empty
+                log.warning("replication from %s stopped: nothing from the master for %g s "
+                            "(--ha-housekeeping-interval-ms): it is stalled, or the network between us is; "
+                            "reconnecting", self.master_addr, self.housekeeping_s)
+            except (OSError, HAProtocolError, ValueError) as exc:
                 log.warning("replication from %s stopped: %s; reconnecting", self.master_addr,
                             exc or type(exc).__name__)
             finally:

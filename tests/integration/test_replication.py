@@ -537,3 +537,33 @@ async def test_a_slave_behind_a_consumer_does_not_move_its_offset(broker_factory
         held = await consumer.pull(mq, 15, suspend_ms=300)      # held as for the next message, not spun
         assert held.status is PullStatus.NO_NEW_MSG and held.next_begin_offset == 15
         assert [m.body for m in (await consumer.pull(mq, 8)).messages] == [b"m8", b"m9"]
+
+
+async def test_a_stalled_link_is_dropped_with_a_log_line_that_says_why(broker_factory):
+    """Either side drops an HA link silent for the housekeeping interval. The master logged 'slave HOST:PORT: '
+    and nothing else (str() of a TimeoutError is empty), the slave '... stopped: TimeoutError'."""
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "200",
+                            "--ha-housekeeping-interval-ms", "1000", store="master")
+    slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           "--ha-heartbeat-interval-ms", "200", "--ha-housekeeping-interval-ms", "1000", store="slave")
+    async with Producer(master.namesrv, "PG_stall_log") as producer:
+        mq = (await producer.send(TOPIC, b"m0")).queue
+    assert await _pull_all(slave.namesrv, mq, 1) == [b"m0"]        # following
+
+    async def until_logged(proc, pattern):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not re.search(pattern, proc.log()):
+            assert loop.time() < deadline, f"no {pattern!r} in:\n{proc.log()[-1500:]}"
+            await asyncio.sleep(0.05)
+
+    slave.proc.send_signal(signal.SIGSTOP)           # reports nothing
+    try:
+        await until_logged(master, r"slave \S+ dropped: no offset report for 1 s")
+    finally:
+        slave.proc.send_signal(signal.SIGCONT)
+    master.proc.send_signal(signal.SIGSTOP)          # sends nothing, not even a heartbeat
+    try:
+        await until_logged(slave, r"replication from \S+ stopped: nothing from the master for 1 s")
+    finally:
+        master.proc.send_signal(signal.SIGCONT)
