@@ -138,10 +138,12 @@ class BrokerServer:
         await ctx.tx.recover()
         await ctx.schedule.recover()
         ctx.retention = Retention(ctx)
-        if not slave:       # a slave writes nothing of its own: no checks, deliveries or removals
+        if not slave:       # a slave writes nothing of its own: no checks or deliveries
             ctx.tx.start()
             ctx.schedule.start()
-            ctx.retention.start()
+        # A slave cleans its disk as its master does (RocketMQ's CleanCommitLogService runs on both): keeping
+        # every segment, it reached the refuse ratio and took no more of its master's bytes.
+        ctx.retention.start()
         self._install_metrics(ctx)
 
         topics.start_background(loop)

@@ -567,3 +567,45 @@ async def test_a_stalled_link_is_dropped_with_a_log_line_that_says_why(broker_fa
         await until_logged(slave, r"replication from \S+ stopped: nothing from the master for 1 s")
     finally:
         master.proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_slave_removes_expired_segments_under_disk_pressure_as_its_master_does(broker_factory):
+    """A slave ran no retention at all: the master's disk stayed under its clean ratio while the slave kept every
+    segment, until at the refuse ratio it took no more of its master's bytes (replication stopped, a SYNC_MASTER
+    answered SLAVE_NOT_AVAILABLE). Here every disk is 'above the clean ratio' and segments expire in about a
+    second: the slave removes its expired sealed segments (never dead-letters halves: its master does)."""
+    small = ("--segment-size", str(1 << 20), "--max-message-size", str(64 * 1024),
+             "--disk-clean-ratio", "0.0001", "--disk-force-clean-ratio", "0.9999", "--disk-refuse-ratio", "1.0",
+             "--file-reserved-hours", "0.0003", "--disk-clean-interval-s", "0.2")
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", *small, store="master")
+    slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha, *small,
+                           store="slave")
+    async with Producer(master.namesrv, "PG_slave_retention") as producer:
+        mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+        for i in range(0, 3000, 100):
+            await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+    end = await _log_end(master.broker)
+    assert end > 2 * (1 << 20)
+
+    async def min_offset(b):
+        pool = ConnectionPool()
+        try:
+            info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+            return int(json.loads(info.body_bytes())["table"]["commitLogMinOffset"])
+        finally:
+            await pool.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while await min_offset(master) < 2 * (1 << 20):        # the master removed its two sealed segments ...
+        assert loop.time() < deadline, master.log()[-2000:]
+        await asyncio.sleep(0.1)
+    while await _log_end(slave.broker) < end or await min_offset(slave) < 2 * (1 << 20):    # ... and the slave
+        assert loop.time() < deadline, f"slave kept its expired segments:\n{slave.log()[-2000:]}"
+        await asyncio.sleep(0.1)
+    async with Producer(master.namesrv, "PG_slave_retention") as producer:
+        last = await producer.send(TOPIC, b"after", queue=mq)
+    async with PullConsumer(slave.namesrv, "CG_slave_retention") as consumer, asyncio.timeout(20):
+        await consumer.fetch_queues(TOPIC)
+        while not (res := await consumer.pull(mq, last.queue_offset, suspend_ms=1000)).messages:
+            pass                                            # and it follows on (bounded by the timeout)
+        assert res.messages[0].body == b"after"
