@@ -609,3 +609,34 @@ async def test_a_slave_removes_expired_segments_under_disk_pressure_as_its_maste
         while not (res := await consumer.pull(mq, last.queue_offset, suspend_ms=1000)).messages:
             pass                                            # and it follows on (bounded by the timeout)
         assert res.messages[0].body == b"after"
+
+
+async def test_a_master_killed_and_restarted_on_its_own_store_is_followed_again(broker_factory, tmp_path):
+    """The common case the check above must let through: the master SIGKILLed right after the N-th
+    acknowledged send and started again on its own store, at its HA address. The slave, which never stopped,
+    finds the master's copy of its newest record equal to its own and follows on: sends are SEND_OK again and
+    the two logs are equal byte for byte."""
+    from tests.support.prometheus import free_port
+
+    ha_port = str(free_port())
+
+    def master_on_its_store():
+        return broker_factory("--broker-role", "SYNC_MASTER", "--ha-port", ha_port, "--ha-heartbeat-interval-ms",
+                              "500", store="master")
+    master = master_on_its_store()
+    slave = _slave(broker_factory, master)
+    async with Producer(master.namesrv, "PG_restart") as producer:
+        mq = await _until_replicating(producer)
+        for i in range(30):
+            assert (await producer.send(TOPIC, b"a%03d" % i, queue=mq)).status is SendStatus.SEND_OK
+    master.kill()
+    master = master_on_its_store()
+    async with Producer(master.namesrv, "PG_restart") as producer:
+        await _until_replicating(producer)
+        for i in range(30):
+            res = await producer.send(TOPIC, b"b%03d" % i, queue=mq)
+            assert res.status is SendStatus.SEND_OK
+    assert "diverged" not in slave.log()
+    assert re.search(r"holds this slave's log up to its end \d+: following", slave.log())
+    end = _record_end(tmp_path / "master", decode_offset_msg_id(res.offset_msg_id)[2])
+    assert _log_bytes(tmp_path / "slave", end) == _log_bytes(tmp_path / "master", end)
