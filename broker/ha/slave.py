@@ -5,7 +5,8 @@ Connect, report where the own log ends, then take transfers: each body is checke
 once it is on disk and indexed -- consume queues from the records' own queue offsets, dispatch as
 after a put, so long polls wake on the slave too -- the new end is reported back; reports are
 coalesced (one per writer batch) and repeated every heartbeat interval. Transfers are pipelined: the
-next is queued before the previous is flushed, the writer's group commit flushes them together.
+next is queued before the previous is flushed, the writer's group commit flushes them together; past
+PENDING_MAX bytes queued and not yet stored the slave stops reading, and TCP holds the master back.
 
 A transfer for any offset other than the log's end is a protocol error (RocketMQ: "master pushed
 offset not equal the max phy offset in slave"): the connection is closed and made again, and the
@@ -25,6 +26,7 @@ SYNC_MASTER counts no acknowledgement from it. Rebuild its store to copy the mas
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 from typing import Awaitable, Callable
@@ -37,6 +39,7 @@ from .codec import HAProtocolError, TransferDecoder, encode_offset
 log = logging.getLogger("txmq.ha")
 
 RECONNECT_S = 1.0       # RocketMQ's HAClient retries every 5 s; a slave behind is worth a quicker retry
+PENDING_MAX = 32 * 1024 * 1024  # bytes handed to the writer, not yet stored: past it the socket is not read
 _MARKER = struct.Struct(">ii")   # a segment's end marker: TOTALSIZE (bytes left), BLANK magic
 DIVERGED_RETRY_S = 30.0  # a diverged log stays diverged until someone acts: retry, but do not flood the log
 
@@ -62,6 +65,9 @@ class HASlave:
         self._last_put: asyncio.Future | None = None    # appends outlive a session: the next waits for them
         self._unverified: int | None = None     # while the master's copy of our tail is compared: what to report
         self.diverged: str | None = None        # why the last session found the master's log not ours
+        self._pending = 0                       # bytes queued to the store's writer and not yet stored
+        self._room = asyncio.Event()            # set when _pending drops to PENDING_MAX
+        self.paused = False                     # not reading: the writer is that far behind
 
     def slave_lag_bytes(self) -> int:
         """How far this slave's log is behind what the master last said it was sending."""
@@ -117,6 +123,13 @@ class HASlave:
         decoder = TransferDecoder()
         try:
             while True:
+                if self._pending > PENDING_MAX:     # the disk is behind: let TCP hold the master back
+                    self._room.clear()
+                    self.paused = True
+                    try:
+                        await self._room.wait()
+                    finally:
+                        self.paused = False
                 data = await wait_within(reader.read(256 * 1024), self.housekeeping_s)
                 if not data:
                     raise ConnectionResetError(self._failure or "the master closed the connection")
@@ -137,7 +150,8 @@ class HASlave:
                     if phys != expected:
                         raise HAProtocolError(f"the master sent offset {phys}, this slave's log ends at {expected}")
                     put, expected = self.store.append_replica(phys, body)
-                    put.add_done_callback(self._stored)
+                    self._pending += len(body)
+                    put.add_done_callback(functools.partial(self._stored, len(body)))
                     self._last_put = put
         finally:
             heartbeat.cancel()
@@ -172,7 +186,10 @@ class HASlave:
         began (a SYNC_MASTER must not count bytes this slave may not share with it)."""
         return self.store.max_physical_offset if self._unverified is None else self._unverified
 
-    def _stored(self, fut: asyncio.Future) -> None:
+    def _stored(self, size: int, fut: asyncio.Future) -> None:
+        self._pending -= size
+        if self._pending <= PENDING_MAX:
+            self._room.set()
         if fut.cancelled():
             return
         result = fut.result()

@@ -515,3 +515,54 @@ async def test_a_slave_of_the_same_log_resumes_after_comparing_even_at_a_segment
         await a.close()
         await s.close()
     assert _files(tmp_path / "a") == _files(tmp_path / "s")
+
+
+@bounded(30)
+async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_everything(monkeypatch):
+    """The slave hands each transfer to its store's writer and reads on at once (the writer's group commit
+    flushes them together). With the writer stalled -- a disk that blocks on writeback -- it read on all the
+    same: every byte the master sent was queued in memory, a whole backlog's worth on a catch-up. Past
+    PENDING_MAX bytes not yet stored it stops reading the socket, so TCP holds the master back."""
+    from types import SimpleNamespace
+
+    import broker.ha.slave as slave_mod
+    from broker.ha.codec import encode_transfer
+    from broker.ha.slave import HASlave
+
+    monkeypatch.setattr(slave_mod, "PENDING_MAX", 4 << 20)
+    frame, frames = 1 << 20, 64
+    held: list[asyncio.Future] = []
+
+    def append_replica(phys, body):
+        fut = asyncio.get_running_loop().create_future()      # stored when the test says so
+        held.append(fut)
+        store.max_physical_offset = phys + len(body)
+        return fut, phys + len(body)
+    store = SimpleNamespace(max_physical_offset=0, min_physical_offset=0, is_empty=False,
+                            last_indexed_record=lambda: None, append_replica=append_replica)
+
+    async def master(reader, writer):
+        body = bytes(frame)
+        for i in range(frames):
+            writer.write(encode_transfer(i * frame, body) + body)
+            await writer.drain()
+        await reader.read()
+    server = await asyncio.start_server(master, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    slave = HASlave(store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
+    task = asyncio.ensure_future(slave.run())
+    try:
+        while not slave.paused and len(held) < frames:
+            await asyncio.sleep(0.01)
+        assert slave.paused and len(held) * frame <= (4 << 20) + 2 * frame, len(held)
+        ok = SimpleNamespace(ok=True)
+        while len(held) < frames or not all(f.done() for f in held):   # the disk is back: all of it arrives
+            for f in held:
+                if not f.done():
+                    f.set_result(ok)
+            await asyncio.sleep(0.01)
+        assert store.max_physical_offset == frames * frame
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
