@@ -640,3 +640,43 @@ async def test_a_master_killed_and_restarted_on_its_own_store_is_followed_again(
     assert re.search(r"holds this slave's log up to its end \d+: following", slave.log())
     end = _record_end(tmp_path / "master", decode_offset_msg_id(res.offset_msg_id)[2])
     assert _log_bytes(tmp_path / "slave", end) == _log_bytes(tmp_path / "master", end)
+
+
+async def test_consumers_failed_over_to_the_slave_see_committed_messages_only(broker_factory):
+    """Halves, committed, rolled back and undecided, replicate with everything else; after the SYNC_MASTER is
+    killed, a consumer of the real topic on the slave reads exactly the committed ones (the halves stay in
+    the half topic, a rollback writes no real message)."""
+    from producer import LocalTransactionState as S
+    from producer import TransactionProducer
+
+    class Listener:
+        def execute_local_transaction(self, msg, arg):
+            return {b"commit": S.COMMIT_MESSAGE, b"rollback": S.ROLLBACK_MESSAGE}.get(msg.body[:-1], S.UNKNOW)
+
+        async def check_local_transaction(self, msg):
+            return S.UNKNOW
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    listener = Listener()
+    async with Producer(master.namesrv, "PG_tx_seed") as producer:
+        await _until_replicating(producer)
+    async with TransactionProducer(master.namesrv, "PG_tx_failover", listener) as producer:
+        sent = [await producer.send_in_transaction("TxFailover", b"%s%d" % (kind, i))
+                for i in range(3) for kind in (b"commit", b"rollback", b"undecided")]
+        assert all(r.send_result.status is SendStatus.SEND_OK for r in sent)
+        async with Producer(master.namesrv, "PG_tx_seed") as plain:     # after every END: on the slave too
+            while (await plain.send(TOPIC, b"fence")).status is not SendStatus.SEND_OK:
+                pass
+        master.kill()
+        got = []
+        async with PullConsumer(slave.namesrv, "CG_tx_failover") as consumer, asyncio.timeout(20):
+            while True:
+                try:
+                    queues = await consumer.fetch_queues("TxFailover")
+                    break
+                except TopicNotExistError:
+                    await asyncio.sleep(0.1)
+            for mq in queues:
+                got += [m.body for m in (await consumer.pull(mq, 0, max_nums=64)).messages]
+        assert sorted(got) == [b"commit0", b"commit1", b"commit2"]
