@@ -18,6 +18,9 @@ clock minus the retention (the larger of the broker's and the plan's); and every
 listed segment went. Undecided halves inside a segment are dead-lettered first (reason
 `expired`, or `disk-pressure` for a forced removal); one that cannot be keeps the segment.
 
+A slave runs the disk-pressure cleaner too (expired and pressure), without the halves step: it
+writes nothing, its master dead-letters them. A plan is applied on the master.
+
 Consumed or not does not matter (RocketMQ's fileReservedTime): a consumer behind a removed
 segment gets PULL_OFFSET_MOVED and continues from the new minimum. retain_unconsumed_max_bytes
 > 0 keeps expired segments a group has not consumed while the log is within that size.
@@ -154,7 +157,9 @@ class Retention:
     async def _remove(self, facts, reason: str, half_reason: str) -> str | None:
         """Dead-letter the undecided halves inside, then remove; None when it went, else why not."""
         tx = self.ctx.tx
-        inside = sorted(tx.undecided(facts.start, facts.end))
+        # A slave writes nothing: its master dead-letters the halves (the slave's index is its start-up one).
+        slave = self.ctx.config.broker_role == "SLAVE"
+        inside = [] if slave else sorted(tx.undecided(facts.start, facts.end))
         if inside:
             done, failed = await tx.dead_letter(inside, half_reason)
             log.warning("segment %s: %d undecided halves dead-lettered (%s) before removal", facts.name, len(done),

@@ -139,10 +139,12 @@ class BrokerServer:
         await ctx.tx.recover()
         await ctx.schedule.recover()
         ctx.retention = Retention(ctx)
-        if not slave:       # a slave writes nothing of its own: no checks, deliveries or removals
+        if not slave:       # a slave writes nothing of its own: no checks or deliveries
             ctx.tx.start()
             ctx.schedule.start()
-            ctx.retention.start()
+        # A slave cleans its disk as its master does (RocketMQ's CleanCommitLogService runs on both): keeping
+        # every segment, it reached the refuse ratio and took no more of its master's bytes.
+        ctx.retention.start()
         self._install_metrics(ctx)
 
         topics.start_background(loop)
@@ -265,6 +267,9 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_connected", "On a master, slaves connected to its HA port; on a "
                               "slave, 1 while it follows its master (absent without replication).", [],
                               snap("ha_connected"))
+        m.add_gauge_collector("txmq_ha_slave_diverged", "On a slave, 1 while its log has diverged from its "
+                              "master's (it appends nothing; rebuild its store); absent elsewhere.", [],
+                              snap("ha_diverged"))
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -517,7 +522,10 @@ def _ha_gauges(ha) -> dict:
     if ha is None:
         return {}
     connected = int(ha.connected) if isinstance(ha, ha_roles.HASlave) else len(ha.links)
-    return {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
+    out = {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
+    if isinstance(ha, ha_roles.HASlave):
+        out["ha_diverged"] = [((), int(ha.diverged is not None))]
+    return out
 
 
 def exposure_warning(config: BrokerConfig) -> str | None:

@@ -25,6 +25,7 @@ import logging
 from protocol.codes import ResponseCode
 from protocol.connection import wait_within
 
+from ..store.replica import chunk_end
 from .codec import HAProtocolError, OffsetDecoder, encode_transfer
 from .waiter import OffsetWatermark
 
@@ -107,6 +108,9 @@ class HAMaster:
                 exc = task.exception()
                 if isinstance(exc, HAProtocolError):
                     log.error("slave %s dropped: %s", link.peer, exc)
+                elif isinstance(exc, asyncio.TimeoutError):     # its str() is empty
+                    log.warning("slave %s dropped: no offset report for %g s (--ha-housekeeping-interval-ms): "
+                                "it is stalled, or the network between us is", link.peer, self.housekeeping_s)
                 elif exc is not None and not isinstance(exc, (ConnectionError, asyncio.IncompleteReadError)):
                     log.warning("slave %s: %s", link.peer, exc)
         finally:
@@ -177,7 +181,7 @@ class HAMaster:
                 body = bytes(chunk)     # a copy: the mapping may be unmapped while bytes wait in the buffer
                 chunk.release()
                 writer.write(encode_transfer(nxt, body) + body)
-                nxt += len(body)
+                nxt = chunk_end(nxt, body)      # after an end marker: the next segment, not 8 bytes on
                 await writer.drain()
                 last_write = loop.time()
                 continue

@@ -5,26 +5,47 @@ Connect, report where the own log ends, then take transfers: each body is checke
 once it is on disk and indexed -- consume queues from the records' own queue offsets, dispatch as
 after a put, so long polls wake on the slave too -- the new end is reported back; reports are
 coalesced (one per writer batch) and repeated every heartbeat interval. Transfers are pipelined: the
-next is queued before the previous is flushed, the writer's group commit flushes them together.
+next is queued before the previous is flushed, the writer's group commit flushes them together; past
+PENDING_MAX bytes queued and not yet stored the slave stops reading, and TCP holds the master back.
 
 A transfer for any offset other than the log's end is a protocol error (RocketMQ: "master pushed
 offset not equal the max phy offset in slave"): the connection is closed and made again, and the
 master starts over from the reported end. So is silence longer than the housekeeping interval. A
 new, empty slave takes its log start from the first transfer (the master's first segment).
+
+Before it appends anything, a slave with a log checks that the master's log is the one it copied: its
+first report is the start of its own newest record, not its end, so the master sends that record again,
+and the slave compares it byte for byte with its own (RocketMQ 4.x checks only that the offsets agree).
+Other bytes there, or a master whose log ends before the slave's, mean the two logs have diverged -- a
+master that lost an unflushed tail and took new sends, a wiped or another broker's store behind the
+same address. Offsets and record sizes alike are no proof: equal-sized records put record boundaries in
+the same places. The slave then appends nothing, logs an ERROR every DIVERGED_RETRY_S and tries again
+(the master may come back with its own store); only the confirmed end is ever reported, so a
+SYNC_MASTER counts no acknowledgement from it. Rebuild its store to copy the master afresh.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import struct
 from typing import Awaitable, Callable
 
 from protocol.connection import wait_within
+from protocol.message import BLANK_MAGIC
 
 from .codec import HAProtocolError, TransferDecoder, encode_offset
 
 log = logging.getLogger("txmq.ha")
 
 RECONNECT_S = 1.0       # RocketMQ's HAClient retries every 5 s; a slave behind is worth a quicker retry
+PENDING_MAX = 32 * 1024 * 1024  # bytes handed to the writer, not yet stored: past it the socket is not read
+_MARKER = struct.Struct(">ii")   # a segment's end marker: TOTALSIZE (bytes left), BLANK magic
+DIVERGED_RETRY_S = 30.0  # a diverged log stays diverged until someone acts: retry, but do not flood the log
+
+
+class HADivergedError(HAProtocolError):
+    """The master's log is not the one this slave copied: the slave must not append to its own."""
 
 
 class HASlave:
@@ -42,6 +63,11 @@ class HASlave:
         self._report_due = False
         self._failure: str | None = None
         self._last_put: asyncio.Future | None = None    # appends outlive a session: the next waits for them
+        self._unverified: int | None = None     # while the master's copy of our tail is compared: what to report
+        self.diverged: str | None = None        # why the last session found the master's log not ours
+        self._pending = 0                       # bytes queued to the store's writer and not yet stored
+        self._room = asyncio.Event()            # set when _pending drops to PENDING_MAX
+        self.paused = False                     # not reading: the writer is that far behind
 
     def slave_lag_bytes(self) -> int:
         """How far this slave's log is behind what the master last said it was sending."""
@@ -57,28 +83,53 @@ class HASlave:
                 await asyncio.sleep(RECONNECT_S)
                 continue
             self.sessions += 1
+            pause = RECONNECT_S
             try:
                 await self._session(reader, writer)
-            except (OSError, asyncio.TimeoutError, HAProtocolError, ValueError) as exc:
-                log.warning("replication from %s stopped: %s; reconnecting", self.master_addr, exc or type(exc).__name__)
+            except HADivergedError as exc:
+                self.diverged = str(exc)
+                pause = DIVERGED_RETRY_S
+                log.error("NOT replicating from %s: this slave's log has diverged from its master's: %s. Nothing "
+                          "of the master's is appended; rebuild this slave's store (start it with an empty store "
+                          "directory) to copy the master afresh. Trying again in %.0f s",
+                          self.master_addr, exc, pause)
+            except asyncio.TimeoutError:       # its str() is empty
+                log.warning("replication from %s stopped: nothing from the master for %g s "
+                            "(--ha-housekeeping-interval-ms): it is stalled, or the network between us is; "
+                            "reconnecting", self.master_addr, self.housekeeping_s)
+            except (OSError, HAProtocolError, ValueError) as exc:
+                log.warning("replication from %s stopped: %s; reconnecting", self.master_addr,
+                            exc or type(exc).__name__)
             finally:
                 self.connected = False
                 self._writer = None
+                self._unverified = None
                 writer.close()
-            await asyncio.sleep(RECONNECT_S)
+            await asyncio.sleep(pause)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._last_put is not None and not self._last_put.done():
             await asyncio.wait({self._last_put}, timeout=self.housekeeping_s)
         self._writer, self._failure = writer, None
         self.connected = True
-        expected = self.store.max_physical_offset
+        end = self.store.max_physical_offset
+        last = self.store.last_indexed_record() if end > self.store.min_physical_offset else None
+        expected = end if last is None else last        # from ``last`` to ``end``: compared, not appended
+        self._unverified = None if expected == end else expected
         self._report(expected)
-        log.info("following master %s from offset %d", self.master_addr, expected)
+        log.info("following master %s from offset %d%s", self.master_addr, end,
+                 "" if expected == end else f" (its copy of this slave's log from {expected} compared first)")
         heartbeat = asyncio.ensure_future(self._heartbeats())
         decoder = TransferDecoder()
         try:
             while True:
+                if self._pending > PENDING_MAX:     # the disk is behind: let TCP hold the master back
+                    self._room.clear()
+                    self.paused = True
+                    try:
+                        await self._room.wait()
+                    finally:
+                        self.paused = False
                 data = await wait_within(reader.read(256 * 1024), self.housekeeping_s)
                 if not data:
                     raise ConnectionResetError(self._failure or "the master closed the connection")
@@ -86,6 +137,11 @@ class HASlave:
                     if self._failure is not None:
                         raise HAProtocolError(self._failure)
                     self.master_offset = max(self.master_offset, phys + len(body))
+                    if expected < end:      # a copy of what this slave holds: compare, append what follows
+                        expected, body = self._compare(phys, body, expected, end)
+                        if expected < end or not body:
+                            continue
+                        phys = end
                     if not body:
                         continue
                     if phys != expected and expected == 0 and self.store.is_empty:
@@ -94,12 +150,46 @@ class HASlave:
                     if phys != expected:
                         raise HAProtocolError(f"the master sent offset {phys}, this slave's log ends at {expected}")
                     put, expected = self.store.append_replica(phys, body)
-                    put.add_done_callback(self._stored)
+                    self._pending += len(body)
+                    put.add_done_callback(functools.partial(self._stored, len(body)))
                     self._last_put = put
         finally:
             heartbeat.cancel()
 
-    def _stored(self, fut: asyncio.Future) -> None:
+    def _compare(self, phys: int, body: bytes, expected: int, end: int) -> tuple[int, bytes]:
+        """A transfer for ``expected``, below this slave's log ``end``: the master's copy of bytes this slave
+        holds. (offset compared up to, the part of ``body`` from ``end`` on); HADivergedError if they differ."""
+        if phys != expected:
+            raise HAProtocolError(f"the master sent offset {phys}, this slave asked for {expected}")
+        if not body:        # a heartbeat: the master has sent all it has, and this slave's log goes on
+            raise HADivergedError(f"the master's log ends at offset {phys}, this slave's at {end}: the slave holds "
+                                  "records its master does not")
+        n = min(len(body), end - phys)
+        own = self.store.log_bytes(phys, n)
+        if own is None or own != body[:n]:
+            raise HADivergedError(f"at offset {phys} the master's log holds other bytes than this slave's (whose "
+                                  f"log ends at {end}): a master that lost its tail and took new messages, or "
+                                  "another store than the one this slave copied")
+        upto = phys + n
+        if n == _MARKER.size and n == len(body):
+            size, magic = _MARKER.unpack(body)
+            if magic == BLANK_MAGIC:        # the end of a segment: what follows is the next one's start
+                upto = phys + size
+        if upto >= end:
+            self._unverified = self.diverged = None
+            log.info("master %s holds this slave's log up to its end %d: following", self.master_addr, end)
+            self._schedule_report()
+        return min(upto, end), body[n:]
+
+    def _position(self) -> int:
+        """What to report: the log end, or while the master's copy is being compared, where the comparison
+        began (a SYNC_MASTER must not count bytes this slave may not share with it)."""
+        return self.store.max_physical_offset if self._unverified is None else self._unverified
+
+    def _stored(self, size: int, fut: asyncio.Future) -> None:
+        self._pending -= size
+        if self._pending <= PENDING_MAX:
+            self._room.set()
         if fut.cancelled():
             return
         result = fut.result()
@@ -117,7 +207,7 @@ class HASlave:
 
     def _report_now(self) -> None:
         self._report_due = False
-        self._report(self.store.max_physical_offset)
+        self._report(self._position())
 
     def _report(self, offset: int) -> None:
         w = self._writer
@@ -127,4 +217,4 @@ class HASlave:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._report(self.store.max_physical_offset)
+            self._report(self._position())

@@ -189,6 +189,18 @@ class CommitLog:
             return None
         return seg.view[pos:pos + size]
 
+    def bytes_at(self, phys: int, n: int) -> bytes | None:
+        """A copy of the readable log's bytes [phys, phys + n), all in one segment; None otherwise."""
+        if n <= 0 or phys < 0 or phys + n > self.readable:
+            return None
+        where = self.locate(phys)
+        if where is None:
+            return None
+        seg, pos = where
+        if seg.mm is None or pos + n > self.seg_size:
+            return None
+        return bytes(seg.view[pos:pos + n])
+
     # ------------------------------------------------------------ appends
     def append(self, entries: list, i: int, done: list, units: dict, infos: list | None) -> int:
         """Copy drained (request or list of requests, future) entries, from index ``i``, into the log.

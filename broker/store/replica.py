@@ -106,6 +106,16 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
     return ReplicaChunk(phys, bytes(data), records, False, phys + n)
 
 
+def chunk_end(phys: int, data) -> int:
+    """Where the log goes on after a chunk sent for ``phys``: after an end marker, the next segment's start
+    (TOTALSIZE is what the segment had left), else right after its bytes."""
+    if len(data) == _MARKER_SIZE:
+        size, magic = _SIZE_MAGIC.unpack_from(data, 0)
+        if magic == BLANK_MAGIC:
+            return phys + size
+    return phys + len(data)
+
+
 def tag_of(props_raw, topic: str = "", ts: int = 0, rule: Callable | None = None) -> int:
     """The consume-queue tagsCode of a record from its properties bytes: its TAGS hash, or what
     ``rule(topic, props, store ts)`` says for the topics it knows (a delayed message's delivery time).

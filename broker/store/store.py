@@ -327,6 +327,27 @@ class MessageStore:
         one) or an end marker; None when nothing is readable there yet."""
         return self._log.read_chunk(phys, limit)
 
+    def log_bytes(self, phys: int, n: int) -> bytes | None:
+        """A copy of the log's bytes [phys, phys + n) if they are readable and in one segment (a slave compares
+        its own with its master's copy, ha/slave.py)."""
+        return self._log.bytes_at(phys, n)
+
+    def last_indexed_record(self) -> int | None:
+        """The start of the newest record of the readable log a consume queue points at; None if there is none.
+        (A slave's log ends with it unless records without a unit -- old-style PREPARED ones -- follow.)"""
+        clog = self._log
+        best = None
+        for cq in self._cqs.values():
+            if cq.max_offset <= cq.min_offset:
+                continue
+            unit = cq.unit(cq.max_offset - 1)
+            if unit is None or not unit[1]:
+                continue
+            phys, size, _tag = unit
+            if (best is None or phys > best) and clog.min_offset <= phys and clog.slice(phys, size) is not None:
+                best = phys
+        return best
+
     @property
     def is_empty(self) -> bool:
         """Nothing was ever written (a new slave may then start its log where its master's starts)."""

@@ -363,3 +363,206 @@ async def test_a_slave_whose_log_end_is_no_record_boundary_here_is_dropped_not_c
         logging.getLogger("txmq.ha").removeHandler(handler)
         server.close()
         master.close()
+
+
+@bounded(30)
+async def test_a_master_streams_across_its_segment_rolls_on_one_connection(tmp_path):
+    """After an end marker the master went on at the marker's offset + 8, inside the sealed segment's blank
+    tail: 'not a record boundary', the link dropped (a WARNING), and the slave came back a second later. On a
+    SYNC_MASTER every send in that second was answered SLAVE_NOT_AVAILABLE -- at each segment roll."""
+    from broker.ha.master import HAMaster
+    from broker.ha.slave import HASlave
+
+    m_store = MessageStore(str(tmp_path / "m"), CFG)
+    s_store = MessageStore(str(tmp_path / "s"), CFG)
+    await m_store.open()
+    await s_store.open()
+    s_store.set_replica_only()
+    master = HAMaster(m_store, _ha_config("SYNC_MASTER"))
+    m_store.add_dispatch_listener(master.on_dispatch)
+    server = await asyncio.start_server(master.serve, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    slave = HASlave(s_store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
+    task = asyncio.ensure_future(slave.run())
+    try:
+        while not any(link.request_offset >= 0 for link in master.links):     # connected and reported
+            await asyncio.sleep(0.01)
+        verdicts = []
+        for i in range(70):                                  # ~210 KB: three rolls, each send confirmed
+            res = await m_store.put(_req(i))
+            verdicts.append(await master.confirm_async(res.physical_offset + res.size))
+        assert m_store.max_physical_offset > 3 * SEG
+        assert set(verdicts) == {0}, verdicts                # SUCCESS, every one
+        assert master.connections_total == 1 and slave.sessions == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
+        master.close()
+        await m_store.close()
+        await s_store.close()
+    assert _files(tmp_path / "m") == _files(tmp_path / "s")
+
+
+# ------------------------------------------------------------------ a slave checks the master's log is its own
+def _ha_config(role: str, addr: str = ""):
+    from types import SimpleNamespace
+    return SimpleNamespace(broker_role=role, ha_master_addr=addr, ha_transfer_batch_size=8000,
+                           ha_heartbeat_interval_ms=50, ha_housekeeping_interval_ms=5000,
+                           ha_slave_fallbehind_max=1 << 28, ha_slave_timeout_ms=300)
+
+
+async def _follow(master_store: MessageStore, slave_store: MessageStore, until, timeout: float = 10.0):
+    """HAMaster over ``master_store`` and HASlave over ``slave_store`` on loopback, until ``until(slave,
+    master)`` holds; returns (slave, master) stopped."""
+    from broker.ha.master import HAMaster
+    from broker.ha.slave import HASlave
+
+    master = HAMaster(master_store, _ha_config("SYNC_MASTER"))
+    master_store.add_dispatch_listener(master.on_dispatch)
+    server = await asyncio.start_server(master.serve, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    slave = HASlave(slave_store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
+    task = asyncio.ensure_future(slave.run())
+    try:
+        async with asyncio.timeout(timeout):
+            while not until(slave, master):
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
+        master.close()
+    return slave, master
+
+
+async def _stores(tmp_path, *names):
+    stores = [MessageStore(str(tmp_path / n), CFG) for n in names]
+    for s in stores:
+        await s.open()
+    return stores
+
+
+@bounded(30)
+async def test_a_slave_refuses_a_master_with_other_records_at_the_same_offsets(tmp_path):
+    """Two logs of equal-sized records have record boundaries at the same offsets: the master's boundary check
+    passed a slave of another log, which then appended the master's records after its own. The slave compares
+    its newest record with the master's copy first and appends nothing."""
+    a, b, s = await _stores(tmp_path, "a", "b", "s")
+    s.set_replica_only()
+    try:
+        for i in range(10):
+            await a.put(_req(i, 500))
+        for i in range(25):
+            await b.put(_req(i, 500))                       # same sizes, other bytes
+        end = await _copy(a, s, 0)
+        queues = {key: s.max_offset(*key) for key in s.queues()}
+        slave, master = await _follow(b, s, lambda sl, m: sl.diverged is not None)
+        assert "other bytes" in slave.diverged
+        assert s.max_physical_offset == end and {k: s.max_offset(*k) for k in s.queues()} == queues
+        assert master.acked < end                           # it confirmed nothing of b's log past its start
+    finally:
+        for st in (a, b, s):
+            await st.close()
+
+
+@bounded(30)
+async def test_a_slave_refuses_a_master_whose_log_ends_before_its_own(tmp_path):
+    """A master that comes back with a shorter log (it lost a tail the slave had received) and nothing new:
+    the slave holds a record the master does not; it says so instead of waiting silently for more."""
+    a, short, s = await _stores(tmp_path, "a", "short", "s")
+    short.set_replica_only()
+    s.set_replica_only()
+    try:
+        for i in range(10):
+            await a.put(_req(i, 500))
+        end = await _copy(a, s, 0)
+        last = s.last_indexed_record()
+        nxt = 0
+        while nxt < last:                                   # the same log, without its last record
+            chunk = a.replica_chunk(nxt, 1)
+            fut, nxt = short.append_replica(nxt, bytes(chunk))
+            chunk.release()
+        assert (await fut).ok and short.max_physical_offset == last
+        slave, _master = await _follow(short, s, lambda sl, m: sl.diverged is not None)
+        assert "ends at offset" in slave.diverged and s.max_physical_offset == end
+    finally:
+        for st in (a, short, s):
+            await st.close()
+
+
+@bounded(30)
+async def test_a_slave_of_the_same_log_resumes_after_comparing_even_at_a_segment_start(tmp_path):
+    """The comparison passes for the master's own log, also when the slave's log ends where a segment begins
+    (its newest record is in the sealed segment before, then the end marker), and it goes on to a byte copy."""
+    a, s = await _stores(tmp_path, "a", "s")
+    s.set_replica_only()
+    try:
+        for i in range(30):
+            await a.put(_req(i))                            # ~90 KB: one roll
+        nxt = 0
+        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
+            chunk = a.replica_chunk(nxt, 8000)
+            fut, nxt = s.append_replica(nxt, bytes(chunk))
+            chunk.release()
+        assert (await fut).ok and s.max_physical_offset == SEG and s.last_indexed_record() < SEG
+        for i in range(30, 40):
+            await a.put(_req(i))
+        want = a.max_physical_offset
+        slave, master = await _follow(a, s, lambda sl, m: m.acked >= want)
+        assert slave.diverged is None and s.max_physical_offset == want
+    finally:
+        await a.close()
+        await s.close()
+    assert _files(tmp_path / "a") == _files(tmp_path / "s")
+
+
+@bounded(30)
+async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_everything(monkeypatch):
+    """The slave hands each transfer to its store's writer and reads on at once (the writer's group commit
+    flushes them together). With the writer stalled -- a disk that blocks on writeback -- it read on all the
+    same: every byte the master sent was queued in memory, a whole backlog's worth on a catch-up. Past
+    PENDING_MAX bytes not yet stored it stops reading the socket, so TCP holds the master back."""
+    from types import SimpleNamespace
+
+    import broker.ha.slave as slave_mod
+    from broker.ha.codec import encode_transfer
+    from broker.ha.slave import HASlave
+
+    monkeypatch.setattr(slave_mod, "PENDING_MAX", 4 << 20)
+    frame, frames = 1 << 20, 64
+    held: list[asyncio.Future] = []
+
+    def append_replica(phys, body):
+        fut = asyncio.get_running_loop().create_future()      # stored when the test says so
+        held.append(fut)
+        store.max_physical_offset = phys + len(body)
+        return fut, phys + len(body)
+    store = SimpleNamespace(max_physical_offset=0, min_physical_offset=0, is_empty=False,
+                            last_indexed_record=lambda: None, append_replica=append_replica)
+
+    async def master(reader, writer):
+        body = bytes(frame)
+        for i in range(frames):
+            writer.write(encode_transfer(i * frame, body) + body)
+            await writer.drain()
+        await reader.read()
+    server = await asyncio.start_server(master, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    slave = HASlave(store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
+    task = asyncio.ensure_future(slave.run())
+    try:
+        while not slave.paused and len(held) < frames:
+            await asyncio.sleep(0.01)
+        assert slave.paused and len(held) * frame <= (4 << 20) + 2 * frame, len(held)
+        ok = SimpleNamespace(ok=True)
+        while len(held) < frames or not all(f.done() for f in held):   # the disk is back: all of it arrives
+            for f in held:
+                if not f.done():
+                    f.set_result(ok)
+            await asyncio.sleep(0.01)
+        assert store.max_physical_offset == frames * frame
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()

@@ -279,6 +279,27 @@ async def test_forced_removal_dead_letters_a_young_undecided_half_with_its_reaso
 
 
 @bounded(30)
+async def test_a_slave_removes_segments_with_halves_in_them_without_writing(tmp_path):
+    """A slave's store takes no writes of its own, so dead-lettering a half first -- what keeps a master's
+    half from vanishing with its segment -- failed there and kept the segment: the slave's disk filled. Its
+    master dead-letters the half (the copy replicates); the slave removes the segment as it stands."""
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    ctx.config = dataclasses.replace(ctx.config, broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    try:
+        half = await add_half(ctx, b"undecided on the master")
+        await send(ctx, 80)
+        ctx.store.set_replica_only()                            # from here on, a slave's store
+        before = names(ctx)
+        removed = await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert [n for n, _ in removed] == before[:-1] and {w for _, w in removed} == {"pressure"}
+        assert not ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 8, 1 << 20).buffers   # wrote nothing
+        assert half.half_offset < ctx.store.min_physical_offset
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
 async def test_forced_cleaning_works_while_the_disk_refuses_writes(tmp_path):
     """Above disk_refuse_ratio every client write is refused; the dead-letter records that must precede a
     forced removal are what frees the disk, so they are not, or a full disk could never clean itself."""
