@@ -101,6 +101,13 @@ def properties_to_string(props: dict[str, str] | None) -> str:
     return "\x02".join(f"{k}\x01{v}" for k, v in props.items() if v is not None)
 
 
+def separator_in(text: str | None) -> bool:
+    """True when ``text`` holds a properties separator (U+0001 or U+0002). A header field the broker copies
+    into a property must not: stored, the value would read back as more pairs than were written (a later
+    pair of the same name wins), a property smuggled past every check."""
+    return text is not None and ("\x01" in text or "\x02" in text)
+
+
 def string_to_properties(text: str | None) -> dict[str, str]:
     """Parse a properties string the way Java does: keep pairs with a non-empty name and value."""
     props: dict[str, str] = {}

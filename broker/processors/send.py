@@ -28,6 +28,7 @@ from protocol.message import (
     properties_appender,
     properties_to_string,
     property_value,
+    separator_in,
     string_to_properties,
     tags_code,
     validate_topic,
@@ -129,6 +130,11 @@ def handle_send(ctx, conn, cmd):
             if isinstance(illegal, str):
                 return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
         group = props.get(Prop.PGROUP) or h.producer_group
+        if Prop.PGROUP not in props and separator_in(group):
+            # It becomes the half's PGROUP: with a \x02 it was stored as more properties than the broker wrote,
+            # and recovery re-read another group and another REAL_TOPIC (a commit then wrote there).
+            return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"producerGroup {group!r} holds a properties "
+                                "separator (\\x01 or \\x02): it cannot be stored as the half's PGROUP")
         if group != h.producer_group:
             # The half is kept, checked and limited as PGROUP's: sent by another group it was charged to that
             # group's max_undecided_per_group (one group's flood refused another's halves), its checks went to
@@ -395,13 +401,19 @@ async def handle_send_back(ctx, conn, cmd):
     offset = cmd.int_field("offset", required=True)
     group = cmd.str_field("group", required=True)
     delay_level = cmd.int_field("delayLevel", 0)
+    origin_id = cmd.str_field("originMsgId")
+    if separator_in(origin_id):
+        # Stored as ORIGIN_MESSAGE_ID, a \x02 in it added pairs after the broker's own: a REAL_TOPIC among
+        # them sent the retry, when its delay ended, to any topic instead of %RETRY%<group>.
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"originMsgId {origin_id!r} holds a properties "
+                            "separator (\\x01 or \\x02)")
     view = ctx.store.get_record(offset)
     if view is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"look message by offset failed, {offset}")
     msg, _ = decode_record(view)
     props = dict(msg.properties)
     props.setdefault(Prop.RETRY_TOPIC, msg.topic)
-    props.setdefault(Prop.ORIGIN_MESSAGE_ID, cmd.str_field("originMsgId") or msg.offset_msg_id)
+    props.setdefault(Prop.ORIGIN_MESSAGE_ID, origin_id or msg.offset_msg_id)
     limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
     times = max(msg.reconsume_times, 0)
