@@ -60,8 +60,11 @@ class RawClient:
         return self.replies[opaque]
 
     async def call(self, cmd: RemotingCommand, timeout: float = 5.0):
-        self.write(cmd.encode())
-        return await self.reply(cmd.opaque, timeout)
+        return await self.call_raw(cmd.encode(), cmd.opaque, timeout)
+
+    async def call_raw(self, frame: bytes, opaque: int, timeout: float = 5.0):
+        self.write(frame)
+        return await self.reply(opaque, timeout)
 
     def close(self) -> None:
         self.writer.transport.abort()

@@ -1,0 +1,196 @@
+"""A seeded fuzzer against a real broker: hostile frames for every request code it serves.
+
+Each frame is a request the broker answers with one reply carrying its opaque (none when oneway, none to a
+response frame), whatever its fields hold: the wrong type, out of range, missing, duplicated, separators,
+path characters, either header serialization. Every few frames a canary message is sent and pulled back: the
+broker must still store, and stored messages must read back exactly. Bounded (a few hundred frames, about
+half a minute); set TXMQ_FUZZ_FRAMES and TXMQ_FUZZ_SEED for a longer or another run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import struct
+import time
+
+import pytest
+
+from broker.processors import broker_table
+from protocol.codes import FLAG_ONEWAY, FLAG_RESPONSE
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from protocol.command import RemotingCommand
+from protocol.message import decode_records, encode_batch
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+SEED = int(os.environ.get("TXMQ_FUZZ_SEED", "20261126"))
+FRAMES = int(os.environ.get("TXMQ_FUZZ_FRAMES", "400"))
+CANARY = "FuzzCanary"
+
+_NOW = str(int(time.time() * 1000))
+_SEND_V1 = {"producerGroup": "PG_fuzz", "topic": "FuzzT", "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
+            "queueId": "0", "sysFlag": "0", "bornTimestamp": _NOW, "flag": "0",
+            "properties": "KEYS\x01k\x02UNIQ_KEY\x01u", "reconsumeTimes": "0", "unitMode": "false", "batch": "false"}
+_SEND_V2 = dict(zip("abcdefghijklm", _SEND_V1.values()))
+_PULL = {"consumerGroup": "CG_fuzz", "topic": CANARY, "queueId": "0", "queueOffset": "0", "maxMsgNums": "32",
+         "sysFlag": "6", "commitOffset": "0", "suspendTimeoutMillis": "100", "subscription": "*", "subVersion": "0",
+         "expressionType": "TAG"}
+_BASE = {
+    R.SEND_MESSAGE: _SEND_V1, R.SEND_MESSAGE_V2: _SEND_V2, R.SEND_BATCH_MESSAGE: _SEND_V2,
+    R.SEND_REPLY_MESSAGE: _SEND_V1, R.SEND_REPLY_MESSAGE_V2: _SEND_V2, R.PULL_MESSAGE: _PULL,
+    R.CONSUMER_SEND_MSG_BACK: {"offset": "0", "group": "CG_fuzz", "delayLevel": "0", "originMsgId": "X",
+                               "originTopic": CANARY, "unitMode": "false", "maxReconsumeTimes": "16"},
+    R.END_TRANSACTION: {"producerGroup": "PG_fuzz", "tranStateTableOffset": "0", "commitLogOffset": "0",
+                        "commitOrRollback": "8", "fromTransactionCheck": "false", "msgId": "X", "transactionId": "T"},
+}
+_FIELDS = ["topic", "consumerGroup", "group", "queueId", "queueOffset", "commitOffset", "offset", "timestamp", "key",
+           "maxNum", "beginTimestamp", "endTimestamp", "producerGroup", "clientId", "msgId", "brokerName",
+           "clusterName", "brokerAddr", "brokerId", "readQueueNums", "writeQueueNums", "perm", "topicFilterType",
+           "topicSysFlag", "order", "isForce", "removeOffset", "decision", "limit", "groupName", "compressed",
+           "tranStateTableOffset", "commitLogOffset", "commitOrRollback", "maxMsgNums", "sysFlag",
+           "suspendTimeoutMillis", "subscription", "expressionType", "delayLevel", "originMsgId", "b", "e", "i", "m"]
+_TEXT = ["", "abc", "-1", "-2147483649", "2147483648", "9223372036854775807", "9223372036854775808",
+         "-9223372036854775808", "9" * 30, " 1", "1.5", "0x10", "true", "\x01\x02", "KEYS\x01a\x02TAGS\x01b",
+         "A" * 300, "../../x", "..", "%RETRY%CG_fuzz", "%DLQ%CG_fuzz", "\uff11", "1_0", "NaN", "-0", "0",
+         "RMQ_SYS_TRANS_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX", "TBW102", "a/b", "\x00", "\u00e9"]
+_JSON = [1, -1, 2 ** 31, 2 ** 63, 1.5, 1e300, True, False, None, "", [], {}, [1], {"a": 1}]
+_BODIED = (R.HEART_BEAT, R.UNREGISTER_CLIENT, R.LOCK_BATCH_MQ, R.UNLOCK_BATCH_MQ, R.CHECK_CLIENT_CONFIG,
+           R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, R.INVOKE_BROKER_TO_RESET_OFFSET, R.REGISTER_BROKER,
+           R.TXMQ_APPLY_EXPIRY)
+_BODIES = [b"", b"{}", b"[]", b"null", b'{"clientID":1}', b'{"consumerDataSet":[{"groupName":null}]}',
+           b'{"mqSet":[{"topic":1,"queueId":"x"}]}', b'{"consumerGroup":"CG","clientId":"c","mqSet":[1,2]}',
+           b'{"halves":[{"offset":"x"}],"segments":[-1]}', bytes(range(32)), b"[" * 5000]
+
+
+def _canary(i: int):
+    props = f"KEYS\x01k{i}\x02TAGS\x01t\x02UNIQ_KEY\x01U{i}"
+    return f"canary-{i}".encode(), props
+
+
+def _base(code: int, rnd: random.Random) -> dict:
+    if code in _BASE:
+        return dict(_BASE[code])
+    return {k: CANARY if k == "topic" else "CG_fuzz" if "roup" in k else "0" for k in rnd.sample(_FIELDS, 6)}
+
+
+def _body(code: int, rnd: random.Random) -> bytes:
+    if code == R.SEND_BATCH_MESSAGE:
+        return encode_batch([(0, b"x" * rnd.randint(0, 9), rnd.choice(["", "KEYS\x01a", "TAGS\x01\x01\x02", "\x02",
+                                                                          "a\x01b\x01c", "DELAY\x013"]))
+                             for _ in range(rnd.randint(0, 3))])
+    if code in _BODIED:
+        return rnd.choice(_BODIES)
+    return rnd.choice([b"", b"body", rnd.randbytes(rnd.randint(0, 64))])
+
+
+def _mutated(code: int, opaque: int, rnd: random.Random) -> tuple[bytes, bool]:
+    """(frame, expects a reply)."""
+    ext = _base(code, rnd)
+    for _ in range(rnd.randint(1, 3)):
+        keys = list(ext) or ["topic"]
+        roll = rnd.random()
+        if roll < 0.6:
+            ext[rnd.choice(keys)] = rnd.choice(_TEXT)
+        elif roll < 0.75:
+            ext.pop(rnd.choice(keys), None)
+        else:
+            ext[rnd.choice(_FIELDS)] = rnd.choice(_TEXT)
+    body = _body(code, rnd)
+    flag = rnd.choice([0] * 8 + [FLAG_ONEWAY, FLAG_RESPONSE, FLAG_RESPONSE | FLAG_ONEWAY])
+    kind = rnd.random()
+    if kind < 0.2:          # JSON header whose ext values are not strings (ali-ons sends numbers, booleans)
+        for key in rnd.sample(list(ext), min(2, len(ext))):
+            ext[key] = rnd.choice(_JSON)
+        header = json.dumps({"code": code, "flag": flag, "language": "JAVA", "opaque": opaque, "version": 409,
+                             "extFields": ext}).encode()
+        frame = struct.pack(">ii", 4 + len(header) + len(body), len(header)) + header + body
+    elif kind < 0.3:        # ROCKETMQ header naming one field twice: the last one counts (a Java HashMap)
+        cmd = RemotingCommand(code, opaque=opaque, flag=flag, ext_fields=ext, body=body, serialize_type=1)
+        header = bytearray(cmd.encode_header())
+        key, value = rnd.choice(_FIELDS).encode(), rnd.choice(_TEXT).encode()
+        extra = struct.pack(">h", len(key)) + key + struct.pack(">i", len(value)) + value
+        ext_at = len(header) - sum(2 + len(k.encode()) + 4 + len(v.encode()) for k, v in ext.items()) - 4
+        (ext_len,) = struct.unpack_from(">i", header, ext_at)
+        struct.pack_into(">i", header, ext_at, ext_len + len(extra) * 2)
+        header += extra * 2
+        frame = struct.pack(">ii", 4 + len(header) + len(body), (1 << 24) | len(header)) + bytes(header) + body
+    else:
+        cmd = RemotingCommand(code, opaque=opaque, flag=flag, ext_fields=ext, body=body,
+                              serialize_type=1 if rnd.random() < 0.3 else 0)
+        frame = cmd.encode()
+    return frame, not flag
+
+
+async def _canary_round_trip(broker, i: int) -> None:
+    client = await RawClient.open(broker.broker)
+    try:
+        body, props = _canary(i)
+        sent = await client.call(RemotingCommand(R.SEND_MESSAGE_V2, opaque=1, body=body, ext_fields={
+            "a": "PG_canary", "b": CANARY, "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": _NOW, "h": "0",
+            "i": props}), 10)
+        assert sent and sent[0].code == C.SUCCESS, (i, sent)
+        at = sent[0].ext_fields["queueOffset"]
+        pulled = await client.call(RemotingCommand(R.PULL_MESSAGE, opaque=2, ext_fields={
+            **_PULL, "consumerGroup": "CG_canary", "queueOffset": at, "maxMsgNums": "1", "sysFlag": "4"}), 10)
+        assert pulled and pulled[0].code == C.SUCCESS, (i, pulled)
+        [msg] = decode_records(pulled[0].body_bytes())
+        assert (msg.topic, msg.queue_id, msg.queue_offset, msg.body) == (CANARY, 0, int(at), body)
+        assert msg.properties == {"KEYS": f"k{i}", "TAGS": "t", "UNIQ_KEY": f"U{i}", "CLUSTER": "DefaultCluster"}
+    finally:
+        client.close()
+
+
+async def test_hostile_frames_for_every_request_code(broker_factory):
+    broker = broker_factory("--max-suspend-ms", "100")
+    await _canary_round_trip(broker, 0)
+    rnd = random.Random(SEED)
+    codes = sorted(broker_table()) + [R.REGISTER_BROKER, 9999, -1]
+    client = await RawClient.open(broker.broker)
+    silent: list[tuple[RawClient, int, bytes]] = []      # frames that must get no reply, checked at the end
+    try:
+        for n in range(1, FRAMES + 1):
+            opaque = 1000 + n
+            code = rnd.choice(codes)
+            frame, wants_reply = _mutated(code, opaque, rnd)
+            if client.closed.is_set():
+                client = await RawClient.open(broker.broker)
+            if not wants_reply:
+                client.write(frame)
+                silent.append((client, opaque, frame))
+            else:
+                got = await client.call_raw(frame, opaque, 10)
+                if got is None:         # closed by an earlier malformed oneway frame: once more on a new one
+                    client = await RawClient.open(broker.broker)
+                    got = await client.call_raw(frame, opaque, 10)
+                assert got, f"no reply ({got}) to frame {n}: {frame[:300]!r}"
+                assert len(got) == 1 and got[0].is_response, (n, got)
+            if n % 25 == 0:
+                await _canary_round_trip(broker, n)
+        await asyncio.sleep(0.5)
+        for conn, opaque, frame in silent:
+            assert opaque not in conn.replies, f"a reply to a oneway or response frame: {frame[:300]!r}"
+    finally:
+        client.close()
+        for conn, _, _ in silent:
+            conn.close()
+    await _canary_round_trip(broker, FRAMES + 1)
+    assert broker.proc.poll() is None
+
+
+@pytest.mark.parametrize("flag", [FLAG_ONEWAY, FLAG_RESPONSE, FLAG_RESPONSE | FLAG_ONEWAY])
+async def test_a_malformed_oneway_or_response_frame_is_not_answered(broker, flag):
+    """A frame whose header does not decode is answered with an error when its opaque can be read, then the
+    connection closes. A oneway request or a response is never answered (RocketMQ answers neither, and closes
+    on any frame it cannot decode): its peer waits for nothing under that opaque."""
+    header = json.dumps({"code": 30, "flag": flag, "opaque": 77, "extFields": {"topic": []}}).encode()
+    client = await RawClient.open(broker.broker)
+    try:
+        client.write(struct.pack(">ii", 4 + len(header), len(header)) + header)
+        await asyncio.wait_for(client.closed.wait(), 10)
+        assert client.replies == {}
+    finally:
+        client.close()
