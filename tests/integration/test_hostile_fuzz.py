@@ -239,3 +239,25 @@ async def test_a_heartbeat_naming_groups_by_number_breaks_no_listing_or_metric(b
     finally:
         hostile.close()
         other.close()
+
+
+@pytest.mark.parametrize("code, body, refusal", [
+    (R.LOCK_BATCH_MQ, b'{"consumerGroup":"CG","clientId":"c","mqSet":[1,2]}', "lock body must be"),
+    (R.UNLOCK_BATCH_MQ, b'{"consumerGroup":"CG","clientId":"c","mqSet":[{"topic":[],"queueId":0}]}',
+     "lock body must be"),
+    (R.LOCK_BATCH_MQ, b"[" * 5000, "lock body must be"),
+    (R.HEART_BEAT, b"[" * 5000, "heartbeat body is not JSON"),
+    (R.CHECK_CLIENT_CONFIG, b"[" * 5000, "CHECK_CLIENT_CONFIG body is not"),
+    (R.TXMQ_APPLY_EXPIRY, b"[" * 5000, "expiry plan does not parse"),
+])
+async def test_malformed_bodies_are_refused_as_malformed(broker, code, body, refusal):
+    """Found by the fuzzer: these bodies raised AttributeError, TypeError or RecursionError inside their
+    handler -- answered SYSTEM_ERROR "SomeError: ...", logged as a broker failure with its traceback, and a
+    lock request failed half-way (the queues before the bad one locked, the client told it failed)."""
+    client = await RawClient.open(broker.broker)
+    try:
+        [reply] = await client.call(RemotingCommand(code, opaque=1, body=body), 5)
+    finally:
+        client.close()
+    assert reply.code == C.SYSTEM_ERROR and reply.remark.startswith(refusal), reply.remark
+    assert "Traceback" not in broker.log_path.read_text(errors="replace")
