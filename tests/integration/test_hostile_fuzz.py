@@ -261,3 +261,29 @@ async def test_malformed_bodies_are_refused_as_malformed(broker, code, body, ref
         client.close()
     assert reply.code == C.SYSTEM_ERROR and reply.remark.startswith(refusal), reply.remark
     assert "Traceback" not in broker.log_path.read_text(errors="replace")
+
+
+async def test_a_batch_whose_records_pass_the_maximum_is_refused_at_once(broker):
+    """The batch limit applied to the body only: a 4 MiB body of 190,000 empty entries was stored as 23 MB of
+    records (each adds the topic, hosts and properties), held the broker's loop for seconds and answered
+    with 6 MB of message ids. RocketMQ refuses a batch whose records pass maxMessageSize."""
+    body = encode_batch([(0, b"", "")] * 190_000)
+    assert len(body) < 4 * 1024 * 1024
+    fields = {"a": "PG_batch", "b": "TinyBatch", "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": _NOW, "h": "0",
+              "i": "", "m": "true"}
+    client = await RawClient.open(broker.broker)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        [refused] = await client.call(RemotingCommand(R.SEND_BATCH_MESSAGE, opaque=1, ext_fields=fields,
+                                                      body=body), 30)
+        assert refused.code == C.MESSAGE_ILLEGAL, (refused.code, (refused.remark or "")[:200])
+        assert loop.time() - started < 1.0
+        [fits] = await client.call(RemotingCommand(R.SEND_BATCH_MESSAGE, opaque=2, ext_fields=fields,
+                                                   body=encode_batch([(0, b"x", "")] * 1000)), 10)
+        assert fits.code == C.SUCCESS, fits.remark
+        [stored] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=3,
+                                                     ext_fields={"topic": "TinyBatch", "queueId": "0"}), 5)
+        assert stored.ext_fields["offset"] == "1000"
+    finally:
+        client.close()
