@@ -287,3 +287,21 @@ async def test_a_batch_whose_records_pass_the_maximum_is_refused_at_once(broker)
         assert stored.ext_fields["offset"] == "1000"
     finally:
         client.close()
+
+
+async def test_locks_are_granted_only_for_queues_the_broker_has(broker):
+    """LOCK_BATCH_MQ granted whatever queues it named, each lock kept for queue_lock_max_live_ms (60 s): one
+    15 MB request of made-up topics left some 70 MB behind, and a client repeating it grew the broker by
+    about 100 MB a second. As UPDATE_CONSUMER_OFFSET, only this broker's queues are taken."""
+    await _canary_round_trip(broker, 0)                     # the canary topic exists: 4 queues
+    made_up = [{"topic": f"NoSuch{i}", "brokerName": "b", "queueId": i % 8} for i in range(50_000)]
+    real = [{"topic": CANARY, "brokerName": "b", "queueId": q} for q in (0, 3)]
+    beyond = [{"topic": CANARY, "brokerName": "b", "queueId": q} for q in (4, -1, 2 ** 31)]
+    body = json.dumps({"consumerGroup": "CG_lock", "clientId": "c1", "mqSet": made_up + real + beyond}).encode()
+    client = await RawClient.open(broker.broker)
+    try:
+        [reply] = await client.call(RemotingCommand(R.LOCK_BATCH_MQ, opaque=1, body=body), 20)
+    finally:
+        client.close()
+    assert reply.code == C.SUCCESS
+    assert json.loads(reply.body_bytes())["lockOKMQSet"] == real
