@@ -89,8 +89,8 @@ def _body(code: int, rnd: random.Random) -> bytes:
     return rnd.choice([b"", b"body", rnd.randbytes(rnd.randint(0, 64))])
 
 
-def _mutated(code: int, opaque: int, rnd: random.Random) -> tuple[bytes, bool]:
-    """(frame, expects a reply)."""
+def _mutated(code: int, opaque: int, rnd: random.Random) -> tuple[bytes, bool, int]:
+    """(frame, expects a reply, its header's serialize type: the reply's too)."""
     ext = _base(code, rnd)
     for _ in range(rnd.randint(1, 3)):
         keys = list(ext) or ["topic"]
@@ -110,6 +110,7 @@ def _mutated(code: int, opaque: int, rnd: random.Random) -> tuple[bytes, bool]:
         header = json.dumps({"code": code, "flag": flag, "language": "JAVA", "opaque": opaque, "version": 409,
                              "extFields": ext}).encode()
         frame = struct.pack(">ii", 4 + len(header) + len(body), len(header)) + header + body
+        stype = 0
     elif kind < 0.3:        # ROCKETMQ header naming one field twice: the last one counts (a Java HashMap)
         cmd = RemotingCommand(code, opaque=opaque, flag=flag, ext_fields=ext, body=body, serialize_type=1)
         header = bytearray(cmd.encode_header())
@@ -120,11 +121,13 @@ def _mutated(code: int, opaque: int, rnd: random.Random) -> tuple[bytes, bool]:
         struct.pack_into(">i", header, ext_at, ext_len + len(extra) * 2)
         header += extra * 2
         frame = struct.pack(">ii", 4 + len(header) + len(body), (1 << 24) | len(header)) + bytes(header) + body
+        stype = 1
     else:
         cmd = RemotingCommand(code, opaque=opaque, flag=flag, ext_fields=ext, body=body,
                               serialize_type=1 if rnd.random() < 0.3 else 0)
         frame = cmd.encode()
-    return frame, not flag
+        stype = cmd.serialize_type
+    return frame, not flag, stype
 
 
 async def _canary_round_trip(broker, i: int) -> None:
@@ -157,7 +160,7 @@ async def test_hostile_frames_for_every_request_code(broker_factory):
         for n in range(1, FRAMES + 1):
             opaque = 1000 + n
             code = rnd.choice(codes)
-            frame, wants_reply = _mutated(code, opaque, rnd)
+            frame, wants_reply, stype = _mutated(code, opaque, rnd)
             if client.closed.is_set():
                 client = await RawClient.open(broker.broker)
             if not wants_reply:
@@ -170,6 +173,7 @@ async def test_hostile_frames_for_every_request_code(broker_factory):
                     got = await client.call_raw(frame, opaque, 10)
                 assert got, f"no reply ({got}) to frame {n}: {frame[:300]!r}"
                 assert len(got) == 1 and got[0].is_response, (n, got)
+                assert got[0].serialize_type == stype, (n, got, frame[:300])
             if n % 25 == 0:
                 await _canary_round_trip(broker, n)
         await asyncio.sleep(0.5)
