@@ -233,7 +233,7 @@ def resources(cmd) -> dict[str, int]:
                 add(_retry(consumer.get("groupName")), SUB)
                 for sub in consumer.get("subscriptionDataSet") or []:
                     add(sub.get("topic"), SUB)
-        except (ValueError, AttributeError, TypeError) as exc:
+        except (ValueError, AttributeError, TypeError, RecursionError) as exc:
             raise ValueError(f"heartbeat body is not readable: {exc}") from None
     return out
 

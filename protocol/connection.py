@@ -542,11 +542,18 @@ def _expire(fut: asyncio.Future, code: int, peer: tuple, timeout: float) -> None
 
 
 def _best_effort_opaque(frame: bytes) -> int | None:
-    """The opaque of a frame whose header failed validation, if a JSON header still parses."""
+    """The opaque of a frame whose header failed validation, if a JSON header still parses; None also for a
+    oneway request or a response (by its flag), which are never answered: their peer awaits nothing there."""
     try:
         header_len = int.from_bytes(frame[4:8], "big") & 0xFFFFFF
         obj = json.loads(bytes(frame[8:8 + header_len]))
-        opaque = obj.get("opaque") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            return None
+        opaque, flag = obj.get("opaque"), obj.get("flag")
+        if isinstance(flag, str) and flag.strip().lstrip("-").isdigit():
+            flag = int(flag)
+        if isinstance(flag, int) and flag & (FLAG_ONEWAY | FLAG_RESPONSE):
+            return None
         if isinstance(opaque, int) and not isinstance(opaque, bool) and -(1 << 31) <= opaque < (1 << 31):
             return opaque
     except (ValueError, UnicodeDecodeError, RecursionError):

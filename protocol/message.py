@@ -101,6 +101,13 @@ def properties_to_string(props: dict[str, str] | None) -> str:
     return "\x02".join(f"{k}\x01{v}" for k, v in props.items() if v is not None)
 
 
+def separator_in(text: str | None) -> bool:
+    """True when ``text`` holds a properties separator (U+0001 or U+0002). A header field the broker copies
+    into a property must not: stored, the value would read back as more pairs than were written (a later
+    pair of the same name wins), a property smuggled past every check."""
+    return text is not None and ("\x01" in text or "\x02" in text)
+
+
 def string_to_properties(text: str | None) -> dict[str, str]:
     """Parse a properties string the way Java does: keep pairs with a non-empty name and value."""
     props: dict[str, str] = {}
@@ -647,6 +654,23 @@ def decode_batch(buf) -> list[tuple[int, bytes, str]]:
         entries.append((flag, body, props))
         pos += size
     return entries
+
+
+def batch_store_size(buf, per_record: int, limit: int) -> int:
+    """The bytes a batch body's entries take as store records, each its entry's size plus ``per_record``,
+    counted only until past ``limit`` (a lower bound then); a malformed entry ends the count, for the
+    decoders to refuse. Reads the entries' size fields only: about 10 ms for a 4 MiB body of empty entries,
+    which, encoded in full, took 2 s of the loop and 23 MB of records."""
+    total = pos = 0
+    end = len(buf)
+    unpack = _I32.unpack_from
+    while total <= limit and end - pos >= 22:
+        (size,) = unpack(buf, pos)
+        if size < 22 or pos + size > end:
+            break
+        total += size + per_record
+        pos += size
+    return total
 
 
 _BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", b"WAIT\x01")

@@ -57,7 +57,7 @@ def query_data_version(ctx: NamesrvContext, conn, cmd):
     try:
         obj = json.loads(cmd.body_bytes() or b"{}")
         theirs = DataVersion(int(obj.get("timestamp", 0)), int(obj.get("counter", 0)))
-    except (ValueError, TypeError, AttributeError) as exc:
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise HeaderError(f"data version does not parse: {exc}") from None
     live = ctx.table.live.get(addr)
     changed = live is None or live.data_version != theirs

@@ -168,7 +168,7 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
         if not isinstance(values, dict):
             raise ValueError("not a JSON object")
         cfg = ctx.subscriptions.update(values)
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group config body is not usable: {exc}")
     log.info("subscription group %s updated by %s", cfg["groupName"], _peer(conn))
     return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")

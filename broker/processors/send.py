@@ -17,6 +17,7 @@ from protocol.connection import DEFERRED
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
+    batch_store_size,
     decode_batch,
     decode_record,
     drop_property,
@@ -28,6 +29,7 @@ from protocol.message import (
     properties_appender,
     properties_to_string,
     property_value,
+    separator_in,
     string_to_properties,
     tags_code,
     validate_topic,
@@ -129,6 +131,11 @@ def handle_send(ctx, conn, cmd):
             if isinstance(illegal, str):
                 return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
         group = props.get(Prop.PGROUP) or h.producer_group
+        if Prop.PGROUP not in props and separator_in(group):
+            # It becomes the half's PGROUP: with a \x02 it was stored as more properties than the broker wrote,
+            # and recovery re-read another group and another REAL_TOPIC (a commit then wrote there).
+            return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"producerGroup {group!r} holds a properties "
+                                "separator (\\x01 or \\x02): it cannot be stored as the half's PGROUP")
         if group != h.producer_group:
             # The half is kept, checked and limited as PGROUP's: sent by another group it was charged to that
             # group's max_undecided_per_group (one group's flood refused another's halves), its checks went to
@@ -260,6 +267,14 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     batch_props[Prop.CLUSTER] = ctx.config.cluster_name
     born = _born_host(conn)
     topic_b = h.topic.encode()
+    # RocketMQ refuses a batch whose records, not its body, pass maxMessageSize: each entry's record adds the
+    # topic, the hosts and the batch's properties (69 + topic + properties bytes more than its entry). A 4 MiB
+    # body of 190,000 empty entries was taken: 23 MB of records, the loop held for 5 s, a 6 MB reply of ids.
+    limit = ctx.config.max_message_size
+    stored = batch_store_size(cmd.body, 69 + len(topic_b) + len(properties_to_string(batch_props)) + 1, limit)
+    if stored > limit:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"the batch's messages take at least {stored} bytes "
+                            f"stored, over the maximum {limit}")
     store_host = ctx.store_host
     fast = None if refused is not None else encode_batch_records(
         cmd.body, topic=topic_b, queue_id=qid, sys_flag=h.sys_flag, born_timestamp=h.born_timestamp,
@@ -395,13 +410,19 @@ async def handle_send_back(ctx, conn, cmd):
     offset = cmd.int_field("offset", required=True)
     group = cmd.str_field("group", required=True)
     delay_level = cmd.int_field("delayLevel", 0)
+    origin_id = cmd.str_field("originMsgId")
+    if separator_in(origin_id):
+        # Stored as ORIGIN_MESSAGE_ID, a \x02 in it added pairs after the broker's own: a REAL_TOPIC among
+        # them sent the retry, when its delay ended, to any topic instead of %RETRY%<group>.
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"originMsgId {origin_id!r} holds a properties "
+                            "separator (\\x01 or \\x02)")
     view = ctx.store.get_record(offset)
     if view is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"look message by offset failed, {offset}")
     msg, _ = decode_record(view)
     props = dict(msg.properties)
     props.setdefault(Prop.RETRY_TOPIC, msg.topic)
-    props.setdefault(Prop.ORIGIN_MESSAGE_ID, cmd.str_field("originMsgId") or msg.offset_msg_id)
+    props.setdefault(Prop.ORIGIN_MESSAGE_ID, origin_id or msg.offset_msg_id)
     limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
     times = max(msg.reconsume_times, 0)

@@ -103,7 +103,7 @@ async def resume_transaction(ctx, conn, cmd):
 async def apply_expiry(ctx, conn, cmd):
     try:
         plan = json.loads(cmd.body_bytes())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise HeaderError(f"expiry plan does not parse: {exc}") from None
     n_halves = len(plan.get("halves") or []) if isinstance(plan, dict) else 0
     n_segments = len(plan.get("segments") or []) if isinstance(plan, dict) else 0

@@ -75,6 +75,28 @@ def test_malformed_bodies_raise_header_errors(data, compressed):
         decode_register_body(data, compressed=compressed)
 
 
+def test_a_compressed_body_inflating_past_the_limit_is_refused_without_inflating_it():
+    """One unauthenticated REGISTER_BROKER of 1 MB deflated zeros inflated to 1 GB in one zlib.decompress: the
+    name server peaked at 2 GB and answered nothing else for 13 s; the largest frame (16 MiB) asked for 16 GB."""
+    import tracemalloc
+
+    bomb = zlib.compress(b"\0" * (256 << 20), 9)      # 255 KB
+    tracemalloc.start()
+    try:
+        with pytest.raises(HeaderError, match="inflates past"):
+            decode_register_body(bomb, compressed=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 << 20         # the inflated limit, about twice over (zlib joins its blocks)
+    from protocol.registration import MAX_INFLATED_REGISTER_BODY
+    # the limit itself is taken: a body exactly that large inflates (and then fails on its content)
+    with pytest.raises(HeaderError, match="does not parse|runs past|topics"):
+        decode_register_body(zlib.compress(b"\0" * MAX_INFLATED_REGISTER_BODY), compressed=True)
+    with pytest.raises(HeaderError, match="cut short"):
+        decode_register_body(zlib.compress(b"x" * 1000)[:-8], compressed=True)
+
+
 def test_crc_is_java_masked_crc32():
     assert body_crc32(b"hello") == zlib.crc32(b"hello") & 0x7FFFFFFF
     assert body_crc32(b"") == 0 and body_crc32(None) == 0

@@ -8,15 +8,17 @@ from types import SimpleNamespace
 from broker.clients import ClientRegistry
 from broker.config import BrokerConfig
 from broker.processors.client import lock_batch_mq, unlock_batch_mq
+from broker.topics import TopicConfig
 from protocol.codes import RequestCode as R
 from protocol.command import RemotingCommand
 
 MQ = {"topic": "Orders", "brokerName": "broker-a", "queueId": 0}
+_TOPICS = SimpleNamespace(topics={"Orders": TopicConfig("Orders", 4, 4)})
 
 
 def _ctx():
     clock = SimpleNamespace(now=1_000_000)
-    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now)
+    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now, topics=_TOPICS)
     ctx.clients = ClientRegistry(ctx.clock)
     return ctx, clock
 
@@ -58,7 +60,7 @@ def test_a_wall_clock_step_neither_frees_nor_pins_a_lock():
     from broker.context import monotonic_ms
     wall = SimpleNamespace(now=1_700_000_000_000)
     mono = SimpleNamespace(now=5_000)
-    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: wall.now)
+    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: wall.now, topics=_TOPICS)
     ctx.clients = ClientRegistry(lambda: mono.now)
     assert _call(lock_batch_mq, ctx, "A") == [MQ]
     wall.now += 3_600_000                                     # NTP steps the wall clock an hour ahead

@@ -1,0 +1,311 @@
+"""A seeded fuzzer against a real broker: hostile frames for every request code it serves.
+
+Each frame is a request the broker answers with one reply carrying its opaque (none when oneway, none to a
+response frame), whatever its fields hold: the wrong type, out of range, missing, duplicated, separators,
+path characters, either header serialization. Every few frames a canary message is sent and pulled back: the
+broker must still store, and stored messages must read back exactly. Bounded (a few hundred frames, about
+half a minute); set TXMQ_FUZZ_FRAMES and TXMQ_FUZZ_SEED for a longer or another run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import struct
+import time
+
+import pytest
+
+from broker.processors import broker_table
+from protocol.codes import FLAG_ONEWAY, FLAG_RESPONSE
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from protocol.command import RemotingCommand
+from protocol.message import decode_records, encode_batch
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+SEED = int(os.environ.get("TXMQ_FUZZ_SEED", "20261126"))
+FRAMES = int(os.environ.get("TXMQ_FUZZ_FRAMES", "400"))
+CANARY = "FuzzCanary"
+
+_NOW = str(int(time.time() * 1000))
+_SEND_V1 = {"producerGroup": "PG_fuzz", "topic": "FuzzT", "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
+            "queueId": "0", "sysFlag": "0", "bornTimestamp": _NOW, "flag": "0",
+            "properties": "KEYS\x01k\x02UNIQ_KEY\x01u", "reconsumeTimes": "0", "unitMode": "false", "batch": "false"}
+_SEND_V2 = dict(zip("abcdefghijklm", _SEND_V1.values()))
+_PULL = {"consumerGroup": "CG_fuzz", "topic": CANARY, "queueId": "0", "queueOffset": "0", "maxMsgNums": "32",
+         "sysFlag": "6", "commitOffset": "0", "suspendTimeoutMillis": "100", "subscription": "*", "subVersion": "0",
+         "expressionType": "TAG"}
+_BASE = {
+    R.SEND_MESSAGE: _SEND_V1, R.SEND_MESSAGE_V2: _SEND_V2, R.SEND_BATCH_MESSAGE: _SEND_V2,
+    R.SEND_REPLY_MESSAGE: _SEND_V1, R.SEND_REPLY_MESSAGE_V2: _SEND_V2, R.PULL_MESSAGE: _PULL,
+    R.CONSUMER_SEND_MSG_BACK: {"offset": "0", "group": "CG_fuzz", "delayLevel": "0", "originMsgId": "X",
+                               "originTopic": CANARY, "unitMode": "false", "maxReconsumeTimes": "16"},
+    R.END_TRANSACTION: {"producerGroup": "PG_fuzz", "tranStateTableOffset": "0", "commitLogOffset": "0",
+                        "commitOrRollback": "8", "fromTransactionCheck": "false", "msgId": "X", "transactionId": "T"},
+}
+_FIELDS = ["topic", "consumerGroup", "group", "queueId", "queueOffset", "commitOffset", "offset", "timestamp", "key",
+           "maxNum", "beginTimestamp", "endTimestamp", "producerGroup", "clientId", "msgId", "brokerName",
+           "clusterName", "brokerAddr", "brokerId", "readQueueNums", "writeQueueNums", "perm", "topicFilterType",
+           "topicSysFlag", "order", "isForce", "removeOffset", "decision", "limit", "groupName", "compressed",
+           "tranStateTableOffset", "commitLogOffset", "commitOrRollback", "maxMsgNums", "sysFlag",
+           "suspendTimeoutMillis", "subscription", "expressionType", "delayLevel", "originMsgId", "b", "e", "i", "m"]
+_TEXT = ["", "abc", "-1", "-2147483649", "2147483648", "9223372036854775807", "9223372036854775808",
+         "-9223372036854775808", "9" * 30, " 1", "1.5", "0x10", "true", "\x01\x02", "KEYS\x01a\x02TAGS\x01b",
+         "A" * 300, "../../x", "..", "%RETRY%CG_fuzz", "%DLQ%CG_fuzz", "\uff11", "1_0", "NaN", "-0", "0",
+         "RMQ_SYS_TRANS_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX", "TBW102", "a/b", "\x00", "\u00e9"]
+_JSON = [1, -1, 2 ** 31, 2 ** 63, 1.5, 1e300, True, False, None, "", [], {}, [1], {"a": 1}]
+_BODIED = (R.HEART_BEAT, R.UNREGISTER_CLIENT, R.LOCK_BATCH_MQ, R.UNLOCK_BATCH_MQ, R.CHECK_CLIENT_CONFIG,
+           R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, R.INVOKE_BROKER_TO_RESET_OFFSET, R.REGISTER_BROKER,
+           R.TXMQ_APPLY_EXPIRY)
+_BODIES = [b"", b"{}", b"[]", b"null", b'{"clientID":1}', b'{"consumerDataSet":[{"groupName":null}]}',
+           b'{"mqSet":[{"topic":1,"queueId":"x"}]}', b'{"consumerGroup":"CG","clientId":"c","mqSet":[1,2]}',
+           b'{"halves":[{"offset":"x"}],"segments":[-1]}', bytes(range(32)), b"[" * 5000]
+
+
+def _canary(i: int):
+    props = f"KEYS\x01k{i}\x02TAGS\x01t\x02UNIQ_KEY\x01U{i}"
+    return f"canary-{i}".encode(), props
+
+
+def _base(code: int, rnd: random.Random) -> dict:
+    if code in _BASE:
+        return dict(_BASE[code])
+    # (an admin may legitimately make the canary's topic unwritable or delete it: not what is tested here)
+    topic = "FuzzAdmin" if code in (R.UPDATE_AND_CREATE_TOPIC, R.DELETE_TOPIC_IN_BROKER) else CANARY
+    return {k: topic if k == "topic" else "CG_fuzz" if "roup" in k else "0" for k in rnd.sample(_FIELDS, 6)}
+
+
+def _body(code: int, rnd: random.Random) -> bytes:
+    if code == R.SEND_BATCH_MESSAGE:
+        return encode_batch([(0, b"x" * rnd.randint(0, 9), rnd.choice(["", "KEYS\x01a", "TAGS\x01\x01\x02", "\x02",
+                                                                          "a\x01b\x01c", "DELAY\x013"]))
+                             for _ in range(rnd.randint(0, 3))])
+    if code in _BODIED:
+        return rnd.choice(_BODIES)
+    return rnd.choice([b"", b"body", rnd.randbytes(rnd.randint(0, 64))])
+
+
+def _mutated(code: int, opaque: int, rnd: random.Random) -> tuple[bytes, bool, int]:
+    """(frame, expects a reply, its header's serialize type: the reply's too)."""
+    ext = _base(code, rnd)
+    for _ in range(rnd.randint(1, 3)):
+        keys = list(ext) or ["topic"]
+        roll = rnd.random()
+        if roll < 0.6:
+            ext[rnd.choice(keys)] = rnd.choice(_TEXT)
+        elif roll < 0.75:
+            ext.pop(rnd.choice(keys), None)
+        else:
+            ext[rnd.choice(_FIELDS)] = rnd.choice(_TEXT)
+    body = _body(code, rnd)
+    flag = rnd.choice([0] * 8 + [FLAG_ONEWAY, FLAG_RESPONSE, FLAG_RESPONSE | FLAG_ONEWAY])
+    kind = rnd.random()
+    if kind < 0.2:          # JSON header whose ext values are not strings (ali-ons sends numbers, booleans)
+        for key in rnd.sample(list(ext), min(2, len(ext))):
+            ext[key] = rnd.choice(_JSON)
+        header = json.dumps({"code": code, "flag": flag, "language": "JAVA", "opaque": opaque, "version": 409,
+                             "extFields": ext}).encode()
+        frame = struct.pack(">ii", 4 + len(header) + len(body), len(header)) + header + body
+        stype = 0
+    elif kind < 0.3:        # ROCKETMQ header naming one field twice: the last one counts (a Java HashMap)
+        cmd = RemotingCommand(code, opaque=opaque, flag=flag, ext_fields=ext, body=body, serialize_type=1)
+        header = bytearray(cmd.encode_header())
+        key, value = rnd.choice(_FIELDS).encode(), rnd.choice(_TEXT).encode()
+        extra = struct.pack(">h", len(key)) + key + struct.pack(">i", len(value)) + value
+        ext_at = len(header) - sum(2 + len(k.encode()) + 4 + len(v.encode()) for k, v in ext.items()) - 4
+        (ext_len,) = struct.unpack_from(">i", header, ext_at)
+        struct.pack_into(">i", header, ext_at, ext_len + len(extra) * 2)
+        header += extra * 2
+        frame = struct.pack(">ii", 4 + len(header) + len(body), (1 << 24) | len(header)) + bytes(header) + body
+        stype = 1
+    else:
+        cmd = RemotingCommand(code, opaque=opaque, flag=flag, ext_fields=ext, body=body,
+                              serialize_type=1 if rnd.random() < 0.3 else 0)
+        frame = cmd.encode()
+        stype = cmd.serialize_type
+    return frame, not flag, stype
+
+
+async def _canary_round_trip(broker, i: int) -> None:
+    client = await RawClient.open(broker.broker)
+    try:
+        body, props = _canary(i)
+        sent = await client.call(RemotingCommand(R.SEND_MESSAGE_V2, opaque=1, body=body, ext_fields={
+            "a": "PG_canary", "b": CANARY, "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": _NOW, "h": "0",
+            "i": props}), 10)
+        assert sent and sent[0].code == C.SUCCESS, (i, sent)
+        at = sent[0].ext_fields["queueOffset"]
+        pulled = await client.call(RemotingCommand(R.PULL_MESSAGE, opaque=2, ext_fields={
+            **_PULL, "consumerGroup": "CG_canary", "queueOffset": at, "maxMsgNums": "1", "sysFlag": "4"}), 10)
+        assert pulled and pulled[0].code == C.SUCCESS, (i, pulled)
+        [msg] = decode_records(pulled[0].body_bytes())
+        assert (msg.topic, msg.queue_id, msg.queue_offset, msg.body) == (CANARY, 0, int(at), body)
+        assert msg.properties == {"KEYS": f"k{i}", "TAGS": "t", "UNIQ_KEY": f"U{i}", "CLUSTER": "DefaultCluster"}
+    finally:
+        client.close()
+
+
+async def test_hostile_frames_for_every_request_code(broker_factory):
+    broker = broker_factory("--max-suspend-ms", "100")
+    await _canary_round_trip(broker, 0)
+    rnd = random.Random(SEED)
+    codes = sorted(broker_table()) + [R.REGISTER_BROKER, 9999, -1]
+    client = await RawClient.open(broker.broker)
+    silent: list[tuple[RawClient, int, bytes]] = []      # frames that must get no reply, checked at the end
+    try:
+        for n in range(1, FRAMES + 1):
+            opaque = 1000 + n
+            code = rnd.choice(codes)
+            frame, wants_reply, stype = _mutated(code, opaque, rnd)
+            if client.closed.is_set():
+                client = await RawClient.open(broker.broker)
+            if not wants_reply:
+                client.write(frame)
+                silent.append((client, opaque, frame))
+            else:
+                got = await client.call_raw(frame, opaque, 10)
+                if got is None:         # closed by an earlier malformed oneway frame: once more on a new one
+                    client = await RawClient.open(broker.broker)
+                    got = await client.call_raw(frame, opaque, 10)
+                assert got, f"no reply ({got}) to frame {n}: {frame[:300]!r}"
+                assert len(got) == 1 and got[0].is_response, (n, got)
+                assert got[0].serialize_type == stype, (n, got, frame[:300])
+            if n % 25 == 0:
+                await _canary_round_trip(broker, n)
+        await asyncio.sleep(0.5)
+        for conn, opaque, frame in silent:
+            assert opaque not in conn.replies, f"a reply to a oneway or response frame: {frame[:300]!r}"
+    finally:
+        client.close()
+        for conn, _, _ in silent:
+            conn.close()
+    await _canary_round_trip(broker, FRAMES + 1)
+    assert broker.proc.poll() is None
+    # Every refusal above is expected; a handler that raised (answered SYSTEM_ERROR "SomeError: ...") is a bug.
+    log = broker.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, log[log.index("Traceback") - 300:][:3000]
+
+
+@pytest.mark.parametrize("flag", [FLAG_ONEWAY, FLAG_RESPONSE, FLAG_RESPONSE | FLAG_ONEWAY])
+async def test_a_malformed_oneway_or_response_frame_is_not_answered(broker, flag):
+    """A frame whose header does not decode is answered with an error when its opaque can be read, then the
+    connection closes. A oneway request or a response is never answered (RocketMQ answers neither, and closes
+    on any frame it cannot decode): its peer waits for nothing under that opaque."""
+    header = json.dumps({"code": 30, "flag": flag, "opaque": 77, "extFields": {"topic": []}}).encode()
+    client = await RawClient.open(broker.broker)
+    try:
+        client.write(struct.pack(">ii", 4 + len(header), len(header)) + header)
+        await asyncio.wait_for(client.closed.wait(), 10)
+        assert client.replies == {}
+    finally:
+        client.close()
+
+
+async def test_a_heartbeat_naming_groups_by_number_breaks_no_listing_or_metric(broker):
+    """HEART_BEAT bodies were read as untyped JSON: a producer group named by the number 7 was registered as
+    the int 7, and the metrics page answered HTTP 500 (a label that is not text) for as long as that
+    connection stayed; a consumer group 5 failed the heartbeat half-way (SYSTEM_ERROR, the group registered
+    all the same) and every GET_ALL_SUBSCRIPTIONGROUP_CONFIG after it (int and str names do not sort).
+    RocketMQ decodes the body into typed fields: a number becomes the group "7"; a list or an object where a
+    name belongs fails the whole heartbeat, before anything is registered."""
+    import urllib.request
+
+    def heartbeat(opaque, producer_group, consumer_group, sub_version=0):
+        return RemotingCommand(R.HEART_BEAT, opaque=opaque, body=json.dumps({
+            "clientID": 12, "producerDataSet": [{"groupName": producer_group}],
+            "consumerDataSet": [{"groupName": consumer_group, "consumeType": "CONSUME_PASSIVELY",
+                                 "messageModel": "CLUSTERING", "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
+                                 "subscriptionDataSet": [{"topic": CANARY, "subString": "*", "subVersion": sub_version,
+                                                          "tagsSet": [], "codeSet": []}]}]}).encode())
+
+    hostile = await RawClient.open(broker.broker)
+    other = await RawClient.open(broker.broker)
+    try:
+        [bad] = await hostile.call(heartbeat(1, [7], {"x": 5}), 5)
+        assert bad.code == C.SYSTEM_ERROR
+        [ok] = await hostile.call(heartbeat(2, 7, 5, "12"), 5)
+        assert ok.code == C.SUCCESS, ok.remark
+        [listing] = await other.call(RemotingCommand(R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG, opaque=3), 5)
+        assert listing.code == C.SUCCESS, listing.remark
+        [online] = await other.call(RemotingCommand(R.GET_CONSUMER_CONNECTION_LIST, opaque=4,
+                                                    ext_fields={"consumerGroup": "5"}), 5)
+        assert online.code == C.SUCCESS, online.remark
+        assert json.loads(online.body_bytes())["subscriptionTable"][CANARY]["subVersion"] == 12
+        await asyncio.sleep(1.5)        # the gauges are refreshed once a second
+        page = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics",
+                                                                       timeout=5).read().decode())
+        assert 'rocketmq_producer_connections{producer_group="7"} 1.0' in page
+        assert 'rocketmq_consumer_connections{consumer_group="5"} 1.0' in page
+    finally:
+        hostile.close()
+        other.close()
+
+
+@pytest.mark.parametrize("code, body, refusal", [
+    (R.LOCK_BATCH_MQ, b'{"consumerGroup":"CG","clientId":"c","mqSet":[1,2]}', "lock body must be"),
+    (R.UNLOCK_BATCH_MQ, b'{"consumerGroup":"CG","clientId":"c","mqSet":[{"topic":[],"queueId":0}]}',
+     "lock body must be"),
+    (R.LOCK_BATCH_MQ, b"[" * 5000, "lock body must be"),
+    (R.HEART_BEAT, b"[" * 5000, "heartbeat body is not JSON"),
+    (R.CHECK_CLIENT_CONFIG, b"[" * 5000, "CHECK_CLIENT_CONFIG body is not"),
+    (R.TXMQ_APPLY_EXPIRY, b"[" * 5000, "expiry plan does not parse"),
+])
+async def test_malformed_bodies_are_refused_as_malformed(broker, code, body, refusal):
+    """Found by the fuzzer: these bodies raised AttributeError, TypeError or RecursionError inside their
+    handler -- answered SYSTEM_ERROR "SomeError: ...", logged as a broker failure with its traceback, and a
+    lock request failed half-way (the queues before the bad one locked, the client told it failed)."""
+    client = await RawClient.open(broker.broker)
+    try:
+        [reply] = await client.call(RemotingCommand(code, opaque=1, body=body), 5)
+    finally:
+        client.close()
+    assert reply.code == C.SYSTEM_ERROR and reply.remark.startswith(refusal), reply.remark
+    assert "Traceback" not in broker.log_path.read_text(errors="replace")
+
+
+async def test_a_batch_whose_records_pass_the_maximum_is_refused_at_once(broker):
+    """The batch limit applied to the body only: a 4 MiB body of 190,000 empty entries was stored as 23 MB of
+    records (each adds the topic, hosts and properties), held the broker's loop for seconds and answered
+    with 6 MB of message ids. RocketMQ refuses a batch whose records pass maxMessageSize."""
+    body = encode_batch([(0, b"", "")] * 190_000)
+    assert len(body) < 4 * 1024 * 1024
+    fields = {"a": "PG_batch", "b": "TinyBatch", "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": _NOW, "h": "0",
+              "i": "", "m": "true"}
+    client = await RawClient.open(broker.broker)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        [refused] = await client.call(RemotingCommand(R.SEND_BATCH_MESSAGE, opaque=1, ext_fields=fields,
+                                                      body=body), 30)
+        assert refused.code == C.MESSAGE_ILLEGAL, (refused.code, (refused.remark or "")[:200])
+        assert loop.time() - started < 1.0
+        [fits] = await client.call(RemotingCommand(R.SEND_BATCH_MESSAGE, opaque=2, ext_fields=fields,
+                                                   body=encode_batch([(0, b"x", "")] * 1000)), 10)
+        assert fits.code == C.SUCCESS, fits.remark
+        [stored] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=3,
+                                                     ext_fields={"topic": "TinyBatch", "queueId": "0"}), 5)
+        assert stored.ext_fields["offset"] == "1000"
+    finally:
+        client.close()
+
+
+async def test_locks_are_granted_only_for_queues_the_broker_has(broker):
+    """LOCK_BATCH_MQ granted whatever queues it named, each lock kept for queue_lock_max_live_ms (60 s): one
+    15 MB request of made-up topics left some 70 MB behind, and a client repeating it grew the broker by
+    about 100 MB a second. As UPDATE_CONSUMER_OFFSET, only this broker's queues are taken."""
+    await _canary_round_trip(broker, 0)                     # the canary topic exists: 4 queues
+    made_up = [{"topic": f"NoSuch{i}", "brokerName": "b", "queueId": i % 8} for i in range(50_000)]
+    real = [{"topic": CANARY, "brokerName": "b", "queueId": q} for q in (0, 3)]
+    beyond = [{"topic": CANARY, "brokerName": "b", "queueId": q} for q in (4, -1, 2 ** 31)]
+    body = json.dumps({"consumerGroup": "CG_lock", "clientId": "c1", "mqSet": made_up + real + beyond}).encode()
+    client = await RawClient.open(broker.broker)
+    try:
+        [reply] = await client.call(RemotingCommand(R.LOCK_BATCH_MQ, opaque=1, body=body), 20)
+    finally:
+        client.close()
+    assert reply.code == C.SUCCESS
+    assert json.loads(reply.body_bytes())["lockOKMQSet"] == real
