@@ -272,7 +272,7 @@ class TransactionCore:
 
     # --------------------------------------------------------------- checks
     def due(self, now: int, channel_for: Callable[[Tx], object],
-            room_for: Callable[[str], int] | None = None, limit: int | None = None) -> tuple[list, list[Tx]]:
+            room_for: Callable[[str], int | None] | None = None, limit: int | None = None) -> tuple[list, list[Tx]]:
         """What is due at ``now``: (actions, deferred) with SendCheck and Write(DEAD) actions.
 
         ``deferred`` are due but have no producer connected: no check is spent, they come back after
@@ -281,8 +281,11 @@ class TransactionCore:
         ``channel_for`` answers BUSY when the group's producers all have their cap of checks in flight:
         the transaction is parked, no check spent, until ``room_for(group)`` (asked first, each call that
         passes it) says its producers have room again: checks go as fast as they are answered, not all at
-        once (a stock Java producer queues 2000 and drops the rest). ``limit``: at most that many due
-        entries are taken in this call (the caller yields to the event loop between calls)."""
+        once (a stock Java producer queues 2000 and drops the rest). ``room_for`` answers None when no
+        producer of the group is here any more: its parked transactions all go back on the schedule, where
+        they are deferred (counted, again after an interval) like any other due transaction nobody can be
+        asked about. ``limit``: at most that many due entries are taken in this call (the caller yields to
+        the event loop between calls)."""
         heap, policy = self._heap, self.policy
         actions: list = []
         deferred: list[Tx] = []
@@ -327,11 +330,15 @@ class TransactionCore:
         """Transactions due and waiting for a check slot (stale entries of decided ones included)."""
         return sum(len(q) for q in self._parked.values())
 
-    def _unpark(self, room_for: Callable[[str], int]) -> None:
-        """Back on the schedule, due at once: as many parked transactions of each group as it has room."""
+    def _unpark(self, room_for: Callable[[str], int | None]) -> None:
+        """Back on the schedule, due at once: as many parked transactions of each group as it has room; all of
+        them when no producer of the group is here (None): parked, they were never deferred, so nothing
+        counted or alerted that nobody could answer for them, and their entries stayed for good."""
         for group in list(self._parked):
             queue = self._parked[group]
             room = room_for(group)
+            if room is None:
+                room = len(queue)
             while queue and room > 0:
                 tx = queue.popleft()
                 if not tx.parked or self.pending.get(tx.half_offset) is not tx:

@@ -495,12 +495,15 @@ class TransactionService:
         queued = self._slice_bytes.get(conn, 0) + getattr(conn, "unsent_bytes", 0)
         return queued == 0 or queued + size <= self._check_bytes
 
-    def _room_for(self, group: str) -> int:
-        """Checks the group's producers can take now (see _channel_for)."""
+    def _room_for(self, group: str) -> int | None:
+        """Checks the group's producers can take now (see _channel_for); None when none of them is here (its
+        parked transactions are then deferred as any due one with nobody to ask, or asked of their sender)."""
+        channels = self.ctx.clients.producer_channels(group)
+        if not channels:
+            return None
         in_flight = self.core.in_flight
         return sum(max(0, self.check_cap - in_flight.get(ch.conn, 0))
-                   for ch in self.ctx.clients.producer_channels(group)
-                   if not getattr(ch.conn, "writing_paused", False))
+                   for ch in channels if not getattr(ch.conn, "writing_paused", False))
 
     def next_due(self) -> int | None:
         return self.core.next_due()

@@ -218,3 +218,32 @@ async def test_hostile_check_immunity_values():
     timer = CheckTimer(service=None, clock=lambda: 0, max_sleep_s=1.0)
     assert timer._delay(10 ** 400) == 1.0 and timer._delay(None) == 1.0
     assert timer._delay(250) == 0.25 and timer._delay(-5) == 0.0
+
+
+@bounded(60)
+async def test_parked_transactions_are_deferred_once_their_group_has_no_producer(tmp_path):
+    """Due while their only producer did not read, they were parked (no check spent); then it went away. Parked,
+    they were never deferred: no txmq_transaction_checks_deferred (the "nobody can answer" alert stayed
+    silent) and off the schedule for good. They are deferred as any due transaction with no producer, and
+    checked once one comes back."""
+    ctx, clock, txs = await storm(tmp_path, 5)
+    tx, metrics = ctx.tx, ctx.metrics
+    stuck = Producer()
+    stuck.writing_paused = True
+    ctx.clients.add_producer("PG", stuck, "P1")
+    try:
+        await tx.run_due(clock.now)
+        assert stuck.checks == [] and spent(txs) == 0 and tx.core.parked() == 5
+        stuck.is_open = False
+        ctx.clients.connection_closed(stuck)
+        clock.now += ctx.config.transaction_check_interval_ms
+        await tx.run_due(clock.now)
+        assert metrics.child(metrics.checks_skipped, "PG")._value.get() == 5
+        assert tx.core.parked() == 0 and tx.next_due() is not None and spent(txs) == 0
+        back = Producer("P1")
+        ctx.clients.add_producer("PG", back, "P1")
+        clock.now = tx.next_due()
+        await tx.run_due(clock.now)
+        assert len(back.checks) == 5 and spent(txs) == 5
+    finally:
+        await ctx.store._store.close()

@@ -76,7 +76,9 @@ class Shell:
             return BUSY
         return "conn"
 
-    def _room_for(self, group: str) -> int:
+    def _room_for(self, group: str) -> int | None:
+        if not self.producer:
+            return None     # nobody here: the parked are deferred, as the service's _room_for
         if self.producer is not True:
             return 0
         return max(0, self.CAP - self.core.in_flight.get("conn", 0))
