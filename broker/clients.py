@@ -88,6 +88,10 @@ def _enum(value, names: tuple, default: str) -> str:
     return names[ordinal] if 0 <= ordinal < len(names) else default
 
 
+# Producer groups remembered as left (UNREGISTER_CLIENT) per open connection.
+_LEFT_MAX = 1024
+
+
 @dataclass
 class ConsumerGroup:
     name: str
@@ -173,7 +177,8 @@ class ClientRegistry:
         self.locks: dict[tuple, tuple[str, int]] = {}  # (group, topic, broker, queue) -> (client id, ms)
         # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
         # connection between all its producers and consumers): no longer asked about those groups' halves.
-        self._left: dict[object, set[str]] = {}
+        # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
+        self._left: dict[object, dict[str, None]] = {}
         self._locks_swept = clock()
 
     # ------------------------------------------------------------ heartbeat
@@ -199,7 +204,7 @@ class ClientRegistry:
                      now: int | None = None) -> None:
         left = self._left.get(conn)
         if left is not None:                # back in the group (a new producer of it on this connection)
-            left.discard(group)
+            left.pop(group, None)
             if not left:
                 del self._left[conn]
         channels = self.producers.setdefault(group, {})
@@ -263,7 +268,14 @@ class ClientRegistry:
             # Recorded only when it was in the group: a client naming group after group it never joined must not
             # grow this table.
             if self.producers.get(producer_group, {}).pop(conn, None) is not None and getattr(conn, "is_open", False):
-                self._left.setdefault(conn, set()).add(producer_group)
+                left = self._left.setdefault(conn, {})
+                left[producer_group] = None
+                # Nor may one joining and leaving group after group (a producer made per tenant, on the process's
+                # one connection): the oldest departure is forgotten. Its sender may then be asked again, as
+                # before departures were kept: once while another producer of the group is registered (after an
+                # unanswered check the others are, _channel_for).
+                if len(left) > _LEFT_MAX:
+                    del left[next(iter(left))]
         if consumer_group:
             group = self.consumers.get(consumer_group)
             if group is not None and group.channels.pop(conn, None) is not None:

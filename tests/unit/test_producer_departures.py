@@ -39,3 +39,17 @@ def test_unregistering_groups_it_never_joined_records_nothing():
     for i in range(1000):                           # a client naming group after group must not grow memory
         clients.unregister(conn, f"PG{i}", None)
     assert clients._left == {}
+
+
+def test_joining_and_leaving_group_after_group_on_one_connection_stays_bounded():
+    """Only a group it was in is recorded, but one connection joining (HEART_BEAT) and leaving
+    (UNREGISTER_CLIENT) group after group grew the table for as long as it stayed open."""
+    clients = ClientRegistry(lambda: 0)
+    conn = _conn()
+    for i in range(10_000):          # e.g. a process making a producer per tenant, one connection per broker
+        clients.add_producer(f"PG{i}", conn, "c1")
+        clients.unregister(conn, f"PG{i}", None)
+    assert sum(len(s) for s in clients._left.values()) <= 1024
+    assert clients.left_group(conn, "PG9999")       # the latest departures are the ones kept
+    clients.add_producer("PG9999", conn, "c1")      # and coming back still clears one
+    assert not clients.left_group(conn, "PG9999") and clients.left_group(conn, "PG9998")
