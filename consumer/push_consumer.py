@@ -502,6 +502,7 @@ class PushConsumer:
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
         offset = None
+        behind_since = None             # (offset, monotonic time): the broker says retry, offset unchanged
         while not self._halted(mq) and not self._given_up():
             try:
                 if self.orderly and not self._locked(mq):
@@ -535,7 +536,11 @@ class PushConsumer:
                     if res.status is PullStatus.NO_MATCHED_MSG and res.next_begin_offset == offset:
                         # A slave behind its master (the master gone) does not have this offset yet: it says
                         # retry, offset unchanged. Asked again at once, it is asked in a tight loop.
+                        behind_since = self._still_behind(mq, offset, behind_since)
                         await asyncio.sleep(self.pull_retry_delay_s)
+                        offset = self._offsets[mq]
+                        continue
+                behind_since = None
                 offset = self._offsets[mq]
             except asyncio.CancelledError:
                 raise
@@ -550,6 +555,20 @@ class PushConsumer:
                 self._turn_failed(f"pull loop of {mq}")
                 offset = self._offsets.get(mq)      # what was consumed stays consumed; the rest is pulled again
                 await asyncio.sleep(self.pull_retry_delay_s)
+
+    def _still_behind(self, mq: MessageQueue, offset: int, since):
+        """A queue whose broker keeps saying "retry" at one offset (a slave that has not got it yet, its
+        master gone) is consumed by nobody: a WARNING once it has lasted a minute, and every ten after."""
+        now = time.monotonic()
+        if since is None or since[0] != offset:
+            return (offset, now, now + 60.0)
+        _, start, warn_at = since
+        if now < warn_at:
+            return since
+        log.warning("push consumer %s: %s has waited %.0f s at offset %d: its broker has not got that message "
+                    "yet (a slave behind its master, the master gone?); nothing of the queue is consumed until it "
+                    "has", self.group, mq, now - start, offset)
+        return (offset, start, now + 600.0)
 
     def _given_up(self) -> bool:
         """The running pull loop was given up on (``_abandon``): it must change nothing any more."""
