@@ -85,7 +85,9 @@ def handle_pull(ctx, conn, cmd):
     topic = cmd.str_field("topic", required=True)
     qid = cmd.int_field("queueId", required=True)
     offset = cmd.int_field("queueOffset", required=True)
-    max_nums = cmd.int_field("maxMsgNums", 32) or 32
+    # 0 is not "the default": RocketMQ's getMessage takes the first message and then finds the batch full
+    # (isTheBatchFull: maxMsgNums <= messages taken), one message, as the store here does for max_count 0.
+    max_nums = cmd.int_field("maxMsgNums", 32)
     sys_flag = cmd.int_field("sysFlag", 0)
     tc = ctx.topics.get(topic)
     if tc is None:

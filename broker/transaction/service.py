@@ -308,7 +308,13 @@ class TransactionService:
                 floor, reqs = self._decision_begin(action, done)
             except DecisionError as exc:
                 return exc.code, exc.remark
-            self.ctx.store.put_many(reqs, then=_DecisionWritten(self, action, floor, done, later))
+            written = _DecisionWritten(self, action, floor, done, later)
+            try:
+                self.ctx.store.put_many(reqs, then=written)
+            except BaseException:       # as _write_decision: left claimed, every later decision Waited for ever
+                if not written.done():
+                    self._decision_settled(action.tx, floor, done, False)
+                raise
             return None
         return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 

@@ -25,9 +25,9 @@ async def make_ctx(tmp_path):
     return ctx
 
 
-def pull_cmd(queue_id, offset, suspend_ms=10000):
+def pull_cmd(queue_id, offset, suspend_ms=10000, max_nums=32):
     return RemotingCommand.request(RequestCode.PULL_MESSAGE, {
-        "consumerGroup": "CG", "topic": "PT", "queueId": queue_id, "queueOffset": offset, "maxMsgNums": 32,
+        "consumerGroup": "CG", "topic": "PT", "queueId": queue_id, "queueOffset": offset, "maxMsgNums": max_nums,
         "sysFlag": PullSysFlag.SUSPEND | PullSysFlag.SUBSCRIPTION, "commitOffset": 0,
         "suspendTimeoutMillis": suspend_ms, "subscription": "*", "subVersion": 0})
 
@@ -162,5 +162,31 @@ async def test_a_pull_newer_than_the_stored_subscription_is_refused_not_filtered
         assert reply.code == ResponseCode.SUBSCRIPTION_NOT_LATEST, (reply.code, reply.ext_fields)
         cmd.ext_fields["subVersion"] = "100"        # the same version (or 0, as Go sends): the stored one is used
         assert handle_pull(ctx, None, cmd).code == ResponseCode.PULL_RETRY_IMMEDIATELY
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_pull_for_zero_messages_gets_one(tmp_path):
+    """maxMsgNums=0 was read as 32. RocketMQ 4.9.8's DefaultMessageStore.getMessage takes the first message
+    (isTheBatchFull is false while the batch is empty) and stops at the next (0 <= 1 messages): one message,
+    nextBeginOffset one further, whether answered at once or after the pull was held."""
+    from protocol.message import decode_records
+    ctx = await make_ctx(tmp_path)
+    try:
+        for i in range(5):
+            await put(ctx, 0, b"m%d" % i)
+        reply = handle_pull(ctx, None, pull_cmd(0, 0, max_nums=0))
+        assert reply.code == ResponseCode.SUCCESS
+        assert [m.body for m in decode_records(reply.body_bytes())] == [b"m0"]
+        assert reply.int_field("nextBeginOffset") == 1
+        held = handle_pull(ctx, None, pull_cmd(0, 5, max_nums=0))     # nothing at 5 yet: parked
+        assert not isinstance(held, RemotingCommand)
+        held = asyncio.ensure_future(held)
+        await asyncio.sleep(0)
+        await put(ctx, 0, b"m5")
+        await put(ctx, 0, b"m6")
+        woken = await asyncio.wait_for(held, 5)
+        assert woken.code == ResponseCode.SUCCESS and woken.int_field("nextBeginOffset") == 6
     finally:
         await ctx.store._store.close()

@@ -533,3 +533,34 @@ async def test_a_decision_written_with_the_resume_is_not_erased_by_it(tmp_path):
                       from_check=False) == (0, "already COMMIT; nothing changed")
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_an_end_whose_write_raises_leaves_no_pending_decision(tmp_path):
+    """END_TRANSACTION written at once (the processor's ``later``): the store's put_many raises (a bug, not a
+    refusal). The claim was never released, so the transaction's decision stayed under way: every later
+    END, check answer or admin decision for it Waited for ever (the producer's retry timed out, the check
+    timer's pass hung) instead of being written."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        p = await add_half(ctx)
+        later = asyncio.get_running_loop().create_future()
+
+        def put_many(reqs, reclaim=False, then=None):
+            raise RuntimeError("a bug in the decision write")
+        ctx.store.put_many = put_many
+        with pytest.raises(RuntimeError):
+            tx.end(p.half_offset, COMMIT, group="PG", table_offset=p.queue_offset, from_check=False, later=later)
+        del ctx.store.put_many
+        assert not later.done(), "answered through later as well as by the raise"
+        assert p.half_offset in tx.pending and tx.decision_of(p.half_offset) is None
+        assert p.half_offset not in tx._deciding, "the failed write's decision is still under way"
+        again = asyncio.get_running_loop().create_future()
+        assert tx.end(p.half_offset, COMMIT, group="PG", table_offset=p.queue_offset, from_check=False,
+                      later=again) is None
+        assert await asyncio.wait_for(again, 5) == (0, COMMIT)
+        assert p.half_offset not in tx.pending and tx.decision_of(p.half_offset) == COMMIT
+    finally:
+        await ctx.store._store.close()
