@@ -17,7 +17,6 @@ from protocol.connection import DEFERRED
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
-    batch_store_size,
     decode_batch,
     decode_record,
     drop_property,
@@ -267,14 +266,6 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     batch_props[Prop.CLUSTER] = ctx.config.cluster_name
     born = _born_host(conn)
     topic_b = h.topic.encode()
-    # RocketMQ refuses a batch whose records, not its body, pass maxMessageSize: each entry's record adds the
-    # topic, the hosts and the batch's properties (69 + topic + properties bytes more than its entry). A 4 MiB
-    # body of 190,000 empty entries was taken: 23 MB of records, the loop held for 5 s, a 6 MB reply of ids.
-    limit = ctx.config.max_message_size
-    stored = batch_store_size(cmd.body, 69 + len(topic_b) + len(properties_to_string(batch_props)) + 1, limit)
-    if stored > limit:
-        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"the batch's messages take at least {stored} bytes "
-                            f"stored, over the maximum {limit}")
     store_host = ctx.store_host
     fast = None if refused is not None else encode_batch_records(
         cmd.body, topic=topic_b, queue_id=qid, sys_flag=h.sys_flag, born_timestamp=h.born_timestamp,

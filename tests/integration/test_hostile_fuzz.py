@@ -267,28 +267,23 @@ async def test_malformed_bodies_are_refused_as_malformed(broker, code, body, ref
     assert "Traceback" not in broker.log_path.read_text(errors="replace")
 
 
-async def test_a_batch_whose_records_pass_the_maximum_is_refused_at_once(broker):
-    """The batch limit applied to the body only: a 4 MiB body of 190,000 empty entries was stored as 23 MB of
-    records (each adds the topic, hosts and properties), held the broker's loop for seconds and answered
-    with 6 MB of message ids. RocketMQ refuses a batch whose records pass maxMessageSize."""
-    body = encode_batch([(0, b"", "")] * 190_000)
+async def test_a_batch_a_stock_client_may_send_is_stored_whatever_its_records_take(broker):
+    """RocketMQ 4.9.8 limits a batch by its body (MessageExtEncoder: the wire batch against maxMessageSize),
+    not by the records it becomes. A Java client's batch of 3,800 1 KB messages, each with UNIQ_KEY and WAIT,
+    is under 4 MiB as a body and over it as records: a cap on the records refused it MESSAGE_ILLEGAL."""
+    props = [f"UNIQ_KEY\x01{i:032X}\x02WAIT\x01true\x02" for i in range(3800)]
+    body = encode_batch([(0, b"x" * 1024, p) for p in props])
     assert len(body) < 4 * 1024 * 1024
-    fields = {"a": "PG_batch", "b": "TinyBatch", "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": _NOW, "h": "0",
+    fields = {"a": "PG_batch", "b": "BigBatch", "c": "TBW102", "d": "4", "e": "0", "f": "0", "g": _NOW, "h": "0",
               "i": "", "m": "true"}
     client = await RawClient.open(broker.broker)
     try:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        [refused] = await client.call(RemotingCommand(R.SEND_BATCH_MESSAGE, opaque=1, ext_fields=fields,
-                                                      body=body), 30)
-        assert refused.code == C.MESSAGE_ILLEGAL, (refused.code, (refused.remark or "")[:200])
-        assert loop.time() - started < 1.0
-        [fits] = await client.call(RemotingCommand(R.SEND_BATCH_MESSAGE, opaque=2, ext_fields=fields,
-                                                   body=encode_batch([(0, b"x", "")] * 1000)), 10)
-        assert fits.code == C.SUCCESS, fits.remark
-        [stored] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=3,
-                                                     ext_fields={"topic": "TinyBatch", "queueId": "0"}), 5)
-        assert stored.ext_fields["offset"] == "1000"
+        [stored] = await client.call(RemotingCommand(R.SEND_BATCH_MESSAGE, opaque=1, ext_fields=fields,
+                                                     body=body), 60)
+        assert stored.code == C.SUCCESS, (stored.code, (stored.remark or "")[:200])
+        [end] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=2,
+                                                  ext_fields={"topic": "BigBatch", "queueId": "0"}), 5)
+        assert end.ext_fields["offset"] == "3800"
     finally:
         client.close()
 
