@@ -7,6 +7,7 @@ REQUEST_CODE_NOT_SUPPORTED by the server.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from protocol.codes import RequestCode as R
@@ -16,6 +17,8 @@ from protocol.registration import DataVersion, body_crc32, decode_register_body
 from protocol.route import encode_cluster_info, encode_route, strict_json_for
 
 from .table import RouteTable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,7 +32,13 @@ def register_broker(ctx: NamesrvContext, conn, cmd):
     body = cmd.body_bytes()
     if crc != 0 and body_crc32(body) != crc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, "crc32 not match")
-    registration = decode_register_body(body, compressed=cmd.bool_field("compressed"))
+    try:
+        registration = decode_register_body(body, compressed=cmd.bool_field("compressed"))
+    except HeaderError as exc:
+        # A broker's registration is oneway: refused, it only says so here, and the broker's routes expire.
+        log.warning("registration of broker %s (%s) refused: %s", cmd.ext_fields.get("brokerName", "?"),
+                    cmd.ext_fields.get("brokerAddr", "?"), exc)
+        raise
     broker_id = cmd.int_field("brokerId", required=True)
     if broker_id < 0:
         raise HeaderError(f"brokerId={broker_id} is negative")

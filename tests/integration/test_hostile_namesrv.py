@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import time
+import re
 import zlib
 
 import pytest
@@ -67,6 +68,9 @@ async def test_a_compressed_registration_that_inflates_to_gigabytes_is_refused_w
         got = await client.call(_register(1, body=_deflated_zeros(256 << 20), compressed=True), 20)
         assert got and len(got) == 1 and got[0].code == C.SYSTEM_ERROR, got
         assert "inflates past" in got[0].remark
+        # a real broker registers oneway and never sees that reply: the name server's log must say it
+        assert re.search(r"WARNING.*registration of broker .* refused: compressed register body inflates past",
+                         namesrv.log()), namesrv.log()[-2000:]
         assert _peak_rss_kb(namesrv.proc.pid) - before < 150_000
         ok = await client.call(_register(2, compressed=True), 10)
         assert ok and ok[0].code == C.SUCCESS, ok
