@@ -1,9 +1,10 @@
 """The master's side of HA: one link per connected slave, and what a SYNC_MASTER's sends wait for.
 
 Per slave (RocketMQ's HAConnection): a reader takes the slave's offset reports -- the first one says
-where to start, each one acknowledges -- and a sender streams the log from there: chunks of whole
-records (store/replica.py), at most ``ha_transfer_batch_size`` bytes each, or an empty frame after a
-heartbeat interval with nothing to send. The sender sleeps on an event the store's dispatch sets, so
+where to start, each later one past it acknowledges (a txmq slave's first report is the start of its
+newest record, still to be compared: it acknowledges nothing) -- and a sender streams the log from
+there: chunks of whole records (store/replica.py), at most ``ha_transfer_batch_size`` bytes each, or
+an empty frame after a heartbeat interval with nothing to send. The sender sleeps on an event the store's dispatch sets, so
 a new record goes out at once and an idle master costs nothing.
 
 A new slave (it reports 0) gets the whole log from the master's first segment, not, as RocketMQ
@@ -37,8 +38,8 @@ class SlaveLink:
 
     def __init__(self, peer: str):
         self.peer = peer
-        self.request_offset = -1        # its first report: where its log ends
-        self.acked = -1                 # its latest report
+        self.request_offset = -1        # its first report: where it asks to start (not an acknowledgement)
+        self.acked = -1                 # its latest report past the first
         self.reported = asyncio.Event()
         self.wake = asyncio.Event()     # set when the master's log grew
 
@@ -75,7 +76,10 @@ class HAMaster:
     def confirm(self, end: int):
         """(SYNC_MASTER) the send response code for a message stored up to ``end``: an int now, or a
         future of one."""
-        if not self.links or end - self.acked >= self.fallbehind_max:
+        # How far behind: from where a slave stands, its first report included (that one counts as no
+        # acknowledgement, but a slave comparing its newest record with ours is not absent).
+        near = max((max(link.acked, link.request_offset) for link in self.links), default=-1)
+        if not self.links or end - max(self.acked, near) >= self.fallbehind_max:
             return ResponseCode.SLAVE_NOT_AVAILABLE
         if end <= self.acked:
             return ResponseCode.SUCCESS
@@ -116,7 +120,7 @@ class HAMaster:
         finally:
             self.links.discard(link)
             # Only a connected slave's confirmation counts: a new, empty slave must not inherit the old one's.
-            self.watermark.reset(max((other.acked for other in self.links), default=0))
+            self.watermark.reset(max(0, max((other.acked for other in self.links), default=0)))
             for task in (reading, sending):
                 task.cancel()
             await asyncio.gather(reading, sending, return_exceptions=True)
@@ -142,8 +146,12 @@ class HAMaster:
             if link.request_offset < 0:
                 self._check_start(link, offsets[0])
                 link.request_offset = offsets[0]
-            link.acked = offsets[-1]
-            self.watermark.advance(link.acked)
+            # The first report is where the slave asks to start: a txmq slave's is the start of its newest
+            # record, not yet compared with this master's copy (ha/slave.py); below it may lie other records.
+            # Only a report past it -- bytes taken from this master, or its end once compared -- counts.
+            if offsets[-1] > link.request_offset:
+                link.acked = offsets[-1]
+                self.watermark.advance(link.acked)
             link.reported.set()
 
     def _check_start(self, link: SlaveLink, start: int) -> None:

@@ -20,8 +20,16 @@ Other bytes there, or a master whose log ends before the slave's, mean the two l
 master that lost an unflushed tail and took new sends, a wiped or another broker's store behind the
 same address. Offsets and record sizes alike are no proof: equal-sized records put record boundaries in
 the same places. The slave then appends nothing, logs an ERROR every DIVERGED_RETRY_S and tries again
-(the master may come back with its own store); only the confirmed end is ever reported, so a
-SYNC_MASTER counts no acknowledgement from it. Rebuild its store to copy the master afresh.
+(the master may come back with its own store). Its first report, the comparison start, and the heartbeats
+repeating it are no acknowledgement: a master counts only reports past a slave's first (ha/master.py), so a
+SYNC_MASTER counts none from a diverged slave. Rebuild its store to copy the master afresh.
+
+A master no longer holds the slave's newest record when its retention removed that record's segment while
+the slave was away and the slave's log ends at the next segment's start (it had the end marker, not the
+record after it): the master then closes the link on the first report ("cannot catch up"). After
+REFUSED_MAX such sessions in a row, closed before a single transfer, the slave compares from the first
+segment start after that record instead; if that is its end there is nothing left to compare, and it
+follows on offsets alone (as RocketMQ 4.x always does) with a WARNING saying so.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ RECONNECT_S = 1.0       # RocketMQ's HAClient retries every 5 s; a slave behind 
 PENDING_MAX = 32 * 1024 * 1024  # bytes handed to the writer, not yet stored: past it the socket is not read
 _MARKER = struct.Struct(">ii")   # a segment's end marker: TOTALSIZE (bytes left), BLANK magic
 DIVERGED_RETRY_S = 30.0  # a diverged log stays diverged until someone acts: retry, but do not flood the log
+REFUSED_MAX = 2         # sessions closed at once on the first report before comparing from a later segment start
 
 
 class HADivergedError(HAProtocolError):
@@ -68,6 +77,9 @@ class HASlave:
         self._pending = 0                       # bytes queued to the store's writer and not yet stored
         self._room = asyncio.Event()            # set when _pending drops to PENDING_MAX
         self.paused = False                     # not reading: the writer is that far behind
+        self._asked: int | None = None          # this session's first report, when it was a comparison start
+        self._received = False                  # a transfer came in this session
+        self._refused = (None, 0)               # (comparison start, sessions in a row the master closed at once)
 
     def slave_lag_bytes(self) -> int:
         """How far this slave's log is behind what the master last said it was sending."""
@@ -84,6 +96,7 @@ class HASlave:
                 continue
             self.sessions += 1
             pause = RECONNECT_S
+            self._asked, self._received = None, False
             try:
                 await self._session(reader, writer)
             except HADivergedError as exc:
@@ -100,7 +113,12 @@ class HASlave:
             except (OSError, HAProtocolError, ValueError) as exc:
                 log.warning("replication from %s stopped: %s; reconnecting", self.master_addr,
                             exc or type(exc).__name__)
+                if isinstance(exc, ConnectionResetError) and self._asked is not None and not self._received:
+                    start, n = self._refused       # the master closed the link on our first report
+                    self._refused = (self._asked, n + 1 if start == self._asked else 1)
             finally:
+                if self._received:
+                    self._refused = (None, 0)
                 self.connected = False
                 self._writer = None
                 self._unverified = None
@@ -115,6 +133,20 @@ class HASlave:
         end = self.store.max_physical_offset
         last = self.store.last_indexed_record() if end > self.store.min_physical_offset else None
         expected = end if last is None else last        # from ``last`` to ``end``: compared, not appended
+        if last is not None and self._refused[0] == last and self._refused[1] >= REFUSED_MAX:
+            seg = self.store.segment_size
+            later = last - last % seg + seg     # the first segment start after the newest record
+            if later <= end:
+                expected = later
+                log.warning("master %s closed the link %d times on this slave's first report (%d, the start of its "
+                            "newest record): its log no longer holds that record -- retention removed the segment "
+                            "while this slave was away -- or it has no record there. %s", self.master_addr,
+                            self._refused[1], last,
+                            f"Comparing its copy from the next segment start {later} instead" if later < end else
+                            f"This slave's log ends at the next segment's start {end}: nothing is left to compare, "
+                            "following on offsets alone (unverified; if the master lost its store or an unflushed "
+                            "tail while this slave was away, rebuild this slave's store)")
+        self._asked = expected if expected < end else None
         self._unverified = None if expected == end else expected
         self._report(expected)
         log.info("following master %s from offset %d%s", self.master_addr, end,
@@ -134,6 +166,7 @@ class HASlave:
                 if not data:
                     raise ConnectionResetError(self._failure or "the master closed the connection")
                 for phys, body in decoder.feed(data):
+                    self._received = True
                     if self._failure is not None:
                         raise HAProtocolError(self._failure)
                     self.master_offset = max(self.master_offset, phys + len(body))
@@ -166,6 +199,9 @@ class HASlave:
                                   "records its master does not")
         n = min(len(body), end - phys)
         own = self.store.log_bytes(phys, n)
+        if own is None and phys < self.store.min_physical_offset:     # this slave's own retention removed it
+            raise HAProtocolError(f"this slave's log no longer holds offset {phys} (its retention removed the segment "
+                                  "while it was being compared); comparing again")
         if own is None or own != body[:n]:
             raise HADivergedError(f"at offset {phys} the master's log holds other bytes than this slave's (whose "
                                   f"log ends at {end}): a master that lost its tail and took new messages, or "

@@ -332,6 +332,10 @@ class MessageStore:
         its own with its master's copy, ha/slave.py)."""
         return self._log.bytes_at(phys, n)
 
+    @property
+    def segment_size(self) -> int:
+        return self._log.seg_size
+
     def last_indexed_record(self) -> int | None:
         """The start of the newest record of the readable log a consume queue points at; None if there is none.
         (A slave's log ends with it unless records without a unit -- old-style PREPARED ones -- follow.)"""

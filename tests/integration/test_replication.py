@@ -684,3 +684,142 @@ async def test_consumers_failed_over_to_the_slave_see_committed_messages_only(br
             for mq in queues:
                 got += [m.body for m in (await consumer.pull(mq, 0, max_nums=64)).messages]
         assert sorted(got) == [b"commit0", b"commit1", b"commit2"]
+
+
+class _FrameProxy:
+    """Between a slave and its master's HA port: relays the master's transfer frames whole while they end at or
+    before the log offset ``stop``, then holds every later byte of that connection (the slave's reports pass)."""
+
+    def __init__(self, target: str, stop: int):
+        self.target, self.stop = target, stop
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+
+    async def _conn(self, reader, writer):
+        host, _, port = self.target.rpartition(":")
+        m_reader, m_writer = await asyncio.open_connection(host, int(port))
+        self.tasks += [asyncio.ensure_future(self._reports(reader, m_writer)),
+                       asyncio.ensure_future(self._frames(m_reader, writer))]
+
+    async def _reports(self, reader, writer):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    async def _frames(self, reader, writer):
+        import struct
+        header = struct.Struct(">qi")
+        try:
+            while True:
+                head = await reader.readexactly(header.size)
+                phys, size = header.unpack(head)
+                body = await reader.readexactly(size)
+                if phys + size > self.stop:
+                    await asyncio.Event().wait()        # held: this link delivers nothing more
+                writer.write(head + body)
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    async def close(self):
+        self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def _min_offset(addr: str) -> int:
+    pool = ConnectionPool()
+    try:
+        info = await pool.request(addr, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMinOffset"])
+    finally:
+        await pool.close()
+
+
+async def test_a_slave_whose_newest_record_the_master_removed_by_retention_resumes(broker_factory, tmp_path):
+    """A routine restart: the slave is stopped with its log ending exactly at a segment start (it has the master's
+    end marker, not yet the record after it), and while it is down the master's retention removes that sealed
+    segment. The slave's end is still in the master's log -- before the divergence check it resumed from there --
+    but its newest record is not: it reported that record's start, the master answered 'cannot catch up (start it
+    afresh)', and the slave asked the same again every second, for good. It must resume, and copy the rest."""
+    seg = 1 << 20
+    small = ("--segment-size", str(seg), "--max-message-size", str(64 * 1024))
+    retention = ("--disk-clean-ratio", "0.0001", "--disk-force-clean-ratio", "0.9999", "--disk-refuse-ratio", "1.0",
+                 "--file-reserved-hours", "0.0008", "--disk-clean-interval-s", "0.2")
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", *small, *retention, store="master")
+    proxy = _FrameProxy(master.ha, seg)         # the slave gets segment 0 and its end marker, nothing after
+    slave_flags = ("--broker-role", "SLAVE", "--broker-id", "1", *small)
+    slave = broker_factory(*slave_flags, "--ha-master-addr", await proxy.start(), store="slave")
+    try:
+        async with Producer(master.namesrv, "PG_retained") as producer:
+            mq = (await producer.send(TOPIC, b"r" * 1000)).queue
+            while await _log_end(master.broker) <= seg:     # into segment 1: segment 0 sealed
+                await asyncio.gather(*(producer.send(TOPIC, b"r" * 1000, queue=mq) for _ in range(100)))
+        async with asyncio.timeout(20):
+            while await _log_end(slave.broker) < seg:
+                await asyncio.sleep(0.05)
+        assert await _log_end(slave.broker) == seg          # the marker is its last bytes
+        slave.stop()                                        # a clean shutdown
+    finally:
+        await proxy.close()
+    async with asyncio.timeout(30):                         # the master's retention removes segment 0
+        while await _min_offset(master.broker) < seg:
+            await asyncio.sleep(0.1)
+    async with Producer(master.namesrv, "PG_retained") as producer:
+        later = [await producer.send(TOPIC, b"later%d" % i, queue=mq) for i in range(5)]
+    end = await _log_end(master.broker)
+    slave = broker_factory(*slave_flags, "--ha-master-addr", master.ha, store="slave")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while await _log_end(slave.broker) < end:
+        assert loop.time() < deadline, f"the slave did not resume:\n{slave.log()[-3000:]}\n---\n{master.log()[-1500:]}"
+        await asyncio.sleep(0.1)
+    bodies = await _pull_all(slave.namesrv, mq, later[-1].queue_offset + 1)
+    assert bodies[later[0].queue_offset:] == [b"later%d" % i for i in range(5)]
+    assert "diverged" not in slave.log()
+    assert re.search(r"WARNING.*nothing is left to compare, following on offsets alone", slave.log()), slave.log()
+
+
+async def test_a_diverged_slaves_comparison_start_acknowledges_no_send(broker_factory, tmp_path):
+    """Two slaves. B copied 30 messages, then the master came back on another (empty) store; A is a new slave
+    of it, connected but stalled. Sends wait for a slave. B's first report is no longer its log end but the start
+    of its newest record (where the comparison begins) -- below the master's end once it took as many sends, and
+    a record boundary there with equal sizes -- and the master counted it: the sends waiting below it were
+    answered SEND_OK although no slave holds them (B holds other records there, A nothing). A comparison start
+    acknowledges nothing; only a report past it does."""
+    import shutil
+    from tests.support.prometheus import free_port
+
+    ha_port = str(free_port())
+
+    def master_at_that_port():
+        return broker_factory("--broker-role", "SYNC_MASTER", "--ha-port", ha_port, "--ha-heartbeat-interval-ms",
+                              "500", "--ha-slave-timeout-ms", "3000", store="master")
+    master = master_at_that_port()
+    slave_b = _slave(broker_factory, master, store="slave_b")
+    n = 30
+    async with Producer(master.namesrv, "PG_diverge2") as producer:
+        mq = await _until_replicating(producer)
+        for i in range(n):
+            assert (await producer.send(TOPIC, b"a%03d" % i, queue=mq)).status is SendStatus.SEND_OK
+    copied = await _queue_max(slave_b.broker, mq)
+    master.kill()
+    shutil.rmtree(tmp_path / "master")
+    master = master_at_that_port()
+    slave_a = _slave(broker_factory, master, store="slave_a")
+    async with Producer(master.namesrv, "PG_diverge2", send_timeout=10.0, retries=0) as producer:
+        await _until_replicating(producer)          # A follows (B is refused: its log is past the master's end)
+        slave_a.proc.send_signal(signal.SIGSTOP)    # connected, confirming nothing
+        try:
+            results = await asyncio.gather(*(producer.send(TOPIC, b"b%03d" % i, queue=mq)
+                                             for i in range(2 * copied + 10)))
+        finally:
+            slave_a.proc.send_signal(signal.SIGCONT)
+    statuses = [r.status for r in results]
+    assert SendStatus.SEND_OK not in statuses, (statuses, master.log()[-2000:])
