@@ -449,14 +449,12 @@ async def _log_end(addr: str) -> int:
         await pool.close()
 
 
-class _HoldingProxy:
-    """Between a slave and its master's HA port: relays the master's bytes up to ``limit`` (cutting a frame
-    where it falls), then holds the rest; ``held`` is set at that point."""
+class _HAProxy:
+    """Between a slave and its master's HA port, on 127.0.0.1: ``_down`` relays the master's bytes to the slave
+    and ``_up`` the slave's reports to the master (as they come, unless a subclass says otherwise)."""
 
-    def __init__(self, target: str, limit: int):
-        self.target, self.limit = target, limit
-        self.relayed = 0
-        self.held = asyncio.Event()
+    def __init__(self, target: str):
+        self.target = target
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> str:
@@ -467,27 +465,46 @@ class _HoldingProxy:
     async def _conn(self, reader, writer):
         host, _, port = self.target.rpartition(":")
         m_reader, m_writer = await asyncio.open_connection(host, int(port))
-        self.tasks += [asyncio.ensure_future(self._pipe(reader, m_writer, False)),
-                       asyncio.ensure_future(self._pipe(m_reader, writer, True))]
+        self.tasks += [asyncio.ensure_future(self._up(reader, m_writer)),
+                       asyncio.ensure_future(self._down(m_reader, writer))]
 
-    async def _pipe(self, reader, writer, limited):
+    async def _up(self, reader, writer):
         while data := await reader.read(65536):
-            if limited:
-                data = data[:max(0, self.limit - self.relayed)]
-                self.relayed += len(data)
-            if data:
-                writer.write(data)
-                await writer.drain()
-            if limited and self.relayed >= self.limit:
-                self.held.set()
-                await asyncio.Event().wait()        # the rest never comes (the slave is killed meanwhile)
+            writer.write(data)
+            await writer.drain()
         writer.close()
+
+    async def _down(self, reader, writer):
+        raise NotImplementedError
 
     async def close(self):
         self.server.close()
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class _HoldingProxy(_HAProxy):
+    """Between a slave and its master's HA port: relays the master's bytes up to ``limit`` (cutting a frame
+    where it falls), then holds the rest; ``held`` is set at that point."""
+
+    def __init__(self, target: str, limit: int):
+        super().__init__(target)
+        self.limit = limit
+        self.relayed = 0
+        self.held = asyncio.Event()
+
+    async def _down(self, reader, writer):
+        while data := await reader.read(65536):
+            data = data[:max(0, self.limit - self.relayed)]
+            self.relayed += len(data)
+            if data:
+                writer.write(data)
+                await writer.drain()
+            if self.relayed >= self.limit:
+                self.held.set()
+                await asyncio.Event().wait()        # the rest never comes (the slave is killed meanwhile)
+        writer.close()
 
 
 async def test_a_slave_killed_while_catching_up_resumes_with_every_record_once(broker_factory, tmp_path):
@@ -686,32 +703,15 @@ async def test_consumers_failed_over_to_the_slave_see_committed_messages_only(br
         assert sorted(got) == [b"commit0", b"commit1", b"commit2"]
 
 
-class _FrameProxy:
+class _FrameProxy(_HAProxy):
     """Between a slave and its master's HA port: relays the master's transfer frames whole while they end at or
     before the log offset ``stop``, then holds every later byte of that connection (the slave's reports pass)."""
 
     def __init__(self, target: str, stop: int):
-        self.target, self.stop = target, stop
-        self.tasks: list[asyncio.Task] = []
+        super().__init__(target)
+        self.stop = stop
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        host, port = self.server.sockets[0].getsockname()[:2]
-        return f"{host}:{port}"
-
-    async def _conn(self, reader, writer):
-        host, _, port = self.target.rpartition(":")
-        m_reader, m_writer = await asyncio.open_connection(host, int(port))
-        self.tasks += [asyncio.ensure_future(self._reports(reader, m_writer)),
-                       asyncio.ensure_future(self._frames(m_reader, writer))]
-
-    async def _reports(self, reader, writer):
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
-    async def _frames(self, reader, writer):
+    async def _down(self, reader, writer):
         import struct
         header = struct.Struct(">qi")
         try:
@@ -725,12 +725,6 @@ class _FrameProxy:
                 await writer.drain()
         except asyncio.IncompleteReadError:
             writer.close()
-
-    async def close(self):
-        self.server.close()
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def _min_offset(addr: str) -> int:
