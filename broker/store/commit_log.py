@@ -109,6 +109,11 @@ class CommitLog:
         seg = segs[idx]
         return seg, phys - seg.start
 
+    def segment_of(self, phys: int) -> Segment | None:
+        """The live (mapped) segment holding ``phys``; None when retention removed it (or is removing it)."""
+        at = self.locate(phys)
+        return at[0] if at is not None and at[0].mm is not None else None
+
     def make_segment(self, start: int) -> Segment:
         """A new sparse segment file, nothing reserved (unless preallocate is off); not yet in the log."""
         seg = Segment.create(self.directory, start, self.seg_size, reserve=0)

@@ -307,8 +307,22 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
         while seg.start + pos < end:
             try:
                 size, qid, qoff, sys_flag, ts, _p, topic, span = parse_record(seg, pos, check_crc=False)
-            except BadRecord:
-                break                               # the end marker (the scan has already vetted the log)
+            except BadRecord as bad:
+                total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
+                if magic == BLANK_MAGIC and total == seg.size - pos:
+                    break                           # the end marker
+                # Damage before the verified range (the scan does not read it). Breaking here took every
+                # record after it in this segment for gone: their units became pre-blank and pulls skipped
+                # them. Go on from the next valid record; only the damaged one is lost.
+                hi = data_end(seg, pos) if seg.start + seg.size > end else seg.size
+                nxt = _valid_record_in(seg, pos, hi)
+                log.error("rebuilding consume queues: commit log damaged at segment %s byte %d (%s); %s", seg.name,
+                          pos, bad, f"going on from the valid record at byte {nxt}" if nxt is not None else
+                          "no valid record after it in this segment")
+                if nxt is None:
+                    break
+                pos = nxt
+                continue
             key = (topic, qid)
             if not sys_flag & 0x4 and key in gaps:
                 cq = queues[key]

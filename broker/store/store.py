@@ -27,7 +27,7 @@ from protocol.record import MIN_RECORD_SIZE, store_timestamp_at
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
-from .consume_queue import UNIT, ConsumeQueue
+from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import SegmentFacts, load_or_create_store_id, sealed_from_disk, summarize_file, write_manifest
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
@@ -426,6 +426,20 @@ class MessageStore:
                 continue
             view = clog.slice(phys, size)
             if view is None:
+                if size == BLANK_SIZE:      # pre-blank: a record no longer in the log; just this one unit
+                    if not buffers:
+                        status = _REMOVING
+                    continue
+                if clog.segment_of(phys) is not None:
+                    # Its segment is still in the log, yet no such record is there: the unit or the record's
+                    # head is damaged. Skipping the rest of the segment (as for a removed one) dropped every
+                    # intact message after it without a word; stop here instead, like a zeroed unit.
+                    if not buffers:
+                        self._damaged(cq, offset + scanned - 1, f"unit ({phys}, {size}) names no record in the "
+                                      "commit log (the unit or the record's head is damaged)")
+                        return GetResult(GetStatus.QUEUE_DAMAGED, offset + scanned - 1, lo, hi)
+                    scanned -= 1
+                    break
                 if not buffers:
                     status = _REMOVING
                 skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
@@ -442,8 +456,8 @@ class MessageStore:
             return None
         return self._real_unit(cq, offset)
 
-    def _damaged(self, cq: ConsumeQueue, offset: int) -> None:
-        if cq.mark_damaged(offset) and self._io is not None:
+    def _damaged(self, cq: ConsumeQueue, offset: int, what: str = "zeroed unit") -> None:
+        if cq.mark_damaged(offset, what) and self._io is not None:
             self._io.submit(cq.write_damage_mark).add_done_callback(_quiet)    # it logs its own failure
 
     def _real_unit(self, cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:

@@ -230,7 +230,8 @@ async def test_damage_before_the_verify_window_is_not_scanned_but_never_served(t
     store = await reopen(tmp_path, cfg)                  # clean checkpoint: only the last segment is verified
     assert store.get_record(bad.physical_offset) is None
     got = store.get_messages("T", 0, 5, 1, 1 << 20)
-    assert got.status is GetStatus.MESSAGE_WAS_REMOVING and got.message_count == 0
+    # its segment is in the log: damage, not removal (which would skip the intact records after it)
+    assert got.status is GetStatus.QUEUE_DAMAGED and got.message_count == 0 and got.next_begin_offset == 5
     await store.close()
 
 
@@ -640,3 +641,42 @@ async def test_a_checkpoint_failing_turn_after_turn_keeps_one_range_per_queue_fi
             assert any(n == name and a <= lo and hi <= b for n, a, b in last), (name, lo, hi, last)
     finally:
         await store.close()
+
+
+async def _drain(store, topic="T", queue_id=0):
+    """Every message a consumer would get from the start, and the status that stopped it, if any."""
+    got, offset, stop = [], store.min_offset(topic, queue_id), None
+    for _ in range(10_000):                     # a bound: the queue is far shorter
+        if offset >= store.max_offset(topic, queue_id):
+            break
+        res = store.get_messages(topic, queue_id, offset, 32, 1 << 20)
+        if res.status is GetStatus.QUEUE_DAMAGED:
+            stop = (res.status, res.next_begin_offset)
+            break
+        got += [decode_record(bytes(b))[0].queue_offset for b in res.buffers]
+        offset = res.next_begin_offset
+    return got, stop
+
+
+@bounded(30)
+@pytest.mark.parametrize("field", ["magic", "size"])
+async def test_a_damaged_record_head_in_an_unverified_segment_skips_nothing_after_it(tmp_path, field):
+    """A record whose head is damaged in a segment the start-up scan does not verify: reads used to take its
+    segment for removed and skip the rest of it (58 intact messages of one pull window went, status FOUND, no
+    word). Now reads stop there (QUEUE_DAMAGED, the queue marked), and the rebuild at the next start goes on
+    from the next valid record: only the damaged message is missing, every other one is served."""
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+    results = await fill(tmp_path, 900, cfg=cfg)
+    bad = results[5]
+    patch(tmp_path, bad.physical_offset + (4 if field == "magic" else 0),
+          b"\x00\x00\x00\x00" if field == "magic" else (bad.size + 40).to_bytes(4, "big"))
+    store = await reopen(tmp_path, cfg)
+    got, stop = await _drain(store)
+    assert got == [0, 1, 2, 3, 4] and stop == (GetStatus.QUEUE_DAMAGED, 5)
+    await store.close()
+    store = await reopen(tmp_path, cfg)
+    assert store.report.queues_rebuilt == ["T-0"]
+    got, stop = await _drain(store)
+    assert stop is None and got == [r.queue_offset for r in results if r is not bad]
+    assert (await store.put(req(1))).queue_offset == 900
+    await store.close()
