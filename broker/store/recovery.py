@@ -22,6 +22,11 @@ Torn tail or damage in the middle -- the rule:
   log is cut at the bad record and every later segment is deleted (logged at ERROR).
 * A segment file shorter than ``segment_size`` is re-extended with zeros first; its
   missing tail then reads as zeros and the rule above applies.
+* Below the checkpoint's flushed offset there is no torn tail: nothing is checkpointed
+  before it is flushed, so a crash cannot damage those bytes. A bad record, or the end of
+  the data (a cut file, a deleted last segment, no segment at all) below it is treated as
+  damage in the middle: StoreError, or with ``truncate_corrupt_tail`` the cut (logged at
+  ERROR) and a new checkpoint at the new end, so the next start does not refuse it again.
 
 Consume queues: units that point at or past the new end are dropped; each record
 scanned is checked against its unit, tag included (a wrong unit is rewritten from there on) and
@@ -168,7 +173,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
                     seg.written = pos
                     break
                 end = _end_of_data(clog, i, pos, str(bad) if (total, magic) != (0, 0) else None,
-                                   truncate_corrupt, report)
+                                   truncate_corrupt, report, point)
                 seg.written = pos
                 break
             if seg.first_ts < 0:
@@ -190,10 +195,12 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
         if end is not None:
             break
     if not segs:
+        _short_of_checkpoint(clog, 0, point, "there is no segment", truncate_corrupt)
         clog.new_segment(0)
         end = 0
     elif end is None:                       # the last segment ends with an end marker
         end = segs[-1].start + clog.seg_size
+        _short_of_checkpoint(clog, end, point, f"the last segment {segs[-1].name} is sealed", truncate_corrupt)
         clog.new_segment(end).written = 0
     at = clog.locate(end)
     if at is not None:
@@ -221,20 +228,38 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     return report
 
 
+def _short_of_checkpoint(clog: CommitLog, end: int, point: int, what: str, truncate_corrupt: bool) -> None:
+    """The log ends at ``end`` below the checkpoint's flushed offset: acknowledged, flushed data is gone (a file
+    deleted or cut by hand or a disk; a crash cannot do it, as nothing is checkpointed before it is flushed)."""
+    if end >= point:
+        return
+    text = (f"the commit log ends at offset {end} ({what}), but the checkpoint says every byte below {point} was "
+            "flushed: acknowledged messages are missing (a segment deleted or cut short?)")
+    if not truncate_corrupt:
+        raise StoreError(text + ". To start anyway with the log as it is, set StoreConfig(truncate_corrupt_tail=True)",
+                         segment=f"{end - end % clog.seg_size:020d}", position=end % clog.seg_size)
+    log.error("truncate_corrupt_tail: %s; starting with the log as it is", text)
+
+
 def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate_corrupt: bool,
-                 report: RecoveryReport) -> int:
-    """Decide torn tail, clean end or mid-log damage at segment ``i``, byte ``pos``; returns the log end."""
+                 report: RecoveryReport, point: int = 0) -> int:
+    """Decide torn tail, clean end or mid-log damage at segment ``i``, byte ``pos``; returns the log end.
+
+    Below ``point`` (the checkpoint's flushed offset) there is no torn tail: those bytes were flushed before the
+    checkpoint said so, so a bad record or the end of the data there is damage, as in the middle of the log."""
     segs = clog.segments
     seg = segs[i]
     tail_end = data_end(seg, pos)
     later = next((s for s in segs[i + 1:] if data_end(s, 0) > 0), None)
-    if reason is None and tail_end <= pos and later is None:
+    vouched = seg.start + pos < point
+    if reason is None and tail_end <= pos and later is None and not vouched:
         return seg.start + pos                              # zeros: the clean end of the data
     reason = reason or "zeros where a record should start"
     valid_at = _valid_record_in(seg, pos, tail_end) if tail_end > pos else None
-    if valid_at is not None or later is not None:
+    if valid_at is not None or later is not None or vouched:
         where = (f"a valid record follows at byte {valid_at}" if valid_at is not None
-                 else f"later segment {later.name} holds data")
+                 else f"later segment {later.name} holds data" if later is not None
+                 else f"the checkpoint says every byte below offset {point} was flushed")
         if not truncate_corrupt:
             raise StoreError(f"commit log damaged at segment {seg.name} byte {pos} ({reason}) and {where}, "
                              "so acknowledged data lies beyond it. To start anyway, discarding this record and "

@@ -121,6 +121,10 @@ class MessageStore:
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule)
+            if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
+                # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
+                # the log again for the same loss
+                write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
             self.store_id = load_or_create_store_id(self.store_dir)
         except BaseException:
             self._close_files()

@@ -16,6 +16,7 @@ from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.errors import BrokerError
 from protocol.message import MESSAGE_MAGIC, decode_record
+from tests.support.broker_process import BrokerProcess
 
 pytestmark = pytest.mark.asyncio
 
@@ -92,4 +93,33 @@ async def test_a_damaged_record_in_an_old_segment_is_reported_and_the_rest_is_se
     b = broker_factory(*FLAGS)                  # the queue marked damaged is rebuilt from the log
     got, error = await _drain(b, mq)
     assert error is None and got == [s for s in sent if s != lost]
+    assert b.stop() == 0
+
+
+async def test_a_broker_whose_active_segment_was_deleted_refuses_to_start(broker_factory, tmp_path):
+    """Its log then ends at the previous segment's end marker, short of what the checkpoint says was flushed:
+    the broker used to start on it without a word, every message of that segment gone and its queue offsets
+    handed to the next messages. Now it exits 1 saying why; --truncate-corrupt-tail starts it anyway."""
+    b = broker_factory(*FLAGS)
+    mq = await _send(b)
+    sent, _ = await _drain(b, mq)
+    assert b.stop() == 0
+    logdir = tmp_path / "store" / "commitlog"
+    names = sorted(os.listdir(logdir))
+    assert len(names) >= 3
+    os.unlink(logdir / names[-1])
+
+    refused = BrokerProcess(tmp_path / "store", *FLAGS)
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            refused.start()
+        assert refused.proc.wait(30) == 1
+    finally:
+        refused.kill()
+    text = refused.log()
+    assert "cannot start" in text and "checkpoint" in text and names[-1] in text, text
+
+    b = broker_factory(*FLAGS, "--truncate-corrupt-tail")
+    got, error = await _drain(b, mq)
+    assert error is None and got == sent[:len(got)] and len(got) < len(sent)
     assert b.stop() == 0

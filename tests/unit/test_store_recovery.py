@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.store import GetStatus, MessageStore, PutRequest, StoreConfig
+from broker.store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from broker.store.recovery import BadRecord, parse_record
 from protocol.errors import StoreError
 from protocol.message import decode_record, encode_record, pack_host, properties_to_string
@@ -62,6 +63,12 @@ def flip(path, physical_offset: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
+def crashed_at(path, offset: int) -> None:
+    """The checkpoint a crash leaves: it vouches only for what was flushed before ``offset`` (a clean close's
+    would vouch for the bytes the test then damages, and damage below the checkpoint is no torn tail)."""
+    write_checkpoint(str(path), Checkpoint(offset, 0))
+
+
 def assert_readable(store: MessageStore, results) -> None:
     for r in results:
         msg, _ = decode_record(bytes(store.get_record(r.physical_offset)), check_crc=True)
@@ -74,6 +81,7 @@ async def test_flipped_last_record_is_cut_and_reported(tmp_path, caplog):
     results = await fill(tmp_path, 50)
     last = results[-1]
     flip(tmp_path, last.physical_offset + last.size - 500)      # inside the body: CRC
+    crashed_at(tmp_path, last.physical_offset)
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
         store = await reopen(tmp_path)
     cut = store.report.truncations
@@ -127,6 +135,7 @@ async def test_truncated_last_segment_file_is_extended_and_its_torn_record_cut(t
     in_last = [r for r in results if r.physical_offset >= last_seg]
     victim = in_last[len(in_last) // 2]
     os.truncate(seg_path(tmp_path, last_seg), victim.physical_offset - last_seg + 100)
+    crashed_at(tmp_path, victim.physical_offset)
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
         store = await reopen(tmp_path)
     assert os.path.getsize(seg_path(tmp_path, last_seg)) == SEG
@@ -145,6 +154,7 @@ async def test_torn_first_record_of_a_new_segment(tmp_path):
     later = [r for r in results if r.physical_offset > first_in_last.physical_offset]
     for r in later:                                  # nothing after the torn record reached the disk
         patch(tmp_path, r.physical_offset, bytes(r.size))
+    crashed_at(tmp_path, first_in_last.physical_offset)
     store = await reopen(tmp_path)
     assert [(t.segment, t.position) for t in store.report.truncations] == [(f"{SEG:020d}", 0)]
     assert store.max_offset("T", 0) == first_in_last.queue_offset
@@ -679,4 +689,56 @@ async def test_a_damaged_record_head_in_an_unverified_segment_skips_nothing_afte
     got, stop = await _drain(store)
     assert stop is None and got == [r.queue_offset for r in results if r is not bad]
     assert (await store.put(req(1))).queue_offset == 900
+    await store.close()
+
+
+# ------------------------------------------------- damage below the checkpoint
+@bounded(20)
+@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate-at-a-record"])
+async def test_damage_the_checkpoint_vouches_for_is_no_torn_tail(tmp_path, caplog, damage):
+    """Bytes below the checkpoint were flushed before it was written: a crash cannot tear them. A last segment
+    cut short (by a copy, a disk, a hand) or a bad last record there used to be cut as a torn tail, with a
+    WARNING, the acknowledged messages gone and their queue offsets handed to new messages; cut at a record
+    boundary, not even that (zeros: the clean end). Now start-up refuses, as for damage in the middle."""
+    results = await fill(tmp_path, 700)
+    last_seg = max(r.physical_offset for r in results) // SEG * SEG
+    victim = results[-1] if damage == "flip" else [r for r in results if r.physical_offset >= last_seg][50]
+    if damage == "flip":                                # the last record: nothing valid after it
+        flip(tmp_path, victim.physical_offset + 300)
+    else:
+        os.truncate(seg_path(tmp_path, last_seg),
+                    victim.physical_offset - last_seg + (100 if damage == "truncate" else 0))
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert err.value.segment == f"{last_seg:020d}" and err.value.position == victim.physical_offset - last_seg
+    assert "checkpoint" in str(err.value) and "truncate_corrupt_tail=True" in str(err.value)
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        store = await reopen(tmp_path, CUT)             # the operator's choice: start with what is left
+    assert any("truncate_corrupt_tail" in r.getMessage() for r in caplog.records)
+    assert store.max_offset("T", 0) == victim.queue_offset
+    assert_readable(store, [r for r in results if r.queue_offset < victim.queue_offset])
+    await store.close()
+    store = await reopen(tmp_path)                      # accepted once: the next start needs no flag
+    assert store.max_offset("T", 0) == victim.queue_offset
+    await store.close()
+
+
+@bounded(20)
+async def test_a_lost_last_segment_or_log_is_refused(tmp_path):
+    """The active segment deleted (the log then ends at the previous one's end marker), or every segment gone
+    (a wrong or empty mount): start-up used to carry on, without a word, from a log that lacks acknowledged
+    messages the checkpoint vouches for; queues were cut to it and their offsets refilled by new messages."""
+    results = await fill(tmp_path, 700)
+    last_seg = max(r.physical_offset for r in results) // SEG * SEG
+    os.unlink(seg_path(tmp_path, last_seg))
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert "checkpoint" in str(err.value) and err.value.segment == f"{last_seg:020d}"
+    for name in os.listdir(tmp_path / "commitlog"):
+        os.unlink(tmp_path / "commitlog" / name)
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert "no segment" in str(err.value)
+    store = await reopen(tmp_path, CUT)
+    assert store.max_offset("T", 0) == 0 and read_checkpoint(str(tmp_path)).flushed_offset == 0
     await store.close()
