@@ -109,10 +109,11 @@ class CommitLog:
         seg = segs[idx]
         return seg, phys - seg.start
 
-    def segment_of(self, phys: int) -> Segment | None:
-        """The live (mapped) segment holding ``phys``; None when retention removed it (or is removing it)."""
+    def removed(self, phys: int) -> bool:
+        """``phys`` lies in a segment retention removed (or is removing): below the log's first offset, or
+        in a segment already unmapped. Anything else a unit names is in the log, or beyond its end."""
         at = self.locate(phys)
-        return at[0] if at is not None and at[0].mm is not None else None
+        return phys < self.min_offset or (at is not None and at[0].mm is None)
 
     def make_segment(self, start: int) -> Segment:
         """A new sparse segment file, nothing reserved (unless preallocate is off); not yet in the log."""

@@ -434,9 +434,9 @@ class MessageStore:
                     if not buffers:
                         status = _REMOVING
                     continue
-                if clog.segment_of(phys) is not None:
-                    # Its segment is still in the log, yet no such record is there: the unit or the record's
-                    # head is damaged. Skipping the rest of the segment (as for a removed one) dropped every
+                if not clog.removed(phys):
+                    # Its segment was not removed, yet no such record is there: the unit or the record's head
+                    # is damaged. Skipping the rest of the segment (as for a removed one) dropped every
                     # intact message after it without a word; stop here instead, like a zeroed unit.
                     if not buffers:
                         self._damaged(cq, offset + scanned - 1, f"unit ({phys}, {size}) names no record in the "

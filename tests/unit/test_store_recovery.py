@@ -742,3 +742,22 @@ async def test_a_lost_last_segment_or_log_is_refused(tmp_path):
     store = await reopen(tmp_path, CUT)
     assert store.max_offset("T", 0) == 0 and read_checkpoint(str(tmp_path)).flushed_offset == 0
     await store.close()
+
+
+@bounded(20)
+async def test_a_unit_naming_an_offset_past_the_log_stops_reads_instead_of_skipping(tmp_path):
+    """A consume-queue unit damaged to name an offset past the log's end was taken for a removed segment: the
+    pull skipped every unit after it in its window that named an offset below that one, i.e. all of them."""
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+    results = await fill(tmp_path, 900, cfg=cfg)       # unit 10's record is in the segment start-up does not scan
+    with open(os.path.join(tmp_path, "consumequeue", "T", "0", f"{0:020d}"), "r+b") as f:
+        f.seek(10 * 20)
+        f.write((1 << 40).to_bytes(8, "big"))     # unit 10's commit-log offset
+    store = await reopen(tmp_path, cfg)
+    got, stop = await _drain(store)
+    assert got == list(range(10)) and stop == (GetStatus.QUEUE_DAMAGED, 10)
+    await store.close()
+    store = await reopen(tmp_path, cfg)             # marked: rebuilt from the log
+    got, stop = await _drain(store)
+    assert stop is None and got == [r.queue_offset for r in results]
+    await store.close()
