@@ -18,7 +18,6 @@ queue that recovery cut short (``fit``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -26,12 +25,11 @@ import threading
 
 from protocol.errors import StoreError
 
-from .mapped_file import fsync_dir, fsync_dirs, make_dirs
+from .mapped_file import BACKUP_SUFFIX, fsync_dir, fsync_dirs, keep_previous, make_dirs
 
 log = logging.getLogger("txmq.store")
 
 FILE_NAME = "consumerOffset.json"
-BACKUP_SUFFIX = ".bak"          # the previous save (RocketMQ keeps one too), read when the table cannot be
 
 
 class ConsumerOffsets:
@@ -176,9 +174,6 @@ class ConsumerOffsets:
         directory = os.path.dirname(self.path)
         fsync_dirs(make_dirs(directory))
         tmp = self.path + ".tmp"
-        bak_tmp = self.path + BACKUP_SUFFIX + ".tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(bak_tmp)          # a save cut short before its rename
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(data)
@@ -187,12 +182,7 @@ class ConsumerOffsets:
             os.fsync(fd)
         finally:
             os.close(fd)
-        try:                            # the table being replaced becomes the previous copy (see _load)
-            os.link(self.path, bak_tmp)
-        except FileNotFoundError:
-            pass
-        else:
-            os.replace(bak_tmp, self.path + BACKUP_SUFFIX)
+        keep_previous(self.path)        # the table being replaced becomes the previous copy (see _load)
         os.replace(tmp, self.path)
         fsync_dir(directory)
 
