@@ -12,8 +12,8 @@ redeliveries, never a lost message) and
 renamed over the old one, then the directory is fsync'ed: a crash leaves the old table
 or the new one, never a torn file. The table replaced is kept as ``consumerOffset.json.bak``
 (hard-linked, then renamed): a table damaged or lost later (a disk, a hand) is read from that
-copy, logged at ERROR, instead of stopping start-up or, worse, starting every group over. At start-up the broker lowers offsets past the end of a
-queue that recovery cut short (``fit``).
+copy, logged at ERROR, instead of stopping start-up or, worse, starting every group over.
+At start-up the broker lowers offsets past the end of a queue that recovery cut short (``fit``).
 """
 from __future__ import annotations
 
