@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from typing import Callable
 
 from protocol.errors import RecordError, StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, peek_record, validate_topic
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_OFFSET, peek_record, validate_topic
 from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
 
 from .checkpoint import Checkpoint
@@ -161,6 +162,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     report = RecoveryReport(point, segs[first].start if segs else 0, 0)
     end, last_ts = None, 0
     gaps = {key for key, cq in queues.items() if cq.damaged is not None}     # units lost before the last file
+    expect: dict[tuple[str, int], int] = {}     # queue offset the next record of each queue must carry
 
     for i in range(first, len(segs)):
         seg, pos = segs[i], 0
@@ -182,7 +184,10 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             phys = seg.start + pos
             report.records_scanned += 1
             if not sys_flag & 0x4:
-                _replay_unit(queues, make_queue, (topic, qid), qoff, phys, size, seg, span, gaps, report,
+                key = (topic, qid)
+                qoff = _checked_qoff(seg, pos, key, qoff, expect.get(key))
+                expect[key] = qoff + 1
+                _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
                              ts, tag_rule)
             if listeners and phys >= point:
                 info = DispatchInfo(topic, qid, qoff if not sys_flag & 0x4 else -1, phys, size,
@@ -277,6 +282,22 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
     return seg.start + pos
 
 
+def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None) -> int:
+    """The record's queue offset, repaired when its header is damaged there.
+
+    A queue's records follow one another in the log: each carries the previous one's offset + 1, or 0 when
+    the topic was deleted and made again. The field is outside the body CRC, so a flipped bit there went
+    unseen: a jump up made the rebuild pad the queue to it (every message before it gone from the queue),
+    a jump down rewrote the queue's units from there and left the record's own unit pre-blank (skipped).
+    """
+    if want is None or qoff == want or qoff == 0:
+        return qoff
+    log.error("commit log segment %s byte %d: a record of %s-%d says queue offset %d where the queue's previous "
+              "record says %d: its header is damaged; rewritten to %d", seg.name, pos, *key, qoff, want - 1, want)
+    os.pwrite(seg.fd, struct.pack(">q", want), pos + POS_QUEUE_OFFSET)
+    return want
+
+
 def _check_zeroed(key, cq: ConsumeQueue, gaps: set) -> None:
     """A unit load found all zeros (a lost page, a zeroed range) is damage, not the end of the queue: the
     units after it are real. The scan rewrote it if its record was in the verified range; if it is still
@@ -327,6 +348,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
     had = {key: queues[key].max_offset for key in gaps}
     for key in gaps:
         report.cq_units_dropped += queues[key].truncate(0)
+    seen: set = set()           # queues whose previous record this pass appended: the next must follow it
     for seg in clog.segments:
         pos = 0
         while seg.start + pos < end:
@@ -344,6 +366,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
                 log.error("rebuilding consume queues: commit log damaged at segment %s byte %d (%s); %s", seg.name,
                           pos, bad, f"going on from the valid record at byte {nxt}" if nxt is not None else
                           "no valid record after it in this segment")
+                seen.clear()                # a record was lost here: the next of its queue may follow a gap
                 if nxt is None:
                     break
                 pos = nxt
@@ -351,6 +374,9 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
             key = (topic, qid)
             if not sys_flag & 0x4 and key in gaps:
                 cq = queues[key]
+                if key in seen:
+                    qoff = _checked_qoff(seg, pos, key, qoff, cq.max_offset)
+                seen.add(key)
                 if qoff > cq.max_offset:
                     cq.pad(qoff)
                 if qoff == cq.max_offset:

@@ -761,3 +761,44 @@ async def test_a_unit_naming_an_offset_past_the_log_stops_reads_instead_of_skipp
     got, stop = await _drain(store)
     assert stop is None and got == [r.queue_offset for r in results]
     await store.close()
+
+
+@bounded(30)
+@pytest.mark.parametrize("says", [3, 5000, 700 + (1 << 20)], ids=["down", "up", "high-bit"])
+async def test_a_damaged_queue_offset_field_is_repaired_from_the_queues_sequence(tmp_path, caplog, says):
+    """The QUEUEOFFSET field is outside the body CRC. Damaged to an offset already used, recovery took the
+    unit for the wrong one and the rebuild left the intact record's unit pre-blank (899 of 900 served, only
+    WARNINGs); damaged upward, the rebuild padded the queue to it (1 of 900 served) or asked for a consume
+    queue that does not fit the disk. Now the field is checked against the queue's previous record,
+    repaired and logged at ERROR: every message is served, under its own offset."""
+    results = await fill(tmp_path, 900)
+    bad = results[700]
+    patch(tmp_path, bad.physical_offset + 20, says.to_bytes(8, "big"))
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    assert any("header is damaged" in r.getMessage() and str(says) in r.getMessage() for r in caplog.records)
+    got, stop = await _drain(store)
+    assert stop is None and got == [r.queue_offset for r in results]
+    assert store.report.queues_rebuilt == []
+    assert (await store.put(req(1))).queue_offset == 900
+    await store.close()
+
+
+@bounded(30)
+async def test_a_topic_deleted_and_made_again_restarts_its_offsets_without_a_repair(tmp_path, caplog):
+    """The one legitimate break in a queue's sequence of offsets in the log: back to 0 after a delete."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(50)])
+    await store.delete_topic("T")
+    again = [await store.put(req(i)) for i in range(30)]
+    assert [r.queue_offset for r in again] == list(range(30))
+    await store.close()
+    os.unlink(tmp_path / "checkpoint")                # a full scan meets both runs of the queue
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]
+    got, stop = await _drain(store)
+    assert stop is None and got == list(range(30))
+    assert_readable(store, again)
+    await store.close()
