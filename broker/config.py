@@ -38,7 +38,7 @@ class BrokerConfig:
     cq_units_per_file: int = setting(300_000, "Consume-queue units (20 bytes each) per file (RocketMQ's mappedFileSizeConsumeQueue, 300000). Fixed for a store: a store written with another value does not start.")
     max_message_size: int = setting(4 * 1024 * 1024, "Largest message body accepted (RocketMQ's 4 MiB); larger gets MESSAGE_ILLEGAL.")
     disk_refuse_ratio: float = setting(0.90, "Refuse writes (SERVICE_NOT_AVAILABLE, 'disk is full') while the store's file system is at least this full; they resume by themselves below it less 0.01 (RocketMQ's diskSpaceWarningLevelRatio).")
-    truncate_corrupt_tail: bool = setting(False, "Start even when the log is corrupt mid-way, truncating from the damage (the data after it is lost). Off: refuse to start and say where.")
+    truncate_corrupt_tail: bool = setting(False, "Start even when the log is corrupt mid-way or ends short of what its checkpoint says was flushed, truncating from the damage (the data after it is lost). Off: refuse to start and say where.")
     # ---- limits
     max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB); larger closes the connection.")
     max_connections: int = setting(10000, "Connections accepted at once per listener; more are closed on accept.")

@@ -483,6 +483,21 @@ def append_snapshot(store_dir: str, snapshot: dict) -> str:
     os.makedirs(folder, exist_ok=True)
     day = time.strftime("%Y-%m-%d", time.gmtime(snapshot["ts"] / 1000))
     path = os.path.join(folder, f"{day}.jsonl")
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(snapshot, separators=(",", ":")) + "\n")
+    line = memoryview((json.dumps(snapshot, separators=(",", ":")) + "\n").encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            while line:
+                line = line[os.write(fd, line):]
+        except OSError:
+            # A full disk takes part of the line: cut it off again, or the next snapshot is appended to the torn
+            # one and both read as one bad line (ops/spark counts it and drops it).
+            try:
+                os.ftruncate(fd, before)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
     return path

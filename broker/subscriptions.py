@@ -21,6 +21,8 @@ import threading
 
 from protocol.admin_bodies import dump
 
+from .store.mapped_file import BACKUP_SUFFIX, keep_previous
+
 log = logging.getLogger("txmq.subscriptions")
 
 FILE_NAME = "subscriptionGroup.json"
@@ -59,17 +61,34 @@ class SubscriptionGroups:
         self._saved_counter = self.counter     # the newest table on disk (write)
 
     def _load(self) -> None:
+        why = self._load_from(self.path)
+        if why is None:
+            return
+        # The previous save: without it the next update would replace the damaged (or lost) file for good,
+        # every other group's settings gone.
+        bad = self._load_from(self.path + BACKUP_SUFFIX)
+        if bad is None:
+            log.error("%s %s: using its previous copy %s", self.path,
+                      "is missing" if why == "missing" else f"cannot be read ({why})", self.path + BACKUP_SUFFIX)
+        elif why != "missing":
+            log.error("ignoring unreadable %s (%s) and its previous copy (%s): groups keep their defaults until "
+                      "updated", self.path, why, bad)
+
+    def _load_from(self, path: str) -> str | None:
+        """Load ``path``; None when it was read, else why not ("missing", or what is wrong with it)."""
         try:
-            with open(self.path, encoding="utf-8") as fh:
+            with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
             table = data.get("subscriptionGroupTable") or {}
             version = data.get("dataVersion") or {}
-            self.counter, self.timestamp = int(version.get("counter", 0)), int(version.get("timestamp", 0))
-            self.groups = {name: group_config(name, cfg) for name, cfg in table.items() if isinstance(cfg, dict)}
+            counter, timestamp = int(version.get("counter", 0)), int(version.get("timestamp", 0))
+            groups = {name: group_config(name, cfg) for name, cfg in table.items() if isinstance(cfg, dict)}
         except FileNotFoundError:
-            return
+            return "missing"
         except (OSError, ValueError, TypeError, AttributeError) as exc:
-            log.error("ignoring unreadable %s (%s): groups keep their defaults until updated", self.path, exc)
+            return str(exc) or type(exc).__name__
+        self.counter, self.timestamp, self.groups = counter, timestamp, groups
+        return None
 
     def update(self, values: dict) -> dict:
         """Create or replace a group's config (the caller persists: ``encode`` then ``write``)."""
@@ -131,6 +150,7 @@ class SubscriptionGroups:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
+            keep_previous(self.path)
             os.replace(tmp, self.path)
             if counter is not None:
                 self._saved_counter = counter

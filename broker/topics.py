@@ -23,6 +23,8 @@ from protocol.registration import DataVersion
 from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
+from .store.mapped_file import BACKUP_SUFFIX, keep_previous
+
 log = logging.getLogger("txmq.topics")
 
 AUTO_CREATE_TOPIC = "TBW102"
@@ -114,13 +116,20 @@ class TopicManager:
             self.create(TopicConfig(TRACE_TOPIC, 1, 1))
 
     def _load(self) -> None:
-        try:
-            with open(self.path, "r", encoding="utf-8") as fh:
-                data = json.load(fh)
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as exc:
-            log.error("ignoring unreadable %s (%s); topics will be re-created on use", self.path, exc)
+        data, why = _read_json(self.path)
+        if why is not None:
+            # The previous save: without it the next write of the catalogue would replace the damaged (or lost)
+            # one for good, every topic's settings (queues, permissions, order) back to the defaults.
+            data, bad = _read_json(self.path + BACKUP_SUFFIX)
+            if bad is not None:
+                if why != "missing":
+                    log.error("ignoring unreadable %s (%s) and its previous copy (%s); topics will be re-created on "
+                              "use", self.path, why, bad)
+                return
+            log.error("topics catalogue %s %s: using its previous copy %s", self.path,
+                      "is missing" if why == "missing" else f"cannot be read ({why})", self.path + BACKUP_SUFFIX)
+        if not isinstance(data, dict):
+            log.error("ignoring %s: not a JSON object; topics will be re-created on use", self.path)
             return
         for entry in data.get("topics", []):
             try:
@@ -198,6 +207,7 @@ class TopicManager:
                 json.dump({"topics": [asdict(t) for t in topics if t.name not in self._system]}, fh, indent=1)
                 fh.flush()
                 os.fsync(fh.fileno())
+            keep_previous(self.path)
             os.replace(tmp, self.path)
         except OSError:
             self._dirty = True
@@ -261,3 +271,14 @@ class TopicManager:
     def ensure(self, topic: str, queues: int = 1) -> TopicConfig:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))
+
+
+def _read_json(path: str):
+    """(the parsed file, None), or (None, why not): "missing", or what is wrong with it."""
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            return json.load(fh), None
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, ValueError) as exc:
+        return None, str(exc)

@@ -75,8 +75,8 @@ def _reply(ctx, cmd, group, topic, got):
         return cmd.response(code, status.name, fields, got.buffers)
     if status is GetStatus.QUEUE_DAMAGED:
         return cmd.response(code, f"consume queue {topic}-{cmd.int_field('queueId')} is damaged at offset "
-                            f"{got.next_begin_offset} (a zeroed unit; see the broker's log): restart the broker "
-                            "to rebuild it from the commit log", fields)
+                            f"{got.next_begin_offset} (a zeroed unit, or one naming no record; see the broker's log): "
+                            "restart the broker to rebuild it from the commit log", fields)
     return cmd.response(code, status.name, fields)
 
 

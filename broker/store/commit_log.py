@@ -109,6 +109,12 @@ class CommitLog:
         seg = segs[idx]
         return seg, phys - seg.start
 
+    def removed(self, phys: int) -> bool:
+        """``phys`` lies in a segment retention removed (or is removing): below the log's first offset, or
+        in a segment already unmapped. Anything else a unit names is in the log, or beyond its end."""
+        at = self.locate(phys)
+        return phys < self.min_offset or (at is not None and at[0].mm is None)
+
     def make_segment(self, start: int) -> Segment:
         """A new sparse segment file, nothing reserved (unless preallocate is off); not yet in the log."""
         seg = Segment.create(self.directory, start, self.seg_size, reserve=0)

@@ -222,18 +222,19 @@ class ConsumeQueue:
                                             durable_name=False))
         self.unsynced.append(self.directory)
 
-    def mark_damaged(self, offset: int) -> bool:
+    def mark_damaged(self, offset: int, what: str = "zeroed unit") -> bool:
         """A read met an all-zero unit at ``offset`` (no real unit has size 0): the units there are lost from
-        this file though their records are in the log. Said once (ERROR); reads stop at it (pulls get an
-        error, never a skip). True the first time: the caller then has ``write_damage_mark`` run on its I/O
-        thread, so that the next start rebuilds the queue from the commit log."""
+        this file though their records are in the log; or a unit whose record is not in its live segment
+        (``what`` says which). Said once (ERROR); reads stop at it (pulls get an error, never a skip). True
+        the first time: the caller then has ``write_damage_mark`` run on its I/O thread, so that the next
+        start rebuilds the queue from the commit log."""
         if self.damage is not None:
             return False
         self.damage = offset
         where = self._locate(offset)
         self._damage_where = f"queue offset {offset}, file {where[0].name if where else '?'}"
-        log.error("consume queue %s-%d: zeroed unit at %s: messages from there are not served until the broker "
-                  "restarts and rebuilds the queue from the commit log", self.topic, self.queue_id,
+        log.error("consume queue %s-%d: %s at %s: messages from there are not served until the broker "
+                  "restarts and rebuilds the queue from the commit log", self.topic, self.queue_id, what,
                   self._damage_where)
         return True
 

@@ -82,6 +82,24 @@ def parse_name(name: str) -> int | None:
     return int(name)
 
 
+BACKUP_SUFFIX = ".bak"
+
+
+def keep_previous(path: str) -> None:
+    """Before ``path`` is replaced by a rename: make its current contents ``path.bak`` (a hard link renamed into
+    place, so ``path`` itself never goes missing). The caller's directory fsync makes both durable."""
+    bak, tmp = path + BACKUP_SUFFIX, path + BACKUP_SUFFIX + ".tmp"
+    try:
+        os.unlink(tmp)                  # left by a save cut short
+    except FileNotFoundError:
+        pass
+    try:
+        os.link(path, tmp)
+    except FileNotFoundError:           # the first save
+        return
+    os.replace(tmp, bak)
+
+
 def fsync_dir(path: str) -> None:
     """Make a create, rename or unlink in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -10,8 +10,10 @@ changed or not, so a kill -9 that loses the last few seconds costs at most a few
 redeliveries, never a lost message) and
 ``close`` persists once more. Each write goes to a temporary file that is fsync'ed and
 renamed over the old one, then the directory is fsync'ed: a crash leaves the old table
-or the new one, never a torn file. At start-up the broker lowers offsets past the end of a
-queue that recovery cut short (``fit``).
+or the new one, never a torn file. The table replaced is kept as ``consumerOffset.json.bak``
+(hard-linked, then renamed): a table damaged or lost later (a disk, a hand) is read from that
+copy, logged at ERROR, instead of stopping start-up or, worse, starting every group over.
+At start-up the broker lowers offsets past the end of a queue that recovery cut short (``fit``).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import threading
 
 from protocol.errors import StoreError
 
-from .mapped_file import fsync_dir, fsync_dirs, make_dirs
+from .mapped_file import BACKUP_SUFFIX, fsync_dir, fsync_dirs, keep_previous, make_dirs
 
 log = logging.getLogger("txmq.store")
 
@@ -41,15 +43,19 @@ class ConsumerOffsets:
         self._load()
 
     def _load(self) -> None:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as exc:
-            raise StoreError(f"consumer offsets file {self.path} cannot be read: {exc}") from None
-        if not isinstance(raw, dict):
-            raise StoreError(f"consumer offsets file {self.path} is not a JSON object")
+        raw, why = _read_table(self.path)
+        if why == "missing" and not os.path.exists(self.path + BACKUP_SUFFIX):
+            return                      # a new store
+        if why is not None:
+            # The previous save's copy: a few seconds older at most (a few redeliveries), where no table at all
+            # would start every group over by its consume-from policy -- skipping what it had not consumed.
+            backup, bad = _read_table(self.path + BACKUP_SUFFIX)
+            if bad is not None:
+                raise StoreError(f"consumer offsets file {self.path} cannot be read ({why}), nor its previous copy "
+                                 f"{self.path + BACKUP_SUFFIX} ({bad}): move both away to start every group over")
+            log.error("consumer offsets file %s cannot be read (%s): using its previous copy %s (at most one save "
+                      "older: groups may see a few messages again)", self.path, why, self.path + BACKUP_SUFFIX)
+            raw = backup
         for key, queues in raw.items():
             topic, sep, group = key.rpartition("@")
             if not sep or not isinstance(queues, dict):
@@ -176,5 +182,20 @@ class ConsumerOffsets:
             os.fsync(fd)
         finally:
             os.close(fd)
+        keep_previous(self.path)        # the table being replaced becomes the previous copy (see _load)
         os.replace(tmp, self.path)
         fsync_dir(directory)
+
+
+def _read_table(path: str) -> tuple[dict | None, str | None]:
+    """(the table, None), or (None, why not): "missing", or what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, ValueError) as exc:
+        return None, str(exc)
+    if not isinstance(raw, dict):
+        return None, "not a JSON object"
+    return raw, None

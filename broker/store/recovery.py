@@ -22,6 +22,11 @@ Torn tail or damage in the middle -- the rule:
   log is cut at the bad record and every later segment is deleted (logged at ERROR).
 * A segment file shorter than ``segment_size`` is re-extended with zeros first; its
   missing tail then reads as zeros and the rule above applies.
+* Below the checkpoint's flushed offset there is no torn tail: nothing is checkpointed
+  before it is flushed, so a crash cannot damage those bytes. A bad record, or the end of
+  the data (a cut file, a deleted last segment, no segment at all) below it is treated as
+  damage in the middle: StoreError, or with ``truncate_corrupt_tail`` the cut (logged at
+  ERROR) and a new checkpoint at the new end, so the next start does not refuse it again.
 
 Consume queues: units that point at or past the new end are dropped; each record
 scanned is checked against its unit, tag included (a wrong unit is rewritten from there on) and
@@ -39,11 +44,12 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from typing import Callable
 
 from protocol.errors import RecordError, StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, peek_record, validate_topic
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_OFFSET, peek_record, validate_topic
 from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
 
 from .checkpoint import Checkpoint
@@ -156,6 +162,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     report = RecoveryReport(point, segs[first].start if segs else 0, 0)
     end, last_ts = None, 0
     gaps = {key for key, cq in queues.items() if cq.damaged is not None}     # units lost before the last file
+    expect: dict[tuple[str, int], int] = {}     # queue offset the next record of each queue must carry
 
     for i in range(first, len(segs)):
         seg, pos = segs[i], 0
@@ -168,7 +175,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
                     seg.written = pos
                     break
                 end = _end_of_data(clog, i, pos, str(bad) if (total, magic) != (0, 0) else None,
-                                   truncate_corrupt, report)
+                                   truncate_corrupt, report, point)
                 seg.written = pos
                 break
             if seg.first_ts < 0:
@@ -177,7 +184,10 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             phys = seg.start + pos
             report.records_scanned += 1
             if not sys_flag & 0x4:
-                _replay_unit(queues, make_queue, (topic, qid), qoff, phys, size, seg, span, gaps, report,
+                key = (topic, qid)
+                qoff = _checked_qoff(seg, pos, key, qoff, expect.get(key))
+                expect[key] = qoff + 1
+                _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
                              ts, tag_rule)
             if listeners and phys >= point:
                 info = DispatchInfo(topic, qid, qoff if not sys_flag & 0x4 else -1, phys, size,
@@ -190,10 +200,12 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
         if end is not None:
             break
     if not segs:
+        _short_of_checkpoint(clog, 0, point, "there is no segment", truncate_corrupt)
         clog.new_segment(0)
         end = 0
     elif end is None:                       # the last segment ends with an end marker
         end = segs[-1].start + clog.seg_size
+        _short_of_checkpoint(clog, end, point, f"the last segment {segs[-1].name} is sealed", truncate_corrupt)
         clog.new_segment(end).written = 0
     at = clog.locate(end)
     if at is not None:
@@ -221,20 +233,38 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     return report
 
 
+def _short_of_checkpoint(clog: CommitLog, end: int, point: int, what: str, truncate_corrupt: bool) -> None:
+    """The log ends at ``end`` below the checkpoint's flushed offset: acknowledged, flushed data is gone (a file
+    deleted or cut by hand or a disk; a crash cannot do it, as nothing is checkpointed before it is flushed)."""
+    if end >= point:
+        return
+    text = (f"the commit log ends at offset {end} ({what}), but the checkpoint says every byte below {point} was "
+            "flushed: acknowledged messages are missing (a segment deleted or cut short?)")
+    if not truncate_corrupt:
+        raise StoreError(text + ". To start anyway with the log as it is, set StoreConfig(truncate_corrupt_tail=True)",
+                         segment=f"{end - end % clog.seg_size:020d}", position=end % clog.seg_size)
+    log.error("truncate_corrupt_tail: %s; starting with the log as it is", text)
+
+
 def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate_corrupt: bool,
-                 report: RecoveryReport) -> int:
-    """Decide torn tail, clean end or mid-log damage at segment ``i``, byte ``pos``; returns the log end."""
+                 report: RecoveryReport, point: int = 0) -> int:
+    """Decide torn tail, clean end or mid-log damage at segment ``i``, byte ``pos``; returns the log end.
+
+    Below ``point`` (the checkpoint's flushed offset) there is no torn tail: those bytes were flushed before the
+    checkpoint said so, so a bad record or the end of the data there is damage, as in the middle of the log."""
     segs = clog.segments
     seg = segs[i]
     tail_end = data_end(seg, pos)
     later = next((s for s in segs[i + 1:] if data_end(s, 0) > 0), None)
-    if reason is None and tail_end <= pos and later is None:
+    vouched = seg.start + pos < point
+    if reason is None and tail_end <= pos and later is None and not vouched:
         return seg.start + pos                              # zeros: the clean end of the data
     reason = reason or "zeros where a record should start"
     valid_at = _valid_record_in(seg, pos, tail_end) if tail_end > pos else None
-    if valid_at is not None or later is not None:
+    if valid_at is not None or later is not None or vouched:
         where = (f"a valid record follows at byte {valid_at}" if valid_at is not None
-                 else f"later segment {later.name} holds data")
+                 else f"later segment {later.name} holds data" if later is not None
+                 else f"the checkpoint says every byte below offset {point} was flushed")
         if not truncate_corrupt:
             raise StoreError(f"commit log damaged at segment {seg.name} byte {pos} ({reason}) and {where}, "
                              "so acknowledged data lies beyond it. To start anyway, discarding this record and "
@@ -250,6 +280,22 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
         clog.zero(seg, pos, tail_end)
     report.truncations.append(Truncation(seg.name, pos, tail_end - pos, reason))
     return seg.start + pos
+
+
+def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None) -> int:
+    """The record's queue offset, repaired when its header is damaged there.
+
+    A queue's records follow one another in the log: each carries the previous one's offset + 1, or 0 when
+    the topic was deleted and made again. The field is outside the body CRC, so a flipped bit there went
+    unseen: a jump up made the rebuild pad the queue to it (every message before it gone from the queue),
+    a jump down rewrote the queue's units from there and left the record's own unit pre-blank (skipped).
+    """
+    if want is None or qoff == want or qoff == 0:
+        return qoff
+    log.error("commit log segment %s byte %d: a record of %s-%d says queue offset %d where the queue's previous "
+              "record says %d: its header is damaged; rewritten to %d", seg.name, pos, *key, qoff, want - 1, want)
+    os.pwrite(seg.fd, struct.pack(">q", want), pos + POS_QUEUE_OFFSET)
+    return want
 
 
 def _check_zeroed(key, cq: ConsumeQueue, gaps: set) -> None:
@@ -302,16 +348,35 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
     had = {key: queues[key].max_offset for key in gaps}
     for key in gaps:
         report.cq_units_dropped += queues[key].truncate(0)
+    seen: set = set()           # queues whose previous record this pass appended: the next must follow it
     for seg in clog.segments:
         pos = 0
         while seg.start + pos < end:
             try:
                 size, qid, qoff, sys_flag, ts, _p, topic, span = parse_record(seg, pos, check_crc=False)
-            except BadRecord:
-                break                               # the end marker (the scan has already vetted the log)
+            except BadRecord as bad:
+                total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
+                if magic == BLANK_MAGIC and total == seg.size - pos:
+                    break                           # the end marker
+                # Damage before the verified range (the scan does not read it). Breaking here took every
+                # record after it in this segment for gone: their units became pre-blank and pulls skipped
+                # them. Go on from the next valid record; only the damaged one is lost.
+                hi = data_end(seg, pos) if seg.start + seg.size > end else seg.size
+                nxt = _valid_record_in(seg, pos, hi)
+                log.error("rebuilding consume queues: commit log damaged at segment %s byte %d (%s); %s", seg.name,
+                          pos, bad, f"going on from the valid record at byte {nxt}" if nxt is not None else
+                          "no valid record after it in this segment")
+                seen.clear()                # a record was lost here: the next of its queue may follow a gap
+                if nxt is None:
+                    break
+                pos = nxt
+                continue
             key = (topic, qid)
             if not sys_flag & 0x4 and key in gaps:
                 cq = queues[key]
+                if key in seen:
+                    qoff = _checked_qoff(seg, pos, key, qoff, cq.max_offset)
+                seen.add(key)
                 if qoff > cq.max_offset:
                     cq.pad(qoff)
                 if qoff == cq.max_offset:

@@ -27,7 +27,7 @@ from protocol.record import MIN_RECORD_SIZE, store_timestamp_at
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
-from .consume_queue import UNIT, ConsumeQueue
+from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import SegmentFacts, load_or_create_store_id, sealed_from_disk, summarize_file, write_manifest
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
@@ -121,6 +121,10 @@ class MessageStore:
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule)
+            if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
+                # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
+                # the log again for the same loss
+                write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
             self.store_id = load_or_create_store_id(self.store_dir)
         except BaseException:
             self._close_files()
@@ -451,6 +455,20 @@ class MessageStore:
                 continue
             view = clog.slice(phys, size)
             if view is None:
+                if size == BLANK_SIZE:      # pre-blank: a record no longer in the log; just this one unit
+                    if not buffers:
+                        status = _REMOVING
+                    continue
+                if not clog.removed(phys):
+                    # Its segment was not removed, yet no such record is there: the unit or the record's head
+                    # is damaged. Skipping the rest of the segment (as for a removed one) dropped every
+                    # intact message after it without a word; stop here instead, like a zeroed unit.
+                    if not buffers:
+                        self._damaged(cq, offset + scanned - 1, f"unit ({phys}, {size}) names no record in the "
+                                      "commit log (the unit or the record's head is damaged)")
+                        return GetResult(GetStatus.QUEUE_DAMAGED, offset + scanned - 1, lo, hi)
+                    scanned -= 1
+                    break
                 if not buffers:
                     status = _REMOVING
                 skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
@@ -467,8 +485,8 @@ class MessageStore:
             return None
         return self._real_unit(cq, offset)
 
-    def _damaged(self, cq: ConsumeQueue, offset: int) -> None:
-        if cq.mark_damaged(offset) and self._io is not None:
+    def _damaged(self, cq: ConsumeQueue, offset: int, what: str = "zeroed unit") -> None:
+        if cq.mark_damaged(offset, what) and self._io is not None:
             self._io.submit(cq.write_damage_mark).add_done_callback(_quiet)    # it logs its own failure
 
     def _real_unit(self, cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:

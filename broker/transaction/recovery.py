@@ -34,7 +34,7 @@ def scan(store, topic: str, start: int | None = None):
     while offset < end:
         got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None)
         if got.status is GetStatus.QUEUE_DAMAGED:      # stopping here would forget the transactions after it
-            raise StoreError(f"consume queue {topic}-0 is damaged at offset {offset} (a zeroed unit): it is marked "
+            raise StoreError(f"consume queue {topic}-0 is damaged at offset {offset} (see the log): it is marked "
                              "to be rebuilt from the commit log; start the broker again")
         if not got.buffers:
             if got.next_begin_offset <= offset:
@@ -117,6 +117,9 @@ async def recover(tx) -> None:
     for off in sorted(undecided):
         view = store.get_record(off)
         if view is None:
+            if off >= store.min_physical_offset:    # not removed by retention: its record is damaged
+                log.error("transaction recovery: the undecided half at %d is not a readable record (the commit log "
+                          "is damaged there): it cannot be checked or committed, and is dropped", off)
             continue
         msg, _ = decode_record(view)
         if tx.table.get(msg.queue_offset) is None:

@@ -99,3 +99,31 @@ async def test_offsets_past_a_queue_a_cut_log_shortened_are_lowered_at_start(tmp
         assert server.ctx.offsets.get("h", "T", 0) == 5
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize("damage", ["torn", "missing"])
+def test_a_table_damaged_or_lost_after_its_save_is_read_from_the_previous_copy(tmp_path, caplog, damage):
+    """Only the one table was kept: a damaged one stopped start-up with nothing to fall back on, and a lost one
+    started every group over by its consume-from policy, without a word (skipping what it had not consumed)."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("g", "T", 0, 5)
+    offsets.persist()
+    offsets.commit("g", "T", 0, 9)
+    offsets.commit("g", "T", 1, 3)
+    offsets.persist()
+    path = tmp_path / "config" / "consumerOffset.json"
+    assert json.loads((tmp_path / "config" / "consumerOffset.json.bak").read_text()) == {"T@g": {"0": 5}}
+    if damage == "torn":
+        path.write_bytes(path.read_bytes()[:12])
+    else:
+        path.unlink()
+    with caplog.at_level("ERROR", logger="txmq.store"):
+        again = ConsumerOffsets(str(tmp_path))
+    assert again.items() == [(("g", "T", 0), 5)]          # one save older: redeliveries, never a skip
+    assert any("previous copy" in r.getMessage() for r in caplog.records)
+    again.persist()                                         # and saving goes on from there
+    assert ConsumerOffsets(str(tmp_path)).items() == [(("g", "T", 0), 5)]
+    (tmp_path / "config" / "consumerOffset.json.bak").write_text("{")
+    path.write_text("[")
+    with pytest.raises(StoreError, match="nor its previous copy"):
+        ConsumerOffsets(str(tmp_path))

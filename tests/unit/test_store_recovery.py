@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.store import GetStatus, MessageStore, PutRequest, StoreConfig
+from broker.store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from broker.store.recovery import BadRecord, parse_record
 from protocol.errors import StoreError
 from protocol.message import decode_record, encode_record, pack_host, properties_to_string
@@ -62,6 +63,12 @@ def flip(path, physical_offset: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
+def crashed_at(path, offset: int) -> None:
+    """The checkpoint a crash leaves: it vouches only for what was flushed before ``offset`` (a clean close's
+    would vouch for the bytes the test then damages, and damage below the checkpoint is no torn tail)."""
+    write_checkpoint(str(path), Checkpoint(offset, 0))
+
+
 def assert_readable(store: MessageStore, results) -> None:
     for r in results:
         msg, _ = decode_record(bytes(store.get_record(r.physical_offset)), check_crc=True)
@@ -74,6 +81,7 @@ async def test_flipped_last_record_is_cut_and_reported(tmp_path, caplog):
     results = await fill(tmp_path, 50)
     last = results[-1]
     flip(tmp_path, last.physical_offset + last.size - 500)      # inside the body: CRC
+    crashed_at(tmp_path, last.physical_offset)
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
         store = await reopen(tmp_path)
     cut = store.report.truncations
@@ -127,6 +135,7 @@ async def test_truncated_last_segment_file_is_extended_and_its_torn_record_cut(t
     in_last = [r for r in results if r.physical_offset >= last_seg]
     victim = in_last[len(in_last) // 2]
     os.truncate(seg_path(tmp_path, last_seg), victim.physical_offset - last_seg + 100)
+    crashed_at(tmp_path, victim.physical_offset)
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
         store = await reopen(tmp_path)
     assert os.path.getsize(seg_path(tmp_path, last_seg)) == SEG
@@ -145,6 +154,7 @@ async def test_torn_first_record_of_a_new_segment(tmp_path):
     later = [r for r in results if r.physical_offset > first_in_last.physical_offset]
     for r in later:                                  # nothing after the torn record reached the disk
         patch(tmp_path, r.physical_offset, bytes(r.size))
+    crashed_at(tmp_path, first_in_last.physical_offset)
     store = await reopen(tmp_path)
     assert [(t.segment, t.position) for t in store.report.truncations] == [(f"{SEG:020d}", 0)]
     assert store.max_offset("T", 0) == first_in_last.queue_offset
@@ -230,7 +240,8 @@ async def test_damage_before_the_verify_window_is_not_scanned_but_never_served(t
     store = await reopen(tmp_path, cfg)                  # clean checkpoint: only the last segment is verified
     assert store.get_record(bad.physical_offset) is None
     got = store.get_messages("T", 0, 5, 1, 1 << 20)
-    assert got.status is GetStatus.MESSAGE_WAS_REMOVING and got.message_count == 0
+    # its segment is in the log: damage, not removal (which would skip the intact records after it)
+    assert got.status is GetStatus.QUEUE_DAMAGED and got.message_count == 0 and got.next_begin_offset == 5
     await store.close()
 
 
@@ -756,3 +767,154 @@ async def test_the_damage_mark_is_removed_only_after_the_rebuilt_units_are_flush
         assert ("flush", first) in events[appended:removed], events
     finally:
         await store.close()
+
+
+async def _drain(store, topic="T", queue_id=0):
+    """Every message a consumer would get from the start, and the status that stopped it, if any."""
+    got, offset, stop = [], store.min_offset(topic, queue_id), None
+    for _ in range(10_000):                     # a bound: the queue is far shorter
+        if offset >= store.max_offset(topic, queue_id):
+            break
+        res = store.get_messages(topic, queue_id, offset, 32, 1 << 20)
+        if res.status is GetStatus.QUEUE_DAMAGED:
+            stop = (res.status, res.next_begin_offset)
+            break
+        got += [decode_record(bytes(b))[0].queue_offset for b in res.buffers]
+        offset = res.next_begin_offset
+    return got, stop
+
+
+@bounded(30)
+@pytest.mark.parametrize("field", ["magic", "size"])
+async def test_a_damaged_record_head_in_an_unverified_segment_skips_nothing_after_it(tmp_path, field):
+    """A record whose head is damaged in a segment the start-up scan does not verify: reads used to take its
+    segment for removed and skip the rest of it (58 intact messages of one pull window went, status FOUND, no
+    word). Now reads stop there (QUEUE_DAMAGED, the queue marked), and the rebuild at the next start goes on
+    from the next valid record: only the damaged message is missing, every other one is served."""
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+    results = await fill(tmp_path, 900, cfg=cfg)
+    bad = results[5]
+    patch(tmp_path, bad.physical_offset + (4 if field == "magic" else 0),
+          b"\x00\x00\x00\x00" if field == "magic" else (bad.size + 40).to_bytes(4, "big"))
+    store = await reopen(tmp_path, cfg)
+    got, stop = await _drain(store)
+    assert got == [0, 1, 2, 3, 4] and stop == (GetStatus.QUEUE_DAMAGED, 5)
+    await store.close()
+    store = await reopen(tmp_path, cfg)
+    assert store.report.queues_rebuilt == ["T-0"]
+    got, stop = await _drain(store)
+    assert stop is None and got == [r.queue_offset for r in results if r is not bad]
+    assert (await store.put(req(1))).queue_offset == 900
+    await store.close()
+
+
+# ------------------------------------------------- damage below the checkpoint
+@bounded(20)
+@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate-at-a-record"])
+async def test_damage_the_checkpoint_vouches_for_is_no_torn_tail(tmp_path, caplog, damage):
+    """Bytes below the checkpoint were flushed before it was written: a crash cannot tear them. A last segment
+    cut short (by a copy, a disk, a hand) or a bad last record there used to be cut as a torn tail, with a
+    WARNING, the acknowledged messages gone and their queue offsets handed to new messages; cut at a record
+    boundary, not even that (zeros: the clean end). Now start-up refuses, as for damage in the middle."""
+    results = await fill(tmp_path, 700)
+    last_seg = max(r.physical_offset for r in results) // SEG * SEG
+    victim = results[-1] if damage == "flip" else [r for r in results if r.physical_offset >= last_seg][50]
+    if damage == "flip":                                # the last record: nothing valid after it
+        flip(tmp_path, victim.physical_offset + 300)
+    else:
+        os.truncate(seg_path(tmp_path, last_seg),
+                    victim.physical_offset - last_seg + (100 if damage == "truncate" else 0))
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert err.value.segment == f"{last_seg:020d}" and err.value.position == victim.physical_offset - last_seg
+    assert "checkpoint" in str(err.value) and "truncate_corrupt_tail=True" in str(err.value)
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        store = await reopen(tmp_path, CUT)             # the operator's choice: start with what is left
+    assert any("truncate_corrupt_tail" in r.getMessage() for r in caplog.records)
+    assert store.max_offset("T", 0) == victim.queue_offset
+    assert_readable(store, [r for r in results if r.queue_offset < victim.queue_offset])
+    await store.close()
+    store = await reopen(tmp_path)                      # accepted once: the next start needs no flag
+    assert store.max_offset("T", 0) == victim.queue_offset
+    await store.close()
+
+
+@bounded(20)
+async def test_a_lost_last_segment_or_log_is_refused(tmp_path):
+    """The active segment deleted (the log then ends at the previous one's end marker), or every segment gone
+    (a wrong or empty mount): start-up used to carry on, without a word, from a log that lacks acknowledged
+    messages the checkpoint vouches for; queues were cut to it and their offsets refilled by new messages."""
+    results = await fill(tmp_path, 700)
+    last_seg = max(r.physical_offset for r in results) // SEG * SEG
+    os.unlink(seg_path(tmp_path, last_seg))
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert "checkpoint" in str(err.value) and err.value.segment == f"{last_seg:020d}"
+    for name in os.listdir(tmp_path / "commitlog"):
+        os.unlink(tmp_path / "commitlog" / name)
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    assert "no segment" in str(err.value)
+    store = await reopen(tmp_path, CUT)
+    assert store.max_offset("T", 0) == 0 and read_checkpoint(str(tmp_path)).flushed_offset == 0
+    await store.close()
+
+
+@bounded(20)
+async def test_a_unit_naming_an_offset_past_the_log_stops_reads_instead_of_skipping(tmp_path):
+    """A consume-queue unit damaged to name an offset past the log's end was taken for a removed segment: the
+    pull skipped every unit after it in its window that named an offset below that one, i.e. all of them."""
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+    results = await fill(tmp_path, 900, cfg=cfg)       # unit 10's record is in the segment start-up does not scan
+    with open(os.path.join(tmp_path, "consumequeue", "T", "0", f"{0:020d}"), "r+b") as f:
+        f.seek(10 * 20)
+        f.write((1 << 40).to_bytes(8, "big"))     # unit 10's commit-log offset
+    store = await reopen(tmp_path, cfg)
+    got, stop = await _drain(store)
+    assert got == list(range(10)) and stop == (GetStatus.QUEUE_DAMAGED, 10)
+    await store.close()
+    store = await reopen(tmp_path, cfg)             # marked: rebuilt from the log
+    got, stop = await _drain(store)
+    assert stop is None and got == [r.queue_offset for r in results]
+    await store.close()
+
+
+@bounded(30)
+@pytest.mark.parametrize("says", [3, 5000, 700 + (1 << 20)], ids=["down", "up", "high-bit"])
+async def test_a_damaged_queue_offset_field_is_repaired_from_the_queues_sequence(tmp_path, caplog, says):
+    """The QUEUEOFFSET field is outside the body CRC. Damaged to an offset already used, recovery took the
+    unit for the wrong one and the rebuild left the intact record's unit pre-blank (899 of 900 served, only
+    WARNINGs); damaged upward, the rebuild padded the queue to it (1 of 900 served) or asked for a consume
+    queue that does not fit the disk. Now the field is checked against the queue's previous record,
+    repaired and logged at ERROR: every message is served, under its own offset."""
+    results = await fill(tmp_path, 900)
+    bad = results[700]
+    patch(tmp_path, bad.physical_offset + 20, says.to_bytes(8, "big"))
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    assert any("header is damaged" in r.getMessage() and str(says) in r.getMessage() for r in caplog.records)
+    got, stop = await _drain(store)
+    assert stop is None and got == [r.queue_offset for r in results]
+    assert store.report.queues_rebuilt == []
+    assert (await store.put(req(1))).queue_offset == 900
+    await store.close()
+
+
+@bounded(30)
+async def test_a_topic_deleted_and_made_again_restarts_its_offsets_without_a_repair(tmp_path, caplog):
+    """The one legitimate break in a queue's sequence of offsets in the log: back to 0 after a delete."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(50)])
+    await store.delete_topic("T")
+    again = [await store.put(req(i)) for i in range(30)]
+    assert [r.queue_offset for r in again] == list(range(30))
+    await store.close()
+    os.unlink(tmp_path / "checkpoint")                # a full scan meets both runs of the queue
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]
+    got, stop = await _drain(store)
+    assert stop is None and got == list(range(30))
+    assert_readable(store, again)
+    await store.close()
