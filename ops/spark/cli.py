@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                                  **scan)
             print(json.dumps({k: summary[k] for k in ("dates", "records", "rows", "reports", "incremental",
                                                       "segments_read", "segments", "bytes_read",
-                                                      "brokers")}))
+                                                      "brokers", "left_as_is")}))
         else:
             from .expiry import run_expiry
 
