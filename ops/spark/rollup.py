@@ -19,7 +19,7 @@ gives one set of tables and one report across the brokers. A store's broker is i
 Re-running a date replaces that date's rows of the brokers read and nothing else (dynamic
 partition overwrite, other brokers' rows carried over; a date that now has no rows in a table
 loses its old ones). A date a store no longer holds whole (retention removed the segments it
-began in, or its snapshot file is gone) keeps its rows: see _StoreRollup.owned.
+began in, or its snapshot files are gone) keeps its rows: see _StoreRollup.owned.
 """
 from __future__ import annotations
 
@@ -224,15 +224,16 @@ def _owned_cond(owned: dict[str, set[str]]):
     return cond
 
 
-def write_partitions(spark, df, path: str, owned: dict[str, set[str]]) -> int:
+def write_partitions(spark, df, path: str, owned: dict[str, set[str]]):
     """Replace, for each broker and date in owned, that broker's rows of the date with df's; return
-    how many rows that is. Every other row in those dates' partitions stays: Spark's dynamic
-    overwrite replaces a whole date partition, and a run that covers one broker of several, or a
-    date a store holds only part of, must not take the other rows with it."""
+    (how many rows that is, every row the dates' partitions now hold). Every other row in those
+    partitions stays: Spark's dynamic overwrite replaces a whole date partition, and a run that
+    covers one broker of several, or a date a store holds only part of, must not take the other
+    rows with it."""
     dates = sorted(set().union(*owned.values())) if owned else []
-    if not dates:
-        return 0
     mine = df.where(_owned_cond(owned))
+    if not dates:
+        return 0, mine
     kept = _kept_rows(spark, path, df, dates, owned)
     full = mine if not kept else mine.unionByName(spark.createDataFrame(kept, df.schema))
     full.write.mode("overwrite").partitionBy("date").parquet(path)
@@ -244,7 +245,7 @@ def write_partitions(spark, df, path: str, owned: dict[str, set[str]]) -> int:
         fs = part.getFileSystem(conf)
         if fs.exists(part):
             fs.delete(part, True)
-    return mine.count()
+    return mine.count(), full
 
 
 def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
@@ -331,16 +332,21 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
             log.warning("rollup: nothing to write: no date is whole in the store any more")
             return summary
         queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
+        report_tables = {}
         for name, df in queries.items():
             t0 = time.monotonic()
-            # written, then read by the report: this run's rows only
             tables[name] = df = df.drop("window_ms").where(_owned_cond(owned[name])).cache()
-            summary["rows"][name] = write_partitions(spark, df, os.path.join(out_dir, name), owned[name])
+            # The report shows what the dates' partitions now hold: other brokers' rows too.
+            summary["rows"][name], report_tables[name] = write_partitions(spark, df, os.path.join(out_dir, name),
+                                                                          owned[name])
             log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                      ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
         t0 = time.monotonic()
         report_dir = report_dir or os.path.join(out_dir, "report")
-        summary["reports"] = report_mod.write_reports(report_dir, dates, tables, summary)
+        everyone = sorted({r[0] for name in ("traffic", "transactions")
+                           for r in report_tables[name].select("broker").distinct().collect()} | set(summary["brokers"]))
+        summary["reports"] = report_mod.write_reports(report_dir, dates, report_tables,
+                                                      {**summary, "brokers": everyone})
         log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
                  time.monotonic() - t0)
         log.info("rollup: done in %.1f s", time.monotonic() - started)
@@ -428,18 +434,20 @@ class _StoreRollup:
     def owned(self, name: str, dates) -> set[str]:
         """The dates whose rows of table ``name`` this store can compute whole, so a run replaces them:
         for the commit-log tables the days after the oldest record retention left; for the snapshot
-        tables the days that still have their snapshot file. Other days keep what --out holds."""
+        tables the days from its oldest snapshot file on. Other days keep what --out holds."""
         if name in LOG_TABLES:
             return {d for d in dates if self.whole_from is None or d >= self.whole_from}
         if not self.snapshot_days:       # snapshots off (or never kept): nothing to lose, nothing to keep
             return set(dates)
-        return {d for d in dates if d in self.snapshot_days}
+        oldest = min(self.snapshot_days)    # the broker removes the oldest files first
+        return {d for d in dates if d >= oldest}
 
     def not_whole(self, name: str) -> str:
         if name in LOG_TABLES:
             return (f"the store no longer holds the whole day (its log now starts at commit-log offset "
                     f"{self.cut[0]}, first record stored {self.cut[1]}: retention removed the segments before)")
-        return "the store has no metric snapshot file for the day any more (metrics/<date>.jsonl)"
+        return (f"the store's metric snapshots now begin with {min(self.snapshot_days)}.jsonl (older files "
+                "were removed: metrics_snapshot_retention_days)")
 
     def query(self, name: str, dates):
         if name == "traffic":

@@ -12,6 +12,7 @@ pg-a half committed 10 ms later; D2 20:00 a pg-a half never decided. Snapshot fi
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 
@@ -99,3 +100,7 @@ def test_brokers_rolled_up_one_at_a_time_into_one_out_keep_each_others_rows(spar
             a, b = rows(spark, out, t, d, "broker-a"), rows(spark, out, t, d, "broker-b")
             strip = lambda rs: [tuple(kv for kv in r if kv[0] != "broker") for r in rs]  # noqa: E731
             assert a and strip(a) == strip(b), (t, d)       # the same content: the same rows
+    with open(summary["reports"][1]) as f:                  # the last run's report: both brokers
+        day = {r["broker"]: r for r in csv.DictReader(f) if r["window"] == "day"}
+    assert set(day) == {"*", "broker-a", "broker-b"}
+    assert int(day["*"]["messages"]) == 2 * int(day["broker-a"]["messages"]) > 0
