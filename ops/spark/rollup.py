@@ -398,6 +398,11 @@ class _StoreRollup:
                 log.info("rollup: %s is not rolled up under %s for %s: reading the whole store for %s",
                          day - dt.timedelta(1), out_dir, broker, date)
                 self.since = None
+            elif self._began_since(store_dir):
+                log.warning("rollup: %s's store begins on %s or later (its log starts at offset 0 with no "
+                            "record before): the %s rows under %s are another store's (a new or wiped store); "
+                            "reading the whole store for %s", broker, date, day - dt.timedelta(1), out_dir, date)
+                self.since = baseline = None
             else:
                 since = self.since
                 select = lambda segs: segments_for_window(segs, store_dir, since, since + DAY)  # noqa: E731
@@ -427,6 +432,16 @@ class _StoreRollup:
                         "damage": [{**d, "broker": broker} for d in scan.damage],
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
                         "incomplete_snapshot_lines": self.snaps.incomplete_lines}
+
+    def _began_since(self, store_dir: str) -> bool:
+        """Whether the store began on the day rolled up: its log starts at offset 0 (nothing removed) and
+        holds no record before the day. The previous day's rows under --out were then made from
+        another store of the same name, and their undecided count is not this store's."""
+        segments = seg_mod.list_segments(store_dir)
+        if not segments or segments[0].base != 0:
+            return not segments
+        first = seg_mod.first_store_ts(segments[0])
+        return first is None or first >= self.since
 
     def dates(self) -> list[str]:
         return _dates_present(self.scan, self.snaps)

@@ -104,3 +104,28 @@ def test_brokers_rolled_up_one_at_a_time_into_one_out_keep_each_others_rows(spar
         day = {r["broker"]: r for r in csv.DictReader(f) if r["window"] == "day"}
     assert set(day) == {"*", "broker-a", "broker-b"}
     assert int(day["*"]["messages"]) == 2 * int(day["broker-a"]["messages"]) > 0
+
+
+def test_a_store_wiped_and_started_anew_does_not_inherit_the_old_stores_undecided_count(spark, tmp_path):
+    """The broker's store is wiped (a fresh start, a new disk) and --out kept: the next nightly run
+    found the previous day's row of the same broker name and carried its undecided count, from a
+    store that no longer exists, into every night after."""
+    import shutil
+
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    with StoreBuilder(store, segment_size=4096) as b:
+        b.at(D1 + H).half("pg-a", "Pay")                  # never decided
+        b.at(D1 + 2 * H).send("Orders")
+    run_rollup(spark, store, out, date=DATES[0])
+    assert [dict(r)["undecided_at_end"] for r in rows(spark, out, "transactions", DATES[0])
+            if dict(r)["grain"] == "day" and dict(r)["producer_group"] == "*"] == [1]
+    shutil.rmtree(store)
+    with StoreBuilder(store, segment_size=4096) as b:   # the new store, from D2 10:00
+        b.at(D2 + 10 * H).commit(b.at(D2 + 10 * H).half("pg-a", "Pay"))
+    summary = run_rollup(spark, store, out, date=DATES[1])
+    day = {dict(r)["producer_group"]: dict(r) for r in rows(spark, out, "transactions", DATES[1])
+           if dict(r)["grain"] == "day"}
+    assert day["*"]["undecided_at_end"] == 0 and day["pg-a"]["commits"] == 1, day
+    assert not summary["incremental"]
