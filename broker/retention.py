@@ -16,7 +16,9 @@ ones the plan saw (a segment that grew, or another store's segment of the same n
 not what was planned); its newest record, read from the store, is older than the broker's
 clock minus the retention (the larger of the broker's and the plan's); and every older
 listed segment went. Undecided halves inside a segment are dead-lettered first (reason
-`expired`, or `disk-pressure` for a forced removal); one that cannot be keeps the segment.
+`expired`, or `disk-pressure` for a forced removal); one that cannot be keeps the segment, and so
+does one younger than transaction_retention_hours (set above file_reserved_hours, it keeps
+undecided transactions, and the log they are in, longer) unless the disk forces it out.
 
 A slave runs the disk-pressure cleaner too (expired and pressure), without the halves step: it
 writes nothing, its master dead-letters them. A plan is applied on the master.
@@ -110,7 +112,8 @@ class Retention:
             blocked = None
             for seg in sorted(plan.get("segments") or [], key=lambda s: str(s.get("name"))):
                 name = str(seg.get("name"))
-                why = blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
+                why = (blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
+                       or self._young_halves(by_name[name], now))
                 if why is None:
                     why = await self._remove(by_name[name], "plan", "expired")
                 if why is None:
@@ -154,6 +157,20 @@ class Retention:
                         f"retain_unconsumed_max_bytes ({cap})")
         return None
 
+    def _young_halves(self, facts, now: int) -> str | None:
+        """An undecided half inside that transaction_retention_hours still keeps (None: none).
+
+        With transaction_retention_hours above file_reserved_hours the operator keeps undecided
+        transactions longer than the log: the segment stays with them, rather than be removed after
+        dead-lettering them as `expired` before their time."""
+        young = [(off, ts) for off, ts in self.ctx.tx.undecided(facts.start, facts.end).items()
+                 if now - ts <= self.half_retention_ms]
+        if not young:
+            return None
+        off, ts = min(young)
+        return (f"it holds {len(young)} undecided half message(s) younger than transaction_retention_hours "
+                f"({self.half_retention_ms / HOUR_MS:g} h) by the broker's clock, the first at {off} stored at {ts}")
+
     async def _remove(self, facts, reason: str, half_reason: str) -> str | None:
         """Dead-letter the undecided halves inside, then remove; None when it went, else why not."""
         tx = self.ctx.tx
@@ -189,7 +206,9 @@ class Retention:
                 if len(facts) < 2:
                     break
                 oldest = facts[0]
-                expired = 0 <= oldest.last_ts < self.ctx.clock() - self.retention_ms
+                now = self.ctx.clock()
+                expired = (0 <= oldest.last_ts < now - self.retention_ms
+                           and self._young_halves(oldest, now) is None)
                 if expired and (usage >= c.disk_force_clean_ratio or self._held(oldest) is None):
                     reason, half_reason = "expired", "expired"
                 elif usage >= c.disk_force_clean_ratio:

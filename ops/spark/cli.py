@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 
 from protocol.errors import StoreError
 
@@ -83,6 +84,41 @@ def store_dirs(dirs: list[str], root: str | None) -> list[str]:
     return found
 
 
+def require_writable(directory: str, what: str) -> None:
+    """Refuse, before any work, an output directory that cannot be made or written on this host.
+
+    Only local paths are checked (a Hadoop URI such as hdfs:// is Spark's to reach). Without this a
+    bad --out failed when the results were written, after the whole store was decoded, in hundreds of
+    lines of Java stack traces."""
+    if "://" in directory and not directory.startswith("file://"):
+        return
+    path = directory[len("file://"):] if directory.startswith("file://") else directory
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".txmq-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise StoreError(f"cannot write {what} {directory}: {exc.strerror or exc}") from None
+
+
+def spark_failure(exc: BaseException) -> str | None:
+    """One line for an error raised by Spark (the innermost Java cause), or None if it is not Spark's."""
+    java = getattr(exc, "java_exception", None)          # py4j.protocol.Py4JJavaError
+    if java is not None:
+        try:
+            while java.getCause() is not None:
+                java = java.getCause()
+            lines = [x.strip() for x in str(java.toString()).splitlines() if x.strip()]
+            # A Python worker's error is its whole traceback: its first line and the exception, last.
+            return "Spark failed: " + (lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}")
+        except Exception:  # noqa: BLE001 - the JVM may be gone; fall back to the Python text
+            pass
+    if type(exc).__module__.startswith(("pyspark", "py4j")):
+        return f"Spark failed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+    return None
+
+
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -115,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "expiry" and len(stores) != 1:
         print("expiry: plans are per broker: give one --store-dir (run it once per store)", file=sys.stderr)
         return 2
+    try:
+        if args.command == "rollup":
+            require_writable(args.out, "--out")
+            if args.report_dir is not None:
+                require_writable(args.report_dir, "--report-dir")
+        else:
+            require_writable(os.path.dirname(os.path.abspath(args.out)), "the plan's directory")
+    except StoreError as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return 2
 
     from .session import build_session
 
@@ -130,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                                  **scan)
             print(json.dumps({k: summary[k] for k in ("dates", "records", "rows", "reports", "incremental",
                                                       "segments_read", "segments", "bytes_read",
-                                                      "brokers")}))
+                                                      "brokers", "left_as_is")}))
         else:
             from .expiry import run_expiry
 
@@ -142,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     except (StoreError, ValueError) as exc:
         text = str(exc)
         log.error("%s", text if text.startswith(f"{args.command}:") else f"{args.command}: {text}")
+        return 2
+    except Exception as exc:
+        text = spark_failure(exc)
+        if text is None:
+            raise
+        log.error("%s: %s", args.command, text)
         return 2
     finally:
         spark.stop()

@@ -16,8 +16,10 @@ own (a store's commit-log offsets mean nothing in another) and writes them toget
 gives one set of tables and one report across the brokers. A store's broker is its directory's name
 (``python -m broker cluster`` names each store after its broker).
 
-Re-running a date replaces that date's partition of every table and nothing else
-(dynamic partition overwrite; a date that now has no rows in a table loses its old ones).
+Re-running a date replaces that date's rows of the brokers read and nothing else (dynamic
+partition overwrite, other brokers' rows carried over; a date that now has no rows in a table
+loses its old ones). A date a store no longer holds whole (retention removed the segments it
+began in, or its snapshot files are gone) keeps its rows: see _StoreRollup.owned.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ import time
 
 from protocol.txlog import COMMIT
 
+from . import segments as seg_mod
 from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
 from .manifest import segments_for_window
+from .snapshots import snapshot_files
 from .transactions import ALL_GROUPS, classify, half_summary
 
 log = logging.getLogger("ops.spark")
@@ -191,18 +195,57 @@ def _dates_present(scan, snaps) -> list[str]:
                   .distinct().collect())
 
 
-def write_partitions(spark, df, path: str, dates) -> int:
-    """Replace the given dates' partitions of a table with df's rows; return the row count."""
-    df.write.mode("overwrite").partitionBy("date").parquet(path)
-    present = {r["date"]: r["n"] for r in df.groupBy("date").count().withColumnRenamed("count", "n").collect()}
+def _kept_rows(spark, path: str, df, dates: list[str], owned: dict[str, set[str]]) -> list:
+    """The rows already under path for these dates that this run does not replace: another broker's,
+    or a date a broker's store no longer holds whole. Collected (aggregates: a few thousand rows a
+    broker and day), so the overwrite does not read the files it replaces."""
+    from pyspark.sql.utils import AnalysisException
+
+    F = _F()
+    try:
+        old = spark.read.parquet(path)
+    except AnalysisException:           # nothing written yet
+        return []
+    if "broker" not in old.columns:     # written before the broker column: one store, replaced whole
+        return []
+    old = old.withColumn("date", F.col("date").cast("string")).where(F.col("date").isin(dates))
+    old = old.where(~_owned_cond(owned))
+    cols = [F.col(f.name).cast(f.dataType) if f.name in old.columns else F.lit(None).cast(f.dataType).alias(f.name)
+            for f in df.schema.fields]
+    return old.select(*cols).collect()
+
+
+def _owned_cond(owned: dict[str, set[str]]):
+    F = _F()
+    cond = F.lit(False)
+    for broker, ds in owned.items():
+        if ds:
+            cond = cond | ((F.col("broker") == broker) & F.col("date").cast("string").isin(sorted(ds)))
+    return cond
+
+
+def write_partitions(spark, df, path: str, owned: dict[str, set[str]]):
+    """Replace, for each broker and date in owned, that broker's rows of the date with df's; return
+    (how many rows that is, every row the dates' partitions now hold). Every other row in those
+    partitions stays: Spark's dynamic overwrite replaces a whole date partition, and a run that
+    covers one broker of several, or a date a store holds only part of, must not take the other
+    rows with it."""
+    dates = sorted(set().union(*owned.values())) if owned else []
+    mine = df.where(_owned_cond(owned))
+    if not dates:
+        return 0, mine
+    kept = _kept_rows(spark, path, df, dates, owned)
+    full = mine if not kept else mine.unionByName(spark.createDataFrame(kept, df.schema))
+    full.write.mode("overwrite").partitionBy("date").parquet(path)
+    present = {r["date"] for r in full.select("date").distinct().collect()}
     jvm = spark.sparkContext._jvm
     conf = spark.sparkContext._jsc.hadoopConfiguration()
-    for d in set(dates) - set(present):
+    for d in set(dates) - present:
         part = jvm.org.apache.hadoop.fs.Path(f"{path}/date={d}")
         fs = part.getFileSystem(conf)
         if fs.exists(part):
             fs.delete(part, True)
-    return sum(present.values())
+    return mine.count(), full
 
 
 def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
@@ -270,16 +313,40 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
         if not dates:
             log.info("rollup: the store has no records and no snapshots; nothing to write")
             return summary
+        # Which (broker, date) rows each table replaces: a date a store no longer holds whole keeps
+        # the rows written while it did (see _StoreRollup.owned).
+        owned = {name: {p.broker: p.owned(name, dates) for p in parts} for name in TABLES}
+        for p in parts:
+            for name in TABLES:
+                for d in sorted(set(dates) - owned[name][p.broker]):
+                    summary["left_as_is"].append({"broker": p.broker, "date": d, "table": name,
+                                                  "why": p.not_whole(name)})
+        for d in dates:
+            left = [x for x in summary["left_as_is"] if x["date"] == d]
+            for why in sorted({x["why"] for x in left}):
+                log.warning("rollup: %s: %s rows of %s left as they are under %s: %s", d,
+                            ", ".join(sorted({f"{x['table']}/{x['broker']}" for x in left if x["why"] == why})),
+                            d, out_dir, why)
+        dates = summary["dates"] = [d for d in dates if any(d in o for t in owned.values() for o in t.values())]
+        if not dates:
+            log.warning("rollup: nothing to write: no date is whole in the store any more")
+            return summary
         queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
+        report_tables = {}
         for name, df in queries.items():
             t0 = time.monotonic()
-            tables[name] = df = df.drop("window_ms").cache()      # written, then read by the report
-            summary["rows"][name] = write_partitions(spark, df, os.path.join(out_dir, name), dates)
+            tables[name] = df = df.drop("window_ms").where(_owned_cond(owned[name])).cache()
+            # The report shows what the dates' partitions now hold: other brokers' rows too.
+            summary["rows"][name], report_tables[name] = write_partitions(spark, df, os.path.join(out_dir, name),
+                                                                          owned[name])
             log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                      ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
         t0 = time.monotonic()
         report_dir = report_dir or os.path.join(out_dir, "report")
-        summary["reports"] = report_mod.write_reports(report_dir, dates, tables, summary)
+        everyone = sorted({r[0] for name in ("traffic", "transactions")
+                           for r in report_tables[name].select("broker").distinct().collect()} | set(summary["brokers"]))
+        summary["reports"] = report_mod.write_reports(report_dir, dates, report_tables,
+                                                      {**summary, "brokers": everyone})
         log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
                  time.monotonic() - t0)
         log.info("rollup: done in %.1f s", time.monotonic() - started)
@@ -292,6 +359,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
 
 TABLES = ("traffic", "transactions", "consumer_lag", "broker")
+LOG_TABLES = ("traffic", "transactions")          # from the commit log; the others from metric snapshots
 
 
 def _union(dfs):
@@ -311,7 +379,7 @@ def _summary(parts, date: str | None) -> dict:
             "damage": [d for p in parts for d in p.summary["damage"]],
             "snapshot_lines": total("snapshot_lines"), "bad_snapshot_lines": total("bad_snapshot_lines"),
             "incomplete_snapshot_lines": total("incomplete_snapshot_lines"),
-            "brokers": [p.broker for p in parts], "rows": {}, "reports": []}
+            "brokers": [p.broker for p in parts], "rows": {}, "reports": [], "left_as_is": []}
 
 
 class _StoreRollup:
@@ -330,6 +398,11 @@ class _StoreRollup:
                 log.info("rollup: %s is not rolled up under %s for %s: reading the whole store for %s",
                          day - dt.timedelta(1), out_dir, broker, date)
                 self.since = None
+            elif self._began_since(store_dir):
+                log.warning("rollup: %s's store begins on %s or later (its log starts at offset 0 with no "
+                            "record before): the %s rows under %s are another store's (a new or wiped store); "
+                            "reading the whole store for %s", broker, date, day - dt.timedelta(1), out_dir, date)
+                self.since = baseline = None
             else:
                 since = self.since
                 select = lambda segs: segments_for_window(segs, store_dir, since, since + DAY)  # noqa: E731
@@ -343,14 +416,53 @@ class _StoreRollup:
                 records = records.unionByName(classify(extra))
         self.per_half = half_summary(records).cache()
         self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
+        self.whole_from = self.cut = None
+        first = scan.segments[0] if scan.segments else None
+        if first is not None and first.base > 0:
+            # Retention removed the segments before this one (or a slave's log began here): the day of
+            # its first record may have begun in them. Days from the next on are whole.
+            ts = seg_mod.first_store_ts(first)
+            if ts is not None:
+                day0 = dt.datetime.fromtimestamp(ts / 1000, dt.timezone.utc).date()
+                self.whole_from = (day0 + dt.timedelta(days=1)).isoformat()
+                self.cut = (first.base, dt.datetime.fromtimestamp(ts / 1000, dt.timezone.utc).isoformat())
+        self.snapshot_days = {os.path.basename(f)[:-len(".jsonl")] for f in snapshot_files(store_dir)}
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
                         "bytes_read": scan.bytes_read, "incremental": self.since is not None,
                         "damage": [{**d, "broker": broker} for d in scan.damage],
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
                         "incomplete_snapshot_lines": self.snaps.incomplete_lines}
 
+    def _began_since(self, store_dir: str) -> bool:
+        """Whether the store began on the day rolled up: its log starts at offset 0 (nothing removed) and
+        holds no record before the day. The previous day's rows under --out were then made from
+        another store of the same name, and their undecided count is not this store's."""
+        segments = seg_mod.list_segments(store_dir)
+        if not segments or segments[0].base != 0:
+            return not segments
+        first = seg_mod.first_store_ts(segments[0])
+        return first is None or first >= self.since
+
     def dates(self) -> list[str]:
         return _dates_present(self.scan, self.snaps)
+
+    def owned(self, name: str, dates) -> set[str]:
+        """The dates whose rows of table ``name`` this store can compute whole, so a run replaces them:
+        for the commit-log tables the days after the oldest record retention left; for the snapshot
+        tables the days from its oldest snapshot file on. Other days keep what --out holds."""
+        if name in LOG_TABLES:
+            return {d for d in dates if self.whole_from is None or d >= self.whole_from}
+        if not self.snapshot_days:       # snapshots off (or never kept): nothing to lose, nothing to keep
+            return set(dates)
+        oldest = min(self.snapshot_days)    # the broker removes the oldest files first
+        return {d for d in dates if d >= oldest}
+
+    def not_whole(self, name: str) -> str:
+        if name in LOG_TABLES:
+            return (f"the store no longer holds the whole day (its log now starts at commit-log offset "
+                    f"{self.cut[0]}, first record stored {self.cut[1]}: retention removed the segments before)")
+        return (f"the store's metric snapshots now begin with {min(self.snapshot_days)}.jsonl (older files "
+                "were removed: metrics_snapshot_retention_days)")
 
     def query(self, name: str, dates):
         if name == "traffic":

@@ -353,6 +353,21 @@ def read_records(items):
             mm.close()
 
 
+def first_store_ts(seg: Segment) -> int | None:
+    """Store time of a segment's first record (read on the driver); None when it holds none or cannot be read."""
+    try:
+        mm = _open(seg.path)
+    except OSError:
+        return None
+    if mm is None:
+        return None
+    try:
+        kind, what, _ = _step(mm, 0, False)
+        return what.store_timestamp if kind == "rec" else None
+    finally:
+        mm.close()
+
+
 def decode_chunks(chunks, check_crc: bool = False):
     """mapPartitions body: every row of every chunk in the partition."""
     for chunk in chunks:

@@ -150,3 +150,40 @@ def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh(spark, broker_f
           f"removed 0: {out.stderr.strip()[:120]}; good plan removed {len(applied['segments_removed'])} segments "
           f"and expired {len(applied['expired'])} half; report {good['report']}; fresh readable "
           f"{sum(1 for x in bodies if x.startswith(b'fresh-'))}/{N}")
+
+
+def test_a_segment_holding_a_half_younger_than_the_brokers_transaction_retention_is_kept(
+        spark, broker_factory, tmp_path):  # noqa: F811
+    """--transaction-retention-hours longer than --file-reserved-hours: the operator keeps undecided
+    transactions longer than the log's retention. The plan's segment holding such a half must stay
+    (the half with it, still pending), not be removed after dead-lettering the half as `expired`
+    while the same reply skips that half as "younger than the retention"."""
+    from ops.spark.expiry import build_plan
+    from ops.spark.plan import write_plan
+
+    store = tmp_path / "store"
+    b = broker_factory("--segment-size", "262144", "--max-message-size", "16384",
+                       "--transaction-retention-hours", "1", "--file-reserved-hours", str(RETENTION_H),
+                       "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000")
+    asyncio.run(_fill(b))
+    time.sleep(RETENTION_MS / 1000 + 0.3)     # the subject: the segments age past the log's retention
+    plan = build_plan(spark, str(store), retention_ms=RETENTION_MS, now_ms=int(time.time() * 1000))
+    halves = sorted(h["commit_log_offset"] for h in plan["halves"])
+    assert len(halves) == 2 and plan["segments"] and plan["segments"][0]["start_offset"] <= halves[0]
+    write_plan(plan, str(tmp_path / "plan.json"))
+    applied = _admin(b, "apply-expiry", str(tmp_path / "plan.json"))
+    assert applied["expired"] == [] and sorted(s["commit_log_offset"] for s in applied["skipped"]) == halves
+    assert applied["segments_removed"] == [], applied
+    why = applied["segments_kept"][0]["why"]
+    assert "younger than transaction_retention_hours" in why, why
+    assert len(_admin(b, "list", "--json")["pending"]) == 2
+    assert asyncio.run(_dead_letters_or_none(b)) == []
+
+
+async def _dead_letters_or_none(b):
+    from protocol.errors import TopicNotExistError
+
+    try:
+        return await _dead_letters(b)
+    except TopicNotExistError:
+        return []

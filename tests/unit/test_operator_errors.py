@@ -49,3 +49,18 @@ def test_counters_export_no_created_series():
     text = generate_latest(m.registry).decode()
     assert "rocketmq_commit_messages_total" in text and "rocketmq_rpc_latency_bucket" in text
     assert "_created" not in text
+
+
+@pytest.mark.parametrize("job", ["rollup", "expiry"])
+def test_spark_jobs_refuse_an_output_they_cannot_write_before_the_work(tmp_path, job):
+    """An --out under a file (or a read-only mount) used to fail only when the results were written,
+    after the whole store was decoded, as some 400 lines of Java stack traces (rollup) or a Python
+    traceback (expiry's plan). It is one line, before Spark starts."""
+    (tmp_path / "store" / "commitlog").mkdir(parents=True)
+    (tmp_path / "blocker").write_text("a file where a directory should be")
+    out = tmp_path / "blocker" / ("out" if job == "rollup" else "plan.json")
+    proc = _spark_cli(job, "--store-dir", str(tmp_path / "store"), "--out", str(out))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{job}: cannot write ") and str(tmp_path / "blocker") in lines[0]
+    assert proc.stdout == ""
