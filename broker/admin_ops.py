@@ -20,7 +20,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
-from protocol.message import MessageExt, decode_offset_msg_id, decode_records, inflate
+from protocol.message import MAX_INFLATED_BODY, MessageExt, decode_offset_msg_id, decode_records, inflate
 
 from .topics import DLQ_PREFIX, RETRY_PREFIX
 
@@ -61,6 +61,18 @@ def add_parsers(sub) -> None:
     p.add_argument("--force", action="store_true", help="delete it even while consumers of it are connected")
     for name in COMMANDS:
         sub.choices[name].add_argument("--json", action="store_true")
+    for name in ("query-key", "show-msg"):
+        sub.choices[name].add_argument(
+            "--max-inflated-body", type=_positive, default=MAX_INFLATED_BODY, metavar="BYTES",
+            help="a compressed body is inflated up to this many bytes; past it (a zip bomb) it is shown as "
+                 f"stored (default {MAX_INFLATED_BODY})")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 # Below this, a "ms since the epoch" is early 1973 as ms but the year 5138 as seconds: it was meant as seconds.
@@ -120,18 +132,19 @@ async def _ok(call, code, fields=None, body=b"") -> RemotingCommand:
     return resp
 
 
-def _message(m: MessageExt, with_body: bool = False) -> dict:
+def _message(m: MessageExt, with_body: bool = False, max_inflated: int = MAX_INFLATED_BODY) -> dict:
     out = {"msg_id": m.msg_id, "offset_msg_id": m.offset_msg_id, "topic": m.topic, "queue_id": m.queue_id,
            "queue_offset": m.queue_offset, "commit_log_offset": m.physical_offset,
            "store_time": when(m.store_timestamp),
            "store_timestamp": m.store_timestamp, "keys": m.keys or "", "tags": m.tags or "",
            "body_bytes": len(m.body)}
     if with_body:
-        why = inflate(m)        # shown as its producer sent it
+        stored_sys_flag = m.sys_flag        # as stored: inflating clears COMPRESSED
+        why = inflate(m, max_inflated)      # shown as its producer sent it; a zip bomb as stored
         if why is not None:
             out["body_note"] = why
         out.update(born_time=when(m.born_timestamp), born_host="%s:%d" % m.born_host,
-                   store_host="%s:%d" % m.store_host, reconsume_times=m.reconsume_times, sys_flag=m.sys_flag,
+                   store_host="%s:%d" % m.store_host, reconsume_times=m.reconsume_times, sys_flag=stored_sys_flag,
                    properties=m.properties, body=m.body.decode("utf-8", "replace"))
     return out
 
@@ -151,7 +164,7 @@ async def _query(call, topic: str, key: str, max_num: int, begin: int, end: int,
 
 async def query_key(args, call) -> int:
     found = await _query(call, args.topic, args.key, args.max, args.begin, args.end, False)
-    rows = [_message(m, args.json) for m in found]
+    rows = [_message(m, args.json, args.max_inflated_body) for m in found]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -180,7 +193,7 @@ async def show_msg(args, call) -> int:
         for topic in topics:
             found += [m for m in await _query(call, topic, args.id, 32, 0, (1 << 63) - 1, True)
                       if m.properties.get("UNIQ_KEY") == args.id]
-    rows = [_message(m, True) for m in found]
+    rows = [_message(m, True, args.max_inflated_body) for m in found]
     if args.json:
         print(json.dumps(rows, indent=1))
     elif not rows:

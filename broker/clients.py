@@ -174,7 +174,11 @@ class ClientRegistry:
         self.producers: dict[str, dict] = {}      # group -> {conn: Channel}
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
-        self.locks: dict[tuple, tuple[str, int]] = {}  # (group, topic, broker, queue) -> (client id, ms)
+        # (group, topic, queue id) -> (client id, ms of the last grant, connection it came on). No broker name:
+        # every queue here is this broker's, and a name the client wrote must not make one queue many locks.
+        self.locks: dict[tuple, tuple[str, int, object]] = {}
+        self._locks_by_conn: dict[object, int] = {}   # connection -> locks it holds (max_queue_locks_per_connection)
+        self.lock_refusals_logged = -(1 << 62)        # ms of the last WARNING about a lock cap
         # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
         # connection between all its producers and consumers): no longer asked about those groups' halves.
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
@@ -322,17 +326,62 @@ class ClientRegistry:
         An expired lock is free already (LOCK_BATCH_MQ grants it to anyone), so forgetting it changes
         no answer; kept, every lock of an orderly consumer that crashed, of a group that is gone or of a
         queue no longer there stayed in memory for good. Run by the housekeeping and, at most once a
-        ``max_live_ms``, by a lock request itself."""
+        ``max_live_ms``, by a lock request itself (and at most once a second by one that met a cap)."""
         now = self.clock() if now is None else now
         self._locks_swept = now
-        stale = [key for key, (_client, ms) in self.locks.items() if now - ms > max_live_ms]
+        stale = [key for key, (_client, ms, _conn) in self.locks.items() if now - ms > max_live_ms]
         for key in stale:
-            del self.locks[key]
+            self._uncount(self.locks.pop(key)[2])
         return len(stale)
 
     def maybe_expire_locks(self, max_live_ms: int, now: int) -> None:
         if now - self._locks_swept > max_live_ms:
             self.expire_locks(max_live_ms, now)
+
+    def _uncount(self, conn) -> None:
+        left = self._locks_by_conn.get(conn, 0) - 1
+        if left > 0:
+            self._locks_by_conn[conn] = left
+        else:
+            self._locks_by_conn.pop(conn, None)
+
+    def lock_queue(self, key: tuple, client_id: str, conn, now: int, max_live_ms: int, max_total: int,
+                   max_per_conn: int) -> str | None:
+        """Lock (or renew) ``key`` for ``client_id``: None when granted, else why not: "held" (another client
+        renewed it within ``max_live_ms``), "max_queue_locks" or "max_queue_locks_per_connection" (a new lock
+        past that cap; a renewal is never refused for one)."""
+        holder = self.locks.get(key)
+        if holder is not None and holder[0] != client_id and now - holder[1] <= max_live_ms:
+            return "held"
+        if holder is None or holder[2] is not conn:
+            # A new lock, or one this connection takes over (from an expired holder, or its own client
+            # reconnected): it counts against this connection. At a cap, expired locks may be what fills
+            # it: sweep (at most once a second) and look again.
+            full = self._lock_cap(holder, conn, max_total, max_per_conn)
+            if full is not None and now - self._locks_swept > 1000:
+                self.expire_locks(max_live_ms, now)
+                holder = self.locks.get(key)
+                full = self._lock_cap(holder, conn, max_total, max_per_conn)
+            if full is not None:
+                return full
+            if holder is not None:
+                self._uncount(holder[2])
+            self._locks_by_conn[conn] = self._locks_by_conn.get(conn, 0) + 1
+        self.locks[key] = (client_id, now, conn)
+        return None
+
+    def _lock_cap(self, holder, conn, max_total: int, max_per_conn: int) -> str | None:
+        if self._locks_by_conn.get(conn, 0) >= max_per_conn:
+            return "max_queue_locks_per_connection"
+        if holder is None and len(self.locks) >= max_total:
+            return "max_queue_locks"
+        return None
+
+    def unlock_queue(self, key: tuple, client_id: str) -> None:
+        holder = self.locks.get(key)
+        if holder is not None and holder[0] == client_id:
+            del self.locks[key]
+            self._uncount(holder[2])
 
     # -------------------------------------------------------------- queries
     def producer_channels(self, group: str) -> list[Channel]:

@@ -66,6 +66,8 @@ class BrokerConfig:
     message_delay_level: str = setting("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h", "Delay of each DELAY level, level 1 first (RocketMQ's messageDelayLevel; units ms, s, m, h, d). A failed message's n-th retry waits level 3 + n.")
     timer_max_delay_s: int = setting(3 * 24 * 3600, "Latest a timer message (TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS) may ask to be delivered, in seconds from now; later is refused MESSAGE_ILLEGAL (RocketMQ 5's timerMaxDelaySec, 3 days, within the log's 72 h retention).")
     queue_lock_max_live_ms: int = setting(60000, "An orderly consumer's queue lock (LOCK_BATCH_MQ) not renewed for this long may be taken by another consumer of the group: how long a crashed orderly consumer holds its queues (RocketMQ's rocketmq.broker.rebalance.lockMaxLiveTime, 60 s).")
+    max_queue_locks: int = setting(200000, "Queue locks (LOCK_BATCH_MQ) held at once, all groups and clients together, about 350 bytes each (70 MB). A lock is kept queue_lock_max_live_ms after its last renewal and a group name costs nothing, so a client rotating group names could grow the table by gigabytes a minute. Past it a new lock is not granted (left out of lockOKMQSet, as a queue another consumer holds: a stock orderly consumer leaves the queue alone and asks again later) and a WARNING is logged; renewals of locks held are still granted.")
+    max_queue_locks_per_connection: int = setting(20000, "Queue locks one connection may hold at once (a Java client process shares one connection per broker between all its consumers: its orderly groups x the queues of this broker each is given). Past it a new lock is refused as past max_queue_locks, so one connection cannot take the whole table from every other client.")
     # ---- transactions
     transaction_check_interval_ms: int = setting(60000, "How often undecided transactions are checked (RocketMQ's transactionCheckInterval).")
     transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message.")
@@ -122,7 +124,7 @@ class BrokerConfig:
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
                      "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",
-                     "flush_consumer_offset_interval_ms"):
+                     "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         if not 0.0 < self.gil_switch_interval_ms <= 100:

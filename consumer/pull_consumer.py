@@ -22,7 +22,7 @@ from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
-from protocol.message import MessageExt, decode_records, inflate
+from protocol.message import MAX_INFLATED_BODY, MessageExt, decode_records, inflate
 from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
 
@@ -67,8 +67,13 @@ class PullConsumer:
     """
 
     def __init__(self, namesrv_addr: str, group: str, *, timeout: float = 3.0, instance_name: str | None = None,
-                 credentials: Credentials | None = None, route_ttl_s: float = 30.0):
+                 credentials: Credentials | None = None, route_ttl_s: float = 30.0,
+                 max_inflated_body: int = MAX_INFLATED_BODY):
+        if max_inflated_body < 1:
+            raise ValueError(f"max_inflated_body must be at least 1, not {max_inflated_body}")
         self.group = group
+        # A COMPRESSED body is inflated up to this many bytes; past it (a zip bomb) it is given as stored.
+        self.max_inflated_body = max_inflated_body
         self.timeout = timeout
         self.route_ttl_s = route_ttl_s
         self._route_at: dict[str, float] = {}      # topic -> time.monotonic() of its last route
@@ -217,9 +222,10 @@ class PullConsumer:
         messages = decode_records(resp.body_bytes()) if resp.code == ResponseCode.SUCCESS else []
         for m in messages:
             if m.sys_flag & SysFlag.COMPRESSED:
-                why = inflate(m)
+                why = inflate(m, self.max_inflated_body)
                 if why is not None:
-                    log.error("message %s of %s: %s; it is given as stored", m.msg_id, m.topic, why)
+                    log.error("message %s of %s (queue %d offset %d): %s; it is given as stored, sysFlag "
+                              "COMPRESSED still set", m.msg_id, m.topic, m.queue_id, m.queue_offset, why)
         if expression not in ("", "*"):
             tags = {t.strip() for t in expression.split("||")}
             messages = [m for m in messages if m.tags in tags]

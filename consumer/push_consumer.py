@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from protocol.connection import finish_within, wait_within
 from protocol.errors import BrokerError
-from protocol.message import MessageExt, Prop
+from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
 from .offset_store import DEFAULT_DIR, BrokerOffsetStore, LocalOffsetStore
@@ -80,7 +80,8 @@ class PushConsumer:
                  orderly: bool = False, message_model: str = "CLUSTERING", instance_name: str | None = None,
                  offset_store_dir: str | None = None, lock_interval_s: float = 20.0, lock_expire_s: float = 30.0,
                  lock_retry_s: float = 1.0, suspend_s: float = 1.0, consume_timeout_s: float = 900.0,
-                 shutdown_grace_s: float = 5.0, handover_grace_s: float = 5.0, abandon_after_s: float = 5.0):
+                 shutdown_grace_s: float = 5.0, handover_grace_s: float = 5.0, abandon_after_s: float = 5.0,
+                 max_inflated_body: int = MAX_INFLATED_BODY):
         for name, grace in (("shutdown_grace_s", shutdown_grace_s), ("handover_grace_s", handover_grace_s)):
             if grace < 0:
                 raise ValueError(f"{name}={grace!r}: 0 or more seconds")
@@ -119,7 +120,8 @@ class PushConsumer:
         # A broadcasting consumer's offsets file is found again by its client id, so that id must not
         # change between runs: RocketMQ keeps the instance name "DEFAULT" in this mode.
         self.client = PullConsumer(namesrv_addr, group, credentials=credentials,
-                                   instance_name=instance_name or ("DEFAULT" if broadcasting else None))
+                                   instance_name=instance_name or ("DEFAULT" if broadcasting else None),
+                                   max_inflated_body=max_inflated_body)
         self.client.on_ids_changed = self._request_rebalance
         self.client.on_reset_offset = self._on_reset_offset
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)

@@ -3,9 +3,14 @@ CHECK_CLIENT_CONFIG (46), LOCK_BATCH_MQ (41), UNLOCK_BATCH_MQ (42)."""
 from __future__ import annotations
 
 import json
+import logging
 
 from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
+
+log = logging.getLogger("txmq.clients")
+# A client past a lock cap asks again every few seconds (each rebalance): say so once in this long.
+_REFUSAL_LOG_INTERVAL_MS = 10_000
 
 
 def _notify(ctx, groups) -> None:
@@ -69,33 +74,41 @@ def _lock_body(cmd):
 
 def lock_batch_mq(ctx, conn, cmd):
     group, client_id, mqs = _lock_body(cmd)
-    locks = ctx.clients.locks
-    now = ctx.clients.clock()           # monotonic: a wall clock step must not free or pin a lock
-    ttl = ctx.config.queue_lock_max_live_ms
-    ctx.clients.maybe_expire_locks(ttl, now)
+    clients = ctx.clients
+    config = ctx.config
+    now = clients.clock()               # monotonic: a wall clock step must not free or pin a lock
+    ttl = config.queue_lock_max_live_ms
+    clients.maybe_expire_locks(ttl, now)
     granted = []
+    refused: dict[str, int] = {}
     topics = ctx.topics.topics
     for mq in mqs:
         # Only queues this broker has: a lock is held for queue_lock_max_live_ms, and any name was taken, so one
         # 15 MB request of made-up queues kept some 70 MB for a minute; a client sending them in a loop, gigabytes.
         # (UPDATE_CONSUMER_OFFSET refuses such queues the same way.) Not granted, it is left out of the answer.
-        tc = topics.get(mq.get("topic"))
+        topic = mq.get("topic")
+        tc = topics.get(topic)
         qid = mq.get("queueId")
         if tc is None or type(qid) is not int or not 0 <= qid < tc.queue_count:
             continue
-        key = (group, mq.get("topic"), mq.get("brokerName"), qid)
-        holder = locks.get(key)
-        if holder is None or holder[0] == client_id or now - holder[1] > ttl:
-            locks[key] = (client_id, now)
+        why = clients.lock_queue((group, topic, qid), client_id, conn, now, ttl, config.max_queue_locks,
+                                 config.max_queue_locks_per_connection)
+        if why is None:
             granted.append(mq)
+        elif why != "held":
+            refused[why] = refused.get(why, 0) + 1
+    if refused and now - clients.lock_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
+        clients.lock_refusals_logged = now
+        peer = getattr(conn, "peer", ("?", 0))
+        log.warning("LOCK_BATCH_MQ of group %s from client %s at %s:%s: %s queue locks not granted (past %s; "
+                    "%d locks held in all): the client will try again later (logged at most every %d s)",
+                    group, client_id, peer[0], peer[1], sum(refused.values()), " and ".join(sorted(refused)),
+                    len(clients.locks), _REFUSAL_LOG_INTERVAL_MS // 1000)
     return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"lockOKMQSet": granted}).encode())
 
 
 def unlock_batch_mq(ctx, conn, cmd):
     group, client_id, mqs = _lock_body(cmd)
-    locks = ctx.clients.locks
     for mq in mqs:
-        key = (group, mq.get("topic"), mq.get("brokerName"), mq.get("queueId"))
-        if locks.get(key, (None,))[0] == client_id:
-            del locks[key]
+        ctx.clients.unlock_queue((group, mq.get("topic"), mq.get("queueId")), client_id)
     return cmd.response(ResponseCode.SUCCESS)

@@ -304,3 +304,51 @@ async def test_locks_are_granted_only_for_queues_the_broker_has(broker):
         client.close()
     assert reply.code == C.SUCCESS
     assert json.loads(reply.body_bytes())["lockOKMQSet"] == real
+
+
+async def _lock_count(client: RawClient) -> int:
+    opaque = 1_000_000 + len(client.replies)          # a fresh opaque: replies are kept by opaque
+    [reply] = await client.call(RemotingCommand(R.GET_BROKER_RUNTIME_INFO, opaque=opaque), 10)
+    return int(json.loads(reply.body_bytes())["table"]["txmqQueueLocks"])
+
+
+async def test_a_client_rotating_group_names_cannot_grow_the_lock_table_without_bound(broker):
+    """LOCK_BATCH_MQ kept a lock per (group, topic, brokerName, queue) for 60 s, brokerName unchecked: one
+    connection naming the broker's 51 real queues under 200 made-up broker names and a fresh group each time
+    grew the broker by 360 MB in 7 s (1M locks), about 3 GB before the first expired. A queue of this broker is
+    one lock whatever broker name the client writes, and one connection holds at most
+    max_queue_locks_per_connection (20,000): past it a new lock is not granted (left out of lockOKMQSet, as a
+    queue another consumer holds; a stock orderly consumer tries again later), with a WARNING. Its renewals and
+    other connections' locks are still granted."""
+    await _canary_round_trip(broker, 0)
+    client = await RawClient.open(broker.broker)
+    other = await RawClient.open(broker.broker)
+    try:
+        [r] = await client.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=1), 10)
+        real = [{"topic": t, "brokerName": "broker-a", "queueId": q}
+                for t, tc in json.loads(r.body_bytes())["topicConfigTable"].items() for q in range(tc["readQueueNums"])]
+
+        opaques = iter(range(100, 1 << 30))
+
+        async def lock(c, group, mqs, client_id="c1"):
+            body = json.dumps({"consumerGroup": group, "clientId": client_id, "mqSet": mqs}).encode()
+            [reply] = await c.call(RemotingCommand(R.LOCK_BATCH_MQ, opaque=next(opaques), body=body), 30)
+            assert reply.code == C.SUCCESS
+            return json.loads(reply.body_bytes())["lockOKMQSet"]
+
+        renamed = [dict(mq, brokerName=f"b{k}") for mq in real[:5] for k in range(200)]
+        assert len(await lock(client, "G_names", renamed)) == len(renamed)      # granted, as the same 5 locks
+        assert await _lock_count(client) == 5
+        first = await lock(client, "G_first", real)
+        assert first == real
+        granted = 0
+        for i in range((25_000 // len(real)) + 1):
+            granted += len(await lock(client, f"G{i}", real))
+        assert await _lock_count(client) <= 20_000
+        assert granted < 20_000
+        assert await lock(client, "G_first", real) == real                      # its renewals go on
+        assert await lock(other, "G_other", real[:3], "c2") == real[:3]         # others' locks too
+    finally:
+        client.close()
+        other.close()
+    assert "WARNING" in broker.log() and "max_queue_locks_per_connection" in broker.log()

@@ -378,3 +378,59 @@ async def test_offset_reset_tasks_are_not_kept_once_done_and_none_starts_during_
         assert consumer._tasks == before
     finally:
         await _stop(consumer)
+
+
+def _bomb(inflated_mib: int) -> bytes:
+    """A zlib body of ``inflated_mib`` MiB of zeros, built a MiB at a time (about 1 KiB per MiB compressed)."""
+    z = zlib.compressobj(9)
+    zero = bytes(1 << 20)
+    return b"".join(z.compress(zero) for _ in range(inflated_mib)) + z.flush()
+
+
+@bounded(60)
+async def test_a_compressed_body_that_inflates_past_the_cap_is_given_as_stored_not_inflated_whole():
+    """A zip bomb: a hostile producer stores a small body marked COMPRESSED that inflates to gigabytes, and
+    every consumer of the topic inflated it whole (zlib.decompress) and died. Stock producers compress only
+    bodies that already passed their 4 MiB maxMessageSize check, so inflation is capped (16 MiB by default,
+    ``max_inflated_body``); a body over it reaches the listener as stored, COMPRESSED still set, with an error
+    logged, and the messages around it are inflated as usual."""
+    import tracemalloc
+    bomb = _bomb(256)
+    sent = b"order line " * 1000
+    body = (_record(bomb, SysFlag.COMPRESSED) + _record(zlib.compress(sent), SysFlag.COMPRESSED, 1))
+    client = PullConsumer("127.0.0.1:1", "G")
+
+    async def request(mq, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, None, {"nextBeginOffset": 2, "minOffset": 0, "maxOffset": 2},
+                            body=bytes(body))
+    client._request = request
+    tracemalloc.start()
+    try:
+        res = await client.pull(MessageQueue("T", "b", 0), 0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        await client.shutdown()
+    assert peak < 64 << 20, peak
+    bombed, fine = res.messages
+    assert bombed.body == bomb and bombed.sys_flag & SysFlag.COMPRESSED
+    assert fine.body == sent and not fine.sys_flag & SysFlag.COMPRESSED    # inflated: the flag says so
+
+
+async def test_inflate_takes_a_body_exactly_at_the_cap_and_refuses_one_byte_more():
+    from protocol.message import inflate
+    limit = 1 << 20
+
+    def msg(raw: bytes):
+        return decode_record(_record(zlib.compress(raw), SysFlag.COMPRESSED))[0]
+    at = msg(b"x" * limit)
+    assert inflate(at, limit) is None and at.body == b"x" * limit
+    over = msg(b"x" * (limit + 1))
+    why = inflate(over, limit)
+    assert "inflates past" in why and over.body == zlib.compress(b"x" * (limit + 1))
+    assert over.sys_flag & SysFlag.COMPRESSED
+    cut = msg(b"abc" * 1000)
+    cut.body = cut.body[:-6]
+    assert "does not inflate" in inflate(cut, limit) and cut.sys_flag & SysFlag.COMPRESSED   # left as stored
+    with pytest.raises(ValueError):
+        PullConsumer("127.0.0.1:1", "G", max_inflated_body=0)

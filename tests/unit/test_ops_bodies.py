@@ -172,3 +172,27 @@ def test_show_msg_shows_a_compressed_body_as_its_producer_sent_it():
     assert _message(stored(zlib.compress(sent.encode())), True)["body"] == sent
     broken = _message(stored(b"not zlib"), True)
     assert broken["body"] == "not zlib" and "does not inflate" in broken["body_note"]
+
+
+def test_show_msg_does_not_inflate_a_zip_bomb_whole():
+    """show-msg inflated a COMPRESSED body whole: a hostile producer's small body of deflated zeros took the
+    operator's admin tool down with it. Past the cap (--max-inflated-body, 16 MiB) it is shown as stored."""
+    import tracemalloc
+    import zlib
+
+    from broker.admin_ops import _message
+    from protocol.message import decode_record, encode_record, pack_host
+
+    z = zlib.compressobj(9)
+    bomb = b"".join(z.compress(bytes(1 << 20)) for _ in range(256)) + z.flush()
+    m = decode_record(encode_record(topic=b"T", body=bomb, queue_id=0, flag=0, sys_flag=1, born_timestamp=1,
+                                    born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                                    properties=b""))[0]
+    tracemalloc.start()
+    try:
+        out = _message(m, True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    assert "inflates past" in out["body_note"] and out["body_bytes"] == len(bomb)

@@ -87,7 +87,7 @@ def test_expired_locks_are_forgotten_not_kept_for_good():
     assert len(ctx.clients.locks) == 201                      # none has expired yet: all kept
     clock.now += ttl // 2 + 1
     assert _call(lock_batch_mq, ctx, "live", group="CG-live") == [MQ]
-    assert set(ctx.clients.locks) == {("CG-live", "Orders", "broker-a", 0)}
+    assert set(ctx.clients.locks) == {("CG-live", "Orders", 0)}
     assert _call(lock_batch_mq, ctx, "B", group="CG7") == [MQ]     # the crashed holder's queue is free
     clock.now += ttl + 1
     assert ctx.clients.expire_locks(ttl) == 2                 # the housekeeping's sweep
@@ -101,3 +101,42 @@ def test_the_housekeeping_sweep_keeps_live_locks():
     clock.now += ttl
     assert ctx.clients.expire_locks(ttl) == 0                 # exactly the lifetime: still A's
     assert _call(lock_batch_mq, ctx, "B") == []
+
+
+def test_past_the_total_cap_new_locks_are_refused_renewals_are_not_and_expired_ones_make_room():
+    """Groups cost nothing and a lock is kept 60 s, so clients rotating group names grew the table without
+    bound. Past max_queue_locks a new lock is left out of lockOKMQSet (a stock orderly consumer treats the queue
+    as not locked and asks again later); a lock held is still renewed, and expired locks are swept to make room."""
+    import dataclasses
+    ctx, clock = _ctx()
+    ctx.config = dataclasses.replace(ctx.config, max_queue_locks=10, max_queue_locks_per_connection=1000)
+    mqs = [dict(MQ, queueId=q) for q in range(4)]
+    for i in range(2):
+        assert _call(lock_batch_mq, ctx, "A", group=f"G{i}", mqs=mqs) == mqs
+    assert _call(lock_batch_mq, ctx, "A", group="G2", mqs=mqs) == mqs[:2]       # 8 + 2 = the cap
+    assert _call(lock_batch_mq, ctx, "B", group="G3", mqs=mqs) == []
+    assert len(ctx.clients.locks) == 10
+    clock.now += 30_000
+    assert _call(lock_batch_mq, ctx, "A", group="G0", mqs=mqs) == mqs           # renewals go on
+    clock.now += 30_001                                                         # G1, G2 expired; G0 not
+    assert _call(lock_batch_mq, ctx, "B", group="G3", mqs=mqs) == mqs
+    assert len(ctx.clients.locks) == 8
+
+
+def test_one_connection_holds_at_most_its_share_and_unlocking_gives_it_back():
+    import dataclasses
+    ctx, clock = _ctx()
+    ctx.config = dataclasses.replace(ctx.config, max_queue_locks=100, max_queue_locks_per_connection=3)
+    mqs = [dict(MQ, queueId=q) for q in range(4)]
+    conn_a, conn_b = object(), object()
+
+    def call(conn, client_id, group, qs, handler=lock_batch_mq):
+        body = json.dumps({"consumerGroup": group, "clientId": client_id, "mqSet": qs}).encode()
+        resp = handler(ctx, conn, RemotingCommand.request(R.LOCK_BATCH_MQ, body=body))
+        return json.loads(resp.body_bytes() or b"{}").get("lockOKMQSet")
+    assert call(conn_a, "A", "G", mqs) == mqs[:3]
+    assert call(conn_a, "A2", "H", mqs) == []                  # another client id on the same connection
+    assert call(conn_b, "B", "H", mqs) == mqs[:3]              # another connection has its own share
+    assert call(conn_a, "A", "G", mqs[:3]) == mqs[:3]          # renewals are not new locks
+    call(conn_a, "A", "G", mqs[:1], unlock_batch_mq)
+    assert call(conn_a, "A", "G", mqs[3:]) == mqs[3:]          # the unlocked one's room is taken again
