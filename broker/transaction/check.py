@@ -85,6 +85,9 @@ class CheckTimer:
 
     async def _run(self) -> None:
         while True:
+            # Cleared before the pass, not after: a wake() while it runs (a producer joining, an answer freeing a
+            # slot) then starts another pass at once instead of being lost until max_sleep_s.
+            self._wake.clear()
             try:
                 await self.service.run_due(self.clock())
             except asyncio.CancelledError:
@@ -95,7 +98,6 @@ class CheckTimer:
                 # time stops all checks and dead letters, which a log line alone would not make seen.
                 self.service.ctx.metrics.task_crashes.labels("txmq-check-timer").inc()
             delay = self._delay(self.service.next_due())
-            self._wake.clear()
             try:
                 await wait_within(self._wake.wait(), delay)
             except asyncio.TimeoutError:
