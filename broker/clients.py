@@ -174,6 +174,7 @@ class ClientRegistry:
         self.producers: dict[str, dict] = {}      # group -> {conn: Channel}
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
+        self.on_new_producer = None               # callback(group): a producer of it registered on a connection
         # (group, topic, queue id) -> (client id, ms of the last grant, connection it came on). No broker name:
         # every queue here is this broker's, and a name the client wrote must not make one queue many locks.
         self.locks: dict[tuple, tuple[str, int, object]] = {}
@@ -215,6 +216,8 @@ class ClientRegistry:
         ch = channels.get(conn)
         if ch is None:
             channels[conn] = Channel(conn, client_id, language, version, now or self.clock())
+            if self.on_new_producer is not None:    # e.g. its deferred transactions are checked now
+                self.on_new_producer(group)
         else:
             ch.last_seen_ms = now or self.clock()
             ch.client_id = client_id

@@ -140,6 +140,7 @@ class BrokerServer:
         await ctx.schedule.recover()
         ctx.retention = Retention(ctx)
         if not slave:       # a slave writes nothing of its own: no checks or deliveries
+            clients.on_new_producer = ctx.tx.producer_joined
             ctx.tx.start()
             ctx.schedule.start()
         # A slave cleans its disk as its master does (RocketMQ's CleanCommitLogService runs on both): keeping

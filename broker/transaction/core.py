@@ -9,6 +9,7 @@ The service (service.py) feeds it events and performs the actions it returns:
                                         half: what became of it, never "will check back")
     the decision written / failed       the transaction leaves the index / stays pending, still scheduled
     due(now)                            SendCheck(tx, channel) | Write(tx, DEAD, "max-checks") | defer
+    a producer of the group joins       its deferred transactions are due now; its parked ones may go
     check written / failed              next check after the interval, 2x / 4x while unanswered
     resume (admin, of a dead letter)    pending again, checks reset
     recovered                           pending with its check count, due no earlier than now
@@ -72,6 +73,7 @@ class Tx:
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
     check_channel: object = None  # where its check went: it holds one of that channel's check slots (in_flight)
     parked: bool = False         # due, but every producer of its group has its checks in flight (see due)
+    deferred: bool = False       # due with no producer of its group here: rescheduled an interval on (see due)
 
 
 _DELAY_KEYS = (Prop.DELAY, "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
@@ -148,6 +150,13 @@ class TransactionCore:
         # choice until the transaction is answered, decided, or comes due again (the check was lost).
         self.in_flight: dict[object, int] = {}
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
+        # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
+        # now, without scanning every pending transaction. An entry leaves when its transaction comes due
+        # again or is decided; producer_joined moves the group's whole dict to _waking, in O(1).
+        self._deferred: dict[str, dict[int, Tx]] = {}
+        # (join time, deferred of the group that joined): put back on the schedule by due(), ``limit`` a call,
+        # so 50000 of them cost a join nothing and a check pass no more than its slices.
+        self._waking: deque[tuple[int, dict[int, Tx]]] = deque()
 
     # ------------------------------------------------------------ the index
     def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None) -> bool:
@@ -196,13 +205,14 @@ class TransactionCore:
 
     def next_due(self) -> int | None:
         heap = self._heap
+        waking = self._waking[0][0] if self._waking else None
         while heap:
             when, off = heap[0]
             tx = self.pending.get(off)
             if tx is not None and tx.next_check == when:
-                return when
+                return when if waking is None else min(when, waking)
             heapq.heappop(heap)
-        return None
+        return waking
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, origin: Origin, group: str | None = None,
@@ -252,6 +262,7 @@ class TransactionCore:
         if ok:
             self.pending.pop(tx.half_offset, None)
             self._release(tx)
+            self._undefer(tx)
             tx.parked = False
         tx.deciding = None
 
@@ -276,7 +287,8 @@ class TransactionCore:
         """What is due at ``now``: (actions, deferred) with SendCheck and Write(DEAD) actions.
 
         ``deferred`` are due but have no producer connected: no check is spent, they come back after
-        one interval. A transaction being decided stays scheduled (should the write fail).
+        one interval, or as soon as a producer of their group joins (``producer_joined``). A transaction
+        being decided stays scheduled (should the write fail).
 
         ``channel_for`` answers BUSY when the group's producers all have their cap of checks in flight:
         the transaction is parked, no check spent, until ``room_for(group)`` (asked first, each call that
@@ -291,6 +303,8 @@ class TransactionCore:
         deferred: list[Tx] = []
         if room_for is not None:
             self._unpark(room_for)
+        if self._waking:
+            self._wake(now, limit)
         taken = 0
         while heap and heap[0][0] <= now:
             if limit is not None and taken >= limit:
@@ -300,6 +314,8 @@ class TransactionCore:
             if tx is None or tx.next_check != when:
                 continue
             taken += 1
+            if tx.deferred:
+                self._undefer(tx)
             if tx.deciding is not None:
                 self._reschedule(tx, now + policy.check_interval_ms)
                 continue
@@ -315,6 +331,8 @@ class TransactionCore:
             if channel is None:
                 deferred.append(tx)
                 self._reschedule(tx, now + policy.check_interval_ms)
+                tx.deferred = True
+                self._deferred.setdefault(tx.group, {})[tx.half_offset] = tx
                 continue
             if channel is BUSY:
                 tx.parked = True
@@ -325,6 +343,51 @@ class TransactionCore:
             self.in_flight[channel] = self.in_flight.get(channel, 0) + 1
             actions.append(SendCheck(tx, channel))
         return actions, deferred
+
+    def producer_joined(self, group: str, now: int) -> bool:
+        """A producer of ``group`` is here now (its first heartbeat or half on a connection): the group's
+        deferred transactions, rescheduled an interval on because nobody could be asked, are due at ``now``
+        instead. They were due already (never before their immunity) and spent no check; check passes put
+        them back on the schedule ``limit`` a slice (see due) and check them as the producers have room, as
+        any due transaction. Its parked ones are left parked: the next pass gives them the room the new
+        producer brings. True when a pass should run now (something is due, or the group has parked ones).
+
+        O(1): the group's deferred are indexed (no scan of every pending transaction) and moved whole."""
+        entries = self._deferred.pop(group, None)
+        if entries:
+            self._waking.append((now, entries))
+        return bool(entries) or bool(self._parked.get(group))
+
+    def _wake(self, now: int, limit: int | None) -> None:
+        """Due at ``now``: up to ``limit`` of the deferred transactions of groups a producer joined."""
+        waking, pending = self._waking, self.pending
+        budget = len(pending) if limit is None else limit
+        while waking and budget > 0:
+            entries = waking[0][1]
+            while entries and budget > 0:
+                off, tx = entries.popitem()
+                if pending.get(off) is not tx or not tx.deferred:
+                    continue                # decided, or came due meanwhile: not deferred any more
+                if tx.deciding is not None:     # a decision is being written: deferred still, should it fail
+                    self._deferred.setdefault(tx.group, {})[off] = tx
+                    continue
+                tx.deferred = False
+                if tx.next_check > now:
+                    self._reschedule(tx, now)
+                budget -= 1
+            if not entries:
+                waking.popleft()
+
+    def deferred_count(self) -> int:
+        """Transactions deferred for want of a producer of their group, waking ones included (and stale entries
+        of ones decided or due again meanwhile)."""
+        return sum(len(d) for d in self._deferred.values()) + sum(len(d) for _, d in self._waking)
+
+    def _undefer(self, tx: Tx) -> None:
+        tx.deferred = False
+        entries = self._deferred.get(tx.group)
+        if entries is not None and entries.pop(tx.half_offset, None) is not None and not entries:
+            del self._deferred[tx.group]
 
     def parked(self) -> int:
         """Transactions due and waiting for a check slot (stale entries of decided ones included)."""

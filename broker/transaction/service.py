@@ -511,6 +511,13 @@ class TransactionService:
         return sum(max(0, self.check_cap - in_flight.get(ch.conn, 0))
                    for ch in channels if not getattr(ch.conn, "writing_paused", False))
 
+    def producer_joined(self, group: str) -> None:
+        """A producer of ``group`` registered on a connection (ClientRegistry.on_new_producer): what was deferred
+        for want of one is checked now, not an interval later (after a restart, or once the group's producers
+        all reconnected, transactions in doubt waited up to a whole --transaction-check-interval-ms)."""
+        if self.core.producer_joined(group, self.ctx.clock()):
+            self.timer.wake()
+
     def next_due(self) -> int | None:
         return self.core.next_due()
 

@@ -320,3 +320,32 @@ async def test_a_huge_check_immunity_does_not_stop_the_checks_of_others(broker_f
         await producer.send_in_transaction("TxHuge", b"ordinary")
         await asyncio.wait_for(listener.checked.wait(), 10)
         assert await _drain(b.namesrv, "TxHuge", expect=1) == [b"ordinary"]
+
+
+async def test_a_producer_joining_its_group_is_checked_at_once_not_an_interval_later(broker_factory):
+    """Halves whose group had no producer when they came due were deferred a whole check interval, producer
+    or not: after a restart, or once every producer of the group reconnected, the transactions in doubt waited
+    up to --transaction-check-interval-ms (60 s by default; 30 s here) for a producer that had been there
+    all along. A producer registering its group makes them due at once."""
+    b = broker_factory("--transaction-check-interval-ms", "30000", "--transaction-timeout-ms", "2000")
+    gone = await TransactionProducer(b.namesrv, "PG_join", Listener(execute=S.UNKNOW, check=S.UNKNOW)).start()
+    for i in range(3):
+        await gone.send_in_transaction("TxJoin", b"%d" % i)
+    await gone.shutdown()          # before their immunity ends: no check went to it
+
+    async def deferred() -> float:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics",
+                                                                      timeout=5).read().decode())
+        lines = [line for line in text.splitlines()
+                 if line.startswith('txmq_transaction_checks_deferred_total{producer_group="PG_join"}')]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    async with asyncio.timeout(15):      # the pass after the immunity finds nobody to ask: deferred 30 s
+        while await deferred() < 3:
+            await asyncio.sleep(0.05)
+    listener = Listener(check=S.COMMIT_MESSAGE)
+    async with TransactionProducer(b.namesrv, "PG_join", listener):
+        await asyncio.wait_for(listener.checked.wait(), 5)       # was: ~28 s, the rest of the interval
+        assert sorted(await _drain(b.namesrv, "TxJoin", expect=3, timeout=5)) == [b"0", b"1", b"2"]
+    rows = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"]
+    assert rows == [] and listener.checks == 3          # one check each: none spent twice

@@ -53,3 +53,23 @@ def test_joining_and_leaving_group_after_group_on_one_connection_stays_bounded()
     assert clients.left_group(conn, "PG9999")       # the latest departures are the ones kept
     clients.add_producer("PG9999", conn, "c1")      # and coming back still clears one
     assert not clients.left_group(conn, "PG9999") and clients.left_group(conn, "PG9998")
+
+
+def test_a_producer_joining_a_group_is_announced_once_a_connection():
+    """on_new_producer (the transaction service's producer_joined: the group's deferred transactions are checked
+    at once) is called for a group's first heartbeat on a connection, a reconnection and a return after
+    UNREGISTER_CLIENT, not for every heartbeat."""
+    clients = ClientRegistry(lambda: 0)
+    joined = []
+    clients.on_new_producer = joined.append
+    first, second = _conn(), _conn()
+    for _ in range(3):
+        clients.add_producer("PG", first, "c1")
+    clients.add_producer("PG2", first, "c1")
+    assert joined == ["PG", "PG2"]
+    clients.connection_closed(first)
+    clients.add_producer("PG", second, "c1")        # the same client, reconnected
+    clients.unregister(second, "PG", None)
+    clients.add_producer("PG", second, "c1")        # back in the group
+    clients.add_producer("PG", second, "c1")
+    assert joined == ["PG", "PG2", "PG", "PG"]

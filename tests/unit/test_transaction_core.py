@@ -184,6 +184,90 @@ def test_no_producer_defers_without_spending_a_check():
     assert s.checks_sent == [1]
 
 
+def test_a_producer_joining_its_group_makes_the_deferred_due_at_once():
+    """Deferred for want of a producer, a transaction waited a whole interval even once one had joined (after a
+    restart: up to 60 s). A producer joining its group makes that group's deferred transactions due now: one
+    check each, none before its immunity, other groups' untouched; joining again spends nothing more."""
+    s = Shell()
+    s.half(1)
+    s.half(2)
+    s.half(3, group="OTHER")
+    s.producer = False
+    s.tick(IMMUNITY)
+    s.half(4, immunity_s="60")                  # not due yet: a join must not check it early
+    s.half(5)                                   # nor this one, within the default immunity
+    assert {tx.half_offset for tx in s.core.pending.values() if tx.deferred} == {1, 2, 3}
+    assert s.core.deferred_count() == 3
+    s.producer = True
+    s.tick(1)
+    assert s.checks_sent == []                  # before: deferred an interval, producer or not
+    assert s.core.producer_joined("PG", s.now) is True
+    s.tick(0)
+    assert sorted(s.checks_sent) == [1, 2]
+    assert [s.core.pending[o].checks for o in (1, 2, 3, 4, 5)] == [1, 1, 0, 0, 0]
+    assert s.core.pending[4].next_check == s.now - 1 + 60_000 and s.core.pending[5].next_check == s.now - 1 + IMMUNITY
+    assert s.core.producer_joined("PG", s.now) is False     # nothing deferred left: no second check
+    s.tick(INTERVAL - 1)
+    assert sorted(s.checks_sent) == [1, 2]
+    s.end(1, UNKNOWN, origin=Origin.CHECK)     # (the Shell's one producer answers for every group: free its slots)
+    s.end(2, UNKNOWN, origin=Origin.CHECK)
+    assert s.core.producer_joined("OTHER", s.now) is True
+    s.tick(0)
+    assert sorted(s.checks_sent) == [1, 2, 3]
+    assert s.core.deferred_count() == 0
+
+
+def test_a_join_leaves_the_deferred_index_clean_and_wakes_for_parked_ones():
+    s = Shell()
+    for off in range(1, 6):
+        s.half(off)
+    s.producer = False
+    s.tick(IMMUNITY)
+    assert s.core.deferred_count() == 5
+    s.finish(s.end(1, COMMIT))                  # decided while deferred: it leaves the index
+    action = s.end(2, ROLLBACK)                 # being decided when the producer joins: stays deferred
+    assert s.core.deferred_count() == 4
+    s.producer = True
+    assert s.core.producer_joined("PG", s.now) is True
+    s.tick(0)
+    assert sorted(s.checks_sent) == [3, 4]      # CAP 2: 5 is parked, not sent past the cap
+    assert s.core.deferred_count() == 1 and s.core.pending[2].deferred
+    s.finish(action, ok=False)                  # the write failed: pending, deferred, woken by the next join
+    assert s.core.producer_joined("PG", s.now) is True
+    s.tick(0)
+    assert s.core.parked() == 2 and s.core.deferred_count() == 0
+    assert s.core.producer_joined("PG", s.now) is True      # parked ones: a pass gives them the new room
+    s.end(3, UNKNOWN, origin=Origin.CHECK)
+    s.tick(0)
+    assert sorted(s.checks_sent) == [3, 4, 5]
+    assert [s.core.pending[o].checks for o in (2, 3, 4, 5)] == [0, 1, 1, 1]
+
+
+def test_a_join_costs_o1_and_the_woken_go_back_a_slice_at_a_time():
+    """50000 deferred transactions of a group: the join itself moves none of them; each check pass slice puts
+    back on the schedule (and takes) at most ``limit`` of them, as it takes due ones."""
+    s = Shell()
+    for off in range(600):
+        s.half(off)
+    s.producer = False
+    s.tick(IMMUNITY)
+    schedule = {off: tx.next_check for off, tx in s.core.pending.items()}
+    assert s.core.producer_joined("PG", s.now) is True
+    assert {off: tx.next_check for off, tx in s.core.pending.items()} == schedule
+    assert s.core.next_due() == s.now           # the timer runs a pass at once
+    seen = []
+    for _ in range(10):                         # bounded: 600 / 256 slices, and one to find nothing left
+        actions, deferred = s.core.due(s.now, lambda tx: "conn", limit=256)
+        assert len(actions) <= 256 and not deferred
+        for a in actions:
+            s.core.check_written(a.tx, s.now, True)
+            seen.append(a.tx.half_offset)
+        if s.core.next_due() > s.now:
+            break
+    assert sorted(seen) == list(range(600)) and all(tx.checks == 1 for tx in s.core.pending.values())
+    assert s.core.deferred_count() == 0 and s.core.next_due() == s.now + INTERVAL
+
+
 def test_wrong_group_or_table_offset_is_refused_but_admin_is_not_asked_for_them():
     s = Shell()
     s.half(1)
@@ -258,6 +342,7 @@ EVENTS = st.lists(st.one_of(
     st.tuples(st.just("tick"), st.sampled_from([0, 1, 500, INTERVAL, IMMUNITY, 4 * INTERVAL]), st.booleans()),
     st.tuples(st.just("producer"), st.sampled_from([True, False, "busy"])),
     st.tuples(st.just("resume"), st.integers(0, 5)),
+    st.tuples(st.just("joined"),),
 ), max_size=60)
 
 
@@ -287,6 +372,20 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
             s.tick(event[1], check_record_ok=event[2])
         elif kind == "producer":
             s.producer = event[1]
+        elif kind == "joined":
+            before = {off: (tx.next_check, tx.deferred, tx.checks) for off, tx in s.core.pending.items()}
+            s.core.producer_joined("PG", s.now)
+            for off, tx in s.core.pending.items():       # a join costs O(1): it moves nothing itself
+                assert (tx.next_check, tx.deferred, tx.checks) == before[off]
+            woken = {off for off, tx in s.core.pending.items() if tx.deferred}
+            before = {off: (tx.next_check, tx.checks) for off, tx in s.core.pending.items()}
+            producer, s.producer = s.producer, False     # nobody to ask: what comes due is deferred again
+            s.tick(0)
+            s.producer = producer
+            for off, tx in s.core.pending.items():
+                # only a deferred transaction came due (at once: it was due already), and spent no check
+                assert tx.checks == before[off][1]
+                assert tx.next_check == before[off][0] or off in woken or before[off][0] <= s.now
         elif kind == "resume" and s.decisions.get(event[1]) == DEAD:
             if s.core.resume(Tx(event[1], event[1], "PG", "T", "U", s.now), s.now) is None:
                 del s.decisions[event[1]]
@@ -295,6 +394,11 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
         assert not s.rolled_back & set(s.delivered)
         writing = [w.tx.half_offset for w in s.writing]
         assert len(writing) == len(set(writing))
+        # The deferred index holds exactly the deferred transactions.
+        indexed = [*s.core._deferred.values(), *(entries for _, entries in s.core._waking)]
+        assert {(tx.group, tx.half_offset) for tx in s.core.pending.values() if tx.deferred} == {
+            (tx.group, off) for entries in indexed for off, tx in entries.items()
+            if s.core.pending.get(off) is tx and tx.deferred}
         # Liveness: every undecided transaction is still on the check schedule.
         for tx in s.core.pending.values():
             assert _scheduled(s.core, tx), f"{tx.half_offset} would never be checked again"
