@@ -377,6 +377,11 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
                 if key in seen:
                     qoff = _checked_qoff(seg, pos, key, qoff, cq.max_offset)
                 seen.add(key)
+                if qoff == 0 and cq.max_offset:
+                    # The topic was deleted and made again: its new run replaces the old one, as in the start-up
+                    # scan. Kept, the old run's units stayed and the new records (1, 2, ...) were taken for
+                    # damage against it and rewritten in the log to follow it.
+                    report.cq_units_dropped += cq.truncate(0)
                 if qoff > cq.max_offset:
                     cq.pad(qoff)
                 if qoff == cq.max_offset:

@@ -918,3 +918,30 @@ async def test_a_topic_deleted_and_made_again_restarts_its_offsets_without_a_rep
     assert stop is None and got == list(range(30))
     assert_readable(store, again)
     await store.close()
+
+
+@bounded(30)
+async def test_a_queue_rebuild_after_its_topic_was_made_again_rewrites_no_record(tmp_path, caplog):
+    """The queue rebuild (damage before the verified range) reads the whole log: the deleted topic's records,
+    then the new one's from 0. The new run must replace the old one, as in the start-up scan; its records'
+    queue offsets were taken for damage and rewritten in the commit log (1.. became 50..), the rebuilt
+    queue serving the deleted topic's messages and the new ones under offsets no producer was told."""
+    store = MessageStore(str(tmp_path), LAST_ONLY)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(50)])
+    await store.delete_topic("T")
+    again = [await store.put(req(i)) for i in range(30)]
+    assert [r.queue_offset for r in again] == list(range(30))
+    # other records push both runs of T before the verified range (the last segment)
+    others = await asyncio.gather(*[store.put(PutRequest.build("U", bytes(2000))) for _ in range(SEG // 2000)])
+    assert all(r.ok for r in others) and others[-1].physical_offset >= SEG
+    cq = store._cqs[("T", 0)]
+    store._damaged(cq, 5)                            # a pull met damage: the queue is rebuilt at the next start
+    await store.close()
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert not [r for r in caplog.records if "rewritten" in r.getMessage()]
+    assert_readable(store, again)
+    assert read_queue(store) == [r.physical_offset for r in again]
+    await store.close()
