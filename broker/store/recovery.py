@@ -307,11 +307,19 @@ def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None,
     return want
 
 
+_LOOKAHEAD_RECORDS = 65536
+
+
 def _next_qoff(segs: list, i: int, pos: int, key, end: int | None = None) -> int | None:
     """The queue offset the next record of ``key`` in the log carries, from segment ``i`` byte ``pos`` (headers
-    only, no CRC); None when there is none before the end of the data (or ``end``) or damage."""
+    only, no CRC); None when there is none before the end of the data (or ``end``), damage, or none within
+    _LOOKAHEAD_RECORDS records (a queue made again with one message must not cost a scan of the whole log)."""
+    budget = _LOOKAHEAD_RECORDS
     for seg in segs[i:]:
         while end is None or seg.start + pos < end:
+            budget -= 1
+            if budget < 0:
+                return None
             try:
                 size, qid, qoff, sys_flag, _ts, _p, topic, _span = parse_record(seg, pos, check_crc=False)
             except BadRecord:
