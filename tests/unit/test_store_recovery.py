@@ -965,3 +965,24 @@ async def test_a_queue_offset_damaged_to_zero_is_repaired_not_taken_for_a_new_ru
     got, stop = await _drain(store)
     assert stop is None and got == list(range(40))
     await store.close()
+
+
+@bounded(30)
+async def test_a_queue_offset_damaged_to_zero_before_the_verified_range_is_repaired_by_the_rebuild(tmp_path, caplog):
+    """The same in the queue rebuild (damage before the verified range): only the damaged record is rewritten."""
+    from protocol.message import POS_QUEUE_OFFSET
+    store = MessageStore(str(tmp_path), LAST_ONLY)
+    await store.open()
+    results = [await store.put(req(i)) for i in range(40)]
+    others = await asyncio.gather(*[store.put(PutRequest.build("U", bytes(2000))) for _ in range(SEG // 2000)])
+    assert all(r.ok for r in results + others) and others[-1].physical_offset >= SEG
+    store._damaged(store._cqs[("T", 0)], 5)
+    await store.close()
+    patch(tmp_path, results[16].physical_offset + POS_QUEUE_OFFSET, bytes(8))
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert len([r for r in caplog.records if "rewritten" in r.getMessage()]) == 1
+    assert_readable(store, results)
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
