@@ -185,7 +185,8 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             report.records_scanned += 1
             if not sys_flag & 0x4:
                 key = (topic, qid)
-                qoff = _checked_qoff(seg, pos, key, qoff, expect.get(key))
+                qoff = _checked_qoff(seg, pos, key, qoff, expect.get(key),
+                                     lambda: _next_qoff(segs, i, pos + size, key))
                 expect[key] = qoff + 1
                 _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
                              ts, tag_rule)
@@ -282,20 +283,57 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
     return seg.start + pos
 
 
-def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None) -> int:
+def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None,
+                  next_qoff: Callable[[], int | None] | None = None) -> int:
     """The record's queue offset, repaired when its header is damaged there.
 
     A queue's records follow one another in the log: each carries the previous one's offset + 1, or 0 when
     the topic was deleted and made again. The field is outside the body CRC, so a flipped bit there went
     unseen: a jump up made the rebuild pad the queue to it (every message before it gone from the queue),
     a jump down rewrote the queue's units from there and left the record's own unit pre-blank (skipped).
+
+    A 0 is a new run only if the queue's next record in the log (``next_qoff``) does not go on with the old
+    one (``want`` + 1): taken on its word, a 16 flipped to 0 started the queue over there and every later
+    record of it was "repaired" to follow (1, 2, ...): the messages before it gone from the queue, and the
+    offsets of the intact ones after it rewritten in the log.
     """
-    if want is None or qoff == want or qoff == 0:
+    if want is None or qoff == want:
+        return qoff
+    if qoff == 0 and (next_qoff is None or next_qoff() != want + 1):
         return qoff
     log.error("commit log segment %s byte %d: a record of %s-%d says queue offset %d where the queue's previous "
               "record says %d: its header is damaged; rewritten to %d", seg.name, pos, *key, qoff, want - 1, want)
     os.pwrite(seg.fd, struct.pack(">q", want), pos + POS_QUEUE_OFFSET)
     return want
+
+
+_LOOKAHEAD_RECORDS = 65536
+
+
+def _next_qoff(segs: list, i: int, pos: int, key, end: int | None = None) -> int | None:
+    """The queue offset the next record of ``key`` in the log carries, from segment ``i`` byte ``pos`` (headers
+    only, no CRC); None when there is none before the end of the data (or ``end``), damage, or none within
+    _LOOKAHEAD_RECORDS records (a queue made again with one message must not cost a scan of the whole log)."""
+    budget = _LOOKAHEAD_RECORDS
+    for seg in segs[i:]:
+        while end is None or seg.start + pos < end:
+            budget -= 1
+            if budget < 0:
+                return None
+            try:
+                size, qid, qoff, sys_flag, _ts, _p, topic, _span = parse_record(seg, pos, check_crc=False)
+            except BadRecord:
+                total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
+                if magic == BLANK_MAGIC and total == seg.size - pos:
+                    break                           # the end marker: on in the next segment
+                return None
+            if not sys_flag & 0x4 and (topic, qid) == key:
+                return qoff
+            pos += size
+        else:
+            return None
+        pos = 0
+    return None
 
 
 def _check_zeroed(key, cq: ConsumeQueue, gaps: set) -> None:
@@ -349,7 +387,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
     for key in gaps:
         report.cq_units_dropped += queues[key].truncate(0)
     seen: set = set()           # queues whose previous record this pass appended: the next must follow it
-    for seg in clog.segments:
+    for si, seg in enumerate(clog.segments):
         pos = 0
         while seg.start + pos < end:
             try:
@@ -375,8 +413,14 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
             if not sys_flag & 0x4 and key in gaps:
                 cq = queues[key]
                 if key in seen:
-                    qoff = _checked_qoff(seg, pos, key, qoff, cq.max_offset)
+                    qoff = _checked_qoff(seg, pos, key, qoff, cq.max_offset,
+                                         lambda: _next_qoff(clog.segments, si, pos + size, key, end))
                 seen.add(key)
+                if qoff == 0 and cq.max_offset:
+                    # The topic was deleted and made again: its new run replaces the old one, as in the start-up
+                    # scan. Kept, the old run's units stayed and the new records (1, 2, ...) were taken for
+                    # damage against it and rewritten in the log to follow it.
+                    report.cq_units_dropped += cq.truncate(0)
                 if qoff > cq.max_offset:
                     cq.pad(qoff)
                 if qoff == cq.max_offset:

@@ -918,3 +918,71 @@ async def test_a_topic_deleted_and_made_again_restarts_its_offsets_without_a_rep
     assert stop is None and got == list(range(30))
     assert_readable(store, again)
     await store.close()
+
+
+@bounded(30)
+async def test_a_queue_rebuild_after_its_topic_was_made_again_rewrites_no_record(tmp_path, caplog):
+    """The queue rebuild (damage before the verified range) reads the whole log: the deleted topic's records,
+    then the new one's from 0. The new run must replace the old one, as in the start-up scan; its records'
+    queue offsets were taken for damage and rewritten in the commit log (1.. became 50..), the rebuilt
+    queue serving the deleted topic's messages and the new ones under offsets no producer was told."""
+    store = MessageStore(str(tmp_path), LAST_ONLY)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(50)])
+    await store.delete_topic("T")
+    again = [await store.put(req(i)) for i in range(30)]
+    assert [r.queue_offset for r in again] == list(range(30))
+    # other records push both runs of T before the verified range (the last segment)
+    others = await asyncio.gather(*[store.put(PutRequest.build("U", bytes(2000))) for _ in range(SEG // 2000)])
+    assert all(r.ok for r in others) and others[-1].physical_offset >= SEG
+    cq = store._cqs[("T", 0)]
+    store._damaged(cq, 5)                            # a pull met damage: the queue is rebuilt at the next start
+    await store.close()
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert not [r for r in caplog.records if "rewritten" in r.getMessage()]
+    assert_readable(store, again)
+    assert read_queue(store) == [r.physical_offset for r in again]
+    await store.close()
+
+
+@bounded(30)
+async def test_a_queue_offset_damaged_to_zero_is_repaired_not_taken_for_a_new_run(tmp_path, caplog):
+    """0 is the one offset the repair let pass (a topic made again). A bit flip that turns 16 into 0 started
+    the queue over there: the 23 intact records after it were rewritten in the log to 1..23 and the messages
+    before it left the queue (40 became 24). The queue's next record going on with the old run (17) says the
+    0 is damage."""
+    from protocol.message import POS_QUEUE_OFFSET
+    results = await fill(tmp_path, 40)
+    patch(tmp_path, results[16].physical_offset + POS_QUEUE_OFFSET, bytes(8))
+    os.unlink(tmp_path / "checkpoint")                # a full scan
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    rewritten = [r.getMessage() for r in caplog.records if "rewritten" in r.getMessage()]
+    assert len(rewritten) == 1 and "queue offset 0" in rewritten[0] and rewritten[0].endswith("rewritten to 16")
+    assert_readable(store, results)
+    got, stop = await _drain(store)
+    assert stop is None and got == list(range(40))
+    await store.close()
+
+
+@bounded(30)
+async def test_a_queue_offset_damaged_to_zero_before_the_verified_range_is_repaired_by_the_rebuild(tmp_path, caplog):
+    """The same in the queue rebuild (damage before the verified range): only the damaged record is rewritten."""
+    from protocol.message import POS_QUEUE_OFFSET
+    store = MessageStore(str(tmp_path), LAST_ONLY)
+    await store.open()
+    results = [await store.put(req(i)) for i in range(40)]
+    others = await asyncio.gather(*[store.put(PutRequest.build("U", bytes(2000))) for _ in range(SEG // 2000)])
+    assert all(r.ok for r in results + others) and others[-1].physical_offset >= SEG
+    store._damaged(store._cqs[("T", 0)], 5)
+    await store.close()
+    patch(tmp_path, results[16].physical_offset + POS_QUEUE_OFFSET, bytes(8))
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert len([r for r in caplog.records if "rewritten" in r.getMessage()]) == 1
+    assert_readable(store, results)
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
