@@ -32,6 +32,7 @@ import errno
 import logging
 import mmap
 import os
+import shutil
 import sys
 
 log = logging.getLogger("txmq.store")
@@ -97,6 +98,18 @@ def keep_previous(path: str) -> None:
         os.link(path, tmp)
     except FileNotFoundError:           # the first save
         return
+    except OSError:
+        # A file system without hard links (EPERM, EOPNOTSUPP: vfat, some network and FUSE mounts) made
+        # every save of the catalogues fail: a copy, synced before it is renamed into place, does instead.
+        try:
+            shutil.copyfile(path, tmp)
+        except FileNotFoundError:
+            return
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     os.replace(tmp, bak)
 
 

@@ -59,3 +59,21 @@ def test_a_new_store_has_no_catalogue_and_says_nothing(tmp_path, caplog):
         _topics(tmp_path)
         SubscriptionGroups(str(tmp_path), clock=lambda: 1)
     assert not caplog.records
+
+
+def test_the_previous_save_is_kept_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    """The copy was a hard link renamed into place; on a file system without them (EPERM, EOPNOTSUPP) every
+    save of topics.json, subscriptionGroup.json and consumerOffset.json failed."""
+    import errno
+    import os
+
+    def no_links(src, dst, *a, **kw):
+        raise OSError(errno.EPERM, "Operation not permitted", dst)
+    monkeypatch.setattr(os, "link", no_links)
+    tm = _topics(tmp_path)
+    tm.create(TopicConfig("Orders", 16, 16, perm=4))
+    tm.create(TopicConfig("Later", 2, 2))
+    assert [t["name"] for t in json.loads((tmp_path / "topics.json").read_text())["topics"]][-2:] == ["Orders",
+                                                                                                      "Later"]
+    assert json.loads((tmp_path / "topics.json.bak").read_text())["topics"][-1]["name"] == "Orders"
+    assert not (tmp_path / "topics.json.bak.tmp").exists()
