@@ -341,6 +341,15 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
                                                                           owned[name])
             log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                      ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
+        for name in TABLES:
+            # A date of the report this table's rows were not rewritten for (its rows left as they
+            # are: the store no longer holds the day whole) shows the rows --out holds, not none.
+            written = set().union(*owned[name].values())
+            rest = [d for d in dates if d not in written]
+            old = _kept_rows(spark, os.path.join(out_dir, name), tables[name], rest, {}) if rest else []
+            if old:
+                report_tables[name] = report_tables[name].unionByName(
+                    spark.createDataFrame(old, tables[name].schema))
         t0 = time.monotonic()
         report_dir = report_dir or os.path.join(out_dir, "report")
         everyone = sorted({r[0] for name in ("traffic", "transactions")

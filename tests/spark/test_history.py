@@ -129,3 +129,27 @@ def test_a_store_wiped_and_started_anew_does_not_inherit_the_old_stores_undecide
            if dict(r)["grain"] == "day"}
     assert day["*"]["undecided_at_end"] == 0 and day["pg-a"]["commits"] == 1, day
     assert not summary["incremental"]
+
+
+def test_a_whole_store_rerun_keeps_the_reports_of_days_retention_cut(spark, tmp_path):
+    """The backfill leaves D1's and D2's traffic and transaction rows as they are, but it rewrites
+    their reports too (their snapshot rows are still whole): the report must show the rows the
+    tables hold, not only those the run wrote (it showed 0 messages for the days retention cut)."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    build(store)
+    for d in DATES:
+        run_rollup(spark, store, out, date=d)
+
+    def report(d):
+        with open(os.path.join(out, "report", f"txmq-{d}.csv")) as f:
+            return list(csv.DictReader(f))
+
+    nightly = {d: report(d) for d in DATES}
+    assert all(int(r["messages"]) > 0 for d in DATES for r in nightly[d] if r["window"] == "day")
+    remove_older_than(store, D2 + 6 * H)
+    summary = run_rollup(spark, store, out)
+    assert {os.path.join(out, "report", f"txmq-{d}.csv") for d in DATES} <= set(summary["reports"])
+    for d in DATES:
+        assert report(d) == nightly[d], d
