@@ -27,6 +27,7 @@ import datetime as dt
 import logging
 import os
 import time
+import urllib.parse
 
 from protocol.txlog import COMMIT
 
@@ -351,7 +352,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
                 report_tables[name] = report_tables[name].unionByName(
                     spark.createDataFrame(old, tables[name].schema))
         t0 = time.monotonic()
-        report_dir = report_dir or os.path.join(out_dir, "report")
+        report_dir = report_dir or os.path.join(_local_form(out_dir), "report")
         everyone = sorted({r[0] for name in ("traffic", "transactions")
                            for r in report_tables[name].select("broker").distinct().collect()} | set(summary["brokers"]))
         summary["reports"] = report_mod.write_reports(report_dir, dates, report_tables,
@@ -369,6 +370,14 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
 TABLES = ("traffic", "transactions", "consumer_lag", "broker")
 LOG_TABLES = ("traffic", "transactions")          # from the commit log; the others from metric snapshots
+
+
+def _local_form(out_dir: str) -> str:
+    """A file: URI's path (file:/x and file:///x are /x to Spark; the report is written with plain file
+    I/O, which would make ./file:/x); any other path or URI as it is."""
+    if out_dir[:5].lower() == "file:":
+        return urllib.parse.urlsplit(out_dir).path
+    return out_dir
 
 
 def _union(dfs):
