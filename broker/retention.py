@@ -92,6 +92,7 @@ class Retention:
         self.usage = usage or self._probe
         self._lock = asyncio.Lock()          # one removal pass at a time: a plan or the pressure cleaner
         self._task: asyncio.Task | None = None
+        self._young_said: tuple | None = None   # the segment the cleaner last said young halves keep
 
     def _probe(self) -> float:
         disk = self.ctx.store.disk   # the store's watermark monitor: one measure of the disk
@@ -207,8 +208,17 @@ class Retention:
                     break
                 oldest = facts[0]
                 now = self.ctx.clock()
-                expired = (0 <= oldest.last_ts < now - self.retention_ms
-                           and self._young_halves(oldest, now) is None)
+                expired = 0 <= oldest.last_ts < now - self.retention_ms
+                young = self._young_halves(oldest, now) if expired else None
+                if young is not None:
+                    expired = False
+                    if usage < c.disk_force_clean_ratio and self._young_said != (oldest.name, oldest.start):
+                        # Once a segment: the disk stays above disk_clean_ratio with it (and every later
+                        # segment) until the half is decided or expired, or disk pressure forces it out.
+                        self._young_said = (oldest.name, oldest.start)
+                        log.warning("disk %.1f%% used (clean above %.0f%%): keeping expired segment %s and the "
+                                    "ones after it until disk pressure (%.0f%%): %s", usage * 100,
+                                    c.disk_clean_ratio * 100, oldest.name, c.disk_force_clean_ratio * 100, young)
                 if expired and (usage >= c.disk_force_clean_ratio or self._held(oldest) is None):
                     reason, half_reason = "expired", "expired"
                 elif usage >= c.disk_force_clean_ratio:

@@ -6,8 +6,10 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
+import urllib.parse
 
 from protocol.errors import StoreError
 
@@ -87,12 +89,14 @@ def store_dirs(dirs: list[str], root: str | None) -> list[str]:
 def require_writable(directory: str, what: str) -> None:
     """Refuse, before any work, an output directory that cannot be made or written on this host.
 
-    Only local paths are checked (a Hadoop URI such as hdfs:// is Spark's to reach). Without this a
+    Only local paths (and file: URIs) are checked (a Hadoop URI such as hdfs:// is Spark's to reach). Without this a
     bad --out failed when the results were written, after the whole store was decoded, in hundreds of
     lines of Java stack traces."""
-    if "://" in directory and not directory.startswith("file://"):
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", directory)
+    if scheme is not None and scheme.group(1).lower() != "file":
         return
-    path = directory[len("file://"):] if directory.startswith("file://") else directory
+    # file:///x and file:/x (how Hadoop prints a local path) are /x, as Spark reads them.
+    path = urllib.parse.urlsplit(directory).path if scheme is not None else directory
     try:
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".txmq-probe-", dir=path)

@@ -23,10 +23,14 @@ began in, or its snapshot files are gone) keeps its rows: see _StoreRollup.owned
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import logging
 import os
+import re
 import time
+import urllib.parse
 
 from protocol.txlog import COMMIT
 
@@ -332,23 +336,35 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
             log.warning("rollup: nothing to write: no date is whole in the store any more")
             return summary
         queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
-        report_tables = {}
-        for name, df in queries.items():
+        # Each table's rows of another broker are read, then written back with this run's: two runs
+        # into one --out at once would each write back the other's old rows (a lost update).
+        with _out_lock(out_dir):
+            report_tables = {}
+            for name, df in queries.items():
+                t0 = time.monotonic()
+                tables[name] = df = df.drop("window_ms").where(_owned_cond(owned[name])).cache()
+                # The report shows what the dates' partitions now hold: other brokers' rows too.
+                summary["rows"][name], report_tables[name] = write_partitions(spark, df, os.path.join(out_dir, name),
+                                                                              owned[name])
+                log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
+                         ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
+            for name in TABLES:
+                # A date of the report this table's rows were not rewritten for (its rows left as they
+                # are: the store no longer holds the day whole) shows the rows --out holds, not none.
+                written = set().union(*owned[name].values())
+                rest = [d for d in dates if d not in written]
+                old = _kept_rows(spark, os.path.join(out_dir, name), tables[name], rest, {}) if rest else []
+                if old:
+                    report_tables[name] = report_tables[name].unionByName(
+                        spark.createDataFrame(old, tables[name].schema))
             t0 = time.monotonic()
-            tables[name] = df = df.drop("window_ms").where(_owned_cond(owned[name])).cache()
-            # The report shows what the dates' partitions now hold: other brokers' rows too.
-            summary["rows"][name], report_tables[name] = write_partitions(spark, df, os.path.join(out_dir, name),
-                                                                          owned[name])
-            log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
-                     ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
-        t0 = time.monotonic()
-        report_dir = report_dir or os.path.join(out_dir, "report")
-        everyone = sorted({r[0] for name in ("traffic", "transactions")
-                           for r in report_tables[name].select("broker").distinct().collect()} | set(summary["brokers"]))
-        summary["reports"] = report_mod.write_reports(report_dir, dates, report_tables,
-                                                      {**summary, "brokers": everyone})
-        log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
-                 time.monotonic() - t0)
+            report_dir = report_dir or os.path.join(_local_form(out_dir), "report")
+            everyone = sorted({r[0] for name in ("traffic", "transactions")
+                               for r in report_tables[name].select("broker").distinct().collect()} | set(summary["brokers"]))
+            summary["reports"] = report_mod.write_reports(report_dir, dates, report_tables,
+                                                          {**summary, "brokers": everyone})
+            log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
+                     time.monotonic() - t0)
         log.info("rollup: done in %.1f s", time.monotonic() - started)
         return summary
     finally:
@@ -360,6 +376,40 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
 TABLES = ("traffic", "transactions", "consumer_lag", "broker")
 LOG_TABLES = ("traffic", "transactions")          # from the commit log; the others from metric snapshots
+
+
+@contextlib.contextmanager
+def _out_lock(out_dir: str):
+    """Hold --out's lock file (``.txmq-rollup.lock``, flock) while a run writes its tables and report:
+    another run into the same local --out (or one on a shared mount) waits. A Hadoop URI (hdfs://,
+    s3a://) has no lock: runs into one such --out must not overlap."""
+    path = _local_form(out_dir)
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
+        yield
+        return
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, ".txmq-rollup.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("rollup: another rollup is writing into %s: waiting for it", out_dir)
+            t0 = time.monotonic()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            log.info("rollup: waited %.1f s for the other rollup into %s", time.monotonic() - t0, out_dir)
+        except OSError as exc:          # a file system without locks (some NFS set-ups)
+            log.warning("rollup: cannot lock %s (%s): runs into it must not overlap", out_dir, exc)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _local_form(out_dir: str) -> str:
+    """A file: URI's path (file:/x and file:///x are /x to Spark; the report is written with plain file
+    I/O, which would make ./file:/x); any other path or URI as it is."""
+    if out_dir[:5].lower() == "file:":
+        return urllib.parse.urlsplit(out_dir).path
+    return out_dir
 
 
 def _union(dfs):

@@ -129,3 +129,69 @@ def test_a_store_wiped_and_started_anew_does_not_inherit_the_old_stores_undecide
            if dict(r)["grain"] == "day"}
     assert day["*"]["undecided_at_end"] == 0 and day["pg-a"]["commits"] == 1, day
     assert not summary["incremental"]
+
+
+def test_a_whole_store_rerun_keeps_the_reports_of_days_retention_cut(spark, tmp_path):
+    """The backfill leaves D1's and D2's traffic and transaction rows as they are, but it rewrites
+    their reports too (their snapshot rows are still whole): the report must show the rows the
+    tables hold, not only those the run wrote (it showed 0 messages for the days retention cut)."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    build(store)
+    for d in DATES:
+        run_rollup(spark, store, out, date=d)
+
+    def report(d):
+        with open(os.path.join(out, "report", f"txmq-{d}.csv")) as f:
+            return list(csv.DictReader(f))
+
+    nightly = {d: report(d) for d in DATES}
+    assert all(int(r["messages"]) > 0 for d in DATES for r in nightly[d] if r["window"] == "day")
+    remove_older_than(store, D2 + 6 * H)
+    summary = run_rollup(spark, store, out)
+    assert {os.path.join(out, "report", f"txmq-{d}.csv") for d in DATES} <= set(summary["reports"])
+    for d in DATES:
+        assert report(d) == nightly[d], d
+
+
+def test_two_brokers_rolled_up_at_once_into_one_out_keep_both(spark, tmp_path, monkeypatch):
+    """Each broker host's nightly job starts at the same minute. A run reads the other brokers' rows
+    of the date, then writes them back with its own: two runs that both read before either wrote
+    each wrote back the other's old rows (none, the first night), and one broker's night was lost."""
+    import threading
+
+    from ops.spark import rollup
+
+    out = str(tmp_path / "out")
+    stores = [str(tmp_path / name) for name in ("broker-a", "broker-b")]
+    for s in stores:
+        build(s)
+    both_read = threading.Barrier(2, timeout=15)
+    real = rollup._kept_rows
+
+    def kept_rows(*a, **k):
+        got = real(*a, **k)
+        try:
+            both_read.wait()            # the two runs read before either writes, when they can
+        except threading.BrokenBarrierError:
+            pass
+        return got
+
+    monkeypatch.setattr(rollup, "_kept_rows", kept_rows)
+    errors = []
+
+    def run(s):
+        try:
+            rollup.run_rollup(spark, s, out, date=DATES[0])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for t in TABLES:
+        assert rows(spark, out, t, DATES[0], "broker-a") and rows(spark, out, t, DATES[0], "broker-b"), t

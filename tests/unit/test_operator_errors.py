@@ -64,3 +64,28 @@ def test_spark_jobs_refuse_an_output_they_cannot_write_before_the_work(tmp_path,
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{job}: cannot write ") and str(tmp_path / "blocker") in lines[0]
     assert proc.stdout == ""
+
+
+def test_a_file_uri_with_one_slash_is_checked_where_spark_writes(tmp_path, monkeypatch):
+    """`file:/path` is how Hadoop prints a local path (Path.toString()), and Spark writes it to /path:
+    the check made `./file:/path` under the working directory instead (a stray tree there, and a
+    refusal of a good --out when the working directory, /opt/txmq in the cron lines, is read-only)."""
+    from ops.spark.cli import require_writable
+    from protocol.errors import StoreError
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "file:").write_text("stands in for a read-only working directory")
+    monkeypatch.chdir(cwd)
+    require_writable(f"file:{tmp_path}/out", "--out")
+    assert (tmp_path / "out").is_dir()
+    require_writable(f"file://{tmp_path}/out2", "--out")
+    assert (tmp_path / "out2").is_dir()
+    require_writable("hdfs:/user/txmq/rollups", "--out")       # not a local path: Spark's to reach
+    (tmp_path / "blocker").write_text("a file")
+    with pytest.raises(StoreError, match="blocker"):
+        require_writable(f"file:{tmp_path}/blocker/out", "--out")
+    from ops.spark.rollup import _local_form
+
+    assert _local_form(f"file:{tmp_path}/out") == _local_form(f"file://{tmp_path}/out") == f"{tmp_path}/out"
+    assert _local_form("out") == "out" and _local_form("hdfs://nn/out") == "hdfs://nn/out"

@@ -383,3 +383,34 @@ async def test_a_cleaning_pass_that_raises_is_counted_and_the_next_pass_runs(tmp
         await retention.stop()
         await ctx.store.close()
     assert ctx.metrics.task_crashes.labels("txmq-retention")._value.get() == 1
+
+
+@bounded(30)
+async def test_a_young_undecided_half_keeps_its_expired_segment_visibly_until_disk_pressure(tmp_path, caplog):
+    """--transaction-retention-hours (200) above --file-reserved-hours (72): the cleaner keeps the
+    expired segment holding a half 80 h old, and every segment after it. It said nothing: the disk sat
+    above disk_clean_ratio with expired segments and no line in the log why. It says so once a
+    segment; disk pressure still removes it."""
+    import logging
+
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock, transaction_retention_hours=200)
+    try:
+        half = await add_half(ctx, b"undecided-80h")
+        await send(ctx, 200)
+        clock.now = T0
+        await send(ctx, 150)
+        usage = [0.80]
+        r = Retention(ctx, usage=lambda: usage[0])
+        first = names(ctx)[0]
+        with caplog.at_level(logging.WARNING, logger="txmq.retention"):
+            assert await r.clean_once() == [] and await r.clean_once() == []
+        said = [rec.getMessage() for rec in caplog.records if "transaction_retention_hours" in rec.getMessage()]
+        assert len(said) == 1 and first in said[0] and str(half.half_offset) in said[0], said
+        assert half.half_offset in ctx.tx.pending
+        usage[0] = 0.90
+        removed = await r.clean_once()
+        assert removed[0] == (first, "pressure")
+        assert half.half_offset not in ctx.tx.pending and dead_lettered(ctx, half.half_offset)
+    finally:
+        await ctx.store.close()
