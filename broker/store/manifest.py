@@ -6,7 +6,13 @@
 
     {"store_id": str, "written_ms": int,
      "segments": [{"name": "<20 digits>", "start": int, "end": int, "records": int,
-                   "first_ts": int, "last_ts": int, "sealed": bool}]}
+                   "first_ts": int, "last_ts": int, "sealed": bool}],
+     "removed": {the same entry, of the newest segment removed} | absent}
+
+``removed`` is what the log no longer has: the entry of the last segment retention removed (it
+ends where the oldest segment left starts). The rollup reads its ``last_ts`` to tell the days
+whose records went with it (cut) from those that lie wholly in the segments left (whole); without
+it, the day of the oldest record left must count as cut. Carried over across restarts.
 
 ``end`` is the commit-log offset after the segment's last record, ``first_ts`` / ``last_ts``
 the smallest and largest store timestamps in it (-1 when it holds no record). A sealed
@@ -108,9 +114,22 @@ def read_manifest(store_dir: str) -> dict:
         return {}
 
 
-def write_manifest(store_dir: str, store_id: str, now_ms: int, facts: list[SegmentFacts]) -> None:
+def write_manifest(store_dir: str, store_id: str, now_ms: int, facts: list[SegmentFacts],
+                   removed: SegmentFacts | None = None) -> None:
     body = {"store_id": store_id, "written_ms": now_ms, "segments": [asdict(f) for f in facts]}
+    if removed is not None:
+        body["removed"] = asdict(removed)
     _write_atomically(os.path.join(store_dir, MANIFEST_FILE), json.dumps(body, indent=0).encode())
+
+
+def removed_from_disk(store_dir: str) -> SegmentFacts | None:
+    """The manifest's entry of the newest removed segment (None when it has none)."""
+    e = read_manifest(store_dir).get("removed")
+    try:
+        return SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
+                            int(e["first_ts"]), int(e["last_ts"]), True)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def sealed_from_disk(store_dir: str) -> dict[str, SegmentFacts]:

@@ -29,7 +29,8 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import SegmentFacts, load_or_create_store_id, sealed_from_disk, summarize_file, write_manifest
+from .manifest import (SegmentFacts, load_or_create_store_id, removed_from_disk, sealed_from_disk, summarize_file,
+                       write_manifest)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -82,6 +83,7 @@ class MessageStore:
         self.report: RecoveryReport | None = None
         self.store_id = ""                                  # manifest.py: written when the store is created
         self._facts: dict[str, SegmentFacts] = {}           # sealed segments, computed once from their bytes
+        self._removed: SegmentFacts | None = None           # the newest segment removed (segments.json "removed")
         self._manifest_key: tuple | None = None             # what the manifest on disk describes
 
     # ---------------------------------------------------------- lifecycle
@@ -132,6 +134,11 @@ class MessageStore:
         if not self.report.truncations:     # a cut segment is not what its old entry says
             sealed = {seg.name for seg in self._log.segments[:-1]}
             self._facts = {n: f for n, f in sealed_from_disk(self.store_dir).items() if n in sealed}
+        removed = removed_from_disk(self.store_dir)
+        first = self._log.segments[0].start if self._log.segments else None
+        # Only while it is the segment just before the log's first (a store wiped or copied is not it any more).
+        self._removed = removed if (removed is not None and first is not None
+                                    and removed.start < first == removed.start + self._log.seg_size) else None
         self._io = IoThread("txmq-flush")
         self._io2 = IoThread("txmq-flush-2") if self.config.flush == "sync" else None
         self._reserve_io = IoThread("txmq-reserve")
@@ -637,7 +644,7 @@ class MessageStore:
         if key == self._manifest_key and not force:
             return
         facts = await self.segment_facts()
-        await self._io.submit(write_manifest, self.store_dir, self.store_id, self.clock(), facts)
+        await self._io.submit(write_manifest, self.store_dir, self.store_id, self.clock(), facts, self._removed)
         self._manifest_key = key
 
     async def remove_segment(self, name: str, reason: str = "") -> SegmentFacts:
@@ -676,6 +683,8 @@ class MessageStore:
             except Exception:
                 log.exception("removal listener %r failed", fn)
         self._facts.pop(name, None)
+        if facts.get(name) is not None:
+            self._removed = facts[name]
         try:
             await self.refresh_manifest()
         except OSError as exc:

@@ -42,6 +42,22 @@ def read_manifest(store_dir: str) -> dict[str, dict]:
         return {}
 
 
+def removed_before(store_dir: str, first) -> dict | None:
+    """The manifest's entry of the removed segment that ended where segment ``first`` (the oldest
+    left, an ops.spark.segments.Segment) begins: {"last_ts": newest store time it held, ...}; None
+    when the manifest does not say (a broker from before "removed", or not the segment just before)."""
+    path = os.path.join(store_dir, "segments.json")
+    try:
+        with open(path, "rb") as f:
+            e = json.load(f).get("removed")
+        start, end, last = int(e["start"]), int(e["end"]), int(e["last_ts"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if last < 0 or not start < first.base or end > first.base or first.base - start > max(first.size, 1):
+        return None
+    return {"name": e.get("name"), "start": start, "end": end, "last_ts": last}
+
+
 def can_hold(entry: dict | None, lo: int, hi: int) -> bool:
     """Whether a segment with this manifest entry may hold a record stored in [lo, hi)."""
     if entry is None:

@@ -36,7 +36,7 @@ from protocol.txlog import COMMIT
 
 from . import segments as seg_mod
 from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
-from .manifest import segments_for_window
+from .manifest import removed_before, segments_for_window
 from .snapshots import snapshot_files
 from .transactions import ALL_GROUPS, classify, half_summary
 
@@ -469,13 +469,21 @@ class _StoreRollup:
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
         if first is not None and first.base > 0:
-            # Retention removed the segments before this one (or a slave's log began here): the day of
-            # its first record may have begun in them. Days from the next on are whole.
+            # Retention removed the segments before this one (or a slave's log began here). A day is cut
+            # when a removed segment held records of it: the days up to that of the newest record
+            # removed (the manifest's "removed" entry says which). The log is contiguous, so every later
+            # day, records or none (a quiet weekend before the segment left), lies in the segments left.
+            # Without that entry, the day of the first record left may have begun in them: days from the
+            # next on are whole.
+            gone = removed_before(store_dir, first)
             ts = seg_mod.first_store_ts(first)
-            if ts is not None:
-                day0 = dt.datetime.fromtimestamp(ts / 1000, dt.timezone.utc).date()
-                self.whole_from = (day0 + dt.timedelta(days=1)).isoformat()
-                self.cut = (first.base, dt.datetime.fromtimestamp(ts / 1000, dt.timezone.utc).isoformat())
+            when = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)  # noqa: E731
+            if gone is not None:
+                self.whole_from = (when(gone["last_ts"]).date() + dt.timedelta(days=1)).isoformat()
+                self.cut = (first.base, f"the newest record removed was stored {when(gone['last_ts']).isoformat()}")
+            elif ts is not None:
+                self.whole_from = (when(ts).date() + dt.timedelta(days=1)).isoformat()
+                self.cut = (first.base, f"first record stored {when(ts).isoformat()}")
         self.snapshot_days = {os.path.basename(f)[:-len(".jsonl")] for f in snapshot_files(store_dir)}
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
                         "bytes_read": scan.bytes_read, "incremental": self.since is not None,
@@ -494,11 +502,17 @@ class _StoreRollup:
         return first is None or first >= self.since
 
     def dates(self) -> list[str]:
-        return _dates_present(self.scan, self.snaps)
+        """Every date from the store's first record or snapshot to its last: a day with neither in
+        between (a quiet weekend) is rolled up too, with no traffic and its undecided count."""
+        present = _dates_present(self.scan, self.snaps)
+        if not present:
+            return present
+        lo, hi = dt.date.fromisoformat(present[0]), dt.date.fromisoformat(present[-1])
+        return [(lo + dt.timedelta(days=k)).isoformat() for k in range((hi - lo).days + 1)]
 
     def owned(self, name: str, dates) -> set[str]:
         """The dates whose rows of table ``name`` this store can compute whole, so a run replaces them:
-        for the commit-log tables the days after the oldest record retention left; for the snapshot
+        for the commit-log tables the days after the newest record retention removed (see __init__); for the snapshot
         tables the days from its oldest snapshot file on. Other days keep what --out holds."""
         if name in LOG_TABLES:
             return {d for d in dates if self.whole_from is None or d >= self.whole_from}
@@ -510,7 +524,7 @@ class _StoreRollup:
     def not_whole(self, name: str) -> str:
         if name in LOG_TABLES:
             return (f"the store no longer holds the whole day (its log now starts at commit-log offset "
-                    f"{self.cut[0]}, first record stored {self.cut[1]}: retention removed the segments before)")
+                    f"{self.cut[0]}, {self.cut[1]}: retention removed the segments before)")
         return (f"the store's metric snapshots now begin with {min(self.snapshot_days)}.jsonl (older files "
                 "were removed: metrics_snapshot_retention_days)")
 

@@ -114,6 +114,30 @@ async def test_store_id_and_manifest_survive_a_restart(tmp_path):
 
 
 @bounded(30)
+async def test_the_manifest_names_the_newest_removed_segment_across_a_restart(tmp_path):
+    """segments.json's "removed": the entry of the last segment removed, which ends where the log now
+    starts. The rollup reads its last_ts to tell a day whose records went with it from one that lies
+    wholly in the segments left (a quiet weekend after the segment filled)."""
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    await send(ctx, 150)
+    facts = await ctx.store.segment_facts()
+    await ctx.store.remove_segment(facts[0].name, "plan")
+    await ctx.store.remove_segment(facts[1].name, "plan")
+    manifest = json.loads((tmp_path / "s" / "segments.json").read_text())
+    assert manifest["removed"] == dataclasses.asdict(facts[1])
+    assert manifest["segments"][0]["start"] == facts[1].start + SEG
+    await ctx.store.close()
+    ctx = await make(tmp_path, clock)
+    try:
+        await send(ctx, 100)                     # a roll rewrites the manifest: the entry stays
+        manifest = json.loads((tmp_path / "s" / "segments.json").read_text())
+        assert manifest["removed"] == dataclasses.asdict(facts[1])
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
 async def test_a_good_plan_removes_the_old_segments_and_dead_letters_the_half_inside_first(world):
     ctx, clock, half, old, fresh = world
     before = names(ctx)
