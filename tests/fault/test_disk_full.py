@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
 import urllib.request
 
@@ -33,6 +32,7 @@ from protocol.codes import ResponseCode
 from protocol.errors import ResponseError
 from tests.fault.test_transactions_kill import Ledger, _pending
 from tests.support.broker_process import BrokerProcess
+from tests.support.tmpfs import tmpfs
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -46,16 +46,8 @@ FLAGS = ("--segment-size", str(4 * MiB), "--max-message-size", str(256 * 1024),
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with tmpfs(tmp_path / "disk", "48m") as mount:
+        yield mount
 
 
 def _fill(path, size: int | None) -> int:

@@ -7,26 +7,18 @@ root; elsewhere the tests are skipped and say why.
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
 from broker.metrics import append_snapshot
 from ops.spark.snapshots import parse_line
+from tests.support.tmpfs import tmpfs
 
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with tmpfs(tmp_path / "disk", "1m") as mount:
+        yield mount
 
 
 def _fill(path) -> None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
-import subprocess
 import urllib.request
 
 import pytest
@@ -23,6 +21,7 @@ import pytest
 from tests.integration.test_retention_process import Undecided, _send
 from producer import TransactionProducer
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
+from tests.support.tmpfs import tmpfs
 
 pytestmark = pytest.mark.asyncio
 
@@ -35,16 +34,8 @@ FLAGS = ("--segment-size", str(MIB), "--max-message-size", "16384", "--transacti
 def disk(tmp_path):
     if LIBFAKETIME is None:
         pytest.skip(SKIP_REASON)
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with tmpfs(tmp_path / "disk", "128m") as mount:
+        yield mount
 
 
 def usage(path) -> float:

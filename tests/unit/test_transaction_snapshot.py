@@ -215,18 +215,8 @@ async def test_a_commit_type_copy_with_prepared_offset_0_does_not_commit_the_hal
 def test_a_decision_file_that_cannot_be_made_waits_in_memory_instead_of_crashing(tmp_path):
     """On a full disk a store into a hole of a mapping is SIGBUS: files are allocated before they are
     mapped, and when that fails (ENOSPC) the entries wait in memory, answered, until a file can be made."""
-    import subprocess
-    if os.geteuid() != 0:
-        import pytest
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        import pytest
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    from tests.support.tmpfs import tmpfs
+    with tmpfs(tmp_path / "disk", "64k") as disk:
         t = DecisionTable(str(disk / "decisions"), file_entries=16 * 1024)
         t.set(0, COMMIT)                                  # the first file: 16 KiB of 64
         ballast = disk / "ballast"
@@ -246,8 +236,6 @@ def test_a_decision_file_that_cannot_be_made_waits_in_memory_instead_of_crashing
         t.set(1, ROLLBACK)                                # any later write retries the waiting ones
         assert t.file_count == 2 and t.get(16 * 1024 + 5) == ROLLBACK and t.get(16 * 1024 + 6) == DEAD
         t.close()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 @bounded(20)
