@@ -384,6 +384,22 @@ async def test_shutdown_commits_an_owned_queue_even_if_unchanged_since_the_last_
     assert writes == [(mq, 7)]
 
 
+async def _beat_until(producer, heartbeat, enough: asyncio.Event) -> None:
+    """Run ``producer``'s heartbeat loop with ``heartbeat`` in place of its beats, a connection lost at the
+    start, until ``enough`` is set (10 s at most); then stop it."""
+    producer.heartbeat = heartbeat
+    task = asyncio.get_running_loop().create_task(producer._heartbeat_loop())
+    try:
+        async with asyncio.timeout(10):
+            await asyncio.sleep(0)
+            producer.pool.on_lost("127.0.0.1:10911")
+            await enough.wait()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await producer.pool.close()
+
+
 async def test_producer_heartbeat_is_sent_when_a_connection_breaks_and_backs_off_while_it_fails(monkeypatch):
     """A lost connection triggers a heartbeat soon (a restarted broker learns the group only from one);
     while beats fail they are retried after a back-off that doubles, and connections lost meanwhile (each
@@ -403,17 +419,7 @@ async def test_producer_heartbeat_is_sent_when_a_connection_breaks_and_backs_off
             enough.set()
         return answers.pop(0) if answers else True
 
-    producer.heartbeat = heartbeat
-    task = asyncio.get_running_loop().create_task(producer._heartbeat_loop())
-    try:
-        async with asyncio.timeout(10):
-            await asyncio.sleep(0)
-            producer.pool.on_lost("127.0.0.1:10911")
-            await enough.wait()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await producer.pool.close()
+    await _beat_until(producer, heartbeat, enough)
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     floors = [0.05, 0.1, 0.2, 0.05, 0.05]        # the back-off while failing, then the floor between beats
     assert all(floor - 0.005 <= gap < 5 for gap, floor in zip(gaps, floors)), gaps    # 5 s: far below 30 s
@@ -438,17 +444,7 @@ async def test_producer_heartbeat_back_off_is_capped_while_a_broker_stays_down(m
             enough.set()
         return False                                    # a broker that never answers
 
-    producer.heartbeat = heartbeat
-    task = asyncio.get_running_loop().create_task(producer._heartbeat_loop())
-    try:
-        async with asyncio.timeout(10):
-            await asyncio.sleep(0)
-            producer.pool.on_lost("127.0.0.1:10911")
-            await enough.wait()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await producer.pool.close()
+    await _beat_until(producer, heartbeat, enough)
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     assert sum(gaps[-3:]) < 1.5, gaps                   # uncapped: 0.4 + 0.8 + 1.6 s
 
