@@ -193,6 +193,7 @@ async def test_a_listener_past_the_handover_grace_is_cancelled_and_its_message_c
         await new.consumer.shutdown()
         await old.consumer.shutdown()
 
+
 async def test_shutdown_during_a_handover_still_finishes_commits_and_unlocks_the_queue(broker_factory):
     """Shutdown cancels the rebalance waiting on a hand-over: the hand-over still ends (the message in hand
     finished within shutdown's grace, committed, the orderly queue unlocked), so its new owner goes on."""

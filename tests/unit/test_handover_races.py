@@ -391,7 +391,6 @@ async def test_a_given_up_call_ending_late_leaves_the_queues_new_loop_alone():
     When the given-up call ends at last, its loop must change nothing: not the offset, and not the new
     loop's "message in hand" mark (dropped, shutdown cancelled the new loop's call at once instead of
     giving it shutdown_grace_s)."""
-    mq = MessageQueue("T", "b", 0)
     calls, cancelled_second = [], []
     first_in, second_in = asyncio.Event(), asyncio.Event()
     release_first, release_second = asyncio.Event(), asyncio.Event()
@@ -415,34 +414,9 @@ async def test_a_given_up_call_ending_late_leaves_the_queues_new_loop_alone():
             raise
         return ConsumeStatus.CONSUME_SUCCESS
 
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=0.1, abandon_after_s=0.1,
-                            shutdown_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
-
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
-
-    stored = {mq: 0}
-
-    async def start_offset(q):
-        return stored[q]
-
-    async def pull(q, offset, **kw):
-        if offset == 0:
-            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
-        await asyncio.Event().wait()
-
-    async def write(q, offset):
-        stored[q] = offset
-    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
-    consumer.client.pull = pull
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    consumer, mq, stored, _, ids = _one_queue(listener, {0: 1}, handover_grace_s=0.1, abandon_after_s=0.1,
+                                             shutdown_grace_s=10)
+    me = ids[0]
     try:
         await consumer.rebalance()
         await first_in.wait()
@@ -541,7 +515,6 @@ async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset
     consumes it from the committed offset. When the send-back returns at last, the given-up loop set the
     queue's offset past its batch's first message over the new loop's, and went on to the rest of its
     batch: a listener call on m1 from a loop no longer the queue's, alongside the new loop's."""
-    mq = MessageQueue("T", "b", 0)
     calls = []
     first_in, second_in, sent_back = asyncio.Event(), asyncio.Event(), asyncio.Event()
     release_send_back, release_rest = asyncio.Event(), asyncio.Event()
@@ -558,39 +531,13 @@ async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset
         await release_rest.wait()
         return ConsumeStatus.CONSUME_SUCCESS
 
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=0.1, abandon_after_s=0.1,
-                            shutdown_grace_s=0)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
-
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
-
-    stored = {mq: 0}
-
-    async def start_offset(q):
-        return stored[q]
-
-    async def pull(q, offset, **kw):
-        if offset == 0:
-            return PullResult(PullStatus.FOUND, 2, 0, 2, [MessageExt("T", b"m0", queue_offset=0),
-                                                          MessageExt("T", b"m1", queue_offset=1)])
-        await asyncio.Event().wait()
+    consumer, mq, stored, _, ids = _one_queue(listener, {0: 2}, handover_grace_s=0.1, abandon_after_s=0.1)
+    me = ids[0]
 
     async def send_back(q, msg, **kw):
         sent_back.set()
         await release_send_back.wait()
-
-    async def write(q, offset):
-        stored[q] = offset
-    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
-    consumer.client.pull, consumer.client.send_back = pull, send_back
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    consumer.client.send_back = send_back
     try:
         await consumer.rebalance()
         await first_in.wait()
@@ -615,26 +562,32 @@ async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset
         await consumer.shutdown()
 
 
-def _reset_fixture(listener, **options):
+def _one_queue(listener, batches: dict[int, int], **options):
+    """A PushConsumer of group G owning queue T/0 with its broker faked: a pull at an offset in ``batches``
+    finds that many messages from there (bodies m<offset>), any other waits for ever (a long poll with nothing
+    new); committed offsets land in ``stored``, pulled offsets in ``pulls``, and ``ids`` is the group
+    (this consumer alone at first: put "!" first to give the queue away)."""
     mq = MessageQueue("T", "b", 0)
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, shutdown_grace_s=0, **options)
+    options.setdefault("shutdown_grace_s", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, **options)
     consumer.subscribe("T")
-    stored, pulls = {mq: 0}, []
+    stored, pulls, ids = {mq: 0}, [], [consumer.client.client_id]
 
     async def fetch_queues(topic):
         return [mq] if topic == "T" else []
 
     async def consumer_ids(q):
-        return [consumer.client.client_id]
+        return list(ids)
 
     async def start_offset(q):
         return stored[q]
 
     async def pull(q, offset, **kw):
         pulls.append(offset)
-        if offset in (0, 5):
-            return PullResult(PullStatus.FOUND, offset + 2, 0, offset + 2,
-                              [MessageExt("T", b"m%d" % o, queue_offset=o) for o in (offset, offset + 1)])
+        if offset in batches:
+            n = batches[offset]
+            return PullResult(PullStatus.FOUND, offset + n, 0, offset + n,
+                              [MessageExt("T", b"m%d" % o, queue_offset=o) for o in range(offset, offset + n)])
         await asyncio.Event().wait()
 
     async def write(q, offset):
@@ -643,7 +596,7 @@ def _reset_fixture(listener, **options):
     consumer.client.pull = pull
     consumer._start_offset = start_offset
     consumer.offset_store.write = write
-    return consumer, mq, stored, pulls
+    return consumer, mq, stored, pulls, ids
 
 
 @bounded(20)
@@ -667,7 +620,7 @@ async def test_an_offset_reset_gives_up_a_listener_that_ignores_its_cancel(caplo
             return ConsumeStatus.CONSUME_SUCCESS
         await asyncio.Event().wait()
 
-    consumer, mq, stored, pulls = _reset_fixture(listener, abandon_after_s=0.2)
+    consumer, mq, stored, pulls, _ = _one_queue(listener, {0: 2, 5: 2}, abandon_after_s=0.2)
     try:
         await consumer.rebalance()
         await entered.wait()
@@ -702,7 +655,7 @@ async def test_a_loop_an_offset_reset_cancels_takes_no_further_message():
                 return ConsumeStatus.CONSUME_SUCCESS
         return ConsumeStatus.CONSUME_SUCCESS
 
-    consumer, mq, stored, pulls = _reset_fixture(listener, abandon_after_s=1)
+    consumer, mq, stored, pulls, _ = _one_queue(listener, {0: 2, 5: 2}, abandon_after_s=1)
     try:
         await consumer.rebalance()
         await entered.wait()
