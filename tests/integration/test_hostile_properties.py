@@ -71,7 +71,9 @@ async def test_a_send_backs_origin_msg_id_cannot_redirect_the_retry(broker):
         refused = await back("X\x02REAL_TOPIC\x01VictimTopic")
         assert refused.code == ResponseCode.MESSAGE_ILLEGAL, (refused.code, refused.remark)
         assert (await back("AC11000100002A9F0000000000000000")).code == ResponseCode.SUCCESS
-        await asyncio.sleep(2.5)        # delay level 1: one second
+        async with asyncio.timeout(15):    # delay level 1: delivered to %RETRY% after a second
+            while await _max_offset(conn, "%RETRY%CG_back") < 1:
+                await asyncio.sleep(0.1)
         assert await _max_offset(conn, "VictimTopic") == 0
         assert await _max_offset(conn, "%RETRY%CG_back") == 1
         pulled = await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
