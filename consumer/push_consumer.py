@@ -505,7 +505,7 @@ class PushConsumer:
         expression = self.subscriptions.get(mq.topic, "*")
         offset = None
         behind_since = None             # (offset, monotonic time): the broker says retry, offset unchanged
-        while not self._halted(mq) and not self._given_up():
+        while not self._halted(mq):     # _halted includes _given_up
             try:
                 if self.orderly and not self._locked(mq):
                     # Whoever held the queue meanwhile may have moved on: start again from the stored offset.

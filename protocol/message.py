@@ -552,7 +552,6 @@ def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, p
 # producer compressed inflates to at most that; four times it leaves room for producers configured larger,
 # and is the largest frame a broker takes. Past it the body is a zip bomb or a mistake, not a message.
 MAX_INFLATED_BODY = 16 * 1024 * 1024
-_INFLATE_CHUNK = 1 << 20
 
 
 def inflate(msg: MessageExt, max_size: int = MAX_INFLATED_BODY) -> str | None:
@@ -560,30 +559,21 @@ def inflate(msg: MessageExt, max_size: int = MAX_INFLATED_BODY) -> str | None:
     sysFlag COMPRESSED, and a broker keeps them so (RocketMQ's client inflates them, MessageDecoder). None
     when done (the COMPRESSED bit is then cleared: the body is no longer compressed) or not compressed; else
     why the body was left as stored, COMPRESSED still set: it does not inflate, or it inflates past
-    ``max_size`` bytes. Inflation is streamed and stops at ``max_size`` + 1 bytes, so a small hostile body
+    ``max_size`` bytes. Inflation stops at ``max_size`` + 1 bytes, so a small hostile body
     (a zip bomb: 1 MiB of deflated zeros is 1 GiB) costs at most about that much memory, never its whole."""
     if not msg.sys_flag & SysFlag.COMPRESSED:
         return None
     inflater = zlib.decompressobj()
-    parts = []
-    got = 0
-    data = msg.body
     try:
-        while True:
-            # max_length bounds each step; what zlib did not consume waits in unconsumed_tail
-            chunk = inflater.decompress(data, min(_INFLATE_CHUNK, max_size + 1 - got))
-            got += len(chunk)
-            parts.append(chunk)
-            if got > max_size:
-                return f"its body is marked compressed and inflates past {max_size} bytes (max_inflated_body)"
-            data = inflater.unconsumed_tail
-            if inflater.eof or (not data and not chunk):
-                break
-        if not inflater.eof:        # bytes after the stream's end are ignored, as zlib.decompress did
-            return "its body is marked compressed but does not inflate (its zlib stream is cut short)"
+        # max_length bounds the output (zlib grows it as it goes); input left over waits in unconsumed_tail
+        body = inflater.decompress(msg.body, max_size + 1)
     except zlib.error as exc:
         return f"its body is marked compressed but does not inflate ({exc})"
-    msg.body = b"".join(parts)
+    if len(body) > max_size:
+        return f"its body is marked compressed and inflates past {max_size} bytes (max_inflated_body)"
+    if not inflater.eof:        # bytes after the stream's end are ignored, as zlib.decompress did
+        return "its body is marked compressed but does not inflate (its zlib stream is cut short)"
+    msg.body = body
     msg.sys_flag &= ~SysFlag.COMPRESSED
     return None
 
