@@ -504,7 +504,7 @@ class PushConsumer:
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
         offset = None
-        behind_since = None             # (offset, monotonic time): the broker says retry, offset unchanged
+        behind_since = None             # (offset, since, next warning): the broker says retry, offset unchanged
         while not self._halted(mq):     # _halted includes _given_up
             try:
                 if self.orderly and not self._locked(mq):
