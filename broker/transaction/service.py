@@ -295,7 +295,7 @@ class TransactionService:
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
-        if from_check and self.core.parked():  # an answer frees a check slot: the parked may go now
+        if from_check and self.core.has_parked():  # an answer frees a check slot: the parked may go now
             self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group)
