@@ -393,6 +393,11 @@ class TransactionCore:
         """Transactions due and waiting for a check slot (stale entries of decided ones included)."""
         return sum(len(q) for q in self._parked.values())
 
+    def has_parked(self) -> bool:
+        """Any transaction waiting for a check slot: O(1), for every check answer (a group's queue is dropped
+        once empty, so a group listed has one)."""
+        return bool(self._parked)
+
     def _unpark(self, room_for: Callable[[str], int | None]) -> None:
         """Back on the schedule, due at once: as many parked transactions of each group as it has room; all of
         them when no producer of the group is here (None): parked, they were never deferred, so nothing

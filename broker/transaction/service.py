@@ -295,7 +295,7 @@ class TransactionService:
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
-        if from_check and self.core.parked():  # an answer frees a check slot: the parked may go now
+        if from_check and self.core.has_parked():  # an answer frees a check slot: the parked may go now
             self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group)
@@ -305,16 +305,9 @@ class TransactionService:
             if later is None:
                 return self._answer(self._write_decision(action, done))
             try:
-                floor, reqs = self._decision_begin(action, done)
+                self._put_decision(action, done, later)
             except DecisionError as exc:
                 return exc.code, exc.remark
-            written = _DecisionWritten(self, action, floor, done, later)
-            try:
-                self.ctx.store.put_many(reqs, then=written)
-            except BaseException:       # as _write_decision: left claimed, every later decision Waited for ever
-                if not written.done():
-                    self._decision_settled(action.tx, floor, done, False)
-                raise
             return None
         return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
@@ -369,8 +362,17 @@ class TransactionService:
         Settled by the store's writer when the records are written, not by this coroutine: once queued they
         are written whoever waits, so a caller cancelled meanwhile (a stop cancels the check timer) must not
         settle the decision as refused, leaving it pending with its op record in the log."""
-        floor, reqs = self._decision_begin(action, done)
         answer = asyncio.get_running_loop().create_future()
+        self._put_decision(action, done, answer, reclaim)
+        code, remark = await asyncio.shield(answer)
+        if code != ResponseCode.SUCCESS:
+            raise DecisionError(code, remark)
+        return remark
+
+    def _put_decision(self, action: Write, done: asyncio.Future, answer: asyncio.Future, reclaim: bool = False) -> None:
+        """Queue a claimed decision's records, ``answer`` settled with (code, remark) once written. If they
+        cannot be queued it is settled as not written here: left claimed, every later decision Waited for ever."""
+        floor, reqs = self._decision_begin(action, done)
         written = _DecisionWritten(self, action, floor, done, answer)
         try:
             self.ctx.store.put_many(reqs, reclaim, then=written)
@@ -378,10 +380,6 @@ class TransactionService:
             if not written.done():
                 self._decision_settled(action.tx, floor, done, False)
             raise
-        code, remark = await asyncio.shield(answer)
-        if code != ResponseCode.SUCCESS:
-            raise DecisionError(code, remark)
-        return remark
 
     def _decision_begin(self, action: Write, done: asyncio.Future) -> tuple[int, list]:
         """(op-queue floor held, records to write) for a claimed decision; if the records cannot be made,
