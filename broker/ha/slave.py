@@ -36,19 +36,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import struct
 from typing import Awaitable, Callable
 
 from protocol.connection import wait_within
-from protocol.message import BLANK_MAGIC
 
+from ..store.replica import chunk_end
 from .codec import HAProtocolError, TransferDecoder, encode_offset
 
 log = logging.getLogger("txmq.ha")
 
 RECONNECT_S = 1.0       # RocketMQ's HAClient retries every 5 s; a slave behind is worth a quicker retry
 PENDING_MAX = 32 * 1024 * 1024  # bytes handed to the writer, not yet stored: past it the socket is not read
-_MARKER = struct.Struct(">ii")   # a segment's end marker: TOTALSIZE (bytes left), BLANK magic
 DIVERGED_RETRY_S = 30.0  # a diverged log stays diverged until someone acts: retry, but do not flood the log
 REFUSED_MAX = 2         # sessions closed at once on the first report before comparing from a later segment start
 
@@ -206,11 +204,8 @@ class HASlave:
             raise HADivergedError(f"at offset {phys} the master's log holds other bytes than this slave's (whose "
                                   f"log ends at {end}): a master that lost its tail and took new messages, or "
                                   "another store than the one this slave copied")
-        upto = phys + n
-        if n == _MARKER.size and n == len(body):
-            size, magic = _MARKER.unpack(body)
-            if magic == BLANK_MAGIC:        # the end of a segment: what follows is the next one's start
-                upto = phys + size
+        # after a whole end marker, the next segment's start
+        upto = chunk_end(phys, body) if n == len(body) else phys + n
         if upto >= end:
             self._unverified = self.diverged = None
             log.info("master %s holds this slave's log up to its end %d: following", self.master_addr, end)

@@ -185,8 +185,9 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             report.records_scanned += 1
             if not sys_flag & 0x4:
                 key = (topic, qid)
-                qoff = _checked_qoff(seg, pos, key, qoff, expect.get(key),
-                                     lambda: _next_qoff(segs, i, pos + size, key))
+                want = expect.get(key)
+                if want is not None and qoff != want:       # rare: no call, no closure per record otherwise
+                    qoff = _checked_qoff(seg, pos, key, qoff, want, lambda: _next_qoff(segs, i, pos + size, key))
                 expect[key] = qoff + 1
                 _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
                              ts, tag_rule)
@@ -310,6 +311,12 @@ def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None,
 _LOOKAHEAD_RECORDS = 65536
 
 
+def _end_marker_at(seg: Segment, pos: int) -> bool:
+    """A segment's end marker (BLANK magic, TOTALSIZE the bytes left) starts at ``pos``."""
+    total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
+    return magic == BLANK_MAGIC and total == seg.size - pos
+
+
 def _next_qoff(segs: list, i: int, pos: int, key, end: int | None = None) -> int | None:
     """The queue offset the next record of ``key`` in the log carries, from segment ``i`` byte ``pos`` (headers
     only, no CRC); None when there is none before the end of the data (or ``end``), damage, or none within
@@ -323,9 +330,8 @@ def _next_qoff(segs: list, i: int, pos: int, key, end: int | None = None) -> int
             try:
                 size, qid, qoff, sys_flag, _ts, _p, topic, _span = parse_record(seg, pos, check_crc=False)
             except BadRecord:
-                total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
-                if magic == BLANK_MAGIC and total == seg.size - pos:
-                    break                           # the end marker: on in the next segment
+                if _end_marker_at(seg, pos):
+                    break                           # on in the next segment
                 return None
             if not sys_flag & 0x4 and (topic, qid) == key:
                 return qoff
@@ -393,9 +399,8 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
             try:
                 size, qid, qoff, sys_flag, ts, _p, topic, span = parse_record(seg, pos, check_crc=False)
             except BadRecord as bad:
-                total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
-                if magic == BLANK_MAGIC and total == seg.size - pos:
-                    break                           # the end marker
+                if _end_marker_at(seg, pos):
+                    break
                 # Damage before the verified range (the scan does not read it). Breaking here took every
                 # record after it in this segment for gone: their units became pre-blank and pulls skipped
                 # them. Go on from the next valid record; only the damaged one is lost.
@@ -412,7 +417,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
             key = (topic, qid)
             if not sys_flag & 0x4 and key in gaps:
                 cq = queues[key]
-                if key in seen:
+                if key in seen and qoff != cq.max_offset:     # only a mismatch costs a call and a closure
                     qoff = _checked_qoff(seg, pos, key, qoff, cq.max_offset,
                                          lambda: _next_qoff(clog.segments, si, pos + size, key, end))
                 seen.add(key)
