@@ -9,7 +9,6 @@ import os
 import re
 import sys
 import tempfile
-import urllib.parse
 
 from protocol.errors import StoreError
 
@@ -92,11 +91,11 @@ def require_writable(directory: str, what: str) -> None:
     Only local paths (and file: URIs) are checked (a Hadoop URI such as hdfs:// is Spark's to reach). Without this a
     bad --out failed when the results were written, after the whole store was decoded, in hundreds of
     lines of Java stack traces."""
-    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", directory)
-    if scheme is not None and scheme.group(1).lower() != "file":
+    from .rollup import _local_form      # file:///x and file:/x (how Hadoop prints a local path) are /x
+
+    path = _local_form(directory)
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
         return
-    # file:///x and file:/x (how Hadoop prints a local path) are /x, as Spark reads them.
-    path = urllib.parse.urlsplit(directory).path if scheme is not None else directory
     try:
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".txmq-probe-", dir=path)

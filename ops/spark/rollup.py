@@ -241,7 +241,9 @@ def write_partitions(spark, df, path: str, owned: dict[str, set[str]]):
     kept = _kept_rows(spark, path, df, dates, owned)
     full = mine if not kept else mine.unionByName(spark.createDataFrame(kept, df.schema))
     full.write.mode("overwrite").partitionBy("date").parquet(path)
-    present = {r["date"] for r in full.select("date").distinct().collect()}
+    # One action for both answers: the dates written, and (less the kept rows) how many are this run's.
+    counts = {r["date"]: r["n"] for r in full.groupBy("date").count().withColumnRenamed("count", "n").collect()}
+    present = set(counts)
     jvm = spark.sparkContext._jvm
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     for d in set(dates) - present:
@@ -249,7 +251,7 @@ def write_partitions(spark, df, path: str, owned: dict[str, set[str]]):
         fs = part.getFileSystem(conf)
         if fs.exists(part):
             fs.delete(part, True)
-    return mine.count(), full
+    return sum(counts.values()) - len(kept), full
 
 
 def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
