@@ -1,0 +1,167 @@
+"""broker/sql92.py against RocketMQ 4.9.8's SelectorParser.jj and filter expressions (ExpressionTest's
+cases among them): what parses, what each value gives, and hostile input refused with a SelectorError."""
+from __future__ import annotations
+
+import pytest
+
+from broker.sql92 import (MAX_DEPTH, MAX_LENGTH, MAX_OPERATORS, SelectorError, SelectorEvalError, compile_cached,
+                          parse)
+
+ERR = "error"
+
+
+def ev(expression: str, **props):
+    try:
+        return parse(expression).evaluate(props)
+    except SelectorEvalError:
+        return ERR
+
+
+@pytest.mark.parametrize("expression, props, want", [
+    # ExpressionTest (filter/src/test)
+    ("TAGS is not null and TAGS='''''tag'''''", {"TAGS": "''tag''"}, True),
+    ("a > 3.1E10", {"a": "3.1415E10"}, True),
+    ("a > 3.14", {"a": "3.1415"}, True),
+    ("a > b", {"a": "10", "b": "20"}, False),
+    ("a > b", {"a": "20", "b": "10"}, True),
+    ("a is null OR a='hello'", {}, True),
+    ("a is null OR a='hello'", {"a": "abc"}, False),
+    ("a=TRUE OR b=FALSE", {"a": "true", "b": "false"}, True),
+    ("a=TRUE OR b=FALSE", {"a": "false", "b": "true"}, False),
+    ("a is not null and a='hello'", {}, False),
+    ("a=3 and b<>4 And c>5 AND d<=4", {"a": "3", "b": "5", "c": "6", "d": "4"}, True),
+    ("a=3 or b<>4 Or c>5 OR d<=4", {"a": "4", "b": "4", "c": "5", "d": "5"}, False),
+    ("a in ('3', '4', '5')", {"a": "4"}, True),
+    ("a not in ('3', '4', '5')", {"a": "4"}, False),
+    ("a between 2 and 10", {"a": "10"}, True),
+    ("a not between 2 and 10", {"a": "1"}, True),
+    ("a=b", {"a": "3.14", "b": "3.14"}, True),
+    ("a<>b", {"a": "3.14", "b": "3.141"}, True),
+    ("a between 0 and 100", {"a": "abc"}, ERR),
+    # three-valued logic: an absent property is null; OR/AND decide past it
+    ("a = 5", {}, None),
+    ("NOT (a = 5)", {}, None),
+    ("5 = a", {}, False),                   # doCreateEqual: only a null left is unknown
+    ("NOT (5 = a)", {}, True),
+    ("a = b", {}, True),                    # null = null
+    ("a > 1 OR b = 'x'", {"b": "x"}, True),
+    ("a > 1 OR b = 'x'", {"b": "y"}, None),
+    ("a > 1 AND b = 'x'", {"b": "y"}, False),
+    ("NULL", {}, None),
+    ("TRUE", {}, True),
+    ("a", {"a": "true"}, False),            # a bare property: a String is never a Boolean
+    ("a", {}, None),
+    # Java's conversions: the String takes the number's type, or the evaluation fails
+    ("a > 1", {"a": "1.5"}, ERR),           # Integer.valueOf("1.5")
+    ("a > 1.0", {"a": "1.5"}, True),
+    ("a = 3000000000", {"a": "3000000000"}, True),   # a Long literal
+    ("a > 5", {"a": "3000000000"}, ERR),    # past an Integer
+    ("a > 5", {"a": " 6"}, ERR),            # parseInt takes no space
+    ("a > 5.5", {"a": " 6 "}, True),        # Double.valueOf trims
+    ("a > 5.5", {"a": "6d"}, True),
+    ("a > 5.5", {"a": "0x1p3"}, True),
+    ("a > 5.5", {"a": "1_000"}, ERR),
+    ("a > 100", {"a": "+101"}, True),
+    ("a > b", {"a": "NaN", "b": "1e300"}, True),     # Double.compare puts NaN above all
+    ("a > b", {"a": "abc", "b": "1"}, ERR),
+    ("a = 'x'", {"a": "x"}, True),
+    ("a = TRUE", {"a": "TRUE"}, True),      # Boolean.valueOf ignores case
+    ("TRUE = a", {"a": "true"}, ERR),       # Java casts the Boolean to a String: ClassCastException
+    ("1 = TRUE", {}, False),                # a number against a Boolean: "less"
+    ("a = 1", {"a": "x"}, ERR),
+    ("a > -1", {"a": "0"}, True),
+    ("-a > 1", {"a": "5"}, None),           # negating a String: null
+    ("a = 9007199254740993", {"a": "9007199254740993"}, True),
+    ("9007199254740993 = 9007199254740992.0", {}, True),  # long to double rounds, as in Java
+    ("a = 1 = TRUE", {"a": "1"}, True),
+    ("NOT a = 5", {"a": "7"}, False),       # (NOT a) = 5: NOT binds tighter, as RocketMQ's grammar
+    ("a IN ('x') OR b IN ('y')", {"b": "y"}, True),
+    ("a NOT IN ('x')", {}, None),
+    ("a BETWEEN -5 AND -1", {"a": "-3"}, True),
+    ("a BETWEEN 5 AND -1", {"a": "0"}, False),       # no check on negations
+    ("a > 1 /* a comment */ AND b < 2 -- another\n", {"a": "2", "b": "1"}, True),
+    ("a='it''s'", {"a": "it's"}, True),
+    ("a = 1.", {"a": "1"}, True),
+    ("a = .5e1", {"a": "5"}, True),
+    ("a = +5", {"a": "5"}, True),
+    ("a = 00.5", {"a": "0.5"}, True),
+    ("$x_1 = 'y'", {"$x_1": "y"}, True),
+    ("nothing = 'y'", {"nothing": "y"}, True),      # a keyword only when the whole word is one
+])
+def test_evaluation(expression, props, want):
+    assert ev(expression, **props) == want
+
+
+@pytest.mark.parametrize("expression, says", [
+    ("", "empty"),
+    ("   ", "empty"),
+    ("a >", "found the end"),
+    ("a = NULL", "IS NULL"),
+    ("TRUE = 1", "cannot be compared"),
+    ("a > 'x'", "cannot be compared"),
+    ("a > TRUE", "cannot be compared"),
+    ("a > (b = 1)", "cannot be compared"),
+    ("NOT a > 5", "cannot be compared"),
+    ("5", "boolean"),
+    ("'x' AND TRUE", "boolean"),
+    ("-a", "boolean"),
+    ("a = 1 b = 2", "after a complete expression"),
+    ("a = 1)", "after a complete expression"),
+    ("a > 1 -- no line break", "line break"),
+    ("a = 0L", "after a complete expression"),
+    ("a = 007", "after a complete expression"),
+    ("0.0 = a", "Double"),
+    ("a = 1e400", "Double"),
+    ("a = 1e-400", "Double"),
+    ("a = 9223372036854775808", "Long"),
+    ("a IN (1)", "quoted strings"),
+    ("a IN ()", "quoted strings"),
+    ("5 IN ('x')", "property"),
+    ("a BETWEEN 5 AND 1", "low bound"),
+    ("a BETWEEN NULL AND 1", "NULL"),
+    ("a BETWEEN 'x' AND 5", "cannot be compared"),
+    ("a LIKE 'x%'", "after a complete expression"),     # not in 4.9.8's grammar
+    ("a == 1", "expected a value"),
+    ("a != 1", "'!'"),
+    ("a IS 5", "after a complete expression"),
+    ("a IS NOT 5", "expected NULL"),
+    ("'abc", "unterminated string"),
+    ("/* x", "unterminated comment"),
+    ("é = 1", "'é'"),
+    ("a\v= 1", "'\\x0b'"),
+])
+def test_refused(expression, says):
+    with pytest.raises(SelectorError, match=None) as info:
+        parse(expression)
+    assert says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("expression", [
+    "(" * 10_000 + "a" + ")" * 10_000,
+    "NOT " * 3000 + "a",
+    "-" * 10_000 + "a > 1",
+    "a = 1" + " = TRUE" * 2000,
+    " OR ".join(["a = 1"] * (MAX_OPERATORS + 1)),
+    "a IN (" + ",".join(["'x'"] * 6000) + ")",
+])
+def test_hostile_input_is_a_clear_error(expression):
+    """Deep nesting, long chains and long text: a SelectorError naming the limit, never a RecursionError."""
+    with pytest.raises(SelectorError, match="nested more than|operators|characters long"):
+        parse(expression)
+
+
+def test_limits_leave_room():
+    """Just under each limit parses and evaluates (flattened AND/OR chains cost no recursion)."""
+    assert parse("(" * (MAX_DEPTH - 1) + "a = 1" + ")" * (MAX_DEPTH - 1)).evaluate({"a": "1"}) is True
+    assert parse(" OR ".join(f"a = {i}" for i in range(MAX_OPERATORS // 2))).evaluate({"a": "127"}) is True  # 255 operators
+    big_in = "a IN (" + ",".join(f"'{i}'" for i in range(1000)) + ")"
+    assert len(big_in) < MAX_LENGTH and parse(big_in).evaluate({"a": "999"}) is True
+
+
+def test_cache_keeps_errors_and_selectors():
+    assert compile_cached("a > 1") is compile_cached("a > 1")
+    for _ in range(2):
+        with pytest.raises(SelectorError, match="found the end"):
+            compile_cached("a >")
+    with pytest.raises(SelectorError, match="characters long"):
+        compile_cached("a" * (MAX_LENGTH + 1))
