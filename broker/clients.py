@@ -17,6 +17,8 @@ from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
 from protocol.message import java_string_hash
 
+from .sql92 import Selector, SelectorError, compile_cached
+
 log = logging.getLogger("txmq.clients")
 
 
@@ -41,6 +43,8 @@ class Subscription:
     codes: frozenset = frozenset()
     sub_version: int = 0
     expression_type: str = "TAG"
+    selector: Selector | None = None     # SQL92: the parsed expression (RocketMQ's ConsumerFilterData)
+    filter_error: str | None = None      # not a TAG subscription, and why it has no selector
 
     @property
     def matches_all(self) -> bool:
@@ -54,10 +58,24 @@ class Subscription:
         return lambda code: code in codes
 
 
+def is_tag_type(expression_type: str | None) -> bool:
+    """ExpressionType.isTagType: no type at all is TAG too."""
+    return expression_type in (None, "", "TAG")
+
+
 def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
                        expression_type: str = "TAG") -> Subscription:
-    """A TAG subscription from an expression like 'TagA || TagB' (FilterAPI.buildSubscriptionData); any other
-    ``expression_type`` is kept, for the pull to refuse."""
+    """A TAG subscription from an expression like 'TagA || TagB' (FilterAPI.buildSubscriptionData); an SQL92 one
+    with its parsed selector, or with ``filter_error`` saying why it does not parse (as any other type)."""
+    if not is_tag_type(expression_type):
+        try:
+            if expression_type != "SQL92":
+                raise SelectorError(f"expression type {expression_type} is not supported (TAG or SQL92)")
+            return Subscription(topic, expression, sub_version=sub_version, expression_type=expression_type,
+                                selector=compile_cached(expression))
+        except SelectorError as exc:
+            return Subscription(topic, expression, sub_version=sub_version, expression_type=expression_type,
+                                filter_error=str(exc))
     if expression is None or expression.strip() in ("", "*"):
         return Subscription(topic, "*", sub_version=sub_version, expression_type=expression_type)
     tags = frozenset(t.strip() for t in expression.split("||") if t.strip())
@@ -254,7 +272,7 @@ class ClientRegistry:
                 continue
             codes = sub.get("codeSet") or []
             tags = sub.get("tagsSet") or []
-            if codes or tags:
+            if (codes or tags) and is_tag_type(sub.get("expressionType")):
                 group.subscriptions[topic] = Subscription(
                     topic, sub.get("subString") or "*", frozenset(tags),
                     frozenset(int(c) for c in codes) or frozenset(java_string_hash(t) for t in tags), version,

@@ -56,6 +56,7 @@ class BrokerConfig:
     auto_create_topic: bool = setting(True, "Create unknown topics on first send from TBW102 (RocketMQ's default).")
     trace_topic_enable: bool = setting(False, "Create RMQ_SYS_TRACE_TOPIC (1 queue) at start when missing, as RocketMQ's traceTopicEnable (off by default there too): clients with message tracing send their traces to it, and it is a system topic, so with auto_create_topic off nothing else can create it (updateTopic refuses system topics). A client's customized trace topic is an ordinary topic: create it with updateTopic.")
     default_topic_queue_nums: int = setting(8, "Queues of TBW102, the auto-create template (RocketMQ's default).")
+    enable_property_filter: bool = setting(False, "Filter messages for consumers that subscribe with SQL92 (MessageSelector.bySql; RocketMQ's enablePropertyFilter, off there too). Off: CHECK_CLIENT_CONFIG and PULL refuse SQL92 with SYSTEM_ERROR, as a stock broker does, so a client fails at start rather than consuming unfiltered. Off by default because each SQL92 pull reads and evaluates the properties of every message it scans, on the event loop (README, 'SQL92 filtering'): turn it on for the consumers that need it.")
     long_polling: bool = setting(True, "Hold pulls that find nothing until a message arrives or the client's suspend time ends.")
     short_polling_ms: int = setting(1000, "Hold time when long polling is off.")
     max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")

@@ -474,7 +474,7 @@ class Selector:
 def parse(expression: str) -> Selector:
     """The Selector of ``expression``; SelectorError says why it does not parse."""
     if not isinstance(expression, str) or not expression.strip():
-        raise SelectorError("an SQL92 expression cannot be empty")
+        raise SelectorError("an SQL92 expression cannot be empty (nor other than text)")
     if len(expression) > MAX_LENGTH:
         raise SelectorError(f"the expression is {len(expression)} characters long, more than {MAX_LENGTH}")
     return Selector(expression, _Parser(expression).parse().fn)

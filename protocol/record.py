@@ -11,6 +11,7 @@ or host is copied or decoded. Positions are absolute in ``buf``.
     read_index_fields      STORETIMESTAMP, PREPARED TX OFFSET, BODY (its CRC   after the hosts (their lengths
                            optionally), TOPIC, where PROPERTIES lie            follow SYSFLAG's v6 bits)
     store_timestamp_at     STORETIMESTAMP                                      56, or 68 after an IPv6 born host
+    record_properties      PROPERTIES, as text                                 after BODY and TOPIC
 
 The caller judges what the head says (magic, size against its file, offset field against
 the record's place); read_index_fields checks that the lengths inside add up to TOTALSIZE
@@ -73,3 +74,14 @@ def store_timestamp_at(buf, pos: int) -> int:
     """STORETIMESTAMP of the record at pos (its SYSFLAG says where the field lies)."""
     sys_flag = _I32.unpack_from(buf, pos + 36)[0]
     return _I64.unpack_from(buf, pos + (68 if sys_flag & _BORN_V6 else 56))[0]
+
+
+def record_properties(buf) -> str:
+    """The PROPERTIES text of the whole record ``buf`` (a slice of a stored record), decoded as Java's
+    MessageDecoder.decodeProperties does: bytes that are not UTF-8 read as U+FFFD. The record was checked
+    when stored; a damaged one raises struct.error or IndexError."""
+    sys_flag = _I32.unpack_from(buf, 36)[0]
+    p = 84 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
+    p += 4 + _I32.unpack_from(buf, p)[0]
+    p += 1 + buf[p]
+    return str(buf[p + 2:p + 2 + _I16.unpack_from(buf, p)[0]], "utf-8", "replace")

@@ -8,6 +8,8 @@ import logging
 from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
 
+from ..clients import build_subscription, is_tag_type
+
 log = logging.getLogger("txmq.clients")
 # A client past a lock cap asks again every few seconds (each rebalance): say so once in this long.
 _REFUSAL_LOG_INTERVAL_MS = 10_000
@@ -41,13 +43,23 @@ def get_consumer_list_by_group(ctx, conn, cmd):
 
 
 def check_client_config(ctx, conn, cmd):
+    """A Java consumer with an SQL92 subscription asks this of every broker at start, and fails to start on
+    anything but SUCCESS (ClientManageProcessor.checkClientConfig)."""
     try:
         data = json.loads(cmd.body_bytes() or b"{}")
-        expression_type = (data.get("subscriptionData") or {}).get("expressionType") or "TAG"
+        sub = data.get("subscriptionData") or {}
+        expression_type, expression = sub.get("expressionType"), sub.get("subString")
     except (ValueError, AttributeError, RecursionError):
         raise HeaderError("CHECK_CLIENT_CONFIG body is not a JSON object") from None
-    if expression_type != "TAG":
+    if is_tag_type(expression_type):
+        return cmd.response(ResponseCode.SUCCESS)
+    if not ctx.config.enable_property_filter:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The broker does not support consumer to filter message by {expression_type}")
+    why = build_subscription(str(sub.get("topic")), expression, 0, str(expression_type)).filter_error
+    if why is not None:
+        log.warning("client %s of group %s: SQL92 expression %r refused: %s", data.get("clientId"), data.get("group"),
+                    expression, why)
+        return cmd.response(ResponseCode.SUBSCRIPTION_PARSE_FAILED, why)
     return cmd.response(ResponseCode.SUCCESS)
 
 

@@ -5,19 +5,49 @@ the commit log handed to the transport without a copy.
 """
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import time
 
 from protocol.codes import Perm, PullSysFlag, ResponseCode
-from protocol.message import POS_PHYSICAL_OFFSET
+from protocol.message import POS_PHYSICAL_OFFSET, string_to_properties
+from protocol.record import record_properties
 
 from ..clients import build_subscription
+from ..sql92 import SelectorEvalError
 from ..store import GetStatus
+
+log = logging.getLogger("txmq.pull")
 
 # Store status -> (response code, how nextBeginOffset is chosen) on a master (spec 3.7 table).
 _MAX_BYTES = 256 * 1024
 _PHYS = struct.Struct(">q")
 _RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+_EVAL_LOG_INTERVAL_S = 10.0
+_eval_errors = {"logged_at": float("-inf"), "unlogged": 0}
+
+
+def selector_filter(selector, group: str, topic: str):
+    """The store's record filter for an SQL92 subscription (ExpressionMessageFilter.isMatchedByCommitLog): the
+    record's properties (TAGS among them) evaluated; only TRUE passes. A message whose values cannot be
+    compared does not pass, as in RocketMQ, and is logged (at most every 10 s, a count of the others)."""
+    evaluate = selector.evaluate
+
+    def matches(record) -> bool:
+        try:
+            return evaluate(string_to_properties(record_properties(record))) is True
+        except (SelectorEvalError, struct.error, IndexError) as exc:
+            now = time.monotonic()
+            if now - _eval_errors["logged_at"] < _EVAL_LOG_INTERVAL_S:
+                _eval_errors["unlogged"] += 1
+                return False
+            log.warning("group %s, topic %s: SQL92 filter %r cannot evaluate a message, which it passes over: %s "
+                        "(%d more such messages since the last warning)", group, topic, selector.expression, exc,
+                        _eval_errors["unlogged"])
+            _eval_errors.update(logged_at=now, unlogged=0)
+            return False
+    return matches
 
 
 def on_disk(ctx, physical_offset: int) -> bool:
@@ -114,30 +144,41 @@ def handle_pull(ctx, conn, cmd):
                 and getattr(ctx.clients.consumers.get(group), "message_model", None) == "BROADCASTING":
             return cmd.response(ResponseCode.NO_PERMISSION,
                                 f"the consumer group[{group}] can not consume by broadcast way")
-    if sub.expression_type != "TAG":     # read as a tag no message has, it skipped every message unsaid
-        return cmd.response(ResponseCode.SYSTEM_ERROR,
-                            f"The broker does not support consumer to filter message by {sub.expression_type}")
+    record_filter = None
+    if sub.selector is not None or sub.filter_error is not None:       # not a TAG subscription
+        if not ctx.config.enable_property_filter:   # read as a tag no message has, it skipped every message unsaid
+            return cmd.response(ResponseCode.SYSTEM_ERROR,
+                                f"The broker does not support consumer to filter message by {sub.expression_type}")
+        if sub.selector is None:
+            # RocketMQ builds no filter from an expression carried by the pull that does not parse, and then
+            # gives every message: refused here, as its code means to.
+            if sys_flag & PullSysFlag.SUBSCRIPTION:
+                return cmd.response(ResponseCode.SUBSCRIPTION_PARSE_FAILED,
+                                    f"parse the consumer's subscription failed: {sub.filter_error}")
+            return cmd.response(ResponseCode.FILTER_DATA_NOT_EXIST, "The broker's consumer filter data is not "
+                                f"exist!Your expression may be wrong! ({sub.filter_error})")
+        record_filter = selector_filter(sub.selector, group, topic)
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE":     # as RocketMQ: not on a slave
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:
             ctx.offsets.commit(group, topic, qid, commit)
     tag_filter = sub.tag_filter()
-    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
+    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter, record_filter)
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
     if sys_flag & PullSysFlag.SUSPEND and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:
         suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
         hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
         if hold_ms > 0:
-            return _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms)
+            return _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, (tag_filter, record_filter), hold_ms)
     return _reply(ctx, cmd, group, topic, got)
 
 
-async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filter, hold_ms):
+async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, filters, hold_ms):
     if conn is not None and not conn.is_open:      # closed before this task ran: nobody to answer
         return None
     # Read again as the wait registers (no await in between): a message stored since the first
     # read, before this task ran, was dispatched to no waiter and would not wake this one.
-    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
+    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, *filters)
     if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
         return _reply(ctx, cmd, group, topic, got)
     parked = conn is not None and conn.park()      # not counted in flight while it waits
@@ -146,5 +187,5 @@ async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filte
     finally:
         if parked:
             conn.unpark()
-    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
+    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, *filters)
     return _reply(ctx, cmd, group, topic, got)
