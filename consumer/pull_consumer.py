@@ -47,6 +47,37 @@ class PullStatus(enum.Enum):
     OFFSET_ILLEGAL = ResponseCode.PULL_OFFSET_MOVED
 
 
+@dataclass(frozen=True, slots=True)
+class MessageSelector:
+    """What a subscription selects (RocketMQ's MessageSelector): ``by_tag("a || b")`` (``"*"``: everything) or
+    ``by_sql("a > 5 AND TAGS IN ('x')")``, evaluated by the broker on each message's properties, which a
+    broker filters by only when its property filter is on (txmq: ``--enable-property-filter``; a refusal
+    raises at ``subscribe`` or start, as a Java consumer fails to start). Wherever a consumer takes an
+    expression, a plain string is a tag expression."""
+    expression: str
+    expression_type: str = "TAG"
+
+    @classmethod
+    def by_tag(cls, tags: str | None) -> "MessageSelector":
+        """Messages whose tag is one of ``tags`` (``"a || b"``); ``"*"`` or nothing: every message."""
+        return cls(tags or "*", "TAG")
+
+    @classmethod
+    def by_sql(cls, sql: str) -> "MessageSelector":
+        """Messages whose properties make ``sql`` true (RocketMQ 4.9.8's SQL92 subset); ValueError if empty."""
+        if not sql or not sql.strip():      # as FilterAPI.build: the Java client refuses it before sending
+            raise ValueError("an SQL92 expression cannot be empty")
+        return cls(sql, "SQL92")
+
+    @property
+    def is_tag(self) -> bool:
+        return self.expression_type == "TAG"
+
+
+def as_selector(expression: "str | MessageSelector") -> MessageSelector:
+    return expression if isinstance(expression, MessageSelector) else MessageSelector.by_tag(expression)
+
+
 @dataclass(slots=True)
 class PullResult:
     """A pull's messages and where to pull next (``next_begin_offset``), with the queue's min/max."""
@@ -85,7 +116,7 @@ class PullConsumer:
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
         self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self._brokers: dict[str, str] = {}
-        self.subscriptions: dict[str, str] = {}
+        self.subscriptions: dict[str, "str | MessageSelector"] = {}
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
@@ -175,19 +206,42 @@ class PullConsumer:
             self._route_at.pop(mq.topic, None)
         return resp
 
-    async def subscribe(self, topic: str, expression: str = "*") -> None:
-        """Register the group and subscription with a heartbeat (needed only for pulls without a subscription)."""
-        self.subscriptions[topic] = expression
+    async def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
+        """Register the group and subscription with a heartbeat (needed only for pulls without a subscription).
+        An SQL92 selector is first checked by every broker of the topic: a refusal (the broker's property filter
+        is off, or the expression does not parse) raises its ResponseError and subscribes nothing."""
         await self.fetch_queues(topic)
+        await self.check_subscription(topic, expression)
+        self.subscriptions[topic] = expression
         await self.heartbeat()
+
+    async def check_subscription(self, topic: str, expression: str | MessageSelector) -> None:
+        """CHECK_CLIENT_CONFIG, as a Java consumer sends it at start for each subscription that is not by tag
+        (MQClientInstance.checkClientInBroker), to every broker known."""
+        selector = as_selector(expression)
+        if selector.is_tag:
+            return
+        body = json.dumps({"clientId": self.client_id, "group": self.group, "subscriptionData": {
+            "topic": topic, "subString": selector.expression, "expressionType": selector.expression_type,
+            "tagsSet": [], "codeSet": [], "subVersion": 0, "classFilterMode": False}}).encode()
+        for addr in set(self._brokers.values()):
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.CHECK_CLIENT_CONFIG, body=body),
+                                           self.timeout)
+            if resp.code != ResponseCode.SUCCESS:
+                raise error_for_code(resp.code, f"broker {addr} refuses {selector.expression_type} expression "
+                                                f"{selector.expression!r}: {resp.remark}")
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
                         consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
         """Announce the group and its subscriptions to every known broker; a broker that does not answer
         does not keep the others from hearing (the first failure is raised once all were tried)."""
-        subs = [{"topic": t, "subString": e, "tagsSet": [] if e == "*" else [x.strip() for x in e.split("||")],
-                 "codeSet": [], "subVersion": int(time.time() * 1000), "expressionType": "TAG",
-                 "classFilterMode": False} for t, e in self.subscriptions.items()]
+        subs = []
+        for t, e in self.subscriptions.items():
+            sel = as_selector(e)
+            tags = [] if not sel.is_tag or sel.expression == "*" else [x.strip() for x in sel.expression.split("||")]
+            subs.append({"topic": t, "subString": sel.expression, "tagsSet": tags, "codeSet": [],
+                         "subVersion": int(time.time() * 1000), "expressionType": sel.expression_type,
+                         "classFilterMode": False})
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
@@ -203,9 +257,12 @@ class PullConsumer:
         if failed is not None:
             raise failed
 
-    async def pull(self, mq: MessageQueue, offset: int, *, max_nums: int = 32, expression: str = "*",
-                   suspend_ms: int = 0, commit_offset: int | None = None) -> PullResult:
-        """One pull; with ``suspend_ms`` > 0 the broker holds it until a message arrives (long polling)."""
+    async def pull(self, mq: MessageQueue, offset: int, *, max_nums: int = 32,
+                   expression: str | MessageSelector = "*", suspend_ms: int = 0,
+                   commit_offset: int | None = None) -> PullResult:
+        """One pull; with ``suspend_ms`` > 0 the broker holds it until a message arrives (long polling).
+        ``expression``: tags (``"a || b"``) or a ``MessageSelector``."""
+        selector = as_selector(expression)
         sys_flag = PullSysFlag.SUBSCRIPTION
         if suspend_ms > 0:
             sys_flag |= PullSysFlag.SUSPEND
@@ -214,8 +271,8 @@ class PullConsumer:
         cmd = RemotingCommand.request(RequestCode.PULL_MESSAGE, {
             "consumerGroup": self.group, "topic": mq.topic, "queueId": mq.queue_id, "queueOffset": offset,
             "maxMsgNums": max_nums, "sysFlag": sys_flag, "commitOffset": commit_offset or 0,
-            "suspendTimeoutMillis": suspend_ms, "subscription": expression, "subVersion": 0,
-            "expressionType": "TAG"})
+            "suspendTimeoutMillis": suspend_ms, "subscription": selector.expression, "subVersion": 0,
+            "expressionType": selector.expression_type})
         resp = await self._request(mq, cmd, self.timeout + suspend_ms / 1000)
         if resp.code not in (0, 19, 20, 21):
             raise error_for_code(resp.code, resp.remark)
@@ -226,13 +283,14 @@ class PullConsumer:
                 if why is not None:
                     log.error("message %s of %s (queue %d offset %d): %s; it is given as stored, sysFlag "
                               "COMPRESSED still set", m.msg_id, m.topic, m.queue_id, m.queue_offset, why)
-        if expression not in ("", "*"):
-            tags = {t.strip() for t in expression.split("||")}
+        if selector.is_tag and selector.expression not in ("", "*"):      # SQL92: only the broker can tell
+            tags = {t.strip() for t in selector.expression.split("||")}
             messages = [m for m in messages if m.tags in tags]
         return PullResult(PullStatus(resp.code), resp.int_field("nextBeginOffset", offset),
                           resp.int_field("minOffset", 0), resp.int_field("maxOffset", 0), messages)
 
-    async def drain(self, mq: MessageQueue, offset: int, *, max_nums: int = 32, expression: str = "*",
+    async def drain(self, mq: MessageQueue, offset: int, *, max_nums: int = 32,
+                    expression: str | MessageSelector = "*",
                     inflight: int = 4) -> AsyncIterator[PullResult]:
         """Pull ``mq`` from ``offset`` until caught up, with up to ``inflight`` pulls in flight.
 

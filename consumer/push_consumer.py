@@ -35,7 +35,7 @@ from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
 from .offset_store import DEFAULT_DIR, BrokerOffsetStore, LocalOffsetStore
-from .pull_consumer import MessageQueue, PullConsumer, PullStatus
+from .pull_consumer import MessageQueue, MessageSelector, PullConsumer, PullStatus
 from .rebalance import allocate_averagely
 
 log = logging.getLogger("txmq.consumer")
@@ -130,7 +130,7 @@ class PushConsumer:
         self._owned: set[MessageQueue] = set()
         self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
         self._lock_changed = asyncio.Event()
-        self.subscriptions: dict[str, str] = {}
+        self.subscriptions: dict[str, str | MessageSelector] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
         self._committed: dict[MessageQueue, int] = {}
@@ -150,8 +150,9 @@ class PushConsumer:
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
 
-    def subscribe(self, topic: str, expression: str = "*") -> None:
-        """Consume ``topic``, only tags in ``expression`` (``"a || b"``; ``"*"`` for all). Before start()."""
+    def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
+        """Consume ``topic``, only tags in ``expression`` (``"a || b"``; ``"*"`` for all), or what a
+        ``MessageSelector.by_sql(...)`` selects (checked with the brokers at start). Before start()."""
         self.subscriptions[topic] = expression
 
     @property
@@ -171,8 +172,9 @@ class PushConsumer:
     async def start(self) -> "PushConsumer":
         """Announce the group, take this consumer's share of the queues and start consuming; returns self."""
         for topic, expression in self._topics().items():
-            self.client.subscriptions[topic] = expression
             await self.client.fetch_queues(topic)
+            await self.client.check_subscription(topic, expression)     # an SQL92 one the broker refuses: raise
+            self.client.subscriptions[topic] = expression
         await self._heartbeat()
         await self.rebalance()
         loop = asyncio.get_running_loop()

@@ -65,6 +65,7 @@ _CLIENT_API = {
     "TransactionSendResult": "producer", "MessageQueue": "producer",
     "PullConsumer": "consumer", "PushConsumer": "consumer", "ConsumeStatus": "consumer",
     "PullResult": "consumer", "PullStatus": "consumer", "SqliteIdempotency": "consumer",
+    "MessageSelector": "consumer",
 }
 __all__ = ["__version__", *_CLIENT_API]
 

@@ -1,0 +1,170 @@
+"""SQL92 message filtering (MessageSelector.bySql) against the real broker, in the frames a stock Java 4.9.8
+client sends: CHECK_CLIENT_CONFIG at start, the subscription in its heartbeat, then pulls that name it (a
+lite pull consumer: sysFlag SUBSCRIPTION) or not (a push consumer: the heartbeat's). The frames are
+written here byte by byte, as fastjson writes a JSON header, not with protocol.command."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from consumer import MessageSelector, PullConsumer
+from producer import Producer
+from protocol.codes import ResponseCode
+from protocol.message import decode_records
+from tests.support.bounded import bounded
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+TOPIC = "SqlOrders"
+GROUP = "CG_sql"
+CLIENT_ID = "127.0.0.1@4242#1"
+QUEUES = 4       # a topic a producer creates has its defaultTopicQueueNums, 4
+SQL = "a BETWEEN 3 AND 7 AND TAGS IN ('red') OR vip = 'yes'"
+
+
+def _expected(messages) -> set[bytes]:
+    """What SQL selects, worked out by hand: a (an Integer) 3..7 with tag red, or vip yes. A message whose a
+    is not a number cannot be compared, and is passed over unless vip decided first (OR is left to right)."""
+    out = set()
+    for body, tags, props in messages:
+        a = props.get("a")
+        numeric = a is not None and a.lstrip("-").isdigit()
+        left = numeric and 3 <= int(a) <= 7 and tags == "red"
+        if left or (numeric or a is None) and props.get("vip") == "yes":
+            out.add(body)
+    return out
+
+
+def _messages():
+    out = []
+    for i in range(24):
+        props = {"a": str(i)} if i % 5 else {}            # every fifth has no a: null, unknown
+        if i % 7 == 3:
+            props["vip"] = "yes"
+        if i == 11:
+            props["a"] = "eleven"                          # not a number: this one cannot be evaluated
+        out.append((f"m{i}".encode(), "red" if i % 2 else "blue", props))
+    return out
+
+
+def java_frame(code: int, opaque: int, ext: dict[str, str] | None, body: bytes = b"") -> bytes:
+    """A request frame as RocketMQ 4.9.8's Java client writes it: JSON header, fields in fastjson's order."""
+    fields = f'"extFields":{json.dumps(ext, separators=(",", ":"))},' if ext else ""
+    header = (f'{{"code":{code},{fields}"flag":0,"language":"JAVA","opaque":{opaque},'
+              f'"serializeTypeCurrentRPC":"JSON","version":409}}').encode()
+    return struct.pack(">ii", 4 + len(header) + len(body), len(header)) + header + body
+
+
+class JavaConsumer:
+    """The requests of a stock consumer with an SQL92 subscription, on one raw connection."""
+
+    def __init__(self, raw: RawClient):
+        self.raw, self.opaque = raw, 0
+
+    async def call(self, code: int, ext=None, body: bytes = b""):
+        self.opaque += 1
+        replies = await self.raw.call_raw(java_frame(code, self.opaque, ext, body), self.opaque, 10.0)
+        assert replies, f"no reply to request code {code}"
+        return replies[0]
+
+    def subscription(self, expression: str, version: int = 1) -> dict:
+        return {"classFilterMode": False, "codeSet": [], "expressionType": "SQL92", "subString": expression,
+                "subVersion": version, "tagsSet": [], "topic": TOPIC}
+
+    async def check(self, expression: str):
+        body = {"clientId": CLIENT_ID, "group": GROUP, "subscriptionData": self.subscription(expression)}
+        return await self.call(46, None, json.dumps(body).encode())
+
+    async def heartbeat(self, expression: str, version: int):
+        body = {"clientID": CLIENT_ID, "consumerDataSet": [{
+            "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "consumeType": "CONSUME_PASSIVELY", "groupName": GROUP,
+            "messageModel": "CLUSTERING", "subscriptionDataSet": [self.subscription(expression, version)],
+            "unitMode": False}], "producerDataSet": [{"groupName": "CLIENT_INNER_PRODUCER"}]}
+        reply = await self.call(34, None, json.dumps(body).encode())
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+
+    async def pull(self, queue_id: int, offset: int, version: int, expression: str | None):
+        ext = {"consumerGroup": GROUP, "topic": TOPIC, "queueId": str(queue_id), "queueOffset": str(offset),
+               "maxMsgNums": "32", "sysFlag": "0", "commitOffset": "0", "suspendTimeoutMillis": "0",
+               "subVersion": str(version), "expressionType": "SQL92"}
+        if expression is not None:      # a lite pull consumer sends its subscription; a push consumer does not
+            ext.update(sysFlag="4", subscription=expression)
+        return await self.call(11, ext)
+
+    async def drain(self, version: int, expression: str | None = None) -> list[bytes]:
+        """Every queue pulled from 0 until caught up; the bodies delivered."""
+        bodies = []
+        for qid in range(QUEUES):
+            offset = 0
+            for _ in range(50):                              # bounded: 24 messages in all
+                reply = await self.pull(qid, offset, version, expression)
+                assert reply.code in (ResponseCode.SUCCESS, ResponseCode.PULL_NOT_FOUND,
+                                      ResponseCode.PULL_RETRY_IMMEDIATELY), (reply.code, reply.remark)
+                if reply.code == ResponseCode.SUCCESS:
+                    bodies += [m.body for m in decode_records(reply.body_bytes())]
+                nxt = reply.int_field("nextBeginOffset")
+                if reply.code == ResponseCode.PULL_NOT_FOUND or nxt >= reply.int_field("maxOffset"):
+                    break
+                assert nxt > offset, (qid, offset, reply.code)
+                offset = nxt
+            else:
+                pytest.fail(f"queue {qid} never caught up")
+        return bodies
+
+
+async def _produce(broker, messages):
+    async with Producer(broker.namesrv, "PG_sql") as producer:
+        for body, tags, props in messages:
+            await producer.send(TOPIC, body, tags=tags, properties=props or None)
+
+
+@bounded(90)
+async def test_a_stock_sql92_consumer_gets_exactly_the_matching_messages(broker_factory):
+    broker = broker_factory("--enable-property-filter", "true")
+    messages = _messages()
+    await _produce(broker, messages)
+    want = _expected(messages)
+    assert 0 < len(want) < len(messages) and b"m11" not in want
+    raw = await RawClient.open(broker.broker)
+    try:
+        java = JavaConsumer(raw)
+        ok = await java.check(SQL)
+        assert ok.code == ResponseCode.SUCCESS, ok.remark
+        bad = await java.check("a > ")
+        assert bad.code == ResponseCode.SUBSCRIPTION_PARSE_FAILED and "found the end" in bad.remark, bad.remark
+
+        await java.heartbeat(SQL, 1)
+        got = await java.drain(1)                            # push consumer: the heartbeat's subscription
+        assert sorted(got) == sorted(want)
+        got = await java.drain(1, SQL)                       # lite pull consumer: the pull's own
+        assert sorted(got) == sorted(want)
+        assert sorted(await java.drain(1, "TAGS = 'blue'")) == sorted(b for b, t, _ in messages if t == "blue")
+
+        reply = await java.pull(0, 0, 1, "a >>> 1")          # RocketMQ would have given every message
+        assert reply.code == ResponseCode.SUBSCRIPTION_PARSE_FAILED, (reply.code, reply.remark)
+        await java.heartbeat("a >>> 1", 2)                   # a heartbeat's cannot be refused; its pulls are
+        reply = await java.pull(0, 0, 2, None)
+        assert reply.code == ResponseCode.FILTER_DATA_NOT_EXIST and "'>'" in reply.remark, (reply.code, reply.remark)
+    finally:
+        raw.close()
+
+
+@bounded(90)
+async def test_our_pull_consumer_subscribes_by_sql(broker_factory):
+    broker = broker_factory("--enable-property-filter", "true")
+    messages = _messages()
+    await _produce(broker, messages)
+    async with PullConsumer(broker.namesrv, "CG_sql_ours") as consumer:
+        selector = MessageSelector.by_sql(SQL)
+        await consumer.subscribe(TOPIC, selector)            # checks the expression with the broker first
+        got = []
+        for mq in await consumer.fetch_queues(TOPIC):
+            async for res in consumer.drain(mq, 0, expression=selector):
+                got += [m.body for m in res.messages]
+        assert sorted(got) == sorted(_expected(messages))
+        with pytest.raises(Exception, match="found the end") as info:
+            await consumer.subscribe(TOPIC, MessageSelector.by_sql("a >"))
+        assert getattr(info.value, "code", None) == ResponseCode.SUBSCRIPTION_PARSE_FAILED
