@@ -63,7 +63,7 @@ _DOUBLE = struct.Struct(">d")
 
 
 def _java_integer(text: str, limit: int) -> int:
-    if _JAVA_INT.fullmatch(text):
+    if text.isascii() and text.isdigit() or _JAVA_INT.fullmatch(text):     # the first test: the usual case, fast
         value = int(text)
         if -limit - 1 <= value <= limit:
             return value
@@ -198,8 +198,35 @@ def _negate(node: _Node) -> _Node:
     return _Node("value", fn, node.depth + 1)
 
 
+# A property's String compared with a constant of each type becomes that type (__compare's conversions).
+_CONVERT = {int: lambda s: _java_integer(s, _INT_MAX), Long: lambda s: _java_integer(s, _LONG_MAX),
+            float: _java_double, str: lambda s: s}
+
+
+def _against_constant(left: _Node, right: _Node):
+    """(property getter, constant, its converter, constant on the left) when one side is a property and the
+    other a number or String constant, else None: the common case, compared without _compare's dispatch."""
+    for prop, const, const_left in ((left, right, False), (right, left, True)):
+        if prop.kind == "prop" and const.kind == "const" and type(const.value) in _CONVERT:
+            return prop.fn, const.value, _CONVERT[type(const.value)], const_left
+    return None
+
+
+def _sign(a, b) -> int:
+    return _double_compare(a, b) if type(a) is float else (a > b) - (a < b)
+
+
 def _equal(left: _Node, right: _Node) -> _Node:
     """doCreateEqual: both null is TRUE; a null left is unknown, a null right (the left not null) FALSE."""
+    fast = _against_constant(left, right)
+    if fast is not None:
+        get, c, convert, const_left = fast
+        missing = False if const_left else None
+
+        def fn(props):
+            v = get(props)
+            return missing if v is None else _sign(convert(v), c) == 0
+        return _Node("bool", fn, 2)
     lf, rf = left.fn, right.fn
 
     def fn(props):
@@ -227,7 +254,18 @@ def _ordering(op: str, left: _Node, right: _Node) -> _Node:
     for node in (left, right):      # checkLessThanOperand: numbers, properties and negations only
         if node.kind in ("bool", "bool_const") or node.kind == "const" and type(node.value) not in (int, Long, float):
             raise SelectorError(f"{_describe(node)} cannot be compared with '{op}'")
-    lf, rf, test = left.fn, right.fn, _ORDER[op]
+    test = _ORDER[op]
+    fast = _against_constant(left, right)
+    if fast is not None:
+        get, c, convert, const_left = fast
+
+        def fn(props):
+            v = get(props)
+            if v is None:
+                return None
+            return test(_sign(c, convert(v)) if const_left else _sign(convert(v), c))
+        return _Node("bool", fn, 2)
+    lf, rf = left.fn, right.fn
 
     def fn(props):
         lv = lf(props)
@@ -320,6 +358,7 @@ class _Parser:
         self.i = 0
         self.nesting = 0
         self.operators = 0
+        self.names: set[str] = set()     # the properties the expression reads
 
     def peek(self, ahead: int = 0) -> tuple[str, str, int]:
         return self.tokens[min(self.i + ahead, len(self.tokens) - 1)]
@@ -445,6 +484,7 @@ class _Parser:
             if kind == "string":
                 return _const(word[1:-1].replace("''", "'"))
             if kind == "id":
+                self.names.add(word)
                 return _prop(word)
             if kind == "kw":
                 return _const({"TRUE": True, "FALSE": False, "NULL": None}[word], "bool_const")
@@ -457,12 +497,14 @@ class _Parser:
 
 
 class Selector:
-    """A parsed expression. ``evaluate(props)``: True, False or None; raises SelectorEvalError."""
-    __slots__ = ("expression", "_fn")
+    """A parsed expression. ``evaluate(props)``: True, False or None; raises SelectorEvalError. ``names``:
+    the properties it reads (no other property can change its value)."""
+    __slots__ = ("expression", "_fn", "names")
 
-    def __init__(self, expression: str, fn):
+    def __init__(self, expression: str, fn, names: frozenset = frozenset()):
         self.expression = expression
         self._fn = fn
+        self.names = names
 
     def evaluate(self, properties: dict[str, str]):
         return self._fn(properties)
@@ -477,7 +519,8 @@ def parse(expression: str) -> Selector:
         raise SelectorError("an SQL92 expression cannot be empty (nor other than text)")
     if len(expression) > MAX_LENGTH:
         raise SelectorError(f"the expression is {len(expression)} characters long, more than {MAX_LENGTH}")
-    return Selector(expression, _Parser(expression).parse().fn)
+    parser = _Parser(expression)
+    return Selector(expression, parser.parse().fn, frozenset(parser.names))
 
 
 @functools.lru_cache(maxsize=128)

@@ -11,7 +11,7 @@ or host is copied or decoded. Positions are absolute in ``buf``.
     read_index_fields      STORETIMESTAMP, PREPARED TX OFFSET, BODY (its CRC   after the hosts (their lengths
                            optionally), TOPIC, where PROPERTIES lie            follow SYSFLAG's v6 bits)
     store_timestamp_at     STORETIMESTAMP                                      56, or 68 after an IPv6 born host
-    record_properties      PROPERTIES, as text                                 after BODY and TOPIC
+    record_properties      PROPERTIES (then property_bytes finds one pair)     after BODY and TOPIC
 
 The caller judges what the head says (magic, size against its file, offset field against
 the record's place); read_index_fields checks that the lengths inside add up to TOTALSIZE
@@ -76,12 +76,29 @@ def store_timestamp_at(buf, pos: int) -> int:
     return _I64.unpack_from(buf, pos + (68 if sys_flag & _BORN_V6 else 56))[0]
 
 
-def record_properties(buf) -> str:
-    """The PROPERTIES text of the whole record ``buf`` (a slice of a stored record), decoded as Java's
-    MessageDecoder.decodeProperties does: bytes that are not UTF-8 read as U+FFFD. The record was checked
-    when stored; a damaged one raises struct.error or IndexError."""
+def record_properties(buf):
+    """The PROPERTIES bytes of the whole record ``buf`` (a slice of a stored record), not copied. The record
+    was checked when stored; a damaged one raises struct.error or IndexError."""
     sys_flag = _I32.unpack_from(buf, 36)[0]
     p = 84 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
     p += 4 + _I32.unpack_from(buf, p)[0]
     p += 1 + buf[p]
-    return str(buf[p + 2:p + 2 + _I16.unpack_from(buf, p)[0]], "utf-8", "replace")
+    return buf[p + 2:p + 2 + _I16.unpack_from(buf, p)[0]]
+
+
+def property_bytes(props: bytes, pair: bytes):
+    """The value of the last pair ``pair`` (U+0002 NAME U+0001) with a non-empty value in U+0002 + a record's
+    properties, or None: what string_to_properties(...).get(NAME) gives, without building the dict. The
+    separators are ASCII, so splitting the bytes then decoding a value is decoding then splitting."""
+    end = len(props)
+    k = len(pair)
+    while True:
+        i = props.rfind(pair, 0, end)
+        if i < 0:
+            return None
+        j = props.find(b"\x02", i + k)
+        if j < 0:
+            j = len(props)
+        if j > i + k:
+            return props[i + k:j]
+        end = i             # an empty value is no pair: an earlier one stands

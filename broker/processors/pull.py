@@ -11,8 +11,8 @@ import struct
 import time
 
 from protocol.codes import Perm, PullSysFlag, ResponseCode
-from protocol.message import POS_PHYSICAL_OFFSET, string_to_properties
-from protocol.record import record_properties
+from protocol.message import POS_PHYSICAL_OFFSET
+from protocol.record import property_bytes, record_properties
 
 from ..clients import build_subscription
 from ..sql92 import SelectorEvalError
@@ -33,10 +33,19 @@ def selector_filter(selector, group: str, topic: str):
     record's properties (TAGS among them) evaluated; only TRUE passes. A message whose values cannot be
     compared does not pass, as in RocketMQ, and is logged (at most every 10 s, a count of the others)."""
     evaluate = selector.evaluate
+    # Only the properties it reads are looked for, in the record's bytes: each found as string_to_properties
+    # would give it (the last pair with a value wins), without decoding the rest or building a dict of all.
+    pairs = tuple((name, b"\x02" + name.encode() + b"\x01") for name in selector.names)
 
     def matches(record) -> bool:
         try:
-            return evaluate(string_to_properties(record_properties(record))) is True
+            raw = b"\x02" + bytes(record_properties(record))
+            props = {}
+            for name, pair in pairs:
+                value = property_bytes(raw, pair)
+                if value is not None:
+                    props[name] = str(value, "utf-8", "replace")
+            return evaluate(props) is True
         except (SelectorEvalError, struct.error, IndexError) as exc:
             now = time.monotonic()
             if now - _eval_errors["logged_at"] < _EVAL_LOG_INTERVAL_S:

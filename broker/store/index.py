@@ -37,6 +37,7 @@ from typing import Callable
 
 from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
+from protocol.record import property_bytes
 
 from .index_file import IndexCorrupt, IndexFile, KeyHasher, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
@@ -79,24 +80,6 @@ def record_keys(raw, pos: int = 0):
 _UNIQ_PAIR = b"\x02" + Prop.UNIQ_KEY.encode() + b"\x01"
 _KEYS_PAIR = b"\x02" + Prop.KEYS.encode() + b"\x01"
 _V4_FIELDS = struct.Struct(">i16xq20xi")   # at 36: sys flag, store time, body length (both hosts IPv4)
-
-
-def _prop_bytes(props: bytes, pair: bytes):
-    """The value of the last pair ``pair`` (U+0002 NAME U+0001) with a non-empty value in U+0002 + a record's
-    properties, or None: what string_to_properties(...).get(NAME) gives, without building the dict. The
-    separators are ASCII, so splitting the bytes then decoding a value is decoding then splitting."""
-    end = len(props)
-    k = len(pair)
-    while True:
-        i = props.rfind(pair, 0, end)
-        if i < 0:
-            return None
-        j = props.find(b"\x02", i + k)
-        if j < 0:
-            j = len(props)
-        if j > i + k:
-            return props[i + k:j]
-        end = i             # an empty value is no pair: an earlier one stands
 
 
 class IndexService:
@@ -359,10 +342,10 @@ class IndexService:
         p += 1 + topic_len
         props = b"\x02" + raw[p + 2:p + 2 + _I16.unpack_from(raw, p)[0]]
         key, append, first = hasher.key, items.append, len(items)
-        uniq = _prop_bytes(props, _UNIQ_PAIR)
+        uniq = property_bytes(props, _UNIQ_PAIR)
         if uniq is not None:
             append((key(th, uniq), phy, ts))
-        keys = _prop_bytes(props, _KEYS_PAIR)
+        keys = property_bytes(props, _KEYS_PAIR)
         if keys is not None:
             for k in keys.split(b" "):
                 if k:

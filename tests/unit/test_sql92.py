@@ -165,3 +165,36 @@ def test_cache_keeps_errors_and_selectors():
             compile_cached("a >")
     with pytest.raises(SelectorError, match="characters long"):
         compile_cached("a" * (MAX_LENGTH + 1))
+
+
+@pytest.mark.parametrize("props_text, want", [
+    ("a\x012\x02a\x017", True),                 # the last pair wins, as string_to_properties (Java's HashMap)
+    ("a\x017\x02a\x01", True),                  # an empty value is no pair: the one before stands
+    ("a\x012", False),
+    ("xa\x017\x02b\x01a\x017", None),           # names are whole: "xa" is not a, and b's value is "a\x017"
+    ("b\x01x", None),                           # no a: unknown, not matched
+    ("a\x01\xff7", "error"),                    # not UTF-8: U+FFFD, then not a number: passed over
+])
+def test_the_pull_reads_a_records_properties_as_java_decodes_them(props_text, want):
+    """selector_filter looks only for the names the expression reads, in the record's bytes; each value must
+    be what decoding every pair would give."""
+    from broker.processors.pull import selector_filter
+    from broker.store import PutRequest
+    from protocol.message import string_to_properties
+    raw = props_text.encode("latin-1") if "\xff" in props_text else props_text.encode()
+    req = PutRequest.build("T", b"body", properties={"TAGS": "t"})
+    record = bytes(req.record)
+    # Swap the properties for the raw ones under test (the record's last field), fixing the lengths.
+    from protocol.record import record_properties
+    old = bytes(record_properties(memoryview(record)))
+    head = record[:len(record) - len(old) - 2]
+    record = bytearray(head + len(raw).to_bytes(2, "big") + raw)
+    record[0:4] = len(record).to_bytes(4, "big")
+    selector = parse("a > 5")
+    java = string_to_properties(raw.decode("utf-8", "replace"))
+    try:
+        expected = selector.evaluate(java)
+    except SelectorEvalError:
+        expected = "error"
+    assert expected == want
+    assert selector_filter(selector, "g", "T")(memoryview(bytes(record))) is (want is True)
