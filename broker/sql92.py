@@ -55,8 +55,10 @@ class Long(int):
 
 # ------------------------------------------------------------------ Java conversions (ComparisonExpression)
 _JAVA_INT = re.compile(r"[+-]?\d+")     # parseInt: one sign, Unicode digits (Character.digit), no space, no _
-_JAVA_DOUBLE = re.compile(r"[+-]?(?:NaN|Infinity|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[fFdD]?)")
-_JAVA_HEX_DOUBLE = re.compile(r"[+-]?0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)[pP][+-]?[0-9]+[fFdD]?")
+# Each run of digits can match one way only ("1." then digits, never "1" "1"): a property of 30,000 digits
+# and an "x" otherwise backtracked quadratically, seconds per comparison on the event loop.
+_JAVA_DOUBLE = re.compile(r"[+-]?(?:NaN|Infinity|(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[fFdD]?)")
+_JAVA_HEX_DOUBLE = re.compile(r"[+-]?0[xX](?:[0-9a-fA-F]+(?:\.[0-9a-fA-F]*)?|\.[0-9a-fA-F]+)[pP][+-]?[0-9]+[fFdD]?")
 _JAVA_TRIM = "".join(map(chr, range(33)))      # String.trim: every char <= U+0020
 _BITS = struct.Struct(">q")
 _DOUBLE = struct.Struct(">d")
@@ -64,8 +66,13 @@ _DOUBLE = struct.Struct(">d")
 
 def _java_integer(text: str, limit: int) -> int:
     if text.isascii() and text.isdigit() or _JAVA_INT.fullmatch(text):     # the first test: the usual case, fast
-        value = int(text)
-        if -limit - 1 <= value <= limit:
+        # No more than a Long's 19 digits reach int(), which refuses over 4300 with a plain ValueError: such a
+        # value stopped every pull of its queue with a SYSTEM_ERROR instead of being passed over.
+        if len(text) > 20:
+            sign = text[0] if text[0] in "+-" else ""
+            text = sign + (text[len(sign):].lstrip("0") or "0")
+        value = int(text) if len(text) <= 20 else None
+        if value is not None and -limit - 1 <= value <= limit:
             return value
     raise SelectorEvalError(f"For input string: {text!r} (not {'a Long' if limit > _INT_MAX else 'an Integer'})")
 
@@ -340,7 +347,8 @@ def _tokens(text: str) -> list[tuple[str, str, int]]:
 
 def _number(kind: str, word: str) -> _Node:
     if kind == "int":
-        value = int(word.rstrip("lL"))
+        digits = word.rstrip("lL")      # no leading zero: past 19 digits, past a Long (and int()'s digit limit)
+        value = int(digits) if len(digits) <= 19 else _LONG_MAX + 1
         if value > _LONG_MAX:
             raise SelectorError(f"{word} is larger than a Long")
         return _const(value if value <= _INT_MAX else Long(value))

@@ -198,3 +198,27 @@ def test_the_pull_reads_a_records_properties_as_java_decodes_them(props_text, wa
         expected = "error"
     assert expected == want
     assert selector_filter(selector, "g", "T")(memoryview(bytes(record))) is (want is True)
+
+
+@pytest.mark.parametrize("value, want", [
+    ("1" * 5000, ERR),                      # past a Long: not comparable, never int()'s own ValueError
+    ("0" * 5000 + "7", True),               # Integer.valueOf takes any number of leading zeros
+    ("-" + "0" * 5000 + "7", False),
+    ("+" + "0" * 30, False),
+])
+def test_a_long_property_is_parsed_as_java_does(value, want):
+    assert ev("a > 5", a=value) == want
+
+
+def test_a_literal_past_int_digit_limit_is_a_parse_error():
+    with pytest.raises(SelectorError, match="larger than a Long"):
+        parse("a = " + "1" * 5000)
+
+
+@pytest.mark.timeout(30, method="signal")
+@pytest.mark.parametrize("value", ["1" * 200_000 + "x", "0x" + "1" * 200_000 + "x", " " + "9" * 200_000 + ".x"])
+def test_a_long_number_like_property_is_refused_in_linear_time(value):
+    """A property of digits with a stray letter at the end used to backtrack quadratically in the Double
+    pattern: about 20 s for 16,000 digits, hours for these, the event loop held throughout."""
+    assert ev("a > 1.5", a=value) == ERR
+    assert ev("a > b", a=value, b="1") == ERR
