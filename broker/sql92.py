@@ -506,13 +506,15 @@ class _Parser:
 
 class Selector:
     """A parsed expression. ``evaluate(props)``: True, False or None; raises SelectorEvalError. ``names``:
-    the properties it reads (no other property can change its value)."""
-    __slots__ = ("expression", "_fn", "names")
+    the properties it reads (no other property can change its value); ``operators``: how many it has, the
+    most one evaluation computes."""
+    __slots__ = ("expression", "_fn", "names", "operators")
 
-    def __init__(self, expression: str, fn, names: frozenset = frozenset()):
+    def __init__(self, expression: str, fn, names: frozenset = frozenset(), operators: int = 0):
         self.expression = expression
         self._fn = fn
         self.names = names
+        self.operators = operators
 
     def evaluate(self, properties: dict[str, str]):
         return self._fn(properties)
@@ -528,7 +530,8 @@ def parse(expression: str) -> Selector:
     if len(expression) > MAX_LENGTH:
         raise SelectorError(f"the expression is {len(expression)} characters long, more than {MAX_LENGTH}")
     parser = _Parser(expression)
-    return Selector(expression, parser.parse().fn, frozenset(parser.names))
+    node = parser.parse()
+    return Selector(expression, node.fn, frozenset(parser.names), parser.operators)
 
 
 @functools.lru_cache(maxsize=128)

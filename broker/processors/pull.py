@@ -26,20 +26,34 @@ _PHYS = struct.Struct(">q")
 _RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 _EVAL_LOG_INTERVAL_S = 10.0
 _eval_errors = {"logged_at": float("-inf"), "unlogged": 0}
+# What one read may spend evaluating SQL92, in units of at most about a microsecond here: each record costs a few, and
+# each of its expression's operators and property look-ups one per KiB of the record's properties (a look-up
+# searches them, a comparison may convert a value as long). An expression near the caps costs some 400 a
+# record: without a bound one pull scanned 800 or more such records, a third of a second or more (seconds with
+# long properties) during which the loop answered nobody. Past it the read ends with what it found.
+_FILTER_BUDGET = 10_000
 
 
-def selector_filter(selector, group: str, topic: str):
-    """The store's record filter for an SQL92 subscription (ExpressionMessageFilter.isMatchedByCommitLog): the
-    record's properties (TAGS among them) evaluated; only TRUE passes. A message whose values cannot be
-    compared does not pass, as in RocketMQ, and is logged (at most every 10 s, a count of the others)."""
+def selector_filter(selector, group: str, topic: str, budget: int = _FILTER_BUDGET):
+    """The store's record filter for one read of an SQL92 subscription (ExpressionMessageFilter.
+    isMatchedByCommitLog): the record's properties (TAGS among them) evaluated; only TRUE passes. A message
+    whose values cannot be compared does not pass, as in RocketMQ, and is logged (at most every 10 s, a count
+    of the others). Once ``budget`` is spent it examines no more records (None: the read ends there); it
+    always examines the first."""
     evaluate = selector.evaluate
     # Only the properties it reads are looked for, in the record's bytes: each found as string_to_properties
     # would give it (the last pair with a value wins), without decoding the rest or building a dict of all.
     pairs = tuple((name, b"\x02" + name.encode() + b"\x01") for name in selector.names)
+    per_kib = selector.operators + 1 + len(pairs)
+    spent = 0
 
-    def matches(record) -> bool:
+    def matches(record) -> bool | None:
+        nonlocal spent
+        if spent and spent >= budget:     # never before the first: every read makes progress
+            return None
         try:
             raw = b"\x02" + bytes(record_properties(record))
+            spent += 4 + per_kib * (1 + (len(raw) >> 10))
             props = {}
             for name, pair in pairs:
                 value = property_bytes(raw, pair)
@@ -153,7 +167,7 @@ def handle_pull(ctx, conn, cmd):
                 and getattr(ctx.clients.consumers.get(group), "message_model", None) == "BROADCASTING":
             return cmd.response(ResponseCode.NO_PERMISSION,
                                 f"the consumer group[{group}] can not consume by broadcast way")
-    record_filter = None
+    selector = None
     if sub.selector is not None or sub.filter_error is not None:       # not a TAG subscription
         if not ctx.config.enable_property_filter:   # read as a tag no message has, it skipped every message unsaid
             return cmd.response(ResponseCode.SYSTEM_ERROR,
@@ -166,28 +180,32 @@ def handle_pull(ctx, conn, cmd):
                                     f"parse the consumer's subscription failed: {sub.filter_error}")
             return cmd.response(ResponseCode.FILTER_DATA_NOT_EXIST, "The broker's consumer filter data is not "
                                 f"exist!Your expression may be wrong! ({sub.filter_error})")
-        record_filter = selector_filter(sub.selector, group, topic)
+        selector = sub.selector
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE":     # as RocketMQ: not on a slave
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:
             ctx.offsets.commit(group, topic, qid, commit)
     tag_filter = sub.tag_filter()
-    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter, record_filter)
+
+    def read():     # each read with its own SQL92 budget
+        record_filter = None if selector is None else selector_filter(selector, group, topic)
+        return ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter, record_filter)
+    got = read()
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
     if sys_flag & PullSysFlag.SUSPEND and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:
         suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
         hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
         if hold_ms > 0:
-            return _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, (tag_filter, record_filter), hold_ms)
+            return _parked(ctx, conn, cmd, group, topic, qid, offset, read, hold_ms)
     return _reply(ctx, cmd, group, topic, got)
 
 
-async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, filters, hold_ms):
+async def _parked(ctx, conn, cmd, group, topic, qid, offset, read, hold_ms):
     if conn is not None and not conn.is_open:      # closed before this task ran: nobody to answer
         return None
     # Read again as the wait registers (no await in between): a message stored since the first
     # read, before this task ran, was dispatched to no waiter and would not wake this one.
-    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, *filters)
+    got = read()
     if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
         return _reply(ctx, cmd, group, topic, got)
     parked = conn is not None and conn.park()      # not counted in flight while it waits
@@ -196,5 +214,5 @@ async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, filters, 
     finally:
         if parked:
             conn.unpark()
-    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, *filters)
+    got = read()
     return _reply(ctx, cmd, group, topic, got)

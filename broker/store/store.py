@@ -422,11 +422,12 @@ class MessageStore:
 
     def get_messages(self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int,
                      tag_filter: Callable[[int], bool] | None = None,
-                     record_filter: Callable[[memoryview], bool] | None = None) -> GetResult:
+                     record_filter: Callable[[memoryview], bool | None] | None = None) -> GetResult:
         """Up to ``max_count`` records (``max_bytes``) from ``offset``: those whose tag code passes ``tag_filter``
         and then, read from the log, whose record passes ``record_filter`` (RocketMQ's isMatchedByConsumeQueue
         and isMatchedByCommitLog); a unit either filter refuses is passed over, as a NO_MATCHED_MESSAGE when
-        nothing was found."""
+        nothing was found. ``record_filter`` answering None (it has done all it may in one read) ends the read
+        before that record, with what was found."""
         cq = self._cqs.get((topic, queue_id))
         if cq is None:
             return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, 0, 0, 0)
@@ -485,10 +486,15 @@ class MessageStore:
                     status = _REMOVING
                 skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
                 continue
-            if record_filter is not None and not record_filter(view):
-                if not buffers:
-                    status = _NO_MATCH
-                continue
+            if record_filter is not None:
+                matched = record_filter(view)
+                if not matched:
+                    if matched is None:
+                        scanned -= 1
+                        break
+                    if not buffers:
+                        status = _NO_MATCH
+                    continue
             buffers.append(view)
             total += size
             status = _FOUND

@@ -168,3 +168,41 @@ async def test_our_pull_consumer_subscribes_by_sql(broker_factory):
         with pytest.raises(Exception, match="found the end") as info:
             await consumer.subscribe(TOPIC, MessageSelector.by_sql("a >"))
         assert getattr(info.value, "code", None) == ResponseCode.SUBSCRIPTION_PARSE_FAILED
+
+
+@bounded(120)
+async def test_an_expensive_expression_does_bounded_work_per_pull(broker_factory):
+    """An expression near the caps, on messages that never match: each pull evaluates only as many as its budget
+    allows and answers where it stopped (PULL_RETRY_IMMEDIATELY, nextBeginOffset short of what it could scan),
+    so the loop is never held for a whole scan; pulls from there cover the queue and find the one match."""
+    from broker.processors.pull import _FILTER_BUDGET
+    broker = broker_factory("--enable-property-filter", "true")
+    names = [f"p{i}" for i in range(120)]
+    expensive = " OR ".join(f"{n} > 1000" for n in names)         # 239 operators, 120 look-ups a message
+    at_most = _FILTER_BUDGET // (239 + 1 + len(names)) + 1          # messages one read may examine
+    count = 3 * at_most
+    props = {n: "1" for n in names}
+    async with Producer(broker.namesrv, "PG_sql_budget") as producer:
+        mq = (await producer.send(TOPIC, b"warm-up")).queue
+        for i in range(count):
+            await producer.send(TOPIC, f"n{i}".encode(), properties=props, queue=mq)
+        await producer.send(TOPIC, b"match", properties={**props, "p7": "1001"}, queue=mq)
+    raw = await RawClient.open(broker.broker)
+    try:
+        java = JavaConsumer(raw)
+        offset, pulls, got = 0, 0, []
+        while True:
+            reply = await java.pull(mq.queue_id, offset, 1, expensive)
+            pulls += 1
+            nxt = reply.int_field("nextBeginOffset")
+            if reply.code == ResponseCode.PULL_NOT_FOUND:
+                break
+            assert reply.code in (ResponseCode.SUCCESS, ResponseCode.PULL_RETRY_IMMEDIATELY), reply.code
+            assert offset < nxt <= offset + at_most, (offset, nxt)        # stopped early, and went on
+            if reply.code == ResponseCode.SUCCESS:
+                got += [m.body for m in decode_records(reply.body_bytes())]
+            offset = nxt
+            assert pulls <= count + 2, "no progress"
+        assert got == [b"match"] and pulls >= 3
+    finally:
+        raw.close()

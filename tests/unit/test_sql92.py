@@ -222,3 +222,15 @@ def test_a_long_number_like_property_is_refused_in_linear_time(value):
     pattern: about 20 s for 16,000 digits, hours for these, the event loop held throughout."""
     assert ev("a > 1.5", a=value) == ERR
     assert ev("a > b", a=value, b="1") == ERR
+
+
+def test_the_pull_filter_always_examines_one_record_then_stops_at_its_budget():
+    """Every read makes progress (its first record is evaluated whatever the budget), then stops once spent."""
+    from broker.processors.pull import selector_filter
+    from broker.store import PutRequest
+    record = memoryview(bytes(PutRequest.build("T", b"body", properties={"a": "7"}).record))
+    matches = selector_filter(parse("a > 5"), "g", "T", budget=0)
+    assert matches(record) is True
+    assert matches(record) is None
+    matches = selector_filter(parse("a > 5"), "g", "T", budget=1000)
+    assert [matches(record) for _ in range(200)].count(True) == -(-1000 // (4 + 3))   # 7 a record, until spent
