@@ -133,7 +133,9 @@ def _reply(ctx, cmd, group, topic, got):
     return cmd.response(code, status.name, fields)
 
 
-def handle_pull(ctx, conn, cmd):
+def handle_pull(ctx, conn, cmd, woken: bool = False):
+    """PULL_MESSAGE. ``woken``: run again for a held pull (RocketMQ's executeRequestWhenWakeup): by the
+    subscription its group has now, without committing its offset again or being held again."""
     group = cmd.str_field("consumerGroup", required=True)
     topic = cmd.str_field("topic", required=True)
     qid = cmd.int_field("queueId", required=True)
@@ -167,7 +169,7 @@ def handle_pull(ctx, conn, cmd):
                 and getattr(ctx.clients.consumers.get(group), "message_model", None) == "BROADCASTING":
             return cmd.response(ResponseCode.NO_PERMISSION,
                                 f"the consumer group[{group}] can not consume by broadcast way")
-    selector = None
+    record_filter = None
     if sub.selector is not None or sub.filter_error is not None:       # not a TAG subscription
         if not ctx.config.enable_property_filter:   # read as a tag no message has, it skipped every message unsaid
             return cmd.response(ResponseCode.SYSTEM_ERROR,
@@ -180,39 +182,36 @@ def handle_pull(ctx, conn, cmd):
                                     f"parse the consumer's subscription failed: {sub.filter_error}")
             return cmd.response(ResponseCode.FILTER_DATA_NOT_EXIST, "The broker's consumer filter data is not "
                                 f"exist!Your expression may be wrong! ({sub.filter_error})")
-        selector = sub.selector
-    if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE":     # as RocketMQ: not on a slave
+        record_filter = selector_filter(sub.selector, group, topic)
+    if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:     # as RocketMQ: not on a slave
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:
             ctx.offsets.commit(group, topic, qid, commit)
-    tag_filter = sub.tag_filter()
-
-    def read():     # each read with its own SQL92 budget
-        record_filter = None if selector is None else selector_filter(selector, group, topic)
-        return ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter, record_filter)
-    got = read()
+    got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, sub.tag_filter(), record_filter)
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
-    if sys_flag & PullSysFlag.SUSPEND and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:
+    if sys_flag & PullSysFlag.SUSPEND and not woken and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:
         suspend_ms = cmd.int_field("suspendTimeoutMillis", 15000) or 0
         hold_ms = min(suspend_ms, ctx.config.max_suspend_ms) if ctx.config.long_polling else ctx.config.short_polling_ms
         if hold_ms > 0:
-            return _parked(ctx, conn, cmd, group, topic, qid, offset, read, hold_ms)
+            return _parked(ctx, conn, cmd, topic, qid, offset, hold_ms)
     return _reply(ctx, cmd, group, topic, got)
 
 
-async def _parked(ctx, conn, cmd, group, topic, qid, offset, read, hold_ms):
+async def _parked(ctx, conn, cmd, topic, qid, offset, hold_ms):
     if conn is not None and not conn.is_open:      # closed before this task ran: nobody to answer
         return None
     # Read again as the wait registers (no await in between): a message stored since the first
     # read, before this task ran, was dispatched to no waiter and would not wake this one.
-    got = read()
-    if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
-        return _reply(ctx, cmd, group, topic, got)
+    resp = handle_pull(ctx, conn, cmd, woken=True)
+    if resp.code != ResponseCode.PULL_NOT_FOUND:
+        return resp
     parked = conn is not None and conn.park()      # not counted in flight while it waits
     try:
         await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes
     finally:
         if parked:
             conn.unpark()
-    got = read()
-    return _reply(ctx, cmd, group, topic, got)
+    # Run again rather than read with the filter it was parked with: a heartbeat that changed the group's
+    # expression meanwhile (a push consumer subscribing again) is obeyed, as in RocketMQ, where the old one
+    # delivered messages the consumer no longer wants (its client filters tags again, never SQL92).
+    return handle_pull(ctx, conn, cmd, woken=True)

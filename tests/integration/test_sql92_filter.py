@@ -4,6 +4,7 @@ lite pull consumer: sysFlag SUBSCRIPTION) or not (a push consumer: the heartbeat
 written here byte by byte, as fastjson writes a JSON header, not with protocol.command."""
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 
@@ -62,7 +63,9 @@ class JavaConsumer:
     """The requests of a stock consumer with an SQL92 subscription, on one raw connection."""
 
     def __init__(self, raw: RawClient):
-        self.raw, self.opaque = raw, 0
+        # Above the broker's own opaques: its requests to this client (NOTIFY_CONSUMER_IDS_CHANGED after a
+        # heartbeat) are recorded by opaque too, and one of them is no reply.
+        self.raw, self.opaque = raw, 10_000
 
     async def call(self, code: int, ext=None, body: bytes = b""):
         self.opaque += 1
@@ -206,3 +209,32 @@ async def test_an_expensive_expression_does_bounded_work_per_pull(broker_factory
         assert got == [b"match"] and pulls >= 3
     finally:
         raw.close()
+
+
+@bounded(60)
+async def test_a_held_pull_answers_by_the_expression_its_group_has_now(broker_factory):
+    """A push consumer's pull names no expression: the heartbeat's is used. One held (long polling) while a
+    heartbeat changes the expression answers by the new one, as RocketMQ runs a woken pull again: by the
+    expression it was parked with, a message only the old expression wanted was delivered."""
+    broker = broker_factory("--enable-property-filter", "true")
+    async with Producer(broker.namesrv, "PG_sql_change") as producer:
+        mq = (await producer.send(TOPIC, b"m0", properties={"a": "0"})).queue
+        raw = await RawClient.open(broker.broker)
+        try:
+            java = JavaConsumer(raw)
+            await java.heartbeat("a = 1", 1)
+            java.opaque += 1                                  # written now: the broker reads it before the next
+            raw.write(java_frame(11, java.opaque, {
+                "consumerGroup": GROUP, "topic": TOPIC, "queueId": str(mq.queue_id), "queueOffset": "1",
+                "maxMsgNums": "32", "sysFlag": "2", "commitOffset": "0", "suspendTimeoutMillis": "20000",
+                "subVersion": "1", "expressionType": "SQL92"}))
+            held = asyncio.ensure_future(raw.reply(java.opaque, 30.0))
+            await java.heartbeat("a = 2", 2)                 # the consumer subscribed again
+            await producer.send(TOPIC, b"m1", properties={"a": "1"}, queue=mq)
+            await producer.send(TOPIC, b"m2", properties={"a": "2"}, queue=mq)
+            reply = (await held)[0]
+            assert reply.code in (ResponseCode.SUCCESS, ResponseCode.PULL_RETRY_IMMEDIATELY), reply.code
+            bodies = [m.body for m in decode_records(reply.body_bytes())] if reply.code == ResponseCode.SUCCESS else []
+            assert b"m1" not in bodies, "delivered by the expression the consumer no longer has"
+        finally:
+            raw.close()
