@@ -4,6 +4,9 @@ The service (service.py) feeds it events and performs the actions it returns:
 
     event                               what the core answers
     half stored                         schedule the first check (immunity, CHECK_IMMUNITY_TIME_IN_SECONDS)
+
+Every time the core is given is the schedule's clock (the service's is monotonic), except Tx.store_ts,
+the store timestamp (the wall clock's), kept for ages and reports.
     END COMMIT/ROLLBACK (any origin)    Write(tx, op)  | Reply (duplicate, conflict, unknown half) | Wait
     END UNKNOWN                         Reply "recorded"; the check schedule stands (decided or unknown
                                         half: what became of it, never "will check back")
@@ -159,9 +162,12 @@ class TransactionCore:
         self._waking: deque[tuple[int, dict[int, Tx]]] = deque()
 
     # ------------------------------------------------------------ the index
-    def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None) -> bool:
-        """A half is stored (or recovered, ``now`` given): index it. True when it is now the earliest due."""
-        tx.next_check = first_check_time(self.policy, tx.store_ts, immunity_s)
+    def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None, stored_at: int | None = None) -> bool:
+        """A half is stored (or recovered, ``now`` given): index it. True when it is now the earliest due.
+
+        ``stored_at``: when the half was stored by the schedule's clock, when that is not the clock of
+        ``tx.store_ts`` (the service schedules by the monotonic clock; store times are the wall clock's)."""
+        tx.next_check = first_check_time(self.policy, tx.store_ts if stored_at is None else stored_at, immunity_s)
         if now is not None:
             tx.next_check = max(tx.next_check, now)
         earliest = self.next_due()
