@@ -24,6 +24,7 @@ from protocol.connection import wait_within
 from protocol.errors import ProtocolError
 from protocol.message import (Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code,
                               validate_topic)
+from protocol.record import store_timestamp_at
 
 from ..store import PutRequest
 from ..store.results import PutStatus
@@ -40,6 +41,7 @@ MAX_SLEEP_S = 1.0
 REFUSED_RETRY_S = 1.0           # the disk monitor probes once a second
 SNAPSHOT_INTERVAL_S = 10.0      # RocketMQ's flushDelayOffsetInterval
 LATE_MS = 1000
+CLOCK_STEP_MS = 1000            # the wall clock this far behind a waiting timer's store time went back
 
 
 class ScheduleService:
@@ -47,7 +49,9 @@ class ScheduleService:
         self.ctx = ctx
         self.levels = levels
         self.progress = Progress()
-        self._timers: list[tuple[int, int, int]] = []      # (deliver ms, timer queue offset, commit-log offset)
+        # (deliver ms, timer queue offset, commit-log offset, store ms): see _clock_went_back
+        self._timers: list[tuple[int, int, int, int]] = []
+        self._timers_newest = -1                            # the latest store time among them
         self._timers_indexed = 0                            # timer queue offsets below this are in the heap or done
         self._wake = asyncio.Event()
         self._sleep_until: int | None = None
@@ -99,8 +103,13 @@ class ScheduleService:
         for offset in range(max(p.timer_floor, store.min_offset(TIMER_TOPIC, 0)), hi):
             if not p.timer_delivered(offset):
                 unit = store.queue_unit(TIMER_TOPIC, 0, offset)
-                if unit is not None:
-                    self._timers.append((unit[2], offset, unit[0]))
+                view = store.get_record(unit[0]) if unit is not None else None
+                if view is not None:
+                    stored = store_timestamp_at(view, 0)
+                    self._timers.append((unit[2], offset, unit[0], stored))
+                    self._timers_newest = max(self._timers_newest, stored)
+                elif unit is not None:      # removed or damaged: _delivery says so and drops it, as before
+                    self._timers.append((unit[2], offset, unit[0], -1))
         heapq.heapify(self._timers)
         self._timers_indexed = hi
         self._recovered = True
@@ -163,7 +172,9 @@ class ScheduleService:
             if info.queue_offset < self._timers_indexed:
                 return
             self._timers_indexed = info.queue_offset + 1
-            heapq.heappush(self._timers, (info.tags_code, info.queue_offset, info.physical_offset))
+            heapq.heappush(self._timers, (info.tags_code, info.queue_offset, info.physical_offset,
+                                          info.store_timestamp))
+            self._timers_newest = max(self._timers_newest, info.store_timestamp)
         if self._sleep_until is not None and info.tags_code < self._sleep_until:
             self._wake.set()
 
@@ -248,7 +259,9 @@ class ScheduleService:
                 offset += 1
             if offset != start:
                 levels[level] = offset
-        timers: list[tuple[int, int, int]] = []
+        timers: list[tuple[int, int, int, int]] = []
+        if now + CLOCK_STEP_MS < self._timers_newest:
+            self._clock_went_back(now)
         heap = self._timers
         while heap and heap[0][0] <= now and len(batch) < BATCH_MESSAGES and size < budget:
             entry = heap[0]
@@ -265,6 +278,24 @@ class ScheduleService:
         elif heap:
             next_due = now
         return batch, levels, timers, next_due
+
+    def _clock_went_back(self, now: int) -> None:
+        """The wall clock is behind the store time of waiting timers (stepped back since: NTP, a VM resumed):
+        each of them waits what it asked for (delivery - store time) from now, no longer. Kept at their
+        wall times, a step back of an hour held a 1 s timer for an hour, nothing said. The rule of delay
+        levels (RocketMQ's correctDeliverTimestamp, DelayLevels.corrected) bounds their wait the same way;
+        a timer is never delivered before its wait, nor later than its wait after the step. Once a step:
+        the entries moved are stored "now" from then on. A timer message that asked for a wall time
+        (TIMER_DELIVER_MS) is taken as the wait it asked for, as the store cannot tell the two apart."""
+        moved = 0
+        for i, (deliver, offset, phys, stored) in enumerate(self._timers):
+            if stored > now:
+                self._timers[i] = (deliver - (stored - now), offset, phys, now)
+                moved += 1
+        heapq.heapify(self._timers)
+        log.warning("the wall clock is %d ms behind the newest waiting timer's store time (stepped back): %d "
+                    "timers wait what they asked for from now instead", self._timers_newest - now, moved)
+        self._timers_newest = now
 
     def _delivery(self, phys: int, source: str, offset: int) -> PutRequest | None:
         """The message as it goes to its real topic, or None (logged) when it cannot go anywhere."""

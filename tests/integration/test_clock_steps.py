@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from consumer import PullConsumer
 from producer import LocalTransactionState as S
-from producer import TransactionProducer
+from producer import Producer, TransactionProducer
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, stepped_env
 
 pytestmark = pytest.mark.asyncio
@@ -86,3 +87,43 @@ async def test_a_half_stored_before_the_clock_went_back_is_checked_after_a_resta
     listener = Checked()
     async with TransactionProducer(b.namesrv, "PG_clock", listener):
         await listener.wait_for(1, 15)
+
+
+async def _arrived(namesrv, topic: str, n: int, within_s: float) -> list[bytes]:
+    """The bodies on ``topic`` once ``n`` arrived (long-polled, bounded)."""
+    consumer = PullConsumer(namesrv, "CG_clock")
+    bodies: list[bytes] = []
+    try:
+        async with asyncio.timeout(within_s):
+            queues = await consumer.fetch_queues(topic)
+            offsets = {mq: 0 for mq in queues}
+            while len(bodies) < n:
+                for mq in queues:       # long-polled: each returns at once when it holds more
+                    got = await consumer.pull(mq, offsets[mq], suspend_ms=100)
+                    offsets[mq] = got.next_begin_offset
+                    bodies += [m.body for m in got.messages]
+    finally:
+        await consumer.shutdown()
+    return bodies
+
+
+async def test_a_timer_message_is_not_held_an_hour_when_the_clock_goes_back(broker_factory, tmp_path):
+    """A timer message asks for a wait from its store time (TIMER_DELAY_SEC / _MS) or a wall time
+    (TIMER_DELIVER_MS); a wait never outlasts what it asked for counted from now, as RocketMQ's
+    correctDeliverTimestamp rules delay levels (a message stored "after now" goes now). Kept by the
+    wall clock, a step back of an hour held a 1 s timer for an hour and a second, nothing said; also
+    across a restart."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(env=stepped_env(offset))
+    async with Producer(b.namesrv, "PG_clock") as producer:
+        await producer.send("Timed", b"a", properties={"TIMER_DELAY_SEC": "2"})
+        await producer.send("Timed", b"b", properties={"TIMER_DELAY_MS": "2000"})
+        offset.write_text("-1h\n")
+        assert sorted(await _arrived(b.namesrv, "Timed", 2, 15)) == [b"a", b"b"]
+        offset.write_text("+0\n")
+        await producer.send("Timed", b"c", properties={"TIMER_DELAY_SEC": "5"})   # still waiting at the stop
+    b.stop()
+    offset.write_text("-1h\n")
+    b = broker_factory(env=stepped_env(offset))
+    assert sorted(await _arrived(b.namesrv, "Timed", 3, 20)) == [b"a", b"b", b"c"]
