@@ -4,9 +4,6 @@ The service (service.py) feeds it events and performs the actions it returns:
 
     event                               what the core answers
     half stored                         schedule the first check (immunity, CHECK_IMMUNITY_TIME_IN_SECONDS)
-
-Every time the core is given is the schedule's clock (the service's is monotonic), except Tx.store_ts,
-the store timestamp (the wall clock's), kept for ages and reports.
     END COMMIT/ROLLBACK (any origin)    Write(tx, op)  | Reply (duplicate, conflict, unknown half) | Wait
     END UNKNOWN                         Reply "recorded"; the check schedule stands (decided or unknown
                                         half: what became of it, never "will check back")
@@ -16,6 +13,9 @@ the store timestamp (the wall clock's), kept for ages and reports.
     check written / failed              next check after the interval, 2x / 4x while unanswered
     resume (admin, of a dead letter)    pending again, checks reset
     recovered                           pending with its check count, due no earlier than now
+
+Every time the core is given is the schedule's clock (the service's is monotonic), except Tx.store_ts,
+the store timestamp (the wall clock's), kept for ages and reports.
 
 States of a transaction (docs/design.md, "Transaction state machine"):
 

@@ -49,6 +49,7 @@ class Checked:
 
 
 IMMUNITY_S = 1.5
+FLAGS = ("--transaction-check-interval-ms", "500", "--transaction-timeout-ms", str(int(IMMUNITY_S * 1000)))
 
 
 @pytest.mark.parametrize("steps", [("-1h", "-2h"), ("+1h", "+2h")], ids=["back", "forward"])
@@ -59,8 +60,7 @@ async def test_checks_keep_their_pace_when_the_wall_clock_steps(broker_factory, 
     answer ROLLBACK)."""
     offset = tmp_path / "faketime"
     offset.write_text("+0\n")
-    b = broker_factory("--transaction-check-interval-ms", "500", "--transaction-timeout-ms", str(int(IMMUNITY_S * 1000)),
-                       env=stepped_env(offset))
+    b = broker_factory(*FLAGS, env=stepped_env(offset))
     listener = Checked()
     async with TransactionProducer(b.namesrv, "PG_clock", listener) as producer:
         sending = time.monotonic()
@@ -77,13 +77,12 @@ async def test_a_half_stored_before_the_clock_went_back_is_checked_after_a_resta
     their immunity from now, not the hour's wait until the wall clock reaches their store time again."""
     offset = tmp_path / "faketime"
     offset.write_text("+0\n")
-    flags = ("--transaction-check-interval-ms", "500", "--transaction-timeout-ms", str(int(IMMUNITY_S * 1000)))
-    b = broker_factory(*flags, env=stepped_env(offset))
+    b = broker_factory(*FLAGS, env=stepped_env(offset))
     async with TransactionProducer(b.namesrv, "PG_clock", Checked()) as producer:
         await producer.send_in_transaction("TxClock", b"in doubt")
     b.stop()
     offset.write_text("-1h\n")
-    b = broker_factory(*flags, env=stepped_env(offset))
+    b = broker_factory(*FLAGS, env=stepped_env(offset))
     listener = Checked()
     async with TransactionProducer(b.namesrv, "PG_clock", listener):
         await listener.wait_for(1, 15)
@@ -111,7 +110,7 @@ async def test_a_timer_message_is_not_held_an_hour_when_the_clock_goes_back(brok
     """A timer message asks for a wait from its store time (TIMER_DELAY_SEC / _MS) or a wall time
     (TIMER_DELIVER_MS); a wait never outlasts what it asked for counted from now, as RocketMQ's
     correctDeliverTimestamp rules delay levels (a message stored "after now" goes now). Kept by the
-    wall clock, a step back of an hour held a 1 s timer for an hour and a second, nothing said; also
+    wall clock, a step back of an hour held a 2 s timer for an hour and two seconds, nothing said; also
     across a restart."""
     offset = tmp_path / "faketime"
     offset.write_text("+0\n")
