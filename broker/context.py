@@ -17,9 +17,10 @@ def wall_clock_ms() -> int:
 
 
 def monotonic_ms() -> int:
-    """For timing liveness (client channels, queue locks, name-server broker expiry): a wall clock stepped
-    forward (NTP, a VM resumed) expired every client, lock or broker at once; stepped back, kept dead ones
-    and held a crashed consumer's orderly queues locked until the clock caught up."""
+    """For timing liveness (client channels, queue locks, name-server broker expiry) and waits (transaction
+    checks): a wall clock stepped forward (NTP, a VM resumed) expired every client, lock or broker at once;
+    stepped back, kept dead ones, held a crashed consumer's orderly queues locked, or left every undecided
+    transaction unchecked until the clock caught up."""
     return int(time.monotonic() * 1000)
 
 
@@ -33,7 +34,8 @@ class BrokerContext:
     metrics: BrokerMetrics
     broker_addr: str = ""            # host:port clients reach the broker at
     store_host: bytes = b""          # packed host of broker_addr, in every stored record
-    clock: object = wall_clock_ms
+    clock: object = wall_clock_ms    # what records and reports carry (store timestamps): the wall clock
+    monotonic: object = monotonic_ms  # what times waits (the check schedule): never stepped
     holds: object = None             # broker.longpoll.PullHoldService
     tx: object = None                # broker.transaction.TransactionService
     limits: object = None            # broker.limits.Limits

@@ -24,6 +24,7 @@ from protocol.connection import wait_within
 from protocol.errors import ProtocolError
 from protocol.message import (Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code,
                               validate_topic)
+from protocol.record import store_timestamp_at
 
 from ..store import PutRequest
 from ..store.results import PutStatus
@@ -47,7 +48,8 @@ class ScheduleService:
         self.ctx = ctx
         self.levels = levels
         self.progress = Progress()
-        self._timers: list[tuple[int, int, int]] = []      # (deliver ms, timer queue offset, commit-log offset)
+        # (due by the monotonic clock, timer queue offset, commit-log offset): see _due
+        self._timers: list[tuple[int, int, int]] = []
         self._timers_indexed = 0                            # timer queue offsets below this are in the heap or done
         self._wake = asyncio.Event()
         self._sleep_until: int | None = None
@@ -99,8 +101,11 @@ class ScheduleService:
         for offset in range(max(p.timer_floor, store.min_offset(TIMER_TOPIC, 0)), hi):
             if not p.timer_delivered(offset):
                 unit = store.queue_unit(TIMER_TOPIC, 0, offset)
-                if unit is not None:
-                    self._timers.append((unit[2], offset, unit[0]))
+                view = store.get_record(unit[0]) if unit is not None else None
+                if view is not None:
+                    self._timers.append((self._due(unit[2], store_timestamp_at(view, 0)), offset, unit[0]))
+                elif unit is not None:      # removed or damaged: _delivery says so and drops it, as before
+                    self._timers.append((self._due(unit[2], None), offset, unit[0]))
         heapq.heapify(self._timers)
         self._timers_indexed = hi
         self._recovered = True
@@ -163,17 +168,18 @@ class ScheduleService:
             if info.queue_offset < self._timers_indexed:
                 return
             self._timers_indexed = info.queue_offset + 1
-            heapq.heappush(self._timers, (info.tags_code, info.queue_offset, info.physical_offset))
+            heapq.heappush(self._timers, (self._due(info.tags_code, info.store_timestamp), info.queue_offset,
+                                          info.physical_offset))
         if self._sleep_until is not None and info.tags_code < self._sleep_until:
             self._wake.set()
 
     # ----------------------------------------------------------- the loop
     async def _run(self) -> None:
-        clock = self.ctx.clock
+        clock, monotonic = self.ctx.clock, self.ctx.monotonic
         while True:
             now = clock()
             try:
-                moved = await self.run_due(now)
+                moved = await self.run_due(now, monotonic())
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must survive a bad turn, loudly
@@ -197,11 +203,12 @@ class ScheduleService:
                 pass
             self._sleep_until = None
 
-    async def run_due(self, now: int) -> int:
-        """One turn: deliver (at most one batch of) what is due at ``now``. Returns how many queue entries it
-        moved past (delivered, or dropped as undeliverable), 0 when nothing was due, -1 when the store
-        refused the batch (nothing moved; the same messages are tried next time). Sets ``next_due``."""
-        batch, levels, timers, self.next_due = self._collect(now)
+    async def run_due(self, now: int, mono: int) -> int:
+        """One turn: deliver (at most one batch of) what is due at ``now`` (the wall clock's: delay levels) and
+        ``mono`` (the monotonic clock's: timers). Returns how many queue entries it moved past (delivered, or
+        dropped as undeliverable), 0 when nothing was due, -1 when the store refused the batch (nothing moved;
+        the same messages are tried next time). Sets ``next_due`` (by the wall clock)."""
+        batch, levels, timers, self.next_due = self._collect(now, mono)
         if not levels and not timers:
             return 0
         moved = sum(offset - self.progress.levels.get(level, 0) for level, offset in levels.items()) + len(timers)
@@ -209,9 +216,9 @@ class ScheduleService:
             return -1
         return moved
 
-    def _collect(self, now: int):
+    def _collect(self, now: int, mono: int):
         """What is due now: (delivery requests with their due times, new level offsets, timer entries taken,
-        the earliest time something not yet due falls due)."""
+        the earliest time something not yet due falls due), due times by the wall clock."""
         store = self.ctx.store
         self._drops = []
         batch: list[tuple[PutRequest, int, str]] = []
@@ -250,7 +257,7 @@ class ScheduleService:
                 levels[level] = offset
         timers: list[tuple[int, int, int]] = []
         heap = self._timers
-        while heap and heap[0][0] <= now and len(batch) < BATCH_MESSAGES and size < budget:
+        while heap and heap[0][0] <= mono and len(batch) < BATCH_MESSAGES and size < budget:
             entry = heap[0]
             req = self._delivery(entry[2], TIMER_TOPIC, entry[1])
             if req is not None and batch and size + len(req.record) > budget:
@@ -258,13 +265,27 @@ class ScheduleService:
             heapq.heappop(heap)
             timers.append(entry)
             if req is not None:
-                batch.append((req, entry[0], "timer"))
+                batch.append((req, now - (mono - entry[0]), "timer"))
                 size += len(req.record)
-        if heap and heap[0][0] > now:
-            next_due = heap[0][0] if next_due is None else min(next_due, heap[0][0])
+        if heap and heap[0][0] > mono:
+            due = now + (heap[0][0] - mono)
+            next_due = due if next_due is None else min(next_due, due)
         elif heap:
             next_due = now
         return batch, levels, timers, next_due
+
+    def _due(self, deliver: int, stored: int | None) -> int:
+        """When a timer falls due by the monotonic clock: the wait it has left by the wall clock, from now.
+        Timed by the wall clock, a step back of an hour held a 1 s timer for an hour, nothing said, and a
+        step back put right later delivered timers early. A store time ahead of the wall clock (it went back
+        since, e.g. before a restart) counts as stored now: the timer waits what it asked for (delivery minus
+        store time) from now, as RocketMQ's correctDeliverTimestamp bounds delay levels. A TIMER_DELIVER_MS
+        one is taken as the wait it asked for too; the consume queue keeps the time, not how it was asked.
+        ``stored``: None when the record is gone (_delivery drops it)."""
+        wall = self.ctx.clock()
+        if stored is None or stored < wall:
+            stored = wall
+        return self.ctx.monotonic() + deliver - stored
 
     def _delivery(self, phys: int, source: str, offset: int) -> PutRequest | None:
         """The message as it goes to its real topic, or None (logged) when it cannot go anywhere."""

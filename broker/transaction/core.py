@@ -14,6 +14,9 @@ The service (service.py) feeds it events and performs the actions it returns:
     resume (admin, of a dead letter)    pending again, checks reset
     recovered                           pending with its check count, due no earlier than now
 
+Every time the core is given is the schedule's clock (the service's is monotonic), except Tx.store_ts,
+the store timestamp (the wall clock's), kept for ages and reports.
+
 States of a transaction (docs/design.md, "Transaction state machine"):
 
     PENDING --END/check answer/admin/max-checks/expiry--> DECIDING(op) --written--> COMMITTED | ROLLED_BACK | DEAD
@@ -159,9 +162,12 @@ class TransactionCore:
         self._waking: deque[tuple[int, dict[int, Tx]]] = deque()
 
     # ------------------------------------------------------------ the index
-    def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None) -> bool:
-        """A half is stored (or recovered, ``now`` given): index it. True when it is now the earliest due."""
-        tx.next_check = first_check_time(self.policy, tx.store_ts, immunity_s)
+    def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None, stored_at: int | None = None) -> bool:
+        """A half is stored (or recovered, ``now`` given): index it. True when it is now the earliest due.
+
+        ``stored_at``: when the half was stored by the schedule's clock, when that is not the clock of
+        ``tx.store_ts`` (the service schedules by the monotonic clock; store times are the wall clock's)."""
+        tx.next_check = first_check_time(self.policy, tx.store_ts if stored_at is None else stored_at, immunity_s)
         if now is not None:
             tx.next_check = max(tx.next_check, now)
         earliest = self.next_due()

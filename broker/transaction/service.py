@@ -80,7 +80,10 @@ class TransactionService:
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
-        self.timer = CheckTimer(self, ctx.clock, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
+        # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
+        # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
+        # them at once, before their immunity ended.
+        self.timer = CheckTimer(self, ctx.monotonic, max_sleep_s=min(1.0, c.transaction_check_interval_ms / 1000))
         if c.broker_role == "SLAVE":    # its index is its start-up one, never following its master's decisions
             ctx.metrics.half_messages.set_function(lambda: 0)
         else:
@@ -126,6 +129,12 @@ class TransactionService:
         if msg.properties.get(Prop.UNIQ_KEY) != half.properties.get(Prop.UNIQ_KEY) or msg.body != half.body:
             return None
         return half.queue_offset
+
+    def stored_at(self, store_ts: int) -> int:
+        """When a half stored at ``store_ts`` (the wall clock's) was stored by the check schedule's clock: its
+        age by the wall clock, taken from the monotonic now. A store time ahead of the wall clock (stepped back
+        since) is an age of 0, so its immunity runs in full, and no longer than it."""
+        return self.ctx.monotonic() - max(0, self.ctx.clock() - store_ts)
 
     def _half_at(self, half_offset: int):
         """The half message stored at ``half_offset``, or None (removed, or not a half's offset)."""
@@ -257,7 +266,8 @@ class TransactionService:
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
                 result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id,
                 delayed=asks_delay(props))
-        if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS)):
+        if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
+                         stored_at=self.stored_at(tx.store_ts)):
             self.timer.wake()
         self.changed = True
         ahead = self.table.wants(result.queue_offset)
@@ -513,7 +523,7 @@ class TransactionService:
         """A producer of ``group`` registered on a connection (ClientRegistry.on_new_producer): what was deferred
         for want of one is checked now, not an interval later (after a restart, or once the group's producers
         all reconnected, transactions in doubt waited up to a whole --transaction-check-interval-ms)."""
-        if self.core.producer_joined(group, self.ctx.clock()):
+        if self.core.producer_joined(group, self.ctx.monotonic()):
             self.timer.wake()
 
     def next_due(self) -> int | None:
@@ -602,7 +612,7 @@ class TransactionService:
 
     # ---------------------------------------------------------------- admin
     def describe(self, group: str | None = None, limit: int = 1000) -> list[dict]:
-        now = self.ctx.clock()
+        now, ticks = self.ctx.clock(), self.ctx.monotonic()
         rows = []
         for p in sorted(self.pending.values(), key=lambda p: p.store_ts):
             if group and p.group != group:
@@ -613,7 +623,7 @@ class TransactionService:
                          "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": now - p.store_ts,
                          "checks": p.checks, "owner": p.owner_id + (" (left the group)" if owner_left else
                                                                     "" if owner_alive else " (gone)"),
-                         "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - now)})
+                         "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - ticks)})
             if len(rows) >= limit:
                 break
         return rows
@@ -624,7 +634,7 @@ class TransactionService:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
                                 "(unknown): no half message is stored there")
         tx = tx_from_half(msg)
-        why = self.core.resume(tx, self.ctx.clock())      # pending again at once: a second resume is refused
+        why = self.core.resume(tx, self.ctx.monotonic())      # pending again at once: a second resume is refused
         if why is not None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
         result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset))

@@ -124,10 +124,13 @@ class Clock:
         return self.now
 
 
-async def _service(path, clock, levels="1s 5s 10s", **store_config):
+async def _service(path, clock, levels="1s 5s 10s", monotonic=None, **store_config):
+    """``monotonic``: the clock that times timers; by default ``clock`` (one clock that never steps: a test
+    then passes the same time twice to run_due)."""
     store = MessageStore(str(path), StoreConfig(segment_size=1 << 20, cq_units_per_file=100, **store_config),
                          clock=clock, tag_rule=DelayLevels(levels).consume_queue_tag)
-    ctx = SimpleNamespace(store=store, clock=clock, metrics=BrokerMetrics(), store_host=HOST)
+    ctx = SimpleNamespace(store=store, clock=clock, monotonic=monotonic or clock, metrics=BrokerMetrics(),
+                          store_host=HOST)
     svc = ScheduleService(ctx, DelayLevels(levels))
     store.add_dispatch_listener(svc.on_dispatch)
     await store.open()
@@ -160,10 +163,10 @@ async def test_a_level_message_is_delivered_when_due_and_not_before(tmp_path):
     stored = await _schedule(svc, "Orders", b"two", {"DELAY": "2", "TAGS": "a"}, clock.now)
     store = svc.ctx.store
     assert store.queue_unit(SCHEDULE_TOPIC, 1, 0)[2] == 105_000     # tagsCode: its delivery time
-    assert await svc.run_due(104_999) == 0 and svc.next_due == 105_000
+    assert await svc.run_due(104_999, 104_999) == 0 and svc.next_due == 105_000
     assert _delivered(store, "Orders") == []
     clock.now = 105_000
-    assert await svc.run_due(105_000) == 1
+    assert await svc.run_due(105_000, 105_000) == 1
     [msg] = _delivered(store, "Orders")
     assert msg.body == b"two" and msg.tags == "a" and "DELAY" not in msg.properties
     assert msg.properties["REAL_TOPIC"] == "Orders" and msg.physical_offset != stored.physical_offset
@@ -181,15 +184,15 @@ async def test_timers_leave_in_time_order_and_no_delivery_repeats_after_a_restar
     for body, at in ((b"late", 103_000), (b"early", 101_000), (b"mid", 102_000)):
         await _schedule(svc, "T", body, {"TIMER_DELIVER_MS": str(at)}, clock.now)
     await _schedule(svc, "T", b"level", {"DELAY": "1"}, clock.now)
-    assert await svc.run_due(101_000) == 2                   # "early" and the 1 s level message
-    assert await svc.run_due(102_500) == 1
+    assert await svc.run_due(101_000, 101_000) == 2                   # "early" and the 1 s level message
+    assert await svc.run_due(102_500, 102_500) == 1
     assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"level", b"early", b"mid"]
     # No stop, no delayOffset.json: as after kill -9, the progress records alone say what went.
     await svc.ctx.store.close()
     svc2 = await _service(tmp_path, clock)
     assert svc2.progress.levels[1] == 1 and dict(svc2.waiting())["timer"] == 1
-    assert await svc2.run_due(102_999) == 0
-    assert await svc2.run_due(103_000) == 1
+    assert await svc2.run_due(102_999, 102_999) == 0
+    assert await svc2.run_due(103_000, 103_000) == 1
     assert [m.body for m in _delivered(svc2.ctx.store, "T")] == [b"level", b"early", b"mid", b"late"]
     assert svc2.ctx.store.max_offset(PROGRESS_TOPIC, 0) == 3
     await svc2.ctx.store.close()
@@ -203,20 +206,20 @@ async def test_after_a_log_cut_the_snapshot_ahead_of_it_is_not_trusted(tmp_path)
     clock = Clock(100_000)
     svc = await _service(tmp_path, clock, truncate_corrupt_tail=True)
     timers = [await _schedule(svc, "T", body, {"TIMER_DELIVER_MS": "101000"}, clock.now) for body in (b"a", b"b", b"c")]
-    assert await svc.run_due(101_000) == 3
+    assert await svc.run_due(101_000, 101_000) == 3
     await svc.stop()                                        # delayOffset.json: timers below 3 delivered
     await svc.ctx.store.close()
     with open(os.path.join(tmp_path, "commitlog", f"{0:020d}"), "r+b") as f:
         f.seek(timers[1].physical_offset + 4)               # damage b: the log is cut there
         f.write(b"\0\0\0\0")
     svc = await _service(tmp_path, clock, truncate_corrupt_tail=True)
-    assert await svc.run_due(101_000) == 1                  # a: its delivery was cut with the rest
+    assert await svc.run_due(101_000, 101_000) == 1                  # a: its delivery was cut with the rest
     for body in (b"x", b"y"):                               # at timer queue offsets 1 and 2 again
         await _schedule(svc, "T", body, {"TIMER_DELIVER_MS": "200000"}, clock.now)
     await svc.ctx.store.close()                             # killed: no stop, no new delayOffset.json
     svc = await _service(tmp_path, clock, truncate_corrupt_tail=True)
     try:
-        assert await svc.run_due(200_000) == 2
+        assert await svc.run_due(200_000, 200_000) == 2
         assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"a", b"x", b"y"]
     finally:
         await svc.ctx.store.close()
@@ -230,12 +233,12 @@ async def test_a_full_disk_holds_deliveries_back_and_loses_none(tmp_path):
     await _schedule(svc, "T", b"b", {"TIMER_DELAY_MS": "500"}, clock.now)
     disk = svc.ctx.store.disk
     disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
-    assert await svc.run_due(102_000) == -1
-    assert await svc.run_due(103_000) == -1
+    assert await svc.run_due(102_000, 102_000) == -1
+    assert await svc.run_due(103_000, 103_000) == -1
     assert _delivered(svc.ctx.store, "T") == [] and dict(svc.waiting()) == {"1": 1, "timer": 1}
     disk.refusing = False
-    assert await svc.run_due(104_000) == 2
-    assert await svc.run_due(105_000) == 0
+    assert await svc.run_due(104_000, 104_000) == 2
+    assert await svc.run_due(105_000, 105_000) == 0
     assert sorted(m.body for m in _delivered(svc.ctx.store, "T")) == [b"a", b"b"]
     await svc.ctx.store.close()
 
@@ -255,7 +258,7 @@ async def test_an_undeliverable_message_is_passed_over_with_progress_kept(tmp_pa
     svc = await _service(tmp_path, clock)
     await _put_undeliverable(svc)
     await _schedule(svc, "T", b"fine", {"DELAY": "1"}, clock.now)
-    assert await svc.run_due(101_000) == 2
+    assert await svc.run_due(101_000, 101_000) == 2
     assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"fine"]
     assert svc.ctx.store.max_offset("RMQ_SYS_TRANS_HALF_TOPIC", 0) == 0
     assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "no_destination"}) == 1
@@ -277,10 +280,10 @@ async def test_a_message_passed_over_is_counted_once_while_the_disk_refuses_its_
     def dropped():
         return svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "no_destination"})
     for now in (101_000, 102_000, 103_000):
-        assert await svc.run_due(now) == -1
+        assert await svc.run_due(now, now) == -1
     assert not dropped()                    # nothing passed over yet: the same batch is tried again
     disk.refusing = False
-    assert await svc.run_due(104_000) == 2
+    assert await svc.run_due(104_000, 104_000) == 2
     assert dropped() == 1
     await svc.ctx.store.close()
 
@@ -298,11 +301,11 @@ async def test_a_damaged_record_is_passed_over_loudly_and_delivery_goes_on(tmp_p
     seg, pos = store._log.locate(bad.physical_offset)
     os.pwrite(seg.fd, (0x7FFF_FFFF).to_bytes(4, "big"), pos + 84)       # BODYLEN, as a bit flip might leave it
     assert store.get_record(bad.physical_offset) is not None            # the log's own checks pass
-    assert await svc.run_due(101_000) == 3
+    assert await svc.run_due(101_000, 101_000) == 3
     assert [m.body for m in _delivered(store, "T")] == [b"fine", b"timer"]
     assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "undecodable"}) == 1
     assert f"(record {bad.physical_offset}) dropped: it cannot be decoded" in caplog.text
-    assert await svc.run_due(102_000) == 0
+    assert await svc.run_due(102_000, 102_000) == 0
     await store.close()
 
 
@@ -319,7 +322,7 @@ async def test_due_messages_larger_together_than_a_segment_are_delivered_in_seve
     clock.now = 101_000
     moved = []
     for _ in range(5):
-        n = await svc.run_due(clock.now)
+        n = await svc.run_due(clock.now, clock.now)
         assert n >= 0, "the store refused the batch"
         if n == 0:
             break
@@ -340,11 +343,11 @@ async def test_a_pass_that_raises_is_logged_counted_and_the_loop_goes_on(tmp_pat
     svc = await _service(tmp_path, clock)
     real, calls = svc.run_due, []
 
-    async def flaky(now):
+    async def flaky(now, mono):
         calls.append(now)
         if len(calls) == 1:
             raise RuntimeError("a record that does not decode")
-        return await real(now)
+        return await real(now, mono)
     svc.run_due = flaky
     await _schedule(svc, "Orders", b"later", {"DELAY": "1"}, clock.now)
     clock.now = 101_000
@@ -357,3 +360,23 @@ async def test_a_pass_that_raises_is_logged_counted_and_the_loop_goes_on(tmp_pat
         await svc.ctx.store.close()
     assert "schedule pass failed" in caplog.text and len(calls) >= 2
     assert svc.ctx.metrics.task_crashes.labels("txmq-schedule")._value.get() == 1
+
+
+@bounded()
+async def test_a_timer_is_not_delivered_early_when_the_clock_goes_back_and_is_put_right(tmp_path):
+    """The wall clock steps back an hour, then NTP puts it right. A timer of an hour stored just before
+    goes an hour after it was stored, not at once (moved an hour earlier at the step back, the correction
+    found it due)."""
+    clock, mono = Clock(10_000_000), Clock(50_000)     # the monotonic clock never steps
+    svc = await _service(tmp_path, clock, monotonic=mono)
+    await _schedule(svc, "T", b"hour", {"TIMER_DELAY_SEC": "3600"}, clock.now)
+    clock.now -= 3_600_000
+    mono.now += 1000
+    assert await svc.run_due(clock.now, mono.now) == 0
+    clock.now += 3_600_000 + 1000
+    mono.now += 1000
+    assert await svc.run_due(clock.now, mono.now) == 0       # 2 s into its hour
+    clock.now += 3_600_000 - 2000
+    mono.now += 3_600_000 - 2000
+    assert await svc.run_due(clock.now, mono.now) == 1
+    await svc.ctx.store.close()

@@ -1,0 +1,128 @@
+"""The broker host's wall clock stepped (NTP, a VM resumed) while the broker runs.
+
+libfaketime reads the broker's clock offset from a file on every call (FAKETIME_TIMESTAMP_FILE with
+FAKETIME_NO_CACHE), so a test steps the running broker's wall clock by rewriting it; its monotonic clock
+(asyncio's timers) stays real. Steps are taken after progress (a half stored, a check answered), never
+after a sleep; every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from consumer import PullConsumer
+from producer import LocalTransactionState as S
+from producer import Producer, TransactionProducer
+from tests.support.faketime import LIBFAKETIME, SKIP_REASON, stepped_env
+
+pytestmark = pytest.mark.asyncio
+
+if LIBFAKETIME is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+
+class Checked:
+    """Answers UNKNOW to everything; counts checks and lets a test wait for the n-th."""
+
+    def __init__(self):
+        self.checks = 0
+        self.first_at: float | None = None      # monotonic, in this process
+        self._more = asyncio.Event()
+
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    async def check_local_transaction(self, msg):
+        self.checks += 1
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        self._more.set()
+        return S.UNKNOW
+
+    async def wait_for(self, n: int, within_s: float) -> None:
+        async with asyncio.timeout(within_s):
+            while self.checks < n:
+                self._more.clear()
+                await self._more.wait()
+
+
+IMMUNITY_S = 1.5
+FLAGS = ("--transaction-check-interval-ms", "500", "--transaction-timeout-ms", str(int(IMMUNITY_S * 1000)))
+
+
+@pytest.mark.parametrize("steps", [("-1h", "-2h"), ("+1h", "+2h")], ids=["back", "forward"])
+async def test_checks_keep_their_pace_when_the_wall_clock_steps(broker_factory, tmp_path, steps):
+    """Checks are timed by the broker's monotonic clock. Timed by the wall clock, a step back of an hour
+    left every undecided transaction unchecked for that hour, saying nothing; a step forward checked
+    them at once, before their immunity ended (a producer still running its local transaction may
+    answer ROLLBACK)."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(*FLAGS, env=stepped_env(offset))
+    listener = Checked()
+    async with TransactionProducer(b.namesrv, "PG_clock", listener) as producer:
+        sending = time.monotonic()
+        await producer.send_in_transaction("TxClock", b"in doubt")
+        offset.write_text(steps[0] + "\n")         # stepped before the first check is due
+        await listener.wait_for(1, 15)
+        assert listener.first_at - sending >= IMMUNITY_S - 0.05, "checked before its immunity ended"
+        offset.write_text(steps[1] + "\n")         # and again between checks
+        await listener.wait_for(3, 15)
+
+
+async def test_a_half_stored_before_the_clock_went_back_is_checked_after_a_restart(broker_factory, tmp_path):
+    """A broker restarted after its clock went back an hour finds halves stored "an hour ahead": they get
+    their immunity from now, not the hour's wait until the wall clock reaches their store time again."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(*FLAGS, env=stepped_env(offset))
+    async with TransactionProducer(b.namesrv, "PG_clock", Checked()) as producer:
+        await producer.send_in_transaction("TxClock", b"in doubt")
+    b.stop()
+    offset.write_text("-1h\n")
+    b = broker_factory(*FLAGS, env=stepped_env(offset))
+    listener = Checked()
+    async with TransactionProducer(b.namesrv, "PG_clock", listener):
+        await listener.wait_for(1, 15)
+
+
+async def _arrived(namesrv, topic: str, n: int, within_s: float) -> list[bytes]:
+    """The bodies on ``topic`` once ``n`` arrived (long-polled, bounded)."""
+    consumer = PullConsumer(namesrv, "CG_clock")
+    bodies: list[bytes] = []
+    try:
+        async with asyncio.timeout(within_s):
+            queues = await consumer.fetch_queues(topic)
+            offsets = {mq: 0 for mq in queues}
+            while len(bodies) < n:
+                for mq in queues:       # long-polled: each returns at once when it holds more
+                    got = await consumer.pull(mq, offsets[mq], suspend_ms=100)
+                    offsets[mq] = got.next_begin_offset
+                    bodies += [m.body for m in got.messages]
+    finally:
+        await consumer.shutdown()
+    return bodies
+
+
+async def test_a_timer_message_is_not_held_an_hour_when_the_clock_goes_back(broker_factory, tmp_path):
+    """A timer message asks for a wait from its store time (TIMER_DELAY_SEC / _MS) or a wall time
+    (TIMER_DELIVER_MS); a wait never outlasts what it asked for counted from now, as RocketMQ's
+    correctDeliverTimestamp rules delay levels (a message stored "after now" goes now). Kept by the
+    wall clock, a step back of an hour held a 2 s timer for an hour and two seconds, nothing said; also
+    across a restart."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(env=stepped_env(offset))
+    async with Producer(b.namesrv, "PG_clock") as producer:
+        await producer.send("Timed", b"a", properties={"TIMER_DELAY_SEC": "2"})
+        await producer.send("Timed", b"b", properties={"TIMER_DELAY_MS": "2000"})
+        offset.write_text("-1h\n")
+        assert sorted(await _arrived(b.namesrv, "Timed", 2, 15)) == [b"a", b"b"]
+        offset.write_text("+0\n")
+        await producer.send("Timed", b"c", properties={"TIMER_DELAY_SEC": "5"})   # still waiting at the stop
+    b.stop()
+    offset.write_text("-1h\n")
+    b = broker_factory(env=stepped_env(offset))
+    assert sorted(await _arrived(b.namesrv, "Timed", 3, 20)) == [b"a", b"b", b"c"]
