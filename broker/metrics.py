@@ -162,6 +162,10 @@ class BrokerMetrics:
                                    registry=r)
         self.check_answers = Counter("txmq_transaction_check_answers", "Answers to checks, by result.",
                                      ["producer_group", "result"], registry=r)
+        self.checks_lost = Counter("txmq_transaction_checks_lost",
+                                   "Checks whose connection closed before they were answered: asked again of a "
+                                   "live producer at once (each still counts against transaction_check_max).",
+                                   ["producer_group"], registry=r)
         self.checks_skipped = Counter("txmq_transaction_checks_deferred",
                                       "Checks not sent because no producer of the group was connected.",
                                       ["producer_group"], registry=r)

@@ -146,9 +146,10 @@ class TransactionCore:
         self._heap: list[tuple[int, int]] = []
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
-        # Checks sent and not yet answered, per channel: a check holds its channel's slot from the channel's
-        # choice until the transaction is answered, decided, or comes due again (the check was lost).
-        self.in_flight: dict[object, int] = {}
+        # Checks sent and not yet answered, per channel ({half offset: Tx}): a check holds its channel's slot from
+        # the channel's choice until the transaction is answered, decided, or comes due again (the check was lost),
+        # or the channel closes (channel_closed: asked again at once, not an interval on).
+        self.checking: dict[object, dict[int, Tx]] = {}
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
         # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
         # now, without scanning every pending transaction. An entry leaves when its transaction comes due
@@ -340,7 +341,7 @@ class TransactionCore:
                 continue
             tx.checks += 1
             tx.check_channel = channel
-            self.in_flight[channel] = self.in_flight.get(channel, 0) + 1
+            self.checking.setdefault(channel, {})[tx.half_offset] = tx
             actions.append(SendCheck(tx, channel))
         return actions, deferred
 
@@ -423,11 +424,31 @@ class TransactionCore:
         if channel is None:
             return
         tx.check_channel = None
-        left = self.in_flight.get(channel, 0) - 1
-        if left > 0:
-            self.in_flight[channel] = left
-        else:
-            self.in_flight.pop(channel, None)
+        held = self.checking.get(channel)
+        if held is not None and held.pop(tx.half_offset, None) is not None and not held:
+            del self.checking[channel]
+
+    def in_flight(self, channel) -> int:
+        """Checks ``channel`` holds: sent (or being sent) and not answered yet."""
+        held = self.checking.get(channel)
+        return 0 if held is None else len(held)
+
+    def channel_closed(self, channel, now: int) -> list[Tx]:
+        """The connection ``channel`` closed: the checks sent on it will never be answered. Each of those
+        transactions is due at ``now`` instead of an interval on: the next pass counts that check unanswered
+        and asks a live producer (or defers it, nobody being here). The lost check stays counted against
+        ``check_max``, as RocketMQ counts every check it sends. Returns those transactions.
+
+        A check still being written (chosen, not sent yet) only gives its slot back: its send fails on the
+        closed channel and check_not_sent puts it due at once."""
+        held = self.checking.pop(channel, None)
+        lost = []
+        for tx in (held or {}).values():
+            tx.check_channel = None
+            if tx.awaiting and self.pending.get(tx.half_offset) is tx and tx.deciding is None:
+                self._reschedule(tx, now)
+                lost.append(tx)
+        return lost
 
     def check_written(self, tx: Tx, now: int, ok: bool) -> bool:
         """The check record of ``tx`` is durable (send the check: True) or refused (False)."""
@@ -443,9 +464,14 @@ class TransactionCore:
     def check_sent(self, tx: Tx) -> None:
         tx.awaiting = True
 
-    def check_not_sent(self, tx: Tx) -> None:
-        """The check record was written but the check could not be sent (its channel closed): the slot is free."""
+    def check_not_sent(self, tx: Tx, now: int | None = None) -> None:
+        """The check record was written but the check could not be sent: the slot is free. ``now`` when its
+        channel closed: due again at once, for another producer (the attempt stays counted, its record is
+        written). Without it, an interval on: a check that fails to go out for another reason must not be
+        re-sent in a loop that spends every check in a moment."""
         self._release(tx)
+        if now is not None and tx.half_offset in self.pending and tx.deciding is None:
+            self._reschedule(tx, now)
 
     def dead_letter_failed(self, tx: Tx, now: int) -> None:
         """A max-checks dead letter was refused by the store: try again after an interval."""

@@ -494,7 +494,7 @@ class TransactionService:
         # A producer that stopped reading would have the checks pile up unread until the unread-reply cap closes
         # it: every one of them spent, none answered. Nor may one slice queue more than the cap allows: 256
         # checks of 1 MB messages (196 MB) had a producer that reads closed at once, every check lost.
-        if self.core.in_flight.get(conn, 0) >= self.check_cap or getattr(conn, "writing_paused", False):
+        if self.core.in_flight(conn) >= self.check_cap or getattr(conn, "writing_paused", False):
             return False
         queued = self._slice_bytes.get(conn, 0) + getattr(conn, "unsent_bytes", 0)
         return queued == 0 or queued + size <= self._check_bytes
@@ -506,7 +506,7 @@ class TransactionService:
         if not channels:
             return None
         in_flight = self.core.in_flight
-        return sum(max(0, self.check_cap - in_flight.get(ch.conn, 0))
+        return sum(max(0, self.check_cap - in_flight(ch.conn))
                    for ch in channels if not getattr(ch.conn, "writing_paused", False))
 
     def producer_joined(self, group: str) -> None:
@@ -585,10 +585,26 @@ class TransactionService:
                 action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
                 log.info("check of %s not sent: %s", tx.uniq_key, exc)
-                self.core.check_not_sent(tx)
+                closed = not getattr(action.channel, "is_open", False)
+                self.core.check_not_sent(tx, self.ctx.clock() if closed else None)
+                if closed:
+                    self._checks_lost([tx])
                 continue
             self.core.check_sent(tx)
             self.ctx.metrics.child(self.ctx.metrics.checks_sent, tx.group).inc()
+
+    def connection_closed(self, conn) -> None:
+        """A client connection closed (server.py): the checks sent on it and not answered are asked again of a
+        live producer at once, not after a whole check interval (core.channel_closed)."""
+        self._checks_lost(self.core.channel_closed(conn, self.ctx.clock()))
+
+    def _checks_lost(self, lost: list[Tx]) -> None:
+        if not lost:
+            return
+        metrics = self.ctx.metrics
+        for tx in lost:
+            metrics.child(metrics.checks_lost, tx.group).inc()
+        self.timer.wake()
 
     def _check_command(self, tx: Tx) -> RemotingCommand:
         view = self.ctx.store.get_record(tx.half_offset)
