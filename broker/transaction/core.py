@@ -84,8 +84,9 @@ def asks_delay(props: dict) -> bool:
     return any(props.get(k, "0") != "0" for k in _DELAY_KEYS)
 
 
-def tx_from_half(msg, checks: int = 0) -> Tx:
-    """An undecided transaction as its stored half message describes it."""
+def tx_from_half(msg, checks: int = 0, owner_id: str = "") -> Tx:
+    """An undecided transaction as its stored half message describes it; ``owner_id`` is the client id of the
+    producer that sent it, which the half does not hold (its properties are the committed message's)."""
     props = msg.properties
     try:
         real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
@@ -93,7 +94,7 @@ def tx_from_half(msg, checks: int = 0) -> Tx:
         real_qid = 0
     return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
               props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
-              checks=checks, delayed=asks_delay(props))
+              checks=checks, delayed=asks_delay(props), owner_id=owner_id)
 
 
 @dataclass(frozen=True, slots=True)

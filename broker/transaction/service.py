@@ -44,7 +44,7 @@ from .check import CheckTimer, Policy
 from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
 from .records import COMMIT, DEAD, DEAD_TOPIC, RESUME, ROLLBACK, RecordFactory
-from .recovery import PROGRESS_GROUP, recover, write_snapshot
+from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 
 log = logging.getLogger("txmq.transaction")
 
@@ -451,23 +451,9 @@ class TransactionService:
         """The producer that sent the half first, else one of its group, in turn, that has room for another
         check (fewer than ``transaction_check_in_flight_max`` unanswered, reading what is sent to it, and
         this slice's checks to it under a quarter of ``max_write_buffer``); None if no producer of the group
-        is here, BUSY if none has room.
-
-        The sender is found by its client id when it reconnected (a new connection, the same instance: the
-        one that knows its local transaction). It is not asked first again once a check went unanswered:
-        a sender hung with its connection open would otherwise get every check until the transaction is
-        dead-lettered, while the group's other producers could answer. Nor is it asked once it unregistered
-        the group (UNREGISTER_CLIENT) on a connection that stays open: as RocketMQ's ProducerManager, only
-        producers still in the group are asked (a Java client ignores a check for a group it has left, and the
-        transaction was checked to its limit and dead-lettered while another producer was never asked)."""
+        is here, BUSY if none has room."""
         channels = self.ctx.clients.producer_channels(tx.group)
-        owner = tx.owner
-        if owner is not None and not getattr(owner, "is_open", False):
-            owner = next((ch.conn for ch in channels if ch.client_id == tx.owner_id), None) if tx.owner_id else None
-            if owner is not None:
-                tx.owner = owner
-        if owner is not None and self.ctx.clients.left_group(owner, tx.group):
-            owner = None
+        owner = self._sender(tx, channels)
         if owner is None and not channels:
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
@@ -481,6 +467,28 @@ class TransactionService:
             if self._has_room(conn, size):
                 return self._take(conn, size)
         return BUSY
+
+    def _sender(self, tx: Tx, channels):
+        """The connection of the producer that sent ``tx``'s half, if it may be asked first; else None.
+
+        The sender is found by its client id when it reconnected (a new connection, the same instance: the
+        one that knows its local transaction), after a broker restart too (the snapshot keeps its client id).
+        It is not asked first again once a check went unanswered (see _channel_for): a sender hung with its
+        connection open would otherwise get every check until the transaction is dead-lettered, while the
+        group's other producers could answer. Nor is it asked once it unregistered the group
+        (UNREGISTER_CLIENT) on a connection that stays open: as RocketMQ's ProducerManager, only producers still
+        in the group are asked (a Java client ignores a check for a group it has left, and the transaction was
+        checked to its limit and dead-lettered while another producer was never asked)."""
+        owner = tx.owner
+        if owner is None or not getattr(owner, "is_open", False):
+            owner_id = sender_id(tx)
+            owner = next((ch.conn for ch in channels if ch.client_id == owner_id), None) if owner_id else None
+            if owner is None:
+                return None
+            tx.owner = owner
+        if self.ctx.clients.left_group(owner, tx.group):
+            return None
+        return owner
 
     def _check_size(self, tx: Tx) -> int:
         view = self.ctx.store.get_record(tx.half_offset)
@@ -627,7 +635,7 @@ class TransactionService:
             owner_left = owner_alive and self.ctx.clients.left_group(p.owner, p.group)
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,
                          "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": now - p.store_ts,
-                         "checks": p.checks, "owner": p.owner_id + (" (left the group)" if owner_left else
+                         "checks": p.checks, "owner": sender_id(p) + (" (left the group)" if owner_left else
                                                                     "" if owner_alive else " (gone)"),
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - now)})
             if len(rows) >= limit:

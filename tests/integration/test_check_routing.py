@@ -7,13 +7,17 @@ slow machine; every wait is for an event (a check arriving, a metric moving), bo
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 
 import pytest
 
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
-from protocol.message import Prop
+from protocol.codes import RequestCode, ResponseCode, SysFlag
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import Prop, SendMessageRequestHeader, properties_to_string
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -21,6 +25,35 @@ pytestmark = pytest.mark.asyncio
 GROUP = "PG_routing"
 TOPIC = "Routing"
 LONG = ("--transaction-check-interval-ms", "60000")
+
+
+class Checked:
+    """A raw connection's handler, as a stock Java producer's: records the checks it is sent (never answers)."""
+
+    def __init__(self, changed: asyncio.Event):
+        self.asked: list[str] = []
+        self.changed = changed
+
+    def __call__(self, conn, cmd):
+        if cmd.code == RequestCode.CHECK_TRANSACTION_STATE:
+            self.asked.append(cmd.ext_fields["commitLogOffset"])
+            self.changed.set()
+        return None
+
+
+async def _raw(b, handler, client_id: str | None = None):
+    """A connection to the broker; with ``client_id``, registered as a producer of GROUP by a heartbeat."""
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port), handler)
+    if client_id is not None:
+        await _beat(conn, client_id)
+    return conn
+
+
+async def _beat(conn, client_id: str) -> None:
+    body = {"clientID": client_id, "producerDataSet": [{"groupName": GROUP}], "consumerDataSet": []}
+    beat = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(body).encode()), 5)
+    assert beat.code == ResponseCode.SUCCESS, beat.remark
 
 
 class Listener:
@@ -66,6 +99,68 @@ async def _metric(b, name: str, label: str = "") -> float:
         lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith(name + "{") and f'producer_group="{GROUP}"' in line and label in line)
+
+
+@bounded(90)
+async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(broker_factory):
+    # Immunity long enough for the restart and both producers to register before the first check; the
+    # snapshot written at the clean stop is what still knows who sent each half.
+    immunity_s = 12
+    flags = LONG + ("--transaction-timeout-ms", str(immunity_s * 1000))
+    b = broker_factory(*flags)
+    async with _producer(b, "sender", Listener()) as sender:
+        for i in range(4):
+            sent = await sender.send_in_transaction(TOPIC, f"order {i}".encode())
+            assert sent.state is S.UNKNOW
+    assert b.stop() == 0
+    b = broker_factory(*flags)
+    asked = asyncio.Event()
+    at_sender, at_other = Listener(changed=asked), Listener(changed=asked)
+    # The other producer registers first: a check given to the group in turn goes to it at least once.
+    async with _producer(b, "other", at_other), _producer(b, "sender", at_sender):
+        assert not at_sender.asked and not at_other.asked, "checked before both producers were back: too slow"
+        await at_sender.until_asked(4, at_other)
+        assert len(at_sender.asked) == 4 and at_other.asked == [], \
+            f"a check went to another producer while its sender was here:\n{b.log()}"
+
+
+@bounded(90)
+async def test_after_a_restart_checks_go_to_the_sender_whose_heartbeat_came_after_its_halves(broker_factory):
+    """A stock Java producer sends its first halves before its first heartbeat (it learns the broker from the
+    route, and heartbeats on its 30 s timer): the half is taken under the connection's address, and the client
+    id the heartbeat then gave that connection is the one the sender comes back with."""
+    immunity_s = 12
+    flags = LONG + ("--transaction-timeout-ms", str(immunity_s * 1000))
+    b = broker_factory(*flags)
+    asked = asyncio.Event()
+    conn = await _raw(b, Checked(asked))
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        for i in range(4):
+            h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                         properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                              f"order {i}".encode()), 5)
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+        await _beat(conn, "10.0.0.7@4242")         # its first heartbeat, after its halves
+    finally:
+        conn.close()
+    assert b.stop() == 0
+    b = broker_factory(*flags)
+    at_other, at_sender = Checked(asked), Checked(asked)
+    other = await _raw(b, at_other, "10.0.0.8@99")          # registers first: the group's turn starts with it
+    sender = await _raw(b, at_sender, "10.0.0.7@4242")
+    try:
+        assert not at_sender.asked and not at_other.asked, "checked before both producers were back: too slow"
+        while len(at_sender.asked) + len(at_other.asked) < 4:
+            asked.clear()
+            await asyncio.wait_for(asked.wait(), immunity_s + 30)
+        assert len(at_sender.asked) == 4 and at_other.asked == [], f"checks went to another producer:\n{b.log()}"
+    finally:
+        other.close()
+        sender.close()
 
 
 @bounded(90)

@@ -292,3 +292,13 @@ async def test_an_undecided_half_whose_record_is_damaged_is_dropped_with_an_erro
                    for r in caplog.records)
     finally:
         await ctx2.store._store.close()
+
+
+def test_snapshot_owners_are_read_as_far_as_they_are_well_formed():
+    """An older txmq's snapshot has no "owners"; a damaged entry costs only its own sender (asked first), never
+    the start-up or the other transactions."""
+    from broker.transaction.recovery import _owners
+    assert _owners({"pending": []}) == {}
+    assert _owners({"owners": ["not", "a", "map"]}) == {}
+    assert _owners({"owners": {"a@1": [10, 20], "b@2": "x", "c@3": [30, "40", None]}}) == {10: "a@1", 20: "a@1",
+                                                                                          30: "c@3"}
