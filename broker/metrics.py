@@ -166,6 +166,12 @@ class BrokerMetrics:
                                    "Checks whose connection closed before they were answered: asked again of a "
                                    "live producer at once (each still counts against transaction_check_max).",
                                    ["producer_group"], registry=r)
+        self.checks_rerouted = Counter("txmq_transaction_checks_rerouted",
+                                       "Checks sent to another producer of the group than the half's sender, by why "
+                                       "(sender-busy: at its in-flight cap; sender-unanswered: its last check went "
+                                       "unanswered; sender-gone: not connected; sender-left: unregistered the "
+                                       "group; sender-unknown: not known, e.g. a half stored just before a crash).",
+                                       ["producer_group", "reason"], registry=r)
         self.checks_skipped = Counter("txmq_transaction_checks_deferred",
                                       "Checks not sent because no producer of the group was connected.",
                                       ["producer_group"], registry=r)

@@ -72,6 +72,7 @@ class Tx:
     owner_id: str = ""
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
     check_channel: object = None  # where its check went: it holds one of that channel's check slots (in_flight)
+    rerouted: str = ""           # why its check went to another producer than its sender ("": to the sender)
     parked: bool = False         # due, but every producer of its group has its checks in flight (see due)
     deferred: bool = False       # due with no producer of its group here: rescheduled an interval on (see due)
 

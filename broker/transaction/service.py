@@ -451,25 +451,36 @@ class TransactionService:
         """The producer that sent the half first, else one of its group, in turn, that has room for another
         check (fewer than ``transaction_check_in_flight_max`` unanswered, reading what is sent to it, and
         this slice's checks to it under a quarter of ``max_write_buffer``); None if no producer of the group
-        is here, BUSY if none has room."""
+        is here, BUSY if none has room. A check that goes to another producer than the sender says why in
+        ``tx.rerouted`` (counted once sent: txmq_transaction_checks_rerouted_total).
+
+        A sender at its cap of checks in flight (or not reading) is passed over for another producer of the
+        group with room, not waited for: liveness over affinity. A sender with 2000 checks unanswered, hung or
+        slow, must not hold up the group's other transactions while producers that could answer them are idle;
+        each check asks the sender first again, so they come back to it as it has room."""
         channels = self.ctx.clients.producer_channels(tx.group)
-        owner = self._sender(tx, channels)
+        owner, why = self._sender(tx, channels)
         if owner is None and not channels:
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
-        if owner is not None and (not tx.unanswered or not channels) and self._has_room(owner, size):
-            return self._take(owner, size)
+        if owner is not None and (not tx.unanswered or not channels):
+            if self._has_room(owner, size):
+                return self._take(tx, owner, size, "")
+            why = "sender-busy"
+        elif owner is not None:
+            why = "sender-unanswered"
         if not channels:
             return None                 # its sender has no room and no other is registered: after an interval
         for _ in range(len(channels)):
             self._rr += 1
             conn = channels[self._rr % len(channels)].conn
             if self._has_room(conn, size):
-                return self._take(conn, size)
+                return self._take(tx, conn, size, "" if conn is owner else why)
         return BUSY
 
-    def _sender(self, tx: Tx, channels):
-        """The connection of the producer that sent ``tx``'s half, if it may be asked first; else None.
+    def _sender(self, tx: Tx, channels) -> tuple[object, str]:
+        """(the connection of the producer that sent ``tx``'s half, ""), if it may be asked first; else (None,
+        why not: sender-gone, sender-unknown, sender-left).
 
         The sender is found by its client id when it reconnected (a new connection, the same instance: the
         one that knows its local transaction), after a broker restart too (the snapshot keeps its client id).
@@ -484,18 +495,19 @@ class TransactionService:
             owner_id = sender_id(tx)
             owner = next((ch.conn for ch in channels if ch.client_id == owner_id), None) if owner_id else None
             if owner is None:
-                return None
+                return None, "sender-gone" if owner_id else "sender-unknown"
             tx.owner = owner
         if self.ctx.clients.left_group(owner, tx.group):
-            return None
-        return owner
+            return None, "sender-left"
+        return owner, ""
 
     def _check_size(self, tx: Tx) -> int:
         view = self.ctx.store.get_record(tx.half_offset)
         return 0 if view is None else len(view)
 
-    def _take(self, conn, size: int):
+    def _take(self, tx: Tx, conn, size: int, rerouted: str):
         self._slice_bytes[conn] = self._slice_bytes.get(conn, 0) + size
+        tx.rerouted = rerouted
         return conn
 
     def _has_room(self, conn, size: int = 0) -> bool:
@@ -599,7 +611,10 @@ class TransactionService:
                     self._checks_lost([tx])
                 continue
             self.core.check_sent(tx)
-            self.ctx.metrics.child(self.ctx.metrics.checks_sent, tx.group).inc()
+            metrics = self.ctx.metrics
+            metrics.child(metrics.checks_sent, tx.group).inc()
+            if tx.rerouted:
+                metrics.child(metrics.checks_rerouted, tx.group, tx.rerouted).inc()
 
     def connection_closed(self, conn) -> None:
         """A client connection closed (server.py): the checks sent on it and not answered are asked again of a

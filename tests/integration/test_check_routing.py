@@ -181,4 +181,23 @@ async def test_a_check_whose_connection_closes_unanswered_is_asked_again_of_a_li
         assert other.asked == [b"order 1"]
         assert await _metric(b, "txmq_transaction_checks_lost_total") == 1
         assert await _metric(b, "txmq_transaction_checks_total") == 2      # both count against the max
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total", 'reason="sender-gone"') == 1
 
+@bounded(90)
+async def test_a_sender_at_its_check_cap_is_passed_over_for_another_producer_and_that_is_counted(broker_factory):
+    """Liveness over affinity: a sender with its cap of checks unanswered does not hold up the group's other
+    transactions while another producer could answer them; each such check says why it went elsewhere."""
+    b = broker_factory(*LONG, "--transaction-timeout-ms", "1000", "--transaction-check-in-flight-max", "1")
+    hung, other = Listener(answers=False), Listener()
+    async with _producer(b, "other", other):
+        sender = await _producer(b, "sender", hung).start()
+        try:
+            await sender.send_in_transaction(TOPIC, b"order 1")
+            await hung.until_asked(1)               # the sender holds its one check slot, unanswered
+            await sender.send_in_transaction(TOPIC, b"order 2")
+            await other.until_asked(1)
+        finally:
+            hung.never.set()
+            await sender.shutdown()
+        assert hung.asked == [b"order 1"] and other.asked == [b"order 2"]
+        assert await _metric(b, 'txmq_transaction_checks_rerouted_total', 'reason="sender-busy"') == 1
