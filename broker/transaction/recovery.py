@@ -104,6 +104,8 @@ async def recover(tx) -> None:
             continue
         if op.tag == OP_TAG_CHECK:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
+            if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
+                owners[op.half_offset] = op.owner
         elif op.op == RESUME:
             tx.record(op.half_queue_offset, None)
             undecided.add(op.half_offset)
@@ -132,7 +134,7 @@ async def recover(tx) -> None:
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
-        tx.core.add(tx_from_half(msg, checks.get(msg.physical_offset, 0)), now,
+        tx.core.add(tx_from_half(msg, checks.get(msg.physical_offset, 0), owners.get(msg.physical_offset, "")), now,
                     msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS))
     tx.table.trim(store.min_offset(HALF_TOPIC, 0))
     tx.dead_count = tx.table.count(DEAD)    # the table may be ahead of the snapshot: count it

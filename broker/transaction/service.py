@@ -591,8 +591,8 @@ class TransactionService:
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
         try:
-            results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks)
-                                                     for a in batch])
+            results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks,
+                                                              sender_id(a.tx)) for a in batch])
         except Exception:  # noqa: BLE001 - as a refusal: rescheduled below, the attempt not counted
             log.exception("check records of %d transactions not written", len(batch))
             results = [None] * len(batch)
