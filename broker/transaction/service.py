@@ -646,12 +646,12 @@ class TransactionService:
         for p in sorted(self.pending.values(), key=lambda p: p.store_ts):
             if group and p.group != group:
                 continue
-            owner_alive = p.owner is not None and getattr(p.owner, "is_open", False)
-            owner_left = owner_alive and self.ctx.clients.left_group(p.owner, p.group)
+            # As a check would find it: a sender reconnected (after a restart too) is here, not "gone".
+            conn, why = self._sender(p, self.ctx.clients.producer_channels(p.group))
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,
                          "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": now - p.store_ts,
-                         "checks": p.checks, "owner": sender_id(p) + (" (left the group)" if owner_left else
-                                                                    "" if owner_alive else " (gone)"),
+                         "checks": p.checks, "owner": sender_id(p) + ("" if conn is not None else " (left the group)"
+                                                                      if why == "sender-left" else " (gone)"),
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - now)})
             if len(rows) >= limit:
                 break

@@ -93,6 +93,17 @@ async def _die(producer: TransactionProducer) -> None:
     await producer.pool.close()
 
 
+async def _list(b) -> list[dict]:
+    """The undecided transactions, as `python -m broker admin list` shows them."""
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        listed = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, None), 5)
+    finally:
+        conn.close()
+    return json.loads(listed.body_bytes())["pending"]
+
+
 async def _metric(b, name: str, label: str = "") -> float:
     """The value of ``name`` for GROUP (summed over its other labels, or only those with ``label``)."""
     text = await asyncio.to_thread(
@@ -117,8 +128,10 @@ async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(br
     asked = asyncio.Event()
     at_sender, at_other = Listener(changed=asked), Listener(changed=asked)
     # The other producer registers first: a check given to the group in turn goes to it at least once.
-    async with _producer(b, "other", at_other), _producer(b, "sender", at_sender):
+    async with _producer(b, "other", at_other), _producer(b, "sender", at_sender) as sender:
         assert not at_sender.asked and not at_other.asked, "checked before both producers were back: too slow"
+        listed = await _list(b)
+        assert {row["owner"] for row in listed} == {sender.client_id}, listed    # here, not "(gone)"
         await at_sender.until_asked(4, at_other)
         assert len(at_sender.asked) == 4 and at_other.asked == [], \
             f"a check went to another producer while its sender was here:\n{b.log()}"
