@@ -93,11 +93,20 @@ def decision_extra(op: str, reason: str | None = None) -> dict[str, str]:
 def check_extra(attempt: int, owner: str = "") -> dict[str, str]:
     """The op_properties extras of a check attempt; with ``owner``, the client id of the half's sender, when it
     can be a property value: a client names itself, and a \\x01 or \\x02 in its name would write properties of
-    its choosing into the op record (a larger TXMQ_CHECKS, say). Left out, its sender is only not known."""
+    its choosing into the op record (a larger TXMQ_CHECKS, say), and a lone surrogate (JSON "\\ud800") made the
+    record fail to encode, with every check of its batch. Left out, its sender is only not known."""
     extra = {P_CHECKS: str(attempt)}
-    if owner and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner:
+    if owner and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner and _encodes(owner):
         extra[P_OWNER] = owner
     return extra
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def op_body(half_queue_offset: int) -> bytes:

@@ -178,6 +178,8 @@ def test_txlog_imports_only_protocol():
     ("x" * (txlog.OWNER_MAX + 1), None),                       # too long: its sender is only not known
     (f"evil\x02{txlog.P_CHECKS}\x01999", None),                # a separator would write a property of its choosing
     ("evil\x01", None),
+    ("\ud800", None),                                          # a lone surrogate does not encode: nor would the record
+    ("10.0.0.7@caf\u00e9", "10.0.0.7@caf\u00e9"),
 ])
 def test_a_check_op_carries_its_senders_client_id_only_when_it_is_a_plain_value(owner, written):
     got = txlog.parse_op(stored(factory().check(987, 3, 2, owner)))
