@@ -3,6 +3,8 @@ restart too; and a check whose connection closes unanswered goes to a live produ
 
 Check intervals are long (a minute) so that "asked again well before the interval" means the same on a
 slow machine; every wait is for an event (a check arriving, a metric moving), bounded by the test's deadline.
+The restart tests need both producers back before the first check: the immunity (12 s) leaves the restart
+ten times what it takes here, and a machine slower than that fails them saying so, not by a wrong answer.
 """
 from __future__ import annotations
 
