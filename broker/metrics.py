@@ -164,7 +164,8 @@ class BrokerMetrics:
                                      ["producer_group", "result"], registry=r)
         self.checks_lost = Counter("txmq_transaction_checks_lost",
                                    "Checks whose connection closed before they were answered: asked again of a "
-                                   "live producer at once (each still counts against transaction_check_max).",
+                                   "live producer at once (each still counts against transaction_check_max; a "
+                                   "re-ask lost so in turn is not counted: it waits its schedule).",
                                    ["producer_group"], registry=r)
         self.checks_rerouted = Counter("txmq_transaction_checks_rerouted",
                                        "Checks sent to another producer of the group than the half's sender, by why "

@@ -73,6 +73,8 @@ class Tx:
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
     check_channel: object = None  # where its check went: it holds one of that channel's check slots (in_flight)
     rerouted: str = ""           # why its check went to another producer than its sender ("": to the sender)
+    reask: bool = False          # due at once: its check was lost with its connection (channel_closed)
+    reasking: bool = False       # its check is such a re-ask: lost again, it waits its schedule (see _lost)
     parked: bool = False         # due, but every producer of its group has its checks in flight (see due)
     deferred: bool = False       # due with no producer of its group here: rescheduled an interval on (see due)
 
@@ -342,6 +344,7 @@ class TransactionCore:
                 self._parked.setdefault(tx.group, deque()).append(tx)
                 continue
             tx.checks += 1
+            tx.reasking, tx.reask = tx.reask, False
             tx.check_channel = channel
             self.checking.setdefault(channel, {})[tx.half_offset] = tx
             actions.append(SendCheck(tx, channel))
@@ -447,10 +450,19 @@ class TransactionCore:
         lost = []
         for tx in (held or {}).values():
             tx.check_channel = None
-            if tx.awaiting and self.pending.get(tx.half_offset) is tx and tx.deciding is None:
-                self._reschedule(tx, now)
+            if tx.awaiting and self._lost(tx, now):
                 lost.append(tx)
         return lost
+
+    def _lost(self, tx: Tx, now: int) -> bool:
+        """``tx``'s check was lost with its connection: due at ``now`` (True), unless that check was itself such
+        a re-ask, which waits the schedule its check record gave it: a producer that connects and closes in a
+        loop would otherwise have every check of its transactions spent, and them dead-lettered, in a moment."""
+        if self.pending.get(tx.half_offset) is not tx or tx.deciding is not None or tx.reasking:
+            return False
+        self._reschedule(tx, now)
+        tx.reask = True
+        return True
 
     def check_written(self, tx: Tx, now: int, ok: bool) -> bool:
         """The check record of ``tx`` is durable (send the check: True) or refused (False)."""
@@ -466,14 +478,13 @@ class TransactionCore:
     def check_sent(self, tx: Tx) -> None:
         tx.awaiting = True
 
-    def check_not_sent(self, tx: Tx, now: int | None = None) -> None:
+    def check_not_sent(self, tx: Tx, now: int | None = None) -> bool:
         """The check record was written but the check could not be sent: the slot is free. ``now`` when its
-        channel closed: due again at once, for another producer (the attempt stays counted, its record is
-        written). Without it, an interval on: a check that fails to go out for another reason must not be
-        re-sent in a loop that spends every check in a moment."""
+        channel closed: due again at once, for another producer (True; the attempt stays counted, its record is
+        written), as a check lost with its connection (_lost). Without it, an interval on: a check that fails to
+        go out for another reason must not be re-sent in a loop that spends every check in a moment."""
         self._release(tx)
-        if now is not None and tx.half_offset in self.pending and tx.deciding is None:
-            self._reschedule(tx, now)
+        return now is not None and self._lost(tx, now)
 
     def dead_letter_failed(self, tx: Tx, now: int) -> None:
         """A max-checks dead letter was refused by the store: try again after an interval."""

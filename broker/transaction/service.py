@@ -606,8 +606,7 @@ class TransactionService:
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
                 log.info("check of %s not sent: %s", tx.uniq_key, exc)
                 closed = not getattr(action.channel, "is_open", False)
-                self.core.check_not_sent(tx, self.ctx.clock() if closed else None)
-                if closed:
+                if self.core.check_not_sent(tx, self.ctx.clock() if closed else None):
                     self._checks_lost([tx])
                 continue
             self.core.check_sent(tx)

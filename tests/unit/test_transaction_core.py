@@ -347,11 +347,24 @@ def test_a_check_lost_with_its_connection_is_due_at_once_and_still_counted():
     assert s.core.channel_closed("conn", s.now) == []          # nothing held twice
     s.tick(0)
     assert s.checks_sent == [1, 1] and tx.checks == 2 and tx.unanswered == 1
-    for _ in range(MAX_CHECKS - 2):                              # lost again and again: up to the max, then dead
+
+
+def test_a_producer_that_closes_its_connection_in_a_loop_spends_one_extra_check_per_scheduled_one():
+    """A re-ask lost with its connection again waits its schedule: a producer that reconnects and closes in a
+    loop (or a proxy cutting connections) had each close ask again at once and dead-lettered the transaction,
+    all its checks spent, in a moment while the interval was a minute."""
+    s = Shell()
+    s.half(1)
+    s.tick(IMMUNITY)
+    tx = s.core.pending[1]
+    for _ in range(MAX_CHECKS + 2):
         s.core.channel_closed("conn", s.now)
         s.tick(0)
-    assert tx.checks == MAX_CHECKS
-    s.core.channel_closed("conn", s.now)
+    assert tx.checks == 2 and tx.half_offset in s.core.pending and not s.writing
+    assert tx.next_check > s.now and s.core.in_flight("conn") == 0
+    s.tick(tx.next_check - s.now)                                # its schedule: checked as ever
+    assert tx.checks == 3
+    assert s.core.channel_closed("conn", s.now) == [tx]          # and a scheduled check lost is asked at once
     [dead] = s.tick(0)
     assert isinstance(dead, Write) and dead.op == DEAD and dead.reason == "max-checks"
 
