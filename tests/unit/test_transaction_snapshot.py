@@ -325,3 +325,44 @@ async def test_a_crash_keeps_the_sender_of_a_half_checked_after_the_last_snapsho
         assert ctx2.tx.pending[after.half_offset].checks == 1
     finally:
         await ctx2.store._store.close()
+
+
+class _Producer:
+    """A live producer connection as the check pass sees it: records the checks it is sent."""
+
+    peer = ("127.0.0.1", 2)
+    is_open = True
+    writing_paused = False
+    unsent_bytes = 0
+
+    def __init__(self, client_id: str):
+        self.attributes = {"client_id": client_id}
+        self.asked: list[int] = []
+
+    def oneway(self, cmd) -> None:
+        self.asked.append(int(cmd.ext_fields["commitLogOffset"]))
+
+
+@bounded(30)
+async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(tmp_path):
+    """Both producers are back before anything is due (the clock says when): every check goes to the instance
+    that sent the halves, known by the client id its connection's heartbeat gave after them (a stock Java
+    producer's first halves precede its first heartbeat), not to the group in turn."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    halves = [await add_half(ctx, f"h{i}".encode()) for i in range(4)]
+    for p in halves:
+        p.owner.attributes["client_id"] = "10.0.0.7@4242"         # its heartbeat, after its halves
+    assert {p.owner_id for p in halves} == {"127.0.0.1:1"}          # taken under the connection's address
+    await ctx.tx.stop()
+    await ctx.store._store.close()
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        other, sender = _Producer("10.0.0.8@99"), _Producer("10.0.0.7@4242")
+        for conn in (other, sender):           # the other first: the group's turn would start with it
+            ctx2.clients.add_producer("PG", conn, conn.attributes["client_id"])
+        clock.now += 60_000
+        await ctx2.tx.run_due(clock.now)
+        assert sorted(sender.asked) == sorted(p.half_offset for p in halves) and other.asked == []
+    finally:
+        await ctx2.store._store.close()
