@@ -96,9 +96,15 @@ def check_extra(attempt: int, owner: str = "") -> dict[str, str]:
     its choosing into the op record (a larger TXMQ_CHECKS, say), and a lone surrogate (JSON "\\ud800") made the
     record fail to encode, with every check of its batch. Left out, its sender is only not known."""
     extra = {P_CHECKS: str(attempt)}
-    if owner and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner and _encodes(owner):
+    if plain_owner(owner):
         extra[P_OWNER] = owner
     return extra
+
+
+def plain_owner(owner: str) -> bool:
+    """True when ``owner`` (a client id) can be written as TXMQ_OWNER (see check_extra); the broker keeps no other
+    ones across a restart either (its snapshot), so a client cannot make that grow by the name it gives itself."""
+    return bool(owner) and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner and _encodes(owner)
 
 
 def _encodes(text: str) -> bool:

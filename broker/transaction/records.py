@@ -19,11 +19,11 @@ from protocol.message import MessageExt, Prop, encode_record, pack_host, propert
 from protocol.txlog import (COMMIT, DEAD, DEAD_TOPIC, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION,
                             OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_REASON, RESUME, ROLLBACK, OpRecord, check_extra,
                             dead_letter_properties, decision_extra, op_body, op_properties, parse_dead_letter,
-                            parse_op)
+                            parse_op, plain_owner)
 
 from ..store import PutRequest
 
-__all__ = ["RecordFactory", "OpRecord", "parse_op", "parse_dead_letter", "OP_TAG_DECISION", "OP_TAG_CHECK", "P_OP",
+__all__ = ["RecordFactory", "OpRecord", "parse_op", "parse_dead_letter", "plain_owner", "OP_TAG_DECISION", "OP_TAG_CHECK", "P_OP",
            "P_HALF", "P_CHECKS", "P_REASON", "COMMIT", "ROLLBACK", "DEAD", "RESUME", "DEAD_TOPIC"]
 
 _OP_TOPIC = OP_TOPIC.encode()

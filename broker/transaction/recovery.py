@@ -19,7 +19,7 @@ from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
-from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_letter, parse_op
+from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_letter, parse_op, plain_owner
 
 log = logging.getLogger("txmq.transaction")
 
@@ -240,14 +240,15 @@ async def write_snapshot(tx) -> None:
 def _by_owner(pending) -> dict[str, list[int]]:
     """{sender's client id: its undecided half offsets}: each id written once, however many halves it sent. A key
     of its own, not a fourth field of "pending": an older txmq reads a newer snapshot as before (and leaves it out).
-    Grouped by sender first, so each id is resolved once (this runs on the loop: half the cost with 100k)."""
+    Grouped by sender first, so each id is resolved once (this runs on the loop: half the cost with 100k). Only ids
+    a check record could carry (plain_owner): a client names itself, and a 16 MiB name was written whole each time."""
     by_sender: dict[tuple, list[int]] = {}
     for t in pending:
         by_sender.setdefault((t.owner, t.owner_id), []).append(t.half_offset)
     owners: dict[str, list[int]] = {}
     for (conn, owner_id), offsets in by_sender.items():
         client_id = _client_id(conn, owner_id)
-        if client_id:
+        if plain_owner(client_id):
             owners.setdefault(client_id, []).extend(offsets)
     return owners
 

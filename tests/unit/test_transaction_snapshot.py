@@ -366,3 +366,20 @@ async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(tm
         assert sorted(sender.asked) == sorted(p.half_offset for p in halves) and other.asked == []
     finally:
         await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp_path):
+    """A client names itself, in up to a 16 MiB frame: the snapshot, written every few seconds, carried each such
+    name whole (a hundred connections, 1.6 GB), where a check record leaves it out. Both keep the same ones."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    try:
+        plain, huge, spliced = [await add_half(ctx, f"h{i}".encode()) for i in range(3)]
+        plain.owner.attributes["client_id"] = "10.0.0.7@4242"
+        huge.owner.attributes["client_id"] = "x" * (1 << 20)
+        spliced.owner.attributes["client_id"] = "evil\x02TXMQ_CHECKS\x011"
+        await ctx.tx.write_snapshot()
+        assert _snapshot(ctx)["owners"] == {"10.0.0.7@4242": [plain.half_offset]}
+    finally:
+        await ctx.store._store.close()
