@@ -162,6 +162,17 @@ class BrokerMetrics:
                                    registry=r)
         self.check_answers = Counter("txmq_transaction_check_answers", "Answers to checks, by result.",
                                      ["producer_group", "result"], registry=r)
+        self.checks_lost = Counter("txmq_transaction_checks_lost",
+                                   "Checks whose connection closed before they were answered: asked again of a "
+                                   "live producer at once (each still counts against transaction_check_max; a "
+                                   "re-ask lost so in turn is not counted: it waits its schedule).",
+                                   ["producer_group"], registry=r)
+        self.checks_rerouted = Counter("txmq_transaction_checks_rerouted",
+                                       "Checks sent to another producer of the group than the half's sender, by why "
+                                       "(sender-busy: at its in-flight cap; sender-unanswered: its last check went "
+                                       "unanswered; sender-gone: not connected; sender-left: unregistered the "
+                                       "group; sender-unknown: not known, e.g. a half stored just before a crash).",
+                                       ["producer_group", "reason"], registry=r)
         self.checks_skipped = Counter("txmq_transaction_checks_deferred",
                                       "Checks not sent because no producer of the group was connected.",
                                       ["producer_group"], registry=r)

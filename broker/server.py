@@ -386,6 +386,8 @@ class BrokerServer:
             if listener == "broker" and self.ctx is not None:
                 if self.ctx.holds is not None:
                     self.ctx.holds.connection_closed(conn)
+                if self.ctx.tx is not None:     # its unanswered checks go to a live producer now
+                    self.ctx.tx.connection_closed(conn)
                 for group in self.ctx.clients.connection_closed(conn):
                     self.ctx.clients.notify_ids_changed(group)
 

@@ -9,6 +9,7 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
                                                            (+ TXMQ_REASON on a DEAD op)
     check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF
+                                                           (+ TXMQ_OWNER: the half's sender's client id)
     dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       the half's properties + TXMQ_REASON, TXMQ_HALF
 
     op record properties, in this order:
@@ -19,6 +20,7 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
     TXMQ_OP   COMMIT | ROLLBACK | DEAD | RESUME            decision ops
     TXMQ_REASON why a half was dead-lettered               DEAD ops
     TXMQ_CHECKS the attempt's number (1, 2, ...)            check ops
+    TXMQ_OWNER  client id of the producer that sent the half check ops, when it can be written (see check_extra)
 
 Decision ops are what RocketMQ writes (tag ``d``, body = the half's queue offset), so
 RocketMQ tooling reads them; the TXMQ_* properties carry what RocketMQ would have to
@@ -44,7 +46,9 @@ P_OP = "TXMQ_OP"
 P_HALF = "TXMQ_HALF"
 P_CHECKS = "TXMQ_CHECKS"
 P_REASON = "TXMQ_REASON"
-PROPERTIES = (P_OP, P_HALF, P_CHECKS, P_REASON)
+P_OWNER = "TXMQ_OWNER"
+PROPERTIES = (P_OP, P_HALF, P_CHECKS, P_REASON, P_OWNER)
+OWNER_MAX = 255         # longer client ids are not written (a RocketMQ client id is an address and a name)
 
 COMMIT = "COMMIT"
 ROLLBACK = "ROLLBACK"
@@ -65,6 +69,7 @@ class OpRecord:
     checks: int = 0             # check attempts
     reason: str | None = None
     store_timestamp: int = 0
+    owner: str | None = None    # check attempts: the half's sender's client id
 
 
 def op_properties(tag: str, half_offset: int, uniq_key: str, **extra: str) -> str:
@@ -85,9 +90,29 @@ def decision_extra(op: str, reason: str | None = None) -> dict[str, str]:
     return {P_OP: op, P_REASON: reason} if reason else {P_OP: op}
 
 
-def check_extra(attempt: int) -> dict[str, str]:
-    """The op_properties extras of a check attempt."""
-    return {P_CHECKS: str(attempt)}
+def check_extra(attempt: int, owner: str = "") -> dict[str, str]:
+    """The op_properties extras of a check attempt; with ``owner``, the client id of the half's sender, when it
+    can be a property value: a client names itself, and a \\x01 or \\x02 in its name would write properties of
+    its choosing into the op record (a larger TXMQ_CHECKS, say), and a lone surrogate (JSON "\\ud800") made the
+    record fail to encode, with every check of its batch. Left out, its sender is only not known."""
+    extra = {P_CHECKS: str(attempt)}
+    if plain_owner(owner):
+        extra[P_OWNER] = owner
+    return extra
+
+
+def plain_owner(owner: str) -> bool:
+    """True when ``owner`` (a client id) can be written as TXMQ_OWNER (see check_extra); the broker keeps no other
+    ones across a restart either (its snapshot), so a client cannot make that grow by the name it gives itself."""
+    return bool(owner) and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner and _encodes(owner)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def op_body(half_queue_offset: int) -> bytes:
@@ -117,7 +142,7 @@ def parse_op(msg: MessageExt) -> OpRecord | None:
         return None
     try:
         return OpRecord(tag, int(half), int(msg.body.decode() or -1), props.get(P_OP),
-                        int(props.get(P_CHECKS, "0")), props.get(P_REASON), msg.store_timestamp)
+                        int(props.get(P_CHECKS, "0")), props.get(P_REASON), msg.store_timestamp, props.get(P_OWNER))
     except (ValueError, UnicodeDecodeError):
         return None
 

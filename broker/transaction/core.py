@@ -75,6 +75,9 @@ class Tx:
     owner_id: str = ""
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
     check_channel: object = None  # where its check went: it holds one of that channel's check slots (in_flight)
+    rerouted: str = ""           # why its check went to another producer than its sender ("": to the sender)
+    reask: bool = False          # due at once: its check was lost with its connection (channel_closed)
+    reasking: bool = False       # its check is such a re-ask: lost again, it waits its schedule (see _lost)
     parked: bool = False         # due, but every producer of its group has its checks in flight (see due)
     deferred: bool = False       # due with no producer of its group here: rescheduled an interval on (see due)
 
@@ -87,8 +90,9 @@ def asks_delay(props: dict) -> bool:
     return any(props.get(k, "0") != "0" for k in _DELAY_KEYS)
 
 
-def tx_from_half(msg, checks: int = 0) -> Tx:
-    """An undecided transaction as its stored half message describes it."""
+def tx_from_half(msg, checks: int = 0, owner_id: str = "") -> Tx:
+    """An undecided transaction as its stored half message describes it; ``owner_id`` is the client id of the
+    producer that sent it, which the half does not hold (its properties are the committed message's)."""
     props = msg.properties
     try:
         real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
@@ -96,7 +100,7 @@ def tx_from_half(msg, checks: int = 0) -> Tx:
         real_qid = 0
     return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
               props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
-              checks=checks, delayed=asks_delay(props))
+              checks=checks, delayed=asks_delay(props), owner_id=owner_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +153,10 @@ class TransactionCore:
         self._heap: list[tuple[int, int]] = []
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
-        # Checks sent and not yet answered, per channel: a check holds its channel's slot from the channel's
-        # choice until the transaction is answered, decided, or comes due again (the check was lost).
-        self.in_flight: dict[object, int] = {}
+        # Checks sent and not yet answered, per channel ({half offset: Tx}): a check holds its channel's slot from
+        # the channel's choice until the transaction is answered, decided, or comes due again (the check was lost),
+        # or the channel closes (channel_closed: asked again at once, not an interval on).
+        self.checking: dict[object, dict[int, Tx]] = {}
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
         # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
         # now, without scanning every pending transaction. An entry leaves when its transaction comes due
@@ -345,8 +350,9 @@ class TransactionCore:
                 self._parked.setdefault(tx.group, deque()).append(tx)
                 continue
             tx.checks += 1
+            tx.reasking, tx.reask = tx.reask, False
             tx.check_channel = channel
-            self.in_flight[channel] = self.in_flight.get(channel, 0) + 1
+            self.checking.setdefault(channel, {})[tx.half_offset] = tx
             actions.append(SendCheck(tx, channel))
         return actions, deferred
 
@@ -429,11 +435,40 @@ class TransactionCore:
         if channel is None:
             return
         tx.check_channel = None
-        left = self.in_flight.get(channel, 0) - 1
-        if left > 0:
-            self.in_flight[channel] = left
-        else:
-            self.in_flight.pop(channel, None)
+        held = self.checking.get(channel)
+        if held is not None and held.pop(tx.half_offset, None) is not None and not held:
+            del self.checking[channel]
+
+    def in_flight(self, channel) -> int:
+        """Checks ``channel`` holds: sent (or being sent) and not answered yet."""
+        held = self.checking.get(channel)
+        return 0 if held is None else len(held)
+
+    def channel_closed(self, channel, now: int) -> list[Tx]:
+        """The connection ``channel`` closed: the checks sent on it will never be answered. Each of those
+        transactions is due at ``now`` instead of an interval on: the next pass counts that check unanswered
+        and asks a live producer (or defers it, nobody being here). The lost check stays counted against
+        ``check_max``, as RocketMQ counts every check it sends. Returns those transactions.
+
+        A check still being written (chosen, not sent yet) only gives its slot back: its send fails on the
+        closed channel and check_not_sent puts it due at once."""
+        held = self.checking.pop(channel, None)
+        lost = []
+        for tx in (held or {}).values():
+            tx.check_channel = None
+            if tx.awaiting and self._lost(tx, now):
+                lost.append(tx)
+        return lost
+
+    def _lost(self, tx: Tx, now: int) -> bool:
+        """``tx``'s check was lost with its connection: due at ``now`` (True), unless that check was itself such
+        a re-ask, which waits the schedule its check record gave it: a producer that connects and closes in a
+        loop would otherwise have every check of its transactions spent, and them dead-lettered, in a moment."""
+        if self.pending.get(tx.half_offset) is not tx or tx.deciding is not None or tx.reasking:
+            return False
+        self._reschedule(tx, now)
+        tx.reask = True
+        return True
 
     def check_written(self, tx: Tx, now: int, ok: bool) -> bool:
         """The check record of ``tx`` is durable (send the check: True) or refused (False)."""
@@ -449,9 +484,13 @@ class TransactionCore:
     def check_sent(self, tx: Tx) -> None:
         tx.awaiting = True
 
-    def check_not_sent(self, tx: Tx) -> None:
-        """The check record was written but the check could not be sent (its channel closed): the slot is free."""
+    def check_not_sent(self, tx: Tx, now: int | None = None) -> bool:
+        """The check record was written but the check could not be sent: the slot is free. ``now`` when its
+        channel closed: due again at once, for another producer (True; the attempt stays counted, its record is
+        written), as a check lost with its connection (_lost). Without it, an interval on: a check that fails to
+        go out for another reason must not be re-sent in a loop that spends every check in a moment."""
         self._release(tx)
+        return now is not None and self._lost(tx, now)
 
     def dead_letter_failed(self, tx: Tx, now: int) -> None:
         """A max-checks dead letter was refused by the store: try again after an interval."""

@@ -8,7 +8,8 @@ they are re-exported here so the transaction service imports them from one place
     half               RMQ_SYS_TRANS_HALF_TOPIC q0          REAL_TOPIC, REAL_QID
     committed message  REAL_TOPIC / REAL_QID               sysFlag COMMIT, PREPARED TX OFFSET = half offset
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
-    check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF
+    check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF,
+                                                           TXMQ_OWNER (the sender's client id: recovery asks it first)
     dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       TXMQ_REASON, TXMQ_HALF
 """
 from __future__ import annotations
@@ -18,11 +19,11 @@ from protocol.message import MessageExt, Prop, encode_record, pack_host, propert
 from protocol.txlog import (COMMIT, DEAD, DEAD_TOPIC, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION,
                             OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_REASON, RESUME, ROLLBACK, OpRecord, check_extra,
                             dead_letter_properties, decision_extra, op_body, op_properties, parse_dead_letter,
-                            parse_op)
+                            parse_op, plain_owner)
 
 from ..store import PutRequest
 
-__all__ = ["RecordFactory", "OpRecord", "parse_op", "parse_dead_letter", "OP_TAG_DECISION", "OP_TAG_CHECK", "P_OP",
+__all__ = ["RecordFactory", "OpRecord", "parse_op", "parse_dead_letter", "plain_owner", "OP_TAG_DECISION", "OP_TAG_CHECK", "P_OP",
            "P_HALF", "P_CHECKS", "P_REASON", "COMMIT", "ROLLBACK", "DEAD", "RESUME", "DEAD_TOPIC"]
 
 _OP_TOPIC = OP_TOPIC.encode()
@@ -63,8 +64,8 @@ class RecordFactory:
     def decision(self, op: str, half_offset: int, half_queue_offset: int, reason: str | None = None) -> PutRequest:
         return self.op(OP_TAG_DECISION, half_offset, half_queue_offset, **decision_extra(op, reason))
 
-    def check(self, half_offset: int, half_queue_offset: int, attempt: int) -> PutRequest:
-        return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **check_extra(attempt))
+    def check(self, half_offset: int, half_queue_offset: int, attempt: int, owner: str = "") -> PutRequest:
+        return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **check_extra(attempt, owner))
 
     def dead_letter(self, half: MessageExt, half_offset: int, reason: str, checks: int | None = None) -> PutRequest:
         props = dead_letter_properties(half.properties, half_offset, reason, checks)

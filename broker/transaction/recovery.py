@@ -19,7 +19,7 @@ from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
-from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_letter, parse_op
+from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_letter, parse_op, plain_owner
 
 log = logging.getLogger("txmq.transaction")
 
@@ -87,6 +87,7 @@ async def recover(tx) -> None:
     snap = read_snapshot(tx.directory, store)
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
+    owners: dict[int, str] = {}        # half offset -> client id of its sender (asked first)
     if snap is None:
         tx.table.clear()
         op_from, half_from = None, ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
@@ -95,6 +96,7 @@ async def recover(tx) -> None:
         for off, _q, n in snap.get("pending", []):
             undecided.add(off)
             checks[off] = n
+        owners = _owners(snap)
     resumed_floor = None
     for msg in scan(store, OP_TOPIC, op_from):
         op = parse_op(msg)
@@ -102,6 +104,8 @@ async def recover(tx) -> None:
             continue
         if op.tag == OP_TAG_CHECK:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
+            if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
+                owners[op.half_offset] = op.owner
         elif op.op == RESUME:
             tx.record(op.half_queue_offset, None)
             undecided.add(op.half_offset)
@@ -123,15 +127,17 @@ async def recover(tx) -> None:
             continue
         msg, _ = decode_record(view)
         if tx.table.get(msg.queue_offset) is None:
-            tx.core.add(tx_from_half(msg, checks.get(off, 0)), now,
-                        msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
+            tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
+                        msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
+                        tx.stored_at(msg.store_timestamp))
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
-        tx.core.add(tx_from_half(msg, checks.get(msg.physical_offset, 0)), now,
-                    msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
+        tx.core.add(tx_from_half(msg, checks.get(msg.physical_offset, 0), owners.get(msg.physical_offset, "")), now,
+                    msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
+                    tx.stored_at(msg.store_timestamp))
     tx.table.trim(store.min_offset(HALF_TOPIC, 0))
     tx.dead_count = tx.table.count(DEAD)    # the table may be ahead of the snapshot: count it
     log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
@@ -139,6 +145,20 @@ async def recover(tx) -> None:
              ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
     if snap is None:
         await write_snapshot(tx)
+
+
+def _owners(snap: dict) -> dict[int, str]:
+    """{half offset: its sender's client id} from a snapshot's "owners" ({client id: [half offsets]}); a snapshot
+    without them (an older txmq's) or with a malformed entry gives what it can: a sender not known here is only
+    not asked first."""
+    owners = {}
+    found = snap.get("owners")
+    if not isinstance(found, dict):
+        return owners
+    for client_id, offsets in found.items():
+        if isinstance(offsets, list):
+            owners.update((off, client_id) for off in offsets if isinstance(off, int))
+    return owners
 
 
 async def _repair_lost_commit_ops(tx, undecided: set[int]) -> int:
@@ -208,7 +228,8 @@ async def write_snapshot(tx) -> None:
             "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
             "dead": tx.dead_count, "written_ms": tx.ctx.clock(),
-            "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()]}
+            "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()],
+            "owners": _by_owner(tx.pending.values())}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the
     # event loop must not spend (the list above is the loop's one consistent view; nothing else shares it).
     table = tx.table
@@ -216,6 +237,35 @@ async def write_snapshot(tx) -> None:
     new_files = table.directory if made != table.files_synced else None
     await store.run_io(_write_files, tx.directory, table.dirty(), snap, new_files)
     table.files_synced = made
+
+
+def _by_owner(pending) -> dict[str, list[int]]:
+    """{sender's client id: its undecided half offsets}: each id written once, however many halves it sent. A key
+    of its own, not a fourth field of "pending": an older txmq reads a newer snapshot as before (and leaves it out).
+    Grouped by sender first, so each id is resolved once (this runs on the loop: half the cost with 100k). Only ids
+    a check record could carry (plain_owner): a client names itself, and a 16 MiB name was written whole each time."""
+    by_sender: dict[tuple, list[int]] = {}
+    for t in pending:
+        by_sender.setdefault((t.owner, t.owner_id), []).append(t.half_offset)
+    owners: dict[str, list[int]] = {}
+    for (conn, owner_id), offsets in by_sender.items():
+        client_id = _client_id(conn, owner_id)
+        if plain_owner(client_id):
+            owners.setdefault(client_id, []).extend(offsets)
+    return owners
+
+
+def sender_id(t) -> str:
+    """The client id of the producer that sent ``t``'s half (see _client_id)."""
+    return _client_id(t.owner, t.owner_id)
+
+
+def _client_id(conn, owner_id: str) -> str:
+    """The sender's connection's client id, which a heartbeat may have named after the half came (a Java
+    producer sends its first halves before its first heartbeat, so the half was taken under the connection's
+    address), else the one the half came with."""
+    attributes = getattr(conn, "attributes", None)
+    return (attributes.get("client_id") if attributes else None) or owner_id
 
 
 def _write_files(directory: str, maps, snap: dict, new_files: str | None = None) -> None:

@@ -44,7 +44,7 @@ from .check import CheckTimer, Policy
 from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
 from .records import COMMIT, DEAD, DEAD_TOPIC, RESUME, ROLLBACK, RecordFactory
-from .recovery import PROGRESS_GROUP, recover, write_snapshot
+from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 
 log = logging.getLogger("txmq.transaction")
 
@@ -461,50 +461,70 @@ class TransactionService:
         """The producer that sent the half first, else one of its group, in turn, that has room for another
         check (fewer than ``transaction_check_in_flight_max`` unanswered, reading what is sent to it, and
         this slice's checks to it under a quarter of ``max_write_buffer``); None if no producer of the group
-        is here, BUSY if none has room.
+        is here, BUSY if none has room. A check that goes to another producer than the sender says why in
+        ``tx.rerouted`` (counted once sent: txmq_transaction_checks_rerouted_total).
 
-        The sender is found by its client id when it reconnected (a new connection, the same instance: the
-        one that knows its local transaction). It is not asked first again once a check went unanswered:
-        a sender hung with its connection open would otherwise get every check until the transaction is
-        dead-lettered, while the group's other producers could answer. Nor is it asked once it unregistered
-        the group (UNREGISTER_CLIENT) on a connection that stays open: as RocketMQ's ProducerManager, only
-        producers still in the group are asked (a Java client ignores a check for a group it has left, and the
-        transaction was checked to its limit and dead-lettered while another producer was never asked)."""
+        A sender at its cap of checks in flight (or not reading) is passed over for another producer of the
+        group with room, not waited for: liveness over affinity. A sender with 2000 checks unanswered, hung or
+        slow, must not hold up the group's other transactions while producers that could answer them are idle;
+        each check asks the sender first again, so they come back to it as it has room."""
         channels = self.ctx.clients.producer_channels(tx.group)
-        owner = tx.owner
-        if owner is not None and not getattr(owner, "is_open", False):
-            owner = next((ch.conn for ch in channels if ch.client_id == tx.owner_id), None) if tx.owner_id else None
-            if owner is not None:
-                tx.owner = owner
-        if owner is not None and self.ctx.clients.left_group(owner, tx.group):
-            owner = None
+        owner, why = self._sender(tx, channels)
         if owner is None and not channels:
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
-        if owner is not None and (not tx.unanswered or not channels) and self._has_room(owner, size):
-            return self._take(owner, size)
+        if owner is not None and (not tx.unanswered or not channels):
+            if self._has_room(owner, size):
+                return self._take(tx, owner, size, "")
+            why = "sender-busy"
+        elif owner is not None:
+            why = "sender-unanswered"
         if not channels:
             return None                 # its sender has no room and no other is registered: after an interval
         for _ in range(len(channels)):
             self._rr += 1
             conn = channels[self._rr % len(channels)].conn
             if self._has_room(conn, size):
-                return self._take(conn, size)
+                return self._take(tx, conn, size, "" if conn is owner else why)
         return BUSY
+
+    def _sender(self, tx: Tx, channels) -> tuple[object, str]:
+        """(the connection of the producer that sent ``tx``'s half, ""), if it may be asked first; else (None,
+        why not: sender-gone, sender-unknown, sender-left).
+
+        The sender is found by its client id when it reconnected (a new connection, the same instance: the
+        one that knows its local transaction), after a broker restart too (the snapshot keeps its client id).
+        It is not asked first again once a check went unanswered (see _channel_for): a sender hung with its
+        connection open would otherwise get every check until the transaction is dead-lettered, while the
+        group's other producers could answer. Nor is it asked once it unregistered the group
+        (UNREGISTER_CLIENT) on a connection that stays open: as RocketMQ's ProducerManager, only producers still
+        in the group are asked (a Java client ignores a check for a group it has left, and the transaction was
+        checked to its limit and dead-lettered while another producer was never asked)."""
+        owner = tx.owner
+        if owner is None or not getattr(owner, "is_open", False):
+            owner_id = sender_id(tx)
+            owner = next((ch.conn for ch in channels if ch.client_id == owner_id), None) if owner_id else None
+            if owner is None:
+                return None, "sender-gone" if owner_id else "sender-unknown"
+            tx.owner = owner
+        if self.ctx.clients.left_group(owner, tx.group):
+            return None, "sender-left"
+        return owner, ""
 
     def _check_size(self, tx: Tx) -> int:
         view = self.ctx.store.get_record(tx.half_offset)
         return 0 if view is None else len(view)
 
-    def _take(self, conn, size: int):
+    def _take(self, tx: Tx, conn, size: int, rerouted: str):
         self._slice_bytes[conn] = self._slice_bytes.get(conn, 0) + size
+        tx.rerouted = rerouted
         return conn
 
     def _has_room(self, conn, size: int = 0) -> bool:
         # A producer that stopped reading would have the checks pile up unread until the unread-reply cap closes
         # it: every one of them spent, none answered. Nor may one slice queue more than the cap allows: 256
         # checks of 1 MB messages (196 MB) had a producer that reads closed at once, every check lost.
-        if self.core.in_flight.get(conn, 0) >= self.check_cap or getattr(conn, "writing_paused", False):
+        if self.core.in_flight(conn) >= self.check_cap or getattr(conn, "writing_paused", False):
             return False
         queued = self._slice_bytes.get(conn, 0) + getattr(conn, "unsent_bytes", 0)
         return queued == 0 or queued + size <= self._check_bytes
@@ -516,7 +536,7 @@ class TransactionService:
         if not channels:
             return None
         in_flight = self.core.in_flight
-        return sum(max(0, self.check_cap - in_flight.get(ch.conn, 0))
+        return sum(max(0, self.check_cap - in_flight(ch.conn))
                    for ch in channels if not getattr(ch.conn, "writing_paused", False))
 
     def producer_joined(self, group: str) -> None:
@@ -581,8 +601,8 @@ class TransactionService:
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
         try:
-            results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks)
-                                                     for a in batch])
+            results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks,
+                                                              sender_id(a.tx)) for a in batch])
         except Exception:  # noqa: BLE001 - as a refusal: rescheduled below, the attempt not counted
             log.exception("check records of %d transactions not written", len(batch))
             results = [None] * len(batch)
@@ -595,10 +615,28 @@ class TransactionService:
                 action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
                 log.info("check of %s not sent: %s", tx.uniq_key, exc)
-                self.core.check_not_sent(tx)
+                closed = not getattr(action.channel, "is_open", False)
+                if self.core.check_not_sent(tx, self.ctx.monotonic() if closed else None):
+                    self._checks_lost([tx])
                 continue
             self.core.check_sent(tx)
-            self.ctx.metrics.child(self.ctx.metrics.checks_sent, tx.group).inc()
+            metrics = self.ctx.metrics
+            metrics.child(metrics.checks_sent, tx.group).inc()
+            if tx.rerouted:
+                metrics.child(metrics.checks_rerouted, tx.group, tx.rerouted).inc()
+
+    def connection_closed(self, conn) -> None:
+        """A client connection closed (server.py): the checks sent on it and not answered are asked again of a
+        live producer at once, not after a whole check interval (core.channel_closed)."""
+        self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
+
+    def _checks_lost(self, lost: list[Tx]) -> None:
+        if not lost:
+            return
+        metrics = self.ctx.metrics
+        for tx in lost:
+            metrics.child(metrics.checks_lost, tx.group).inc()
+        self.timer.wake()
 
     def _check_command(self, tx: Tx) -> RemotingCommand:
         view = self.ctx.store.get_record(tx.half_offset)
@@ -617,12 +655,12 @@ class TransactionService:
         for p in sorted(self.pending.values(), key=lambda p: p.store_ts):
             if group and p.group != group:
                 continue
-            owner_alive = p.owner is not None and getattr(p.owner, "is_open", False)
-            owner_left = owner_alive and self.ctx.clients.left_group(p.owner, p.group)
+            # As a check would find it: a sender reconnected (after a restart too) is here, not "gone".
+            conn, why = self._sender(p, self.ctx.clients.producer_channels(p.group))
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,
                          "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": now - p.store_ts,
-                         "checks": p.checks, "owner": p.owner_id + (" (left the group)" if owner_left else
-                                                                    "" if owner_alive else " (gone)"),
+                         "checks": p.checks, "owner": sender_id(p) + ("" if conn is not None else " (left the group)"
+                                                                      if why == "sender-left" else " (gone)"),
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - ticks)})
             if len(rows) >= limit:
                 break

@@ -72,7 +72,7 @@ class Shell:
     def _channel_for(self, tx):
         if not self.producer:
             return None
-        if self.producer == "busy" or self.core.in_flight.get("conn", 0) >= self.CAP:
+        if self.producer == "busy" or self.core.in_flight("conn") >= self.CAP:
             return BUSY
         return "conn"
 
@@ -81,7 +81,7 @@ class Shell:
             return None     # nobody here: the parked are deferred, as the service's _room_for
         if self.producer is not True:
             return 0
-        return max(0, self.CAP - self.core.in_flight.get("conn", 0))
+        return max(0, self.CAP - self.core.in_flight("conn"))
 
     def tick(self, ms: int, check_record_ok: bool = True) -> list:
         self.now += ms
@@ -332,6 +332,61 @@ def test_unknown_for_a_half_that_will_never_be_checked_says_so():
     assert committed.code == ResponseCode.SUCCESS and committed.remark == "already COMMIT; UNKNOWN changes nothing"
 
 
+def test_a_check_lost_with_its_connection_is_due_at_once_and_still_counted():
+    """A check sent on a connection that then closed unanswered waited its whole interval before anyone else
+    was asked: it is due at once, counted unanswered (its sender is not asked first again), and every check
+    sent counts against the max, as RocketMQ counts them."""
+    s = Shell()
+    s.half(1)
+    s.tick(IMMUNITY)
+    tx = s.core.pending[1]
+    assert s.checks_sent == [1] and s.core.in_flight("conn") == 1
+    s.now += 10
+    assert s.core.channel_closed("conn", s.now) == [tx]
+    assert s.core.in_flight("conn") == 0 and s.core.next_due() == s.now
+    assert s.core.channel_closed("conn", s.now) == []          # nothing held twice
+    s.tick(0)
+    assert s.checks_sent == [1, 1] and tx.checks == 2 and tx.unanswered == 1
+
+
+def test_a_producer_that_closes_its_connection_in_a_loop_spends_one_extra_check_per_scheduled_one():
+    """A re-ask lost with its connection again waits its schedule: a producer that reconnects and closes in a
+    loop (or a proxy cutting connections) had each close ask again at once and dead-lettered the transaction,
+    all its checks spent, in a moment while the interval was a minute."""
+    s = Shell()
+    s.half(1)
+    s.tick(IMMUNITY)
+    tx = s.core.pending[1]
+    for _ in range(MAX_CHECKS + 2):
+        s.core.channel_closed("conn", s.now)
+        s.tick(0)
+    assert tx.checks == 2 and tx.half_offset in s.core.pending and not s.writing
+    assert tx.next_check > s.now and s.core.in_flight("conn") == 0
+    s.tick(tx.next_check - s.now)                                # its schedule: checked as ever
+    assert tx.checks == 3
+    assert s.core.channel_closed("conn", s.now) == [tx]          # and a scheduled check lost is asked at once
+    [dead] = s.tick(0)
+    assert isinstance(dead, Write) and dead.op == DEAD and dead.reason == "max-checks"
+
+
+def test_a_check_not_sent_for_a_closed_connection_is_due_at_once_and_other_failures_an_interval_on():
+    s = Shell()
+    s.half(1)
+    s.half(2)
+    s.now += IMMUNITY
+    actions, _ = s.core.due(s.now, s._channel_for, s._room_for)
+    assert [a.tx.half_offset for a in actions] == [1, 2]
+    assert s.core.channel_closed("conn", s.now) == []          # still being written: only the slots go back
+    assert s.core.in_flight("conn") == 0
+    for a in actions:
+        assert s.core.check_written(a.tx, s.now, True)
+    s.core.check_not_sent(actions[0].tx, s.now)                 # its channel closed: another producer, now
+    s.core.check_not_sent(actions[1].tx)                        # any other failure: not in a loop
+    assert actions[0].tx.next_check == s.now and actions[1].tx.next_check == s.now + INTERVAL
+    s.tick(0)
+    assert s.checks_sent == [1]
+
+
 # ------------------------------------------------------------ random sequences
 OPS = st.sampled_from([COMMIT, ROLLBACK, UNKNOWN, DEAD])
 ORIGINS = st.sampled_from([Origin.PRODUCER, Origin.CHECK, Origin.ADMIN, Origin.EXPIRY])
@@ -343,6 +398,7 @@ EVENTS = st.lists(st.one_of(
     st.tuples(st.just("producer"), st.sampled_from([True, False, "busy"])),
     st.tuples(st.just("resume"), st.integers(0, 5)),
     st.tuples(st.just("joined"),),
+    st.tuples(st.just("closed"),),
 ), max_size=60)
 
 
@@ -386,6 +442,9 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
                 # only a deferred transaction came due (at once: it was due already), and spent no check
                 assert tx.checks == before[off][1]
                 assert tx.next_check == before[off][0] or off in woken or before[off][0] <= s.now
+        elif kind == "closed":                           # the producer's connection closed (and another came)
+            for tx in s.core.channel_closed("conn", s.now):
+                assert tx.next_check == s.now and tx.check_channel is None
         elif kind == "resume" and s.decisions.get(event[1]) == DEAD:
             if s.core.resume(Tx(event[1], event[1], "PG", "T", "U", s.now), s.now) is None:
                 del s.decisions[event[1]]
@@ -399,6 +458,8 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
         assert {(tx.group, tx.half_offset) for tx in s.core.pending.values() if tx.deferred} == {
             (tx.group, off) for entries in indexed for off, tx in entries.items()
             if s.core.pending.get(off) is tx and tx.deferred}
+        # Each check slot is held by a transaction whose check went there.
+        assert s.core.in_flight("conn") == sum(tx.check_channel == "conn" for tx in s.core.pending.values())
         # Liveness: every undecided transaction is still on the check schedule.
         for tx in s.core.pending.values():
             assert _scheduled(s.core, tx), f"{tx.half_offset} would never be checked again"

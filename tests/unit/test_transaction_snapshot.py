@@ -292,3 +292,94 @@ async def test_an_undecided_half_whose_record_is_damaged_is_dropped_with_an_erro
                    for r in caplog.records)
     finally:
         await ctx2.store._store.close()
+
+
+def test_snapshot_owners_are_read_as_far_as_they_are_well_formed():
+    """An older txmq's snapshot has no "owners"; a damaged entry costs only its own sender (asked first), never
+    the start-up or the other transactions."""
+    from broker.transaction.recovery import _owners
+    assert _owners({"pending": []}) == {}
+    assert _owners({"owners": ["not", "a", "map"]}) == {}
+    assert _owners({"owners": {"a@1": [10, 20], "b@2": "x", "c@3": [30, "40", None]}}) == {10: "a@1", 20: "a@1",
+                                                                                          30: "c@3"}
+
+
+@bounded(30)
+async def test_a_crash_keeps_the_sender_of_a_half_checked_after_the_last_snapshot(tmp_path):
+    """The snapshot names each sender; a half stored after it (and checked before the crash) is named by its
+    check record, so its checks go to its sender after the restart too."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    before = await add_half(ctx, b"before")
+    before.owner_id = "10.0.0.7@1"
+    await ctx.tx.write_snapshot()
+    after, unchecked = await add_half(ctx, b"after"), await add_half(ctx, b"unchecked")
+    rf = ctx.tx.records
+    assert (await ctx.store.put(rf.check(after.half_offset, after.queue_offset, 1, "10.0.0.7@2"))).ok
+    await ctx.store._store.close()                 # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        owners = {off: tx.owner_id for off, tx in ctx2.tx.pending.items()}
+        assert owners == {before.half_offset: "10.0.0.7@1", after.half_offset: "10.0.0.7@2",
+                          unchecked.half_offset: ""}   # stored and never checked since the snapshot: not known
+        assert ctx2.tx.pending[after.half_offset].checks == 1
+    finally:
+        await ctx2.store._store.close()
+
+
+class _Producer:
+    """A live producer connection as the check pass sees it: records the checks it is sent."""
+
+    peer = ("127.0.0.1", 2)
+    is_open = True
+    writing_paused = False
+    unsent_bytes = 0
+
+    def __init__(self, client_id: str):
+        self.attributes = {"client_id": client_id}
+        self.asked: list[int] = []
+
+    def oneway(self, cmd) -> None:
+        self.asked.append(int(cmd.ext_fields["commitLogOffset"]))
+
+
+@bounded(30)
+async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(tmp_path):
+    """Both producers are back before anything is due (the clock says when): every check goes to the instance
+    that sent the halves, known by the client id its connection's heartbeat gave after them (a stock Java
+    producer's first halves precede its first heartbeat), not to the group in turn."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    halves = [await add_half(ctx, f"h{i}".encode()) for i in range(4)]
+    for p in halves:
+        p.owner.attributes["client_id"] = "10.0.0.7@4242"         # its heartbeat, after its halves
+    assert {p.owner_id for p in halves} == {"127.0.0.1:1"}          # taken under the connection's address
+    await ctx.tx.stop()
+    await ctx.store._store.close()
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        other, sender = _Producer("10.0.0.8@99"), _Producer("10.0.0.7@4242")
+        for conn in (other, sender):           # the other first: the group's turn would start with it
+            ctx2.clients.add_producer("PG", conn, conn.attributes["client_id"])
+        clock.now += 60_000
+        await ctx2.tx.run_due(clock.now)
+        assert sorted(sender.asked) == sorted(p.half_offset for p in halves) and other.asked == []
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp_path):
+    """A client names itself, in up to a 16 MiB frame: the snapshot, written every few seconds, carried each such
+    name whole (a hundred connections, 1.6 GB), where a check record leaves it out. Both keep the same ones."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    try:
+        plain, huge, spliced = [await add_half(ctx, f"h{i}".encode()) for i in range(3)]
+        plain.owner.attributes["client_id"] = "10.0.0.7@4242"
+        huge.owner.attributes["client_id"] = "x" * (1 << 20)
+        spliced.owner.attributes["client_id"] = "evil\x02TXMQ_CHECKS\x011"
+        await ctx.tx.write_snapshot()
+        assert _snapshot(ctx)["owners"] == {"10.0.0.7@4242": [plain.half_offset]}
+    finally:
+        await ctx.store._store.close()

@@ -170,3 +170,17 @@ def test_txlog_imports_only_protocol():
                for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert all(m.startswith(".") or m in ("__future__", "dataclasses") for m in modules), modules
+
+
+@pytest.mark.parametrize("owner, written", [
+    ("10.0.0.7@4242", "10.0.0.7@4242"),
+    ("", None),
+    ("x" * (txlog.OWNER_MAX + 1), None),                       # too long: its sender is only not known
+    (f"evil\x02{txlog.P_CHECKS}\x01999", None),                # a separator would write a property of its choosing
+    ("evil\x01", None),
+    ("\ud800", None),                                          # a lone surrogate does not encode: nor would the record
+    ("10.0.0.7@caf\u00e9", "10.0.0.7@caf\u00e9"),
+])
+def test_a_check_op_carries_its_senders_client_id_only_when_it_is_a_plain_value(owner, written):
+    got = txlog.parse_op(stored(factory().check(987, 3, 2, owner)))
+    assert (got.checks, got.owner) == (2, written)

@@ -1,0 +1,213 @@
+"""Whom a transaction check goes to: the producer instance that sent the half first, across a broker
+restart too; and a check whose connection closes unanswered goes to a live producer at once.
+
+Check intervals are long (a minute) so that "asked again well before the interval" means the same on a
+slow machine; every wait is for an event (a check arriving, a metric moving), bounded by the test's deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode, ResponseCode, SysFlag
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import Prop, SendMessageRequestHeader, properties_to_string
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+GROUP = "PG_routing"
+TOPIC = "Routing"
+LONG = ("--transaction-check-interval-ms", "60000")
+
+
+class Checked:
+    """A raw connection's handler, as a stock Java producer's: records the checks it is sent (never answers)."""
+
+    def __init__(self, changed: asyncio.Event):
+        self.asked: list[str] = []
+        self.changed = changed
+
+    def __call__(self, conn, cmd):
+        if cmd.code == RequestCode.CHECK_TRANSACTION_STATE:
+            self.asked.append(cmd.ext_fields["commitLogOffset"])
+            self.changed.set()
+        return None
+
+
+async def _raw(b, handler, client_id: str | None = None):
+    """A connection to the broker; with ``client_id``, registered as a producer of GROUP by a heartbeat."""
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port), handler)
+    if client_id is not None:
+        await _beat(conn, client_id)
+    return conn
+
+
+async def _beat(conn, client_id: str) -> None:
+    body = {"clientID": client_id, "producerDataSet": [{"groupName": GROUP}], "consumerDataSet": []}
+    beat = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(body).encode()), 5)
+    assert beat.code == ResponseCode.SUCCESS, beat.remark
+
+
+class Listener:
+    """Leaves its local transactions undecided; records the checks it is asked, answers them when ``answers``."""
+
+    def __init__(self, answers: bool = True, changed: asyncio.Event | None = None):
+        self.answers = answers
+        self.asked: list[bytes] = []
+        self.changed = changed or asyncio.Event()       # may be shared: any of several listeners asked
+        self.never = asyncio.Event()
+
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    async def check_local_transaction(self, msg):
+        self.asked.append(msg.body)
+        self.changed.set()
+        if not self.answers:
+            await self.never.wait()     # hung: the check is never answered on this connection
+        return S.COMMIT_MESSAGE
+
+    async def until_asked(self, n: int, *others: "Listener") -> None:
+        """Until this listener (and ``others``, sharing its event) were asked ``n`` checks in all."""
+        while len(self.asked) + sum(len(o.asked) for o in others) < n:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+def _producer(b, instance: str, listener: Listener) -> TransactionProducer:
+    return TransactionProducer(b.namesrv, GROUP, listener, instance_name=instance, shutdown_grace_s=0)
+
+
+async def _die(producer: TransactionProducer) -> None:
+    """The producer's process dies: its connections close, and nothing more is sent (no UNREGISTER_CLIENT)."""
+    for task in (producer._heartbeat_task, producer._route_task):
+        task.cancel()
+    await producer.pool.close()
+
+
+async def _list(b) -> list[dict]:
+    """The undecided transactions, as `python -m broker admin list` shows them."""
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        listed = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, None), 5)
+    finally:
+        conn.close()
+    return json.loads(listed.body_bytes())["pending"]
+
+
+async def _metric(b, name: str, label: str = "") -> float:
+    """The value of ``name`` for GROUP (summed over its other labels, or only those with ``label``)."""
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'producer_group="{GROUP}"' in line and label in line)
+
+
+# No check is due in the restart tests (an immunity of an hour): whom a check asks after a restart is the same
+# lookup `admin list` shows, so the list says whether the sender was kept; which connection the checks then go
+# to, both producers back before anything is due, is in tests/unit/test_transaction_snapshot.py (its clock
+# says when, so it means the same on any machine).
+NEVER_DUE = LONG + ("--transaction-timeout-ms", str(3600 * 1000))
+
+
+def _owners(listed: list[dict]) -> set[str]:
+    return {row["owner"] for row in listed}
+
+
+@bounded(90)
+async def test_after_a_restart_the_sender_is_known_and_found_when_it_reconnects(broker_factory):
+    b = broker_factory(*NEVER_DUE)
+    async with _producer(b, "sender", Listener()) as sender:
+        for i in range(4):
+            sent = await sender.send_in_transaction(TOPIC, f"order {i}".encode())
+            assert sent.state is S.UNKNOW
+        client_id = sender.client_id
+    assert b.stop() == 0
+    b = broker_factory(*NEVER_DUE)
+    assert _owners(await _list(b)) == {f"{client_id} (gone)"}     # kept across the restart, not here yet
+    async with _producer(b, "other", Listener()), _producer(b, "sender", Listener()) as sender:
+        assert sender.client_id == client_id
+        listed = await _list(b)
+        assert len(listed) == 4 and _owners(listed) == {client_id}, listed      # here, as a check finds it
+
+
+@bounded(90)
+async def test_after_a_restart_the_sender_is_the_one_whose_heartbeat_came_after_its_halves(broker_factory):
+    """A stock Java producer sends its first halves before its first heartbeat (it learns the broker from the
+    route, and heartbeats on its 30 s timer): the half is taken under the connection's address, and the client
+    id the heartbeat then gave that connection is the one the sender comes back with."""
+    b = broker_factory(*NEVER_DUE)
+    conn = await _raw(b, Checked(asyncio.Event()))
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        for i in range(4):
+            h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                         properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                              f"order {i}".encode()), 5)
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+        await _beat(conn, "10.0.0.7@4242")         # its first heartbeat, after its halves
+    finally:
+        conn.close()
+    assert b.stop() == 0
+    b = broker_factory(*NEVER_DUE)
+    assert _owners(await _list(b)) == {"10.0.0.7@4242 (gone)"}
+    other = await _raw(b, Checked(asyncio.Event()), "10.0.0.8@99")
+    sender = await _raw(b, Checked(asyncio.Event()), "10.0.0.7@4242")
+    try:
+        listed = await _list(b)
+        assert len(listed) == 4 and _owners(listed) == {"10.0.0.7@4242"}, listed
+    finally:
+        other.close()
+        sender.close()
+
+
+@bounded(90)
+async def test_a_check_whose_connection_closes_unanswered_is_asked_again_of_a_live_producer_at_once(
+        broker_factory):
+    b = broker_factory(*LONG, "--transaction-timeout-ms", "1000")
+    hung, other = Listener(answers=False), Listener()
+    async with _producer(b, "other", other):
+        sender = await _producer(b, "sender", hung).start()
+        try:
+            await sender.send_in_transaction(TOPIC, b"order 1")
+            await hung.until_asked(1)               # the first check goes to the sender
+            await _die(sender)
+            # Asked again of the live producer within seconds, not after the minute's interval.
+            await asyncio.wait_for(other.until_asked(1), 20)
+        finally:
+            hung.never.set()
+        assert other.asked == [b"order 1"]
+        assert await _metric(b, "txmq_transaction_checks_lost_total") == 1
+        assert await _metric(b, "txmq_transaction_checks_total") == 2      # both count against the max
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total", 'reason="sender-gone"') == 1
+
+@bounded(90)
+async def test_a_sender_at_its_check_cap_is_passed_over_for_another_producer_and_that_is_counted(broker_factory):
+    """Liveness over affinity: a sender with its cap of checks unanswered does not hold up the group's other
+    transactions while another producer could answer them; each such check says why it went elsewhere."""
+    b = broker_factory(*LONG, "--transaction-timeout-ms", "1000", "--transaction-check-in-flight-max", "1")
+    hung, other = Listener(answers=False), Listener()
+    async with _producer(b, "other", other):
+        sender = await _producer(b, "sender", hung).start()
+        try:
+            await sender.send_in_transaction(TOPIC, b"order 1")
+            await hung.until_asked(1)               # the sender holds its one check slot, unanswered
+            await sender.send_in_transaction(TOPIC, b"order 2")
+            await other.until_asked(1)
+        finally:
+            hung.never.set()
+            await sender.shutdown()
+        assert hung.asked == [b"order 1"] and other.asked == [b"order 2"]
+        assert await _metric(b, 'txmq_transaction_checks_rerouted_total', 'reason="sender-busy"') == 1
