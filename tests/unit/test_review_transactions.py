@@ -69,7 +69,8 @@ async def make_service(tmp_path, clock, **cfg):
     store = MessageStore(str(tmp_path / "s"), StoreConfig(segment_size=1 << 20), clock=clock)
     topics = TopicManager(str(tmp_path / "config"), auto_create=True, default_queue_nums=4, cluster="c",
                           broker="b")
-    ctx = BrokerContext(config, None, None, topics, ClientRegistry(clock), BrokerMetrics(), clock=clock)
+    ctx = BrokerContext(config, None, None, topics, ClientRegistry(clock), BrokerMetrics(), clock=clock,
+                        monotonic=clock)     # one fake clock: the schedule moves only when the test moves it
     ctx.set_address("127.0.0.1", 10911)
     ctx.tx = TransactionService(ctx)
     store.add_dispatch_listener(ctx.tx.on_dispatch)
