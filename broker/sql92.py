@@ -83,7 +83,10 @@ def _java_double(text: str) -> float:
         s = s.rstrip("fFdD") if s[-1] not in "yN" else s    # Infinity / NaN end in y / N
         return float(s)
     if _JAVA_HEX_DOUBLE.fullmatch(s):
-        return float.fromhex(s.rstrip("fFdD"))
+        try:
+            return float.fromhex(s.rstrip("fFdD"))
+        except OverflowError:       # Java rounds past Double.MAX_VALUE to infinity; Python refuses
+            return -math.inf if s[0] == "-" else math.inf
     raise SelectorEvalError(f"For input string: {text!r} (not a Double)")
 
 

@@ -15,7 +15,6 @@ from protocol.message import POS_PHYSICAL_OFFSET
 from protocol.record import property_bytes, record_properties
 
 from ..clients import build_subscription
-from ..sql92 import SelectorEvalError
 from ..store import GetStatus
 
 log = logging.getLogger("txmq.pull")
@@ -60,7 +59,7 @@ def selector_filter(selector, group: str, topic: str, budget: int = _FILTER_BUDG
                 if value is not None:
                     props[name] = str(value, "utf-8", "replace")
             return evaluate(props) is True
-        except (SelectorEvalError, struct.error, IndexError) as exc:
+        except Exception as exc:    # noqa: BLE001 - as ExpressionMessageFilter's catch (Throwable): passed over, said
             now = time.monotonic()
             if now - _eval_errors["logged_at"] < _EVAL_LOG_INTERVAL_S:
                 _eval_errors["unlogged"] += 1

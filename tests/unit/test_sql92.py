@@ -60,6 +60,8 @@ def ev(expression: str, **props):
     ("a > 5.5", {"a": " 6 "}, True),        # Double.valueOf trims
     ("a > 5.5", {"a": "6d"}, True),
     ("a > 5.5", {"a": "0x1p3"}, True),
+    ("a > 5.5", {"a": "0x1p99999"}, True),          # past Double.MAX_VALUE: Infinity, as Java rounds it
+    ("a < 5.5", {"a": "-0x1.fffffffffffff8p1023"}, True),
     ("a > 5.5", {"a": "1_000"}, ERR),
     ("a > 100", {"a": "+101"}, True),
     ("a > b", {"a": "NaN", "b": "1e300"}, True),     # Double.compare puts NaN above all
@@ -234,3 +236,18 @@ def test_the_pull_filter_always_examines_one_record_then_stops_at_its_budget():
     assert matches(record) is None
     matches = selector_filter(parse("a > 5"), "g", "T", budget=1000)
     assert [matches(record) for _ in range(200)].count(True) == -(-1000 // (4 + 3))   # 7 a record, until spent
+
+
+def test_the_pull_filter_passes_over_a_message_whatever_its_evaluation_raises():
+    """As ExpressionMessageFilter catches Throwable: an evaluation failing in a way not foreseen is one message
+    passed over (and logged), never an exception out of the store read, which failed every pull of its queue."""
+    from broker.processors.pull import selector_filter
+    from broker.store import PutRequest
+
+    class Failing:
+        expression, names, operators = "a > 1", frozenset({"a"}), 1
+
+        def evaluate(self, props):
+            raise OverflowError("unforeseen")
+    record = memoryview(bytes(PutRequest.build("T", b"body", properties={"a": "7"}).record))
+    assert selector_filter(Failing(), "g", "T")(record) is False
