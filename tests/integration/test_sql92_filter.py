@@ -238,3 +238,43 @@ async def test_a_held_pull_answers_by_the_expression_its_group_has_now(broker_fa
             assert b"m1" not in bodies, "delivered by the expression the consumer no longer has"
         finally:
             raw.close()
+
+
+@bounded(90)
+async def test_our_push_consumer_consumes_by_sql(broker_factory):
+    """PushConsumer with MessageSelector.by_sql: every matching message, none other."""
+    from consumer import ConsumeStatus, PushConsumer
+    broker = broker_factory("--enable-property-filter", "true")
+    messages = _messages()
+    await _produce(broker, messages)
+    want = _expected(messages)
+    got, complete = [], asyncio.Event()
+
+    def listener(msg):
+        got.append(msg.body)
+        if want <= set(got):
+            complete.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_sql_push", listener, consume_from="first", suspend_ms=500)
+    consumer.subscribe(TOPIC, MessageSelector.by_sql(SQL))
+    await consumer.start()
+    try:
+        await complete.wait()
+    finally:
+        await consumer.shutdown()
+    assert sorted(got) == sorted(want)
+
+
+@bounded(60)
+async def test_our_push_consumer_is_refused_by_sql_where_the_filter_is_off(broker_factory):
+    from consumer import PushConsumer
+    from protocol.errors import BrokerError
+    broker = broker_factory()
+    await _produce(broker, _messages()[:1])
+    refused = PushConsumer(broker.namesrv, "CG_sql_push_off", lambda msg: None)
+    refused.subscribe(TOPIC, MessageSelector.by_sql(SQL))
+    with pytest.raises(BrokerError, match="does not support") as info:
+        await refused.start()
+    assert getattr(info.value, "code", None) == ResponseCode.SYSTEM_ERROR
+    await refused.shutdown()
