@@ -251,3 +251,21 @@ def test_the_pull_filter_passes_over_a_message_whatever_its_evaluation_raises():
             raise OverflowError("unforeseen")
     record = memoryview(bytes(PutRequest.build("T", b"body", properties={"a": "7"}).record))
     assert selector_filter(Failing(), "g", "T")(record) is False
+
+
+def test_a_cached_refusal_keeps_no_traceback_of_earlier_callers():
+    """The cache keeps why an expression does not parse; every heartbeat and pull naming it raises a fresh
+    error. Raising one cached instance again and again grew its traceback by each raise, keeping every
+    caller's frame (and the command it held) alive."""
+    def depth(exc):
+        tb, n = exc.__traceback__, 0
+        while tb is not None:
+            tb, n = tb.tb_next, n + 1
+        return n
+    depths = []
+    for _ in range(50):
+        try:
+            compile_cached("b >")
+        except SelectorError as exc:
+            depths.append(depth(exc))
+    assert max(depths) == depths[0] <= 3
