@@ -25,9 +25,9 @@ _PHYS = struct.Struct(">q")
 _RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 _EVAL_LOG_INTERVAL_S = 10.0
 _eval_errors = {"logged_at": float("-inf"), "unlogged": 0}
-# What one read may spend evaluating SQL92, in units of at most about a microsecond here: each record costs a few, and
-# each of its expression's operators and property look-ups one per KiB of the record's properties (a look-up
-# searches them, a comparison may convert a value as long). An expression near the caps costs some 400 a
+# What one read may spend evaluating SQL92, in units of at most about a microsecond here: each record costs a
+# few, and each of its expression's operators and property look-ups one per KiB of the record's properties (a
+# look-up searches them, a comparison may convert a value as long). An expression near the caps costs some 400 a
 # record: without a bound one pull scanned 800 or more such records, a third of a second or more (seconds with
 # long properties) during which the loop answered nobody. Past it the read ends with what it found.
 _FILTER_BUDGET = 10_000
@@ -182,7 +182,8 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
             return cmd.response(ResponseCode.FILTER_DATA_NOT_EXIST, "The broker's consumer filter data is not "
                                 f"exist!Your expression may be wrong! ({sub.filter_error})")
         record_filter = selector_filter(sub.selector, group, topic)
-    if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:     # as RocketMQ: not on a slave
+    # As RocketMQ: not on a slave, nor again when a held pull is run again.
+    if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:
             ctx.offsets.commit(group, topic, qid, commit)
