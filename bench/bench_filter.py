@@ -50,18 +50,19 @@ async def _run(tree: str, messages: int, size: int, modes: list[str]) -> dict:
         out = {}
         for mode in modes:
             tags, sql = MODES[mode]
-            record_filter = None
+            selector = None
             if sql is not None:
                 try:
                     from broker.processors.pull import selector_filter
                 except ImportError:
                     continue                    # a tree without SQL92
-                record_filter = selector_filter(build_subscription("T", sql, 0, "SQL92").selector, "g", "T")
+                selector = build_subscription("T", sql, 0, "SQL92").selector
             tag_filter = build_subscription("T", tags).tag_filter() if tags else None
-            args = (tag_filter,) if record_filter is None else (tag_filter, record_filter)
             t0 = time.perf_counter()
             offset, pulls, found = 0, 0, 0
             while offset < messages:
+                # A filter per read, as the pull builds it: it carries the read's evaluation budget.
+                args = (tag_filter,) if selector is None else (tag_filter, selector_filter(selector, "g", "T"))
                 got = store.get_messages("T", 0, offset, 32, 256 * 1024, *args)
                 offset, pulls, found = got.next_begin_offset, pulls + 1, found + len(got.buffers)
             dt = time.perf_counter() - t0

@@ -83,7 +83,10 @@ def _java_double(text: str) -> float:
         s = s.rstrip("fFdD") if s[-1] not in "yN" else s    # Infinity / NaN end in y / N
         return float(s)
     if _JAVA_HEX_DOUBLE.fullmatch(s):
-        return float.fromhex(s.rstrip("fFdD"))
+        try:
+            return float.fromhex(s.rstrip("fFdD"))
+        except OverflowError:       # Java rounds past Double.MAX_VALUE to infinity; Python refuses
+            return -math.inf if s[0] == "-" else math.inf
     raise SelectorEvalError(f"For input string: {text!r} (not a Double)")
 
 
@@ -539,7 +542,9 @@ def _cached(expression: str):
     try:
         return parse(expression)
     except SelectorError as exc:
-        return exc
+        # Its text, not the exception: one instance raised again and again kept each raise's traceback, and
+        # through the frames' f_back each caller's (the pull or heartbeat and its command), without end.
+        return str(exc)
 
 
 def compile_cached(expression: str) -> Selector:
@@ -548,6 +553,6 @@ def compile_cached(expression: str) -> Selector:
     if not isinstance(expression, str) or len(expression) > MAX_LENGTH:
         return parse(expression)        # not kept: the cache holds only what could be an expression
     got = _cached(expression)
-    if isinstance(got, SelectorError):
-        raise got
+    if isinstance(got, str):
+        raise SelectorError(got)
     return got

@@ -73,6 +73,12 @@ class MessageSelector:
     def is_tag(self) -> bool:
         return self.expression_type == "TAG"
 
+    def subscription_data(self, topic: str, version: int) -> dict:
+        """RocketMQ's SubscriptionData, as a heartbeat and CHECK_CLIENT_CONFIG carry it."""
+        tags = [] if not self.is_tag or self.expression == "*" else [t.strip() for t in self.expression.split("||")]
+        return {"topic": topic, "subString": self.expression, "tagsSet": tags, "codeSet": [], "subVersion": version,
+                "expressionType": self.expression_type, "classFilterMode": False}
+
 
 def as_selector(expression: "str | MessageSelector") -> MessageSelector:
     return expression if isinstance(expression, MessageSelector) else MessageSelector.by_tag(expression)
@@ -221,9 +227,8 @@ class PullConsumer:
         selector = as_selector(expression)
         if selector.is_tag:
             return
-        body = json.dumps({"clientId": self.client_id, "group": self.group, "subscriptionData": {
-            "topic": topic, "subString": selector.expression, "expressionType": selector.expression_type,
-            "tagsSet": [], "codeSet": [], "subVersion": 0, "classFilterMode": False}}).encode()
+        body = json.dumps({"clientId": self.client_id, "group": self.group,
+                           "subscriptionData": selector.subscription_data(topic, 0)}).encode()
         for addr in set(self._brokers.values()):
             resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.CHECK_CLIENT_CONFIG, body=body),
                                            self.timeout)
@@ -235,13 +240,8 @@ class PullConsumer:
                         consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
         """Announce the group and its subscriptions to every known broker; a broker that does not answer
         does not keep the others from hearing (the first failure is raised once all were tried)."""
-        subs = []
-        for t, e in self.subscriptions.items():
-            sel = as_selector(e)
-            tags = [] if not sel.is_tag or sel.expression == "*" else [x.strip() for x in sel.expression.split("||")]
-            subs.append({"topic": t, "subString": sel.expression, "tagsSet": tags, "codeSet": [],
-                         "subVersion": int(time.time() * 1000), "expressionType": sel.expression_type,
-                         "classFilterMode": False})
+        version = int(time.time() * 1000)
+        subs = [as_selector(e).subscription_data(t, version) for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})

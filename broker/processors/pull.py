@@ -15,7 +15,6 @@ from protocol.message import POS_PHYSICAL_OFFSET
 from protocol.record import property_bytes, record_properties
 
 from ..clients import build_subscription
-from ..sql92 import SelectorEvalError
 from ..store import GetStatus
 
 log = logging.getLogger("txmq.pull")
@@ -26,9 +25,9 @@ _PHYS = struct.Struct(">q")
 _RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 _EVAL_LOG_INTERVAL_S = 10.0
 _eval_errors = {"logged_at": float("-inf"), "unlogged": 0}
-# What one read may spend evaluating SQL92, in units of at most about a microsecond here: each record costs a few, and
-# each of its expression's operators and property look-ups one per KiB of the record's properties (a look-up
-# searches them, a comparison may convert a value as long). An expression near the caps costs some 400 a
+# What one read may spend evaluating SQL92, in units of at most about a microsecond here: each record costs a
+# few, and each of its expression's operators and property look-ups one per KiB of the record's properties (a
+# look-up searches them, a comparison may convert a value as long). An expression near the caps costs some 400 a
 # record: without a bound one pull scanned 800 or more such records, a third of a second or more (seconds with
 # long properties) during which the loop answered nobody. Past it the read ends with what it found.
 _FILTER_BUDGET = 10_000
@@ -60,7 +59,7 @@ def selector_filter(selector, group: str, topic: str, budget: int = _FILTER_BUDG
                 if value is not None:
                     props[name] = str(value, "utf-8", "replace")
             return evaluate(props) is True
-        except (SelectorEvalError, struct.error, IndexError) as exc:
+        except Exception as exc:    # noqa: BLE001 - as ExpressionMessageFilter's catch (Throwable): passed over, said
             now = time.monotonic()
             if now - _eval_errors["logged_at"] < _EVAL_LOG_INTERVAL_S:
                 _eval_errors["unlogged"] += 1
@@ -183,7 +182,8 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
             return cmd.response(ResponseCode.FILTER_DATA_NOT_EXIST, "The broker's consumer filter data is not "
                                 f"exist!Your expression may be wrong! ({sub.filter_error})")
         record_filter = selector_filter(sub.selector, group, topic)
-    if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:     # as RocketMQ: not on a slave
+    # As RocketMQ: not on a slave, nor again when a held pull is run again.
+    if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:
         commit = cmd.int_field("commitOffset", -1)
         if commit is not None and commit >= 0:
             ctx.offsets.commit(group, topic, qid, commit)

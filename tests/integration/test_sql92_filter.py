@@ -124,12 +124,17 @@ async def _produce(broker, messages):
             await producer.send(TOPIC, body, tags=tags, properties=props or None)
 
 
-@bounded(90)
-async def test_a_stock_sql92_consumer_gets_exactly_the_matching_messages(broker_factory):
+async def _filtering_broker(broker_factory):
+    """A broker with the property filter on, holding _messages(); and those messages, and what SQL selects."""
     broker = broker_factory("--enable-property-filter", "true")
     messages = _messages()
     await _produce(broker, messages)
-    want = _expected(messages)
+    return broker, messages, _expected(messages)
+
+
+@bounded(90)
+async def test_a_stock_sql92_consumer_gets_exactly_the_matching_messages(broker_factory):
+    broker, messages, want = await _filtering_broker(broker_factory)
     assert 0 < len(want) < len(messages) and b"m11" not in want
     raw = await RawClient.open(broker.broker)
     try:
@@ -157,9 +162,7 @@ async def test_a_stock_sql92_consumer_gets_exactly_the_matching_messages(broker_
 
 @bounded(90)
 async def test_our_pull_consumer_subscribes_by_sql(broker_factory):
-    broker = broker_factory("--enable-property-filter", "true")
-    messages = _messages()
-    await _produce(broker, messages)
+    broker, messages, want = await _filtering_broker(broker_factory)
     async with PullConsumer(broker.namesrv, "CG_sql_ours") as consumer:
         selector = MessageSelector.by_sql(SQL)
         await consumer.subscribe(TOPIC, selector)            # checks the expression with the broker first
@@ -167,7 +170,7 @@ async def test_our_pull_consumer_subscribes_by_sql(broker_factory):
         for mq in await consumer.fetch_queues(TOPIC):
             async for res in consumer.drain(mq, 0, expression=selector):
                 got += [m.body for m in res.messages]
-        assert sorted(got) == sorted(_expected(messages))
+        assert sorted(got) == sorted(want)
         with pytest.raises(Exception, match="found the end") as info:
             await consumer.subscribe(TOPIC, MessageSelector.by_sql("a >"))
         assert getattr(info.value, "code", None) == ResponseCode.SUBSCRIPTION_PARSE_FAILED
@@ -238,3 +241,40 @@ async def test_a_held_pull_answers_by_the_expression_its_group_has_now(broker_fa
             assert b"m1" not in bodies, "delivered by the expression the consumer no longer has"
         finally:
             raw.close()
+
+
+@bounded(90)
+async def test_our_push_consumer_consumes_by_sql(broker_factory):
+    """PushConsumer with MessageSelector.by_sql: every matching message, none other."""
+    from consumer import ConsumeStatus, PushConsumer
+    broker, messages, want = await _filtering_broker(broker_factory)
+    got, complete = [], asyncio.Event()
+
+    def listener(msg):
+        got.append(msg.body)
+        if want <= set(got):
+            complete.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_sql_push", listener, consume_from="first", suspend_ms=500)
+    consumer.subscribe(TOPIC, MessageSelector.by_sql(SQL))
+    await consumer.start()
+    try:
+        await complete.wait()
+    finally:
+        await consumer.shutdown()
+    assert sorted(got) == sorted(want)
+
+
+@bounded(60)
+async def test_our_push_consumer_is_refused_by_sql_where_the_filter_is_off(broker_factory):
+    from consumer import PushConsumer
+    from protocol.errors import BrokerError
+    broker = broker_factory()
+    await _produce(broker, _messages()[:1])
+    refused = PushConsumer(broker.namesrv, "CG_sql_push_off", lambda msg: None)
+    refused.subscribe(TOPIC, MessageSelector.by_sql(SQL))
+    with pytest.raises(BrokerError, match="does not support") as info:
+        await refused.start()
+    assert getattr(info.value, "code", None) == ResponseCode.SYSTEM_ERROR
+    await refused.shutdown()

@@ -60,6 +60,8 @@ def ev(expression: str, **props):
     ("a > 5.5", {"a": " 6 "}, True),        # Double.valueOf trims
     ("a > 5.5", {"a": "6d"}, True),
     ("a > 5.5", {"a": "0x1p3"}, True),
+    ("a > 5.5", {"a": "0x1p99999"}, True),          # past Double.MAX_VALUE: Infinity, as Java rounds it
+    ("a < 5.5", {"a": "-0x1.fffffffffffff8p1023"}, True),
     ("a > 5.5", {"a": "1_000"}, ERR),
     ("a > 100", {"a": "+101"}, True),
     ("a > b", {"a": "NaN", "b": "1e300"}, True),     # Double.compare puts NaN above all
@@ -234,3 +236,36 @@ def test_the_pull_filter_always_examines_one_record_then_stops_at_its_budget():
     assert matches(record) is None
     matches = selector_filter(parse("a > 5"), "g", "T", budget=1000)
     assert [matches(record) for _ in range(200)].count(True) == -(-1000 // (4 + 3))   # 7 a record, until spent
+
+
+def test_the_pull_filter_passes_over_a_message_whatever_its_evaluation_raises():
+    """As ExpressionMessageFilter catches Throwable: an evaluation failing in a way not foreseen is one message
+    passed over (and logged), never an exception out of the store read, which failed every pull of its queue."""
+    from broker.processors.pull import selector_filter
+    from broker.store import PutRequest
+
+    class Failing:
+        expression, names, operators = "a > 1", frozenset({"a"}), 1
+
+        def evaluate(self, props):
+            raise OverflowError("unforeseen")
+    record = memoryview(bytes(PutRequest.build("T", b"body", properties={"a": "7"}).record))
+    assert selector_filter(Failing(), "g", "T")(record) is False
+
+
+def test_a_cached_refusal_keeps_no_traceback_of_earlier_callers():
+    """The cache keeps why an expression does not parse; every heartbeat and pull naming it raises a fresh
+    error. Raising one cached instance again and again grew its traceback by each raise, keeping every
+    caller's frame (and the command it held) alive."""
+    def depth(exc):
+        tb, n = exc.__traceback__, 0
+        while tb is not None:
+            tb, n = tb.tb_next, n + 1
+        return n
+    depths = []
+    for _ in range(50):
+        try:
+            compile_cached("b >")
+        except SelectorError as exc:
+            depths.append(depth(exc))
+    assert max(depths) == depths[0] <= 3
