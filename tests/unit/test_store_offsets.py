@@ -60,12 +60,25 @@ def test_a_damaged_file_is_a_clear_error(tmp_path):
         ConsumerOffsets(str(tmp_path))
 
 
-def test_malformed_entries_are_skipped(tmp_path):
-    (tmp_path / "config").mkdir()
-    (tmp_path / "config" / "consumerOffset.json").write_text(
-        json.dumps({"T@g": {"0": 3, "x": 1}, "nogroup": {"0": 1}, "U@g": {"1": "7"}}))
+@pytest.mark.parametrize("entries", [{"T@g": {"0": 3, "x": 1}}, {"nogroup": {"0": 1}}, {"U@g": {"1": "7"}},
+                                     {"U@g": {"1": -1}}, {"U@g": {"1": True}}, {"U@g": [7]}])
+def test_a_table_with_a_malformed_entry_is_read_from_the_previous_copy(tmp_path, caplog, entries):
+    """A malformed entry was skipped with a WARNING: its group started over on those queues by its consume-from
+    policy (mass redelivery, or a skip), and the next save made that for good. The file is as damaged as a torn
+    one: the previous copy is read instead, and without one start-up stops naming the entry."""
     offsets = ConsumerOffsets(str(tmp_path))
-    assert sorted(offsets.items()) == [(("g", "T", 0), 3), (("g", "U", 1), 7)]
+    offsets.commit("g", "T", 0, 3)
+    offsets.commit("g", "U", 1, 7)
+    offsets.persist()
+    offsets.persist()                                   # the same table as the previous copy
+    path = tmp_path / "config" / "consumerOffset.json"
+    path.write_text(json.dumps({"T@g": {"0": 3}, **entries}))
+    with caplog.at_level("ERROR", logger="txmq.store"):
+        assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("g", "T", 0), 3), (("g", "U", 1), 7)]
+    assert any("previous copy" in r.getMessage() for r in caplog.records)
+    (tmp_path / "config" / "consumerOffset.json.bak").unlink()
+    with pytest.raises(StoreError, match="nor its previous copy"):
+        ConsumerOffsets(str(tmp_path))
 
 
 @bounded(30)

@@ -1,0 +1,72 @@
+"""Reading a JSON table that is saved with its previous copy (``keep_previous``): consumer offsets, topics,
+subscription groups.
+
+One rule for all of them: a table that is missing, torn, zero-length, not JSON, unreadable, or JSON of the
+wrong shape is read from ``<file>.bak`` (at most one save older), with an ERROR that says so; when the copy
+cannot be read either, start-up stops with both files and both reasons named. Starting with an empty table
+instead would reset it without a word -- every group's offsets (mass redelivery, or a skip by the
+consume-from policy), every topic's queues and permissions, every group's settings -- and the next save
+would make that for good.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, TypeVar
+
+from protocol.errors import StoreError
+
+from .mapped_file import BACKUP_SUFFIX
+
+T = TypeVar("T")
+
+# What a parse raises for JSON of the wrong shape (a list where a table was, a string where a number was).
+SHAPE_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
+
+
+def read_saved(path: str, parse: Callable[[object], T]) -> tuple[T | None, str | None]:
+    """(``parse`` of the file's JSON, None), or (None, why not): "missing", or what is wrong with it."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:          # a directory where the file was, EIO, EACCES
+        return None, str(exc)
+    if not raw.strip(b"\0 \t\r\n"):
+        return None, f"{len(raw)} bytes of nothing (zeros or blanks)"
+    try:
+        return parse(json.loads(raw)), None
+    except SHAPE_ERRORS as exc:     # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None, str(exc) or type(exc).__name__
+
+
+def load_saved(path: str, parse: Callable[[object], T], what: str, log: logging.Logger, *,
+               fallback_cost: str, reset_hint: str) -> T | None:
+    """The table in ``path`` or, when it cannot be read, in its previous copy (logged at ERROR, with
+    ``fallback_cost``: what one save older means); None for a new store (neither file exists).
+
+    Raises StoreError, naming both files and ``reset_hint`` (what an operator may do), when neither can be read."""
+    value, why = read_saved(path, parse)
+    if why is None:
+        return value
+    bak = path + BACKUP_SUFFIX
+    value, bad = read_saved(bak, parse)
+    if bad == "missing" and why == "missing":
+        return None
+    if bad is not None:
+        raise StoreError(f"{what} {path} cannot be read ({why}), nor its previous copy {bak} ({bad}): {reset_hint}")
+    log.error("%s %s %s: using its previous copy %s (%s)", what, path,
+              "is missing" if why == "missing" else f"cannot be read ({why})", bak, fallback_cost)
+    return value
+
+
+def check(cond: bool, what: str) -> None:
+    """For ``parse`` functions: a wrong shape is a ValueError naming it."""
+    if not cond:
+        raise ValueError(what)
+
+
+def is_int(value) -> bool:
+    """A JSON integer (a bool is an int to Python, never to the tables)."""
+    return isinstance(value, int) and not isinstance(value, bool)
