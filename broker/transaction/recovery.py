@@ -68,10 +68,18 @@ def read_snapshot(directory: str, store) -> dict | None:
         why = "it covers op records the log no longer has"
     elif snap["half_offset"] > store.max_offset(HALF_TOPIC, 0):
         why = "it covers half messages the log no longer has"
+    elif not _pending_rows(snap.get("pending", [])):
+        why = "its pending list is malformed"
     if why:
         log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
         return None
     return snap
+
+
+def _pending_rows(rows) -> bool:
+    """Whether ``rows`` is a list of [half offset, queue offset, checks] (all integers)."""
+    return isinstance(rows, list) and all(
+        isinstance(row, list) and len(row) == 3 and all(type(v) is int and v >= 0 for v in row) for row in rows)
 
 
 async def recover(tx) -> None:
@@ -85,6 +93,12 @@ async def recover(tx) -> None:
         log.warning("transactions: %d decisions were for halves at queue offset %d or later, which the recovered "
                     "log no longer holds (it was cut); forgotten, as new halves take those offsets", gone, half_end)
     snap = read_snapshot(tx.directory, store)
+    if tx.table.damaged:
+        # The snapshot vouches for the table up to its op offset: with files of it damaged, only the whole op
+        # queue can say what the decisions were.
+        log.warning("transactions: decision files damaged (%s): the decision table is rebuilt from the op queue",
+                    "; ".join(f"{path}: {why}" for path, why in tx.table.damaged))
+        snap = None
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
     if snap is None:

@@ -1,0 +1,67 @@
+"""A broker started on a store whose small metadata files were damaged between two runs: what they held is
+recovered (from the log, with a WARNING naming the file), never reset without a word."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode
+from protocol.message import decode_offset_msg_id
+from tests.integration.test_transactions import Listener, _admin
+
+pytestmark = pytest.mark.asyncio
+
+QUIET = ("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+
+
+@pytest.mark.parametrize("damage", ["zero-length", "torn", "garbage"])
+async def test_a_damaged_decision_file_is_rebuilt_from_the_op_queue(broker_factory, damage):
+    """A decision file of the wrong size was resized silently (holes read as undecided), one of stray bytes read
+    as it was: the decisions in it were gone while the snapshot vouched for them, so a repeated END or an
+    admin action on those transactions was answered "not found" and the opposite decision was not refused."""
+    b = broker_factory(*QUIET)
+    async with TransactionProducer(b.namesrv, "PG_tables", Listener(execute=S.COMMIT_MESSAGE)) as producer:
+        for i in range(3):                  # the last one's byte is past what the damage leaves
+            committed = await producer.send_in_transaction("TxTables", b"committed %d" % i)
+    assert committed.acknowledged
+    _, _, half = decode_offset_msg_id(committed.send_result.offset_msg_id)
+    assert b.stop() == 0
+    path = b.store_dir / "transactions" / "decisions" / f"{0:020d}"
+    assert path.read_bytes()[:3] == b"\x01\x01\x01"                           # COMMIT, on disk
+    if damage == "zero-length":
+        path.write_bytes(b"")
+    elif damage == "torn":
+        path.write_bytes(path.read_bytes()[:1])
+    else:
+        path.write_bytes(b"\x01" + b"\xff" * (path.stat().st_size - 1))
+    b.start()
+    async with TransactionProducer(b.namesrv, "PG_tables", Listener()) as producer:
+        async with asyncio.timeout(20):
+            with pytest.raises(Exception, match="already COMMIT.*first decision wins"):
+                await producer._end(b.broker, half, committed.send_result.queue_offset,
+                                    committed.send_result.msg_id, S.ROLLBACK_MESSAGE, False, None)
+    log = b.log()
+    assert "decision table is rebuilt from the op queue" in log and str(path) in log
+    assert path.stat().st_size == 1 << 20
+
+
+@pytest.mark.parametrize("pending", ["x", [[1, 2]], [["0", 0, 0]], None])
+async def test_a_snapshot_with_a_malformed_pending_list_is_rebuilt_from_the_log(broker_factory, pending):
+    """A snapshot.json whose pending list had the wrong shape stopped start-up with "not enough values to
+    unpack" (or "'NoneType' is not iterable"), naming no file: it is as unusable as one that is not JSON."""
+    b = broker_factory(*QUIET)
+    async with TransactionProducer(b.namesrv, "PG_snap", Listener(execute=S.UNKNOW)) as producer:
+        await producer.send_in_transaction("TxSnap", b"undecided")
+    assert b.stop() == 0
+    path = b.store_dir / "transactions" / "snapshot.json"
+    snap = json.loads(path.read_text())
+    assert len(snap["pending"]) == 1
+    path.write_text(json.dumps({**snap, "pending": pending}))
+    b.start()
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    assert [row["group"] for row in listed["pending"]] == ["PG_snap"]
+    assert "pending list is malformed" in b.log()
