@@ -141,6 +141,6 @@ def sealed_from_disk(store_dir: str) -> dict[str, SegmentFacts]:
                 f = SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
                                  int(e["first_ts"]), int(e["last_ts"]), True)
                 out[f.name] = f
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):    # not an entry: the bytes say it again
             continue
     return out

@@ -65,3 +65,15 @@ async def test_a_snapshot_with_a_malformed_pending_list_is_rebuilt_from_the_log(
     listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
     assert [row["group"] for row in listed["pending"]] == ["PG_snap"]
     assert "pending list is malformed" in b.log()
+
+
+async def test_a_segment_manifest_with_entries_that_are_not_objects_is_recomputed(broker_factory):
+    """segments.json is derived from the segments' bytes, but an entry that was not an object stopped start-up
+    with "'int' object has no attribute 'get'", naming no file."""
+    b = broker_factory()
+    assert b.stop() == 0
+    (b.store_dir / "segments.json").write_text(json.dumps({"segments": [1, "x", None], "removed": [2]}))
+    b.start()
+    assert b.stop() == 0
+    assert [e["name"] for e in json.loads((b.store_dir / "segments.json").read_text())["segments"]] == [
+        f"{0:020d}"]                                                        # written again at stop, whole
