@@ -2,9 +2,9 @@
 subscription groups.
 
 One rule for all of them: a table that is missing, torn, zero-length, not JSON, unreadable, or JSON of the
-wrong shape is read from ``<file>.bak`` (at most one save older), with an ERROR that says so; when the copy
-cannot be read either, start-up stops with both files and both reasons named. Starting with an empty table
-instead would reset it without a word -- every group's offsets (mass redelivery, or a skip by the
+wrong shape is read from ``<file>.bak`` (at most one save older), with an ERROR that says so, and moved aside
+to ``<file>.damaged``; when the copy cannot be read either, start-up stops with both files and both reasons
+named. Starting with an empty table instead would reset it without a word -- every group's offsets (mass redelivery, or a skip by the
 consume-from policy), every topic's queues and permissions, every group's settings -- and the next save
 would make that for good.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Callable, TypeVar
 
 from protocol.errors import StoreError
@@ -19,6 +20,7 @@ from protocol.errors import StoreError
 from .mapped_file import BACKUP_SUFFIX
 
 T = TypeVar("T")
+DAMAGED_SUFFIX = ".damaged"
 
 # What a parse raises for JSON of the wrong shape (a list where a table was, a string where a number was).
 SHAPE_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
@@ -56,8 +58,17 @@ def load_saved(path: str, parse: Callable[[object], T], what: str, log: logging.
         return None
     if bad is not None:
         raise StoreError(f"{what} {path} cannot be read ({why}), nor its previous copy {bak} ({bad}): {reset_hint}")
-    log.error("%s %s %s: using its previous copy %s (%s)", what, path,
-              "is missing" if why == "missing" else f"cannot be read ({why})", bak, fallback_cost)
+    kept = ""
+    if why != "missing":
+        # Moved aside, not left for the next save's keep_previous to make the previous copy: a crash between
+        # that and the rename of the new table would leave no readable copy at all. Kept for a post-mortem.
+        try:
+            os.replace(path, path + DAMAGED_SUFFIX)
+            kept = f"; the damaged file is kept as {path + DAMAGED_SUFFIX}"
+        except OSError as exc:
+            kept = f"; the damaged file could not be moved aside ({exc})"
+    log.error("%s %s %s: using its previous copy %s (%s)%s", what, path,
+              "is missing" if why == "missing" else f"cannot be read ({why})", bak, fallback_cost, kept)
     return value
 
 

@@ -141,3 +141,20 @@ def test_a_catalogue_damaged_with_no_good_previous_save_stops_start_up(tmp_path,
     with pytest.raises(StoreError, match=rf"{name} cannot be read .* nor its previous copy .*: move both away"):
         _topics(tmp_path)
         SubscriptionGroups(str(tmp_path), clock=lambda: 2)
+
+
+def test_a_damaged_catalogue_is_moved_aside_so_the_next_save_keeps_the_good_copy(tmp_path, monkeypatch):
+    """After a start from the previous copy, the next save made the damaged file the previous copy (keep_previous
+    links the file it replaces): a crash before its rename left no readable copy, and the broker would not start."""
+    import os
+    _saved_twice_topics(tmp_path)
+    good = (tmp_path / "topics.json.bak").read_bytes()
+    DAMAGE["garbage"](tmp_path / "topics.json")
+    tm = _topics(tmp_path)
+    assert (tmp_path / "topics.json.damaged").read_bytes() == b"\xff\xfe not json"
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("crash before the rename")))
+    with pytest.raises(OSError):
+        tm.create(TopicConfig("After", 1, 1))
+    monkeypatch.undo()
+    assert (tmp_path / "topics.json.bak").read_bytes() == good
+    assert _topics(tmp_path).get("Orders") == TopicConfig("Orders", 16, 16, perm=4)

@@ -76,6 +76,7 @@ def test_a_table_with_a_malformed_entry_is_read_from_the_previous_copy(tmp_path,
     with caplog.at_level("ERROR", logger="txmq.store"):
         assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("g", "T", 0), 3), (("g", "U", 1), 7)]
     assert any("previous copy" in r.getMessage() for r in caplog.records)
+    path.write_text(json.dumps({"T@g": {"0": 3}, **entries}))         # moved aside: damaged again, no copy
     (tmp_path / "config" / "consumerOffset.json.bak").unlink()
     with pytest.raises(StoreError, match="nor its previous copy"):
         ConsumerOffsets(str(tmp_path))
