@@ -275,6 +275,16 @@ class DecisionTable:
         self._maps.clear()
 
     @property
+    def bases(self) -> list[int]:
+        """The files the table has (a snapshot names them: see ``lost``)."""
+        return sorted(self._maps)
+
+    def lost(self, bases: list[int], first_index: int) -> list[str]:
+        """The files of ``bases`` (a snapshot's) that are gone though retention did not remove them (not
+        wholly below ``first_index``): deleted by hand or by a file-system repair, their decisions with them."""
+        return [self._path(b) for b in bases if b not in self._maps and b + self.file_entries > first_index]
+
+    @property
     def waiting(self) -> int:
         """Entries waiting in memory for a file that could not be made."""
         return len(self._pending)

@@ -1,7 +1,8 @@
 """Start-up of the transaction service, and the snapshot that keeps it short (docs/design.md).
 
 ``transactions/snapshot.json`` holds the undecided index, the op-queue offset up to which the decision
-table is complete and the half-queue offset below which every half is pending or decided. Start-up
+table is complete, the half-queue offset below which every half is pending or decided, and the decision
+files that table had (one missing at start-up, or damaged, is rebuilt from the whole op queue). Start-up
 replays only what the log holds after those two offsets; without a usable snapshot, the whole op queue
 and the half queue from the saved progress rebuild everything (and a snapshot is written at once).
 """
@@ -70,6 +71,9 @@ def read_snapshot(directory: str, store) -> dict | None:
         why = "it covers half messages the log no longer has"
     elif not _pending_rows(snap.get("pending", [])):
         why = "its pending list is malformed"
+    elif not isinstance(snap.get("decision_files", []), list) or not all(
+            type(b) is int for b in snap.get("decision_files", [])):
+        why = "its list of decision files is malformed"
     if why:
         log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
         return None
@@ -99,6 +103,12 @@ async def recover(tx) -> None:
         log.warning("transactions: decision files damaged (%s): the decision table is rebuilt from the op queue",
                     "; ".join(f"{path}: {why}" for path, why in tx.table.damaged))
         snap = None
+    elif snap is not None:
+        lost = tx.table.lost(snap.get("decision_files", []), store.min_offset(HALF_TOPIC, 0))
+        if lost:
+            log.warning("transactions: decision files missing (%s): the decision table is rebuilt from the op queue",
+                        ", ".join(lost))
+            snap = None
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
     if snap is None:
@@ -221,7 +231,7 @@ async def write_snapshot(tx) -> None:
     snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
             "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
-            "dead": tx.dead_count, "written_ms": tx.ctx.clock(),
+            "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
             "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()]}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the
     # event loop must not spend (the list above is the loop's one consistent view; nothing else shares it).

@@ -18,11 +18,12 @@ pytestmark = pytest.mark.asyncio
 QUIET = ("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
 
 
-@pytest.mark.parametrize("damage", ["zero-length", "torn", "garbage"])
+@pytest.mark.parametrize("damage", ["zero-length", "torn", "garbage", "deleted"])
 async def test_a_damaged_decision_file_is_rebuilt_from_the_op_queue(broker_factory, damage):
-    """A decision file of the wrong size was resized silently (holes read as undecided), one of stray bytes read
-    as it was: the decisions in it were gone while the snapshot vouched for them, so a repeated END or an
-    admin action on those transactions was answered "not found" and the opposite decision was not refused."""
+    """A decision file of the wrong size was resized silently (holes read as undecided), one of stray bytes was
+    read as it was, and a deleted one was not missed: the decisions in it were gone while the snapshot vouched
+    for them, so a repeated END or an admin action on those transactions was answered "not found" and the
+    opposite decision was not refused."""
     b = broker_factory(*QUIET)
     async with TransactionProducer(b.namesrv, "PG_tables", Listener(execute=S.COMMIT_MESSAGE)) as producer:
         for i in range(3):                  # the last one's byte is past what the damage leaves
@@ -36,8 +37,10 @@ async def test_a_damaged_decision_file_is_rebuilt_from_the_op_queue(broker_facto
         path.write_bytes(b"")
     elif damage == "torn":
         path.write_bytes(path.read_bytes()[:1])
-    else:
+    elif damage == "garbage":
         path.write_bytes(b"\x01" + b"\xff" * (path.stat().st_size - 1))
+    else:
+        path.unlink()
     b.start()
     async with TransactionProducer(b.namesrv, "PG_tables", Listener()) as producer:
         async with asyncio.timeout(20):
