@@ -45,7 +45,10 @@ def group_config(name: str, values: dict | None = None) -> dict:
         if values and key in values and values[key] is not None:
             value = values[key]
             if kind is bool and isinstance(value, str):
-                value = value.strip().lower() == "true"
+                flag = value.strip().lower()
+                if flag not in ("true", "false"):   # "yes", "on": read as false, a group stopped without a word
+                    raise ValueError(f"{key} = {value!r} (true or false)")
+                value = flag == "true"
             cfg[key] = kind(value)
     return cfg
 

@@ -115,7 +115,11 @@ def test_a_topics_catalogue_damaged_any_way_is_read_from_its_previous_save(tmp_p
     assert any("previous copy" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("how", ["wrong types"])
+DAMAGE["a word for a flag"] = lambda p: p.write_text(json.dumps(
+    {"subscriptionGroupTable": {"G1": {"groupName": "G1", "consumeEnable": "yes", "retryMaxTimes": 3}}}))
+
+
+@pytest.mark.parametrize("how", ["wrong types", "a word for a flag"])
 def test_a_subscription_groups_file_damaged_any_way_is_read_from_its_previous_save(tmp_path, caplog, how):
     _saved_twice_subscriptions(tmp_path)
     DAMAGE[how](tmp_path / "subscriptionGroup.json")
