@@ -261,7 +261,11 @@ class TopicManager:
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))
 
 
-_FIELD_TYPES = {"read_queue_nums": is_int, "write_queue_nums": is_int, "perm": is_int, "sys_flag": is_int,
+def _count(v) -> bool:
+    return is_int(v) and v >= 0
+
+
+_FIELD_TYPES = {"read_queue_nums": _count, "write_queue_nums": _count, "perm": is_int, "sys_flag": is_int,
                 "filter_type": lambda v: isinstance(v, str), "order": lambda v: isinstance(v, bool)}
 
 

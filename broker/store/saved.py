@@ -4,9 +4,9 @@ subscription groups.
 One rule for all of them: a table that is missing, torn, zero-length, not JSON, unreadable, or JSON of the
 wrong shape is read from ``<file>.bak`` (at most one save older), with an ERROR that says so, and moved aside
 to ``<file>.damaged``; when the copy cannot be read either, start-up stops with both files and both reasons
-named. Starting with an empty table instead would reset it without a word -- every group's offsets (mass redelivery, or a skip by the
-consume-from policy), every topic's queues and permissions, every group's settings -- and the next save
-would make that for good.
+named. Starting with an empty table instead would reset it without a word -- every group's offsets (mass
+redelivery, or a skip by the consume-from policy), every topic's queues and permissions, every group's
+settings -- and the next save would make that for good.
 """
 from __future__ import annotations
 

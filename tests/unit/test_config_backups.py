@@ -104,7 +104,10 @@ def _saved_twice_subscriptions(path) -> None:
     subs.write(subs.encode(), subs.counter)
 
 
-@pytest.mark.parametrize("how", ["a list", "wrong types"])     # the others were read from the copy already
+DAMAGE["negative queues"] = lambda p: p.write_text(json.dumps({"topics": [{"name": "Orders", "read_queue_nums": -16}]}))
+
+
+@pytest.mark.parametrize("how", ["a list", "wrong types", "negative queues"])   # the others were read from the copy
 def test_a_topics_catalogue_damaged_any_way_is_read_from_its_previous_save(tmp_path, caplog, how):
     """A catalogue that was JSON but not a table ("[]") was ignored without trying the previous save, and an
     entry of the wrong types was taken as it was (a crash on first use) or skipped: the topic's settings gone."""
