@@ -54,3 +54,10 @@ def test_a_catalogue_that_cannot_be_read_nor_its_previous_copy(tmp_path, name):
     (config / name).write_bytes(b'{"torn')
     (config / (name + ".bak")).write_bytes(bytes(64))
     _one_line(_start(tmp_path / "s", "--port", "0"), f"{config / name} cannot be read")
+
+
+def test_a_damaged_store_id_says_what_to_do(tmp_path):
+    """It said the file was damaged, not that removing it is safe (a new id; the snapshot is rebuilt)."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "store_id").write_bytes(bytes(37))
+    _one_line(_start(tmp_path / "s", "--port", "0"), "remove the file to have a new one written")
