@@ -165,3 +165,11 @@ def test_a_damaged_catalogue_is_moved_aside_so_the_next_save_keeps_the_good_copy
     monkeypatch.undo()
     assert (tmp_path / "topics.json.bak").read_bytes() == good
     assert _topics(tmp_path).get("Orders") == TopicConfig("Orders", 16, 16, perm=4)
+
+
+def test_an_update_with_a_word_for_a_flag_is_refused_not_read_as_false():
+    """UPDATE_AND_CREATE_SUBSCRIPTIONGROUP with consumeEnable "yes" stopped the group's consumption."""
+    from broker.subscriptions import group_config
+    assert group_config("G", {"consumeEnable": " TRUE "})["consumeEnable"] is True
+    with pytest.raises(ValueError, match="consumeEnable = 'yes'"):
+        group_config("G", {"consumeEnable": "yes"})
