@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zlib
 from typing import Callable, TypeVar
 
 from protocol.errors import StoreError
@@ -81,3 +82,20 @@ def check(cond: bool, what: str) -> None:
 def is_int(value) -> bool:
     """A JSON integer (a bool is an int to Python, never to the tables)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# A JSON snapshot may end with its checksum: ``,"crc":N}``, N the CRC-32 of the bytes written before it closed
+# by "}". Damage that leaves valid JSON (a flipped digit) is otherwise believed; a snapshot that is only a
+# shortcut (the log has the truth) is then ignored instead. Files of older versions have none.
+_CRC_MARK = b',"crc":'
+
+
+def with_crc(data: bytes) -> bytes:
+    """``data`` (one JSON object with a key at least, compact) with its checksum as its last key."""
+    return data[:-1] + _CRC_MARK + b"%d}" % zlib.crc32(data)
+
+
+def crc_matches(raw: bytes, crc) -> bool:
+    """Whether ``raw`` (the file) ends with checksum ``crc`` (its "crc" key) of what comes before it."""
+    at = raw.rfind(_CRC_MARK)
+    return type(crc) is int and at >= 0 and raw[at:] == _CRC_MARK + b"%d}" % crc and zlib.crc32(raw[:at] + b"}") == crc

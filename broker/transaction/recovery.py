@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 
 from broker.store.mapped_file import fsync_dir
+from broker.store.saved import crc_matches, with_crc
 from protocol.errors import StoreError
 from protocol.message import Prop, decode_record
 
@@ -76,27 +76,13 @@ def read_snapshot(directory: str, store) -> dict | None:
     elif not isinstance(snap.get("decision_files", []), list) or not all(
             type(b) is int for b in snap.get("decision_files", [])):
         why = "its list of decision files is malformed"
-    elif "crc" in snap and not _crc_matches(raw, snap["crc"]):
+    elif "crc" in snap and not crc_matches(raw, snap["crc"]):
+        # (its last key: a flipped digit would leave valid JSON and drop an undecided transaction for good)
         why = "its checksum does not match: it was changed after it was written"
     if why:
         log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
         return None
     return snap
-
-
-# The snapshot ends with its checksum: ``,"crc":N}``, N the CRC-32 of the bytes written before it closed by
-# "}". JSON that a flipped digit leaves valid (a pending entry's offset, the half offset) would drop an undecided
-# transaction for good: never checked, never delivered. (Snapshots of older versions have none.)
-_CRC_MARK = b',"crc":'
-
-
-def _with_crc(data: bytes) -> bytes:
-    return data[:-1] + _CRC_MARK + b"%d}" % zlib.crc32(data)
-
-
-def _crc_matches(raw: bytes, crc) -> bool:
-    at = raw.rfind(_CRC_MARK)
-    return type(crc) is int and at >= 0 and raw[at:] == _CRC_MARK + b"%d}" % crc and zlib.crc32(raw[:at] + b"}") == crc
 
 
 def _pending_rows(rows) -> bool:
@@ -264,7 +250,7 @@ async def write_snapshot(tx) -> None:
 def _write_files(directory: str, maps, snap: dict, new_files: str | None = None) -> None:
     """On the store's I/O thread: the decision bytes first (and the names of files made since the last
     snapshot: ``new_files`` is their directory), then the snapshot that relies on them."""
-    data = _with_crc(json.dumps(snap, separators=(",", ":")).encode())
+    data = with_crc(json.dumps(snap, separators=(",", ":")).encode())
     flush_maps(maps)
     if new_files is not None:
         fsync_dir(new_files)

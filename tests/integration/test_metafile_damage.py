@@ -8,6 +8,7 @@ import json
 import pytest
 
 from producer import LocalTransactionState as S
+from producer import Producer
 from producer import TransactionProducer
 from protocol.codes import RequestCode
 from protocol.message import decode_offset_msg_id
@@ -97,3 +98,22 @@ async def test_a_snapshot_changed_after_it_was_written_is_rebuilt_from_the_log(b
     listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
     assert [row["group"] for row in listed["pending"]] == ["PG_crc"]
     assert "checksum does not match" in b.log()
+
+
+async def test_a_delay_offset_file_changed_after_it_was_written_is_replayed_from_the_log(broker_factory):
+    """delayOffset.json left valid JSON by its damage (a flipped digit raising a level's offset) was believed:
+    the delayed messages below the new offset were skipped, never delivered. Its checksum now refuses it."""
+    b = broker_factory()
+    async with Producer(b.namesrv, "PG_delay") as producer:
+        await producer.send("DelayDamage", b"in two hours", delay_level=18)
+    assert b.stop() == 0
+    path = b.store_dir / "config" / "delayOffset.json"
+    saved = json.loads(path.read_text())
+    assert saved["offsetTable"]["18"] == 0
+    saved["offsetTable"]["18"] = 1
+    path.write_text(json.dumps(saved, separators=(",", ":")))
+    b.start()
+    assert b.stop() == 0
+    log = b.log()
+    assert "1 level messages" in log.rsplit("schedule recovered:", 1)[1].split("\n")[0]     # still waiting
+    assert "checksum does not match" in log
