@@ -14,7 +14,6 @@ heartbeats and UNREGISTER_CLIENT (not when a connection closes, as RocketMQ).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
