@@ -175,8 +175,8 @@ def _parse_table(raw) -> dict[tuple[str, str, int], int]:
     One bad entry makes the whole file suspect (a hand or a disk changed it): skipping just that entry would
     start its group over on those queues without a word."""
     check(isinstance(raw, dict), "not a JSON object")
-    if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's own wrapper (a store moved from a Java broker),
-        raw = raw["offsetTable"]                    # as ops/spark/expiry.py reads it too
+    if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's wrapper, as ops/spark/expiry.py reads it too
+        raw = raw["offsetTable"]
     table = {}
     for key, queues in raw.items():
         topic, sep, group = key.rpartition("@")

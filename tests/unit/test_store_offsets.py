@@ -144,8 +144,8 @@ def test_a_table_damaged_or_lost_after_its_save_is_read_from_the_previous_copy(t
 
 
 def test_rocketmqs_own_offset_table_wrapper_is_read(tmp_path):
-    """RocketMQ writes {"offsetTable": {...}}; the expiry job read it, the broker skipped "offsetTable" as a
-    malformed entry (WARNING) and started every group over by its consume-from policy."""
+    """RocketMQ's {"offsetTable": {...}}: the expiry job read it, the broker skipped "offsetTable" as a malformed
+    entry (WARNING) and started every group over by its consume-from policy."""
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "consumerOffset.json").write_text(json.dumps({"offsetTable": {"T@g": {"0": 5, "1": 9}}}))
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("g", "T", 0), 5), (("g", "T", 1), 9)]
