@@ -2,9 +2,9 @@
 subscription groups.
 
 One rule for all of them: a table that is missing, torn, zero-length, not JSON, unreadable, or JSON of the
-wrong shape is read from ``<file>.bak`` (at most one save older), with an ERROR that says so, and moved aside
-to ``<file>.damaged``; when the copy cannot be read either, start-up stops with both files and both reasons
-named. Starting with an empty table instead would reset it without a word -- every group's offsets (mass
+wrong shape is read from ``<file>.bak`` (at most one save older), with an ERROR that says so, moved aside
+to ``<file>.damaged`` and written again from the copy; when the copy cannot be read either, start-up stops
+with both files and both reasons named. Starting with an empty table instead would reset it without a word -- every group's offsets (mass
 redelivery, or a skip by the consume-from policy), every topic's queues and permissions, every group's
 settings -- and the next save would make that for good.
 """
@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import zlib
 from typing import Callable, TypeVar
 
 from protocol.errors import StoreError
 
-from .mapped_file import BACKUP_SUFFIX
+from .mapped_file import BACKUP_SUFFIX, fsync_dir
 
 T = TypeVar("T")
 DAMAGED_SUFFIX = ".damaged"
@@ -68,9 +69,26 @@ def load_saved(path: str, parse: Callable[[object], T], what: str, log: logging.
             kept = f"; the damaged file is kept as {path + DAMAGED_SUFFIX}"
         except OSError as exc:
             kept = f"; the damaged file could not be moved aside ({exc})"
+    try:        # two good copies again at once, not only after the next change (which may be days away)
+        _copy_durably(bak, path)
+        kept += f"; {path} is written again from it"
+    except OSError as exc:
+        kept += f"; {path} could not be written again from it ({exc})"
     log.error("%s %s %s: using its previous copy %s (%s)%s", what, path,
               "is missing" if why == "missing" else f"cannot be read ({why})", bak, fallback_cost, kept)
     return value
+
+
+def _copy_durably(src: str, dst: str) -> None:
+    tmp = dst + ".tmp"
+    shutil.copyfile(src, tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, dst)
+    fsync_dir(os.path.dirname(dst))
 
 
 def check(cond: bool, what: str) -> None:

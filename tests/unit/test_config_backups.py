@@ -173,3 +173,20 @@ def test_an_update_with_a_word_for_a_flag_is_refused_not_read_as_false():
     assert group_config("G", {"consumeEnable": " TRUE "})["consumeEnable"] is True
     with pytest.raises(ValueError, match="consumeEnable = 'yes'"):
         group_config("G", {"consumeEnable": "yes"})
+
+
+@pytest.mark.parametrize("how", ["garbage", "missing"])
+def test_a_catalogue_read_from_its_previous_save_is_written_again_at_once(tmp_path, caplog, how):
+    """It stayed damaged (or missing) until the next topic change, days away maybe: every start said so again,
+    and the previous copy was the only good one meanwhile."""
+    _saved_twice_topics(tmp_path)
+    if how == "missing":
+        (tmp_path / "topics.json").unlink()
+    else:
+        DAMAGE[how](tmp_path / "topics.json")
+    _topics(tmp_path)
+    assert (tmp_path / "topics.json").read_bytes() == (tmp_path / "topics.json.bak").read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        assert _topics(tmp_path).get("Orders") == TopicConfig("Orders", 16, 16, perm=4)
+    assert not caplog.records
