@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import zlib
 from typing import Callable, TypeVar
 
 from protocol.errors import StoreError
 
-from .mapped_file import BACKUP_SUFFIX, fsync_dir
+from .mapped_file import BACKUP_SUFFIX, copy_synced, fsync_dir
 
 T = TypeVar("T")
 DAMAGED_SUFFIX = ".damaged"
@@ -81,12 +80,7 @@ def load_saved(path: str, parse: Callable[[object], T], what: str, log: logging.
 
 def _copy_durably(src: str, dst: str) -> None:
     tmp = dst + ".tmp"
-    shutil.copyfile(src, tmp)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    copy_synced(src, tmp)
     os.replace(tmp, dst)
     fsync_dir(os.path.dirname(dst))
 

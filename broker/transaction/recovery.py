@@ -261,8 +261,4 @@ def _write_files(directory: str, maps, snap: dict, new_files: str | None = None)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory)

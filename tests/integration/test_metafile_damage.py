@@ -53,21 +53,31 @@ async def test_a_damaged_decision_file_is_rebuilt_from_the_op_queue(broker_facto
     assert path.stat().st_size == 1 << 20
 
 
+async def _stopped_with_one_undecided(b, group):
+    """(snapshot.json's path, its JSON) once ``b`` stopped holding one undecided transaction of ``group``."""
+    async with TransactionProducer(b.namesrv, group, Listener(execute=S.UNKNOW)) as producer:
+        await producer.send_in_transaction("Tx" + group, b"undecided")
+    assert b.stop() == 0
+    path = b.store_dir / "transactions" / "snapshot.json"
+    snap = json.loads(path.read_text())
+    assert len(snap["pending"]) == 1
+    return path, snap
+
+
+async def _pending_groups(b) -> list[str]:
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    return [row["group"] for row in listed["pending"]]
+
+
 @pytest.mark.parametrize("pending", ["x", [[1, 2]], [["0", 0, 0]], None])
 async def test_a_snapshot_with_a_malformed_pending_list_is_rebuilt_from_the_log(broker_factory, pending):
     """A snapshot.json whose pending list had the wrong shape stopped start-up with "not enough values to
     unpack" (or "'NoneType' is not iterable"), naming no file: it is as unusable as one that is not JSON."""
     b = broker_factory(*QUIET)
-    async with TransactionProducer(b.namesrv, "PG_snap", Listener(execute=S.UNKNOW)) as producer:
-        await producer.send_in_transaction("TxSnap", b"undecided")
-    assert b.stop() == 0
-    path = b.store_dir / "transactions" / "snapshot.json"
-    snap = json.loads(path.read_text())
-    assert len(snap["pending"]) == 1
+    path, snap = await _stopped_with_one_undecided(b, "PG_snap")
     path.write_text(json.dumps({**snap, "pending": pending}))
     b.start()
-    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
-    assert [row["group"] for row in listed["pending"]] == ["PG_snap"]
+    assert await _pending_groups(b) == ["PG_snap"]
     assert "pending list is malformed" in b.log()
 
 
@@ -87,16 +97,10 @@ async def test_a_snapshot_changed_after_it_was_written_is_rebuilt_from_the_log(b
     """A snapshot.json left valid JSON by its damage (a flipped digit; here a pending entry gone) was believed: the
     undecided transaction it no longer named was never checked nor delivered. Its checksum now refuses it."""
     b = broker_factory(*QUIET)
-    async with TransactionProducer(b.namesrv, "PG_crc", Listener(execute=S.UNKNOW)) as producer:
-        await producer.send_in_transaction("TxCrc", b"undecided")
-    assert b.stop() == 0
-    path = b.store_dir / "transactions" / "snapshot.json"
-    snap = json.loads(path.read_text())
-    assert len(snap["pending"]) == 1
+    path, snap = await _stopped_with_one_undecided(b, "PG_crc")
     path.write_text(json.dumps({**snap, "pending": []}, separators=(",", ":")))
     b.start()
-    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
-    assert [row["group"] for row in listed["pending"]] == ["PG_crc"]
+    assert await _pending_groups(b) == ["PG_crc"]
     assert "checksum does not match" in b.log()
 
 
