@@ -179,8 +179,10 @@ def _parse_table(raw) -> dict[tuple[str, str, int], int]:
         raw = raw["offsetTable"]
     table = {}
     for key, queues in raw.items():
+        # (group may be "": a group name ending in "@" -- names are not checked -- is saved as "T@odd@", and
+        # read back so it is saved as it was; refused, one client's name sent every start to the older copy)
         topic, sep, group = key.rpartition("@")
-        check(bool(sep and topic and group) and isinstance(queues, dict), f"malformed entry {key!r}")
+        check(bool(sep and topic) and isinstance(queues, dict), f"malformed entry {key!r}")
         for qid, offset in queues.items():
             check(qid.isdigit() and is_int(offset) and offset >= 0, f"{key} queue {qid!r} = {offset!r}")
             table[(group, topic, int(qid))] = offset

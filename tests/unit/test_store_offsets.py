@@ -149,3 +149,18 @@ def test_rocketmqs_own_offset_table_wrapper_is_read(tmp_path):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "consumerOffset.json").write_text(json.dumps({"offsetTable": {"T@g": {"0": 5, "1": 9}}}))
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("g", "T", 0), 5), (("g", "T", 1), 9)]
+
+
+def test_a_group_name_ending_in_the_separator_is_not_damage(tmp_path):
+    """UPDATE_CONSUMER_OFFSET takes any group name; one ending in "@" is saved as "T@odd@", which the loader read as
+    an empty group and so as damage: every start went back to the previous copy (every group's newer offsets
+    lost), and once both copies held it the broker did not start. The key reads back as it was written."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG", "T", 0, 2)
+    offsets.commit("odd@", "T", 0, 1)
+    offsets.persist()
+    offsets.persist()                                   # the previous copy holds it too
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.get("CG", "T", 0) == 2
+    again.persist()
+    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text())["T@odd@"] == {"0": 1}
