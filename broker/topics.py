@@ -23,7 +23,8 @@ from protocol.registration import DataVersion
 from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
-from .store.mapped_file import BACKUP_SUFFIX, keep_previous
+from .store.mapped_file import keep_previous
+from .store.saved import check, is_int, load_saved
 
 log = logging.getLogger("txmq.topics")
 
@@ -116,27 +117,14 @@ class TopicManager:
             self.create(TopicConfig(TRACE_TOPIC, 1, 1))
 
     def _load(self) -> None:
-        data, why = _read_json(self.path)
-        if why is not None:
-            # The previous save: without it the next write of the catalogue would replace the damaged (or lost)
-            # one for good, every topic's settings (queues, permissions, order) back to the defaults.
-            data, bad = _read_json(self.path + BACKUP_SUFFIX)
-            if bad is not None:
-                if why != "missing":
-                    log.error("ignoring unreadable %s (%s) and its previous copy (%s); topics will be re-created on "
-                              "use", self.path, why, bad)
-                return
-            log.error("topics catalogue %s %s: using its previous copy %s", self.path,
-                      "is missing" if why == "missing" else f"cannot be read ({why})", self.path + BACKUP_SUFFIX)
-        if not isinstance(data, dict):
-            log.error("ignoring %s: not a JSON object; topics will be re-created on use", self.path)
-            return
-        for entry in data.get("topics", []):
-            try:
-                tc = TopicConfig(**entry)
-            except TypeError:
-                log.warning("skipping malformed topic entry %r", entry)
-                continue
+        # The previous save: without it the next write of the catalogue would replace the damaged (or lost) one
+        # for good, every topic's settings (queues, permissions, order) back to the defaults.
+        topics = load_saved(self.path, _parse_catalogue, "topics catalogue", log,
+                            fallback_cost="at most one save older: a topic made or changed since is restored "
+                                          "from the store with default settings, or made again on use",
+                            reset_hint="move both away to start with default settings (topics with messages "
+                                       "are restored from the store; set the others again with updateTopic)")
+        for tc in topics or ():
             self.topics[tc.name] = tc
 
     def start_background(self, loop) -> None:
@@ -273,12 +261,23 @@ class TopicManager:
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))
 
 
-def _read_json(path: str):
-    """(the parsed file, None), or (None, why not): "missing", or what is wrong with it."""
-    try:
-        with open(path, "r", encoding="utf-8") as fh:
-            return json.load(fh), None
-    except FileNotFoundError:
-        return None, "missing"
-    except (OSError, ValueError) as exc:
-        return None, str(exc)
+def _count(v) -> bool:
+    return is_int(v) and v >= 0
+
+
+_FIELD_TYPES = {"read_queue_nums": _count, "write_queue_nums": _count, "perm": is_int, "sys_flag": is_int,
+                "filter_type": lambda v: isinstance(v, str), "order": lambda v: isinstance(v, bool)}
+
+
+def _parse_catalogue(data) -> list[TopicConfig]:
+    """The topics of a catalogue's JSON; ValueError for an entry of the wrong shape (skipping it would bring
+    the topic back with the defaults). Fields this version does not know are left out."""
+    check(isinstance(data, dict) and isinstance(data.get("topics"), list), 'not {"topics": [...]}')
+    out = []
+    for entry in data["topics"]:
+        check(isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"] != "",
+              f"malformed topic entry {entry!r}")
+        for key, ok in _FIELD_TYPES.items():
+            check(key not in entry or ok(entry[key]), f"topic {entry['name']}: {key} = {entry.get(key)!r}")
+        out.append(TopicConfig(entry["name"], **{k: entry[k] for k in _FIELD_TYPES if k in entry}))
+    return out

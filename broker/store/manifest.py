@@ -69,7 +69,12 @@ def load_or_create_store_id(store_dir: str) -> str:
     except FileNotFoundError:
         pass
     except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{path} does not hold a store id (a UUID); it was damaged or written by hand") from None
+        # Not replaced here: the id ties expiry plans and the transaction snapshot to this store, and an operator
+        # may have a copy of it (a plan names it). Nothing is lost by a new one, which the hint says.
+        raise ValueError(f"{path} does not hold a store id (a UUID); it was damaged or written by hand: put the "
+                         f"store's id back (expiry plans name it), or remove the file to have a new one written "
+                         f"(the transaction snapshot is then rebuilt from the log, and plans made before are "
+                         f"refused)") from None
     new = str(uuid.uuid4())
     _write_atomically(path, (new + "\n").encode())
     return new
@@ -141,6 +146,6 @@ def sealed_from_disk(store_dir: str) -> dict[str, SegmentFacts]:
                 f = SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
                                  int(e["first_ts"]), int(e["last_ts"]), True)
                 out[f.name] = f
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):    # not an entry: the bytes say it again
             continue
     return out

@@ -1,7 +1,8 @@
 """Start-up of the transaction service, and the snapshot that keeps it short (docs/design.md).
 
 ``transactions/snapshot.json`` holds the undecided index, the op-queue offset up to which the decision
-table is complete and the half-queue offset below which every half is pending or decided. Start-up
+table is complete, the half-queue offset below which every half is pending or decided, and the decision
+files that table had (one missing at start-up, or damaged, is rebuilt from the whole op queue). Start-up
 replays only what the log holds after those two offsets; without a usable snapshot, the whole op queue
 and the half queue from the saved progress rebuild everything (and a snapshot is written at once).
 """
@@ -12,6 +13,7 @@ import logging
 import os
 
 from broker.store.mapped_file import fsync_dir
+from broker.store.saved import crc_matches, with_crc
 from protocol.errors import StoreError
 from protocol.message import Prop, decode_record
 
@@ -51,7 +53,8 @@ def read_snapshot(directory: str, store) -> dict | None:
     path = os.path.join(directory, "snapshot.json")
     try:
         with open(path, "rb") as f:
-            snap = json.load(f)
+            raw = f.read()
+        snap = json.loads(raw)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -68,10 +71,24 @@ def read_snapshot(directory: str, store) -> dict | None:
         why = "it covers op records the log no longer has"
     elif snap["half_offset"] > store.max_offset(HALF_TOPIC, 0):
         why = "it covers half messages the log no longer has"
+    elif not _pending_rows(snap.get("pending", [])):
+        why = "its pending list is malformed"
+    elif not isinstance(snap.get("decision_files", []), list) or not all(
+            type(b) is int for b in snap.get("decision_files", [])):
+        why = "its list of decision files is malformed"
+    elif "crc" in snap and not crc_matches(raw, snap["crc"]):
+        # (its last key: a flipped digit would leave valid JSON and drop an undecided transaction for good)
+        why = "its checksum does not match: it was changed after it was written"
     if why:
         log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
         return None
     return snap
+
+
+def _pending_rows(rows) -> bool:
+    """Whether ``rows`` is a list of [half offset, queue offset, checks] (all integers)."""
+    return isinstance(rows, list) and all(
+        isinstance(row, list) and len(row) == 3 and all(type(v) is int and v >= 0 for v in row) for row in rows)
 
 
 async def recover(tx) -> None:
@@ -85,6 +102,18 @@ async def recover(tx) -> None:
         log.warning("transactions: %d decisions were for halves at queue offset %d or later, which the recovered "
                     "log no longer holds (it was cut); forgotten, as new halves take those offsets", gone, half_end)
     snap = read_snapshot(tx.directory, store)
+    if tx.table.damaged:
+        # The snapshot vouches for the table up to its op offset: with files of it damaged, only the whole op
+        # queue can say what the decisions were.
+        log.warning("transactions: decision files damaged (%s): the decision table is rebuilt from the op queue",
+                    "; ".join(f"{path}: {why}" for path, why in tx.table.damaged))
+        snap = None
+    elif snap is not None:
+        lost = tx.table.lost(snap.get("decision_files", []), store.min_offset(HALF_TOPIC, 0))
+        if lost:
+            log.warning("transactions: decision files missing (%s): the decision table is rebuilt from the op queue",
+                        ", ".join(lost))
+            snap = None
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
     owners: dict[int, str] = {}        # half offset -> client id of its sender (asked first)
@@ -227,7 +256,7 @@ async def write_snapshot(tx) -> None:
     snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
             "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
-            "dead": tx.dead_count, "written_ms": tx.ctx.clock(),
+            "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
             "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()],
             "owners": _by_owner(tx.pending.values())}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the
@@ -271,7 +300,7 @@ def _client_id(conn, owner_id: str) -> str:
 def _write_files(directory: str, maps, snap: dict, new_files: str | None = None) -> None:
     """On the store's I/O thread: the decision bytes first (and the names of files made since the last
     snapshot: ``new_files`` is their directory), then the snapshot that relies on them."""
-    data = json.dumps(snap, separators=(",", ":")).encode()
+    data = with_crc(json.dumps(snap, separators=(",", ":")).encode())
     flush_maps(maps)
     if new_files is not None:
         fsync_dir(new_files)
@@ -282,8 +311,4 @@ def _write_files(directory: str, maps, snap: dict, new_files: str | None = None)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory)
