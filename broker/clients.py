@@ -88,6 +88,20 @@ def _enum(value, names: tuple, default: str) -> str:
     return names[ordinal] if 0 <= ordinal < len(names) else default
 
 
+def _host(conn) -> str:
+    """The remote address of ``conn``: what one client is, whatever number of connections it opens."""
+    peer = getattr(conn, "peer", None)
+    return peer[0] if peer else ""
+
+
+def _decrement(counts: dict, key) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 # Producer groups remembered as left (UNREGISTER_CLIENT) per open connection.
 _LEFT_MAX = 1024
 
@@ -179,6 +193,7 @@ class ClientRegistry:
         # every queue here is this broker's, and a name the client wrote must not make one queue many locks.
         self.locks: dict[tuple, tuple[str, int, object]] = {}
         self._locks_by_conn: dict[object, int] = {}   # connection -> locks it holds (max_queue_locks_per_connection)
+        self._locks_by_host: dict[str, int] = {}      # remote address -> locks its connections hold (..._per_host)
         self.lock_refusals_logged = -(1 << 62)        # ms of the last WARNING about a lock cap
         # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
         # connection between all its producers and consumers): no longer asked about those groups' halves.
@@ -342,17 +357,16 @@ class ClientRegistry:
             self.expire_locks(max_live_ms, now)
 
     def _uncount(self, conn) -> None:
-        left = self._locks_by_conn.get(conn, 0) - 1
-        if left > 0:
-            self._locks_by_conn[conn] = left
-        else:
-            self._locks_by_conn.pop(conn, None)
+        _decrement(self._locks_by_conn, conn)
+        _decrement(self._locks_by_host, _host(conn))
 
     def lock_queue(self, key: tuple, client_id: str, conn, now: int, max_live_ms: int, max_total: int,
-                   max_per_conn: int) -> str | None:
+                   max_per_conn: int, max_per_host: int | None = None) -> str | None:
         """Lock (or renew) ``key`` for ``client_id``: None when granted, else why not: "held" (another client
-        renewed it within ``max_live_ms``), "max_queue_locks" or "max_queue_locks_per_connection" (a new lock
-        past that cap; a renewal is never refused for one)."""
+        renewed it within ``max_live_ms``), "max_queue_locks", "max_queue_locks_per_connection" or
+        "max_queue_locks_per_host" (a new lock past that cap; a renewal is never refused for one)."""
+        if max_per_host is None:
+            max_per_host = max_total
         holder = self.locks.get(key)
         if holder is not None and holder[0] != client_id and now - holder[1] <= max_live_ms:
             return "held"
@@ -360,22 +374,29 @@ class ClientRegistry:
             # A new lock, or one this connection takes over (from an expired holder, or its own client
             # reconnected): it counts against this connection. At a cap, expired locks may be what fills
             # it: sweep (at most once a second) and look again.
-            full = self._lock_cap(holder, conn, max_total, max_per_conn)
+            full = self._lock_cap(holder, conn, max_total, max_per_conn, max_per_host)
             if full is not None and now - self._locks_swept > 1000:
                 self.expire_locks(max_live_ms, now)
                 holder = self.locks.get(key)
-                full = self._lock_cap(holder, conn, max_total, max_per_conn)
+                full = self._lock_cap(holder, conn, max_total, max_per_conn, max_per_host)
             if full is not None:
                 return full
             if holder is not None:
                 self._uncount(holder[2])
             self._locks_by_conn[conn] = self._locks_by_conn.get(conn, 0) + 1
+            host = _host(conn)
+            self._locks_by_host[host] = self._locks_by_host.get(host, 0) + 1
         self.locks[key] = (client_id, now, conn)
         return None
 
-    def _lock_cap(self, holder, conn, max_total: int, max_per_conn: int) -> str | None:
+    def _lock_cap(self, holder, conn, max_total: int, max_per_conn: int, max_per_host: int) -> str | None:
         if self._locks_by_conn.get(conn, 0) >= max_per_conn:
             return "max_queue_locks_per_connection"
+        # A closed connection's locks count until they expire (they are still held: its client may come back on a
+        # new connection, RocketMQ's rule), so without this one address opening connection after connection, or
+        # many at once, filled the whole table and every other client's orderly consumers stalled.
+        if self._locks_by_host.get(_host(conn), 0) >= max_per_host:
+            return "max_queue_locks_per_host"
         if holder is None and len(self.locks) >= max_total:
             return "max_queue_locks"
         return None

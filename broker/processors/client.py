@@ -92,11 +92,13 @@ def lock_batch_mq(ctx, conn, cmd):
         if tc is None or type(qid) is not int or not 0 <= qid < tc.queue_count:
             continue
         why = clients.lock_queue((group, topic, qid), client_id, conn, now, ttl, config.max_queue_locks,
-                                 config.max_queue_locks_per_connection)
+                                 config.max_queue_locks_per_connection, config.max_queue_locks_per_host)
         if why is None:
             granted.append(mq)
         elif why != "held":
             refused[why] = refused.get(why, 0) + 1
+    if refused:
+        ctx.limits.refused("queue-lock-limit")
     if refused and now - clients.lock_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
         clients.lock_refusals_logged = now
         peer = getattr(conn, "peer", ("?", 0))

@@ -20,9 +20,11 @@ class RawClient:
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def open(cls, addr: str) -> "RawClient":
+    async def open(cls, addr: str, local_host: str | None = None) -> "RawClient":
+        """``local_host``: the address to connect from (any 127.x.y.z on loopback), to be another client host."""
         host, _, port = addr.rpartition(":")
-        return cls(*await asyncio.open_connection(host, int(port)))
+        local = None if local_host is None else (local_host, 0)
+        return cls(*await asyncio.open_connection(host, int(port), local_addr=local))
 
     async def _read(self) -> None:
         decoder = FrameDecoder(64 << 20)

@@ -18,7 +18,8 @@ _TOPICS = SimpleNamespace(topics={"Orders": TopicConfig("Orders", 4, 4)})
 
 def _ctx():
     clock = SimpleNamespace(now=1_000_000)
-    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now, topics=_TOPICS)
+    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now, topics=_TOPICS,
+                          limits=SimpleNamespace(refused=lambda reason: None))
     ctx.clients = ClientRegistry(ctx.clock)
     return ctx, clock
 
