@@ -49,7 +49,7 @@ class BrokerConfig:
     max_auto_create_topics_per_s: float = setting(10.0, "Topics one client (remote address) may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
     max_writer_queued_bytes: int = setting(64 * 1024 * 1024, "Send bytes waiting for the store writer; past it sends get SYSTEM_BUSY with RocketMQ's [TIMEOUT_CLEAN_QUEUE] remark, so stock clients back off instead of growing the queue.")
     max_undecided_per_group: int = setting(100000, "Undecided transactions one producer group may hold; past it new half messages get SYSTEM_BUSY. Bounds the pending index one group can grow.")
-    max_retry_groups: int = setting(1024, "%RETRY% topics (consumer groups that may retry) the broker creates at most; past it a new group's retry topic is refused.")
+    max_retry_groups: int = setting(1024, "%RETRY% topics (consumer groups that may retry) the broker creates at most. At it, the empty retry topics of groups with no consumer connected and no config of their own are forgotten (at most one sweep a second; a group makes its topic again with its next heartbeat); if none is, a new group's retry topic is refused.")
     # ---- security
     acl_file: str = setting("", "RocketMQ plain_acl.yml: requests must be signed by an account (AclClientRPCHook) and permitted; reloaded when it changes. Empty: no access control (say so loudly when bound beyond loopback).")
     # ---- topics and consumers

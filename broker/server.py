@@ -88,6 +88,7 @@ class BrokerServer:
                               broker=c.broker_name, max_retry_groups=c.max_retry_groups,
                               trace_topic=c.trace_topic_enable)
         clients.on_new_retry_group = self._new_retry_group
+        topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         ctx.limits = Limits(c, self.metrics)
         if c.acl_file:
@@ -354,6 +355,17 @@ class BrokerServer:
         else:
             if not first:
                 log.info("consumer group %s: its retry topic %s was gone; made again", group, topic)
+
+    def _retry_topic_idle(self, topic: str) -> bool:
+        """A %RETRY% topic that may go at max_retry_groups: no consumer of its group is connected, the group has no
+        config of its own (made by an operator), and no message was ever stored in it. A delayed retry still in
+        SCHEDULE_TOPIC_XXXX is delivered to the store all the same, and the group's next heartbeat makes the
+        topic again (a restart restores it from the store)."""
+        ctx = self.ctx
+        group = topic[len(RETRY_PREFIX):]
+        if ctx.clients.consumer_ids(group) or group in ctx.subscriptions.groups:
+            return False
+        return all(ctx.store.max_offset(topic, q) == 0 for q in range(ctx.topics.topics[topic].queue_count))
 
     def _lag(self):
         store = self.ctx.store

@@ -2,6 +2,7 @@
 them for everyone else, and what a client leaves behind must be reclaimed."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 
@@ -61,3 +62,46 @@ async def test_one_address_with_many_connections_cannot_take_every_queue_lock(br
     finally:
         victim.close()
     assert "max_queue_locks_per_host" in broker.log()
+
+
+def _heartbeat(client_id: str, *groups: str) -> dict:
+    return {"clientID": client_id, "producerDataSet": [], "consumerDataSet": [
+        {"groupName": g, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+         "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
+         "subscriptionDataSet": [{"topic": "T", "subString": "*", "subVersion": 1}]} for g in groups]}
+
+
+async def _retry_topics(client: RawClient) -> set[str]:
+    return {mq["topic"] for mq in await _queues(client) if mq["topic"].startswith("%RETRY%")}
+
+
+async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(broker_factory):
+    """Every consumer group named in a heartbeat got a %RETRY% topic for good, up to max_retry_groups, and only
+    deleting groups by hand made room: a client that heartbeat made-up group names once (then left) left every
+    later group with no retry topic, its consumers' failed messages refused NO_PERMISSION, silently at the
+    heartbeat. At the cap, empty retry topics of groups with no consumer are now forgotten; a live group's stays."""
+    broker = broker_factory("--max-retry-groups", "4")
+    live = await RawClient.open(broker.broker)
+    hostile = await RawClient.open(broker.broker)
+    victim = await RawClient.open(broker.broker)
+    try:
+        assert (await _call(live, R.HEART_BEAT, _heartbeat("live", "G_live"))).code == C.SUCCESS
+        assert (await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", "G1", "G2", "G3"))).code == C.SUCCESS
+        assert await _retry_topics(victim) == {"%RETRY%G_live", "%RETRY%G1", "%RETRY%G2", "%RETRY%G3"}
+        hostile.close()
+        await hostile.closed.wait()
+        for _ in range(200):        # the broker forgets the closed connection's groups when it sees it close
+            ask = RemotingCommand(R.GET_CONSUMER_LIST_BY_GROUP, opaque=next(_OPAQUES), ext_fields={"consumerGroup": "G1"})
+            [reply] = await victim.call(ask, 10)
+            if reply.code == C.SYSTEM_ERROR:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the hostile connection's groups are still listed")
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        assert await _retry_topics(victim) == {"%RETRY%G_live", "%RETRY%G_victim"}
+    finally:
+        live.close()
+        hostile.close()
+        victim.close()
+    assert "max_retry_groups=4 reached" in broker.log()
