@@ -42,6 +42,7 @@ class BrokerConfig:
     # ---- limits
     max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB); larger closes the connection.")
     max_connections: int = setting(10000, "Connections accepted at once per listener; more are closed on accept.")
+    max_connections_per_host: int = setting(2000, "Connections accepted at once per listener from one remote address; more are closed on accept (counted in txmq_requests_refused_total{reason=\"max_connections_per_host\"}, logged at most every 10 s). Without it one client opening idle connections up to max_connections locked every other client out.")
     max_in_flight: int = setting(256, "Requests one connection may have in progress; past it the broker stops reading that connection. Pulls parked by long polling do not count, up to four times this many.")
     max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
     max_total_write_buffer: int = setting(256 * 1024 * 1024, "Unread response bytes all connections may hold together. Past it, the connections holding the most (those that stopped reading first) are closed, largest first, until the total is back under it, each logged and counted in txmq_unread_closes_total{reason=\"max_total_write_buffer\"}: without it, a hundred clients that send but never read could hold max_write_buffer each, and the broker would be killed for its memory.")
@@ -122,6 +123,7 @@ class BrokerConfig:
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port} is not a port number (-1 disables metrics)")
         for name in ("segment_size", "cq_units_per_file", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
+                     "max_connections_per_host",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
                      "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",

@@ -100,3 +100,65 @@ class Limits:
                                 f"(max_undecided_per_group={limit}); decide some first")
         self._undecided[group] = n + 1
         return None
+
+
+class ConnectionGate:
+    """Who may connect: at most ``max_total`` connections, and at most ``max_per_host`` from one remote address.
+
+    Without the second, one client opening connections until the total was reached (idle ones cost it
+    nothing) left every other client unable to connect at all. A refusal is logged at most every
+    _GATE_LOG_INTERVAL_S with the count since, as one such client refuses thousands a second."""
+
+    def __init__(self, max_total: int, max_per_host: int, log, what: str, *, monotonic=time.monotonic):
+        self.max_total = max_total
+        self.max_per_host = max_per_host
+        self.log = log
+        self.what = what
+        self.monotonic = monotonic
+        self.open: set = set()
+        self._by_host: dict[str, int] = {}
+        self._refused = 0                   # since the last log line
+        self._logged_at = -_GATE_LOG_INTERVAL_S
+
+    def __len__(self) -> int:
+        return len(self.open)
+
+    def __iter__(self):
+        return iter(self.open)
+
+    def admit(self, conn) -> str | None:
+        """None when ``conn`` is let in (then counted until release), else the limit it is past."""
+        host = conn.peer[0]
+        if len(self.open) >= self.max_total:
+            why = "max_connections"
+        elif self._by_host.get(host, 0) >= self.max_per_host:
+            why = "max_connections_per_host"
+        else:
+            self.open.add(conn)
+            self._by_host[host] = self._by_host.get(host, 0) + 1
+            return None
+        self._refused += 1
+        now = self.monotonic()
+        if now - self._logged_at >= _GATE_LOG_INTERVAL_S:
+            self.log.warning("%s: refusing %s:%s (past %s; %d connections open, %d from %s); %d refused since "
+                             "the last such line (logged at most every %d s)", self.what, host, conn.peer[1], why,
+                             len(self.open), self._by_host.get(host, 0), host, self._refused,
+                             _GATE_LOG_INTERVAL_S)
+            self._logged_at, self._refused = now, 0
+        return why
+
+    def release(self, conn) -> bool:
+        """Forget ``conn``; False when it was never admitted."""
+        if conn not in self.open:
+            return False
+        self.open.discard(conn)
+        host = conn.peer[0]
+        left = self._by_host[host] - 1
+        if left:
+            self._by_host[host] = left
+        else:
+            del self._by_host[host]
+        return True
+
+
+_GATE_LOG_INTERVAL_S = 10

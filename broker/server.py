@@ -31,7 +31,7 @@ from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
-from .limits import Limits
+from .limits import ConnectionGate, Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
@@ -54,7 +54,9 @@ class BrokerServer:
         self.config = config
         self.clock = clock
         self.metrics = BrokerMetrics()
-        self.connections: dict[str, set] = {"broker": set(), "namesrv": set()}
+        self.connections = {listener: ConnectionGate(config.max_connections, config.max_connections_per_host, log,
+                                                     f"{listener} listener")
+                            for listener in ("broker", "namesrv")}
         # unread responses of every connection of both listeners, together (max_total_write_buffer)
         self.write_budget = WriteBudget(config.max_total_write_buffer,
                                         on_close=lambda reason: self.metrics.unread_closes.labels(reason).inc())
@@ -384,16 +386,15 @@ class BrokerServer:
         gauge = self.metrics.connections.labels(listener)
 
         def opened(conn) -> bool:
-            if len(conns) >= c.max_connections:
-                log.warning("%s listener: refusing %s:%s, %d connections open", listener, *conn.peer, len(conns))
+            why = conns.admit(conn)
+            if why is not None:
+                self.metrics.refused.labels(why).inc()
                 return False
-            conns.add(conn)
             gauge.inc()
             return True
 
         def closed(conn) -> None:
-            if conn in conns:
-                conns.discard(conn)
+            if conns.release(conn):
                 gauge.dec()
             if listener == "broker" and self.ctx is not None:
                 if self.ctx.holds is not None:

@@ -15,6 +15,7 @@ from protocol.codes import ResponseCode
 from protocol.connection import RemotingConnection, WriteBudget
 
 from ..context import monotonic_ms
+from ..limits import ConnectionGate
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
 from .table import RouteTable
@@ -26,7 +27,7 @@ class NameServer:
     def __init__(self, config: NamesrvConfig, clock=monotonic_ms):
         self.config = config
         self.ctx = NamesrvContext(RouteTable(expire_ms=config.broker_expire_ms), clock)
-        self.connections: set[RemotingConnection] = set()
+        self.connections = ConnectionGate(config.max_connections, config.max_connections_per_host, log, "name server")
         # unread replies of every connection, together (max_total_write_buffer); WriteBudget logs each close
         self.write_budget = WriteBudget(config.max_total_write_buffer, owner="name server")
         self.address = ""
@@ -52,14 +53,10 @@ class NameServer:
             return fn(ctx, conn, cmd)
 
         def opened(conn) -> bool:
-            if len(self.connections) >= self.config.max_connections:
-                log.warning("refusing %s:%s, %d connections open", *conn.peer, len(self.connections))
-                return False
-            self.connections.add(conn)
-            return True
+            return self.connections.admit(conn) is None
 
         def closed(conn) -> None:
-            self.connections.discard(conn)
+            self.connections.release(conn)
             ctx.table.connection_closed(conn)
 
         return RemotingConnection(handle, max_frame_size=self.config.max_frame_size, on_open=opened, on_close=closed,

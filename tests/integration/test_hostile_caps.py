@@ -105,3 +105,27 @@ async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(bro
         hostile.close()
         victim.close()
     assert "max_retry_groups=4 reached" in broker.log()
+
+
+async def test_one_address_cannot_take_every_connection(broker_factory):
+    """max_connections was the only bound: one client opening idle connections until it was reached (they cost
+    it nothing) left every other client unable to connect. One address now has at most
+    max_connections_per_host; past it a connection is closed on accept, the rest of the room is others'."""
+    broker = broker_factory("--max-connections", "8", "--max-connections-per-host", "5")
+    hostile = [await RawClient.open(broker.broker, "127.0.0.1") for _ in range(10)]
+    victim = None
+    try:
+        served = 0
+        for c in hostile:           # each answered, or closed on accept: the broker has seen every one
+            reply = await c.call(RemotingCommand(R.GET_BROKER_RUNTIME_INFO, opaque=next(_OPAQUES)), 10)
+            assert reply != [], "neither answered nor closed"
+            served += reply is not None
+        assert served == 5
+        victim = await RawClient.open(broker.broker, "127.0.0.2")
+        reply = await _call(victim, R.GET_BROKER_RUNTIME_INFO)
+        assert reply.code == C.SUCCESS
+    finally:
+        for c in hostile + [victim]:
+            if c is not None:
+                c.close()
+    assert "max_connections_per_host" in broker.log()
