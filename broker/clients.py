@@ -183,8 +183,13 @@ def _integer(value, what: str) -> int:
 
 
 class ClientRegistry:
-    def __init__(self, clock):
+    def __init__(self, clock, max_groups_per_host: int = 1 << 30):
         self.clock = clock
+        # Group registrations (a connection in a producer or consumer group) from one remote address, at most
+        # max_groups_per_host: group names cost a client nothing, and one connection heartbeating made-up names
+        # grew the broker by some 40 MB a second for as long as it went on.
+        self.max_groups_per_host = max_groups_per_host
+        self._groups_by_host: dict[str, int] = {}
         self.producers: dict[str, dict] = {}      # group -> {conn: Channel}
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
@@ -195,6 +200,7 @@ class ClientRegistry:
         self._locks_by_conn: dict[object, int] = {}   # connection -> locks it holds (max_queue_locks_per_connection)
         self._locks_by_host: dict[str, int] = {}      # remote address -> locks its connections hold (..._per_host)
         self.lock_refusals_logged = -(1 << 62)        # ms of the last WARNING about a lock cap
+        self.group_refusals_logged = -(1 << 62)       # ms of the last WARNING about max_groups_per_host
         # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
         # connection between all its producers and consumers): no longer asked about those groups' halves.
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
@@ -202,8 +208,10 @@ class ClientRegistry:
         self._locks_swept = clock()
 
     # ------------------------------------------------------------ heartbeat
-    def heartbeat(self, conn, cmd: RemotingCommand) -> list[str]:
-        """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed."""
+    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int]:
+        """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed, and how
+        many groups were not joined for max_groups_per_host (the groups it is in already are renewed all the
+        same: a client at the limit keeps what it has)."""
         try:
             data = json.loads(cmd.body_bytes() or b"{}")
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -212,13 +220,31 @@ class ClientRegistry:
         client_id = client_id or f"{conn.peer[0]}@{conn.peer[1]}"
         now = self.clock()
         changed = []
+        refused = 0
         for group in producers:
+            if conn not in self.producers.get(group, ()) and not self._room(conn):
+                refused += 1
+                continue
             self.add_producer(group, conn, client_id, cmd.language, cmd.version, now)
         for consumer in consumers:
+            group = self.consumers.get(consumer["groupName"])
+            if (group is None or conn not in group.channels) and not self._room(conn):
+                refused += 1
+                continue
             if self._register_consumer(conn, client_id, cmd, consumer, now):
                 changed.append(consumer["groupName"])
         conn.attributes["client_id"] = client_id
-        return changed
+        return changed, refused
+
+    def _room(self, conn) -> bool:
+        return self._groups_by_host.get(_host(conn), 0) < self.max_groups_per_host
+
+    def _joined(self, conn) -> None:
+        host = _host(conn)
+        self._groups_by_host[host] = self._groups_by_host.get(host, 0) + 1
+
+    def _left_group(self, conn) -> None:
+        _decrement(self._groups_by_host, _host(conn))
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
                      now: int | None = None) -> None:
@@ -231,6 +257,7 @@ class ClientRegistry:
         ch = channels.get(conn)
         if ch is None:
             channels[conn] = Channel(conn, client_id, language, version, now or self.clock())
+            self._joined(conn)
             if self.on_new_producer is not None:    # e.g. its deferred transactions are checked now
                 self.on_new_producer(group)
         else:
@@ -252,6 +279,7 @@ class ClientRegistry:
         ch = group.channels.get(conn)
         if ch is None:
             group.channels[conn] = Channel(conn, client_id, cmd.language, cmd.version, now)
+            self._joined(conn)
             changed = True
         else:
             ch.last_seen_ms = now
@@ -289,7 +317,10 @@ class ClientRegistry:
         if producer_group:
             # Recorded only when it was in the group: a client naming group after group it never joined must not
             # grow this table.
-            if self.producers.get(producer_group, {}).pop(conn, None) is not None and getattr(conn, "is_open", False):
+            gone = self.producers.get(producer_group, {}).pop(conn, None) is not None
+            if gone:
+                self._left_group(conn)
+            if gone and getattr(conn, "is_open", False):
                 left = self._left.setdefault(conn, {})
                 left[producer_group] = None
                 # Nor may one joining and leaving group after group (a producer made per tenant, on the process's
@@ -301,6 +332,7 @@ class ClientRegistry:
         if consumer_group:
             group = self.consumers.get(consumer_group)
             if group is not None and group.channels.pop(conn, None) is not None:
+                self._left_group(conn)
                 changed.append(consumer_group)
         self._prune()
         return changed
@@ -315,10 +347,12 @@ class ClientRegistry:
     def connection_closed(self, conn) -> list[str]:
         self._left.pop(conn, None)
         for channels in self.producers.values():
-            channels.pop(conn, None)
+            if channels.pop(conn, None) is not None:
+                self._left_group(conn)
         changed = []
         for group in self.consumers.values():
             if group.channels.pop(conn, None) is not None:
+                self._left_group(conn)
                 changed.append(group.name)
         self._prune()
         return changed
@@ -329,10 +363,12 @@ class ClientRegistry:
         for channels in self.producers.values():
             for conn in [c for c, ch in channels.items() if ch.last_seen_ms < cutoff or not ch.alive]:
                 del channels[conn]
+                self._left_group(conn)
         for group in self.consumers.values():
             stale = [c for c, ch in group.channels.items() if ch.last_seen_ms < cutoff or not ch.alive]
             for conn in stale:
                 del group.channels[conn]
+                self._left_group(conn)
             if stale:
                 changed.append(group.name)
         self._prune()

@@ -68,6 +68,7 @@ class BrokerConfig:
     timer_max_delay_s: int = setting(3 * 24 * 3600, "Latest a timer message (TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS) may ask to be delivered, in seconds from now; later is refused MESSAGE_ILLEGAL (RocketMQ 5's timerMaxDelaySec, 3 days, within the log's 72 h retention).")
     queue_lock_max_live_ms: int = setting(60000, "An orderly consumer's queue lock (LOCK_BATCH_MQ) not renewed for this long may be taken by another consumer of the group: how long a crashed orderly consumer holds its queues (RocketMQ's rocketmq.broker.rebalance.lockMaxLiveTime, 60 s).")
     max_queue_locks: int = setting(200000, "Queue locks (LOCK_BATCH_MQ) held at once, all groups and clients together, about 350 bytes each (70 MB). A lock is kept queue_lock_max_live_ms after its last renewal and a group name costs nothing, so a client rotating group names could grow the table by gigabytes a minute. Past it a new lock is not granted (left out of lockOKMQSet, as a queue another consumer holds: a stock orderly consumer leaves the queue alone and asks again later) and a WARNING is logged; renewals of locks held are still granted.")
+    max_groups_per_host: int = setting(10000, "Producer and consumer group memberships (a connection in a group, from a heartbeat or a transactional send) the connections from one remote address may hold at once. Past it a heartbeat still renews the groups joined, joins no new one and is answered SYSTEM_BUSY naming this limit (counted in txmq_requests_refused_total{reason=\"group-limit\"}, logged at most every 10 s): group names cost a client nothing, and one heartbeating made-up names grew the broker by some 40 MB a second, without bound.")
     max_queue_locks_per_host: int = setting(50000, "Queue locks the connections from one remote address may hold at once, open or closed (a closed connection's locks are kept until they expire). Past it a new lock is refused as past max_queue_locks, so a client opening connection after connection cannot take the whole table from clients on other hosts.")
     max_queue_locks_per_connection: int = setting(20000, "Queue locks one connection may hold at once (a Java client process shares one connection per broker between all its consumers: its orderly groups x the queues of this broker each is given). Past it a new lock is refused as past max_queue_locks, so one connection cannot take the whole table from every other client.")
     # ---- transactions
@@ -128,7 +129,7 @@ class BrokerConfig:
                      "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",
                      "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection",
-                     "max_queue_locks_per_host"):
+                     "max_queue_locks_per_host", "max_groups_per_host"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         if not 0.0 < self.gil_switch_interval_ms <= 100:

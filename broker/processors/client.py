@@ -23,8 +23,22 @@ def _notify(ctx, groups) -> None:
 
 
 def heart_beat(ctx, conn, cmd):
-    _notify(ctx, ctx.clients.heartbeat(conn, cmd))
-    return cmd.response(ResponseCode.SUCCESS)
+    clients = ctx.clients
+    changed, refused = clients.heartbeat(conn, cmd)
+    _notify(ctx, changed)
+    if not refused:
+        return cmd.response(ResponseCode.SUCCESS)
+    # The groups it is in were renewed; a stock client logs the failed heartbeat and sends the next one as ever.
+    ctx.limits.refused("group-limit")
+    host = getattr(conn, "peer", ("?", 0))[0]
+    why = (f"{refused} groups not joined: the connections from {host} are in {clients.max_groups_per_host} "
+           f"groups, the limit (max_groups_per_host); the groups already joined are renewed")
+    now = clients.clock()
+    if now - clients.group_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
+        clients.group_refusals_logged = now
+        log.warning("HEART_BEAT from %s:%s: %s (logged at most every %d s)", host, conn.peer[1], why,
+                    _REFUSAL_LOG_INTERVAL_MS // 1000)
+    return cmd.response(ResponseCode.SYSTEM_BUSY, why)
 
 
 def unregister_client(ctx, conn, cmd):

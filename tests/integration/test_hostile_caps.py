@@ -15,7 +15,7 @@ from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
 
-_OPAQUES = itertools.count(1)
+_OPAQUES = itertools.count(1 << 24)     # clear of the opaques of requests the broker pushes (NOTIFY_...)
 
 
 async def _call(client: RawClient, code: int, body: dict | None = None, timeout: float = 10.0):
@@ -129,3 +129,46 @@ async def test_one_address_cannot_take_every_connection(broker_factory):
             if c is not None:
                 c.close()
     assert "max_connections_per_host" in broker.log()
+
+
+async def _consumers(client: RawClient, group: str) -> list[str]:
+    ask = RemotingCommand(R.GET_CONSUMER_LIST_BY_GROUP, opaque=next(_OPAQUES), ext_fields={"consumerGroup": group})
+    [reply] = await client.call(ask, 10)
+    return json.loads(reply.body_bytes())["consumerIdList"] if reply.code == C.SUCCESS else []
+
+
+async def test_one_address_joins_at_most_max_groups_per_host_and_gets_them_back_when_it_leaves(broker_factory):
+    """Group names cost a client nothing and every heartbeat's groups were joined: one connection heartbeating
+    made-up names grew the broker by some 40 MB a second for as long as it went on. The connections of one
+    address are now in at most max_groups_per_host groups: past it a heartbeat renews what it has, joins
+    nothing new and is answered SYSTEM_BUSY naming the limit; other hosts join as before, and a closed
+    connection's groups count no more."""
+    broker = broker_factory("--max-groups-per-host", "5")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        groups = [f"G{i}" for i in range(10)]
+        reply = await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *groups))
+        assert reply.code == C.SYSTEM_BUSY and "max_groups_per_host" in reply.remark
+        assert [g for g in groups if await _consumers(victim, g)] == groups[:5]
+        assert (await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *groups[:5]))).code == C.SUCCESS
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        assert await _consumers(victim, "G_victim") == ["victim"]
+        hostile.close()
+        await hostile.closed.wait()
+        for _ in range(200):        # the broker forgets the closed connection's groups when it sees it close
+            if not await _consumers(victim, "G0"):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the hostile connection's groups are still listed")
+        again = await RawClient.open(broker.broker, "127.0.0.1")
+        try:
+            reply = await _call(again, R.HEART_BEAT, _heartbeat("again", *groups[5:]))
+            assert reply.code == C.SUCCESS
+        finally:
+            again.close()
+    finally:
+        hostile.close()
+        victim.close()
+    assert "max_groups_per_host" in broker.log()
