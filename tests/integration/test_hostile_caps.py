@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from producer import Producer, SendStatus
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
@@ -79,7 +80,8 @@ async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(bro
     """Every consumer group named in a heartbeat got a %RETRY% topic for good, up to max_retry_groups, and only
     deleting groups by hand made room: a client that heartbeat made-up group names once (then left) left every
     later group with no retry topic, its consumers' failed messages refused NO_PERMISSION, silently at the
-    heartbeat. At the cap, empty retry topics of groups with no consumer are now forgotten; a live group's stays."""
+    heartbeat. At the cap, empty retry topics of groups with no consumer are now forgotten; a live group's stays,
+    and so does one that holds a message."""
     broker = broker_factory("--max-retry-groups", "4")
     live = await RawClient.open(broker.broker)
     hostile = await RawClient.open(broker.broker)
@@ -88,6 +90,8 @@ async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(bro
         assert (await _call(live, R.HEART_BEAT, _heartbeat("live", "G_live"))).code == C.SUCCESS
         assert (await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", "G1", "G2", "G3"))).code == C.SUCCESS
         assert await _retry_topics(victim) == {"%RETRY%G_live", "%RETRY%G1", "%RETRY%G2", "%RETRY%G3"}
+        async with Producer(broker.namesrv, "PG_retry", retries=0) as producer:      # G3's holds a message
+            assert (await asyncio.wait_for(producer.send("%RETRY%G3", b"kept"), 10)).status is SendStatus.SEND_OK
         hostile.close()
         await hostile.closed.wait()
         for _ in range(200):        # the broker forgets the closed connection's groups when it sees it close
@@ -99,7 +103,7 @@ async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(bro
         else:
             pytest.fail("the hostile connection's groups are still listed")
         assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
-        assert await _retry_topics(victim) == {"%RETRY%G_live", "%RETRY%G_victim"}
+        assert await _retry_topics(victim) == {"%RETRY%G_live", "%RETRY%G3", "%RETRY%G_victim"}
     finally:
         live.close()
         hostile.close()
