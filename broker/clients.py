@@ -17,6 +17,8 @@ from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
 from protocol.message import java_string_hash
 
+from .limits import peer_host
+
 log = logging.getLogger("txmq.clients")
 
 
@@ -86,12 +88,6 @@ def _enum(value, names: tuple, default: str) -> str:
     except (ValueError, TypeError, OverflowError):
         return default
     return names[ordinal] if 0 <= ordinal < len(names) else default
-
-
-def _host(conn) -> str:
-    """The remote address of ``conn``: what one client is, whatever number of connections it opens."""
-    peer = getattr(conn, "peer", None)
-    return peer[0] if peer else ""
 
 
 def _decrement(counts: dict, key) -> None:
@@ -237,14 +233,14 @@ class ClientRegistry:
         return changed, refused
 
     def _room(self, conn) -> bool:
-        return self._groups_by_host.get(_host(conn), 0) < self.max_groups_per_host
+        return self._groups_by_host.get(peer_host(conn), 0) < self.max_groups_per_host
 
     def _joined(self, conn) -> None:
-        host = _host(conn)
+        host = peer_host(conn)
         self._groups_by_host[host] = self._groups_by_host.get(host, 0) + 1
 
     def _left_group(self, conn) -> None:
-        _decrement(self._groups_by_host, _host(conn))
+        _decrement(self._groups_by_host, peer_host(conn))
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
                      now: int | None = None) -> None:
@@ -394,7 +390,7 @@ class ClientRegistry:
 
     def _uncount(self, conn) -> None:
         _decrement(self._locks_by_conn, conn)
-        _decrement(self._locks_by_host, _host(conn))
+        _decrement(self._locks_by_host, peer_host(conn))
 
     def lock_queue(self, key: tuple, client_id: str, conn, now: int, max_live_ms: int, max_total: int,
                    max_per_conn: int, max_per_host: int | None = None) -> str | None:
@@ -420,7 +416,7 @@ class ClientRegistry:
             if holder is not None:
                 self._uncount(holder[2])
             self._locks_by_conn[conn] = self._locks_by_conn.get(conn, 0) + 1
-            host = _host(conn)
+            host = peer_host(conn)
             self._locks_by_host[host] = self._locks_by_host.get(host, 0) + 1
         self.locks[key] = (client_id, now, conn)
         return None
@@ -431,7 +427,7 @@ class ClientRegistry:
         # A closed connection's locks count until they expire (they are still held: its client may come back on a
         # new connection, RocketMQ's rule), so without this one address opening connection after connection, or
         # many at once, filled the whole table and every other client's orderly consumers stalled.
-        if self._locks_by_host.get(_host(conn), 0) >= max_per_host:
+        if self._locks_by_host.get(peer_host(conn), 0) >= max_per_host:
             return "max_queue_locks_per_host"
         if holder is None and len(self.locks) >= max_total:
             return "max_queue_locks"

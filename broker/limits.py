@@ -15,6 +15,12 @@ from protocol.codes import ResponseCode
 BUSY_REMARK = "[TIMEOUT_CLEAN_QUEUE]broker busy, start flow control for a while"
 
 
+def peer_host(conn) -> str:
+    """The remote address of ``conn``: what one client is, whatever number of connections it opens."""
+    peer = getattr(conn, "peer", None)
+    return peer[0] if peer else ""
+
+
 class Limits:
     def __init__(self, config, metrics, *, monotonic=time.monotonic):
         self.config = config

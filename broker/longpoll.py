@@ -9,20 +9,34 @@ from __future__ import annotations
 
 import asyncio
 
+from .limits import peer_host
+
 _PARKED = "parked_pulls"        # a connection's attribute: the futures its parked pulls wait on
 
 
 class PullHoldService:
-    def __init__(self):
+    def __init__(self, max_per_host: int = 1 << 30):
+        # Parked pulls of the connections from one remote address, at most max_per_host: each costs some 5.6 KB
+        # (a task, its frames, a timer), and each connection may park max_in_flight * 4, so one client opening
+        # connections could hold gigabytes.
+        self.max_per_host = max_per_host
+        self._by_host: dict[str, int] = {}
         self._waiters: dict[tuple[str, int], list[tuple[int, asyncio.Future]]] = {}
 
     @property
     def parked(self) -> int:
         return sum(len(w) for w in list(self._waiters.values()))   # list(): read from the scrape thread
 
+    def room(self, conn) -> bool:
+        """May a pull of ``conn`` be parked (max_per_host)?"""
+        return conn is None or self._by_host.get(peer_host(conn), 0) < self.max_per_host
+
     async def wait(self, topic: str, queue_id: int, offset: int, timeout_s: float, conn=None) -> bool:
         """True if a message at or past ``offset`` arrived within ``timeout_s``; cancelled if ``conn`` (the
         pull's connection) closes first (``connection_closed``)."""
+        host = None if conn is None else peer_host(conn)
+        if host is not None:
+            self._by_host[host] = self._by_host.get(host, 0) + 1
         fut = asyncio.get_running_loop().create_future()
         key = (topic, queue_id)
         entry = (offset, fut)
@@ -36,6 +50,12 @@ class PullHoldService:
         except asyncio.TimeoutError:
             return False
         finally:
+            if host is not None:
+                left = self._by_host[host] - 1
+                if left:
+                    self._by_host[host] = left
+                else:
+                    del self._by_host[host]
             if parked is not None:
                 parked.discard(fut)
             waiters = self._waiters.get(key)

@@ -12,6 +12,7 @@ from protocol.codes import Perm, PullSysFlag, ResponseCode
 from protocol.message import POS_PHYSICAL_OFFSET
 
 from ..clients import build_subscription
+from ..limits import peer_host
 from ..store import GetStatus
 
 # Store status -> (response code, how nextBeginOffset is chosen) on a master (spec 3.7 table).
@@ -140,6 +141,13 @@ async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filte
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, tag_filter)
     if _code(cmd, got.status) != ResponseCode.PULL_NOT_FOUND:
         return _reply(ctx, cmd, group, topic, got)
+    if not ctx.holds.room(conn):
+        # Not PULL_NOT_FOUND, which a stock push consumer answers with the next pull at once (a busy loop):
+        # an error code makes it pull again after 3 s (pullTimeDelayMillsWhenException). Nothing is skipped.
+        ctx.limits.refused("parked-pull-limit")
+        return cmd.response(ResponseCode.SYSTEM_BUSY,
+                            f"pull not held: the connections from {peer_host(conn)} hold {ctx.holds.max_per_host} "
+                            f"parked pulls, the limit (max_parked_pulls_per_host); pull again later")
     parked = conn is not None and conn.park()      # not counted in flight while it waits
     try:
         await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes

@@ -176,3 +176,52 @@ async def test_one_address_joins_at_most_max_groups_per_host_and_gets_them_back_
         hostile.close()
         victim.close()
     assert "max_groups_per_host" in broker.log()
+
+
+_PULL = {"consumerGroup": "CG_park", "topic": "TBW102", "queueId": "0", "queueOffset": "0", "maxMsgNums": "32",
+         "sysFlag": "6", "commitOffset": "0", "suspendTimeoutMillis": "20000", "subscription": "*",
+         "subVersion": "0", "expressionType": "TAG"}
+
+
+async def _pull(client: RawClient, suspend_ms: int, timeout: float = 10.0):
+    """The reply to a pull of an empty queue held up to ``suspend_ms``; [] if none within ``timeout``."""
+    ask = RemotingCommand(R.PULL_MESSAGE, opaque=next(_OPAQUES), ext_fields=dict(_PULL, suspendTimeoutMillis=str(suspend_ms)))
+    replies = await client.call(ask, timeout)
+    return replies[0] if replies else replies
+
+
+async def test_one_address_parks_at_most_max_parked_pulls_per_host(broker_factory):
+    """Each connection may park max_in_flight * 4 pulls (1,024), some 5.6 KB each, and nothing bounded one
+    address: 20 connections of one client held 143 MB, its 2,000 could hold 14 GB. Past
+    max_parked_pulls_per_host a pull that finds nothing is answered SYSTEM_BUSY at once (a stock push consumer
+    pulls again after 3 s); other hosts' pulls are held as ever, and the address gets its room back when its
+    pulls end."""
+    broker = broker_factory("--max-parked-pulls-per-host", "3")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        asks = [RemotingCommand(R.PULL_MESSAGE, opaque=next(_OPAQUES), ext_fields=_PULL) for _ in range(5)]
+        hostile.write(b"".join(ask.encode() for ask in asks))
+        busy = 0
+        for ask in asks:
+            replies = await hostile.reply(ask.opaque, 0 if busy == 2 else 10)
+            busy += bool(replies) and replies[0].code == C.SYSTEM_BUSY
+        assert busy == 2                                                    # three held, two refused at once
+        assert "max_parked_pulls_per_host" in hostile.replies[asks[-1].opaque][0].remark
+        assert (await _pull(victim, 200)).code == C.PULL_NOT_FOUND           # held 200 ms, as ever
+        hostile.close()
+        await hostile.closed.wait()
+        again = await RawClient.open(broker.broker, "127.0.0.1")
+        try:
+            for _ in range(100):    # the broker ends the closed connection's held pulls when it sees it close
+                reply = await _pull(again, 200)
+                if reply.code == C.PULL_NOT_FOUND:
+                    break
+                assert reply.code == C.SYSTEM_BUSY
+            else:
+                pytest.fail("the closed connection's parked pulls still count")
+        finally:
+            again.close()
+    finally:
+        hostile.close()
+        victim.close()
