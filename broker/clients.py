@@ -140,6 +140,13 @@ def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
     return _text(data.get("clientID"), "clientID"), [g for g in producers if g], consumers
 
 
+def _subscription_bytes(consumer: dict) -> int:
+    """The text a typed consumer entry's subscriptions hold (codes at 8 bytes): what the group would keep."""
+    return sum(len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or "")
+               + sum(len(t or "") for t in s["tagsSet"]) + 8 * len(s["codeSet"])
+               for s in consumer["subscriptionDataSet"])
+
+
 def _list(value, what: str) -> list:
     if value is None:
         return []
@@ -179,8 +186,11 @@ def _integer(value, what: str) -> int:
 
 
 class ClientRegistry:
-    def __init__(self, clock, max_groups_per_host: int = 1 << 30):
+    def __init__(self, clock, max_groups_per_host: int = 1 << 30, max_subscription_bytes: int = 1 << 62):
         self.clock = clock
+        # A consumer group's subscriptions as a heartbeat gave them (topics, expressions, tags), in bytes of text,
+        # at most this: each group kept what its last heartbeat said, so one frame (16 MiB) a group.
+        self.max_subscription_bytes = max_subscription_bytes
         # Group registrations (a connection in a producer or consumer group) from one remote address, at most
         # max_groups_per_host: group names cost a client nothing, and one connection heartbeating made-up names
         # grew the broker by some 40 MB a second for as long as it went on.
@@ -204,10 +214,11 @@ class ClientRegistry:
         self._locks_swept = clock()
 
     # ------------------------------------------------------------ heartbeat
-    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int]:
-        """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed, and how
+    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
+        """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed, how
         many groups were not joined for max_groups_per_host (the groups it is in already are renewed all the
-        same: a client at the limit keeps what it has)."""
+        same: a client at the limit keeps what it has), and the consumer groups whose subscriptions were past
+        max_subscription_bytes (neither joined nor changed; a member stays one)."""
         try:
             data = json.loads(cmd.body_bytes() or b"{}")
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -217,6 +228,7 @@ class ClientRegistry:
         now = self.clock()
         changed = []
         refused = 0
+        oversized = []
         for group in producers:
             if conn not in self.producers.get(group, ()) and not self._room(conn):
                 refused += 1
@@ -224,13 +236,19 @@ class ClientRegistry:
             self.add_producer(group, conn, client_id, cmd.language, cmd.version, now)
         for consumer in consumers:
             group = self.consumers.get(consumer["groupName"])
-            if (group is None or conn not in group.channels) and not self._room(conn):
+            member = group is not None and group.channels.get(conn)
+            if _subscription_bytes(consumer) > self.max_subscription_bytes:
+                oversized.append(consumer["groupName"])
+                if member:
+                    member.last_seen_ms = now
+                continue
+            if not member and not self._room(conn):
                 refused += 1
                 continue
             if self._register_consumer(conn, client_id, cmd, consumer, now):
                 changed.append(consumer["groupName"])
         conn.attributes["client_id"] = client_id
-        return changed, refused
+        return changed, refused, oversized
 
     def _room(self, conn) -> bool:
         return self._groups_by_host.get(peer_host(conn), 0) < self.max_groups_per_host

@@ -24,21 +24,29 @@ def _notify(ctx, groups) -> None:
 
 def heart_beat(ctx, conn, cmd):
     clients = ctx.clients
-    changed, refused = clients.heartbeat(conn, cmd)
+    changed, refused, oversized = clients.heartbeat(conn, cmd)
     _notify(ctx, changed)
-    if not refused:
+    if not refused and not oversized:
         return cmd.response(ResponseCode.SUCCESS)
     # The groups it is in were renewed; a stock client logs the failed heartbeat and sends the next one as ever.
-    ctx.limits.refused("group-limit")
     host = getattr(conn, "peer", ("?", 0))[0]
-    why = (f"{refused} groups not joined: the connections from {host} are in {clients.max_groups_per_host} "
-           f"groups, the limit (max_groups_per_host); the groups already joined are renewed")
+    why = []
+    if refused:
+        ctx.limits.refused("group-limit")
+        why.append(f"{refused} groups not joined: the connections from {host} are in {clients.max_groups_per_host} "
+                   f"groups, the limit (max_groups_per_host); the groups already joined are renewed")
+    if oversized:
+        ctx.limits.refused("subscription-limit")
+        why.append(f"consumer groups {', '.join(oversized[:5])}{' ...' if len(oversized) > 5 else ''} not joined "
+                   f"nor changed: their subscriptions are past max_subscription_bytes_per_group="
+                   f"{clients.max_subscription_bytes}")
+    why = "; ".join(why)
     now = clients.clock()
     if now - clients.group_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
         clients.group_refusals_logged = now
-        log.warning("HEART_BEAT from %s:%s: %s (logged at most every %d s)", host, conn.peer[1], why,
+        log.warning("HEART_BEAT from %s:%s: %.1000s (logged at most every %d s)", host, conn.peer[1], why,
                     _REFUSAL_LOG_INTERVAL_MS // 1000)
-    return cmd.response(ResponseCode.SYSTEM_BUSY, why)
+    return cmd.response(ResponseCode.SYSTEM_BUSY, why[:2000])
 
 
 def unregister_client(ctx, conn, cmd):

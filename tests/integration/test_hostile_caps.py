@@ -225,3 +225,22 @@ async def test_one_address_parks_at_most_max_parked_pulls_per_host(broker_factor
     finally:
         hostile.close()
         victim.close()
+
+
+async def test_a_consumer_group_past_max_subscription_bytes_is_not_joined(broker_factory):
+    """Each consumer group kept the subscriptions its last heartbeat gave, however large: up to a frame (16 MiB)
+    a group, times the groups a client names. A group whose subscriptions hold more text than
+    max_subscription_bytes_per_group is neither joined nor changed, and the heartbeat says so (SYSTEM_BUSY naming
+    the limit); the heartbeat's other groups are joined as ever."""
+    broker = broker_factory("--max-subscription-bytes-per-group", "1000")
+    client = await RawClient.open(broker.broker)
+    try:
+        body = _heartbeat("c1", "G_ok", "G_big")
+        body["consumerDataSet"][1]["subscriptionDataSet"] = [
+            {"topic": f"Topic{i}", "subString": "*", "subVersion": 1} for i in range(200)]
+        reply = await _call(client, R.HEART_BEAT, body)
+        assert reply.code == C.SYSTEM_BUSY and "max_subscription_bytes_per_group" in reply.remark
+        assert await _consumers(client, "G_ok") == ["c1"]
+        assert await _consumers(client, "G_big") == []
+    finally:
+        client.close()
