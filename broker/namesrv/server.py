@@ -26,7 +26,8 @@ log = logging.getLogger("txmq.namesrv")
 class NameServer:
     def __init__(self, config: NamesrvConfig, clock=monotonic_ms):
         self.config = config
-        self.ctx = NamesrvContext(RouteTable(expire_ms=config.broker_expire_ms), clock)
+        table = RouteTable(expire_ms=config.broker_expire_ms, max_addresses_per_host=config.max_broker_addresses_per_host)
+        self.ctx = NamesrvContext(table, clock)
         self.connections = ConnectionGate(config.max_connections, config.max_connections_per_host, log, "name server")
         # unread replies of every connection, together (max_total_write_buffer); WriteBudget logs each close
         self.write_budget = WriteBudget(config.max_total_write_buffer, owner="name server")
