@@ -17,7 +17,7 @@ from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
 from protocol.message import java_string_hash
 
-from .limits import peer_host
+from .limits import count_down, peer_host
 
 log = logging.getLogger("txmq.clients")
 
@@ -88,14 +88,6 @@ def _enum(value, names: tuple, default: str) -> str:
     except (ValueError, TypeError, OverflowError):
         return default
     return names[ordinal] if 0 <= ordinal < len(names) else default
-
-
-def _decrement(counts: dict, key) -> None:
-    left = counts.get(key, 0) - 1
-    if left > 0:
-        counts[key] = left
-    else:
-        counts.pop(key, None)
 
 
 # Producer groups remembered as left (UNREGISTER_CLIENT) per open connection.
@@ -258,7 +250,7 @@ class ClientRegistry:
         self._groups_by_host[host] = self._groups_by_host.get(host, 0) + 1
 
     def _left_group(self, conn) -> None:
-        _decrement(self._groups_by_host, peer_host(conn))
+        count_down(self._groups_by_host, peer_host(conn))
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
                      now: int | None = None) -> None:
@@ -407,8 +399,8 @@ class ClientRegistry:
             self.expire_locks(max_live_ms, now)
 
     def _uncount(self, conn) -> None:
-        _decrement(self._locks_by_conn, conn)
-        _decrement(self._locks_by_host, peer_host(conn))
+        count_down(self._locks_by_conn, conn)
+        count_down(self._locks_by_host, peer_host(conn))
 
     def lock_queue(self, key: tuple, client_id: str, conn, now: int, max_live_ms: int, max_total: int,
                    max_per_conn: int, max_per_host: int | None = None) -> str | None:

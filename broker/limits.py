@@ -21,6 +21,15 @@ def peer_host(conn) -> str:
     return peer[0] if peer else ""
 
 
+def count_down(counts: dict, key) -> None:
+    """One fewer of ``key`` in ``counts``; a key at zero goes, so the table holds only who holds something."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 class Limits:
     def __init__(self, config, metrics, *, monotonic=time.monotonic):
         self.config = config
@@ -158,12 +167,7 @@ class ConnectionGate:
         if conn not in self.open:
             return False
         self.open.discard(conn)
-        host = conn.peer[0]
-        left = self._by_host[host] - 1
-        if left:
-            self._by_host[host] = left
-        else:
-            del self._by_host[host]
+        count_down(self._by_host, conn.peer[0])
         return True
 
 
