@@ -437,7 +437,11 @@ class ClientRegistry:
         # A closed connection's locks count until they expire (they are still held: its client may come back on a
         # new connection, RocketMQ's rule), so without this one address opening connection after connection, or
         # many at once, filled the whole table and every other client's orderly consumers stalled.
-        if self._locks_by_host.get(peer_host(conn), 0) >= max_per_host:
+        # A lock taken over from a connection of the same address (its client back on a new connection) leaves the
+        # address's count as it was: never refused for it.
+        host = peer_host(conn)
+        if (self._locks_by_host.get(host, 0) >= max_per_host
+                and (holder is None or peer_host(holder[2]) != host)):
             return "max_queue_locks_per_host"
         if holder is None and len(self.locks) >= max_total:
             return "max_queue_locks"
