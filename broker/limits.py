@@ -7,9 +7,12 @@ refusal is counted in ``txmq_requests_refused_total{reason}``.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from protocol.codes import ResponseCode
+
+log = logging.getLogger("txmq.limits")
 
 # RocketMQ's remark for a broker shedding load; stock clients back off and retry on it.
 BUSY_REMARK = "[TIMEOUT_CLEAN_QUEUE]broker busy, start flow control for a while"
@@ -39,9 +42,16 @@ class Limits:
         self._undecided: dict[str, int] = {}
         self._topic_tokens: dict[str, tuple[float, float]] = {}    # client host -> (tokens, when)
         self._undecided_at = -1.0
+        self._warned: dict[str, float] = {}         # reason -> when its refusal was last logged
 
-    def refused(self, reason: str) -> None:
+    def refused(self, reason: str, warning: str | None = None) -> None:
+        """Count a refusal; ``warning`` says it in the log, at most every _GATE_LOG_INTERVAL_S for one reason."""
         self.metrics.refused.labels(reason).inc()
+        if warning is not None:
+            now = self.monotonic()
+            if now - self._warned.get(reason, -_GATE_LOG_INTERVAL_S) >= _GATE_LOG_INTERVAL_S:
+                self._warned[reason] = now
+                log.warning("%s (logged at most every %d s)", warning, _GATE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ topics
     def may_auto_create(self, conn, cmd, topics, topic: str):

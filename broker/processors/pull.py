@@ -144,10 +144,10 @@ async def _parked(ctx, conn, cmd, group, topic, qid, offset, max_nums, tag_filte
     if not ctx.holds.room(conn):
         # Not PULL_NOT_FOUND, which a stock push consumer answers with the next pull at once (a busy loop):
         # an error code makes it pull again after 3 s (pullTimeDelayMillsWhenException). Nothing is skipped.
-        ctx.limits.refused("parked-pull-limit")
-        return cmd.response(ResponseCode.SYSTEM_BUSY,
-                            f"pull not held: the connections from {peer_host(conn)} hold {ctx.holds.max_per_host} "
-                            f"parked pulls, the limit (max_parked_pulls_per_host); pull again later")
+        why = (f"pull not held: the connections from {peer_host(conn)} hold {ctx.holds.max_per_host} parked pulls, "
+               f"the limit (max_parked_pulls_per_host); pull again later")
+        ctx.limits.refused("parked-pull-limit", why)
+        return cmd.response(ResponseCode.SYSTEM_BUSY, why)
     parked = conn is not None and conn.park()      # not counted in flight while it waits
     try:
         await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes

@@ -223,6 +223,7 @@ async def test_one_address_parks_at_most_max_parked_pulls_per_host(broker_factor
     finally:
         hostile.close()
         victim.close()
+    assert "max_parked_pulls_per_host" in broker.log()      # the operator is told, not only the client
 
 
 async def test_a_consumer_group_past_max_subscription_bytes_is_not_joined(broker_factory):
