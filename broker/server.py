@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import os
 import signal
 import sys
@@ -445,9 +446,17 @@ class BrokerServer:
 
     # ------------------------------------------------------------ background
     async def _housekeeping(self) -> None:
+        expire_ms = self.config.channel_expire_ms
+        tick_s = min(10.0, expire_ms / 4000)
+        ticks = math.ceil(expire_ms / 1000 / tick_s)
         while True:
-            await asyncio.sleep(10)
-            for group in self.ctx.clients.expire(self.config.channel_expire_ms):
+            await asyncio.sleep(tick_s)
+            for listener, conns in self.connections.items():
+                closed = conns.close_quiet(ticks)
+                if closed:
+                    log.info("%s listener: closed %d connections whose peer sent nothing for %d ms "
+                             "(channel_expire_ms)", listener, closed, expire_ms)
+            for group in self.ctx.clients.expire(expire_ms):
                 self.ctx.clients.notify_ids_changed(group)
             self.ctx.clients.expire_locks(self.config.queue_lock_max_live_ms)
 

@@ -13,7 +13,7 @@ class NamesrvConfig:
     host: str = setting("127.0.0.1", "Address the name server binds to. Loopback by default.")
     port: int = setting(9876, "Name-server port (RocketMQ's default). 0 picks a free port.")
     advertised_host: str = setting("", "Address printed in the LISTENING line. Empty: the bind host, or 127.0.0.1 when binding all interfaces.")
-    broker_expire_ms: int = setting(120000, "A broker not registered again for this long leaves the routes (RocketMQ's BROKER_CHANNEL_EXPIRED_TIME, 120 s; brokers register every 30 s). A broker whose connection closes leaves at once.")
+    broker_expire_ms: int = setting(120000, "A broker not registered again for this long leaves the routes (RocketMQ's BROKER_CHANNEL_EXPIRED_TIME, 120 s; brokers register every 30 s). A broker whose connection closes leaves at once. A connection that sent nothing for this long is closed (its peer went away without closing it, and held its address's room in max_connections_per_host).")
     scan_interval_ms: int = setting(10000, "How often brokers are checked for expiry (RocketMQ's 10 s).")
     max_connections: int = setting(10000, "Connections accepted at once; more are closed on accept.")
     max_connections_per_host: int = setting(2000, "Connections accepted at once from one remote address; more are closed on accept (logged at most every 10 s), so one client cannot take every connection and leave the others without routes.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import sys
 
@@ -72,7 +73,13 @@ class NameServer:
                 log.exception("broker expiry scan failed; scanning again in %d ms", self.config.scan_interval_ms)
 
     def scan(self) -> list[str]:
-        """Expire silent brokers and close their connections (what RocketMQ's scanNotActiveBroker does)."""
+        """Expire silent brokers and close their connections (what RocketMQ's scanNotActiveBroker does), and
+        close every connection that sent nothing for broker_expire_ms (ConnectionGate.close_quiet)."""
+        c = self.config
+        closed = self.connections.close_quiet(math.ceil(c.broker_expire_ms / c.scan_interval_ms))
+        if closed:
+            log.info("closed %d connections whose peer sent nothing for %d ms (broker_expire_ms)", closed,
+                     c.broker_expire_ms)
         conns = {addr: live.conn for addr, live in self.ctx.table.live.items()}
         gone = self.ctx.table.expire(self.ctx.clock())
         for addr in gone:

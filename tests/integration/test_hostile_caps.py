@@ -135,6 +135,21 @@ async def test_one_address_cannot_take_every_connection(broker_factory):
     assert "max_connections_per_host" in broker.log()
 
 
+async def test_connections_whose_peer_went_away_silently_give_their_address_its_room_back(broker_factory):
+    """A connection whose peer vanished without a FIN (its host down, a NAT or firewall that dropped the flow)
+    was never closed: it held max_connections_per_host room for good, and an address whose clients lived
+    through a few such incidents was refused every new connection, for ever. A connection the broker has
+    heard nothing on for channel_expire_ms is closed, as RocketMQ's broker closes a channel idle for 120 s."""
+    broker = broker_factory("--max-connections-per-host", "2", "--channel-expire-ms", "500")
+    await RawClient.open_silent_until_closed(broker.broker, 2, "127.0.0.1")
+    back = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        assert (await _call(back, R.GET_BROKER_RUNTIME_INFO)).code == C.SUCCESS
+    finally:
+        back.close()
+    assert "sent nothing for 500 ms" in broker.log()
+
+
 async def _consumers(client: RawClient, group: str) -> list[str]:
     ask = RemotingCommand(R.GET_CONSUMER_LIST_BY_GROUP, opaque=next(_OPAQUES), ext_fields={"consumerGroup": group})
     [reply] = await client.call(ask, 10)

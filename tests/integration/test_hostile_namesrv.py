@@ -148,3 +148,21 @@ async def test_one_address_registers_at_most_max_broker_addresses_per_host(tmp_p
         hostile.close()
         other.close()
         ns.stop()
+
+
+async def test_connections_whose_peer_went_away_silently_are_closed(tmp_path):
+    """A peer gone without a FIN kept its connection, and its address's share of max_connections_per_host, for
+    good: an address refused for ever after enough such incidents. The name server closes a connection that
+    sent nothing for broker_expire_ms (a broker registers every 30 s, a client asks for routes every 30 s)."""
+    ns = NamesrvProcess(tmp_path / "namesrv.log", "--max-connections-per-host", "2", "--broker-expire-ms", "400",
+                        "--scan-interval-ms", "100").start()
+    try:
+        await RawClient.open_silent_until_closed(ns.addr, 2, "127.0.0.1")
+        back = await RawClient.open(ns.addr, "127.0.0.1")
+        try:
+            assert await _route_code(back, 1, "Nobody") == C.TOPIC_NOT_EXIST      # answered: let in
+        finally:
+            back.close()
+    finally:
+        ns.stop()
+    assert "sent nothing for 400 ms" in ns.log()
