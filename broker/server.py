@@ -396,8 +396,9 @@ class BrokerServer:
             return True
 
         def closed(conn) -> None:
-            if conns.release(conn):
-                gauge.dec()
+            if not conns.release(conn):
+                return          # refused on accept: it read nothing, so it is in no table (and costs no walk)
+            gauge.dec()
             if listener == "broker" and self.ctx is not None:
                 if self.ctx.holds is not None:
                     self.ctx.holds.connection_closed(conn)

@@ -58,8 +58,8 @@ class NameServer:
             return self.connections.admit(conn) is None
 
         def closed(conn) -> None:
-            self.connections.release(conn)
-            ctx.table.connection_closed(conn)
+            if self.connections.release(conn):     # refused on accept: it registered nothing
+                ctx.table.connection_closed(conn)
 
         return RemotingConnection(handle, max_frame_size=self.config.max_frame_size, on_open=opened, on_close=closed,
                                   budget=self.write_budget)

@@ -44,3 +44,59 @@ def test_a_connection_we_stopped_reading_is_not_quiet():
     for _ in range(10):
         assert gate.close_quiet(3) == 0
     assert not paused.aborted
+
+
+class _Transport:
+    def __init__(self, port: int):
+        self.port = port
+        self.aborted = False
+
+    def get_extra_info(self, name):
+        return {"peername": ("10.0.0.1", self.port), "sockname": ("10.0.0.9", 10911)}.get(name)
+
+    def set_write_buffer_limits(self, high):
+        pass
+
+    def abort(self):
+        self.aborted = True
+
+    def is_closing(self):
+        return self.aborted
+
+
+async def test_a_connection_refused_on_accept_costs_no_walk_of_the_client_tables(tmp_path):
+    """A connection closed on accept (past max_connections_per_host) was never let in, so it is in no group; its
+    close still walked every producer and consumer group (9 ms with 20,000 groups), so one client retrying
+    connections past its cap, the cheapest thing it can do, kept the event loop busy for everyone."""
+    from types import SimpleNamespace
+
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), max_connections_per_host=1))
+    walks = []
+    server.ctx = SimpleNamespace(holds=None, clients=SimpleNamespace(connection_closed=lambda c: walks.append(c) or []))
+    admitted, refused = server._connection("broker", {}), server._connection("broker", {})
+    admitted.connection_made(_Transport(1))
+    refused.connection_made(_Transport(2))
+    assert refused.transport.aborted and not admitted.transport.aborted
+    refused.connection_lost(None)
+    assert walks == []
+    admitted.connection_lost(None)
+    assert walks == [admitted]
+
+
+async def test_the_name_server_walks_no_route_table_for_a_connection_refused_on_accept():
+    from broker.namesrv.config import NamesrvConfig
+    from broker.namesrv.server import NameServer
+
+    ns = NameServer(NamesrvConfig(max_connections_per_host=1))
+    walks = []
+    ns.ctx.table.connection_closed = lambda c: walks.append(c) or []
+    admitted, refused = ns._connection(), ns._connection()
+    admitted.connection_made(_Transport(1))
+    refused.connection_made(_Transport(2))
+    refused.connection_lost(None)
+    assert walks == []
+    admitted.connection_lost(None)
+    assert walks == [admitted]
