@@ -173,13 +173,13 @@ class ConnectionGate:
         return why
 
     def close_quiet(self, ticks: int) -> int:
-        """Close the connections whose peer sent nothing for ``ticks`` calls of this (reading them paused does not
-        count); how many. A peer gone without a FIN (its host down, a NAT or firewall that dropped the flow) left
+        """Close the connections whose peer sent nothing for ``ticks`` calls of this (while its reading is paused or
+        a request of its is being handled, a connection is not quiet); how many. A peer gone without a FIN (its host down, a NAT or firewall that dropped the flow) left
         its connection open for good, holding its address's room: RocketMQ's server closes a channel idle for
         120 s, and a stock client heartbeats every 30 s on each connection."""
         closed = 0
         for conn in list(self.open):
-            if conn.reading_paused:
+            if conn.reading_paused or conn.handling:
                 conn.quiet_ticks = 0
             elif conn.quiet_ticks >= ticks:
                 conn.abort()

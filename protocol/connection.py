@@ -392,6 +392,11 @@ class RemotingConnection(asyncio.Protocol):
         return bool(self._reading_paused_for)
 
     @property
+    def handling(self) -> bool:
+        """A request of the peer is being handled (a parked pull included): it waits for an answer."""
+        return bool(self._tasks) or self._held > 0
+
+    @property
     def writing_paused(self) -> bool:
         """The peer left more than the high-water mark unread, and has not caught up since."""
         return self._writing_paused

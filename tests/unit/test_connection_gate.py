@@ -12,6 +12,7 @@ class _Conn:
         self.peer = (host, port)
         self.quiet_ticks = 0
         self.reading_paused = False
+        self.handling = False
         self.aborted = False
 
     def abort(self):
@@ -36,14 +37,16 @@ def test_a_connection_quiet_for_the_expiry_is_closed_and_its_address_gets_its_ro
     assert gate.admit(_Conn(3)) is None
 
 
-def test_a_connection_we_stopped_reading_is_not_quiet():
+def test_a_connection_we_stopped_reading_or_still_answer_is_not_quiet():
     gate = ConnectionGate(10, 2, logging.getLogger("test"), "broker listener")
-    paused = _Conn(1)
+    paused, waiting = _Conn(1), _Conn(2)
     paused.reading_paused = True                # its peer may be sending: the broker is not reading it
+    waiting.handling = True                     # its peer waits for an answer (a long request, a parked pull)
     gate.admit(paused)
+    gate.admit(waiting)
     for _ in range(10):
         assert gate.close_quiet(3) == 0
-    assert not paused.aborted
+    assert not paused.aborted and not waiting.aborted
 
 
 class _Transport:
