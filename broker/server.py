@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import os
 import signal
 import sys
@@ -31,7 +32,7 @@ from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
-from .limits import Limits
+from .limits import ConnectionGate, Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
@@ -54,7 +55,9 @@ class BrokerServer:
         self.config = config
         self.clock = clock
         self.metrics = BrokerMetrics()
-        self.connections: dict[str, set] = {"broker": set(), "namesrv": set()}
+        self.connections = {listener: ConnectionGate(config.max_connections, config.max_connections_per_host, log,
+                                                     f"{listener} listener")
+                            for listener in ("broker", "namesrv")}
         # unread responses of every connection of both listeners, together (max_total_write_buffer)
         self.write_budget = WriteBudget(config.max_total_write_buffer,
                                         on_close=lambda reason: self.metrics.unread_closes.labels(reason).inc())
@@ -82,12 +85,14 @@ class BrokerServer:
         loop = asyncio.get_running_loop()
         store_dir = os.path.abspath(c.store_dir)
         os.makedirs(store_dir, exist_ok=True)
-        clients = ClientRegistry(monotonic_ms)     # liveness and queue locks: not the wall clock
+        clients = ClientRegistry(monotonic_ms, c.max_groups_per_host,     # liveness, queue locks: not the wall clock
+                                 c.max_subscription_bytes_per_group)
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
                               broker=c.broker_name, max_retry_groups=c.max_retry_groups,
                               trace_topic=c.trace_topic_enable)
         clients.on_new_retry_group = self._new_retry_group
+        topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         ctx.limits = Limits(c, self.metrics)
         if c.acl_file:
@@ -116,7 +121,7 @@ class BrokerServer:
                              clock=self.clock, tag_rule=levels.consume_queue_tag)
         ctx.store = store
         store.set_flush_observer(self.metrics.flush_latency.observe)
-        ctx.holds = PullHoldService()
+        ctx.holds = PullHoldService(c.max_parked_pulls_per_host)
         ctx.tx = TransactionService(ctx)
         ctx.schedule = ScheduleService(ctx, levels)
         store.add_dispatch_listener(ctx.holds.on_dispatch)
@@ -355,6 +360,17 @@ class BrokerServer:
             if not first:
                 log.info("consumer group %s: its retry topic %s was gone; made again", group, topic)
 
+    def _retry_topic_idle(self, topic: str) -> bool:
+        """A %RETRY% topic that may go at max_retry_groups: no consumer of its group is connected, the group has no
+        config of its own (made by an operator), and no message was ever stored in it. A delayed retry still in
+        SCHEDULE_TOPIC_XXXX is delivered to the store all the same, and the group's next heartbeat makes the
+        topic again (a restart restores it from the store)."""
+        ctx = self.ctx
+        group = topic[len(RETRY_PREFIX):]
+        if ctx.clients.consumer_ids(group) or group in ctx.subscriptions.groups:
+            return False
+        return all(ctx.store.max_offset(topic, q) == 0 for q in range(ctx.topics.topics[topic].queue_count))
+
     def _lag(self):
         store = self.ctx.store
         for (group, topic, qid), offset in self.ctx.offsets.items():
@@ -372,17 +388,17 @@ class BrokerServer:
         gauge = self.metrics.connections.labels(listener)
 
         def opened(conn) -> bool:
-            if len(conns) >= c.max_connections:
-                log.warning("%s listener: refusing %s:%s, %d connections open", listener, *conn.peer, len(conns))
+            why = conns.admit(conn)
+            if why is not None:
+                self.metrics.refused.labels(why).inc()
                 return False
-            conns.add(conn)
             gauge.inc()
             return True
 
         def closed(conn) -> None:
-            if conn in conns:
-                conns.discard(conn)
-                gauge.dec()
+            if not conns.release(conn):
+                return          # refused on accept: it read nothing, so it is in no table (and costs no walk)
+            gauge.dec()
             if listener == "broker" and self.ctx is not None:
                 if self.ctx.holds is not None:
                     self.ctx.holds.connection_closed(conn)
@@ -433,9 +449,17 @@ class BrokerServer:
 
     # ------------------------------------------------------------ background
     async def _housekeeping(self) -> None:
+        expire_ms = self.config.channel_expire_ms
+        tick_s = min(10.0, expire_ms / 4000)
+        ticks = math.ceil(expire_ms / 1000 / tick_s)
         while True:
-            await asyncio.sleep(10)
-            for group in self.ctx.clients.expire(self.config.channel_expire_ms):
+            await asyncio.sleep(tick_s)
+            for listener, conns in self.connections.items():
+                closed = conns.close_quiet(ticks)
+                if closed:
+                    log.info("%s listener: closed %d connections whose peer sent nothing for %d ms "
+                             "(channel_expire_ms)", listener, closed, expire_ms)
+            for group in self.ctx.clients.expire(expire_ms):
                 self.ctx.clients.notify_ids_changed(group)
             self.ctx.clients.expire_locks(self.config.queue_lock_max_live_ms)
 

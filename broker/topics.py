@@ -43,6 +43,9 @@ TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"      # message traces of clients with tracin
 SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", TRACE_TOPIC}
 
 
+_RECLAIM_EVERY_S = 1.0          # at most one sweep for reclaimable %RETRY% topics a second
+
+
 class TopicLimitError(ValueError):
     """A topic was not created because a configured limit was reached; the text names it."""
 
@@ -85,6 +88,10 @@ class TopicManager:
         self.retry_write_s = 5.0
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
+        # Set by the server: may this %RETRY% topic go when max_retry_groups is reached (its group gone, nothing
+        # in it)? Swept at most once a _RECLAIM_EVERY_S, so a client at the cap cannot make every heartbeat a scan.
+        self.retry_reclaimable = None
+        self._reclaimed_at = -_RECLAIM_EVERY_S
         # Name servers re-read the topic table when this changes; on_change (the registrar) registers at once.
         self.data_version = DataVersion(int(time.time() * 1000), 0)
         self.on_change = None
@@ -211,7 +218,7 @@ class TopicManager:
 
     def create(self, tc: TopicConfig) -> TopicConfig:
         if tc.name.startswith(RETRY_PREFIX) and tc.name not in self.topics:
-            if self.retry_groups() >= self.max_retry_groups:
+            if self.retry_groups() >= self.max_retry_groups and not self._reclaim_retry_topics():
                 raise TopicLimitError(f"retry topic {tc.name} not created: {self.max_retry_groups} %RETRY% "
                                       f"groups exist, the limit (max_retry_groups)")
         self.topics[tc.name] = tc
@@ -219,6 +226,26 @@ class TopicManager:
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
                  tc.perm)
         return tc
+
+    def _reclaim_retry_topics(self) -> bool:
+        """At max_retry_groups: forget the %RETRY% topics ``retry_reclaimable`` allows; True if there is room now.
+
+        Without it the cap was reclaimed only by deleting groups by hand: a client that heartbeat made-up group
+        names once (or a thousand short-lived test groups) left every later consumer group with no retry topic
+        for good, its failed messages refused NO_PERMISSION. A topic that holds no message has nothing to lose,
+        and its group makes it again with its next heartbeat."""
+        now = time.monotonic()
+        if self.retry_reclaimable is None or now - self._reclaimed_at < _RECLAIM_EVERY_S:
+            return False
+        self._reclaimed_at = now
+        gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
+        for name in gone:
+            del self.topics[name]
+        if gone:
+            self._persist()
+            log.warning("max_retry_groups=%d reached: %d empty %%RETRY%% topics of groups with no consumer "
+                        "forgotten (e.g. %s)", self.max_retry_groups, len(gone), gone[0])
+        return self.retry_groups() < self.max_retry_groups
 
     def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int) -> TopicConfig | None:
         """The topic's config, creating it from its template as RocketMQ does; None: TOPIC_NOT_EXIST."""

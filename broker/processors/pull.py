@@ -15,6 +15,7 @@ from protocol.message import POS_PHYSICAL_OFFSET
 from protocol.record import property_bytes, record_properties
 
 from ..clients import build_subscription
+from ..limits import peer_host
 from ..store import GetStatus
 
 log = logging.getLogger("txmq.pull")
@@ -205,6 +206,13 @@ async def _parked(ctx, conn, cmd, topic, qid, offset, hold_ms):
     resp = handle_pull(ctx, conn, cmd, woken=True)
     if resp.code != ResponseCode.PULL_NOT_FOUND:
         return resp
+    if not ctx.holds.room(conn):
+        # Not PULL_NOT_FOUND, which a stock push consumer answers with the next pull at once (a busy loop):
+        # an error code makes it pull again after 3 s (pullTimeDelayMillsWhenException). Nothing is skipped.
+        why = (f"pull not held: the connections from {peer_host(conn)} hold {ctx.holds.max_per_host} parked pulls, "
+               f"the limit (max_parked_pulls_per_host); pull again later")
+        ctx.limits.refused("parked-pull-limit", why)
+        return cmd.response(ResponseCode.SYSTEM_BUSY, why)
     parked = conn is not None and conn.park()      # not counted in flight while it waits
     try:
         await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes
