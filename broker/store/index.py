@@ -56,6 +56,7 @@ PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page di
 MAX_QUERY = 64                  # RocketMQ's maxMsgsNumBatch
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
+OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
 _WAKE = object()
 
@@ -100,7 +101,10 @@ class IndexService:
         self.lag_s = lag_ms / 1000
         self._hasher = KeyHasher()
         self._thread: threading.Thread | None = None
-        self._fds: dict[int, int] = {}  # segment start -> descriptor, the index thread's own
+        # segment start -> descriptor, the index thread's own, most recently read last. At most OPEN_SEGMENTS:
+        # kept for every segment it ever read, a catch-up over a long log (or queries over months of index
+        # files) held one per segment on top of the store's two, and the broker ran out of descriptors.
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._last_progress = 0.0
         self._loop = None
         self._closed = False
@@ -422,12 +426,18 @@ class IndexService:
         return self._pread(start, phy - start, size)
 
     def _pread(self, start: int, pos: int, n: int) -> bytes:
-        fd = self._fds.get(start)
+        fds = self._fds
+        fd = fds.get(start)
         if fd is None:
             try:
-                fd = self._fds[start] = os.open(os.path.join(self.log_dir, f"{start:020d}"), os.O_RDONLY)
+                fd = os.open(os.path.join(self.log_dir, f"{start:020d}"), os.O_RDONLY)
             except FileNotFoundError:
                 return b""
+            if len(fds) >= OPEN_SEGMENTS:
+                os.close(fds.popitem(last=False)[1])
+            fds[start] = fd
+        else:
+            fds.move_to_end(start)
         return os.pread(fd, n, pos)
 
     def _query(self, topic: str, key: str, max_num: int, begin: int, end: int):

@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store import index as index_mod
 from broker.store.index import IndexService, record_keys
 from broker.store.index_file import ENTRY, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
 
@@ -248,3 +249,21 @@ def test_key_hash_parts_agree_with_javas_hashcode():
             units = struct.unpack(f">{len(tail.encode('utf-16-be', 'surrogatepass')) // 2}H",
                                   tail.encode("utf-16-be", "surrogatepass"))
             assert extend_hash(string_hash(head), units) == _java_hash(text) & 0xFFFFFFFF
+
+
+async def test_the_index_thread_keeps_a_bounded_number_of_segments_open(tmp_path, monkeypatch):
+    # Months of small segments: the catch-up and queries read every one of them. A descriptor kept per
+    # segment ever read added one per segment to the store's own until the broker ran out of them.
+    monkeypatch.setattr(index_mod, "OPEN_SEGMENTS", 4)
+    store = await _store_with(tmp_path, 300, seg=4096)      # ~20 segments, every one read by the catch-up
+    assert len(store.segments()) > 3 * 4
+    svc = await _service(tmp_path, store)
+    shared, _, _ = await asyncio.wait_for(svc.query("T", "shared", 64, 0, 2**62), 10)
+    assert len(shared) == 64                                 # as many as a query answers, from 4+ segments
+    assert len(svc._fds) <= 4
+    opened = set(os.listdir(f"/proc/{os.getpid()}/fd"))
+    res = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "late"}))
+    assert (await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10))[0] == [res.physical_offset]
+    assert len(set(os.listdir(f"/proc/{os.getpid()}/fd")) - opened) <= 4
+    await svc.close()
+    await store.close()
