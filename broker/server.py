@@ -14,6 +14,7 @@ import asyncio
 import errno
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -596,7 +597,36 @@ def start_failure(exc: BaseException, store_dir: str) -> str:
         disk = DiskMonitor(os.path.abspath(store_dir))
         text += (f" ({disk.describe()}; start-up needs room for its checkpoint, offsets and configuration "
                  f"files: free some space, or move the store)")
+    elif _errno_in(exc, errno.EMFILE):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        text += (f" (this process may open {soft} files, at most {hard}: every commit-log segment and consume-queue "
+                 "file of the store holds two descriptors while the broker runs; raise the limit: ulimit -n, "
+                 "systemd LimitNOFILE)")
     return text.replace("\n", " ")
+
+
+def _errno_in(exc: BaseException | None, code: int) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == code:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one, as the JVM does for RocketMQ (MaxFDLimit); returns
+    (soft, hard) as they are now. Every segment and consume-queue file stays mapped with two descriptors (our
+    own and the one mmap keeps), so a store of months of small segments or thousands of queues needs
+    thousands: at a distribution's default soft limit of 1024 the broker could not open such a store, or ran
+    out later (a new segment, a new queue, a connection) while the hard limit allowed far more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:     # e.g. an infinite hard limit above the kernel's nr_open
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft, hard
 
 
 def run(config: BrokerConfig) -> int:
@@ -604,4 +634,6 @@ def run(config: BrokerConfig) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvloop
     sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+    soft, hard = raise_open_files_limit()
+    log.info("open-files limit %d (hard %d)", soft, hard)
     return uvloop.run(serve(config))
