@@ -1,0 +1,63 @@
+"""What a segment removal costs once the store holds months of history: thousands of segments and queues.
+
+Counted in work done (units read, Python calls made), never timed: a removal's cost must not grow with
+the history it leaves behind, or a retention pass over months of segments blocks the event loop.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store.consume_queue import ConsumeQueue
+from broker.store.manifest import SegmentFacts, read_manifest, write_manifest
+
+QUEUES = 40
+PER_QUEUE = 64
+
+
+async def test_removing_a_segment_reads_one_unit_of_each_queue_it_does_not_touch(tmp_path, monkeypatch):
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=8192, max_message_size=8000))
+    await store.open()
+    first = await store.put(PutRequest.build("Old", b"o" * 7500))      # alone in the first segment
+    assert first.ok
+    for n in range(PER_QUEUE):
+        res = await store.put_many([PutRequest.build(f"T{q}", b"x" * 20) for q in range(QUEUES)])
+        assert all(r.ok for r in res)
+    oldest = store.segments()[0]
+    assert store.queue_unit("T0", 0, 0)[0] >= store.segments()[1].start_offset
+
+    reads = []
+    unit = ConsumeQueue.unit
+    monkeypatch.setattr(ConsumeQueue, "unit", lambda self, off: reads.append(self.topic) or unit(self, off))
+    await store.remove_segment(oldest.name, "test")
+    # the queues the removal leaves alone: one read each, however long they are (the search read log2 of them)
+    assert len([t for t in reads if t != "Old"]) <= QUEUES, len(reads)
+    assert store.min_offset("Old", 0) == 1                   # ... and the one it emptied moved on
+    for q in range(QUEUES):
+        assert store.min_offset(f"T{q}", 0) == 0 and store.get_messages(f"T{q}", 0, 0, 1, 1 << 20).buffers
+    await store.close()
+
+
+def test_the_manifest_of_thousands_of_segments_is_written_in_a_few_calls_each(tmp_path):
+    facts = [SegmentFacts(f"{i * 4096:020d}", i * 4096, i * 4096 + 4000, 7, 1_700_000_000_000 + i,
+                          1_700_000_000_500 + i, i < 1999) for i in range(2000)]
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+    sys.setprofile(count)
+    try:
+        write_manifest(str(tmp_path), "id-1", 5, facts, facts[0])
+    finally:
+        sys.setprofile(None)
+    # asdict() recursed per field and indent= took json's pure-Python encoder: ~30 calls an entry
+    assert calls < 4 * len(facts), calls
+    expect = [{"name": f.name, "start": f.start, "end": f.end, "records": f.records, "first_ts": f.first_ts,
+               "last_ts": f.last_ts, "sealed": f.sealed} for f in facts]
+    assert read_manifest(str(tmp_path)) == {"store_id": "id-1", "written_ms": 5, "segments": expect,
+                                            "removed": expect[0]}
+    write_manifest(str(tmp_path), 'odd "id"', 6, [])
+    assert json.loads((tmp_path / "segments.json").read_text()) == {"store_id": 'odd "id"', "written_ms": 6,
+                                                                     "segments": []}
