@@ -5,6 +5,7 @@ the history it leaves behind, or a retention pass over months of segments blocks
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -61,3 +62,41 @@ def test_the_manifest_of_thousands_of_segments_is_written_in_a_few_calls_each(tm
     write_manifest(str(tmp_path), 'odd "id"', 6, [])
     assert json.loads((tmp_path / "segments.json").read_text()) == {"store_id": 'odd "id"', "written_ms": 6,
                                                                      "segments": []}
+
+
+async def test_the_lag_of_many_consumer_offsets_is_summed_in_slices_the_loop_runs_between(tmp_path):
+    # Months of consumer groups: tens of thousands of offsets. Summed in one go every second, they held the
+    # loop for as long as that took; the gauge loop now yields between slices, and sums the same.
+    from broker import server as server_mod
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path / "s"), port=0, namesrv_port=0, metrics_port=-1,
+                                       metrics_snapshot_interval_s=0))
+    await server.start()
+    try:
+        ctx = server.ctx
+        for q in range(4):
+            res = await ctx.store.put_many([PutRequest.build("T", b"x", queue_id=q) for _ in range(5)])
+            assert all(r.ok for r in res)
+        n = 3 * server_mod.LAG_SLICE + 5
+        for i in range(n):
+            ctx.offsets.commit(f"g{i % 7}", "T" if i % 2 else "U", i, i % 3)     # distinct keys: n offsets
+        turns, done = 0, False
+
+        async def other_work():
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+        other = asyncio.ensure_future(other_work())
+        await asyncio.sleep(0)
+        before = turns
+        totals = await server._lag_in_slices(ctx.offsets.items())
+        done = True
+        await other
+        assert turns - before >= 3                               # a turn between each two of the 4 slices
+        assert sorted(totals) == sorted(server._lag_by_group_topic())
+        assert sum(lag for _k, lag in totals) > 0
+    finally:
+        await server.stop()
