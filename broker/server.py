@@ -467,7 +467,7 @@ class BrokerServer:
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
             try:
-                self.write_snapshot(store_dir)
+                await self.write_snapshot(store_dir)
             except OSError as exc:
                 log.error("metric snapshot not written: %s", exc)
             now_ms = int(time.time() * 1000)        # the files are named by the UTC date of the wall clock
@@ -481,10 +481,19 @@ class BrokerServer:
                 except OSError as exc:
                     log.error("old metric snapshot files not removed: %s", exc)
 
-    def write_snapshot(self, store_dir: str) -> str:
-        lag = [{"group": g, "topic": t, "queue_id": q, "lag": n} for g, t, q, n in self._lag()]
+    async def write_snapshot(self, store_dir: str) -> str:
+        # A row per consumer offset: built, encoded and appended in one go, 32,000 of them held the loop
+        # 60-115 ms each minute. Built a slice at a time here; encoded (a slice a call, so the GIL passes
+        # between them) and appended on a thread.
+        offsets, max_offset = self.ctx.offsets.items(), self.ctx.store.max_offset
+        lag = []
+        for i in range(0, len(offsets), LAG_SLICE):
+            if i:
+                await asyncio.sleep(0)
+            lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
+                    for (g, t, q), n in offsets[i:i + LAG_SLICE]]
         connections = sum(len(s) for s in self.connections.values())
-        return append_snapshot(store_dir, self.metrics.snapshot(connections, lag))
+        return await asyncio.to_thread(append_snapshot, store_dir, self.metrics.snapshot(connections, lag))
 
     # -------------------------------------------------------------- shutdown
     async def stop(self, grace_s: float = 5.0) -> None:
