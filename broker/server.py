@@ -340,10 +340,8 @@ class BrokerServer:
         slices of LAG_SLICE."""
         max_offset = self.ctx.store.max_offset
         totals: dict[tuple[str, str], int] = {}
-        for i in range(0, len(offsets), LAG_SLICE):
-            if i:
-                await asyncio.sleep(0)
-            for (group, topic, qid), offset in offsets[i:i + LAG_SLICE]:
+        async for part in _in_slices(offsets):
+            for (group, topic, qid), offset in part:
                 totals[(group, topic)] = totals.get((group, topic), 0) + max(0, max_offset(topic, qid) - offset)
         return list(totals.items())
 
@@ -487,11 +485,9 @@ class BrokerServer:
         # between them) and appended on a thread.
         offsets, max_offset = self.ctx.offsets.items(), self.ctx.store.max_offset
         lag = []
-        for i in range(0, len(offsets), LAG_SLICE):
-            if i:
-                await asyncio.sleep(0)
+        async for part in _in_slices(offsets):
             lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
-                    for (g, t, q), n in offsets[i:i + LAG_SLICE]]
+                    for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
         return await asyncio.to_thread(append_snapshot, store_dir, self.metrics.snapshot(connections, lag))
 
@@ -633,6 +629,14 @@ def start_failure(exc: BaseException, store_dir: str) -> str:
                  "file of the store holds two descriptors while the broker runs; raise the limit: ulimit -n, "
                  "systemd LimitNOFILE)")
     return text.replace("\n", " ")
+
+
+async def _in_slices(items: list):
+    """``items`` LAG_SLICE at a time, the event loop running between two slices."""
+    for i in range(0, len(items), LAG_SLICE):
+        if i:
+            await asyncio.sleep(0)
+        yield items[i:i + LAG_SLICE]
 
 
 def _errno_in(exc: BaseException | None, code: int) -> bool:
