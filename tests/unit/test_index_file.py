@@ -299,3 +299,18 @@ async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_f
     assert (await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10))[0] == [late.physical_offset]
     await svc.close()
     await store.close()
+
+
+async def test_a_stop_during_the_catch_up_ends_it_and_the_next_start_finishes_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_mod, "CATCH_UP_SLICE", 512)
+    store = await _store_with(tmp_path, 300, seg=4096)
+    svc = await _service(tmp_path, store)
+    await asyncio.wait_for(svc.close(), 10)            # slices still queued: they see the index closed
+    svc = await _service(tmp_path, store)
+    for _ in range(store.max_physical_offset // 512 + 2):     # a query waits for at most one slice
+        found = (await asyncio.wait_for(svc.query("T", "k299", 64, 0, 2**62), 10))[0]
+        if found:
+            break
+    assert len(found) == 1 and len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 64
+    await svc.close()
+    await store.close()
