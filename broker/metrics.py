@@ -489,13 +489,28 @@ def _is_date(text: str) -> bool:
         return False
 
 
+def _encode(snapshot: dict) -> str:
+    """The snapshot as one JSON line, its consumer_lag rows (one per consumer offset: tens of thousands) a
+    slice per call: json's C encoder holds the GIL for a whole call, and the event loop waited for it."""
+    rows = snapshot.get("consumer_lag", [])
+    if len(rows) <= _ROWS_A_CALL:
+        return json.dumps(snapshot, separators=(",", ":"))
+    head = json.dumps({k: v for k, v in snapshot.items() if k != "consumer_lag"}, separators=(",", ":"))
+    parts = [json.dumps(rows[i:i + _ROWS_A_CALL], separators=(",", ":"))[1:-1]
+             for i in range(0, len(rows), _ROWS_A_CALL)]
+    return head[:-1] + ("," if len(head) > 2 else "") + '"consumer_lag":[' + ",".join(parts) + "]}"
+
+
+_ROWS_A_CALL = 4096
+
+
 def append_snapshot(store_dir: str, snapshot: dict) -> str:
     """Append one snapshot line under <store>/metrics/<UTC date>.jsonl; returns the path."""
     folder = os.path.join(store_dir, "metrics")
     os.makedirs(folder, exist_ok=True)
     day = time.strftime("%Y-%m-%d", time.gmtime(snapshot["ts"] / 1000))
     path = os.path.join(folder, f"{day}.jsonl")
-    line = memoryview((json.dumps(snapshot, separators=(",", ":")) + "\n").encode())
+    line = memoryview((_encode(snapshot) + "\n").encode())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         before = os.fstat(fd).st_size

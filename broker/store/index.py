@@ -56,6 +56,8 @@ PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page di
 MAX_QUERY = 64                  # RocketMQ's maxMsgsNumBatch
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
+CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
+OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
 _WAKE = object()
 
@@ -100,8 +102,12 @@ class IndexService:
         self.lag_s = lag_ms / 1000
         self._hasher = KeyHasher()
         self._thread: threading.Thread | None = None
-        self._fds: dict[int, int] = {}  # segment start -> descriptor, the index thread's own
+        # segment start -> descriptor, the index thread's own, most recently read last. At most OPEN_SEGMENTS:
+        # kept for every segment it ever read, a catch-up over a long log (or queries over months of index
+        # files) held one per segment on top of the store's two, and the broker ran out of descriptors.
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._last_progress = 0.0
+        self._catching_up = False       # records dispatched meanwhile wait in _pending until the catch-up ends
         self._loop = None
         self._closed = False
         self._stopping = False          # close() queued the thread's last job: later jobs would never run
@@ -119,12 +125,15 @@ class IndexService:
 
     async def open(self, log_min: int, log_end: int) -> None:
         """Load the files (blocking work on a thread), start the index thread and let it catch up to
-        ``log_end`` in the background: queries queue behind the catch-up."""
+        ``log_end`` in the background, a slice at a time: a query waits for one slice, not all of it, and
+        is answered from what is indexed so far (with how far that is), as RocketMQ's queryOffset answers
+        from its index while the reput service catches up."""
         self._loop = asyncio.get_running_loop()
         await self._loop.run_in_executor(None, self._load, log_min, log_end)
         self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
+        self._catching_up = True
         self._thread.start()
-        self._q.put(lambda: self._scan(self.covered, log_end))
+        self._q.put(lambda: self._catch_up(log_end))
 
     async def close(self) -> None:
         if self._thread is None:
@@ -234,7 +243,7 @@ class IndexService:
             # loop appends after that count would find the deque non-empty, skip its wake-up and wait for
             # the next send (found in review).
             batch = []
-            while pending:
+            while pending and not self._catching_up:
                 batch.append(popleft())
             if batch:
                 self._guarded(self._index, batch)
@@ -379,11 +388,29 @@ class IndexService:
         self.files.append(f)
         return f
 
-    def _scan(self, lo: int, hi: int) -> None:
-        """Index the records in [lo, hi) straight from the segment files."""
+    def _catch_up(self, hi: int) -> None:
+        """One slice of the start-up catch-up; the rest goes to the back of the queue, behind the queries
+        queued meanwhile. In one job, over months of segments (17 s), a key lookup at start waited past a
+        client's timeout."""
+        done = True
+        try:
+            done = self._closed or self.failed is not None or self._scan(self.covered, hi, CATCH_UP_SLICE)
+        finally:
+            if done:
+                self._catching_up = False
+                self._q.put(_WAKE)      # the records dispatched meanwhile
+            else:
+                self._q.put(lambda: self._catch_up(hi))
+
+    def _scan(self, lo: int, hi: int, budget: int | None = None) -> bool:
+        """Index the records in [lo, hi) straight from the segment files. With a budget, stops at the first
+        record boundary ``budget`` bytes past ``lo``: returns whether it reached ``hi``."""
         items: list = []
         pos = lo
         while pos < hi:
+            if budget is not None and pos - lo >= budget:
+                self.covered = max(self.covered, pos)     # a record's start, or a segment's
+                return False
             start = pos - pos % self.seg_size
             chunk = self._pread(start, pos - start, min(_CHUNK, hi - pos, start + self.seg_size - pos))
             if not chunk:
@@ -399,7 +426,7 @@ class IndexService:
                     log.warning("index catch-up: no record at offset %d; stopping the scan there", pos + at)
                     self.covered = max(self.covered, hi)
                     self._flush(items)
-                    return
+                    return True
                 if at + size > len(chunk):
                     if at == 0:         # a record larger than the chunk
                         chunk = self._pread(start, pos - start, size)
@@ -416,18 +443,25 @@ class IndexService:
             self.covered = max(self.covered, min(pos, hi))
             self._flush(items)
         self.covered = max(self.covered, hi)
+        return True
 
     def _read(self, phy: int, size: int):
         start = phy - phy % self.seg_size
         return self._pread(start, phy - start, size)
 
     def _pread(self, start: int, pos: int, n: int) -> bytes:
-        fd = self._fds.get(start)
+        fds = self._fds
+        fd = fds.get(start)
         if fd is None:
             try:
-                fd = self._fds[start] = os.open(os.path.join(self.log_dir, f"{start:020d}"), os.O_RDONLY)
+                fd = os.open(os.path.join(self.log_dir, f"{start:020d}"), os.O_RDONLY)
             except FileNotFoundError:
                 return b""
+            if len(fds) >= OPEN_SEGMENTS:
+                os.close(fds.popitem(last=False)[1])
+            fds[start] = fd
+        else:
+            fds.move_to_end(start)
         return os.pread(fd, n, pos)
 
     def _query(self, topic: str, key: str, max_num: int, begin: int, end: int):

@@ -5,10 +5,12 @@ import asyncio
 import logging
 import os
 import struct
+import threading
 
 import pytest
 
 from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store import index as index_mod
 from broker.store.index import IndexService, record_keys
 from broker.store.index_file import ENTRY, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
 
@@ -248,3 +250,67 @@ def test_key_hash_parts_agree_with_javas_hashcode():
             units = struct.unpack(f">{len(tail.encode('utf-16-be', 'surrogatepass')) // 2}H",
                                   tail.encode("utf-16-be", "surrogatepass"))
             assert extend_hash(string_hash(head), units) == _java_hash(text) & 0xFFFFFFFF
+
+
+async def test_the_index_thread_keeps_a_bounded_number_of_segments_open(tmp_path, monkeypatch):
+    # Months of small segments: the catch-up and queries read every one of them. A descriptor kept per
+    # segment ever read added one per segment to the store's own until the broker ran out of them.
+    monkeypatch.setattr(index_mod, "OPEN_SEGMENTS", 4)
+    store = await _store_with(tmp_path, 300, seg=4096)      # ~20 segments, every one read by the catch-up
+    assert len(store.segments()) > 3 * 4
+    svc = await _service(tmp_path, store)
+    shared, _, _ = await asyncio.wait_for(svc.query("T", "shared", 64, 0, 2**62), 10)
+    assert len(shared) == 64                                 # as many as a query answers, from 4+ segments
+    assert len(svc._fds) <= 4
+    opened = set(os.listdir(f"/proc/{os.getpid()}/fd"))
+    res = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "late"}))
+    assert (await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10))[0] == [res.physical_offset]
+    assert len(set(os.listdir(f"/proc/{os.getpid()}/fd")) - opened) <= 4
+    await svc.close()
+    await store.close()
+
+
+async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_far(tmp_path, monkeypatch):
+    # Months of history took the catch-up 17 s, and a query queued behind all of it (past a client's 3 s
+    # timeout). Like RocketMQ's queryOffset while the reput catches up, it is answered from what is indexed,
+    # with the offset the index reaches (indexLastUpdatePhyoffset) saying how far that is.
+    monkeypatch.setattr(index_mod, "CATCH_UP_SLICE", 2048)
+    store = await _store_with(tmp_path, 300, seg=4096)
+    end = store.max_physical_offset
+    queued, scan = threading.Event(), IndexService._scan
+
+    def after_the_query_is_queued(self, *args):
+        queued.wait(10)
+        return scan(self, *args)
+    monkeypatch.setattr(IndexService, "_scan", after_the_query_is_queued)
+    svc = await _service(tmp_path, store)
+    first = svc.query("T", "k0", 64, 0, 2**62)
+    queued.set()
+    found, _, last_phy = await asyncio.wait_for(first, 10)
+    assert last_phy < end // 4 and len(found) == 1      # answered a slice into the catch-up
+    late = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "late"}))   # dispatched meanwhile
+    for _ in range(end // 2048 + 2):                   # each query waits for at most one slice
+        if last_phy >= late.physical_offset:            # the late record is indexed after the catch-up
+            break
+        _, _, last_phy = await asyncio.wait_for(svc.query("T", "k299", 64, 0, 2**62), 10)
+    assert last_phy >= late.physical_offset
+    assert len((await svc.query("T", "k299", 64, 0, 2**62))[0]) == 1
+    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 64
+    assert (await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10))[0] == [late.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+async def test_a_stop_during_the_catch_up_ends_it_and_the_next_start_finishes_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_mod, "CATCH_UP_SLICE", 512)
+    store = await _store_with(tmp_path, 300, seg=4096)
+    svc = await _service(tmp_path, store)
+    await asyncio.wait_for(svc.close(), 10)            # slices still queued: they see the index closed
+    svc = await _service(tmp_path, store)
+    for _ in range(store.max_physical_offset // 512 + 2):     # a query waits for at most one slice
+        found = (await asyncio.wait_for(svc.query("T", "k299", 64, 0, 2**62), 10))[0]
+        if found:
+            break
+    assert len(found) == 1 and len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 64
+    await svc.close()
+    await store.close()
