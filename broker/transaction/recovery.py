@@ -14,6 +14,7 @@ import os
 from broker.store.mapped_file import fsync_dir
 from protocol.errors import StoreError
 from protocol.message import Prop, decode_record
+from protocol.record import body_crc_ok
 
 from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
@@ -27,12 +28,17 @@ PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue prog
 SNAPSHOT_VERSION = 1
 
 
-def scan(store, topic: str, start: int | None = None):
-    """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end."""
+def scan(store, topic: str, start: int | None = None, check_body: bool = False):
+    """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end.
+
+    ``check_body``: a record whose body fails its CRC is passed over (counted and logged by the store). An op
+    record's body is the half's queue offset: a flipped digit there recorded the decision against another
+    transaction, which was then never checked; passed over, its own transaction is checked again instead."""
     offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
     end = store.max_offset(topic, 0)
     while offset < end:
-        got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None)
+        # (bodies unchecked: the index needs only the records' properties; a commit checks the half's body)
+        got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None, verify=False)
         if got.status is GetStatus.QUEUE_DAMAGED:      # stopping here would forget the transactions after it
             raise StoreError(f"consume queue {topic}-0 is damaged at offset {offset} (see the log): it is marked "
                              "to be rebuilt from the commit log; start the broker again")
@@ -42,7 +48,11 @@ def scan(store, topic: str, start: int | None = None):
             offset = got.next_begin_offset
             continue
         for buf in got.buffers:
-            yield decode_record(buf)[0]
+            msg = decode_record(buf)[0]
+            if check_body and not body_crc_ok(buf):
+                store.corrupt_record(msg.physical_offset, f"transaction recovery ({topic})")
+                continue
+            yield msg
         offset = got.next_begin_offset
 
 
@@ -96,7 +106,7 @@ async def recover(tx) -> None:
             undecided.add(off)
             checks[off] = n
     resumed_floor = None
-    for msg in scan(store, OP_TOPIC, op_from):
+    for msg in scan(store, OP_TOPIC, op_from, check_body=True):
         op = parse_op(msg)
         if op is None:
             continue
