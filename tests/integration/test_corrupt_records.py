@@ -10,6 +10,7 @@ delivery -- where it would be re-encoded under a fresh, valid CRC and pass for s
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import urllib.request
@@ -24,7 +25,7 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
-from protocol.message import decode_offset_msg_id, decode_record
+from protocol.message import MESSAGE_MAGIC, decode_offset_msg_id, decode_record
 
 pytestmark = pytest.mark.asyncio
 
@@ -194,4 +195,97 @@ async def test_a_scheduled_message_whose_body_went_bad_is_not_delivered(broker_f
         await consumer.shutdown()
     assert bodies == [b"sound-body"], bodies
     assert await asyncio.to_thread(_corrupt_count, b, "scheduled delivery") == 1
+    assert b.stop() == 0
+
+
+class _Unknown:
+    """A transaction listener that never decides."""
+
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    async def check_local_transaction(self, msg):
+        return S.UNKNOW
+
+
+async def _pending(b) -> int:
+    resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
+    return json.loads(resp.body_bytes())["total"]
+
+
+async def test_a_half_whose_body_went_bad_is_dead_lettered_without_its_copy(broker_factory, tmp_path):
+    """The dead letter re-encoded the half's body into TRANS_CHECK_MAX_TIME_TOPIC under a fresh CRC: the
+    flipped byte became a sound-looking message there. The transaction is still dead-lettered (the op record
+    says so, and why), but nothing is copied; the damaged half stays where it is."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_corrupt_dead", _Unknown()) as producer:
+        sent = await producer.send_in_transaction("TxCorruptDead", b"never decided")
+    await _fill(b)
+    assert b.stop() == 0
+    _flip_body(tmp_path / "store", decode_offset_msg_id(sent.send_result.offset_msg_id)[2])
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "2")
+    async with TransactionProducer(b.namesrv, "PG_corrupt_dead", _Unknown()):
+        async with asyncio.timeout(30):
+            while await _pending(b):                    # checked twice, then dead-lettered
+                await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(_corrupt_count, b, "dead letter") == 1
+    consumer = PullConsumer(b.namesrv, "CG_corrupt_dead")
+    try:
+        try:
+            queues = await consumer.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC")
+        except BrokerError:                             # never made: nothing was ever dead-lettered by copy
+            queues = []
+        for mq in queues:
+            assert (await consumer.pull(mq, 0)).messages == []
+    finally:
+        await consumer.shutdown()
+    assert b.stop() == 0
+    assert "dead letter: the record at commit-log offset" in b.log()
+
+
+def _op_records(store_dir) -> list[tuple[int, bytes]]:
+    """(offset, body) of the op records in the first segment."""
+    with open(os.path.join(store_dir, "commitlog", f"{0:020d}"), "rb") as f:
+        data = f.read(SEG)
+    out, pos = [], 0
+    while int.from_bytes(data[pos + 4:pos + 8], "big", signed=True) == MESSAGE_MAGIC:
+        msg, size = decode_record(data, pos)
+        if msg.topic == "RMQ_SYS_TRANS_OP_HALF_TOPIC":
+            out.append((pos, msg.body))
+        pos += size
+    return out
+
+
+async def test_an_op_record_whose_body_went_bad_decides_nothing(broker_factory, tmp_path):
+    """An op record's body is the half's queue offset. Rebuilt from the log (no snapshot), a COMMIT op whose
+    "0" was flipped to "1" decided the other transaction: it was never checked again, its message never
+    reached its topic, and nothing said so. The damaged op is passed over (logged, counted) instead."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+
+    class CommitFirst(_Unknown):
+        calls = 0
+
+        def execute_local_transaction(self, msg, arg):
+            CommitFirst.calls += 1
+            return S.COMMIT_MESSAGE if CommitFirst.calls == 1 else S.UNKNOW
+
+    async with TransactionProducer(b.namesrv, "PG_corrupt_op", CommitFirst()) as producer:
+        first = await producer.send_in_transaction("TxCorruptOp", b"committed")
+        second = await producer.send_in_transaction("TxCorruptOp", b"undecided")
+    assert (first.send_result.queue_offset, second.send_result.queue_offset) == (0, 1)
+    await _fill(b)
+    assert b.stop() == 0
+    [(pos, body)] = _op_records(tmp_path / "store")
+    assert body == b"0"
+    _flip_body(tmp_path / "store", pos)                  # "0" -> "1": the other transaction's queue offset
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")    # lost: rebuilt from the op records
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
+    pending = {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
+    undecided = decode_offset_msg_id(second.send_result.offset_msg_id)[2]
+    assert undecided in pending, pending                 # still checked: its producer decides it
+    assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_OP_HALF_TOPIC)") == 1
     assert b.stop() == 0
