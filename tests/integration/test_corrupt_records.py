@@ -289,3 +289,30 @@ async def test_an_op_record_whose_body_went_bad_decides_nothing(broker_factory, 
     assert undecided in pending, pending                 # still checked: its producer decides it
     assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_OP_HALF_TOPIC)") == 1
     assert b.stop() == 0
+
+
+async def test_a_master_does_not_replicate_a_corrupt_record(broker_factory, tmp_path):
+    """A new slave copies the master's old segments: the corrupt record reached it, which refused the chunk with
+    a WARNING on its side and reconnected for ever, the master saying nothing of its own damaged disk. The
+    master sends what lies before the record, then counts and logs it (segment and byte) and sends no more."""
+    master_flags = (*FLAGS, "--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
+    b = broker_factory(*master_flags, store="master")
+    async with Producer(b.namesrv, "PG_corrupt_ha") as producer:
+        await producer.send("CorruptHa", b"before")
+        victim = await producer.send("CorruptHa", b"victim-body")
+    await _fill(b)
+    assert b.stop() == 0
+    phys = decode_offset_msg_id(victim.offset_msg_id)[2]
+    _flip_body(tmp_path / "master", phys)
+
+    b = broker_factory(*master_flags, store="master")
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", b.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    async with asyncio.timeout(30):
+        while not await asyncio.to_thread(_corrupt_count, b, "replication"):
+            await asyncio.sleep(0.1)
+    assert slave.stop() == 0 and b.stop() == 0
+    with open(tmp_path / "slave" / "commitlog" / f"{0:020d}", "rb") as f:
+        copied = f.read(SEG)
+    assert copied[:phys].rstrip(b"\0") and not copied[phys:].strip(b"\0")     # up to it, nothing from it on
+    assert f"replication: the record at commit-log offset {phys} is corrupt" in b.log()
