@@ -31,9 +31,9 @@ SNAPSHOT_VERSION = 1
 def scan(store, topic: str, start: int | None = None, check_body: bool = False):
     """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end.
 
-    ``check_body``: a record whose body fails its CRC is passed over (counted and logged by the store). An op
-    record's body is the half's queue offset: a flipped digit there recorded the decision against another
-    transaction, which was then never checked; passed over, its own transaction is checked again instead."""
+    ``check_body``: a record whose body fails its CRC (counted and logged by the store) is yielded with an empty
+    body. An op record's body is the half's queue offset: a flipped digit there recorded the decision against
+    another transaction; the caller takes it from the half its TXMQ_HALF property names instead."""
     offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
     end = store.max_offset(topic, 0)
     while offset < end:
@@ -51,7 +51,7 @@ def scan(store, topic: str, start: int | None = None, check_body: bool = False):
             msg = decode_record(buf)[0]
             if check_body and not body_crc_ok(buf):
                 store.corrupt_record(msg.physical_offset, f"transaction recovery ({topic})")
-                continue
+                msg.body = b""
             yield msg
         offset = got.next_begin_offset
 
@@ -112,14 +112,19 @@ async def recover(tx) -> None:
             continue
         if op.tag == OP_TAG_CHECK:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
-        elif op.op == RESUME:
-            tx.record(op.half_queue_offset, None)
+            continue
+        q = op.half_queue_offset
+        if q < 0:       # its body was damaged (scan emptied it): the half TXMQ_HALF names says it
+            q = tx._half_queue_offset(op.half_offset)
+            if q is None:
+                continue
+        if op.op == RESUME:
+            tx.record(q, None)
             undecided.add(op.half_offset)
             checks[op.half_offset] = 0
-            resumed_floor = op.half_queue_offset if resumed_floor is None else min(resumed_floor,
-                                                                                   op.half_queue_offset)
+            resumed_floor = q if resumed_floor is None else min(resumed_floor, q)
         elif op.op in (COMMIT, ROLLBACK, DEAD):
-            tx.record(op.half_queue_offset, op.op)
+            tx.record(q, op.op)
             undecided.discard(op.half_offset)
     repaired = await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
