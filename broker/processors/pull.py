@@ -78,9 +78,11 @@ def _reply(ctx, cmd, group, topic, got):
                             f"{got.next_begin_offset} (a zeroed unit, or one naming no record; see the broker's log): "
                             "restart the broker to rebuild it from the commit log", fields)
     if status is GetStatus.RECORD_CORRUPT:
-        return cmd.response(code, f"the message at offset {got.next_begin_offset} of {topic}-{cmd.int_field('queueId')} "
-                            "is corrupt: its body fails its CRC (damaged on the broker's disk; see the broker's "
-                            "log). It is not served; move the group's offset past it to go on without it", fields)
+        qid, at = cmd.int_field("queueId"), got.next_begin_offset
+        return cmd.response(code, f"the message at offset {at} of {topic}-{qid} is corrupt: its body fails its CRC "
+                            "(damaged on the broker's disk; see the broker's log). It is not served; to go on "
+                            f"without it: python -m broker admin reset-offset {group} {topic} --queue {qid} "
+                            f"--offset {at + 1}", fields)
     return cmd.response(code, status.name, fields)
 
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shlex
+import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 
-from consumer import PullConsumer
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
@@ -26,6 +30,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
 from protocol.message import MESSAGE_MAGIC, decode_offset_msg_id, decode_record
+from tests.support.broker_process import REPO
 
 pytestmark = pytest.mark.asyncio
 
@@ -75,9 +80,9 @@ def _corrupt_count(b, read: str) -> float:
     return 0.0
 
 
-async def _pull_all(b, mq: MessageQueue, limit: int = 100) -> tuple[list[bytes], str | None]:
+async def _pull_all(b, mq: MessageQueue, limit: int = 100, group: str = "CG_corrupt") -> tuple[list[bytes], str | None]:
     """Bodies pulled from offset 0 until the end or an error; the error's text, if any."""
-    consumer = PullConsumer(b.namesrv, "CG_corrupt")
+    consumer = PullConsumer(b.namesrv, group)
     await consumer.fetch_queues(mq.topic)
     bodies, offset = [], 0
     try:
@@ -348,4 +353,62 @@ async def test_a_commit_op_record_whose_body_went_bad_still_decides_its_own_tran
     pending = {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
     assert pending == {decode_offset_msg_id(older.send_result.offset_msg_id)[2]}, pending
     assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_OP_HALF_TOPIC)") == 1
+    assert b.stop() == 0
+
+
+async def test_a_consumer_stopped_at_a_corrupt_record_goes_on_with_the_command_its_error_names(broker_factory,
+                                                                                             tmp_path):
+    """A pull at a corrupt record answers SYSTEM_ERROR until the group's offset is moved past it. Its remark said
+    only "move the group's offset past it", and the one tool for it, reset-offset, moved every queue of the topic
+    to a time: the other queues' messages skipped or consumed again. The remark names a command that moves that
+    one queue to the next offset; a live push consumer follows it at once."""
+    b = broker_factory(*FLAGS)
+    resp = await _request(b.broker, RequestCode.UPDATE_AND_CREATE_TOPIC, {"topic": "CorruptGoOn", "readQueueNums": 1,
+                                                                           "writeQueueNums": 1, "perm": 6})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(b.namesrv, "PG_corrupt_go_on") as producer:
+        for i in range(2):
+            await producer.send("CorruptGoOn", b"before-%d" % i)
+        victim = await producer.send("CorruptGoOn", b"victim-body")
+        for i in range(2):
+            await producer.send("CorruptGoOn", b"after-%d" % i)
+    await _fill(b)
+    assert b.stop() == 0
+    _flip_body(tmp_path / "store", decode_offset_msg_id(victim.offset_msg_id)[2])
+
+    b = broker_factory(*FLAGS)
+    seen: list[bytes] = []
+    got = asyncio.Event()
+
+    def listener(msg):
+        seen.append(msg.body)
+        got.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(b.namesrv, "CG_corrupt_go_on", listener, consume_from="first",
+                            offset_commit_interval_s=0.2, suspend_ms=1000)
+    consumer.subscribe("CorruptGoOn")
+    await consumer.start()
+    try:
+        mq = MessageQueue("CorruptGoOn", "broker-a", 0)
+        async with asyncio.timeout(30):
+            while len(seen) < 2:
+                got.clear()
+                await got.wait()
+            while await consumer.client.fetch_offset(mq) != 2:     # committed: the group exists on the broker
+                await asyncio.sleep(0.05)
+        _, error = await _pull_all(b, mq, group="CG_corrupt_go_on")
+        command = re.search(r"python -m broker admin (reset-offset .*)$", error or "")
+        assert command, error
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "broker", "admin", "--broker",
+                                                        b.broker, *shlex.split(command.group(1))],
+                                       cwd=REPO, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stdout + done.stderr
+        async with asyncio.timeout(30):
+            while len(seen) < 4:
+                got.clear()
+                await got.wait()
+        assert seen == [b"before-0", b"before-1", b"after-0", b"after-1"], seen
+    finally:
+        await consumer.shutdown()
     assert b.stop() == 0
