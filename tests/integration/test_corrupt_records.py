@@ -127,7 +127,12 @@ async def test_a_corrupt_body_is_not_pulled_viewed_or_found_by_key(broker_factor
                                                                   "maxNum": 32, "beginTimestamp": 0,
                                                                   "endTimestamp": 2**62})
     assert found.code == ResponseCode.SYSTEM_ERROR and "corrupt" in (found.remark or ""), found.remark
-    for read in ("pull", "view by id", "query"):
+    back = await _request(b.broker, RequestCode.CONSUMER_SEND_MSG_BACK, {"offset": phys, "group": "CG_corrupt",
+                                                                          "delayLevel": 0,
+                                                                          "originMsgId": victim.msg_id,
+                                                                          "originTopic": "Corrupt"})
+    assert back.code == ResponseCode.SYSTEM_ERROR and "corrupt" in (back.remark or ""), back.remark
+    for read in ("pull", "view by id", "query", "send back"):
         assert await asyncio.to_thread(_corrupt_count, b, read) == 1, read
     assert b.stop() == 0
     segment = f"{phys - phys % SEG:020d}"
