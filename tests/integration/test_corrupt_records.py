@@ -268,35 +268,37 @@ def _op_records(store_dir) -> list[tuple[int, bytes]]:
     return out
 
 
-async def test_an_op_record_whose_body_went_bad_decides_nothing(broker_factory, tmp_path):
+@pytest.mark.parametrize("committed", [0, 1])
+async def test_an_op_record_whose_body_went_bad_decides_its_own_transaction(broker_factory, tmp_path, committed):
     """An op record's body is the half's queue offset. Rebuilt from the log (no snapshot), a COMMIT op whose
-    "0" was flipped to "1" decided the other transaction: it was never checked again, its message never
-    reached its topic, and nothing said so. The damaged op is passed over (logged, counted) instead."""
+    digit was flipped decided the other transaction: never checked again, its message never reached its topic.
+    Passed over instead, the committed one was pending again when an older one was undecided (the half queue's
+    progress before it): its producer's COMMIT answer to the next check committed it twice. The op's TXMQ_HALF
+    property (outside the body) still names its half, whose own record gives the queue offset."""
     b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
 
-    class CommitFirst(_Unknown):
+    class CommitOne(_Unknown):
         calls = 0
 
         def execute_local_transaction(self, msg, arg):
-            CommitFirst.calls += 1
-            return S.COMMIT_MESSAGE if CommitFirst.calls == 1 else S.UNKNOW
+            CommitOne.calls += 1
+            return S.COMMIT_MESSAGE if CommitOne.calls == committed + 1 else S.UNKNOW
 
-    async with TransactionProducer(b.namesrv, "PG_corrupt_op", CommitFirst()) as producer:
-        first = await producer.send_in_transaction("TxCorruptOp", b"committed")
-        second = await producer.send_in_transaction("TxCorruptOp", b"undecided")
-    assert (first.send_result.queue_offset, second.send_result.queue_offset) == (0, 1)
+    async with TransactionProducer(b.namesrv, f"PG_corrupt_op{committed}", CommitOne()) as producer:
+        sent = [await producer.send_in_transaction("TxCorruptOp", b"tx-%d" % i) for i in range(2)]
+    assert [s.send_result.queue_offset for s in sent] == [0, 1]
     await _fill(b)
     assert b.stop() == 0
     [(pos, body)] = _op_records(tmp_path / "store")
-    assert body == b"0"
-    _flip_body(tmp_path / "store", pos)                  # "0" -> "1": the other transaction's queue offset
+    assert body == b"%d" % committed
+    _flip_body(tmp_path / "store", pos)                  # "0" <-> "1": the other transaction's queue offset
     os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")    # lost: rebuilt from the op records
 
     b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
     resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
     pending = {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
-    undecided = decode_offset_msg_id(second.send_result.offset_msg_id)[2]
-    assert undecided in pending, pending                 # still checked: its producer decides it
+    undecided = decode_offset_msg_id(sent[1 - committed].send_result.offset_msg_id)[2]
+    assert pending == {undecided}, pending               # still checked; the committed one is not, nor twice
     assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_OP_HALF_TOPIC)") == 1
     assert b.stop() == 0
 
@@ -326,39 +328,6 @@ async def test_a_master_does_not_replicate_a_corrupt_record(broker_factory, tmp_
         copied = f.read(SEG)
     assert copied[:phys].rstrip(b"\0") and not copied[phys:].strip(b"\0")     # up to it, nothing from it on
     assert f"replication: the record at commit-log offset {phys} is corrupt" in b.log()
-
-
-async def test_a_commit_op_record_whose_body_went_bad_still_decides_its_own_transaction(broker_factory, tmp_path):
-    """Passed over, a damaged COMMIT op left its transaction undecided: behind an older undecided one (the half
-    queue's progress still before it), it was pending again, and its producer's COMMIT answer to the next check
-    committed it a second time -- its message delivered twice. The op's TXMQ_HALF property (outside the body)
-    still names the half, whose own record gives the queue offset the body held."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
-
-    class CommitSecond(_Unknown):
-        calls = 0
-
-        def execute_local_transaction(self, msg, arg):
-            CommitSecond.calls += 1
-            return S.COMMIT_MESSAGE if CommitSecond.calls == 2 else S.UNKNOW
-
-    async with TransactionProducer(b.namesrv, "PG_corrupt_op2", CommitSecond()) as producer:
-        older = await producer.send_in_transaction("TxCorruptOp2", b"undecided")
-        committed = await producer.send_in_transaction("TxCorruptOp2", b"committed")
-    assert (older.send_result.queue_offset, committed.send_result.queue_offset) == (0, 1)
-    await _fill(b)
-    assert b.stop() == 0
-    [(pos, body)] = _op_records(tmp_path / "store")
-    assert body == b"1"
-    _flip_body(tmp_path / "store", pos)                  # "1" -> "0"
-    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
-
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
-    resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
-    pending = {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
-    assert pending == {decode_offset_msg_id(older.send_result.offset_msg_id)[2]}, pending
-    assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_OP_HALF_TOPIC)") == 1
-    assert b.stop() == 0
 
 
 async def test_a_consumer_stopped_at_a_corrupt_record_goes_on_with_the_command_its_error_names(broker_factory,
