@@ -45,20 +45,20 @@ async def _fill(b, topic: str = "Filler") -> None:
             await producer.send_batch(topic, [bytes(2000)] * 7)
 
 
-def _flip_body(store_dir, phys: int) -> bytes:
-    """Flip the first byte of the body of the record at ``phys``; returns the body as it was."""
+def _flip_body(store_dir, phys: int, at: int = 0, bit: int = 0x01) -> bytes:
+    """Flip ``bit`` of byte ``at`` of the body of the record at ``phys``; returns the body as it was."""
     path = os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}")
     with open(path, "r+b") as f:
         f.seek(phys % SEG)
         head = f.read(4)
         f.seek(phys % SEG)
         msg, size = decode_record(f.read(int.from_bytes(head, "big")))
-        at = phys % SEG + 88             # IPv4 hosts: the body starts at byte 88 of the record
-        f.seek(at)
-        first = f.read(1)
-        assert first == msg.body[:1]
-        f.seek(at)
-        f.write(bytes([first[0] ^ 0x01]))
+        where = phys % SEG + 88 + at     # IPv4 hosts: the body starts at byte 88 of the record
+        f.seek(where)
+        old = f.read(1)
+        assert old == msg.body[at:at + 1]
+        f.seek(where)
+        f.write(bytes([old[0] ^ bit]))
     assert len(os.listdir(os.path.join(store_dir, "commitlog"))) >= 5
     return msg.body
 
@@ -255,14 +255,14 @@ async def test_a_half_whose_body_went_bad_is_dead_lettered_without_its_copy(brok
     assert "dead letter: the record at commit-log offset" in b.log()
 
 
-def _op_records(store_dir) -> list[tuple[int, bytes]]:
-    """(offset, body) of the op records in the first segment."""
+def _op_records(store_dir, topic: str = "RMQ_SYS_TRANS_OP_HALF_TOPIC") -> list[tuple[int, bytes]]:
+    """(offset, body) of the op records (or those of another topic) in the first segment."""
     with open(os.path.join(store_dir, "commitlog", f"{0:020d}"), "rb") as f:
         data = f.read(SEG)
     out, pos = [], 0
     while int.from_bytes(data[pos + 4:pos + 8], "big", signed=True) == MESSAGE_MAGIC:
         msg, size = decode_record(data, pos)
-        if msg.topic == "RMQ_SYS_TRANS_OP_HALF_TOPIC":
+        if msg.topic == topic:
             out.append((pos, msg.body))
         pos += size
     return out
@@ -385,4 +385,47 @@ async def test_a_consumer_stopped_at_a_corrupt_record_goes_on_with_the_command_i
         assert seen == [b"before-0", b"before-1", b"after-0", b"after-1"], seen
     finally:
         await consumer.shutdown()
+    assert b.stop() == 0
+
+
+async def test_a_schedule_progress_record_whose_body_went_bad_marks_no_other_timer_delivered(broker_factory,
+                                                                                          tmp_path):
+    """Replayed from the log (delayOffset.json lost), a progress record's body says which timers went out: a
+    flipped digit there ("timers":[0] read as [1]) marked another, undelivered one as delivered, and it never
+    was -- lost without a word. A progress record whose body fails its CRC is passed over (counted, logged):
+    at worst a delivery is repeated, never dropped."""
+    b = broker_factory(*FLAGS)
+    consumer = PullConsumer(b.namesrv, "CG_corrupt_progress")
+    try:
+        async with Producer(b.namesrv, "PG_corrupt_progress") as producer:
+            await producer.send("DelayProgress", b"first", deliver_at_ms=int(time.time() * 1000) + 300)
+        bodies: list[bytes] = []
+        async with asyncio.timeout(30):
+            while b"first" not in bodies:          # delivered: its progress record says "timers":[0]
+                for q in await consumer.fetch_queues("DelayProgress"):
+                    bodies += [m.body for m in (await consumer.pull(q, 0, suspend_ms=200)).messages]
+    finally:
+        await consumer.shutdown()
+    due = int(time.time() * 1000) + 15000
+    async with Producer(b.namesrv, "PG_corrupt_progress") as producer:
+        await producer.send("DelayProgress", b"second", deliver_at_ms=due)      # timer 1
+    await _fill(b)
+    assert b.stop() == 0
+    assert time.time() * 1000 < due - 2000, "the filler took too long: the second was due before the damage"
+    [(pos, body)] = [(pos, body) for pos, body in _op_records(tmp_path / "store", "rmq_sys_schedule_progress")
+                     if b'"timers":[0]' in body]
+    _flip_body(tmp_path / "store", pos, body.index(b'"timers":[0]') + 10)      # "0" -> "1"
+    os.unlink(tmp_path / "store" / "config" / "delayOffset.json")
+
+    b = broker_factory(*FLAGS)
+    consumer = PullConsumer(b.namesrv, "CG_corrupt_progress2")
+    bodies = []
+    try:
+        async with asyncio.timeout(30):
+            while b"second" not in bodies:
+                for q in await consumer.fetch_queues("DelayProgress"):
+                    bodies += [m.body for m in (await consumer.pull(q, 0, suspend_ms=500)).messages]
+    finally:
+        await consumer.shutdown()
+    assert await asyncio.to_thread(_corrupt_count, b, "schedule recovery") == 1
     assert b.stop() == 0
