@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import shlex
@@ -331,7 +332,7 @@ async def test_a_master_does_not_replicate_a_corrupt_record(broker_factory, tmp_
 
 
 async def test_a_consumer_stopped_at_a_corrupt_record_goes_on_with_the_command_its_error_names(broker_factory,
-                                                                                             tmp_path):
+                                                                                             tmp_path, caplog):
     """A pull at a corrupt record answers SYSTEM_ERROR until the group's offset is moved past it. Its remark said
     only "move the group's offset past it", and the one tool for it, reset-offset, moved every queue of the topic
     to a time: the other queues' messages skipped or consumed again. The remark names a command that moves that
@@ -370,6 +371,9 @@ async def test_a_consumer_stopped_at_a_corrupt_record_goes_on_with_the_command_i
                 got.clear()
                 await got.wait()
             while await consumer.client.fetch_offset(mq) != 2:     # committed: the group exists on the broker
+                await asyncio.sleep(0.05)
+            # Stopped there for good: said at WARNING (it was INFO, unseen at an application's usual level).
+            while not [r for r in caplog.records if r.levelno >= logging.WARNING and "is corrupt" in r.getMessage()]:
                 await asyncio.sleep(0.05)
         _, error = await _pull_all(b, mq, group="CG_corrupt_go_on")
         command = re.search(r"python -m broker admin (reset-offset .*)$", error or "")
