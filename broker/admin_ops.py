@@ -234,6 +234,9 @@ async def reset_offset(args, call) -> int:
             return 2
         ts = fields["timestamp"] = -1
         fields.update(queueId=args.queue, offset=args.offset)
+    elif args.offset is not None:
+        print("--offset goes with --queue (one queue), not --timestamp")
+        return 2
     else:
         try:
             ts = fields["timestamp"] = parse_time(args.timestamp)

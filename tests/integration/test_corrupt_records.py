@@ -378,9 +378,14 @@ async def test_a_consumer_stopped_at_a_corrupt_record_goes_on_with_the_command_i
         _, error = await _pull_all(b, mq, group="CG_corrupt_go_on")
         command = re.search(r"python -m broker admin (reset-offset .*)$", error or "")
         assert command, error
-        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "broker", "admin", "--broker",
-                                                        b.broker, *shlex.split(command.group(1))],
-                                       cwd=REPO, capture_output=True, text=True, timeout=30)
+        def admin(*args):
+            return subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, *args],
+                                  cwd=REPO, capture_output=True, text=True, timeout=30)
+
+        done = await asyncio.to_thread(admin, "reset-offset", "CG_corrupt_go_on", "CorruptGoOn", "--timestamp", "now",
+                                       "--offset", "3")
+        assert done.returncode == 2 and "--offset goes with --queue" in done.stdout, done.stdout + done.stderr
+        done = await asyncio.to_thread(admin, *shlex.split(command.group(1)))
         assert done.returncode == 0, done.stdout + done.stderr
         async with asyncio.timeout(30):
             while len(seen) < 4:
