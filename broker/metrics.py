@@ -191,7 +191,7 @@ class BrokerMetrics:
                                           registry=r)
         self.schedule_dropped = Counter("txmq_schedule_dropped", "Scheduled messages passed over because they "
                                         "cannot be delivered (each logged), by reason: removed (by retention "
-                                        "before delivery), undecodable (a damaged record), no_destination.",
+                                        "before delivery), undecodable (a damaged record), corrupt (its body fails its CRC), no_destination.",
                                         ["reason"], registry=r)
         self.schedule_delivered_late = Counter("txmq_schedule_delivered_late", "Scheduled messages delivered "
                                                "more than 1 s after they were due.", registry=r)
@@ -388,6 +388,10 @@ class BrokerMetrics:
         """The store's disk watermark state (a store/disk.py DiskMonitor), read at scrape time."""
         self.registry.register(_DiskCollector(disk))
 
+    def add_corrupt_collector(self, store) -> None:
+        """Records the store's reads found failing their body CRC (MessageStore.corrupt), read at scrape time."""
+        self.registry.register(_CorruptCollector(store))
+
     # ------------------------------------------------------------- snapshots
     def snapshot(self, connections: int, lag: list[dict]) -> dict:
         requests = {}
@@ -428,6 +432,22 @@ class _Constant:
 
     def describe(self):
         return list(self.families)
+
+
+class _CorruptCollector:
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        family = CounterMetricFamily("txmq_store_corrupt_records", "Commit-log records found failing their body "
+                                     "CRC when read (damaged on disk; each logged with segment and byte), by the "
+                                     "read that met them: not served, not copied.", labels=["read"])
+        for read, n in list(self.store.corrupt.items()):
+            family.add_metric([read], n)
+        yield family
+
+    def describe(self):
+        return list(self.collect())
 
 
 class _DiskCollector:

@@ -120,6 +120,7 @@ class BrokerServer:
                                                     flush_interval_ms=c.flush_interval_ms,
                                                     max_message_size=c.max_message_size + 64 * 1024,
                                                     truncate_corrupt_tail=c.truncate_corrupt_tail,
+                                                    verify_all_reads=c.verify_all_reads,
                                                     disk_refuse_ratio=c.disk_refuse_ratio),
                              clock=self.clock, tag_rule=levels.consume_queue_tag)
         ctx.store = store
@@ -270,6 +271,7 @@ class BrokerServer:
                               "Transaction decisions whose decision-table file could not be made (a full disk): "
                               "answered from memory until it can.", [], snap("decisions_waiting"))
         m.add_disk_collector(ctx.store.disk)
+        m.add_corrupt_collector(ctx.store)
         m.add_gauge_collector("txmq_ha_slave_lag_bytes", "Replication lag in bytes: on a master, its log end less "
                               "the furthest offset a slave acknowledged; on a slave, what the master last sent "
                               "less what is stored here (absent without replication).", [], snap("ha_lag"))

@@ -49,6 +49,7 @@ _SIZE_MAGIC = struct.Struct(">ii")
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 _I16 = struct.Struct(">h")
+_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)
 _PROGRESS = struct.Struct(">qI")
 PROGRESS_FILE = "progress"
 PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page dirtied since the last (under
@@ -422,21 +423,32 @@ class IndexService:
                 if magic == BLANK_MAGIC:
                     at = -1
                     break
-                if magic != MESSAGE_MAGIC or size < 91:
-                    log.warning("index catch-up: no record at offset %d; stopping the scan there", pos + at)
-                    self.covered = max(self.covered, hi)
-                    self._flush(items)
-                    return True
+                here = pos + at
+                if (magic != MESSAGE_MAGIC or size < 91 or here + size > start + self.seg_size
+                        or (at + 36 <= len(chunk) and _I64.unpack_from(chunk, at + 28)[0] != here)):
+                    # A damaged record head. Stopping the scan here (once with only a WARNING) left every sound
+                    # record after it out of the index; a size past the segment re-read it for ever. Go on
+                    # from the next record that is where it says it is.
+                    nxt = self._next_record(here, min(hi, start + self.seg_size))
+                    log.error("index catch-up: commit log segment %020d byte %d holds no record (magic %#x, size %d)"
+                              "; %s", start, here - start, magic & 0xFFFFFFFF, size,
+                              f"{nxt - here} bytes passed over, indexing on from byte {nxt - start}"
+                              if nxt is not None else "no record after it in this segment is indexed")
+                    at = -1 if nxt is None else nxt - pos
+                    break
                 if at + size > len(chunk):
                     if at == 0:         # a record larger than the chunk
                         chunk = self._pread(start, pos - start, size)
-                        if len(chunk) < size:
+                        if len(chunk) < size:   # the file ends inside it: at 0, ``break`` re-read it for ever
+                            log.error("index catch-up: commit log segment %020d ends inside the record at byte %d; "
+                                      "the rest of the segment is not indexed", start, here - start)
+                            at = -1
                             break
                     else:
                         break
                 self._collect(items, chunk, at, pos + at)
                 at += size
-            if at < 0:
+            if at < 0:          # an end marker, or damage with no record after it in the segment
                 pos = start + self.seg_size
             else:
                 pos += at
@@ -444,6 +456,24 @@ class IndexService:
             self._flush(items)
         self.covered = max(self.covered, hi)
         return True
+
+    def _next_record(self, bad: int, hi: int) -> int | None:
+        """The first offset in (bad, hi) of the same segment where a record head says it lies there (MESSAGE
+        magic, its PHYSICALOFFSET field = where it is); None if there is none."""
+        start = bad - bad % self.seg_size
+        at = bad + 1
+        while at + 36 <= hi:
+            chunk = self._pread(start, at - start, min(_CHUNK, hi - at))
+            if len(chunk) < 36:
+                return None
+            find = chunk.find(_MAGIC_BYTES, 4)
+            while find >= 0 and find + 32 <= len(chunk):
+                cand = at + find - 4
+                if _I64.unpack_from(chunk, find + 24)[0] == cand:
+                    return cand
+                find = chunk.find(_MAGIC_BYTES, find + 1)
+            at += max(1, len(chunk) - 36)       # overlap: a head cut by the chunk's end is found in the next
+        return None
 
     def _read(self, phy: int, size: int):
         start = phy - phy % self.seg_size

@@ -16,6 +16,7 @@ from broker.store.mapped_file import fsync_dir
 from broker.store.saved import crc_matches, with_crc
 from protocol.errors import StoreError
 from protocol.message import Prop, decode_record
+from protocol.record import body_crc_ok
 
 from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
@@ -29,12 +30,17 @@ PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue prog
 SNAPSHOT_VERSION = 1
 
 
-def scan(store, topic: str, start: int | None = None):
-    """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end."""
+def scan(store, topic: str, start: int | None = None, check_body: bool = False):
+    """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end.
+
+    ``check_body``: a record whose body fails its CRC (counted and logged by the store) is yielded with an empty
+    body. An op record's body is the half's queue offset: a flipped digit there recorded the decision against
+    another transaction; the caller takes it from the half its TXMQ_HALF property names instead."""
     offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
     end = store.max_offset(topic, 0)
     while offset < end:
-        got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None)
+        # (bodies unchecked: the index needs only the records' properties; a commit checks the half's body)
+        got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None, verify=False)
         if got.status is GetStatus.QUEUE_DAMAGED:      # stopping here would forget the transactions after it
             raise StoreError(f"consume queue {topic}-0 is damaged at offset {offset} (see the log): it is marked "
                              "to be rebuilt from the commit log; start the broker again")
@@ -44,7 +50,11 @@ def scan(store, topic: str, start: int | None = None):
             offset = got.next_begin_offset
             continue
         for buf in got.buffers:
-            yield decode_record(buf)[0]
+            msg = decode_record(buf)[0]
+            if check_body and not body_crc_ok(buf):
+                store.corrupt_record(msg.physical_offset, f"transaction recovery ({topic})")
+                msg.body = b""
+            yield msg
         offset = got.next_begin_offset
 
 
@@ -127,7 +137,7 @@ async def recover(tx) -> None:
             checks[off] = n
         owners = _owners(snap)
     resumed_floor = None
-    for msg in scan(store, OP_TOPIC, op_from):
+    for msg in scan(store, OP_TOPIC, op_from, check_body=True):
         op = parse_op(msg)
         if op is None:
             continue
@@ -135,14 +145,19 @@ async def recover(tx) -> None:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
             if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
                 owners[op.half_offset] = op.owner
-        elif op.op == RESUME:
-            tx.record(op.half_queue_offset, None)
+            continue
+        q = op.half_queue_offset
+        if q < 0:       # its body was damaged (scan emptied it): the half TXMQ_HALF names says it
+            q = tx._half_queue_offset(op.half_offset)
+            if q is None:
+                continue
+        if op.op == RESUME:
+            tx.record(q, None)
             undecided.add(op.half_offset)
             checks[op.half_offset] = 0
-            resumed_floor = op.half_queue_offset if resumed_floor is None else min(resumed_floor,
-                                                                                   op.half_queue_offset)
+            resumed_floor = q if resumed_floor is None else min(resumed_floor, q)
         elif op.op in (COMMIT, ROLLBACK, DEAD):
-            tx.record(op.half_queue_offset, op.op)
+            tx.record(q, op.op)
             undecided.discard(op.half_offset)
     repaired = await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.

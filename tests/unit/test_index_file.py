@@ -314,3 +314,31 @@ async def test_a_stop_during_the_catch_up_ends_it_and_the_next_start_finishes_it
     assert len(found) == 1 and len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 64
     await svc.close()
     await store.close()
+
+
+@pytest.mark.parametrize("field, value", [(4, b"\0\0\0\0"), (0, struct.pack(">i", 0x7FFFFF00))],
+                         ids=["magic", "size"])
+async def test_catch_up_indexes_the_sound_records_after_a_damaged_one(tmp_path, caplog, field, value):
+    """The catch-up stopped at a record whose head was damaged (a WARNING, and every later record of the range
+    left out of the index: queries by key found nothing); a size past the segment re-read the record for ever.
+    It goes on from the next record now, and says where at ERROR."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    put = [await store.put(PutRequest.build("T", b"x" * 100, properties={"KEYS": f"k{i} shared"}))
+           for i in range(100)]
+    bad = put[5].physical_offset
+    seg = store.config.segment_size
+    assert put[-1].physical_offset >= seg            # the damage is mid-range: sound records follow it
+    with open(os.path.join(tmp_path, "commitlog", f"{bad - bad % seg:020d}"), "r+b") as fh:
+        fh.seek(bad % seg + field)
+        fh.write(value)
+    caplog.set_level(logging.WARNING, "txmq.index")
+    svc = await _service(tmp_path, store)               # no index yet: it catches up over the whole log
+    found, _, _ = await asyncio.wait_for(svc.query("T", "shared", 64, 0, 2**62), 10)
+    more, _, _ = await asyncio.wait_for(svc.query("T", "k99", 64, 0, 2**62), 10)
+    assert more == [put[99].physical_offset] and bad not in found and len(found) == 64
+    assert (await svc.query("T", "k6", 64, 0, 2**62))[0] == [put[6].physical_offset]
+    assert any(r.levelno == logging.ERROR and "byte" in r.getMessage() and "indexing on from byte" in r.getMessage()
+               for r in caplog.records)
+    await svc.close()
+    await store.close()
