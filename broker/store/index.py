@@ -439,15 +439,19 @@ class IndexService:
                 if at + size > len(chunk):
                     if at == 0:         # a record larger than the chunk
                         chunk = self._pread(start, pos - start, size)
-                        if len(chunk) < size:   # the file ends inside it: at 0, ``break`` re-read it for ever
-                            log.error("index catch-up: commit log segment %020d ends inside the record at byte %d; "
-                                      "the rest of the segment is not indexed", start, here - start)
-                            at = -1
+                        if len(chunk) < size:   # the file ends inside it (below)
                             break
                     else:
                         break
                 self._collect(items, chunk, at, pos + at)
                 at += size
+            if at == 0:
+                # No record read from a chunk that is not empty: the file ends inside a record (cut short; every
+                # segment is preallocated whole, and ends with an end marker). Read again from here for ever,
+                # the index thread spinning and every query waiting.
+                log.error("index catch-up: commit log segment %020d ends inside the record at byte %d; the rest "
+                          "of the segment is not indexed", start, pos - start)
+                at = -1
             if at < 0:          # an end marker, or damage with no record after it in the segment
                 pos = start + self.seg_size
             else:

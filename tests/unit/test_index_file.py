@@ -342,3 +342,25 @@ async def test_catch_up_indexes_the_sound_records_after_a_damaged_one(tmp_path, 
                for r in caplog.records)
     await svc.close()
     await store.close()
+
+
+async def test_catch_up_ends_at_a_segment_file_cut_inside_a_record(tmp_path, caplog):
+    """A segment file that ends inside a record (cut short by damage, not preallocated any more): the catch-up
+    re-read that record from the same place for ever (the index thread spinning, every query waiting). It
+    indexes what lies before the cut, says where it stopped at ERROR, and goes on with the next segment."""
+    store = await _store_with(tmp_path, 100)
+    seg = store.config.segment_size
+    lo, hi = store.min_physical_offset, store.max_physical_offset
+    await store.close()
+    assert hi > seg                                   # a second segment follows the cut one
+    path = os.path.join(tmp_path, "commitlog", f"{0:020d}")
+    cut_at = 2 * 4096 + 17                            # inside some record of the first segment
+    os.truncate(path, cut_at)
+    caplog.set_level(logging.WARNING, "txmq.index")
+    svc = IndexService(str(tmp_path), segment_size=seg, slots=SLOTS, entries=ENTRIES)
+    await svc.open(lo, hi)
+    last, _, _ = await asyncio.wait_for(svc.query("T", "k99", 64, 0, 2**62), 10)     # in the next segment
+    first, _, _ = await asyncio.wait_for(svc.query("T", "k0", 64, 0, 2**62), 10)     # before the cut
+    assert len(last) == 1 and len(first) == 1
+    assert any(r.levelno == logging.ERROR and "ends inside the record" in r.getMessage() for r in caplog.records)
+    await svc.close()
