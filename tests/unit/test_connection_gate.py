@@ -78,7 +78,8 @@ async def test_a_connection_refused_on_accept_costs_no_walk_of_the_client_tables
 
     server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), max_connections_per_host=1))
     walks = []
-    server.ctx = SimpleNamespace(holds=None, tx=None, clients=SimpleNamespace(connection_closed=lambda c: walks.append(c) or []))
+    server.ctx = SimpleNamespace(holds=None, tx=None,
+                                 clients=SimpleNamespace(connection_closed=lambda c: walks.append(c) or []))
     admitted, refused = server._connection("broker", {}), server._connection("broker", {})
     admitted.connection_made(_Transport(1))
     refused.connection_made(_Transport(2))
