@@ -817,3 +817,35 @@ async def test_a_diverged_slaves_comparison_start_acknowledges_no_send(broker_fa
             slave_a.proc.send_signal(signal.SIGCONT)
     statuses = [r.status for r in results]
     assert SendStatus.SEND_OK not in statuses, (statuses, master.log()[-2000:])
+
+
+async def test_a_group_name_ending_in_the_separator_does_not_stop_the_slaves_offset_copy(tmp_path):
+    """Group names are not checked: one ending in "@" is keyed "<topic>@<group>@" in the master's table. The
+    slave read that key as damage and refused the master's whole body, every interval: it copied no group's
+    offsets at all (said once in its log), and after a fail-over every group went back to its consume-from
+    setting. The key is read as the store's loader reads it (an empty group part), and the copy goes on."""
+    started = []
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-at", started, "--slave-sync-interval-ms", "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_at") as producer:
+                mq = await _until_replicating(producer)
+            for group, offset in (("CG_odd@", 1), ("CG_plain", 17)):
+                async with PullConsumer(ns.addr, group) as consumer:
+                    await consumer.fetch_queues(TOPIC)
+                    await consumer.commit_offset(mq, offset)
+            query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_plain", "topic": TOPIC, "queueId": mq.queue_id})
+            pool = ConnectionPool()
+            try:
+                while True:                                     # copied within a few sync intervals
+                    assert "consumer offsets not copied" not in slave.log(), slave.log()
+                    resp = await pool.request(slave.broker, query, 3.0)
+                    if resp.code == ResponseCode.SUCCESS and resp.int_field("offset") == 17:
+                        break
+                    await asyncio.sleep(0.1)
+            finally:
+                await pool.close()
+    finally:
+        for p in reversed(started):
+            p.kill()
