@@ -12,6 +12,7 @@ from producer import Producer, SendStatus
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
+from protocol.errors import BrokerError
 from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
@@ -258,3 +259,61 @@ async def test_a_consumer_group_past_max_subscription_bytes_is_not_joined(broker
         assert await _consumers(client, "G_big") == []
     finally:
         client.close()
+
+
+def _scheduled_waiting(broker) -> float:
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "txmq_schedule_messages_waiting")
+
+
+async def _until_forgotten(client: RawClient, group: str) -> None:
+    for _ in range(200):        # the broker forgets a closed connection's groups when it sees it close
+        if await _consumers(client, group) == []:
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail(f"group {group} is still listed")
+
+
+async def test_a_retry_topic_reclaimed_while_its_retry_waits_delivers_it_when_the_group_is_back(broker_factory):
+    """A %RETRY% topic is empty while its group's delayed retry waits in SCHEDULE_TOPIC_XXXX, so the sweep at
+    max_retry_groups may forget it then. The retry is still delivered to it when due, and the group's
+    consumer gets it once it is back."""
+    from consumer import PullConsumer
+    levels = " ".join(["3s"] * 18)      # the sweep comes well inside the retry's delay
+    broker = broker_factory("--max-retry-groups", "2", "--message-delay-level", levels)
+    probe = await RawClient.open(broker.broker)
+    others = await RawClient.open(broker.broker)
+    try:
+        async with asyncio.timeout(60):
+            async with Producer(broker.namesrv, "PG_reclaimed") as producer:
+                sent = await producer.send("T", b"retried later")
+            async with PullConsumer(broker.namesrv, "G_away") as consumer:
+                await consumer.subscribe("T")
+                [msg] = (await consumer.pull(sent.queue, sent.queue_offset, max_nums=1)).messages
+                await consumer.send_back(sent.queue, msg, delay_level=1)
+            await _until_forgotten(probe, "G_away")
+            assert _scheduled_waiting(broker) == 1
+            assert (await _call(others, R.HEART_BEAT, _heartbeat("others", "G1", "G2"))).code == C.SUCCESS
+            assert await _retry_topics(probe) == {"%RETRY%G1", "%RETRY%G2"}       # G_away's was reclaimed
+            assert _scheduled_waiting(broker) == 1                                # before its retry was due
+            others.close()
+            await _until_forgotten(probe, "G1")
+            while _scheduled_waiting(broker):
+                await asyncio.sleep(0.1)
+            async with PullConsumer(broker.namesrv, "G_away") as consumer:
+                await consumer.subscribe("T")
+                while True:         # the heartbeat makes the topic again (a sweep is at most once a second)
+                    try:
+                        [retry_mq] = await consumer.fetch_queues("%RETRY%G_away")
+                        break
+                    except BrokerError:
+                        await asyncio.sleep(0.2)
+                        await consumer.heartbeat()
+                got = await consumer.pull(retry_mq, 0, max_nums=8)
+        assert [m.body for m in got.messages] == [b"retried later"], broker.log()
+    finally:
+        probe.close()
+        others.close()
