@@ -106,7 +106,6 @@ def runtime_info(ctx) -> dict[str, str]:
     store, disk = ctx.store, ctx.store.disk
     now = ctx.clock()
     up = max(0, now - ctx.started_ms) // 1000
-    earliest = [t for t in (store.earliest_store_time(t, q) for t, q in store.queues()) if t > 0]
     index = ctx.index.stats() if ctx.index is not None else None
     puts = sum(n for n, _b in ctx.metrics._in.values()) if hasattr(ctx.metrics, "_in") else 0
     info = {
@@ -120,7 +119,7 @@ def runtime_info(ctx) -> dict[str, str]:
         "commitLogDirCapacity": f"Total : {human_bytes(disk.total_bytes)}, Free : {human_bytes(disk.free_bytes)}.",
         "remainHowManyDataToFlush": human_bytes(store.max_physical_offset - store.flushed_offset),
         "dispatchBehindBytes": str(max(0, store.max_physical_offset - index["covered"]) if index else 0),
-        "earliestMessageTimeStamp": str(min(earliest) if earliest else -1),
+        "earliestMessageTimeStamp": str(store.earliest_message_time()),
         "startAcceptSendRequestTimeStamp": "0",
         "txmqTopics": str(len(ctx.topics.topics)),
         "txmqConsumerGroups": str(len(ctx.clients.consumers)),

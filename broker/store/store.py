@@ -632,6 +632,12 @@ class MessageStore:
             log.error("checkpoint after deleting topic %s failed: %s", topic, exc)
         return len(gone)
 
+    def earliest_message_time(self) -> int:
+        """Store time of the commit log's first record, -1 when there is none (RocketMQ's getEarliestMessageTime:
+        one record read, whatever the number of queues)."""
+        view = self._log.record(self._log.min_offset)
+        return -1 if view is None else store_timestamp_at(view, 0)
+
     def earliest_store_time(self, topic: str, queue_id: int) -> int:
         """Store time of the message at the queue's min offset; -1 if there is none."""
         cq = self._cqs.get((topic, queue_id))

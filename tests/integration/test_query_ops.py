@@ -331,3 +331,20 @@ async def test_admin_delete_group_refuses_a_group_with_connected_consumers(broke
             == ResponseCode.TOPIC_NOT_EXIST                    # made by the first dead letter, as before
     finally:
         live.close()
+
+
+async def test_runtime_info_earliest_time_is_the_commit_logs_first_message(broker_factory):
+    """earliestMessageTimeStamp is the store time of the commit log's first record (RocketMQ's
+    getEarliestMessageTime reads that one record). The broker read the head of every queue instead (60-80 ms on
+    the loop with 4,000 queues), which also missed a first message whose topic was deleted since."""
+    b = broker_factory()
+    async with Producer(b.namesrv, "PG_earliest") as producer:
+        sent = await producer.send("Early", b"first")
+    async with PullConsumer(b.namesrv, "CG_earliest") as consumer:
+        await consumer.fetch_queues("Early")
+        [first] = (await consumer.pull(sent.queue, sent.queue_offset, max_nums=1)).messages
+    assert (await _request(b, R.DELETE_TOPIC_IN_BROKER, {"topic": "Early"})).code == ResponseCode.SUCCESS
+    info = await _request(b, R.GET_BROKER_RUNTIME_INFO)
+    table = json.loads(info.body_bytes())["table"]
+    assert table["commitLogMinOffset"] == "0" and sent.offset_msg_id.endswith("0" * 16)    # the log's first
+    assert table["earliestMessageTimeStamp"] == str(first.store_timestamp)
