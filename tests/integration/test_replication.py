@@ -839,7 +839,7 @@ async def test_a_group_name_ending_in_the_separator_does_not_stop_the_slaves_off
             pool = ConnectionPool()
             try:
                 while True:                                     # copied within a few sync intervals
-                    assert "consumer offsets not copied" not in slave.log(), slave.log()
+                    assert "body is not usable" not in slave.log(), slave.log()     # (a slow answer may go)
                     resp = await pool.request(slave.broker, query, 3.0)
                     if resp.code == ResponseCode.SUCCESS and resp.int_field("offset") == 17:
                         break
@@ -849,3 +849,4 @@ async def test_a_group_name_ending_in_the_separator_does_not_stop_the_slaves_off
     finally:
         for p in reversed(started):
             p.kill()
+
