@@ -52,6 +52,13 @@ log = logging.getLogger("txmq.server")
 LAG_SLICE = 4096        # consumer offsets summed between two turns of the loop (the lag gauge)
 
 
+class _HAPeer:
+    """An HA connection as ConnectionGate counts one (its remote address)."""
+
+    def __init__(self, peer):
+        self.peer = peer
+
+
 class BrokerServer:
     def __init__(self, config: BrokerConfig, clock=wall_clock_ms):
         self.config = config
@@ -205,7 +212,21 @@ class BrokerServer:
             return ""
         if ctx.ha is None:
             return ""
-        srv = await asyncio.start_server(ctx.ha.serve, c.host, c.ha_port)
+        # Held to the client listeners' caps: each connection is a link the master streams its whole log to.
+        gate = ConnectionGate(c.max_connections, c.max_connections_per_host, log, "ha listener")
+
+        async def serve(reader, writer):
+            peer = _HAPeer(writer.get_extra_info("peername") or ("?", 0))
+            why = gate.admit(peer)
+            if why is not None:
+                self.metrics.refused.labels(why).inc()
+                writer.close()
+                return
+            try:
+                await ctx.ha.serve(reader, writer)
+            finally:
+                gate.release(peer)
+        srv = await asyncio.start_server(serve, c.host, c.ha_port)
         self._servers.append(srv)
         return f"{c.public_host}:{srv.sockets[0].getsockname()[1]}"
 

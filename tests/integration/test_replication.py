@@ -850,3 +850,31 @@ async def test_a_group_name_ending_in_the_separator_does_not_stop_the_slaves_off
         for p in reversed(started):
             p.kill()
 
+
+async def test_one_address_cannot_take_every_ha_connection(broker_factory):
+    """The client listeners hold one address to max_connections_per_host; the HA listener took any number, each
+    connection a link the master streams its log to. Past the cap a connection is now closed on accept."""
+    from broker.ha.codec import HEADER, encode_offset
+
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "200",
+                            "--max-connections-per-host", "2")
+    host, _, port = master.ha.rpartition(":")
+    streams = []
+    try:
+        async with asyncio.timeout(20):
+            for _ in range(3):
+                streams.append(await asyncio.open_connection(host, int(port)))
+            answers = []
+            for reader, writer in streams:
+                writer.write(encode_offset(0))          # a new slave: from the start
+                try:
+                    answers.append(len(await reader.readexactly(HEADER.size)))
+                except asyncio.IncompleteReadError as exc:
+                    answers.append(len(exc.partial))
+                except ConnectionResetError:            # closed with our report unread
+                    answers.append(0)
+        assert answers == [HEADER.size, HEADER.size, 0], answers      # the third: closed on accept
+    finally:
+        for _reader, writer in streams:
+            writer.close()
+    assert "ha listener: refusing" in master.log()
