@@ -51,6 +51,7 @@ class Origin(Enum):
     ADMIN = "admin"              # txmq admin resolve
     MAX_CHECKS = "max-checks"    # the core itself, after transaction_check_max checks
     EXPIRY = "expiry"            # retention: the half's segment is going (a reason is given)
+    DAMAGE = "damage"            # the half's record is damaged: it cannot be checked (a reason is given)
 
 
 @dataclass(slots=True, eq=False)

@@ -46,6 +46,8 @@ from .decisions import DecisionTable
 from .records import COMMIT, DEAD, DEAD_TOPIC, RESUME, ROLLBACK, RecordFactory
 from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 
+CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
+
 log = logging.getLogger("txmq.transaction")
 
 Pending = Tx                            # the name the rest of the broker and the tests know
@@ -609,6 +611,35 @@ class TransactionService:
                 self.core.dead_letter_failed(action.tx, now)
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
+        sound, damaged = [], []
+        for action in batch:
+            try:
+                self.ctx.store.verified_record(action.tx.half_offset, "transaction check")
+                sound.append(action)
+            except CorruptRecordError:
+                damaged.append(action.tx)
+                self.core.check_written(action.tx, now, False)     # back on the schedule, no check spent
+        if sound:
+            await self._write_and_send_checks(sound, now)
+        for tx in damaged:
+            await self._dead_letter_damaged(tx)
+
+    async def _dead_letter_damaged(self, tx: Tx) -> None:
+        """A check carries the half's body to the producer, which decides on it: a half whose body no longer
+        matches its CRC (damaged on disk after it was stored; start-up verifies only the newest segments) is
+        never sent as if it were the message the producer sent (the store counted and logged it). It is
+        dead-lettered (the op record alone: see _decision_records) with its reason, counted in
+        txmq_transaction_dead_letters_total{reason="corrupt-half"}; a refused write leaves it due again."""
+        log.error("transaction %s (group %s, topic %s, half %d) not checked: its half is corrupt; dead-lettering it",
+                  tx.uniq_key, tx.group, tx.topic, tx.half_offset)
+        try:
+            await self.decide(tx.half_offset, DEAD, reason=CORRUPT_HALF, origin=Origin.DAMAGE)
+        except DecisionError as err:        # decided meanwhile, or the store refused: said, and due again
+            log.error("transaction at %d (damaged half) not dead-lettered: %s", tx.half_offset, err.remark)
+        except Exception:  # noqa: BLE001 - the other transactions of the pass go on
+            log.exception("transaction at %d (damaged half) not dead-lettered", tx.half_offset)
+
+    async def _write_and_send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
         try:
             results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks,

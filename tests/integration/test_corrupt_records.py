@@ -239,7 +239,7 @@ async def test_a_half_whose_body_went_bad_is_dead_lettered_without_its_copy(brok
                        "--transaction-check-max", "2")
     async with TransactionProducer(b.namesrv, "PG_corrupt_dead", _Unknown()):
         async with asyncio.timeout(30):
-            while await _pending(b):                    # checked twice, then dead-lettered
+            while await _pending(b):                    # dead-lettered, never checked (its body is bad)
                 await asyncio.sleep(0.05)
     assert await asyncio.to_thread(_corrupt_count, b, "dead letter") == 1
     consumer = PullConsumer(b.namesrv, "CG_corrupt_dead")
@@ -255,6 +255,41 @@ async def test_a_half_whose_body_went_bad_is_dead_lettered_without_its_copy(brok
     assert b.stop() == 0
     assert "dead letter: the record at commit-log offset" in b.log()
 
+
+def _dead_letters(b, reason: str) -> float:
+    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("txmq_transaction_dead_letters_total{") and f'reason="{reason}"' in line)
+
+
+async def test_a_half_whose_body_went_bad_is_not_sent_in_a_check(broker_factory, tmp_path):
+    """A check carries the half's body to the producer, which decides on it (a stock listener reads the body):
+    the flipped byte went out as the message the producer sent. No check is sent now, none is spent: the
+    transaction is dead-lettered at once with its reason."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_corrupt_check", _Unknown()) as producer:
+        sent = await producer.send_in_transaction("TxCorruptCheck", b"pay 100 to alice")
+    await _fill(b)
+    assert b.stop() == 0
+    _flip_body(tmp_path / "store", decode_offset_msg_id(sent.send_result.offset_msg_id)[2])
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "15")
+    checked = []
+
+    class Listener(_Unknown):
+        async def check_local_transaction(self, msg):
+            checked.append(msg.body)
+            return S.COMMIT_MESSAGE
+    async with TransactionProducer(b.namesrv, "PG_corrupt_check", Listener()):
+        async with asyncio.timeout(30):
+            while await _pending(b) and not checked:
+                await asyncio.sleep(0.05)
+    assert checked == []
+    assert await asyncio.to_thread(_corrupt_count, b, "transaction check") == 1
+    assert await asyncio.to_thread(_dead_letters, b, "corrupt-half") == 1
+    assert b.stop() == 0
+    assert "not checked: its half is corrupt; dead-lettering it" in b.log()
 
 def _op_records(store_dir, topic: str = "RMQ_SYS_TRANS_OP_HALF_TOPIC") -> list[tuple[int, bytes]]:
     """(offset, body) of the op records (or those of another topic) in the first segment."""
