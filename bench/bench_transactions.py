@@ -170,6 +170,8 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")      # utime + stime
 
 
+
+
 def compare(args) -> None:
     import statistics
     repos = {"this": REPO, "baseline": args.baseline.resolve()}
