@@ -123,7 +123,9 @@ class Broker:
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         buf, deadline = b"", time.monotonic() + 30
-        while b"\n" not in buf and time.monotonic() < deadline and sel.select(1):
+        while b"\n" not in buf and time.monotonic() < deadline:
+            if not sel.select(1):       # quiet for a second (a loaded machine): wait on, up to the deadline
+                continue
             chunk = os.read(self.proc.stdout.fileno(), 4096)
             if not chunk:
                 break

@@ -4,7 +4,8 @@
     python -m broker admin commit OFFSET | rollback OFFSET | resume OFFSET
     python -m broker admin apply-expiry PLAN.json
     python -m broker admin query-key TOPIC KEY | show-msg ID | consumer-progress GROUP
-    python -m broker admin reset-offset GROUP TOPIC --timestamp T | topic-status TOPIC | broker-status
+    python -m broker admin reset-offset GROUP TOPIC (--timestamp T | --queue Q --offset N)
+    python -m broker admin topic-status TOPIC | broker-status
 
 The last six find messages and operate consumers (broker/admin_ops.py; ``--json`` on each).
 

@@ -5,6 +5,7 @@
     consumer-progress GROUP [--topic T]     per queue: broker offset, consumer offset, lag, last consumed
     reset-offset GROUP TOPIC --timestamp T  move the group to the first message stored at T (ms, ISO
                                             time, 'now', or 'latest'); live consumers follow at once
+    reset-offset GROUP TOPIC --queue Q --offset N   move only queue Q, to offset N (past a corrupt record)
     topic-status TOPIC                      per queue: min / max offset, last store time; who consumes
     broker-status                           the broker's runtime info
 
@@ -48,7 +49,10 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("reset-offset", help="move a group's offsets on a topic to a time")
     p.add_argument("group")
     p.add_argument("topic")
-    p.add_argument("--timestamp", required=True, help="ms since the epoch, ISO time (local), 'now' or 'latest'")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--timestamp", help="ms since the epoch, ISO time (local), 'now' or 'latest'")
+    to.add_argument("--queue", type=int, help="move only this queue, to --offset")
+    p.add_argument("--offset", type=int, help="with --queue: the queue offset to move to")
     p.add_argument("--no-force", action="store_true", help="only move offsets back, never forward")
     p = sub.add_parser("topic-status", help="a topic's queues and consumers")
     p.add_argument("topic")
@@ -223,20 +227,31 @@ async def consumer_progress(args, call) -> int:
 
 
 async def reset_offset(args, call) -> int:
-    try:
-        ts = parse_time(args.timestamp)
-    except ValueError as exc:
-        print(str(exc))
+    fields = {"topic": args.topic, "group": args.group, "isForce": not args.no_force}
+    if args.queue is not None:
+        if args.queue < 0 or args.offset is None or args.offset < 0:
+            print("--queue needs --offset: the queue offset (>= 0) to move to")
+            return 2
+        ts = fields["timestamp"] = -1
+        fields.update(queueId=args.queue, offset=args.offset)
+    elif args.offset is not None:
+        print("--offset goes with --queue (one queue), not --timestamp")
         return 2
-    resp = await _ok(call, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": args.topic, "group": args.group,
-                                                              "timestamp": ts, "isForce": not args.no_force})
+    else:
+        try:
+            ts = fields["timestamp"] = parse_time(args.timestamp)
+        except ValueError as exc:
+            print(str(exc))
+            return 2
+    resp = await _ok(call, R.INVOKE_BROKER_TO_RESET_OFFSET, fields)
     _obj, table_ = decode_mq_table(resp.body_bytes())
     rows = [{"topic": t, "broker": b, "queue_id": q, "offset": o} for (t, b, q), o in sorted(table_.items())]
     if args.json:
         print(json.dumps({"group": args.group, "timestamp": ts, "queues": rows}, indent=1))
     else:
         print(table(["topic", "broker", "queue_id", "offset"], rows))
-        print(f"group {args.group} reset to {when(ts) if ts > 0 else 'the latest offsets'}")
+        print(f"group {args.group} reset to " + (f"offset {args.offset} of queue {args.queue}" if args.queue is not None
+                                                  else when(ts) if ts > 0 else "the latest offsets"))
     return 0
 
 

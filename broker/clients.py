@@ -17,6 +17,7 @@ from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
 from protocol.message import java_string_hash
 
+from .limits import count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
 
 log = logging.getLogger("txmq.clients")
@@ -148,6 +149,13 @@ def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
     return _text(data.get("clientID"), "clientID"), [g for g in producers if g], consumers
 
 
+def _subscription_bytes(consumer: dict) -> int:
+    """The text a typed consumer entry's subscriptions hold (codes at 8 bytes): what the group would keep."""
+    return sum(len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or "")
+               + sum(len(t or "") for t in s["tagsSet"]) + 8 * len(s["codeSet"])
+               for s in consumer["subscriptionDataSet"])
+
+
 def _list(value, what: str) -> list:
     if value is None:
         return []
@@ -187,8 +195,16 @@ def _integer(value, what: str) -> int:
 
 
 class ClientRegistry:
-    def __init__(self, clock):
+    def __init__(self, clock, max_groups_per_host: int = 1 << 30, max_subscription_bytes: int = 1 << 62):
         self.clock = clock
+        # A consumer group's subscriptions as a heartbeat gave them (topics, expressions, tags), in bytes of text,
+        # at most this: each group kept what its last heartbeat said, so one frame (16 MiB) a group.
+        self.max_subscription_bytes = max_subscription_bytes
+        # Group registrations (a connection in a producer or consumer group) from one remote address, at most
+        # max_groups_per_host: group names cost a client nothing, and one connection heartbeating made-up names
+        # grew the broker by some 40 MB a second for as long as it went on.
+        self.max_groups_per_host = max_groups_per_host
+        self._groups_by_host: dict[str, int] = {}
         self.producers: dict[str, dict] = {}      # group -> {conn: Channel}
         self.consumers: dict[str, ConsumerGroup] = {}
         self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
@@ -197,7 +213,9 @@ class ClientRegistry:
         # every queue here is this broker's, and a name the client wrote must not make one queue many locks.
         self.locks: dict[tuple, tuple[str, int, object]] = {}
         self._locks_by_conn: dict[object, int] = {}   # connection -> locks it holds (max_queue_locks_per_connection)
+        self._locks_by_host: dict[str, int] = {}      # remote address -> locks its connections hold (..._per_host)
         self.lock_refusals_logged = -(1 << 62)        # ms of the last WARNING about a lock cap
+        self.group_refusals_logged = -(1 << 62)       # ms of the last WARNING about max_groups_per_host
         # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
         # connection between all its producers and consumers): no longer asked about those groups' halves.
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
@@ -205,8 +223,11 @@ class ClientRegistry:
         self._locks_swept = clock()
 
     # ------------------------------------------------------------ heartbeat
-    def heartbeat(self, conn, cmd: RemotingCommand) -> list[str]:
-        """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed."""
+    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
+        """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed, how
+        many groups were not joined for max_groups_per_host (the groups it is in already are renewed all the
+        same: a client at the limit keeps what it has), and the consumer groups whose subscriptions were past
+        max_subscription_bytes (neither joined nor changed; a member stays one)."""
         try:
             data = json.loads(cmd.body_bytes() or b"{}")
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -215,13 +236,38 @@ class ClientRegistry:
         client_id = client_id or f"{conn.peer[0]}@{conn.peer[1]}"
         now = self.clock()
         changed = []
+        refused = 0
+        oversized = []
         for group in producers:
+            if conn not in self.producers.get(group, ()) and not self._room(conn):
+                refused += 1
+                continue
             self.add_producer(group, conn, client_id, cmd.language, cmd.version, now)
         for consumer in consumers:
+            group = self.consumers.get(consumer["groupName"])
+            member = group is not None and group.channels.get(conn)
+            if _subscription_bytes(consumer) > self.max_subscription_bytes:
+                oversized.append(consumer["groupName"])
+                if member:
+                    member.last_seen_ms = now
+                continue
+            if not member and not self._room(conn):
+                refused += 1
+                continue
             if self._register_consumer(conn, client_id, cmd, consumer, now):
                 changed.append(consumer["groupName"])
         conn.attributes["client_id"] = client_id
-        return changed
+        return changed, refused, oversized
+
+    def _room(self, conn) -> bool:
+        return self._groups_by_host.get(peer_host(conn), 0) < self.max_groups_per_host
+
+    def _joined(self, conn) -> None:
+        host = peer_host(conn)
+        self._groups_by_host[host] = self._groups_by_host.get(host, 0) + 1
+
+    def _left_group(self, conn) -> None:
+        count_down(self._groups_by_host, peer_host(conn))
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
                      now: int | None = None) -> None:
@@ -234,6 +280,7 @@ class ClientRegistry:
         ch = channels.get(conn)
         if ch is None:
             channels[conn] = Channel(conn, client_id, language, version, now or self.clock())
+            self._joined(conn)
             if self.on_new_producer is not None:    # e.g. its deferred transactions are checked now
                 self.on_new_producer(group)
         else:
@@ -255,6 +302,7 @@ class ClientRegistry:
         ch = group.channels.get(conn)
         if ch is None:
             group.channels[conn] = Channel(conn, client_id, cmd.language, cmd.version, now)
+            self._joined(conn)
             changed = True
         else:
             ch.last_seen_ms = now
@@ -292,7 +340,10 @@ class ClientRegistry:
         if producer_group:
             # Recorded only when it was in the group: a client naming group after group it never joined must not
             # grow this table.
-            if self.producers.get(producer_group, {}).pop(conn, None) is not None and getattr(conn, "is_open", False):
+            gone = self.producers.get(producer_group, {}).pop(conn, None) is not None
+            if gone:
+                self._left_group(conn)
+            if gone and getattr(conn, "is_open", False):
                 left = self._left.setdefault(conn, {})
                 left[producer_group] = None
                 # Nor may one joining and leaving group after group (a producer made per tenant, on the process's
@@ -304,6 +355,7 @@ class ClientRegistry:
         if consumer_group:
             group = self.consumers.get(consumer_group)
             if group is not None and group.channels.pop(conn, None) is not None:
+                self._left_group(conn)
                 changed.append(consumer_group)
         self._prune()
         return changed
@@ -318,10 +370,12 @@ class ClientRegistry:
     def connection_closed(self, conn) -> list[str]:
         self._left.pop(conn, None)
         for channels in self.producers.values():
-            channels.pop(conn, None)
+            if channels.pop(conn, None) is not None:
+                self._left_group(conn)
         changed = []
         for group in self.consumers.values():
             if group.channels.pop(conn, None) is not None:
+                self._left_group(conn)
                 changed.append(group.name)
         self._prune()
         return changed
@@ -332,10 +386,12 @@ class ClientRegistry:
         for channels in self.producers.values():
             for conn in [c for c, ch in channels.items() if ch.last_seen_ms < cutoff or not ch.alive]:
                 del channels[conn]
+                self._left_group(conn)
         for group in self.consumers.values():
             stale = [c for c, ch in group.channels.items() if ch.last_seen_ms < cutoff or not ch.alive]
             for conn in stale:
                 del group.channels[conn]
+                self._left_group(conn)
             if stale:
                 changed.append(group.name)
         self._prune()
@@ -360,17 +416,16 @@ class ClientRegistry:
             self.expire_locks(max_live_ms, now)
 
     def _uncount(self, conn) -> None:
-        left = self._locks_by_conn.get(conn, 0) - 1
-        if left > 0:
-            self._locks_by_conn[conn] = left
-        else:
-            self._locks_by_conn.pop(conn, None)
+        count_down(self._locks_by_conn, conn)
+        count_down(self._locks_by_host, peer_host(conn))
 
     def lock_queue(self, key: tuple, client_id: str, conn, now: int, max_live_ms: int, max_total: int,
-                   max_per_conn: int) -> str | None:
+                   max_per_conn: int, max_per_host: int | None = None) -> str | None:
         """Lock (or renew) ``key`` for ``client_id``: None when granted, else why not: "held" (another client
-        renewed it within ``max_live_ms``), "max_queue_locks" or "max_queue_locks_per_connection" (a new lock
-        past that cap; a renewal is never refused for one)."""
+        renewed it within ``max_live_ms``), "max_queue_locks", "max_queue_locks_per_connection" or
+        "max_queue_locks_per_host" (a new lock past that cap; a renewal is never refused for one)."""
+        if max_per_host is None:
+            max_per_host = max_total
         holder = self.locks.get(key)
         if holder is not None and holder[0] != client_id and now - holder[1] <= max_live_ms:
             return "held"
@@ -378,22 +433,33 @@ class ClientRegistry:
             # A new lock, or one this connection takes over (from an expired holder, or its own client
             # reconnected): it counts against this connection. At a cap, expired locks may be what fills
             # it: sweep (at most once a second) and look again.
-            full = self._lock_cap(holder, conn, max_total, max_per_conn)
+            full = self._lock_cap(holder, conn, max_total, max_per_conn, max_per_host)
             if full is not None and now - self._locks_swept > 1000:
                 self.expire_locks(max_live_ms, now)
                 holder = self.locks.get(key)
-                full = self._lock_cap(holder, conn, max_total, max_per_conn)
+                full = self._lock_cap(holder, conn, max_total, max_per_conn, max_per_host)
             if full is not None:
                 return full
             if holder is not None:
                 self._uncount(holder[2])
             self._locks_by_conn[conn] = self._locks_by_conn.get(conn, 0) + 1
+            host = peer_host(conn)
+            self._locks_by_host[host] = self._locks_by_host.get(host, 0) + 1
         self.locks[key] = (client_id, now, conn)
         return None
 
-    def _lock_cap(self, holder, conn, max_total: int, max_per_conn: int) -> str | None:
+    def _lock_cap(self, holder, conn, max_total: int, max_per_conn: int, max_per_host: int) -> str | None:
         if self._locks_by_conn.get(conn, 0) >= max_per_conn:
             return "max_queue_locks_per_connection"
+        # A closed connection's locks count until they expire (they are still held: its client may come back on a
+        # new connection, RocketMQ's rule), so without this one address opening connection after connection, or
+        # many at once, filled the whole table and every other client's orderly consumers stalled.
+        # A lock taken over from a connection of the same address (its client back on a new connection) leaves the
+        # address's count as it was: never refused for it.
+        host = peer_host(conn)
+        if (self._locks_by_host.get(host, 0) >= max_per_host
+                and (holder is None or peer_host(holder[2]) != host)):
+            return "max_queue_locks_per_host"
         if holder is None and len(self.locks) >= max_total:
             return "max_queue_locks"
         return None

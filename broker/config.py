@@ -38,10 +38,12 @@ class BrokerConfig:
     cq_units_per_file: int = setting(300_000, "Consume-queue units (20 bytes each) per file (RocketMQ's mappedFileSizeConsumeQueue, 300000). Fixed for a store: a store written with another value does not start.")
     max_message_size: int = setting(4 * 1024 * 1024, "Largest message body accepted (RocketMQ's 4 MiB); larger gets MESSAGE_ILLEGAL.")
     disk_refuse_ratio: float = setting(0.90, "Refuse writes (SERVICE_NOT_AVAILABLE, 'disk is full') while the store's file system is at least this full; they resume by themselves below it less 0.01 (RocketMQ's diskSpaceWarningLevelRatio).")
+    verify_all_reads: bool = setting(False, "Check the body CRC of every record a pull serves. Off: only of the records start-up did not verify (segments older than the ones recovery scans), where damage at rest is otherwise unseen; about 0.7 us a 1 KiB message when on. A record that fails is never served: the pull stops at it with an error (counted in txmq_store_corrupt_records_total, logged with segment and byte).")
     truncate_corrupt_tail: bool = setting(False, "Start even when the log is corrupt mid-way or ends short of what its checkpoint says was flushed, truncating from the damage (the data after it is lost). Off: refuse to start and say where.")
     # ---- limits
     max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB); larger closes the connection.")
     max_connections: int = setting(10000, "Connections accepted at once per listener; more are closed on accept.")
+    max_connections_per_host: int = setting(2000, "Connections accepted at once per listener from one remote address; more are closed on accept (counted in txmq_requests_refused_total{reason=\"max_connections_per_host\"}, logged at most every 10 s). Without it one client opening idle connections up to max_connections locked every other client out.")
     max_in_flight: int = setting(256, "Requests one connection may have in progress; past it the broker stops reading that connection. Pulls parked by long polling do not count, up to four times this many.")
     max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
     max_total_write_buffer: int = setting(256 * 1024 * 1024, "Unread response bytes all connections may hold together. Past it, the connections holding the most (those that stopped reading first) are closed, largest first, until the total is back under it, each logged and counted in txmq_unread_closes_total{reason=\"max_total_write_buffer\"}: without it, a hundred clients that send but never read could hold max_write_buffer each, and the broker would be killed for its memory.")
@@ -49,7 +51,7 @@ class BrokerConfig:
     max_auto_create_topics_per_s: float = setting(10.0, "Topics one client (remote address) may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
     max_writer_queued_bytes: int = setting(64 * 1024 * 1024, "Send bytes waiting for the store writer; past it sends get SYSTEM_BUSY with RocketMQ's [TIMEOUT_CLEAN_QUEUE] remark, so stock clients back off instead of growing the queue.")
     max_undecided_per_group: int = setting(100000, "Undecided transactions one producer group may hold; past it new half messages get SYSTEM_BUSY. Bounds the pending index one group can grow.")
-    max_retry_groups: int = setting(1024, "%RETRY% topics (consumer groups that may retry) the broker creates at most; past it a new group's retry topic is refused.")
+    max_retry_groups: int = setting(1024, "%RETRY% topics (consumer groups that may retry) the broker creates at most. At it, the empty retry topics of groups with no consumer connected and no config of their own are forgotten (at most one sweep a second; a group makes its topic again with its next heartbeat); if none is, a new group's retry topic is refused.")
     # ---- security
     acl_file: str = setting("", "RocketMQ plain_acl.yml: requests must be signed by an account (AclClientRPCHook) and permitted; reloaded when it changes. Empty: no access control (say so loudly when bound beyond loopback).")
     # ---- topics and consumers
@@ -61,13 +63,17 @@ class BrokerConfig:
     short_polling_ms: int = setting(1000, "Hold time when long polling is off.")
     max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")
     flush_consumer_offset_interval_ms: int = setting(5000, "How often committed consumer offsets, when changed, are written to config/consumerOffset.json (RocketMQ's flushConsumerOffsetInterval). A kill -9 loses the last interval's commits; consumers commit their position again every round, changed or not, so that costs redeliveries only to a consumer that takes a queue over meanwhile.")
-    channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s).")
+    channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s), and a connection that sent nothing for this long is closed (RocketMQ's serverChannelMaxIdleTimeSeconds, 120 s; stock clients heartbeat every 30 s): its peer went away without closing it, and it held its address's room (max_connections_per_host).")
     access_message_in_memory_max_ratio: int = setting(40, "RocketMQ's accessMessageInMemoryMaxRatio, percent of physical RAM: a message further than this from the log's end counts as on disk. A group with no offset for a queue is told 0 (start at its first message) only while that message is not on disk; else QUERY_NOT_FOUND, and the client starts where its consumeFromWhere says (the end, or its timestamp). Also the distance past which slave_read_enable suggests the slave.")
     max_reconsume_times: int = setting(16, "Retries before a failed message goes to %DLQ%<group> (RocketMQ's 16).")
     message_delay_level: str = setting("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h", "Delay of each DELAY level, level 1 first (RocketMQ's messageDelayLevel; units ms, s, m, h, d). A failed message's n-th retry waits level 3 + n.")
     timer_max_delay_s: int = setting(3 * 24 * 3600, "Latest a timer message (TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS) may ask to be delivered, in seconds from now; later is refused MESSAGE_ILLEGAL (RocketMQ 5's timerMaxDelaySec, 3 days, within the log's 72 h retention).")
     queue_lock_max_live_ms: int = setting(60000, "An orderly consumer's queue lock (LOCK_BATCH_MQ) not renewed for this long may be taken by another consumer of the group: how long a crashed orderly consumer holds its queues (RocketMQ's rocketmq.broker.rebalance.lockMaxLiveTime, 60 s).")
     max_queue_locks: int = setting(200000, "Queue locks (LOCK_BATCH_MQ) held at once, all groups and clients together, about 350 bytes each (70 MB). A lock is kept queue_lock_max_live_ms after its last renewal and a group name costs nothing, so a client rotating group names could grow the table by gigabytes a minute. Past it a new lock is not granted (left out of lockOKMQSet, as a queue another consumer holds: a stock orderly consumer leaves the queue alone and asks again later) and a WARNING is logged; renewals of locks held are still granted.")
+    max_parked_pulls_per_host: int = setting(20000, "Pulls held by long polling at once for the connections from one remote address (about 5.6 KB each: 110 MB). Past it a pull that finds nothing is answered SYSTEM_BUSY naming this limit at once (a stock push consumer pulls that queue again after 3 s), counted in txmq_requests_refused_total{reason=\"parked-pull-limit\"}. Each connection may hold max_in_flight * 4, so without it one client opening connections could hold gigabytes.")
+    max_groups_per_host: int = setting(10000, "Producer and consumer group memberships (a connection in a group, from a heartbeat or a transactional send) the connections from one remote address may hold at once. Past it a heartbeat still renews the groups joined, joins no new one and is answered SYSTEM_BUSY naming this limit (counted in txmq_requests_refused_total{reason=\"group-limit\"}, logged at most every 10 s): group names cost a client nothing, and one heartbeating made-up names grew the broker by some 40 MB a second, without bound.")
+    max_subscription_bytes_per_group: int = setting(256 * 1024, "Text a consumer group's subscriptions in one heartbeat may hold (topics, expressions, tags), in bytes. A group past it is neither joined nor changed (a member stays one) and the heartbeat is answered SYSTEM_BUSY naming this limit (txmq_requests_refused_total{reason=\"subscription-limit\"}): each group keeps what its last heartbeat said, and without it that was up to a frame (16 MiB) a group.")
+    max_queue_locks_per_host: int = setting(50000, "Queue locks the connections from one remote address may hold at once, open or closed (a closed connection's locks are kept until they expire). Past it a new lock is refused as past max_queue_locks, so a client opening connection after connection cannot take the whole table from clients on other hosts.")
     max_queue_locks_per_connection: int = setting(20000, "Queue locks one connection may hold at once (a Java client process shares one connection per broker between all its consumers: its orderly groups x the queues of this broker each is given). Past it a new lock is refused as past max_queue_locks, so one connection cannot take the whole table from every other client.")
     # ---- transactions
     transaction_check_interval_ms: int = setting(60000, "How often undecided transactions are checked (RocketMQ's transactionCheckInterval).")
@@ -122,10 +128,13 @@ class BrokerConfig:
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port} is not a port number (-1 disables metrics)")
         for name in ("segment_size", "cq_units_per_file", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
+                     "max_connections_per_host",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
                      "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",
-                     "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection"):
+                     "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection",
+                     "max_queue_locks_per_host", "max_groups_per_host", "max_parked_pulls_per_host",
+                     "max_subscription_bytes_per_group"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         if not 0.0 < self.gil_switch_interval_ms <= 100:

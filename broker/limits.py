@@ -7,12 +7,30 @@ refusal is counted in ``txmq_requests_refused_total{reason}``.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from protocol.codes import ResponseCode
 
+log = logging.getLogger("txmq.limits")
+
 # RocketMQ's remark for a broker shedding load; stock clients back off and retry on it.
 BUSY_REMARK = "[TIMEOUT_CLEAN_QUEUE]broker busy, start flow control for a while"
+
+
+def peer_host(conn) -> str:
+    """The remote address of ``conn``: what one client is, whatever number of connections it opens."""
+    peer = getattr(conn, "peer", None)
+    return peer[0] if peer else ""
+
+
+def count_down(counts: dict, key) -> None:
+    """One fewer of ``key`` in ``counts``; a key at zero goes, so the table holds only who holds something."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 class Limits:
@@ -24,9 +42,16 @@ class Limits:
         self._undecided: dict[str, int] = {}
         self._topic_tokens: dict[str, tuple[float, float]] = {}    # client host -> (tokens, when)
         self._undecided_at = -1.0
+        self._warned: dict[str, float] = {}         # reason -> when its refusal was last logged
 
-    def refused(self, reason: str) -> None:
+    def refused(self, reason: str, warning: str | None = None) -> None:
+        """Count a refusal; ``warning`` says it in the log, at most every _GATE_LOG_INTERVAL_S for one reason."""
         self.metrics.refused.labels(reason).inc()
+        if warning is not None:
+            now = self.monotonic()
+            if now - self._warned.get(reason, -_GATE_LOG_INTERVAL_S) >= _GATE_LOG_INTERVAL_S:
+                self._warned[reason] = now
+                log.warning("%s (logged at most every %d s)", warning, _GATE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ topics
     def may_auto_create(self, conn, cmd, topics, topic: str):
@@ -100,3 +125,76 @@ class Limits:
                                 f"(max_undecided_per_group={limit}); decide some first")
         self._undecided[group] = n + 1
         return None
+
+
+class ConnectionGate:
+    """Who may connect: at most ``max_total`` connections, and at most ``max_per_host`` from one remote address.
+
+    Without the second, one client opening connections until the total was reached (idle ones cost it
+    nothing) left every other client unable to connect at all. A refusal is logged at most every
+    _GATE_LOG_INTERVAL_S with the count since, as one such client refuses thousands a second."""
+
+    def __init__(self, max_total: int, max_per_host: int, log, what: str, *, monotonic=time.monotonic):
+        self.max_total = max_total
+        self.max_per_host = max_per_host
+        self.log = log
+        self.what = what
+        self.monotonic = monotonic
+        self.open: set = set()
+        self._by_host: dict[str, int] = {}
+        self._refused = 0                   # since the last log line
+        self._logged_at = -_GATE_LOG_INTERVAL_S
+
+    def __len__(self) -> int:
+        return len(self.open)
+
+    def __iter__(self):
+        return iter(self.open)
+
+    def admit(self, conn) -> str | None:
+        """None when ``conn`` is let in (then counted until release), else the limit it is past."""
+        host = conn.peer[0]
+        if len(self.open) >= self.max_total:
+            why = "max_connections"
+        elif self._by_host.get(host, 0) >= self.max_per_host:
+            why = "max_connections_per_host"
+        else:
+            self.open.add(conn)
+            self._by_host[host] = self._by_host.get(host, 0) + 1
+            return None
+        self._refused += 1
+        now = self.monotonic()
+        if now - self._logged_at >= _GATE_LOG_INTERVAL_S:
+            self.log.warning("%s: refusing %s:%s (past %s; %d connections open, %d from %s); %d refused since "
+                             "the last such line (logged at most every %d s)", self.what, host, conn.peer[1], why,
+                             len(self.open), self._by_host.get(host, 0), host, self._refused,
+                             _GATE_LOG_INTERVAL_S)
+            self._logged_at, self._refused = now, 0
+        return why
+
+    def close_quiet(self, ticks: int) -> int:
+        """Close the connections whose peer sent nothing for ``ticks`` calls of this (while its reading is paused or
+        a request of its is being handled, a connection is not quiet); how many. A peer gone without a FIN (its host down, a NAT or firewall that dropped the flow) left
+        its connection open for good, holding its address's room: RocketMQ's server closes a channel idle for
+        120 s, and a stock client heartbeats every 30 s on each connection."""
+        closed = 0
+        for conn in list(self.open):
+            if conn.reading_paused or conn.handling:
+                conn.quiet_ticks = 0
+            elif conn.quiet_ticks >= ticks:
+                conn.abort()
+                closed += 1
+            else:
+                conn.quiet_ticks += 1
+        return closed
+
+    def release(self, conn) -> bool:
+        """Forget ``conn``; False when it was never admitted."""
+        if conn not in self.open:
+            return False
+        self.open.discard(conn)
+        count_down(self._by_host, conn.peer[0])
+        return True
+
+
+_GATE_LOG_INTERVAL_S = 10

@@ -130,7 +130,8 @@ class BrokerMetrics:
         self.rejected_frames = Counter("txmq_rejected_frames", "Connections closed for malformed input.",
                                        registry=r)
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
-                               "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit, "
+                               "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit, queue-lock-limit, "
+                               "max_connections, max_connections_per_host, group-limit, subscription-limit, parked-pull-limit, "
                                "producer-group-mismatch, end-not-its-half).",
                                ["reason"], registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
@@ -190,7 +191,7 @@ class BrokerMetrics:
                                           registry=r)
         self.schedule_dropped = Counter("txmq_schedule_dropped", "Scheduled messages passed over because they "
                                         "cannot be delivered (each logged), by reason: removed (by retention "
-                                        "before delivery), undecodable (a damaged record), no_destination.",
+                                        "before delivery), undecodable (a damaged record), corrupt (its body fails its CRC), no_destination.",
                                         ["reason"], registry=r)
         self.schedule_delivered_late = Counter("txmq_schedule_delivered_late", "Scheduled messages delivered "
                                                "more than 1 s after they were due.", registry=r)
@@ -387,6 +388,10 @@ class BrokerMetrics:
         """The store's disk watermark state (a store/disk.py DiskMonitor), read at scrape time."""
         self.registry.register(_DiskCollector(disk))
 
+    def add_corrupt_collector(self, store) -> None:
+        """Records the store's reads found failing their body CRC (MessageStore.corrupt), read at scrape time."""
+        self.registry.register(_CorruptCollector(store))
+
     # ------------------------------------------------------------- snapshots
     def snapshot(self, connections: int, lag: list[dict]) -> dict:
         requests = {}
@@ -427,6 +432,22 @@ class _Constant:
 
     def describe(self):
         return list(self.families)
+
+
+class _CorruptCollector:
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        family = CounterMetricFamily("txmq_store_corrupt_records", "Commit-log records found failing their body "
+                                     "CRC when read (damaged on disk; each logged with segment and byte), by the "
+                                     "read that met them: not served, not copied.", labels=["read"])
+        for read, n in list(self.store.corrupt.items()):
+            family.add_metric([read], n)
+        yield family
+
+    def describe(self):
+        return list(self.collect())
 
 
 class _DiskCollector:
@@ -488,13 +509,28 @@ def _is_date(text: str) -> bool:
         return False
 
 
+def _encode(snapshot: dict) -> str:
+    """The snapshot as one JSON line, its consumer_lag rows (one per consumer offset: tens of thousands) a
+    slice per call: json's C encoder holds the GIL for a whole call, and the event loop waited for it."""
+    rows = snapshot.get("consumer_lag", [])
+    if len(rows) <= _ROWS_A_CALL:
+        return json.dumps(snapshot, separators=(",", ":"))
+    head = json.dumps({k: v for k, v in snapshot.items() if k != "consumer_lag"}, separators=(",", ":"))
+    parts = [json.dumps(rows[i:i + _ROWS_A_CALL], separators=(",", ":"))[1:-1]
+             for i in range(0, len(rows), _ROWS_A_CALL)]
+    return head[:-1] + ("," if len(head) > 2 else "") + '"consumer_lag":[' + ",".join(parts) + "]}"
+
+
+_ROWS_A_CALL = 4096
+
+
 def append_snapshot(store_dir: str, snapshot: dict) -> str:
     """Append one snapshot line under <store>/metrics/<UTC date>.jsonl; returns the path."""
     folder = os.path.join(store_dir, "metrics")
     os.makedirs(folder, exist_ok=True)
     day = time.strftime("%Y-%m-%d", time.gmtime(snapshot["ts"] / 1000))
     path = os.path.join(folder, f"{day}.jsonl")
-    line = memoryview((json.dumps(snapshot, separators=(",", ":")) + "\n").encode())
+    line = memoryview((_encode(snapshot) + "\n").encode())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         before = os.fstat(fd).st_size

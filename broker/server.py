@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import os
+import resource
 import signal
 import sys
 import threading
@@ -32,7 +34,7 @@ from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
-from .limits import Limits
+from .limits import ConnectionGate, Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
@@ -48,6 +50,7 @@ from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
 from .transaction import TransactionService
 
 log = logging.getLogger("txmq.server")
+LAG_SLICE = 4096        # consumer offsets summed between two turns of the loop (the lag gauge)
 
 
 class BrokerServer:
@@ -55,7 +58,9 @@ class BrokerServer:
         self.config = config
         self.clock = clock
         self.metrics = BrokerMetrics()
-        self.connections: dict[str, set] = {"broker": set(), "namesrv": set()}
+        self.connections = {listener: ConnectionGate(config.max_connections, config.max_connections_per_host, log,
+                                                     f"{listener} listener")
+                            for listener in ("broker", "namesrv")}
         # unread responses of every connection of both listeners, together (max_total_write_buffer)
         self.write_budget = WriteBudget(config.max_total_write_buffer,
                                         on_close=lambda reason: self.metrics.unread_closes.labels(reason).inc())
@@ -69,6 +74,7 @@ class BrokerServer:
         self.supervisor = Supervisor(self.metrics, self._fatal)
         self.loop_lag = LoopLag(self.metrics.loop_lag, self.metrics.loop_lag_worst)
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
+        self._lag_totals: list | None = None    # lag by (group, topic), summed in slices (see _gauge_loop)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -83,12 +89,14 @@ class BrokerServer:
         loop = asyncio.get_running_loop()
         store_dir = os.path.abspath(c.store_dir)
         os.makedirs(store_dir, exist_ok=True)
-        clients = ClientRegistry(monotonic_ms)     # liveness and queue locks: not the wall clock
+        clients = ClientRegistry(monotonic_ms, c.max_groups_per_host,     # liveness, queue locks: not the wall clock
+                                 c.max_subscription_bytes_per_group)
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
                               broker=c.broker_name, max_retry_groups=c.max_retry_groups,
                               trace_topic=c.trace_topic_enable)
         clients.on_new_retry_group = self._new_retry_group
+        topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         ctx.limits = Limits(c, self.metrics)
         if c.acl_file:
@@ -113,11 +121,12 @@ class BrokerServer:
                                                     flush_interval_ms=c.flush_interval_ms,
                                                     max_message_size=c.max_message_size + 64 * 1024,
                                                     truncate_corrupt_tail=c.truncate_corrupt_tail,
+                                                    verify_all_reads=c.verify_all_reads,
                                                     disk_refuse_ratio=c.disk_refuse_ratio),
                              clock=self.clock, tag_rule=levels.consume_queue_tag)
         ctx.store = store
         store.set_flush_observer(self.metrics.flush_latency.observe)
-        ctx.holds = PullHoldService()
+        ctx.holds = PullHoldService(c.max_parked_pulls_per_host)
         ctx.tx = TransactionService(ctx)
         ctx.schedule = ScheduleService(ctx, levels)
         store.add_dispatch_listener(ctx.holds.on_dispatch)
@@ -263,6 +272,7 @@ class BrokerServer:
                               "Transaction decisions whose decision-table file could not be made (a full disk): "
                               "answered from memory until it can.", [], snap("decisions_waiting"))
         m.add_disk_collector(ctx.store.disk)
+        m.add_corrupt_collector(ctx.store)
         m.add_gauge_collector("txmq_ha_slave_lag_bytes", "Replication lag in bytes: on a master, its log end less "
                               "the furthest offset a slave acknowledged; on a slave, what the master last sent "
                               "less what is stored here (absent without replication).", [], snap("ha_lag"))
@@ -302,7 +312,8 @@ class BrokerServer:
         now_ms = self.clock()
         self._gauges = {
             "at": time.monotonic(),
-            "lag": [((g, t), n) for (g, t), n in self._lag_by_group_topic()],
+            "lag": [((g, t), n) for (g, t), n in (self._lag_by_group_topic() if self._lag_totals is None
+                                                  else self._lag_totals)],
             "storage": [((), ctx.store.storage_bytes())],
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
@@ -324,7 +335,23 @@ class BrokerServer:
     async def _gauge_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            # Months of consumer groups: 200 groups x 160 queues is 32,000 offsets, and summing their lag in
+            # one go held the loop 40-80 ms every second (and on every scrape), growing with the table. Above
+            # a slice's worth it is summed here a slice at a time, and the gauges (and scrapes) use the last
+            # sum: up to a second old. A small table is still summed fresh each time.
+            offsets = self.ctx.offsets.items()
+            self._lag_totals = await self._lag_in_slices(offsets) if len(offsets) > LAG_SLICE else None
             self._refresh_gauges()
+
+    async def _lag_in_slices(self, offsets: list) -> list:
+        """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between
+        slices of LAG_SLICE."""
+        max_offset = self.ctx.store.max_offset
+        totals: dict[tuple[str, str], int] = {}
+        async for part in _in_slices(offsets):
+            for (group, topic, qid), offset in part:
+                totals[(group, topic)] = totals.get((group, topic), 0) + max(0, max_offset(topic, qid) - offset)
+        return list(totals.items())
 
     async def _acl_reload(self) -> None:
         while True:
@@ -356,6 +383,17 @@ class BrokerServer:
             if not first:
                 log.info("consumer group %s: its retry topic %s was gone; made again", group, topic)
 
+    def _retry_topic_idle(self, topic: str) -> bool:
+        """A %RETRY% topic that may go at max_retry_groups: no consumer of its group is connected, the group has no
+        config of its own (made by an operator), and no message was ever stored in it. A delayed retry still in
+        SCHEDULE_TOPIC_XXXX is delivered to the store all the same, and the group's next heartbeat makes the
+        topic again (a restart restores it from the store)."""
+        ctx = self.ctx
+        group = topic[len(RETRY_PREFIX):]
+        if ctx.clients.consumer_ids(group) or group in ctx.subscriptions.groups:
+            return False
+        return all(ctx.store.max_offset(topic, q) == 0 for q in range(ctx.topics.topics[topic].queue_count))
+
     def _lag(self):
         store = self.ctx.store
         for (group, topic, qid), offset in self.ctx.offsets.items():
@@ -373,17 +411,17 @@ class BrokerServer:
         gauge = self.metrics.connections.labels(listener)
 
         def opened(conn) -> bool:
-            if len(conns) >= c.max_connections:
-                log.warning("%s listener: refusing %s:%s, %d connections open", listener, *conn.peer, len(conns))
+            why = conns.admit(conn)
+            if why is not None:
+                self.metrics.refused.labels(why).inc()
                 return False
-            conns.add(conn)
             gauge.inc()
             return True
 
         def closed(conn) -> None:
-            if conn in conns:
-                conns.discard(conn)
-                gauge.dec()
+            if not conns.release(conn):
+                return          # refused on accept: it read nothing, so it is in no table (and costs no walk)
+            gauge.dec()
             if listener == "broker" and self.ctx is not None:
                 if self.ctx.holds is not None:
                     self.ctx.holds.connection_closed(conn)
@@ -434,9 +472,17 @@ class BrokerServer:
 
     # ------------------------------------------------------------ background
     async def _housekeeping(self) -> None:
+        expire_ms = self.config.channel_expire_ms
+        tick_s = min(10.0, expire_ms / 4000)
+        ticks = math.ceil(expire_ms / 1000 / tick_s)
         while True:
-            await asyncio.sleep(10)
-            for group in self.ctx.clients.expire(self.config.channel_expire_ms):
+            await asyncio.sleep(tick_s)
+            for listener, conns in self.connections.items():
+                closed = conns.close_quiet(ticks)
+                if closed:
+                    log.info("%s listener: closed %d connections whose peer sent nothing for %d ms "
+                             "(channel_expire_ms)", listener, closed, expire_ms)
+            for group in self.ctx.clients.expire(expire_ms):
                 self.ctx.clients.notify_ids_changed(group)
             self.ctx.clients.expire_locks(self.config.queue_lock_max_live_ms)
 
@@ -446,7 +492,7 @@ class BrokerServer:
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
             try:
-                self.write_snapshot(store_dir)
+                await self.write_snapshot(store_dir)
             except OSError as exc:
                 log.error("metric snapshot not written: %s", exc)
             now_ms = int(time.time() * 1000)        # the files are named by the UTC date of the wall clock
@@ -460,10 +506,17 @@ class BrokerServer:
                 except OSError as exc:
                     log.error("old metric snapshot files not removed: %s", exc)
 
-    def write_snapshot(self, store_dir: str) -> str:
-        lag = [{"group": g, "topic": t, "queue_id": q, "lag": n} for g, t, q, n in self._lag()]
+    async def write_snapshot(self, store_dir: str) -> str:
+        # A row per consumer offset: built, encoded and appended in one go, 32,000 of them held the loop
+        # 60-115 ms each minute. Built a slice at a time here; encoded (a slice a call, so the GIL passes
+        # between them) and appended on a thread.
+        offsets, max_offset = self.ctx.offsets.items(), self.ctx.store.max_offset
+        lag = []
+        async for part in _in_slices(offsets):
+            lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
+                    for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
-        return append_snapshot(store_dir, self.metrics.snapshot(connections, lag))
+        return await asyncio.to_thread(append_snapshot, store_dir, self.metrics.snapshot(connections, lag))
 
     # -------------------------------------------------------------- shutdown
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -597,7 +650,44 @@ def start_failure(exc: BaseException, store_dir: str) -> str:
         disk = DiskMonitor(os.path.abspath(store_dir))
         text += (f" ({disk.describe()}; start-up needs room for its checkpoint, offsets and configuration "
                  f"files: free some space, or move the store)")
+    elif _errno_in(exc, errno.EMFILE):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        text += (f" (this process may open {soft} files, at most {hard}: every commit-log segment and consume-queue "
+                 "file of the store holds two descriptors while the broker runs; raise the limit: ulimit -n, "
+                 "systemd LimitNOFILE)")
     return text.replace("\n", " ")
+
+
+async def _in_slices(items: list):
+    """``items`` LAG_SLICE at a time, the event loop running between two slices."""
+    for i in range(0, len(items), LAG_SLICE):
+        if i:
+            await asyncio.sleep(0)
+        yield items[i:i + LAG_SLICE]
+
+
+def _errno_in(exc: BaseException | None, code: int) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == code:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one, as the JVM does for RocketMQ (MaxFDLimit); returns
+    (soft, hard) as they are now. Every segment and consume-queue file stays mapped with two descriptors (our
+    own and the one mmap keeps), so a store of months of small segments or thousands of queues needs
+    thousands: at a distribution's default soft limit of 1024 the broker could not open such a store, or ran
+    out later (a new segment, a new queue, a connection) while the hard limit allowed far more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:     # e.g. an infinite hard limit above the kernel's nr_open
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft, hard
 
 
 def run(config: BrokerConfig) -> int:
@@ -605,4 +695,6 @@ def run(config: BrokerConfig) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvloop
     sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+    soft, hard = raise_open_files_limit()
+    log.info("open-files limit %d (hard %d)", soft, hard)
     return uvloop.run(serve(config))

@@ -14,14 +14,14 @@ heartbeats and UNREGISTER_CLIENT (not when a connection closes, as RocketMQ).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 
 from protocol.admin_bodies import dump
 
-from .store.mapped_file import BACKUP_SUFFIX, keep_previous
+from .store.mapped_file import keep_previous
+from .store.saved import check, load_saved
 
 log = logging.getLogger("txmq.subscriptions")
 
@@ -44,7 +44,10 @@ def group_config(name: str, values: dict | None = None) -> dict:
         if values and key in values and values[key] is not None:
             value = values[key]
             if kind is bool and isinstance(value, str):
-                value = value.strip().lower() == "true"
+                flag = value.strip().lower()
+                if flag not in ("true", "false"):   # "yes", "on": read as false, a group stopped without a word
+                    raise ValueError(f"{key} = {value!r} (true or false)")
+                value = flag == "true"
             cfg[key] = kind(value)
     return cfg
 
@@ -61,34 +64,14 @@ class SubscriptionGroups:
         self._saved_counter = self.counter     # the newest table on disk (write)
 
     def _load(self) -> None:
-        why = self._load_from(self.path)
-        if why is None:
-            return
-        # The previous save: without it the next update would replace the damaged (or lost) file for good,
-        # every other group's settings gone.
-        bad = self._load_from(self.path + BACKUP_SUFFIX)
-        if bad is None:
-            log.error("%s %s: using its previous copy %s", self.path,
-                      "is missing" if why == "missing" else f"cannot be read ({why})", self.path + BACKUP_SUFFIX)
-        elif why != "missing":
-            log.error("ignoring unreadable %s (%s) and its previous copy (%s): groups keep their defaults until "
-                      "updated", self.path, why, bad)
-
-    def _load_from(self, path: str) -> str | None:
-        """Load ``path``; None when it was read, else why not ("missing", or what is wrong with it)."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-            table = data.get("subscriptionGroupTable") or {}
-            version = data.get("dataVersion") or {}
-            counter, timestamp = int(version.get("counter", 0)), int(version.get("timestamp", 0))
-            groups = {name: group_config(name, cfg) for name, cfg in table.items() if isinstance(cfg, dict)}
-        except FileNotFoundError:
-            return "missing"
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
-            return str(exc) or type(exc).__name__
-        self.counter, self.timestamp, self.groups = counter, timestamp, groups
-        return None
+        # The previous save: without it the next update would replace the damaged (or lost) file for good, every
+        # other group's settings gone (a group stopped with consumeEnable false would consume again).
+        saved = load_saved(self.path, _parse_file, "subscription groups file", log,
+                           fallback_cost="at most one save older: a group updated since has its older settings",
+                           reset_hint="move both away to start every group with the defaults, then set them "
+                                      "again with updateSubGroup")
+        if saved is not None:
+            self.counter, self.timestamp, self.groups = saved
 
     def update(self, values: dict) -> dict:
         """Create or replace a group's config (the caller persists: ``encode`` then ``write``)."""
@@ -154,3 +137,16 @@ class SubscriptionGroups:
             os.replace(tmp, self.path)
             if counter is not None:
                 self._saved_counter = counter
+
+
+def _parse_file(data) -> tuple[int, int, dict[str, dict]]:
+    """(counter, timestamp, groups) of the file's JSON; ValueError or TypeError for the wrong shape (a group
+    skipped would be back to the defaults)."""
+    check(isinstance(data, dict), "not a JSON object")
+    table = data.get("subscriptionGroupTable") or {}
+    version = data.get("dataVersion") or {}
+    check(isinstance(table, dict) and isinstance(version, dict), "malformed subscriptionGroupTable or dataVersion")
+    for name, cfg in table.items():
+        check(isinstance(cfg, dict), f"group {name}: {cfg!r}")
+    return (int(version.get("counter", 0)), int(version.get("timestamp", 0)),
+            {name: group_config(name, cfg) for name, cfg in table.items()})

@@ -23,7 +23,8 @@ from protocol.registration import DataVersion
 from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
-from .store.mapped_file import BACKUP_SUFFIX, keep_previous
+from .store.mapped_file import keep_previous
+from .store.saved import check, is_int, load_saved
 
 log = logging.getLogger("txmq.topics")
 
@@ -40,6 +41,9 @@ NO_SEND_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, TRANS_DLQ_TOPI
                             "OFFSET_MOVED_EVENT", TIMER_TOPIC, SCHEDULE_PROGRESS_TOPIC})
 TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"      # message traces of clients with tracing on (trace_topic_enable)
 SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", TRACE_TOPIC}
+
+
+_RECLAIM_EVERY_S = 1.0          # at most one sweep for reclaimable %RETRY% topics a second
 
 
 class TopicLimitError(ValueError):
@@ -84,6 +88,10 @@ class TopicManager:
         self.retry_write_s = 5.0
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
+        # Set by the server: may this %RETRY% topic go when max_retry_groups is reached (its group gone, nothing
+        # in it)? Swept at most once a _RECLAIM_EVERY_S, so a client at the cap cannot make every heartbeat a scan.
+        self.retry_reclaimable = None
+        self._reclaimed_at = -_RECLAIM_EVERY_S
         # Name servers re-read the topic table when this changes; on_change (the registrar) registers at once.
         self.data_version = DataVersion(int(time.time() * 1000), 0)
         self.on_change = None
@@ -116,27 +124,14 @@ class TopicManager:
             self.create(TopicConfig(TRACE_TOPIC, 1, 1))
 
     def _load(self) -> None:
-        data, why = _read_json(self.path)
-        if why is not None:
-            # The previous save: without it the next write of the catalogue would replace the damaged (or lost)
-            # one for good, every topic's settings (queues, permissions, order) back to the defaults.
-            data, bad = _read_json(self.path + BACKUP_SUFFIX)
-            if bad is not None:
-                if why != "missing":
-                    log.error("ignoring unreadable %s (%s) and its previous copy (%s); topics will be re-created on "
-                              "use", self.path, why, bad)
-                return
-            log.error("topics catalogue %s %s: using its previous copy %s", self.path,
-                      "is missing" if why == "missing" else f"cannot be read ({why})", self.path + BACKUP_SUFFIX)
-        if not isinstance(data, dict):
-            log.error("ignoring %s: not a JSON object; topics will be re-created on use", self.path)
-            return
-        for entry in data.get("topics", []):
-            try:
-                tc = TopicConfig(**entry)
-            except TypeError:
-                log.warning("skipping malformed topic entry %r", entry)
-                continue
+        # The previous save: without it the next write of the catalogue would replace the damaged (or lost) one
+        # for good, every topic's settings (queues, permissions, order) back to the defaults.
+        topics = load_saved(self.path, _parse_catalogue, "topics catalogue", log,
+                            fallback_cost="at most one save older: a topic made or changed since is restored "
+                                          "from the store with default settings, or made again on use",
+                            reset_hint="move both away to start with default settings (topics with messages "
+                                       "are restored from the store; set the others again with updateTopic)")
+        for tc in topics or ():
             self.topics[tc.name] = tc
 
     def start_background(self, loop) -> None:
@@ -223,7 +218,7 @@ class TopicManager:
 
     def create(self, tc: TopicConfig) -> TopicConfig:
         if tc.name.startswith(RETRY_PREFIX) and tc.name not in self.topics:
-            if self.retry_groups() >= self.max_retry_groups:
+            if self.retry_groups() >= self.max_retry_groups and not self._reclaim_retry_topics():
                 raise TopicLimitError(f"retry topic {tc.name} not created: {self.max_retry_groups} %RETRY% "
                                       f"groups exist, the limit (max_retry_groups)")
         self.topics[tc.name] = tc
@@ -231,6 +226,26 @@ class TopicManager:
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
                  tc.perm)
         return tc
+
+    def _reclaim_retry_topics(self) -> bool:
+        """At max_retry_groups: forget the %RETRY% topics ``retry_reclaimable`` allows; True if there is room now.
+
+        Without it the cap was reclaimed only by deleting groups by hand: a client that heartbeat made-up group
+        names once (or a thousand short-lived test groups) left every later consumer group with no retry topic
+        for good, its failed messages refused NO_PERMISSION. A topic that holds no message has nothing to lose,
+        and its group makes it again with its next heartbeat."""
+        now = time.monotonic()
+        if self.retry_reclaimable is None or now - self._reclaimed_at < _RECLAIM_EVERY_S:
+            return False
+        self._reclaimed_at = now
+        gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
+        for name in gone:
+            del self.topics[name]
+        if gone:
+            self._persist()
+            log.warning("max_retry_groups=%d reached: %d empty %%RETRY%% topics of groups with no consumer "
+                        "forgotten (e.g. %s)", self.max_retry_groups, len(gone), gone[0])
+        return self.retry_groups() < self.max_retry_groups
 
     def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int) -> TopicConfig | None:
         """The topic's config, creating it from its template as RocketMQ does; None: TOPIC_NOT_EXIST."""
@@ -273,12 +288,23 @@ class TopicManager:
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))
 
 
-def _read_json(path: str):
-    """(the parsed file, None), or (None, why not): "missing", or what is wrong with it."""
-    try:
-        with open(path, "r", encoding="utf-8") as fh:
-            return json.load(fh), None
-    except FileNotFoundError:
-        return None, "missing"
-    except (OSError, ValueError) as exc:
-        return None, str(exc)
+def _count(v) -> bool:
+    return is_int(v) and v >= 0
+
+
+_FIELD_TYPES = {"read_queue_nums": _count, "write_queue_nums": _count, "perm": is_int, "sys_flag": is_int,
+                "filter_type": lambda v: isinstance(v, str), "order": lambda v: isinstance(v, bool)}
+
+
+def _parse_catalogue(data) -> list[TopicConfig]:
+    """The topics of a catalogue's JSON; ValueError for an entry of the wrong shape (skipping it would bring
+    the topic back with the defaults). Fields this version does not know are left out."""
+    check(isinstance(data, dict) and isinstance(data.get("topics"), list), 'not {"topics": [...]}')
+    out = []
+    for entry in data["topics"]:
+        check(isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"] != "",
+              f"malformed topic entry {entry!r}")
+        for key, ok in _FIELD_TYPES.items():
+            check(key not in entry or ok(entry[key]), f"topic {entry['name']}: {key} = {entry.get(key)!r}")
+        out.append(TopicConfig(entry["name"], **{k: entry[k] for k in _FIELD_TYPES if k in entry}))
+    return out

@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from protocol.connection import finish_within, wait_within
-from protocol.errors import BrokerError
+from protocol.errors import BrokerError, ResponseError
 from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
@@ -553,7 +553,10 @@ class PushConsumer:
             except _Stopping:
                 return
             except BrokerError as exc:
-                log.info("pull of %s failed: %s; retrying in %.0f s", mq, exc, self.pull_retry_delay_s)
+                # The broker's refusal (a corrupt record, a damaged queue) does not pass by itself, and nothing of
+                # the queue is consumed meanwhile: a WARNING, as Java's; a lost connection or a timeout: INFO.
+                log.log(logging.WARNING if isinstance(exc, ResponseError) else logging.INFO,
+                        "pull of %s failed: %s; retrying in %.0f s", mq, exc, self.pull_retry_delay_s)
                 await asyncio.sleep(self.pull_retry_delay_s)
             except Exception:  # noqa: BLE001 - a bug: ended here, rebalance restarted it at once, in a tight loop
                 self._turn_failed(f"pull loop of {mq}")

@@ -224,15 +224,19 @@ class Producer:
                            "producerDataSet": [{"groupName": self.group}]}).encode()
 
     async def heartbeat(self) -> bool:
-        """Announce the group to every known broker now; True if every one answered (failures are
-        logged; the next beat retries)."""
+        """Announce the group to every known broker now; True if every one accepted it (failures and
+        refusals, such as SYSTEM_BUSY past a broker's max_groups_per_host, are logged; the next beat retries)."""
         ok = True
         for addr in self.routes.all_broker_addrs():
             try:
-                await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
-                                                                      body=self._heartbeat_body()), 3.0)
+                resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                                             body=self._heartbeat_body()), 3.0)
             except Exception as exc:  # noqa: BLE001 - the next beat retries
                 log.info("heartbeat to %s failed: %s", addr, exc)
+                ok = False
+                continue
+            if resp.code != ResponseCode.SUCCESS:     # e.g. SYSTEM_BUSY past a broker's max_groups_per_host
+                log.warning("heartbeat to %s refused: code %d %s", addr, resp.code, resp.remark)
                 ok = False
         return ok
 

@@ -92,6 +92,7 @@ class RemotingConnection(asyncio.Protocol):
         self.local: tuple[str, int] = ("", 0)
         self.closed = asyncio.Event()
         self.attributes: dict = {}          # per-connection state owned by the handler side
+        self.quiet_ticks = 0                # a server's housekeeping turns since the peer last sent a byte
         self._decoder = FrameDecoder(max_frame_size)
         # opaque -> (future, deadline, request code, timeout); insertion order is the order requests left
         self._pending: dict[int, tuple[asyncio.Future, float, int, float]] = {}
@@ -175,6 +176,7 @@ class RemotingConnection(asyncio.Protocol):
 
     # -------------------------------------------------------------- reading
     def data_received(self, data: bytes) -> None:
+        self.quiet_ticks = 0
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
@@ -383,6 +385,16 @@ class RemotingConnection(asyncio.Protocol):
         """Reply bytes queued here that the peer has not taken yet (0 once closed)."""
         t = self.transport
         return 0 if t is None or t.is_closing() else t.get_write_buffer_size()
+
+    @property
+    def reading_paused(self) -> bool:
+        """This side stopped reading the peer (back-pressure): whatever it sent is not seen."""
+        return bool(self._reading_paused_for)
+
+    @property
+    def handling(self) -> bool:
+        """A request of the peer is being handled (a parked pull included): it waits for an answer."""
+        return bool(self._tasks) or self._held > 0
 
     @property
     def writing_paused(self) -> bool:

@@ -9,6 +9,7 @@
      +-- RequestTimeoutError      no answer in time (also a TimeoutError)
      +-- ConnectionClosedError    the connection went away with requests pending
      +-- StoreError               a segment file is damaged or unwritable (never on the wire)
+     |    +-- CorruptRecordError  a stored record whose body no longer matches its BODYCRC
      +-- ConfigError              a setting is wrong (also a ValueError)
 
 Expected outcomes (a send that was flushed late, a pull that found nothing) are
@@ -124,6 +125,18 @@ class StoreError(BrokerError):
         super().__init__(message + where)
         self.segment = segment
         self.position = position
+
+
+class CorruptRecordError(StoreError):
+    """A record read from the commit log fails its body CRC (bits flipped on the disk since it was written).
+
+    Raised by the reads that copy a record elsewhere (a commit, a retry, a dead letter, a scheduled delivery):
+    copied, the damage would be re-encoded under a fresh, valid CRC and pass for sound from then on."""
+
+    def __init__(self, offset: int, *, segment: str | None = None, position: int | None = None):
+        super().__init__(f"the record at commit-log offset {offset} is corrupt: its body no longer matches its "
+                         "BODYCRC", segment=segment, position=position)
+        self.offset = offset
 
 
 class ConfigError(BrokerError, ValueError):

@@ -12,6 +12,7 @@ or host is copied or decoded. Positions are absolute in ``buf``.
                            optionally), TOPIC, where PROPERTIES lie            follow SYSFLAG's v6 bits)
     store_timestamp_at     STORETIMESTAMP                                      56, or 68 after an IPv6 born host
     record_properties      PROPERTIES (then property_bytes finds one pair)     after BODY and TOPIC
+    body_crc_ok            BODYCRC against the body                            8, and the body after the hosts
 
 The caller judges what the head says (magic, size against its file, offset field against
 the record's place); read_index_fields checks that the lengths inside add up to TOTALSIZE
@@ -102,3 +103,19 @@ def property_bytes(props: bytes, pair: bytes):
         if j > i + k:
             return props[i + k:j]
         end = i             # an empty value is no pair: an earlier one stands
+
+
+def body_crc_ok(buf, pos: int = 0, size: int | None = None) -> bool:
+    """The body of the record at ``pos`` (``size`` bytes, TOTALSIZE if not given) still matches its BODYCRC.
+
+    The reads of the store's older segments (which start-up does not verify) call this before serving or
+    copying a record; False also when the body length runs past the record."""
+    if size is None:
+        size = _I32.unpack_from(buf, pos)[0]
+    sys_flag = _I32.unpack_from(buf, pos + 36)[0]
+    p = pos + 84 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
+    body_len = _I32.unpack_from(buf, p)[0]
+    p += 4
+    if body_len < 0 or p + body_len > pos + size:
+        return False
+    return zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF == _I32.unpack_from(buf, pos + 8)[0]

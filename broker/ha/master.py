@@ -25,6 +25,7 @@ import logging
 
 from protocol.codes import ResponseCode
 from protocol.connection import wait_within
+from protocol.errors import CorruptRecordError
 
 from ..store.replica import chunk_end
 from .codec import HAProtocolError, OffsetDecoder, encode_transfer
@@ -182,9 +183,19 @@ class HAMaster:
         log.info("slave %s: sending the log from offset %d", link.peer, nxt)
         loop = asyncio.get_running_loop()
         last_write = loop.time()
+        stopped = False         # at a record that fails its CRC: heartbeats only, from then on
         while True:
             link.wake.clear()
-            chunk = self.store.replica_chunk(nxt, self.batch)
+            chunk = None
+            if not stopped:
+                try:
+                    chunk = self.store.replica_chunk(nxt, self.batch)
+                except CorruptRecordError:
+                    # Counted and logged (ERROR, segment and byte) by the store. Closing the link made the slave
+                    # reconnect every second, a WARNING on each side each time, for ever; it stays open, idle.
+                    log.error("slave %s: replication stops at offset %d, a corrupt record on this master's disk; "
+                              "the slave stays behind from there (txmq_ha_slave_lag_bytes)", link.peer, nxt)
+                    stopped = True
             if chunk is not None:
                 body = bytes(chunk)     # a copy: the mapping may be unmapped while bytes wait in the buffer
                 chunk.release()

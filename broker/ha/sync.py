@@ -63,7 +63,10 @@ class SlaveSync:
             self._failed(f"consumer offsets not copied from master {addr}: {exc}")
             return False
         for (group, topic, qid), offset in table.items():
-            self.offsets.commit(group, topic, qid, offset)
+            # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
+            # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
+            if offset >= 0:
+                self.offsets.commit(group, topic, qid, offset)
         self.synced += 1
         if self._failing is not None:
             log.warning("consumer offsets copied from master %s again", addr)

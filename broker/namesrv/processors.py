@@ -16,6 +16,7 @@ from protocol.errors import HeaderError
 from protocol.registration import DataVersion, body_crc32, decode_register_body
 from protocol.route import encode_cluster_info, encode_route, strict_json_for
 
+from ..limits import peer_host
 from .table import RouteTable
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,17 @@ def register_broker(ctx: NamesrvContext, conn, cmd):
     broker_id = cmd.int_field("brokerId", required=True)
     if broker_id < 0:
         raise HeaderError(f"brokerId={broker_id} is negative")
+    addr = cmd.str_field("brokerAddr", required=True)
+    if not ctx.table.room_for(addr, conn):
+        host, now = peer_host(conn), ctx.clock()
+        if now - ctx.table.refusal_logged_ms >= 10_000:
+            ctx.table.refusal_logged_ms = now
+            log.warning("registration of broker address %.200s from %s refused: its connections hold %d addresses, "
+                        "the limit (max_broker_addresses_per_host; logged at most every 10 s)", addr, host,
+                        ctx.table.max_addresses_per_host)
+        return cmd.response(ResponseCode.SYSTEM_BUSY,
+                            f"broker address {addr} not registered: the connections from {host} hold "
+                            f"{ctx.table.max_addresses_per_host} addresses, the limit (max_broker_addresses_per_host)")
     result = ctx.table.register(
         cluster=cmd.str_field("clusterName", required=True), broker_addr=cmd.str_field("brokerAddr", required=True),
         broker_name=cmd.str_field("brokerName", required=True), broker_id=broker_id,

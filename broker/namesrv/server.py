@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import sys
 
@@ -15,6 +16,7 @@ from protocol.codes import ResponseCode
 from protocol.connection import RemotingConnection, WriteBudget
 
 from ..context import monotonic_ms
+from ..limits import ConnectionGate
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
 from .table import RouteTable
@@ -25,8 +27,9 @@ log = logging.getLogger("txmq.namesrv")
 class NameServer:
     def __init__(self, config: NamesrvConfig, clock=monotonic_ms):
         self.config = config
-        self.ctx = NamesrvContext(RouteTable(expire_ms=config.broker_expire_ms), clock)
-        self.connections: set[RemotingConnection] = set()
+        table = RouteTable(expire_ms=config.broker_expire_ms, max_addresses_per_host=config.max_broker_addresses_per_host)
+        self.ctx = NamesrvContext(table, clock)
+        self.connections = ConnectionGate(config.max_connections, config.max_connections_per_host, log, "name server")
         # unread replies of every connection, together (max_total_write_buffer); WriteBudget logs each close
         self.write_budget = WriteBudget(config.max_total_write_buffer, owner="name server")
         self.address = ""
@@ -52,15 +55,11 @@ class NameServer:
             return fn(ctx, conn, cmd)
 
         def opened(conn) -> bool:
-            if len(self.connections) >= self.config.max_connections:
-                log.warning("refusing %s:%s, %d connections open", *conn.peer, len(self.connections))
-                return False
-            self.connections.add(conn)
-            return True
+            return self.connections.admit(conn) is None
 
         def closed(conn) -> None:
-            self.connections.discard(conn)
-            ctx.table.connection_closed(conn)
+            if self.connections.release(conn):     # refused on accept: it registered nothing
+                ctx.table.connection_closed(conn)
 
         return RemotingConnection(handle, max_frame_size=self.config.max_frame_size, on_open=opened, on_close=closed,
                                   budget=self.write_budget)
@@ -74,7 +73,13 @@ class NameServer:
                 log.exception("broker expiry scan failed; scanning again in %d ms", self.config.scan_interval_ms)
 
     def scan(self) -> list[str]:
-        """Expire silent brokers and close their connections (what RocketMQ's scanNotActiveBroker does)."""
+        """Expire silent brokers and close their connections (what RocketMQ's scanNotActiveBroker does), and
+        close every connection that sent nothing for broker_expire_ms (ConnectionGate.close_quiet)."""
+        c = self.config
+        closed = self.connections.close_quiet(math.ceil(c.broker_expire_ms / c.scan_interval_ms))
+        if closed:
+            log.info("closed %d connections whose peer sent nothing for %d ms (broker_expire_ms)", closed,
+                     c.broker_expire_ms)
         conns = {addr: live.conn for addr, live in self.ctx.table.live.items()}
         gone = self.ctx.table.expire(self.ctx.clock())
         for addr in gone:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from protocol.registration import DataVersion, RegisterBrokerBody
 from protocol.route import BrokerData, QueueData, TopicRouteData
 
+from ..limits import peer_host
+
 log = logging.getLogger("txmq.namesrv")
 
 MASTER_ID = 0
@@ -55,14 +57,26 @@ class RegisterResult:
 
 
 class RouteTable:
-    def __init__(self, *, expire_ms: int = 120_000):
+    def __init__(self, *, expire_ms: int = 120_000, max_addresses_per_host: int = 1 << 30):
         self.expire_ms = expire_ms
+        self.max_addresses_per_host = max_addresses_per_host
+        self.refusal_logged_ms = -(1 << 62)     # the last WARNING about max_addresses_per_host (one per 10 s)
         self.clusters: dict[str, set[str]] = {}
         self.brokers: dict[str, BrokerData] = {}
         self.queues: dict[str, dict[str, QueueData]] = {}
         self.live: dict[str, BrokerLive] = {}
 
     # ---------------------------------------------------------- registration
+    def room_for(self, broker_addr: str, conn: object) -> bool:
+        """May ``conn`` register ``broker_addr``: one it holds already, or a new one while the connections from its
+        remote address hold fewer than max_addresses_per_host. Any client may register any address and its topic
+        table (RocketMQ's name server has no credentials), and each address stayed while its connection did: one
+        connection registering address after address grew the table, and every scan of it, without bound."""
+        if broker_addr in self.live:
+            return True
+        host = peer_host(conn)
+        return sum(1 for live in self.live.values() if peer_host(live.conn) == host) < self.max_addresses_per_host
+
     def register(self, *, cluster: str, broker_addr: str, broker_name: str, broker_id: int, ha_server_addr: str,
                  body: RegisterBrokerBody, conn: object, now_ms: int) -> RegisterResult:
         self.clusters.setdefault(cluster, set()).add(broker_name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from protocol.codes import Perm, ResponseCode
+from protocol.errors import CorruptRecordError
 from protocol.message import validate_topic
 
 from ..topics import TopicConfig, is_system_topic
@@ -33,7 +34,10 @@ def update_and_create_topic(ctx, conn, cmd):
 
 def view_message_by_id(ctx, conn, cmd):
     offset = cmd.int_field("offset", required=True)
-    view = ctx.store.get_record(offset)
+    try:
+        view = ctx.store.verified_record(offset, "view by id")
+    except CorruptRecordError as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
     if view is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"can not find message by the offset, {offset}")
     return cmd.response(ResponseCode.SUCCESS, body=[view])

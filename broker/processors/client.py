@@ -25,8 +25,30 @@ def _notify(ctx, groups) -> None:
 
 
 def heart_beat(ctx, conn, cmd):
-    _notify(ctx, ctx.clients.heartbeat(conn, cmd))
-    return cmd.response(ResponseCode.SUCCESS)
+    clients = ctx.clients
+    changed, refused, oversized = clients.heartbeat(conn, cmd)
+    _notify(ctx, changed)
+    if not refused and not oversized:
+        return cmd.response(ResponseCode.SUCCESS)
+    # The groups it is in were renewed; a stock client logs the failed heartbeat and sends the next one as ever.
+    host = getattr(conn, "peer", ("?", 0))[0]
+    why = []
+    if refused:
+        ctx.limits.refused("group-limit")
+        why.append(f"{refused} groups not joined: the connections from {host} are in {clients.max_groups_per_host} "
+                   f"groups, the limit (max_groups_per_host); the groups already joined are renewed")
+    if oversized:
+        ctx.limits.refused("subscription-limit")
+        why.append(f"consumer groups {', '.join(oversized[:5])}{' ...' if len(oversized) > 5 else ''} not joined "
+                   f"nor changed: their subscriptions are past max_subscription_bytes_per_group="
+                   f"{clients.max_subscription_bytes}")
+    why = "; ".join(why)
+    now = clients.clock()
+    if now - clients.group_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
+        clients.group_refusals_logged = now
+        log.warning("HEART_BEAT from %s:%s: %.1000s (logged at most every %d s)", host, conn.peer[1], why,
+                    _REFUSAL_LOG_INTERVAL_MS // 1000)
+    return cmd.response(ResponseCode.SYSTEM_BUSY, why[:2000])
 
 
 def unregister_client(ctx, conn, cmd):
@@ -104,11 +126,13 @@ def lock_batch_mq(ctx, conn, cmd):
         if tc is None or type(qid) is not int or not 0 <= qid < tc.queue_count:
             continue
         why = clients.lock_queue((group, topic, qid), client_id, conn, now, ttl, config.max_queue_locks,
-                                 config.max_queue_locks_per_connection)
+                                 config.max_queue_locks_per_connection, config.max_queue_locks_per_host)
         if why is None:
             granted.append(mq)
         elif why != "held":
             refused[why] = refused.get(why, 0) + 1
+    if refused:
+        ctx.limits.refused("queue-lock-limit")
     if refused and now - clients.lock_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
         clients.lock_refusals_logged = now
         peer = getattr(conn, "peer", ("?", 0))

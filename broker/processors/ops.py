@@ -219,12 +219,15 @@ def reset_offset(ctx, conn, cmd):
 
     Broker2Client.resetOffset, with one addition: the new offsets are also committed here, so a
     group with no live consumer is reset as well (RocketMQ answers CONSUMER_NOT_ONLINE, and
-    mqadmin then writes the same offsets itself).
+    mqadmin then writes the same offsets itself). With ``queueId`` and ``offset`` (RocketMQ 5's fields; a
+    4.x client never sends them), that one queue moves to that offset and no other: how a group gets past a
+    corrupt record (a pull's SYSTEM_ERROR names the command), where a time would move every queue.
     """
     topic = cmd.str_field("topic", required=True)
     group = cmd.str_field("group", required=True)
     timestamp = cmd.int_field("timestamp", required=True)
     force = cmd.bool_field("isForce", False)
+    one_qid, one_offset = cmd.int_field("queueId", -1), cmd.int_field("offset", -1)
     tc = ctx.topics.get(topic)
     if tc is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR,
@@ -233,7 +236,14 @@ def reset_offset(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"THe consumer group <{group}> not exist")
     broker = ctx.config.broker_name
     table = {}
-    for qid in range(tc.write_queue_nums):
+    if one_qid >= 0 and one_offset >= 0:
+        lo, hi = ctx.store.min_offset(topic, one_qid), ctx.store.max_offset(topic, one_qid)
+        if one_qid >= tc.write_queue_nums or not lo <= one_offset <= hi:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"[reset-offset] queue {one_qid} of {topic} holds "
+                                f"offsets {lo} to {hi}, not {one_offset}")
+        current = ctx.offsets.get(group, topic, one_qid) or 0
+        table[(topic, broker, one_qid)] = one_offset if force or one_offset < current else current
+    for qid in range(tc.write_queue_nums) if not table else ():
         current = ctx.offsets.get(group, topic, qid) or 0
         target = (ctx.store.max_offset(topic, qid) if timestamp == -1
                   else ctx.store.search_offset_by_time(topic, qid, timestamp))

@@ -15,6 +15,7 @@ from protocol.message import POS_PHYSICAL_OFFSET
 from protocol.record import property_bytes, record_properties
 
 from ..clients import build_subscription
+from ..limits import peer_host
 from ..store import GetStatus
 
 log = logging.getLogger("txmq.pull")
@@ -81,8 +82,8 @@ def on_disk(ctx, physical_offset: int) -> bool:
 def _code(cmd, status):
     if status is GetStatus.FOUND:
         return ResponseCode.SUCCESS
-    if status is GetStatus.QUEUE_DAMAGED:       # an error the client retries, never a skip past lost units
-        return ResponseCode.SYSTEM_ERROR
+    if status is GetStatus.QUEUE_DAMAGED or status is GetStatus.RECORD_CORRUPT:
+        return ResponseCode.SYSTEM_ERROR        # an error the client retries, never a skip past lost units
     if status in (GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING):
         return ResponseCode.PULL_RETRY_IMMEDIATELY
     if status in (GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_FOUND_NULL):
@@ -129,6 +130,12 @@ def _reply(ctx, cmd, group, topic, got):
         return cmd.response(code, f"consume queue {topic}-{cmd.int_field('queueId')} is damaged at offset "
                             f"{got.next_begin_offset} (a zeroed unit, or one naming no record; see the broker's log): "
                             "restart the broker to rebuild it from the commit log", fields)
+    if status is GetStatus.RECORD_CORRUPT:
+        qid, at = cmd.int_field("queueId"), got.next_begin_offset
+        return cmd.response(code, f"the message at offset {at} of {topic}-{qid} is corrupt: its body fails its CRC "
+                            "(damaged on the broker's disk; see the broker's log). It is not served; to go on "
+                            f"without it: python -m broker admin reset-offset {group} {topic} --queue {qid} "
+                            f"--offset {at + 1}", fields)
     return cmd.response(code, status.name, fields)
 
 
@@ -205,6 +212,13 @@ async def _parked(ctx, conn, cmd, topic, qid, offset, hold_ms):
     resp = handle_pull(ctx, conn, cmd, woken=True)
     if resp.code != ResponseCode.PULL_NOT_FOUND:
         return resp
+    if not ctx.holds.room(conn):
+        # Not PULL_NOT_FOUND, which a stock push consumer answers with the next pull at once (a busy loop):
+        # an error code makes it pull again after 3 s (pullTimeDelayMillsWhenException). Nothing is skipped.
+        why = (f"pull not held: the connections from {peer_host(conn)} hold {ctx.holds.max_per_host} parked pulls, "
+               f"the limit (max_parked_pulls_per_host); pull again later")
+        ctx.limits.refused("parked-pull-limit", why)
+        return cmd.response(ResponseCode.SYSTEM_BUSY, why)
     parked = conn is not None and conn.park()      # not counted in flight while it waits
     try:
         await ctx.holds.wait(topic, qid, offset, hold_ms / 1000, conn)   # cancelled if conn closes

@@ -9,6 +9,7 @@ record's topic, KEYS and UNIQ_KEY, so a hash collision never returns another key
 from __future__ import annotations
 
 from protocol.codes import ResponseCode
+from protocol.errors import CorruptRecordError
 
 UNIQUE_KEY_QUERY = "_UNIQUE_KEY_QUERY"      # MixAll.UNIQUE_MSG_QUERY_FLAG
 DEFAULT_QUERY_MAX_NUM = 32                  # BrokerConfig.defaultQueryMaxNum
@@ -28,8 +29,20 @@ async def query_message(ctx, conn, cmd):
                             "(message_index_enable=false)")
     found, last_ts, last_phy = await ctx.index.query(topic, key, max_num, begin, end)
     header = {"indexLastUpdateTimestamp": last_ts, "indexLastUpdatePhyoffset": last_phy}
-    views = [v for v in (ctx.store.get_record(phy) for phy in sorted(found)) if v is not None]
+    views, corrupt = [], 0
+    for phy in sorted(found):
+        try:
+            view = ctx.store.verified_record(phy, "query")
+        except CorruptRecordError:      # counted and logged by the store; never served as if sound
+            corrupt += 1
+            continue
+        if view is not None:
+            views.append(view)
+    if not views and corrupt:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{corrupt} matching message(s) are corrupt on the broker's "
+                            "disk (their bodies fail their CRC; see the broker's log)", header)
     if not views:
         return cmd.response(ResponseCode.QUERY_NOT_FOUND, "can not find message, maybe time range not correct",
                             header)
-    return cmd.response(ResponseCode.SUCCESS, None, header, body=views)
+    remark = f"{corrupt} corrupt match(es) left out (see the broker's log)" if corrupt else None
+    return cmd.response(ResponseCode.SUCCESS, remark, header, body=views)

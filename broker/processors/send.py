@@ -14,6 +14,7 @@ from time import perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
+from protocol.errors import CorruptRecordError
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
@@ -407,7 +408,10 @@ async def handle_send_back(ctx, conn, cmd):
         # them sent the retry, when its delay ended, to any topic instead of %RETRY%<group>.
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"originMsgId {origin_id!r} holds a properties "
                             "separator (\\x01 or \\x02)")
-    view = ctx.store.get_record(offset)
+    try:        # a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC
+        view = ctx.store.verified_record(offset, "send back")
+    except CorruptRecordError as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
     if view is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"look message by offset failed, {offset}")
     msg, _ = decode_record(view)

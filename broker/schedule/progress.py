@@ -16,7 +16,8 @@ for start-up, written every 10 s and at stop (only for progress that is on disk)
 
     {"offsetTable": {"<level>": <offset>}, "timerFloor": <every timer below it delivered>,
      "timerDone": [<delivered timer offsets at or above the floor>],
-     "progressOffset": <progress records below this queue offset are reflected here>}
+     "progressOffset": <progress records below this queue offset are reflected here>,
+     "crc": <CRC-32 of the bytes before it (store/saved.py): a file changed since is replayed from the log>}
 
 Start-up loads it and replays the progress records after ``progressOffset``.
 """
@@ -27,6 +28,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from ..store.saved import crc_matches, with_crc
 from ..topics import SCHEDULE_PROGRESS_TOPIC
 
 log = logging.getLogger("txmq.schedule")
@@ -87,8 +89,13 @@ def decode_progress(body: bytes) -> tuple[dict[int, int], list[int]] | None:
 def load_snapshot(config_dir: str) -> Progress:
     path = os.path.join(config_dir, SNAPSHOT_NAME)
     try:
-        with open(path, "r", encoding="utf-8") as fh:
-            return Progress.from_json(json.load(fh))
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        data = json.loads(raw)
+        # A flipped digit leaves valid JSON: a level's offset set higher would skip its waiting messages for good.
+        if isinstance(data, dict) and "crc" in data and not crc_matches(raw, data["crc"]):
+            raise ValueError("its checksum does not match: it was changed after it was written")
+        return Progress.from_json(data)
     except FileNotFoundError:
         return Progress()
     except (OSError, ValueError, TypeError, AttributeError) as exc:
@@ -101,8 +108,8 @@ def write_snapshot(config_dir: str, data: dict) -> None:
     path = os.path.join(config_dir, SNAPSHOT_NAME)
     tmp = path + ".tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
+        with open(tmp, "wb") as fh:
+            fh.write(with_crc(json.dumps(data, separators=(",", ":")).encode()))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

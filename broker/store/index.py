@@ -51,6 +51,7 @@ _SIZE_MAGIC = struct.Struct(">ii")
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 _I16 = struct.Struct(">h")
+_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)
 _PROGRESS = struct.Struct(">qI")
 PROGRESS_FILE = "progress"
 PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page dirtied since the last (under
@@ -58,6 +59,8 @@ PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page di
 MAX_QUERY = 64                  # RocketMQ's maxMsgsNumBatch
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
+CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
+OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
 _WAKE = object()
 
@@ -104,8 +107,12 @@ class IndexService:
         self._hasher = KeyHasher()
         self._unindexed = frozenset(t.encode() for t in unindexed)     # topics whose records get no entry
         self._thread: threading.Thread | None = None
-        self._fds: dict[int, int] = {}  # segment start -> descriptor, the index thread's own
+        # segment start -> descriptor, the index thread's own, most recently read last. At most OPEN_SEGMENTS:
+        # kept for every segment it ever read, a catch-up over a long log (or queries over months of index
+        # files) held one per segment on top of the store's two, and the broker ran out of descriptors.
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._last_progress = 0.0
+        self._catching_up = False       # records dispatched meanwhile wait in _pending until the catch-up ends
         self._loop = None
         self._closed = False
         self._stopping = False          # close() queued the thread's last job: later jobs would never run
@@ -123,12 +130,15 @@ class IndexService:
 
     async def open(self, log_min: int, log_end: int) -> None:
         """Load the files (blocking work on a thread), start the index thread and let it catch up to
-        ``log_end`` in the background: queries queue behind the catch-up."""
+        ``log_end`` in the background, a slice at a time: a query waits for one slice, not all of it, and
+        is answered from what is indexed so far (with how far that is), as RocketMQ's queryOffset answers
+        from its index while the reput service catches up."""
         self._loop = asyncio.get_running_loop()
         await self._loop.run_in_executor(None, self._load, log_min, log_end)
         self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
+        self._catching_up = True
         self._thread.start()
-        self._q.put(lambda: self._scan(self.covered, log_end))
+        self._q.put(lambda: self._catch_up(log_end))
 
     async def close(self) -> None:
         if self._thread is None:
@@ -238,7 +248,7 @@ class IndexService:
             # loop appends after that count would find the deque non-empty, skip its wake-up and wait for
             # the next send (found in review).
             batch = []
-            while pending:
+            while pending and not self._catching_up:
                 batch.append(popleft())
             if batch:
                 self._guarded(self._index, batch)
@@ -385,11 +395,29 @@ class IndexService:
         self.files.append(f)
         return f
 
-    def _scan(self, lo: int, hi: int) -> None:
-        """Index the records in [lo, hi) straight from the segment files."""
+    def _catch_up(self, hi: int) -> None:
+        """One slice of the start-up catch-up; the rest goes to the back of the queue, behind the queries
+        queued meanwhile. In one job, over months of segments (17 s), a key lookup at start waited past a
+        client's timeout."""
+        done = True
+        try:
+            done = self._closed or self.failed is not None or self._scan(self.covered, hi, CATCH_UP_SLICE)
+        finally:
+            if done:
+                self._catching_up = False
+                self._q.put(_WAKE)      # the records dispatched meanwhile
+            else:
+                self._q.put(lambda: self._catch_up(hi))
+
+    def _scan(self, lo: int, hi: int, budget: int | None = None) -> bool:
+        """Index the records in [lo, hi) straight from the segment files. With a budget, stops at the first
+        record boundary ``budget`` bytes past ``lo``: returns whether it reached ``hi``."""
         items: list = []
         pos = lo
         while pos < hi:
+            if budget is not None and pos - lo >= budget:
+                self.covered = max(self.covered, pos)     # a record's start, or a segment's
+                return False
             start = pos - pos % self.seg_size
             chunk = self._pread(start, pos - start, min(_CHUNK, hi - pos, start + self.seg_size - pos))
             if not chunk:
@@ -401,39 +429,79 @@ class IndexService:
                 if magic == BLANK_MAGIC:
                     at = -1
                     break
-                if magic != MESSAGE_MAGIC or size < 91:
-                    log.warning("index catch-up: no record at offset %d; stopping the scan there", pos + at)
-                    self.covered = max(self.covered, hi)
-                    self._flush(items)
-                    return
+                here = pos + at
+                if (magic != MESSAGE_MAGIC or size < 91 or here + size > start + self.seg_size
+                        or (at + 36 <= len(chunk) and _I64.unpack_from(chunk, at + 28)[0] != here)):
+                    # A damaged record head. Stopping the scan here (once with only a WARNING) left every sound
+                    # record after it out of the index; a size past the segment re-read it for ever. Go on
+                    # from the next record that is where it says it is.
+                    nxt = self._next_record(here, min(hi, start + self.seg_size))
+                    log.error("index catch-up: commit log segment %020d byte %d holds no record (magic %#x, size %d)"
+                              "; %s", start, here - start, magic & 0xFFFFFFFF, size,
+                              f"{nxt - here} bytes passed over, indexing on from byte {nxt - start}"
+                              if nxt is not None else "no record after it in this segment is indexed")
+                    at = -1 if nxt is None else nxt - pos
+                    break
                 if at + size > len(chunk):
                     if at == 0:         # a record larger than the chunk
                         chunk = self._pread(start, pos - start, size)
-                        if len(chunk) < size:
+                        if len(chunk) < size:   # the file ends inside it (below)
                             break
                     else:
                         break
                 self._collect(items, chunk, at, pos + at)
                 at += size
-            if at < 0:
+            if at == 0:
+                # No record read from a chunk that is not empty: the file ends inside a record (cut short; every
+                # segment is preallocated whole, and ends with an end marker). Read again from here for ever,
+                # the index thread spinning and every query waiting.
+                log.error("index catch-up: commit log segment %020d ends inside the record at byte %d; the rest "
+                          "of the segment is not indexed", start, pos - start)
+                at = -1
+            if at < 0:          # an end marker, or damage with no record after it in the segment
                 pos = start + self.seg_size
             else:
                 pos += at
             self.covered = max(self.covered, min(pos, hi))
             self._flush(items)
         self.covered = max(self.covered, hi)
+        return True
+
+    def _next_record(self, bad: int, hi: int) -> int | None:
+        """The first offset in (bad, hi) of the same segment where a record head says it lies there (MESSAGE
+        magic, its PHYSICALOFFSET field = where it is); None if there is none."""
+        start = bad - bad % self.seg_size
+        at = bad + 1
+        while at + 36 <= hi:
+            chunk = self._pread(start, at - start, min(_CHUNK, hi - at))
+            if len(chunk) < 36:
+                return None
+            find = chunk.find(_MAGIC_BYTES, 4)
+            while find >= 0 and find + 32 <= len(chunk):
+                cand = at + find - 4
+                if _I64.unpack_from(chunk, find + 24)[0] == cand:
+                    return cand
+                find = chunk.find(_MAGIC_BYTES, find + 1)
+            at += max(1, len(chunk) - 36)       # overlap: a head cut by the chunk's end is found in the next
+        return None
 
     def _read(self, phy: int, size: int):
         start = phy - phy % self.seg_size
         return self._pread(start, phy - start, size)
 
     def _pread(self, start: int, pos: int, n: int) -> bytes:
-        fd = self._fds.get(start)
+        fds = self._fds
+        fd = fds.get(start)
         if fd is None:
             try:
-                fd = self._fds[start] = os.open(os.path.join(self.log_dir, f"{start:020d}"), os.O_RDONLY)
+                fd = os.open(os.path.join(self.log_dir, f"{start:020d}"), os.O_RDONLY)
             except FileNotFoundError:
                 return b""
+            if len(fds) >= OPEN_SEGMENTS:
+                os.close(fds.popitem(last=False)[1])
+            fds[start] = fd
+        else:
+            fds.move_to_end(start)
         return os.pread(fd, n, pos)
 
     def _query(self, topic: str, key: str, max_num: int, begin: int, end: int):

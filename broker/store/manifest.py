@@ -27,7 +27,7 @@ import json
 import mmap
 import os
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from protocol.message import MESSAGE_MAGIC, peek_record
 from protocol.record import MIN_RECORD_SIZE, store_timestamp_at
@@ -69,7 +69,12 @@ def load_or_create_store_id(store_dir: str) -> str:
     except FileNotFoundError:
         pass
     except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{path} does not hold a store id (a UUID); it was damaged or written by hand") from None
+        # Not replaced here: the id ties expiry plans and the transaction snapshot to this store, and an operator
+        # may have a copy of it (a plan names it). Nothing is lost by a new one, which the hint says.
+        raise ValueError(f"{path} does not hold a store id (a UUID); it was damaged or written by hand: put the "
+                         f"store's id back (expiry plans name it), or remove the file to have a new one written "
+                         f"(the transaction snapshot is then rebuilt from the log, and plans made before are "
+                         f"refused)") from None
     new = str(uuid.uuid4())
     _write_atomically(path, (new + "\n").encode())
     return new
@@ -116,10 +121,22 @@ def read_manifest(store_dir: str) -> dict:
 
 def write_manifest(store_dir: str, store_id: str, now_ms: int, facts: list[SegmentFacts],
                    removed: SegmentFacts | None = None) -> None:
-    body = {"store_id": store_id, "written_ms": now_ms, "segments": [asdict(f) for f in facts]}
-    if removed is not None:
-        body["removed"] = asdict(removed)
-    _write_atomically(os.path.join(store_dir, MANIFEST_FILE), json.dumps(body, indent=0).encode())
+    # One entry a line, each encoded by json's C encoder: asdict() and indent= (which takes the pure-Python
+    # encoder) cost 35 us an entry, 137 ms a write for 3,914 segments. The manifest is rewritten after every
+    # removal, on the I/O thread but holding the GIL: a retention pass over months of segments stalled the
+    # event loop for 300 ms at a time, and cost O(segments^2).
+    lines = [f'{{"store_id": {json.dumps(store_id)}, "written_ms": {json.dumps(now_ms)}, "segments": [']
+    lines.append(",\n".join(_ENTRY.format(json.dumps(f.name), f.start, f.end, f.records, f.first_ts, f.last_ts,
+                                          "true" if f.sealed else "false") for f in facts))
+    lines.append("]" if removed is None else "], \"removed\": " + _ENTRY.format(
+        json.dumps(removed.name), removed.start, removed.end, removed.records, removed.first_ts, removed.last_ts,
+        "true" if removed.sealed else "false"))
+    lines.append("}\n")
+    _write_atomically(os.path.join(store_dir, MANIFEST_FILE), "\n".join(lines).encode())
+
+
+_ENTRY = ('{{"name": {}, "start": {:d}, "end": {:d}, "records": {:d}, "first_ts": {:d}, "last_ts": {:d}, '
+          '"sealed": {}}}')
 
 
 def removed_from_disk(store_dir: str) -> SegmentFacts | None:
@@ -141,6 +158,6 @@ def sealed_from_disk(store_dir: str) -> dict[str, SegmentFacts]:
                 f = SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
                                  int(e["first_ts"]), int(e["last_ts"]), True)
                 out[f.name] = f
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):    # not an entry: the bytes say it again
             continue
     return out

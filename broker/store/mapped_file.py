@@ -102,15 +102,20 @@ def keep_previous(path: str) -> None:
         # A file system without hard links (EPERM, EOPNOTSUPP: vfat, some network and FUSE mounts) made
         # every save of the catalogues fail: a copy, synced before it is renamed into place, does instead.
         try:
-            shutil.copyfile(path, tmp)
+            copy_synced(path, tmp)
         except FileNotFoundError:
             return
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
     os.replace(tmp, bak)
+
+
+def copy_synced(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` and fsync ``dst`` (its directory is the caller's)."""
+    shutil.copyfile(src, dst)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

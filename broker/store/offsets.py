@@ -23,9 +23,8 @@ import logging
 import os
 import threading
 
-from protocol.errors import StoreError
-
-from .mapped_file import BACKUP_SUFFIX, fsync_dir, fsync_dirs, keep_previous, make_dirs
+from .mapped_file import fsync_dir, fsync_dirs, keep_previous, make_dirs
+from .saved import check, is_int, load_saved
 
 log = logging.getLogger("txmq.store")
 
@@ -43,29 +42,12 @@ class ConsumerOffsets:
         self._load()
 
     def _load(self) -> None:
-        raw, why = _read_table(self.path)
-        if why == "missing" and not os.path.exists(self.path + BACKUP_SUFFIX):
-            return                      # a new store
-        if why is not None:
-            # The previous save's copy: a few seconds older at most (a few redeliveries), where no table at all
-            # would start every group over by its consume-from policy -- skipping what it had not consumed.
-            backup, bad = _read_table(self.path + BACKUP_SUFFIX)
-            if bad is not None:
-                raise StoreError(f"consumer offsets file {self.path} cannot be read ({why}), nor its previous copy "
-                                 f"{self.path + BACKUP_SUFFIX} ({bad}): move both away to start every group over")
-            log.error("consumer offsets file %s cannot be read (%s): using its previous copy %s (at most one save "
-                      "older: groups may see a few messages again)", self.path, why, self.path + BACKUP_SUFFIX)
-            raw = backup
-        for key, queues in raw.items():
-            topic, sep, group = key.rpartition("@")
-            if not sep or not isinstance(queues, dict):
-                log.warning("consumer offsets: skipping malformed entry %r", key)
-                continue
-            for qid, offset in queues.items():
-                try:
-                    self._table[(group, topic, int(qid))] = int(offset)
-                except (TypeError, ValueError):
-                    log.warning("consumer offsets: skipping %s queue %r = %r", key, qid, offset)
+        # The previous save is a few seconds older at most (a few redeliveries), where no table at all would
+        # start every group over by its consume-from policy -- skipping what it had not consumed.
+        table = load_saved(self.path, _parse_table, "consumer offsets file", log,
+                           fallback_cost="at most one save older: groups may see a few messages again",
+                           reset_hint="move both away to start every group over by its consume-from policy")
+        self._table = table or {}
 
     # ------------------------------------------------------------------ API
     def get(self, group: str, topic: str, queue_id: int) -> int | None:
@@ -187,15 +169,21 @@ class ConsumerOffsets:
         fsync_dir(directory)
 
 
-def _read_table(path: str) -> tuple[dict | None, str | None]:
-    """(the table, None), or (None, why not): "missing", or what is wrong with it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        return None, "missing"
-    except (OSError, ValueError) as exc:
-        return None, str(exc)
-    if not isinstance(raw, dict):
-        return None, "not a JSON object"
-    return raw, None
+def _parse_table(raw) -> dict[tuple[str, str, int], int]:
+    """The table of a file's JSON; ValueError for any entry that is not "<topic>@<group>": {"<qid>": offset}.
+
+    One bad entry makes the whole file suspect (a hand or a disk changed it): skipping just that entry would
+    start its group over on those queues without a word."""
+    check(isinstance(raw, dict), "not a JSON object")
+    if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's wrapper, as ops/spark/expiry.py reads it too
+        raw = raw["offsetTable"]
+    table = {}
+    for key, queues in raw.items():
+        # (group may be "": a group name ending in "@" -- names are not checked -- is saved as "T@odd@", and
+        # read back so it is saved as it was; refused, one client's name sent every start to the older copy)
+        topic, sep, group = key.rpartition("@")
+        check(bool(sep and topic) and isinstance(queues, dict), f"malformed entry {key!r}")
+        for qid, offset in queues.items():
+            check(qid.isdigit() and is_int(offset) and offset >= 0, f"{key} queue {qid!r} = {offset!r}")
+            table[(group, topic, int(qid))] = offset
+    return table

@@ -36,6 +36,10 @@ class GetStatus(enum.Enum):
     # txmq's own: the consume queue holds a zeroed unit here (units lost, their records still in the log); reads
     # stop at it, the next start rebuilds the queue (ConsumeQueue.mark_damaged)
     QUEUE_DAMAGED = "QUEUE_DAMAGED"
+    # txmq's own: the record at this offset fails its body CRC (damaged on disk); reads stop at it, counted and
+    # logged (MessageStore.corrupt). Nothing rebuilds it: the group is moved past it by hand (admin reset-offset
+    # --queue Q --offset N, which the pull's remark spells out).
+    RECORD_CORRUPT = "RECORD_CORRUPT"
 
 
 @dataclass(slots=True)

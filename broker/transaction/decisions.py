@@ -26,6 +26,7 @@ log = logging.getLogger("txmq.transaction")
 FILE_ENTRIES = 1 << 20
 _CODE = {COMMIT: 1, ROLLBACK: 2, DEAD: 3}
 _NAME = {1: COMMIT, 2: ROLLBACK, 3: DEAD}
+_CODES = bytes([0, *_NAME])
 _AHEAD = ".ahead"
 
 
@@ -42,9 +43,17 @@ class DecisionTable:
         self._pending: dict[int, int] = {}      # entries whose file could not be made yet (a full disk)
         self._making: set[int] = set()          # files a thread is making ahead of need (see ``wants``)
         self._closed = False
+        # Files that cannot be this table's (the wrong size, bytes no decision has): recovery rebuilds the table
+        # from the op queue. Resized or read as they were, the decisions in them were lost without a word: a
+        # late END or an admin action on those halves answered "not found", and the DEAD count was wrong.
+        self.damaged: list[tuple[str, str]] = []
         for name in sorted(os.listdir(directory)):
             if name.isdigit() and len(name) == 20:
-                self._open(int(name))
+                why = self._damage(self._path(int(name)))
+                if why is None:
+                    self._open(int(name))
+                else:
+                    self.damaged.append((self._path(int(name)), why))
             elif name.endswith(_AHEAD):         # a file made ahead by a process that stopped before linking it
                 try:
                     os.unlink(os.path.join(directory, name))
@@ -53,6 +62,16 @@ class DecisionTable:
 
     def _path(self, base: int) -> str:
         return os.path.join(self.directory, f"{base:020d}")
+
+    def _damage(self, path: str) -> str | None:
+        """What is wrong with an existing decision file, or None. (An unreadable one raises, naming it.)"""
+        with open(path, "rb") as f:
+            data = f.read(self.file_entries + 1)
+        if len(data) != self.file_entries:
+            return f"{len(data)} bytes, not {self.file_entries}"
+        if data.translate(None, _CODES):
+            return "bytes that are no decision"
+        return None
 
     def _open(self, base: int) -> mmap.mmap:
         """Map the file of ``base``, its blocks allocated first: a store through a mapping into a hole
@@ -239,10 +258,13 @@ class DecisionTable:
         return forgotten
 
     def clear(self) -> None:
-        """Forget everything (a rebuild from the log follows)."""
+        """Forget everything, damaged files included (a rebuild from the log follows)."""
         for base in list(self._maps):
             self._maps.pop(base).close()
             os.unlink(self._path(base))
+        for path, _why in self.damaged:
+            os.unlink(path)
+        self.damaged.clear()
         self._dirty.clear()
 
     def close(self) -> None:
@@ -251,6 +273,16 @@ class DecisionTable:
             m.flush()
             m.close()
         self._maps.clear()
+
+    @property
+    def bases(self) -> list[int]:
+        """The files the table has (a snapshot names them: see ``lost``)."""
+        return sorted(self._maps)
+
+    def lost(self, bases: list[int], first_index: int) -> list[str]:
+        """The files of ``bases`` (a snapshot's) that are gone though retention did not remove them (not
+        wholly below ``first_index``): deleted by hand or by a file-system repair, their decisions with them."""
+        return [self._path(b) for b in bases if b not in self._maps and b + self.file_entries > first_index]
 
     @property
     def waiting(self) -> int:

@@ -1,7 +1,8 @@
 """Start-up of the transaction service, and the snapshot that keeps it short (docs/design.md).
 
 ``transactions/snapshot.json`` holds the undecided index, the op-queue offset up to which the decision
-table is complete and the half-queue offset below which every half is pending or decided. Start-up
+table is complete, the half-queue offset below which every half is pending or decided, and the decision
+files that table had (one missing at start-up, or damaged, is rebuilt from the whole op queue). Start-up
 replays only what the log holds after those two offsets; without a usable snapshot, the whole op queue
 and the half queue from the saved progress rebuild everything (and a snapshot is written at once).
 """
@@ -12,8 +13,10 @@ import logging
 import os
 
 from broker.store.mapped_file import fsync_dir
+from broker.store.saved import crc_matches, with_crc
 from protocol.errors import StoreError
 from protocol.message import Prop, decode_record
+from protocol.record import body_crc_ok
 
 from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
@@ -27,12 +30,17 @@ PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue prog
 SNAPSHOT_VERSION = 1
 
 
-def scan(store, topic: str, start: int | None = None):
-    """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end."""
+def scan(store, topic: str, start: int | None = None, check_body: bool = False):
+    """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end.
+
+    ``check_body``: a record whose body fails its CRC (counted and logged by the store) is yielded with an empty
+    body. An op record's body is the half's queue offset: a flipped digit there recorded the decision against
+    another transaction; the caller takes it from the half its TXMQ_HALF property names instead."""
     offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
     end = store.max_offset(topic, 0)
     while offset < end:
-        got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None)
+        # (bodies unchecked: the index needs only the records' properties; a commit checks the half's body)
+        got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None, verify=False)
         if got.status is GetStatus.QUEUE_DAMAGED:      # stopping here would forget the transactions after it
             raise StoreError(f"consume queue {topic}-0 is damaged at offset {offset} (see the log): it is marked "
                              "to be rebuilt from the commit log; start the broker again")
@@ -42,7 +50,11 @@ def scan(store, topic: str, start: int | None = None):
             offset = got.next_begin_offset
             continue
         for buf in got.buffers:
-            yield decode_record(buf)[0]
+            msg = decode_record(buf)[0]
+            if check_body and not body_crc_ok(buf):
+                store.corrupt_record(msg.physical_offset, f"transaction recovery ({topic})")
+                msg.body = b""
+            yield msg
         offset = got.next_begin_offset
 
 
@@ -51,7 +63,8 @@ def read_snapshot(directory: str, store) -> dict | None:
     path = os.path.join(directory, "snapshot.json")
     try:
         with open(path, "rb") as f:
-            snap = json.load(f)
+            raw = f.read()
+        snap = json.loads(raw)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -68,10 +81,24 @@ def read_snapshot(directory: str, store) -> dict | None:
         why = "it covers op records the log no longer has"
     elif snap["half_offset"] > store.max_offset(HALF_TOPIC, 0):
         why = "it covers half messages the log no longer has"
+    elif not _pending_rows(snap.get("pending", [])):
+        why = "its pending list is malformed"
+    elif not isinstance(snap.get("decision_files", []), list) or not all(
+            type(b) is int for b in snap.get("decision_files", [])):
+        why = "its list of decision files is malformed"
+    elif "crc" in snap and not crc_matches(raw, snap["crc"]):
+        # (its last key: a flipped digit would leave valid JSON and drop an undecided transaction for good)
+        why = "its checksum does not match: it was changed after it was written"
     if why:
         log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
         return None
     return snap
+
+
+def _pending_rows(rows) -> bool:
+    """Whether ``rows`` is a list of [half offset, queue offset, checks] (all integers)."""
+    return isinstance(rows, list) and all(
+        isinstance(row, list) and len(row) == 3 and all(type(v) is int and v >= 0 for v in row) for row in rows)
 
 
 async def recover(tx) -> None:
@@ -85,6 +112,18 @@ async def recover(tx) -> None:
         log.warning("transactions: %d decisions were for halves at queue offset %d or later, which the recovered "
                     "log no longer holds (it was cut); forgotten, as new halves take those offsets", gone, half_end)
     snap = read_snapshot(tx.directory, store)
+    if tx.table.damaged:
+        # The snapshot vouches for the table up to its op offset: with files of it damaged, only the whole op
+        # queue can say what the decisions were.
+        log.warning("transactions: decision files damaged (%s): the decision table is rebuilt from the op queue",
+                    "; ".join(f"{path}: {why}" for path, why in tx.table.damaged))
+        snap = None
+    elif snap is not None:
+        lost = tx.table.lost(snap.get("decision_files", []), store.min_offset(HALF_TOPIC, 0))
+        if lost:
+            log.warning("transactions: decision files missing (%s): the decision table is rebuilt from the op queue",
+                        ", ".join(lost))
+            snap = None
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
     owners: dict[int, str] = {}        # half offset -> client id of its sender (asked first)
@@ -98,7 +137,7 @@ async def recover(tx) -> None:
             checks[off] = n
         owners = _owners(snap)
     resumed_floor = None
-    for msg in scan(store, OP_TOPIC, op_from):
+    for msg in scan(store, OP_TOPIC, op_from, check_body=True):
         op = parse_op(msg)
         if op is None:
             continue
@@ -106,14 +145,19 @@ async def recover(tx) -> None:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
             if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
                 owners[op.half_offset] = op.owner
-        elif op.op == RESUME:
-            tx.record(op.half_queue_offset, None)
+            continue
+        q = op.half_queue_offset
+        if q < 0:       # its body was damaged (scan emptied it): the half TXMQ_HALF names says it
+            q = tx._half_queue_offset(op.half_offset)
+            if q is None:
+                continue
+        if op.op == RESUME:
+            tx.record(q, None)
             undecided.add(op.half_offset)
             checks[op.half_offset] = 0
-            resumed_floor = op.half_queue_offset if resumed_floor is None else min(resumed_floor,
-                                                                                   op.half_queue_offset)
+            resumed_floor = q if resumed_floor is None else min(resumed_floor, q)
         elif op.op in (COMMIT, ROLLBACK, DEAD):
-            tx.record(op.half_queue_offset, op.op)
+            tx.record(q, op.op)
             undecided.discard(op.half_offset)
     repaired = await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
@@ -227,7 +271,7 @@ async def write_snapshot(tx) -> None:
     snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
             "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
-            "dead": tx.dead_count, "written_ms": tx.ctx.clock(),
+            "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
             "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()],
             "owners": _by_owner(tx.pending.values())}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the
@@ -271,7 +315,7 @@ def _client_id(conn, owner_id: str) -> str:
 def _write_files(directory: str, maps, snap: dict, new_files: str | None = None) -> None:
     """On the store's I/O thread: the decision bytes first (and the names of files made since the last
     snapshot: ``new_files`` is their directory), then the snapshot that relies on them."""
-    data = json.dumps(snap, separators=(",", ":")).encode()
+    data = with_crc(json.dumps(snap, separators=(",", ":")).encode())
     flush_maps(maps)
     if new_files is not None:
         fsync_dir(new_files)
@@ -282,8 +326,4 @@ def _write_files(directory: str, maps, snap: dict, new_files: str | None = None)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory)

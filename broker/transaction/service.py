@@ -33,7 +33,7 @@ import os
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
-from protocol.errors import StoreError
+from protocol.errors import CorruptRecordError, StoreError
 from protocol.connection import DEFERRED
 from protocol.message import Prop, decode_record, offset_msg_id, record_body_length
 
@@ -444,7 +444,17 @@ class TransactionService:
         rf = self.records
         if op == ROLLBACK:
             return [rf.decision(ROLLBACK, p.half_offset, p.queue_offset)]
-        view = self.ctx.store.get_record(p.half_offset)
+        try:
+            view = self.ctx.store.verified_record(p.half_offset, "commit" if op == COMMIT else "dead letter")
+        except CorruptRecordError as exc:
+            # Its body was damaged on disk after it was stored. Copied, the damage would be re-encoded on the real
+            # topic (or the dead-letter topic) under a valid CRC and pass for the producer's message. A COMMIT is
+            # refused (it stays pending: checked, then dead-lettered); a dead letter is the op record alone, the
+            # damaged half staying where it is for whoever inspects it.
+            if op == COMMIT:
+                raise DecisionError(ResponseCode.SYSTEM_ERROR, f"not committed: {exc}") from None
+            return [rf.decision(DEAD, p.half_offset, p.queue_offset, f"{reason or 'unknown'}; the half is corrupt "
+                                "(body CRC), no dead letter copied")]
         if view is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed")
         if op == COMMIT:

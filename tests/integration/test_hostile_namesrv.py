@@ -122,3 +122,47 @@ async def test_fuzzed_requests_each_get_one_reply_and_the_routes_stay(namesrv):
     finally:
         client.close()
         owner.close()
+
+
+async def test_one_address_registers_at_most_max_broker_addresses_per_host(tmp_path):
+    """Anyone may register any broker address with its topic table, and each stayed while its connection did:
+    one connection registering address after address grew the routes (and every scan and close of them)
+    without bound. Past max_broker_addresses_per_host a new address is refused SYSTEM_BUSY naming the limit;
+    the addresses held re-register as ever, and another host registers its own."""
+    ns = NamesrvProcess(tmp_path / "namesrv.log", "--max-broker-addresses-per-host", "3").start()
+    hostile = await RawClient.open(ns.addr, "127.0.0.1")
+    other = await RawClient.open(ns.addr, "127.0.0.2")
+    try:
+        codes = []
+        for i in range(5):
+            [reply] = await hostile.call(_register(10 + i, brokerName=f"b{i}", brokerAddr=f"10.0.0.{i}:10911"), 10)
+            codes.append(reply.code)
+        assert codes == [C.SUCCESS] * 3 + [C.SYSTEM_BUSY] * 2
+        assert "max_broker_addresses_per_host" in reply.remark
+        [again] = await hostile.call(_register(20, brokerName="b0", brokerAddr="10.0.0.0:10911"), 10)
+        assert again.code == C.SUCCESS
+        [theirs] = await other.call(_register(30, "Theirs", brokerName="b9", brokerAddr="10.0.1.9:10911"), 10)
+        assert theirs.code == C.SUCCESS
+        assert await _route_code(other, 31, "Theirs") == C.SUCCESS
+    finally:
+        hostile.close()
+        other.close()
+        ns.stop()
+
+
+async def test_connections_whose_peer_went_away_silently_are_closed(tmp_path):
+    """A peer gone without a FIN kept its connection, and its address's share of max_connections_per_host, for
+    good: an address refused for ever after enough such incidents. The name server closes a connection that
+    sent nothing for broker_expire_ms (a broker registers every 30 s, a client asks for routes every 30 s)."""
+    ns = NamesrvProcess(tmp_path / "namesrv.log", "--max-connections-per-host", "2", "--broker-expire-ms", "400",
+                        "--scan-interval-ms", "100").start()
+    try:
+        await RawClient.open_silent_until_closed(ns.addr, 2, "127.0.0.1")
+        back = await RawClient.open(ns.addr, "127.0.0.1")
+        try:
+            assert await _route_code(back, 1, "Nobody") == C.TOPIC_NOT_EXIST      # answered: let in
+        finally:
+            back.close()
+    finally:
+        ns.stop()
+    assert "sent nothing for 400 ms" in ns.log()

@@ -43,3 +43,21 @@ def test_a_store_in_use_by_another_broker(tmp_path):
                                           (("--flush-interval-ms", "0"), "flush_interval_ms")])
 def test_bad_configuration(tmp_path, flags, reason):
     _one_line(_start(tmp_path / "s", "--port", "0", *flags), reason)
+
+
+@pytest.mark.parametrize("name", ["topics.json", "subscriptionGroup.json"])
+def test_a_catalogue_that_cannot_be_read_nor_its_previous_copy(tmp_path, name):
+    """topics.json and subscriptionGroup.json were ignored with an ERROR and the broker served with the
+    defaults (every topic's queues and permissions, every group's settings), which its next save made final."""
+    config = tmp_path / "s" / "config"
+    config.mkdir(parents=True)
+    (config / name).write_bytes(b'{"torn')
+    (config / (name + ".bak")).write_bytes(bytes(64))
+    _one_line(_start(tmp_path / "s", "--port", "0"), f"{config / name} cannot be read")
+
+
+def test_a_damaged_store_id_says_what_to_do(tmp_path):
+    """It said the file was damaged, not that removing it is safe (a new id; the snapshot is rebuilt)."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "store_id").write_bytes(bytes(37))
+    _one_line(_start(tmp_path / "s", "--port", "0"), "remove the file to have a new one written")

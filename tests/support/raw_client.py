@@ -20,9 +20,23 @@ class RawClient:
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def open(cls, addr: str) -> "RawClient":
+    async def open(cls, addr: str, local_host: str | None = None) -> "RawClient":
+        """``local_host``: the address to connect from (any 127.x.y.z on loopback), to be another client host."""
         host, _, port = addr.rpartition(":")
-        return cls(*await asyncio.open_connection(host, int(port)))
+        local = None if local_host is None else (local_host, 0)
+        return cls(*await asyncio.open_connection(host, int(port), local_addr=local))
+
+    @classmethod
+    async def open_silent_until_closed(cls, addr: str, n: int, local_host: str, timeout: float = 10.0) -> None:
+        """Open ``n`` connections from ``local_host`` that never send a byte (peers gone without a FIN); return
+        once the server has closed each (asyncio.TimeoutError if one is still open after ``timeout`` s)."""
+        silent = [await cls.open(addr, local_host) for _ in range(n)]
+        try:
+            for client in silent:
+                await asyncio.wait_for(client.closed.wait(), timeout)
+        finally:
+            for client in silent:
+                client.close()
 
     async def _read(self) -> None:
         decoder = FrameDecoder(64 << 20)

@@ -256,3 +256,21 @@ async def test_a_walk_over_the_name_servers_asks_each_once_whatever_another_look
     servers.answered("B:1")
     assert list(walk) == ["B:1", "C:1"]
     assert list(servers) == ["B:1", "C:1", "A:1"]
+
+
+async def test_a_heartbeat_the_broker_refuses_is_a_failed_one(cluster, caplog):
+    """A broker may refuse a heartbeat (SYSTEM_BUSY past max_groups_per_host: the group is not joined). The
+    producer took any answer for success: heartbeat() said True, nothing was logged and no beat came sooner,
+    so a transaction producer left out of its group was never told why it was not checked."""
+    def busy(conn, cmd):
+        if cmd.code == RequestCode.HEART_BEAT:
+            return cmd.response(ResponseCode.SYSTEM_BUSY, "3 groups not joined: ... (max_groups_per_host)")
+        return Cluster.handle(cluster, conn, cmd)
+
+    cluster.handle = busy
+    cluster.broker_addr = cluster.live_addr
+    async with asyncio.timeout(10):
+        async with Producer(cluster.live_addr, "PG", route_refresh_interval_s=3600) as producer:
+            await producer.routes.route("T")
+            assert await producer.heartbeat() is False
+    assert "max_groups_per_host" in caplog.text

@@ -77,3 +77,116 @@ def test_the_previous_save_is_kept_where_the_file_system_has_no_hard_links(tmp_p
                                                                                                       "Later"]
     assert json.loads((tmp_path / "topics.json.bak").read_text())["topics"][-1]["name"] == "Orders"
     assert not (tmp_path / "topics.json.bak.tmp").exists()
+
+
+# Every way a catalogue was seen damaged: each is read from the previous save, none resets the catalogue.
+DAMAGE = {
+    "zero-length": lambda p: p.write_bytes(b""),
+    "zeros": lambda p: p.write_bytes(bytes(4096)),
+    "garbage": lambda p: p.write_bytes(b"\xff\xfe not json"),
+    "a list": lambda p: p.write_text("[]"),
+    "wrong types": lambda p: p.write_text(json.dumps({"topics": [{"name": "Orders", "read_queue_nums": "16"}],
+                                                      "subscriptionGroupTable": {"G1": "off"}})),
+    "a directory": lambda p: (p.unlink(), p.mkdir()),
+}
+
+
+def _saved_twice_topics(path) -> None:
+    tm = _topics(path)
+    tm.create(TopicConfig("Orders", 16, 16, perm=4))
+    tm._write(list(tm.topics.values()))                     # the previous copy holds Orders too
+
+
+def _saved_twice_subscriptions(path) -> None:
+    subs = SubscriptionGroups(str(path), clock=lambda: 1)
+    subs.update({"groupName": "G1", "consumeEnable": False, "retryMaxTimes": 3})
+    subs.write(subs.encode(), subs.counter)
+    subs.write(subs.encode(), subs.counter)
+
+
+DAMAGE["negative queues"] = lambda p: p.write_text(json.dumps({"topics": [{"name": "Orders", "read_queue_nums": -16}]}))
+
+
+@pytest.mark.parametrize("how", ["a list", "wrong types", "negative queues"])   # the others were read from the copy
+def test_a_topics_catalogue_damaged_any_way_is_read_from_its_previous_save(tmp_path, caplog, how):
+    """A catalogue that was JSON but not a table ("[]") was ignored without trying the previous save, and an
+    entry of the wrong types was taken as it was (a crash on first use) or skipped: the topic's settings gone."""
+    _saved_twice_topics(tmp_path)
+    DAMAGE[how](tmp_path / "topics.json")
+    with caplog.at_level(logging.ERROR, logger="txmq.topics"):
+        assert _topics(tmp_path).get("Orders") == TopicConfig("Orders", 16, 16, perm=4)
+    assert any("previous copy" in r.getMessage() for r in caplog.records)
+
+
+DAMAGE["a word for a flag"] = lambda p: p.write_text(json.dumps(
+    {"subscriptionGroupTable": {"G1": {"groupName": "G1", "consumeEnable": "yes", "retryMaxTimes": 3}}}))
+
+
+@pytest.mark.parametrize("how", ["wrong types", "a word for a flag"])
+def test_a_subscription_groups_file_damaged_any_way_is_read_from_its_previous_save(tmp_path, caplog, how):
+    _saved_twice_subscriptions(tmp_path)
+    DAMAGE[how](tmp_path / "subscriptionGroup.json")
+    with caplog.at_level(logging.ERROR, logger="txmq.subscriptions"):
+        again = SubscriptionGroups(str(tmp_path), clock=lambda: 2)
+    assert not again.consume_enabled("G1") and again.retry_max_times("G1") == 3
+    assert any("previous copy" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", ["topics.json", "subscriptionGroup.json"])
+@pytest.mark.parametrize("bak", ["damaged", "missing"])
+def test_a_catalogue_damaged_with_no_good_previous_save_stops_start_up(tmp_path, name, bak):
+    """The broker went on with the defaults (an ERROR in the log): a read-only or ordered topic writable and
+    unordered again, a stopped group consuming again -- and the next save made it for good."""
+    from protocol.errors import StoreError
+    _saved_twice_topics(tmp_path)
+    _saved_twice_subscriptions(tmp_path)
+    DAMAGE["garbage"](tmp_path / name)
+    if bak == "damaged":
+        DAMAGE["zeros"](tmp_path / (name + ".bak"))
+    else:
+        (tmp_path / (name + ".bak")).unlink()
+    with pytest.raises(StoreError, match=rf"{name} cannot be read .* nor its previous copy .*: move both away"):
+        _topics(tmp_path)
+        SubscriptionGroups(str(tmp_path), clock=lambda: 2)
+
+
+def test_a_damaged_catalogue_is_moved_aside_so_the_next_save_keeps_the_good_copy(tmp_path, monkeypatch):
+    """After a start from the previous copy, the next save made the damaged file the previous copy (keep_previous
+    links the file it replaces): a crash before its rename left no readable copy, and the broker would not start."""
+    import os
+    _saved_twice_topics(tmp_path)
+    good = (tmp_path / "topics.json.bak").read_bytes()
+    DAMAGE["garbage"](tmp_path / "topics.json")
+    tm = _topics(tmp_path)
+    assert (tmp_path / "topics.json.damaged").read_bytes() == b"\xff\xfe not json"
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("crash before the rename")))
+    with pytest.raises(OSError):
+        tm.create(TopicConfig("After", 1, 1))
+    monkeypatch.undo()
+    assert (tmp_path / "topics.json.bak").read_bytes() == good
+    assert _topics(tmp_path).get("Orders") == TopicConfig("Orders", 16, 16, perm=4)
+
+
+def test_an_update_with_a_word_for_a_flag_is_refused_not_read_as_false():
+    """UPDATE_AND_CREATE_SUBSCRIPTIONGROUP with consumeEnable "yes" stopped the group's consumption."""
+    from broker.subscriptions import group_config
+    assert group_config("G", {"consumeEnable": " TRUE "})["consumeEnable"] is True
+    with pytest.raises(ValueError, match="consumeEnable = 'yes'"):
+        group_config("G", {"consumeEnable": "yes"})
+
+
+@pytest.mark.parametrize("how", ["garbage", "missing"])
+def test_a_catalogue_read_from_its_previous_save_is_written_again_at_once(tmp_path, caplog, how):
+    """It stayed damaged (or missing) until the next topic change, days away maybe: every start said so again,
+    and the previous copy was the only good one meanwhile."""
+    _saved_twice_topics(tmp_path)
+    if how == "missing":
+        (tmp_path / "topics.json").unlink()
+    else:
+        DAMAGE[how](tmp_path / "topics.json")
+    _topics(tmp_path)
+    assert (tmp_path / "topics.json").read_bytes() == (tmp_path / "topics.json.bak").read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        assert _topics(tmp_path).get("Orders") == TopicConfig("Orders", 16, 16, perm=4)
+    assert not caplog.records

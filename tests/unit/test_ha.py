@@ -365,6 +365,44 @@ async def test_a_slave_whose_log_end_is_no_record_boundary_here_is_dropped_not_c
         master.close()
 
 
+async def test_a_master_at_a_corrupt_record_keeps_the_link_with_heartbeats_and_reads_it_no_more():
+    """A record failing its CRC stopped the sender and closed the link: the slave reconnected every second
+    (RECONNECT_S), a WARNING on each side each time, for ever. The link stays, heartbeats at the record."""
+    from types import SimpleNamespace
+
+    from broker.ha.codec import TransferDecoder, encode_offset
+    from broker.ha.master import HAMaster
+    from protocol.errors import CorruptRecordError
+
+    reads = []
+
+    def replica_chunk(phys, limit):
+        reads.append(phys)
+        if phys == 100:
+            raise CorruptRecordError(100)
+        return memoryview(bytearray(100))          # (the records before it)
+
+    store = SimpleNamespace(max_physical_offset=1000, min_physical_offset=0, replica_chunk=replica_chunk)
+    master = HAMaster(store, _ha_config("ASYNC_MASTER"))
+    server = await asyncio.start_server(master.serve, "127.0.0.1", 0)
+    try:
+        async with asyncio.timeout(10):
+            reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+            writer.write(encode_offset(0))                          # a new slave
+            await writer.drain()
+            decoder, got = TransferDecoder(), []
+            while len(got) < 4:
+                data = await reader.read(4096)
+                assert data, f"the master closed the link after {got}"
+                got += decoder.feed(data)
+            assert got[0] == (0, bytes(100)) and got[1:4] == [(100, b"")] * 3, got
+            assert reads == [0, 100]                                # not read again at each heartbeat
+            writer.close()
+    finally:
+        server.close()
+        master.close()
+
+
 @bounded(30)
 async def test_a_master_streams_across_its_segment_rolls_on_one_connection(tmp_path):
     """After an end marker the master went on at the marker's offset + 8, inside the sealed segment's blank

@@ -18,7 +18,8 @@ _TOPICS = SimpleNamespace(topics={"Orders": TopicConfig("Orders", 4, 4)})
 
 def _ctx():
     clock = SimpleNamespace(now=1_000_000)
-    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now, topics=_TOPICS)
+    ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now, topics=_TOPICS,
+                          limits=SimpleNamespace(refused=lambda reason: None))
     ctx.clients = ClientRegistry(ctx.clock)
     return ctx, clock
 
@@ -140,3 +141,25 @@ def test_one_connection_holds_at_most_its_share_and_unlocking_gives_it_back():
     assert call(conn_a, "A", "G", mqs[:3]) == mqs[:3]          # renewals are not new locks
     call(conn_a, "A", "G", mqs[:1], unlock_batch_mq)
     assert call(conn_a, "A", "G", mqs[3:]) == mqs[3:]          # the unlocked one's room is taken again
+
+
+class _Conn:
+    def __init__(self, host: str, port: int):
+        self.peer = (host, port)
+
+
+def test_a_client_back_on_a_new_connection_renews_its_locks_at_max_queue_locks_per_host():
+    """A client that reconnects (a network blip, its broker connection reset) renews its queue locks over the
+    new connection: the address holds no more locks than before. Refused for max_queue_locks_per_host as if
+    new, every orderly consumer of an address at the cap lost its queues until the old locks expired (60 s,
+    consumption stopped) whenever its connection dropped."""
+    clients = ClientRegistry(lambda: 0)
+    old, new = _Conn("10.0.0.1", 1), _Conn("10.0.0.1", 2)
+    caps = dict(now=0, max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=2)
+    assert clients.lock_queue(("CG", "Orders", 0), "A", old, **caps) is None
+    assert clients.lock_queue(("CG", "Orders", 1), "A", old, **caps) is None
+    assert clients.lock_queue(("CG", "Orders", 2), "B", new, **caps) == "max_queue_locks_per_host"
+    for qid in (0, 1):                                      # A, reconnected, renews what it holds
+        assert clients.lock_queue(("CG", "Orders", qid), "A", new, **caps) is None
+    assert clients.lock_queue(("CG", "Orders", 2), "B", new, **caps) == "max_queue_locks_per_host"
+    assert clients.lock_queue(("CG", "Orders", 2), "B", _Conn("10.0.0.2", 1), **caps) is None

@@ -303,8 +303,10 @@ async def test_a_damaged_record_is_passed_over_loudly_and_delivery_goes_on(tmp_p
     assert store.get_record(bad.physical_offset) is not None            # the log's own checks pass
     assert await svc.run_due(101_000, 101_000) == 3
     assert [m.body for m in _delivered(store, "T")] == [b"fine", b"timer"]
-    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "undecodable"}) == 1
-    assert f"(record {bad.physical_offset}) dropped: it cannot be decoded" in caplog.text
+    # (its body no longer checks against its CRC: passed over as corrupt, before any decoding)
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "corrupt"}) == 1
+    assert f"the record at commit-log offset {bad.physical_offset} is corrupt" in caplog.text
+    assert store.corrupt == {"scheduled delivery": 1}
     assert await svc.run_due(102_000, 102_000) == 0
     await store.close()
 

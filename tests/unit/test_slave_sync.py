@@ -70,3 +70,24 @@ def test_a_response_command_has_the_master_address_field():
     sync = SlaveSync(None, 10.0)
     sync.on_registered("ns", resp)
     assert sync.master_addr == "127.0.0.1:10911"
+
+
+@bounded(10)
+async def test_a_negative_offset_on_the_master_is_not_copied(tmp_path):
+    """A Java master keeps any offset a client commits, -1 included. Copied, it made consumerOffset.json a file
+    the loader calls damaged: the next start read the older .bak, and once the .bak held it too, did not start."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG", "Orders", 1, 4)
+    sync = SlaveSync(offsets, 10.0)
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=b'{"offsetTable":{"Orders@CG":{0:-1,1:7}}}')
+    sync.pool.request = request
+    sync.master_addr = "127.0.0.1:10911"
+    try:
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    offsets.persist()
+    offsets.persist()                   # the previous copy holds it too
+    assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]

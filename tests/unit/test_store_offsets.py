@@ -60,12 +60,26 @@ def test_a_damaged_file_is_a_clear_error(tmp_path):
         ConsumerOffsets(str(tmp_path))
 
 
-def test_malformed_entries_are_skipped(tmp_path):
-    (tmp_path / "config").mkdir()
-    (tmp_path / "config" / "consumerOffset.json").write_text(
-        json.dumps({"T@g": {"0": 3, "x": 1}, "nogroup": {"0": 1}, "U@g": {"1": "7"}}))
+@pytest.mark.parametrize("entries", [{"T@g": {"0": 3, "x": 1}}, {"nogroup": {"0": 1}}, {"U@g": {"1": "7"}},
+                                     {"U@g": {"1": -1}}, {"U@g": {"1": True}}, {"U@g": [7]}])
+def test_a_table_with_a_malformed_entry_is_read_from_the_previous_copy(tmp_path, caplog, entries):
+    """A malformed entry was skipped with a WARNING: its group started over on those queues by its consume-from
+    policy (mass redelivery, or a skip), and the next save made that for good. The file is as damaged as a torn
+    one: the previous copy is read instead, and without one start-up stops naming the entry."""
     offsets = ConsumerOffsets(str(tmp_path))
-    assert sorted(offsets.items()) == [(("g", "T", 0), 3), (("g", "U", 1), 7)]
+    offsets.commit("g", "T", 0, 3)
+    offsets.commit("g", "U", 1, 7)
+    offsets.persist()
+    offsets.persist()                                   # the same table as the previous copy
+    path = tmp_path / "config" / "consumerOffset.json"
+    path.write_text(json.dumps({"T@g": {"0": 3}, **entries}))
+    with caplog.at_level("ERROR", logger="txmq.store"):
+        assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("g", "T", 0), 3), (("g", "U", 1), 7)]
+    assert any("previous copy" in r.getMessage() for r in caplog.records)
+    path.write_text(json.dumps({"T@g": {"0": 3}, **entries}))         # moved aside: damaged again, no copy
+    (tmp_path / "config" / "consumerOffset.json.bak").unlink()
+    with pytest.raises(StoreError, match="nor its previous copy"):
+        ConsumerOffsets(str(tmp_path))
 
 
 @bounded(30)
@@ -127,3 +141,26 @@ def test_a_table_damaged_or_lost_after_its_save_is_read_from_the_previous_copy(t
     path.write_text("[")
     with pytest.raises(StoreError, match="nor its previous copy"):
         ConsumerOffsets(str(tmp_path))
+
+
+def test_rocketmqs_own_offset_table_wrapper_is_read(tmp_path):
+    """RocketMQ's {"offsetTable": {...}}: the expiry job read it, the broker skipped "offsetTable" as a malformed
+    entry (WARNING) and started every group over by its consume-from policy."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "consumerOffset.json").write_text(json.dumps({"offsetTable": {"T@g": {"0": 5, "1": 9}}}))
+    assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("g", "T", 0), 5), (("g", "T", 1), 9)]
+
+
+def test_a_group_name_ending_in_the_separator_is_not_damage(tmp_path):
+    """UPDATE_CONSUMER_OFFSET takes any group name; one ending in "@" is saved as "T@odd@", which the loader read as
+    an empty group and so as damage: every start went back to the previous copy (every group's newer offsets
+    lost), and once both copies held it the broker did not start. The key reads back as it was written."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG", "T", 0, 2)
+    offsets.commit("odd@", "T", 0, 1)
+    offsets.persist()
+    offsets.persist()                                   # the previous copy holds it too
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.get("CG", "T", 0) == 2
+    again.persist()
+    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text())["T@odd@"] == {"0": 1}

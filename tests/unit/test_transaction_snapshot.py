@@ -383,3 +383,12 @@ async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp
         assert _snapshot(ctx)["owners"] == {"10.0.0.7@4242": [plain.half_offset]}
     finally:
         await ctx.store._store.close()
+
+
+def test_a_decision_file_the_snapshot_named_is_lost_unless_retention_removed_it(tmp_path):
+    t = DecisionTable(str(tmp_path), file_entries=8)
+    t.set(3, COMMIT)
+    t.set(11, ROLLBACK)
+    assert t.bases == [0, 8]
+    assert t.lost([0, 8, 16], first_index=0) == [os.path.join(str(tmp_path), f"{16:020d}")]
+    assert t.lost([0, 8, 16], first_index=24) == []         # every half of file 16 removed by retention

@@ -1,0 +1,113 @@
+"""Reading a JSON table that is saved with its previous copy (``keep_previous``): consumer offsets, topics,
+subscription groups.
+
+One rule for all of them: a table that is missing, torn, zero-length, not JSON, unreadable, or JSON of the
+wrong shape is read from ``<file>.bak`` (at most one save older), with an ERROR that says so, moved aside
+to ``<file>.damaged`` and written again from the copy; when the copy cannot be read either, start-up stops
+with both files and both reasons named. Starting with an empty table instead would reset it without a word -- every group's offsets (mass
+redelivery, or a skip by the consume-from policy), every topic's queues and permissions, every group's
+settings -- and the next save would make that for good.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from typing import Callable, TypeVar
+
+from protocol.errors import StoreError
+
+from .mapped_file import BACKUP_SUFFIX, copy_synced, fsync_dir
+
+T = TypeVar("T")
+DAMAGED_SUFFIX = ".damaged"
+
+# What a parse raises for JSON of the wrong shape (a list where a table was, a string where a number was).
+SHAPE_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
+
+
+def read_saved(path: str, parse: Callable[[object], T]) -> tuple[T | None, str | None]:
+    """(``parse`` of the file's JSON, None), or (None, why not): "missing", or what is wrong with it."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:          # a directory where the file was, EIO, EACCES
+        return None, str(exc)
+    if not raw.strip(b"\0 \t\r\n"):
+        return None, f"{len(raw)} bytes of nothing (zeros or blanks)"
+    try:
+        return parse(json.loads(raw)), None
+    except SHAPE_ERRORS as exc:     # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None, str(exc) or type(exc).__name__
+
+
+def load_saved(path: str, parse: Callable[[object], T], what: str, log: logging.Logger, *,
+               fallback_cost: str, reset_hint: str) -> T | None:
+    """The table in ``path`` or, when it cannot be read, in its previous copy (logged at ERROR, with
+    ``fallback_cost``: what one save older means); None for a new store (neither file exists).
+
+    Raises StoreError, naming both files and ``reset_hint`` (what an operator may do), when neither can be read."""
+    value, why = read_saved(path, parse)
+    if why is None:
+        return value
+    bak = path + BACKUP_SUFFIX
+    value, bad = read_saved(bak, parse)
+    if bad == "missing" and why == "missing":
+        return None
+    if bad is not None:
+        raise StoreError(f"{what} {path} cannot be read ({why}), nor its previous copy {bak} ({bad}): {reset_hint}")
+    kept = ""
+    if why != "missing":
+        # Moved aside, not left for the next save's keep_previous to make the previous copy: a crash between
+        # that and the rename of the new table would leave no readable copy at all. Kept for a post-mortem.
+        try:
+            os.replace(path, path + DAMAGED_SUFFIX)
+            kept = f"; the damaged file is kept as {path + DAMAGED_SUFFIX}"
+        except OSError as exc:
+            kept = f"; the damaged file could not be moved aside ({exc})"
+    try:        # two good copies again at once, not only after the next change (which may be days away)
+        _copy_durably(bak, path)
+        kept += f"; {path} is written again from it"
+    except OSError as exc:
+        kept += f"; {path} could not be written again from it ({exc})"
+    log.error("%s %s %s: using its previous copy %s (%s)%s", what, path,
+              "is missing" if why == "missing" else f"cannot be read ({why})", bak, fallback_cost, kept)
+    return value
+
+
+def _copy_durably(src: str, dst: str) -> None:
+    tmp = dst + ".tmp"
+    copy_synced(src, tmp)
+    os.replace(tmp, dst)
+    fsync_dir(os.path.dirname(dst))
+
+
+def check(cond: bool, what: str) -> None:
+    """For ``parse`` functions: a wrong shape is a ValueError naming it."""
+    if not cond:
+        raise ValueError(what)
+
+
+def is_int(value) -> bool:
+    """A JSON integer (a bool is an int to Python, never to the tables)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# A JSON snapshot may end with its checksum: ``,"crc":N}``, N the CRC-32 of the bytes written before it closed
+# by "}". Damage that leaves valid JSON (a flipped digit) is otherwise believed; a snapshot that is only a
+# shortcut (the log has the truth) is then ignored instead. Files of older versions have none.
+_CRC_MARK = b',"crc":'
+
+
+def with_crc(data: bytes) -> bytes:
+    """``data`` (one JSON object with a key at least, compact) with its checksum as its last key."""
+    return data[:-1] + _CRC_MARK + b"%d}" % zlib.crc32(data)
+
+
+def crc_matches(raw: bytes, crc) -> bool:
+    """Whether ``raw`` (the file) ends with checksum ``crc`` (its "crc" key) of what comes before it."""
+    at = raw.rfind(_CRC_MARK)
+    return type(crc) is int and at >= 0 and raw[at:] == _CRC_MARK + b"%d}" % crc and zlib.crc32(raw[:at] + b"}") == crc

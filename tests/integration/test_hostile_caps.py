@@ -1,0 +1,260 @@
+"""Shared tables with a cap: one client (one address, however many connections or client ids) must not fill
+them for everyone else, and what a client leaves behind must be reclaimed."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+
+from producer import Producer, SendStatus
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from protocol.command import RemotingCommand
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+_OPAQUES = itertools.count(1 << 24)     # clear of the opaques of requests the broker pushes (NOTIFY_...)
+
+
+async def _call(client: RawClient, code: int, body: dict | None = None, timeout: float = 10.0):
+    payload = b"" if body is None else json.dumps(body).encode()
+    [reply] = await client.call(RemotingCommand(code, opaque=next(_OPAQUES), body=payload), timeout)
+    return reply
+
+
+async def _queues(client: RawClient) -> list[dict]:
+    reply = await _call(client, R.GET_ALL_TOPIC_CONFIG)
+    table = json.loads(reply.body_bytes())["topicConfigTable"]
+    return [{"topic": t, "brokerName": "broker-a", "queueId": q}
+            for t, tc in sorted(table.items()) for q in range(tc["readQueueNums"])]
+
+
+async def _lock(client: RawClient, group: str, client_id: str, mqs: list[dict]) -> list[dict]:
+    reply = await _call(client, R.LOCK_BATCH_MQ, {"consumerGroup": group, "clientId": client_id, "mqSet": mqs})
+    assert reply.code == C.SUCCESS
+    return json.loads(reply.body_bytes())["lockOKMQSet"]
+
+
+async def test_one_address_with_many_connections_cannot_take_every_queue_lock(broker_factory):
+    """Each connection was held to max_queue_locks_per_connection, but nothing bounded one address: a client
+    opening connection after connection (closed ones keep their locks until they expire, 60 s) filled
+    max_queue_locks, and every orderly consumer on any other host was silently never granted a queue (left out
+    of lockOKMQSet: it waits forever). One address now holds at most max_queue_locks_per_host."""
+    broker = broker_factory("--max-queue-locks", "40", "--max-queue-locks-per-connection", "10",
+                            "--max-queue-locks-per-host", "20")
+    probe = await RawClient.open(broker.broker)
+    try:
+        mqs = (await _queues(probe))[:10]
+        assert len(mqs) == 10
+    finally:
+        probe.close()
+    for i in range(6):              # 60 locks asked for, one connection after another, each closed after
+        hostile = await RawClient.open(broker.broker, "127.0.0.1")
+        try:
+            await _lock(hostile, f"G_hostile{i}", f"hostile{i}", mqs)
+        finally:
+            hostile.close()
+    victim = await RawClient.open(broker.broker, "127.0.0.2")       # another host
+    try:
+        assert await _lock(victim, "G_victim", "victim", mqs) == mqs
+    finally:
+        victim.close()
+    assert "max_queue_locks_per_host" in broker.log()
+
+
+def _heartbeat(client_id: str, *groups: str) -> dict:
+    return {"clientID": client_id, "producerDataSet": [], "consumerDataSet": [
+        {"groupName": g, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+         "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
+         "subscriptionDataSet": [{"topic": "T", "subString": "*", "subVersion": 1}]} for g in groups]}
+
+
+async def _retry_topics(client: RawClient) -> set[str]:
+    return {mq["topic"] for mq in await _queues(client) if mq["topic"].startswith("%RETRY%")}
+
+
+async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(broker_factory):
+    """Every consumer group named in a heartbeat got a %RETRY% topic for good, up to max_retry_groups, and only
+    deleting groups by hand made room: a client that heartbeat made-up group names once (then left) left every
+    later group with no retry topic, its consumers' failed messages refused NO_PERMISSION, silently at the
+    heartbeat. At the cap, empty retry topics of groups with no consumer are now forgotten; a live group's stays,
+    and so does one that holds a message."""
+    broker = broker_factory("--max-retry-groups", "4")
+    live = await RawClient.open(broker.broker)
+    hostile = await RawClient.open(broker.broker)
+    victim = await RawClient.open(broker.broker)
+    try:
+        assert (await _call(live, R.HEART_BEAT, _heartbeat("live", "G_live"))).code == C.SUCCESS
+        assert (await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", "G1", "G2", "G3"))).code == C.SUCCESS
+        assert await _retry_topics(victim) == {"%RETRY%G_live", "%RETRY%G1", "%RETRY%G2", "%RETRY%G3"}
+        async with Producer(broker.namesrv, "PG_retry", retries=0) as producer:      # G3's holds a message
+            assert (await asyncio.wait_for(producer.send("%RETRY%G3", b"kept"), 10)).status is SendStatus.SEND_OK
+        hostile.close()
+        await hostile.closed.wait()
+        for _ in range(200):        # the broker forgets the closed connection's groups when it sees it close
+            ask = RemotingCommand(R.GET_CONSUMER_LIST_BY_GROUP, opaque=next(_OPAQUES), ext_fields={"consumerGroup": "G1"})
+            [reply] = await victim.call(ask, 10)
+            if reply.code == C.SYSTEM_ERROR:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the hostile connection's groups are still listed")
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        assert await _retry_topics(victim) == {"%RETRY%G_live", "%RETRY%G3", "%RETRY%G_victim"}
+    finally:
+        live.close()
+        hostile.close()
+        victim.close()
+    assert "max_retry_groups=4 reached" in broker.log()
+
+
+async def test_one_address_cannot_take_every_connection(broker_factory):
+    """max_connections was the only bound: one client opening idle connections until it was reached (they cost
+    it nothing) left every other client unable to connect. One address now has at most
+    max_connections_per_host; past it a connection is closed on accept, the rest of the room is others'."""
+    broker = broker_factory("--max-connections", "8", "--max-connections-per-host", "5")
+    hostile = [await RawClient.open(broker.broker, "127.0.0.1") for _ in range(10)]
+    victim = None
+    try:
+        served = 0
+        for c in hostile:           # each answered, or closed on accept: the broker has seen every one
+            reply = await c.call(RemotingCommand(R.GET_BROKER_RUNTIME_INFO, opaque=next(_OPAQUES)), 10)
+            assert reply != [], "neither answered nor closed"
+            served += reply is not None
+        assert served == 5
+        victim = await RawClient.open(broker.broker, "127.0.0.2")
+        reply = await _call(victim, R.GET_BROKER_RUNTIME_INFO)
+        assert reply.code == C.SUCCESS
+    finally:
+        for c in hostile + [victim]:
+            if c is not None:
+                c.close()
+    assert "max_connections_per_host" in broker.log()
+
+
+async def test_connections_whose_peer_went_away_silently_give_their_address_its_room_back(broker_factory):
+    """A connection whose peer vanished without a FIN (its host down, a NAT or firewall that dropped the flow)
+    was never closed: it held max_connections_per_host room for good, and an address whose clients lived
+    through a few such incidents was refused every new connection, for ever. A connection the broker has
+    heard nothing on for channel_expire_ms is closed, as RocketMQ's broker closes a channel idle for 120 s."""
+    broker = broker_factory("--max-connections-per-host", "2", "--channel-expire-ms", "500")
+    await RawClient.open_silent_until_closed(broker.broker, 2, "127.0.0.1")
+    back = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        assert (await _call(back, R.GET_BROKER_RUNTIME_INFO)).code == C.SUCCESS
+    finally:
+        back.close()
+    assert "sent nothing for 500 ms" in broker.log()
+
+
+async def _consumers(client: RawClient, group: str) -> list[str]:
+    ask = RemotingCommand(R.GET_CONSUMER_LIST_BY_GROUP, opaque=next(_OPAQUES), ext_fields={"consumerGroup": group})
+    [reply] = await client.call(ask, 10)
+    return json.loads(reply.body_bytes())["consumerIdList"] if reply.code == C.SUCCESS else []
+
+
+async def test_one_address_joins_at_most_max_groups_per_host_and_gets_them_back_when_it_leaves(broker_factory):
+    """Group names cost a client nothing and every heartbeat's groups were joined: one connection heartbeating
+    made-up names grew the broker by some 40 MB a second for as long as it went on. The connections of one
+    address are now in at most max_groups_per_host groups: past it a heartbeat renews what it has, joins
+    nothing new and is answered SYSTEM_BUSY naming the limit; other hosts join as before, and a closed
+    connection's groups count no more."""
+    broker = broker_factory("--max-groups-per-host", "5")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        groups = [f"G{i}" for i in range(10)]
+        reply = await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *groups))
+        assert reply.code == C.SYSTEM_BUSY and "max_groups_per_host" in reply.remark
+        assert [g for g in groups if await _consumers(victim, g)] == groups[:5]
+        assert (await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *groups[:5]))).code == C.SUCCESS
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        assert await _consumers(victim, "G_victim") == ["victim"]
+        hostile.close()
+        await hostile.closed.wait()
+        for _ in range(200):        # the broker forgets the closed connection's groups when it sees it close
+            if not await _consumers(victim, "G0"):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the hostile connection's groups are still listed")
+        again = await RawClient.open(broker.broker, "127.0.0.1")
+        try:
+            reply = await _call(again, R.HEART_BEAT, _heartbeat("again", *groups[5:]))
+            assert reply.code == C.SUCCESS
+        finally:
+            again.close()
+    finally:
+        hostile.close()
+        victim.close()
+    assert "max_groups_per_host" in broker.log()
+
+
+_PULL = {"consumerGroup": "CG_park", "topic": "TBW102", "queueId": "0", "queueOffset": "0", "maxMsgNums": "32",
+         "sysFlag": "6", "commitOffset": "0", "suspendTimeoutMillis": "20000", "subscription": "*",
+         "subVersion": "0", "expressionType": "TAG"}
+
+
+async def _pull(client: RawClient, suspend_ms: int, timeout: float = 10.0):
+    """The reply to a pull of an empty queue held up to ``suspend_ms``; [] if none within ``timeout``."""
+    ask = RemotingCommand(R.PULL_MESSAGE, opaque=next(_OPAQUES), ext_fields=dict(_PULL, suspendTimeoutMillis=str(suspend_ms)))
+    replies = await client.call(ask, timeout)
+    return replies[0] if replies else replies
+
+
+async def test_one_address_parks_at_most_max_parked_pulls_per_host(broker_factory):
+    """Each connection may park max_in_flight * 4 pulls (1,024), some 5.6 KB each, and nothing bounded one
+    address: 20 connections of one client held 143 MB, its 2,000 could hold 14 GB. Past
+    max_parked_pulls_per_host a pull that finds nothing is answered SYSTEM_BUSY at once (a stock push consumer
+    pulls again after 3 s); other hosts' pulls are held as ever, and the address gets its room back when its
+    pulls end."""
+    broker = broker_factory("--max-parked-pulls-per-host", "3")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        asks = [RemotingCommand(R.PULL_MESSAGE, opaque=next(_OPAQUES), ext_fields=_PULL) for _ in range(5)]
+        hostile.write(b"".join(ask.encode() for ask in asks))
+        for ask in asks[3:]:                                                # two refused at once ...
+            [reply] = await hostile.reply(ask.opaque, 10)
+            assert reply.code == C.SYSTEM_BUSY and "max_parked_pulls_per_host" in reply.remark
+        assert not [ask for ask in asks[:3] if ask.opaque in hostile.replies]     # ... while three are held
+        assert (await _pull(victim, 200)).code == C.PULL_NOT_FOUND           # held 200 ms, as ever
+        hostile.close()
+        await hostile.closed.wait()
+        again = await RawClient.open(broker.broker, "127.0.0.1")
+        try:
+            for _ in range(100):    # the broker ends the closed connection's held pulls when it sees it close
+                reply = await _pull(again, 200)
+                if reply.code == C.PULL_NOT_FOUND:
+                    break
+                assert reply.code == C.SYSTEM_BUSY
+            else:
+                pytest.fail("the closed connection's parked pulls still count")
+        finally:
+            again.close()
+    finally:
+        hostile.close()
+        victim.close()
+    assert "max_parked_pulls_per_host" in broker.log()      # the operator is told, not only the client
+
+
+async def test_a_consumer_group_past_max_subscription_bytes_is_not_joined(broker_factory):
+    """Each consumer group kept the subscriptions its last heartbeat gave, however large: up to a frame (16 MiB)
+    a group, times the groups a client names. A group whose subscriptions hold more text than
+    max_subscription_bytes_per_group is neither joined nor changed, and the heartbeat says so (SYSTEM_BUSY naming
+    the limit); the heartbeat's other groups are joined as ever."""
+    broker = broker_factory("--max-subscription-bytes-per-group", "1000")
+    client = await RawClient.open(broker.broker)
+    try:
+        body = _heartbeat("c1", "G_ok", "G_big")
+        body["consumerDataSet"][1]["subscriptionDataSet"] = [
+            {"topic": f"Topic{i}", "subString": "*", "subVersion": 1} for i in range(200)]
+        reply = await _call(client, R.HEART_BEAT, body)
+        assert reply.code == C.SYSTEM_BUSY and "max_subscription_bytes_per_group" in reply.remark
+        assert await _consumers(client, "G_ok") == ["c1"]
+        assert await _consumers(client, "G_big") == []
+    finally:
+        client.close()
