@@ -1,7 +1,7 @@
 """Committed transactions per second end to end, beside plain sends, in one run;
 or, with ``--startup``, start-up time and memory of a store full of decided transactions.
 
-    python bench/bench_transactions.py [--seconds 5] [--inflight 64] [--size 1024]
+    python bench/bench_transactions.py [--seconds 5] [--inflight 64] [--size 1024] [--baseline DIR --rounds 3]
     python bench/bench_transactions.py --startup [N=60000] [--starts 3] [--inflight 256] [--size 1024]
 
 A client process keeps ``--inflight`` transactions in flight against the real
@@ -12,6 +12,12 @@ stack does plain sends with the same concurrency. A transaction is two round
 trips and three appends (half; committed message + op record in one batch).
 
 The last line is JSON: the figures and "ratio" = transactions/s / plain sends/s.
+
+``--baseline DIR``: another checkout's broker (e.g. ``git worktree add --detach /tmp/base main``) measured in
+the same run, ``--rounds`` times, alternated with this one's (the clients are this checkout's for both);
+each row adds the broker's CPU per operation (``/proc/PID/stat``), medians are printed, and "ratio" is
+this checkout's transactions/plain over the baseline's, "tx_cpu_ratio" its broker CPU per transaction over
+the baseline's (on a busy machine the CPU figures hold better than the rates).
 
 Start-up mode (``--startup``, bench/startup.py does the work): the real broker (sync
 flush, port 0, its own temporary store) takes N committed transactions (acknowledged
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -112,6 +119,8 @@ def main() -> None:
     p.add_argument("--startup", type=int, nargs="?", const=60000, metavar="N",
                    help="start-up / memory mode: a store of N committed transactions against a plain one")
     p.add_argument("--starts", type=int, default=3, help="start-up mode: restarts per store (median)")
+    p.add_argument("--baseline", type=Path, help="another checkout, measured in the same run")
+    p.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds, alternated")
     args = p.parse_args()
     if args.startup is not None:
         from bench.startup import main as startup_main
@@ -122,19 +131,10 @@ def main() -> None:
     if args.client:
         print(json.dumps(uvloop.run(run(args.client[0], args.client[1], args.seconds, args.inflight, args.size))))
         return
-    from tests.support.broker_process import BrokerProcess
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="txmq-benchtx-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "store", "--flush", "sync", "--metrics-snapshot-interval-s", "0").start()
-        try:
-            for mode in ("plain", "tx"):
-                out = subprocess.run([sys.executable, __file__, "--client", broker.namesrv, mode,
-                                      "--seconds", str(args.seconds), "--inflight", str(args.inflight),
-                                      "--size", str(args.size)], capture_output=True, text=True, check=True,
-                                     cwd=REPO)
-                results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-        finally:
-            broker.stop()
+    if args.baseline:
+        compare(args)
+        return
+    results = measure(REPO, args)
     ratio = results["tx"]["per_s"] / results["plain"]["per_s"]
     for mode, label in (("plain", "plain sends"), ("tx", "transactions (committed, consumed)")):
         r = results[mode]
@@ -142,6 +142,60 @@ def main() -> None:
     print(f"ratio transactions/plain: {ratio:.2f}  (inflight {args.inflight}, {args.size} B, sync flush)")
     print(json.dumps({"bench": "transactions", "tx_per_s": round(results["tx"]["per_s"]),
                       "plain_per_s": round(results["plain"]["per_s"]), "ratio": round(ratio, 3)}))
+
+
+def measure(repo: Path, args) -> dict:
+    """plain and tx rows against a fresh broker of ``repo``, with the broker's CPU per operation."""
+    from tests.support.broker_process import BrokerProcess
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="txmq-benchtx-") as tmp:
+        broker = BrokerProcess(Path(tmp) / "store", "--flush", "sync", "--metrics-snapshot-interval-s", "0",
+                               repo=repo).start()
+        try:
+            for mode in ("plain", "tx"):
+                cpu = _cpu_s(broker.proc.pid)
+                out = subprocess.run([sys.executable, __file__, "--client", broker.namesrv, mode,
+                                      "--seconds", str(args.seconds), "--inflight", str(args.inflight),
+                                      "--size", str(args.size)], capture_output=True, text=True, check=True,
+                                     cwd=REPO)
+                results[mode] = r = json.loads(out.stdout.strip().splitlines()[-1])
+                r["broker_us_per_op"] = (_cpu_s(broker.proc.pid) - cpu) / r["count"] * 1e6
+        finally:
+            broker.stop()
+    return results
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")      # utime + stime
+
+
+
+
+def compare(args) -> None:
+    import statistics
+    repos = {"this": REPO, "baseline": args.baseline.resolve()}
+    runs: dict[str, list] = {k: [] for k in repos}
+    for r in range(args.rounds):
+        for name in (repos if r % 2 == 0 else reversed(list(repos))):
+            res = measure(repos[name], args)
+            row = {"tx_per_s": res["tx"]["per_s"], "plain_per_s": res["plain"]["per_s"],
+                   "ratio": res["tx"]["per_s"] / res["plain"]["per_s"],
+                   "tx_us": res["tx"]["broker_us_per_op"], "plain_us": res["plain"]["broker_us_per_op"]}
+            runs[name].append(row)
+            print(f"round {r + 1} {name:8} tx {row['tx_per_s']:7.0f}/s {row['tx_us']:6.1f} us  plain "
+                  f"{row['plain_per_s']:7.0f}/s {row['plain_us']:6.1f} us  ratio {row['ratio']:.3f}", flush=True)
+    med = {name: {k: statistics.median(row[k] for row in rows) for k in rows[0]} for name, rows in runs.items()}
+    print(f"\nmedians of {args.rounds} rounds (broker CPU in us per operation)")
+    for name, m in med.items():
+        print(f"{name:8} tx {m['tx_per_s']:7.0f}/s {m['tx_us']:6.1f} us  plain {m['plain_per_s']:7.0f}/s "
+              f"{m['plain_us']:6.1f} us  ratio {m['ratio']:.3f}")
+    fig = {"bench": "transactions", "rounds": args.rounds}
+    for name, m in med.items():
+        fig[name] = {k: round(v, 3 if k == "ratio" else 1) for k, v in m.items()}
+    fig["ratio"] = round(med["this"]["ratio"] / med["baseline"]["ratio"], 3)
+    fig["tx_cpu_ratio"] = round(med["this"]["tx_us"] / med["baseline"]["tx_us"], 3)   # below 1: cheaper
+    print(json.dumps(fig))
 
 
 if __name__ == "__main__":

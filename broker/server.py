@@ -26,6 +26,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import DEFERRED, RemotingConnection, WriteBudget
 from protocol.errors import ProtocolError
 from protocol.message import validate_topic
+from protocol.txlog import OP_TOPIC
 
 from .acl import PlainAcl
 from . import ha as ha_roles
@@ -244,7 +245,7 @@ class BrokerServer:
             return
         ctx.index = IndexService(store_dir, segment_size=c.segment_size, slots=c.index_hash_slots,
                                  entries=c.index_max_entries, period_ms=int(c.index_file_period_hours * 3_600_000),
-                                 clock=self.clock)
+                                 clock=self.clock, unindexed=(OP_TOPIC,))
         store.add_dispatch_listener(ctx.index.on_dispatch)
         store.add_removal_listener(ctx.index.expire)
         await ctx.index.open(store.min_physical_offset, store.max_physical_offset)

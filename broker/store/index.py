@@ -1,9 +1,11 @@
 """IndexService: the message index by key and by UNIQ_KEY, kept off the event loop (RocketMQ's IndexService).
 
-Every stored record that is not a ROLLBACK gets one entry for ``topic#UNIQ_KEY`` and one for each
-word of its KEYS property (space separated), in index files of index_file.py; a new file starts
-when the last is full or ``period_ms`` old, and a file is removed once retention has removed
-every segment it points into (its END PHYOFFSET is below the log's first offset; never the last).
+Every stored record that is not a ROLLBACK, nor of a topic given as ``unindexed`` (the transaction op
+topic: nobody looks its records up by key, and RocketMQ's op messages have no UNIQ_KEY to index), gets
+one entry for ``topic#UNIQ_KEY`` and one for each word of its KEYS property (space separated), in index
+files of index_file.py; a new file starts when the last is full or ``period_ms`` old, and a file is
+removed once retention has removed every segment it points into (its END PHYOFFSET is below the log's
+first offset; never the last).
 
 Threads: the dispatch listener only appends ``(offset, size)`` to a deque, and wakes the thread only
 when the deque was empty; ONE index thread, woken, lets records gather for ``lag_ms`` (10 ms: one
@@ -33,7 +35,7 @@ import struct
 import threading
 import time
 import zlib
-from typing import Callable
+from typing import Callable, Iterable
 
 from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
@@ -87,7 +89,8 @@ _V4_FIELDS = struct.Struct(">i16xq20xi")   # at 36: sys flag, store time, body l
 
 class IndexService:
     def __init__(self, store_dir: str, *, segment_size: int, slots: int = 5_000_000, entries: int = 20_000_000,
-                 period_ms: int = 86_400_000, lag_ms: float = LAG_MS, clock: Callable[[], int] | None = None):
+                 period_ms: int = 86_400_000, lag_ms: float = LAG_MS, clock: Callable[[], int] | None = None,
+                 unindexed: Iterable[str] = ()):
         self.directory = os.path.join(store_dir, "index")
         self.log_dir = os.path.join(store_dir, "commitlog")
         self.seg_size = segment_size
@@ -102,6 +105,7 @@ class IndexService:
         self._pending: collections.deque = collections.deque()  # (offset, size) dispatched, not yet taken
         self.lag_s = lag_ms / 1000
         self._hasher = KeyHasher()
+        self._unindexed = frozenset(t.encode() for t in unindexed)     # topics whose records get no entry
         self._thread: threading.Thread | None = None
         # segment start -> descriptor, the index thread's own, most recently read last. At most OPEN_SEGMENTS:
         # kept for every segment it ever read, a catch-up over a long log (or queries over months of index
@@ -346,6 +350,8 @@ class IndexService:
         topic_len = raw[p]
         hasher = self._hasher
         tb = raw[p + 1:p + 1 + topic_len]
+        if tb in self._unindexed:
+            return
         th = hasher.topics.get(tb)
         if th is None:
             th = hasher.topic(tb)

@@ -385,7 +385,9 @@ class TransactionService:
         """Queue a claimed decision's records, ``answer`` settled with (code, remark) once written. If they
         cannot be queued it is settled as not written here: left claimed, every later decision Waited for ever."""
         floor, reqs = self._decision_begin(action, done)
-        written = _DecisionWritten(self, action, floor, done, answer)
+        # The committed message's body is the half's: its length (a metric) read here, not the half again.
+        size = record_body_length(reqs[0].record) if action.op == COMMIT else 0
+        written = _DecisionWritten(self, action, floor, done, answer, size)
         try:
             self.ctx.store.put_many(reqs, reclaim, then=written)
         except BaseException:
@@ -414,8 +416,9 @@ class TransactionService:
         del self._deciding[tx.half_offset]
         done.set_result(None)
 
-    def _decision_end(self, action: Write, floor: int, done: asyncio.Future, results: list) -> str:
-        """The store's results for a decision's records: settle it, count it; its remark, or DecisionError."""
+    def _decision_end(self, action: Write, floor: int, done: asyncio.Future, results: list, size: int = 0) -> str:
+        """The store's results for a decision's records: settle it, count it (``size``: a committed message's
+        body bytes); its remark, or DecisionError."""
         tx, op, reason = action.tx, action.op, action.reason
         metrics = self.ctx.metrics
         failed = [r for r in results if not r.ok]
@@ -429,8 +432,7 @@ class TransactionService:
         now = self.ctx.clock()
         if op == COMMIT:
             metrics.child(metrics.commits, tx.group).inc()
-            half = self.ctx.store.get_record(tx.half_offset)     # its body is the committed message's
-            metrics.count_in(tx.topic, 1, record_body_length(half) if half is not None else 0)
+            metrics.count_in(tx.topic, 1, size)
         elif op == ROLLBACK:
             metrics.child(metrics.rollbacks, tx.group).inc()
         else:
@@ -756,10 +758,11 @@ def dumps(obj) -> bytes:
 class _DecisionWritten:
     """The store completion of a producer's decision written at once: settles it and answers (code, remark)."""
 
-    __slots__ = ("svc", "action", "floor", "claim", "later", "_done")
+    __slots__ = ("svc", "action", "floor", "claim", "later", "size", "_done")
 
-    def __init__(self, svc, action: Write, floor: int, claim: asyncio.Future, later):
+    def __init__(self, svc, action: Write, floor: int, claim: asyncio.Future, later, size: int = 0):
         self.svc, self.action, self.floor, self.claim, self.later = svc, action, floor, claim, later
+        self.size = size
         self._done = False
 
     def done(self) -> bool:
@@ -768,7 +771,8 @@ class _DecisionWritten:
     def set_result(self, results) -> None:
         self._done = True
         try:
-            answer = ResponseCode.SUCCESS, self.svc._decision_end(self.action, self.floor, self.claim, results)
+            remark = self.svc._decision_end(self.action, self.floor, self.claim, results, self.size)
+            answer = ResponseCode.SUCCESS, remark
         except DecisionError as exc:
             answer = exc.code, exc.remark
         except Exception as exc:    # noqa: BLE001 - never into the writer

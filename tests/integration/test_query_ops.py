@@ -6,18 +6,20 @@ import json
 import shutil
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from consumer.pull_consumer import MessageQueue
-from producer import Producer
+from producer import LocalTransactionState, Producer, TransactionProducer
 from protocol.admin_bodies import decode_mq_table
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.message import decode_records
+from protocol.txlog import HALF_TOPIC, OP_TOPIC
 from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
@@ -85,6 +87,50 @@ async def test_found_by_key_by_uniq_key_and_by_id(broker):
     assert [(m["topic"], m["body"], m["properties"]["TAGS"]) for m in by_uniq] == [("Orders", "order 4", "created")]
     shown = await asyncio.to_thread(_admin, b, "show-msg", sent[4].msg_id, "--topic", "Orders")
     assert shown.returncode == 0 and "order 4" in shown.stdout
+
+
+class _Commit:
+    def execute_local_transaction(self, msg, arg):
+        return LocalTransactionState.COMMIT_MESSAGE
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.COMMIT_MESSAGE
+
+
+@bounded(60)
+async def test_a_committed_transaction_is_found_by_key_and_id_and_its_op_record_by_neither(broker):
+    """RocketMQ indexes the half and the committed message; its op messages have no key. The committed
+    message is what a client finds on the real topic, by KEYS or by its msgId; the op record has no entry."""
+    b = broker
+    async with TransactionProducer(b.namesrv, "PG_txquery", _Commit()) as producer:
+        tx = await producer.send_in_transaction("TxOrders", b"paid", keys="order-tx")
+    assert tx.acknowledged
+    msg_id = tx.send_result.msg_id
+    by_key = await _admin_json(b, "query-key", "TxOrders", "order-tx")
+    assert [(r["msg_id"], r["body"]) for r in by_key] == [(msg_id, "paid")]
+    for key, unique in ((msg_id, "true"), ("order-tx", "false")):
+        resp = await _request(b, R.QUERY_MESSAGE, {"topic": "TxOrders", "key": key, "maxNum": 32,
+                                                   "beginTimestamp": 0, "endTimestamp": 2**63 - 1,
+                                                   "_UNIQUE_KEY_QUERY": unique})
+        assert resp.code == ResponseCode.SUCCESS
+        [found] = decode_records(resp.body_bytes())
+        assert (found.topic, found.body) == ("TxOrders", b"paid")      # the committed message, not the half
+    half = await _request(b, R.QUERY_MESSAGE, {"topic": HALF_TOPIC, "key": msg_id, "maxNum": 32,
+                                               "beginTimestamp": 0, "endTimestamp": 2**63 - 1})
+    assert [m.body for m in decode_records(half.body_bytes())] == [b"paid"]
+    by_id = await _admin_json(b, "show-msg", msg_id, "--topic", "TxOrders")
+    assert [(m["topic"], m["body"]) for m in by_id] == [("TxOrders", "paid")]
+    ops = await _request(b, R.PULL_MESSAGE, {"consumerGroup": "CG_ops", "topic": OP_TOPIC, "queueId": 0,
+                                             "queueOffset": 0, "maxMsgNums": 32, "sysFlag": 4, "subscription": "*",
+                                             "commitOffset": 0, "suspendTimeoutMillis": 0, "subVersion": 0})
+    assert ops.code == ResponseCode.SUCCESS, (ops.code, ops.remark)
+    [op] = decode_records(ops.body_bytes())
+    op_key = await _request(b, R.QUERY_MESSAGE, {"topic": OP_TOPIC, "key": op.properties["UNIQ_KEY"], "maxNum": 32,
+                                                 "beginTimestamp": 0, "endTimestamp": 2**63 - 1})
+    assert op_key.code == ResponseCode.QUERY_NOT_FOUND
+    # the committed message counts its body's bytes on its topic (read from the record it was made of)
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read())
+    assert b'rocketmq_throughput_in_total{topic="TxOrders"} 4.0' in text
 
 
 @bounded(60)

@@ -15,9 +15,10 @@ _LISTENING = re.compile(r"LISTENING broker=(\S+) namesrv=(\S+) metrics=(\S+)")
 
 
 class BrokerProcess:
-    def __init__(self, store_dir, *flags: str, env: dict | None = None, preexec_fn=None):
+    def __init__(self, store_dir, *flags: str, env: dict | None = None, preexec_fn=None, repo: Path | None = None):
         self.store_dir = Path(store_dir)
         self.preexec_fn = preexec_fn        # run in the child before the broker (e.g. resource limits)
+        self.repo = repo or REPO            # the checkout whose broker runs (a bench's baseline: another worktree)
         self.flags = list(flags)
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
@@ -31,7 +32,7 @@ class BrokerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "broker", "--host", "127.0.0.1", "--port", "0", "--namesrv-port", "0",
              "--metrics-port", "0", "--store-dir", str(self.store_dir), *self.flags],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=self.preexec_fn)
+            cwd=self.repo, stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=self.preexec_fn)
         log.close()
         line = self._read_line(timeout)
         m = _LISTENING.search(line)

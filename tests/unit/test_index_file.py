@@ -144,6 +144,24 @@ async def test_corrupt_file_is_rebuilt_with_a_clear_log_line(tmp_path, caplog):
     await store.close()
 
 
+async def test_unindexed_topics_get_no_entry_live_or_caught_up(tmp_path):
+    # The transaction op topic's records are never looked up by key (RocketMQ's op messages have no UNIQ_KEY):
+    # the broker gives it as unindexed; a record of it written before the service opened (catch-up from the
+    # log) or after (live dispatch) gets no entry, and the records around it keep theirs.
+    store = await _store_with(tmp_path, 3)
+    await store.put(PutRequest.build("OPS", b"1", properties={"KEYS": "op", "UNIQ_KEY": "OP1"}))
+    svc = await _service(tmp_path, store, unindexed=("OPS",))
+    await store.put(PutRequest.build("OPS", b"2", properties={"KEYS": "op", "UNIQ_KEY": "OP2"}))
+    late = await store.put(PutRequest.build("T", b"y", properties={"KEYS": "op", "UNIQ_KEY": "U9"}))
+    for key in ("OP1", "OP2", "op"):
+        assert (await svc.query("OPS", key, 64, 0, 2**62))[0] == []
+    assert (await svc.query("T", "op", 64, 0, 2**62))[0] == [late.physical_offset]
+    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 3
+    assert sum(f.count - 1 for f in svc.files) == 3 * 3 + 2      # no entry for either op record
+    await svc.close()
+    await store.close()
+
+
 async def test_expire_removes_files_below_the_log(tmp_path):
     store = await _store_with(tmp_path, 30)
     svc = await _service(tmp_path, store)
