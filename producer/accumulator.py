@@ -7,7 +7,8 @@ offset message id and queue offset), so batching changes throughput, not what a 
 
 A batch leaves when it holds ``batch_size`` messages or ``max_batch_bytes`` of bodies, or
 ``linger_ms`` after its first message arrived, whichever comes first. A failed batch fails
-every send in it with the same error (the broker stores a batch all or none), except a batch
+every send in it with the same error (the broker stores a batch all or none; a MaybeStoredError names each
+send's own message id), except a batch
 the broker refuses as MESSAGE_ILLEGAL for what one entry holds: each of its sends goes again
 alone, so only the one at fault fails (properties too long for any record are refused at once).
 """
@@ -17,7 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from protocol.codes import RequestCode
-from protocol.errors import MessageIllegalError
+from protocol.errors import MaybeStoredError, MessageIllegalError
 from protocol.message import MAX_PROPERTIES_LENGTH, Prop, encode_batch
 
 if TYPE_CHECKING:
@@ -107,6 +108,12 @@ class Accumulator:
             # each other, so each goes again alone and only the one at fault fails.
             await asyncio.gather(*(self._send_alone(topic, entry, uniq, fut)
                                    for entry, uniq, fut in zip(batch.entries, batch.uniqs, batch.futures)))
+            return
+        except MaybeStoredError as exc:     # each caller is told its own message's id, to dedupe by
+            for fut, uniq in zip(batch.futures, batch.uniqs):
+                own = MaybeStoredError(f"{exc} ({uniq} is this one's)", msg_id=uniq)
+                own.__cause__ = exc.__cause__
+                _fail([fut], own)
             return
         except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
             _fail(batch.futures, exc)

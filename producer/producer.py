@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
-from protocol.errors import (ConnectionClosedError, RequestTimeoutError, ResponseError, TopicNotExistError,
-                             error_for_code)
+from protocol.errors import (ConnectionClosedError, MaybeStoredError, RequestTimeoutError, ResponseError,
+                             TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
 
@@ -374,52 +374,67 @@ class Producer:
 
     async def _send_text(self, code, topic, body, props: str, uniq: str, queue, *, sys_flag=0, flag=0,
                          batch=False) -> SendResult:
-        """Send with the properties string ``props`` (whose UNIQ_KEY is ``uniq``), retrying elsewhere."""
+        """Send with the properties string ``props`` (whose UNIQ_KEY is ``uniq``), retrying elsewhere.
+
+        An attempt sent and not answered (its connection closed, or time ran out) may have been stored: if no
+        later attempt succeeds, the send raises MaybeStoredError, whatever those attempts met (a broker killed
+        just after storing leaves "cannot connect" and "no route" to its retries, which read as "not sent")."""
         avoid = None
         refresh = False                 # after a routing error the next attempt asks the name server
         last_error: Exception | None = None
+        unanswered: Exception | None = None     # the first attempt sent and not answered
         routes = self.routes
         timeout = self.send_timeout
         started = time.monotonic()
-        for attempt in range(self.retries + 1):
-            if attempt:     # send_timeout bounds the whole send, retries included (as the Java client's)
-                timeout = self.send_timeout - (time.monotonic() - started)
-                if timeout < _MIN_ATTEMPT_S:    # (a timer may fire a little early: less is no attempt)
-                    raise RequestTimeoutError(f"send to {topic} timed out after {self.send_timeout:g} s and "
-                                              f"{attempt} attempt(s); the last failed with: {last_error}") from last_error
-            if queue is not None:
-                mq = queue
-                if refresh:
-                    await routes.publish_queues(topic, refresh=True)
-            else:
-                queues = None if refresh else routes.cached_publish_queues(topic)
-                if queues is None:
-                    queues = await routes.publish_queues(topic, refresh=refresh)
-                mq = routes.select(queues, avoid)
-            cmd = self._command(code, mq, props, body, sys_flag, flag, batch)
-            addr = None
-            try:
-                addr = self._addr(mq)
-                conn = self.pool.cached(addr) or await self.pool.get(addr)
-                # the connection's future, awaited here: no coroutine per layer, no timer per request
-                resp = await conn.start_request(cmd, timeout)
-            except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
-                last_error = exc
+        try:
+            for attempt in range(self.retries + 1):
+                if attempt:     # send_timeout bounds the whole send, retries included (as the Java client's)
+                    timeout = self.send_timeout - (time.monotonic() - started)
+                    if timeout < _MIN_ATTEMPT_S:    # (a timer may fire a little early: less is no attempt)
+                        raise RequestTimeoutError(f"send to {topic} timed out after {self.send_timeout:g} s and "
+                                                  f"{attempt} attempt(s); the last failed with: {last_error}") from last_error
+                if queue is not None:
+                    mq = queue
+                    if refresh:
+                        await routes.publish_queues(topic, refresh=True)
+                else:
+                    queues = None if refresh else routes.cached_publish_queues(topic)
+                    if queues is None:
+                        queues = await routes.publish_queues(topic, refresh=refresh)
+                    mq = routes.select(queues, avoid)
+                cmd = self._command(code, mq, props, body, sys_flag, flag, batch)
+                addr = sent = None
+                try:
+                    addr = self._addr(mq)
+                    conn = self.pool.cached(addr) or await self.pool.get(addr)
+                    # the connection's future, awaited here: no coroutine per layer, no timer per request
+                    sent = conn.start_request(cmd, timeout)
+                    resp = await sent
+                except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
+                    if sent is not None and unanswered is None:
+                        unanswered = exc
+                    last_error = exc
+                    avoid = mq.broker_name
+                    refresh = True
+                    continue
+                if resp.code in _STORED:
+                    ext = resp.ext_fields
+                    return SendResult(_STATUS[resp.code], uniq, ext.get("msgId") or "",
+                                      MessageQueue(topic, mq.broker_name, resp.int_field("queueId", mq.queue_id)),
+                                      resp.int_field("queueOffset", -1), ext.get("transactionId") or None, addr)
+                error = error_for_code(resp.code, resp.remark)
+                if not error.retriable or queue is not None:
+                    if resp.code == ResponseCode.TOPIC_NOT_EXIST:
+                        self.routes.forget(topic)       # the route was wrong: the next send asks again
+                    raise error
+                last_error = error
                 avoid = mq.broker_name
                 refresh = True
-                continue
-            if resp.code in _STORED:
-                ext = resp.ext_fields
-                return SendResult(_STATUS[resp.code], uniq, ext.get("msgId") or "",
-                                  MessageQueue(topic, mq.broker_name, resp.int_field("queueId", mq.queue_id)),
-                                  resp.int_field("queueOffset", -1), ext.get("transactionId") or None, addr)
-            error = error_for_code(resp.code, resp.remark)
-            if not error.retriable or queue is not None:
-                if resp.code == ResponseCode.TOPIC_NOT_EXIST:
-                    self.routes.forget(topic)       # the route was wrong: the next send asks again
-                raise error
-            last_error = error
-            avoid = mq.broker_name
-            refresh = True
-        assert last_error is not None
-        raise last_error
+            assert last_error is not None
+            raise last_error
+        except Exception as exc:
+            if unanswered is None:
+                raise
+            raise MaybeStoredError(
+                f"send to {topic} failed, but an attempt sent got no answer ({unanswered}): the message may have "
+                f"been stored, as {uniq or 'its UNIQ_KEY'}; the last attempt failed with: {exc}", msg_id=uniq) from exc
