@@ -54,6 +54,11 @@ class Accumulator:
         """Queue one message (``props``: its properties string, without WAIT; ``uniq``: its UNIQ_KEY);
         the future resolves to its own SendResult."""
         loop = asyncio.get_running_loop()
+        if type(body) is not bytes and not isinstance(body, (bytearray, memoryview)):
+            # found out by encode_batch, it failed every send of the batch
+            fut = loop.create_future()
+            fut.set_exception(TypeError(f"a message body is bytes-like, not {type(body).__name__}"))
+            return fut
         if len(props) > _PROPS_CHECK and (n := len(props.encode())) > MAX_PROPERTIES_LENGTH:
             # what a broker answers such a message sent alone (the record's length field is a short), said here:
             # in a batch it would fail the sends gathered with it

@@ -450,9 +450,13 @@ class RemotingConnection(asyncio.Protocol):
         self._pending[opaque] = (fut, deadline, cmd.code, timeout)
         if deadline < self._sweep_at:
             self._arm_sweep(deadline)
-        if self.sign is not None:
-            self.sign(cmd)
-        self.send(cmd)
+        try:
+            if self.sign is not None:
+                self.sign(cmd)
+            self.send(cmd)
+        except BaseException:   # not sent (a body that is not bytes): raised here, not left to time out unawaited
+            del self._pending[opaque]
+            raise
         return fut
 
     def _arm_sweep(self, when: float) -> None:

@@ -104,3 +104,16 @@ async def test_batched_sends_whose_answer_is_lost_each_say_maybe_stored(broker_f
     finally:
         cutter.close()
         await producer.shutdown()
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@bounded(30)
+async def test_a_str_body_fails_its_own_send_not_the_others(broker, batch_size):
+    """A str body (not bytes) was found out only when the connection wrote the frames of the loop turn: every
+    request queued with it was dropped unsent, the connection left open, and each waited out send_timeout (a
+    batch failed every send gathered with it). It is refused at once, alone."""
+    async with Producer(broker.namesrv, "bad-body", batch_size=batch_size, linger_ms=50, send_timeout=8) as producer:
+        ok1, bad, ok2 = await asyncio.gather(producer.send("BadBody", b"ok1"), producer.send("BadBody", "a str"),
+                                             producer.send("BadBody", b"ok2"), return_exceptions=True)
+        assert isinstance(bad, TypeError), bad
+        assert ok1.queue_offset >= 0 and ok2.queue_offset >= 0, (ok1, ok2)
