@@ -434,3 +434,22 @@ async def test_inflate_takes_a_body_exactly_at_the_cap_and_refuses_one_byte_more
     assert "does not inflate" in inflate(cut, limit) and cut.sys_flag & SysFlag.COMPRESSED   # left as stored
     with pytest.raises(ValueError):
         PullConsumer("127.0.0.1:1", "G", max_inflated_body=0)
+
+
+@pytest.mark.parametrize("call", ["max_offset", "min_offset", "search_offset"])
+@bounded(10)
+async def test_an_offset_query_refused_raises_not_zero(call):
+    """GET_MAX_OFFSET (and min, and by timestamp) answered with an error read as offset 0: a push consumer
+    told to start a new queue from its last offset started from its first (every message again), with
+    nothing said. The Java client raises MQBrokerException, and its rebalance tries the queue again later."""
+    client = PullConsumer("127.0.0.1:1", "G")
+
+    async def request(mq, cmd, timeout):
+        return cmd.response(ResponseCode.SYSTEM_BUSY, "[PCBUSY_CLEAN_QUEUE] broker busy")
+    client._request = request
+    mq = MessageQueue("T", "b", 0)
+    try:
+        with pytest.raises(error_for_code(ResponseCode.SYSTEM_BUSY).__class__):
+            await (client.search_offset(mq, 1) if call == "search_offset" else getattr(client, call)(mq))
+    finally:
+        await client.shutdown()
