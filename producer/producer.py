@@ -205,9 +205,11 @@ class Producer:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Flush batched sends, stop the background tasks, unregister from the brokers, close."""
+        """Flush batched sends, let the sends in flight have their answers (each within its send_timeout),
+        stop the background tasks, unregister from the brokers, close."""
         if self._accumulator is not None:
             await self._accumulator.flush()
+        await self.pool.settle(self.send_timeout)
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
                 task.cancel()

@@ -664,6 +664,13 @@ class ConnectionPool:
     def connections(self) -> list[RemotingConnection]:
         return [c for c in self._conns.values() if c.is_open]
 
+    async def settle(self, timeout: float) -> None:
+        """Wait, up to ``timeout`` s, for the answers to every request in flight now (a client's shutdown:
+        closed under them, requests the peer carried out were reported failed)."""
+        waiting = [fut for conn in self._conns.values() for fut, *_ in conn._pending.values() if not fut.done()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
+
     async def close(self) -> None:
         """Close every connection; the pool opens none after this (``get`` raises ConnectionClosedError)."""
         self._closed = True

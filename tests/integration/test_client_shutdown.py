@@ -18,7 +18,9 @@ from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode
 from protocol.errors import BrokerError
 from tests.support.broker_process import BrokerProcess
-from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, request, wait_for_route
+from tests.support.bounded import bounded
+from tests.support.cluster_process import (NamesrvProcess, cluster_flags, create_topic, request, stored_count,
+                                           wait_for_route)
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -283,3 +285,22 @@ async def test_a_transaction_check_in_hand_is_answered_before_the_producer_close
         finally:
             await probe.shutdown()
     assert got == [b"answered at shutdown"]
+
+
+@bounded(30)
+async def test_producer_shutdown_lets_the_sends_in_flight_have_their_answers(broker):
+    """Shutdown closed the connections under the sends in flight: the broker stored them, and their callers
+    were told "connection closed" or "connection pool is closed", and sent them again. It waits for their
+    answers (each bounded by its own send_timeout), then closes."""
+    topic = "ShutdownInFlight"
+    await create_topic(broker.broker, topic, 1)
+    producer = await Producer(broker.namesrv, "PG_shutdown_in_flight").start()
+    await producer.send(topic, b"warm-up")            # route and connection in hand: the sends below all leave now
+    sends = [asyncio.create_task(producer.send(topic, b"m%d" % i)) for i in range(1000)]
+    await sends[0]
+    assert not all(s.done() for s in sends), "every send answered already: nothing in flight to test with"
+    await producer.shutdown()
+    outcomes = await asyncio.gather(*sends, return_exceptions=True)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert not failed, f"{len(failed)} sends failed, e.g. {failed[0]!r}"
+    assert await stored_count(broker.broker, topic, 1) == 1001
