@@ -3,7 +3,8 @@
 A cached route serves for ``ttl_s`` (30 s, the Java client's pollNameServerInterval); the producer
 also refreshes every cached route in the background at that period, and asks again at once after a
 routing error (a broker that cannot be reached or does not know the topic), so a failover or a new
-broker is seen within one period or one failed attempt.
+broker is seen within one period or one failed attempt. While no name server answers, the route known
+last serves on, for a ttl at a time (the Java client keeps its topicPublishInfoTable so).
 """
 from __future__ import annotations
 
@@ -70,7 +71,17 @@ class RouteCache:
         cached = self._routes.get(topic)
         if cached is not None and not refresh and time.monotonic() - cached[0] < self.ttl_s:
             return cached[1]
-        route = await self.fetch(topic)
+        try:
+            route = await self.fetch(topic)
+        except TopicNotExistError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
+            if cached is None:
+                raise
+            # for another ttl: each send asking (each waiting out a connect) would fail while the brokers are up
+            log.warning("route of %s: no name server answered (%s); the route known last serves", topic, exc)
+            self._routes[topic] = (time.monotonic(), cached[1])
+            return cached[1]
         self._routes[topic] = (time.monotonic(), route)
         for bd in route.broker_datas:       # the newest answer wins: a broker that moved is found there
             if 0 in bd.broker_addrs:

@@ -15,7 +15,9 @@ import pytest
 from producer import Producer
 from protocol.errors import MaybeStoredError
 from tests.support.bounded import bounded
-from tests.support.cluster_process import create_topic, stored_count
+from tests.support.broker_process import BrokerProcess
+from tests.support.cluster_process import (NamesrvProcess, cluster_flags, create_topic, stored_count,
+                                           wait_for_route)
 
 pytestmark = pytest.mark.asyncio
 
@@ -117,3 +119,30 @@ async def test_a_str_body_fails_its_own_send_not_the_others(broker, batch_size):
                                              producer.send("BadBody", b"ok2"), return_exceptions=True)
         assert isinstance(bad, TypeError), bad
         assert ok1.queue_offset >= 0 and ok2.queue_offset >= 0, (ok1, ok2)
+
+
+@bounded(40)
+async def test_sends_go_on_with_the_known_route_while_the_name_server_is_down(tmp_path):
+    """The name server gone, a route past its ttl was fetched again by every send, which failed with "cannot
+    connect to" the name server although its broker was up; and a route refresh that failed kept nothing
+    fresher. As in the Java client, the route known last serves until a name server answers again."""
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    broker = BrokerProcess(tmp_path / "broker-a", *cluster_flags(namesrv.addr, "broker-a", 1000)).start()
+    producer = None
+    try:
+        await create_topic(broker.broker, "NoNamesrv", 1)
+        await wait_for_route(namesrv.addr, "NoNamesrv", {"broker-a"})
+        producer = await Producer(namesrv.addr, "PG_no_namesrv", route_refresh_interval_s=0.2).start()
+        await producer.send("NoNamesrv", b"before")
+        namesrv.kill()
+        while producer.routes.cached_publish_queues("NoNamesrv") is not None:    # the route is past its ttl
+            await asyncio.sleep(0.05)
+        for i in range(3):
+            result = await producer.send("NoNamesrv", b"during %d" % i)
+            assert result.queue.broker_name == "broker-a"
+        assert await stored_count(broker.broker, "NoNamesrv", 1) == 4
+    finally:
+        if producer is not None:
+            await producer.shutdown()
+        broker.kill()
+        namesrv.kill()
