@@ -535,6 +535,8 @@ class PushConsumer:
                         return
                     self._offsets[mq] = msg.queue_offset + 1
                 else:
+                    if res.status is PullStatus.OFFSET_ILLEGAL:
+                        self._offset_moved(mq, offset, res)
                     if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:
                         self._offsets[mq] = res.next_begin_offset
                     if res.status is PullStatus.NO_MATCHED_MSG and res.next_begin_offset == offset:
@@ -562,6 +564,15 @@ class PushConsumer:
                 self._turn_failed(f"pull loop of {mq}")
                 offset = self._offsets.get(mq)      # what was consumed stays consumed; the rest is pulled again
                 await asyncio.sleep(self.pull_retry_delay_s)
+
+    def _offset_moved(self, mq: MessageQueue, offset: int, res) -> None:
+        """PULL_OFFSET_MOVED: the broker has no message at ``offset`` (past its end after it lost a tail, or
+        before its start after retention) and names where to go on. Followed, as RocketMQ does, but said: on
+        passes messages over, back may deliver some again."""
+        moved = res.next_begin_offset - offset
+        log.warning("push consumer %s: %s has no message at offset %d (the broker holds %d to %d): going on from "
+                    "%d, %s", self.group, mq, offset, res.min_offset, res.max_offset, res.next_begin_offset,
+                    f"{moved} message(s) passed over" if moved > 0 else f"{-moved} back")
 
     def _still_behind(self, mq: MessageQueue, offset: int, since):
         """A queue whose broker keeps saying "retry" at one offset (a slave that has not got it yet, its

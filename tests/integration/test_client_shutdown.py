@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -304,3 +305,38 @@ async def test_producer_shutdown_lets_the_sends_in_flight_have_their_answers(bro
     failed = [o for o in outcomes if isinstance(o, BaseException)]
     assert not failed, f"{len(failed)} sends failed, e.g. {failed[0]!r}"
     assert await stored_count(broker.broker, topic, 1) == 1001
+
+
+@bounded(30)
+async def test_an_offset_the_broker_corrects_is_said(broker_factory, caplog):
+    """PULL_OFFSET_MOVED (a committed offset past the queue's end, as after a broker lost its tail; or before
+    its start, after retention) moved the consumer on, passing messages over, or back, with nothing said. The
+    consumer follows the broker, as RocketMQ's does, and says so, with the offsets (a WARNING, as Java's)."""
+    broker = broker_factory()
+    topic = await _one_queue_topic(broker, "OffsetMoved")
+    probe = PullConsumer(broker.namesrv, "CG_moved")
+    try:
+        await probe.commit_offset((await probe.fetch_queues(topic))[0], 1000)
+    finally:
+        await probe.shutdown()
+    got, arrived = [], asyncio.Event()
+
+    def listener(msg):
+        got.append(msg.body)
+        arrived.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "offset 1000" in r.getMessage()]
+
+    consumer = PushConsumer(broker.namesrv, "CG_moved", listener, suspend_ms=300)
+    consumer.subscribe(topic)
+    with caplog.at_level(logging.WARNING, logger="txmq.consumer"):
+        async with consumer:
+            while not said():           # the first pull, answered PULL_OFFSET_MOVED
+                await asyncio.sleep(0.05)
+            async with Producer(broker.namesrv, "PG_moved") as producer:
+                await producer.send(topic, b"after")
+            await arrived.wait()
+    assert got == [b"after"]            # on from the broker's end (10), where the next message went
+    assert "from 10" in said()[0], said()
