@@ -76,7 +76,7 @@ class RouteCache:
         except TopicNotExistError:
             raise
         except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
-            if cached is None:
+            if cached is None or self.pool.closed:     # closed: the producer's own shutdown, not an outage
                 raise
             # for another ttl: each send asking (each waiting out a connect) would fail while the brokers are up
             log.warning("route of %s: no name server answered (%s); the route known last serves", topic, exc)

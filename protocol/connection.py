@@ -648,6 +648,11 @@ class ConnectionPool:
         if not self._closed and self.on_lost is not None:
             self.on_lost(addr)
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: the pool opens no connection any more."""
+        return self._closed
+
     def cached(self, addr: str) -> RemotingConnection | None:
         """The open connection to ``addr``, or None (then ``get`` opens one): a send's fast path."""
         conn = self._conns.get(addr)
