@@ -437,6 +437,10 @@ class Producer:
         except Exception as exc:
             if unanswered is None:
                 raise
-            raise MaybeStoredError(
-                f"send to {topic} failed, but an attempt sent got no answer ({unanswered}): the message may have "
-                f"been stored, as {uniq or 'its UNIQ_KEY'}; the last attempt failed with: {exc}", msg_id=uniq) from exc
+            maybe = f"the message may have been stored, as {uniq or 'its UNIQ_KEY'}"
+            if exc is unanswered or exc.__cause__ is unanswered:    # the last attempt's, or the deadline after it
+                text = f"{exc if exc.__cause__ is unanswered else f'send to {topic}: {exc}'}: {maybe}"
+            else:
+                text = (f"send to {topic} failed, but an attempt sent got no answer ({unanswered}): {maybe}; "
+                        f"the last attempt failed with: {exc}")
+            raise MaybeStoredError(text, msg_id=uniq) from exc
