@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from protocol.connection import finish_within, wait_within
-from protocol.errors import BrokerError, ResponseError
+from protocol.errors import BrokerError, ConnectionClosedError, RequestTimeoutError, ResponseError
 from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
@@ -699,6 +699,21 @@ class PushConsumer:
             except Exception:  # noqa: BLE001 - ending here would leave every later offset uncommitted
                 self._turn_failed(f"offset commit of {mq}")
 
+    async def _commit_at_shutdown(self, queues: list[MessageQueue]) -> None:
+        """Commit one broker's ``queues`` at shutdown. A broker that does not answer one is not asked the rest:
+        each would wait out its own request timeout, and shutdown took one timeout per queue."""
+        for i, mq in enumerate(queues):
+            try:
+                await self._commit(mq, again=True)
+            except (RequestTimeoutError, ConnectionClosedError) as exc:
+                log.warning("push consumer %s: %s not committed at shutdown, their broker did not answer (%s); what "
+                            "was consumed since the last commit comes again", self.group,
+                            "; ".join(f"offset {self._offsets[q]} of {q}" for q in queues[i:]), exc)
+                return
+            except BrokerError as exc:
+                log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
+                            "since the last commit comes again", self.group, self._offsets[mq], mq, exc)
+
     async def _commit_loop(self) -> None:
         while True:
             await asyncio.sleep(self.offset_commit_interval_s)
@@ -755,12 +770,10 @@ class PushConsumer:
         # its new owner, and its old offset written now would undo that owner's progress.
         # Changed or not since the last round: an old owner's late hand-over commit, or a broker restarted
         # since, may have set the group's offset back.
+        by_broker: dict[str, list[MessageQueue]] = {}
         for mq in [q for q in self._offsets if q in self._owned]:
-            try:
-                await self._commit(mq, again=True)
-            except BrokerError as exc:
-                log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
-                            "since the last commit comes again", self.group, self._offsets[mq], mq, exc)
+            by_broker.setdefault(mq.broker_name, []).append(mq)
+        await asyncio.gather(*(self._commit_at_shutdown(queues) for queues in by_broker.values()))
         try:
             await self.offset_store.flush()
         except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 
 import pytest
 
@@ -340,3 +341,41 @@ async def test_an_offset_the_broker_corrects_is_said(broker_factory, caplog):
             await arrived.wait()
     assert got == [b"after"]            # on from the broker's end (10), where the next message went
     assert "from 10" in said()[0], said()
+
+
+@bounded(60)
+async def test_shutdown_with_a_broker_that_does_not_answer_waits_one_timeout_not_one_per_queue(broker_factory):
+    """Shutdown committed its queues one after another: with their broker stopped (a host gone, a broker
+    paused) each waited out its own request timeout, so a consumer of 8 queues took 8 timeouts to close. A
+    broker that does not answer one commit is not asked the rest; they are named in a WARNING."""
+    broker = broker_factory()
+    await create_topic(broker.broker, "StoppedBroker", 8)
+    async with Producer(broker.namesrv, "PG_stopped") as producer:
+        for qid in range(8):
+            mq = (await producer.routes.publish_queues("StoppedBroker"))[qid]
+            await producer.send("StoppedBroker", b"m%d" % qid, queue=mq)
+    got, all_in = [], asyncio.Event()
+
+    def listener(msg):
+        got.append(msg.queue_id)
+        if len(set(got)) == 8:
+            all_in.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_stopped", listener, consume_from="first", suspend_ms=300)
+    consumer.subscribe("StoppedBroker")
+    await consumer.start()
+    consumer.client.timeout = 1.0
+    stopped = False
+    try:
+        await all_in.wait()
+        broker.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await consumer.shutdown()
+        took = loop.time() - began
+    finally:
+        if stopped:
+            broker.proc.send_signal(signal.SIGCONT)
+    assert took < 5.0, f"shutdown took {took:.1f} s"
