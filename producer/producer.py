@@ -139,6 +139,9 @@ def _client_ip() -> str:
 
 # A send attempt needs at least this long; the loop's timers fire to the millisecond.
 _MIN_ATTEMPT_S = 0.005
+# A broker that could not be connected to (refused, or its host gone: connects hang) is passed over by sends for
+# this long while another broker has queues (the Java client's isolation of a broker it cannot reach).
+_UNREACHABLE_S = 5.0
 # Heartbeats: the first retry after a failed one (doubling up to _BEAT_RETRY_MAX_S), and the least time between two
 # beats, so connections that keep breaking (a failed beat can lose one) never make a reconnect storm.
 _BEAT_RETRY_S = 0.5
@@ -182,6 +185,7 @@ class Producer:
         self._started = False
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
         self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
+        self._unreachable: dict[str, tuple[str, float]] = {}   # broker name -> (its address, passed over until)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> "Producer":
@@ -369,6 +373,23 @@ class Producer:
             raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, f"no address for broker {mq.broker_name}")
         return addr
 
+    async def _connect(self, addr: str, limit: float):
+        """The pool's connection to ``addr``, waited for ``limit`` s at most (the connect goes on for others)."""
+        try:
+            return await wait_within(self.pool.get(addr), limit)
+        except TimeoutError as exc:
+            if isinstance(exc, RequestTimeoutError):
+                raise
+            raise RequestTimeoutError(f"connecting to {addr}: no connection within {limit:.3g} s") from None
+
+    def _passed_over(self) -> set[str]:
+        """Brokers whose connect failed lately, at the address the route still gives them."""
+        now = time.monotonic()
+        for name, (addr, until) in list(self._unreachable.items()):
+            if until <= now or self.routes.broker_addr(name) != addr:
+                del self._unreachable[name]
+        return set(self._unreachable)
+
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
         """Send with properties given as a dict (the transaction producer's half)."""
         return await self._send_text(code, topic, body, properties_to_string(props), props.get(Prop.UNIQ_KEY, ""),
@@ -403,23 +424,29 @@ class Producer:
                     queues = None if refresh else routes.cached_publish_queues(topic)
                     if queues is None:
                         queues = await routes.publish_queues(topic, refresh=refresh)
-                    mq = routes.select(queues, avoid)
+                    mq = routes.select(queues, avoid, self._passed_over() if self._unreachable else ())
                 cmd = self._command(code, mq, props, body, sys_flag, flag, batch)
                 addr = sent = None
                 try:
                     addr = self._addr(mq)
-                    conn = self.pool.cached(addr) or await self.pool.get(addr)
+                    # a connect that hangs (the host gone) leaves half the time to an attempt elsewhere
+                    conn = self.pool.cached(addr) or await self._connect(
+                        addr, timeout if attempt == self.retries else timeout / 2)
                     # the connection's future, awaited here: no coroutine per layer, no timer per request
                     sent = conn.start_request(cmd, timeout)
                     resp = await sent
                 except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
-                    if sent is not None and unanswered is None:
-                        unanswered = exc
+                    if sent is not None:
+                        unanswered = unanswered or exc
+                    elif addr is not None and not isinstance(exc, TopicNotExistError):
+                        self._unreachable[mq.broker_name] = (addr, time.monotonic() + _UNREACHABLE_S)
                     last_error = exc
                     avoid = mq.broker_name
                     refresh = True
                     continue
                 if resp.code in _STORED:
+                    if self._unreachable:
+                        self._unreachable.pop(mq.broker_name, None)
                     ext = resp.ext_fields
                     return SendResult(_STATUS[resp.code], uniq, ext.get("msgId") or "",
                                       MessageQueue(topic, mq.broker_name, resp.int_field("queueId", mq.queue_id)),

@@ -154,13 +154,14 @@ class RouteCache:
         return {bd.broker_addrs[0] for _, route in self._routes.values() for bd in route.broker_datas
                 if 0 in bd.broker_addrs}
 
-    def select(self, queues: list[MessageQueue], avoid: str | None = None) -> MessageQueue:
-        """Round robin, skipping the broker that just failed when another exists."""
+    def select(self, queues: list[MessageQueue], avoid: str | None = None, passed_over=()) -> MessageQueue:
+        """Round robin, skipping the broker that just failed, and those ``passed_over`` (unreachable lately),
+        when another exists."""
         if not queues:
             raise NoPermissionError("the topic has no writable queue on any broker")
         n = next(self._counter)
         for i in range(len(queues)):
             mq = queues[(n + i) % len(queues)]
-            if mq.broker_name != avoid:
+            if mq.broker_name != avoid and mq.broker_name not in passed_over:
                 return mq
         return queues[n % len(queues)]

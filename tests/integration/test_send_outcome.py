@@ -9,15 +9,22 @@ under a new id no consumer could dedupe.
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import pytest
 
 from producer import Producer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
 from protocol.errors import MaybeStoredError
+from protocol.registration import (DataVersion, RegisterBrokerBody, RegisteredTopic, encode_register_body,
+                                   register_header)
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import (NamesrvProcess, cluster_flags, create_topic, stored_count,
                                            wait_for_route)
+from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
 
@@ -146,3 +153,57 @@ async def test_sends_go_on_with_the_known_route_while_the_name_server_is_down(tm
             await producer.shutdown()
         broker.kill()
         namesrv.kill()
+
+
+class Blackhole:
+    """An address whose connects hang, as to a host that is gone: a listener that never accepts, its
+    backlog full, so the kernel drops further SYNs."""
+
+    def __init__(self):
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)
+        self.addr = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self._fill = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(self._listener.getsockname())
+            self._fill.append(s)
+
+    def close(self) -> None:
+        for s in [*self._fill, self._listener]:
+            s.close()
+
+
+@bounded(40)
+async def test_a_broker_whose_host_is_gone_does_not_take_the_sends_time(tmp_path):
+    """The route names a broker whose host is gone (its connects hang) beside one that is up, until the name
+    server expires it (120 s). Round robin sent every other send there first: its connect took the whole
+    send_timeout, and the send failed though the other broker was up. A connect with another attempt to
+    come is given half the time left, and a broker that could not be reached is passed over for a while."""
+    hole = Blackhole()
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    broker = BrokerProcess(tmp_path / "broker-a", *cluster_flags(namesrv.addr, "broker-a", 1000)).start()
+    gone = await RawClient.open(namesrv.addr)       # registers broker-gone and keeps it routed while open
+    producer = None
+    try:
+        await create_topic(broker.broker, "Gone", 2)
+        body = encode_register_body(RegisterBrokerBody({"Gone": RegisteredTopic("Gone", 2, 2, 6)},
+                                                       DataVersion(int(time.time() * 1000), 1), []))
+        ext = register_header(broker_name="broker-gone", broker_addr=hole.addr, cluster_name="DefaultCluster",
+                              ha_server_addr="", broker_id=0, compressed=False, body=body)
+        registered = await gone.call(RemotingCommand(RequestCode.REGISTER_BROKER, opaque=1, ext_fields=ext,
+                                                     body=body), 10)
+        assert registered and registered[0].code == ResponseCode.SUCCESS, registered
+        await wait_for_route(namesrv.addr, "Gone", {"broker-a", "broker-gone"})
+        producer = await Producer(namesrv.addr, "PG_gone", send_timeout=3).start()
+        results = [await producer.send("Gone", b"m%d" % i) for i in range(6)]
+        assert {r.queue.broker_name for r in results} == {"broker-a"}
+    finally:
+        if producer is not None:
+            await producer.shutdown()
+        gone.close()
+        broker.kill()
+        namesrv.kill()
+        hole.close()
