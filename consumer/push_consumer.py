@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from protocol.connection import finish_within, wait_within
-from protocol.errors import BrokerError, ConnectionClosedError, RequestTimeoutError, ResponseError
+from protocol.errors import BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError
 from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
@@ -555,9 +555,10 @@ class PushConsumer:
             except _Stopping:
                 return
             except BrokerError as exc:
-                # The broker's refusal (a corrupt record, a damaged queue) does not pass by itself, and nothing of
-                # the queue is consumed meanwhile: a WARNING, as Java's; a lost connection or a timeout: INFO.
-                log.log(logging.WARNING if isinstance(exc, ResponseError) else logging.INFO,
+                # The broker's refusal (a corrupt record, a damaged queue), or an answer that does not decode, does
+                # not pass by itself, and nothing of the queue is consumed meanwhile: a WARNING each time (Java's
+                # client skips what it cannot decode, unsaid); a lost connection or a timeout: INFO.
+                log.log(logging.WARNING if isinstance(exc, (ResponseError, ProtocolError)) else logging.INFO,
                         "pull of %s failed: %s; retrying in %.0f s", mq, exc, self.pull_retry_delay_s)
                 await asyncio.sleep(self.pull_retry_delay_s)
             except Exception:  # noqa: BLE001 - a bug: ended here, rebalance restarted it at once, in a tight loop

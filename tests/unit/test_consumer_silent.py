@@ -453,3 +453,42 @@ async def test_an_offset_query_refused_raises_not_zero(call):
             await (client.search_offset(mq, 1) if call == "search_offset" else getattr(client, call)(mq))
     finally:
         await client.shutdown()
+
+
+@bounded(10)
+async def test_a_pull_whose_answer_does_not_decode_is_said_at_each_retry(caplog):
+    """A pull answered with a record that does not decode is pulled again at the same offset, for good: the
+    queue is consumed by nobody. It was logged at INFO (as a lost connection), so nothing showed the stall."""
+    consumer = _push_consumer()
+    consumer.pull_retry_delay_s = 0
+    mq = MessageQueue("T", "b", 0)
+    pulls = []
+    twice = asyncio.Event()
+
+    async def read(q):
+        return 5
+    consumer.offset_store.read = read
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        if len(pulls) == 2:
+            twice.set()
+        return await client_pull(q, offset, **kw)
+    client_pull = consumer.client.pull
+
+    async def request(q, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, None, {"nextBeginOffset": 6, "minOffset": 0, "maxOffset": 6},
+                            body=bytes(_record(b"x"))[:-3])
+    consumer.client._request = request
+    consumer.client.pull = pull
+    caplog.set_level("INFO", logger="txmq.consumer")
+    loop = asyncio.create_task(consumer._pull_loop(mq))
+    try:
+        await twice.wait()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await consumer.client.shutdown()
+    assert pulls[:2] == [5, 5]
+    said = [r for r in caplog.records if "pull of" in r.getMessage()]
+    assert said and all(r.levelname == "WARNING" for r in said), [(r.levelname, r.getMessage()) for r in said]
