@@ -15,11 +15,14 @@ alone, so only the one at fault fails (properties too long for any record are re
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from protocol.codes import RequestCode
 from protocol.errors import MaybeStoredError, MessageIllegalError
 from protocol.message import MAX_PROPERTIES_LENGTH, Prop, encode_batch
+
+log = logging.getLogger("txmq.producer")
 
 if TYPE_CHECKING:
     from .producer import Producer, SendResult
@@ -151,7 +154,10 @@ def split_result(result: "SendResult", uniqs: list[str]) -> list["SendResult"]:
     comma-joined ids and the first queue offset."""
     ids = result.offset_msg_id.split(",")
     if len(ids) != len(uniqs):
-        ids = [result.offset_msg_id] * len(uniqs)
+        # whose is whose cannot be told: each send's is unknown (""), as when a broker names none, not the whole list
+        log.warning("batch of %d messages to %s answered %d id(s) (%r): their sends' offset_msg_id left empty",
+                    len(uniqs), result.queue, len(ids), result.offset_msg_id)
+        ids = [""] * len(uniqs)
     cls, status, queue, first = type(result), result.status, result.queue, result.queue_offset
     txid, addr = result.transaction_id, result.broker_addr
     # the class called directly: dataclasses.replace costs ~2 us a message
