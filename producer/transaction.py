@@ -164,6 +164,11 @@ class TransactionProducer(Producer):
         try:
             acked = await self._end(addr, half_offset, result.queue_offset, result.msg_id, state, False, remark)
         except ResponseError as exc:
+            if exc.code == ResponseCode.TRANSACTION_FAILED:
+                # decided already, the other way (a check answered first) or dead-lettered: no check-back will
+                # come, and a result beside the local state would read as done as the local transaction says
+                raise error_for_code(exc.code, f"{exc.remark}: the local transaction of {result.msg_id} ran "
+                                     f"({state.name}), the broker's decision stands, no check-back will come") from exc
             # Raised, it read as a failed send: the half is stored and the local transaction has run, and a caller
             # retrying ran it again. Returned, and said, as the Java client does; the check-back settles it.
             log.warning("END_TRANSACTION (%s) for %s refused by %s: %s; the broker will check back", state.name,
