@@ -119,7 +119,7 @@ class Accumulator:
             return
         except MaybeStoredError as exc:     # each caller is told its own message's id, to dedupe by
             for fut, uniq in zip(batch.futures, batch.uniqs):
-                own = MaybeStoredError(f"{exc} ({uniq} is this one's)", msg_id=uniq)
+                own = type(exc)(f"{exc} ({uniq} is this one's)", msg_id=uniq)
                 own.__cause__ = exc.__cause__
                 _fail([fut], own)
             return

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
-from protocol.errors import (ConnectionClosedError, MaybeStoredError, RequestTimeoutError, ResponseError,
-                             TopicNotExistError, error_for_code)
+from protocol.errors import (ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError, RequestTimeoutError,
+                             ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
 
@@ -470,4 +470,6 @@ class Producer:
             else:
                 text = (f"send to {topic} failed, but an attempt sent got no answer ({unanswered}): {maybe}; "
                         f"the last attempt failed with: {exc}")
-            raise MaybeStoredError(text, msg_id=uniq) from exc
+            # what the last attempt met was raised before: a caller catching a closed connection still catches it
+            cls = MaybeStoredClosedError if isinstance(exc, ConnectionClosedError) else MaybeStoredError
+            raise cls(text, msg_id=uniq) from exc

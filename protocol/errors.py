@@ -8,6 +8,8 @@
      +-- ResponseError            the peer answered with a non-success code; one subclass a code
      +-- RequestTimeoutError      no answer in time (also a TimeoutError)
      |    +-- MaybeStoredError    a send failed after an attempt that reached the broker got no answer
+     |         +-- MaybeStoredClosedError   ... and its last attempt met a closed connection (also a
+     |                                      ConnectionClosedError, what such a send raised before)
      +-- ConnectionClosedError    the connection went away with requests pending
      +-- StoreError               a segment file is damaged or unwritable (never on the wire)
      |    +-- CorruptRecordError  a stored record whose body no longer matches its BODYCRC
@@ -125,6 +127,11 @@ class MaybeStoredError(RequestTimeoutError):
 
 class ConnectionClosedError(BrokerError):
     """The connection closed while a request was waiting or before it was sent."""
+
+
+class MaybeStoredClosedError(MaybeStoredError, ConnectionClosedError):
+    """A MaybeStoredError whose last attempt met a closed connection ("cannot connect", closed under it):
+    such a send raised ConnectionClosedError before, and a caller catching that still catches it."""
 
 
 class StoreError(BrokerError):

@@ -17,7 +17,7 @@ import pytest
 from producer import Producer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.errors import MaybeStoredError
+from protocol.errors import ConnectionClosedError, MaybeStoredError
 from protocol.registration import (DataVersion, RegisterBrokerBody, RegisteredTopic, encode_register_body,
                                    register_header)
 from tests.support.bounded import bounded
@@ -82,6 +82,8 @@ async def test_answer_lost_after_store_says_maybe_stored(broker_factory):
             await producer.send("Lost", b"stored, answer lost", properties={"UNIQ_KEY": "LOST-1"})
         assert cutter.cut.is_set()
         assert info.value.msg_id == "LOST-1"
+        # its retries met "cannot connect", raised as ConnectionClosedError before: caught as that still
+        assert isinstance(info.value, ConnectionClosedError)
         assert "may have been stored" in str(info.value)
         assert await stored_count(direct, "Lost", 1) == 2      # it was
     finally:
@@ -108,6 +110,7 @@ async def test_batched_sends_whose_answer_is_lost_each_say_maybe_stored(broker_f
         assert cutter.cut.is_set()
         assert all(isinstance(o, MaybeStoredError) for o in outcomes), outcomes
         assert [o.msg_id for o in outcomes] == keys
+        assert all(isinstance(o, ConnectionClosedError) for o in outcomes), outcomes
         assert all(k in str(o) for k, o in zip(keys, outcomes))
         assert await stored_count(direct, "LostBatch", 1) == 6      # they were
     finally:
