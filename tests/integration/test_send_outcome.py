@@ -65,14 +65,19 @@ class ReplyCutter:
             w.transport.abort()
 
 
-@bounded(40)
-async def test_answer_lost_after_store_says_maybe_stored(broker_factory):
+async def _behind_a_cutter(broker_factory, topic: str) -> tuple[str, str, ReplyCutter]:
+    """A broker advertising 127.0.0.2, where a ReplyCutter forwards to it, with a one-queue ``topic``: the
+    broker's direct address, its name server's, and the cutter."""
     broker = broker_factory("--advertised-host", "127.0.0.2")
     # what the broker prints is its advertised address: the proxy's (and 127.0.0.2 for its name server too)
     direct = f"127.0.0.1:{broker.broker_port}"
-    namesrv = "127.0.0.1:" + broker.namesrv.rsplit(":", 1)[1]
-    await create_topic(direct, "Lost", 1)
-    cutter = await ReplyCutter(broker.broker_port).start()
+    await create_topic(direct, topic, 1)
+    return direct, "127.0.0.1:" + broker.namesrv.rsplit(":", 1)[1], await ReplyCutter(broker.broker_port).start()
+
+
+@bounded(40)
+async def test_answer_lost_after_store_says_maybe_stored(broker_factory):
+    direct, namesrv, cutter = await _behind_a_cutter(broker_factory, "Lost")
     producer = await Producer(namesrv, "lost-answer", retries=2, send_timeout=10).start()
     try:
         await producer.send("Lost", b"warm-up")             # route cached, connection through the proxy open
@@ -94,11 +99,7 @@ async def test_answer_lost_after_store_says_maybe_stored(broker_factory):
 @bounded(40)
 async def test_batched_sends_whose_answer_is_lost_each_say_maybe_stored(broker_factory):
     """One batch request for three sends (linger_ms): each send's error names its own message."""
-    broker = broker_factory("--advertised-host", "127.0.0.2")
-    direct = f"127.0.0.1:{broker.broker_port}"
-    namesrv = "127.0.0.1:" + broker.namesrv.rsplit(":", 1)[1]
-    await create_topic(direct, "LostBatch", 1)
-    cutter = await ReplyCutter(broker.broker_port).start()
+    direct, namesrv, cutter = await _behind_a_cutter(broker_factory, "LostBatch")
     producer = await Producer(namesrv, "lost-batch", retries=2, send_timeout=10, batch_size=3, linger_ms=5000).start()
     try:
         await asyncio.gather(*(producer.send("LostBatch", b"warm-up %d" % i) for i in range(3)))
