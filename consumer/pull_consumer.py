@@ -441,17 +441,17 @@ class PullConsumer:
     async def max_offset(self, mq: MessageQueue) -> int:
         """The offset after the last message of ``mq``."""
         resp = await self._offset_call(RequestCode.GET_MAX_OFFSET, mq)
-        return resp.int_field("offset", 0)
+        return _offset(resp)
 
     async def min_offset(self, mq: MessageQueue) -> int:
         """The offset of the oldest message ``mq`` still holds."""
         resp = await self._offset_call(RequestCode.GET_MIN_OFFSET, mq)
-        return resp.int_field("offset", 0)
+        return _offset(resp)
 
     async def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
         """The offset of the first message of ``mq`` stored at or after ``timestamp_ms``."""
         resp = await self._offset_call(RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, mq, timestamp=timestamp_ms)
-        return resp.int_field("offset", 0)
+        return _offset(resp)
 
     async def shutdown(self) -> None:
         """Unregister from the brokers and close the connections."""
@@ -462,3 +462,11 @@ class PullConsumer:
             except Exception:  # noqa: BLE001 - best effort
                 pass
         await self.pool.close()
+
+
+def _offset(resp: RemotingCommand) -> int:
+    """The offset an offset query answered; a refusal raises (read as 0, a consumer told to start a queue at
+    its last offset started at its first: every message again)."""
+    if resp.code != ResponseCode.SUCCESS:
+        raise error_for_code(resp.code, resp.remark)
+    return resp.int_field("offset", 0)

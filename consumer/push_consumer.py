@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from protocol.connection import finish_within, wait_within
-from protocol.errors import BrokerError, ResponseError
+from protocol.errors import BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError
 from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
@@ -535,6 +535,8 @@ class PushConsumer:
                         return
                     self._offsets[mq] = msg.queue_offset + 1
                 else:
+                    if res.status is PullStatus.OFFSET_ILLEGAL:
+                        self._offset_moved(mq, offset, res)
                     if res.status is not PullStatus.NO_NEW_MSG or res.next_begin_offset != offset:
                         self._offsets[mq] = res.next_begin_offset
                     if res.status is PullStatus.NO_MATCHED_MSG and res.next_begin_offset == offset:
@@ -553,15 +555,25 @@ class PushConsumer:
             except _Stopping:
                 return
             except BrokerError as exc:
-                # The broker's refusal (a corrupt record, a damaged queue) does not pass by itself, and nothing of
-                # the queue is consumed meanwhile: a WARNING, as Java's; a lost connection or a timeout: INFO.
-                log.log(logging.WARNING if isinstance(exc, ResponseError) else logging.INFO,
+                # The broker's refusal (a corrupt record, a damaged queue), or an answer that does not decode, does
+                # not pass by itself, and nothing of the queue is consumed meanwhile: a WARNING each time (Java's
+                # client skips what it cannot decode, unsaid); a lost connection or a timeout: INFO.
+                log.log(logging.WARNING if isinstance(exc, (ResponseError, ProtocolError)) else logging.INFO,
                         "pull of %s failed: %s; retrying in %.0f s", mq, exc, self.pull_retry_delay_s)
                 await asyncio.sleep(self.pull_retry_delay_s)
             except Exception:  # noqa: BLE001 - a bug: ended here, rebalance restarted it at once, in a tight loop
                 self._turn_failed(f"pull loop of {mq}")
                 offset = self._offsets.get(mq)      # what was consumed stays consumed; the rest is pulled again
                 await asyncio.sleep(self.pull_retry_delay_s)
+
+    def _offset_moved(self, mq: MessageQueue, offset: int, res) -> None:
+        """PULL_OFFSET_MOVED: the broker has no message at ``offset`` (past its end after it lost a tail, or
+        before its start after retention) and names where to go on. Followed, as RocketMQ does, but said: on
+        passes messages over, back may deliver some again."""
+        moved = res.next_begin_offset - offset
+        log.warning("push consumer %s: %s has no message at offset %d (the broker holds %d to %d): going on from "
+                    "%d, %s", self.group, mq, offset, res.min_offset, res.max_offset, res.next_begin_offset,
+                    f"{moved} message(s) passed over" if moved > 0 else f"{-moved} back")
 
     def _still_behind(self, mq: MessageQueue, offset: int, since):
         """A queue whose broker keeps saying "retry" at one offset (a slave that has not got it yet, its
@@ -688,6 +700,21 @@ class PushConsumer:
             except Exception:  # noqa: BLE001 - ending here would leave every later offset uncommitted
                 self._turn_failed(f"offset commit of {mq}")
 
+    async def _commit_at_shutdown(self, queues: list[MessageQueue]) -> None:
+        """Commit one broker's ``queues`` at shutdown. A broker that does not answer one is not asked the rest:
+        each would wait out its own request timeout, and shutdown took one timeout per queue."""
+        for i, mq in enumerate(queues):
+            try:
+                await self._commit(mq, again=True)
+            except (RequestTimeoutError, ConnectionClosedError) as exc:
+                log.warning("push consumer %s: %s not committed at shutdown, their broker did not answer (%s); what "
+                            "was consumed since the last commit comes again", self.group,
+                            "; ".join(f"offset {self._offsets[q]} of {q}" for q in queues[i:]), exc)
+                return
+            except BrokerError as exc:
+                log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
+                            "since the last commit comes again", self.group, self._offsets[mq], mq, exc)
+
     async def _commit_loop(self) -> None:
         while True:
             await asyncio.sleep(self.offset_commit_interval_s)
@@ -744,12 +771,10 @@ class PushConsumer:
         # its new owner, and its old offset written now would undo that owner's progress.
         # Changed or not since the last round: an old owner's late hand-over commit, or a broker restarted
         # since, may have set the group's offset back.
+        by_broker: dict[str, list[MessageQueue]] = {}
         for mq in [q for q in self._offsets if q in self._owned]:
-            try:
-                await self._commit(mq, again=True)
-            except BrokerError as exc:
-                log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
-                            "since the last commit comes again", self.group, self._offsets[mq], mq, exc)
+            by_broker.setdefault(mq.broker_name, []).append(mq)
+        await asyncio.gather(*(self._commit_at_shutdown(queues) for queues in by_broker.values()))
         try:
             await self.offset_store.flush()
         except OSError as exc:

@@ -7,18 +7,22 @@ offset message id and queue offset), so batching changes throughput, not what a 
 
 A batch leaves when it holds ``batch_size`` messages or ``max_batch_bytes`` of bodies, or
 ``linger_ms`` after its first message arrived, whichever comes first. A failed batch fails
-every send in it with the same error (the broker stores a batch all or none), except a batch
+every send in it with the same error (the broker stores a batch all or none; a MaybeStoredError names each
+send's own message id), except a batch
 the broker refuses as MESSAGE_ILLEGAL for what one entry holds: each of its sends goes again
 alone, so only the one at fault fails (properties too long for any record are refused at once).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from protocol.codes import RequestCode
-from protocol.errors import MessageIllegalError
+from protocol.errors import MaybeStoredError, MessageIllegalError
 from protocol.message import MAX_PROPERTIES_LENGTH, Prop, encode_batch
+
+log = logging.getLogger("txmq.producer")
 
 if TYPE_CHECKING:
     from .producer import Producer, SendResult
@@ -53,6 +57,11 @@ class Accumulator:
         """Queue one message (``props``: its properties string, without WAIT; ``uniq``: its UNIQ_KEY);
         the future resolves to its own SendResult."""
         loop = asyncio.get_running_loop()
+        if type(body) is not bytes and not isinstance(body, (bytearray, memoryview)):
+            # found out by encode_batch, it failed every send of the batch
+            fut = loop.create_future()
+            fut.set_exception(TypeError(f"a message body is bytes-like, not {type(body).__name__}"))
+            return fut
         if len(props) > _PROPS_CHECK and (n := len(props.encode())) > MAX_PROPERTIES_LENGTH:
             # what a broker answers such a message sent alone (the record's length field is a short), said here:
             # in a batch it would fail the sends gathered with it
@@ -108,6 +117,12 @@ class Accumulator:
             await asyncio.gather(*(self._send_alone(topic, entry, uniq, fut)
                                    for entry, uniq, fut in zip(batch.entries, batch.uniqs, batch.futures)))
             return
+        except MaybeStoredError as exc:     # each caller is told its own message's id, to dedupe by
+            for fut, uniq in zip(batch.futures, batch.uniqs):
+                own = type(exc)(f"{exc} ({uniq} is this one's)", msg_id=uniq)
+                own.__cause__ = exc.__cause__
+                _fail([fut], own)
+            return
         except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
             _fail(batch.futures, exc)
             return
@@ -139,7 +154,10 @@ def split_result(result: "SendResult", uniqs: list[str]) -> list["SendResult"]:
     comma-joined ids and the first queue offset."""
     ids = result.offset_msg_id.split(",")
     if len(ids) != len(uniqs):
-        ids = [result.offset_msg_id] * len(uniqs)
+        # whose is whose cannot be told: each send's is unknown (""), as when a broker names none, not the whole list
+        log.warning("batch of %d messages to %s answered %d id(s) (%r): their sends' offset_msg_id left empty",
+                    len(uniqs), result.queue, len(ids), result.offset_msg_id)
+        ids = [""] * len(uniqs)
     cls, status, queue, first = type(result), result.status, result.queue, result.queue_offset
     txid, addr = result.transaction_id, result.broker_addr
     # the class called directly: dataclasses.replace costs ~2 us a message

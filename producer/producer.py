@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
-from protocol.errors import (ConnectionClosedError, RequestTimeoutError, ResponseError, TopicNotExistError,
-                             error_for_code)
+from protocol.errors import (ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError, RequestTimeoutError,
+                             ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
 
@@ -139,6 +139,9 @@ def _client_ip() -> str:
 
 # A send attempt needs at least this long; the loop's timers fire to the millisecond.
 _MIN_ATTEMPT_S = 0.005
+# A broker that could not be connected to (refused, or its host gone: connects hang) is passed over by sends for
+# this long while another broker has queues (the Java client's isolation of a broker it cannot reach).
+_UNREACHABLE_S = 5.0
 # Heartbeats: the first retry after a failed one (doubling up to _BEAT_RETRY_MAX_S), and the least time between two
 # beats, so connections that keep breaking (a failed beat can lose one) never make a reconnect storm.
 _BEAT_RETRY_S = 0.5
@@ -182,6 +185,7 @@ class Producer:
         self._started = False
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
         self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
+        self._unreachable: dict[str, tuple[str, float]] = {}   # broker name -> (its address, passed over until)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> "Producer":
@@ -205,9 +209,11 @@ class Producer:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Flush batched sends, stop the background tasks, unregister from the brokers, close."""
+        """Flush batched sends, let the sends in flight have their answers (each within its send_timeout),
+        stop the background tasks, unregister from the brokers, close."""
         if self._accumulator is not None:
             await self._accumulator.flush()
+        await self.pool.settle(self.send_timeout)
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
                 task.cancel()
@@ -367,6 +373,23 @@ class Producer:
             raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, f"no address for broker {mq.broker_name}")
         return addr
 
+    async def _connect(self, addr: str, limit: float):
+        """The pool's connection to ``addr``, waited for ``limit`` s at most (the connect goes on for others)."""
+        try:
+            return await wait_within(self.pool.get(addr), limit)
+        except TimeoutError as exc:
+            if isinstance(exc, RequestTimeoutError):
+                raise
+            raise RequestTimeoutError(f"connecting to {addr}: no connection within {limit:.3g} s") from None
+
+    def _passed_over(self) -> set[str]:
+        """Brokers whose connect failed lately, at the address the route still gives them."""
+        now = time.monotonic()
+        for name, (addr, until) in list(self._unreachable.items()):
+            if until <= now or self.routes.broker_addr(name) != addr:
+                del self._unreachable[name]
+        return set(self._unreachable)
+
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
         """Send with properties given as a dict (the transaction producer's half)."""
         return await self._send_text(code, topic, body, properties_to_string(props), props.get(Prop.UNIQ_KEY, ""),
@@ -374,52 +397,79 @@ class Producer:
 
     async def _send_text(self, code, topic, body, props: str, uniq: str, queue, *, sys_flag=0, flag=0,
                          batch=False) -> SendResult:
-        """Send with the properties string ``props`` (whose UNIQ_KEY is ``uniq``), retrying elsewhere."""
+        """Send with the properties string ``props`` (whose UNIQ_KEY is ``uniq``), retrying elsewhere.
+
+        An attempt sent and not answered (its connection closed, or time ran out) may have been stored: if no
+        later attempt succeeds, the send raises MaybeStoredError, whatever those attempts met (a broker killed
+        just after storing leaves "cannot connect" and "no route" to its retries, which read as "not sent")."""
         avoid = None
         refresh = False                 # after a routing error the next attempt asks the name server
         last_error: Exception | None = None
+        unanswered: Exception | None = None     # the first attempt sent and not answered
         routes = self.routes
         timeout = self.send_timeout
         started = time.monotonic()
-        for attempt in range(self.retries + 1):
-            if attempt:     # send_timeout bounds the whole send, retries included (as the Java client's)
-                timeout = self.send_timeout - (time.monotonic() - started)
-                if timeout < _MIN_ATTEMPT_S:    # (a timer may fire a little early: less is no attempt)
-                    raise RequestTimeoutError(f"send to {topic} timed out after {self.send_timeout:g} s and "
-                                              f"{attempt} attempt(s); the last failed with: {last_error}") from last_error
-            if queue is not None:
-                mq = queue
-                if refresh:
-                    await routes.publish_queues(topic, refresh=True)
-            else:
-                queues = None if refresh else routes.cached_publish_queues(topic)
-                if queues is None:
-                    queues = await routes.publish_queues(topic, refresh=refresh)
-                mq = routes.select(queues, avoid)
-            cmd = self._command(code, mq, props, body, sys_flag, flag, batch)
-            addr = None
-            try:
-                addr = self._addr(mq)
-                conn = self.pool.cached(addr) or await self.pool.get(addr)
-                # the connection's future, awaited here: no coroutine per layer, no timer per request
-                resp = await conn.start_request(cmd, timeout)
-            except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
-                last_error = exc
+        try:
+            for attempt in range(self.retries + 1):
+                if attempt:     # send_timeout bounds the whole send, retries included (as the Java client's)
+                    timeout = self.send_timeout - (time.monotonic() - started)
+                    if timeout < _MIN_ATTEMPT_S:    # (a timer may fire a little early: less is no attempt)
+                        raise RequestTimeoutError(f"send to {topic} timed out after {self.send_timeout:g} s and "
+                                                  f"{attempt} attempt(s); the last failed with: {last_error}") from last_error
+                if queue is not None:
+                    mq = queue
+                    if refresh:
+                        await routes.publish_queues(topic, refresh=True)
+                else:
+                    queues = None if refresh else routes.cached_publish_queues(topic)
+                    if queues is None:
+                        queues = await routes.publish_queues(topic, refresh=refresh)
+                    mq = routes.select(queues, avoid, self._passed_over() if self._unreachable else ())
+                cmd = self._command(code, mq, props, body, sys_flag, flag, batch)
+                addr = sent = None
+                try:
+                    addr = self._addr(mq)
+                    # a connect that hangs (the host gone) leaves half the time to an attempt elsewhere
+                    conn = self.pool.cached(addr) or await self._connect(
+                        addr, timeout if attempt == self.retries else timeout / 2)
+                    # the connection's future, awaited here: no coroutine per layer, no timer per request
+                    sent = conn.start_request(cmd, timeout)
+                    resp = await sent
+                except (RequestTimeoutError, ConnectionClosedError, TopicNotExistError) as exc:
+                    if sent is not None:
+                        unanswered = unanswered or exc
+                    elif addr is not None and not isinstance(exc, TopicNotExistError):
+                        self._unreachable[mq.broker_name] = (addr, time.monotonic() + _UNREACHABLE_S)
+                    last_error = exc
+                    avoid = mq.broker_name
+                    refresh = True
+                    continue
+                if resp.code in _STORED:
+                    if self._unreachable:
+                        self._unreachable.pop(mq.broker_name, None)
+                    ext = resp.ext_fields
+                    return SendResult(_STATUS[resp.code], uniq, ext.get("msgId") or "",
+                                      MessageQueue(topic, mq.broker_name, resp.int_field("queueId", mq.queue_id)),
+                                      resp.int_field("queueOffset", -1), ext.get("transactionId") or None, addr)
+                error = error_for_code(resp.code, resp.remark)
+                if not error.retriable or queue is not None:
+                    if resp.code == ResponseCode.TOPIC_NOT_EXIST:
+                        self.routes.forget(topic)       # the route was wrong: the next send asks again
+                    raise error
+                last_error = error
                 avoid = mq.broker_name
                 refresh = True
-                continue
-            if resp.code in _STORED:
-                ext = resp.ext_fields
-                return SendResult(_STATUS[resp.code], uniq, ext.get("msgId") or "",
-                                  MessageQueue(topic, mq.broker_name, resp.int_field("queueId", mq.queue_id)),
-                                  resp.int_field("queueOffset", -1), ext.get("transactionId") or None, addr)
-            error = error_for_code(resp.code, resp.remark)
-            if not error.retriable or queue is not None:
-                if resp.code == ResponseCode.TOPIC_NOT_EXIST:
-                    self.routes.forget(topic)       # the route was wrong: the next send asks again
-                raise error
-            last_error = error
-            avoid = mq.broker_name
-            refresh = True
-        assert last_error is not None
-        raise last_error
+            assert last_error is not None
+            raise last_error
+        except Exception as exc:
+            if unanswered is None:
+                raise
+            maybe = f"the message may have been stored, as {uniq or 'its UNIQ_KEY'}"
+            if exc is unanswered or exc.__cause__ is unanswered:    # the last attempt's, or the deadline after it
+                text = f"{exc if exc.__cause__ is unanswered else f'send to {topic}: {exc}'}: {maybe}"
+            else:
+                text = (f"send to {topic} failed, but an attempt sent got no answer ({unanswered}): {maybe}; "
+                        f"the last attempt failed with: {exc}")
+            # what the last attempt met was raised before: a caller catching a closed connection still catches it
+            cls = MaybeStoredClosedError if isinstance(exc, ConnectionClosedError) else MaybeStoredError
+            raise cls(text, msg_id=uniq) from exc

@@ -3,7 +3,8 @@
 A cached route serves for ``ttl_s`` (30 s, the Java client's pollNameServerInterval); the producer
 also refreshes every cached route in the background at that period, and asks again at once after a
 routing error (a broker that cannot be reached or does not know the topic), so a failover or a new
-broker is seen within one period or one failed attempt.
+broker is seen within one period or one failed attempt. While no name server answers, the route known
+last serves on, for a ttl at a time (the Java client keeps its topicPublishInfoTable so).
 """
 from __future__ import annotations
 
@@ -70,7 +71,17 @@ class RouteCache:
         cached = self._routes.get(topic)
         if cached is not None and not refresh and time.monotonic() - cached[0] < self.ttl_s:
             return cached[1]
-        route = await self.fetch(topic)
+        try:
+            route = await self.fetch(topic)
+        except TopicNotExistError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
+            if cached is None or self.pool.closed:     # closed: the producer's own shutdown, not an outage
+                raise
+            # for another ttl: each send asking (each waiting out a connect) would fail while the brokers are up
+            log.warning("route of %s: no name server answered (%s); the route known last serves", topic, exc)
+            self._routes[topic] = (time.monotonic(), cached[1])
+            return cached[1]
         self._routes[topic] = (time.monotonic(), route)
         for bd in route.broker_datas:       # the newest answer wins: a broker that moved is found there
             if 0 in bd.broker_addrs:
@@ -143,13 +154,14 @@ class RouteCache:
         return {bd.broker_addrs[0] for _, route in self._routes.values() for bd in route.broker_datas
                 if 0 in bd.broker_addrs}
 
-    def select(self, queues: list[MessageQueue], avoid: str | None = None) -> MessageQueue:
-        """Round robin, skipping the broker that just failed when another exists."""
+    def select(self, queues: list[MessageQueue], avoid: str | None = None, passed_over=()) -> MessageQueue:
+        """Round robin, skipping the broker that just failed, and those ``passed_over`` (unreachable lately),
+        when another exists."""
         if not queues:
             raise NoPermissionError("the topic has no writable queue on any broker")
         n = next(self._counter)
         for i in range(len(queues)):
             mq = queues[(n + i) % len(queues)]
-            if mq.broker_name != avoid:
+            if mq.broker_name != avoid and mq.broker_name not in passed_over:
                 return mq
         return queues[n % len(queues)]

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand, _field_text
 from protocol.connection import finish_within
-from protocol.errors import ConnectionClosedError, RequestTimeoutError, error_for_code
+from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
 from protocol.message import MessageExt, Prop, decode_offset_msg_id, decode_record
 
 from .producer import Producer, SendResult, SendStatus
@@ -60,6 +60,7 @@ class TransactionSendResult:
     send_result: SendResult
     state: LocalTransactionState
     acknowledged: bool
+    end_error: ResponseError | None = None      # the broker refused the decision outright (it checks back)
 
 
 async def _call(fn, *args):
@@ -160,7 +161,19 @@ class TransactionProducer(Producer):
         # The broker that stored the half, not whatever the route says now: with several brokers (or a
         # route refreshed meanwhile) only that one holds the half and can decide it.
         addr = result.broker_addr or self._addr(result.queue)
-        acked = await self._end(addr, half_offset, result.queue_offset, result.msg_id, state, False, remark)
+        try:
+            acked = await self._end(addr, half_offset, result.queue_offset, result.msg_id, state, False, remark)
+        except ResponseError as exc:
+            if exc.code == ResponseCode.TRANSACTION_FAILED:
+                # decided already, the other way (a check answered first) or dead-lettered: no check-back will
+                # come, and a result beside the local state would read as done as the local transaction says
+                raise error_for_code(exc.code, f"{exc.remark}: the local transaction of {result.msg_id} ran "
+                                     f"({state.name}), the broker's decision stands, no check-back will come") from exc
+            # Raised, it read as a failed send: the half is stored and the local transaction has run, and a caller
+            # retrying ran it again. Returned, and said, as the Java client does; the check-back settles it.
+            log.warning("END_TRANSACTION (%s) for %s refused by %s: %s; the broker will check back", state.name,
+                        result.msg_id, addr, exc)
+            return TransactionSendResult(result, state, False, exc)
         return TransactionSendResult(result, state, acked)
 
     async def _end(self, addr: str, half_offset: int, table_offset: int, msg_id: str,

@@ -127,6 +127,8 @@ class RemotingCommand:
             body_len = len(body)
             parts = [body] if body_len else []
         else:
+            if isinstance(body, str):   # list() would make it characters, found out only by the write of the turn
+                raise TypeError("a command body is bytes-like (or a list of bytes-like parts), not str")
             parts = list(body)
             body_len = sum(len(p) for p in parts)
         prefix = PREFIX.pack(4 + len(header) + body_len, (self.serialize_type << 24) | len(header))

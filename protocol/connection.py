@@ -450,9 +450,13 @@ class RemotingConnection(asyncio.Protocol):
         self._pending[opaque] = (fut, deadline, cmd.code, timeout)
         if deadline < self._sweep_at:
             self._arm_sweep(deadline)
-        if self.sign is not None:
-            self.sign(cmd)
-        self.send(cmd)
+        try:
+            if self.sign is not None:
+                self.sign(cmd)
+            self.send(cmd)
+        except BaseException:   # not sent (a body that is not bytes): raised here, not left to time out unawaited
+            del self._pending[opaque]
+            raise
         return fut
 
     def _arm_sweep(self, when: float) -> None:
@@ -644,6 +648,11 @@ class ConnectionPool:
         if not self._closed and self.on_lost is not None:
             self.on_lost(addr)
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: the pool opens no connection any more."""
+        return self._closed
+
     def cached(self, addr: str) -> RemotingConnection | None:
         """The open connection to ``addr``, or None (then ``get`` opens one): a send's fast path."""
         conn = self._conns.get(addr)
@@ -659,6 +668,13 @@ class ConnectionPool:
 
     def connections(self) -> list[RemotingConnection]:
         return [c for c in self._conns.values() if c.is_open]
+
+    async def settle(self, timeout: float) -> None:
+        """Wait, up to ``timeout`` s, for the answers to every request in flight now (a client's shutdown:
+        closed under them, requests the peer carried out were reported failed)."""
+        waiting = [fut for conn in self._conns.values() for fut, *_ in conn._pending.values() if not fut.done()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
 
     async def close(self) -> None:
         """Close every connection; the pool opens none after this (``get`` raises ConnectionClosedError)."""

@@ -7,6 +7,9 @@
      |    +-- RecordError         a store record or batch body that does not parse
      +-- ResponseError            the peer answered with a non-success code; one subclass a code
      +-- RequestTimeoutError      no answer in time (also a TimeoutError)
+     |    +-- MaybeStoredError    a send failed after an attempt that reached the broker got no answer
+     |         +-- MaybeStoredClosedError   ... and its last attempt met a closed connection (also a
+     |                                      ConnectionClosedError, what such a send raised before)
      +-- ConnectionClosedError    the connection went away with requests pending
      +-- StoreError               a segment file is damaged or unwritable (never on the wire)
      |    +-- CorruptRecordError  a stored record whose body no longer matches its BODYCRC
@@ -111,8 +114,24 @@ class RequestTimeoutError(BrokerError, TimeoutError):
     """A request got no response within its timeout."""
 
 
+class MaybeStoredError(RequestTimeoutError):
+    """A send failed, but one of its attempts was sent and got no answer (the connection closed under it, or
+    time ran out): the broker may have stored the message, under ``msg_id`` (its UNIQ_KEY; a batch's are
+    comma-joined). Whatever the later attempts met is its ``__cause__``: a refusal or "cannot connect" from
+    them says nothing of the attempt that went unanswered, so sending again should keep ``msg_id`` or dedupe."""
+
+    def __init__(self, message: str, *, msg_id: str = ""):
+        super().__init__(message)
+        self.msg_id = msg_id
+
+
 class ConnectionClosedError(BrokerError):
     """The connection closed while a request was waiting or before it was sent."""
+
+
+class MaybeStoredClosedError(MaybeStoredError, ConnectionClosedError):
+    """A MaybeStoredError whose last attempt met a closed connection ("cannot connect", closed under it):
+    such a send raised ConnectionClosedError before, and a caller catching that still catches it."""
 
 
 class StoreError(BrokerError):

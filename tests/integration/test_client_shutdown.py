@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import signal
 
 import pytest
 
@@ -18,7 +20,9 @@ from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode
 from protocol.errors import BrokerError
 from tests.support.broker_process import BrokerProcess
-from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, request, wait_for_route
+from tests.support.bounded import bounded
+from tests.support.cluster_process import (NamesrvProcess, cluster_flags, create_topic, request, stored_count,
+                                           wait_for_route)
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -283,3 +287,95 @@ async def test_a_transaction_check_in_hand_is_answered_before_the_producer_close
         finally:
             await probe.shutdown()
     assert got == [b"answered at shutdown"]
+
+
+@bounded(30)
+async def test_producer_shutdown_lets_the_sends_in_flight_have_their_answers(broker):
+    """Shutdown closed the connections under the sends in flight: the broker stored them, and their callers
+    were told "connection closed" or "connection pool is closed", and sent them again. It waits for their
+    answers (each bounded by its own send_timeout), then closes."""
+    topic = "ShutdownInFlight"
+    await create_topic(broker.broker, topic, 1)
+    producer = await Producer(broker.namesrv, "PG_shutdown_in_flight").start()
+    await producer.send(topic, b"warm-up")            # route and connection in hand: the sends below all leave now
+    sends = [asyncio.create_task(producer.send(topic, b"m%d" % i)) for i in range(1000)]
+    await sends[0]
+    assert not all(s.done() for s in sends), "every send answered already: nothing in flight to test with"
+    await producer.shutdown()
+    outcomes = await asyncio.gather(*sends, return_exceptions=True)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert not failed, f"{len(failed)} sends failed, e.g. {failed[0]!r}"
+    assert await stored_count(broker.broker, topic, 1) == 1001
+
+
+@bounded(30)
+async def test_an_offset_the_broker_corrects_is_said(broker_factory, caplog):
+    """PULL_OFFSET_MOVED (a committed offset past the queue's end, as after a broker lost its tail; or before
+    its start, after retention) moved the consumer on, passing messages over, or back, with nothing said. The
+    consumer follows the broker, as RocketMQ's does, and says so, with the offsets (a WARNING, as Java's)."""
+    broker = broker_factory()
+    topic = await _one_queue_topic(broker, "OffsetMoved")
+    probe = PullConsumer(broker.namesrv, "CG_moved")
+    try:
+        await probe.commit_offset((await probe.fetch_queues(topic))[0], 1000)
+    finally:
+        await probe.shutdown()
+    got, arrived = [], asyncio.Event()
+
+    def listener(msg):
+        got.append(msg.body)
+        arrived.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "offset 1000" in r.getMessage()]
+
+    consumer = PushConsumer(broker.namesrv, "CG_moved", listener, suspend_ms=300)
+    consumer.subscribe(topic)
+    with caplog.at_level(logging.WARNING, logger="txmq.consumer"):
+        async with consumer:
+            while not said():           # the first pull, answered PULL_OFFSET_MOVED
+                await asyncio.sleep(0.05)
+            async with Producer(broker.namesrv, "PG_moved") as producer:
+                await producer.send(topic, b"after")
+            await arrived.wait()
+    assert got == [b"after"]            # on from the broker's end (10), where the next message went
+    assert "from 10" in said()[0], said()
+
+
+@bounded(60)
+async def test_shutdown_with_a_broker_that_does_not_answer_waits_one_timeout_not_one_per_queue(broker_factory):
+    """Shutdown committed its queues one after another: with their broker stopped (a host gone, a broker
+    paused) each waited out its own request timeout, so a consumer of 8 queues took 8 timeouts to close. A
+    broker that does not answer one commit is not asked the rest; they are named in a WARNING."""
+    broker = broker_factory()
+    await create_topic(broker.broker, "StoppedBroker", 8)
+    async with Producer(broker.namesrv, "PG_stopped") as producer:
+        for qid in range(8):
+            mq = (await producer.routes.publish_queues("StoppedBroker"))[qid]
+            await producer.send("StoppedBroker", b"m%d" % qid, queue=mq)
+    got, all_in = [], asyncio.Event()
+
+    def listener(msg):
+        got.append(msg.queue_id)
+        if len(set(got)) == 8:
+            all_in.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_stopped", listener, consume_from="first", suspend_ms=300)
+    consumer.subscribe("StoppedBroker")
+    await consumer.start()
+    consumer.client.timeout = 1.0
+    stopped = False
+    try:
+        await all_in.wait()
+        broker.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await consumer.shutdown()
+        took = loop.time() - began
+    finally:
+        if stopped:
+            broker.proc.send_signal(signal.SIGCONT)
+    assert took < 5.0, f"shutdown took {took:.1f} s"

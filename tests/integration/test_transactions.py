@@ -14,8 +14,10 @@ from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
+from protocol.errors import ResponseError
 from protocol.frame import FrameDecoder
 from protocol.message import decode_offset_msg_id
+from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
 
@@ -349,3 +351,35 @@ async def test_a_producer_joining_its_group_is_checked_at_once_not_an_interval_l
         assert sorted(await _drain(b.namesrv, "TxJoin", expect=3, timeout=5)) == [b"0", b"1", b"2"]
     rows = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"]
     assert rows == [] and listener.checks == 3          # one check each: none spent twice
+
+
+@bounded(30)
+async def test_an_end_the_broker_has_already_decided_otherwise_is_raised_not_returned(broker_factory):
+    """The local transaction is slow; the broker checks back meanwhile and the listener, finding nothing yet,
+    answers ROLLBACK (as RocketMQ's examples do). The local transaction then commits and its END COMMIT is
+    refused (TRANSACTION_FAILED, the first decision wins): the message is rolled back for good, no check-back
+    will come. Returned with ``end_error`` beside COMMIT_MESSAGE, it read as a committed send."""
+    b = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
+    check_answered = asyncio.Event()
+
+    class SlowCommit:
+        async def execute_local_transaction(self, msg, arg):
+            await check_answered.wait()             # the broker recorded the check's ROLLBACK meanwhile
+            return S.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            return S.ROLLBACK_MESSAGE
+
+    async with TransactionProducer(b.namesrv, "PG_tx_decided", SlowCommit()) as producer:
+        end = producer._end
+
+        async def end_seen(addr, half_offset, table_offset, msg_id, state, from_check, remark):
+            acked = await end(addr, half_offset, table_offset, msg_id, state, from_check, remark)
+            if from_check and acked:
+                check_answered.set()
+            return acked
+        producer._end = end_seen
+        with pytest.raises(ResponseError) as info:
+            await producer.send_in_transaction("TxDecided", b"rolled back by the check")
+    assert info.value.code == ResponseCode.TRANSACTION_FAILED
+    assert "COMMIT_MESSAGE" in str(info.value) and "no check-back" in str(info.value)

@@ -434,3 +434,61 @@ async def test_inflate_takes_a_body_exactly_at_the_cap_and_refuses_one_byte_more
     assert "does not inflate" in inflate(cut, limit) and cut.sys_flag & SysFlag.COMPRESSED   # left as stored
     with pytest.raises(ValueError):
         PullConsumer("127.0.0.1:1", "G", max_inflated_body=0)
+
+
+@pytest.mark.parametrize("call", ["max_offset", "min_offset", "search_offset"])
+@bounded(10)
+async def test_an_offset_query_refused_raises_not_zero(call):
+    """GET_MAX_OFFSET (and min, and by timestamp) answered with an error read as offset 0: a push consumer
+    told to start a new queue from its last offset started from its first (every message again), with
+    nothing said. The Java client raises MQBrokerException, and its rebalance tries the queue again later."""
+    client = PullConsumer("127.0.0.1:1", "G")
+
+    async def request(mq, cmd, timeout):
+        return cmd.response(ResponseCode.SYSTEM_BUSY, "[PCBUSY_CLEAN_QUEUE] broker busy")
+    client._request = request
+    mq = MessageQueue("T", "b", 0)
+    try:
+        with pytest.raises(error_for_code(ResponseCode.SYSTEM_BUSY).__class__):
+            await (client.search_offset(mq, 1) if call == "search_offset" else getattr(client, call)(mq))
+    finally:
+        await client.shutdown()
+
+
+@bounded(10)
+async def test_a_pull_whose_answer_does_not_decode_is_said_at_each_retry(caplog):
+    """A pull answered with a record that does not decode is pulled again at the same offset, for good: the
+    queue is consumed by nobody. It was logged at INFO (as a lost connection), so nothing showed the stall."""
+    consumer = _push_consumer()
+    consumer.pull_retry_delay_s = 0
+    mq = MessageQueue("T", "b", 0)
+    pulls = []
+    twice = asyncio.Event()
+
+    async def read(q):
+        return 5
+    consumer.offset_store.read = read
+
+    async def pull(q, offset, **kw):
+        pulls.append(offset)
+        if len(pulls) == 2:
+            twice.set()
+        return await client_pull(q, offset, **kw)
+    client_pull = consumer.client.pull
+
+    async def request(q, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, None, {"nextBeginOffset": 6, "minOffset": 0, "maxOffset": 6},
+                            body=bytes(_record(b"x"))[:-3])
+    consumer.client._request = request
+    consumer.client.pull = pull
+    caplog.set_level("INFO", logger="txmq.consumer")
+    loop = asyncio.create_task(consumer._pull_loop(mq))
+    try:
+        await twice.wait()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await consumer.client.shutdown()
+    assert pulls[:2] == [5, 5]
+    said = [r for r in caplog.records if "pull of" in r.getMessage()]
+    assert said and all(r.levelname == "WARNING" for r in said), [(r.levelname, r.getMessage()) for r in said]

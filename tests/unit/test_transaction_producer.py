@@ -204,6 +204,28 @@ async def test_an_end_refused_for_now_is_retried_and_never_reported_as_a_failed_
     assert len(runs) == 2 and producer.end_acknowledged is True
 
 
+@pytest.mark.parametrize("code", [ResponseCode.SYSTEM_ERROR, ResponseCode.NO_PERMISSION])
+async def test_an_end_refused_for_good_is_returned_with_its_refusal_not_raised(code):
+    """A broker that refuses END outright (its store could not record the decision: SYSTEM_ERROR; an ACL:
+    NO_PERMISSION). send_in_transaction raised the refusal, after the half was stored and the local
+    transaction had run: a caller could not tell whether its transaction ran, and retrying ran it again. It
+    returns, unacknowledged, with the decision taken and the refusal (``end_error``), as the Java client
+    returns and logs; a WARNING says it."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    producer = TransactionProducer(fake.addr, "PG", Commit(), end_timeout=2, end_retries=3)
+    async with asyncio.timeout(10):
+        await producer.start()
+        fake.refuse_end = [code]
+        result = await producer.send_in_transaction("T", b"refused for good")
+        await producer.shutdown()
+    server.close()
+    assert not result.acknowledged and result.state is S.COMMIT_MESSAGE
+    assert result.end_error is not None and result.end_error.code == code and len(fake.ends) == 1
+
+
 async def test_a_oneway_end_that_cannot_be_sent_is_unacknowledged_not_a_failed_send():
     """ENDs go oneway (the broker never answers them: Apache RocketMQ), and the connection drops between the
     half and END with the broker not accepting connections yet. The oneway END is lost as any oneway may be;
