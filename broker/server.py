@@ -444,16 +444,29 @@ class BrokerServer:
                 return          # refused on accept: it read nothing, so it is in no table (and costs no walk)
             gauge.dec()
             if listener == "broker" and self.ctx is not None:
-                if self.ctx.holds is not None:
-                    self.ctx.holds.connection_closed(conn)
-                if self.ctx.tx is not None:     # its unanswered checks go to a live producer now
-                    self.ctx.tx.connection_closed(conn)
-                for group in self.ctx.clients.connection_closed(conn):
-                    self.ctx.clients.notify_ids_changed(group)
+                # Each step runs whatever the one before did: a step raising must not leave the connection in
+                # the client tables (its per-host cap and rebalance share held by a dead connection).
+                for step in (self._close_holds, self._close_checks, self._close_groups):
+                    try:
+                        step(conn)
+                    except Exception:  # noqa: BLE001 - the other steps still run
+                        log.exception("closing a connection from %s:%s: %s failed", *conn.peer, step.__name__)
 
         return RemotingConnection(self._handler(table, guarded=listener == "broker"), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
                                   on_open=opened, on_close=closed, budget=self.write_budget)
+
+    def _close_holds(self, conn) -> None:
+        if self.ctx.holds is not None:
+            self.ctx.holds.connection_closed(conn)
+
+    def _close_checks(self, conn) -> None:
+        if self.ctx.tx is not None:     # its unanswered checks go to a live producer now
+            self.ctx.tx.connection_closed(conn)
+
+    def _close_groups(self, conn) -> None:
+        for group in self.ctx.clients.connection_closed(conn):
+            self.ctx.clients.notify_ids_changed(group)
 
     def _handler(self, table: dict, guarded: bool = False):
         ctx = self.ctx

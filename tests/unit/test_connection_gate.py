@@ -104,3 +104,32 @@ async def test_the_name_server_walks_no_route_table_for_a_connection_refused_on_
     assert walks == []
     admitted.connection_lost(None)
     assert walks == [admitted]
+
+
+async def test_one_close_step_raising_does_not_skip_the_others(tmp_path):
+    """A close runs the parked pulls', the transactions' and the client tables' steps: one raising skipped those
+    after it (a dead connection left in its groups, holding its per-host cap and rebalance share), and the
+    exception went into the event loop's connection_lost."""
+    from types import SimpleNamespace
+
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path)))
+    ran = []
+
+    def boom(conn):
+        ran.append("holds")
+        raise RuntimeError("a bug in one step")
+
+    def tx_closed(conn):
+        ran.append("tx")
+        raise RuntimeError("another")
+
+    server.ctx = SimpleNamespace(holds=SimpleNamespace(connection_closed=boom),
+                                 tx=SimpleNamespace(connection_closed=tx_closed),
+                                 clients=SimpleNamespace(connection_closed=lambda c: ran.append("clients") or []))
+    conn = server._connection("broker", {})
+    conn.connection_made(_Transport(1))
+    conn.connection_lost(None)
+    assert ran == ["holds", "tx", "clients"]
