@@ -450,7 +450,8 @@ class BrokerServer:
                     try:
                         step(conn)
                     except Exception:  # noqa: BLE001 - the other steps still run
-                        log.exception("closing a connection from %s:%s: %s failed", *conn.peer, step.__name__)
+                        log.exception("closing the connection from %s:%s: %s failed", conn.peer[0], conn.peer[1],
+                                      step.__name__)
 
         return RemotingConnection(self._handler(table, guarded=listener == "broker"), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
