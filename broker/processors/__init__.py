@@ -42,6 +42,7 @@ def broker_table() -> dict:
         R.INVOKE_BROKER_TO_RESET_OFFSET: ops.reset_offset,
         R.GET_CONSUME_STATS: ops.get_consume_stats,
         R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,
+        R.GET_PRODUCER_CONNECTION_LIST: ops.get_producer_connection_list,
         R.GET_TOPIC_STATS_INFO: ops.get_topic_stats_info,
         R.GET_BROKER_RUNTIME_INFO: ops.get_broker_runtime_info,
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
