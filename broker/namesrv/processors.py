@@ -69,6 +69,16 @@ def unregister_broker(ctx: NamesrvContext, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS)
 
 
+def delete_topic(ctx: NamesrvContext, conn, cmd):
+    """DELETE_TOPIC_IN_NAMESRV (216), mqadmin deleteTopic's last step after each master deleted it."""
+    topic = cmd.str_field("topic", required=True)
+    cluster = cmd.str_field("clusterName", "")
+    left = ctx.table.delete_topic(topic, cluster)
+    log.warning("topic %s deleted from the routes of %s by %s:%s (%d brokers)", topic,
+                f"cluster {cluster}" if cluster else "every cluster", *conn.peer, left)
+    return cmd.response(ResponseCode.SUCCESS)
+
+
 def query_data_version(ctx: NamesrvContext, conn, cmd):
     """QUERY_DATA_VERSION (322): has the broker's topic table changed since it last registered?
 
@@ -115,4 +125,5 @@ def namesrv_table() -> dict:
         R.GET_ROUTEINFO_BY_TOPIC: get_route_info,
         R.GET_BROKER_CLUSTER_INFO: get_broker_cluster_info,
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: get_all_topic_list,
+        R.DELETE_TOPIC_IN_NAMESRV: delete_topic,
     }

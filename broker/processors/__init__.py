@@ -62,4 +62,5 @@ def namesrv_table() -> dict:
         R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: namesrv.get_all_topic_list,
         R.REGISTER_BROKER: namesrv.register_broker,
+        R.DELETE_TOPIC_IN_NAMESRV: namesrv.delete_topic_in_namesrv,
     }

@@ -52,3 +52,55 @@ async def test_producer_connection_lists_the_groups_live_producers(broker):
         two.close()
     unknown = await request(broker.broker, R.GET_PRODUCER_CONNECTION_LIST, {"producerGroup": "PG_nobody"})
     assert (unknown.code, unknown.remark) == (ResponseCode.SYSTEM_ERROR, "the producer group[PG_nobody] not exist")
+
+
+def _delete_in_namesrv(topic: str, cluster: str | None = "DefaultCluster") -> tuple[int, dict]:
+    """mqadmin deleteTopic's DELETE_TOPIC_IN_NAMESRV header (clusterName absent when the tool gives none)."""
+    return R.DELETE_TOPIC_IN_NAMESRV, {"topic": topic, **({"clusterName": cluster} if cluster is not None else {})}
+
+
+@bounded(60)
+async def test_delete_topic_in_the_stand_alone_name_server_takes_it_out_of_the_routes(tmp_path, broker_factory):
+    """mqadmin deleteTopic ends with DELETE_TOPIC_IN_NAMESRV to every name server: answered
+    REQUEST_CODE_NOT_SUPPORTED, the command failed after the brokers had deleted the topic. RocketMQ drops the
+    topic's queues of the named cluster's brokers (of every broker when no cluster is named) at once; the
+    broker here registers only once a minute, so only the name server's delete can take the route away."""
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    try:
+        b = broker_factory(*cluster_flags(namesrv.addr, "broker-a", 60_000))
+        for topic in ("Doomed", "Spared", "Kept"):
+            assert (await request(b.broker, R.UPDATE_AND_CREATE_TOPIC, {
+                "topic": topic, "readQueueNums": 2, "writeQueueNums": 2, "perm": 6})).code == ResponseCode.SUCCESS
+            await wait_for_route(namesrv.addr, topic, {"broker-a"})
+        other = await request(namesrv.addr, *_delete_in_namesrv("Spared", "OtherCluster"))
+        assert other.code == ResponseCode.SUCCESS, other.remark
+        assert await route(namesrv.addr, "Spared") is not None      # not a broker of that cluster
+        for topic, cluster in (("Doomed", "DefaultCluster"), ("Spared", None)):
+            done = await request(namesrv.addr, *_delete_in_namesrv(topic, cluster))
+            assert done.code == ResponseCode.SUCCESS, done.remark
+            assert await route(namesrv.addr, topic) is None
+        assert await route(namesrv.addr, "Kept") is not None
+        listed = json.loads((await request(namesrv.addr, R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)).body_bytes())
+        assert {"Doomed", "Spared"}.isdisjoint(listed["topicList"]) and "Kept" in listed["topicList"]
+        missing = await request(namesrv.addr, R.DELETE_TOPIC_IN_NAMESRV, {"clusterName": "DefaultCluster"})
+        assert missing.code != ResponseCode.SUCCESS and "topic" in missing.remark
+    finally:
+        namesrv.kill()
+
+
+@bounded(60)
+async def test_delete_topic_in_the_brokers_own_name_server_follows_the_broker(broker):
+    """The broker's own name server routes the broker's topics: after DELETE_TOPIC_IN_BROKER the name server
+    step is SUCCESS (mqadmin deleteTopic succeeds); a topic the broker still holds is refused saying so."""
+    for topic in ("Doomed", "Held"):
+        assert (await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})).code == ResponseCode.SUCCESS
+    assert (await request(broker.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "Doomed"})).code == ResponseCode.SUCCESS
+    done = await request(broker.namesrv, *_delete_in_namesrv("Doomed"))
+    assert done.code == ResponseCode.SUCCESS, done.remark
+    assert await route(broker.namesrv, "Doomed") is None
+    held = await request(broker.namesrv, *_delete_in_namesrv("Held", None))
+    assert held.code == ResponseCode.SYSTEM_ERROR and "DELETE_TOPIC_IN_BROKER" in held.remark
+    assert await route(broker.namesrv, "Held") is not None
+    elsewhere = await request(broker.namesrv, *_delete_in_namesrv("Held", "OtherCluster"))
+    assert elsewhere.code == ResponseCode.SUCCESS, elsewhere.remark
