@@ -167,6 +167,7 @@ class BrokerServer:
         topics.start_background(loop)
         self._loop = loop
         self._refresh_gauges()
+        self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
         await broker_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
@@ -362,6 +363,7 @@ class BrokerServer:
             offsets = self.ctx.offsets.items()
             self._lag_totals = await self._lag_in_slices(offsets) if len(offsets) > LAG_SLICE else None
             self._refresh_gauges()
+            self.metrics.sample_totals()
 
     async def _lag_in_slices(self, offsets: list) -> list:
         """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between

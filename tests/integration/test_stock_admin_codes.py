@@ -3,10 +3,12 @@ stock tool frames it, to the real broker or name server over TCP, and the answer
 it (docs/compatibility.md has the whole table)."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
+from producer import Producer
 from protocol.codes import LanguageCode, ResponseCode
 from protocol.codes import RequestCode as R
 from protocol.command import RemotingCommand
@@ -104,3 +106,27 @@ async def test_delete_topic_in_the_brokers_own_name_server_follows_the_broker(br
     assert await route(broker.namesrv, "Held") is not None
     elsewhere = await request(broker.namesrv, *_delete_in_namesrv("Held", "OtherCluster"))
     assert elsewhere.code == ResponseCode.SUCCESS, elsewhere.remark
+
+
+def _cluster_list_in_out(table: dict) -> tuple[float, float]:
+    """What mqadmin clusterList does with a broker's runtime table: the first of putTps and getTransferedTps,
+    split on spaces and parsed as doubles (a missing key was a NullPointerException printed for each broker)."""
+    return float(table["putTps"].split(" ")[0]), float(table["getTransferedTps"].split(" ")[0])
+
+
+@bounded(60)
+async def test_runtime_info_has_the_rates_cluster_list_reads(broker):
+    table = json.loads((await request(broker.broker, R.GET_BROKER_RUNTIME_INFO)).body_bytes())["table"]
+    assert all(len(table[k].split(" ")) == 3 for k in ("putTps", "getTransferedTps"))
+    assert _cluster_list_in_out(table) == (0.0, 0.0)
+    async with Producer(broker.namesrv, "PG_tps") as producer:
+        for i in range(20):
+            await producer.send("Tps", f"m{i}".encode())
+    put_tps = 0.0
+    for _ in range(100):                    # the broker samples its totals once a second
+        table = json.loads((await request(broker.broker, R.GET_BROKER_RUNTIME_INFO)).body_bytes())["table"]
+        put_tps, _get_tps = _cluster_list_in_out(table)
+        if put_tps > 0:
+            break
+        await asyncio.sleep(0.1)
+    assert 0 < put_tps <= 20, {k: table[k] for k in ("putTps", "getTransferedTps", "msgPutTotalTodayNow")}
