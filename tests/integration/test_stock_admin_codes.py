@@ -130,3 +130,52 @@ async def test_runtime_info_has_the_rates_cluster_list_reads(broker):
             break
         await asyncio.sleep(0.1)
     assert 0 < put_tps <= 20, {k: table[k] for k in ("putTps", "getTransferedTps", "msgPutTotalTodayNow")}
+
+
+# A 4.9.8 consumer's ConsumerRunningInfo as fastjson writes it: a map keyed by MessageQueue objects (not JSON),
+# passed through untouched.
+_RUNNING_INFO = (b'{"jstack":"","mqTable":{{"brokerName":"broker-a","queueId":0,"topic":"Orders"}:{"cachedMsgCount":0,'
+                 b'"commitOffset":12,"droped":false,"locked":false}},"properties":{"PROP_CONSUME_TYPE":'
+                 b'"CONSUME_PASSIVELY","PROP_CLIENT_VERSION":"V4_9_8"},"statusTable":{},"subscriptionSet":'
+                 b'[{"classFilterMode":false,"codeSet":[],"expressionType":"TAG","subString":"*","subVersion":1,'
+                 b'"tagsSet":[],"topic":"Orders"}]}')
+
+
+def _consumer_heartbeat(client_id: str, group: str) -> RemotingCommand:
+    body = {"clientID": client_id, "producerDataSet": [],
+            "consumerDataSet": [{"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                                 "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False,
+                                 "subscriptionDataSet": [{"topic": "Orders", "subString": "*", "subVersion": 1}]}]}
+    return RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode(), language=LanguageCode.JAVA)
+
+
+@bounded(60)
+async def test_consumer_running_info_is_asked_of_the_consumer_and_its_answer_passed_back(broker):
+    """mqadmin consumerStatus / consumerProgress -s: GET_CONSUMER_RUNNING_INFO to the broker, which asks the
+    named consumer (ClientRemotingProcessor) with the same fields and passes its answer back as it came. It was
+    REQUEST_CODE_NOT_SUPPORTED, so consumerStatus failed and consumerProgress -s showed no client addresses."""
+    asked = []
+
+    def java_consumer(conn, cmd):
+        asked.append(cmd)
+        if cmd.code == R.GET_CONSUMER_RUNNING_INFO:
+            return cmd.response(ResponseCode.SUCCESS, body=_RUNNING_INFO)
+        return None
+
+    host, _, port = broker.broker.rpartition(":")
+    consumer = await open_connection(host, int(port), java_consumer)
+    try:
+        hb = await consumer.request(_consumer_heartbeat("10.0.0.9@999", "CG_status"), 5.0)
+        assert hb.code == ResponseCode.SUCCESS, hb.remark
+        fields = {"consumerGroup": "CG_status", "clientId": "10.0.0.9@999", "jstackEnable": "false"}
+        resp = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        assert resp.body_bytes() == _RUNNING_INFO
+        [call] = [c for c in asked if c.code == R.GET_CONSUMER_RUNNING_INFO]
+        assert call.ext_fields == fields and not call.is_oneway
+        other = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO,
+                              {"consumerGroup": "CG_status", "clientId": "10.0.0.9@998", "jstackEnable": "false"})
+        assert (other.code, other.remark) == (ResponseCode.SYSTEM_ERROR,
+                                              "The Consumer <CG_status> <10.0.0.9@998> not online")
+    finally:
+        consumer.close()

@@ -1,0 +1,43 @@
+"""Admin requests the broker passes on to one consumer and whose answer it passes back (RocketMQ's callConsumer).
+
+GET_CONSUMER_RUNNING_INFO (307) {consumerGroup, clientId, jstackEnable}: mqadmin consumerStatus, consumerProgress
+-s and the dashboard ask the broker, which asks the named consumer over its own connection with the same fields
+and body, and answers with the consumer's code, remark, fields and body (a ConsumerRunningInfo the tool parses).
+
+RocketMQ's answers where the consumer cannot: SYSTEM_ERROR "The Consumer <G> <C> not online"; after 10 s,
+CONSUME_MSG_TIMEOUT "consumer <G> <C> Timeout: ..."; a connection that fails, SYSTEM_ERROR "invoke consumer ...".
+"""
+from __future__ import annotations
+
+import logging
+
+from protocol.codes import LanguageCode, RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.errors import RequestTimeoutError
+
+log = logging.getLogger("txmq.ops")
+
+CALL_TIMEOUT_S = 10.0           # RocketMQ's Broker2Client.callClient
+
+
+async def get_consumer_running_info(ctx, conn, cmd):
+    return await _call_consumer(ctx, cmd, RequestCode.GET_CONSUMER_RUNNING_INFO)
+
+
+async def _call_consumer(ctx, cmd, code: int) -> RemotingCommand:
+    group = cmd.str_field("consumerGroup", required=True)
+    client_id = cmd.str_field("clientId", required=True)
+    g = ctx.clients.consumers.get(group)
+    ch = next((c for c in (g.channels.values() if g is not None else ()) if c.client_id == client_id and c.alive),
+              None)
+    if ch is None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"The Consumer <{group}> <{client_id}> not online")
+    request = RemotingCommand.request(code, dict(cmd.ext_fields), cmd.body_bytes(), language=LanguageCode.JAVA)
+    try:
+        answer = await ch.conn.request(request, CALL_TIMEOUT_S)
+    except RequestTimeoutError as exc:
+        return cmd.response(ResponseCode.CONSUME_MSG_TIMEOUT, f"consumer <{group}> <{client_id}> Timeout: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the consumer's connection failing is this request's answer
+        log.info("calling consumer %s of %s failed: %s", client_id, group, exc)
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"invoke consumer <{group}> <{client_id}> Exception: {exc}")
+    return cmd.response(answer.code, answer.remark, answer.ext_fields, answer.body_bytes())
