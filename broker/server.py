@@ -33,6 +33,8 @@ from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
+from .kv_config import FILE_NAME as KV_FILE_NAME
+from .kv_config import KvConfig
 from .limits import ConnectionGate, Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
@@ -240,6 +242,7 @@ class BrokerServer:
         """The key index (QUERY_MESSAGE) and the subscription groups; both off the hot path."""
         c, store = self.config, ctx.store
         ctx.subscriptions = SubscriptionGroups(os.path.join(store_dir, "config"), self.clock)
+        ctx.kv = KvConfig(os.path.join(store_dir, "config", KV_FILE_NAME))
         ctx.started_ms = self.clock()
         if not c.message_index_enable:
             return

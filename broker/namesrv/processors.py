@@ -16,7 +16,9 @@ from protocol.errors import HeaderError
 from protocol.registration import DataVersion, body_crc32, decode_register_body
 from protocol.route import encode_cluster_info, encode_route, strict_json_for
 
+from ..kv_config import KvConfig
 from ..limits import peer_host
+from ..processors import kv_table
 from .table import RouteTable
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 class NamesrvContext:
     table: RouteTable
     clock: object                   # () -> ms of a monotonic clock (broker expiry)
+    kv: KvConfig | None = None      # the KV config (processors/kv.py); the server always gives one
 
 
 def register_broker(ctx: NamesrvContext, conn, cmd):
@@ -126,4 +129,5 @@ def namesrv_table() -> dict:
         R.GET_BROKER_CLUSTER_INFO: get_broker_cluster_info,
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: get_all_topic_list,
         R.DELETE_TOPIC_IN_NAMESRV: delete_topic,
+        **kv_table(),
     }

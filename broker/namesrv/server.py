@@ -1,14 +1,15 @@
 """The stand-alone name server process: listen, answer, expire silent brokers, stop on SIGTERM.
 
 ``python -m broker namesrv`` prints ``LISTENING namesrv=HOST:PORT`` once it
-answers. State lives in memory only, as in RocketMQ: brokers register again
-within one period after a restart.
+answers. Routes live in memory only, as in RocketMQ: brokers register again
+within one period after a restart. The KV config is kept in ``--kv-config-path``.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
+import os
 import signal
 import sys
 
@@ -16,6 +17,7 @@ from protocol.codes import ResponseCode
 from protocol.connection import RemotingConnection, WriteBudget
 
 from ..context import monotonic_ms
+from ..kv_config import KvConfig
 from ..limits import ConnectionGate
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
@@ -28,7 +30,7 @@ class NameServer:
     def __init__(self, config: NamesrvConfig, clock=monotonic_ms):
         self.config = config
         table = RouteTable(expire_ms=config.broker_expire_ms, max_addresses_per_host=config.max_broker_addresses_per_host)
-        self.ctx = NamesrvContext(table, clock)
+        self.ctx = NamesrvContext(table, clock, KvConfig(os.path.expanduser(config.kv_config_path)))
         self.connections = ConnectionGate(config.max_connections, config.max_connections_per_host, log, "name server")
         # unread replies of every connection, together (max_total_write_buffer); WriteBudget logs each close
         self.write_budget = WriteBudget(config.max_total_write_buffer, owner="name server")

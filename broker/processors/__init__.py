@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from protocol.codes import RequestCode as R
 
-from . import admin, client, forward, namesrv, offsets, ops, pull, query, reply, send, transaction
+from . import admin, client, forward, kv, namesrv, offsets, ops, pull, query, reply, send, transaction
 from .disk_guard import guard_writes
 
 
@@ -64,4 +64,11 @@ def namesrv_table() -> dict:
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: namesrv.get_all_topic_list,
         R.REGISTER_BROKER: namesrv.register_broker,
         R.DELETE_TOPIC_IN_NAMESRV: namesrv.delete_topic_in_namesrv,
+        **kv_table(),
     }
+
+
+def kv_table() -> dict:
+    """The KV config codes, answered by both name servers (``ctx.kv``)."""
+    return {R.PUT_KV_CONFIG: kv.put_kv_config, R.GET_KV_CONFIG: kv.get_kv_config,
+            R.DELETE_KV_CONFIG: kv.delete_kv_config, R.GET_KVLIST_BY_NAMESPACE: kv.get_kvlist_by_namespace}

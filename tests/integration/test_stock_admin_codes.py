@@ -179,3 +179,65 @@ async def test_consumer_running_info_is_asked_of_the_consumer_and_its_answer_pas
                                               "The Consumer <CG_status> <10.0.0.9@998> not online")
     finally:
         consumer.close()
+
+
+ORDER = "ORDER_TOPIC_CONFIG"     # NamesrvUtil.NAMESPACE_ORDER_TOPIC_CONFIG: mqadmin updateOrderConf, updateTopic -o
+
+
+async def _kv_round(addr: str) -> None:
+    """What mqadmin updateTopic -o true / updateOrderConf / updateKvConfig / deleteKvConfig send, in order."""
+    first = await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Ordered"})
+    assert (first.code, first.remark) == (ResponseCode.QUERY_NOT_FOUND,
+                                          "No config item, Namespace: ORDER_TOPIC_CONFIG Key: Ordered")
+    for key, value in (("Ordered", "broker-a:4"), ("Ordered", "broker-a:8;broker-b:8"), ("Other", "broker-a:2")):
+        put = await request(addr, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": key, "value": value})
+        assert put.code == ResponseCode.SUCCESS, put.remark
+    got = await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Ordered"})
+    assert (got.code, got.ext_fields.get("value")) == (ResponseCode.SUCCESS, "broker-a:8;broker-b:8")
+    listed = await request(addr, R.GET_KVLIST_BY_NAMESPACE, {"namespace": ORDER})
+    assert listed.code == ResponseCode.SUCCESS and json.loads(listed.body_bytes()) == {
+        "table": {"Ordered": "broker-a:8;broker-b:8", "Other": "broker-a:2"}}
+    gone = await request(addr, R.DELETE_KV_CONFIG, {"namespace": ORDER, "key": "Other"})
+    assert gone.code == ResponseCode.SUCCESS, gone.remark
+    assert (await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Other"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+    none = await request(addr, R.GET_KVLIST_BY_NAMESPACE, {"namespace": "NOBODY"})
+    assert (none.code, none.remark) == (ResponseCode.QUERY_NOT_FOUND, "No config item, Namespace: NOBODY")
+    bad = await request(addr, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": "NoValue"})
+    assert bad.code != ResponseCode.SUCCESS and "value" in bad.remark
+    assert (await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "NoValue"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+
+
+async def _kept(addr: str) -> None:
+    got = await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Ordered"})
+    assert (got.code, got.ext_fields.get("value")) == (ResponseCode.SUCCESS, "broker-a:8;broker-b:8"), got.remark
+    assert (await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Other"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+
+
+@bounded(90)
+async def test_kv_config_in_the_brokers_own_name_server_is_kept_across_a_restart(broker_factory):
+    """PUT/GET/DELETE_KV_CONFIG and GET_KVLIST_BY_NAMESPACE were REQUEST_CODE_NOT_SUPPORTED: updateKvConfig and
+    deleteKvConfig failed, and updateTopic -o true failed after making the topic. Kept in
+    <store>/config/kvConfig.json, as RocketMQ keeps kvConfig.json."""
+    b = broker_factory()
+    await _kv_round(b.namesrv)
+    assert b.stop() == 0
+    await _kept(broker_factory().namesrv)
+
+
+@bounded(90)
+async def test_kv_config_in_the_stand_alone_name_server_survives_a_kill(tmp_path):
+    path = tmp_path / "ns" / "kvConfig.json"
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log", "--kv-config-path", str(path)).start()
+    try:
+        await _kv_round(namesrv.addr)
+    finally:
+        namesrv.kill()                  # answered means written: nothing waits for a clean stop
+    assert json.loads(path.read_text()) == {"configTable": {ORDER: {"Ordered": "broker-a:8;broker-b:8"}}}
+    again = NamesrvProcess(tmp_path / "namesrv2.log", "--kv-config-path", str(path)).start()
+    try:
+        await _kept(again.addr)
+    finally:
+        again.kill()
