@@ -1,0 +1,41 @@
+"""broker.kv_config.KvConfig: RocketMQ's kvConfig.json, written whole, its previous copy used when it is damaged."""
+from __future__ import annotations
+
+import json
+import logging
+
+from broker.kv_config import KvConfig
+
+
+def _saved(kv: KvConfig) -> None:
+    kv.write(kv.encode(), kv.counter)
+
+
+def test_a_damaged_file_is_read_from_its_previous_copy_and_said(tmp_path, caplog):
+    path = str(tmp_path / "kvConfig.json")
+    kv = KvConfig(path)
+    kv.put("ORDER_TOPIC_CONFIG", "T", "broker-a:4")
+    _saved(kv)
+    kv.put("ns", "k", "v")
+    _saved(kv)
+    assert json.loads(open(path).read()) == {"configTable": {"ORDER_TOPIC_CONFIG": {"T": "broker-a:4"},
+                                                             "ns": {"k": "v"}}}
+    with open(path, "w") as fh:
+        fh.write('{"configTable":{"ns":')        # torn
+    with caplog.at_level(logging.ERROR, logger="txmq.kvconfig"):
+        again = KvConfig(path)
+    assert again.table == {"ORDER_TOPIC_CONFIG": {"T": "broker-a:4"}}      # the save before the last
+    assert "using its previous copy" in caplog.text
+
+
+def test_an_older_table_written_after_a_newer_one_is_skipped(tmp_path):
+    kv = KvConfig(str(tmp_path / "kvConfig.json"))
+    kv.put("ns", "a", "1")
+    old = (kv.encode(), kv.counter)
+    kv.put("ns", "b", "2")
+    _saved(kv)
+    kv.write(*old)                              # a slower thread with the older table finishes last
+    assert KvConfig(kv.path).table == {"ns": {"a": "1", "b": "2"}}
+    assert kv.delete("ns", "a") and not kv.delete("ns", "a") and not kv.delete("nobody", "a")
+    kv.delete("ns", "b")
+    assert kv.table == {}                       # an empty namespace goes, as its last key does
