@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from protocol.codes import RequestCode as R
 
-from . import admin, client, forward, kv, namesrv, offsets, ops, pull, query, reply, send, transaction
+from . import admin, broker_config, client, forward, kv, namesrv, offsets, ops, pull, query, reply, send, transaction
 from .disk_guard import guard_writes
 
 
@@ -32,6 +32,7 @@ def broker_table() -> dict:
         R.UPDATE_AND_CREATE_TOPIC: admin.update_and_create_topic,
         R.VIEW_MESSAGE_BY_ID: admin.view_message_by_id,
         R.GET_ALL_TOPIC_CONFIG: admin.get_all_topic_config,
+        R.GET_BROKER_CONFIG: broker_config.get_broker_config,
         R.END_TRANSACTION: transaction.end_transaction,
         R.TXMQ_LIST_TRANSACTIONS: transaction.list_transactions,
         R.TXMQ_RESOLVE_TRANSACTION: transaction.resolve_transaction,

@@ -241,3 +241,27 @@ async def test_kv_config_in_the_stand_alone_name_server_survives_a_kill(tmp_path
         await _kept(again.addr)
     finally:
         again.kill()
+
+
+def _java_properties(text: str) -> dict[str, str]:
+    """java.util.Properties.load for what MixAll.properties2String writes: key=value lines."""
+    return dict(line.split("=", 1) for line in text.splitlines() if line and line[0] not in "#!")
+
+
+@bounded(60)
+async def test_broker_config_is_the_properties_text_get_broker_config_prints(broker_factory):
+    """mqadmin getBrokerConfig / exportConfigs: GET_BROKER_CONFIG answered REQUEST_CODE_NOT_SUPPORTED. RocketMQ
+    answers Properties text and its data version in the ``version`` field; RocketMQ's names for the settings
+    that mean the same, then txmq's own as txmq.<name>."""
+    b = broker_factory("--broker-name", "broker-x", "--flush", "async", "--file-reserved-hours", "48")
+    resp = await request(b.broker, R.GET_BROKER_CONFIG)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    version = json.loads(resp.ext_fields["version"])
+    assert list(version) == ["counter", "timestamp"] and version["counter"] == 0 and version["timestamp"] > 0
+    props = _java_properties(resp.body_bytes().decode("utf-8"))
+    assert {k: props[k] for k in ("brokerName", "brokerClusterName", "brokerId", "listenPort", "flushDiskType",
+                                  "fileReservedTime", "autoCreateTopicEnable")} == {
+        "brokerName": "broker-x", "brokerClusterName": "DefaultCluster", "brokerId": "0",
+        "listenPort": b.broker.rpartition(":")[2], "flushDiskType": "ASYNC_FLUSH", "fileReservedTime": "48",
+        "autoCreateTopicEnable": "true"}
+    assert (props["txmq.flush"], props["txmq.broker_name"]) == ("async", "broker-x")
