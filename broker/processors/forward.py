@@ -4,6 +4,10 @@ GET_CONSUMER_RUNNING_INFO (307) {consumerGroup, clientId, jstackEnable}: mqadmin
 -s and the dashboard ask the broker, which asks the named consumer over its own connection with the same fields
 and body, and answers with the consumer's code, remark, fields and body (a ConsumerRunningInfo the tool parses).
 
+CONSUME_MESSAGE_DIRECTLY (309) {consumerGroup, clientId, msgId}: mqadmin queryMsgById -g G -d C (and
+queryMsgByUniqueKey), the dashboard's resend: the stored record of the offset message id goes to the consumer
+as the body, with brokerName added to the fields; its ConsumeMessageDirectlyResult comes back.
+
 RocketMQ's answers where the consumer cannot: SYSTEM_ERROR "The Consumer <G> <C> not online"; after 10 s,
 CONSUME_MSG_TIMEOUT "consumer <G> <C> Timeout: ..."; a connection that fails, SYSTEM_ERROR "invoke consumer ...".
 """
@@ -14,6 +18,7 @@ import logging
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import RequestTimeoutError
+from protocol.message import decode_offset_msg_id
 
 log = logging.getLogger("txmq.ops")
 
@@ -21,10 +26,21 @@ CALL_TIMEOUT_S = 10.0           # RocketMQ's Broker2Client.callClient
 
 
 async def get_consumer_running_info(ctx, conn, cmd):
-    return await _call_consumer(ctx, cmd, RequestCode.GET_CONSUMER_RUNNING_INFO)
+    return await _call_consumer(ctx, cmd, RequestCode.GET_CONSUMER_RUNNING_INFO, dict(cmd.ext_fields),
+                                cmd.body_bytes())
 
 
-async def _call_consumer(ctx, cmd, code: int) -> RemotingCommand:
+async def consume_message_directly(ctx, conn, cmd):
+    msg_id = cmd.str_field("msgId", required=True)
+    _host, _port, offset = decode_offset_msg_id(msg_id)         # (a HeaderError saying what is wrong with it)
+    record = ctx.store.get_record(offset)
+    if record is None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"can not find message by the offset message id, {msg_id}")
+    fields = dict(cmd.ext_fields, brokerName=ctx.config.broker_name)
+    return await _call_consumer(ctx, cmd, RequestCode.CONSUME_MESSAGE_DIRECTLY, fields, bytes(record))
+
+
+async def _call_consumer(ctx, cmd, code: int, fields: dict, body: bytes) -> RemotingCommand:
     group = cmd.str_field("consumerGroup", required=True)
     client_id = cmd.str_field("clientId", required=True)
     g = ctx.clients.consumers.get(group)
@@ -32,7 +48,7 @@ async def _call_consumer(ctx, cmd, code: int) -> RemotingCommand:
               None)
     if ch is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The Consumer <{group}> <{client_id}> not online")
-    request = RemotingCommand.request(code, dict(cmd.ext_fields), cmd.body_bytes(), language=LanguageCode.JAVA)
+    request = RemotingCommand.request(code, fields, body, language=LanguageCode.JAVA)
     try:
         answer = await ch.conn.request(request, CALL_TIMEOUT_S)
     except RequestTimeoutError as exc:

@@ -13,6 +13,7 @@ from protocol.codes import LanguageCode, ResponseCode
 from protocol.codes import RequestCode as R
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
+from protocol.message import decode_records
 from tests.support.bounded import bounded
 from tests.support.cluster_process import NamesrvProcess, cluster_flags, request, route, wait_for_route
 
@@ -265,3 +266,40 @@ async def test_broker_config_is_the_properties_text_get_broker_config_prints(bro
         "listenPort": b.broker.rpartition(":")[2], "flushDiskType": "ASYNC_FLUSH", "fileReservedTime": "48",
         "autoCreateTopicEnable": "true"}
     assert (props["txmq.flush"], props["txmq.broker_name"]) == ("async", "broker-x")
+
+
+@bounded(60)
+async def test_consume_message_directly_hands_the_stored_message_to_the_named_consumer(broker):
+    """mqadmin queryMsgById -g G -d C (the dashboard's resend): CONSUME_MESSAGE_DIRECTLY answered
+    REQUEST_CODE_NOT_SUPPORTED. RocketMQ passes the stored record of the offset id to that consumer, fields
+    plus brokerName, and its ConsumeMessageDirectlyResult back."""
+    async with Producer(broker.namesrv, "PG_direct") as producer:
+        sent = await producer.send("Orders", b"resend me", tags="created", keys="order-7")
+    result = b'{"autoCommit":true,"consumeResult":"CR_SUCCESS","order":false,"remark":"","spentTimeMills":2}'
+    asked = []
+
+    def java_consumer(conn, cmd):
+        if cmd.code == R.CONSUME_MESSAGE_DIRECTLY:
+            asked.append(cmd)
+            return cmd.response(ResponseCode.SUCCESS, body=result)
+        return None
+
+    host, _, port = broker.broker.rpartition(":")
+    consumer = await open_connection(host, int(port), java_consumer)
+    try:
+        assert (await consumer.request(_consumer_heartbeat("10.0.0.9@777", "CG_direct"), 5.0)).code == 0
+        fields = {"consumerGroup": "CG_direct", "clientId": "10.0.0.9@777", "msgId": sent.offset_msg_id}
+        resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+        assert (resp.code, resp.body_bytes()) == (ResponseCode.SUCCESS, result), resp.remark
+        [call] = asked
+        assert call.ext_fields == {**fields, "brokerName": "broker-a"}
+        [msg] = decode_records(call.body_bytes())
+        assert (msg.topic, msg.body, msg.tags, msg.offset_msg_id) == ("Orders", b"resend me", "created",
+                                                                       sent.offset_msg_id)
+        missing = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY,
+                                {**fields, "msgId": sent.offset_msg_id[:-4] + "FFFF"})
+        assert missing.code == ResponseCode.SYSTEM_ERROR and "can not find message" in missing.remark
+        bad = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {**fields, "msgId": "not-an-id"})
+        assert bad.code != ResponseCode.SUCCESS and "not-an-id" in bad.remark and len(asked) == 1
+    finally:
+        consumer.close()
