@@ -46,6 +46,7 @@ def broker_table() -> dict:
         R.GET_PRODUCER_CONNECTION_LIST: ops.get_producer_connection_list,
         R.GET_CONSUMER_RUNNING_INFO: forward.get_consumer_running_info,
         R.CONSUME_MESSAGE_DIRECTLY: forward.consume_message_directly,
+        R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS: forward.invoke_broker_to_get_consumer_status,
         R.GET_TOPIC_STATS_INFO: ops.get_topic_stats_info,
         R.GET_BROKER_RUNTIME_INFO: ops.get_broker_runtime_info,
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,

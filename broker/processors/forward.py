@@ -10,11 +10,18 @@ as the body, with brokerName added to the fields; its ConsumeMessageDirectlyResu
 
 RocketMQ's answers where the consumer cannot: SYSTEM_ERROR "The Consumer <G> <C> not online"; after 10 s,
 CONSUME_MSG_TIMEOUT "consumer <G> <C> Timeout: ..."; a connection that fails, SYSTEM_ERROR "invoke consumer ...".
+
+INVOKE_BROKER_TO_GET_CONSUMER_STATUS (223) {topic, group, clientAddr}: mqadmin getConsumerStatus. The broker asks
+each consumer of the group (only the one whose client id is clientAddr, when given) for its offsets of the
+topic with GET_CONSUMER_STATUS_FROM_CLIENT (221), 5 s each, and answers a GetConsumerStatusBody of those that
+answered (RocketMQ's Broker2Client.getConsumeStatus); no consumer online is SYSTEM_ERROR.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
+from protocol.admin_bodies import decode_mq_table, encode_consumer_status
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import RequestTimeoutError
@@ -23,6 +30,7 @@ from protocol.message import decode_offset_msg_id
 log = logging.getLogger("txmq.ops")
 
 CALL_TIMEOUT_S = 10.0           # RocketMQ's Broker2Client.callClient
+STATUS_TIMEOUT_S = 5.0          # and its getConsumeStatus
 
 
 async def get_consumer_running_info(ctx, conn, cmd):
@@ -57,3 +65,31 @@ async def _call_consumer(ctx, cmd, code: int, fields: dict, body: bytes) -> Remo
         log.info("calling consumer %s of %s failed: %s", client_id, group, exc)
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"invoke consumer <{group}> <{client_id}> Exception: {exc}")
     return cmd.response(answer.code, answer.remark, answer.ext_fields, answer.body_bytes())
+
+
+async def invoke_broker_to_get_consumer_status(ctx, conn, cmd):
+    topic = cmd.str_field("topic", required=True)
+    group = cmd.str_field("group", required=True)
+    only = cmd.str_field("clientAddr")          # (a client id, despite its name)
+    g = ctx.clients.consumers.get(group)
+    channels = [ch for ch in (g.channels.values() if g is not None else ()) if ch.alive]
+    if not channels:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"No Any Consumer online in the consumer group: [{group}]")
+    asked = [ch for ch in channels if not only or ch.client_id == only][:1 if only else None]
+    answers = await asyncio.gather(*(_consumer_status(ch, topic, group) for ch in asked))
+    return cmd.response(ResponseCode.SUCCESS, body=encode_consumer_status(
+        {ch.client_id: offsets for ch, offsets in zip(asked, answers) if offsets is not None}))
+
+
+async def _consumer_status(ch, topic: str, group: str) -> dict | None:
+    """One consumer's {queue: offset} of ``topic``, or None when it did not say (logged, as RocketMQ)."""
+    request = RemotingCommand.request(RequestCode.GET_CONSUMER_STATUS_FROM_CLIENT, {"topic": topic, "group": group},
+                                      language=LanguageCode.JAVA)
+    try:
+        answer = await ch.conn.request(request, STATUS_TIMEOUT_S)
+        if answer.code != ResponseCode.SUCCESS or not answer.body_bytes():
+            return None
+        return {mq: int(offset) for mq, offset in decode_mq_table(answer.body_bytes(), "messageQueueTable")[1].items()}
+    except Exception as exc:  # noqa: BLE001 - one consumer failing leaves it out of the answer, as RocketMQ
+        log.warning("[get-consumer-status] consumer %s of %s: %s", ch.client_id, group, exc)
+        return None

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from producer import Producer
+from protocol.admin_bodies import decode_mq_table
 from protocol.codes import LanguageCode, ResponseCode
 from protocol.codes import RequestCode as R
 from protocol.command import RemotingCommand
@@ -303,3 +304,54 @@ async def test_consume_message_directly_hands_the_stored_message_to_the_named_co
         assert bad.code != ResponseCode.SUCCESS and "not-an-id" in bad.remark and len(asked) == 1
     finally:
         consumer.close()
+
+
+def _status_body(offsets: dict[int, int]) -> bytes:
+    """A 4.9.8 consumer's GetConsumerStatusBody answer to GET_CONSUMER_STATUS_FROM_CLIENT, as fastjson writes it."""
+    table = ",".join(f'{{"brokerName":"broker-a","queueId":{q},"topic":"Orders"}}:{o}' for q, o in offsets.items())
+    return f'{{"consumerTable":{{}},"messageQueueTable":{{{table}}}}}'.encode()
+
+
+@bounded(60)
+async def test_get_consumer_status_asks_each_consumer_of_the_group(broker):
+    """mqadmin getConsumerStatus: INVOKE_BROKER_TO_GET_CONSUMER_STATUS answered REQUEST_CODE_NOT_SUPPORTED.
+    RocketMQ asks each consumer of the group (GET_CONSUMER_STATUS_FROM_CLIENT) and answers the offsets of those
+    that answered, by client id; one that cannot answer is left out."""
+    asked: dict[str, list] = {}
+
+    def java_consumer(client_id: str, offsets: dict[int, int] | None):
+        def handle(conn, cmd):
+            if cmd.code != R.GET_CONSUMER_STATUS_FROM_CLIENT:
+                return None
+            asked.setdefault(client_id, []).append(cmd.ext_fields)
+            if offsets is None:
+                return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED, "not supported")
+            return cmd.response(ResponseCode.SUCCESS, body=_status_body(offsets))
+        return handle
+
+    host, _, port = broker.broker.rpartition(":")
+    clients = {"10.0.0.1@1": {0: 5, 1: 7}, "10.0.0.2@2": {2: 9}, "10.0.0.3@3": None}
+    conns = [await open_connection(host, int(port), java_consumer(cid, o)) for cid, o in clients.items()]
+    try:
+        for conn, cid in zip(conns, clients):
+            assert (await conn.request(_consumer_heartbeat(cid, "CG_st"), 5.0)).code == ResponseCode.SUCCESS
+
+        async def status(**extra):
+            resp = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                                 {"topic": "Orders", "group": "CG_st", **extra})
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            obj, _ = decode_mq_table(resp.body_bytes(), "messageQueueTable")
+            assert list(obj) == ["consumerTable", "messageQueueTable"] and obj["messageQueueTable"] == {}
+            return {cid: {json.loads(k)["queueId"]: v for k, v in t.items()} for cid, t in obj["consumerTable"].items()}
+
+        assert await status() == {"10.0.0.1@1": {0: 5, 1: 7}, "10.0.0.2@2": {2: 9}}
+        assert all(fields == [{"topic": "Orders", "group": "CG_st"}] for fields in asked.values()) and len(asked) == 3
+        assert await status(clientAddr="10.0.0.2@2") == {"10.0.0.2@2": {2: 9}}
+        assert len(asked["10.0.0.2@2"]) == 2 and len(asked["10.0.0.1@1"]) == 1
+        nobody = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                               {"topic": "Orders", "group": "CG_no"})
+        assert (nobody.code, nobody.remark) == (ResponseCode.SYSTEM_ERROR,
+                                                "No Any Consumer online in the consumer group: [CG_no]")
+    finally:
+        for conn in conns:
+            conn.close()
