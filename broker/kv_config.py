@@ -5,19 +5,19 @@ PUT_KV_CONFIG / DELETE_KV_CONFIG (processors/kv.py). The file is RocketMQ's kvCo
 
     {"configTable":{"<namespace>":{"<key>":"<value>"}}}
 
-Each change is written whole (fsync, rename, the previous copy kept as ``.bak``) before it is answered;
-a file that cannot be read leaves the table empty and says so, and its previous copy is used when readable.
+Each change is written whole (fsync, rename, the previous copy kept as ``.bak``) before it is answered; a file
+that cannot be read is read from its previous copy, and start-up stops when neither can be (store/saved.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 
 from protocol.admin_bodies import dump
 
-from .store.mapped_file import BACKUP_SUFFIX, fsync_dir, keep_previous
+from .store.mapped_file import fsync_dir, keep_previous
+from .store.saved import check, load_saved
 
 log = logging.getLogger("txmq.kvconfig")
 
@@ -31,27 +31,12 @@ class KvConfig:
         self.counter = 0                    # changes made: a write of an older table is skipped
         self._saved_counter = 0
         self._write_lock = threading.Lock()
-        why = self._load_from(path)
-        if why is not None:
-            bad = self._load_from(path + BACKUP_SUFFIX)
-            if bad is None:
-                log.error("%s %s: using its previous copy", path, "is missing" if why == "missing" else
-                          f"cannot be read ({why})")
-            elif why != "missing":
-                log.error("ignoring unreadable %s (%s) and its previous copy (%s): the KV config starts empty",
-                          path, why, bad)
-
-    def _load_from(self, path: str) -> str | None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                table = json.load(fh).get("configTable") or {}
-            loaded = {ns: {str(k): str(v) for k, v in kv.items()} for ns, kv in table.items() if isinstance(kv, dict)}
-        except FileNotFoundError:
-            return "missing"
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
-            return str(exc) or type(exc).__name__
-        self.table = loaded
-        return None
+        saved = load_saved(path, _parse_file, "KV config file", log,
+                           fallback_cost="at most one save older: a key set or deleted since is as it was before",
+                           reset_hint="move both away to start with no KV config, then set it again with "
+                                      "mqadmin updateKvConfig")
+        if saved is not None:
+            self.table = saved
 
     def get(self, namespace: str, key: str) -> str | None:
         return self.table.get(namespace, {}).get(key)
@@ -87,3 +72,13 @@ class KvConfig:
             os.replace(tmp, self.path)
             fsync_dir(os.path.dirname(self.path) or ".")
             self._saved_counter = counter
+
+
+def _parse_file(data) -> dict[str, dict[str, str]]:
+    check(isinstance(data, dict), "not a JSON object")
+    table = data.get("configTable") or {}
+    check(isinstance(table, dict), "configTable is not an object")
+    for namespace, kv in table.items():
+        check(isinstance(kv, dict) and all(isinstance(v, str) for v in kv.values()),
+              f"namespace {namespace!r} is not an object of strings")
+    return table

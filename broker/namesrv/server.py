@@ -15,6 +15,7 @@ import sys
 
 from protocol.codes import ResponseCode
 from protocol.connection import RemotingConnection, WriteBudget
+from protocol.errors import StoreError
 
 from ..context import monotonic_ms
 from ..kv_config import KvConfig
@@ -100,10 +101,10 @@ class NameServer:
 
 
 async def serve(config: NamesrvConfig) -> int:
-    server = NameServer(config)
     try:
+        server = NameServer(config)         # (reads the KV config file)
         await server.start()
-    except OSError as exc:
+    except (OSError, StoreError) as exc:
         print(f"txmq-namesrv: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     stop = asyncio.Event()

@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from broker.kv_config import KvConfig
+from protocol.errors import StoreError
 
 
 def _saved(kv: KvConfig) -> None:
@@ -39,3 +42,12 @@ def test_an_older_table_written_after_a_newer_one_is_skipped(tmp_path):
     assert kv.delete("ns", "a") and not kv.delete("ns", "a") and not kv.delete("nobody", "a")
     kv.delete("ns", "b")
     assert kv.table == {}                       # an empty namespace goes, as its last key does
+
+
+def test_neither_file_readable_stops_start_up_naming_both(tmp_path):
+    """Starting with an empty table would drop every key without a word, and the next change make that for good."""
+    path = tmp_path / "kvConfig.json"
+    path.write_text('{"configTable":{"ns":["not", "an", "object"]}}')
+    (tmp_path / "kvConfig.json.bak").write_text("")
+    with pytest.raises(StoreError, match="kvConfig.json.bak"):
+        KvConfig(str(path))
