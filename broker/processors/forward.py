@@ -24,7 +24,7 @@ import logging
 from protocol.admin_bodies import decode_mq_table, encode_consumer_status
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.errors import RequestTimeoutError
+from protocol.errors import CorruptRecordError, RequestTimeoutError
 from protocol.message import decode_offset_msg_id
 
 log = logging.getLogger("txmq.ops")
@@ -41,7 +41,10 @@ async def get_consumer_running_info(ctx, conn, cmd):
 async def consume_message_directly(ctx, conn, cmd):
     msg_id = cmd.str_field("msgId", required=True)
     _host, _port, offset = decode_offset_msg_id(msg_id)         # (a HeaderError saying what is wrong with it)
-    record = ctx.store.get_record(offset)
+    try:
+        record = ctx.store.verified_record(offset, "consume message directly")
+    except CorruptRecordError as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
     if record is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"can not find message by the offset message id, {msg_id}")
     fields = dict(cmd.ext_fields, brokerName=ctx.config.broker_name)
