@@ -15,10 +15,13 @@ INVOKE_BROKER_TO_GET_CONSUMER_STATUS (223) {topic, group, clientAddr}: mqadmin g
 each consumer of the group (only the one whose client id is clientAddr, when given) for its offsets of the
 topic with GET_CONSUMER_STATUS_FROM_CLIENT (221), 5 s each, and answers a GetConsumerStatusBody of those that
 answered (RocketMQ's Broker2Client.getConsumeStatus); no consumer online is SYSTEM_ERROR.
+
+At most MAX_FORWARDING of these wait for consumers at once, broker-wide; past it, SYSTEM_BUSY at once.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from protocol.admin_bodies import decode_mq_table, encode_consumer_status
@@ -31,6 +34,27 @@ log = logging.getLogger("txmq.ops")
 
 CALL_TIMEOUT_S = 10.0           # RocketMQ's Broker2Client.callClient
 STATUS_TIMEOUT_S = 5.0          # and its getConsumeStatus
+# Each waits up to CALL_TIMEOUT_S holding its request (CONSUME_MESSAGE_DIRECTLY: a copy of a stored message, up
+# to 4 MiB). Unlimited, a consumer that never answers and admins asking again and again (256 in flight a
+# connection) held gigabytes; RocketMQ runs them on its 16 admin threads.
+MAX_FORWARDING = 64
+
+
+def _limited(handler):
+    @functools.wraps(handler)
+    async def limited(ctx, conn, cmd):
+        if ctx.forwarding >= MAX_FORWARDING:
+            return cmd.response(ResponseCode.SYSTEM_BUSY, f"{MAX_FORWARDING} requests are waiting for consumers' "
+                                                          f"answers already, try again later")
+        ctx.forwarding += 1
+        try:
+            return await handler(ctx, conn, cmd)
+        finally:
+            ctx.forwarding -= 1
+    return limited
+
+
+@_limited
 
 
 async def get_consumer_running_info(ctx, conn, cmd):
@@ -38,6 +62,7 @@ async def get_consumer_running_info(ctx, conn, cmd):
                                 cmd.body_bytes())
 
 
+@_limited
 async def consume_message_directly(ctx, conn, cmd):
     msg_id = cmd.str_field("msgId", required=True)
     _host, _port, offset = decode_offset_msg_id(msg_id)         # (a HeaderError saying what is wrong with it)
@@ -70,6 +95,7 @@ async def _call_consumer(ctx, cmd, code: int, fields: dict, body: bytes) -> Remo
     return cmd.response(answer.code, answer.remark, answer.ext_fields, answer.body_bytes())
 
 
+@_limited
 async def invoke_broker_to_get_consumer_status(ctx, conn, cmd):
     topic = cmd.str_field("topic", required=True)
     group = cmd.str_field("group", required=True)

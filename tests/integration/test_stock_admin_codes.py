@@ -355,3 +355,44 @@ async def test_get_consumer_status_asks_each_consumer_of_the_group(broker):
     finally:
         for conn in conns:
             conn.close()
+
+
+@bounded(60)
+async def test_requests_waiting_for_consumers_are_limited_and_end_when_the_consumer_goes(broker):
+    """Each forwarded request waits up to 10 s for the consumer, holding its request (a 309: a copy of a stored
+    message, up to 4 MiB): without a limit, a consumer that never answered and admins asking again and again
+    held memory without bound. Past MAX_FORWARDING waiting, SYSTEM_BUSY at once; the consumer's connection
+    closing answers the waiting ones at once, not after their 10 s."""
+    from broker.processors.forward import MAX_FORWARDING
+
+    asked, all_asked = [], asyncio.Event()
+
+    def silent_consumer(conn, cmd):
+        if cmd.code == R.GET_CONSUMER_RUNNING_INFO:
+            asked.append(cmd)
+            if len(asked) == MAX_FORWARDING:
+                all_asked.set()
+        return None                     # never answers
+
+    host, _, port = broker.broker.rpartition(":")
+    consumer = await open_connection(host, int(port), silent_consumer)
+    admin = await _connect(broker.broker)
+    try:
+        assert (await consumer.request(_consumer_heartbeat("10.0.0.9@555", "CG_silent"), 5.0)).code == 0
+
+        def ask():
+            return admin.request(RemotingCommand.request(R.GET_CONSUMER_RUNNING_INFO, {
+                "consumerGroup": "CG_silent", "clientId": "10.0.0.9@555", "jstackEnable": "false"}), 20.0)
+
+        waiting = [asyncio.ensure_future(ask()) for _ in range(MAX_FORWARDING)]
+        await asyncio.wait_for(all_asked.wait(), 10)
+        busy = await asyncio.wait_for(ask(), 5)
+        assert busy.code == ResponseCode.SYSTEM_BUSY and "waiting for consumers" in busy.remark
+        assert len(asked) == MAX_FORWARDING and not any(w.done() for w in waiting)
+        consumer.close()
+        answers = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        assert {a.code for a in answers} == {ResponseCode.SYSTEM_ERROR}
+        assert all("invoke consumer <CG_silent> <10.0.0.9@555>" in a.remark for a in answers)
+    finally:
+        consumer.close()
+        admin.close()
