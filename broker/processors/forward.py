@@ -118,7 +118,9 @@ async def _consumer_status(ch, topic: str, group: str) -> dict | None:
         answer = await ch.conn.request(request, STATUS_TIMEOUT_S)
         if answer.code != ResponseCode.SUCCESS or not answer.body_bytes():
             return None
-        return {mq: int(offset) for mq, offset in decode_mq_table(answer.body_bytes(), "messageQueueTable")[1].items()}
+        # names as fastjson reads them into MessageQueue's Strings: a number from an odd client did not sort
+        return {(str(t), str(b), int(q)): int(offset)
+                for (t, b, q), offset in decode_mq_table(answer.body_bytes(), "messageQueueTable")[1].items()}
     except Exception as exc:  # noqa: BLE001 - one consumer failing leaves it out of the answer, as RocketMQ
         log.warning("[get-consumer-status] consumer %s of %s: %s", ch.client_id, group, exc)
         return None

@@ -396,3 +396,35 @@ async def test_requests_waiting_for_consumers_are_limited_and_end_when_the_consu
     finally:
         consumer.close()
         admin.close()
+
+
+@bounded(60)
+async def test_get_consumer_status_survives_a_consumer_answering_odd_queues(broker):
+    """A consumer's answer is its own text: one naming a queue's topic as a number (fastjson reads it as the
+    string) made the whole answer SYSTEM_ERROR (the queues did not sort), the other consumers' offsets lost."""
+    odd = b'{"messageQueueTable":{{"brokerName":"broker-a","queueId":0,"topic":5}:3,' \
+          b'{"brokerName":"broker-a","queueId":1,"topic":"Orders"}:4}}'
+
+    def consumer(body):
+        def handle(conn, cmd):
+            if cmd.code == R.GET_CONSUMER_STATUS_FROM_CLIENT:
+                return cmd.response(ResponseCode.SUCCESS, body=body)
+            return None
+        return handle
+
+    host, _, port = broker.broker.rpartition(":")
+    clients = {"10.0.0.1@1": _status_body({0: 5}), "10.0.0.2@2": odd}
+    conns = [await open_connection(host, int(port), consumer(body)) for body in clients.values()]
+    try:
+        for conn, cid in zip(conns, clients):
+            assert (await conn.request(_consumer_heartbeat(cid, "CG_odd"), 5.0)).code == ResponseCode.SUCCESS
+        resp = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                             {"topic": "Orders", "group": "CG_odd"})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        obj, _ = decode_mq_table(resp.body_bytes(), "messageQueueTable")
+        assert {cid: sorted((json.loads(k)["topic"], v) for k, v in t.items())
+                for cid, t in obj["consumerTable"].items()} == {"10.0.0.1@1": [("Orders", 5)],
+                                                               "10.0.0.2@2": [("5", 3), ("Orders", 4)]}
+    finally:
+        for conn in conns:
+            conn.close()
