@@ -35,6 +35,9 @@ def _rocketmq_names(ctx) -> dict[str, object]:
         "registerBrokerTimeoutMills": c.register_timeout_ms, "compressedRegister": c.register_compressed,
         "haListenPort": c.ha_port, "haMasterAddress": c.ha_master_addr, "slaveReadEnable": c.slave_read_enable,
         "aclEnable": bool(c.acl_file),
+        # what txmq does without a setting; mqadmin exportConfigs fails (NullPointerException) on any missing
+        "autoCreateSubscriptionGroup": True, "msgTraceTopicName": "RMQ_SYS_TRACE_TOPIC", "filterServerNums": 0,
+        "traceOn": False, "useTLS": False,
     }
 
 

@@ -267,6 +267,13 @@ async def test_broker_config_is_the_properties_text_get_broker_config_prints(bro
         "listenPort": b.broker.rpartition(":")[2], "flushDiskType": "ASYNC_FLUSH", "fileReservedTime": "48",
         "autoCreateTopicEnable": "true"}
     assert (props["txmq.flush"], props["txmq.broker_name"]) == ("async", "broker-x")
+    # mqadmin exportConfigs copies these with Properties.setProperty, which throws a NullPointerException for
+    # each one missing (ExportConfigsCommand.needBrokerProprties)
+    exported = ("brokerClusterName", "brokerId", "brokerName", "brokerRole", "fileReservedTime", "filterServerNums",
+                "flushDiskType", "maxMessageSize", "messageDelayLevel", "msgTraceTopicName", "slaveReadEnable",
+                "traceOn", "traceTopicEnable", "useTLS", "autoCreateTopicEnable", "autoCreateSubscriptionGroup")
+    assert [k for k in exported if k not in props] == []
+    assert (props["msgTraceTopicName"], props["autoCreateSubscriptionGroup"]) == ("RMQ_SYS_TRACE_TOPIC", "true")
 
 
 @bounded(60)
