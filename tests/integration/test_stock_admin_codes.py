@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from consumer import PullConsumer
 from producer import Producer
 from protocol.admin_bodies import decode_mq_table
 from protocol.codes import LanguageCode, ResponseCode
@@ -435,3 +436,21 @@ async def test_get_consumer_status_survives_a_consumer_answering_odd_queues(brok
     finally:
         for conn in conns:
             conn.close()
+
+
+@bounded(60)
+async def test_a_txmq_consumer_says_at_once_what_it_does_not_serve(broker):
+    """txmq's own consumer left requests it does not serve unanswered: mqadmin consumerStatus on it waited the
+    broker's 10 s (the tool's own 5 s first), getConsumerStatus 5 s, each holding a forwarded request's place.
+    It answers REQUEST_CODE_NOT_SUPPORTED, passed back at once; getConsumerStatus leaves it out at once."""
+    async with Producer(broker.namesrv, "PG_txmq_consumer") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_txmq") as consumer:
+        await consumer.subscribe("Orders")
+        fields = {"consumerGroup": "CG_txmq", "clientId": consumer.client_id, "jstackEnable": "false"}
+        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)      # (5 s: the tool's)
+        assert info.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED, info.remark
+        status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                               {"topic": "Orders", "group": "CG_txmq"})
+        obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
+        assert status.code == ResponseCode.SUCCESS and obj["consumerTable"] == {}
