@@ -22,6 +22,10 @@ from .store.saved import check, load_saved
 log = logging.getLogger("txmq.kvconfig")
 
 FILE_NAME = "kvConfig.json"
+# Keys and values together. Anyone who reaches a name server may PUT (RocketMQ's has no ACL either), and each
+# change rewrites the whole file: unlimited, a few 16 MiB values filled the broker's store disk (the embedded name
+# server keeps it there) and made every change write gigabytes. mqadmin's use is small: an order config a topic.
+MAX_BYTES = 4 * 1024 * 1024
 
 
 class KvConfig:
@@ -37,18 +41,28 @@ class KvConfig:
                                       "mqadmin updateKvConfig")
         if saved is not None:
             self.table = saved
+        self.size = sum(_size(ns, k, v) for ns, kv in self.table.items() for k, v in kv.items())
 
     def get(self, namespace: str, key: str) -> str | None:
         return self.table.get(namespace, {}).get(key)
 
-    def put(self, namespace: str, key: str, value: str) -> None:
+    def put(self, namespace: str, key: str, value: str) -> bool:
+        """False, changing nothing, when the table would pass MAX_BYTES."""
+        old = self.get(namespace, key)
+        size = self.size + _size(namespace, key, value) - (0 if old is None else _size(namespace, key, old))
+        if size > MAX_BYTES:
+            return False
         self.table.setdefault(namespace, {})[key] = value
+        self.size = size
         self.counter += 1
+        return True
 
     def delete(self, namespace: str, key: str) -> bool:
         kv = self.table.get(namespace)
-        if kv is None or kv.pop(key, None) is None:
+        old = None if kv is None else kv.pop(key, None)
+        if old is None:
             return False
+        self.size -= _size(namespace, key, old)
         if not kv:
             del self.table[namespace]
         self.counter += 1
@@ -72,6 +86,10 @@ class KvConfig:
             os.replace(tmp, self.path)
             fsync_dir(os.path.dirname(self.path) or ".")
             self._saved_counter = counter
+
+
+def _size(namespace: str, key: str, value: str) -> int:
+    return len(namespace) + len(key) + len(value)
 
 
 def _parse_file(data) -> dict[str, dict[str, str]]:

@@ -14,14 +14,18 @@ import logging
 from protocol.admin_bodies import dump
 from protocol.codes import ResponseCode
 
+from ..kv_config import MAX_BYTES
+
 log = logging.getLogger("txmq.kvconfig")
 
 
 async def put_kv_config(ctx, conn, cmd):
     namespace, key = cmd.str_field("namespace", required=True), cmd.str_field("key", required=True)
     value = cmd.str_field("value", required=True)
-    ctx.kv.put(namespace, key, value)
-    log.info("KV config %s %s = %s, by %s:%s", namespace, key, value, *conn.peer)
+    if not ctx.kv.put(namespace, key, value):
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{namespace} {key} not set: the KV config would hold more "
+                                                       f"than {MAX_BYTES} bytes of keys and values")
+    log.info("KV config %s %s = %.200s, by %s:%s", namespace, key, value, *conn.peer)
     return await _saved(ctx, cmd, f"{namespace} {key} set")
 
 

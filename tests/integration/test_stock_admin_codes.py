@@ -454,3 +454,23 @@ async def test_a_txmq_consumer_says_at_once_what_it_does_not_serve(broker):
                                {"topic": "Orders", "group": "CG_txmq"})
         obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
         assert status.code == ResponseCode.SUCCESS and obj["consumerTable"] == {}
+
+
+@bounded(60)
+async def test_kv_config_holds_at_most_its_limit(broker):
+    """Anyone reaching a name server may PUT_KV_CONFIG, and each change rewrites the whole file: a few 16 MiB
+    values filled the broker's store disk (its name server keeps the file there), each change writing them all
+    again. A change past the limit is refused and changes nothing; smaller ones go on."""
+    from broker.kv_config import MAX_BYTES
+
+    half = "x" * (MAX_BYTES // 2)
+    assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
+                          {"namespace": ORDER, "key": "A", "value": half})).code == ResponseCode.SUCCESS
+    past = await request(broker.namesrv, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": "B", "value": half})
+    assert past.code == ResponseCode.SYSTEM_ERROR and "more than" in past.remark, past.remark
+    assert (await request(broker.namesrv, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "B"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+    assert (await request(broker.namesrv, R.PUT_KV_CONFIG,     # replacing a value frees its room
+                          {"namespace": ORDER, "key": "A", "value": "broker-a:8"})).code == ResponseCode.SUCCESS
+    assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
+                          {"namespace": ORDER, "key": "B", "value": half})).code == ResponseCode.SUCCESS
