@@ -51,3 +51,13 @@ def test_neither_file_readable_stops_start_up_naming_both(tmp_path):
     (tmp_path / "kvConfig.json.bak").write_text("")
     with pytest.raises(StoreError, match="kvConfig.json.bak"):
         KvConfig(str(path))
+
+
+def test_a_deleted_value_frees_its_room(tmp_path):
+    from broker.kv_config import MAX_BYTES
+    kv = KvConfig(str(tmp_path / "kvConfig.json"))
+    big = "x" * (MAX_BYTES - 10)
+    assert kv.put("N", "a", big) and not kv.put("N", "b", big) and kv.get("N", "b") is None
+    assert kv.delete("N", "a") and kv.put("N", "b", big)
+    _saved(kv)
+    assert KvConfig(kv.path).size == kv.size                # counted again when read at start
