@@ -16,8 +16,7 @@ import threading
 
 from protocol.admin_bodies import dump
 
-from .store.mapped_file import fsync_dir, keep_previous
-from .store.saved import check, load_saved
+from .store.saved import check, load_saved, save
 
 log = logging.getLogger("txmq.kvconfig")
 
@@ -73,18 +72,11 @@ class KvConfig:
 
     def write(self, data: bytes, counter: int) -> None:
         """Blocking (fsync, rename): call it off the loop with ``encode()`` and ``counter`` taken together."""
-        tmp = self.path + ".tmp"
         with self._write_lock:
             if counter < self._saved_counter:
                 return
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            keep_previous(self.path)
-            os.replace(tmp, self.path)
-            fsync_dir(os.path.dirname(self.path) or ".")
+            save(self.path, data)
             self._saved_counter = counter
 
 
