@@ -90,7 +90,9 @@ class ClusterSupervisor:
         self.namesrv = Child("namesrv", [python, "-m", MODULE, "namesrv", "--host", args.host,
                                          "--port", str(args.namesrv_port),
                                          "--broker-expire-ms", str(args.broker_expire_ms),
-                                         "--scan-interval-ms", str(max(100, min(10000, args.broker_expire_ms // 4)))])
+                                         "--scan-interval-ms", str(max(100, min(10000, args.broker_expire_ms // 4))),
+                                         # the cluster's data stays under its root
+                                         "--kv-config-path", os.path.join(args.store_root, "namesrv", "kvConfig.json")])
         self.brokers: list[Child] = []
         self.stopping = asyncio.Event()
 

@@ -44,8 +44,10 @@ class BrokerContext:
     schedule: object = None          # broker.schedule.ScheduleService
     index: object = None             # broker.store.index.IndexService, None when message_index_enable is off
     subscriptions: object = None     # broker.subscriptions.SubscriptionGroups
+    kv: object = None                # broker.kv_config.KvConfig: its name server's KV config
     ha: object = None                # broker.ha.HAMaster / HASlave; None: a master nobody follows
     started_ms: int = 0              # when the broker began serving (runtime info)
+    forwarding: int = 0              # requests waiting for a consumer's answer (processors/forward.py)
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
 
     def set_address(self, host: str, port: int) -> None:

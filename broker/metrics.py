@@ -18,6 +18,7 @@ import os
 import random
 import time
 from bisect import bisect_left
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -34,6 +35,9 @@ _RESERVOIR = 4096
 OTHER = "_other"         # the label values of series past BrokerMetrics.max_series
 _TPS_SLOT_S = 10        # consume TPS: messages pulled per (topic, group) in 10 s slots over the last minute
 _TPS_SLOTS = 6
+# RocketMQ's putTps and getTransferedTps (GET_BROKER_RUNTIME_INFO, read by mqadmin clusterList): messages per
+# second over the last 10 s, minute and 10 minutes, from totals sampled once a second.
+_STORE_TPS_SPANS_S = (10, 60, 600)
 _random = random.random
 log = logging.getLogger("txmq.metrics")
 
@@ -114,6 +118,9 @@ class BrokerMetrics:
         # Counter takes a lock per increment, on the path every message takes.
         self._in: dict[str, list[int]] = {}
         r.register(_InCollector(self._in))
+        self.put_total = 0                      # messages stored and pulled since start, never forgotten
+        self.get_total = 0
+        self._totals: deque[tuple[float, int, int]] = deque(maxlen=_STORE_TPS_SPANS_S[-1] + 1)
         self.messages_out = Counter("rocketmq_messages_out", "Messages delivered by pulls.",
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
@@ -287,11 +294,13 @@ class BrokerMetrics:
             counts = self._in[topic] = [0, 0]
         counts[0] += messages
         counts[1] += body_bytes
+        self.put_total += messages
 
     def count_out(self, topic: str, group: str, messages: int, nbytes: int, now: float | None = None) -> None:
         """Messages delivered by a pull: the counters, and the slots consume_tps reads."""
         self.child(self.messages_out, topic, group).inc(messages)
         self.child(self.bytes_out, topic, group).inc(nbytes)
+        self.get_total += messages
         slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
         slots = self._pulled.get((topic, group))
         if slots is None:
@@ -322,6 +331,26 @@ class BrokerMetrics:
         first = int(now // _TPS_SLOT_S) - _TPS_SLOTS + 1
         slots = self._pulled.get((topic, group), {})
         return sum(n for s, n in slots.items() if s >= first) / (now - first * _TPS_SLOT_S)
+
+    def sample_totals(self, now: float | None = None) -> None:
+        """Once a second (the broker's gauge loop): the put and get totals store_tps reads."""
+        self._totals.append((time.monotonic() if now is None else now, self.put_total, self.get_total))
+
+    def store_tps(self) -> tuple[str, str]:
+        """putTps and getTransferedTps as RocketMQ writes them: three rates, space separated, over the last
+        10 s, minute and 10 minutes (each over what has been sampled when the broker is younger)."""
+        return self._rates(1), self._rates(2)
+
+    def _rates(self, which: int) -> str:
+        samples = self._totals
+        rates = []
+        for span in _STORE_TPS_SPANS_S:
+            if len(samples) < 2:
+                rates.append(0.0)
+                continue
+            first, last = samples[max(0, len(samples) - 1 - span)], samples[-1]
+            rates.append((last[which] - first[which]) / (last[0] - first[0]) if last[0] > first[0] else 0.0)
+        return " ".join(str(float(r)) for r in rates)
 
     # --------------------------------------------------------------- helpers
     def observe_request(self, code: int, response_code: int, seconds: float) -> None:

@@ -34,6 +34,8 @@ from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
+from .kv_config import FILE_NAME as KV_FILE_NAME
+from .kv_config import KvConfig
 from .limits import ConnectionGate, Limits
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
@@ -168,6 +170,7 @@ class BrokerServer:
         topics.start_background(loop)
         self._loop = loop
         self._refresh_gauges()
+        self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
         await broker_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
@@ -240,6 +243,7 @@ class BrokerServer:
         """The key index (QUERY_MESSAGE) and the subscription groups; both off the hot path."""
         c, store = self.config, ctx.store
         ctx.subscriptions = SubscriptionGroups(os.path.join(store_dir, "config"), self.clock)
+        ctx.kv = KvConfig(os.path.join(store_dir, "config", KV_FILE_NAME))
         ctx.started_ms = self.clock()
         if not c.message_index_enable:
             return
@@ -363,6 +367,7 @@ class BrokerServer:
             offsets = self.ctx.offsets.items()
             self._lag_totals = await self._lag_in_slices(offsets) if len(offsets) > LAG_SLICE else None
             self._refresh_gauges()
+            self.metrics.sample_totals()
 
     async def _lag_in_slices(self, offsets: list) -> list:
         """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between

@@ -20,8 +20,7 @@ import threading
 
 from protocol.admin_bodies import dump
 
-from .store.mapped_file import keep_previous
-from .store.saved import check, load_saved
+from .store.saved import check, load_saved, save
 
 log = logging.getLogger("txmq.subscriptions")
 
@@ -125,16 +124,10 @@ class SubscriptionGroups:
         """Blocking (fsync, rename): call it off the loop. ``counter``: the one ``data`` was encoded at; two
         updates' writes run on two threads and may finish in either order, and an older table written
         after a newer one would lose the newer update, so it is skipped."""
-        tmp = self.path + ".tmp"
         with self._write_lock:
             if counter is not None and counter < self._saved_counter:
                 return
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            keep_previous(self.path)
-            os.replace(tmp, self.path)
+            save(self.path, data)
             if counter is not None:
                 self._saved_counter = counter
 

@@ -139,7 +139,10 @@ class PullConsumer:
             self.on_ids_changed()
         elif cmd.code == RequestCode.RESET_CONSUMER_CLIENT_OFFSET:
             return self._on_reset(cmd)
-        return None
+        # Said at once: left unanswered, a broker passing on an operator's GET_CONSUMER_RUNNING_INFO or
+        # CONSUME_MESSAGE_DIRECTLY waited 10 s for it, and the operator's tool gave up first.
+        return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
+                                                      f"txmq consumer does not serve request {cmd.code}")
 
     def _on_reset(self, cmd):
         """An operator reset the group's offsets (INVOKE_BROKER_TO_RESET_OFFSET): remember them in

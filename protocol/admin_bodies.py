@@ -54,6 +54,12 @@ def encode_topic_stats(rows: dict[MQ, tuple[int, int, int]]) -> bytes:
     return f'{{"offsetTable":{table}}}'.encode()
 
 
+def encode_consumer_status(by_client: dict[str, dict[MQ, int]]) -> bytes:
+    """GetConsumerStatusBody: {"consumerTable":{clientId:{MessageQueue: offset}},"messageQueueTable":{}}."""
+    table = ",".join(f"{dump(cid)}:{_mq_map(sorted(offsets.items()))}" for cid, offsets in sorted(by_client.items()))
+    return f'{{"consumerTable":{{{table}}},"messageQueueTable":{{}}}}'.encode()
+
+
 _OBJECT_KEY = re.compile(r'([{,])\s*(\{[^{}]*\})\s*:')
 
 

@@ -20,6 +20,7 @@ class NamesrvConfig:
     max_broker_addresses_per_host: int = setting(64, "Broker addresses the connections from one remote address may have registered at once (a broker registers one; its slaves, one each). A new one past it is refused SYSTEM_BUSY naming this limit, with a WARNING: anyone may register any address with its topic table, and one connection registering address after address grew the routes without bound.")
     max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB).")
     max_total_write_buffer: int = setting(64 * 1024 * 1024, "Unread reply bytes all connections may hold together. Past it, the connections holding the most (those that stopped reading first) are closed, largest first, until the total is back under it, each logged: without it, clients that ask and never read could each hold up to 64 MiB of replies, and a hundred of them would have the name server killed for its memory, leaving every client without routes. A name server's replies are small (routes, topic lists), so a client that reads holds little for long; the broker's is 256 MiB.")
+    kv_config_path: str = setting("~/namesrv/kvConfig.json", "File of the KV config (mqadmin updateKvConfig, updateOrderConf; RocketMQ's kvConfigPath and default).")
     log_level: str = setting("INFO", "Logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:

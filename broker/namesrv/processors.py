@@ -16,7 +16,9 @@ from protocol.errors import HeaderError
 from protocol.registration import DataVersion, body_crc32, decode_register_body
 from protocol.route import encode_cluster_info, encode_route, strict_json_for
 
+from ..kv_config import KvConfig
 from ..limits import peer_host
+from ..processors import kv_table
 from .table import RouteTable
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 class NamesrvContext:
     table: RouteTable
     clock: object                   # () -> ms of a monotonic clock (broker expiry)
+    kv: KvConfig | None = None      # the KV config (processors/kv.py); the server always gives one
 
 
 def register_broker(ctx: NamesrvContext, conn, cmd):
@@ -66,6 +69,16 @@ def unregister_broker(ctx: NamesrvContext, conn, cmd):
     ctx.table.unregister(cluster=cmd.str_field("clusterName", ""), broker_addr=cmd.str_field("brokerAddr", required=True),
                          broker_name=cmd.str_field("brokerName", required=True),
                          broker_id=cmd.int_field("brokerId", required=True))
+    return cmd.response(ResponseCode.SUCCESS)
+
+
+def delete_topic(ctx: NamesrvContext, conn, cmd):
+    """DELETE_TOPIC_IN_NAMESRV (216), mqadmin deleteTopic's last step after each master deleted it."""
+    topic = cmd.str_field("topic", required=True)
+    cluster = cmd.str_field("clusterName", "")
+    left = ctx.table.delete_topic(topic, cluster)
+    log.warning("topic %s deleted from the routes of %s by %s:%s (%d brokers)", topic,
+                f"cluster {cluster}" if cluster else "every cluster", *conn.peer, left)
     return cmd.response(ResponseCode.SUCCESS)
 
 
@@ -115,4 +128,6 @@ def namesrv_table() -> dict:
         R.GET_ROUTEINFO_BY_TOPIC: get_route_info,
         R.GET_BROKER_CLUSTER_INFO: get_broker_cluster_info,
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: get_all_topic_list,
+        R.DELETE_TOPIC_IN_NAMESRV: delete_topic,
+        **kv_table(),
     }

@@ -1,21 +1,24 @@
 """The stand-alone name server process: listen, answer, expire silent brokers, stop on SIGTERM.
 
 ``python -m broker namesrv`` prints ``LISTENING namesrv=HOST:PORT`` once it
-answers. State lives in memory only, as in RocketMQ: brokers register again
-within one period after a restart.
+answers. Routes live in memory only, as in RocketMQ: brokers register again
+within one period after a restart. The KV config is kept in ``--kv-config-path``.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
+import os
 import signal
 import sys
 
 from protocol.codes import ResponseCode
 from protocol.connection import RemotingConnection, WriteBudget
+from protocol.errors import StoreError
 
 from ..context import monotonic_ms
+from ..kv_config import KvConfig
 from ..limits import ConnectionGate
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
@@ -28,7 +31,7 @@ class NameServer:
     def __init__(self, config: NamesrvConfig, clock=monotonic_ms):
         self.config = config
         table = RouteTable(expire_ms=config.broker_expire_ms, max_addresses_per_host=config.max_broker_addresses_per_host)
-        self.ctx = NamesrvContext(table, clock)
+        self.ctx = NamesrvContext(table, clock, KvConfig(os.path.expanduser(config.kv_config_path)))
         self.connections = ConnectionGate(config.max_connections, config.max_connections_per_host, log, "name server")
         # unread replies of every connection, together (max_total_write_buffer); WriteBudget logs each close
         self.write_budget = WriteBudget(config.max_total_write_buffer, owner="name server")
@@ -98,10 +101,10 @@ class NameServer:
 
 
 async def serve(config: NamesrvConfig) -> int:
-    server = NameServer(config)
     try:
+        server = NameServer(config)         # (reads the KV config file)
         await server.start()
-    except OSError as exc:
+    except (OSError, StoreError) as exc:
         print(f"txmq-namesrv: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     stop = asyncio.Event()

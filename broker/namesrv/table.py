@@ -12,7 +12,7 @@ Tables (all keyed as in RouteInfoManager):
 A master's registration replaces that broker's queue data when its data
 version changed or it is new (a topic it no longer holds leaves the routes;
 RocketMQ 4.9.8 only adds and updates, and needs DELETE_TOPIC_IN_NAMESRV for
-that). A slave's registration adds its address only. A broker goes when it
+that, which is answered too). A slave's registration adds its address only. A broker goes when it
 unregisters, when its connection closes, or when it has not registered for
 ``expire_ms`` (RocketMQ's BROKER_CHANNEL_EXPIRED_TIME, 120 s); the last address
 of a broker name going takes that name's queues out of every route.
@@ -133,6 +133,18 @@ class RouteTable:
                 self._forget_broker_name(broker_name)
         log.info("broker unregistered: %s %s id %d at %s", cluster, broker_name, broker_id, broker_addr)
         return known
+
+    def delete_topic(self, topic: str, cluster: str = "") -> int:
+        """DELETE_TOPIC_IN_NAMESRV: the topic leaves the routes of ``cluster``'s brokers (every broker when
+        empty); the number of brokers it left. A broker still holding it routes it again at its next
+        registration with a new data version, as in RocketMQ."""
+        by_broker = self.queues.get(topic)
+        if not by_broker:
+            return 0
+        names = [n for n in by_broker if not cluster or n in self.clusters.get(cluster, ())]
+        for name in names:
+            self._drop_queue(topic, name)
+        return len(names)
 
     # --------------------------------------------------------------- going
     def connection_closed(self, conn: object) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from protocol.codes import RequestCode as R
 
-from . import admin, client, namesrv, offsets, ops, pull, query, reply, send, transaction
+from . import admin, broker_config, client, forward, kv, namesrv, offsets, ops, pull, query, reply, send, transaction
 from .disk_guard import guard_writes
 
 
@@ -32,6 +32,7 @@ def broker_table() -> dict:
         R.UPDATE_AND_CREATE_TOPIC: admin.update_and_create_topic,
         R.VIEW_MESSAGE_BY_ID: admin.view_message_by_id,
         R.GET_ALL_TOPIC_CONFIG: admin.get_all_topic_config,
+        R.GET_BROKER_CONFIG: broker_config.get_broker_config,
         R.END_TRANSACTION: transaction.end_transaction,
         R.TXMQ_LIST_TRANSACTIONS: transaction.list_transactions,
         R.TXMQ_RESOLVE_TRANSACTION: transaction.resolve_transaction,
@@ -42,6 +43,10 @@ def broker_table() -> dict:
         R.INVOKE_BROKER_TO_RESET_OFFSET: ops.reset_offset,
         R.GET_CONSUME_STATS: ops.get_consume_stats,
         R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,
+        R.GET_PRODUCER_CONNECTION_LIST: ops.get_producer_connection_list,
+        R.GET_CONSUMER_RUNNING_INFO: forward.get_consumer_running_info,
+        R.CONSUME_MESSAGE_DIRECTLY: forward.consume_message_directly,
+        R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS: forward.invoke_broker_to_get_consumer_status,
         R.GET_TOPIC_STATS_INFO: ops.get_topic_stats_info,
         R.GET_BROKER_RUNTIME_INFO: ops.get_broker_runtime_info,
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
@@ -61,4 +66,12 @@ def namesrv_table() -> dict:
         R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: namesrv.get_all_topic_list,
         R.REGISTER_BROKER: namesrv.register_broker,
+        R.DELETE_TOPIC_IN_NAMESRV: namesrv.delete_topic_in_namesrv,
+        **kv_table(),
     }
+
+
+def kv_table() -> dict:
+    """The KV config codes, answered by both name servers (``ctx.kv``)."""
+    return {R.PUT_KV_CONFIG: kv.put_kv_config, R.GET_KV_CONFIG: kv.get_kv_config,
+            R.DELETE_KV_CONFIG: kv.delete_kv_config, R.GET_KVLIST_BY_NAMESPACE: kv.get_kvlist_by_namespace}

@@ -45,6 +45,19 @@ def get_all_topic_list(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"topicList": sorted(ctx.topics.topics)}).encode())
 
 
+def delete_topic_in_namesrv(ctx, conn, cmd):
+    """DELETE_TOPIC_IN_NAMESRV (216), mqadmin deleteTopic's last step. This name server routes its broker's own
+    topics, so after DELETE_TOPIC_IN_BROKER there is nothing left to do; a topic the broker still holds cannot
+    leave its routes here, and saying SUCCESS would leave it routed unnoticed."""
+    topic = cmd.str_field("topic", required=True)
+    cluster = cmd.str_field("clusterName", "")
+    if ctx.topics.get(topic) is not None and cluster in ("", ctx.config.cluster_name):
+        return cmd.response(ResponseCode.SYSTEM_ERROR,
+                            f"topic[{topic}] is still held by broker {ctx.config.broker_name}, whose routes this "
+                            f"name server serves: delete it in the broker first (DELETE_TOPIC_IN_BROKER)")
+    return cmd.response(ResponseCode.SUCCESS)
+
+
 def register_broker(ctx, conn, cmd):
     # Other brokers cannot join a txmq name server: it routes only to its own broker.
     return cmd.response(ResponseCode.SYSTEM_ERROR, "txmq's name server serves only its own broker")

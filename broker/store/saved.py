@@ -18,7 +18,7 @@ from typing import Callable, TypeVar
 
 from protocol.errors import StoreError
 
-from .mapped_file import BACKUP_SUFFIX, copy_synced, fsync_dir
+from .mapped_file import BACKUP_SUFFIX, copy_synced, fsync_dir, keep_previous
 
 T = TypeVar("T")
 DAMAGED_SUFFIX = ".damaged"
@@ -76,6 +76,19 @@ def load_saved(path: str, parse: Callable[[object], T], what: str, log: logging.
     log.error("%s %s %s: using its previous copy %s (%s)%s", what, path,
               "is missing" if why == "missing" else f"cannot be read ({why})", bak, fallback_cost, kept)
     return value
+
+
+def save(path: str, data: bytes) -> None:
+    """Replace the table in ``path`` with ``data`` (written and synced first), its current contents kept as the
+    previous copy ``load_saved`` falls back to. Blocking: off the loop."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    keep_previous(path)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def _copy_durably(src: str, dst: str) -> None:

@@ -133,6 +133,9 @@ async def test_a_corrupt_body_is_not_pulled_viewed_or_found_by_key(broker_factor
                                                                           "originMsgId": victim.msg_id,
                                                                           "originTopic": "Corrupt"})
     assert back.code == ResponseCode.SYSTEM_ERROR and "corrupt" in (back.remark or ""), back.remark
+    direct = await _request(b.broker, RequestCode.CONSUME_MESSAGE_DIRECTLY, {     # (mqadmin queryMsgById -d)
+        "consumerGroup": "CG_direct", "clientId": "10.0.0.1@1", "msgId": victim.offset_msg_id})
+    assert direct.code == ResponseCode.SYSTEM_ERROR and "corrupt" in (direct.remark or ""), direct.remark
     for read in ("pull", "view by id", "query", "send back"):
         assert await asyncio.to_thread(_corrupt_count, b, read) == 1, read
     assert b.stop() == 0

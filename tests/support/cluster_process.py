@@ -19,7 +19,8 @@ _LISTENING = re.compile(r"LISTENING namesrv=(\S+)")
 
 
 class NamesrvProcess(BrokerProcess):
-    """``python -m broker namesrv`` on 127.0.0.1, port chosen by the OS; stop/kill/log as a broker's."""
+    """``python -m broker namesrv`` on 127.0.0.1, port chosen by the OS; stop/kill/log as a broker's. Its KV
+    config is kept beside its log, never in the user's home (a ``--kv-config-path`` flag given wins)."""
 
     def __init__(self, log_path: Path, *flags: str):
         self.log_path = Path(log_path)
@@ -31,7 +32,8 @@ class NamesrvProcess(BrokerProcess):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "broker", "namesrv", "--host", "127.0.0.1",
-                                          "--port", "0", *self.flags], cwd=REPO, stdout=subprocess.PIPE,
+                                          "--port", "0", "--kv-config-path", str(self.log_path.with_suffix(".kv.json")),
+                                          *self.flags], cwd=REPO, stdout=subprocess.PIPE,
                                          stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         line = self._read_line(timeout)
         m = _LISTENING.search(line)

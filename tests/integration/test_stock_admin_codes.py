@@ -1,0 +1,476 @@
+"""Request codes mqadmin 4.9.8 sends that txmq answered REQUEST_CODE_NOT_SUPPORTED: each is sent here as the
+stock tool frames it, to the real broker or name server over TCP, and the answer read as the Java tool reads
+it (docs/compatibility.md has the whole table)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from consumer import PullConsumer
+from producer import Producer
+from protocol.admin_bodies import decode_mq_table
+from protocol.codes import LanguageCode, ResponseCode
+from protocol.codes import RequestCode as R
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import decode_records
+from tests.support.bounded import bounded
+from tests.support.cluster_process import NamesrvProcess, cluster_flags, request, route, wait_for_route
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _connect(addr: str):
+    host, _, port = addr.rpartition(":")
+    return await open_connection(host, int(port))
+
+
+def _java_heartbeat(client_id: str, *groups: str) -> RemotingCommand:
+    """A 4.9.8 producer's HEART_BEAT: its groups and the client's inner producer, no consumers."""
+    body = {"clientID": client_id, "consumerDataSet": [],
+            "producerDataSet": [{"groupName": g} for g in (*groups, "CLIENT_INNER_PRODUCER")]}
+    return RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode(), language=LanguageCode.JAVA)
+
+
+@bounded(60)
+async def test_producer_connection_lists_the_groups_live_producers(broker):
+    """mqadmin producerConnection: GET_PRODUCER_CONNECTION_LIST {producerGroup} answered a ProducerConnection,
+    {"connectionSet":[Connection]}; it was REQUEST_CODE_NOT_SUPPORTED and the command failed."""
+    one, two = await _connect(broker.broker), await _connect(broker.broker)
+    try:
+        for conn, cid in ((one, "10.0.0.1@111"), (two, "10.0.0.2@222")):
+            assert (await conn.request(_java_heartbeat(cid, "PG_conn"), 5.0)).code == ResponseCode.SUCCESS
+        resp = await request(broker.broker, R.GET_PRODUCER_CONNECTION_LIST, {"producerGroup": "PG_conn"})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        body = json.loads(resp.body_bytes())
+        assert list(body) == ["connectionSet"]
+        rows = body["connectionSet"]
+        assert [(c["clientId"], c["language"], c["version"]) for c in rows] == [
+            ("10.0.0.1@111", "JAVA", 409), ("10.0.0.2@222", "JAVA", 409)]
+        assert {c["clientAddr"] for c in rows} == {f"127.0.0.1:{c.transport.get_extra_info('sockname')[1]}"
+                                                   for c in (one, two)}
+        assert all(list(c) == ["clientAddr", "clientId", "language", "version"] for c in rows)   # fastjson order
+    finally:
+        one.close()
+        two.close()
+    unknown = await request(broker.broker, R.GET_PRODUCER_CONNECTION_LIST, {"producerGroup": "PG_nobody"})
+    assert (unknown.code, unknown.remark) == (ResponseCode.SYSTEM_ERROR, "the producer group[PG_nobody] not exist")
+
+
+def _delete_in_namesrv(topic: str, cluster: str | None = "DefaultCluster") -> tuple[int, dict]:
+    """mqadmin deleteTopic's DELETE_TOPIC_IN_NAMESRV header (clusterName absent when the tool gives none)."""
+    return R.DELETE_TOPIC_IN_NAMESRV, {"topic": topic, **({"clusterName": cluster} if cluster is not None else {})}
+
+
+@bounded(60)
+async def test_delete_topic_in_the_stand_alone_name_server_takes_it_out_of_the_routes(tmp_path, broker_factory):
+    """mqadmin deleteTopic ends with DELETE_TOPIC_IN_NAMESRV to every name server: answered
+    REQUEST_CODE_NOT_SUPPORTED, the command failed after the brokers had deleted the topic. RocketMQ drops the
+    topic's queues of the named cluster's brokers (of every broker when no cluster is named) at once; the
+    broker here registers only once a minute, so only the name server's delete can take the route away."""
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    try:
+        b = broker_factory(*cluster_flags(namesrv.addr, "broker-a", 60_000))
+        for topic in ("Doomed", "Spared", "Kept"):
+            assert (await request(b.broker, R.UPDATE_AND_CREATE_TOPIC, {
+                "topic": topic, "readQueueNums": 2, "writeQueueNums": 2, "perm": 6})).code == ResponseCode.SUCCESS
+            await wait_for_route(namesrv.addr, topic, {"broker-a"})
+        other = await request(namesrv.addr, *_delete_in_namesrv("Spared", "OtherCluster"))
+        assert other.code == ResponseCode.SUCCESS, other.remark
+        assert await route(namesrv.addr, "Spared") is not None      # not a broker of that cluster
+        for topic, cluster in (("Doomed", "DefaultCluster"), ("Spared", None)):
+            done = await request(namesrv.addr, *_delete_in_namesrv(topic, cluster))
+            assert done.code == ResponseCode.SUCCESS, done.remark
+            assert await route(namesrv.addr, topic) is None
+        assert await route(namesrv.addr, "Kept") is not None
+        listed = json.loads((await request(namesrv.addr, R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)).body_bytes())
+        assert {"Doomed", "Spared"}.isdisjoint(listed["topicList"]) and "Kept" in listed["topicList"]
+        missing = await request(namesrv.addr, R.DELETE_TOPIC_IN_NAMESRV, {"clusterName": "DefaultCluster"})
+        assert missing.code != ResponseCode.SUCCESS and "topic" in missing.remark
+    finally:
+        namesrv.kill()
+
+
+@bounded(60)
+async def test_delete_topic_in_the_brokers_own_name_server_follows_the_broker(broker):
+    """The broker's own name server routes the broker's topics: after DELETE_TOPIC_IN_BROKER the name server
+    step is SUCCESS (mqadmin deleteTopic succeeds); a topic the broker still holds is refused saying so."""
+    for topic in ("Doomed", "Held"):
+        assert (await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})).code == ResponseCode.SUCCESS
+    assert (await request(broker.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "Doomed"})).code == ResponseCode.SUCCESS
+    done = await request(broker.namesrv, *_delete_in_namesrv("Doomed"))
+    assert done.code == ResponseCode.SUCCESS, done.remark
+    assert await route(broker.namesrv, "Doomed") is None
+    held = await request(broker.namesrv, *_delete_in_namesrv("Held", None))
+    assert held.code == ResponseCode.SYSTEM_ERROR and "DELETE_TOPIC_IN_BROKER" in held.remark
+    assert await route(broker.namesrv, "Held") is not None
+    elsewhere = await request(broker.namesrv, *_delete_in_namesrv("Held", "OtherCluster"))
+    assert elsewhere.code == ResponseCode.SUCCESS, elsewhere.remark
+
+
+def _cluster_list_in_out(table: dict) -> tuple[float, float]:
+    """What mqadmin clusterList does with a broker's runtime table: the first of putTps and getTransferedTps,
+    split on spaces and parsed as doubles (a missing key was a NullPointerException printed for each broker)."""
+    return float(table["putTps"].split(" ")[0]), float(table["getTransferedTps"].split(" ")[0])
+
+
+@bounded(60)
+async def test_runtime_info_has_the_rates_cluster_list_reads(broker):
+    table = json.loads((await request(broker.broker, R.GET_BROKER_RUNTIME_INFO)).body_bytes())["table"]
+    assert all(len(table[k].split(" ")) == 3 for k in ("putTps", "getTransferedTps"))
+    assert _cluster_list_in_out(table) == (0.0, 0.0)
+    async with Producer(broker.namesrv, "PG_tps") as producer:
+        for i in range(20):
+            await producer.send("Tps", f"m{i}".encode())
+    put_tps = 0.0
+    for _ in range(100):                    # the broker samples its totals once a second
+        table = json.loads((await request(broker.broker, R.GET_BROKER_RUNTIME_INFO)).body_bytes())["table"]
+        put_tps, _get_tps = _cluster_list_in_out(table)
+        if put_tps > 0:
+            break
+        await asyncio.sleep(0.1)
+    assert 0 < put_tps <= 20, {k: table[k] for k in ("putTps", "getTransferedTps", "msgPutTotalTodayNow")}
+
+
+# A 4.9.8 consumer's ConsumerRunningInfo as fastjson writes it: a map keyed by MessageQueue objects (not JSON),
+# passed through untouched.
+_RUNNING_INFO = (b'{"jstack":"","mqTable":{{"brokerName":"broker-a","queueId":0,"topic":"Orders"}:{"cachedMsgCount":0,'
+                 b'"commitOffset":12,"droped":false,"locked":false}},"properties":{"PROP_CONSUME_TYPE":'
+                 b'"CONSUME_PASSIVELY","PROP_CLIENT_VERSION":"V4_9_8"},"statusTable":{},"subscriptionSet":'
+                 b'[{"classFilterMode":false,"codeSet":[],"expressionType":"TAG","subString":"*","subVersion":1,'
+                 b'"tagsSet":[],"topic":"Orders"}]}')
+
+
+def _consumer_heartbeat(client_id: str, group: str) -> RemotingCommand:
+    body = {"clientID": client_id, "producerDataSet": [],
+            "consumerDataSet": [{"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                                 "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False,
+                                 "subscriptionDataSet": [{"topic": "Orders", "subString": "*", "subVersion": 1}]}]}
+    return RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode(), language=LanguageCode.JAVA)
+
+
+@bounded(60)
+async def test_consumer_running_info_is_asked_of_the_consumer_and_its_answer_passed_back(broker):
+    """mqadmin consumerStatus / consumerProgress -s: GET_CONSUMER_RUNNING_INFO to the broker, which asks the
+    named consumer (ClientRemotingProcessor) with the same fields and passes its answer back as it came. It was
+    REQUEST_CODE_NOT_SUPPORTED, so consumerStatus failed and consumerProgress -s showed no client addresses."""
+    asked = []
+
+    def java_consumer(conn, cmd):
+        asked.append(cmd)
+        if cmd.code == R.GET_CONSUMER_RUNNING_INFO:
+            return cmd.response(ResponseCode.SUCCESS, body=_RUNNING_INFO)
+        return None
+
+    host, _, port = broker.broker.rpartition(":")
+    consumer = await open_connection(host, int(port), java_consumer)
+    try:
+        hb = await consumer.request(_consumer_heartbeat("10.0.0.9@999", "CG_status"), 5.0)
+        assert hb.code == ResponseCode.SUCCESS, hb.remark
+        fields = {"consumerGroup": "CG_status", "clientId": "10.0.0.9@999", "jstackEnable": "false"}
+        resp = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        assert resp.body_bytes() == _RUNNING_INFO
+        [call] = [c for c in asked if c.code == R.GET_CONSUMER_RUNNING_INFO]
+        assert call.ext_fields == fields and not call.is_oneway
+        other = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO,
+                              {"consumerGroup": "CG_status", "clientId": "10.0.0.9@998", "jstackEnable": "false"})
+        assert (other.code, other.remark) == (ResponseCode.SYSTEM_ERROR,
+                                              "The Consumer <CG_status> <10.0.0.9@998> not online")
+    finally:
+        consumer.close()
+
+
+ORDER = "ORDER_TOPIC_CONFIG"     # NamesrvUtil.NAMESPACE_ORDER_TOPIC_CONFIG: mqadmin updateOrderConf, updateTopic -o
+
+
+async def _kv_round(addr: str) -> None:
+    """What mqadmin updateTopic -o true / updateOrderConf / updateKvConfig / deleteKvConfig send, in order."""
+    first = await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Ordered"})
+    assert (first.code, first.remark) == (ResponseCode.QUERY_NOT_FOUND,
+                                          "No config item, Namespace: ORDER_TOPIC_CONFIG Key: Ordered")
+    for key, value in (("Ordered", "broker-a:4"), ("Ordered", "broker-a:8;broker-b:8"), ("Other", "broker-a:2")):
+        put = await request(addr, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": key, "value": value})
+        assert put.code == ResponseCode.SUCCESS, put.remark
+    got = await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Ordered"})
+    assert (got.code, got.ext_fields.get("value")) == (ResponseCode.SUCCESS, "broker-a:8;broker-b:8")
+    listed = await request(addr, R.GET_KVLIST_BY_NAMESPACE, {"namespace": ORDER})
+    assert listed.code == ResponseCode.SUCCESS and json.loads(listed.body_bytes()) == {
+        "table": {"Ordered": "broker-a:8;broker-b:8", "Other": "broker-a:2"}}
+    gone = await request(addr, R.DELETE_KV_CONFIG, {"namespace": ORDER, "key": "Other"})
+    assert gone.code == ResponseCode.SUCCESS, gone.remark
+    assert (await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Other"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+    none = await request(addr, R.GET_KVLIST_BY_NAMESPACE, {"namespace": "NOBODY"})
+    assert (none.code, none.remark) == (ResponseCode.QUERY_NOT_FOUND, "No config item, Namespace: NOBODY")
+    bad = await request(addr, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": "NoValue"})
+    assert bad.code != ResponseCode.SUCCESS and "value" in bad.remark
+    assert (await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "NoValue"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+
+
+async def _kept(addr: str) -> None:
+    got = await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Ordered"})
+    assert (got.code, got.ext_fields.get("value")) == (ResponseCode.SUCCESS, "broker-a:8;broker-b:8"), got.remark
+    assert (await request(addr, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "Other"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+
+
+@bounded(90)
+async def test_kv_config_in_the_brokers_own_name_server_is_kept_across_a_restart(broker_factory):
+    """PUT/GET/DELETE_KV_CONFIG and GET_KVLIST_BY_NAMESPACE were REQUEST_CODE_NOT_SUPPORTED: updateKvConfig and
+    deleteKvConfig failed, and updateTopic -o true failed after making the topic. Kept in
+    <store>/config/kvConfig.json, as RocketMQ keeps kvConfig.json."""
+    b = broker_factory()
+    await _kv_round(b.namesrv)
+    assert b.stop() == 0
+    await _kept(broker_factory().namesrv)
+
+
+@bounded(90)
+async def test_kv_config_in_the_stand_alone_name_server_survives_a_kill(tmp_path):
+    path = tmp_path / "ns" / "kvConfig.json"
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log", "--kv-config-path", str(path)).start()
+    try:
+        await _kv_round(namesrv.addr)
+    finally:
+        namesrv.kill()                  # answered means written: nothing waits for a clean stop
+    assert json.loads(path.read_text()) == {"configTable": {ORDER: {"Ordered": "broker-a:8;broker-b:8"}}}
+    again = NamesrvProcess(tmp_path / "namesrv2.log", "--kv-config-path", str(path)).start()
+    try:
+        await _kept(again.addr)
+    finally:
+        again.kill()
+
+
+def _java_properties(text: str) -> dict[str, str]:
+    """java.util.Properties.load for what MixAll.properties2String writes: key=value lines."""
+    return dict(line.split("=", 1) for line in text.splitlines() if line and line[0] not in "#!")
+
+
+@bounded(60)
+async def test_broker_config_is_the_properties_text_get_broker_config_prints(broker_factory):
+    """mqadmin getBrokerConfig / exportConfigs: GET_BROKER_CONFIG answered REQUEST_CODE_NOT_SUPPORTED. RocketMQ
+    answers Properties text and its data version in the ``version`` field; RocketMQ's names for the settings
+    that mean the same, then txmq's own as txmq.<name>."""
+    b = broker_factory("--broker-name", "broker-x", "--flush", "async", "--file-reserved-hours", "48")
+    resp = await request(b.broker, R.GET_BROKER_CONFIG)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    version = json.loads(resp.ext_fields["version"])
+    assert list(version) == ["counter", "timestamp"] and version["counter"] == 0 and version["timestamp"] > 0
+    props = _java_properties(resp.body_bytes().decode("utf-8"))
+    assert {k: props[k] for k in ("brokerName", "brokerClusterName", "brokerId", "listenPort", "flushDiskType",
+                                  "fileReservedTime", "autoCreateTopicEnable")} == {
+        "brokerName": "broker-x", "brokerClusterName": "DefaultCluster", "brokerId": "0",
+        "listenPort": b.broker.rpartition(":")[2], "flushDiskType": "ASYNC_FLUSH", "fileReservedTime": "48",
+        "autoCreateTopicEnable": "true"}
+    assert (props["txmq.flush"], props["txmq.broker_name"]) == ("async", "broker-x")
+    # mqadmin exportConfigs copies these with Properties.setProperty, which throws a NullPointerException for
+    # each one missing (ExportConfigsCommand.needBrokerProprties)
+    exported = ("brokerClusterName", "brokerId", "brokerName", "brokerRole", "fileReservedTime", "filterServerNums",
+                "flushDiskType", "maxMessageSize", "messageDelayLevel", "msgTraceTopicName", "slaveReadEnable",
+                "traceOn", "traceTopicEnable", "useTLS", "autoCreateTopicEnable", "autoCreateSubscriptionGroup")
+    assert [k for k in exported if k not in props] == []
+    assert (props["msgTraceTopicName"], props["autoCreateSubscriptionGroup"]) == ("RMQ_SYS_TRACE_TOPIC", "true")
+
+
+@bounded(60)
+async def test_consume_message_directly_hands_the_stored_message_to_the_named_consumer(broker):
+    """mqadmin queryMsgById -g G -d C (the dashboard's resend): CONSUME_MESSAGE_DIRECTLY answered
+    REQUEST_CODE_NOT_SUPPORTED. RocketMQ passes the stored record of the offset id to that consumer, fields
+    plus brokerName, and its ConsumeMessageDirectlyResult back."""
+    async with Producer(broker.namesrv, "PG_direct") as producer:
+        sent = await producer.send("Orders", b"resend me", tags="created", keys="order-7")
+    result = b'{"autoCommit":true,"consumeResult":"CR_SUCCESS","order":false,"remark":"","spentTimeMills":2}'
+    asked = []
+
+    def java_consumer(conn, cmd):
+        if cmd.code == R.CONSUME_MESSAGE_DIRECTLY:
+            asked.append(cmd)
+            return cmd.response(ResponseCode.SUCCESS, body=result)
+        return None
+
+    host, _, port = broker.broker.rpartition(":")
+    consumer = await open_connection(host, int(port), java_consumer)
+    try:
+        assert (await consumer.request(_consumer_heartbeat("10.0.0.9@777", "CG_direct"), 5.0)).code == 0
+        fields = {"consumerGroup": "CG_direct", "clientId": "10.0.0.9@777", "msgId": sent.offset_msg_id}
+        resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+        assert (resp.code, resp.body_bytes()) == (ResponseCode.SUCCESS, result), resp.remark
+        [call] = asked
+        assert call.ext_fields == {**fields, "brokerName": "broker-a"}
+        [msg] = decode_records(call.body_bytes())
+        assert (msg.topic, msg.body, msg.tags, msg.offset_msg_id) == ("Orders", b"resend me", "created",
+                                                                       sent.offset_msg_id)
+        missing = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY,
+                                {**fields, "msgId": sent.offset_msg_id[:-4] + "FFFF"})
+        assert missing.code == ResponseCode.SYSTEM_ERROR and "can not find message" in missing.remark
+        bad = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {**fields, "msgId": "not-an-id"})
+        assert bad.code != ResponseCode.SUCCESS and "not-an-id" in bad.remark and len(asked) == 1
+    finally:
+        consumer.close()
+
+
+def _status_body(offsets: dict[int, int]) -> bytes:
+    """A 4.9.8 consumer's GetConsumerStatusBody answer to GET_CONSUMER_STATUS_FROM_CLIENT, as fastjson writes it."""
+    table = ",".join(f'{{"brokerName":"broker-a","queueId":{q},"topic":"Orders"}}:{o}' for q, o in offsets.items())
+    return f'{{"consumerTable":{{}},"messageQueueTable":{{{table}}}}}'.encode()
+
+
+@bounded(60)
+async def test_get_consumer_status_asks_each_consumer_of_the_group(broker):
+    """mqadmin getConsumerStatus: INVOKE_BROKER_TO_GET_CONSUMER_STATUS answered REQUEST_CODE_NOT_SUPPORTED.
+    RocketMQ asks each consumer of the group (GET_CONSUMER_STATUS_FROM_CLIENT) and answers the offsets of those
+    that answered, by client id; one that cannot answer is left out."""
+    asked: dict[str, list] = {}
+
+    def java_consumer(client_id: str, offsets: dict[int, int] | None):
+        def handle(conn, cmd):
+            if cmd.code != R.GET_CONSUMER_STATUS_FROM_CLIENT:
+                return None
+            asked.setdefault(client_id, []).append(cmd.ext_fields)
+            if offsets is None:
+                return cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED, "not supported")
+            return cmd.response(ResponseCode.SUCCESS, body=_status_body(offsets))
+        return handle
+
+    host, _, port = broker.broker.rpartition(":")
+    clients = {"10.0.0.1@1": {0: 5, 1: 7}, "10.0.0.2@2": {2: 9}, "10.0.0.3@3": None}
+    conns = [await open_connection(host, int(port), java_consumer(cid, o)) for cid, o in clients.items()]
+    try:
+        for conn, cid in zip(conns, clients):
+            assert (await conn.request(_consumer_heartbeat(cid, "CG_st"), 5.0)).code == ResponseCode.SUCCESS
+
+        async def status(**extra):
+            resp = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                                 {"topic": "Orders", "group": "CG_st", **extra})
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            obj, _ = decode_mq_table(resp.body_bytes(), "messageQueueTable")
+            assert list(obj) == ["consumerTable", "messageQueueTable"] and obj["messageQueueTable"] == {}
+            return {cid: {json.loads(k)["queueId"]: v for k, v in t.items()} for cid, t in obj["consumerTable"].items()}
+
+        assert await status() == {"10.0.0.1@1": {0: 5, 1: 7}, "10.0.0.2@2": {2: 9}}
+        assert all(fields == [{"topic": "Orders", "group": "CG_st"}] for fields in asked.values()) and len(asked) == 3
+        assert await status(clientAddr="10.0.0.2@2") == {"10.0.0.2@2": {2: 9}}
+        assert len(asked["10.0.0.2@2"]) == 2 and len(asked["10.0.0.1@1"]) == 1
+        nobody = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                               {"topic": "Orders", "group": "CG_no"})
+        assert (nobody.code, nobody.remark) == (ResponseCode.SYSTEM_ERROR,
+                                                "No Any Consumer online in the consumer group: [CG_no]")
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+@bounded(60)
+async def test_requests_waiting_for_consumers_are_limited_and_end_when_the_consumer_goes(broker):
+    """Each forwarded request waits up to 10 s for the consumer, holding its request (a 309: a copy of a stored
+    message, up to 4 MiB): without a limit, a consumer that never answered and admins asking again and again
+    held memory without bound. Past MAX_FORWARDING waiting, SYSTEM_BUSY at once; the consumer's connection
+    closing answers the waiting ones at once, not after their 10 s."""
+    from broker.processors.forward import MAX_FORWARDING
+
+    asked, all_asked = [], asyncio.Event()
+
+    def silent_consumer(conn, cmd):
+        if cmd.code == R.GET_CONSUMER_RUNNING_INFO:
+            asked.append(cmd)
+            if len(asked) == MAX_FORWARDING:
+                all_asked.set()
+        return None                     # never answers
+
+    host, _, port = broker.broker.rpartition(":")
+    consumer = await open_connection(host, int(port), silent_consumer)
+    admin = await _connect(broker.broker)
+    try:
+        assert (await consumer.request(_consumer_heartbeat("10.0.0.9@555", "CG_silent"), 5.0)).code == 0
+
+        def ask():
+            return admin.request(RemotingCommand.request(R.GET_CONSUMER_RUNNING_INFO, {
+                "consumerGroup": "CG_silent", "clientId": "10.0.0.9@555", "jstackEnable": "false"}), 20.0)
+
+        waiting = [asyncio.ensure_future(ask()) for _ in range(MAX_FORWARDING)]
+        await asyncio.wait_for(all_asked.wait(), 10)
+        busy = await asyncio.wait_for(ask(), 5)
+        assert busy.code == ResponseCode.SYSTEM_BUSY and "waiting for consumers" in busy.remark
+        assert len(asked) == MAX_FORWARDING and not any(w.done() for w in waiting)
+        consumer.close()
+        answers = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        assert {a.code for a in answers} == {ResponseCode.SYSTEM_ERROR}
+        assert all("invoke consumer <CG_silent> <10.0.0.9@555>" in a.remark for a in answers)
+    finally:
+        consumer.close()
+        admin.close()
+
+
+@bounded(60)
+async def test_get_consumer_status_survives_a_consumer_answering_odd_queues(broker):
+    """A consumer's answer is its own text: one naming a queue's topic as a number (fastjson reads it as the
+    string) made the whole answer SYSTEM_ERROR (the queues did not sort), the other consumers' offsets lost."""
+    odd = b'{"messageQueueTable":{{"brokerName":"broker-a","queueId":0,"topic":5}:3,' \
+          b'{"brokerName":"broker-a","queueId":1,"topic":"Orders"}:4}}'
+
+    def consumer(body):
+        def handle(conn, cmd):
+            if cmd.code == R.GET_CONSUMER_STATUS_FROM_CLIENT:
+                return cmd.response(ResponseCode.SUCCESS, body=body)
+            return None
+        return handle
+
+    host, _, port = broker.broker.rpartition(":")
+    clients = {"10.0.0.1@1": _status_body({0: 5}), "10.0.0.2@2": odd}
+    conns = [await open_connection(host, int(port), consumer(body)) for body in clients.values()]
+    try:
+        for conn, cid in zip(conns, clients):
+            assert (await conn.request(_consumer_heartbeat(cid, "CG_odd"), 5.0)).code == ResponseCode.SUCCESS
+        resp = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                             {"topic": "Orders", "group": "CG_odd"})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        obj, _ = decode_mq_table(resp.body_bytes(), "messageQueueTable")
+        assert {cid: sorted((json.loads(k)["topic"], v) for k, v in t.items())
+                for cid, t in obj["consumerTable"].items()} == {"10.0.0.1@1": [("Orders", 5)],
+                                                               "10.0.0.2@2": [("5", 3), ("Orders", 4)]}
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+@bounded(60)
+async def test_a_txmq_consumer_says_at_once_what_it_does_not_serve(broker):
+    """txmq's own consumer left requests it does not serve unanswered: mqadmin consumerStatus on it waited the
+    broker's 10 s (the tool's own 5 s first), getConsumerStatus 5 s, each holding a forwarded request's place.
+    It answers REQUEST_CODE_NOT_SUPPORTED, passed back at once; getConsumerStatus leaves it out at once."""
+    async with Producer(broker.namesrv, "PG_txmq_consumer") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_txmq") as consumer:
+        await consumer.subscribe("Orders")
+        fields = {"consumerGroup": "CG_txmq", "clientId": consumer.client_id, "jstackEnable": "false"}
+        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)      # (5 s: the tool's)
+        assert info.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED, info.remark
+        status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                               {"topic": "Orders", "group": "CG_txmq"})
+        obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
+        assert status.code == ResponseCode.SUCCESS and obj["consumerTable"] == {}
+
+
+@bounded(60)
+async def test_kv_config_holds_at_most_its_limit(broker):
+    """Anyone reaching a name server may PUT_KV_CONFIG, and each change rewrites the whole file: a few 16 MiB
+    values filled the broker's store disk (its name server keeps the file there), each change writing them all
+    again. A change past the limit is refused and changes nothing; smaller ones go on."""
+    from broker.kv_config import MAX_BYTES
+
+    half = "x" * (MAX_BYTES // 2)
+    assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
+                          {"namespace": ORDER, "key": "A", "value": half})).code == ResponseCode.SUCCESS
+    past = await request(broker.namesrv, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": "B", "value": half})
+    assert past.code == ResponseCode.SYSTEM_ERROR and "more than" in past.remark, past.remark
+    assert (await request(broker.namesrv, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "B"})).code == \
+        ResponseCode.QUERY_NOT_FOUND
+    assert (await request(broker.namesrv, R.PUT_KV_CONFIG,     # replacing a value frees its room
+                          {"namespace": ORDER, "key": "A", "value": "broker-a:8"})).code == ResponseCode.SUCCESS
+    assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
+                          {"namespace": ORDER, "key": "B", "value": half})).code == ResponseCode.SUCCESS
