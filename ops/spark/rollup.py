@@ -37,6 +37,7 @@ from protocol.txlog import COMMIT
 from . import segments as seg_mod
 from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
 from .manifest import removed_before, segments_for_window
+from .publish import Publisher
 from .snapshots import snapshot_files
 from .transactions import ALL_GROUPS, classify, half_summary
 
@@ -228,30 +229,19 @@ def _owned_cond(owned: dict[str, set[str]]):
     return cond
 
 
-def write_partitions(spark, df, path: str, owned: dict[str, set[str]]):
-    """Replace, for each broker and date in owned, that broker's rows of the date with df's; return
-    (how many rows that is, every row the dates' partitions now hold). Every other row in those
-    partitions stays: Spark's dynamic overwrite replaces a whole date partition, and a run that
-    covers one broker of several, or a date a store holds only part of, must not take the other
-    rows with it."""
-    dates = sorted(set().union(*owned.values())) if owned else []
+def write_partitions(spark, df, staged: str, owned: dict[str, set[str]], kept: list):
+    """Write, for each broker and date in owned, that broker's rows of the date from df, plus the
+    ``kept`` rows of those dates (_kept_rows) as partitions under ``staged`` (a Publisher's staging
+    directory: nothing under --out changes until its commit); return (how many rows are this run's,
+    every row the dates' partitions will hold). Spark's dynamic overwrite replaces a whole date
+    partition, and a run that covers one broker of several, or a date a store holds only part of,
+    must not take the other rows with it."""
     mine = df.where(_owned_cond(owned))
-    if not dates:
+    if not any(owned.values()):
         return 0, mine
-    kept = _kept_rows(spark, path, df, dates, owned)
     full = mine if not kept else mine.unionByName(spark.createDataFrame(kept, df.schema))
-    full.write.mode("overwrite").partitionBy("date").parquet(path)
-    # One action for both answers: the dates written, and (less the kept rows) how many are this run's.
-    counts = {r["date"]: r["n"] for r in full.groupBy("date").count().withColumnRenamed("count", "n").collect()}
-    present = set(counts)
-    jvm = spark.sparkContext._jvm
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    for d in set(dates) - present:
-        part = jvm.org.apache.hadoop.fs.Path(f"{path}/date={d}")
-        fs = part.getFileSystem(conf)
-        if fs.exists(part):
-            fs.delete(part, True)
-    return sum(counts.values()) - len(kept), full
+    full.write.mode("overwrite").partitionBy("date").parquet(staged)
+    return mine.count(), full       # df is cached, and the write filled the cache: no new scan
 
 
 def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
@@ -307,6 +297,8 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
     started = time.monotonic()
     day = dt.date.fromisoformat(date) if date is not None else None   # ValueError before any work
+    with _out_lock(out_dir):        # a run killed while it published: finish that before reading --out
+        Publisher(spark, out_dir).recover()
     stores = store_brokers(store_dir)
     parts = []
     tables: dict = {}
@@ -341,28 +333,34 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
         # Each table's rows of another broker are read, then written back with this run's: two runs
         # into one --out at once would each write back the other's old rows (a lost update).
         with _out_lock(out_dir):
-            report_tables = {}
+            publisher = Publisher(spark, out_dir)
+            publisher.recover()
+            report_tables, old_brokers = {}, set()
             for name, df in queries.items():
                 t0 = time.monotonic()
                 tables[name] = df = df.drop("window_ms").where(_owned_cond(owned[name])).cache()
-                # The report shows what the dates' partitions now hold: other brokers' rows too.
-                summary["rows"][name], report_tables[name] = write_partitions(spark, df, os.path.join(out_dir, name),
-                                                                              owned[name])
+                # One read of what --out holds for the run's dates and this run does not replace: the
+                # rows written back with this run's, and those of a date this table's rows are left
+                # as they are for (the store no longer holds the day whole), which the report shows.
+                written = set().union(*owned[name].values())
+                old = _kept_rows(spark, os.path.join(out_dir, name), df, dates, owned[name])
+                kept = [r for r in old if r["date"] in written]
+                rest = [r for r in old if r["date"] not in written]
+                summary["rows"][name], report_tables[name] = write_partitions(
+                    spark, df, publisher.stage(name), owned[name], kept)
+                if rest:
+                    report_tables[name] = report_tables[name].unionByName(spark.createDataFrame(rest, df.schema))
+                if name in LOG_TABLES:
+                    old_brokers |= {r["broker"] for r in old}
                 log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                          ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
-            for name in TABLES:
-                # A date of the report this table's rows were not rewritten for (its rows left as they
-                # are: the store no longer holds the day whole) shows the rows --out holds, not none.
-                written = set().union(*owned[name].values())
-                rest = [d for d in dates if d not in written]
-                old = _kept_rows(spark, os.path.join(out_dir, name), tables[name], rest, {}) if rest else []
-                if old:
-                    report_tables[name] = report_tables[name].unionByName(
-                        spark.createDataFrame(old, tables[name].schema))
+            t0 = time.monotonic()
+            publisher.commit({name: set().union(*owned[name].values()) for name in TABLES})
+            log.info("rollup: published the partitions of %s in %.1f s", ", ".join(TABLES), time.monotonic() - t0)
             t0 = time.monotonic()
             report_dir = report_dir or os.path.join(_local_form(out_dir), "report")
-            everyone = sorted({r[0] for name in ("traffic", "transactions")
-                               for r in report_tables[name].select("broker").distinct().collect()} | set(summary["brokers"]))
+            # Every broker the report's rows hold: this run's, and those of the rows read back above.
+            everyone = sorted(old_brokers | set(summary["brokers"]))
             summary["reports"] = report_mod.write_reports(report_dir, dates, report_tables,
                                                           {**summary, "brokers": everyone})
             log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,

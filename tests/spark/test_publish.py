@@ -1,0 +1,132 @@
+"""A rollup killed while it publishes its partitions loses no date of the history, and the next
+run finishes what it left.
+
+Two brokers' three days (test_history's store) are rolled up into one --out; then broker-a's
+middle day is rolled up again in a child process that is killed in the middle of its publish:
+
+* by strace, at the first rename / unlink / rmdir that touches the day's traffic partition (with
+  Spark's own dynamic overwrite that was its delete, and the rename of the new one never came:
+  the day's rows of both brokers were gone);
+* by its own publish, after N of its renames (ops.spark.publish counts them), for N from 0 (staged,
+  nothing journalled) to all but the last partition.
+
+After the kill every partition holds exactly the rows it held before (the re-run computes the same
+rows), and a later run finishes or drops the half-done publish.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.spark.test_history import DATES, TABLES, build, rows
+
+pytestmark = pytest.mark.spark
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DAY = DATES[1]
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def history(spark, tmp_path_factory):
+    from ops.spark.rollup import run_rollup
+
+    base = tmp_path_factory.mktemp("publish")
+    stores = [str(base / name) for name in ("broker-a", "broker-b")]
+    for s in stores:
+        build(s)
+    out = str(base / "out")
+    run_rollup(spark, stores, out)
+    dates = sorted(n[len("date="):] for n in os.listdir(os.path.join(out, "broker")) if n.startswith("date="))
+    before = {(t, d): rows(spark, out, t, d) for t in TABLES for d in dates}
+    assert all(before[(t, DAY)] for t in TABLES)
+    return {"stores": stores, "out": out, "before": before}
+
+
+def _copy_out(history, tmp_path) -> str:
+    out = str(tmp_path / "out")
+    shutil.copytree(history["out"], out)
+    return out
+
+
+def _rollup_args(history, out):
+    return ["rollup", "--store-dir", history["stores"][0], "--out", out, "--date", DAY, "--master", "local[1]",
+            "--no-progress", "--shuffle-partitions", "2"]
+
+
+def _marker(out, table):
+    return [n for n in os.listdir(os.path.join(out, table, f"date={DAY}")) if n.startswith(".txmq-run-")]
+
+
+def _assert_intact(spark, history, out):
+    for (t, d), want in history["before"].items():
+        assert rows(spark, out, t, d) == want, (t, d)
+
+
+def _converges(spark, history, out):
+    from ops.spark.rollup import run_rollup
+
+    run_rollup(spark, history["stores"][0], out, date=DAY)
+    _assert_intact(spark, history, out)
+    assert not os.path.exists(os.path.join(out, ".txmq-publish"))
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to kill the job at a file operation")
+def test_killed_at_the_first_touch_of_a_partition_loses_no_date(spark, history, tmp_path):
+    out = _copy_out(history, tmp_path)
+    part = os.path.join(out, "traffic", f"date={DAY}")
+    calls = "rename,renameat,renameat2,rmdir,unlink,unlinkat"
+    proc = subprocess.run(["strace", "-f", "-qq", "-o", os.devnull, "-P", part, "-e", f"trace={calls}",
+                           "-e", f"inject={calls}:signal=KILL:when=1",
+                           sys.executable, "-m", "ops.spark", *_rollup_args(history, out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0, "the job was not killed: " + proc.stderr[-2000:]
+    _assert_intact(spark, history, out)
+    _converges(spark, history, out)
+
+
+KILLER = textwrap.dedent("""
+    import os, sys
+    from ops.spark import cli, publish
+
+    left = int(sys.argv[1])
+
+    def counted(step):
+        def run(*args):
+            global left
+            if left == 0:
+                os._exit(99)            # killed: no clean-up, no flush
+            left -= 1
+            return step(*args)
+        return run
+
+    publish._rename = counted(publish._rename)
+    publish._exchange = counted(publish._exchange)
+    sys.exit(cli.main(sys.argv[2:]))
+""")
+
+
+# The publish of one date: the journal's rename, then one swap per table (4).
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_killed_after_n_publish_steps_keeps_every_partition_and_the_next_run_finishes(spark, history, tmp_path,
+                                                                                      steps):
+    from ops.spark.publish import Publisher
+
+    out = _copy_out(history, tmp_path)
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(steps), *_rollup_args(history, out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 99, proc.stderr[-2000:]
+    assert os.path.isdir(os.path.join(out, ".txmq-publish"))
+    _assert_intact(spark, history, out)
+    journalled = steps > 0
+    assert Publisher(spark, out).recover() is journalled
+    assert not os.path.exists(os.path.join(out, ".txmq-publish"))
+    for t in TABLES:       # a journalled run's partitions are all in (each holds that run's marker), or none is
+        assert (_marker(out, t) != _marker(history["out"], t)) is journalled, t
+    _assert_intact(spark, history, out)
+    _converges(spark, history, out)
