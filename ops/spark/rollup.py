@@ -200,21 +200,38 @@ def _dates_present(scan, snaps) -> list[str]:
                   .distinct().collect())
 
 
+def _read_dates(spark, path: str, dates) -> object | None:
+    """The date partitions of table ``path`` for these dates (those that exist), or None.
+
+    Only those partitions are listed and read, and their schemas merged: without a schema, Spark
+    takes a table's from one file of all its partitions, and months of history can begin with
+    partitions written before the broker column. Read whole, such a table had no broker column:
+    another broker's rows of a date were not kept when it was rewritten, and a broker's previous
+    day summed every broker's undecided count."""
+    from pyspark.sql.utils import AnalysisException
+
+    jvm = spark.sparkContext._jvm
+    fs = jvm.org.apache.hadoop.fs.Path(path).getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    parts = [f"{path}/date={d}" for d in sorted(set(dates))]
+    parts = [p for p in parts if fs.exists(jvm.org.apache.hadoop.fs.Path(p))]
+    if not parts:
+        return None
+    try:
+        return spark.read.option("basePath", path).option("mergeSchema", "true").parquet(*parts)
+    except AnalysisException:           # partitions without a data file (hold no rows)
+        return None
+
+
 def _kept_rows(spark, path: str, df, dates: list[str], owned: dict[str, set[str]]) -> list:
     """The rows already under path for these dates that this run does not replace: another broker's,
     or a date a broker's store no longer holds whole. Collected (aggregates: a few thousand rows a
-    broker and day), so the overwrite does not read the files it replaces."""
-    from pyspark.sql.utils import AnalysisException
-
+    broker and day), so the overwrite does not read the files it replaces. Rows written before the
+    broker column (one store's) have no broker: a date rewritten replaces them whole."""
     F = _F()
-    try:
-        old = spark.read.parquet(path)
-    except AnalysisException:           # nothing written yet
+    old = _read_dates(spark, path, dates)
+    if old is None or "broker" not in old.columns:
         return []
-    if "broker" not in old.columns:     # written before the broker column: one store, replaced whole
-        return []
-    old = old.withColumn("date", F.col("date").cast("string")).where(F.col("date").isin(dates))
-    old = old.where(~_owned_cond(owned))
+    old = old.withColumn("date", F.col("date").cast("string")).where(~_owned_cond(owned) & F.col("broker").isNotNull())
     cols = [F.col(f.name).cast(f.dataType) if f.name in old.columns else F.lit(None).cast(f.dataType).alias(f.name)
             for f in df.schema.fields]
     return old.select(*cols).collect()
@@ -248,18 +265,15 @@ def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None
     """[(producer_group, undecided_at_end)] of the day before ``date`` as rolled up under out_dir for
     ``broker`` (tables written before the broker column: every row), or None when that day has not
     been rolled up there."""
-    from pyspark.sql.utils import AnalysisException
-
     F = _F()
     prev = (dt.date.fromisoformat(date) - dt.timedelta(days=1)).isoformat()
-    try:
-        df = spark.read.parquet(os.path.join(out_dir, "transactions"))
-        where = (F.col("date").cast("string") == prev) & (F.col("grain") == "day")
-        if broker is not None and "broker" in df.columns:
-            where = where & (F.col("broker") == broker)
-        rows = df.where(where).select("producer_group", "undecided_at_end").collect()
-    except AnalysisException:
+    df = _read_dates(spark, os.path.join(out_dir, "transactions"), [prev])
+    if df is None:
         return None
+    where = F.col("grain") == "day"
+    if broker is not None and "broker" in df.columns:
+        where = where & (F.col("broker") == broker)
+    rows = df.where(where).select("producer_group", "undecided_at_end").collect()
     return [(r["producer_group"], r["undecided_at_end"] or 0) for r in rows] or None
 
 
