@@ -96,6 +96,10 @@ class Publisher:
 
     # --- finishing (this run's, or a killed run's) -----------------------------------------------
 
+    def pending(self) -> bool:
+        """Whether a run left a publish (or its staged files) here."""
+        return bool(self.fs.exists(self.root))
+
     def recover(self) -> bool:
         """Finish a publish a killed run left (True), or drop its staged files; False if none."""
         if not self.fs.exists(self.root):

@@ -311,8 +311,9 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
     started = time.monotonic()
     day = dt.date.fromisoformat(date) if date is not None else None   # ValueError before any work
-    with _out_lock(out_dir):        # a run killed while it published: finish that before reading --out
-        Publisher(spark, out_dir).recover()
+    if Publisher(spark, out_dir).pending():   # a run killed while it published: finish that before reading
+        with _out_lock(out_dir):                # --out (a run that fails creates no --out: checked first)
+            Publisher(spark, out_dir).recover()
     stores = store_brokers(store_dir)
     parts = []
     tables: dict = {}
