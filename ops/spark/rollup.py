@@ -333,7 +333,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
             for name in TABLES:
                 for d in sorted(set(dates) - owned[name][p.broker]):
                     summary["left_as_is"].append({"broker": p.broker, "date": d, "table": name,
-                                                  "why": p.not_whole(name)})
+                                                  "why": p.not_whole(name, d)})
         for d in dates:
             left = [x for x in summary["left_as_is"] if x["date"] == d]
             for why in sorted({x["why"] for x in left}):
@@ -483,6 +483,7 @@ class _StoreRollup:
         self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
+        when = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)  # noqa: E731
         if first is not None and first.base > 0:
             # Retention removed the segments before this one (or a slave's log began here). A day is cut
             # when a removed segment held records of it: the days up to that of the newest record
@@ -492,7 +493,6 @@ class _StoreRollup:
             # next on are whole.
             gone = removed_before(store_dir, first)
             ts = seg_mod.first_store_ts(first)
-            when = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)  # noqa: E731
             if gone is not None:
                 self.whole_from = (when(gone["last_ts"]).date() + dt.timedelta(days=1)).isoformat()
                 self.cut = (first.base, f"the newest record removed was stored {when(gone['last_ts']).isoformat()}")
@@ -500,6 +500,15 @@ class _StoreRollup:
                 self.whole_from = (when(ts).date() + dt.timedelta(days=1)).isoformat()
                 self.cut = (first.base, f"first record stored {when(ts).isoformat()}")
         self.snapshot_days = {os.path.basename(f)[:-len(".jsonl")] for f in snapshot_files(store_dir)}
+        # A log from offset 0 holds everything the store ever had, and nothing before its first record
+        # or snapshot file: in a run over several stores, or a --date before it, an earlier day is not
+        # this store's to replace (a store wiped and begun anew under the same name: those rows are the
+        # old store's). A store holding nothing yet has no first day: it replaces what a run asks.
+        self.begins = None
+        if first is None or first.base == 0:
+            ts = seg_mod.first_store_ts(first) if first is not None else None
+            held = sorted(self.snapshot_days)[:1] + ([when(ts).date().isoformat()] if ts is not None else [])
+            self.begins = min(held, default=None)
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
                         "bytes_read": scan.bytes_read, "incremental": self.since is not None,
                         "damage": [{**d, "broker": broker} for d in scan.damage],
@@ -528,7 +537,9 @@ class _StoreRollup:
     def owned(self, name: str, dates) -> set[str]:
         """The dates whose rows of table ``name`` this store can compute whole, so a run replaces them:
         for the commit-log tables the days after the newest record retention removed (see __init__); for the snapshot
-        tables the days from its oldest snapshot file on. Other days keep what --out holds."""
+        tables the days from its oldest snapshot file on; never a day before the store began. Other days
+        keep what --out holds."""
+        dates = [d for d in dates if self.begins is None or d >= self.begins]
         if name in LOG_TABLES:
             return {d for d in dates if self.whole_from is None or d >= self.whole_from}
         if not self.snapshot_days:       # snapshots off (or never kept): nothing to lose, nothing to keep
@@ -536,7 +547,10 @@ class _StoreRollup:
         oldest = min(self.snapshot_days)    # the broker removes the oldest files first
         return {d for d in dates if d >= oldest}
 
-    def not_whole(self, name: str) -> str:
+    def not_whole(self, name: str, date: str) -> str:
+        if self.begins is not None and date < self.begins:
+            return (f"the store holds nothing before {self.begins} (its log starts at offset 0): a new or wiped "
+                    "store under this name, or one that had not started; those rows are another store's")
         if name in LOG_TABLES:
             return (f"the store no longer holds the whole day (its log now starts at commit-log offset "
                     f"{self.cut[0]}, {self.cut[1]}: retention removed the segments before)")

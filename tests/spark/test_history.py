@@ -222,3 +222,26 @@ def test_history_written_before_the_broker_column_hides_no_brokers_rows(spark, t
         for d in DATES[:2]:
             for b in ("broker-a", "broker-b"):
                 assert rows(spark, out, t, d, b) == rows(spark, ref, t, d, b) != [], (t, d, b)
+
+
+def test_a_wiped_store_rolled_up_with_others_leaves_its_older_days_as_they_are(spark, tmp_path):
+    """Two brokers rolled up together; broker-b's store is then wiped and begins anew on D3. A
+    whole-store run over both covers D1..D3 (broker-a's days): broker-b's new store holds nothing
+    before D3, so its D1 and D2 rows, made from the old store, must stay, not become '*' rows at 0."""
+    import shutil
+
+    from ops.spark.rollup import run_rollup
+
+    stores = [str(tmp_path / name) for name in ("broker-a", "broker-b")]
+    for s in stores:
+        build(s)
+    out = str(tmp_path / "out")
+    run_rollup(spark, stores, out)
+    before = {(t, d): rows(spark, out, t, d, "broker-b") for t in TABLES for d in DATES[:2]}
+    shutil.rmtree(stores[1])
+    with StoreBuilder(stores[1], segment_size=4096) as b:   # the new store, from D3 10:00
+        b.at(D3 + 10 * H).commit(b.at(D3 + 10 * H).half("pg-a", "Pay"))
+    summary = run_rollup(spark, stores, out)
+    for (t, d), want in before.items():
+        assert rows(spark, out, t, d, "broker-b") == want != [], (t, d)
+    assert {(x["broker"], x["date"]) for x in summary["left_as_is"]} >= {("broker-b", d) for d in DATES[:2]}
