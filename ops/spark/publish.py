@@ -73,6 +73,7 @@ class Publisher:
             for d in staged:                 # the marker that says "this partition is in" after the swap
                 self.fs.create(self._Path(self._p("new", table, f"date={d}"), f".txmq-run-{self.run}"), True).close()
             journal["tables"][table] = {"replace": sorted(staged), "remove": sorted(set(dates) - staged)}
+        _sync_tree(self._p("new"))          # the new partitions on disk before the journal says "publish"
         self._write_journal(journal)
         self._finish(journal)
         return {t: set(v["replace"]) for t, v in journal["tables"].items()}
@@ -86,13 +87,22 @@ class Publisher:
 
     def _write_journal(self, journal: dict) -> None:
         tmp, path = self._p("journal.json.tmp"), self._p("journal.json")
-        out = self.fs.create(tmp, True)
-        try:
-            out.write(bytearray(json.dumps(journal).encode()))
-            out.hsync()
-        finally:
-            out.close()
+        data = json.dumps(journal).encode()
+        local = _local(tmp)
+        if local is not None:   # Hadoop's local file system ignores hsync (its checksummed stream cannot sync)
+            with open(local, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            out = self.fs.create(tmp, True)
+            try:
+                out.write(bytearray(data))
+                out.hsync()
+            finally:
+                out.close()
         _rename(self.fs, tmp, path)
+        _sync_dir(self.root)    # the journal's name on disk before any partition moves
 
     # --- finishing (this run's, or a killed run's) -----------------------------------------------
 
@@ -128,6 +138,7 @@ class Publisher:
                 final = self._final(table, d)
                 if self.fs.exists(final):
                     self._aside(final, self._p("old", table, f"date={d}"))
+            _sync_dir(self._Path(self.out, table))      # the swaps on disk before the journal goes
         self.fs.delete(self.root, True)
 
     def _swap_in(self, table: str, date: str, run: str) -> None:
@@ -155,6 +166,35 @@ def _rename(fs, src, dst) -> None:
     """Hadoop's rename reports failure as False; a publish step that fails must stop the run."""
     if not fs.rename(src, dst):
         raise OSError(f"cannot rename {src} to {dst}")
+
+
+def _local(path) -> str | None:
+    uri = path.toUri()
+    return uri.getPath() if uri.getScheme() == "file" else None
+
+
+def _fsync(local: str) -> None:
+    fd = os.open(local, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(path) -> None:
+    """fsync a local directory (its entries: renames into and out of it); elsewhere nothing to do."""
+    local = _local(path)
+    if local is not None and os.path.isdir(local):
+        _fsync(local)
+
+
+def _sync_tree(path) -> None:
+    """fsync every file and directory under a local path: Spark's Parquet writer syncs nothing."""
+    local = _local(path)
+    for where, _, files in os.walk(local) if local is not None else ():
+        for name in files:
+            _fsync(os.path.join(where, name))
+        _fsync(where)
 
 
 _libc = None

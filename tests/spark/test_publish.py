@@ -114,3 +114,43 @@ def test_killed_after_n_publish_steps_keeps_every_partition_and_the_next_run_fin
         assert (_marker(out, t) != _marker(history["out"], t)) is journalled, t
     _assert_intact(spark, history, out)
     _converges(spark, history, out)
+
+
+def test_the_publish_is_on_disk_before_its_journal_and_the_journal_before_any_swap(spark, tmp_path, monkeypatch):
+    """A power cut must not leave a journal whose contents never reached the disk (every later run
+    failing on it) or swapped partitions with no journal: the new files, then the journal and its
+    name, are synced before the first swap, and each table directory after its swaps. Hadoop's
+    local file system takes hsync for a flush, and it syncs no directory."""
+    from ops.spark import publish
+
+    out = tmp_path / "out"
+    (out / "traffic" / f"date={DAY}").mkdir(parents=True)
+    (out / "traffic" / f"date={DAY}" / "part-0.parquet").write_bytes(b"old")
+    pub = publish.Publisher(spark, str(out))
+    staged = tmp_path / "out" / publish.DIR / "new" / "traffic" / f"date={DAY}"
+    staged.mkdir(parents=True)
+    (staged / "part-0.parquet").write_bytes(b"new")
+    events = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def swapped(step):
+        def run(fs, a, b):
+            events.append(("swap", a.toUri().getPath()))
+            return step(fs, a, b)
+        return run
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(publish, "_exchange", swapped(publish._exchange))
+    pub.commit({"traffic": {DAY}})
+    assert (out / "traffic" / f"date={DAY}" / "part-0.parquet").read_bytes() == b"new"
+    synced = [p for kind, p in events if kind == "fsync"]
+    first_swap = next(i for i, (kind, p) in enumerate(events) if kind == "swap" and p.endswith(f"date={DAY}"))
+    before = synced[:sum(1 for kind, _ in events[:first_swap] if kind == "fsync")]
+    root = str(out / publish.DIR)
+    assert str(staged / "part-0.parquet") in before and str(staged) in before
+    assert os.path.join(root, "journal.json.tmp") in before and root in before
+    assert events[-1] == ("fsync", str(out / "traffic"))
