@@ -62,12 +62,18 @@ class Publisher:
 
     def stage(self, table: str) -> str:
         """Where to write this table's new partitions (a fresh directory)."""
+        self.fs.create(self._p(f"run-{self.run}"), True).close()    # commit() checks it is still there
         return str(self._p("new", table))
 
     def commit(self, owned: dict[str, set[str]]) -> dict[str, set[str]]:
         """Swap in, for each table, every staged date partition, and remove the partitions of the
         owned dates that now have no rows; return {table: dates swapped in}."""
         journal = {"run": self.run, "tables": {}}
+        if not self.fs.exists(self._p(f"run-{self.run}")):
+            # Gone: another run's recover() dropped them as a killed run's, and a date "with no rows
+            # any more" would be every date of the run, removed.
+            raise PublishError(f"this run's staged partitions under {self.root} are gone: another rollup "
+                               "into the same --out dropped them (runs into one --out must not overlap)")
         for table, dates in owned.items():
             staged = self._staged_dates(table)
             for d in staged:                 # the marker that says "this partition is in" after the swap

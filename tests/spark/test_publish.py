@@ -128,6 +128,7 @@ def test_the_publish_is_on_disk_before_its_journal_and_the_journal_before_any_sw
     (out / "traffic" / f"date={DAY}" / "part-0.parquet").write_bytes(b"old")
     pub = publish.Publisher(spark, str(out))
     staged = tmp_path / "out" / publish.DIR / "new" / "traffic" / f"date={DAY}"
+    pub.stage("traffic")
     staged.mkdir(parents=True)
     (staged / "part-0.parquet").write_bytes(b"new")
     events = []
@@ -154,3 +155,23 @@ def test_the_publish_is_on_disk_before_its_journal_and_the_journal_before_any_sw
     assert str(staged / "part-0.parquet") in before and str(staged) in before
     assert os.path.join(root, "journal.json.tmp") in before and root in before
     assert events[-1] == ("fsync", str(out / "traffic"))
+
+
+def test_a_run_whose_staged_partitions_another_run_dropped_stops_and_removes_nothing(spark, tmp_path):
+    """Runs into one hdfs:// --out have no lock. Another run's start takes this run's staged files
+    for a killed run's and drops them; this run's commit then found no partition staged and took
+    every date of the run for one with no rows any more: removed, every broker's rows gone."""
+    from ops.spark import publish
+
+    out = tmp_path / "out"
+    (out / "traffic" / f"date={DAY}").mkdir(parents=True)
+    (out / "traffic" / f"date={DAY}" / "part-0.parquet").write_bytes(b"old")
+    pub = publish.Publisher(spark, str(out))
+    staged = tmp_path / "out" / publish.DIR / "new" / "traffic" / f"date={DAY}"
+    pub.stage("traffic")
+    staged.mkdir(parents=True)
+    (staged / "part-0.parquet").write_bytes(b"new")
+    assert publish.Publisher(spark, str(out)).recover() is False      # the other run's start
+    with pytest.raises(publish.PublishError, match="another rollup into the same --out"):
+        pub.commit({"traffic": {DAY}})
+    assert (out / "traffic" / f"date={DAY}" / "part-0.parquet").read_bytes() == b"old"
