@@ -116,6 +116,21 @@ def test_killed_after_n_publish_steps_keeps_every_partition_and_the_next_run_fin
     _converges(spark, history, out)
 
 
+def _staged_by_hand(spark, tmp_path):
+    """--out with traffic's DAY partition ("old"), and a Publisher that staged a new one ("new")."""
+    from ops.spark import publish
+
+    out = tmp_path / "out"
+    (out / "traffic" / f"date={DAY}").mkdir(parents=True)
+    (out / "traffic" / f"date={DAY}" / "part-0.parquet").write_bytes(b"old")
+    pub = publish.Publisher(spark, str(out))
+    staged = out / publish.DIR / "new" / "traffic" / f"date={DAY}"
+    pub.stage("traffic")
+    staged.mkdir(parents=True)
+    (staged / "part-0.parquet").write_bytes(b"new")
+    return out, pub, staged
+
+
 def test_the_publish_is_on_disk_before_its_journal_and_the_journal_before_any_swap(spark, tmp_path, monkeypatch):
     """A power cut must not leave a journal whose contents never reached the disk (every later run
     failing on it) or swapped partitions with no journal: the new files, then the journal and its
@@ -123,14 +138,7 @@ def test_the_publish_is_on_disk_before_its_journal_and_the_journal_before_any_sw
     local file system takes hsync for a flush, and it syncs no directory."""
     from ops.spark import publish
 
-    out = tmp_path / "out"
-    (out / "traffic" / f"date={DAY}").mkdir(parents=True)
-    (out / "traffic" / f"date={DAY}" / "part-0.parquet").write_bytes(b"old")
-    pub = publish.Publisher(spark, str(out))
-    staged = tmp_path / "out" / publish.DIR / "new" / "traffic" / f"date={DAY}"
-    pub.stage("traffic")
-    staged.mkdir(parents=True)
-    (staged / "part-0.parquet").write_bytes(b"new")
+    out, pub, staged = _staged_by_hand(spark, tmp_path)
     events = []
     real_fsync = os.fsync
 
@@ -163,14 +171,7 @@ def test_a_run_whose_staged_partitions_another_run_dropped_stops_and_removes_not
     every date of the run for one with no rows any more: removed, every broker's rows gone."""
     from ops.spark import publish
 
-    out = tmp_path / "out"
-    (out / "traffic" / f"date={DAY}").mkdir(parents=True)
-    (out / "traffic" / f"date={DAY}" / "part-0.parquet").write_bytes(b"old")
-    pub = publish.Publisher(spark, str(out))
-    staged = tmp_path / "out" / publish.DIR / "new" / "traffic" / f"date={DAY}"
-    pub.stage("traffic")
-    staged.mkdir(parents=True)
-    (staged / "part-0.parquet").write_bytes(b"new")
+    out, pub, staged = _staged_by_hand(spark, tmp_path)
     assert publish.Publisher(spark, str(out)).recover() is False      # the other run's start
     with pytest.raises(publish.PublishError, match="another rollup into the same --out"):
         pub.commit({"traffic": {DAY}})
