@@ -116,6 +116,60 @@ def test_killed_after_n_publish_steps_keeps_every_partition_and_the_next_run_fin
     _converges(spark, history, out)
 
 
+KILL_FS = """
+package txmq;
+
+import java.io.IOException;
+import org.apache.hadoop.fs.LocalFileSystem;
+import org.apache.hadoop.fs.Path;
+
+/** The local file system, but the process dies at the first delete of a date partition that is not
+ *  Spark's own staging: in commitJob's dynamic overwrite, after the delete and before the rename. */
+public class KillFs extends LocalFileSystem {
+    @Override
+    public boolean delete(Path p, boolean recursive) throws IOException {
+        boolean done = super.delete(p, recursive);
+        if (p.getName().startsWith("date=") && !p.toString().contains("/.spark-staging")) {
+            System.err.println("KILLFS: deleted " + p);
+            System.err.flush();
+            Runtime.getRuntime().halt(99);
+        }
+        return done;
+    }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("javac") is None, reason="no javac: the kill hooks Hadoop's file system")
+def test_killed_inside_sparks_own_commit_between_delete_and_rename_keeps_every_partition(spark, history, tmp_path):
+    """Main's loss, reproduced where it happens: Spark's commitJob deletes each date partition it
+    replaces, then renames the new one in; a file system that kills the driver right after that
+    delete left main's --out without the date (every broker's rows). Here Spark's commit writes
+    under .txmq-publish only, so the kill lands there and --out is untouched."""
+    import glob
+
+    import pyspark
+
+    from ops.spark.publish import DIR
+
+    src = tmp_path / "src" / "txmq"
+    src.mkdir(parents=True)
+    (src / "KillFs.java").write_text(KILL_FS)
+    jars = glob.glob(os.path.join(os.path.dirname(pyspark.__file__), "jars", "hadoop-client-api-*.jar"))
+    subprocess.run(["javac", "-cp", ":".join(jars), "-d", str(tmp_path / "classes"), str(src / "KillFs.java")],
+                   check=True, timeout=TIMEOUT)
+    out = _copy_out(history, tmp_path)
+    conf = {"spark.driver.extraClassPath": str(tmp_path / "classes"), "spark.hadoop.fs.file.impl": "txmq.KillFs",
+            "spark.hadoop.fs.file.impl.disable.cache": "true"}
+    args = [a for k, v in conf.items() for a in ("--conf", f"{k}={v}")]
+    proc = subprocess.run([sys.executable, "-m", "ops.spark", *_rollup_args(history, out), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert "KILLFS: deleted" in proc.stderr and proc.returncode != 0, proc.stderr[-2000:]
+    assert f"/{DIR}/new/" in proc.stderr.split("KILLFS: deleted", 1)[1].splitlines()[0]
+    _assert_intact(spark, history, out)
+    _converges(spark, history, out)
+
+
 def _staged_by_hand(spark, tmp_path):
     """--out with traffic's DAY partition ("old"), and a Publisher that staged a new one ("new")."""
     from ops.spark import publish
