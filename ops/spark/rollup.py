@@ -37,6 +37,7 @@ from protocol.txlog import COMMIT
 from . import segments as seg_mod
 from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
 from .manifest import removed_before, segments_for_window
+from .publish import Publisher
 from .snapshots import snapshot_files
 from .transactions import ALL_GROUPS, classify, half_summary
 
@@ -199,21 +200,38 @@ def _dates_present(scan, snaps) -> list[str]:
                   .distinct().collect())
 
 
+def _read_dates(spark, path: str, dates) -> object | None:
+    """The date partitions of table ``path`` for these dates (those that exist), or None.
+
+    Only those partitions are listed and read, and their schemas merged: without a schema, Spark
+    takes a table's from one file of all its partitions, and months of history can begin with
+    partitions written before the broker column. Read whole, such a table had no broker column:
+    another broker's rows of a date were not kept when it was rewritten, and a broker's previous
+    day summed every broker's undecided count."""
+    from pyspark.sql.utils import AnalysisException
+
+    jvm = spark.sparkContext._jvm
+    fs = jvm.org.apache.hadoop.fs.Path(path).getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    parts = [f"{path}/date={d}" for d in sorted(set(dates))]
+    parts = [p for p in parts if fs.exists(jvm.org.apache.hadoop.fs.Path(p))]
+    if not parts:
+        return None
+    try:
+        return spark.read.option("basePath", path).option("mergeSchema", "true").parquet(*parts)
+    except AnalysisException:           # partitions without a data file (hold no rows)
+        return None
+
+
 def _kept_rows(spark, path: str, df, dates: list[str], owned: dict[str, set[str]]) -> list:
     """The rows already under path for these dates that this run does not replace: another broker's,
     or a date a broker's store no longer holds whole. Collected (aggregates: a few thousand rows a
-    broker and day), so the overwrite does not read the files it replaces."""
-    from pyspark.sql.utils import AnalysisException
-
+    broker and day), so the overwrite does not read the files it replaces. Rows written before the
+    broker column (one store's) have no broker: a date rewritten replaces them whole."""
     F = _F()
-    try:
-        old = spark.read.parquet(path)
-    except AnalysisException:           # nothing written yet
+    old = _read_dates(spark, path, dates)
+    if old is None or "broker" not in old.columns:
         return []
-    if "broker" not in old.columns:     # written before the broker column: one store, replaced whole
-        return []
-    old = old.withColumn("date", F.col("date").cast("string")).where(F.col("date").isin(dates))
-    old = old.where(~_owned_cond(owned))
+    old = old.withColumn("date", F.col("date").cast("string")).where(~_owned_cond(owned) & F.col("broker").isNotNull())
     cols = [F.col(f.name).cast(f.dataType) if f.name in old.columns else F.lit(None).cast(f.dataType).alias(f.name)
             for f in df.schema.fields]
     return old.select(*cols).collect()
@@ -228,48 +246,34 @@ def _owned_cond(owned: dict[str, set[str]]):
     return cond
 
 
-def write_partitions(spark, df, path: str, owned: dict[str, set[str]]):
-    """Replace, for each broker and date in owned, that broker's rows of the date with df's; return
-    (how many rows that is, every row the dates' partitions now hold). Every other row in those
-    partitions stays: Spark's dynamic overwrite replaces a whole date partition, and a run that
-    covers one broker of several, or a date a store holds only part of, must not take the other
-    rows with it."""
-    dates = sorted(set().union(*owned.values())) if owned else []
+def write_partitions(spark, df, staged: str, owned: dict[str, set[str]], kept: list):
+    """Write, for each broker and date in owned, that broker's rows of the date from df, plus the
+    ``kept`` rows of those dates (_kept_rows) as partitions under ``staged`` (a Publisher's staging
+    directory: nothing under --out changes until its commit); return (how many rows are this run's,
+    every row the dates' partitions will hold). Spark's dynamic overwrite replaces a whole date
+    partition, and a run that covers one broker of several, or a date a store holds only part of,
+    must not take the other rows with it."""
     mine = df.where(_owned_cond(owned))
-    if not dates:
+    if not any(owned.values()):
         return 0, mine
-    kept = _kept_rows(spark, path, df, dates, owned)
     full = mine if not kept else mine.unionByName(spark.createDataFrame(kept, df.schema))
-    full.write.mode("overwrite").partitionBy("date").parquet(path)
-    # One action for both answers: the dates written, and (less the kept rows) how many are this run's.
-    counts = {r["date"]: r["n"] for r in full.groupBy("date").count().withColumnRenamed("count", "n").collect()}
-    present = set(counts)
-    jvm = spark.sparkContext._jvm
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    for d in set(dates) - present:
-        part = jvm.org.apache.hadoop.fs.Path(f"{path}/date={d}")
-        fs = part.getFileSystem(conf)
-        if fs.exists(part):
-            fs.delete(part, True)
-    return sum(counts.values()) - len(kept), full
+    full.write.mode("overwrite").partitionBy("date").parquet(staged)
+    return mine.count(), full       # df is cached, and the write filled the cache: no new scan
 
 
 def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
     """[(producer_group, undecided_at_end)] of the day before ``date`` as rolled up under out_dir for
     ``broker`` (tables written before the broker column: every row), or None when that day has not
     been rolled up there."""
-    from pyspark.sql.utils import AnalysisException
-
     F = _F()
     prev = (dt.date.fromisoformat(date) - dt.timedelta(days=1)).isoformat()
-    try:
-        df = spark.read.parquet(os.path.join(out_dir, "transactions"))
-        where = (F.col("date").cast("string") == prev) & (F.col("grain") == "day")
-        if broker is not None and "broker" in df.columns:
-            where = where & (F.col("broker") == broker)
-        rows = df.where(where).select("producer_group", "undecided_at_end").collect()
-    except AnalysisException:
+    df = _read_dates(spark, os.path.join(out_dir, "transactions"), [prev])
+    if df is None:
         return None
+    where = F.col("grain") == "day"
+    if broker is not None and "broker" in df.columns:
+        where = where & (F.col("broker") == broker)
+    rows = df.where(where).select("producer_group", "undecided_at_end").collect()
     return [(r["producer_group"], r["undecided_at_end"] or 0) for r in rows] or None
 
 
@@ -307,6 +311,9 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
     started = time.monotonic()
     day = dt.date.fromisoformat(date) if date is not None else None   # ValueError before any work
+    if Publisher(spark, out_dir).pending():   # a run killed while it published: finish that before reading
+        with _out_lock(out_dir):                # --out (a run that fails creates no --out: checked first)
+            Publisher(spark, out_dir).recover()
     stores = store_brokers(store_dir)
     parts = []
     tables: dict = {}
@@ -326,7 +333,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
             for name in TABLES:
                 for d in sorted(set(dates) - owned[name][p.broker]):
                     summary["left_as_is"].append({"broker": p.broker, "date": d, "table": name,
-                                                  "why": p.not_whole(name)})
+                                                  "why": p.not_whole(name, d)})
         for d in dates:
             left = [x for x in summary["left_as_is"] if x["date"] == d]
             for why in sorted({x["why"] for x in left}):
@@ -341,28 +348,34 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
         # Each table's rows of another broker are read, then written back with this run's: two runs
         # into one --out at once would each write back the other's old rows (a lost update).
         with _out_lock(out_dir):
-            report_tables = {}
+            publisher = Publisher(spark, out_dir)
+            publisher.recover()
+            report_tables, old_brokers = {}, set()
             for name, df in queries.items():
                 t0 = time.monotonic()
                 tables[name] = df = df.drop("window_ms").where(_owned_cond(owned[name])).cache()
-                # The report shows what the dates' partitions now hold: other brokers' rows too.
-                summary["rows"][name], report_tables[name] = write_partitions(spark, df, os.path.join(out_dir, name),
-                                                                              owned[name])
+                # One read of what --out holds for the run's dates and this run does not replace: the
+                # rows written back with this run's, and those of a date this table's rows are left
+                # as they are for (the store no longer holds the day whole), which the report shows.
+                written = set().union(*owned[name].values())
+                old = _kept_rows(spark, os.path.join(out_dir, name), df, dates, owned[name])
+                kept = [r for r in old if r["date"] in written]
+                rest = [r for r in old if r["date"] not in written]
+                summary["rows"][name], report_tables[name] = write_partitions(
+                    spark, df, publisher.stage(name), owned[name], kept)
+                if rest:
+                    report_tables[name] = report_tables[name].unionByName(spark.createDataFrame(rest, df.schema))
+                if name in LOG_TABLES:
+                    old_brokers |= {r["broker"] for r in old}
                 log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                          ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
-            for name in TABLES:
-                # A date of the report this table's rows were not rewritten for (its rows left as they
-                # are: the store no longer holds the day whole) shows the rows --out holds, not none.
-                written = set().union(*owned[name].values())
-                rest = [d for d in dates if d not in written]
-                old = _kept_rows(spark, os.path.join(out_dir, name), tables[name], rest, {}) if rest else []
-                if old:
-                    report_tables[name] = report_tables[name].unionByName(
-                        spark.createDataFrame(old, tables[name].schema))
+            t0 = time.monotonic()
+            publisher.commit({name: set().union(*owned[name].values()) for name in TABLES})
+            log.info("rollup: published the partitions of %s in %.1f s", ", ".join(TABLES), time.monotonic() - t0)
             t0 = time.monotonic()
             report_dir = report_dir or os.path.join(_local_form(out_dir), "report")
-            everyone = sorted({r[0] for name in ("traffic", "transactions")
-                               for r in report_tables[name].select("broker").distinct().collect()} | set(summary["brokers"]))
+            # Every broker the report's rows hold: this run's, and those of the rows read back above.
+            everyone = sorted(old_brokers | set(summary["brokers"]))
             summary["reports"] = report_mod.write_reports(report_dir, dates, report_tables,
                                                           {**summary, "brokers": everyone})
             log.info("rollup: wrote %d report files to %s in %.1f s", len(summary["reports"]), report_dir,
@@ -470,6 +483,7 @@ class _StoreRollup:
         self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
+        when = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)  # noqa: E731
         if first is not None and first.base > 0:
             # Retention removed the segments before this one (or a slave's log began here). A day is cut
             # when a removed segment held records of it: the days up to that of the newest record
@@ -479,7 +493,6 @@ class _StoreRollup:
             # next on are whole.
             gone = removed_before(store_dir, first)
             ts = seg_mod.first_store_ts(first)
-            when = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)  # noqa: E731
             if gone is not None:
                 self.whole_from = (when(gone["last_ts"]).date() + dt.timedelta(days=1)).isoformat()
                 self.cut = (first.base, f"the newest record removed was stored {when(gone['last_ts']).isoformat()}")
@@ -487,6 +500,15 @@ class _StoreRollup:
                 self.whole_from = (when(ts).date() + dt.timedelta(days=1)).isoformat()
                 self.cut = (first.base, f"first record stored {when(ts).isoformat()}")
         self.snapshot_days = {os.path.basename(f)[:-len(".jsonl")] for f in snapshot_files(store_dir)}
+        # A log from offset 0 holds everything the store ever had, and nothing before its first record
+        # or snapshot file: in a run over several stores, or a --date before it, an earlier day is not
+        # this store's to replace (a store wiped and begun anew under the same name: those rows are the
+        # old store's). A store holding nothing yet has no first day: it replaces what a run asks.
+        self.begins = None
+        if first is None or first.base == 0:
+            ts = seg_mod.first_store_ts(first) if first is not None else None
+            held = sorted(self.snapshot_days)[:1] + ([when(ts).date().isoformat()] if ts is not None else [])
+            self.begins = min(held, default=None)
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
                         "bytes_read": scan.bytes_read, "incremental": self.since is not None,
                         "damage": [{**d, "broker": broker} for d in scan.damage],
@@ -515,7 +537,9 @@ class _StoreRollup:
     def owned(self, name: str, dates) -> set[str]:
         """The dates whose rows of table ``name`` this store can compute whole, so a run replaces them:
         for the commit-log tables the days after the newest record retention removed (see __init__); for the snapshot
-        tables the days from its oldest snapshot file on. Other days keep what --out holds."""
+        tables the days from its oldest snapshot file on; never a day before the store began. Other days
+        keep what --out holds."""
+        dates = [d for d in dates if self.begins is None or d >= self.begins]
         if name in LOG_TABLES:
             return {d for d in dates if self.whole_from is None or d >= self.whole_from}
         if not self.snapshot_days:       # snapshots off (or never kept): nothing to lose, nothing to keep
@@ -523,7 +547,10 @@ class _StoreRollup:
         oldest = min(self.snapshot_days)    # the broker removes the oldest files first
         return {d for d in dates if d >= oldest}
 
-    def not_whole(self, name: str) -> str:
+    def not_whole(self, name: str, date: str) -> str:
+        if self.begins is not None and date < self.begins:
+            return (f"the store holds nothing before {self.begins} (its log starts at offset 0): a new or wiped "
+                    "store under this name, or one that had not started; those rows are another store's")
         if name in LOG_TABLES:
             return (f"the store no longer holds the whole day (its log now starts at commit-log offset "
                     f"{self.cut[0]}, {self.cut[1]}: retention removed the segments before)")
