@@ -53,17 +53,24 @@ async def _until_replicating(producer: Producer, timeout: float = 20.0) -> Messa
             await asyncio.sleep(0.1)
 
 
+async def _fetch_queues_once_routed(consumer: PullConsumer, topic: str) -> None:
+    """The name server routes a topic once a broker has registered it: an auto-created topic (or one a slave got
+    with the replicated records) comes with the broker's next registration, on a loaded machine not at once.
+    Bounded by the caller's timeout."""
+    while True:
+        try:
+            await consumer.fetch_queues(topic)
+            return
+        except TopicNotExistError:
+            await asyncio.sleep(0.1)
+
+
 async def _pull_all(namesrv: str, mq: MessageQueue, want: int, timeout: float = 20.0) -> list[bytes]:
     """Everything in ``mq`` from offset 0, waiting (long polls) until there are ``want`` messages."""
     async with PullConsumer(namesrv, "CG_replica") as consumer:
         bodies: list[bytes] = []
         async with asyncio.timeout(timeout):
-            while True:     # a slave's name server routes the topic once the slave has registered it (it
-                try:        # came with the replicated records): on a loaded machine that is not at once
-                    await consumer.fetch_queues(mq.topic)
-                    break
-                except TopicNotExistError:
-                    await asyncio.sleep(0.1)
+            await _fetch_queues_once_routed(consumer, mq.topic)
             while len(bodies) < want:
                 res = await consumer.pull(mq, len(bodies), max_nums=256, suspend_ms=1000)
                 bodies += [m.body for m in res.messages]
@@ -246,7 +253,7 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
                 for i in range(30):
                     await producer.send(TOPIC, f"o{i}".encode(), queue=mq)
             async with PullConsumer(ns.addr, "CG_failover") as consumer:
-                await consumer.fetch_queues(TOPIC)
+                await _fetch_queues_once_routed(consumer, TOPIC)
                 await consumer.commit_offset(mq, 17)            # to the master, while it is there
                 assert await consumer.fetch_offset(mq) == 17
             query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
@@ -832,7 +839,7 @@ async def test_a_group_name_ending_in_the_separator_does_not_stop_the_slaves_off
                 mq = await _until_replicating(producer)
             for group, offset in (("CG_odd@", 1), ("CG_plain", 17)):
                 async with PullConsumer(ns.addr, group) as consumer:
-                    await consumer.fetch_queues(TOPIC)
+                    await _fetch_queues_once_routed(consumer, TOPIC)
                     await consumer.commit_offset(mq, offset)
             query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
                 "consumerGroup": "CG_plain", "topic": TOPIC, "queueId": mq.queue_id})
