@@ -214,11 +214,12 @@ _CONVERT = {int: lambda s: _java_integer(s, _INT_MAX), Long: lambda s: _java_int
 
 
 def _against_constant(left: _Node, right: _Node):
-    """(property getter, constant, its converter, constant on the left) when one side is a property and the
-    other a number or String constant, else None: the common case, compared without _compare's dispatch."""
+    """(property name, constant, its converter, constant on the left) when one side is a property and the
+    other a number or String constant, else None: the common case, compared without _compare's dispatch (and
+    the property read with one dict look-up, not through its node's function)."""
     for prop, const, const_left in ((left, right, False), (right, left, True)):
         if prop.kind == "prop" and const.kind == "const" and type(const.value) in _CONVERT:
-            return prop.fn, const.value, _CONVERT[type(const.value)], const_left
+            return prop.name, const.value, _CONVERT[type(const.value)], const_left
     return None
 
 
@@ -230,12 +231,16 @@ def _equal(left: _Node, right: _Node) -> _Node:
     """doCreateEqual: both null is TRUE; a null left is unknown, a null right (the left not null) FALSE."""
     fast = _against_constant(left, right)
     if fast is not None:
-        get, c, convert, const_left = fast
+        name, c, convert, const_left = fast
         missing = False if const_left else None
-
-        def fn(props):
-            v = get(props)
-            return missing if v is None else _sign(convert(v), c) == 0
+        if type(c) is str:      # two Strings: equal or not (TAGS = 'x', the most common selector)
+            def fn(props):
+                v = props.get(name)
+                return missing if v is None else v == c
+        else:
+            def fn(props):
+                v = props.get(name)
+                return missing if v is None else _sign(convert(v), c) == 0
         return _Node("bool", fn, 2)
     lf, rf = left.fn, right.fn
 
@@ -267,10 +272,10 @@ def _ordering(op: str, left: _Node, right: _Node) -> _Node:
     test = _ORDER[op]
     fast = _against_constant(left, right)
     if fast is not None:
-        get, c, convert, const_left = fast
+        name, c, convert, const_left = fast
 
         def fn(props):
-            v = get(props)
+            v = props.get(name)
             if v is None:
                 return None
             return test(_sign(c, convert(v)) if const_left else _sign(convert(v), c))
@@ -308,10 +313,10 @@ def _between(value: _Node, low: _Node, high: _Node, negated: bool) -> _Node:
 def _in(node: _Node, values: list[str], negated: bool) -> _Node:
     if node.kind != "prop":
         raise SelectorError(f"IN needs a property on its left, not {_describe(node)}")
-    get, members = node.fn, frozenset(values)
+    name, members = node.name, frozenset(values)
 
     def fn(props):
-        v = get(props)
+        v = props.get(name)
         return None if v is None else (v in members) is not negated
     return _Node("bool", fn, 2)
 
