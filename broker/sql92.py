@@ -516,16 +516,13 @@ class Selector:
     """A parsed expression. ``evaluate(props)``: True, False or None; raises SelectorEvalError. ``names``:
     the properties it reads (no other property can change its value); ``operators``: how many it has, the
     most one evaluation computes."""
-    __slots__ = ("expression", "_fn", "names", "operators")
+    __slots__ = ("expression", "evaluate", "names", "operators")
 
     def __init__(self, expression: str, fn, names: frozenset = frozenset(), operators: int = 0):
         self.expression = expression
-        self._fn = fn
+        self.evaluate = fn      # the expression's function itself: no method call around it per record
         self.names = names
         self.operators = operators
-
-    def evaluate(self, properties: dict[str, str]):
-        return self._fn(properties)
 
     def __repr__(self) -> str:
         return f"Selector({self.expression!r})"
