@@ -73,11 +73,17 @@ class MessageSelector:
     def is_tag(self) -> bool:
         return self.expression_type == "TAG"
 
+    @property
+    def tags(self) -> list[str]:
+        """The tags a tag selector names; [] when it selects every message ("*") or is SQL92."""
+        if not self.is_tag or self.expression in ("", "*"):
+            return []
+        return [t.strip() for t in self.expression.split("||")]
+
     def subscription_data(self, topic: str, version: int) -> dict:
         """RocketMQ's SubscriptionData, as a heartbeat and CHECK_CLIENT_CONFIG carry it."""
-        tags = [] if not self.is_tag or self.expression == "*" else [t.strip() for t in self.expression.split("||")]
-        return {"topic": topic, "subString": self.expression, "tagsSet": tags, "codeSet": [], "subVersion": version,
-                "expressionType": self.expression_type, "classFilterMode": False}
+        return {"topic": topic, "subString": self.expression, "tagsSet": self.tags, "codeSet": [],
+                "subVersion": version, "expressionType": self.expression_type, "classFilterMode": False}
 
 
 def as_selector(expression: "str | MessageSelector") -> MessageSelector:
@@ -286,8 +292,8 @@ class PullConsumer:
                 if why is not None:
                     log.error("message %s of %s (queue %d offset %d): %s; it is given as stored, sysFlag "
                               "COMPRESSED still set", m.msg_id, m.topic, m.queue_id, m.queue_offset, why)
-        if selector.is_tag and selector.expression not in ("", "*"):      # SQL92: only the broker can tell
-            tags = {t.strip() for t in selector.expression.split("||")}
+        if tags := selector.tags:       # SQL92 has none: only the broker can tell
+            tags = set(tags)
             messages = [m for m in messages if m.tags in tags]
         return PullResult(PullStatus(resp.code), resp.int_field("nextBeginOffset", offset),
                           resp.int_field("minOffset", 0), resp.int_field("maxOffset", 0), messages)
