@@ -43,6 +43,12 @@ def ev(expression: str, **props):
     ("NOT (a = 5)", {}, None),
     ("5 = a", {}, False),                   # doCreateEqual: only a null left is unknown
     ("NOT (5 = a)", {}, True),
+    ("'x' = a", {}, False),                 # the same with a String constant (its own fast path)
+    ("NOT ('x' = a)", {}, True),
+    ("a = 'x'", {}, None),
+    ("'x' = a", {"a": "x"}, True),
+    ("a <> 'x'", {"a": "y"}, True),
+    ("a = '5'", {"a": "5.0"}, False),       # two Strings: equal as text only
     ("a = b", {}, True),                    # null = null
     ("a > 1 OR b = 'x'", {"b": "x"}, True),
     ("a > 1 OR b = 'x'", {"b": "y"}, None),
