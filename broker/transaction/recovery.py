@@ -162,6 +162,11 @@ async def recover(tx) -> None:
     repaired = await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
     now = ctx.monotonic()       # the check schedule's clock (service.py)
+
+    def index(msg, off: int) -> None:
+        tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
+                    msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
+
     for off in sorted(undecided):
         view = store.get_record(off)
         if view is None:
@@ -171,17 +176,13 @@ async def recover(tx) -> None:
             continue
         msg, _ = decode_record(view)
         if tx.table.get(msg.queue_offset) is None:
-            tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
-                        msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
-                        tx.stored_at(msg.store_timestamp))
+            index(msg, off)
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
-        tx.core.add(tx_from_half(msg, checks.get(msg.physical_offset, 0), owners.get(msg.physical_offset, "")), now,
-                    msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
-                    tx.stored_at(msg.store_timestamp))
+        index(msg, msg.physical_offset)
     tx.table.trim(store.min_offset(HALF_TOPIC, 0))
     tx.dead_count = tx.table.count(DEAD)    # the table may be ahead of the snapshot: count it
     log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",

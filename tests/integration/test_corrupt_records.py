@@ -227,19 +227,25 @@ async def _pending(b) -> int:
     return json.loads(resp.body_bytes())["total"]
 
 
+async def _restarted_with_a_bad_half(broker_factory, tmp_path, group: str, topic: str, body: bytes, check_max: int):
+    """A broker restarted on a store whose one undecided half (of ``group``, never checked: a minute's interval)
+    had a bit of its body flipped while it was down, its checks now due at once, every 30 ms."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    async with TransactionProducer(b.namesrv, group, _Unknown()) as producer:
+        sent = await producer.send_in_transaction(topic, body)
+    await _fill(b)
+    assert b.stop() == 0
+    _flip_body(tmp_path / "store", decode_offset_msg_id(sent.send_result.offset_msg_id)[2])
+    return broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                          "--transaction-check-max", str(check_max))
+
+
 async def test_a_half_whose_body_went_bad_is_dead_lettered_without_its_copy(broker_factory, tmp_path):
     """The dead letter re-encoded the half's body into TRANS_CHECK_MAX_TIME_TOPIC under a fresh CRC: the
     flipped byte became a sound-looking message there. The transaction is still dead-lettered (the op record
     says so, and why), but nothing is copied; the damaged half stays where it is."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
-    async with TransactionProducer(b.namesrv, "PG_corrupt_dead", _Unknown()) as producer:
-        sent = await producer.send_in_transaction("TxCorruptDead", b"never decided")
-    await _fill(b)
-    assert b.stop() == 0
-    _flip_body(tmp_path / "store", decode_offset_msg_id(sent.send_result.offset_msg_id)[2])
-
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
-                       "--transaction-check-max", "2")
+    b = await _restarted_with_a_bad_half(broker_factory, tmp_path, "PG_corrupt_dead", "TxCorruptDead",
+                                         b"never decided", check_max=2)
     async with TransactionProducer(b.namesrv, "PG_corrupt_dead", _Unknown()):
         async with asyncio.timeout(30):
             while await _pending(b):                    # dead-lettered, never checked (its body is bad)
@@ -269,15 +275,8 @@ async def test_a_half_whose_body_went_bad_is_not_sent_in_a_check(broker_factory,
     """A check carries the half's body to the producer, which decides on it (a stock listener reads the body):
     the flipped byte went out as the message the producer sent. No check is sent now, none is spent: the
     transaction is dead-lettered at once with its reason."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
-    async with TransactionProducer(b.namesrv, "PG_corrupt_check", _Unknown()) as producer:
-        sent = await producer.send_in_transaction("TxCorruptCheck", b"pay 100 to alice")
-    await _fill(b)
-    assert b.stop() == 0
-    _flip_body(tmp_path / "store", decode_offset_msg_id(sent.send_result.offset_msg_id)[2])
-
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
-                       "--transaction-check-max", "15")
+    b = await _restarted_with_a_bad_half(broker_factory, tmp_path, "PG_corrupt_check", "TxCorruptCheck",
+                                         b"pay 100 to alice", check_max=15)
     checked = []
 
     class Listener(_Unknown):

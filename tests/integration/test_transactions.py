@@ -225,28 +225,30 @@ async def test_admin_force_commit(broker_factory):
     assert await _drain(b.namesrv, "TxAdmin", expect=1) == [b"forced"]
 
 
+async def _deferred(b, group: str) -> float:
+    """txmq_transaction_checks_deferred_total of ``group``: checks due with no producer of it to ask."""
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics",
+                                                                  timeout=5).read().decode())
+    lines = [line for line in text.splitlines()
+             if line.startswith(f'txmq_transaction_checks_deferred_total{{producer_group="{group}"}}')]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 async def test_no_live_producer_defers_checks_without_spending_them(broker_factory):
     b = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
     gone = await TransactionProducer(b.namesrv, "PG_nobody", Listener(execute=S.UNKNOW, check=S.UNKNOW)).start()
     await gone.send_in_transaction("TxNobody", b"waits for a producer")
     await gone.pool.close()
 
-    async def deferred() -> float:
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics",
-                                                                      timeout=5).read().decode())
-        lines = [line for line in text.splitlines()
-                 if line.startswith('txmq_transaction_checks_deferred_total{producer_group="PG_nobody"}')]
-        return float(lines[0].split()[-1]) if lines else 0.0
-
     async def row() -> dict:
         return json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"][0]
 
     async with asyncio.timeout(10):      # several check intervals pass with nobody to ask
-        while await deferred() < 1:
+        while await _deferred(b, "PG_nobody") < 1:
             await asyncio.sleep(0.05)
         spent = (await row())["checks"]  # a check may have gone out before the producer left
-        start = await deferred()
-        while await deferred() < start + 5:
+        start = await _deferred(b, "PG_nobody")
+        while await _deferred(b, "PG_nobody") < start + 5:
             await asyncio.sleep(0.05)
     later = await row()
     assert later["checks"] == spent and later["owner"].endswith("(gone)")
@@ -335,15 +337,8 @@ async def test_a_producer_joining_its_group_is_checked_at_once_not_an_interval_l
         await gone.send_in_transaction("TxJoin", b"%d" % i)
     await gone.shutdown()          # before their immunity ends: no check went to it
 
-    async def deferred() -> float:
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics",
-                                                                      timeout=5).read().decode())
-        lines = [line for line in text.splitlines()
-                 if line.startswith('txmq_transaction_checks_deferred_total{producer_group="PG_join"}')]
-        return float(lines[0].split()[-1]) if lines else 0.0
-
     async with asyncio.timeout(15):      # the pass after the immunity finds nobody to ask: deferred 30 s
-        while await deferred() < 3:
+        while await _deferred(b, "PG_join") < 3:
             await asyncio.sleep(0.05)
     listener = Listener(check=S.COMMIT_MESSAGE)
     async with TransactionProducer(b.namesrv, "PG_join", listener):
