@@ -218,8 +218,6 @@ class ClientRegistry:
         self.locks: dict[tuple, tuple[str, int, object]] = {}
         self._locks_by_conn: dict[object, int] = {}   # connection -> locks it holds (max_queue_locks_per_connection)
         self._locks_by_host: dict[str, int] = {}      # remote address -> locks its connections hold (..._per_host)
-        self.lock_refusals_logged = -(1 << 62)        # ms of the last WARNING about a lock cap
-        self.group_refusals_logged = -(1 << 62)       # ms of the last WARNING about max_groups_per_host
         # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
         # connection between all its producers and consumers): no longer asked about those groups' halves.
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
