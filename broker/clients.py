@@ -241,10 +241,8 @@ class ClientRegistry:
         refused = 0
         oversized = []
         for group in producers:
-            if conn not in self.producers.get(group, ()) and not self._room(conn):
+            if not self.add_producer(group, conn, client_id, cmd.language, cmd.version, now):
                 refused += 1
-                continue
-            self.add_producer(group, conn, client_id, cmd.language, cmd.version, now)
         for consumer in consumers:
             group = self.consumers.get(consumer["groupName"])
             member = group is not None and group.channels.get(conn)
@@ -278,7 +276,12 @@ class ClientRegistry:
                 del index[conn]
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
-                     now: int | None = None) -> None:
+                     now: int | None = None) -> bool:
+        """Join ``conn`` to ``group`` or renew it there; False, joining nothing, when it is new to the group and its
+        address is at max_groups_per_host. Checked here, not by each caller: a half message's sender joins its
+        group too, and one sending halves under made-up group names grew the table past the cap."""
+        if conn not in self.producers.get(group, ()) and not self._room(conn):
+            return False
         left = self._left.get(conn)
         if left is not None:                # back in the group (a new producer of it on this connection)
             left.pop(group, None)
@@ -294,6 +297,7 @@ class ClientRegistry:
         else:
             ch.last_seen_ms = now or self.clock()
             ch.client_id = client_id
+        return True
 
     def _register_consumer(self, conn, client_id, cmd, data: dict, now: int) -> bool:
         name = data["groupName"]
