@@ -218,8 +218,6 @@ class ClientRegistry:
         self.locks: dict[tuple, tuple[str, int, object]] = {}
         self._locks_by_conn: dict[object, int] = {}   # connection -> locks it holds (max_queue_locks_per_connection)
         self._locks_by_host: dict[str, int] = {}      # remote address -> locks its connections hold (..._per_host)
-        self.lock_refusals_logged = -(1 << 62)        # ms of the last WARNING about a lock cap
-        self.group_refusals_logged = -(1 << 62)       # ms of the last WARNING about max_groups_per_host
         # conn -> producer groups it sent UNREGISTER_CLIENT for while staying open (a Java process shares one
         # connection between all its producers and consumers): no longer asked about those groups' halves.
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
@@ -243,10 +241,8 @@ class ClientRegistry:
         refused = 0
         oversized = []
         for group in producers:
-            if conn not in self.producers.get(group, ()) and not self._room(conn):
+            if not self.add_producer(group, conn, client_id, cmd.language, cmd.version, now):
                 refused += 1
-                continue
-            self.add_producer(group, conn, client_id, cmd.language, cmd.version, now)
         for consumer in consumers:
             group = self.consumers.get(consumer["groupName"])
             member = group is not None and group.channels.get(conn)
@@ -280,7 +276,12 @@ class ClientRegistry:
                 del index[conn]
 
     def add_producer(self, group: str, conn, client_id: str, language: int = 0, version: int = 0,
-                     now: int | None = None) -> None:
+                     now: int | None = None) -> bool:
+        """Join ``conn`` to ``group`` or renew it there; False, joining nothing, when it is new to the group and its
+        address is at max_groups_per_host. Checked here, not by each caller: a half message's sender joins its
+        group too, and one sending halves under made-up group names grew the table past the cap."""
+        if conn not in self.producers.get(group, ()) and not self._room(conn):
+            return False
         left = self._left.get(conn)
         if left is not None:                # back in the group (a new producer of it on this connection)
             left.pop(group, None)
@@ -296,6 +297,7 @@ class ClientRegistry:
         else:
             ch.last_seen_ms = now or self.clock()
             ch.client_id = client_id
+        return True
 
     def _register_consumer(self, conn, client_id, cmd, data: dict, now: int) -> bool:
         name = data["groupName"]

@@ -372,11 +372,9 @@ class BrokerServer:
     async def _lag_in_slices(self, offsets: list) -> list:
         """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between
         slices of LAG_SLICE."""
-        max_offset = self.ctx.store.max_offset
         totals: dict[tuple[str, str], int] = {}
         async for part in _in_slices(offsets):
-            for (group, topic, qid), offset in part:
-                totals[(group, topic)] = totals.get((group, topic), 0) + max(0, max_offset(topic, qid) - offset)
+            _add_lag(totals, part, self.ctx.store.max_offset)
         return list(totals.items())
 
     async def _acl_reload(self) -> None:
@@ -427,8 +425,7 @@ class BrokerServer:
 
     def _lag_by_group_topic(self):
         totals: dict[tuple[str, str], int] = {}
-        for group, topic, _qid, lag in self._lag():
-            totals[(group, topic)] = totals.get((group, topic), 0) + lag
+        _add_lag(totals, self.ctx.offsets.items(), self.ctx.store.max_offset)
         return list(totals.items())
 
     def _connection(self, listener: str, table: dict) -> RemotingConnection:
@@ -696,6 +693,12 @@ def start_failure(exc: BaseException, store_dir: str) -> str:
                  "file of the store holds two descriptors while the broker runs; raise the limit: ulimit -n, "
                  "systemd LimitNOFILE)")
     return text.replace("\n", " ")
+
+
+def _add_lag(totals: dict, offsets, max_offset) -> None:
+    """Add each ((group, topic, qid), offset)'s lag behind ``max_offset(topic, qid)`` to ``totals[(group, topic)]``."""
+    for (group, topic, qid), offset in offsets:
+        totals[(group, topic)] = totals.get((group, topic), 0) + max(0, max_offset(topic, qid) - offset)
 
 
 async def _in_slices(items: list):

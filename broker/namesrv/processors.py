@@ -58,7 +58,7 @@ def register_broker(ctx: NamesrvContext, conn, cmd):
                             f"broker address {addr} not registered: the connections from {host} hold "
                             f"{ctx.table.max_addresses_per_host} addresses, the limit (max_broker_addresses_per_host)")
     result = ctx.table.register(
-        cluster=cmd.str_field("clusterName", required=True), broker_addr=cmd.str_field("brokerAddr", required=True),
+        cluster=cmd.str_field("clusterName", required=True), broker_addr=addr,
         broker_name=cmd.str_field("brokerName", required=True), broker_id=broker_id,
         ha_server_addr=cmd.str_field("haServerAddr", ""), body=registration, conn=conn, now_ms=ctx.clock())
     return cmd.response(ResponseCode.SUCCESS, ext_fields={"masterAddr": result.master_addr,

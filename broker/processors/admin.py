@@ -32,15 +32,22 @@ def update_and_create_topic(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS)
 
 
+def stored_record(ctx, cmd, offset: int, reader: str, missing: str):
+    """(the verified record at commit-log ``offset``, None), or (None, the SYSTEM_ERROR answer to ``cmd``): its body
+    failing its CRC (never served, nor copied under a fresh one, as if sound), or no record there (``missing``)."""
+    try:
+        view = ctx.store.verified_record(offset, reader)
+    except CorruptRecordError as exc:
+        return None, cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
+    if view is None:
+        return None, cmd.response(ResponseCode.SYSTEM_ERROR, missing)
+    return view, None
+
+
 def view_message_by_id(ctx, conn, cmd):
     offset = cmd.int_field("offset", required=True)
-    try:
-        view = ctx.store.verified_record(offset, "view by id")
-    except CorruptRecordError as exc:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
-    if view is None:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, f"can not find message by the offset, {offset}")
-    return cmd.response(ResponseCode.SUCCESS, body=[view])
+    view, error = stored_record(ctx, cmd, offset, "view by id", f"can not find message by the offset, {offset}")
+    return error or cmd.response(ResponseCode.SUCCESS, body=[view])
 
 
 def get_all_topic_config(ctx, conn, cmd):

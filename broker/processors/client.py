@@ -11,8 +11,6 @@ from protocol.errors import HeaderError
 from ..clients import build_subscription, is_tag_type
 
 log = logging.getLogger("txmq.clients")
-# A client past a lock cap asks again every few seconds (each rebalance): say so once in this long.
-_REFUSAL_LOG_INTERVAL_MS = 10_000
 
 
 def _notify(ctx, groups) -> None:
@@ -31,23 +29,22 @@ def heart_beat(ctx, conn, cmd):
     if not refused and not oversized:
         return cmd.response(ResponseCode.SUCCESS)
     # The groups it is in were renewed; a stock client logs the failed heartbeat and sends the next one as ever.
-    host = getattr(conn, "peer", ("?", 0))[0]
+    peer = getattr(conn, "peer", ("?", 0))
     why = []
     if refused:
-        ctx.limits.refused("group-limit")
-        why.append(f"{refused} groups not joined: the connections from {host} are in {clients.max_groups_per_host} "
-                   f"groups, the limit (max_groups_per_host); the groups already joined are renewed")
+        why.append(f"{refused} groups not joined: the connections from {peer[0]} are in "
+                   f"{clients.max_groups_per_host} groups, the limit (max_groups_per_host); the groups already "
+                   f"joined are renewed")
     if oversized:
-        ctx.limits.refused("subscription-limit")
         why.append(f"consumer groups {', '.join(oversized[:5])}{' ...' if len(oversized) > 5 else ''} not joined "
                    f"nor changed: their subscriptions are past max_subscription_bytes_per_group="
                    f"{clients.max_subscription_bytes}")
     why = "; ".join(why)
-    now = clients.clock()
-    if now - clients.group_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
-        clients.group_refusals_logged = now
-        log.warning("HEART_BEAT from %s:%s: %.1000s (logged at most every %d s)", host, conn.peer[1], why,
-                    _REFUSAL_LOG_INTERVAL_MS // 1000)
+    warning = f"HEART_BEAT from {peer[0]}:{peer[1]}: {why:.1000}"
+    if refused:
+        ctx.limits.refused("group-limit", warning)
+    if oversized:       # (said once: with the line above, when there was one)
+        ctx.limits.refused("subscription-limit", None if refused else warning)
     return cmd.response(ResponseCode.SYSTEM_BUSY, why[:2000])
 
 
@@ -132,14 +129,11 @@ def lock_batch_mq(ctx, conn, cmd):
         elif why != "held":
             refused[why] = refused.get(why, 0) + 1
     if refused:
-        ctx.limits.refused("queue-lock-limit")
-    if refused and now - clients.lock_refusals_logged >= _REFUSAL_LOG_INTERVAL_MS:
-        clients.lock_refusals_logged = now
         peer = getattr(conn, "peer", ("?", 0))
-        log.warning("LOCK_BATCH_MQ of group %s from client %s at %s:%s: %s queue locks not granted (past %s; "
-                    "%d locks held in all): the client will try again later (logged at most every %d s)",
-                    group, client_id, peer[0], peer[1], sum(refused.values()), " and ".join(sorted(refused)),
-                    len(clients.locks), _REFUSAL_LOG_INTERVAL_MS // 1000)
+        ctx.limits.refused("queue-lock-limit", (
+            f"LOCK_BATCH_MQ of group {group} from client {client_id} at {peer[0]}:{peer[1]}: "
+            f"{sum(refused.values())} queue locks not granted (past {' and '.join(sorted(refused))}; "
+            f"{len(clients.locks)} locks held in all): the client will try again later"))
     return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"lockOKMQSet": granted}).encode())
 
 

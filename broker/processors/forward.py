@@ -27,8 +27,10 @@ import logging
 from protocol.admin_bodies import decode_mq_table, encode_consumer_status
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.errors import CorruptRecordError, RequestTimeoutError
+from protocol.errors import RequestTimeoutError
 from protocol.message import decode_offset_msg_id
+
+from .admin import stored_record
 
 log = logging.getLogger("txmq.ops")
 
@@ -55,8 +57,6 @@ def _limited(handler):
 
 
 @_limited
-
-
 async def get_consumer_running_info(ctx, conn, cmd):
     return await _call_consumer(ctx, cmd, RequestCode.GET_CONSUMER_RUNNING_INFO, dict(cmd.ext_fields),
                                 cmd.body_bytes())
@@ -66,12 +66,10 @@ async def get_consumer_running_info(ctx, conn, cmd):
 async def consume_message_directly(ctx, conn, cmd):
     msg_id = cmd.str_field("msgId", required=True)
     _host, _port, offset = decode_offset_msg_id(msg_id)         # (a HeaderError saying what is wrong with it)
-    try:
-        record = ctx.store.verified_record(offset, "consume message directly")
-    except CorruptRecordError as exc:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
-    if record is None:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, f"can not find message by the offset message id, {msg_id}")
+    record, error = stored_record(ctx, cmd, offset, "consume message directly",
+                                  f"can not find message by the offset message id, {msg_id}")
+    if error is not None:
+        return error
     fields = dict(cmd.ext_fields, brokerName=ctx.config.broker_name)
     return await _call_consumer(ctx, cmd, RequestCode.CONSUME_MESSAGE_DIRECTLY, fields, bytes(record))
 

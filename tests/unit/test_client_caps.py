@@ -53,3 +53,14 @@ def test_a_group_past_max_subscription_bytes_is_not_joined_but_a_member_stays_on
                                                                             body=json.dumps(body).encode()))
     assert (changed, oversized) == ([], ["G"])
     assert clients.consumer_ids("G") == ["c"] and list(clients.consumers["G"].subscriptions) == ["T"]
+
+
+def test_a_half_message_sender_joins_its_group_under_the_same_cap():
+    """The transaction service joins a half's sender to its producer group (add_producer): made-up group names
+    sent as halves must not grow the table past max_groups_per_host, and a member is still renewed."""
+    clients = ClientRegistry(lambda: 0, max_groups_per_host=1)
+    conn = _Conn()
+    assert clients.add_producer("P1", conn, "c") is True
+    assert clients.add_producer("P2", conn, "c") is False
+    assert set(clients.producers) == {"P1"} and clients._groups_by_host == {"10.0.0.1": 1}
+    assert clients.add_producer("P1", conn, "c") is True        # a renewal at the cap

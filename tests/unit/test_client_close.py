@@ -3,19 +3,8 @@ groups a close walked them all (about 9 ms on the loop), and a reconnect storm o
 connection for seconds. Counted as the group tables touched, not timed."""
 from __future__ import annotations
 
-import json
-
 from broker.clients import ClientRegistry
-from protocol.codes import RequestCode as R
-from protocol.command import RemotingCommand
-
-
-class _Conn:
-    is_open = True
-
-    def __init__(self, host="10.0.0.1"):
-        self.peer = (host, 1)
-        self.attributes = {}
+from tests.unit.test_client_caps import _beat, _Conn
 
 
 class _Touched(dict):
@@ -44,13 +33,6 @@ class _Touched(dict):
     def __iter__(self):
         self._look()
         return super().__iter__()
-
-
-def _beat(clients, conn, *consumers, producers=()):
-    body = {"clientID": "c", "producerDataSet": [{"groupName": g} for g in producers],
-            "consumerDataSet": [{"groupName": g, "subscriptionDataSet": [{"topic": "T", "subString": "*"}]}
-                                for g in consumers]}
-    return clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))
 
 
 def test_closing_a_connection_touches_only_its_own_groups():

@@ -19,7 +19,7 @@ _TOPICS = SimpleNamespace(topics={"Orders": TopicConfig("Orders", 4, 4)})
 def _ctx():
     clock = SimpleNamespace(now=1_000_000)
     ctx = SimpleNamespace(config=BrokerConfig(), clock=lambda: clock.now, topics=_TOPICS,
-                          limits=SimpleNamespace(refused=lambda reason: None))
+                          limits=SimpleNamespace(refused=lambda reason, warning=None: None))
     ctx.clients = ClientRegistry(ctx.clock)
     return ctx, clock
 
