@@ -14,7 +14,6 @@ from time import perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
-from protocol.errors import CorruptRecordError
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
@@ -39,6 +38,7 @@ from ..answer import Answer
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
+from .admin import stored_record
 
 log = logging.getLogger("txmq.send")
 
@@ -408,12 +408,10 @@ async def handle_send_back(ctx, conn, cmd):
         # them sent the retry, when its delay ended, to any topic instead of %RETRY%<group>.
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"originMsgId {origin_id!r} holds a properties "
                             "separator (\\x01 or \\x02)")
-    try:        # a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC
-        view = ctx.store.verified_record(offset, "send back")
-    except CorruptRecordError as exc:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
-    if view is None:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, f"look message by offset failed, {offset}")
+    # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
+    view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}")
+    if error is not None:
+        return error
     msg, _ = decode_record(view)
     props = dict(msg.properties)
     props.setdefault(Prop.RETRY_TOPIC, msg.topic)
