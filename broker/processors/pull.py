@@ -52,7 +52,7 @@ def selector_filter(selector, group: str, topic: str, budget: int = _FILTER_BUDG
         if spent and spent >= budget:     # never before the first: every read makes progress
             return None
         try:
-            raw = b"\x02" + bytes(record_properties(record))
+            raw = b"\x02" + record_properties(record)      # one copy: bytes + a memoryview is bytes
             spent += 4 + per_kib * (1 + (len(raw) >> 10))
             props = {}
             for name, pair in pairs:

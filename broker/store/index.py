@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 
 from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
-from protocol.record import property_bytes
+from protocol.record import MESSAGE_MAGIC_BYTES, property_bytes
 
 from .index_file import IndexCorrupt, IndexFile, KeyHasher, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
@@ -51,7 +51,6 @@ _SIZE_MAGIC = struct.Struct(">ii")
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 _I16 = struct.Struct(">h")
-_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)
 _PROGRESS = struct.Struct(">qI")
 PROGRESS_FILE = "progress"
 PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page dirtied since the last (under
@@ -476,12 +475,12 @@ class IndexService:
             chunk = self._pread(start, at - start, min(_CHUNK, hi - at))
             if len(chunk) < 36:
                 return None
-            find = chunk.find(_MAGIC_BYTES, 4)
+            find = chunk.find(MESSAGE_MAGIC_BYTES, 4)
             while find >= 0 and find + 32 <= len(chunk):
                 cand = at + find - 4
                 if _I64.unpack_from(chunk, find + 24)[0] == cand:
                     return cand
-                find = chunk.find(_MAGIC_BYTES, find + 1)
+                find = chunk.find(MESSAGE_MAGIC_BYTES, find + 1)
             at += max(1, len(chunk) - 36)       # overlap: a head cut by the chunk's end is found in the next
         return None
 

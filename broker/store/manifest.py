@@ -126,11 +126,8 @@ def write_manifest(store_dir: str, store_id: str, now_ms: int, facts: list[Segme
     # removal, on the I/O thread but holding the GIL: a retention pass over months of segments stalled the
     # event loop for 300 ms at a time, and cost O(segments^2).
     lines = [f'{{"store_id": {json.dumps(store_id)}, "written_ms": {json.dumps(now_ms)}, "segments": [']
-    lines.append(",\n".join(_ENTRY.format(json.dumps(f.name), f.start, f.end, f.records, f.first_ts, f.last_ts,
-                                          "true" if f.sealed else "false") for f in facts))
-    lines.append("]" if removed is None else "], \"removed\": " + _ENTRY.format(
-        json.dumps(removed.name), removed.start, removed.end, removed.records, removed.first_ts, removed.last_ts,
-        "true" if removed.sealed else "false"))
+    lines.append(",\n".join(map(_entry, facts)))
+    lines.append("]" if removed is None else "], \"removed\": " + _entry(removed))
     lines.append("}\n")
     _write_atomically(os.path.join(store_dir, MANIFEST_FILE), "\n".join(lines).encode())
 
@@ -139,12 +136,21 @@ _ENTRY = ('{{"name": {}, "start": {:d}, "end": {:d}, "records": {:d}, "first_ts"
           '"sealed": {}}}')
 
 
+def _entry(f: SegmentFacts) -> str:
+    return _ENTRY.format(json.dumps(f.name), f.start, f.end, f.records, f.first_ts, f.last_ts,
+                         "true" if f.sealed else "false")
+
+
+def _sealed_facts(e) -> SegmentFacts:
+    """A manifest entry read back (as sealed); KeyError, TypeError, ValueError or AttributeError if it is none."""
+    return SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
+                        int(e["first_ts"]), int(e["last_ts"]), True)
+
+
 def removed_from_disk(store_dir: str) -> SegmentFacts | None:
     """The manifest's entry of the newest removed segment (None when it has none)."""
-    e = read_manifest(store_dir).get("removed")
     try:
-        return SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
-                            int(e["first_ts"]), int(e["last_ts"]), True)
+        return _sealed_facts(read_manifest(store_dir).get("removed"))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -155,8 +161,7 @@ def sealed_from_disk(store_dir: str) -> dict[str, SegmentFacts]:
     for e in read_manifest(store_dir).get("segments", []):
         try:
             if e.get("sealed"):
-                f = SegmentFacts(str(e["name"]), int(e["start"]), int(e["end"]), int(e["records"]),
-                                 int(e["first_ts"]), int(e["last_ts"]), True)
+                f = _sealed_facts(e)
                 out[f.name] = f
         except (KeyError, TypeError, ValueError, AttributeError):    # not an entry: the bytes say it again
             continue

@@ -23,8 +23,8 @@ import logging
 import os
 import threading
 
-from .mapped_file import fsync_dir, fsync_dirs, keep_previous, make_dirs
-from .saved import check, is_int, load_saved
+from .mapped_file import fsync_dirs, make_dirs
+from .saved import check, is_int, load_saved, save
 
 log = logging.getLogger("txmq.store")
 
@@ -153,20 +153,8 @@ class ConsumerOffsets:
             self._write_locked(data)
 
     def _write_locked(self, data: bytes) -> None:
-        directory = os.path.dirname(self.path)
-        fsync_dirs(make_dirs(directory))
-        tmp = self.path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        keep_previous(self.path)        # the table being replaced becomes the previous copy (see _load)
-        os.replace(tmp, self.path)
-        fsync_dir(directory)
+        fsync_dirs(make_dirs(os.path.dirname(self.path)))
+        save(self.path, data)       # the table being replaced becomes the previous copy (see _load)
 
 
 def _parse_table(raw) -> dict[tuple[str, str, int], int]:

@@ -284,9 +284,9 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
     return seg.start + pos
 
 
-def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None,
-                  next_qoff: Callable[[], int | None] | None = None) -> int:
-    """The record's queue offset, repaired when its header is damaged there.
+def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int, next_qoff: Callable[[], int | None]) -> int:
+    """The record's queue offset, which is not ``want`` (the previous record's + 1), repaired when its header
+    is damaged there.
 
     A queue's records follow one another in the log: each carries the previous one's offset + 1, or 0 when
     the topic was deleted and made again. The field is outside the body CRC, so a flipped bit there went
@@ -298,9 +298,7 @@ def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int | None,
     record of it was "repaired" to follow (1, 2, ...): the messages before it gone from the queue, and the
     offsets of the intact ones after it rewritten in the log.
     """
-    if want is None or qoff == want:
-        return qoff
-    if qoff == 0 and (next_qoff is None or next_qoff() != want + 1):
+    if qoff == 0 and next_qoff() != want + 1:
         return qoff
     log.error("commit log segment %s byte %d: a record of %s-%d says queue offset %d where the queue's previous "
               "record says %d: its header is damaged; rewritten to %d", seg.name, pos, *key, qoff, want - 1, want)
