@@ -23,8 +23,7 @@ from protocol.registration import DataVersion
 from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
-from .store.mapped_file import keep_previous
-from .store.saved import check, is_int, load_saved
+from .store.saved import check, is_int, load_saved, save
 
 log = logging.getLogger("txmq.topics")
 
@@ -195,19 +194,14 @@ class TopicManager:
             self._write(topics)
 
     def _write(self, topics: list) -> None:
-        tmp = self.path + ".tmp"
         self._dirty = False             # a change made while this write runs sets it again
+        body = json.dumps({"topics": [asdict(t) for t in topics if t.name not in self._system]}, indent=1)
         try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump({"topics": [asdict(t) for t in topics if t.name not in self._system]}, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            keep_previous(self.path)
-            os.replace(tmp, self.path)
+            save(self.path, body.encode())  # (its directory synced too: the rename is durable)
         except OSError:
             self._dirty = True
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(self.path + ".tmp")
             raise
 
     def retry_groups(self) -> int:
