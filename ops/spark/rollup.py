@@ -398,8 +398,8 @@ def _out_lock(out_dir: str):
     """Hold --out's lock file (``.txmq-rollup.lock``, flock) while a run writes its tables and report:
     another run into the same local --out (or one on a shared mount) waits. A Hadoop URI (hdfs://,
     s3a://) has no lock: runs into one such --out must not overlap."""
-    path = _local_form(out_dir)
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
+    path = _local_path(out_dir)
+    if path is None:
         yield
         return
     os.makedirs(path, exist_ok=True)
@@ -425,6 +425,12 @@ def _local_form(out_dir: str) -> str:
     if out_dir[:5].lower() == "file:":
         return urllib.parse.urlsplit(out_dir).path
     return out_dir
+
+
+def _local_path(out_dir: str) -> str | None:
+    """out_dir as a path of this host (see _local_form), or None for a Hadoop URI (hdfs://, s3a://): Spark's."""
+    path = _local_form(out_dir)
+    return None if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path) else path
 
 
 def _union(dfs):
