@@ -247,18 +247,17 @@ def _owned_cond(owned: dict[str, set[str]]):
 
 
 def write_partitions(spark, df, staged: str, owned: dict[str, set[str]], kept: list):
-    """Write, for each broker and date in owned, that broker's rows of the date from df, plus the
+    """Write df (this run's rows: only the broker and date pairs in owned, see _owned_cond) plus the
     ``kept`` rows of those dates (_kept_rows) as partitions under ``staged`` (a Publisher's staging
     directory: nothing under --out changes until its commit); return (how many rows are this run's,
     every row the dates' partitions will hold). Spark's dynamic overwrite replaces a whole date
     partition, and a run that covers one broker of several, or a date a store holds only part of,
     must not take the other rows with it."""
-    mine = df.where(_owned_cond(owned))
     if not any(owned.values()):
-        return 0, mine
-    full = mine if not kept else mine.unionByName(spark.createDataFrame(kept, df.schema))
+        return 0, df
+    full = df if not kept else df.unionByName(spark.createDataFrame(kept, df.schema))
     full.write.mode("overwrite").partitionBy("date").parquet(staged)
-    return mine.count(), full       # df is cached, and the write filled the cache: no new scan
+    return df.count(), full         # df is cached, and the write filled the cache: no new scan
 
 
 def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
@@ -345,6 +344,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
             log.warning("rollup: nothing to write: no date is whole in the store any more")
             return summary
         queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
+        written = {name: set().union(*o.values()) for name, o in owned.items()}    # each table's dates replaced
         # Each table's rows of another broker are read, then written back with this run's: two runs
         # into one --out at once would each write back the other's old rows (a lost update).
         with _out_lock(out_dir):
@@ -357,10 +357,9 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
                 # One read of what --out holds for the run's dates and this run does not replace: the
                 # rows written back with this run's, and those of a date this table's rows are left
                 # as they are for (the store no longer holds the day whole), which the report shows.
-                written = set().union(*owned[name].values())
                 old = _kept_rows(spark, os.path.join(out_dir, name), df, dates, owned[name])
-                kept = [r for r in old if r["date"] in written]
-                rest = [r for r in old if r["date"] not in written]
+                kept = [r for r in old if r["date"] in written[name]]
+                rest = [r for r in old if r["date"] not in written[name]]
                 summary["rows"][name], report_tables[name] = write_partitions(
                     spark, df, publisher.stage(name), owned[name], kept)
                 if rest:
@@ -370,7 +369,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
                 log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                          ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
             t0 = time.monotonic()
-            publisher.commit({name: set().union(*owned[name].values()) for name in TABLES})
+            publisher.commit(written)
             log.info("rollup: published the partitions of %s in %.1f s", ", ".join(TABLES), time.monotonic() - t0)
             t0 = time.monotonic()
             report_dir = report_dir or os.path.join(_local_form(out_dir), "report")
