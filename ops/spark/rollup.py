@@ -488,6 +488,7 @@ class _StoreRollup:
         self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
+        ts = seg_mod.first_store_ts(first) if first is not None else None      # read on the driver
         when = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)  # noqa: E731
         if first is not None and first.base > 0:
             # Retention removed the segments before this one (or a slave's log began here). A day is cut
@@ -497,7 +498,6 @@ class _StoreRollup:
             # Without that entry, the day of the first record left may have begun in them: days from the
             # next on are whole.
             gone = removed_before(store_dir, first)
-            ts = seg_mod.first_store_ts(first)
             if gone is not None:
                 self.whole_from = (when(gone["last_ts"]).date() + dt.timedelta(days=1)).isoformat()
                 self.cut = (first.base, f"the newest record removed was stored {when(gone['last_ts']).isoformat()}")
@@ -511,7 +511,6 @@ class _StoreRollup:
         # old store's). A store holding nothing yet has no first day: it replaces what a run asks.
         self.begins = None
         if first is None or first.base == 0:
-            ts = seg_mod.first_store_ts(first) if first is not None else None
             held = sorted(self.snapshot_days)[:1] + ([when(ts).date().isoformat()] if ts is not None else [])
             self.begins = min(held, default=None)
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
