@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -146,6 +145,7 @@ def main() -> None:
 
 def measure(repo: Path, args) -> dict:
     """plain and tx rows against a fresh broker of ``repo``, with the broker's CPU per operation."""
+    from bench.bench_send_path import _cpu_s        # the broker's utime + stime, s
     from tests.support.broker_process import BrokerProcess
     results = {}
     with tempfile.TemporaryDirectory(prefix="txmq-benchtx-") as tmp:
@@ -163,13 +163,6 @@ def measure(repo: Path, args) -> dict:
         finally:
             broker.stop()
     return results
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")      # utime + stime
-
-
 
 
 def compare(args) -> None:

@@ -6,7 +6,6 @@ import datetime as dt
 import json
 import logging
 import os
-import re
 import sys
 import tempfile
 
@@ -91,10 +90,10 @@ def require_writable(directory: str, what: str) -> None:
     Only local paths (and file: URIs) are checked (a Hadoop URI such as hdfs:// is Spark's to reach). Without this a
     bad --out failed when the results were written, after the whole store was decoded, in hundreds of
     lines of Java stack traces."""
-    from .rollup import _local_form      # file:///x and file:/x (how Hadoop prints a local path) are /x
+    from .rollup import _local_path      # file:///x and file:/x (how Hadoop prints a local path) are /x
 
-    path = _local_form(directory)
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
+    path = _local_path(directory)
+    if path is None:
         return
     try:
         os.makedirs(path, exist_ok=True)

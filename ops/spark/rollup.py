@@ -247,18 +247,17 @@ def _owned_cond(owned: dict[str, set[str]]):
 
 
 def write_partitions(spark, df, staged: str, owned: dict[str, set[str]], kept: list):
-    """Write, for each broker and date in owned, that broker's rows of the date from df, plus the
+    """Write df (this run's rows: only the broker and date pairs in owned, see _owned_cond) plus the
     ``kept`` rows of those dates (_kept_rows) as partitions under ``staged`` (a Publisher's staging
     directory: nothing under --out changes until its commit); return (how many rows are this run's,
     every row the dates' partitions will hold). Spark's dynamic overwrite replaces a whole date
     partition, and a run that covers one broker of several, or a date a store holds only part of,
     must not take the other rows with it."""
-    mine = df.where(_owned_cond(owned))
     if not any(owned.values()):
-        return 0, mine
-    full = mine if not kept else mine.unionByName(spark.createDataFrame(kept, df.schema))
+        return 0, df
+    full = df if not kept else df.unionByName(spark.createDataFrame(kept, df.schema))
     full.write.mode("overwrite").partitionBy("date").parquet(staged)
-    return mine.count(), full       # df is cached, and the write filled the cache: no new scan
+    return df.count(), full         # df is cached, and the write filled the cache: no new scan
 
 
 def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None) -> list | None:
@@ -345,6 +344,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
             log.warning("rollup: nothing to write: no date is whole in the store any more")
             return summary
         queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
+        written = {name: set().union(*o.values()) for name, o in owned.items()}    # each table's dates replaced
         # Each table's rows of another broker are read, then written back with this run's: two runs
         # into one --out at once would each write back the other's old rows (a lost update).
         with _out_lock(out_dir):
@@ -357,10 +357,9 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
                 # One read of what --out holds for the run's dates and this run does not replace: the
                 # rows written back with this run's, and those of a date this table's rows are left
                 # as they are for (the store no longer holds the day whole), which the report shows.
-                written = set().union(*owned[name].values())
                 old = _kept_rows(spark, os.path.join(out_dir, name), df, dates, owned[name])
-                kept = [r for r in old if r["date"] in written]
-                rest = [r for r in old if r["date"] not in written]
+                kept = [r for r in old if r["date"] in written[name]]
+                rest = [r for r in old if r["date"] not in written[name]]
                 summary["rows"][name], report_tables[name] = write_partitions(
                     spark, df, publisher.stage(name), owned[name], kept)
                 if rest:
@@ -370,7 +369,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
                 log.info("rollup: wrote %s (%d rows for %s) in %.1f s", name, summary["rows"][name],
                          ", ".join(dates) if len(dates) <= 3 else f"{len(dates)} dates", time.monotonic() - t0)
             t0 = time.monotonic()
-            publisher.commit({name: set().union(*owned[name].values()) for name in TABLES})
+            publisher.commit(written)
             log.info("rollup: published the partitions of %s in %.1f s", ", ".join(TABLES), time.monotonic() - t0)
             t0 = time.monotonic()
             report_dir = report_dir or os.path.join(_local_form(out_dir), "report")
@@ -398,8 +397,8 @@ def _out_lock(out_dir: str):
     """Hold --out's lock file (``.txmq-rollup.lock``, flock) while a run writes its tables and report:
     another run into the same local --out (or one on a shared mount) waits. A Hadoop URI (hdfs://,
     s3a://) has no lock: runs into one such --out must not overlap."""
-    path = _local_form(out_dir)
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
+    path = _local_path(out_dir)
+    if path is None:
         yield
         return
     os.makedirs(path, exist_ok=True)
@@ -425,6 +424,12 @@ def _local_form(out_dir: str) -> str:
     if out_dir[:5].lower() == "file:":
         return urllib.parse.urlsplit(out_dir).path
     return out_dir
+
+
+def _local_path(out_dir: str) -> str | None:
+    """out_dir as a path of this host (see _local_form), or None for a Hadoop URI (hdfs://, s3a://): Spark's."""
+    path = _local_form(out_dir)
+    return None if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path) else path
 
 
 def _union(dfs):
@@ -483,6 +488,7 @@ class _StoreRollup:
         self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
+        ts = seg_mod.first_store_ts(first) if first is not None else None      # read on the driver
         when = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)  # noqa: E731
         if first is not None and first.base > 0:
             # Retention removed the segments before this one (or a slave's log began here). A day is cut
@@ -492,7 +498,6 @@ class _StoreRollup:
             # Without that entry, the day of the first record left may have begun in them: days from the
             # next on are whole.
             gone = removed_before(store_dir, first)
-            ts = seg_mod.first_store_ts(first)
             if gone is not None:
                 self.whole_from = (when(gone["last_ts"]).date() + dt.timedelta(days=1)).isoformat()
                 self.cut = (first.base, f"the newest record removed was stored {when(gone['last_ts']).isoformat()}")
@@ -506,7 +511,6 @@ class _StoreRollup:
         # old store's). A store holding nothing yet has no first day: it replaces what a run asks.
         self.begins = None
         if first is None or first.base == 0:
-            ts = seg_mod.first_store_ts(first) if first is not None else None
             held = sorted(self.snapshot_days)[:1] + ([when(ts).date().isoformat()] if ts is not None else [])
             self.begins = min(held, default=None)
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),

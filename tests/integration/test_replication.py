@@ -65,6 +65,24 @@ async def _fetch_queues_once_routed(consumer: PullConsumer, topic: str) -> None:
             await asyncio.sleep(0.1)
 
 
+async def _until_slave_has_offset(slave, group: str, mq: MessageQueue, offset: int, sound=lambda: True) -> None:
+    """Ask the slave for ``group``'s offset of ``mq`` until it answers ``offset`` (copied from its master within
+    a few sync intervals; bounded by the caller's timeout). ``sound()`` is asserted before each ask (a slow
+    answer may go)."""
+    query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+        "consumerGroup": group, "topic": TOPIC, "queueId": mq.queue_id})
+    pool = ConnectionPool()
+    try:
+        while True:
+            assert sound(), slave.log()
+            resp = await pool.request(slave.broker, query, 3.0)
+            if resp.code == ResponseCode.SUCCESS and resp.int_field("offset") == offset:
+                return
+            await asyncio.sleep(0.1)
+    finally:
+        await pool.close()
+
+
 async def _pull_all(namesrv: str, mq: MessageQueue, want: int, timeout: float = 20.0) -> list[bytes]:
     """Everything in ``mq`` from offset 0, waiting (long polls) until there are ``want`` messages."""
     async with PullConsumer(namesrv, "CG_replica") as consumer:
@@ -256,17 +274,7 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
                 await _fetch_queues_once_routed(consumer, TOPIC)
                 await consumer.commit_offset(mq, 17)            # to the master, while it is there
                 assert await consumer.fetch_offset(mq) == 17
-            query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
-                "consumerGroup": "CG_failover", "topic": TOPIC, "queueId": mq.queue_id})
-            pool = ConnectionPool()
-            try:
-                while True:                                     # copied within a few sync intervals
-                    resp = await pool.request(slave.broker, query, 3.0)
-                    if resp.code == ResponseCode.SUCCESS and resp.int_field("offset") == 17:
-                        break
-                    await asyncio.sleep(0.1)
-            finally:
-                await pool.close()
+            await _until_slave_has_offset(slave, "CG_failover", mq, 17)
             master.kill()
             while 0 in (await route(ns.addr, TOPIC)).broker_datas[0].broker_addrs:
                 await asyncio.sleep(0.1)
@@ -841,18 +849,8 @@ async def test_a_group_name_ending_in_the_separator_does_not_stop_the_slaves_off
                 async with PullConsumer(ns.addr, group) as consumer:
                     await _fetch_queues_once_routed(consumer, TOPIC)
                     await consumer.commit_offset(mq, offset)
-            query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
-                "consumerGroup": "CG_plain", "topic": TOPIC, "queueId": mq.queue_id})
-            pool = ConnectionPool()
-            try:
-                while True:                                     # copied within a few sync intervals
-                    assert "body is not usable" not in slave.log(), slave.log()     # (a slow answer may go)
-                    resp = await pool.request(slave.broker, query, 3.0)
-                    if resp.code == ResponseCode.SUCCESS and resp.int_field("offset") == 17:
-                        break
-                    await asyncio.sleep(0.1)
-            finally:
-                await pool.close()
+            await _until_slave_has_offset(slave, "CG_plain", mq, 17,
+                                          lambda: "body is not usable" not in slave.log())
     finally:
         for p in reversed(started):
             p.kill()

@@ -900,15 +900,21 @@ async def test_a_damaged_queue_offset_field_is_repaired_from_the_queues_sequence
     await store.close()
 
 
-@bounded(30)
-async def test_a_topic_deleted_and_made_again_restarts_its_offsets_without_a_repair(tmp_path, caplog):
-    """The one legitimate break in a queue's sequence of offsets in the log: back to 0 after a delete."""
-    store = MessageStore(str(tmp_path), CFG)
+async def _topic_made_again(path, cfg):
+    """An open store whose topic T had 50 records, was deleted and made again with 30 (offsets from 0 anew)."""
+    store = MessageStore(str(path), cfg)
     await store.open()
     assert all(r.ok for r in [await store.put(req(i)) for i in range(50)])
     await store.delete_topic("T")
     again = [await store.put(req(i)) for i in range(30)]
     assert [r.queue_offset for r in again] == list(range(30))
+    return store, again
+
+
+@bounded(30)
+async def test_a_topic_deleted_and_made_again_restarts_its_offsets_without_a_repair(tmp_path, caplog):
+    """The one legitimate break in a queue's sequence of offsets in the log: back to 0 after a delete."""
+    store, again = await _topic_made_again(tmp_path, CFG)
     await store.close()
     os.unlink(tmp_path / "checkpoint")                # a full scan meets both runs of the queue
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
@@ -926,12 +932,7 @@ async def test_a_queue_rebuild_after_its_topic_was_made_again_rewrites_no_record
     then the new one's from 0. The new run must replace the old one, as in the start-up scan; its records'
     queue offsets were taken for damage and rewritten in the commit log (1.. became 50..), the rebuilt
     queue serving the deleted topic's messages and the new ones under offsets no producer was told."""
-    store = MessageStore(str(tmp_path), LAST_ONLY)
-    await store.open()
-    assert all(r.ok for r in [await store.put(req(i)) for i in range(50)])
-    await store.delete_topic("T")
-    again = [await store.put(req(i)) for i in range(30)]
-    assert [r.queue_offset for r in again] == list(range(30))
+    store, again = await _topic_made_again(tmp_path, LAST_ONLY)
     # other records push both runs of T before the verified range (the last segment)
     others = await asyncio.gather(*[store.put(PutRequest.build("U", bytes(2000))) for _ in range(SEG // 2000)])
     assert all(r.ok for r in others) and others[-1].physical_offset >= SEG
