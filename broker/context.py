@@ -47,6 +47,7 @@ class BrokerContext:
     kv: object = None                # broker.kv_config.KvConfig: its name server's KV config
     ha: object = None                # broker.ha.HAMaster / HASlave; None: a master nobody follows
     started_ms: int = 0              # when the broker began serving (runtime info)
+    routes_write_wiped: bool = False  # wipeWritePerm on its name server: routes say no writes (processors/namesrv)
     forwarding: int = 0              # requests waiting for a consumer's answer (processors/forward.py)
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
 

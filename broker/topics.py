@@ -207,6 +207,11 @@ class TopicManager:
     def retry_groups(self) -> int:
         return sum(1 for name in self.topics if name.startswith(RETRY_PREFIX))
 
+    def system_topics(self) -> list[str]:
+        """The system topics held (GET_SYSTEM_TOPIC_LIST_FROM_BROKER): those made at start, cluster and broker
+        names among them, and any other system name in the catalogue (the trace topic)."""
+        return sorted(n for n in self.topics if n in self._system or is_system_topic(n))
+
     def get(self, topic: str) -> TopicConfig | None:
         return self.topics.get(topic)
 

@@ -89,6 +89,13 @@ def encode_cluster_info(brokers: list[BrokerData], *, strict: bool) -> bytes:
 _UNQUOTED_INT_KEY = re.compile(r'([{,])\s*(-?\d+)\s*:')
 
 
+def encode_topic_list(topics, broker_addr: str | None = None) -> bytes:
+    """TopicList as fastjson writes it: ``{"brokerAddr":..,"topicList":[..]}``, brokerAddr left out when null.
+    The topics sorted: a Java reader holds them in a HashSet, so their order carries nothing."""
+    head = "" if broker_addr is None else f'"brokerAddr":{_dump(broker_addr)},'
+    return f'{{{head}"topicList":{_dump(sorted(topics))}}}'.encode()
+
+
 def decode_route(body: bytes) -> TopicRouteData:
     """Parse either form of route JSON (the non-strict one has unquoted integer keys)."""
     try:

@@ -57,6 +57,7 @@ def broker_table() -> dict:
         # Stock clients ask the broker for routes too when it is their only address.
         R.GET_ROUTEINFO_BY_TOPIC: namesrv.get_route_info,
         R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,
+        R.GET_SYSTEM_TOPIC_LIST_FROM_BROKER: namesrv.get_system_topic_list_from_broker,
     })
 
 
@@ -67,6 +68,10 @@ def namesrv_table() -> dict:
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: namesrv.get_all_topic_list,
         R.REGISTER_BROKER: namesrv.register_broker,
         R.DELETE_TOPIC_IN_NAMESRV: namesrv.delete_topic_in_namesrv,
+        R.GET_TOPICS_BY_CLUSTER: namesrv.get_topics_by_cluster,
+        R.GET_SYSTEM_TOPIC_LIST_FROM_NS: namesrv.get_system_topic_list_from_ns,
+        R.WIPE_WRITE_PERM_OF_BROKER: namesrv.wipe_write_perm,
+        R.ADD_WRITE_PERM_OF_BROKER: namesrv.add_write_perm,
         **kv_table(),
     }
 
