@@ -54,4 +54,9 @@ def get_all_topic_config(ctx, conn, cmd):
     table = {name: {"topicName": tc.name, "readQueueNums": tc.read_queue_nums, "writeQueueNums": tc.write_queue_nums,
                     "perm": tc.perm, "topicFilterType": tc.filter_type, "topicSysFlag": tc.sys_flag,
                     "order": tc.order} for name, tc in ctx.topics.topics.items()}
-    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"topicConfigTable": table}).encode())
+    # TopicConfigSerializeWrapper, keys in fastjson's order; a Java slave's SlaveSynchronize assigns dataVersion
+    # to its own (a NullPointerException every sync when it was missing) and re-reads the table when it changed.
+    version = ctx.topics.data_version
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({
+        "dataVersion": {"counter": version.counter, "timestamp": version.timestamp},
+        "topicConfigTable": table}).encode())
