@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from protocol.codes import RequestCode as R
 
-from . import admin, broker_config, client, forward, kv, namesrv, offsets, ops, pull, query, reply, send, transaction
+from . import (admin, broker_config, client, forward, kv, namesrv, offsets, ops, pull, query, query_cq, reply, send,
+               transaction)
 from .disk_guard import guard_writes
 
 
@@ -40,6 +41,7 @@ def broker_table() -> dict:
         R.TXMQ_APPLY_EXPIRY: transaction.apply_expiry,
         # Query and operations (processors/query.py, processors/ops.py)
         R.QUERY_MESSAGE: query.query_message,
+        R.QUERY_CONSUME_QUEUE: query_cq.query_consume_queue,
         R.INVOKE_BROKER_TO_RESET_OFFSET: ops.reset_offset,
         R.GET_CONSUME_STATS: ops.get_consume_stats,
         R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,

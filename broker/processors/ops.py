@@ -65,15 +65,19 @@ def get_consume_stats(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, body=encode_consume_stats(rows, tps))
 
 
+def subscription_data(topic: str, s) -> dict:
+    """A consumer's Subscription as RocketMQ's SubscriptionData (keys as fastjson sorts them)."""
+    return {"classFilterMode": False, "codeSet": sorted(s.codes), "expressionType": s.expression_type,
+            "subString": s.sub_string, "subVersion": s.sub_version, "tagsSet": sorted(s.tags), "topic": topic}
+
+
 def get_consumer_connection_list(ctx, conn, cmd):
     name = cmd.str_field("consumerGroup", required=True)
     group = ctx.clients.consumers.get(name)
     if group is None or not group.channels:
         return cmd.response(ResponseCode.CONSUMER_NOT_ONLINE, f"the consumer group[{name}] not online")
     connections = [_connection(ch) for ch in group.channels.values()]
-    subs = {t: {"classFilterMode": False, "codeSet": sorted(s.codes), "expressionType": s.expression_type,
-                "subString": s.sub_string, "subVersion": s.sub_version, "tagsSet": sorted(s.tags), "topic": t}
-            for t, s in group.subscriptions.items()}
+    subs = {t: subscription_data(t, s) for t, s in group.subscriptions.items()}
     body = {"connectionSet": sorted(connections, key=lambda c: c["clientId"]),
             "consumeFromWhere": group.consume_from_where, "consumeType": group.consume_type,
             "messageModel": group.message_model, "subscriptionTable": subs}
