@@ -29,6 +29,8 @@ import platform
 from protocol import __version__
 from protocol.codes import request_name
 
+from .stats_windows import StatsWindows
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
 _RESERVOIR = 4096
@@ -121,6 +123,11 @@ class BrokerMetrics:
         self.put_total = 0                      # messages stored and pulled since start, never forgotten
         self.get_total = 0
         self._totals: deque[tuple[float, int, int]] = deque(maxlen=_STORE_TPS_SPANS_S[-1] + 1)
+        # VIEW_BROKER_STATS_DATA's TOPIC_PUT_NUMS (from _in) and GROUP_GET_NUMS (from _got, (topic, group) ->
+        # messages pulled since start, as many pairs as max_series) over a minute, an hour and a day
+        self._got: dict[tuple[str, str], int] = {}
+        self.put_windows = StatsWindows(time.monotonic(), self.max_series)
+        self.get_windows = StatsWindows(time.monotonic(), self.max_series)
         self.messages_out = Counter("rocketmq_messages_out", "Messages delivered by pulls.",
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
@@ -287,6 +294,8 @@ class BrokerMetrics:
                     marked[1].pop(key[1], None)
         for pair in [p for p in self._pulled if match(p)]:
             del self._pulled[pair]
+        for pair in [p for p in self._got if match(p)]:
+            del self._got[pair]
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
         counts = self._in.get(topic)
@@ -301,6 +310,9 @@ class BrokerMetrics:
         self.child(self.messages_out, topic, group).inc(messages)
         self.child(self.bytes_out, topic, group).inc(nbytes)
         self.get_total += messages
+        got = self._got.get((topic, group))
+        if got is not None or len(self._got) < self.max_series:
+            self._got[(topic, group)] = (got or 0) + messages
         slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
         slots = self._pulled.get((topic, group))
         if slots is None:
@@ -334,7 +346,23 @@ class BrokerMetrics:
 
     def sample_totals(self, now: float | None = None) -> None:
         """Once a second (the broker's gauge loop): the put and get totals store_tps reads."""
-        self._totals.append((time.monotonic() if now is None else now, self.put_total, self.get_total))
+        now = time.monotonic() if now is None else now
+        self._totals.append((now, self.put_total, self.get_total))
+        self.put_windows.snapshot(now, lambda: {topic: counts[0] for topic, counts in self._in.items()})
+        self.get_windows.snapshot(now, lambda: dict(self._got))
+
+    def stats_windows(self, stats_name: str, stats_key: str, now: float | None = None) -> dict | None:
+        """VIEW_BROKER_STATS_DATA: {window: (sum, per second)} of TOPIC_PUT_NUMS <topic> or GROUP_GET_NUMS
+        <topic>@<group>; None for any other name, or a key not counted."""
+        now = time.monotonic() if now is None else now
+        if stats_name == "TOPIC_PUT_NUMS":
+            counts = self._in.get(stats_key)
+            return None if counts is None else self.put_windows.windows(stats_key, counts[0], now)
+        if stats_name == "GROUP_GET_NUMS":
+            topic, at, group = stats_key.partition("@")     # a topic name has no '@'; a group may
+            total = self._got.get((topic, group)) if at else None
+            return None if total is None else self.get_windows.windows((topic, group), total, now)
+        return None
 
     def store_tps(self) -> tuple[str, str]:
         """putTps and getTransferedTps as RocketMQ writes them: three rates, space separated, over the last

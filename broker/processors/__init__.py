@@ -10,7 +10,7 @@ from __future__ import annotations
 from protocol.codes import RequestCode as R
 
 from . import (admin, broker_config, client, forward, kv, namesrv, offsets, ops, pull, query, query_cq, reply, send,
-               transaction)
+               stats, transaction)
 from .disk_guard import guard_writes
 
 
@@ -51,6 +51,7 @@ def broker_table() -> dict:
         R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS: forward.invoke_broker_to_get_consumer_status,
         R.GET_TOPIC_STATS_INFO: ops.get_topic_stats_info,
         R.GET_BROKER_RUNTIME_INFO: ops.get_broker_runtime_info,
+        R.VIEW_BROKER_STATS_DATA: stats.view_broker_stats_data,
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
         R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG: ops.get_all_subscription_group,
         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP: ops.update_and_create_subscription_group,

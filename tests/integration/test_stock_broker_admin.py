@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from consumer import PullConsumer
 from producer import MessageQueue, Producer
 from protocol.codes import LanguageCode, ResponseCode
 from protocol.codes import RequestCode as R
@@ -94,3 +95,39 @@ async def test_query_consume_queue_shows_the_stored_units(broker):
     assert (unknown.code, unknown.remark) == (ResponseCode.SYSTEM_ERROR, "77@Cq is not exist!")
     greedy = await request(broker.broker, *_query_cq("Cq", 1, 0, 1 << 30))
     assert greedy.code == ResponseCode.SYSTEM_ERROR and "1024" in greedy.remark
+
+
+async def _stats(addr: str, name: str, key: str) -> RemotingCommand:
+    """DefaultMQAdminExt.viewBrokerStatsData: VIEW_BROKER_STATS_DATA {statsName, statsKey}."""
+    return await request(addr, R.VIEW_BROKER_STATS_DATA, {"statsName": name, "statsKey": key})
+
+
+def _stats_all_columns(resp: RemotingCommand) -> tuple[float, int]:
+    """What statsAll prints of a BrokerStatsData: the minute's tps, and compute24HourSum (the day's sum, else the
+    hour's, else the minute's)."""
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    body = json.loads(resp.body_bytes())
+    assert list(body) == ["statsDay", "statsHour", "statsMinute"]
+    assert all(list(item) == ["avgpt", "sum", "tps"] for item in body.values())
+    day_sum = next((body[w]["sum"] for w in ("statsDay", "statsHour", "statsMinute") if body[w]["sum"]), 0)
+    return body["statsMinute"]["tps"], day_sum
+
+
+@bounded(60)
+async def test_broker_stats_data_gives_stats_all_its_rates_and_day_counts(broker):
+    """mqadmin statsAll asks VIEW_BROKER_STATS_DATA for each topic (TOPIC_PUT_NUMS) and topic@group
+    (GROUP_GET_NUMS) and swallows any failure: with REQUEST_CODE_NOT_SUPPORTED it printed every rate and every
+    day's count as 0. A broker this young has every window reaching back past the sends."""
+    async with Producer(broker.namesrv, "PG_stats") as producer:
+        for i in range(7):
+            await producer.send("Stats", b"s%d" % i, queue=MessageQueue("Stats", "broker-a", 0))
+    async with PullConsumer(broker.namesrv, "CG_stats") as consumer:
+        got = await consumer.pull(MessageQueue("Stats", "broker-a", 0), 0, max_nums=5)
+        assert len(got.messages) == 5
+    in_tps, in_today = _stats_all_columns(await _stats(broker.broker, "TOPIC_PUT_NUMS", "Stats"))
+    out_tps, out_today = _stats_all_columns(await _stats(broker.broker, "GROUP_GET_NUMS", "Stats@CG_stats"))
+    assert (in_today, out_today) == (7, 5) and in_tps > 0 and out_tps > 0
+    for name, key in (("TOPIC_PUT_NUMS", "NeverSent"), ("GROUP_GET_NUMS", "Stats@CG_none"),
+                      ("GROUP_GET_NUMS", "Stats"), ("QUEUE_PUT_NUMS", "Stats")):
+        unknown = await _stats(broker.broker, name, key)
+        assert (unknown.code, unknown.remark) == (ResponseCode.SYSTEM_ERROR, f"The stats <{name}> <{key}> not exist")

@@ -1,0 +1,50 @@
+"""StatsWindows: the minute / hour / day sums VIEW_BROKER_STATS_DATA answers, on a clock given as a parameter."""
+from __future__ import annotations
+
+from broker.stats_windows import StatsWindows
+
+
+def _sums(w, key, total, now):
+    return {name: count for name, (count, _) in w.windows(key, total, now).items()}
+
+
+def test_counts_before_the_first_snapshot_show_at_once():
+    w = StatsWindows(0.0)
+    assert w.windows("T", 6, 3.0) == {"statsMinute": (6, 2.0), "statsHour": (6, 2.0), "statsDay": (6, 2.0)}
+
+
+def test_the_minute_forgets_what_is_older_and_the_day_keeps_it():
+    w = StatsWindows(0.0)
+    totals = {"T": 0}
+    for t in range(10, 130, 10):                # 5 messages in each 10 s
+        totals["T"] += 5
+        w.snapshot(float(t), lambda: dict(totals))
+    # at 120 s the minute's oldest snapshot is the one of 60 s (7 kept): 30 since then, plus 2 not yet sampled
+    assert _sums(w, "T", totals["T"] + 2, 125.0) == {"statsMinute": 32, "statsHour": 62, "statsDay": 62}
+    assert w.windows("T", 62, 125.0)["statsMinute"][1] == 32 / 65
+
+
+def test_a_key_first_seen_counts_from_the_snapshot_before():
+    w = StatsWindows(0.0)
+    w.snapshot(10.0, lambda: {})
+    w.snapshot(20.0, lambda: {"New": 4})        # it was 0 at 10 s
+    assert _sums(w, "New", 4, 25.0) == {"statsMinute": 4, "statsHour": 4, "statsDay": 4}
+    assert w.windows("New", 4, 25.0)["statsMinute"][1] == 4 / 15
+
+
+def test_keys_are_capped_and_forgotten_with_their_counter():
+    w = StatsWindows(0.0, max_keys=1)
+    w.snapshot(10.0, lambda: {"A": 1, "B": 2})
+    assert w.windows("B", 2, 11.0) is None and _sums(w, "A", 1, 11.0)["statsDay"] == 1
+    w.snapshot(20.0, lambda: {"B": 3})          # A deleted: its place is B's
+    assert _sums(w, "B", 3, 21.0)["statsDay"] == 3
+
+
+def test_nothing_is_read_between_snapshots():
+    w = StatsWindows(0.0)
+    calls = []
+    for t in (1.0, 5.0, 9.9):
+        w.snapshot(t, lambda: calls.append(t) or {})
+    assert calls == []
+    w.snapshot(10.0, lambda: calls.append(10.0) or {})
+    assert calls == [10.0]
