@@ -19,6 +19,7 @@ import random
 import time
 from bisect import bisect_left
 from collections import deque
+from datetime import date
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -126,6 +127,11 @@ class BrokerMetrics:
         # VIEW_BROKER_STATS_DATA's TOPIC_PUT_NUMS (from _in) and GROUP_GET_NUMS (from _got, (topic, group) ->
         # messages pulled since start, as many pairs as max_series) over a minute, an hour and a day
         self._got: dict[tuple[str, str], int] = {}
+        # RocketMQ's BrokerStats: the put and get totals at the last two local midnights (0 before the first),
+        # which mqadmin exportMetrics parses (Long.parseLong of a missing key: it failed for every broker)
+        self.mornings = dict.fromkeys(("msgPutTotalYesterdayMorning", "msgPutTotalTodayMorning",
+                                       "msgGetTotalYesterdayMorning", "msgGetTotalTodayMorning"), 0)
+        self._morning_day = date.fromtimestamp(time.time()).toordinal()
         self.put_windows = StatsWindows(time.monotonic(), self.max_series)
         self.get_windows = StatsWindows(time.monotonic(), self.max_series)
         self.messages_out = Counter("rocketmq_messages_out", "Messages delivered by pulls.",
@@ -344,8 +350,15 @@ class BrokerMetrics:
         slots = self._pulled.get((topic, group), {})
         return sum(n for s, n in slots.items() if s >= first) / (now - first * _TPS_SLOT_S)
 
-    def sample_totals(self, now: float | None = None) -> None:
-        """Once a second (the broker's gauge loop): the put and get totals store_tps reads."""
+    def sample_totals(self, now: float | None = None, wall: float | None = None) -> None:
+        """Once a second (the broker's gauge loop): the put and get totals store_tps reads, the stats windows'
+        snapshots when due, and the mornings' totals after a local midnight."""
+        day = date.fromtimestamp(time.time() if wall is None else wall).toordinal()
+        if day != self._morning_day:
+            self._morning_day = day
+            m = self.mornings
+            m["msgPutTotalYesterdayMorning"], m["msgPutTotalTodayMorning"] = m["msgPutTotalTodayMorning"], self.put_total
+            m["msgGetTotalYesterdayMorning"], m["msgGetTotalTodayMorning"] = m["msgGetTotalTodayMorning"], self.get_total
         now = time.monotonic() if now is None else now
         self._totals.append((now, self.put_total, self.get_total))
         self.put_windows.snapshot(now, lambda: {topic: counts[0] for topic, counts in self._in.items()})

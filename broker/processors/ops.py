@@ -128,14 +128,17 @@ def runtime_info(ctx) -> dict[str, str]:
     now = ctx.clock()
     up = max(0, now - ctx.started_ms) // 1000
     index = ctx.index.stats() if ctx.index is not None else None
-    puts = sum(n for n, _b in ctx.metrics._in.values()) if hasattr(ctx.metrics, "_in") else 0
     put_tps, get_tps = ctx.metrics.store_tps()
     info = {
         "brokerVersionDesc": VERSION_DESC, "brokerVersion": "409",
         "bootTimestamp": str(ctx.started_ms),
         "runtime": f"[ {up // 86400} days, {up % 86400 // 3600} hours, {up % 3600 // 60} minutes, "
                    f"{up % 60} seconds ]",
-        "msgPutTotalTodayNow": str(puts),
+        # totals since start, never forgotten (a deleted topic's too), and at the last two local midnights:
+        # exportMetrics parses the mornings' (a missing one failed it for every broker)
+        "msgPutTotalTodayNow": str(getattr(ctx.metrics, "put_total", 0)),
+        "msgGetTotalTodayNow": str(getattr(ctx.metrics, "get_total", 0)),
+        **{key: str(total) for key, total in getattr(ctx.metrics, "mornings", {}).items()},
         # mqadmin clusterList splits these and reads the first rate: missing, it printed a NullPointerException
         # for each broker and 0 in and out
         "putTps": put_tps, "getTransferedTps": get_tps,

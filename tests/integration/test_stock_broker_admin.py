@@ -131,3 +131,18 @@ async def test_broker_stats_data_gives_stats_all_its_rates_and_day_counts(broker
                       ("GROUP_GET_NUMS", "Stats"), ("QUEUE_PUT_NUMS", "Stats")):
         unknown = await _stats(broker.broker, name, key)
         assert (unknown.code, unknown.remark) == (ResponseCode.SYSTEM_ERROR, f"The stats <{name}> <{key}> not exist")
+
+
+@bounded(60)
+async def test_runtime_info_has_the_daily_totals_export_metrics_parses(broker):
+    """mqadmin exportMetrics: Long.parseLong of msgPut/GetTotal{Today,Yesterday}Morning (a missing key is a
+    NumberFormatException: the command failed for every txmq broker)."""
+    async with Producer(broker.namesrv, "PG_daily") as producer:
+        await producer.send("Daily", b"d")
+    resp = await request(broker.broker, R.GET_BROKER_RUNTIME_INFO)
+    table = json.loads(resp.body_bytes())["table"]
+    for kind in ("Put", "Get"):                         # a local midnight may fall during the test: no exact day
+        yesterday, today, now = (int(table[f"msg{kind}Total{when}"])
+                                 for when in ("YesterdayMorning", "TodayMorning", "TodayNow"))
+        assert 0 <= yesterday <= today <= now
+    assert int(table["msgPutTotalTodayNow"]) >= 1 and int(table["msgGetTotalTodayNow"]) == 0

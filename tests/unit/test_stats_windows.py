@@ -1,6 +1,9 @@
 """StatsWindows: the minute / hour / day sums VIEW_BROKER_STATS_DATA answers, on a clock given as a parameter."""
 from __future__ import annotations
 
+import time
+
+from broker.metrics import BrokerMetrics
 from broker.stats_windows import StatsWindows
 
 
@@ -48,3 +51,21 @@ def test_nothing_is_read_between_snapshots():
     assert calls == []
     w.snapshot(10.0, lambda: calls.append(10.0) or {})
     assert calls == [10.0]
+
+
+def test_the_mornings_totals_move_at_each_local_midnight():
+    """GET_BROKER_RUNTIME_INFO's msgPut/GetTotal{Yesterday,Today}Morning (RocketMQ's BrokerStats.record at
+    midnight): 0 before the first midnight; exportMetrics subtracts yesterday's from today's."""
+    m = BrokerMetrics()
+    m.count_in("T", 5, 50)
+    m.count_out("T", "G", 3, 30)
+    today = time.time()
+    m.sample_totals(wall=today)
+    assert set(m.mornings.values()) == {0}
+    m.sample_totals(wall=today + 86400)
+    m.count_in("T", 2, 20)
+    m.sample_totals(wall=today + 86400 + 1)             # the same day: nothing moves
+    assert m.mornings == {"msgPutTotalYesterdayMorning": 0, "msgPutTotalTodayMorning": 5,
+                          "msgGetTotalYesterdayMorning": 0, "msgGetTotalTodayMorning": 3}
+    m.sample_totals(wall=today + 2 * 86400)
+    assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (5, 7)
