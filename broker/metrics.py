@@ -132,8 +132,8 @@ class BrokerMetrics:
         self.mornings = dict.fromkeys(("msgPutTotalYesterdayMorning", "msgPutTotalTodayMorning",
                                        "msgGetTotalYesterdayMorning", "msgGetTotalTodayMorning"), 0)
         self._morning_day = date.fromtimestamp(time.time()).toordinal()
-        self.put_windows = StatsWindows(time.monotonic(), self.max_series)
-        self.get_windows = StatsWindows(time.monotonic(), self.max_series)
+        self.put_windows = StatsWindows(time.monotonic())
+        self.get_windows = StatsWindows(time.monotonic())
         self.messages_out = Counter("rocketmq_messages_out", "Messages delivered by pulls.",
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
@@ -366,7 +366,7 @@ class BrokerMetrics:
 
     def stats_windows(self, stats_name: str, stats_key: str, now: float | None = None) -> dict | None:
         """VIEW_BROKER_STATS_DATA: {window: (sum, per second)} of TOPIC_PUT_NUMS <topic> or GROUP_GET_NUMS
-        <topic>@<group>; None for any other name, or a key not counted."""
+        <topic>@<group>; None for any other name, or a key not counted (a pair past max_series too)."""
         now = time.monotonic() if now is None else now
         if stats_name == "TOPIC_PUT_NUMS":
             counts = self._in.get(stats_key)

@@ -27,20 +27,20 @@ def test_the_minute_forgets_what_is_older_and_the_day_keeps_it():
     assert w.windows("T", 62, 125.0)["statsMinute"][1] == 32 / 65
 
 
-def test_a_key_first_seen_counts_from_the_snapshot_before():
+def test_a_key_missing_from_the_oldest_snapshot_was_0_then():
     w = StatsWindows(0.0)
     w.snapshot(10.0, lambda: {})
-    w.snapshot(20.0, lambda: {"New": 4})        # it was 0 at 10 s
+    w.snapshot(20.0, lambda: {"New": 4})
     assert _sums(w, "New", 4, 25.0) == {"statsMinute": 4, "statsHour": 4, "statsDay": 4}
-    assert w.windows("New", 4, 25.0)["statsMinute"][1] == 4 / 15
+    assert w.windows("New", 4, 25.0)["statsMinute"][1] == 4 / 25     # over the window since its oldest snapshot
 
 
-def test_keys_are_capped_and_forgotten_with_their_counter():
-    w = StatsWindows(0.0, max_keys=1)
-    w.snapshot(10.0, lambda: {"A": 1, "B": 2})
-    assert w.windows("B", 2, 11.0) is None and _sums(w, "A", 1, 11.0)["statsDay"] == 1
-    w.snapshot(20.0, lambda: {"B": 3})          # A deleted: its place is B's
-    assert _sums(w, "B", 3, 21.0)["statsDay"] == 3
+def test_a_topic_made_again_counts_from_zero():
+    w = StatsWindows(0.0)
+    w.snapshot(10.0, lambda: {"A": 50})
+    assert _sums(w, "A", 3, 11.0) == {"statsMinute": 3, "statsHour": 3, "statsDay": 3}   # deleted, made again
+    w.snapshot(20.0, lambda: {"A": 3})
+    assert _sums(w, "A", 9, 21.0)["statsMinute"] == 9     # the oldest kept (the start) had it at 0
 
 
 def test_nothing_is_read_between_snapshots():
@@ -49,8 +49,8 @@ def test_nothing_is_read_between_snapshots():
     for t in (1.0, 5.0, 9.9):
         w.snapshot(t, lambda: calls.append(t) or {})
     assert calls == []
-    w.snapshot(10.0, lambda: calls.append(10.0) or {})
-    assert calls == [10.0]
+    w.snapshot(3600.0, lambda: calls.append(3600.0) or {})      # every window due: read once for all
+    assert calls == [3600.0]
 
 
 def test_the_mornings_totals_move_at_each_local_midnight():
