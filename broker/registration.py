@@ -47,7 +47,8 @@ class BrokerRegistrar:
         ctx.topics.on_change = self.topics_changed
 
     def body(self) -> RegisterBrokerBody:
-        topics = {tc.name: RegisteredTopic(tc.name, tc.read_queue_nums, tc.write_queue_nums, tc.perm,
+        topics = {tc.name: RegisteredTopic(tc.name, tc.read_queue_nums, tc.write_queue_nums,
+                                           self.ctx.topic_perm(tc.perm),
                                            tc.filter_type, tc.sys_flag, tc.order)
                   for tc in list(self.ctx.topics.topics.values())}
         return RegisterBrokerBody(topics, self.ctx.topics.data_version, [])

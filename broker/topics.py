@@ -207,6 +207,13 @@ class TopicManager:
     def retry_groups(self) -> int:
         return sum(1 for name in self.topics if name.startswith(RETRY_PREFIX))
 
+    def routes_changed(self) -> None:
+        """Something routes carry changed without a topic changing (the broker permission): a new data version,
+        so name servers read the table again, and a registration now."""
+        self.data_version = DataVersion(int(time.time() * 1000), self.data_version.counter + 1)
+        if self.on_change is not None:
+            self.on_change()
+
     def system_topics(self) -> list[str]:
         """The system topics held (GET_SYSTEM_TOPIC_LIST_FROM_BROKER): those made at start, cluster and broker
         names among them, and any other system name in the catalogue (the trace topic)."""

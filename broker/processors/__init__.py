@@ -34,6 +34,7 @@ def broker_table() -> dict:
         R.VIEW_MESSAGE_BY_ID: admin.view_message_by_id,
         R.GET_ALL_TOPIC_CONFIG: admin.get_all_topic_config,
         R.GET_BROKER_CONFIG: broker_config.get_broker_config,
+        R.UPDATE_BROKER_CONFIG: broker_config.update_broker_config,
         R.END_TRANSACTION: transaction.end_transaction,
         R.TXMQ_LIST_TRANSACTIONS: transaction.list_transactions,
         R.TXMQ_RESOLVE_TRANSACTION: transaction.resolve_transaction,

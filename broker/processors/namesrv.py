@@ -38,7 +38,9 @@ def get_route_info(ctx, conn, cmd):
     if tc is None:
         return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
                             f"No topic route info in name server for the topic: {topic}")
-    perm = tc.perm & ~Perm.WRITE if ctx.routes_write_wiped else tc.perm
+    perm = ctx.topic_perm(tc.perm)
+    if ctx.routes_write_wiped:
+        perm &= ~Perm.WRITE
     route = TopicRouteData([QueueData(ctx.config.broker_name, tc.read_queue_nums, tc.write_queue_nums, perm,
                                       tc.sys_flag)], [_broker_data(ctx)])
     strict = strict_json_for(cmd.version, cmd.bool_field("acceptStandardJsonOnly"))

@@ -142,6 +142,9 @@ def _reply(ctx, cmd, group, topic, got):
 def handle_pull(ctx, conn, cmd, woken: bool = False):
     """PULL_MESSAGE. ``woken``: run again for a held pull (RocketMQ's executeRequestWhenWakeup): by the
     subscription its group has now, without committing its offset again or being held again."""
+    if not ctx.broker_permission & Perm.READ:
+        return cmd.response(ResponseCode.NO_PERMISSION, f"the broker[{ctx.broker_addr.rpartition(':')[0]}] "
+                                                        "pulling message is forbidden")
     group = cmd.str_field("consumerGroup", required=True)
     topic = cmd.str_field("topic", required=True)
     qid = cmd.int_field("queueId", required=True)

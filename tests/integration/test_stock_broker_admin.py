@@ -3,19 +3,21 @@ stock tool frames it over TCP to the real broker, the answer read as the Java to
 (docs/compatibility.md)."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from consumer import PullConsumer
 from producer import MessageQueue, Producer
-from protocol.codes import LanguageCode, ResponseCode
+from protocol.codes import LanguageCode, Perm, ResponseCode
 from protocol.codes import RequestCode as R
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
+from protocol.errors import NoPermissionError
 from protocol.message import decode_offset_msg_id, java_string_hash
 from tests.support.bounded import bounded
-from tests.support.cluster_process import request
+from tests.support.cluster_process import NamesrvProcess, cluster_flags, request, route, wait_for_route
 
 pytestmark = pytest.mark.asyncio
 
@@ -146,3 +148,71 @@ async def test_runtime_info_has_the_daily_totals_export_metrics_parses(broker):
                                  for when in ("YesterdayMorning", "TodayMorning", "TodayNow"))
         assert 0 <= yesterday <= today <= now
     assert int(table["msgPutTotalTodayNow"]) >= 1 and int(table["msgGetTotalTodayNow"]) == 0
+
+
+def _update_config(**props) -> tuple:
+    """mqadmin updateBrokerConfig -k K -v V: UPDATE_BROKER_CONFIG, no header fields, the Properties text as body
+    (MixAll.properties2String: key=value a line)."""
+    return R.UPDATE_BROKER_CONFIG, None, "".join(f"{k}={v}\n" for k, v in props.items()).encode()
+
+
+async def _route_perm(addr: str, topic: str) -> int:
+    [qd] = (await route(addr, topic)).queue_datas
+    return qd.perm
+
+
+async def _wait_for_perm(namesrv: str, topic: str, perm: int) -> None:
+    """Until the name server routes ``topic`` with ``perm`` (the broker re-registers at once on a change)."""
+    for _ in range(300):
+        if await _route_perm(namesrv, topic) == perm:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{topic} still routed with perm {await _route_perm(namesrv, topic)}, not {perm}")
+
+
+@bounded(90)
+async def test_update_broker_config_takes_the_broker_out_of_service_and_refuses_other_keys(tmp_path, broker_factory):
+    """mqadmin updateBrokerConfig was REQUEST_CODE_NOT_SUPPORTED. brokerPermission changes live: routes (its own
+    broker port's and, registered at once, the name server's) carry it and sends or pulls it forbids are
+    refused; any other key is refused by name and nothing changes (RocketMQ would apply it live: saying
+    SUCCESS for a flag that does not change would lie)."""
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    try:
+        b = broker_factory(*cluster_flags(namesrv.addr, "broker-a", 60_000))
+        async with Producer(namesrv.addr, "PG_perm") as producer:
+            await producer.send("Maint", b"before", queue=MessageQueue("Maint", "broker-a", 0))
+        await wait_for_route(namesrv.addr, "Maint", {"broker-a"})
+
+        done = await request(b.broker, *_update_config(brokerPermission=4))
+        assert done.code == ResponseCode.SUCCESS, done.remark
+        assert await _route_perm(b.broker, "Maint") == Perm.READ
+        await _wait_for_perm(namesrv.addr, "Maint", Perm.READ)
+        async with Producer(namesrv.addr, "PG_perm_ro", retries=0) as producer:
+            with pytest.raises(NoPermissionError):
+                await producer.send("Maint", b"routed nowhere")
+            with pytest.raises(NoPermissionError, match=r"sending message is forbidden"):   # an old route
+                await producer.send("Maint", b"sent anyway", queue=MessageQueue("Maint", "broker-a", 0))
+        async with PullConsumer(namesrv.addr, "CG_perm") as consumer:
+            got = await consumer.pull(MessageQueue("Maint", "broker-a", 0), 0)
+            assert [m.body for m in got.messages] == [b"before"]                             # reads go on
+            config = (await request(b.broker, R.GET_BROKER_CONFIG))
+            assert "brokerPermission=4\n" in config.body_bytes().decode()
+            assert json.loads(config.ext_fields["version"])["counter"] == 1
+
+            for bad, word in ((_update_config(flushDiskType="SYNC_FLUSH", brokerPermission=6), "flushDiskType"),
+                              (_update_config(brokerPermission=7), "brokerPermission=7"),
+                              (_update_config(brokerPermission="rw"), "brokerPermission=rw")):
+                refused = await request(b.broker, *bad)
+                assert refused.code == ResponseCode.SYSTEM_ERROR and word in refused.remark
+                assert "Nothing was changed" in refused.remark
+            assert await _route_perm(b.broker, "Maint") == Perm.READ
+
+            assert (await request(b.broker, *_update_config(brokerPermission=2))).code == ResponseCode.SUCCESS
+            with pytest.raises(NoPermissionError, match=r"pulling message is forbidden"):
+                await consumer.pull(MessageQueue("Maint", "broker-a", 0), 0)
+        assert (await request(b.broker, *_update_config(brokerPermission=6))).code == ResponseCode.SUCCESS
+        await _wait_for_perm(namesrv.addr, "Maint", Perm.READ_WRITE)
+        async with Producer(namesrv.addr, "PG_perm_back") as producer:
+            assert (await producer.send("Maint", b"after")).queue.broker_name == "broker-a"
+    finally:
+        namesrv.kill()
