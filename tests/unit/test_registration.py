@@ -15,7 +15,8 @@ async def test_a_topic_made_during_the_first_registration_registers_without_wait
     topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
     config = types.SimpleNamespace(register_period_ms=600_000, register_timeout_ms=3000, register_compressed=False,
                                    broker_name="B", cluster_name="C", broker_id=0)
-    ctx = types.SimpleNamespace(config=config, topics=topics, broker_addr="127.0.0.1:10911")
+    ctx = types.SimpleNamespace(config=config, topics=topics, broker_addr="127.0.0.1:10911",
+                                topic_perm=lambda perm: perm)       # BrokerContext's, read-write
     registrar = BrokerRegistrar(ctx, ["127.0.0.1:9876"], ha_server_addr="127.0.0.1:10912")
     bodies, first_sent, go_on, second = [], asyncio.Event(), asyncio.Event(), asyncio.Event()
 
