@@ -42,7 +42,7 @@ TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"
 
 # RocketMQ's Permission.ADMIN_CODE, plus codes that decide, rewind or delete data: txmq's own and
 # INVOKE_BROKER_TO_RESET_OFFSET (any signed account may reset a group in RocketMQ; here an admin).
-ADMIN_CODES = frozenset({R.UPDATE_AND_CREATE_TOPIC, 25, R.DELETE_TOPIC_IN_BROKER,
+ADMIN_CODES = frozenset({R.UPDATE_AND_CREATE_TOPIC, R.UPDATE_BROKER_CONFIG, R.DELETE_TOPIC_IN_BROKER,
                          R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, 207, R.INVOKE_BROKER_TO_RESET_OFFSET,
                          R.TXMQ_LIST_TRANSACTIONS,
                          R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION, R.TXMQ_APPLY_EXPIRY})
