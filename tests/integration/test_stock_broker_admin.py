@@ -137,8 +137,9 @@ async def test_broker_stats_data_gives_stats_all_its_rates_and_day_counts(broker
 
 @bounded(60)
 async def test_runtime_info_has_the_daily_totals_export_metrics_parses(broker):
-    """mqadmin exportMetrics: Long.parseLong of msgPut/GetTotal{Today,Yesterday}Morning (a missing key is a
-    NumberFormatException: the command failed for every txmq broker)."""
+    """mqadmin exportMetrics and clusterList -m: Long.parseLong of msgPut/GetTotal{Today,Yesterday}Morning and
+    msgPut/GetTotalTodayNow (a missing key is a NumberFormatException: exportMetrics failed for every txmq
+    broker)."""
     async with Producer(broker.namesrv, "PG_daily") as producer:
         await producer.send("Daily", b"d")
     resp = await request(broker.broker, R.GET_BROKER_RUNTIME_INFO)
