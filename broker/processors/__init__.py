@@ -47,6 +47,7 @@ def broker_table() -> dict:
         R.GET_CONSUME_STATS: ops.get_consume_stats,
         R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,
         R.GET_PRODUCER_CONNECTION_LIST: ops.get_producer_connection_list,
+        R.GET_ALL_PRODUCER_INFO: ops.get_all_producer_info,
         R.GET_CONSUMER_RUNNING_INFO: forward.get_consumer_running_info,
         R.CONSUME_MESSAGE_DIRECTLY: forward.consume_message_directly,
         R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS: forward.invoke_broker_to_get_consumer_status,

@@ -95,6 +95,21 @@ def get_producer_connection_list(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, body=dump({"connectionSet": connections}).encode())
 
 
+def get_all_producer_info(ctx, conn, cmd):
+    """GET_ALL_PRODUCER_INFO (328), mqadmin producer: every producer group's live clients, a ProducerTableInfo
+    {"data":{group:[ProducerInfo]}}; remoteIP as Java's InetSocketAddress.toString writes it ("/host:port"),
+    lastUpdateTimestamp the wall-clock time of its last heartbeat (the registry keeps it on the monotonic clock)."""
+    wall_minus_mono = ctx.clock() - ctx.clients.clock()
+    data = {}
+    for group in sorted(ctx.clients.producers):
+        channels = sorted(ctx.clients.producer_channels(group), key=lambda ch: ch.client_id)
+        if channels:
+            data[group] = [{"clientId": ch.client_id, "language": _language(ch.language),
+                            "lastUpdateTimestamp": ch.last_seen_ms + wall_minus_mono, "remoteIP": "/" + _peer(ch.conn),
+                            "version": ch.version} for ch in channels]
+    return cmd.response(ResponseCode.SUCCESS, body=dump({"data": data}).encode())
+
+
 def _connection(ch) -> dict:
     """RocketMQ's Connection, as fastjson writes it."""
     return {"clientAddr": _peer(ch.conn), "clientId": ch.client_id, "language": _language(ch.language),

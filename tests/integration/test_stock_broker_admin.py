@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -217,3 +218,36 @@ async def test_update_broker_config_takes_the_broker_out_of_service_and_refuses_
             assert (await producer.send("Maint", b"after")).queue.broker_name == "broker-a"
     finally:
         namesrv.kill()
+
+
+def _producer_heartbeat(client_id: str, *groups: str) -> RemotingCommand:
+    """A 4.9.8 producer's HEART_BEAT: its groups and the client's inner producer, no consumers."""
+    body = {"clientID": client_id, "consumerDataSet": [],
+            "producerDataSet": [{"groupName": g} for g in (*groups, "CLIENT_INNER_PRODUCER")]}
+    return RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode(), language=LanguageCode.JAVA)
+
+
+@bounded(60)
+async def test_all_producer_info_lists_each_groups_live_producers(broker):
+    """mqadmin producer -b ADDR: GET_ALL_PRODUCER_INFO was REQUEST_CODE_NOT_SUPPORTED. ProducerTableInfo, each
+    ProducerInfo as ProducerManager.getProducerTable writes it (remoteIP as InetSocketAddress.toString)."""
+    port = int(broker.broker.rpartition(":")[2])
+    one, two = await open_connection("127.0.0.1", port), await open_connection("127.0.0.1", port)
+    local = one.transport.get_extra_info("sockname")[1]
+    try:
+        before = int(time.time() * 1000)
+        for conn, cid, groups in ((one, "10.0.0.1@1", ("PG_a", "PG_b")), (two, "10.0.0.2@2", ("PG_a",))):
+            assert (await conn.request(_producer_heartbeat(cid, *groups), 5.0)).code == ResponseCode.SUCCESS
+        after = int(time.time() * 1000)
+        resp = await request(broker.broker, R.GET_ALL_PRODUCER_INFO)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        data = json.loads(resp.body_bytes())["data"]
+    finally:
+        one.close()
+        two.close()
+    assert [p["clientId"] for p in data["PG_a"]] == ["10.0.0.1@1", "10.0.0.2@2"]
+    assert [p["clientId"] for p in data["PG_b"]] == ["10.0.0.1@1"]
+    row = data["PG_a"][0]
+    assert list(row) == ["clientId", "language", "lastUpdateTimestamp", "remoteIP", "version"]
+    assert (row["language"], row["version"], row["remoteIP"]) == ("JAVA", 409, f"/127.0.0.1:{local}")
+    assert before - 1000 <= row["lastUpdateTimestamp"] <= after + 1000     # the wall clock, not the monotonic one
