@@ -125,7 +125,7 @@ class BrokerMetrics:
         self.get_total = 0
         self._totals: deque[tuple[float, int, int]] = deque(maxlen=_STORE_TPS_SPANS_S[-1] + 1)
         # VIEW_BROKER_STATS_DATA's TOPIC_PUT_NUMS (from _in) and GROUP_GET_NUMS (from _got, (topic, group) ->
-        # messages pulled since start, as many pairs as max_series) over a minute, an hour and a day
+        # messages pulled since start, the pairs with a delivery series of their own) over a minute, an hour and a day
         self._got: dict[tuple[str, str], int] = {}
         # RocketMQ's BrokerStats: the put and get totals at the last two local midnights (0 before the first),
         # which mqadmin exportMetrics parses (Long.parseLong of a missing key: it failed for every broker)
@@ -258,9 +258,11 @@ class BrokerMetrics:
                 if key[0] == mid and key[1] != (OTHER,) * len(key[1])]
         before = marked[1] if marked is not None else {}
         idle = {labels for labels, child in mine if before.get(labels) == _reading(child)}
+        got = self._got if metric is self.messages_out else {}
         for labels in idle:
             del self._children[(mid, labels)]
             metric.remove(*labels)
+            got.pop(labels, None)       # its GROUP_GET_NUMS goes with it (a pair unchanged for idle_s)
         self._made[mid] -= len(idle)
         if idle:
             log.info("%s: %d label sets unchanged for %.0f s removed to make room", metric._name, len(idle),
@@ -313,11 +315,14 @@ class BrokerMetrics:
 
     def count_out(self, topic: str, group: str, messages: int, nbytes: int, now: float | None = None) -> None:
         """Messages delivered by a pull: the counters, and the slots consume_tps reads."""
-        self.child(self.messages_out, topic, group).inc(messages)
+        series = self.child(self.messages_out, topic, group)
+        series.inc(messages)
         self.child(self.bytes_out, topic, group).inc(nbytes)
         self.get_total += messages
+        # GROUP_GET_NUMS: kept for the pairs with a series of their own, and given up with it (_evict_idle).
+        # Kept apart, the first max_series pairs ever seen held every place for good.
         got = self._got.get((topic, group))
-        if got is not None or len(self._got) < self.max_series:
+        if got is not None or series is not self._children.get((id(self.messages_out), (OTHER, OTHER))):
             self._got[(topic, group)] = (got or 0) + messages
         slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
         slots = self._pulled.get((topic, group))

@@ -69,3 +69,24 @@ def test_the_mornings_totals_move_at_each_local_midnight():
                           "msgGetTotalYesterdayMorning": 0, "msgGetTotalTodayMorning": 3}
     m.sample_totals(wall=today + 2 * 86400)
     assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (5, 7)
+
+
+def test_groups_gone_for_an_hour_give_their_stats_places_to_new_ones():
+    """GROUP_GET_NUMS pairs are held for max_series pairs like the delivery series they mirror. Kept, the first
+    max_series pairs ever seen (a client pulling under invented group names, or months of groups named after
+    their pods) held every place for good: each later group was "not exist" and statsAll printed it 0."""
+    m = BrokerMetrics()
+    clock = [1000.0]
+    m.monotonic = lambda: clock[0]
+    m.max_series = 3
+    for i in range(3):
+        m.count_out("T", f"CG_invented{i}", 1, 10, now=clock[0])
+    m.count_out("T", "CG_late", 1, 10, now=clock[0])               # at the limit, nothing idle yet: not counted
+    assert m.stats_windows("GROUP_GET_NUMS", "T@CG_late", now=clock[0]) is None
+    clock[0] += m.idle_s
+    m.count_out("T", "CG_invented0", 1, 10, now=clock[0])           # this one goes on; the other two are gone
+    m.count_out("T", "CG_new", 4, 40, now=clock[0])
+    assert m.stats_windows("GROUP_GET_NUMS", "T@CG_new", now=clock[0])["statsMinute"][0] == 4
+    assert m.stats_windows("GROUP_GET_NUMS", "T@CG_invented0", now=clock[0])["statsDay"][0] == 2
+    assert m.stats_windows("GROUP_GET_NUMS", "T@CG_invented1", now=clock[0]) is None
+    assert len(m._got) <= m.max_series
