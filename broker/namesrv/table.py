@@ -19,8 +19,8 @@ unregisters, when its connection closes, or when it has not registered for
 of a broker name going takes that name's queues out of every route.
 
 WIPE_WRITE_PERM_OF_BROKER takes a broker's write permission out of every route it
-is in, until ADD_WRITE_PERM_OF_BROKER or until its name leaves the table (all its
-addresses gone: a restarted broker registers afresh, as in RocketMQ). The queue data
+is in, until ADD_WRITE_PERM_OF_BROKER, until its name leaves the table, or until its
+master registers afresh (a restarted broker, as in RocketMQ, its slave still here or not). The queue data
 keep the perm the broker registered and the mask is applied when a route is
 answered, so a registration with changed topics does not bring writes back behind
 the operator's back, and addWritePerm gives back what the broker registered: a
@@ -105,6 +105,10 @@ class RouteTable:
         if old_addr is not None and old_addr != broker_addr:
             self._forget_address(old_addr)
         prev = self.live.get(broker_addr)
+        if broker_id == MASTER_ID and prev is None:
+            # a master registering afresh (a restart) is routed as it registers, as RocketMQ's registerFirst
+            # rewrites its queue data: its slave keeping the name must not keep the wipe past it
+            self.write_wiped.discard(broker_name)
         if broker_id == MASTER_ID and (first or prev is None or prev.data_version != body.data_version):
             self._replace_queues(broker_name, body)
         self.live[broker_addr] = BrokerLive(now_ms, body.data_version, conn, ha_server_addr, cluster, broker_name,

@@ -185,6 +185,23 @@ def test_a_wiped_write_perm_holds_through_new_registrations_until_given_back_or_
     assert _perms(t, "TopicA") == {"a": 6, "b": 6}
 
 
+def test_a_restarted_master_registers_afresh_though_its_slave_kept_the_name():
+    """The docs (and RocketMQ: a first registration rewrites the broker's queue data) say a restart registers a
+    wiped broker afresh. With its slave still registered the name never left the table, so a master restarted
+    after maintenance stayed out of every write route until someone remembered addWritePerm."""
+    t = RouteTable(expire_ms=3000)
+    reg(t, "a", "h:1", T1)
+    reg(t, "a", "h:2", T1, bid=1)
+    t.wipe_write_perm("a")
+    reg(t, "a", "h:1", T1, now=1000)                 # the live master registering again: still wiped
+    assert _perms(t, "TopicA") == {"a": 4}
+    reg(t, "a", "h:2", T1, bid=1, now=2500)
+    t.expire(4001)                                   # the master stops; its slave keeps the name
+    assert "a" in t.brokers and _perms(t, "TopicA") == {"a": 4}
+    reg(t, "a", "h:1", T1, now=4002)                 # restarted: writable again
+    assert _perms(t, "TopicA") == {"a": 6}
+
+
 def test_topics_by_cluster_and_the_system_list():
     t = RouteTable()
     reg(t, "a", "h:1", T1, SYS, cluster="C")
