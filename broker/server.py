@@ -28,7 +28,7 @@ from protocol.errors import ProtocolError
 from protocol.message import validate_topic
 from protocol.txlog import OP_TOPIC
 
-from .acl import PlainAcl
+from .acl import NAMESRV_CHECKED, PlainAcl
 from . import ha as ha_roles
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
@@ -455,7 +455,8 @@ class BrokerServer:
                         log.exception("closing the connection from %s:%s: %s failed", conn.peer[0], conn.peer[1],
                                       step.__name__)
 
-        return RemotingConnection(self._handler(table, guarded=listener == "broker"), max_frame_size=c.max_frame_size,
+        guarded = True if listener == "broker" else NAMESRV_CHECKED
+        return RemotingConnection(self._handler(table, guarded=guarded), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
                                   on_open=opened, on_close=closed, budget=self.write_budget)
 
@@ -471,15 +472,17 @@ class BrokerServer:
         for group in self.ctx.clients.connection_closed(conn):
             self.ctx.clients.notify_ids_changed(group)
 
-    def _handler(self, table: dict, guarded: bool = False):
+    def _handler(self, table: dict, guarded: bool | frozenset = False):
+        """``guarded``: the ACL checks every request (True), those of these codes (the name-server port), none."""
         ctx = self.ctx
+        checked = () if guarded is True or not guarded else guarded
         observe = self.metrics.observe_request
         perf = time.perf_counter
         create_task = asyncio.get_running_loop().create_task
         acl_refused = self.metrics.refused.labels("acl")
 
         def handle(conn, cmd):
-            if guarded and ctx.acl is not None:
+            if ctx.acl is not None and (guarded is True or cmd.code in checked):
                 why = ctx.acl.check(cmd, conn.peer[0])
                 if why is not None:
                     acl_refused.inc()
