@@ -258,11 +258,12 @@ class BrokerMetrics:
                 if key[0] == mid and key[1] != (OTHER,) * len(key[1])]
         before = marked[1] if marked is not None else {}
         idle = {labels for labels, child in mine if before.get(labels) == _reading(child)}
-        got = self._got if metric is self.messages_out else {}
         for labels in idle:
             del self._children[(mid, labels)]
             metric.remove(*labels)
-            got.pop(labels, None)       # its GROUP_GET_NUMS goes with it (a pair unchanged for idle_s)
+        if metric is self.messages_out:     # their GROUP_GET_NUMS go with them (pairs unchanged for idle_s)
+            gone = [labels for labels in idle if self._got.pop(labels, None) is not None]
+            self.get_windows.forget(gone)
         self._made[mid] -= len(idle)
         if idle:
             log.info("%s: %d label sets unchanged for %.0f s removed to make room", metric._name, len(idle),
@@ -283,7 +284,8 @@ class BrokerMetrics:
         """Drop the series and rates of a deleted topic (DELETE_TOPIC_IN_BROKER), as RocketMQ's broker stats do
         with autoDeleteUnusedStats: kept, every topic ever deleted stayed in each scrape and in memory, and a
         topic made again under its name went on from the old counts."""
-        self._in.pop(topic, None)
+        if self._in.pop(topic, None) is not None:
+            self.put_windows.forget((topic,))
         self._forget_out(lambda labels: labels[0] == topic)
 
     def forget_consumer_group(self, group: str) -> None:
@@ -302,8 +304,10 @@ class BrokerMetrics:
                     marked[1].pop(key[1], None)
         for pair in [p for p in self._pulled if match(p)]:
             del self._pulled[pair]
-        for pair in [p for p in self._got if match(p)]:
+        gone = [p for p in self._got if match(p)]
+        for pair in gone:
             del self._got[pair]
+        self.get_windows.forget(gone)
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
         counts = self._in.get(topic)

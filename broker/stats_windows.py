@@ -15,7 +15,9 @@ A snapshot is the table as a dict: one C-level copy per snapshot, never a Python
 10,000 topics a loop appending to per-key series held the event loop ~0.8 s each 10 s). A key missing from
 a snapshot was 0 then; before the first snapshot the start counts as one with every key at 0, so what was
 counted shows at once (RocketMQ shows 0 until two snapshots exist). A total below the snapshot's (the
-topic deleted and made again) counts from 0. Memory: at most 39 snapshots of tables that BrokerMetrics
+topic deleted and made again before its snapshots were cleared) counts from 0; ``forget`` clears a key a
+topic's deletion or an idle pair's eviction stops counting, which would otherwise be measured against its old
+total. Memory: at most 39 snapshots of tables that BrokerMetrics
 bounds (topics; max_series pairs).
 """
 from __future__ import annotations
@@ -38,6 +40,16 @@ class StatsWindows:
                 if totals is None:
                     totals = read_totals()
                 ring.append((now, totals))
+
+    def forget(self, keys) -> None:
+        """``keys`` stopped being counted (a topic deleted, a pair given up): out of every kept snapshot, so a
+        key counted again from 0 is not measured against its old total. A snapshot may sit in several rings."""
+        keys = list(keys)
+        if not keys:
+            return
+        for snap in {id(totals): totals for ring in self._rings for _, totals in ring}.values():
+            for key in keys:
+                snap.pop(key, None)
 
     def windows(self, key, total: int, now: float) -> dict:
         """{window name: (sum, per second)} of ``key``, whose running total is ``total`` now."""

@@ -90,3 +90,21 @@ def test_groups_gone_for_an_hour_give_their_stats_places_to_new_ones():
     assert m.stats_windows("GROUP_GET_NUMS", "T@CG_invented0", now=clock[0])["statsDay"][0] == 2
     assert m.stats_windows("GROUP_GET_NUMS", "T@CG_invented1", now=clock[0]) is None
     assert len(m._got) <= m.max_series
+
+
+def test_a_topic_or_pair_counted_again_after_being_forgotten_counts_all_of_its_new_messages():
+    """A deleted topic's (or a forgotten pair's) old total stayed in the kept snapshots: made again, its new
+    messages counted only past that old total ("below it counts from 0" caught only the first few)."""
+    m = BrokerMetrics()
+    m.count_in("A", 50, 500)
+    m.count_out("A", "G", 50, 500)
+    later = time.monotonic() + 3600                 # every window takes its snapshot: A at 50, A@G at 50
+    m.sample_totals(now=later)
+    m.forget_topic("A")
+    m.count_in("A", 60, 600)                        # made again: 60 new messages, 60 pulled
+    m.count_out("A", "G", 60, 600)
+    for step in range(1, 7):                        # the minute's oldest kept snapshot is now the one of 50
+        m.sample_totals(now=later + 10 * step)
+    for name, key in (("TOPIC_PUT_NUMS", "A"), ("GROUP_GET_NUMS", "A@G")):
+        sums = {w: count for w, (count, _) in m.stats_windows(name, key, now=later + 61).items()}
+        assert sums == {"statsMinute": 60, "statsHour": 60, "statsDay": 60}, (name, sums)
