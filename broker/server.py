@@ -482,7 +482,7 @@ class BrokerServer:
         acl_refused = self.metrics.refused.labels("acl")
 
         def handle(conn, cmd):
-            if ctx.acl is not None and (guarded is True or cmd.code in checked):
+            if (guarded is True or cmd.code in checked) and ctx.acl is not None:
                 why = ctx.acl.check(cmd, conn.peer[0])
                 if why is not None:
                     acl_refused.inc()
