@@ -38,6 +38,27 @@ def message_key(msg: MessageExt) -> str:
     return props.get(Prop.UNIQ_KEY) or props.get(Prop.ORIGIN_MESSAGE_ID) or msg.offset_msg_id
 
 
+def _refusing_transaction_control(ended: list[str]):
+    """An SQLite authorizer that refuses BEGIN, COMMIT and ROLLBACK (SAVEPOINTs pass), noting each in ``ended``.
+
+    A handler that committed (``with db:`` does on exit) committed the key with what it had written so far:
+    failing after, its redelivery was skipped and the rest of its effect never happened. One that rolled back
+    dropped the key and wrote on in autocommit: its redelivery ran it again."""
+    def authorize(action, arg1, *_):
+        if action == sqlite3.SQLITE_TRANSACTION:
+            ended.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+    return authorize
+
+
+def _ended_by(handler, what: str) -> sqlite3.ProgrammingError:
+    return sqlite3.ProgrammingError(
+        f"run_once handler {handler!r} must not commit or roll back (it tried {what}): its writes and the message's "
+        "key commit together when it returns, and roll back together when it raises. Use no `with db:`, commit(), "
+        "rollback() or BEGIN/COMMIT/ROLLBACK in it (SAVEPOINTs are fine); nothing of this run was kept")
+
+
 class SqliteIdempotency:
     """Run a handler once per message: its key and the handler's writes commit in one SQLite
     transaction in the database at ``path`` (the key table is ``table``)."""
@@ -67,7 +88,9 @@ class SqliteIdempotency:
     def run_once(self, msg: MessageExt, handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
         """Run ``handler(msg, db)`` unless this message was consumed before; True if it ran.
 
-        ``handler`` is a plain function: its writes must be done when it returns. This blocks the calling
+        ``handler`` is a plain function: its writes must be done when it returns, and it leaves the transaction
+        to run_once (a commit, a rollback or ``with db:`` in it raises sqlite3.ProgrammingError and nothing of
+        the run is kept; SAVEPOINTs are fine). This blocks the calling
         thread while the database is locked (up to ``busy_timeout_s``): from an event loop, use
         ``run_once_async``."""
         return self._run(self.db, msg, message_key(msg), handler, None)
@@ -123,7 +146,18 @@ class SqliteIdempotency:
             except sqlite3.IntegrityError:
                 db.execute("ROLLBACK")
                 return False
-            result = handler(msg, db)
+            ended: list[str] = []       # what the handler tried: its transaction is not its own to end
+            db.set_authorizer(_refusing_transaction_control(ended))
+            try:
+                result = handler(msg, db)
+            except Exception as exc:
+                if ended:               # whatever it raised after that, that is what went wrong
+                    raise _ended_by(handler, ended[0]) from exc
+                raise
+            finally:
+                db.set_authorizer(None)
+            if ended:                   # it swallowed the refusal: its writes are not what it meant
+                raise _ended_by(handler, ended[0])
             if inspect.isawaitable(result):     # its writes have not happened: it must not be marked done
                 if inspect.iscoroutine(result):
                     result.close()

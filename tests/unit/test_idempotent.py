@@ -212,3 +212,45 @@ def test_close_closes_the_workers_connection_too(tmp_path):
     with pytest.raises(sqlite3.ProgrammingError):       # not a new worker opening the database again
         asyncio.run(ledger.run_once_async(_message("k2"), lambda m, db: None))
     assert ledger._worker is None
+
+
+@pytest.mark.parametrize("ends_it", ["with db", "commit()", "COMMIT", "rollback()"])
+def test_a_handler_that_ends_the_transaction_is_refused_and_nothing_is_marked(tmp_path, ends_it):
+    """The key and the handler's writes commit in one transaction, which run_once opens and closes. A handler
+    that closed it itself (``with db:``, the usual sqlite3 idiom, commits on exit) committed the key with what
+    it had written so far: when it then failed, its redelivery was skipped and the rest of its effect never
+    happened. One that rolled back (a ``with db:`` whose block raised, caught) dropped the key and went on
+    writing in autocommit: its redelivery ran it again, a second effect. Now the attempt raises, named, and
+    the run is rolled back whole, even if the handler swallows that error."""
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ledger.db.execute("CREATE TABLE applied (part TEXT)")
+
+    def apply(msg, db):
+        db.execute("INSERT INTO applied VALUES ('first')")
+        try:
+            if ends_it == "with db":
+                with db:
+                    db.execute("INSERT INTO applied VALUES ('in with')")
+            elif ends_it == "commit()":
+                db.commit()
+            elif ends_it == "COMMIT":
+                db.execute("COMMIT")
+            else:
+                db.rollback()
+        except sqlite3.DatabaseError:
+            pass                                        # a handler that swallows what went wrong
+        db.execute("INSERT INTO applied VALUES ('second')")
+        raise RuntimeError("the second half failed")
+
+    msg = _message("K-ends")
+    with pytest.raises(sqlite3.ProgrammingError, match="must not commit or roll back"):
+        ledger.run_once(msg, apply)
+    assert ledger.db.execute("SELECT COUNT(*) FROM applied").fetchone()[0] == 0
+    assert ledger.db.execute("SELECT COUNT(*) FROM txmq_consumed").fetchone()[0] == 0
+    assert not ledger.db.in_transaction
+    # the connection is the caller's again: its own transactions work, and a well-behaved handler runs
+    ledger.db.execute("BEGIN")
+    ledger.db.execute("COMMIT")
+    assert ledger.run_once(msg, lambda m, db: db.execute("SAVEPOINT s") and db.execute("RELEASE s"))
+    assert not ledger.run_once(msg, apply)
+    ledger.close()
