@@ -6,8 +6,9 @@ Each subscribed topic, and the group's %RETRY% topic, is split among the group's
 the broker says the group changed). Each owned queue has one pull loop. A message whose listener
 returns RECONSUME_LATER (or raises) goes back to the broker (CONSUMER_SEND_MSG_BACK), which
 redelivers it through %RETRY%<group> and, after ``max_reconsume_times``, parks it in %DLQ%<group>.
-If the broker cannot take it back, it is retried here: a queue never moves past a message that
-was neither consumed nor handed back.
+If the broker cannot copy it (its record gone), the message as pulled is sent there instead
+(PullConsumer.send_back); if the broker cannot take it back at all, it is retried here: a queue
+never moves past a message that was neither consumed nor handed back.
 
 Two RocketMQ modes beyond the default:
 - ``orderly=True`` (MessageListenerOrderly): a queue is consumed only while this consumer holds the
