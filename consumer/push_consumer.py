@@ -504,6 +504,15 @@ class PushConsumer:
             return 0
         return await self.client.max_offset(mq)
 
+    async def _resume_offset(self, mq: MessageQueue) -> int:
+        """Where a loop (re)starts: the stored offset, or the progress this consumer still holds for ``mq`` when
+        that is further. Everything before the latter was consumed here; read from the broker alone, an orderly
+        queue locked again after its lock lapsed (no one else took it) consumed again what it had consumed
+        since the last commit, after later messages. A queue given away and taken back holds none (_hand_over)."""
+        stored = await self._start_offset(mq)
+        mine = self._offsets.get(mq)
+        return stored if mine is None else max(stored, mine)
+
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
         offset = None
@@ -511,11 +520,12 @@ class PushConsumer:
         while not self._halted(mq):     # _halted includes _given_up
             try:
                 if self.orderly and not self._locked(mq):
-                    # Whoever held the queue meanwhile may have moved on: start again from the stored offset.
+                    # Whoever held the queue meanwhile may have moved on: start again from the stored offset,
+                    # or from this loop's own progress if that is further (see _resume_offset).
                     await self._wait_for_lock(mq)
                     offset = None
                 if offset is None:
-                    offset = self._offsets[mq] = await self._start_offset(mq)
+                    offset = self._offsets[mq] = await self._resume_offset(mq)
                 res = await self.client.pull(mq, offset, expression=expression, suspend_ms=self.suspend_ms)
                 for msg in res.messages:
                     if self._halted(mq):

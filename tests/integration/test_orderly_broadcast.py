@@ -317,3 +317,36 @@ async def test_enums_sent_as_ordinals_by_the_cpp_client_are_read_as_java_reads_t
                                                 "the consumer group[GID_cpp] can not consume by broadcast way")
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_an_orderly_queue_locked_again_after_its_lock_lapsed_goes_on_where_it_was(broker):
+    """An orderly consumer whose local lock lapses (renewals failed for lock_expire_s) stops, waits for the
+    lock and, once it has it again, reads where to go on. It read only the broker's offset, committed every
+    offset_commit_interval_s: with no one else having taken the queue meanwhile, the messages it had consumed
+    since the last commit were consumed again, after later ones: old states replayed over newer ones, in a
+    consumer that promised order. It goes on from the later of that offset and its own progress: everything
+    before its own was consumed (by it), and one further on was consumed by whoever held the queue meanwhile."""
+    topic, group = "Steps", "CG_relock"
+    async with Producer(broker.namesrv, "PG_relock") as producer:
+        [queue, *_] = await producer.routes.publish_queues(topic)
+        for step in ("created", "paid", "shipped"):
+            await producer.send(topic, step.encode(), queue=queue)
+    seen, shipped = [], asyncio.Event()
+    consumer = None
+
+    def listener(msg):
+        seen.append(msg.body.decode())
+        if seen == ["created", "paid"]:     # the renewals failed for lock_expire_s: the lock lapses here
+            [mq] = [q for q in consumer._locks if (q.topic, q.queue_id) == (topic, queue.queue_id)]
+            consumer._locks[mq] -= consumer.lock_expire_s + 1
+        if msg.body == b"shipped" or len(seen) >= 5:
+            shipped.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, orderly=True, consume_from="first",
+                            lock_interval_s=0.2, lock_retry_s=0.05, offset_commit_interval_s=600, suspend_ms=500)
+    consumer.subscribe(topic)
+    async with consumer:
+        await shipped.wait()
+    assert seen == ["created", "paid", "shipped"], seen
