@@ -73,7 +73,8 @@ def _ended_by(handler, what: str) -> sqlite3.ProgrammingError:
     return sqlite3.ProgrammingError(
         f"run_once handler {handler!r} must not commit or roll back (it tried {what}): its writes and the message's "
         "key commit together when it returns, and roll back together when it raises. Use no `with db:`, commit(), "
-        "rollback() or BEGIN/COMMIT/ROLLBACK in it (SAVEPOINTs are fine); nothing of this run was kept")
+        "rollback(), executescript() (it commits first) or BEGIN/COMMIT/ROLLBACK in it (SAVEPOINTs are fine); nothing "
+        "of this run was kept")
 
 
 class SqliteIdempotency:

@@ -214,7 +214,7 @@ def test_close_closes_the_workers_connection_too(tmp_path):
     assert ledger._worker is None
 
 
-@pytest.mark.parametrize("ends_it", ["with db", "commit()", "COMMIT", "rollback()"])
+@pytest.mark.parametrize("ends_it", ["with db", "commit()", "COMMIT", "rollback()", "executescript"])
 def test_a_handler_that_ends_the_transaction_is_refused_and_nothing_is_marked(tmp_path, ends_it):
     """The key and the handler's writes commit in one transaction, which run_once opens and closes. A handler
     that closed it itself (``with db:``, the usual sqlite3 idiom, commits on exit) committed the key with what
@@ -235,6 +235,8 @@ def test_a_handler_that_ends_the_transaction_is_refused_and_nothing_is_marked(tm
                 db.commit()
             elif ends_it == "COMMIT":
                 db.execute("COMMIT")
+            elif ends_it == "executescript":
+                db.executescript("INSERT INTO applied VALUES ('scripted');")
             else:
                 db.rollback()
         except sqlite3.DatabaseError:
