@@ -435,7 +435,10 @@ class PullConsumer:
         while the message was in hand, or its body went bad on disk since the pull), the message as pulled
         is sent to %RETRY%<group> instead, as RocketMQ's consumer does, with the same retry properties;
         only if that fails too does this raise (the second error, the broker's refusal as its cause)."""
-        origin_topic = msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
+        # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
+        # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
+        origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
+                        if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic)
         cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
             "offset": msg.physical_offset, "group": self.group, "delayLevel": delay_level,
             "originMsgId": msg.msg_id, "originTopic": origin_topic, "maxReconsumeTimes": max_reconsume_times})

@@ -198,3 +198,70 @@ async def test_a_message_the_broker_cannot_take_back_is_dead_lettered_when_asked
     await consumer.shutdown()
     assert dead.body == b"out of retries" and dead.reconsume_times == 5
     assert dead.properties["RETRY_TOPIC"] == "Spoilt" and dead.properties["ORIGIN_MESSAGE_ID"] == sent.msg_id
+
+
+@bounded(40)
+async def test_a_message_forwarded_from_a_retry_is_its_own_when_it_is_retried_in_turn(broker_factory, tmp_path):
+    """A message consumed from a retry (RETRY_TOPIC=Orders) and forwarded to Enriched with its properties
+    carries RETRY_TOPIC=Orders there. When the Enriched consumer fails it, the broker's copy kept that
+    RETRY_TOPIC (set only when missing), so the retry claimed to be an Orders message: the push consumer
+    gave it to the listener as one, and run_once, keys scoped by topic, found stage one's Orders key and
+    skipped it: the forwarded message's handler never ran, nothing said. A copy of a record stored in an
+    ordinary topic names that topic."""
+    from consumer import SqliteIdempotency
+    b = broker_factory(*FAST)
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ran, outcome = [], asyncio.Event()
+    stage2_seen = []
+    from tests.support.cluster_process import create_topic
+    await create_topic(f"127.0.0.1:{b.broker_port}", "Enriched", 1)
+    async with Producer(b.namesrv, "PG_fwd") as producer:
+        await producer.send("Orders", b"order-1")
+
+        async def stage1(msg):
+            if msg.reconsume_times == 0:
+                return ConsumeStatus.RECONSUME_LATER        # consumed from %RETRY%CG_stage1 the next time
+            if ledger.run_once(msg, lambda m, db: ran.append(("stage1", m.topic))):
+                props = {k: v for k, v in msg.properties.items() if k not in ("DELAY", "REAL_TOPIC", "REAL_QID")}
+                await producer.send("Enriched", msg.body, properties=props)
+            return ConsumeStatus.CONSUME_SUCCESS
+
+        def stage2(msg):
+            stage2_seen.append((msg.topic, msg.reconsume_times))
+            if msg.reconsume_times == 0:
+                return ConsumeStatus.RECONSUME_LATER
+            if not ledger.run_once(msg, lambda m, db: ran.append(("stage2", m.topic))):
+                ran.append(("stage2 skipped", msg.topic))
+            outcome.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+
+        first = PushConsumer(b.namesrv, "CG_stage1", stage1, consume_from="first", suspend_ms=300)
+        first.subscribe("Orders")
+        second = PushConsumer(b.namesrv, "CG_stage2", stage2, consume_from="first", suspend_ms=300)
+        second.subscribe("Enriched")
+        async with first, second:
+            await outcome.wait()
+    ledger.close()
+    assert ran == [("stage1", "Orders"), ("stage2", "Enriched")], ran
+    assert stage2_seen == [("Enriched", 0), ("Enriched", 1)], stage2_seen
+
+
+@bounded(30)
+async def test_a_forwarded_message_the_broker_cannot_take_back_is_retried_as_its_own_topics(broker_factory):
+    """The consumer's own resend (the broker could not copy the record) named the topic from the message's
+    RETRY_TOPIC when it had one: a message forwarded from a retry, pulled from its own topic, went to
+    %RETRY%<group> as a message of the topic it was forwarded from. The queue pulled from says which it is."""
+    b = broker_factory(*FAST)
+    group = "CG_fwd_refused"
+    async with Producer(b.namesrv, "PG_fwd_refused") as producer:
+        sent = await producer.send("Enriched", b"forwarded", properties={"RETRY_TOPIC": "Orders"})
+    consumer = PullConsumer(b.namesrv, group)
+    await consumer.subscribe("Enriched")
+    [msg] = (await consumer.pull(sent.queue, sent.queue_offset, max_nums=1)).messages
+    _spoil_stored_body(b.store_dir, msg.physical_offset)
+    await consumer.send_back(sent.queue, msg, max_reconsume_times=5)
+    await consumer.fetch_queues(f"%RETRY%{group}")
+    again = await _pull_one(consumer, MessageQueue(f"%RETRY%{group}", sent.queue.broker_name, 0), 0)
+    await consumer.shutdown()
+    assert again.body == b"forwarded" and again.reconsume_times == 1
+    assert again.properties["RETRY_TOPIC"] == "Enriched"
