@@ -499,6 +499,9 @@ class PushConsumer:
     async def _start_offset(self, mq: MessageQueue) -> int:
         stored = await self.offset_store.read(mq)
         if stored is not None:
+            # The highest offset known stored (read or committed by this consumer): only a reset moves it back.
+            if stored > self._committed.get(mq, -1):
+                self._committed[mq] = stored
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
             return 0
@@ -508,10 +511,25 @@ class PushConsumer:
         """Where a loop (re)starts: the stored offset, or the progress this consumer still holds for ``mq`` when
         that is further. Everything before the latter was consumed here; read from the broker alone, an orderly
         queue locked again after its lock lapsed (no one else took it) consumed again what it had consumed
-        since the last commit, after later messages. A queue given away and taken back holds none (_hand_over)."""
+        since the last commit, after later messages. A queue given away and taken back holds none (_hand_over).
+
+        Except when the stored offset is below the one this consumer last committed or read: whoever held the
+        queue meanwhile went on from there and only moves it forward, so someone moved it back: an operator's
+        reset this consumer was not told of (its connection down, as when its lock lapses; the broker tells live
+        consumers only), or a broker that lost commits. That is followed, as before; gone on from here, the
+        reset was undone, unsaid."""
+        committed = self._committed.get(mq)
         stored = await self._start_offset(mq)
         mine = self._offsets.get(mq)
-        return stored if mine is None else max(stored, mine)
+        if mine is None or stored >= mine:
+            return stored
+        if committed is not None and stored < committed:
+            log.warning("push consumer %s: the stored offset of %s, %d, is below the %d this consumer committed or "
+                        "read (an offset reset it was not told of, or a broker that lost commits): going on from it, "
+                        "not from its own progress, %d", self.group, mq, stored, committed, mine)
+            self._committed[mq] = stored    # what the broker holds now: a later lapse goes on from its progress
+            return stored
+        return mine
 
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
