@@ -101,6 +101,10 @@ class PullResult:
     messages: list[MessageExt] = field(default_factory=list)
 
 
+# The put statuses a RocketMQ broker answers a send-back with as SYSTEM_ERROR although it stored the copy.
+_STORED_LATE = frozenset({"FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"})
+
+
 class PullConsumer:
     """Pull messages queue by queue and manage the group's offsets yourself (DefaultMQPullConsumer).
 
@@ -434,7 +438,9 @@ class PullConsumer:
         The broker copies the stored record. When it refuses (that record is gone, deleted by retention
         while the message was in hand, or its body went bad on disk since the pull), the message as pulled
         is sent to %RETRY%<group> instead, as RocketMQ's consumer does, with the same retry properties;
-        only if that fails too does this raise (the second error, the broker's refusal as its cause)."""
+        only if that fails too does this raise (the second error, the broker's refusal as its cause). A refusal
+        naming a late flush or slave (FLUSH_DISK_TIMEOUT, FLUSH_SLAVE_TIMEOUT, SLAVE_NOT_AVAILABLE: a RocketMQ
+        broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
         # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
         # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
         origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
@@ -444,6 +450,11 @@ class PullConsumer:
             "originMsgId": msg.msg_id, "originTopic": origin_topic, "maxReconsumeTimes": max_reconsume_times})
         resp = await self._request(mq, cmd, self.timeout)
         if resp.code == ResponseCode.SUCCESS:
+            return
+        if resp.code == ResponseCode.SYSTEM_ERROR and resp.remark in _STORED_LATE:
+            # RocketMQ's broker: the copy is stored, only its flush or its slave was late. Resent, it came twice.
+            log.warning("group %s: %s handed back to %s, stored there but %s", self.group, msg.msg_id, mq,
+                        resp.remark)
             return
         refused = error_for_code(resp.code, resp.remark)
         # Retried here instead, the message came back to the listener every second for good, never counted
