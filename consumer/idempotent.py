@@ -44,7 +44,11 @@ def message_key(msg: MessageExt) -> str:
 
 
 def _stored_keys(msg: MessageExt) -> tuple[str, str]:
-    """(the key run_once records, "<topic>:<message_key>"; the key alone, as recorded before keys had their topic).
+    """(the key run_once records, "<topic>\x01<message_key>"; the key alone, as recorded before keys had their topic).
+
+    Joined by \x01, which no property value (UNIQ_KEY, ORIGIN_MESSAGE_ID, RETRY_TOPIC) nor offset id holds: the key
+    alone, looked up as an old one, can never be a scoped one. Joined by ":", a UNIQ_KEY "Payments:42" in Orders
+    was taken for Payments' message 42 and skipped.
 
     The topic is the one the message was sent to: a retry or dead-letter copy (%RETRY%<group>, %DLQ%<group>)
     names it in RETRY_TOPIC, which a message forwarded from a retry still carries, its own topic not."""
@@ -52,7 +56,7 @@ def _stored_keys(msg: MessageExt) -> tuple[str, str]:
     if topic.startswith(("%RETRY%", "%DLQ%")):
         topic = msg.properties.get(Prop.RETRY_TOPIC) or topic
     key = message_key(msg)
-    return f"{topic}:{key}", key
+    return f"{topic}\x01{key}", key
 
 
 def _refusing_transaction_control(ended: list[str]):
