@@ -135,6 +135,9 @@ class PushConsumer:
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
         self._committed: dict[MessageQueue, int] = {}
+        # The highest offset known stored for an owned queue (read at a loop's start, committed, reset): only
+        # someone moving it back (an operator's reset this consumer was not told of) puts the stored one below.
+        self._known_stored: dict[MessageQueue, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._lock_task: asyncio.Task | None = None
         self._consuming: set[MessageQueue] = set()    # queues whose loop has a message in hand
@@ -366,6 +369,7 @@ class PushConsumer:
                 # its lock).
                 self._offsets.pop(mq, None)
                 self._committed.pop(mq, None)
+                self._known_stored.pop(mq, None)
             if self.orderly:
                 await self._release_locks([q for q in leaving if q in self._locks and q not in self._owned])
         finally:
@@ -421,7 +425,7 @@ class PushConsumer:
                     self._offsets[mq] = offset
                 await self.offset_store.write(mq, offset)
                 if mine:
-                    self._committed[mq] = offset
+                    self._committed[mq] = self._known_stored[mq] = offset
             log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
                      {mq.queue_id: o for mq, o in offsets.items()})
         finally:        # stored or not (the failure is logged as the task ends), the queues are consumed again
@@ -496,12 +500,8 @@ class PushConsumer:
                 pass
 
     # ------------------------------------------------------------ consuming
-    async def _start_offset(self, mq: MessageQueue) -> int:
-        stored = await self.offset_store.read(mq)
+    async def _start_offset(self, mq: MessageQueue, stored: int | None) -> int:
         if stored is not None:
-            # The highest offset known stored (read or committed by this consumer): only a reset moves it back.
-            if stored > self._committed.get(mq, -1):
-                self._committed[mq] = stored
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
             return 0
@@ -518,17 +518,20 @@ class PushConsumer:
         reset this consumer was not told of (its connection down, as when its lock lapses; the broker tells live
         consumers only), or a broker that lost commits. That is followed, as before; gone on from here, the
         reset was undone, unsaid."""
-        committed = self._committed.get(mq)
-        stored = await self._start_offset(mq)
+        known = self._known_stored.get(mq)
+        stored = await self.offset_store.read(mq)
+        if stored is not None:
+            self._known_stored[mq] = stored if known is None else max(known, stored)
+        start = await self._start_offset(mq, stored)
         mine = self._offsets.get(mq)
-        if mine is None or stored >= mine:
-            return stored
-        if committed is not None and stored < committed:
+        if mine is None or start >= mine:
+            return start
+        if known is not None and start < known:
             log.warning("push consumer %s: the stored offset of %s, %d, is below the %d this consumer committed or "
                         "read (an offset reset it was not told of, or a broker that lost commits): going on from it, "
-                        "not from its own progress, %d", self.group, mq, stored, committed, mine)
-            self._committed[mq] = stored    # what the broker holds now: a later lapse goes on from its progress
-            return stored
+                        "not from its own progress, %d", self.group, mq, start, known, mine)
+            self._known_stored[mq] = start      # what the broker holds now: a later lapse goes on from progress
+            return start
         return mine
 
     async def _pull_loop(self, mq: MessageQueue) -> None:
@@ -717,7 +720,7 @@ class PushConsumer:
         offset = self._offsets.get(mq)
         if offset is not None and (again or self._committed.get(mq) != offset):
             await self.offset_store.write(mq, offset)
-            self._committed[mq] = offset
+            self._committed[mq] = self._known_stored[mq] = offset
 
     async def _recommit(self, queues: list[MessageQueue]) -> None:
         """Commit again the offsets of one broker's ``queues``, changed or not (the commit loop's round)."""
