@@ -500,8 +500,11 @@ class PushConsumer:
                 pass
 
     # ------------------------------------------------------------ consuming
-    async def _start_offset(self, mq: MessageQueue, stored: int | None) -> int:
+    async def _start_offset(self, mq: MessageQueue) -> int:
+        stored = await self.offset_store.read(mq)
         if stored is not None:
+            known = self._known_stored.get(mq)
+            self._known_stored[mq] = stored if known is None else max(known, stored)
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
             return 0
@@ -519,10 +522,7 @@ class PushConsumer:
         consumers only), or a broker that lost commits. That is followed, as before; gone on from here, the
         reset was undone, unsaid."""
         known = self._known_stored.get(mq)
-        stored = await self.offset_store.read(mq)
-        if stored is not None:
-            self._known_stored[mq] = stored if known is None else max(known, stored)
-        start = await self._start_offset(mq, stored)
+        start = await self._start_offset(mq)
         mine = self._offsets.get(mq)
         if mine is None or start >= mine:
             return start
