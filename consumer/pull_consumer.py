@@ -22,7 +22,7 @@ from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
-from protocol.message import MAX_INFLATED_BODY, MessageExt, decode_records, inflate
+from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop, decode_records, inflate, properties_to_string
 from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
 
@@ -99,6 +99,10 @@ class PullResult:
     min_offset: int
     max_offset: int
     messages: list[MessageExt] = field(default_factory=list)
+
+
+# The put statuses a RocketMQ broker answers a send-back with as SYSTEM_ERROR although it stored the copy.
+_STORED_LATE = frozenset({"FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"})
 
 
 class PullConsumer:
@@ -429,14 +433,64 @@ class PullConsumer:
     async def send_back(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int = 16,
                         delay_level: int = 0) -> None:
         """Give a failed message (pulled from ``mq``) back to the broker: %RETRY%<group>, or %DLQ%<group>
-        when out of retries."""
+        when out of retries (``delay_level`` -1: at once).
+
+        The broker copies the stored record. When it refuses (that record is gone, deleted by retention
+        while the message was in hand, or its body went bad on disk since the pull), the message as pulled
+        is sent to %RETRY%<group> instead, as RocketMQ's consumer does, with the same retry properties;
+        only if that fails too does this raise (the second error, the broker's refusal as its cause). A refusal
+        naming a late flush or slave (FLUSH_DISK_TIMEOUT, FLUSH_SLAVE_TIMEOUT, SLAVE_NOT_AVAILABLE: a RocketMQ
+        broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
+        # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
+        # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
+        origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
+                        if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic)
         cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
             "offset": msg.physical_offset, "group": self.group, "delayLevel": delay_level,
-            "originMsgId": msg.msg_id, "originTopic": msg.properties.get("RETRY_TOPIC", msg.topic),
-            "maxReconsumeTimes": max_reconsume_times})
+            "originMsgId": msg.msg_id, "originTopic": origin_topic, "maxReconsumeTimes": max_reconsume_times})
+        resp = await self._request(mq, cmd, self.timeout)
+        if resp.code == ResponseCode.SUCCESS:
+            return
+        if resp.code == ResponseCode.SYSTEM_ERROR and resp.remark in _STORED_LATE:
+            # RocketMQ's broker: the copy is stored, only its flush or its slave was late. Resent, it came twice.
+            log.warning("group %s: %s handed back to %s, stored there but %s", self.group, msg.msg_id, mq,
+                        resp.remark)
+            return
+        refused = error_for_code(resp.code, resp.remark)
+        # Retried here instead, the message came back to the listener every second for good, never counted
+        # towards max_reconsume_times nor dead-lettered, and nothing after it in the queue was consumed.
+        log.warning("group %s: broker refused to take back %s of %s (%s); sending it to %%RETRY%%%s itself",
+                    self.group, msg.msg_id, mq, refused, self.group)
+        try:
+            await self._resend_for_retry(mq, msg, origin_topic, max_reconsume_times, delay_level)
+        except BrokerError as exc:
+            raise exc from refused
+
+    async def _resend_for_retry(self, mq: MessageQueue, msg: MessageExt, origin_topic: str,
+                                max_reconsume_times: int, delay_level: int) -> None:
+        """The message as pulled, sent to %RETRY%<group> on ``mq``'s broker with RocketMQ's retry properties
+        (DefaultMQPushConsumerImpl.sendMessageBack's fallback); the broker dead-letters it when its count says
+        so. ``delay_level`` -1 sends it with the count at ``max_reconsume_times``: straight to %DLQ%<group>."""
+        props = dict(msg.properties)
+        props.setdefault(Prop.ORIGIN_MESSAGE_ID, msg.msg_id)
+        props[Prop.RETRY_TOPIC] = origin_topic
+        times = max_reconsume_times if delay_level < 0 else msg.reconsume_times + 1
+        props[Prop.RECONSUME_TIME] = str(times)
+        props[Prop.MAX_RECONSUME_TIMES] = str(max_reconsume_times)
+        props[Prop.DELAY] = str(delay_level if delay_level > 0 else 3 + max(msg.reconsume_times, 0))
+        props.pop(Prop.TRAN_MSG, None)      # a retry is a plain message, never a half
+        for stale in (Prop.REAL_TOPIC, Prop.REAL_QID, Prop.WAIT):
+            props.pop(stale, None)
+        cmd = RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "CLIENT_INNER_PRODUCER", "topic": f"%RETRY%{self.group}", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": 1, "queueId": 0,
+            # still COMPRESSED only when it did not inflate: the body goes as it came
+            "sysFlag": msg.sys_flag & SysFlag.COMPRESSED, "bornTimestamp": int(time.time() * 1000),
+            "flag": msg.flag, "properties": properties_to_string(props), "reconsumeTimes": times,
+            "unitMode": False, "maxReconsumeTimes": max_reconsume_times}, body=msg.body)
         resp = await self._request(mq, cmd, self.timeout)
         if resp.code != ResponseCode.SUCCESS:
-            raise error_for_code(resp.code, resp.remark)
+            raise error_for_code(resp.code, f"resending {msg.msg_id} to %RETRY%{self.group}: {resp.remark}")
 
     async def fetch_offset(self, mq: MessageQueue) -> int | None:
         """The group's stored offset for ``mq``, or None when it has none."""

@@ -414,7 +414,13 @@ async def handle_send_back(ctx, conn, cmd):
         return error
     msg, _ = decode_record(view)
     props = dict(msg.properties)
-    props.setdefault(Prop.RETRY_TOPIC, msg.topic)
+    if msg.topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+        props.setdefault(Prop.RETRY_TOPIC, msg.topic)   # a retry's copy: the topic its first copy was sent to
+    else:
+        # The record's own topic, whatever it carries: RocketMQ keeps a RETRY_TOPIC already there, and a message
+        # consumed from a retry and forwarded with its properties carried its source's, so its own retry was
+        # delivered (and keyed by SqliteIdempotency) as a message of that other topic.
+        props[Prop.RETRY_TOPIC] = msg.topic
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, origin_id or msg.offset_msg_id)
     limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
