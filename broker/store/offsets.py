@@ -23,6 +23,8 @@ import logging
 import os
 import threading
 
+from protocol.admin_bodies import split_offset_key
+
 from .mapped_file import fsync_dirs, make_dirs
 from .saved import check, is_int, load_saved, save
 
@@ -167,10 +169,11 @@ def _parse_table(raw) -> dict[tuple[str, str, int], int]:
         raw = raw["offsetTable"]
     table = {}
     for key, queues in raw.items():
-        # (group may be "": a group name ending in "@" -- names are not checked -- is saved as "T@odd@", and
-        # read back so it is saved as it was; refused, one client's name sent every start to the older copy)
-        topic, sep, group = key.rpartition("@")
-        check(bool(sep and topic) and isinstance(queues, dict), f"malformed entry {key!r}")
+        # (a group name may hold "@", even end in it -- names are not checked: "T@odd@" is group "odd@" of T;
+        # refused, one client's name sent every start to the older copy)
+        split = split_offset_key(key)
+        check(split is not None and isinstance(queues, dict), f"malformed entry {key!r}")
+        topic, group = split
         for qid, offset in queues.items():
             check(qid.isdigit() and is_int(offset) and offset >= 0, f"{key} queue {qid!r} = {offset!r}")
             table[(group, topic, int(qid))] = offset

@@ -1,0 +1,74 @@
+"""Names a client chooses (topics, groups) and what the broker keeps under them: read back as written, across a
+restart, and never one client's name taking another's place."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+
+def _hostport(addr):
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+async def _request(broker, code: int, fields: dict, body: bytes = b""):
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields, body), 5)
+    finally:
+        conn.close()
+
+
+async def _create_topic(broker, topic: str) -> None:
+    reply = await _request(broker, RequestCode.UPDATE_AND_CREATE_TOPIC,
+                           {"topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
+    assert reply.code == ResponseCode.SUCCESS, reply.remark
+
+
+async def _fill(broker, topic: str, n: int) -> None:
+    """``n`` messages in queue 0 of ``topic``: offsets past a queue's end are lowered to it at start-up."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        for _ in range(n):
+            reply = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+                "producerGroup": "PG_names", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": 1,
+                "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0, "properties": ""}, b"m"), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+    finally:
+        conn.close()
+
+
+async def _commit(broker, group: str, topic: str, offset: int) -> None:
+    reply = await _request(broker, RequestCode.UPDATE_CONSUMER_OFFSET,
+                           {"consumerGroup": group, "topic": topic, "queueId": 0, "commitOffset": offset})
+    assert reply.code == ResponseCode.SUCCESS, reply.remark
+
+
+async def _committed(broker, group: str, topic: str) -> int | None:
+    reply = await _request(broker, RequestCode.QUERY_CONSUMER_OFFSET,
+                           {"consumerGroup": group, "topic": topic, "queueId": 0})
+    return int(reply.ext_fields["offset"]) if reply.code == ResponseCode.SUCCESS else None
+
+
+@bounded(60)
+async def test_offsets_of_groups_with_an_at_sign_read_back_after_a_restart(broker):
+    """consumerOffset.json keys an offset "<topic>@<group>" (RocketMQ's ConsumerOffsetManager). The broker checks
+    no group name, and the key was split at its last "@": after a restart the offset of group "CG_odd@" was read
+    as group "" of topic "Names@CG_odd", and "CG_a@b"'s as group "b" of topic "Names@CG_a" -- both groups back to
+    their consume-from policy, without a word. A topic name holds no "@" (it is refused at creation, as RocketMQ's
+    TopicValidator refuses it), so the key splits at its first "@"."""
+    topic = "Names"
+    await _create_topic(broker, topic)
+    await _fill(broker, topic, 5)
+    groups = {"CG_odd@": 1, "CG_a@b": 2, "@CG_lead": 3, "b": 4, "CG_plain": 5}
+    for group, offset in groups.items():
+        await _commit(broker, group, topic, offset)
+    assert broker.stop() == 0
+    broker.start()
+    assert {g: await _committed(broker, g, topic) for g in groups} == groups
