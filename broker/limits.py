@@ -7,6 +7,8 @@ refusal is counted in ``txmq_requests_refused_total{reason}``.
 """
 from __future__ import annotations
 
+import functools
+import ipaddress
 import logging
 import time
 
@@ -19,9 +21,31 @@ BUSY_REMARK = "[TIMEOUT_CLEAN_QUEUE]broker busy, start flow control for a while"
 
 
 def peer_host(conn) -> str:
-    """The remote address of ``conn``: what one client is, whatever number of connections it opens."""
+    """Who ``conn``'s peer is for every per-host cap: one client, whatever number of connections it opens
+    (its remote address, keyed by ``client_key``)."""
     peer = getattr(conn, "peer", None)
-    return peer[0] if peer else ""
+    return client_key(peer[0]) if peer else ""
+
+
+@functools.lru_cache(maxsize=4096)
+def client_key(host: str) -> str:
+    """The key one client's caps are counted under: an IPv4 address as it is (an IPv4-mapped IPv6 one as
+    IPv4), an IPv6 address by its /64 ("2001:db8:1:2::/64"), the loopback ::1 and a link-local address
+    (whose /64, fe80::, every host on the link shares) as themselves.
+
+    A /64 is what one IPv6 host or site is given (RFC 6177): by address, one client picking address after
+    address from its own /64 got round every per-host cap. Anything not an IP address is kept as given."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if addr.version == 4:
+        return str(addr)
+    if addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    if addr.is_loopback or addr.is_link_local:
+        return str(addr)
+    return str(ipaddress.IPv6Network((addr, 64), strict=False))
 
 
 def count_down(counts: dict, key) -> None:
@@ -68,7 +92,7 @@ class Limits:
         rate = c.max_auto_create_topics_per_s
         now = self.monotonic()
         buckets = self._topic_tokens
-        host = conn.peer[0]
+        host = peer_host(conn)
         tokens, last = buckets.get(host, (float(rate), now))
         tokens = min(float(rate), tokens + (now - last) * rate)
         if len(buckets) > 4096:         # forget clients whose bucket has refilled: they lose nothing
@@ -128,7 +152,8 @@ class Limits:
 
 
 class ConnectionGate:
-    """Who may connect: at most ``max_total`` connections, and at most ``max_per_host`` from one remote address.
+    """Who may connect: at most ``max_total`` connections, and at most ``max_per_host`` from one remote address
+    (an IPv6 one by its /64: ``client_key``).
 
     Without the second, one client opening connections until the total was reached (idle ones cost it
     nothing) left every other client unable to connect at all. A refusal is logged at most every
@@ -153,7 +178,7 @@ class ConnectionGate:
 
     def admit(self, conn) -> str | None:
         """None when ``conn`` is let in (then counted until release), else the limit it is past."""
-        host = conn.peer[0]
+        host = peer_host(conn)
         if len(self.open) >= self.max_total:
             why = "max_connections"
         elif self._by_host.get(host, 0) >= self.max_per_host:
@@ -166,7 +191,7 @@ class ConnectionGate:
         now = self.monotonic()
         if now - self._logged_at >= _GATE_LOG_INTERVAL_S:
             self.log.warning("%s: refusing %s:%s (past %s; %d connections open, %d from %s); %d refused since "
-                             "the last such line (logged at most every %d s)", self.what, host, conn.peer[1], why,
+                             "the last such line (logged at most every %d s)", self.what, conn.peer[0], conn.peer[1], why,
                              len(self.open), self._by_host.get(host, 0), host, self._refused,
                              _GATE_LOG_INTERVAL_S)
             self._logged_at, self._refused = now, 0
@@ -193,7 +218,7 @@ class ConnectionGate:
         if conn not in self.open:
             return False
         self.open.discard(conn)
-        count_down(self._by_host, conn.peer[0])
+        count_down(self._by_host, peer_host(conn))
         return True
 
 

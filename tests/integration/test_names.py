@@ -72,3 +72,47 @@ async def test_offsets_of_groups_with_an_at_sign_read_back_after_a_restart(broke
     assert broker.stop() == 0
     broker.start()
     assert {g: await _committed(broker, g, topic) for g in groups} == groups
+
+
+def _ipv6_loopback() -> str | None:
+    """None when this machine can listen on ::1, else why not."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as exc:
+        return f"no IPv6 loopback here ({exc}): the per-host caps of IPv6 peers are covered by the unit tests " \
+               "of client_key (tests/unit/test_connection_gate.py)"
+    return None
+
+
+@bounded(60)
+async def test_an_ipv6_client_is_held_to_the_per_host_caps(broker_factory):
+    """IPv6 peers are keyed by client_key (their /64; ::1 as itself): one on ::1 is held to
+    max_connections_per_host like any host, and what it sends is stored and answered (its born host an IPv6 one)."""
+    why = _ipv6_loopback()
+    if why is not None:
+        pytest.skip(why)
+    broker = broker_factory("--host", "::1", "--max-connections-per-host", "3")
+    assert broker.broker.startswith("::1:")
+    from tests.support.raw_client import RawClient
+    clients = [await RawClient.open(broker.broker) for _ in range(5)]
+    try:
+        served = []
+        for c in clients:           # each answered, or closed on accept: the broker has seen every one
+            reply = await c.call(RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 10)
+            assert reply != [], "neither answered nor closed"
+            if reply is not None:
+                served.append(c)
+        assert len(served) == 3
+        [created] = await served[0].call(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "Names6", "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 10)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        [sent] = await served[0].call(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "PG_names", "topic": "Names6", "defaultTopic": "TBW102", "defaultTopicQueueNums": 1,
+            "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0, "properties": ""}, b"m"), 10)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+    finally:
+        for c in clients:
+            c.close()
+    assert "max_connections_per_host" in broker.log() and "from ::1" in broker.log()

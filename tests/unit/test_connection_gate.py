@@ -133,3 +133,28 @@ async def test_one_close_step_raising_does_not_skip_the_others(tmp_path):
     conn.connection_made(_Transport(1))
     conn.connection_lost(None)
     assert ran == ["holds", "tx", "clients"]
+
+
+def test_the_client_key_of_an_ipv6_peer_is_its_64():
+    """Every per-host cap is counted under client_key: an IPv6 client holds a /64 (RFC 6177) and can pick a
+    source address per connection from it, so keyed by address it got round every cap."""
+    from broker.limits import client_key
+
+    assert client_key("10.1.2.3") == "10.1.2.3"
+    assert client_key("::ffff:10.1.2.3") == "10.1.2.3"           # a dual-stack listener's IPv4 peer
+    assert client_key("::1") == "::1"
+    assert client_key("2001:db8:1:2:aaaa::5") == client_key("2001:DB8:1:2::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::5") == "2001:db8:1:3::/64"
+    # link-local addresses share one /64 (fe80::) on every link: each host is its own client
+    assert client_key("fe80::1%eth0") != client_key("fe80::2%eth0")
+    assert client_key("") == "" and client_key("not-an-address") == "not-an-address"
+
+
+def test_addresses_from_one_ipv6_64_share_one_hosts_connections():
+    gate = ConnectionGate(100, 2, logging.getLogger("test"), "broker listener")
+    first = [_Conn(1, "2001:db8:1:2::1"), _Conn(2, "2001:db8:1:2::2")]
+    assert [gate.admit(c) for c in first] == [None, None]
+    assert gate.admit(_Conn(3, "2001:db8:1:2:ffff::3")) == "max_connections_per_host"
+    assert gate.admit(_Conn(4, "2001:db8:1:3::1")) is None          # the next /64: another client
+    gate.release(first[0])
+    assert gate.admit(_Conn(5, "2001:db8:1:2::5")) is None
