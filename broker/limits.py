@@ -78,18 +78,35 @@ class Limits:
                 log.warning("%s (logged at most every %d s)", warning, _GATE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ topics
-    def may_auto_create(self, conn, cmd, topics, topic: str):
-        """None, or the response refusing to create ``topic`` for this client.
-
-        A client is its address, not its connection: opening fifty connections must not buy
-        fifty times the rate (each new topic costs files and a catalogue entry)."""
+    def may_create(self, conn, cmd, topics, topic: str, *, per_host: bool = True):
+        """None, or the response refusing to create ``topic``: past max_topics, or (``per_host``) this client past
+        max_topics_per_host -- else one client could fill max_topics, every other client's new topic refused
+        until an operator deleted topics. What it created is counted by ``topics`` (created_by)."""
         c = self.config
         if len(topics.topics) >= c.max_topics:
             self.refused("topic-limit")
             return cmd.response(ResponseCode.NO_PERMISSION,
                                 f"topic[{topic}] not created: the broker holds {len(topics.topics)} topics, "
                                 f"its limit (max_topics={c.max_topics})")
-        rate = c.max_auto_create_topics_per_s
+        if per_host:
+            host = peer_host(conn)
+            held = topics.created_by(host)
+            if held >= c.max_topics_per_host:
+                why = (f"topic[{topic}] not created: client {host} created {held} topics, its limit "
+                       f"(max_topics_per_host={c.max_topics_per_host}); delete some first")
+                self.refused("topic-host-limit", why)
+                return cmd.response(ResponseCode.NO_PERMISSION, why)
+        return None
+
+    def may_auto_create(self, conn, cmd, topics, topic: str):
+        """None, or the response refusing to create ``topic`` for this client (``may_create``, then its rate).
+
+        A client is its address, not its connection: opening fifty connections must not buy
+        fifty times the rate (each new topic costs files and a catalogue entry)."""
+        refused = self.may_create(conn, cmd, topics, topic)
+        if refused is not None:
+            return refused
+        rate = self.config.max_auto_create_topics_per_s
         now = self.monotonic()
         buckets = self._topic_tokens
         host = peer_host(conn)

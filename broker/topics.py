@@ -23,6 +23,7 @@ from protocol.registration import DataVersion
 from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
+from .limits import count_down
 from .store.saved import check, is_int, load_saved, save
 
 log = logging.getLogger("txmq.topics")
@@ -87,6 +88,10 @@ class TopicManager:
         self.retry_write_s = 5.0
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
+        # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
+        # In memory only: counted since the broker started.
+        self._creator: dict[str, str] = {}
+        self._created_by: dict[str, int] = {}
         # Set by the server: may this %RETRY% topic go when max_retry_groups is reached (its group gone, nothing
         # in it)? Swept at most once a _RECLAIM_EVERY_S, so a client at the cap cannot make every heartbeat a scan.
         self.retry_reclaimable = None
@@ -210,11 +215,20 @@ class TopicManager:
     def get(self, topic: str) -> TopicConfig | None:
         return self.topics.get(topic)
 
-    def create(self, tc: TopicConfig) -> TopicConfig:
-        if tc.name.startswith(RETRY_PREFIX) and tc.name not in self.topics:
+    def created_by(self, client: str) -> int:
+        """How many of the topics there are ``client`` (a limits.client_key) created."""
+        return self._created_by.get(client, 0)
+
+    def create(self, tc: TopicConfig, creator: str | None = None) -> TopicConfig:
+        """Make or replace ``tc``; ``creator``: the client making it (a new topic is counted as its own)."""
+        new = tc.name not in self.topics
+        if tc.name.startswith(RETRY_PREFIX) and new:
             if self.retry_groups() >= self.max_retry_groups and not self._reclaim_retry_topics():
                 raise TopicLimitError(f"retry topic {tc.name} not created: {self.max_retry_groups} %RETRY% "
                                       f"groups exist, the limit (max_retry_groups)")
+        if new and creator is not None:
+            self._creator[tc.name] = creator
+            self._created_by[creator] = self._created_by.get(creator, 0) + 1
         self.topics[tc.name] = tc
         self._persist()
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
@@ -234,25 +248,27 @@ class TopicManager:
         self._reclaimed_at = now
         gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
         for name in gone:
-            del self.topics[name]
+            self._forget(name)
         if gone:
             self._persist()
             log.warning("max_retry_groups=%d reached: %d empty %%RETRY%% topics of groups with no consumer "
                         "forgotten (e.g. %s)", self.max_retry_groups, len(gone), gone[0])
         return self.retry_groups() < self.max_retry_groups
 
-    def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int) -> TopicConfig | None:
+    def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int,
+                 creator: str | None = None) -> TopicConfig | None:
         """The topic's config, creating it from its template as RocketMQ does; None: TOPIC_NOT_EXIST."""
         tc = self.topics.get(topic)
         if tc is not None:
             return tc
         if topic.startswith(RETRY_PREFIX) or topic.startswith(DLQ_PREFIX):
-            return self.create(TopicConfig(topic, 1, 1))
+            return self.create(TopicConfig(topic, 1, 1), creator)
         template = self.topics.get(default_topic or AUTO_CREATE_TOPIC)
         if template is None or not template.perm & Perm.INHERIT:
             return None
         nums = max(1, min(default_queue_nums, template.write_queue_nums))
-        return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type))
+        return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type),
+                           creator)
 
     def adopt(self, queues: list[tuple[str, int]]) -> list[str]:
         """Topics the store holds queues for but the config lost (a crash before it was written,
@@ -269,17 +285,23 @@ class TopicManager:
             self._persist()
         return adopted
 
+    def _forget(self, topic: str) -> TopicConfig | None:
+        creator = self._creator.pop(topic, None)
+        if creator is not None:
+            count_down(self._created_by, creator)
+        return self.topics.pop(topic, None)
+
     def delete(self, topic: str) -> bool:
         """Forget a topic's config (DELETE_TOPIC_IN_BROKER); False when it had none."""
-        if self.topics.pop(topic, None) is None:
+        if self._forget(topic) is None:
             return False
         self._persist()
         log.warning("topic %s deleted", topic)
         return True
 
-    def ensure(self, topic: str, queues: int = 1) -> TopicConfig:
+    def ensure(self, topic: str, queues: int = 1, creator: str | None = None) -> TopicConfig:
         tc = self.topics.get(topic)
-        return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))
+        return tc if tc is not None else self.create(TopicConfig(topic, queues, queues), creator)
 
 
 def _count(v) -> bool:

@@ -35,6 +35,7 @@ from protocol.message import (
 )
 
 from ..answer import Answer
+from ..limits import peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
@@ -78,7 +79,7 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
         if refused is not None:
             return refused
         try:
-            tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums)
+            tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums, peer_host(conn))
         except TopicLimitError as exc:
             ctx.limits.refused("retry-group-limit")
             return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
@@ -390,7 +391,7 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str):
     if refused is not None:
         return refused
     try:
-        ctx.topics.ensure(topic)
+        ctx.topics.ensure(topic, creator=peer_host(conn))
     except TopicLimitError as exc:
         ctx.limits.refused("retry-group-limit")
         return cmd.response(ResponseCode.NO_PERMISSION, str(exc))

@@ -317,3 +317,49 @@ async def test_a_retry_topic_reclaimed_while_its_retry_waits_delivers_it_when_th
     finally:
         probe.close()
         others.close()
+
+
+def _send(topic: str) -> RemotingCommand:
+    return RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+        "producerGroup": "PG_topics", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "1",
+        "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""})
+
+
+async def _send_to(client: RawClient, topic: str) -> RemotingCommand:
+    [reply] = await client.call(_send(topic), 10)
+    return reply
+
+
+async def test_one_address_creates_at_most_max_topics_per_host(broker_factory):
+    """max_topics bounds the catalogue, and one address could fill it alone -- auto-created by sends (at
+    max_auto_create_topics_per_s, a few minutes for 2048) or by UPDATE_AND_CREATE_TOPIC without an ACL -- and every
+    other client's new topic was refused until an operator deleted topics. The topics one address created are now
+    at most max_topics_per_host: past it its new topic is refused NO_PERMISSION naming the limit, other hosts
+    create theirs, and a topic of its deleted gives it its room back."""
+    broker = broker_factory("--max-topics-per-host", "3", "--max-auto-create-topics-per-s", "1000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        codes = [(await _send_to(hostile, f"Hostile{i}")).code for i in range(2)]
+        [created] = await hostile.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+            "topic": "HostileAdmin", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}), 10)
+        codes.append(created.code)
+        assert codes == [C.SUCCESS] * 3
+        refused = [await _send_to(hostile, f"Hostile{i}") for i in range(2, 6)]
+        assert {r.code for r in refused} == {C.NO_PERMISSION}
+        assert all("max_topics_per_host=3" in r.remark for r in refused)
+        [again] = await hostile.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+            "topic": "HostileAdmin2", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}), 10)
+        assert again.code == C.NO_PERMISSION and "max_topics_per_host" in again.remark
+        assert (await _send_to(hostile, "Hostile0")).code == C.SUCCESS      # its topics are still its own
+        assert (await _send_to(victim, "Victim0")).code == C.SUCCESS        # another host creates its own
+        [deleted] = await victim.call(                                      # an operator's, from anywhere
+RemotingCommand(R.DELETE_TOPIC_IN_BROKER, opaque=next(_OPAQUES),
+                                                      ext_fields={"topic": "Hostile1"}), 10)
+        assert deleted.code == C.SUCCESS, deleted.remark
+        assert (await _send_to(hostile, "Hostile6")).code == C.SUCCESS
+        assert (await _send_to(hostile, "Hostile7")).code == C.NO_PERMISSION
+    finally:
+        hostile.close()
+        victim.close()
+    assert "max_topics_per_host" in broker.log()
