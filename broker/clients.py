@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from protocol.codes import LanguageCode, RequestCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
-from protocol.message import java_string_hash
+from protocol.message import MAX_CLIENT_ID_LENGTH, java_string_hash, validate_group
 
 from .limits import count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
@@ -124,8 +124,8 @@ class ConsumerGroup:
 def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
     """(clientID, producer groups, consumer entries) of a HEART_BEAT body, typed as RocketMQ's HeartbeatData
     (fastjson) types them: a number or boolean where a name belongs is its text, a subVersion or code may be
-    a numeric string; a list or object there fails the whole heartbeat (HeaderError) before anything is
-    registered. Untyped, a group named by the number 7 was registered as the int 7: the metrics page answered
+    a numeric string; a list or object there, or a group name or clientID past its length (validate_group),
+    fails the whole heartbeat (HeaderError) before anything is registered. Untyped, a group named by the number 7 was registered as the int 7: the metrics page answered
     HTTP 500 and group listings failed for as long as that connection stayed. Entries that are not objects,
     or name no group, are passed over as before."""
     if not isinstance(data, dict):
@@ -146,7 +146,14 @@ def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
             "codeSet": [_integer(n, "code") for n in _list(s.get("codeSet"), "codeSet")],
         } for s in _objects(c, "subscriptionDataSet")]
         consumers.append(entry)
-    return _text(data.get("clientID"), "clientID"), [g for g in producers if g], consumers
+    client_id = _text(data.get("clientID"), "clientID")
+    if client_id is not None and len(client_id) > MAX_CLIENT_ID_LENGTH:
+        raise HeaderError(f"heartbeat clientID is {len(client_id)} characters, longer than {MAX_CLIENT_ID_LENGTH}")
+    for group in producers + [c["groupName"] for c in consumers]:
+        why = validate_group(group)
+        if why is not None:
+            raise HeaderError(f"heartbeat {why}")
+    return client_id, [g for g in producers if g], consumers
 
 
 def _subscription_bytes(consumer: dict) -> int:

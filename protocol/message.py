@@ -205,6 +205,21 @@ def validate_topic(topic: str | None) -> str | None:
     return None
 
 
+MAX_GROUP_LENGTH = 255          # Validators.CHARACTER_MAX_LENGTH: stock clients refuse a longer group at start
+MAX_CLIENT_ID_LENGTH = 1024     # "<ip>@<instanceName>[@<unitName>]": a stock client's is far shorter
+
+
+def validate_group(group: str | None, what: str = "group") -> str | None:
+    """None if a producer or consumer group name may be kept, else why not: past MAX_GROUP_LENGTH.
+
+    The broker keeps group names (memberships, queue locks, offsets, halves' PGROUP) as clients give them, each
+    table capped by count only: names of megabytes grew the broker by gigabytes. Its characters are not checked:
+    stock clients allow only [%|a-zA-Z0-9_-] (TopicValidator), others are not known to."""
+    if group is not None and len(group) > MAX_GROUP_LENGTH:
+        return f"{what} name is {len(group)} characters, longer than {MAX_GROUP_LENGTH}"
+    return None
+
+
 # --------------------------------------------------------------------- hosts
 def pack_host(host: str, port: int) -> bytes:
     """8 bytes for IPv4 (address + int port), 20 for IPv6."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import ResponseCode
+from protocol.message import validate_group
 
 from .pull import on_disk
 
@@ -37,6 +38,9 @@ def update_consumer_offset(ctx, conn, cmd):
     tc = ctx.topics.get(topic)
     if tc is None:
         return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"topic[{topic}] not exist, offset not stored")
+    why = validate_group(group, "consumerGroup")    # kept in the table, its file and every slave's copy
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{why}, offset not stored")
     if qid < 0 or qid >= tc.queue_count:
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"queueId[{qid}] is illegal, topic:[{topic}] has {tc.queue_count} queues")

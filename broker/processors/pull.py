@@ -11,7 +11,7 @@ import struct
 import time
 
 from protocol.codes import Perm, PullSysFlag, ResponseCode
-from protocol.message import POS_PHYSICAL_OFFSET
+from protocol.message import POS_PHYSICAL_OFFSET, validate_group
 from protocol.record import property_bytes, record_properties
 
 from ..clients import build_subscription
@@ -158,6 +158,9 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
     if qid < 0 or qid >= tc.read_queue_nums:
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"queueId[{qid}] is illegal, topic:[{topic}] topicConfig.readQueueNums:[{tc.read_queue_nums}]")
+    why = validate_group(group, "consumerGroup")    # its commitOffset is kept under it (UPDATE_CONSUMER_OFFSET's)
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
     if sys_flag & PullSysFlag.SUBSCRIPTION:
         sub = build_subscription(topic, cmd.str_field("subscription"), cmd.int_field("subVersion", 0),
                                  cmd.str_field("expressionType") or "TAG")

@@ -31,6 +31,7 @@ from protocol.message import (
     separator_in,
     string_to_properties,
     tags_code,
+    validate_group,
     validate_topic,
 )
 
@@ -132,6 +133,9 @@ def handle_send(ctx, conn, cmd):
             if isinstance(illegal, str):
                 return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
         group = props.get(Prop.PGROUP) or h.producer_group
+        why = validate_group(group, "producerGroup")    # the half's sender joins it, and it is kept with the half
+        if why is not None:
+            return cmd.response(ResponseCode.MESSAGE_ILLEGAL, why)
         if Prop.PGROUP not in props and separator_in(group):
             # It becomes the half's PGROUP: with a \x02 it was stored as more properties than the broker wrote,
             # and recovery re-read another group and another REAL_TOPIC (a commit then wrote there).

@@ -116,3 +116,55 @@ async def test_an_ipv6_client_is_held_to_the_per_host_caps(broker_factory):
         for c in clients:
             c.close()
     assert "max_connections_per_host" in broker.log() and "from ::1" in broker.log()
+
+
+@bounded(60)
+async def test_group_names_past_255_characters_are_not_kept(broker):
+    """Group names were kept as given, each table capped by count only (max_groups_per_host, max_queue_locks, ...):
+    forty heartbeats from one connection, each naming a 4 MiB producer group, grew the broker by 176 MB, and
+    10,000 of them could take 40 GB. A name past 255 characters (RocketMQ's Validators.CHARACTER_MAX_LENGTH;
+    a stock client refuses it at start) is now refused wherever the broker would keep it."""
+    import json
+
+    from protocol.admin_bodies import decode_consumer_offsets
+
+    await _create_topic(broker, "Groups")
+    await _fill(broker, "Groups", 1)
+    long, longest = "G" * 256, "G" * 255
+
+    def heartbeat(group: str) -> bytes:
+        return json.dumps({"clientID": "names", "producerDataSet": [{"groupName": group}], "consumerDataSet": [
+            {"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+             "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "subscriptionDataSet": []}]}).encode()
+
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def ask(code, fields, body=b""):
+            return await conn.request(RemotingCommand.request(code, fields, body), 5)
+        refused = await ask(RequestCode.HEART_BEAT, {}, heartbeat(long))
+        assert refused.code != ResponseCode.SUCCESS and "longer than 255" in refused.remark
+        assert (await ask(RequestCode.HEART_BEAT, {}, heartbeat(longest))).code == ResponseCode.SUCCESS
+        listed = {g: (await ask(RequestCode.GET_CONSUMER_LIST_BY_GROUP, {"consumerGroup": g})).code
+                  for g in (long, longest)}
+        assert listed == {long: ResponseCode.SYSTEM_ERROR, longest: ResponseCode.SUCCESS}
+        for group in (long, longest):
+            await ask(RequestCode.UPDATE_CONSUMER_OFFSET,
+                      {"consumerGroup": group, "topic": "Groups", "queueId": 0, "commitOffset": 1})
+        mq = [{"topic": "Groups", "brokerName": "broker-a", "queueId": 0}]
+        locked = await ask(RequestCode.LOCK_BATCH_MQ, {},
+                           json.dumps({"consumerGroup": long, "clientId": "names", "mqSet": mq}).encode())
+        assert locked.code != ResponseCode.SUCCESS and "longer than 255" in locked.remark
+        pulled = await ask(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": long, "topic": "Groups", "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+            "sysFlag": 1 | 4, "commitOffset": 1, "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 0,
+            "expressionType": "TAG"})
+        assert pulled.code == ResponseCode.SYSTEM_ERROR and "longer than 255" in pulled.remark
+        half = await ask(RequestCode.SEND_MESSAGE, {
+            "producerGroup": long, "topic": "Groups", "defaultTopic": "TBW102", "defaultTopicQueueNums": 1,
+            "queueId": 0, "sysFlag": 4, "bornTimestamp": 0, "flag": 0, "properties": "TRAN_MSG\x01true\x02"}, b"h")
+        assert half.code == ResponseCode.MESSAGE_ILLEGAL and "longer than 255" in half.remark
+        everything = await ask(RequestCode.GET_ALL_CONSUMER_OFFSET, {})
+        stored = {g for g, t, _ in decode_consumer_offsets(everything.body_bytes()) if t == "Groups"}
+        assert stored == {longest}
+    finally:
+        conn.close()
