@@ -125,6 +125,22 @@ class Limits:
         buckets[host] = (tokens - 1.0, now)
         return None
 
+    # ------------------------------------------------------------ offsets
+    def may_commit(self, conn, offsets, group: str, topic: str, queue_id: int) -> str | None:
+        """None, or why this client may not make the offset of (``group``, ``topic``, ``queue_id``): past
+        max_offsets_per_host. An offset there is (its own or not) is always moved."""
+        if offsets.has(group, topic, queue_id):
+            return None
+        limit = self.config.max_offsets_per_host
+        host = peer_host(conn)
+        held = offsets.made_by(host)
+        if held < limit:
+            return None
+        why = (f"offset of group {group} on {topic} queue {queue_id} not stored: client {host} made {held} "
+               f"offsets, its limit (max_offsets_per_host={limit}); delete groups it no longer uses")
+        self.refused("offset-host-limit", why)
+        return why
+
     # ------------------------------------------------------------ writer pressure
     def busy(self, cmd, size: int):
         """SYSTEM_BUSY while the bytes queued for the writer are over max_writer_queued_bytes."""

@@ -5,6 +5,7 @@ from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import ResponseCode
 from protocol.message import validate_group
 
+from ..limits import peer_host
 from .pull import on_disk
 
 
@@ -45,7 +46,10 @@ def update_consumer_offset(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"queueId[{qid}] is illegal, topic:[{topic}] has {tc.queue_count} queues")
     if offset >= 0:
-        ctx.offsets.commit(group, topic, qid, offset)
+        refused = ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid)
+        if refused is not None:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
+        ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
     return cmd.response(ResponseCode.SUCCESS)
 
 

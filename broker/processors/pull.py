@@ -195,8 +195,9 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
     # As RocketMQ: not on a slave, nor again when a held pull is run again.
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:
         commit = cmd.int_field("commitOffset", -1)
-        if commit is not None and commit >= 0:
-            ctx.offsets.commit(group, topic, qid, commit)
+        # (past max_offsets_per_host the pull is answered all the same: only its commit is not kept)
+        if commit is not None and commit >= 0 and ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid) is None:
+            ctx.offsets.commit(group, topic, qid, commit, peer_host(conn))
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, sub.tag_filter(), record_filter)
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
     if sys_flag & PullSysFlag.SUSPEND and not woken and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:

@@ -363,3 +363,49 @@ RemotingCommand(R.DELETE_TOPIC_IN_BROKER, opaque=next(_OPAQUES),
         hostile.close()
         victim.close()
     assert "max_topics_per_host" in broker.log()
+
+
+async def _offsets(client: RawClient) -> set:
+    from protocol.admin_bodies import decode_consumer_offsets
+    return set(decode_consumer_offsets((await _call(client, R.GET_ALL_CONSUMER_OFFSET)).body_bytes()))
+
+
+async def _commit(client: RawClient, group: str, topic: str = "Offsets") -> RemotingCommand:
+    [reply] = await client.call(RemotingCommand(R.UPDATE_CONSUMER_OFFSET, opaque=next(_OPAQUES), ext_fields={
+        "consumerGroup": group, "topic": topic, "queueId": "0", "commitOffset": "0"}), 10)
+    return reply
+
+
+async def test_one_address_commits_offsets_for_at_most_max_offsets_per_host_queues(broker_factory):
+    """UPDATE_CONSUMER_OFFSET (and a pull's commitOffset) kept an offset for any group name on any queue there is,
+    bounded by nothing: one client looping over made-up group names grew the table without end -- in memory, in
+    consumerOffset.json rewritten every 5 s, in the lag computed every second, in what every slave copies.
+    The offsets one address made are now at most max_offsets_per_host; past it a new one is refused naming the
+    limit (a pull is still answered, its commit not kept), an offset it has is still moved, other hosts commit
+    theirs, and deleting a group gives the room back."""
+    broker = broker_factory("--max-offsets-per-host", "3")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        assert (await _send_to(victim, "Offsets")).code == C.SUCCESS
+        codes = [(await _commit(hostile, f"CG_made_up{i}")).code for i in range(5)]
+        assert codes[:3] == [C.SUCCESS] * 3 and C.SUCCESS not in codes[3:]
+        refused = await _commit(hostile, "CG_made_up9")
+        assert "max_offsets_per_host=3" in refused.remark
+        assert (await _commit(hostile, "CG_made_up0")).code == C.SUCCESS       # one it has: still moved
+        [pulled] = await hostile.call(RemotingCommand(R.PULL_MESSAGE, opaque=next(_OPAQUES), ext_fields={
+            "consumerGroup": "CG_pulls", "topic": "Offsets", "queueId": "0", "queueOffset": "0", "maxMsgNums": "1",
+            "sysFlag": "5", "commitOffset": "0", "suspendTimeoutMillis": "0", "subscription": "*",
+            "subVersion": "0", "expressionType": "TAG"}), 10)
+        assert pulled.code == C.SUCCESS                                         # answered; its commit not kept
+        assert (await _commit(victim, "CG_victim")).code == C.SUCCESS          # another host commits its own
+        groups = {g for g, t, _ in await _offsets(victim) if t == "Offsets"}
+        assert groups == {"CG_made_up0", "CG_made_up1", "CG_made_up2", "CG_victim"}
+        deleted = await hostile.call(RemotingCommand(R.DELETE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+                                                     ext_fields={"groupName": "CG_made_up1", "removeOffset": "true"}), 10)
+        assert deleted[0].code == C.SUCCESS, deleted[0].remark
+        assert (await _commit(hostile, "CG_made_up9")).code == C.SUCCESS
+    finally:
+        hostile.close()
+        victim.close()
+    assert "max_offsets_per_host" in broker.log()
