@@ -9,7 +9,7 @@ from protocol.errors import CorruptRecordError
 from protocol.message import validate_topic
 
 from ..limits import peer_host
-from ..topics import TopicConfig, is_system_topic
+from ..topics import TopicConfig, TopicLimitError, is_system_topic
 
 
 def update_and_create_topic(ctx, conn, cmd):
@@ -30,9 +30,13 @@ def update_and_create_topic(ctx, conn, cmd):
         refused = ctx.limits.may_create(conn, cmd, ctx.topics, topic, per_host=creator is not None)
         if refused is not None:
             return refused
-    ctx.topics.create(TopicConfig(topic, read, write, cmd.int_field("perm", Perm.READ_WRITE),
-                                  cmd.str_field("topicFilterType", "SINGLE_TAG"), cmd.int_field("topicSysFlag", 0),
-                                  cmd.bool_field("order")), creator)
+    try:
+        ctx.topics.create(TopicConfig(topic, read, write, cmd.int_field("perm", Perm.READ_WRITE),
+                                      cmd.str_field("topicFilterType", "SINGLE_TAG"), cmd.int_field("topicSysFlag", 0),
+                                      cmd.bool_field("order")), creator)
+    except TopicLimitError as exc:      # a %RETRY% topic past max_retry_groups, refused as a send's is
+        ctx.limits.refused("retry-group-limit")
+        return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
     return cmd.response(ResponseCode.SUCCESS)
 
 

@@ -409,3 +409,19 @@ async def test_one_address_commits_offsets_for_at_most_max_offsets_per_host_queu
         hostile.close()
         victim.close()
     assert "max_offsets_per_host" in broker.log()
+
+
+async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by_name(broker_factory):
+    """UPDATE_AND_CREATE_TOPIC of a %RETRY% topic past max_retry_groups raised out of the handler: answered
+    SYSTEM_ERROR "TopicLimitError: ..." and logged at ERROR with a traceback, as a bug, and not counted. It is
+    now refused NO_PERMISSION naming the limit, as a send's retry topic is."""
+    broker = broker_factory("--max-retry-groups", "1")
+    client = await RawClient.open(broker.broker)
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("live", "G_live"))).code == C.SUCCESS
+        [reply] = await client.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+            "topic": "%RETRY%G_other", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}), 10)
+    finally:
+        client.close()
+    assert reply.code == C.NO_PERMISSION and "max_retry_groups" in reply.remark
+    assert "Traceback" not in broker.log()
