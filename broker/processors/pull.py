@@ -13,6 +13,7 @@ import time
 from protocol.codes import Perm, PullSysFlag, ResponseCode
 from protocol.message import POS_PHYSICAL_OFFSET, validate_group
 from protocol.record import property_bytes, record_properties
+from protocol.txlog import PROGRESS_GROUP
 
 from ..clients import build_subscription
 from ..limits import peer_host
@@ -196,7 +197,8 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:
         commit = cmd.int_field("commitOffset", -1)
         # (past max_offsets_per_host the pull is answered all the same: only its commit is not kept)
-        if commit is not None and commit >= 0 and ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid) is None:
+        if (commit is not None and commit >= 0 and group != PROGRESS_GROUP      # (the broker's own: see offsets.py)
+                and ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid) is None):
             ctx.offsets.commit(group, topic, qid, commit, peer_host(conn))
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, sub.tag_filter(), record_filter)
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).

@@ -168,3 +168,30 @@ async def test_group_names_past_255_characters_are_not_kept(broker):
         assert stored == {longest}
     finally:
         conn.close()
+
+
+@bounded(60)
+async def test_a_client_cannot_commit_the_brokers_own_transaction_progress(broker):
+    """The broker keeps how far its half queue is settled as the offset of group CID_RMQ_SYS_TRANS (RocketMQ's
+    name) on RMQ_SYS_TRANS_HALF_TOPIC, and a start-up without a usable transaction snapshot reads the halves
+    from there. Any client could commit that offset (UPDATE_CONSUMER_OFFSET, or a pull's commitOffset): moved
+    past undecided halves, a restart never saw them again -- never checked, never decided, without a word."""
+    from protocol.admin_bodies import decode_consumer_offsets
+
+    key = ("CID_RMQ_SYS_TRANS", "RMQ_SYS_TRANS_HALF_TOPIC", 0)
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def ask(code, fields):
+            return await conn.request(RemotingCommand.request(code, fields), 5)
+        before = decode_consumer_offsets((await ask(RequestCode.GET_ALL_CONSUMER_OFFSET, {})).body_bytes()).get(key)
+        committed = await ask(RequestCode.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": key[0], "topic": key[1], "queueId": 0, "commitOffset": 1 << 40})
+        assert committed.code == ResponseCode.NO_PERMISSION and "the broker's own" in committed.remark
+        await ask(RequestCode.PULL_MESSAGE, {                   # answered as any pull; its commit is not kept
+            "consumerGroup": key[0], "topic": key[1], "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+            "sysFlag": 1 | 4, "commitOffset": 1 << 40, "suspendTimeoutMillis": 0, "subscription": "*",
+            "subVersion": 0, "expressionType": "TAG"})
+        after = decode_consumer_offsets((await ask(RequestCode.GET_ALL_CONSUMER_OFFSET, {})).body_bytes()).get(key)
+    finally:
+        conn.close()
+    assert after == before != 1 << 40
