@@ -218,7 +218,7 @@ class ClientRegistry:
         # group (20,000 groups: 9 ms a close on the loop, seconds for a reconnect storm)
         self._producing: dict[object, set[str]] = {}
         self._consuming: dict[object, set[str]] = {}
-        self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
+        self.on_new_retry_group = None            # callback(group, first heartbeat, conn) -> makes sure of %RETRY%group
         self.on_new_producer = None               # callback(group): a producer of it registered on a connection
         # (group, topic, queue id) -> (client id, ms of the last grant, connection it came on). No broker name:
         # every queue here is this broker's, and a name the client wrote must not make one queue many locks.
@@ -313,7 +313,7 @@ class ClientRegistry:
         if first:
             group = self.consumers[name] = ConsumerGroup(name)
         if self.on_new_retry_group is not None:     # every heartbeat, as RocketMQ: a deleted one comes back
-            self.on_new_retry_group(name, first)
+            self.on_new_retry_group(name, first, conn)
         group.consume_type = _enum(data.get("consumeType"), _CONSUME_TYPES, group.consume_type)
         group.message_model = _enum(data.get("messageModel"), _MESSAGE_MODELS, group.message_model)
         group.consume_from_where = _enum(data.get("consumeFromWhere"), _CONSUME_FROM, group.consume_from_where)

@@ -425,3 +425,22 @@ async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by
         client.close()
     assert reply.code == C.NO_PERMISSION and "max_retry_groups" in reply.remark
     assert "Traceback" not in broker.log()
+
+
+async def test_retry_topics_made_by_heartbeats_count_toward_max_topics_per_host(broker_factory):
+    """A consumer group's heartbeat makes its %RETRY% topic, and those were no client's: one address heartbeating
+    max_retry_groups made-up groups (and staying, so none could be reclaimed) left every other host's new
+    consumer group without a retry topic -- their failed messages refused. They count as the address's topics."""
+    broker = broker_factory("--max-topics-per-host", "2")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *[f"G_made_up{i}" for i in range(4)]))
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        made = await _retry_topics(victim)
+    finally:
+        hostile.close()
+        victim.close()
+    assert len([t for t in made if t.startswith("%RETRY%G_made_up")]) == 2
+    assert "%RETRY%G_victim" in made
+    assert "max_topics_per_host" in broker.log()
