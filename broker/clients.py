@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from protocol.codes import LanguageCode, RequestCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
-from protocol.message import MAX_CLIENT_ID_LENGTH, java_string_hash, validate_group
+from protocol.message import MAX_CLIENT_ID_LENGTH, java_string_hash, text_encodes, validate_group
 
 from .limits import count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
@@ -149,6 +149,8 @@ def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
     client_id = _text(data.get("clientID"), "clientID")
     if client_id is not None and len(client_id) > MAX_CLIENT_ID_LENGTH:
         raise HeaderError(f"heartbeat clientID is {len(client_id)} characters, longer than {MAX_CLIENT_ID_LENGTH}")
+    if client_id is not None and not text_encodes(client_id):
+        raise HeaderError(f"heartbeat clientID {client_id!r} is not UTF-8 text (it holds a lone surrogate)")
     for group in producers + [c["groupName"] for c in consumers]:
         why = validate_group(group)
         if why is not None:

@@ -7,7 +7,7 @@ import logging
 
 from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
-from protocol.message import MAX_CLIENT_ID_LENGTH, validate_group
+from protocol.message import MAX_CLIENT_ID_LENGTH, text_encodes, validate_group
 
 from ..clients import build_subscription, is_tag_type
 
@@ -93,8 +93,10 @@ def _lock_body(cmd):
         if not all(isinstance(v, str) for v in (group, client_id)) or not isinstance(mqs, list):
             raise TypeError("consumerGroup and clientId must be text, mqSet a list")
         why = validate_group(group, "consumerGroup")      # each lock keeps it, until it expires
-        if why is not None or len(client_id) > MAX_CLIENT_ID_LENGTH:
-            raise ValueError(why or f"clientId is {len(client_id)} characters, longer than {MAX_CLIENT_ID_LENGTH}")
+        if why is None and (len(client_id) > MAX_CLIENT_ID_LENGTH or not text_encodes(client_id)):
+            why = f"clientId is not UTF-8 text of at most {MAX_CLIENT_ID_LENGTH} characters"
+        if why is not None:
+            raise ValueError(why)
         for mq in mqs:
             if not isinstance(mq, dict) or not all(isinstance(mq.get(k), (str, type(None)))
                                                    for k in ("topic", "brokerName")):

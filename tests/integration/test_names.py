@@ -2,6 +2,8 @@
 restart, and never one client's name taking another's place."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from protocol.codes import RequestCode, ResponseCode
@@ -10,6 +12,12 @@ from protocol.connection import open_connection
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
+
+_OPAQUES = itertools.count(1 << 24)     # a RawClient files replies by opaque: one each
+
+
+def _raw(code: int, fields: dict | None = None, body: bytes = b"") -> RemotingCommand:
+    return RemotingCommand.request(code, fields, body, opaque=next(_OPAQUES))
 
 
 def _hostport(addr):
@@ -100,15 +108,15 @@ async def test_an_ipv6_client_is_held_to_the_per_host_caps(broker_factory):
     try:
         served = []
         for c in clients:           # each answered, or closed on accept: the broker has seen every one
-            reply = await c.call(RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 10)
+            reply = await c.call(_raw(RequestCode.GET_BROKER_RUNTIME_INFO), 10)
             assert reply != [], "neither answered nor closed"
             if reply is not None:
                 served.append(c)
         assert len(served) == 3
-        [created] = await served[0].call(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        [created] = await served[0].call(_raw(RequestCode.UPDATE_AND_CREATE_TOPIC, {
             "topic": "Names6", "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 10)
         assert created.code == ResponseCode.SUCCESS, created.remark
-        [sent] = await served[0].call(RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+        [sent] = await served[0].call(_raw(RequestCode.SEND_MESSAGE, {
             "producerGroup": "PG_names", "topic": "Names6", "defaultTopic": "TBW102", "defaultTopicQueueNums": 1,
             "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0, "properties": ""}, b"m"), 10)
         assert sent.code == ResponseCode.SUCCESS, sent.remark
@@ -195,3 +203,40 @@ async def test_a_client_cannot_commit_the_brokers_own_transaction_progress(broke
     finally:
         conn.close()
     assert after == before != 1 << 40
+
+
+@bounded(60)
+async def test_a_group_name_that_is_not_utf8_is_refused_and_metrics_still_answer(broker):
+    """JSON may spell a lone surrogate ("\\ud800"), which no UTF-8 text holds. Request headers holding one were
+    refused already; a heartbeat's group names were not: the group was joined, and the /metrics page, which
+    labels producers and consumers by group, answered HTTP 500 to every scrape while it stayed -- every broker
+    metric gone for one client's name. Such a group name is refused where one is kept (heartbeats, locks)."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from tests.support.raw_client import RawClient
+
+    def heartbeat(group: str) -> bytes:
+        return json.dumps({"clientID": "names", "producerDataSet": [{"groupName": "P" + group}], "consumerDataSet": [
+            {"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+             "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "subscriptionDataSet": []}]}).encode()    # escaped
+
+    client = await RawClient.open(broker.broker)
+    try:
+        [beat] = await client.call(_raw(RequestCode.HEART_BEAT, {}, heartbeat("G\ud800")), 10)
+        assert beat.code != ResponseCode.SUCCESS and "UTF-8" in beat.remark
+        body = json.dumps({"consumerGroup": "G\ud800", "clientId": "names",
+                           "mqSet": [{"topic": "TBW102", "brokerName": "broker-a", "queueId": 0}]}).encode()
+        [locked] = await client.call(_raw(RequestCode.LOCK_BATCH_MQ, {}, body), 10)
+        assert locked.code != ResponseCode.SUCCESS and "UTF-8" in locked.remark
+        [ok] = await client.call(_raw(RequestCode.HEART_BEAT, {}, heartbeat("G_fine")), 10)
+        assert ok.code == ResponseCode.SUCCESS
+    finally:
+        client.close()
+
+    def scrape() -> tuple[int, bytes]:
+        with urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10) as page:
+            return page.status, page.read()
+    status, page = await asyncio.to_thread(scrape)
+    assert status == 200 and b'group="G_fine"' in page
