@@ -55,8 +55,11 @@ def reply_topic(cluster: str) -> str:
     return f"{cluster}_REPLY_TOPIC"
 
 
+SYSTEM_TOPIC_PREFIX = "rmq_sys_"        # TopicValidator.SYSTEM_TOPIC_PREFIX: RocketMQ's own topics
+
+
 def is_system_topic(topic: str) -> bool:
-    return topic in SYSTEM_TOPICS or topic.startswith("rmq_sys_")
+    return topic in SYSTEM_TOPICS or topic.startswith(SYSTEM_TOPIC_PREFIX)
 
 
 @dataclass

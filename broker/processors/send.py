@@ -39,7 +39,7 @@ from ..answer import Answer
 from ..limits import peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
-from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
+from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SYSTEM_TOPIC_PREFIX, TopicLimitError
 from .admin import stored_record
 
 log = logging.getLogger("txmq.send")
@@ -76,6 +76,11 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
             return cmd.response(ResponseCode.SYSTEM_ERROR, why)
         if h.topic in NO_SEND_TOPICS:
             return cmd.response(ResponseCode.NO_PERMISSION, f"sending message to topic[{h.topic}] is forbidden")
+        if tc is None and h.topic.startswith(SYSTEM_TOPIC_PREFIX):
+            # Made by a send, it could never be deleted (DELETE_TOPIC_IN_BROKER refuses system topics, as
+            # RocketMQ's does): a client planting such names held places of max_topics for good.
+            return cmd.response(ResponseCode.NO_PERMISSION, f"topic[{h.topic}] not created: names starting with "
+                                f"{SYSTEM_TOPIC_PREFIX} are the broker's system topics")
         refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic)
         if refused is not None:
             return refused

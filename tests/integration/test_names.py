@@ -240,3 +240,24 @@ async def test_a_group_name_that_is_not_utf8_is_refused_and_metrics_still_answer
             return page.status, page.read()
     status, page = await asyncio.to_thread(scrape)
     assert status == 200 and b'group="G_fine"' in page
+
+
+@bounded(60)
+async def test_a_send_cannot_plant_a_topic_in_the_system_namespace(broker):
+    """A send auto-created any topic its name allowed, "rmq_sys_..." too -- the prefix RocketMQ keeps for its
+    system topics, which DELETE_TOPIC_IN_BROKER refuses, as RocketMQ's does. So a client could plant topics
+    nobody could delete: each held a place of max_topics for good (only an offline edit of topics.json took
+    it back). A topic of that prefix the broker does not have is now refused, NO_PERMISSION saying why."""
+    client = await open_connection(*_hostport(broker.broker))
+    try:
+        async def ask(code, fields, body=b""):
+            return await client.request(RemotingCommand.request(code, fields, body), 5)
+        sent = await ask(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "PG_names", "topic": "rmq_sys_planted", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": 1, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0,
+            "properties": ""}, b"m")
+        assert sent.code == ResponseCode.NO_PERMISSION and "rmq_sys_" in sent.remark
+        table = (await ask(RequestCode.GET_ALL_TOPIC_CONFIG, {})).body_bytes()
+    finally:
+        client.close()
+    assert b"rmq_sys_planted" not in table
