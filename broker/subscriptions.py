@@ -19,6 +19,7 @@ import os
 import threading
 
 from protocol.admin_bodies import dump
+from protocol.txlog import PROGRESS_GROUP
 
 from .store.saved import check, load_saved, save
 
@@ -27,7 +28,7 @@ log = logging.getLogger("txmq.subscriptions")
 FILE_NAME = "subscriptionGroup.json"
 # SubscriptionGroupManager.init: the groups every 4.x broker lists.
 SYSTEM_GROUPS = ("TOOLS_CONSUMER", "FILTERSRV_CONSUMER", "SELF_TEST_C_GROUP", "CID_ONS-HTTP-PROXY",
-                 "CID_ONSAPI_PULL", "CID_ONSAPI_PERMISSION", "CID_ONSAPI_OWNER", "CID_SYS_RMQ_TRANS")
+                 "CID_ONSAPI_PULL", "CID_ONSAPI_PERMISSION", "CID_ONSAPI_OWNER", PROGRESS_GROUP)    # (CID_SYS_RMQ_TRANS)
 DEFAULTS = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True, "consumeFromMinEnable": True,
             "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16, "retryQueueNums": 1,
             "whichBrokerWhenConsumeSlowly": 1}
