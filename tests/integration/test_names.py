@@ -222,6 +222,10 @@ async def test_a_group_name_that_is_not_utf8_is_refused_and_metrics_still_answer
             {"groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
              "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "subscriptionDataSet": []}]}).encode()    # escaped
 
+    def scrape() -> tuple[int, bytes]:
+        with urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10) as page:
+            return page.status, page.read()
+
     client = await RawClient.open(broker.broker)
     try:
         [beat] = await client.call(_raw(RequestCode.HEART_BEAT, {}, heartbeat("G\ud800")), 10)
@@ -232,13 +236,9 @@ async def test_a_group_name_that_is_not_utf8_is_refused_and_metrics_still_answer
         assert locked.code != ResponseCode.SUCCESS and "UTF-8" in locked.remark
         [ok] = await client.call(_raw(RequestCode.HEART_BEAT, {}, heartbeat("G_fine")), 10)
         assert ok.code == ResponseCode.SUCCESS
+        status, page = await asyncio.to_thread(scrape)      # while its groups are joined: they go when it closes
     finally:
         client.close()
-
-    def scrape() -> tuple[int, bytes]:
-        with urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10) as page:
-            return page.status, page.read()
-    status, page = await asyncio.to_thread(scrape)
     assert status == 200 and b'group="G_fine"' in page
 
 
