@@ -19,6 +19,7 @@ import os
 import threading
 
 from protocol.admin_bodies import dump
+from protocol.message import validate_group
 from protocol.txlog import PROGRESS_GROUP
 
 from .store.saved import check, load_saved, save
@@ -78,6 +79,9 @@ class SubscriptionGroups:
         name = values.get("groupName")
         if not isinstance(name, str) or not name:
             raise ValueError("the body names no groupName")
+        why = validate_group(name, "groupName")     # as a heartbeat's: one not UTF-8 failed every later save
+        if why is not None:
+            raise ValueError(why)
         cfg = self.groups[name] = group_config(name, values)
         self.counter += 1
         self.timestamp = self.clock()
