@@ -261,3 +261,52 @@ async def test_a_send_cannot_plant_a_topic_in_the_system_namespace(broker):
     finally:
         client.close()
     assert b"rmq_sys_planted" not in table
+
+
+@bounded(60)
+async def test_an_offset_reset_cannot_move_the_brokers_own_transaction_progress(broker):
+    """UPDATE_CONSUMER_OFFSET and a pull's commitOffset no longer move CID_RMQ_SYS_TRANS's offset on the half
+    queue; INVOKE_BROKER_TO_RESET_OFFSET (mqadmin resetOffsetByTime, which this port takes from anyone without an
+    ACL) still did: reset to the end (timestamp -1, forced), the progress passed an undecided half, which a
+    start-up without a usable snapshot then never read -- never checked, never decided."""
+    from protocol.admin_bodies import decode_consumer_offsets
+
+    key = ("CID_RMQ_SYS_TRANS", "RMQ_SYS_TRANS_HALF_TOPIC", 0)
+    await _create_topic(broker, "Progress")
+    half = await _request(broker, RequestCode.SEND_MESSAGE, {
+        "producerGroup": "PG_progress", "topic": "Progress", "defaultTopic": "TBW102", "defaultTopicQueueNums": 1,
+        "queueId": 0, "sysFlag": 4, "bornTimestamp": 0, "flag": 0, "properties": "TRAN_MSG\x01true\x02"}, b"h")
+    assert half.code == ResponseCode.SUCCESS, half.remark
+    assert broker.stop() == 0           # the progress is written at stop: the half's, 0
+    broker.start()
+
+    async def progress():
+        reply = await _request(broker, RequestCode.GET_ALL_CONSUMER_OFFSET, {})
+        return decode_consumer_offsets(reply.body_bytes()).get(key)
+    assert await progress() == 0
+    reset = await _request(broker, RequestCode.INVOKE_BROKER_TO_RESET_OFFSET, {
+        "topic": key[1], "group": key[0], "timestamp": -1, "isForce": True})
+    assert reset.code == ResponseCode.NO_PERMISSION and "the broker's own" in reset.remark
+    assert await progress() == 0
+
+
+@bounded(60)
+async def test_subscription_group_configs_refuse_names_no_heartbeat_may_use(broker):
+    """UPDATE_AND_CREATE_SUBSCRIPTIONGROUP kept any groupName: one of megabytes (the count-only caps again), or
+    one that is not UTF-8 (JSON's "\\ud800"), which made every write of subscriptionGroup.json fail -- this
+    request's, and every later one's for any group, and every GET_ALL_SUBSCRIPTIONGROUP_CONFIG (a slave's copy,
+    mqadmin's listing) -- for as long as the broker ran. Such a name is refused as a heartbeat's is."""
+    import json
+
+    def config(name: str) -> bytes:
+        return json.dumps({"groupName": name, "consumeEnable": True}).encode()     # ensure_ascii: "\ud800"
+
+    for bad, why in (("G\ud800", "UTF-8"), ("G" * 256, "longer than 255")):
+        refused = await _request(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {}, config(bad))
+        assert refused.code == ResponseCode.SYSTEM_ERROR and why in refused.remark, refused.remark
+    fine = await _request(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {}, config("CG_fine"))
+    assert fine.code == ResponseCode.SUCCESS, fine.remark
+    listed = await _request(broker, RequestCode.GET_ALL_SUBSCRIPTIONGROUP_CONFIG, {})
+    assert listed.code == ResponseCode.SUCCESS, listed.remark
+    table = json.loads(listed.body_bytes())["subscriptionGroupTable"]
+    assert "CG_fine" in table and not [g for g in table if g.startswith("GG") or "\ud800" in g]
