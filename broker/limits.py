@@ -27,11 +27,23 @@ def peer_host(conn) -> str:
     return client_key(peer[0]) if peer else ""
 
 
+_ipv6_prefix = 64      # set_ipv6_client_prefix: the server's ipv6_client_prefix, one a process
+
+
+def set_ipv6_client_prefix(bits: int) -> None:
+    """Key IPv6 peers by their first ``bits`` bits from now on (128: each address as itself)."""
+    global _ipv6_prefix
+    if not 1 <= bits <= 128:
+        raise ValueError(f"an IPv6 prefix is 1 to 128 bits, not {bits}")
+    _ipv6_prefix = bits
+    client_key.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def client_key(host: str) -> str:
     """The key one client's caps are counted under: an IPv4 address as it is (an IPv4-mapped IPv6 one as
-    IPv4), an IPv6 address by its /64 ("2001:db8:1:2::/64"), the loopback ::1 and a link-local address
-    (whose /64, fe80::, every host on the link shares) as themselves.
+    IPv4), an IPv6 address by its /64 ("2001:db8:1:2::/64"; the prefix is the server's ipv6_client_prefix), the
+    loopback ::1 and a link-local address (whose /64, fe80::, every host on the link shares) as themselves.
 
     A /64 is what one IPv6 host or site is given (RFC 6177): by address, one client picking address after
     address from its own /64 got round every per-host cap. Anything not an IP address is kept as given."""
@@ -43,9 +55,9 @@ def client_key(host: str) -> str:
         return str(addr)
     if addr.ipv4_mapped is not None:
         return str(addr.ipv4_mapped)
-    if addr.is_loopback or addr.is_link_local:
+    if addr.is_loopback or addr.is_link_local or _ipv6_prefix == 128:
         return str(addr)
-    return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(ipaddress.IPv6Network((addr, _ipv6_prefix), strict=False))
 
 
 def count_down(counts: dict, key) -> None:

@@ -36,7 +36,7 @@ from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
 from .kv_config import FILE_NAME as KV_FILE_NAME
 from .kv_config import KvConfig
-from .limits import ConnectionGate, Limits, peer_host
+from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
@@ -66,6 +66,7 @@ class BrokerServer:
     def __init__(self, config: BrokerConfig, clock=wall_clock_ms):
         self.config = config
         self.clock = clock
+        set_ipv6_client_prefix(config.ipv6_client_prefix)     # before any connection is counted
         self.metrics = BrokerMetrics()
         self.connections = {listener: ConnectionGate(config.max_connections, config.max_connections_per_host, log,
                                                      f"{listener} listener")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from broker.limits import ConnectionGate
 
 
@@ -158,3 +160,33 @@ def test_addresses_from_one_ipv6_64_share_one_hosts_connections():
     assert gate.admit(_Conn(4, "2001:db8:1:3::1")) is None          # the next /64: another client
     gate.release(first[0])
     assert gate.admit(_Conn(5, "2001:db8:1:2::5")) is None
+
+
+def test_the_ipv6_prefix_a_client_is_counted_by_is_the_operators(tmp_path):
+    """Keyed by their /64 only, the IPv6 hosts of one data-centre or cloud subnet (an AWS VPC subnet is one /64:
+    every instance and EKS pod in it) shared one host's room in every per-host cap -- 2000 connections for the
+    whole subnet, 64 broker addresses at a name server for every broker on the LAN -- with no way to say
+    otherwise. ipv6_client_prefix (broker and name server) sets the prefix; 128 counts each address."""
+    from broker.config import BrokerConfig
+    from protocol.errors import ConfigError
+    from broker.limits import client_key
+    from broker.namesrv.config import NamesrvConfig
+    from broker.namesrv.server import NameServer
+    from broker.server import BrokerServer
+
+    try:
+        BrokerServer(BrokerConfig(store_dir=str(tmp_path / "store"), ipv6_client_prefix=128))
+        assert client_key("2001:db8:1:2::1") == "2001:db8:1:2::1" != client_key("2001:db8:1:2::2")
+        gate = ConnectionGate(100, 1, logging.getLogger("test"), "broker listener")
+        assert [gate.admit(_Conn(i, f"2001:db8:1:2::{i}")) for i in (1, 2)] == [None, None]
+        NameServer(NamesrvConfig(kv_config_path=str(tmp_path / "kv.json"), ipv6_client_prefix=56))
+        assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:ff::1") == "2001:db8:1::/56"
+        assert client_key("::1") == "::1" and client_key("::ffff:10.0.0.1") == "10.0.0.1"
+        for bad in (0, 129):
+            with pytest.raises(ConfigError):
+                BrokerConfig(ipv6_client_prefix=bad)
+            with pytest.raises(ConfigError):
+                NamesrvConfig(ipv6_client_prefix=bad)
+    finally:
+        BrokerServer(BrokerConfig(store_dir=str(tmp_path / "store")))       # the default again: a /64
+    assert client_key("2001:db8:1:2::1") == "2001:db8:1:2::/64"
