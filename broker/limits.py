@@ -102,8 +102,8 @@ class Limits:
                                 f"its limit (max_topics={c.max_topics})")
         if per_host:
             host = peer_host(conn)
-            held = topics.created_by(host)
-            if held >= c.max_topics_per_host:
+            if not topics.room_for(host, c.max_topics_per_host):
+                held = topics.created_by(host)
                 why = (f"topic[{topic}] not created: client {host} created {held} topics, its limit "
                        f"(max_topics_per_host={c.max_topics_per_host}); delete some first")
                 self.refused("topic-host-limit", why)

@@ -402,8 +402,9 @@ class BrokerServer:
         # made-up groups, and staying, left every other host's new group with no retry topic.
         creator = peer_host(conn) if conn is not None else None
         if creator is not None and topic not in self.ctx.topics.topics:
-            held, limit = self.ctx.topics.created_by(creator), self.ctx.config.max_topics_per_host
-            if held >= limit:
+            limit = self.ctx.config.max_topics_per_host
+            if not self.ctx.topics.room_for(creator, limit):
+                held = self.ctx.topics.created_by(creator)
                 if first:
                     self.ctx.limits.refused("topic-host-limit", f"consumer group {group}: no retry topic: client "
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")

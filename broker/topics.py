@@ -99,6 +99,7 @@ class TopicManager:
         # in it)? Swept at most once a _RECLAIM_EVERY_S, so a client at the cap cannot make every heartbeat a scan.
         self.retry_reclaimable = None
         self._reclaimed_at = -_RECLAIM_EVERY_S
+        self._host_swept_at: dict[str, float] = {}     # the same, for a client at max_topics_per_host (room_for)
         # Name servers re-read the topic table when this changes; on_change (the registrar) registers at once.
         self.data_version = DataVersion(int(time.time() * 1000), 0)
         self.on_change = None
@@ -221,6 +222,30 @@ class TopicManager:
     def created_by(self, client: str) -> int:
         """How many of the topics there are ``client`` (a limits.client_key) created."""
         return self._created_by.get(client, 0)
+
+    def room_for(self, client: str, limit: int) -> bool:
+        """Whether ``client`` created fewer than ``limit`` of the topics there are; at it, its own %RETRY% topics
+        that may go (``retry_reclaimable``: group gone, nothing in it) are forgotten first, at most one sweep a
+        _RECLAIM_EVERY_S for each client. Else a host whose consumer groups come and go was held at its limit by
+        the retry topics of groups long gone, every new group of its left without one, while max_retry_groups,
+        far from reached, never swept."""
+        if self._created_by.get(client, 0) < limit:
+            return True
+        now = time.monotonic()
+        if self.retry_reclaimable is None or now - self._host_swept_at.get(client, -_RECLAIM_EVERY_S) < _RECLAIM_EVERY_S:
+            return False
+        if len(self._host_swept_at) >= 4096:      # forget clients not swept for a while: they lose nothing
+            self._host_swept_at = {h: t for h, t in self._host_swept_at.items() if now - t < _RECLAIM_EVERY_S}
+        self._host_swept_at[client] = now
+        gone = [name for name, maker in self._creator.items()
+                if maker == client and name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
+        for name in gone:
+            self._forget(name)
+        if gone:
+            self._persist()
+            log.warning("client %s at max_topics_per_host=%d: %d of its empty %%RETRY%% topics of groups with no "
+                        "consumer forgotten (e.g. %s)", client, limit, len(gone), gone[0])
+        return self._created_by.get(client, 0) < limit
 
     def create(self, tc: TopicConfig, creator: str | None = None) -> TopicConfig:
         """Make or replace ``tc``; ``creator``: the client making it (a new topic is counted as its own)."""

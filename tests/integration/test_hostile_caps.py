@@ -444,3 +444,24 @@ async def test_retry_topics_made_by_heartbeats_count_toward_max_topics_per_host(
     assert len([t for t in made if t.startswith("%RETRY%G_made_up")]) == 2
     assert "%RETRY%G_victim" in made
     assert "max_topics_per_host" in broker.log()
+
+
+async def test_a_hosts_retry_topics_of_groups_gone_make_room_under_max_topics_per_host(broker_factory):
+    """max_retry_groups reclaims the empty %RETRY% topics of groups with no consumer, but max_topics_per_host did
+    not: a host whose consumer groups come and go (a group named per deployment or per instance, test runs) was
+    held at max_topics_per_host retry topics of groups long gone, and every new group of its got no retry topic
+    (its failed messages then refused) until an operator deleted topics -- while max_retry_groups, far from
+    reached, never swept. At its limit, the host's own retry topics that may go are now reclaimed first."""
+    broker = broker_factory("--max-topics-per-host", "2")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("short", "G_gone1", "G_gone2"))).code == C.SUCCESS
+        for group in ("G_gone1", "G_gone2"):        # the groups leave, their retry topics empty
+            [left] = await client.call(RemotingCommand(R.UNREGISTER_CLIENT, opaque=next(_OPAQUES), ext_fields={
+                "clientID": "short", "consumerGroup": group}), 10)
+            assert left.code == C.SUCCESS
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("next", "G_next"))).code == C.SUCCESS
+        made = await _retry_topics(client)
+    finally:
+        client.close()
+    assert "%RETRY%G_next" in made and not {"%RETRY%G_gone1", "%RETRY%G_gone2"} & made

@@ -150,6 +150,9 @@ class _Topics:
     def created_by(self, client):
         return self._created_by.get(client, 0)
 
+    def room_for(self, client, limit):
+        return self.created_by(client) < limit
+
 
 def test_topic_limits_name_the_limit():
     now = [0.0]
@@ -348,3 +351,18 @@ def test_trace_topic_enable_makes_the_trace_topic_only_when_missing(tmp_path):
     older = TopicManager(str(tmp_path / "old"), **kw)
     older.create(TopicConfig(TRACE_TOPIC, 8, 8))
     assert TopicManager(str(tmp_path / "old"), trace_topic=True, **kw).topics[TRACE_TOPIC].write_queue_nums == 8
+
+
+def test_a_client_at_its_topic_limit_gets_room_from_its_own_retry_topics_that_may_go(tmp_path):
+    from broker.topics import TopicManager
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=1, cluster="C", broker="B")
+    topics.retry_reclaimable = lambda name: name != "%RETRY%G_live"
+    for name, client in (("%RETRY%G_gone", "10.0.0.1"), ("%RETRY%G_live", "10.0.0.1"),
+                         ("%RETRY%G_other", "10.0.0.2"), ("Plain", "10.0.0.1")):
+        topics.ensure(name, creator=client)
+    assert topics.room_for("10.0.0.1", 4)                   # under it: nothing swept
+    assert "%RETRY%G_gone" in topics.topics
+    assert topics.room_for("10.0.0.1", 3)                   # at it: its own gone group's topic goes
+    assert set(topics.topics) >= {"%RETRY%G_live", "%RETRY%G_other", "Plain"}
+    assert "%RETRY%G_gone" not in topics.topics
+    assert not topics.room_for("10.0.0.1", 2)               # nothing more of its may go (and swept once a second)
