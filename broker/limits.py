@@ -27,6 +27,7 @@ def peer_host(conn) -> str:
     return client_key(peer[0]) if peer else ""
 
 
+_NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")     # RFC 6052: an IPv4 address in its last 32 bits
 _ipv6_prefix = 64      # set_ipv6_client_prefix: the server's ipv6_client_prefix, one a process
 
 
@@ -41,9 +42,10 @@ def set_ipv6_client_prefix(bits: int) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def client_key(host: str) -> str:
-    """The key one client's caps are counted under: an IPv4 address as it is (an IPv4-mapped IPv6 one as
-    IPv4), an IPv6 address by its /64 ("2001:db8:1:2::/64"; the prefix is the server's ipv6_client_prefix), the
-    loopback ::1 and a link-local address (whose /64, fe80::, every host on the link shares) as themselves.
+    """The key one client's caps are counted under: an IPv4 address as it is (an IPv4-mapped IPv6 one, or one
+    under the NAT64 prefix 64:ff9b::/96, as its IPv4 address), an IPv6 address by its /64 ("2001:db8:1:2::/64";
+    the prefix is the server's ipv6_client_prefix), the loopback ::1 and a link-local address (whose /64, fe80::,
+    every host on the link shares) as themselves.
 
     A /64 is what one IPv6 host or site is given (RFC 6177): by address, one client picking address after
     address from its own /64 got round every per-host cap. Anything not an IP address is kept as given."""
@@ -55,6 +57,8 @@ def client_key(host: str) -> str:
         return str(addr)
     if addr.ipv4_mapped is not None:
         return str(addr.ipv4_mapped)
+    if addr in _NAT64_WELL_KNOWN:     # IPv4 clients seen through a translator (SIIT-DC): by /64, all were one client
+        return str(ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF))
     if addr.is_loopback or addr.is_link_local or _ipv6_prefix == 128:
         return str(addr)
     return str(ipaddress.IPv6Network((addr, _ipv6_prefix), strict=False))

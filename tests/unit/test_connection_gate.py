@@ -190,3 +190,16 @@ def test_the_ipv6_prefix_a_client_is_counted_by_is_the_operators(tmp_path):
     finally:
         BrokerServer(BrokerConfig(store_dir=str(tmp_path / "store")))       # the default again: a /64
     assert client_key("2001:db8:1:2::1") == "2001:db8:1:2::/64"
+
+
+def test_ipv4_clients_seen_through_a_nat64_translator_are_each_their_own():
+    """An IPv6-only broker behind a stateless translator (SIIT-DC, RFC 7755) sees each IPv4 client as
+    64:ff9b::<its IPv4 address> (RFC 6052). Keyed by /64, every IPv4 client on the internet was one client:
+    2000 connections, 512 topics, 100,000 offsets for all of them together. Each is keyed as its IPv4 address."""
+    from broker.limits import client_key
+
+    assert client_key("64:ff9b::10.0.0.1") == client_key("10.0.0.1") == "10.0.0.1"
+    assert client_key("64:ff9b::10.0.0.2") == "10.0.0.2"
+    gate = ConnectionGate(100, 1, logging.getLogger("test"), "broker listener")
+    assert [gate.admit(_Conn(i, f"64:ff9b::10.0.0.{i}")) for i in (1, 2)] == [None, None]
+    assert gate.admit(_Conn(3, "64:ff9b::10.0.0.1")) == "max_connections_per_host"
