@@ -36,7 +36,7 @@ from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
 from .kv_config import FILE_NAME as KV_FILE_NAME
 from .kv_config import KvConfig
-from .limits import ConnectionGate, Limits
+from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
@@ -66,6 +66,7 @@ class BrokerServer:
     def __init__(self, config: BrokerConfig, clock=wall_clock_ms):
         self.config = config
         self.clock = clock
+        set_ipv6_client_prefix(config.ipv6_client_prefix)     # before any connection is counted
         self.metrics = BrokerMetrics()
         self.connections = {listener: ConnectionGate(config.max_connections, config.max_connections_per_host, log,
                                                      f"{listener} listener")
@@ -382,7 +383,7 @@ class BrokerServer:
             await asyncio.sleep(1.0)
             await asyncio.to_thread(self.ctx.acl.reload_if_changed)
 
-    def _new_retry_group(self, group: str, first: bool = True) -> None:
+    def _new_retry_group(self, group: str, first: bool = True, conn=None) -> None:
         """A consumer group's heartbeat: its %RETRY% topic must exist. Checked on every heartbeat, as RocketMQ's
         heartBeat does: made only on a group's first one, a retry topic deleted later (admin delete-group
         --force, a topic deletion) stayed gone while the group's consumers ran on, and their failed messages
@@ -397,8 +398,19 @@ class BrokerServer:
             if first:
                 log.warning("consumer group %.200r: no retry topic: %s", group, why[:200])
             return
+        # The heartbeat's client makes it (max_topics_per_host): else one address heartbeating max_retry_groups
+        # made-up groups, and staying, left every other host's new group with no retry topic.
+        creator = peer_host(conn) if conn is not None else None
+        if creator is not None and topic not in self.ctx.topics.topics:
+            limit = self.ctx.config.max_topics_per_host
+            if not self.ctx.topics.room_for(creator, limit):
+                held = self.ctx.topics.created_by(creator)
+                if first:
+                    self.ctx.limits.refused("topic-host-limit", f"consumer group {group}: no retry topic: client "
+                                            f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
+                return
         try:
-            self.ctx.topics.ensure(topic)
+            self.ctx.topics.ensure(topic, creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")

@@ -17,6 +17,7 @@ from protocol.admin_bodies import dump, encode_consume_stats, encode_reset_offse
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.message import validate_topic
+from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
 from ..topics import is_system_topic
@@ -270,6 +271,11 @@ def reset_offset(ctx, conn, cmd):
     timestamp = cmd.int_field("timestamp", required=True)
     force = cmd.bool_field("isForce", False)
     one_qid, one_offset = cmd.int_field("queueId", -1), cmd.int_field("offset", -1)
+    if group == PROGRESS_GROUP:
+        # The broker's own (its half queue's progress), refused as UPDATE_CONSUMER_OFFSET refuses it: reset past
+        # an undecided half, a start-up without a usable transaction snapshot never read that half again.
+        return cmd.response(ResponseCode.NO_PERMISSION, f"[reset-offset] consumer group {group} is the broker's "
+                            "own (its transaction progress): not reset")
     tc = ctx.topics.get(topic)
     if tc is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR,
