@@ -3,6 +3,11 @@
 Broker addresses come from the topic routes the name server gives; a route is fetched on first use,
 again when it is older than ``route_ttl_s`` (30 s), and again at once after a routing error (the
 broker cannot be reached, or does not know the topic), so a failover is followed by the next call.
+A route past its ttl is fetched in the background while the address known serves: a call waits for the
+name server only when it knows no address of its broker, or that address just failed (RocketMQ's pulls,
+too, never wait for a route refresh). Lookups of a topic share one fetch, and one that fails leaves the
+route known serving for another ttl: a name server that takes requests and never answers cost every pull
+of every queue a whole request timeout, again and again.
 """
 from __future__ import annotations
 
@@ -120,6 +125,8 @@ class PullConsumer:
         self.timeout = timeout
         self.route_ttl_s = route_ttl_s
         self._route_at: dict[str, float] = {}      # topic -> time.monotonic() of its last route
+        self._fetching: dict[str, asyncio.Task] = {}    # topic -> its route fetch under way, shared
+        self._suspect: set[str] = set()     # brokers whose address failed: their next call waits for the route
         self.namesrv_addrs = NameServers([a.strip() for a in namesrv_addr.split(";") if a.strip()])
         try:
             ip = socket.gethostbyname(socket.gethostname())
@@ -176,6 +183,7 @@ class PullConsumer:
                 resp = await self.pool.request(addr, RemotingCommand.request(
                     RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}), self.timeout)
             except Exception as exc:  # noqa: BLE001 - next name server
+                self.namesrv_addrs.failed(addr, exc)
                 last = exc
                 continue
             self.namesrv_addrs.answered(addr)
@@ -194,20 +202,38 @@ class PullConsumer:
         return self._brokers[mq.broker_name]
 
     async def _broker_addr(self, mq: MessageQueue) -> str:
-        """``mq``'s broker address, from a route no older than route_ttl_s (fetched when needed; when
-        the name server cannot answer, a known address still serves)."""
+        """``mq``'s broker address. A route older than route_ttl_s is fetched again in the background while the
+        known address serves; the call waits for the fetch only when it knows no address, or its address just
+        failed (then, when the name servers cannot answer, the known address still serves)."""
         known = self._brokers.get(mq.broker_name)
-        if known is None or time.monotonic() - self._route_at.get(mq.topic, float("-inf")) >= self.route_ttl_s:
-            try:
-                await self.fetch_queues(mq.topic)
-            except Exception:
-                if known is None:
-                    raise
-            known = self._brokers.get(mq.broker_name)
+        stale = time.monotonic() - self._route_at.get(mq.topic, float("-inf")) >= self.route_ttl_s
+        if known is not None and mq.broker_name not in self._suspect:
+            if stale and mq.topic not in self._fetching:
+                self._refresh(mq.topic)
+            return known
+        try:
+            await asyncio.shield(self._fetching.get(mq.topic) or self._refresh(mq.topic))
+        except Exception:
             if known is None:
-                raise error_for_code(ResponseCode.TOPIC_NOT_EXIST,
-                                     f"no route of {mq.topic} names broker {mq.broker_name}")
+                raise
+        finally:
+            self._suspect.discard(mq.broker_name)
+        known = self._brokers.get(mq.broker_name)
+        if known is None:
+            raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, f"no route of {mq.topic} names broker {mq.broker_name}")
         return known
+
+    def _refresh(self, topic: str) -> asyncio.Task:
+        """Start the one fetch of ``topic``'s route; when it fails, the route known serves another ttl."""
+        task = self._fetching[topic] = asyncio.get_running_loop().create_task(self.fetch_queues(topic))
+
+        def done(t: asyncio.Task) -> None:
+            if self._fetching.get(topic) is t:
+                del self._fetching[topic]
+            if not t.cancelled() and t.exception() is not None:
+                self._route_at[topic] = time.monotonic()
+        task.add_done_callback(done)
+        return task
 
     async def _request(self, mq: MessageQueue, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
         """One request to ``mq``'s broker; a routing error makes the next call fetch the route again."""
@@ -216,9 +242,11 @@ class PullConsumer:
             resp = await self.pool.request(addr, cmd, timeout)
         except (ConnectionClosedError, RequestTimeoutError):
             self._route_at.pop(mq.topic, None)
+            self._suspect.add(mq.broker_name)
             raise
         if resp.code in (ResponseCode.TOPIC_NOT_EXIST, ResponseCode.NO_PERMISSION):
             self._route_at.pop(mq.topic, None)
+            self._suspect.add(mq.broker_name)
         return resp
 
     async def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
@@ -464,6 +492,8 @@ class PullConsumer:
 
     async def shutdown(self) -> None:
         """Unregister from the brokers and close the connections."""
+        for task in list(self._fetching.values()):
+            task.cancel()
         for addr in set(self._brokers.values()):
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {

@@ -217,6 +217,7 @@ class Producer:
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
                 task.cancel()
+        self.routes.close()
         for addr in self.routes.all_broker_addrs():
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {

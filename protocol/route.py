@@ -11,11 +11,15 @@ written, readers ignore the one they do not know.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from dataclasses import dataclass, field
 
 from .codes import VERSION_STRICT_ROUTE_JSON
 from .errors import HeaderError
+
+log = logging.getLogger("txmq.namesrv_client")
 
 
 @dataclass(slots=True)
@@ -107,11 +111,17 @@ def decode_route(body: bytes) -> TopicRouteData:
 
 class NameServers:
     """The name servers a client asks, in turn from the one that answered last (RocketMQ's client, too, keeps
-    the name server it reached): a first one that is down costs one connect timeout, not one per route fetch."""
+    the name server it reached): a first one that is down costs one connect timeout, not one per route fetch.
+
+    One that fails is logged at WARNING once per ``LOG_EVERY_S`` (a client asks per topic, and a name server
+    down for an hour must neither go unsaid nor fill the log), and once more when it answers again."""
+
+    LOG_EVERY_S = 60.0
 
     def __init__(self, addrs: list[str]):
         self.addrs = list(addrs)
         self._first = 0
+        self._failing: dict[str, float] = {}    # addr -> time.monotonic() its failure was last logged
 
     def __iter__(self):
         first = self._first     # once: another lookup's answered() must not move this walk past a server
@@ -122,3 +132,15 @@ class NameServers:
 
     def answered(self, addr: str) -> None:
         self._first = self.addrs.index(addr)
+        if self._failing and self._failing.pop(addr, None) is not None:
+            log.info("name server %s answers again", addr)
+
+    def failed(self, addr: str, exc: BaseException) -> None:
+        """``addr`` did not answer a request (refused, timed out, closed): said, at most once per LOG_EVERY_S."""
+        now = time.monotonic()
+        last = self._failing.get(addr)
+        if last is None or now - last >= self.LOG_EVERY_S:
+            self._failing[addr] = now
+            others = "; asking the next one" if len(self.addrs) > 1 else ""
+            log.warning("name server %s did not answer: %s%s (logged at most every %g s while it fails)",
+                        addr, exc, others, self.LOG_EVERY_S)
