@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -113,15 +114,19 @@ class NameServers:
     """The name servers a client asks, in turn from the one that answered last (RocketMQ's client, too, keeps
     the name server it reached): a first one that is down costs one connect timeout, not one per route fetch.
 
+    Each client starts at a name server picked at random, as RocketMQ's does (namesrvIndex starts random):
+    all starting at the first, every client of a cluster loaded the first name server alone.
+
     One that fails is logged at WARNING once per ``LOG_EVERY_S`` (a client asks per topic, and a name server
     down for an hour must neither go unsaid nor fill the log), and once more when it answers again."""
 
     LOG_EVERY_S = 60.0
 
-    def __init__(self, addrs: list[str]):
+    def __init__(self, addrs: list[str], *, first: int | None = None):
         self.addrs = list(addrs)
-        self._first = 0
-        self._failing: dict[str, float] = {}    # addr -> time.monotonic() its failure was last logged
+        self._first = first if first is not None else random.randrange(len(self.addrs)) if self.addrs else 0
+        self._failing: dict[str, float] = {}    # addr -> clock() when its failure was last logged
+        self.clock = time.monotonic
 
     def __iter__(self):
         first = self._first     # once: another lookup's answered() must not move this walk past a server
@@ -137,7 +142,7 @@ class NameServers:
 
     def failed(self, addr: str, exc: BaseException) -> None:
         """``addr`` did not answer a request (refused, timed out, closed): said, at most once per LOG_EVERY_S."""
-        now = time.monotonic()
+        now = self.clock()
         last = self._failing.get(addr)
         if last is None or now - last >= self.LOG_EVERY_S:
             self._failing[addr] = now

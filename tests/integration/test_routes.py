@@ -12,6 +12,7 @@ import pytest
 from consumer import PullConsumer
 from producer import Producer
 from protocol.codes import RequestCode
+from protocol.route import NameServers
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, wait_for_route
@@ -134,6 +135,7 @@ async def test_a_blackholed_first_name_server_is_passed_and_said_once(proxy, bro
         dead = f"127.0.0.1:{hole.getsockname()[1]}"
         caplog.set_level(logging.WARNING, logger="txmq.namesrv_client")
         consumer = PullConsumer(f"{dead};{proxy.addr}", "CG_twice", timeout=0.5)
+        consumer.namesrv_addrs = NameServers([dead, proxy.addr], first=0)     # not at random: the dead one first
         try:
             for _ in range(5):
                 assert len(await consumer.fetch_queues("Twice")) == 1

@@ -222,6 +222,8 @@ async def test_route_fetches_start_at_the_name_server_that_answered_last():
     routes = RouteCache(Pool(), ["10.255.0.1:9876", "127.0.0.1:9876"])
     consumer = PullConsumer("10.255.0.1:9876;127.0.0.1:9876", "G")
     consumer.pool = Pool()
+    for servers in (routes.namesrv_addrs, consumer.namesrv_addrs):     # each starts at one picked at random
+        servers.answered("10.255.0.1:9876")                            # here: at the one that is down
     try:
         for _ in range(3):
             await routes.fetch("T")
@@ -250,7 +252,7 @@ async def test_send_timeout_bounds_the_whole_send_retries_included(cluster):
 async def test_a_walk_over_the_name_servers_asks_each_once_whatever_another_lookup_learns():
     """Concurrent route lookups: one learning that B answered moved another's walk along, which then skipped B."""
     from protocol.route import NameServers
-    servers = NameServers(["A:1", "B:1", "C:1"])
+    servers = NameServers(["A:1", "B:1", "C:1"], first=0)
     walk = iter(servers)
     assert next(walk) == "A:1"
     servers.answered("B:1")
@@ -274,3 +276,34 @@ async def test_a_heartbeat_the_broker_refuses_is_a_failed_one(cluster, caplog):
             await producer.routes.route("T")
             assert await producer.heartbeat() is False
     assert "max_groups_per_host" in caplog.text
+
+
+async def test_clients_start_at_a_name_server_picked_at_random():
+    """Every client started its walk at the first name server: that one alone carried a cluster's lookups
+    while the others idled. RocketMQ's client starts at a random one."""
+    from protocol.route import NameServers
+    addrs = ["A:1", "B:1", "C:1"]
+    firsts = {next(iter(NameServers(addrs))) for _ in range(100)}   # all three: 1 - 3 * (2/3)**100 certain
+    assert firsts == set(addrs)
+    assert sorted(NameServers(addrs)) == addrs and list(NameServers([])) == []
+
+
+async def test_a_name_server_that_fails_is_said_once_a_minute_and_when_it_is_back(caplog):
+    """Neither client said a name server failed (the consumer not at all, the producer per topic and route);
+    one down for an hour must be said, and not once per lookup."""
+    import logging
+    from protocol.route import NameServers
+    now = [1000.0]
+    caplog.set_level(logging.INFO, logger="txmq.namesrv_client")
+    servers = NameServers(["A:1", "B:1"], first=0)
+    servers.clock = lambda: now[0]
+    for _ in range(5):
+        servers.failed("A:1", TimeoutError("no answer in 3 s"))
+    now[0] += NameServers.LOG_EVERY_S
+    servers.failed("A:1", TimeoutError("no answer in 3 s"))
+    servers.answered("A:1")
+    servers.answered("A:1")
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "WARNING", "INFO"], said
+    assert "A:1 did not answer: no answer in 3 s; asking the next one" in said[0][1]
+    assert said[2][1] == "name server A:1 answers again"
