@@ -4,12 +4,14 @@ between the clients (and, where said, the broker's registrations) and a real sta
 the route lookups and can leave requests unanswered."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import socket
 
 import pytest
 
-from consumer import PullConsumer
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import Producer
 from protocol.codes import RequestCode
 from protocol.route import NameServers
@@ -144,3 +146,50 @@ async def test_a_blackholed_first_name_server_is_passed_and_said_once(proxy, bro
     said = [r for r in caplog.records if dead in r.getMessage()]
     assert len(said) == 1 and "did not answer" in said[0].getMessage(), [r.getMessage() for r in said]
     assert proxy.route_requests["Twice"] >= 5
+
+
+@bounded(90)
+async def test_a_consumer_joins_and_gets_its_share_while_one_broker_hangs(namesrv, tmp_path):
+    """A broker that stops answering (here SIGSTOP: its sockets take requests, nothing answers) stays in the
+    routes until the name server expires it (2 minutes). A push consumer's start raised on that broker's
+    heartbeat, and every rebalance asked only the first broker of the topic for the group's consumers: a
+    consumer joining the group then could not start at all, and had it started it got no queue, while the
+    first kept every one. The group must share the queues of the broker that answers. (A new group's start
+    under a stand-alone name server also raised TOPIC_NOT_EXIST for its %RETRY% topic, not created yet.)"""
+    brokers = [BrokerProcess(tmp_path / name, *cluster_flags(namesrv.addr, name, 1000)).start()
+               for name in ("broker-a", "broker-b")]
+    consumers = []
+    try:
+        for b in brokers:
+            await create_topic(b.broker, "Split", 2)
+        await wait_for_route(namesrv.addr, "Split", {"broker-a", "broker-b"})
+
+        def consumer() -> PushConsumer:
+            c = PushConsumer(namesrv.addr, "CG_split", lambda msg: ConsumeStatus.CONSUME_SUCCESS,
+                             rebalance_interval_s=0.2, suspend_ms=500)
+            c.client.timeout = 1.0
+            c.subscribe("Split")
+            consumers.append(c)
+            return c
+
+        first = await consumer().start()
+        brokers[0].proc.send_signal(signal.SIGSTOP)            # broker-a: first in the route, answers nothing
+        second = await consumer().start()
+        queues = set(await second.client.fetch_queues("Split"))
+
+        def split() -> bool:        # two each (allocate averagely), together all four
+            mine = {q for q in second._owned if q.topic == "Split"}
+            theirs = {q for q in first._owned if q.topic == "Split"}
+            return len(mine) == len(theirs) == 2 and mine | theirs == queues
+        for _ in range(400):            # rebalances every 0.2 s, each waiting out broker-a's 1 s timeouts
+            if split():
+                break
+            await asyncio.sleep(0.1)
+        assert split(), (first._owned, second._owned)
+    finally:
+        brokers[0].proc.send_signal(signal.SIGCONT)
+        for c in consumers:
+            c.client.timeout = 0.5
+            await c.shutdown()
+        for b in brokers:
+            b.kill()
