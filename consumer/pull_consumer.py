@@ -135,6 +135,7 @@ class PullConsumer:
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
         self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self._brokers: dict[str, str] = {}
+        self._route_brokers: dict[str, set[str]] = {}     # topic -> the brokers its last route named
         self.subscriptions: dict[str, "str | MessageSelector"] = {}
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
@@ -193,10 +194,20 @@ class PullConsumer:
             for bd in route.broker_datas:
                 if bd.broker_addrs:     # the master (id 0); while it is gone, a slave (RocketMQ's
                     self._brokers[bd.broker_name] = bd.broker_addrs[min(bd.broker_addrs)]  # findBrokerAddressInSubscribe)
+            self._forget_offline(topic, {bd.broker_name for bd in route.broker_datas if bd.broker_addrs})
             self._route_at[topic] = time.monotonic()
             return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
                     for i in range(qd.read_queue_nums)]
         raise last or ConnectionError("no name server")
+
+    def _forget_offline(self, topic: str, brokers: set[str]) -> None:
+        """Drop the brokers no route fetched names any more (RocketMQ's cleanOfflineBroker): kept, a broker
+        retired or moved was sent every heartbeat, unlock and unregister for good, each failing (a connect
+        timeout each when its host is gone)."""
+        self._route_brokers[topic] = brokers
+        named = set().union(*self._route_brokers.values())
+        for name in [n for n in self._brokers if n not in named]:
+            log.info("broker %s (%s) is in no route any more: forgotten", name, self._brokers.pop(name))
 
     def _addr(self, mq: MessageQueue) -> str:
         return self._brokers[mq.broker_name]

@@ -30,6 +30,7 @@ class Cluster:
 
     def __init__(self):
         self.broker_addr = _dead_addr()
+        self.broker_name = "b"
         self.live_addr = ""
         self.route_requests = 0
         self.sends = 0
@@ -38,7 +39,8 @@ class Cluster:
     def handle(self, conn, cmd):
         if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
             self.route_requests += 1
-            route = TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: self.broker_addr})])
+            route = TopicRouteData([QueueData(self.broker_name, 1, 1, 6)],
+                                   [BrokerData("c", self.broker_name, {0: self.broker_addr})])
             return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
         if cmd.code in (RequestCode.HEART_BEAT, RequestCode.UNREGISTER_CLIENT):
             return cmd.response(ResponseCode.SUCCESS)
@@ -307,3 +309,17 @@ async def test_a_name_server_that_fails_is_said_once_a_minute_and_when_it_is_bac
     assert [level for level, _ in said] == ["WARNING", "WARNING", "INFO"], said
     assert "A:1 did not answer: no answer in 3 s; asking the next one" in said[0][1]
     assert said[2][1] == "name server A:1 answers again"
+
+
+async def test_a_broker_no_route_names_any_more_is_heartbeaten_no_more(cluster):
+    """A consumer kept every broker it ever heard of: one retired (or renamed) was sent each heartbeat, every
+    rebalance, for good, each failing (a connect timeout each with its host gone), and the heartbeat as a
+    whole raised. As RocketMQ's cleanOfflineBroker, a broker that no route names is forgotten."""
+    async with asyncio.timeout(10):
+        async with PullConsumer(cluster.live_addr, "CG", timeout=1.0) as consumer:
+            await consumer.fetch_queues("T")                  # broker b, at a dead address
+            with pytest.raises(ConnectionClosedError):
+                await consumer.heartbeat()
+            cluster.broker_name, cluster.broker_addr = "b2", cluster.live_addr     # b retired, b2 serves T
+            await consumer.fetch_queues("T")
+            await consumer.heartbeat()                        # b is not asked any more
