@@ -22,7 +22,6 @@ class CountingNamesrv:
         self.stall: set[int] = set()
         self.unanswered = 0
         self.route_requests: collections.Counter = collections.Counter()
-        self.stalled = asyncio.Event()      # set when a request is stalled
         self._pool = ConnectionPool()
         self._server: asyncio.Server | None = None
 
@@ -37,7 +36,6 @@ class CountingNamesrv:
             self.route_requests[cmd.ext_fields.get("topic", "")] += 1
         if cmd.code in self.stall:
             self.unanswered += 1
-            self.stalled.set()
             return DEFERRED
         return self._forward(cmd)
 
