@@ -26,7 +26,8 @@ from protocol.admin_bodies import decode_mq_table
 from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
-from protocol.errors import BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
+from protocol.errors import (BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, ResponseError,
+                             error_for_code)
 from protocol.message import MAX_INFLATED_BODY, MessageExt, decode_records, inflate
 from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
@@ -287,21 +288,23 @@ class PullConsumer:
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
                         consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
         """Announce the group and its subscriptions to every known broker; a broker that does not answer
-        does not keep the others from hearing (the first failure is raised once all were tried)."""
+        does not keep the others from hearing (once all were tried, the first refusal is raised, else the first
+        failure)."""
         version = int(time.time() * 1000)
         subs = [as_selector(e).subscription_data(t, version) for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
         failed = None
-        for addr in set(self._brokers.values()):
+        for addr in dict.fromkeys(self._brokers.values()):     # in the order learnt
             try:
                 resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                                              body=body.encode()), self.timeout)
                 if resp.code != ResponseCode.SUCCESS:
                     raise error_for_code(resp.code, resp.remark)
-            except BrokerError as exc:
-                failed = failed or exc
+            except BrokerError as exc:      # a refusal is raised before a broker out of reach (start tells them apart)
+                if failed is None or isinstance(exc, ResponseError) and not isinstance(failed, ResponseError):
+                    failed = exc
         if failed is not None:
             raise failed
 

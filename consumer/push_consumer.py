@@ -186,7 +186,9 @@ class PushConsumer:
             self.client.subscriptions[topic] = expression
         try:
             await self._heartbeat()
-        except BrokerError as exc:     # one broker out of reach keeps no consumer from starting (as RocketMQ's)
+        except (RequestTimeoutError, ConnectionClosedError) as exc:
+            # one broker out of reach keeps no consumer from starting (as RocketMQ's); a broker's refusal (wrong
+            # credentials, a group limit) still raises: passed over, the consumer started and sat with no queue
             log.warning("heartbeat of %s failed at start: %s; the others heard it, the rebalance loop beats again",
                         self.group, exc)
         await self.rebalance()

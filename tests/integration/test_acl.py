@@ -22,6 +22,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import ResponseError
 from protocol.signature import Credentials
+from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
 pytestmark = pytest.mark.asyncio
@@ -195,3 +196,22 @@ async def test_ali_ons_with_credentials(acl_broker):
         assert bad["rc"] == 1 and bad["final"]["sent"] == 0, bad
         # ali-ons reports only "Send [4] times, still failed"; the broker logs why it refused.
         assert "refused 310 from 127.0.0.1" in b.log() and remark in b.log(), (remark, bad)
+
+
+@bounded(60)
+async def test_a_push_consumer_whose_heartbeat_is_refused_does_not_start(acl_broker):
+    """A push consumer starts through a broker that is out of reach (it beats again), but a broker that
+    answers its heartbeat with a refusal (wrong credentials here) must still fail the start: logged and
+    passed over, start returned and the consumer sat with no queue, every rebalance refused in the log."""
+    from consumer import PushConsumer
+    b = acl_broker
+    assert (await _create(b, "AclTopic")).code == ResponseCode.SUCCESS
+    refused = PushConsumer(b.namesrv, "CG_acl_push", lambda msg: None,
+                           credentials=Credentials("appuser", "wrong-secret"))
+    refused.subscribe("AclTopic")
+    try:
+        with pytest.raises(ResponseError) as err:
+            await refused.start()
+        assert err.value.code == ResponseCode.NO_PERMISSION, err.value
+    finally:
+        await refused.shutdown()

@@ -323,3 +323,25 @@ async def test_a_broker_no_route_names_any_more_is_heartbeaten_no_more(cluster):
             cluster.broker_name, cluster.broker_addr = "b2", cluster.live_addr     # b retired, b2 serves T
             await consumer.fetch_queues("T")
             await consumer.heartbeat()                        # b is not asked any more
+
+
+async def test_a_heartbeat_refused_by_one_broker_raises_the_refusal_whatever_another_met():
+    """A push consumer's start passes over a broker out of reach (a timeout, a closed connection) and raises a
+    refusal (wrong credentials, a group limit): the heartbeat must raise the refusal whichever broker it asked
+    first, not the timeout it happened to meet before."""
+    from protocol.errors import NoPermissionError, RequestTimeoutError
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            if addr == "hung:1":
+                raise RequestTimeoutError("HEART_BEAT to hung:1 timed out")
+            return cmd.response(ResponseCode.NO_PERMISSION, "Check signature failed for accessKey=appuser")
+
+        async def close(self):
+            pass
+    for order in (["hung", "refusing"], ["refusing", "hung"]):
+        consumer = PullConsumer("127.0.0.1:9876", "G")
+        consumer.pool = Pool()
+        consumer._brokers = {name: f"{name}:1" for name in order}
+        with pytest.raises(NoPermissionError):
+            await consumer.heartbeat()
