@@ -272,18 +272,30 @@ class PullConsumer:
 
     async def check_subscription(self, topic: str, expression: str | MessageSelector) -> None:
         """CHECK_CLIENT_CONFIG, as a Java consumer sends it at start for each subscription that is not by tag
-        (MQClientInstance.checkClientInBroker), to every broker known."""
+        (MQClientInstance.checkClientInBroker), to every broker known. A refusal raises; a broker out of reach
+        (a timeout, a closed connection) is passed over while another accepts (the Java client asks one broker of
+        the topic), else its failure raises: one broker hanging kept a consumer from starting."""
         selector = as_selector(expression)
         if selector.is_tag:
             return
         body = json.dumps({"clientId": self.client_id, "group": self.group,
                            "subscriptionData": selector.subscription_data(topic, 0)}).encode()
-        for addr in set(self._brokers.values()):
-            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.CHECK_CLIENT_CONFIG, body=body),
-                                           self.timeout)
+        unreached, accepted = None, False
+        for addr in dict.fromkeys(self._brokers.values()):
+            try:
+                resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.CHECK_CLIENT_CONFIG,
+                                                                             body=body), self.timeout)
+            except (RequestTimeoutError, ConnectionClosedError) as exc:
+                log.warning("group %s: broker %s did not check the %s expression %r: %s", self.group, addr,
+                            selector.expression_type, selector.expression, exc)
+                unreached = unreached or exc
+                continue
             if resp.code != ResponseCode.SUCCESS:
                 raise error_for_code(resp.code, f"broker {addr} refuses {selector.expression_type} expression "
                                                 f"{selector.expression!r}: {resp.remark}")
+            accepted = True
+        if unreached is not None and not accepted:
+            raise unreached
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
                         consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:

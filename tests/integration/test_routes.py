@@ -193,3 +193,32 @@ async def test_a_consumer_joins_and_gets_its_share_while_one_broker_hangs(namesr
             await c.shutdown()
         for b in brokers:
             b.kill()
+
+
+@bounded(60)
+async def test_a_push_consumer_by_sql_starts_while_one_broker_hangs(namesrv, tmp_path):
+    """The start passed over a hanging broker's heartbeat, but an SQL92 subscription is first checked by every
+    broker (CHECK_CLIENT_CONFIG): the hung one's timeout failed the start all the same. The brokers that
+    answer accept the expression; the one that hangs is passed over as the heartbeat's is."""
+    from consumer import MessageSelector
+    brokers = [BrokerProcess(tmp_path / name, *cluster_flags(namesrv.addr, name, 1000),
+                             "--enable-property-filter", "true").start() for name in ("broker-a", "broker-b")]
+    consumer = None
+    try:
+        for b in brokers:
+            await create_topic(b.broker, "BySql", 2)
+        await wait_for_route(namesrv.addr, "BySql", {"broker-a", "broker-b"})
+        brokers[0].proc.send_signal(signal.SIGSTOP)            # broker-a takes requests and answers nothing
+        consumer = PushConsumer(namesrv.addr, "CG_by_sql", lambda msg: ConsumeStatus.CONSUME_SUCCESS,
+                                suspend_ms=500)
+        consumer.client.timeout = 1.0
+        consumer.subscribe("BySql", MessageSelector.by_sql("a > 1"))
+        await consumer.start()
+        assert any(q.broker_name == "broker-b" for q in consumer._owned), consumer._owned
+    finally:
+        brokers[0].proc.send_signal(signal.SIGCONT)
+        if consumer is not None:
+            consumer.client.timeout = 0.5
+            await consumer.shutdown()
+        for b in brokers:
+            b.kill()
