@@ -118,14 +118,16 @@ class NameServers:
     all starting at the first, every client of a cluster loaded the first name server alone.
 
     One that fails is logged at WARNING once per ``LOG_EVERY_S`` (a client asks per topic, and a name server
-    down for an hour must neither go unsaid nor fill the log), and once more when it answers again."""
+    down for an hour must neither go unsaid nor fill the log), and once more when it answers again: two lines a
+    minute at most, a name server that fails every other request too."""
 
     LOG_EVERY_S = 60.0
 
     def __init__(self, addrs: list[str], *, first: int | None = None):
         self.addrs = list(addrs)
         self._first = first if first is not None else random.randrange(len(self.addrs)) if self.addrs else 0
-        self._failing: dict[str, float] = {}    # addr -> clock() when its failure was last logged
+        self._logged: dict[str, float] = {}     # addr -> clock() when its failure was last logged
+        self._failing: set[str] = set()         # failures logged and not yet said to be over
         self.clock = time.monotonic
 
     def __iter__(self):
@@ -137,15 +139,17 @@ class NameServers:
 
     def answered(self, addr: str) -> None:
         self._first = self.addrs.index(addr)
-        if self._failing and self._failing.pop(addr, None) is not None:
+        if self._failing and addr in self._failing:
+            self._failing.discard(addr)
             log.info("name server %s answers again", addr)
 
     def failed(self, addr: str, exc: BaseException) -> None:
         """``addr`` did not answer a request (refused, timed out, closed): said, at most once per LOG_EVERY_S."""
         now = self.clock()
-        last = self._failing.get(addr)
-        if last is None or now - last >= self.LOG_EVERY_S:
-            self._failing[addr] = now
+        last = self._logged.get(addr)
+        if last is None or now - last >= self.LOG_EVERY_S:     # not reset by an answer: one that flaps, too
+            self._logged[addr] = now
+            self._failing.add(addr)
             others = "; asking the next one" if len(self.addrs) > 1 else ""
             log.warning("name server %s did not answer: %s%s (logged at most every %g s while it fails)",
                         addr, exc, others, self.LOG_EVERY_S)

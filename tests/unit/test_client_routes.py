@@ -345,3 +345,24 @@ async def test_a_heartbeat_refused_by_one_broker_raises_the_refusal_whatever_ano
         consumer._brokers = {name: f"{name}:1" for name in order}
         with pytest.raises(NoPermissionError):
             await consumer.heartbeat()
+
+
+async def test_a_name_server_that_flaps_is_said_twice_a_minute_at_most(caplog):
+    """An answer reset the minute: a name server failing every other request (overloaded, dropping half) was
+    said failed and back on every flap, two lines per request and topic."""
+    import logging
+    from protocol.route import NameServers
+    now = [1000.0]
+    caplog.set_level(logging.INFO, logger="txmq.namesrv_client")
+    servers = NameServers(["A:1", "B:1"], first=0)
+    servers.clock = lambda: now[0]
+    for _ in range(50):
+        servers.failed("A:1", TimeoutError("no answer in 3 s"))
+        servers.answered("A:1")
+        now[0] += 1.0
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    now[0] += NameServers.LOG_EVERY_S
+    servers.failed("A:1", TimeoutError("no answer in 3 s"))
+    servers.answered("A:1")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO", "WARNING", "INFO"]
