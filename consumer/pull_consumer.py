@@ -27,7 +27,7 @@ from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import (BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, ResponseError,
-                             error_for_code)
+                             TopicNotExistError, error_for_code)
 from protocol.message import MAX_INFLATED_BODY, MessageExt, decode_records, inflate
 from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
@@ -242,8 +242,12 @@ class PullConsumer:
         def done(t: asyncio.Task) -> None:
             if self._fetching.get(topic) is t:
                 del self._fetching[topic]
-            if not t.cancelled() and t.exception() is not None:
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
                 self._route_at[topic] = time.monotonic()
+                # a name server out of reach is said by NameServers (once a minute), a topic gone by the pulls
+                if not isinstance(exc, (RequestTimeoutError, ConnectionClosedError, TopicNotExistError)):
+                    log.warning("route of %s: %s; the brokers known serve", topic, exc)
         task.add_done_callback(done)
         return task
 

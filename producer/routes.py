@@ -23,11 +23,13 @@ from dataclasses import dataclass
 
 from protocol.codes import Perm, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.errors import NoPermissionError, TopicNotExistError, error_for_code
+from protocol.errors import (ConnectionClosedError, NoPermissionError, RequestTimeoutError, TopicNotExistError,
+                             error_for_code)
 from protocol.route import NameServers, QueueData, TopicRouteData, decode_route
 
 AUTO_CREATE_TOPIC = "TBW102"
 log = logging.getLogger("txmq.producer")
+_UNREACHED = (RequestTimeoutError, ConnectionClosedError)     # what NameServers.failed says, once a minute
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +103,10 @@ class RouteCache:
             cached = self._routes.get(topic)
             if cached is None or self.pool.closed:     # closed: the producer's own shutdown, not an outage
                 raise
-            # for another ttl: each send asking (each waiting out a connect) would fail while the brokers are up
-            log.warning("route of %s: no name server answered (%s); the route known last serves", topic, exc)
+            # for another ttl: each send asking (each waiting out a connect) would fail while the brokers are up.
+            # A name server out of reach is said by NameServers, once a minute: not again here, once a topic.
+            log.log(logging.DEBUG if isinstance(exc, _UNREACHED) else logging.WARNING,
+                    "route of %s: %s; the route known last serves", topic, exc)
             self._routes[topic] = (time.monotonic(), cached[1])
             return cached[1]
         self._routes[topic] = (time.monotonic(), route)

@@ -15,6 +15,7 @@ from protocol.connection import DEFERRED, RemotingConnection
 from protocol.errors import ConnectionClosedError
 from protocol.message import encode_record, offset_msg_id, pack_host
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
+from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
 
@@ -366,3 +367,69 @@ async def test_a_name_server_that_flaps_is_said_twice_a_minute_at_most(caplog):
     servers.failed("A:1", TimeoutError("no answer in 3 s"))
     servers.answered("A:1")
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO", "WARNING", "INFO"]
+
+
+@bounded(20)
+async def test_a_name_server_down_is_said_once_not_once_a_topic(caplog):
+    """The name server that does not answer is said once a minute (txmq.namesrv_client); the producer said it
+    again at WARNING for every cached topic at every refresh: a thousand topics, a thousand lines a period."""
+    import logging
+    from producer.routes import RouteCache
+    from protocol.errors import RequestTimeoutError
+    route = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    down = [False]
+
+    class Pool:
+        closed = False
+
+        async def request(self, addr, cmd, timeout):
+            if down[0]:
+                raise RequestTimeoutError(f"GET_ROUTEINFO_BY_TOPIC to {addr} got no response in 3 s")
+            return cmd.response(ResponseCode.SUCCESS, body=route)
+    routes = RouteCache(Pool(), ["127.0.0.1:9876"])
+    for n in range(20):
+        await routes.route(f"T{n}")
+    down[0] = True
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        await routes.refresh_all()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "127.0.0.1:9876 did not answer" in warned[0], warned
+    assert all(routes._routes[f"T{n}"] for n in range(20))             # each route known still serves
+
+
+@bounded(20)
+async def test_a_route_refresh_the_name_server_answers_wrongly_is_said(caplog):
+    """A pull consumer's background route fetch that failed other than by a name server out of reach (said by
+    txmq.namesrv_client) was dropped without a word, the route known serving on: here a body that does not
+    decode."""
+    import logging
+    route = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    bodies = [route]
+    refreshed = asyncio.Event()
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+                if len(bodies) > 1:
+                    refreshed.set()
+                return cmd.response(ResponseCode.SUCCESS, body=bodies[-1])
+            return cmd.response(ResponseCode.SUCCESS)
+
+        async def close(self):
+            pass
+    consumer = PullConsumer("127.0.0.1:9876", "G", route_ttl_s=0.0)
+    consumer.pool = Pool()
+    caplog.set_level(logging.INFO)
+    try:
+        mq = (await consumer.fetch_queues("T"))[0]
+        bodies.append(b"{not a route")
+        assert await consumer._broker_addr(mq) == "127.0.0.1:9"      # stale: fetched in the background
+        await refreshed.wait()
+        await asyncio.gather(*consumer._fetching.values(), return_exceptions=True)
+    finally:
+        await consumer.shutdown()
+    assert any("route of T" in r.getMessage() and r.levelno >= logging.WARNING for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
