@@ -38,6 +38,19 @@ async def proxy(namesrv):
 
 
 @pytest.fixture
+async def proxy_of():
+    """CountingNamesrv in front of any name server (a broker's embedded one)."""
+    started = []
+
+    async def make(upstream: str) -> CountingNamesrv:
+        started.append(await CountingNamesrv(upstream).start())
+        return started[-1]
+    yield make
+    for p in started:
+        await p.close()
+
+
+@pytest.fixture
 def broker_via(tmp_path):
     """A broker registering with ``addr`` (every second) as broker-a."""
     started = []
@@ -222,3 +235,26 @@ async def test_a_push_consumer_by_sql_starts_while_one_broker_hangs(namesrv, tmp
             await consumer.shutdown()
         for b in brokers:
             b.kill()
+
+
+@bounded(40)
+async def test_a_topic_no_broker_creates_fails_loudly_and_is_not_kept(tmp_path, proxy_of):
+    """With auto-creation off, a send to a topic nobody made goes to TBW102's brokers and is refused. It must
+    raise TOPIC_NOT_EXIST, and not leave TBW102's route cached under that name: kept, every topic ever
+    mistyped was asked of the name server each refresh period for good (one lookup each, a route each in
+    memory), as main never did."""
+    from protocol.errors import TopicNotExistError
+    broker = BrokerProcess(tmp_path / "store", "--auto-create-topic", "false").start()
+    try:
+        proxy = await proxy_of(broker.namesrv)
+        async with Producer(proxy.addr, "PG_never", route_refresh_interval_s=3600) as producer:
+            for n in range(3):
+                with pytest.raises(TopicNotExistError):
+                    await producer.send(f"NeverMade{n}", b"x")
+            asked = sum(proxy.route_requests[f"NeverMade{n}"] for n in range(3))
+            await producer.routes.refresh_all()                # what the background refresh does each period
+            assert sum(proxy.route_requests[f"NeverMade{n}"] for n in range(3)) == asked, proxy.route_requests
+            await create_topic(broker.broker, "NeverMade0", 4)  # made after all: the next send finds it
+            assert (await producer.send("NeverMade0", b"y")).queue.topic == "NeverMade0"
+    finally:
+        broker.kill()
