@@ -33,6 +33,7 @@ from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
 
 log = logging.getLogger("txmq.consumer")
+_MAX_OFFLINE = 256          # forgotten brokers whose address is kept for their own queues' last calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,7 @@ class PullConsumer:
         self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self._brokers: dict[str, str] = {}
         self._route_brokers: dict[str, set[str]] = {}     # topic -> the brokers its last route named
+        self._offline: dict[str, str] = {}      # broker forgotten (no route names it) -> its last address
         self.subscriptions: dict[str, "str | MessageSelector"] = {}
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
@@ -195,6 +197,7 @@ class PullConsumer:
             for bd in route.broker_datas:
                 if bd.broker_addrs:     # the master (id 0); while it is gone, a slave (RocketMQ's
                     self._brokers[bd.broker_name] = bd.broker_addrs[min(bd.broker_addrs)]  # findBrokerAddressInSubscribe)
+                    self._offline.pop(bd.broker_name, None)
             self._forget_offline(topic, {bd.broker_name for bd in route.broker_datas if bd.broker_addrs})
             self._route_at[topic] = time.monotonic()
             return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
@@ -204,11 +207,18 @@ class PullConsumer:
     def _forget_offline(self, topic: str, brokers: set[str]) -> None:
         """Drop the brokers no route fetched names any more (RocketMQ's cleanOfflineBroker): kept, a broker
         retired or moved was sent every heartbeat, unlock and unregister for good, each failing (a connect
-        timeout each when its host is gone)."""
+        timeout each when its host is gone).
+
+        Its address is kept aside for the calls about its own queues alone (_broker_addr): a name server just
+        restarted lists a broker only once it registers again, and the rebalance that dropped its queues
+        meanwhile still commits their offsets and unlocks them there."""
         self._route_brokers[topic] = brokers
         named = set().union(*self._route_brokers.values())
         for name in [n for n in self._brokers if n not in named]:
-            log.info("broker %s (%s) is in no route any more: forgotten", name, self._brokers.pop(name))
+            addr = self._offline[name] = self._brokers.pop(name)
+            log.info("broker %s (%s) is in no route any more: forgotten", name, addr)
+        while len(self._offline) > _MAX_OFFLINE:
+            del self._offline[next(iter(self._offline))]
 
     def _addr(self, mq: MessageQueue) -> str:
         return self._brokers[mq.broker_name]
@@ -226,11 +236,11 @@ class PullConsumer:
         try:
             await asyncio.shield(self._fetching.get(mq.topic) or self._refresh(mq.topic))
         except Exception:
-            if known is None:
+            if known is None and mq.broker_name not in self._offline:
                 raise
         finally:
             self._suspect.discard(mq.broker_name)
-        known = self._brokers.get(mq.broker_name)
+        known = self._brokers.get(mq.broker_name) or self._offline.get(mq.broker_name)
         if known is None:
             raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, f"no route of {mq.topic} names broker {mq.broker_name}")
         return known

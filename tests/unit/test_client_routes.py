@@ -433,3 +433,39 @@ async def test_a_route_refresh_the_name_server_answers_wrongly_is_said(caplog):
         await consumer.shutdown()
     assert any("route of T" in r.getMessage() and r.levelno >= logging.WARNING for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
+
+
+@bounded(20)
+async def test_a_broker_left_out_of_a_route_still_takes_its_queues_last_offsets():
+    """A name server restarted lists a broker again only once that broker registers (up to a period later);
+    a rebalance meanwhile drops its queues and hands them over, committing their offsets. Forgotten at once
+    (no route names it), the broker was not sent those commits ("no route names broker b"): the messages
+    consumed since the last commit were delivered again once it was back. It gets no heartbeat, but the calls
+    for its own queues still reach it."""
+    listed = [["a", "b"]]
+    asked = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+                names = listed[-1]
+                route = TopicRouteData([QueueData(n, 1, 1, 6) for n in names],
+                                       [BrokerData("c", n, {0: f"{n}.host:1"}) for n in names])
+                return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
+            asked.append((cmd.code, addr))
+            return cmd.response(ResponseCode.SUCCESS)
+
+        async def close(self):
+            pass
+    consumer = PullConsumer("127.0.0.1:9876", "G")
+    consumer.pool = Pool()
+    try:
+        on_b = [q for q in await consumer.fetch_queues("T") if q.broker_name == "b"][0]
+        listed.append(["a"])                            # the name server, restarted, has heard from a only
+        assert on_b not in await consumer.fetch_queues("T")
+        await consumer.heartbeat()
+        assert (RequestCode.HEART_BEAT, "b.host:1") not in asked
+        await consumer.commit_offset(on_b, 7)
+        assert (RequestCode.UPDATE_CONSUMER_OFFSET, "b.host:1") in asked, asked
+    finally:
+        await consumer.shutdown()
