@@ -326,6 +326,7 @@ async def test_a_broker_no_route_names_any_more_is_heartbeaten_no_more(cluster):
             await consumer.heartbeat()                        # b is not asked any more
 
 
+@bounded(20)
 async def test_a_heartbeat_refused_by_one_broker_raises_the_refusal_whatever_another_met():
     """A push consumer's start passes over a broker out of reach (a timeout, a closed connection) and raises a
     refusal (wrong credentials, a group limit): the heartbeat must raise the refusal whichever broker it asked
@@ -348,6 +349,7 @@ async def test_a_heartbeat_refused_by_one_broker_raises_the_refusal_whatever_ano
             await consumer.heartbeat()
 
 
+@bounded(20)
 async def test_a_name_server_that_flaps_is_said_twice_a_minute_at_most(caplog):
     """An answer reset the minute: a name server failing every other request (overloaded, dropping half) was
     said failed and back on every flap, two lines per request and topic."""
