@@ -201,11 +201,10 @@ class BrokerServer:
         ha = self.addresses.get("ha") or f"{host}:{broker_port + 1}"
         self.registrar = BrokerRegistrar(self.ctx, self.config.namesrv_addrs, ha_server_addr=ha,
                                          on_result=self.slave_sync.on_registered if self.slave_sync else None)
-        accepted = await self.registrar.register_all()
+        accepted = await self.registrar.register_first()
         if not accepted:
             log.warning("no name server accepted the registration yet (%s); retrying every %d ms",
                         self.config.namesrv_addr, self.config.register_period_ms)
-        self.registrar.start()
 
     async def _start_ha(self, ctx) -> str:
         """The master's HA listener (returns its address) or the slave's follower task (broker/ha)."""

@@ -31,7 +31,8 @@ import time
 from typing import Any, Callable
 
 from protocol.connection import finish_within, wait_within
-from protocol.errors import BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError
+from protocol.errors import (BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError,
+                             TopicNotExistError)
 from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
@@ -176,10 +177,24 @@ class PushConsumer:
     async def start(self) -> "PushConsumer":
         """Announce the group, take this consumer's share of the queues and start consuming; returns self."""
         for topic, expression in self._topics().items():
-            await self.client.fetch_queues(topic)
+            try:
+                await self.client.fetch_queues(topic)
+            except TopicNotExistError:
+                if topic != self.retry_topic:
+                    raise
+                # A new group's: its first heartbeat (below) makes the brokers create it, and the rebalance loop
+                # finds its route once they register it. Raised, no new group started under a stand-alone name
+                # server (txmq's or RocketMQ's; a broker's embedded one routes it before it exists).
+                log.info("push consumer %s: %s has no route yet; the first heartbeat creates it", self.group, topic)
             await self.client.check_subscription(topic, expression)     # an SQL92 one the broker refuses: raise
             self.client.subscriptions[topic] = expression
-        await self._heartbeat()
+        try:
+            await self._heartbeat()
+        except (RequestTimeoutError, ConnectionClosedError) as exc:
+            # one broker out of reach keeps no consumer from starting (as RocketMQ's); a broker's refusal (wrong
+            # credentials, a group limit) still raises: passed over, the consumer started and sat with no queue
+            log.warning("heartbeat of %s failed at start: %s; the others heard it, the rebalance loop beats again",
+                        self.group, exc)
         await self.rebalance()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._rebalance_loop()), loop.create_task(self._commit_loop())]
@@ -258,7 +273,7 @@ class PushConsumer:
         for topic in self._topics():
             try:
                 queues = await self.client.fetch_queues(topic)
-                ids = await self.client.consumer_ids(queues[0]) if queues and not self.broadcasting else None
+                ids = await self._consumer_ids(queues) if queues and not self.broadcasting else None
             except BrokerError as exc:     # as RocketMQ: this topic's queues stay as they are, the others go on
                 log.warning("push consumer %s: no route or consumer list for %s (%s); its queues stay as they are",
                             self.group, topic, exc)
@@ -302,6 +317,23 @@ class PushConsumer:
             # Its failure is not raised here: the task's own callback (_crashed) logs and counts it, and
             # raised again it was counted a second time by the rebalance loop (_turn_failed).
             await asyncio.wait([handover])
+
+    async def _consumer_ids(self, queues: list[MessageQueue]) -> list[str]:
+        """The group's consumers, as the first broker of ``queues`` that answers knows them. Asked of the first
+        queue's broker alone, one cut off (in the routes until the name servers expire it, 2 minutes) failed
+        every rebalance of the topic: the queues stayed where they were and a consumer joining got none."""
+        failed = None
+        for mq in {q.broker_name: q for q in queues}.values():
+            try:
+                ids = await self.client.consumer_ids(mq)
+            except BrokerError as exc:
+                failed = failed or exc
+                continue
+            if ids:
+                return ids
+        if failed is not None:
+            raise failed
+        return []
 
     async def _release_locks(self, queues: list[MessageQueue]) -> None:
         """Forget and unlock ``queues``: their next owner need not wait for the locks to expire."""

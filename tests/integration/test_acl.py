@@ -22,6 +22,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import ResponseError
 from protocol.signature import Credentials
+from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
 pytestmark = pytest.mark.asyncio
@@ -229,3 +230,22 @@ async def test_taking_the_broker_out_of_service_needs_an_admin_account(acl_broke
     assert wiped.code == ResponseCode.SUCCESS, wiped.remark
     route = await _request_namesrv(b, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"})
     assert not json.loads(route.body_bytes())["queueDatas"][0]["perm"] & 2
+
+
+@bounded(60)
+async def test_a_push_consumer_whose_heartbeat_is_refused_does_not_start(acl_broker):
+    """A push consumer starts through a broker that is out of reach (it beats again), but a broker that
+    answers its heartbeat with a refusal (wrong credentials here) must still fail the start: logged and
+    passed over, start returned and the consumer sat with no queue, every rebalance refused in the log."""
+    from consumer import PushConsumer
+    b = acl_broker
+    assert (await _create(b, "AclTopic")).code == ResponseCode.SUCCESS
+    refused = PushConsumer(b.namesrv, "CG_acl_push", lambda msg: None,
+                           credentials=Credentials("appuser", "wrong-secret"))
+    refused.subscribe("AclTopic")
+    try:
+        with pytest.raises(ResponseError) as err:
+            await refused.start()
+        assert err.value.code == ResponseCode.NO_PERMISSION, err.value
+    finally:
+        await refused.shutdown()
