@@ -25,7 +25,11 @@ from store_writer import CONFIG  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_writer.py")
 ROUNDS = 18
-TIME_BUDGET_S = 60
+# The kill moment is paced by progress: after a random number of acknowledgements, not a random
+# time. Timed, a loaded machine (slow fsyncs, a slow interpreter start) acknowledged fewer records
+# per round and fitted fewer rounds in a time budget, and the run failed for it, not for a lost record.
+MAX_ACKS_BEFORE_KILL = 420
+HANG_GUARD_S = 300          # 18 rounds take 10-40 s; this only stops a hung run
 
 
 async def run_and_kill(store_dir: str, seed: int, rng: random.Random, log_path: str) -> list[tuple]:
@@ -36,13 +40,20 @@ async def run_and_kill(store_dir: str, seed: int, rng: random.Random, log_path: 
         ready = await asyncio.wait_for(proc.stdout.readline(), 20)
         assert ready == b"READY\n", f"writer did not start: {ready!r} (see {log_path})"
         lines: list[bytes] = []
+        kill_after = rng.randint(1, MAX_ACKS_BEFORE_KILL)     # the kill moment itself is what is random
+        enough = asyncio.Event()
 
         async def drain():
             async for line in proc.stdout:
                 lines.append(line)
+                if len(lines) >= kill_after:
+                    enough.set()
 
         reader = asyncio.ensure_future(drain())
-        await asyncio.sleep(rng.uniform(0.01, 0.35))    # the kill moment itself is what is random
+        waiting = asyncio.ensure_future(enough.wait())
+        await asyncio.wait([waiting, reader], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        assert enough.is_set(), f"the writer acknowledged {len(lines)} of {kill_after} records (see {log_path})"
         proc.send_signal(signal.SIGKILL)
         await asyncio.wait_for(proc.wait(), 10)
         await asyncio.wait_for(reader, 10)               # the pipe still holds what was printed
@@ -116,10 +127,8 @@ async def test_acknowledged_appends_survive_sigkill(tmp_path):
         rng = random.Random(20240607)
         acked: dict = {}
         verified_to, cq_seen = 0, {}
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + TIME_BUDGET_S
         rounds = torn = rebuilt = 0
-        while rounds < ROUNDS and loop.time() < deadline:
+        while rounds < ROUNDS:
             for phys, qoff, crc, topic, qid, size in await run_and_kill(store_dir, rounds, rng,
                                                                         str(tmp_path / "writer.log")):
                 acked[phys] = (qoff, crc, topic, qid, size)
@@ -133,7 +142,6 @@ async def test_acknowledged_appends_survive_sigkill(tmp_path):
             finally:
                 await store.close()
             rounds += 1
-        assert rounds >= 10, f"only {rounds} rounds fit in the time budget"
         assert len(acked) > 1000, "the writer acknowledged too little to prove anything"
         print(f"{rounds} kills, {len(acked)} acknowledged records, {torn} torn tails cut, "
               f"{rebuilt} consume-queue units rebuilt")
@@ -144,4 +152,4 @@ async def test_acknowledged_appends_survive_sigkill(tmp_path):
         finally:
             await store.close()
 
-    await asyncio.wait_for(body(), TIME_BUDGET_S + 30)
+    await asyncio.wait_for(body(), HANG_GUARD_S)

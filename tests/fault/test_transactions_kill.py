@@ -146,16 +146,19 @@ async def test_an_idle_producer_is_asked_about_its_undecided_transaction_soon_af
     flags = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "1500")
     b = broker_factory(*flags)
     fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1], *flags)
-    restarted = False
-    checked = asyncio.Event()
+    restarted, checked = asyncio.Event(), asyncio.Event()
 
     class Undecided:
         def execute_local_transaction(self, msg, arg):
             return S.UNKNOW
 
-        def check_local_transaction(self, msg):
-            if restarted:
-                checked.set()
+        async def check_local_transaction(self, msg):
+            if not restarted.is_set():
+                # Asked before the kill (the machine paused past the immunity): answered, it decided the
+                # transaction then, and nothing was left to check after the restart. Held, it stays undecided.
+                await restarted.wait()
+                return S.UNKNOW
+            checked.set()
             return S.COMMIT_MESSAGE
 
     producer = TransactionProducer(b.namesrv, "PG_idle", Undecided(), retries=0)    # heartbeats every 30 s
@@ -165,7 +168,7 @@ async def test_an_idle_producer_is_asked_about_its_undecided_transaction_soon_af
         assert await _pending(b.broker) == 1
         b.kill()
         b2 = await asyncio.to_thread(broker_factory, *fixed)
-        restarted = True
+        restarted.set()
     try:
         async with asyncio.timeout(10):       # immunity 1.5 s, then a check every 0.2 s: well within this
             await checked.wait()

@@ -37,6 +37,11 @@ async def _first_arrival(namesrv, group, topic, queue_id, sent_at):
         await consumer.shutdown()
 
 
+async def _delivered(namesrv, group, topic, queue_id):
+    """The first message the topic's queue holds (long-polled until it is delivered)."""
+    return (await _first_arrival(namesrv, group, topic, queue_id, 0.0))[1]
+
+
 async def _all_messages(namesrv, topic):
     """Every message stored in the topic's queues (from offset 0)."""
     consumer = PullConsumer(namesrv, "CG_audit")
@@ -83,28 +88,33 @@ async def test_rocketmqs_real_delays_level_1_level_2_timer_and_reconsume_later(b
         async with Producer(broker.namesrv, "PG_delay") as producer:
             await producer.send("Backoff", b"fails once")
             await push.start()
-            t1 = time.monotonic()
             r1 = await producer.send("DelayOne", b"level 1", delay_level=1)
-            t2 = time.monotonic()
             r2 = await producer.send("DelayTwo", b"level 2", delay_level=2)
-            tt = time.monotonic()
-            rt = await producer.send("Timer", b"at +3 s", deliver_at_ms=int(time.time() * 1000) + 3000)
+            deliver_at_ms = int(time.time() * 1000) + 3000
+            rt = await producer.send("Timer", b"at +3 s", deliver_at_ms=deliver_at_ms)
         one, two, timer = await asyncio.gather(
-            _first_arrival(broker.namesrv, "CG_one", "DelayOne", r1.queue.queue_id, t1),
-            _first_arrival(broker.namesrv, "CG_two", "DelayTwo", r2.queue.queue_id, t2),
-            _first_arrival(broker.namesrv, "CG_timer", "Timer", rt.queue.queue_id, tt))
+            _delivered(broker.namesrv, "CG_one", "DelayOne", r1.queue.queue_id),
+            _delivered(broker.namesrv, "CG_two", "DelayTwo", r2.queue.queue_id),
+            _delivered(broker.namesrv, "CG_timer", "Timer", rt.queue.queue_id))
         await retried
         await push.shutdown()
-    measured = {"level 1": one[0], "level 2": two[0], "timer 3 s": timer[0],
+    # Delays by the broker's own stamps (the delivered copy keeps the producer's born time; one wall clock, in
+    # whole ms). Timed here, they also held how long this process took to send and to start its consumers:
+    # up to a second on a loaded machine, which failed the upper bounds.
+    measured = {"level 1": (one.store_timestamp - one.born_timestamp) / 1000,
+                "level 2": (two.store_timestamp - two.born_timestamp) / 1000,
+                "timer 3 s": 3 + (timer.store_timestamp - deliver_at_ms) / 1000,
                 "RECONSUME_LATER": attempts[1][0] - attempts[0][0]}
     print("measured delays:", {k: round(v, 3) for k, v in measured.items()})
     assert 1.0 <= measured["level 1"] < 2.0
     assert 5.0 <= measured["level 2"] < 6.0
-    assert 2.9 <= measured["timer 3 s"] < 4.0        # TIMER_DELIVER_MS is a wall time: allow clock rounding
-    assert 10.0 <= measured["RECONSUME_LATER"] < 11.5
+    assert 2.9 <= measured["timer 3 s"] < 4.0        # a timer is due by the broker's monotonic clock: allow rounding
+    # The retry is timed here (its copy's born time is the first send's): from the first call, which is before
+    # the send-back the broker stores in whole ms (its due time up to 1 ms before 10 s after that instant).
+    assert 10.0 - 0.001 <= measured["RECONSUME_LATER"] < 11.5
     assert [n for _, n in attempts] == [0, 1]         # back with reconsume times 1
-    assert "DELAY" not in one[1].properties and one[1].properties["REAL_TOPIC"] == "DelayOne"
-    assert one[1].body == b"level 1" and two[1].body == b"level 2" and timer[1].body == b"at +3 s"
+    assert "DELAY" not in one.properties and one.properties["REAL_TOPIC"] == "DelayOne"
+    assert one.body == b"level 1" and two.body == b"level 2" and timer.body == b"at +3 s"
     m = _scrape(broker)
     assert m[("txmq_schedule_delivered_total", (("level", "1"),))] == 1
     assert m[("txmq_schedule_delivered_total", (("level", "3"),))] == 1       # the retry: level 3 + 0
@@ -134,11 +144,14 @@ async def test_timer_limits_and_a_delayed_commit(broker_factory):
         async with TransactionProducer(broker.namesrv, "PG_tx_delay", Commit()) as tx:
             started = time.monotonic()
             r = await tx.send_in_transaction("TxDelayed", b"paid", properties={"TIMER_DELAY_MS": "800"})
-            committed = time.monotonic()
+            committed_ms = int(time.time() * 1000)
             assert await _all_messages(broker.namesrv, "TxDelayed") == []    # committed, still waiting
             took, msg = await _first_arrival(broker.namesrv, "CG_txd", "TxDelayed", r.send_result.queue.queue_id,
                                                started)
-    assert took >= 0.8 and took - (committed - started) < 1.8
+    assert took >= 0.8
+    # Delivered within a second of its due time, by the broker's store time (this process may take that long to
+    # start its consumers on a loaded machine); committed_ms is after the commit, by the same wall clock.
+    assert msg.store_timestamp - committed_ms < 800 + 1000
     assert msg.body == b"paid" and "TIMER_DELAY_MS" not in msg.properties
 
 

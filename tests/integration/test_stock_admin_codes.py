@@ -132,9 +132,10 @@ async def test_runtime_info_has_the_rates_cluster_list_reads(broker):
         if put_tps > 0:
             break
         await asyncio.sleep(0.1)
-    # 20 messages over sample gaps of a second by the loop's timer, which uvloop may fire up to a millisecond
-    # early by time.monotonic (a CI run read 20.0009): the rate is 20 / gap, never more than 20 by that slack.
-    assert 0 < put_tps <= 20 * 1.002, {k: table[k] for k in ("putTps", "getTransferedTps", "msgPutTotalTodayNow")}
+    # 20 messages over sample gaps of a second by the loop's timer, which uvloop may fire early by time.monotonic
+    # (a CI run read 20.0009): libuv's clock is in whole ms, and where the kernel's coarse clock ticks every ms
+    # libuv reads that one, a tick behind: up to 2 ms in all. The rate is 20 / gap: 0.5% covers it.
+    assert 0 < put_tps <= 20 * 1.005, {k: table[k] for k in ("putTps", "getTransferedTps", "msgPutTotalTodayNow")}
 
 
 # A 4.9.8 consumer's ConsumerRunningInfo as fastjson writes it: a map keyed by MessageQueue objects (not JSON),

@@ -25,11 +25,12 @@ FAST = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "3
 
 
 class Listener:
-    def __init__(self, execute=S.COMMIT_MESSAGE, check=S.COMMIT_MESSAGE):
+    def __init__(self, execute=S.COMMIT_MESSAGE, check=S.COMMIT_MESSAGE, answer_after: asyncio.Event | None = None):
         self.execute = execute
         self.check = check
         self.checked = asyncio.Event()
         self.checks = 0
+        self.answer_after = answer_after    # checks are answered only once it is set
 
     def execute_local_transaction(self, msg, arg):
         return self.execute
@@ -37,6 +38,8 @@ class Listener:
     async def check_local_transaction(self, msg):
         self.checks += 1
         self.checked.set()
+        if self.answer_after is not None:
+            await self.answer_after.wait()
         return self.check
 
 
@@ -93,11 +96,15 @@ async def test_commit_is_delivered_once_and_rollback_never(broker_factory):
 
 async def test_unknown_then_check_decides(broker_factory):
     b = broker_factory(*FAST)
-    listener = Listener(execute=S.UNKNOW, check=S.COMMIT_MESSAGE)
+    # The first check may come 300 ms after the send: a loaded machine may take that long to list, and the
+    # check, answered, decided the transaction before the listing that expects it undecided. Held until then.
+    listed_once = asyncio.Event()
+    listener = Listener(execute=S.UNKNOW, check=S.COMMIT_MESSAGE, answer_after=listed_once)
     async with TransactionProducer(b.namesrv, "PG_unknown", listener) as producer:
         await producer.send_in_transaction("TxUnknown", b"decided-by-check")
         listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
         assert listed["total"] == 1 and listed["pending"][0]["last_answer"] == "UNKNOWN"
+        listed_once.set()
         await asyncio.wait_for(listener.checked.wait(), 10)
         bodies = await _drain(b.namesrv, "TxUnknown", expect=1)
         listener.check = S.ROLLBACK_MESSAGE

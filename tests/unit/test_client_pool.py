@@ -38,7 +38,7 @@ async def test_concurrent_gets_of_an_unreachable_broker_share_one_connect_timeou
 
     async with asyncio.timeout(10):
         await asyncio.gather(*(get() for _ in range(8)))
-        assert max(ended) < 0.6, ended                  # one connect timeout each, not up to eight
+        assert max(ended) < 1.0, ended                  # one connect timeout each (0.2 s), not up to eight (1.6 s)
         assert len(attempts) == 1
         await asyncio.gather(*(get() for _ in range(2)))   # a later get tries again
         assert len(attempts) == 2

@@ -551,7 +551,7 @@ async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset
         await second_in.wait()
         new_loop = consumer._loops[mq]
         release_send_back.set()             # the given-up loop's send-back returns
-        await asyncio.wait([given_up], timeout=1)
+        await asyncio.wait([given_up], timeout=10)     # done at once; gone on, it never is
         assert given_up.done(), "the given-up loop went on after its send-back"
         assert calls == [b"m0", b"m0"], "the given-up loop called the listener on the rest of its batch"
         assert consumer._offsets[mq] == 0, "the given-up loop moved the new loop's offset"
