@@ -5,6 +5,8 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
 
     record             topic / queue                       marks
     half               RMQ_SYS_TRANS_HALF_TOPIC q0          REAL_TOPIC, REAL_QID (the real destination)
+                                                           (+ TXMQ_OWNER, its last property: the sender's
+                                                           client id; not on the committed message)
     committed message  REAL_TOPIC / REAL_QID               sysFlag COMMIT, PREPARED TX OFFSET = half offset
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
                                                            (+ TXMQ_REASON on a DEAD op)
@@ -21,6 +23,12 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
     TXMQ_REASON why a half was dead-lettered               DEAD ops
     TXMQ_CHECKS the attempt's number (1, 2, ...)            check ops
     TXMQ_OWNER  client id of the producer that sent the half check ops, when it can be written (see check_extra)
+
+    A half carries TXMQ_OWNER too, as its last property, when its connection had a client id that can be
+    written (a heartbeat named it before the half came): after a crash, a half stored since the last snapshot
+    and never checked is asked of its sender first all the same. The committed message is the half without it
+    (retopic_record(drop_last=...): the producer's own properties, as sent), and so is a check's message; a
+    dead letter keeps it, to show who sent the half.
 
 Decision ops are what RocketMQ writes (tag ``d``, body = the half's queue offset), so
 RocketMQ tooling reads them; the TXMQ_* properties carry what RocketMQ would have to
@@ -113,6 +121,15 @@ def _encodes(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def mark_owner(half_props: dict[str, str], owner: str | None) -> None:
+    """Mark a half's properties (in place) with its sender's client id, as their last pair, when it can be a
+    property value (plain_owner); a TXMQ_OWNER the producer sent is dropped either way: a client does not say
+    which instance is asked about a transaction, the connection that sent it does."""
+    half_props.pop(P_OWNER, None)
+    if owner and plain_owner(owner):
+        half_props[P_OWNER] = owner
 
 
 def op_body(half_queue_offset: int) -> bytes:

@@ -39,7 +39,7 @@ from protocol.codes import ResponseCode
 from protocol.message import Prop, tags_code
 
 from .check import Policy, first_check_time, next_check_after_check
-from protocol.txlog import COMMIT, DEAD, RESUME, ROLLBACK
+from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK
 
 UNKNOWN = "UNKNOWN"
 DECISIONS = (COMMIT, ROLLBACK, DEAD)
@@ -93,8 +93,10 @@ def asks_delay(props: dict) -> bool:
 
 def tx_from_half(msg, checks: int = 0, owner_id: str = "") -> Tx:
     """An undecided transaction as its stored half message describes it; ``owner_id`` is the client id of the
-    producer that sent it, which the half does not hold (its properties are the committed message's)."""
+    producer that sent it when known better than the half's TXMQ_OWNER (the one a later heartbeat gave its
+    connection, which a check record or the snapshot kept), else the half's."""
     props = msg.properties
+    owner_id = owner_id or props.get(P_OWNER, "")
     try:
         real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
     except ValueError:

@@ -17,7 +17,7 @@ from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import Prop, SendMessageRequestHeader, properties_to_string
+from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, properties_to_string
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -211,3 +211,44 @@ async def test_a_sender_at_its_check_cap_is_passed_over_for_another_producer_and
             await sender.shutdown()
         assert hung.asked == [b"order 1"] and other.asked == [b"order 2"]
         assert await _metric(b, 'txmq_transaction_checks_rerouted_total', 'reason="sender-busy"') == 1
+
+
+
+class Unknowing(Listener):
+    """Answers every check UNKNOW: checked to the limit, its transactions are dead-lettered."""
+
+    async def check_local_transaction(self, msg):
+        await super().check_local_transaction(msg)
+        return S.UNKNOW
+
+
+async def _request(b, code: int, fields: dict) -> RemotingCommand:
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields), 5)
+    finally:
+        conn.close()
+
+
+@bounded(90)
+async def test_a_resumed_dead_letter_is_asked_of_its_sender(broker_factory):
+    """A dead-lettered transaction resumed by an operator (`admin resume`) was rebuilt from its half alone, which
+    did not name its sender: its next check went to any producer of the group, counted "sender-unknown"."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1")
+    sender = Unknowing()
+    async with _producer(b, "sender", sender) as producer:
+        sent = await producer.send_in_transaction(TOPIC, b"order 1")
+        await sender.until_asked(1)
+        while True:         # unanswered past its one check: dead-lettered (no event says so but the admin view)
+            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            if json.loads(listed.body_bytes())["dead_lettered"]:
+                break
+            await asyncio.sleep(0.05)
+        resumed = await _request(b, RequestCode.TXMQ_RESUME_TRANSACTION,
+                                 {"commitLogOffset": decode_offset_msg_id(sent.send_result.offset_msg_id)[2]})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+        await sender.until_asked(2)                 # asked again at once: resumed, it is due
+        assert await _metric(b, "txmq_transaction_checks_total") == 2
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total") == 0

@@ -1,0 +1,106 @@
+"""Transactions across a broker killed by SIGKILL and started again on the same store and ports.
+
+Each crash is paced by progress: the broker is killed once N halves (or decisions) were acknowledged,
+never after a sleep. The snapshot interval is an hour, so whatever the crash loses of the in-memory
+index only the log can give back; check intervals are long, so "asked once" means the same on a fast
+machine as on a slow one. Waits are for events (a check arriving) or for the broker's admin view to say
+so, each bounded by the test's deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from tests.support.bounded import bounded
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+
+GROUP = "PG_crash"
+TOPIC = "TxCrash"
+HALVES = 12
+# No snapshot between the halves and the crash; after its first check a transaction waits a minute.
+FLAGS = ("--transaction-snapshot-interval-s", "3600", "--transaction-check-interval-ms", "60000")
+
+
+def _fixed(b, *flags: str) -> tuple[str, ...]:
+    """The flags that start a broker again on ``b``'s ports (so clients find it where it was)."""
+    return ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1], *flags)
+
+
+class Listener:
+    """Leaves every local transaction undecided; records the checks it is asked and answers ``answer``."""
+
+    def __init__(self, answer: S = S.COMMIT_MESSAGE):
+        self.answer = answer
+        self.asked: list[bytes] = []
+        self.changed = asyncio.Event()
+
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    def check_local_transaction(self, msg):
+        self.asked.append(msg.body)
+        self.changed.set()
+        return self.answer
+
+    async def until_asked(self, n: int) -> None:
+        while len(self.asked) < n:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+async def _admin(b, code: int, fields: dict | None = None):
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields), 5)
+    finally:
+        conn.close()
+
+
+async def _listed(b) -> dict:
+    """`python -m broker admin list`: {"pending": rows, "total": n, "dead_lettered": n}."""
+    return json.loads((await _admin(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10000})).body_bytes())
+
+
+async def _metric(b, name: str, label: str = "") -> float:
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'producer_group="{GROUP}"' in line and label in line)
+
+
+@bounded(120)
+async def test_halves_never_checked_before_a_crash_are_checked_with_their_sender_after_it(broker_factory):
+    """The sender of a half lived in the snapshot and in check records only: halves stored since the last
+    snapshot and never checked lost it in a kill -9, and their first check after the restart went to any
+    producer of the group (counted as rerouted, "sender-unknown")."""
+    flags = (*FLAGS, "--transaction-timeout-ms", "3000")
+    b = broker_factory(*flags)
+    listener = Listener()
+    producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
+    await producer.start()
+    try:
+        for i in range(HALVES):
+            assert (await producer.send_in_transaction(TOPIC, f"order {i}".encode())).state is S.UNKNOW
+        assert listener.asked == [], "checked before the crash: the test would not mean what it says"
+        b.kill()                    # after HALVES acknowledged halves, before any snapshot or check names them
+        b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+        listed = await _listed(b)
+        assert listed["total"] == HALVES
+        assert {row["owner"].removesuffix(" (gone)") for row in listed["pending"]} == {producer.client_id}
+        await listener.until_asked(HALVES)      # the sender alone reconnects: every check is its own
+        while (await _listed(b))["total"]:      # the answers are being written
+            await asyncio.sleep(0.05)
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total") == 0
+        assert await _metric(b, "txmq_transaction_checks_total") == HALVES
+    finally:
+        await producer.shutdown()
