@@ -16,9 +16,10 @@ import pytest
 
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
-from protocol.codes import RequestCode
+from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
+from protocol.errors import ResponseError
 from tests.support.bounded import bounded
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
@@ -78,6 +79,18 @@ async def _metric(b, name: str, label: str = "") -> float:
                if line.startswith(name + "{") and f'producer_group="{GROUP}"' in line and label in line)
 
 
+def _in_doubt(listed: dict) -> set[tuple]:
+    """What the admin view says of each undecided transaction that a crash must not change."""
+    return {(row["commit_log_offset"], row["queue_offset"], row["uniq_key"], row["checks"], row["group"],
+             row["topic"]) for row in listed["pending"]}
+
+
+async def _until_dead_lettered(b, n: int) -> None:
+    """Until the broker has dead-lettered ``n`` transactions (no event says so but its admin view)."""
+    while (await _listed(b))["dead_lettered"] < n:
+        await asyncio.sleep(0.05)
+
+
 @bounded(120)
 async def test_halves_never_checked_before_a_crash_are_checked_with_their_sender_after_it(broker_factory):
     """The sender of a half lived in the snapshot and in check records only: halves stored since the last
@@ -92,10 +105,11 @@ async def test_halves_never_checked_before_a_crash_are_checked_with_their_sender
         for i in range(HALVES):
             assert (await producer.send_in_transaction(TOPIC, f"order {i}".encode())).state is S.UNKNOW
         assert listener.asked == [], "checked before the crash: the test would not mean what it says"
+        before = _in_doubt(await _listed(b))
         b.kill()                    # after HALVES acknowledged halves, before any snapshot or check names them
         b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
         listed = await _listed(b)
-        assert listed["total"] == HALVES
+        assert listed["total"] == HALVES and _in_doubt(listed) == before      # the admin view, as before
         assert {row["owner"].removesuffix(" (gone)") for row in listed["pending"]} == {producer.client_id}
         await listener.until_asked(HALVES)      # the sender alone reconnects: every check is its own
         while (await _listed(b))["total"]:      # the answers are being written
@@ -103,4 +117,63 @@ async def test_halves_never_checked_before_a_crash_are_checked_with_their_sender
         assert await _metric(b, "txmq_transaction_checks_rerouted_total") == 0
         assert await _metric(b, "txmq_transaction_checks_total") == HALVES
     finally:
+        await producer.shutdown()
+
+
+@bounded(120)
+async def test_checks_counted_before_a_crash_are_not_given_again_after_it(broker_factory):
+    """A transaction checked twice of its three before a kill -9 is checked at most once more after the restart,
+    then dead-lettered: the count is in the check records, not only in the snapshot the crash made stale."""
+    flags = (*FLAGS[:2], "--transaction-check-interval-ms", "500", "--transaction-timeout-ms", "500",
+             "--transaction-check-max", "3")
+    b = broker_factory(*flags)
+    listener = Listener(answer=S.UNKNOW)
+    producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
+    await producer.start()
+    try:
+        await producer.send_in_transaction(TOPIC, b"in doubt")
+        await listener.until_asked(2)       # two checks written (each before it is sent) and answered
+        b.kill()
+        before = len(listener.asked)        # 2, or 3 when the third was sent before the kill landed
+        b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+        await _until_dead_lettered(b, 1)
+        assert len(listener.asked) <= 3, f"{before} checks before the crash, {len(listener.asked) - before} after"
+        assert (await _listed(b))["total"] == 0
+    finally:
+        await producer.shutdown()
+
+
+@bounded(120)
+async def test_an_end_for_a_half_dead_lettered_after_a_restart_is_refused_saying_so(broker_factory):
+    """The producer's local transaction outlives the broker's crash; meanwhile the restarted broker checks the
+    half to its limit and dead-letters it. The producer's COMMIT then is refused, and says why: never taken
+    as done, never delivered."""
+    flags = (*FLAGS[:2], "--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+             "--transaction-check-max", "1")
+    b = broker_factory(*flags)
+    stored, decided = asyncio.Event(), asyncio.Event()
+
+    class Slow(Listener):
+        async def execute_local_transaction(self, msg, arg):
+            stored.set()
+            await decided.wait()
+            return S.COMMIT_MESSAGE
+
+    listener = Slow(answer=S.UNKNOW)
+    producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
+    await producer.start()
+    try:
+        sending = asyncio.ensure_future(producer.send_in_transaction(TOPIC, b"late"))
+        await stored.wait()                 # the half is acknowledged: its local transaction runs
+        b.kill()
+        b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+        await _until_dead_lettered(b, 1)
+        decided.set()
+        with pytest.raises(ResponseError) as refused:
+            await sending
+        assert refused.value.code == ResponseCode.TRANSACTION_FAILED
+        assert "DEAD" in str(refused.value) and "COMMIT refused" in str(refused.value), str(refused.value)
+        assert (await _listed(b))["dead_lettered"] == 1
+    finally:
+        decided.set()
         await producer.shutdown()
