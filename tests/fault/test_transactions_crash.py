@@ -177,3 +177,29 @@ async def test_an_end_for_a_half_dead_lettered_after_a_restart_is_refused_saying
     finally:
         decided.set()
         await producer.shutdown()
+
+
+@bounded(120)
+async def test_immunity_runs_from_the_store_time_across_a_crash_not_from_the_restart(broker_factory):
+    """A half's first check is due its immunity (CHECK_IMMUNITY_TIME_IN_SECONDS, else the timeout) after it was
+    stored, before a crash and after it: recovery must not start the immunity again, nor cut it short. The
+    admin view says when each is due and how old it is; their sum is the immunity, however long the restart
+    took (only the wall and monotonic clocks' few ms of rounding apart)."""
+    timeout_ms = 1200 * 1000
+    flags = (*FLAGS, "--transaction-timeout-ms", str(timeout_ms))
+    b = broker_factory(*flags)
+    producer = TransactionProducer(b.namesrv, GROUP, Listener(), instance_name="sender", retries=0)
+    await producer.start()
+    try:
+        await producer.send_in_transaction(TOPIC, b"own immunity",
+                                           properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": "600"})
+        await producer.send_in_transaction(TOPIC, b"the timeout")
+        b.kill()
+        b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+        rows = sorted((await _listed(b))["pending"], key=lambda row: row["commit_log_offset"])
+    finally:
+        await producer.shutdown()
+    assert len(rows) == 2
+    for row, immunity_ms in zip(rows, (600 * 1000, timeout_ms)):
+        assert row["checks"] == 0
+        assert abs(row["age_ms"] + row["next_check_in_ms"] - immunity_ms) <= 50, row
