@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .message import MessageExt, Prop
+from .message import MAX_PROPERTIES_LENGTH, MessageExt, Prop, properties_to_string
 
 HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
 OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
@@ -123,13 +123,19 @@ def _encodes(text: str) -> bool:
     return True
 
 
-def mark_owner(half_props: dict[str, str], owner: str | None) -> None:
-    """Mark a half's properties (in place) with its sender's client id, as their last pair, when it can be a
-    property value (plain_owner); a TXMQ_OWNER the producer sent is dropped either way: a client does not say
-    which instance is asked about a transaction, the connection that sent it does."""
+def half_properties(half_props: dict[str, str], owner: str | None) -> bytes:
+    """A half's properties as stored: ``half_props`` (a TXMQ_OWNER the producer sent dropped, in place: a client
+    does not say which instance is asked about a transaction, the connection that sent it does), then its
+    sender's client id as the last pair, when it can be a property value (plain_owner) and still fits the
+    record's properties (MAX_PROPERTIES_LENGTH): a half that fits without it is never refused for it, its
+    sender is only not known after a crash."""
     half_props.pop(P_OWNER, None)
+    text = properties_to_string(half_props).encode()
     if owner and plain_owner(owner):
-        half_props[P_OWNER] = owner
+        mark = f"\x02{P_OWNER}\x01{owner}".encode() if text else f"{P_OWNER}\x01{owner}".encode()
+        if len(text) + len(mark) <= MAX_PROPERTIES_LENGTH:
+            text += mark
+    return text
 
 
 def op_body(half_queue_offset: int) -> bytes:

@@ -19,7 +19,7 @@ from protocol.codes import SysFlag
 from protocol.message import MessageExt, Prop, encode_record, pack_host, properties_to_string, retopic_record, tags_code
 from protocol.txlog import (COMMIT, DEAD, DEAD_TOPIC, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION,
                             OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_OWNER, P_REASON, RESUME, ROLLBACK, OpRecord,
-                            check_extra, dead_letter_properties, decision_extra, mark_owner, op_body, op_properties,
+                            check_extra, dead_letter_properties, decision_extra, half_properties, op_body, op_properties,
                             parse_dead_letter, parse_op, plain_owner)
 
 from ..store import PutRequest
@@ -44,11 +44,10 @@ class RecordFactory:
         """``owner``: the sender's client id, kept on the half (TXMQ_OWNER) so that a crash cannot lose it."""
         props[Prop.REAL_TOPIC] = real_topic
         props[Prop.REAL_QID] = str(real_qid)
-        mark_owner(props, owner)
         sys_flag = SysFlag.with_transaction_type(sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
         record = encode_record(topic=HALF_TOPIC.encode(), body=body, queue_id=0, flag=flag, sys_flag=sys_flag,
                                born_timestamp=born_timestamp, born_host=born_host, store_host=self.store_host,
-                               properties=properties_to_string(props).encode(), reconsume_times=reconsume_times)
+                               properties=half_properties(props, owner), reconsume_times=reconsume_times)
         return PutRequest(record, HALF_TOPIC, 0, tags_code(props), sys_flag)
 
     def committed(self, half_view, half_offset: int, topic: str, queue_id: int, tags: int) -> PutRequest:

@@ -224,3 +224,19 @@ def test_retopic_record_drops_only_a_last_property_of_that_name():
     assert moved({txlog.P_OWNER: "x@1", "A": "1"}) == {txlog.P_OWNER: "x@1", "A": "1"}     # not last: kept
     assert moved({"A": "1", txlog.P_OWNER + "2": "x"}) == {"A": "1", txlog.P_OWNER + "2": "x"}
     assert moved({txlog.P_OWNER: "x@1"}) == {txlog.P_OWNER: "x@1"}         # alone: no pair before it to cut at
+
+
+def test_a_half_whose_properties_leave_no_room_for_its_senders_id_is_stored_without_it():
+    """The mark must never cost a producer its send: a half whose properties fit the record without it (32767
+    bytes) is stored, unmarked (its sender is only not known after a crash), not refused as MESSAGE_ILLEGAL."""
+    from protocol.message import MAX_PROPERTIES_LENGTH
+    f = factory()
+
+    def half(fill: int):
+        return stored(f.half(body=b"b", real_topic="Orders", real_qid=0, flag=0, sys_flag=0, born_timestamp=NOW,
+                             born_host=HOST, props={"big": "y" * fill}, owner="10.0.0.7@4242"))
+
+    base = len(f"big\x01\x02{Prop.REAL_TOPIC}\x01Orders\x02{Prop.REAL_QID}\x010".encode())
+    room = MAX_PROPERTIES_LENGTH - base
+    assert half(room).properties.get(txlog.P_OWNER) is None
+    assert half(room - len(f"\x02{txlog.P_OWNER}\x0110.0.0.7@4242")).properties[txlog.P_OWNER] == "10.0.0.7@4242"
