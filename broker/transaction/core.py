@@ -9,6 +9,7 @@ The service (service.py) feeds it events and performs the actions it returns:
                                         half: what became of it, never "will check back")
     the decision written / failed       the transaction leaves the index / stays pending, still scheduled
     due(now)                            SendCheck(tx, channel) | Write(tx, DEAD, "max-checks") | defer
+                                        | Write(tx, DEAD, "uncheckable-half") (no group or topic in its half)
     a producer of the group joins       its deferred transactions are due now; its parked ones may go
     check written / failed              next check after the interval, 2x / 4x while unanswered
     resume (admin, of a dead letter)    pending again, checks reset
@@ -42,6 +43,7 @@ from .check import Policy, first_check_time, next_check_after_check
 from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK
 
 UNKNOWN = "UNKNOWN"
+UNCHECKABLE = "uncheckable-half"   # the dead-letter reason of a half naming no producer group or real topic
 DECISIONS = (COMMIT, ROLLBACK, DEAD)
 
 
@@ -341,6 +343,13 @@ class TransactionCore:
                 tx.deciding = DEAD
                 actions.append(Write(tx, DEAD, Origin.MAX_CHECKS.value))
                 continue
+            if not tx.group or not tx.topic:
+                # No producer group to ask, or no topic to commit to (a record torn inside its properties by a
+                # crash passes the store's checks, which cover the body): deferred for want of a producer of
+                # group "", it waited for ever, uncounted but as "deferred". Dead-lettered now, with why.
+                tx.deciding = DEAD
+                actions.append(Write(tx, DEAD, UNCHECKABLE))
+                continue
             channel = channel_for(tx)
             if channel is None:
                 deferred.append(tx)
@@ -512,4 +521,4 @@ def _not_its_half(half_group: str, half_queue_offset: int, group: str | None,
 
 
 __all__ = ["TransactionCore", "Tx", "BUSY", "tx_from_half", "asks_delay", "Origin", "Reply", "Write", "Wait", "SendCheck",
-           "UNKNOWN", "DECISIONS", "COMMIT", "ROLLBACK", "DEAD", "RESUME"]
+           "UNKNOWN", "UNCHECKABLE", "DECISIONS", "COMMIT", "ROLLBACK", "DEAD", "RESUME"]
