@@ -96,7 +96,7 @@ async def test_halves_never_checked_before_a_crash_are_checked_with_their_sender
     """The sender of a half lived in the snapshot and in check records only: halves stored since the last
     snapshot and never checked lost it in a kill -9, and their first check after the restart went to any
     producer of the group (counted as rerouted, "sender-unknown")."""
-    flags = (*FLAGS, "--transaction-timeout-ms", "3000")
+    flags = (*FLAGS, "--transaction-timeout-ms", "5000")
     b = broker_factory(*flags)
     listener = Listener()
     producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
