@@ -346,7 +346,7 @@ class TransactionCore:
             if not tx.group or not tx.topic:
                 # No producer group to ask, or no topic to commit to (a record torn inside its properties by a
                 # crash passes the store's checks, which cover the body): deferred for want of a producer of
-                # group "", it waited for ever, uncounted but as "deferred". Dead-lettered now, with why.
+                # group "", it waited for ever, seen only as "deferred". Dead-lettered now, saying why.
                 tx.deciding = DEAD
                 actions.append(Write(tx, DEAD, UNCHECKABLE))
                 continue
