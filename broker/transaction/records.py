@@ -16,7 +16,8 @@ they are re-exported here so the transaction service imports them from one place
 from __future__ import annotations
 
 from protocol.codes import SysFlag
-from protocol.message import MessageExt, Prop, encode_record, pack_host, properties_to_string, retopic_record, tags_code
+from protocol.message import (MAX_PROPERTIES_LENGTH, MessageExt, Prop, encode_record, pack_host, properties_to_string,
+                              retopic_record, tags_code)
 from protocol.txlog import (COMMIT, DEAD, DEAD_TOPIC, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION,
                             OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_OWNER, P_REASON, RESUME, ROLLBACK, OpRecord,
                             check_extra, dead_letter_properties, decision_extra, half_properties, op_body, op_properties,
@@ -73,11 +74,17 @@ class RecordFactory:
 
     def dead_letter(self, half: MessageExt, half_offset: int, reason: str, checks: int | None = None) -> PutRequest:
         props = dead_letter_properties(half.properties, half_offset, reason, checks)
+        text = properties_to_string(props).encode()
+        if len(text) > MAX_PROPERTIES_LENGTH and P_OWNER in props:
+            # The broker's mark fitted the half but not with the dead letter's own properties: left off, as it
+            # is off a half that had no room for it, or the half could never be dead-lettered (RecordError,
+            # retried every interval) where an unmarked one of the same size was.
+            del props[P_OWNER]
+            text = properties_to_string(props).encode()
         record = encode_record(topic=DEAD_TOPIC.encode(), body=half.body, queue_id=0, flag=half.flag,
                                sys_flag=half.sys_flag, born_timestamp=half.born_timestamp,
                                born_host=_host(half.born_host), store_host=self.store_host,
-                               properties=properties_to_string(props).encode(),
-                               reconsume_times=half.reconsume_times)
+                               properties=text, reconsume_times=half.reconsume_times)
         return PutRequest(record, DEAD_TOPIC, 0, tags_code(props), half.sys_flag)
 
 
