@@ -37,7 +37,7 @@ from enum import Enum
 from typing import Callable
 
 from protocol.codes import ResponseCode
-from protocol.message import Prop, tags_code
+from protocol.message import Prop, tags_code, validate_topic
 
 from .check import Policy, first_check_time, next_check_after_check
 from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK
@@ -103,7 +103,13 @@ def tx_from_half(msg, checks: int = 0, owner_id: str = "") -> Tx:
         real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
     except ValueError:
         real_qid = 0
-    return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
+    topic = props.get(Prop.REAL_TOPIC, "")
+    if validate_topic(topic) is not None:
+        # Not a name a send could have given (every topic a half can be sent to passes it): a tear that zeroed the
+        # properties from inside the topic's name on. Taken as naming no topic (UNCHECKABLE when due): asked, its
+        # producer's COMMIT was refused by the store (MESSAGE_ILLEGAL) each check, up to the limit.
+        topic = ""
+    return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), topic,
               props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
               checks=checks, delayed=asks_delay(props), owner_id=owner_id)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import urllib.request
 
 import pytest
@@ -20,6 +21,7 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import ResponseError
+from protocol.message import decode_offset_msg_id
 from tests.support.bounded import bounded
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
@@ -214,3 +216,35 @@ async def test_immunity_runs_from_the_store_time_across_a_crash_not_from_the_res
     for row, immunity_ms in zip(rows, (600 * 1000, timeout_ms)):
         assert row["checks"] == 0
         assert abs(row["age_ms"] + row["next_check_in_ms"] - immunity_ms) <= 50, row
+
+
+@bounded(120)
+async def test_a_half_whose_real_topic_a_crash_tore_is_dead_lettered_not_checked(broker_factory, tmp_path):
+    """A tear inside the half's properties (the store checks the body's CRC, not the properties) can leave its
+    REAL_TOPIC a prefix of the topic followed by zeros, not an empty one: no producer could be asked about a
+    message for that topic, whose commit could go nowhere (a topic name of zeros). It is dead-lettered as a half
+    naming no topic is, and its producer never asked."""
+    flags = (*FLAGS, "--transaction-timeout-ms", str(3600 * 1000))
+    b = broker_factory(*flags)
+    listener = Listener()
+    producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
+    await producer.start()
+    try:
+        sent = await producer.send_in_transaction(TOPIC, b"torn")
+        assert sent.state is S.UNKNOW
+        offset = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+        b.kill()
+        with open(tmp_path / "store" / "commitlog" / f"{0:020d}", "r+b") as segment:
+            segment.seek(offset)
+            record = segment.read(struct.unpack(">i", segment.read(4))[0] - 4)
+            at = record.index(b"REAL_TOPIC\x01" + TOPIC.encode()) + len("REAL_TOPIC\x01Tx")
+            segment.seek(offset + 4 + at)
+            segment.write(bytes(len(record) - at))       # torn: zeros from inside the topic's name on
+        b = await asyncio.to_thread(broker_factory, *_fixed(b, *FLAGS, "--transaction-timeout-ms", "0"))
+        while (await _listed(b))["dead_lettered"] < 1:
+            assert listener.asked == [], "its producer was asked about a half naming no topic"
+            await asyncio.sleep(0.05)
+        assert listener.asked == []
+        assert await _metric(b, "txmq_transaction_dead_letters_total", 'reason="uncheckable-half"') == 1
+    finally:
+        await producer.shutdown()
