@@ -40,7 +40,7 @@ from protocol.codes import ResponseCode
 from protocol.message import Prop, tags_code, validate_topic
 
 from .check import Policy, first_check_time, next_check_after_check
-from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK
+from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK, plain_owner
 
 UNKNOWN = "UNKNOWN"
 UNCHECKABLE = "uncheckable-half"   # the dead-letter reason of a half naming no producer group or real topic
@@ -98,7 +98,10 @@ def tx_from_half(msg, checks: int = 0, owner_id: str = "") -> Tx:
     producer that sent it when known better than the half's TXMQ_OWNER (the one a later heartbeat gave its
     connection, which a check record or the snapshot kept), else the half's."""
     props = msg.properties
-    owner_id = owner_id or props.get(P_OWNER, "")
+    if not owner_id:
+        owner_id = props.get(P_OWNER, "")
+        if owner_id and not plain_owner(owner_id):
+            owner_id = ""       # a producer's own, on a half stored before the broker dropped it: up to 32 KiB
     try:
         real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
     except ValueError:

@@ -240,3 +240,18 @@ def test_a_half_whose_properties_leave_no_room_for_its_senders_id_is_stored_with
     room = MAX_PROPERTIES_LENGTH - base
     assert half(room).properties.get(txlog.P_OWNER) is None
     assert half(room - len(f"\x02{txlog.P_OWNER}\x0110.0.0.7@4242")).properties[txlog.P_OWNER] == "10.0.0.7@4242"
+
+
+@pytest.mark.parametrize("sent, taken", [
+    ("10.0.0.7@4242", "10.0.0.7@4242"),
+    ("x" * 30000, ""),                          # ~30 KB held by every such pending transaction, and shown by admin
+    (f"a\x01{Prop.REAL_TOPIC}", ""),            # a value may hold \x01: never a client id a heartbeat gives
+])
+def test_a_half_stored_before_its_sender_was_marked_names_a_sender_only_when_a_client_id_could_be(sent, taken):
+    """A half stored before the broker marked its sender kept a TXMQ_OWNER its producer sent, of any size (up
+    to the properties' 32767 bytes): read after the upgrade, it was taken as the sender's client id whatever it
+    was, where the broker keeps none that a check record could not carry (plain_owner)."""
+    from broker.transaction.core import tx_from_half
+    props = {Prop.PGROUP: "PG", Prop.REAL_TOPIC: "Orders", Prop.REAL_QID: "0", txlog.P_OWNER: sent}
+    old = MessageExt(txlog.HALF_TOPIC, b"b", properties=props).encode()
+    assert tx_from_half(decode_record(old)[0]).owner_id == taken
