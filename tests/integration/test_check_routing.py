@@ -12,12 +12,14 @@ import urllib.request
 
 import pytest
 
+from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, decode_record, properties_to_string
+from protocol.txlog import P_OWNER
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -292,3 +294,40 @@ async def test_a_half_near_the_properties_limit_is_dead_lettered_with_its_sender
             await asyncio.sleep(0.05)
     finally:
         conn.close()
+
+
+@bounded(60)
+async def test_the_senders_mark_reaches_neither_its_producers_check_nor_a_consumer(broker_factory):
+    """The half names its sender (TXMQ_OWNER), which is the broker's: a check shows the producer the message it
+    sent, and the committed message, delivered at once or after its delay level, carries the producer's
+    properties as sent."""
+    b = broker_factory(*LONG, "--transaction-timeout-ms", "300")
+    seen: list[dict] = []
+
+    class Seeing(Listener):
+        async def check_local_transaction(self, msg):
+            seen.append(dict(msg.properties))
+            return await super().check_local_transaction(msg)
+
+    class Committing(Seeing):
+        def execute_local_transaction(self, msg, arg):
+            return S.COMMIT_MESSAGE if arg == "now" else S.UNKNOW
+
+    listener = Committing()
+    async with _producer(b, "sender", listener) as producer:
+        await producer.send_in_transaction(TOPIC, b"checked", properties={"k": "v"})
+        # (a stock producer clears DELAY off a transactional message; a RocketMQ 5 timer it sends as it is)
+        await producer.send_in_transaction(TOPIC, b"delayed", "now", properties={"k": "v", "TIMER_DELAY_MS": "300"})
+        await listener.until_asked(1)
+        consumer = PullConsumer(b.namesrv, "CG_marks")
+        got: dict[bytes, dict] = {}
+        try:
+            while len(got) < 2:             # the delayed one comes after its timer
+                for mq in await consumer.fetch_queues(TOPIC):
+                    res = await consumer.pull(mq, 0, max_nums=64)
+                    got.update((m.body, dict(m.properties)) for m in res.messages)
+                await asyncio.sleep(0.05)
+        finally:
+            await consumer.shutdown()
+    assert seen and all(P_OWNER not in props and props["k"] == "v" for props in seen), seen
+    assert all(P_OWNER not in props and props["k"] == "v" for props in got.values()), got
