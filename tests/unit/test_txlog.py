@@ -239,7 +239,9 @@ def test_a_half_whose_properties_leave_no_room_for_its_senders_id_is_stored_with
     base = len(f"big\x01\x02{Prop.REAL_TOPIC}\x01Orders\x02{Prop.REAL_QID}\x010".encode())
     room = MAX_PROPERTIES_LENGTH - base
     assert half(room).properties.get(txlog.P_OWNER) is None
-    assert half(room - len(f"\x02{txlog.P_OWNER}\x0110.0.0.7@4242")).properties[txlog.P_OWNER] == "10.0.0.7@4242"
+    mark = len(f"\x02{txlog.P_OWNER}\x0110.0.0.7@4242")
+    assert half(room - mark).properties[txlog.P_OWNER] == "10.0.0.7@4242"     # exactly 32767 bytes with it
+    assert half(room - mark + 1).properties.get(txlog.P_OWNER) is None         # one byte more: stored without it
 
 
 @pytest.mark.parametrize("sent, taken", [
