@@ -28,7 +28,8 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
     written (a heartbeat named it before the half came): after a crash, a half stored since the last snapshot
     and never checked is asked of its sender first all the same. The committed message is the half without it
     (retopic_record(drop_last=...): the producer's own properties, as sent), and so is a check's message; a
-    dead letter keeps it, to show who sent the half.
+    dead letter keeps it, to show who sent the half
+    (when it still fits the dead letter's properties).
 
 Decision ops are what RocketMQ writes (tag ``d``, body = the half's queue offset), so
 RocketMQ tooling reads them; the TXMQ_* properties carry what RocketMQ would have to
