@@ -33,7 +33,7 @@ import os
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
-from protocol.errors import CorruptRecordError, StoreError
+from protocol.errors import CorruptRecordError, RecordError, StoreError
 from protocol.connection import DEFERRED
 from protocol.message import Prop, decode_record, offset_msg_id, record_body_length
 
@@ -469,8 +469,16 @@ class TransactionService:
                 real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
             return [real, rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
-        return [rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks),
-                rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
+        try:
+            dead = rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks)
+        except RecordError as exc:
+            # The half's properties leave no room for the dead letter's own (TXMQ_REASON, TXMQ_HALF, the check
+            # count): raising, it was retried every interval and never dead-lettered, and an expiry raised out of
+            # retention's pass. The op record alone, as for a corrupt half; the half stays for whoever inspects it.
+            log.warning("transaction %s (half %d): no dead letter copied: %s", p.uniq_key, p.half_offset, exc)
+            return [rf.decision(DEAD, p.half_offset, p.queue_offset, f"{reason or 'unknown'}; no dead letter "
+                                f"copied: {exc}")]
+        return [dead, rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
 
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):

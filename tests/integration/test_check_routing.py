@@ -292,6 +292,7 @@ async def test_a_half_near_the_properties_limit_is_dead_lettered_with_its_sender
                 break
             assert "could not dead-letter" not in b.log(), b.log()[-2000:]
             await asyncio.sleep(0.05)
+        assert "no dead letter copied" not in b.log()       # the dead letter is there, without the mark
     finally:
         conn.close()
 
@@ -331,3 +332,35 @@ async def test_the_senders_mark_reaches_neither_its_producers_check_nor_a_consum
             await consumer.shutdown()
     assert seen and all(P_OWNER not in props and props["k"] == "v" for props in seen), seen
     assert all(P_OWNER not in props and props["k"] == "v" for props in got.values()), got
+
+
+@bounded(60)
+async def test_a_half_whose_properties_leave_its_dead_letter_no_room_is_dead_lettered_all_the_same(broker_factory):
+    """A half of 32767 bytes of properties is stored; its dead letter, with TXMQ_REASON, TXMQ_HALF and the check
+    count added, could not be encoded (RecordError): the transaction was retried every interval and never
+    dead-lettered (and an expiry raised out of retention's pass). It is dead-lettered by its op record alone."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1")
+    conn = await _raw(b, Checked(asyncio.Event()))      # no heartbeat: no mark, the half is full without it
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        sent_props = {Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP, "fill": ""}
+        stored = {**sent_props, Prop.CLUSTER: "DefaultCluster", Prop.REAL_TOPIC: TOPIC, Prop.REAL_QID: "0"}
+        sent_props["fill"] = "y" * (32767 - len(properties_to_string(stored).encode()))
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string(sent_props))
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                          b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        while True:         # checked once, unanswered: dead-lettered (no event says so but the admin view)
+            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            if json.loads(listed.body_bytes())["dead_lettered"]:
+                break
+            assert "could not dead-letter" not in b.log(), b.log()[-2000:]
+            await asyncio.sleep(0.05)
+        assert json.loads(listed.body_bytes())["total"] == 0
+        assert "no dead letter copied" in b.log()
+    finally:
+        conn.close()
