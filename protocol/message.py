@@ -543,13 +543,18 @@ def record_body_length(buf) -> int:
     return _I32.unpack_from(buf, 84 + _sys_flag_and_host_extra(buf)[1])[0]
 
 
-def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, prepared_offset: int) -> bytearray:
+def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, prepared_offset: int,
+                   drop_last: bytes | None = None) -> bytearray:
     """A copy of one whole stored record moved to another topic and queue.
 
     Body, flag, born time and host, reconsume times and the properties bytes are kept as
     they are; the transaction type and prepared offset are set; queue offset, physical
     offset and store timestamp are zeroed for the store's writer to fill. This is how a
     committed message is made from its half without decoding and re-encoding it.
+
+    ``drop_last``: a property name; when the properties end with that property (and there is
+    another before it), it is left out. The properties are the record's last field, so that
+    costs a search of their last pair, not a re-encoding (the broker's own mark on a half).
     """
     n = len(buf)
     total, magic = peek_record(buf, 0)
@@ -567,7 +572,15 @@ def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, p
     out = bytearray(buf[:body_end])
     out.append(len(topic))
     out += topic
-    out += buf[props_start:n]
+    props_end = n
+    if drop_last is not None:
+        props = bytes(buf[props_start + 2:n])
+        cut = props.rfind(b"\x02")
+        if cut >= 0 and props.startswith(drop_last + b"\x01", cut + 1):
+            props_end = props_start + 2 + cut
+    out += buf[props_start:props_end]
+    if props_end != n:
+        _I16.pack_into(out, len(out) - (props_end - props_start), props_end - props_start - 2)
     _I32.pack_into(out, 0, len(out))
     _I32.pack_into(out, 12, queue_id)
     _I64.pack_into(out, POS_QUEUE_OFFSET, 0)

@@ -5,6 +5,8 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
 
     record             topic / queue                       marks
     half               RMQ_SYS_TRANS_HALF_TOPIC q0          REAL_TOPIC, REAL_QID (the real destination)
+                                                           (+ TXMQ_OWNER, its last property: the sender's
+                                                           client id; not on the committed message)
     committed message  REAL_TOPIC / REAL_QID               sysFlag COMMIT, PREPARED TX OFFSET = half offset
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
                                                            (+ TXMQ_REASON on a DEAD op)
@@ -22,6 +24,13 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
     TXMQ_CHECKS the attempt's number (1, 2, ...)            check ops
     TXMQ_OWNER  client id of the producer that sent the half check ops, when it can be written (see check_extra)
 
+    A half carries TXMQ_OWNER too, as its last property, when its connection had a client id that can be
+    written (a heartbeat named it before the half came): after a crash, a half stored since the last snapshot
+    and never checked is asked of its sender first all the same. The committed message is the half without it
+    (retopic_record(drop_last=...): the producer's own properties, as sent), and so is a check's message; a
+    dead letter keeps it, to show who sent the half
+    (when it still fits the dead letter's properties).
+
 Decision ops are what RocketMQ writes (tag ``d``, body = the half's queue offset), so
 RocketMQ tooling reads them; the TXMQ_* properties carry what RocketMQ would have to
 re-read the log for. A half is open until its first COMMIT or ROLLBACK op (the first
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .message import MessageExt, Prop
+from .message import MAX_PROPERTIES_LENGTH, MessageExt, Prop, properties_to_string
 
 HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
 OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
@@ -115,6 +124,21 @@ def _encodes(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def half_properties(half_props: dict[str, str], owner: str | None) -> bytes:
+    """A half's properties as stored: ``half_props`` (a TXMQ_OWNER the producer sent dropped, in place: a client
+    does not say which instance is asked about a transaction, the connection that sent it does), then its
+    sender's client id as the last pair, when it can be a property value (plain_owner) and still fits the
+    record's properties (MAX_PROPERTIES_LENGTH): a half that fits without it is never refused for it, its
+    sender is only not known after a crash."""
+    half_props.pop(P_OWNER, None)
+    text = properties_to_string(half_props).encode()
+    if owner and plain_owner(owner):
+        mark = f"\x02{P_OWNER}\x01{owner}".encode() if text else f"{P_OWNER}\x01{owner}".encode()
+        if len(text) + len(mark) <= MAX_PROPERTIES_LENGTH:
+            text += mark
+    return text
 
 
 def op_body(half_queue_offset: int) -> bytes:

@@ -9,6 +9,7 @@ The service (service.py) feeds it events and performs the actions it returns:
                                         half: what became of it, never "will check back")
     the decision written / failed       the transaction leaves the index / stays pending, still scheduled
     due(now)                            SendCheck(tx, channel) | Write(tx, DEAD, "max-checks") | defer
+                                        | Write(tx, DEAD, "uncheckable-half") (no group or topic in its half)
     a producer of the group joins       its deferred transactions are due now; its parked ones may go
     check written / failed              next check after the interval, 2x / 4x while unanswered
     resume (admin, of a dead letter)    pending again, checks reset
@@ -36,12 +37,13 @@ from enum import Enum
 from typing import Callable
 
 from protocol.codes import ResponseCode
-from protocol.message import Prop, tags_code
+from protocol.message import Prop, tags_code, validate_topic
 
 from .check import Policy, first_check_time, next_check_after_check
-from protocol.txlog import COMMIT, DEAD, RESUME, ROLLBACK
+from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK, plain_owner
 
 UNKNOWN = "UNKNOWN"
+UNCHECKABLE = "uncheckable-half"   # the dead-letter reason of a half naming no producer group or real topic
 DECISIONS = (COMMIT, ROLLBACK, DEAD)
 
 
@@ -93,13 +95,24 @@ def asks_delay(props: dict) -> bool:
 
 def tx_from_half(msg, checks: int = 0, owner_id: str = "") -> Tx:
     """An undecided transaction as its stored half message describes it; ``owner_id`` is the client id of the
-    producer that sent it, which the half does not hold (its properties are the committed message's)."""
+    producer that sent it when known better than the half's TXMQ_OWNER (the one a later heartbeat gave its
+    connection, which a check record or the snapshot kept), else the half's."""
     props = msg.properties
+    if not owner_id:
+        owner_id = props.get(P_OWNER, "")
+        if owner_id and not plain_owner(owner_id):
+            owner_id = ""       # a producer's own, on a half stored before the broker dropped it: up to 32 KiB
     try:
         real_qid = int(props.get(Prop.REAL_QID, "0") or 0)
     except ValueError:
         real_qid = 0
-    return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), props.get(Prop.REAL_TOPIC, ""),
+    topic = props.get(Prop.REAL_TOPIC, "")
+    if validate_topic(topic) is not None:
+        # Not a name a send could have given (every topic a half can be sent to passes it): a tear that zeroed the
+        # properties from inside the topic's name on. Taken as naming no topic (UNCHECKABLE when due): asked, its
+        # producer's COMMIT was refused by the store (MESSAGE_ILLEGAL) each check, up to the limit.
+        topic = ""
+    return Tx(msg.physical_offset, msg.queue_offset, props.get(Prop.PGROUP, ""), topic,
               props.get(Prop.UNIQ_KEY, ""), msg.store_timestamp, real_qid=real_qid, tags_code=tags_code(props),
               checks=checks, delayed=asks_delay(props), owner_id=owner_id)
 
@@ -339,6 +352,13 @@ class TransactionCore:
                 tx.deciding = DEAD
                 actions.append(Write(tx, DEAD, Origin.MAX_CHECKS.value))
                 continue
+            if not tx.group or not tx.topic:
+                # No producer group to ask, or no topic to commit to (a record torn inside its properties by a
+                # crash passes the store's checks, which cover the body): deferred for want of a producer of
+                # group "", it waited for ever, seen only as "deferred". Dead-lettered now, saying why.
+                tx.deciding = DEAD
+                actions.append(Write(tx, DEAD, UNCHECKABLE))
+                continue
             channel = channel_for(tx)
             if channel is None:
                 deferred.append(tx)
@@ -510,4 +530,4 @@ def _not_its_half(half_group: str, half_queue_offset: int, group: str | None,
 
 
 __all__ = ["TransactionCore", "Tx", "BUSY", "tx_from_half", "asks_delay", "Origin", "Reply", "Write", "Wait", "SendCheck",
-           "UNKNOWN", "DECISIONS", "COMMIT", "ROLLBACK", "DEAD", "RESUME"]
+           "UNKNOWN", "UNCHECKABLE", "DECISIONS", "COMMIT", "ROLLBACK", "DEAD", "RESUME"]

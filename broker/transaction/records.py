@@ -5,7 +5,8 @@ OpRecord and parse_op) are declared once in protocol/txlog.py, shared with ops/s
 they are re-exported here so the transaction service imports them from one place.
 
     record             topic / queue                       marks
-    half               RMQ_SYS_TRANS_HALF_TOPIC q0          REAL_TOPIC, REAL_QID
+    half               RMQ_SYS_TRANS_HALF_TOPIC q0          REAL_TOPIC, REAL_QID, TXMQ_OWNER (last: the sender's
+                                                           client id, left off the committed message)
     committed message  REAL_TOPIC / REAL_QID               sysFlag COMMIT, PREPARED TX OFFSET = half offset
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
     check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF,
@@ -15,18 +16,20 @@ they are re-exported here so the transaction service imports them from one place
 from __future__ import annotations
 
 from protocol.codes import SysFlag
-from protocol.message import MessageExt, Prop, encode_record, pack_host, properties_to_string, retopic_record, tags_code
+from protocol.message import (MAX_PROPERTIES_LENGTH, MessageExt, Prop, encode_record, pack_host, properties_to_string,
+                              retopic_record, tags_code)
 from protocol.txlog import (COMMIT, DEAD, DEAD_TOPIC, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION,
-                            OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_REASON, RESUME, ROLLBACK, OpRecord, check_extra,
-                            dead_letter_properties, decision_extra, op_body, op_properties, parse_dead_letter,
-                            parse_op, plain_owner)
+                            OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_OWNER, P_REASON, RESUME, ROLLBACK, OpRecord,
+                            check_extra, dead_letter_properties, decision_extra, half_properties, op_body, op_properties,
+                            parse_dead_letter, parse_op, plain_owner)
 
 from ..store import PutRequest
 
 __all__ = ["RecordFactory", "OpRecord", "parse_op", "parse_dead_letter", "plain_owner", "OP_TAG_DECISION", "OP_TAG_CHECK", "P_OP",
-           "P_HALF", "P_CHECKS", "P_REASON", "COMMIT", "ROLLBACK", "DEAD", "RESUME", "DEAD_TOPIC"]
+           "P_HALF", "P_CHECKS", "P_REASON", "P_OWNER", "COMMIT", "ROLLBACK", "DEAD", "RESUME", "DEAD_TOPIC"]
 
 _OP_TOPIC = OP_TOPIC.encode()
+_OWNER = P_OWNER.encode()
 
 
 class RecordFactory:
@@ -38,20 +41,22 @@ class RecordFactory:
         self.clock = clock
 
     def half(self, *, body, real_topic: str, real_qid: int, flag: int, sys_flag: int, born_timestamp: int,
-             born_host: bytes, props: dict, reconsume_times: int = 0) -> PutRequest:
+             born_host: bytes, props: dict, reconsume_times: int = 0, owner: str | None = None) -> PutRequest:
+        """``owner``: the sender's client id, kept on the half (TXMQ_OWNER) so that a crash cannot lose it."""
         props[Prop.REAL_TOPIC] = real_topic
         props[Prop.REAL_QID] = str(real_qid)
         sys_flag = SysFlag.with_transaction_type(sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
         record = encode_record(topic=HALF_TOPIC.encode(), body=body, queue_id=0, flag=flag, sys_flag=sys_flag,
                                born_timestamp=born_timestamp, born_host=born_host, store_host=self.store_host,
-                               properties=properties_to_string(props).encode(), reconsume_times=reconsume_times)
+                               properties=half_properties(props, owner), reconsume_times=reconsume_times)
         return PutRequest(record, HALF_TOPIC, 0, tags_code(props), sys_flag)
 
     def committed(self, half_view, half_offset: int, topic: str, queue_id: int, tags: int) -> PutRequest:
-        """The half's message on its real topic (RocketMQ 8.3: properties unchanged, sysFlag COMMIT),
-        made from the half's stored bytes without decoding them."""
+        """The half's message on its real topic (RocketMQ 8.3: properties unchanged but the broker's TXMQ_OWNER,
+        sysFlag COMMIT), made from the half's stored bytes without decoding them."""
         record = retopic_record(half_view, topic=topic.encode(), queue_id=queue_id,
-                                transaction_type=SysFlag.TRANSACTION_COMMIT, prepared_offset=half_offset)
+                                transaction_type=SysFlag.TRANSACTION_COMMIT, prepared_offset=half_offset,
+                                drop_last=_OWNER)
         return PutRequest(record, topic, queue_id, tags, SysFlag.TRANSACTION_COMMIT)
 
     def op(self, tag: str, half_offset: int, half_queue_offset: int, **extra: str) -> PutRequest:
@@ -69,11 +74,17 @@ class RecordFactory:
 
     def dead_letter(self, half: MessageExt, half_offset: int, reason: str, checks: int | None = None) -> PutRequest:
         props = dead_letter_properties(half.properties, half_offset, reason, checks)
+        text = properties_to_string(props).encode()
+        if len(text) > MAX_PROPERTIES_LENGTH and P_OWNER in props:
+            # The broker's mark fitted the half but not with the dead letter's own properties: left off, as it
+            # is off a half that had no room for it, or the half could never be dead-lettered (RecordError,
+            # retried every interval) where an unmarked one of the same size was.
+            del props[P_OWNER]
+            text = properties_to_string(props).encode()
         record = encode_record(topic=DEAD_TOPIC.encode(), body=half.body, queue_id=0, flag=half.flag,
                                sys_flag=half.sys_flag, born_timestamp=half.born_timestamp,
                                born_host=_host(half.born_host), store_host=self.store_host,
-                               properties=properties_to_string(props).encode(),
-                               reconsume_times=half.reconsume_times)
+                               properties=text, reconsume_times=half.reconsume_times)
         return PutRequest(record, DEAD_TOPIC, 0, tags_code(props), half.sys_flag)
 
 

@@ -33,7 +33,7 @@ import os
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
-from protocol.errors import CorruptRecordError, StoreError
+from protocol.errors import CorruptRecordError, RecordError, StoreError
 from protocol.connection import DEFERRED
 from protocol.message import Prop, decode_record, offset_msg_id, record_body_length
 
@@ -43,7 +43,7 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
 from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
-from .records import COMMIT, DEAD, DEAD_TOPIC, RESUME, ROLLBACK, RecordFactory
+from .records import COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory
 from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
@@ -226,7 +226,7 @@ class TransactionService:
         props.setdefault(Prop.PGROUP, group)
         req = self.records.half(body=cmd.body, real_topic=h.topic, real_qid=qid, flag=h.flag, sys_flag=h.sys_flag,
                                 born_timestamp=h.born_timestamp, born_host=born_host, props=props,
-                                reconsume_times=h.reconsume_times)
+                                reconsume_times=h.reconsume_times, owner=conn.attributes.get("client_id"))
         ctx = self.ctx
         if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
             return self._prepare(conn, cmd, req, group, h.topic, qid, props)    # SYNC_MASTER: waits for the slave
@@ -462,13 +462,23 @@ class TransactionService:
         if op == COMMIT:
             real = None
             if p.delayed and self.ctx.schedule is not None:     # RocketMQ delays COMMIT messages too
-                real = self.ctx.schedule.delayed_commit(decode_record(view)[0], p.topic, p.real_qid, p.half_offset)
+                half = decode_record(view)[0]
+                half.properties.pop(P_OWNER, None)      # the broker's mark on the half (records.committed)
+                real = self.ctx.schedule.delayed_commit(half, p.topic, p.real_qid, p.half_offset)
             if real is None:
                 real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
             return [real, rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
-        return [rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks),
-                rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
+        try:
+            dead = rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks)
+        except RecordError as exc:
+            # The half's properties leave no room for the dead letter's own (TXMQ_REASON, TXMQ_HALF, the check
+            # count): raising, it was retried every interval and never dead-lettered, and an expiry raised out of
+            # retention's pass. The op record alone, as for a corrupt half; the half stays for whoever inspects it.
+            log.warning("transaction %s (half %d): no dead letter copied: %s", p.uniq_key, p.half_offset, exc)
+            return [rf.decision(DEAD, p.half_offset, p.queue_offset, f"{reason or 'unknown'}; no dead letter "
+                                f"copied: {exc}")]
+        return [dead, rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
 
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):
@@ -684,6 +694,7 @@ class TransactionService:
     def _check_command(self, tx: Tx) -> RemotingCommand:
         view = self.ctx.store.get_record(tx.half_offset)
         msg, _ = decode_record(view)
+        msg.properties.pop(P_OWNER, None)       # the broker's mark: the producer is shown the message it sent
         msg.topic = msg.properties.get(Prop.REAL_TOPIC, msg.topic)
         msg.queue_id = int(msg.properties.get(Prop.REAL_QID, "0") or 0)
         return RemotingCommand.request(RequestCode.CHECK_TRANSACTION_STATE, {

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from consumer import PullConsumer
-from protocol.codes import RequestCode
+from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from tests.support.broker_process import REPO
@@ -71,10 +71,28 @@ async def test_commit_whose_op_was_lost_is_not_committed_again(broker_factory, t
     assert await _pending(b.broker) == 0
     assert "lost its op record; rewritten" in b.log()
     assert await _bodies(b.namesrv) == [b"paid once"]
+    await _first_decision_stands(b.broker)
     assert b.stop() == 0
     b2 = broker_factory(*flags)
     assert await _pending(b2.broker) == 0
     assert await _bodies(b2.namesrv) == [b"paid once"]
+    await _first_decision_stands(b2.broker)
+
+
+async def _first_decision_stands(addr) -> None:
+    """The commit the crash left without its op is the transaction's first decision: a late ROLLBACK (a producer
+    retrying, a check answered late) is refused, a repeated COMMIT acknowledged and changes nothing."""
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        for state, code, remark in ((12, ResponseCode.TRANSACTION_FAILED, "transaction already COMMIT"),
+                                    (8, ResponseCode.SUCCESS, "already COMMIT")):
+            end = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": "PG_torn", "tranStateTableOffset": 0, "commitLogOffset": 0,
+                "commitOrRollback": state, "fromTransactionCheck": "false"}), 5)
+            assert (end.code, end.remark.startswith(remark)) == (code, True), end.remark
+    finally:
+        conn.close()
 
 
 DEAD_CHILD = r"""

@@ -12,12 +12,14 @@ import urllib.request
 
 import pytest
 
+from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import Prop, SendMessageRequestHeader, properties_to_string
+from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, decode_record, properties_to_string
+from protocol.txlog import P_OWNER
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -211,3 +213,154 @@ async def test_a_sender_at_its_check_cap_is_passed_over_for_another_producer_and
             await sender.shutdown()
         assert hung.asked == [b"order 1"] and other.asked == [b"order 2"]
         assert await _metric(b, 'txmq_transaction_checks_rerouted_total', 'reason="sender-busy"') == 1
+
+
+
+class Unknowing(Listener):
+    """Answers every check UNKNOW: checked to the limit, its transactions are dead-lettered."""
+
+    async def check_local_transaction(self, msg):
+        await super().check_local_transaction(msg)
+        return S.UNKNOW
+
+
+async def _request(b, code: int, fields: dict) -> RemotingCommand:
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields), 5)
+    finally:
+        conn.close()
+
+
+@bounded(90)
+async def test_a_resumed_dead_letter_is_asked_of_its_sender(broker_factory):
+    """A dead-lettered transaction resumed by an operator (`admin resume`) was rebuilt from its half alone, which
+    did not name its sender: its next check went to any producer of the group, counted "sender-unknown"."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1")
+    sender = Unknowing()
+    async with _producer(b, "sender", sender) as producer:
+        sent = await producer.send_in_transaction(TOPIC, b"order 1")
+        await sender.until_asked(1)
+        while True:         # unanswered past its one check: dead-lettered (no event says so but the admin view)
+            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            if json.loads(listed.body_bytes())["dead_lettered"]:
+                break
+            await asyncio.sleep(0.05)
+        resumed = await _request(b, RequestCode.TXMQ_RESUME_TRANSACTION,
+                                 {"commitLogOffset": decode_offset_msg_id(sent.send_result.offset_msg_id)[2]})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+        await sender.until_asked(2)                 # asked again at once: resumed, it is due
+        assert await _metric(b, "txmq_transaction_checks_total") == 2
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total") == 0
+
+
+@bounded(60)
+async def test_a_half_near_the_properties_limit_is_dead_lettered_with_its_senders_mark_left_off(broker_factory):
+    """The sender's mark fits the half, but its dead letter adds TXMQ_REASON, TXMQ_HALF and
+    TRANSACTION_CHECK_TIMES to the half's properties: with the mark past 32767 bytes it could not be encoded, and
+    the transaction was retried (a traceback each interval) and never dead-lettered, where without the mark it
+    was. The mark is left off a dead letter that has no room for it."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1")
+    changed = asyncio.Event()
+    conn = await _raw(b, Checked(changed), "10.0.0.7@4242")
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        sent_props = {Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP, "fill": ""}
+        stored = {**sent_props, Prop.CLUSTER: "DefaultCluster", Prop.REAL_TOPIC: TOPIC, Prop.REAL_QID: "0"}
+        mark = len("\x02TXMQ_OWNER\x0110.0.0.7@4242")
+        extras = len("\x02TXMQ_REASON\x01max-checks\x02TXMQ_HALF\x01999999999\x02TRANSACTION_CHECK_TIMES\x011")
+        fill = 32767 - extras - len(properties_to_string(stored).encode())      # unmarked, its dead letter fits
+        assert fill > 0 and mark < extras
+        sent_props["fill"] = "y" * fill
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string(sent_props))
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                          b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        viewed = await conn.request(RemotingCommand.request(RequestCode.VIEW_MESSAGE_BY_ID, {
+            "offset": decode_offset_msg_id(sent.ext_fields["msgId"])[2]}), 5)
+        half = decode_record(viewed.body_bytes())[0]
+        assert half.properties["TXMQ_OWNER"] == "10.0.0.7@4242"      # the mark fitted the half
+        while True:         # checked once, unanswered: dead-lettered (no event says so but the admin view)
+            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            if json.loads(listed.body_bytes())["dead_lettered"]:
+                break
+            assert "could not dead-letter" not in b.log(), b.log()[-2000:]
+            await asyncio.sleep(0.05)
+        assert "no dead letter copied" not in b.log()       # the dead letter is there, without the mark
+    finally:
+        conn.close()
+
+
+@bounded(60)
+async def test_the_senders_mark_reaches_neither_its_producers_check_nor_a_consumer(broker_factory):
+    """The half names its sender (TXMQ_OWNER), which is the broker's: a check shows the producer the message it
+    sent, and the committed message, delivered at once or after its delay level, carries the producer's
+    properties as sent."""
+    b = broker_factory(*LONG, "--transaction-timeout-ms", "300")
+    seen: list[dict] = []
+
+    class Seeing(Listener):
+        async def check_local_transaction(self, msg):
+            seen.append(dict(msg.properties))
+            return await super().check_local_transaction(msg)
+
+    class Committing(Seeing):
+        def execute_local_transaction(self, msg, arg):
+            return S.COMMIT_MESSAGE if arg == "now" else S.UNKNOW
+
+    listener = Committing()
+    async with _producer(b, "sender", listener) as producer:
+        await producer.send_in_transaction(TOPIC, b"checked", properties={"k": "v"})
+        # (a stock producer clears DELAY off a transactional message; a RocketMQ 5 timer it sends as it is)
+        await producer.send_in_transaction(TOPIC, b"delayed", "now", properties={"k": "v", "TIMER_DELAY_MS": "300"})
+        await listener.until_asked(1)
+        consumer = PullConsumer(b.namesrv, "CG_marks")
+        got: dict[bytes, dict] = {}
+        try:
+            while len(got) < 2:             # the delayed one comes after its timer
+                for mq in await consumer.fetch_queues(TOPIC):
+                    res = await consumer.pull(mq, 0, max_nums=64)
+                    got.update((m.body, dict(m.properties)) for m in res.messages)
+                await asyncio.sleep(0.05)
+        finally:
+            await consumer.shutdown()
+    assert seen and all(P_OWNER not in props and props["k"] == "v" for props in seen), seen
+    assert all(P_OWNER not in props and props["k"] == "v" for props in got.values()), got
+
+
+@bounded(60)
+async def test_a_half_whose_properties_leave_its_dead_letter_no_room_is_dead_lettered_all_the_same(broker_factory):
+    """A half of 32767 bytes of properties is stored; its dead letter, with TXMQ_REASON, TXMQ_HALF and the check
+    count added, could not be encoded (RecordError): the transaction was retried every interval and never
+    dead-lettered (and an expiry raised out of retention's pass). It is dead-lettered by its op record alone."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1")
+    conn = await _raw(b, Checked(asyncio.Event()))      # no heartbeat: no mark, the half is full without it
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        sent_props = {Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP, "fill": ""}
+        stored = {**sent_props, Prop.CLUSTER: "DefaultCluster", Prop.REAL_TOPIC: TOPIC, Prop.REAL_QID: "0"}
+        sent_props["fill"] = "y" * (32767 - len(properties_to_string(stored).encode()))
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string(sent_props))
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                          b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        while True:         # checked once, unanswered: dead-lettered (no event says so but the admin view)
+            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            if json.loads(listed.body_bytes())["dead_lettered"]:
+                break
+            assert "could not dead-letter" not in b.log(), b.log()[-2000:]
+            await asyncio.sleep(0.05)
+        assert json.loads(listed.body_bytes())["total"] == 0
+        assert "no dead letter copied" in b.log()
+    finally:
+        conn.close()

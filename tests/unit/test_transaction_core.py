@@ -15,6 +15,7 @@ from broker.transaction.core import (
     COMMIT,
     DEAD,
     ROLLBACK,
+    UNCHECKABLE,
     UNKNOWN,
     Origin,
     Reply,
@@ -475,3 +476,21 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
             s.finish(w)
     assert not s.core.pending, f"never decided: {before}"
     heapq.heapify(s.core._heap)
+
+
+def test_a_half_naming_no_group_or_topic_is_dead_lettered_when_due_not_deferred_for_ever():
+    """A half whose properties a crash tore (the store's checks cover the body only) can name no producer group
+    or real topic: nobody could ever be asked about it, and it was deferred every interval for good, its
+    producer's transaction in doubt for ever. Due, it is dead-lettered with its reason instead; no check spent."""
+    s = Shell()
+    s.half(1, group="")
+    torn = Tx(2, 2, "PG", "", "U2", s.now)
+    s.core.add(torn)
+    s.half(3)
+    actions = s.tick(IMMUNITY)
+    assert sorted((a.tx.half_offset, a.op, a.reason) for a in actions if isinstance(a, Write)) == [
+        (1, DEAD, UNCHECKABLE), (2, DEAD, UNCHECKABLE)]
+    assert s.checks_sent == [3] and s.core.deferred_count() == 0
+    for action in list(s.writing):
+        s.finish(action)
+    assert set(s.core.pending) == {3}

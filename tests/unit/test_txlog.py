@@ -184,3 +184,76 @@ def test_txlog_imports_only_protocol():
 def test_a_check_op_carries_its_senders_client_id_only_when_it_is_a_plain_value(owner, written):
     got = txlog.parse_op(stored(factory().check(987, 3, 2, owner)))
     assert (got.checks, got.owner) == (2, written)
+
+
+@pytest.mark.parametrize("owner, written", [
+    ("10.0.0.7@4242", "10.0.0.7@4242"),
+    (None, None),                                              # no heartbeat named its connection yet
+    ("x" * (txlog.OWNER_MAX + 1), None),
+    (f"evil\x02{Prop.REAL_TOPIC}\x01Other", None),             # a separator would write a property of its choosing
+    ("\ud800", None),
+    ("10.0.0.7@caf\u00e9", "10.0.0.7@caf\u00e9"),
+])
+def test_a_half_carries_its_senders_client_id_and_its_committed_message_does_not(owner, written):
+    """A crash cannot lose the sender of a half stored since the last snapshot: the half names it (the last
+    property). The committed message is the half without it, its properties as the producer sent them; a
+    TXMQ_OWNER the producer sent itself never stands for the sender."""
+    f = factory()
+    sent = {Prop.PGROUP: "PG", Prop.TAGS: "TagA", Prop.UNIQ_KEY: "U1", txlog.P_OWNER: "someone@else"}
+    half = stored(f.half(body=b"payload", real_topic="Orders", real_qid=3, flag=0,
+                         sys_flag=SysFlag.TRANSACTION_PREPARED, born_timestamp=NOW, born_host=HOST, props=dict(sent),
+                         owner=owner))
+    assert half.properties.get(txlog.P_OWNER) == written
+    if written is not None:
+        assert list(half.properties)[-1] == txlog.P_OWNER
+    committed = stored(f.committed(half.encode(), 4096, "Orders", 3, 0))
+    expected = {k: v for k, v in sent.items() if k != txlog.P_OWNER}
+    assert committed.properties == {**expected, Prop.REAL_TOPIC: "Orders", Prop.REAL_QID: "3"}
+    assert (committed.topic, committed.body, committed.prepared_offset) == ("Orders", b"payload", 4096)
+    dead = stored(f.dead_letter(half, 4096, "max-checks"))
+    assert dead.properties.get(txlog.P_OWNER) == written       # a dead letter shows who sent it
+
+
+def test_retopic_record_drops_only_a_last_property_of_that_name():
+    from protocol.message import retopic_record
+    def moved(props: dict) -> dict:
+        rec = MessageExt(txlog.HALF_TOPIC, b"b", properties=props).encode()
+        return decode_record(retopic_record(rec, topic=b"T", queue_id=0, transaction_type=8, prepared_offset=1,
+                                            drop_last=txlog.P_OWNER.encode()))[0].properties
+    assert moved({"A": "1", txlog.P_OWNER: "x@1"}) == {"A": "1"}
+    assert moved({txlog.P_OWNER: "x@1", "A": "1"}) == {txlog.P_OWNER: "x@1", "A": "1"}     # not last: kept
+    assert moved({"A": "1", txlog.P_OWNER + "2": "x"}) == {"A": "1", txlog.P_OWNER + "2": "x"}
+    assert moved({txlog.P_OWNER: "x@1"}) == {txlog.P_OWNER: "x@1"}         # alone: no pair before it to cut at
+
+
+def test_a_half_whose_properties_leave_no_room_for_its_senders_id_is_stored_without_it():
+    """The mark must never cost a producer its send: a half whose properties fit the record without it (32767
+    bytes) is stored, unmarked (its sender is only not known after a crash), not refused as MESSAGE_ILLEGAL."""
+    from protocol.message import MAX_PROPERTIES_LENGTH
+    f = factory()
+
+    def half(fill: int):
+        return stored(f.half(body=b"b", real_topic="Orders", real_qid=0, flag=0, sys_flag=0, born_timestamp=NOW,
+                             born_host=HOST, props={"big": "y" * fill}, owner="10.0.0.7@4242"))
+
+    base = len(f"big\x01\x02{Prop.REAL_TOPIC}\x01Orders\x02{Prop.REAL_QID}\x010".encode())
+    room = MAX_PROPERTIES_LENGTH - base
+    assert half(room).properties.get(txlog.P_OWNER) is None
+    mark = len(f"\x02{txlog.P_OWNER}\x0110.0.0.7@4242")
+    assert half(room - mark).properties[txlog.P_OWNER] == "10.0.0.7@4242"     # exactly 32767 bytes with it
+    assert half(room - mark + 1).properties.get(txlog.P_OWNER) is None         # one byte more: stored without it
+
+
+@pytest.mark.parametrize("sent, taken", [
+    ("10.0.0.7@4242", "10.0.0.7@4242"),
+    ("x" * 30000, ""),                          # ~30 KB held by every such pending transaction, and shown by admin
+    (f"a\x01{Prop.REAL_TOPIC}", ""),            # a value may hold \x01: never a client id a heartbeat gives
+])
+def test_a_half_stored_before_its_sender_was_marked_names_a_sender_only_when_a_client_id_could_be(sent, taken):
+    """A half stored before the broker marked its sender kept a TXMQ_OWNER its producer sent, of any size (up
+    to the properties' 32767 bytes): read after the upgrade, it was taken as the sender's client id whatever it
+    was, where the broker keeps none that a check record could not carry (plain_owner)."""
+    from broker.transaction.core import tx_from_half
+    props = {Prop.PGROUP: "PG", Prop.REAL_TOPIC: "Orders", Prop.REAL_QID: "0", txlog.P_OWNER: sent}
+    old = MessageExt(txlog.HALF_TOPIC, b"b", properties=props).encode()
+    assert tx_from_half(decode_record(old)[0]).owner_id == taken
