@@ -11,13 +11,18 @@ from protocol.errors import ConnectionClosedError
 from tests.support.bounded import bounded
 
 
+def _stand_in(tmp_path, register_timeout_ms: int = 3000):
+    """The parts of BrokerContext a registrar reads: the topics, the config, and topic_perm (read-write)."""
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
+    config = types.SimpleNamespace(register_period_ms=600_000, register_timeout_ms=register_timeout_ms,
+                                   register_compressed=False, broker_name="B", cluster_name="C", broker_id=0)
+    return topics, types.SimpleNamespace(config=config, topics=topics, broker_addr="127.0.0.1:10911",
+                                         topic_perm=lambda perm: perm)
+
+
 @bounded(20)
 async def test_a_topic_made_during_the_first_registration_registers_without_waiting_a_period(tmp_path):
-    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
-    config = types.SimpleNamespace(register_period_ms=600_000, register_timeout_ms=3000, register_compressed=False,
-                                   broker_name="B", cluster_name="C", broker_id=0)
-    ctx = types.SimpleNamespace(config=config, topics=topics, broker_addr="127.0.0.1:10911",
-                                topic_perm=lambda perm: perm)       # BrokerContext's, read-write
+    topics, ctx = _stand_in(tmp_path)
     registrar = BrokerRegistrar(ctx, ["127.0.0.1:9876"], ha_server_addr="127.0.0.1:10912")
     bodies, first_sent, go_on, second = [], asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -49,10 +54,7 @@ async def test_a_name_server_that_never_answers_holds_up_no_other(tmp_path):
     topic made after the first waited the hung one's register_timeout_ms before the healthy name server
     heard of it (here the hang has no end: it never heard). Nor is the hung one sent a registration a round
     while its last is unanswered: they piled up on it."""
-    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
-    config = types.SimpleNamespace(register_period_ms=600_000, register_timeout_ms=3000, register_compressed=False,
-                                   broker_name="B", cluster_name="C", broker_id=0)
-    ctx = types.SimpleNamespace(config=config, topics=topics, broker_addr="127.0.0.1:10911")
+    topics, ctx = _stand_in(tmp_path)
     registrar = BrokerRegistrar(ctx, ["10.0.0.1:9876", "127.0.0.1:9876"], ha_server_addr="127.0.0.1:10912")
     healthy, hung, heard = [], [], asyncio.Event()
 
@@ -84,10 +86,7 @@ async def test_a_name_server_that_hangs_at_start_holds_up_no_topic_made_meanwhil
     register_timeout_ms, and the loop that registers topic changes only started after it: a topic made
     meanwhile (a client's first send, the broker already listening) reached the healthy name server only
     once the hung one timed out."""
-    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
-    config = types.SimpleNamespace(register_period_ms=600_000, register_timeout_ms=600_000,
-                                   register_compressed=False, broker_name="B", cluster_name="C", broker_id=0)
-    ctx = types.SimpleNamespace(config=config, topics=topics, broker_addr="127.0.0.1:10911")
+    topics, ctx = _stand_in(tmp_path, register_timeout_ms=600_000)
     registrar = BrokerRegistrar(ctx, ["10.0.0.1:9876", "127.0.0.1:9876"], ha_server_addr="127.0.0.1:10912")
     healthy, first_heard, heard = [], asyncio.Event(), asyncio.Event()
 
