@@ -106,7 +106,12 @@ class BrokerRegistrar:
 
     async def _register(self, addr: str) -> bool:
         try:
-            resp = await self.pool.request(addr, self.request(), self.timeout_s)
+            request = self.request()
+        except Exception:  # noqa: BLE001 - a bug, not a name server down: said as one, with its traceback
+            log.exception("could not build the registration for name server %s", addr)
+            return False
+        try:
+            resp = await self.pool.request(addr, request, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a name server down is retried next period
             log.warning("registering with name server %s failed: %s", addr, exc)
             return False

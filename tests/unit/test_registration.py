@@ -108,3 +108,21 @@ async def test_a_name_server_that_hangs_at_start_holds_up_no_topic_made_meanwhil
     finally:
         first.cancel()
         await registrar.stop()
+
+
+@bounded(20)
+async def test_a_registration_that_cannot_be_built_is_said_as_an_error_with_its_traceback(tmp_path, caplog):
+    """A registration whose body failed to build (a stand-in context without topic_perm did it) was logged
+    as a name server's failure, one WARNING line with no traceback, and retried a period later: a bug read
+    as a network problem."""
+    topics, ctx = _stand_in(tmp_path)
+
+    def broken(perm):
+        raise KeyError("perm")
+    ctx.topic_perm = broken
+    registrar = BrokerRegistrar(ctx, ["127.0.0.1:9876"], ha_server_addr="127.0.0.1:10912")
+    topics.create(TopicConfig("T", 4, 4))
+    assert await registrar.register_all() == 0
+    [record] = [r for r in caplog.records if r.name == "txmq.registration" or "registration" in r.getMessage()]
+    assert record.levelname == "ERROR" and record.exc_info is not None, record.getMessage()
+    assert "could not build the registration" in record.getMessage()
