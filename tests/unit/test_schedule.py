@@ -421,3 +421,26 @@ async def test_a_short_wait_stored_after_a_forward_step_wakes_the_sleeping_loop(
     finally:
         await svc.stop()
         await svc.ctx.store.close()
+
+
+@bounded()
+async def test_delay_offset_json_is_synced_into_its_directory_after_its_rename(tmp_path, monkeypatch):
+    """delayOffset.json was renamed into place with its directory never synced: a power cut could leave the
+    old one (or none), and progress records retention has since removed are not there to replay. Written
+    now with the catalogues' saved.save: the directory is synced once the new file is in place."""
+    import broker.store.saved as saved_mod
+    synced = []
+    real = saved_mod.fsync_dir
+
+    def fsync_dir(path):
+        with open(os.path.join(path, "delayOffset.json")) as f:         # in place when its name is synced
+            synced.append((os.path.abspath(path), json.loads(f.read())["offsetTable"]["1"]))
+        real(path)
+    monkeypatch.setattr(saved_mod, "fsync_dir", fsync_dir)
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _schedule(svc, "Orders", b"one", {"DELAY": "1"}, clock.now)
+    assert await svc.run_due(101_000, 101_000) == 1
+    await svc.stop()
+    await svc.ctx.store.close()
+    assert (os.path.abspath(tmp_path / "config"), 1) in synced
