@@ -12,7 +12,7 @@ import tempfile
 from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES
-from .plan import PlanError, validate_plan
+from .plan import PlanError, plan_target, validate_plan
 from .segments import require_store
 
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.report_dir is not None:
                 require_writable(args.report_dir, "--report-dir")
         else:
-            require_writable(os.path.dirname(os.path.abspath(args.out)), "the plan's directory")
+            require_writable(os.path.dirname(plan_target(args.out)), "the plan's directory")
     except StoreError as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return 2
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"plan": args.out, "store_id": plan["store_id"], "halves": len(plan["halves"]),
                               "segments": len(plan["segments"]), "report": plan["report"]}))
         return 0
-    except (StoreError, ValueError) as exc:
+    except (StoreError, ValueError, OSError) as exc:      # OSError: the plan or report cannot be written
         text = str(exc)
         log.error("%s", text if text.startswith(f"{args.command}:") else f"{args.command}: {text}")
         return 2

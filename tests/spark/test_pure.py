@@ -148,6 +148,34 @@ def test_validate_plan_accepts_a_good_plan_from_file_text_or_dict(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".plan-")]
 
 
+def test_a_plan_written_through_a_symlink_replaces_the_file_it_points_to(tmp_path):
+    """The plan's path may be a link to where `admin apply-expiry` reads it (a shared mount). The temporary
+    file was made beside the link and renamed over it: the link became a plain file, and the file it
+    pointed to kept the first night's plan for good, every later night's halves never expired, nothing said."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "plan.json").write_text("{}")
+    link = tmp_path / "plan.json"
+    link.symlink_to(shared / "plan.json")
+    write_plan(_plan(), str(link))
+    assert link.is_symlink()
+    assert validate_plan(str(shared / "plan.json"))["halves"][0]["commit_log_offset"] == 10
+    assert sorted(os.listdir(tmp_path)) == ["plan.json", "shared"] and os.listdir(shared) == ["plan.json"]
+
+
+def test_a_plan_that_is_a_mount_point_of_its_own_is_a_clear_error(tmp_path, monkeypatch):
+    """A plan file bind-mounted on its own cannot be replaced by a rename (EBUSY): the error says why and
+    what to mount instead, and no temporary file is left beside it."""
+    import errno
+
+    def busy(src, dst):
+        raise OSError(errno.EBUSY, "Device or resource busy")
+    monkeypatch.setattr(os, "replace", busy)
+    with pytest.raises(OSError, match="plan.json in one rename .* mount the directory it is in instead"):
+        write_plan(_plan(), str(tmp_path / "plan.json"))
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("change, message", [
     ({"version": 1}, "version"),
     ({"store_id": None}, "store_id"),
