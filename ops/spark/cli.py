@@ -13,6 +13,7 @@ from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES
 from .plan import PlanError, plan_target, validate_plan
+from .publish import PublishError, check_tables
 from .segments import require_store
 
 
@@ -156,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "rollup":
             require_writable(args.out, "--out")
+            from .rollup import TABLES, _local_path
+
+            if _local_path(args.out) is not None:
+                check_tables(_local_path(args.out), TABLES)
             if args.report_dir is not None:
                 require_writable(args.report_dir, "--report-dir")
         else:
             require_writable(os.path.dirname(plan_target(args.out)), "the plan's directory")
-    except StoreError as exc:
+    except (StoreError, PublishError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return 2
 
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"plan": args.out, "store_id": plan["store_id"], "halves": len(plan["halves"]),
                               "segments": len(plan["segments"]), "report": plan["report"]}))
         return 0
-    except (StoreError, ValueError, OSError) as exc:      # OSError: the plan or report cannot be written
+    except (StoreError, ValueError, OSError, PublishError) as exc:    # OSError: a plan or report not written
         text = str(exc)
         log.error("%s", text if text.startswith(f"{args.command}:") else f"{args.command}: {text}")
         return 2

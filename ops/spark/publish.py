@@ -65,10 +65,17 @@ class Publisher:
         self.fs.create(self._p(f"run-{self.run}"), True).close()    # commit() checks it is still there
         return str(self._p("new", table))
 
+    def check_tables(self, tables) -> None:
+        """check_tables() for this --out (a local one)."""
+        out = _local(self.out)
+        if out is not None:
+            check_tables(out, tables)
+
     def commit(self, owned: dict[str, set[str]]) -> dict[str, set[str]]:
         """Swap in, for each table, every staged date partition, and remove the partitions of the
         owned dates that now have no rows; return {table: dates swapped in}."""
         journal = {"run": self.run, "tables": {}}
+        self.check_tables(owned)                # before the journal: nothing is published
         if not self.fs.exists(self._p(f"run-{self.run}")):
             # Gone: another run's recover() dropped them as a killed run's, and a date "with no rows
             # any more" would be every date of the run, removed.
@@ -168,6 +175,22 @@ class Publisher:
         _rename(self.fs, final, old)
 
 
+def check_tables(out_dir: str, tables) -> None:
+    """Refuse (PublishError) tables of a local ``out_dir`` whose directory is on another file system than
+    its staging area (a table linked to another disk). A rename across file systems fails, and Hadoop's
+    local file system then copies, file by file: readers saw the old partition half deleted and the new
+    one half copied, and a run killed after the copy of the new partition's run marker left it half
+    copied for good (the next run took the marker for a finished swap)."""
+    staging = os.path.join(out_dir, DIR)
+    here = _device(staging)
+    for table in tables:
+        where = os.path.join(out_dir, table)
+        if _device(where) != here:
+            raise PublishError(f"{where} is on another file system than {staging}: its partitions cannot be "
+                               "swapped in atomically; keep every table on --out's file system (link or mount "
+                               "--out itself, not a table in it)")
+
+
 def _rename(fs, src, dst) -> None:
     """Hadoop's rename reports failure as False; a publish step that fails must stop the run."""
     if not fs.rename(src, dst):
@@ -177,6 +200,18 @@ def _rename(fs, src, dst) -> None:
 def _local(path) -> str | None:
     uri = path.toUri()
     return uri.getPath() if uri.getScheme() == "file" else None
+
+
+def _device(local: str) -> int:
+    """The device of a local path, or of its nearest ancestor that exists (links followed)."""
+    while True:
+        try:
+            return os.stat(local).st_dev
+        except FileNotFoundError:
+            parent = os.path.dirname(local)
+            if parent == local:
+                raise
+            local = parent
 
 
 def _fsync(local: str) -> None:

@@ -310,9 +310,11 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
     started = time.monotonic()
     day = dt.date.fromisoformat(date) if date is not None else None   # ValueError before any work
-    if Publisher(spark, out_dir).pending():   # a run killed while it published: finish that before reading
-        with _out_lock(out_dir):                # --out (a run that fails creates no --out: checked first)
-            Publisher(spark, out_dir).recover()
+    publisher = Publisher(spark, out_dir)
+    publisher.check_tables(TABLES)          # a table on another file system: refused before any work
+    if publisher.pending():                 # a run killed while it published: finish that before reading
+        with _out_lock(out_dir):            # --out (a run that fails creates no --out: checked first)
+            publisher.recover()
     stores = store_brokers(store_dir)
     parts = []
     tables: dict = {}
@@ -348,8 +350,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
         # Each table's rows of another broker are read, then written back with this run's: two runs
         # into one --out at once would each write back the other's old rows (a lost update).
         with _out_lock(out_dir):
-            publisher = Publisher(spark, out_dir)
-            publisher.recover()
+            publisher.recover()             # one another run killed since the check above left
             report_tables, old_brokers = {}, set()
             for name, df in queries.items():
                 t0 = time.monotonic()
