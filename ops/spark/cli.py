@@ -32,13 +32,30 @@ def _spark_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default=None,
                    help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--shuffle-partitions", type=int, default=None, help="spark.sql.shuffle.partitions")
-    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="extra Spark setting")
+    p.add_argument("--conf", action="append", default=[], type=_conf, metavar="KEY=VALUE", help="extra Spark setting")
     p.add_argument("--skip-damaged", action="store_true",
                    help="leave a damaged segment tail out (and report it) instead of failing")
     p.add_argument("--check-crc", action="store_true", help="also verify every body CRC (slower)")
     p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_BYTES >> 20,
                    help="split segments into tasks of about this many MiB (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no Spark console progress bar")
+
+
+# Settings the jobs' results rest on. Under another session time zone every hour and day window (UTC
+# milliseconds) was labelled with that zone's date: the hours before midnight there fell out of the date
+# they were computed for, and its tables lost them without a word.
+FIXED_CONF = {"spark.sql.session.timeZone": "UTC", "spark.sql.sources.partitionOverwriteMode": "dynamic"}
+
+
+def _conf(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    key = key.strip()
+    if key in FIXED_CONF and value.strip() != FIXED_CONF[key]:
+        raise argparse.ArgumentTypeError(f"{key} must stay {FIXED_CONF[key]}: every window and date partition "
+                                         "is computed in UTC")
+    return key, value
 
 
 def _epoch_ms(text: str) -> int:
@@ -171,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .session import build_session
 
-    conf = dict(kv.split("=", 1) for kv in args.conf)
+    conf = dict(args.conf)
     spark = build_session(args.master, app_name=f"txmq-{args.command}", shuffle_partitions=args.shuffle_partitions,
                           progress=not args.no_progress, conf=conf)
     scan = {"skip_damaged": args.skip_damaged, "check_crc": args.check_crc, "chunk_bytes": args.chunk_mb << 20}

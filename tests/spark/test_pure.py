@@ -285,3 +285,21 @@ def test_timer_messages_and_scheduler_progress_are_not_counted_as_traffic(tmp_pa
         b.at(T0 + 60_000).send("Orders", b"later")            # the same message, delivered
     rows = [dict(zip(seg.ROW_FIELDS, r)) for r in _rows(seg.plan_chunks(d, 1 << 40)[1])]
     assert {(r["topic"], r["n"]) for r in rows if r["row"] == "msg"} == {("Orders", 1)}
+
+
+@pytest.mark.parametrize("conf, message", [("spark.sql.session.timeZone=America/New_York", "must stay UTC"),
+                                           ("spark.sql.sources.partitionOverwriteMode=static", "must stay dynamic"),
+                                           ("spark.executor.memory", "is not KEY=VALUE")])
+def test_a_conf_the_results_rest_on_is_refused_before_spark_starts(tmp_path, capsys, conf, message):
+    """--conf spark.sql.session.timeZone=America/New_York was taken: every window (UTC milliseconds) was
+    labelled with New York's date, so the five hours before UTC midnight fell out of the date they were
+    computed for and its tables lost them, nothing said. A --conf without "=" was a traceback."""
+    from ops.spark import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["rollup", "--store-dir", str(tmp_path), "--out", str(tmp_path / "o"),
+                                       "--conf", conf])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["expiry", "--store-dir", str(tmp_path), "--out", str(tmp_path / "p"),
+                                          "--conf", "spark.sql.session.timeZone=UTC", "--conf", "a.b=c=d"])
+    assert dict(args.conf) == {"spark.sql.session.timeZone": "UTC", "a.b": "c=d"}
