@@ -41,11 +41,18 @@ RETRY = "%RETRY%"
 TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"
 
 # RocketMQ's Permission.ADMIN_CODE, plus codes that decide, rewind or delete data: txmq's own and
-# INVOKE_BROKER_TO_RESET_OFFSET (any signed account may reset a group in RocketMQ; here an admin).
-ADMIN_CODES = frozenset({R.UPDATE_AND_CREATE_TOPIC, 25, R.DELETE_TOPIC_IN_BROKER,
+# INVOKE_BROKER_TO_RESET_OFFSET (any signed account may reset a group in RocketMQ; here an admin), and
+# wipeWritePerm / addWritePerm, which take the broker out of (or back into) write routes as brokerPermission does.
+ADMIN_CODES = frozenset({R.UPDATE_AND_CREATE_TOPIC, R.UPDATE_BROKER_CONFIG, R.DELETE_TOPIC_IN_BROKER,
                          R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, 207, R.INVOKE_BROKER_TO_RESET_OFFSET,
                          R.TXMQ_LIST_TRANSACTIONS,
-                         R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION, R.TXMQ_APPLY_EXPIRY})
+                         R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION, R.TXMQ_APPLY_EXPIRY,
+                         R.WIPE_WRITE_PERM_OF_BROKER, R.ADD_WRITE_PERM_OF_BROKER})
+
+# What the broker's own name-server port checks (it answers routes to anyone, as a RocketMQ name server):
+# wipeWritePerm / addWritePerm there change this broker's write routes, as updateBrokerConfig brokerPermission
+# does on the broker port. A stock mqadmin with credentials signs its name-server requests too.
+NAMESRV_CHECKED = frozenset({R.WIPE_WRITE_PERM_OF_BROKER, R.ADD_WRITE_PERM_OF_BROKER})
 
 
 def parse_perm(text) -> int:

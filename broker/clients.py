@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from protocol.codes import LanguageCode, RequestCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
-from protocol.message import java_string_hash
+from protocol.message import MAX_CLIENT_ID_LENGTH, java_string_hash, text_encodes, validate_group
 
 from .limits import count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
@@ -124,8 +124,8 @@ class ConsumerGroup:
 def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
     """(clientID, producer groups, consumer entries) of a HEART_BEAT body, typed as RocketMQ's HeartbeatData
     (fastjson) types them: a number or boolean where a name belongs is its text, a subVersion or code may be
-    a numeric string; a list or object there fails the whole heartbeat (HeaderError) before anything is
-    registered. Untyped, a group named by the number 7 was registered as the int 7: the metrics page answered
+    a numeric string; a list or object there, or a group name or clientID past its length (validate_group),
+    fails the whole heartbeat (HeaderError) before anything is registered. Untyped, a group named by the number 7 was registered as the int 7: the metrics page answered
     HTTP 500 and group listings failed for as long as that connection stayed. Entries that are not objects,
     or name no group, are passed over as before."""
     if not isinstance(data, dict):
@@ -146,7 +146,16 @@ def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
             "codeSet": [_integer(n, "code") for n in _list(s.get("codeSet"), "codeSet")],
         } for s in _objects(c, "subscriptionDataSet")]
         consumers.append(entry)
-    return _text(data.get("clientID"), "clientID"), [g for g in producers if g], consumers
+    client_id = _text(data.get("clientID"), "clientID")
+    if client_id is not None and len(client_id) > MAX_CLIENT_ID_LENGTH:
+        raise HeaderError(f"heartbeat clientID is {len(client_id)} characters, longer than {MAX_CLIENT_ID_LENGTH}")
+    if client_id is not None and not text_encodes(client_id):
+        raise HeaderError(f"heartbeat clientID {client_id!r} is not UTF-8 text (it holds a lone surrogate)")
+    for group in producers + [c["groupName"] for c in consumers]:
+        why = validate_group(group)
+        if why is not None:
+            raise HeaderError(f"heartbeat {why}")
+    return client_id, [g for g in producers if g], consumers
 
 
 def _subscription_bytes(consumer: dict) -> int:
@@ -211,7 +220,7 @@ class ClientRegistry:
         # group (20,000 groups: 9 ms a close on the loop, seconds for a reconnect storm)
         self._producing: dict[object, set[str]] = {}
         self._consuming: dict[object, set[str]] = {}
-        self.on_new_retry_group = None            # callback(group, first heartbeat) -> makes sure of %RETRY%group
+        self.on_new_retry_group = None            # callback(group, first heartbeat, conn) -> makes sure of %RETRY%group
         self.on_new_producer = None               # callback(group): a producer of it registered on a connection
         # (group, topic, queue id) -> (client id, ms of the last grant, connection it came on). No broker name:
         # every queue here is this broker's, and a name the client wrote must not make one queue many locks.
@@ -306,7 +315,7 @@ class ClientRegistry:
         if first:
             group = self.consumers[name] = ConsumerGroup(name)
         if self.on_new_retry_group is not None:     # every heartbeat, as RocketMQ: a deleted one comes back
-            self.on_new_retry_group(name, first)
+            self.on_new_retry_group(name, first, conn)
         group.consume_type = _enum(data.get("consumeType"), _CONSUME_TYPES, group.consume_type)
         group.message_model = _enum(data.get("messageModel"), _MESSAGE_MODELS, group.message_model)
         group.consume_from_where = _enum(data.get("consumeFromWhere"), _CONSUME_FROM, group.consume_from_where)

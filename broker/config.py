@@ -48,6 +48,9 @@ class BrokerConfig:
     max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
     max_total_write_buffer: int = setting(256 * 1024 * 1024, "Unread response bytes all connections may hold together. Past it, the connections holding the most (those that stopped reading first) are closed, largest first, until the total is back under it, each logged and counted in txmq_unread_closes_total{reason=\"max_total_write_buffer\"}: without it, a hundred clients that send but never read could hold max_write_buffer each, and the broker would be killed for its memory.")
     max_topics: int = setting(2048, "Topics the broker holds at most (system topics included); past it a new topic is refused with NO_PERMISSION naming this limit. Each topic costs memory, files and a catalogue entry; raise it for a larger catalogue.")
+    max_topics_per_host: int = setting(512, "Topics the connections from one remote address (an IPv6 one by its /64) may have created and not deleted: auto-created by sends (%RETRY% and %DLQ% topics of send-backs too), the %RETRY% topics of its consumer groups' heartbeats and, without an ACL, by UPDATE_AND_CREATE_TOPIC. Past it a new topic is refused with NO_PERMISSION naming this limit (counted in txmq_requests_refused_total{reason=\"topic-host-limit\"}, logged at most every 10 s); a topic of its deleted gives the room back, and at the limit its empty %RETRY% topics of groups with no consumer are forgotten first (as at max_retry_groups). Counted since the broker started. Without it one client could fill max_topics, and every other client's new topic was refused until an operator deleted topics.")
+    ipv6_client_prefix: int = setting(64, "IPv6 clients are counted by this prefix of their address for every per-host limit (connections, groups, parked pulls, queue locks, topics, offsets): 64, a /64, is what one IPv6 host or site is given, and a client picking a source address per connection from it got round every per-host limit when counted by address. But a data-centre or cloud subnet (an AWS VPC subnet, its EKS pods) is one /64 holding many hosts, which then share one host's room: 128 counts each address as itself. ::1, link-local and IPv4-mapped addresses are counted as themselves whatever this is.")
+    max_offsets_per_host: int = setting(100000, "Committed consumer offsets (one a group, topic and queue) the connections from one remote address (an IPv6 one by its /64) may have made, by UPDATE_CONSUMER_OFFSET or a pull's commitOffset; an offset it made is moved as ever. Past it a new one is refused naming this limit (a pull is still answered, its commit not kept), counted in txmq_requests_refused_total{reason=\"offset-host-limit\"} and logged at most every 10 s; deleting the group with its offsets (deleteSubGroup, removeOffset) or its topic gives the room back. Counted since the broker started. Group names cost nothing, and without it one client looping over made-up names grew the offsets table, its file rewritten every few seconds and every slave's copy without end.")
     max_auto_create_topics_per_s: float = setting(10.0, "Topics one client (remote address) may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
     max_writer_queued_bytes: int = setting(64 * 1024 * 1024, "Send bytes waiting for the store writer; past it sends get SYSTEM_BUSY with RocketMQ's [TIMEOUT_CLEAN_QUEUE] remark, so stock clients back off instead of growing the queue.")
     max_undecided_per_group: int = setting(100000, "Undecided transactions one producer group may hold; past it new half messages get SYSTEM_BUSY. Bounds the pending index one group can grow.")
@@ -130,13 +133,15 @@ class BrokerConfig:
         for name in ("segment_size", "cq_units_per_file", "max_message_size", "max_frame_size", "max_connections", "max_in_flight",
                      "max_connections_per_host",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
-                     "default_topic_queue_nums", "max_topics", "max_writer_queued_bytes", "max_write_buffer",
+                     "default_topic_queue_nums", "max_topics", "max_topics_per_host", "max_offsets_per_host", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_undecided_per_group", "max_retry_groups",
                      "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection",
                      "max_queue_locks_per_host", "max_groups_per_host", "max_parked_pulls_per_host",
                      "max_subscription_bytes_per_group"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if not 1 <= self.ipv6_client_prefix <= 128:
+            raise ConfigError(f"ipv6_client_prefix={self.ipv6_client_prefix} is not an IPv6 prefix length (1 to 128)")
         if not 0.0 < self.gil_switch_interval_ms <= 100:
             raise ConfigError(f"gil_switch_interval_ms={self.gil_switch_interval_ms} must be in (0, 100]")
         if not 0 <= self.access_message_in_memory_max_ratio <= 100:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from protocol.codes import Perm
 from protocol.message import UniqIdGenerator, pack_host
 
 from .clients import ClientRegistry
@@ -47,8 +48,18 @@ class BrokerContext:
     kv: object = None                # broker.kv_config.KvConfig: its name server's KV config
     ha: object = None                # broker.ha.HAMaster / HASlave; None: a master nobody follows
     started_ms: int = 0              # when the broker began serving (runtime info)
+    # mqadmin updateBrokerConfig brokerPermission (processors/broker_config.py): until the broker stops
+    broker_permission: int = Perm.READ_WRITE
+    config_version: int = 0          # live configuration changes (GET_BROKER_CONFIG's version counter)
+    routes_write_wiped: bool = False  # wipeWritePerm on its name server: routes say no writes (processors/namesrv)
     forwarding: int = 0              # requests waiting for a consumer's answer (processors/forward.py)
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)
+
+    def topic_perm(self, perm: int) -> int:
+        """A topic's perm as routes and registrations carry it: masked by the broker permission when that is
+        not read-write, as RocketMQ's registerBrokerAll (which drops INHERIT then too)."""
+        bp = self.broker_permission
+        return perm if bp == Perm.READ_WRITE else perm & bp
 
     def set_address(self, host: str, port: int) -> None:
         self.broker_addr = f"{host}:{port}"

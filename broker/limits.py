@@ -7,6 +7,8 @@ refusal is counted in ``txmq_requests_refused_total{reason}``.
 """
 from __future__ import annotations
 
+import functools
+import ipaddress
 import logging
 import time
 
@@ -19,9 +21,47 @@ BUSY_REMARK = "[TIMEOUT_CLEAN_QUEUE]broker busy, start flow control for a while"
 
 
 def peer_host(conn) -> str:
-    """The remote address of ``conn``: what one client is, whatever number of connections it opens."""
+    """Who ``conn``'s peer is for every per-host cap: one client, whatever number of connections it opens
+    (its remote address, keyed by ``client_key``)."""
     peer = getattr(conn, "peer", None)
-    return peer[0] if peer else ""
+    return client_key(peer[0]) if peer else ""
+
+
+_NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")     # RFC 6052: an IPv4 address in its last 32 bits
+_ipv6_prefix = 64      # set_ipv6_client_prefix: the server's ipv6_client_prefix, one a process
+
+
+def set_ipv6_client_prefix(bits: int) -> None:
+    """Key IPv6 peers by their first ``bits`` bits from now on (128: each address as itself)."""
+    global _ipv6_prefix
+    if not 1 <= bits <= 128:
+        raise ValueError(f"an IPv6 prefix is 1 to 128 bits, not {bits}")
+    _ipv6_prefix = bits
+    client_key.cache_clear()
+
+
+@functools.lru_cache(maxsize=4096)
+def client_key(host: str) -> str:
+    """The key one client's caps are counted under: an IPv4 address as it is (an IPv4-mapped IPv6 one, or one
+    under the NAT64 prefix 64:ff9b::/96, as its IPv4 address), an IPv6 address by its /64 ("2001:db8:1:2::/64";
+    the prefix is the server's ipv6_client_prefix), the loopback ::1 and a link-local address (whose /64, fe80::,
+    every host on the link shares) as themselves.
+
+    A /64 is what one IPv6 host or site is given (RFC 6177): by address, one client picking address after
+    address from its own /64 got round every per-host cap. Anything not an IP address is kept as given."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if addr.version == 4:
+        return str(addr)
+    if addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    if addr in _NAT64_WELL_KNOWN:     # IPv4 clients seen through a translator (SIIT-DC): by /64, all were one client
+        return str(ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF))
+    if addr.is_loopback or addr.is_link_local or _ipv6_prefix == 128:
+        return str(addr)
+    return str(ipaddress.IPv6Network((addr, _ipv6_prefix), strict=False))
 
 
 def count_down(counts: dict, key) -> None:
@@ -54,21 +94,38 @@ class Limits:
                 log.warning("%s (logged at most every %d s)", warning, _GATE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ topics
-    def may_auto_create(self, conn, cmd, topics, topic: str):
-        """None, or the response refusing to create ``topic`` for this client.
-
-        A client is its address, not its connection: opening fifty connections must not buy
-        fifty times the rate (each new topic costs files and a catalogue entry)."""
+    def may_create(self, conn, cmd, topics, topic: str, *, per_host: bool = True):
+        """None, or the response refusing to create ``topic``: past max_topics, or (``per_host``) this client past
+        max_topics_per_host -- else one client could fill max_topics, every other client's new topic refused
+        until an operator deleted topics. What it created is counted by ``topics`` (created_by)."""
         c = self.config
         if len(topics.topics) >= c.max_topics:
             self.refused("topic-limit")
             return cmd.response(ResponseCode.NO_PERMISSION,
                                 f"topic[{topic}] not created: the broker holds {len(topics.topics)} topics, "
                                 f"its limit (max_topics={c.max_topics})")
-        rate = c.max_auto_create_topics_per_s
+        if per_host:
+            host = peer_host(conn)
+            if not topics.room_for(host, c.max_topics_per_host):
+                held = topics.created_by(host)
+                why = (f"topic[{topic}] not created: client {host} created {held} topics, its limit "
+                       f"(max_topics_per_host={c.max_topics_per_host}); delete some first")
+                self.refused("topic-host-limit", why)
+                return cmd.response(ResponseCode.NO_PERMISSION, why)
+        return None
+
+    def may_auto_create(self, conn, cmd, topics, topic: str):
+        """None, or the response refusing to create ``topic`` for this client (``may_create``, then its rate).
+
+        A client is its address, not its connection: opening fifty connections must not buy
+        fifty times the rate (each new topic costs files and a catalogue entry)."""
+        refused = self.may_create(conn, cmd, topics, topic)
+        if refused is not None:
+            return refused
+        rate = self.config.max_auto_create_topics_per_s
         now = self.monotonic()
         buckets = self._topic_tokens
-        host = conn.peer[0]
+        host = peer_host(conn)
         tokens, last = buckets.get(host, (float(rate), now))
         tokens = min(float(rate), tokens + (now - last) * rate)
         if len(buckets) > 4096:         # forget clients whose bucket has refilled: they lose nothing
@@ -83,6 +140,22 @@ class Limits:
                                 f"max_auto_create_topics_per_s={rate:g}; retry later")
         buckets[host] = (tokens - 1.0, now)
         return None
+
+    # ------------------------------------------------------------ offsets
+    def may_commit(self, conn, offsets, group: str, topic: str, queue_id: int) -> str | None:
+        """None, or why this client may not make the offset of (``group``, ``topic``, ``queue_id``): past
+        max_offsets_per_host. An offset there is (its own or not) is always moved."""
+        if offsets.has(group, topic, queue_id):
+            return None
+        limit = self.config.max_offsets_per_host
+        host = peer_host(conn)
+        held = offsets.made_by(host)
+        if held < limit:
+            return None
+        why = (f"offset of group {group} on {topic} queue {queue_id} not stored: client {host} made {held} "
+               f"offsets, its limit (max_offsets_per_host={limit}); delete groups it no longer uses")
+        self.refused("offset-host-limit", why)
+        return why
 
     # ------------------------------------------------------------ writer pressure
     def busy(self, cmd, size: int):
@@ -128,7 +201,8 @@ class Limits:
 
 
 class ConnectionGate:
-    """Who may connect: at most ``max_total`` connections, and at most ``max_per_host`` from one remote address.
+    """Who may connect: at most ``max_total`` connections, and at most ``max_per_host`` from one remote address
+    (an IPv6 one by its /64: ``client_key``).
 
     Without the second, one client opening connections until the total was reached (idle ones cost it
     nothing) left every other client unable to connect at all. A refusal is logged at most every
@@ -153,7 +227,7 @@ class ConnectionGate:
 
     def admit(self, conn) -> str | None:
         """None when ``conn`` is let in (then counted until release), else the limit it is past."""
-        host = conn.peer[0]
+        host = peer_host(conn)
         if len(self.open) >= self.max_total:
             why = "max_connections"
         elif self._by_host.get(host, 0) >= self.max_per_host:
@@ -166,7 +240,7 @@ class ConnectionGate:
         now = self.monotonic()
         if now - self._logged_at >= _GATE_LOG_INTERVAL_S:
             self.log.warning("%s: refusing %s:%s (past %s; %d connections open, %d from %s); %d refused since "
-                             "the last such line (logged at most every %d s)", self.what, host, conn.peer[1], why,
+                             "the last such line (logged at most every %d s)", self.what, conn.peer[0], conn.peer[1], why,
                              len(self.open), self._by_host.get(host, 0), host, self._refused,
                              _GATE_LOG_INTERVAL_S)
             self._logged_at, self._refused = now, 0
@@ -193,7 +267,7 @@ class ConnectionGate:
         if conn not in self.open:
             return False
         self.open.discard(conn)
-        count_down(self._by_host, conn.peer[0])
+        count_down(self._by_host, peer_host(conn))
         return True
 
 

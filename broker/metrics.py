@@ -19,6 +19,7 @@ import random
 import time
 from bisect import bisect_left
 from collections import deque
+from datetime import date
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -28,6 +29,8 @@ import platform
 
 from protocol import __version__
 from protocol.codes import request_name
+
+from .stats_windows import StatsWindows
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
@@ -121,6 +124,16 @@ class BrokerMetrics:
         self.put_total = 0                      # messages stored and pulled since start, never forgotten
         self.get_total = 0
         self._totals: deque[tuple[float, int, int]] = deque(maxlen=_STORE_TPS_SPANS_S[-1] + 1)
+        # VIEW_BROKER_STATS_DATA's TOPIC_PUT_NUMS (from _in) and GROUP_GET_NUMS (from _got, (topic, group) ->
+        # messages pulled since start, the pairs with a delivery series of their own) over a minute, an hour and a day
+        self._got: dict[tuple[str, str], int] = {}
+        # RocketMQ's BrokerStats: the put and get totals at the last two local midnights (0 before the first),
+        # which mqadmin exportMetrics parses (Long.parseLong of a missing key: it failed for every broker)
+        self.mornings = dict.fromkeys(("msgPutTotalYesterdayMorning", "msgPutTotalTodayMorning",
+                                       "msgGetTotalYesterdayMorning", "msgGetTotalTodayMorning"), 0)
+        self._morning_day = date.fromtimestamp(time.time()).toordinal()
+        self.put_windows = StatsWindows(time.monotonic())
+        self.get_windows = StatsWindows(time.monotonic())
         self.messages_out = Counter("rocketmq_messages_out", "Messages delivered by pulls.",
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
@@ -137,7 +150,7 @@ class BrokerMetrics:
         self.rejected_frames = Counter("txmq_rejected_frames", "Connections closed for malformed input.",
                                        registry=r)
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
-                               "(acl, topic-limit, topic-rate, busy, undecided-limit, retry-group-limit, queue-lock-limit, "
+                               "(acl, topic-limit, topic-host-limit, topic-rate, offset-host-limit, busy, undecided-limit, retry-group-limit, queue-lock-limit, "
                                "max_connections, max_connections_per_host, group-limit, subscription-limit, parked-pull-limit, "
                                "producer-group-mismatch, end-not-its-half).",
                                ["reason"], registry=r)
@@ -248,6 +261,9 @@ class BrokerMetrics:
         for labels in idle:
             del self._children[(mid, labels)]
             metric.remove(*labels)
+        if metric is self.messages_out:     # their GROUP_GET_NUMS go with them (pairs unchanged for idle_s)
+            gone = [labels for labels in idle if self._got.pop(labels, None) is not None]
+            self.get_windows.forget(gone)
         self._made[mid] -= len(idle)
         if idle:
             log.info("%s: %d label sets unchanged for %.0f s removed to make room", metric._name, len(idle),
@@ -268,7 +284,8 @@ class BrokerMetrics:
         """Drop the series and rates of a deleted topic (DELETE_TOPIC_IN_BROKER), as RocketMQ's broker stats do
         with autoDeleteUnusedStats: kept, every topic ever deleted stayed in each scrape and in memory, and a
         topic made again under its name went on from the old counts."""
-        self._in.pop(topic, None)
+        if self._in.pop(topic, None) is not None:
+            self.put_windows.forget((topic,))
         self._forget_out(lambda labels: labels[0] == topic)
 
     def forget_consumer_group(self, group: str) -> None:
@@ -287,6 +304,10 @@ class BrokerMetrics:
                     marked[1].pop(key[1], None)
         for pair in [p for p in self._pulled if match(p)]:
             del self._pulled[pair]
+        gone = [p for p in self._got if match(p)]
+        for pair in gone:
+            del self._got[pair]
+        self.get_windows.forget(gone)
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
         counts = self._in.get(topic)
@@ -298,9 +319,15 @@ class BrokerMetrics:
 
     def count_out(self, topic: str, group: str, messages: int, nbytes: int, now: float | None = None) -> None:
         """Messages delivered by a pull: the counters, and the slots consume_tps reads."""
-        self.child(self.messages_out, topic, group).inc(messages)
+        series = self.child(self.messages_out, topic, group)
+        series.inc(messages)
         self.child(self.bytes_out, topic, group).inc(nbytes)
         self.get_total += messages
+        # GROUP_GET_NUMS: kept for the pairs with a series of their own, and given up with it (_evict_idle).
+        # Kept apart, the first max_series pairs ever seen held every place for good.
+        got = self._got.get((topic, group))
+        if got is not None or series is not self._children.get((id(self.messages_out), (OTHER, OTHER))):
+            self._got[(topic, group)] = (got or 0) + messages
         slot = int((time.monotonic() if now is None else now) // _TPS_SLOT_S)
         slots = self._pulled.get((topic, group))
         if slots is None:
@@ -332,9 +359,32 @@ class BrokerMetrics:
         slots = self._pulled.get((topic, group), {})
         return sum(n for s, n in slots.items() if s >= first) / (now - first * _TPS_SLOT_S)
 
-    def sample_totals(self, now: float | None = None) -> None:
-        """Once a second (the broker's gauge loop): the put and get totals store_tps reads."""
-        self._totals.append((time.monotonic() if now is None else now, self.put_total, self.get_total))
+    def sample_totals(self, now: float | None = None, wall: float | None = None) -> None:
+        """Once a second (the broker's gauge loop): the put and get totals store_tps reads, the stats windows'
+        snapshots when due, and the mornings' totals after a local midnight."""
+        day = date.fromtimestamp(time.time() if wall is None else wall).toordinal()
+        if day != self._morning_day:
+            self._morning_day = day
+            m = self.mornings
+            m["msgPutTotalYesterdayMorning"], m["msgPutTotalTodayMorning"] = m["msgPutTotalTodayMorning"], self.put_total
+            m["msgGetTotalYesterdayMorning"], m["msgGetTotalTodayMorning"] = m["msgGetTotalTodayMorning"], self.get_total
+        now = time.monotonic() if now is None else now
+        self._totals.append((now, self.put_total, self.get_total))
+        self.put_windows.snapshot(now, lambda: {topic: counts[0] for topic, counts in self._in.items()})
+        self.get_windows.snapshot(now, lambda: dict(self._got))
+
+    def stats_windows(self, stats_name: str, stats_key: str, now: float | None = None) -> dict | None:
+        """VIEW_BROKER_STATS_DATA: {window: (sum, per second)} of TOPIC_PUT_NUMS <topic> or GROUP_GET_NUMS
+        <topic>@<group>; None for any other name, or a key not counted (a pair past max_series too)."""
+        now = time.monotonic() if now is None else now
+        if stats_name == "TOPIC_PUT_NUMS":
+            counts = self._in.get(stats_key)
+            return None if counts is None else self.put_windows.windows(stats_key, counts[0], now)
+        if stats_name == "GROUP_GET_NUMS":
+            topic, at, group = stats_key.partition("@")     # a topic name has no '@'; a group may
+            total = self._got.get((topic, group)) if at else None
+            return None if total is None else self.get_windows.windows((topic, group), total, now)
+        return None
 
     def store_tps(self) -> tuple[str, str]:
         """putTps and getTransferedTps as RocketMQ writes them: three rates, space separated, over the last

@@ -28,7 +28,7 @@ from protocol.errors import ProtocolError
 from protocol.message import validate_topic
 from protocol.txlog import OP_TOPIC
 
-from .acl import PlainAcl
+from .acl import NAMESRV_CHECKED, PlainAcl
 from . import ha as ha_roles
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
@@ -36,7 +36,7 @@ from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
 from .kv_config import FILE_NAME as KV_FILE_NAME
 from .kv_config import KvConfig
-from .limits import ConnectionGate, Limits
+from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
@@ -66,6 +66,7 @@ class BrokerServer:
     def __init__(self, config: BrokerConfig, clock=wall_clock_ms):
         self.config = config
         self.clock = clock
+        set_ipv6_client_prefix(config.ipv6_client_prefix)     # before any connection is counted
         self.metrics = BrokerMetrics()
         self.connections = {listener: ConnectionGate(config.max_connections, config.max_connections_per_host, log,
                                                      f"{listener} listener")
@@ -200,11 +201,10 @@ class BrokerServer:
         ha = self.addresses.get("ha") or f"{host}:{broker_port + 1}"
         self.registrar = BrokerRegistrar(self.ctx, self.config.namesrv_addrs, ha_server_addr=ha,
                                          on_result=self.slave_sync.on_registered if self.slave_sync else None)
-        accepted = await self.registrar.register_all()
+        accepted = await self.registrar.register_first()
         if not accepted:
             log.warning("no name server accepted the registration yet (%s); retrying every %d ms",
                         self.config.namesrv_addr, self.config.register_period_ms)
-        self.registrar.start()
 
     async def _start_ha(self, ctx) -> str:
         """The master's HA listener (returns its address) or the slave's follower task (broker/ha)."""
@@ -382,7 +382,7 @@ class BrokerServer:
             await asyncio.sleep(1.0)
             await asyncio.to_thread(self.ctx.acl.reload_if_changed)
 
-    def _new_retry_group(self, group: str, first: bool = True) -> None:
+    def _new_retry_group(self, group: str, first: bool = True, conn=None) -> None:
         """A consumer group's heartbeat: its %RETRY% topic must exist. Checked on every heartbeat, as RocketMQ's
         heartBeat does: made only on a group's first one, a retry topic deleted later (admin delete-group
         --force, a topic deletion) stayed gone while the group's consumers ran on, and their failed messages
@@ -397,8 +397,19 @@ class BrokerServer:
             if first:
                 log.warning("consumer group %.200r: no retry topic: %s", group, why[:200])
             return
+        # The heartbeat's client makes it (max_topics_per_host): else one address heartbeating max_retry_groups
+        # made-up groups, and staying, left every other host's new group with no retry topic.
+        creator = peer_host(conn) if conn is not None else None
+        if creator is not None and topic not in self.ctx.topics.topics:
+            limit = self.ctx.config.max_topics_per_host
+            if not self.ctx.topics.room_for(creator, limit):
+                held = self.ctx.topics.created_by(creator)
+                if first:
+                    self.ctx.limits.refused("topic-host-limit", f"consumer group {group}: no retry topic: client "
+                                            f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
+                return
         try:
-            self.ctx.topics.ensure(topic)
+            self.ctx.topics.ensure(topic, creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")
@@ -455,7 +466,8 @@ class BrokerServer:
                         log.exception("closing the connection from %s:%s: %s failed", conn.peer[0], conn.peer[1],
                                       step.__name__)
 
-        return RemotingConnection(self._handler(table, guarded=listener == "broker"), max_frame_size=c.max_frame_size,
+        guarded = True if listener == "broker" else NAMESRV_CHECKED
+        return RemotingConnection(self._handler(table, guarded=guarded), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
                                   on_open=opened, on_close=closed, budget=self.write_budget)
 
@@ -471,15 +483,17 @@ class BrokerServer:
         for group in self.ctx.clients.connection_closed(conn):
             self.ctx.clients.notify_ids_changed(group)
 
-    def _handler(self, table: dict, guarded: bool = False):
+    def _handler(self, table: dict, guarded: bool | frozenset = False):
+        """``guarded``: the ACL checks every request (True), those of these codes (the name-server port), none."""
         ctx = self.ctx
+        checked = () if guarded is True or not guarded else guarded
         observe = self.metrics.observe_request
         perf = time.perf_counter
         create_task = asyncio.get_running_loop().create_task
         acl_refused = self.metrics.refused.labels("acl")
 
         def handle(conn, cmd):
-            if guarded and ctx.acl is not None:
+            if (guarded is True or cmd.code in checked) and ctx.acl is not None:
                 why = ctx.acl.check(cmd, conn.peer[0])
                 if why is not None:
                     acl_refused.inc()

@@ -19,6 +19,8 @@ import os
 import threading
 
 from protocol.admin_bodies import dump
+from protocol.message import validate_group
+from protocol.txlog import PROGRESS_GROUP
 
 from .store.saved import check, load_saved, save
 
@@ -27,7 +29,7 @@ log = logging.getLogger("txmq.subscriptions")
 FILE_NAME = "subscriptionGroup.json"
 # SubscriptionGroupManager.init: the groups every 4.x broker lists.
 SYSTEM_GROUPS = ("TOOLS_CONSUMER", "FILTERSRV_CONSUMER", "SELF_TEST_C_GROUP", "CID_ONS-HTTP-PROXY",
-                 "CID_ONSAPI_PULL", "CID_ONSAPI_PERMISSION", "CID_ONSAPI_OWNER", "CID_SYS_RMQ_TRANS")
+                 "CID_ONSAPI_PULL", "CID_ONSAPI_PERMISSION", "CID_ONSAPI_OWNER", PROGRESS_GROUP)    # (CID_SYS_RMQ_TRANS)
 DEFAULTS = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True, "consumeFromMinEnable": True,
             "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16, "retryQueueNums": 1,
             "whichBrokerWhenConsumeSlowly": 1}
@@ -77,6 +79,9 @@ class SubscriptionGroups:
         name = values.get("groupName")
         if not isinstance(name, str) or not name:
             raise ValueError("the body names no groupName")
+        why = validate_group(name, "groupName")     # as a heartbeat's: one not UTF-8 failed every later save
+        if why is not None:
+            raise ValueError(why)
         cfg = self.groups[name] = group_config(name, values)
         self.counter += 1
         self.timestamp = self.clock()

@@ -23,6 +23,7 @@ from protocol.registration import DataVersion
 from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
+from .limits import count_down
 from .store.saved import check, is_int, load_saved, save
 
 log = logging.getLogger("txmq.topics")
@@ -54,8 +55,11 @@ def reply_topic(cluster: str) -> str:
     return f"{cluster}_REPLY_TOPIC"
 
 
+SYSTEM_TOPIC_PREFIX = "rmq_sys_"        # TopicValidator.SYSTEM_TOPIC_PREFIX: RocketMQ's own topics
+
+
 def is_system_topic(topic: str) -> bool:
-    return topic in SYSTEM_TOPICS or topic.startswith("rmq_sys_")
+    return topic in SYSTEM_TOPICS or topic.startswith(SYSTEM_TOPIC_PREFIX)
 
 
 @dataclass
@@ -87,10 +91,15 @@ class TopicManager:
         self.retry_write_s = 5.0
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
+        # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
+        # In memory only: counted since the broker started.
+        self._creator: dict[str, str] = {}
+        self._created_by: dict[str, int] = {}
         # Set by the server: may this %RETRY% topic go when max_retry_groups is reached (its group gone, nothing
         # in it)? Swept at most once a _RECLAIM_EVERY_S, so a client at the cap cannot make every heartbeat a scan.
         self.retry_reclaimable = None
         self._reclaimed_at = -_RECLAIM_EVERY_S
+        self._host_swept_at: dict[str, float] = {}     # the same, for a client at max_topics_per_host (room_for)
         # Name servers re-read the topic table when this changes; on_change (the registrar) registers at once.
         self.data_version = DataVersion(int(time.time() * 1000), 0)
         self.on_change = None
@@ -207,14 +216,59 @@ class TopicManager:
     def retry_groups(self) -> int:
         return sum(1 for name in self.topics if name.startswith(RETRY_PREFIX))
 
+    def routes_changed(self) -> None:
+        """Something routes carry changed without a topic changing (the broker permission): a new data version,
+        so name servers read the table again, and a registration now."""
+        self.data_version = DataVersion(int(time.time() * 1000), self.data_version.counter + 1)
+        if self.on_change is not None:
+            self.on_change()
+
+    def system_topics(self) -> list[str]:
+        """The system topics held (GET_SYSTEM_TOPIC_LIST_FROM_BROKER): those made at start, cluster and broker
+        names among them, and any other system name in the catalogue (the trace topic)."""
+        return sorted(n for n in self.topics if n in self._system or is_system_topic(n))
+
     def get(self, topic: str) -> TopicConfig | None:
         return self.topics.get(topic)
 
-    def create(self, tc: TopicConfig) -> TopicConfig:
-        if tc.name.startswith(RETRY_PREFIX) and tc.name not in self.topics:
+    def created_by(self, client: str) -> int:
+        """How many of the topics there are ``client`` (a limits.client_key) created."""
+        return self._created_by.get(client, 0)
+
+    def room_for(self, client: str, limit: int) -> bool:
+        """Whether ``client`` created fewer than ``limit`` of the topics there are; at it, its own %RETRY% topics
+        that may go (``retry_reclaimable``: group gone, nothing in it) are forgotten first, at most one sweep a
+        _RECLAIM_EVERY_S for each client. Else a host whose consumer groups come and go was held at its limit by
+        the retry topics of groups long gone, every new group of its left without one, while max_retry_groups,
+        far from reached, never swept."""
+        if self._created_by.get(client, 0) < limit:
+            return True
+        now = time.monotonic()
+        if self.retry_reclaimable is None or now - self._host_swept_at.get(client, -_RECLAIM_EVERY_S) < _RECLAIM_EVERY_S:
+            return False
+        if len(self._host_swept_at) >= 4096:      # forget clients not swept for a while: they lose nothing
+            self._host_swept_at = {h: t for h, t in self._host_swept_at.items() if now - t < _RECLAIM_EVERY_S}
+        self._host_swept_at[client] = now
+        gone = [name for name, maker in self._creator.items()
+                if maker == client and name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
+        for name in gone:
+            self._forget(name)
+        if gone:
+            self._persist()
+            log.warning("client %s at max_topics_per_host=%d: %d of its empty %%RETRY%% topics of groups with no "
+                        "consumer forgotten (e.g. %s)", client, limit, len(gone), gone[0])
+        return self._created_by.get(client, 0) < limit
+
+    def create(self, tc: TopicConfig, creator: str | None = None) -> TopicConfig:
+        """Make or replace ``tc``; ``creator``: the client making it (a new topic is counted as its own)."""
+        new = tc.name not in self.topics
+        if tc.name.startswith(RETRY_PREFIX) and new:
             if self.retry_groups() >= self.max_retry_groups and not self._reclaim_retry_topics():
                 raise TopicLimitError(f"retry topic {tc.name} not created: {self.max_retry_groups} %RETRY% "
                                       f"groups exist, the limit (max_retry_groups)")
+        if new and creator is not None:
+            self._creator[tc.name] = creator
+            self._created_by[creator] = self._created_by.get(creator, 0) + 1
         self.topics[tc.name] = tc
         self._persist()
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
@@ -234,25 +288,27 @@ class TopicManager:
         self._reclaimed_at = now
         gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
         for name in gone:
-            del self.topics[name]
+            self._forget(name)
         if gone:
             self._persist()
             log.warning("max_retry_groups=%d reached: %d empty %%RETRY%% topics of groups with no consumer "
                         "forgotten (e.g. %s)", self.max_retry_groups, len(gone), gone[0])
         return self.retry_groups() < self.max_retry_groups
 
-    def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int) -> TopicConfig | None:
+    def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int,
+                 creator: str | None = None) -> TopicConfig | None:
         """The topic's config, creating it from its template as RocketMQ does; None: TOPIC_NOT_EXIST."""
         tc = self.topics.get(topic)
         if tc is not None:
             return tc
         if topic.startswith(RETRY_PREFIX) or topic.startswith(DLQ_PREFIX):
-            return self.create(TopicConfig(topic, 1, 1))
+            return self.create(TopicConfig(topic, 1, 1), creator)
         template = self.topics.get(default_topic or AUTO_CREATE_TOPIC)
         if template is None or not template.perm & Perm.INHERIT:
             return None
         nums = max(1, min(default_queue_nums, template.write_queue_nums))
-        return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type))
+        return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type),
+                           creator)
 
     def adopt(self, queues: list[tuple[str, int]]) -> list[str]:
         """Topics the store holds queues for but the config lost (a crash before it was written,
@@ -269,17 +325,23 @@ class TopicManager:
             self._persist()
         return adopted
 
+    def _forget(self, topic: str) -> TopicConfig | None:
+        creator = self._creator.pop(topic, None)
+        if creator is not None:
+            count_down(self._created_by, creator)
+        return self.topics.pop(topic, None)
+
     def delete(self, topic: str) -> bool:
         """Forget a topic's config (DELETE_TOPIC_IN_BROKER); False when it had none."""
-        if self.topics.pop(topic, None) is None:
+        if self._forget(topic) is None:
             return False
         self._persist()
         log.warning("topic %s deleted", topic)
         return True
 
-    def ensure(self, topic: str, queues: int = 1) -> TopicConfig:
+    def ensure(self, topic: str, queues: int = 1, creator: str | None = None) -> TopicConfig:
         tc = self.topics.get(topic)
-        return tc if tc is not None else self.create(TopicConfig(topic, queues, queues))
+        return tc if tc is not None else self.create(TopicConfig(topic, queues, queues), creator)
 
 
 def _count(v) -> bool:

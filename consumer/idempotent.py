@@ -8,6 +8,11 @@ and the "done" mark commit together or not at all: a redelivered message finds i
 skipped. Keep the business data in the same database for this guarantee; with another store,
 do the same there (a unique key inserted in the same transaction as the side effect).
 
+A key counts within its message's topic: a message forwarded from one topic to another with its
+properties keeps its UNIQ_KEY (producers keep one they are given), and is a new message there. The
+table knows nothing of consumer groups: two groups that must each handle every message need a
+table each (``table=``), or the second skips what the first did.
+
 The keys table grows by one row a message for as long as the consumer runs; ``forget_older_than``
 drops the keys of messages consumed long enough ago that no copy of them can still arrive.
 
@@ -36,6 +41,44 @@ def message_key(msg: MessageExt) -> str:
     ORIGIN_MESSAGE_ID (without that, a message sent with no UNIQ_KEY ran once more per retry)."""
     props = msg.properties
     return props.get(Prop.UNIQ_KEY) or props.get(Prop.ORIGIN_MESSAGE_ID) or msg.offset_msg_id
+
+
+def _stored_keys(msg: MessageExt) -> tuple[str, str]:
+    """(the key run_once records, "<topic>\x01<message_key>"; the key alone, as recorded before keys had their topic).
+
+    Joined by \x01, which no property value (UNIQ_KEY, ORIGIN_MESSAGE_ID, RETRY_TOPIC) nor offset id holds: the key
+    alone, looked up as an old one, can never be a scoped one. Joined by ":", a UNIQ_KEY "Payments:42" in Orders
+    was taken for Payments' message 42 and skipped.
+
+    The topic is the one the message was sent to: a retry or dead-letter copy (%RETRY%<group>, %DLQ%<group>)
+    names it in RETRY_TOPIC, which a message forwarded from a retry still carries, its own topic not."""
+    topic = msg.topic
+    if topic.startswith(("%RETRY%", "%DLQ%")):
+        topic = msg.properties.get(Prop.RETRY_TOPIC) or topic
+    key = message_key(msg)
+    return f"{topic}\x01{key}", key
+
+
+def _refusing_transaction_control(ended: list[str]):
+    """An SQLite authorizer that refuses BEGIN, COMMIT and ROLLBACK (SAVEPOINTs pass), noting each in ``ended``.
+
+    A handler that committed (``with db:`` does on exit) committed the key with what it had written so far:
+    failing after, its redelivery was skipped and the rest of its effect never happened. One that rolled back
+    dropped the key and wrote on in autocommit: its redelivery ran it again."""
+    def authorize(action, arg1, *_):
+        if action == sqlite3.SQLITE_TRANSACTION:
+            ended.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+    return authorize
+
+
+def _ended_by(handler, what: str) -> sqlite3.ProgrammingError:
+    return sqlite3.ProgrammingError(
+        f"run_once handler {handler!r} must not commit or roll back (it tried {what}): its writes and the message's "
+        "key commit together when it returns, and roll back together when it raises. Use no `with db:`, commit(), "
+        "rollback(), executescript() (it commits first) or BEGIN/COMMIT/ROLLBACK in it (SAVEPOINTs are fine); nothing "
+        "of this run was kept")
 
 
 class SqliteIdempotency:
@@ -67,10 +110,12 @@ class SqliteIdempotency:
     def run_once(self, msg: MessageExt, handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
         """Run ``handler(msg, db)`` unless this message was consumed before; True if it ran.
 
-        ``handler`` is a plain function: its writes must be done when it returns. This blocks the calling
+        ``handler`` is a plain function: its writes must be done when it returns, and it leaves the transaction
+        to run_once (a commit, a rollback or ``with db:`` in it raises sqlite3.ProgrammingError and nothing of
+        the run is kept; SAVEPOINTs are fine). This blocks the calling
         thread while the database is locked (up to ``busy_timeout_s``): from an event loop, use
         ``run_once_async``."""
-        return self._run(self.db, msg, message_key(msg), handler, None)
+        return self._run(self.db, msg, _stored_keys(msg), handler, None)
 
     async def run_once_async(self, msg: MessageExt,
                              handler: Callable[[MessageExt, sqlite3.Connection], None]) -> bool:
@@ -85,9 +130,9 @@ class SqliteIdempotency:
         redelivery then finds the key, or runs it. Either way its effect happens once."""
         if self.path in ("", ":memory:"):   # the worker's connection would open another, empty, database
             raise ValueError("run_once_async needs a database file: each connection to :memory: is a new one")
-        key = message_key(msg)      # here: the message's properties are parsed on first read, not thread-safe
+        keys = _stored_keys(msg)    # here: the message's properties are parsed on first read, not thread-safe
         dropped = threading.Event()
-        future = asyncio.get_running_loop().run_in_executor(self._executor(), self._run_in_worker, msg, key,
+        future = asyncio.get_running_loop().run_in_executor(self._executor(), self._run_in_worker, msg, keys,
                                                             handler, dropped)
         try:
             return await future
@@ -103,19 +148,23 @@ class SqliteIdempotency:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="txmq-idempotency")
             return self._worker
 
-    def _run_in_worker(self, msg: MessageExt, key: str, handler, dropped: threading.Event) -> bool:
+    def _run_in_worker(self, msg: MessageExt, keys: tuple[str, str], handler, dropped: threading.Event) -> bool:
         if dropped.is_set():
             return False
         if self._worker_db is None:
             self._worker_db = self._connect()
-        return self._run(self._worker_db, msg, key, handler, dropped)
+        return self._run(self._worker_db, msg, keys, handler, dropped)
 
-    def _run(self, db: sqlite3.Connection, msg: MessageExt, key: str, handler,
+    def _run(self, db: sqlite3.Connection, msg: MessageExt, keys: tuple[str, str], handler,
              dropped: threading.Event | None) -> bool:
+        key, unscoped = keys
         db.execute("BEGIN IMMEDIATE")
         try:
             if dropped is not None and dropped.is_set():    # its caller went while this waited for the lock
                 db.execute("ROLLBACK")
+                return False
+            if db.execute(f"SELECT 1 FROM {self.table} WHERE key = ?", (unscoped,)).fetchone() is not None:
+                db.execute("ROLLBACK")      # consumed before keys had their topic (an upgrade's redelivery)
                 return False
             try:
                 db.execute(f"INSERT INTO {self.table} (key, consumed_ms) VALUES (?, ?)",
@@ -123,7 +172,18 @@ class SqliteIdempotency:
             except sqlite3.IntegrityError:
                 db.execute("ROLLBACK")
                 return False
-            result = handler(msg, db)
+            ended: list[str] = []       # what the handler tried: its transaction is not its own to end
+            db.set_authorizer(_refusing_transaction_control(ended))
+            try:
+                result = handler(msg, db)
+            except Exception as exc:
+                if ended:               # whatever it raised after that, that is what went wrong
+                    raise _ended_by(handler, ended[0]) from exc
+                raise
+            finally:
+                db.set_authorizer(None)
+            if ended:                   # it swallowed the refusal: its writes are not what it meant
+                raise _ended_by(handler, ended[0])
             if inspect.isawaitable(result):     # its writes have not happened: it must not be marked done
                 if inspect.iscoroutine(result):
                     result.close()

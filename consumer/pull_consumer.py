@@ -3,6 +3,11 @@
 Broker addresses come from the topic routes the name server gives; a route is fetched on first use,
 again when it is older than ``route_ttl_s`` (30 s), and again at once after a routing error (the
 broker cannot be reached, or does not know the topic), so a failover is followed by the next call.
+A route past its ttl is fetched in the background while the address known serves: a call waits for the
+name server only when it knows no address of its broker, or that address just failed (RocketMQ's pulls,
+too, never wait for a route refresh). Lookups of a topic share one fetch, and one that fails leaves the
+route known serving for another ttl: a name server that takes requests and never answers cost every pull
+of every queue a whole request timeout, again and again.
 """
 from __future__ import annotations
 
@@ -21,12 +26,14 @@ from protocol.admin_bodies import decode_mq_table
 from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
-from protocol.errors import BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, error_for_code
-from protocol.message import MAX_INFLATED_BODY, MessageExt, decode_records, inflate
+from protocol.errors import (BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, ResponseError,
+                             TopicNotExistError, error_for_code)
+from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop, decode_records, inflate, properties_to_string
 from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
 
 log = logging.getLogger("txmq.consumer")
+_MAX_OFFLINE = 256          # forgotten brokers whose address is kept for their own queues' last calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +108,10 @@ class PullResult:
     messages: list[MessageExt] = field(default_factory=list)
 
 
+# The put statuses a RocketMQ broker answers a send-back with as SYSTEM_ERROR although it stored the copy.
+_STORED_LATE = frozenset({"FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"})
+
+
 class PullConsumer:
     """Pull messages queue by queue and manage the group's offsets yourself (DefaultMQPullConsumer).
 
@@ -120,6 +131,8 @@ class PullConsumer:
         self.timeout = timeout
         self.route_ttl_s = route_ttl_s
         self._route_at: dict[str, float] = {}      # topic -> time.monotonic() of its last route
+        self._fetching: dict[str, asyncio.Task] = {}    # topic -> its route fetch under way, shared
+        self._suspect: set[str] = set()     # brokers whose address failed: their next call waits for the route
         self.namesrv_addrs = NameServers([a.strip() for a in namesrv_addr.split(";") if a.strip()])
         try:
             ip = socket.gethostbyname(socket.gethostname())
@@ -128,6 +141,8 @@ class PullConsumer:
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
         self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self._brokers: dict[str, str] = {}
+        self._route_brokers: dict[str, set[str]] = {}     # topic -> the brokers its last route named
+        self._offline: dict[str, str] = {}      # broker forgotten (no route names it) -> its last address
         self.subscriptions: dict[str, "str | MessageSelector"] = {}
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
@@ -176,6 +191,7 @@ class PullConsumer:
                 resp = await self.pool.request(addr, RemotingCommand.request(
                     RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}), self.timeout)
             except Exception as exc:  # noqa: BLE001 - next name server
+                self.namesrv_addrs.failed(addr, exc)
                 last = exc
                 continue
             self.namesrv_addrs.answered(addr)
@@ -185,29 +201,69 @@ class PullConsumer:
             for bd in route.broker_datas:
                 if bd.broker_addrs:     # the master (id 0); while it is gone, a slave (RocketMQ's
                     self._brokers[bd.broker_name] = bd.broker_addrs[min(bd.broker_addrs)]  # findBrokerAddressInSubscribe)
+                    self._offline.pop(bd.broker_name, None)
+            self._forget_offline(topic, {bd.broker_name for bd in route.broker_datas if bd.broker_addrs})
             self._route_at[topic] = time.monotonic()
             return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
                     for i in range(qd.read_queue_nums)]
         raise last or ConnectionError("no name server")
 
+    def _forget_offline(self, topic: str, brokers: set[str]) -> None:
+        """Drop the brokers no route fetched names any more (RocketMQ's cleanOfflineBroker): kept, a broker
+        retired or moved was sent every heartbeat, unlock and unregister for good, each failing (a connect
+        timeout each when its host is gone).
+
+        Its address is kept aside for the calls about its own queues alone (_broker_addr): a name server just
+        restarted lists a broker only once it registers again, and the rebalance that dropped its queues
+        meanwhile still commits their offsets and unlocks them there."""
+        self._route_brokers[topic] = brokers
+        named = set().union(*self._route_brokers.values())
+        for name in [n for n in self._brokers if n not in named]:
+            addr = self._offline[name] = self._brokers.pop(name)
+            log.info("broker %s (%s) is in no route any more: forgotten", name, addr)
+        while len(self._offline) > _MAX_OFFLINE:
+            del self._offline[next(iter(self._offline))]
+
     def _addr(self, mq: MessageQueue) -> str:
         return self._brokers[mq.broker_name]
 
     async def _broker_addr(self, mq: MessageQueue) -> str:
-        """``mq``'s broker address, from a route no older than route_ttl_s (fetched when needed; when
-        the name server cannot answer, a known address still serves)."""
+        """``mq``'s broker address. A route older than route_ttl_s is fetched again in the background while the
+        known address serves; the call waits for the fetch only when it knows no address, or its address just
+        failed (then, when the name servers cannot answer, the known address still serves)."""
         known = self._brokers.get(mq.broker_name)
-        if known is None or time.monotonic() - self._route_at.get(mq.topic, float("-inf")) >= self.route_ttl_s:
-            try:
-                await self.fetch_queues(mq.topic)
-            except Exception:
-                if known is None:
-                    raise
-            known = self._brokers.get(mq.broker_name)
-            if known is None:
-                raise error_for_code(ResponseCode.TOPIC_NOT_EXIST,
-                                     f"no route of {mq.topic} names broker {mq.broker_name}")
+        stale = time.monotonic() - self._route_at.get(mq.topic, float("-inf")) >= self.route_ttl_s
+        if known is not None and mq.broker_name not in self._suspect:
+            if stale and mq.topic not in self._fetching:
+                self._refresh(mq.topic)
+            return known
+        try:
+            await asyncio.shield(self._fetching.get(mq.topic) or self._refresh(mq.topic))
+        except Exception:
+            if known is None and mq.broker_name not in self._offline:
+                raise
+        finally:
+            self._suspect.discard(mq.broker_name)
+        known = self._brokers.get(mq.broker_name) or self._offline.get(mq.broker_name)
+        if known is None:
+            raise error_for_code(ResponseCode.TOPIC_NOT_EXIST, f"no route of {mq.topic} names broker {mq.broker_name}")
         return known
+
+    def _refresh(self, topic: str) -> asyncio.Task:
+        """Start the one fetch of ``topic``'s route; when it fails, the route known serves another ttl."""
+        task = self._fetching[topic] = asyncio.get_running_loop().create_task(self.fetch_queues(topic))
+
+        def done(t: asyncio.Task) -> None:
+            if self._fetching.get(topic) is t:
+                del self._fetching[topic]
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                self._route_at[topic] = time.monotonic()
+                # a name server out of reach is said by NameServers (once a minute), a topic gone by the pulls
+                if not isinstance(exc, (RequestTimeoutError, ConnectionClosedError, TopicNotExistError)):
+                    log.warning("route of %s: %s; the brokers known serve", topic, exc)
+        task.add_done_callback(done)
+        return task
 
     async def _request(self, mq: MessageQueue, cmd: RemotingCommand, timeout: float) -> RemotingCommand:
         """One request to ``mq``'s broker; a routing error makes the next call fetch the route again."""
@@ -216,9 +272,11 @@ class PullConsumer:
             resp = await self.pool.request(addr, cmd, timeout)
         except (ConnectionClosedError, RequestTimeoutError):
             self._route_at.pop(mq.topic, None)
+            self._suspect.add(mq.broker_name)
             raise
         if resp.code in (ResponseCode.TOPIC_NOT_EXIST, ResponseCode.NO_PERMISSION):
             self._route_at.pop(mq.topic, None)
+            self._suspect.add(mq.broker_name)
         return resp
 
     async def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
@@ -232,37 +290,51 @@ class PullConsumer:
 
     async def check_subscription(self, topic: str, expression: str | MessageSelector) -> None:
         """CHECK_CLIENT_CONFIG, as a Java consumer sends it at start for each subscription that is not by tag
-        (MQClientInstance.checkClientInBroker), to every broker known."""
+        (MQClientInstance.checkClientInBroker), to every broker known. A refusal raises; a broker out of reach
+        (a timeout, a closed connection) is passed over while another accepts (the Java client asks one broker of
+        the topic), else its failure raises: one broker hanging kept a consumer from starting."""
         selector = as_selector(expression)
         if selector.is_tag:
             return
         body = json.dumps({"clientId": self.client_id, "group": self.group,
                            "subscriptionData": selector.subscription_data(topic, 0)}).encode()
-        for addr in set(self._brokers.values()):
-            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.CHECK_CLIENT_CONFIG, body=body),
-                                           self.timeout)
+        unreached, accepted = None, False
+        for addr in dict.fromkeys(self._brokers.values()):
+            try:
+                resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.CHECK_CLIENT_CONFIG,
+                                                                             body=body), self.timeout)
+            except (RequestTimeoutError, ConnectionClosedError) as exc:
+                log.warning("group %s: broker %s did not check the %s expression %r: %s", self.group, addr,
+                            selector.expression_type, selector.expression, exc)
+                unreached = unreached or exc
+                continue
             if resp.code != ResponseCode.SUCCESS:
                 raise error_for_code(resp.code, f"broker {addr} refuses {selector.expression_type} expression "
                                                 f"{selector.expression!r}: {resp.remark}")
+            accepted = True
+        if unreached is not None and not accepted:
+            raise unreached
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
                         consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
         """Announce the group and its subscriptions to every known broker; a broker that does not answer
-        does not keep the others from hearing (the first failure is raised once all were tried)."""
+        does not keep the others from hearing (once all were tried, the first refusal is raised, else the first
+        failure)."""
         version = int(time.time() * 1000)
         subs = [as_selector(e).subscription_data(t, version) for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
         failed = None
-        for addr in set(self._brokers.values()):
+        for addr in dict.fromkeys(self._brokers.values()):     # in the order learnt
             try:
                 resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                                              body=body.encode()), self.timeout)
                 if resp.code != ResponseCode.SUCCESS:
                     raise error_for_code(resp.code, resp.remark)
-            except BrokerError as exc:
-                failed = failed or exc
+            except BrokerError as exc:      # a refusal is raised before a broker out of reach (start tells them apart)
+                if failed is None or isinstance(exc, ResponseError) and not isinstance(failed, ResponseError):
+                    failed = exc
         if failed is not None:
             raise failed
 
@@ -429,14 +501,64 @@ class PullConsumer:
     async def send_back(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int = 16,
                         delay_level: int = 0) -> None:
         """Give a failed message (pulled from ``mq``) back to the broker: %RETRY%<group>, or %DLQ%<group>
-        when out of retries."""
+        when out of retries (``delay_level`` -1: at once).
+
+        The broker copies the stored record. When it refuses (that record is gone, deleted by retention
+        while the message was in hand, or its body went bad on disk since the pull), the message as pulled
+        is sent to %RETRY%<group> instead, as RocketMQ's consumer does, with the same retry properties;
+        only if that fails too does this raise (the second error, the broker's refusal as its cause). A refusal
+        naming a late flush or slave (FLUSH_DISK_TIMEOUT, FLUSH_SLAVE_TIMEOUT, SLAVE_NOT_AVAILABLE: a RocketMQ
+        broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
+        # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
+        # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
+        origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
+                        if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic)
         cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
             "offset": msg.physical_offset, "group": self.group, "delayLevel": delay_level,
-            "originMsgId": msg.msg_id, "originTopic": msg.properties.get("RETRY_TOPIC", msg.topic),
-            "maxReconsumeTimes": max_reconsume_times})
+            "originMsgId": msg.msg_id, "originTopic": origin_topic, "maxReconsumeTimes": max_reconsume_times})
+        resp = await self._request(mq, cmd, self.timeout)
+        if resp.code == ResponseCode.SUCCESS:
+            return
+        if resp.code == ResponseCode.SYSTEM_ERROR and resp.remark in _STORED_LATE:
+            # RocketMQ's broker: the copy is stored, only its flush or its slave was late. Resent, it came twice.
+            log.warning("group %s: %s handed back to %s, stored there but %s", self.group, msg.msg_id, mq,
+                        resp.remark)
+            return
+        refused = error_for_code(resp.code, resp.remark)
+        # Retried here instead, the message came back to the listener every second for good, never counted
+        # towards max_reconsume_times nor dead-lettered, and nothing after it in the queue was consumed.
+        log.warning("group %s: broker refused to take back %s of %s (%s); sending it to %%RETRY%%%s itself",
+                    self.group, msg.msg_id, mq, refused, self.group)
+        try:
+            await self._resend_for_retry(mq, msg, origin_topic, max_reconsume_times, delay_level)
+        except BrokerError as exc:
+            raise exc from refused
+
+    async def _resend_for_retry(self, mq: MessageQueue, msg: MessageExt, origin_topic: str,
+                                max_reconsume_times: int, delay_level: int) -> None:
+        """The message as pulled, sent to %RETRY%<group> on ``mq``'s broker with RocketMQ's retry properties
+        (DefaultMQPushConsumerImpl.sendMessageBack's fallback); the broker dead-letters it when its count says
+        so. ``delay_level`` -1 sends it with the count at ``max_reconsume_times``: straight to %DLQ%<group>."""
+        props = dict(msg.properties)
+        props.setdefault(Prop.ORIGIN_MESSAGE_ID, msg.msg_id)
+        props[Prop.RETRY_TOPIC] = origin_topic
+        times = max_reconsume_times if delay_level < 0 else msg.reconsume_times + 1
+        props[Prop.RECONSUME_TIME] = str(times)
+        props[Prop.MAX_RECONSUME_TIMES] = str(max_reconsume_times)
+        props[Prop.DELAY] = str(delay_level if delay_level > 0 else 3 + max(msg.reconsume_times, 0))
+        props.pop(Prop.TRAN_MSG, None)      # a retry is a plain message, never a half
+        for stale in (Prop.REAL_TOPIC, Prop.REAL_QID, Prop.WAIT):
+            props.pop(stale, None)
+        cmd = RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+            "producerGroup": "CLIENT_INNER_PRODUCER", "topic": f"%RETRY%{self.group}", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": 1, "queueId": 0,
+            # still COMPRESSED only when it did not inflate: the body goes as it came
+            "sysFlag": msg.sys_flag & SysFlag.COMPRESSED, "bornTimestamp": int(time.time() * 1000),
+            "flag": msg.flag, "properties": properties_to_string(props), "reconsumeTimes": times,
+            "unitMode": False, "maxReconsumeTimes": max_reconsume_times}, body=msg.body)
         resp = await self._request(mq, cmd, self.timeout)
         if resp.code != ResponseCode.SUCCESS:
-            raise error_for_code(resp.code, resp.remark)
+            raise error_for_code(resp.code, f"resending {msg.msg_id} to %RETRY%{self.group}: {resp.remark}")
 
     async def fetch_offset(self, mq: MessageQueue) -> int | None:
         """The group's stored offset for ``mq``, or None when it has none."""
@@ -464,6 +586,8 @@ class PullConsumer:
 
     async def shutdown(self) -> None:
         """Unregister from the brokers and close the connections."""
+        for task in list(self._fetching.values()):
+            task.cancel()
         for addr in set(self._brokers.values()):
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {

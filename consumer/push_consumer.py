@@ -6,8 +6,9 @@ Each subscribed topic, and the group's %RETRY% topic, is split among the group's
 the broker says the group changed). Each owned queue has one pull loop. A message whose listener
 returns RECONSUME_LATER (or raises) goes back to the broker (CONSUMER_SEND_MSG_BACK), which
 redelivers it through %RETRY%<group> and, after ``max_reconsume_times``, parks it in %DLQ%<group>.
-If the broker cannot take it back, it is retried here: a queue never moves past a message that
-was neither consumed nor handed back.
+If the broker cannot copy it (its record gone), the message as pulled is sent there instead
+(PullConsumer.send_back); if the broker cannot take it back at all, it is retried here: a queue
+never moves past a message that was neither consumed nor handed back.
 
 Two RocketMQ modes beyond the default:
 - ``orderly=True`` (MessageListenerOrderly): a queue is consumed only while this consumer holds the
@@ -30,7 +31,8 @@ import time
 from typing import Any, Callable
 
 from protocol.connection import finish_within, wait_within
-from protocol.errors import BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError
+from protocol.errors import (BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError,
+                             TopicNotExistError)
 from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
@@ -134,6 +136,9 @@ class PushConsumer:
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
         self._committed: dict[MessageQueue, int] = {}
+        # The highest offset known stored for an owned queue (read at a loop's start, committed, reset): only
+        # someone moving it back (an operator's reset this consumer was not told of) puts the stored one below.
+        self._known_stored: dict[MessageQueue, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._lock_task: asyncio.Task | None = None
         self._consuming: set[MessageQueue] = set()    # queues whose loop has a message in hand
@@ -172,10 +177,24 @@ class PushConsumer:
     async def start(self) -> "PushConsumer":
         """Announce the group, take this consumer's share of the queues and start consuming; returns self."""
         for topic, expression in self._topics().items():
-            await self.client.fetch_queues(topic)
+            try:
+                await self.client.fetch_queues(topic)
+            except TopicNotExistError:
+                if topic != self.retry_topic:
+                    raise
+                # A new group's: its first heartbeat (below) makes the brokers create it, and the rebalance loop
+                # finds its route once they register it. Raised, no new group started under a stand-alone name
+                # server (txmq's or RocketMQ's; a broker's embedded one routes it before it exists).
+                log.info("push consumer %s: %s has no route yet; the first heartbeat creates it", self.group, topic)
             await self.client.check_subscription(topic, expression)     # an SQL92 one the broker refuses: raise
             self.client.subscriptions[topic] = expression
-        await self._heartbeat()
+        try:
+            await self._heartbeat()
+        except (RequestTimeoutError, ConnectionClosedError) as exc:
+            # one broker out of reach keeps no consumer from starting (as RocketMQ's); a broker's refusal (wrong
+            # credentials, a group limit) still raises: passed over, the consumer started and sat with no queue
+            log.warning("heartbeat of %s failed at start: %s; the others heard it, the rebalance loop beats again",
+                        self.group, exc)
         await self.rebalance()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._rebalance_loop()), loop.create_task(self._commit_loop())]
@@ -254,7 +273,7 @@ class PushConsumer:
         for topic in self._topics():
             try:
                 queues = await self.client.fetch_queues(topic)
-                ids = await self.client.consumer_ids(queues[0]) if queues and not self.broadcasting else None
+                ids = await self._consumer_ids(queues) if queues and not self.broadcasting else None
             except BrokerError as exc:     # as RocketMQ: this topic's queues stay as they are, the others go on
                 log.warning("push consumer %s: no route or consumer list for %s (%s); its queues stay as they are",
                             self.group, topic, exc)
@@ -298,6 +317,23 @@ class PushConsumer:
             # Its failure is not raised here: the task's own callback (_crashed) logs and counts it, and
             # raised again it was counted a second time by the rebalance loop (_turn_failed).
             await asyncio.wait([handover])
+
+    async def _consumer_ids(self, queues: list[MessageQueue]) -> list[str]:
+        """The group's consumers, as the first broker of ``queues`` that answers knows them. Asked of the first
+        queue's broker alone, one cut off (in the routes until the name servers expire it, 2 minutes) failed
+        every rebalance of the topic: the queues stayed where they were and a consumer joining got none."""
+        failed = None
+        for mq in {q.broker_name: q for q in queues}.values():
+            try:
+                ids = await self.client.consumer_ids(mq)
+            except BrokerError as exc:
+                failed = failed or exc
+                continue
+            if ids:
+                return ids
+        if failed is not None:
+            raise failed
+        return []
 
     async def _release_locks(self, queues: list[MessageQueue]) -> None:
         """Forget and unlock ``queues``: their next owner need not wait for the locks to expire."""
@@ -365,6 +401,7 @@ class PushConsumer:
                 # its lock).
                 self._offsets.pop(mq, None)
                 self._committed.pop(mq, None)
+                self._known_stored.pop(mq, None)
             if self.orderly:
                 await self._release_locks([q for q in leaving if q in self._locks and q not in self._owned])
         finally:
@@ -420,7 +457,7 @@ class PushConsumer:
                     self._offsets[mq] = offset
                 await self.offset_store.write(mq, offset)
                 if mine:
-                    self._committed[mq] = offset
+                    self._committed[mq] = self._known_stored[mq] = offset
             log.info("push consumer %s: offsets of %s reset to %s", self.group, topic,
                      {mq.queue_id: o for mq, o in offsets.items()})
         finally:        # stored or not (the failure is logged as the task ends), the queues are consumed again
@@ -498,10 +535,36 @@ class PushConsumer:
     async def _start_offset(self, mq: MessageQueue) -> int:
         stored = await self.offset_store.read(mq)
         if stored is not None:
+            known = self._known_stored.get(mq)
+            self._known_stored[mq] = stored if known is None else max(known, stored)
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
             return 0
         return await self.client.max_offset(mq)
+
+    async def _resume_offset(self, mq: MessageQueue) -> int:
+        """Where a loop (re)starts: the stored offset, or the progress this consumer still holds for ``mq`` when
+        that is further. Everything before the latter was consumed here; read from the broker alone, an orderly
+        queue locked again after its lock lapsed (no one else took it) consumed again what it had consumed
+        since the last commit, after later messages. A queue given away and taken back holds none (_hand_over).
+
+        Except when the stored offset is below the one this consumer last committed or read: whoever held the
+        queue meanwhile went on from there and only moves it forward, so someone moved it back: an operator's
+        reset this consumer was not told of (its connection down, as when its lock lapses; the broker tells live
+        consumers only), or a broker that lost commits. That is followed, as before; gone on from here, the
+        reset was undone, unsaid."""
+        known = self._known_stored.get(mq)
+        start = await self._start_offset(mq)
+        mine = self._offsets.get(mq)
+        if mine is None or start >= mine:
+            return start
+        if known is not None and start < known:
+            log.warning("push consumer %s: the stored offset of %s, %d, is below the %d this consumer committed or "
+                        "read (an offset reset it was not told of, or a broker that lost commits): going on from it, "
+                        "not from its own progress, %d", self.group, mq, start, known, mine)
+            self._known_stored[mq] = start      # what the broker holds now: a later lapse goes on from progress
+            return start
+        return mine
 
     async def _pull_loop(self, mq: MessageQueue) -> None:
         expression = self.subscriptions.get(mq.topic, "*")
@@ -510,11 +573,12 @@ class PushConsumer:
         while not self._halted(mq):     # _halted includes _given_up
             try:
                 if self.orderly and not self._locked(mq):
-                    # Whoever held the queue meanwhile may have moved on: start again from the stored offset.
+                    # Whoever held the queue meanwhile may have moved on: start again from the stored offset,
+                    # or from this loop's own progress if that is further (see _resume_offset).
                     await self._wait_for_lock(mq)
                     offset = None
                 if offset is None:
-                    offset = self._offsets[mq] = await self._start_offset(mq)
+                    offset = self._offsets[mq] = await self._resume_offset(mq)
                 res = await self.client.pull(mq, offset, expression=expression, suspend_ms=self.suspend_ms)
                 for msg in res.messages:
                     if self._halted(mq):
@@ -688,7 +752,7 @@ class PushConsumer:
         offset = self._offsets.get(mq)
         if offset is not None and (again or self._committed.get(mq) != offset):
             await self.offset_store.write(mq, offset)
-            self._committed[mq] = offset
+            self._committed[mq] = self._known_stored[mq] = offset
 
     async def _recommit(self, queues: list[MessageQueue]) -> None:
         """Commit again the offsets of one broker's ``queues``, changed or not (the commit loop's round)."""

@@ -217,6 +217,7 @@ class Producer:
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
                 task.cancel()
+        self.routes.close()
         for addr in self.routes.all_broker_addrs():
             try:
                 await self.pool.request(addr, RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
@@ -462,6 +463,10 @@ class Producer:
             assert last_error is not None
             raise last_error
         except Exception as exc:
+            if isinstance(exc.__cause__ if isinstance(exc, RequestTimeoutError) else exc, TopicNotExistError):
+                # a topic no broker has: its route (TBW102's, taken for a topic not created yet) is not kept,
+                # else every name ever mistyped was refreshed from the name server each period for good
+                self.routes.forget(topic)
             if unanswered is None:
                 raise
             maybe = f"the message may have been stored, as {uniq or 'its UNIQ_KEY'}"

@@ -4,10 +4,18 @@ A cached route serves for ``ttl_s`` (30 s, the Java client's pollNameServerInter
 also refreshes every cached route in the background at that period, and asks again at once after a
 routing error (a broker that cannot be reached or does not know the topic), so a failover or a new
 broker is seen within one period or one failed attempt. While no name server answers, the route known
-last serves on, for a ttl at a time (the Java client keeps its topicPublishInfoTable so).
+last serves on, for a ttl at a time (the Java client keeps its topicPublishInfoTable so). A route past its
+ttl still serves sends while one fetch of it runs in the background: a send waits for the name server only
+for a topic it knows no route of, or after a routing error. Concurrent lookups of a topic share one fetch.
+
+A topic the name servers do not know yet (a broker creates it on its first send) gets TBW102's route, cut to
+``default_queue_nums`` queues a broker, cached under the topic for a ttl as any route (the Java client's
+updateTopicRouteInfoFromNameServer(topic, isDefault=true)): asked again on every send, each paid a name-server
+round trip until the broker registered the new topic.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -15,11 +23,13 @@ from dataclasses import dataclass
 
 from protocol.codes import Perm, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.errors import NoPermissionError, TopicNotExistError, error_for_code
-from protocol.route import NameServers, TopicRouteData, decode_route
+from protocol.errors import (ConnectionClosedError, NoPermissionError, RequestTimeoutError, TopicNotExistError,
+                             error_for_code)
+from protocol.route import NameServers, QueueData, TopicRouteData, decode_route
 
 AUTO_CREATE_TOPIC = "TBW102"
 log = logging.getLogger("txmq.producer")
+_UNREACHED = (RequestTimeoutError, ConnectionClosedError)     # what NameServers.failed says, once a minute
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +56,7 @@ class RouteCache:
         # topic -> (the _routes entry they were computed from, its writable queues): a send's fast path
         self._queues: dict[str, tuple[tuple[float, TopicRouteData], list[MessageQueue]]] = {}
         self._counter = itertools.count()
+        self._fetching: dict[str, asyncio.Task] = {}     # topic -> its fetch under way, shared by every lookup
 
     async def fetch(self, topic: str) -> TopicRouteData:
         """Ask the name servers (from the one that answered last) for ``topic``'s route; raises the first answer's error."""
@@ -54,10 +65,8 @@ class RouteCache:
             try:
                 resp = await self.pool.request(addr, RemotingCommand.request(
                     RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}), self.timeout)
-            except OSError as exc:
-                last_error = exc
-                continue
             except Exception as exc:  # noqa: BLE001 - try the next name server
+                self.namesrv_addrs.failed(addr, exc)
                 last_error = exc
                 continue
             self.namesrv_addrs.answered(addr)
@@ -67,19 +76,37 @@ class RouteCache:
         raise last_error or TopicNotExistError("no name server answered")
 
     async def route(self, topic: str, *, refresh: bool = False) -> TopicRouteData:
-        """The cached route, fetched when missing, older than ``ttl_s``, or ``refresh`` is set."""
+        """The cached route; one older than ``ttl_s`` is fetched again in the background and serves meanwhile.
+        Fetched and waited for when missing or ``refresh`` is set (after a routing error)."""
         cached = self._routes.get(topic)
-        if cached is not None and not refresh and time.monotonic() - cached[0] < self.ttl_s:
+        if cached is not None and not refresh:
+            if time.monotonic() - cached[0] >= self.ttl_s and topic not in self._fetching:
+                self._start_fetch(topic).add_done_callback(_retrieve)
             return cached[1]
+        return await asyncio.shield(self._fetching.get(topic) or self._start_fetch(topic))
+
+    def _start_fetch(self, topic: str) -> asyncio.Task:
+        task = self._fetching[topic] = asyncio.get_running_loop().create_task(self._update(topic))
+        task.add_done_callback(lambda t: self._fetching.pop(topic, None) if self._fetching.get(topic) is t else None)
+        return task
+
+    async def _update(self, topic: str) -> TopicRouteData:
+        """Fetch ``topic``'s route and cache it; when no name server answers, the route known serves another ttl."""
         try:
             route = await self.fetch(topic)
         except TopicNotExistError:
+            cached = self._routes.get(topic)
+            if cached is not None:      # kept (see refresh_all), asked again a ttl later, not by every send
+                self._routes[topic] = (time.monotonic(), cached[1])
             raise
         except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
+            cached = self._routes.get(topic)
             if cached is None or self.pool.closed:     # closed: the producer's own shutdown, not an outage
                 raise
-            # for another ttl: each send asking (each waiting out a connect) would fail while the brokers are up
-            log.warning("route of %s: no name server answered (%s); the route known last serves", topic, exc)
+            # for another ttl: each send asking (each waiting out a connect) would fail while the brokers are up.
+            # A name server out of reach is said by NameServers, once a minute: not again here, once a topic.
+            log.log(logging.DEBUG if isinstance(exc, _UNREACHED) else logging.WARNING,
+                    "route of %s: %s; the route known last serves", topic, exc)
             self._routes[topic] = (time.monotonic(), cached[1])
             return cached[1]
         self._routes[topic] = (time.monotonic(), route)
@@ -87,6 +114,11 @@ class RouteCache:
             if 0 in bd.broker_addrs:
                 self._addrs[bd.broker_name] = bd.broker_addrs[0]
         return route
+
+    def close(self) -> None:
+        """Cancel the fetches under way (the producer's shutdown)."""
+        for task in list(self._fetching.values()):
+            task.cancel()
 
     def forget(self, topic: str) -> None:
         """Drop ``topic``'s route: the next use asks the name server (after a routing error)."""
@@ -118,12 +150,12 @@ class RouteCache:
         """Writable queues of a topic; an unknown topic uses TBW102's brokers (auto-creation on send)."""
         try:
             route = await self.route(topic, refresh=refresh)
-            limit = None
-            source = self._routes.get(topic)
         except TopicNotExistError:
-            route = await self.route(AUTO_CREATE_TOPIC, refresh=refresh)
-            limit = self.default_queue_nums
-            source = None
+            default = await self.route(AUTO_CREATE_TOPIC, refresh=refresh)
+            route = _default_route(default, self.default_queue_nums)
+            # cached as the topic's own: the next sends use it without asking, the refresh finds the real one
+            self._routes[topic] = (time.monotonic(), route)
+        source = self._routes.get(topic)
         # a broker without a master in this route (its slave still registered) takes no sends, and the address
         # an older route gave its master is stale: none of its queues, as in the Java client
         masters = {bd.broker_name for bd in route.broker_datas if 0 in bd.broker_addrs}
@@ -131,9 +163,8 @@ class RouteCache:
         for qd in sorted(route.queue_datas, key=lambda q: q.broker_name):
             if not qd.perm & Perm.WRITE or qd.broker_name not in masters:
                 continue
-            n = qd.write_queue_nums if limit is None else min(limit, qd.read_queue_nums)
-            queues.extend(MessageQueue(topic, qd.broker_name, i) for i in range(n))
-        if source is not None:
+            queues.extend(MessageQueue(topic, qd.broker_name, i) for i in range(qd.write_queue_nums))
+        if source is not None and source[1] is route:
             if len(self._queues) >= 4096:
                 self._queues.clear()
             self._queues[topic] = (source, queues)
@@ -165,3 +196,18 @@ class RouteCache:
             if mq.broker_name != avoid and mq.broker_name not in passed_over:
                 return mq
         return queues[n % len(queues)]
+
+
+def _default_route(default: TopicRouteData, queue_nums: int) -> TopicRouteData:
+    """The route a topic not created yet gets from TBW102's: each of its brokers with ``queue_nums`` queues
+    at most (what the broker creates on the first send: defaultTopicQueueNums, capped by TBW102's own)."""
+    queue_datas = [QueueData(qd.broker_name, min(queue_nums, qd.read_queue_nums), min(queue_nums, qd.read_queue_nums),
+                             qd.perm, qd.topic_sys_flag) for qd in default.queue_datas]
+    return TopicRouteData(queue_datas, default.broker_datas, default.order_topic_conf)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A background fetch nobody awaited: its failure is logged where it happens (or is a TOPIC_NOT_EXIST the
+    next lookup meets again), not left to the loop's 'exception never retrieved'."""
+    if not task.cancelled():
+        task.exception()

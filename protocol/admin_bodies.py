@@ -77,6 +77,18 @@ def decode_mq_table(body: bytes, field: str = "offsetTable") -> tuple[dict, dict
     return obj, table
 
 
+def split_offset_key(key: str) -> tuple[str, str] | None:
+    """(topic, group) of a consumer offsets key "<topic>@<group>" (consumerOffset.json, GET_ALL_CONSUMER_OFFSET),
+    or None when it is not one.
+
+    Split at the first "@", as RocketMQ's ConsumerOffsetManager splits it: a topic name holds no "@" (TopicValidator
+    allows ``[%|a-zA-Z0-9_-]``, and every way a topic is made here checks it), while a group name may hold any
+    character -- stock clients check theirs, the broker does not. Split at the last one, the offsets of group
+    "G@" or "a@b" were read back as another group's of another topic."""
+    topic, sep, group = key.partition("@")
+    return (topic, group) if sep and topic else None
+
+
 def encode_consumer_offsets(table) -> bytes:
     """ConsumerOffsetManager's JSON, as GET_ALL_CONSUMER_OFFSET answers it (a slave copies it from its
     master): ``{"offsetTable":{"<topic>@<group>":{<queueId>:<offset>}}}`` -- fastjson writes the integer keys
@@ -106,11 +118,11 @@ def decode_consumer_offsets(body: bytes) -> dict[tuple[str, str, int], int]:
         out = {}
         for key, queues in table.items():
             # read as the store's loader reads consumerOffset.json (broker/store/offsets.py): a group name
-            # ending in "@" (names are not checked) is keyed "T@odd@", and the group part comes out empty.
-            # Refused, that one key cost the slave every group's offsets, every interval.
-            topic, sep, group = key.rpartition("@")
-            if not sep or not topic:
+            # may hold "@" (names are not checked) and even end in it ("T@odd@").
+            split = split_offset_key(key)
+            if split is None:
                 raise ValueError(f"offset key {key!r} is not <topic>@<group>")
+            topic, group = split
             for qid, offset in queues.items():
                 out[(group, topic, int(qid))] = int(offset)
         return out

@@ -205,6 +205,37 @@ def validate_topic(topic: str | None) -> str | None:
     return None
 
 
+MAX_GROUP_LENGTH = 255          # Validators.CHARACTER_MAX_LENGTH: stock clients refuse a longer group at start
+MAX_CLIENT_ID_LENGTH = 1024     # "<ip>@<instanceName>[@<unitName>]": a stock client's is far shorter
+
+
+def validate_group(group: str | None, what: str = "group") -> str | None:
+    """None if a producer or consumer group name may be kept, else why not: past MAX_GROUP_LENGTH, or not
+    UTF-8 text (a lone surrogate, which JSON can spell "\ud800").
+
+    The broker keeps group names (memberships, queue locks, offsets, halves' PGROUP) as clients give them, each
+    table capped by count only: names of megabytes grew the broker by gigabytes; and one that is not UTF-8 made
+    everything that writes it out fail (the /metrics page answered 500 while such a group was joined). Its
+    characters are not checked otherwise: stock clients allow only [%|a-zA-Z0-9_-] (TopicValidator), others
+    are not known to."""
+    if group is None:
+        return None
+    if len(group) > MAX_GROUP_LENGTH:
+        return f"{what} name is {len(group)} characters, longer than {MAX_GROUP_LENGTH}"
+    if not text_encodes(group):
+        return f"{what} name {group!r} is not UTF-8 text (it holds a lone surrogate)"
+    return None
+
+
+def text_encodes(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (a str from JSON may hold a lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------- hosts
 def pack_host(host: str, port: int) -> bytes:
     """8 bytes for IPv4 (address + int port), 20 for IPv6."""

@@ -11,11 +11,16 @@ written, readers ignore the one they do not know.
 from __future__ import annotations
 
 import json
+import logging
+import random
 import re
+import time
 from dataclasses import dataclass, field
 
 from .codes import VERSION_STRICT_ROUTE_JSON
 from .errors import HeaderError
+
+log = logging.getLogger("txmq.namesrv_client")
 
 
 @dataclass(slots=True)
@@ -89,6 +94,13 @@ def encode_cluster_info(brokers: list[BrokerData], *, strict: bool) -> bytes:
 _UNQUOTED_INT_KEY = re.compile(r'([{,])\s*(-?\d+)\s*:')
 
 
+def encode_topic_list(topics, broker_addr: str | None = None) -> bytes:
+    """TopicList as fastjson writes it: ``{"brokerAddr":..,"topicList":[..]}``, brokerAddr left out when null.
+    The topics sorted: a Java reader holds them in a HashSet, so their order carries nothing."""
+    head = "" if broker_addr is None else f'"brokerAddr":{_dump(broker_addr)},'
+    return f'{{{head}"topicList":{_dump(sorted(topics))}}}'.encode()
+
+
 def decode_route(body: bytes) -> TopicRouteData:
     """Parse either form of route JSON (the non-strict one has unquoted integer keys)."""
     try:
@@ -107,11 +119,23 @@ def decode_route(body: bytes) -> TopicRouteData:
 
 class NameServers:
     """The name servers a client asks, in turn from the one that answered last (RocketMQ's client, too, keeps
-    the name server it reached): a first one that is down costs one connect timeout, not one per route fetch."""
+    the name server it reached): a first one that is down costs one connect timeout, not one per route fetch.
 
-    def __init__(self, addrs: list[str]):
+    Each client starts at a name server picked at random, as RocketMQ's does (namesrvIndex starts random):
+    all starting at the first, every client of a cluster loaded the first name server alone.
+
+    One that fails is logged at WARNING once per ``LOG_EVERY_S`` (a client asks per topic, and a name server
+    down for an hour must neither go unsaid nor fill the log), and once more when it answers again: two lines a
+    minute at most, a name server that fails every other request too."""
+
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, addrs: list[str], *, first: int | None = None):
         self.addrs = list(addrs)
-        self._first = 0
+        self._first = first if first is not None else random.randrange(len(self.addrs)) if self.addrs else 0
+        self._logged: dict[str, float] = {}     # addr -> clock() when its failure was last logged
+        self._failing: set[str] = set()         # failures logged and not yet said to be over
+        self.clock = time.monotonic
 
     def __iter__(self):
         first = self._first     # once: another lookup's answered() must not move this walk past a server
@@ -122,3 +146,17 @@ class NameServers:
 
     def answered(self, addr: str) -> None:
         self._first = self.addrs.index(addr)
+        if self._failing and addr in self._failing:
+            self._failing.discard(addr)
+            log.info("name server %s answers again", addr)
+
+    def failed(self, addr: str, exc: BaseException) -> None:
+        """``addr`` did not answer a request (refused, timed out, closed): said, at most once per LOG_EVERY_S."""
+        now = self.clock()
+        last = self._logged.get(addr)
+        if last is None or now - last >= self.LOG_EVERY_S:     # not reset by an answer: one that flaps, too
+            self._logged[addr] = now
+            self._failing.add(addr)
+            others = "; asking the next one" if len(self.addrs) > 1 else ""
+            log.warning("name server %s did not answer: %s%s (logged at most every %g s while it fails)",
+                        addr, exc, others, self.LOG_EVERY_S)

@@ -36,6 +36,8 @@ from .message import MessageExt, Prop
 HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
 OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
 DEAD_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"       # RocketMQ's name: transactions checked too often
+# RocketMQ's owner of the half-queue progress offset: the broker's own consumer group, no client's to commit
+PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"
 TOPICS = (HALF_TOPIC, OP_TOPIC, DEAD_TOPIC)
 
 OP_TAG_DECISION = "d"

@@ -14,7 +14,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
 from protocol.registration import DataVersion, body_crc32, decode_register_body
-from protocol.route import encode_cluster_info, encode_route, strict_json_for
+from protocol.route import encode_cluster_info, encode_route, encode_topic_list, strict_json_for
 
 from ..kv_config import KvConfig
 from ..limits import peer_host
@@ -120,6 +120,35 @@ def get_all_topic_list(ctx: NamesrvContext, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"topicList": ctx.table.topic_names()}).encode())
 
 
+def get_topics_by_cluster(ctx: NamesrvContext, conn, cmd):
+    """GET_TOPICS_BY_CLUSTER (224): the topics of one cluster's brokers (the dashboard, the admin API)."""
+    return cmd.response(ResponseCode.SUCCESS,
+                        body=encode_topic_list(ctx.table.topics_of_cluster(cmd.str_field("cluster", required=True))))
+
+
+def get_system_topic_list(ctx: NamesrvContext, conn, cmd):
+    """GET_SYSTEM_TOPIC_LIST_FROM_NS (304): cluster and broker names, and a broker to ask for the rest."""
+    names, addr = ctx.table.system_topic_list()
+    return cmd.response(ResponseCode.SUCCESS, body=encode_topic_list(names, addr))
+
+
+def wipe_write_perm(ctx: NamesrvContext, conn, cmd):
+    """WIPE_WRITE_PERM_OF_BROKER (205), mqadmin wipeWritePerm: the broker leaves every write route (producers
+    send elsewhere; consumers still read it) until addWritePerm or until it leaves the table."""
+    name = cmd.str_field("brokerName", required=True)
+    count = ctx.table.wipe_write_perm(name)
+    log.warning("write permission of broker %.200s wiped by %s:%s (%d topics)", name, *conn.peer, count)
+    return cmd.response(ResponseCode.SUCCESS, ext_fields={"wipeTopicCount": count})
+
+
+def add_write_perm(ctx: NamesrvContext, conn, cmd):
+    """ADD_WRITE_PERM_OF_BROKER (327), mqadmin addWritePerm: the perm the broker registered is routed again."""
+    name = cmd.str_field("brokerName", required=True)
+    count = ctx.table.add_write_perm(name)
+    log.warning("write permission of broker %.200s given back by %s:%s (%d topics)", name, *conn.peer, count)
+    return cmd.response(ResponseCode.SUCCESS, ext_fields={"addTopicCount": count})
+
+
 def namesrv_table() -> dict:
     return {
         R.REGISTER_BROKER: register_broker,
@@ -129,5 +158,9 @@ def namesrv_table() -> dict:
         R.GET_BROKER_CLUSTER_INFO: get_broker_cluster_info,
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: get_all_topic_list,
         R.DELETE_TOPIC_IN_NAMESRV: delete_topic,
+        R.GET_TOPICS_BY_CLUSTER: get_topics_by_cluster,
+        R.GET_SYSTEM_TOPIC_LIST_FROM_NS: get_system_topic_list,
+        R.WIPE_WRITE_PERM_OF_BROKER: wipe_write_perm,
+        R.ADD_WRITE_PERM_OF_BROKER: add_write_perm,
         **kv_table(),
     }

@@ -19,7 +19,7 @@ from protocol.errors import StoreError
 
 from ..context import monotonic_ms
 from ..kv_config import KvConfig
-from ..limits import ConnectionGate
+from ..limits import ConnectionGate, set_ipv6_client_prefix
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
 from .table import RouteTable
@@ -30,6 +30,7 @@ log = logging.getLogger("txmq.namesrv")
 class NameServer:
     def __init__(self, config: NamesrvConfig, clock=monotonic_ms):
         self.config = config
+        set_ipv6_client_prefix(config.ipv6_client_prefix)     # before any connection is counted
         table = RouteTable(expire_ms=config.broker_expire_ms, max_addresses_per_host=config.max_broker_addresses_per_host)
         self.ctx = NamesrvContext(table, clock, KvConfig(os.path.expanduser(config.kv_config_path)))
         self.connections = ConnectionGate(config.max_connections, config.max_connections_per_host, log, "name server")

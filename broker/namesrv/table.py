@@ -8,6 +8,7 @@ Tables (all keyed as in RouteInfoManager):
 | brokers   | broker name          | BrokerData: cluster, {broker id: address}                   |
 | queues    | topic                | {broker name: QueueData} -- from the master's registration  |
 | live      | broker address       | BrokerLive: last heard, data version, connection, HA address |
+| write_wiped | broker name        | (a set) wipeWritePerm took it out of write routes           |
 
 A master's registration replaces that broker's queue data when its data
 version changed or it is new (a topic it no longer holds leaves the routes;
@@ -17,6 +18,14 @@ unregisters, when its connection closes, or when it has not registered for
 ``expire_ms`` (RocketMQ's BROKER_CHANNEL_EXPIRED_TIME, 120 s); the last address
 of a broker name going takes that name's queues out of every route.
 
+WIPE_WRITE_PERM_OF_BROKER takes a broker's write permission out of every route it
+is in, until ADD_WRITE_PERM_OF_BROKER, until its name leaves the table, or until its
+master registers afresh (a restarted broker, as in RocketMQ, its slave still here or not). The queue data
+keep the perm the broker registered and the mask is applied when a route is
+answered, so a registration with changed topics does not bring writes back behind
+the operator's back, and addWritePerm gives back what the broker registered: a
+read-only topic stays read-only (RocketMQ 4.9.8 rewrites the stored perm, losing both).
+
 No I/O and no asyncio: the clock is a parameter, so expiry is tested by
 moving it.
 """
@@ -25,6 +34,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from protocol.codes import Perm
 from protocol.registration import DataVersion, RegisterBrokerBody
 from protocol.route import BrokerData, QueueData, TopicRouteData
 
@@ -65,6 +75,7 @@ class RouteTable:
         self.brokers: dict[str, BrokerData] = {}
         self.queues: dict[str, dict[str, QueueData]] = {}
         self.live: dict[str, BrokerLive] = {}
+        self.write_wiped: set[str] = set()     # broker names; only names in ``brokers``, so bounded by them
 
     # ---------------------------------------------------------- registration
     def room_for(self, broker_addr: str, conn: object) -> bool:
@@ -94,6 +105,10 @@ class RouteTable:
         if old_addr is not None and old_addr != broker_addr:
             self._forget_address(old_addr)
         prev = self.live.get(broker_addr)
+        if broker_id == MASTER_ID and prev is None:
+            # a master registering afresh (a restart) is routed as it registers, as RocketMQ's registerFirst
+            # rewrites its queue data: its slave keeping the name must not keep the wipe past it
+            self.write_wiped.discard(broker_name)
         if broker_id == MASTER_ID and (first or prev is None or prev.data_version != body.data_version):
             self._replace_queues(broker_name, body)
         self.live[broker_addr] = BrokerLive(now_ms, body.data_version, conn, ha_server_addr, cluster, broker_name,
@@ -146,6 +161,22 @@ class RouteTable:
             self._drop_queue(topic, name)
         return len(names)
 
+    def wipe_write_perm(self, broker_name: str) -> int:
+        """WIPE_WRITE_PERM_OF_BROKER: ``broker_name`` leaves the write routes; the number of topics it is in
+        (0 for a name not registered, which is not remembered: as RocketMQ, SUCCESS and 0)."""
+        if broker_name not in self.brokers:
+            return 0
+        self.write_wiped.add(broker_name)
+        return self._topic_count(broker_name)
+
+    def add_write_perm(self, broker_name: str) -> int:
+        """ADD_WRITE_PERM_OF_BROKER: the write permission the broker registered is routed again."""
+        self.write_wiped.discard(broker_name)
+        return self._topic_count(broker_name)
+
+    def _topic_count(self, broker_name: str) -> int:
+        return sum(1 for by_broker in self.queues.values() if broker_name in by_broker)
+
     # --------------------------------------------------------------- going
     def connection_closed(self, conn: object) -> list[str]:
         """The broker's connection closed: every address registered over it goes at once."""
@@ -173,6 +204,7 @@ class RouteTable:
 
     def _forget_broker_name(self, broker_name: str) -> None:
         self.brokers.pop(broker_name, None)
+        self.write_wiped.discard(broker_name)
         for cluster, names in list(self.clusters.items()):
             names.discard(broker_name)
             if not names:
@@ -191,7 +223,13 @@ class RouteTable:
                         for bd in (self.brokers.get(n) for n in names) if bd is not None]
         if not broker_datas:
             return None
-        return TopicRouteData([by_broker[n] for n in names], broker_datas)
+        return TopicRouteData([self._routed(by_broker[n]) for n in names], broker_datas)
+
+    def _routed(self, qd: QueueData) -> QueueData:
+        if qd.broker_name not in self.write_wiped:
+            return qd
+        return QueueData(qd.broker_name, qd.read_queue_nums, qd.write_queue_nums, qd.perm & ~Perm.WRITE,
+                         qd.topic_sys_flag)
 
     def broker_datas(self) -> list[BrokerData]:
         """Every broker name with its addresses, for GET_BROKER_CLUSTER_INFO."""
@@ -199,3 +237,15 @@ class RouteTable:
 
     def topic_names(self) -> list[str]:
         return sorted(self.queues)
+
+    def topics_of_cluster(self, cluster: str) -> list[str]:
+        """GET_TOPICS_BY_CLUSTER: topics with queues on any broker of ``cluster`` (none for an unknown one)."""
+        names = self.clusters.get(cluster, set())
+        return sorted(t for t, by_broker in self.queues.items() if not names.isdisjoint(by_broker))
+
+    def system_topic_list(self) -> tuple[list[str], str | None]:
+        """GET_SYSTEM_TOPIC_LIST_FROM_NS: every cluster name and broker name (each broker makes a topic of
+        both), and one broker address, which the Java admin then asks for its system topics (305)."""
+        names = set(self.clusters).union(*self.clusters.values())
+        addr = next((a for _, bd in sorted(self.brokers.items()) for _, a in sorted(bd.broker_addrs.items())), None)
+        return sorted(names), addr

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from protocol.codes import RequestCode as R
 
-from . import admin, broker_config, client, forward, kv, namesrv, offsets, ops, pull, query, reply, send, transaction
+from . import (admin, broker_config, client, forward, kv, namesrv, offsets, ops, pull, query, query_cq, reply, send,
+               stats, transaction)
 from .disk_guard import guard_writes
 
 
@@ -33,6 +34,7 @@ def broker_table() -> dict:
         R.VIEW_MESSAGE_BY_ID: admin.view_message_by_id,
         R.GET_ALL_TOPIC_CONFIG: admin.get_all_topic_config,
         R.GET_BROKER_CONFIG: broker_config.get_broker_config,
+        R.UPDATE_BROKER_CONFIG: broker_config.update_broker_config,
         R.END_TRANSACTION: transaction.end_transaction,
         R.TXMQ_LIST_TRANSACTIONS: transaction.list_transactions,
         R.TXMQ_RESOLVE_TRANSACTION: transaction.resolve_transaction,
@@ -40,15 +42,18 @@ def broker_table() -> dict:
         R.TXMQ_APPLY_EXPIRY: transaction.apply_expiry,
         # Query and operations (processors/query.py, processors/ops.py)
         R.QUERY_MESSAGE: query.query_message,
+        R.QUERY_CONSUME_QUEUE: query_cq.query_consume_queue,
         R.INVOKE_BROKER_TO_RESET_OFFSET: ops.reset_offset,
         R.GET_CONSUME_STATS: ops.get_consume_stats,
         R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,
         R.GET_PRODUCER_CONNECTION_LIST: ops.get_producer_connection_list,
+        R.GET_ALL_PRODUCER_INFO: ops.get_all_producer_info,
         R.GET_CONSUMER_RUNNING_INFO: forward.get_consumer_running_info,
         R.CONSUME_MESSAGE_DIRECTLY: forward.consume_message_directly,
         R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS: forward.invoke_broker_to_get_consumer_status,
         R.GET_TOPIC_STATS_INFO: ops.get_topic_stats_info,
         R.GET_BROKER_RUNTIME_INFO: ops.get_broker_runtime_info,
+        R.VIEW_BROKER_STATS_DATA: stats.view_broker_stats_data,
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
         R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG: ops.get_all_subscription_group,
         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP: ops.update_and_create_subscription_group,
@@ -57,6 +62,7 @@ def broker_table() -> dict:
         # Stock clients ask the broker for routes too when it is their only address.
         R.GET_ROUTEINFO_BY_TOPIC: namesrv.get_route_info,
         R.GET_BROKER_CLUSTER_INFO: namesrv.get_broker_cluster_info,
+        R.GET_SYSTEM_TOPIC_LIST_FROM_BROKER: namesrv.get_system_topic_list_from_broker,
     })
 
 
@@ -67,6 +73,10 @@ def namesrv_table() -> dict:
         R.GET_ALL_TOPIC_LIST_FROM_NAMESERVER: namesrv.get_all_topic_list,
         R.REGISTER_BROKER: namesrv.register_broker,
         R.DELETE_TOPIC_IN_NAMESRV: namesrv.delete_topic_in_namesrv,
+        R.GET_TOPICS_BY_CLUSTER: namesrv.get_topics_by_cluster,
+        R.GET_SYSTEM_TOPIC_LIST_FROM_NS: namesrv.get_system_topic_list_from_ns,
+        R.WIPE_WRITE_PERM_OF_BROKER: namesrv.wipe_write_perm,
+        R.ADD_WRITE_PERM_OF_BROKER: namesrv.add_write_perm,
         **kv_table(),
     }
 

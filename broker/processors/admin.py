@@ -8,7 +8,8 @@ from protocol.codes import Perm, ResponseCode
 from protocol.errors import CorruptRecordError
 from protocol.message import validate_topic
 
-from ..topics import TopicConfig, is_system_topic
+from ..limits import peer_host
+from ..topics import TopicConfig, TopicLimitError, is_system_topic
 
 
 def update_and_create_topic(ctx, conn, cmd):
@@ -22,13 +23,20 @@ def update_and_create_topic(ctx, conn, cmd):
     write = cmd.int_field("writeQueueNums", 16)
     if not (0 < read <= 1024 and 0 < write <= 1024):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"queue numbers must be 1..1024, got read={read} write={write}")
-    if topic not in ctx.topics.topics and len(ctx.topics.topics) >= ctx.config.max_topics:
-        ctx.limits.refused("topic-limit")
-        return cmd.response(ResponseCode.NO_PERMISSION, f"topic[{topic}] not created: the broker holds "
-                            f"{len(ctx.topics.topics)} topics, its limit (max_topics={ctx.config.max_topics})")
-    ctx.topics.create(TopicConfig(topic, read, write, cmd.int_field("perm", Perm.READ_WRITE),
-                                  cmd.str_field("topicFilterType", "SINGLE_TAG"), cmd.int_field("topicSysFlag", 0),
-                                  cmd.bool_field("order")))
+    # Without an ACL anyone may ask: the topic is its client's, as a send's (max_topics_per_host). With one, the
+    # request was signed by an account allowed to, an operator's.
+    creator = peer_host(conn) if ctx.acl is None else None
+    if topic not in ctx.topics.topics:
+        refused = ctx.limits.may_create(conn, cmd, ctx.topics, topic, per_host=creator is not None)
+        if refused is not None:
+            return refused
+    try:
+        ctx.topics.create(TopicConfig(topic, read, write, cmd.int_field("perm", Perm.READ_WRITE),
+                                      cmd.str_field("topicFilterType", "SINGLE_TAG"), cmd.int_field("topicSysFlag", 0),
+                                      cmd.bool_field("order")), creator)
+    except TopicLimitError as exc:      # a %RETRY% topic past max_retry_groups, refused as a send's is
+        ctx.limits.refused("retry-group-limit")
+        return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
     return cmd.response(ResponseCode.SUCCESS)
 
 
@@ -54,4 +62,9 @@ def get_all_topic_config(ctx, conn, cmd):
     table = {name: {"topicName": tc.name, "readQueueNums": tc.read_queue_nums, "writeQueueNums": tc.write_queue_nums,
                     "perm": tc.perm, "topicFilterType": tc.filter_type, "topicSysFlag": tc.sys_flag,
                     "order": tc.order} for name, tc in ctx.topics.topics.items()}
-    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"topicConfigTable": table}).encode())
+    # TopicConfigSerializeWrapper, keys in fastjson's order; a Java slave's SlaveSynchronize assigns dataVersion
+    # to its own (a NullPointerException every sync when it was missing) and re-reads the table when it changed.
+    version = ctx.topics.data_version
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps({
+        "dataVersion": {"counter": version.counter, "timestamp": version.timestamp},
+        "topicConfigTable": table}).encode())

@@ -3,15 +3,29 @@
 RocketMQ answers its configuration as Properties text, ``key=value`` a line (MixAll.properties2String), with
 the configuration's data version as the ``version`` field. txmq writes RocketMQ's name for each setting that
 means the same thing, then every setting of its own as ``txmq.<name>`` (what ``python -m broker --help``
-lists), so the tool shows the whole configuration. Settings are fixed at start: the version stays
-{"counter":0,"timestamp":<start>}, and UPDATE_BROKER_CONFIG (25) is not supported.
+lists), so the tool shows the whole configuration. The version is {"counter":N,"timestamp":<start>}, N the
+changes UPDATE_BROKER_CONFIG made.
+
+UPDATE_BROKER_CONFIG (25), mqadmin updateBrokerConfig: the body is Properties text. txmq's settings are
+flags fixed at start, except RocketMQ's ``brokerPermission`` (6 read-write, 4 read-only, 2 write-only, 0
+neither), which takes a broker out of service for maintenance: routes and registrations carry each
+topic's perm masked by it (a new data version: name servers re-read it at once), and new messages or
+pulls it forbids are refused NO_PERMISSION (processors/disk_guard.py, pull.py). It lasts until the broker
+stops (RocketMQ writes it to its configuration file). A request naming any other key is refused, saying
+which, and changes nothing: RocketMQ would apply it live, and saying SUCCESS for a setting that does not
+change would leave the operator believing it did.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from protocol.admin_bodies import dump
-from protocol.codes import ResponseCode
+from protocol.codes import Perm, ResponseCode
+
+log = logging.getLogger("txmq.admin")
+
+PERMISSIONS = {Perm.READ_WRITE: "read-write", Perm.READ: "read-only", Perm.WRITE: "write-only", 0: "closed"}
 
 
 def _rocketmq_names(ctx) -> dict[str, object]:
@@ -33,7 +47,7 @@ def _rocketmq_names(ctx) -> dict[str, object]:
         "messageIndexEnable": c.message_index_enable, "maxHashSlotNum": c.index_hash_slots,
         "maxIndexNum": c.index_max_entries, "registerNameServerPeriod": c.register_period_ms,
         "registerBrokerTimeoutMills": c.register_timeout_ms, "compressedRegister": c.register_compressed,
-        "haListenPort": c.ha_port, "haMasterAddress": c.ha_master_addr, "slaveReadEnable": c.slave_read_enable,
+        "brokerPermission": ctx.broker_permission, "haListenPort": c.ha_port, "haMasterAddress": c.ha_master_addr, "slaveReadEnable": c.slave_read_enable,
         "aclEnable": bool(c.acl_file),
         # what txmq does without a setting; mqadmin exportConfigs fails (NullPointerException) on any missing
         "autoCreateSubscriptionGroup": True, "msgTraceTopicName": "RMQ_SYS_TRACE_TOPIC", "filterServerNums": 0,
@@ -58,5 +72,45 @@ def properties_text(ctx) -> str:
 
 
 def get_broker_config(ctx, conn, cmd):
-    version = dump({"counter": 0, "timestamp": ctx.started_ms})
+    version = dump({"counter": ctx.config_version, "timestamp": ctx.started_ms})
     return cmd.response(ResponseCode.SUCCESS, ext_fields={"version": version}, body=properties_text(ctx).encode())
+
+
+def parse_properties(text: str) -> dict[str, str]:
+    """Properties text as MixAll.properties2String writes it: ``key=value`` (or ``key:value``) a line; blank
+    lines and ``#`` / ``!`` comments skipped."""
+    props = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line[0] in "#!":
+            continue
+        cut = min((i for i in (line.find("="), line.find(":")) if i >= 0), default=len(line))
+        props[line[:cut].strip()] = line[cut + 1:].strip()
+    return props
+
+
+def update_broker_config(ctx, conn, cmd):
+    try:
+        props = parse_properties(cmd.body_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"the body is not UTF-8 Properties text: {exc}")
+    fixed = sorted(k for k in props if k != "brokerPermission")
+    if fixed:
+        named = ", ".join(k[:100] for k in fixed[:5]) + (f" and {len(fixed) - 5} more" if len(fixed) > 5 else "")
+        return cmd.response(ResponseCode.SYSTEM_ERROR,
+                            f"not changed: {named}: txmq's settings are flags fixed at start (see getBrokerConfig's "
+                            "txmq.* keys); only brokerPermission changes live. Nothing was changed.")
+    if "brokerPermission" not in props:
+        return cmd.response(ResponseCode.SUCCESS)       # an empty body, as RocketMQ: nothing to change
+    value = props["brokerPermission"]
+    perm = int(value) if value.lstrip("-").isdigit() and len(value) < 12 else None
+    if perm not in PERMISSIONS:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"brokerPermission={value[:100]} is not one of 6 "
+                            "(read-write), 4 (read-only), 2 (write-only), 0. Nothing was changed.")
+    if perm != ctx.broker_permission:
+        log.warning("broker permission %s -> %s (%d -> %d), by %s:%s; until the broker stops",
+                    PERMISSIONS[ctx.broker_permission], PERMISSIONS[perm], ctx.broker_permission, perm, *conn.peer)
+        ctx.broker_permission = perm
+        ctx.config_version += 1
+        ctx.topics.routes_changed()
+    return cmd.response(ResponseCode.SUCCESS)

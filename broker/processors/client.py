@@ -7,6 +7,7 @@ import logging
 
 from protocol.codes import ResponseCode
 from protocol.errors import HeaderError
+from protocol.message import MAX_CLIENT_ID_LENGTH, text_encodes, validate_group
 
 from ..clients import build_subscription, is_tag_type
 
@@ -91,6 +92,11 @@ def _lock_body(cmd):
         group, client_id, mqs = data["consumerGroup"], data["clientId"], data.get("mqSet") or []
         if not all(isinstance(v, str) for v in (group, client_id)) or not isinstance(mqs, list):
             raise TypeError("consumerGroup and clientId must be text, mqSet a list")
+        why = validate_group(group, "consumerGroup")      # each lock keeps it, until it expires
+        if why is None and (len(client_id) > MAX_CLIENT_ID_LENGTH or not text_encodes(client_id)):
+            why = f"clientId is not UTF-8 text of at most {MAX_CLIENT_ID_LENGTH} characters"
+        if why is not None:
+            raise ValueError(why)
         for mq in mqs:
             if not isinstance(mq, dict) or not all(isinstance(mq.get(k), (str, type(None)))
                                                    for k in ("topic", "brokerName")):

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import ResponseCode
+from protocol.message import validate_group
+from protocol.txlog import PROGRESS_GROUP
 
+from ..limits import peer_host
 from .pull import on_disk
 
 
@@ -37,11 +40,22 @@ def update_consumer_offset(ctx, conn, cmd):
     tc = ctx.topics.get(topic)
     if tc is None:
         return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"topic[{topic}] not exist, offset not stored")
+    why = validate_group(group, "consumerGroup")    # kept in the table, its file and every slave's copy
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{why}, offset not stored")
     if qid < 0 or qid >= tc.queue_count:
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"queueId[{qid}] is illegal, topic:[{topic}] has {tc.queue_count} queues")
+    if group == PROGRESS_GROUP:
+        # How far the half queue is settled: a start-up without a usable transaction snapshot reads halves from
+        # it, and one moved past undecided halves was never seen again (never checked, never decided).
+        return cmd.response(ResponseCode.NO_PERMISSION, f"consumer group {group} is the broker's own (its "
+                            "transaction progress): offset not stored")
     if offset >= 0:
-        ctx.offsets.commit(group, topic, qid, offset)
+        refused = ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid)
+        if refused is not None:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
+        ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
     return cmd.response(ResponseCode.SUCCESS)
 
 

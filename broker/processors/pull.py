@@ -11,8 +11,9 @@ import struct
 import time
 
 from protocol.codes import Perm, PullSysFlag, ResponseCode
-from protocol.message import POS_PHYSICAL_OFFSET
+from protocol.message import POS_PHYSICAL_OFFSET, validate_group
 from protocol.record import property_bytes, record_properties
+from protocol.txlog import PROGRESS_GROUP
 
 from ..clients import build_subscription
 from ..limits import peer_host
@@ -142,6 +143,9 @@ def _reply(ctx, cmd, group, topic, got):
 def handle_pull(ctx, conn, cmd, woken: bool = False):
     """PULL_MESSAGE. ``woken``: run again for a held pull (RocketMQ's executeRequestWhenWakeup): by the
     subscription its group has now, without committing its offset again or being held again."""
+    if not ctx.broker_permission & Perm.READ:
+        return cmd.response(ResponseCode.NO_PERMISSION, f"the broker[{ctx.broker_addr.rpartition(':')[0]}] "
+                                                        "pulling message is forbidden")
     group = cmd.str_field("consumerGroup", required=True)
     topic = cmd.str_field("topic", required=True)
     qid = cmd.int_field("queueId", required=True)
@@ -158,6 +162,9 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
     if qid < 0 or qid >= tc.read_queue_nums:
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"queueId[{qid}] is illegal, topic:[{topic}] topicConfig.readQueueNums:[{tc.read_queue_nums}]")
+    why = validate_group(group, "consumerGroup")    # its commitOffset is kept under it (UPDATE_CONSUMER_OFFSET's)
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
     if sys_flag & PullSysFlag.SUBSCRIPTION:
         sub = build_subscription(topic, cmd.str_field("subscription"), cmd.int_field("subVersion", 0),
                                  cmd.str_field("expressionType") or "TAG")
@@ -192,8 +199,10 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
     # As RocketMQ: not on a slave, nor again when a held pull is run again.
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:
         commit = cmd.int_field("commitOffset", -1)
-        if commit is not None and commit >= 0:
-            ctx.offsets.commit(group, topic, qid, commit)
+        # (past max_offsets_per_host the pull is answered all the same: only its commit is not kept)
+        if (commit is not None and commit >= 0 and group != PROGRESS_GROUP      # (the broker's own: see offsets.py)
+                and ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid) is None):
+            ctx.offsets.commit(group, topic, qid, commit, peer_host(conn))
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, sub.tag_filter(), record_filter)
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
     if sys_flag & PullSysFlag.SUSPEND and not woken and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:

@@ -31,13 +31,15 @@ from protocol.message import (
     separator_in,
     string_to_properties,
     tags_code,
+    validate_group,
     validate_topic,
 )
 
 from ..answer import Answer
+from ..limits import peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
-from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, TopicLimitError
+from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SYSTEM_TOPIC_PREFIX, TopicLimitError
 from .admin import stored_record
 
 log = logging.getLogger("txmq.send")
@@ -74,11 +76,16 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
             return cmd.response(ResponseCode.SYSTEM_ERROR, why)
         if h.topic in NO_SEND_TOPICS:
             return cmd.response(ResponseCode.NO_PERMISSION, f"sending message to topic[{h.topic}] is forbidden")
+        if tc is None and h.topic.startswith(SYSTEM_TOPIC_PREFIX):
+            # Made by a send, it could never be deleted (DELETE_TOPIC_IN_BROKER refuses system topics, as
+            # RocketMQ's does): a client planting such names held places of max_topics for good.
+            return cmd.response(ResponseCode.NO_PERMISSION, f"topic[{h.topic}] not created: names starting with "
+                                f"{SYSTEM_TOPIC_PREFIX} are the broker's system topics")
         refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic)
         if refused is not None:
             return refused
         try:
-            tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums)
+            tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums, peer_host(conn))
         except TopicLimitError as exc:
             ctx.limits.refused("retry-group-limit")
             return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
@@ -131,6 +138,9 @@ def handle_send(ctx, conn, cmd):
             if isinstance(illegal, str):
                 return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
         group = props.get(Prop.PGROUP) or h.producer_group
+        why = validate_group(group, "producerGroup")    # the half's sender joins it, and it is kept with the half
+        if why is not None:
+            return cmd.response(ResponseCode.MESSAGE_ILLEGAL, why)
         if Prop.PGROUP not in props and separator_in(group):
             # It becomes the half's PGROUP: with a \x02 it was stored as more properties than the broker wrote,
             # and recovery re-read another group and another REAL_TOPIC (a commit then wrote there).
@@ -390,7 +400,7 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str):
     if refused is not None:
         return refused
     try:
-        ctx.topics.ensure(topic)
+        ctx.topics.ensure(topic, creator=peer_host(conn))
     except TopicLimitError as exc:
         ctx.limits.refused("retry-group-limit")
         return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
@@ -414,7 +424,13 @@ async def handle_send_back(ctx, conn, cmd):
         return error
     msg, _ = decode_record(view)
     props = dict(msg.properties)
-    props.setdefault(Prop.RETRY_TOPIC, msg.topic)
+    if msg.topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+        props.setdefault(Prop.RETRY_TOPIC, msg.topic)   # a retry's copy: the topic its first copy was sent to
+    else:
+        # The record's own topic, whatever it carries: RocketMQ keeps a RETRY_TOPIC already there, and a message
+        # consumed from a retry and forwarded with its properties carried its source's, so its own retry was
+        # delivered (and keyed by SqliteIdempotency) as a message of that other topic.
+        props[Prop.RETRY_TOPIC] = msg.topic
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, origin_id or msg.offset_msg_id)
     limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.

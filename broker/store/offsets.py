@@ -23,6 +23,8 @@ import logging
 import os
 import threading
 
+from protocol.admin_bodies import split_offset_key
+
 from .mapped_file import fsync_dirs, make_dirs
 from .saved import check, is_int, load_saved, save
 
@@ -36,6 +38,10 @@ class ConsumerOffsets:
         self.path = os.path.join(store_dir, "config", FILE_NAME)
         self.persist_interval_s = persist_interval_s
         self._table: dict[tuple[str, str, int], int] = {}
+        # Which client made each offset (commit's ``client``), and how many each made: max_offsets_per_host.
+        # In memory only: the offsets loaded at start-up are no client's.
+        self._maker: dict[tuple[str, str, int], str] = {}
+        self._made_by: dict[str, int] = {}
         self._dirty = False
         self._task: asyncio.Task | None = None
         self._write_lock = threading.Lock()     # a cancelled background write may still be running
@@ -53,21 +59,40 @@ class ConsumerOffsets:
     def get(self, group: str, topic: str, queue_id: int) -> int | None:
         return self._table.get((group, topic, queue_id))
 
-    def commit(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+    def commit(self, group: str, topic: str, queue_id: int, offset: int, client: str | None = None) -> None:
+        """Keep ``offset``; ``client``: who commits it (a new offset is counted as that client's, ``made_by``)."""
         key = (group, topic, queue_id)
         if self._table.get(key) != offset:
+            if client is not None and key not in self._table:
+                self._maker[key] = client
+                self._made_by[client] = self._made_by.get(client, 0) + 1
             self._table[key] = offset
             self._dirty = True
 
+    def has(self, group: str, topic: str, queue_id: int) -> bool:
+        return (group, topic, queue_id) in self._table
+
+    def made_by(self, client: str) -> int:
+        """How many of the offsets there are ``client`` made."""
+        return self._made_by.get(client, 0)
+
     def remove_group(self, group: str) -> None:
-        for key in [k for k in self._table if k[0] == group]:
-            del self._table[key]
-            self._dirty = True
+        self._remove([k for k in self._table if k[0] == group])
 
     def remove_topic(self, topic: str) -> None:
-        for key in [k for k in self._table if k[1] == topic]:
+        self._remove([k for k in self._table if k[1] == topic])
+
+    def _remove(self, keys) -> None:
+        for key in keys:
             del self._table[key]
             self._dirty = True
+            client = self._maker.pop(key, None)
+            if client is not None:
+                left = self._made_by[client] - 1
+                if left > 0:
+                    self._made_by[client] = left
+                else:
+                    del self._made_by[client]
 
     def items(self):
         """((group, topic, queue id), offset) pairs."""
@@ -167,10 +192,11 @@ def _parse_table(raw) -> dict[tuple[str, str, int], int]:
         raw = raw["offsetTable"]
     table = {}
     for key, queues in raw.items():
-        # (group may be "": a group name ending in "@" -- names are not checked -- is saved as "T@odd@", and
-        # read back so it is saved as it was; refused, one client's name sent every start to the older copy)
-        topic, sep, group = key.rpartition("@")
-        check(bool(sep and topic) and isinstance(queues, dict), f"malformed entry {key!r}")
+        # (a group name may hold "@", even end in it -- names are not checked: "T@odd@" is group "odd@" of T;
+        # refused, one client's name sent every start to the older copy)
+        split = split_offset_key(key)
+        check(split is not None and isinstance(queues, dict), f"malformed entry {key!r}")
+        topic, group = split
         for qid, offset in queues.items():
             check(qid.isdigit() and is_int(offset) and offset >= 0, f"{key} queue {qid!r} = {offset!r}")
             table[(group, topic, int(qid))] = offset

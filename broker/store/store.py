@@ -595,6 +595,23 @@ class MessageStore:
         cq = self._cqs.get((topic, queue_id))
         return cq.min_offset if cq is not None else 0
 
+    def queue_units(self, topic: str, queue_id: int, index: int, count: int) -> list[tuple[int, int, int]] | None:
+        """Up to ``count`` raw units (commit-log offset, size, tag code) from ``index``, as stored: a zeroed unit
+        too (mqadmin queryCq is how one is looked at); none when ``index`` is outside the queue (it numbers the
+        units it prints from ``index``). None when the queue does not exist."""
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None:
+            return None
+        units = []
+        if index < cq.min_offset:
+            return units
+        for offset in range(index, min(index + count, cq.max_offset)):
+            unit = cq.unit(offset)
+            if unit is None:
+                break
+            units.append(unit)
+        return units
+
     def _store_time_at(self, cq: ConsumeQueue, offset: int) -> int | None:
         unit = self._real_unit(cq, offset)
         view = self._log.record(unit[0]) if unit is not None else None

@@ -17,6 +17,7 @@ from broker.store.saved import crc_matches, with_crc
 from protocol.errors import StoreError
 from protocol.message import Prop, decode_record
 from protocol.record import body_crc_ok
+from protocol.txlog import PROGRESS_GROUP
 
 from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
@@ -26,7 +27,6 @@ from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_le
 
 log = logging.getLogger("txmq.transaction")
 
-PROGRESS_GROUP = "CID_RMQ_SYS_TRANS"   # RocketMQ's owner of the half-queue progress offset
 SNAPSHOT_VERSION = 1
 
 

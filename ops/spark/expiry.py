@@ -23,6 +23,7 @@ import logging
 import os
 import time
 
+from protocol.admin_bodies import split_offset_key
 from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES, scan_store
@@ -55,9 +56,10 @@ def read_consumer_offsets(store_dir: str) -> dict[str, dict[str, dict[int, int]]
         raise ValueError(f"{path}: expected an object of \"topic@group\" keys")
     out: dict[str, dict[str, dict[int, int]]] = {}
     for key, queues in raw.items():
-        topic, sep, group = key.rpartition("@")
-        if not sep or not isinstance(queues, dict):
+        split = split_offset_key(key)       # at the first "@": a group name may hold one, a topic name may not
+        if split is None or not isinstance(queues, dict):
             raise ValueError(f"{path}: entry {key!r} is not \"topic@group\": {{queueId: offset}}")
+        topic, group = split
         try:
             out.setdefault(topic, {})[group] = {int(q): int(o) for q, o in queues.items()}
         except (TypeError, ValueError):

@@ -22,6 +22,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import ResponseError
 from protocol.signature import Credentials
+from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
 pytestmark = pytest.mark.asyncio
@@ -195,3 +196,56 @@ async def test_ali_ons_with_credentials(acl_broker):
         assert bad["rc"] == 1 and bad["final"]["sent"] == 0, bad
         # ali-ons reports only "Send [4] times, still failed"; the broker logs why it refused.
         assert "refused 310 from 127.0.0.1" in b.log() and remark in b.log(), (remark, bad)
+
+
+async def _request_namesrv(b, code, fields=None, creds=None):
+    host, _, port = b.namesrv.rpartition(":")
+    conn = await open_connection(host, int(port), sign=creds.sign if creds else None)
+    try:
+        return await conn.request(RemotingCommand.request(code, fields), 5.0)
+    finally:
+        conn.close()
+
+
+async def test_taking_the_broker_out_of_service_needs_an_admin_account(acl_broker):
+    """updateBrokerConfig brokerPermission (25, RocketMQ's admin code) on the broker port, and wipeWritePerm /
+    addWritePerm (205 / 327) on its own name server's port, which change the same broker's write routes: with an
+    ACL file, none is anyone's to send (the name-server port took them unsigned: any host could stop every
+    producer of an ACL-protected broker). Routes stay anyone's to read."""
+    b = acl_broker
+    body = b"brokerPermission=4\n"
+    unsigned = await _request(b, RequestCode.UPDATE_BROKER_CONFIG, None, None, body)
+    assert (unsigned.code, unsigned.remark) == (ResponseCode.NO_PERMISSION, "No accessKey is configured")
+    app = await _request(b, RequestCode.UPDATE_BROKER_CONFIG, None, APP, body)
+    assert (app.code, app.remark) == (ResponseCode.NO_PERMISSION,
+                                      "Need admin permission for request code=25, but accessKey=appuser is not")
+    for code in (RequestCode.WIPE_WRITE_PERM_OF_BROKER, RequestCode.ADD_WRITE_PERM_OF_BROKER):
+        refused = await _request_namesrv(b, code, {"brokerName": "broker-a"})
+        assert (refused.code, refused.remark) == (ResponseCode.NO_PERMISSION, "No accessKey is configured")
+        refused = await _request_namesrv(b, code, {"brokerName": "broker-a"}, APP)
+        assert refused.code == ResponseCode.NO_PERMISSION and "admin permission" in refused.remark
+    route = await _request_namesrv(b, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"})
+    assert route.code == ResponseCode.SUCCESS and json.loads(route.body_bytes())["queueDatas"][0]["perm"] & 2
+    wiped = await _request_namesrv(b, RequestCode.WIPE_WRITE_PERM_OF_BROKER, {"brokerName": "broker-a"}, ADMIN)
+    assert wiped.code == ResponseCode.SUCCESS, wiped.remark
+    route = await _request_namesrv(b, RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"})
+    assert not json.loads(route.body_bytes())["queueDatas"][0]["perm"] & 2
+
+
+@bounded(60)
+async def test_a_push_consumer_whose_heartbeat_is_refused_does_not_start(acl_broker):
+    """A push consumer starts through a broker that is out of reach (it beats again), but a broker that
+    answers its heartbeat with a refusal (wrong credentials here) must still fail the start: logged and
+    passed over, start returned and the consumer sat with no queue, every rebalance refused in the log."""
+    from consumer import PushConsumer
+    b = acl_broker
+    assert (await _create(b, "AclTopic")).code == ResponseCode.SUCCESS
+    refused = PushConsumer(b.namesrv, "CG_acl_push", lambda msg: None,
+                           credentials=Credentials("appuser", "wrong-secret"))
+    refused.subscribe("AclTopic")
+    try:
+        with pytest.raises(ResponseError) as err:
+            await refused.start()
+        assert err.value.code == ResponseCode.NO_PERMISSION, err.value
+    finally:
+        await refused.shutdown()

@@ -243,14 +243,20 @@ async def test_a_heartbeat_cannot_put_unwritable_retry_topics_in_the_catalogue(b
     from protocol.connection import open_connection
 
     long_name = "G" * 5000
-    body = json.dumps({"clientID": "hostile@1", "producerDataSet": [], "consumerDataSet": [
-        {"groupName": name, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
-         "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": []}
-        for name in ("not a group/name", long_name, "CG_fine")]}).encode()
+
+    def heartbeat(*names):
+        return json.dumps({"clientID": "hostile@1", "producerDataSet": [], "consumerDataSet": [
+            {"groupName": name, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+             "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": []}
+            for name in names]}).encode()
     conn = await open_connection(*_hostport(broker.broker))
     try:
-        reply = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=body), 5)
+        reply = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=heartbeat(
+            "not a group/name", "CG_fine")), 5)
         assert reply.code == ResponseCode.SUCCESS
+        # a group name past 255 characters refuses the whole heartbeat (test_names.py)
+        reply = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=heartbeat(long_name)), 5)
+        assert reply.code != ResponseCode.SUCCESS and "longer than 255" in reply.remark
         table = json.loads((await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5))
                            .body_bytes())["topicConfigTable"]
     finally:

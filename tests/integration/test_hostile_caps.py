@@ -317,3 +317,151 @@ async def test_a_retry_topic_reclaimed_while_its_retry_waits_delivers_it_when_th
     finally:
         probe.close()
         others.close()
+
+
+def _send(topic: str) -> RemotingCommand:
+    return RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+        "producerGroup": "PG_topics", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "1",
+        "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""})
+
+
+async def _send_to(client: RawClient, topic: str) -> RemotingCommand:
+    [reply] = await client.call(_send(topic), 10)
+    return reply
+
+
+async def test_one_address_creates_at_most_max_topics_per_host(broker_factory):
+    """max_topics bounds the catalogue, and one address could fill it alone -- auto-created by sends (at
+    max_auto_create_topics_per_s, a few minutes for 2048) or by UPDATE_AND_CREATE_TOPIC without an ACL -- and every
+    other client's new topic was refused until an operator deleted topics. The topics one address created are now
+    at most max_topics_per_host: past it its new topic is refused NO_PERMISSION naming the limit, other hosts
+    create theirs, and a topic of its deleted gives it its room back."""
+    broker = broker_factory("--max-topics-per-host", "3", "--max-auto-create-topics-per-s", "1000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        codes = [(await _send_to(hostile, f"Hostile{i}")).code for i in range(2)]
+        [created] = await hostile.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+            "topic": "HostileAdmin", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}), 10)
+        codes.append(created.code)
+        assert codes == [C.SUCCESS] * 3
+        refused = [await _send_to(hostile, f"Hostile{i}") for i in range(2, 6)]
+        assert {r.code for r in refused} == {C.NO_PERMISSION}
+        assert all("max_topics_per_host=3" in r.remark for r in refused)
+        [again] = await hostile.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+            "topic": "HostileAdmin2", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}), 10)
+        assert again.code == C.NO_PERMISSION and "max_topics_per_host" in again.remark
+        assert (await _send_to(hostile, "Hostile0")).code == C.SUCCESS      # its topics are still its own
+        assert (await _send_to(victim, "Victim0")).code == C.SUCCESS        # another host creates its own
+        [deleted] = await victim.call(                                      # an operator's, from anywhere
+RemotingCommand(R.DELETE_TOPIC_IN_BROKER, opaque=next(_OPAQUES),
+                                                      ext_fields={"topic": "Hostile1"}), 10)
+        assert deleted.code == C.SUCCESS, deleted.remark
+        assert (await _send_to(hostile, "Hostile6")).code == C.SUCCESS
+        assert (await _send_to(hostile, "Hostile7")).code == C.NO_PERMISSION
+    finally:
+        hostile.close()
+        victim.close()
+    assert "max_topics_per_host" in broker.log()
+
+
+async def _offsets(client: RawClient) -> set:
+    from protocol.admin_bodies import decode_consumer_offsets
+    return set(decode_consumer_offsets((await _call(client, R.GET_ALL_CONSUMER_OFFSET)).body_bytes()))
+
+
+async def _commit(client: RawClient, group: str, topic: str = "Offsets") -> RemotingCommand:
+    [reply] = await client.call(RemotingCommand(R.UPDATE_CONSUMER_OFFSET, opaque=next(_OPAQUES), ext_fields={
+        "consumerGroup": group, "topic": topic, "queueId": "0", "commitOffset": "0"}), 10)
+    return reply
+
+
+async def test_one_address_commits_offsets_for_at_most_max_offsets_per_host_queues(broker_factory):
+    """UPDATE_CONSUMER_OFFSET (and a pull's commitOffset) kept an offset for any group name on any queue there is,
+    bounded by nothing: one client looping over made-up group names grew the table without end -- in memory, in
+    consumerOffset.json rewritten every 5 s, in the lag computed every second, in what every slave copies.
+    The offsets one address made are now at most max_offsets_per_host; past it a new one is refused naming the
+    limit (a pull is still answered, its commit not kept), an offset it has is still moved, other hosts commit
+    theirs, and deleting a group gives the room back."""
+    broker = broker_factory("--max-offsets-per-host", "3")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        assert (await _send_to(victim, "Offsets")).code == C.SUCCESS
+        codes = [(await _commit(hostile, f"CG_made_up{i}")).code for i in range(5)]
+        assert codes[:3] == [C.SUCCESS] * 3 and C.SUCCESS not in codes[3:]
+        refused = await _commit(hostile, "CG_made_up9")
+        assert "max_offsets_per_host=3" in refused.remark
+        assert (await _commit(hostile, "CG_made_up0")).code == C.SUCCESS       # one it has: still moved
+        [pulled] = await hostile.call(RemotingCommand(R.PULL_MESSAGE, opaque=next(_OPAQUES), ext_fields={
+            "consumerGroup": "CG_pulls", "topic": "Offsets", "queueId": "0", "queueOffset": "0", "maxMsgNums": "1",
+            "sysFlag": "5", "commitOffset": "0", "suspendTimeoutMillis": "0", "subscription": "*",
+            "subVersion": "0", "expressionType": "TAG"}), 10)
+        assert pulled.code == C.SUCCESS                                         # answered; its commit not kept
+        assert (await _commit(victim, "CG_victim")).code == C.SUCCESS          # another host commits its own
+        groups = {g for g, t, _ in await _offsets(victim) if t == "Offsets"}
+        assert groups == {"CG_made_up0", "CG_made_up1", "CG_made_up2", "CG_victim"}
+        deleted = await hostile.call(RemotingCommand(R.DELETE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+                                                     ext_fields={"groupName": "CG_made_up1", "removeOffset": "true"}), 10)
+        assert deleted[0].code == C.SUCCESS, deleted[0].remark
+        assert (await _commit(hostile, "CG_made_up9")).code == C.SUCCESS
+    finally:
+        hostile.close()
+        victim.close()
+    assert "max_offsets_per_host" in broker.log()
+
+
+async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by_name(broker_factory):
+    """UPDATE_AND_CREATE_TOPIC of a %RETRY% topic past max_retry_groups raised out of the handler: answered
+    SYSTEM_ERROR "TopicLimitError: ..." and logged at ERROR with a traceback, as a bug, and not counted. It is
+    now refused NO_PERMISSION naming the limit, as a send's retry topic is."""
+    broker = broker_factory("--max-retry-groups", "1")
+    client = await RawClient.open(broker.broker)
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("live", "G_live"))).code == C.SUCCESS
+        [reply] = await client.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+            "topic": "%RETRY%G_other", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}), 10)
+    finally:
+        client.close()
+    assert reply.code == C.NO_PERMISSION and "max_retry_groups" in reply.remark
+    assert "Traceback" not in broker.log()
+
+
+async def test_retry_topics_made_by_heartbeats_count_toward_max_topics_per_host(broker_factory):
+    """A consumer group's heartbeat makes its %RETRY% topic, and those were no client's: one address heartbeating
+    max_retry_groups made-up groups (and staying, so none could be reclaimed) left every other host's new
+    consumer group without a retry topic -- their failed messages refused. They count as the address's topics."""
+    broker = broker_factory("--max-topics-per-host", "2")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *[f"G_made_up{i}" for i in range(4)]))
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        made = await _retry_topics(victim)
+    finally:
+        hostile.close()
+        victim.close()
+    assert len([t for t in made if t.startswith("%RETRY%G_made_up")]) == 2
+    assert "%RETRY%G_victim" in made
+    assert "max_topics_per_host" in broker.log()
+
+
+async def test_a_hosts_retry_topics_of_groups_gone_make_room_under_max_topics_per_host(broker_factory):
+    """max_retry_groups reclaims the empty %RETRY% topics of groups with no consumer, but max_topics_per_host did
+    not: a host whose consumer groups come and go (a group named per deployment or per instance, test runs) was
+    held at max_topics_per_host retry topics of groups long gone, and every new group of its got no retry topic
+    (its failed messages then refused) until an operator deleted topics -- while max_retry_groups, far from
+    reached, never swept. At its limit, the host's own retry topics that may go are now reclaimed first."""
+    broker = broker_factory("--max-topics-per-host", "2")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("short", "G_gone1", "G_gone2"))).code == C.SUCCESS
+        for group in ("G_gone1", "G_gone2"):        # the groups leave, their retry topics empty
+            [left] = await client.call(RemotingCommand(R.UNREGISTER_CLIENT, opaque=next(_OPAQUES), ext_fields={
+                "clientID": "short", "consumerGroup": group}), 10)
+            assert left.code == C.SUCCESS
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("next", "G_next"))).code == C.SUCCESS
+        made = await _retry_topics(client)
+    finally:
+        client.close()
+    assert "%RETRY%G_next" in made and not {"%RETRY%G_gone1", "%RETRY%G_gone2"} & made

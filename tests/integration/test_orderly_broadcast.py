@@ -317,3 +317,86 @@ async def test_enums_sent_as_ordinals_by_the_cpp_client_are_read_as_java_reads_t
                                                 "the consumer group[GID_cpp] can not consume by broadcast way")
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_an_orderly_queue_locked_again_after_its_lock_lapsed_goes_on_where_it_was(broker):
+    """An orderly consumer whose local lock lapses (renewals failed for lock_expire_s) stops, waits for the
+    lock and, once it has it again, reads where to go on. It read only the broker's offset, committed every
+    offset_commit_interval_s: with no one else having taken the queue meanwhile, the messages it had consumed
+    since the last commit were consumed again, after later ones: old states replayed over newer ones, in a
+    consumer that promised order. It goes on from the later of that offset and its own progress: everything
+    before its own was consumed (by it), and one further on was consumed by whoever held the queue meanwhile."""
+    topic, group = "Steps", "CG_relock"
+    async with Producer(broker.namesrv, "PG_relock") as producer:
+        [queue, *_] = await producer.routes.publish_queues(topic)
+        for step in ("created", "paid", "shipped"):
+            await producer.send(topic, step.encode(), queue=queue)
+    seen, shipped = [], asyncio.Event()
+    consumer = None
+
+    def listener(msg):
+        seen.append(msg.body.decode())
+        if seen == ["created", "paid"]:     # the renewals failed for lock_expire_s: the lock lapses here
+            [mq] = [q for q in consumer._locks if (q.topic, q.queue_id) == (topic, queue.queue_id)]
+            consumer._locks[mq] -= consumer.lock_expire_s + 1
+        if msg.body == b"shipped" or len(seen) >= 5:
+            shipped.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, orderly=True, consume_from="first",
+                            lock_interval_s=0.2, lock_retry_s=0.05, offset_commit_interval_s=600, suspend_ms=500)
+    consumer.subscribe(topic)
+    async with consumer:
+        await shipped.wait()
+    assert seen == ["created", "paid", "shipped"], seen
+
+
+@pytest.mark.parametrize("known", ["committed", "read"])
+@bounded(30)
+async def test_an_operators_reset_made_while_the_lock_had_lapsed_is_followed_when_it_is_locked_again(broker, known):
+    """An operator resets the group back (admin reset-offset) while this consumer's lock has lapsed, as it does
+    when its connection is down, so the broker could not tell it. Locked again, the consumer went on from its own
+    progress, further than the reset: the reset was undone, unsaid. A stored offset below the one this consumer
+    last committed was moved back by someone else (a queue's other owners only ever move it on from there):
+    that one is followed. The offset it knows stored is the one it committed last, or read at its start."""
+    topic, group = "StepsReset", "CG_relock_reset"
+    async with Producer(broker.namesrv, "PG_relock_reset") as producer:
+        [queue, *_] = await producer.routes.publish_queues(topic)
+        for step in ("a", "b", "c", "d"):
+            await producer.send(topic, step.encode(), queue=queue)
+    if known == "read":     # the group stopped after a before: this consumer starts at b and commits nothing
+        before = PullConsumer(broker.namesrv, group)
+        await before.fetch_queues(topic)
+        await before.commit_offset(queue, 1)
+        await before.shutdown()
+    seen, done = [], asyncio.Event()
+    consumer = None
+
+    async def listener(msg):
+        seen.append(msg.body.decode())
+        [mq] = [q for q in consumer._locks if (q.topic, q.queue_id) == (topic, queue.queue_id)]
+        if seen[-2:] == ["b", "c"] and seen.count("c") == 1:
+            if known == "committed":
+                await consumer._commit(mq)          # a and b: the commit loop's round
+                assert consumer._committed[mq] == 2
+            conn = await open_connection("127.0.0.1", broker.broker_port)
+            try:
+                resp = await conn.request(RemotingCommand.request(RequestCode.INVOKE_BROKER_TO_RESET_OFFSET, {
+                    "topic": topic, "group": group, "timestamp": 0, "isForce": True, "queueId": queue.queue_id,
+                    "offset": 0}), 5)
+            finally:
+                conn.close()
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            consumer._locks[mq] -= consumer.lock_expire_s + 1      # the lock lapses
+        if seen[-1] == "d":
+            done.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, orderly=True, consume_from="first",
+                            lock_interval_s=0.2, lock_retry_s=0.05, offset_commit_interval_s=600, suspend_ms=500)
+    consumer.client.on_reset_offset = None      # not told: its connection was down when the reset was made
+    consumer.subscribe(topic)
+    async with consumer:
+        await done.wait()
+    assert seen == (["a"] if known == "committed" else []) + ["b", "c", "a", "b", "c", "d"], seen

@@ -838,7 +838,7 @@ async def test_a_group_name_ending_in_the_separator_does_not_stop_the_slaves_off
     """Group names are not checked: one ending in "@" is keyed "<topic>@<group>@" in the master's table. The
     slave read that key as damage and refused the master's whole body, every interval: it copied no group's
     offsets at all (said once in its log), and after a fail-over every group went back to its consume-from
-    setting. The key is read as the store's loader reads it (an empty group part), and the copy goes on."""
+    setting. The key is read as the store's loader reads it (split at its first "@"), and the copy goes on."""
     started = []
     try:
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-at", started, "--slave-sync-interval-ms", "200")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
-from consumer import PullConsumer
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.codes import RequestCode, ResponseCode
@@ -111,3 +112,156 @@ async def test_group_retry_max_times_applies_when_the_request_names_none(broker_
     assert resp.code == ResponseCode.SUCCESS, resp.remark
     assert await _queue_size(broker, f"%DLQ%{strict}") == 2
     assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 2
+
+
+def _spoil_stored_body(store_dir, phys: int) -> None:
+    """Flip a bit of the body of the record at commit-log offset ``phys``: its CRC fails from now on."""
+    segments = sorted(int(name) for name in os.listdir(os.path.join(store_dir, "commitlog")))
+    start = max(s for s in segments if s <= phys)
+    with open(os.path.join(store_dir, "commitlog", f"{start:020d}"), "r+b") as f:
+        f.seek(phys - start + 88)       # IPv4 hosts: the body starts at byte 88 of the record
+        first = f.read(1)
+        f.seek(phys - start + 88)
+        f.write(bytes([first[0] ^ 0x01]))
+
+
+@bounded(40)
+async def test_a_message_the_broker_cannot_take_back_still_retries_and_dead_letters(broker_factory):
+    """CONSUMER_SEND_MSG_BACK copies the stored record, and the broker refuses when it cannot: the record was
+    deleted by retention while the message was in hand, or its body went bad on disk since the pull. The push
+    consumer then retried the message in place for good, every local_retry_delay_s: never counted towards
+    max_reconsume_times, never dead-lettered, and nothing after it in its queue consumed. It now sends the
+    message as pulled to %RETRY%<group> itself, as RocketMQ's consumer does, and the retries run their course."""
+    b = broker_factory(*FAST)
+    group = "CG_back_refused"
+    async with Producer(b.namesrv, "PG_back_refused") as producer:
+        sent = await producer.send("Spoilt", b"fails every time", tags="job")
+        after = await producer.send("Spoilt", b"the next one", tags="job", queue=sent.queue)
+    calls, done = [], asyncio.Event()
+
+    def listener(msg):
+        if msg.body == b"the next one":
+            done.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        if not calls:       # pulled sound; spoilt on disk before it is handed back
+            _spoil_stored_body(b.store_dir, msg.physical_offset)
+        calls.append((msg.topic, msg.reconsume_times, msg.properties.get("RETRY_TOPIC")))
+        if len(calls) >= 6:     # retried in place on and on: enough to tell
+            done.set()
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer(b.namesrv, group, listener, consume_from="first", max_reconsume_times=2,
+                            local_retry_delay_s=0.05, suspend_ms=500)
+    consumer.subscribe("Spoilt")
+    handed_back = consumer.client.send_back
+    dead_lettered = asyncio.Event()
+
+    async def send_back(mq, msg, **kwargs):
+        await handed_back(mq, msg, **kwargs)
+        if msg.reconsume_times >= 2:
+            dead_lettered.set()
+    consumer.client.send_back = send_back
+    async with consumer:
+        await done.wait()       # the queue moved on to the next message; the retries go on through %RETRY%
+        assert calls[:1] == [("Spoilt", 0, None)]
+        assert len(calls) < 6, f"retried in place, never handed back: {calls}"
+        await dead_lettered.wait()
+    probe = PullConsumer(b.namesrv, "CG_probe")
+    await probe.fetch_queues(f"%DLQ%{group}")
+    dead = await _pull_one(probe, MessageQueue(f"%DLQ%{group}", sent.queue.broker_name, 0), 0)
+    await probe.shutdown()
+    assert calls == [("Spoilt", 0, None), ("Spoilt", 1, "Spoilt"), ("Spoilt", 2, "Spoilt")]
+    assert dead.body == b"fails every time" and dead.reconsume_times == 3
+    assert dead.properties["RETRY_TOPIC"] == "Spoilt" and dead.properties["UNIQ_KEY"] == sent.msg_id
+    check = PullConsumer(b.namesrv, group)
+    mq = MessageQueue("Spoilt", sent.queue.broker_name, sent.queue.queue_id)
+    await check.fetch_queues("Spoilt")
+    assert await check.fetch_offset(mq) == after.queue_offset + 1
+    await check.shutdown()
+
+
+@bounded(30)
+async def test_a_message_the_broker_cannot_take_back_is_dead_lettered_when_asked(broker_factory):
+    """delayLevel -1 (an orderly consumer out of retries) goes to %DLQ%<group> at once, also when the broker
+    cannot copy the stored record and the message as pulled is sent instead."""
+    b = broker_factory(*FAST)
+    group = "CG_dead_refused"
+    async with Producer(b.namesrv, "PG_dead_refused") as producer:
+        sent = await producer.send("Spoilt", b"out of retries")
+    consumer = PullConsumer(b.namesrv, group)
+    await consumer.subscribe("Spoilt")
+    [msg] = (await consumer.pull(sent.queue, sent.queue_offset, max_nums=1)).messages
+    _spoil_stored_body(b.store_dir, msg.physical_offset)
+    await consumer.send_back(sent.queue, msg, max_reconsume_times=5, delay_level=-1)
+    await consumer.fetch_queues(f"%DLQ%{group}")
+    dead = await _pull_one(consumer, MessageQueue(f"%DLQ%{group}", sent.queue.broker_name, 0), 0)
+    await consumer.shutdown()
+    assert dead.body == b"out of retries" and dead.reconsume_times == 5
+    assert dead.properties["RETRY_TOPIC"] == "Spoilt" and dead.properties["ORIGIN_MESSAGE_ID"] == sent.msg_id
+
+
+@bounded(40)
+async def test_a_message_forwarded_from_a_retry_is_its_own_when_it_is_retried_in_turn(broker_factory, tmp_path):
+    """A message consumed from a retry (RETRY_TOPIC=Orders) and forwarded to Enriched with its properties
+    carries RETRY_TOPIC=Orders there. When the Enriched consumer fails it, the broker's copy kept that
+    RETRY_TOPIC (set only when missing), so the retry claimed to be an Orders message: the push consumer
+    gave it to the listener as one, and run_once, keys scoped by topic, found stage one's Orders key and
+    skipped it: the forwarded message's handler never ran, nothing said. A copy of a record stored in an
+    ordinary topic names that topic."""
+    from consumer import SqliteIdempotency
+    b = broker_factory(*FAST)
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ran, outcome = [], asyncio.Event()
+    stage2_seen = []
+    from tests.support.cluster_process import create_topic
+    await create_topic(f"127.0.0.1:{b.broker_port}", "Enriched", 1)
+    async with Producer(b.namesrv, "PG_fwd") as producer:
+        await producer.send("Orders", b"order-1")
+
+        async def stage1(msg):
+            if msg.reconsume_times == 0:
+                return ConsumeStatus.RECONSUME_LATER        # consumed from %RETRY%CG_stage1 the next time
+            if ledger.run_once(msg, lambda m, db: ran.append(("stage1", m.topic))):
+                props = {k: v for k, v in msg.properties.items() if k not in ("DELAY", "REAL_TOPIC", "REAL_QID")}
+                await producer.send("Enriched", msg.body, properties=props)
+            return ConsumeStatus.CONSUME_SUCCESS
+
+        def stage2(msg):
+            stage2_seen.append((msg.topic, msg.reconsume_times))
+            if msg.reconsume_times == 0:
+                return ConsumeStatus.RECONSUME_LATER
+            if not ledger.run_once(msg, lambda m, db: ran.append(("stage2", m.topic))):
+                ran.append(("stage2 skipped", msg.topic))
+            outcome.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+
+        first = PushConsumer(b.namesrv, "CG_stage1", stage1, consume_from="first", suspend_ms=300)
+        first.subscribe("Orders")
+        second = PushConsumer(b.namesrv, "CG_stage2", stage2, consume_from="first", suspend_ms=300)
+        second.subscribe("Enriched")
+        async with first, second:
+            await outcome.wait()
+    ledger.close()
+    assert ran == [("stage1", "Orders"), ("stage2", "Enriched")], ran
+    assert stage2_seen == [("Enriched", 0), ("Enriched", 1)], stage2_seen
+
+
+@bounded(30)
+async def test_a_forwarded_message_the_broker_cannot_take_back_is_retried_as_its_own_topics(broker_factory):
+    """The consumer's own resend (the broker could not copy the record) named the topic from the message's
+    RETRY_TOPIC when it had one: a message forwarded from a retry, pulled from its own topic, went to
+    %RETRY%<group> as a message of the topic it was forwarded from. The queue pulled from says which it is."""
+    b = broker_factory(*FAST)
+    group = "CG_fwd_refused"
+    async with Producer(b.namesrv, "PG_fwd_refused") as producer:
+        sent = await producer.send("Enriched", b"forwarded", properties={"RETRY_TOPIC": "Orders"})
+    consumer = PullConsumer(b.namesrv, group)
+    await consumer.subscribe("Enriched")
+    [msg] = (await consumer.pull(sent.queue, sent.queue_offset, max_nums=1)).messages
+    _spoil_stored_body(b.store_dir, msg.physical_offset)
+    await consumer.send_back(sent.queue, msg, max_reconsume_times=5)
+    await consumer.fetch_queues(f"%RETRY%{group}")
+    again = await _pull_one(consumer, MessageQueue(f"%RETRY%{group}", sent.queue.broker_name, 0), 0)
+    await consumer.shutdown()
+    assert again.body == b"forwarded" and again.reconsume_times == 1
+    assert again.properties["RETRY_TOPIC"] == "Enriched"

@@ -15,6 +15,7 @@ from protocol.connection import DEFERRED, RemotingConnection
 from protocol.errors import ConnectionClosedError
 from protocol.message import encode_record, offset_msg_id, pack_host
 from protocol.route import BrokerData, QueueData, TopicRouteData, encode_route
+from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,6 +31,7 @@ class Cluster:
 
     def __init__(self):
         self.broker_addr = _dead_addr()
+        self.broker_name = "b"
         self.live_addr = ""
         self.route_requests = 0
         self.sends = 0
@@ -38,7 +40,8 @@ class Cluster:
     def handle(self, conn, cmd):
         if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
             self.route_requests += 1
-            route = TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: self.broker_addr})])
+            route = TopicRouteData([QueueData(self.broker_name, 1, 1, 6)],
+                                   [BrokerData("c", self.broker_name, {0: self.broker_addr})])
             return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
         if cmd.code in (RequestCode.HEART_BEAT, RequestCode.UNREGISTER_CLIENT):
             return cmd.response(ResponseCode.SUCCESS)
@@ -222,6 +225,8 @@ async def test_route_fetches_start_at_the_name_server_that_answered_last():
     routes = RouteCache(Pool(), ["10.255.0.1:9876", "127.0.0.1:9876"])
     consumer = PullConsumer("10.255.0.1:9876;127.0.0.1:9876", "G")
     consumer.pool = Pool()
+    for servers in (routes.namesrv_addrs, consumer.namesrv_addrs):     # each starts at one picked at random
+        servers.answered("10.255.0.1:9876")                            # here: at the one that is down
     try:
         for _ in range(3):
             await routes.fetch("T")
@@ -250,7 +255,7 @@ async def test_send_timeout_bounds_the_whole_send_retries_included(cluster):
 async def test_a_walk_over_the_name_servers_asks_each_once_whatever_another_lookup_learns():
     """Concurrent route lookups: one learning that B answered moved another's walk along, which then skipped B."""
     from protocol.route import NameServers
-    servers = NameServers(["A:1", "B:1", "C:1"])
+    servers = NameServers(["A:1", "B:1", "C:1"], first=0)
     walk = iter(servers)
     assert next(walk) == "A:1"
     servers.answered("B:1")
@@ -274,3 +279,195 @@ async def test_a_heartbeat_the_broker_refuses_is_a_failed_one(cluster, caplog):
             await producer.routes.route("T")
             assert await producer.heartbeat() is False
     assert "max_groups_per_host" in caplog.text
+
+
+async def test_clients_start_at_a_name_server_picked_at_random():
+    """Every client started its walk at the first name server: that one alone carried a cluster's lookups
+    while the others idled. RocketMQ's client starts at a random one."""
+    from protocol.route import NameServers
+    addrs = ["A:1", "B:1", "C:1"]
+    firsts = {next(iter(NameServers(addrs))) for _ in range(100)}   # all three: 1 - 3 * (2/3)**100 certain
+    assert firsts == set(addrs)
+    assert sorted(NameServers(addrs)) == addrs and list(NameServers([])) == []
+
+
+async def test_a_name_server_that_fails_is_said_once_a_minute_and_when_it_is_back(caplog):
+    """Neither client said a name server failed (the consumer not at all, the producer per topic and route);
+    one down for an hour must be said, and not once per lookup."""
+    import logging
+    from protocol.route import NameServers
+    now = [1000.0]
+    caplog.set_level(logging.INFO, logger="txmq.namesrv_client")
+    servers = NameServers(["A:1", "B:1"], first=0)
+    servers.clock = lambda: now[0]
+    for _ in range(5):
+        servers.failed("A:1", TimeoutError("no answer in 3 s"))
+    now[0] += NameServers.LOG_EVERY_S
+    servers.failed("A:1", TimeoutError("no answer in 3 s"))
+    servers.answered("A:1")
+    servers.answered("A:1")
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "WARNING", "INFO"], said
+    assert "A:1 did not answer: no answer in 3 s; asking the next one" in said[0][1]
+    assert said[2][1] == "name server A:1 answers again"
+
+
+async def test_a_broker_no_route_names_any_more_is_heartbeaten_no_more(cluster):
+    """A consumer kept every broker it ever heard of: one retired (or renamed) was sent each heartbeat, every
+    rebalance, for good, each failing (a connect timeout each with its host gone), and the heartbeat as a
+    whole raised. As RocketMQ's cleanOfflineBroker, a broker that no route names is forgotten."""
+    async with asyncio.timeout(10):
+        async with PullConsumer(cluster.live_addr, "CG", timeout=1.0) as consumer:
+            await consumer.fetch_queues("T")                  # broker b, at a dead address
+            with pytest.raises(ConnectionClosedError):
+                await consumer.heartbeat()
+            cluster.broker_name, cluster.broker_addr = "b2", cluster.live_addr     # b retired, b2 serves T
+            await consumer.fetch_queues("T")
+            await consumer.heartbeat()                        # b is not asked any more
+
+
+@bounded(20)
+async def test_a_heartbeat_refused_by_one_broker_raises_the_refusal_whatever_another_met():
+    """A push consumer's start passes over a broker out of reach (a timeout, a closed connection) and raises a
+    refusal (wrong credentials, a group limit): the heartbeat must raise the refusal whichever broker it asked
+    first, not the timeout it happened to meet before."""
+    from protocol.errors import NoPermissionError, RequestTimeoutError
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            if addr == "hung:1":
+                raise RequestTimeoutError("HEART_BEAT to hung:1 timed out")
+            return cmd.response(ResponseCode.NO_PERMISSION, "Check signature failed for accessKey=appuser")
+
+        async def close(self):
+            pass
+    for order in (["hung", "refusing"], ["refusing", "hung"]):
+        consumer = PullConsumer("127.0.0.1:9876", "G")
+        consumer.pool = Pool()
+        consumer._brokers = {name: f"{name}:1" for name in order}
+        with pytest.raises(NoPermissionError):
+            await consumer.heartbeat()
+
+
+@bounded(20)
+async def test_a_name_server_that_flaps_is_said_twice_a_minute_at_most(caplog):
+    """An answer reset the minute: a name server failing every other request (overloaded, dropping half) was
+    said failed and back on every flap, two lines per request and topic."""
+    import logging
+    from protocol.route import NameServers
+    now = [1000.0]
+    caplog.set_level(logging.INFO, logger="txmq.namesrv_client")
+    servers = NameServers(["A:1", "B:1"], first=0)
+    servers.clock = lambda: now[0]
+    for _ in range(50):
+        servers.failed("A:1", TimeoutError("no answer in 3 s"))
+        servers.answered("A:1")
+        now[0] += 1.0
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    now[0] += NameServers.LOG_EVERY_S
+    servers.failed("A:1", TimeoutError("no answer in 3 s"))
+    servers.answered("A:1")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO", "WARNING", "INFO"]
+
+
+@bounded(20)
+async def test_a_name_server_down_is_said_once_not_once_a_topic(caplog):
+    """The name server that does not answer is said once a minute (txmq.namesrv_client); the producer said it
+    again at WARNING for every cached topic at every refresh: a thousand topics, a thousand lines a period."""
+    import logging
+    from producer.routes import RouteCache
+    from protocol.errors import RequestTimeoutError
+    route = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    down = [False]
+
+    class Pool:
+        closed = False
+
+        async def request(self, addr, cmd, timeout):
+            if down[0]:
+                raise RequestTimeoutError(f"GET_ROUTEINFO_BY_TOPIC to {addr} got no response in 3 s")
+            return cmd.response(ResponseCode.SUCCESS, body=route)
+    routes = RouteCache(Pool(), ["127.0.0.1:9876"])
+    for n in range(20):
+        await routes.route(f"T{n}")
+    down[0] = True
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        await routes.refresh_all()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "127.0.0.1:9876 did not answer" in warned[0], warned
+    assert all(routes._routes[f"T{n}"] for n in range(20))             # each route known still serves
+
+
+@bounded(20)
+async def test_a_route_refresh_the_name_server_answers_wrongly_is_said(caplog):
+    """A pull consumer's background route fetch that failed other than by a name server out of reach (said by
+    txmq.namesrv_client) was dropped without a word, the route known serving on: here a body that does not
+    decode."""
+    import logging
+    route = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    bodies = [route]
+    refreshed = asyncio.Event()
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+                if len(bodies) > 1:
+                    refreshed.set()
+                return cmd.response(ResponseCode.SUCCESS, body=bodies[-1])
+            return cmd.response(ResponseCode.SUCCESS)
+
+        async def close(self):
+            pass
+    consumer = PullConsumer("127.0.0.1:9876", "G", route_ttl_s=0.0)
+    consumer.pool = Pool()
+    caplog.set_level(logging.INFO)
+    try:
+        mq = (await consumer.fetch_queues("T"))[0]
+        bodies.append(b"{not a route")
+        assert await consumer._broker_addr(mq) == "127.0.0.1:9"      # stale: fetched in the background
+        await refreshed.wait()
+        await asyncio.gather(*consumer._fetching.values(), return_exceptions=True)
+    finally:
+        await consumer.shutdown()
+    assert any("route of T" in r.getMessage() and r.levelno >= logging.WARNING for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
+@bounded(20)
+async def test_a_broker_left_out_of_a_route_still_takes_its_queues_last_offsets():
+    """A name server restarted lists a broker again only once that broker registers (up to a period later);
+    a rebalance meanwhile drops its queues and hands them over, committing their offsets. Forgotten at once
+    (no route names it), the broker was not sent those commits ("no route names broker b"): the messages
+    consumed since the last commit were delivered again once it was back. It gets no heartbeat, but the calls
+    for its own queues still reach it."""
+    listed = [["a", "b"]]
+    asked = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            if cmd.code == RequestCode.GET_ROUTEINFO_BY_TOPIC:
+                names = listed[-1]
+                route = TopicRouteData([QueueData(n, 1, 1, 6) for n in names],
+                                       [BrokerData("c", n, {0: f"{n}.host:1"}) for n in names])
+                return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
+            asked.append((cmd.code, addr))
+            return cmd.response(ResponseCode.SUCCESS)
+
+        async def close(self):
+            pass
+    consumer = PullConsumer("127.0.0.1:9876", "G")
+    consumer.pool = Pool()
+    try:
+        on_b = [q for q in await consumer.fetch_queues("T") if q.broker_name == "b"][0]
+        listed.append(["a"])                            # the name server, restarted, has heard from a only
+        assert on_b not in await consumer.fetch_queues("T")
+        await consumer.heartbeat()
+        assert (RequestCode.HEART_BEAT, "b.host:1") not in asked
+        await consumer.commit_offset(on_b, 7)
+        assert (RequestCode.UPDATE_CONSUMER_OFFSET, "b.host:1") in asked, asked
+    finally:
+        await consumer.shutdown()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from broker.limits import ConnectionGate
 
 
@@ -133,3 +135,71 @@ async def test_one_close_step_raising_does_not_skip_the_others(tmp_path):
     conn.connection_made(_Transport(1))
     conn.connection_lost(None)
     assert ran == ["holds", "tx", "clients"]
+
+
+def test_the_client_key_of_an_ipv6_peer_is_its_64():
+    """Every per-host cap is counted under client_key: an IPv6 client holds a /64 (RFC 6177) and can pick a
+    source address per connection from it, so keyed by address it got round every cap."""
+    from broker.limits import client_key
+
+    assert client_key("10.1.2.3") == "10.1.2.3"
+    assert client_key("::ffff:10.1.2.3") == "10.1.2.3"           # a dual-stack listener's IPv4 peer
+    assert client_key("::1") == "::1"
+    assert client_key("2001:db8:1:2:aaaa::5") == client_key("2001:DB8:1:2::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::5") == "2001:db8:1:3::/64"
+    # link-local addresses share one /64 (fe80::) on every link: each host is its own client
+    assert client_key("fe80::1%eth0") != client_key("fe80::2%eth0")
+    assert client_key("") == "" and client_key("not-an-address") == "not-an-address"
+
+
+def test_addresses_from_one_ipv6_64_share_one_hosts_connections():
+    gate = ConnectionGate(100, 2, logging.getLogger("test"), "broker listener")
+    first = [_Conn(1, "2001:db8:1:2::1"), _Conn(2, "2001:db8:1:2::2")]
+    assert [gate.admit(c) for c in first] == [None, None]
+    assert gate.admit(_Conn(3, "2001:db8:1:2:ffff::3")) == "max_connections_per_host"
+    assert gate.admit(_Conn(4, "2001:db8:1:3::1")) is None          # the next /64: another client
+    gate.release(first[0])
+    assert gate.admit(_Conn(5, "2001:db8:1:2::5")) is None
+
+
+def test_the_ipv6_prefix_a_client_is_counted_by_is_the_operators(tmp_path):
+    """Keyed by their /64 only, the IPv6 hosts of one data-centre or cloud subnet (an AWS VPC subnet is one /64:
+    every instance and EKS pod in it) shared one host's room in every per-host cap -- 2000 connections for the
+    whole subnet, 64 broker addresses at a name server for every broker on the LAN -- with no way to say
+    otherwise. ipv6_client_prefix (broker and name server) sets the prefix; 128 counts each address."""
+    from broker.config import BrokerConfig
+    from protocol.errors import ConfigError
+    from broker.limits import client_key
+    from broker.namesrv.config import NamesrvConfig
+    from broker.namesrv.server import NameServer
+    from broker.server import BrokerServer
+
+    try:
+        BrokerServer(BrokerConfig(store_dir=str(tmp_path / "store"), ipv6_client_prefix=128))
+        assert client_key("2001:db8:1:2::1") == "2001:db8:1:2::1" != client_key("2001:db8:1:2::2")
+        gate = ConnectionGate(100, 1, logging.getLogger("test"), "broker listener")
+        assert [gate.admit(_Conn(i, f"2001:db8:1:2::{i}")) for i in (1, 2)] == [None, None]
+        NameServer(NamesrvConfig(kv_config_path=str(tmp_path / "kv.json"), ipv6_client_prefix=56))
+        assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:ff::1") == "2001:db8:1::/56"
+        assert client_key("::1") == "::1" and client_key("::ffff:10.0.0.1") == "10.0.0.1"
+        for bad in (0, 129):
+            with pytest.raises(ConfigError):
+                BrokerConfig(ipv6_client_prefix=bad)
+            with pytest.raises(ConfigError):
+                NamesrvConfig(ipv6_client_prefix=bad)
+    finally:
+        BrokerServer(BrokerConfig(store_dir=str(tmp_path / "store")))       # the default again: a /64
+    assert client_key("2001:db8:1:2::1") == "2001:db8:1:2::/64"
+
+
+def test_ipv4_clients_seen_through_a_nat64_translator_are_each_their_own():
+    """An IPv6-only broker behind a stateless translator (SIIT-DC, RFC 7755) sees each IPv4 client as
+    64:ff9b::<its IPv4 address> (RFC 6052). Keyed by /64, every IPv4 client on the internet was one client:
+    2000 connections, 512 topics, 100,000 offsets for all of them together. Each is keyed as its IPv4 address."""
+    from broker.limits import client_key
+
+    assert client_key("64:ff9b::10.0.0.1") == client_key("10.0.0.1") == "10.0.0.1"
+    assert client_key("64:ff9b::10.0.0.2") == "10.0.0.2"
+    gate = ConnectionGate(100, 1, logging.getLogger("test"), "broker listener")
+    assert [gate.admit(_Conn(i, f"64:ff9b::10.0.0.{i}")) for i in (1, 2)] == [None, None]
+    assert gate.admit(_Conn(3, "64:ff9b::10.0.0.1")) == "max_connections_per_host"

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from consumer import ConsumeStatus, MessageQueue, PullConsumer, PushConsumer
-from protocol.codes import ResponseCode, SysFlag
+from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.errors import ConnectionClosedError, error_for_code
 from protocol.message import decode_record, encode_record, pack_host
 from tests.support.bounded import bounded
@@ -492,3 +492,25 @@ async def test_a_pull_whose_answer_does_not_decode_is_said_at_each_retry(caplog)
     assert pulls[:2] == [5, 5]
     said = [r for r in caplog.records if "pull of" in r.getMessage()]
     assert said and all(r.levelname == "WARNING" for r in said), [(r.levelname, r.getMessage()) for r in said]
+
+
+@pytest.mark.parametrize("stored_late", ["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"])
+@bounded(10)
+async def test_a_send_back_stored_but_not_yet_flushed_or_replicated_is_not_sent_a_second_time(stored_late):
+    """RocketMQ's broker answers CONSUMER_SEND_MSG_BACK with SYSTEM_ERROR and the put's status as remark when
+    the retry copy was stored but its flush (SYNC_FLUSH) or its slave (SYNC_MASTER) was late. send_back took
+    every refusal for "not copied" and sent the message to %RETRY%<group> itself: two copies, the message
+    delivered twice more. That copy exists: nothing more is sent."""
+    client = PullConsumer("127.0.0.1:1", "G")
+    asked = []
+
+    async def request(mq, cmd, timeout):
+        asked.append(cmd.code)
+        return cmd.response(ResponseCode.SYSTEM_ERROR, stored_late)
+    client._request = request
+    msg = decode_record(_record(b"failed"))[0]
+    try:
+        await client.send_back(MessageQueue("T", "b", 0), msg)
+    finally:
+        await client.shutdown()
+    assert asked == [RequestCode.CONSUMER_SEND_MSG_BACK]

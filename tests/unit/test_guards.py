@@ -143,8 +143,15 @@ class _Conn:
 
 
 class _Topics:
-    def __init__(self, n):
+    def __init__(self, n, created_by=None):
         self.topics = dict.fromkeys(range(n))
+        self._created_by = created_by or {}
+
+    def created_by(self, client):
+        return self._created_by.get(client, 0)
+
+    def room_for(self, client, limit):
+        return self.created_by(client) < limit
 
 
 def test_topic_limits_name_the_limit():
@@ -161,6 +168,30 @@ def test_topic_limits_name_the_limit():
     assert lim.may_auto_create(_Conn("10.0.0.9"), cmd, _Topics(1), "T4") is None
     now[0] += 0.5
     assert lim.may_auto_create(a, cmd, _Topics(1), "T3") is None
+
+
+def test_a_clients_topics_are_capped_by_its_address_and_ipv6_by_its_64():
+    lim = Limits(BrokerConfig(max_topics=100, max_topics_per_host=3), BrokerMetrics())
+    cmd = RemotingCommand.request(R.SEND_MESSAGE_V2, {})
+    topics = _Topics(10, {"10.0.0.1": 3, "2001:db8::/64": 3})
+    held = lim.may_auto_create(_Conn("10.0.0.1"), cmd, topics, "T")
+    assert held.code == ResponseCode.NO_PERMISSION and "max_topics_per_host=3" in held.remark
+    assert lim.may_auto_create(_Conn("2001:db8::77"), cmd, topics, "T").code == ResponseCode.NO_PERMISSION
+    assert lim.may_auto_create(_Conn("10.0.0.2"), cmd, topics, "T") is None
+    assert lim.may_create(_Conn("10.0.0.1"), cmd, topics, "T", per_host=False) is None      # an operator's (ACL)
+
+
+def test_the_catalogue_counts_the_topics_each_client_created_until_they_go(tmp_path):
+    from broker.topics import TopicConfig, TopicManager
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=1, cluster="C", broker="B")
+    topics.for_send("A1", None, 1, "10.0.0.1")
+    topics.ensure("%DLQ%G", creator="10.0.0.1")
+    topics.create(TopicConfig("A1", 2, 2), "10.0.0.2")          # a change of a topic there is: still 10.0.0.1's
+    topics.create(TopicConfig("Ops", 1, 1))                     # no client's (an operator's, under an ACL)
+    assert (topics.created_by("10.0.0.1"), topics.created_by("10.0.0.2")) == (2, 0)
+    topics.delete("A1")
+    topics.delete("Ops")
+    assert topics.created_by("10.0.0.1") == 1
 
 
 async def test_writer_busy_until_queued_bytes_drain():
@@ -320,3 +351,18 @@ def test_trace_topic_enable_makes_the_trace_topic_only_when_missing(tmp_path):
     older = TopicManager(str(tmp_path / "old"), **kw)
     older.create(TopicConfig(TRACE_TOPIC, 8, 8))
     assert TopicManager(str(tmp_path / "old"), trace_topic=True, **kw).topics[TRACE_TOPIC].write_queue_nums == 8
+
+
+def test_a_client_at_its_topic_limit_gets_room_from_its_own_retry_topics_that_may_go(tmp_path):
+    from broker.topics import TopicManager
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=1, cluster="C", broker="B")
+    topics.retry_reclaimable = lambda name: name != "%RETRY%G_live"
+    for name, client in (("%RETRY%G_gone", "10.0.0.1"), ("%RETRY%G_live", "10.0.0.1"),
+                         ("%RETRY%G_other", "10.0.0.2"), ("Plain", "10.0.0.1")):
+        topics.ensure(name, creator=client)
+    assert topics.room_for("10.0.0.1", 4)                   # under it: nothing swept
+    assert "%RETRY%G_gone" in topics.topics
+    assert topics.room_for("10.0.0.1", 3)                   # at it: its own gone group's topic goes
+    assert set(topics.topics) >= {"%RETRY%G_live", "%RETRY%G_other", "Plain"}
+    assert "%RETRY%G_gone" not in topics.topics
+    assert not topics.room_for("10.0.0.1", 2)               # nothing more of its may go (and swept once a second)

@@ -95,7 +95,7 @@ def test_forget_older_than_drops_only_old_keys(tmp_path, monkeypatch):
     assert ledger.run_once(_message("new"), lambda m, db: None)
     clock[0] += 1800
     assert ledger.forget_older_than(3000, chunk=10) == 25          # three chunks: 10, 10, 5
-    assert ledger.db.execute("SELECT key FROM txmq_consumed").fetchall() == [("new",)]
+    assert ledger.db.execute("SELECT key FROM txmq_consumed").fetchall() == [("T\x01new",)]
     assert not ledger.run_once(_message("new"), lambda m, db: None)
     assert ledger.run_once(_message("old-3"), lambda m, db: None)
     assert ledger.forget_older_than(3000) == 0
@@ -156,7 +156,7 @@ async def test_run_once_async_cancelled_while_waiting_for_the_lock_runs_nothing(
         # Calls run one at a time in order: once this one has run, the cancelled one is over.
         assert await ledger.run_once_async(_message("K-next"), lambda m, db: None)
         assert ran == []
-        assert ledger.db.execute("SELECT key FROM txmq_consumed").fetchall() == [("K-next",)]
+        assert ledger.db.execute("SELECT key FROM txmq_consumed").fetchall() == [("T\x01K-next",)]
         assert await ledger.run_once_async(msg, lambda m, db: ran.append(m))     # the redelivery runs it
         assert not await ledger.run_once_async(msg, lambda m, db: ran.append(m))
     assert ran == [msg]
@@ -212,3 +212,98 @@ def test_close_closes_the_workers_connection_too(tmp_path):
     with pytest.raises(sqlite3.ProgrammingError):       # not a new worker opening the database again
         asyncio.run(ledger.run_once_async(_message("k2"), lambda m, db: None))
     assert ledger._worker is None
+
+
+@pytest.mark.parametrize("ends_it", ["with db", "commit()", "COMMIT", "rollback()", "executescript"])
+def test_a_handler_that_ends_the_transaction_is_refused_and_nothing_is_marked(tmp_path, ends_it):
+    """The key and the handler's writes commit in one transaction, which run_once opens and closes. A handler
+    that closed it itself (``with db:``, the usual sqlite3 idiom, commits on exit) committed the key with what
+    it had written so far: when it then failed, its redelivery was skipped and the rest of its effect never
+    happened. One that rolled back (a ``with db:`` whose block raised, caught) dropped the key and went on
+    writing in autocommit: its redelivery ran it again, a second effect. Now the attempt raises, named, and
+    the run is rolled back whole, even if the handler swallows that error."""
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ledger.db.execute("CREATE TABLE applied (part TEXT)")
+
+    def apply(msg, db):
+        db.execute("INSERT INTO applied VALUES ('first')")
+        try:
+            if ends_it == "with db":
+                with db:
+                    db.execute("INSERT INTO applied VALUES ('in with')")
+            elif ends_it == "commit()":
+                db.commit()
+            elif ends_it == "COMMIT":
+                db.execute("COMMIT")
+            elif ends_it == "executescript":
+                db.executescript("INSERT INTO applied VALUES ('scripted');")
+            else:
+                db.rollback()
+        except sqlite3.DatabaseError:
+            pass                                        # a handler that swallows what went wrong
+        db.execute("INSERT INTO applied VALUES ('second')")
+        raise RuntimeError("the second half failed")
+
+    msg = _message("K-ends")
+    with pytest.raises(sqlite3.ProgrammingError, match="must not commit or roll back"):
+        ledger.run_once(msg, apply)
+    assert ledger.db.execute("SELECT COUNT(*) FROM applied").fetchone()[0] == 0
+    assert ledger.db.execute("SELECT COUNT(*) FROM txmq_consumed").fetchone()[0] == 0
+    assert not ledger.db.in_transaction
+    # the connection is the caller's again: its own transactions work, and a well-behaved handler runs
+    ledger.db.execute("BEGIN")
+    ledger.db.execute("COMMIT")
+    assert ledger.run_once(msg, lambda m, db: db.execute("SAVEPOINT s") and db.execute("RELEASE s"))
+    assert not ledger.run_once(msg, apply)
+    ledger.close()
+
+
+def _in(topic: str, key: str, props: str = "") -> MessageExt:
+    record = encode_record(topic=topic.encode(), body=b"x", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                           properties=f"UNIQ_KEY\x01{key}\x02{props}".encode())
+    return decode_record(record)[0]
+
+
+def test_a_message_forwarded_to_another_topic_is_not_taken_for_its_source(tmp_path):
+    """A producer keeps a UNIQ_KEY it is given (RocketMQ's too), so a message consumed from one topic and sent
+    on to another with its properties, the usual way to forward one, arrives there with the same UNIQ_KEY.
+    One database for both stages (the business data in one place, as run_once asks) then skipped every
+    forwarded message, the handler never run and nothing said. A key is its message's within its topic; a
+    retry or dead-letter copy still counts as its original topic's."""
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ran = []
+    assert ledger.run_once(_in("Orders", "K"), lambda m, db: ran.append(m.topic))
+    assert ledger.run_once(_in("Enriched", "K"), lambda m, db: ran.append(m.topic))
+    assert ran == ["Orders", "Enriched"]
+    # retries of either, as pulled from %RETRY%<group>, as a push consumer hands them on, and as dead letters
+    for copy in (_in("%RETRY%CG", "K", "RETRY_TOPIC\x01Orders\x02"), _in("Orders", "K", "RETRY_TOPIC\x01Orders\x02"),
+                 _in("%DLQ%CG", "K", "RETRY_TOPIC\x01Enriched\x02"),
+                 _in("Enriched", "K", "RETRY_TOPIC\x01Orders\x02")):      # forwarded from a retry: still its own
+        assert not ledger.run_once(copy, lambda m, db: ran.append(m.topic)), copy.topic
+    assert ran == ["Orders", "Enriched"]
+    ledger.close()
+
+
+def test_keys_recorded_before_topics_scoped_them_still_count(tmp_path):
+    """Keys were recorded without their topic before: a message consumed then and delivered again after an
+    upgrade (a restart redelivers what was consumed since the last offset commit) is still skipped."""
+    path = str(tmp_path / "ledger.db")
+    ledger = SqliteIdempotency(path)
+    ledger.db.execute("INSERT INTO txmq_consumed (key, consumed_ms) VALUES ('K-old', 1)")
+    assert not ledger.run_once(_in("Orders", "K-old"), lambda m, db: pytest.fail("ran again"))
+    assert ledger.run_once(_in("Orders", "K-new"), lambda m, db: None)
+    ledger.close()
+
+
+def test_a_key_that_reads_like_another_topics_scoped_key_is_not_taken_for_it(tmp_path):
+    """Keys recorded before topics scoped them are looked up as they are. Scoped as "<topic>:<key>" at first, a UNIQ_KEY
+    "Payments:42" (a producer may set its own, and "<entity>:<id>" is a usual shape) in topic Orders was
+    looked up as an old key, found Payments' message 42, and was skipped, its handler never run, unsaid. The
+    topic is joined to the key by a character no property value holds."""
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    ran = []
+    assert ledger.run_once(_in("Payments", "42"), lambda m, db: ran.append(m.topic))
+    assert ledger.run_once(_in("Orders", "Payments:42"), lambda m, db: ran.append(m.topic))
+    assert ran == ["Payments", "Orders"]
+    ledger.close()

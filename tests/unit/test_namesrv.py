@@ -162,6 +162,56 @@ def test_unregister_and_a_restart_at_a_new_address():
     assert t.route("TopicA") is None and t.brokers == {} and t.clusters == {}
 
 
+def _perms(table, topic):
+    return {q.broker_name: q.perm for q in table.route(topic).queue_datas}
+
+
+def test_a_wiped_write_perm_holds_through_new_registrations_until_given_back_or_the_broker_goes():
+    t = RouteTable(expire_ms=3000)
+    reg(t, "a", "h:1", T1, RegisteredTopic("ReadOnly", 4, 4, 4), counter=1)
+    reg(t, "b", "h:2", T1)
+    assert t.wipe_write_perm("a") == 2
+    assert _perms(t, "TopicA") == {"a": 4, "b": 6}
+    reg(t, "a", "h:1", T1, RegisteredTopic("ReadOnly", 4, 4, 4), RegisteredTopic("New", 1, 1, 6), counter=2)
+    assert _perms(t, "TopicA") == {"a": 4, "b": 6} and _perms(t, "New") == {"a": 4}     # a new data version: still wiped
+    assert t.add_write_perm("a") == 3
+    assert _perms(t, "TopicA") == {"a": 6, "b": 6} and _perms(t, "ReadOnly") == {"a": 4}   # read-only stays so
+    assert t.wipe_write_perm("nobody") == 0 and t.write_wiped == set()             # an unknown name is not kept
+    t.wipe_write_perm("a")
+    reg(t, "b", "h:2", T1, now=2500)
+    t.expire(3001)                                   # a's name leaves the table: the next a starts writable
+    assert t.write_wiped == set()
+    reg(t, "a", "h:3", T1, now=3002)
+    assert _perms(t, "TopicA") == {"a": 6, "b": 6}
+
+
+def test_a_restarted_master_registers_afresh_though_its_slave_kept_the_name():
+    """The docs (and RocketMQ: a first registration rewrites the broker's queue data) say a restart registers a
+    wiped broker afresh. With its slave still registered the name never left the table, so a master restarted
+    after maintenance stayed out of every write route until someone remembered addWritePerm."""
+    t = RouteTable(expire_ms=3000)
+    reg(t, "a", "h:1", T1)
+    reg(t, "a", "h:2", T1, bid=1)
+    t.wipe_write_perm("a")
+    reg(t, "a", "h:1", T1, now=1000)                 # the live master registering again: still wiped
+    assert _perms(t, "TopicA") == {"a": 4}
+    reg(t, "a", "h:2", T1, bid=1, now=2500)
+    t.expire(4001)                                   # the master stops; its slave keeps the name
+    assert "a" in t.brokers and _perms(t, "TopicA") == {"a": 4}
+    reg(t, "a", "h:1", T1, now=4002)                 # restarted: writable again
+    assert _perms(t, "TopicA") == {"a": 6}
+
+
+def test_topics_by_cluster_and_the_system_list():
+    t = RouteTable()
+    reg(t, "a", "h:1", T1, SYS, cluster="C")
+    reg(t, "x", "h:5", RegisteredTopic("Other", 1, 1, 6), cluster="D")
+    assert t.topics_of_cluster("C") == ["TBW102", "TopicA"] and t.topics_of_cluster("D") == ["Other"]
+    assert t.topics_of_cluster("nope") == []
+    assert t.system_topic_list() == (["C", "D", "a", "x"], "h:1")
+    assert RouteTable().system_topic_list() == ([], None)
+
+
 def test_slaves_join_the_broker_data_and_learn_their_master():
     t = RouteTable()
     result = reg(t, "a", "h:2", T1, bid=1)          # slave first: no master yet

@@ -96,6 +96,8 @@ def test_subscription_group_defaults_and_persistence(tmp_path):
     assert not again.consume_enabled("G") and again.consume_enabled("Other") and again.counter == 1
     table = json.loads(again.encode(["Seen"]))["subscriptionGroupTable"]
     assert table["Seen"]["consumeEnable"] and "TOOLS_CONSUMER" in table and table["G"]["retryMaxTimes"] == 2
+    # MixAll.CID_SYS_RMQ_TRANS is "CID_RMQ_SYS_TRANS": the constant's value was listed by the constant's name
+    assert "CID_RMQ_SYS_TRANS" in table and "CID_SYS_RMQ_TRANS" not in table
 
 
 def test_reset_needs_an_admin_and_reads_need_a_signature():

@@ -162,5 +162,36 @@ def test_a_group_name_ending_in_the_separator_is_not_damage(tmp_path):
     offsets.persist()                                   # the previous copy holds it too
     again = ConsumerOffsets(str(tmp_path))
     assert again.get("CG", "T", 0) == 2
+    assert again.get("odd@", "T", 0) == 1
     again.persist()
     assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text())["T@odd@"] == {"0": 1}
+
+
+def test_every_reader_of_the_offsets_table_splits_its_keys_at_the_first_separator(tmp_path):
+    """A topic name holds no "@" and a group name may: "T@a@b" is group "a@b" of topic T for the broker's loader,
+    a slave's copy (protocol.admin_bodies) and the expiry job alike, or one of them reads another group's offset."""
+    from ops.spark.expiry import read_consumer_offsets
+    from protocol.admin_bodies import split_offset_key
+
+    assert split_offset_key("T@a@b") == ("T", "a@b")
+    assert split_offset_key("T@odd@") == ("T", "odd@")
+    assert split_offset_key("T@") == ("T", "")
+    assert split_offset_key("@G") is None and split_offset_key("NoGroup") is None
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "consumerOffset.json").write_text(json.dumps({"T@a@b": {"0": 4}, "T@odd@": {"0": 3}}))
+    assert read_consumer_offsets(str(tmp_path)) == {"T": {"a@b": {0: 4}, "odd@": {0: 3}}}
+    assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("a@b", "T", 0), 4), (("odd@", "T", 0), 3)]
+
+
+def test_the_offsets_a_client_made_are_counted_until_they_go(tmp_path):
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("A", "T", 0, 1, "10.0.0.1")
+    offsets.commit("A", "T", 0, 2, "10.0.0.2")           # moved by another: still 10.0.0.1's
+    offsets.commit("B", "T", 0, 1, "10.0.0.1")
+    offsets.commit("B", "U", 0, 1, "10.0.0.1")
+    offsets.commit("C", "T", 0, 1)                       # no client's (an admin reset, a slave's copy)
+    assert (offsets.made_by("10.0.0.1"), offsets.made_by("10.0.0.2")) == (3, 0)
+    offsets.remove_group("A")
+    offsets.remove_topic("U")
+    offsets.remove_group("C")
+    assert offsets.made_by("10.0.0.1") == 1 and offsets.has("B", "T", 0) and not offsets.has("A", "T", 0)
