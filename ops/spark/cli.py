@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 
@@ -47,12 +48,26 @@ def _spark_args(p: argparse.ArgumentParser) -> None:
 FIXED_CONF = {"spark.sql.session.timeZone": "UTC", "spark.sql.sources.partitionOverwriteMode": "dynamic"}
 
 
+# The session time zone's other names for UTC (java.time.ZoneId's: region IDs and zero offsets, with or without
+# a UTC/GMT/UT prefix): the same windows and dates: refusing them broke set-ups that were right.
+_UTC_REGIONS = {"UTC", "GMT", "UT", "Z", "UCT", "Universal", "Zulu", "Greenwich", "GMT0"}
+_UTC_REGIONS |= {f"Etc/{name}" for name in _UTC_REGIONS | {"GMT+0", "GMT-0"}}
+_ZERO_OFFSET = re.compile(r"(?:UTC|GMT|UT)?[+-]0{1,2}(?::?00(?::?00)?)?")
+
+
+def _same_value(key: str, value: str) -> bool:
+    value = value.strip()
+    if key == "spark.sql.session.timeZone":
+        return value in _UTC_REGIONS or _ZERO_OFFSET.fullmatch(value) is not None
+    return value.lower() == FIXED_CONF[key]     # Spark takes the overwrite mode in any case
+
+
 def _conf(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
     key = key.strip()
-    if key in FIXED_CONF and value.strip() != FIXED_CONF[key]:
+    if key in FIXED_CONF and not _same_value(key, value):
         raise argparse.ArgumentTypeError(f"{key} must stay {FIXED_CONF[key]}: every window and date partition "
                                          "is computed in UTC")
     return key, value

@@ -303,3 +303,27 @@ def test_a_conf_the_results_rest_on_is_refused_before_spark_starts(tmp_path, cap
     args = cli.build_parser().parse_args(["expiry", "--store-dir", str(tmp_path), "--out", str(tmp_path / "p"),
                                           "--conf", "spark.sql.session.timeZone=UTC", "--conf", "a.b=c=d"])
     assert dict(args.conf) == {"spark.sql.session.timeZone": "UTC", "a.b": "c=d"}
+
+
+@pytest.mark.parametrize("conf", ["spark.sql.session.timeZone=Etc/UTC", "spark.sql.session.timeZone=Z",
+                                  "spark.sql.session.timeZone=+00:00", "spark.sql.session.timeZone=GMT",
+                                  "spark.sql.session.timeZone=UTC+0", "spark.sql.session.timeZone=Etc/GMT+0",
+                                  "spark.sql.sources.partitionOverwriteMode=DYNAMIC"])
+def test_a_conf_that_names_the_same_setting_otherwise_is_taken(tmp_path, conf):
+    """UTC under another of its names (Etc/UTC, Z, +00:00, GMT) labels every window with the same date, and
+    Spark takes the overwrite mode in any case: refusing them broke set-ups that were right."""
+    from ops.spark import cli
+
+    args = cli.build_parser().parse_args(["rollup", "--store-dir", str(tmp_path), "--out", str(tmp_path / "o"),
+                                          "--conf", conf])
+    assert dict(args.conf) == dict([conf.split("=", 1)])
+
+
+@pytest.mark.parametrize("zone", ["UTC+1", "+01:00", "Europe/London", "Etc/GMT+1", "utcx"])
+def test_a_time_zone_that_only_looks_like_utc_is_still_refused(tmp_path, capsys, zone):
+    from ops.spark import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["rollup", "--store-dir", str(tmp_path), "--out", str(tmp_path / "o"),
+                                       "--conf", f"spark.sql.session.timeZone={zone}"])
+    assert "must stay UTC" in capsys.readouterr().err
