@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import os
+import re
 import uuid
 
 log = logging.getLogger("ops.spark")
@@ -182,10 +183,10 @@ def check_tables(out_dir: str, tables) -> None:
     one half copied, and a run killed after the copy of the new partition's run marker left it half
     copied for good (the next run took the marker for a finished swap)."""
     staging = os.path.join(out_dir, DIR)
-    here = _device(staging)
+    here = _place(staging)
     for table in tables:
         where = os.path.join(out_dir, table)
-        if _device(where) != here:
+        if _place(where) != here:
             raise PublishError(f"{where} is on another file system than {staging}: its partitions cannot be "
                                "swapped in atomically; keep every table on --out's file system (link or mount "
                                "--out itself, not a table in it)")
@@ -202,16 +203,36 @@ def _local(path) -> str | None:
     return uri.getPath() if uri.getScheme() == "file" else None
 
 
-def _device(local: str) -> int:
-    """The device of a local path, or of its nearest ancestor that exists (links followed)."""
+def _place(local: str) -> tuple[int, str | None]:
+    """Where a local path lives for rename(2): (its device, the mount point it is under), for its nearest
+    ancestor that exists (links followed). The device alone missed a bind mount of the same disk (docker -v,
+    mount --bind): one device number, yet Linux renames across mounts with EXDEV, and Hadoop copied."""
     while True:
         try:
-            return os.stat(local).st_dev
+            dev = os.stat(local).st_dev
+            break
         except FileNotFoundError:
-            parent = os.path.dirname(local)
-            if parent == local:
+            parent = os.path.dirname(os.path.abspath(local))
+            if parent == os.path.abspath(local):
                 raise
             local = parent
+    real = os.path.realpath(local)
+    points = _mount_points()
+    if points is None:          # no /proc (not Linux): the device has to do
+        return dev, None
+    under = [m for m in points if real == m or real.startswith(m.rstrip("/") + "/")]
+    return dev, max(under, key=len, default=None)
+
+
+def _mount_points() -> list[str] | None:
+    """The mount points of this process's mount namespace (/proc/self/mountinfo's fifth field), or None."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
+    except OSError:
+        return None
+    octal = re.compile(r"\\([0-7]{3})")      # a space in a mount point is written \040
+    return [octal.sub(lambda m: chr(int(m.group(1), 8)), line.split(" ")[4]) for line in lines if line.count(" ") >= 4]
 
 
 def _fsync(local: str) -> None:

@@ -13,6 +13,7 @@ rows), and a later run finishes or drops the half-done publish.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -272,3 +273,43 @@ def test_a_table_on_another_file_system_is_refused_before_anything_is_published(
         assert capsys.readouterr().err.strip().startswith(f"rollup: {out}/traffic is on another file system")
     finally:
         shutil.rmtree(other)
+
+
+def test_a_table_bind_mounted_from_the_same_file_system_is_refused_too(tmp_path):
+    """A bind mount (docker -v, mount --bind) of a directory of the same disk has the same device number, yet a
+    rename into it is EXDEV all the same (Linux never renames across mounts): Hadoop copied, as for another
+    disk. Compared by device alone it passed the check."""
+    import subprocess as sp
+
+    from ops.spark import publish
+
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    (out / "traffic").mkdir(parents=True)
+    (out / publish.DIR).mkdir()
+    elsewhere.mkdir()
+    if sp.run(["mount", "--bind", str(elsewhere), str(out / "traffic")], capture_output=True).returncode != 0:
+        pytest.skip("needs mount --bind (root)")
+    try:
+        (out / publish.DIR / "probe").mkdir()
+        with pytest.raises(OSError) as crossed:          # the premise: same device, still not one rename
+            os.rename(out / publish.DIR / "probe", out / "traffic" / "probe")
+        assert crossed.value.errno == errno.EXDEV
+        assert os.stat(out / "traffic").st_dev == os.stat(out / publish.DIR).st_dev
+        with pytest.raises(publish.PublishError, match="traffic is on another file system"):
+            publish.check_tables(str(out), ["broker", "traffic"])
+        publish.check_tables(str(out), ["broker"])       # the tables on --out's own mount are taken
+    finally:
+        sp.run(["umount", str(out / "traffic")], check=True)
+
+
+def test_tables_of_an_out_on_one_mount_are_taken_however_it_is_named(tmp_path, monkeypatch):
+    """No false refusals: a relative --out, one that does not exist yet, and tables not made yet are all on
+    the mount of their nearest existing directory."""
+    from ops.spark import publish
+
+    monkeypatch.chdir(tmp_path)
+    publish.check_tables("not/yet", ["broker", "traffic"])
+    (tmp_path / "made" / "traffic").mkdir(parents=True)
+    os.symlink(tmp_path / "made", tmp_path / "linked")            # --out itself a link: fine
+    publish.check_tables("linked", ["broker", "traffic"])
+    publish.check_tables(str(tmp_path / "made"), ["broker", "traffic"])
