@@ -179,9 +179,9 @@ class Publisher:
 def check_tables(out_dir: str, tables) -> None:
     """Refuse (PublishError) tables of a local ``out_dir`` whose directory is on another file system than
     its staging area (a table linked to another disk, or mounted on its own: see _place). A rename across
-    file systems or mounts fails, and Hadoop's local file system then copies, file by file: readers saw the old partition half deleted and the new
-    one half copied, and a run killed after the copy of the new partition's run marker left it half
-    copied for good (the next run took the marker for a finished swap)."""
+    file systems or mounts fails, and Hadoop's local file system then copies, file by file: readers saw the
+    old partition half deleted and the new one half copied, and a run killed after the copy of the new
+    partition's run marker left it half copied for good (the next run took the marker for a finished swap)."""
     staging = os.path.join(out_dir, DIR)
     here = _place(staging)
     for table in tables:
