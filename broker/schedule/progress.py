@@ -28,7 +28,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ..store.saved import crc_matches, with_crc
+from ..store.saved import crc_matches, save, with_crc
 from ..topics import SCHEDULE_PROGRESS_TOPIC
 
 log = logging.getLogger("txmq.schedule")
@@ -104,18 +104,6 @@ def load_snapshot(config_dir: str) -> Progress:
 
 
 def write_snapshot(config_dir: str, data: dict) -> None:
-    """Write delayOffset.json atomically (temp file, fsync, rename). Runs off the event loop."""
-    path = os.path.join(config_dir, SNAPSHOT_NAME)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(with_crc(json.dumps(data, separators=(",", ":")).encode()))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write delayOffset.json with the catalogues' save (temp file synced, the previous one kept as
+    delayOffset.json.bak as RocketMQ keeps it, rename, directory synced). Runs off the event loop."""
+    save(os.path.join(config_dir, SNAPSHOT_NAME), with_crc(json.dumps(data, separators=(",", ":")).encode()))

@@ -52,7 +52,7 @@ class ScheduleService:
         self._timers: list[tuple[int, int, int]] = []
         self._timers_indexed = 0                            # timer queue offsets below this are in the heap or done
         self._wake = asyncio.Event()
-        self._sleep_until: int | None = None
+        self._sleep_until: int | None = None    # the loop's wake-up time by the monotonic clock, while it sleeps
         self._task: asyncio.Task | None = None
         self._snap_task: asyncio.Task | None = None
         self._progress_end = 0          # commit-log end of the last progress record applied
@@ -173,9 +173,13 @@ class ScheduleService:
             if info.queue_offset < self._timers_indexed:
                 return
             self._timers_indexed = info.queue_offset + 1
-            heapq.heappush(self._timers, (self._due(info.tags_code, info.store_timestamp), info.queue_offset,
-                                          info.physical_offset))
-        if self._sleep_until is not None and info.tags_code < self._sleep_until:
+            due = self._due(info.tags_code, info.store_timestamp)
+            heapq.heappush(self._timers, (due, info.queue_offset, info.physical_offset))
+        else:       # a level's delivery time, by the wall clock: the wait it has left, from now
+            due = self.ctx.monotonic() + info.tags_code - self.ctx.clock()
+        # Compared by the monotonic clock: against a wall-clock deadline, after a step forward every new
+        # delivery time lay past it, and a 50 ms timer waited out the whole sleep.
+        if self._sleep_until is not None and due < self._sleep_until:
             self._wake.set()
 
     # ----------------------------------------------------------- the loop
@@ -200,7 +204,7 @@ class ScheduleService:
                 continue
             next_due = self.next_due
             wait_ms = MAX_SLEEP_S * 1000 if next_due is None else min(MAX_SLEEP_S * 1000, max(1, next_due - now))
-            self._sleep_until = now + wait_ms
+            self._sleep_until = monotonic() + wait_ms
             self._wake.clear()
             try:
                 await wait_within(self._wake.wait(), wait_ms / 1000)

@@ -6,13 +6,15 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 
 from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES
-from .plan import PlanError, validate_plan
+from .plan import PlanError, plan_target, validate_plan
+from .publish import PublishError, check_tables
 from .segments import require_store
 
 
@@ -31,13 +33,44 @@ def _spark_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default=None,
                    help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--shuffle-partitions", type=int, default=None, help="spark.sql.shuffle.partitions")
-    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="extra Spark setting")
+    p.add_argument("--conf", action="append", default=[], type=_conf, metavar="KEY=VALUE", help="extra Spark setting")
     p.add_argument("--skip-damaged", action="store_true",
                    help="leave a damaged segment tail out (and report it) instead of failing")
     p.add_argument("--check-crc", action="store_true", help="also verify every body CRC (slower)")
     p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_BYTES >> 20,
                    help="split segments into tasks of about this many MiB (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no Spark console progress bar")
+
+
+# Settings the jobs' results rest on. Under another session time zone every hour and day window (UTC
+# milliseconds) was labelled with that zone's date: the hours before midnight there fell out of the date
+# they were computed for, and its tables lost them without a word.
+FIXED_CONF = {"spark.sql.session.timeZone": "UTC", "spark.sql.sources.partitionOverwriteMode": "dynamic"}
+
+
+# The session time zone's other names for UTC (java.time.ZoneId's: region IDs and zero offsets, with or without
+# a UTC/GMT/UT prefix): the same windows and dates: refusing them broke set-ups that were right.
+_UTC_REGIONS = {"UTC", "GMT", "UT", "Z", "UCT", "Universal", "Zulu", "Greenwich", "GMT0"}
+_UTC_REGIONS |= {f"Etc/{name}" for name in _UTC_REGIONS | {"GMT+0", "GMT-0"}}
+_ZERO_OFFSET = re.compile(r"(?:UTC|GMT|UT)?[+-]0{1,2}(?::?00(?::?00)?)?")
+
+
+def _same_value(key: str, value: str) -> bool:
+    value = value.strip()
+    if key == "spark.sql.session.timeZone":
+        return value in _UTC_REGIONS or _ZERO_OFFSET.fullmatch(value) is not None
+    return value.lower() == FIXED_CONF[key]     # Spark takes the overwrite mode in any case
+
+
+def _conf(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    key = key.strip()
+    if key in FIXED_CONF and not _same_value(key, value):
+        raise argparse.ArgumentTypeError(f"{key} must stay {FIXED_CONF[key]}: every window and date partition "
+                                         "is computed in UTC")
+    return key, value
 
 
 def _epoch_ms(text: str) -> int:
@@ -156,17 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "rollup":
             require_writable(args.out, "--out")
+            from .rollup import TABLES, _local_path
+
+            if _local_path(args.out) is not None:
+                check_tables(_local_path(args.out), TABLES)
             if args.report_dir is not None:
                 require_writable(args.report_dir, "--report-dir")
         else:
-            require_writable(os.path.dirname(os.path.abspath(args.out)), "the plan's directory")
-    except StoreError as exc:
+            require_writable(os.path.dirname(plan_target(args.out)), "the plan's directory")
+    except (StoreError, PublishError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return 2
 
     from .session import build_session
 
-    conf = dict(kv.split("=", 1) for kv in args.conf)
+    conf = dict(args.conf)
     spark = build_session(args.master, app_name=f"txmq-{args.command}", shuffle_partitions=args.shuffle_partitions,
                           progress=not args.no_progress, conf=conf)
     scan = {"skip_damaged": args.skip_damaged, "check_crc": args.check_crc, "chunk_bytes": args.chunk_mb << 20}
@@ -187,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"plan": args.out, "store_id": plan["store_id"], "halves": len(plan["halves"]),
                               "segments": len(plan["segments"]), "report": plan["report"]}))
         return 0
-    except (StoreError, ValueError) as exc:
+    except (StoreError, ValueError, OSError, PublishError) as exc:    # OSError: a plan or report not written
         text = str(exc)
         log.error("%s", text if text.startswith(f"{args.command}:") else f"{args.command}: {text}")
         return 2

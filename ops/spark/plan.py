@@ -18,6 +18,7 @@ Readers ignore keys they do not know; a change that readers must understand bump
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -133,17 +134,40 @@ def validate_plan(source) -> dict:
     return plan
 
 
+def plan_target(path: str) -> str:
+    """The file a plan written to ``path`` replaces: a symlink's target (replacing the link would leave the file
+    it points to, where the broker's side may read it, with an old plan for good)."""
+    return os.path.realpath(path)
+
+
 def write_plan(plan: dict, path: str) -> None:
-    """Write atomically (temp file + rename) so the broker never reads half a plan."""
+    """Write atomically (temp file beside the file it replaces, synced, renamed, directory synced) so the
+    broker never reads half a plan. Raises OSError naming the path when the rename cannot be atomic."""
     validate_plan(plan)
-    directory = os.path.dirname(os.path.abspath(path))
+    target = plan_target(path)
+    directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".plan-", dir=directory)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(plan, f, indent=1, sort_keys=False)
             f.write("\n")
-        os.replace(tmp, path)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            if exc.errno not in (errno.EBUSY, errno.EXDEV):
+                raise
+            # A file bind-mounted on its own (docker -v plan.json:...) cannot be replaced by a rename, and a
+            # copy over it could be read half written: the directory must be the mount.
+            raise OSError(exc.errno, f"cannot replace the plan {target} in one rename ({exc.strerror}): it is a "
+                          "mount point of its own; mount the directory it is in instead") from None
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import os
+import re
 import uuid
 
 log = logging.getLogger("ops.spark")
@@ -65,10 +66,17 @@ class Publisher:
         self.fs.create(self._p(f"run-{self.run}"), True).close()    # commit() checks it is still there
         return str(self._p("new", table))
 
+    def check_tables(self, tables) -> None:
+        """check_tables() for this --out (a local one)."""
+        out = _local(self.out)
+        if out is not None:
+            check_tables(out, tables)
+
     def commit(self, owned: dict[str, set[str]]) -> dict[str, set[str]]:
         """Swap in, for each table, every staged date partition, and remove the partitions of the
         owned dates that now have no rows; return {table: dates swapped in}."""
         journal = {"run": self.run, "tables": {}}
+        self.check_tables(owned)                # before the journal: nothing is published
         if not self.fs.exists(self._p(f"run-{self.run}")):
             # Gone: another run's recover() dropped them as a killed run's, and a date "with no rows
             # any more" would be every date of the run, removed.
@@ -168,6 +176,22 @@ class Publisher:
         _rename(self.fs, final, old)
 
 
+def check_tables(out_dir: str, tables) -> None:
+    """Refuse (PublishError) tables of a local ``out_dir`` whose directory is on another file system than
+    its staging area (a table linked to another disk, or mounted on its own: see _place). A rename across
+    file systems or mounts fails, and Hadoop's local file system then copies, file by file: readers saw the
+    old partition half deleted and the new one half copied, and a run killed after the copy of the new
+    partition's run marker left it half copied for good (the next run took the marker for a finished swap)."""
+    staging = os.path.join(out_dir, DIR)
+    here = _place(staging)
+    for table in tables:
+        where = os.path.join(out_dir, table)
+        if _place(where) != here:
+            raise PublishError(f"{where} is on another file system than {staging}: its partitions cannot be "
+                               "swapped in atomically; keep every table on --out's file system (link or mount "
+                               "--out itself, not a table in it)")
+
+
 def _rename(fs, src, dst) -> None:
     """Hadoop's rename reports failure as False; a publish step that fails must stop the run."""
     if not fs.rename(src, dst):
@@ -177,6 +201,38 @@ def _rename(fs, src, dst) -> None:
 def _local(path) -> str | None:
     uri = path.toUri()
     return uri.getPath() if uri.getScheme() == "file" else None
+
+
+def _place(local: str) -> tuple[int, str | None]:
+    """Where a local path lives for rename(2): (its device, the mount point it is under), for its nearest
+    ancestor that exists (links followed). The device alone missed a bind mount of the same disk (docker -v,
+    mount --bind): one device number, yet Linux renames across mounts with EXDEV, and Hadoop copied."""
+    while True:
+        try:
+            dev = os.stat(local).st_dev
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(os.path.abspath(local))
+            if parent == os.path.abspath(local):
+                raise
+            local = parent
+    real = os.path.realpath(local)
+    points = _mount_points()
+    if points is None:          # no /proc (not Linux): the device has to do
+        return dev, None
+    under = [m for m in points if real == m or real.startswith(m.rstrip("/") + "/")]
+    return dev, max(under, key=len, default=None)
+
+
+def _mount_points() -> list[str] | None:
+    """The mount points of this process's mount namespace (/proc/self/mountinfo's fifth field), or None."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
+    except OSError:
+        return None
+    octal = re.compile(r"\\([0-7]{3})")      # a space in a mount point is written \040
+    return [octal.sub(lambda m: chr(int(m.group(1), 8)), line.split(" ")[4]) for line in lines if line.count(" ") >= 4]
 
 
 def _fsync(local: str) -> None:

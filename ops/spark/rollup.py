@@ -310,9 +310,11 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
 
     started = time.monotonic()
     day = dt.date.fromisoformat(date) if date is not None else None   # ValueError before any work
-    if Publisher(spark, out_dir).pending():   # a run killed while it published: finish that before reading
-        with _out_lock(out_dir):                # --out (a run that fails creates no --out: checked first)
-            Publisher(spark, out_dir).recover()
+    publisher = Publisher(spark, out_dir)
+    publisher.check_tables(TABLES)          # a table on another file system: refused before any work
+    if publisher.pending():                 # a run killed while it published: finish that before reading
+        with _out_lock(out_dir):            # --out (a run that fails creates no --out: checked first)
+            publisher.recover()
     stores = store_brokers(store_dir)
     parts = []
     tables: dict = {}
@@ -343,13 +345,14 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
         if not dates:
             log.warning("rollup: nothing to write: no date is whole in the store any more")
             return summary
-        queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
         written = {name: set().union(*o.values()) for name, o in owned.items()}    # each table's dates replaced
         # Each table's rows of another broker are read, then written back with this run's: two runs
         # into one --out at once would each write back the other's old rows (a lost update).
         with _out_lock(out_dir):
-            publisher = Publisher(spark, out_dir)
-            publisher.recover()
+            publisher.recover()             # one another run killed since the check above left
+            for p in parts:
+                p.recheck_baseline(out_dir)
+            queries = {name: _union([p.query(name, dates) for p in parts]) for name in TABLES}
             report_tables, old_brokers = {}, set()
             for name, df in queries.items():
                 t0 = time.monotonic()
@@ -518,6 +521,23 @@ class _StoreRollup:
                         "damage": [{**d, "broker": broker} for d in scan.damage],
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
                         "incomplete_snapshot_lines": self.snaps.incomplete_lines}
+
+    def recheck_baseline(self, out_dir: str) -> None:
+        """Read the previous day's undecided count again, under --out's lock. The first read (it chose the
+        segments to read) came before the lock: another run may have rewritten that day since, and this
+        day's count, and every later day's built on it, would rest on the old one for good."""
+        if self.since is None:
+            return
+        date = self.day.isoformat()
+        now = previous_undecided(self.spark, out_dir, date, self.broker)
+        if now is None:
+            raise ValueError(f"{self.day - dt.timedelta(1)}'s rows of {self.broker} went from {out_dir} while this "
+                             f"run read the store for {date} (another run removed them): run it again")
+        if sorted(now) != sorted(self.baseline):
+            log.warning("rollup: %s's undecided count of %s under %s changed while this run read the store "
+                        "(another run rewrote that day): %s counts on from the new one", self.day - dt.timedelta(1),
+                        self.broker, out_dir, date)
+            self.baseline = now
 
     def _began_since(self, store_dir: str) -> bool:
         """Whether the store began on the day rolled up: its log starts at offset 0 (nothing removed) and

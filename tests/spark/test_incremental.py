@@ -151,3 +151,35 @@ def test_a_damaged_half_read_for_a_decision_of_the_day_fails_clearly_or_is_repor
     summary = run_rollup(spark, store, out, date="2024-03-11", skip_damaged=True)
     assert summary["incremental"] and [(d["file"], d["position"]) for d in summary["damage"]] == [
         (path, long.offset % 4096)]
+
+
+def test_a_previous_day_rewritten_while_a_run_reads_the_store_is_counted_on_from_its_new_rows(spark, tmp_path,
+                                                                                             monkeypatch):
+    """An incremental run read D-1's undecided count before it took --out's lock. Another run that rewrote
+    D-1 meanwhile (here: D-1's old rows were wrong, as after a run of D-1 before the day was over) left D's
+    count resting on the old rows, and every later night's built on D's: wrong for good, nothing said.
+    Two runs, one inside the other: D3's starts and reads the stale D2, then a run of D2 publishes the
+    right rows, then D3's goes on."""
+    import ops.spark.rollup as rollup_mod
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    build(store)
+    rollup_mod.run_rollup(spark, store, out)
+    want = table(spark, out, "transactions", DATES[2])
+    stale = spark.read.parquet(os.path.join(out, "transactions")).where(f"date = '{DATES[1]}'").drop("date")
+    part = os.path.join(out, "transactions", f"date={DATES[1]}")
+    (stale.withColumn("undecided_at_end", stale["undecided_at_end"] + 5).write.parquet(part + ".stale"))
+    shutil.rmtree(part)
+    os.rename(part + ".stale", part)
+
+    real, nested = rollup_mod.previous_undecided, []
+
+    def read_then_overlap(spark_, out_dir, date, broker=None):
+        rows = real(spark_, out_dir, date, broker)
+        if date == DATES[2] and not nested:
+            nested.append(rollup_mod.run_rollup(spark, store, out, date=DATES[1]))     # the overlapping run
+        return rows
+    monkeypatch.setattr(rollup_mod, "previous_undecided", read_then_overlap)
+    third = rollup_mod.run_rollup(spark, store, out, date=DATES[2])
+    assert third["incremental"] and nested[0]["incremental"]
+    assert table(spark, out, "transactions", DATES[2]) == want

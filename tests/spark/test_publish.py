@@ -13,6 +13,7 @@ rows), and a later run finishes or drops the half-done publish.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -230,3 +231,85 @@ def test_a_run_whose_staged_partitions_another_run_dropped_stops_and_removes_not
     with pytest.raises(publish.PublishError, match="another rollup into the same --out"):
         pub.commit({"traffic": {DAY}})
     assert (out / "traffic" / f"date={DAY}" / "part-0.parquet").read_bytes() == b"old"
+
+
+def test_a_table_on_another_file_system_is_refused_before_anything_is_published(spark, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A table directory linked to another disk: renames into it cross file systems, and Hadoop's local
+    file system copies instead, file by file. Readers saw the old partition half deleted and the new one
+    half copied, and a run killed after its run marker was copied left the partition half copied for
+    good (the next run took the marker for a finished swap). Refused now, naming the table, before the
+    journal; the old partition is untouched."""
+    import uuid
+
+    from ops.spark import publish
+
+    other = f"/dev/shm/txmq-test-{uuid.uuid4().hex}"
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another file system than the test's tmp directory")
+    out, pub, staged = _staged_by_hand(spark, tmp_path)
+    shutil.move(str(out / "traffic"), other)
+    try:
+        os.symlink(other, out / "traffic")
+        with pytest.raises(publish.PublishError, match=r"/traffic is on another file system than .*\.txmq-publish"):
+            pub.commit({"traffic": {DAY}})
+        assert (out / "traffic" / f"date={DAY}" / "part-0.parquet").read_bytes() == b"old"
+        assert os.listdir(out / "traffic" / f"date={DAY}") == ["part-0.parquet"]
+        assert not (out / publish.DIR / "journal.json").exists()
+        with pytest.raises(publish.PublishError, match="traffic is on another file system"):
+            publish.Publisher(spark, str(out)).check_tables(["broker", "traffic"])
+        # The command says so in one line, before a Spark session starts (exit code 2).
+        import logging
+
+        from ops.spark import cli
+        log = logging.getLogger("ops.spark")             # cli.main sets its handler up on this test's stderr
+        for attr in ("handlers", "level", "propagate"):
+            monkeypatch.setattr(log, attr, list(log.handlers) if attr == "handlers" else getattr(log, attr))
+        from tests.spark.storegen import StoreBuilder
+
+        with StoreBuilder(str(tmp_path / "store")) as b:
+            b.send("Orders", b"x")
+        assert cli.main(["rollup", "--store-dir", str(tmp_path / "store"), "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip().startswith(f"rollup: {out}/traffic is on another file system")
+    finally:
+        shutil.rmtree(other)
+
+
+def test_a_table_bind_mounted_from_the_same_file_system_is_refused_too(tmp_path):
+    """A bind mount (docker -v, mount --bind) of a directory of the same disk has the same device number, yet a
+    rename into it is EXDEV all the same (Linux never renames across mounts): Hadoop copied, as for another
+    disk. Compared by device alone it passed the check."""
+    import subprocess as sp
+
+    from ops.spark import publish
+
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    (out / "traffic").mkdir(parents=True)
+    (out / publish.DIR).mkdir()
+    elsewhere.mkdir()
+    if sp.run(["mount", "--bind", str(elsewhere), str(out / "traffic")], capture_output=True).returncode != 0:
+        pytest.skip("needs mount --bind (root)")
+    try:
+        (out / publish.DIR / "probe").mkdir()
+        with pytest.raises(OSError) as crossed:          # the premise: same device, still not one rename
+            os.rename(out / publish.DIR / "probe", out / "traffic" / "probe")
+        assert crossed.value.errno == errno.EXDEV
+        assert os.stat(out / "traffic").st_dev == os.stat(out / publish.DIR).st_dev
+        with pytest.raises(publish.PublishError, match="traffic is on another file system"):
+            publish.check_tables(str(out), ["broker", "traffic"])
+        publish.check_tables(str(out), ["broker"])       # the tables on --out's own mount are taken
+    finally:
+        sp.run(["umount", str(out / "traffic")], check=True)
+
+
+def test_tables_of_an_out_on_one_mount_are_taken_however_it_is_named(tmp_path, monkeypatch):
+    """No false refusals: a relative --out, one that does not exist yet, and tables not made yet are all on
+    the mount of their nearest existing directory."""
+    from ops.spark import publish
+
+    monkeypatch.chdir(tmp_path)
+    publish.check_tables("not/yet", ["broker", "traffic"])
+    (tmp_path / "made" / "traffic").mkdir(parents=True)
+    os.symlink(tmp_path / "made", tmp_path / "linked")            # --out itself a link: fine
+    publish.check_tables("linked", ["broker", "traffic"])
+    publish.check_tables(str(tmp_path / "made"), ["broker", "traffic"])

@@ -148,6 +148,34 @@ def test_validate_plan_accepts_a_good_plan_from_file_text_or_dict(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".plan-")]
 
 
+def test_a_plan_written_through_a_symlink_replaces_the_file_it_points_to(tmp_path):
+    """The plan's path may be a link to where `admin apply-expiry` reads it (a shared mount). The temporary
+    file was made beside the link and renamed over it: the link became a plain file, and the file it
+    pointed to kept the first night's plan for good, every later night's halves never expired, nothing said."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "plan.json").write_text("{}")
+    link = tmp_path / "plan.json"
+    link.symlink_to(shared / "plan.json")
+    write_plan(_plan(), str(link))
+    assert link.is_symlink()
+    assert validate_plan(str(shared / "plan.json"))["halves"][0]["commit_log_offset"] == 10
+    assert sorted(os.listdir(tmp_path)) == ["plan.json", "shared"] and os.listdir(shared) == ["plan.json"]
+
+
+def test_a_plan_that_is_a_mount_point_of_its_own_is_a_clear_error(tmp_path, monkeypatch):
+    """A plan file bind-mounted on its own cannot be replaced by a rename (EBUSY): the error says why and
+    what to mount instead, and no temporary file is left beside it."""
+    import errno
+
+    def busy(src, dst):
+        raise OSError(errno.EBUSY, "Device or resource busy")
+    monkeypatch.setattr(os, "replace", busy)
+    with pytest.raises(OSError, match="plan.json in one rename .* mount the directory it is in instead"):
+        write_plan(_plan(), str(tmp_path / "plan.json"))
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("change, message", [
     ({"version": 1}, "version"),
     ({"store_id": None}, "store_id"),
@@ -257,3 +285,45 @@ def test_timer_messages_and_scheduler_progress_are_not_counted_as_traffic(tmp_pa
         b.at(T0 + 60_000).send("Orders", b"later")            # the same message, delivered
     rows = [dict(zip(seg.ROW_FIELDS, r)) for r in _rows(seg.plan_chunks(d, 1 << 40)[1])]
     assert {(r["topic"], r["n"]) for r in rows if r["row"] == "msg"} == {("Orders", 1)}
+
+
+@pytest.mark.parametrize("conf, message", [("spark.sql.session.timeZone=America/New_York", "must stay UTC"),
+                                           ("spark.sql.sources.partitionOverwriteMode=static", "must stay dynamic"),
+                                           ("spark.executor.memory", "is not KEY=VALUE")])
+def test_a_conf_the_results_rest_on_is_refused_before_spark_starts(tmp_path, capsys, conf, message):
+    """--conf spark.sql.session.timeZone=America/New_York was taken: every window (UTC milliseconds) was
+    labelled with New York's date, so the five hours before UTC midnight fell out of the date they were
+    computed for and its tables lost them, nothing said. A --conf without "=" was a traceback."""
+    from ops.spark import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["rollup", "--store-dir", str(tmp_path), "--out", str(tmp_path / "o"),
+                                       "--conf", conf])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["expiry", "--store-dir", str(tmp_path), "--out", str(tmp_path / "p"),
+                                          "--conf", "spark.sql.session.timeZone=UTC", "--conf", "a.b=c=d"])
+    assert dict(args.conf) == {"spark.sql.session.timeZone": "UTC", "a.b": "c=d"}
+
+
+@pytest.mark.parametrize("conf", ["spark.sql.session.timeZone=Etc/UTC", "spark.sql.session.timeZone=Z",
+                                  "spark.sql.session.timeZone=+00:00", "spark.sql.session.timeZone=GMT",
+                                  "spark.sql.session.timeZone=UTC+0", "spark.sql.session.timeZone=Etc/GMT+0",
+                                  "spark.sql.sources.partitionOverwriteMode=DYNAMIC"])
+def test_a_conf_that_names_the_same_setting_otherwise_is_taken(tmp_path, conf):
+    """UTC under another of its names (Etc/UTC, Z, +00:00, GMT) labels every window with the same date, and
+    Spark takes the overwrite mode in any case: refusing them broke set-ups that were right."""
+    from ops.spark import cli
+
+    args = cli.build_parser().parse_args(["rollup", "--store-dir", str(tmp_path), "--out", str(tmp_path / "o"),
+                                          "--conf", conf])
+    assert dict(args.conf) == dict([conf.split("=", 1)])
+
+
+@pytest.mark.parametrize("zone", ["UTC+1", "+01:00", "Europe/London", "Etc/GMT+1", "utcx"])
+def test_a_time_zone_that_only_looks_like_utc_is_still_refused(tmp_path, capsys, zone):
+    from ops.spark import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["rollup", "--store-dir", str(tmp_path), "--out", str(tmp_path / "o"),
+                                       "--conf", f"spark.sql.session.timeZone={zone}"])
+    assert "must stay UTC" in capsys.readouterr().err
