@@ -109,6 +109,7 @@ class PullResult:
 
 
 # The put statuses a RocketMQ broker answers a send-back with as SYSTEM_ERROR although it stored the copy.
+DEFAULT_MAX_RECONSUME_TIMES = 16   # RocketMQ's: what a push consumer's maxReconsumeTimes -1 stands for
 _STORED_LATE = frozenset({"FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"})
 
 
@@ -501,7 +502,7 @@ class PullConsumer:
     async def send_back(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int = 16,
                         delay_level: int = 0) -> None:
         """Give a failed message (pulled from ``mq``) back to the broker: %RETRY%<group>, or %DLQ%<group>
-        when out of retries (``delay_level`` -1: at once).
+        when out of retries (``delay_level`` -1: at once). ``max_reconsume_times`` -1 means RocketMQ's default, 16.
 
         The broker copies the stored record. When it refuses (that record is gone, deleted by retention
         while the message was in hand, or its body went bad on disk since the pull), the message as pulled
@@ -511,6 +512,8 @@ class PullConsumer:
         broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
         # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
         # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
+        if max_reconsume_times == -1:   # RocketMQ's "default", never sent as such: the broker reads -1 as none
+            max_reconsume_times = DEFAULT_MAX_RECONSUME_TIMES
         origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
                         if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic)
         cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {

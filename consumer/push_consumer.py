@@ -37,8 +37,10 @@ from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
 from .offset_store import DEFAULT_DIR, BrokerOffsetStore, LocalOffsetStore
-from .pull_consumer import MessageQueue, MessageSelector, PullConsumer, PullStatus
+from .pull_consumer import DEFAULT_MAX_RECONSUME_TIMES, MessageQueue, MessageSelector, PullConsumer, PullStatus
 from .rebalance import allocate_averagely
+
+_JAVA_INT_MAX = (1 << 31) - 1   # an orderly consumer's maxReconsumeTimes -1: retried in place for good
 
 log = logging.getLogger("txmq.consumer")
 
@@ -94,6 +96,13 @@ class PushConsumer:
         self.group = group
         self.listener = listener          # listener(msg) -> ConsumeStatus, plain or async
         self.consume_from = consume_from  # where a queue with no committed offset starts: "first" or "last"
+        if max_reconsume_times < -1:
+            raise ValueError(f"max_reconsume_times={max_reconsume_times!r}: 0 or more, or -1 for the default")
+        # -1 is RocketMQ's "default" (DefaultMQPushConsumer's own default): 16 retries when consumed
+        # concurrently, Integer.MAX_VALUE when orderly (ConsumeMessage*Service.getMaxReconsumeTimes). Sent as
+        # it was, the broker read -1 as "no retries left" and dead-lettered every failed message at once.
+        if max_reconsume_times == -1:
+            max_reconsume_times = _JAVA_INT_MAX if orderly else DEFAULT_MAX_RECONSUME_TIMES
         self.max_reconsume_times = max_reconsume_times
         self.rebalance_interval_s = rebalance_interval_s
         self.suspend_ms = suspend_ms

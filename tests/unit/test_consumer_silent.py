@@ -514,3 +514,30 @@ async def test_a_send_back_stored_but_not_yet_flushed_or_replicated_is_not_sent_
     finally:
         await client.shutdown()
     assert asked == [RequestCode.CONSUMER_SEND_MSG_BACK]
+
+
+@bounded(10)
+async def test_max_reconsume_times_minus_one_is_rocketmqs_default_not_straight_to_the_dead_letter_queue():
+    """RocketMQ's push consumer takes maxReconsumeTimes -1 (its own default) as 16 retries, and as
+    Integer.MAX_VALUE when orderly; it never sends -1. Ours sent -1 in CONSUMER_SEND_MSG_BACK, and a broker
+    (RocketMQ's or ours) reads that as no retries left: every failed message went to %DLQ%<group> at once."""
+    consumer = _push_consumer(max_reconsume_times=-1)
+    orderly = _push_consumer(max_reconsume_times=-1, orderly=True)
+    headers = []
+
+    async def request(mq, cmd, timeout):
+        headers.append(cmd.ext_fields["maxReconsumeTimes"])
+        return cmd.response(ResponseCode.SUCCESS, None)
+    consumer.client._request = request
+    consumer.listener = lambda m: ConsumeStatus.RECONSUME_LATER if not headers else ConsumeStatus.CONSUME_SUCCESS
+    msg = decode_record(_record(b"failed"))[0]
+    try:
+        await consumer._consume(MessageQueue("T", "b", 0), msg)
+        await consumer.client.send_back(MessageQueue("T", "b", 0), msg, max_reconsume_times=-1)
+    finally:
+        await consumer.client.shutdown()
+        await orderly.client.shutdown()
+    assert [int(h) for h in headers] == [16, 16]
+    assert consumer.max_reconsume_times == 16 and orderly.max_reconsume_times == (1 << 31) - 1
+    with pytest.raises(ValueError, match="max_reconsume_times"):
+        PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, max_reconsume_times=-2)
