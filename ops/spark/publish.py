@@ -183,13 +183,23 @@ def check_tables(out_dir: str, tables) -> None:
     old partition half deleted and the new one half copied, and a run killed after the copy of the new
     partition's run marker left it half copied for good (the next run took the marker for a finished swap)."""
     staging = os.path.join(out_dir, DIR)
-    here = _place(staging)
+    here = _checked_place(staging)
     for table in tables:
         where = os.path.join(out_dir, table)
-        if _place(where) != here:
+        if _checked_place(where) != here:
             raise PublishError(f"{where} is on another file system than {staging}: its partitions cannot be "
                                "swapped in atomically; keep every table on --out's file system (link or mount "
                                "--out itself, not a table in it)")
+
+
+def _checked_place(local: str) -> tuple[int, str | None]:
+    """_place(), a stat it cannot make (a directory this user may not search: PermissionError) refused in one
+    line naming the path, not a traceback."""
+    try:
+        return _place(local)
+    except OSError as exc:
+        raise PublishError(f"cannot check where {exc.filename or local} lives (to publish {local}): "
+                           f"{exc.strerror or exc}") from None
 
 
 def _rename(fs, src, dst) -> None:
