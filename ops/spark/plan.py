@@ -22,7 +22,7 @@ import errno
 import json
 import os
 import re
-import tempfile
+import secrets
 
 PLAN_VERSION = 2           # 2: store_id and each segment's identity (start, end, newest timestamp)
 _SEGMENT_NAME = re.compile(r"\d{20}")
@@ -140,6 +140,19 @@ def plan_target(path: str) -> str:
     return os.path.realpath(path)
 
 
+def _create_beside(directory: str) -> tuple[int, str]:
+    """A new temporary file in ``directory``, mode 0644 less the umask, as a plain open() would make it.
+    mkstemp's 0600 went with the rename: `admin apply-expiry`, run as the broker's user, could not read
+    the plan. A plan holds offsets and names, nothing secret."""
+    for _ in range(100):
+        tmp = os.path.join(directory, f".plan-{secrets.token_hex(6)}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary name for the plan", directory)
+
+
 def write_plan(plan: dict, path: str) -> None:
     """Write atomically (temp file beside the file it replaces, synced, renamed, directory synced) so the
     broker never reads half a plan. Raises OSError naming the path when the rename cannot be atomic."""
@@ -147,7 +160,7 @@ def write_plan(plan: dict, path: str) -> None:
     target = plan_target(path)
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", dir=directory)
+    fd, tmp = _create_beside(directory)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(plan, f, indent=1, sort_keys=False)

@@ -327,3 +327,16 @@ def test_a_time_zone_that_only_looks_like_utc_is_still_refused(tmp_path, capsys,
         cli.build_parser().parse_args(["rollup", "--store-dir", str(tmp_path), "--out", str(tmp_path / "o"),
                                        "--conf", f"spark.sql.session.timeZone={zone}"])
     assert "must stay UTC" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_a_plan_is_readable_as_the_umask_allows_for_apply_expiry_run_as_another_user(tmp_path, umask):
+    """The plan was made by mkstemp, mode 0600 whatever the umask: `admin apply-expiry` run as the broker's
+    user could not read it. Now 0644 less the umask, as the rollup's reports are made."""
+    old = os.umask(umask)
+    try:
+        write_plan(_plan(), str(tmp_path / "plan.json"))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "plan.json").st_mode & 0o777 == 0o644 & ~umask
+    assert os.listdir(tmp_path) == ["plan.json"]
