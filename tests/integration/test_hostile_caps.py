@@ -409,6 +409,11 @@ async def test_one_address_commits_offsets_for_at_most_max_offsets_per_host_queu
         hostile.close()
         victim.close()
     assert "max_offsets_per_host" in broker.log()
+    # Never silent, even for a oneway commit (a client never sees the answer): each refusal is counted --
+    # the two of the loop, CG_made_up9's first, the pull's commit.
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    assert 'txmq_requests_refused_total{reason="offset-host-limit"} 4.0' in scraped
 
 
 async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by_name(broker_factory):
