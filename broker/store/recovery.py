@@ -50,7 +50,7 @@ from typing import Callable
 
 from protocol.errors import RecordError, StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_OFFSET, peek_record, validate_topic
-from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
+from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, check_tail_fields, read_index_fields
 
 from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
@@ -67,11 +67,13 @@ class BadRecord(Exception):
     pass
 
 
-def parse_record(seg: Segment, pos: int, check_crc: bool = True):
+def parse_record(seg: Segment, pos: int, check_crc: bool = True, torn: bool = True):
     """(size, queue id, queue offset, sys flag, store ts, prepared offset, topic, props span) or BadRecord.
 
     Reads only below ``seg.reserved``, which load_segments sets to the file's first hole.
     The fields are read by protocol.record; what they must say of this segment is judged here.
+    With ``check_crc`` and ``torn`` the topic and properties are checked too (check_tail_fields): the body
+    CRC leaves them unguarded, and a crash can lose their pages while the head and body reached the disk.
     """
     limit = seg.size - 8
     if pos + MIN_RECORD_SIZE > limit:
@@ -89,6 +91,8 @@ def parse_record(seg: Segment, pos: int, check_crc: bool = True):
         raise BadRecord(f"its offset field says {phys}, not {seg.start + pos}")
     try:
         ts, prepared, topic, span = read_index_fields(seg.view, pos, size, sys_flag, crc if check_crc else None)
+        if check_crc and torn:
+            check_tail_fields(seg.mm, topic, span)
     except RecordError as exc:
         raise BadRecord(str(exc)) from None
     return size, qid, qoff, sys_flag, ts, prepared, topic, span
@@ -168,7 +172,9 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
         seg, pos = segs[i], 0
         while True:
             try:
-                size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(seg, pos)
+                # below the checkpoint nothing is torn (it was flushed first): records there keep the old checks
+                size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(seg, pos,
+                                                                                    torn=seg.start + pos >= point)
             except BadRecord as bad:
                 total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
                 if magic == BLANK_MAGIC and total == seg.size - pos:
