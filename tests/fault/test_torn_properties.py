@@ -18,7 +18,7 @@ import pytest
 
 from consumer import PullConsumer
 from producer import Producer
-from protocol.message import MESSAGE_MAGIC, Prop, decode_record
+from protocol.message import MESSAGE_MAGIC, Prop
 from protocol.record import RECORD_HEAD, read_index_fields
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
