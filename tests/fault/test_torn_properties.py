@@ -21,6 +21,7 @@ from producer import Producer
 from protocol.message import MESSAGE_MAGIC, Prop
 from protocol.record import RECORD_HEAD, read_index_fields
 from tests.support.bounded import bounded
+from tests.fault.test_disk_full import _metric
 from tests.support.broker_process import BrokerProcess
 
 pytestmark = [pytest.mark.asyncio]
@@ -109,10 +110,11 @@ async def test_a_record_torn_after_its_body_is_cut_not_delivered(tmp_path, how):
     broker = BrokerProcess(store).start()
     try:
         got = await _delivered(broker.namesrv)
+        cuts = _metric(broker.metrics, "txmq_store_tail_truncations_total")
     finally:
         broker.kill()
     log = broker.log()
     seen = [(bytes(m.body), m.topic, m.properties.get(Prop.UNIQ_KEY), m.tags, m.keys) for m in got]
     kept = [(b, TOPIC, sent[b], "TagA", f"key-{i}") for i, b in enumerate(sent) if i < SENT - 1]
     assert sorted(seen) == sorted(kept), log
-    assert "torn tail" in log, log
+    assert "torn tail" in log and cuts == 1, log
