@@ -524,7 +524,7 @@ class _CorruptCollector:
 
     def collect(self):
         family = CounterMetricFamily("txmq_store_corrupt_records", "Commit-log records found failing their body "
-                                     "CRC when read (damaged on disk; each logged with segment and byte), by the "
+                                     "CRC, or with a zeroed topic or properties, when read (damaged on disk; each logged with segment and byte), by the "
                                      "read that met them: not served, not copied.", labels=["read"])
         for read, n in list(self.store.corrupt.items()):
             family.add_metric([read], n)

@@ -14,6 +14,7 @@ or host is copied or decoded. Positions are absolute in ``buf``.
     store_timestamp_at     STORETIMESTAMP                                      56, or 68 after an IPv6 born host
     record_properties      PROPERTIES (then property_bytes finds one pair)     after BODY and TOPIC
     body_crc_ok            BODYCRC against the body                            8, and the body after the hosts
+    record_intact          body_crc_ok, and no NUL in TOPIC or PROPERTIES      as body_crc_ok, then the rest
 
 The caller judges what the head says (magic, size against its file, offset field against
 the record's place); read_index_fields checks that the lengths inside add up to TOTALSIZE
@@ -139,3 +140,27 @@ def body_crc_ok(buf, pos: int = 0, size: int | None = None) -> bool:
     if body_len < 0 or p + body_len > pos + size:
         return False
     return zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF == _I32.unpack_from(buf, pos + 8)[0]
+
+
+def record_intact(buf, pos: int = 0, size: int | None = None) -> bool:
+    """body_crc_ok, and the lengths after the body end the record, the topic is not empty and neither it nor
+    the properties hold a NUL: a page of them zeroed at rest is refused as a flipped body bit is.
+
+    What the reads of unverified segments call (MessageStore.verified_record, pulls, replication): one copy
+    of the topic and properties (about 0.2 us for a record's usual 100-300 bytes) on top of the CRC."""
+    if size is None:
+        size = _I32.unpack_from(buf, pos)[0]
+    sys_flag = _I32.unpack_from(buf, pos + 36)[0]
+    p = pos + 84 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
+    body_len = _I32.unpack_from(buf, p)[0]
+    p += 4
+    end = pos + size
+    if body_len < 0 or p + body_len + 3 > end:
+        return False
+    if zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF != _I32.unpack_from(buf, pos + 8)[0]:
+        return False
+    tail = bytes(buf[p + body_len:end])     # TOPICLENGTH, TOPIC, PROPERTIESLENGTH, PROPERTIES: one copy
+    t = tail[0] + 1                         # where PROPERTIESLENGTH starts
+    if t == 1 or t + 2 > len(tail) or t + 2 + _I16.unpack_from(tail, t)[0] != len(tail):
+        return False
+    return tail.find(b"\x00", 1, t) < 0 and tail.find(b"\x00", t + 2) < 0

@@ -22,7 +22,7 @@ from typing import Callable
 
 from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
-from protocol.record import MIN_RECORD_SIZE, body_crc_ok, store_timestamp_at
+from protocol.record import MIN_RECORD_SIZE, record_intact, store_timestamp_at
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
@@ -355,7 +355,7 @@ class MessageStore:
         pos, n = 0, len(chunk)
         while pos < n:
             size = int.from_bytes(chunk[pos:pos + 4], "big")
-            if not body_crc_ok(chunk, pos, size):
+            if not record_intact(chunk, pos, size):
                 if pos == 0:
                     chunk.release()
                     raise self.corrupt_record(phys, "replication")
@@ -447,10 +447,11 @@ class MessageStore:
         return self._log.record(physical_offset)
 
     def verified_record(self, physical_offset: int, reader: str) -> memoryview | None:
-        """``get_record``, its body CRC checked too: what a read that copies or serves a record must use.
-        CorruptRecordError (counted and logged once, under ``reader``) when the body fails its CRC."""
+        """``get_record``, its body CRC checked too, and its topic and properties for zeroed bytes
+        (record_intact): what a read that copies or serves a record must use. CorruptRecordError (counted and
+        logged once, under ``reader``) when it fails."""
         view = self._log.record(physical_offset)
-        if view is not None and not body_crc_ok(view, 0, len(view)):
+        if view is not None and not record_intact(view, 0, len(view)):
             raise self.corrupt_record(physical_offset, reader)
         return view
 
@@ -502,7 +503,7 @@ class MessageStore:
         total = scanned = 0
         skip_below = -1
         clog = self._log
-        crc_ok, check_below = body_crc_ok, self._check_below if verify else -1
+        crc_ok, check_below = record_intact, self._check_below if verify else -1
         for phys, size, tag in UNIT.iter_unpack(raw):
             if not size:        # a zeroed unit (a lost page, a damaged file): its message must not be skipped
                 if not buffers:
