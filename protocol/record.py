@@ -147,7 +147,7 @@ def record_intact(buf, pos: int = 0, size: int | None = None) -> bool:
     the properties hold a NUL: a page of them zeroed at rest is refused as a flipped body bit is.
 
     What the reads of unverified segments call (MessageStore.verified_record, pulls, replication): one copy
-    of the topic and properties (about 0.2 us for a record's usual 100-300 bytes) on top of the CRC."""
+    of the topic and properties and two searches, about 0.6 us on top of the CRC's 0.8 us (1 KiB body)."""
     if size is None:
         size = _I32.unpack_from(buf, pos)[0]
     sys_flag = _I32.unpack_from(buf, pos + 36)[0]

@@ -7,8 +7,9 @@ size that fits the segment (with room for the 8-byte end marker), its PHYSICALOF
 field equal to where it lies, a layout whose lengths add up to TOTALSIZE, and its body
 CRC; at or past the checkpoint's flushed offset also a valid topic name and properties with no
 NUL byte (the body CRC leaves them unguarded, and a crash can lose their pages while the head
-and body reached the disk: they read as zeros; the broker stores no NUL there). An end marker (BLANK magic, TOTALSIZE = bytes left) moves the scan to the next
-segment. Eight zero bytes where a record would start are the end of the data.
+and body reached the disk: they read as zeros; the broker stores no NUL there). An end
+marker (BLANK magic, TOTALSIZE = bytes left) moves the scan to the next segment. Eight
+zero bytes where a record would start are the end of the data.
 
 Torn tail or damage in the middle -- the rule:
 
