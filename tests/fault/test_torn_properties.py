@@ -7,21 +7,26 @@ broker stores a few messages and stops; the last record is damaged that way and 
 removed (a crash comes before the checkpoint covers what it tears); a broker starts on it.
 
 Recovery must cut that record like any torn tail: the consumer gets the messages before it,
-each with its properties as sent, and never the damaged one.
+each with its properties as sent, and never the damaged one; a torn half is not left pending.
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 
 import pytest
 
 from consumer import PullConsumer
-from producer import Producer
+from producer import Producer, TransactionProducer
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
 from protocol.message import MESSAGE_MAGIC, Prop
 from protocol.record import RECORD_HEAD, read_index_fields
 from tests.support.bounded import bounded
 from tests.fault.test_disk_full import _metric
+from tests.fault.test_transactions_kill import Ledger
 from tests.support.broker_process import BrokerProcess
 
 pytestmark = [pytest.mark.asyncio]
@@ -118,3 +123,45 @@ async def test_a_record_torn_after_its_body_is_cut_not_delivered(tmp_path, how):
     kept = [(b, TOPIC, sent[b], "TagA", f"key-{i}") for i, b in enumerate(sent) if i < SENT - 1]
     assert sorted(seen) == sorted(kept), log
     assert "torn tail" in log and cuts == 1, log
+
+
+async def _pending_rows(addr: str) -> list[dict]:
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 100}), 5)
+        return json.loads(resp.body_bytes())["pending"]
+    finally:
+        conn.close()
+
+
+@bounded(60)
+async def test_a_half_torn_after_its_body_is_cut_not_left_pending(tmp_path):
+    # The half's PGROUP, REAL_TOPIC and UNIQ_KEY are in its properties: kept torn, it came back pending with
+    # group "" and was deferred for ever (no producer of group "" to ask).
+    store = tmp_path / "store"
+    flags = ("--transaction-check-interval-ms", "600000", "--transaction-timeout-ms", "600000")
+    ledger = Ledger(seed=1)
+    broker = BrokerProcess(store, *flags).start()
+    try:
+        tx = TransactionProducer(broker.namesrv, "PG_torn_tx", ledger, retries=0)
+        await tx.start()
+        try:
+            for body in (b"half-0", b"half-1"):
+                ledger.plan[body] = "unknown-commit"
+                await tx.send_in_transaction("TornTx", body)
+        finally:
+            await tx.shutdown()
+        before = await _pending_rows(broker.broker)
+    finally:
+        assert broker.stop() == 0
+    assert len(before) == 2
+    _tear(store, "properties cut in the middle")        # the second half: the log's last record
+
+    broker = BrokerProcess(store, *flags).start()
+    try:
+        after = await _pending_rows(broker.broker)
+    finally:
+        broker.kill()
+    first = min(before, key=lambda r: r["commit_log_offset"])
+    assert [(r["group"], r["uniq_key"]) for r in after] == [("PG_torn_tx", first["uniq_key"])], after
