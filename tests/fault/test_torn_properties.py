@@ -11,6 +11,7 @@ each with its properties as sent, and never the damaged one; a torn half is not 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import struct
@@ -165,3 +166,36 @@ async def test_a_half_torn_after_its_body_is_cut_not_left_pending(tmp_path):
         broker.kill()
     first = min(before, key=lambda r: r["commit_log_offset"])
     assert [(r["group"], r["uniq_key"]) for r in after] == [("PG_torn_tx", first["uniq_key"])], after
+
+
+@bounded(60)
+async def test_a_check_record_naming_a_client_id_with_a_nul_survives_a_restart_past_the_checkpoint(tmp_path):
+    # The broker writes the half's sender's client id into each check op record (TXMQ_OWNER). A client names
+    # itself (a heartbeat's clientID is JSON, "\u0000" is a NUL): written with a NUL, the acknowledged check
+    # record read as torn at the next start past the checkpoint, and with the commit after it the broker
+    # refused to start ("damaged in the middle").
+    store = tmp_path / "store"
+    flags = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "500")
+    ledger = Ledger(seed=1)
+    broker = BrokerProcess(store, *flags).start()
+    try:
+        tx = TransactionProducer(broker.namesrv, "PG_torn_owner", ledger, retries=0, instance_name="nul\x00id")
+        await tx.start()
+        try:
+            ledger.plan[b"checked"] = "unknown-commit"      # undecided at first: decided by the check
+            await tx.send_in_transaction("TornOwner", b"checked")
+            while await _pending_rows(broker.broker):
+                await asyncio.sleep(0.05)       # polling a condition; @bounded caps it
+        finally:
+            await tx.shutdown()
+    finally:
+        assert broker.stop() == 0
+    os.unlink(store / "checkpoint")     # a crash before the checkpoint covered them
+
+    broker = BrokerProcess(store, *flags).start()
+    try:
+        cuts = _metric(broker.metrics, "txmq_store_tail_truncations_total")
+        pending = await _pending_rows(broker.broker)
+    finally:
+        broker.kill()
+    assert cuts == 0 and pending == [], broker.log()
