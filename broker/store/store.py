@@ -22,15 +22,15 @@ from typing import Callable
 
 from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
-from protocol.record import MIN_RECORD_SIZE, record_intact, store_timestamp_at
+from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_timestamp_at
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (SegmentFacts, load_or_create_store_id, removed_from_disk, sealed_from_disk, summarize_file,
-                       write_manifest)
+from .manifest import (SegmentFacts, load_or_create_store_id, read_nul_free_from, removed_from_disk, sealed_from_disk,
+                       summarize_file, write_manifest, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -91,6 +91,8 @@ class MessageStore:
         # in an older one is first met here.
         self.corrupt: dict[str, int] = {}
         self._check_below = 0       # pulls check the body CRC of records below this offset (set by open)
+        # records from here on hold no NUL in topic or properties (set by open; before it, an older broker's)
+        self._nul_free_from = 0
         self._corrupt_seen: set[tuple[int, str]] = set()
 
     # ---------------------------------------------------------- lifecycle
@@ -127,9 +129,17 @@ class MessageStore:
         try:
             checkpoint = read_checkpoint(self.store_dir)
             self._load_queues(checkpoint.flushed_offset if checkpoint else None)
+            # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
+            # none of them is judged by that rule, only what is written from the end recovery finds.
+            nul_free_from = read_nul_free_from(self.store_dir)
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
-                                  self._listeners, self.tag_rule)
+                                  self._listeners, self.tag_rule,
+                                  nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from)
+            if nul_free_from is None:
+                nul_free_from = self.report.end_offset
+                write_nul_free_from(self.store_dir, nul_free_from)
+            self._nul_free_from = nul_free_from
             if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
@@ -355,7 +365,7 @@ class MessageStore:
         pos, n = 0, len(chunk)
         while pos < n:
             size = int.from_bytes(chunk[pos:pos + 4], "big")
-            if not record_intact(chunk, pos, size):
+            if not self._intact(chunk, pos, size, phys + pos):
                 if pos == 0:
                     chunk.release()
                     raise self.corrupt_record(phys, "replication")
@@ -446,12 +456,17 @@ class MessageStore:
         """The record at ``physical_offset`` as it lies (magic, size and offset field checked, not its CRC)."""
         return self._log.record(physical_offset)
 
+    def _intact(self, buf, pos: int, size: int, phys: int) -> bool:
+        """record_intact for a record at ``phys``; before nul_free_from (an older broker's, which may have stored
+        a NUL in its properties) its body CRC only."""
+        return (record_intact if phys >= self._nul_free_from else body_crc_ok)(buf, pos, size)
+
     def verified_record(self, physical_offset: int, reader: str) -> memoryview | None:
         """``get_record``, its body CRC checked too, and its topic and properties for zeroed bytes
         (record_intact): what a read that copies or serves a record must use. CorruptRecordError (counted and
         logged once, under ``reader``) when it fails."""
         view = self._log.record(physical_offset)
-        if view is not None and not record_intact(view, 0, len(view)):
+        if view is not None and not self._intact(view, 0, len(view), physical_offset):
             raise self.corrupt_record(physical_offset, reader)
         return view
 
@@ -503,7 +518,7 @@ class MessageStore:
         total = scanned = 0
         skip_below = -1
         clog = self._log
-        crc_ok, check_below = record_intact, self._check_below if verify else -1
+        crc_ok, check_below, nul_from = record_intact, self._check_below if verify else -1, self._nul_free_from
         for phys, size, tag in UNIT.iter_unpack(raw):
             if not size:        # a zeroed unit (a lost page, a damaged file): its message must not be skipped
                 if not buffers:
@@ -540,7 +555,7 @@ class MessageStore:
                     status = _REMOVING
                 skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
                 continue
-            if phys < check_below and not crc_ok(view, 0, size):
+            if phys < check_below and not (crc_ok if phys >= nul_from else body_crc_ok)(view, 0, size):
                 if not buffers:
                     self.corrupt_record(phys, "pull")
                     return GetResult(GetStatus.RECORD_CORRUPT, offset + scanned - 1, lo, hi)

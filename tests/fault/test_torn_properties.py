@@ -199,3 +199,51 @@ async def test_a_check_record_naming_a_client_id_with_a_nul_survives_a_restart_p
     finally:
         broker.kill()
     assert cuts == 0 and pending == [], broker.log()
+
+
+def _older_brokers_nul(store) -> None:
+    """Make the last record one an older txmq stored (it took a NUL in a property value, as RocketMQ does):
+    its KEYS value's last character becomes a NUL (no CRC covers it), and the store loses the nul_free_from
+    file, which no older broker wrote."""
+    path, pos, size = _last_record(store)
+    with open(path, "rb") as f:
+        f.seek(pos)
+        rec = f.read(size)
+    sys_flag = RECORD_HEAD.unpack_from(rec, 0)[-1]
+    _ts, _p, _topic, (props_at, props_len) = read_index_fields(rec, 0, size, sys_flag)
+    at = rec.index(b"KEYS\x01", props_at, props_at + props_len) + 5
+    at = rec.index(b"\x02", at) - 1 if b"\x02" in rec[at:props_at + props_len] else props_at + props_len - 1
+    _zero(path, pos + at, pos + at + 1)
+    (store / "nul_free_from").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("crashed", [False, True])
+@bounded(60)
+async def test_a_nul_an_older_broker_stored_in_properties_is_delivered_after_the_upgrade(tmp_path, crashed):
+    # Older txmq stored a NUL in a property value (RocketMQ does). Read as a torn page, that acknowledged
+    # message was refused on every verified read (RECORD_CORRUPT: the queue stuck at it) and, after a crash
+    # of the older broker (its checkpoint behind it), cut at the upgraded broker's start.
+    store = tmp_path / "store"
+    broker = BrokerProcess(store).start()
+    try:
+        producer = Producer(broker.namesrv, "PG_torn", retries=0)
+        await producer.start()
+        try:
+            for i in range(SENT):
+                await producer.send(TOPIC, f"old-{i}".encode(), tags="TagA", keys=f"key-{i}")
+        finally:
+            await producer.shutdown()
+    finally:
+        assert broker.stop() == 0
+    _older_brokers_nul(store)
+    if crashed:
+        os.unlink(store / "checkpoint")
+
+    broker = BrokerProcess(store, "--verify-all-reads").start()
+    try:
+        got = await _delivered(broker.namesrv)
+        cuts = _metric(broker.metrics, "txmq_store_tail_truncations_total")
+    finally:
+        broker.kill()
+    assert sorted(bytes(m.body) for m in got) == [f"old-{i}".encode() for i in range(SENT)], broker.log()
+    assert cuts == 0, broker.log()
