@@ -350,6 +350,14 @@ class MessageStore:
         The future's PutResult is PUT_OK once the bytes are on disk (sync flush) and indexed.
         ValueError at once for a malformed chunk."""
         chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
+        if chunk.nul_end > self._nul_free_from:
+            # The master's records are not this broker's to refuse: one an older txmq (or RocketMQ) master
+            # stored with a NUL in its properties must not read as torn here (cut at the next start, refused on
+            # reads). Durable before the chunk can reach the disk; rare (only such records), so written here.
+            self._nul_free_from = chunk.nul_end
+            write_nul_free_from(self.store_dir, chunk.nul_end)
+            log.warning("replica: the master's record ending at %d holds a NUL in its properties (stored by an "
+                        "older broker); NUL checks of this store start after it", chunk.nul_end)
         return self._writer.put_replica(chunk), chunk.end
 
     def replica_chunk(self, phys: int, limit: int) -> memoryview | None:
