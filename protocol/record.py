@@ -24,7 +24,9 @@ BODYCRC covers the body only. Segments are preallocated with zeros and written t
 mapping, so a crash can leave a record whose head and body reached the disk but whose topic
 or properties (pages after them) did not: they read as zeros. check_tail_fields catches
 that: no topic the broker accepts holds a NUL, and the broker refuses to store properties
-holding one (message.separator_in), so a zero-filled range there is never data.
+holding one (message.separator_in), so a zero-filled range there is never data -- in records
+that broker wrote: an older one (or a RocketMQ master a slave copies) stored NULs, and the store
+applies these checks only from its ``nul_free_from`` offset on (broker/store/manifest.py).
 """
 from __future__ import annotations
 
