@@ -429,7 +429,7 @@ async def handle_send_back(ctx, conn, cmd):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"originMsgId {origin_id!r} holds a properties "
                             "separator (\\x01 or \\x02) or a NUL")
     # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
-    view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}")
+    view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}", copy=True)
     if error is not None:
         return error
     msg, _ = decode_record(view)

@@ -469,12 +469,17 @@ class MessageStore:
         a NUL in its properties) its body CRC only."""
         return (record_intact if phys >= self._nul_free_from else body_crc_ok)(buf, pos, size)
 
-    def verified_record(self, physical_offset: int, reader: str) -> memoryview | None:
+    def verified_record(self, physical_offset: int, reader: str, copy: bool = False) -> memoryview | None:
         """``get_record``, its body CRC checked too, and its topic and properties for zeroed bytes
         (record_intact): what a read that copies or serves a record must use. CorruptRecordError (counted and
-        logged once, under ``reader``) when it fails."""
+        logged once, under ``reader``) when it fails.
+
+        Before nul_free_from a NUL in the properties is an older broker's data and is served; ``copy`` (the
+        record is re-written at the log's end, past nul_free_from) refuses it all the same: copied, it would
+        be read as a torn record at the next start after a crash (cut, or the start refused)."""
         view = self._log.record(physical_offset)
-        if view is not None and not self._intact(view, 0, len(view), physical_offset):
+        if view is not None and not (record_intact(view, 0, len(view)) if copy
+                                     else self._intact(view, 0, len(view), physical_offset)):
             raise self.corrupt_record(physical_offset, reader)
         return view
 

@@ -23,7 +23,7 @@ from producer import Producer, SendStatus, TransactionProducer
 from protocol.codes import RequestCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import MESSAGE_MAGIC, Prop
+from protocol.message import MESSAGE_MAGIC, Prop, decode_offset_msg_id
 from protocol.record import RECORD_HEAD, read_index_fields
 from tests.support.bounded import bounded
 from tests.fault.test_disk_full import _metric
@@ -289,3 +289,57 @@ async def test_a_slave_keeps_its_masters_record_with_a_nul_across_a_crash(tmp_pa
         slave.kill()
         master.kill()
     assert cuts == 0, slave.log()
+
+
+def _nul_records_from(store, lo: int) -> list[tuple[int, str]]:
+    """(offset, topic) of the commit-log records at or after ``lo`` whose properties hold a NUL."""
+    out = []
+    for name in sorted(os.listdir(store / "commitlog")):
+        data = (store / "commitlog" / name).read_bytes()
+        pos = 0
+        while pos + 8 <= len(data):
+            size, magic = struct.unpack_from(">ii", data, pos)
+            if magic != MESSAGE_MAGIC:
+                break
+            sys_flag = RECORD_HEAD.unpack_from(data, pos)[-1]
+            _ts, _p, topic, (at, n) = read_index_fields(data, pos, size, sys_flag)
+            if int(name) + pos >= lo and b"\x00" in data[at:at + n]:
+                out.append((int(name) + pos, topic))
+            pos += size
+    return out
+
+
+@bounded(60)
+async def test_a_send_back_does_not_copy_an_older_brokers_nul_past_nul_free_from(tmp_path):
+    # Served as it lies, an older broker's record with a NUL in its properties must not be copied to the log's
+    # end (a retry, a scheduled delivery, a commit): past nul_free_from it reads as torn at the next start after
+    # a crash -- cut if last, the start refused if anything follows.
+    store = tmp_path / "store"
+    broker = BrokerProcess(store).start()
+    try:
+        producer = Producer(broker.namesrv, "PG_torn", retries=0)
+        await producer.start()
+        try:
+            res = await producer.send(TOPIC, b"old", tags="TagA", keys="key-0")
+        finally:
+            await producer.shutdown()
+    finally:
+        assert broker.stop() == 0
+    _older_brokers_nul(store)
+    offset = decode_offset_msg_id(res.offset_msg_id)[2]
+
+    broker = BrokerProcess(store).start()
+    try:
+        nul_free_from = int((store / "nul_free_from").read_text())
+        host, _, port = broker.broker.rpartition(":")
+        conn = await open_connection(host, int(port))
+        try:
+            resp = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+                "offset": offset, "group": "CG_torn", "delayLevel": 0, "originMsgId": res.msg_id,
+                "originTopic": TOPIC, "maxReconsumeTimes": 16}), 5)
+        finally:
+            conn.close()
+    finally:
+        assert broker.stop() == 0
+    assert resp.code != 0               # refused: the consumer consumes it again later
+    assert _nul_records_from(store, nul_free_from) == [], broker.log()
