@@ -202,6 +202,11 @@ class BrokerMetrics:
         self.segments_removed = Counter("txmq_store_segments_removed_total",
                                         "Commit-log segments removed, by reason (expired, plan, pressure).",
                                         ["reason"], registry=r)
+        self.tail_cuts = Counter("txmq_store_tail_truncations_total",
+                                 "Commit-log cuts made at start-up: a torn tail (a record a crash left incomplete: "
+                                 "failing its body CRC, or its topic or properties zero-filled), or with "
+                                 "truncate_corrupt_tail, damage. Each is logged with segment, byte and reason.",
+                                 registry=r)
         self.queues_rebuilt = Counter("txmq_store_consume_queues_rebuilt_total",
                                       "Consume queues found damaged at start-up (zeroed, cut or missing units) "
                                       "and rebuilt from the commit log.", registry=r)
@@ -519,7 +524,7 @@ class _CorruptCollector:
 
     def collect(self):
         family = CounterMetricFamily("txmq_store_corrupt_records", "Commit-log records found failing their body "
-                                     "CRC when read (damaged on disk; each logged with segment and byte), by the "
+                                     "CRC, or with a zeroed topic or properties, when read (damaged on disk; each logged with segment and byte), by the "
                                      "read that met them: not served, not copied.", labels=["read"])
         for read, n in list(self.store.corrupt.items()):
             family.add_metric([read], n)

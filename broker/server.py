@@ -147,6 +147,8 @@ class BrokerServer:
         log.info("store open: %s", report)
         if report.queues_rebuilt:
             self.metrics.queues_rebuilt.inc(len(report.queues_rebuilt))
+        if report.truncations:
+            self.metrics.tail_cuts.inc(len(report.truncations))
         ctx.ha = ha_roles.build(c, store, self._connect_master)
         slave = ha_roles.is_slave(c)
         if slave:

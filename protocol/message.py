@@ -102,10 +102,21 @@ def properties_to_string(props: dict[str, str] | None) -> str:
 
 
 def separator_in(text: str | None) -> bool:
-    """True when ``text`` holds a properties separator (U+0001 or U+0002). A header field the broker copies
-    into a property must not: stored, the value would read back as more pairs than were written (a later
-    pair of the same name wins), a property smuggled past every check."""
-    return text is not None and ("\x01" in text or "\x02" in text)
+    """True when ``text`` holds a properties separator (U+0001 or U+0002) or a NUL. A header field the broker
+    copies into a property must not: stored, the value would read back as more pairs than were written (a
+    later pair of the same name wins), a property smuggled past every check. A NUL is refused in any stored
+    properties (nul_in_properties): start-up reads one there as the zeros of a record torn by a crash."""
+    return text is not None and ("\x01" in text or "\x02" in text or "\x00" in text)
+
+
+def nul_in_properties(text: str | None) -> str | None:
+    """Why properties holding a NUL cannot be stored, or None. Segments are zero-filled before they are
+    written, so start-up takes a NUL in a record's properties for a page a crash never wrote and cuts the
+    record (protocol.record.check_tail_fields). Stock clients write none (MessageDecoder joins name U+0001
+    value pairs with U+0002); one only comes from a user property value holding U+0000."""
+    if text is None or "\x00" not in text:
+        return None
+    return "the message properties hold a NUL character (U+0000), which cannot be stored"
 
 
 def string_to_properties(text: str | None) -> dict[str, str]:
@@ -736,7 +747,7 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
     None -- the caller then takes the general path (``decode_batch``, the per-entry checks, ``encode_record``),
     which gives the same records or the same error -- when anything is out of the ordinary: a malformed or
     empty body, an entry naming DELAY, TRAN_MSG, TIMER_*, WAIT or any name of ``extra``, properties that are
-    not ASCII or too long, IPv6 hosts, a long topic, an empty ``extra``.
+    not ASCII, too long or hold a NUL, IPv6 hosts, a long topic, an empty ``extra``.
     """
     if len(born_host) != 8 or len(store_host) != 8 or len(topic) > MAX_TOPIC_LENGTH or not extra:
         return None
@@ -770,7 +781,7 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
     if not entries:
         return None
     every = b"\x00".join([e[3] for e in entries])     # one search per mark for the whole batch
-    if not every.isascii():
+    if not every.isascii() or every.count(b"\x00") >= len(entries):    # a NUL of an entry's own: refused there
         return None
     for mark in marks:
         if mark in every:

@@ -10,13 +10,23 @@ or host is copied or decoded. Positions are absolute in ``buf``.
                            PHYSICALOFFSET SYSFLAG
     read_index_fields      STORETIMESTAMP, PREPARED TX OFFSET, BODY (its CRC   after the hosts (their lengths
                            optionally), TOPIC, where PROPERTIES lie            follow SYSFLAG's v6 bits)
+    check_tail_fields      TOPIC a valid name, PROPERTIES free of NUL bytes    what read_index_fields found
     store_timestamp_at     STORETIMESTAMP                                      56, or 68 after an IPv6 born host
     record_properties      PROPERTIES (then property_bytes finds one pair)     after BODY and TOPIC
     body_crc_ok            BODYCRC against the body                            8, and the body after the hosts
+    record_intact          body_crc_ok, and no NUL in TOPIC or PROPERTIES      as body_crc_ok, then the rest
 
 The caller judges what the head says (magic, size against its file, offset field against
 the record's place); read_index_fields checks that the lengths inside add up to TOTALSIZE
 and raises RecordError saying which does not.
+
+BODYCRC covers the body only. Segments are preallocated with zeros and written through a
+mapping, so a crash can leave a record whose head and body reached the disk but whose topic
+or properties (pages after them) did not: they read as zeros. check_tail_fields catches
+that: no topic the broker accepts holds a NUL, and the broker refuses to store properties
+holding one (message.separator_in), so a zero-filled range there is never data -- in records
+that broker wrote: an older one (or a RocketMQ master a slave copies) stored NULs, and the store
+applies these checks only from its ``nul_free_from`` offset on (broker/store/manifest.py).
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ import zlib
 
 from .codes import SysFlag
 from .errors import RecordError
-from .message import MAX_TOPIC_LENGTH, MESSAGE_MAGIC, POS_BORN_HOST
+from .message import MAX_TOPIC_LENGTH, MESSAGE_MAGIC, POS_BORN_HOST, validate_topic
 
 MIN_RECORD_SIZE = 91                        # empty body, topic and properties, IPv4 hosts
 MESSAGE_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)     # what a search for a record start looks for
@@ -69,6 +79,19 @@ def read_index_fields(buf, pos: int, size: int, sys_flag: int, crc: int | None =
     except UnicodeDecodeError:
         raise RecordError("topic is not UTF-8") from None
     return ts, prepared, topic, (t + 3 + topic_len, props_len)
+
+
+def check_tail_fields(buf, topic: str, span: tuple[int, int]) -> None:
+    """RecordError unless ``topic`` (as read_index_fields gave it) is a name the broker accepts and the
+    properties at ``span`` hold no NUL byte: what a record torn after its body (those pages lost, read as
+    zeros) fails and every record the broker writes passes."""
+    why = validate_topic(topic)
+    if why is not None:
+        raise RecordError(f"topic: {why}")
+    lo, n = span
+    at = bytes(buf[lo:lo + n]).find(b"\x00")
+    if at >= 0:
+        raise RecordError(f"properties hold a NUL byte at {at} of {n}")
 
 
 def store_timestamp_at(buf, pos: int) -> int:
@@ -119,3 +142,27 @@ def body_crc_ok(buf, pos: int = 0, size: int | None = None) -> bool:
     if body_len < 0 or p + body_len > pos + size:
         return False
     return zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF == _I32.unpack_from(buf, pos + 8)[0]
+
+
+def record_intact(buf, pos: int = 0, size: int | None = None) -> bool:
+    """body_crc_ok, and the lengths after the body end the record, the topic is not empty and neither it nor
+    the properties hold a NUL: a page of them zeroed at rest is refused as a flipped body bit is.
+
+    What the reads of unverified segments call (MessageStore.verified_record, pulls, replication): one copy
+    of the topic and properties and two searches, about 0.6 us on top of the CRC's 0.8 us (1 KiB body)."""
+    if size is None:
+        size = _I32.unpack_from(buf, pos)[0]
+    sys_flag = _I32.unpack_from(buf, pos + 36)[0]
+    p = pos + 84 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
+    body_len = _I32.unpack_from(buf, p)[0]
+    p += 4
+    end = pos + size
+    if body_len < 0 or p + body_len + 3 > end:
+        return False
+    if zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF != _I32.unpack_from(buf, pos + 8)[0]:
+        return False
+    tail = bytes(buf[p + body_len:end])     # TOPICLENGTH, TOPIC, PROPERTIESLENGTH, PROPERTIES: one copy
+    t = tail[0] + 1                         # where PROPERTIESLENGTH starts
+    if t == 1 or t + 2 > len(tail) or t + 2 + _I16.unpack_from(tail, t)[0] != len(tail):
+        return False
+    return tail.find(b"\x00", 1, t) < 0 and tail.find(b"\x00", t + 2) < 0

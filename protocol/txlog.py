@@ -104,7 +104,8 @@ def decision_extra(op: str, reason: str | None = None) -> dict[str, str]:
 def check_extra(attempt: int, owner: str = "") -> dict[str, str]:
     """The op_properties extras of a check attempt; with ``owner``, the client id of the half's sender, when it
     can be a property value: a client names itself, and a \\x01 or \\x02 in its name would write properties of
-    its choosing into the op record (a larger TXMQ_CHECKS, say), and a lone surrogate (JSON "\\ud800") made the
+    its choosing into the op record (a larger TXMQ_CHECKS, say), a NUL made start-up read the acknowledged record
+    as torn (store recovery cuts properties holding one past the checkpoint), and a lone surrogate (JSON "\\ud800") made the
     record fail to encode, with every check of its batch. Left out, its sender is only not known."""
     extra = {P_CHECKS: str(attempt)}
     if plain_owner(owner):
@@ -115,7 +116,8 @@ def check_extra(attempt: int, owner: str = "") -> dict[str, str]:
 def plain_owner(owner: str) -> bool:
     """True when ``owner`` (a client id) can be written as TXMQ_OWNER (see check_extra); the broker keeps no other
     ones across a restart either (its snapshot), so a client cannot make that grow by the name it gives itself."""
-    return bool(owner) and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner and _encodes(owner)
+    return (bool(owner) and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner
+            and "\x00" not in owner and _encodes(owner))
 
 
 def _encodes(text: str) -> bool:

@@ -134,7 +134,7 @@ def _reply(ctx, cmd, group, topic, got):
     if status is GetStatus.RECORD_CORRUPT:
         qid, at = cmd.int_field("queueId"), got.next_begin_offset
         return cmd.response(code, f"the message at offset {at} of {topic}-{qid} is corrupt: its body fails its CRC "
-                            "(damaged on the broker's disk; see the broker's log). It is not served; to go on "
+                            "or its topic or properties hold zeros (damaged on the broker's disk; see the broker's log). It is not served; to go on "
                             f"without it: python -m broker admin reset-offset {group} {topic} --queue {qid} "
                             f"--offset {at + 1}", fields)
     return cmd.response(code, status.name, fields)

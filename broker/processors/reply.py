@@ -21,6 +21,7 @@ from protocol.command import RemotingCommand
 from protocol.message import (
     SendMessageRequestHeader,
     encode_record,
+    nul_in_properties,
     offset_msg_id,
     properties_to_string,
     string_to_properties,
@@ -52,6 +53,9 @@ async def handle_reply(ctx, conn, cmd):
     if len(body) > ctx.config.max_message_size:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL,
                             f"the message body size {len(body)} is over the maximum {ctx.config.max_message_size}")
+    illegal = nul_in_properties(h.properties)
+    if illegal is not None:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
     props = string_to_properties(h.properties)
     pushed, remark = await _push(ctx, conn, h, props, body)
     record = encode_record(

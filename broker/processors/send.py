@@ -23,6 +23,7 @@ from protocol.message import (
     encode_batch_records,
     encode_record,
     java_string_hash,
+    nul_in_properties,
     offset_msg_id,
     pack_host,
     properties_appender,
@@ -115,6 +116,9 @@ def handle_send(ctx, conn, cmd):
     if len(body) > ctx.config.max_message_size:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL,
                             f"the message body size {len(body)} is over the maximum {ctx.config.max_message_size}")
+    illegal = nul_in_properties(h.properties)
+    if illegal is not None:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
     busy = ctx.limits.busy(cmd, len(body))
     if busy is not None:
         return busy
@@ -145,7 +149,7 @@ def handle_send(ctx, conn, cmd):
             # It becomes the half's PGROUP: with a \x02 it was stored as more properties than the broker wrote,
             # and recovery re-read another group and another REAL_TOPIC (a commit then wrote there).
             return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"producerGroup {group!r} holds a properties "
-                                "separator (\\x01 or \\x02): it cannot be stored as the half's PGROUP")
+                                "separator (\\x01 or \\x02) or a NUL: it cannot be stored as the half's PGROUP")
         if group != h.producer_group:
             # The half is kept, checked and limited as PGROUP's: sent by another group it was charged to that
             # group's max_undecided_per_group (one group's flood refused another's halves), its checks went to
@@ -266,6 +270,9 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
                             f"the batch body size {len(cmd.body)} is over the maximum {ctx.config.max_message_size}")
     if SysFlag.transaction_type(h.sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "batch messages cannot be transactional")
+    illegal = nul_in_properties(h.properties)
+    if illegal is not None:
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
     busy = ctx.limits.busy(cmd, len(cmd.body))
     if busy is not None:
         return busy
@@ -320,6 +327,9 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
     reqs = []
     body_bytes = 0
     for i, (flag, body, text) in enumerate(entries):
+        if "\x00" in text:
+            return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"message {i} of the batch not stored: "
+                                f"{nul_in_properties(text)}")
         if "DELAY\x01" in text or "TRAN_MSG\x01" in text or "TIMER_" in text:
             refused = _held_back(property_value(text, Prop.DELAY), property_value(text, Prop.TRAN_MSG),
                                  f"message {i} of the batch", _timer_of(text))
@@ -417,9 +427,9 @@ async def handle_send_back(ctx, conn, cmd):
         # Stored as ORIGIN_MESSAGE_ID, a \x02 in it added pairs after the broker's own: a REAL_TOPIC among
         # them sent the retry, when its delay ended, to any topic instead of %RETRY%<group>.
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"originMsgId {origin_id!r} holds a properties "
-                            "separator (\\x01 or \\x02)")
+                            "separator (\\x01 or \\x02) or a NUL")
     # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
-    view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}")
+    view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}", copy=True)
     if error is not None:
         return error
     msg, _ = decode_record(view)

@@ -299,7 +299,7 @@ class ScheduleService:
     def _delivery(self, phys: int, source: str, offset: int) -> PutRequest | None:
         """The message as it goes to its real topic, or None (logged) when it cannot go anywhere."""
         try:
-            view = self.ctx.store.verified_record(phys, "scheduled delivery")
+            view = self.ctx.store.verified_record(phys, "scheduled delivery", copy=True)
         except CorruptRecordError:
             # Its body was damaged on disk: re-encoded for its real topic, the damage would pass for the message
             # under a fresh, valid CRC. Passed over like an undecodable one (logged by the store); it stays here.

@@ -35,6 +35,7 @@ from protocol.record import MIN_RECORD_SIZE, store_timestamp_at
 from .mapped_file import fsync_dir
 
 STORE_ID_FILE = "store_id"
+NUL_FREE_FILE = "nul_free_from"     # commit-log offset from which every record's topic and properties hold no NUL
 MANIFEST_FILE = "segments.json"
 
 
@@ -78,6 +79,26 @@ def load_or_create_store_id(store_dir: str) -> str:
     new = str(uuid.uuid4())
     _write_atomically(path, (new + "\n").encode())
     return new
+
+
+def read_nul_free_from(store_dir: str) -> int | None:
+    """The commit-log offset from which this store's records were written by a broker that refuses NUL in
+    topic and properties (so a NUL there is damage: recovery cuts it, reads refuse it), or None when no such
+    broker opened the store yet. Records before it are an older broker's: RocketMQ stores a NUL in a user
+    property value, and read as damage those acknowledged messages were cut at start-up or refused on every
+    read (a queue stuck at them)."""
+    try:
+        with open(os.path.join(store_dir, NUL_FREE_FILE), encoding="ascii") as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        # damaged: the whole log is taken as an older broker's (the checks it gets are the old ones, no loss)
+        return None
+
+
+def write_nul_free_from(store_dir: str, offset: int) -> None:
+    _write_atomically(os.path.join(store_dir, NUL_FREE_FILE), f"{offset}\n".encode())
 
 
 def summarize_file(path: str, start: int) -> tuple[int, int, int, int]:

@@ -5,8 +5,11 @@ Where the scan starts: the segment holding the checkpoint's flushed offset, or e
 segment when there is no valid checkpoint. Each record is checked for MESSAGE magic, a
 size that fits the segment (with room for the 8-byte end marker), its PHYSICALOFFSET
 field equal to where it lies, a layout whose lengths add up to TOTALSIZE, and its body
-CRC. An end marker (BLANK magic, TOTALSIZE = bytes left) moves the scan to the next
-segment. Eight zero bytes where a record would start are the end of the data.
+CRC; at or past the checkpoint's flushed offset also a valid topic name and properties with no
+NUL byte (the body CRC leaves them unguarded, and a crash can lose their pages while the head
+and body reached the disk: they read as zeros; the broker stores no NUL there). An end
+marker (BLANK magic, TOTALSIZE = bytes left) moves the scan to the next segment. Eight
+zero bytes where a record would start are the end of the data.
 
 Torn tail or damage in the middle -- the rule:
 
@@ -50,7 +53,7 @@ from typing import Callable
 
 from protocol.errors import RecordError, StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_OFFSET, peek_record, validate_topic
-from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
+from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, check_tail_fields, read_index_fields
 
 from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
@@ -67,11 +70,13 @@ class BadRecord(Exception):
     pass
 
 
-def parse_record(seg: Segment, pos: int, check_crc: bool = True):
+def parse_record(seg: Segment, pos: int, check_crc: bool = True, torn: bool = True):
     """(size, queue id, queue offset, sys flag, store ts, prepared offset, topic, props span) or BadRecord.
 
     Reads only below ``seg.reserved``, which load_segments sets to the file's first hole.
     The fields are read by protocol.record; what they must say of this segment is judged here.
+    With ``check_crc`` and ``torn`` the topic and properties are checked too (check_tail_fields): the body
+    CRC leaves them unguarded, and a crash can lose their pages while the head and body reached the disk.
     """
     limit = seg.size - 8
     if pos + MIN_RECORD_SIZE > limit:
@@ -89,6 +94,8 @@ def parse_record(seg: Segment, pos: int, check_crc: bool = True):
         raise BadRecord(f"its offset field says {phys}, not {seg.start + pos}")
     try:
         ts, prepared, topic, span = read_index_fields(seg.view, pos, size, sys_flag, crc if check_crc else None)
+        if check_crc and torn:
+            check_tail_fields(seg.mm, topic, span)
     except RecordError as exc:
         raise BadRecord(str(exc)) from None
     return size, qid, qoff, sys_flag, ts, prepared, topic, span
@@ -104,8 +111,9 @@ def data_end(seg: Segment, lo: int) -> int:
     return last_nonzero(seg.fd, lo, seg.size)
 
 
-def _valid_record_in(seg: Segment, lo: int, hi: int) -> int | None:
-    """Position of a fully valid record starting in (lo, hi), found through its magic, or None."""
+def _valid_record_in(seg: Segment, lo: int, hi: int, tail_from: int = 0) -> int | None:
+    """Position of a fully valid record starting in (lo, hi), found through its magic, or None. Topic and
+    properties are checked for the zeros of a torn record only at or past ``tail_from``."""
     at = lo + 1
     hi = min(hi, seg.reserved)      # the mapping is read only where the file has data
     while True:
@@ -113,7 +121,7 @@ def _valid_record_in(seg: Segment, lo: int, hi: int) -> int | None:
         if hit < 0:
             return None
         try:
-            parse_record(seg, hit - 4)
+            parse_record(seg, hit - 4, torn=seg.start + hit - 4 >= tail_from)
             return hit - 4
         except BadRecord:
             at = hit - 3
@@ -149,11 +157,14 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
 
 def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_queue: Callable,
             checkpoint: Checkpoint | None, verify_segments: int, truncate_corrupt: bool,
-            listeners: list, tag_rule: Callable | None = None) -> RecoveryReport:
+            listeners: list, tag_rule: Callable | None = None, nul_free_from: int = 0) -> RecoveryReport:
+    """``nul_free_from``: where the records of brokers that refuse NUL in topic and properties begin (store
+    file nul_free_from); before it, a NUL there may be an older broker's data, not a torn page."""
     began = time.monotonic()
     short = load_segments(clog, truncate_corrupt)
     segs = clog.segments
     point = checkpoint.flushed_offset if checkpoint else 0
+    tail_from = max(point, nul_free_from)
     first = 0
     if checkpoint is not None and segs:
         at = clog.locate(point)
@@ -168,14 +179,17 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
         seg, pos = segs[i], 0
         while True:
             try:
-                size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(seg, pos)
+                # below the checkpoint nothing is torn (it was flushed first), and before nul_free_from an older
+                # broker may have stored a NUL: records there keep the old checks
+                size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(
+                    seg, pos, torn=seg.start + pos >= tail_from)
             except BadRecord as bad:
                 total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
                 if magic == BLANK_MAGIC and total == seg.size - pos:
                     seg.written = pos
                     break
                 end = _end_of_data(clog, i, pos, str(bad) if (total, magic) != (0, 0) else None,
-                                   truncate_corrupt, report, point)
+                                   truncate_corrupt, report, point, tail_from)
                 seg.written = pos
                 break
             if seg.first_ts < 0:
@@ -249,7 +263,7 @@ def _short_of_checkpoint(clog: CommitLog, end: int, point: int, what: str, trunc
 
 
 def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate_corrupt: bool,
-                 report: RecoveryReport, point: int = 0) -> int:
+                 report: RecoveryReport, point: int = 0, tail_from: int = 0) -> int:
     """Decide torn tail, clean end or mid-log damage at segment ``i``, byte ``pos``; returns the log end.
 
     Below ``point`` (the checkpoint's flushed offset) there is no torn tail: those bytes were flushed before the
@@ -262,7 +276,7 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
     if reason is None and tail_end <= pos and later is None and not vouched:
         return seg.start + pos                              # zeros: the clean end of the data
     reason = reason or "zeros where a record should start"
-    valid_at = _valid_record_in(seg, pos, tail_end) if tail_end > pos else None
+    valid_at = _valid_record_in(seg, pos, tail_end, tail_from) if tail_end > pos else None
     if valid_at is not None or later is not None or vouched:
         where = (f"a valid record follows at byte {valid_at}" if valid_at is not None
                  else f"later segment {later.name} holds data" if later is not None

@@ -50,14 +50,18 @@ class ReplicaRecord(NamedTuple):
 class ReplicaChunk:
     """What the slave queues for the writer: bytes for ``phys``, their records parsed, or a seal."""
 
-    __slots__ = ("phys", "data", "records", "seal", "end")
+    __slots__ = ("phys", "data", "records", "seal", "end", "nul_end")
 
-    def __init__(self, phys: int, data: bytes, records: list[ReplicaRecord], seal: bool, end: int):
+    def __init__(self, phys: int, data: bytes, records: list[ReplicaRecord], seal: bool, end: int,
+                 nul_end: int = -1):
         self.phys = phys
         self.data = data
         self.records = records
         self.seal = seal
         self.end = end          # the log end after this chunk (after a seal: the next segment's start)
+        # where the last record whose properties hold a NUL ends (an older or a Java master stored it; this
+        # broker's recovery and reads take a NUL there for damage past the store's nul_free_from), or -1
+        self.nul_end = nul_end
 
     def infos(self) -> list[DispatchInfo]:
         base = self.phys
@@ -87,6 +91,7 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
                          "(do master and slave use the same segment_size?)")
     records: list[ReplicaRecord] = []
     pos = 0
+    nul_end = -1
     while pos < n:
         if n - pos < MIN_RECORD_SIZE:
             raise ValueError(f"chunk at {phys} ends with {n - pos} bytes, not a whole record")
@@ -99,11 +104,13 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
             ts, prepared, topic, (plo, plen) = read_index_fields(data, pos, size, sys_flag, crc)
         except RecordError as exc:
             raise ValueError(f"record at {phys + pos}: {exc}") from None
+        if data.find(b"\x00", plo, plo + plen) >= 0:
+            nul_end = phys + pos + size
         unit = not sys_flag & 0x4       # NOT and COMMIT records have a consume-queue unit (spec 7.2)
         records.append(ReplicaRecord(pos, size, qid, qoff if unit else -1, sys_flag, ts, prepared, topic,
                                      tag_of(data[plo:plo + plen], topic, ts, tag_rule) if unit else 0))
         pos += size
-    return ReplicaChunk(phys, bytes(data), records, False, phys + n)
+    return ReplicaChunk(phys, bytes(data), records, False, phys + n, nul_end)
 
 
 def chunk_end(phys: int, data) -> int:

@@ -22,15 +22,15 @@ from typing import Callable
 
 from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
-from protocol.record import MIN_RECORD_SIZE, body_crc_ok, store_timestamp_at
+from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_timestamp_at
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (SegmentFacts, load_or_create_store_id, removed_from_disk, sealed_from_disk, summarize_file,
-                       write_manifest)
+from .manifest import (SegmentFacts, load_or_create_store_id, read_nul_free_from, removed_from_disk, sealed_from_disk,
+                       summarize_file, write_manifest, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -91,6 +91,8 @@ class MessageStore:
         # in an older one is first met here.
         self.corrupt: dict[str, int] = {}
         self._check_below = 0       # pulls check the body CRC of records below this offset (set by open)
+        # records from here on hold no NUL in topic or properties (set by open; before it, an older broker's)
+        self._nul_free_from = 0
         self._corrupt_seen: set[tuple[int, str]] = set()
 
     # ---------------------------------------------------------- lifecycle
@@ -127,9 +129,17 @@ class MessageStore:
         try:
             checkpoint = read_checkpoint(self.store_dir)
             self._load_queues(checkpoint.flushed_offset if checkpoint else None)
+            # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
+            # none of them is judged by that rule, only what is written from the end recovery finds.
+            nul_free_from = read_nul_free_from(self.store_dir)
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
-                                  self._listeners, self.tag_rule)
+                                  self._listeners, self.tag_rule,
+                                  nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from)
+            if nul_free_from is None:
+                nul_free_from = self.report.end_offset
+                write_nul_free_from(self.store_dir, nul_free_from)
+            self._nul_free_from = nul_free_from
             if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
@@ -340,6 +350,14 @@ class MessageStore:
         The future's PutResult is PUT_OK once the bytes are on disk (sync flush) and indexed.
         ValueError at once for a malformed chunk."""
         chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
+        if chunk.nul_end > self._nul_free_from:
+            # The master's records are not this broker's to refuse: one an older txmq (or RocketMQ) master
+            # stored with a NUL in its properties must not read as torn here (cut at the next start, refused on
+            # reads). Durable before the chunk can reach the disk; rare (only such records), so written here.
+            self._nul_free_from = chunk.nul_end
+            write_nul_free_from(self.store_dir, chunk.nul_end)
+            log.warning("replica: the master's record ending at %d holds a NUL in its properties (stored by an "
+                        "older broker); NUL checks of this store start after it", chunk.nul_end)
         return self._writer.put_replica(chunk), chunk.end
 
     def replica_chunk(self, phys: int, limit: int) -> memoryview | None:
@@ -355,7 +373,7 @@ class MessageStore:
         pos, n = 0, len(chunk)
         while pos < n:
             size = int.from_bytes(chunk[pos:pos + 4], "big")
-            if not body_crc_ok(chunk, pos, size):
+            if not self._intact(chunk, pos, size, phys + pos):
                 if pos == 0:
                     chunk.release()
                     raise self.corrupt_record(phys, "replication")
@@ -446,11 +464,22 @@ class MessageStore:
         """The record at ``physical_offset`` as it lies (magic, size and offset field checked, not its CRC)."""
         return self._log.record(physical_offset)
 
-    def verified_record(self, physical_offset: int, reader: str) -> memoryview | None:
-        """``get_record``, its body CRC checked too: what a read that copies or serves a record must use.
-        CorruptRecordError (counted and logged once, under ``reader``) when the body fails its CRC."""
+    def _intact(self, buf, pos: int, size: int, phys: int) -> bool:
+        """record_intact for a record at ``phys``; before nul_free_from (an older broker's, which may have stored
+        a NUL in its properties) its body CRC only."""
+        return (record_intact if phys >= self._nul_free_from else body_crc_ok)(buf, pos, size)
+
+    def verified_record(self, physical_offset: int, reader: str, copy: bool = False) -> memoryview | None:
+        """``get_record``, its body CRC checked too, and its topic and properties for zeroed bytes
+        (record_intact): what a read that copies or serves a record must use. CorruptRecordError (counted and
+        logged once, under ``reader``) when it fails.
+
+        Before nul_free_from a NUL in the properties is an older broker's data and is served; ``copy`` (the
+        record is re-written at the log's end, past nul_free_from) refuses it all the same: copied, it would
+        be read as a torn record at the next start after a crash (cut, or the start refused)."""
         view = self._log.record(physical_offset)
-        if view is not None and not body_crc_ok(view, 0, len(view)):
+        if view is not None and not (record_intact(view, 0, len(view)) if copy
+                                     else self._intact(view, 0, len(view), physical_offset)):
             raise self.corrupt_record(physical_offset, reader)
         return view
 
@@ -502,7 +531,7 @@ class MessageStore:
         total = scanned = 0
         skip_below = -1
         clog = self._log
-        crc_ok, check_below = body_crc_ok, self._check_below if verify else -1
+        crc_ok, check_below, nul_from = record_intact, self._check_below if verify else -1, self._nul_free_from
         for phys, size, tag in UNIT.iter_unpack(raw):
             if not size:        # a zeroed unit (a lost page, a damaged file): its message must not be skipped
                 if not buffers:
@@ -539,7 +568,7 @@ class MessageStore:
                     status = _REMOVING
                 skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
                 continue
-            if phys < check_below and not crc_ok(view, 0, size):
+            if phys < check_below and not (crc_ok if phys >= nul_from else body_crc_ok)(view, 0, size):
                 if not buffers:
                     self.corrupt_record(phys, "pull")
                     return GetResult(GetStatus.RECORD_CORRUPT, offset + scanned - 1, lo, hi)

@@ -451,7 +451,8 @@ class TransactionService:
         if op == ROLLBACK:
             return [rf.decision(ROLLBACK, p.half_offset, p.queue_offset)]
         try:
-            view = self.ctx.store.verified_record(p.half_offset, "commit" if op == COMMIT else "dead letter")
+            view = self.ctx.store.verified_record(p.half_offset, "commit" if op == COMMIT else "dead letter",
+                                                  copy=True)
         except CorruptRecordError as exc:
             # Its body was damaged on disk after it was stored. Copied, the damage would be re-encoded on the real
             # topic (or the dead-letter topic) under a valid CRC and pass for the producer's message. A COMMIT is
