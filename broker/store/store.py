@@ -27,7 +27,7 @@ from protocol.record import MIN_RECORD_SIZE, body_crc_ok, store_timestamp_at
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
-from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue
+from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (SegmentFacts, load_or_create_store_id, removed_from_disk, sealed_from_disk, summarize_file,
                        write_manifest)
@@ -70,6 +70,12 @@ class MessageStore:
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
+        # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
+        # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
+        self.on_new_queue: Callable[[str, int], object] | None = None
+        # topic -> log offset it was deleted at (delete_topic's tombstone): recovery indexes none of its
+        # records below it, which would bring a deleted topic back with its old messages.
+        self._deleted: dict[str, int] = {}
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
         self._io2: IoThread | None = None                   # a second group commit's msync while one is in flight
         self._reserve_io: IoThread | None = None            # new segments, zeros ahead of the writer
@@ -129,7 +135,7 @@ class MessageStore:
             self._load_queues(checkpoint.flushed_offset if checkpoint else None)
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
-                                  self._listeners, self.tag_rule)
+                                  self._listeners, self.tag_rule, self._deleted)
             if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
@@ -224,6 +230,9 @@ class MessageStore:
             tdir = os.path.join(self._cq_root, topic)
             if validate_topic(topic) is not None or not os.path.isdir(tdir):
                 continue
+            below = read_tombstone(tdir)
+            if below is not None:
+                self._deleted[topic] = below
             for qid in sorted(os.listdir(tdir)):
                 if qid.isdigit():
                     self._cqs[(topic, int(qid))] = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size,
@@ -241,6 +250,11 @@ class MessageStore:
             if cq is None:
                 cq = cqs[key] = self._make_queue(key)
                 cq.begin_at(self._log.queue_starts.pop(key, 0))
+                if self.on_new_queue is not None:
+                    try:
+                        self.on_new_queue(*key)
+                    except Exception:
+                        log.exception("new queue listener failed on %s", key)
             if not cq.extend(packed):       # no space: the units wait in memory (see consume_queue.py)
                 self._backlogged.add(cq)
         live, by_topic = self._live, self._live_by_topic
@@ -640,7 +654,10 @@ class MessageStore:
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
                 gone.append(cq)
-            await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic))
+            # Every record of the topic lies below the readable end now (this runs between writer batches).
+            below = self._log.readable
+            await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)
+            self._deleted[topic] = below
 
         await self._writer.control(op)
         try:        # recovery must not bring the queues back from records before this point
@@ -819,12 +836,13 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
     write_checkpoint(store_dir, point)
 
 
-def _remove_queue_files(queues, directory: str) -> None:
+def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
     for cq in queues:
         for mf in cq.files:
             mf.remove()
         cq.files = []
     shutil.rmtree(directory, ignore_errors=True)
+    write_tombstone(directory, deleted_below)
 
 
 def _summarize_files(items) -> dict[str, SegmentFacts]:

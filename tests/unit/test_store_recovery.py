@@ -1032,3 +1032,25 @@ async def test_verify_all_reads_checks_the_records_start_up_verified_too(tmp_pat
     else:
         assert got.status is GetStatus.FOUND and got.message_count == 7 and store.corrupt == {}
     await store.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["kept", "lost"])
+@bounded(30)
+async def test_a_deleted_topic_gets_no_queue_from_its_old_records(tmp_path, checkpoint):
+    """Recovery re-indexes the newest segments' records for queues that lack them; a deleted topic's queues
+    lack them all, and came back with its old messages (the broker then served the topic again). A checkpoint
+    lost too (a full scan, or the queue rebuild from the whole log) must not bring them back either."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(20)])
+    assert await store.delete_topic("T") == 1
+    await store.close()
+    if checkpoint == "lost":
+        os.unlink(tmp_path / "checkpoint")
+    store = await reopen(tmp_path)
+    assert ("T", 0) not in store.queues()
+    assert (await store.put(req(1))).queue_offset == 0       # made again: from 0, beside its mark
+    await store.close()
+    store = await reopen(tmp_path)
+    assert store.queues() == [("T", 0)] and store.max_offset("T", 0) == 1
+    await store.close()
