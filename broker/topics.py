@@ -91,6 +91,7 @@ class TopicManager:
         self.retry_write_s = 5.0
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
+        self._restored: set[str] = set()    # topics the store's queues made again (adopt, queue_appeared)
         # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
         # In memory only: counted since the broker started.
         self._creator: dict[str, str] = {}
@@ -270,6 +271,7 @@ class TopicManager:
             self._creator[tc.name] = creator
             self._created_by[creator] = self._created_by.get(creator, 0) + 1
         self.topics[tc.name] = tc
+        self._restored.discard(tc.name)     # set by hand (or by a send) now: queue_appeared leaves it alone
         self._persist()
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
                  tc.perm)
@@ -318,14 +320,40 @@ class TopicManager:
             found[topic] = max(found.get(topic, 0), qid + 1)
         adopted = [t for t in found if t not in self.topics]
         for topic in adopted:
-            self.topics[topic] = TopicConfig(topic, found[topic], found[topic])
-            log.warning("topic %s was missing from %s; restored from the store with %d queues",
-                        topic, self.path, found[topic])
+            self._restore(topic, found[topic], "restored from the store")
         if adopted:
             self._persist()
         return adopted
 
+    def queue_appeared(self, topic: str, queue_id: int) -> None:
+        """A new record made a consume queue that did not exist (the store's ``on_new_queue``).
+
+        ``adopt`` restores at start-up only the topics with queues on disk. A topic that held nothing yet but
+        messages waiting to be delivered -- halves whose REAL_TOPIC it is, scheduled messages -- had none, and
+        when a crash came before the catalogue was written its config was gone: their commit or delivery, later,
+        put acknowledged messages in a queue consumers were answered TOPIC_NOT_EXIST for. Such a topic is made
+        again here, read-write, with the queues the store shows (registered at once, as any new topic), and a
+        topic made so (here or by ``adopt``) grows to a queue id found later. A topic an operator deleted lost
+        its queues with it: only a new message for it, as a send would, makes it again."""
+        tc = self.topics.get(topic)
+        if tc is None:
+            self._restore(topic, queue_id + 1, "made again for a new message in its consume queue")
+        elif topic in self._restored and queue_id >= tc.queue_count:
+            self.topics[topic] = TopicConfig(topic, queue_id + 1, queue_id + 1)
+            log.warning("topic %s (restored from the store) grown from %d to %d queues for a message in queue %d",
+                        topic, tc.queue_count, queue_id + 1, queue_id)
+        else:
+            return
+        self._persist()
+
+    def _restore(self, topic: str, queues: int, how: str) -> None:
+        self.topics[topic] = TopicConfig(topic, queues, queues)
+        self._restored.add(topic)
+        log.warning("topic %s was missing from %s; %s with %d queues, perm read-write", topic, self.path, how,
+                    queues)
+
     def _forget(self, topic: str) -> TopicConfig | None:
+        self._restored.discard(topic)
         creator = self._creator.pop(topic, None)
         if creator is not None:
             count_down(self._created_by, creator)
