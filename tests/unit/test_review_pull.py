@@ -190,3 +190,22 @@ async def test_a_pull_for_zero_messages_gets_one(tmp_path):
         assert woken.code == ResponseCode.SUCCESS and woken.int_field("nextBeginOffset") == 6
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_pull_of_a_queue_with_messages_but_no_topic_config_says_so_in_the_log(tmp_path, caplog):
+    """TOPIC_NOT_EXIST is the answer RocketMQ gives; the operator must learn that messages wait behind it."""
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 1)
+        await put(ctx, 1)
+        ctx.topics.topics.pop("PT")         # the config lost, the queue kept (a slave, or a bug)
+        with caplog.at_level("ERROR", logger="txmq.pull"):
+            for _ in range(3):
+                assert handle_pull(ctx, None, pull_cmd(1, 0)).code == ResponseCode.TOPIC_NOT_EXIST
+            assert handle_pull(ctx, None, pull_cmd(2, 0)).code == ResponseCode.TOPIC_NOT_EXIST   # empty queue
+        said = [r.getMessage() for r in caplog.records if r.name == "txmq.pull"]
+        assert len(said) == 1, said         # once a minute a topic, not once a pull
+        assert "PT queue 1" in said[0] and "holds 2 messages" in said[0]
+    finally:
+        await ctx.store._store.close()
