@@ -22,6 +22,7 @@ from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
+from protocol.errors import TopicNotExistError
 from tests.support.bounded import bounded
 
 pytestmark = [pytest.mark.asyncio]
@@ -132,3 +133,34 @@ async def test_deleted_topic_is_not_restored_by_recovery(broker_factory, tmp_pat
     assert resp.code == ResponseCode.SUCCESS
     assert b"TxDeleted" not in resp.body_bytes()
     assert "TxDeleted was missing" not in b.log()
+
+
+@bounded(30)
+async def test_topic_of_delayed_messages_only_survives_kill_before_catalogue_write(broker_factory, tmp_path):
+    """The same for delayed messages: stored on SCHEDULE_TOPIC_XXXX with REAL_TOPIC=T, delivered after the
+    restart into a queue of T, which the restart had forgotten."""
+    b = broker_factory()
+    blocker = tmp_path / "store" / "config" / "topics.json.tmp"
+    blocker.mkdir()
+    producer = Producer(b.namesrv, "PG_delayed_crash", retries=0)
+    await producer.start()
+    try:
+        for i in range(HALVES):
+            await producer.send("DelayedBornInCrash", f"d-{i}".encode(), delay_level=1)
+    finally:
+        await producer.shutdown()
+    b.kill()                    # after HALVES acknowledged sends, none delivered yet (1 s delay)
+    shutil.rmtree(blocker)
+    b = await asyncio.to_thread(broker_factory, "--port", str(b.broker_port),
+                                "--namesrv-port", b.namesrv.rsplit(":", 1)[1])
+    want = sorted(f"d-{i}".encode() for i in range(HALVES))
+    while True:                 # delivered a second after their store time; until then the topic is unknown
+        try:
+            got = sorted(await _delivered(b.namesrv, "DelayedBornInCrash"))
+        except TopicNotExistError:
+            got = []
+        if got == want:
+            break
+        assert len(got) < HALVES
+        await asyncio.sleep(0.1)
+    assert "topic DelayedBornInCrash was missing from" in b.log()
