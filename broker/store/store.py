@@ -73,8 +73,8 @@ class MessageStore:
         # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
         # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
         self.on_new_queue: Callable[[str, int], object] | None = None
-        # topic -> log offset it was deleted at (delete_topic's tombstone): recovery indexes none of its
-        # records below it, which would bring a deleted topic back with its old messages.
+        # topic -> log offset it was deleted at (delete_topic's marks, read by open): recovery indexes none of
+        # its records below it, which would bring a deleted topic back with its old messages.
         self._deleted: dict[str, int] = {}
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
         self._io2: IoThread | None = None                   # a second group commit's msync while one is in flight
@@ -657,7 +657,6 @@ class MessageStore:
             # Every record of the topic lies below the readable end now (this runs between writer batches).
             below = self._log.readable
             await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)
-            self._deleted[topic] = below
 
         await self._writer.control(op)
         try:        # recovery must not bring the queues back from records before this point
@@ -842,7 +841,11 @@ def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
             mf.remove()
         cq.files = []
     shutil.rmtree(directory, ignore_errors=True)
-    write_tombstone(directory, deleted_below)
+    try:
+        write_tombstone(directory, deleted_below)
+    except OSError as exc:      # the delete stands; only a restart may bring the old records back
+        log.error("deleted topic's mark not written in %s (%s): a restart may index the topic's records below "
+                  "log offset %d again and serve it (delete it again then)", directory, exc, deleted_below)
 
 
 def _summarize_files(items) -> dict[str, SegmentFacts]:

@@ -1054,3 +1054,21 @@ async def test_a_deleted_topic_gets_no_queue_from_its_old_records(tmp_path, chec
     store = await reopen(tmp_path)
     assert store.queues() == [("T", 0)] and store.max_offset("T", 0) == 1
     await store.close()
+
+
+@bounded(30)
+async def test_a_deleted_topic_whose_mark_cannot_be_written_is_deleted_all_the_same(tmp_path, caplog, monkeypatch):
+    import broker.store.store as store_module
+
+    def full(directory, below):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_module, "write_tombstone", full)
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert (await store.put(req(1))).ok
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        assert await store.delete_topic("T") == 1
+    assert store.queues() == []
+    assert any("mark not written" in r.getMessage() and "No space" in r.getMessage() for r in caplog.records)
+    await store.close()
