@@ -6,7 +6,9 @@ serves, writes leave the event loop: a change marks the catalogue dirty and one
 write (serialise, fsync, rename) runs on a config thread at most every 100 ms for
 all the changes since -- a flood of new topics costs one write per batch, not a
 rewrite of the whole file per topic on the loop. A crash before the write loses
-nothing: ``adopt`` restores any topic the store holds queues for.
+nothing acknowledged: ``adopt`` restores any topic the store holds queues for, and
+``queue_appeared`` one whose first queue comes later (a half committed, a delayed
+message delivered after the restart).
 """
 from __future__ import annotations
 
