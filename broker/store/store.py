@@ -140,6 +140,7 @@ class MessageStore:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
                 write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
+            self._settle_marks(self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
             self._check_below = (1 << 63) - 1 if self.config.verify_all_reads else self.report.scanned_from
@@ -237,6 +238,22 @@ class MessageStore:
                 if qid.isdigit():
                     self._cqs[(topic, int(qid))] = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size,
                                                                        durable_below)
+
+    def _settle_marks(self, end: int) -> None:
+        """Deleted topics' marks past the recovered log's end (its tail cut, or lost with the power before it was
+        flushed) come down to it: records written from there on are a topic made again, which a mark above them
+        hid from the next recovery."""
+        for topic, below in list(self._deleted.items()):
+            if below <= end:
+                continue
+            log.warning("deleted topic %s's mark at log offset %d is past the log's end %d: moved down to it",
+                        topic, below, end)
+            self._deleted[topic] = end
+            try:
+                write_tombstone(os.path.join(self._cq_root, topic), end)
+            except OSError as exc:
+                raise StoreError(f"deleted topic {topic}'s mark cannot be moved down to the log's end {end} "
+                                 f"(records written after it would be hidden from the next recovery): {exc}")
 
     def _make_queue(self, key: tuple[str, int]) -> ConsumeQueue:
         topic, qid = key

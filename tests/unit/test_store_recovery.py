@@ -1072,3 +1072,25 @@ async def test_a_deleted_topic_whose_mark_cannot_be_written_is_deleted_all_the_s
     assert store.queues() == []
     assert any("mark not written" in r.getMessage() and "No space" in r.getMessage() for r in caplog.records)
     await store.close()
+
+
+@bounded(30)
+async def test_a_mark_above_the_recovered_log_end_hides_no_later_record(tmp_path):
+    """A mark whose offset the log no longer reaches (its tail cut at recovery, power lost before the log below
+    the mark was flushed): new records of a topic made again land below it, and a second crash that lost their
+    units had recovery index none of them -- acknowledged messages gone from their queue."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(3)])
+    assert await store.delete_topic("T") == 1
+    end = store.max_physical_offset
+    await store.close()
+    (tmp_path / "consumequeue" / "T" / "deleted").write_text(str(end + 10 * SEG))    # the log cut below it
+    store = await reopen(tmp_path)
+    assert (await store.put(req(1))).queue_offset == 0      # T made again
+    await store.close()
+    shutil.rmtree(tmp_path / "consumequeue" / "T" / "0")     # its units lost by a second crash
+    os.unlink(tmp_path / "checkpoint")
+    store = await reopen(tmp_path)
+    assert store.max_offset("T", 0) == 1
+    await store.close()
