@@ -671,6 +671,8 @@ class MessageStore:
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
                 gone.append(cq)
+            if not gone:    # no queue, no record of it to hide: a mark per name asked for filled the disk
+                return
             # Every record of the topic lies below the readable end now (this runs between writer batches).
             below = self._log.readable
             await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)

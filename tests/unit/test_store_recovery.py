@@ -1075,6 +1075,17 @@ async def test_a_deleted_topic_whose_mark_cannot_be_written_is_deleted_all_the_s
 
 
 @bounded(30)
+async def test_deleting_a_topic_that_has_no_queue_leaves_nothing_on_disk(tmp_path):
+    """DELETE_TOPIC_IN_BROKER may name any topic (without an ACL, anyone may ask): a mark (a directory, a file,
+    three fsyncs) for each name that never had a queue filled the disk with made-up names, all read at start."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert await store.delete_topic("NeverHeld") == 0
+    await store.close()
+    assert not (tmp_path / "consumequeue" / "NeverHeld").exists()
+
+
+@bounded(30)
 async def test_a_mark_above_the_recovered_log_end_hides_no_later_record(tmp_path):
     """A mark whose offset the log no longer reaches (its tail cut at recovery, power lost before the log below
     the mark was flushed): new records of a topic made again land below it, and a second crash that lost their
