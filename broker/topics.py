@@ -144,6 +144,9 @@ class TopicManager:
                                        "are restored from the store; set the others again with updateTopic)")
         for tc in topics or ():
             self.topics[tc.name] = tc
+        # Made again from the store's queues, kept so across restarts: a delayed message for a higher queue
+        # may come after one (queue_appeared grows them, never a config set by hand or by a send).
+        self._restored.update(getattr(topics, "restored", ()))
 
     def start_background(self, loop) -> None:
         """From now on, catalogue writes are batched on a config thread, off ``loop``."""
@@ -207,7 +210,9 @@ class TopicManager:
 
     def _write(self, topics: list) -> None:
         self._dirty = False             # a change made while this write runs sets it again
-        body = json.dumps({"topics": [asdict(t) for t in topics if t.name not in self._system]}, indent=1)
+        restored = self._restored       # membership only, from this thread: the loop may change it meanwhile
+        body = json.dumps({"topics": [dict(asdict(t), restored=True) if t.name in restored else asdict(t)
+                                      for t in topics if t.name not in self._system]}, indent=1)
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
         except OSError:
@@ -386,11 +391,22 @@ def _parse_catalogue(data) -> list[TopicConfig]:
     """The topics of a catalogue's JSON; ValueError for an entry of the wrong shape (skipping it would bring
     the topic back with the defaults). Fields this version does not know are left out."""
     check(isinstance(data, dict) and isinstance(data.get("topics"), list), 'not {"topics": [...]}')
-    out = []
+    out = _Catalogue()
     for entry in data["topics"]:
         check(isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"] != "",
               f"malformed topic entry {entry!r}")
         for key, ok in _FIELD_TYPES.items():
             check(key not in entry or ok(entry[key]), f"topic {entry['name']}: {key} = {entry.get(key)!r}")
         out.append(TopicConfig(entry["name"], **{k: entry[k] for k in _FIELD_TYPES if k in entry}))
+        if entry.get("restored") is True:
+            out.restored.add(entry["name"])
     return out
+
+
+class _Catalogue(list):
+    """The catalogue's topics, and ``restored``: those made again from the store's queues (TopicManager.adopt,
+    queue_appeared), saved as "restored": true (a version without it leaves the key out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.restored: set[str] = set()
