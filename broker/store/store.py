@@ -27,7 +27,7 @@ from protocol.record import MIN_RECORD_SIZE, body_crc_ok, store_timestamp_at
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
-from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue, read_tombstone, write_tombstone
+from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (SegmentFacts, load_or_create_store_id, removed_from_disk, sealed_from_disk, summarize_file,
                        write_manifest)
@@ -236,8 +236,16 @@ class MessageStore:
                 self._deleted[topic] = below
             for qid in sorted(os.listdir(tdir)):
                 if qid.isdigit():
-                    self._cqs[(topic, int(qid))] = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size,
-                                                                       durable_below)
+                    cq = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size, durable_below)
+                    if below is not None and _left_by_delete(cq, below):
+                        # a kill cut the delete short (mark written, queue files not all removed yet)
+                        log.warning("consume queue %s-%s of the topic deleted at log offset %d: removed", topic,
+                                    qid, below)
+                        for mf in cq.files:
+                            mf.remove()
+                        shutil.rmtree(os.path.join(tdir, qid), ignore_errors=True)
+                        continue
+                    self._cqs[(topic, int(qid))] = cq
 
     def _settle_marks(self, end: int) -> None:
         """Deleted topics' marks past the recovered log's end (its tail cut, or lost with the power before it was
@@ -855,16 +863,33 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
 
 
 def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
-    for cq in queues:
-        for mf in cq.files:
-            mf.remove()
-        cq.files = []
-    shutil.rmtree(directory, ignore_errors=True)
+    # The mark first: a kill before it left the queues gone and no mark, and recovery indexed the topic again;
+    # queue files a kill leaves beside it are removed by the next open (_left_by_delete).
     try:
         write_tombstone(directory, deleted_below)
     except OSError as exc:      # the delete stands; only a restart may bring the old records back
         log.error("deleted topic's mark not written in %s (%s): a restart may index the topic's records below "
                   "log offset %d again and serve it (delete it again then)", directory, exc, deleted_below)
+    for cq in queues:
+        for mf in cq.files:
+            mf.remove()
+        cq.files = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        names = []
+    for name in names:
+        if name != TOMBSTONE:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _left_by_delete(cq: ConsumeQueue, below: int) -> bool:
+    """Whether ``cq``, loaded beside a deleted topic's mark at log offset ``below``, is what a delete cut short
+    left: no file, or units below the mark (a topic made again writes only above it)."""
+    if not cq.files:
+        return True
+    last = cq.unit(cq.max_offset - 1) if cq.max_offset > cq.min_offset else None
+    return last is not None and last[0] < below
 
 
 def _summarize_files(items) -> dict[str, SegmentFacts]:

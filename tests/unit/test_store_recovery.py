@@ -1105,3 +1105,39 @@ async def test_a_mark_above_the_recovered_log_end_hides_no_later_record(tmp_path
     store = await reopen(tmp_path)
     assert store.max_offset("T", 0) == 1
     await store.close()
+
+
+@pytest.mark.parametrize("killed", ["before any removal", "after the files, before the directories"])
+@bounded(30)
+async def test_a_delete_cut_short_by_a_kill_does_not_bring_the_topic_back(tmp_path, monkeypatch, killed):
+    """delete_topic removed the queues, then wrote the mark: a kill in between left no mark, and recovery
+    re-indexed the topic's records (its queues back, old messages and all). And queue files a kill left
+    beside the mark were loaded as the topic's queues."""
+    import broker.store.store as store_module
+
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(5)])
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    kept = tmp_path / "kept"
+    shutil.copytree(qdir, kept)
+
+    def kill(*a, **k):
+        raise RuntimeError("killed")
+
+    if killed == "after the files, before the directories":
+        monkeypatch.setattr(store_module.shutil, "rmtree", kill)
+    try:
+        assert await store.delete_topic("T") == 1
+    except RuntimeError:        # the kill: nothing after it in the delete ran
+        assert killed != "before any removal"
+    await store.close()
+    if killed == "before any removal":
+        # the state a kill after the mark, before any removal, leaves: every old queue file still there
+        shutil.rmtree(qdir, ignore_errors=True)
+        shutil.copytree(kept, qdir)
+    monkeypatch.undo()
+    os.unlink(tmp_path / "checkpoint")
+    store = await reopen(tmp_path)
+    assert ("T", 0) not in store.queues()
+    await store.close()
