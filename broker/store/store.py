@@ -13,6 +13,7 @@ Consumer offsets live next door in offsets.py (ConsumerOffsets), persisted on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -140,7 +141,7 @@ class MessageStore:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
                 write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
-            self._settle_marks(self.report.end_offset)
+            self._settle_marks(self._log.min_offset, self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
             self._check_below = (1 << 63) - 1 if self.config.verify_all_reads else self.report.scanned_from
@@ -247,11 +248,23 @@ class MessageStore:
                         continue
                     self._cqs[(topic, int(qid))] = cq
 
-    def _settle_marks(self, end: int) -> None:
+    def _settle_marks(self, first: int, end: int) -> None:
         """Deleted topics' marks past the recovered log's end (its tail cut, or lost with the power before it was
         flushed) come down to it: records written from there on are a topic made again, which a mark above them
-        hid from the next recovery."""
+        hid from the next recovery. Marks at or below the log's first offset hide nothing any more and go (with
+        their directory when it holds nothing else): kept, every topic ever deleted was read at each start."""
         for topic, below in list(self._deleted.items()):
+            if below <= first:
+                tdir = os.path.join(self._cq_root, topic)
+                try:
+                    os.unlink(os.path.join(tdir, TOMBSTONE))
+                except OSError as exc:
+                    log.warning("deleted topic %s's spent mark not removed: %s", topic, exc)
+                    continue
+                del self._deleted[topic]
+                with contextlib.suppress(OSError):
+                    os.rmdir(tdir)      # only when empty: a topic made again keeps its queues there
+                continue
             if below <= end:
                 continue
             log.warning("deleted topic %s's mark at log offset %d is past the log's end %d: moved down to it",

@@ -1141,3 +1141,23 @@ async def test_a_delete_cut_short_by_a_kill_does_not_bring_the_topic_back(tmp_pa
     store = await reopen(tmp_path)
     assert ("T", 0) not in store.queues()
     await store.close()
+
+
+@bounded(60)
+async def test_a_mark_the_log_no_longer_reaches_below_is_removed_at_open(tmp_path):
+    """Once retention removed every segment below a deleted topic's mark, it hides nothing: kept, each topic
+    ever deleted left a directory read at every start, for good."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(5)])
+    assert await store.delete_topic("T") == 1
+    mark = int((tmp_path / "consumequeue" / "T" / "deleted").read_text())
+    while store.min_physical_offset < mark:
+        if len(store.segments()) < 2:       # roll past the mark, so the segment holding it can go
+            assert (await store.put(PutRequest.build("U", b"x" * 2000))).ok
+            continue
+        await store.remove_segment(store.segments()[0].name, "test")
+    await store.close()
+    store = await reopen(tmp_path)
+    assert not (tmp_path / "consumequeue" / "T").exists()
+    await store.close()
