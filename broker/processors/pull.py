@@ -148,7 +148,8 @@ def _unconfigured_with_messages(ctx, topic: str, qid: int) -> None:
     """A pull answered TOPIC_NOT_EXIST for a queue that holds messages: their topic's config is missing (the
     store makes it again for new messages, topics.queue_appeared, so this is a slave or a bug). Said at ERROR,
     once a minute a topic: consumers are told the topic does not exist while messages wait in it."""
-    if ctx.store.max_offset(topic, qid) <= 0:
+    held = ctx.store.max_offset(topic, qid) - ctx.store.min_offset(topic, qid)
+    if held <= 0:       # none, or all removed by retention: nothing waits
         return
     now = time.monotonic()
     if now - _unconfigured_logged.get(topic, float("-inf")) < _UNCONFIGURED_LOG_INTERVAL_S:
@@ -157,8 +158,7 @@ def _unconfigured_with_messages(ctx, topic: str, qid: int) -> None:
         _unconfigured_logged.clear()
     _unconfigured_logged[topic] = now
     log.error("pull of %s queue %d answered TOPIC_NOT_EXIST although the queue holds %d messages: the topic "
-              "has no config (create it with updateTopic to serve them)", topic, qid,
-              ctx.store.max_offset(topic, qid) - ctx.store.min_offset(topic, qid))
+              "has no config (create it with updateTopic to serve them)", topic, qid, held)
 
 
 def handle_pull(ctx, conn, cmd, woken: bool = False):

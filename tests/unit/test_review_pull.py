@@ -209,3 +209,21 @@ async def test_pull_of_a_queue_with_messages_but_no_topic_config_says_so_in_the_
         assert "PT queue 1" in said[0] and "holds 2 messages" in said[0]
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_pull_of_a_queue_whose_messages_all_expired_and_no_topic_config_logs_no_error(tmp_path, caplog,
+                                                                                            monkeypatch):
+    """A queue retention emptied (min offset = max offset) holds no message: an ERROR saying "holds 0 messages"
+    sent an operator after nothing."""
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 1)
+        await put(ctx, 1)
+        ctx.topics.topics.pop("PT")
+        monkeypatch.setattr(ctx.store, "min_offset", lambda topic, qid: ctx.store.max_offset(topic, qid))
+        with caplog.at_level("ERROR", logger="txmq.pull"):
+            assert handle_pull(ctx, None, pull_cmd(1, 0)).code == ResponseCode.TOPIC_NOT_EXIST
+        assert [r.getMessage() for r in caplog.records if r.name == "txmq.pull"] == []
+    finally:
+        await ctx.store._store.close()
