@@ -74,7 +74,9 @@ async def _delivered(namesrv, topic) -> list[bytes]:
 
 @bounded(90)
 async def test_topic_of_halves_only_survives_kill_before_catalogue_write(broker_factory, tmp_path):
-    flags = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "300")
+    # A timeout no machine reaches before the kill: a half checked (and committed) before it gave T a queue,
+    # and adopt, not queue_appeared, made T again (the log line below tells which).
+    flags = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "3000")
     b = broker_factory(*flags)
     blocker = tmp_path / "store" / "config" / "topics.json.tmp"
     blocker.mkdir()             # the catalogue cannot be written: T lives in memory only
@@ -98,6 +100,7 @@ async def test_topic_of_halves_only_survives_kill_before_catalogue_write(broker_
     delivered = await _delivered(b.namesrv, TOPIC)
     assert sorted(delivered) == sorted(f"half-{i}".encode() for i in range(HALVES))
     assert f"topic {TOPIC} was missing from" in b.log()
+    assert "made again for a new message in its consume queue" in b.log()
 
 
 async def _request(addr, code, fields):
@@ -146,15 +149,15 @@ async def test_topic_of_delayed_messages_only_survives_kill_before_catalogue_wri
     await producer.start()
     try:
         for i in range(HALVES):
-            await producer.send("DelayedBornInCrash", f"d-{i}".encode(), delay_level=1)
+            await producer.send("DelayedBornInCrash", f"d-{i}".encode(), delay_level=2)
     finally:
         await producer.shutdown()
-    b.kill()                    # after HALVES acknowledged sends, none delivered yet (1 s delay)
+    b.kill()                    # after HALVES acknowledged sends, none delivered yet (5 s delay)
     shutil.rmtree(blocker)
     b = await asyncio.to_thread(broker_factory, "--port", str(b.broker_port),
                                 "--namesrv-port", b.namesrv.rsplit(":", 1)[1])
     want = sorted(f"d-{i}".encode() for i in range(HALVES))
-    while True:                 # delivered a second after their store time; until then the topic is unknown
+    while True:                 # delivered 5 s after their store time; until then the topic is unknown
         try:
             got = sorted(await _delivered(b.namesrv, "DelayedBornInCrash"))
         except TopicNotExistError:
@@ -164,3 +167,5 @@ async def test_topic_of_delayed_messages_only_survives_kill_before_catalogue_wri
         assert len(got) < HALVES
         await asyncio.sleep(0.1)
     assert "topic DelayedBornInCrash was missing from" in b.log()
+    # made by the delivery, not by adopt (which a delivery before the kill would have left to)
+    assert "made again for a new message in its consume queue" in b.log()
