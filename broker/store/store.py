@@ -679,14 +679,20 @@ class MessageStore:
         ts = self._store_time_at(cq, offset)
         return -1 if ts is None else ts
 
-    async def delete_topic(self, topic: str) -> int:
+    async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None) -> int:
         """Remove every consume queue of ``topic`` (its records stay in the log until retention);
-        returns how many queues went. A topic of the same name later starts again at offset 0."""
+        returns how many queues went. A topic of the same name later starts again at offset 0.
+
+        ``forget``: called between writer batches, with the queues: the topic's config goes there (a record
+        accepted before the delete and written after its config went opened a queue, and on_new_queue made the
+        topic again; its queues then went, the config stayed)."""
         if self._state != "open":
             raise StoreError("the store is not open")
         gone: list[ConsumeQueue] = []
 
         async def op():
+            if forget is not None:
+                forget()
             for key in [k for k in self._cqs if k[0] == topic]:
                 cq = self._cqs.pop(key)
                 self._backlogged.discard(cq)
