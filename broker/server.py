@@ -155,6 +155,8 @@ class BrokerServer:
             store.add_dispatch_listener(ha_roles.topic_follower(topics))
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
+        if not slave:       # a slave's topics follow its master's (topic_follower)
+            store.on_new_queue = topics.queue_appeared
         ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000)
         ctx.offsets.fit(store.max_offset)       # queues a cut log left shorter than what was committed
         await _maybe_await(getattr(ctx.offsets, "open", None))

@@ -6,7 +6,9 @@ serves, writes leave the event loop: a change marks the catalogue dirty and one
 write (serialise, fsync, rename) runs on a config thread at most every 100 ms for
 all the changes since -- a flood of new topics costs one write per batch, not a
 rewrite of the whole file per topic on the loop. A crash before the write loses
-nothing: ``adopt`` restores any topic the store holds queues for.
+nothing acknowledged: ``adopt`` restores any topic the store holds queues for, and
+``queue_appeared`` one whose first queue comes later (a half committed, a delayed
+message delivered after the restart).
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ class TopicManager:
         self.retry_write_s = 5.0
         self._last_write = None
         self.topics: dict[str, TopicConfig] = {}
+        self._restored: set[str] = set()    # topics the store's queues made again (adopt, queue_appeared)
         # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
         # In memory only: counted since the broker started.
         self._creator: dict[str, str] = {}
@@ -141,6 +144,9 @@ class TopicManager:
                                        "are restored from the store; set the others again with updateTopic)")
         for tc in topics or ():
             self.topics[tc.name] = tc
+        # Made again from the store's queues, kept so across restarts: a delayed message for a higher queue
+        # may come after one (queue_appeared grows them, never a config set by hand or by a send).
+        self._restored.update(getattr(topics, "restored", ()))
 
     def start_background(self, loop) -> None:
         """From now on, catalogue writes are batched on a config thread, off ``loop``."""
@@ -204,7 +210,9 @@ class TopicManager:
 
     def _write(self, topics: list) -> None:
         self._dirty = False             # a change made while this write runs sets it again
-        body = json.dumps({"topics": [asdict(t) for t in topics if t.name not in self._system]}, indent=1)
+        restored = self._restored       # membership only, from this thread: the loop may change it meanwhile
+        body = json.dumps({"topics": [dict(asdict(t), restored=True) if t.name in restored else asdict(t)
+                                      for t in topics if t.name not in self._system]}, indent=1)
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
         except OSError:
@@ -270,6 +278,7 @@ class TopicManager:
             self._creator[tc.name] = creator
             self._created_by[creator] = self._created_by.get(creator, 0) + 1
         self.topics[tc.name] = tc
+        self._restored.discard(tc.name)     # set by hand (or by a send) now: queue_appeared leaves it alone
         self._persist()
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
                  tc.perm)
@@ -318,14 +327,40 @@ class TopicManager:
             found[topic] = max(found.get(topic, 0), qid + 1)
         adopted = [t for t in found if t not in self.topics]
         for topic in adopted:
-            self.topics[topic] = TopicConfig(topic, found[topic], found[topic])
-            log.warning("topic %s was missing from %s; restored from the store with %d queues",
-                        topic, self.path, found[topic])
+            self._restore(topic, found[topic], "restored from the store")
         if adopted:
             self._persist()
         return adopted
 
+    def queue_appeared(self, topic: str, queue_id: int) -> None:
+        """A new record made a consume queue that did not exist (the store's ``on_new_queue``).
+
+        ``adopt`` restores at start-up only the topics with queues on disk. A topic that held nothing yet but
+        messages waiting to be delivered -- halves whose REAL_TOPIC it is, scheduled messages -- had none, and
+        when a crash came before the catalogue was written its config was gone: their commit or delivery, later,
+        put acknowledged messages in a queue consumers were answered TOPIC_NOT_EXIST for. Such a topic is made
+        again here, read-write, with the queues the store shows (registered at once, as any new topic), and a
+        topic made so (here or by ``adopt``) grows to a queue id found later. A topic an operator deleted lost
+        its queues with it: only a new message for it, as a send would, makes it again."""
+        tc = self.topics.get(topic)
+        if tc is None:
+            self._restore(topic, queue_id + 1, "made again for a new message in its consume queue")
+        elif topic in self._restored and queue_id >= tc.queue_count:
+            self.topics[topic] = TopicConfig(topic, queue_id + 1, queue_id + 1)
+            log.warning("topic %s (restored from the store) grown from %d to %d queues for a message in queue %d",
+                        topic, tc.queue_count, queue_id + 1, queue_id)
+        else:
+            return
+        self._persist()
+
+    def _restore(self, topic: str, queues: int, how: str) -> None:
+        self.topics[topic] = TopicConfig(topic, queues, queues)
+        self._restored.add(topic)
+        log.warning("topic %s was missing from %s; %s with %d queues, perm read-write", topic, self.path, how,
+                    queues)
+
     def _forget(self, topic: str) -> TopicConfig | None:
+        self._restored.discard(topic)
         creator = self._creator.pop(topic, None)
         if creator is not None:
             count_down(self._created_by, creator)
@@ -356,11 +391,22 @@ def _parse_catalogue(data) -> list[TopicConfig]:
     """The topics of a catalogue's JSON; ValueError for an entry of the wrong shape (skipping it would bring
     the topic back with the defaults). Fields this version does not know are left out."""
     check(isinstance(data, dict) and isinstance(data.get("topics"), list), 'not {"topics": [...]}')
-    out = []
+    out = _Catalogue()
     for entry in data["topics"]:
         check(isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"] != "",
               f"malformed topic entry {entry!r}")
         for key, ok in _FIELD_TYPES.items():
             check(key not in entry or ok(entry[key]), f"topic {entry['name']}: {key} = {entry.get(key)!r}")
         out.append(TopicConfig(entry["name"], **{k: entry[k] for k in _FIELD_TYPES if k in entry}))
+        if entry.get("restored") is True:
+            out.restored.add(entry["name"])
     return out
+
+
+class _Catalogue(list):
+    """The catalogue's topics, and ``restored``: those made again from the store's queues (TopicManager.adopt,
+    queue_appeared), saved as "restored": true (a version without it leaves the key out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.restored: set[str] = set()

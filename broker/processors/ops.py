@@ -190,8 +190,11 @@ async def delete_topic_in_broker(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, why)
     if is_system_topic(topic):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
-    existed = ctx.topics.delete(topic)
-    queues = await ctx.store.delete_topic(topic)
+    existed = []
+    # The config goes with the queues, between the writer's batches: forgotten before, a send accepted earlier and
+    # written after it opened a new queue, and the store made the topic again (topics.queue_appeared).
+    queues = await ctx.store.delete_topic(topic, lambda: existed.append(ctx.topics.delete(topic)))
+    existed = bool(existed and existed[0])
     ctx.offsets.remove_topic(topic)
     ctx.metrics.forget_topic(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "

@@ -140,6 +140,27 @@ def _reply(ctx, cmd, group, topic, got):
     return cmd.response(code, status.name, fields)
 
 
+_UNCONFIGURED_LOG_INTERVAL_S = 60.0
+_unconfigured_logged: dict[str, float] = {}     # topic -> when last said (below)
+
+
+def _unconfigured_with_messages(ctx, topic: str, qid: int) -> None:
+    """A pull answered TOPIC_NOT_EXIST for a queue that holds messages: their topic's config is missing (the
+    store makes it again for new messages, topics.queue_appeared, so this is a slave or a bug). Said at ERROR,
+    once a minute a topic: consumers are told the topic does not exist while messages wait in it."""
+    held = ctx.store.max_offset(topic, qid) - ctx.store.min_offset(topic, qid)
+    if held <= 0:       # none, or all removed by retention: nothing waits
+        return
+    now = time.monotonic()
+    if now - _unconfigured_logged.get(topic, float("-inf")) < _UNCONFIGURED_LOG_INTERVAL_S:
+        return
+    if len(_unconfigured_logged) >= 1024:
+        _unconfigured_logged.clear()
+    _unconfigured_logged[topic] = now
+    log.error("pull of %s queue %d answered TOPIC_NOT_EXIST although the queue holds %d messages: the topic "
+              "has no config (create it with updateTopic to serve them)", topic, qid, held)
+
+
 def handle_pull(ctx, conn, cmd, woken: bool = False):
     """PULL_MESSAGE. ``woken``: run again for a held pull (RocketMQ's executeRequestWhenWakeup): by the
     subscription its group has now, without committing its offset again or being held again."""
@@ -156,6 +177,7 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
     sys_flag = cmd.int_field("sysFlag", 0)
     tc = ctx.topics.get(topic)
     if tc is None:
+        _unconfigured_with_messages(ctx, topic, qid)
         return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"topic[{topic}] not exist, apply first please!")
     if not tc.perm & Perm.READ:
         return cmd.response(ResponseCode.NO_PERMISSION, f"the topic[{topic}] pulling message is forbidden")

@@ -484,3 +484,43 @@ def _written_length(mf: MappedFile) -> int:
     """
     last = last_nonzero(mf.fd, 0, mf.size)
     return min(-(-last // UNIT_SIZE) * UNIT_SIZE, mf.size - mf.size % UNIT_SIZE)
+
+
+# A deleted topic's directory keeps one file, ``deleted``: the log offset (decimal) below which its records are
+# no longer its (the topic's queues were removed there). Recovery re-indexes records of the newest segments for
+# queues that lack them; without the mark it brought a deleted topic's queues back, old messages and all, and
+# the broker served the topic again (topics.adopt). A topic made again later starts its queues at 0 beside it.
+TOMBSTONE = "deleted"
+
+
+def write_tombstone(topic_dir: str, below: int) -> None:
+    """Mark ``topic_dir`` deleted below log offset ``below``, durably (blocking: the store's I/O thread)."""
+    made = make_dirs(topic_dir)
+    path = os.path.join(topic_dir, TOMBSTONE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(str(below))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    for d in [topic_dir] + made:
+        fsync_dir(d)
+
+
+def read_tombstone(topic_dir: str) -> int | None:
+    """The offset ``write_tombstone`` left in ``topic_dir``, None when there is none (or it is unreadable:
+    logged, as the deleted topic's records may come back)."""
+    path = os.path.join(topic_dir, TOMBSTONE)
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.error("deleted-topic mark %s cannot be read (%s): the topic's old records may be indexed again", path, exc)
+        return None
+    if not text.strip().isdigit():
+        log.error("deleted-topic mark %s holds %r, not an offset: the topic's old records may be indexed again",
+                  path, text[:40])
+        return None
+    return int(text)

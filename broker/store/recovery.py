@@ -157,9 +157,13 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
 
 def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_queue: Callable,
             checkpoint: Checkpoint | None, verify_segments: int, truncate_corrupt: bool,
-            listeners: list, tag_rule: Callable | None = None, nul_free_from: int = 0) -> RecoveryReport:
+            listeners: list, tag_rule: Callable | None = None, nul_free_from: int = 0,
+            deleted: dict[str, int] | None = None) -> RecoveryReport:
     """``nul_free_from``: where the records of brokers that refuse NUL in topic and properties begin (store
-    file nul_free_from); before it, a NUL there may be an older broker's data, not a torn page."""
+    file nul_free_from); before it, a NUL there may be an older broker's data, not a torn page.
+    ``deleted``: topic -> log offset its queues were deleted at (consume_queue.TOMBSTONE): its records
+    below that offset are indexed nowhere."""
+    deleted = deleted or {}
     began = time.monotonic()
     short = load_segments(clog, truncate_corrupt)
     segs = clog.segments
@@ -197,7 +201,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             seg.last_ts = last_ts = ts
             phys = seg.start + pos
             report.records_scanned += 1
-            if not sys_flag & 0x4:
+            if not sys_flag & 0x4 and not (deleted and phys < deleted.get(topic, -1)):
                 key = (topic, qid)
                 want = expect.get(key)
                 if want is not None and qoff != want:       # rare: no call, no closure per record otherwise
@@ -236,7 +240,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             _check_zeroed(key, cq, gaps)
     report.queues_rebuilt = sorted(f"{t}-{q}" for t, q in gaps)
     if gaps:
-        _fill_gaps(clog, queues, gaps, end, report, tag_rule)
+        _fill_gaps(clog, queues, gaps, end, report, tag_rule, deleted)
     for cq in queues.values():
         for mf in cq.expire_before(clog.min_offset):
             mf.remove()
@@ -397,7 +401,8 @@ def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, rep
         gaps.add(key)
 
 
-def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryReport, rule=None) -> None:
+def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryReport, rule=None,
+               deleted: dict[str, int] | None = None) -> None:
     """Rebuild queues that lost units before the verified range from the whole log (no CRC: read-only)."""
     log.warning("consume queues %s lack units before the verified range; rebuilding them from the whole log",
                 sorted(gaps))
@@ -427,7 +432,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
                 pos = nxt
                 continue
             key = (topic, qid)
-            if not sys_flag & 0x4 and key in gaps:
+            if not sys_flag & 0x4 and key in gaps and not (deleted and seg.start + pos < deleted.get(topic, -1)):
                 cq = queues[key]
                 if key in seen and qoff != cq.max_offset:     # only a mismatch costs a call and a closure
                     qoff = _checked_qoff(seg, pos, key, qoff, cq.max_offset,

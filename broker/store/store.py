@@ -13,6 +13,7 @@ Consumer offsets live next door in offsets.py (ConsumerOffsets), persisted on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -27,7 +28,7 @@ from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_t
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
-from .consume_queue import BLANK_SIZE, UNIT, ConsumeQueue
+from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (SegmentFacts, load_or_create_store_id, read_nul_free_from, removed_from_disk, sealed_from_disk,
                        summarize_file, write_manifest, write_nul_free_from)
@@ -70,6 +71,12 @@ class MessageStore:
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
+        # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
+        # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
+        self.on_new_queue: Callable[[str, int], object] | None = None
+        # topic -> log offset it was deleted at (delete_topic's marks, read by open): recovery indexes none of
+        # its records below it, which would bring a deleted topic back with its old messages.
+        self._deleted: dict[str, int] = {}
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
         self._io2: IoThread | None = None                   # a second group commit's msync while one is in flight
         self._reserve_io: IoThread | None = None            # new segments, zeros ahead of the writer
@@ -135,7 +142,8 @@ class MessageStore:
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
-                                  nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from)
+                                  nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
+                                  deleted=self._deleted)
             if nul_free_from is None:
                 nul_free_from = self.report.end_offset
                 write_nul_free_from(self.store_dir, nul_free_from)
@@ -144,6 +152,7 @@ class MessageStore:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
                 write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
+            self._settle_marks(self._log.min_offset, self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
             self._check_below = (1 << 63) - 1 if self.config.verify_all_reads else self.report.scanned_from
@@ -234,10 +243,49 @@ class MessageStore:
             tdir = os.path.join(self._cq_root, topic)
             if validate_topic(topic) is not None or not os.path.isdir(tdir):
                 continue
+            below = read_tombstone(tdir)
+            if below is not None:
+                self._deleted[topic] = below
             for qid in sorted(os.listdir(tdir)):
                 if qid.isdigit():
-                    self._cqs[(topic, int(qid))] = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size,
-                                                                       durable_below)
+                    cq = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size, durable_below)
+                    if below is not None and _left_by_delete(cq, below):
+                        # a kill cut the delete short (mark written, queue files not all removed yet)
+                        log.warning("consume queue %s-%s of the topic deleted at log offset %d: removed", topic,
+                                    qid, below)
+                        for mf in cq.files:
+                            mf.remove()
+                        shutil.rmtree(os.path.join(tdir, qid), ignore_errors=True)
+                        continue
+                    self._cqs[(topic, int(qid))] = cq
+
+    def _settle_marks(self, first: int, end: int) -> None:
+        """Deleted topics' marks past the recovered log's end (its tail cut, or lost with the power before it was
+        flushed) come down to it: records written from there on are a topic made again, which a mark above them
+        hid from the next recovery. Marks at or below the log's first offset hide nothing any more and go (with
+        their directory when it holds nothing else): kept, every topic ever deleted was read at each start."""
+        for topic, below in list(self._deleted.items()):
+            if below <= first:
+                tdir = os.path.join(self._cq_root, topic)
+                try:
+                    os.unlink(os.path.join(tdir, TOMBSTONE))
+                except OSError as exc:
+                    log.warning("deleted topic %s's spent mark not removed: %s", topic, exc)
+                    continue
+                del self._deleted[topic]
+                with contextlib.suppress(OSError):
+                    os.rmdir(tdir)      # only when empty: a topic made again keeps its queues there
+                continue
+            if below <= end:
+                continue
+            log.warning("deleted topic %s's mark at log offset %d is past the log's end %d: moved down to it",
+                        topic, below, end)
+            self._deleted[topic] = end
+            try:
+                write_tombstone(os.path.join(self._cq_root, topic), end)
+            except OSError as exc:
+                raise StoreError(f"deleted topic {topic}'s mark cannot be moved down to the log's end {end} "
+                                 f"(records written after it would be hidden from the next recovery): {exc}")
 
     def _make_queue(self, key: tuple[str, int]) -> ConsumeQueue:
         topic, qid = key
@@ -251,6 +299,11 @@ class MessageStore:
             if cq is None:
                 cq = cqs[key] = self._make_queue(key)
                 cq.begin_at(self._log.queue_starts.pop(key, 0))
+                if self.on_new_queue is not None:
+                    try:
+                        self.on_new_queue(*key)
+                    except Exception:
+                        log.exception("new queue listener failed on %s", key)
             if not cq.extend(packed):       # no space: the units wait in memory (see consume_queue.py)
                 self._backlogged.add(cq)
         live, by_topic = self._live, self._live_by_topic
@@ -656,20 +709,30 @@ class MessageStore:
         ts = self._store_time_at(cq, offset)
         return -1 if ts is None else ts
 
-    async def delete_topic(self, topic: str) -> int:
+    async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None) -> int:
         """Remove every consume queue of ``topic`` (its records stay in the log until retention);
-        returns how many queues went. A topic of the same name later starts again at offset 0."""
+        returns how many queues went. A topic of the same name later starts again at offset 0.
+
+        ``forget``: called between writer batches, with the queues: the topic's config goes there (a record
+        accepted before the delete and written after its config went opened a queue, and on_new_queue made the
+        topic again; its queues then went, the config stayed)."""
         if self._state != "open":
             raise StoreError("the store is not open")
         gone: list[ConsumeQueue] = []
 
         async def op():
+            if forget is not None:
+                forget()
             for key in [k for k in self._cqs if k[0] == topic]:
                 cq = self._cqs.pop(key)
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
                 gone.append(cq)
-            await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic))
+            if not gone:    # no queue, no record of it to hide: a mark per name asked for filled the disk
+                return
+            # Every record of the topic lies below the readable end now (this runs between writer batches).
+            below = self._log.readable
+            await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)
 
         await self._writer.control(op)
         try:        # recovery must not bring the queues back from records before this point
@@ -848,12 +911,34 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
     write_checkpoint(store_dir, point)
 
 
-def _remove_queue_files(queues, directory: str) -> None:
+def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
+    # The mark first: a kill before it left the queues gone and no mark, and recovery indexed the topic again;
+    # queue files a kill leaves beside it are removed by the next open (_left_by_delete).
+    try:
+        write_tombstone(directory, deleted_below)
+    except OSError as exc:      # the delete stands; only a restart may bring the old records back
+        log.error("deleted topic's mark not written in %s (%s): a restart may index the topic's records below "
+                  "log offset %d again and serve it (delete it again then)", directory, exc, deleted_below)
     for cq in queues:
         for mf in cq.files:
             mf.remove()
         cq.files = []
-    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        names = []
+    for name in names:
+        if name != TOMBSTONE:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _left_by_delete(cq: ConsumeQueue, below: int) -> bool:
+    """Whether ``cq``, loaded beside a deleted topic's mark at log offset ``below``, is what a delete cut short
+    left: no file, or units below the mark (a topic made again writes only above it)."""
+    if not cq.files:
+        return True
+    last = cq.unit(cq.max_offset - 1) if cq.max_offset > cq.min_offset else None
+    return last is not None and last[0] < below
 
 
 def _summarize_files(items) -> dict[str, SegmentFacts]:

@@ -12,6 +12,7 @@ import pytest
 
 from broker.subscriptions import SubscriptionGroups
 from broker.topics import TopicConfig, TopicManager
+from protocol.codes import Perm
 
 
 def _topics(path) -> TopicManager:
@@ -190,3 +191,32 @@ def test_a_catalogue_read_from_its_previous_save_is_written_again_at_once(tmp_pa
     with caplog.at_level(logging.ERROR):
         assert _topics(tmp_path).get("Orders") == TopicConfig("Orders", 16, 16, perm=4)
     assert not caplog.records
+
+
+def test_a_queue_of_a_topic_without_config_makes_it_again_and_grows_only_what_it_made(tmp_path):
+    """topics.queue_appeared: the store's new queue of a topic the catalogue lost (a kill before its write)."""
+    tm = _topics(tmp_path)
+    tm.queue_appeared("Lost", 0)
+    assert (tm.get("Lost").read_queue_nums, tm.get("Lost").perm) == (1, Perm.READ_WRITE)
+    tm.queue_appeared("Lost", 3)            # a later half's REAL_QID: grown, or queue 3 is never pulled
+    assert tm.get("Lost").read_queue_nums == tm.get("Lost").write_queue_nums == 4
+    tm.create(TopicConfig("Lost", 2, 2))    # an operator's settings win from then on
+    tm.queue_appeared("Lost", 5)
+    assert tm.get("Lost").read_queue_nums == 2
+    tm.create(TopicConfig("Shrunk", 2, 2))
+    tm.queue_appeared("Shrunk", 3)          # a configured topic is never changed by it
+    assert tm.get("Shrunk").read_queue_nums == 2
+
+
+def test_a_topic_made_again_from_its_queues_still_grows_after_a_restart(tmp_path):
+    """A topic restored with the queues its messages showed (queue 0) while a delayed message for its queue 5
+    waits: that message may come after a restart, and a catalogue read back as an operator's config kept queue
+    5 out of the routes -- delivered, never pulled."""
+    tm = _topics(tmp_path)
+    tm.adopt([("Lost", 0)])
+    tm2 = _topics(tmp_path)
+    tm2.queue_appeared("Lost", 5)
+    assert tm2.get("Lost").read_queue_nums == tm2.get("Lost").write_queue_nums == 6
+    tm2.create(TopicConfig("Lost", 2, 2))   # set by hand: read back as such
+    _topics(tmp_path).queue_appeared("Lost", 7)
+    assert _topics(tmp_path).get("Lost").read_queue_nums == 2

@@ -190,3 +190,42 @@ async def test_a_pull_for_zero_messages_gets_one(tmp_path):
         assert woken.code == ResponseCode.SUCCESS and woken.int_field("nextBeginOffset") == 6
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_pull_of_a_queue_with_messages_but_no_topic_config_says_so_in_the_log(tmp_path, caplog):
+    """TOPIC_NOT_EXIST is the answer RocketMQ gives; the operator must learn that messages wait behind it."""
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 1)
+        await put(ctx, 1)
+        ctx.topics.topics.pop("PT")         # the config lost, the queue kept (a slave, or a bug)
+        with caplog.at_level("ERROR", logger="txmq.pull"):
+            for _ in range(3):
+                assert handle_pull(ctx, None, pull_cmd(1, 0)).code == ResponseCode.TOPIC_NOT_EXIST
+            assert handle_pull(ctx, None, pull_cmd(2, 0)).code == ResponseCode.TOPIC_NOT_EXIST   # empty queue
+        said = [r.getMessage() for r in caplog.records if r.name == "txmq.pull"]
+        assert len(said) == 1, said         # once a minute a topic, not once a pull
+        assert "PT queue 1" in said[0] and "holds 2 messages" in said[0]
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_pull_of_a_queue_whose_messages_all_expired_and_no_topic_config_logs_no_error(tmp_path, caplog,
+                                                                                            monkeypatch):
+    """A queue retention emptied (min offset = max offset) holds no message: an ERROR saying "holds 0 messages"
+    sent an operator after nothing."""
+    ctx = await make_ctx(tmp_path)
+    try:
+        await put(ctx, 1)
+        await put(ctx, 1)
+        ctx.topics.topics.pop("PT")
+        monkeypatch.setattr(ctx.store, "min_offset", lambda topic, qid: ctx.store.max_offset(topic, qid))
+        import broker.processors.pull as pull_module
+        monkeypatch.setattr(pull_module, "_unconfigured_logged", {})    # PT said by another test: not held back
+        with caplog.at_level("ERROR", logger="txmq.pull"):
+            assert handle_pull(ctx, None, pull_cmd(1, 0)).code == ResponseCode.TOPIC_NOT_EXIST
+        assert [r.getMessage() for r in caplog.records if r.name == "txmq.pull"] == []
+    finally:
+        await ctx.store._store.close()

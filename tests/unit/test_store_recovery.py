@@ -1094,3 +1094,132 @@ async def test_verify_all_reads_checks_the_records_start_up_verified_too(tmp_pat
     else:
         assert got.status is GetStatus.FOUND and got.message_count == 7 and store.corrupt == {}
     await store.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["kept", "lost"])
+@bounded(30)
+async def test_a_deleted_topic_gets_no_queue_from_its_old_records(tmp_path, checkpoint):
+    """Recovery re-indexes the newest segments' records for queues that lack them; a deleted topic's queues
+    lack them all, and came back with its old messages (the broker then served the topic again). A checkpoint
+    lost too (a full scan, or the queue rebuild from the whole log) must not bring them back either."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(20)])
+    assert await store.delete_topic("T") == 1
+    await store.close()
+    if checkpoint == "lost":
+        os.unlink(tmp_path / "checkpoint")
+    store = await reopen(tmp_path)
+    assert ("T", 0) not in store.queues()
+    assert (await store.put(req(1))).queue_offset == 0       # made again: from 0, beside its mark
+    await store.close()
+    store = await reopen(tmp_path)
+    assert store.queues() == [("T", 0)] and store.max_offset("T", 0) == 1
+    await store.close()
+
+
+@bounded(30)
+async def test_a_deleted_topic_whose_mark_cannot_be_written_is_deleted_all_the_same(tmp_path, caplog, monkeypatch):
+    import broker.store.store as store_module
+
+    def full(directory, below):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_module, "write_tombstone", full)
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert (await store.put(req(1))).ok
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        assert await store.delete_topic("T") == 1
+    assert store.queues() == []
+    assert any("mark not written" in r.getMessage() and "No space" in r.getMessage() for r in caplog.records)
+    await store.close()
+
+
+@bounded(30)
+async def test_deleting_a_topic_that_has_no_queue_leaves_nothing_on_disk(tmp_path):
+    """DELETE_TOPIC_IN_BROKER may name any topic (without an ACL, anyone may ask): a mark (a directory, a file,
+    three fsyncs) for each name that never had a queue filled the disk with made-up names, all read at start."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert await store.delete_topic("NeverHeld") == 0
+    await store.close()
+    assert not (tmp_path / "consumequeue" / "NeverHeld").exists()
+
+
+@bounded(30)
+async def test_a_mark_above_the_recovered_log_end_hides_no_later_record(tmp_path):
+    """A mark whose offset the log no longer reaches (its tail cut at recovery, power lost before the log below
+    the mark was flushed): new records of a topic made again land below it, and a second crash that lost their
+    units had recovery index none of them -- acknowledged messages gone from their queue."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(3)])
+    assert await store.delete_topic("T") == 1
+    end = store.max_physical_offset
+    await store.close()
+    (tmp_path / "consumequeue" / "T" / "deleted").write_text(str(end + 10 * SEG))    # the log cut below it
+    store = await reopen(tmp_path)
+    assert (await store.put(req(1))).queue_offset == 0      # T made again
+    await store.close()
+    shutil.rmtree(tmp_path / "consumequeue" / "T" / "0")     # its units lost by a second crash
+    os.unlink(tmp_path / "checkpoint")
+    store = await reopen(tmp_path)
+    assert store.max_offset("T", 0) == 1
+    await store.close()
+
+
+@pytest.mark.parametrize("killed", ["before any removal", "after the files, before the directories"])
+@bounded(30)
+async def test_a_delete_cut_short_by_a_kill_does_not_bring_the_topic_back(tmp_path, monkeypatch, killed):
+    """delete_topic removed the queues, then wrote the mark: a kill in between left no mark, and recovery
+    re-indexed the topic's records (its queues back, old messages and all). And queue files a kill left
+    beside the mark were loaded as the topic's queues."""
+    import broker.store.store as store_module
+
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(5)])
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    kept = tmp_path / "kept"
+    shutil.copytree(qdir, kept)
+
+    def kill(*a, **k):
+        raise RuntimeError("killed")
+
+    if killed == "after the files, before the directories":
+        monkeypatch.setattr(store_module.shutil, "rmtree", kill)
+    try:
+        assert await store.delete_topic("T") == 1
+    except RuntimeError:        # the kill: nothing after it in the delete ran
+        assert killed != "before any removal"
+    await store.close()
+    if killed == "before any removal":
+        # the state a kill after the mark, before any removal, leaves: every old queue file still there
+        shutil.rmtree(qdir, ignore_errors=True)
+        shutil.copytree(kept, qdir)
+    monkeypatch.undo()
+    os.unlink(tmp_path / "checkpoint")
+    store = await reopen(tmp_path)
+    assert ("T", 0) not in store.queues()
+    await store.close()
+
+
+@bounded(60)
+async def test_a_mark_the_log_no_longer_reaches_below_is_removed_at_open(tmp_path):
+    """Once retention removed every segment below a deleted topic's mark, it hides nothing: kept, each topic
+    ever deleted left a directory read at every start, for good."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(req(i)) for i in range(5)])
+    assert await store.delete_topic("T") == 1
+    mark = int((tmp_path / "consumequeue" / "T" / "deleted").read_text())
+    while store.min_physical_offset < mark:
+        if len(store.segments()) < 2:       # roll past the mark, so the segment holding it can go
+            assert (await store.put(PutRequest.build("U", b"x" * 2000))).ok
+            continue
+        await store.remove_segment(store.segments()[0].name, "test")
+    await store.close()
+    store = await reopen(tmp_path)
+    assert not (tmp_path / "consumequeue" / "T").exists()
+    await store.close()
