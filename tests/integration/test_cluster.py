@@ -176,16 +176,24 @@ async def test_our_producer_keeps_sending_through_a_kill9(cluster):
 
 
 class UndecidedThenCommit:
-    """The local transaction says UNKNOW; the check says COMMIT and records what it was asked."""
+    """The local transaction says UNKNOW; the check says COMMIT and records what it was asked.
 
-    def __init__(self):
+    With ``returned``, a check that comes before it is set (a loaded machine outlasting the 1 s immunity before
+    the broker went down) is held until then and answered UNKNOW, unrecorded: answered COMMIT, it decided the
+    transaction before the restart, and the test passed without the returned broker asking anything."""
+
+    def __init__(self, returned: asyncio.Event | None = None):
         self.checked: list[str] = []
         self.checked_event = asyncio.Event()
+        self.returned = returned
 
     def execute_local_transaction(self, msg, arg):
         return S.UNKNOW
 
-    def check_local_transaction(self, msg):
+    async def check_local_transaction(self, msg):
+        if self.returned is not None and not self.returned.is_set():
+            await self.returned.wait()
+            return S.UNKNOW
         self.checked.append(msg.body.decode())
         self.checked_event.set()
         return S.COMMIT_MESSAGE
@@ -198,7 +206,8 @@ async def test_a_killed_brokers_undecided_half_is_checked_when_it_returns(cluste
     for b in c.brokers.values():
         await create_topic(b.broker, "TxCluster", 2)
     await wait_for_route(c.namesrv.addr, "TxCluster", {"broker-a", "broker-b"})
-    listener = UndecidedThenCommit()
+    returned = asyncio.Event()
+    listener = UndecidedThenCommit(returned)
     producer = TransactionProducer(c.namesrv.addr, "PG_tx_cluster", listener, heartbeat_interval_s=0.5,
                                    route_refresh_interval_s=0.5)
     await producer.start()
@@ -212,6 +221,7 @@ async def test_a_killed_brokers_undecided_half_is_checked_when_it_returns(cluste
         body_on_a = f"tx {i}"
         c.brokers["broker-a"].kill()
         a = c.start_broker("broker-a", *tx_flags)     # same store, new port: it registers, the producer finds it
+        returned.set()
         while body_on_a not in listener.checked:
             listener.checked_event.clear()
             await asyncio.wait_for(listener.checked_event.wait(), 30)
@@ -235,7 +245,8 @@ async def test_an_idle_producer_is_checked_after_its_only_broker_restarts_cleanl
     c = cluster.start(*tx_flags, names=("broker-a",))
     await create_topic(c.brokers["broker-a"].broker, "TxAlone", 1)
     await wait_for_route(c.namesrv.addr, "TxAlone", {"broker-a"})
-    listener = UndecidedThenCommit()
+    returned = asyncio.Event()
+    listener = UndecidedThenCommit(returned)
     producer = TransactionProducer(c.namesrv.addr, "PG_tx_alone", listener, heartbeat_interval_s=0.3,
                                    route_refresh_interval_s=0.3)
     await producer.start()
@@ -246,6 +257,7 @@ async def test_an_idle_producer_is_checked_after_its_only_broker_restarts_cleanl
         await wait_for_route(c.namesrv.addr, "TxAlone", set())
         await producer.routes.refresh_all()               # what the background refresh does meanwhile
         c.start_broker("broker-a", *tx_flags)             # same store, new port
+        returned.set()
         await asyncio.wait_for(listener.checked_event.wait(), 30)
         assert listener.checked == ["undecided"]
     finally:

@@ -110,6 +110,43 @@ def test_uniq_keys_keep_rocketmqs_layout_and_are_unique():
     assert [(c - counters[0]) & 0xFFFF for c in counters] == [0, 1, 2]
 
 
+class _VirtualClock:
+    """The connection's loop, but for time: ``time()`` reads a clock the test moves, and ``call_at`` timers
+    run only when the test moves it past them. On the real clock a loaded machine stalling 0.45 s made every
+    deadline due in one sweep, and the requests failed in the order they were sent, not their deadlines."""
+
+    class Timer:
+        def __init__(self, when, callback, args):
+            self.when, self.callback, self.args, self.cancelled = when, callback, args, False
+
+        def cancel(self):
+            self.cancelled = True
+
+    def __init__(self, loop):
+        self.loop, self.now, self.timers = loop, 0.0, []
+
+    def __getattr__(self, name):
+        return getattr(self.loop, name)
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when, callback, *args):
+        timer = self.Timer(when, callback, args)
+        self.timers.append(timer)
+        return timer
+
+    def armed(self) -> list[float]:
+        return [t.when for t in self.timers if not t.cancelled]
+
+    def advance(self, to: float) -> None:
+        self.now = to
+        while due := [t for t in self.timers if not t.cancelled and t.when <= to]:
+            for timer in due:
+                self.timers.remove(timer)
+                timer.callback(*timer.args)
+
+
 async def test_one_timer_per_connection_still_fails_each_request_at_its_own_deadline():
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: RemotingConnection(lambda conn, cmd: asyncio.Event().wait()),
@@ -120,20 +157,42 @@ async def test_one_timer_per_connection_still_fails_each_request_at_its_own_dead
             conn = await pool.get(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
             assert conn.frames_per_turn == CLIENT_FRAMES_PER_TURN and RemotingConnection().frames_per_turn == 16
             assert FRAMES_PER_TURN == 16                          # the broker's fairness limit is unchanged
-            t0 = loop.time()
+            clock = conn._loop = _VirtualClock(loop)
             ended: list[tuple[str, float]] = []
+            progress = asyncio.Event()
 
             async def ask(name: str, timeout: float):
                 with pytest.raises(RequestTimeoutError, match=r"got no response in"):
                     await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), timeout)
-                ended.append((name, loop.time() - t0))
+                ended.append((name, clock.time()))
+                progress.set()
+
+            async def advance(to: float, expect: list[str]) -> None:
+                progress.clear()
+                clock.advance(to)
+                while len(ended) < len(expect):
+                    await progress.wait()
+                    progress.clear()
+                assert [name for name, _ in ended] == expect
 
             abandoned = loop.create_task(conn.request(RemotingCommand.request(RequestCode.HEART_BEAT), 0.3))
             await asyncio.sleep(0)
             abandoned.cancel()
             # the long one first: the timer armed for it must be moved earlier for the short one
-            await asyncio.gather(ask("long", 0.6), ask("short", 0.15), ask("mid", 0.3))
-            assert [name for name, _ in ended] == ["short", "mid", "long"]
+            asks = [loop.create_task(ask("long", 0.6)), loop.create_task(ask("short", 0.15)),
+                    loop.create_task(ask("mid", 0.3))]
+            while len(conn._pending) < 3:                          # the three sent (the abandoned one gone)
+                await asyncio.sleep(0)
+            assert clock.armed() == [0.15]                         # one timer, at the earliest deadline
+            await advance(0.149, [])                               # a ms early: the sweep is not due yet
+            await advance(0.15, ["short"])
+            assert clock.armed() == [0.3]                          # re-armed for the next deadline, not the last
+            await advance(0.3, ["short", "mid"])
+            assert clock.armed() == [0.6]
+            await advance(0.6, ["short", "mid", "long"])
+            await asyncio.gather(*asks)
+            assert ended == [("short", 0.15), ("mid", 0.3), ("long", 0.6)]    # each at its own deadline
+            assert clock.armed() == []
             assert not conn._pending                              # timed out and cancelled requests are gone
     finally:
         await pool.close()
