@@ -199,6 +199,7 @@ async def add_big(ctx, i: int, size: int):
     class Cmd:
         language = version = serialize_type = 0
         opaque = 1
+        body = b"x" * size
 
     await tx._prepare(conn, Cmd(), req, "PG", "T", 0, props)
     return max(tx.pending.values(), key=lambda p: p.half_offset)

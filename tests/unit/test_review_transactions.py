@@ -101,7 +101,9 @@ async def add_half(ctx, body=b"x", group="PG"):
         opaque = 1
         serialize_type = 0
 
-    await tx._prepare(Conn(), Cmd(), req, group, "T", 0, props)
+    cmd = Cmd()
+    cmd.body = body         # the half's, as sent: counted under the half topic
+    await tx._prepare(Conn(), cmd, req, group, "T", 0, props)
     return max(tx.pending.values(), key=lambda p: p.half_offset)
 
 
