@@ -46,6 +46,11 @@ SYSTEM_TOPICS = NO_SEND_TOPICS | {AUTO_CREATE_TOPIC, "BenchmarkTest", TRACE_TOPI
 
 
 _RECLAIM_EVERY_S = 1.0          # at most one sweep for reclaimable %RETRY% topics a second
+# A reclaimed %RETRY% topic's maker is kept this long, and for at most so many topics (the oldest go first): a
+# send-back's delayed retry, still in SCHEDULE_TOPIC_XXXX when its topic went, makes it again when delivered
+# (queue_appeared), charged to that maker. The longest delay level is 2 h.
+_RECLAIMED_KEEP_S = 3 * 3600.0
+_RECLAIMED_MAX = 65536
 
 
 class TopicLimitError(ValueError):
@@ -103,6 +108,7 @@ class TopicManager:
         self.retry_reclaimable = None
         self._reclaimed_at = -_RECLAIM_EVERY_S
         self._host_swept_at: dict[str, float] = {}     # the same, for a client at max_topics_per_host (room_for)
+        self._reclaimed: dict[str, tuple[str, float]] = {}  # %RETRY% topic reclaimed -> (its maker, when)
         # Name servers re-read the topic table when this changes; on_change (the registrar) registers at once.
         self.data_version = DataVersion(int(time.time() * 1000), 0)
         self.on_change = None
@@ -260,7 +266,7 @@ class TopicManager:
         gone = [name for name, maker in self._creator.items()
                 if maker == client and name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
         for name in gone:
-            self._forget(name)
+            self._reclaim(name, now)
         if gone:
             self._persist()
             log.warning("client %s at max_topics_per_host=%d: %d of its empty %%RETRY%% topics of groups with no "
@@ -274,9 +280,10 @@ class TopicManager:
             if self.retry_groups() >= self.max_retry_groups and not self._reclaim_retry_topics():
                 raise TopicLimitError(f"retry topic {tc.name} not created: {self.max_retry_groups} %RETRY% "
                                       f"groups exist, the limit (max_retry_groups)")
-        if new and creator is not None:
-            self._creator[tc.name] = creator
-            self._created_by[creator] = self._created_by.get(creator, 0) + 1
+        if new:
+            self._reclaimed.pop(tc.name, None)
+            if creator is not None:
+                self._charge(tc.name, creator)
         self.topics[tc.name] = tc
         self._restored.discard(tc.name)     # set by hand (or by a send) now: queue_appeared leaves it alone
         self._persist()
@@ -297,7 +304,7 @@ class TopicManager:
         self._reclaimed_at = now
         gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
         for name in gone:
-            self._forget(name)
+            self._reclaim(name, now)
         if gone:
             self._persist()
             log.warning("max_retry_groups=%d reached: %d empty %%RETRY%% topics of groups with no consumer "
@@ -345,6 +352,11 @@ class TopicManager:
         tc = self.topics.get(topic)
         if tc is None:
             self._restore(topic, queue_id + 1, "made again for a new message in its consume queue")
+            reclaimed = self._reclaimed.pop(topic, None)
+            if reclaimed is not None and time.monotonic() - reclaimed[1] < _RECLAIMED_KEEP_S:
+                # a %RETRY% topic forgotten as idle while a delayed retry was on its way: its maker's again (even
+                # past its limit: the message is stored), as it would be had it never been forgotten
+                self._charge(topic, reclaimed[0])
         elif topic in self._restored and queue_id >= tc.queue_count:
             self.topics[topic] = TopicConfig(topic, queue_id + 1, queue_id + 1)
             log.warning("topic %s (restored from the store) grown from %d to %d queues for a message in queue %d",
@@ -359,6 +371,28 @@ class TopicManager:
         log.warning("topic %s was missing from %s; %s with %d queues, perm read-write", topic, self.path, how,
                     queues)
 
+    def _reclaim(self, topic: str, now: float) -> None:
+        """Forget an idle %RETRY% topic (room_for, _reclaim_retry_topics), keeping who made it: "idle" means nothing
+        stored in it, and a delayed retry sent back before may still be on its way. Delivered, it makes the topic
+        again (queue_appeared), charged to that maker: else a host at max_topics_per_host sending back with a
+        delay under group after group had each sweep give its room back while every topic came back, and filled
+        max_topics alone."""
+        creator = self._creator.get(topic)
+        self._forget(topic)
+        if creator is None:
+            return
+        kept = self._reclaimed
+        kept[topic] = (creator, now)
+        while kept:
+            oldest, (_, when) = next(iter(kept.items()))
+            if len(kept) <= _RECLAIMED_MAX and now - when < _RECLAIMED_KEEP_S:
+                break
+            del kept[oldest]
+
+    def _charge(self, topic: str, creator: str) -> None:
+        self._creator[topic] = creator
+        self._created_by[creator] = self._created_by.get(creator, 0) + 1
+
     def _forget(self, topic: str) -> TopicConfig | None:
         self._restored.discard(topic)
         creator = self._creator.pop(topic, None)
@@ -368,6 +402,7 @@ class TopicManager:
 
     def delete(self, topic: str) -> bool:
         """Forget a topic's config (DELETE_TOPIC_IN_BROKER); False when it had none."""
+        self._reclaimed.pop(topic, None)
         if self._forget(topic) is None:
             return False
         self._persist()

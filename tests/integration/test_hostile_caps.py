@@ -470,3 +470,50 @@ async def test_a_hosts_retry_topics_of_groups_gone_make_room_under_max_topics_pe
     finally:
         client.close()
     assert "%RETRY%G_next" in made and not {"%RETRY%G_gone1", "%RETRY%G_gone2"} & made
+
+
+async def test_a_reclaimed_retry_topic_made_again_by_its_delayed_retry_is_charged_to_its_host(broker_factory):
+    """At max_topics_per_host a host's %RETRY% topics that may go are forgotten (room_for), and one counts as
+    idle while its send-back waits in SCHEDULE_TOPIC_XXXX: nothing is stored in it yet. The delivery then opens
+    its queue and queue_appeared makes the topic again -- charged to nobody. A host could so send back with a
+    delay under group after group, each sweep giving its room back while every topic came back, and fill
+    max_topics alone, what max_topics_per_host is there to stop. The topic made again is charged to the host
+    that made it first."""
+    from protocol.message import decode_offset_msg_id
+
+    broker = broker_factory("--max-topics-per-host", "2", "--max-auto-create-topics-per-s", "1000")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+
+    async def send_back(group: str, level: str) -> RemotingCommand:
+        [reply] = await client.call(RemotingCommand(R.CONSUMER_SEND_MSG_BACK, opaque=next(_OPAQUES), ext_fields={
+            "offset": str(phys), "group": group, "delayLevel": level, "originMsgId": "X",
+            "maxReconsumeTimes": "16"}), 10)
+        return reply
+
+    async def delivered(topic: str) -> int:
+        [reply] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
+            "topic": topic, "queueId": "0"}), 10)
+        return int(reply.ext_fields["offset"]) if reply.code == C.SUCCESS else 0
+
+    try:
+        sent = await _send_to(client, "T_source")                           # the host's first topic
+        assert sent.code == C.SUCCESS, sent.remark
+        phys = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+        assert (await send_back("G_soon", "2")).code == C.SUCCESS            # %RETRY%G_soon, its retry in 5 s
+        # at the limit: %RETRY%G_soon (no consumer, nothing stored yet) is forgotten to make room
+        assert (await send_back("G_later", "18")).code == C.SUCCESS
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while await delivered("%RETRY%G_soon") < 1:                         # its delivery made it again
+            assert loop.time() < deadline, "the delayed retry was not delivered"
+            await asyncio.sleep(0.1)
+        assert "%RETRY%G_soon" in {q["topic"] for q in await _queues(client)}
+        # The host holds T_source, %RETRY%G_soon (not empty now) and %RETRY%G_later: at its limit however its
+        # empty retry topic is swept. Asked twice, the second past the broker's once-a-second sweep for a host.
+        for attempt in range(2):
+            reply = await _send_to(client, "T_past_the_limit")
+            assert reply.code == C.NO_PERMISSION and "max_topics_per_host" in reply.remark, reply.remark
+            if attempt == 0:
+                await asyncio.sleep(1.1)        # (the sweep's own rate limit, not a wait for anything to happen)
+    finally:
+        client.close()
