@@ -499,7 +499,7 @@ async def test_a_reclaimed_retry_topic_made_again_by_its_delayed_retry_is_charge
         sent = await _send_to(client, "T_source")                           # the host's first topic
         assert sent.code == C.SUCCESS, sent.remark
         phys = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
-        assert (await send_back("G_soon", "2")).code == C.SUCCESS            # %RETRY%G_soon, its retry in 5 s
+        assert (await send_back("G_soon", "3")).code == C.SUCCESS            # %RETRY%G_soon, its retry in 10 s
         # at the limit: %RETRY%G_soon (no consumer, nothing stored yet) is forgotten to make room
         assert (await send_back("G_later", "18")).code == C.SUCCESS
         loop = asyncio.get_running_loop()
