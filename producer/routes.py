@@ -57,6 +57,7 @@ class RouteCache:
         self._queues: dict[str, tuple[tuple[float, TopicRouteData], list[MessageQueue]]] = {}
         self._counter = itertools.count()
         self._fetching: dict[str, asyncio.Task] = {}     # topic -> its fetch under way, shared by every lookup
+        self._defaulted: set[str] = set()   # topics whose cached route is TBW102's (_default_route), not their own
 
     async def fetch(self, topic: str) -> TopicRouteData:
         """Ask the name servers (from the one that answered last) for ``topic``'s route; raises the first answer's error."""
@@ -110,6 +111,7 @@ class RouteCache:
             self._routes[topic] = (time.monotonic(), cached[1])
             return cached[1]
         self._routes[topic] = (time.monotonic(), route)
+        self._defaulted.discard(topic)
         for bd in route.broker_datas:       # the newest answer wins: a broker that moved is found there
             if 0 in bd.broker_addrs:
                 self._addrs[bd.broker_name] = bd.broker_addrs[0]
@@ -123,6 +125,14 @@ class RouteCache:
     def forget(self, topic: str) -> None:
         """Drop ``topic``'s route: the next use asks the name server (after a routing error)."""
         self._routes.pop(topic, None)
+        self._defaulted.discard(topic)
+
+    def forget_default(self, topic: str) -> None:
+        """Drop ``topic``'s route if it is TBW102's, taken for a topic no name server knows: after a send that
+        failed (refused: TOPIC_NOT_EXIST, or NO_PERMISSION past max_topics / max_topics_per_host, or no writable
+        queue), else refresh_all asked for that name each period for good."""
+        if topic in self._defaulted:
+            self.forget(topic)
 
     async def refresh_all(self) -> None:
         """Fetch every cached route again (the background refresh); a failure keeps the old route.
@@ -155,6 +165,7 @@ class RouteCache:
             route = _default_route(default, self.default_queue_nums)
             # cached as the topic's own: the next sends use it without asking, the refresh finds the real one
             self._routes[topic] = (time.monotonic(), route)
+            self._defaulted.add(topic)
         source = self._routes.get(topic)
         # a broker without a master in this route (its slave still registered) takes no sends, and the address
         # an older route gave its master is stale: none of its queues, as in the Java client
