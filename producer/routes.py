@@ -97,7 +97,12 @@ class RouteCache:
             route = await self.fetch(topic)
         except TopicNotExistError:
             cached = self._routes.get(topic)
-            if cached is not None:      # kept (see refresh_all), asked again a ttl later, not by every send
+            default = self._routes.get(AUTO_CREATE_TOPIC)
+            if cached is not None and topic in self._defaulted and default is not None:
+                # still on TBW102's route: taken again from TBW102's latest, so a broker whose write permission
+                # was wiped since (or made read-only) leaves its sends at the refresh, as from any route
+                self._routes[topic] = (time.monotonic(), _default_route(default[1], self.default_queue_nums))
+            elif cached is not None:    # kept (see refresh_all), asked again a ttl later, not by every send
                 self._routes[topic] = (time.monotonic(), cached[1])
             raise
         except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
@@ -140,7 +145,8 @@ class RouteCache:
         TOPIC_NOT_EXIST too, as in the Java client: a name server answers it while the topic's only broker is
         away (unregistered on a clean stop) or before brokers register again after its own restart. Dropped,
         the route's brokers would get no heartbeat, even once back, until a send asked for the topic again."""
-        for topic in list(self._routes):
+        # TBW102 first: the topics on its route (not created yet) are taken again from the one just fetched
+        for topic in sorted(self._routes, key=lambda t: t != AUTO_CREATE_TOPIC):
             try:
                 await self.route(topic, refresh=True)
             except Exception as exc:  # noqa: BLE001 - name server unreachable or forgetful: keep the old one
