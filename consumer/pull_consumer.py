@@ -517,6 +517,8 @@ class PullConsumer:
         broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
         # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
         # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
+        if max_reconsume_times < -1:    # sent, the broker read it as no retries left: dead-lettered at once
+            raise ValueError(f"max_reconsume_times={max_reconsume_times!r}: 0 or more, or -1 for the default")
         if max_reconsume_times == -1:   # RocketMQ's "default", never sent as such: the broker reads -1 as none
             max_reconsume_times = DEFAULT_MAX_RECONSUME_TIMES
         origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
