@@ -186,6 +186,12 @@ class PullConsumer:
 
     async def fetch_queues(self, topic: str) -> list[MessageQueue]:
         """The readable queues of ``topic``, from the name server (also refreshes its broker addresses)."""
+        route = await self._fetch_route(topic)
+        return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
+                for i in range(qd.read_queue_nums)]
+
+    async def _fetch_route(self, topic: str):
+        """``topic``'s TopicRouteData from the name server (also refreshes its broker addresses)."""
         last = None
         for addr in self.namesrv_addrs:
             try:
@@ -205,8 +211,7 @@ class PullConsumer:
                     self._offline.pop(bd.broker_name, None)
             self._forget_offline(topic, {bd.broker_name for bd in route.broker_datas if bd.broker_addrs})
             self._route_at[topic] = time.monotonic()
-            return [MessageQueue(topic, qd.broker_name, i) for qd in route.queue_datas if qd.perm & Perm.READ
-                    for i in range(qd.read_queue_nums)]
+            return route
         raise last or ConnectionError("no name server")
 
     def _forget_offline(self, topic: str, brokers: set[str]) -> None:
@@ -512,6 +517,8 @@ class PullConsumer:
         broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
         # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
         # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
+        if max_reconsume_times < -1:    # sent, the broker read it as no retries left: dead-lettered at once
+            raise ValueError(f"max_reconsume_times={max_reconsume_times!r}: 0 or more, or -1 for the default")
         if max_reconsume_times == -1:   # RocketMQ's "default", never sent as such: the broker reads -1 as none
             max_reconsume_times = DEFAULT_MAX_RECONSUME_TIMES
         origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
@@ -552,16 +559,48 @@ class PullConsumer:
         props.pop(Prop.TRAN_MSG, None)      # a retry is a plain message, never a half
         for stale in (Prop.REAL_TOPIC, Prop.REAL_QID, Prop.WAIT):
             props.pop(stale, None)
-        cmd = RemotingCommand.request(RequestCode.SEND_MESSAGE, {
-            "producerGroup": "CLIENT_INNER_PRODUCER", "topic": f"%RETRY%{self.group}", "defaultTopic": "TBW102",
-            "defaultTopicQueueNums": 1, "queueId": 0,
-            # still COMPRESSED only when it did not inflate: the body goes as it came
-            "sysFlag": msg.sys_flag & SysFlag.COMPRESSED, "bornTimestamp": int(time.time() * 1000),
-            "flag": msg.flag, "properties": properties_to_string(props), "reconsumeTimes": times,
-            "unitMode": False, "maxReconsumeTimes": max_reconsume_times}, body=msg.body)
-        resp = await self._request(mq, cmd, self.timeout)
-        if resp.code != ResponseCode.SUCCESS:
-            raise error_for_code(resp.code, f"resending {msg.msg_id} to %RETRY%{self.group}: {resp.remark}")
+        retry_topic = f"%RETRY%{self.group}"
+
+        def command() -> RemotingCommand:
+            return RemotingCommand.request(RequestCode.SEND_MESSAGE, {
+                "producerGroup": "CLIENT_INNER_PRODUCER", "topic": retry_topic, "defaultTopic": "TBW102",
+                "defaultTopicQueueNums": 1, "queueId": 0,
+                # still COMPRESSED only when it did not inflate: the body goes as it came
+                "sysFlag": msg.sys_flag & SysFlag.COMPRESSED, "bornTimestamp": int(time.time() * 1000),
+                "flag": msg.flag, "properties": properties_to_string(props), "reconsumeTimes": times,
+                "unitMode": False, "maxReconsumeTimes": max_reconsume_times}, body=msg.body)
+        resp = await self._request(mq, command(), self.timeout)
+        if resp.code == ResponseCode.SUCCESS:
+            return
+        refused = error_for_code(resp.code, f"resending {msg.msg_id} to {retry_topic} on {mq.broker_name}: "
+                                            f"{resp.remark}")
+        if resp.code not in (ResponseCode.NO_PERMISSION, ResponseCode.SERVICE_NOT_AVAILABLE):
+            raise refused
+        # That broker takes no new message (read-only for maintenance: brokerPermission 4, or a slave, or a full
+        # disk): the retry topic's other writable brokers, as RocketMQ's fallback producer routes it. On mq's
+        # broker alone, each failed message of a read-only broker was retried in place for as long as it stayed
+        # so, and its backlog -- what an operator makes it read-only to drain -- never drained past it.
+        try:
+            route = await self._fetch_route(retry_topic)
+        except Exception as exc:  # noqa: BLE001 - no route: the broker's refusal is what the caller needs
+            log.info("group %s: no route of %s to resend %s elsewhere: %s", self.group, retry_topic, msg.msg_id, exc)
+            raise refused from None
+        masters = {bd.broker_name: bd.broker_addrs[0] for bd in route.broker_datas if 0 in bd.broker_addrs}
+        for qd in sorted(route.queue_datas, key=lambda q: q.broker_name):
+            addr = masters.get(qd.broker_name)
+            if qd.broker_name == mq.broker_name or not qd.perm & Perm.WRITE or addr is None:
+                continue
+            try:
+                resp = await self.pool.request(addr, command(), self.timeout)
+            except (ConnectionClosedError, RequestTimeoutError) as exc:
+                log.warning("group %s: resending %s to %s on %s: %s", self.group, msg.msg_id, retry_topic,
+                            qd.broker_name, exc)
+                continue
+            if resp.code == ResponseCode.SUCCESS:
+                return
+            log.warning("group %s: resending %s to %s on %s refused: %s", self.group, msg.msg_id, retry_topic,
+                        qd.broker_name, resp.remark)
+        raise refused
 
     async def fetch_offset(self, mq: MessageQueue) -> int | None:
         """The group's stored offset for ``mq``, or None when it has none."""

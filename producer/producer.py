@@ -467,6 +467,11 @@ class Producer:
                 # a topic no broker has: its route (TBW102's, taken for a topic not created yet) is not kept,
                 # else every name ever mistyped was refreshed from the name server each period for good
                 self.routes.forget(topic)
+            else:
+                # TBW102's route taken for a topic not created yet, and the send failed: refused past
+                # max_topics_per_host (NO_PERMISSION), no writable queue (write perm wiped, read-only brokers).
+                # Kept, refresh_all asked the name server for that name each period for good.
+                self.routes.forget_default(topic)
             if unanswered is None:
                 raise
             maybe = f"the message may have been stored, as {uniq or 'its UNIQ_KEY'}"

@@ -57,6 +57,7 @@ class RouteCache:
         self._queues: dict[str, tuple[tuple[float, TopicRouteData], list[MessageQueue]]] = {}
         self._counter = itertools.count()
         self._fetching: dict[str, asyncio.Task] = {}     # topic -> its fetch under way, shared by every lookup
+        self._defaulted: set[str] = set()   # topics whose cached route is TBW102's (_default_route), not their own
 
     async def fetch(self, topic: str) -> TopicRouteData:
         """Ask the name servers (from the one that answered last) for ``topic``'s route; raises the first answer's error."""
@@ -96,7 +97,12 @@ class RouteCache:
             route = await self.fetch(topic)
         except TopicNotExistError:
             cached = self._routes.get(topic)
-            if cached is not None:      # kept (see refresh_all), asked again a ttl later, not by every send
+            default = self._routes.get(AUTO_CREATE_TOPIC)
+            if cached is not None and topic in self._defaulted and default is not None:
+                # still on TBW102's route: taken again from TBW102's latest, so a broker whose write permission
+                # was wiped since (or made read-only) leaves its sends at the refresh, as from any route
+                self._routes[topic] = (time.monotonic(), _default_route(default[1], self.default_queue_nums))
+            elif cached is not None:    # kept (see refresh_all), asked again a ttl later, not by every send
                 self._routes[topic] = (time.monotonic(), cached[1])
             raise
         except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
@@ -110,6 +116,7 @@ class RouteCache:
             self._routes[topic] = (time.monotonic(), cached[1])
             return cached[1]
         self._routes[topic] = (time.monotonic(), route)
+        self._defaulted.discard(topic)
         for bd in route.broker_datas:       # the newest answer wins: a broker that moved is found there
             if 0 in bd.broker_addrs:
                 self._addrs[bd.broker_name] = bd.broker_addrs[0]
@@ -123,6 +130,14 @@ class RouteCache:
     def forget(self, topic: str) -> None:
         """Drop ``topic``'s route: the next use asks the name server (after a routing error)."""
         self._routes.pop(topic, None)
+        self._defaulted.discard(topic)
+
+    def forget_default(self, topic: str) -> None:
+        """Drop ``topic``'s route if it is TBW102's, taken for a topic no name server knows: after a send that
+        failed (refused: TOPIC_NOT_EXIST, or NO_PERMISSION past max_topics / max_topics_per_host, or no writable
+        queue), else refresh_all asked for that name each period for good."""
+        if topic in self._defaulted:
+            self.forget(topic)
 
     async def refresh_all(self) -> None:
         """Fetch every cached route again (the background refresh); a failure keeps the old route.
@@ -130,7 +145,8 @@ class RouteCache:
         TOPIC_NOT_EXIST too, as in the Java client: a name server answers it while the topic's only broker is
         away (unregistered on a clean stop) or before brokers register again after its own restart. Dropped,
         the route's brokers would get no heartbeat, even once back, until a send asked for the topic again."""
-        for topic in list(self._routes):
+        # TBW102 first: the topics on its route (not created yet) are taken again from the one just fetched
+        for topic in sorted(self._routes, key=lambda t: t != AUTO_CREATE_TOPIC):
             try:
                 await self.route(topic, refresh=True)
             except Exception as exc:  # noqa: BLE001 - name server unreachable or forgetful: keep the old one
@@ -155,6 +171,7 @@ class RouteCache:
             route = _default_route(default, self.default_queue_nums)
             # cached as the topic's own: the next sends use it without asking, the refresh finds the real one
             self._routes[topic] = (time.monotonic(), route)
+            self._defaulted.add(topic)
         source = self._routes.get(topic)
         # a broker without a master in this route (its slave still registered) takes no sends, and the address
         # an older route gave its master is stale: none of its queues, as in the Java client

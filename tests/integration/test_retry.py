@@ -265,3 +265,39 @@ async def test_a_forwarded_message_the_broker_cannot_take_back_is_retried_as_its
     await consumer.shutdown()
     assert again.body == b"forwarded" and again.reconsume_times == 1
     assert again.properties["RETRY_TOPIC"] == "Enriched"
+
+
+@bounded(90)
+async def test_a_read_only_brokers_failed_message_is_resent_to_another_brokers_retry_topic(tmp_path, broker_factory):
+    """A broker made read-only for maintenance (updateBrokerConfig brokerPermission=4) refuses send-backs
+    NO_PERMISSION while its backlog drains. The consumer's own resend to %RETRY%<group> went to that same broker
+    alone and was refused too, so each failed message of it was retried in place for as long as it stayed
+    read-only: its queue never drained past it. The resend now goes to another writable broker of the retry
+    topic's route, as RocketMQ's fallback producer routes it."""
+    from tests.support.cluster_process import (NamesrvProcess, cluster_flags, create_topic, request, stored_count,
+                                               wait_for_route)
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    try:
+        a = broker_factory(*cluster_flags(namesrv.addr, "broker-a", 60_000), store="a")
+        b = broker_factory(*cluster_flags(namesrv.addr, "broker-b", 60_000), store="b")
+        for broker in (a, b):
+            await create_topic(broker.broker, "Drain", 1)
+        await wait_for_route(namesrv.addr, "Drain", {"broker-a", "broker-b"})
+        mq = MessageQueue("Drain", "broker-a", 0)
+        async with Producer(namesrv.addr, "PG_drain") as producer:
+            for body in (b"to-retry", b"to-dlq"):
+                await producer.send("Drain", body, queue=mq)
+        async with PullConsumer(namesrv.addr, "CG_drain") as consumer:
+            await consumer.subscribe("Drain")        # its heartbeat makes %RETRY%CG_drain on both brokers
+            await wait_for_route(namesrv.addr, "%RETRY%CG_drain", {"broker-a", "broker-b"})
+            done = await request(a.broker, RequestCode.UPDATE_BROKER_CONFIG, None, b"brokerPermission=4\n")
+            assert done.code == ResponseCode.SUCCESS, done.remark
+            got = await consumer.pull(mq, 0)
+            retry, dead = got.messages
+            await consumer.send_back(mq, retry)                     # backoff: into B's schedule topic
+            await consumer.send_back(mq, dead, delay_level=-1)      # dead-lettered at once, on B
+        assert await stored_count(b.broker, "%DLQ%CG_drain", 1) == 1
+        assert await stored_count(b.broker, "SCHEDULE_TOPIC_XXXX", 18) == 1
+        assert await stored_count(a.broker, "SCHEDULE_TOPIC_XXXX", 18) == 0
+    finally:
+        namesrv.kill()

@@ -258,3 +258,26 @@ async def test_a_topic_no_broker_creates_fails_loudly_and_is_not_kept(tmp_path, 
             assert (await producer.send("NeverMade0", b"y")).queue.topic == "NeverMade0"
     finally:
         broker.kill()
+
+
+@bounded(40)
+async def test_a_topic_refused_by_the_topic_cap_fails_loudly_and_is_not_kept(tmp_path, proxy_of):
+    """Past max_topics_per_host the broker refuses a new topic NO_PERMISSION, not TOPIC_NOT_EXIST. The producer
+    must raise that refusal (naming the cap), and not keep TBW102's route cached under the refused name: kept,
+    each refused name was asked of the name server every refresh period for good, as a mistyped one was."""
+    from protocol.errors import NoPermissionError
+    broker = BrokerProcess(tmp_path / "store", "--max-topics-per-host", "1",
+                           "--max-auto-create-topics-per-s", "1000").start()
+    try:
+        proxy = await proxy_of(broker.namesrv)
+        async with Producer(proxy.addr, "PG_capped", route_refresh_interval_s=3600) as producer:
+            assert (await producer.send("CapMade", b"x")).queue.topic == "CapMade"   # the host's one topic
+            for n in range(3):
+                with pytest.raises(NoPermissionError, match="max_topics_per_host=1"):
+                    await producer.send(f"CapRefused{n}", b"x")
+            asked = sum(proxy.route_requests[f"CapRefused{n}"] for n in range(3))
+            await producer.routes.refresh_all()                # what the background refresh does each period
+            assert sum(proxy.route_requests[f"CapRefused{n}"] for n in range(3)) == asked, proxy.route_requests
+            assert (await producer.send("CapMade", b"y")).queue.topic == "CapMade"    # its own route is kept
+    finally:
+        broker.kill()

@@ -471,3 +471,35 @@ async def test_a_broker_left_out_of_a_route_still_takes_its_queues_last_offsets(
         assert (RequestCode.UPDATE_CONSUMER_OFFSET, "b.host:1") in asked, asked
     finally:
         await consumer.shutdown()
+
+
+class _TBW102Pool:
+    """A name server stand-in for RouteCache: TBW102 on brokers a and b with ``perms``; any other topic unknown."""
+
+    closed = False
+
+    def __init__(self):
+        self.perms = {"a": 7, "b": 7}
+
+    async def request(self, addr, cmd, timeout):
+        if cmd.ext_fields["topic"] != "TBW102":
+            return cmd.response(ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server")
+        route = TopicRouteData([QueueData(n, 8, 8, p) for n, p in self.perms.items()],
+                               [BrokerData("c", n, {0: f"127.0.0.1:{i + 1}"}) for i, n in enumerate(self.perms)])
+        return cmd.response(ResponseCode.SUCCESS, body=encode_route(route, strict=True))
+
+
+async def test_a_topic_on_tbw102s_route_follows_a_wiped_write_perm_at_the_next_refresh():
+    """A topic no name server knows yet is sent on TBW102's route, kept under its name. The background refresh
+    kept that copy as it was (the topic is still unknown), so a broker whose write permission was wiped since
+    (mqadmin wipeWritePerm, or made read-only) stayed in its sends for as long as the topic was not created:
+    operations.md promises producers leave it at their next route refresh."""
+    from producer.routes import RouteCache
+    async with asyncio.timeout(10):
+        pool = _TBW102Pool()
+        routes = RouteCache(pool, ["127.0.0.1:9"], ttl_s=3600)
+        assert {q.broker_name for q in await routes.publish_queues("New")} == {"a", "b"}
+        pool.perms["a"] = 5                 # wiped: read and inherit left
+        await routes.refresh_all()          # what the background refresh does each period
+        assert {q.broker_name for q in await routes.publish_queues("New")} == {"b"}
+        assert {q.broker_name for q in routes.cached_publish_queues("New") or ()} == {"b"}

@@ -541,3 +541,24 @@ async def test_max_reconsume_times_minus_one_is_rocketmqs_default_not_straight_t
     assert consumer.max_reconsume_times == 16 and orderly.max_reconsume_times == (1 << 31) - 1
     with pytest.raises(ValueError, match="max_reconsume_times"):
         PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, max_reconsume_times=-2)
+
+
+@bounded(10)
+async def test_send_back_refuses_max_reconsume_times_below_minus_one_as_the_push_consumer_does():
+    """The changelog's "-1 means RocketMQ's default ... below -1 is a ValueError" named send_back too, but only
+    PushConsumer checked: send_back sent -2 in CONSUMER_SEND_MSG_BACK (and in the own resend's header), which a
+    broker reads as no retries left, dead-lettering the message at once without a word."""
+    client = PullConsumer("127.0.0.1:1", "G")
+    asked = []
+
+    async def request(mq, cmd, timeout):
+        asked.append(cmd.code)
+        return cmd.response(ResponseCode.SUCCESS, None)
+    client._request = request
+    msg = decode_record(_record(b"failed"))[0]
+    try:
+        with pytest.raises(ValueError, match="max_reconsume_times"):
+            await client.send_back(MessageQueue("T", "b", 0), msg, max_reconsume_times=-2)
+    finally:
+        await client.shutdown()
+    assert asked == []
