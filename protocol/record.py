@@ -133,15 +133,19 @@ def body_crc_ok(buf, pos: int = 0, size: int | None = None) -> bool:
 
     The reads of the store's older segments (which start-up does not verify) call this before serving or
     copying a record; False also when the body length runs past the record."""
+    p, body_len, end = _body_at(buf, pos, size)
+    if body_len < 0 or p + body_len > end:
+        return False
+    return zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF == _I32.unpack_from(buf, pos + 8)[0]
+
+
+def _body_at(buf, pos: int, size: int | None) -> tuple[int, int, int]:
+    """Where the body of the record at ``pos`` starts, its BODYLENGTH, and where the record ends."""
     if size is None:
         size = _I32.unpack_from(buf, pos)[0]
     sys_flag = _I32.unpack_from(buf, pos + 36)[0]
     p = pos + 84 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
-    body_len = _I32.unpack_from(buf, p)[0]
-    p += 4
-    if body_len < 0 or p + body_len > pos + size:
-        return False
-    return zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF == _I32.unpack_from(buf, pos + 8)[0]
+    return p + 4, _I32.unpack_from(buf, p)[0], pos + size
 
 
 def record_intact(buf, pos: int = 0, size: int | None = None) -> bool:
@@ -150,13 +154,7 @@ def record_intact(buf, pos: int = 0, size: int | None = None) -> bool:
 
     What the reads of unverified segments call (MessageStore.verified_record, pulls, replication): one copy
     of the topic and properties and two searches, about 0.6 us on top of the CRC's 0.8 us (1 KiB body)."""
-    if size is None:
-        size = _I32.unpack_from(buf, pos)[0]
-    sys_flag = _I32.unpack_from(buf, pos + 36)[0]
-    p = pos + 84 + (12 if sys_flag & _BORN_V6 else 0) + (12 if sys_flag & _STORE_V6 else 0)
-    body_len = _I32.unpack_from(buf, p)[0]
-    p += 4
-    end = pos + size
+    p, body_len, end = _body_at(buf, pos, size)
     if body_len < 0 or p + body_len + 3 > end:
         return False
     if zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF != _I32.unpack_from(buf, pos + 8)[0]:
