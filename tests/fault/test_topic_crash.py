@@ -11,18 +11,18 @@ before it on a fast machine as on a slow one; the kill comes after N acknowledge
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 
 import pytest
 
-from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import TopicNotExistError
+from tests.fault.test_disk_full import _bodies
+from tests.fault.test_transactions_kill import _pending
 from tests.support.bounded import bounded
 
 pytestmark = [pytest.mark.asyncio]
@@ -46,33 +46,6 @@ class Undecided:
         await self.killed.wait()
         self.checked += 1
         return S.COMMIT_MESSAGE
-
-
-async def _pending(addr) -> int:
-    host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port))
-    try:
-        resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1}), 5)
-        return json.loads(resp.body_bytes())["total"]
-    finally:
-        conn.close()
-
-
-async def _delivered(namesrv, topic) -> list[bytes]:
-    consumer = PullConsumer(namesrv, "CG_topic_crash")
-    bodies = []
-    try:
-        for mq in await consumer.fetch_queues(topic):
-            offset = 0
-            while True:
-                res = await consumer.pull(mq, offset, max_nums=64)
-                bodies += [m.body for m in res.messages]
-                if res.next_begin_offset == offset or not res.messages:
-                    break
-                offset = res.next_begin_offset
-    finally:
-        await consumer.shutdown()
-    return bodies
 
 
 @bounded(90)
@@ -101,7 +74,7 @@ async def test_topic_of_halves_only_survives_kill_before_catalogue_write(broker_
             await asyncio.sleep(0.1)
     finally:
         await producer.shutdown()
-    delivered = await _delivered(b.namesrv, TOPIC)
+    delivered = await _bodies(b.namesrv, TOPIC)
     assert sorted(delivered) == sorted(f"half-{i}".encode() for i in range(HALVES))
     assert f"topic {TOPIC} was missing from" in b.log()
     assert "made again for a new message in its consume queue" in b.log()
@@ -163,7 +136,7 @@ async def test_topic_of_delayed_messages_only_survives_kill_before_catalogue_wri
     want = sorted(f"d-{i}".encode() for i in range(HALVES))
     while True:                 # delivered 10 s after their store time; until then the topic is unknown
         try:
-            got = sorted(await _delivered(b.namesrv, "DelayedBornInCrash"))
+            got = sorted(await _bodies(b.namesrv, "DelayedBornInCrash"))
         except TopicNotExistError:
             got = []
         if got == want:

@@ -201,6 +201,22 @@ async def test_a_check_record_naming_a_client_id_with_a_nul_survives_a_restart_p
     assert cuts == 0 and pending == [], broker.log()
 
 
+async def _sent_and_stopped(store, prefix: str, count: int = SENT) -> list:
+    """A broker on ``store`` takes ``count`` messages (``prefix``-i, tag TagA, key-i) and stops cleanly;
+    their send results."""
+    broker = BrokerProcess(store).start()
+    try:
+        producer = Producer(broker.namesrv, "PG_torn", retries=0)
+        await producer.start()
+        try:
+            return [await producer.send(TOPIC, f"{prefix}-{i}".encode(), tags="TagA", keys=f"key-{i}")
+                    for i in range(count)]
+        finally:
+            await producer.shutdown()
+    finally:
+        assert broker.stop() == 0
+
+
 def _older_brokers_nul(store) -> None:
     """Make the last record one an older txmq stored (it took a NUL in a property value, as RocketMQ does):
     its KEYS value's last character becomes a NUL (no CRC covers it), and the store loses the nul_free_from
@@ -224,17 +240,7 @@ async def test_a_nul_an_older_broker_stored_in_properties_is_delivered_after_the
     # message was refused on every verified read (RECORD_CORRUPT: the queue stuck at it) and, after a crash
     # of the older broker (its checkpoint behind it), cut at the upgraded broker's start.
     store = tmp_path / "store"
-    broker = BrokerProcess(store).start()
-    try:
-        producer = Producer(broker.namesrv, "PG_torn", retries=0)
-        await producer.start()
-        try:
-            for i in range(SENT):
-                await producer.send(TOPIC, f"old-{i}".encode(), tags="TagA", keys=f"key-{i}")
-        finally:
-            await producer.shutdown()
-    finally:
-        assert broker.stop() == 0
+    await _sent_and_stopped(store, "old")
     _older_brokers_nul(store)
     if crashed:
         os.unlink(store / "checkpoint")
@@ -255,17 +261,7 @@ async def test_a_slave_keeps_its_masters_record_with_a_nul_across_a_crash(tmp_pa
     # stored with a NUL in a property value was read by the slave's next start, past its checkpoint, as torn,
     # and with records after it the slave refused to start ("damaged in the middle").
     master_store, slave_store = tmp_path / "master", tmp_path / "slave"
-    broker = BrokerProcess(master_store).start()
-    try:
-        producer = Producer(broker.namesrv, "PG_torn", retries=0)
-        await producer.start()
-        try:
-            for i in range(SENT):
-                await producer.send(TOPIC, f"old-{i}".encode(), tags="TagA", keys=f"key-{i}")
-        finally:
-            await producer.shutdown()
-    finally:
-        assert broker.stop() == 0
+    await _sent_and_stopped(master_store, "old")
     _older_brokers_nul(master_store)
 
     master = BrokerProcess(master_store, "--broker-role", "SYNC_MASTER", "--ha-port", "0",
@@ -315,16 +311,7 @@ async def test_a_send_back_does_not_copy_an_older_brokers_nul_past_nul_free_from
     # end (a retry, a scheduled delivery, a commit): past nul_free_from it reads as torn at the next start after
     # a crash -- cut if last, the start refused if anything follows.
     store = tmp_path / "store"
-    broker = BrokerProcess(store).start()
-    try:
-        producer = Producer(broker.namesrv, "PG_torn", retries=0)
-        await producer.start()
-        try:
-            res = await producer.send(TOPIC, b"old", tags="TagA", keys="key-0")
-        finally:
-            await producer.shutdown()
-    finally:
-        assert broker.stop() == 0
+    [res] = await _sent_and_stopped(store, "old", 1)
     _older_brokers_nul(store)
     offset = decode_offset_msg_id(res.offset_msg_id)[2]
 
