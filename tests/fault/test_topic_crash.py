@@ -18,12 +18,11 @@ import pytest
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
-from protocol.command import RemotingCommand
-from protocol.connection import open_connection
 from protocol.errors import TopicNotExistError
 from tests.fault.test_disk_full import _bodies
 from tests.fault.test_transactions_kill import _pending
 from tests.support.bounded import bounded
+from tests.support.cluster_process import request
 
 pytestmark = [pytest.mark.asyncio]
 
@@ -80,15 +79,6 @@ async def test_topic_of_halves_only_survives_kill_before_catalogue_write(broker_
     assert "made again for a new message in its consume queue" in b.log()
 
 
-async def _request(addr, code, fields):
-    host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port))
-    try:
-        return await conn.request(RemotingCommand.request(code, fields), 5)
-    finally:
-        conn.close()
-
-
 @pytest.mark.parametrize("flush", ["sync", "async"])
 @bounded(60)
 async def test_deleted_topic_is_not_restored_by_recovery(broker_factory, tmp_path, flush):
@@ -104,12 +94,12 @@ async def test_deleted_topic_is_not_restored_by_recovery(broker_factory, tmp_pat
             await producer.send("TxDeleted", f"m-{i}".encode())
     finally:
         await producer.shutdown()
-    resp = await _request(b.broker, RequestCode.DELETE_TOPIC_IN_BROKER, {"topic": "TxDeleted"})
+    resp = await request(b.broker, RequestCode.DELETE_TOPIC_IN_BROKER, {"topic": "TxDeleted"})
     assert resp.code == ResponseCode.SUCCESS, resp.remark
     b.kill()
     shutil.rmtree(tmp_path / "store" / "config" / "topics.json.tmp")
     b = await asyncio.to_thread(broker_factory, *flags)
-    resp = await _request(b.broker, RequestCode.GET_ALL_TOPIC_CONFIG, {})
+    resp = await request(b.broker, RequestCode.GET_ALL_TOPIC_CONFIG, {})
     assert resp.code == ResponseCode.SUCCESS
     assert b"TxDeleted" not in resp.body_bytes()
     assert "TxDeleted was missing" not in b.log()

@@ -19,11 +19,10 @@ from broker.store.manifest import NUL_FREE_FILE
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
-from protocol.command import RemotingCommand
-from protocol.connection import open_connection
 from protocol.errors import ResponseError
 from protocol.message import decode_offset_msg_id
 from tests.support.bounded import bounded
+from tests.support.cluster_process import request
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -61,18 +60,9 @@ class Listener:
             await self.changed.wait()
 
 
-async def _admin(b, code: int, fields: dict | None = None):
-    host, _, port = b.broker.rpartition(":")
-    conn = await open_connection(host, int(port))
-    try:
-        return await conn.request(RemotingCommand.request(code, fields), 5)
-    finally:
-        conn.close()
-
-
 async def _listed(b) -> dict:
     """`python -m broker admin list`: {"pending": rows, "total": n, "dead_lettered": n}."""
-    return json.loads((await _admin(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10000})).body_bytes())
+    return json.loads((await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10000})).body_bytes())
 
 
 async def _metric(b, name: str, label: str = "") -> float:

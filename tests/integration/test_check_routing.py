@@ -21,6 +21,7 @@ from protocol.connection import open_connection
 from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, decode_record, properties_to_string
 from protocol.txlog import P_OWNER
 from tests.support.bounded import bounded
+from tests.support.cluster_process import request
 
 pytestmark = pytest.mark.asyncio
 
@@ -224,15 +225,6 @@ class Unknowing(Listener):
         return S.UNKNOW
 
 
-async def _request(b, code: int, fields: dict) -> RemotingCommand:
-    host, _, port = b.broker.rpartition(":")
-    conn = await open_connection(host, int(port))
-    try:
-        return await conn.request(RemotingCommand.request(code, fields), 5)
-    finally:
-        conn.close()
-
-
 @bounded(90)
 async def test_a_resumed_dead_letter_is_asked_of_its_sender(broker_factory):
     """A dead-lettered transaction resumed by an operator (`admin resume`) was rebuilt from its half alone, which
@@ -244,11 +236,11 @@ async def test_a_resumed_dead_letter_is_asked_of_its_sender(broker_factory):
         sent = await producer.send_in_transaction(TOPIC, b"order 1")
         await sender.until_asked(1)
         while True:         # unanswered past its one check: dead-lettered (no event says so but the admin view)
-            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
             if json.loads(listed.body_bytes())["dead_lettered"]:
                 break
             await asyncio.sleep(0.05)
-        resumed = await _request(b, RequestCode.TXMQ_RESUME_TRANSACTION,
+        resumed = await request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION,
                                  {"commitLogOffset": decode_offset_msg_id(sent.send_result.offset_msg_id)[2]})
         assert resumed.code == ResponseCode.SUCCESS, resumed.remark
         await sender.until_asked(2)                 # asked again at once: resumed, it is due
@@ -287,7 +279,7 @@ async def test_a_half_near_the_properties_limit_is_dead_lettered_with_its_sender
         half = decode_record(viewed.body_bytes())[0]
         assert half.properties["TXMQ_OWNER"] == "10.0.0.7@4242"      # the mark fitted the half
         while True:         # checked once, unanswered: dead-lettered (no event says so but the admin view)
-            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
             if json.loads(listed.body_bytes())["dead_lettered"]:
                 break
             assert "could not dead-letter" not in b.log(), b.log()[-2000:]
@@ -355,7 +347,7 @@ async def test_a_half_whose_properties_leave_its_dead_letter_no_room_is_dead_let
                                                           b"order 1"), 5)
         assert sent.code == ResponseCode.SUCCESS, sent.remark
         while True:         # checked once, unanswered: dead-lettered (no event says so but the admin view)
-            listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
             if json.loads(listed.body_bytes())["dead_lettered"]:
                 break
             assert "could not dead-letter" not in b.log(), b.log()[-2000:]
