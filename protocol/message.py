@@ -583,15 +583,13 @@ def retopic_record(buf, *, topic: bytes, queue_id: int, transaction_type: int, p
     out = bytearray(buf[:body_end])
     out.append(len(topic))
     out += topic
-    props_end = n
-    if drop_last is not None:
-        props = bytes(buf[props_start + 2:n])
-        cut = props.rfind(b"\x02")
-        if cut >= 0 and props.startswith(drop_last + b"\x01", cut + 1):
-            props_end = props_start + 2 + cut
-    out += buf[props_start:props_end]
-    if props_end != n:
-        _I16.pack_into(out, len(out) - (props_end - props_start), props_end - props_start - 2)
+    props_at = len(out)             # PROPERTIESLENGTH in ``out``
+    out += buf[props_start:n]
+    if drop_last is not None:       # searched in the copy made anyway: no second copy of the properties
+        cut = out.rfind(b"\x02", props_at + 2)
+        if cut >= 0 and out.startswith(drop_last + b"\x01", cut + 1):
+            del out[cut:]
+            _I16.pack_into(out, props_at, len(out) - props_at - 2)
     _I32.pack_into(out, 0, len(out))
     _I32.pack_into(out, 12, queue_id)
     _I64.pack_into(out, POS_QUEUE_OFFSET, 0)

@@ -117,7 +117,7 @@ def plain_owner(owner: str) -> bool:
     """True when ``owner`` (a client id) can be written as TXMQ_OWNER (see check_extra); the broker keeps no other
     ones across a restart either (its snapshot), so a client cannot make that grow by the name it gives itself."""
     return (bool(owner) and len(owner) <= OWNER_MAX and "\x01" not in owner and "\x02" not in owner
-            and "\x00" not in owner and _encodes(owner))
+            and "\x00" not in owner and (owner.isascii() or _encodes(owner)))
 
 
 def _encodes(text: str) -> bool:

@@ -100,6 +100,7 @@ class MessageStore:
         self._check_below = 0       # pulls check the body CRC of records below this offset (set by open)
         # records from here on hold no NUL in topic or properties (set by open; before it, an older broker's)
         self._nul_free_from = 0
+        self._written_from = (1 << 63) - 1
         self._corrupt_seen: set[tuple[int, str]] = set()
 
     # ---------------------------------------------------------- lifecycle
@@ -148,6 +149,7 @@ class MessageStore:
                 nul_free_from = self.report.end_offset
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
+            self._written_from = self.report.end_offset     # what this process writes (verified_record)
             if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
@@ -529,10 +531,21 @@ class MessageStore:
 
         Before nul_free_from a NUL in the properties is an older broker's data and is served; ``copy`` (the
         record is re-written at the log's end, past nul_free_from) refuses it all the same: copied, it would
-        be read as a torn record at the next start after a crash (cut, or the start refused)."""
+        be read as a torn record at the next start after a crash (cut, or the start refused).
+
+        A record this process wrote, past nul_free_from (its properties were refused a NUL when sent), has its
+        body CRC checked only, also for a copy: a COMMIT's read of a half sent since start-up costs what it did
+        before the NUL scan, which such a record fails only by damage at rest in the running broker's own pages,
+        which its pulls are not guarded against either. A record from before start-up is scanned as ever: the
+        crash recovery cuts torn records only past the checkpoint, so one zeroed before it reaches the reads."""
         view = self._log.record(physical_offset)
-        if view is not None and not (record_intact(view, 0, len(view)) if copy
-                                     else self._intact(view, 0, len(view), physical_offset)):
+        if view is None:
+            return None
+        if physical_offset >= self._written_from and physical_offset >= self._nul_free_from:
+            ok = body_crc_ok(view, 0, len(view))
+        else:
+            ok = record_intact(view, 0, len(view)) if copy else self._intact(view, 0, len(view), physical_offset)
+        if not ok:
             raise self.corrupt_record(physical_offset, reader)
         return view
 
