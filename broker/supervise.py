@@ -71,16 +71,31 @@ class LoopLag:
         gauge.set_function(self.current)
 
     async def run(self) -> None:
+        """Measure until cancelled. A timer callback, not a task that sleeps: it runs 1/interval times a
+        second for the broker's whole life, and a task's wake-up (a future, a timer and a step each time)
+        was most of an idle broker's CPU."""
+        loop = asyncio.get_running_loop()
         clock = time.perf_counter
-        sleep = asyncio.sleep
         interval = self.interval
+        failed = loop.create_future()       # record() raised: the supervisor sees it as a crash
+        handle = None
+
+        def tick() -> None:
+            nonlocal handle
+            try:
+                self.record(max(0.0, clock() - self._due))
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting task, never lost
+                failed.set_exception(exc)
+                return
+            self._due = clock() + interval
+            handle = loop.call_later(interval, tick)
+
+        self._due = clock() + interval
+        handle = loop.call_later(interval, tick)
         try:
-            while True:
-                expected = self._due = clock() + interval
-                await sleep(interval)
-                lag = max(0.0, clock() - expected)
-                self.record(lag)
+            await failed
         finally:
+            handle.cancel()
             self._due = None        # stopped (the broker is stopping): not a stall
 
     def current(self) -> float:
