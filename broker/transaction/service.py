@@ -528,14 +528,21 @@ class TransactionService:
         group's other producers could answer. Nor is it asked once it unregistered the group
         (UNREGISTER_CLIENT) on a connection that stays open: as RocketMQ's ProducerManager, only producers still
         in the group are asked (a Java client ignores a check for a group it has left, and the transaction was
-        checked to its limit and dead-lettered while another producer was never asked)."""
+        checked to its limit and dead-lettered while another producer was never asked).
+
+        A client id is only what a heartbeat says: several live producers may give the sender's (instances
+        sharing an address and an instance name, containers whose process id is 1, or a hostile one). Which of
+        them sent the half is then not known, so each check asks the next of them in turn, and the one found is
+        not kept as the sender: the first to register took every check, and one that answered UNKNOWN (it never
+        began the transaction) had it checked to its limit and dead-lettered while the instance that did, back
+        on a new connection, was never asked."""
         owner = tx.owner
         if owner is None or not getattr(owner, "is_open", False):
             owner_id = sender_id(tx)
-            owner = next((ch.conn for ch in channels if ch.client_id == owner_id), None) if owner_id else None
-            if owner is None:
+            claimants = [ch.conn for ch in channels if ch.client_id == owner_id] if owner_id else []
+            if not claimants:
                 return None, "sender-gone" if owner_id else "sender-unknown"
-            tx.owner = owner
+            owner = claimants[tx.checks % len(claimants)]
         if self.ctx.clients.left_group(owner, tx.group):
             return None, "sender-left"
         return owner, ""

@@ -1,0 +1,116 @@
+"""A misbehaving producer must not take other producers' transaction checks or decisions.
+
+Raw connections play the producers (hand-made heartbeats and END_TRANSACTION answers), so the test chooses
+each one's client id and answer; every wait is for an event (a check arriving, a reply), bounded by the
+test's deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from protocol.codes import RequestCode, ResponseCode, SysFlag
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import Prop, SendMessageRequestHeader, properties_to_string
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+TOPIC = "HostileChecks"
+GROUP = "PG_hostile"
+COMMIT, UNKNOWN = 8, 0
+CHECK_MAX = 6
+
+
+def _heartbeat(client_id: str) -> RemotingCommand:
+    body = {"clientID": client_id, "producerDataSet": [{"groupName": GROUP}], "consumerDataSet": []}
+    return RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(body).encode())
+
+
+class Answering:
+    """A producer connection's handler: answers every check it is sent with ``state``, once ``ready`` is set."""
+
+    def __init__(self, state: int, ready: asyncio.Event | None = None):
+        self.state = state
+        self.ready = ready
+        self.asked = 0
+        self.changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    def __call__(self, conn, cmd):
+        if cmd.code != RequestCode.CHECK_TRANSACTION_STATE:
+            return None
+        self.asked += 1
+        self.changed.set()
+        task = asyncio.get_running_loop().create_task(self._answer(conn, dict(cmd.ext_fields)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return None
+
+    async def _answer(self, conn, fields: dict) -> None:
+        if self.ready is not None:
+            await self.ready.wait()
+        conn.oneway(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+            "producerGroup": GROUP, "tranStateTableOffset": fields["tranStateTableOffset"],
+            "commitLogOffset": fields["commitLogOffset"], "commitOrRollback": str(self.state),
+            "fromTransactionCheck": "true", "msgId": fields["msgId"]}))
+
+
+async def _until(*conditions) -> None:
+    """Until one of ``conditions`` ((handler, predicate) pairs) holds, woken by the handlers' checks."""
+    while not any(pred(h) for h, pred in conditions):
+        waits = [asyncio.ensure_future(h.changed.wait()) for h, _ in conditions]
+        for h, _ in conditions:
+            h.changed.clear()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+
+
+@bounded(90)
+async def test_a_producer_reusing_the_senders_client_id_does_not_take_every_check_of_its_halves(broker_factory):
+    """The sender's connection closed and it came back on a new one; meanwhile another live producer had
+    registered under the same client id (a second container whose process id is 1 too, or a hostile one).
+    Checks went to the first of them to register, every time: it answered UNKNOWN (it never began the
+    transaction), which kept it "the sender", and the transaction was checked to its limit and dead-lettered
+    while the instance that had committed it was never asked. Now each producer claiming the sender's id is
+    asked in turn, and the transaction is committed."""
+    b = broker_factory("--transaction-check-interval-ms", "500", "--transaction-timeout-ms", "1000",
+                       "--transaction-check-max", str(CHECK_MAX))
+    host, _, port = b.broker.rpartition(":")
+    same_id = "10.0.0.7@1"
+    registered = asyncio.Event()        # the real sender is back: only then does the hostile one answer
+    hostile_answers, real_answers = Answering(UNKNOWN, registered), Answering(COMMIT)
+    sender = await open_connection(host, int(port))
+    hostile = await open_connection(host, int(port), hostile_answers)
+    real = None
+    try:
+        created = await sender.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        assert (await sender.request(_heartbeat(same_id), 5)).code == ResponseCode.SUCCESS
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+        sent = await sender.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                            b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        sender.close()                  # its process restarts ...
+        assert (await hostile.request(_heartbeat(same_id), 5)).code == ResponseCode.SUCCESS
+        real = await open_connection(host, int(port), real_answers)      # ... and is back, under its id
+        assert (await real.request(_heartbeat(same_id), 5)).code == ResponseCode.SUCCESS
+        registered.set()
+        await _until((real_answers, lambda a: a.asked >= 1), (hostile_answers, lambda a: a.asked >= CHECK_MAX))
+        assert real_answers.asked >= 1, \
+            f"the hostile producer was asked all {hostile_answers.asked} checks; the sender none\n{b.log()}"
+        pulled = await real.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_reader", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+            "sysFlag": 2 | 4, "commitOffset": 0, "suspendTimeoutMillis": 20000, "subscription": "*",
+            "subVersion": 0, "expressionType": "TAG"}), 25)       # long-polls until the commit is stored
+        assert pulled.code == ResponseCode.SUCCESS, pulled.remark
+    finally:
+        for conn in (sender, hostile, real):
+            if conn is not None:
+                conn.close()
