@@ -258,7 +258,7 @@ class TransactionCore:
         if tx is None:
             earlier = self.decided(half_offset)
             if earlier is None:
-                return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "refused")
+                return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "no-half")
             # A decided half is held to the same checks as an undecided one (RocketMQ's checkPrepareMessage reads
             # the half whatever became of it): another group's END was answered as if it were the producer's.
             half = self.half_of(half_offset) if self.half_of is not None else None

@@ -332,6 +332,12 @@ class TransactionService:
         if reply.event == "not-its-half":   # another group's END, or a wrong offset: refused, counted by reason
             metrics.refused.labels("end-not-its-half").inc()
             return
+        if reply.event == "no-half":
+            # No half stored at the offset it names (a normal message's, an op record's, past the log's end, or a
+            # half retention removed): a stock client's oneway END is never answered, so the decision it carried
+            # was lost with only a log line; counted, a producer ending transactions it cannot have is seen.
+            metrics.refused.labels("end-no-half").inc()
+            return
         counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates,
                    "conflict": metrics.conflicts}.get(reply.event)
         if counter is not None:

@@ -14,7 +14,7 @@ import pytest
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import Prop, SendMessageRequestHeader, properties_to_string
+from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, properties_to_string
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -114,3 +114,62 @@ async def test_a_producer_reusing_the_senders_client_id_does_not_take_every_chec
         for conn in (sender, hostile, real):
             if conn is not None:
                 conn.close()
+
+
+async def _send(conn, body: bytes, transactional: bool = True):
+    props = {Prop.PGROUP: GROUP, **({Prop.TRAN_MSG: "true"} if transactional else {})}
+    h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, properties=properties_to_string(props),
+                                 sys_flag=SysFlag.TRANSACTION_PREPARED if transactional else 0)
+    sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False), body), 5)
+    assert sent.code == ResponseCode.SUCCESS, sent.remark
+    return decode_offset_msg_id(sent.ext_fields["msgId"])[2], int(sent.ext_fields["queueOffset"])
+
+
+async def _end(conn, offset, table_offset, state: int = COMMIT, group: str = GROUP, from_check: bool = False):
+    reply = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+        "producerGroup": group, "tranStateTableOffset": str(table_offset), "commitLogOffset": str(offset),
+        "commitOrRollback": str(state), "fromTransactionCheck": str(from_check).lower(), "msgId": "not-its-id"}), 5)
+    return reply.code, reply.remark
+
+
+@bounded(60)
+async def test_an_end_naming_no_half_is_refused_decides_nothing_and_is_counted(broker_factory):
+    """An END whose commitLogOffset is not a half's (a normal message's, a committed message's, an op record's,
+    past the log's end, negative, inside a half) is refused as RocketMQ refuses it, and decides nothing. It was
+    only logged: a stock client sends END oneway and is never answered, so a producer ending transactions it
+    cannot have (its decisions lost) showed on no dashboard. Now counted,
+    txmq_requests_refused_total{reason="end-no-half"}."""
+    b = broker_factory()
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        created = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        committed, committed_q = await _send(conn, b"committed")
+        pending, pending_q = await _send(conn, b"pending")
+        normal, _ = await _send(conn, b"normal", transactional=False)
+        assert (await _end(conn, committed, committed_q))[0] == ResponseCode.SUCCESS
+        stored = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": TOPIC,
+                                                                                         "queueId": 0}), 5)
+        assert stored.ext_fields["offset"] == "2"            # the normal message and the committed one
+        no_half = "Find prepared transaction message failed"
+        for offset in (normal, pending + 1, 1 << 40, -1):
+            assert await _end(conn, offset, pending_q) == (ResponseCode.SYSTEM_ERROR, no_half), offset
+        # the right half named with another's table offset, or by another group: not its half
+        assert await _end(conn, pending, committed_q) == (ResponseCode.SYSTEM_ERROR,
+                                                          "The transaction state table offset wrong")
+        assert await _end(conn, pending, pending_q, group="PG_other", from_check=True) == (
+            ResponseCode.SYSTEM_ERROR, "The producer group wrong")
+        listed = await conn.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, None), 5)
+        assert [row["commit_log_offset"] for row in json.loads(listed.body_bytes())["pending"]] == [pending]
+        stored = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": TOPIC,
+                                                                                         "queueId": 0}), 5)
+        assert stored.ext_fields["offset"] == "2"            # nothing more was committed
+    finally:
+        conn.close()
+    import urllib.request
+    scraped = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
+    assert 'txmq_requests_refused_total{reason="end-no-half"} 4.0' in scraped
+    assert 'txmq_requests_refused_total{reason="end-not-its-half"} 2.0' in scraped
