@@ -494,7 +494,7 @@ class TransactionService:
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):
         """The producer that sent the half first, else one of its group, in turn, that has room for another
-        check (fewer than ``transaction_check_in_flight_max`` unanswered, reading what is sent to it, and
+        check (fewer than ``transaction_check_in_flight_max`` of the group unanswered, reading what is sent to it, and
         this slice's checks to it under a quarter of ``max_write_buffer``); None if no producer of the group
         is here, BUSY if none has room. A check that goes to another producer than the sender says why in
         ``tx.rerouted`` (counted once sent: txmq_transaction_checks_rerouted_total).
@@ -509,7 +509,7 @@ class TransactionService:
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
         if owner is not None and (not tx.unanswered or not channels):
-            if self._has_room(owner, size):
+            if self._has_room(owner, tx.group, size):
                 return self._take(tx, owner, size, "")
             why = "sender-busy"
         elif owner is not None:
@@ -519,7 +519,7 @@ class TransactionService:
         for _ in range(len(channels)):
             self._rr += 1
             conn = channels[self._rr % len(channels)].conn
-            if self._has_room(conn, size):
+            if self._has_room(conn, tx.group, size):
                 return self._take(tx, conn, size, "" if conn is owner else why)
         return BUSY
 
@@ -562,11 +562,11 @@ class TransactionService:
         tx.rerouted = rerouted
         return conn
 
-    def _has_room(self, conn, size: int = 0) -> bool:
+    def _has_room(self, conn, group: str, size: int = 0) -> bool:
         # A producer that stopped reading would have the checks pile up unread until the unread-reply cap closes
         # it: every one of them spent, none answered. Nor may one slice queue more than the cap allows: 256
         # checks of 1 MB messages (196 MB) had a producer that reads closed at once, every check lost.
-        if self.core.in_flight(conn) >= self.check_cap or getattr(conn, "writing_paused", False):
+        if self.core.in_flight(conn, group) >= self.check_cap or getattr(conn, "writing_paused", False):
             return False
         queued = self._slice_bytes.get(conn, 0) + getattr(conn, "unsent_bytes", 0)
         return queued == 0 or queued + size <= self._check_bytes
@@ -578,7 +578,7 @@ class TransactionService:
         if not channels:
             return None
         in_flight = self.core.in_flight
-        return sum(max(0, self.check_cap - in_flight(ch.conn))
+        return sum(max(0, self.check_cap - in_flight(ch.conn, group))
                    for ch in channels if not getattr(ch.conn, "writing_paused", False))
 
     def producer_joined(self, group: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, properties_to_string
+from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, decode_record, properties_to_string
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -173,3 +173,62 @@ async def test_an_end_naming_no_half_is_refused_decides_nothing_and_is_counted(b
         lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
     assert 'txmq_requests_refused_total{reason="end-no-half"} 4.0' in scraped
     assert 'txmq_requests_refused_total{reason="end-not-its-half"} 2.0' in scraped
+
+
+class PerGroup:
+    """One connection's handler for a process with producers of two groups: checks of ``hung`` are never
+    answered (its listener is stuck), the others are committed."""
+
+    def __init__(self, hung: str):
+        self.hung = hung
+        self.asked: dict[str, int] = {}
+        self.changed = asyncio.Event()
+
+    def __call__(self, conn, cmd):
+        if cmd.code != RequestCode.CHECK_TRANSACTION_STATE:
+            return None
+        group = decode_record(cmd.body)[0].properties[Prop.PGROUP]
+        self.asked[group] = self.asked.get(group, 0) + 1
+        self.changed.set()
+        if group != self.hung:
+            conn.oneway(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": group, "tranStateTableOffset": cmd.ext_fields["tranStateTableOffset"],
+                "commitLogOffset": cmd.ext_fields["commitLogOffset"], "commitOrRollback": str(COMMIT),
+                "fromTransactionCheck": "true", "msgId": cmd.ext_fields["msgId"]}))
+        return None
+
+
+@bounded(90)
+async def test_one_groups_unanswered_checks_do_not_starve_another_group_on_the_same_connection(broker_factory):
+    """A Java process shares one connection between its producers, and each producer queues its own checks
+    (checkRequestHoldMax, 2000 a producer). The cap of unanswered checks was the connection's: a group whose
+    listener hung held all of it, and another group's transactions on that connection waited for a slot
+    for ever (each time the hung group's checks came due again they took the slots back first), never
+    checked, never dead-lettered, counted nowhere. The cap is now a connection's per producer group."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1000",
+                       "--transaction-check-in-flight-max", "1", "--transaction-check-max", "1000")
+    host, _, port = b.broker.rpartition(":")
+    handler = PerGroup(hung="PG_stuck")
+    conn = await open_connection(host, int(port), handler)
+    try:
+        created = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        body = {"clientID": "10.0.0.8@app", "consumerDataSet": [],
+                "producerDataSet": [{"groupName": "PG_stuck"}, {"groupName": GROUP}]}
+        beat = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(body).encode()), 5)
+        assert beat.code == ResponseCode.SUCCESS, beat.remark
+        for group in ("PG_stuck", GROUP):       # the stuck group's half first: it is due first
+            h = SendMessageRequestHeader(group, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                         properties=properties_to_string({Prop.TRAN_MSG: "true",
+                                                                          Prop.PGROUP: group}))
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                              group.encode()), 5)
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+        # the stuck group asked again and again (its check lost each time it comes due): the other had its turns
+        while not handler.asked.get(GROUP) and handler.asked.get("PG_stuck", 0) < 4:
+            handler.changed.clear()
+            await handler.changed.wait()
+        assert handler.asked.get(GROUP), f"{GROUP} was never checked: {handler.asked}\n{b.log()}"
+    finally:
+        conn.close()
