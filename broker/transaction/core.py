@@ -76,6 +76,7 @@ class Tx:
     deciding: str | None = None  # the decision being written
     owner: object = None         # the producer connection that sent the half (opaque here)
     owner_id: str = ""
+    asked_seq: int = 0           # its sender's connection gone: the claimant of its id last asked (Channel.seq)
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
     check_channel: object = None  # where its check went: it holds one of that channel's check slots (in_flight)
     rerouted: str = ""           # why its check went to another producer than its sender ("": to the sender)

@@ -514,6 +514,8 @@ class TransactionService:
         size = self._check_size(tx)
         if owner is not None and (not tx.unanswered or not channels):
             if self._has_room(owner, tx.group, size):
+                if owner is not tx.owner:   # a claimant of its sender's id: the next check asks the next one
+                    tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
                 return self._take(tx, owner, size, "")
             why = "sender-busy"
         elif owner is not None:
@@ -545,14 +547,18 @@ class TransactionService:
         them sent the half is then not known, so each check asks the next of them in turn, and the one found is
         not kept as the sender: the first to register took every check, and one that answered UNKNOWN (it never
         began the transaction) had it checked to its limit and dead-lettered while the instance that did, back
-        on a new connection, was never asked."""
+        on a new connection, was never asked. The newest of them is asked first (the sender, back on a new
+        connection, registered last), then the others from the oldest, each once a round (``tx.asked_seq``,
+        their order of registration, so one joining or leaving meanwhile skips nobody): asked from the oldest
+        at ``checks % claimants``, those registered first took every check left and the transaction was
+        dead-lettered before the sender's turn came."""
         owner = tx.owner
         if owner is None or not getattr(owner, "is_open", False):
             owner_id = sender_id(tx)
-            claimants = [ch.conn for ch in channels if ch.client_id == owner_id] if owner_id else []
-            if not claimants:
+            claimant = _claimant(tx, channels, owner_id) if owner_id else None
+            if claimant is None:
                 return None, "sender-gone" if owner_id else "sender-unknown"
-            owner = claimants[tx.checks % len(claimants)]
+            owner = claimant.conn
         if self.ctx.clients.left_group(owner, tx.group):
             return None, "sender-left"
         return owner, ""
@@ -782,6 +788,22 @@ class TransactionService:
                 continue
             done.append(off)
         return done, failed
+
+
+def _claimant(tx: Tx, channels, owner_id: str):
+    """The channel of the producer claiming ``owner_id`` to ask next about ``tx`` (see TransactionService._sender):
+    the newest first, then from the oldest in the order they registered, after the one asked last."""
+    claimants = [ch for ch in channels if ch.client_id == owner_id]
+    if not claimants:
+        return None
+    newest = max(claimants, key=_seq)
+    if not tx.asked_seq or tx.asked_seq >= newest.seq:
+        return newest if not tx.asked_seq else min(claimants, key=_seq)
+    return min((ch for ch in claimants if ch.seq > tx.asked_seq), key=_seq)
+
+
+def _seq(ch) -> int:
+    return ch.seq
 
 
 def dumps(obj) -> bytes:

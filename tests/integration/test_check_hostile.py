@@ -232,3 +232,47 @@ async def test_one_groups_unanswered_checks_do_not_starve_another_group_on_the_s
         assert handler.asked.get(GROUP), f"{GROUP} was never checked: {handler.asked}\n{b.log()}"
     finally:
         conn.close()
+
+
+@bounded(90)
+async def test_the_sender_back_under_its_id_is_asked_even_when_more_producers_claim_it_than_checks_remain(
+        broker_factory):
+    """Several producers registered under the sender's client id before its connection closed (containers
+    sharing an address with a process id of 1, or hostile ones), then the sender came back on a new connection:
+    the newest registration of the id. Asked in the order they registered, one a check, the ones registered
+    first took every check left (each answering UNKNOWN) and the transaction was dead-lettered before the
+    sender's turn came. The newest claimant is asked first, then the others in turn."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "3000",
+                       "--transaction-check-max", "3")
+    host, _, port = b.broker.rpartition(":")
+    same_id = "10.0.0.9@1"
+    hostile = [Answering(UNKNOWN) for _ in range(3)]
+    real_answers = Answering(COMMIT)
+    conns = []
+    try:
+        sender = await open_connection(host, int(port))
+        conns.append(sender)
+        created = await sender.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        assert (await sender.request(_heartbeat(same_id), 5)).code == ResponseCode.SUCCESS
+        await _send(sender, b"order 2")
+        # within the half's immunity (3 s): the claimants register, the sender restarts and is back, last
+        for handler in (*hostile, real_answers):
+            conn = await open_connection(host, int(port), handler)
+            conns.append(conn)
+            assert (await conn.request(_heartbeat(same_id), 5)).code == ResponseCode.SUCCESS
+            if handler is hostile[-1]:
+                sender.close()
+        await _until((real_answers, lambda a: a.asked >= 1),
+                     *((h, lambda _a: sum(x.asked for x in hostile) >= 3) for h in hostile))
+        assert real_answers.asked >= 1, \
+            f"the other claimants were asked {[h.asked for h in hostile]}; the sender none\n{b.log()}"
+        pulled = await conns[-1].request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_reader", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+            "sysFlag": 2 | 4, "commitOffset": 0, "suspendTimeoutMillis": 20000, "subscription": "*",
+            "subVersion": 0, "expressionType": "TAG"}), 25)       # long-polls until the commit is stored
+        assert pulled.code == ResponseCode.SUCCESS, pulled.remark
+    finally:
+        for conn in conns:
+            conn.close()

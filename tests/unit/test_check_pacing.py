@@ -279,3 +279,28 @@ async def test_only_an_answer_that_frees_a_check_slot_wakes_a_check_pass(tmp_pat
         assert woken == [True]
     finally:
         await ctx.store._store.close()
+
+
+def test_the_claimants_of_a_senders_id_are_asked_newest_first_then_each_once_a_round():
+    """The sender back on a new connection registered last: asked first. Then the others in the order they
+    registered, each once a round, also when one joins or leaves between two checks (nobody skipped)."""
+    from types import SimpleNamespace
+
+    from broker.transaction.service import _claimant
+
+    def ch(seq, cid="ID"):
+        return SimpleNamespace(seq=seq, client_id=cid, conn=f"c{seq}")
+
+    tx = SimpleNamespace(asked_seq=0)
+    channels = [ch(1), ch(2, "other"), ch(3), ch(4)]
+    order = []
+    for _ in range(6):
+        picked = _claimant(tx, channels, "ID")
+        order.append(picked.seq)
+        tx.asked_seq = picked.seq
+        if len(order) == 2:
+            channels.append(ch(7))      # a claimant joins between two checks: asked in this round
+        if len(order) == 3:
+            channels.remove(channels[2])    # the one asked (seq 3) leaves: the round goes on from it
+    assert order == [4, 1, 3, 4, 7, 1]
+    assert _claimant(tx, channels, "nobody") is None
