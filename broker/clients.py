@@ -30,6 +30,7 @@ class Channel:
     language: int = 0
     version: int = 0
     last_seen_ms: int = 0
+    seq: int = 0                     # the order its connection joined the group in (producers: ClientRegistry._joins)
 
     @property
     def alive(self) -> bool:
@@ -232,6 +233,7 @@ class ClientRegistry:
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
         self._left: dict[object, dict[str, None]] = {}
         self._locks_swept = clock()
+        self._joins = 0                           # producer registrations ever made: each Channel's seq
 
     # ------------------------------------------------------------ heartbeat
     def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
@@ -299,7 +301,8 @@ class ClientRegistry:
         channels = self.producers.setdefault(group, {})
         ch = channels.get(conn)
         if ch is None:
-            channels[conn] = Channel(conn, client_id, language, version, now or self.clock())
+            self._joins += 1
+            channels[conn] = Channel(conn, client_id, language, version, now or self.clock(), self._joins)
             self._joined(conn, self._producing, group)
             if self.on_new_producer is not None:    # e.g. its deferred transactions are checked now
                 self.on_new_producer(group)

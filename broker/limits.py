@@ -88,10 +88,14 @@ class Limits:
         """Count a refusal; ``warning`` says it in the log, at most every _GATE_LOG_INTERVAL_S for one reason."""
         self.metrics.refused.labels(reason).inc()
         if warning is not None:
-            now = self.monotonic()
-            if now - self._warned.get(reason, -_GATE_LOG_INTERVAL_S) >= _GATE_LOG_INTERVAL_S:
-                self._warned[reason] = now
-                log.warning("%s (logged at most every %d s)", warning, _GATE_LOG_INTERVAL_S)
+            self.warn(reason, warning)
+
+    def warn(self, reason: str, warning: str) -> None:
+        """Log ``warning`` at most every _GATE_LOG_INTERVAL_S for one ``reason`` (one of a fixed few: each is kept)."""
+        now = self.monotonic()
+        if now - self._warned.get(reason, -_GATE_LOG_INTERVAL_S) >= _GATE_LOG_INTERVAL_S:
+            self._warned[reason] = now
+            log.warning("%s (logged at most every %d s)", warning, _GATE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ topics
     def may_create(self, conn, cmd, topics, topic: str, *, per_host: bool = True):

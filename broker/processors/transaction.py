@@ -35,8 +35,8 @@ def end_transaction(ctx, conn, cmd):
     from_check = cmd.bool_field("fromTransactionCheck")
     op = _STATES.get(state)
     if op is None:
-        return _end_reply(cmd, (ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12"))
-    later = Answer(ctx, conn, cmd, partial(_end_reply, cmd))
+        return _end_reply(cmd, ctx, (ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12"))
+    later = Answer(ctx, conn, cmd, partial(_end_reply, cmd, ctx))
     try:
         answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check,
                             later=later)
@@ -47,20 +47,35 @@ def end_transaction(ctx, conn, cmd):
         return DEFERRED
     conn.release()                      # answered here after all
     if isinstance(answer, tuple):
-        return _end_reply(cmd, answer)
-    return _end_reply_later(cmd, answer)
+        return _end_reply(cmd, ctx, answer)
+    return _end_reply_later(cmd, ctx, answer)
 
 
-def _end_reply(cmd, answer: tuple[int, str]):
+# END fields a refusal's log line shows, each cut to _FIELD_CHARS: the whole header was written, and one END can
+# carry megabytes of made-up fields.
+_LOGGED_FIELDS = ("producerGroup", "tranStateTableOffset", "commitLogOffset", "commitOrRollback",
+                  "fromTransactionCheck", "msgId", "transactionId")
+_FIELD_CHARS = 256
+# Refusals any client can repeat at will, each counted in txmq_requests_refused_total (end-no-half,
+# end-not-its-half): logged at most every 10 s each, not a line (a disk write) a request.
+_GATED = frozenset(("Find prepared transaction message failed", "The producer group wrong",
+                    "The transaction state table offset wrong"))
+
+
+def _end_reply(cmd, ctx, answer: tuple[int, str]):
     """Stock clients send END oneway: nothing goes back to them, but a refusal is logged either way."""
     code, remark = answer
     if code != ResponseCode.SUCCESS:
-        log.warning("END_TRANSACTION refused: %s (%s)", remark, cmd.ext_fields)
+        fields = {k: str(cmd.ext_fields[k])[:_FIELD_CHARS] for k in _LOGGED_FIELDS if k in cmd.ext_fields}
+        if remark in _GATED:
+            ctx.limits.warn(f"END_TRANSACTION {remark}", f"END_TRANSACTION refused: {remark} ({fields})")
+        else:
+            log.warning("END_TRANSACTION refused: %s (%s)", remark, fields)
     return None if cmd.is_oneway else cmd.response(code, remark)
 
 
-async def _end_reply_later(cmd, answer):
-    return _end_reply(cmd, await answer)
+async def _end_reply_later(cmd, ctx, answer):
+    return _end_reply(cmd, ctx, await answer)
 
 
 def list_transactions(ctx, conn, cmd):

@@ -76,6 +76,7 @@ class Tx:
     deciding: str | None = None  # the decision being written
     owner: object = None         # the producer connection that sent the half (opaque here)
     owner_id: str = ""
+    asked_seq: int = 0           # its sender's connection gone: the claimant of its id last asked (Channel.seq)
     delayed: bool = False        # DELAY / TIMER_* properties: once committed it waits (broker/schedule)
     check_channel: object = None  # where its check went: it holds one of that channel's check slots (in_flight)
     rerouted: str = ""           # why its check went to another producer than its sender ("": to the sender)
@@ -171,6 +172,9 @@ class TransactionCore:
         # the channel's choice until the transaction is answered, decided, or comes due again (the check was lost),
         # or the channel closes (channel_closed: asked again at once, not an interval on).
         self.checking: dict[object, dict[int, Tx]] = {}
+        # The same, counted per (channel, producer group): the cap of checks in flight is a channel's per group, as
+        # a Java process queues each producer's checks apart on the connection its producers share (see in_flight).
+        self._held: dict[tuple[object, str], int] = {}
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
         # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
         # now, without scanning every pending transaction. An entry leaves when its transaction comes due
@@ -258,7 +262,7 @@ class TransactionCore:
         if tx is None:
             earlier = self.decided(half_offset)
             if earlier is None:
-                return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "refused")
+                return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "no-half")
             # A decided half is held to the same checks as an undecided one (RocketMQ's checkPrepareMessage reads
             # the half whatever became of it): another group's END was answered as if it were the producer's.
             half = self.half_of(half_offset) if self.half_of is not None else None
@@ -374,6 +378,8 @@ class TransactionCore:
             tx.reasking, tx.reask = tx.reask, False
             tx.check_channel = channel
             self.checking.setdefault(channel, {})[tx.half_offset] = tx
+            key = (channel, tx.group)
+            self._held[key] = self._held.get(key, 0) + 1
             actions.append(SendCheck(tx, channel))
         return actions, deferred
 
@@ -457,11 +463,23 @@ class TransactionCore:
             return
         tx.check_channel = None
         held = self.checking.get(channel)
-        if held is not None and held.pop(tx.half_offset, None) is not None and not held:
-            del self.checking[channel]
+        if held is not None and held.pop(tx.half_offset, None) is not None:
+            if not held:
+                del self.checking[channel]
+            key = (channel, tx.group)
+            left = self._held[key] - 1
+            if left:
+                self._held[key] = left
+            else:
+                del self._held[key]
 
-    def in_flight(self, channel) -> int:
-        """Checks ``channel`` holds: sent (or being sent) and not answered yet."""
+    def in_flight(self, channel, group: str | None = None) -> int:
+        """Checks ``channel`` holds: sent (or being sent) and not answered yet; with ``group``, of that producer
+        group's transactions only. The cap is a channel's per group: a Java process shares one connection between
+        its producers and queues each one's checks apart (checkRequestHoldMax), and one group whose listener hung
+        held the connection's every slot, the other groups' transactions there waiting for one for ever."""
+        if group is not None:
+            return self._held.get((channel, group), 0)
         held = self.checking.get(channel)
         return 0 if held is None else len(held)
 
@@ -477,6 +495,7 @@ class TransactionCore:
         lost = []
         for tx in (held or {}).values():
             tx.check_channel = None
+            self._held.pop((channel, tx.group), None)
             if tx.awaiting and self._lost(tx, now):
                 lost.append(tx)
         return lost

@@ -310,8 +310,12 @@ class TransactionService:
         if from_check and tx is not None and tx.group == group:    # another group's answer is refused below
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
+        held = tx is not None and tx.check_channel is not None
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
-        if from_check and self.core.has_parked():  # an answer frees a check slot: the parked may go now
+        # An answer that freed a check slot: the parked may go now. Only such a one: a pass reads the whole pending
+        # index (the progress floor), and an "answer" repeated for a transaction nobody was asked about (or another
+        # group's) woke one each, cutting END throughput 8x while anything was parked.
+        if held and tx.check_channel is None and self.core.has_parked():
             self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group)
@@ -331,6 +335,12 @@ class TransactionService:
         metrics = self.ctx.metrics
         if reply.event == "not-its-half":   # another group's END, or a wrong offset: refused, counted by reason
             metrics.refused.labels("end-not-its-half").inc()
+            return
+        if reply.event == "no-half":
+            # No half stored at the offset it names (a normal message's, an op record's, past the log's end, or a
+            # half retention removed): a stock client's oneway END is never answered, so the decision it carried
+            # was lost with only a log line; counted, a producer ending transactions it cannot have is seen.
+            metrics.refused.labels("end-no-half").inc()
             return
         counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates,
                    "conflict": metrics.conflicts}.get(reply.event)
@@ -488,7 +498,7 @@ class TransactionService:
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):
         """The producer that sent the half first, else one of its group, in turn, that has room for another
-        check (fewer than ``transaction_check_in_flight_max`` unanswered, reading what is sent to it, and
+        check (fewer than ``transaction_check_in_flight_max`` of the group unanswered, reading what is sent to it, and
         this slice's checks to it under a quarter of ``max_write_buffer``); None if no producer of the group
         is here, BUSY if none has room. A check that goes to another producer than the sender says why in
         ``tx.rerouted`` (counted once sent: txmq_transaction_checks_rerouted_total).
@@ -503,7 +513,9 @@ class TransactionService:
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
         if owner is not None and (not tx.unanswered or not channels):
-            if self._has_room(owner, size):
+            if self._has_room(owner, tx.group, size):
+                if owner is not tx.owner:   # a claimant of its sender's id: the next check asks the next one
+                    tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
                 return self._take(tx, owner, size, "")
             why = "sender-busy"
         elif owner is not None:
@@ -513,7 +525,7 @@ class TransactionService:
         for _ in range(len(channels)):
             self._rr += 1
             conn = channels[self._rr % len(channels)].conn
-            if self._has_room(conn, size):
+            if self._has_room(conn, tx.group, size):
                 return self._take(tx, conn, size, "" if conn is owner else why)
         return BUSY
 
@@ -528,14 +540,25 @@ class TransactionService:
         group's other producers could answer. Nor is it asked once it unregistered the group
         (UNREGISTER_CLIENT) on a connection that stays open: as RocketMQ's ProducerManager, only producers still
         in the group are asked (a Java client ignores a check for a group it has left, and the transaction was
-        checked to its limit and dead-lettered while another producer was never asked)."""
+        checked to its limit and dead-lettered while another producer was never asked).
+
+        A client id is only what a heartbeat says: several live producers may give the sender's (instances
+        sharing an address and an instance name, containers whose process id is 1, or a hostile one). Which of
+        them sent the half is then not known, so each check asks the next of them in turn, and the one found is
+        not kept as the sender: the first to register took every check, and one that answered UNKNOWN (it never
+        began the transaction) had it checked to its limit and dead-lettered while the instance that did, back
+        on a new connection, was never asked. The newest of them is asked first (the sender, back on a new
+        connection, registered last), then the others from the oldest, each once a round (``tx.asked_seq``,
+        their order of registration, so one joining or leaving meanwhile skips nobody): asked from the oldest
+        at ``checks % claimants``, those registered first took every check left and the transaction was
+        dead-lettered before the sender's turn came."""
         owner = tx.owner
         if owner is None or not getattr(owner, "is_open", False):
             owner_id = sender_id(tx)
-            owner = next((ch.conn for ch in channels if ch.client_id == owner_id), None) if owner_id else None
-            if owner is None:
+            claimant = _claimant(tx, channels, owner_id) if owner_id else None
+            if claimant is None:
                 return None, "sender-gone" if owner_id else "sender-unknown"
-            tx.owner = owner
+            owner = claimant.conn
         if self.ctx.clients.left_group(owner, tx.group):
             return None, "sender-left"
         return owner, ""
@@ -549,11 +572,11 @@ class TransactionService:
         tx.rerouted = rerouted
         return conn
 
-    def _has_room(self, conn, size: int = 0) -> bool:
+    def _has_room(self, conn, group: str, size: int = 0) -> bool:
         # A producer that stopped reading would have the checks pile up unread until the unread-reply cap closes
         # it: every one of them spent, none answered. Nor may one slice queue more than the cap allows: 256
         # checks of 1 MB messages (196 MB) had a producer that reads closed at once, every check lost.
-        if self.core.in_flight(conn) >= self.check_cap or getattr(conn, "writing_paused", False):
+        if self.core.in_flight(conn, group) >= self.check_cap or getattr(conn, "writing_paused", False):
             return False
         queued = self._slice_bytes.get(conn, 0) + getattr(conn, "unsent_bytes", 0)
         return queued == 0 or queued + size <= self._check_bytes
@@ -565,7 +588,7 @@ class TransactionService:
         if not channels:
             return None
         in_flight = self.core.in_flight
-        return sum(max(0, self.check_cap - in_flight(ch.conn))
+        return sum(max(0, self.check_cap - in_flight(ch.conn, group))
                    for ch in channels if not getattr(ch.conn, "writing_paused", False))
 
     def producer_joined(self, group: str) -> None:
@@ -765,6 +788,22 @@ class TransactionService:
                 continue
             done.append(off)
         return done, failed
+
+
+def _claimant(tx: Tx, channels, owner_id: str):
+    """The channel of the producer claiming ``owner_id`` to ask next about ``tx`` (see TransactionService._sender):
+    the newest first, then from the oldest in the order they registered, after the one asked last."""
+    claimants = [ch for ch in channels if ch.client_id == owner_id]
+    if not claimants:
+        return None
+    newest = max(claimants, key=_seq)
+    if not tx.asked_seq or tx.asked_seq >= newest.seq:
+        return newest if not tx.asked_seq else min(claimants, key=_seq)
+    return min((ch for ch in claimants if ch.seq > tx.asked_seq), key=_seq)
+
+
+def _seq(ch) -> int:
+    return ch.seq
 
 
 def dumps(obj) -> bytes:

@@ -63,7 +63,8 @@ async def test_another_group_cannot_decide_or_learn_the_decision_of_a_transactio
         assert await _delivered(conn) == 0
     finally:
         conn.close()
-    assert broker.log().count("END_TRANSACTION refused: The producer group wrong") == 3
+    # said in the log (a repeat within 10 s only counted: any client can repeat it at will), counted each time
+    assert "END_TRANSACTION refused: The producer group wrong" in broker.log()
     import urllib.request
     scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
     assert 'txmq_requests_refused_total{reason="end-not-its-half"} 3.0' in scraped

@@ -21,3 +21,38 @@ async def test_an_exception_from_tx_end_releases_the_connection():
     with pytest.raises(ValueError):     # RemotingConnection._dispatch answers it with an error reply ...
         end_transaction(ctx, conn, cmd)
     assert conn._held == 0, "... but the request stays counted in flight forever"
+
+
+async def test_an_end_refused_for_naming_no_half_is_logged_at_most_every_10_s_and_never_whole(caplog):
+    """A refused END was logged a line a request with its whole header: any client repeating an END that names no
+    half (counted in txmq_requests_refused_total{reason="end-no-half"}) wrote to the broker's disk as fast as it
+    could send, megabytes a line with made-up fields. Now such a refusal is logged at most every 10 s, and every
+    refusal's line shows the END's own fields, cut short."""
+    import logging
+
+    from broker.limits import Limits
+
+    now = [100.0]
+    refusal = (1, "Find prepared transaction message failed")
+    ctx = types.SimpleNamespace(tx=types.SimpleNamespace(end=lambda *a, **kw: refusal),
+                                limits=Limits(None, None, monotonic=lambda: now[0]))
+    conn = RemotingConnection(lambda c, m: None)
+
+    def end(state="8"):
+        cmd = RemotingCommand.request(37, {"producerGroup": "g", "tranStateTableOffset": "0", "commitLogOffset": "7",
+                                           "commitOrRollback": state, "junk": "x" * 1_000_000,
+                                           "msgId": "m" * 100_000}, oneway=True)
+        assert end_transaction(ctx, conn, cmd) is None
+
+    with caplog.at_level(logging.WARNING):
+        for _ in range(1000):
+            end()
+        assert len(caplog.records) == 1
+        now[0] += 10
+        end()
+        assert len(caplog.records) == 2
+        refusal = (4, "transaction already COMMIT; ROLLBACK refused (the first decision wins)")
+        end("12")                       # a conflict: each one said, still
+        assert len(caplog.records) == 3
+    assert all(len(r.getMessage()) < 2000 for r in caplog.records)
+    assert "commitLogOffset': '7'" in caplog.records[-1].getMessage()

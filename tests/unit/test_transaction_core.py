@@ -461,6 +461,10 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
             if s.core.pending.get(off) is tx and tx.deferred}
         # Each check slot is held by a transaction whose check went there.
         assert s.core.in_flight("conn") == sum(tx.check_channel == "conn" for tx in s.core.pending.values())
+        for group in {tx.group for tx in s.core.pending.values()}:       # and its count per group agrees
+            assert s.core.in_flight("conn", group) == sum(tx.check_channel == "conn" and tx.group == group
+                                                          for tx in s.core.pending.values())
+        assert sum(s.core._held.values()) == s.core.in_flight("conn")
         # Liveness: every undecided transaction is still on the check schedule.
         for tx in s.core.pending.values():
             assert _scheduled(s.core, tx), f"{tx.half_offset} would never be checked again"
