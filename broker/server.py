@@ -46,7 +46,7 @@ from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store.index import IndexService
-from .subscriptions import SubscriptionGroups
+from .subscriptions import SubscriptionGroups, retry_queues
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
 from .transaction import TransactionService
@@ -413,7 +413,7 @@ class BrokerServer:
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
                 return
         try:
-            self.ctx.topics.ensure(topic, creator=creator)
+            self.ctx.topics.ensure(topic, retry_queues(self.ctx.subscriptions, group), creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")

@@ -9,8 +9,9 @@ Groups created by an operator are stored; a group the broker only knows from its
 heartbeat, a committed offset) is listed with the defaults, as RocketMQ auto-creates it
 (autoCreateSubscriptionGroup). ``consumeEnable: false`` stops the group's pulls (NO_PERMISSION), and
 ``consumeBroadcastEnable: false`` those of its BROADCASTING consumers; ``retryMaxTimes`` is the group's retries
-when a send-back names none; ``notifyConsumerIdsChangedEnable: false`` stops NOTIFY_CONSUMER_IDS_CHANGED on
-heartbeats and UNREGISTER_CLIENT (not when a connection closes, as RocketMQ).
+when a send-back names none; ``retryQueueNums`` the queues of its retry topic (0: no retries at all);
+``notifyConsumerIdsChangedEnable: false`` stops NOTIFY_CONSUMER_IDS_CHANGED on heartbeats and UNREGISTER_CLIENT
+(not when a connection closes, as RocketMQ).
 """
 from __future__ import annotations
 
@@ -117,6 +118,13 @@ class SubscriptionGroups:
         cfg = self.groups.get(group)
         return None if cfg is None else cfg["retryMaxTimes"]
 
+    def retry_queue_nums(self, group: str) -> int:
+        """retryQueueNums: the queues of the group's retry topic (its heartbeat or first send-back makes it with
+        that many); 0 or less: its failed messages are not retried (RocketMQ's send-back answers SUCCESS and
+        stores nothing)."""
+        cfg = self.groups.get(group)
+        return DEFAULTS["retryQueueNums"] if cfg is None else cfg["retryQueueNums"]
+
     def encode(self, known_groups=()) -> bytes:
         """The body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG (and the file): stored groups, then the system
         groups and those the broker knows from clients, with the defaults."""
@@ -135,6 +143,12 @@ class SubscriptionGroups:
             save(self.path, data)
             if counter is not None:
                 self._saved_counter = counter
+
+
+def retry_queues(subs: SubscriptionGroups | None, group: str) -> int:
+    """How many queues ``group``'s retry topic is made with: its retryQueueNums, at least one (a group set to 0
+    is not retried, yet its consumers still subscribe to the topic)."""
+    return max(1, DEFAULTS["retryQueueNums"] if subs is None else subs.retry_queue_nums(group))
 
 
 def _parse_file(data) -> tuple[int, int, dict[str, dict]]:

@@ -301,3 +301,52 @@ async def test_a_read_only_brokers_failed_message_is_resent_to_another_brokers_r
         assert await stored_count(a.broker, "SCHEDULE_TOPIC_XXXX", 18) == 0
     finally:
         namesrv.kill()
+
+
+def _stock_heartbeat(group: str) -> bytes:
+    """A 4.9.8 push consumer's HEART_BEAT body: its group and the retry topic it subscribes to."""
+    return json.dumps({"clientID": "127.0.0.1@stock", "producerDataSet": [], "consumerDataSet": [{
+        "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+        "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+            "topic": f"%RETRY%{group}", "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 1,
+            "expressionType": "TAG", "classFilterMode": False}]}]}).encode()
+
+
+@bounded(60)
+async def test_group_retry_queue_nums_is_its_retry_topics_queues_and_zero_turns_retries_off(broker_factory):
+    """retryQueueNums (updateSubGroup -q), as RocketMQ's heartbeat and send-back read it: the group's retry topic
+    has that many queues and each failed message goes to one of them at random; 0 turns retries off (the send-back
+    is answered SUCCESS and nothing is stored, not even for the dead-letter queue). It was ignored: every group had
+    one retry queue, so all its retries landed on the one consumer holding it, and a group set to 0 had its failed
+    messages delivered again and dead-lettered all the same."""
+    broker = broker_factory(*FAST)      # level n waits n x 100 ms
+    wide, none = "CG_wide_retry", "CG_no_retry"
+    for group, queues in ((wide, 4), (none, 0)):
+        resp = await _call(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                           json.dumps({"groupName": group, "retryQueueNums": queues}).encode())
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    resp = await _call(broker, RequestCode.HEART_BEAT, {}, _stock_heartbeat(wide))
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(broker.namesrv, "PG_retry_queues") as producer:
+        sent = await producer.send("Work", b"fails")
+    offset = int(sent.offset_msg_id[-16:], 16)
+    async with PullConsumer(broker.namesrv, "CG_retry_queues_probe") as consumer:
+        retry_queues = await consumer.fetch_queues(f"%RETRY%{wide}")
+        assert sorted(q.queue_id for q in retry_queues) == [0, 1, 2, 3]
+        count = 24
+        for _ in range(count):
+            resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+                "offset": offset, "group": wide, "delayLevel": 1, "originMsgId": sent.msg_id, "maxReconsumeTimes": 16})
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+        got = {q.queue_id: 0 for q in retry_queues}
+        while sum(got.values()) < count:        # each delivered after its level-1 wait: read them as they come
+            for q in retry_queues:
+                got[q.queue_id] += len((await consumer.pull(q, got[q.queue_id], suspend_ms=100)).messages)
+    assert sum(got.values()) == count and sum(1 for n in got.values() if n) > 1, got   # 4**-23 to fail by chance
+    for delay_level in (0, -1):
+        resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": none, "delayLevel": delay_level, "originMsgId": sent.msg_id,
+            "maxReconsumeTimes": 16})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 0      # level 3: a first retry's backoff
+    assert await _queue_size(broker, f"%DLQ%{none}") == 0
