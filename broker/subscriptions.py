@@ -10,6 +10,7 @@ heartbeat, a committed offset) is listed with the defaults, as RocketMQ auto-cre
 (autoCreateSubscriptionGroup). ``consumeEnable: false`` stops the group's pulls (NO_PERMISSION), and
 ``consumeBroadcastEnable: false`` those of its BROADCASTING consumers; ``retryMaxTimes`` is the group's retries
 when a send-back names none; ``retryQueueNums`` the queues of its retry topic (0: no retries at all);
+``brokerId`` and ``whichBrokerWhenConsumeSlowly`` the broker ids pulls suggest with slaveReadEnable;
 ``notifyConsumerIdsChangedEnable: false`` stops NOTIFY_CONSUMER_IDS_CHANGED on heartbeats and UNREGISTER_CLIENT
 (not when a connection closes, as RocketMQ).
 """
@@ -124,6 +125,12 @@ class SubscriptionGroups:
         stores nothing)."""
         cfg = self.groups.get(group)
         return DEFAULTS["retryQueueNums"] if cfg is None else cfg["retryQueueNums"]
+
+    def read_from(self, group: str) -> tuple[int, int]:
+        """(brokerId, whichBrokerWhenConsumeSlowly): the broker ids a pull reply suggests to the group's consumers
+        with slaveReadEnable, one keeping up and one far behind."""
+        cfg = self.groups.get(group) or DEFAULTS
+        return cfg["brokerId"], cfg["whichBrokerWhenConsumeSlowly"]
 
     def encode(self, known_groups=()) -> bytes:
         """The body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG (and the file): stored groups, then the system
