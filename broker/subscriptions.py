@@ -152,10 +152,14 @@ class SubscriptionGroups:
                 self._saved_counter = counter
 
 
+_MAX_RETRY_QUEUES = 1024      # as UPDATE_AND_CREATE_TOPIC allows: one heartbeat must not make a million queues
+
+
 def retry_queues(subs: SubscriptionGroups | None, group: str) -> int:
     """How many queues ``group``'s retry topic is made with: its retryQueueNums, at least one (a group set to 0
-    is not retried, yet its consumers still subscribe to the topic)."""
-    return max(1, DEFAULTS["retryQueueNums"] if subs is None else subs.retry_queue_nums(group))
+    is not retried, yet its consumers still subscribe to the topic) and at most 1024."""
+    wanted = DEFAULTS["retryQueueNums"] if subs is None else subs.retry_queue_nums(group)
+    return min(max(1, wanted), _MAX_RETRY_QUEUES)
 
 
 def _parse_file(data) -> tuple[int, int, dict[str, dict]]:
