@@ -412,8 +412,11 @@ class BrokerServer:
                     self.ctx.limits.refused("topic-host-limit", f"consumer group {group}: no retry topic: client "
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
                 return
+        queues = retry_queues(self.ctx.subscriptions, group)
         try:
-            self.ctx.topics.ensure(topic, retry_queues(self.ctx.subscriptions, group), creator=creator)
+            # grown too: a topic made with fewer queues before the group's retryQueueNums was raised, or by a
+            # version that ignored it (the first heartbeat after an upgrade)
+            self.ctx.topics.grow(topic, queues) or self.ctx.topics.ensure(topic, queues, creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")

@@ -478,10 +478,11 @@ async def handle_send_back(ctx, conn, cmd):
     refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
     if refused is not None:
         return refused
-    # One of the topic's queues at random, as RocketMQ spreads a group's retries over its retryQueueNums queues
-    # (the ones the topic has: a queue past them would never be read).
-    writable = ctx.topics.topics[topic].write_queue_nums
-    qid = _rand.randrange(writable) if writable > 1 else 0
+    # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries; a retry
+    # topic made with fewer (before the group was set, or by a version that ignored it) grows to them first.
+    # Never past the queues the topic has: a queue past them would never be read.
+    writable = ctx.topics.grow(topic, queues).write_queue_nums
+    qid = _rand.randrange(min(writable, queues)) if queues > 1 and writable > 1 else 0
     to_topic, to_qid, tags, delay_ms = topic, qid, tags_code(props), -1
     # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed
     # message (with PREPARED OFFSET 0) would claim to commit whatever half is stored at offset 0.

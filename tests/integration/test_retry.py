@@ -351,3 +351,72 @@ async def test_group_retry_queue_nums_is_its_retry_topics_queues_and_zero_turns_
     assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 0      # level 3: a first retry's backoff
     assert await _queue_size(broker, f"%DLQ%{none}") == 0
 
+
+
+async def _set_retry_queue_nums(broker, group: str, queues: int) -> None:
+    resp = await _call(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                       json.dumps({"groupName": group, "retryQueueNums": queues}).encode())
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+
+
+async def _send_backs_land(broker, consumer, group: str, sent, count: int, start: dict) -> dict:
+    """Hand ``sent`` back ``count`` times for ``group`` (delay level 1) and read the retry topic's queues, from the
+    offsets in ``start``, until all ``count`` copies are delivered: {queue id: copies read}."""
+    offset = int(sent.offset_msg_id[-16:], 16)
+    for _ in range(count):
+        resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": group, "delayLevel": 1, "originMsgId": sent.msg_id, "maxReconsumeTimes": 16})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    queues = await consumer.fetch_queues(f"%RETRY%{group}")
+    got = {q.queue_id: 0 for q in queues}
+    while sum(got.values()) < count:
+        for q in queues:
+            got[q.queue_id] += len((await consumer.pull(q, start.get(q.queue_id, 0) + got[q.queue_id],
+                                                        suspend_ms=100)).messages)
+    for qid, n in got.items():
+        start[qid] = start.get(qid, 0) + n
+    return got
+
+
+@bounded(90)
+async def test_a_retry_topic_made_before_retry_queue_nums_was_raised_grows_to_it_and_never_shrinks(broker_factory):
+    """A group's retry topic is usually made by its first heartbeat, with the queues its config says then: one for a
+    group an operator sets later (updateSubGroup -q 4 once its consumers run), or for every group of a store
+    written before retryQueueNums was obeyed. Such a topic kept its one queue for good, so the setting did nothing.
+    It grows to the group's retryQueueNums (as soon as it is set, and at the group's next heartbeat or send-back,
+    as after an upgrade); lowered again, the topic keeps its queues, so no retry already in one is left unread,
+    and new retries go to the group's first queues only, as RocketMQ's send-back picks them."""
+    broker = broker_factory(*FAST)
+    group, upgraded = "CG_grown_retry", "CG_upgraded_retry"
+    for g in (group, upgraded):
+        resp = await _call(broker, RequestCode.HEART_BEAT, {}, _stock_heartbeat(g))
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(broker.namesrv, "PG_grown_retry") as producer:
+        sent = await producer.send("Work", b"fails")
+    async with PullConsumer(broker.namesrv, "CG_grown_retry_probe") as consumer:
+        read: dict[int, int] = {}
+        assert await _send_backs_land(broker, consumer, group, sent, 3, read) == {0: 3}
+        await _set_retry_queue_nums(broker, group, 4)
+        queues = await consumer.fetch_queues(f"%RETRY%{group}")
+        assert sorted(q.queue_id for q in queues) == [0, 1, 2, 3]
+        got = await _send_backs_land(broker, consumer, group, sent, 24, read)
+        assert sum(1 for n in got.values() if n) > 1, got        # 4**-23 to fail by chance
+        await _set_retry_queue_nums(broker, group, 1)
+        queues = await consumer.fetch_queues(f"%RETRY%{group}")
+        assert sorted(q.queue_id for q in queues) == [0, 1, 2, 3]     # what is in queues 1-3 is still read
+        assert await _send_backs_land(broker, consumer, group, sent, 8, read) == {0: 8, 1: 0, 2: 0, 3: 0}
+    # A store written before: the group configured for 4 retry queues, its retry topic made with one.
+    await _set_retry_queue_nums(broker, upgraded, 4)
+    assert broker.stop() == 0
+    path = broker.store_dir / "config" / "topics.json"
+    catalogue = json.loads(path.read_text())
+    for entry in catalogue["topics"]:
+        if entry["name"] == f"%RETRY%{upgraded}":
+            entry["read_queue_nums"] = entry["write_queue_nums"] = 1
+    path.write_text(json.dumps(catalogue))
+    broker.start()
+    resp = await _call(broker, RequestCode.HEART_BEAT, {}, _stock_heartbeat(upgraded))
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with PullConsumer(broker.namesrv, "CG_grown_retry_probe") as consumer:
+        queues = await consumer.fetch_queues(f"%RETRY%{upgraded}")
+        assert sorted(q.queue_id for q in queues) == [0, 1, 2, 3]
