@@ -215,6 +215,7 @@ class BrokerServer:
         c = self.config
         if isinstance(ctx.ha, ha_roles.HASlave):
             self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000)
+            self.slave_sync.subscriptions = ctx.subscriptions       # the master's groups are copied too
             self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""

@@ -16,6 +16,7 @@ when a send-back names none; ``retryQueueNums`` the queues of its retry topic (0
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -131,6 +132,19 @@ class SubscriptionGroups:
         with slaveReadEnable, one keeping up and one far behind."""
         cfg = self.groups.get(group) or DEFAULTS
         return cfg["brokerId"], cfg["whichBrokerWhenConsumeSlowly"]
+
+    def adopt(self, body: bytes) -> bool:
+        """(Slave) take its master's table (the body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG) for its own, as RocketMQ's
+        SlaveSynchronize does: the groups whose config is not all defaults, replacing this broker's. True when that
+        changed anything (the caller saves it). ValueError or TypeError for a body of the wrong shape."""
+        _, _, table = _parse_file(json.loads(body))
+        groups = {name: cfg for name, cfg in table.items() if cfg != group_config(name)}
+        if groups == self.groups:
+            return False
+        self.groups = groups
+        self.counter += 1
+        self.timestamp = self.clock()
+        return True
 
     def encode(self, known_groups=()) -> bytes:
         """The body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG (and the file): stored groups, then the system
