@@ -36,6 +36,7 @@ SYSTEM_GROUPS = ("TOOLS_CONSUMER", "FILTERSRV_CONSUMER", "SELF_TEST_C_GROUP", "C
 DEFAULTS = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True, "consumeFromMinEnable": True,
             "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16, "retryQueueNums": 1,
             "whichBrokerWhenConsumeSlowly": 1}
+_JAVA_BITS = {"brokerId": 64, "whichBrokerWhenConsumeSlowly": 64, "retryMaxTimes": 32, "retryQueueNums": 32}
 _TYPES = {"brokerId": int, "retryMaxTimes": int, "retryQueueNums": int, "whichBrokerWhenConsumeSlowly": int,
           "consumeBroadcastEnable": bool, "consumeEnable": bool, "consumeFromMinEnable": bool,
           "notifyConsumerIdsChangedEnable": bool}
@@ -85,7 +86,13 @@ class SubscriptionGroups:
         why = validate_group(name, "groupName")     # as a heartbeat's: one not UTF-8 failed every later save
         if why is not None:
             raise ValueError(why)
-        cfg = self.groups[name] = group_config(name, values)
+        cfg = group_config(name, values)
+        for key, bits in _JAVA_BITS.items():
+            if not -(1 << (bits - 1)) <= cfg[key] < 1 << (bits - 1):
+                # sent back to clients (brokerId in every pull reply with slaveReadEnable, all of them to tools):
+                # past a Java int / long, the stock client fails to decode the whole reply
+                raise ValueError(f"{key} = {cfg[key]} is out of range for a Java {'long' if bits == 64 else 'int'}")
+        self.groups[name] = cfg
         self.counter += 1
         self.timestamp = self.clock()
         log.info("subscription group %s: %s", name, cfg)
@@ -131,7 +138,9 @@ class SubscriptionGroups:
         """(brokerId, whichBrokerWhenConsumeSlowly): the broker ids a pull reply suggests to the group's consumers
         with slaveReadEnable, one keeping up and one far behind."""
         cfg = self.groups.get(group) or DEFAULTS
-        return cfg["brokerId"], cfg["whichBrokerWhenConsumeSlowly"]
+        ids = cfg["brokerId"], cfg["whichBrokerWhenConsumeSlowly"]
+        # (a file saved before update() checked the range: a number a Java client cannot read is not suggested)
+        return ids if all(-(1 << 63) <= i < 1 << 63 for i in ids) else (0, 1)
 
     def adopt(self, body: bytes) -> bool:
         """(Slave) take its master's table (the body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG) for its own, as RocketMQ's

@@ -258,3 +258,32 @@ async def test_a_new_group_starts_from_zero_only_while_the_queues_first_message_
             assert answers == [(ResponseCode.QUERY_NOT_FOUND, None), (ResponseCode.SUCCESS, "0")]   # q1 is empty
         else:
             assert answers == [(ResponseCode.SUCCESS, "0"), (ResponseCode.SUCCESS, "0")]
+
+
+@bounded(60)
+async def test_a_group_config_number_a_java_client_cannot_read_is_refused(broker_factory):
+    """brokerId and whichBrokerWhenConsumeSlowly are Java longs, retryMaxTimes and retryQueueNums ints, in every
+    RocketMQ client and tool. Any JSON number was taken: with slaveReadEnable the group's brokerId is now in every
+    pull reply to it (suggestWhichBrokerId), and one past a long made each reply fail to decode in the stock
+    consumer, which then pulled nothing. Refused as RocketMQ's broker refuses a body it cannot read."""
+    broker = broker_factory("--slave-read-enable")
+    for field, value in (("brokerId", 1 << 63), ("whichBrokerWhenConsumeSlowly", -(1 << 63) - 1),
+                         ("retryQueueNums", 1 << 31), ("retryMaxTimes", -(1 << 31) - 1)):
+        resp = await _request(broker.broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                              json.dumps({"groupName": "CG_out_of_range", field: value}).encode())
+        assert resp.code == ResponseCode.SYSTEM_ERROR, (field, resp.remark)
+        assert field in resp.remark
+    resp = await _request(broker.broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                          json.dumps({"groupName": "CG_out_of_range", "brokerId": (1 << 63) - 1}).encode())
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    # A file saved before the range was checked: loaded as it is (its other groups kept), the id not suggested.
+    assert broker.stop() == 0
+    path = broker.store_dir / "config" / "subscriptionGroup.json"
+    saved = json.loads(path.read_text())
+    saved["subscriptionGroupTable"]["CG_out_of_range"]["brokerId"] = 1 << 64
+    path.write_text(json.dumps(saved))
+    broker.start()
+    header = SendMessageRequestHeader(producer_group="PG_out_of_range", topic="Work", queue_id=0)
+    resp = await _request(broker.broker, RequestCode.SEND_MESSAGE, header.to_ext_fields(v2=False), b"read me")
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _pull_suggestion(broker, "CG_out_of_range", 0) == (ResponseCode.SUCCESS, 0)
