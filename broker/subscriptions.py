@@ -77,6 +77,8 @@ class SubscriptionGroups:
                                       "again with updateSubGroup")
         if saved is not None:
             self.counter, self.timestamp, self.groups = saved
+        for name, cfg in self.groups.items():
+            _warn_if_not_retried(name, cfg)
 
     def update(self, values: dict) -> dict:
         """Create or replace a group's config (the caller persists: ``encode`` then ``write``)."""
@@ -93,6 +95,7 @@ class SubscriptionGroups:
                 # past a Java int / long, the stock client fails to decode the whole reply
                 raise ValueError(f"{key} = {cfg[key]} is out of range for a Java {'long' if bits == 64 else 'int'}")
         self.groups[name] = cfg
+        _warn_if_not_retried(name, cfg)
         self.counter += 1
         self.timestamp = self.clock()
         log.info("subscription group %s: %s", name, cfg)
@@ -173,6 +176,15 @@ class SubscriptionGroups:
             save(self.path, data)
             if counter is not None:
                 self._saved_counter = counter
+
+
+def _warn_if_not_retried(name: str, cfg: dict) -> None:
+    """Said when set and at every start: a store from a version that ignored retryQueueNums 0 would otherwise
+    start dropping the group's failed messages on upgrade with nothing said until the first one went."""
+    if cfg["retryQueueNums"] <= 0:
+        log.warning("consumer group %s has retryQueueNums %d: its failed messages are answered SUCCESS and dropped, "
+                    "neither retried nor dead-lettered, as RocketMQ does; updateSubGroup -q 1 (or more) retries them",
+                    name, cfg["retryQueueNums"])
 
 
 _MAX_RETRY_QUEUES = 1024      # as UPDATE_AND_CREATE_TOPIC allows: one heartbeat must not make a million queues

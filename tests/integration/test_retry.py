@@ -420,3 +420,20 @@ async def test_a_retry_topic_made_before_retry_queue_nums_was_raised_grows_to_it
     async with PullConsumer(broker.namesrv, "CG_grown_retry_probe") as consumer:
         queues = await consumer.fetch_queues(f"%RETRY%{upgraded}")
         assert sorted(q.queue_id for q in queues) == [0, 1, 2, 3]
+
+
+@bounded(60)
+async def test_a_stored_group_with_retry_queue_nums_zero_is_warned_of_at_start_and_when_set(broker_factory):
+    """retryQueueNums 0 was stored and ignored before this version; obeyed now, that group's failed messages are
+    gone (SUCCESS, nothing stored, as RocketMQ). A store carried over from before changes behaviour on upgrade
+    with nothing said but an INFO line on the first such message: the broker warns at start, for each group so set,
+    and when an operator sets it."""
+    broker = broker_factory()
+    await _set_retry_queue_nums(broker, "CG_set_to_zero", 0)
+    assert "CG_set_to_zero has retryQueueNums 0" in broker.log()
+    assert broker.stop() == 0
+    before = len(broker.log_path.read_text())
+    broker.start()
+    resp = await _call(broker, RequestCode.GET_BROKER_RUNTIME_INFO, {})      # started and serving
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert "CG_set_to_zero has retryQueueNums 0" in broker.log_path.read_text()[before:]
