@@ -46,7 +46,7 @@ from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store.index import IndexService
-from .subscriptions import SubscriptionGroups
+from .subscriptions import SubscriptionGroups, retry_queues
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
 from .transaction import TransactionService
@@ -215,6 +215,7 @@ class BrokerServer:
         c = self.config
         if isinstance(ctx.ha, ha_roles.HASlave):
             self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000)
+            self.slave_sync.subscriptions = ctx.subscriptions       # the master's groups are copied too
             self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""
@@ -412,8 +413,11 @@ class BrokerServer:
                     self.ctx.limits.refused("topic-host-limit", f"consumer group {group}: no retry topic: client "
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
                 return
+        queues = retry_queues(self.ctx.subscriptions, group)
         try:
-            self.ctx.topics.ensure(topic, creator=creator)
+            # grown too: a topic made with fewer queues before the group's retryQueueNums was raised, or by a
+            # version that ignored it (the first heartbeat after an upgrade)
+            self.ctx.topics.grow(topic, queues) or self.ctx.topics.ensure(topic, queues, creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")

@@ -9,11 +9,14 @@ Groups created by an operator are stored; a group the broker only knows from its
 heartbeat, a committed offset) is listed with the defaults, as RocketMQ auto-creates it
 (autoCreateSubscriptionGroup). ``consumeEnable: false`` stops the group's pulls (NO_PERMISSION), and
 ``consumeBroadcastEnable: false`` those of its BROADCASTING consumers; ``retryMaxTimes`` is the group's retries
-when a send-back names none; ``notifyConsumerIdsChangedEnable: false`` stops NOTIFY_CONSUMER_IDS_CHANGED on
-heartbeats and UNREGISTER_CLIENT (not when a connection closes, as RocketMQ).
+when a send-back names none; ``retryQueueNums`` the queues of its retry topic (0: no retries at all);
+``brokerId`` and ``whichBrokerWhenConsumeSlowly`` the broker ids pulls suggest with slaveReadEnable;
+``notifyConsumerIdsChangedEnable: false`` stops NOTIFY_CONSUMER_IDS_CHANGED on heartbeats and UNREGISTER_CLIENT
+(not when a connection closes, as RocketMQ).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -33,6 +36,7 @@ SYSTEM_GROUPS = ("TOOLS_CONSUMER", "FILTERSRV_CONSUMER", "SELF_TEST_C_GROUP", "C
 DEFAULTS = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True, "consumeFromMinEnable": True,
             "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16, "retryQueueNums": 1,
             "whichBrokerWhenConsumeSlowly": 1}
+_JAVA_BITS = {"brokerId": 64, "whichBrokerWhenConsumeSlowly": 64, "retryMaxTimes": 32, "retryQueueNums": 32}
 _TYPES = {"brokerId": int, "retryMaxTimes": int, "retryQueueNums": int, "whichBrokerWhenConsumeSlowly": int,
           "consumeBroadcastEnable": bool, "consumeEnable": bool, "consumeFromMinEnable": bool,
           "notifyConsumerIdsChangedEnable": bool}
@@ -73,6 +77,8 @@ class SubscriptionGroups:
                                       "again with updateSubGroup")
         if saved is not None:
             self.counter, self.timestamp, self.groups = saved
+        for name, cfg in self.groups.items():
+            _warn_if_not_retried(name, cfg)
 
     def update(self, values: dict) -> dict:
         """Create or replace a group's config (the caller persists: ``encode`` then ``write``)."""
@@ -82,7 +88,14 @@ class SubscriptionGroups:
         why = validate_group(name, "groupName")     # as a heartbeat's: one not UTF-8 failed every later save
         if why is not None:
             raise ValueError(why)
-        cfg = self.groups[name] = group_config(name, values)
+        cfg = group_config(name, values)
+        for key, bits in _JAVA_BITS.items():
+            if not -(1 << (bits - 1)) <= cfg[key] < 1 << (bits - 1):
+                # sent back to clients (brokerId in every pull reply with slaveReadEnable, all of them to tools):
+                # past a Java int / long, the stock client fails to decode the whole reply
+                raise ValueError(f"{key} = {cfg[key]} is out of range for a Java {'long' if bits == 64 else 'int'}")
+        self.groups[name] = cfg
+        _warn_if_not_retried(name, cfg)
         self.counter += 1
         self.timestamp = self.clock()
         log.info("subscription group %s: %s", name, cfg)
@@ -117,6 +130,34 @@ class SubscriptionGroups:
         cfg = self.groups.get(group)
         return None if cfg is None else cfg["retryMaxTimes"]
 
+    def retry_queue_nums(self, group: str) -> int:
+        """retryQueueNums: the queues of the group's retry topic (its heartbeat or first send-back makes it with
+        that many); 0 or less: its failed messages are not retried (RocketMQ's send-back answers SUCCESS and
+        stores nothing)."""
+        cfg = self.groups.get(group)
+        return DEFAULTS["retryQueueNums"] if cfg is None else cfg["retryQueueNums"]
+
+    def read_from(self, group: str) -> tuple[int, int]:
+        """(brokerId, whichBrokerWhenConsumeSlowly): the broker ids a pull reply suggests to the group's consumers
+        with slaveReadEnable, one keeping up and one far behind."""
+        cfg = self.groups.get(group) or DEFAULTS
+        ids = cfg["brokerId"], cfg["whichBrokerWhenConsumeSlowly"]
+        # (a file saved before update() checked the range: a number a Java client cannot read is not suggested)
+        return ids if all(-(1 << 63) <= i < 1 << 63 for i in ids) else (0, 1)
+
+    def adopt(self, body: bytes) -> bool:
+        """(Slave) take its master's table (the body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG) for its own, as RocketMQ's
+        SlaveSynchronize does: the groups whose config is not all defaults, replacing this broker's. True when that
+        changed anything (the caller saves it). ValueError or TypeError for a body of the wrong shape."""
+        _, _, table = _parse_file(json.loads(body))
+        groups = {name: cfg for name, cfg in table.items() if cfg != group_config(name)}
+        if groups == self.groups:
+            return False
+        self.groups = groups
+        self.counter += 1
+        self.timestamp = self.clock()
+        return True
+
     def encode(self, known_groups=()) -> bytes:
         """The body of GET_ALL_SUBSCRIPTIONGROUP_CONFIG (and the file): stored groups, then the system
         groups and those the broker knows from clients, with the defaults."""
@@ -135,6 +176,25 @@ class SubscriptionGroups:
             save(self.path, data)
             if counter is not None:
                 self._saved_counter = counter
+
+
+def _warn_if_not_retried(name: str, cfg: dict) -> None:
+    """Said when set and at every start: a store from a version that ignored retryQueueNums 0 would otherwise
+    start dropping the group's failed messages on upgrade with nothing said until the first one went."""
+    if cfg["retryQueueNums"] <= 0:
+        log.warning("consumer group %s has retryQueueNums %d: its failed messages are answered SUCCESS and dropped, "
+                    "neither retried nor dead-lettered, as RocketMQ does; updateSubGroup -q 1 (or more) retries them",
+                    name, cfg["retryQueueNums"])
+
+
+_MAX_RETRY_QUEUES = 1024      # as UPDATE_AND_CREATE_TOPIC allows: one heartbeat must not make a million queues
+
+
+def retry_queues(subs: SubscriptionGroups | None, group: str) -> int:
+    """How many queues ``group``'s retry topic is made with: its retryQueueNums, at least one (a group set to 0
+    is not retried, yet its consumers still subscribe to the topic) and at most 1024."""
+    wanted = DEFAULTS["retryQueueNums"] if subs is None else subs.retry_queue_nums(group)
+    return min(max(1, wanted), _MAX_RETRY_QUEUES)
 
 
 def _parse_file(data) -> tuple[int, int, dict[str, dict]]:

@@ -413,6 +413,16 @@ class TopicManager:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues), creator)
 
+    def grow(self, topic: str, queues: int) -> TopicConfig | None:
+        """At least ``queues`` read and write queues for ``topic`` if it exists (None if not), never fewer: a
+        %RETRY% topic made before its group's retryQueueNums was raised (or by a version that ignored it) kept
+        its one queue for good. Shrunk, the messages in the queues cut off would never be read again."""
+        tc = self.topics.get(topic)
+        if tc is None or (tc.read_queue_nums >= queues and tc.write_queue_nums >= queues):
+            return tc
+        return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
+                                       tc.perm, tc.filter_type, tc.sys_flag, tc.order))
+
 
 def _count(v) -> bool:
     return is_int(v) and v >= 0

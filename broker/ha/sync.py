@@ -33,6 +33,7 @@ class SlaveSync:
         # unsigned, as RocketMQ's slave asks: a master with an ACL must whitelist the slave's address
         self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s))
         self._failing: str | None = None
+        self.subscriptions = None       # set by the server: the master's subscription groups are copied too
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -67,10 +68,38 @@ class SlaveSync:
             # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
             if offset >= 0:
                 self.offsets.commit(group, topic, qid, offset)
+        if self.subscriptions is not None and not await self._sync_groups(addr):
+            return False
         self.synced += 1
         if self._failing is not None:
             log.warning("consumer offsets copied from master %s again", addr)
             self._failing = None
+        return True
+
+    async def _sync_groups(self, addr: str) -> bool:
+        """The master's subscription groups (GET_ALL_SUBSCRIPTIONGROUP_CONFIG) replace the slave's, as RocketMQ's
+        slave takes them: set on the master (updateSubGroup), a group's brokerId and whichBrokerWhenConsumeSlowly
+        were unknown to the slave, whose pulls (slave_read_enable) then suggested the defaults -- a group set to
+        read from the slave was sent back to the master on every pull -- and so were consumeEnable and the rest
+        for consumers that failed over to it."""
+        subs = self.subscriptions
+        try:
+            resp = await self.pool.request(
+                addr, RemotingCommand.request(RequestCode.GET_ALL_SUBSCRIPTIONGROUP_CONFIG), self.timeout_s)
+            if resp.code != ResponseCode.SUCCESS:
+                self._failed(f"master {addr} refused GET_ALL_SUBSCRIPTIONGROUP_CONFIG: code {resp.code} "
+                             f"{resp.remark}")
+                return False
+            changed = subs.adopt(resp.body_bytes())
+        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
+            self._failed(f"subscription groups not copied from master {addr}: {exc}")
+            return False
+        if changed:
+            log.info("subscription groups copied from master %s: %d configured", addr, len(subs.groups))
+            try:
+                await asyncio.to_thread(subs.write, subs.encode(), subs.counter)
+            except OSError as exc:
+                self._failed(f"subscription groups copied from master {addr} but not saved: {exc}")
         return True
 
     def _failed(self, why: str) -> None:

@@ -17,6 +17,7 @@ from protocol.route import (BrokerData, QueueData, TopicRouteData, encode_cluste
                             strict_json_for)
 
 from ..ha import broker_id_of
+from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, TopicConfig
 
 log = logging.getLogger("txmq.namesrv")
@@ -34,7 +35,8 @@ def get_route_info(ctx, conn, cmd):
         # A consumer group's retry topic, asked for before the group's first heartbeat creates it: routed as it
         # will be, but not created here. This port takes no credentials, and every name asked for became a
         # persistent topic, until max_retry_groups refused the groups that really heartbeat.
-        tc = TopicConfig(topic, 1, 1)
+        queues = retry_queues(ctx.subscriptions, topic[len(RETRY_PREFIX):])
+        tc = TopicConfig(topic, queues, queues)
     if tc is None:
         return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
                             f"No topic route info in name server for the topic: {topic}")

@@ -20,7 +20,8 @@ from protocol.message import validate_topic
 from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
-from ..topics import is_system_topic
+from ..subscriptions import retry_queues
+from ..topics import RETRY_PREFIX, is_system_topic
 
 log = logging.getLogger("txmq.ops")
 
@@ -217,6 +218,9 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group config body is not usable: {exc}")
     log.info("subscription group %s updated by %s", cfg["groupName"], _peer(conn))
+    # A retry topic made already (the group's consumers run) grows to a raised retryQueueNums now, so its route
+    # says so before the next send-back; lowered, it keeps its queues and what is in them.
+    ctx.topics.grow(RETRY_PREFIX + cfg["groupName"], retry_queues(ctx.subscriptions, cfg["groupName"]))
     return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
 
 

@@ -94,13 +94,18 @@ def _code(cmd, status):
     return ResponseCode.PULL_OFFSET_MOVED  # OFFSET_TOO_SMALL, OFFSET_OVERFLOW_BADLY
 
 
-def _suggest(ctx, got) -> int:
-    """suggestWhichBrokerId (RocketMQ's PullMessageProcessor): 0, the master, unless slaveReadEnable and the
-    consumer is further behind the log end than 40% of RAM would cache (accessMessageInMemoryMaxRatio); then
-    1, the subscription group's whichBrokerWhenConsumeSlowly default."""
-    if not ctx.config.slave_read_enable or not got.buffers:
+def _suggest(ctx, group, got) -> int:
+    """suggestWhichBrokerId (RocketMQ's PullMessageProcessor): 0, the master, unless slaveReadEnable; then the
+    group's whichBrokerWhenConsumeSlowly (1 by default) when the consumer is further behind the log end than 40%
+    of RAM would cache (accessMessageInMemoryMaxRatio), else the group's brokerId (0 by default). Suggesting the
+    defaults whatever the group said, a group kept on the master went to the slave when it fell behind."""
+    if not ctx.config.slave_read_enable:
         return 0
-    return 1 if on_disk(ctx, _PHYS.unpack_from(got.buffers[-1], POS_PHYSICAL_OFFSET)[0]) else 0
+    subs = ctx.subscriptions
+    broker_id, when_slow = subs.read_from(group) if subs is not None else (0, 1)
+    if got.buffers and on_disk(ctx, _PHYS.unpack_from(got.buffers[-1], POS_PHYSICAL_OFFSET)[0]):
+        return when_slow
+    return broker_id
 
 
 # Statuses whose nextBeginOffset is a correction of the consumer's offset (DefaultMessageStore.nextOffsetCorrection).
@@ -112,7 +117,7 @@ def _reply(ctx, cmd, group, topic, got):
     status = got.status
     code = _code(cmd, status)
     next_begin = got.next_begin_offset
-    suggest = _suggest(ctx, got)
+    suggest = _suggest(ctx, group, got)
     if ctx.config.broker_role == "SLAVE" and status in _CORRECTIONS:
         # A slave never corrects a consumer's offset (RocketMQ's default offsetCheckInSlave=false): it may only be
         # behind its master. PULL_OFFSET_MOVED became PULL_RETRY_IMMEDIATELY with the offset as asked, pointing

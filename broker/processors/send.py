@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from functools import partial
-from time import perf_counter
+from time import monotonic, perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
@@ -40,6 +40,7 @@ from ..answer import Answer
 from ..limits import peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
+from ..subscriptions import retry_queues
 from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SYSTEM_TOPIC_PREFIX, TopicLimitError
 from .admin import stored_record
 
@@ -397,7 +398,7 @@ def _batch_ok(ctx, cmd, qid, results, code=ResponseCode.SUCCESS):
                    results[0].queue_offset, code)
 
 
-def _ensure_back_topic(ctx, conn, cmd, topic: str):
+def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
     """None once ``topic`` (%RETRY% or %DLQ% and the group the client names) exists, or the refusal: a new one
     is checked and limited as any topic a send creates, or one client naming group after group filled the
     catalogue (every other client's new topic then refused) with names the store cannot write."""
@@ -410,11 +411,27 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str):
     if refused is not None:
         return refused
     try:
-        ctx.topics.ensure(topic, creator=peer_host(conn))
+        ctx.topics.ensure(topic, queues, creator=peer_host(conn))
     except TopicLimitError as exc:
         ctx.limits.refused("retry-group-limit")
         return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
     return None
+
+
+_NOT_RETRIED_LOG_INTERVAL_S = 60.0
+_not_retried_logged: dict[str, float] = {}      # group -> when last said
+
+
+def _not_retried(group: str, offset: int) -> None:
+    """Said at INFO, once a minute a group: a message handed back and dropped on purpose."""
+    now = monotonic()
+    if now - _not_retried_logged.get(group, float("-inf")) < _NOT_RETRIED_LOG_INTERVAL_S:
+        return
+    if len(_not_retried_logged) >= 1024:
+        _not_retried_logged.clear()
+    _not_retried_logged[group] = now
+    log.info("consumer group %s has retryQueueNums 0: the failed message at commit-log offset %d (and any more "
+             "in the next minute) is not retried nor dead-lettered, as RocketMQ does", group, offset)
 
 
 async def handle_send_back(ctx, conn, cmd):
@@ -428,6 +445,12 @@ async def handle_send_back(ctx, conn, cmd):
         # them sent the retry, when its delay ended, to any topic instead of %RETRY%<group>.
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"originMsgId {origin_id!r} holds a properties "
                             "separator (\\x01 or \\x02) or a NUL")
+    if ctx.subscriptions is not None and ctx.subscriptions.retry_queue_nums(group) <= 0:
+        # retryQueueNums 0 (updateSubGroup -q 0): the operator turned the group's retries off, and RocketMQ's
+        # send-back answers SUCCESS storing nothing, not even a dead letter. Retried all the same, such a group's
+        # failed messages came back to its consumers up to 16 times and then sat in its dead-letter queue.
+        _not_retried(group, offset)
+        return cmd.response(ResponseCode.SUCCESS)
     # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
     view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}", copy=True)
     if error is not None:
@@ -446,20 +469,25 @@ async def handle_send_back(ctx, conn, cmd):
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
     times = max(msg.reconsume_times, 0)
     if times >= limit or delay_level < 0:
-        topic = DLQ_PREFIX + group
+        topic, queues = DLQ_PREFIX + group, 1       # (DLQ_NUMS_PER_GROUP)
         props[Prop.DELAY] = "0"
     else:
         # Backoff: the n-th retry waits level 3 + n (10 s, 30 s, 1 min, ...) in SCHEDULE_TOPIC_XXXX.
-        topic = RETRY_PREFIX + group
+        topic, queues = RETRY_PREFIX + group, retry_queues(ctx.subscriptions, group)
         props[Prop.DELAY] = str(delay_level or 3 + times)
-    refused = _ensure_back_topic(ctx, conn, cmd, topic)
+    refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
     if refused is not None:
         return refused
-    to_topic, to_qid, tags, delay_ms = topic, 0, tags_code(props), -1
+    # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries; a retry
+    # topic made with fewer (before the group was set, or by a version that ignored it) grows to them first.
+    # Never past the queues the topic has: a queue past them would never be read.
+    writable = ctx.topics.grow(topic, queues).write_queue_nums
+    qid = _rand.randrange(min(writable, queues)) if queues > 1 and writable > 1 else 0
+    to_topic, to_qid, tags, delay_ms = topic, qid, tags_code(props), -1
     # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed
     # message (with PREPARED OFFSET 0) would claim to commit whatever half is stored at offset 0.
     sys_flag = SysFlag.with_transaction_type(msg.sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
-    waits = ctx.schedule.levels.divert(topic, 0, props, sys_flag, ctx.clock())
+    waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())
     if waits is not None and not isinstance(waits, str):
         to_topic, to_qid, delay_ms, tags = waits
     record = encode_record(

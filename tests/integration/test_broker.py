@@ -194,6 +194,39 @@ async def test_heartbeat_and_consumer_list(broker):
     assert none.code == ResponseCode.SYSTEM_ERROR
 
 
+async def _pull_suggestion(broker, group: str, offset: int) -> tuple[int, int]:
+    """A stock push consumer's pull of Work queue 0 (its subscription carried): (code, suggestWhichBrokerId)."""
+    resp = await _request(broker.broker, RequestCode.PULL_MESSAGE, {
+        "consumerGroup": group, "topic": "Work", "queueId": 0, "queueOffset": offset, "maxMsgNums": 32,
+        "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 1,
+        "expressionType": "TAG"})
+    return resp.code, resp.int_field("suggestWhichBrokerId")
+
+
+@bounded(60)
+async def test_slave_read_suggests_the_broker_ids_the_group_names(broker_factory):
+    """With slaveReadEnable, RocketMQ's pull reply suggests the group's whichBrokerWhenConsumeSlowly to a
+    consumer far behind the log end and the group's brokerId to any other; the stock consumer pulls from that
+    broker id next. The broker suggested the defaults (1 and 0) whatever the group said: a group kept on the
+    master (whichBrokerWhenConsumeSlowly 0) was sent to the slave when it fell behind, one set to read from its
+    slave (brokerId 1) was kept on the master."""
+    for ratio, field in (("0", "whichBrokerWhenConsumeSlowly"), ("100", "brokerId")):
+        # ratio 0: every message counts as far behind (on disk); 100: none does
+        broker = broker_factory("--slave-read-enable", "--access-message-in-memory-max-ratio", ratio, store=field)
+        header = SendMessageRequestHeader(producer_group="PG_slave_read", topic="Work", queue_id=0)
+        resp = await _request(broker.broker, RequestCode.SEND_MESSAGE, header.to_ext_fields(v2=False), b"read me")
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        default, configured = f"CG_{field}_default", f"CG_{field}_set"
+        value = 0 if field == "whichBrokerWhenConsumeSlowly" else 1
+        resp = await _request(broker.broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                              json.dumps({"groupName": configured, field: value}).encode())
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        assert await _pull_suggestion(broker, default, 0) == (ResponseCode.SUCCESS, 1 - value), field
+        assert await _pull_suggestion(broker, configured, 0) == (ResponseCode.SUCCESS, value), field
+        if field == "brokerId":     # also when nothing is found: RocketMQ suggests it on every pull reply
+            assert await _pull_suggestion(broker, configured, 1) == (ResponseCode.PULL_NOT_FOUND, value)
+
+
 @bounded(60)
 async def test_a_new_group_starts_from_zero_only_while_the_queues_first_message_is_in_memory(broker_factory):
     """QUERY_CONSUMER_OFFSET for a queue the group never consumed: 0 only while the queue's first message is within
@@ -225,3 +258,32 @@ async def test_a_new_group_starts_from_zero_only_while_the_queues_first_message_
             assert answers == [(ResponseCode.QUERY_NOT_FOUND, None), (ResponseCode.SUCCESS, "0")]   # q1 is empty
         else:
             assert answers == [(ResponseCode.SUCCESS, "0"), (ResponseCode.SUCCESS, "0")]
+
+
+@bounded(60)
+async def test_a_group_config_number_a_java_client_cannot_read_is_refused(broker_factory):
+    """brokerId and whichBrokerWhenConsumeSlowly are Java longs, retryMaxTimes and retryQueueNums ints, in every
+    RocketMQ client and tool. Any JSON number was taken: with slaveReadEnable the group's brokerId is now in every
+    pull reply to it (suggestWhichBrokerId), and one past a long made each reply fail to decode in the stock
+    consumer, which then pulled nothing. Refused as RocketMQ's broker refuses a body it cannot read."""
+    broker = broker_factory("--slave-read-enable")
+    for field, value in (("brokerId", 1 << 63), ("whichBrokerWhenConsumeSlowly", -(1 << 63) - 1),
+                         ("retryQueueNums", 1 << 31), ("retryMaxTimes", -(1 << 31) - 1)):
+        resp = await _request(broker.broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                              json.dumps({"groupName": "CG_out_of_range", field: value}).encode())
+        assert resp.code == ResponseCode.SYSTEM_ERROR, (field, resp.remark)
+        assert field in resp.remark
+    resp = await _request(broker.broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                          json.dumps({"groupName": "CG_out_of_range", "brokerId": (1 << 63) - 1}).encode())
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    # A file saved before the range was checked: loaded as it is (its other groups kept), the id not suggested.
+    assert broker.stop() == 0
+    path = broker.store_dir / "config" / "subscriptionGroup.json"
+    saved = json.loads(path.read_text())
+    saved["subscriptionGroupTable"]["CG_out_of_range"]["brokerId"] = 1 << 64
+    path.write_text(json.dumps(saved))
+    broker.start()
+    header = SendMessageRequestHeader(producer_group="PG_out_of_range", topic="Work", queue_id=0)
+    resp = await _request(broker.broker, RequestCode.SEND_MESSAGE, header.to_ext_fields(v2=False), b"read me")
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _pull_suggestion(broker, "CG_out_of_range", 0) == (ResponseCode.SUCCESS, 0)

@@ -883,3 +883,41 @@ async def test_one_address_cannot_take_every_ha_connection(broker_factory):
         for _reader, writer in streams:
             writer.close()
     assert "ha listener: refusing" in master.log()
+
+
+async def test_a_slave_copies_its_masters_subscription_groups_so_its_pulls_suggest_what_the_group_says(tmp_path):
+    """With slaveReadEnable a pull reply suggests the group's brokerId (whichBrokerWhenConsumeSlowly when far
+    behind), from the group's config, and the stock consumer pulls from that broker id next. The config is set
+    on the master (updateSubGroup); the slave kept only its own, empty table, so a group set to read from the
+    slave (brokerId 1) was sent there by the master and straight back by the slave (0, the default), every pull.
+    The slave copies its master's groups (GET_ALL_SUBSCRIPTIONGROUP_CONFIG), as RocketMQ's SlaveSynchronize."""
+    started = []
+    pool = ConnectionPool()
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-sg", started, "--slave-sync-interval-ms",
+                                                      "200", "--slave-read-enable")
+        group = "CG_reads_the_slave"
+        resp = await pool.request(master.broker, RemotingCommand.request(
+            RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+            body=json.dumps({"groupName": group, "brokerId": 1}).encode()), 5.0)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_slave_groups") as producer:
+                mq = await _until_replicating(producer)
+            listed = RemotingCommand.request(RequestCode.GET_ALL_SUBSCRIPTIONGROUP_CONFIG)
+            while True:     # copied within a few sync intervals (bounded by the timeout)
+                table = json.loads((await pool.request(slave.broker, listed, 3.0)).body_bytes())
+                if table["subscriptionGroupTable"].get(group, {}).get("brokerId") == 1:
+                    break
+                await asyncio.sleep(0.1)
+            pull = RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                "consumerGroup": group, "topic": TOPIC, "queueId": mq.queue_id, "queueOffset": 0, "maxMsgNums": 1,
+                "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 1,
+                "expressionType": "TAG"})
+            resp = await pool.request(slave.broker, pull, 5.0)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        assert resp.int_field("suggestWhichBrokerId") == 1
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()

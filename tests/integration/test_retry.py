@@ -301,3 +301,139 @@ async def test_a_read_only_brokers_failed_message_is_resent_to_another_brokers_r
         assert await stored_count(a.broker, "SCHEDULE_TOPIC_XXXX", 18) == 0
     finally:
         namesrv.kill()
+
+
+def _stock_heartbeat(group: str) -> bytes:
+    """A 4.9.8 push consumer's HEART_BEAT body: its group and the retry topic it subscribes to."""
+    return json.dumps({"clientID": "127.0.0.1@stock", "producerDataSet": [], "consumerDataSet": [{
+        "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+        "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+            "topic": f"%RETRY%{group}", "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 1,
+            "expressionType": "TAG", "classFilterMode": False}]}]}).encode()
+
+
+@bounded(60)
+async def test_group_retry_queue_nums_is_its_retry_topics_queues_and_zero_turns_retries_off(broker_factory):
+    """retryQueueNums (updateSubGroup -q), as RocketMQ's heartbeat and send-back read it: the group's retry topic
+    has that many queues and each failed message goes to one of them at random; 0 turns retries off (the send-back
+    is answered SUCCESS and nothing is stored, not even for the dead-letter queue). It was ignored: every group had
+    one retry queue, so all its retries landed on the one consumer holding it, and a group set to 0 had its failed
+    messages delivered again and dead-lettered all the same."""
+    broker = broker_factory(*FAST)      # level n waits n x 100 ms
+    wide, none = "CG_wide_retry", "CG_no_retry"
+    for group, queues in ((wide, 4), (none, 0)):
+        resp = await _call(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                           json.dumps({"groupName": group, "retryQueueNums": queues}).encode())
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    resp = await _call(broker, RequestCode.HEART_BEAT, {}, _stock_heartbeat(wide))
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(broker.namesrv, "PG_retry_queues") as producer:
+        sent = await producer.send("Work", b"fails")
+    offset = int(sent.offset_msg_id[-16:], 16)
+    async with PullConsumer(broker.namesrv, "CG_retry_queues_probe") as consumer:
+        retry_queues = await consumer.fetch_queues(f"%RETRY%{wide}")
+        assert sorted(q.queue_id for q in retry_queues) == [0, 1, 2, 3]
+        count = 24
+        for _ in range(count):
+            resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+                "offset": offset, "group": wide, "delayLevel": 1, "originMsgId": sent.msg_id, "maxReconsumeTimes": 16})
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+        got = {q.queue_id: 0 for q in retry_queues}
+        while sum(got.values()) < count:        # each delivered after its level-1 wait: read them as they come
+            for q in retry_queues:
+                got[q.queue_id] += len((await consumer.pull(q, got[q.queue_id], suspend_ms=100)).messages)
+    assert sum(got.values()) == count and sum(1 for n in got.values() if n) > 1, got   # 4**-23 to fail by chance
+    for delay_level in (0, -1):
+        resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": none, "delayLevel": delay_level, "originMsgId": sent.msg_id,
+            "maxReconsumeTimes": 16})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 0      # level 3: a first retry's backoff
+    assert await _queue_size(broker, f"%DLQ%{none}") == 0
+
+
+
+async def _set_retry_queue_nums(broker, group: str, queues: int) -> None:
+    resp = await _call(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                       json.dumps({"groupName": group, "retryQueueNums": queues}).encode())
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+
+
+async def _send_backs_land(broker, consumer, group: str, sent, count: int, start: dict) -> dict:
+    """Hand ``sent`` back ``count`` times for ``group`` (delay level 1) and read the retry topic's queues, from the
+    offsets in ``start``, until all ``count`` copies are delivered: {queue id: copies read}."""
+    offset = int(sent.offset_msg_id[-16:], 16)
+    for _ in range(count):
+        resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": offset, "group": group, "delayLevel": 1, "originMsgId": sent.msg_id, "maxReconsumeTimes": 16})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    queues = await consumer.fetch_queues(f"%RETRY%{group}")
+    got = {q.queue_id: 0 for q in queues}
+    while sum(got.values()) < count:
+        for q in queues:
+            got[q.queue_id] += len((await consumer.pull(q, start.get(q.queue_id, 0) + got[q.queue_id],
+                                                        suspend_ms=100)).messages)
+    for qid, n in got.items():
+        start[qid] = start.get(qid, 0) + n
+    return got
+
+
+@bounded(90)
+async def test_a_retry_topic_made_before_retry_queue_nums_was_raised_grows_to_it_and_never_shrinks(broker_factory):
+    """A group's retry topic is usually made by its first heartbeat, with the queues its config says then: one for a
+    group an operator sets later (updateSubGroup -q 4 once its consumers run), or for every group of a store
+    written before retryQueueNums was obeyed. Such a topic kept its one queue for good, so the setting did nothing.
+    It grows to the group's retryQueueNums (as soon as it is set, and at the group's next heartbeat or send-back,
+    as after an upgrade); lowered again, the topic keeps its queues, so no retry already in one is left unread,
+    and new retries go to the group's first queues only, as RocketMQ's send-back picks them."""
+    broker = broker_factory(*FAST)
+    group, upgraded = "CG_grown_retry", "CG_upgraded_retry"
+    for g in (group, upgraded):
+        resp = await _call(broker, RequestCode.HEART_BEAT, {}, _stock_heartbeat(g))
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(broker.namesrv, "PG_grown_retry") as producer:
+        sent = await producer.send("Work", b"fails")
+    async with PullConsumer(broker.namesrv, "CG_grown_retry_probe") as consumer:
+        read: dict[int, int] = {}
+        assert await _send_backs_land(broker, consumer, group, sent, 3, read) == {0: 3}
+        await _set_retry_queue_nums(broker, group, 4)
+        queues = await consumer.fetch_queues(f"%RETRY%{group}")
+        assert sorted(q.queue_id for q in queues) == [0, 1, 2, 3]
+        got = await _send_backs_land(broker, consumer, group, sent, 24, read)
+        assert sum(1 for n in got.values() if n) > 1, got        # 4**-23 to fail by chance
+        await _set_retry_queue_nums(broker, group, 1)
+        queues = await consumer.fetch_queues(f"%RETRY%{group}")
+        assert sorted(q.queue_id for q in queues) == [0, 1, 2, 3]     # what is in queues 1-3 is still read
+        assert await _send_backs_land(broker, consumer, group, sent, 8, read) == {0: 8, 1: 0, 2: 0, 3: 0}
+    # A store written before: the group configured for 4 retry queues, its retry topic made with one.
+    await _set_retry_queue_nums(broker, upgraded, 4)
+    assert broker.stop() == 0
+    path = broker.store_dir / "config" / "topics.json"
+    catalogue = json.loads(path.read_text())
+    for entry in catalogue["topics"]:
+        if entry["name"] == f"%RETRY%{upgraded}":
+            entry["read_queue_nums"] = entry["write_queue_nums"] = 1
+    path.write_text(json.dumps(catalogue))
+    broker.start()
+    resp = await _call(broker, RequestCode.HEART_BEAT, {}, _stock_heartbeat(upgraded))
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with PullConsumer(broker.namesrv, "CG_grown_retry_probe") as consumer:
+        queues = await consumer.fetch_queues(f"%RETRY%{upgraded}")
+        assert sorted(q.queue_id for q in queues) == [0, 1, 2, 3]
+
+
+@bounded(60)
+async def test_a_stored_group_with_retry_queue_nums_zero_is_warned_of_at_start_and_when_set(broker_factory):
+    """retryQueueNums 0 was stored and ignored before this version; obeyed now, that group's failed messages are
+    gone (SUCCESS, nothing stored, as RocketMQ). A store carried over from before changes behaviour on upgrade
+    with nothing said but an INFO line on the first such message: the broker warns at start, for each group so set,
+    and when an operator sets it."""
+    broker = broker_factory()
+    await _set_retry_queue_nums(broker, "CG_set_to_zero", 0)
+    assert "CG_set_to_zero has retryQueueNums 0" in broker.log()
+    assert broker.stop() == 0
+    before = len(broker.log_path.read_text())
+    broker.start()
+    resp = await _call(broker, RequestCode.GET_BROKER_RUNTIME_INFO, {})      # started and serving
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert "CG_set_to_zero has retryQueueNums 0" in broker.log_path.read_text()[before:]
