@@ -412,6 +412,8 @@ class BrokerServer:
                     self.ctx.limits.refused("topic-host-limit", f"consumer group {group}: no retry topic: client "
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
                 return
+        if topic not in self.ctx.topics.topics and self.ctx.limits.queue_room(self.ctx.topics, topic, 1, creator):
+            return                      # counted and logged (its one queue past max_queues or max_queues_per_host)
         try:
             self.ctx.topics.ensure(topic, creator=creator)
         except TopicLimitError as exc:

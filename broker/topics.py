@@ -103,6 +103,14 @@ class TopicManager:
         # In memory only: counted since the broker started.
         self._creator: dict[str, str] = {}
         self._created_by: dict[str, int] = {}
+        # The consume queues each topic counts for (max_queues, max_queues_per_host): the most it was given since
+        # it was made -- a topic made smaller keeps the consume queues it had, as RocketMQ's does, until deleted --
+        # and the client they are charged to: who made the topic, or who last gave it more queues
+        # (UPDATE_AND_CREATE_TOPIC). In memory only, as _created_by; queue_total counts every topic's.
+        self._queues: dict[str, int] = {}
+        self.queue_total = 0
+        self._queue_owner: dict[str, str] = {}
+        self._queues_by: dict[str, int] = {}
         # Set by the server: may this %RETRY% topic go when max_retry_groups is reached (its group gone, nothing
         # in it)? Swept at most once a _RECLAIM_EVERY_S, so a client at the cap cannot make every heartbeat a scan.
         self.retry_reclaimable = None
@@ -134,6 +142,8 @@ class TopicManager:
         for name, tc in self._system.items():
             self.topics.setdefault(name, tc)
         self.topics[AUTO_CREATE_TOPIC] = self._system[AUTO_CREATE_TOPIC]
+        for tc in self.topics.values():
+            self._count_queues(tc.name, tc.queue_count)
         # As RocketMQ's TopicConfigManager with traceTopicEnable, but only when missing and then kept in the
         # catalogue like any topic: one made before (auto-created with more queues) keeps its queues, and
         # turning the option off later does not take the traces already stored out of the routes.
@@ -249,6 +259,14 @@ class TopicManager:
         """How many of the topics there are ``client`` (a limits.client_key) created."""
         return self._created_by.get(client, 0)
 
+    def queues_of(self, client: str) -> int:
+        """How many consume queues the topics charged to ``client`` (a limits.client_key) count for."""
+        return self._queues_by.get(client, 0)
+
+    def queues_counted(self, topic: str) -> tuple[int, str | None]:
+        """(the queues ``topic`` counts for, the client they are charged to); (0, None) for no such topic."""
+        return self._queues.get(topic, 0), self._queue_owner.get(topic)
+
     def room_for(self, client: str, limit: int) -> bool:
         """Whether ``client`` created fewer than ``limit`` of the topics there are; at it, its own %RETRY% topics
         that may go (``retry_reclaimable``: group gone, nothing in it) are forgotten first, at most one sweep a
@@ -284,7 +302,10 @@ class TopicManager:
             self._reclaimed.pop(tc.name, None)
             if creator is not None:
                 self._charge(tc.name, creator)
+        elif tc.queue_count > self._queues.get(tc.name, 0):
+            self._own_queues(tc.name, creator)      # who gives it more queues holds them all (None: an operator)
         self.topics[tc.name] = tc
+        self._count_queues(tc.name, tc.queue_count)
         self._restored.discard(tc.name)     # set by hand (or by a send) now: queue_appeared leaves it alone
         self._persist()
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
@@ -317,14 +338,18 @@ class TopicManager:
         tc = self.topics.get(topic)
         if tc is not None:
             return tc
+        tc = self.auto_config(topic, default_topic, default_queue_nums)
+        return None if tc is None else self.create(tc, creator)
+
+    def auto_config(self, topic: str, default_topic: str | None, default_queue_nums: int) -> TopicConfig | None:
+        """The config a send to the unknown ``topic`` would create it with (not made yet); None: none may be."""
         if topic.startswith(RETRY_PREFIX) or topic.startswith(DLQ_PREFIX):
-            return self.create(TopicConfig(topic, 1, 1), creator)
+            return TopicConfig(topic, 1, 1)
         template = self.topics.get(default_topic or AUTO_CREATE_TOPIC)
         if template is None or not template.perm & Perm.INHERIT:
             return None
         nums = max(1, min(default_queue_nums, template.write_queue_nums))
-        return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type),
-                           creator)
+        return TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type)
 
     def adopt(self, queues: list[tuple[str, int]]) -> list[str]:
         """Topics the store holds queues for but the config lost (a crash before it was written,
@@ -359,6 +384,7 @@ class TopicManager:
                 self._charge(topic, reclaimed[0])
         elif topic in self._restored and queue_id >= tc.queue_count:
             self.topics[topic] = TopicConfig(topic, queue_id + 1, queue_id + 1)
+            self._count_queues(topic, queue_id + 1)
             log.warning("topic %s (restored from the store) grown from %d to %d queues for a message in queue %d",
                         topic, tc.queue_count, queue_id + 1, queue_id)
         else:
@@ -367,6 +393,7 @@ class TopicManager:
 
     def _restore(self, topic: str, queues: int, how: str) -> None:
         self.topics[topic] = TopicConfig(topic, queues, queues)
+        self._count_queues(topic, queues)
         self._restored.add(topic)
         log.warning("topic %s was missing from %s; %s with %d queues, perm read-write", topic, self.path, how,
                     queues)
@@ -392,12 +419,36 @@ class TopicManager:
     def _charge(self, topic: str, creator: str) -> None:
         self._creator[topic] = creator
         self._created_by[creator] = self._created_by.get(creator, 0) + 1
+        self._own_queues(topic, creator)
+
+    def _count_queues(self, topic: str, queues: int) -> None:
+        """``topic`` has ``queues`` queues now: it counts for them if that is more than it did."""
+        grown = queues - self._queues.get(topic, 0)
+        if grown <= 0:
+            return
+        self._queues[topic] = queues
+        self.queue_total += grown
+        owner = self._queue_owner.get(topic)
+        if owner is not None:
+            self._queues_by[owner] += grown
+
+    def _own_queues(self, topic: str, client: str | None) -> None:
+        """Charge the queues ``topic`` counts for to ``client`` (None: to nobody) instead of their owner."""
+        n = self._queues.get(topic, 0)
+        owner = self._queue_owner.pop(topic, None)
+        if owner is not None:
+            _take(self._queues_by, owner, n)
+        if client is not None:
+            self._queue_owner[topic] = client
+            self._queues_by[client] = self._queues_by.get(client, 0) + n
 
     def _forget(self, topic: str) -> TopicConfig | None:
         self._restored.discard(topic)
         creator = self._creator.pop(topic, None)
         if creator is not None:
             count_down(self._created_by, creator)
+        self._own_queues(topic, None)
+        self.queue_total -= self._queues.pop(topic, 0)
         return self.topics.pop(topic, None)
 
     def delete(self, topic: str) -> bool:
@@ -412,6 +463,15 @@ class TopicManager:
     def ensure(self, topic: str, queues: int = 1, creator: str | None = None) -> TopicConfig:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues), creator)
+
+
+def _take(counts: dict, key, n: int) -> None:
+    """``n`` fewer of ``key`` in ``counts``; a key at zero goes."""
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _count(v) -> bool:

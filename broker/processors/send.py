@@ -82,17 +82,18 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
             # RocketMQ's does): a client planting such names held places of max_topics for good.
             return cmd.response(ResponseCode.NO_PERMISSION, f"topic[{h.topic}] not created: names starting with "
                                 f"{SYSTEM_TOPIC_PREFIX} are the broker's system topics")
-        refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic)
-        if refused is not None:
-            return refused
-        try:
-            tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums, peer_host(conn))
-        except TopicLimitError as exc:
-            ctx.limits.refused("retry-group-limit")
-            return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
+        tc = ctx.topics.auto_config(h.topic, h.default_topic, h.default_topic_queue_nums)
         if tc is None:
             return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
                                 f"topic[{h.topic}] not exist, apply first please!")
+        refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic, tc.queue_count)
+        if refused is not None:
+            return refused
+        try:
+            tc = ctx.topics.create(tc, peer_host(conn))
+        except TopicLimitError as exc:
+            ctx.limits.refused("retry-group-limit")
+            return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
     if not tc.perm & Perm.WRITE:
         return cmd.response(ResponseCode.NO_PERMISSION, f"the topic[{h.topic}] sending message is forbidden")
     qid = h.queue_id

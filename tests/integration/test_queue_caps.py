@@ -1,0 +1,126 @@
+"""Queues one client address, and all clients together, may make: max_queues_per_host and max_queues.
+
+A topic may have 1024 queues, and each queue written holds a consume-queue file mapped with two descriptors:
+one address's 512 topics could ask for half a million, far past the open-files limit and vm.max_map_count."""
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.request
+
+import pytest
+
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from protocol.command import RemotingCommand
+from tests.support.bounded import bounded
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+_OPAQUES = itertools.count(1 << 24)     # clear of the opaques of requests the broker pushes (NOTIFY_...)
+
+
+async def _update_topic(client: RawClient, topic: str, queues: int) -> RemotingCommand:
+    [reply] = await client.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+        "topic": topic, "readQueueNums": str(queues), "writeQueueNums": str(queues), "perm": "6"}), 10)
+    return reply
+
+
+async def _send(client: RawClient, topic: str, queues: int = 1) -> RemotingCommand:
+    """A send to ``topic``, which auto-creates it from TBW102 (8 queues) with ``queues`` queues."""
+    [reply] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+        "producerGroup": "PG_queues", "topic": topic, "defaultTopic": "TBW102",
+        "defaultTopicQueueNums": str(queues), "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+        "properties": ""}), 10)
+    return reply
+
+
+async def _delete(client: RawClient, topic: str) -> None:
+    [reply] = await client.call(RemotingCommand(R.DELETE_TOPIC_IN_BROKER, opaque=next(_OPAQUES),
+                                                ext_fields={"topic": topic}), 10)
+    assert reply.code == C.SUCCESS, reply.remark
+
+
+def _refusals(broker, reason: str) -> float:
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    line = f'txmq_requests_refused_total{{reason="{reason}"}} '
+    return sum(float(x[len(line):]) for x in scraped.splitlines() if x.startswith(line))
+
+
+@bounded(60)
+async def test_one_address_makes_at_most_max_queues_per_host_queues(broker_factory):
+    """Past max_queues_per_host a new topic, or more queues for one, is refused NO_PERMISSION naming the limit,
+    whether by UPDATE_AND_CREATE_TOPIC or by a send's auto-create; a topic made smaller still counts for the queues
+    it had (their files stay); another address makes its own; a deleted topic gives its queues back."""
+    broker = broker_factory("--max-queues-per-host", "20", "--max-auto-create-topics-per-s", "1000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        assert (await _update_topic(hostile, "Wide", 16)).code == C.SUCCESS
+        refused = await _update_topic(hostile, "Wide2", 8)
+        assert refused.code == C.NO_PERMISSION and "max_queues_per_host=20" in refused.remark, refused.remark
+        refused = await _send(hostile, "Auto", 8)
+        assert refused.code == C.NO_PERMISSION and "max_queues_per_host=20" in refused.remark, refused.remark
+        assert (await _send(hostile, "Auto", 4)).code == C.SUCCESS                # 16 + 4: at the limit
+        grown = await _update_topic(hostile, "Wide", 17)
+        assert grown.code == C.NO_PERMISSION and "not updated" in grown.remark, grown.remark
+        assert (await _update_topic(hostile, "Wide", 2)).code == C.SUCCESS        # smaller: always
+        assert (await _update_topic(hostile, "Wide", 16)).code == C.SUCCESS       # back within what it counts for
+        refused = await _update_topic(hostile, "Narrow", 1)     # Wide still holds its 16 queues' files
+        assert refused.code == C.NO_PERMISSION and "max_queues_per_host" in refused.remark, refused.remark
+        assert (await _update_topic(victim, "Other", 16)).code == C.SUCCESS       # another address: its own
+        await _delete(victim, "Wide")                                             # an operator's, from anywhere
+        assert (await _update_topic(hostile, "Narrow", 16)).code == C.SUCCESS
+    finally:
+        hostile.close()
+        victim.close()
+    assert _refusals(broker, "queue-host-limit") == 4
+    assert "max_queues_per_host" in broker.log()
+
+
+@bounded(60)
+async def test_growing_another_addresss_topic_charges_the_one_that_asked(broker_factory):
+    """Without an ACL any address may give any topic more queues: they count for the address that asked, all of
+    them, so taking over another's topic is no way round the limit, and its maker gets its room back."""
+    broker = broker_factory("--max-queues-per-host", "20")
+    maker = await RawClient.open(broker.broker, "127.0.0.1")
+    other = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        assert (await _update_topic(maker, "Shared", 12)).code == C.SUCCESS
+        assert (await _update_topic(other, "Mine", 10)).code == C.SUCCESS
+        refused = await _update_topic(other, "Shared", 12 + 1)
+        assert refused.code == C.NO_PERMISSION and "127.0.0.2's 10 queues" in refused.remark, refused.remark
+        assert (await _update_topic(other, "Shared", 10)).code == C.SUCCESS        # no growth: nothing moves
+        await _delete(other, "Mine")
+        assert (await _update_topic(other, "Shared", 20)).code == C.SUCCESS        # 20 now the asker's
+        assert (await _update_topic(maker, "Again", 20)).code == C.SUCCESS         # the maker's 12 given back
+    finally:
+        maker.close()
+        other.close()
+
+
+@bounded(60)
+async def test_all_addresses_together_make_at_most_max_queues_queues(broker_factory):
+    """max_queues bounds every topic's queues (the system topics' too): past it no address creates a topic, nor
+    grows one, and the refusal names the limit; a deleted topic makes room."""
+    broker = broker_factory("--max-queues", "100")
+    first = await RawClient.open(broker.broker, "127.0.0.1")
+    second = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        [reply] = await first.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=next(_OPAQUES)), 10)
+        table = json.loads(reply.body_bytes())["topicConfigTable"]
+        system = sum(max(tc["readQueueNums"], tc["writeQueueNums"]) for tc in table.values())
+        assert 0 < system < 100
+        assert (await _update_topic(first, "Fill", 100 - system)).code == C.SUCCESS
+        refused = await _update_topic(second, "One", 1)
+        assert refused.code == C.NO_PERMISSION and "max_queues=100" in refused.remark, refused.remark
+        refused = await _send(second, "AutoOne")
+        assert refused.code == C.NO_PERMISSION and "max_queues=100" in refused.remark, refused.remark
+        assert (await _send(first, "Fill")).code == C.SUCCESS        # a topic there is: sends go on
+        await _delete(second, "Fill")
+        assert (await _send(second, "AutoOne")).code == C.SUCCESS
+    finally:
+        first.close()
+        second.close()
+    assert _refusals(broker, "queue-limit") == 2
