@@ -116,8 +116,9 @@ class Limits:
         why = self.queue_room(topics, topic, queues, peer_host(conn) if per_host else None)
         return None if why is None else cmd.response(ResponseCode.NO_PERMISSION, why)
 
-    def queue_room(self, topics, topic: str, queues: int, host: str | None, verb: str = "created") -> str | None:
-        """None, or why ``topic`` may not have ``queues`` queues (counted and logged): the broker's queues past
+    def queue_room(self, topics, topic: str, queues: int, host: str | None, verb: str = "created", *,
+                   count: bool = True) -> str | None:
+        """None, or why ``topic`` may not have ``queues`` queues (``count``: counted and logged): the broker's queues past
         max_queues, or (``host``: the client asking) its client's past max_queues_per_host. Only what it would
         count for beyond now is checked, and a client growing a topic is charged all its queues.
 
@@ -133,7 +134,8 @@ class Limits:
         if topics.queue_total + grown > c.max_queues:
             why = (f"topic[{topic}] not {verb}: its {queues} queues would bring the broker's {topics.queue_total} "
                    f"queues past its limit (max_queues={c.max_queues})")
-            self.refused("queue-limit", why)
+            if count:
+                self.refused("queue-limit", why)
             return why
         if host is not None:
             held = topics.queues_of(host) - (counted if owner == host else 0)
@@ -141,7 +143,8 @@ class Limits:
                 why = (f"topic[{topic}] not {verb}: its {queues} queues would bring client {host}'s {held} queues "
                        f"past its limit (max_queues_per_host={c.max_queues_per_host}); delete topics it no "
                        f"longer uses")
-                self.refused("queue-host-limit", why)
+                if count:
+                    self.refused("queue-host-limit", why)
                 return why
         return None
 

@@ -7,8 +7,10 @@ MESSAGE_ILLEGAL. A message whose TRAN_MSG is true becomes a half message.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import random
+import resource
 from functools import partial
 from time import perf_counter
 
@@ -105,6 +107,25 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
     return tc, qid
 
 
+def _queue_file(ctx, cmd, topic: str, qid: int):
+    """None once the consume queue a send goes to has its file, or the refusal saying why it cannot (RocketMQ's
+    CREATE_MAPEDFILE_FAILED remark, and the error): past the open-files limit or vm.max_map_count, each send to a
+    new queue is refused, the broker serving every queue there is."""
+    try:
+        ctx.store.prepare_queue(topic, qid)
+    except OSError as exc:
+        why = f"create mapped file failed, server is busy or broken: consume queue {topic}-{qid}: {exc}"
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            why += (f" (this process may open {soft} files, two a queue file: raise ulimit -n, or lower "
+                    f"--max-queues={ctx.config.max_queues})")
+        elif exc.errno == errno.ENOMEM:
+            why += f" (a mapping a queue file: raise vm.max_map_count, or lower --max-queues={ctx.config.max_queues})"
+        ctx.limits.refused("queue-file-failed", why)
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+    return None
+
+
 def handle_send(ctx, conn, cmd):
     h = SendMessageRequestHeader.from_command(cmd)
     if h.batch:             # rocketmq-client-cpp sends batches as SEND_MESSAGE with batch=true (`m` in V2)
@@ -172,6 +193,9 @@ def handle_send(ctx, conn, cmd):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, waits)
     if waits is not None:
         to_topic, to_qid, delay_ms, tags = waits
+    refused = _queue_file(ctx, cmd, to_topic, to_qid)
+    if refused is not None:
+        return refused
     record = encode_record(
         topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=h.sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
@@ -274,7 +298,7 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     illegal = nul_in_properties(h.properties)
     if illegal is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
-    busy = ctx.limits.busy(cmd, len(cmd.body))
+    busy = ctx.limits.busy(cmd, len(cmd.body)) or _queue_file(ctx, cmd, h.topic, qid)
     if busy is not None:
         return busy
     batch_props = string_to_properties(h.properties)

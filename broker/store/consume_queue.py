@@ -211,6 +211,12 @@ class ConsumeQueue:
             self.max_offset += n // UNIT_SIZE
             data = data[n:]
 
+    def open_file(self) -> None:
+        """Make the file the next unit goes to now, when it has none (the OSError when it cannot be made)."""
+        byte = self.max_offset * UNIT_SIZE
+        if not self.files or byte >= self.files[-1].start + self.file_size:
+            self._new_file(byte)
+
     def _new_file(self, byte: int) -> None:
         if not self.files:
             self.unsynced += make_dirs(self.directory)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -292,6 +293,31 @@ class MessageStore:
     def _make_queue(self, key: tuple[str, int]) -> ConsumeQueue:
         topic, qid = key
         return ConsumeQueue(os.path.join(self._cq_root, topic, str(qid)), topic, qid, self.config.cq_file_size)
+
+    def prepare_queue(self, topic: str, queue_id: int) -> None:
+        """Make the consume queue (``topic``, ``queue_id``) and its first file now if it has none, raising the
+        OSError when the file cannot be opened or mapped: EMFILE, ENFILE (open-files limits), ENOMEM
+        (vm.max_map_count), ENOSPC. A send to a new queue is then refused with it before its record is written.
+        Made by the writer (``_on_commit``) as before, such a failure left the units of records already
+        acknowledged waiting in memory (logged as no space), unreadable by any consumer until a file could
+        be opened. A slave's queue (its start offset comes from its master) is left to the writer."""
+        key = (topic, queue_id)
+        cq = self._cqs.get(key)
+        if cq is not None and cq.files or key in self._log.queue_starts:
+            return
+        if cq is not None:      # made by the writer, its file not: its units wait (backlog); the next retry makes it
+            cq.retry()
+            if not cq.files:
+                raise cq.last_error or OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file")
+            return
+        cq = self._make_queue(key)
+        cq.open_file()
+        self._cqs[key] = cq
+        if self.on_new_queue is not None:
+            try:
+                self.on_new_queue(*key)
+            except Exception:
+                log.exception("new queue listener failed on %s", key)
 
     def _on_commit(self, units: list, infos: list) -> None:
         """Records just became readable: index them, then tell the listeners."""

@@ -5,6 +5,7 @@ one address's 512 topics could ask for half a million, far past the open-files l
 from __future__ import annotations
 
 import itertools
+import resource
 import json
 import urllib.request
 
@@ -14,6 +15,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
 from tests.support.bounded import bounded
+from tests.support.broker_process import BrokerProcess
 from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
@@ -124,3 +126,51 @@ async def test_all_addresses_together_make_at_most_max_queues_queues(broker_fact
         first.close()
         second.close()
     assert _refusals(broker, "queue-limit") == 2
+
+
+def _open_files(limit: int):
+    def lower():        # in the broker's child process, before it starts (it raises its soft limit to the hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    return lower
+
+
+@bounded(90)
+async def test_a_send_to_a_new_queue_past_the_open_files_limit_is_refused_and_nothing_acknowledged_is_hidden(
+        tmp_path):
+    """Each consume-queue file holds two descriptors. Past the open-files limit the writer could not open a new
+    queue's file, yet the send was answered SEND_OK: its unit waited in memory (logged as "no space"), no
+    consumer could see the message until a descriptor came free. Now the send to the new queue is refused
+    SYSTEM_ERROR with RocketMQ's "create mapped file failed" and the cause (EMFILE, the limit), nothing is
+    written, every queue made goes on being served and every message acknowledged can be read."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(160)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")     # every request on it: a new one needs a descriptor
+        try:
+            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
+            answers = [await _send_to_queue(client, "Many", q) for q in range(200)]
+            ok = [q for q, r in enumerate(answers) if r.code == C.SUCCESS]
+            refused = [r for r in answers if r.code != C.SUCCESS]
+            for q in ok:        # acknowledged: readable now, not once some descriptor comes free
+                [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
+                    "topic": "Many", "queueId": str(q)}), 10)
+                assert m.int_field("offset", 0) == 1, f"queue {q}: acknowledged, not readable"
+            assert ok and refused, "the limit was not reached: lower it"
+            assert all(r.code == C.SYSTEM_ERROR and "create mapped file failed" in r.remark
+                       and "Too many open files" in r.remark and "ulimit -n" in r.remark for r in refused), \
+                {(r.code, r.remark) for r in refused}
+            assert (await _send_to_queue(client, "Many", ok[0])).code == C.SUCCESS      # still served
+            await _delete(client, "Many")                               # its files closed: room again
+            assert (await _send_to_queue(client, "Again", 0)).code == C.SUCCESS
+        finally:
+            client.close()
+        assert _refusals(b, "queue-file-failed") == len(refused)
+        assert b.stop() == 0
+    finally:
+        b.kill()
+
+
+async def _send_to_queue(client: RawClient, topic: str, qid: int) -> RemotingCommand:
+    [reply] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+        "producerGroup": "PG_queues", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "1",
+        "queueId": str(qid), "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""}), 10)
+    return reply
