@@ -517,3 +517,25 @@ async def test_a_reclaimed_retry_topic_made_again_by_its_delayed_retry_is_charge
                 await asyncio.sleep(1.1)        # (the sweep's own rate limit, not a wait for anything to happen)
     finally:
         client.close()
+
+
+async def test_retry_topics_made_by_heartbeats_count_toward_max_queues_per_host(broker_factory):
+    """A %RETRY% topic is one queue of its group's address: at max_queues_per_host a new group gets none (said in
+    the log, once), while another address's group gets its own and the groups within the limit keep theirs."""
+    broker = broker_factory("--max-queues-per-host", "2")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        for _ in range(2):      # the second heartbeat of each group: checked again, said once
+            await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *[f"G_many{i}" for i in range(4)]))
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        made = await _retry_topics(victim)
+    finally:
+        hostile.close()
+        victim.close()
+    assert len([t for t in made if t.startswith("%RETRY%G_many")]) == 2
+    assert "%RETRY%G_victim" in made
+    assert "max_queues_per_host=2" in broker.log()
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    assert 'txmq_requests_refused_total{reason="queue-host-limit"} 2.0' in scraped
