@@ -188,8 +188,8 @@ class ConsumeQueue:
         # _write advances max_offset unit by unit run; keep exactly the units it did not copy
         done = written - self._attempt_from
         if not self.backlog:
-            log.warning("consume queue %s-%d: no space for units (%s); they wait in memory until there is",
-                        self.topic, self.queue_id, exc)
+            log.warning("consume queue %s-%d: units not written, no space or no file for them (%s); they wait in "
+                        "memory until they can be", self.topic, self.queue_id, exc)
         self.backlog = bytearray(packed[done:]) + self.backlog
 
     def _write(self, data: memoryview) -> None:

@@ -423,3 +423,22 @@ def test_config_validation():
         StoreConfig(recovery_verify_segments=-1)
     assert StoreConfig(segment_size=SEG).record_limit == SEG - 8
     assert StoreConfig().record_limit == 4 << 20
+
+
+@bounded()
+async def test_a_prepared_queue_with_no_unit_yet_survives_a_restart_and_takes_its_first_record(tmp_path):
+    """prepare_queue makes a send's new queue and its file before the record is written: a send refused later
+    (or a stop) leaves it empty, which a restart loads as an empty queue, and a record after is its offset 0.
+    A queue made already is left as it is."""
+    store = await opened(tmp_path)
+    store.prepare_queue("New", 3)
+    assert ("New", 3) in store.queues() and store.max_offset("New", 3) == 0
+    r = await store.put(req(topic="Old"))
+    store.prepare_queue("Old", 0)
+    assert store.max_offset("Old", 0) == 1
+    await store.close()
+    store = await opened(tmp_path)
+    assert store.max_offset("New", 3) == 0
+    r = await store.put(req(topic="New", queue_id=3))
+    assert r.ok and r.queue_offset == 0 and store.max_offset("New", 3) == 1
+    await store.close()
