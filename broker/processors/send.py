@@ -487,6 +487,9 @@ async def handle_send_back(ctx, conn, cmd):
     waits = ctx.schedule.levels.divert(topic, 0, props, sys_flag, ctx.clock())
     if waits is not None and not isinstance(waits, str):
         to_topic, to_qid, delay_ms, tags = waits
+    refused = _queue_file(ctx, cmd, to_topic, to_qid)
+    if refused is not None:
+        return refused
     record = encode_record(
         topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=sys_flag,
         # the producer's born host, as RocketMQ copies it: the consumer that failed the message did not make it

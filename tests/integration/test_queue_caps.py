@@ -14,6 +14,7 @@ import pytest
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
+from protocol.message import decode_offset_msg_id
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.raw_client import RawClient
@@ -159,11 +160,16 @@ async def test_a_send_to_a_new_queue_past_the_open_files_limit_is_refused_and_no
                        and "Too many open files" in r.remark and "ulimit -n" in r.remark for r in refused), \
                 {(r.code, r.remark) for r in refused}
             assert (await _send_to_queue(client, "Many", ok[0])).code == C.SUCCESS      # still served
+            # A consumer's send-back goes to a queue of its own (SCHEDULE_TOPIC_XXXX's for its delay level): the same
+            _, _, offset = decode_offset_msg_id(answers[ok[0]].ext_fields["msgId"])
+            [back] = await client.call(RemotingCommand(R.CONSUMER_SEND_MSG_BACK, opaque=next(_OPAQUES), ext_fields={
+                "offset": str(offset), "group": "CG_back", "delayLevel": "0", "originMsgId": "x"}), 10)
+            assert back.code == C.SYSTEM_ERROR and "Too many open files" in back.remark, (back.code, back.remark)
             await _delete(client, "Many")                               # its files closed: room again
             assert (await _send_to_queue(client, "Again", 0)).code == C.SUCCESS
         finally:
             client.close()
-        assert _refusals(b, "queue-file-failed") == len(refused)
+        assert _refusals(b, "queue-file-failed") == len(refused) + 1
         assert b.stop() == 0
     finally:
         b.kill()
