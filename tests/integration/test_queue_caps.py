@@ -13,8 +13,9 @@ import pytest
 
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
+from protocol.codes import SysFlag
 from protocol.command import RemotingCommand
-from protocol.message import decode_offset_msg_id
+from protocol.message import Prop, decode_offset_msg_id, properties_to_string
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.raw_client import RawClient
@@ -180,3 +181,45 @@ async def _send_to_queue(client: RawClient, topic: str, qid: int) -> RemotingCom
         "producerGroup": "PG_queues", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "1",
         "queueId": str(qid), "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""}), 10)
     return reply
+
+
+@bounded(90)
+async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_and_the_half_kept(tmp_path):
+    """A committed message goes to its topic's queue, made then: past the open-files limit the commit was
+    acknowledged and the message left unreadable. Now the END_TRANSACTION is refused naming the cause, the half
+    stays undecided, and once a descriptor is free the same commit delivers it."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(160)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            props = properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: "PG_queues"})
+            [half] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"h", ext_fields={
+                "producerGroup": "PG_queues", "topic": "Late", "defaultTopic": "TBW102",
+                "defaultTopicQueueNums": "1", "queueId": "0", "sysFlag": str(SysFlag.TRANSACTION_PREPARED),
+                "bornTimestamp": "0", "flag": "0", "properties": props}), 10)
+            assert half.code == C.SUCCESS, half.remark
+            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
+            for q in range(200):            # until a new queue's file can no longer be opened
+                if (await _send_to_queue(client, "Many", q)).code != C.SUCCESS:
+                    break
+            else:
+                raise AssertionError("the limit was not reached: lower it")
+            end = RemotingCommand(R.END_TRANSACTION, opaque=0, ext_fields={
+                "producerGroup": "PG_queues", "tranStateTableOffset": half.ext_fields["queueOffset"],
+                "commitLogOffset": str(decode_offset_msg_id(half.ext_fields["msgId"])[2]), "commitOrRollback": "8",
+                "fromTransactionCheck": "false", "msgId": half.ext_fields["msgId"]})
+            end.opaque = next(_OPAQUES)
+            [refused] = await client.call(end, 10)
+            assert refused.code == C.SYSTEM_ERROR and "Too many open files" in refused.remark, \
+                (refused.code, refused.remark)
+            await _delete(client, "Many")                               # descriptors free again
+            end.opaque = next(_OPAQUES)
+            [committed] = await client.call(end, 10)
+            assert committed.code == C.SUCCESS, committed.remark
+            [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
+                "topic": "Late", "queueId": "0"}), 10)
+            assert m.int_field("offset", 0) == 1
+        finally:
+            client.close()
+    finally:
+        b.kill()
