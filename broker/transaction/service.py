@@ -414,8 +414,9 @@ class TransactionService:
             return floor, reqs
         except OSError as exc:
             self._decision_settled(action.tx, floor, done, False)
-            raise DecisionError(ResponseCode.SYSTEM_ERROR, f"create mapped file failed, server is busy or broken: "
-                                f"{exc}") from exc
+            why = f"create mapped file failed, server is busy or broken: {exc}"
+            self.ctx.limits.refused("queue-file-failed", f"transaction {action.tx.uniq_key} not decided: {why}")
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, why) from exc
         except BaseException:
             self._decision_settled(action.tx, floor, done, False)
             raise

@@ -221,5 +221,6 @@ async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_an
             assert m.int_field("offset", 0) == 1
         finally:
             client.close()
+        assert _refusals(b, "queue-file-failed") == 2       # the send that found the limit, the commit
     finally:
         b.kill()
