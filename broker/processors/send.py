@@ -193,9 +193,10 @@ def handle_send(ctx, conn, cmd):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, waits)
     if waits is not None:
         to_topic, to_qid, delay_ms, tags = waits
-    refused = _queue_file(ctx, cmd, to_topic, to_qid)
-    if refused is not None:
-        return refused
+    if (to_topic, to_qid) not in ctx.store.queue_index:     # a new queue: its file first
+        refused = _queue_file(ctx, cmd, to_topic, to_qid)
+        if refused is not None:
+            return refused
     record = encode_record(
         topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=h.sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
@@ -298,7 +299,9 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     illegal = nul_in_properties(h.properties)
     if illegal is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
-    busy = ctx.limits.busy(cmd, len(cmd.body)) or _queue_file(ctx, cmd, h.topic, qid)
+    busy = ctx.limits.busy(cmd, len(cmd.body))
+    if busy is None and (h.topic, qid) not in ctx.store.queue_index:     # a new queue: its file first
+        busy = _queue_file(ctx, cmd, h.topic, qid)
     if busy is not None:
         return busy
     batch_props = string_to_properties(h.properties)

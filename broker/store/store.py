@@ -68,6 +68,8 @@ class MessageStore:
         self.put_many = self._writer.put_many
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
+        # Read only, for the send path's one lookup: a key not in it is a new queue, made by prepare_queue first.
+        self.queue_index = self._cqs
         self._listeners: list[Callable[[DispatchInfo], None]] = []        # all: recovery replays reach each
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
