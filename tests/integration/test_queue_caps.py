@@ -144,7 +144,8 @@ async def test_a_send_to_a_new_queue_past_the_open_files_limit_is_refused_and_no
     consumer could see the message until a descriptor came free. Now the send to the new queue is refused
     SYSTEM_ERROR with RocketMQ's "create mapped file failed" and the cause (EMFILE, the limit), nothing is
     written, every queue made goes on being served and every message acknowledged can be read."""
-    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(160)).start()
+    # --max-queues set past what 160 files hold (warned at start): the open fails, not the limit
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
     try:
         client = await RawClient.open(b.broker, "127.0.0.1")     # every request on it: a new one needs a descriptor
         try:
@@ -188,7 +189,8 @@ async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_an
     """A committed message goes to its topic's queue, made then: past the open-files limit the commit was
     acknowledged and the message left unreadable. Now the END_TRANSACTION is refused naming the cause, the half
     stays undecided, and once a descriptor is free the same commit delivers it."""
-    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(160)).start()
+    # --max-queues set past what 160 files hold (warned at start): the open fails, not the limit
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
     try:
         client = await RawClient.open(b.broker, "127.0.0.1")
         try:
@@ -222,5 +224,71 @@ async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_an
         finally:
             client.close()
         assert _refusals(b, "queue-file-failed") == 2       # the send that found the limit, the commit
+    finally:
+        b.kill()
+
+
+@bounded(60)
+async def test_max_queues_unset_is_what_the_open_files_limit_holds_never_warned_and_a_set_one_past_it_is(tmp_path):
+    """A fixed default (30000) warned at every start of a machine whose open-files limit is under 64096 (this
+    one's is 20000), and refused queues a machine with larger limits could hold. Unset, max_queues is what the
+    process's limits hold ((8000 - 2000) / 2 here) and nothing is warned; set past them, it is kept and warned
+    about, naming the limit."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(8000)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            for i in range(3):
+                reply = await _update_topic(client, f"Wide{i}", 1000)
+                if reply.code != C.SUCCESS:
+                    break
+            assert reply.code == C.NO_PERMISSION and "max_queues=3000)" in reply.remark, reply.remark
+        finally:
+            client.close()
+        assert b.stop() == 0
+        assert "consume queues need two file descriptors" not in b.log()
+    finally:
+        b.kill()
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "5000", preexec_fn=_open_files(8000)).start()
+    try:
+        assert b.stop() == 0
+        assert "max_queues=5000 consume queues need two file descriptors and a mapping each, but the open-files " \
+               "limit 8000 holds about 3000" in b.log()
+    finally:
+        b.kill()
+
+
+@bounded(90)
+async def test_a_store_with_more_queues_than_max_queues_starts_and_serves_every_queue_it_has(tmp_path):
+    """An upgrade, or a limit lowered: the catalogue holds more queues than max_queues. The broker starts, says so,
+    serves every topic it has (a queue written before, one never written, a topic's settings changed without more
+    queues), and refuses only a new topic or more queues."""
+    b = BrokerProcess(tmp_path / "store").start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "Big", 64)).code == C.SUCCESS
+            assert (await _send_to_queue(client, "Big", 0)).code == C.SUCCESS
+        finally:
+            client.close()
+        assert b.stop() == 0
+    finally:
+        b.kill()
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "40").start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            for q in (0, 1, 63):            # written before; never written (its file made now)
+                reply = await _send_to_queue(client, "Big", q)
+                assert reply.code == C.SUCCESS, (q, reply.code, reply.remark)
+            assert (await _update_topic(client, "Big", 64)).code == C.SUCCESS      # no more queues: allowed
+            refused = await _send(client, "New")
+            assert refused.code == C.NO_PERMISSION and "max_queues=40" in refused.remark, refused.remark
+            refused = await _update_topic(client, "Big", 65)
+            assert refused.code == C.NO_PERMISSION and "max_queues=40" in refused.remark, refused.remark
+        finally:
+            client.close()
+        assert b.stop() == 0
+        assert "past max_queues=40: they are all served" in b.log()
     finally:
         b.kill()

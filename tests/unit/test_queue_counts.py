@@ -1,7 +1,9 @@
 """What the topic catalogue counts for max_queues and max_queues_per_host, and the start-up check of the limits."""
 from __future__ import annotations
 
-from broker.server import queue_room_shortfall
+import resource
+
+from broker.server import effective_max_queues
 from broker.topics import TopicConfig, TopicManager
 
 
@@ -36,9 +38,16 @@ def test_restored_topics_count_in_the_total(tmp_path):
     assert tm.queues_counted("Lost") == (10, None) and tm.queue_total == system + 10
 
 
-def test_the_start_up_check_says_which_limit_cannot_hold_max_queues():
-    assert queue_room_shortfall(1000, 1 << 20, 65530) is None
-    short = queue_room_shortfall(30000, 20000, 65530)
-    assert "open-files limit 20000 holds about 7952" in short and "max_map_count" not in short
-    short = queue_room_shortfall(70000, 1 << 20, 65530)
-    assert "vm.max_map_count=65530" in short and "open-files" not in short
+def test_max_queues_unset_is_what_the_limits_hold_and_set_is_kept_and_warned_about_past_them():
+    # unset (0): the limits decide, nothing to warn about, whatever the machine
+    assert effective_max_queues(0, 20000, 65530) == ((20000 - 4096) // 2, None)
+    assert effective_max_queues(0, 1 << 20, 65530) == (65530 - 4096, None)
+    assert effective_max_queues(0, 1024, 65530) == ((1024 - 256) // 2, None)     # a small limit: a small headroom
+    assert effective_max_queues(0, resource.RLIM_INFINITY, None)[1] is None
+    # set: kept; warned about, naming the limit short, only past what the limits hold
+    assert effective_max_queues(1000, 1 << 20, 65530) == (1000, None)
+    kept, short = effective_max_queues(30000, 20000, 65530)
+    assert kept == 30000 and "open-files limit 20000 holds about 7952" in short and "max_map_count" not in short
+    kept, short = effective_max_queues(70000, 1 << 20, 65530)
+    assert kept == 70000 and "vm.max_map_count=65530" in short and "open-files" not in short
+    assert effective_max_queues(70000, resource.RLIM_INFINITY, None) == (70000, None)
