@@ -131,7 +131,15 @@ class Limits:
         grown = queues - counted
         if grown <= 0:
             return None
-        if topics.queue_total + grown > c.max_queues:
+        # At a limit, the empty %RETRY% topics of groups gone go first (as at max_topics_per_host): else a host whose
+        # groups come and go was held at it by retry topics of groups long gone, each new group left without one.
+        # (max_queues 0, unset, is resolved from the process's limits by the server at start; a config not
+        # through it has no broker-wide cap)
+        if c.max_queues and topics.queue_total + grown > c.max_queues and topics.reclaim_retry(
+                f"max_queues={c.max_queues}"):
+            counted, owner = topics.queues_counted(topic)
+            grown = queues - counted
+        if c.max_queues and topics.queue_total + grown > c.max_queues:
             why = (f"topic[{topic}] not {verb}: its {queues} queues would bring the broker's {topics.queue_total} "
                    f"queues past its limit (max_queues={c.max_queues})")
             if count:
@@ -139,6 +147,9 @@ class Limits:
             return why
         if host is not None:
             held = topics.queues_of(host) - (counted if owner == host else 0)
+            if held + queues > c.max_queues_per_host and topics.reclaim_retry_of(
+                    host, f"max_queues_per_host={c.max_queues_per_host}"):
+                held = topics.queues_of(host) - (counted if owner == host else 0)
             if held + queues > c.max_queues_per_host:
                 why = (f"topic[{topic}] not {verb}: its {queues} queues would bring client {host}'s {held} queues "
                        f"past its limit (max_queues_per_host={c.max_queues_per_host}); delete topics it no "

@@ -275,6 +275,12 @@ class TopicManager:
         far from reached, never swept."""
         if self._created_by.get(client, 0) < limit:
             return True
+        self.reclaim_retry_of(client, f"max_topics_per_host={limit}")
+        return self._created_by.get(client, 0) < limit
+
+    def reclaim_retry_of(self, client: str, why: str) -> bool:
+        """Forget ``client``'s own %RETRY% topics that may go (``retry_reclaimable``), at most one sweep a
+        _RECLAIM_EVERY_S for each client: it is at a limit (``why``, logged) of its own. True if any went."""
         now = time.monotonic()
         if self.retry_reclaimable is None or now - self._host_swept_at.get(client, -_RECLAIM_EVERY_S) < _RECLAIM_EVERY_S:
             return False
@@ -287,9 +293,25 @@ class TopicManager:
             self._reclaim(name, now)
         if gone:
             self._persist()
-            log.warning("client %s at max_topics_per_host=%d: %d of its empty %%RETRY%% topics of groups with no "
-                        "consumer forgotten (e.g. %s)", client, limit, len(gone), gone[0])
-        return self._created_by.get(client, 0) < limit
+            log.warning("client %s at %s: %d of its empty %%RETRY%% topics of groups with no "
+                        "consumer forgotten (e.g. %s)", client, why, len(gone), gone[0])
+        return bool(gone)
+
+    def reclaim_retry(self, why: str) -> bool:
+        """Forget every %RETRY% topic that may go (``retry_reclaimable``), at most one sweep a _RECLAIM_EVERY_S
+        (shared with max_retry_groups'): the broker is at a limit (``why``, logged). True if any went."""
+        now = time.monotonic()
+        if self.retry_reclaimable is None or now - self._reclaimed_at < _RECLAIM_EVERY_S:
+            return False
+        self._reclaimed_at = now
+        gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
+        for name in gone:
+            self._reclaim(name, now)
+        if gone:
+            self._persist()
+            log.warning("%s reached: %d empty %%RETRY%% topics of groups with no consumer forgotten (e.g. %s)",
+                        why, len(gone), gone[0])
+        return bool(gone)
 
     def create(self, tc: TopicConfig, creator: str | None = None) -> TopicConfig:
         """Make or replace ``tc``; ``creator``: the client making it (a new topic is counted as its own)."""
@@ -319,17 +341,7 @@ class TopicManager:
         names once (or a thousand short-lived test groups) left every later consumer group with no retry topic
         for good, its failed messages refused NO_PERMISSION. A topic that holds no message has nothing to lose,
         and its group makes it again with its next heartbeat."""
-        now = time.monotonic()
-        if self.retry_reclaimable is None or now - self._reclaimed_at < _RECLAIM_EVERY_S:
-            return False
-        self._reclaimed_at = now
-        gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
-        for name in gone:
-            self._reclaim(name, now)
-        if gone:
-            self._persist()
-            log.warning("max_retry_groups=%d reached: %d empty %%RETRY%% topics of groups with no consumer "
-                        "forgotten (e.g. %s)", self.max_retry_groups, len(gone), gone[0])
+        self.reclaim_retry(f"max_retry_groups={self.max_retry_groups}")
         return self.retry_groups() < self.max_retry_groups
 
     def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int,
