@@ -68,8 +68,9 @@ class MessageStore:
         self.put_many = self._writer.put_many
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
-        # Read only, for the send path's one lookup: a key not in it is a new queue, made by prepare_queue first.
-        self.queue_index = self._cqs
+        # Read only, for the send path's one lookup: the queues prepare_queue found with a file. A key not in it is
+        # a new queue (or one the writer made whose file it could not open), for prepare_queue first, which adds it.
+        self.queue_index: set[tuple[str, int]] = set()
         self._listeners: list[Callable[[DispatchInfo], None]] = []        # all: recovery replays reach each
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
@@ -305,16 +306,21 @@ class MessageStore:
         be opened. A slave's queue (its start offset comes from its master) is left to the writer."""
         key = (topic, queue_id)
         cq = self._cqs.get(key)
-        if cq is not None and cq.files or key in self._log.queue_starts:
+        if cq is not None and cq.files:
+            self.queue_index.add(key)
+            return
+        if key in self._log.queue_starts:
             return
         if cq is not None:      # made by the writer, its file not: its units wait (backlog); the next retry makes it
             cq.retry()
             if not cq.files:
                 raise cq.last_error or OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file")
+            self.queue_index.add(key)
             return
         cq = self._make_queue(key)
         cq.open_file()
         self._cqs[key] = cq
+        self.queue_index.add(key)
         if self.on_new_queue is not None:
             try:
                 self.on_new_queue(*key)
@@ -766,6 +772,7 @@ class MessageStore:
                 forget()
             for key in [k for k in self._cqs if k[0] == topic]:
                 cq = self._cqs.pop(key)
+                self.queue_index.discard(key)
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
                 gone.append(cq)

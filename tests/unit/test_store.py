@@ -442,3 +442,33 @@ async def test_a_prepared_queue_with_no_unit_yet_survives_a_restart_and_takes_it
     r = await store.put(req(topic="New", queue_id=3))
     assert r.ok and r.queue_offset == 0 and store.max_offset("New", 3) == 1
     await store.close()
+
+
+@bounded()
+async def test_a_queue_the_writer_made_without_a_file_is_not_in_queue_index(tmp_path, monkeypatch):
+    """The send path calls prepare_queue only for a key not in queue_index. A queue made by the writer itself (a
+    schedule or retry delivery, a first half, a commit) whose file could not be opened (EMFILE) is in the store
+    with its units waiting in memory: had its key counted as there, every later send to it was acknowledged and
+    its message unreadable, the very failure prepare_queue refuses. Only a queue with its file is in the index."""
+    import errno
+    from broker.store import consume_queue
+    store = await opened(tmp_path)
+    real = consume_queue.MappedFile.create
+
+    def no_descriptor(directory, *a, **kw):
+        if os.sep + "Late" + os.sep in directory + os.sep:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    r = await store.put(req(topic="Late", queue_id=2))      # the writer's own path: no prepare_queue
+    assert r.ok and store.max_offset("Late", 2) == 0        # written to the log, its unit waiting
+    assert ("Late", 2) not in store.queue_index
+    with pytest.raises(OSError) as exc:
+        store.prepare_queue("Late", 2)
+    assert exc.value.errno == errno.EMFILE
+    monkeypatch.setattr(consume_queue.MappedFile, "create", real)
+    store.prepare_queue("Late", 2)                          # a descriptor free: its waiting unit written
+    assert ("Late", 2) in store.queue_index and store.max_offset("Late", 2) == 1
+    assert (await store.put(req(topic="Late", queue_id=2))).ok and store.max_offset("Late", 2) == 2
+    await store.close()
