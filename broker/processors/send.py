@@ -16,6 +16,7 @@ from time import perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
+from protocol.txlog import HALF_TOPIC
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
@@ -183,6 +184,10 @@ def handle_send(ctx, conn, cmd):
                                 f"transaction message claims producer group {group} (PGROUP) but is sent by "
                                 f"producer group {h.producer_group}: they must be the same")
         refused = ctx.limits.may_prepare(cmd, ctx.tx, group)
+        if refused is None and (HALF_TOPIC, 0) not in ctx.store.queue_index:
+            # the store's first half makes the half queue: its file first, as a send's (else acknowledged, its
+            # unit waiting in memory, the half unseen by a restart's pending index until a descriptor came free)
+            refused = _queue_file(ctx, cmd, HALF_TOPIC, 0)
         if refused is not None:
             return refused
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))

@@ -292,3 +292,38 @@ async def test_a_store_with_more_queues_than_max_queues_starts_and_serves_every_
         assert "past max_queues=40: they are all served" in b.log()
     finally:
         b.kill()
+
+
+@bounded(90)
+async def test_the_first_half_past_the_open_files_limit_is_refused_not_acknowledged_unreadable(tmp_path):
+    """The store's first half makes the half queue (RMQ_SYS_TRANS_HALF_TOPIC 0). Past the open-files limit it was
+    answered SEND_OK, its unit waiting in memory: as a send to a new queue, it is now refused naming the cause, and
+    taken once a descriptor is free."""
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
+            for q in range(200):            # until a new queue's file can no longer be opened
+                if (await _send_to_queue(client, "Many", q)).code != C.SUCCESS:
+                    break
+            else:
+                raise AssertionError("the limit was not reached: lower it")
+            half = RemotingCommand(R.SEND_MESSAGE, opaque=0, body=b"h", ext_fields={
+                "producerGroup": "PG_queues", "topic": "Many", "defaultTopic": "TBW102",
+                "defaultTopicQueueNums": "1", "queueId": "0", "sysFlag": str(SysFlag.TRANSACTION_PREPARED),
+                "bornTimestamp": "0", "flag": "0",
+                "properties": properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: "PG_queues"})})
+            half.opaque = next(_OPAQUES)
+            [refused] = await client.call(half, 10)
+            assert refused.code == C.SYSTEM_ERROR and "Too many open files" in refused.remark, \
+                (refused.code, refused.remark)
+            await _delete(client, "Many")                               # descriptors free again
+            assert (await _update_topic(client, "Many", 1)).code == C.SUCCESS
+            half.opaque = next(_OPAQUES)
+            [taken] = await client.call(half, 10)
+            assert taken.code == C.SUCCESS, taken.remark
+        finally:
+            client.close()
+    finally:
+        b.kill()
