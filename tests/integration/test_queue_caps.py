@@ -327,3 +327,60 @@ async def test_the_first_half_past_the_open_files_limit_is_refused_not_acknowled
             client.close()
     finally:
         b.kill()
+
+
+@bounded(90)
+async def test_a_reply_whose_queue_file_cannot_be_made_is_pushed_and_said_not_stored(tmp_path):
+    """A reply's stored copy goes to <cluster>_REPLY_TOPIC, its queue made by the first reply. Past the open-files
+    limit the copy was answered with its msgId, stored but unreadable, its unit waiting in memory. Now it is
+    pushed to the requester as ever and answered as RocketMQ answers a copy not stored (msgId 0), counted."""
+    import asyncio
+    import json as _json
+    from protocol.connection import open_connection
+    from protocol.message import SendMessageRequestHeader
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
+    pushed: asyncio.Queue = asyncio.Queue()
+
+    def requester_handler(conn, cmd):
+        pushed.put_nowait(cmd)
+        return cmd.response(C.SUCCESS, None)
+
+    host, _, port = b.broker.rpartition(":")
+    requester = await open_connection(host, int(port), requester_handler)
+    replier = await open_connection(host, int(port))
+    try:
+        beat = {"clientID": "127.0.0.1@requester", "producerDataSet": [{"groupName": "PG_requester"}],
+                "consumerDataSet": []}
+        assert (await requester.request(RemotingCommand.request(R.HEART_BEAT, body=_json.dumps(beat).encode()),
+                                        5)).code == C.SUCCESS
+        update = RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {"topic": "Many", "readQueueNums": "200",
+                                                                     "writeQueueNums": "200", "perm": "6"})
+        assert (await replier.request(update, 10)).code == C.SUCCESS
+        for q in range(200):            # until a new queue's file can no longer be opened
+            header = SendMessageRequestHeader(producer_group="PG_queues", topic="Many", queue_id=q)
+            sent = await replier.request(RemotingCommand.request(R.SEND_MESSAGE, header.to_ext_fields(v2=False),
+                                                                 b"m"), 10)
+            if sent.code != C.SUCCESS:
+                assert "Too many open files" in sent.remark, sent.remark
+                break
+        else:
+            raise AssertionError("the limit was not reached: lower it")
+        props = {"CORRELATION_ID": "c1", "REPLY_TO_CLIENT": "127.0.0.1@requester", "TTL": "3000",
+                 "MSG_TYPE": "reply", "CLUSTER": "DefaultCluster"}
+        header = SendMessageRequestHeader(producer_group="PG_replier", topic="DefaultCluster_REPLY_TOPIC",
+                                          queue_id=0, properties=properties_to_string(props))
+        reply = await replier.request(RemotingCommand.request(R.SEND_REPLY_MESSAGE, header.to_ext_fields(v2=False),
+                                                              b"answer"), 10)
+        assert reply.code == C.SUCCESS and reply.ext_fields["msgId"] == "0", (reply.code, reply.remark,
+                                                                               reply.ext_fields)
+        assert pushed.get_nowait().body_bytes() == b"answer"        # pushed before the answer
+        deleted = await replier.request(RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": "Many"}), 10)
+        assert deleted.code == C.SUCCESS        # descriptors free again (for the metrics scrape)
+    finally:
+        requester.close()
+        replier.close()
+    try:
+        assert _refusals(b, "queue-file-failed") >= 2      # the send that found the limit, the reply's copy
+        assert "pushed but not stored in DefaultCluster_REPLY_TOPIC: create mapped file failed" in b.log()
+    finally:
+        b.kill()
