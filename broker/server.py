@@ -118,10 +118,6 @@ class BrokerServer:
         topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         ctx.limits = Limits(c, self.metrics)
-        if topics.queue_total > c.max_queues:     # a store from before the limit, or a limit lowered since
-            log.warning("the topics held have %d consume queues, past max_queues=%d: they are all served, but no "
-                        "topic is created or given more queues until topics are deleted (or --max-queues is "
-                        "raised, within the open-files limit and vm.max_map_count)", topics.queue_total, c.max_queues)
         if c.acl_file:
             ctx.acl = PlainAcl(c.acl_file)
         if (warning := exposure_warning(c)) is not None:
@@ -168,6 +164,10 @@ class BrokerServer:
             store.add_dispatch_listener(ha_roles.topic_follower(topics))
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
+        if topics.queue_total > c.max_queues:     # a store from before the limit, or a limit lowered since
+            log.warning("the topics held have %d consume queues, past max_queues=%d: they are all served, but no "
+                        "topic is created or given more queues until topics are deleted (or --max-queues is "
+                        "raised, within the open-files limit and vm.max_map_count)", topics.queue_total, c.max_queues)
         if not slave:       # a slave's topics follow its master's (topic_follower)
             store.on_new_queue = topics.queue_appeared
         ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000)

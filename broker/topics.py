@@ -365,11 +365,15 @@ class TopicManager:
 
     def adopt(self, queues: list[tuple[str, int]]) -> list[str]:
         """Topics the store holds queues for but the config lost (a crash before it was written,
-        a deleted topics.json): serve them again rather than hide their messages."""
+        a deleted topics.json): serve them again rather than hide their messages. Every topic counts for the
+        queues the store holds (max_queues): one made smaller before a restart still has their files."""
         found: dict[str, int] = {}
         for topic, qid in queues:
             found[topic] = max(found.get(topic, 0), qid + 1)
         adopted = [t for t in found if t not in self.topics]
+        for topic, queues in found.items():     # a topic made smaller keeps its queues' files: it counts for them
+            if topic in self.topics:
+                self._count_queues(topic, queues)
         for topic in adopted:
             self._restore(topic, found[topic], "restored from the store")
         if adopted:

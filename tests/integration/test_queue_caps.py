@@ -384,3 +384,36 @@ async def test_a_reply_whose_queue_file_cannot_be_made_is_pushed_and_said_not_st
         assert "pushed but not stored in DefaultCluster_REPLY_TOPIC: create mapped file failed" in b.log()
     finally:
         b.kill()
+
+
+@bounded(90)
+async def test_a_topic_made_smaller_counts_its_written_queues_across_a_restart(tmp_path):
+    """A topic made smaller keeps the consume-queue files of the queues it had, and counts for them: but the count
+    was kept in memory only, so after a restart it counted for its new, smaller queue count while its files were
+    all opened again. The queues the store holds count at start."""
+    b = BrokerProcess(tmp_path / "store").start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            [reply] = await client.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=next(_OPAQUES)), 10)
+            table = json.loads(reply.body_bytes())["topicConfigTable"]
+            system = sum(max(tc["readQueueNums"], tc["writeQueueNums"]) for tc in table.values())
+            assert (await _update_topic(client, "Wide", 16)).code == C.SUCCESS
+            assert (await _send_to_queue(client, "Wide", 15)).code == C.SUCCESS     # its file written
+            assert (await _update_topic(client, "Wide", 2)).code == C.SUCCESS
+        finally:
+            client.close()
+        assert b.stop() == 0
+    finally:
+        b.kill()
+    b = BrokerProcess(tmp_path / "store", "--max-queues", str(system + 16 + 1)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "One", 1)).code == C.SUCCESS            # 16 + 1: at the limit
+            refused = await _update_topic(client, "Two", 1)
+            assert refused.code == C.NO_PERMISSION and "max_queues=" in refused.remark, refused.remark
+        finally:
+            client.close()
+    finally:
+        b.kill()
