@@ -409,8 +409,11 @@ class TransactionService:
             # A new queue's file first (the committed message's topic may have none yet): past the open-files
             # limit the decision is refused and the half stays pending, where its commit was acknowledged and
             # its message left unreadable, waiting in memory for a descriptor.
+            store = self.ctx.store
+            ready = store.queue_index       # a queue there is (every commit but a queue's first): one set lookup
             for req in reqs:
-                self.ctx.store.prepare_queue(req.topic, req.queue_id)
+                if (req.topic, req.queue_id) not in ready:
+                    store.prepare_queue(req.topic, req.queue_id)
             return floor, reqs
         except OSError as exc:
             self._decision_settled(action.tx, floor, done, False)
