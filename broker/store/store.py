@@ -311,10 +311,13 @@ class MessageStore:
             return
         if key in self._log.queue_starts:
             return
-        if cq is not None:      # made by the writer, its file not: its units wait (backlog); the next retry makes it
-            cq.retry()
-            if not cq.files:
+        if cq is not None:
+            # made by the writer, its file not: its units wait (backlog), written by the retry that makes it; or
+            # loaded with none (a directory left empty by a failed open, or a crash, before a restart): made now
+            if not cq.retry():
                 raise cq.last_error or OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file")
+            if not cq.files:
+                cq.open_file()
             self.queue_index.add(key)
             return
         cq = self._make_queue(key)

@@ -472,3 +472,20 @@ async def test_a_queue_the_writer_made_without_a_file_is_not_in_queue_index(tmp_
     assert ("Late", 2) in store.queue_index and store.max_offset("Late", 2) == 1
     assert (await store.put(req(topic="Late", queue_id=2))).ok and store.max_offset("Late", 2) == 2
     await store.close()
+
+
+@bounded()
+async def test_a_queue_directory_left_without_a_file_is_prepared_at_the_next_send(tmp_path):
+    """prepare_queue makes a new queue's directory, then its file: an open that fails there (EMFILE, the very
+    case it is for) or a crash between the two leaves the directory empty, and a restart loads it as a queue
+    with no file and nothing waiting. prepare_queue then raised "has no file" for it on every send, for good:
+    that queue refused every message, where the writer used to make its file. It makes the file now."""
+    store = await opened(tmp_path)
+    await store.close()
+    os.makedirs(os.path.join(str(tmp_path), "consumequeue", "Empty", "0"))
+    store = await opened(tmp_path)
+    store.prepare_queue("Empty", 0)
+    assert ("Empty", 0) in store.queue_index
+    r = await store.put(req(topic="Empty", queue_id=0))
+    assert r.ok and store.max_offset("Empty", 0) == 1
+    await store.close()
