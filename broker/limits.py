@@ -98,10 +98,11 @@ class Limits:
             log.warning("%s (logged at most every %d s)", warning, _GATE_LOG_INTERVAL_S)
 
     # ------------------------------------------------------------ topics
-    def may_create(self, conn, cmd, topics, topic: str, *, per_host: bool = True):
-        """None, or the response refusing to create ``topic``: past max_topics, or (``per_host``) this client past
-        max_topics_per_host -- else one client could fill max_topics, every other client's new topic refused
-        until an operator deleted topics. What it created is counted by ``topics`` (created_by)."""
+    def may_create(self, conn, cmd, topics, topic: str, *, queues: int = 1, per_host: bool = True):
+        """None, or the response refusing to create ``topic`` with ``queues`` queues: past max_topics, or
+        (``per_host``) this client past max_topics_per_host -- else one client could fill max_topics, every other
+        client's new topic refused until an operator deleted topics -- or its queues past max_queues or
+        max_queues_per_host (``queue_room``). What it created is counted by ``topics`` (created_by)."""
         c = self.config
         if len(topics.topics) >= c.max_topics:
             self.refused("topic-limit")
@@ -116,14 +117,59 @@ class Limits:
                        f"(max_topics_per_host={c.max_topics_per_host}); delete some first")
                 self.refused("topic-host-limit", why)
                 return cmd.response(ResponseCode.NO_PERMISSION, why)
+        why = self.queue_room(topics, topic, queues, peer_host(conn) if per_host else None)
+        return None if why is None else cmd.response(ResponseCode.NO_PERMISSION, why)
+
+    def queue_room(self, topics, topic: str, queues: int, host: str | None, verb: str = "created", *,
+                   count: bool = True) -> str | None:
+        """None, or why ``topic`` may not have ``queues`` queues (``count``: counted and logged): the broker's queues past
+        max_queues, or (``host``: the client asking) its client's past max_queues_per_host. Only what it would
+        count for beyond now is checked, and a client growing a topic is charged all its queues.
+
+        A topic may have 1024 queues, and each written one holds a consume-queue file mapped with two file
+        descriptors: without these one client's 512 topics could ask for half a million, far past the process's
+        open-files limit and vm.max_map_count (65530), and every client's next new queue, segment or connection
+        failed."""
+        c = self.config
+        counted, owner = topics.queues_counted(topic)
+        grown = queues - counted
+        if grown <= 0:
+            return None
+        # At a limit, the empty %RETRY% topics of groups gone go first (as at max_topics_per_host): else a host whose
+        # groups come and go was held at it by retry topics of groups long gone, each new group left without one.
+        # (max_queues 0, unset, is resolved from the process's limits by the server at start; a config not
+        # through it has no broker-wide cap)
+        if c.max_queues and topics.queue_total + grown > c.max_queues and topics.reclaim_retry(
+                f"max_queues={c.max_queues}"):
+            counted, owner = topics.queues_counted(topic)
+            grown = queues - counted
+        if c.max_queues and topics.queue_total + grown > c.max_queues:
+            why = (f"topic[{topic}] not {verb}: its {queues} queues would bring the broker's {topics.queue_total} "
+                   f"queues past its limit (max_queues={c.max_queues})")
+            if count:
+                self.refused("queue-limit", why)
+            return why
+        if host is not None:
+            held = topics.queues_of(host) - (counted if owner == host else 0)
+            if held + queues > c.max_queues_per_host and topics.reclaim_retry_of(
+                    host, f"max_queues_per_host={c.max_queues_per_host}"):
+                held = topics.queues_of(host) - (counted if owner == host else 0)
+            if held + queues > c.max_queues_per_host:
+                why = (f"topic[{topic}] not {verb}: its {queues} queues would bring client {host}'s {held} queues "
+                       f"past its limit (max_queues_per_host={c.max_queues_per_host}); delete topics it no "
+                       f"longer uses")
+                if count:
+                    self.refused("queue-host-limit", why)
+                return why
         return None
 
-    def may_auto_create(self, conn, cmd, topics, topic: str):
-        """None, or the response refusing to create ``topic`` for this client (``may_create``, then its rate).
+    def may_auto_create(self, conn, cmd, topics, topic: str, queues: int = 1):
+        """None, or the response refusing to create ``topic`` with ``queues`` queues for this client
+        (``may_create``, then its rate).
 
         A client is its address, not its connection: opening fifty connections must not buy
         fifty times the rate (each new topic costs files and a catalogue entry)."""
-        refused = self.may_create(conn, cmd, topics, topic)
+        refused = self.may_create(conn, cmd, topics, topic, queues=queues)
         if refused is not None:
             return refused
         rate = self.config.max_auto_create_topics_per_s

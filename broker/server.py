@@ -11,6 +11,7 @@ finish (bounded), stop the check timer, flush and close the store, exit 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import math
@@ -95,6 +96,14 @@ class BrokerServer:
 
     # ------------------------------------------------------------- start-up
     async def start(self) -> None:
+        # max_queues from the limits as they are now (run raised the open-files one to its hard limit)
+        max_queues, short = effective_max_queues(self.config.max_queues,
+                                                 resource.getrlimit(resource.RLIMIT_NOFILE)[0], _max_map_count())
+        if short is not None:
+            log.warning("%s", short)
+        if max_queues != self.config.max_queues:
+            log.info("max_queues %d: what the open-files limit and vm.max_map_count hold", max_queues)
+            self.config = dataclasses.replace(self.config, max_queues=max_queues)
         c = self.config
         loop = asyncio.get_running_loop()
         store_dir = os.path.abspath(c.store_dir)
@@ -155,6 +164,10 @@ class BrokerServer:
             store.add_dispatch_listener(ha_roles.topic_follower(topics))
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
+        if topics.queue_total > c.max_queues:     # a store from before the limit, or a limit lowered since
+            log.warning("the topics held have %d consume queues, past max_queues=%d: they are all served, but no "
+                        "topic is created or given more queues until topics are deleted (or --max-queues is "
+                        "raised, within the open-files limit and vm.max_map_count)", topics.queue_total, c.max_queues)
         if not slave:       # a slave's topics follow its master's (topic_follower)
             store.on_new_queue = topics.queue_appeared
         ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000)
@@ -414,6 +427,8 @@ class BrokerServer:
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
                 return
         queues = retry_queues(self.ctx.subscriptions, group)
+        if self.ctx.limits.queue_room(self.ctx.topics, topic, queues, creator, count=first):
+            return                      # made or grown past max_queues or max_queues_per_host: said on the first
         try:
             # grown too: a topic made with fewer queues before the group's retryQueueNums was raised, or by a
             # version that ignored it (the first heartbeat after an upgrade)
@@ -753,6 +768,61 @@ def raise_open_files_limit() -> tuple[int, int]:
         except (ValueError, OSError) as exc:     # e.g. an infinite hard limit above the kernel's nr_open
             log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
     return soft, hard
+
+
+# Descriptors and mappings a broker holds besides its consume queues: libraries, threads, segments, index files,
+# connections (measured at rest: 20 descriptors, 293 mappings); a quarter of a limit under 4 times this.
+_QUEUE_HEADROOM = 4096
+
+
+def _max_map_count() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _headroom(limit: int) -> int:
+    return min(_QUEUE_HEADROOM, limit // 4)
+
+
+def queues_limits_hold(open_files: int, max_map_count: int | None) -> int | None:
+    """How many consume queues, each a file mapped with two descriptors (measured), this process's limits hold
+    besides the rest of the broker; None: no limit known (an infinite open-files limit, no max_map_count)."""
+    held = []
+    if open_files != resource.RLIM_INFINITY:
+        held.append((open_files - _headroom(open_files)) // 2)
+    if max_map_count is not None:
+        held.append(max_map_count - _headroom(max_map_count))
+    return max(1, min(held)) if held else None
+
+
+# max_queues when the limits say nothing (non-Linux, unlimited): every topic (max_topics' default) of 1024 queues.
+_QUEUES_UNBOUNDED = 2048 * 1024
+
+
+def effective_max_queues(max_queues: int, open_files: int, max_map_count: int | None) -> tuple[int, str | None]:
+    """(max_queues to apply, a warning or None). 0 (the default) is what the limits hold, never warned about: a
+    fixed default warned on every start of a machine with a smaller open-files limit (20000 here, systemd's
+    1024/524288, containers' 1048576) and refused queues a machine with larger limits could hold. A value set is
+    kept, and warned about when the limits cannot hold it: past them a new queue's file fails to open or map
+    (EMFILE, ENOMEM), refused by the send as "create mapped file failed"."""
+    held = queues_limits_hold(open_files, max_map_count)
+    if max_queues == 0:
+        return (_QUEUES_UNBOUNDED if held is None else held), None
+    if held is None or max_queues <= held:
+        return max_queues, None
+    short = []
+    if open_files != resource.RLIM_INFINITY and (open_files - _headroom(open_files)) // 2 < max_queues:
+        short.append(f"the open-files limit {open_files} holds about {(open_files - _headroom(open_files)) // 2} "
+                     f"(ulimit -n, systemd LimitNOFILE: {2 * max_queues + _QUEUE_HEADROOM} or more)")
+    if max_map_count is not None and max_map_count - _headroom(max_map_count) < max_queues:
+        short.append(f"vm.max_map_count={max_map_count} holds about {max_map_count - _headroom(max_map_count)} "
+                     f"(sysctl vm.max_map_count={max_queues + _QUEUE_HEADROOM} or more)")
+    return max_queues, (f"max_queues={max_queues} consume queues need two file descriptors and a mapping each, "
+                        f"but {' and '.join(short)}: lower --max-queues to fit (or leave it unset: the limits "
+                        f"decide), or raise the limits")
 
 
 def run(config: BrokerConfig) -> int:

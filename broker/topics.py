@@ -103,6 +103,14 @@ class TopicManager:
         # In memory only: counted since the broker started.
         self._creator: dict[str, str] = {}
         self._created_by: dict[str, int] = {}
+        # The consume queues each topic counts for (max_queues, max_queues_per_host): the most it was given since
+        # it was made -- a topic made smaller keeps the consume queues it had, as RocketMQ's does, until deleted --
+        # and the client they are charged to: who made the topic, or who last gave it more queues
+        # (UPDATE_AND_CREATE_TOPIC). In memory only, as _created_by; queue_total counts every topic's.
+        self._queues: dict[str, int] = {}
+        self.queue_total = 0
+        self._queue_owner: dict[str, str] = {}
+        self._queues_by: dict[str, int] = {}
         # Set by the server: may this %RETRY% topic go when max_retry_groups is reached (its group gone, nothing
         # in it)? Swept at most once a _RECLAIM_EVERY_S, so a client at the cap cannot make every heartbeat a scan.
         self.retry_reclaimable = None
@@ -134,6 +142,8 @@ class TopicManager:
         for name, tc in self._system.items():
             self.topics.setdefault(name, tc)
         self.topics[AUTO_CREATE_TOPIC] = self._system[AUTO_CREATE_TOPIC]
+        for tc in self.topics.values():
+            self._count_queues(tc.name, tc.queue_count)
         # As RocketMQ's TopicConfigManager with traceTopicEnable, but only when missing and then kept in the
         # catalogue like any topic: one made before (auto-created with more queues) keeps its queues, and
         # turning the option off later does not take the traces already stored out of the routes.
@@ -249,6 +259,14 @@ class TopicManager:
         """How many of the topics there are ``client`` (a limits.client_key) created."""
         return self._created_by.get(client, 0)
 
+    def queues_of(self, client: str) -> int:
+        """How many consume queues the topics charged to ``client`` (a limits.client_key) count for."""
+        return self._queues_by.get(client, 0)
+
+    def queues_counted(self, topic: str) -> tuple[int, str | None]:
+        """(the queues ``topic`` counts for, the client they are charged to); (0, None) for no such topic."""
+        return self._queues.get(topic, 0), self._queue_owner.get(topic)
+
     def room_for(self, client: str, limit: int) -> bool:
         """Whether ``client`` created fewer than ``limit`` of the topics there are; at it, its own %RETRY% topics
         that may go (``retry_reclaimable``: group gone, nothing in it) are forgotten first, at most one sweep a
@@ -257,6 +275,12 @@ class TopicManager:
         far from reached, never swept."""
         if self._created_by.get(client, 0) < limit:
             return True
+        self.reclaim_retry_of(client, f"max_topics_per_host={limit}")
+        return self._created_by.get(client, 0) < limit
+
+    def reclaim_retry_of(self, client: str, why: str) -> bool:
+        """Forget ``client``'s own %RETRY% topics that may go (``retry_reclaimable``), at most one sweep a
+        _RECLAIM_EVERY_S for each client: it is at a limit (``why``, logged) of its own. True if any went."""
         now = time.monotonic()
         if self.retry_reclaimable is None or now - self._host_swept_at.get(client, -_RECLAIM_EVERY_S) < _RECLAIM_EVERY_S:
             return False
@@ -269,9 +293,25 @@ class TopicManager:
             self._reclaim(name, now)
         if gone:
             self._persist()
-            log.warning("client %s at max_topics_per_host=%d: %d of its empty %%RETRY%% topics of groups with no "
-                        "consumer forgotten (e.g. %s)", client, limit, len(gone), gone[0])
-        return self._created_by.get(client, 0) < limit
+            log.warning("client %s at %s: %d of its empty %%RETRY%% topics of groups with no "
+                        "consumer forgotten (e.g. %s)", client, why, len(gone), gone[0])
+        return bool(gone)
+
+    def reclaim_retry(self, why: str) -> bool:
+        """Forget every %RETRY% topic that may go (``retry_reclaimable``), at most one sweep a _RECLAIM_EVERY_S
+        (shared with max_retry_groups'): the broker is at a limit (``why``, logged). True if any went."""
+        now = time.monotonic()
+        if self.retry_reclaimable is None or now - self._reclaimed_at < _RECLAIM_EVERY_S:
+            return False
+        self._reclaimed_at = now
+        gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
+        for name in gone:
+            self._reclaim(name, now)
+        if gone:
+            self._persist()
+            log.warning("%s reached: %d empty %%RETRY%% topics of groups with no consumer forgotten (e.g. %s)",
+                        why, len(gone), gone[0])
+        return bool(gone)
 
     def create(self, tc: TopicConfig, creator: str | None = None) -> TopicConfig:
         """Make or replace ``tc``; ``creator``: the client making it (a new topic is counted as its own)."""
@@ -284,7 +324,10 @@ class TopicManager:
             self._reclaimed.pop(tc.name, None)
             if creator is not None:
                 self._charge(tc.name, creator)
+        elif tc.queue_count > self._queues.get(tc.name, 0):
+            self._own_queues(tc.name, creator)      # who gives it more queues holds them all (None: an operator)
         self.topics[tc.name] = tc
+        self._count_queues(tc.name, tc.queue_count)
         self._restored.discard(tc.name)     # set by hand (or by a send) now: queue_appeared leaves it alone
         self._persist()
         log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums, tc.write_queue_nums,
@@ -298,17 +341,7 @@ class TopicManager:
         names once (or a thousand short-lived test groups) left every later consumer group with no retry topic
         for good, its failed messages refused NO_PERMISSION. A topic that holds no message has nothing to lose,
         and its group makes it again with its next heartbeat."""
-        now = time.monotonic()
-        if self.retry_reclaimable is None or now - self._reclaimed_at < _RECLAIM_EVERY_S:
-            return False
-        self._reclaimed_at = now
-        gone = [name for name in self.topics if name.startswith(RETRY_PREFIX) and self.retry_reclaimable(name)]
-        for name in gone:
-            self._reclaim(name, now)
-        if gone:
-            self._persist()
-            log.warning("max_retry_groups=%d reached: %d empty %%RETRY%% topics of groups with no consumer "
-                        "forgotten (e.g. %s)", self.max_retry_groups, len(gone), gone[0])
+        self.reclaim_retry(f"max_retry_groups={self.max_retry_groups}")
         return self.retry_groups() < self.max_retry_groups
 
     def for_send(self, topic: str, default_topic: str | None, default_queue_nums: int,
@@ -317,22 +350,30 @@ class TopicManager:
         tc = self.topics.get(topic)
         if tc is not None:
             return tc
+        tc = self.auto_config(topic, default_topic, default_queue_nums)
+        return None if tc is None else self.create(tc, creator)
+
+    def auto_config(self, topic: str, default_topic: str | None, default_queue_nums: int) -> TopicConfig | None:
+        """The config a send to the unknown ``topic`` would create it with (not made yet); None: none may be."""
         if topic.startswith(RETRY_PREFIX) or topic.startswith(DLQ_PREFIX):
-            return self.create(TopicConfig(topic, 1, 1), creator)
+            return TopicConfig(topic, 1, 1)
         template = self.topics.get(default_topic or AUTO_CREATE_TOPIC)
         if template is None or not template.perm & Perm.INHERIT:
             return None
         nums = max(1, min(default_queue_nums, template.write_queue_nums))
-        return self.create(TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type),
-                           creator)
+        return TopicConfig(topic, nums, nums, template.perm & ~Perm.INHERIT, template.filter_type)
 
     def adopt(self, queues: list[tuple[str, int]]) -> list[str]:
         """Topics the store holds queues for but the config lost (a crash before it was written,
-        a deleted topics.json): serve them again rather than hide their messages."""
+        a deleted topics.json): serve them again rather than hide their messages. Every topic counts for the
+        queues the store holds (max_queues): one made smaller before a restart still has their files."""
         found: dict[str, int] = {}
         for topic, qid in queues:
             found[topic] = max(found.get(topic, 0), qid + 1)
         adopted = [t for t in found if t not in self.topics]
+        for topic, queues in found.items():     # a topic made smaller keeps its queues' files: it counts for them
+            if topic in self.topics:
+                self._count_queues(topic, queues)
         for topic in adopted:
             self._restore(topic, found[topic], "restored from the store")
         if adopted:
@@ -359,6 +400,7 @@ class TopicManager:
                 self._charge(topic, reclaimed[0])
         elif topic in self._restored and queue_id >= tc.queue_count:
             self.topics[topic] = TopicConfig(topic, queue_id + 1, queue_id + 1)
+            self._count_queues(topic, queue_id + 1)
             log.warning("topic %s (restored from the store) grown from %d to %d queues for a message in queue %d",
                         topic, tc.queue_count, queue_id + 1, queue_id)
         else:
@@ -367,6 +409,7 @@ class TopicManager:
 
     def _restore(self, topic: str, queues: int, how: str) -> None:
         self.topics[topic] = TopicConfig(topic, queues, queues)
+        self._count_queues(topic, queues)
         self._restored.add(topic)
         log.warning("topic %s was missing from %s; %s with %d queues, perm read-write", topic, self.path, how,
                     queues)
@@ -392,12 +435,36 @@ class TopicManager:
     def _charge(self, topic: str, creator: str) -> None:
         self._creator[topic] = creator
         self._created_by[creator] = self._created_by.get(creator, 0) + 1
+        self._own_queues(topic, creator)
+
+    def _count_queues(self, topic: str, queues: int) -> None:
+        """``topic`` has ``queues`` queues now: it counts for them if that is more than it did."""
+        grown = queues - self._queues.get(topic, 0)
+        if grown <= 0:
+            return
+        self._queues[topic] = queues
+        self.queue_total += grown
+        owner = self._queue_owner.get(topic)
+        if owner is not None:
+            self._queues_by[owner] += grown
+
+    def _own_queues(self, topic: str, client: str | None) -> None:
+        """Charge the queues ``topic`` counts for to ``client`` (None: to nobody) instead of their owner."""
+        n = self._queues.get(topic, 0)
+        owner = self._queue_owner.pop(topic, None)
+        if owner is not None:
+            _take(self._queues_by, owner, n)
+        if client is not None:
+            self._queue_owner[topic] = client
+            self._queues_by[client] = self._queues_by.get(client, 0) + n
 
     def _forget(self, topic: str) -> TopicConfig | None:
         self._restored.discard(topic)
         creator = self._creator.pop(topic, None)
         if creator is not None:
             count_down(self._created_by, creator)
+        self._own_queues(topic, None)
+        self.queue_total -= self._queues.pop(topic, 0)
         return self.topics.pop(topic, None)
 
     def delete(self, topic: str) -> bool:
@@ -422,6 +489,15 @@ class TopicManager:
             return tc
         return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
                                        tc.perm, tc.filter_type, tc.sys_flag, tc.order))
+
+
+def _take(counts: dict, key, n: int) -> None:
+    """``n`` fewer of ``key`` in ``counts``; a key at zero goes."""
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _count(v) -> bool:

@@ -27,9 +27,13 @@ def update_and_create_topic(ctx, conn, cmd):
     # request was signed by an account allowed to, an operator's.
     creator = peer_host(conn) if ctx.acl is None else None
     if topic not in ctx.topics.topics:
-        refused = ctx.limits.may_create(conn, cmd, ctx.topics, topic, per_host=creator is not None)
-        if refused is not None:
-            return refused
+        refused = ctx.limits.may_create(conn, cmd, ctx.topics, topic, queues=max(read, write),
+                                        per_host=creator is not None)
+    else:       # more queues for a topic there is: as many more files (queue_room)
+        why = ctx.limits.queue_room(ctx.topics, topic, max(read, write), creator, "updated")
+        refused = None if why is None else cmd.response(ResponseCode.NO_PERMISSION, why)
+    if refused is not None:
+        return refused
     try:
         ctx.topics.create(TopicConfig(topic, read, write, cmd.int_field("perm", Perm.READ_WRITE),
                                       cmd.str_field("topicFilterType", "SINGLE_TAG"), cmd.int_field("topicSysFlag", 0),

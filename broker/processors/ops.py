@@ -20,6 +20,7 @@ from protocol.message import validate_topic
 from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
+from ..limits import peer_host
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 
@@ -220,7 +221,12 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     log.info("subscription group %s updated by %s", cfg["groupName"], _peer(conn))
     # A retry topic made already (the group's consumers run) grows to a raised retryQueueNums now, so its route
     # says so before the next send-back; lowered, it keeps its queues and what is in them.
-    ctx.topics.grow(RETRY_PREFIX + cfg["groupName"], retry_queues(ctx.subscriptions, cfg["groupName"]))
+    # Grown within the queue limits (max_queues, max_queues_per_host: the asker is charged, as for a topic it
+    # grows); past them it keeps the queues it has, the refusal counted and logged, and the config is saved.
+    topic, queues = RETRY_PREFIX + cfg["groupName"], retry_queues(ctx.subscriptions, cfg["groupName"])
+    if topic in ctx.topics.topics and ctx.limits.queue_room(ctx.topics, topic, queues, peer_host(conn),
+                                                            "grown") is None:
+        ctx.topics.grow(topic, queues)
     return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
 
 

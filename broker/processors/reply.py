@@ -62,16 +62,27 @@ async def handle_reply(ctx, conn, cmd):
         topic=h.topic.encode(), body=body, queue_id=qid, flag=h.flag, sys_flag=h.sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=h.properties.encode(), reconsume_times=h.reconsume_times)
-    result = await ctx.store.put(PutRequest(record, h.topic, qid, tags_code(props), h.sys_flag))
+    result = not_stored = None
+    if (h.topic, qid) not in ctx.store.queue_index:
+        # a new queue's file first, as a send's: past the open-files limit the copy was stored and answered with
+        # its msgId while its unit waited in memory, unreadable; now it is not stored, said as a copy not stored
+        try:
+            ctx.store.prepare_queue(h.topic, qid)
+        except OSError as exc:
+            not_stored = f"create mapped file failed, server is busy or broken: consume queue {h.topic}-{qid}: {exc}"
+            ctx.limits.refused("queue-file-failed", f"reply to {props.get(REPLY_TO_CLIENT)} not stored: {not_stored}")
+    if not_stored is None:
+        result = await ctx.store.put(PutRequest(record, h.topic, qid, tags_code(props), h.sys_flag))
+        if not result.ok:
+            not_stored = result.status.name
     if not pushed:
         return cmd.response(ResponseCode.SYSTEM_ERROR, remark)
     msg_id, queue_offset = "0", 0               # RocketMQ's answer when the push worked but the copy was not stored
-    if result.ok:
+    if not_stored is None:
         ctx.metrics.count_in(h.topic, 1, len(body))
         msg_id, queue_offset = offset_msg_id(ctx.store_host, result.physical_offset), result.queue_offset
     else:
-        log.warning("reply to %s pushed but not stored in %s: %s", props.get(REPLY_TO_CLIENT), h.topic,
-                    result.status.name)
+        log.warning("reply to %s pushed but not stored in %s: %s", props.get(REPLY_TO_CLIENT), h.topic, not_stored)
     return cmd.response(ResponseCode.SUCCESS, None, {"msgId": msg_id, "queueId": qid, "queueOffset": queue_offset,
                                                       "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
 

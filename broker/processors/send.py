@@ -7,13 +7,16 @@ MESSAGE_ILLEGAL. A message whose TRAN_MSG is true becomes a half message.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import random
+import resource
 from functools import partial
 from time import monotonic, perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
+from protocol.txlog import HALF_TOPIC
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
@@ -83,17 +86,18 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
             # RocketMQ's does): a client planting such names held places of max_topics for good.
             return cmd.response(ResponseCode.NO_PERMISSION, f"topic[{h.topic}] not created: names starting with "
                                 f"{SYSTEM_TOPIC_PREFIX} are the broker's system topics")
-        refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic)
-        if refused is not None:
-            return refused
-        try:
-            tc = ctx.topics.for_send(h.topic, h.default_topic, h.default_topic_queue_nums, peer_host(conn))
-        except TopicLimitError as exc:
-            ctx.limits.refused("retry-group-limit")
-            return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
+        tc = ctx.topics.auto_config(h.topic, h.default_topic, h.default_topic_queue_nums)
         if tc is None:
             return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
                                 f"topic[{h.topic}] not exist, apply first please!")
+        refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic, tc.queue_count)
+        if refused is not None:
+            return refused
+        try:
+            tc = ctx.topics.create(tc, peer_host(conn))
+        except TopicLimitError as exc:
+            ctx.limits.refused("retry-group-limit")
+            return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
     if not tc.perm & Perm.WRITE:
         return cmd.response(ResponseCode.NO_PERMISSION, f"the topic[{h.topic}] sending message is forbidden")
     qid = h.queue_id
@@ -103,6 +107,25 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
         return cmd.response(ResponseCode.SYSTEM_ERROR,
                             f"request queueId[{qid}] is illegal, topic {h.topic} has {tc.queue_count} queues")
     return tc, qid
+
+
+def _queue_file(ctx, cmd, topic: str, qid: int):
+    """None once the consume queue a send goes to has its file, or the refusal saying why it cannot (RocketMQ's
+    CREATE_MAPEDFILE_FAILED remark, and the error): past the open-files limit or vm.max_map_count, each send to a
+    new queue is refused, the broker serving every queue there is."""
+    try:
+        ctx.store.prepare_queue(topic, qid)
+    except OSError as exc:
+        why = f"create mapped file failed, server is busy or broken: consume queue {topic}-{qid}: {exc}"
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            why += (f" (this process may open {soft} files, two a queue file: raise ulimit -n, or lower "
+                    f"--max-queues={ctx.config.max_queues})")
+        elif exc.errno == errno.ENOMEM:
+            why += f" (a mapping a queue file: raise vm.max_map_count, or lower --max-queues={ctx.config.max_queues})"
+        ctx.limits.refused("queue-file-failed", why)
+        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+    return None
 
 
 def handle_send(ctx, conn, cmd):
@@ -162,6 +185,10 @@ def handle_send(ctx, conn, cmd):
                                 f"transaction message claims producer group {group} (PGROUP) but is sent by "
                                 f"producer group {h.producer_group}: they must be the same")
         refused = ctx.limits.may_prepare(cmd, ctx.tx, group)
+        if refused is None and (HALF_TOPIC, 0) not in ctx.store.queue_index:
+            # the store's first half makes the half queue: its file first, as a send's (else acknowledged, its
+            # unit waiting in memory, the half unseen by a restart's pending index until a descriptor came free)
+            refused = _queue_file(ctx, cmd, HALF_TOPIC, 0)
         if refused is not None:
             return refused
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
@@ -172,6 +199,10 @@ def handle_send(ctx, conn, cmd):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, waits)
     if waits is not None:
         to_topic, to_qid, delay_ms, tags = waits
+    if (to_topic, to_qid) not in ctx.store.queue_index:     # a new queue: its file first
+        refused = _queue_file(ctx, cmd, to_topic, to_qid)
+        if refused is not None:
+            return refused
     record = encode_record(
         topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=h.sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
@@ -275,6 +306,8 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     if illegal is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
     busy = ctx.limits.busy(cmd, len(cmd.body))
+    if busy is None and (h.topic, qid) not in ctx.store.queue_index:     # a new queue: its file first
+        busy = _queue_file(ctx, cmd, h.topic, qid)
     if busy is not None:
         return busy
     batch_props = string_to_properties(h.properties)
@@ -403,11 +436,15 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
     is checked and limited as any topic a send creates, or one client naming group after group filled the
     catalogue (every other client's new topic then refused) with names the store cannot write."""
     if topic in ctx.topics.topics:
+        # One made with fewer queues (before the group's retryQueueNums was raised, or by a version that ignored
+        # it) grows to them, within the queue limits; past them (counted, logged) it is retried in those it has.
+        if ctx.limits.queue_room(ctx.topics, topic, queues, peer_host(conn), "grown") is None:
+            ctx.topics.grow(topic, queues)
         return None
     why = validate_topic(topic)
     if why is not None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, why)
-    refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, topic)
+    refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, topic, queues)
     if refused is not None:
         return refused
     try:
@@ -478,10 +515,9 @@ async def handle_send_back(ctx, conn, cmd):
     refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
     if refused is not None:
         return refused
-    # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries; a retry
-    # topic made with fewer (before the group was set, or by a version that ignored it) grows to them first.
-    # Never past the queues the topic has: a queue past them would never be read.
-    writable = ctx.topics.grow(topic, queues).write_queue_nums
+    # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries. Never past
+    # the queues the topic has (a queue limit can keep it from growing): a queue past them would never be read.
+    writable = ctx.topics.topics[topic].write_queue_nums
     qid = _rand.randrange(min(writable, queues)) if queues > 1 and writable > 1 else 0
     to_topic, to_qid, tags, delay_ms = topic, qid, tags_code(props), -1
     # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed
@@ -490,6 +526,9 @@ async def handle_send_back(ctx, conn, cmd):
     waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())
     if waits is not None and not isinstance(waits, str):
         to_topic, to_qid, delay_ms, tags = waits
+    refused = _queue_file(ctx, cmd, to_topic, to_qid)
+    if refused is not None:
+        return refused
     record = encode_record(
         topic=to_topic.encode(), body=msg.body, queue_id=to_qid, flag=msg.flag, sys_flag=sys_flag,
         # the producer's born host, as RocketMQ copies it: the consumer that failed the message did not make it

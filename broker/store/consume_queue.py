@@ -188,8 +188,8 @@ class ConsumeQueue:
         # _write advances max_offset unit by unit run; keep exactly the units it did not copy
         done = written - self._attempt_from
         if not self.backlog:
-            log.warning("consume queue %s-%d: no space for units (%s); they wait in memory until there is",
-                        self.topic, self.queue_id, exc)
+            log.warning("consume queue %s-%d: units not written, no space or no file for them (%s); they wait in "
+                        "memory until they can be", self.topic, self.queue_id, exc)
         self.backlog = bytearray(packed[done:]) + self.backlog
 
     def _write(self, data: memoryview) -> None:
@@ -210,6 +210,12 @@ class ConsumeQueue:
             mf.mm[pos:pos + n] = data[:n]
             self.max_offset += n // UNIT_SIZE
             data = data[n:]
+
+    def open_file(self) -> None:
+        """Make the file the next unit goes to now, when it has none (the OSError when it cannot be made)."""
+        byte = self.max_offset * UNIT_SIZE
+        if not self.files or byte >= self.files[-1].start + self.file_size:
+            self._new_file(byte)
 
     def _new_file(self, byte: int) -> None:
         if not self.files:

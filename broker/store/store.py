@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -67,6 +68,9 @@ class MessageStore:
         self.put_many = self._writer.put_many
         self._cq_root = os.path.join(self.store_dir, "consumequeue")
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
+        # Read only, for the send path's one lookup: the queues prepare_queue found with a file. A key not in it is
+        # a new queue (or one the writer made whose file it could not open), for prepare_queue first, which adds it.
+        self.queue_index: set[tuple[str, int]] = set()
         self._listeners: list[Callable[[DispatchInfo], None]] = []        # all: recovery replays reach each
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
@@ -292,6 +296,39 @@ class MessageStore:
     def _make_queue(self, key: tuple[str, int]) -> ConsumeQueue:
         topic, qid = key
         return ConsumeQueue(os.path.join(self._cq_root, topic, str(qid)), topic, qid, self.config.cq_file_size)
+
+    def prepare_queue(self, topic: str, queue_id: int) -> None:
+        """Make the consume queue (``topic``, ``queue_id``) and its first file now if it has none, raising the
+        OSError when the file cannot be opened or mapped: EMFILE, ENFILE (open-files limits), ENOMEM
+        (vm.max_map_count), ENOSPC. A send to a new queue is then refused with it before its record is written.
+        Made by the writer (``_on_commit``) as before, such a failure left the units of records already
+        acknowledged waiting in memory (logged as no space), unreadable by any consumer until a file could
+        be opened. A slave's queue (its start offset comes from its master) is left to the writer."""
+        key = (topic, queue_id)
+        cq = self._cqs.get(key)
+        if cq is not None and cq.files:
+            self.queue_index.add(key)
+            return
+        if key in self._log.queue_starts:
+            return
+        if cq is not None:
+            # made by the writer, its file not: its units wait (backlog), written by the retry that makes it; or
+            # loaded with none (a directory left empty by a failed open, or a crash, before a restart): made now
+            if not cq.retry():
+                raise cq.last_error or OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file")
+            if not cq.files:
+                cq.open_file()
+            self.queue_index.add(key)
+            return
+        cq = self._make_queue(key)
+        cq.open_file()
+        self._cqs[key] = cq
+        self.queue_index.add(key)
+        if self.on_new_queue is not None:
+            try:
+                self.on_new_queue(*key)
+            except Exception:
+                log.exception("new queue listener failed on %s", key)
 
     def _on_commit(self, units: list, infos: list) -> None:
         """Records just became readable: index them, then tell the listeners."""
@@ -738,6 +775,7 @@ class MessageStore:
                 forget()
             for key in [k for k in self._cqs if k[0] == topic]:
                 cq = self._cqs.pop(key)
+                self.queue_index.discard(key)
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
                 gone.append(cq)

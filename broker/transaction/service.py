@@ -415,7 +415,21 @@ class TransactionService:
         floor = self.ctx.store.max_offset(OP_TOPIC, 0)
         self.writing_ops.append(floor)
         try:
-            return floor, self._decision_records(action.tx, action.op, action.reason)
+            reqs = self._decision_records(action.tx, action.op, action.reason)
+            # A new queue's file first (the committed message's topic may have none yet): past the open-files
+            # limit the decision is refused and the half stays pending, where its commit was acknowledged and
+            # its message left unreadable, waiting in memory for a descriptor.
+            store = self.ctx.store
+            ready = store.queue_index       # a queue there is (every commit but a queue's first): one set lookup
+            for req in reqs:
+                if (req.topic, req.queue_id) not in ready:
+                    store.prepare_queue(req.topic, req.queue_id)
+            return floor, reqs
+        except OSError as exc:
+            self._decision_settled(action.tx, floor, done, False)
+            why = f"create mapped file failed, server is busy or broken: {exc}"
+            self.ctx.limits.refused("queue-file-failed", f"transaction {action.tx.uniq_key} not decided: {why}")
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, why) from exc
         except BaseException:
             self._decision_settled(action.tx, floor, done, False)
             raise

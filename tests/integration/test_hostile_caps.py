@@ -517,3 +517,73 @@ async def test_a_reclaimed_retry_topic_made_again_by_its_delayed_retry_is_charge
                 await asyncio.sleep(1.1)        # (the sweep's own rate limit, not a wait for anything to happen)
     finally:
         client.close()
+
+
+async def test_retry_topics_made_by_heartbeats_count_toward_max_queues_per_host(broker_factory):
+    """A %RETRY% topic is one queue of its group's address: at max_queues_per_host a new group gets none (said in
+    the log, once), while another address's group gets its own and the groups within the limit keep theirs."""
+    broker = broker_factory("--max-queues-per-host", "2")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        for _ in range(2):      # the second heartbeat of each group: checked again, said once
+            await _call(hostile, R.HEART_BEAT, _heartbeat("hostile", *[f"G_many{i}" for i in range(4)]))
+        assert (await _call(victim, R.HEART_BEAT, _heartbeat("victim", "G_victim"))).code == C.SUCCESS
+        made = await _retry_topics(victim)
+    finally:
+        hostile.close()
+        victim.close()
+    assert len([t for t in made if t.startswith("%RETRY%G_many")]) == 2
+    assert "%RETRY%G_victim" in made
+    assert "max_queues_per_host=2" in broker.log()
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    assert 'txmq_requests_refused_total{reason="queue-host-limit"} 2.0' in scraped
+
+
+async def _leave(client: RawClient, client_id: str, *groups: str) -> None:
+    for group in groups:
+        [left] = await client.call(RemotingCommand(R.UNREGISTER_CLIENT, opaque=next(_OPAQUES), ext_fields={
+            "clientID": client_id, "consumerGroup": group}), 10)
+        assert left.code == C.SUCCESS
+
+
+async def test_a_hosts_retry_topics_of_groups_gone_make_room_under_max_queues_per_host(broker_factory):
+    """A %RETRY% topic counts for a queue of its host. At max_topics_per_host the empty retry topics of the host's
+    groups gone are reclaimed first, but at max_queues_per_host they were not: a host whose groups come and go was
+    held at its queue limit by the retry topics of groups long gone, every new group of its left without one."""
+    broker = broker_factory("--max-queues-per-host", "2")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("short", "G_gone1", "G_gone2"))).code == C.SUCCESS
+        await _leave(client, "short", "G_gone1", "G_gone2")
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("next", "G_next"))).code == C.SUCCESS
+        made = await _retry_topics(client)
+    finally:
+        client.close()
+    assert "%RETRY%G_next" in made and not {"%RETRY%G_gone1", "%RETRY%G_gone2"} & made
+
+
+async def test_retry_topics_of_groups_gone_make_room_under_max_queues(broker_factory):
+    """The same at the broker's max_queues: the empty retry topics of groups gone, whoever made them, go before a
+    new group is left without one."""
+    probe_broker = broker_factory(store="probe")
+    probe = await RawClient.open(probe_broker.broker, "127.0.0.1")
+    try:
+        [reply] = await probe.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=next(_OPAQUES)), 10)
+    finally:
+        probe.close()
+    table = json.loads(reply.body_bytes())["topicConfigTable"]
+    system = sum(max(tc["readQueueNums"], tc["writeQueueNums"]) for tc in table.values())
+    broker = broker_factory("--max-queues", str(system + 2))
+    first = await RawClient.open(broker.broker, "127.0.0.1")
+    second = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        assert (await _call(first, R.HEART_BEAT, _heartbeat("short", "G_gone1", "G_gone2"))).code == C.SUCCESS
+        await _leave(first, "short", "G_gone1", "G_gone2")
+        assert (await _call(second, R.HEART_BEAT, _heartbeat("next", "G_next"))).code == C.SUCCESS
+        made = await _retry_topics(second)
+    finally:
+        first.close()
+        second.close()
+    assert "%RETRY%G_next" in made and not {"%RETRY%G_gone1", "%RETRY%G_gone2"} & made

@@ -567,3 +567,30 @@ async def test_an_end_whose_write_raises_leaves_no_pending_decision(tmp_path):
         assert p.half_offset not in tx.pending and tx.decision_of(p.half_offset) == COMMIT
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_commit_into_a_queue_there_is_does_not_call_into_the_store_to_prepare_it(tmp_path):
+    """A COMMIT opens its message's queue's file first when it is new (EMFILE refused, the half kept); into a
+    queue there is -- every commit but the first of each queue -- that must cost a set lookup, not two calls into
+    the store (prepare_queue, for the message's queue and the op queue) on the broker's busiest path."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        first, second = await add_half(ctx, b"a"), await add_half(ctx, b"b")
+        later = asyncio.get_running_loop().create_future()
+        assert tx.end(first.half_offset, COMMIT, group="PG", table_offset=first.queue_offset, from_check=False,
+                      later=later) is None
+        assert await asyncio.wait_for(later, 5) == (0, COMMIT)
+        calls = []
+        real = ctx.store._store.prepare_queue
+        ctx.store.prepare_queue = lambda topic, qid: calls.append((topic, qid)) or real(topic, qid)
+        later = asyncio.get_running_loop().create_future()
+        assert tx.end(second.half_offset, COMMIT, group="PG", table_offset=second.queue_offset, from_check=False,
+                      later=later) is None
+        assert await asyncio.wait_for(later, 5) == (0, COMMIT)
+        del ctx.store.prepare_queue
+        assert calls == []
+    finally:
+        await ctx.store._store.close()

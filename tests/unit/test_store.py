@@ -423,3 +423,95 @@ def test_config_validation():
         StoreConfig(recovery_verify_segments=-1)
     assert StoreConfig(segment_size=SEG).record_limit == SEG - 8
     assert StoreConfig().record_limit == 4 << 20
+
+
+@bounded()
+async def test_a_prepared_queue_with_no_unit_yet_survives_a_restart_and_takes_its_first_record(tmp_path):
+    """prepare_queue makes a send's new queue and its file before the record is written: a send refused later
+    (or a stop) leaves it empty, which a restart loads as an empty queue, and a record after is its offset 0.
+    A queue made already is left as it is."""
+    store = await opened(tmp_path)
+    store.prepare_queue("New", 3)
+    assert ("New", 3) in store.queues() and store.max_offset("New", 3) == 0
+    r = await store.put(req(topic="Old"))
+    store.prepare_queue("Old", 0)
+    assert store.max_offset("Old", 0) == 1
+    await store.close()
+    store = await opened(tmp_path)
+    assert store.max_offset("New", 3) == 0
+    r = await store.put(req(topic="New", queue_id=3))
+    assert r.ok and r.queue_offset == 0 and store.max_offset("New", 3) == 1
+    await store.close()
+
+
+@bounded()
+async def test_a_queue_the_writer_made_without_a_file_is_not_in_queue_index(tmp_path, monkeypatch):
+    """The send path calls prepare_queue only for a key not in queue_index. A queue made by the writer itself (a
+    schedule or retry delivery, a first half, a commit) whose file could not be opened (EMFILE) is in the store
+    with its units waiting in memory: had its key counted as there, every later send to it was acknowledged and
+    its message unreadable, the very failure prepare_queue refuses. Only a queue with its file is in the index."""
+    import errno
+    from broker.store import consume_queue
+    store = await opened(tmp_path)
+    real = consume_queue.MappedFile.create
+
+    def no_descriptor(directory, *a, **kw):
+        if os.sep + "Late" + os.sep in directory + os.sep:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    r = await store.put(req(topic="Late", queue_id=2))      # the writer's own path: no prepare_queue
+    assert r.ok and store.max_offset("Late", 2) == 0        # written to the log, its unit waiting
+    assert ("Late", 2) not in store.queue_index
+    with pytest.raises(OSError) as exc:
+        store.prepare_queue("Late", 2)
+    assert exc.value.errno == errno.EMFILE
+    monkeypatch.setattr(consume_queue.MappedFile, "create", real)
+    store.prepare_queue("Late", 2)                          # a descriptor free: its waiting unit written
+    assert ("Late", 2) in store.queue_index and store.max_offset("Late", 2) == 1
+    assert (await store.put(req(topic="Late", queue_id=2))).ok and store.max_offset("Late", 2) == 2
+    await store.close()
+
+
+@bounded()
+async def test_a_queue_directory_left_without_a_file_is_prepared_at_the_next_send(tmp_path):
+    """prepare_queue makes a new queue's directory, then its file: an open that fails there (EMFILE, the very
+    case it is for) or a crash between the two leaves the directory empty, and a restart loads it as a queue
+    with no file and nothing waiting. prepare_queue then raised "has no file" for it on every send, for good:
+    that queue refused every message, where the writer used to make its file. It makes the file now."""
+    store = await opened(tmp_path)
+    await store.close()
+    os.makedirs(os.path.join(str(tmp_path), "consumequeue", "Empty", "0"))
+    store = await opened(tmp_path)
+    store.prepare_queue("Empty", 0)
+    assert ("Empty", 0) in store.queue_index
+    r = await store.put(req(topic="Empty", queue_id=0))
+    assert r.ok and store.max_offset("Empty", 0) == 1
+    await store.close()
+
+
+@bounded()
+async def test_a_unit_waiting_for_its_queue_file_is_not_lost_across_a_stop(tmp_path, monkeypatch):
+    """The broker's own writes (a delayed or retry delivery) make their queue in the writer: past the open-files
+    limit the unit waits in memory. The checkpoint does not pass it, so a stop before a file could be opened
+    loses nothing: the next start rebuilds the unit from the log."""
+    import errno
+    from broker.store import consume_queue
+    store = await opened(tmp_path)
+    real = consume_queue.MappedFile.create
+
+    def no_descriptor(directory, *a, **kw):
+        if os.sep + "Late" + os.sep in directory + os.sep:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    assert (await store.put(req(topic="Late", queue_id=1))).ok
+    assert (await store.put(req(topic="Other"))).ok         # later records: the checkpoint still may not pass it
+    assert store.max_offset("Late", 1) == 0
+    await store.close()
+    monkeypatch.setattr(consume_queue.MappedFile, "create", real)
+    store = await opened(tmp_path)
+    assert store.max_offset("Late", 1) == 1 and store.max_offset("Other", 0) == 1
+    await store.close()

@@ -1,0 +1,461 @@
+"""Queues one client address, and all clients together, may make: max_queues_per_host and max_queues.
+
+A topic may have 1024 queues, and each queue written holds a consume-queue file mapped with two descriptors:
+one address's 512 topics could ask for half a million, far past the open-files limit and vm.max_map_count."""
+from __future__ import annotations
+
+import itertools
+import resource
+import json
+import urllib.request
+
+import pytest
+
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from protocol.codes import SysFlag
+from protocol.command import RemotingCommand
+from protocol.message import Prop, decode_offset_msg_id, properties_to_string
+from tests.support.bounded import bounded
+from tests.support.broker_process import BrokerProcess
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+_OPAQUES = itertools.count(1 << 24)     # clear of the opaques of requests the broker pushes (NOTIFY_...)
+
+
+async def _update_topic(client: RawClient, topic: str, queues: int) -> RemotingCommand:
+    [reply] = await client.call(RemotingCommand(R.UPDATE_AND_CREATE_TOPIC, opaque=next(_OPAQUES), ext_fields={
+        "topic": topic, "readQueueNums": str(queues), "writeQueueNums": str(queues), "perm": "6"}), 10)
+    return reply
+
+
+async def _send(client: RawClient, topic: str, queues: int = 1) -> RemotingCommand:
+    """A send to ``topic``, which auto-creates it from TBW102 (8 queues) with ``queues`` queues."""
+    [reply] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+        "producerGroup": "PG_queues", "topic": topic, "defaultTopic": "TBW102",
+        "defaultTopicQueueNums": str(queues), "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+        "properties": ""}), 10)
+    return reply
+
+
+async def _delete(client: RawClient, topic: str) -> None:
+    [reply] = await client.call(RemotingCommand(R.DELETE_TOPIC_IN_BROKER, opaque=next(_OPAQUES),
+                                                ext_fields={"topic": topic}), 10)
+    assert reply.code == C.SUCCESS, reply.remark
+
+
+def _refusals(broker, reason: str) -> float:
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    line = f'txmq_requests_refused_total{{reason="{reason}"}} '
+    return sum(float(x[len(line):]) for x in scraped.splitlines() if x.startswith(line))
+
+
+@bounded(60)
+async def test_one_address_makes_at_most_max_queues_per_host_queues(broker_factory):
+    """Past max_queues_per_host a new topic, or more queues for one, is refused NO_PERMISSION naming the limit,
+    whether by UPDATE_AND_CREATE_TOPIC or by a send's auto-create; a topic made smaller still counts for the queues
+    it had (their files stay); another address makes its own; a deleted topic gives its queues back."""
+    broker = broker_factory("--max-queues-per-host", "20", "--max-auto-create-topics-per-s", "1000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        assert (await _update_topic(hostile, "Wide", 16)).code == C.SUCCESS
+        refused = await _update_topic(hostile, "Wide2", 8)
+        assert refused.code == C.NO_PERMISSION and "max_queues_per_host=20" in refused.remark, refused.remark
+        refused = await _send(hostile, "Auto", 8)
+        assert refused.code == C.NO_PERMISSION and "max_queues_per_host=20" in refused.remark, refused.remark
+        assert (await _send(hostile, "Auto", 4)).code == C.SUCCESS                # 16 + 4: at the limit
+        grown = await _update_topic(hostile, "Wide", 17)
+        assert grown.code == C.NO_PERMISSION and "not updated" in grown.remark, grown.remark
+        assert (await _update_topic(hostile, "Wide", 2)).code == C.SUCCESS        # smaller: always
+        assert (await _update_topic(hostile, "Wide", 16)).code == C.SUCCESS       # back within what it counts for
+        refused = await _update_topic(hostile, "Narrow", 1)     # Wide still holds its 16 queues' files
+        assert refused.code == C.NO_PERMISSION and "max_queues_per_host" in refused.remark, refused.remark
+        assert (await _update_topic(victim, "Other", 16)).code == C.SUCCESS       # another address: its own
+        await _delete(victim, "Wide")                                             # an operator's, from anywhere
+        assert (await _update_topic(hostile, "Narrow", 16)).code == C.SUCCESS
+    finally:
+        hostile.close()
+        victim.close()
+    assert _refusals(broker, "queue-host-limit") == 4
+    assert "max_queues_per_host" in broker.log()
+
+
+@bounded(60)
+async def test_growing_another_addresss_topic_charges_the_one_that_asked(broker_factory):
+    """Without an ACL any address may give any topic more queues: they count for the address that asked, all of
+    them, so taking over another's topic is no way round the limit, and its maker gets its room back."""
+    broker = broker_factory("--max-queues-per-host", "20")
+    maker = await RawClient.open(broker.broker, "127.0.0.1")
+    other = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        assert (await _update_topic(maker, "Shared", 12)).code == C.SUCCESS
+        assert (await _update_topic(other, "Mine", 10)).code == C.SUCCESS
+        refused = await _update_topic(other, "Shared", 12 + 1)
+        assert refused.code == C.NO_PERMISSION and "127.0.0.2's 10 queues" in refused.remark, refused.remark
+        assert (await _update_topic(other, "Shared", 10)).code == C.SUCCESS        # no growth: nothing moves
+        await _delete(other, "Mine")
+        assert (await _update_topic(other, "Shared", 20)).code == C.SUCCESS        # 20 now the asker's
+        assert (await _update_topic(maker, "Again", 20)).code == C.SUCCESS         # the maker's 12 given back
+    finally:
+        maker.close()
+        other.close()
+
+
+@bounded(60)
+async def test_all_addresses_together_make_at_most_max_queues_queues(broker_factory):
+    """max_queues bounds every topic's queues (the system topics' too): past it no address creates a topic, nor
+    grows one, and the refusal names the limit; a deleted topic makes room."""
+    broker = broker_factory("--max-queues", "100")
+    first = await RawClient.open(broker.broker, "127.0.0.1")
+    second = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        [reply] = await first.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=next(_OPAQUES)), 10)
+        table = json.loads(reply.body_bytes())["topicConfigTable"]
+        system = sum(max(tc["readQueueNums"], tc["writeQueueNums"]) for tc in table.values())
+        assert 0 < system < 100
+        assert (await _update_topic(first, "Fill", 100 - system)).code == C.SUCCESS
+        refused = await _update_topic(second, "One", 1)
+        assert refused.code == C.NO_PERMISSION and "max_queues=100" in refused.remark, refused.remark
+        refused = await _send(second, "AutoOne")
+        assert refused.code == C.NO_PERMISSION and "max_queues=100" in refused.remark, refused.remark
+        assert (await _send(first, "Fill")).code == C.SUCCESS        # a topic there is: sends go on
+        await _delete(second, "Fill")
+        assert (await _send(second, "AutoOne")).code == C.SUCCESS
+    finally:
+        first.close()
+        second.close()
+    assert _refusals(broker, "queue-limit") == 2
+
+
+def _open_files(limit: int):
+    def lower():        # in the broker's child process, before it starts (it raises its soft limit to the hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    return lower
+
+
+@bounded(90)
+async def test_a_send_to_a_new_queue_past_the_open_files_limit_is_refused_and_nothing_acknowledged_is_hidden(
+        tmp_path):
+    """Each consume-queue file holds two descriptors. Past the open-files limit the writer could not open a new
+    queue's file, yet the send was answered SEND_OK: its unit waited in memory (logged as "no space"), no
+    consumer could see the message until a descriptor came free. Now the send to the new queue is refused
+    SYSTEM_ERROR with RocketMQ's "create mapped file failed" and the cause (EMFILE, the limit), nothing is
+    written, every queue made goes on being served and every message acknowledged can be read."""
+    # --max-queues set past what 160 files hold (warned at start): the open fails, not the limit
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")     # every request on it: a new one needs a descriptor
+        try:
+            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
+            answers = [await _send_to_queue(client, "Many", q) for q in range(200)]
+            ok = [q for q, r in enumerate(answers) if r.code == C.SUCCESS]
+            refused = [r for r in answers if r.code != C.SUCCESS]
+            for q in ok:        # acknowledged: readable now, not once some descriptor comes free
+                [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
+                    "topic": "Many", "queueId": str(q)}), 10)
+                assert m.int_field("offset", 0) == 1, f"queue {q}: acknowledged, not readable"
+            assert ok and refused, "the limit was not reached: lower it"
+            assert all(r.code == C.SYSTEM_ERROR and "create mapped file failed" in r.remark
+                       and "Too many open files" in r.remark and "ulimit -n" in r.remark for r in refused), \
+                {(r.code, r.remark) for r in refused}
+            assert (await _send_to_queue(client, "Many", ok[0])).code == C.SUCCESS      # still served
+            # A consumer's send-back goes to a queue of its own (SCHEDULE_TOPIC_XXXX's for its delay level): the same
+            _, _, offset = decode_offset_msg_id(answers[ok[0]].ext_fields["msgId"])
+            [back] = await client.call(RemotingCommand(R.CONSUMER_SEND_MSG_BACK, opaque=next(_OPAQUES), ext_fields={
+                "offset": str(offset), "group": "CG_back", "delayLevel": "0", "originMsgId": "x"}), 10)
+            assert back.code == C.SYSTEM_ERROR and "Too many open files" in back.remark, (back.code, back.remark)
+            await _delete(client, "Many")                               # its files closed: room again
+            assert (await _send_to_queue(client, "Again", 0)).code == C.SUCCESS
+        finally:
+            client.close()
+        assert _refusals(b, "queue-file-failed") == len(refused) + 1
+        assert b.stop() == 0
+    finally:
+        b.kill()
+
+
+async def _send_to_queue(client: RawClient, topic: str, qid: int) -> RemotingCommand:
+    [reply] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+        "producerGroup": "PG_queues", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "1",
+        "queueId": str(qid), "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""}), 10)
+    return reply
+
+
+@bounded(90)
+async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_and_the_half_kept(tmp_path):
+    """A committed message goes to its topic's queue, made then: past the open-files limit the commit was
+    acknowledged and the message left unreadable. Now the END_TRANSACTION is refused naming the cause, the half
+    stays undecided, and once a descriptor is free the same commit delivers it."""
+    # --max-queues set past what 160 files hold (warned at start): the open fails, not the limit
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            props = properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: "PG_queues"})
+            [half] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"h", ext_fields={
+                "producerGroup": "PG_queues", "topic": "Late", "defaultTopic": "TBW102",
+                "defaultTopicQueueNums": "1", "queueId": "0", "sysFlag": str(SysFlag.TRANSACTION_PREPARED),
+                "bornTimestamp": "0", "flag": "0", "properties": props}), 10)
+            assert half.code == C.SUCCESS, half.remark
+            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
+            for q in range(200):            # until a new queue's file can no longer be opened
+                if (await _send_to_queue(client, "Many", q)).code != C.SUCCESS:
+                    break
+            else:
+                raise AssertionError("the limit was not reached: lower it")
+            end = RemotingCommand(R.END_TRANSACTION, opaque=0, ext_fields={
+                "producerGroup": "PG_queues", "tranStateTableOffset": half.ext_fields["queueOffset"],
+                "commitLogOffset": str(decode_offset_msg_id(half.ext_fields["msgId"])[2]), "commitOrRollback": "8",
+                "fromTransactionCheck": "false", "msgId": half.ext_fields["msgId"]})
+            end.opaque = next(_OPAQUES)
+            [refused] = await client.call(end, 10)
+            assert refused.code == C.SYSTEM_ERROR and "Too many open files" in refused.remark, \
+                (refused.code, refused.remark)
+            await _delete(client, "Many")                               # descriptors free again
+            end.opaque = next(_OPAQUES)
+            [committed] = await client.call(end, 10)
+            assert committed.code == C.SUCCESS, committed.remark
+            [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
+                "topic": "Late", "queueId": "0"}), 10)
+            assert m.int_field("offset", 0) == 1
+        finally:
+            client.close()
+        assert _refusals(b, "queue-file-failed") == 2       # the send that found the limit, the commit
+    finally:
+        b.kill()
+
+
+@bounded(60)
+async def test_max_queues_unset_is_what_the_open_files_limit_holds_never_warned_and_a_set_one_past_it_is(tmp_path):
+    """A fixed default (30000) warned at every start of a machine whose open-files limit is under 64096 (this
+    one's is 20000), and refused queues a machine with larger limits could hold. Unset, max_queues is what the
+    process's limits hold ((8000 - 2000) / 2 here) and nothing is warned; set past them, it is kept and warned
+    about, naming the limit."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(8000)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            for i in range(3):
+                reply = await _update_topic(client, f"Wide{i}", 1000)
+                if reply.code != C.SUCCESS:
+                    break
+            assert reply.code == C.NO_PERMISSION and "max_queues=3000)" in reply.remark, reply.remark
+        finally:
+            client.close()
+        assert b.stop() == 0
+        assert "consume queues need two file descriptors" not in b.log()
+    finally:
+        b.kill()
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "5000", preexec_fn=_open_files(8000)).start()
+    try:
+        assert b.stop() == 0
+        assert "max_queues=5000 consume queues need two file descriptors and a mapping each, but the open-files " \
+               "limit 8000 holds about 3000" in b.log()
+    finally:
+        b.kill()
+
+
+@bounded(90)
+async def test_a_store_with_more_queues_than_max_queues_starts_and_serves_every_queue_it_has(tmp_path):
+    """An upgrade, or a limit lowered: the catalogue holds more queues than max_queues. The broker starts, says so,
+    serves every topic it has (a queue written before, one never written, a topic's settings changed without more
+    queues), and refuses only a new topic or more queues."""
+    b = BrokerProcess(tmp_path / "store").start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "Big", 64)).code == C.SUCCESS
+            assert (await _send_to_queue(client, "Big", 0)).code == C.SUCCESS
+        finally:
+            client.close()
+        assert b.stop() == 0
+    finally:
+        b.kill()
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "40").start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            for q in (0, 1, 63):            # written before; never written (its file made now)
+                reply = await _send_to_queue(client, "Big", q)
+                assert reply.code == C.SUCCESS, (q, reply.code, reply.remark)
+            assert (await _update_topic(client, "Big", 64)).code == C.SUCCESS      # no more queues: allowed
+            refused = await _send(client, "New")
+            assert refused.code == C.NO_PERMISSION and "max_queues=40" in refused.remark, refused.remark
+            refused = await _update_topic(client, "Big", 65)
+            assert refused.code == C.NO_PERMISSION and "max_queues=40" in refused.remark, refused.remark
+        finally:
+            client.close()
+        assert b.stop() == 0
+        assert "past max_queues=40: they are all served" in b.log()
+    finally:
+        b.kill()
+
+
+@bounded(90)
+async def test_the_first_half_past_the_open_files_limit_is_refused_not_acknowledged_unreadable(tmp_path):
+    """The store's first half makes the half queue (RMQ_SYS_TRANS_HALF_TOPIC 0). Past the open-files limit it was
+    answered SEND_OK, its unit waiting in memory: as a send to a new queue, it is now refused naming the cause, and
+    taken once a descriptor is free."""
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
+            for q in range(200):            # until a new queue's file can no longer be opened
+                if (await _send_to_queue(client, "Many", q)).code != C.SUCCESS:
+                    break
+            else:
+                raise AssertionError("the limit was not reached: lower it")
+            half = RemotingCommand(R.SEND_MESSAGE, opaque=0, body=b"h", ext_fields={
+                "producerGroup": "PG_queues", "topic": "Many", "defaultTopic": "TBW102",
+                "defaultTopicQueueNums": "1", "queueId": "0", "sysFlag": str(SysFlag.TRANSACTION_PREPARED),
+                "bornTimestamp": "0", "flag": "0",
+                "properties": properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: "PG_queues"})})
+            half.opaque = next(_OPAQUES)
+            [refused] = await client.call(half, 10)
+            assert refused.code == C.SYSTEM_ERROR and "Too many open files" in refused.remark, \
+                (refused.code, refused.remark)
+            await _delete(client, "Many")                               # descriptors free again
+            assert (await _update_topic(client, "Many", 1)).code == C.SUCCESS
+            half.opaque = next(_OPAQUES)
+            [taken] = await client.call(half, 10)
+            assert taken.code == C.SUCCESS, taken.remark
+        finally:
+            client.close()
+    finally:
+        b.kill()
+
+
+@bounded(90)
+async def test_a_reply_whose_queue_file_cannot_be_made_is_pushed_and_said_not_stored(tmp_path):
+    """A reply's stored copy goes to <cluster>_REPLY_TOPIC, its queue made by the first reply. Past the open-files
+    limit the copy was answered with its msgId, stored but unreadable, its unit waiting in memory. Now it is
+    pushed to the requester as ever and answered as RocketMQ answers a copy not stored (msgId 0), counted."""
+    import asyncio
+    import json as _json
+    from protocol.connection import open_connection
+    from protocol.message import SendMessageRequestHeader
+    b = BrokerProcess(tmp_path / "store", "--max-queues", "30000", preexec_fn=_open_files(160)).start()
+    pushed: asyncio.Queue = asyncio.Queue()
+
+    def requester_handler(conn, cmd):
+        pushed.put_nowait(cmd)
+        return cmd.response(C.SUCCESS, None)
+
+    host, _, port = b.broker.rpartition(":")
+    requester = await open_connection(host, int(port), requester_handler)
+    replier = await open_connection(host, int(port))
+    try:
+        beat = {"clientID": "127.0.0.1@requester", "producerDataSet": [{"groupName": "PG_requester"}],
+                "consumerDataSet": []}
+        assert (await requester.request(RemotingCommand.request(R.HEART_BEAT, body=_json.dumps(beat).encode()),
+                                        5)).code == C.SUCCESS
+        update = RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {"topic": "Many", "readQueueNums": "200",
+                                                                     "writeQueueNums": "200", "perm": "6"})
+        assert (await replier.request(update, 10)).code == C.SUCCESS
+        for q in range(200):            # until a new queue's file can no longer be opened
+            header = SendMessageRequestHeader(producer_group="PG_queues", topic="Many", queue_id=q)
+            sent = await replier.request(RemotingCommand.request(R.SEND_MESSAGE, header.to_ext_fields(v2=False),
+                                                                 b"m"), 10)
+            if sent.code != C.SUCCESS:
+                assert "Too many open files" in sent.remark, sent.remark
+                break
+        else:
+            raise AssertionError("the limit was not reached: lower it")
+        props = {"CORRELATION_ID": "c1", "REPLY_TO_CLIENT": "127.0.0.1@requester", "TTL": "3000",
+                 "MSG_TYPE": "reply", "CLUSTER": "DefaultCluster"}
+        header = SendMessageRequestHeader(producer_group="PG_replier", topic="DefaultCluster_REPLY_TOPIC",
+                                          queue_id=0, properties=properties_to_string(props))
+        reply = await replier.request(RemotingCommand.request(R.SEND_REPLY_MESSAGE, header.to_ext_fields(v2=False),
+                                                              b"answer"), 10)
+        assert reply.code == C.SUCCESS and reply.ext_fields["msgId"] == "0", (reply.code, reply.remark,
+                                                                               reply.ext_fields)
+        assert pushed.get_nowait().body_bytes() == b"answer"        # pushed before the answer
+        deleted = await replier.request(RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": "Many"}), 10)
+        assert deleted.code == C.SUCCESS        # descriptors free again (for the metrics scrape)
+    finally:
+        requester.close()
+        replier.close()
+    try:
+        assert _refusals(b, "queue-file-failed") >= 2      # the send that found the limit, the reply's copy
+        assert "pushed but not stored in DefaultCluster_REPLY_TOPIC: create mapped file failed" in b.log()
+    finally:
+        b.kill()
+
+
+@bounded(90)
+async def test_a_topic_made_smaller_counts_its_written_queues_across_a_restart(tmp_path):
+    """A topic made smaller keeps the consume-queue files of the queues it had, and counts for them: but the count
+    was kept in memory only, so after a restart it counted for its new, smaller queue count while its files were
+    all opened again. The queues the store holds count at start."""
+    b = BrokerProcess(tmp_path / "store").start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            [reply] = await client.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=next(_OPAQUES)), 10)
+            table = json.loads(reply.body_bytes())["topicConfigTable"]
+            system = sum(max(tc["readQueueNums"], tc["writeQueueNums"]) for tc in table.values())
+            assert (await _update_topic(client, "Wide", 16)).code == C.SUCCESS
+            assert (await _send_to_queue(client, "Wide", 15)).code == C.SUCCESS     # its file written
+            assert (await _update_topic(client, "Wide", 2)).code == C.SUCCESS
+        finally:
+            client.close()
+        assert b.stop() == 0
+    finally:
+        b.kill()
+    b = BrokerProcess(tmp_path / "store", "--max-queues", str(system + 16 + 1)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "One", 1)).code == C.SUCCESS            # 16 + 1: at the limit
+            refused = await _update_topic(client, "Two", 1)
+            assert refused.code == C.NO_PERMISSION and "max_queues=" in refused.remark, refused.remark
+        finally:
+            client.close()
+    finally:
+        b.kill()
+
+
+async def _retry_write_queues(client: RawClient, group: str) -> int:
+    [reply] = await client.call(RemotingCommand(R.GET_ROUTEINFO_BY_TOPIC, opaque=next(_OPAQUES),
+                                                ext_fields={"topic": f"%RETRY%{group}"}), 10)
+    assert reply.code == C.SUCCESS, reply.remark
+    return json.loads(reply.body_bytes())["queueDatas"][0]["writeQueueNums"]
+
+
+@bounded(60)
+async def test_a_retry_topic_grown_to_its_groups_retry_queue_nums_stays_within_max_queues_per_host(broker_factory):
+    """A group's retryQueueNums grows its %RETRY% topic (updateSubGroup -q, the group's first heartbeat, a
+    send-back): those queues cost files as any topic's do, so growing them is charged to the address that asked and
+    refused past max_queues_per_host (counted, logged) as growing a topic by UPDATE_AND_CREATE_TOPIC is. The
+    group's config is saved all the same, and its retries go on in the queues its topic has. Before, 1024 groups
+    set to -q 1024 made a million queues past every queue limit."""
+    broker = broker_factory("--max-queues-per-host", "20")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    group = "CG_grown_past_the_cap"
+    try:
+        [beat] = await client.call(RemotingCommand(R.HEART_BEAT, opaque=next(_OPAQUES), body=json.dumps({
+            "clientID": "127.0.0.1@cap", "producerDataSet": [], "consumerDataSet": [{
+                "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+                    "topic": f"%RETRY%{group}", "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 1,
+                    "expressionType": "TAG", "classFilterMode": False}]}]}).encode()), 10)
+        assert beat.code == C.SUCCESS, beat.remark
+        assert await _retry_write_queues(client, group) == 1
+        assert (await _update_topic(client, "Wide", 16)).code == C.SUCCESS          # 17 of its 20
+        [saved] = await client.call(RemotingCommand(
+            R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+            body=json.dumps({"groupName": group, "retryQueueNums": 8}).encode()), 10)
+        assert saved.code == C.SUCCESS, saved.remark                                # the config is kept
+        assert await _retry_write_queues(client, group) == 1                        # 8 would be 24 of 20
+        assert _refusals(broker, "queue-host-limit") == 1
+        [saved] = await client.call(RemotingCommand(
+            R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+            body=json.dumps({"groupName": group, "retryQueueNums": 4}).encode()), 10)
+        assert saved.code == C.SUCCESS, saved.remark
+        assert await _retry_write_queues(client, group) == 4                        # 20 of 20: room for it
+    finally:
+        client.close()
