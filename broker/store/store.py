@@ -61,6 +61,7 @@ class MessageStore:
         self._log = CommitLog(os.path.join(self.store_dir, "commitlog"), self.config, self.clock)
         self.disk = DiskMonitor(self.store_dir, self.config.disk_refuse_ratio)
         self._writer = Writer(self._log, self._on_commit, self.disk)
+        self._writer.raise_nul_free_from = self._raise_nul_free_from
         # The hot path skips a call layer: put / put_many ARE the writer's (documented below).
         self.put = self._writer.put
         self.set_flush_observer = lambda fn: setattr(self._writer, "on_flush", fn)   # fn(seconds) per flush
@@ -145,7 +146,9 @@ class MessageStore:
                                   self._listeners, self.tag_rule,
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
                                   deleted=self._deleted)
-            if nul_free_from is None:
+            if nul_free_from is None or nul_free_from > self.report.end_offset:
+                # (past the end: a crash came after the mark was moved for a copy, before the copy was written;
+                # no record lies past the end, and those written there next are this broker's)
                 nul_free_from = self.report.end_offset
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
@@ -415,6 +418,30 @@ class MessageStore:
                         "older broker); NUL checks of this store start after it", chunk.nul_end)
         return self._writer.put_replica(chunk), chunk.end
 
+    def copying(self, phys: int, req: PutRequest) -> PutRequest:
+        """``req`` (returned) copies the record at ``phys`` to the log's end: a commit, a scheduled delivery, a
+        retry or a dead letter. Every path that copies a record says so here before it puts ``req``.
+
+        An older broker's record (before nul_free_from) may hold a NUL in a property value, which the copy
+        carries; past the mark that NUL reads as a torn page (cut by the next start after a crash, with every
+        record after it, and refused by reads). Such a copy is marked for the writer, which moves nul_free_from
+        past it, fsynced, before writing it (Writer._vouch_first): rare, upgrades only. The copy's own bytes
+        are what is judged (its body CRC is fresh, so record_intact fails only on a NUL or a bad tail), and
+        only for records before the mark: a copy of this broker's records costs one comparison."""
+        if phys < self._nul_free_from and not record_intact(req.record, 0, len(req.record)):
+            req.older_nul = True
+            self._writer.nul_copies += 1
+        return req
+
+    async def _raise_nul_free_from(self, end: int) -> None:
+        """(Writer) nul_free_from at least ``end``, on disk; it never goes back while the store is open."""
+        if end <= self._nul_free_from:
+            return
+        await self._io.submit(write_nul_free_from, self.store_dir, end)
+        self._nul_free_from = end
+        log.warning("a copy of an older broker's record with a NUL in its properties ends at %d; NUL checks of "
+                    "this store start after it", end)
+
     def replica_chunk(self, phys: int, limit: int) -> memoryview | None:
         """(Master) readable bytes at ``phys`` for a slave: whole records up to ``limit`` bytes (at least
         one) or an end marker; None when nothing is readable there yet.
@@ -524,14 +551,14 @@ class MessageStore:
         a NUL in its properties) its body CRC only."""
         return (record_intact if phys >= self._nul_free_from else body_crc_ok)(buf, pos, size)
 
-    def verified_record(self, physical_offset: int, reader: str, copy: bool = False) -> memoryview | None:
+    def verified_record(self, physical_offset: int, reader: str) -> memoryview | None:
         """``get_record``, its body CRC checked too, and its topic and properties for zeroed bytes
         (record_intact): what a read that copies or serves a record must use. CorruptRecordError (counted and
         logged once, under ``reader``) when it fails.
 
-        Before nul_free_from a NUL in the properties is an older broker's data and is served; ``copy`` (the
-        record is re-written at the log's end, past nul_free_from) refuses it all the same: copied, it would
-        be read as a torn record at the next start after a crash (cut, or the start refused).
+        Before nul_free_from a NUL in the properties is an older broker's data and is served; a read that
+        copies the record to the log's end passes its copy through ``copying``, which has nul_free_from moved
+        past it first.
 
         A record this process wrote, past nul_free_from (its properties were refused a NUL when sent), has its
         body CRC checked only, also for a copy: a COMMIT's read of a half sent since start-up costs what it did
@@ -544,7 +571,7 @@ class MessageStore:
         if physical_offset >= self._written_from and physical_offset >= self._nul_free_from:
             ok = body_crc_ok(view, 0, len(view))
         else:
-            ok = record_intact(view, 0, len(view)) if copy else self._intact(view, 0, len(view), physical_offset)
+            ok = self._intact(view, 0, len(view), physical_offset)
         if not ok:
             raise self.corrupt_record(physical_offset, reader)
         return view

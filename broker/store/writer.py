@@ -82,6 +82,10 @@ class Writer:
         # 27-28k msgs/s; transactions 8.4-8.5k / 8.6-8.9k / 7.7-7.8k a second.
         self.second_flush_after = 0.0005
         self.replica_only = False   # a slave: its log takes its master's bytes only (put_replica)
+        # Copies of an older broker's records with a NUL in their properties queued (PutRequest.older_nul), and
+        # the store's coroutine that makes nul_free_from durably at least a given offset (_vouch_first).
+        self.nul_copies = 0
+        self.raise_nul_free_from: Callable[[int], object] | None = None
         clog.on_fail = self._drop_queue
 
     def start(self, io: "IoThread", io2: "IoThread | None" = None) -> None:
@@ -173,6 +177,8 @@ class Writer:
                         and (self._overlap or not self._flushing)):
                     entries, self._queue = self._queue, []
                     self._taken = entries       # if _write raises, the clean-up below refuses them
+                    if self.nul_copies:
+                        entries = self._taken = await self._vouch_first(entries)
                     self._write(entries)
                     self._taken = None
                 fl = self._flushing
@@ -224,6 +230,44 @@ class Writer:
         self._tick = None
         self._flush_due = True
         self._wakeup()
+
+    async def _vouch_first(self, entries: list) -> list:
+        """The entries to write now: those before the first copy of an older broker's NUL record (the rest go
+        back to the head of the queue), or that copy alone once nul_free_from is durably past where it lands.
+
+        Past the mark a NUL in the properties is what a torn page leaves: the next start after a crash cut the
+        copy as torn (with every record after it), and reads refused it. The mark is fsynced before the copy's
+        bytes reach the mapping, so no crash finds one without the other; a crash in between leaves the mark
+        past the log's end, which the next open brings back down to it. Alone in its batch, the copy lands
+        where the mark says: at the write position, or at the next segment's start if it does not fit."""
+        for k, (req, fut) in enumerate(entries):
+            reqs = req if req.__class__ is list else (req,)
+            if any(r.__class__ is PutRequest and r.older_nul for r in reqs):
+                break
+        else:
+            self.nul_copies = 0         # (those counted were refused before the writer took them)
+            return entries
+        if k:
+            self._queue[:0] = entries[k:]
+            return entries[:k]
+        self._queue[:0] = entries[1:]
+        self._taken = entries[:1]
+        for r in reqs:
+            if r.older_nul:
+                r.older_nul = False
+                self.nul_copies -= 1
+        clog, n = self.clog, sum(len(r.record) for r in reqs)
+        start = clog.segments[-1].start
+        pos = clog.written - start
+        end = start + pos + n if pos + n + 8 <= clog.seg_size else start + clog.seg_size + n
+        try:
+            await self.raise_nul_free_from(end)
+        except OSError as exc:
+            log.error("a copy of an older broker's record with a NUL in its properties is refused: the store's "
+                      "nul_free_from could not be moved past it: %s", exc)
+            resolve(fut, unavailable(req, f"cannot record where this store's NUL checks start: {exc}"))
+            return []
+        return entries[:1]
 
     def _write(self, entries: list) -> None:
         clog = self.clog

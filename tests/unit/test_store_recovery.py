@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.store import GetStatus, MessageStore, PutRequest, StoreConfig
+from broker.store import GetStatus, MessageStore, PutRequest, PutResult, StoreConfig
 from broker.store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from broker.store.manifest import NUL_FREE_FILE, read_nul_free_from, write_nul_free_from
 from broker.store.recovery import BadRecord, parse_record
 from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import decode_record, encode_record, pack_host, properties_to_string
@@ -138,6 +139,69 @@ async def test_properties_checks_leave_what_the_checkpoint_vouches_for(tmp_path)
     crashed_at(tmp_path, results[1].physical_offset)
     with pytest.raises(StoreError, match="NUL"):       # a valid record after it: damage, not a torn tail
         await reopen(tmp_path)
+
+
+async def _older_store(path) -> PutResult:
+    """A store an older broker wrote: a record with a NUL in a property value, one after it, no nul_free_from
+    file. The older record's PutResult."""
+    store = MessageStore(str(path), CFG)
+    await store.open()
+    odd = await store.put(PutRequest.build("T", b"x" * 100, properties={"TAGS": "a", "k": "v\x00w"}))
+    await store.put(req(0))
+    await store.close()
+    os.unlink(os.path.join(path, NUL_FREE_FILE))
+    return odd
+
+
+@bounded(20)
+async def test_a_copy_of_an_older_brokers_nul_moves_the_mark_past_it_before_its_bytes(tmp_path, monkeypatch):
+    # A commit, a delivery or a retry copies an older broker's record with its NUL to the log's end, past
+    # nul_free_from: cut as torn by the next start after a crash, or the start refused with records after it.
+    # The mark goes past the copy first, fsynced before any byte of the copy is written.
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    marks = []
+
+    def write_mark(store_dir, offset):          # with what the segment held then
+        with open(seg_path(tmp_path, 0), "rb") as f:
+            marks.append((offset, f.read()))
+        write_nul_free_from(store_dir, offset)
+
+    monkeypatch.setattr("broker.store.store.write_nul_free_from", write_mark)
+    copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
+    plain = store.copying(odd.physical_offset + odd.size, req(1))       # no NUL: nothing to move
+    # queued around the copy in one drain: written before it, and after it, in their own batches
+    results = await asyncio.gather(*[store.put(r) for r in (req(2), copy, plain, req(3))])
+    assert all(r.ok for r in results)
+    c = results[1]
+    [(mark, held)] = marks
+    assert mark == c.physical_offset + c.size and held[c.physical_offset:mark] == bytes(c.size)
+    assert read_nul_free_from(str(tmp_path)) == c.physical_offset + c.size
+    await store.close()
+    crashed_at(tmp_path, c.physical_offset)     # the crash came before a checkpoint covered the copy
+    store = await reopen(tmp_path)
+    assert store.report.truncations == [] and store.max_offset("C", 0) == 1
+    assert decode_record(bytes(store.verified_record(c.physical_offset, "test")))[0].properties["k"] == "v\x00w"
+    assert_readable(store, results)
+    await store.close()
+
+
+@bounded(20)
+async def test_a_mark_a_crash_left_past_the_logs_end_comes_back_to_it(tmp_path):
+    # The mark was moved for a copy and the crash came before the copy was written: left past the end, the
+    # records written there next (this broker's) were not checked for a torn page, and one was kept torn.
+    results = await fill(tmp_path, 3)
+    end = results[-1].physical_offset + results[-1].size
+    write_nul_free_from(str(tmp_path), end + 10_000)
+    store = await reopen(tmp_path)
+    assert read_nul_free_from(str(tmp_path)) == end
+    last = await store.put(req(3))
+    await store.close()
+    patch(tmp_path, last.physical_offset + last.size - 2, b"\0\0")      # its TAGS value's page lost
+    crashed_at(tmp_path, last.physical_offset)
+    store = await reopen(tmp_path)
+    assert [t.position for t in store.report.truncations] == [last.physical_offset]
+    await store.close()
 
 
 @bounded(20)
