@@ -108,9 +108,11 @@ class Writer:
         fut = then if then is not None else (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing or self.replica_only:
             fut.set_result(unavailable(req, self.replica_only and _SLAVE_REMARK or ""))
+            self._forget(req)
             return fut                              # not open, closed, stopped after an I/O error, a slave
         if not reclaim and self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(req, self.disk.refuse()))
+            self._forget(req)
             return fut
         self._queue.append((req, fut))
         w = self._wake
@@ -118,6 +120,11 @@ class Writer:
             self._wake = None
             w.set_result(None)
         return fut
+
+    def _forget(self, req) -> None:
+        """A request refused before it was queued: the copies of older NUL records it holds are not coming."""
+        if self.nul_copies:
+            self.nul_copies -= sum(r.older_nul for r in (req if req.__class__ is list else (req,)))
 
     def put_replica(self, chunk) -> asyncio.Future:
         """Queue a master's chunk (a ReplicaChunk) on a slave: the one write a slave's log takes."""
@@ -245,7 +252,6 @@ class Writer:
             if any(r.__class__ is PutRequest and r.older_nul for r in reqs):
                 break
         else:
-            self.nul_copies = 0         # (those counted were refused before the writer took them)
             return entries
         if k:
             self._queue[:0] = entries[k:]
