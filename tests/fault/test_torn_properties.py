@@ -457,3 +457,37 @@ async def test_a_delayed_half_an_older_broker_stored_with_a_nul_is_delivered_and
         broker.kill()
     assert cuts == 0, broker.log()
     assert [(bytes(m.body), m.properties.get("KEYS")) for m in got] == [(b"old-half", "key-\x00")], broker.log()
+
+
+@bounded(90)
+async def test_a_half_an_older_broker_stored_with_a_nul_is_dead_lettered_whole_and_survives_a_crash(tmp_path):
+    # Checked to its limit, such a half was dead-lettered as the op record alone ("the half is corrupt, no dead
+    # letter copied"): the message was nowhere an operator looks. Now its dead letter is copied, NUL and all.
+    store = tmp_path / "store"
+    await _older_half(store)
+    flags = ("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "200",
+             "--transaction-check-max", "1")
+    broker = BrokerProcess(store, *flags).start()
+    try:
+        producer = TransactionProducer(broker.namesrv, "PG_torn", _Undecided(), retries=0)
+        await producer.start()
+        try:
+            while True:         # polling the broker's own count; @bounded caps it
+                listed = await _request(broker.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 100})
+                if json.loads(listed.body_bytes())["dead_lettered"]:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await producer.shutdown()
+    finally:
+        _killed_before_its_checkpoint(broker)
+    assert _copies_past_the_mark(store) == [], broker.log()
+
+    broker = BrokerProcess(store, *flags).start()
+    try:
+        got = await _consumed(broker.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC")
+        cuts = _metric(broker.metrics, "txmq_store_tail_truncations_total")
+    finally:
+        broker.kill()
+    assert cuts == 0, broker.log()
+    assert [(bytes(m.body), m.properties.get("KEYS")) for m in got] == [(b"old-half", "key-\x00")], broker.log()
