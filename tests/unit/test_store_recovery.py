@@ -170,6 +170,7 @@ async def test_a_copy_of_an_older_brokers_nul_moves_the_mark_past_it_before_its_
     monkeypatch.setattr("broker.store.store.write_nul_free_from", write_mark)
     copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
     plain = store.copying(odd.physical_offset + odd.size, req(1))       # no NUL: nothing to move
+    assert (await store.put(req(4))).ok     # a batch written between the copy's making and its put
     # queued around the copy in one drain: written before it, and after it, in their own batches
     results = await asyncio.gather(*[store.put(r) for r in (req(2), copy, plain, req(3))])
     assert all(r.ok for r in results)
