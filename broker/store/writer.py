@@ -243,7 +243,8 @@ class Writer:
         back to the head of the queue), or that copy alone once nul_free_from is durably past where it lands.
 
         Past the mark a NUL in the properties is what a torn page leaves: the next start after a crash cut the
-        copy as torn (with every record after it), and reads refused it. The mark is fsynced before the copy's
+        copy as torn (with every record after it), and reads refused it. Everything before the copy is flushed
+        first (a crash can no longer tear what the moved mark exempts). The mark is fsynced before the copy's
         bytes reach the mapping, so no crash finds one without the other; a crash in between leaves the mark
         past the log's end, which the next open brings back down to it. Alone in its batch, the copy lands
         where the mark says: at the write position, or at the next segment's start if it does not fit."""
@@ -263,6 +264,17 @@ class Writer:
                 r.older_nul = False
                 self.nul_copies -= 1
         clog, n = self.clog, sum(len(r.record) for r in reqs)
+        # What lies before the copy is flushed first: past the old mark, this broker's records a crash may still
+        # tear (not yet flushed) are cut at the next start by their NUL check, which the moved mark takes away.
+        # Flushed, no crash tears them. (Rare: only such copies, after an upgrade.)
+        while clog.failed is None and (self._flushing or clog.dirty):
+            if self._flushing:
+                await asyncio.wait([f[0] for f in self._flushing])
+                self._flushes_done()
+            else:
+                self._start_flush()
+        if clog.failed is not None:
+            return entries[:1]          # refused by append, the mark left where it is
         start = clog.segments[-1].start
         pos = clog.written - start
         end = start + pos + n if pos + n + 8 <= clog.seg_size else start + clog.seg_size + n

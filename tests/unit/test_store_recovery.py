@@ -187,6 +187,53 @@ async def test_a_copy_of_an_older_brokers_nul_moves_the_mark_past_it_before_its_
     await store.close()
 
 
+@pytest.mark.parametrize("flush", ["async", "sync"])
+@bounded(20)
+async def test_the_mark_moves_for_a_copy_only_once_what_is_before_the_copy_is_flushed(tmp_path, monkeypatch,
+                                                                                    flush):
+    # Past the old mark, this broker's records not yet flushed are what a crash may tear; cut at the next start
+    # by their NUL check. Moved past them for the copy before they were flushed, the mark took that check away:
+    # a record torn after its body (zeroed properties, a sound body CRC) was kept. They are flushed first.
+    odd = await _older_store(tmp_path)
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, flush=flush, flush_interval_ms=3_600_000)
+    store = await reopen(tmp_path, cfg)
+    clog, seen = store._log, []
+
+    def write_mark(store_dir, offset):
+        seen.append((offset, clog.flushed, clog.written))
+        write_nul_free_from(store_dir, offset)
+
+    monkeypatch.setattr("broker.store.store.write_nul_free_from", write_mark)
+    if flush == "async":
+        mine = [await store.put(req(5))]        # acknowledged unflushed (async flush: an hour from now)
+    else:
+        gate = asyncio.Event()                  # held in its flush until the copy is queued behind it
+        flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
+        loop = asyncio.get_running_loop()
+
+        def held(ranges):
+            asyncio.run_coroutine_threadsafe(gate.wait(), loop).result()
+            flush_ranges(ranges)
+
+        monkeypatch.setattr("broker.store.writer._flush_ranges", held)
+        mine = [store.put(req(5))]
+        while not store._writer._flushing:      # the writer took it and its flush is in flight
+            await asyncio.sleep(0)
+    copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
+    put = store.put(copy)
+    if flush == "sync":
+        while store._writer._queue:             # drained: the copy waits for the flush, not the reverse
+            await asyncio.sleep(0)
+        gate.set()
+        mine = [await mine[0]]
+    c = await put
+    assert c.ok and mine[0].ok
+    [(mark, flushed, written)] = seen
+    assert mark == c.physical_offset + c.size
+    assert flushed == written == c.physical_offset      # all before the copy durable when the mark moved
+    await store.close()
+
+
 @bounded(20)
 async def test_a_mark_a_crash_left_past_the_logs_end_comes_back_to_it(tmp_path):
     # The mark was moved for a copy and the crash came before the copy was written: left past the end, the
