@@ -42,7 +42,7 @@ class GetStatus(enum.Enum):
     RECORD_CORRUPT = "RECORD_CORRUPT"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)     # (weakly held while an older NUL copy: Writer.nul_copies)
 class PutRequest:
     """One record for the writer.
 

@@ -430,7 +430,7 @@ class MessageStore:
         only for records before the mark: a copy of this broker's records costs one comparison."""
         if phys < self._nul_free_from and not record_intact(req.record, 0, len(req.record)):
             req.older_nul = True
-            self._writer.nul_copies += 1
+            self._writer.nul_copies[id(req)] = req
         return req
 
     async def _raise_nul_free_from(self, end: int) -> None:

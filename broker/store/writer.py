@@ -33,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Callable
 
 from protocol.errors import StoreError
@@ -82,9 +83,12 @@ class Writer:
         # 27-28k msgs/s; transactions 8.4-8.5k / 8.6-8.9k / 7.7-7.8k a second.
         self.second_flush_after = 0.0005
         self.replica_only = False   # a slave: its log takes its master's bytes only (put_replica)
-        # Copies of an older broker's records with a NUL in their properties queued (PutRequest.older_nul), and
-        # the store's coroutine that makes nul_free_from durably at least a given offset (_vouch_first).
-        self.nul_copies = 0
+        # Copies of an older broker's records with a NUL in their properties built and not yet written
+        # (PutRequest.older_nul), by id, held weakly: one refused before it is queued, or built and never put
+        # (a scheduled delivery left for the next batch), leaves by itself. Counted by hand, such a copy stayed
+        # counted for good and every batch after it paid the scan. And the store's coroutine that makes
+        # nul_free_from durably at least a given offset (_vouch_first).
+        self.nul_copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.raise_nul_free_from: Callable[[int], object] | None = None
         clog.on_fail = self._drop_queue
 
@@ -108,11 +112,9 @@ class Writer:
         fut = then if then is not None else (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing or self.replica_only:
             fut.set_result(unavailable(req, self.replica_only and _SLAVE_REMARK or ""))
-            self._forget(req)
             return fut                              # not open, closed, stopped after an I/O error, a slave
         if not reclaim and self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(req, self.disk.refuse()))
-            self._forget(req)
             return fut
         self._queue.append((req, fut))
         w = self._wake
@@ -120,11 +122,6 @@ class Writer:
             self._wake = None
             w.set_result(None)
         return fut
-
-    def _forget(self, req) -> None:
-        """A request refused before it was queued: the copies of older NUL records it holds are not coming."""
-        if self.nul_copies:
-            self.nul_copies -= sum(r.older_nul for r in (req if req.__class__ is list else (req,)))
 
     def put_replica(self, chunk) -> asyncio.Future:
         """Queue a master's chunk (a ReplicaChunk) on a slave: the one write a slave's log takes."""
@@ -262,7 +259,7 @@ class Writer:
         for r in reqs:
             if r.older_nul:
                 r.older_nul = False
-                self.nul_copies -= 1
+                self.nul_copies.pop(id(r), None)
         clog, n = self.clog, sum(len(r.record) for r in reqs)
         # What lies before the copy is flushed first: past the old mark, this broker's records a crash may still
         # tear (not yet flushed) are cut at the next start by their NUL check, which the moved mark takes away.
