@@ -237,14 +237,17 @@ class Writer:
 
     async def _vouch_first(self, entries: list) -> list:
         """The entries to write now: those before the first copy of an older broker's NUL record (the rest go
-        back to the head of the queue), or that copy alone once nul_free_from is durably past where it lands.
+        back to the head of the queue), or none once that copy has been written alone, here.
 
-        Past the mark a NUL in the properties is what a torn page leaves: the next start after a crash cut the
-        copy as torn (with every record after it), and reads refused it. Everything before the copy is flushed
-        first (a crash can no longer tear what the moved mark exempts). The mark is fsynced before the copy's
-        bytes reach the mapping, so no crash finds one without the other; a crash in between leaves the mark
-        past the log's end, which the next open brings back down to it. Alone in its batch, the copy lands
-        where the mark says: at the write position, or at the next segment's start if it does not fit."""
+        Past nul_free_from a NUL in the properties is what a torn page leaves: the next start after a crash cuts
+        it as torn, and reads refuse it. So the copy is written alone, with everything before it flushed and
+        completed first (moved past this broker's records a crash may still tear, the mark would take away the
+        NUL check that cuts them); it is flushed, and only then is the mark moved past its end and fsynced,
+        before it is readable or acknowledged (like a sync batch, whatever the flush mode). Until the mark is
+        on disk the copy's NUL still reads as torn: a crash before it cuts the copy, the log's last record and
+        never acknowledged, as it cuts any torn tail; it is not kept with a page of its properties lost. If the
+        mark cannot be written, the copy's bytes are in the log past it: the store stops, as after a failed
+        msync."""
         for k, (req, fut) in enumerate(entries):
             reqs = req if req.__class__ is list else (req,)
             if any(r.__class__ is PutRequest and r.older_nul for r in reqs):
@@ -256,14 +259,11 @@ class Writer:
             return entries[:k]
         self._queue[:0] = entries[1:]
         self._taken = entries[:1]
-        for r in reqs:
-            if r.older_nul:
-                r.older_nul = False
-                self.nul_copies.pop(id(r), None)
-        clog, n = self.clog, sum(len(r.record) for r in reqs)
-        # What lies before the copy is flushed first: past the old mark, this broker's records a crash may still
-        # tear (not yet flushed) are cut at the next start by their NUL check, which the moved mark takes away.
-        # Flushed, no crash tears them. (Rare: only such copies, after an upgrade.)
+        flagged = [r for r in reqs if r.__class__ is PutRequest and r.older_nul]
+        for r in flagged:
+            r.older_nul = False
+            self.nul_copies.pop(id(r), None)
+        clog = self.clog
         while clog.failed is None and (self._flushing or clog.dirty):
             if self._flushing:
                 await asyncio.wait([f[0] for f in self._flushing])
@@ -271,18 +271,35 @@ class Writer:
             else:
                 self._start_flush()
         if clog.failed is not None:
-            return entries[:1]          # refused by append, the mark left where it is
-        start = clog.segments[-1].start
-        pos = clog.written - start
-        end = start + pos + n if pos + n + 8 <= clog.seg_size else start + clog.seg_size + n
+            return entries[:1]          # refused by append
+        sync, self._sync = self._sync, True
         try:
-            await self.raise_nul_free_from(end)
-        except OSError as exc:
-            log.error("a copy of an older broker's record with a NUL in its properties is refused: the store's "
-                      "nul_free_from could not be moved past it: %s", exc)
-            resolve(fut, unavailable(req, f"cannot record where this store's NUL checks start: {exc}"))
-            return []
-        return entries[:1]
+            self._write(entries[:1])
+            if self._space is not None:     # back at the queue's head, waiting for room: still to vouch for
+                for r in flagged:
+                    r.older_nul = True
+                    self.nul_copies[id(r)] = r
+                return []
+            if not clog.dirty:              # refused (illegal, or the log failed): nothing of it written
+                return []
+            self._start_flush()
+            flush = self._flushing[-1][0]
+            await asyncio.wait([flush])
+            failure = flush.exception()
+            if failure is None:
+                try:
+                    await self.raise_nul_free_from(clog.written)
+                except OSError as exc:
+                    failure = exc
+                    clog.fail("a copy of an older broker's record with a NUL in its properties is in the log, "
+                              f"and the store's nul_free_from could not be moved past it: {exc}")
+            if failure is None:
+                self._flushes_done()
+            else:
+                self._flush_done(failure)
+        finally:
+            self._sync = sync
+        return []
 
     def _write(self, entries: list) -> None:
         clog = self.clog

@@ -162,9 +162,9 @@ async def test_a_copy_of_an_older_brokers_nul_moves_the_mark_past_it_before_its_
     store = await reopen(tmp_path)
     marks = []
 
-    def write_mark(store_dir, offset):          # with what the segment held then
+    def write_mark(store_dir, offset):          # with what the segment held then, and the copy's queue
         with open(seg_path(tmp_path, 0), "rb") as f:
-            marks.append((offset, f.read()))
+            marks.append((offset, f.read(), store.max_offset("C", 0)))
         write_nul_free_from(store_dir, offset)
 
     monkeypatch.setattr("broker.store.store.write_nul_free_from", write_mark)
@@ -175,8 +175,11 @@ async def test_a_copy_of_an_older_brokers_nul_moves_the_mark_past_it_before_its_
     results = await asyncio.gather(*[store.put(r) for r in (req(2), copy, plain, req(3))])
     assert all(r.ok for r in results)
     c = results[1]
-    [(mark, held)] = marks
-    assert mark == c.physical_offset + c.size and held[c.physical_offset:mark] == bytes(c.size)
+    [(mark, held, indexed)] = marks
+    # the copy's bytes flushed first (until the mark is on disk a crash cuts the copy as torn), neither
+    # readable nor acknowledged before the mark
+    assert mark == c.physical_offset + c.size and held[c.physical_offset:mark] != bytes(c.size)
+    assert indexed == 0
     assert read_nul_free_from(str(tmp_path)) == c.physical_offset + c.size
     await store.close()
     crashed_at(tmp_path, c.physical_offset)     # the crash came before a checkpoint covered the copy
@@ -229,8 +232,67 @@ async def test_the_mark_moves_for_a_copy_only_once_what_is_before_the_copy_is_fl
     c = await put
     assert c.ok and mine[0].ok
     [(mark, flushed, written)] = seen
-    assert mark == c.physical_offset + c.size
-    assert flushed == written == c.physical_offset      # all before the copy durable when the mark moved
+    assert mark == written == c.physical_offset + c.size
+    assert flushed == c.physical_offset     # all before the copy durable when the mark moved
+    await store.close()
+
+
+@bounded(20)
+async def test_a_copy_a_crash_tore_before_it_was_flushed_is_cut_not_kept(tmp_path, monkeypatch):
+    # The mark moved past the copy before its bytes were flushed: a crash that lost the page of its properties'
+    # tail (header and body on disk, so its body CRC holds) found it before the mark, where only the body CRC
+    # is checked: kept, never acknowledged, its properties zeros (a commit's copy was then committed again:
+    # the consumer got it twice, once damaged). Until its flush returns the copy's NUL still reads as torn.
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    before = await store.put(req(5))
+    images = []
+    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
+
+    def imaged(ranges):                         # the disk as a crash before this flush returns may leave it
+        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
+        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
+        images.append(img)
+        flush_ranges(ranges)
+
+    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    c = await store.put(store.copying(odd.physical_offset,
+                                      PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"})))
+    assert c.ok
+    await store.close()
+    img = next(i for i in images if (i / "commitlog" / f"{0:020d}").read_bytes()[c.physical_offset + 4:][:4]
+               == b"\xda\xa3\x20\xa7")          # the first image holding the copy (its magic): its own flush
+    patch(img, c.physical_offset + c.size - 3, b"\0\0\0")      # the page of its properties' tail lost
+    crashed_at(img, c.physical_offset)
+    store = await reopen(img)
+    assert [t.position for t in store.report.truncations] == [c.physical_offset]
+    assert store.max_offset("C", 0) == 0
+    assert_readable(store, [before])
+    await store.close()
+
+
+@bounded(20)
+async def test_a_mark_that_cannot_be_written_past_a_copy_in_the_log_stops_the_store(tmp_path, monkeypatch):
+    # The copy's bytes are in the log past the mark: acknowledged, or with records written after it, its NUL
+    # read as damage in the middle of the log at the next start. Refused, and nothing more written; the next
+    # start cuts it as the torn tail it then is.
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    before = await store.put(req(5))
+
+    def no_room(store_dir, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("broker.store.store.write_nul_free_from", no_room)
+    copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
+    c, after = await asyncio.gather(store.put(copy), store.put(req(6)))
+    assert not c.ok and not after.ok and store.max_offset("C", 0) == 0
+    assert not (await store.put(req(7))).ok
+    await store.close()
+    monkeypatch.undo()
+    store = await reopen(tmp_path)
+    assert [t.position for t in store.report.truncations] == [before.physical_offset + before.size]
+    assert_readable(store, [before])
     await store.close()
 
 
