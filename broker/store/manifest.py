@@ -86,8 +86,9 @@ def read_nul_free_from(store_dir: str) -> int | None:
     topic and properties (so a NUL there is damage: recovery cuts it, reads refuse it), or None when no such
     broker opened the store yet. Records before it are an older broker's: RocketMQ stores a NUL in a user
     property value, and read as damage those acknowledged messages were cut at start-up or refused on every
-    read (a queue stuck at them). It moves on past a slave's copy of its master's such records, and past a
-    copy of one this broker writes at the log's end (MessageStore.copying), each time before the record."""
+    read (a queue stuck at them). It moves on past a slave's copy of its master's such records (before the
+    chunk is written), and past a copy of one this broker writes at the log's end (MessageStore.copying: once
+    the copy is flushed, before it is readable or acknowledged)."""
     try:
         with open(os.path.join(store_dir, NUL_FREE_FILE), encoding="ascii") as f:
             return int(f.read().strip())

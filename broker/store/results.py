@@ -53,7 +53,7 @@ class PutRequest:
     SCHEDULE_TOPIC_XXXX): its consume-queue tagsCode is the store timestamp plus this, its delivery
     time, as in RocketMQ, instead of ``tags_code``. ``older_nul``: a copy of an older broker's record
     whose properties hold a NUL (set by MessageStore.copying, never by hand): the writer moves the store's
-    nul_free_from past it before writing it.
+    nul_free_from past it once it is flushed, before it is readable or acknowledged.
     """
 
     record: bytearray

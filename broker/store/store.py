@@ -147,8 +147,8 @@ class MessageStore:
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
                                   deleted=self._deleted)
             if nul_free_from is None or nul_free_from > self.report.end_offset:
-                # (past the end: a crash came after the mark was moved for a copy, before the copy was written;
-                # no record lies past the end, and those written there next are this broker's)
+                # (past the end: a slave's crash came after the mark was moved for its master's chunk, before the
+                # chunk was written; no record lies past the end, and those written there next are this broker's)
                 nul_free_from = self.report.end_offset
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
@@ -424,8 +424,9 @@ class MessageStore:
 
         An older broker's record (before nul_free_from) may hold a NUL in a property value, which the copy
         carries; past the mark that NUL reads as a torn page (cut by the next start after a crash, with every
-        record after it, and refused by reads). Such a copy is marked for the writer, which moves nul_free_from
-        past it, fsynced, before writing it (Writer._vouch_first): rare, upgrades only. The copy's own bytes
+        record after it, and refused by reads). Such a copy is marked for the writer, which writes it alone and
+        flushed, then moves nul_free_from past it, fsynced, before it is readable or acknowledged
+        (Writer._vouch_first): rare, upgrades only. The copy's own bytes
         are what is judged (its body CRC is fresh, so record_intact fails only on a NUL or a bad tail), and
         only for records before the mark: a copy of this broker's records costs one comparison."""
         if phys < self._nul_free_from and not record_intact(req.record, 0, len(req.record)):
