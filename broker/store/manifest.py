@@ -37,6 +37,8 @@ from .mapped_file import fsync_dir
 STORE_ID_FILE = "store_id"
 NUL_FREE_FILE = "nul_free_from"     # commit-log offset from which every record's topic and properties hold no NUL
 MANIFEST_FILE = "segments.json"
+# commit-log offset where a copy of an older broker's record with a NUL was being written, not yet vouched for
+NUL_COPY_FILE = "nul_copy_from"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,24 @@ def read_nul_free_from(store_dir: str) -> int | None:
 
 def write_nul_free_from(store_dir: str, offset: int) -> None:
     _write_atomically(os.path.join(store_dir, NUL_FREE_FILE), f"{offset}\n".encode())
+
+
+def read_nul_copy_from(store_dir: str) -> int | None:
+    """Where the writer began a copy of an older broker's record with a NUL (MessageStore.copying), or None.
+    Written before the copy's bytes, everything below it flushed; it counts only while it is not below
+    nul_free_from (the mark, moved past the copy once it is flushed, vouches for it): a crash came between,
+    and everything from it on was never acknowledged (nothing is written after such a copy before its mark),
+    so recovery cuts the log there. Kept, the copy's NUL past the mark read as damage, the start refused
+    when a record of the same write followed it."""
+    try:
+        with open(os.path.join(store_dir, NUL_COPY_FILE), encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def write_nul_copy_from(store_dir: str, offset: int) -> None:
+    _write_atomically(os.path.join(store_dir, NUL_COPY_FILE), f"{offset}\n".encode())
 
 
 def summarize_file(path: str, start: int) -> tuple[int, int, int, int]:

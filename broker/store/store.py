@@ -30,8 +30,9 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (SegmentFacts, load_or_create_store_id, read_nul_free_from, removed_from_disk, sealed_from_disk,
-                       summarize_file, write_manifest, write_nul_free_from)
+from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_nul_copy_from, read_nul_free_from,
+                       removed_from_disk, sealed_from_disk, summarize_file, write_manifest, write_nul_copy_from,
+                       write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -62,6 +63,7 @@ class MessageStore:
         self.disk = DiskMonitor(self.store_dir, self.config.disk_refuse_ratio)
         self._writer = Writer(self._log, self._on_commit, self.disk)
         self._writer.raise_nul_free_from = self._raise_nul_free_from
+        self._writer.begin_nul_copy = self._begin_nul_copy
         # The hot path skips a call layer: put / put_many ARE the writer's (documented below).
         self.put = self._writer.put
         self.set_flush_observer = lambda fn: setattr(self._writer, "on_flush", fn)   # fn(seconds) per flush
@@ -141,11 +143,16 @@ class MessageStore:
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
             # none of them is judged by that rule, only what is written from the end recovery finds.
             nul_free_from = read_nul_free_from(self.store_dir)
+            copy_from = read_nul_copy_from(self.store_dir)      # a copy its mark never vouched for
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
-                                  deleted=self._deleted)
+                                  deleted=self._deleted,
+                                  cut_from=copy_from if nul_free_from is not None and copy_from is not None
+                                  and copy_from >= nul_free_from else None)
+            if copy_from is not None:
+                os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
             if nul_free_from is None or nul_free_from > self.report.end_offset:
                 # (past the end: a slave's crash came after the mark was moved for its master's chunk, before the
                 # chunk was written; no record lies past the end, and those written there next are this broker's)
@@ -433,6 +440,10 @@ class MessageStore:
             req.older_nul = True
             self._writer.nul_copies[id(req)] = req
         return req
+
+    async def _begin_nul_copy(self, start: int) -> None:
+        """(Writer) on disk: a copy of an older NUL record is written from ``start``, not yet vouched for."""
+        await self._io.submit(write_nul_copy_from, self.store_dir, start)
 
     async def _raise_nul_free_from(self, end: int) -> None:
         """(Writer) nul_free_from at least ``end``, on disk; it never goes back while the store is open."""

@@ -90,6 +90,7 @@ class Writer:
         # nul_free_from durably at least a given offset (_vouch_first).
         self.nul_copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.raise_nul_free_from: Callable[[int], object] | None = None
+        self.begin_nul_copy: Callable[[int], object] | None = None     # (-1: withdrawn)
         clog.on_fail = self._drop_queue
 
     def start(self, io: "IoThread", io2: "IoThread | None" = None) -> None:
@@ -205,6 +206,9 @@ class Writer:
                         break
                 if self._queue and self._space is None and not self._controls and (self._overlap or not fl):
                     continue
+                sp = self._space
+                if sp is not None and sp[0].done():     # (settled while _vouch_first awaited: its wake-up lost)
+                    continue
                 if not self._sync and clog.dirty and self._tick is None:
                     self._tick = loop.call_later(self._interval, self._flush_tick)
                 self._wake = w = loop.create_future()
@@ -237,17 +241,19 @@ class Writer:
 
     async def _vouch_first(self, entries: list) -> list:
         """The entries to write now: those before the first copy of an older broker's NUL record (the rest go
-        back to the head of the queue), or none once that copy has been written alone, here.
+        back to the head of the queue), or none once the entry holding that copy has been written alone, here.
 
         Past nul_free_from a NUL in the properties is what a torn page leaves: the next start after a crash cuts
-        it as torn, and reads refuse it. So the copy is written alone, with everything before it flushed and
-        completed first (moved past this broker's records a crash may still tear, the mark would take away the
-        NUL check that cuts them); it is flushed, and only then is the mark moved past its end and fsynced,
-        before it is readable or acknowledged (like a sync batch, whatever the flush mode). Until the mark is
-        on disk the copy's NUL still reads as torn: a crash before it cuts the copy, the log's last record and
-        never acknowledged, as it cuts any torn tail; it is not kept with a page of its properties lost. If the
-        mark cannot be written, the copy's bytes are in the log past it: the store stops, as after a failed
-        msync."""
+        it as torn, and reads refuse it. So, in order: everything before the entry is flushed and completed
+        (moved past this broker's records a crash may still tear, the mark would take away the NUL check that
+        cuts them); where the entry begins is written down (manifest.write_nul_copy_from, fsynced); the entry
+        is written alone and flushed; the mark is moved past its end and fsynced; only then is it readable and
+        acknowledged (like a sync batch, whatever the flush mode). A crash before the mark: the next start cuts
+        the log where the entry began (nothing after it was written, nothing of it acknowledged), so a copy a
+        crash tore is never kept with a page of its properties lost, and its NUL is never read as damage with
+        the rest of its entry (a commit's op record, a delivery batch's progress) sound after it. An entry not
+        written after all has its beginning withdrawn before anything else is written there. If the mark
+        cannot be written, the entry's bytes are in the log: the store stops, as after a failed msync."""
         for k, (req, fut) in enumerate(entries):
             reqs = req if req.__class__ is list else (req,)
             if any(r.__class__ is PutRequest and r.older_nul for r in reqs):
@@ -272,15 +278,26 @@ class Writer:
                 self._start_flush()
         if clog.failed is not None:
             return entries[:1]          # refused by append
+        begin = clog.written
+        try:
+            await self.begin_nul_copy(begin)
+        except OSError as exc:
+            log.error("a copy of an older broker's record with a NUL in its properties is refused: where it "
+                      "begins could not be written down: %s", exc)
+            resolve(fut, unavailable(req, f"cannot record where this store's NUL checks start: {exc}"))
+            return []
         sync, self._sync = self._sync, True
         try:
             self._write(entries[:1])
-            if self._space is not None:     # back at the queue's head, waiting for room: still to vouch for
-                for r in flagged:
-                    r.older_nul = True
-                    self.nul_copies[id(r)] = r
-                return []
-            if not clog.dirty:              # refused (illegal, or the log failed): nothing of it written
+            if clog.written == begin:       # not written: refused (illegal, the log failed), or waiting for room
+                if self._space is not None:     # back at the queue's head: still to vouch for
+                    for r in flagged:
+                        r.older_nul = True
+                        self.nul_copies[id(r)] = r
+                try:
+                    await self.begin_nul_copy(-1)
+                except OSError as exc:
+                    clog.fail(f"where a copy of an older broker's NUL record began could not be withdrawn: {exc}")
                 return []
             self._start_flush()
             flush = self._flushing[-1][0]

@@ -272,6 +272,59 @@ async def test_a_copy_a_crash_tore_before_it_was_flushed_is_cut_not_kept(tmp_pat
 
 
 @bounded(20)
+async def test_a_crash_in_the_flush_of_a_list_holding_an_older_nul_copy_leaves_a_store_that_starts(tmp_path,
+                                                                                                  monkeypatch):
+    # A commit (the copy, then its op record), a dead letter and a scheduled batch (deliveries, then progress)
+    # are lists. Had the mark waited for the list's flush, a crash before it left the copy's NUL past the mark
+    # with a sound record after it: damage in the middle of the log, and the next start refused.
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    images = []
+    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
+
+    def imaged(ranges):
+        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
+        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
+        images.append(img)
+        flush_ranges(ranges)
+
+    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
+    c, op = await store.put_many([copy, req(6)])
+    assert c.ok and op.ok
+    await store.close()
+    img = next(i for i in images if (i / "commitlog" / f"{0:020d}").read_bytes()[c.physical_offset + 4:][:4]
+               == b"\xda\xa3\x20\xa7")          # the list's own flush, before it returned
+    crashed_at(img, c.physical_offset)
+    store = await reopen(img)                   # starts: the list, never acknowledged, is cut whole
+    assert [t.position for t in store.report.truncations] == [c.physical_offset]
+    assert store.max_offset("C", 0) == 0 and store.max_offset("T", 0) == 2      # (the older broker's two)
+    await store.close()
+    store = await reopen(tmp_path)              # no crash: the mark vouches for it
+    assert store.report.truncations == [] and store.max_offset("C", 0) == 1 and store.max_offset("T", 0) == 3
+    await store.close()
+
+
+@bounded(20)
+async def test_an_older_nul_copy_refused_leaves_no_cut_for_what_is_written_where_it_would_have_been(tmp_path):
+    # Where the copy begins is written down before its bytes; refused (here too large), it was never written,
+    # and records written there next, acknowledged, must not be cut with it at the next start.
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    big = store.copying(odd.physical_offset,
+                        PutRequest.build("C", b"x" * (SEG + 100), properties={"k": "v\x00w"}))
+    assert not (await store.put(big)).ok
+    after = await store.put(req(7))
+    assert after.ok
+    await store.close()
+    crashed_at(tmp_path, after.physical_offset)
+    store = await reopen(tmp_path)
+    assert store.report.truncations == [] and store.max_offset("T", 0) == 3
+    assert_readable(store, [after])
+    await store.close()
+
+
+@bounded(20)
 async def test_a_mark_that_cannot_be_written_past_a_copy_in_the_log_stops_the_store(tmp_path, monkeypatch):
     # The copy's bytes are in the log past the mark: acknowledged, or with records written after it, its NUL
     # read as damage in the middle of the log at the next start. Refused, and nothing more written; the next
