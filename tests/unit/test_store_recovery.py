@@ -305,6 +305,46 @@ async def test_a_crash_in_the_flush_of_a_list_holding_an_older_nul_copy_leaves_a
     await store.close()
 
 
+@bounded(30)
+async def test_a_crash_before_the_mark_of_a_copy_that_rolled_to_a_new_segment_cuts_it_there(tmp_path, monkeypatch):
+    # Written down where the log ended, the copy landed at the next segment's start (the rest of the old one
+    # sealed): the cut goes back to that end, the new segment with it, and the store writes on from there.
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    filler = []
+    while SEG - store._log.written % SEG > 4000:
+        filler.append(await store.put(req(len(filler), 1800)))
+    images = []
+    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
+
+    def imaged(ranges):
+        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
+        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
+        images.append(img)
+        flush_ranges(ranges)
+
+    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    end = store._log.written
+    copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 2000, properties={"k": "v\x00w"}))
+    c, op = await store.put_many([copy, req(99, 2000)])
+    assert c.ok and c.physical_offset == SEG
+    await store.close()
+    img = next(i for i in images if os.path.exists(seg_path(i, SEG))
+               and open(seg_path(i, SEG), "rb").read(8)[4:] == b"\xda\xa3\x20\xa7")
+    crashed_at(img, end)
+    store = await reopen(img)
+    assert [t.position for t in store.report.truncations] == [end % SEG]
+    assert store._log.written == end and store.max_offset("C", 0) == 0
+    assert_readable(store, filler)
+    again = await store.put(req(100))
+    assert again.ok
+    await store.close()
+    store = await reopen(img)
+    assert store.report.truncations == []
+    assert_readable(store, filler + [again])
+    await store.close()
+
+
 @bounded(20)
 async def test_an_older_nul_copy_refused_leaves_no_cut_for_what_is_written_where_it_would_have_been(tmp_path):
     # Where the copy begins is written down before its bytes; refused (here too large), it was never written,
