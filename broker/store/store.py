@@ -154,8 +154,9 @@ class MessageStore:
             if copy_from is not None:
                 os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
             if nul_free_from is None or nul_free_from > self.report.end_offset:
-                # (past the end: a slave's crash came after the mark was moved for its master's chunk, before the
-                # chunk was written; no record lies past the end, and those written there next are this broker's)
+                # (past the end: left by an earlier version, which moved it before writing a copy or, on a slave,
+                # its master's chunk, and crashed between; no record lies past the end, and those written there
+                # next are this broker's)
                 nul_free_from = self.report.end_offset
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
@@ -417,12 +418,11 @@ class MessageStore:
         chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
         if chunk.nul_end > self._nul_free_from:
             # The master's records are not this broker's to refuse: one an older txmq (or RocketMQ) master
-            # stored with a NUL in its properties must not read as torn here (cut at the next start, refused on
-            # reads). Durable before the chunk can reach the disk; rare (only such records), so written here.
-            self._nul_free_from = chunk.nul_end
-            write_nul_free_from(self.store_dir, chunk.nul_end)
-            log.warning("replica: the master's record ending at %d holds a NUL in its properties (stored by an "
-                        "older broker); NUL checks of this store start after it", chunk.nul_end)
+            # stored with a NUL in its properties (or a copy of one) must not read as torn here (cut at the next
+            # start, refused on reads). The writer moves the mark past it as for a copy (Writer._vouch_first):
+            # written here, on the loop, before the chunk was queued, it blocked the loop on an fsync and passed
+            # this slave's chunks not yet flushed, which a crash could then leave torn and kept.
+            chunk.older_nul = True
         return self._writer.put_replica(chunk), chunk.end
 
     def copying(self, phys: int, req: PutRequest) -> PutRequest:
@@ -451,8 +451,8 @@ class MessageStore:
             return
         await self._io.submit(write_nul_free_from, self.store_dir, end)
         self._nul_free_from = end
-        log.warning("a copy of an older broker's record with a NUL in its properties ends at %d; NUL checks of "
-                    "this store start after it", end)
+        log.warning("a record with a NUL in its properties (an older broker's, a copy of one, or on a slave its "
+                    "master's) ends at %d; NUL checks of this store start after it", end)
 
     def replica_chunk(self, phys: int, limit: int) -> memoryview | None:
         """(Master) readable bytes at ``phys`` for a slave: whole records up to ``limit`` bytes (at least

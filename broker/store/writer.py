@@ -39,6 +39,7 @@ from typing import Callable
 from protocol.errors import StoreError
 
 from .commit_log import CommitLog, resolve, unavailable
+from .replica import ReplicaChunk
 from .disk import DiskMonitor
 from .results import PutRequest
 
@@ -91,6 +92,7 @@ class Writer:
         self.nul_copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.raise_nul_free_from: Callable[[int], object] | None = None
         self.begin_nul_copy: Callable[[int], object] | None = None     # (-1: withdrawn)
+        self._nul_chunks = 0        # a slave's queued chunks with ReplicaChunk.older_nul
         clog.on_fail = self._drop_queue
 
     def start(self, io: "IoThread", io2: "IoThread | None" = None) -> None:
@@ -134,6 +136,8 @@ class Writer:
             fut.set_result(unavailable(chunk, self.disk.refuse()))
             return fut
         self._queue.append((chunk, fut))
+        if chunk.older_nul:
+            self._nul_chunks += 1
         self._wakeup()
         return fut
 
@@ -182,7 +186,7 @@ class Writer:
                         and (self._overlap or not self._flushing)):
                     entries, self._queue = self._queue, []
                     self._taken = entries       # if _write raises, the clean-up below refuses them
-                    if self.nul_copies:
+                    if self.nul_copies or self._nul_chunks:
                         entries = self._taken = await self._vouch_first(entries)
                     self._write(entries)
                     self._taken = None
@@ -242,6 +246,7 @@ class Writer:
     async def _vouch_first(self, entries: list) -> list:
         """The entries to write now: those before the first copy of an older broker's NUL record (the rest go
         back to the head of the queue), or none once the entry holding that copy has been written alone, here.
+        A slave's chunk holding its master's NUL record past the slave's mark goes the same way.
 
         Past nul_free_from a NUL in the properties is what a torn page leaves: the next start after a crash cuts
         it as torn, and reads refuse it. So, in order: everything before the entry is flushed and completed
@@ -255,8 +260,10 @@ class Writer:
         written after all has its beginning withdrawn before anything else is written there. If the mark
         cannot be written, the entry's bytes are in the log: the store stops, as after a failed msync."""
         for k, (req, fut) in enumerate(entries):
-            reqs = req if req.__class__ is list else (req,)
-            if any(r.__class__ is PutRequest and r.older_nul for r in reqs):
+            if req.__class__ is ReplicaChunk:
+                if req.older_nul:
+                    break
+            elif any(r.__class__ is PutRequest and r.older_nul for r in (req if req.__class__ is list else (req,))):
                 break
         else:
             return entries
@@ -265,10 +272,13 @@ class Writer:
             return entries[:k]
         self._queue[:0] = entries[1:]
         self._taken = entries[:1]
-        flagged = [r for r in reqs if r.__class__ is PutRequest and r.older_nul]
+        flagged = [r for r in (req if req.__class__ is list else (req,)) if r.older_nul]
         for r in flagged:
             r.older_nul = False
-            self.nul_copies.pop(id(r), None)
+            if r.__class__ is ReplicaChunk:
+                self._nul_chunks -= 1
+            else:
+                self.nul_copies.pop(id(r), None)
         clog = self.clog
         while clog.failed is None and (self._flushing or clog.dirty):
             if self._flushing:
@@ -293,7 +303,10 @@ class Writer:
                 if self._space is not None:     # back at the queue's head: still to vouch for
                     for r in flagged:
                         r.older_nul = True
-                        self.nul_copies[id(r)] = r
+                        if r.__class__ is ReplicaChunk:
+                            self._nul_chunks += 1
+                        else:
+                            self.nul_copies[id(r)] = r
                 try:
                     await self.begin_nul_copy(-1)
                 except OSError as exc:
@@ -305,7 +318,7 @@ class Writer:
             failure = flush.exception()
             if failure is None:
                 try:
-                    await self.raise_nul_free_from(clog.written)
+                    await self.raise_nul_free_from(req.nul_end if req.__class__ is ReplicaChunk else clog.written)
                 except OSError as exc:
                     failure = exc
                     clog.fail("a copy of an older broker's record with a NUL in its properties is in the log, "
@@ -372,6 +385,9 @@ class Writer:
         if self._queue and self._queue[0] is entry:
             del self._queue[0]
             req, fut = entry
+            if req.__class__ is ReplicaChunk and req.older_nul:
+                req.older_nul = False
+                self._nul_chunks -= 1
             if not self._space_failing:     # once per shortage: every write would say the same
                 log.warning("refusing writes that find no space to reserve (%s)", exc)
                 self._space_failing = True

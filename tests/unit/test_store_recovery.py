@@ -5,6 +5,7 @@ import asyncio
 import logging
 import os
 import shutil
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -387,6 +388,43 @@ async def test_a_mark_that_cannot_be_written_past_a_copy_in_the_log_stops_the_st
     assert [t.position for t in store.report.truncations] == [before.physical_offset + before.size]
     assert_readable(store, [before])
     await store.close()
+
+
+@bounded(30)
+async def test_a_slave_moves_its_mark_for_its_masters_nul_only_once_what_is_before_it_is_flushed(tmp_path,
+                                                                                                monkeypatch):
+    # The slave side of the same rule: the master's chunk holding a NUL record (an older broker's, or this
+    # broker's copy of one) moved the slave's mark on the loop, before the chunk was queued, past the slave's
+    # own chunks not yet flushed: a crash then kept one torn after its body. It also fsynced on the loop.
+    odd = await _older_store(tmp_path / "m")
+    master = await reopen(tmp_path / "m")
+    plain = await master.put(req(5))
+    copy = await master.put(master.copying(odd.physical_offset,
+                                           PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"})))
+    assert copy.ok
+    slave = MessageStore(str(tmp_path / "s"), StoreConfig(segment_size=SEG, cq_units_per_file=64, flush="async",
+                                                          flush_interval_ms=3_600_000))
+    await slave.open()
+    slave.set_replica_only()
+    clog, seen = slave._log, []
+
+    def write_mark(store_dir, offset):
+        if store_dir == slave.store_dir:
+            seen.append((offset, clog.flushed, threading.current_thread() is threading.main_thread()))
+        write_nul_free_from(store_dir, offset)
+
+    monkeypatch.setattr("broker.store.store.write_nul_free_from", write_mark)
+    at = 0
+    for end in (plain.physical_offset, copy.physical_offset, copy.physical_offset + copy.size):
+        chunk = master.replica_chunk(at, end - at)          # [older records], [this broker's], [the copy]
+        fut, at = slave.append_replica(at, bytes(chunk))
+        chunk.release()
+        assert (await fut).ok and at == end
+    assert [(mark, flushed) for mark, flushed, _ in seen] == [
+        (odd.physical_offset + odd.size, 0), (copy.physical_offset + copy.size, copy.physical_offset)]
+    assert not any(on_loop for _, _, on_loop in seen)
+    await slave.close()
+    await master.close()
 
 
 @bounded(20)
