@@ -188,6 +188,9 @@ class Writer:
                     self._taken = entries       # if _write raises, the clean-up below refuses them
                     if self.nul_copies or self._nul_chunks:
                         entries = self._taken = await self._vouch_first(entries)
+                        if not entries:     # (written there, or refused: an empty _write would still make
+                            self._taken = None      # what a failed log holds readable in async mode)
+                            continue
                     self._write(entries)
                     self._taken = None
                 fl = self._flushing

@@ -365,13 +365,14 @@ async def test_an_older_nul_copy_refused_leaves_no_cut_for_what_is_written_where
     await store.close()
 
 
+@pytest.mark.parametrize("flush", ["sync", "async"])
 @bounded(20)
-async def test_a_mark_that_cannot_be_written_past_a_copy_in_the_log_stops_the_store(tmp_path, monkeypatch):
+async def test_a_mark_that_cannot_be_written_past_a_copy_in_the_log_stops_the_store(tmp_path, monkeypatch, flush):
     # The copy's bytes are in the log past the mark: acknowledged, or with records written after it, its NUL
-    # read as damage in the middle of the log at the next start. Refused, and nothing more written; the next
-    # start cuts it as the torn tail it then is.
+    # read as damage in the middle of the log at the next start. Refused, never readable, and nothing more
+    # written; the next start cuts it.
     odd = await _older_store(tmp_path)
-    store = await reopen(tmp_path)
+    store = await reopen(tmp_path, StoreConfig(segment_size=SEG, cq_units_per_file=64, flush=flush))
     before = await store.put(req(5))
 
     def no_room(store_dir, offset):
@@ -381,6 +382,7 @@ async def test_a_mark_that_cannot_be_written_past_a_copy_in_the_log_stops_the_st
     copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
     c, after = await asyncio.gather(store.put(copy), store.put(req(6)))
     assert not c.ok and not after.ok and store.max_offset("C", 0) == 0
+    assert store._log.readable == before.physical_offset + before.size
     assert not (await store.put(req(7))).ok
     await store.close()
     monkeypatch.undo()
