@@ -44,11 +44,11 @@ def update_and_create_topic(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS)
 
 
-def stored_record(ctx, cmd, offset: int, reader: str, missing: str, copy: bool = False):
+def stored_record(ctx, cmd, offset: int, reader: str, missing: str):
     """(the verified record at commit-log ``offset``, None), or (None, the SYSTEM_ERROR answer to ``cmd``): its body
     failing its CRC (never served, nor copied under a fresh one, as if sound), or no record there (``missing``)."""
     try:
-        view = ctx.store.verified_record(offset, reader, copy)
+        view = ctx.store.verified_record(offset, reader)
     except CorruptRecordError as exc:
         return None, cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
     if view is None:

@@ -489,7 +489,7 @@ async def handle_send_back(ctx, conn, cmd):
         _not_retried(group, offset)
         return cmd.response(ResponseCode.SUCCESS)
     # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
-    view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}", copy=True)
+    view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}")
     if error is not None:
         return error
     msg, _ = decode_record(view)
@@ -536,7 +536,8 @@ async def handle_send_back(ctx, conn, cmd):
         properties=properties_to_string(props).encode(),
         # (a producer may send any 32-bit count: one more must still fit, or the failed message goes nowhere)
         reconsume_times=min(times + 1, _MAX_RECONSUME_TIMES))
-    result = await ctx.store.put(PutRequest(record, to_topic, to_qid, tags, sys_flag, delay_ms))
+    req = ctx.store.copying(offset, PutRequest(record, to_topic, to_qid, tags, sys_flag, delay_ms))
+    result = await ctx.store.put(req)
     if not result.ok:
         return cmd.response(ResponseCode.SYSTEM_ERROR, result.status.name)
     ctx.metrics.count_in(topic, 1, len(msg.body))

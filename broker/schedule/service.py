@@ -299,7 +299,7 @@ class ScheduleService:
     def _delivery(self, phys: int, source: str, offset: int) -> PutRequest | None:
         """The message as it goes to its real topic, or None (logged) when it cannot go anywhere."""
         try:
-            view = self.ctx.store.verified_record(phys, "scheduled delivery", copy=True)
+            view = self.ctx.store.verified_record(phys, "scheduled delivery")
         except CorruptRecordError:
             # Its body was damaged on disk: re-encoded for its real topic, the damage would pass for the message
             # under a fresh, valid CRC. Passed over like an undecodable one (logged by the store); it stays here.
@@ -340,7 +340,7 @@ class ScheduleService:
             born_timestamp=msg.born_timestamp, born_host=pack_host(*msg.born_host),
             store_host=pack_host(*msg.store_host), properties=properties_to_string(props).encode(),
             reconsume_times=msg.reconsume_times, prepared_offset=msg.prepared_offset)
-        return PutRequest(record, topic, qid, tags_code(props), sys_flag)
+        return self.ctx.store.copying(phys, PutRequest(record, topic, qid, tags_code(props), sys_flag))
 
     def _dropped(self, reason: str) -> None:
         # Counted once the batch's progress is written (_deliver): a refused batch is gathered again.

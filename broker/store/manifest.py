@@ -37,6 +37,8 @@ from .mapped_file import fsync_dir
 STORE_ID_FILE = "store_id"
 NUL_FREE_FILE = "nul_free_from"     # commit-log offset from which every record's topic and properties hold no NUL
 MANIFEST_FILE = "segments.json"
+# commit-log offset where a copy of an older broker's record with a NUL was being written, not yet vouched for
+NUL_COPY_FILE = "nul_copy_from"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +88,9 @@ def read_nul_free_from(store_dir: str) -> int | None:
     topic and properties (so a NUL there is damage: recovery cuts it, reads refuse it), or None when no such
     broker opened the store yet. Records before it are an older broker's: RocketMQ stores a NUL in a user
     property value, and read as damage those acknowledged messages were cut at start-up or refused on every
-    read (a queue stuck at them)."""
+    read (a queue stuck at them). It moves on past a slave's copy of its master's such records (before the
+    chunk is written), and past a copy of one this broker writes at the log's end (MessageStore.copying: once
+    the copy is flushed, before it is readable or acknowledged)."""
     try:
         with open(os.path.join(store_dir, NUL_FREE_FILE), encoding="ascii") as f:
             return int(f.read().strip())
@@ -99,6 +103,24 @@ def read_nul_free_from(store_dir: str) -> int | None:
 
 def write_nul_free_from(store_dir: str, offset: int) -> None:
     _write_atomically(os.path.join(store_dir, NUL_FREE_FILE), f"{offset}\n".encode())
+
+
+def read_nul_copy_from(store_dir: str) -> int | None:
+    """Where the writer began a copy of an older broker's record with a NUL (MessageStore.copying), or None.
+    Written before the copy's bytes, everything below it flushed; it counts only while it is not below
+    nul_free_from (the mark, moved past the copy once it is flushed, vouches for it): a crash came between,
+    and everything from it on was never acknowledged (nothing is written after such a copy before its mark),
+    so recovery cuts the log there. Kept, the copy's NUL past the mark read as damage, the start refused
+    when a record of the same write followed it."""
+    try:
+        with open(os.path.join(store_dir, NUL_COPY_FILE), encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def write_nul_copy_from(store_dir: str, offset: int) -> None:
+    _write_atomically(os.path.join(store_dir, NUL_COPY_FILE), f"{offset}\n".encode())
 
 
 def summarize_file(path: str, start: int) -> tuple[int, int, int, int]:

@@ -158,12 +158,14 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
 def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_queue: Callable,
             checkpoint: Checkpoint | None, verify_segments: int, truncate_corrupt: bool,
             listeners: list, tag_rule: Callable | None = None, nul_free_from: int = 0,
-            deleted: dict[str, int] | None = None) -> RecoveryReport:
+            deleted: dict[str, int] | None = None, cut_from: int | None = None) -> RecoveryReport:
     """``nul_free_from``: where the records of brokers that refuse NUL in topic and properties begin (store
     file nul_free_from); before it, a NUL there may be an older broker's data, not a torn page.
     ``deleted``: topic -> log offset its queues were deleted at (consume_queue.TOMBSTONE): its records
-    below that offset are indexed nowhere."""
+    below that offset are indexed nowhere. ``cut_from``: where a copy of an older broker's record with a NUL
+    began that its mark never vouched for (manifest.read_nul_copy_from): the log is cut there."""
     deleted = deleted or {}
+    cut_from = (1 << 63) - 1 if cut_from is None else cut_from
     began = time.monotonic()
     short = load_segments(clog, truncate_corrupt)
     segs = clog.segments
@@ -182,6 +184,9 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     for i in range(first, len(segs)):
         seg, pos = segs[i], 0
         while True:
+            if seg.start + pos >= cut_from:
+                end = _cut_unvouched_copy(clog, seg, pos, report)
+                break
             try:
                 # below the checkpoint nothing is torn (it was flushed first), and before nul_free_from an older
                 # broker may have stored a NUL: records there keep the old checks
@@ -251,6 +256,20 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
              report.scanned_from, end, len(report.truncations), report.cq_units_appended,
              report.cq_units_dropped, report.seconds)
     return report
+
+
+def _cut_unvouched_copy(clog: CommitLog, seg: Segment, pos: int, report: RecoveryReport) -> int:
+    """The log's end at a copy of an older broker's NUL record whose mark was never written (a crash came
+    between its write and its mark): neither it nor anything after it was acknowledged."""
+    tail_end = data_end(seg, pos)
+    seg.written = pos
+    if tail_end > pos:
+        reason = "a copy of an older broker's record with a NUL, written before a crash, never vouched for"
+        log.warning("torn tail: cut %d bytes from segment %s at byte %d (%s)", tail_end - pos, seg.name, pos,
+                    reason)
+        clog.zero(seg, pos, tail_end)
+        report.truncations.append(Truncation(seg.name, pos, tail_end - pos, reason))
+    return seg.start + pos
 
 
 def _short_of_checkpoint(clog: CommitLog, end: int, point: int, what: str, truncate_corrupt: bool) -> None:

@@ -50,7 +50,7 @@ class ReplicaRecord(NamedTuple):
 class ReplicaChunk:
     """What the slave queues for the writer: bytes for ``phys``, their records parsed, or a seal."""
 
-    __slots__ = ("phys", "data", "records", "seal", "end", "nul_end")
+    __slots__ = ("phys", "data", "records", "seal", "end", "nul_end", "older_nul")
 
     def __init__(self, phys: int, data: bytes, records: list[ReplicaRecord], seal: bool, end: int,
                  nul_end: int = -1):
@@ -62,6 +62,7 @@ class ReplicaChunk:
         # where the last record whose properties hold a NUL ends (an older or a Java master stored it; this
         # broker's recovery and reads take a NUL there for damage past the store's nul_free_from), or -1
         self.nul_end = nul_end
+        self.older_nul = False  # nul_end past the slave's nul_free_from: the writer moves it (Writer._vouch_first)
 
     def infos(self) -> list[DispatchInfo]:
         base = self.phys

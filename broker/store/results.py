@@ -42,7 +42,7 @@ class GetStatus(enum.Enum):
     RECORD_CORRUPT = "RECORD_CORRUPT"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)     # (weakly held while an older NUL copy: Writer.nul_copies)
 class PutRequest:
     """One record for the writer.
 
@@ -51,7 +51,9 @@ class PutRequest:
     copied first) and then copies the record into the segment. The record's own SYSFLAG and QUEUEID
     are authoritative; ``sys_flag`` is informational. ``delay_ms`` >= 0 (a delayed message in
     SCHEDULE_TOPIC_XXXX): its consume-queue tagsCode is the store timestamp plus this, its delivery
-    time, as in RocketMQ, instead of ``tags_code``.
+    time, as in RocketMQ, instead of ``tags_code``. ``older_nul``: a copy of an older broker's record
+    whose properties hold a NUL (set by MessageStore.copying, never by hand): the writer moves the store's
+    nul_free_from past it once it is flushed, before it is readable or acknowledged.
     """
 
     record: bytearray
@@ -60,6 +62,7 @@ class PutRequest:
     tags_code: int = 0
     sys_flag: int = 0
     delay_ms: int = -1
+    older_nul: bool = False
 
     @classmethod
     def build(cls, topic: str, body: bytes, *, queue_id: int = 0, properties: dict[str, str] | None = None,

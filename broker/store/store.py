@@ -31,8 +31,9 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (SegmentFacts, load_or_create_store_id, read_nul_free_from, removed_from_disk, sealed_from_disk,
-                       summarize_file, write_manifest, write_nul_free_from)
+from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_nul_copy_from, read_nul_free_from,
+                       removed_from_disk, sealed_from_disk, summarize_file, write_manifest, write_nul_copy_from,
+                       write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -62,6 +63,8 @@ class MessageStore:
         self._log = CommitLog(os.path.join(self.store_dir, "commitlog"), self.config, self.clock)
         self.disk = DiskMonitor(self.store_dir, self.config.disk_refuse_ratio)
         self._writer = Writer(self._log, self._on_commit, self.disk)
+        self._writer.raise_nul_free_from = self._raise_nul_free_from
+        self._writer.begin_nul_copy = self._begin_nul_copy
         # The hot path skips a call layer: put / put_many ARE the writer's (documented below).
         self.put = self._writer.put
         self.set_flush_observer = lambda fn: setattr(self._writer, "on_flush", fn)   # fn(seconds) per flush
@@ -144,12 +147,20 @@ class MessageStore:
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
             # none of them is judged by that rule, only what is written from the end recovery finds.
             nul_free_from = read_nul_free_from(self.store_dir)
+            copy_from = read_nul_copy_from(self.store_dir)      # a copy its mark never vouched for
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
-                                  deleted=self._deleted)
-            if nul_free_from is None:
+                                  deleted=self._deleted,
+                                  cut_from=copy_from if nul_free_from is not None and copy_from is not None
+                                  and copy_from >= nul_free_from else None)
+            if copy_from is not None:
+                os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
+            if nul_free_from is None or nul_free_from > self.report.end_offset:
+                # (past the end: left by an earlier version, which moved it before writing a copy or, on a slave,
+                # its master's chunk, and crashed between; no record lies past the end, and those written there
+                # next are this broker's)
                 nul_free_from = self.report.end_offset
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
@@ -444,13 +455,41 @@ class MessageStore:
         chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
         if chunk.nul_end > self._nul_free_from:
             # The master's records are not this broker's to refuse: one an older txmq (or RocketMQ) master
-            # stored with a NUL in its properties must not read as torn here (cut at the next start, refused on
-            # reads). Durable before the chunk can reach the disk; rare (only such records), so written here.
-            self._nul_free_from = chunk.nul_end
-            write_nul_free_from(self.store_dir, chunk.nul_end)
-            log.warning("replica: the master's record ending at %d holds a NUL in its properties (stored by an "
-                        "older broker); NUL checks of this store start after it", chunk.nul_end)
+            # stored with a NUL in its properties (or a copy of one) must not read as torn here (cut at the next
+            # start, refused on reads). The writer moves the mark past it as for a copy (Writer._vouch_first):
+            # written here, on the loop, before the chunk was queued, it blocked the loop on an fsync and passed
+            # this slave's chunks not yet flushed, which a crash could then leave torn and kept.
+            chunk.older_nul = True
         return self._writer.put_replica(chunk), chunk.end
+
+    def copying(self, phys: int, req: PutRequest) -> PutRequest:
+        """``req`` (returned) copies the record at ``phys`` to the log's end: a commit, a scheduled delivery, a
+        retry or a dead letter. Every path that copies a record says so here before it puts ``req``.
+
+        An older broker's record (before nul_free_from) may hold a NUL in a property value, which the copy
+        carries; past the mark that NUL reads as a torn page (cut by the next start after a crash, with every
+        record after it, and refused by reads). Such a copy is marked for the writer, which writes it alone and
+        flushed, then moves nul_free_from past it, fsynced, before it is readable or acknowledged
+        (Writer._vouch_first): rare, upgrades only. The copy's own bytes
+        are what is judged (its body CRC is fresh, so record_intact fails only on a NUL or a bad tail), and
+        only for records before the mark: a copy of this broker's records costs one comparison."""
+        if phys < self._nul_free_from and not record_intact(req.record, 0, len(req.record)):
+            req.older_nul = True
+            self._writer.nul_copies[id(req)] = req
+        return req
+
+    async def _begin_nul_copy(self, start: int) -> None:
+        """(Writer) on disk: a copy of an older NUL record is written from ``start``, not yet vouched for."""
+        await self._io.submit(write_nul_copy_from, self.store_dir, start)
+
+    async def _raise_nul_free_from(self, end: int) -> None:
+        """(Writer) nul_free_from at least ``end``, on disk; it never goes back while the store is open."""
+        if end <= self._nul_free_from:
+            return
+        await self._io.submit(write_nul_free_from, self.store_dir, end)
+        self._nul_free_from = end
+        log.warning("a record with a NUL in its properties (an older broker's, a copy of one, or on a slave its "
+                    "master's) ends at %d; NUL checks of this store start after it", end)
 
     def replica_chunk(self, phys: int, limit: int) -> memoryview | None:
         """(Master) readable bytes at ``phys`` for a slave: whole records up to ``limit`` bytes (at least
@@ -561,14 +600,14 @@ class MessageStore:
         a NUL in its properties) its body CRC only."""
         return (record_intact if phys >= self._nul_free_from else body_crc_ok)(buf, pos, size)
 
-    def verified_record(self, physical_offset: int, reader: str, copy: bool = False) -> memoryview | None:
+    def verified_record(self, physical_offset: int, reader: str) -> memoryview | None:
         """``get_record``, its body CRC checked too, and its topic and properties for zeroed bytes
         (record_intact): what a read that copies or serves a record must use. CorruptRecordError (counted and
         logged once, under ``reader``) when it fails.
 
-        Before nul_free_from a NUL in the properties is an older broker's data and is served; ``copy`` (the
-        record is re-written at the log's end, past nul_free_from) refuses it all the same: copied, it would
-        be read as a torn record at the next start after a crash (cut, or the start refused).
+        Before nul_free_from a NUL in the properties is an older broker's data and is served; a read that
+        copies the record to the log's end passes its copy through ``copying``, which has nul_free_from moved
+        past it first.
 
         A record this process wrote, past nul_free_from (its properties were refused a NUL when sent), has its
         body CRC checked only, also for a copy: a COMMIT's read of a half sent since start-up costs what it did
@@ -581,7 +620,7 @@ class MessageStore:
         if physical_offset >= self._written_from and physical_offset >= self._nul_free_from:
             ok = body_crc_ok(view, 0, len(view))
         else:
-            ok = record_intact(view, 0, len(view)) if copy else self._intact(view, 0, len(view), physical_offset)
+            ok = self._intact(view, 0, len(view), physical_offset)
         if not ok:
             raise self.corrupt_record(physical_offset, reader)
         return view

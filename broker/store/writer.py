@@ -33,11 +33,13 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Callable
 
 from protocol.errors import StoreError
 
 from .commit_log import CommitLog, resolve, unavailable
+from .replica import ReplicaChunk
 from .disk import DiskMonitor
 from .results import PutRequest
 
@@ -82,6 +84,15 @@ class Writer:
         # 27-28k msgs/s; transactions 8.4-8.5k / 8.6-8.9k / 7.7-7.8k a second.
         self.second_flush_after = 0.0005
         self.replica_only = False   # a slave: its log takes its master's bytes only (put_replica)
+        # Copies of an older broker's records with a NUL in their properties built and not yet written
+        # (PutRequest.older_nul), by id, held weakly: one refused before it is queued, or built and never put
+        # (a scheduled delivery left for the next batch), leaves by itself. Counted by hand, such a copy stayed
+        # counted for good and every batch after it paid the scan. And the store's coroutine that makes
+        # nul_free_from durably at least a given offset (_vouch_first).
+        self.nul_copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.raise_nul_free_from: Callable[[int], object] | None = None
+        self.begin_nul_copy: Callable[[int], object] | None = None     # (-1: withdrawn)
+        self._nul_chunks = 0        # a slave's queued chunks with ReplicaChunk.older_nul
         clog.on_fail = self._drop_queue
 
     def start(self, io: "IoThread", io2: "IoThread | None" = None) -> None:
@@ -125,6 +136,8 @@ class Writer:
             fut.set_result(unavailable(chunk, self.disk.refuse()))
             return fut
         self._queue.append((chunk, fut))
+        if chunk.older_nul:
+            self._nul_chunks += 1
         self._wakeup()
         return fut
 
@@ -173,6 +186,11 @@ class Writer:
                         and (self._overlap or not self._flushing)):
                     entries, self._queue = self._queue, []
                     self._taken = entries       # if _write raises, the clean-up below refuses them
+                    if self.nul_copies or self._nul_chunks:
+                        entries = self._taken = await self._vouch_first(entries)
+                        if not entries:     # (written there, or refused: an empty _write would still make
+                            self._taken = None      # what a failed log holds readable in async mode)
+                            continue
                     self._write(entries)
                     self._taken = None
                 fl = self._flushing
@@ -194,6 +212,9 @@ class Writer:
                     if self._closing and not self._queue and self._space is None:
                         break
                 if self._queue and self._space is None and not self._controls and (self._overlap or not fl):
+                    continue
+                sp = self._space
+                if sp is not None and sp[0].done():     # (settled while _vouch_first awaited: its wake-up lost)
                     continue
                 if not self._sync and clog.dirty and self._tick is None:
                     self._tick = loop.call_later(self._interval, self._flush_tick)
@@ -224,6 +245,94 @@ class Writer:
         self._tick = None
         self._flush_due = True
         self._wakeup()
+
+    async def _vouch_first(self, entries: list) -> list:
+        """The entries to write now: those before the first copy of an older broker's NUL record (the rest go
+        back to the head of the queue), or none once the entry holding that copy has been written alone, here.
+        A slave's chunk holding its master's NUL record past the slave's mark goes the same way.
+
+        Past nul_free_from a NUL in the properties is what a torn page leaves: the next start after a crash cuts
+        it as torn, and reads refuse it. So, in order: everything before the entry is flushed and completed
+        (moved past this broker's records a crash may still tear, the mark would take away the NUL check that
+        cuts them); where the entry begins is written down (manifest.write_nul_copy_from, fsynced); the entry
+        is written alone and flushed; the mark is moved past its end and fsynced; only then is it readable and
+        acknowledged (like a sync batch, whatever the flush mode). A crash before the mark: the next start cuts
+        the log where the entry began (nothing after it was written, nothing of it acknowledged), so a copy a
+        crash tore is never kept with a page of its properties lost, and its NUL is never read as damage with
+        the rest of its entry (a commit's op record, a delivery batch's progress) sound after it. An entry not
+        written after all has its beginning withdrawn before anything else is written there. If the mark
+        cannot be written, the entry's bytes are in the log: the store stops, as after a failed msync."""
+        for k, (req, fut) in enumerate(entries):
+            if req.__class__ is ReplicaChunk:
+                if req.older_nul:
+                    break
+            elif any(r.__class__ is PutRequest and r.older_nul for r in (req if req.__class__ is list else (req,))):
+                break
+        else:
+            return entries
+        if k:
+            self._queue[:0] = entries[k:]
+            return entries[:k]
+        self._queue[:0] = entries[1:]
+        self._taken = entries[:1]
+        flagged = [r for r in (req if req.__class__ is list else (req,)) if r.older_nul]
+        for r in flagged:
+            r.older_nul = False
+            if r.__class__ is ReplicaChunk:
+                self._nul_chunks -= 1
+            else:
+                self.nul_copies.pop(id(r), None)
+        clog = self.clog
+        while clog.failed is None and (self._flushing or clog.dirty):
+            if self._flushing:
+                await asyncio.wait([f[0] for f in self._flushing])
+                self._flushes_done()
+            else:
+                self._start_flush()
+        if clog.failed is not None:
+            return entries[:1]          # refused by append
+        begin = clog.written
+        try:
+            await self.begin_nul_copy(begin)
+        except OSError as exc:
+            log.error("a copy of an older broker's record with a NUL in its properties is refused: where it "
+                      "begins could not be written down: %s", exc)
+            resolve(fut, unavailable(req, f"cannot record where this store's NUL checks start: {exc}"))
+            return []
+        sync, self._sync = self._sync, True
+        try:
+            self._write(entries[:1])
+            if clog.written == begin:       # not written: refused (illegal, the log failed), or waiting for room
+                if self._space is not None:     # back at the queue's head: still to vouch for
+                    for r in flagged:
+                        r.older_nul = True
+                        if r.__class__ is ReplicaChunk:
+                            self._nul_chunks += 1
+                        else:
+                            self.nul_copies[id(r)] = r
+                try:
+                    await self.begin_nul_copy(-1)
+                except OSError as exc:
+                    clog.fail(f"where a copy of an older broker's NUL record began could not be withdrawn: {exc}")
+                return []
+            self._start_flush()
+            flush = self._flushing[-1][0]
+            await asyncio.wait([flush])
+            failure = flush.exception()
+            if failure is None:
+                try:
+                    await self.raise_nul_free_from(req.nul_end if req.__class__ is ReplicaChunk else clog.written)
+                except OSError as exc:
+                    failure = exc
+                    clog.fail("a copy of an older broker's record with a NUL in its properties is in the log, "
+                              f"and the store's nul_free_from could not be moved past it: {exc}")
+            if failure is None:
+                self._flushes_done()
+            else:
+                self._flush_done(failure)
+        finally:
+            self._sync = sync
+        return []
 
     def _write(self, entries: list) -> None:
         clog = self.clog
@@ -279,6 +388,9 @@ class Writer:
         if self._queue and self._queue[0] is entry:
             del self._queue[0]
             req, fut = entry
+            if req.__class__ is ReplicaChunk and req.older_nul:
+                req.older_nul = False
+                self._nul_chunks -= 1
             if not self._space_failing:     # once per shortage: every write would say the same
                 log.warning("refusing writes that find no space to reserve (%s)", exc)
                 self._space_failing = True

@@ -475,8 +475,7 @@ class TransactionService:
         if op == ROLLBACK:
             return [rf.decision(ROLLBACK, p.half_offset, p.queue_offset)]
         try:
-            view = self.ctx.store.verified_record(p.half_offset, "commit" if op == COMMIT else "dead letter",
-                                                  copy=True)
+            view = self.ctx.store.verified_record(p.half_offset, "commit" if op == COMMIT else "dead letter")
         except CorruptRecordError as exc:
             # Its body was damaged on disk after it was stored. Copied, the damage would be re-encoded on the real
             # topic (or the dead-letter topic) under a valid CRC and pass for the producer's message. A COMMIT is
@@ -496,7 +495,7 @@ class TransactionService:
                 real = self.ctx.schedule.delayed_commit(half, p.topic, p.real_qid, p.half_offset)
             if real is None:
                 real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
-            return [real, rf.decision(COMMIT, p.half_offset, p.queue_offset)]
+            return [self.ctx.store.copying(p.half_offset, real), rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
         try:
             dead = rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks)
@@ -507,7 +506,7 @@ class TransactionService:
             log.warning("transaction %s (half %d): no dead letter copied: %s", p.uniq_key, p.half_offset, exc)
             return [rf.decision(DEAD, p.half_offset, p.queue_offset, f"{reason or 'unknown'}; no dead letter "
                                 f"copied: {exc}")]
-        return [dead, rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
+        return [self.ctx.store.copying(p.half_offset, dead), rf.decision(DEAD, p.half_offset, p.queue_offset, reason)]
 
     # --------------------------------------------------------------- checks
     def _channel_for(self, tx: Tx):

@@ -444,3 +444,28 @@ async def test_delay_offset_json_is_synced_into_its_directory_after_its_rename(t
     await svc.stop()
     await svc.ctx.store.close()
     assert (os.path.abspath(tmp_path / "config"), 1) in synced
+
+
+@bounded()
+async def test_an_older_nul_delivery_left_for_the_next_batch_leaves_no_copy_counted(tmp_path):
+    # A delivery copying an older broker's record with a NUL is counted for the writer (each batch is then
+    # scanned for it) until the writer writes it. Built, then left for the next batch (over the batch's bytes),
+    # it was counted again when built anew: the count never came back to 0, and every batch after it, of every
+    # producer, paid the scan for good.
+    from broker.store.manifest import NUL_FREE_FILE
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _schedule(svc, "Big", b"A" * (400 * 1024), {"DELAY": "1"}, clock.now)
+    await _schedule(svc, "Big", b"B" * (400 * 1024), {"DELAY": "1", "k": "v\x00w"}, clock.now)
+    await svc.stop()
+    await svc.ctx.store.close()
+    os.unlink(os.path.join(tmp_path, NUL_FREE_FILE))        # an older broker wrote them
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    clock.now = 101_000
+    assert await svc.run_due(clock.now, clock.now) == 1     # A; B waits for the next batch
+    assert await svc.run_due(clock.now, clock.now) == 1
+    assert [m.properties.get("k") for m in _delivered(store, "Big")] == [None, "v\x00w"]
+    assert not store._writer.nul_copies
+    await svc.stop()
+    await store.close()
