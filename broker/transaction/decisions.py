@@ -257,15 +257,19 @@ class DecisionTable:
             forgotten += 1
         return forgotten
 
-    def clear(self) -> None:
-        """Forget everything, damaged files included (a rebuild from the log follows)."""
-        for base in list(self._maps):
-            self._maps.pop(base).close()
+    def clear(self) -> "Earlier":
+        """Forget everything, damaged files included (a rebuild from the log follows). Returns what the sound
+        files said, read-only (their names unlinked, their pages still mapped): an op record the rebuild cannot
+        read had its decision's byte set here once it was durable (recovery.py). Close it when done."""
+        earlier = Earlier(self._maps, self.file_entries)
+        self._maps = {}
+        for base in earlier.maps:
             os.unlink(self._path(base))
         for path, _why in self.damaged:
             os.unlink(path)
         self.damaged.clear()
         self._dirty.clear()
+        return earlier
 
     def close(self) -> None:
         self._closed = True
@@ -292,6 +296,23 @@ class DecisionTable:
     @property
     def file_count(self) -> int:
         return len(self._maps)
+
+
+class Earlier:
+    """The decisions a table held before ``DecisionTable.clear``: looked up, never written."""
+
+    def __init__(self, maps: dict[int, mmap.mmap], file_entries: int):
+        self.maps = maps
+        self.file_entries = file_entries
+
+    def get(self, index: int) -> str | None:
+        m = self.maps.get(index - index % self.file_entries) if index >= 0 else None
+        return None if m is None else _NAME.get(m[index % self.file_entries])
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            m.close()
+        self.maps = {}
 
 
 def _count(m: mmap.mmap, code: int, chunk: int = 1 << 20) -> int:
