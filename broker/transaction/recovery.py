@@ -23,7 +23,8 @@ from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
-from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_letter, parse_op, plain_owner
+from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, parse_dead_letter, parse_op, plain_owner
+from .salvage import Damaged, damaged_op, settle, unreadable
 
 log = logging.getLogger("txmq.transaction")
 
@@ -127,8 +128,9 @@ async def recover(tx) -> None:
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
     owners: dict[int, str] = {}        # half offset -> client id of its sender (asked first)
+    earlier = None          # the table as the last process left it, read for op records that cannot be (salvage.py)
     if snap is None:
-        tx.table.clear()
+        earlier = tx.table.clear()
         op_from, half_from = None, ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
     else:
         op_from, half_from = snap["op_offset"], snap["half_offset"]
@@ -137,29 +139,44 @@ async def recover(tx) -> None:
             checks[off] = n
         owners = _owners(snap)
     resumed_floor = None
-    for msg in scan(store, OP_TOPIC, op_from, check_body=True):
-        op = parse_op(msg)
-        if op is None:
-            continue
-        if op.tag == OP_TAG_CHECK:
-            checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
-            if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
-                owners[op.half_offset] = op.owner
-            continue
-        q = op.half_queue_offset
-        if q < 0:       # its body was damaged (scan emptied it): the half TXMQ_HALF names says it
-            q = tx._half_queue_offset(op.half_offset)
-            if q is None:
+    damaged: dict[int, Damaged] = {}    # half queue offset -> its last op record, unreadable
+    touched: set[int] = set()           # (with the snapshot's table) halves whose byte the replay set already
+    try:
+        for msg in scan(store, OP_TOPIC, op_from, check_body=True):
+            op = parse_op(msg)
+            if unreadable(op):
+                found = damaged_op(tx, msg, earlier.get if earlier is not None else
+                                   lambda q: None if q in touched else tx.table.get(q))
+                if found is not None:
+                    damaged[found[0]] = found[1]
                 continue
-        if op.op == RESUME:
-            tx.record(q, None)
-            undecided.add(op.half_offset)
-            checks[op.half_offset] = 0
-            resumed_floor = q if resumed_floor is None else min(resumed_floor, q)
-        elif op.op in (COMMIT, ROLLBACK, DEAD):
-            tx.record(q, op.op)
-            undecided.discard(op.half_offset)
-    repaired = await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
+            if op.tag == OP_TAG_CHECK:
+                checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
+                if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
+                    owners[op.half_offset] = op.owner
+                continue
+            q = op.half_queue_offset
+            if q < 0:       # its body was damaged (scan emptied it): the half TXMQ_HALF names says it
+                q = tx._half_queue_offset(op.half_offset)
+                if q is None:
+                    continue
+            if damaged:
+                damaged.pop(q, None)        # a later decision of its half: what the unreadable one said is past
+            if earlier is None:
+                touched.add(q)
+            if op.op == RESUME:
+                tx.record(q, None)
+                undecided.add(op.half_offset)
+                checks[op.half_offset] = 0
+                resumed_floor = q if resumed_floor is None else min(resumed_floor, q)
+            else:
+                tx.record(q, op.op)
+                undecided.discard(op.half_offset)
+        repaired = await settle(tx, damaged, undecided)
+    finally:
+        if earlier is not None:
+            earlier.close()
+    repaired += await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
     now = ctx.monotonic()       # the check schedule's clock (service.py)
 

@@ -1,0 +1,150 @@
+"""Op records damaged at rest: what the rest of the store says they were (called by recovery.py).
+
+An op record's properties are under no CRC, and crash recovery cuts only what lies past the checkpoint: a page
+zeroed there, or a byte flipped, leaves an op whose TAGS, TXMQ_HALF or TXMQ_OP cannot be read. Passed over without
+a word, its transaction came back undecided and was checked again: a committed one was delivered twice when its
+producer answered COMMIT (or dead-lettered after its copy was delivered), a rolled-back one could be committed.
+
+Its body (the half's queue offset, under the body CRC), or else its TXMQ_HALF, still names the half; a later
+readable decision op of that half replaces it as ever. Otherwise the store is asked, in this order:
+
+    the decision table        the byte its decision set once the op was durable, as the last process left it
+    the committed message     written in the op's own batch, just before it: the real queue's last record
+                              before the op, if it is this half's COMMIT (prepared offset, UNIQ_KEY, body)
+    the dead letter           likewise the dead-letter queue's last record before the op, naming this half
+    the op's queue unit       its tag code says a check attempt (c): nothing was decided, nothing is lost
+
+A decision found is recorded and written again as a sound op record (a slave's arrives from its master), so the
+next rebuild reads it. A decision op whose decision is found nowhere (a ROLLBACK leaves no other trace) is
+dead-lettered, reason ``op-unreadable``, its half copied for whoever inspects it: never checked as if undecided,
+where a producer's answer could deliver it twice or deliver a rolled-back message; ``admin resume`` checks it
+again. Each op is logged at ERROR with its offset and counted (txmq_store_corrupt_records_total).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from protocol.codes import SysFlag
+from protocol.message import Prop, decode_record
+
+from ..topics import HALF_TOPIC, OP_TOPIC
+from .core import tx_from_half
+from .records import (COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION, P_HALF, RESUME, ROLLBACK,
+                      parse_dead_letter)
+
+log = logging.getLogger("txmq.transaction")
+
+UNREADABLE = "op-unreadable"        # the dead-letter reason of a decision op nothing else can tell
+READER = f"transaction recovery ({OP_TOPIC})"
+_TAGS = {code: tag for tag, code in OP_TAG_CODES.items()}
+_OPS = (COMMIT, ROLLBACK, DEAD)
+
+
+@dataclass(slots=True)
+class Damaged:
+    """An op record recovery could not read."""
+
+    at: int                 # its commit-log offset
+    half: int | None        # its half's commit-log offset (None: the half queue has no unit there any more)
+    tag: str | None         # d or c, as its consume-queue unit says (its TAGS property is as suspect as the rest)
+    earlier: str | None     # the decision table's byte for its half before the replay
+
+
+def damaged_op(tx, msg, earlier) -> tuple[int, Damaged] | None:
+    """(the half's queue offset, Damaged) for an op record that cannot be read; None when nothing names its half
+    (logged). ``earlier(q)``: the decision table's byte for half queue offset ``q`` as the last process left it."""
+    store = tx.ctx.store
+    store.count_corrupt(msg.physical_offset, READER)
+    q = _number(msg.body)           # emptied by the scan when it fails its CRC
+    if q is None:
+        half = _number(msg.properties.get(P_HALF, "").encode())
+        q = tx._half_queue_offset(half) if half is not None else None
+    if q is None:
+        log.error("transaction recovery: the op record at commit-log offset %d cannot be read (its properties are "
+                  "damaged) and names no half (its body is damaged too): whatever it recorded is lost; a transaction "
+                  "it decided may be checked again", msg.physical_offset)
+        return None
+    unit = store.queue_unit(OP_TOPIC, 0, msg.queue_offset)
+    tag = _TAGS.get(unit[2]) if unit is not None and unit[0] == msg.physical_offset else None
+    return q, Damaged(msg.physical_offset, store.physical_offset_of(HALF_TOPIC, 0, q), tag, earlier(q))
+
+
+async def settle(tx, damaged: dict[int, Damaged], undecided: set[int]) -> int:
+    """Decide what each op record that stayed unreadable (no later decision op of its half) recorded, from the
+    rest of the store (see the top); returns how many transactions it decided."""
+    settled = 0
+    slave = getattr(tx.ctx.config, "broker_role", "") == "SLAVE"
+    for q, d in sorted(damaged.items()):
+        half = tx._half_at(d.half) if d.half is not None else None
+        if half is None:
+            log.error("transaction recovery: the op record at commit-log offset %d cannot be read; its half (queue "
+                      "offset %d) is gone from the log, nothing is left to decide", d.at, q)
+            continue
+        decision, evidence = _evidence(tx, half, d)
+        what = f"the op record at commit-log offset {d.at} (half {d.half}) cannot be read (its properties are damaged)"
+        if decision is None and d.tag == OP_TAG_CHECK:
+            log.error("transaction recovery: %s; it was a check attempt (its queue unit's tag): that count is lost, "
+                      "nothing was decided", what)
+            continue
+        if decision is None:
+            log.error("transaction recovery: %s; it decided the transaction, and neither the decision table, a "
+                      "committed message nor a dead letter says how: dead-lettered (%s), not checked again", what,
+                      UNREADABLE)
+            decision = DEAD
+            reqs = tx._decision_records(tx_from_half(half), DEAD, UNREADABLE)
+            metrics = tx.ctx.metrics
+            metrics.child(metrics.dead_letters, half.properties.get(Prop.PGROUP, ""), UNREADABLE).inc()
+        else:
+            log.error("transaction recovery: %s; %s, as %s says: recorded, and its op written again", what,
+                      decision, evidence)
+            reqs = [tx.records.decision(decision, d.half, q)]
+        if not slave:       # a slave's log is its master's, byte for byte: the master writes the op, it arrives here
+            results = await tx.ctx.store.put_many(reqs)
+            failed = [r.status.name for r in results if not r.ok]
+            if failed:
+                log.error("transaction recovery: the op record of half %d not written again (%s): %s stands for "
+                          "this run, the next start reads the damaged op again", d.half, failed[0], decision)
+        tx.record(q, decision)
+        undecided.discard(d.half)
+        settled += 1
+    return settled
+
+
+def _evidence(tx, half, d: Damaged) -> tuple[str | None, str]:
+    """(the decision the store shows for ``d``'s half, where), or (None, "")."""
+    if d.earlier in _OPS:
+        return d.earlier, "the decision table"
+    store = tx.ctx.store
+    try:
+        qid = int(half.properties.get(Prop.REAL_QID, "0") or 0)
+    except ValueError:
+        qid = 0
+    at = store.record_before(half.properties.get(Prop.REAL_TOPIC, ""), qid, d.at)
+    copy = _record(store, at)
+    if (copy is not None and SysFlag.transaction_type(copy.sys_flag) == SysFlag.TRANSACTION_COMMIT
+            and copy.prepared_offset == d.half and tx.committed_half(d.half, at) is not None):
+        return COMMIT, f"its committed message at commit-log offset {at}"
+    at = store.record_before(DEAD_TOPIC, 0, d.at)
+    letter = _record(store, at)
+    if letter is not None and (parse_dead_letter(letter) or (None,))[0] == d.half:
+        return DEAD, f"its dead letter at commit-log offset {at}"
+    return None, ""
+
+
+def _record(store, at: int | None):
+    view = store.get_record(at) if at is not None else None
+    return decode_record(view)[0] if view is not None else None
+
+
+def _number(raw: bytes) -> int | None:
+    try:
+        n = int(raw.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return n if n >= 0 else None
+
+
+def unreadable(op) -> bool:
+    """True for an op record recovery cannot take at its word: no OpRecord, or a decision op naming no decision."""
+    return op is None or (op.tag == OP_TAG_DECISION and op.op not in (*_OPS, RESUME))

@@ -1,0 +1,138 @@
+"""Op records whose properties went bad on disk, in a segment older than the start-up scan verifies.
+
+An op record's properties (TAGS, TXMQ_HALF, TXMQ_OP) are under no CRC, and crash recovery cuts only what lies past
+the checkpoint: a page zeroed there, or a flipped byte, stays. Rebuilt from the log (the snapshot lost), start-up
+passed such an op over without a word, and its transaction came back undecided behind an older undecided one (the
+half queue's progress): a committed one was checked again, and its producer's COMMIT answer delivered it twice; a
+rolled-back one could be committed. Now the rest of the store says what it was (the decision table, the committed
+message written just before it), and a decision nothing else records is dead-lettered, never checked as undecided.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+
+import pytest
+
+from consumer import PullConsumer
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode
+from protocol.errors import BrokerError
+from protocol.message import decode_offset_msg_id, decode_record
+from protocol.record import record_properties
+from tests.integration.test_corrupt_records import (FLAGS, SEG, _corrupt_count, _dead_letters, _fill, _op_records,
+                                                    _pull_all, _request, _Unknown)
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+READ = "transaction recovery (RMQ_SYS_TRANS_OP_HALF_TOPIC)"
+
+
+def _damage_properties(store_dir, pos: int, how: str) -> None:
+    """Zero the properties of the record at ``pos`` of the first segment (a zeroed page), or flip one bit of its
+    TXMQ_OP value."""
+    path = os.path.join(store_dir, "commitlog", f"{0:020d}")
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        size = int.from_bytes(f.read(4), "big")
+        f.seek(pos)
+        record = f.read(size)
+        props = bytes(record_properties(record))
+        start = pos + size - len(props)
+        if how == "zeroed":
+            f.seek(start)
+            f.write(bytes(len(props)))
+        else:
+            at = props.index(b"TXMQ_OP\x01") + len(b"TXMQ_OP\x01")
+            f.seek(start + at)
+            f.write(bytes([props[at] ^ 0x01]))
+    assert decode_record(open(path, "rb").read(SEG), pos)[0].properties.get("TXMQ_OP") in (None, "BOMMIT", "SOLLBACK")
+
+
+async def _bodies(b, topic: str, group: str) -> list[bytes]:
+    """Every body of ``topic``'s queues (none if it was never made)."""
+    consumer = PullConsumer(b.namesrv, group)
+    try:
+        queues = await consumer.fetch_queues(topic)
+    except BrokerError:
+        return []
+    finally:
+        await consumer.shutdown()
+    bodies = []
+    for mq in queues:
+        got, error = await _pull_all(b, mq, group=group)
+        assert error is None
+        bodies += got
+    return bodies
+
+
+async def _pending(b) -> set[int]:
+    resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
+    return {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
+
+
+@pytest.mark.parametrize("decided, how, table", [
+    ("commit", "zeroed", True),         # the decision table says COMMIT
+    ("commit", "zeroed", False),        # the committed message written just before the op says so
+    ("commit", "flipped", False),
+    ("rollback", "zeroed", True),       # the decision table says ROLLBACK
+    ("rollback", "flipped", False),     # nothing else says it: dead-lettered, not checked
+])
+@bounded(90)
+async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided(broker_factory, tmp_path, decided,
+                                                                                 how, table):
+    group, topic = f"PG_opzero_{decided}", "TxOpZero"
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+
+    class Second(_Unknown):     # the first transaction stays undecided (the half queue's progress stays before it)
+        calls = 0
+
+        def execute_local_transaction(self, msg, arg):
+            Second.calls += 1
+            if Second.calls == 1:
+                return S.UNKNOW
+            return S.COMMIT_MESSAGE if decided == "commit" else S.ROLLBACK_MESSAGE
+
+    async with TransactionProducer(b.namesrv, group, Second()) as producer:
+        sent = [await producer.send_in_transaction(topic, b"tx-%d" % i) for i in range(2)]
+    undecided, decided_at = (decode_offset_msg_id(s.send_result.offset_msg_id)[2] for s in sent)
+    await _fill(b)
+    assert b.stop() == 0
+    [(pos, body)] = _op_records(tmp_path / "store")
+    assert body == b"1"
+    _damage_properties(tmp_path / "store", pos, how)
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")    # lost: rebuilt from the op records
+    if not table:
+        shutil.rmtree(tmp_path / "store" / "transactions" / "decisions")
+
+    # Checks due at once: a committed transaction taken for undecided would be asked, and committed again.
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
+    assert await _pending(b) == {undecided}
+
+    class AnswersCommit(_Unknown):
+        asked: list[bytes] = []
+
+        async def check_local_transaction(self, msg):
+            AnswersCommit.asked.append(msg.body)
+            return S.UNKNOW if msg.body == b"tx-0" else S.COMMIT_MESSAGE
+
+    async with TransactionProducer(b.namesrv, group, AnswersCommit()):
+        async with asyncio.timeout(30):
+            while AnswersCommit.asked.count(b"tx-0") < 3:   # three checks of the undecided one: a pass went by
+                await asyncio.sleep(0.03)
+    assert b"tx-1" not in AnswersCommit.asked
+    assert await _bodies(b, topic, "CG_opzero") == ([b"tx-1"] if decided == "commit" else [])
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    dead = decided == "rollback" and not table
+    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == (1 if dead else 0)
+    if dead:
+        assert await _bodies(b, "TRANS_CHECK_MAX_TIME_TOPIC", "CG_opzero_dead") == [b"tx-1"]
+    assert b.stop() == 0
+    log = b.log()
+    assert f"the op record at commit-log offset {pos} (half {decided_at}) cannot be read" in log
+    if not dead:
+        assert ("the decision table" if table else "its committed message") in log
