@@ -116,20 +116,28 @@ def _evidence(tx, half, d: Damaged) -> tuple[str | None, str]:
     if d.earlier in _OPS:
         return d.earlier, "the decision table"
     store = tx.ctx.store
-    try:
-        qid = int(half.properties.get(Prop.REAL_QID, "0") or 0)
-    except ValueError:
-        qid = 0
-    at = store.record_before(half.properties.get(Prop.REAL_TOPIC, ""), qid, d.at)
-    copy = _record(store, at)
-    if (copy is not None and SysFlag.transaction_type(copy.sys_flag) == SysFlag.TRANSACTION_COMMIT
-            and copy.prepared_offset == d.half and tx.committed_half(d.half, at) is not None):
-        return COMMIT, f"its committed message at commit-log offset {at}"
+    for topic, qid in _copy_queues(tx, half, d.half):
+        at = store.record_before(topic, qid, d.at)
+        copy = _record(store, at)
+        if (copy is not None and SysFlag.transaction_type(copy.sys_flag) == SysFlag.TRANSACTION_COMMIT
+                and copy.prepared_offset == d.half and tx.committed_half(d.half, at) is not None):
+            return COMMIT, f"its committed message at commit-log offset {at}"
     at = store.record_before(DEAD_TOPIC, 0, d.at)
     letter = _record(store, at)
     if letter is not None and (parse_dead_letter(letter) or (None,))[0] == d.half:
         return DEAD, f"its dead letter at commit-log offset {at}"
     return None, ""
+
+
+def _copy_queues(tx, half, half_offset: int) -> list[tuple[str, int]]:
+    """Where a COMMIT of ``half`` wrote its message: its real queue, or (a delay asked) the schedule's."""
+    t = tx_from_half(half)
+    queues = [(t.topic, t.real_qid)]
+    if t.delayed and tx.ctx.schedule is not None:
+        waits = tx.ctx.schedule.delayed_commit(half, t.topic, t.real_qid, half_offset)
+        if waits is not None:
+            queues.append((waits.topic, waits.queue_id))
+    return queues
 
 
 def _record(store, at: int | None):

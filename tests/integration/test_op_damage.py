@@ -79,13 +79,14 @@ async def _pending(b) -> set[int]:
     ("commit", "zeroed", True),         # the decision table says COMMIT
     ("commit", "zeroed", False),        # the committed message written just before the op says so
     ("commit", "flipped", False),
+    ("commit-timer", "zeroed", False),  # committed to wait an hour: its message is in the timer topic
     ("rollback", "zeroed", True),       # the decision table says ROLLBACK
     ("rollback", "flipped", False),     # nothing else says it: dead-lettered, not checked
 ])
 @bounded(90)
 async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided(broker_factory, tmp_path, decided,
                                                                                  how, table):
-    group, topic = f"PG_opzero_{decided}", "TxOpZero"
+    group, topic = f"PG_opzero_{decided.replace('-', '_')}", "TxOpZero"
     b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
 
     class Second(_Unknown):     # the first transaction stays undecided (the half queue's progress stays before it)
@@ -95,10 +96,11 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
             Second.calls += 1
             if Second.calls == 1:
                 return S.UNKNOW
-            return S.COMMIT_MESSAGE if decided == "commit" else S.ROLLBACK_MESSAGE
+            return S.COMMIT_MESSAGE if decided.startswith("commit") else S.ROLLBACK_MESSAGE
 
+    waits = {"TIMER_DELAY_SEC": "3600"} if decided == "commit-timer" else None
     async with TransactionProducer(b.namesrv, group, Second()) as producer:
-        sent = [await producer.send_in_transaction(topic, b"tx-%d" % i) for i in range(2)]
+        sent = [await producer.send_in_transaction(topic, b"tx-%d" % i, properties=waits) for i in range(2)]
     undecided, decided_at = (decode_offset_msg_id(s.send_result.offset_msg_id)[2] for s in sent)
     await _fill(b)
     assert b.stop() == 0
