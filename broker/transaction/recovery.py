@@ -24,7 +24,7 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
 from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, parse_dead_letter, parse_op, plain_owner
-from .salvage import Damaged, damaged_op, settle, unreadable
+from .salvage import Damaged, damaged_op, settle, superseded, unreadable
 
 log = logging.getLogger("txmq.transaction")
 
@@ -160,8 +160,8 @@ async def recover(tx) -> None:
                 q = tx._half_queue_offset(op.half_offset)
                 if q is None:
                     continue
-            if damaged:
-                damaged.pop(q, None)        # a later decision of its half: what the unreadable one said is past
+            if damaged and q in damaged:    # a later decision of its half: what the unreadable one said is past
+                superseded(damaged.pop(q), op.op)
             if earlier is None:
                 touched.add(q)
             if op.op == RESUME:

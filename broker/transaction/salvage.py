@@ -70,6 +70,12 @@ def damaged_op(tx, msg, earlier) -> tuple[int, Damaged] | None:
     return q, Damaged(msg.physical_offset, store.physical_offset_of(HALF_TOPIC, 0, q), tag, earlier(q))
 
 
+def superseded(d: Damaged, op: str) -> None:
+    """``d`` is followed by a readable decision op of its half (``op``): that one stands."""
+    log.error("transaction recovery: the op record at commit-log offset %d (half %s) cannot be read (its properties "
+              "are damaged); a later op record of its half (%s) stands", d.at, d.half, op)
+
+
 async def settle(tx, damaged: dict[int, Damaged], undecided: set[int]) -> int:
     """Decide what each op record that stayed unreadable (no later decision op of its half) recorded, from the
     rest of the store (see the top); returns how many transactions it decided."""

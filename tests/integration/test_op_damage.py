@@ -138,3 +138,11 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
     assert f"the op record at commit-log offset {pos} (half {decided_at}) cannot be read" in log
     if not dead:
         assert ("the decision table" if table else "its committed message") in log
+
+    # The decision was written again as a sound op record: the next rebuild reads it, and no check follows.
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == {undecided}
+    assert b.stop() == 0
+    assert f"commit-log offset {pos} (half {decided_at}) cannot be read (its properties are damaged); a later op " \
+           f"record of its half ({'DEAD' if dead else decided.split('-')[0].upper()}) stands" in b.log()
