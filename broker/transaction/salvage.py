@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass
 
 from protocol.codes import SysFlag
+from protocol.errors import RecordError
 from protocol.message import Prop, decode_record
 
 from ..topics import HALF_TOPIC, OP_TOPIC
@@ -62,8 +63,8 @@ def damaged_op(tx, msg, earlier) -> tuple[int, Damaged] | None:
         q = tx._half_queue_offset(half) if half is not None else None
     if q is None:
         log.error("transaction recovery: the op record at commit-log offset %d cannot be read (its properties are "
-                  "damaged) and names no half (its body is damaged too): whatever it recorded is lost; a transaction "
-                  "it decided may be checked again", msg.physical_offset)
+                  "damaged) and names no half (its body is damaged too): looked for among the undecided transactions",
+                  msg.physical_offset)
         return None
     unit = store.queue_unit(OP_TOPIC, 0, msg.queue_offset)
     tag = _TAGS.get(unit[2]) if unit is not None and unit[0] == msg.physical_offset else None
@@ -80,7 +81,6 @@ async def settle(tx, damaged: dict[int, Damaged], undecided: set[int]) -> int:
     """Decide what each op record that stayed unreadable (no later decision op of its half) recorded, from the
     rest of the store (see the top); returns how many transactions it decided."""
     settled = 0
-    slave = getattr(tx.ctx.config, "broker_role", "") == "SLAVE"
     for q, d in sorted(damaged.items()):
         half = tx._half_at(d.half) if d.half is not None else None
         if half is None:
@@ -105,16 +105,73 @@ async def settle(tx, damaged: dict[int, Damaged], undecided: set[int]) -> int:
             log.error("transaction recovery: %s; %s, as %s says: recorded, and its op written again", what,
                       decision, evidence)
             reqs = [tx.records.decision(decision, d.half, q)]
-        if not slave:       # a slave's log is its master's, byte for byte: the master writes the op, it arrives here
-            results = await tx.ctx.store.put_many(reqs)
-            failed = [r.status.name for r in results if not r.ok]
-            if failed:
-                log.error("transaction recovery: the op record of half %d not written again (%s): %s stands for "
-                          "this run, the next start reads the damaged op again", d.half, failed[0], decision)
-        tx.record(q, decision)
+        await _conclude(tx, d.half, q, decision, reqs)
         undecided.discard(d.half)
         settled += 1
     return settled
+
+
+async def settle_unplaced(tx, unplaced: list[int], earlier) -> int:
+    """Op records that cannot be read and name no half (``unplaced``: their offsets), once the undecided
+    transactions are indexed: one of those whose decision the table as the last process left it (``earlier``)
+    records, or whose committed message or dead letter ends where such an op record begins (they are written in
+    one batch), was decided by it, and leaves the index. Returns how many; the others are only said."""
+    store, settled, left = tx.ctx.store, 0, set(unplaced)
+    for x in sorted(left):
+        at = store.record_before(DEAD_TOPIC, 0, x)
+        letter = _record(store, at, ends_at=x)
+        t = tx.pending.get((parse_dead_letter(letter) or (None,))[0]) if letter is not None else None
+        if t is not None:
+            left.discard(x)
+            settled += await _unplaced(tx, t, DEAD, f"its dead letter at commit-log offset {at}, which ends where "
+                                       f"the op record at {x} that cannot be read begins")
+    for t in list(tx.pending.values()):
+        said = earlier.get(t.queue_offset) if earlier is not None else None
+        if said in _OPS:
+            settled += await _unplaced(tx, t, said, "the decision table")
+            continue
+        half = None
+        for x in sorted(left):
+            if x <= t.half_offset:
+                continue
+            if half is None:
+                half = tx._half_at(t.half_offset)
+                if half is None:
+                    break
+            at = next((at for at in (store.record_before(topic, qid, x) for topic, qid in _copy_queues(tx, half,
+                       t.half_offset)) if _commits(tx, store, at, t.half_offset, x)), None)
+            if at is not None:
+                left.discard(x)
+                settled += await _unplaced(tx, t, COMMIT, f"its committed message at commit-log offset {at}, "
+                                           f"which ends where the op record at {x} that cannot be read begins")
+                break
+    for x in sorted(left):
+        log.error("transaction recovery: the op record at commit-log offset %d cannot be read and names no half; "
+                  "nothing in the store ties it to an undecided transaction (a ROLLBACK leaves no other trace): one "
+                  "it decided, if it decided one, is checked again", x)
+    return settled
+
+
+async def _unplaced(tx, t, decision: str, evidence: str) -> int:
+    log.error("transaction recovery: the transaction at %d (group %s, topic %s) was %s, as %s says (an op record "
+              "of it cannot be read): recorded, and its op written again", t.half_offset, t.group, t.topic,
+              decision, evidence)
+    await _conclude(tx, t.half_offset, t.queue_offset, decision, [tx.records.decision(decision, t.half_offset,
+                                                                                      t.queue_offset)])
+    tx.core.written(t, True)        # out of the undecided index
+    return 1
+
+
+async def _conclude(tx, half_offset: int, q: int, decision: str, reqs: list) -> None:
+    """Record ``decision`` for the half, its records (``reqs``) written first (a slave's arrive from its master,
+    its log being the master's byte for byte)."""
+    if getattr(tx.ctx.config, "broker_role", "") != "SLAVE":
+        results = await tx.ctx.store.put_many(reqs)
+        failed = [r.status.name for r in results if not r.ok]
+        if failed:
+            log.error("transaction recovery: the op record of half %d not written again (%s): %s stands for this "
+                      "run, the next start reads the damaged op again", half_offset, failed[0], decision)
+    tx.record(q, decision)
 
 
 def _evidence(tx, half, d: Damaged) -> tuple[str | None, str]:
@@ -124,9 +181,7 @@ def _evidence(tx, half, d: Damaged) -> tuple[str | None, str]:
     store = tx.ctx.store
     for topic, qid in _copy_queues(tx, half, d.half):
         at = store.record_before(topic, qid, d.at)
-        copy = _record(store, at)
-        if (copy is not None and SysFlag.transaction_type(copy.sys_flag) == SysFlag.TRANSACTION_COMMIT
-                and copy.prepared_offset == d.half and tx.committed_half(d.half, at) is not None):
+        if _commits(tx, store, at, d.half):
             return COMMIT, f"its committed message at commit-log offset {at}"
     at = store.record_before(DEAD_TOPIC, 0, d.at)
     letter = _record(store, at)
@@ -146,9 +201,22 @@ def _copy_queues(tx, half, half_offset: int) -> list[tuple[str, int]]:
     return queues
 
 
-def _record(store, at: int | None):
+def _commits(tx, store, at: int | None, half_offset: int, ends_at: int | None = None) -> bool:
+    """True when the record at ``at`` (ending at ``ends_at``, given) is the committed message of that half."""
+    copy = _record(store, at, ends_at)
+    return (copy is not None and SysFlag.transaction_type(copy.sys_flag) == SysFlag.TRANSACTION_COMMIT
+            and copy.prepared_offset == half_offset and tx.committed_half(half_offset, at) is not None)
+
+
+def _record(store, at: int | None, ends_at: int | None = None):
+    """The record at ``at`` decoded (it ends at ``ends_at``, given), or None."""
     view = store.get_record(at) if at is not None else None
-    return decode_record(view)[0] if view is not None else None
+    if view is None or (ends_at is not None and at + len(view) != ends_at):
+        return None
+    try:
+        return decode_record(view)[0]
+    except RecordError:     # damaged at rest too: no evidence
+        return None
 
 
 def _number(raw: bytes) -> int | None:
