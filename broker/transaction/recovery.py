@@ -24,7 +24,7 @@ from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
-from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, parse_dead_letter, parse_op, plain_owner
+from .records import COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, P_HALF, RESUME, parse_dead_letter, parse_op, plain_owner
 from .salvage import Damaged, damaged_op, settle, settle_unplaced, superseded, unreadable
 
 log = logging.getLogger("txmq.transaction")
@@ -293,12 +293,19 @@ async def _repair_lost_dead_op(tx, undecided: set[int]) -> int:
     if at is None or at[0] + at[1] != store.max_physical_offset:
         return 0
     view = store.get_record(at[0])
-    parsed = parse_dead_letter(decode_record(view)[0]) if view is not None else None
-    if parsed is None:
+    letter = _decoded(view, at[0], store, DEAD_TOPIC) if view is not None else None
+    parsed = parse_dead_letter(letter) if letter is not None else None
+    half = tx._half_at(parsed[0]) if parsed is not None else None
+    if half is None or (half.properties.get(Prop.UNIQ_KEY), half.body) != (letter.properties.get(Prop.UNIQ_KEY),
+                                                                          letter.body):
+        # Its TXMQ_HALF damaged: the DEAD op written for the half it names would end another transaction.
+        log.error("recovery: the dead letter at %d ends the log without its op record, and names no half of its own "
+                  "(TXMQ_HALF %s): no op written; its transaction is pending again and may be dead-lettered twice",
+                  at[0], letter.properties.get(P_HALF) if letter is not None else "unreadable")
         return 0
     off, reason = parsed
-    q = tx._half_queue_offset(off)
-    if q is None or tx.table.get(q) is not None:
+    q = half.queue_offset
+    if tx.table.get(q) is not None:
         return 0
     if getattr(tx.ctx.config, "broker_role", "") != "SLAVE":   # a slave's log is its master's: the op arrives
         res = await store.put(tx.records.decision(DEAD, off, q, reason))

@@ -152,3 +152,28 @@ async def test_a_dead_letter_whose_op_was_lost_is_not_pending_again(broker_facto
     b2 = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
     listed = await _listed(b2.broker)
     assert (listed["total"], listed["dead_lettered"]) == (0, 1), listed
+
+
+WRONG_HALF_CHILD = DEAD_CHILD.replace('''    msg = decode_record(store.get_record(half.physical_offset))[0]
+    await store.put(rf.dead_letter(msg, half.physical_offset, "max-checks"))''', '''    props = dict(props, UNIQ_KEY="ABCDEF")
+    other = await store.put(rf.half(body=b"still open", real_topic="Torn", real_qid=0, flag=0, sys_flag=4,
+                                    born_timestamp=1, born_host=pack_host("127.0.0.1", 5), props=props))
+    msg = decode_record(store.get_record(other.physical_offset))[0]
+    # the second half's dead letter, its TXMQ_HALF naming the first (a digit of it flipped)
+    await store.put(rf.dead_letter(msg, half.physical_offset, "max-checks"))''')
+
+
+async def test_a_torn_dead_letter_naming_another_half_does_not_end_that_one(broker_factory, tmp_path):
+    """The dead letter that ends the log names its half by TXMQ_HALF, under no CRC: the op the repair wrote for the
+    half it named ended another transaction, still undecided, without a word. The half must be the letter's own
+    (its UNIQ_KEY and body); else no op is written, and it is said."""
+    assert "rf.dead_letter(msg, half.physical_offset" in WRONG_HALF_CHILD and "still open" in WRONG_HALF_CHILD
+    store = tmp_path / "store"
+    child = subprocess.run([sys.executable, "-c", WRONG_HALF_CHILD, str(store)], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert "written" in child.stdout and child.returncode == -9, child.stderr
+    b = broker_factory("--transaction-check-interval-ms", "60000")
+    listed = await _listed(b.broker)
+    assert (listed["total"], listed["dead_lettered"]) == (2, 0), listed
+    assert b.stop() == 0
+    assert "names no half of its own (TXMQ_HALF 0)" in b.log()
