@@ -82,8 +82,12 @@ def _decoded(buf, phys: int | None, store=None, topic: str = ""):
         return None
 
 
-def read_snapshot(directory: str, store) -> dict | None:
-    """The snapshot, or None (missing, unreadable, or not this store's as it is now: said in the log)."""
+FOREIGN = "written for another store"
+
+
+def read_snapshot(directory: str, store, why_not: list | None = None) -> dict | None:
+    """The snapshot, or None (missing, unreadable, or not this store's as it is now: said in the log, and
+    appended to ``why_not``)."""
     path = os.path.join(directory, "snapshot.json")
     try:
         with open(path, "rb") as f:
@@ -98,7 +102,7 @@ def read_snapshot(directory: str, store) -> dict | None:
     if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
         why = f"version {snap.get('version') if isinstance(snap, dict) else '?'}"
     elif snap.get("store_id") != store.store_id:
-        why = "written for another store"
+        why = FOREIGN
     elif not isinstance(snap.get("op_offset"), int) or not isinstance(snap.get("half_offset"), int):
         why = "its offsets are missing"
     elif snap["op_offset"] > store.max_offset(OP_TOPIC, 0):
@@ -115,6 +119,8 @@ def read_snapshot(directory: str, store) -> dict | None:
         why = "its checksum does not match: it was changed after it was written"
     if why:
         log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
+        if why_not is not None:
+            why_not.append(why)
         return None
     return snap
 
@@ -135,7 +141,8 @@ async def recover(tx) -> None:
     if gone:
         log.warning("transactions: %d decisions were for halves at queue offset %d or later, which the recovered "
                     "log no longer holds (it was cut); forgotten, as new halves take those offsets", gone, half_end)
-    snap = read_snapshot(tx.directory, store)
+    why_not: list[str] = []
+    snap = read_snapshot(tx.directory, store, why_not)
     if tx.table.damaged:
         # The snapshot vouches for the table up to its op offset: with files of it damaged, only the whole op
         # queue can say what the decisions were.
@@ -154,6 +161,9 @@ async def recover(tx) -> None:
     earlier = None          # the table as the last process left it, read for op records that cannot be (salvage.py)
     if snap is None:
         earlier = tx.table.clear()
+        if FOREIGN in why_not:      # its decision files likely are too: no evidence for this log
+            earlier.close()
+            earlier = None
         op_from, half_from = None, ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
     else:
         op_from, half_from = snap["op_offset"], snap["half_offset"]
@@ -179,7 +189,7 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
                   op_from: int | None, half_from: int | None) -> int:
     """The op records from ``op_from`` into the decision table, then the undecided halves into the index; returns
     how many transactions it repaired. ``earlier``: the table as the last process left it (None: it is still
-    ``tx.table``), for op records that cannot be read (salvage.py)."""
+    ``tx.table``, or was another store's), for op records that cannot be read (salvage.py)."""
     store = tx.ctx.store
     resumed_floor = None
     damaged: dict[int, Damaged] = {}    # half queue offset -> its last op record, unreadable
