@@ -156,3 +156,37 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
     if how != "length":
         assert f"commit-log offset {pos} (half {decided_at}) cannot be read (its properties are damaged); a later " \
                f"op record of its half ({'DEAD' if dead else decided.split('-')[0].upper()}) stands" in b.log()
+
+
+@bounded(60)
+async def test_a_check_record_whose_properties_went_bad_decides_nothing(broker_factory, tmp_path):
+    """A check attempt's record unreadable: its consume-queue tag (c) says what it was. Its transaction stays
+    undecided, not dead-lettered as an unreadable decision would be; the record is said and counted."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
+
+    class Asked(_Unknown):
+        checks = 0
+
+        async def check_local_transaction(self, msg):
+            Asked.checks += 1
+            return S.UNKNOW
+
+    async with TransactionProducer(b.namesrv, "PG_opzero_check", Asked()) as producer:
+        sent = await producer.send_in_transaction("TxOpZero", b"open")
+        async with asyncio.timeout(30):
+            while Asked.checks < 2:
+                await asyncio.sleep(0.03)
+    await _fill(b)
+    assert b.stop() == 0
+    (pos, body), *_ = _op_records(tmp_path / "store")
+    assert body == b"0"
+    _damage_properties(tmp_path / "store", pos, "zeroed")
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == {decode_offset_msg_id(sent.send_result.offset_msg_id)[2]}
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
+    assert b.stop() == 0
+    assert f"the op record at commit-log offset {pos} (half 0) cannot be read (its properties are damaged); it was " \
+           "a check attempt" in b.log()
