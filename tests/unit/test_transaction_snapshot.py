@@ -187,6 +187,21 @@ def test_decision_table_files_and_trim(tmp_path):
     again.close()
 
 
+def test_a_cleared_decision_table_hands_back_what_it_said(tmp_path):
+    """A rebuild clears the table; an op record it cannot read is then asked of what the table said before."""
+    t = DecisionTable(str(tmp_path), file_entries=8)
+    for i, op in enumerate([COMMIT, ROLLBACK, DEAD, None, COMMIT, COMMIT, COMMIT, COMMIT, ROLLBACK]):
+        t.set(i, op)
+    earlier = t.clear()
+    assert os.listdir(tmp_path) == [] and t.get(0) is None
+    t.set(0, ROLLBACK)                              # the rebuild's own files: new ones, not the earlier's pages
+    assert [earlier.get(i) for i in (0, 1, 2, 3, 8, 9, 100, -1)] == [COMMIT, ROLLBACK, DEAD, None, ROLLBACK, None,
+                                                                      None, None]
+    earlier.close()
+    assert earlier.get(0) is None and t.get(0) == ROLLBACK
+    t.close()
+
+
 @bounded(20)
 async def test_a_commit_type_copy_with_prepared_offset_0_does_not_commit_the_half_stored_there(tmp_path):
     """Older txmq wrote retries with the committed message's sysFlag and PREPARED OFFSET 0; recovery's
