@@ -19,6 +19,11 @@ next rebuild reads it. A decision op whose decision is found nowhere (a ROLLBACK
 dead-lettered, reason ``op-unreadable``, its half copied for whoever inspects it: never checked as if undecided,
 where a producer's answer could deliver it twice or deliver a rolled-back message; ``admin resume`` checks it
 again. Each op is logged at ERROR with its offset and counted (txmq_store_corrupt_records_total).
+
+An op that names no half (its body damaged too, or a length in it, so that it cannot be decoded at all) is
+matched once the undecided transactions are indexed (settle_unplaced): one the earlier decision table has as
+decided, or whose committed message or dead letter ends exactly where the op begins, leaves the index decided.
+One left unmatched is only said: the transaction it decided, if any (a ROLLBACK's), is checked again.
 """
 from __future__ import annotations
 
