@@ -190,3 +190,28 @@ async def test_a_check_record_whose_properties_went_bad_decides_nothing(broker_f
     assert b.stop() == 0
     assert f"the op record at commit-log offset {pos} (half 0) cannot be read (its properties are damaged); it was " \
            "a check attempt" in b.log()
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+@bounded(60)
+async def test_a_half_that_cannot_be_decoded_does_not_keep_the_broker_from_starting(broker_factory, tmp_path,
+                                                                                    snapshot):
+    """A length inside an undecided half damaged at rest: start-up raised RecordError ("cannot start: record at 0:
+    body length ... runs past the record"), every transaction with it. The half is said, counted and left out
+    (nothing can check or commit it); the others are undecided as before. Read from the snapshot's pending list
+    or from the half queue (no snapshot)."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_opzero_half", _Unknown()) as producer:
+        sent = [await producer.send_in_transaction("TxOpZero", b"tx-%d" % i) for i in range(2)]
+    halves = [decode_offset_msg_id(s.send_result.offset_msg_id)[2] for s in sent]
+    await _fill(b)
+    assert b.stop() == 0
+    _damage_properties(tmp_path / "store", halves[0], "length")
+    if not snapshot:
+        os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == {halves[1]}
+    assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_HALF_TOPIC)") == 1
+    assert b.stop() == 0
+    assert f"the record at commit-log offset {halves[0]} (RMQ_SYS_TRANS_HALF_TOPIC) cannot be decoded" in b.log()
