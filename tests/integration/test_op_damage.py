@@ -215,3 +215,33 @@ async def test_a_half_that_cannot_be_decoded_does_not_keep_the_broker_from_start
     assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_HALF_TOPIC)") == 1
     assert b.stop() == 0
     assert f"the record at commit-log offset {halves[0]} (RMQ_SYS_TRANS_HALF_TOPIC) cannot be decoded" in b.log()
+
+
+@bounded(60)
+async def test_an_unreadable_op_after_the_snapshot_takes_the_decision_table_at_its_word(broker_factory, tmp_path):
+    """Killed before the next snapshot, the broker replays the op records after the last one; an unreadable one
+    among them is said and counted, and the decision table (the killed process's pages) gives its COMMIT."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000", "--transaction-snapshot-interval-s",
+                       "3600")
+
+    class CommitSecond(_Unknown):
+        calls = 0
+
+        def execute_local_transaction(self, msg, arg):
+            CommitSecond.calls += 1
+            return S.UNKNOW if CommitSecond.calls == 1 else S.COMMIT_MESSAGE
+
+    async with TransactionProducer(b.namesrv, "PG_opzero_kill", CommitSecond()) as producer:
+        sent = [await producer.send_in_transaction("TxOpZero", b"tx-%d" % i) for i in range(2)]
+    undecided, committed = (decode_offset_msg_id(s.send_result.offset_msg_id)[2] for s in sent)
+    b.kill()
+    [(pos, _)] = _op_records(tmp_path / "store")
+    _damage_properties(tmp_path / "store", pos, "flipped")     # no NUL: past the checkpoint, not cut as torn
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == {undecided}
+    assert await _bodies(b, "TxOpZero", "CG_opzero_kill") == [b"tx-1"]
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    assert b.stop() == 0
+    assert f"the op record at commit-log offset {pos} (half {committed}) cannot be read (its properties are " \
+           "damaged); COMMIT, as the decision table says" in b.log()
