@@ -25,7 +25,7 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
 from .records import COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, P_HALF, RESUME, parse_dead_letter, parse_op, plain_owner
-from .salvage import Damaged, damaged_op, settle, settle_unplaced, superseded, unreadable
+from .salvage import Damaged, damaged_op, misnamed, settle, settle_unplaced, superseded, unreadable
 
 log = logging.getLogger("txmq.transaction")
 
@@ -205,12 +205,17 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             else:
                 unplaced.append(msg.physical_offset)
             continue
+        q = op.half_queue_offset
+        if q >= 0:      # its body (under the CRC) names the half as well as TXMQ_HALF (under none) does
+            at = store.physical_offset_of(HALF_TOPIC, 0, q)
+            if at is not None and at != op.half_offset:
+                misnamed(tx, msg, op, at)
+                op.half_offset = at
         if op.tag == OP_TAG_CHECK:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
             if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
                 owners[op.half_offset] = op.owner
             continue
-        q = op.half_queue_offset
         if q < 0:       # its body was damaged (scan emptied it): the half TXMQ_HALF names says it
             q = tx._half_queue_offset(op.half_offset)
             if q is None:       # nor that: said, and looked for once the undecided are known

@@ -76,6 +76,16 @@ def damaged_op(tx, msg, earlier) -> tuple[int, Damaged] | None:
     return q, Damaged(msg.physical_offset, store.physical_offset_of(HALF_TOPIC, 0, q), tag, earlier(q))
 
 
+def misnamed(tx, msg, op, half_offset: int) -> None:
+    """``op``'s TXMQ_HALF names another offset than the half its body (the half's queue offset, under the body
+    CRC) does, ``half_offset``: the body's is taken. A digit flipped there gave a check's count (and sender) to no
+    half or another, and a decision cleared another transaction from the undecided."""
+    tx.ctx.store.count_corrupt(msg.physical_offset, READER)
+    log.error("transaction recovery: the op record at commit-log offset %d names half %d in TXMQ_HALF but %d by its "
+              "body (queue offset %d): its properties are damaged; taken for half %d", msg.physical_offset,
+              op.half_offset, half_offset, op.half_queue_offset, half_offset)
+
+
 def superseded(d: Damaged, op: str) -> None:
     """``d`` is followed by a readable decision op of its half (``op``): that one stands."""
     log.error("transaction recovery: the op record at commit-log offset %d (half %s) cannot be read (its properties "

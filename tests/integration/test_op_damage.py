@@ -245,3 +245,46 @@ async def test_an_unreadable_op_after_the_snapshot_takes_the_decision_table_at_i
     assert b.stop() == 0
     assert f"the op record at commit-log offset {pos} (half {committed}) cannot be read (its properties are " \
            "damaged); COMMIT, as the decision table says" in b.log()
+
+
+@bounded(60)
+async def test_a_check_record_whose_txmq_half_went_bad_still_counts_for_its_half(broker_factory, tmp_path):
+    """TXMQ_HALF is under no CRC, the body (the half's queue offset) under one: a flipped digit gave the check's
+    count to no half (or another), so after a rebuild its transaction had a check fewer than it had been sent."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
+
+    class Asked(_Unknown):
+        checks = 0
+
+        async def check_local_transaction(self, msg):
+            Asked.checks += 1
+            return S.UNKNOW
+
+    async with TransactionProducer(b.namesrv, "PG_opzero_misnamed", Asked()) as producer:
+        sent = await producer.send_in_transaction("TxOpZero", b"open")
+        async with asyncio.timeout(30):
+            while Asked.checks < 2:
+                await asyncio.sleep(0.03)
+    await _fill(b)
+    assert b.stop() == 0
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    with open(os.path.join(tmp_path / "store", "commitlog", f"{0:020d}"), "rb") as f:
+        data = f.read(SEG)
+    records = [(pos, decode_record(data, pos)[0]) for pos, _ in _op_records(tmp_path / "store")]
+    pos, last = max(records, key=lambda r: int(r[1].properties["TXMQ_CHECKS"]))
+    assert last.properties["TXMQ_HALF"] == str(half) == "0"
+    size = int.from_bytes(data[pos:pos + 4], "big")
+    props = bytes(record_properties(data[pos:pos + size]))
+    at = pos + size - len(props) + props.index(b"TXMQ_HALF\x01") + len(b"TXMQ_HALF\x01")
+    with open(os.path.join(tmp_path / "store", "commitlog", f"{0:020d}"), "r+b") as f:
+        f.seek(at)
+        f.write(b"1")                   # "0" ^ 0x01: a half at commit-log offset 1, which is no record's
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
+    [row] = json.loads(resp.body_bytes())["pending"]
+    assert (row["commit_log_offset"], row["checks"]) == (half, int(last.properties["TXMQ_CHECKS"]))
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    assert b.stop() == 0
+    assert f"the op record at commit-log offset {pos} names half 1 in TXMQ_HALF but 0 by its body" in b.log()
