@@ -12,6 +12,7 @@ readable decision op of that half replaces it as ever. Otherwise the store is as
     the committed message     written in the op's own batch, just before it: the real queue's last record
                               before the op, if it is this half's COMMIT (prepared offset, UNIQ_KEY, body)
     the dead letter           likewise the dead-letter queue's last record before the op, naming this half
+                              and ending where the op begins (an older one may be of a DEAD a RESUME undid)
     the op's queue unit       its tag code says a check attempt (c): nothing was decided, nothing is lost
 
 A decision found is recorded and written again as a sound op record (a slave's arrives from its master), so the
@@ -199,7 +200,8 @@ def _evidence(tx, half, d: Damaged) -> tuple[str | None, str]:
         if _commits(tx, store, at, d.half):
             return COMMIT, f"its committed message at commit-log offset {at}"
     at = store.record_before(DEAD_TOPIC, 0, d.at)
-    letter = _record(store, at)
+    # Its own batch's (written just before the op): an older one may be a DEAD that a RESUME undid.
+    letter = _record(store, at, ends_at=d.at)
     if letter is not None and (parse_dead_letter(letter) or (None,))[0] == d.half:
         return DEAD, f"its dead letter at commit-log offset {at}"
     return None, ""

@@ -288,3 +288,64 @@ async def test_a_check_record_whose_txmq_half_went_bad_still_counts_for_its_half
     assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
     assert b.stop() == 0
     assert f"the op record at commit-log offset {pos} names half 1 in TXMQ_HALF but 0 by its body" in b.log()
+
+
+
+@pytest.mark.parametrize("after", ["check", "rollback"])
+@bounded(90)
+async def test_an_op_after_a_resume_is_not_taken_for_the_dead_letter_before_it(broker_factory, tmp_path, after):
+    """Dead-lettered (max-checks), resumed by the admin, then checked: the record of that check, or of the
+    ROLLBACK its answer gave, went bad. The dead letter of the half's first DEAD is still the dead-letter queue's
+    last record before that op, but it belongs to a decision the RESUME undid, not to the op's batch: a check
+    (its consume-queue tag) decided nothing, and the transaction stays undecided; a ROLLBACK nothing else
+    records is dead-lettered as unreadable, as any other (not said to be what that old dead letter shows)."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "2")
+    async with TransactionProducer(b.namesrv, "PG_opzero_resumed", _Unknown()) as producer:
+        sent = await producer.send_in_transaction("TxOpZero", b"resumed")
+        async with asyncio.timeout(30):
+            while await asyncio.to_thread(_dead_letters, b, "max-checks") < 1:
+                await asyncio.sleep(0.03)
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    assert b.stop() == 0
+
+    # Checks as often, but never dead-lettered again while this test looks.
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "1000000")
+    resumed = await _request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": half})
+    assert resumed.code == 0, resumed.remark
+
+    class Asked(_Unknown):
+        checks = 0
+
+        async def check_local_transaction(self, msg):
+            Asked.checks += 1
+            return S.ROLLBACK_MESSAGE if after == "rollback" else S.UNKNOW
+
+    async with TransactionProducer(b.namesrv, "PG_opzero_resumed", Asked()):
+        async with asyncio.timeout(30):
+            while not (await _pending(b) == set() if after == "rollback" else Asked.checks >= 1):
+                await asyncio.sleep(0.03)
+    await _fill(b)
+    assert b.stop() == 0
+    with open(os.path.join(tmp_path / "store", "commitlog", f"{0:020d}"), "rb") as f:
+        data = f.read(SEG)
+    ops = [(pos, decode_record(data, pos)[0].properties) for pos, _ in _op_records(tmp_path / "store")]
+    resume_at = next(pos for pos, props in ops if props.get("TXMQ_OP") == "RESUME")
+    if after == "check":
+        pos = next(pos for pos, props in ops if pos > resume_at and props.get("TAGS") == "c")
+        _damage_properties(tmp_path / "store", pos, "zeroed")
+    else:
+        [pos] = [pos for pos, props in ops if props.get("TXMQ_OP") == "ROLLBACK"]
+        _damage_properties(tmp_path / "store", pos, "flipped")
+        shutil.rmtree(tmp_path / "store" / "transactions" / "decisions")
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == ({half} if after == "check" else set())
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == (1 if after == "rollback" else 0)
+    assert b.stop() == 0
+    said = "it was a check attempt" if after == "check" else "it decided the transaction, and neither"
+    assert f"the op record at commit-log offset {pos} (half {half}) cannot be read (its properties are damaged); " \
+           f"{said}" in b.log()
