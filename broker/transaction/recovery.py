@@ -25,7 +25,7 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
 from .records import COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, P_HALF, RESUME, parse_dead_letter, parse_op, plain_owner
-from .salvage import Damaged, damaged_op, misnamed, settle, settle_unplaced, superseded, unreadable
+from .salvage import Damaged, damaged_op, foreign, misnamed, settle, settle_unplaced, superseded, unreadable
 
 log = logging.getLogger("txmq.transaction")
 
@@ -195,8 +195,12 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     damaged: dict[int, Damaged] = {}    # half queue offset -> its last op record, unreadable
     unplaced: list[int] = []            # unreadable op records that name no half
     touched: set[int] = set()           # (with the snapshot's table) halves whose byte the replay set already
+    others = 0                          # op records txmq did not write (salvage.foreign), left out as ever
     for msg in scan(store, OP_TOPIC, op_from, check_body=True, undecodable=unplaced):
         op = parse_op(msg)
+        if op is None and foreign(msg):
+            others += 1
+            continue
         if unreadable(op):
             found = damaged_op(tx, msg, earlier.get if earlier is not None else
                                lambda q: None if q in touched else tx.table.get(q))
@@ -234,6 +238,9 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
         else:
             tx.record(q, op.op)
             undecided.discard(op.half_offset)
+    if others:
+        log.warning("transaction recovery: %d op records without TXMQ_* properties (not written by txmq: a RocketMQ "
+                    "broker's) left out", others)
     repaired = await settle(tx, damaged, undecided)
     repaired += await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.

@@ -244,6 +244,16 @@ def _number(raw: bytes) -> int | None:
     return n if n >= 0 else None
 
 
+def foreign(msg) -> bool:
+    """True for an op record txmq did not write, not one whose properties went bad: a RocketMQ broker's (tag d, the
+    half's queue offset as its body, WAIT; a slave follows such a master's log byte for byte), well formed and
+    without one TXMQ_* property. txmq's have two or more (TXMQ_HALF and TXMQ_OP or TXMQ_CHECKS), so a flipped
+    byte leaves one; a zeroed page leaves no TAGS, or a NUL. parse_op leaves these out, and so does recovery."""
+    props = msg.properties
+    return (props.get(Prop.TAGS) in OP_TAG_CODES and _number(msg.body) is not None
+            and not any(key.startswith("TXMQ_") or "\x00" in key or "\x00" in value for key, value in props.items()))
+
+
 def unreadable(op) -> bool:
     """True for an op record recovery cannot take at its word: no OpRecord, or a decision op naming no decision."""
     return op is None or (op.tag == OP_TAG_DECISION and op.op not in (*_OPS, RESUME))

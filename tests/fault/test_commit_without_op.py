@@ -177,3 +177,46 @@ async def test_a_torn_dead_letter_naming_another_half_does_not_end_that_one(brok
     assert (listed["total"], listed["dead_lettered"]) == (2, 0), listed
     assert b.stop() == 0
     assert "names no half of its own (TXMQ_HALF 0)" in b.log()
+
+
+ROCKETMQ_OP_CHILD = r"""
+import asyncio, sys
+from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.transaction.records import RecordFactory
+from protocol.message import UniqIdGenerator, encode_record, pack_host
+
+async def main(store_dir):
+    store = MessageStore(store_dir, StoreConfig(segment_size=1 << 20))
+    await store.open()
+    host = pack_host("127.0.0.1", 10911)
+    rf = RecordFactory(host, UniqIdGenerator(), lambda: 1)
+    for i in range(2):
+        props = {"TAGS": "t", "UNIQ_KEY": "ABCDEF%d" % i, "TRAN_MSG": "true", "PGROUP": "PG_rmq", "WAIT": "true"}
+        await store.put(rf.half(body=b"open %d" % i, real_topic="Rmq", real_qid=0, flag=0, sys_flag=4,
+                                born_timestamp=1, born_host=pack_host("127.0.0.1", 5), props=props))
+    # The op record a RocketMQ 4.x broker writes (TransactionalMessageBridge.addRemoveTagInTransactionOp): tag d,
+    # the half's queue offset as its body, WAIT; no TXMQ_* property.
+    op = encode_record(topic=b"RMQ_SYS_TRANS_OP_HALF_TOPIC", body=b"1", queue_id=0, flag=0, sys_flag=0,
+                       born_timestamp=1, born_host=host, store_host=host, properties=b"WAIT\x01true\x02TAGS\x01d")
+    await store.put(PutRequest(op, "RMQ_SYS_TRANS_OP_HALF_TOPIC", 0, 100, 0))
+    await store.close()
+    print("written", flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_an_op_record_txmq_did_not_write_is_not_taken_for_damage(broker_factory, tmp_path):
+    """parse_op leaves out an op record without TXMQ_HALF as one txmq did not write (a RocketMQ broker's: tag d and
+    the half's queue offset, no TXMQ_* property; a slave follows such a master's log byte for byte). Taken for an
+    op whose properties went bad, it was counted as corrupt, said at ERROR at every start, and the transaction it
+    names was dead-lettered (op-unreadable): it is passed over as before, its half pending as before."""
+    store = tmp_path / "store"
+    child = subprocess.run([sys.executable, "-c", ROCKETMQ_OP_CHILD, str(store)], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert "written" in child.stdout and child.returncode == 0, child.stderr
+    b = broker_factory("--transaction-check-interval-ms", "60000")
+    listed = await _listed(b.broker)
+    assert (listed["total"], listed["dead_lettered"]) == (2, 0), listed
+    assert b.stop() == 0
+    assert "cannot be read" not in b.log() and "op-unreadable" not in b.log()
