@@ -25,7 +25,8 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
 from .records import COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, P_HALF, RESUME, parse_dead_letter, parse_op, plain_owner
-from .salvage import Damaged, damaged_op, foreign, misnamed, settle, settle_unplaced, superseded, unreadable
+from .salvage import (Damaged, damaged_op, foreign, misnamed, own_letter, settle, settle_unplaced, superseded,
+                      unreadable)
 
 log = logging.getLogger("txmq.transaction")
 
@@ -318,8 +319,7 @@ async def _repair_lost_dead_op(tx, undecided: set[int]) -> int:
     letter = _decoded(view, at[0], store, DEAD_TOPIC) if view is not None else None
     parsed = parse_dead_letter(letter) if letter is not None else None
     half = tx._half_at(parsed[0]) if parsed is not None else None
-    if half is None or (half.properties.get(Prop.UNIQ_KEY), half.body) != (letter.properties.get(Prop.UNIQ_KEY),
-                                                                          letter.body):
+    if not own_letter(half, letter):
         # Its TXMQ_HALF damaged: the DEAD op written for the half it names would end another transaction.
         log.error("recovery: the dead letter at %d ends the log without its op record, and names no half of its own "
                   "(TXMQ_HALF %s): no op written; its transaction is pending again and may be dead-lettered twice",

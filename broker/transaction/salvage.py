@@ -137,6 +137,12 @@ async def settle_unplaced(tx, unplaced: list[int], earlier) -> int:
         at = store.record_before(DEAD_TOPIC, 0, x)
         letter = _record(store, at, ends_at=x)
         t = tx.pending.get((parse_dead_letter(letter) or (None,))[0]) if letter is not None else None
+        if t is not None and not own_letter(tx._half_at(t.half_offset), letter):
+            # Its TXMQ_HALF (under no CRC) names another, undecided transaction: that one is not ended by it.
+            log.error("transaction recovery: the dead letter at commit-log offset %d, before the op record at %d that "
+                      "cannot be read, names half %d (TXMQ_HALF) but is not its copy (UNIQ_KEY, body): its "
+                      "properties are damaged too; nothing is decided by it", at, x, t.half_offset)
+            t = None
         if t is not None:
             left.discard(x)
             settled += await _unplaced(tx, t, DEAD, f"its dead letter at commit-log offset {at}, which ends where "
@@ -205,6 +211,13 @@ def _evidence(tx, half, d: Damaged) -> tuple[str | None, str]:
     if letter is not None and (parse_dead_letter(letter) or (None,))[0] == d.half:
         return DEAD, f"its dead letter at commit-log offset {at}"
     return None, ""
+
+
+def own_letter(half, letter) -> bool:
+    """True when ``letter`` (a dead letter) is the copy of ``half`` (its UNIQ_KEY and body; None: no half): its
+    TXMQ_HALF is under no CRC, and a flipped digit there names another transaction."""
+    return half is not None and (half.properties.get(Prop.UNIQ_KEY), half.body) == (
+        letter.properties.get(Prop.UNIQ_KEY), letter.body)
 
 
 def _copy_queues(tx, half, half_offset: int) -> list[tuple[str, int]]:

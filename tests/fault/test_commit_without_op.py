@@ -220,3 +220,60 @@ async def test_an_op_record_txmq_did_not_write_is_not_taken_for_damage(broker_fa
     assert (listed["total"], listed["dead_lettered"]) == (2, 0), listed
     assert b.stop() == 0
     assert "cannot be read" not in b.log() and "op-unreadable" not in b.log()
+
+
+MISNAMED_LETTER_CHILD = r"""
+import asyncio, sys
+from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.transaction.records import RecordFactory
+from protocol.message import UniqIdGenerator, decode_record, encode_record, pack_host
+
+async def main(store_dir):
+    store = MessageStore(store_dir, StoreConfig(segment_size=256 * 1024))
+    await store.open()
+    rf = RecordFactory(pack_host("127.0.0.1", 10911), UniqIdGenerator(), lambda: 1)
+    halves = []
+    for i in range(2):
+        props = {"TAGS": "t", "UNIQ_KEY": "ABCDEF%d" % i, "TRAN_MSG": "true", "PGROUP": "PG_torn", "WAIT": "true"}
+        halves.append(await store.put(rf.half(body=b"half %d" % i, real_topic="Torn", real_qid=0, flag=0, sys_flag=4,
+                                              born_timestamp=1, born_host=pack_host("127.0.0.1", 5), props=props)))
+    first, second = halves
+    msg = decode_record(store.get_record(first.physical_offset))[0]
+    # The first half's dead letter and DEAD op, one batch; the letter's TXMQ_HALF names the second (a digit flipped).
+    letter, op = await store.put_many([rf.dead_letter(msg, second.physical_offset, "max-checks"),
+                                       rf.decision("DEAD", first.physical_offset, 0, "max-checks")])
+    host = pack_host("127.0.0.1", 5)
+    for _ in range(600):    # five segments: the first is older than start-up verifies
+        filler = encode_record(topic=b"Filler", body=bytes(2000), queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                               born_host=host, store_host=host, properties=b"")
+        await store.put(PutRequest(filler, "Filler", 0, 0, 0))
+    await store.close()
+    print("written", op.physical_offset, second.physical_offset, flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_an_unreadable_op_after_a_dead_letter_naming_another_half_does_not_end_that_one(broker_factory,
+                                                                                           tmp_path):
+    """An op record that cannot be decoded names no half; the dead letter of its batch (ending where it begins)
+    names one by TXMQ_HALF, under no CRC. Taken at its word, a flipped digit there dead-lettered another, undecided
+    transaction. As for the torn dead letter's repair, the half must be the letter's own (UNIQ_KEY, body)."""
+    store = tmp_path / "store"
+    child = subprocess.run([sys.executable, "-c", MISNAMED_LETTER_CHILD, str(store)], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert "written" in child.stdout and child.returncode == 0, child.stderr
+    op_at, second = map(int, child.stdout.split()[1:])
+    path = store / "commitlog" / f"{0:020d}"
+    with open(path, "r+b") as f:       # the op's body length (IPv4 hosts): it can no longer be decoded
+        f.seek(op_at + 84)
+        byte = f.read(1)[0]
+        f.seek(op_at + 84)
+        f.write(bytes([byte ^ 0x80]))
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--segment-size", str(256 * 1024),
+                       "--max-message-size", str(16 * 1024))
+    listed = await _listed(b.broker)
+    assert second in {row["commit_log_offset"] for row in listed["pending"]}, listed
+    assert listed["dead_lettered"] == 0, listed
+    assert b.stop() == 0
+    assert f"the record at commit-log offset {op_at} (RMQ_SYS_TRANS_OP_HALF_TOPIC) cannot be decoded" in b.log()
