@@ -14,6 +14,7 @@ readable decision op of that half replaces it as ever. Otherwise the store is as
     the dead letter           likewise the dead-letter queue's last record before the op, naming this half
                               and ending where the op begins (an older one may be of a DEAD a RESUME undid)
     the op's queue unit       its tag code says a check attempt (c): nothing was decided, nothing is lost
+                              (a unit recovery rewrote from the record, its TAGS flipped: TXMQ_CHECKS says it)
 
 A decision found is recorded and written again as a sound op record (a slave's arrives from its master), so the
 next rebuild reads it. A decision op whose decision is found nowhere (a ROLLBACK leaves no other trace) is
@@ -37,8 +38,8 @@ from protocol.message import Prop, decode_record
 
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
-from .records import (COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION, P_HALF, RESUME, ROLLBACK,
-                      parse_dead_letter)
+from .records import (COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION, P_CHECKS, P_HALF, P_OP,
+                      RESUME, ROLLBACK, parse_dead_letter)
 
 log = logging.getLogger("txmq.transaction")
 
@@ -74,6 +75,11 @@ def damaged_op(tx, msg, earlier) -> tuple[int, Damaged] | None:
         return None
     unit = store.queue_unit(OP_TOPIC, 0, msg.queue_offset)
     tag = _TAGS.get(unit[2]) if unit is not None and unit[0] == msg.physical_offset else None
+    if tag is None:
+        # Recovery rewrites the unit of a record it verifies from the record, tag included: a flipped TAGS made it
+        # no tag of ours. What the op carries says it then: only a check has TXMQ_CHECKS, only a decision TXMQ_OP.
+        has_checks, has_op = P_CHECKS in msg.properties, P_OP in msg.properties
+        tag = OP_TAG_CHECK if has_checks and not has_op else OP_TAG_DECISION if has_op and not has_checks else None
     return q, Damaged(msg.physical_offset, store.physical_offset_of(HALF_TOPIC, 0, q), tag, earlier(q))
 
 

@@ -349,3 +349,47 @@ async def test_an_op_after_a_resume_is_not_taken_for_the_dead_letter_before_it(b
     said = "it was a check attempt" if after == "check" else "it decided the transaction, and neither"
     assert f"the op record at commit-log offset {pos} (half {half}) cannot be read (its properties are damaged); " \
            f"{said}" in b.log()
+
+
+@bounded(60)
+async def test_a_check_record_whose_tag_went_bad_decides_nothing(broker_factory, tmp_path):
+    """A check attempt's TAGS flipped (c to b) in a segment start-up verifies: recovery rewrites its consume-queue
+    unit from the record, tag included, so the unit no longer says c either. Its TXMQ_CHECKS (a decision op never
+    has one, a check op always) still says what it was: its transaction stays undecided, not dead-lettered as an
+    unreadable decision, where the producer's COMMIT would have been refused."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
+
+    class Asked(_Unknown):
+        checks = 0
+
+        async def check_local_transaction(self, msg):
+            Asked.checks += 1
+            return S.UNKNOW
+
+    async with TransactionProducer(b.namesrv, "PG_opzero_tag", Asked()) as producer:
+        sent = await producer.send_in_transaction("TxOpZero", b"open")
+        async with asyncio.timeout(30):
+            while Asked.checks < 2:
+                await asyncio.sleep(0.03)
+    assert b.stop() == 0
+    (pos, body), *_ = _op_records(tmp_path / "store")
+    assert body == b"0"
+    path = os.path.join(tmp_path / "store", "commitlog", f"{0:020d}")
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        size = int.from_bytes(f.read(4), "big")
+        f.seek(pos)
+        record = f.read(size)
+        props = bytes(record_properties(record))
+        assert props.startswith(b"TAGS\x01c\x02")
+        f.seek(pos + size - len(props) + len(b"TAGS\x01"))
+        f.write(b"b")
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == {decode_offset_msg_id(sent.send_result.offset_msg_id)[2]}
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
+    assert b.stop() == 0
+    assert f"the op record at commit-log offset {pos} (half 0) cannot be read (its properties are damaged); it was " \
+           "a check attempt" in b.log()
