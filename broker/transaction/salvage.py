@@ -8,6 +8,8 @@ producer answered COMMIT (or dead-lettered after its copy was delivered), a roll
 Its body (the half's queue offset, under the body CRC), or else its TXMQ_HALF, still names the half; a later
 readable decision op of that half replaces it as ever. Otherwise the store is asked, in this order:
 
+    the op itself             its TXMQ_OP, when it is a whole decision word and its TXMQ_HALF agrees with its body
+                              (the damage was elsewhere: its TAGS)
     the decision table        the byte its decision set once the op was durable, as the last process left it
     the committed message     written in the op's own batch, just before it: the real queue's last record
                               before the op, if it is this half's COMMIT (prepared offset, UNIQ_KEY, body)
@@ -57,6 +59,7 @@ class Damaged:
     half: int | None        # its half's commit-log offset (None: the half queue has no unit there any more)
     tag: str | None         # d or c, as its consume-queue unit says (its TAGS property is as suspect as the rest)
     earlier: str | None     # the decision table's byte for its half before the replay
+    said: str | None = None  # its own TXMQ_OP, whole (COMMIT, ROLLBACK, DEAD) and for this half (TXMQ_HALF agrees)
 
 
 def damaged_op(tx, msg, earlier) -> tuple[int, Damaged] | None:
@@ -80,7 +83,12 @@ def damaged_op(tx, msg, earlier) -> tuple[int, Damaged] | None:
         # no tag of ours. What the op carries says it then: only a check has TXMQ_CHECKS, only a decision TXMQ_OP.
         has_checks, has_op = P_CHECKS in msg.properties, P_OP in msg.properties
         tag = OP_TAG_CHECK if has_checks and not has_op else OP_TAG_DECISION if has_op and not has_checks else None
-    return q, Damaged(msg.physical_offset, store.physical_offset_of(HALF_TOPIC, 0, q), tag, earlier(q))
+    half = store.physical_offset_of(HALF_TOPIC, 0, q)
+    # Damage elsewhere (its TAGS, say) leaves its decision word whole: one byte flipped makes no other word of it.
+    said = msg.properties.get(P_OP)
+    said = said if said in _OPS and half is not None and _number(msg.properties.get(P_HALF, "").encode()) == half \
+        else None
+    return q, Damaged(msg.physical_offset, half, tag, earlier(q), said)
 
 
 def misnamed(tx, msg, op, half_offset: int) -> None:
@@ -204,6 +212,8 @@ async def _conclude(tx, half_offset: int, q: int, decision: str, reqs: list) -> 
 
 def _evidence(tx, half, d: Damaged) -> tuple[str | None, str]:
     """(the decision the store shows for ``d``'s half, where), or (None, "")."""
+    if d.said is not None:
+        return d.said, "its own TXMQ_OP"
     if d.earlier in _OPS:
         return d.earlier, "the decision table"
     store = tx.ctx.store

@@ -393,3 +393,43 @@ async def test_a_check_record_whose_tag_went_bad_decides_nothing(broker_factory,
     assert b.stop() == 0
     assert f"the op record at commit-log offset {pos} (half 0) cannot be read (its properties are damaged); it was " \
            "a check attempt" in b.log()
+
+
+@bounded(60)
+async def test_a_rollback_record_whose_tag_went_bad_still_says_rollback(broker_factory, tmp_path):
+    """A ROLLBACK op's TAGS flipped (d to e): parse_op cannot take it (no op tag), yet its TXMQ_OP and TXMQ_HALF
+    are whole and agree with its body. The decision table and the snapshot lost, nothing else records a ROLLBACK:
+    it was dead-lettered (op-unreadable), the rolled-back message copied to the dead-letter topic. What the
+    record itself says is read first."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+
+    class Rollback(_Unknown):
+        def execute_local_transaction(self, msg, arg):
+            return S.ROLLBACK_MESSAGE
+
+    async with TransactionProducer(b.namesrv, "PG_opzero_rbtag", Rollback()) as producer:
+        sent = await producer.send_in_transaction("TxOpZero", b"rolled back")
+    await _fill(b)
+    assert b.stop() == 0
+    [(pos, _)] = _op_records(tmp_path / "store")
+    path = os.path.join(tmp_path / "store", "commitlog", f"{0:020d}")
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        size = int.from_bytes(f.read(4), "big")
+        f.seek(pos)
+        props = bytes(record_properties(f.read(size)))
+        assert props.startswith(b"TAGS\x01d\x02") and b"TXMQ_OP\x01ROLLBACK" in props
+        f.seek(pos + size - len(props) + len(b"TAGS\x01"))
+        f.write(b"e")
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+    shutil.rmtree(tmp_path / "store" / "transactions" / "decisions")
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == set()
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
+    assert await _bodies(b, "TRANS_CHECK_MAX_TIME_TOPIC", "CG_opzero_rbtag") == []
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    assert b.stop() == 0
+    assert f"the op record at commit-log offset {pos} (half {half}) cannot be read (its properties are damaged); " \
+           "ROLLBACK, as its own TXMQ_OP says" in b.log()
