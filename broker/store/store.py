@@ -629,13 +629,20 @@ class MessageStore:
         """Count and log (once per record and reader) a record whose body fails its CRC; the error to raise."""
         seg = f"{phys - phys % self._log.seg_size:020d}"
         err = CorruptRecordError(phys, segment=seg, position=phys % self._log.seg_size)
-        key = (phys, reader)
-        if key not in self._corrupt_seen:
-            if len(self._corrupt_seen) < _CORRUPT_REMEMBERED:
-                self._corrupt_seen.add(key)
-            self.corrupt[reader] = self.corrupt.get(reader, 0) + 1
+        if self.count_corrupt(phys, reader):
             log.error("%s: %s; not served or copied", reader, err)
         return err
+
+    def count_corrupt(self, phys: int, reader: str) -> bool:
+        """Count a damaged record met by ``reader`` (txmq_store_corrupt_records_total), once per record and
+        reader; True the first time (the caller logs it then)."""
+        key = (phys, reader)
+        if key in self._corrupt_seen:
+            return False
+        if len(self._corrupt_seen) < _CORRUPT_REMEMBERED:
+            self._corrupt_seen.add(key)
+        self.corrupt[reader] = self.corrupt.get(reader, 0) + 1
+        return True
 
     def get_messages(self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int,
                      tag_filter: Callable[[int], bool] | None = None,
@@ -736,6 +743,15 @@ class MessageStore:
         if cq is None or not cq.min_offset <= offset < cq.max_offset:
             return None
         return self._real_unit(cq, offset)
+
+    def record_before(self, topic: str, queue_id: int, phys: int) -> int | None:
+        """Commit-log offset of the queue's last record stored before ``phys``; None when it has none there."""
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None:
+            return None
+        at = cq.first_unit_at_or_after(phys) - 1
+        unit = self._real_unit(cq, at) if at >= cq.min_offset else None
+        return None if unit is None else unit[0]
 
     def _damaged(self, cq: ConsumeQueue, offset: int, what: str = "zeroed unit") -> None:
         if cq.mark_damaged(offset, what) and self._io is not None:

@@ -43,6 +43,7 @@ class DecisionTable:
         self._pending: dict[int, int] = {}      # entries whose file could not be made yet (a full disk)
         self._making: set[int] = set()          # files a thread is making ahead of need (see ``wants``)
         self._closed = False
+        self._earlier: "Earlier | None" = None      # what ``clear`` handed back: closed when its blocks are needed
         # Files that cannot be this table's (the wrong size, bytes no decision has): recovery rebuilds the table
         # from the op queue. Resized or read as they were, the decisions in them were lost without a word: a
         # late END or an admin action on those halves answered "not found", and the DEAD count was wrong.
@@ -89,7 +90,12 @@ class DecisionTable:
         try:
             if os.fstat(fd).st_size != self.file_entries:
                 os.ftruncate(fd, self.file_entries)     # holes read as 0, undecided
-            os.posix_fallocate(fd, 0, self.file_entries)
+            try:
+                os.posix_fallocate(fd, 0, self.file_entries)
+            except OSError:
+                if not self._give_way():
+                    raise
+                os.posix_fallocate(fd, 0, self.file_entries)
             m = mmap.mmap(fd, self.file_entries)
         except OSError:
             if created:     # leave no half-made file for the next start to trip over
@@ -257,15 +263,32 @@ class DecisionTable:
             forgotten += 1
         return forgotten
 
-    def clear(self) -> None:
-        """Forget everything, damaged files included (a rebuild from the log follows)."""
-        for base in list(self._maps):
-            self._maps.pop(base).close()
+    def _give_way(self) -> bool:
+        """Close what ``clear`` handed back, its unlinked files' blocks freed for this table's (a full disk: once
+        they freed the space the rebuild's files take); True when that freed anything."""
+        earlier, self._earlier = self._earlier, None
+        if earlier is None or not earlier.maps:
+            return False
+        log.warning("decision table: the disk is full; the decisions the last process left (kept for op records "
+                    "the rebuild cannot read) are let go to make room for the rebuilt table")
+        earlier.close()
+        return True
+
+    def clear(self) -> "Earlier":
+        """Forget everything, damaged files included (a rebuild from the log follows). Returns what the sound
+        files said, read-only (their names unlinked, their pages still mapped): an op record the rebuild cannot
+        read had its decision's byte set here once it was durable (recovery.py). Close it when done; it is closed
+        (and reads as undecided) when this table cannot make a file without its blocks (a full disk)."""
+        earlier = Earlier(self._maps, self.file_entries)
+        self._maps = {}
+        for base in earlier.maps:
             os.unlink(self._path(base))
         for path, _why in self.damaged:
             os.unlink(path)
         self.damaged.clear()
         self._dirty.clear()
+        self._earlier = earlier
+        return earlier
 
     def close(self) -> None:
         self._closed = True
@@ -292,6 +315,23 @@ class DecisionTable:
     @property
     def file_count(self) -> int:
         return len(self._maps)
+
+
+class Earlier:
+    """The decisions a table held before ``DecisionTable.clear``: looked up, never written."""
+
+    def __init__(self, maps: dict[int, mmap.mmap], file_entries: int):
+        self.maps = maps
+        self.file_entries = file_entries
+
+    def get(self, index: int) -> str | None:
+        m = self.maps.get(index - index % self.file_entries) if index >= 0 else None
+        return None if m is None else _NAME.get(m[index % self.file_entries])
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            m.close()
+        self.maps = {}
 
 
 def _count(m: mmap.mmap, code: int, chunk: int = 1 << 20) -> int:

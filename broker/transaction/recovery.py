@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 
 from broker.store.mapped_file import fsync_dir
 from broker.store.saved import crc_matches, with_crc
-from protocol.errors import StoreError
+from protocol.errors import RecordError, StoreError
 from protocol.message import Prop, decode_record
 from protocol.record import body_crc_ok
 from protocol.txlog import PROGRESS_GROUP
@@ -23,19 +24,25 @@ from ..store import GetStatus
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .core import tx_from_half
 from .decisions import DecisionTable, flush_maps
-from .records import COMMIT, DEAD, OP_TAG_CHECK, RESUME, ROLLBACK, parse_dead_letter, parse_op, plain_owner
+from .records import COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, P_HALF, RESUME, parse_dead_letter, parse_op, plain_owner
+from .salvage import (Damaged, damaged_op, foreign, misnamed, own_letter, settle, settle_unplaced, superseded,
+                      unreadable)
 
 log = logging.getLogger("txmq.transaction")
 
 SNAPSHOT_VERSION = 1
+_PHYS = struct.Struct(">q")          # a record's PHYSICALOFFSET, at byte 28
 
 
-def scan(store, topic: str, start: int | None = None, check_body: bool = False):
+def scan(store, topic: str, start: int | None = None, check_body: bool = False, undecodable: list | None = None):
     """The decoded records of ``topic`` queue 0 from ``start`` (or its first offset) to its end.
 
     ``check_body``: a record whose body fails its CRC (counted and logged by the store) is yielded with an empty
     body. An op record's body is the half's queue offset: a flipped digit there recorded the decision against
-    another transaction; the caller takes it from the half its TXMQ_HALF property names instead."""
+    another transaction; the caller takes it from the half its TXMQ_HALF property names instead.
+
+    A record that cannot be decoded (a length inside it damaged at rest) is counted, logged and left out, its
+    offset appended to ``undecodable``: raising, it kept the broker from starting at all."""
     offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
     end = store.max_offset(topic, 0)
     while offset < end:
@@ -50,7 +57,11 @@ def scan(store, topic: str, start: int | None = None, check_body: bool = False):
             offset = got.next_begin_offset
             continue
         for buf in got.buffers:
-            msg = decode_record(buf)[0]
+            msg = _decoded(buf, None, store, topic)
+            if msg is None:
+                if undecodable is not None:
+                    undecodable.append(_PHYS.unpack_from(buf, 28)[0])
+                continue
             if check_body and not body_crc_ok(buf):
                 store.corrupt_record(msg.physical_offset, f"transaction recovery ({topic})")
                 msg.body = b""
@@ -58,8 +69,26 @@ def scan(store, topic: str, start: int | None = None, check_body: bool = False):
         offset = got.next_begin_offset
 
 
-def read_snapshot(directory: str, store) -> dict | None:
-    """The snapshot, or None (missing, unreadable, or not this store's as it is now: said in the log)."""
+def _decoded(buf, phys: int | None, store=None, topic: str = ""):
+    """The record in ``buf`` decoded, or None (logged, and counted when ``store`` is given) when a length inside it
+    was damaged at rest. ``phys``: its offset (else read from its header, which the store checked)."""
+    try:
+        return decode_record(buf)[0]
+    except RecordError as exc:
+        phys = _PHYS.unpack_from(buf, 28)[0] if phys is None else phys
+        if store is not None:
+            store.count_corrupt(phys, f"transaction recovery ({topic})")
+        log.error("transaction recovery: the record at commit-log offset %d%s cannot be decoded (%s): damaged at "
+                  "rest, left out", phys, f" ({topic})" if topic else "", exc)
+        return None
+
+
+FOREIGN = "written for another store"
+
+
+def read_snapshot(directory: str, store, why_not: list | None = None) -> dict | None:
+    """The snapshot, or None (missing, unreadable, or not this store's as it is now: said in the log, and
+    appended to ``why_not``)."""
     path = os.path.join(directory, "snapshot.json")
     try:
         with open(path, "rb") as f:
@@ -74,7 +103,7 @@ def read_snapshot(directory: str, store) -> dict | None:
     if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
         why = f"version {snap.get('version') if isinstance(snap, dict) else '?'}"
     elif snap.get("store_id") != store.store_id:
-        why = "written for another store"
+        why = FOREIGN
     elif not isinstance(snap.get("op_offset"), int) or not isinstance(snap.get("half_offset"), int):
         why = "its offsets are missing"
     elif snap["op_offset"] > store.max_offset(OP_TOPIC, 0):
@@ -91,6 +120,8 @@ def read_snapshot(directory: str, store) -> dict | None:
         why = "its checksum does not match: it was changed after it was written"
     if why:
         log.warning("transaction snapshot %s not used (%s): rebuilding from the log", path, why)
+        if why_not is not None:
+            why_not.append(why)
         return None
     return snap
 
@@ -111,7 +142,8 @@ async def recover(tx) -> None:
     if gone:
         log.warning("transactions: %d decisions were for halves at queue offset %d or later, which the recovered "
                     "log no longer holds (it was cut); forgotten, as new halves take those offsets", gone, half_end)
-    snap = read_snapshot(tx.directory, store)
+    why_not: list[str] = []
+    snap = read_snapshot(tx.directory, store, why_not)
     if tx.table.damaged:
         # The snapshot vouches for the table up to its op offset: with files of it damaged, only the whole op
         # queue can say what the decisions were.
@@ -127,8 +159,12 @@ async def recover(tx) -> None:
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
     owners: dict[int, str] = {}        # half offset -> client id of its sender (asked first)
+    earlier = None          # the table as the last process left it, read for op records that cannot be (salvage.py)
     if snap is None:
-        tx.table.clear()
+        earlier = tx.table.clear()
+        if FOREIGN in why_not:      # its decision files likely are too: no evidence for this log
+            earlier.close()
+            earlier = None
         op_from, half_from = None, ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
     else:
         op_from, half_from = snap["op_offset"], snap["half_offset"]
@@ -136,32 +172,80 @@ async def recover(tx) -> None:
             undecided.add(off)
             checks[off] = n
         owners = _owners(snap)
+    try:
+        repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from)
+    finally:
+        if earlier is not None:
+            earlier.close()
+    tx.table.trim(store.min_offset(HALF_TOPIC, 0))
+    tx.dead_count = tx.table.count(DEAD)    # the table may be ahead of the snapshot: count it
+    log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
+             "from the snapshot and the op records after it" if snap else "from the whole log",
+             ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
+    if snap is None:
+        await write_snapshot(tx)
+
+
+async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int], owners: dict[int, str],
+                  op_from: int | None, half_from: int | None) -> int:
+    """The op records from ``op_from`` into the decision table, then the undecided halves into the index; returns
+    how many transactions it repaired. ``earlier``: the table as the last process left it (None: it is still
+    ``tx.table``, or was another store's), for op records that cannot be read (salvage.py)."""
+    store = tx.ctx.store
     resumed_floor = None
-    for msg in scan(store, OP_TOPIC, op_from, check_body=True):
+    damaged: dict[int, Damaged] = {}    # half queue offset -> its last op record, unreadable
+    unplaced: list[int] = []            # unreadable op records that name no half
+    touched: set[int] = set()           # (with the snapshot's table) halves whose byte the replay set already
+    others = 0                          # op records txmq did not write (salvage.foreign), left out as ever
+    for msg in scan(store, OP_TOPIC, op_from, check_body=True, undecodable=unplaced):
         op = parse_op(msg)
-        if op is None:
+        if op is None and foreign(msg):
+            others += 1
             continue
+        if unreadable(op):
+            found = damaged_op(tx, msg, earlier.get if earlier is not None else
+                               lambda q: None if q in touched else tx.table.get(q))
+            if found is not None:
+                damaged[found[0]] = found[1]
+            else:
+                unplaced.append(msg.physical_offset)
+            continue
+        q = op.half_queue_offset
+        if q >= 0:      # its body (under the CRC) names the half as well as TXMQ_HALF (under none) does
+            at = store.physical_offset_of(HALF_TOPIC, 0, q)
+            if at is not None and at != op.half_offset:
+                misnamed(tx, msg, op, at)
+                op.half_offset = at
         if op.tag == OP_TAG_CHECK:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
             if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
                 owners[op.half_offset] = op.owner
             continue
-        q = op.half_queue_offset
         if q < 0:       # its body was damaged (scan emptied it): the half TXMQ_HALF names says it
             q = tx._half_queue_offset(op.half_offset)
-            if q is None:
+            if q is None:       # nor that: said, and looked for once the undecided are known
+                damaged_op(tx, msg, lambda q: None)
+                unplaced.append(msg.physical_offset)
                 continue
+        if damaged and q in damaged:    # a later decision of its half: what the unreadable one said is past
+            superseded(damaged.pop(q), op.op)
+        if earlier is None:
+            touched.add(q)
         if op.op == RESUME:
             tx.record(q, None)
             undecided.add(op.half_offset)
             checks[op.half_offset] = 0
             resumed_floor = q if resumed_floor is None else min(resumed_floor, q)
-        elif op.op in (COMMIT, ROLLBACK, DEAD):
+        else:
             tx.record(q, op.op)
             undecided.discard(op.half_offset)
-    repaired = await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
+    if others:
+        log.warning("transaction recovery: %d op records without TXMQ_* properties (not written by txmq: a RocketMQ "
+                    "broker's) left out", others)
+    repaired = await settle(tx, damaged, undecided)
+    repaired += await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
-    now = ctx.monotonic()       # the check schedule's clock (service.py)
+    now = tx.ctx.monotonic()        # the check schedule's clock (service.py)
 
     def index(msg, off: int) -> None:
         tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
@@ -169,12 +253,12 @@ async def recover(tx) -> None:
 
     for off in sorted(undecided):
         view = store.get_record(off)
-        if view is None:
+        msg = _decoded(view, off, store, HALF_TOPIC) if view is not None else None
+        if msg is None:
             if off >= store.min_physical_offset:    # not removed by retention: its record is damaged
                 log.error("transaction recovery: the undecided half at %d is not a readable record (the commit log "
                           "is damaged there): it cannot be checked or committed, and is dropped", off)
             continue
-        msg, _ = decode_record(view)
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
     if half_from is not None and resumed_floor is not None and snap is None:
@@ -183,13 +267,9 @@ async def recover(tx) -> None:
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
         index(msg, msg.physical_offset)
-    tx.table.trim(store.min_offset(HALF_TOPIC, 0))
-    tx.dead_count = tx.table.count(DEAD)    # the table may be ahead of the snapshot: count it
-    log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
-             "from the snapshot and the op records after it" if snap else "from the whole log",
-             ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
-    if snap is None:
-        await write_snapshot(tx)
+    if unplaced:
+        repaired += await settle_unplaced(tx, unplaced, earlier)
+    return repaired
 
 
 def _owners(snap: dict) -> dict[int, str]:
@@ -236,12 +316,18 @@ async def _repair_lost_dead_op(tx, undecided: set[int]) -> int:
     if at is None or at[0] + at[1] != store.max_physical_offset:
         return 0
     view = store.get_record(at[0])
-    parsed = parse_dead_letter(decode_record(view)[0]) if view is not None else None
-    if parsed is None:
+    letter = _decoded(view, at[0], store, DEAD_TOPIC) if view is not None else None
+    parsed = parse_dead_letter(letter) if letter is not None else None
+    half = tx._half_at(parsed[0]) if parsed is not None else None
+    if not own_letter(half, letter):
+        # Its TXMQ_HALF damaged: the DEAD op written for the half it names would end another transaction.
+        log.error("recovery: the dead letter at %d ends the log without its op record, and names no half of its own "
+                  "(TXMQ_HALF %s): no op written; its transaction is pending again and may be dead-lettered twice",
+                  at[0], letter.properties.get(P_HALF) if letter is not None else "unreadable")
         return 0
     off, reason = parsed
-    q = tx._half_queue_offset(off)
-    if q is None or tx.table.get(q) is not None:
+    q = half.queue_offset
+    if tx.table.get(q) is not None:
         return 0
     if getattr(tx.ctx.config, "broker_role", "") != "SLAVE":   # a slave's log is its master's: the op arrives
         res = await store.put(tx.records.decision(DEAD, off, q, reason))

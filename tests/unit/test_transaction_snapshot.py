@@ -187,6 +187,50 @@ def test_decision_table_files_and_trim(tmp_path):
     again.close()
 
 
+def test_a_cleared_decision_table_hands_back_what_it_said(tmp_path):
+    """A rebuild clears the table; an op record it cannot read is then asked of what the table said before."""
+    t = DecisionTable(str(tmp_path), file_entries=8)
+    for i, op in enumerate([COMMIT, ROLLBACK, DEAD, None, COMMIT, COMMIT, COMMIT, COMMIT, ROLLBACK]):
+        t.set(i, op)
+    earlier = t.clear()
+    assert os.listdir(tmp_path) == [] and t.get(0) is None
+    t.set(0, ROLLBACK)                              # the rebuild's own files: new ones, not the earlier's pages
+    assert [earlier.get(i) for i in (0, 1, 2, 3, 8, 9, 100, -1)] == [COMMIT, ROLLBACK, DEAD, None, ROLLBACK, None,
+                                                                      None, None]
+    earlier.close()
+    assert earlier.get(0) is None and t.get(0) == ROLLBACK
+    t.close()
+
+
+def test_what_a_cleared_table_hands_back_gives_way_to_the_rebuild_on_a_full_disk(tmp_path):
+    """The table a rebuild clears is handed back (its files unlinked, their pages mapped), so its files' blocks
+    stay allocated until it is closed. Cleared on a full disk, the old files freed the space the rebuild's new
+    ones take; kept, not one file could be made: every decision waited in memory, and no snapshot could be
+    written (every start rebuilt again). It gives way (closed, said) when the rebuild needs the space."""
+    from tests.support.tmpfs import tmpfs
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        t = DecisionTable(str(disk / "decisions"), file_entries=16 * 1024)
+        t.set(0, COMMIT)
+        t.set(16 * 1024, ROLLBACK)                        # two files: 32 KiB of 64
+        ballast = disk / "ballast"
+        fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)   # take everything that is left
+        try:
+            while os.write(fd, b"\xff" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        earlier = t.clear()
+        assert earlier.get(0) == COMMIT
+        t.set(0, DEAD)                                    # the rebuild's first file: the space the old ones had
+        t.set(16 * 1024, DEAD)
+        assert t.file_count == 2 and not t.waiting and t.get(0) == DEAD and t.get(16 * 1024) == DEAD
+        assert earlier.get(0) is None                     # given way: its evidence is gone, nothing else
+        earlier.close()
+        t.close()
+
+
 @bounded(20)
 async def test_a_commit_type_copy_with_prepared_offset_0_does_not_commit_the_half_stored_there(tmp_path):
     """Older txmq wrote retries with the committed message's sysFlag and PREPARED OFFSET 0; recovery's
