@@ -27,6 +27,27 @@ def peer_host(conn) -> str:
     return client_key(peer[0]) if peer else ""
 
 
+class EveryKey:
+    """Whether a line about ``key`` is due: at most once every ``interval_s`` for one key, for a table of at most
+    ``max_keys`` (cleared when full: a key a client chooses must not grow it). For lines said on a request
+    path about a name a client gave (a group, a topic), which a loop of requests would repeat without end."""
+
+    def __init__(self, interval_s: float, max_keys: int = 1024, clock=time.monotonic):
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self.clock = clock
+        self.said: dict[str, float] = {}       # key -> when last said
+
+    def due(self, key: str) -> bool:
+        now = self.clock()
+        if now - self.said.get(key, float("-inf")) < self.interval_s:
+            return False
+        if len(self.said) >= self.max_keys:
+            self.said.clear()
+        self.said[key] = now
+        return True
+
+
 _NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")     # RFC 6052: an IPv4 address in its last 32 bits
 _ipv6_prefix = 64      # set_ipv6_client_prefix: the server's ipv6_client_prefix, one a process
 

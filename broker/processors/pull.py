@@ -16,7 +16,7 @@ from protocol.record import property_bytes, record_properties
 from protocol.txlog import PROGRESS_GROUP
 
 from ..clients import build_subscription
-from ..limits import peer_host
+from ..limits import EveryKey, peer_host
 from ..store import GetStatus
 
 log = logging.getLogger("txmq.pull")
@@ -145,8 +145,7 @@ def _reply(ctx, cmd, group, topic, got):
     return cmd.response(code, status.name, fields)
 
 
-_UNCONFIGURED_LOG_INTERVAL_S = 60.0
-_unconfigured_logged: dict[str, float] = {}     # topic -> when last said (below)
+_unconfigured = EveryKey(60.0)      # topics whose pulls were said answered TOPIC_NOT_EXIST this minute (below)
 
 
 def _unconfigured_with_messages(ctx, topic: str, qid: int) -> None:
@@ -156,12 +155,8 @@ def _unconfigured_with_messages(ctx, topic: str, qid: int) -> None:
     held = ctx.store.max_offset(topic, qid) - ctx.store.min_offset(topic, qid)
     if held <= 0:       # none, or all removed by retention: nothing waits
         return
-    now = time.monotonic()
-    if now - _unconfigured_logged.get(topic, float("-inf")) < _UNCONFIGURED_LOG_INTERVAL_S:
+    if not _unconfigured.due(topic):
         return
-    if len(_unconfigured_logged) >= 1024:
-        _unconfigured_logged.clear()
-    _unconfigured_logged[topic] = now
     log.error("pull of %s queue %d answered TOPIC_NOT_EXIST although the queue holds %d messages: the topic "
               "has no config (create it with updateTopic to serve them)", topic, qid, held)
 

@@ -12,7 +12,7 @@ import logging
 import random
 import resource
 from functools import partial
-from time import monotonic, perf_counter
+from time import perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
@@ -40,7 +40,7 @@ from protocol.message import (
 )
 
 from ..answer import Answer
-from ..limits import peer_host
+from ..limits import EveryKey, peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..subscriptions import retry_queues
@@ -455,18 +455,13 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
     return None
 
 
-_NOT_RETRIED_LOG_INTERVAL_S = 60.0
-_not_retried_logged: dict[str, float] = {}      # group -> when last said
+_not_retried = EveryKey(60.0)       # consumer groups whose dropped send-backs were said this minute
 
 
-def _not_retried(group: str, offset: int) -> None:
+def _said_not_retried(group: str, offset: int) -> None:
     """Said at INFO, once a minute a group: a message handed back and dropped on purpose."""
-    now = monotonic()
-    if now - _not_retried_logged.get(group, float("-inf")) < _NOT_RETRIED_LOG_INTERVAL_S:
+    if not _not_retried.due(group):
         return
-    if len(_not_retried_logged) >= 1024:
-        _not_retried_logged.clear()
-    _not_retried_logged[group] = now
     log.info("consumer group %s has retryQueueNums 0: the failed message at commit-log offset %d (and any more "
              "in the next minute) is not retried nor dead-lettered, as RocketMQ does", group, offset)
 
@@ -486,7 +481,7 @@ async def handle_send_back(ctx, conn, cmd):
         # retryQueueNums 0 (updateSubGroup -q 0): the operator turned the group's retries off, and RocketMQ's
         # send-back answers SUCCESS storing nothing, not even a dead letter. Retried all the same, such a group's
         # failed messages came back to its consumers up to 16 times and then sat in its dead-letter queue.
-        _not_retried(group, offset)
+        _said_not_retried(group, offset)
         return cmd.response(ResponseCode.SUCCESS)
     # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
     view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}")

@@ -374,3 +374,18 @@ def test_a_client_at_its_topic_limit_gets_room_from_its_own_retry_topics_that_ma
     assert set(topics.topics) >= {"%RETRY%G_live", "%RETRY%G_other", "Plain"}
     assert "%RETRY%G_gone" not in topics.topics
     assert not topics.room_for("10.0.0.1", 2)               # nothing more of its may go (and swept once a second)
+
+
+def test_every_key_says_a_key_once_an_interval_and_keeps_no_more_than_max_keys():
+    """A line about a name a client gives (a group, a topic) is said at most once an interval per name; the
+    table of names said is cleared when full, so a client naming new groups without end cannot grow it."""
+    from broker.limits import EveryKey
+    now = [100.0]
+    said = EveryKey(60.0, max_keys=3, clock=lambda: now[0])
+    assert [said.due(k) for k in ("a", "a", "b")] == [True, False, True]
+    now[0] += 59.9
+    assert not said.due("a")
+    now[0] += 0.1
+    assert said.due("a")
+    assert said.due("c") and said.due("d")      # a fourth key: the table was full, cleared first
+    assert len(said.said) <= 3

@@ -223,7 +223,7 @@ async def test_pull_of_a_queue_whose_messages_all_expired_and_no_topic_config_lo
         ctx.topics.topics.pop("PT")
         monkeypatch.setattr(ctx.store, "min_offset", lambda topic, qid: ctx.store.max_offset(topic, qid))
         import broker.processors.pull as pull_module
-        monkeypatch.setattr(pull_module, "_unconfigured_logged", {})    # PT said by another test: not held back
+        monkeypatch.setattr(pull_module._unconfigured, "said", {})    # PT said by another test: not held back
         with caplog.at_level("ERROR", logger="txmq.pull"):
             assert handle_pull(ctx, None, pull_cmd(1, 0)).code == ResponseCode.TOPIC_NOT_EXIST
         assert [r.getMessage() for r in caplog.records if r.name == "txmq.pull"] == []
