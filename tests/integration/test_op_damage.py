@@ -158,12 +158,9 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
                f"op record of its half ({'DEAD' if dead else decided.split('-')[0].upper()}) stands" in b.log()
 
 
-@bounded(60)
-async def test_a_check_record_whose_properties_went_bad_decides_nothing(broker_factory, tmp_path):
-    """A check attempt's record unreadable: its consume-queue tag (c) says what it was. Its transaction stays
-    undecided, not dead-lettered as an unreadable decision would be; the record is said and counted."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
-
+async def _checked_twice(b, group: str):
+    """A transaction of ``group`` left undecided (the producer answers UNKNOW) until it has been checked twice:
+    its send result."""
     class Asked(_Unknown):
         checks = 0
 
@@ -171,11 +168,20 @@ async def test_a_check_record_whose_properties_went_bad_decides_nothing(broker_f
             Asked.checks += 1
             return S.UNKNOW
 
-    async with TransactionProducer(b.namesrv, "PG_opzero_check", Asked()) as producer:
+    async with TransactionProducer(b.namesrv, group, Asked()) as producer:
         sent = await producer.send_in_transaction("TxOpZero", b"open")
         async with asyncio.timeout(30):
             while Asked.checks < 2:
                 await asyncio.sleep(0.03)
+    return sent
+
+
+@bounded(60)
+async def test_a_check_record_whose_properties_went_bad_decides_nothing(broker_factory, tmp_path):
+    """A check attempt's record unreadable: its consume-queue tag (c) says what it was. Its transaction stays
+    undecided, not dead-lettered as an unreadable decision would be; the record is said and counted."""
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
+    sent = await _checked_twice(b, "PG_opzero_check")
     await _fill(b)
     assert b.stop() == 0
     (pos, body), *_ = _op_records(tmp_path / "store")
@@ -252,19 +258,7 @@ async def test_a_check_record_whose_txmq_half_went_bad_still_counts_for_its_half
     """TXMQ_HALF is under no CRC, the body (the half's queue offset) under one: a flipped digit gave the check's
     count to no half (or another), so after a rebuild its transaction had a check fewer than it had been sent."""
     b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
-
-    class Asked(_Unknown):
-        checks = 0
-
-        async def check_local_transaction(self, msg):
-            Asked.checks += 1
-            return S.UNKNOW
-
-    async with TransactionProducer(b.namesrv, "PG_opzero_misnamed", Asked()) as producer:
-        sent = await producer.send_in_transaction("TxOpZero", b"open")
-        async with asyncio.timeout(30):
-            while Asked.checks < 2:
-                await asyncio.sleep(0.03)
+    sent = await _checked_twice(b, "PG_opzero_misnamed")
     await _fill(b)
     assert b.stop() == 0
     half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
@@ -358,19 +352,7 @@ async def test_a_check_record_whose_tag_went_bad_decides_nothing(broker_factory,
     has one, a check op always) still says what it was: its transaction stays undecided, not dead-lettered as an
     unreadable decision, where the producer's COMMIT would have been refused."""
     b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
-
-    class Asked(_Unknown):
-        checks = 0
-
-        async def check_local_transaction(self, msg):
-            Asked.checks += 1
-            return S.UNKNOW
-
-    async with TransactionProducer(b.namesrv, "PG_opzero_tag", Asked()) as producer:
-        sent = await producer.send_in_transaction("TxOpZero", b"open")
-        async with asyncio.timeout(30):
-            while Asked.checks < 2:
-                await asyncio.sleep(0.03)
+    sent = await _checked_twice(b, "PG_opzero_tag")
     assert b.stop() == 0
     (pos, body), *_ = _op_records(tmp_path / "store")
     assert body == b"0"
