@@ -113,7 +113,8 @@ class BrokerServer:
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
                               broker=c.broker_name, max_retry_groups=c.max_retry_groups,
-                              trace_topic=c.trace_topic_enable)
+                              trace_topic=c.trace_topic_enable,
+                              per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
         topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
