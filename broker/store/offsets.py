@@ -14,6 +14,13 @@ or the new one, never a torn file. The table replaced is kept as ``consumerOffse
 (hard-linked, then renamed): a table damaged or lost later (a disk, a hand) is read from that
 copy, logged at ERROR, instead of stopping start-up or, worse, starting every group over.
 At start-up the broker lowers offsets past the end of a queue that recovery cut short (``fit``).
+
+Who made each offset (max_offsets_per_host) is saved with the table, so the cap holds across restarts: then the
+file is RocketMQ's own wrapper with one more key, which older versions and ops/spark read past,
+
+    {"offsetTable": {...as above...}, "makers": {"<client key>": {"<topic>@<group>": [<queueId>, ...]}}}
+
+A file without "makers" (written before, or by a slave, which counts nothing) charges its offsets to no client.
 """
 from __future__ import annotations
 
@@ -34,12 +41,14 @@ FILE_NAME = "consumerOffset.json"
 
 
 class ConsumerOffsets:
-    def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0):
+    def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0, per_host: bool = True):
         self.path = os.path.join(store_dir, "config", FILE_NAME)
         self.persist_interval_s = persist_interval_s
         self._table: dict[tuple[str, str, int], int] = {}
         # Which client made each offset (commit's ``client``), and how many each made: max_offsets_per_host.
-        # In memory only: the offsets loaded at start-up are no client's.
+        # Saved with the table ("makers") and counted again at start-up. Not on a slave (``per_host`` False):
+        # its offsets are its master's copies, and it counts and enforces nothing.
+        self.per_host = per_host
         self._maker: dict[tuple[str, str, int], str] = {}
         self._made_by: dict[str, int] = {}
         self._dirty = False
@@ -54,6 +63,10 @@ class ConsumerOffsets:
                            fallback_cost="at most one save older: groups may see a few messages again",
                            reset_hint="move both away to start every group over by its consume-from policy")
         self._table = table or {}
+        if table is not None and self.per_host:
+            for key, client in table.makers.items():
+                self._maker[key] = client
+                self._made_by[client] = self._made_by.get(client, 0) + 1
 
     # ------------------------------------------------------------------ API
     def get(self, group: str, topic: str, queue_id: int) -> int | None:
@@ -63,7 +76,7 @@ class ConsumerOffsets:
         """Keep ``offset``; ``client``: who commits it (a new offset is counted as that client's, ``made_by``)."""
         key = (group, topic, queue_id)
         if self._table.get(key) != offset:
-            if client is not None and key not in self._table:
+            if client is not None and key not in self._table and self.per_host:
                 self._maker[key] = client
                 self._made_by[client] = self._made_by.get(client, 0) + 1
             self._table[key] = offset
@@ -171,7 +184,12 @@ class ConsumerOffsets:
         out: dict[str, dict[str, int]] = {}
         for (group, topic, qid), offset in sorted(self._table.items()):
             out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
-        return json.dumps(out, indent=1, sort_keys=True).encode()
+        if not self._maker:         # as before: nothing to say (and a slave's file stays RocketMQ's plain table)
+            return json.dumps(out, indent=1, sort_keys=True).encode()
+        makers: dict[str, dict[str, list[int]]] = {}
+        for (group, topic, qid), client in sorted(self._maker.items()):
+            makers.setdefault(client, {}).setdefault(f"{topic}@{group}", []).append(qid)
+        return json.dumps({"offsetTable": out, "makers": makers}, indent=1, sort_keys=True).encode()
 
     def _write(self, data: bytes) -> None:
         with self._write_lock:
@@ -182,15 +200,25 @@ class ConsumerOffsets:
         save(self.path, data)       # the table being replaced becomes the previous copy (see _load)
 
 
-def _parse_table(raw) -> dict[tuple[str, str, int], int]:
+class _Table(dict):
+    """(group, topic, queue id) -> offset, and ``makers``: (group, topic, queue id) -> the client that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.makers: dict[tuple[str, str, int], str] = {}
+
+
+def _parse_table(raw) -> _Table:
     """The table of a file's JSON; ValueError for any entry that is not "<topic>@<group>": {"<qid>": offset}.
 
     One bad entry makes the whole file suspect (a hand or a disk changed it): skipping just that entry would
     start its group over on those queues without a word."""
     check(isinstance(raw, dict), "not a JSON object")
+    makers = {}
     if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's wrapper, as ops/spark/expiry.py reads it too
+        makers = raw.get("makers", {})
         raw = raw["offsetTable"]
-    table = {}
+    table = _Table()
     for key, queues in raw.items():
         # (a group name may hold "@", even end in it -- names are not checked: "T@odd@" is group "odd@" of T;
         # refused, one client's name sent every start to the older copy)
@@ -200,4 +228,14 @@ def _parse_table(raw) -> dict[tuple[str, str, int], int]:
         for qid, offset in queues.items():
             check(qid.isdigit() and is_int(offset) and offset >= 0, f"{key} queue {qid!r} = {offset!r}")
             table[(group, topic, int(qid))] = offset
+    check(isinstance(makers, dict), f"makers = {makers!r}")
+    for client, keys in makers.items():
+        check(isinstance(keys, dict), f"makers of {client!r} = {keys!r}")
+        for key, qids in keys.items():
+            split = split_offset_key(key)
+            check(split is not None and isinstance(qids, list) and all(is_int(q) for q in qids),
+                  f"makers of {client!r}: {key!r} = {qids!r}")
+            for qid in qids:
+                if (split[1], split[0], qid) in table:      # (one no longer in the table is nobody's)
+                    table.makers[(split[1], split[0], qid)] = client
     return table
