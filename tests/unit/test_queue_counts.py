@@ -1,7 +1,10 @@
 """What the topic catalogue counts for max_queues and max_queues_per_host, and the start-up check of the limits."""
 from __future__ import annotations
 
+import json
 import resource
+
+import pytest
 
 from broker.server import effective_max_queues
 from broker.topics import TopicConfig, TopicManager
@@ -51,3 +54,43 @@ def test_max_queues_unset_is_what_the_limits_hold_and_set_is_kept_and_warned_abo
     kept, short = effective_max_queues(70000, 1 << 20, 65530)
     assert kept == 70000 and "vm.max_map_count=65530" in short and "open-files" not in short
     assert effective_max_queues(70000, resource.RLIM_INFINITY, None) == (70000, None)
+
+
+def test_who_made_each_topic_and_holds_its_queues_is_counted_again_after_a_restart(tmp_path):
+    tm = _manager(tmp_path)
+    tm.create(TopicConfig("Mine", 4, 4), "10.0.0.1")
+    tm.create(TopicConfig("Grown", 2, 2), "10.0.0.1")
+    tm.create(TopicConfig("Grown", 6, 6), "10.0.0.2")       # more queues: the asker's
+    tm.create(TopicConfig("Ops", 1, 1), "10.0.0.1")
+    tm.create(TopicConfig("Ops", 3, 3))                     # an operator's: charged to nobody
+    tm.create(TopicConfig("Operator", 5, 5))
+    tm.for_send("%RETRY%G", None, 8, "10.0.0.3")
+    tm.delete("%RETRY%G")
+    before = [(c, tm.created_by(c), tm.queues_of(c)) for c in ("10.0.0.1", "10.0.0.2", "10.0.0.3")]
+    assert before == [("10.0.0.1", 3, 4), ("10.0.0.2", 0, 6), ("10.0.0.3", 0, 0)]
+    again = _manager(tmp_path)
+    assert [(c, again.created_by(c), again.queues_of(c)) for c in ("10.0.0.1", "10.0.0.2", "10.0.0.3")] == before
+    assert again.queues_counted("Ops") == (3, None) and again.queues_counted("Operator") == (5, None)
+    assert again.queue_total == tm.queue_total
+    # the catalogue says only what is not the default: a creator, and who holds the queues when another does
+    entries = {t["name"]: t for t in json.loads((tmp_path / "topics.json").read_text())["topics"]}
+    assert entries["Mine"]["creator"] == "10.0.0.1" and "queues_by" not in entries["Mine"]
+    assert entries["Grown"]["queues_by"] == "10.0.0.2" and entries["Ops"]["queues_by"] is None
+    assert "creator" not in entries["Operator"] and "queues_by" not in entries["Operator"]
+
+
+def test_a_slave_neither_counts_nor_refuses_per_host(tmp_path):
+    tm = _manager(tmp_path)
+    tm.create(TopicConfig("Mine", 4, 4), "10.0.0.1")
+    slave = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B",
+                         per_host=False)
+    assert slave.created_by("10.0.0.1") == 0 and slave.queues_of("10.0.0.1") == 0
+    slave.create(TopicConfig("More", 1, 1), "10.0.0.1")
+    assert slave.created_by("10.0.0.1") == 0 and slave.room_for("10.0.0.1", 0)
+
+
+def test_a_catalogue_with_a_malformed_creator_is_damaged(tmp_path):
+    from broker.topics import _parse_catalogue
+    for bad in ({"creator": 7}, {"creator": None}, {"creator": "x" * 129}, {"queues_by": 1}):
+        with pytest.raises(ValueError):
+            _parse_catalogue({"topics": [{"name": "T", **bad}]})

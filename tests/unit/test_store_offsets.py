@@ -195,3 +195,39 @@ def test_the_offsets_a_client_made_are_counted_until_they_go(tmp_path):
     offsets.remove_topic("U")
     offsets.remove_group("C")
     assert offsets.made_by("10.0.0.1") == 1 and offsets.has("B", "T", 0) and not offsets.has("A", "T", 0)
+
+
+def test_who_made_each_offset_is_saved_and_counted_again(tmp_path):
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("g", "T", 0, 5, "10.0.0.1")
+    offsets.commit("g", "T", 1, 5, "10.0.0.1")
+    offsets.commit("odd@", "T", 0, 1, "10.0.0.2")
+    offsets.commit("slave", "T", 0, 1)                      # a copy or the broker's own: nobody's
+    offsets.commit("gone", "T", 0, 1, "10.0.0.2")
+    offsets.remove_group("gone")
+    offsets.persist()
+    raw = json.loads((tmp_path / "config" / "consumerOffset.json").read_text())
+    assert raw["offsetTable"]["T@g"] == {"0": 5, "1": 5}     # RocketMQ's wrapper: older versions read it
+    assert raw["makers"] == {"10.0.0.1": {"T@g": [0, 1]}, "10.0.0.2": {"T@odd@": [0]}}
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.made_by("10.0.0.1") == 2 and again.made_by("10.0.0.2") == 1
+    again.remove_group("g")
+    assert again.made_by("10.0.0.1") == 0 and again.get("slave", "T", 0) == 1
+    slave = ConsumerOffsets(str(tmp_path), per_host=False)  # its offsets are its master's: counted for nobody
+    assert slave.made_by("10.0.0.2") == 0 and slave.get("odd@", "T", 0) == 1
+
+
+def test_an_older_file_is_read_with_its_offsets_made_by_nobody(tmp_path):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "consumerOffset.json").write_text(json.dumps({"T@g": {"0": 5}}))
+    offsets = ConsumerOffsets(str(tmp_path))
+    assert offsets.get("g", "T", 0) == 5 and offsets.made_by("") == 0
+    offsets.persist()                                       # nothing made by anyone: the plain table, as before
+    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text()) == {"T@g": {"0": 5}}
+
+
+@pytest.mark.parametrize("makers", [[], {"10.0.0.1": []}, {"10.0.0.1": {"T@g": [True]}}, {"10.0.0.1": {"x": [0]}}])
+def test_malformed_makers_make_the_file_damaged(tmp_path, makers):
+    from broker.store.offsets import _parse_table
+    with pytest.raises(ValueError):
+        _parse_table({"offsetTable": {"T@g": {"0": 5}}, "makers": makers})
