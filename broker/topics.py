@@ -15,6 +15,8 @@ characters) and, when another client gave it more queues since, the client its q
 ("queues_by"; null: an operator). Start-up counts them again: max_topics_per_host and max_queues_per_host
 hold across restarts, where counts kept in memory only let one address make its limit again after every
 restart. A catalogue written before ("creators_recorded" missing) charges its topics to no client, said once.
+So are the makers of %RETRY% topics reclaimed lately ("reclaimed": [[topic, maker, unix ms], ...], see _reclaim):
+a delayed retry delivered after a restart makes its topic again charged to its maker, as before one.
 """
 from __future__ import annotations
 
@@ -179,6 +181,11 @@ class TopicManager:
         saved, self._saved = self._saved, None
         if saved is None or not self.per_host:
             return
+        now, wall = time.monotonic(), time.time()
+        for name, maker, at in saved.reclaimed:         # oldest first, as _reclaim keeps them
+            age = wall - at / 1000
+            if name not in self.topics and age < _RECLAIMED_KEEP_S:
+                self._reclaimed[name] = (maker, now - max(0.0, age))    # (a clock set back: as if just now)
         for name, creator in saved.creators.items():
             if name in self.topics and name not in self._system:
                 self._creator[name] = creator
@@ -252,7 +259,10 @@ class TopicManager:
     def _snapshot(self) -> tuple:
         """On the loop: what a catalogue write needs. TopicConfigs are replaced, never mutated, and the creator
         tables are copied, so the write, on the config thread, sees one consistent state."""
-        return list(self.topics.values()), dict(self._creator), dict(self._queue_owner)
+        now, wall = time.monotonic(), time.time()
+        reclaimed = [[name, maker, int((wall - (now - when)) * 1000)]
+                     for name, (maker, when) in self._reclaimed.items()]
+        return list(self.topics.values()), dict(self._creator), dict(self._queue_owner), reclaimed
 
     def _write_if_dirty(self, snapshot: tuple) -> None:
         if self._dirty:
@@ -260,11 +270,14 @@ class TopicManager:
 
     def _write(self, snapshot: tuple) -> None:
         self._dirty = False             # a change made while this write runs sets it again
-        topics, creators, owners = snapshot
+        topics, creators, owners, reclaimed = snapshot
         restored = self._restored       # membership only, from this thread: the loop may change it meanwhile
-        body = json.dumps({"creators_recorded": True,
-                           "topics": [_entry(t, t.name in restored, creators.get(t.name), owners.get(t.name))
-                                      for t in topics if t.name not in self._system]}, indent=1)
+        catalogue = {"creators_recorded": True,
+                     "topics": [_entry(t, t.name in restored, creators.get(t.name), owners.get(t.name))
+                                for t in topics if t.name not in self._system]}
+        if reclaimed:
+            catalogue["reclaimed"] = reclaimed
+        body = json.dumps(catalogue, indent=1)
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
         except OSError:
@@ -578,6 +591,12 @@ def _parse_catalogue(data) -> list[TopicConfig]:
                       f"topic {entry['name']}: {key} = {entry[key]!r}")
                 into[entry["name"]] = entry[key]
     out.creators_recorded = data.get("creators_recorded") is True
+    reclaimed = data.get("reclaimed", [])
+    check(isinstance(reclaimed, list), f"reclaimed = {reclaimed!r}")
+    for item in reclaimed:
+        check(isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _client(item[1])
+              and is_int(item[2]), f"reclaimed entry {item!r}")
+    out.reclaimed = [tuple(item) for item in reclaimed[-_RECLAIMED_MAX:]]
     return out
 
 
@@ -597,3 +616,4 @@ class _Catalogue(list):
         self.creators: dict[str, str] = {}
         self.queue_owners: dict[str, str | None] = {}
         self.creators_recorded = False
+        self.reclaimed: list[tuple[str, str, int]] = []        # (topic, maker, unix ms), oldest first

@@ -94,3 +94,13 @@ def test_a_catalogue_with_a_malformed_creator_is_damaged(tmp_path):
     for bad in ({"creator": 7}, {"creator": None}, {"creator": "x" * 129}, {"queues_by": 1}):
         with pytest.raises(ValueError):
             _parse_catalogue({"topics": [{"name": "T", **bad}]})
+
+
+def test_a_reclaimed_retry_topic_made_again_after_a_restart_is_still_its_makers(tmp_path):
+    tm = _manager(tmp_path)
+    tm.retry_reclaimable = lambda name: True
+    tm.for_send("%RETRY%G", None, 8, "10.0.0.3")
+    assert tm.reclaim_retry_of("10.0.0.3", "a test") and tm.created_by("10.0.0.3") == 0
+    again = _manager(tmp_path)
+    again.queue_appeared("%RETRY%G", 0)         # its delayed retry, delivered after the restart
+    assert again.created_by("10.0.0.3") == 1 and again.queues_of("10.0.0.3") == 1
