@@ -110,3 +110,27 @@ async def test_a_catalogue_and_offsets_of_an_older_version_are_read_and_charged_
                         {"consumerGroup": "CG_old", "topic": "Old0", "queueId": "0"})
     assert offset.code == C.SUCCESS and offset.ext_fields["offset"] == "0"
     assert broker.log().count("written before topics' creators were recorded: its 3 topics") == 1
+
+
+def _heartbeat(*groups: str) -> bytes:
+    return json.dumps({"clientID": "hostile", "producerDataSet": [], "consumerDataSet": [
+        {"groupName": g, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+         "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
+         "subscriptionDataSet": [{"topic": "T", "subString": "*", "subVersion": 1}]} for g in groups]}).encode()
+
+
+@bounded(60)
+async def test_a_slave_counts_and_refuses_nothing_per_address(broker_factory):
+    """A slave's topics follow its master's: it keeps no per-address count, so none refuses there -- the
+    retry topics of one address's groups are all made -- and it saves no maker for a later start to count."""
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", store="master")
+    slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           "--max-topics-per-host", "1", store="slave")
+    reply = await _one(slave.broker, HOSTILE, R.HEART_BEAT, {}, _heartbeat("G1", "G2", "G3"))
+    assert reply.code == C.SUCCESS
+    table = json.loads((await _one(slave.broker, HOSTILE, R.GET_ALL_TOPIC_CONFIG, {})).body_bytes())
+    assert {"%RETRY%G1", "%RETRY%G2", "%RETRY%G3"} <= set(table["topicConfigTable"])
+    assert "max_topics_per_host" not in slave.log()
+    assert slave.stop() == 0
+    saved = json.loads((slave.store_dir / "config" / "topics.json").read_text())
+    assert not [t for t in saved["topics"] if "creator" in t]
