@@ -587,7 +587,7 @@ def _parse_catalogue(data) -> list[TopicConfig]:
         # who it is charged to (max_topics_per_host, max_queues_per_host): a client key, bounded as a name is
         for key, into in (("creator", out.creators), ("queues_by", out.queue_owners)):
             if key in entry:
-                check(entry[key] is None and key == "queues_by" or _client(entry[key]),
+                check((entry[key] is None and key == "queues_by") or _client(entry[key]),
                       f"topic {entry['name']}: {key} = {entry[key]!r}")
                 into[entry["name"]] = entry[key]
     out.creators_recorded = data.get("creators_recorded") is True
