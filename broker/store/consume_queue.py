@@ -183,7 +183,9 @@ class ConsumeQueue:
         return True
 
     def _defer(self, packed, exc: OSError) -> None:
-        self.last_error = exc
+        # Kept without its traceback: its frames' f_back chain reaches whoever called (prepare_queue's caller, a
+        # decision with its records), all kept alive until the queue's next failure or its file.
+        self.last_error = exc.with_traceback(None)
         written = self.max_offset * UNIT_SIZE
         # _write advances max_offset unit by unit run; keep exactly the units it did not copy
         done = written - self._attempt_from

@@ -326,7 +326,12 @@ class MessageStore:
             # made by the writer, its file not: its units wait (backlog), written by the retry that makes it; or
             # loaded with none (a directory left empty by a failed open, or a crash, before a restart): made now
             if not cq.retry():
-                raise cq.last_error or OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file")
+                # A fresh error each time: raised, the one the queue keeps would take this caller's frames into its
+                # traceback and keep them (a decision's records, an older NUL copy counted for the writer among
+                # them) until the queue's next failure or its file.
+                err = cq.last_error
+                raise (OSError(err.errno, err.strerror, err.filename) if err is not None else
+                       OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file"))
             if not cq.files:
                 cq.open_file()
             self.queue_index.add(key)

@@ -1530,3 +1530,42 @@ async def test_a_mark_the_log_no_longer_reaches_below_is_removed_at_open(tmp_pat
     store = await reopen(tmp_path)
     assert not (tmp_path / "consumequeue" / "T").exists()
     await store.close()
+
+
+@bounded(20)
+async def test_a_copy_refused_for_its_queue_file_is_not_kept_by_the_queues_last_error(tmp_path, monkeypatch):
+    # A decision builds its records (an older broker's NUL half's copy, counted for the writer by copying) and then
+    # makes the new queue's file (prepare_queue). A queue the writer made without its file (EMFILE) raised its
+    # stored last_error: re-raised, that exception took the caller's frames into its traceback, and the queue kept
+    # it, so the refused copy stayed alive, counted in the writer's nul_copies, and every later batch of every
+    # producer was scanned for it (Writer._vouch_first) until a descriptor came free for that queue.
+    import errno
+    import gc
+
+    from broker.store import consume_queue
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    real = consume_queue.MappedFile.create
+
+    def no_descriptor(directory, *a, **kw):
+        if os.sep + "Late" + os.sep in directory + os.sep:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    assert (await store.put(PutRequest.build("Late", b"y"))).ok     # the writer made the queue, its file not
+    assert not store._writer.nul_copies
+
+    def decision():         # as TransactionService._decision_begin: the copy first, then its queue's file
+        reqs = [store.copying(odd.physical_offset, PutRequest.build("Late", b"x" * 100, properties={"k": "v\x00w"}))]
+        assert store._writer.nul_copies
+        for r in reqs:
+            store.prepare_queue(r.topic, r.queue_id)
+
+    with pytest.raises(OSError) as refused:
+        decision()
+    assert refused.value.errno == errno.EMFILE
+    del refused
+    gc.collect()
+    assert not store._writer.nul_copies
+    await store.close()
