@@ -432,7 +432,7 @@ class BrokerServer:
         try:
             # grown too: a topic made with fewer queues before the group's retryQueueNums was raised, or by a
             # version that ignored it (the first heartbeat after an upgrade)
-            self.ctx.topics.grow(topic, queues) or self.ctx.topics.ensure(topic, queues, creator=creator)
+            self.ctx.topics.grow(topic, queues, creator) or self.ctx.topics.ensure(topic, queues, creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")

@@ -439,7 +439,7 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
         # One made with fewer queues (before the group's retryQueueNums was raised, or by a version that ignored
         # it) grows to them, within the queue limits; past them (counted, logged) it is retried in those it has.
         if ctx.limits.queue_room(ctx.topics, topic, queues, peer_host(conn), "grown") is None:
-            ctx.topics.grow(topic, queues)
+            ctx.topics.grow(topic, queues, peer_host(conn))
         return None
     why = validate_topic(topic)
     if why is not None:

@@ -459,3 +459,37 @@ async def test_a_retry_topic_grown_to_its_groups_retry_queue_nums_stays_within_m
         assert await _retry_write_queues(client, group) == 4                        # 20 of 20: room for it
     finally:
         client.close()
+
+
+async def _consumer_heartbeat(client: RawClient, group: str) -> None:
+    [beat] = await client.call(RemotingCommand(R.HEART_BEAT, opaque=next(_OPAQUES), body=json.dumps({
+        "clientID": f"{group}@seam", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": []}]}).encode()),
+        10)
+    assert beat.code == C.SUCCESS, beat.remark
+
+
+async def _retry_queue_nums(client: RawClient, group: str, queues: int) -> None:
+    [saved] = await client.call(RemotingCommand(
+        R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+        body=json.dumps({"groupName": group, "retryQueueNums": queues}).encode()), 10)
+    assert saved.code == C.SUCCESS, saved.remark
+
+
+@bounded(60)
+async def test_a_retry_topic_grown_by_its_group_counts_for_the_address_that_grew_it(broker_factory):
+    """The queues updateSubGroup (or a heartbeat, a send-back) gives a retry topic are charged to the address that
+    asked, as queue_room checked them: grown with no one named they were charged to nobody -- the maker even given
+    back the one it had -- so an address growing group after group's retry topic held no queues at all."""
+    broker = broker_factory("--max-queues-per-host", "20")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        await _consumer_heartbeat(client, "CG_seam_grown")                  # its retry topic: 1 of 20
+        await _retry_queue_nums(client, "CG_seam_grown", 16)
+        assert await _retry_write_queues(client, "CG_seam_grown") == 16     # 16 of 20
+        refused = await _update_topic(client, "Wide", 8)                     # 24 of 20
+        assert refused.code == C.NO_PERMISSION and "127.0.0.1's 16 queues" in refused.remark, refused.remark
+        assert (await _update_topic(client, "Narrow", 4)).code == C.SUCCESS  # 20 of 20
+    finally:
+        client.close()
