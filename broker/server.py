@@ -427,12 +427,19 @@ class BrokerServer:
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
                 return
         queues = retry_queues(self.ctx.subscriptions, group)
-        if self.ctx.limits.queue_room(self.ctx.topics, topic, queues, creator, count=first):
+        slave = ha_roles.is_slave(self.ctx.config)
+        # A slave makes a missing one (as RocketMQ's heartBeat does: failed-over consumers pull it there) but never
+        # grows one nor weighs queues: its queues are its master's, made by the records it copies (topic_follower),
+        # and no heartbeat makes a file. Since it copies its master's groups (SlaveSync), a group's retryQueueNums
+        # had every heartbeat on the slave grow the topic, charge the consumer's address, refuse it past the
+        # slave's queue limits (counted, logged: no retry topic there at all) and sweep its %RETRY% topics.
+        if not slave and self.ctx.limits.queue_room(self.ctx.topics, topic, queues, creator, count=first):
             return                      # made or grown past max_queues or max_queues_per_host: said on the first
         try:
             # grown too: a topic made with fewer queues before the group's retryQueueNums was raised, or by a
             # version that ignored it (the first heartbeat after an upgrade)
-            self.ctx.topics.grow(topic, queues, creator) or self.ctx.topics.ensure(topic, queues, creator=creator)
+            (not slave and self.ctx.topics.grow(topic, queues, creator)) or self.ctx.topics.ensure(
+                topic, queues, creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")
