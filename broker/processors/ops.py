@@ -226,8 +226,11 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     # (With an ACL the request was signed by an account allowed to: an operator's, charged to no address, as
     # UPDATE_AND_CREATE_TOPIC's.)
     topic, queues = RETRY_PREFIX + cfg["groupName"], retry_queues(ctx.subscriptions, cfg["groupName"])
+    # (Not on a slave: its queues are its master's, made by the records it copies, and its groups are replaced by
+    # its master's at the next SlaveSync.)
     asker = peer_host(conn) if ctx.acl is None else None
-    if topic in ctx.topics.topics and ctx.limits.queue_room(ctx.topics, topic, queues, asker, "grown") is None:
+    if topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
+            ctx.topics, topic, queues, asker, "grown") is None:
         ctx.topics.grow(topic, queues, asker)
     return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
 
