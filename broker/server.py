@@ -457,7 +457,10 @@ class BrokerServer:
         group = topic[len(RETRY_PREFIX):]
         if ctx.clients.consumer_ids(group) or group in ctx.subscriptions.groups:
             return False
-        return all(ctx.store.max_offset(topic, q) == 0 for q in range(ctx.topics.topics[topic].queue_count))
+        # Every queue it counts for: one made smaller (UPDATE_AND_CREATE_TOPIC) keeps its queues past its count
+        # and what is in them; looked at up to its count only, it was forgotten with retries in them unread.
+        queues = max(ctx.topics.topics[topic].queue_count, ctx.topics.queues_counted(topic)[0])
+        return all(ctx.store.max_offset(topic, q) == 0 for q in range(queues))
 
     def _lag(self):
         store = self.ctx.store

@@ -493,3 +493,36 @@ async def test_a_retry_topic_grown_by_its_group_counts_for_the_address_that_grew
         assert (await _update_topic(client, "Narrow", 4)).code == C.SUCCESS  # 20 of 20
     finally:
         client.close()
+
+
+async def _topic_names(client: RawClient) -> set[str]:
+    [reply] = await client.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=next(_OPAQUES)), 10)
+    return set(json.loads(reply.body_bytes())["topicConfigTable"])
+
+
+@bounded(60)
+async def test_a_retry_topic_made_smaller_is_not_reclaimed_while_a_queue_past_its_count_holds_messages(
+        broker_factory):
+    """At a limit the empty %RETRY% topics of groups gone are forgotten. A topic made smaller keeps the queues it
+    had and what is in them (it counts for them); "empty" looked only at its queues up to its count, so one with
+    retries in a queue past it was forgotten, those retries unread until a restart."""
+    broker = broker_factory("--max-topics-per-host", "2")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    group, retry = "CG_seam_shrunk", "%RETRY%CG_seam_shrunk"
+    try:
+        await _consumer_heartbeat(client, group)                         # its retry topic: 1 of 2
+        assert (await _update_topic(client, retry, 4)).code == C.SUCCESS
+        [sent] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+            "producerGroup": "PG_queues", "topic": retry, "defaultTopic": "TBW102", "defaultTopicQueueNums": "1",
+            "queueId": "3", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""}), 10)
+        assert sent.code == C.SUCCESS and sent.ext_fields["queueId"] == "3", sent.remark
+        assert (await _update_topic(client, retry, 1)).code == C.SUCCESS
+        [gone] = await client.call(RemotingCommand(R.UNREGISTER_CLIENT, opaque=next(_OPAQUES), ext_fields={
+            "clientID": f"{group}@seam", "consumerGroup": group}), 10)
+        assert gone.code == C.SUCCESS, gone.remark
+        assert (await _update_topic(client, "Own", 1)).code == C.SUCCESS   # 2 of 2
+        refused = await _update_topic(client, "More", 1)                   # the retry topic is not empty
+        assert refused.code == C.NO_PERMISSION and "max_topics_per_host=2" in refused.remark, refused.remark
+        assert retry in await _topic_names(client)
+    finally:
+        client.close()
