@@ -820,7 +820,9 @@ def effective_max_queues(max_queues: int, open_files: int, max_map_count: int | 
     (EMFILE, ENOMEM), refused by the send as "create mapped file failed"."""
     held = queues_limits_hold(open_files, max_map_count)
     if max_queues == 0:
-        return (_QUEUES_UNBOUNDED if held is None else held), None
+        # never more than with no limit known: an open-files limit of 2**62 with no vm.max_map_count to read (not
+        # Linux) made the default 2**61, a cap that caps nothing, said as such in every log and metric
+        return (_QUEUES_UNBOUNDED if held is None else min(held, _QUEUES_UNBOUNDED)), None
     if held is None or max_queues <= held:
         return max_queues, None
     short = []
