@@ -526,3 +526,26 @@ async def test_a_retry_topic_made_smaller_is_not_reclaimed_while_a_queue_past_it
         assert retry in await _topic_names(client)
     finally:
         client.close()
+
+
+@bounded(60)
+async def test_a_send_that_makes_a_retry_topic_makes_it_with_the_queues_its_route_said(broker_factory):
+    """A group's retry topic not made yet is routed with its retryQueueNums queues; a stock consumer's fallback
+    (its send-back refused) sends the failed message to that topic itself, to a queue of that route. The send made
+    the topic with one queue, and refused the message for its queue id ("illegal"), as the route had just said it
+    was there."""
+    broker = broker_factory()
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    group, retry = "CG_seam_routed", "%RETRY%CG_seam_routed"
+    try:
+        await _retry_queue_nums(client, group, 4)
+        assert await _retry_write_queues(client, group) == 4                 # routed, not made
+        assert retry not in await _topic_names(client)
+        [sent] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+            "producerGroup": "CLIENT_INNER_PRODUCER", "topic": retry, "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": "4", "queueId": "3", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+            "properties": ""}), 10)
+        assert sent.code == C.SUCCESS and sent.ext_fields["queueId"] == "3", sent.remark
+        assert await _retry_write_queues(client, group) == 4
+    finally:
+        client.close()
