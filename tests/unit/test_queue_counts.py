@@ -51,3 +51,12 @@ def test_max_queues_unset_is_what_the_limits_hold_and_set_is_kept_and_warned_abo
     kept, short = effective_max_queues(70000, 1 << 20, 65530)
     assert kept == 70000 and "vm.max_map_count=65530" in short and "open-files" not in short
     assert effective_max_queues(70000, resource.RLIM_INFINITY, None) == (70000, None)
+
+
+def test_max_queues_unset_is_never_more_than_with_no_limit_known():
+    """A huge open-files limit with no vm.max_map_count to read (not Linux) gave a default of 2**61: no cap at all.
+    It is what no known limit gives, at most; a value set is kept as it is."""
+    unbounded, _ = effective_max_queues(0, resource.RLIM_INFINITY, None)
+    assert effective_max_queues(0, 1 << 62, None) == (unbounded, None)
+    assert effective_max_queues(0, 1 << 62, 1 << 40) == (unbounded, None)
+    assert effective_max_queues(1 << 30, 1 << 62, None) == (1 << 30, None)
