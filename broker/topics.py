@@ -531,15 +531,18 @@ class TopicManager:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues), creator)
 
-    def grow(self, topic: str, queues: int) -> TopicConfig | None:
+    def grow(self, topic: str, queues: int, client: str | None) -> TopicConfig | None:
         """At least ``queues`` read and write queues for ``topic`` if it exists (None if not), never fewer: a
         %RETRY% topic made before its group's retryQueueNums was raised (or by a version that ignored it) kept
-        its one queue for good. Shrunk, the messages in the queues cut off would never be read again."""
+        its one queue for good. Shrunk, the messages in the queues cut off would never be read again.
+        ``client`` (a limits.client_key; None: an operator) is charged all its queues if they grow, as
+        ``queue_room`` checked it for: grown with no one named, they were charged to nobody, the maker given its
+        room back, and one address heartbeating group after group set to -q 1024 made queues past its limit."""
         tc = self.topics.get(topic)
         if tc is None or (tc.read_queue_nums >= queues and tc.write_queue_nums >= queues):
             return tc
         return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
-                                       tc.perm, tc.filter_type, tc.sys_flag, tc.order))
+                                       tc.perm, tc.filter_type, tc.sys_flag, tc.order), client)
 
 
 def _take(counts: dict, key, n: int) -> None:

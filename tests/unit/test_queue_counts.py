@@ -104,3 +104,12 @@ def test_a_reclaimed_retry_topic_made_again_after_a_restart_is_still_its_makers(
     again = _manager(tmp_path)
     again.queue_appeared("%RETRY%G", 0)         # its delayed retry, delivered after the restart
     assert again.created_by("10.0.0.3") == 1 and again.queues_of("10.0.0.3") == 1
+
+
+def test_max_queues_unset_is_never_more_than_with_no_limit_known():
+    """A huge open-files limit with no vm.max_map_count to read (not Linux) gave a default of 2**61: no cap at all.
+    It is what no known limit gives, at most; a value set is kept as it is."""
+    unbounded, _ = effective_max_queues(0, resource.RLIM_INFINITY, None)
+    assert effective_max_queues(0, 1 << 62, None) == (unbounded, None)
+    assert effective_max_queues(0, 1 << 62, 1 << 40) == (unbounded, None)
+    assert effective_max_queues(1 << 30, 1 << 62, None) == (1 << 30, None)
