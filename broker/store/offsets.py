@@ -54,6 +54,11 @@ class ConsumerOffsets:
         self._dirty = False
         self._task: asyncio.Task | None = None
         self._write_lock = threading.Lock()     # a cancelled background write may still be running
+        # Each save is numbered when its table is taken (on the loop); the write of an older one than the newest
+        # written is skipped. A cancelled background save still encoding on its thread when close() wrote the
+        # newest table took the lock after it, and the file ended one save older.
+        self._saves_taken = 0
+        self._saves_written = 0
         self._load()
 
     def _load(self) -> None:
@@ -161,7 +166,7 @@ class ConsumerOffsets:
                     # copied here, encoded and written on a thread: 100,000 offsets with their makers take
                     # about 350 ms to encode, which held the loop that long
                     snapshot = dict(self._table), dict(self._maker)
-                    await loop.run_in_executor(None, self._encode_and_write, snapshot)
+                    await loop.run_in_executor(None, self._encode_and_write, snapshot, self._take_save())
                 except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
                     if not failing:     # once per outage (a full disk), not every few seconds
@@ -177,17 +182,25 @@ class ConsumerOffsets:
         """Write the table now (blocking)."""
         self._dirty = False
         try:
-            self._write(_encode(self._table, self._maker))
+            self._write(_encode(self._table, self._maker), self._take_save())
         except OSError:
             self._dirty = True
             raise
 
-    def _encode_and_write(self, snapshot: tuple) -> None:
-        self._write(_encode(*snapshot))
+    def _take_save(self) -> int:
+        """On the loop, with the table it saves: this save's number (``_write``)."""
+        self._saves_taken += 1
+        return self._saves_taken
 
-    def _write(self, data: bytes) -> None:
+    def _encode_and_write(self, snapshot: tuple, number: int) -> None:
+        self._write(_encode(*snapshot), number)
+
+    def _write(self, data: bytes, number: int) -> None:
         with self._write_lock:
+            if number < self._saves_written:
+                return          # a newer table is in the file already: this one is older
             self._write_locked(data)
+            self._saves_written = number
 
     def _write_locked(self, data: bytes) -> None:
         fsync_dirs(make_dirs(os.path.dirname(self.path)))

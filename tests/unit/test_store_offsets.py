@@ -231,3 +231,44 @@ def test_malformed_makers_make_the_file_damaged(tmp_path, makers):
     from broker.store.offsets import _parse_table
     with pytest.raises(ValueError):
         _parse_table({"offsetTable": {"T@g": {"0": 5}}, "makers": makers})
+
+
+@bounded(10)
+async def test_a_background_save_still_encoding_at_close_never_writes_its_older_table_last(tmp_path, monkeypatch):
+    """The background save encodes its copy on a thread, then writes; close() cancels it (the thread runs on) and
+    writes the newest table itself. Taking the write lock only to write, the thread's older table was written after
+    close's: the file ended one save older (a group deleted meanwhile back, its offsets' makers gone)."""
+    import threading
+
+    from broker.store import offsets as offsets_mod
+    encoding, release, finished = threading.Event(), threading.Event(), threading.Event()
+    real_encode = offsets_mod._encode
+
+    def held_encode(table, maker):
+        if threading.current_thread() is not threading.main_thread():     # the background save's, not close's
+            encoding.set()
+            assert release.wait(5)
+        return real_encode(table, maker)
+
+    monkeypatch.setattr(offsets_mod, "_encode", held_encode)
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.001)
+    real_save = offsets._encode_and_write
+
+    def save_then_say(*args):
+        try:
+            return real_save(*args)
+        finally:
+            finished.set()
+
+    offsets._encode_and_write = save_then_say
+    loop = asyncio.get_running_loop()
+    await offsets.open()
+    offsets.commit("g", "T", 0, 1, "10.0.0.1")
+    assert await loop.run_in_executor(None, encoding.wait, 5)          # the background save holds {0: 1}
+    offsets.commit("g", "T", 0, 2)
+    offsets.commit("h", "T", 0, 3, "10.0.0.2")
+    await offsets.close()                                               # writes {0: 2} and h now
+    release.set()
+    assert await loop.run_in_executor(None, finished.wait, 5)          # the older save is done (or skipped)
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.get("g", "T", 0) == 2 and again.get("h", "T", 0) == 3 and again.made_by("10.0.0.2") == 1
