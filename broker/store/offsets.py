@@ -68,9 +68,13 @@ class ConsumerOffsets:
                            fallback_cost="at most one save older: groups may see a few messages again",
                            reset_hint="move both away to start every group over by its consume-from policy")
         self._table = table or {}
-        if table is not None and self.per_host:
-            for key, client in table.makers.items():
-                self._maker[key] = client
+        if table is None:
+            return
+        # taken off the table, not left on it as a second copy for good (on a slave, the only one, never read)
+        makers, table.makers = table.makers, {}
+        if self.per_host:
+            self._maker = makers
+            for client in makers.values():
                 self._made_by[client] = self._made_by.get(client, 0) + 1
 
     # ------------------------------------------------------------------ API

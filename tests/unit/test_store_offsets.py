@@ -298,3 +298,30 @@ def test_the_offsets_file_is_encoded_without_one_sort_of_the_whole_table(tmp_pat
     assert json.loads(offsets_mod._encode(shuffled, {})) == expected_plain
     text = body.decode()
     assert text.index('"T0@g0"') < text.index('"T0@g1"') < text.index('"T1@g0"')   # sorted as ever
+
+
+def test_the_makers_read_at_start_are_held_once_and_not_at_all_on_a_slave(tmp_path):
+    """The makers read from the file stayed on the loaded table as well: a second copy on a master for good, and
+    on a slave (which counts none) 100,000 of them held and never read."""
+    import tracemalloc
+    plain, made = tmp_path / "plain", tmp_path / "made"
+    for d, client in ((plain, None), (made, "10.0.0.1")):
+        offsets = ConsumerOffsets(str(d))
+        for g in range(2000):
+            offsets.commit(f"group-{g}", "Topic", g % 4, g, client)
+        offsets.persist()
+
+    def held(d, per_host):
+        tracemalloc.start()
+        try:
+            offsets = ConsumerOffsets(str(d), per_host=per_host)
+            size = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert len(offsets.items()) == 2000
+        return size
+
+    base = held(plain, False)
+    per_entry = (held(made, True) - base) / 2000        # a master holds each maker once: its entry and key
+    assert held(made, False) - base < 2000 * 20         # a slave holds none (under 20 bytes an offset: noise)
+    assert per_entry < 250
