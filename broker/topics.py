@@ -199,7 +199,7 @@ class TopicManager:
             if mine:
                 log.warning("topics catalogue %s was written before topics' creators were recorded: its %d topics "
                             "are charged to no client (max_topics_per_host and max_queues_per_host count the "
-                            "topics made from now on)", self.path, mine)
+                            "topics made from now on; an older version or a slave wrote it)", self.path, mine)
 
     def start_background(self, loop) -> None:
         """From now on, catalogue writes are batched on a config thread, off ``loop``."""
@@ -272,9 +272,10 @@ class TopicManager:
         self._dirty = False             # a change made while this write runs sets it again
         topics, creators, owners, reclaimed = snapshot
         restored = self._restored       # membership only, from this thread: the loop may change it meanwhile
-        catalogue = {"creators_recorded": True,
-                     "topics": [_entry(t, t.name in restored, creators.get(t.name), owners.get(t.name))
+        catalogue = {"topics": [_entry(t, t.name in restored, creators.get(t.name), owners.get(t.name))
                                 for t in topics if t.name not in self._system]}
+        if self.per_host:   # a slave records none: promoted, it says so at start rather than charge all to no one
+            catalogue = {"creators_recorded": True, **catalogue}
         if reclaimed:
             catalogue["reclaimed"] = reclaimed
         body = json.dumps(catalogue, indent=1)

@@ -113,3 +113,22 @@ def test_max_queues_unset_is_never_more_than_with_no_limit_known():
     assert effective_max_queues(0, 1 << 62, None) == (unbounded, None)
     assert effective_max_queues(0, 1 << 62, 1 << 40) == (unbounded, None)
     assert effective_max_queues(1 << 30, 1 << 62, None) == (1 << 30, None)
+
+
+def test_a_catalogue_a_slave_wrote_does_not_say_its_creators_were_recorded(tmp_path, caplog):
+    """A slave records no creators; writing "creators_recorded" anyway, a broker demoted to slave and promoted
+    again (or a slave promoted) started with every topic charged to no one and said nothing."""
+    tm = _manager(tmp_path)
+    tm.create(TopicConfig("Mine", 4, 4), "10.0.0.1")
+    slave = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=8, cluster="C", broker="B",
+                         per_host=False)
+    slave.create(TopicConfig("Followed", 1, 1))             # its master's topics, followed: the catalogue rewritten
+    with caplog.at_level("WARNING", logger="txmq.topics"):
+        promoted = _manager(tmp_path)
+    assert promoted.created_by("10.0.0.1") == 0
+    assert "written before topics' creators were recorded: its 2 topics" in caplog.text
+    promoted.create(TopicConfig("Again", 1, 1), "10.0.0.1")   # a master's catalogue records them again
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="txmq.topics"):
+        assert _manager(tmp_path).created_by("10.0.0.1") == 1
+    assert "creators were recorded" not in caplog.text
