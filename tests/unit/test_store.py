@@ -11,6 +11,7 @@ from protocol.codes import SysFlag
 from protocol.errors import ConfigError, StoreError
 from protocol.message import BLANK_MAGIC, decode_record, java_string_hash, peek_record
 from tests.support.bounded import bounded
+from tests.support.store_faults import no_descriptor_for
 
 SEG = 1 << 20
 CFG = StoreConfig(segment_size=SEG, cq_units_per_file=100, checkpoint_interval_ms=20)
@@ -453,14 +454,7 @@ async def test_a_queue_the_writer_made_without_a_file_is_not_in_queue_index(tmp_
     import errno
     from broker.store import consume_queue
     store = await opened(tmp_path)
-    real = consume_queue.MappedFile.create
-
-    def no_descriptor(directory, *a, **kw):
-        if os.sep + "Late" + os.sep in directory + os.sep:
-            raise OSError(errno.EMFILE, "Too many open files")
-        return real(directory, *a, **kw)
-
-    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    real = no_descriptor_for(monkeypatch, "Late")
     r = await store.put(req(topic="Late", queue_id=2))      # the writer's own path: no prepare_queue
     assert r.ok and store.max_offset("Late", 2) == 0        # written to the log, its unit waiting
     assert ("Late", 2) not in store.queue_index
@@ -479,18 +473,10 @@ async def test_a_queue_waiting_for_its_file_is_said_once_not_at_every_refused_se
     """Units that wait for their queue's file are said once (a WARNING) when they first wait. prepare_queue retries
     them at every send, commit and send-back to that queue, and each failed retry said it again: past the
     open-files limit, a WARNING line a refused request, besides the refusal's own gated one (queue-file-failed)."""
-    import errno
     import logging
     from broker.store import consume_queue
     store = await opened(tmp_path)
-    real = consume_queue.MappedFile.create
-
-    def no_descriptor(directory, *a, **kw):
-        if os.sep + "Late" + os.sep in directory + os.sep:
-            raise OSError(errno.EMFILE, "Too many open files")
-        return real(directory, *a, **kw)
-
-    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    real = no_descriptor_for(monkeypatch, "Late")
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
         assert (await store.put(req(topic="Late"))).ok         # the writer's own path: its unit waits
         for _ in range(50):
@@ -527,17 +513,9 @@ async def test_a_unit_waiting_for_its_queue_file_is_not_lost_across_a_stop(tmp_p
     """The broker's own writes (a delayed or retry delivery) make their queue in the writer: past the open-files
     limit the unit waits in memory. The checkpoint does not pass it, so a stop before a file could be opened
     loses nothing: the next start rebuilds the unit from the log."""
-    import errno
     from broker.store import consume_queue
     store = await opened(tmp_path)
-    real = consume_queue.MappedFile.create
-
-    def no_descriptor(directory, *a, **kw):
-        if os.sep + "Late" + os.sep in directory + os.sep:
-            raise OSError(errno.EMFILE, "Too many open files")
-        return real(directory, *a, **kw)
-
-    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    real = no_descriptor_for(monkeypatch, "Late")
     assert (await store.put(req(topic="Late", queue_id=1))).ok
     assert (await store.put(req(topic="Other"))).ok         # later records: the checkpoint still may not pass it
     assert store.max_offset("Late", 1) == 0

@@ -18,6 +18,7 @@ from broker.store.recovery import BadRecord, parse_record
 from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import decode_record, encode_record, pack_host, properties_to_string
 from tests.support.bounded import bounded
+from tests.support.store_faults import image_each_flush, no_descriptor_for
 
 SEG = 1 << 20
 CFG = StoreConfig(segment_size=SEG, cq_units_per_file=64)
@@ -247,16 +248,7 @@ async def test_a_copy_a_crash_tore_before_it_was_flushed_is_cut_not_kept(tmp_pat
     odd = await _older_store(tmp_path)
     store = await reopen(tmp_path)
     before = await store.put(req(5))
-    images = []
-    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
-
-    def imaged(ranges):                         # the disk as a crash before this flush returns may leave it
-        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
-        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
-        images.append(img)
-        flush_ranges(ranges)
-
-    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    images = image_each_flush(monkeypatch, tmp_path)     # the disk as a crash before each flush returns may leave it
     c = await store.put(store.copying(odd.physical_offset,
                                       PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"})))
     assert c.ok
@@ -280,16 +272,7 @@ async def test_a_crash_in_the_flush_of_a_list_holding_an_older_nul_copy_leaves_a
     # with a sound record after it: damage in the middle of the log, and the next start refused.
     odd = await _older_store(tmp_path)
     store = await reopen(tmp_path)
-    images = []
-    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
-
-    def imaged(ranges):
-        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
-        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
-        images.append(img)
-        flush_ranges(ranges)
-
-    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    images = image_each_flush(monkeypatch, tmp_path)     # the disk as a crash before each flush returns may leave it
     copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
     c, op = await store.put_many([copy, req(6)])
     assert c.ok and op.ok
@@ -315,16 +298,7 @@ async def test_a_crash_before_the_mark_of_a_copy_that_rolled_to_a_new_segment_cu
     filler = []
     while SEG - store._log.written % SEG > 4000:
         filler.append(await store.put(req(len(filler), 1800)))
-    images = []
-    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
-
-    def imaged(ranges):
-        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
-        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
-        images.append(img)
-        flush_ranges(ranges)
-
-    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    images = image_each_flush(monkeypatch, tmp_path)     # the disk as a crash before each flush returns may leave it
     end = store._log.written
     copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 2000, properties={"k": "v\x00w"}))
     c, op = await store.put_many([copy, req(99, 2000)])
@@ -1542,17 +1516,9 @@ async def test_a_copy_refused_for_its_queue_file_is_not_kept_by_the_queues_last_
     import errno
     import gc
 
-    from broker.store import consume_queue
     odd = await _older_store(tmp_path)
     store = await reopen(tmp_path)
-    real = consume_queue.MappedFile.create
-
-    def no_descriptor(directory, *a, **kw):
-        if os.sep + "Late" + os.sep in directory + os.sep:
-            raise OSError(errno.EMFILE, "Too many open files")
-        return real(directory, *a, **kw)
-
-    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    no_descriptor_for(monkeypatch, "Late")
     assert (await store.put(PutRequest.build("Late", b"y"))).ok     # the writer made the queue, its file not
     assert not store._writer.nul_copies
 
@@ -1581,16 +1547,7 @@ async def test_a_cut_at_an_unvouched_copy_is_not_made_again_over_the_log_written
     from broker.store.manifest import NUL_COPY_FILE, read_nul_copy_from
     odd = await _older_store(tmp_path)
     store = await reopen(tmp_path)
-    images = []
-    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
-
-    def imaged(ranges):
-        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
-        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
-        images.append(img)
-        flush_ranges(ranges)
-
-    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    images = image_each_flush(monkeypatch, tmp_path)     # the disk as a crash before each flush returns may leave it
     copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
     c = await store.put(copy)
     assert c.ok
