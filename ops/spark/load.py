@@ -20,7 +20,7 @@ def record_schema():
     from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
     longs = ("offset", "size", "queue_offset", "store_ts", "prepared_offset", "txmq_half", "n", "bytes",
-             "body_bytes", "ts_max", "qo_max")
+             "body_bytes", "ts_max", "qo_max", "half_qo")
     types = {**{n: LongType() for n in longs}, "queue_id": IntegerType(), "tx_type": IntegerType(),
              "txmq_checks": IntegerType()}
     return StructType([StructField(n, types.get(n, StringType())) for n in seg_mod.ROW_FIELDS])

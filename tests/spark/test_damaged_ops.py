@@ -1,0 +1,75 @@
+"""Op records with damaged properties (zeroed or flipped at rest) in the expiry plan: the Spark side reads them as
+the broker's recovery does (broker/transaction/salvage.py): the body (the half's queue offset, under the body CRC)
+names the half, a whole TXMQ_OP agreeing with it is that decision, and an op that cannot be read leaves its half
+unsettled, never listed for expiry."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.message import Prop
+from tests.spark.storegen import StoreBuilder
+
+pytestmark = pytest.mark.spark
+
+H = 3_600_000
+NOW = 1710028800000 + 100 * H
+RETENTION = 72 * H
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("damaged_ops") / "store")
+    s = {}
+    with StoreBuilder(d, segment_size=1 << 20) as b:
+        b.at(NOW - 90 * H)
+        for name in ("committed", "open", "garbled", "tags_flipped", "check_flipped", "rocketmq"):
+            s[name] = b.half("pg-a", "Pay")
+        b.at(NOW - 89 * H)
+        real, op = b.commit_specs(s["committed"])
+        op[3]["TXMQ_HALF"] = str(s["open"].offset)         # a digit flipped: names the open half
+        b.put_many([real, op])
+        op = b.op_spec(s["garbled"], "ROLLBACK")
+        op[3].pop(Prop.TAGS)
+        op[3]["TXMQ_OP"] = "ROLLBXCK"                      # no word of ours: the Spark side cannot tell
+        b.put_many([op])
+        op = b.op_spec(s["tags_flipped"], "ROLLBACK")
+        op[3][Prop.TAGS] = "e"                             # its decision word and TXMQ_HALF whole: a ROLLBACK
+        b.put_many([op])
+        check = b.check_specs(s["check_flipped"], 1)[0]
+        check[3][Prop.TAGS] = "b"                          # a check attempt all the same: nothing decided
+        b.put_many([check])
+        # RocketMQ's own op record (a slave of a RocketMQ master): no TXMQ_* property, left out as before
+        b.put_many([("RMQ_SYS_TRANS_OP_HALF_TOPIC", str(s["rocketmq"].queue_offset).encode(), 0,
+                     {Prop.TAGS: "d", Prop.WAIT: "false"}, 0, 0)])
+        b.at(NOW - H).send("Orders")
+    s["dir"] = d
+    return s
+
+
+@pytest.fixture(scope="module")
+def plan(spark, store):
+    from ops.spark.expiry import build_plan
+
+    return build_plan(spark, store["dir"], retention_ms=RETENTION, now_ms=NOW)
+
+
+def test_the_body_names_the_half_a_decision_op_decided(plan, store):
+    listed = {h["commit_log_offset"] for h in plan["halves"]}
+    assert store["committed"].offset not in listed          # committed: its op's TXMQ_HALF lied
+    assert store["open"].offset in listed                   # undecided: no op of its own
+    assert plan["report"]["damaged_ops"]["misnamed"] == 1
+
+
+def test_an_op_that_cannot_be_read_holds_its_half_back_and_is_reported(plan, store):
+    listed = {h["commit_log_offset"] for h in plan["halves"]}
+    assert store["garbled"].offset not in listed
+    assert plan["report"]["damaged_ops"]["unsettled_halves"] == [store["garbled"].offset]
+    assert plan["report"]["damaged_ops"]["unreadable"] == 3     # garbled, tags_flipped, check_flipped
+    assert plan["report"]["damaged_ops"]["unplaced"] == 0
+
+
+def test_whole_words_are_read_as_the_broker_reads_them(plan, store):
+    listed = {h["commit_log_offset"] for h in plan["halves"]}
+    assert store["tags_flipped"].offset not in listed       # its own TXMQ_OP: ROLLBACK
+    assert store["check_flipped"].offset in listed          # a check decides nothing
+    assert store["rocketmq"].offset in listed               # RocketMQ's op: not txmq's decision
