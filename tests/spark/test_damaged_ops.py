@@ -18,7 +18,11 @@ RETENTION = 72 * H
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("damaged_ops") / "store")
+    return build(str(tmp_path_factory.mktemp("damaged_ops") / "store"))
+
+
+def build(d: str) -> dict:
+    """The store, written by the broker's own store writer; {name: its half (Stored)} and "dir"."""
     s = {}
     with StoreBuilder(d, segment_size=1 << 20) as b:
         b.at(NOW - 90 * H)
@@ -73,3 +77,28 @@ def test_whole_words_are_read_as_the_broker_reads_them(plan, store):
     assert store["tags_flipped"].offset not in listed       # its own TXMQ_OP: ROLLBACK
     assert store["check_flipped"].offset in listed          # a check decides nothing
     assert store["rocketmq"].offset in listed               # RocketMQ's op: not txmq's decision
+
+
+def test_the_plan_agrees_with_the_brokers_recovery_before_and_after_it(spark, tmp_path):
+    """The broker started on the same store: its undecided transactions are what the plan lists (the unsettled
+    one it dead-letters, `op-unreadable`); on the store it leaves behind, nothing is unsettled any more."""
+    import json
+    import subprocess
+    import sys
+
+    from ops.spark.expiry import build_plan
+    from tests.support.broker_process import BrokerProcess
+
+    s = build(str(tmp_path / "store"))
+    before = build_plan(spark, s["dir"], retention_ms=RETENTION, now_ms=NOW)
+    with BrokerProcess(s["dir"]) as b:      # stopped cleanly on the way out
+        out = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "list", "--json"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    undecided = {row["commit_log_offset"] for row in json.loads(out.stdout)["pending"]}
+    assert {h["commit_log_offset"] for h in before["halves"]} == undecided
+    assert before["report"]["damaged_ops"]["unsettled_halves"] == [s["garbled"].offset]
+    assert s["garbled"].offset not in undecided
+
+    after = build_plan(spark, s["dir"], retention_ms=RETENTION, now_ms=NOW)
+    assert {h["commit_log_offset"] for h in after["halves"]} == undecided
+    assert after["report"]["damaged_ops"]["unsettled_halves"] == []
