@@ -39,7 +39,7 @@ from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
 from .manifest import removed_before, segments_for_window
 from .publish import Publisher
 from .snapshots import snapshot_files
-from .transactions import ALL_GROUPS, classify, half_summary
+from .transactions import ALL_GROUPS, classify, half_summary, op_damage
 
 log = logging.getLogger("ops.spark")
 
@@ -442,6 +442,24 @@ def _union(dfs):
     return out
 
 
+DAMAGED_OPS = ("misnamed", "unreadable", "unplaced", "unsettled")
+
+
+def _damaged_ops(broker: str, records, per_half) -> dict:
+    """Op records with damaged properties (transactions.py): counted, said at ERROR, and in the summary and the
+    report. A half an unreadable op may have decided (unsettled) counts as undecided here until the broker's next
+    start settles it and writes its op again."""
+    F = _F()
+    out = {**op_damage(records),
+           "unsettled": per_half.where(F.col("unsettled").isNotNull() & F.col("h").isNotNull()).count()}
+    if any(out.values()):
+        log.error("rollup: broker %s: %d op record(s) name another half in TXMQ_HALF than by their body (taken for "
+                  "the body's), %d cannot be read (%d naming no half), %d half message(s) counted undecided that such "
+                  "an op may have decided; the broker settles them at its next start (see its log)", broker,
+                  out["misnamed"], out["unreadable"], out["unplaced"], out["unsettled"])
+    return out
+
+
 def _summary(parts, date: str | None) -> dict:
     """The run's summary: counts summed over the stores, every date any store has."""
     dates = [date] if date else sorted({d for p in parts for d in p.dates()})
@@ -450,6 +468,7 @@ def _summary(parts, date: str | None) -> dict:
             "segments_read": total("segments_read"), "bytes_read": total("bytes_read"),
             "incremental": all(p.summary["incremental"] for p in parts),
             "damage": [d for p in parts for d in p.summary["damage"]],
+            "damaged_ops": {k: sum(p.summary["damaged_ops"][k] for p in parts) for k in DAMAGED_OPS},
             "snapshot_lines": total("snapshot_lines"), "bad_snapshot_lines": total("bad_snapshot_lines"),
             "incomplete_snapshot_lines": total("incomplete_snapshot_lines"),
             "brokers": [p.broker for p in parts], "rows": {}, "reports": [], "left_as_is": []}
@@ -488,6 +507,7 @@ class _StoreRollup:
             if extra is not None:
                 records = records.unionByName(classify(extra))
         self.per_half = half_summary(records).cache()
+        damaged_ops = _damaged_ops(broker, records, self.per_half)
         self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
@@ -518,7 +538,7 @@ class _StoreRollup:
             self.begins = min(held, default=None)
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
                         "bytes_read": scan.bytes_read, "incremental": self.since is not None,
-                        "damage": [{**d, "broker": broker} for d in scan.damage],
+                        "damage": [{**d, "broker": broker} for d in scan.damage], "damaged_ops": damaged_ops,
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
                         "incomplete_snapshot_lines": self.snaps.incomplete_lines}
 

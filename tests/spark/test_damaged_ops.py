@@ -102,3 +102,22 @@ def test_the_plan_agrees_with_the_brokers_recovery_before_and_after_it(spark, tm
     after = build_plan(spark, s["dir"], retention_ms=RETENTION, now_ms=NOW)
     assert {h["commit_log_offset"] for h in after["halves"]} == undecided
     assert after["report"]["damaged_ops"]["unsettled_halves"] == []
+
+
+def test_the_rollup_counts_decisions_as_the_broker_reads_them_and_reports_the_damage(spark, store, tmp_path):
+    import os
+
+    from ops.spark.rollup import run_rollup
+
+    out = str(tmp_path / "out")
+    summary = run_rollup(spark, store["dir"], out, date="2024-03-10")
+    assert summary["damaged_ops"] == {"misnamed": 1, "unreadable": 3, "unplaced": 0, "unsettled": 1}
+    day = [r for r in spark.read.parquet(os.path.join(out, "transactions")).collect()
+           if r["producer_group"] == "pg-a" and r["grain"] == "day"]
+    assert len(day) == 1
+    assert (day[0]["halves"], day[0]["commits"], day[0]["rollbacks"], day[0]["checks"]) == (6, 1, 1, 0)
+    # open, check_flipped, rocketmq (as the broker), and garbled until the broker's next start settles it
+    assert day[0]["undecided_at_end"] == 4
+    with open(summary["reports"][0], encoding="utf-8") as f:
+        html = f.read()
+    assert "Damaged op records: 1 named another half" in html
