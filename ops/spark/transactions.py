@@ -44,7 +44,7 @@ def classify(records):
     kind = (F.when(topic == HALF_TOPIC, "half")
             .when((topic == OP_TOPIC) & (tags == OP_TAG_DECISION) & half.isNotNull() & op.isin(*OPS), "op")
             .when((topic == OP_TOPIC) & (tags == OP_TAG_CHECK) & half.isNotNull() & op.isNull(), "check")
-            .when((topic == OP_TOPIC) & (ours | ~tags.isin(OP_TAG_DECISION, OP_TAG_CHECK)
+            .when((topic == OP_TOPIC) & (ours | ~F.coalesce(tags.isin(OP_TAG_DECISION, OP_TAG_CHECK), F.lit(False))
                                          | F.col("half_qo").isNull()), "bad_op")
             .when(topic == DEAD_TOPIC, "dead")
             .otherwise("other"))
@@ -61,8 +61,9 @@ def _by_body(classified):
     halves = classified.where(kind == "half").select(F.col("queue_offset").alias("_q"), F.col("offset").alias("_at"))
     ops = classified.where(kind.isin("op", "check", "bad_op"))
     ops = ops.join(halves, ops["half_qo"] == halves["_q"], "left")
-    agrees = F.col("_at").isNotNull() & (F.col("txmq_half") == F.col("_at"))
-    said = (kind == "bad_op") & agrees & op.isin(*OPS)     # damage elsewhere: its own decision word stands
+    known = lambda cond: F.coalesce(cond, F.lit(False))     # noqa: E731  (a missing property: not so, never null)
+    agrees = known(F.col("txmq_half") == F.col("_at"))
+    said = (kind == "bad_op") & agrees & known(op.isin(*OPS))     # damage elsewhere: its own decision word stands
     plain_check = (kind == "bad_op") & F.col("txmq_checks").isNotNull() & op.isNull()
     return (ops.withColumn("misnamed", F.col("_at").isNotNull() & F.col("txmq_half").isNotNull() & ~agrees)
             .withColumn("unreadable", kind == "bad_op")

@@ -26,7 +26,7 @@ def build(d: str) -> dict:
     s = {}
     with StoreBuilder(d, segment_size=1 << 20) as b:
         b.at(NOW - 90 * H)
-        for name in ("committed", "open", "garbled", "tags_flipped", "check_flipped", "rocketmq"):
+        for name in ("committed", "open", "garbled", "tags_flipped", "check_flipped", "rocketmq", "zeroed"):
             s[name] = b.half("pg-a", "Pay")
         b.at(NOW - 89 * H)
         real, op = b.commit_specs(s["committed"])
@@ -42,6 +42,8 @@ def build(d: str) -> dict:
         check = b.check_specs(s["check_flipped"], 1)[0]
         check[3][Prop.TAGS] = "b"                          # a check attempt all the same: nothing decided
         b.put_many([check])
+        op = b.op_spec(s["zeroed"], "COMMIT")              # its properties zeroed: no TAGS, no TXMQ_*
+        b.put_many([op[:3] + ({"\x00" * 40: "\x00" * 40},) + op[4:]])
         # RocketMQ's own op record (a slave of a RocketMQ master): no TXMQ_* property, left out as before
         b.put_many([("RMQ_SYS_TRANS_OP_HALF_TOPIC", str(s["rocketmq"].queue_offset).encode(), 0,
                      {Prop.TAGS: "d", Prop.WAIT: "false"}, 0, 0)])
@@ -67,8 +69,9 @@ def test_the_body_names_the_half_a_decision_op_decided(plan, store):
 def test_an_op_that_cannot_be_read_holds_its_half_back_and_is_reported(plan, store):
     listed = {h["commit_log_offset"] for h in plan["halves"]}
     assert store["garbled"].offset not in listed
-    assert plan["report"]["damaged_ops"]["unsettled_halves"] == [store["garbled"].offset]
-    assert plan["report"]["damaged_ops"]["unreadable"] == 3     # garbled, tags_flipped, check_flipped
+    assert store["zeroed"].offset not in listed
+    assert plan["report"]["damaged_ops"]["unsettled_halves"] == [store["garbled"].offset, store["zeroed"].offset]
+    assert plan["report"]["damaged_ops"]["unreadable"] == 4     # garbled, tags_flipped, check_flipped, zeroed
     assert plan["report"]["damaged_ops"]["unplaced"] == 0
 
 
@@ -96,8 +99,8 @@ def test_the_plan_agrees_with_the_brokers_recovery_before_and_after_it(spark, tm
                              capture_output=True, text=True, timeout=60, check=True)
     undecided = {row["commit_log_offset"] for row in json.loads(out.stdout)["pending"]}
     assert {h["commit_log_offset"] for h in before["halves"]} == undecided
-    assert before["report"]["damaged_ops"]["unsettled_halves"] == [s["garbled"].offset]
-    assert s["garbled"].offset not in undecided
+    assert before["report"]["damaged_ops"]["unsettled_halves"] == [s["garbled"].offset, s["zeroed"].offset]
+    assert s["garbled"].offset not in undecided and s["zeroed"].offset not in undecided
 
     after = build_plan(spark, s["dir"], retention_ms=RETENTION, now_ms=NOW)
     assert {h["commit_log_offset"] for h in after["halves"]} == undecided
@@ -111,13 +114,13 @@ def test_the_rollup_counts_decisions_as_the_broker_reads_them_and_reports_the_da
 
     out = str(tmp_path / "out")
     summary = run_rollup(spark, store["dir"], out, date="2024-03-10")
-    assert summary["damaged_ops"] == {"misnamed": 1, "unreadable": 3, "unplaced": 0, "unsettled": 1}
+    assert summary["damaged_ops"] == {"misnamed": 1, "unreadable": 4, "unplaced": 0, "unsettled": 2}
     day = [r for r in spark.read.parquet(os.path.join(out, "transactions")).collect()
            if r["producer_group"] == "pg-a" and r["grain"] == "day"]
     assert len(day) == 1
-    assert (day[0]["halves"], day[0]["commits"], day[0]["rollbacks"], day[0]["checks"]) == (6, 1, 1, 0)
-    # open, check_flipped, rocketmq (as the broker), and garbled until the broker's next start settles it
-    assert day[0]["undecided_at_end"] == 4
+    assert (day[0]["halves"], day[0]["commits"], day[0]["rollbacks"], day[0]["checks"]) == (7, 1, 1, 0)
+    # open, check_flipped, rocketmq (as the broker), and garbled, zeroed until the broker's next start settles them
+    assert day[0]["undecided_at_end"] == 5
     with open(summary["reports"][0], encoding="utf-8") as f:
         html = f.read()
     assert "Damaged op records: 1 named another half" in html
