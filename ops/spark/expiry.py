@@ -141,8 +141,8 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
 
 def _say_damaged_ops(d: dict) -> None:
     if d["misnamed"]:
-        log.error("expiry: %d op record(s) name another half (their half property) than by their body (the half's queue "
-                  "offset, under the body CRC): taken for the body's half, as the broker does", d["misnamed"])
+        log.error("expiry: %d op record(s) name another half (their half property) than by their body (the half's "
+                  "queue offset, under the body CRC): taken for the body's half, as the broker does", d["misnamed"])
     if d["unreadable"]:
         log.error("expiry: %d op record(s) cannot be read (damaged properties), %d of them naming no half; the "
                   "broker settles them at its next start (see its log)", d["unreadable"], d["unplaced"])

@@ -54,7 +54,8 @@ def classify(records):
 def _by_body(classified):
     """The op records re-aimed at the half their body names (see the top): kind and txmq_half as the broker's
     recovery reads them, and ``misnamed`` (TXMQ_HALF disagreed with the body) / ``unreadable`` (its properties
-    are damaged) / ``unsettled`` (an unreadable op that may have decided its half) flags. A body naming no half the scan holds leaves TXMQ_HALF as it is."""
+    are damaged) / ``unsettled`` (an unreadable op that may have decided its half) flags. A body naming no half
+    the scan holds leaves TXMQ_HALF as it is."""
     from pyspark.sql import functions as F
 
     kind, op = F.col("kind"), F.col("txmq_op")
