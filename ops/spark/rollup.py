@@ -454,8 +454,8 @@ def _damaged_ops(broker: str, records, per_half) -> dict:
            "unsettled": per_half.where(F.col("unsettled").isNotNull() & F.col("h").isNotNull()).count()}
     if any(out.values()):
         log.error("rollup: broker %s: %d op record(s) name another half (their half property) than by their body "
-                  "(taken for the body's), %d cannot be read (%d naming no half), %d half message(s) counted undecided that such "
-                  "an op may have decided; the broker settles them at its next start (see its log)", broker,
+                  "(taken for the body's), %d cannot be read (%d naming no half), %d half message(s) counted undecided "
+                  "that such an op may have decided; the broker settles them at its next start (see its log)", broker,
                   out["misnamed"], out["unreadable"], out["unplaced"], out["unsettled"])
     return out
 
