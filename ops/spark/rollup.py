@@ -115,17 +115,20 @@ def transactions_table(spark, s, dates, since: int | None = None, baseline: list
     F = _F()
     ev = F.struct
     reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])
-    facts = s.select(F.col("group").alias("producer_group"), F.explode(F.concat(
-        F.when(F.col("h").isNotNull(), F.array(ev(F.col("h.ts").alias("ts"), F.lit("halves").alias("metric"))))
+    # A dead letter counts for its own group (it carries its half's PGROUP): its TXMQ_HALF is under no CRC, and a
+    # flipped digit there files it under another half, of another group perhaps.
+    own = F.col("group")
+    fact = lambda ts, metric, group=own: ev(ts.alias("ts"), metric.alias("metric"), group.alias("group"))  # noqa: E731
+    facts = s.select(F.explode(F.concat(
+        F.when(F.col("h").isNotNull(), F.array(fact(F.col("h.ts"), F.lit("halves")))).otherwise(F.array()),
+        F.when(F.col("decision").isNotNull(), F.array(fact(F.col("decision.ts"), F.when(
+            F.col("decision.outcome") == COMMIT, "commits").otherwise("rollbacks"))))
         .otherwise(F.array()),
-        F.when(F.col("decision").isNotNull(), F.array(ev(F.col("decision.ts").alias("ts"), F.when(
-            F.col("decision.outcome") == COMMIT, "commits").otherwise("rollbacks").alias("metric"))))
-        .otherwise(F.array()),
-        F.transform("checks", lambda t: ev(t.alias("ts"), F.lit("checks").alias("metric"))),
-        F.transform("deads", lambda d: ev(d["ts"].alias("ts"), F.lit("dead_letters").alias("metric"))),
+        F.transform("checks", lambda t: fact(t, F.lit("checks"))),
+        F.transform("deads", lambda d: fact(d["ts"], F.lit("dead_letters"), F.coalesce(d["group"], own))),
         F.transform(F.filter("deads", lambda d: reason_metric[d["reason"]].isNotNull()),
-                    lambda d: ev(d["ts"].alias("ts"), reason_metric[d["reason"]].alias("metric"))),
-    )).alias("e")).select("producer_group", "e.ts", "e.metric")
+                    lambda d: fact(d["ts"], reason_metric[d["reason"]], F.coalesce(d["group"], own))),
+    )).alias("e")).select(F.col("e.group").alias("producer_group"), "e.ts", "e.metric")
     counts = (_windows(_all_groups(facts), "ts").where(F.col("date").isin(dates))
               .groupBy(*KEYS, "producer_group").pivot("metric", list(TX_METRICS)).count())
 

@@ -44,6 +44,10 @@ def build(d: str) -> dict:
         b.put_many([check])
         op = b.op_spec(s["zeroed"], "COMMIT")              # its properties zeroed: no TAGS, no TXMQ_*
         b.put_many([op[:3] + ({"\x00" * 40: "\x00" * 40},) + op[4:]])
+        s["other_group"] = b.half("pg-b", "Ship")
+        letter, op = b.dead_specs(s["other_group"], "max-checks")
+        letter[3]["TXMQ_HALF"] = str(s["open"].offset)     # a digit flipped: files it under pg-a's open half
+        b.put_many([letter, op])
         # RocketMQ's own op record (a slave of a RocketMQ master): no TXMQ_* property, left out as before
         b.put_many([("RMQ_SYS_TRANS_OP_HALF_TOPIC", str(s["rocketmq"].queue_offset).encode(), 0,
                      {Prop.TAGS: "d", Prop.WAIT: "false"}, 0, 0)])
@@ -121,6 +125,10 @@ def test_the_rollup_counts_decisions_as_the_broker_reads_them_and_reports_the_da
     assert (day[0]["halves"], day[0]["commits"], day[0]["rollbacks"], day[0]["checks"]) == (7, 1, 1, 0)
     # open, check_flipped, rocketmq (as the broker), and garbled, zeroed until the broker's next start settles them
     assert day[0]["undecided_at_end"] == 5
+    assert day[0]["dead_letters"] == 0
+    pgb = [r for r in spark.read.parquet(os.path.join(out, "transactions")).collect()
+           if r["producer_group"] == "pg-b" and r["grain"] == "day"]
+    assert (pgb[0]["halves"], pgb[0]["dead_letters"], pgb[0]["undecided_at_end"]) == (1, 1, 0)
     with open(summary["reports"][0], encoding="utf-8") as f:
         html = f.read()
     assert "Damaged op records: 1 named another half" in html
