@@ -113,7 +113,8 @@ class BrokerServer:
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
                               broker=c.broker_name, max_retry_groups=c.max_retry_groups,
-                              trace_topic=c.trace_topic_enable)
+                              trace_topic=c.trace_topic_enable,
+                              per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
         topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
@@ -170,7 +171,8 @@ class BrokerServer:
                         "raised, within the open-files limit and vm.max_map_count)", topics.queue_total, c.max_queues)
         if not slave:       # a slave's topics follow its master's (topic_follower)
             store.on_new_queue = topics.queue_appeared
-        ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000)
+        ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000,
+                                      per_host=not slave)   # a slave's are its master's copies: no caps
         ctx.offsets.fit(store.max_offset)       # queues a cut log left shorter than what was committed
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
@@ -427,12 +429,19 @@ class BrokerServer:
                                             f"{creator} created {held} topics, its limit (max_topics_per_host={limit})")
                 return
         queues = retry_queues(self.ctx.subscriptions, group)
-        if self.ctx.limits.queue_room(self.ctx.topics, topic, queues, creator, count=first):
+        slave = ha_roles.is_slave(self.ctx.config)
+        # A slave makes a missing one (as RocketMQ's heartBeat does: failed-over consumers pull it there) but never
+        # grows one nor weighs queues: its queues are its master's, made by the records it copies (topic_follower),
+        # and no heartbeat makes a file. Since it copies its master's groups (SlaveSync), a group's retryQueueNums
+        # had every heartbeat on the slave grow the topic, charge the consumer's address, refuse it past the
+        # slave's queue limits (counted, logged: no retry topic there at all) and sweep its %RETRY% topics.
+        if not slave and self.ctx.limits.queue_room(self.ctx.topics, topic, queues, creator, count=first):
             return                      # made or grown past max_queues or max_queues_per_host: said on the first
         try:
             # grown too: a topic made with fewer queues before the group's retryQueueNums was raised, or by a
             # version that ignored it (the first heartbeat after an upgrade)
-            self.ctx.topics.grow(topic, queues) or self.ctx.topics.ensure(topic, queues, creator=creator)
+            (not slave and self.ctx.topics.grow(topic, queues, creator)) or self.ctx.topics.ensure(
+                topic, queues, creator=creator)
         except TopicLimitError as exc:
             if first:
                 self.ctx.limits.refused("retry-group-limit")
@@ -450,7 +459,10 @@ class BrokerServer:
         group = topic[len(RETRY_PREFIX):]
         if ctx.clients.consumer_ids(group) or group in ctx.subscriptions.groups:
             return False
-        return all(ctx.store.max_offset(topic, q) == 0 for q in range(ctx.topics.topics[topic].queue_count))
+        # Every queue it counts for: one made smaller (UPDATE_AND_CREATE_TOPIC) keeps its queues past its count
+        # and what is in them; looked at up to its count only, it was forgotten with retries in them unread.
+        queues = max(ctx.topics.topics[topic].queue_count, ctx.topics.queues_counted(topic)[0])
+        return all(ctx.store.max_offset(topic, q) == 0 for q in range(queues))
 
     def _lag(self):
         store = self.ctx.store
@@ -810,7 +822,9 @@ def effective_max_queues(max_queues: int, open_files: int, max_map_count: int | 
     (EMFILE, ENOMEM), refused by the send as "create mapped file failed"."""
     held = queues_limits_hold(open_files, max_map_count)
     if max_queues == 0:
-        return (_QUEUES_UNBOUNDED if held is None else held), None
+        # never more than with no limit known: an open-files limit of 2**62 with no vm.max_map_count to read (not
+        # Linux) made the default 2**61, a cap that caps nothing, said as such in every log and metric
+        return (_QUEUES_UNBOUNDED if held is None else min(held, _QUEUES_UNBOUNDED)), None
     if held is None or max_queues <= held:
         return max_queues, None
     short = []

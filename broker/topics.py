@@ -9,6 +9,14 @@ rewrite of the whole file per topic on the loop. A crash before the write loses
 nothing acknowledged: ``adopt`` restores any topic the store holds queues for, and
 ``queue_appeared`` one whose first queue comes later (a half committed, a delayed
 message delivered after the restart).
+
+Each topic a client made is saved with its maker ("creator": its limits.client_key, at most a /64's 43
+characters) and, when another client gave it more queues since, the client its queues are charged to
+("queues_by"; null: an operator). Start-up counts them again: max_topics_per_host and max_queues_per_host
+hold across restarts, where counts kept in memory only let one address make its limit again after every
+restart. A catalogue written before ("creators_recorded" missing) charges its topics to no client, said once.
+So are the makers of %RETRY% topics reclaimed lately ("reclaimed": [[topic, maker, unix ms], ...], see _reclaim):
+a delayed retry delivered after a restart makes its topic again charged to its maker, as before one.
 """
 from __future__ import annotations
 
@@ -51,6 +59,9 @@ _RECLAIM_EVERY_S = 1.0          # at most one sweep for reclaimable %RETRY% topi
 # (queue_appeared), charged to that maker. The longest delay level is 2 h.
 _RECLAIMED_KEEP_S = 3 * 3600.0
 _RECLAIMED_MAX = 65536
+# Of those, the newest saved with the catalogue (its "reclaimed"): all 65,536 made every catalogue write about 6 MB
+# (and 25 ms on the loop to copy), and one client heartbeating groups it drops reaches them in minutes.
+_RECLAIMED_SAVED = 4096
 
 
 class TopicLimitError(ValueError):
@@ -86,10 +97,13 @@ class TopicConfig:
 
 class TopicManager:
     def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str,
-                 max_retry_groups: int = 1 << 30, trace_topic: bool = False):
+                 max_retry_groups: int = 1 << 30, trace_topic: bool = False, per_host: bool = True):
         self.path = os.path.join(config_dir, "topics.json")
         self.auto_create = auto_create
         self.max_retry_groups = max_retry_groups
+        # False on a slave: its topics follow its master's (topic_follower), made for no client, and no per-host
+        # cap is counted or enforced there; creators read from the catalogue are not kept.
+        self.per_host = per_host
         self._loop = None                   # set by start_background: writes then go to _pool
         self._pool: ThreadPoolExecutor | None = None
         self._write_scheduled = False
@@ -100,13 +114,13 @@ class TopicManager:
         self.topics: dict[str, TopicConfig] = {}
         self._restored: set[str] = set()    # topics the store's queues made again (adopt, queue_appeared)
         # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
-        # In memory only: counted since the broker started.
+        # Saved with the topic in the catalogue and counted again at start-up.
         self._creator: dict[str, str] = {}
         self._created_by: dict[str, int] = {}
         # The consume queues each topic counts for (max_queues, max_queues_per_host): the most it was given since
         # it was made -- a topic made smaller keeps the consume queues it had, as RocketMQ's does, until deleted --
         # and the client they are charged to: who made the topic, or who last gave it more queues
-        # (UPDATE_AND_CREATE_TOPIC). In memory only, as _created_by; queue_total counts every topic's.
+        # (UPDATE_AND_CREATE_TOPIC). Saved as _creator is; queue_total counts every topic's.
         self._queues: dict[str, int] = {}
         self.queue_total = 0
         self._queue_owner: dict[str, str] = {}
@@ -144,6 +158,7 @@ class TopicManager:
         self.topics[AUTO_CREATE_TOPIC] = self._system[AUTO_CREATE_TOPIC]
         for tc in self.topics.values():
             self._count_queues(tc.name, tc.queue_count)
+        self._charge_saved()
         # As RocketMQ's TopicConfigManager with traceTopicEnable, but only when missing and then kept in the
         # catalogue like any topic: one made before (auto-created with more queues) keeps its queues, and
         # turning the option off later does not take the traces already stored out of the routes.
@@ -153,7 +168,7 @@ class TopicManager:
     def _load(self) -> None:
         # The previous save: without it the next write of the catalogue would replace the damaged (or lost) one
         # for good, every topic's settings (queues, permissions, order) back to the defaults.
-        topics = load_saved(self.path, _parse_catalogue, "topics catalogue", log,
+        topics = self._saved = load_saved(self.path, _parse_catalogue, "topics catalogue", log,
                             fallback_cost="at most one save older: a topic made or changed since is restored "
                                           "from the store with default settings, or made again on use",
                             reset_hint="move both away to start with default settings (topics with messages "
@@ -163,6 +178,31 @@ class TopicManager:
         # Made again from the store's queues, kept so across restarts: a delayed message for a higher queue
         # may come after one (queue_appeared grows them, never a config set by hand or by a send).
         self._restored.update(getattr(topics, "restored", ()))
+
+    def _charge_saved(self) -> None:
+        """Count again what each client made, as the catalogue says (``_load``)."""
+        saved, self._saved = self._saved, None
+        if saved is None or not self.per_host:
+            return
+        now, wall = time.monotonic(), time.time()
+        for name, maker, at in saved.reclaimed:         # oldest first, as _reclaim keeps them
+            age = wall - at / 1000
+            if name not in self.topics and age < _RECLAIMED_KEEP_S:
+                self._reclaimed[name] = (maker, now - max(0.0, age))    # (a clock set back: as if just now)
+        for name, creator in saved.creators.items():
+            if name in self.topics and name not in self._system:
+                self._creator[name] = creator
+                self._created_by[creator] = self._created_by.get(creator, 0) + 1
+        for name in self.topics:
+            owner = saved.queue_owners.get(name, self._creator.get(name))
+            if owner is not None and name not in self._system:
+                self._own_queues(name, owner)
+        if not saved.creators_recorded:
+            mine = sum(1 for name in self.topics if name not in self._system)
+            if mine:
+                log.warning("topics catalogue %s was written before topics' creators were recorded: its %d topics "
+                            "are charged to no client (max_topics_per_host and max_queues_per_host count the "
+                            "topics made from now on; an older version or a slave wrote it)", self.path, mine)
 
     def start_background(self, loop) -> None:
         """From now on, catalogue writes are batched on a config thread, off ``loop``."""
@@ -177,7 +217,7 @@ class TopicManager:
         pool, self._pool = self._pool, None
         try:
             # On the config thread, after any write still running there: skipped when nothing changed.
-            await loop.run_in_executor(pool, self._write_if_dirty, list(self.topics.values()))
+            await loop.run_in_executor(pool, self._write_if_dirty, self._snapshot())
         except OSError as exc:          # a full disk must not turn a clean stop into a crash
             log.error("topics catalogue %s not written at stop (topics are restored from the store at "
                       "start-up): %s", self.path, exc)
@@ -190,7 +230,7 @@ class TopicManager:
         if self.on_change is not None:
             self.on_change()
         if self._loop is None:
-            self._write(list(self.topics.values()))
+            self._write(self._snapshot())
         elif not self._write_scheduled:
             self._write_scheduled = True
             self._loop.call_later(0.1, self._write_batch)
@@ -199,8 +239,7 @@ class TopicManager:
         self._write_scheduled = False
         if self._pool is None:
             return
-        # TopicConfigs are replaced, never mutated, so the list is a consistent snapshot.
-        fut = self._loop.run_in_executor(self._pool, self._write, list(self.topics.values()))
+        fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
         fut.add_done_callback(self._written)
 
     def _written(self, fut) -> None:
@@ -220,15 +259,33 @@ class TopicManager:
             self._write_scheduled = True
             self._loop.call_later(self.retry_write_s, self._write_batch)
 
-    def _write_if_dirty(self, topics: list) -> None:
-        if self._dirty:
-            self._write(topics)
+    def _snapshot(self) -> tuple:
+        """On the loop: what a catalogue write needs. TopicConfigs are replaced, never mutated, and the creator
+        tables are copied, so the write, on the config thread, sees one consistent state."""
+        now, wall = time.monotonic(), time.time()
+        reclaimed = []
+        for name, (maker, when) in reversed(self._reclaimed.items()):     # newest first; kept oldest first
+            if len(reclaimed) >= _RECLAIMED_SAVED or now - when >= _RECLAIMED_KEEP_S:
+                break
+            reclaimed.append([name, maker, int((wall - (now - when)) * 1000)])
+        reclaimed.reverse()
+        return list(self.topics.values()), dict(self._creator), dict(self._queue_owner), reclaimed
 
-    def _write(self, topics: list) -> None:
+    def _write_if_dirty(self, snapshot: tuple) -> None:
+        if self._dirty:
+            self._write(snapshot)
+
+    def _write(self, snapshot: tuple) -> None:
         self._dirty = False             # a change made while this write runs sets it again
+        topics, creators, owners, reclaimed = snapshot
         restored = self._restored       # membership only, from this thread: the loop may change it meanwhile
-        body = json.dumps({"topics": [dict(asdict(t), restored=True) if t.name in restored else asdict(t)
-                                      for t in topics if t.name not in self._system]}, indent=1)
+        catalogue = {"topics": [_entry(t, t.name in restored, creators.get(t.name), owners.get(t.name))
+                                for t in topics if t.name not in self._system]}
+        if self.per_host:   # a slave records none: promoted, it says so at start rather than charge all to no one
+            catalogue = {"creators_recorded": True, **catalogue}
+        if reclaimed:
+            catalogue["reclaimed"] = reclaimed
+        body = json.dumps(catalogue, indent=1)
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
         except OSError:
@@ -273,7 +330,7 @@ class TopicManager:
         _RECLAIM_EVERY_S for each client. Else a host whose consumer groups come and go was held at its limit by
         the retry topics of groups long gone, every new group of its left without one, while max_retry_groups,
         far from reached, never swept."""
-        if self._created_by.get(client, 0) < limit:
+        if not self.per_host or self._created_by.get(client, 0) < limit:
             return True
         self.reclaim_retry_of(client, f"max_topics_per_host={limit}")
         return self._created_by.get(client, 0) < limit
@@ -315,6 +372,8 @@ class TopicManager:
 
     def create(self, tc: TopicConfig, creator: str | None = None) -> TopicConfig:
         """Make or replace ``tc``; ``creator``: the client making it (a new topic is counted as its own)."""
+        if not self.per_host:
+            creator = None
         new = tc.name not in self.topics
         if tc.name.startswith(RETRY_PREFIX) and new:
             if self.retry_groups() >= self.max_retry_groups and not self._reclaim_retry_topics():
@@ -480,15 +539,18 @@ class TopicManager:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues), creator)
 
-    def grow(self, topic: str, queues: int) -> TopicConfig | None:
+    def grow(self, topic: str, queues: int, client: str | None) -> TopicConfig | None:
         """At least ``queues`` read and write queues for ``topic`` if it exists (None if not), never fewer: a
         %RETRY% topic made before its group's retryQueueNums was raised (or by a version that ignored it) kept
-        its one queue for good. Shrunk, the messages in the queues cut off would never be read again."""
+        its one queue for good. Shrunk, the messages in the queues cut off would never be read again.
+        ``client`` (a limits.client_key; None: an operator) is charged all its queues if they grow, as
+        ``queue_room`` checked it for: grown with no one named, they were charged to nobody, the maker given its
+        room back, and one address heartbeating group after group set to -q 1024 made queues past its limit."""
         tc = self.topics.get(topic)
         if tc is None or (tc.read_queue_nums >= queues and tc.write_queue_nums >= queues):
             return tc
         return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
-                                       tc.perm, tc.filter_type, tc.sys_flag, tc.order))
+                                       tc.perm, tc.filter_type, tc.sys_flag, tc.order), client)
 
 
 def _take(counts: dict, key, n: int) -> None:
@@ -498,6 +560,18 @@ def _take(counts: dict, key, n: int) -> None:
         counts[key] = left
     else:
         counts.pop(key, None)
+
+
+def _entry(tc: TopicConfig, restored: bool, creator: str | None, owner: str | None) -> dict:
+    """A topic's catalogue entry: its config, and who it is charged to when anyone is (``_parse_catalogue``)."""
+    entry = asdict(tc)
+    if restored:
+        entry["restored"] = True
+    if creator is not None:
+        entry["creator"] = creator
+    if owner != creator:                # only when another client (or an operator, null) gave it more queues
+        entry["queues_by"] = owner
+    return entry
 
 
 def _count(v) -> bool:
@@ -521,13 +595,36 @@ def _parse_catalogue(data) -> list[TopicConfig]:
         out.append(TopicConfig(entry["name"], **{k: entry[k] for k in _FIELD_TYPES if k in entry}))
         if entry.get("restored") is True:
             out.restored.add(entry["name"])
+        # who it is charged to (max_topics_per_host, max_queues_per_host): a client key, bounded as a name is
+        for key, into in (("creator", out.creators), ("queues_by", out.queue_owners)):
+            if key in entry:
+                check((entry[key] is None and key == "queues_by") or _client(entry[key]),
+                      f"topic {entry['name']}: {key} = {entry[key]!r}")
+                into[entry["name"]] = entry[key]
+    out.creators_recorded = data.get("creators_recorded") is True
+    reclaimed = data.get("reclaimed", [])
+    check(isinstance(reclaimed, list), f"reclaimed = {reclaimed!r}")
+    for item in reclaimed:
+        check(isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _client(item[1])
+              and is_int(item[2]), f"reclaimed entry {item!r}")
+    out.reclaimed = [tuple(item) for item in reclaimed[-_RECLAIMED_MAX:]]
     return out
+
+
+def _client(v) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= 128
 
 
 class _Catalogue(list):
     """The catalogue's topics, and ``restored``: those made again from the store's queues (TopicManager.adopt,
-    queue_appeared), saved as "restored": true (a version without it leaves the key out)."""
+    queue_appeared), saved as "restored": true (a version without it leaves the key out); ``creators`` and
+    ``queue_owners``: who each topic and its queues are charged to, where saved ("creator", "queues_by"; an
+    older version's catalogue has neither, and no ``creators_recorded``)."""
 
     def __init__(self):
         super().__init__()
         self.restored: set[str] = set()
+        self.creators: dict[str, str] = {}
+        self.queue_owners: dict[str, str | None] = {}
+        self.creators_recorded = False
+        self.reclaimed: list[tuple[str, str, int]] = []        # (topic, maker, unix ms), oldest first

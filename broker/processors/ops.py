@@ -223,10 +223,15 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     # says so before the next send-back; lowered, it keeps its queues and what is in them.
     # Grown within the queue limits (max_queues, max_queues_per_host: the asker is charged, as for a topic it
     # grows); past them it keeps the queues it has, the refusal counted and logged, and the config is saved.
+    # (With an ACL the request was signed by an account allowed to: an operator's, charged to no address, as
+    # UPDATE_AND_CREATE_TOPIC's.)
     topic, queues = RETRY_PREFIX + cfg["groupName"], retry_queues(ctx.subscriptions, cfg["groupName"])
-    if topic in ctx.topics.topics and ctx.limits.queue_room(ctx.topics, topic, queues, peer_host(conn),
-                                                            "grown") is None:
-        ctx.topics.grow(topic, queues)
+    # (Not on a slave: its queues are its master's, made by the records it copies, and its groups are replaced by
+    # its master's at the next SlaveSync.)
+    asker = peer_host(conn) if ctx.acl is None else None
+    if topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
+            ctx.topics, topic, queues, asker, "grown") is None:
+        ctx.topics.grow(topic, queues, asker)
     return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
 
 

@@ -44,7 +44,7 @@ from ..limits import EveryKey, peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..subscriptions import retry_queues
-from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SYSTEM_TOPIC_PREFIX, TopicLimitError
+from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SYSTEM_TOPIC_PREFIX, TopicConfig, TopicLimitError
 from .admin import stored_record
 
 log = logging.getLogger("txmq.send")
@@ -90,6 +90,11 @@ def _check_topic(ctx, conn, cmd, h: SendMessageRequestHeader):
         if tc is None:
             return cmd.response(ResponseCode.TOPIC_NOT_EXIST,
                                 f"topic[{h.topic}] not exist, apply first please!")
+        if h.topic.startswith(RETRY_PREFIX):
+            # as its heartbeat or send-back makes it, and as its route said before it was made (get_route_info):
+            # made with one queue, a stock consumer's fallback send to a queue of that route was refused "illegal"
+            queues = retry_queues(ctx.subscriptions, h.topic[len(RETRY_PREFIX):])
+            tc = TopicConfig(h.topic, queues, queues)
         refused = ctx.limits.may_auto_create(conn, cmd, ctx.topics, h.topic, tc.queue_count)
         if refused is not None:
             return refused
@@ -439,7 +444,7 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
         # One made with fewer queues (before the group's retryQueueNums was raised, or by a version that ignored
         # it) grows to them, within the queue limits; past them (counted, logged) it is retried in those it has.
         if ctx.limits.queue_room(ctx.topics, topic, queues, peer_host(conn), "grown") is None:
-            ctx.topics.grow(topic, queues)
+            ctx.topics.grow(topic, queues, peer_host(conn))
         return None
     why = validate_topic(topic)
     if why is not None:

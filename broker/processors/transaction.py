@@ -58,6 +58,7 @@ _LOGGED_FIELDS = ("producerGroup", "tranStateTableOffset", "commitLogOffset", "c
 _FIELD_CHARS = 256
 # Refusals any client can repeat at will, each counted in txmq_requests_refused_total (end-no-half,
 # end-not-its-half): logged at most every 10 s each, not a line (a disk write) a request.
+_QUEUE_FILE_FAILED = "create mapped file failed"     # TransactionService._decision_begin's refusal (EMFILE, ...)
 _GATED = frozenset(("Find prepared transaction message failed", "The producer group wrong",
                     "The transaction state table offset wrong"))
 
@@ -69,6 +70,10 @@ def _end_reply(cmd, ctx, answer: tuple[int, str]):
         fields = {k: str(cmd.ext_fields[k])[:_FIELD_CHARS] for k in _LOGGED_FIELDS if k in cmd.ext_fields}
         if remark in _GATED:
             ctx.limits.warn(f"END_TRANSACTION {remark}", f"END_TRANSACTION refused: {remark} ({fields})")
+        elif remark.startswith(_QUEUE_FILE_FAILED):
+            # (the decision's queue file could not be made: counted and said, gated, under the send path's reason
+            # by _decision_begin; said again here, a line each, every END past the open-files limit was logged)
+            ctx.limits.warn("queue-file-failed", f"END_TRANSACTION refused: {remark} ({fields})")
         else:
             log.warning("END_TRANSACTION refused: %s (%s)", remark, fields)
     return None if cmd.is_oneway else cmd.response(code, remark)

@@ -28,7 +28,7 @@ from protocol.record import store_timestamp_at
 
 from ..store import PutRequest
 from ..store.results import PutStatus
-from ..topics import HALF_TOPIC
+from ..topics import HALF_TOPIC, RETRY_PREFIX
 from .levels import SCHEDULE_TOPIC, TIMER_DELAY_MS, TIMER_DELAY_SEC, TIMER_DELIVER_MS, TIMER_TOPIC, DelayLevels
 from .progress import (PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress, load_snapshot,
                        write_snapshot)
@@ -334,6 +334,18 @@ class ScheduleService:
             log.error("%s offset %d (record %d) dropped: %s", source, offset, phys, why)
             self._dropped("no_destination")
             return None
+        if topic.startswith(RETRY_PREFIX):
+            # A retry's queue was one of the group's retryQueueNums when it was handed back. Its topic made again
+            # with fewer since (reclaimed as idle while its retries waited here -- nothing is in it yet -- or
+            # deleted, and made again by a heartbeat after the group's config was lowered or deleted), it landed
+            # in a queue past the topic's: stored, never read. Into one the topic has (a topic not there is made
+            # again for it, with the queues it needs: TopicManager.queue_appeared).
+            tc = self.ctx.topics.topics.get(topic)
+            queues = 0 if tc is None else min(tc.read_queue_nums, tc.write_queue_nums)
+            if queues and qid >= queues:
+                log.info("%s offset %d: retry for %s queue %d goes to queue %d: the topic has %d queues now",
+                         source, offset, topic, qid, qid % queues, queues)
+                qid %= queues
         sys_flag = msg.sys_flag
         record = encode_record(
             topic=topic.encode(), body=msg.body, queue_id=qid, flag=msg.flag, sys_flag=sys_flag,

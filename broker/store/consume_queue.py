@@ -176,18 +176,22 @@ class ConsumeQueue:
         try:
             self._write(memoryview(pending))
         except OSError as exc:
-            self._defer(pending, exc)
+            # (said when they were first deferred: prepare_queue retries on every send, commit and send-back to
+            # the queue, and each failed retry wrote the line again, one a refused request past the open-files limit)
+            self._defer(pending, exc, said=True)
             return False
         log.info("consume queue %s-%d: space is back, %d waiting units written", self.topic, self.queue_id,
                  len(pending) // UNIT_SIZE)
         return True
 
-    def _defer(self, packed, exc: OSError) -> None:
-        self.last_error = exc
+    def _defer(self, packed, exc: OSError, said: bool = False) -> None:
+        # Kept without its traceback: its frames' f_back chain reaches whoever called (prepare_queue's caller, a
+        # decision with its records), all kept alive until the queue's next failure or its file.
+        self.last_error = exc.with_traceback(None)
         written = self.max_offset * UNIT_SIZE
         # _write advances max_offset unit by unit run; keep exactly the units it did not copy
         done = written - self._attempt_from
-        if not self.backlog:
+        if not self.backlog and not said:
             log.warning("consume queue %s-%d: units not written, no space or no file for them (%s); they wait in "
                         "memory until they can be", self.topic, self.queue_id, exc)
         self.backlog = bytearray(packed[done:]) + self.backlog

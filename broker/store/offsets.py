@@ -14,6 +14,13 @@ or the new one, never a torn file. The table replaced is kept as ``consumerOffse
 (hard-linked, then renamed): a table damaged or lost later (a disk, a hand) is read from that
 copy, logged at ERROR, instead of stopping start-up or, worse, starting every group over.
 At start-up the broker lowers offsets past the end of a queue that recovery cut short (``fit``).
+
+Who made each offset (max_offsets_per_host) is saved with the table, so the cap holds across restarts: then the
+file is RocketMQ's own wrapper with one more key, which older versions and ops/spark read past,
+
+    {"offsetTable": {...as above...}, "makers": {"<client key>": {"<topic>@<group>": [<queueId>, ...]}}}
+
+A file without "makers" (written before, or by a slave, which counts nothing) charges its offsets to no client.
 """
 from __future__ import annotations
 
@@ -34,17 +41,24 @@ FILE_NAME = "consumerOffset.json"
 
 
 class ConsumerOffsets:
-    def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0):
+    def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0, per_host: bool = True):
         self.path = os.path.join(store_dir, "config", FILE_NAME)
         self.persist_interval_s = persist_interval_s
         self._table: dict[tuple[str, str, int], int] = {}
         # Which client made each offset (commit's ``client``), and how many each made: max_offsets_per_host.
-        # In memory only: the offsets loaded at start-up are no client's.
+        # Saved with the table ("makers") and counted again at start-up. Not on a slave (``per_host`` False):
+        # its offsets are its master's copies, and it counts and enforces nothing.
+        self.per_host = per_host
         self._maker: dict[tuple[str, str, int], str] = {}
         self._made_by: dict[str, int] = {}
         self._dirty = False
         self._task: asyncio.Task | None = None
         self._write_lock = threading.Lock()     # a cancelled background write may still be running
+        # Each save is numbered when its table is taken (on the loop); the write of an older one than the newest
+        # written is skipped. A cancelled background save still encoding on its thread when close() wrote the
+        # newest table took the lock after it, and the file ended one save older.
+        self._saves_taken = 0
+        self._saves_written = 0
         self._load()
 
     def _load(self) -> None:
@@ -54,6 +68,14 @@ class ConsumerOffsets:
                            fallback_cost="at most one save older: groups may see a few messages again",
                            reset_hint="move both away to start every group over by its consume-from policy")
         self._table = table or {}
+        if table is None:
+            return
+        # taken off the table, not left on it as a second copy for good (on a slave, the only one, never read)
+        makers, table.makers = table.makers, {}
+        if self.per_host:
+            self._maker = makers
+            for client in makers.values():
+                self._made_by[client] = self._made_by.get(client, 0) + 1
 
     # ------------------------------------------------------------------ API
     def get(self, group: str, topic: str, queue_id: int) -> int | None:
@@ -63,7 +85,7 @@ class ConsumerOffsets:
         """Keep ``offset``; ``client``: who commits it (a new offset is counted as that client's, ``made_by``)."""
         key = (group, topic, queue_id)
         if self._table.get(key) != offset:
-            if client is not None and key not in self._table:
+            if client is not None and key not in self._table and self.per_host:
                 self._maker[key] = client
                 self._made_by[client] = self._made_by.get(client, 0) + 1
             self._table[key] = offset
@@ -145,8 +167,10 @@ class ConsumerOffsets:
             if self._dirty:
                 self._dirty = False
                 try:
-                    data = self._encode()
-                    await loop.run_in_executor(None, self._write, data)
+                    # copied here, encoded and written on a thread: 100,000 offsets with their makers take
+                    # about 350 ms to encode, which held the loop that long
+                    snapshot = dict(self._table), dict(self._maker)
+                    await loop.run_in_executor(None, self._encode_and_write, snapshot, self._take_save())
                 except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
                     if not failing:     # once per outage (a full disk), not every few seconds
@@ -162,35 +186,65 @@ class ConsumerOffsets:
         """Write the table now (blocking)."""
         self._dirty = False
         try:
-            self._write(self._encode())
+            self._write(_encode(self._table, self._maker), self._take_save())
         except OSError:
             self._dirty = True
             raise
 
-    def _encode(self) -> bytes:
-        out: dict[str, dict[str, int]] = {}
-        for (group, topic, qid), offset in sorted(self._table.items()):
-            out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
-        return json.dumps(out, indent=1, sort_keys=True).encode()
+    def _take_save(self) -> int:
+        """On the loop, with the table it saves: this save's number (``_write``)."""
+        self._saves_taken += 1
+        return self._saves_taken
 
-    def _write(self, data: bytes) -> None:
+    def _encode_and_write(self, snapshot: tuple, number: int) -> None:
+        self._write(_encode(*snapshot), number)
+
+    def _write(self, data: bytes, number: int) -> None:
         with self._write_lock:
+            if number < self._saves_written:
+                return          # a newer table is in the file already: this one is older
             self._write_locked(data)
+            self._saves_written = number
 
     def _write_locked(self, data: bytes) -> None:
         fsync_dirs(make_dirs(os.path.dirname(self.path)))
         save(self.path, data)       # the table being replaced becomes the previous copy (see _load)
 
 
-def _parse_table(raw) -> dict[tuple[str, str, int], int]:
+def _encode(table: dict, maker: dict) -> bytes:
+    # Not sorted first: sort_keys orders every level as written anyway, and sorting the whole table (100,000
+    # (group, topic, queue) keys: 40-100 ms) is one C call that holds the GIL, the loop stopped for all of it
+    # though this runs on a thread.
+    out: dict[str, dict[str, int]] = {}
+    for (group, topic, qid), offset in table.items():
+        out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
+    if not maker:               # as before: nothing to say (and a slave's file stays RocketMQ's plain table)
+        return json.dumps(out, indent=1, sort_keys=True).encode()
+    makers: dict[str, dict[str, list[int]]] = {}
+    for (group, topic, qid), client in maker.items():      # (keys sorted by dumps; queue ids as made)
+        makers.setdefault(client, {}).setdefault(f"{topic}@{group}", []).append(qid)
+    return json.dumps({"offsetTable": out, "makers": makers}, indent=1, sort_keys=True).encode()
+
+
+class _Table(dict):
+    """(group, topic, queue id) -> offset, and ``makers``: (group, topic, queue id) -> the client that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.makers: dict[tuple[str, str, int], str] = {}
+
+
+def _parse_table(raw) -> _Table:
     """The table of a file's JSON; ValueError for any entry that is not "<topic>@<group>": {"<qid>": offset}.
 
     One bad entry makes the whole file suspect (a hand or a disk changed it): skipping just that entry would
     start its group over on those queues without a word."""
     check(isinstance(raw, dict), "not a JSON object")
+    makers = {}
     if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's wrapper, as ops/spark/expiry.py reads it too
+        makers = raw.get("makers", {})
         raw = raw["offsetTable"]
-    table = {}
+    table = _Table()
     for key, queues in raw.items():
         # (a group name may hold "@", even end in it -- names are not checked: "T@odd@" is group "odd@" of T;
         # refused, one client's name sent every start to the older copy)
@@ -200,4 +254,14 @@ def _parse_table(raw) -> dict[tuple[str, str, int], int]:
         for qid, offset in queues.items():
             check(qid.isdigit() and is_int(offset) and offset >= 0, f"{key} queue {qid!r} = {offset!r}")
             table[(group, topic, int(qid))] = offset
+    check(isinstance(makers, dict), f"makers = {makers!r}")
+    for client, keys in makers.items():
+        check(isinstance(keys, dict), f"makers of {client!r} = {keys!r}")
+        for key, qids in keys.items():
+            split = split_offset_key(key)
+            check(split is not None and isinstance(qids, list) and all(is_int(q) for q in qids),
+                  f"makers of {client!r}: {key!r} = {qids!r}")
+            for qid in qids:
+                if (split[1], split[0], qid) in table:      # (one no longer in the table is nobody's)
+                    table.makers[(split[1], split[0], qid)] = client
     return table

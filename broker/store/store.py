@@ -148,6 +148,12 @@ class MessageStore:
             # none of them is judged by that rule, only what is written from the end recovery finds.
             nul_free_from = read_nul_free_from(self.store_dir)
             copy_from = read_nul_copy_from(self.store_dir)      # a copy its mark never vouched for
+            if copy_from is not None and checkpoint is not None and copy_from < checkpoint.flushed_offset:
+                # Nothing at or past a copy not yet vouched for is flushed as far as the checkpoint knows (the
+                # writer completes the copy's flush only once the mark is past it): a file a power loss brought
+                # back after the start that cut there removed it, the log written on since. Cut there again, that
+                # acknowledged, checkpointed log was lost without a word.
+                copy_from = None
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
@@ -155,8 +161,11 @@ class MessageStore:
                                   deleted=self._deleted,
                                   cut_from=copy_from if nul_free_from is not None and copy_from is not None
                                   and copy_from >= nul_free_from else None)
-            if copy_from is not None:
+            if os.path.exists(os.path.join(self.store_dir, NUL_COPY_FILE)):
                 os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
+                # durable before anything is written where the log was cut: back after a power loss, it cut
+                # there again at the next start, every record written there since with it
+                fsync_dir(self.store_dir)
             if nul_free_from is None or nul_free_from > self.report.end_offset:
                 # (past the end: left by an earlier version, which moved it before writing a copy or, on a slave,
                 # its master's chunk, and crashed between; no record lies past the end, and those written there
@@ -326,7 +335,12 @@ class MessageStore:
             # made by the writer, its file not: its units wait (backlog), written by the retry that makes it; or
             # loaded with none (a directory left empty by a failed open, or a crash, before a restart): made now
             if not cq.retry():
-                raise cq.last_error or OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file")
+                # A fresh error each time: raised, the one the queue keeps would take this caller's frames into its
+                # traceback and keep them (a decision's records, an older NUL copy counted for the writer among
+                # them) until the queue's next failure or its file.
+                err = cq.last_error
+                raise (OSError(err.errno, err.strerror, err.filename) if err is not None else
+                       OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file"))
             if not cq.files:
                 cq.open_file()
             self.queue_index.add(key)

@@ -459,3 +459,93 @@ async def test_a_retry_topic_grown_to_its_groups_retry_queue_nums_stays_within_m
         assert await _retry_write_queues(client, group) == 4                        # 20 of 20: room for it
     finally:
         client.close()
+
+
+async def _consumer_heartbeat(client: RawClient, group: str) -> None:
+    [beat] = await client.call(RemotingCommand(R.HEART_BEAT, opaque=next(_OPAQUES), body=json.dumps({
+        "clientID": f"{group}@seam", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": []}]}).encode()),
+        10)
+    assert beat.code == C.SUCCESS, beat.remark
+
+
+async def _retry_queue_nums(client: RawClient, group: str, queues: int) -> None:
+    [saved] = await client.call(RemotingCommand(
+        R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+        body=json.dumps({"groupName": group, "retryQueueNums": queues}).encode()), 10)
+    assert saved.code == C.SUCCESS, saved.remark
+
+
+@bounded(60)
+async def test_a_retry_topic_grown_by_its_group_counts_for_the_address_that_grew_it(broker_factory):
+    """The queues updateSubGroup (or a heartbeat, a send-back) gives a retry topic are charged to the address that
+    asked, as queue_room checked them: grown with no one named they were charged to nobody -- the maker even given
+    back the one it had -- so an address growing group after group's retry topic held no queues at all."""
+    broker = broker_factory("--max-queues-per-host", "20")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        await _consumer_heartbeat(client, "CG_seam_grown")                  # its retry topic: 1 of 20
+        await _retry_queue_nums(client, "CG_seam_grown", 16)
+        assert await _retry_write_queues(client, "CG_seam_grown") == 16     # 16 of 20
+        refused = await _update_topic(client, "Wide", 8)                     # 24 of 20
+        assert refused.code == C.NO_PERMISSION and "127.0.0.1's 16 queues" in refused.remark, refused.remark
+        assert (await _update_topic(client, "Narrow", 4)).code == C.SUCCESS  # 20 of 20
+    finally:
+        client.close()
+
+
+async def _topic_names(client: RawClient) -> set[str]:
+    [reply] = await client.call(RemotingCommand(R.GET_ALL_TOPIC_CONFIG, opaque=next(_OPAQUES)), 10)
+    return set(json.loads(reply.body_bytes())["topicConfigTable"])
+
+
+@bounded(60)
+async def test_a_retry_topic_made_smaller_is_not_reclaimed_while_a_queue_past_its_count_holds_messages(
+        broker_factory):
+    """At a limit the empty %RETRY% topics of groups gone are forgotten. A topic made smaller keeps the queues it
+    had and what is in them (it counts for them); "empty" looked only at its queues up to its count, so one with
+    retries in a queue past it was forgotten, those retries unread until a restart."""
+    broker = broker_factory("--max-topics-per-host", "2")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    group, retry = "CG_seam_shrunk", "%RETRY%CG_seam_shrunk"
+    try:
+        await _consumer_heartbeat(client, group)                         # its retry topic: 1 of 2
+        assert (await _update_topic(client, retry, 4)).code == C.SUCCESS
+        [sent] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+            "producerGroup": "PG_queues", "topic": retry, "defaultTopic": "TBW102", "defaultTopicQueueNums": "1",
+            "queueId": "3", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""}), 10)
+        assert sent.code == C.SUCCESS and sent.ext_fields["queueId"] == "3", sent.remark
+        assert (await _update_topic(client, retry, 1)).code == C.SUCCESS
+        [gone] = await client.call(RemotingCommand(R.UNREGISTER_CLIENT, opaque=next(_OPAQUES), ext_fields={
+            "clientID": f"{group}@seam", "consumerGroup": group}), 10)
+        assert gone.code == C.SUCCESS, gone.remark
+        assert (await _update_topic(client, "Own", 1)).code == C.SUCCESS   # 2 of 2
+        refused = await _update_topic(client, "More", 1)                   # the retry topic is not empty
+        assert refused.code == C.NO_PERMISSION and "max_topics_per_host=2" in refused.remark, refused.remark
+        assert retry in await _topic_names(client)
+    finally:
+        client.close()
+
+
+@bounded(60)
+async def test_a_send_that_makes_a_retry_topic_makes_it_with_the_queues_its_route_said(broker_factory):
+    """A group's retry topic not made yet is routed with its retryQueueNums queues; a stock consumer's fallback
+    (its send-back refused) sends the failed message to that topic itself, to a queue of that route. The send made
+    the topic with one queue, and refused the message for its queue id ("illegal"), as the route had just said it
+    was there."""
+    broker = broker_factory()
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    group, retry = "CG_seam_routed", "%RETRY%CG_seam_routed"
+    try:
+        await _retry_queue_nums(client, group, 4)
+        assert await _retry_write_queues(client, group) == 4                 # routed, not made
+        assert retry not in await _topic_names(client)
+        [sent] = await client.call(RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=b"m", ext_fields={
+            "producerGroup": "CLIENT_INNER_PRODUCER", "topic": retry, "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": "4", "queueId": "3", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+            "properties": ""}), 10)
+        assert sent.code == C.SUCCESS and sent.ext_fields["queueId"] == "3", sent.remark
+        assert await _retry_write_queues(client, group) == 4
+    finally:
+        client.close()

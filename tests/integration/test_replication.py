@@ -921,3 +921,53 @@ async def test_a_slave_copies_its_masters_subscription_groups_so_its_pulls_sugge
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+def _refused(metrics_addr: str, reason: str) -> float:
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    line = f'txmq_requests_refused_total{{reason="{reason}"}} '
+    return sum(float(x[len(line):]) for x in scraped.splitlines() if x.startswith(line))
+
+
+async def test_a_slave_given_its_masters_groups_neither_grows_nor_refuses_retry_topics(tmp_path):
+    """The slave copies its master's groups (retryQueueNums with them), and consumers heartbeat to it too. Its
+    queues are its master's, made by the records it copies, and a heartbeat there makes no file: its queue limits
+    are not the heartbeat's to meet. Weighed against them, a group set to -q 8 on the master was refused on the
+    slave (counted, logged) and got no retry topic there, its failed-over consumers' pulls of it TOPIC_NOT_EXIST."""
+    started = []
+    pool = ConnectionPool()
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-sq", started, "--slave-sync-interval-ms",
+                                                      "200", "--max-queues-per-host", "4")
+        group = "CG_slave_retry_queues"
+        resp = await pool.request(master.broker, RemotingCommand.request(
+            RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+            body=json.dumps({"groupName": group, "retryQueueNums": 8}).encode()), 5.0)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        async with asyncio.timeout(60):
+            listed = RemotingCommand.request(RequestCode.GET_ALL_SUBSCRIPTIONGROUP_CONFIG)
+            while True:     # copied within a few sync intervals (bounded by the timeout)
+                table = json.loads((await pool.request(slave.broker, listed, 3.0)).body_bytes())
+                if table["subscriptionGroupTable"].get(group, {}).get("retryQueueNums") == 8:
+                    break
+                await asyncio.sleep(0.1)
+            beat = RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps({
+                "clientID": "127.0.0.1@slave", "producerDataSet": [], "consumerDataSet": [{
+                    "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                    "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False,
+                    "subscriptionDataSet": []}]}).encode())
+            resp = await pool.request(slave.broker, beat, 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            resp = await pool.request(slave.broker, RemotingCommand.request(     # an operator's, on the slave
+                RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                body=json.dumps({"groupName": group, "retryQueueNums": 16}).encode()), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            configs = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG)
+            table = json.loads((await pool.request(slave.broker, configs, 5.0)).body_bytes())["topicConfigTable"]
+        assert f"%RETRY%{group}" in table
+        assert await asyncio.to_thread(_refused, slave.metrics, "queue-host-limit") == 0
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()

@@ -95,7 +95,7 @@ DAMAGE = {
 def _saved_twice_topics(path) -> None:
     tm = _topics(path)
     tm.create(TopicConfig("Orders", 16, 16, perm=4))
-    tm._write(list(tm.topics.values()))                     # the previous copy holds Orders too
+    tm._write(tm._snapshot())                   # the previous copy holds Orders too
 
 
 def _saved_twice_subscriptions(path) -> None:

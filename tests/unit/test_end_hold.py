@@ -56,3 +56,28 @@ async def test_an_end_refused_for_naming_no_half_is_logged_at_most_every_10_s_an
         assert len(caplog.records) == 3
     assert all(len(r.getMessage()) < 2000 for r in caplog.records)
     assert "commitLogOffset': '7'" in caplog.records[-1].getMessage()
+
+
+async def test_an_end_refused_for_its_queue_file_is_logged_at_most_every_10_s(caplog):
+    """Past the open-files limit a COMMIT to a new queue is refused (its file cannot be made): counted and said by
+    the decision path under the send path's gated reason (queue-file-failed), and said again here, a WARNING line
+    an END, ungated: every producer's END to such a queue wrote a line while the broker was out of descriptors."""
+    import logging
+
+    from broker.limits import Limits
+
+    now = [100.0]
+    refusal = (1, "create mapped file failed, server is busy or broken: [Errno 24] Too many open files")
+    ctx = types.SimpleNamespace(tx=types.SimpleNamespace(end=lambda *a, **kw: refusal),
+                                limits=Limits(None, None, monotonic=lambda: now[0]))
+    conn = RemotingConnection(lambda c, m: None)
+    with caplog.at_level(logging.WARNING):
+        for i in range(1000):
+            cmd = RemotingCommand.request(37, {"producerGroup": "g", "tranStateTableOffset": str(i),
+                                               "commitLogOffset": str(i), "commitOrRollback": "8"}, oneway=True)
+            assert end_transaction(ctx, conn, cmd) is None
+        assert len(caplog.records) == 1
+        now[0] += 10
+        end_transaction(ctx, conn, cmd)
+        assert len(caplog.records) == 2
+    assert "create mapped file failed" in caplog.records[-1].getMessage()

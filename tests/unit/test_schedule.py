@@ -131,7 +131,7 @@ async def _service(path, clock, levels="1s 5s 10s", monotonic=None, **store_conf
     store = MessageStore(str(path), StoreConfig(segment_size=1 << 20, cq_units_per_file=100, **store_config),
                          clock=clock, tag_rule=DelayLevels(levels).consume_queue_tag)
     ctx = SimpleNamespace(store=store, clock=clock, monotonic=monotonic or clock, metrics=BrokerMetrics(),
-                          store_host=HOST)
+                          store_host=HOST, topics=SimpleNamespace(topics={}))
     svc = ScheduleService(ctx, DelayLevels(levels))
     store.add_dispatch_listener(svc.on_dispatch)
     await store.open()
@@ -467,5 +467,31 @@ async def test_an_older_nul_delivery_left_for_the_next_batch_leaves_no_copy_coun
     assert await svc.run_due(clock.now, clock.now) == 1
     assert [m.properties.get("k") for m in _delivered(store, "Big")] == [None, "v\x00w"]
     assert not store._writer.nul_copies
+    await svc.stop()
+    await store.close()
+
+
+@bounded()
+async def test_a_retry_due_in_a_queue_its_retry_topic_no_longer_has_is_delivered_into_one_it_has(tmp_path):
+    """A send-back picks one of the group's retryQueueNums queues and the retry waits its backoff in
+    SCHEDULE_TOPIC_XXXX. If meanwhile its retry topic was made again with fewer (reclaimed as idle -- nothing is in
+    it while its retries wait -- or deleted, and made again by a heartbeat after the group's config was lowered or
+    deleted), the retry landed in a queue past the topic's: stored and never read by any consumer, for good (a
+    restart did not grow a topic its catalogue holds). It goes into one of the queues the topic has."""
+    from broker.topics import TopicConfig
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    svc.ctx.topics.topics["%RETRY%G"] = TopicConfig("%RETRY%G", 1, 1)
+    props = {"DELAY": "1"}
+    d = svc.levels.divert("%RETRY%G", 3, props, 0, clock.now)     # picked when the topic had 4 queues
+    record = encode_record(topic=d.topic.encode(), body=b"in 3", queue_id=d.queue_id, flag=0, sys_flag=0,
+                           born_timestamp=clock.now, born_host=HOST, store_host=HOST,
+                           properties=properties_to_string(props).encode())
+    store = svc.ctx.store
+    assert (await store.put(PutRequest(record, d.topic, d.queue_id, d.tags_code, 0, d.delay_ms))).ok
+    clock.now = 101_000
+    assert await svc.run_due(101_000, 101_000) == 1
+    assert [m.body for m in _delivered(store, "%RETRY%G")] == [b"in 3"]
+    assert store.max_offset("%RETRY%G", 3) == 0
     await svc.stop()
     await store.close()

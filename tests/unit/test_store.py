@@ -475,6 +475,37 @@ async def test_a_queue_the_writer_made_without_a_file_is_not_in_queue_index(tmp_
 
 
 @bounded()
+async def test_a_queue_waiting_for_its_file_is_said_once_not_at_every_refused_send(tmp_path, monkeypatch, caplog):
+    """Units that wait for their queue's file are said once (a WARNING) when they first wait. prepare_queue retries
+    them at every send, commit and send-back to that queue, and each failed retry said it again: past the
+    open-files limit, a WARNING line a refused request, besides the refusal's own gated one (queue-file-failed)."""
+    import errno
+    import logging
+    from broker.store import consume_queue
+    store = await opened(tmp_path)
+    real = consume_queue.MappedFile.create
+
+    def no_descriptor(directory, *a, **kw):
+        if os.sep + "Late" + os.sep in directory + os.sep:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        assert (await store.put(req(topic="Late"))).ok         # the writer's own path: its unit waits
+        for _ in range(50):
+            with pytest.raises(OSError):
+                store.prepare_queue("Late", 0)
+        assert (await store.put(req(topic="Late"))).ok         # another unit waiting behind it
+    said = [r for r in caplog.records if "wait in memory" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    monkeypatch.setattr(consume_queue.MappedFile, "create", real)
+    store.prepare_queue("Late", 0)
+    assert store.max_offset("Late", 0) == 2
+    await store.close()
+
+
+@bounded()
 async def test_a_queue_directory_left_without_a_file_is_prepared_at_the_next_send(tmp_path):
     """prepare_queue makes a new queue's directory, then its file: an open that fails there (EMFILE, the very
     case it is for) or a crash between the two leaves the directory empty, and a restart loads it as a queue

@@ -195,3 +195,133 @@ def test_the_offsets_a_client_made_are_counted_until_they_go(tmp_path):
     offsets.remove_topic("U")
     offsets.remove_group("C")
     assert offsets.made_by("10.0.0.1") == 1 and offsets.has("B", "T", 0) and not offsets.has("A", "T", 0)
+
+
+def test_who_made_each_offset_is_saved_and_counted_again(tmp_path):
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("g", "T", 0, 5, "10.0.0.1")
+    offsets.commit("g", "T", 1, 5, "10.0.0.1")
+    offsets.commit("odd@", "T", 0, 1, "10.0.0.2")
+    offsets.commit("slave", "T", 0, 1)                      # a copy or the broker's own: nobody's
+    offsets.commit("gone", "T", 0, 1, "10.0.0.2")
+    offsets.remove_group("gone")
+    offsets.persist()
+    raw = json.loads((tmp_path / "config" / "consumerOffset.json").read_text())
+    assert raw["offsetTable"]["T@g"] == {"0": 5, "1": 5}     # RocketMQ's wrapper: older versions read it
+    assert raw["makers"] == {"10.0.0.1": {"T@g": [0, 1]}, "10.0.0.2": {"T@odd@": [0]}}
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.made_by("10.0.0.1") == 2 and again.made_by("10.0.0.2") == 1
+    again.remove_group("g")
+    assert again.made_by("10.0.0.1") == 0 and again.get("slave", "T", 0) == 1
+    slave = ConsumerOffsets(str(tmp_path), per_host=False)  # its offsets are its master's: counted for nobody
+    assert slave.made_by("10.0.0.2") == 0 and slave.get("odd@", "T", 0) == 1
+
+
+def test_an_older_file_is_read_with_its_offsets_made_by_nobody(tmp_path):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "consumerOffset.json").write_text(json.dumps({"T@g": {"0": 5}}))
+    offsets = ConsumerOffsets(str(tmp_path))
+    assert offsets.get("g", "T", 0) == 5 and offsets.made_by("") == 0
+    offsets.persist()                                       # nothing made by anyone: the plain table, as before
+    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text()) == {"T@g": {"0": 5}}
+
+
+@pytest.mark.parametrize("makers", [[], {"10.0.0.1": []}, {"10.0.0.1": {"T@g": [True]}}, {"10.0.0.1": {"x": [0]}}])
+def test_malformed_makers_make_the_file_damaged(tmp_path, makers):
+    from broker.store.offsets import _parse_table
+    with pytest.raises(ValueError):
+        _parse_table({"offsetTable": {"T@g": {"0": 5}}, "makers": makers})
+
+
+@bounded(10)
+async def test_a_background_save_still_encoding_at_close_never_writes_its_older_table_last(tmp_path, monkeypatch):
+    """The background save encodes its copy on a thread, then writes; close() cancels it (the thread runs on) and
+    writes the newest table itself. Taking the write lock only to write, the thread's older table was written after
+    close's: the file ended one save older (a group deleted meanwhile back, its offsets' makers gone)."""
+    import threading
+
+    from broker.store import offsets as offsets_mod
+    encoding, release, finished = threading.Event(), threading.Event(), threading.Event()
+    real_encode = offsets_mod._encode
+
+    def held_encode(table, maker):
+        if threading.current_thread() is not threading.main_thread():     # the background save's, not close's
+            encoding.set()
+            assert release.wait(5)
+        return real_encode(table, maker)
+
+    monkeypatch.setattr(offsets_mod, "_encode", held_encode)
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.001)
+    real_save = offsets._encode_and_write
+
+    def save_then_say(*args):
+        try:
+            return real_save(*args)
+        finally:
+            finished.set()
+
+    offsets._encode_and_write = save_then_say
+    loop = asyncio.get_running_loop()
+    await offsets.open()
+    offsets.commit("g", "T", 0, 1, "10.0.0.1")
+    assert await loop.run_in_executor(None, encoding.wait, 5)          # the background save holds {0: 1}
+    offsets.commit("g", "T", 0, 2)
+    offsets.commit("h", "T", 0, 3, "10.0.0.2")
+    await offsets.close()                                               # writes {0: 2} and h now
+    release.set()
+    assert await loop.run_in_executor(None, finished.wait, 5)          # the older save is done (or skipped)
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.get("g", "T", 0) == 2 and again.get("h", "T", 0) == 3 and again.made_by("10.0.0.2") == 1
+
+
+def test_the_offsets_file_is_encoded_without_one_sort_of_the_whole_table(tmp_path, monkeypatch):
+    """The encode runs on a thread so the loop goes on; but a sort of the whole table is one C call holding the
+    GIL (40-100 ms for 100,000 offsets), the loop stopped for all of it. json's sort_keys orders the file anyway:
+    the bytes are the same without it."""
+    from broker.store import offsets as offsets_mod
+    table = {(f"g{g}", f"T{t}", q): g * 100 + q for g in range(12) for t in range(3) for q in (0, 2, 10, 11)}
+    makers = {key: f"10.0.0.{key[2]}" for key in table if key[0] != "g3"}
+    expected_plain = {f"T{t}@g{g}": {str(q): g * 100 + q for q in (0, 2, 10, 11)} for g in range(12) for t in range(3)}
+    whole = []
+
+    def spy(items, *args, **kwargs):
+        items = list(items)
+        whole.append(len(items) >= len(table))
+        return sorted(items, *args, **kwargs)
+
+    monkeypatch.setattr(offsets_mod, "sorted", spy, raising=False)
+    shuffled = dict(reversed(list(table.items())))
+    body = offsets_mod._encode(shuffled, makers)
+    assert not any(whole)
+    assert body == offsets_mod._encode(table, dict(reversed(list(makers.items()))))     # order-free bytes
+    assert json.loads(body)["offsetTable"] == expected_plain
+    assert json.loads(offsets_mod._encode(shuffled, {})) == expected_plain
+    text = body.decode()
+    assert text.index('"T0@g0"') < text.index('"T0@g1"') < text.index('"T1@g0"')   # sorted as ever
+
+
+def test_the_makers_read_at_start_are_held_once_and_not_at_all_on_a_slave(tmp_path):
+    """The makers read from the file stayed on the loaded table as well: a second copy on a master for good, and
+    on a slave (which counts none) 100,000 of them held and never read."""
+    import tracemalloc
+    plain, made = tmp_path / "plain", tmp_path / "made"
+    for d, client in ((plain, None), (made, "10.0.0.1")):
+        offsets = ConsumerOffsets(str(d))
+        for g in range(2000):
+            offsets.commit(f"group-{g}", "Topic", g % 4, g, client)
+        offsets.persist()
+
+    def held(d, per_host):
+        tracemalloc.start()
+        try:
+            offsets = ConsumerOffsets(str(d), per_host=per_host)
+            size = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert len(offsets.items()) == 2000
+        return size
+
+    base = held(plain, False)
+    per_entry = (held(made, True) - base) / 2000        # a master holds each maker once: its entry and key
+    assert held(made, False) - base < 2000 * 20         # a slave holds none (under 20 bytes an offset: noise)
+    assert per_entry < 250

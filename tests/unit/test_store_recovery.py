@@ -1530,3 +1530,92 @@ async def test_a_mark_the_log_no_longer_reaches_below_is_removed_at_open(tmp_pat
     store = await reopen(tmp_path)
     assert not (tmp_path / "consumequeue" / "T").exists()
     await store.close()
+
+
+@bounded(20)
+async def test_a_copy_refused_for_its_queue_file_is_not_kept_by_the_queues_last_error(tmp_path, monkeypatch):
+    # A decision builds its records (an older broker's NUL half's copy, counted for the writer by copying) and then
+    # makes the new queue's file (prepare_queue). A queue the writer made without its file (EMFILE) raised its
+    # stored last_error: re-raised, that exception took the caller's frames into its traceback, and the queue kept
+    # it, so the refused copy stayed alive, counted in the writer's nul_copies, and every later batch of every
+    # producer was scanned for it (Writer._vouch_first) until a descriptor came free for that queue.
+    import errno
+    import gc
+
+    from broker.store import consume_queue
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    real = consume_queue.MappedFile.create
+
+    def no_descriptor(directory, *a, **kw):
+        if os.sep + "Late" + os.sep in directory + os.sep:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", no_descriptor)
+    assert (await store.put(PutRequest.build("Late", b"y"))).ok     # the writer made the queue, its file not
+    assert not store._writer.nul_copies
+
+    def decision():         # as TransactionService._decision_begin: the copy first, then its queue's file
+        reqs = [store.copying(odd.physical_offset, PutRequest.build("Late", b"x" * 100, properties={"k": "v\x00w"}))]
+        assert store._writer.nul_copies
+        for r in reqs:
+            store.prepare_queue(r.topic, r.queue_id)
+
+    with pytest.raises(OSError) as refused:
+        decision()
+    assert refused.value.errno == errno.EMFILE
+    del refused
+    gc.collect()
+    assert not store._writer.nul_copies
+    await store.close()
+
+
+@bounded(20)
+async def test_a_cut_at_an_unvouched_copy_is_not_made_again_over_the_log_written_since(tmp_path, monkeypatch):
+    # A crash between an older NUL copy's write and its mark: the next start cuts the log where the copy began and
+    # removes the file saying where (nul_copy_from), then writes on there. That removal was not synced: a power
+    # loss could bring the file back, and the start after it cut there again, taking every record written and
+    # acknowledged since (checkpointed too) without a word. The removal is synced before anything is written, and
+    # a file below the checkpoint (nothing past an unvouched copy is checkpointed) cuts nothing.
+    from broker.store.manifest import NUL_COPY_FILE, read_nul_copy_from
+    odd = await _older_store(tmp_path)
+    store = await reopen(tmp_path)
+    images = []
+    flush_ranges = __import__("broker.store.writer", fromlist=["_flush_ranges"])._flush_ranges
+
+    def imaged(ranges):
+        img = tmp_path.parent / f"{tmp_path.name}-img{len(images)}"
+        shutil.copytree(tmp_path, img, ignore=shutil.ignore_patterns("lock", "*.lock"))
+        images.append(img)
+        flush_ranges(ranges)
+
+    monkeypatch.setattr("broker.store.writer._flush_ranges", imaged)
+    copy = store.copying(odd.physical_offset, PutRequest.build("C", b"x" * 100, properties={"k": "v\x00w"}))
+    c = await store.put(copy)
+    assert c.ok
+    await store.close()
+    monkeypatch.undo()
+    img = next(i for i in images if read_nul_copy_from(str(i)) == c.physical_offset
+               and (i / "commitlog" / f"{0:020d}").read_bytes()[c.physical_offset + 4:][:4] == b"\xda\xa3\x20\xa7")
+    crashed_at(img, c.physical_offset)          # the copy's own flush, before its mark: a crash there
+    synced = []
+    real_fsync_dir = __import__("broker.store.store", fromlist=["fsync_dir"]).fsync_dir
+
+    def fsync_dir(path):
+        synced.append((os.path.realpath(path), os.path.exists(os.path.join(path, NUL_COPY_FILE))))
+        real_fsync_dir(path)
+
+    monkeypatch.setattr("broker.store.store.fsync_dir", fsync_dir)
+    store = await reopen(img)
+    assert [t.position for t in store.report.truncations] == [c.physical_offset]
+    assert (os.path.realpath(img), False) in synced, synced      # the file's removal made durable
+    after = [await store.put(req(8)) for _ in range(3)]         # written where the copy was, acknowledged
+    assert all(r.ok for r in after) and after[0].physical_offset == c.physical_offset
+    await store.close()
+    with open(img / NUL_COPY_FILE, "w") as f:   # a power loss took the removal back (had it not been synced)
+        f.write(f"{c.physical_offset}\n")
+    store = await reopen(img)
+    assert store.report.truncations == [] and store.max_offset("T", 0) == 5
+    assert_readable(store, after)
+    await store.close()
