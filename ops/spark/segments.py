@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from protocol.codes import SysFlag
 from protocol.errors import ProtocolError, StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, decode_record, peek_record
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, body_crc, decode_record, peek_record
 from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_REASON
 
 SEGMENT_NAME = re.compile(r"\d{20}")
@@ -68,7 +68,7 @@ _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
 
 # Every output row is a tuple in this column order; "row" says which columns it uses:
 #   rec  one transaction record: segment .. half_qo (an op record's body: the half's queue offset, under
-#        the body CRC where TXMQ_HALF is under none; None when it is not a number)
+#        the body CRC where TXMQ_HALF is under none; None when it is not a number or fails its CRC)
 #   msg  user traffic of a chunk: topic, pgroup, store_ts = hour start, n, bytes, body_bytes
 #   seg  a chunk's records of one (topic, queue): store_ts = first, ts_max, n, qo_max
 #        (highest queue offset of records that consume queues index; None if none)
@@ -218,6 +218,11 @@ def _record_row(seg: Segment, pos: int, msg, size: int, tx_type: int) -> tuple:
 
 
 def _op_body(msg) -> int | None:
+    # Under the CRC only when the CRC holds: without --check-crc nothing else checks it, and a digit flipped here
+    # would take a decision from its half and give it to another. Failing, it names no half (the broker's
+    # recovery empties such a body and goes by TXMQ_HALF). An op body is a few bytes: the check costs nothing.
+    if body_crc(msg.body) != msg.body_crc:
+        return None
     try:
         text = msg.body.decode("ascii")
     except UnicodeDecodeError:

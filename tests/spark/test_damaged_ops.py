@@ -132,3 +132,31 @@ def test_the_rollup_counts_decisions_as_the_broker_reads_them_and_reports_the_da
     with open(summary["reports"][0], encoding="utf-8") as f:
         html = f.read()
     assert "Damaged op records: 1 named another half" in html
+
+
+def test_an_op_body_that_fails_its_crc_names_no_half_and_its_txmq_half_stands(spark, tmp_path):
+    """The body is under the CRC only when the CRC is checked: the jobs read no body's bytes otherwise. A digit
+    flipped in an op's body must not take the decision away from its half and give it to another (the broker's
+    recovery empties a body that fails its CRC and goes by TXMQ_HALF)."""
+    from ops.spark.expiry import build_plan
+
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=1 << 20) as b:
+        b.at(NOW - 90 * H)
+        halves = [b.half("pg-a", "Pay") for _ in range(8)]
+        committed, other = halves[3], halves[7]
+        b.at(NOW - 89 * H)
+        op = b.commit(committed)[1]
+        b.at(NOW - H).send("Orders")
+    path = f"{d}/commitlog/{0:020d}"
+    with open(path, "r+b") as f:
+        f.seek(op.offset)
+        rec = f.read(op.size)
+        at = rec.index(b"\x00\x00\x00\x01" + str(committed.queue_offset).encode()) + 4
+        f.seek(op.offset + at)
+        f.write(str(other.queue_offset).encode())          # the body now names the other half; its CRC does not
+    plan = build_plan(spark, d, retention_ms=RETENTION, now_ms=NOW)
+    listed = {h["commit_log_offset"] for h in plan["halves"]}
+    assert committed.offset not in listed
+    assert other.offset in listed
+    assert plan["report"]["damaged_ops"]["misnamed"] == 0
