@@ -32,7 +32,7 @@ import re
 import time
 import urllib.parse
 
-from protocol.txlog import COMMIT
+from protocol.txlog import COMMIT, OPS
 
 from . import segments as seg_mod
 from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
@@ -291,10 +291,15 @@ def store_brokers(store_dirs) -> list[tuple[str, str]]:
 
 
 def _decided_elsewhere(records) -> list[int]:
-    """Halves whose ops / check records / dead letters were read but which were not."""
+    """Halves whose ops / check records / dead letters were read but which were not. An op whose properties are
+    damaged (bad_op) with a whole decision word too: whether it is that decision depends on its half's offset
+    agreeing with its TXMQ_HALF (transactions._by_body), and without the half a one-day run held back what the
+    whole-store run counted. (Other bad_ops decide nothing either way: their suspect TXMQ_HALF is not read.)"""
     F = _F()
-    have = records.where(F.col("kind") == "half").select(F.col("offset").alias("half"))
-    named = (records.where(F.col("kind").isin("op", "check", "dead") & F.col("txmq_half").isNotNull())
+    kind = F.col("kind")
+    have = records.where(kind == "half").select(F.col("offset").alias("half"))
+    said = (kind == "bad_op") & F.col("txmq_op").isin(*OPS)
+    named = (records.where((kind.isin("op", "check", "dead") | said) & F.col("txmq_half").isNotNull())
              .select(F.col("txmq_half").alias("half")).distinct())
     return [r[0] for r in named.join(have, "half", "left_anti").collect()]
 
