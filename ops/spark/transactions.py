@@ -15,7 +15,8 @@ wins; later ones are ignored). Before that, a DEAD op closes it and a RESUME op 
 again. Ops and dead letters find their half through TXMQ_HALF = the half's commit-log offset,
 so one groupBy on that offset (half_summary) gathers a transaction's whole story.
 
-An op record's body is the half's queue offset, under the body CRC; its properties are under none. Like the
+An op record's body is the half's queue offset, under the body CRC (segments.py checks it for op bodies: one
+that fails names no half); its properties are under none. Like the
 broker's recovery (broker/transaction/salvage.py), the body wins: an op or check whose TXMQ_HALF names another
 half than its body does is taken for the body's half (a flipped digit there would have decided another
 transaction and left its own open, to be planned for expiry). An op whose properties cannot be read (a zeroed
