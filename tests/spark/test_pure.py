@@ -342,3 +342,18 @@ def test_a_plan_is_readable_as_the_umask_allows_for_apply_expiry_run_as_another_
         os.umask(old)
     assert os.stat(tmp_path / "plan.json").st_mode & 0o777 == 0o644 & ~umask
     assert os.listdir(tmp_path) == ["plan.json"]
+
+
+def test_the_spark_benchs_pure_python_baseline_counts_every_record(tmp_path):
+    """bench/bench_spark.py's baseline sums the partials' record counts by column: a column added to the rows
+    (half_qo) must not make it sum another one (it failed on None)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "bench", "bench_spark.py")
+    spec = importlib.util.spec_from_file_location("bench_spark_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    d, written = _store(tmp_path, n=30)
+    assert bench.pure_python(d)[0] == len(written)
