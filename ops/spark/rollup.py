@@ -35,7 +35,7 @@ import urllib.parse
 from protocol.txlog import COMMIT, OPS
 
 from . import segments as seg_mod
-from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
+from .load import DEFAULT_CHUNK_BYTES, half_offsets_by_queue, load_snapshots, read_halves, scan_store
 from .manifest import removed_before, segments_for_window
 from .publish import Publisher
 from .snapshots import snapshot_files
@@ -304,6 +304,15 @@ def _decided_elsewhere(records) -> list[int]:
     return [r[0] for r in named.join(have, "half", "left_anti").collect()]
 
 
+def _unmatched_bodies(records) -> list[int]:
+    """Half queue offsets named by op bodies (transactions._by_body) whose half the records read do not hold."""
+    F = _F()
+    have = records.where((F.col("kind") == "half") & (F.col("queue_id") == 0)).select(F.col("queue_offset").alias("q"))
+    named = (records.where(F.col("kind").isin("op", "check", "bad_op") & F.col("half_qo").isNotNull())
+             .select(F.col("half_qo").alias("q")).distinct())
+    return [r[0] for r in named.join(have, "q", "left_anti").collect()]
+
+
 def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_damaged: bool = False,
                check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                report_dir: str | None = None) -> dict:
@@ -511,7 +520,8 @@ class _StoreRollup:
                                       check_crc=check_crc, chunk_bytes=chunk_bytes, select=select)
         records = classify(scan.records)
         if self.since is not None:
-            extra = read_halves(spark, scan, _decided_elsewhere(records), skip_damaged=skip_damaged)
+            wanted = _decided_elsewhere(records) + half_offsets_by_queue(store_dir, _unmatched_bodies(records))
+            extra = read_halves(spark, scan, wanted, skip_damaged=skip_damaged)
             if extra is not None:
                 records = records.unionByName(classify(extra))
         self.per_half = half_summary(records).cache()

@@ -200,3 +200,43 @@ def test_a_decision_op_with_a_flipped_tags_across_midnight_counts_in_a_one_day_r
     assert one["incremental"] and one["segments_read"] < one["segments"], one
     assert day("2024-03-10") == expected
     assert one["damaged_ops"]["unsettled"] == 0
+
+
+def test_a_misnamed_decision_across_midnight_goes_to_its_bodys_half_in_a_one_day_run_as_in_the_whole_store(
+        spark, tmp_path):
+    """A COMMIT whose TXMQ_HALF names another half (pg-b's) than its body does (pg-a's), both halves stored in
+    segments a one-day run does not read: the run finds the body's half through the half queue (its consume
+    queue), as the broker does, and counts the decision for pg-a with its latency, as the whole-store run does."""
+    import os
+    import shutil
+
+    from ops.spark.rollup import run_rollup
+
+    d1 = NOW - 124 * H                                      # 2024-03-09 00:00
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    with StoreBuilder(store, segment_size=4096) as b:
+        for hour in range(48):
+            now = d1 + hour * H
+            for i in range(3):
+                b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+            if hour == 10:
+                named = b.at(now + 10).half("pg-b", "Pay")
+            if hour == 18:
+                half = b.at(now + 10).half("pg-a", "Pay")
+            if hour == 25:
+                real, op = b.commit_specs(half)
+                op[3]["TXMQ_HALF"] = str(named.offset)
+                b.at(now + 10).put_many([real, op])
+
+    def day(date):
+        df = spark.read.parquet(os.path.join(out, "transactions")).where(f"date = '{date}'").drop("date")
+        return sorted((tuple(sorted(r.asDict().items())) for r in df.collect()), key=repr)
+
+    run_rollup(spark, store, out)
+    expected = day("2024-03-10")
+    pga = [dict(r) for r in expected if ("grain", "day") in r and ("producer_group", "pg-a") in r]
+    assert pga[0]["commits"] == 1 and pga[0]["latency_max_ms"] == 7 * H
+    shutil.rmtree(os.path.join(out, "transactions", "date=2024-03-10"))
+    one = run_rollup(spark, store, out, date="2024-03-10")
+    assert one["incremental"] and one["segments_read"] < one["segments"], one
+    assert day("2024-03-10") == expected
