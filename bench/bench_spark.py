@@ -108,7 +108,8 @@ def pure_python(store_dir: str) -> tuple[int, float]:
     """One process, the same decode the executors run, whole segments, no Spark."""
     t = time.perf_counter()
     _, chunks = seg_mod.plan_chunks(store_dir, 1 << 62)
-    n = sum(row[18] for row in seg_mod.decode_chunks(chunks) if row[0] == "seg")   # "n" of the partials
+    n_at = seg_mod.ROW_FIELDS.index("n")        # the partials' record count
+    n = sum(row[n_at] for row in seg_mod.decode_chunks(chunks) if row[0] == "seg")
     return n, time.perf_counter() - t
 
 

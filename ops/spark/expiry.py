@@ -29,7 +29,7 @@ from protocol.errors import StoreError
 from .load import DEFAULT_CHUNK_BYTES, scan_store
 from .manifest import read_store_id
 from .plan import PLAN_VERSION, write_plan
-from .transactions import classify, half_summary, open_halves
+from .transactions import classify, half_summary, op_damage, open_halves
 
 log = logging.getLogger("ops.spark")
 HOUR = 3_600_000
@@ -88,7 +88,12 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
     try:
         started = time.monotonic()
         rec = classify(scan.records)
-        expired = open_halves(half_summary(rec)).where(F.col("half_ts") < cutoff).orderBy("half").collect()
+        summary = half_summary(rec).cache()
+        expired = open_halves(summary).where(F.col("half_ts") < cutoff).orderBy("half").collect()
+        held = [r["half"] for r in summary.where(F.col("unsettled").isNotNull() & F.col("h").isNotNull()
+                                                 & (F.col("h.ts") < cutoff)).orderBy("half").collect()]
+        damaged_ops = {**op_damage(rec), "unsettled_halves": held}
+        summary.unpersist()
         per_segment = {r["segment"]: r for r in (
             scan.queues.groupBy("segment")
             .agg(F.min("store_ts").alias("first"), F.max("ts_max").alias("last"), F.sum("n").alias("records"))
@@ -110,6 +115,7 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
                            "first_store_timestamp": info["first"], "last_store_timestamp": info["last"],
                            "records": info["records"]})
         report = _report(spark, scan, [c["name"] for c in chosen], offsets)
+        report["damaged_ops"] = damaged_ops
         plan = {
             "version": PLAN_VERSION, "store_id": store_id, "created_ms": int(time.time() * 1000),
             "retention_ms": retention_ms, "now_ms": now_ms,
@@ -122,6 +128,7 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
         log.info("expiry: %d undecided half messages older than %.4g h; %d of %d sealed segments can go "
                  "(planned in %.1f s)", len(plan["halves"]), retention_ms / HOUR, len(chosen),
                  max(len(scan.segments) - 1, 0), time.monotonic() - started)
+        _say_damaged_ops(damaged_ops)
         for t in report["messages_by_topic"]:
             log.info("expiry: topic %s: %d messages go", t["topic"], t["messages"])
         for u in report["unconsumed"]:
@@ -130,6 +137,19 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
         return plan
     finally:
         scan.release()
+
+
+def _say_damaged_ops(d: dict) -> None:
+    if d["misnamed"]:
+        log.error("expiry: %d op record(s) name another half (their half property) than by their body (the half's "
+                  "queue offset, under the body CRC): taken for the body's half, as the broker does", d["misnamed"])
+    if d["unreadable"]:
+        log.error("expiry: %d op record(s) cannot be read (damaged properties), %d of them naming no half; the "
+                  "broker settles them at its next start (see its log)", d["unreadable"], d["unplaced"])
+    if d["unsettled_halves"]:
+        log.error("expiry: %d half message(s) older than the retention are not listed: an op record of theirs that "
+                  "cannot be read may have decided them (first: %d); the broker settles them at its next start",
+                  len(d["unsettled_halves"]), d["unsettled_halves"][0])
 
 
 def _report(spark, scan, names: list[str], offsets) -> dict:

@@ -20,7 +20,7 @@ def record_schema():
     from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
     longs = ("offset", "size", "queue_offset", "store_ts", "prepared_offset", "txmq_half", "n", "bytes",
-             "body_bytes", "ts_max", "qo_max")
+             "body_bytes", "ts_max", "qo_max", "half_qo")
     types = {**{n: LongType() for n in longs}, "queue_id": IntegerType(), "tx_type": IntegerType(),
              "txmq_checks": IntegerType()}
     return StructType([StructField(n, types.get(n, StringType())) for n in seg_mod.ROW_FIELDS])
@@ -151,6 +151,41 @@ def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = F
     scan.bytes_read += got.agg(F.sum("size")).first()[0] or 0
     log.info("read %d records outside the segments scanned (halves decided in them)", got.count())
     return got
+
+
+def half_offsets_by_queue(store_dir: str, queue_offsets) -> list[int]:
+    """The commit-log offsets of the halves at these queue offsets of RMQ_SYS_TRANS_HALF_TOPIC queue 0, read on
+    the driver from the broker's consume queue (20-byte units, ``<20-digit start byte>`` files), as the broker's
+    recovery finds an op body's half (``physical_offset_of``). For a one-day run: an op's body names its half by
+    queue offset, and a half in a segment the run does not read is found no other way (its TXMQ_HALF, under no
+    CRC, may name another). Units the queue no longer has (files gone, RocketMQ's pre-blank) are skipped."""
+    import struct
+
+    from protocol.txlog import HALF_TOPIC
+
+    unit = struct.Struct(">qiq")
+    qdir = os.path.join(store_dir, "consumequeue", HALF_TOPIC, "0")
+    try:
+        files = sorted((int(n), os.path.join(qdir, n)) for n in os.listdir(qdir) if n.isdigit() and len(n) == 20)
+    except OSError:
+        return []
+    out = []
+    for q in sorted(set(queue_offsets)):
+        at = q * unit.size
+        start, path = next(((b, f) for b, f in reversed(files) if b <= at), (None, None))
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.seek(at - start)
+                raw = f.read(unit.size)
+        except OSError:
+            continue
+        if len(raw) == unit.size:
+            offset, size, _ = unit.unpack(raw)
+            if size > 0 and size != 0x7FFFFFFF and offset >= 0:
+                out.append(offset)
+    return out
 
 
 def holes(segments) -> list[dict]:

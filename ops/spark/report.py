@@ -71,6 +71,7 @@ def collect(tables: dict, dates: list[str], summary: dict) -> dict[str, dict]:
     broker = rows(tables["broker"].where("grain = 'day'"))
     scan = {k: summary[k] for k in ("records", "segments", "damage", "snapshot_lines", "bad_snapshot_lines",
                                     "incomplete_snapshot_lines")}
+    scan["damaged_ops"] = summary.get("damaged_ops") or {}
     brokers = list(summary.get("brokers") or [])
     out = {}
     for d in dates:
@@ -186,6 +187,12 @@ def render_html(data: dict) -> str:
     notes = [f"{scan['records']:,} records decoded from {scan['segments']} segments; "
              f"{scan['snapshot_lines']:,} metric snapshots ({scan['bad_snapshot_lines']} bad lines, "
              f"{scan['incomplete_snapshot_lines']} incomplete)."]
+    ops = scan.get("damaged_ops") or {}
+    if any(ops.values()):
+        notes.append(f"Damaged op records: {ops.get('misnamed', 0)} named another half than their body (taken for "
+                     f"the body's), {ops.get('unreadable', 0)} could not be read ({ops.get('unplaced', 0)} naming "
+                     f"no half); {ops.get('unsettled', 0)} half messages one may have decided are counted undecided "
+                     "until the broker's next start settles them.")
     for dmg in scan["damage"]:
         notes.append(f"Damaged tail skipped: {dmg['file']} from byte {dmg['position']} "
                      f"({dmg['skipped_bytes']:,} bytes): {dmg['reason']}")

@@ -32,14 +32,14 @@ import re
 import time
 import urllib.parse
 
-from protocol.txlog import COMMIT
+from protocol.txlog import COMMIT, OPS
 
 from . import segments as seg_mod
-from .load import DEFAULT_CHUNK_BYTES, load_snapshots, read_halves, scan_store
+from .load import DEFAULT_CHUNK_BYTES, half_offsets_by_queue, load_snapshots, read_halves, scan_store
 from .manifest import removed_before, segments_for_window
 from .publish import Publisher
 from .snapshots import snapshot_files
-from .transactions import ALL_GROUPS, classify, half_summary
+from .transactions import ALL_GROUPS, classify, half_summary, op_damage
 
 log = logging.getLogger("ops.spark")
 
@@ -115,17 +115,20 @@ def transactions_table(spark, s, dates, since: int | None = None, baseline: list
     F = _F()
     ev = F.struct
     reason_metric = F.create_map(*[F.lit(x) for kv in DEAD_REASONS.items() for x in kv])
-    facts = s.select(F.col("group").alias("producer_group"), F.explode(F.concat(
-        F.when(F.col("h").isNotNull(), F.array(ev(F.col("h.ts").alias("ts"), F.lit("halves").alias("metric"))))
+    # A dead letter counts for its own group (it carries its half's PGROUP): its TXMQ_HALF is under no CRC, and a
+    # flipped digit there files it under another half, of another group perhaps.
+    own = F.col("group")
+    fact = lambda ts, metric, group=own: ev(ts.alias("ts"), metric.alias("metric"), group.alias("group"))  # noqa: E731
+    facts = s.select(F.explode(F.concat(
+        F.when(F.col("h").isNotNull(), F.array(fact(F.col("h.ts"), F.lit("halves")))).otherwise(F.array()),
+        F.when(F.col("decision").isNotNull(), F.array(fact(F.col("decision.ts"), F.when(
+            F.col("decision.outcome") == COMMIT, "commits").otherwise("rollbacks"))))
         .otherwise(F.array()),
-        F.when(F.col("decision").isNotNull(), F.array(ev(F.col("decision.ts").alias("ts"), F.when(
-            F.col("decision.outcome") == COMMIT, "commits").otherwise("rollbacks").alias("metric"))))
-        .otherwise(F.array()),
-        F.transform("checks", lambda t: ev(t.alias("ts"), F.lit("checks").alias("metric"))),
-        F.transform("deads", lambda d: ev(d["ts"].alias("ts"), F.lit("dead_letters").alias("metric"))),
+        F.transform("checks", lambda t: fact(t, F.lit("checks"))),
+        F.transform("deads", lambda d: fact(d["ts"], F.lit("dead_letters"), F.coalesce(d["group"], own))),
         F.transform(F.filter("deads", lambda d: reason_metric[d["reason"]].isNotNull()),
-                    lambda d: ev(d["ts"].alias("ts"), reason_metric[d["reason"]].alias("metric"))),
-    )).alias("e")).select("producer_group", "e.ts", "e.metric")
+                    lambda d: fact(d["ts"], reason_metric[d["reason"]], F.coalesce(d["group"], own))),
+    )).alias("e")).select(F.col("e.group").alias("producer_group"), "e.ts", "e.metric")
     counts = (_windows(_all_groups(facts), "ts").where(F.col("date").isin(dates))
               .groupBy(*KEYS, "producer_group").pivot("metric", list(TX_METRICS)).count())
 
@@ -288,12 +291,26 @@ def store_brokers(store_dirs) -> list[tuple[str, str]]:
 
 
 def _decided_elsewhere(records) -> list[int]:
-    """Halves whose ops / check records / dead letters were read but which were not."""
+    """Halves whose ops / check records / dead letters were read but which were not. An op whose properties are
+    damaged (bad_op) with a whole decision word too: whether it is that decision depends on its half's offset
+    agreeing with its TXMQ_HALF (transactions._by_body), and without the half a one-day run held back what the
+    whole-store run counted. (Other bad_ops decide nothing either way: their suspect TXMQ_HALF is not read.)"""
     F = _F()
-    have = records.where(F.col("kind") == "half").select(F.col("offset").alias("half"))
-    named = (records.where(F.col("kind").isin("op", "check", "dead") & F.col("txmq_half").isNotNull())
+    kind = F.col("kind")
+    have = records.where(kind == "half").select(F.col("offset").alias("half"))
+    said = (kind == "bad_op") & F.col("txmq_op").isin(*OPS)
+    named = (records.where((kind.isin("op", "check", "dead") | said) & F.col("txmq_half").isNotNull())
              .select(F.col("txmq_half").alias("half")).distinct())
     return [r[0] for r in named.join(have, "half", "left_anti").collect()]
+
+
+def _unmatched_bodies(records) -> list[int]:
+    """Half queue offsets named by op bodies (transactions._by_body) whose half the records read do not hold."""
+    F = _F()
+    have = records.where((F.col("kind") == "half") & (F.col("queue_id") == 0)).select(F.col("queue_offset").alias("q"))
+    named = (records.where(F.col("kind").isin("op", "check", "bad_op") & F.col("half_qo").isNotNull())
+             .select(F.col("half_qo").alias("q")).distinct())
+    return [r[0] for r in named.join(have, "q", "left_anti").collect()]
 
 
 def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_damaged: bool = False,
@@ -442,6 +459,24 @@ def _union(dfs):
     return out
 
 
+DAMAGED_OPS = ("misnamed", "unreadable", "unplaced", "unsettled")
+
+
+def _damaged_ops(broker: str, records, per_half) -> dict:
+    """Op records with damaged properties (transactions.py): counted, said at ERROR, and in the summary and the
+    report. A half an unreadable op may have decided (unsettled) counts as undecided here until the broker's next
+    start settles it and writes its op again."""
+    F = _F()
+    out = {**op_damage(records),
+           "unsettled": per_half.where(F.col("unsettled").isNotNull() & F.col("h").isNotNull()).count()}
+    if any(out.values()):
+        log.error("rollup: broker %s: %d op record(s) name another half (their half property) than by their body "
+                  "(taken for the body's), %d cannot be read (%d naming no half), %d half message(s) counted undecided "
+                  "that such an op may have decided; the broker settles them at its next start (see its log)", broker,
+                  out["misnamed"], out["unreadable"], out["unplaced"], out["unsettled"])
+    return out
+
+
 def _summary(parts, date: str | None) -> dict:
     """The run's summary: counts summed over the stores, every date any store has."""
     dates = [date] if date else sorted({d for p in parts for d in p.dates()})
@@ -450,6 +485,7 @@ def _summary(parts, date: str | None) -> dict:
             "segments_read": total("segments_read"), "bytes_read": total("bytes_read"),
             "incremental": all(p.summary["incremental"] for p in parts),
             "damage": [d for p in parts for d in p.summary["damage"]],
+            "damaged_ops": {k: sum(p.summary["damaged_ops"][k] for p in parts) for k in DAMAGED_OPS},
             "snapshot_lines": total("snapshot_lines"), "bad_snapshot_lines": total("bad_snapshot_lines"),
             "incomplete_snapshot_lines": total("incomplete_snapshot_lines"),
             "brokers": [p.broker for p in parts], "rows": {}, "reports": [], "left_as_is": []}
@@ -484,10 +520,12 @@ class _StoreRollup:
                                       check_crc=check_crc, chunk_bytes=chunk_bytes, select=select)
         records = classify(scan.records)
         if self.since is not None:
-            extra = read_halves(spark, scan, _decided_elsewhere(records), skip_damaged=skip_damaged)
+            wanted = _decided_elsewhere(records) + half_offsets_by_queue(store_dir, _unmatched_bodies(records))
+            extra = read_halves(spark, scan, wanted, skip_damaged=skip_damaged)
             if extra is not None:
                 records = records.unionByName(classify(extra))
         self.per_half = half_summary(records).cache()
+        damaged_ops = _damaged_ops(broker, records, self.per_half)
         self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
@@ -518,7 +556,7 @@ class _StoreRollup:
             self.begins = min(held, default=None)
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
                         "bytes_read": scan.bytes_read, "incremental": self.since is not None,
-                        "damage": [{**d, "broker": broker} for d in scan.damage],
+                        "damage": [{**d, "broker": broker} for d in scan.damage], "damaged_ops": damaged_ops,
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
                         "incomplete_snapshot_lines": self.snaps.incomplete_lines}
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from protocol.codes import SysFlag
 from protocol.errors import ProtocolError, StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, decode_record, peek_record
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, body_crc, decode_record, peek_record
 from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_REASON
 
 SEGMENT_NAME = re.compile(r"\d{20}")
@@ -67,7 +67,8 @@ HOUR_MS = 3_600_000
 _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
 
 # Every output row is a tuple in this column order; "row" says which columns it uses:
-#   rec  one transaction record: segment .. txmq_checks
+#   rec  one transaction record: segment .. half_qo (an op record's body: the half's queue offset, under
+#        the body CRC where TXMQ_HALF is under none; None when it is not a number or fails its CRC)
 #   msg  user traffic of a chunk: topic, pgroup, store_ts = hour start, n, bytes, body_bytes
 #   seg  a chunk's records of one (topic, queue): store_ts = first, ts_max, n, qo_max
 #        (highest queue offset of records that consume queues index; None if none)
@@ -80,7 +81,7 @@ _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
 ROW_FIELDS = (
     "row", "segment", "offset", "size", "topic", "queue_id", "queue_offset", "tx_type", "store_ts",
     "prepared_offset", "pgroup", "real_topic", "uniq_key", "tags", "txmq_op", "txmq_half", "txmq_reason",
-    "txmq_checks", "n", "bytes", "body_bytes", "ts_max", "qo_max", "damage",
+    "txmq_checks", "half_qo", "n", "bytes", "body_bytes", "ts_max", "qo_max", "damage",
 )
 _TAIL = (None,) * 6
 
@@ -213,7 +214,20 @@ def _record_row(seg: Segment, pos: int, msg, size: int, tx_type: int) -> tuple:
     return ("rec", seg.name, seg.base + pos, size, msg.topic, msg.queue_id, msg.queue_offset, tx_type,
             msg.store_timestamp, msg.prepared_offset, p.get(Prop.PGROUP), p.get(Prop.REAL_TOPIC),
             p.get(Prop.UNIQ_KEY), p.get(Prop.TAGS), p.get(P_OP), _int(p.get(P_HALF)),
-            p.get(P_REASON), _int(p.get(P_CHECKS))) + _TAIL
+            p.get(P_REASON), _int(p.get(P_CHECKS)), _op_body(msg) if msg.topic == OP_TOPIC else None) + _TAIL
+
+
+def _op_body(msg) -> int | None:
+    # Under the CRC only when the CRC holds: without --check-crc nothing else checks it, and a digit flipped here
+    # would take a decision from its half and give it to another. Failing, it names no half (the broker's
+    # recovery empties such a body and goes by TXMQ_HALF). An op body is a few bytes: the check costs nothing.
+    if body_crc(msg.body) != msg.body_crc:
+        return None
+    try:
+        text = msg.body.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def damage_row(seg: Segment, pos: int, reason: str) -> tuple:
@@ -222,10 +236,10 @@ def damage_row(seg: Segment, pos: int, reason: str) -> tuple:
 
 def _partials(seg: Segment, chunk_offset: int, traffic: dict, queues: dict):
     for (hour, topic, group), (n, size, body) in traffic.items():
-        yield ("msg", seg.name, chunk_offset, None, topic, None, None, None, hour, None, group) + (None,) * 7 + (
+        yield ("msg", seg.name, chunk_offset, None, topic, None, None, None, hour, None, group) + (None,) * 8 + (
             n, size, body, None, None, None)
     for (topic, qid), (n, first, last, qo_max) in queues.items():
-        yield ("seg", seg.name, chunk_offset, None, topic, qid, None, None, first) + (None,) * 9 + (
+        yield ("seg", seg.name, chunk_offset, None, topic, qid, None, None, first) + (None,) * 10 + (
             n, None, None, last, qo_max, None)
 
 
