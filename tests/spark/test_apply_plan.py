@@ -86,7 +86,9 @@ def test_apply_expiry_plan_against_a_running_broker(spark, broker_factory, tmp_p
                        "--transaction-retention-hours", str(RETENTION_H), "--file-reserved-hours", str(RETENTION_H),
                        "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000")
     asyncio.run(_fill(b))
-    _wait_persisted(store / "config" / "consumerOffset.json", lambda o: any(k.endswith("@CG_flow") for k in o))
+    # (the table is wrapped as RocketMQ's {"offsetTable": ...} once the file also saves who made each offset)
+    _wait_persisted(store / "config" / "consumerOffset.json",
+                    lambda o: any(k.endswith("@CG_flow") for k in o.get("offsetTable", o)))
     time.sleep(RETENTION_MS / 1000 + 0.3)     # the subject of the test: age past the retention
     young_ms = int(time.time() * 1000)
     asyncio.run(_young(b))
