@@ -12,7 +12,7 @@ instructions for exactly those operations, divided by their number. Its timers (
 housekeeping) run by the wall clock, and a broker under valgrind takes ~50x longer over each operation, so
 their share would be the machine's speed again: they are counted first on the idle broker for ``--idle``
 seconds, and that rate times each mode's wall time is taken off. One operation at a time (``--inflight 1``,
-the default) then gives about the same figure run after run on a quiet machine (within ~2%): every request
+the default) then gives about the same figure run after run on a quiet machine (within 1-4%): every request
 takes the same path, a group commit of its own. On a loaded one the timers' share grows and the broker's
 polling (the writer's flush waits) runs more often: up to 10% again. With more in flight the batches, and so
 the figure, depend on timing too.
