@@ -158,6 +158,19 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
                f"op record of its half ({'DEAD' if dead else decided.split('-')[0].upper()}) stands" in b.log()
 
 
+async def _rebuilt_as_a_check_attempt(broker_factory, tmp_path, sent, pos: int) -> None:
+    """With the snapshot gone, a start rebuilds from the op queue: the damaged record at ``pos`` is said and
+    counted as a check attempt, and ``sent``'s transaction stays undecided, not dead-lettered."""
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    assert await _pending(b) == {decode_offset_msg_id(sent.send_result.offset_msg_id)[2]}
+    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
+    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
+    assert b.stop() == 0
+    assert f"the op record at commit-log offset {pos} (half 0) cannot be read (its properties are damaged); it was " \
+           "a check attempt" in b.log()
+
+
 async def _checked_twice(b, group: str):
     """A transaction of ``group`` left undecided (the producer answers UNKNOW) until it has been checked twice:
     its send result."""
@@ -187,15 +200,7 @@ async def test_a_check_record_whose_properties_went_bad_decides_nothing(broker_f
     (pos, body), *_ = _op_records(tmp_path / "store")
     assert body == b"0"
     _damage_properties(tmp_path / "store", pos, "zeroed")
-    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
-
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
-    assert await _pending(b) == {decode_offset_msg_id(sent.send_result.offset_msg_id)[2]}
-    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
-    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
-    assert b.stop() == 0
-    assert f"the op record at commit-log offset {pos} (half 0) cannot be read (its properties are damaged); it was " \
-           "a check attempt" in b.log()
+    await _rebuilt_as_a_check_attempt(broker_factory, tmp_path, sent, pos)
 
 
 @pytest.mark.parametrize("snapshot", [True, False])
@@ -366,15 +371,7 @@ async def test_a_check_record_whose_tag_went_bad_decides_nothing(broker_factory,
         assert props.startswith(b"TAGS\x01c\x02")
         f.seek(pos + size - len(props) + len(b"TAGS\x01"))
         f.write(b"b")
-    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
-
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
-    assert await _pending(b) == {decode_offset_msg_id(sent.send_result.offset_msg_id)[2]}
-    assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
-    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
-    assert b.stop() == 0
-    assert f"the op record at commit-log offset {pos} (half 0) cannot be read (its properties are damaged); it was " \
-           "a check attempt" in b.log()
+    await _rebuilt_as_a_check_attempt(broker_factory, tmp_path, sent, pos)
 
 
 @bounded(60)
