@@ -184,6 +184,15 @@ async def _send_to_queue(client: RawClient, topic: str, qid: int) -> RemotingCom
     return reply
 
 
+async def _out_of_descriptors(client: RawClient) -> None:
+    """Sends to new queues of a 200-queue topic until one is refused: the broker can open no more files."""
+    assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
+    for q in range(200):
+        if (await _send_to_queue(client, "Many", q)).code != C.SUCCESS:
+            return
+    raise AssertionError("the limit was not reached: lower it")
+
+
 @bounded(90)
 async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_and_the_half_kept(tmp_path):
     """A committed message goes to its topic's queue, made then: past the open-files limit the commit was
@@ -200,12 +209,7 @@ async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_an
                 "defaultTopicQueueNums": "1", "queueId": "0", "sysFlag": str(SysFlag.TRANSACTION_PREPARED),
                 "bornTimestamp": "0", "flag": "0", "properties": props}), 10)
             assert half.code == C.SUCCESS, half.remark
-            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
-            for q in range(200):            # until a new queue's file can no longer be opened
-                if (await _send_to_queue(client, "Many", q)).code != C.SUCCESS:
-                    break
-            else:
-                raise AssertionError("the limit was not reached: lower it")
+            await _out_of_descriptors(client)
             end = RemotingCommand(R.END_TRANSACTION, opaque=0, ext_fields={
                 "producerGroup": "PG_queues", "tranStateTableOffset": half.ext_fields["queueOffset"],
                 "commitLogOffset": str(decode_offset_msg_id(half.ext_fields["msgId"])[2]), "commitOrRollback": "8",
@@ -303,12 +307,7 @@ async def test_the_first_half_past_the_open_files_limit_is_refused_not_acknowled
     try:
         client = await RawClient.open(b.broker, "127.0.0.1")
         try:
-            assert (await _update_topic(client, "Many", 200)).code == C.SUCCESS
-            for q in range(200):            # until a new queue's file can no longer be opened
-                if (await _send_to_queue(client, "Many", q)).code != C.SUCCESS:
-                    break
-            else:
-                raise AssertionError("the limit was not reached: lower it")
+            await _out_of_descriptors(client)
             half = RemotingCommand(R.SEND_MESSAGE, opaque=0, body=b"h", ext_fields={
                 "producerGroup": "PG_queues", "topic": "Many", "defaultTopic": "TBW102",
                 "defaultTopicQueueNums": "1", "queueId": "0", "sysFlag": str(SysFlag.TRANSACTION_PREPARED),
