@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 
 import pytest
 
+from broker.ha.sync import SlaveSync
 from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store.offsets import ConsumerOffsets
+from broker.subscriptions import SubscriptionGroups
+from protocol.admin_bodies import encode_consumer_offsets
+from protocol.codes import RequestCode, ResponseCode
 from tests.support.bounded import bounded
 from tests.support.tmpfs import tmpfs
 
@@ -27,7 +33,7 @@ def tiny_disk(tmp_path):
 def _fill(path) -> None:
     """Write zeros to ``path`` until the disk is full to the last page (a bound: the disk is 4 MiB)."""
     with open(path, "wb", buffering=0) as f:
-        for _ in range(1024):
+        for _ in range(2048):
             try:
                 f.write(bytes(4096))
             except OSError:
@@ -61,3 +67,36 @@ async def test_a_topic_deleted_on_a_full_disk_stays_deleted_after_a_restart(tiny
         assert ("T", 0) not in store.queues(), "the deleted topic's old records were indexed again"
     finally:
         await store.close()
+
+
+@bounded(10)
+async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_once_there_is_room(tiny_disk, tmp_path):
+    """The slave took its master's subscription groups but could not write them: the next copy was the same (no
+    change, no write), so the file stayed the old one for good -- a slave restarted while its master was away
+    read the stale groups (a group stopped with consumeEnable false consumed again) -- and the next sync said
+    the copies worked again. Now the write is tried at each sync until it is done."""
+    master = SubscriptionGroups(str(tmp_path / "master"), clock=lambda: 1)
+    master.update({"groupName": "CG", "consumeEnable": False})
+    slave_dir = tiny_disk / "slave"
+    slave_dir.mkdir()
+    sync = SlaveSync(ConsumerOffsets(str(slave_dir)), 10.0)
+    sync.subscriptions = SubscriptionGroups(str(slave_dir), clock=lambda: 1)
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+
+    async def request(addr, cmd, timeout):
+        if cmd.code == RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SUCCESS, body=encode_consumer_offsets([]))
+        return cmd.response(ResponseCode.SUCCESS, body=master.encode())
+    sync.pool.request = request
+    try:
+        _fill(tiny_disk / "ballast")
+        refused = await sync.sync_once()
+        assert SubscriptionGroups(str(slave_dir), clock=lambda: 1).consume_enabled("CG"), \
+            "the groups' file was written on a full disk"
+        os.unlink(tiny_disk / "ballast")
+        again = await sync.sync_once()
+    finally:
+        await sync.close()
+    assert not SubscriptionGroups(str(slave_dir), clock=lambda: 1).consume_enabled("CG"), \
+        "the slave's groups file kept the stale copy once there was room"
+    assert (refused, again) == (False, True)        # a copy not saved is no sync done
