@@ -632,6 +632,7 @@ class BrokerServer:
             for name, part, method in (("retention", ctx.retention, "stop"), ("scheduler", ctx.schedule, "stop"),
                                        ("transactions", ctx.tx, "stop"), ("store", ctx.store, "close"),
                                        ("index", ctx.index, "close"), ("topics", ctx.topics, "close"),
+                                       ("subscription groups", ctx.subscriptions, "close"),
                                        ("offsets", ctx.offsets, "close")):
                 if part is None or getattr(part, method, None) is None:
                     continue

@@ -6,6 +6,8 @@ elsewhere the tests are skipped and say why.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import types
@@ -13,11 +15,13 @@ import types
 import pytest
 
 from broker.ha.sync import SlaveSync
+from broker.processors.ops import update_and_create_subscription_group
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store.offsets import ConsumerOffsets
 from broker.subscriptions import SubscriptionGroups
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
 from tests.support.bounded import bounded
 from tests.support.tmpfs import tmpfs
 
@@ -100,3 +104,44 @@ async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_once_
     assert not SubscriptionGroups(str(slave_dir), clock=lambda: 1).consume_enabled("CG"), \
         "the slave's groups file kept the stale copy once there was room"
     assert (refused, again) == (False, True)        # a copy not saved is no sync done
+
+
+class _Said(logging.Handler):
+    """An event set when a record saying ``words`` is logged."""
+
+    def __init__(self, words: str):
+        super().__init__()
+        self.words, self.event = words, asyncio.Event()
+
+    def emit(self, record):
+        if self.words in record.getMessage():
+            self.event.set()
+
+
+@bounded(20)
+async def test_a_group_set_on_a_full_disk_is_saved_once_there_is_room(tiny_disk, caplog):
+    """updateSubGroup on a full disk was answered SYSTEM_ERROR "set but not saved", with nothing in the broker's
+    log, and the group's new settings lived only in memory until some later change was saved: a restart in
+    between undid them (a group stopped with consumeEnable false consumed again). Now the failure is logged and
+    the file written again once there is room."""
+    (tiny_disk / "config").mkdir()
+    subs = SubscriptionGroups(str(tiny_disk / "config"), clock=lambda: 1)
+    subs.retry_write_s = 0.01
+    ctx = types.SimpleNamespace(subscriptions=subs, topics=types.SimpleNamespace(topics={}), acl=None)
+    conn = types.SimpleNamespace(peer=("127.0.0.1", 50000))
+    cmd = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP,
+                                  body=json.dumps({"groupName": "CG", "consumeEnable": False}).encode())
+    said = _Said("written again")
+    logging.getLogger("txmq.subscriptions").addHandler(said)
+    try:
+        _fill(tiny_disk / "ballast")
+        with caplog.at_level(logging.ERROR, logger="txmq.subscriptions"):
+            resp = await update_and_create_subscription_group(ctx, conn, cmd)
+        assert resp.code == ResponseCode.SYSTEM_ERROR and "not saved" in resp.remark
+        assert any("not written" in r.getMessage() and "No space" in r.getMessage() for r in caplog.records)
+        os.unlink(tiny_disk / "ballast")
+        await said.event.wait()
+    finally:
+        logging.getLogger("txmq.subscriptions").removeHandler(said)
+        await subs.close()
+    assert not SubscriptionGroups(str(tiny_disk / "config"), clock=lambda: 1).consume_enabled("CG")
