@@ -633,6 +633,7 @@ class BrokerServer:
                                        ("transactions", ctx.tx, "stop"), ("store", ctx.store, "close"),
                                        ("index", ctx.index, "close"), ("topics", ctx.topics, "close"),
                                        ("subscription groups", ctx.subscriptions, "close"),
+                                       ("KV config", ctx.kv, "close"),
                                        ("offsets", ctx.offsets, "close")):
                 if part is None or getattr(part, method, None) is None:
                     continue

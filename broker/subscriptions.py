@@ -16,7 +16,6 @@ when a send-back names none; ``retryQueueNums`` the queues of its retry topic (0
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from protocol.admin_bodies import dump
 from protocol.message import validate_group
 from protocol.txlog import PROGRESS_GROUP
 
+from .retried_save import RetriedSave
 from .store.saved import check, load_saved, save
 
 log = logging.getLogger("txmq.subscriptions")
@@ -58,7 +58,10 @@ def group_config(name: str, values: dict | None = None) -> dict:
     return cfg
 
 
-class SubscriptionGroups:
+class SubscriptionGroups(RetriedSave):
+    _what, _log = "subscription groups file", log
+    _undone = "a group's settings changed since are undone (consumeEnable false consumes again)"
+
     def __init__(self, config_dir: str, clock):
         self.path = os.path.join(config_dir, FILE_NAME)
         self.clock = clock
@@ -68,8 +71,6 @@ class SubscriptionGroups:
         self._write_lock = threading.Lock()
         self._load()
         self._saved_counter = self.counter     # the newest table on disk (write)
-        self.retry_write_s = 5.0
-        self._retry: asyncio.TimerHandle | None = None     # a failed save, written again when this fires
 
     def _load(self) -> None:
         # The previous save: without it the next update would replace the damaged (or lost) file for good, every
@@ -168,46 +169,6 @@ class SubscriptionGroups:
         table.update(self.groups)
         return dump({"dataVersion": {"counter": self.counter, "timestamp": self.timestamp},
                      "subscriptionGroupTable": table}).encode()
-
-    async def save(self) -> None:
-        """Write the table, off the loop. OSError when it cannot be (a full disk): the change holds in memory
-        and the table is written again every ``retry_write_s`` until it is. Not only at the next change, which
-        may never come: until then a restart undid it (a group stopped with consumeEnable false consumed again)."""
-        try:
-            await asyncio.to_thread(self.write, self.encode(), self.counter)
-        except OSError as exc:
-            if self._retry is None:         # once per failure run: each retry would say the same
-                log.error("subscription groups file %s not written, retrying every %g s (a group's settings "
-                          "changed since are undone if the broker stops before it is): %s", self.path,
-                          self.retry_write_s, exc)
-                self._write_later()
-            raise
-
-    def _write_later(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._retry = loop.call_later(self.retry_write_s, lambda: loop.create_task(self._write_again()))
-
-    async def _write_again(self) -> None:
-        if self._saved_counter < self.counter:      # (else a later change's save wrote it meanwhile)
-            try:
-                await asyncio.to_thread(self.write, self.encode(), self.counter)
-            except OSError:
-                self._write_later()
-                return
-        self._retry = None
-        log.warning("subscription groups file %s written again", self.path)
-
-    async def close(self) -> None:
-        """(The broker stops) a failed save is tried a last time, not retried any more."""
-        if self._retry is None:
-            return
-        self._retry.cancel()
-        self._retry = None
-        try:
-            await asyncio.to_thread(self.write, self.encode(), self.counter)
-        except OSError as exc:      # a full disk must not turn a clean stop into a crash
-            log.error("subscription groups file %s not written at stop (a group's settings changed since the last "
-                      "save are undone): %s", self.path, exc)
 
     def write(self, data: bytes, counter: int | None = None) -> None:
         """Blocking (fsync, rename): call it off the loop. ``counter``: the one ``data`` was encoded at; two

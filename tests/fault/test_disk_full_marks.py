@@ -15,6 +15,8 @@ import types
 import pytest
 
 from broker.ha.sync import SlaveSync
+from broker.kv_config import KvConfig
+from broker.processors.kv import put_kv_config
 from broker.processors.ops import update_and_create_subscription_group
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store.offsets import ConsumerOffsets
@@ -118,30 +120,49 @@ class _Said(logging.Handler):
             self.event.set()
 
 
-@bounded(20)
-async def test_a_group_set_on_a_full_disk_is_saved_once_there_is_room(tiny_disk, caplog):
-    """updateSubGroup on a full disk was answered SYSTEM_ERROR "set but not saved", with nothing in the broker's
-    log, and the group's new settings lived only in memory until some later change was saved: a restart in
-    between undid them (a group stopped with consumeEnable false consumed again). Now the failure is logged and
-    the file written again once there is room."""
-    (tiny_disk / "config").mkdir()
-    subs = SubscriptionGroups(str(tiny_disk / "config"), clock=lambda: 1)
-    subs.retry_write_s = 0.01
-    ctx = types.SimpleNamespace(subscriptions=subs, topics=types.SimpleNamespace(topics={}), acl=None)
-    conn = types.SimpleNamespace(peer=("127.0.0.1", 50000))
+def _set_group(disk):
+    """A group stopped (consumeEnable false): (table, a context, its handler and request, whether the file says
+    so, the table's logger)."""
+    subs = SubscriptionGroups(str(disk / "config"), clock=lambda: 1)
     cmd = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP,
                                   body=json.dumps({"groupName": "CG", "consumeEnable": False}).encode())
+    saved = lambda: not SubscriptionGroups(str(disk / "config"), clock=lambda: 1).consume_enabled("CG")  # noqa: E731
+    return subs, types.SimpleNamespace(subscriptions=subs, topics=types.SimpleNamespace(topics={}), acl=None), \
+        update_and_create_subscription_group, cmd, saved, logging.getLogger("txmq.subscriptions")
+
+
+def _set_kv(disk):
+    """An order config set (updateOrderConf): as _set_group."""
+    path = str(disk / "config" / "kvConfig.json")
+    kv = KvConfig(path)
+    cmd = RemotingCommand.request(RequestCode.PUT_KV_CONFIG, ext_fields={
+        "namespace": "ORDER_TOPIC_CONFIG", "key": "Orders", "value": "broker-a:8"})
+    saved = lambda: KvConfig(path).get("ORDER_TOPIC_CONFIG", "Orders") == "broker-a:8"  # noqa: E731
+    return kv, types.SimpleNamespace(kv=kv), put_kv_config, cmd, saved, logging.getLogger("txmq.kvconfig")
+
+
+@bounded(20)
+@pytest.mark.parametrize("change", [_set_group, _set_kv], ids=["subscription-group", "kv-config"])
+async def test_a_config_change_on_a_full_disk_is_saved_once_there_is_room(tiny_disk, caplog, change):
+    """updateSubGroup or updateKvConfig on a full disk was answered SYSTEM_ERROR "... but not saved" (for a group
+    with nothing in the broker's log), and the change lived only in memory until some later change was saved: a
+    restart in between undid it (a group stopped with consumeEnable false consumed again). Now the failure is
+    logged and the file written again once there is room."""
+    (tiny_disk / "config").mkdir()
+    table, ctx, handler, cmd, saved, said_by = change(tiny_disk)
+    table.retry_write_s = 0.01
     said = _Said("written again")
-    logging.getLogger("txmq.subscriptions").addHandler(said)
+    said_by.addHandler(said)
     try:
         _fill(tiny_disk / "ballast")
-        with caplog.at_level(logging.ERROR, logger="txmq.subscriptions"):
-            resp = await update_and_create_subscription_group(ctx, conn, cmd)
+        with caplog.at_level(logging.ERROR, logger=said_by.name):
+            resp = await handler(ctx, types.SimpleNamespace(peer=("127.0.0.1", 50000)), cmd)
         assert resp.code == ResponseCode.SYSTEM_ERROR and "not saved" in resp.remark
+        assert not saved(), "written on a full disk"
         assert any("not written" in r.getMessage() and "No space" in r.getMessage() for r in caplog.records)
         os.unlink(tiny_disk / "ballast")
         await said.event.wait()
     finally:
-        logging.getLogger("txmq.subscriptions").removeHandler(said)
-        await subs.close()
-    assert not SubscriptionGroups(str(tiny_disk / "config"), clock=lambda: 1).consume_enabled("CG")
+        said_by.removeHandler(said)
+        await table.close()
+    assert saved()
