@@ -24,6 +24,8 @@ from broker.subscriptions import SubscriptionGroups
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from tests.support.broker_process import BrokerProcess
 from tests.support.bounded import bounded
 from tests.support.tmpfs import tmpfs
 
@@ -36,10 +38,10 @@ def tiny_disk(tmp_path):
         yield mount
 
 
-def _fill(path) -> None:
-    """Write zeros to ``path`` until the disk is full to the last page (a bound: the disk is 4 MiB)."""
+def _fill(path, bound: int = 2048) -> None:
+    """Write zeros to ``path`` until the disk is full to the last page (``bound`` pages at most)."""
     with open(path, "wb", buffering=0) as f:
-        for _ in range(2048):
+        for _ in range(bound):
             try:
                 f.write(bytes(4096))
             except OSError:
@@ -166,3 +168,48 @@ async def test_a_config_change_on_a_full_disk_is_saved_once_there_is_room(tiny_d
         said_by.removeHandler(said)
         await table.close()
     assert saved()
+
+
+async def _request(broker, code, fields=None, body=b""):
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        return await conn.request(RemotingCommand.request(code, fields, body), 5.0)
+    finally:
+        conn.close()
+
+
+async def _logged(broker, words: str, polls: int = 400) -> None:
+    """Until the broker's log says ``words`` (it is another process: its log is the event to wait for)."""
+    for _ in range(polls):
+        if words in broker.log():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the broker never logged {words!r}:\n{broker.log()}")
+
+
+@pytest.mark.slow
+@bounded(90)
+async def test_a_broker_saves_a_group_set_on_a_full_disk_and_a_kill_does_not_undo_it(tmp_path):
+    """A real broker, its store on a full tmpfs: updateSubGroup is refused saving (SYSTEM_ERROR), the space comes
+    back, the broker writes the file by itself (no restart, no other change), and a kill -9 then a start keep the
+    group stopped (consumeEnable false: its pulls refused NO_PERMISSION)."""
+    flags = ("--segment-size", str(4 << 20), "--max-message-size", str(256 << 10), "--metrics-snapshot-interval-s", "0")
+    with tmpfs(tmp_path / "disk", "48m") as store:
+        broker = BrokerProcess(store, *flags).start()
+        try:
+            _fill(store / "ballast", bound=48 * 256)
+            resp = await _request(broker, RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP,
+                                  body=json.dumps({"groupName": "CG_off", "consumeEnable": False}).encode())
+            assert resp.code == ResponseCode.SYSTEM_ERROR and "not saved" in resp.remark, resp.remark
+            os.unlink(store / "ballast")
+            await _logged(broker, "subscription groups file")
+            await _logged(broker, "written again")
+            broker.kill()
+            broker = BrokerProcess(store, *flags).start()
+            pull = await _request(broker, RequestCode.PULL_MESSAGE, {
+                "consumerGroup": "CG_off", "topic": "Any", "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+                "sysFlag": 0, "commitOffset": 0, "suspendTimeoutMillis": 0, "subVersion": 0})
+            assert pull.code == ResponseCode.NO_PERMISSION, (pull.code, pull.remark)
+        finally:
+            broker.stop()
