@@ -311,8 +311,9 @@ class BrokerServer:
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
                               "(\"timer\" for timer messages).", ["level"], snap("schedule"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
-                              "QUERY_MESSAGE misses messages stored since, until the broker restarts and catches "
-                              "up from the commit log.", [], snap("index_failed"))
+                              "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
+                              "log (by itself once a full disk has room; after another error, at the next "
+                              "start).", [], snap("index_failed"))
         m.add_gauge_collector("txmq_transaction_decisions_waiting_for_disk",
                               "Transaction decisions whose decision-table file could not be made (a full disk): "
                               "answered from memory until it can.", [], snap("decisions_waiting"))

@@ -19,6 +19,7 @@ from broker.kv_config import KvConfig
 from broker.processors.kv import put_kv_config
 from broker.processors.ops import update_and_create_subscription_group
 from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store.index import IndexService
 from broker.store.offsets import ConsumerOffsets
 from broker.subscriptions import SubscriptionGroups
 from protocol.admin_bodies import encode_consumer_offsets
@@ -213,3 +214,41 @@ async def test_a_broker_saves_a_group_set_on_a_full_disk_and_a_kill_does_not_und
             assert pull.code == ResponseCode.NO_PERMISSION, (pull.code, pull.remark)
         finally:
             broker.stop()
+
+
+@bounded(30)
+async def test_the_index_a_full_disk_stopped_catches_up_by_itself_once_there_is_room(tmp_path):
+    """The message index on a real full disk (its own tmpfs; the log beside it has room): its entry pages cannot
+    be allocated, indexing stops (txmq_index_failed) and, once the ballast goes, resumes and finds the keys of
+    every message stored meanwhile, without a restart."""
+    store_dir = str(tmp_path / "store")
+    store = MessageStore(store_dir, CFG)
+    await store.open()
+    with tmpfs(tmp_path / "store" / "index", "1m") as disk:
+        svc = IndexService(store_dir, segment_size=CFG.segment_size, slots=64, entries=200_000)
+        svc.resume_every_s = 3600       # no resume while the disk is full: the failure stays to be seen
+        store.add_dispatch_listener(svc.on_dispatch)
+        await svc.open(store.min_physical_offset, store.max_physical_offset)
+        try:
+            assert (await store.put(PutRequest.build("T", b"z", properties={"KEYS": "first"}))).ok
+            await svc.query("T", "first", 1, 0, 2**62)        # its file made
+            _fill(disk / "ballast", bound=256)
+            stored = []
+            for i in range(2000):       # a bound: an entry page (204 entries) fills in a few hundred sends
+                stored.append(await store.put(PutRequest.build("T", b"z", properties={"KEYS": f"k{i}"})))
+                await svc.query("T", "first", 1, 0, 2**62)    # a turn of the index thread
+                if svc.failed is not None:
+                    break
+            assert svc.failed is not None and "No space" in svc.failed, "the index never met the full disk"
+            os.unlink(disk / "ballast")
+            svc.resume_every_s = 0      # at the next turn of the index thread (the default paces it by 10 s)
+            stored.append(await store.put(PutRequest.build("T", b"z", properties={"KEYS": "after"})))
+            for _ in range(10):         # each query a turn of the index thread: the resume, then its catch-up
+                if (await svc.query("T", "after", 64, 0, 2**62))[0]:
+                    break
+            assert svc.failed is None
+            for i, res in enumerate(stored[:-1]):
+                assert (await svc.query("T", f"k{i}", 64, 0, 2**62))[0] == [res.physical_offset]
+        finally:
+            await svc.close()
+            await store.close()

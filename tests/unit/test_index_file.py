@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import struct
@@ -193,6 +194,39 @@ async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path
     svc = await _service(tmp_path, store)
     assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [lost.physical_offset]
     assert len((await svc.query("T", "after", 64, 0, 2**62))[0]) == 1
+    await svc.close()
+    await store.close()
+
+
+async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path, monkeypatch, caplog):
+    """A full disk stopped indexing until the next restart: every message stored from then on was missing from
+    queries by key (mqadmin queryMsgByKey, a transaction's lookup by UNIQ_KEY) for as long as the broker ran.
+    Now the index is read back and caught up from the log once a write fits again, without a restart; while the
+    disk stays full the attempts fail without another word."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0          # at each wake-up of the index thread (the default paces it by 10 s)
+    await svc.query("T", "x", 1, 0, 1)
+    real = IndexFile.put_many
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        lost = [await store.put(PutRequest.build("T", b"z", properties={"KEYS": f"lost{i}"})) for i in range(3)]
+        for _ in range(3):          # each query a turn of the index thread: a resume tried, and failing
+            assert (await svc.query("T", "lost0", 64, 0, 2**62))[0] == []
+    assert sum("indexing stops here" in r.getMessage() for r in caplog.records) == 1    # not once per attempt
+    monkeypatch.setattr(IndexFile, "put_many", real)
+    after = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "after"}))     # wakes the index thread
+    for _ in range(10):             # the resume's catch-up is queued behind a query already waiting
+        if (await svc.query("T", "after", 64, 0, 2**62))[0]:
+            break
+    assert svc.failed is None
+    for i, res in enumerate(lost):
+        assert (await svc.query("T", f"lost{i}", 64, 0, 2**62))[0] == [res.physical_offset]
+    assert (await svc.query("T", "after", 64, 0, 2**62))[0] == [after.physical_offset]
+    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 3        # nothing indexed twice
     await svc.close()
     await store.close()
 
