@@ -700,6 +700,10 @@ class TransactionService:
         except Exception:  # noqa: BLE001 - as a refusal: rescheduled below, the attempt not counted
             log.exception("check records of %d transactions not written", len(batch))
             results = [None] * len(batch)
+        refused = [r for r in results if r is not None and not r.ok]
+        if refused:     # a full disk: no check goes out unrecorded, and the transactions wait (said, per pass)
+            log.warning("%d transaction checks not sent: their check records were refused (%s); checked again "
+                        "an interval on", len(refused), refused[0].remark or refused[0].status.name)
         self.changed = True
         for action, result in zip(batch, results):
             tx = action.tx
