@@ -373,7 +373,7 @@ class BrokerServer:
             [((level,), n) for level, n in ctx.schedule.waiting()],
             "oldest_half": [] if ha_roles.is_slave(self.config) else
             [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
-            "index_failed": [((), 1 if ctx.index is not None and ctx.index.failed else 0)],
+            "index_failed": [((), 1 if ctx.index is not None and ctx.index.stopped else 0)],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
         }

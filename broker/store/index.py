@@ -181,6 +181,12 @@ class IndexService:
         self._q.put(job)
         return fut
 
+    @property
+    def stopped(self) -> bool:
+        """Indexing stopped by a write error and not caught up since (txmq_index_failed). Not ``failed`` alone:
+        a resume clears that while it tries, and the gauge read 0 for that moment every interval of a full disk."""
+        return self.failed is not None or self._failing
+
     # ------------------------------------------------------------ the API (awaitable)
     def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> asyncio.Future:
         """(commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest first,
@@ -250,7 +256,15 @@ class IndexService:
     def _main(self) -> None:
         q, pending, popleft = self._q, self._pending, self._pending.popleft
         while True:
-            item = q.get()
+            if self.failed is not None and self._resumable:
+                # A resume is due by the clock, not only at the next send or query: on a broker quiet once the
+                # disk had room, the index stayed stopped (and the first query by key was answered stale).
+                try:
+                    item = q.get(timeout=max(self._failed_at + self.resume_every_s - time.monotonic(), 0.01))
+                except queue.Empty:
+                    item = _WAKE
+            else:
+                item = q.get()
             if item is _WAKE and self.lag_s > 0:
                 try:                    # let records gather; a job (a query) ends the wait
                     item = q.get(timeout=self.lag_s)
@@ -438,6 +452,10 @@ class IndexService:
         try:
             done = self._closed or self.failed is not None or self._scan(self.covered, hi, CATCH_UP_SLICE)
             if done and self._failing and self.failed is None:     # a resume's catch-up, through
+                # ... and its progress written: the failure may have been the progress file's, and a catch-up
+                # with nothing to write proves no room. Said caught up before it, the next save failed again:
+                # an ERROR and this WARNING every interval while the disk stayed full. Failing, it stays quiet.
+                self._save_progress()
                 self._failing = False
                 log.warning("index: caught up with the commit log again after a full disk (to offset %d)",
                             self.covered)

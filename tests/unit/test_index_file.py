@@ -14,6 +14,7 @@ from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store import index as index_mod
 from broker.store.index import IndexService, record_keys
 from broker.store.index_file import ENTRY, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
+from tests.support.bounded import bounded
 
 SLOTS, ENTRIES = 16, 10
 
@@ -198,6 +199,7 @@ async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path
     await store.close()
 
 
+@bounded(20)
 async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path, monkeypatch, caplog):
     """A full disk stopped indexing until the next restart: every message stored from then on was missing from
     queries by key (mqadmin queryMsgByKey, a transaction's lookup by UNIQ_KEY) for as long as the broker ran.
@@ -227,6 +229,88 @@ async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path,
         assert (await svc.query("T", f"lost{i}", 64, 0, 2**62))[0] == [res.physical_offset]
     assert (await svc.query("T", "after", 64, 0, 2**62))[0] == [after.physical_offset]
     assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 3        # nothing indexed twice
+    await svc.close()
+    await store.close()
+
+
+class _Said(logging.Handler):
+    """An asyncio event set (from any thread) when a record saying ``words`` is logged."""
+
+    def __init__(self, words: str):
+        super().__init__()
+        self.words, self.event, self.loop = words, asyncio.Event(), asyncio.get_running_loop()
+
+    def emit(self, record):
+        if self.words in record.getMessage():
+            self.loop.call_soon_threadsafe(self.event.set)
+
+
+@bounded(20)
+async def test_a_full_disk_at_the_progress_file_is_not_caught_up_and_stopped_again_every_interval(
+        tmp_path, monkeypatch, caplog):
+    """The progress file is a write too: a full disk refused it, a resume (which writes nothing when there is
+    nothing to catch up) said "caught up ... again" and ended the failure run, and the next progress save
+    failed again with a new ERROR and traceback -- an ERROR and a WARNING every 10 s for as long as the disk
+    stayed full, and txmq_index_failed flapping. A resume ends the run only once its progress is written."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)          # caught up
+    monkeypatch.setattr(index_mod, "PROGRESS_EVERY_S", 0)     # a progress save at each turn of the thread
+    svc.resume_every_s = 0
+    real_open = open
+
+    def full(path, *args, **kw):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kw)
+    monkeypatch.setattr(index_mod, "open", full, raising=False)
+    with caplog.at_level(logging.WARNING, logger="txmq.index"):
+        lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+        for _ in range(6):          # turns of the index thread: progress saves refused, resumes tried
+            await svc.query("T", "lost", 64, 0, 2**62)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("indexing stops here" in m for m in said) == 1, said
+    assert not any("caught up" in m for m in said), said
+    assert svc.stopped             # txmq_index_failed: 1 throughout, not 0 while each resume is tried
+    monkeypatch.setattr(index_mod, "open", real_open, raising=False)
+    back = _Said("caught up with the commit log again")
+    logging.getLogger("txmq.index").addHandler(back)
+    try:
+        while not back.event.is_set():     # each query a turn: the resume, then its catch-up and progress
+            await svc.query("T", "lost", 64, 0, 2**62)
+    finally:
+        logging.getLogger("txmq.index").removeHandler(back)
+    assert not svc.stopped
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [lost.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_path, monkeypatch):
+    """The resume was tried only when the index thread woke (a send or a query): on a broker quiet once the
+    disk had room, the index stayed stopped (txmq_index_failed 1, the alert firing) and the first query by key
+    was answered from the stale index, the catch-up queued behind it. Now the thread wakes by itself."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+    real = IndexFile.put_many
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [] and svc.failed is not None
+    monkeypatch.setattr(IndexFile, "put_many", real)
+    back = _Said("caught up with the commit log again")
+    logging.getLogger("txmq.index").addHandler(back)
+    try:
+        svc.resume_every_s = 0.05
+        await back.event.wait()         # nothing sent, nothing asked
+    finally:
+        logging.getLogger("txmq.index").removeHandler(back)
+    assert svc.failed is None
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [lost.physical_offset]
     await svc.close()
     await store.close()
 
