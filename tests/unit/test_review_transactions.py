@@ -625,3 +625,33 @@ async def test_checks_whose_records_a_full_disk_refuses_are_not_sent_and_say_so(
                    for r in caplog.records)
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_checks_a_full_disk_refuses_are_said_once_a_pass_however_many_slices_it_takes(tmp_path, caplog):
+    """The warning was written per slice of CHECK_SLICE (256) transactions, not per pass: 50000 transactions
+    waiting on a full disk logged about 200 lines every check interval. Now one line a pass, with the total."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    tx.CHECK_SLICE = 1          # a slice each: three slices in the pass
+    try:
+        halves = [await add_half(ctx, bytes([65 + i])) for i in range(3)]
+
+        class Producer:
+            is_open = True
+
+            def oneway(self, cmd):
+                raise AssertionError("a check went out without its record")
+        for p in halves:
+            p.owner = Producer()
+        ctx.store.gate, ctx.store.fail = asyncio.Event(), True
+        ctx.store.gate.set()
+        clock.now = max(p.next_check for p in halves) + 1
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.run_due(clock.now)
+        said = [r.getMessage() for r in caplog.records if "transaction checks not sent" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("3 transaction checks not sent"), said
+        assert all(p.checks == 0 for p in halves)
+    finally:
+        await ctx.store._store.close()
