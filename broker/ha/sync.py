@@ -100,9 +100,10 @@ class SlaveSync:
         if changed or self._groups_unsaved:
             # Tried again at each sync until it is written: the next copy is unchanged (adopt says False), and the
             # file stayed the old one for good (a slave restarted without its master read stale groups), while
-            # the next sync said the copies worked again.
+            # the next sync said the copies worked again. And as any refused save (retried_save.py), every 5 s
+            # and at stop: a master away once the disk had room -- what the copy is for -- left it stale.
             try:
-                await asyncio.to_thread(subs.write, subs.encode(), subs.counter)
+                await subs.save()
             except OSError as exc:
                 self._groups_unsaved = True
                 self._failed(f"subscription groups copied from master {addr} but not saved: {exc}")

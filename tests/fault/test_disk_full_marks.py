@@ -111,6 +111,42 @@ async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_once_
     assert (refused, again) == (False, True)        # a copy not saved is no sync done
 
 
+@bounded(10)
+async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_while_its_master_is_away(tiny_disk,
+                                                                                                   tmp_path):
+    """Written again only at each sync, the copy waited for the master: a master away once the disk had room
+    (the case the copy is for) left the file stale, and a slave stopped then read the stale groups at its next
+    start (a group stopped with consumeEnable false consumed again). It is retried as any refused save: every
+    5 s by itself, and once more at stop."""
+    master = SubscriptionGroups(str(tmp_path / "master"), clock=lambda: 1)
+    master.update({"groupName": "CG", "consumeEnable": False})
+    slave_dir = tiny_disk / "slave"
+    slave_dir.mkdir()
+    sync = SlaveSync(ConsumerOffsets(str(slave_dir)), 10.0)
+    subs = sync.subscriptions = SubscriptionGroups(str(slave_dir), clock=lambda: 1)
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    away = False
+
+    async def request(addr, cmd, timeout):
+        if away:
+            raise ConnectionRefusedError("the master is away")
+        if cmd.code == RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SUCCESS, body=encode_consumer_offsets([]))
+        return cmd.response(ResponseCode.SUCCESS, body=master.encode())
+    sync.pool.request = request
+    try:
+        _fill(tiny_disk / "ballast")
+        assert not await sync.sync_once()
+        away = True
+        os.unlink(tiny_disk / "ballast")
+        assert not await sync.sync_once()
+    finally:
+        await sync.close()
+        await subs.close()          # the broker stops (server.stop closes the subscription groups)
+    assert not SubscriptionGroups(str(slave_dir), clock=lambda: 1).consume_enabled("CG"), \
+        "the slave stopped with its groups file stale"
+
+
 class _Said(logging.Handler):
     """An event set when a record saying ``words`` is logged."""
 
