@@ -203,7 +203,7 @@ class IndexService:
                 "last_update_ts": files[-1].end_ts if files else 0}
 
     # ------------------------------------------------------------ start-up (a worker thread)
-    def _load(self, log_min: int, log_end: int) -> None:
+    def _load(self, log_min: int, log_end: int, quiet: bool = False) -> None:
         fsync_dirs(make_dirs(self.directory))
         names = sorted(n for n in os.listdir(self.directory) if _NAME.match(n))
         for i, name in enumerate(names):
@@ -226,7 +226,7 @@ class IndexService:
             start = max(start, min(self._read_progress(), log_end))
         self.covered = start
         behind = log_end - start
-        log.info("index: %d files, catching up %d bytes of the commit log from offset %d", len(self.files),
+        (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d", len(self.files),
                  max(behind, 0), start)
 
     def _drop_damaged(self, names: list[str], why: str) -> None:
@@ -311,7 +311,7 @@ class IndexService:
             f.close()
         self.files = []
         self._skip, self._skip_hashes = -1, set()
-        self._load(self._log_min, self._seen_end)
+        self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
         self.failed = None
         self._catching_up = True
         end = self._seen_end
