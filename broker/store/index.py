@@ -256,7 +256,7 @@ class IndexService:
     def _main(self) -> None:
         q, pending, popleft = self._q, self._pending, self._pending.popleft
         while True:
-            if self.failed is not None and self._resumable:
+            if self.failed is not None and self._resumable and not self._closed:
                 # A resume is due by the clock, not only at the next send or query: on a broker quiet once the
                 # disk had room, the index stayed stopped (and the first query by key was answered stale).
                 try:
@@ -279,7 +279,7 @@ class IndexService:
             if batch:
                 self._seen_end = max(self._seen_end, batch[-1][0] + batch[-1][1])
                 self._guarded(self._index, batch)
-            if (self.failed is not None and self._resumable and item is not None
+            if (self.failed is not None and self._resumable and item is not None and not self._closed
                     and time.monotonic() - self._failed_at >= self.resume_every_s):
                 self._guarded(self._resume)
             if item is None:
@@ -451,7 +451,7 @@ class IndexService:
         done = True
         try:
             done = self._closed or self.failed is not None or self._scan(self.covered, hi, CATCH_UP_SLICE)
-            if done and self._failing and self.failed is None:     # a resume's catch-up, through
+            if done and self._failing and self.failed is None and not self._closed:    # a resume's, through
                 # ... and its progress written: the failure may have been the progress file's, and a catch-up
                 # with nothing to write proves no room. Said caught up before it, the next save failed again:
                 # an ERROR and this WARNING every interval while the disk stayed full. Failing, it stays quiet.

@@ -315,6 +315,33 @@ async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_pat
     await store.close()
 
 
+@bounded(20)
+async def test_a_resume_due_after_the_index_closed_does_not_open_its_files_again(tmp_path, monkeypatch):
+    """close() runs the thread's last job, then stops the thread: a resume due in between (the clock wakes the
+    thread now) read the files back after they were closed -- descriptors no one closes -- and wrote the progress
+    file after the store had stopped."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    await svc.query("T", "lost", 64, 0, 2**62)
+    assert svc.failed is not None
+    monkeypatch.undo()
+    await svc._submit(svc._shutdown)        # close()'s last job; the thread runs on until its stop
+    svc.resume_every_s = 0
+    loop, turned = asyncio.get_running_loop(), asyncio.Event()
+    svc._q.put(lambda: loop.call_soon_threadsafe(turned.set))      # a turn of the thread, a resume due
+    await turned.wait()
+    assert svc.files and all(f.fd == -1 for f in svc.files)
+    svc._q.put(None)
+    await loop.run_in_executor(None, svc._thread.join)
+    await store.close()
+
+
 async def test_a_record_whose_keys_a_crash_split_gets_the_rest_at_the_next_start(tmp_path, monkeypatch):
     """A record's keys can span two header updates (MAX_BATCH entries each, or a full file): a crash
     between them left its first keys indexed and the next start skipped the whole record as done."""
