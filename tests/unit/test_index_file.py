@@ -293,6 +293,7 @@ async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_pat
     was answered from the stale index, the catch-up queued behind it. Now the thread wakes by itself."""
     store = await _store_with(tmp_path, 3)
     svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0.05           # (the thread's wait is set when it starts waiting)
     await svc.query("T", "x", 1, 0, 1)
     real = IndexFile.put_many
 
@@ -300,12 +301,11 @@ async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_pat
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
-    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [] and svc.failed is not None
-    monkeypatch.setattr(IndexFile, "put_many", real)
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [] and svc.stopped
     back = _Said("caught up with the commit log again")
     logging.getLogger("txmq.index").addHandler(back)
+    monkeypatch.setattr(IndexFile, "put_many", real)
     try:
-        svc.resume_every_s = 0.05
         await back.event.wait()         # nothing sent, nothing asked
     finally:
         logging.getLogger("txmq.index").removeHandler(back)
