@@ -106,6 +106,7 @@ async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_once_
         again = await sync.sync_once()
     finally:
         await sync.close()
+        await sync.subscriptions.close()        # (its retry of the refused save: ended, as the broker's stop does)
     assert not SubscriptionGroups(str(slave_dir), clock=lambda: 1).consume_enabled("CG"), \
         "the slave's groups file kept the stale copy once there was room"
     assert (refused, again) == (False, True)        # a copy not saved is no sync done
