@@ -294,7 +294,9 @@ class IndexService:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
             resumable = isinstance(exc, OSError) and exc.errno in _NO_ROOM
-            if self.failed is None and not self._failing:
+            # Once a failure run; again when a resume meets an error that is not retried: said nothing, the
+            # index stayed stopped until a restart while the log still promised a resume once there was room.
+            if (self.failed is None and not self._failing) or (self._resumable and not resumable):
                 log.exception("index thread: %s; indexing stops here and resumes from the commit log %s (queries "
                               "go on answering from what is indexed)", exc,
                               "once the disk has room" if resumable else "at the next start")

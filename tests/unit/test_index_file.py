@@ -342,6 +342,30 @@ async def test_a_resume_due_after_the_index_closed_does_not_open_its_files_again
     await store.close()
 
 
+@bounded(20)
+async def test_another_error_while_resuming_from_a_full_disk_is_said(tmp_path, monkeypatch, caplog):
+    """The failure run is said once; a resume that then met another error (EIO: not retried, indexing stays
+    stopped until a restart) said nothing, and the log still promised a resume "once the disk has room"."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    errors = iter([errno.ENOSPC] + [errno.EIO] * 100)
+
+    def broken(self, items):
+        raise OSError(next(errors), "write failed")
+    monkeypatch.setattr(IndexFile, "put_many", broken)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+        for _ in range(4):          # the full disk's failure, then resumes: one meets EIO
+            await svc.query("T", "lost", 64, 0, 2**62)
+    said = [r.getMessage() for r in caplog.records if "indexing stops here" in r.getMessage()]
+    assert len(said) == 2 and "once the disk has room" in said[0] and "at the next start" in said[1], said
+    assert svc.failed is not None and not svc._resumable
+    await svc.close()
+    await store.close()
+
+
 async def test_a_record_whose_keys_a_crash_split_gets_the_rest_at_the_next_start(tmp_path, monkeypatch):
     """A record's keys can span two header updates (MAX_BATCH entries each, or a full file): a crash
     between them left its first keys indexed and the next start skipped the whole record as done."""
