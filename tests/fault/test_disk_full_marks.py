@@ -254,15 +254,20 @@ async def test_a_broker_saves_a_group_set_on_a_full_disk_and_a_kill_does_not_und
 
 
 @bounded(30)
-async def test_the_index_a_full_disk_stopped_catches_up_by_itself_once_there_is_room(tmp_path):
+@pytest.mark.parametrize("slots", [64, 65], ids=["entries-start-a-page", "an-entry-across-a-page"])
+async def test_the_index_a_full_disk_stopped_catches_up_by_itself_once_there_is_room(tmp_path, slots):
     """The message index on a real full disk (its own tmpfs; the log beside it has room): its entry pages cannot
     be allocated, indexing stops (txmq_index_failed) and, once the ballast goes, resumes and finds the keys of
-    every message stored meanwhile, without a restart."""
+    every message stored meanwhile, without a restart.
+
+    With 65 slots an entry lies across a page boundary: the disk full, its write is cut short (pwrite returns
+    the bytes that fit, no error), and the entry was counted all the same -- its key lost for good, and the
+    older keys of its slot behind it (the chain runs through it)."""
     store_dir = str(tmp_path / "store")
     store = MessageStore(store_dir, CFG)
     await store.open()
     with tmpfs(tmp_path / "store" / "index", "1m") as disk:
-        svc = IndexService(store_dir, segment_size=CFG.segment_size, slots=64, entries=200_000)
+        svc = IndexService(store_dir, segment_size=CFG.segment_size, slots=slots, entries=200_000)
         svc.resume_every_s = 3600       # no resume while the disk is full: the failure stays to be seen
         store.add_dispatch_listener(svc.on_dispatch)
         await svc.open(store.min_physical_offset, store.max_physical_offset)

@@ -13,7 +13,7 @@ import pytest
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store import index as index_mod
 from broker.store.index import IndexService, record_keys
-from broker.store.index_file import ENTRY, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
+from broker.store.index_file import ENTRY, ENTRY_SIZE, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
 from tests.support.bounded import bounded
 
 SLOTS, ENTRIES = 16, 10
@@ -110,6 +110,35 @@ async def _service(tmp_path, store, **kw):
     store.add_dispatch_listener(svc.on_dispatch)
     await svc.open(store.min_physical_offset, store.max_physical_offset)
     return svc
+
+
+def test_entries_a_full_disk_cuts_short_are_not_counted(tmp_path, monkeypatch):
+    """A write that meets a full disk part-way returns the bytes that fit, without an error (write(2)): the
+    entries' pwrite was not checked, and a batch cut short was counted whole -- zeroed entries that the slots
+    named, their keys lost for good and each slot's older entries cut off behind them. Now the rest is written,
+    and the full disk's error raised before the slots or the header say anything."""
+    f = _new(tmp_path)
+    f.put_many([(3, 100, 1000)])
+    real = os.pwrite
+
+    def cut_short(fd, data, at):
+        if fd == f.fd and len(data) > ENTRY_SIZE:       # the entries of a batch: the first one fits
+            monkeypatch.setattr(os, "pwrite", no_room)
+            return real(fd, bytes(data)[:ENTRY_SIZE - 4], at)
+        return real(fd, data, at)
+
+    def no_room(fd, data, at):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", cut_short)
+    with pytest.raises(OSError) as err:
+        f.put_many([(19, 200, 1000), (35, 300, 1000)])      # slot 3, as the first
+    monkeypatch.undo()
+    assert err.value.errno == errno.ENOSPC
+    assert f.count == 2 and f.select(3, 0, 10**13) == [100]
+    f.close()
+    f = IndexFile.open(f.path, SLOTS, ENTRIES)              # as a resume reads it back
+    assert f.count == 2 and f.select(3, 0, 10**13) == [100] and f.select(19, 0, 10**13) == []
+    f.close()
 
 
 async def test_service_catches_up_rolls_files_and_finds_every_key(tmp_path):
