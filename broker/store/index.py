@@ -226,8 +226,8 @@ class IndexService:
             start = max(start, min(self._read_progress(), log_end))
         self.covered = start
         behind = log_end - start
-        (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d", len(self.files),
-                 max(behind, 0), start)
+        (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d",
+                                           len(self.files), max(behind, 0), start)
 
     def _drop_damaged(self, names: list[str], why: str) -> None:
         prev = self.files[-1].end_phy if self.files else 0
