@@ -5,7 +5,8 @@ PUT_KV_CONFIG / DELETE_KV_CONFIG (processors/kv.py). The file is RocketMQ's kvCo
 
     {"configTable":{"<namespace>":{"<key>":"<value>"}}}
 
-Each change is written whole (fsync, rename, the previous copy kept as ``.bak``) before it is answered; a file
+Each change is written whole (fsync, rename, the previous copy kept as ``.bak``) before it is answered (one a
+full disk refused is answered SYSTEM_ERROR and written again until it is: retried_save.py); a file
 that cannot be read is read from its previous copy, and start-up stops when neither can be (store/saved.py).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 
 from protocol.admin_bodies import dump
 
+from .retried_save import RetriedSave
 from .store.saved import check, load_saved, save
 
 log = logging.getLogger("txmq.kvconfig")
@@ -27,7 +29,10 @@ FILE_NAME = "kvConfig.json"
 MAX_BYTES = 4 * 1024 * 1024
 
 
-class KvConfig:
+class KvConfig(RetriedSave):
+    _what, _log = "KV config file", log
+    _undone = "a key set or deleted since is as it was before"
+
     def __init__(self, path: str):
         self.path = path
         self.table: dict[str, dict[str, str]] = {}

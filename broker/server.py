@@ -311,8 +311,9 @@ class BrokerServer:
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
                               "(\"timer\" for timer messages).", ["level"], snap("schedule"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
-                              "QUERY_MESSAGE misses messages stored since, until the broker restarts and catches "
-                              "up from the commit log.", [], snap("index_failed"))
+                              "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
+                              "log (by itself once a full disk has room; after another error, at the next "
+                              "start).", [], snap("index_failed"))
         m.add_gauge_collector("txmq_transaction_decisions_waiting_for_disk",
                               "Transaction decisions whose decision-table file could not be made (a full disk): "
                               "answered from memory until it can.", [], snap("decisions_waiting"))
@@ -372,7 +373,7 @@ class BrokerServer:
             [((level,), n) for level, n in ctx.schedule.waiting()],
             "oldest_half": [] if ha_roles.is_slave(self.config) else
             [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
-            "index_failed": [((), 1 if ctx.index is not None and ctx.index.failed else 0)],
+            "index_failed": [((), 1 if ctx.index is not None and ctx.index.stopped else 0)],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
         }
@@ -632,6 +633,8 @@ class BrokerServer:
             for name, part, method in (("retention", ctx.retention, "stop"), ("scheduler", ctx.schedule, "stop"),
                                        ("transactions", ctx.tx, "stop"), ("store", ctx.store, "close"),
                                        ("index", ctx.index, "close"), ("topics", ctx.topics, "close"),
+                                       ("subscription groups", ctx.subscriptions, "close"),
+                                       ("KV config", ctx.kv, "close"),
                                        ("offsets", ctx.offsets, "close")):
                 if part is None or getattr(part, method, None) is None:
                     continue

@@ -25,6 +25,7 @@ from protocol.admin_bodies import dump
 from protocol.message import validate_group
 from protocol.txlog import PROGRESS_GROUP
 
+from .retried_save import RetriedSave
 from .store.saved import check, load_saved, save
 
 log = logging.getLogger("txmq.subscriptions")
@@ -57,7 +58,10 @@ def group_config(name: str, values: dict | None = None) -> dict:
     return cfg
 
 
-class SubscriptionGroups:
+class SubscriptionGroups(RetriedSave):
+    _what, _log = "subscription groups file", log
+    _undone = "a group's settings changed since are undone (consumeEnable false consumes again)"
+
     def __init__(self, config_dir: str, clock):
         self.path = os.path.join(config_dir, FILE_NAME)
         self.clock = clock

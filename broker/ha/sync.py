@@ -34,6 +34,7 @@ class SlaveSync:
         self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s))
         self._failing: str | None = None
         self.subscriptions = None       # set by the server: the master's subscription groups are copied too
+        self._groups_unsaved = False    # copied, but their file could not be written (a full disk): written again
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -96,10 +97,18 @@ class SlaveSync:
             return False
         if changed:
             log.info("subscription groups copied from master %s: %d configured", addr, len(subs.groups))
+        if changed or self._groups_unsaved:
+            # Tried again at each sync until it is written: the next copy is unchanged (adopt says False), and the
+            # file stayed the old one for good (a slave restarted without its master read stale groups), while
+            # the next sync said the copies worked again. And as any refused save (retried_save.py), every 5 s
+            # and at stop: a master away once the disk had room -- what the copy is for -- left it stale.
             try:
-                await asyncio.to_thread(subs.write, subs.encode(), subs.counter)
+                await subs.save()
             except OSError as exc:
+                self._groups_unsaved = True
                 self._failed(f"subscription groups copied from master {addr} but not saved: {exc}")
+                return False
+            self._groups_unsaved = False
         return True
 
     def _failed(self, why: str) -> None:

@@ -99,6 +99,8 @@ class NameServer:
             self._server.close()
         for conn in list(self.connections):
             conn.close()
+        if self.ctx.kv is not None:
+            await self.ctx.kv.close()       # a save a full disk refused: tried a last time
 
 
 async def serve(config: NamesrvConfig) -> int:

@@ -8,7 +8,6 @@ written (SYSTEM_ERROR saying so when it cannot be). GET_KV_CONFIG (101) {namespa
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from protocol.admin_bodies import dump
@@ -54,10 +53,8 @@ def get_kvlist_by_namespace(ctx, conn, cmd):
 
 
 async def _saved(ctx, cmd, done: str):
-    kv = ctx.kv
     try:
-        await asyncio.to_thread(kv.write, kv.encode(), kv.counter)
+        await ctx.kv.save()     # (a failure is logged, and the save retried until it is done)
     except OSError as exc:
-        log.error("KV config %s but not saved to %s: %s", done, kv.path, exc)
-        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved: {exc}")
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved (retried until it is): {exc}")
     return cmd.response(ResponseCode.SUCCESS)

@@ -8,7 +8,6 @@ RESET_CONSUMER_CLIENT_OFFSET (220).
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -255,9 +254,9 @@ async def delete_subscription_group(ctx, conn, cmd):
 async def _saved(ctx, cmd, done: str):
     """Write the subscription groups' file (off the loop); SUCCESS, or SYSTEM_ERROR saying ``done`` but not saved."""
     try:
-        await asyncio.to_thread(ctx.subscriptions.write, ctx.subscriptions.encode(), ctx.subscriptions.counter)
+        await ctx.subscriptions.save()      # (a failure is logged, and the save retried until it is done)
     except OSError as exc:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved: {exc}")
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved (retried until it is): {exc}")
     return cmd.response(ResponseCode.SUCCESS)
 
 

@@ -21,12 +21,15 @@ every 10 s after an fsync of the files) and the newest entry's record, neither p
 recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
 message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
-from the commit log.
+from the commit log. A write error stops indexing (``failed``); a full disk's (ENOSPC, EDQUOT) is
+tried again every ``resume_every_s``: the files are read back as a start-up reads them (a batch the
+error cut short undone) and the log is caught up from where they end, without a restart.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import os
 import queue
@@ -58,6 +61,7 @@ PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page di
 MAX_QUERY = 64                  # RocketMQ's maxMsgsNumBatch
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room: indexing resumes
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
@@ -117,6 +121,14 @@ class IndexService:
         self._stopping = False          # close() queued the thread's last job: later jobs would never run
         self._saved = -1
         self.failed: str | None = None
+        # After a full disk stopped indexing: tried again every resume_every_s (see _resume). Without it a
+        # query by key missed every message stored after the disk was full, until the broker restarted.
+        self.resume_every_s = PROGRESS_EVERY_S
+        self._resumable = False         # the failure was a full disk's
+        self._failed_at = 0.0
+        self._failing = False           # in a failure run (said once): until a resume has caught up
+        self._log_min = 0               # the log's first offset (open, expire) ...
+        self._seen_end = 0              # ... and the end of the last record dispatched: what a resume indexes
 
     # ------------------------------------------------------------ lifecycle
     def on_dispatch(self, info) -> None:
@@ -133,6 +145,7 @@ class IndexService:
         is answered from what is indexed so far (with how far that is), as RocketMQ's queryOffset answers
         from its index while the reput service catches up."""
         self._loop = asyncio.get_running_loop()
+        self._log_min, self._seen_end = log_min, log_end
         await self._loop.run_in_executor(None, self._load, log_min, log_end)
         self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
         self._catching_up = True
@@ -168,6 +181,12 @@ class IndexService:
         self._q.put(job)
         return fut
 
+    @property
+    def stopped(self) -> bool:
+        """Indexing stopped by a write error and not caught up since (txmq_index_failed). Not ``failed`` alone:
+        a resume clears that while it tries, and the gauge read 0 for that moment every interval of a full disk."""
+        return self.failed is not None or self._failing
+
     # ------------------------------------------------------------ the API (awaitable)
     def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> asyncio.Future:
         """(commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest first,
@@ -184,7 +203,7 @@ class IndexService:
                 "last_update_ts": files[-1].end_ts if files else 0}
 
     # ------------------------------------------------------------ start-up (a worker thread)
-    def _load(self, log_min: int, log_end: int) -> None:
+    def _load(self, log_min: int, log_end: int, quiet: bool = False) -> None:
         fsync_dirs(make_dirs(self.directory))
         names = sorted(n for n in os.listdir(self.directory) if _NAME.match(n))
         for i, name in enumerate(names):
@@ -207,8 +226,8 @@ class IndexService:
             start = max(start, min(self._read_progress(), log_end))
         self.covered = start
         behind = log_end - start
-        log.info("index: %d files, catching up %d bytes of the commit log from offset %d", len(self.files),
-                 max(behind, 0), start)
+        (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d",
+                                           len(self.files), max(behind, 0), start)
 
     def _drop_damaged(self, names: list[str], why: str) -> None:
         prev = self.files[-1].end_phy if self.files else 0
@@ -237,7 +256,15 @@ class IndexService:
     def _main(self) -> None:
         q, pending, popleft = self._q, self._pending, self._pending.popleft
         while True:
-            item = q.get()
+            if self.failed is not None and self._resumable and not self._closed:
+                # A resume is due by the clock, not only at the next send or query: on a broker quiet once the
+                # disk had room, the index stayed stopped (and the first query by key was answered stale).
+                try:
+                    item = q.get(timeout=max(self._failed_at + self.resume_every_s - time.monotonic(), 0.01))
+                except queue.Empty:
+                    item = _WAKE
+            else:
+                item = q.get()
             if item is _WAKE and self.lag_s > 0:
                 try:                    # let records gather; a job (a query) ends the wait
                     item = q.get(timeout=self.lag_s)
@@ -250,7 +277,11 @@ class IndexService:
             while pending and not self._catching_up:
                 batch.append(popleft())
             if batch:
+                self._seen_end = max(self._seen_end, batch[-1][0] + batch[-1][1])
                 self._guarded(self._index, batch)
+            if (self.failed is not None and self._resumable and item is not None and not self._closed
+                    and time.monotonic() - self._failed_at >= self.resume_every_s):
+                self._guarded(self._resume)
             if item is None:
                 return
             if item is not _WAKE:       # a job: each runs whatever failed before it (a query must be answered)
@@ -262,10 +293,31 @@ class IndexService:
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
-            if self.failed is None:
-                log.exception("index thread: %s; indexing stops here and resumes from the commit log at the "
-                              "next start (queries go on answering from what is indexed)", exc)
+            resumable = isinstance(exc, OSError) and exc.errno in _NO_ROOM
+            # Once a failure run; again when a resume meets an error that is not retried: said nothing, the
+            # index stayed stopped until a restart while the log still promised a resume once there was room.
+            if (self.failed is None and not self._failing) or (self._resumable and not resumable):
+                log.exception("index thread: %s; indexing stops here and resumes from the commit log %s (queries "
+                              "go on answering from what is indexed)", exc,
+                              "once the disk has room" if resumable else "at the next start")
             self.failed = str(exc)
+            self._failing, self._resumable, self._failed_at = True, resumable, time.monotonic()
+
+    def _resume(self) -> None:
+        """(Index thread) after a full disk stopped indexing: the files read back as a start-up reads them (the
+        entries of a batch the error cut short undone; the newest record's missing keys found again) and the log
+        caught up from where they end to the last record dispatched, in slices, as at start-up. Failing again
+        (the disk still full), it is tried again an interval later, without another word."""
+        self._failed_at = time.monotonic()
+        for f in self.files:
+            f.close()
+        self.files = []
+        self._skip, self._skip_hashes = -1, set()
+        self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
+        self.failed = None
+        self._catching_up = True
+        end = self._seen_end
+        self._q.put(lambda: self._catch_up(end))
 
     def _shutdown(self) -> None:
         try:
@@ -401,6 +453,14 @@ class IndexService:
         done = True
         try:
             done = self._closed or self.failed is not None or self._scan(self.covered, hi, CATCH_UP_SLICE)
+            if done and self._failing and self.failed is None and not self._closed:    # a resume's, through
+                # ... and its progress written: the failure may have been the progress file's, and a catch-up
+                # with nothing to write proves no room. Said caught up before it, the next save failed again:
+                # an ERROR and this WARNING every interval while the disk stayed full. Failing, it stays quiet.
+                self._save_progress()
+                self._failing = False
+                log.warning("index: caught up with the commit log again after a full disk (to offset %d)",
+                            self.covered)
         finally:
             if done:
                 self._catching_up = False
@@ -534,6 +594,7 @@ class IndexService:
         return t == topic and (uniq == key or key in keys)
 
     def _expire(self, min_offset: int) -> list[str]:
+        self._log_min = max(self._log_min, min_offset)
         gone = []
         while len(self.files) > 1 and self.files[0].end_phy < min_offset:
             f = self.files.pop(0)

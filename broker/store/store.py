@@ -1036,9 +1036,9 @@ def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
     # queue files a kill leaves beside it are removed by the next open (_left_by_delete).
     try:
         write_tombstone(directory, deleted_below)
-    except OSError as exc:      # the delete stands; only a restart may bring the old records back
-        log.error("deleted topic's mark not written in %s (%s): a restart may index the topic's records below "
-                  "log offset %d again and serve it (delete it again then)", directory, exc, deleted_below)
+        unmarked = None
+    except OSError as exc:      # the delete stands; written after the queue files went, below, if it can be
+        unmarked = exc
     for cq in queues:
         for mf in cq.files:
             mf.remove()
@@ -1050,6 +1050,19 @@ def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
     for name in names:
         if name != TOMBSTONE:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    if unmarked is None:
+        return
+    # A full disk refused the mark; the queue files just removed freed room for it. Not tried again, the next
+    # restart indexed the topic's records again and served it, old messages and all, on a disk that was fine.
+    try:
+        write_tombstone(directory, deleted_below)
+    except OSError as exc:
+        log.error("deleted topic's mark not written in %s (%s, then %s): a restart may index the topic's records "
+                  "below log offset %d again and serve it (delete it again then)", directory, unmarked, exc,
+                  deleted_below)
+        return
+    log.warning("deleted topic's mark written in %s once its queue files were removed (at first: %s)",
+                directory, unmarked)
 
 
 def _left_by_delete(cq: ConsumeQueue, below: int) -> bool:

@@ -69,6 +69,7 @@ class TransactionService:
         self.core = TransactionCore(self.policy, self.decision_of, self._identity)
         self.pending = self.core.pending
         self.table: DecisionTable | None = None
+        self._refused = [0, ""]     # (run_due) check records refused this pass, and why
         self.dead_count = 0
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
@@ -624,13 +625,20 @@ class TransactionService:
 
     async def run_due(self, now: int) -> None:
         room_for = self._room_for
-        while True:
-            await self._run_slice(now, room_for)
-            room_for = None                 # parked ones come back once a pass, with the room there is then
-            due = self.core.next_due()
-            if due is None or due > now:
-                break
-            await asyncio.sleep(0)
+        self._refused = [0, ""]             # check records the store refused this pass: said once, at its end
+        try:
+            while True:
+                await self._run_slice(now, room_for)
+                room_for = None                 # parked ones come back once a pass, with the room there is then
+                due = self.core.next_due()
+                if due is None or due > now:
+                    break
+                await asyncio.sleep(0)
+        finally:
+            refused, why = self._refused
+            if refused:     # a full disk: no check goes out unrecorded, and the transactions wait (said, per pass)
+                log.warning("%d transaction checks not sent: their check records were refused (%s); checked again "
+                            "an interval on", refused, why)
         self._save_progress()
 
     async def _run_slice(self, now: int, room_for) -> None:
@@ -700,6 +708,10 @@ class TransactionService:
         except Exception:  # noqa: BLE001 - as a refusal: rescheduled below, the attempt not counted
             log.exception("check records of %d transactions not written", len(batch))
             results = [None] * len(batch)
+        refused = [r for r in results if r is not None and not r.ok]
+        if refused:     # said by run_due, once a pass (per slice of 256 was 200 lines a pass for 50000 waiting)
+            self._refused[0] += len(refused)
+            self._refused[1] = self._refused[1] or refused[0].remark or refused[0].status.name
         self.changed = True
         for action, result in zip(batch, results):
             tx = action.tx

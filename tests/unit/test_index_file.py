@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import struct
@@ -12,7 +13,8 @@ import pytest
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store import index as index_mod
 from broker.store.index import IndexService, record_keys
-from broker.store.index_file import ENTRY, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
+from broker.store.index_file import ENTRY, ENTRY_SIZE, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
+from tests.support.bounded import bounded
 
 SLOTS, ENTRIES = 16, 10
 
@@ -110,6 +112,35 @@ async def _service(tmp_path, store, **kw):
     return svc
 
 
+def test_entries_a_full_disk_cuts_short_are_not_counted(tmp_path, monkeypatch):
+    """A write that meets a full disk part-way returns the bytes that fit, without an error (write(2)): the
+    entries' pwrite was not checked, and a batch cut short was counted whole -- zeroed entries that the slots
+    named, their keys lost for good and each slot's older entries cut off behind them. Now the rest is written,
+    and the full disk's error raised before the slots or the header say anything."""
+    f = _new(tmp_path)
+    f.put_many([(3, 100, 1000)])
+    real = os.pwrite
+
+    def cut_short(fd, data, at):
+        if fd == f.fd and len(data) > ENTRY_SIZE:       # the entries of a batch: the first one fits
+            monkeypatch.setattr(os, "pwrite", no_room)
+            return real(fd, bytes(data)[:ENTRY_SIZE - 4], at)
+        return real(fd, data, at)
+
+    def no_room(fd, data, at):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", cut_short)
+    with pytest.raises(OSError) as err:
+        f.put_many([(19, 200, 1000), (35, 300, 1000)])      # slot 3, as the first
+    monkeypatch.undo()
+    assert err.value.errno == errno.ENOSPC
+    assert f.count == 2 and f.select(3, 0, 10**13) == [100]
+    f.close()
+    f = IndexFile.open(f.path, SLOTS, ENTRIES)              # as a resume reads it back
+    assert f.count == 2 and f.select(3, 0, 10**13) == [100] and f.select(19, 0, 10**13) == []
+    f.close()
+
+
 async def test_service_catches_up_rolls_files_and_finds_every_key(tmp_path):
     store = await _store_with(tmp_path, 40)          # spans several segments and 3 entries a record
     svc = await _service(tmp_path, store)
@@ -193,6 +224,173 @@ async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path
     svc = await _service(tmp_path, store)
     assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [lost.physical_offset]
     assert len((await svc.query("T", "after", 64, 0, 2**62))[0]) == 1
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path, monkeypatch, caplog):
+    """A full disk stopped indexing until the next restart: every message stored from then on was missing from
+    queries by key (mqadmin queryMsgByKey, a transaction's lookup by UNIQ_KEY) for as long as the broker ran.
+    Now the index is read back and caught up from the log once a write fits again, without a restart; while the
+    disk stays full the attempts fail without another word."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0          # at each wake-up of the index thread (the default paces it by 10 s)
+    await svc.query("T", "x", 1, 0, 1)
+    real = IndexFile.put_many
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        lost = [await store.put(PutRequest.build("T", b"z", properties={"KEYS": f"lost{i}"})) for i in range(3)]
+        for _ in range(3):          # each query a turn of the index thread: a resume tried, and failing
+            assert (await svc.query("T", "lost0", 64, 0, 2**62))[0] == []
+    assert sum("indexing stops here" in r.getMessage() for r in caplog.records) == 1    # not once per attempt
+    monkeypatch.setattr(IndexFile, "put_many", real)
+    after = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "after"}))     # wakes the index thread
+    for _ in range(10):             # the resume's catch-up is queued behind a query already waiting
+        if (await svc.query("T", "after", 64, 0, 2**62))[0]:
+            break
+    assert svc.failed is None
+    for i, res in enumerate(lost):
+        assert (await svc.query("T", f"lost{i}", 64, 0, 2**62))[0] == [res.physical_offset]
+    assert (await svc.query("T", "after", 64, 0, 2**62))[0] == [after.physical_offset]
+    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 3        # nothing indexed twice
+    await svc.close()
+    await store.close()
+
+
+class _Said(logging.Handler):
+    """An asyncio event set (from any thread) when a record saying ``words`` is logged."""
+
+    def __init__(self, words: str):
+        super().__init__()
+        self.words, self.event, self.loop = words, asyncio.Event(), asyncio.get_running_loop()
+
+    def emit(self, record):
+        if self.words in record.getMessage():
+            self.loop.call_soon_threadsafe(self.event.set)
+
+
+@bounded(20)
+async def test_a_full_disk_at_the_progress_file_is_not_caught_up_and_stopped_again_every_interval(
+        tmp_path, monkeypatch, caplog):
+    """The progress file is a write too: a full disk refused it, a resume (which writes nothing when there is
+    nothing to catch up) said "caught up ... again" and ended the failure run, and the next progress save
+    failed again with a new ERROR and traceback -- an ERROR and a WARNING every 10 s for as long as the disk
+    stayed full, and txmq_index_failed flapping. A resume ends the run only once its progress is written."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)          # caught up
+    monkeypatch.setattr(index_mod, "PROGRESS_EVERY_S", 0)     # a progress save at each turn of the thread
+    svc.resume_every_s = 0
+    real_open = open
+
+    def full(path, *args, **kw):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kw)
+    monkeypatch.setattr(index_mod, "open", full, raising=False)
+    with caplog.at_level(logging.INFO, logger="txmq.index"):
+        lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+        for _ in range(6):          # turns of the index thread: progress saves refused, resumes tried
+            await svc.query("T", "lost", 64, 0, 2**62)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("indexing stops here" in m for m in said) == 1, said
+    assert not any("caught up" in m or "catching up" in m for m in said), said     # not a line per attempt
+    assert svc.stopped             # txmq_index_failed: 1 throughout, not 0 while each resume is tried
+    monkeypatch.setattr(index_mod, "open", real_open, raising=False)
+    back = _Said("caught up with the commit log again")
+    logging.getLogger("txmq.index").addHandler(back)
+    try:
+        while not back.event.is_set():     # each query a turn: the resume, then its catch-up and progress
+            await svc.query("T", "lost", 64, 0, 2**62)
+    finally:
+        logging.getLogger("txmq.index").removeHandler(back)
+    assert not svc.stopped
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [lost.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_path, monkeypatch):
+    """The resume was tried only when the index thread woke (a send or a query): on a broker quiet once the
+    disk had room, the index stayed stopped (txmq_index_failed 1, the alert firing) and the first query by key
+    was answered from the stale index, the catch-up queued behind it. Now the thread wakes by itself."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0.05           # (the thread's wait is set when it starts waiting)
+    await svc.query("T", "x", 1, 0, 1)
+    real = IndexFile.put_many
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [] and svc.stopped
+    back = _Said("caught up with the commit log again")
+    logging.getLogger("txmq.index").addHandler(back)
+    monkeypatch.setattr(IndexFile, "put_many", real)
+    try:
+        await back.event.wait()         # nothing sent, nothing asked
+    finally:
+        logging.getLogger("txmq.index").removeHandler(back)
+    assert svc.failed is None
+    assert (await svc.query("T", "lost", 64, 0, 2**62))[0] == [lost.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_resume_due_after_the_index_closed_does_not_open_its_files_again(tmp_path, monkeypatch):
+    """close() runs the thread's last job, then stops the thread: a resume due in between (the clock wakes the
+    thread now) read the files back after they were closed -- descriptors no one closes -- and wrote the progress
+    file after the store had stopped."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    await svc.query("T", "lost", 64, 0, 2**62)
+    assert svc.failed is not None
+    monkeypatch.undo()
+    await svc._submit(svc._shutdown)        # close()'s last job; the thread runs on until its stop
+    svc.resume_every_s = 0
+    loop, turned = asyncio.get_running_loop(), asyncio.Event()
+    svc._q.put(lambda: loop.call_soon_threadsafe(turned.set))      # a turn of the thread, a resume due
+    await turned.wait()
+    assert svc.files and all(f.fd == -1 for f in svc.files)
+    svc._q.put(None)
+    await loop.run_in_executor(None, svc._thread.join)
+    await store.close()
+
+
+@bounded(20)
+async def test_another_error_while_resuming_from_a_full_disk_is_said(tmp_path, monkeypatch, caplog):
+    """The failure run is said once; a resume that then met another error (EIO: not retried, indexing stays
+    stopped until a restart) said nothing, and the log still promised a resume "once the disk has room"."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    errors = iter([errno.ENOSPC] + [errno.EIO] * 100)
+
+    def broken(self, items):
+        raise OSError(next(errors), "write failed")
+    monkeypatch.setattr(IndexFile, "put_many", broken)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+        for _ in range(4):          # the full disk's failure, then resumes: one meets EIO
+            await svc.query("T", "lost", 64, 0, 2**62)
+    said = [r.getMessage() for r in caplog.records if "indexing stops here" in r.getMessage()]
+    assert len(said) == 2 and "once the disk has room" in said[0] and "at the next start" in said[1], said
+    assert svc.failed is not None and not svc._resumable
     await svc.close()
     await store.close()
 

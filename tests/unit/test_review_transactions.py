@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -592,5 +593,65 @@ async def test_a_commit_into_a_queue_there_is_does_not_call_into_the_store_to_pr
         assert await asyncio.wait_for(later, 5) == (0, COMMIT)
         del ctx.store.prepare_queue
         assert calls == []
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_checks_whose_records_a_full_disk_refuses_are_not_sent_and_say_so(tmp_path, caplog):
+    """A check goes out only once its record is written; on a full disk the record is refused, and the pass ended
+    with no check sent and not a word in the log (the transactions waited in silence). Now it says how many and
+    why; they are not counted as checked and stay on the schedule."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        pending = await add_half(ctx, b"waiting")
+        sent = []
+
+        class Producer:
+            is_open = True
+
+            def oneway(self, cmd):
+                sent.append(cmd)
+        pending.owner = Producer()
+        ctx.store.gate, ctx.store.fail = asyncio.Event(), True
+        ctx.store.gate.set()
+        clock.now = pending.next_check + 1
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.run_due(clock.now)
+        assert sent == [] and pending.checks == 0 and tx.next_due() is not None
+        assert any("1 transaction checks not sent" in r.getMessage() and "refused" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_checks_a_full_disk_refuses_are_said_once_a_pass_however_many_slices_it_takes(tmp_path, caplog):
+    """The warning was written per slice of CHECK_SLICE (256) transactions, not per pass: 50000 transactions
+    waiting on a full disk logged about 200 lines every check interval. Now one line a pass, with the total."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    tx.CHECK_SLICE = 1          # a slice each: three slices in the pass
+    try:
+        halves = [await add_half(ctx, bytes([65 + i])) for i in range(3)]
+
+        class Producer:
+            is_open = True
+
+            def oneway(self, cmd):
+                raise AssertionError("a check went out without its record")
+        for p in halves:
+            p.owner = Producer()
+        ctx.store.gate, ctx.store.fail = asyncio.Event(), True
+        ctx.store.gate.set()
+        clock.now = max(p.next_check for p in halves) + 1
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.run_due(clock.now)
+        said = [r.getMessage() for r in caplog.records if "transaction checks not sent" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("3 transaction checks not sent"), said
+        assert all(p.checks == 0 for p in halves)
     finally:
         await ctx.store._store.close()
