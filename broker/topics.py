@@ -6,9 +6,12 @@ serves, writes leave the event loop: a change marks the catalogue dirty and one
 write (serialise, fsync, rename) runs on a config thread at most every 100 ms for
 all the changes since -- a flood of new topics costs one write per batch, not a
 rewrite of the whole file per topic on the loop. A crash before the write loses
-nothing acknowledged: ``adopt`` restores any topic the store holds queues for, and
+no message: ``adopt`` restores any topic the store holds queues for, and
 ``queue_appeared`` one whose first queue comes later (a half committed, a delayed
-message delivered after the restart).
+message delivered after the restart). An operator's change (UPDATE_AND_CREATE_TOPIC,
+DELETE_TOPIC_IN_BROKER) is answered only once it is written (``saved``), as RocketMQ's
+ConfigManager.persist: restored from the store, a topic has the default settings, not
+the queues and perm the operator set, and a deleted one comes back.
 
 Each topic a client made is saved with its maker ("creator": its limits.client_key, at most a /64's 43
 characters) and, when another client gave it more queues since, the client its queues are charged to
@@ -108,6 +111,8 @@ class TopicManager:
         self._pool: ThreadPoolExecutor | None = None
         self._write_scheduled = False
         self._dirty = False                 # changed since the last catalogue write that succeeded
+        self._changes = 0                   # changes made (_persist); a snapshot carries the count it holds
+        self._saved_changes = 0             # the count of the newest catalogue on disk (``saved``)
         self._write_failing = False         # the last write failed: it is retried every retry_write_s
         self.retry_write_s = 5.0
         self._last_write = None
@@ -226,6 +231,7 @@ class TopicManager:
 
     def _persist(self) -> None:
         self._dirty = True
+        self._changes += 1
         self.data_version = DataVersion(int(time.time() * 1000), self.data_version.counter + 1)
         if self.on_change is not None:
             self.on_change()
@@ -234,6 +240,16 @@ class TopicManager:
         elif not self._write_scheduled:
             self._write_scheduled = True
             self._loop.call_later(0.1, self._write_batch)
+
+    async def saved(self) -> None:
+        """Return once every change made so far is in the catalogue on disk (written now, on the config thread,
+        unless a write since did it); OSError when it cannot be. For the operators' codes: UPDATE_AND_CREATE_TOPIC
+        and DELETE_TOPIC_IN_BROKER answered SUCCESS while the batched write was still up to 100 ms away, and a
+        broker killed then came back with the topic's old settings, a new topic missing (made again by the next
+        send with the default queues and perm), or a deleted topic back."""
+        if self._pool is None or self._saved_changes >= self._changes:
+            return
+        await self._loop.run_in_executor(self._pool, self._write, self._snapshot())
 
     def _write_batch(self) -> None:
         self._write_scheduled = False
@@ -269,7 +285,7 @@ class TopicManager:
                 break
             reclaimed.append([name, maker, int((wall - (now - when)) * 1000)])
         reclaimed.reverse()
-        return list(self.topics.values()), dict(self._creator), dict(self._queue_owner), reclaimed
+        return list(self.topics.values()), dict(self._creator), dict(self._queue_owner), reclaimed, self._changes
 
     def _write_if_dirty(self, snapshot: tuple) -> None:
         if self._dirty:
@@ -277,7 +293,7 @@ class TopicManager:
 
     def _write(self, snapshot: tuple) -> None:
         self._dirty = False             # a change made while this write runs sets it again
-        topics, creators, owners, reclaimed = snapshot
+        topics, creators, owners, reclaimed, changes = snapshot
         restored = self._restored       # membership only, from this thread: the loop may change it meanwhile
         catalogue = {"topics": [_entry(t, t.name in restored, creators.get(t.name), owners.get(t.name))
                                 for t in topics if t.name not in self._system]}
@@ -288,6 +304,7 @@ class TopicManager:
         body = json.dumps(catalogue, indent=1)
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
+            self._saved_changes = max(self._saved_changes, changes)
         except OSError:
             self._dirty = True
             with contextlib.suppress(OSError):

@@ -22,6 +22,7 @@ from protocol.txlog import PROGRESS_GROUP
 from ..store.disk import human_bytes
 from ..limits import peer_host
 from ..subscriptions import retry_queues
+from .admin import topics_saved
 from ..topics import RETRY_PREFIX, is_system_topic
 
 log = logging.getLogger("txmq.ops")
@@ -201,7 +202,10 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     ctx.metrics.forget_topic(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
                 "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
-    return cmd.response(ResponseCode.SUCCESS)
+    # Answered once the catalogue and the offsets say so: a kill before their batched writes brought the topic
+    # back with its old settings (and its groups' offsets) though the operator was told it was gone.
+    reply = await topics_saved(ctx, cmd, f"topic {topic} deleted")
+    return await _offsets_saved(ctx, cmd, f"topic {topic} deleted", reply)
 
 
 # ------------------------------------------------------------------ subscription groups
@@ -232,7 +236,9 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     if topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
             ctx.topics, topic, queues, asker, "grown") is None:
         ctx.topics.grow(topic, queues, asker)
-    return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
+    reply = await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
+    # (the retry topic grown with it saved too, as UPDATE_AND_CREATE_TOPIC's: nothing to write when it was not)
+    return reply if reply.code != ResponseCode.SUCCESS else await topics_saved(ctx, cmd, f"topic {topic} grown")
 
 
 async def delete_subscription_group(ctx, conn, cmd):
@@ -247,9 +253,11 @@ async def delete_subscription_group(ctx, conn, cmd):
     ctx.metrics.forget_consumer_group(group)
     log.warning("subscription group %s deleted by %s (%s%s)", group, _peer(conn),
                 "configured" if existed else "not configured", ", offsets removed" if remove_offset else "")
-    if existed:
-        return await _saved(ctx, cmd, f"subscription group {group} deleted")
-    return cmd.response(ResponseCode.SUCCESS)
+    reply = await _saved(ctx, cmd, f"subscription group {group} deleted") if existed else cmd.response(
+        ResponseCode.SUCCESS)
+    if remove_offset:       # else a kill before the periodic save brought the group's offsets back
+        reply = await _offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply)
+    return reply
 
 
 async def _saved(ctx, cmd, done: str):
@@ -259,6 +267,18 @@ async def _saved(ctx, cmd, done: str):
     except OSError as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved: {exc}")
     return cmd.response(ResponseCode.SUCCESS)
+
+
+async def _offsets_saved(ctx, cmd, done: str, reply):
+    """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
+    saved (``reply`` too when it is an error already)."""
+    try:
+        await ctx.offsets.saved()
+    except OSError as exc:
+        if reply.code == ResponseCode.SUCCESS:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
+                                f"are lost if the broker stops before the next periodic save): {exc}")
+    return reply
 
 
 def consume_guard(handler):
@@ -275,7 +295,7 @@ def consume_guard(handler):
 
 
 # ------------------------------------------------------------------ offsets reset
-def reset_offset(ctx, conn, cmd):
+async def reset_offset(ctx, conn, cmd):
     """Move a group's offsets on a topic to the message stored at ``timestamp`` (-1: the end).
 
     Broker2Client.resetOffset, with one addition: the new offsets are also committed here, so a
@@ -320,7 +340,10 @@ def reset_offset(ctx, conn, cmd):
     notified = _notify_reset(ctx, group, topic, timestamp, force, table, cmd.language == LanguageCode.CPP)
     log.warning("[reset-offset] group %s topic %s to timestamp %d (force=%s) by %s: %s; %d consumers told",
                 group, topic, timestamp, force, _peer(conn), {q: o for (_t, _b, q), o in table.items()}, notified)
-    return cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table))
+    # On disk before SUCCESS: left to the periodic save, a kill within its interval put the group back where
+    # it was -- the replay asked for never came, or the records skipped were delivered again.
+    return await _offsets_saved(ctx, cmd, f"[reset-offset] group {group} topic {topic} reset",
+                                cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table)))
 
 
 def _notify_reset(ctx, group: str, topic: str, timestamp: int, force: bool, table: dict, for_c: bool) -> int:

@@ -182,6 +182,20 @@ class ConsumerOffsets:
                     log.warning("consumer offsets persisted again")
                     failing = False
 
+    async def saved(self) -> None:
+        """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
+        background save retries). For the operators' codes, which move offsets on purpose and answer SUCCESS: a
+        reset (INVOKE_BROKER_TO_RESET_OFFSET) or a removal left to the next periodic save was undone by a kill
+        within ``persist_interval_s`` -- the group back where it was, its replay lost or its skip redelivered."""
+        self._dirty = False
+        snapshot = dict(self._table), dict(self._maker)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._encode_and_write, snapshot,
+                                                             self._take_save())
+        except OSError:
+            self._dirty = True
+            raise
+
     def persist(self) -> None:
         """Write the table now (blocking)."""
         self._dirty = False

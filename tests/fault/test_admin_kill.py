@@ -1,0 +1,111 @@
+"""An operator's change answered SUCCESS must survive a SIGKILL that comes right after the reply.
+
+Each test makes one change over TCP as mqadmin frames it, kills the broker (-9) as soon as SUCCESS is read --
+paced by the reply, not by the clock -- starts it again on the same store and reads the state back. RocketMQ
+4.9.8 persists topic and subscription configs (ConfigManager.persist) and its configuration file
+(BrokerController.updateBrokerConfig) before it answers; txmq answered topic changes before their batched
+write (up to 100 ms later), offset resets before the periodic offsets save (5 s), and kept brokerPermission in
+memory only: the broker came back with the old state and nothing said.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from protocol.admin_bodies import decode_consumer_offsets
+from protocol.codes import Perm, ResponseCode
+from protocol.codes import RequestCode as R
+from tests.support.bounded import bounded
+from tests.support.cluster_process import request
+
+pytestmark = [pytest.mark.asyncio]
+
+
+async def _ok(addr: str, code: int, fields: dict | None = None, body: bytes = b""):
+    resp = await request(addr, code, fields, body)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    return resp
+
+
+async def _topics(addr: str) -> dict:
+    return json.loads((await _ok(addr, R.GET_ALL_TOPIC_CONFIG)).body_bytes())["topicConfigTable"]
+
+
+async def _offsets(addr: str) -> dict:
+    return decode_consumer_offsets((await _ok(addr, R.GET_ALL_CONSUMER_OFFSET)).body_bytes())
+
+
+async def _restart_after_kill(broker_factory, b):
+    b.kill()
+    return await asyncio.to_thread(broker_factory)
+
+
+@bounded(90)
+async def test_topic_settings_survive_a_kill_right_after_success(broker_factory, tmp_path):
+    """A new topic with 16 read-only ordered queues, and an existing one made read-only: after the kill both were
+    back as before (the new one missing, made again by the next send with the default queues, read-write)."""
+    b = broker_factory()
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Kept", "readQueueNums": 2, "writeQueueNums": 2,
+                                                    "perm": Perm.READ_WRITE})
+    b = await _restart_after_kill(broker_factory, b)      # "Kept" as it was before the operator's change
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Made", "readQueueNums": 16, "writeQueueNums": 16,
+                                                    "perm": Perm.READ, "order": "true"})
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Kept", "readQueueNums": 4, "writeQueueNums": 4,
+                                                    "perm": Perm.READ})
+    catalogue = (tmp_path / "store" / "config" / "topics.json").read_text()
+    assert '"Made"' in catalogue        # on disk when SUCCESS is read, on any machine
+    b = await _restart_after_kill(broker_factory, b)
+    table = await _topics(b.broker)
+    made = table["Made"]
+    assert (made["readQueueNums"], made["writeQueueNums"], made["perm"], made["order"]) == (16, 16, Perm.READ, True)
+    assert (table["Kept"]["readQueueNums"], table["Kept"]["perm"]) == (4, Perm.READ)
+
+
+@bounded(90)
+async def test_a_deleted_topic_stays_deleted_after_a_kill_right_after_success(broker_factory):
+    """The catalogue without it was written up to 100 ms after SUCCESS: killed before, the topic was back."""
+    b = broker_factory()
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Gone", "readQueueNums": 8, "writeQueueNums": 8})
+    assert b.stop() == 0            # "Gone" in the catalogue, as a topic made long ago
+    b.start()
+    await _ok(b.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "Gone"})
+    b = await _restart_after_kill(broker_factory, b)
+    assert "Gone" not in await _topics(b.broker)
+
+
+async def _group_at(b, group: str, topic: str, offset: int) -> None:
+    """``group`` committed at ``offset`` of ``topic`` queue 0 (holding that many messages), saved by a clean stop."""
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": topic, "readQueueNums": 1, "writeQueueNums": 1})
+    for i in range(offset):
+        await _ok(b.broker, R.SEND_MESSAGE, {"producerGroup": "PG_admin_kill", "topic": topic, "defaultTopic": "TBW102",
+                                             "defaultTopicQueueNums": 1, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0,
+                                             "flag": 0, "properties": ""}, f"m{i}".encode())
+    await _ok(b.broker, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": group, "topic": topic, "queueId": 0,
+                                                   "commitOffset": offset})
+    assert b.stop() == 0
+    b.start()
+    assert (await _offsets(b.broker))[(group, topic, 0)] == offset
+
+
+@bounded(90)
+async def test_an_offset_reset_survives_a_kill_right_after_success(broker_factory):
+    """mqadmin resetOffsetByTime to replay a queue: answered before the periodic save, the kill put the group back
+    at its old offset -- the replay never came."""
+    b = broker_factory()
+    await _group_at(b, "CG_replay", "Replay", 5)
+    await _ok(b.broker, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Replay", "group": "CG_replay", "timestamp": 0,
+                                                          "isForce": "true", "queueId": 0, "offset": 1})
+    b = await _restart_after_kill(broker_factory, b)
+    assert (await _offsets(b.broker))[("CG_replay", "Replay", 0)] == 1
+
+
+@bounded(90)
+async def test_a_groups_removed_offsets_stay_removed_after_a_kill_right_after_success(broker_factory):
+    """mqadmin deleteSubGroup -r (removeOffset): the offsets came back with the restart."""
+    b = broker_factory()
+    await _group_at(b, "CG_removed", "Removed", 2)
+    await _ok(b.broker, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_removed", "removeOffset": "true"})
+    b = await _restart_after_kill(broker_factory, b)
+    assert ("CG_removed", "Removed", 0) not in await _offsets(b.broker)
