@@ -79,9 +79,7 @@ async def _group_at(b, group: str, topic: str, offset: int) -> None:
     """``group`` committed at ``offset`` of ``topic`` queue 0 (holding that many messages), saved by a clean stop."""
     await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": topic, "readQueueNums": 1, "writeQueueNums": 1})
     for i in range(offset):
-        await _ok(b.broker, R.SEND_MESSAGE, {"producerGroup": "PG_admin_kill", "topic": topic, "defaultTopic": "TBW102",
-                                             "defaultTopicQueueNums": 1, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0,
-                                             "flag": 0, "properties": ""}, f"m{i}".encode())
+        await _ok(b.broker, *_send(topic, f"m{i}".encode()))
     await _ok(b.broker, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": group, "topic": topic, "queueId": 0,
                                                    "commitOffset": offset})
     assert b.stop() == 0
@@ -109,3 +107,29 @@ async def test_a_groups_removed_offsets_stay_removed_after_a_kill_right_after_su
     await _ok(b.broker, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_removed", "removeOffset": "true"})
     b = await _restart_after_kill(broker_factory, b)
     assert ("CG_removed", "Removed", 0) not in await _offsets(b.broker)
+
+
+def _send(topic: str, body: bytes) -> tuple:
+    return R.SEND_MESSAGE, {"producerGroup": "PG_admin_kill", "topic": topic, "defaultTopic": "TBW102",
+                            "defaultTopicQueueNums": 1, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0,
+                            "properties": ""}, body
+
+
+@bounded(90)
+async def test_a_read_only_broker_stays_read_only_after_a_kill(broker_factory):
+    """mqadmin updateBrokerConfig -k brokerPermission -v 4 for maintenance, then a crash: the broker came back
+    read-write, taking sends again, with nothing said. RocketMQ writes it to its config file before it answers."""
+    b = broker_factory()
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Maint", "readQueueNums": 1, "writeQueueNums": 1})
+    await _ok(b.broker, R.UPDATE_BROKER_CONFIG, None, b"brokerPermission=4\n")
+    b = await _restart_after_kill(broker_factory, b)
+    config = (await _ok(b.broker, R.GET_BROKER_CONFIG)).body_bytes().decode()
+    assert "brokerPermission=4\n" in config
+    refused = await request(b.broker, *_send("Maint", b"during maintenance"))
+    assert refused.code == ResponseCode.NO_PERMISSION and "sending message is forbidden" in refused.remark
+    assert "broker permission read-only (4), as updateBrokerConfig set it before this start" in b.log()
+
+    await _ok(b.broker, R.UPDATE_BROKER_CONFIG, None, b"brokerPermission=6\n")     # maintenance over
+    b = await _restart_after_kill(broker_factory, b)
+    assert "brokerPermission=6\n" in (await _ok(b.broker, R.GET_BROKER_CONFIG)).body_bytes().decode()
+    await _ok(b.broker, *_send("Maint", b"after"))
