@@ -37,6 +37,12 @@ async def _offsets(addr: str) -> dict:
     return decode_consumer_offsets((await _ok(addr, R.GET_ALL_CONSUMER_OFFSET)).body_bytes())
 
 
+def _send(topic: str, body: bytes) -> tuple:
+    return R.SEND_MESSAGE, {"producerGroup": "PG_admin_kill", "topic": topic, "defaultTopic": "TBW102",
+                            "defaultTopicQueueNums": 1, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0,
+                            "properties": ""}, body
+
+
 async def _restart_after_kill(broker_factory, b):
     b.kill()
     return await asyncio.to_thread(broker_factory)
@@ -68,8 +74,10 @@ async def test_a_deleted_topic_stays_deleted_after_a_kill_right_after_success(br
     """The catalogue without it was written up to 100 ms after SUCCESS: killed before, the topic was back."""
     b = broker_factory()
     await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Gone", "readQueueNums": 8, "writeQueueNums": 8})
+    await _ok(b.broker, *_send("Gone", b"old"))
     assert b.stop() == 0            # "Gone" in the catalogue, as a topic made long ago
     b.start()
+    await _ok(b.broker, *_send("Gone", b"new"))    # (after the last checkpoint: recovery scans it again)
     await _ok(b.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "Gone"})
     b = await _restart_after_kill(broker_factory, b)
     assert "Gone" not in await _topics(b.broker)
@@ -109,11 +117,6 @@ async def test_a_groups_removed_offsets_stay_removed_after_a_kill_right_after_su
     assert ("CG_removed", "Removed", 0) not in await _offsets(b.broker)
 
 
-def _send(topic: str, body: bytes) -> tuple:
-    return R.SEND_MESSAGE, {"producerGroup": "PG_admin_kill", "topic": topic, "defaultTopic": "TBW102",
-                            "defaultTopicQueueNums": 1, "queueId": 0, "sysFlag": 0, "bornTimestamp": 0, "flag": 0,
-                            "properties": ""}, body
-
 
 @bounded(90)
 async def test_a_read_only_broker_stays_read_only_after_a_kill(broker_factory):
@@ -133,3 +136,25 @@ async def test_a_read_only_broker_stays_read_only_after_a_kill(broker_factory):
     b = await _restart_after_kill(broker_factory, b)
     assert "brokerPermission=6\n" in (await _ok(b.broker, R.GET_BROKER_CONFIG)).body_bytes().decode()
     await _ok(b.broker, *_send("Maint", b"after"))
+
+
+@bounded(90)
+async def test_a_change_that_cannot_be_saved_is_not_answered_success(broker_factory, tmp_path):
+    """Each file kept from being written (a directory where its temporary file goes): the reply says what was
+    done and what was not saved (the topic's change is in force, its write retried, as a subscription group's), or
+    that nothing changed -- never SUCCESS for a change a restart undoes."""
+    b = broker_factory()
+    await _group_at(b, "CG_unsaved", "Writable", 1)
+    config = tmp_path / "store" / "config"
+    for name in ("topics.json.tmp", "consumerOffset.json.tmp", "brokerConfig.json.tmp"):
+        (config / name).mkdir()
+    topic = await request(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Unsaved", "readQueueNums": 4,
+                                                                 "writeQueueNums": 4, "perm": Perm.READ})
+    assert topic.code == ResponseCode.SYSTEM_ERROR and "topic Unsaved set but not saved" in topic.remark
+    reset = await request(b.broker, R.INVOKE_BROKER_TO_RESET_OFFSET, {
+        "topic": "Writable", "group": "CG_unsaved", "timestamp": 0, "isForce": "true", "queueId": 0, "offset": 0})
+    assert reset.code == ResponseCode.SYSTEM_ERROR and "consumer offsets are not saved" in reset.remark
+    perm = await request(b.broker, R.UPDATE_BROKER_CONFIG, None, b"brokerPermission=4\n")
+    assert perm.code == ResponseCode.SYSTEM_ERROR and "Nothing was changed" in perm.remark
+    assert "brokerPermission=6\n" in (await _ok(b.broker, R.GET_BROKER_CONFIG)).body_bytes().decode()
+    await _ok(b.broker, *_send("Writable", b"still writable"))
