@@ -193,10 +193,10 @@ async def delete_topic_in_broker(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, why)
     if is_system_topic(topic):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
-    existed = []
+    existed, unmarked = [], []
     # The config goes with the queues, between the writer's batches: forgotten before, a send accepted earlier and
     # written after it opened a new queue, and the store made the topic again (topics.queue_appeared).
-    queues = await ctx.store.delete_topic(topic, lambda: existed.append(ctx.topics.delete(topic)))
+    queues = await ctx.store.delete_topic(topic, lambda: existed.append(ctx.topics.delete(topic)), unmarked.append)
     existed = bool(existed and existed[0])
     ctx.offsets.remove_topic(topic)
     ctx.metrics.forget_topic(topic)
@@ -205,7 +205,12 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     # Answered once the catalogue and the offsets say so: a kill before their batched writes brought the topic
     # back with its old settings (and its groups' offsets) though the operator was told it was gone.
     reply = await topics_saved(ctx, cmd, f"topic {topic} deleted")
-    return await _offsets_saved(ctx, cmd, f"topic {topic} deleted", reply)
+    reply = await _offsets_saved(ctx, cmd, f"topic {topic} deleted", reply)
+    if unmarked and reply.code == ResponseCode.SUCCESS:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"topic {topic} deleted, but its mark was not written "
+                            f"({unmarked[0]}): a restart may index its old records again and serve it with the "
+                            "default settings; delete it again once the store's disk is writable")
+    return reply
 
 
 # ------------------------------------------------------------------ subscription groups

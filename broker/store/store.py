@@ -828,13 +828,16 @@ class MessageStore:
         ts = self._store_time_at(cq, offset)
         return -1 if ts is None else ts
 
-    async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None) -> int:
+    async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None,
+                           unmarked: Callable[[str], object] | None = None) -> int:
         """Remove every consume queue of ``topic`` (its records stay in the log until retention);
         returns how many queues went. A topic of the same name later starts again at offset 0.
 
         ``forget``: called between writer batches, with the queues: the topic's config goes there (a record
         accepted before the delete and written after its config went opened a queue, and on_new_queue made the
-        topic again; its queues then went, the config stayed)."""
+        topic again; its queues then went, the config stayed). ``unmarked``: called with the reason when the
+        deleted topic's mark could not be written (the delete stands until a restart, which may index the
+        topic's records again): for the reply to say so, where the log alone said it."""
         if self._state != "open":
             raise StoreError("the store is not open")
         gone: list[ConsumeQueue] = []
@@ -852,7 +855,9 @@ class MessageStore:
                 return
             # Every record of the topic lies below the readable end now (this runs between writer batches).
             below = self._log.readable
-            await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)
+            why = await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)
+            if why is not None and unmarked is not None:
+                unmarked(why)
 
         await self._writer.control(op)
         try:        # recovery must not bring the queues back from records before this point
@@ -1031,12 +1036,15 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
     write_checkpoint(store_dir, point)
 
 
-def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
+def _remove_queue_files(queues, directory: str, deleted_below: int) -> str | None:
+    """None, or why the deleted topic's mark was not written (the queues go all the same)."""
     # The mark first: a kill before it left the queues gone and no mark, and recovery indexed the topic again;
     # queue files a kill leaves beside it are removed by the next open (_left_by_delete).
+    why = None
     try:
         write_tombstone(directory, deleted_below)
     except OSError as exc:      # the delete stands; only a restart may bring the old records back
+        why = str(exc)
         log.error("deleted topic's mark not written in %s (%s): a restart may index the topic's records below "
                   "log offset %d again and serve it (delete it again then)", directory, exc, deleted_below)
     for cq in queues:
@@ -1050,6 +1058,7 @@ def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
     for name in names:
         if name != TOMBSTONE:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return why
 
 
 def _left_by_delete(cq: ConsumeQueue, below: int) -> bool:

@@ -158,3 +158,18 @@ async def test_a_change_that_cannot_be_saved_is_not_answered_success(broker_fact
     assert perm.code == ResponseCode.SYSTEM_ERROR and "Nothing was changed" in perm.remark
     assert "brokerPermission=6\n" in (await _ok(b.broker, R.GET_BROKER_CONFIG)).body_bytes().decode()
     await _ok(b.broker, *_send("Writable", b"still writable"))
+
+
+@bounded(90)
+async def test_a_delete_whose_mark_cannot_be_written_says_so(broker_factory, tmp_path):
+    """The deleted topic's mark keeps recovery from indexing its old records again; not written (a directory
+    where its temporary file goes), the delete was answered SUCCESS and only the log said a restart may serve
+    the topic again."""
+    b = broker_factory()
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Unmarked", "readQueueNums": 1, "writeQueueNums": 1})
+    await _ok(b.broker, *_send("Unmarked", b"old"))
+    (tmp_path / "store" / "consumequeue" / "Unmarked" / "deleted.tmp").mkdir()
+    deleted = await request(b.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "Unmarked"})
+    assert deleted.code == ResponseCode.SYSTEM_ERROR
+    assert "topic Unmarked deleted, but its mark was not written" in deleted.remark
+    assert "Unmarked" not in await _topics(b.broker)        # deleted all the same
