@@ -173,3 +173,39 @@ async def test_a_delete_whose_mark_cannot_be_written_says_so(broker_factory, tmp
     assert deleted.code == ResponseCode.SYSTEM_ERROR
     assert "topic Unmarked deleted, but its mark was not written" in deleted.remark
     assert "Unmarked" not in await _topics(b.broker)        # deleted all the same
+
+
+def _heartbeat(group: str, topic: str) -> bytes:
+    """A 4.9.8 consumer's HEART_BEAT body: its heartbeat makes the group's %RETRY% topic."""
+    return json.dumps({"clientID": "127.0.0.1@admin_kill", "producerDataSet": [], "consumerDataSet": [{
+        "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+        "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+            "topic": topic, "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 1,
+            "expressionType": "TAG", "classFilterMode": False}]}]}).encode()
+
+
+async def _groups(addr: str) -> dict:
+    return json.loads((await _ok(addr, R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG)).body_bytes())["subscriptionGroupTable"]
+
+
+@bounded(90)
+async def test_a_groups_settings_and_its_grown_retry_topic_survive_a_kill(broker_factory):
+    """updateSubGroup -q 4 grows the group's %RETRY% topic, saved with the group's config before SUCCESS (the
+    topic's write was left to the batch: killed, the group said 4 retry queues and its topic had 1); and
+    deleteSubGroup stays done."""
+    b = broker_factory()
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Stopped", "readQueueNums": 1, "writeQueueNums": 1})
+    await _ok(b.broker, R.HEART_BEAT, None, _heartbeat("CG_stopped", "Stopped"))
+    assert b.stop() == 0            # %RETRY%CG_stopped saved with 1 queue
+    b.start()
+    assert (await _topics(b.broker))["%RETRY%CG_stopped"]["readQueueNums"] == 1
+    await _ok(b.broker, R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, None, json.dumps(
+        {"groupName": "CG_stopped", "consumeEnable": False, "retryQueueNums": 4, "retryMaxTimes": 3}).encode())
+    b = await _restart_after_kill(broker_factory, b)
+    group = (await _groups(b.broker))["CG_stopped"]
+    assert (group["consumeEnable"], group["retryQueueNums"], group["retryMaxTimes"]) == (False, 4, 3)
+    assert (await _topics(b.broker))["%RETRY%CG_stopped"]["readQueueNums"] == 4
+
+    await _ok(b.broker, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_stopped"})
+    b = await _restart_after_kill(broker_factory, b)
+    assert "CG_stopped" not in await _groups(b.broker)
