@@ -238,12 +238,12 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     # (Not on a slave: its queues are its master's, made by the records it copies, and its groups are replaced by
     # its master's at the next SlaveSync.)
     asker = peer_host(conn) if ctx.acl is None else None
-    if topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
-            ctx.topics, topic, queues, asker, "grown") is None:
-        ctx.topics.grow(topic, queues, asker)
+    growing = topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
+        ctx.topics, topic, queues, asker, "grown") is None and ctx.topics.grow(topic, queues, asker)
     reply = await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
-    # (the retry topic grown with it saved too, as UPDATE_AND_CREATE_TOPIC's: nothing to write when it was not)
-    return reply if reply.code != ResponseCode.SUCCESS else await topics_saved(ctx, cmd, f"topic {topic} grown")
+    if growing and reply.code == ResponseCode.SUCCESS:     # saved too (if it grew), as UPDATE_AND_CREATE_TOPIC's
+        reply = await topics_saved(ctx, cmd, f"subscription group {cfg['groupName']} set, topic {topic} grown,")
+    return reply
 
 
 async def delete_subscription_group(ctx, conn, cmd):
