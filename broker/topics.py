@@ -249,11 +249,13 @@ class TopicManager:
         send with the default queues and perm), or a deleted topic back."""
         if self._pool is None or self._saved_changes >= self._changes:
             return
-        await self._loop.run_in_executor(self._pool, self._write, self._snapshot())
+        fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
+        fut.add_done_callback(self._written)    # failed: logged once and retried, as a batch's
+        await fut
 
     def _write_batch(self) -> None:
         self._write_scheduled = False
-        if self._pool is None:
+        if self._pool is None or self._saved_changes >= self._changes:     # (``saved`` wrote them already)
             return
         fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
         fut.add_done_callback(self._written)
