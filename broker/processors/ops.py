@@ -22,8 +22,8 @@ from protocol.txlog import PROGRESS_GROUP
 from ..store.disk import human_bytes
 from ..limits import peer_host
 from ..subscriptions import retry_queues
-from .admin import topics_saved
 from ..topics import RETRY_PREFIX, is_system_topic
+from .admin import topics_saved
 
 log = logging.getLogger("txmq.ops")
 
