@@ -43,9 +43,9 @@ def _send(topic: str, body: bytes) -> tuple:
                             "properties": ""}, body
 
 
-async def _restart_after_kill(broker_factory, b):
+async def _restart_after_kill(broker_factory, b, *flags: str):
     b.kill()
-    return await asyncio.to_thread(broker_factory)
+    return await asyncio.to_thread(broker_factory, *flags)
 
 
 @bounded(90)
@@ -209,3 +209,23 @@ async def test_a_groups_settings_and_its_grown_retry_topic_survive_a_kill(broker
     await _ok(b.broker, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_stopped"})
     b = await _restart_after_kill(broker_factory, b)
     assert "CG_stopped" not in await _groups(b.broker)
+
+
+@bounded(90)
+async def test_a_forced_commit_survives_a_kill_right_after_success(broker_factory):
+    """txmq-admin commit: its decision is a commit-log record, flushed before the reply (--flush sync), so the
+    restart neither checks the transaction again nor loses the message."""
+    from producer import LocalTransactionState as S
+    from producer import TransactionProducer
+    from tests.integration.test_transactions import Listener, _drain
+
+    flags = ("--transaction-check-interval-ms", "60000")       # no check decides it meanwhile
+    b = broker_factory(*flags)
+    async with TransactionProducer(b.namesrv, "PG_forced", Listener(execute=S.UNKNOW)) as producer:
+        await producer.send_in_transaction("TxForced", b"forced")
+    [row] = json.loads((await _ok(b.broker, R.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"]
+    await _ok(b.broker, R.TXMQ_RESOLVE_TRANSACTION, {"commitLogOffset": row["commit_log_offset"],
+                                                     "decision": "commit"})
+    b = await _restart_after_kill(broker_factory, b, *flags)
+    assert json.loads((await _ok(b.broker, R.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"] == []
+    assert await _drain(b.namesrv, "TxForced", expect=1) == [b"forced"]
