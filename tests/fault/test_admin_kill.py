@@ -5,7 +5,9 @@ paced by the reply, not by the clock -- starts it again on the same store and re
 4.9.8 persists topic and subscription configs (ConfigManager.persist) and its configuration file
 (BrokerController.updateBrokerConfig) before it answers; txmq answered topic changes before their batched
 write (up to 100 ms later), offset resets before the periodic offsets save (5 s), and kept brokerPermission in
-memory only: the broker came back with the old state and nothing said.
+memory only: the broker came back with the old state and nothing said. A change that cannot be saved is
+answered SYSTEM_ERROR saying so; subscription groups and forced decisions were durable already (kept here
+as guards).
 """
 from __future__ import annotations
 
