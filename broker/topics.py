@@ -23,6 +23,7 @@ a delayed retry delivered after a restart makes its topic again charged to its m
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -113,6 +114,7 @@ class TopicManager:
         self._dirty = False                 # changed since the last catalogue write that succeeded
         self._changes = 0                   # changes made (_persist); a snapshot carries the count it holds
         self._saved_changes = 0             # the count of the newest catalogue on disk (``saved``)
+        self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
         self._write_failing = False         # the last write failed: it is retried every retry_write_s
         self.retry_write_s = 5.0
         self._last_write = None
@@ -246,12 +248,24 @@ class TopicManager:
         unless a write since did it); OSError when it cannot be. For the operators' codes: UPDATE_AND_CREATE_TOPIC
         and DELETE_TOPIC_IN_BROKER answered SUCCESS while the batched write was still up to 100 ms away, and a
         broker killed then came back with the topic's old settings, a new topic missing (made again by the next
-        send with the default queues and perm), or a deleted topic back."""
-        if self._pool is None or self._saved_changes >= self._changes:
-            return
-        fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
-        fut.add_done_callback(self._written)    # failed: logged once and retried, as a batch's
-        await fut
+        send with the default queues and perm), or a deleted topic back.
+
+        Callers at once share the writes (group commit): one running, the next starts when it ends, with every
+        change made meanwhile -- a burst of N updates costs two writes, not N queued each with its snapshot."""
+        wanted = self._changes
+        while self._pool is not None and self._saved_changes < wanted:
+            if self._saving is None:
+                self._saving = asyncio.ensure_future(self._save_now())
+                self._saving.add_done_callback(_retrieved)
+            await asyncio.shield(self._saving)
+
+    async def _save_now(self) -> None:
+        try:
+            fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
+            fut.add_done_callback(self._written)    # failed: logged once and retried, as a batch's
+            await fut
+        finally:
+            self._saving = None
 
     def _write_batch(self) -> None:
         self._write_scheduled = False
@@ -570,6 +584,13 @@ class TopicManager:
             return tc
         return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
                                        tc.perm, tc.filter_type, tc.sys_flag, tc.order), client)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """A save whose every waiter was cancelled (its connection gone) must not log "never retrieved": its
+    failure is logged by ``_written``."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _take(counts: dict, key, n: int) -> None:
