@@ -74,3 +74,54 @@ async def test_a_burst_of_offset_resets_shares_its_writes(tmp_path, monkeypatch)
         assert ConsumerOffsets(str(tmp_path)).get("G", "T", BURST - 1) == BURST - 1
     finally:
         release.set()
+
+
+def _counted_saves(monkeypatch, module) -> list:
+    real_save, writes = module.save, []
+
+    def save(path, data):
+        writes.append(data)
+        real_save(path, data)
+    monkeypatch.setattr(module, "save", save)
+    return writes
+
+
+@bounded(20)
+async def test_an_offsets_save_with_nothing_changed_writes_nothing(tmp_path, monkeypatch):
+    """A reset that moves no offset, or a deleted topic no group consumed, forced a write of the whole table (100,000
+    offsets: over a second of a core), and any client may send those codes without an ACL, back to back."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    writes = _counted_saves(monkeypatch, offsets_module)
+    offsets.commit("G", "T", 0, 5)
+    await offsets.saved()
+    assert len(writes) == 1
+    offsets.commit("G", "T", 0, 5)      # the same offset: no change
+    offsets.remove_topic("Other")       # nothing of it
+    for _ in range(3):
+        await offsets.saved()
+    assert len(writes) == 1
+    offsets.commit("G", "T", 0, 6)
+    await offsets.saved()
+    assert len(writes) == 2 and ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 6
+    offsets.remove_group("G")
+    await offsets.saved()
+    assert len(writes) == 3 and not ConsumerOffsets(str(tmp_path)).has("G", "T", 0)
+
+
+@bounded(20)
+async def test_a_failed_offsets_save_is_written_by_the_next_caller(tmp_path, monkeypatch):
+    """Nothing changed since, but the last write failed: ``saved`` writes again rather than say it is saved."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    real_save, failing = offsets_module.save, [True]
+
+    def save(path, data):
+        if failing[0]:
+            raise OSError(28, "No space left on device")
+        real_save(path, data)
+    monkeypatch.setattr(offsets_module, "save", save)
+    offsets.commit("G", "T", 0, 7)
+    with pytest.raises(OSError):
+        await offsets.saved()
+    failing[0] = False
+    await offsets.saved()
+    assert ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 7
