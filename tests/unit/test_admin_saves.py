@@ -125,3 +125,27 @@ async def test_a_failed_offsets_save_is_written_by_the_next_caller(tmp_path, mon
     failing[0] = False
     await offsets.saved()
     assert ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 7
+
+
+@bounded(20)
+async def test_a_topic_set_as_it_is_writes_no_catalogue(tmp_path, monkeypatch):
+    """UPDATE_AND_CREATE_TOPIC repeating a topic's settings marked the catalogue changed, and each such request
+    waited for a whole-catalogue write of its own: a client repeating one (no ACL needed) kept the config thread
+    writing without pause. Routes still get a new data version, as RocketMQ registers them again."""
+    tm = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
+    tm.start_background(asyncio.get_running_loop())
+    writes = _counted_saves(monkeypatch, topics_module)
+    try:
+        tm.create(TopicConfig("T", 4, 4, perm=6))
+        await tm.saved()
+        assert len(writes) == 1
+        version = tm.data_version.counter
+        for _ in range(3):
+            tm.create(TopicConfig("T", 4, 4, perm=6))
+            await tm.saved()
+        assert len(writes) == 1 and tm.data_version.counter == version + 3
+        tm.create(TopicConfig("T", 4, 4, perm=4))       # a change: written
+        await tm.saved()
+        assert len(writes) == 2 and '"perm": 4' in (tmp_path / "topics.json").read_text()
+    finally:
+        await tm.close()
