@@ -851,11 +851,15 @@ class MessageStore:
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
                 gone.append(cq)
-            if not gone:    # no queue, no record of it to hide: a mark per name asked for filled the disk
+            directory = os.path.join(self._cq_root, topic)
+            # No queue, no record of it to hide (a mark per name asked for filled the disk) -- unless an earlier
+            # delete of it could not write its mark and left its directory: asked again, as that reply said to,
+            # the mark is written now (found no queue, it answered SUCCESS, and a restart served the topic again).
+            if not gone and not await self._io.submit(_unmarked_directory, directory):
                 return
             # Every record of the topic lies below the readable end now (this runs between writer batches).
             below = self._log.readable
-            why = await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)
+            why = await self._io.submit(_remove_queue_files, gone, directory, below)
             if why is not None and unmarked is not None:
                 unmarked(why)
 
@@ -1059,6 +1063,11 @@ def _remove_queue_files(queues, directory: str, deleted_below: int) -> str | Non
         if name != TOMBSTONE:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return why
+
+
+def _unmarked_directory(directory: str) -> bool:
+    """A topic's queue directory without its deleted mark: left so by a delete whose mark was not written."""
+    return os.path.isdir(directory) and not os.path.exists(os.path.join(directory, TOMBSTONE))
 
 
 def _left_by_delete(cq: ConsumeQueue, below: int) -> bool:

@@ -231,3 +231,26 @@ async def test_a_forced_commit_survives_a_kill_right_after_success(broker_factor
     b = await _restart_after_kill(broker_factory, b, *flags)
     assert json.loads((await _ok(b.broker, R.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"] == []
     assert await _drain(b.namesrv, "TxForced", expect=1) == [b"forced"]
+
+
+@bounded(90)
+async def test_a_delete_said_unmarked_and_asked_again_stays_deleted_after_a_kill(broker_factory, tmp_path):
+    """The unmarked delete's reply says to delete the topic again once the disk is writable. Asked again, the
+    store found no queue of it (they went with the first delete), wrote no mark and answered SUCCESS: a restart
+    indexed the topic's records again and served it, the operator told twice it was gone."""
+    b = broker_factory()
+    await _ok(b.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "Twice", "readQueueNums": 1, "writeQueueNums": 1})
+    await _ok(b.broker, *_send("Twice", b"old"))
+    assert b.stop() == 0
+    b.start()
+    await _ok(b.broker, *_send("Twice", b"new"))    # (after the last checkpoint: recovery scans it again)
+    blocked = tmp_path / "store" / "consumequeue" / "Twice" / "deleted.tmp"
+    blocked.mkdir()
+    deleted = await request(b.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "Twice"})
+    assert deleted.code == ResponseCode.SYSTEM_ERROR and "delete it again" in deleted.remark
+    assert not blocked.exists()                     # removed with the queues' files: writable again
+    await _ok(b.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "Twice"})
+    b = await _restart_after_kill(broker_factory, b)
+    assert "Twice" not in await _topics(b.broker)
+    assert (await request(b.broker, R.GET_MAX_OFFSET, {"topic": "Twice", "queueId": 0})).ext_fields.get(
+        "offset") in (None, "0")
