@@ -50,6 +50,10 @@ def write(config_dir: str, values: dict) -> None:
 
 def _parse(data) -> dict:
     check(isinstance(data, dict), "not a JSON object")
+    # Only brokerPermission is kept here: any other key is a hand's typo (or a newer version's), and read past,
+    # the broker started read-write in the middle of a maintenance without a word.
+    unknown = sorted(str(k)[:100] for k in data if k != "brokerPermission")
+    check(not unknown, f"unknown key {', '.join(unknown[:5])} (only brokerPermission is kept here)")
     perm = data.get("brokerPermission", Perm.READ_WRITE)
     check(is_int(perm) and perm in PERMISSIONS, f"brokerPermission = {perm!r} (6, 4, 2 or 0)")
     return {"brokerPermission": perm}
