@@ -1,6 +1,7 @@
 """BrokerContext: what every processor needs, built once by the server."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -48,8 +49,10 @@ class BrokerContext:
     kv: object = None                # broker.kv_config.KvConfig: its name server's KV config
     ha: object = None                # broker.ha.HAMaster / HASlave; None: a master nobody follows
     started_ms: int = 0              # when the broker began serving (runtime info)
-    # mqadmin updateBrokerConfig brokerPermission (processors/broker_config.py): until the broker stops
+    # mqadmin updateBrokerConfig brokerPermission (processors/broker_config.py), saved in broker/live_config.py's
+    # file and read again at start-up; config_lock: one change saved and applied at a time
     broker_permission: int = Perm.READ_WRITE
+    config_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     config_version: int = 0          # live configuration changes (GET_BROKER_CONFIG's version counter)
     routes_write_wiped: bool = False  # wipeWritePerm on its name server: routes say no writes (processors/namesrv)
     forwarding: int = 0              # requests waiting for a consumer's answer (processors/forward.py)

@@ -31,6 +31,7 @@ from protocol.txlog import OP_TOPIC
 
 from .acl import NAMESRV_CHECKED, PlainAcl
 from . import ha as ha_roles
+from . import live_config
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
@@ -118,6 +119,13 @@ class BrokerServer:
         clients.on_new_retry_group = self._new_retry_group
         topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
+        config_dir = os.path.join(store_dir, "config")
+        perm = live_config.load(config_dir).get("brokerPermission", ctx.broker_permission)
+        if perm != ctx.broker_permission:   # before any registration or request: routes carry it from the first
+            ctx.broker_permission = perm
+            log.warning("broker permission %s (%d), as updateBrokerConfig set it before this start (%s); "
+                        "mqadmin updateBrokerConfig -k brokerPermission -v 6 makes it read-write again",
+                        live_config.PERMISSIONS[perm], perm, live_config.path_in(config_dir))
         ctx.limits = Limits(c, self.metrics)
         if c.acl_file:
             ctx.acl = PlainAcl(c.acl_file)

@@ -6,9 +6,12 @@ serves, writes leave the event loop: a change marks the catalogue dirty and one
 write (serialise, fsync, rename) runs on a config thread at most every 100 ms for
 all the changes since -- a flood of new topics costs one write per batch, not a
 rewrite of the whole file per topic on the loop. A crash before the write loses
-nothing acknowledged: ``adopt`` restores any topic the store holds queues for, and
+no message: ``adopt`` restores any topic the store holds queues for, and
 ``queue_appeared`` one whose first queue comes later (a half committed, a delayed
-message delivered after the restart).
+message delivered after the restart). An operator's change (UPDATE_AND_CREATE_TOPIC,
+DELETE_TOPIC_IN_BROKER) is answered only once it is written (``saved``), as RocketMQ's
+ConfigManager.persist: restored from the store, a topic has the default settings, not
+the queues and perm the operator set, and a deleted one comes back.
 
 Each topic a client made is saved with its maker ("creator": its limits.client_key, at most a /64's 43
 characters) and, when another client gave it more queues since, the client its queues are charged to
@@ -20,6 +23,7 @@ a delayed retry delivered after a restart makes its topic again charged to its m
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -108,6 +112,9 @@ class TopicManager:
         self._pool: ThreadPoolExecutor | None = None
         self._write_scheduled = False
         self._dirty = False                 # changed since the last catalogue write that succeeded
+        self._changes = 0                   # changes made (_persist); a snapshot carries the count it holds
+        self._saved_changes = 0             # the count of the newest catalogue on disk (``saved``)
+        self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
         self._write_failing = False         # the last write failed: it is retried every retry_write_s
         self.retry_write_s = 5.0
         self._last_write = None
@@ -226,6 +233,7 @@ class TopicManager:
 
     def _persist(self) -> None:
         self._dirty = True
+        self._changes += 1
         self.data_version = DataVersion(int(time.time() * 1000), self.data_version.counter + 1)
         if self.on_change is not None:
             self.on_change()
@@ -235,9 +243,33 @@ class TopicManager:
             self._write_scheduled = True
             self._loop.call_later(0.1, self._write_batch)
 
+    async def saved(self) -> None:
+        """Return once every change made so far is in the catalogue on disk (written now, on the config thread,
+        unless a write since did it); OSError when it cannot be. For the operators' codes: UPDATE_AND_CREATE_TOPIC
+        and DELETE_TOPIC_IN_BROKER answered SUCCESS while the batched write was still up to 100 ms away, and a
+        broker killed then came back with the topic's old settings, a new topic missing (made again by the next
+        send with the default queues and perm), or a deleted topic back.
+
+        Callers at once share the writes (group commit): one running, the next starts when it ends, with every
+        change made meanwhile -- a burst of N updates costs two writes, not N queued each with its snapshot."""
+        wanted = self._changes
+        while self._pool is not None and self._saved_changes < wanted:
+            if self._saving is None:
+                self._saving = asyncio.ensure_future(self._save_now())
+                self._saving.add_done_callback(_retrieved)
+            await asyncio.shield(self._saving)
+
+    async def _save_now(self) -> None:
+        try:
+            fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
+            fut.add_done_callback(self._written)    # failed: logged once and retried, as a batch's
+            await fut
+        finally:
+            self._saving = None
+
     def _write_batch(self) -> None:
         self._write_scheduled = False
-        if self._pool is None:
+        if self._pool is None or self._saved_changes >= self._changes:     # (``saved`` wrote them already)
             return
         fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
         fut.add_done_callback(self._written)
@@ -269,7 +301,7 @@ class TopicManager:
                 break
             reclaimed.append([name, maker, int((wall - (now - when)) * 1000)])
         reclaimed.reverse()
-        return list(self.topics.values()), dict(self._creator), dict(self._queue_owner), reclaimed
+        return list(self.topics.values()), dict(self._creator), dict(self._queue_owner), reclaimed, self._changes
 
     def _write_if_dirty(self, snapshot: tuple) -> None:
         if self._dirty:
@@ -277,7 +309,7 @@ class TopicManager:
 
     def _write(self, snapshot: tuple) -> None:
         self._dirty = False             # a change made while this write runs sets it again
-        topics, creators, owners, reclaimed = snapshot
+        topics, creators, owners, reclaimed, changes = snapshot
         restored = self._restored       # membership only, from this thread: the loop may change it meanwhile
         catalogue = {"topics": [_entry(t, t.name in restored, creators.get(t.name), owners.get(t.name))
                                 for t in topics if t.name not in self._system]}
@@ -288,6 +320,7 @@ class TopicManager:
         body = json.dumps(catalogue, indent=1)
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
+            self._saved_changes = max(self._saved_changes, changes)
         except OSError:
             self._dirty = True
             with contextlib.suppress(OSError):
@@ -375,6 +408,12 @@ class TopicManager:
         if not self.per_host:
             creator = None
         new = tc.name not in self.topics
+        if not new and self.topics[tc.name] == tc and tc.name not in self._restored:
+            # As it is: routes registered again (RocketMQ's registerIncrementBrokerData), nothing to write. Marked
+            # changed, each such UPDATE_AND_CREATE_TOPIC (any client's, without an ACL) waited for a whole-catalogue
+            # write of its own (``saved``; 8,000 topics: about 0.7 s of a core): a loop of them, writes without end.
+            self.routes_changed()
+            return self.topics[tc.name]
         if tc.name.startswith(RETRY_PREFIX) and new:
             if self.retry_groups() >= self.max_retry_groups and not self._reclaim_retry_topics():
                 raise TopicLimitError(f"retry topic {tc.name} not created: {self.max_retry_groups} %RETRY% "
@@ -551,6 +590,13 @@ class TopicManager:
             return tc
         return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
                                        tc.perm, tc.filter_type, tc.sys_flag, tc.order), client)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """A save whose every waiter was cancelled (its connection gone) must not log "never retrieved": its
+    failure is logged by ``_written``."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _take(counts: dict, key, n: int) -> None:

@@ -12,7 +12,7 @@ from ..limits import peer_host
 from ..topics import TopicConfig, TopicLimitError, is_system_topic
 
 
-def update_and_create_topic(ctx, conn, cmd):
+async def update_and_create_topic(ctx, conn, cmd):
     topic = cmd.str_field("topic", required=True)
     why = validate_topic(topic)
     if why is not None:
@@ -41,6 +41,18 @@ def update_and_create_topic(ctx, conn, cmd):
     except TopicLimitError as exc:      # a %RETRY% topic past max_retry_groups, refused as a send's is
         ctx.limits.refused("retry-group-limit")
         return cmd.response(ResponseCode.NO_PERMISSION, str(exc))
+    return await topics_saved(ctx, cmd, f"topic {topic} set")
+
+
+async def topics_saved(ctx, cmd, done: str):
+    """SUCCESS once the topics catalogue on disk holds the change (RocketMQ's ConfigManager.persist, before it
+    answers), or SYSTEM_ERROR saying ``done`` but not saved: answered before the batched write, a broker killed
+    then brought back the old settings (or no topic) though the operator was told SUCCESS."""
+    try:
+        await ctx.topics.saved()
+    except OSError as exc:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved (it is lost if the broker stops "
+                            f"before a later write succeeds; retried every {ctx.topics.retry_write_s:g} s): {exc}")
     return cmd.response(ResponseCode.SUCCESS)
 
 

@@ -10,22 +10,26 @@ UPDATE_BROKER_CONFIG (25), mqadmin updateBrokerConfig: the body is Properties te
 flags fixed at start, except RocketMQ's ``brokerPermission`` (6 read-write, 4 read-only, 2 write-only, 0
 neither), which takes a broker out of service for maintenance: routes and registrations carry each
 topic's perm masked by it (a new data version: name servers re-read it at once), and new messages or
-pulls it forbids are refused NO_PERMISSION (processors/disk_guard.py, pull.py). It lasts until the broker
-stops (RocketMQ writes it to its configuration file). A request naming any other key is refused, saying
+pulls it forbids are refused NO_PERMISSION (processors/disk_guard.py, pull.py). It is saved before it is
+answered or applied (broker/live_config.py, as RocketMQ writes it to its configuration file) and read again at
+start-up, so a broker out of service stays out through a crash. A request naming any other key is refused, saying
 which, and changes nothing: RocketMQ would apply it live, and saying SUCCESS for a setting that does not
 change would leave the operator believing it did.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import os
 
 from protocol.admin_bodies import dump
-from protocol.codes import Perm, ResponseCode
+from protocol.codes import ResponseCode
+
+from .. import live_config
+from ..live_config import PERMISSIONS
 
 log = logging.getLogger("txmq.admin")
-
-PERMISSIONS = {Perm.READ_WRITE: "read-write", Perm.READ: "read-only", Perm.WRITE: "write-only", 0: "closed"}
 
 
 def _rocketmq_names(ctx) -> dict[str, object]:
@@ -89,7 +93,7 @@ def parse_properties(text: str) -> dict[str, str]:
     return props
 
 
-def update_broker_config(ctx, conn, cmd):
+async def update_broker_config(ctx, conn, cmd):
     try:
         props = parse_properties(cmd.body_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -107,8 +111,16 @@ def update_broker_config(ctx, conn, cmd):
     if perm not in PERMISSIONS:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"brokerPermission={value[:100]} is not one of 6 "
                             "(read-write), 4 (read-only), 2 (write-only), 0. Nothing was changed.")
-    if perm != ctx.broker_permission:
-        log.warning("broker permission %s -> %s (%d -> %d), by %s:%s; until the broker stops",
+    async with ctx.config_lock:     # two changes at once: the one saved last is the one in force
+        if perm == ctx.broker_permission:
+            return cmd.response(ResponseCode.SUCCESS)
+        try:
+            await asyncio.to_thread(live_config.write, os.path.join(ctx.config.store_dir, "config"),
+                                    {"brokerPermission": perm})
+        except OSError as exc:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"brokerPermission={perm} could not be saved, so it "
+                                f"would not survive a restart: {exc}. Nothing was changed.")
+        log.warning("broker permission %s -> %s (%d -> %d), by %s:%s; saved, kept across restarts",
                     PERMISSIONS[ctx.broker_permission], PERMISSIONS[perm], ctx.broker_permission, perm, *conn.peer)
         ctx.broker_permission = perm
         ctx.config_version += 1

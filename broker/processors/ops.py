@@ -22,6 +22,7 @@ from ..store.disk import human_bytes
 from ..limits import peer_host
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
+from .admin import topics_saved
 
 log = logging.getLogger("txmq.ops")
 
@@ -191,16 +192,24 @@ async def delete_topic_in_broker(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, why)
     if is_system_topic(topic):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
-    existed = []
+    existed, unmarked = [], []
     # The config goes with the queues, between the writer's batches: forgotten before, a send accepted earlier and
     # written after it opened a new queue, and the store made the topic again (topics.queue_appeared).
-    queues = await ctx.store.delete_topic(topic, lambda: existed.append(ctx.topics.delete(topic)))
+    queues = await ctx.store.delete_topic(topic, lambda: existed.append(ctx.topics.delete(topic)), unmarked.append)
     existed = bool(existed and existed[0])
     ctx.offsets.remove_topic(topic)
     ctx.metrics.forget_topic(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
                 "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
-    return cmd.response(ResponseCode.SUCCESS)
+    # Answered once the catalogue and the offsets say so: a kill before their batched writes brought the topic
+    # back with its old settings (and its groups' offsets) though the operator was told it was gone.
+    reply = await topics_saved(ctx, cmd, f"topic {topic} deleted")
+    reply = await _offsets_saved(ctx, cmd, f"topic {topic} deleted", reply)
+    if unmarked and reply.code == ResponseCode.SUCCESS:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"topic {topic} deleted, but its mark was not written "
+                            f"({unmarked[0]}): a restart may index its old records again and serve it with the "
+                            "default settings; delete it again once the store's disk is writable")
+    return reply
 
 
 # ------------------------------------------------------------------ subscription groups
@@ -228,10 +237,12 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     # (Not on a slave: its queues are its master's, made by the records it copies, and its groups are replaced by
     # its master's at the next SlaveSync.)
     asker = peer_host(conn) if ctx.acl is None else None
-    if topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
-            ctx.topics, topic, queues, asker, "grown") is None:
-        ctx.topics.grow(topic, queues, asker)
-    return await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
+    growing = topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
+        ctx.topics, topic, queues, asker, "grown") is None and ctx.topics.grow(topic, queues, asker)
+    reply = await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
+    if growing and reply.code == ResponseCode.SUCCESS:     # saved too (if it grew), as UPDATE_AND_CREATE_TOPIC's
+        reply = await topics_saved(ctx, cmd, f"subscription group {cfg['groupName']} set, topic {topic} grown,")
+    return reply
 
 
 async def delete_subscription_group(ctx, conn, cmd):
@@ -246,9 +257,11 @@ async def delete_subscription_group(ctx, conn, cmd):
     ctx.metrics.forget_consumer_group(group)
     log.warning("subscription group %s deleted by %s (%s%s)", group, _peer(conn),
                 "configured" if existed else "not configured", ", offsets removed" if remove_offset else "")
-    if existed:
-        return await _saved(ctx, cmd, f"subscription group {group} deleted")
-    return cmd.response(ResponseCode.SUCCESS)
+    reply = await _saved(ctx, cmd, f"subscription group {group} deleted") if existed else cmd.response(
+        ResponseCode.SUCCESS)
+    if remove_offset:       # else a kill before the periodic save brought the group's offsets back
+        reply = await _offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply)
+    return reply
 
 
 async def _saved(ctx, cmd, done: str):
@@ -258,6 +271,18 @@ async def _saved(ctx, cmd, done: str):
     except OSError as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved (retried until it is): {exc}")
     return cmd.response(ResponseCode.SUCCESS)
+
+
+async def _offsets_saved(ctx, cmd, done: str, reply):
+    """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
+    saved (``reply`` too when it is an error already)."""
+    try:
+        await ctx.offsets.saved()
+    except OSError as exc:
+        if reply.code == ResponseCode.SUCCESS:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
+                                f"are lost if the broker stops before the next periodic save): {exc}")
+    return reply
 
 
 def consume_guard(handler):
@@ -274,7 +299,7 @@ def consume_guard(handler):
 
 
 # ------------------------------------------------------------------ offsets reset
-def reset_offset(ctx, conn, cmd):
+async def reset_offset(ctx, conn, cmd):
     """Move a group's offsets on a topic to the message stored at ``timestamp`` (-1: the end).
 
     Broker2Client.resetOffset, with one addition: the new offsets are also committed here, so a
@@ -319,7 +344,10 @@ def reset_offset(ctx, conn, cmd):
     notified = _notify_reset(ctx, group, topic, timestamp, force, table, cmd.language == LanguageCode.CPP)
     log.warning("[reset-offset] group %s topic %s to timestamp %d (force=%s) by %s: %s; %d consumers told",
                 group, topic, timestamp, force, _peer(conn), {q: o for (_t, _b, q), o in table.items()}, notified)
-    return cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table))
+    # On disk before SUCCESS: left to the periodic save, a kill within its interval put the group back where
+    # it was -- the replay asked for never came, or the records skipped were delivered again.
+    return await _offsets_saved(ctx, cmd, f"[reset-offset] group {group} topic {topic} reset",
+                                cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table)))
 
 
 def _notify_reset(ctx, group: str, topic: str, timestamp: int, force: bool, table: dict, for_c: bool) -> int:

@@ -828,13 +828,16 @@ class MessageStore:
         ts = self._store_time_at(cq, offset)
         return -1 if ts is None else ts
 
-    async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None) -> int:
+    async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None,
+                           unmarked: Callable[[str], object] | None = None) -> int:
         """Remove every consume queue of ``topic`` (its records stay in the log until retention);
         returns how many queues went. A topic of the same name later starts again at offset 0.
 
         ``forget``: called between writer batches, with the queues: the topic's config goes there (a record
         accepted before the delete and written after its config went opened a queue, and on_new_queue made the
-        topic again; its queues then went, the config stayed)."""
+        topic again; its queues then went, the config stayed). ``unmarked``: called with the reason when the
+        deleted topic's mark could not be written (the delete stands until a restart, which may index the
+        topic's records again): for the reply to say so, where the log alone said it."""
         if self._state != "open":
             raise StoreError("the store is not open")
         gone: list[ConsumeQueue] = []
@@ -848,11 +851,17 @@ class MessageStore:
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
                 gone.append(cq)
-            if not gone:    # no queue, no record of it to hide: a mark per name asked for filled the disk
+            directory = os.path.join(self._cq_root, topic)
+            # No queue, no record of it to hide (a mark per name asked for filled the disk) -- unless an earlier
+            # delete of it could not write its mark and left its directory: asked again, as that reply said to,
+            # the mark is written now (found no queue, it answered SUCCESS, and a restart served the topic again).
+            if not gone and not await self._io.submit(_unmarked_directory, directory):
                 return
             # Every record of the topic lies below the readable end now (this runs between writer batches).
             below = self._log.readable
-            await self._io.submit(_remove_queue_files, gone, os.path.join(self._cq_root, topic), below)
+            why = await self._io.submit(_remove_queue_files, gone, directory, below)
+            if why is not None and unmarked is not None:
+                unmarked(why)
 
         await self._writer.control(op)
         try:        # recovery must not bring the queues back from records before this point
@@ -1031,7 +1040,8 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
     write_checkpoint(store_dir, point)
 
 
-def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
+def _remove_queue_files(queues, directory: str, deleted_below: int) -> str | None:
+    """None, or why the deleted topic's mark was not written (the queues go all the same)."""
     # The mark first: a kill before it left the queues gone and no mark, and recovery indexed the topic again;
     # queue files a kill leaves beside it are removed by the next open (_left_by_delete).
     try:
@@ -1051,7 +1061,7 @@ def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
         if name != TOMBSTONE:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     if unmarked is None:
-        return
+        return None
     # A full disk refused the mark; the queue files just removed freed room for it. Not tried again, the next
     # restart indexed the topic's records again and served it, old messages and all, on a disk that was fine.
     try:
@@ -1060,9 +1070,15 @@ def _remove_queue_files(queues, directory: str, deleted_below: int) -> None:
         log.error("deleted topic's mark not written in %s (%s, then %s): a restart may index the topic's records "
                   "below log offset %d again and serve it (delete it again then)", directory, unmarked, exc,
                   deleted_below)
-        return
+        return f"{unmarked}, then {exc}"
     log.warning("deleted topic's mark written in %s once its queue files were removed (at first: %s)",
                 directory, unmarked)
+    return None
+
+
+def _unmarked_directory(directory: str) -> bool:
+    """A topic's queue directory without its deleted mark: left so by a delete whose mark was not written."""
+    return os.path.isdir(directory) and not os.path.exists(os.path.join(directory, TOMBSTONE))
 
 
 def _left_by_delete(cq: ConsumeQueue, below: int) -> bool:

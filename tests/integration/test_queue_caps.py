@@ -40,10 +40,14 @@ async def _send(client: RawClient, topic: str, queues: int = 1) -> RemotingComma
     return reply
 
 
-async def _delete(client: RawClient, topic: str) -> None:
+async def _delete(client: RawClient, topic: str, at_the_limit: bool = False) -> None:
+    """DELETE_TOPIC_IN_BROKER. ``at_the_limit``: to free descriptors when the broker has none left, and its mark
+    (written before the queues' files close) may need one more: then the reply says so, the topic gone all the
+    same (it was SUCCESS, with the ERROR in the log only)."""
     [reply] = await client.call(RemotingCommand(R.DELETE_TOPIC_IN_BROKER, opaque=next(_OPAQUES),
                                                 ext_fields={"topic": topic}), 10)
-    assert reply.code == C.SUCCESS, reply.remark
+    unmarked = f"topic {topic} deleted, but its mark was not written ([Errno 24] Too many open files"
+    assert reply.code == C.SUCCESS or (at_the_limit and unmarked in reply.remark), reply.remark
 
 
 def _refusals(broker, reason: str) -> float:
@@ -167,7 +171,7 @@ async def test_a_send_to_a_new_queue_past_the_open_files_limit_is_refused_and_no
             [back] = await client.call(RemotingCommand(R.CONSUMER_SEND_MSG_BACK, opaque=next(_OPAQUES), ext_fields={
                 "offset": str(offset), "group": "CG_back", "delayLevel": "0", "originMsgId": "x"}), 10)
             assert back.code == C.SYSTEM_ERROR and "Too many open files" in back.remark, (back.code, back.remark)
-            await _delete(client, "Many")                               # its files closed: room again
+            await _delete(client, "Many", at_the_limit=True)           # its files closed: room again
             assert (await _send_to_queue(client, "Again", 0)).code == C.SUCCESS
         finally:
             client.close()
@@ -218,7 +222,7 @@ async def test_a_commit_into_a_new_queue_past_the_open_files_limit_is_refused_an
             [refused] = await client.call(end, 10)
             assert refused.code == C.SYSTEM_ERROR and "Too many open files" in refused.remark, \
                 (refused.code, refused.remark)
-            await _delete(client, "Many")                               # descriptors free again
+            await _delete(client, "Many", at_the_limit=True)           # descriptors free again
             end.opaque = next(_OPAQUES)
             [committed] = await client.call(end, 10)
             assert committed.code == C.SUCCESS, committed.remark
@@ -317,7 +321,7 @@ async def test_the_first_half_past_the_open_files_limit_is_refused_not_acknowled
             [refused] = await client.call(half, 10)
             assert refused.code == C.SYSTEM_ERROR and "Too many open files" in refused.remark, \
                 (refused.code, refused.remark)
-            await _delete(client, "Many")                               # descriptors free again
+            await _delete(client, "Many", at_the_limit=True)           # descriptors free again
             assert (await _update_topic(client, "Many", 1)).code == C.SUCCESS
             half.opaque = next(_OPAQUES)
             [taken] = await client.call(half, 10)
@@ -374,7 +378,8 @@ async def test_a_reply_whose_queue_file_cannot_be_made_is_pushed_and_said_not_st
                                                                                reply.ext_fields)
         assert pushed.get_nowait().body_bytes() == b"answer"        # pushed before the answer
         deleted = await replier.request(RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": "Many"}), 10)
-        assert deleted.code == C.SUCCESS        # descriptors free again (for the metrics scrape)
+        # descriptors free again (for the metrics scrape); the mark may have needed one more (see _delete)
+        assert deleted.code == C.SUCCESS or "deleted, but its mark was not written" in deleted.remark
     finally:
         requester.close()
         replier.close()

@@ -45,10 +45,11 @@ def test_bad_configuration(tmp_path, flags, reason):
     _one_line(_start(tmp_path / "s", "--port", "0", *flags), reason)
 
 
-@pytest.mark.parametrize("name", ["topics.json", "subscriptionGroup.json"])
+@pytest.mark.parametrize("name", ["topics.json", "subscriptionGroup.json", "brokerConfig.json"])
 def test_a_catalogue_that_cannot_be_read_nor_its_previous_copy(tmp_path, name):
     """topics.json and subscriptionGroup.json were ignored with an ERROR and the broker served with the
-    defaults (every topic's queues and permissions, every group's settings), which its next save made final."""
+    defaults (every topic's queues and permissions, every group's settings), which its next save made final.
+    brokerConfig.json the same: started read-write, a broker out of service for maintenance took writes again."""
     config = tmp_path / "s" / "config"
     config.mkdir(parents=True)
     (config / name).write_bytes(b'{"torn')
