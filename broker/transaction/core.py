@@ -168,6 +168,9 @@ class TransactionCore:
         self._heap: list[tuple[int, int]] = []
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
+        # (half-queue offset, half offset) of every pending transaction, a lazy heap as _by_age: the floor each
+        # check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at 500k undecided.
+        self._by_queue: list[tuple[int, int]] = []
         # Checks sent and not yet answered, per channel ({half offset: Tx}): a check holds its channel's slot from
         # the channel's choice until the transaction is answered, decided, or comes due again (the check was lost),
         # or the channel closes (channel_closed: asked again at once, not an interval on).
@@ -202,6 +205,24 @@ class TransactionCore:
     def _age(self, tx: Tx) -> None:
         heapq.heappush(self._by_age.setdefault(tx.group, []), (tx.store_ts, tx.half_offset))
         self._by_age_entries += 1
+        heapq.heappush(self._by_queue, (tx.queue_offset, tx.half_offset))
+
+    def lowest_queue_offset(self) -> int | None:
+        """The half-queue offset of the oldest-stored pending transaction, or None when none is pending.
+
+        O(log n) per transaction decided since the last call (their entries are dropped from the top as
+        they reach it); rebuilt from the pending index when stale entries outnumber live ones."""
+        pending, heap = self.pending, self._by_queue
+        if len(heap) > 2 * len(pending) + 1024:
+            heap = self._by_queue = [(tx.queue_offset, off) for off, tx in pending.items()]
+            heapq.heapify(heap)
+        while heap:
+            queue_offset, off = heap[0]
+            tx = pending.get(off)
+            if tx is not None and tx.queue_offset == queue_offset:
+                return queue_offset
+            heapq.heappop(heap)
+        return None
 
     def oldest_by_group(self) -> dict[str, int]:
         """{producer group: store time (ms) of its oldest undecided half}.

@@ -201,8 +201,10 @@ class TransactionService:
         self.ctx.offsets.commit(PROGRESS_GROUP, HALF_TOPIC, 0, self._half_floor())
 
     def _half_floor(self) -> int:
-        # A half being stored is not pending yet; its queue offset is at or past the end it saw.
-        floors = [p.queue_offset for p in self.pending.values()] + self.storing
+        # A half being stored is not pending yet; its queue offset is at or past the end it saw. Runs after
+        # every check pass: the core keeps the lowest pending offset, never a scan of the index.
+        lowest = self.core.lowest_queue_offset()
+        floors = self.storing if lowest is None else self.storing + [lowest]
         return min(floors) if floors else self.ctx.store.max_offset(HALF_TOPIC, 0)
 
     # ------------------------------------------------------------ snapshots
