@@ -774,7 +774,7 @@ class TransactionService:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
         result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset))
         if not result.ok:
-            self.pending.pop(half_offset, None)
+            self.core.withdraw(half_offset)
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
         # A decision taken once it was pending again (an END, a check answer) may have been written in the
         # writer's same cycle, and recorded before this coroutine went on: it left the index, and its byte
