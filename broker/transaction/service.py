@@ -82,6 +82,7 @@ class TransactionService:
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
+        self._slice_full: dict[str, frozenset] = {}     # group -> its producers' connections, all at their cap
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
         # them at once, before their immunity ended.
@@ -522,6 +523,9 @@ class TransactionService:
         group with room, not waited for: liveness over affinity. A sender with 2000 checks unanswered, hung or
         slow, must not hold up the group's other transactions while producers that could answer them are idle;
         each check asks the sender first again, so they come back to it as it has room."""
+        full = self._slice_full.get(tx.group)
+        if full is not None and (tx.owner is None or tx.owner in full or not getattr(tx.owner, "is_open", False)):
+            return BUSY                 # asked of one of those connections, none of which has a slot (see _full)
         channels = self.ctx.clients.producer_channels(tx.group)
         owner, why = self._sender(tx, channels)
         if owner is None and not channels:
@@ -542,7 +546,20 @@ class TransactionService:
             conn = channels[self._rr % len(channels)].conn
             if self._has_room(conn, tx.group, size):
                 return self._take(tx, conn, size, "" if conn is owner else why)
+        self._full(tx.group, channels)
         return BUSY
+
+    def _full(self, group: str, channels) -> None:
+        """Note ``group`` full for the rest of the slice when none of its producers has a check slot (each at its
+        cap of unanswered checks, or not reading): the slice parks the group's other due transactions without
+        asking again for each, which nothing in the slice can change (a slice only takes slots). A group with
+        100,000 due checks and a hung producer took a whole second of passes to park, one by one, while the
+        due check of another group waited behind them. Not when only this slice's byte budget was short: a
+        smaller check may still fit."""
+        conns = [ch.conn for ch in channels]
+        in_flight, cap = self.core.in_flight, self.check_cap
+        if all(in_flight(conn, group) >= cap or getattr(conn, "writing_paused", False) for conn in conns):
+            self._slice_full[group] = frozenset(conns)
 
     def _sender(self, tx: Tx, channels) -> tuple[object, str]:
         """(the connection of the producer that sent ``tx``'s half, ""), if it may be asked first; else (None,
@@ -637,6 +654,7 @@ class TransactionService:
 
     async def _run_slice(self, now: int, room_for) -> None:
         self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
+        self._slice_full = {}       # answers may have come back by then too
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         metrics = self.ctx.metrics
         for tx in deferred:

@@ -304,3 +304,33 @@ def test_the_claimants_of_a_senders_id_are_asked_newest_first_then_each_once_a_r
             channels.remove(channels[2])    # the one asked (seq 3) leaves: the round goes on from it
     assert order == [4, 1, 3, 4, 7, 1]
     assert _claimant(tx, channels, "nobody") is None
+
+
+@bounded(60)
+async def test_a_group_whose_producers_are_all_at_their_cap_is_parked_without_asking_again_for_each(tmp_path):
+    """A hung producer with a backlog of due checks: once its slots are taken, the slice parks the group's other
+    due transactions without looking for a producer again for each one (100,000 of them took a second of passes
+    to park, while another group's due check waited behind them). Nothing changes in what is sent."""
+    ctx, clock, txs = await storm(tmp_path, 300, transaction_check_in_flight_max=40)
+    tx = ctx.tx
+    hung = Producer()
+    ctx.clients.add_producer("PG", hung, "P1")
+    looked_up = []
+    channels = ctx.clients.producer_channels
+    ctx.clients.producer_channels = lambda group: looked_up.append(group) or channels(group)
+    try:
+        await tx.run_due(clock.now)
+        assert len(hung.checks) == 40 and spent(txs) == 40
+        assert sum(t.parked for t in txs) == 260
+        # Its 40 checks, a look that finds the group full once a slice (answers may come between slices),
+        # the pass's look at the room it has: not one for each of the 260 transactions parked.
+        slices = -(-300 // tx.CHECK_SLICE)
+        assert len(looked_up) <= 40 + slices + 1, len(looked_up)
+        # Answers free slots: the next pass sends as many again.
+        for t in [t for t in txs if t.checks][:10]:
+            code, _ = tx.end(t.half_offset, UNKNOWN, group="PG", table_offset=t.queue_offset, from_check=True)
+            assert code == 0
+        await tx.run_due(clock.now)
+        assert len(hung.checks) == 50 and spent(txs) == 50
+    finally:
+        await ctx.store._store.close()
