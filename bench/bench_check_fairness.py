@@ -1,10 +1,11 @@
 """Check fairness between producer groups: one group's backlog of due checks against another's first check.
 
-    python bench/bench_check_fairness.py N          (e.g. 100000; 0 for the baseline)
+    python bench/bench_check_fairness.py N [gone]   (e.g. 100000; 0 for the baseline)
 
 Group PG_big sends N half messages (local transaction UNKNOW); the broker is restarted with immunity 0 and a
 3 s check interval, so all N are due at once, and a PG_big producer that never answers connects (it gets its
-cap of checks, the rest wait). Then group PG_small sends one half and answers its check at once: prints how
+cap of checks, the rest wait); with ``gone``, no producer of PG_big comes back (all N are deferred, and come
+due again each check interval). Then group PG_small sends one half and answers its check at once: prints how
 long after its SEND_OK its check came (the innocent group's wait), the worst latency of a plain SEND sent
 every 10 ms meanwhile (the broker's loop lag as a client sees it), and the broker's loop-lag metric. SPY=1
 records a py-spy profile of the restarted broker to /tmp/check_fair_spy.txt.
@@ -37,7 +38,7 @@ def metric(b, name):
     return [line for line in text.splitlines() if line.startswith(name)]
 
 
-async def main(n):
+async def main(n, gone):
     d = tempfile.mkdtemp(prefix="check-fair")
     store = os.path.join(d, "store")
     b = BrokerProcess(store, "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000").start()
@@ -59,8 +60,8 @@ async def main(n):
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if os.environ.get("SPY") else None
     await probe.send("TSmall", b"warm")         # the topic exists before the clock starts
     hung = Listener(None)
-    big = await TransactionProducer(b.namesrv, "PG_big", hung, shutdown_grace_s=0).start()
-    if n:
+    big = None if gone else await TransactionProducer(b.namesrv, "PG_big", hung, shutdown_grace_s=0).start()
+    if n and not gone:
         await asyncio.wait_for(hung.checked.wait(), 60)     # the backlog's pass has begun
     lat, stop = [], asyncio.Event()
 
@@ -88,9 +89,10 @@ async def main(n):
         spy.send_signal(2)
         await asyncio.to_thread(spy.wait)
     for c in (small, big, probe):
-        await c.shutdown()
+        if c is not None:
+            await c.shutdown()
     b.stop()
     shutil.rmtree(d)
 
 
-asyncio.run(main(int(sys.argv[1])))
+asyncio.run(main(int(sys.argv[1]), sys.argv[2:] == ["gone"]))

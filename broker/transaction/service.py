@@ -26,6 +26,7 @@ Promises, beyond RocketMQ 4.x:
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -83,6 +84,7 @@ class TransactionService:
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
         self._slice_full: dict[str, frozenset] = {}     # group -> its producers' connections, all at their cap
+        self._slice_gone: set[str] = set()                # groups no producer of which is here
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
         # them at once, before their immunity ended.
@@ -524,11 +526,21 @@ class TransactionService:
         slow, must not hold up the group's other transactions while producers that could answer them are idle;
         each check asks the sender first again, so they come back to it as it has room."""
         full = self._slice_full.get(tx.group)
-        if full is not None and (tx.owner is None or tx.owner in full or not getattr(tx.owner, "is_open", False)):
-            return BUSY                 # asked of one of those connections, none of which has a slot (see _full)
+        gone = tx.group in self._slice_gone
+        if full is not None or gone:
+            # What an earlier transaction of the group found in this slice holds for every one whose sender
+            # is not connected (it is then asked of one of the group's producers): nothing in a slice frees
+            # a slot or registers a producer. 100,000 due transactions of a group whose producer is hung or
+            # gone were otherwise each looked up again, and another group's due check waited behind them.
+            owner = tx.owner
+            if owner is None or not getattr(owner, "is_open", False):
+                return BUSY if full is not None else None
+            if full is not None and owner in full:
+                return BUSY             # its sender too is one of those connections, none of which has a slot
         channels = self.ctx.clients.producer_channels(tx.group)
         owner, why = self._sender(tx, channels)
         if owner is None and not channels:
+            self._slice_gone.add(tx.group)
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
         if owner is not None and (not tx.unanswered or not channels):
@@ -654,11 +666,12 @@ class TransactionService:
 
     async def _run_slice(self, now: int, room_for) -> None:
         self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
-        self._slice_full = {}       # answers may have come back by then too
+        self._slice_full = {}       # answers may have come back by then too, and producers joined
+        self._slice_gone = set()
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         metrics = self.ctx.metrics
-        for tx in deferred:
-            metrics.child(metrics.checks_skipped, tx.group).inc()
+        for group, n in collections.Counter(tx.group for tx in deferred).items():
+            metrics.child(metrics.checks_skipped, group).inc(n)
         # due() took every one of these off the schedule and claimed the dead letters (the core marked them
         # DECIDING; a decision arriving meanwhile, a producer's END_TRANSACTION included, waits on the claim).
         # Each must be put back or settled whatever goes wrong below, or it is never checked again and a

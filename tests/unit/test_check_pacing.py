@@ -334,3 +334,29 @@ async def test_a_group_whose_producers_are_all_at_their_cap_is_parked_without_as
         assert len(hung.checks) == 50 and spent(txs) == 50
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_group_with_no_producer_is_deferred_without_looking_again_for_each(tmp_path):
+    """The same for a group nobody of which is connected (its producer died): every due transaction is deferred
+    and counted as before, with one look for a producer a slice, not one each (they come due again together,
+    every check interval, ahead of other groups' checks due after them)."""
+    ctx, clock, txs = await storm(tmp_path, 300)
+    tx, metrics = ctx.tx, ctx.metrics
+    looked_up = []
+    channels = ctx.clients.producer_channels
+    ctx.clients.producer_channels = lambda group: looked_up.append(group) or channels(group)
+    try:
+        await tx.run_due(clock.now)
+        assert spent(txs) == 0 and all(t.deferred for t in txs)
+        assert metrics.child(metrics.checks_skipped, "PG")._value.get() == 300
+        slices = -(-300 // tx.CHECK_SLICE)
+        assert len(looked_up) <= slices + 1, len(looked_up)      # and the pass's look at the room it has
+        # A producer joining makes them due at once, and they are asked.
+        producer = Producer()
+        ctx.clients.add_producer("PG", producer, "P1")
+        tx.producer_joined("PG")
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 300 and spent(txs) == 300
+    finally:
+        await ctx.store._store.close()
