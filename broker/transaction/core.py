@@ -181,6 +181,10 @@ class TransactionCore:
         # The same, counted per (channel, producer group): the cap of checks in flight is a channel's per group, as
         # a Java process queues each producer's checks apart on the connection its producers share (see in_flight).
         self._held: dict[tuple[object, str], int] = {}
+        # Check slots given back so far (_release): a caller that noted a group's producers all at their cap
+        # (the service, for the rest of a check slice) knows by it that one may have room again. A slice frees
+        # slots itself: a transaction due again gives back its unanswered check's slot before it is placed.
+        self.released = 0
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
         # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
         # now, without scanning every pending transaction. An entry leaves when its transaction comes due
@@ -504,6 +508,7 @@ class TransactionCore:
         tx.check_channel = None
         held = self.checking.get(channel)
         if held is not None and held.pop(tx.half_offset, None) is not None:
+            self.released += 1
             if not held:
                 del self.checking[channel]
             key = (channel, tx.group)

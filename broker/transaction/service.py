@@ -85,6 +85,7 @@ class TransactionService:
         self._slice_bytes: dict = {}
         self._slice_full: dict[str, frozenset] = {}     # group -> its producers' connections, all at their cap
         self._slice_gone: set[str] = set()                # groups no producer of which is here
+        self._slice_released = 0                          # core.released when _slice_full was last valid
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
         # them at once, before their immunity ended.
@@ -525,12 +526,18 @@ class TransactionService:
         group with room, not waited for: liveness over affinity. A sender with 2000 checks unanswered, hung or
         slow, must not hold up the group's other transactions while producers that could answer them are idle;
         each check asks the sender first again, so they come back to it as it has room."""
+        if self._slice_released != self.core.released:
+            # A slot was given back since (in this slice: a transaction due again frees its unanswered check's
+            # slot before it is placed): a group noted full may have room. Parked on that word, the transaction
+            # due again was parked beside its own free slot, its producer idle until the next pass.
+            self._slice_full.clear()
+            self._slice_released = self.core.released
         full = self._slice_full.get(tx.group)
         gone = tx.group in self._slice_gone
         if full is not None or gone:
             # What an earlier transaction of the group found in this slice holds for every one whose sender
-            # is not connected (it is then asked of one of the group's producers): nothing in a slice frees
-            # a slot or registers a producer. 100,000 due transactions of a group whose producer is hung or
+            # is not connected (it is then asked of one of the group's producers): nothing in a slice registers
+            # a producer, and a slot it frees clears what was noted full (above). 100,000 due transactions of a group whose producer is hung or
             # gone were otherwise each looked up again, and another group's due check waited behind them.
             owner = tx.owner
             if owner is None or not getattr(owner, "is_open", False):
@@ -564,7 +571,8 @@ class TransactionService:
     def _full(self, group: str, channels) -> None:
         """Note ``group`` full for the rest of the slice when none of its producers has a check slot (each at its
         cap of unanswered checks, or not reading): the slice parks the group's other due transactions without
-        asking again for each, which nothing in the slice can change (a slice only takes slots). A group with
+        asking again for each, until a check slot is given back (core.released: a transaction due again frees
+        its unanswered check's slot in the slice itself; answers come between slices). A group with
         100,000 due checks and a hung producer took a whole second of passes to park, one by one, while the
         due check of another group waited behind them. Not when only this slice's byte budget was short: a
         smaller check may still fit."""

@@ -360,3 +360,32 @@ async def test_a_group_with_no_producer_is_deferred_without_looking_again_for_ea
         assert len(producer.checks) == 300 and spent(txs) == 300
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_slot_freed_inside_a_slice_is_used_though_the_group_was_found_full_earlier_in_it(tmp_path):
+    """A slice frees slots itself: a transaction due again gives back the slot of its unanswered check (core.due,
+    _release) before a producer is chosen for it. Found full earlier in the same slice, the group must not be
+    parked on that word: the transaction due again was parked with its own slot free, and the producer left
+    with nothing in flight until the next pass, where before it was asked again at once."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock, transaction_check_in_flight_max=1)
+    tx = ctx.tx
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    try:
+        first = await add_half(ctx, b"first")
+        clock.now += 500
+        second = await add_half(ctx, b"second")     # due before the first's unanswered check comes due again
+        clock.now = first.next_check
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 1 and first.check_channel is producer      # the producer's one slot
+        assert first.next_check > second.next_check
+        clock.now = first.next_check
+        await tx.run_due(clock.now)
+        # The second found the producer full; the first, due again, freed the slot and is asked again on it.
+        assert second.parked
+        assert len(producer.checks) == 2 and first.checks == 2 and first.check_channel is producer
+        assert tx.core.in_flight(producer, "PG") == 1
+    finally:
+        await ctx.store._store.close()
