@@ -76,6 +76,9 @@ class TransactionService:
         self.recovered_commits: set[int] = set()
         self.recovered_dead_letter: tuple[int, int] | None = None     # (offset, size)
         self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
+        # group -> its halves still being stored (not in the index yet): the undecided limit counts them with
+        # the index's (Limits.may_prepare), or a group past it was let in again for as many as the writer queued.
+        self.storing_groups: dict[str, int] = {}
         self.writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
         self.changed = True
         self._snapshot_task: asyncio.Task | None = None
@@ -238,6 +241,7 @@ class TransactionService:
             return self._prepare(conn, cmd, req, group, h.topic, qid, props)    # SYNC_MASTER: waits for the slave
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
+        self._storing_group(group, 1)
         ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
             self._half_answer, conn, cmd, req, group, h.topic, qid, props, floor)))
         return DEFERRED
@@ -245,6 +249,7 @@ class TransactionService:
     def _half_answer(self, conn, cmd, req, group, topic, qid, props, floor, result):
         """The reply to a half once stored (called by the store's writer, through Answer)."""
         self.storing.remove(floor)
+        self._storing_group(group, -1)
         return self._half_stored(conn, cmd, req, group, topic, qid, props, result) or send_ok(
             self.ctx, cmd, offset_msg_id(self.ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
@@ -252,10 +257,12 @@ class TransactionService:
         ctx = self.ctx
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
+        self._storing_group(group, 1)
         try:
             result = await ctx.store.put(req)
         finally:
             self.storing.remove(floor)
+            self._storing_group(group, -1)
         refused = self._half_stored(conn, cmd, req, group, topic, qid, props, result)
         if refused is not None:
             return refused
@@ -264,6 +271,13 @@ class TransactionService:
             code = await ctx.ha.confirm_async(result.physical_offset + result.size)   # SYNC_MASTER
         return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset,
                        code)
+
+    def _storing_group(self, group: str, n: int) -> None:
+        left = self.storing_groups.get(group, 0) + n
+        if left:
+            self.storing_groups[group] = left
+        else:
+            del self.storing_groups[group]
 
     def _half_stored(self, conn, cmd, req, group, topic, qid, props, result):
         """A half's store result: the refusal to answer, or None once it is in the undecided index."""
