@@ -43,6 +43,7 @@ from .check import Policy, first_check_time, next_check_after_check
 from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK, plain_owner
 
 UNKNOWN = "UNKNOWN"
+_BUCKET = 1024      # half-queue offsets a bucket of the floor's index spans (TransactionCore.lowest_queue_offset)
 UNCHECKABLE = "uncheckable-half"   # the dead-letter reason of a half naming no producer group or real topic
 DECISIONS = (COMMIT, ROLLBACK, DEAD)
 
@@ -168,9 +169,14 @@ class TransactionCore:
         self._heap: list[tuple[int, int]] = []
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
-        # (half-queue offset, half offset) of every pending transaction, a lazy heap as _by_age: the floor each
-        # check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at 500k undecided.
-        self._by_queue: list[tuple[int, int]] = []
+        # The floor each check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at
+        # 500k undecided. Every pending transaction is kept by half-queue offset in buckets of _BUCKET offsets
+        # ({bucket: {half offset: queue offset}}, exact: a transaction leaves its bucket as it leaves the index),
+        # with a lazy heap of the bucket numbers: the floor is the least of the lowest bucket. Not a lazy heap of
+        # every transaction: the entries of newer ones decided under an old backlog never reached its top, and it
+        # was rebuilt from a walk of the whole index each time they outnumbered the live ones (200-500 ms at 500k).
+        self._by_queue: dict[int, dict[int, int]] = {}
+        self._buckets: list[int] = []
         # group -> its number of pending transactions, kept as the index changes: the undecided limit read it
         # by counting the whole index once a second while halves arrived (90 ms on the loop at 500k).
         self.per_group: dict[str, int] = {}
@@ -213,6 +219,19 @@ class TransactionCore:
         self.withdraw(tx.half_offset)
         self.pending[tx.half_offset] = tx
         self.per_group[tx.group] = self.per_group.get(tx.group, 0) + 1
+        b = tx.queue_offset // _BUCKET
+        members = self._by_queue.get(b)
+        if members is None:
+            members = self._by_queue[b] = {}
+            heap = self._buckets
+            if len(heap) > 2 * len(self._by_queue) + 64:
+                # Numbers of buckets emptied since: rebuilt from those there are (a few per _BUCKET pending), here
+                # and not only as the floor is read, so a burst between two passes cannot pile them up.
+                heap = self._buckets = list(self._by_queue)
+                heapq.heapify(heap)
+            else:
+                heapq.heappush(heap, b)
+        members[tx.half_offset] = tx.queue_offset
 
     def withdraw(self, half_offset: int) -> None:
         """``half_offset`` leaves the index (decided, or its resume was refused by the store)."""
@@ -224,26 +243,28 @@ class TransactionCore:
             self.per_group[tx.group] = left
         else:
             del self.per_group[tx.group]
+        b = tx.queue_offset // _BUCKET
+        members = self._by_queue[b]
+        del members[half_offset]
+        if not members:
+            del self._by_queue[b]
 
     def _age(self, tx: Tx) -> None:
         heapq.heappush(self._by_age.setdefault(tx.group, []), (tx.store_ts, tx.half_offset))
         self._by_age_entries += 1
-        heapq.heappush(self._by_queue, (tx.queue_offset, tx.half_offset))
 
     def lowest_queue_offset(self) -> int | None:
         """The half-queue offset of the oldest-stored pending transaction, or None when none is pending.
 
-        O(log n) per transaction decided since the last call (their entries are dropped from the top as
-        they reach it); rebuilt from the pending index when stale entries outnumber live ones."""
-        pending, heap = self.pending, self._by_queue
-        if len(heap) > 2 * len(pending) + 1024:
-            heap = self._by_queue = [(tx.queue_offset, off) for off, tx in pending.items()]
-            heapq.heapify(heap)
+        The least of the lowest non-empty bucket (at most _BUCKET transactions), its number found on a lazy heap
+        of bucket numbers: O(_BUCKET + log b) a call, never a walk of the index. The heap holds a number again
+        each time its bucket is emptied and filled (the newest one, as transactions come and are decided): it
+        is rebuilt from the buckets there are, a few per _BUCKET pending, when those outnumber them (_put)."""
+        by_queue, heap = self._by_queue, self._buckets
         while heap:
-            queue_offset, off = heap[0]
-            tx = pending.get(off)
-            if tx is not None and tx.queue_offset == queue_offset:
-                return queue_offset
+            members = by_queue.get(heap[0])
+            if members:
+                return min(members.values())
             heapq.heappop(heap)
         return None
 
