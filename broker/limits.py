@@ -251,15 +251,16 @@ class Limits:
     def may_prepare(self, cmd, tx, group: str):
         """None, or the refusal of one more undecided transaction for ``group``.
 
-        The counts come from the pending index at most once a second (a scan), plus the halves
-        accepted since: an over-estimate between scans, never an under-estimate.
+        The counts come at most once a second from the pending index's per-group counts (a copy of one
+        number per group, never a walk of the index) and the halves still being stored (not in the index
+        yet), plus the halves accepted since: an over-estimate between copies, never an under-estimate.
         """
         limit = self.config.max_undecided_per_group
         now = self.monotonic()
         if now - self._undecided_at >= 1.0:
-            counts: dict[str, int] = {}
-            for p in list(tx.pending.values()):
-                counts[p.group] = counts.get(p.group, 0) + 1
+            counts = dict(tx.core.per_group)
+            for g, n in tx.storing_groups.items():
+                counts[g] = counts.get(g, 0) + n
             self._undecided, self._undecided_at = counts, now
         n = self._undecided.get(group, 0)
         if n >= limit:

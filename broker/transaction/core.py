@@ -43,6 +43,7 @@ from .check import Policy, first_check_time, next_check_after_check
 from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK, plain_owner
 
 UNKNOWN = "UNKNOWN"
+_BUCKET = 1024      # half-queue offsets a bucket of the floor's index spans (TransactionCore.lowest_queue_offset)
 UNCHECKABLE = "uncheckable-half"   # the dead-letter reason of a half naming no producer group or real topic
 DECISIONS = (COMMIT, ROLLBACK, DEAD)
 
@@ -168,6 +169,17 @@ class TransactionCore:
         self._heap: list[tuple[int, int]] = []
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
+        # The floor each check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at
+        # 500k undecided. Every pending transaction is kept by half-queue offset in buckets of _BUCKET offsets
+        # ({bucket: {half offset: queue offset}}, exact: a transaction leaves its bucket as it leaves the index),
+        # with a lazy heap of the bucket numbers: the floor is the least of the lowest bucket. Not a lazy heap of
+        # every transaction: the entries of newer ones decided under an old backlog never reached its top, and it
+        # was rebuilt from a walk of the whole index each time they outnumbered the live ones (200-500 ms at 500k).
+        self._by_queue: dict[int, dict[int, int]] = {}
+        self._buckets: list[int] = []
+        # group -> its number of pending transactions, kept as the index changes: the undecided limit read it
+        # by counting the whole index once a second while halves arrived (90 ms on the loop at 500k).
+        self.per_group: dict[str, int] = {}
         # Checks sent and not yet answered, per channel ({half offset: Tx}): a check holds its channel's slot from
         # the channel's choice until the transaction is answered, decided, or comes due again (the check was lost),
         # or the channel closes (channel_closed: asked again at once, not an interval on).
@@ -175,6 +187,10 @@ class TransactionCore:
         # The same, counted per (channel, producer group): the cap of checks in flight is a channel's per group, as
         # a Java process queues each producer's checks apart on the connection its producers share (see in_flight).
         self._held: dict[tuple[object, str], int] = {}
+        # Check slots given back so far (_release): a caller that noted a group's producers all at their cap
+        # (the service, for the rest of a check slice) knows by it that one may have room again. A slice frees
+        # slots itself: a transaction due again gives back its unanswered check's slot before it is placed.
+        self.released = 0
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
         # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
         # now, without scanning every pending transaction. An entry leaves when its transaction comes due
@@ -194,14 +210,63 @@ class TransactionCore:
         if now is not None:
             tx.next_check = max(tx.next_check, now)
         earliest = self.next_due()
-        self.pending[tx.half_offset] = tx
+        self._put(tx)
         heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
         self._age(tx)
         return earliest is None or tx.next_check <= earliest
 
+    def _put(self, tx: Tx) -> None:
+        self.withdraw(tx.half_offset)
+        self.pending[tx.half_offset] = tx
+        self.per_group[tx.group] = self.per_group.get(tx.group, 0) + 1
+        b = tx.queue_offset // _BUCKET
+        members = self._by_queue.get(b)
+        if members is None:
+            members = self._by_queue[b] = {}
+            heap = self._buckets
+            if len(heap) > 2 * len(self._by_queue) + 64:
+                # Numbers of buckets emptied since: rebuilt from those there are (a few per _BUCKET pending), here
+                # and not only as the floor is read, so a burst between two passes cannot pile them up.
+                heap = self._buckets = list(self._by_queue)
+                heapq.heapify(heap)
+            else:
+                heapq.heappush(heap, b)
+        members[tx.half_offset] = tx.queue_offset
+
+    def withdraw(self, half_offset: int) -> None:
+        """``half_offset`` leaves the index (decided, or its resume was refused by the store)."""
+        tx = self.pending.pop(half_offset, None)
+        if tx is None:
+            return
+        left = self.per_group[tx.group] - 1
+        if left:
+            self.per_group[tx.group] = left
+        else:
+            del self.per_group[tx.group]
+        b = tx.queue_offset // _BUCKET
+        members = self._by_queue[b]
+        del members[half_offset]
+        if not members:
+            del self._by_queue[b]
+
     def _age(self, tx: Tx) -> None:
         heapq.heappush(self._by_age.setdefault(tx.group, []), (tx.store_ts, tx.half_offset))
         self._by_age_entries += 1
+
+    def lowest_queue_offset(self) -> int | None:
+        """The half-queue offset of the oldest-stored pending transaction, or None when none is pending.
+
+        The least of the lowest non-empty bucket (at most _BUCKET transactions), its number found on a lazy heap
+        of bucket numbers: O(_BUCKET + log b) a call, never a walk of the index. The heap holds a number again
+        each time its bucket is emptied and filled (the newest one, as transactions come and are decided): it
+        is rebuilt from the buckets there are, a few per _BUCKET pending, when those outnumber them (_put)."""
+        by_queue, heap = self._by_queue, self._buckets
+        while heap:
+            members = by_queue.get(heap[0])
+            if members:
+                return min(members.values())
+            heapq.heappop(heap)
+        return None
 
     def oldest_by_group(self) -> dict[str, int]:
         """{producer group: store time (ms) of its oldest undecided half}.
@@ -289,7 +354,7 @@ class TransactionCore:
     def written(self, tx: Tx, ok: bool) -> None:
         """The records of ``tx.deciding`` are durable (ok) or were refused (it stays pending, scheduled)."""
         if ok:
-            self.pending.pop(tx.half_offset, None)
+            self.withdraw(tx.half_offset)
             self._release(tx)
             self._undefer(tx)
             tx.parked = False
@@ -305,7 +370,7 @@ class TransactionCore:
             return f"transaction at {tx.half_offset} is already pending again"
         tx.checks = 0
         tx.unanswered = 0
-        self.pending[tx.half_offset] = tx
+        self._put(tx)
         self._reschedule(tx, now)
         self._age(tx)
         return None
@@ -464,6 +529,7 @@ class TransactionCore:
         tx.check_channel = None
         held = self.checking.get(channel)
         if held is not None and held.pop(tx.half_offset, None) is not None:
+            self.released += 1
             if not held:
                 del self.checking[channel]
             key = (channel, tx.group)

@@ -359,10 +359,13 @@ async def write_snapshot(tx) -> None:
             "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
             "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
-            "pending": [[t.half_offset, t.queue_offset, t.checks] for t in tx.pending.values()],
+            "pending": [(t.half_offset, t.queue_offset, t.checks) for t in tx.pending.values()],
             "owners": _by_owner(tx.pending.values())}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the
     # event loop must not spend (the list above is the loop's one consistent view; nothing else shares it).
+    # Its rows are tuples (written as the same JSON arrays): the garbage collector stops tracking a tuple of
+    # ints at its first pass, while 500,000 rows as lists stayed tracked, set off full collections that walk
+    # the whole index, and took 660 ms of the loop each snapshot instead of 70 (12 ms instead of 64 at 100k).
     table = tx.table
     made = table.files_made
     new_files = table.directory if made != table.files_synced else None

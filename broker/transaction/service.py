@@ -26,6 +26,7 @@ Promises, beyond RocketMQ 4.x:
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -76,6 +77,9 @@ class TransactionService:
         self.recovered_commits: set[int] = set()
         self.recovered_dead_letter: tuple[int, int] | None = None     # (offset, size)
         self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
+        # group -> its halves still being stored (not in the index yet): the undecided limit counts them with
+        # the index's (Limits.may_prepare), or a group past it was let in again for as many as the writer queued.
+        self.storing_groups: dict[str, int] = {}
         self.writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
         self.changed = True
         self._snapshot_task: asyncio.Task | None = None
@@ -83,6 +87,9 @@ class TransactionService:
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
+        self._slice_full: dict[str, frozenset] = {}     # group -> its producers' connections, all at their cap
+        self._slice_gone: set[str] = set()                # groups no producer of which is here
+        self._slice_released = 0                          # core.released when _slice_full was last valid
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
         # them at once, before their immunity ended.
@@ -202,8 +209,10 @@ class TransactionService:
         self.ctx.offsets.commit(PROGRESS_GROUP, HALF_TOPIC, 0, self._half_floor())
 
     def _half_floor(self) -> int:
-        # A half being stored is not pending yet; its queue offset is at or past the end it saw.
-        floors = [p.queue_offset for p in self.pending.values()] + self.storing
+        # A half being stored is not pending yet; its queue offset is at or past the end it saw. Runs after
+        # every check pass: the core keeps the lowest pending offset, never a scan of the index.
+        lowest = self.core.lowest_queue_offset()
+        floors = self.storing if lowest is None else self.storing + [lowest]
         return min(floors) if floors else self.ctx.store.max_offset(HALF_TOPIC, 0)
 
     # ------------------------------------------------------------ snapshots
@@ -233,6 +242,7 @@ class TransactionService:
             return self._prepare(conn, cmd, req, group, h.topic, qid, props)    # SYNC_MASTER: waits for the slave
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
+        self._storing_group(group, 1)
         ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
             self._half_answer, conn, cmd, req, group, h.topic, qid, props, floor)))
         return DEFERRED
@@ -240,6 +250,7 @@ class TransactionService:
     def _half_answer(self, conn, cmd, req, group, topic, qid, props, floor, result):
         """The reply to a half once stored (called by the store's writer, through Answer)."""
         self.storing.remove(floor)
+        self._storing_group(group, -1)
         return self._half_stored(conn, cmd, req, group, topic, qid, props, result) or send_ok(
             self.ctx, cmd, offset_msg_id(self.ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
@@ -247,10 +258,12 @@ class TransactionService:
         ctx = self.ctx
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
+        self._storing_group(group, 1)
         try:
             result = await ctx.store.put(req)
         finally:
             self.storing.remove(floor)
+            self._storing_group(group, -1)
         refused = self._half_stored(conn, cmd, req, group, topic, qid, props, result)
         if refused is not None:
             return refused
@@ -259,6 +272,13 @@ class TransactionService:
             code = await ctx.ha.confirm_async(result.physical_offset + result.size)   # SYNC_MASTER
         return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset,
                        code)
+
+    def _storing_group(self, group: str, n: int) -> None:
+        left = self.storing_groups.get(group, 0) + n
+        if left:
+            self.storing_groups[group] = left
+        else:
+            del self.storing_groups[group]
 
     def _half_stored(self, conn, cmd, req, group, topic, qid, props, result):
         """A half's store result: the refusal to answer, or None once it is in the undecided index."""
@@ -521,9 +541,28 @@ class TransactionService:
         group with room, not waited for: liveness over affinity. A sender with 2000 checks unanswered, hung or
         slow, must not hold up the group's other transactions while producers that could answer them are idle;
         each check asks the sender first again, so they come back to it as it has room."""
+        if self._slice_released != self.core.released:
+            # A slot was given back since (in this slice: a transaction due again frees its unanswered check's
+            # slot before it is placed): a group noted full may have room. Parked on that word, the transaction
+            # due again was parked beside its own free slot, its producer idle until the next pass.
+            self._slice_full.clear()
+            self._slice_released = self.core.released
+        full = self._slice_full.get(tx.group)
+        gone = tx.group in self._slice_gone
+        if full is not None or gone:
+            # What an earlier transaction of the group found in this slice holds for every one whose sender
+            # is not connected (it is then asked of one of the group's producers): nothing in a slice registers
+            # a producer, and a slot it frees clears what was noted full (above). 100,000 due transactions of a group whose producer is hung or
+            # gone were otherwise each looked up again, and another group's due check waited behind them.
+            owner = tx.owner
+            if owner is None or not getattr(owner, "is_open", False):
+                return BUSY if full is not None else None
+            if full is not None and owner in full:
+                return BUSY             # its sender too is one of those connections, none of which has a slot
         channels = self.ctx.clients.producer_channels(tx.group)
         owner, why = self._sender(tx, channels)
         if owner is None and not channels:
+            self._slice_gone.add(tx.group)
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
         if owner is not None and (not tx.unanswered or not channels):
@@ -541,7 +580,21 @@ class TransactionService:
             conn = channels[self._rr % len(channels)].conn
             if self._has_room(conn, tx.group, size):
                 return self._take(tx, conn, size, "" if conn is owner else why)
+        self._full(tx.group, channels)
         return BUSY
+
+    def _full(self, group: str, channels) -> None:
+        """Note ``group`` full for the rest of the slice when none of its producers has a check slot (each at its
+        cap of unanswered checks, or not reading): the slice parks the group's other due transactions without
+        asking again for each, until a check slot is given back (core.released: a transaction due again frees
+        its unanswered check's slot in the slice itself; answers come between slices). A group with
+        100,000 due checks and a hung producer took a whole second of passes to park, one by one, while the
+        due check of another group waited behind them. Not when only this slice's byte budget was short: a
+        smaller check may still fit."""
+        conns = [ch.conn for ch in channels]
+        in_flight, cap = self.core.in_flight, self.check_cap
+        if all(in_flight(conn, group) >= cap or getattr(conn, "writing_paused", False) for conn in conns):
+            self._slice_full[group] = frozenset(conns)
 
     def _sender(self, tx: Tx, channels) -> tuple[object, str]:
         """(the connection of the producer that sent ``tx``'s half, ""), if it may be asked first; else (None,
@@ -643,10 +696,12 @@ class TransactionService:
 
     async def _run_slice(self, now: int, room_for) -> None:
         self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
+        self._slice_full = {}       # answers may have come back by then too, and producers joined
+        self._slice_gone = set()
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         metrics = self.ctx.metrics
-        for tx in deferred:
-            metrics.child(metrics.checks_skipped, tx.group).inc()
+        for group, n in collections.Counter(tx.group for tx in deferred).items():
+            metrics.child(metrics.checks_skipped, group).inc(n)
         # due() took every one of these off the schedule and claimed the dead letters (the core marked them
         # DECIDING; a decision arriving meanwhile, a producer's END_TRANSACTION included, waits on the claim).
         # Each must be put back or settled whatever goes wrong below, or it is never checked again and a
@@ -784,7 +839,7 @@ class TransactionService:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
         result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset))
         if not result.ok:
-            self.pending.pop(half_offset, None)
+            self.core.withdraw(half_offset)
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
         # A decision taken once it was pending again (an END, a check answer) may have been written in the
         # writer's same cycle, and recorded before this coroutine went on: it left the index, and its byte

@@ -304,3 +304,88 @@ def test_the_claimants_of_a_senders_id_are_asked_newest_first_then_each_once_a_r
             channels.remove(channels[2])    # the one asked (seq 3) leaves: the round goes on from it
     assert order == [4, 1, 3, 4, 7, 1]
     assert _claimant(tx, channels, "nobody") is None
+
+
+@bounded(60)
+async def test_a_group_whose_producers_are_all_at_their_cap_is_parked_without_asking_again_for_each(tmp_path):
+    """A hung producer with a backlog of due checks: once its slots are taken, the slice parks the group's other
+    due transactions without looking for a producer again for each one (100,000 of them took a second of passes
+    to park, while another group's due check waited behind them). Nothing changes in what is sent."""
+    ctx, clock, txs = await storm(tmp_path, 300, transaction_check_in_flight_max=40)
+    tx = ctx.tx
+    hung = Producer()
+    ctx.clients.add_producer("PG", hung, "P1")
+    looked_up = []
+    channels = ctx.clients.producer_channels
+    ctx.clients.producer_channels = lambda group: looked_up.append(group) or channels(group)
+    try:
+        await tx.run_due(clock.now)
+        assert len(hung.checks) == 40 and spent(txs) == 40
+        assert sum(t.parked for t in txs) == 260
+        # Its 40 checks, a look that finds the group full once a slice (answers may come between slices),
+        # the pass's look at the room it has: not one for each of the 260 transactions parked.
+        slices = -(-300 // tx.CHECK_SLICE)
+        assert len(looked_up) <= 40 + slices + 1, len(looked_up)
+        # Answers free slots: the next pass sends as many again.
+        for t in [t for t in txs if t.checks][:10]:
+            code, _ = tx.end(t.half_offset, UNKNOWN, group="PG", table_offset=t.queue_offset, from_check=True)
+            assert code == 0
+        await tx.run_due(clock.now)
+        assert len(hung.checks) == 50 and spent(txs) == 50
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_group_with_no_producer_is_deferred_without_looking_again_for_each(tmp_path):
+    """The same for a group nobody of which is connected (its producer died): every due transaction is deferred
+    and counted as before, with one look for a producer a slice, not one each (they come due again together,
+    every check interval, ahead of other groups' checks due after them)."""
+    ctx, clock, txs = await storm(tmp_path, 300)
+    tx, metrics = ctx.tx, ctx.metrics
+    looked_up = []
+    channels = ctx.clients.producer_channels
+    ctx.clients.producer_channels = lambda group: looked_up.append(group) or channels(group)
+    try:
+        await tx.run_due(clock.now)
+        assert spent(txs) == 0 and all(t.deferred for t in txs)
+        assert metrics.child(metrics.checks_skipped, "PG")._value.get() == 300
+        slices = -(-300 // tx.CHECK_SLICE)
+        assert len(looked_up) <= slices + 1, len(looked_up)      # and the pass's look at the room it has
+        # A producer joining makes them due at once, and they are asked.
+        producer = Producer()
+        ctx.clients.add_producer("PG", producer, "P1")
+        tx.producer_joined("PG")
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 300 and spent(txs) == 300
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_slot_freed_inside_a_slice_is_used_though_the_group_was_found_full_earlier_in_it(tmp_path):
+    """A slice frees slots itself: a transaction due again gives back the slot of its unanswered check (core.due,
+    _release) before a producer is chosen for it. Found full earlier in the same slice, the group must not be
+    parked on that word: the transaction due again was parked with its own slot free, and the producer left
+    with nothing in flight until the next pass, where before it was asked again at once."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock, transaction_check_in_flight_max=1)
+    tx = ctx.tx
+    producer = Producer()
+    ctx.clients.add_producer("PG", producer, "P1")
+    try:
+        first = await add_half(ctx, b"first")
+        clock.now += 500
+        second = await add_half(ctx, b"second")     # due before the first's unanswered check comes due again
+        clock.now = first.next_check
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 1 and first.check_channel is producer      # the producer's one slot
+        assert first.next_check > second.next_check
+        clock.now = first.next_check
+        await tx.run_due(clock.now)
+        # The second found the producer full; the first, due again, freed the slot and is asked again on it.
+        assert second.parked
+        assert len(producer.checks) == 2 and first.checks == 2 and first.check_channel is producer
+        assert tx.core.in_flight(producer, "PG") == 1
+    finally:
+        await ctx.store._store.close()

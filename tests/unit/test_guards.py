@@ -12,6 +12,9 @@ from broker.config import BrokerConfig
 from broker.limits import BUSY_REMARK, Limits
 from broker.metrics import BrokerMetrics
 from broker.supervise import LoopLag, Supervisor
+from broker.transaction.check import Policy
+from broker.transaction.core import TransactionCore
+from broker.transaction.core import Tx as CoreTx
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
@@ -217,13 +220,44 @@ async def test_writer_busy_until_queued_bytes_drain():
 
 def test_undecided_per_group():
     class Tx:
-        pending = {}
+        core = TransactionCore(Policy(1000, 1000, 3, 72 * 3600_000), {}.get)
+        storing_groups: dict = {}
     lim = Limits(BrokerConfig(max_undecided_per_group=2), BrokerMetrics())
     cmd = RemotingCommand.request(R.SEND_MESSAGE_V2, {})
     assert lim.may_prepare(cmd, Tx, "G") is None and lim.may_prepare(cmd, Tx, "G") is None
     refused = lim.may_prepare(cmd, Tx, "G")
     assert refused.code == ResponseCode.SYSTEM_BUSY and "max_undecided_per_group=2" in refused.remark
     assert lim.may_prepare(cmd, Tx, "H") is None
+
+
+def test_undecided_per_group_counts_the_index_without_walking_it():
+    """The counts are the index's own, kept as it changes: the limit walked the whole undecided index once a
+    second while halves arrived (90 ms on the event loop at 500k undecided)."""
+    class WalkRefused(dict):
+        def values(self):
+            raise AssertionError("the undecided index was walked")
+        items = keys = __iter__ = values
+
+    core = TransactionCore(Policy(1000, 1000, 3, 72 * 3600_000), {}.get)
+    core.pending = WalkRefused()
+
+    class Tx:
+        storing_groups: dict = {}
+    Tx.core, Tx.pending = core, core.pending
+    for off in range(3):
+        core.add(CoreTx(off, off, "G", "T", f"U{off}", 0))
+    core.add(CoreTx(9, 9, "H", "T", "U9", 0))
+    now = [0.0]
+    lim = Limits(BrokerConfig(max_undecided_per_group=3), BrokerMetrics(), monotonic=lambda: now[0])
+    cmd = RemotingCommand.request(R.SEND_MESSAGE_V2, {})
+    assert lim.may_prepare(cmd, Tx, "G").code == ResponseCode.SYSTEM_BUSY       # 3 undecided: at the limit
+    assert lim.may_prepare(cmd, Tx, "H") is None
+    for off in (0, 1):                      # two decided: room again once the counts are next read
+        core.withdraw(off)
+    now[0] = 1.0
+    assert lim.may_prepare(cmd, Tx, "G") is None and lim.may_prepare(cmd, Tx, "G") is None
+    assert lim.may_prepare(cmd, Tx, "G").code == ResponseCode.SYSTEM_BUSY
+    assert core.per_group == {"G": 1, "H": 1}
 
 
 async def test_supervisor_restarts_then_gives_up():
@@ -389,3 +423,59 @@ def test_every_key_says_a_key_once_an_interval_and_keeps_no_more_than_max_keys()
     assert said.due("a")
     assert said.due("c") and said.due("d")      # a fourth key: the table was full, cleared first
     assert len(said.said) <= 3
+
+
+@bounded(30)
+async def test_undecided_per_group_counts_the_halves_still_being_stored_when_it_reads_the_counts(tmp_path):
+    """Halves accepted and still in the store's writer queue are not in the pending index yet: the counts read
+    from it once a second replaced the ones kept since, and a group past its limit was let in again for as many
+    halves as the writer had queued (the limit that bounds what one group can grow the index to)."""
+    from types import SimpleNamespace
+
+    from protocol.message import Prop
+    from tests.unit.test_review_transactions import Clock, make_service
+
+    ctx = await make_service(tmp_path, Clock(), max_undecided_per_group=2)
+    tx = ctx.tx
+    now = [0.0]
+    lim = Limits(ctx.config, BrokerMetrics(), monotonic=lambda: now[0])
+    queued = []
+    put = ctx.store.put
+    ctx.store.put = lambda req, then=None: queued.append((req, then))      # a slow writer: not stored yet
+
+    class Conn:
+        peer = ("127.0.0.1", 1)
+        is_open = True
+        attributes: dict = {}
+        answers: list = []
+
+        def hold(self):
+            pass
+
+        def release(self):
+            pass
+
+        def answer(self, cmd, reply):
+            self.answers.append(reply.code)
+
+    conn = Conn()
+    h = SimpleNamespace(topic="T", flag=0, sys_flag=0, born_timestamp=0, reconsume_times=0, producer_group="PG")
+    try:
+        for i in range(2):
+            cmd = RemotingCommand.request(R.SEND_MESSAGE_V2, {}, b"%d" % i)
+            assert lim.may_prepare(cmd, tx, "PG") is None
+            tx.prepare(conn, cmd, h, 0, {Prop.PGROUP: "PG", Prop.UNIQ_KEY: f"U{i}"}, b"\0" * 8)
+        assert len(queued) == 2 and not tx.pending
+        now[0] = 1.0                        # the counts are read again, both halves still queued
+        refused = lim.may_prepare(RemotingCommand.request(R.SEND_MESSAGE_V2, {}), tx, "PG")
+        assert refused is not None and refused.code == ResponseCode.SYSTEM_BUSY
+        for req, then in queued:            # stored: counted by the index from now on, not twice
+            then.set_result(await put(req))
+        assert conn.answers == [ResponseCode.SUCCESS] * 2 and len(tx.pending) == 2
+        now[0] = 2.0
+        refused = lim.may_prepare(RemotingCommand.request(R.SEND_MESSAGE_V2, {}), tx, "PG")
+        assert refused is not None and refused.code == ResponseCode.SYSTEM_BUSY
+        assert lim.may_prepare(RemotingCommand.request(R.SEND_MESSAGE_V2, {}), tx, "PH") is None
+        assert tx.storing_groups == {}
+    finally:
+        await ctx.store._store.close()

@@ -465,6 +465,10 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
             assert s.core.in_flight("conn", group) == sum(tx.check_channel == "conn" and tx.group == group
                                                           for tx in s.core.pending.values())
         assert sum(s.core._held.values()) == s.core.in_flight("conn")
+        # The floor a check pass saves: the lowest undecided half's queue offset, kept without a scan.
+        assert s.core.lowest_queue_offset() == min((tx.queue_offset for tx in s.core.pending.values()), default=None)
+        # And the per-group counts the undecided limit reads.
+        assert s.core.per_group == ({"PG": len(s.core.pending)} if s.core.pending else {})
         # Liveness: every undecided transaction is still on the check schedule.
         for tx in s.core.pending.values():
             assert _scheduled(s.core, tx), f"{tx.half_offset} would never be checked again"

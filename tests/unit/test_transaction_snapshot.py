@@ -7,6 +7,7 @@ on disk is whatever was last written.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -436,3 +437,29 @@ def test_a_decision_file_the_snapshot_named_is_lost_unless_retention_removed_it(
     assert t.bases == [0, 8]
     assert t.lost([0, 8, 16], first_index=0) == [os.path.join(str(tmp_path), f"{16:020d}")]
     assert t.lost([0, 8, 16], first_index=24) == []         # every half of file 16 removed by retention
+
+
+@bounded(30)
+async def test_the_snapshot_view_taken_on_the_loop_leaves_the_garbage_collector_nothing_per_transaction(tmp_path):
+    """The snapshot's rows, built on the event loop, are written as ever ([half, queue offset, checks]) but are
+    no containers the garbage collector keeps tracking: 500,000 rows as lists stayed tracked, set off full
+    collections that walked the whole index, and held the loop 660 ms every snapshot (70 ms as tuples)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    halves = [await add_half(ctx, f"h{i}".encode()) for i in range(20)]
+    taken = []
+    run_io = ctx.store.run_io
+
+    def spy(fn, directory, maps, snap, *rest):
+        taken.append(snap)
+        return run_io(fn, directory, maps, snap, *rest)
+    ctx.store.run_io = spy
+    try:
+        await ctx.tx.write_snapshot()
+        rows = taken[0]["pending"]
+        gc.collect()
+        assert not [row for row in rows if gc.is_tracked(row)]
+        on_disk = _snapshot(ctx)["pending"]
+        assert sorted(on_disk) == sorted([p.half_offset, p.queue_offset, p.checks] for p in halves)
+    finally:
+        await ctx.store._store.close()
