@@ -133,6 +133,10 @@ def _queue_file(ctx, cmd, topic: str, qid: int):
     return None
 
 
+# Transaction types the store gives no consume-queue unit: a record of them is only ever a half's business.
+_NO_UNIT_TYPES = (SysFlag.TRANSACTION_PREPARED, SysFlag.TRANSACTION_ROLLBACK)
+
+
 def handle_send(ctx, conn, cmd):
     h = SendMessageRequestHeader.from_command(cmd)
     if h.batch:             # rocketmq-client-cpp sends batches as SEND_MESSAGE with batch=true (`m` in V2)
@@ -154,6 +158,11 @@ def handle_send(ctx, conn, cmd):
     props = string_to_properties(h.properties)
     topic = h.topic
     reconsume = h.reconsume_times
+    # RocketMQ's "client under version 4.6.1" exception: a retry that asks for a delay is a consumer's fallback
+    # send of a transactional message it failed, carrying the message's TRAN_MSG=true, never a new half. Judged
+    # by the delay sent: the one a dead letter's DELAY=0 below replaces made such a retry, out of retries, a half
+    # for %RETRY%<group> (refused as another group's, or checked with a producer that never began it).
+    half = props.get(Prop.TRAN_MSG, "").lower() == "true" and not (reconsume > 0 and props.get(Prop.DELAY, "0") != "0")
     if topic.startswith(RETRY_PREFIX):
         if reconsume >= _retry_limit(ctx, cmd, topic[len(RETRY_PREFIX):], h.max_reconsume_times):
             topic = DLQ_PREFIX + topic[len(RETRY_PREFIX):]
@@ -163,7 +172,7 @@ def handle_send(ctx, conn, cmd):
             qid = 0
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
-    if props.get(Prop.TRAN_MSG, "").lower() == "true" and not (reconsume > 0 and props.get(Prop.DELAY, "0") != "0"):
+    if half:
         if any(k in props for k in _TIMER_KEYS):
             # A half waits only once committed, where a refused timer could only mean "deliver now": judge it
             # here, as a plain send's (on a copy: the half keeps its properties as sent).
@@ -197,9 +206,21 @@ def handle_send(ctx, conn, cmd):
         if refused is not None:
             return refused
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
+    sys_flag = h.sys_flag
+    if SysFlag.transaction_type(sys_flag) in _NO_UNIT_TYPES:
+        if Prop.TRAN_MSG not in props or props[Prop.TRAN_MSG].lower() != "true":
+            # Stored as it came, it got no consume-queue unit (as RocketMQ gives none to those types): answered
+            # SEND_OK with queue offset -1, and no consumer could ever read it.
+            ctx.limits.refused("transaction-type-without-half")
+            return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"sysFlag {sys_flag} says transaction type "
+                                f"{SysFlag.transaction_type(sys_flag)} (PREPARED or ROLLBACK) but TRAN_MSG is not "
+                                "true: only a half message may be sent so, and this one would never be consumable")
+        # The retry above (a client before 4.6.1 types it PREPARED, as it sends TRAN_MSG=true): a plain message,
+        # stored so. Kept PREPARED it skipped its delay and got no unit: acknowledged, and lost.
+        sys_flag = SysFlag.with_transaction_type(sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
     waits_for_slave = props.pop(Prop.WAIT, "true").lower() != "false"     # isWaitStoreMsgOK
     to_topic, to_qid, tags, delay_ms = topic, qid, None, -1
-    waits = ctx.schedule.levels.divert(topic, qid, props, h.sys_flag, ctx.clock())   # DELAY, TIMER_*
+    waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())   # DELAY, TIMER_*
     if isinstance(waits, str):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, waits)
     if waits is not None:
@@ -209,10 +230,10 @@ def handle_send(ctx, conn, cmd):
         if refused is not None:
             return refused
     record = encode_record(
-        topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=h.sys_flag,
+        topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=reconsume)
-    req = PutRequest(record, to_topic, to_qid, tags_code(props) if tags is None else tags, h.sys_flag, delay_ms)
+    req = PutRequest(record, to_topic, to_qid, tags_code(props) if tags is None else tags, sys_flag, delay_ms)
     if ctx.ha is not None and ctx.ha.sync and waits_for_slave:      # SYNC_MASTER: the answer waits for the slave
         return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body),
                                  waits_for_slave)

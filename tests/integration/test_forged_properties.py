@@ -1,0 +1,121 @@
+"""Whole property keys (and the sysFlag bits that go with them) a client can forge, sent as a stock client would.
+
+A RocketMQ client sends properties as free text and a sysFlag of its choosing; the broker reads several of them
+back from the stored record (TRAN_MSG, DELAY, REAL_TOPIC, PGROUP, ...). These tests send the combinations a
+careless or hostile client can, and hold the broker to an answer that is either what was asked or a refusal:
+never SEND_OK for a message no consumer can ever read.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import decode_records
+from tests.support.bounded import bounded
+from tests.support.delays import FAST
+
+pytestmark = pytest.mark.asyncio
+
+PREPARED, ROLLBACK = 0x4, 0xC
+
+
+def _hostport(addr):
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+def _send(topic: str, properties: str, body: bytes, sys_flag: int = 0, reconsume: int = 0,
+          code: int = RequestCode.SEND_MESSAGE_V2) -> RemotingCommand:
+    return RemotingCommand.request(code, {
+        "a": "PG_forge", "b": topic, "c": "TBW102", "d": 4, "e": 0, "f": sys_flag, "g": int(time.time() * 1000),
+        "h": 0, "i": properties, "j": reconsume}, body)
+
+
+async def _max_offset(conn, topic: str, qid: int = 0) -> int:
+    reply = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": topic, "queueId": qid}), 5)
+    return int(reply.ext_fields.get("offset", 0)) if reply.code == ResponseCode.SUCCESS else 0
+
+
+async def _pull(conn, group: str, topic: str, qid: int = 0):
+    reply = await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+        "consumerGroup": group, "topic": topic, "queueId": qid, "queueOffset": 0, "maxMsgNums": 8,
+        "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 0}), 5)
+    return decode_records(reply.body_bytes()) if reply.code == ResponseCode.SUCCESS else []
+
+
+@bounded(30)
+async def test_a_plain_send_typed_prepared_is_refused_not_stored_unreadable(broker):
+    """A SEND whose sysFlag says PREPARED (or ROLLBACK) but whose TRAN_MSG is not true is no half: it was stored on
+    its topic as it came, answered SEND_OK, and given no consume-queue unit (as RocketMQ gives none to those
+    types) -- a message acknowledged that no consumer could ever pull. Now refused, saying why."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        for flag in (PREPARED, ROLLBACK):
+            for props in ("UNIQ_KEY\x01p1", "UNIQ_KEY\x01p2\x02TRAN_MSG\x01false"):
+                reply = await conn.request(_send("ForgedType", props, b"typed", sys_flag=flag), 5)
+                assert reply.code == ResponseCode.MESSAGE_ILLEGAL, (flag, props, reply.code, reply.remark)
+                assert "sysFlag" in reply.remark and "TRAN_MSG" in reply.remark, reply.remark
+        ok = await conn.request(_send("ForgedType", "UNIQ_KEY\x01p3", b"plain"), 5)
+        assert ok.code == ResponseCode.SUCCESS, ok.remark
+        assert [m.body for m in await _pull(conn, "CG_forge", "ForgedType")] == [b"plain"]
+    finally:
+        conn.close()
+
+
+async def _pull_waiting(conn, group: str, topic: str, qid: int = 0):
+    """The queue's messages, the broker holding the pull (long polling) until one arrives: awaited, not polled."""
+    reply = await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+        "consumerGroup": group, "topic": topic, "queueId": qid, "queueOffset": 0, "maxMsgNums": 8,
+        "sysFlag": 4 | 2, "commitOffset": 0, "suspendTimeoutMillis": 15000, "subscription": "*", "subVersion": 0}), 20)
+    return decode_records(reply.body_bytes()) if reply.code == ResponseCode.SUCCESS else []
+
+
+# What a consumer before RocketMQ 4.6.1 sends when CONSUMER_SEND_MSG_BACK fails: the failed message to its group's
+# %RETRY% topic with every property it had -- a committed transaction's TRAN_MSG=true and PGROUP among them, so its
+# producer also types it PREPARED -- a reconsume count and a delay level. RocketMQ stores it as a plain retry.
+_OLD_FALLBACK = "TRAN_MSG\x01true\x02PGROUP\x01PG_orig\x02UNIQ_KEY\x01{}\x02DELAY\x01{}"
+
+
+@bounded(40)
+async def test_an_old_clients_fallback_retry_of_a_transactional_message_is_delivered(broker_factory):
+    """A fallback retry typed PREPARED was stored PREPARED: the delay it asked for skipped (only NOT and COMMIT
+    types wait) and no consume-queue unit given -- SEND_OK, and the retry was never consumed again."""
+    broker = broker_factory(*FAST)
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        for flag in (0, PREPARED):
+            topic = f"%RETRY%CG_old{flag}"
+            reply = await conn.request(_send(topic, _OLD_FALLBACK.format(f"r{flag}", 1), b"again", sys_flag=flag,
+                                             reconsume=1), 5)
+            assert reply.code == ResponseCode.SUCCESS, (flag, reply.code, reply.remark)
+            [msg] = await _pull_waiting(conn, f"CG_old{flag}", topic)      # after delay level 1 (100 ms here)
+            assert (msg.body, msg.properties["UNIQ_KEY"], msg.sys_flag & 0xC) == (b"again", f"r{flag}", 0)
+        assert await _max_offset(conn, "RMQ_SYS_TRANS_HALF_TOPIC") == 0
+    finally:
+        conn.close()
+
+
+@bounded(30)
+async def test_an_old_clients_fallback_retry_out_of_retries_is_a_dead_letter_not_a_half(broker):
+    """Out of retries, the broker set the retry's DELAY to 0 for its dead letter and then judged TRAN_MSG by that:
+    no delay, so a half -- for %RETRY%<group>, not the dead-letter topic. Sent by a producer of another group
+    than the message's PGROUP it was refused (MESSAGE_ILLEGAL, the failed message in no dead-letter queue); of
+    the same group it became a transaction the broker checked with producers that never began it."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        for flag in (0, PREPARED):
+            for i, props in enumerate((_OLD_FALLBACK, _OLD_FALLBACK.replace("PG_orig", "PG_forge"))):
+                group = f"CG_dead{flag}{i}"
+                reply = await conn.request(_send(f"%RETRY%{group}", props.format(f"d{flag}{i}", 19), b"last",
+                                                 sys_flag=flag, reconsume=16), 5)
+                assert reply.code == ResponseCode.SUCCESS, (flag, i, reply.code, reply.remark)
+                [msg] = await _pull(conn, group, f"%DLQ%{group}")
+                assert (msg.body, msg.properties["UNIQ_KEY"], msg.sys_flag & 0xC) == (b"last", f"d{flag}{i}", 0)
+        assert await _max_offset(conn, "RMQ_SYS_TRANS_HALF_TOPIC") == 0
+    finally:
+        conn.close()
