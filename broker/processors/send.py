@@ -16,7 +16,7 @@ from time import perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
-from protocol.txlog import HALF_TOPIC
+from protocol.txlog import HALF_TOPIC, OP_TOPIC
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
@@ -44,7 +44,8 @@ from ..limits import EveryKey, peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..subscriptions import retry_queues
-from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SYSTEM_TOPIC_PREFIX, TopicConfig, TopicLimitError
+from ..topics import (DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SCHEDULE_PROGRESS_TOPIC, SCHEDULE_TOPIC,
+                      SYSTEM_TOPIC_PREFIX, TIMER_TOPIC, TopicConfig, TopicLimitError)
 from .admin import stored_record
 
 log = logging.getLogger("txmq.send")
@@ -481,6 +482,9 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
     return None
 
 
+# Records no consumer is given, which a send-back must not copy to one: halves (undecided), their op records,
+# messages waiting for their delay or timer, and the scheduler's progress.
+_NOT_HANDED_BACK = frozenset({HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, SCHEDULE_PROGRESS_TOPIC})
 _not_retried = EveryKey(60.0)       # consumer groups whose dropped send-backs were said this minute
 
 
@@ -514,6 +518,14 @@ async def handle_send_back(ctx, conn, cmd):
     if error is not None:
         return error
     msg, _ = decode_record(view)
+    if msg.topic in _NOT_HANDED_BACK or SysFlag.transaction_type(msg.sys_flag) in _NO_UNIT_TYPES:
+        # No consumer was given this record: a half not yet decided (its copy went to the group, and stayed there
+        # when the transaction was rolled back), a message still waiting for its delivery time (delivered hours
+        # early), the broker's own bookkeeping. The offset is wrong, or not a consumer's to hand back.
+        ctx.limits.refused("send-back-unconsumable", f"send-back from {conn.peer[0]}:{conn.peer[1]} (group "
+                           f"{group!r}) refused: commit-log offset {offset} is a record of {msg.topic}")
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"the message at offset {offset} is a record of topic "
+                            f"{msg.topic}, which no consumer is given: it cannot be sent back")
     props = dict(msg.properties)
     if msg.topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
         props.setdefault(Prop.RETRY_TOPIC, msg.topic)   # a retry's copy: the topic its first copy was sent to

@@ -7,7 +7,6 @@ never SEND_OK for a message no consumer can ever read.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import decode_records
+from protocol.message import decode_offset_msg_id, decode_records
 from tests.support.bounded import bounded
 from tests.support.delays import FAST
 
@@ -117,5 +116,38 @@ async def test_an_old_clients_fallback_retry_out_of_retries_is_a_dead_letter_not
                 [msg] = await _pull(conn, group, f"%DLQ%{group}")
                 assert (msg.body, msg.properties["UNIQ_KEY"], msg.sys_flag & 0xC) == (b"last", f"d{flag}{i}", 0)
         assert await _max_offset(conn, "RMQ_SYS_TRANS_HALF_TOPIC") == 0
+    finally:
+        conn.close()
+
+
+@bounded(30)
+async def test_a_send_back_cannot_copy_an_undecided_half_or_a_waiting_message_to_consumers(broker):
+    """CONSUMER_SEND_MSG_BACK copies whatever record its offset names into %RETRY%<group>. Named a half (the
+    producer's SEND_OK gives its offset), the copy -- TRAN_MSG, REAL_TOPIC and all -- was delivered to the group
+    before the transaction was decided, and stayed delivered when it was rolled back; named a message still
+    waiting in SCHEDULE_TOPIC_XXXX, it was delivered hours early. Refused now, naming the record's topic; a
+    message of an ordinary topic is handed back as ever."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def back(offset):
+            return await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+                "offset": offset, "group": "CG_peek", "delayLevel": 0, "originMsgId": "",
+                "maxReconsumeTimes": 16}), 5)
+
+        half = await conn.request(_send("PeekTx", "TRAN_MSG\x01true\x02PGROUP\x01PG_forge\x02UNIQ_KEY\x01h1",
+                                        b"undecided"), 5)
+        waiting = await conn.request(_send("PeekLater", "UNIQ_KEY\x01w1\x02DELAY\x0118", b"in two hours"), 5)
+        plain = await conn.request(_send("PeekPlain", "UNIQ_KEY\x01p1", b"failed"), 5)
+        offsets = []
+        for sent in (half, waiting, plain):
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+            offsets.append(decode_offset_msg_id(sent.ext_fields["msgId"])[2])
+        for offset, topic in zip(offsets, ("RMQ_SYS_TRANS_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX")):
+            refused = await back(offset)
+            assert refused.code == ResponseCode.MESSAGE_ILLEGAL, (topic, refused.code, refused.remark)
+            assert topic in refused.remark, refused.remark
+        assert (await back(offsets[2])).code == ResponseCode.SUCCESS
+        # the one retry waits in the schedule's level 3 queue (index 2); nothing else was copied there
+        assert await _max_offset(conn, "SCHEDULE_TOPIC_XXXX", 2) == 1
     finally:
         conn.close()
