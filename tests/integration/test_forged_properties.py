@@ -20,7 +20,7 @@ from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
 
-PREPARED, ROLLBACK = 0x4, 0xC
+PREPARED, COMMIT, ROLLBACK = 0x4, 0x8, 0xC
 
 
 def _hostport(addr):
@@ -48,17 +48,23 @@ async def _pull(conn, group: str, topic: str, qid: int = 0):
 
 
 @bounded(30)
-async def test_a_plain_send_typed_prepared_is_refused_not_stored_unreadable(broker):
+async def test_a_plain_send_typed_as_a_transaction_record_is_refused(broker):
     """A SEND whose sysFlag says PREPARED (or ROLLBACK) but whose TRAN_MSG is not true is no half: it was stored on
     its topic as it came, answered SEND_OK, and given no consume-queue unit (as RocketMQ gives none to those
-    types) -- a message acknowledged that no consumer could ever pull. Now refused, saying why."""
+    types) -- a message acknowledged that no consumer could ever pull. One typed COMMIT passed for a committed
+    transaction's message (prepared offset 0: the store's first half, when start-up replays it after a crash
+    and it repeats that half's UNIQ_KEY and body). A reply's stored copy the same. Now refused, saying why."""
     conn = await open_connection(*_hostport(broker.broker))
     try:
-        for flag in (PREPARED, ROLLBACK):
+        for flag in (PREPARED, COMMIT, ROLLBACK):
+            reply = await conn.request(_send("ReplyTyped", "UNIQ_KEY\x01r1", b"typed", sys_flag=flag,
+                                             code=RequestCode.SEND_REPLY_MESSAGE_V2), 5)
+            assert reply.code == ResponseCode.MESSAGE_ILLEGAL, (flag, reply.code, reply.remark)
             for props in ("UNIQ_KEY\x01p1", "UNIQ_KEY\x01p2\x02TRAN_MSG\x01false"):
                 reply = await conn.request(_send("ForgedType", props, b"typed", sys_flag=flag), 5)
                 assert reply.code == ResponseCode.MESSAGE_ILLEGAL, (flag, props, reply.code, reply.remark)
                 assert "sysFlag" in reply.remark and "TRAN_MSG" in reply.remark, reply.remark
+        assert await _max_offset(conn, "ReplyTyped") == 0
         ok = await conn.request(_send("ForgedType", "UNIQ_KEY\x01p3", b"plain"), 5)
         assert ok.code == ResponseCode.SUCCESS, ok.remark
         assert [m.body for m in await _pull(conn, "CG_forge", "ForgedType")] == [b"plain"]
