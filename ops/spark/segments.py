@@ -91,6 +91,16 @@ def is_traffic(topic: str, tx_type: int) -> bool:
     return (tx_type in _INDEXED and not topic.startswith(SYSTEM_PREFIXES) and topic not in SYSTEM_TOPICS)
 
 
+def producer_group(props: dict, tx_type: int) -> str:
+    """The producer group a traffic record is counted for: a committed transaction's message (COMMIT type: only
+    the broker writes it) names it in PGROUP, checked against the sender's group when its half came. Any other
+    record's PGROUP is whatever its client wrote there -- a plain message naming another team's group, or a retry
+    carrying its source's: counted as that group's traffic. NO_GROUP for them, as for plain messages."""
+    if tx_type != SysFlag.TRANSACTION_COMMIT:
+        return NO_GROUP
+    return props.get(Prop.PGROUP) or NO_GROUP
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     name: str
@@ -303,7 +313,7 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
             if topic in ROW_TOPICS:
                 yield _record_row(seg, pos, msg, size, tx_type)
             elif is_traffic(topic, tx_type):
-                key = (ts - ts % HOUR_MS, topic, msg.properties.get(Prop.PGROUP) or NO_GROUP)
+                key = (ts - ts % HOUR_MS, topic, producer_group(msg.properties, tx_type))
                 t = traffic.get(key)
                 if t is None:
                     traffic[key] = [1, size, len(msg.body)]
