@@ -58,10 +58,11 @@ ACTIVE_REREAD_DELAY_S = 0.05
 ROW_TOPICS = frozenset((HALF_TOPIC, OP_TOPIC, DEAD_TOPIC))
 # Not user traffic. SCHEDULE_TOPIC_XXXX holds delayed messages before they reach their real
 # topic, so counting it would count them twice; so does rmq_sys_wheel_timer for timer messages.
-# RMQ_SYS_* (the transaction topics) and rmq_sys_* (RocketMQ 5's prefix: the timer topic, the
-# scheduler's progress records) are the broker's own.
-SYSTEM_TOPICS = frozenset((DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX"))
-SYSTEM_PREFIXES = ("RMQ_SYS_", "rmq_sys_")
+# The transaction topics, the trace topic and rmq_sys_* (RocketMQ's prefix: the timer topic, the
+# scheduler's progress records) are the broker's own. RMQ_SYS_ is no prefix of RocketMQ's (nor the
+# broker's): a client's topic named RMQ_SYS_Orders is a user topic, and its traffic was left out.
+SYSTEM_TOPICS = frozenset((DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX", HALF_TOPIC, OP_TOPIC, "RMQ_SYS_TRACE_TOPIC"))
+SYSTEM_PREFIXES = ("rmq_sys_",)
 NO_GROUP = "-"
 HOUR_MS = 3_600_000
 _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)

@@ -157,3 +157,17 @@ async def test_a_send_back_cannot_copy_an_undecided_half_or_a_waiting_message_to
         assert await _max_offset(conn, "SCHEDULE_TOPIC_XXXX", 2) == 1
     finally:
         conn.close()
+
+
+@bounded(20)
+async def test_a_topic_named_rmq_sys_in_capitals_is_a_users(broker):
+    """The broker's system prefix is rmq_sys_, as RocketMQ's; RMQ_SYS_Orders is a user topic made on first send
+    (the Spark rollups count its traffic: tests/spark/test_pure.py)."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        ok = await conn.request(_send("RMQ_SYS_Orders", "UNIQ_KEY\x01s1", b"mine"), 5)
+        assert ok.code == ResponseCode.SUCCESS, ok.remark
+        refused = await conn.request(_send("rmq_sys_orders", "UNIQ_KEY\x01s2", b"mine"), 5)
+        assert refused.code == ResponseCode.NO_PERMISSION, (refused.code, refused.remark)
+    finally:
+        conn.close()
