@@ -171,3 +171,22 @@ async def test_a_topic_named_rmq_sys_in_capitals_is_a_users(broker):
         assert refused.code == ResponseCode.NO_PERMISSION, (refused.code, refused.remark)
     finally:
         conn.close()
+
+
+@bounded(20)
+async def test_a_forwarded_timer_message_waits_its_new_time(broker_factory):
+    """A timer message is delivered carrying TIMER_OUT_MS (its delivery time, as RocketMQ 5 keeps it). Forwarded
+    with its properties and a new delay (``Producer.send(properties=msg.properties, deliver_at_ms=...)``), that
+    mark made the broker take it for one leaving the timer wheel: delivered at once, its delay skipped without a
+    word. A client's TIMER_OUT_MS no longer skips its timer (the broker's own deliveries drop the TIMER_* asks)."""
+    broker = broker_factory("--timer-max-delay-s", "600")
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        for ask in ("TIMER_DELAY_SEC\x01300", f"TIMER_DELIVER_MS\x01{int(time.time() * 1000) + 300_000}"):
+            reply = await conn.request(_send("TimerForward", f"UNIQ_KEY\x01t1\x02TIMER_OUT_MS\x011700000000000\x02{ask}",
+                                             b"later"), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+        assert await _max_offset(conn, "TimerForward") == 0
+        assert await _max_offset(conn, "rmq_sys_wheel_timer") == 2
+    finally:
+        conn.close()
