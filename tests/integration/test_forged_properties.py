@@ -190,3 +190,43 @@ async def test_a_forwarded_timer_message_waits_its_new_time(broker_factory):
         assert await _max_offset(conn, "rmq_sys_wheel_timer") == 2
     finally:
         conn.close()
+
+
+@bounded(60)
+async def test_a_send_back_of_every_message_a_consumer_is_given_still_works(broker_factory):
+    """The refusal above is for records no consumer is given. A stock consumer hands back the commit-log offset
+    of the record it pulled: a committed transaction's message (COMMIT-typed, on its topic at once, after a delay
+    level or after a timer), a delayed or timer message once delivered, and a retry delivered to %RETRY%<group>.
+    Each is a copy on the topic the consumer reads, never the half or the waiting record, and is retried."""
+    broker = broker_factory(*FAST)
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        async def back(offset):
+            return await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+                "offset": offset, "group": "CG_given", "delayLevel": 0, "originMsgId": "",
+                "maxReconsumeTimes": 16}), 5)
+
+        waits = ("", "\x02DELAY\x011", "\x02TIMER_DELAY_MS\x01100")
+        for i, wait in enumerate(waits):
+            sent = await conn.request(_send(f"GivenTx{i}", "TRAN_MSG\x01true\x02PGROUP\x01PG_forge" + wait, b"tx",
+                                            sys_flag=PREPARED), 5)
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+            end = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": "PG_forge", "tranStateTableOffset": sent.ext_fields["queueOffset"],
+                "commitLogOffset": decode_offset_msg_id(sent.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
+                "fromTransactionCheck": "false", "msgId": sent.ext_fields["msgId"]}), 5)
+            assert end.code == ResponseCode.SUCCESS, end.remark
+            [msg] = await _pull_waiting(conn, "CG_given", f"GivenTx{i}")
+            assert msg.sys_flag & 0xC == COMMIT
+            reply = await back(msg.physical_offset)
+            assert reply.code == ResponseCode.SUCCESS, (i, reply.remark)
+        for i, wait in enumerate(waits[1:]):
+            sent = await conn.request(_send(f"Given{i}", "UNIQ_KEY\x01g" + wait, b"later"), 5)
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+            [msg] = await _pull_waiting(conn, "CG_given", f"Given{i}")
+            reply = await back(msg.physical_offset)
+            assert reply.code == ResponseCode.SUCCESS, (i, reply.remark)
+        [retry, *_] = await _pull_waiting(conn, "CG_given", "%RETRY%CG_given")      # level 3: 300 ms here
+        assert (await back(retry.physical_offset)).code == ResponseCode.SUCCESS
+    finally:
+        conn.close()
