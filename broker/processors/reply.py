@@ -57,7 +57,8 @@ async def handle_reply(ctx, conn, cmd):
     if illegal is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
     if SysFlag.transaction_type(h.sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
-        return plain_type_refused(ctx, cmd, h.sys_flag)     # its stored copy would be a send's (see there)
+        # its stored copy would be a send's (see there)
+        return plain_type_refused(ctx, cmd, h.sys_flag, why_not_half="a reply is never one, whatever its TRAN_MSG")
     props = string_to_properties(h.properties)
     pushed, remark = await _push(ctx, conn, h, props, body)
     record = encode_record(

@@ -209,7 +209,9 @@ def handle_send(ctx, conn, cmd):
         return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
     sys_flag = h.sys_flag
     if SysFlag.transaction_type(sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
-        refused = plain_type_refused(ctx, cmd, sys_flag, props.get(Prop.TRAN_MSG, "").lower() == "true")
+        retry = props.get(Prop.TRAN_MSG, "").lower() == "true"
+        why = "a retry asking for a delay is none, whatever its TRAN_MSG" if retry else "TRAN_MSG is not true"
+        refused = plain_type_refused(ctx, cmd, sys_flag, retry, why)
         if refused is not None:
             return refused
         # The retry above (a client before 4.6.1 types it PREPARED, as it sends TRAN_MSG=true): a plain message,
@@ -239,22 +241,23 @@ def handle_send(ctx, conn, cmd):
     return DEFERRED
 
 
-def plain_type_refused(ctx, cmd, sys_flag: int, retry_of_transactional: bool = False):
+def plain_type_refused(ctx, cmd, sys_flag: int, retry_of_transactional: bool = False,
+                       why_not_half: str = "TRAN_MSG is not true"):
     """The refusal of a message stored as it came (no half) whose sysFlag names a transaction type, or None for
     the old clients' retry (``retry_of_transactional``: typed PREPARED), which the caller stores as a plain one.
 
     PREPARED and ROLLBACK records get no consume-queue unit (as in RocketMQ): answered SEND_OK with queue offset
     -1, no consumer could ever read one. COMMIT is the type of a committed transaction's message, and its
     prepared offset (0 for a send) names the half it commits: after a crash, start-up took a COMMIT-typed send
-    repeating that half's UNIQ_KEY and body for its commit and wrote the decision. No stock client sends them."""
+    repeating that half's UNIQ_KEY and body for its commit and wrote the decision. No stock client sends them.
+    ``why_not_half`` says why this message is none, in the answer: a retry's or a reply's TRAN_MSG may be true."""
     tx_type = SysFlag.transaction_type(sys_flag)
     if tx_type in _NO_UNIT_TYPES and retry_of_transactional:
         return None
     ctx.limits.refused("transaction-type-without-half")
     name = {SysFlag.TRANSACTION_PREPARED: "PREPARED", SysFlag.TRANSACTION_COMMIT: "COMMIT"}.get(tx_type, "ROLLBACK")
     return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"sysFlag {sys_flag} says transaction type {name} but the "
-                        "message is not a half (TRAN_MSG is not true): only the broker stores transaction-typed "
-                        "records, and this one would never be consumed as sent")
+                        f"message is not a half ({why_not_half}): only the broker stores transaction-typed records")
 
 
 def _stored(ctx, cmd, qid, topic, body_len, started, result):

@@ -230,3 +230,21 @@ async def test_a_send_back_of_every_message_a_consumer_is_given_still_works(brok
         assert (await back(retry.physical_offset)).code == ResponseCode.SUCCESS
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_a_typed_reply_or_retry_whose_tran_msg_is_true_is_told_why_it_is_no_half(broker):
+    """The refusal said "TRAN_MSG is not true" to a reply or a delayed retry whose TRAN_MSG was true (neither is
+    ever a half, RocketMQ's rule for a retry asking a delay): a client's author read it, set TRAN_MSG, and got the
+    same answer. It says why the message is no half."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        reply = await conn.request(_send("ReplyTx", "TRAN_MSG\x01true\x02UNIQ_KEY\x01r1", b"typed", sys_flag=PREPARED,
+                                         code=RequestCode.SEND_REPLY_MESSAGE_V2), 5)
+        retry = await conn.request(_send("%RETRY%CG_typed", "TRAN_MSG\x01true\x02UNIQ_KEY\x01r2\x02DELAY\x013",
+                                         b"typed", sys_flag=COMMIT, reconsume=1), 5)
+        for answer, why in ((reply, "a reply is never"), (retry, "a retry asking for a delay")):
+            assert answer.code == ResponseCode.MESSAGE_ILLEGAL, (answer.code, answer.remark)
+            assert why in answer.remark and "TRAN_MSG is not true" not in answer.remark, answer.remark
+    finally:
+        conn.close()
