@@ -206,7 +206,8 @@ def handle_send(ctx, conn, cmd):
             refused = _queue_file(ctx, cmd, HALF_TOPIC, 0)
         if refused is not None:
             return refused
-        return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
+        # (to ``topic``: out of retries, %DLQ%<group> -- RocketMQ rewrites the topic before it makes the half)
+        return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn), topic)
     sys_flag = h.sys_flag
     if SysFlag.transaction_type(sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
         retry = props.get(Prop.TRAN_MSG, "").lower() == "true"

@@ -248,3 +248,27 @@ async def test_a_typed_reply_or_retry_whose_tran_msg_is_true_is_told_why_it_is_n
             assert why in answer.remark and "TRAN_MSG is not true" not in answer.remark, answer.remark
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_a_transactional_retry_out_of_retries_commits_to_the_dead_letter_topic(broker):
+    """A half sent to %RETRY%<group> out of retries asking no delay (TRAN_MSG=true, DELAY 0 or none: RocketMQ's
+    rule makes it a half, as ali-ons' fallback sends it) is a half of %DLQ%<group> on RocketMQ 4.9.8: the dead
+    letter rewrite comes first, and its commit lands in the dead-letter queue. The half kept the %RETRY% topic the
+    request named (queue 0, the dead letter's): committed, the message went back to the group's consumers out of
+    retries, not to its dead letters."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        sent = await conn.request(_send("%RETRY%CG_txdead", "TRAN_MSG\x01true\x02PGROUP\x01PG_forge\x02UNIQ_KEY\x01x1",
+                                        b"spent", sys_flag=PREPARED, reconsume=16), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        end = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+            "producerGroup": "PG_forge", "tranStateTableOffset": sent.ext_fields["queueOffset"],
+            "commitLogOffset": decode_offset_msg_id(sent.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
+            "fromTransactionCheck": "false", "msgId": sent.ext_fields["msgId"]}), 5)
+        assert end.code == ResponseCode.SUCCESS, end.remark
+        [msg] = await _pull_waiting(conn, "CG_txdead", "%DLQ%CG_txdead")
+        assert (msg.body, msg.properties["UNIQ_KEY"]) == (b"spent", "x1")
+        assert await _max_offset(conn, "%RETRY%CG_txdead") == 0
+    finally:
+        conn.close()
