@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from protocol.codes import RequestCode, ResponseCode
+from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.message import (
     SendMessageRequestHeader,
@@ -30,7 +30,7 @@ from protocol.message import (
 )
 
 from ..store import PutRequest
-from .send import _born_host, _check_topic
+from .send import _born_host, _check_topic, plain_type_refused
 
 log = logging.getLogger("txmq.reply")
 
@@ -56,6 +56,9 @@ async def handle_reply(ctx, conn, cmd):
     illegal = nul_in_properties(h.properties)
     if illegal is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
+    if SysFlag.transaction_type(h.sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
+        # its stored copy would be a send's (see there)
+        return plain_type_refused(ctx, cmd, h.sys_flag, why_not_half="a reply is never one, whatever its TRAN_MSG")
     props = string_to_properties(h.properties)
     pushed, remark = await _push(ctx, conn, h, props, body)
     record = encode_record(

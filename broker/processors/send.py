@@ -16,7 +16,7 @@ from time import perf_counter
 
 from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
-from protocol.txlog import HALF_TOPIC
+from protocol.txlog import HALF_TOPIC, OP_TOPIC
 from protocol.message import (
     Prop,
     SendMessageRequestHeader,
@@ -44,7 +44,8 @@ from ..limits import EveryKey, peer_host
 from ..results import put_failure_response, send_ok
 from ..store import PutRequest
 from ..subscriptions import retry_queues
-from ..topics import DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SYSTEM_TOPIC_PREFIX, TopicConfig, TopicLimitError
+from ..topics import (DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SCHEDULE_PROGRESS_TOPIC, SCHEDULE_TOPIC,
+                      SYSTEM_TOPIC_PREFIX, TIMER_TOPIC, TopicConfig, TopicLimitError)
 from .admin import stored_record
 
 log = logging.getLogger("txmq.send")
@@ -133,6 +134,10 @@ def _queue_file(ctx, cmd, topic: str, qid: int):
     return None
 
 
+# Transaction types the store gives no consume-queue unit: a record of them is only ever a half's business.
+_NO_UNIT_TYPES = (SysFlag.TRANSACTION_PREPARED, SysFlag.TRANSACTION_ROLLBACK)
+
+
 def handle_send(ctx, conn, cmd):
     h = SendMessageRequestHeader.from_command(cmd)
     if h.batch:             # rocketmq-client-cpp sends batches as SEND_MESSAGE with batch=true (`m` in V2)
@@ -154,6 +159,11 @@ def handle_send(ctx, conn, cmd):
     props = string_to_properties(h.properties)
     topic = h.topic
     reconsume = h.reconsume_times
+    # RocketMQ's "client under version 4.6.1" exception: a retry that asks for a delay is a consumer's fallback
+    # send of a transactional message it failed, carrying the message's TRAN_MSG=true, never a new half. Judged
+    # by the delay sent: the one a dead letter's DELAY=0 below replaces made such a retry, out of retries, a half
+    # for %RETRY%<group> (refused as another group's, or checked with a producer that never began it).
+    half = props.get(Prop.TRAN_MSG, "").lower() == "true" and not (reconsume > 0 and props.get(Prop.DELAY, "0") != "0")
     if topic.startswith(RETRY_PREFIX):
         if reconsume >= _retry_limit(ctx, cmd, topic[len(RETRY_PREFIX):], h.max_reconsume_times):
             topic = DLQ_PREFIX + topic[len(RETRY_PREFIX):]
@@ -163,7 +173,7 @@ def handle_send(ctx, conn, cmd):
             qid = 0
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
-    if props.get(Prop.TRAN_MSG, "").lower() == "true" and not (reconsume > 0 and props.get(Prop.DELAY, "0") != "0"):
+    if half:
         if any(k in props for k in _TIMER_KEYS):
             # A half waits only once committed, where a refused timer could only mean "deliver now": judge it
             # here, as a plain send's (on a copy: the half keeps its properties as sent).
@@ -196,10 +206,21 @@ def handle_send(ctx, conn, cmd):
             refused = _queue_file(ctx, cmd, HALF_TOPIC, 0)
         if refused is not None:
             return refused
-        return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn))
+        # (to ``topic``: out of retries, %DLQ%<group> -- RocketMQ rewrites the topic before it makes the half)
+        return ctx.tx.prepare(conn, cmd, h, qid, props, _born_host(conn), topic)
+    sys_flag = h.sys_flag
+    if SysFlag.transaction_type(sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
+        retry = props.get(Prop.TRAN_MSG, "").lower() == "true"
+        why = "a retry asking for a delay is none, whatever its TRAN_MSG" if retry else "TRAN_MSG is not true"
+        refused = plain_type_refused(ctx, cmd, sys_flag, retry, why)
+        if refused is not None:
+            return refused
+        # The retry above (a client before 4.6.1 types it PREPARED, as it sends TRAN_MSG=true): a plain message,
+        # stored so. Kept PREPARED it skipped its delay and got no unit: acknowledged, and lost.
+        sys_flag = SysFlag.with_transaction_type(sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
     waits_for_slave = props.pop(Prop.WAIT, "true").lower() != "false"     # isWaitStoreMsgOK
     to_topic, to_qid, tags, delay_ms = topic, qid, None, -1
-    waits = ctx.schedule.levels.divert(topic, qid, props, h.sys_flag, ctx.clock())   # DELAY, TIMER_*
+    waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())   # DELAY, TIMER_*
     if isinstance(waits, str):
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, waits)
     if waits is not None:
@@ -209,16 +230,35 @@ def handle_send(ctx, conn, cmd):
         if refused is not None:
             return refused
     record = encode_record(
-        topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=h.sys_flag,
+        topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=properties_to_string(props).encode(), reconsume_times=reconsume)
-    req = PutRequest(record, to_topic, to_qid, tags_code(props) if tags is None else tags, h.sys_flag, delay_ms)
+    req = PutRequest(record, to_topic, to_qid, tags_code(props) if tags is None else tags, sys_flag, delay_ms)
     if ctx.ha is not None and ctx.ha.sync and waits_for_slave:      # SYNC_MASTER: the answer waits for the slave
         return reply_when_stored(ctx, cmd, ctx.limits.track(ctx.store.put(req), len(body)), qid, topic, len(body),
                                  waits_for_slave)
     ctx.limits.queued_bytes += len(body)
     ctx.store.put(req, then=Answer(ctx, conn, cmd, partial(_stored, ctx, cmd, qid, topic, len(body), perf_counter())))
     return DEFERRED
+
+
+def plain_type_refused(ctx, cmd, sys_flag: int, retry_of_transactional: bool = False,
+                       why_not_half: str = "TRAN_MSG is not true"):
+    """The refusal of a message stored as it came (no half) whose sysFlag names a transaction type, or None for
+    the old clients' retry (``retry_of_transactional``: typed PREPARED), which the caller stores as a plain one.
+
+    PREPARED and ROLLBACK records get no consume-queue unit (as in RocketMQ): answered SEND_OK with queue offset
+    -1, no consumer could ever read one. COMMIT is the type of a committed transaction's message, and its
+    prepared offset (0 for a send) names the half it commits: after a crash, start-up took a COMMIT-typed send
+    repeating that half's UNIQ_KEY and body for its commit and wrote the decision. No stock client sends them.
+    ``why_not_half`` says why this message is none, in the answer: a retry's or a reply's TRAN_MSG may be true."""
+    tx_type = SysFlag.transaction_type(sys_flag)
+    if tx_type in _NO_UNIT_TYPES and retry_of_transactional:
+        return None
+    ctx.limits.refused("transaction-type-without-half")
+    name = {SysFlag.TRANSACTION_PREPARED: "PREPARED", SysFlag.TRANSACTION_COMMIT: "COMMIT"}.get(tx_type, "ROLLBACK")
+    return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"sysFlag {sys_flag} says transaction type {name} but the "
+                        f"message is not a half ({why_not_half}): only the broker stores transaction-typed records")
 
 
 def _stored(ctx, cmd, qid, topic, body_len, started, result):
@@ -460,6 +500,9 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
     return None
 
 
+# Records no consumer is given, which a send-back must not copy to one: halves (undecided), their op records,
+# messages waiting for their delay or timer, and the scheduler's progress.
+_NOT_HANDED_BACK = frozenset({HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, SCHEDULE_PROGRESS_TOPIC})
 _not_retried = EveryKey(60.0)       # consumer groups whose dropped send-backs were said this minute
 
 
@@ -493,6 +536,14 @@ async def handle_send_back(ctx, conn, cmd):
     if error is not None:
         return error
     msg, _ = decode_record(view)
+    if msg.topic in _NOT_HANDED_BACK or SysFlag.transaction_type(msg.sys_flag) in _NO_UNIT_TYPES:
+        # No consumer was given this record: a half not yet decided (its copy went to the group, and stayed there
+        # when the transaction was rolled back), a message still waiting for its delivery time (delivered hours
+        # early), the broker's own bookkeeping. The offset is wrong, or not a consumer's to hand back.
+        ctx.limits.refused("send-back-unconsumable", f"send-back from {conn.peer[0]}:{conn.peer[1]} (group "
+                           f"{group!r}) refused: commit-log offset {offset} is a record of {msg.topic}")
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"the message at offset {offset} is a record of topic "
+                            f"{msg.topic}, which no consumer is given: it cannot be sent back")
     props = dict(msg.properties)
     if msg.topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
         props.setdefault(Prop.RETRY_TOPIC, msg.topic)   # a retry's copy: the topic its first copy was sent to

@@ -106,7 +106,10 @@ class DelayLevels:
             props[Prop.REAL_TOPIC] = topic
             props[Prop.REAL_QID] = str(queue_id)
             return Diverted(SCHEDULE_TOPIC, level - 1, self.delays_ms[level - 1], 0)
-        if not any(key in props for key in TIMER_PROPS) or TIMER_OUT_MS in props:
+        # (A TIMER_OUT_MS already there is no reason to skip: RocketMQ 5 re-puts a due message with its asks, and
+        # skips on that mark; the scheduler here delivers it without them. A client's is a delivered message's
+        # mark, forwarded with its properties and a new delay: taken as leaving the wheel, it was delivered at once.)
+        if not any(key in props for key in TIMER_PROPS):
             return None
         deliver_ms = self.timer_deliver_ms(props, now)
         if isinstance(deliver_ms, str):

@@ -231,20 +231,22 @@ class TransactionService:
         await write_snapshot(self)
 
     # -------------------------------------------------------- half messages
-    def prepare(self, conn, cmd, h, qid: int, props: dict, born_host: bytes):
+    def prepare(self, conn, cmd, h, qid: int, props: dict, born_host: bytes, topic: str | None = None):
+        """``topic``: where the half's message goes once committed, when not the one the request names."""
         group = props.get(Prop.PGROUP) or h.producer_group
         props.setdefault(Prop.PGROUP, group)
-        req = self.records.half(body=cmd.body, real_topic=h.topic, real_qid=qid, flag=h.flag, sys_flag=h.sys_flag,
+        topic = h.topic if topic is None else topic
+        req = self.records.half(body=cmd.body, real_topic=topic, real_qid=qid, flag=h.flag, sys_flag=h.sys_flag,
                                 born_timestamp=h.born_timestamp, born_host=born_host, props=props,
                                 reconsume_times=h.reconsume_times, owner=conn.attributes.get("client_id"))
         ctx = self.ctx
         if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
-            return self._prepare(conn, cmd, req, group, h.topic, qid, props)    # SYNC_MASTER: waits for the slave
+            return self._prepare(conn, cmd, req, group, topic, qid, props)    # SYNC_MASTER: waits for the slave
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
         self._storing_group(group, 1)
         ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
-            self._half_answer, conn, cmd, req, group, h.topic, qid, props, floor)))
+            self._half_answer, conn, cmd, req, group, topic, qid, props, floor)))
         return DEFERRED
 
     def _half_answer(self, conn, cmd, req, group, topic, qid, props, floor, result):

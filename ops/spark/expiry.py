@@ -25,6 +25,7 @@ import time
 
 from protocol.admin_bodies import split_offset_key
 from protocol.errors import StoreError
+from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
 from .load import DEFAULT_CHUNK_BYTES, scan_store
 from .manifest import read_store_id
@@ -158,7 +159,7 @@ def _report(spark, scan, names: list[str], offsets) -> dict:
 
     # Transaction bookkeeping queues are the broker's own (their halves are in "halves").
     going = scan.queues.where(F.col("segment").isin(names) & F.col("qo_max").isNotNull()
-                              & ~F.col("topic").startswith("RMQ_SYS_"))
+                              & ~F.col("topic").isin(HALF_TOPIC, OP_TOPIC))
     by_topic = [{"topic": r["topic"], "messages": r["n"]} for r in
                 going.groupBy("topic").agg(F.sum("n").alias("n")).orderBy("topic").collect()]
     committed = spark.createDataFrame(group_offsets(offsets) or [],

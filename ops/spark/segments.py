@@ -58,10 +58,11 @@ ACTIVE_REREAD_DELAY_S = 0.05
 ROW_TOPICS = frozenset((HALF_TOPIC, OP_TOPIC, DEAD_TOPIC))
 # Not user traffic. SCHEDULE_TOPIC_XXXX holds delayed messages before they reach their real
 # topic, so counting it would count them twice; so does rmq_sys_wheel_timer for timer messages.
-# RMQ_SYS_* (the transaction topics) and rmq_sys_* (RocketMQ 5's prefix: the timer topic, the
-# scheduler's progress records) are the broker's own.
-SYSTEM_TOPICS = frozenset((DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX"))
-SYSTEM_PREFIXES = ("RMQ_SYS_", "rmq_sys_")
+# The transaction topics, the trace topic and rmq_sys_* (RocketMQ's prefix: the timer topic, the
+# scheduler's progress records) are the broker's own. RMQ_SYS_ is no prefix of RocketMQ's (nor the
+# broker's): a client's topic named RMQ_SYS_Orders is a user topic, and its traffic was left out.
+SYSTEM_TOPICS = frozenset((DEAD_TOPIC, "SCHEDULE_TOPIC_XXXX", HALF_TOPIC, OP_TOPIC, "RMQ_SYS_TRACE_TOPIC"))
+SYSTEM_PREFIXES = ("rmq_sys_",)
 NO_GROUP = "-"
 HOUR_MS = 3_600_000
 _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
@@ -89,6 +90,16 @@ _TAIL = (None,) * 6
 def is_traffic(topic: str, tx_type: int) -> bool:
     """User traffic: not a system topic, and a record a consume queue indexes (NOT / COMMIT)."""
     return (tx_type in _INDEXED and not topic.startswith(SYSTEM_PREFIXES) and topic not in SYSTEM_TOPICS)
+
+
+def producer_group(props: dict, tx_type: int) -> str:
+    """The producer group a traffic record is counted for: a committed transaction's message (COMMIT type: only
+    the broker writes it) names it in PGROUP, checked against the sender's group when its half came. Any other
+    record's PGROUP is whatever its client wrote there -- a plain message naming another team's group, or a retry
+    carrying its source's: counted as that group's traffic. NO_GROUP for them, as for plain messages."""
+    if tx_type != SysFlag.TRANSACTION_COMMIT:
+        return NO_GROUP
+    return props.get(Prop.PGROUP) or NO_GROUP
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +314,7 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
             if topic in ROW_TOPICS:
                 yield _record_row(seg, pos, msg, size, tx_type)
             elif is_traffic(topic, tx_type):
-                key = (ts - ts % HOUR_MS, topic, msg.properties.get(Prop.PGROUP) or NO_GROUP)
+                key = (ts - ts % HOUR_MS, topic, producer_group(msg.properties, tx_type))
                 t = traffic.get(key)
                 if t is None:
                     traffic[key] = [1, size, len(msg.body)]

@@ -173,3 +173,24 @@ def test_the_segment_before_the_brokers_unwritten_spare_is_not_listed(spark, sto
         f.truncate(SEG)
     plan = build_plan(spark, d, retention_ms=72 * H, now_ms=NOW + 1000 * H)
     assert [s["name"] for s in plan["segments"]] == names[:-1]
+
+
+def test_the_report_names_a_user_topic_spelled_like_the_transaction_topics(spark, tmp_path):
+    """The report left out every RMQ_SYS_* topic as the broker's bookkeeping, so a client's RMQ_SYS_Orders (a user
+    topic: the system prefix is rmq_sys_) went unconsumed without a word. Only the transaction queues are left out."""
+    from ops.spark.expiry import build_plan
+
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=SEG) as b:
+        for i in range(40):
+            b.at(NOW - 100 * H + i).send("RMQ_SYS_Orders")
+        b.at(NOW - 100 * H + 50).half("pg-a", "Pay")
+        for i in range(40):
+            b.at(NOW - H + i).send("Orders")
+        written = list(b.written)
+    set_offsets(d, [("cg-sys", "RMQ_SYS_Orders", 0, 0)])
+    plan = build_plan(spark, d, retention_ms=72 * H, now_ms=NOW)
+    going = [w for w in written if w.topic == "RMQ_SYS_Orders" and w.offset < len(plan["segments"]) * SEG]
+    assert going
+    assert {t["topic"] for t in plan["report"]["messages_by_topic"]} == {"RMQ_SYS_Orders"}
+    assert plan["report"]["unconsumed"] == [{"topic": "RMQ_SYS_Orders", "group": "cg-sys", "messages": len(going)}]

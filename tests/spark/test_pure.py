@@ -357,3 +357,38 @@ def test_the_spark_benchs_pure_python_baseline_counts_every_record(tmp_path):
     spec.loader.exec_module(bench)
     d, written = _store(tmp_path, n=30)
     assert bench.pure_python(d)[0] == len(written)
+
+
+def test_traffic_names_a_producer_group_only_for_committed_transactions(tmp_path):
+    """The traffic rollup's producer group was any record's PGROUP: a plain message whose client wrote another
+    group's name there (PGROUP is free text to a client), or a retry copy carrying its source's, was counted as
+    that group's traffic. Only a committed transaction's message (COMMIT type, written by the broker from a half
+    whose PGROUP was its sender's group) names one now."""
+    d = str(tmp_path / "store")
+    with StoreBuilder(d) as b:
+        b.at(T0)
+        half = b.half("pg-pay", "Pay")
+        b.commit(half)
+        b.send("Pay", b"forged", props={"PGROUP": "pg-pay"})
+        b.send("%RETRY%cg", b"again", props={"PGROUP": "pg-pay", "RETRY_TOPIC": "Pay"})
+    rows = [dict(zip(seg.ROW_FIELDS, r)) for r in _rows(seg.plan_chunks(d, 1 << 40)[1])]
+    counted = {}
+    for r in rows:
+        if r["row"] == "msg":
+            counted[(r["topic"], r["pgroup"])] = counted.get((r["topic"], r["pgroup"]), 0) + r["n"]
+    assert counted == {("Pay", "pg-pay"): 1, ("Pay", seg.NO_GROUP): 1, ("%RETRY%cg", seg.NO_GROUP): 1}
+
+
+def test_a_user_topic_named_like_the_transaction_topics_is_traffic(tmp_path):
+    """RocketMQ's (and the broker's) system prefix is rmq_sys_; RMQ_SYS_TRANS_HALF_TOPIC and its kin are names of
+    their own. A client's topic RMQ_SYS_Orders is made on first send like any other, but the rollup took every
+    RMQ_SYS_* topic for the broker's and left its traffic out."""
+    d = str(tmp_path / "store")
+    with StoreBuilder(d) as b:
+        b.at(T0).send("RMQ_SYS_Orders", b"counted")
+        b.send("RMQ_SYS_TRACE_TOPIC", b"a trace")
+        b.send("rmq_sys_schedule_progress", b"{}")
+        b.half("pg", "Pay")
+    assert not seg.is_traffic("RMQ_SYS_TRANS_HALF_TOPIC", 0) and not seg.is_traffic("RMQ_SYS_TRANS_OP_HALF_TOPIC", 0)
+    rows = [dict(zip(seg.ROW_FIELDS, r)) for r in _rows(seg.plan_chunks(d, 1 << 40)[1])]
+    assert {(r["topic"], r["n"]) for r in rows if r["row"] == "msg"} == {("RMQ_SYS_Orders", 1)}
