@@ -10,6 +10,7 @@ settings -- and the next save would make that for good.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -82,11 +83,19 @@ def save(path: str, data: bytes) -> None:
     """Replace the table in ``path`` with ``data`` (written and synced first), its current contents kept as the
     previous copy ``load_saved`` falls back to. Blocking: off the loop."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    keep_previous(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        keep_previous(path)
+    except BaseException:
+        # A full disk cut the copy short: left there, it held every page that was free, and the other tables of
+        # the directory (brokerConfig.json's few bytes, written before SUCCESS and never retried) were refused
+        # on a disk with room for them until this one's retried save fitted (retried_save.py).
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path) or ".")
 

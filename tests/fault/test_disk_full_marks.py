@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+from broker import live_config
 from broker.ha.sync import SlaveSync
 from broker.kv_config import KvConfig
 from broker.processors.kv import put_kv_config
@@ -294,3 +295,31 @@ async def test_the_index_a_full_disk_stopped_catches_up_by_itself_once_there_is_
         finally:
             await svc.close()
             await store.close()
+
+
+@bounded(20)
+async def test_a_refused_groups_save_leaves_no_partial_file_holding_the_room_a_broker_permission_needs(tiny_disk):
+    """The groups' file (its save retried, retried_save.py) and brokerConfig.json (written before SUCCESS, never
+    retried) share the config directory's disk. A groups' save a nearly full disk cut short left its partial
+    ``.tmp`` there, holding every page that was free: the next updateBrokerConfig brokerPermission, a few bytes,
+    was refused ("Nothing was changed") on a disk with room for it, and so was every other save of the directory
+    until the groups' file fitted."""
+    config = tiny_disk / "config"
+    config.mkdir()
+    subs = SubscriptionGroups(str(config), clock=lambda: 1)
+    for i in range(2000):           # a table of several hundred KiB, more than the room left below
+        subs.update({"groupName": f"CG_{i:04d}", "retryMaxTimes": 3})
+    room = tiny_disk / "room"
+    room.write_bytes(bytes(64 * 1024))
+    _fill(tiny_disk / "ballast")
+    os.unlink(room)                 # 64 KiB free: a few bytes fit, the groups' table does not
+    try:
+        with pytest.raises(OSError):
+            await subs.save()
+        left = [p.name for p in config.iterdir() if p.name.endswith(".tmp")]
+        assert left == [], f"a refused save left {left} on the disk"
+        live_config.write(str(config), {"brokerPermission": 4})     # (OSError without the fix: No space left)
+    finally:
+        subs._retry.cancel()        # (not close(): its last try would write the table once the test is over)
+        subs._retry = None
+    assert live_config.load(str(config)) == {"brokerPermission": 4}
