@@ -43,7 +43,7 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
 from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
-from .records import COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory
+from .records import COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, plain_owner
 from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
@@ -82,6 +82,8 @@ class TransactionService:
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
+        self._unnamed: dict = {}            # conn -> [Tx] sent before a heartbeat named it (connection_named)
+        self._naming: set = set()           # sender records being written for halves named while stored
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
         # them at once, before their immunity ended.
@@ -224,25 +226,26 @@ class TransactionService:
     def prepare(self, conn, cmd, h, qid: int, props: dict, born_host: bytes):
         group = props.get(Prop.PGROUP) or h.producer_group
         props.setdefault(Prop.PGROUP, group)
+        owner = conn.attributes.get("client_id")     # None: no heartbeat named the connection yet
         req = self.records.half(body=cmd.body, real_topic=h.topic, real_qid=qid, flag=h.flag, sys_flag=h.sys_flag,
                                 born_timestamp=h.born_timestamp, born_host=born_host, props=props,
-                                reconsume_times=h.reconsume_times, owner=conn.attributes.get("client_id"))
+                                reconsume_times=h.reconsume_times, owner=owner)
         ctx = self.ctx
         if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
-            return self._prepare(conn, cmd, req, group, h.topic, qid, props)    # SYNC_MASTER: waits for the slave
+            return self._prepare(conn, cmd, req, group, h.topic, qid, props, owner)    # SYNC_MASTER: waits for the slave
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
         ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
-            self._half_answer, conn, cmd, req, group, h.topic, qid, props, floor)))
+            self._half_answer, conn, cmd, req, group, h.topic, qid, props, owner, floor)))
         return DEFERRED
 
-    def _half_answer(self, conn, cmd, req, group, topic, qid, props, floor, result):
+    def _half_answer(self, conn, cmd, req, group, topic, qid, props, owner, floor, result):
         """The reply to a half once stored (called by the store's writer, through Answer)."""
         self.storing.remove(floor)
-        return self._half_stored(conn, cmd, req, group, topic, qid, props, result) or send_ok(
+        return self._half_stored(conn, cmd, req, group, topic, qid, props, owner, result) or send_ok(
             self.ctx, cmd, offset_msg_id(self.ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
-    async def _prepare(self, conn, cmd, req, group, topic, qid, props):
+    async def _prepare(self, conn, cmd, req, group, topic, qid, props, owner):
         ctx = self.ctx
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
@@ -250,7 +253,7 @@ class TransactionService:
             result = await ctx.store.put(req)
         finally:
             self.storing.remove(floor)
-        refused = self._half_stored(conn, cmd, req, group, topic, qid, props, result)
+        refused = self._half_stored(conn, cmd, req, group, topic, qid, props, owner, result)
         if refused is not None:
             return refused
         code = ResponseCode.SUCCESS
@@ -259,19 +262,22 @@ class TransactionService:
         return send_ok(ctx, cmd, offset_msg_id(ctx.store_host, result.physical_offset), qid, result.queue_offset,
                        code)
 
-    def _half_stored(self, conn, cmd, req, group, topic, qid, props, result):
-        """A half's store result: the refusal to answer, or None once it is in the undecided index."""
+    def _half_stored(self, conn, cmd, req, group, topic, qid, props, owner, result):
+        """A half's store result: the refusal to answer, or None once it is in the undecided index. ``owner``: the
+        client id its connection had when the half was written (TXMQ_OWNER), None when no heartbeat had named it."""
         if not result.ok:
             return put_failure_response(cmd, result)
         ctx = self.ctx
-        client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
-                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id,
-                delayed=asks_delay(props))
+                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn,
+                owner_id=owner or f"{conn.peer[0]}:{conn.peer[1]}", delayed=asks_delay(props))
         if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
                          stored_at=self.stored_at(tx.store_ts)):
             self.timer.wake()
         self.changed = True
+        if owner is None:
+            self._unnamed_half(conn, tx)
+        client_id = conn.attributes.get("client_id") or tx.owner_id
         ahead = self.table.wants(result.queue_offset)
         if ahead is not None:
             self._make_ahead(ahead)
@@ -282,6 +288,61 @@ class TransactionService:
         # it), and the half is one of the broker's puts (putTps, msgPutTotal*).
         ctx.metrics.count_in(HALF_TOPIC, 1, len(cmd.body))
         return None
+
+    # ------------------------------------------------------- whose halves
+    def _unnamed_half(self, conn, tx: Tx) -> None:
+        """``tx`` came on a connection no heartbeat had named: its sender is named when one does (connection_named),
+        at once when one did while the half was being written."""
+        if conn.attributes.get("client_id") is not None:
+            writing = self._name([tx], conn.attributes["client_id"])
+            if writing is not None:
+                task = asyncio.get_running_loop().create_task(writing)
+                self._naming.add(task)
+                task.add_done_callback(self._naming.discard)
+        elif getattr(conn, "is_open", False):       # (closed: it never will be; connection_closed has run)
+            self._unnamed.setdefault(conn, []).append(tx)
+
+    def connection_named(self, conn):
+        """A heartbeat named ``conn`` (its client id): the undecided halves it sent before get that id as their
+        sender; an awaitable that writes a sender record for each (the heartbeat is answered once they are in the
+        log), or None. A stock Java producer sends its first halves before its first heartbeat (it heartbeats a
+        broker it learnt from a route at its next 30 s tick): their checks went to any producer of the group after
+        a kill -9, the half not naming its sender and the next snapshot only written once something else changed.
+        Only the connection's first name counts: a later heartbeat giving it another id leaves every half named as
+        it was (the id its connection had when it came, or the first one given after)."""
+        halves = self._unnamed.pop(conn, None)
+        client_id = conn.attributes.get("client_id")
+        return self._name(halves, client_id) if halves and client_id is not None else None
+
+    def _name(self, halves: list[Tx], client_id: str):
+        named = [t for t in halves if self.pending.get(t.half_offset) is t]     # not decided meanwhile
+        for t in named:
+            t.owner_id = client_id
+        if not named:
+            return None
+        self.changed = True         # and the next snapshot's "owners"
+        if not plain_owner(client_id):
+            return None             # kept in memory only, as a check record or a snapshot would keep it
+        return self._write_senders(named, client_id)
+
+    async def _write_senders(self, named: list[Tx], client_id: str) -> None:
+        rf = self.records
+        failed, why = 0, ""
+        for i in range(0, len(named), 256):     # batches of a check slice's size
+            batch = named[i:i + 256]
+            try:
+                results = await self.ctx.store.put_many([rf.sender(t.half_offset, t.queue_offset, client_id)
+                                                         for t in batch])
+            except Exception as exc:  # noqa: BLE001 - as a refusal: the snapshot still carries them
+                log.exception("sender records of %d halves not written", len(batch))
+                failed, why = failed + len(batch), f"{type(exc).__name__}: {exc}"
+                continue
+            refused = [r for r in results if not r.ok]
+            if refused:
+                failed, why = failed + len(refused), refused[0].status.name
+        if failed:
+            log.warning("the sender %s of %d undecided halves was not recorded (%s): known until a restart, and "
+                        "after one if the next snapshot is written first", client_id, failed, why)
 
     def _make_ahead(self, base: int) -> None:
         """A decision-table file made on a thread before the first decision needs it (see DecisionTable.wants)."""
@@ -721,7 +782,9 @@ class TransactionService:
 
     def connection_closed(self, conn) -> None:
         """A client connection closed (server.py): the checks sent on it and not answered are asked again of a
-        live producer at once, not after a whole check interval (core.channel_closed)."""
+        live producer at once, not after a whole check interval (core.channel_closed). The halves it sent
+        unnamed stay so (their sender is known by its address only)."""
+        self._unnamed.pop(conn, None)
         self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
 
     def _checks_lost(self, lost: list[Tx]) -> None:
