@@ -81,8 +81,9 @@ async def make_service(tmp_path, clock, **cfg):
     return ctx
 
 
-async def add_half(ctx, body=b"x", group="PG"):
-    """Store a half message and index it as the send path does; returns its Pending."""
+async def add_half(ctx, body=b"x", group="PG", conn=None):
+    """Store a half message and index it as the send path does (on ``conn``, else on a closed connection no
+    heartbeat named); returns its Pending."""
     tx = ctx.tx
     props = {Prop.UNIQ_KEY: f"U{body!r}", Prop.PGROUP: group, Prop.TRAN_MSG: "true"}
     req = tx.records.half(body=body, real_topic="T", real_qid=0, flag=0, sys_flag=0, born_timestamp=ctx.clock(),
@@ -103,7 +104,8 @@ async def add_half(ctx, body=b"x", group="PG"):
 
     cmd = Cmd()
     cmd.body = body         # the half's, as sent: counted under the half topic
-    await tx._prepare(Conn(), cmd, req, group, "T", 0, props)
+    conn = conn or Conn()
+    await tx._prepare(conn, cmd, req, group, "T", 0, props, conn.attributes.get("client_id"))
     return max(tx.pending.values(), key=lambda p: p.half_offset)
 
 

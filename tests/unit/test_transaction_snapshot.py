@@ -379,8 +379,8 @@ class _Producer:
     writing_paused = False
     unsent_bytes = 0
 
-    def __init__(self, client_id: str):
-        self.attributes = {"client_id": client_id}
+    def __init__(self, client_id: str | None):
+        self.attributes = {"client_id": client_id} if client_id else {}      # None: no heartbeat named it yet
         self.asked: list[int] = []
 
     def oneway(self, cmd) -> None:
@@ -394,10 +394,12 @@ async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(tm
     producer's first halves precede its first heartbeat), not to the group in turn."""
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
-    halves = [await add_half(ctx, f"h{i}".encode()) for i in range(4)]
-    for p in halves:
-        p.owner.attributes["client_id"] = "10.0.0.7@4242"         # its heartbeat, after its halves
-    assert {p.owner_id for p in halves} == {"127.0.0.1:1"}          # taken under the connection's address
+    conn = _Producer(None)
+    halves = [await add_half(ctx, f"h{i}".encode(), conn=conn) for i in range(4)]
+    assert {p.owner_id for p in halves} == {"127.0.0.1:2"}          # taken under the connection's address
+    conn.attributes["client_id"] = "10.0.0.7@4242"                  # its heartbeat, after its halves
+    await ctx.tx.connection_named(conn)
+    assert {p.owner_id for p in halves} == {"10.0.0.7@4242"}
     await ctx.tx.stop()
     await ctx.store._store.close()
     ctx2 = await make_service(tmp_path, clock)
@@ -420,9 +422,9 @@ async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp
     ctx = await make_service(tmp_path, clock)
     try:
         plain, huge, spliced = [await add_half(ctx, f"h{i}".encode()) for i in range(3)]
-        plain.owner.attributes["client_id"] = "10.0.0.7@4242"
-        huge.owner.attributes["client_id"] = "x" * (1 << 20)
-        spliced.owner.attributes["client_id"] = "evil\x02TXMQ_CHECKS\x011"
+        plain.owner_id = "10.0.0.7@4242"        # as their connections' heartbeats named them
+        huge.owner_id = "x" * (1 << 20)
+        spliced.owner_id = "evil\x02TXMQ_CHECKS\x011"
         await ctx.tx.write_snapshot()
         assert _snapshot(ctx)["owners"] == {"10.0.0.7@4242": [plain.half_offset]}
     finally:
