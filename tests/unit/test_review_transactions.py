@@ -110,7 +110,7 @@ async def add_half(ctx, body=b"x", group="PG", conn=None):
 
 
 
-async def half_stored_while(ctx, during, body=b"in-flight"):
+async def half_stored_while(ctx, during, body=b"in-flight", conn=None):
     """Store a half (as add_half) and run ``during()`` (awaited if it returns an awaitable) once the half is
     stored and dispatched but before its sender indexed it; returns its Pending."""
     real_put = ctx.store._store.put
@@ -124,7 +124,7 @@ async def half_stored_while(ctx, during, body=b"in-flight"):
 
     ctx.store.put = slow_put
     try:
-        adding = asyncio.ensure_future(add_half(ctx, body))
+        adding = asyncio.ensure_future(add_half(ctx, body, conn=conn))
         await written.wait()
         outcome = during()
         if asyncio.iscoroutine(outcome):

@@ -415,6 +415,30 @@ async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(tm
 
 
 @bounded(30)
+async def test_a_half_whose_connection_was_named_while_it_was_stored_keeps_that_sender_across_a_crash(tmp_path):
+    """The heartbeat came while the half was being written without a name (a Java process's timer thread and its
+    sending thread share the connection): it found nothing unnamed yet, so the half is named once indexed, and its
+    sender record written then."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+
+    def heartbeat():
+        conn.attributes["client_id"] = "10.0.0.7@4242"
+        assert ctx.tx.connection_named(conn) is None        # nothing of it indexed yet
+
+    p = await half_stored_while(ctx, heartbeat, conn=conn)
+    assert p.owner_id == "10.0.0.7@4242"
+    await asyncio.gather(*ctx.tx._naming)       # its sender record
+    await ctx.store._store.close()              # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(30)
 async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp_path):
     """A client names itself, in up to a 16 MiB frame: the snapshot, written every few seconds, carried each such
     name whole (a hundred connections, 1.6 GB), where a check record leaves it out. Both keep the same ones."""
