@@ -5,6 +5,7 @@
     committed message   real topic, tx type COMMIT, prepared offset   counted as traffic
     decision op         RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS=d           kind "op" (TXMQ_OP, TXMQ_HALF)
     check attempt       RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS=c           kind "check" (TXMQ_HALF)
+    sender named        the same, TXMQ_CHECKS=0 (no attempt made)     kind "sender" (not counted as a check)
     dead letter         TRANS_CHECK_MAX_TIME_TOPIC                    kind "dead" (TXMQ_REASON, TXMQ_HALF)
     damaged op          RMQ_SYS_TRANS_OP_HALF_TOPIC, anything else    kind "bad_op" (see below)
     RocketMQ's op       RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS d / c, a    kind "other", left out as the broker does
@@ -37,13 +38,15 @@ ALL_GROUPS = "*"
 
 
 def classify(records):
-    """Add kind (half / op / check / bad_op / dead / other) to the transaction records of a scan."""
+    """Add kind (half / op / check / sender / bad_op / dead / other) to the transaction records of a scan."""
     from pyspark.sql import functions as F
 
     topic, tags, half, op = F.col("topic"), F.col("tags"), F.col("txmq_half"), F.col("txmq_op")
     ours = half.isNotNull() | op.isNotNull() | F.col("txmq_checks").isNotNull() | F.col("txmq_reason").isNotNull()
     kind = (F.when(topic == HALF_TOPIC, "half")
             .when((topic == OP_TOPIC) & (tags == OP_TAG_DECISION) & half.isNotNull() & op.isin(*OPS), "op")
+            .when((topic == OP_TOPIC) & (tags == OP_TAG_CHECK) & half.isNotNull() & op.isNull()
+                  & (F.col("txmq_checks") == 0), "sender")
             .when((topic == OP_TOPIC) & (tags == OP_TAG_CHECK) & half.isNotNull() & op.isNull(), "check")
             .when((topic == OP_TOPIC) & (ours | ~F.coalesce(tags.isin(OP_TAG_DECISION, OP_TAG_CHECK), F.lit(False))
                                          | F.col("half_qo").isNull()), "bad_op")
