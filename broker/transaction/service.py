@@ -82,7 +82,7 @@ class TransactionService:
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
-        self._unnamed: dict = {}            # conn -> [Tx] sent before a heartbeat named it (connection_named)
+        self._unnamed: dict = {}            # conn -> _Unnamed: halves sent before a heartbeat named it
         self._naming: set = set()           # sender records being written for halves named while stored
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
@@ -300,7 +300,10 @@ class TransactionService:
                 self._naming.add(task)
                 task.add_done_callback(self._naming.discard)
         elif getattr(conn, "is_open", False):       # (closed: it never will be; connection_closed has run)
-            self._unnamed.setdefault(conn, []).append(tx)
+            unnamed = self._unnamed.get(conn)
+            if unnamed is None:
+                unnamed = self._unnamed[conn] = _Unnamed()
+            unnamed.add(tx, self.pending)
 
     def connection_named(self, conn):
         """A heartbeat named ``conn`` (its client id): the undecided halves it sent before get that id as their
@@ -310,9 +313,9 @@ class TransactionService:
         a kill -9, the half not naming its sender and the next snapshot only written once something else changed.
         Only the connection's first name counts: a later heartbeat giving it another id leaves every half named as
         it was (the id its connection had when it came, or the first one given after)."""
-        halves = self._unnamed.pop(conn, None)
+        unnamed = self._unnamed.pop(conn, None)
         client_id = conn.attributes.get("client_id")
-        return self._name(halves, client_id) if halves and client_id is not None else None
+        return self._name(unnamed.halves, client_id) if unnamed is not None and client_id is not None else None
 
     def _name(self, halves: list[Tx], client_id: str):
         named = [t for t in halves if self.pending.get(t.half_offset) is t]     # not decided meanwhile
@@ -864,6 +867,24 @@ class TransactionService:
                 continue
             done.append(off)
         return done, failed
+
+
+class _Unnamed:
+    """The halves a connection sent before a heartbeat named it. Those decided meanwhile are dropped as the list
+    grows (at twice what was left the last time): a client that never heartbeats, sending transaction after
+    transaction on one connection, kept every one it ever sent until the connection closed."""
+
+    __slots__ = ("halves", "limit")
+
+    def __init__(self):
+        self.halves: list[Tx] = []
+        self.limit = 64
+
+    def add(self, tx: Tx, pending: dict) -> None:
+        self.halves.append(tx)
+        if len(self.halves) >= self.limit:
+            self.halves = [t for t in self.halves if pending.get(t.half_offset) is t]
+            self.limit = max(64, 2 * len(self.halves))
 
 
 def _claimant(tx: Tx, channels, owner_id: str):

@@ -438,6 +438,27 @@ async def test_a_half_whose_connection_was_named_while_it_was_stored_keeps_that_
         await ctx2.store._store.close()
 
 
+@bounded(60)
+async def test_a_connection_never_named_keeps_only_its_undecided_halves_for_a_heartbeat(tmp_path):
+    """A client that never heartbeats, sending and deciding transaction after transaction on one connection:
+    the halves waiting for its name are the undecided ones (and those decided since the list last grew)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+    try:
+        kept = await add_half(ctx, b"undecided", conn=conn)
+        for i in range(300):
+            p = await add_half(ctx, f"h{i}".encode(), conn=conn)
+            await ctx.tx.decide(p.half_offset, COMMIT, group="PG")
+        unnamed = ctx.tx._unnamed[conn].halves
+        assert kept in unnamed and len(unnamed) < 64
+        conn.attributes["client_id"] = "10.0.0.7@4242"
+        await ctx.tx.connection_named(conn)
+        assert kept.owner_id == "10.0.0.7@4242" and conn not in ctx.tx._unnamed
+    finally:
+        await ctx.store._store.close()
+
+
 @bounded(30)
 async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp_path):
     """A client names itself, in up to a 16 MiB frame: the snapshot, written every few seconds, carried each such
