@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 from protocol.codes import LanguageCode, RequestCode
@@ -242,7 +243,8 @@ class ClientRegistry:
         self._left: dict[object, dict[str, None]] = {}
         self._locks_swept = clock()
         self._joins = 0                           # producer registrations ever made: each Channel's seq
-        # correlation id -> (connection its request came on, ms its requester stops waiting), oldest first
+        # correlation id -> (weak reference to the connection its request came on, ms its requester stops waiting),
+        # oldest first
         self._requests: dict[str, tuple[object, int]] = {}
 
     # ------------------------------------------------------------ heartbeat
@@ -530,7 +532,8 @@ class ClientRegistry:
             ttl = _REQUEST_TTL_DEFAULT_MS
         requests = self._requests
         requests.pop(correlation, None)         # (sent again: its place is the newest)
-        requests[correlation] = (conn, now + ttl)
+        # (weakly: a closed connection is not kept for its requests' TTL, up to an hour)
+        requests[correlation] = (weakref.ref(conn), now + ttl)
         while requests:
             first = next(iter(requests))
             if len(requests) <= _REQUESTS_MAX and requests[first][1] >= now:
@@ -549,7 +552,7 @@ class ClientRegistry:
         never had it."""
         entry = self._requests.get(correlation) if correlation else None
         if entry is not None:
-            conn = entry[0]
+            conn = entry[0]()
             if getattr(conn, "is_open", False) and conn.attributes.get("client_id") == client_id:
                 return conn
         newest = None

@@ -3,6 +3,9 @@ registration under the requester's client id; and what remembering requests may 
 The clock is the test's: an expiry means the same on any machine."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 from broker import clients as clients_module
 from broker.clients import ClientRegistry
 from tests.unit.test_client_caps import _beat, _Conn
@@ -42,3 +45,13 @@ def test_remembered_requests_are_bounded_in_number_time_and_length(monkeypatch):
     clients.requested(conn, _request("far", ttl=str(10 ** 30)))     # waits at most an hour
     assert "x" * 129 not in clients._requests
     assert clients._requests["far"][1] == clients_module._REQUEST_TTL_MAX_MS
+
+
+def test_a_remembered_request_does_not_keep_its_connection():
+    clients = ClientRegistry(lambda: 0)
+    conn = _Conn()
+    clients.requested(conn, _request("r", ttl=str(3600 * 1000)))
+    gone = weakref.ref(conn)
+    del conn
+    gc.collect()
+    assert gone() is None and clients.reply_connection("c", "r") is None
