@@ -46,6 +46,12 @@ from .decisions import DecisionTable
 from .records import COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, plain_owner
 from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 
+# How long a heartbeat naming a connection waits for its halves' sender records at most: a stock Java client (4.9.8)
+# closes its connection when a HEART_BEAT is not answered within 3 s (clientCloseSocketIfTimeout, true by default),
+# failing every request in flight on it. The records take one writer cycle per 256 (about 17 ms per 1,000 halves
+# here, more with sync flush or a busy writer); those not written by then are written after the answer.
+NAMING_WAIT_S = 1.0
+
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 
 log = logging.getLogger("txmq.transaction")
@@ -296,9 +302,7 @@ class TransactionService:
         if conn.attributes.get("client_id") is not None:
             writing = self._name([tx], conn.attributes["client_id"])
             if writing is not None:
-                task = asyncio.get_running_loop().create_task(writing)
-                self._naming.add(task)
-                task.add_done_callback(self._naming.discard)
+                self._writing(writing)
         elif getattr(conn, "is_open", False):       # (closed: it never will be; connection_closed has run)
             unnamed = self._unnamed.get(conn)
             if unnamed is None:
@@ -307,15 +311,30 @@ class TransactionService:
 
     def connection_named(self, conn):
         """A heartbeat named ``conn`` (its client id): the undecided halves it sent before get that id as their
-        sender; an awaitable that writes a sender record for each (the heartbeat is answered once they are in the
-        log), or None. A stock Java producer sends its first halves before its first heartbeat (it heartbeats a
+        sender; an awaitable that ends once a sender record for each is in the log, or after NAMING_WAIT_S (the
+        heartbeat is answered then; the records still being written are written after), or None. A stock Java producer sends its first halves before its first heartbeat (it heartbeats a
         broker it learnt from a route at its next 30 s tick): their checks went to any producer of the group after
         a kill -9, the half not naming its sender and the next snapshot only written once something else changed.
         Only the connection's first name counts: a later heartbeat giving it another id leaves every half named as
         it was (the id its connection had when it came, or the first one given after)."""
         unnamed = self._unnamed.pop(conn, None)
         client_id = conn.attributes.get("client_id")
-        return self._name(unnamed.halves, client_id) if unnamed is not None and client_id is not None else None
+        writing = self._name(unnamed.halves, client_id) if unnamed is not None and client_id is not None else None
+        return None if writing is None else self._awaited(self._writing(writing), len(unnamed.halves), client_id)
+
+    def _writing(self, writing) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(writing)
+        self._naming.add(task)
+        task.add_done_callback(self._naming.discard)
+        return task
+
+    @staticmethod
+    async def _awaited(task: asyncio.Task, halves: int, client_id: str) -> None:
+        done, _ = await asyncio.wait({task}, timeout=NAMING_WAIT_S)
+        if not done:
+            log.warning("the sender records naming %s of up to %d halves not all written after %.1f s: the heartbeat "
+                        "is answered (a stock client closes its connection after 3 s), they are written after",
+                        client_id, halves, NAMING_WAIT_S)
 
     def _name(self, halves: list[Tx], client_id: str):
         named = [t for t in halves if self.pending.get(t.half_offset) is t]     # not decided meanwhile

@@ -483,3 +483,31 @@ def test_a_decision_file_the_snapshot_named_is_lost_unless_retention_removed_it(
     assert t.bases == [0, 8]
     assert t.lost([0, 8, 16], first_index=0) == [os.path.join(str(tmp_path), f"{16:020d}")]
     assert t.lost([0, 8, 16], first_index=24) == []         # every half of file 16 removed by retention
+
+
+@bounded(30)
+async def test_the_first_heartbeat_is_answered_in_bounded_time_while_sender_records_wait_on_the_store(tmp_path,
+                                                                                                     monkeypatch):
+    """A stock Java client (4.9.8) closes its connection when a HEART_BEAT is not answered within 3 s
+    (clientCloseSocketIfTimeout, true by default), failing every request in flight on it. The sender records are
+    written 256 at a time, one writer cycle (a flush when flush is sync) each, behind whatever else is queued: the
+    answer waited for all of them, however long that took (a stalled writer: never). It waits at most
+    NAMING_WAIT_S; the records are still written, and a restart after them still knows the sender."""
+    from broker.transaction import service as service_module
+    monkeypatch.setattr(service_module, "NAMING_WAIT_S", 0.01)
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+    p = await add_half(ctx, b"before the heartbeat", conn=conn)
+    ctx.store.gate = asyncio.Event()            # the writer holds every record from here on
+    conn.attributes["client_id"] = "10.0.0.7@4242"
+    await ctx.tx.connection_named(conn)         # answered, the record not yet written
+    assert ctx.store.entered.is_set() and not ctx.store.gate.is_set() and ctx.tx._naming
+    ctx.store.gate.set()
+    await asyncio.gather(*ctx.tx._naming)       # still written once the store takes it
+    await ctx.store._store.close()              # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
+    finally:
+        await ctx2.store._store.close()
