@@ -64,7 +64,8 @@ def _by_body(classified):
 
     kind, op = F.col("kind"), F.col("txmq_op")
     halves = classified.where(kind == "half").select(F.col("queue_offset").alias("_q"), F.col("offset").alias("_at"))
-    ops = classified.where(kind.isin("op", "check", "bad_op"))
+    # (sender records too: the broker's recovery takes their body's half, and counts one whose TXMQ_HALF disagrees)
+    ops = classified.where(kind.isin("op", "check", "sender", "bad_op"))
     ops = ops.join(halves, ops["half_qo"] == halves["_q"], "left")
     known = lambda cond: F.coalesce(cond, F.lit(False))     # noqa: E731  (a missing property: not so, never null)
     agrees = known(F.col("txmq_half") == F.col("_at"))
@@ -95,7 +96,7 @@ def half_summary(classified):
     from pyspark.sql import functions as F
 
     ops = _by_body(classified)
-    rest = (classified.where(~F.col("kind").isin("op", "check", "bad_op"))
+    rest = (classified.where(~F.col("kind").isin("op", "check", "sender", "bad_op"))
             .withColumn("misnamed", F.lit(False)).withColumn("unreadable", F.lit(False))
             .withColumn("unsettled", F.lit(False)))
     records = rest.unionByName(ops)
