@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from protocol.codes import LanguageCode, RequestCode
@@ -244,8 +245,9 @@ class ClientRegistry:
         self._locks_swept = clock()
         self._joins = 0                           # producer registrations ever made: each Channel's seq
         # correlation id -> (weak reference to the connection its request came on, ms its requester stops waiting),
-        # oldest first
-        self._requests: dict[str, tuple[object, int]] = {}
+        # oldest first. An OrderedDict: the oldest is dropped at each send at the cap, and a plain dict's first key
+        # is found by skipping every entry deleted since its last resize (tens of thousands at the cap).
+        self._requests: OrderedDict[str, tuple[object, int]] = OrderedDict()
 
     # ------------------------------------------------------------ heartbeat
     def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
@@ -538,7 +540,7 @@ class ClientRegistry:
             first = next(iter(requests))
             if len(requests) <= _REQUESTS_MAX and requests[first][1] >= now:
                 break
-            del requests[first]
+            requests.popitem(last=False)
 
     def reply_connection(self, client_id: str, correlation: str | None):
         """Where a reply to ``client_id``'s request ``correlation`` is pushed: the connection the request came on

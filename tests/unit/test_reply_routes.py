@@ -55,3 +55,29 @@ def test_a_remembered_request_does_not_keep_its_connection():
     del conn
     gc.collect()
     assert gone() is None and clients.reply_connection("c", "r") is None
+
+
+def test_remembering_a_request_at_the_cap_costs_what_it_costs_below_it():
+    """Every send of a request (request-reply) is remembered on the event loop. At the cap (65,536 requests a client
+    can keep there for an hour each) the oldest was dropped from the front of a plain dict, whose iteration skips
+    every entry deleted since its last resize: each send scanned tens of thousands of dead slots (about 50 us, then
+    150 us and on, against 5 us below the cap). A ratio of two timings of the same code in one process: the same on
+    a fast machine and a slow one, and the margin wide (the scan grows with the sends past the cap)."""
+    import time
+
+    clients = ClientRegistry(lambda: 0)
+    conn = _Conn()
+    cap, sent = clients_module._REQUESTS_MAX, [0]
+
+    def per_request(count: int) -> float:
+        started = time.perf_counter()
+        for i in range(sent[0], sent[0] + count):
+            clients.requested(conn, _request(f"{i:036d}", ttl=str(3600 * 1000)))
+        sent[0] += count
+        return (time.perf_counter() - started) / count
+
+    below = min(per_request(5000) for _ in range(4))
+    per_request(cap + cap // 2)                     # to the cap, and half as many again past it
+    at_cap = min(per_request(5000) for _ in range(4))
+    assert len(clients._requests) == cap
+    assert at_cap < 4 * below, f"{at_cap * 1e6:.1f} us a request at the cap, {below * 1e6:.1f} us below it"
