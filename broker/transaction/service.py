@@ -90,6 +90,9 @@ class TransactionService:
         self._slice_bytes: dict = {}
         self._unnamed: dict = {}            # conn -> _Unnamed: halves sent before a heartbeat named it
         self._naming: set = set()           # sender records being written for halves named while stored
+        # conn -> {id(half's PutRequest): future}: its halves being stored before a heartbeat named it, done once
+        # each is indexed and (named meanwhile) its sender record written: what a heartbeat waits for too
+        self._unnamed_storing: dict = {}
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
         # them at once, before their immunity ended.
@@ -239,6 +242,8 @@ class TransactionService:
         ctx = self.ctx
         if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
             return self._prepare(conn, cmd, req, group, h.topic, qid, props, owner)    # SYNC_MASTER: waits for the slave
+        if owner is None:
+            self._storing_unnamed(conn, req)
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
         ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
@@ -253,10 +258,15 @@ class TransactionService:
 
     async def _prepare(self, conn, cmd, req, group, topic, qid, props, owner):
         ctx = self.ctx
+        if owner is None:
+            self._storing_unnamed(conn, req)
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
         try:
             result = await ctx.store.put(req)
+        except BaseException:
+            self._stored_unnamed(conn, req, None)
+            raise
         finally:
             self.storing.remove(floor)
         refused = self._half_stored(conn, cmd, req, group, topic, qid, props, owner, result)
@@ -272,6 +282,8 @@ class TransactionService:
         """A half's store result: the refusal to answer, or None once it is in the undecided index. ``owner``: the
         client id its connection had when the half was written (TXMQ_OWNER), None when no heartbeat had named it."""
         if not result.ok:
+            if owner is None:
+                self._stored_unnamed(conn, req, None)
             return put_failure_response(cmd, result)
         ctx = self.ctx
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
@@ -282,7 +294,7 @@ class TransactionService:
             self.timer.wake()
         self.changed = True
         if owner is None:
-            self._unnamed_half(conn, tx)
+            self._stored_unnamed(conn, req, self._unnamed_half(conn, tx))
         client_id = conn.attributes.get("client_id") or tx.owner_id
         ahead = self.table.wants(result.queue_offset)
         if ahead is not None:
@@ -296,18 +308,37 @@ class TransactionService:
         return None
 
     # ------------------------------------------------------- whose halves
-    def _unnamed_half(self, conn, tx: Tx) -> None:
+    def _storing_unnamed(self, conn, req) -> None:
+        """A half is being stored on ``conn``, which no heartbeat has named: a heartbeat naming it meanwhile is
+        answered once this half's sender record is written too (connection_named)."""
+        self._unnamed_storing.setdefault(conn, {})[id(req)] = asyncio.get_running_loop().create_future()
+
+    def _stored_unnamed(self, conn, req, writing) -> None:
+        """The half of ``req`` is indexed (or refused): what waits for it ends once ``writing`` (its sender
+        record's task, or None) has."""
+        storing = self._unnamed_storing.get(conn)
+        done = storing.pop(id(req), None) if storing else None
+        if storing is not None and not storing:
+            del self._unnamed_storing[conn]
+        if done is None or done.done():
+            return
+        if writing is None:
+            done.set_result(None)
+        else:
+            writing.add_done_callback(lambda _: done.done() or done.set_result(None))
+
+    def _unnamed_half(self, conn, tx: Tx) -> asyncio.Task | None:
         """``tx`` came on a connection no heartbeat had named: its sender is named when one does (connection_named),
-        at once when one did while the half was being written."""
+        at once when one did while the half was being written (the task writing its sender record, returned)."""
         if conn.attributes.get("client_id") is not None:
             writing = self._name([tx], conn.attributes["client_id"])
-            if writing is not None:
-                self._writing(writing)
-        elif getattr(conn, "is_open", False):       # (closed: it never will be; connection_closed has run)
+            return None if writing is None else self._writing(writing)
+        if getattr(conn, "is_open", False):       # (closed: it never will be; connection_closed has run)
             unnamed = self._unnamed.get(conn)
             if unnamed is None:
                 unnamed = self._unnamed[conn] = _Unnamed()
             unnamed.add(tx, self.pending)
+        return None
 
     def connection_named(self, conn):
         """A heartbeat named ``conn`` (its client id): the undecided halves it sent before get that id as their
@@ -320,7 +351,11 @@ class TransactionService:
         unnamed = self._unnamed.pop(conn, None)
         client_id = conn.attributes.get("client_id")
         writing = self._name(unnamed.halves, client_id) if unnamed is not None and client_id is not None else None
-        return None if writing is None else self._awaited(self._writing(writing), len(unnamed.halves), client_id)
+        # Those being stored meanwhile, sent before the heartbeat: named once indexed (_unnamed_half), and waited for.
+        waits = list(self._unnamed_storing.get(conn, {}).values()) if client_id is not None else []
+        if writing is not None:
+            waits.append(self._writing(writing))
+        return self._awaited(waits, len(unnamed.halves) if unnamed else 0, client_id) if waits else None
 
     def _writing(self, writing) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(writing)
@@ -329,9 +364,9 @@ class TransactionService:
         return task
 
     @staticmethod
-    async def _awaited(task: asyncio.Task, halves: int, client_id: str) -> None:
-        done, _ = await asyncio.wait({task}, timeout=NAMING_WAIT_S)
-        if not done:
+    async def _awaited(waits: list, halves: int, client_id: str) -> None:
+        _, left = await asyncio.wait(waits, timeout=NAMING_WAIT_S)
+        if left:
             log.warning("the sender records naming %s of up to %d halves not all written after %.1f s: the heartbeat "
                         "is answered (a stock client closes its connection after 3 s), they are written after",
                         client_id, halves, NAMING_WAIT_S)
@@ -807,6 +842,9 @@ class TransactionService:
         live producer at once, not after a whole check interval (core.channel_closed). The halves it sent
         unnamed stay so (their sender is known by its address only)."""
         self._unnamed.pop(conn, None)
+        for done in self._unnamed_storing.pop(conn, {}).values():
+            if not done.done():
+                done.set_result(None)
         self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
 
     def _checks_lost(self, lost: list[Tx]) -> None:

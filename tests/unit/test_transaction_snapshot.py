@@ -423,12 +423,15 @@ async def test_a_half_whose_connection_was_named_while_it_was_stored_keeps_that_
     ctx = await make_service(tmp_path, clock)
     conn = _Producer(None)
 
+    answers = []
+
     def heartbeat():
         conn.attributes["client_id"] = "10.0.0.7@4242"
-        assert ctx.tx.connection_named(conn) is None        # nothing of it indexed yet
+        answers.append(asyncio.ensure_future(ctx.tx.connection_named(conn)))    # waits for the half being stored
 
     p = await half_stored_while(ctx, heartbeat, conn=conn)
     assert p.owner_id == "10.0.0.7@4242"
+    await answers[0]
     await asyncio.gather(*ctx.tx._naming)       # its sender record
     await ctx.store._store.close()              # crash: no stop, no new snapshot
     ctx2 = await make_service(tmp_path, clock)
@@ -505,6 +508,37 @@ async def test_the_first_heartbeat_is_answered_in_bounded_time_while_sender_reco
     assert ctx.store.entered.is_set() and not ctx.store.gate.is_set() and ctx.tx._naming
     ctx.store.gate.set()
     await asyncio.gather(*ctx.tx._naming)       # still written once the store takes it
+    await ctx.store._store.close()              # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_a_heartbeat_during_a_halfs_write_is_answered_once_that_halfs_sender_record_is_written(tmp_path):
+    """The half was sent before the heartbeat, on the same connection, and is still being written when the heartbeat
+    comes: nothing of the connection is indexed yet, so the heartbeat was answered at once, and the half's sender
+    record written only after (a kill -9 between left its checks to any producer of the group, the claim of the
+    first heartbeat broken for the halves closest to it). The heartbeat waits for that half too."""
+    from broker.topics import OP_TOPIC
+
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+    answered = []
+
+    def heartbeat():
+        conn.attributes["client_id"] = "10.0.0.7@4242"
+        answer = ctx.tx.connection_named(conn)
+        answered.append(asyncio.ensure_future(answer) if answer is not None else None)
+
+    p = await half_stored_while(ctx, heartbeat, conn=conn)
+    if answered[0] is not None:
+        await answered[0]
+    # The heartbeat is answered: its half's sender record is in the op queue now (nothing else was written there).
+    assert ctx.store.max_offset(OP_TOPIC, 0) == 1
     await ctx.store._store.close()              # crash: no stop, no new snapshot
     ctx2 = await make_service(tmp_path, clock)
     try:
