@@ -240,10 +240,10 @@ class TransactionService:
                                 born_timestamp=h.born_timestamp, born_host=born_host, props=props,
                                 reconsume_times=h.reconsume_times, owner=owner)
         ctx = self.ctx
+        if owner is None:       # (here: the coroutine below runs later, a heartbeat may come before it does)
+            self._storing_unnamed(conn, req)
         if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
             return self._prepare(conn, cmd, req, group, h.topic, qid, props, owner)    # SYNC_MASTER: waits for the slave
-        if owner is None:
-            self._storing_unnamed(conn, req)
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
         ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
@@ -311,7 +311,9 @@ class TransactionService:
     def _storing_unnamed(self, conn, req) -> None:
         """A half is being stored on ``conn``, which no heartbeat has named: a heartbeat naming it meanwhile is
         answered once this half's sender record is written too (connection_named)."""
-        self._unnamed_storing.setdefault(conn, {})[id(req)] = asyncio.get_running_loop().create_future()
+        storing = self._unnamed_storing.setdefault(conn, {})
+        if id(req) not in storing:
+            storing[id(req)] = asyncio.get_running_loop().create_future()
 
     def _stored_unnamed(self, conn, req, writing) -> None:
         """The half of ``req`` is indexed (or refused): what waits for it ends once ``writing`` (its sender

@@ -13,6 +13,7 @@ import os
 
 from broker.transaction.decisions import DecisionTable
 from broker.transaction.records import COMMIT, DEAD, ROLLBACK
+from protocol.message import Prop
 from tests.support.bounded import bounded
 from tests.unit.test_review_transactions import Clock, add_half, half_stored_while, make_service
 
@@ -545,3 +546,43 @@ async def test_a_heartbeat_during_a_halfs_write_is_answered_once_that_halfs_send
         assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
     finally:
         await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_on_a_sync_master_a_heartbeat_before_the_halfs_write_begins_waits_for_its_sender_record(tmp_path):
+    """On a SYNC_MASTER a half is stored by a coroutine the connection runs after the request was read: a heartbeat
+    read next on the same connection can run before it begins. The half was sent first; the heartbeat is answered
+    once its sender record is written all the same."""
+    from broker.topics import OP_TOPIC
+    from protocol.codes import ResponseCode
+    from protocol.message import SendMessageRequestHeader
+
+    class Slave:
+        sync = True
+
+        async def confirm_async(self, offset):
+            return ResponseCode.SUCCESS
+
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    ctx.ha = Slave()
+    conn = _Producer(None)
+
+    class Cmd:
+        language = version = serialize_type = 0
+        opaque = 1
+        body = b"sent before the heartbeat"
+
+    h = SendMessageRequestHeader("PG", "T", queue_id=0, born_timestamp=clock())
+    props = {Prop.UNIQ_KEY: "U1", Prop.PGROUP: "PG", Prop.TRAN_MSG: "true"}
+    try:
+        storing = ctx.tx.prepare(conn, Cmd(), h, 0, props, ctx.store_host)      # not begun yet
+        conn.attributes["client_id"] = "10.0.0.7@4242"                          # the heartbeat, read next
+        answer = ctx.tx.connection_named(conn)
+        sent = asyncio.ensure_future(storing)
+        if answer is not None:
+            await answer
+        assert ctx.store.max_offset(OP_TOPIC, 0) == 1       # answered once the half's sender record is written
+        await sent
+    finally:
+        await ctx.store._store.close()
