@@ -261,3 +261,38 @@ def test_a_sender_record_naming_another_half_is_reported_as_the_broker_counts_it
     assert {h["commit_log_offset"] for h in plan["halves"]} == {named.offset, other.offset}
     assert plan["report"]["damaged_ops"]["misnamed"] == 1
     assert plan["report"]["damaged_ops"]["unreadable"] == 0
+
+
+def test_a_misnamed_sender_record_across_midnight_is_reported_by_a_one_day_run_as_by_the_whole_store(
+        spark, tmp_path):
+    """A sender record (TXMQ_CHECKS=0) of a half stored the day before, its TXMQ_HALF naming another half: a
+    one-day run reads only the day's segments, and fetched the halves that op and check bodies name, not those
+    sender records name, so it could not see the record was misnamed, while the whole-store run (and the broker)
+    did."""
+    import os
+    import shutil
+
+    from ops.spark.rollup import run_rollup
+
+    d1 = NOW - 124 * H                                      # 2024-03-09 00:00
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    with StoreBuilder(store, segment_size=4096) as b:
+        for hour in range(48):
+            now = d1 + hour * H
+            for i in range(3):
+                b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+            if hour == 10:
+                other = b.at(now + 10).half("pg-b", "Pay")
+            if hour == 18:
+                half = b.at(now + 10).half("pg-a", "Pay")
+            if hour == 25:
+                spec = b.sender_specs(half, "10.0.0.7@4242")[0]
+                spec[3]["TXMQ_HALF"] = str(other.offset)
+                b.at(now + 10).put_many([spec])
+
+    whole = run_rollup(spark, store, out)
+    assert whole["damaged_ops"]["misnamed"] == 1
+    shutil.rmtree(os.path.join(out, "transactions", "date=2024-03-10"))
+    one = run_rollup(spark, store, out, date="2024-03-10")
+    assert one["incremental"] and one["segments_read"] < one["segments"], one
+    assert one["damaged_ops"]["misnamed"] == 1
