@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from protocol.codes import LanguageCode, RequestCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
-from protocol.message import MAX_CLIENT_ID_LENGTH, java_string_hash, text_encodes, validate_group
+from protocol.message import MAX_CLIENT_ID_LENGTH, Prop, java_string_hash, text_encodes, validate_group
 
 from .limits import count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
@@ -110,6 +112,14 @@ def _enum(value, names: tuple, default: str) -> str:
 
 # Producer groups remembered as left (UNREGISTER_CLIENT) per open connection.
 _LEFT_MAX = 1024
+
+# Requests (request-reply) remembered with the connection each came on, the newest this many, each until the time
+# its requester waits (TTL, at most _REQUEST_TTL_MAX_MS) is over; correlation ids longer than _CORRELATION_MAX (a
+# stock client's is a UUID) are not remembered: a client sets them, in properties of up to 32 KiB.
+_REQUESTS_MAX = 65536
+_REQUEST_TTL_MAX_MS = 3600 * 1000
+_REQUEST_TTL_DEFAULT_MS = 3000          # a Java producer's request() default timeout
+_CORRELATION_MAX = 128
 
 
 @dataclass
@@ -234,6 +244,10 @@ class ClientRegistry:
         self._left: dict[object, dict[str, None]] = {}
         self._locks_swept = clock()
         self._joins = 0                           # producer registrations ever made: each Channel's seq
+        # correlation id -> (weak reference to the connection its request came on, ms its requester stops waiting),
+        # oldest first. An OrderedDict: the oldest is dropped at each send at the cap, and a plain dict's first key
+        # is found by skipping every entry deleted since its last resize (tens of thousands at the cap).
+        self._requests: OrderedDict[str, tuple[object, int]] = OrderedDict()
 
     # ------------------------------------------------------------ heartbeat
     def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
@@ -507,14 +521,48 @@ class ClientRegistry:
         left = self._left.get(conn)
         return left is not None and group in left
 
-    def producer_channel(self, client_id: str) -> Channel | None:
-        """The live channel of a producer with this client id, in any group (ProducerManager.findChannel): where
-        a reply to its request is pushed."""
+    def requested(self, conn, props: dict, now: int | None = None) -> None:
+        """A request (request-reply: REPLY_TO_CLIENT and CORRELATION_ID) came on ``conn``: its reply is pushed there
+        (reply_connection)."""
+        correlation = props.get(Prop.CORRELATION_ID)
+        if not correlation or len(correlation) > _CORRELATION_MAX:
+            return
+        now = self.clock() if now is None else now
+        try:
+            ttl = min(max(int(props.get(Prop.TTL) or _REQUEST_TTL_DEFAULT_MS), 0), _REQUEST_TTL_MAX_MS)
+        except ValueError:
+            ttl = _REQUEST_TTL_DEFAULT_MS
+        requests = self._requests
+        requests.pop(correlation, None)         # (sent again: its place is the newest)
+        # (weakly: a closed connection is not kept for its requests' TTL, up to an hour)
+        requests[correlation] = (weakref.ref(conn), now + ttl)
+        while requests:
+            first = next(iter(requests))
+            if len(requests) <= _REQUESTS_MAX and requests[first][1] >= now:
+                break
+            requests.popitem(last=False)
+
+    def reply_connection(self, client_id: str, correlation: str | None):
+        """Where a reply to ``client_id``'s request ``correlation`` is pushed: the connection the request came on
+        while it is open and still gives that client id; else the live producer connection registered last under
+        the id, in any group (RocketMQ's ProducerManager.findChannel); None if there is none.
+
+        A client id is only what a heartbeat says: two live connections may give one (a Java process with a fixed
+        instanceName started twice on a host, or the requester back on a new connection while its old one is not
+        yet seen dead). The reply went to the one registered first; a stock Java client answers SUCCESS to a reply
+        matching none of its requests (it only logs it), so the replier was told it was delivered and the requester
+        never had it."""
+        entry = self._requests.get(correlation) if correlation else None
+        if entry is not None:
+            conn = entry[0]()
+            if getattr(conn, "is_open", False) and conn.attributes.get("client_id") == client_id:
+                return conn
+        newest = None
         for channels in self.producers.values():
             for ch in channels.values():
-                if ch.client_id == client_id and ch.alive:
-                    return ch
-        return None
+                if ch.client_id == client_id and ch.alive and (newest is None or ch.seq > newest.seq):
+                    newest = ch
+        return None if newest is None else newest.conn
 
     def consumer_ids(self, group: str) -> list[str]:
         g = self.consumers.get(group)

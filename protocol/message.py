@@ -92,6 +92,9 @@ class Prop:
     TRAN_PREPARED_QUEUE_OFFSET = "TRAN_PREPARED_QUEUE_OFFSET"
     MIN_OFFSET = "MIN_OFFSET"
     MAX_OFFSET = "MAX_OFFSET"
+    CORRELATION_ID = "CORRELATION_ID"       # request-reply: the request a reply answers
+    REPLY_TO_CLIENT = "REPLY_TO_CLIENT"     # request-reply: the client id of the requester
+    TTL = "TTL"                             # request-reply: how long (ms) the requester waits
 
 
 # ----------------------------------------------------------------- properties

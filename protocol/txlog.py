@@ -12,6 +12,9 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
                                                            (+ TXMQ_REASON on a DEAD op)
     check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF
                                                            (+ TXMQ_OWNER: the half's sender's client id)
+    sender named       RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS=0, TXMQ_HALF,
+                                                           TXMQ_OWNER: the client id a heartbeat gave the half's
+                                                           connection after the half came (no check was made)
     dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       the half's properties + TXMQ_REASON, TXMQ_HALF
 
     op record properties, in this order:
@@ -21,7 +24,7 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
     TXMQ_HALF the half's commit-log offset: how an op or a dead letter finds its half
     TXMQ_OP   COMMIT | ROLLBACK | DEAD | RESUME            decision ops
     TXMQ_REASON why a half was dead-lettered               DEAD ops
-    TXMQ_CHECKS the attempt's number (1, 2, ...)            check ops
+    TXMQ_CHECKS the attempt's number (1, 2, ...)            check ops (0: a sender named, no attempt)
     TXMQ_OWNER  client id of the producer that sent the half check ops, when it can be written (see check_extra)
 
     A half carries TXMQ_OWNER too, as its last property, when its connection had a client id that can be
@@ -111,6 +114,16 @@ def check_extra(attempt: int, owner: str = "") -> dict[str, str]:
     if plain_owner(owner):
         extra[P_OWNER] = owner
     return extra
+
+
+def sender_extra(owner: str) -> dict[str, str]:
+    """The op_properties extras of a sender record: a check-tagged record of attempt 0 (none was made) naming the
+    half's sender, written when a heartbeat names the connection the half came on after the half (a stock Java
+    producer's first halves): the half itself could not say it. Recovery takes its TXMQ_OWNER as it takes a
+    check record's and its count as no attempt; an older txmq reads it the same way. Only for a ``plain_owner``."""
+    if not plain_owner(owner):
+        raise ValueError(f"client id {owner[:64]!r} cannot be written as {P_OWNER}")
+    return {P_CHECKS: "0", P_OWNER: owner}
 
 
 def plain_owner(owner: str) -> bool:

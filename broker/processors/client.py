@@ -27,6 +27,19 @@ def heart_beat(ctx, conn, cmd):
     clients = ctx.clients
     changed, refused, oversized = clients.heartbeat(conn, cmd)
     _notify(ctx, changed)
+    # The halves this connection sent before its first heartbeat are its now: answered once that is recorded.
+    naming = ctx.tx.connection_named(conn) if ctx.tx is not None else None
+    response = _heartbeat_answer(ctx, conn, cmd, refused, oversized)
+    return response if naming is None else _once(naming, response)
+
+
+async def _once(writing, response):
+    await writing
+    return response
+
+
+def _heartbeat_answer(ctx, conn, cmd, refused: int, oversized: list):
+    clients = ctx.clients
     if not refused and not oversized:
         return cmd.response(ResponseCode.SUCCESS)
     # The groups it is in were renewed; a stock client logs the failed heartbeat and sends the next one as ever.

@@ -5,8 +5,9 @@ id) and TTL; the send stamps CLUSTER on it. The consumer that handles it builds 
 "<CLUSTER>_REPLY_TOPIC" and sends it with one of these codes. The broker then:
 
 1. checks the topic as any send (unknown, forbidden, bad queue id: the same answers);
-2. pushes the reply to the producer connection registered (HEART_BEAT) under REPLY_TO_CLIENT, as
-   PUSH_REPLY_MESSAGE_TO_CLIENT (326), a ReplyMessageRequestHeader and the body, and waits for its answer;
+2. pushes the reply to the connection its request came on (the send remembered it by CORRELATION_ID) while that
+   still gives REPLY_TO_CLIENT, else to the producer connection registered (HEART_BEAT) last under REPLY_TO_CLIENT,
+   as PUSH_REPLY_MESSAGE_TO_CLIENT (326), a ReplyMessageRequestHeader and the body, and waits for its answer;
 3. stores the reply in its topic as well (storeReplyMessageEnable, on by default in RocketMQ);
 4. answers the replier: SUCCESS (msgId and queueOffset of the stored copy) once the requester took the reply, else
    SYSTEM_ERROR with RocketMQ's remark -- no REPLY_TO_CLIENT, requester not connected here, push refused or
@@ -19,6 +20,7 @@ import logging
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.message import (
+    Prop,
     SendMessageRequestHeader,
     encode_record,
     nul_in_properties,
@@ -34,7 +36,7 @@ from .send import _born_host, _check_topic, plain_type_refused
 
 log = logging.getLogger("txmq.reply")
 
-REPLY_TO_CLIENT = "REPLY_TO_CLIENT"     # MessageConst.PROPERTY_MESSAGE_REPLY_TO_CLIENT
+REPLY_TO_CLIENT = Prop.REPLY_TO_CLIENT   # MessageConst.PROPERTY_MESSAGE_REPLY_TO_CLIENT
 PUSH_REPLY_TIME = "PUSH_REPLY_TIME"     # MessageConst.PROPERTY_PUSH_REPLY_TIME
 PUSH_TIMEOUT_S = 3.0                    # the replier's own send times out at 3 s: answer before it gives up
 
@@ -95,8 +97,8 @@ async def _push(ctx, conn, h: SendMessageRequestHeader, props: dict, body: bytes
     sender = props.get(REPLY_TO_CLIENT)
     if sender is None:
         return False, f"reply message properties[{REPLY_TO_CLIENT}] is null"
-    ch = ctx.clients.producer_channel(sender)
-    if ch is None:
+    requester = ctx.clients.reply_connection(sender, props.get(Prop.CORRELATION_ID))
+    if requester is None:
         return False, f"push reply message fail, channel of <{sender}> not found."
     props = dict(props, **{PUSH_REPLY_TIME: str(ctx.clock())})
     store_host = unpack_host(ctx.store_host)
@@ -109,7 +111,7 @@ async def _push(ctx, conn, h: SendMessageRequestHeader, props: dict, body: bytes
         "storeHost": _addr(*store_host), "storeTimestamp": ctx.clock()}
     push = RemotingCommand.request(RequestCode.PUSH_REPLY_MESSAGE_TO_CLIENT, fields, body)
     try:
-        answer = await ch.conn.request(push, PUSH_TIMEOUT_S)
+        answer = await requester.request(push, PUSH_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - a dead or slow requester is this reply's failure, said to the replier
         log.warning("push reply message to <%s> failed: %s", sender, exc)
         return False, f"push reply message to {sender}fail."

@@ -173,6 +173,8 @@ def handle_send(ctx, conn, cmd):
             qid = 0
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
+    if Prop.REPLY_TO_CLIENT in props:       # a request (request-reply): its reply goes back to this connection
+        ctx.clients.requested(conn, props)
     if half:
         if any(k in props for k in _TIMER_KEYS):
             # A half waits only once committed, where a refused timer could only mean "deliver now": judge it

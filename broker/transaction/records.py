@@ -11,6 +11,8 @@ they are re-exported here so the transaction service imports them from one place
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
     check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF,
                                                            TXMQ_OWNER (the sender's client id: recovery asks it first)
+    sender named       RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, TXMQ_CHECKS=0, TXMQ_HALF, TXMQ_OWNER (named by a
+                                                           heartbeat after the half: see protocol/txlog.py)
     dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       TXMQ_REASON, TXMQ_HALF
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from protocol.message import (MAX_PROPERTIES_LENGTH, MessageExt, Prop, encode_re
 from protocol.txlog import (COMMIT, DEAD, DEAD_TOPIC, HALF_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION,
                             OP_TOPIC, P_CHECKS, P_HALF, P_OP, P_OWNER, P_REASON, RESUME, ROLLBACK, OpRecord,
                             check_extra, dead_letter_properties, decision_extra, half_properties, op_body, op_properties,
-                            parse_dead_letter, parse_op, plain_owner)
+                            parse_dead_letter, parse_op, plain_owner, sender_extra)
 
 from ..store import PutRequest
 
@@ -71,6 +73,10 @@ class RecordFactory:
 
     def check(self, half_offset: int, half_queue_offset: int, attempt: int, owner: str = "") -> PutRequest:
         return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **check_extra(attempt, owner))
+
+    def sender(self, half_offset: int, half_queue_offset: int, owner: str) -> PutRequest:
+        """The record naming ``owner`` (a plain_owner) the sender of the half at ``half_offset`` (sender_extra)."""
+        return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **sender_extra(owner))
 
     def dead_letter(self, half: MessageExt, half_offset: int, reason: str, checks: int | None = None) -> PutRequest:
         props = dead_letter_properties(half.properties, half_offset, reason, checks)

@@ -376,30 +376,22 @@ async def write_snapshot(tx) -> None:
 def _by_owner(pending) -> dict[str, list[int]]:
     """{sender's client id: its undecided half offsets}: each id written once, however many halves it sent. A key
     of its own, not a fourth field of "pending": an older txmq reads a newer snapshot as before (and leaves it out).
-    Grouped by sender first, so each id is resolved once (this runs on the loop: half the cost with 100k). Only ids
-    a check record could carry (plain_owner): a client names itself, and a 16 MiB name was written whole each time."""
-    by_sender: dict[tuple, list[int]] = {}
-    for t in pending:
-        by_sender.setdefault((t.owner, t.owner_id), []).append(t.half_offset)
+    Only ids a check record could carry (plain_owner): a client names itself, and a 16 MiB name was written whole
+    each time."""
     owners: dict[str, list[int]] = {}
-    for (conn, owner_id), offsets in by_sender.items():
-        client_id = _client_id(conn, owner_id)
-        if plain_owner(client_id):
-            owners.setdefault(client_id, []).extend(offsets)
+    for t in pending:
+        owners.setdefault(t.owner_id, []).append(t.half_offset)
+    for client_id in [c for c in owners if not plain_owner(c)]:
+        del owners[client_id]
     return owners
 
 
 def sender_id(t) -> str:
-    """The client id of the producer that sent ``t``'s half (see _client_id)."""
-    return _client_id(t.owner, t.owner_id)
-
-
-def _client_id(conn, owner_id: str) -> str:
-    """The sender's connection's client id, which a heartbeat may have named after the half came (a Java
-    producer sends its first halves before its first heartbeat, so the half was taken under the connection's
-    address), else the one the half came with."""
-    attributes = getattr(conn, "attributes", None)
-    return (attributes.get("client_id") if attributes else None) or owner_id
+    """The client id of the producer that sent ``t``'s half: the one its connection had when the half came, or, when
+    no heartbeat had named the connection yet (a stock Java producer's first halves), the first one given after
+    (TransactionService.connection_named); until then the connection's address. Not the connection's name of the
+    moment: a connection named again by another id had every half it ever sent re-attributed to that one."""
+    return t.owner_id
 
 
 def _write_files(directory: str, maps, snap: dict, new_files: str | None = None) -> None:

@@ -44,8 +44,14 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
 from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
-from .records import COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory
+from .records import COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, plain_owner
 from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
+
+# How long a heartbeat naming a connection waits for its halves' sender records at most: a stock Java client (4.9.8)
+# closes its connection when a HEART_BEAT is not answered within 3 s (clientCloseSocketIfTimeout, true by default),
+# failing every request in flight on it. The records take one writer cycle per 256 (about 17 ms per 1,000 halves
+# here, more with sync flush or a busy writer); those not written by then are written after the answer.
+NAMING_WAIT_S = 1.0
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 
@@ -90,6 +96,11 @@ class TransactionService:
         self._slice_full: dict[str, frozenset] = {}     # group -> its producers' connections, all at their cap
         self._slice_gone: set[str] = set()                # groups no producer of which is here
         self._slice_released = 0                          # core.released when _slice_full was last valid
+        self._unnamed: dict = {}            # conn -> _Unnamed: halves sent before a heartbeat named it
+        self._naming: set = set()           # sender records being written for halves named while stored
+        # conn -> {id(half's PutRequest): future}: its halves being stored before a heartbeat named it, done once
+        # each is indexed and (named meanwhile) its sender record written: what a heartbeat waits for too
+        self._unnamed_storing: dict = {}
         # Checks are timed by the monotonic clock: timed by the wall clock, a step back of an hour (NTP, a VM
         # resumed) left every undecided transaction unchecked for that hour, and a step forward checked all of
         # them at once, before their immunity ended.
@@ -236,37 +247,45 @@ class TransactionService:
         group = props.get(Prop.PGROUP) or h.producer_group
         props.setdefault(Prop.PGROUP, group)
         topic = h.topic if topic is None else topic
+        owner = conn.attributes.get("client_id")     # None: no heartbeat named the connection yet
         req = self.records.half(body=cmd.body, real_topic=topic, real_qid=qid, flag=h.flag, sys_flag=h.sys_flag,
                                 born_timestamp=h.born_timestamp, born_host=born_host, props=props,
-                                reconsume_times=h.reconsume_times, owner=conn.attributes.get("client_id"))
+                                reconsume_times=h.reconsume_times, owner=owner)
         ctx = self.ctx
+        if owner is None:       # (here: the coroutine below runs later, a heartbeat may come before it does)
+            self._storing_unnamed(conn, req)
         if ctx.ha is not None and ctx.ha.sync and props.get(Prop.WAIT, "true").lower() != "false":
-            return self._prepare(conn, cmd, req, group, topic, qid, props)    # SYNC_MASTER: waits for the slave
+            return self._prepare(conn, cmd, req, group, topic, qid, props, owner)    # SYNC_MASTER: waits for the slave
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
         self._storing_group(group, 1)
         ctx.store.put(req, then=Answer(ctx, conn, cmd, functools.partial(
-            self._half_answer, conn, cmd, req, group, topic, qid, props, floor)))
+            self._half_answer, conn, cmd, req, group, topic, qid, props, owner, floor)))
         return DEFERRED
 
-    def _half_answer(self, conn, cmd, req, group, topic, qid, props, floor, result):
+    def _half_answer(self, conn, cmd, req, group, topic, qid, props, owner, floor, result):
         """The reply to a half once stored (called by the store's writer, through Answer)."""
         self.storing.remove(floor)
         self._storing_group(group, -1)
-        return self._half_stored(conn, cmd, req, group, topic, qid, props, result) or send_ok(
+        return self._half_stored(conn, cmd, req, group, topic, qid, props, owner, result) or send_ok(
             self.ctx, cmd, offset_msg_id(self.ctx.store_host, result.physical_offset), qid, result.queue_offset)
 
-    async def _prepare(self, conn, cmd, req, group, topic, qid, props):
+    async def _prepare(self, conn, cmd, req, group, topic, qid, props, owner):
         ctx = self.ctx
+        if owner is None:
+            self._storing_unnamed(conn, req)
         floor = ctx.store.max_offset(HALF_TOPIC, 0)
         self.storing.append(floor)
         self._storing_group(group, 1)
         try:
             result = await ctx.store.put(req)
+        except BaseException:
+            self._stored_unnamed(conn, req, None)
+            raise
         finally:
             self.storing.remove(floor)
             self._storing_group(group, -1)
-        refused = self._half_stored(conn, cmd, req, group, topic, qid, props, result)
+        refused = self._half_stored(conn, cmd, req, group, topic, qid, props, owner, result)
         if refused is not None:
             return refused
         code = ResponseCode.SUCCESS
@@ -282,19 +301,24 @@ class TransactionService:
         else:
             del self.storing_groups[group]
 
-    def _half_stored(self, conn, cmd, req, group, topic, qid, props, result):
-        """A half's store result: the refusal to answer, or None once it is in the undecided index."""
+    def _half_stored(self, conn, cmd, req, group, topic, qid, props, owner, result):
+        """A half's store result: the refusal to answer, or None once it is in the undecided index. ``owner``: the
+        client id its connection had when the half was written (TXMQ_OWNER), None when no heartbeat had named it."""
         if not result.ok:
+            if owner is None:
+                self._stored_unnamed(conn, req, None)
             return put_failure_response(cmd, result)
         ctx = self.ctx
-        client_id = conn.attributes.get("client_id") or f"{conn.peer[0]}:{conn.peer[1]}"
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
-                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn, owner_id=client_id,
-                delayed=asks_delay(props))
+                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn,
+                owner_id=owner or f"{conn.peer[0]}:{conn.peer[1]}", delayed=asks_delay(props))
         if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
                          stored_at=self.stored_at(tx.store_ts)):
             self.timer.wake()
         self.changed = True
+        if owner is None:
+            self._stored_unnamed(conn, req, self._unnamed_half(conn, tx))
+        client_id = conn.attributes.get("client_id") or tx.owner_id
         ahead = self.table.wants(result.queue_offset)
         if ahead is not None:
             self._make_ahead(ahead)
@@ -305,6 +329,102 @@ class TransactionService:
         # it), and the half is one of the broker's puts (putTps, msgPutTotal*).
         ctx.metrics.count_in(HALF_TOPIC, 1, len(cmd.body))
         return None
+
+    # ------------------------------------------------------- whose halves
+    def _storing_unnamed(self, conn, req) -> None:
+        """A half is being stored on ``conn``, which no heartbeat has named: a heartbeat naming it meanwhile is
+        answered once this half's sender record is written too (connection_named)."""
+        storing = self._unnamed_storing.setdefault(conn, {})
+        if id(req) not in storing:
+            storing[id(req)] = asyncio.get_running_loop().create_future()
+
+    def _stored_unnamed(self, conn, req, writing) -> None:
+        """The half of ``req`` is indexed (or refused): what waits for it ends once ``writing`` (its sender
+        record's task, or None) has."""
+        storing = self._unnamed_storing.get(conn)
+        done = storing.pop(id(req), None) if storing else None
+        if storing is not None and not storing:
+            del self._unnamed_storing[conn]
+        if done is None or done.done():
+            return
+        if writing is None:
+            done.set_result(None)
+        else:
+            writing.add_done_callback(lambda _: done.done() or done.set_result(None))
+
+    def _unnamed_half(self, conn, tx: Tx) -> asyncio.Task | None:
+        """``tx`` came on a connection no heartbeat had named: its sender is named when one does (connection_named),
+        at once when one did while the half was being written (the task writing its sender record, returned)."""
+        if conn.attributes.get("client_id") is not None:
+            writing = self._name([tx], conn.attributes["client_id"])
+            return None if writing is None else self._writing(writing)
+        if getattr(conn, "is_open", False):       # (closed: it never will be; connection_closed has run)
+            unnamed = self._unnamed.get(conn)
+            if unnamed is None:
+                unnamed = self._unnamed[conn] = _Unnamed()
+            unnamed.add(tx, self.pending)
+        return None
+
+    def connection_named(self, conn):
+        """A heartbeat named ``conn`` (its client id): the undecided halves it sent before get that id as their
+        sender; an awaitable that ends once a sender record for each is in the log, or after NAMING_WAIT_S (the
+        heartbeat is answered then; the records still being written are written after), or None. A stock Java producer sends its first halves before its first heartbeat (it heartbeats a
+        broker it learnt from a route at its next 30 s tick): their checks went to any producer of the group after
+        a kill -9, the half not naming its sender and the next snapshot only written once something else changed.
+        Only the connection's first name counts: a later heartbeat giving it another id leaves every half named as
+        it was (the id its connection had when it came, or the first one given after)."""
+        unnamed = self._unnamed.pop(conn, None)
+        client_id = conn.attributes.get("client_id")
+        writing = self._name(unnamed.halves, client_id) if unnamed is not None and client_id is not None else None
+        # Those being stored meanwhile, sent before the heartbeat: named once indexed (_unnamed_half), and waited for.
+        waits = list(self._unnamed_storing.get(conn, {}).values()) if client_id is not None else []
+        if writing is not None:
+            waits.append(self._writing(writing))
+        return self._awaited(waits, len(unnamed.halves) if unnamed else 0, client_id) if waits else None
+
+    def _writing(self, writing) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(writing)
+        self._naming.add(task)
+        task.add_done_callback(self._naming.discard)
+        return task
+
+    @staticmethod
+    async def _awaited(waits: list, halves: int, client_id: str) -> None:
+        _, left = await asyncio.wait(waits, timeout=NAMING_WAIT_S)
+        if left:
+            log.warning("the sender records naming %s of up to %d halves not all written after %.1f s: the heartbeat "
+                        "is answered (a stock client closes its connection after 3 s), they are written after",
+                        client_id, halves, NAMING_WAIT_S)
+
+    def _name(self, halves: list[Tx], client_id: str):
+        named = [t for t in halves if self.pending.get(t.half_offset) is t]     # not decided meanwhile
+        for t in named:
+            t.owner_id = client_id
+        if not named:
+            return None
+        self.changed = True         # and the next snapshot's "owners"
+        if not plain_owner(client_id):
+            return None             # kept in memory only, as a check record or a snapshot would keep it
+        return self._write_senders(named, client_id)
+
+    async def _write_senders(self, named: list[Tx], client_id: str) -> None:
+        rf = self.records
+        failed, why = 0, ""
+        for i in range(0, len(named), 256):     # batches of a check slice's size
+            batch = named[i:i + 256]
+            try:
+                results = await self.ctx.store.put_many([rf.sender(t.half_offset, t.queue_offset, client_id)
+                                                         for t in batch])
+            except Exception as exc:  # noqa: BLE001 - as a refusal: the snapshot still carries them
+                log.exception("sender records of %d halves not written", len(batch))
+                failed, why = failed + len(batch), f"{type(exc).__name__}: {exc}"
+                continue
+            refused = [r for r in results if not r.ok]
+            if refused:
+                failed, why = failed + len(refused), refused[0].status.name
+        if failed:
+            log.warning("the sender %s of %d undecided halves was not recorded (%s): known until a restart, and "
+                        "after one if the next snapshot is written first", client_id, failed, why)
 
     def _make_ahead(self, base: int) -> None:
         """A decision-table file made on a thread before the first decision needs it (see DecisionTable.wants)."""
@@ -790,7 +910,12 @@ class TransactionService:
 
     def connection_closed(self, conn) -> None:
         """A client connection closed (server.py): the checks sent on it and not answered are asked again of a
-        live producer at once, not after a whole check interval (core.channel_closed)."""
+        live producer at once, not after a whole check interval (core.channel_closed). The halves it sent
+        unnamed stay so (their sender is known by its address only)."""
+        self._unnamed.pop(conn, None)
+        for done in self._unnamed_storing.pop(conn, {}).values():
+            if not done.done():
+                done.set_result(None)
         self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
 
     def _checks_lost(self, lost: list[Tx]) -> None:
@@ -870,6 +995,24 @@ class TransactionService:
                 continue
             done.append(off)
         return done, failed
+
+
+class _Unnamed:
+    """The halves a connection sent before a heartbeat named it. Those decided meanwhile are dropped as the list
+    grows (at twice what was left the last time): a client that never heartbeats, sending transaction after
+    transaction on one connection, kept every one it ever sent until the connection closed."""
+
+    __slots__ = ("halves", "limit")
+
+    def __init__(self):
+        self.halves: list[Tx] = []
+        self.limit = 64
+
+    def add(self, tx: Tx, pending: dict) -> None:
+        self.halves.append(tx)
+        if len(self.halves) >= self.limit:
+            self.halves = [t for t in self.halves if pending.get(t.half_offset) is t]
+            self.limit = max(64, 2 * len(self.halves))
 
 
 def _claimant(tx: Tx, channels, owner_id: str):

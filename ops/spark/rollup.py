@@ -308,7 +308,8 @@ def _unmatched_bodies(records) -> list[int]:
     """Half queue offsets named by op bodies (transactions._by_body) whose half the records read do not hold."""
     F = _F()
     have = records.where((F.col("kind") == "half") & (F.col("queue_id") == 0)).select(F.col("queue_offset").alias("q"))
-    named = (records.where(F.col("kind").isin("op", "check", "bad_op") & F.col("half_qo").isNotNull())
+    # (sender records too: whether one is misnamed is told by its body's half, as the whole-store run tells it)
+    named = (records.where(F.col("kind").isin("op", "check", "sender", "bad_op") & F.col("half_qo").isNotNull())
              .select(F.col("half_qo").alias("q")).distinct())
     return [r[0] for r in named.join(have, "q", "left_anti").collect()]
 

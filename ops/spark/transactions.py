@@ -5,6 +5,7 @@
     committed message   real topic, tx type COMMIT, prepared offset   counted as traffic
     decision op         RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS=d           kind "op" (TXMQ_OP, TXMQ_HALF)
     check attempt       RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS=c           kind "check" (TXMQ_HALF)
+    sender named        the same, TXMQ_CHECKS=0 (no attempt made)     kind "sender" (not counted as a check)
     dead letter         TRANS_CHECK_MAX_TIME_TOPIC                    kind "dead" (TXMQ_REASON, TXMQ_HALF)
     damaged op          RMQ_SYS_TRANS_OP_HALF_TOPIC, anything else    kind "bad_op" (see below)
     RocketMQ's op       RMQ_SYS_TRANS_OP_HALF_TOPIC, TAGS d / c, a    kind "other", left out as the broker does
@@ -37,13 +38,15 @@ ALL_GROUPS = "*"
 
 
 def classify(records):
-    """Add kind (half / op / check / bad_op / dead / other) to the transaction records of a scan."""
+    """Add kind (half / op / check / sender / bad_op / dead / other) to the transaction records of a scan."""
     from pyspark.sql import functions as F
 
     topic, tags, half, op = F.col("topic"), F.col("tags"), F.col("txmq_half"), F.col("txmq_op")
     ours = half.isNotNull() | op.isNotNull() | F.col("txmq_checks").isNotNull() | F.col("txmq_reason").isNotNull()
     kind = (F.when(topic == HALF_TOPIC, "half")
             .when((topic == OP_TOPIC) & (tags == OP_TAG_DECISION) & half.isNotNull() & op.isin(*OPS), "op")
+            .when((topic == OP_TOPIC) & (tags == OP_TAG_CHECK) & half.isNotNull() & op.isNull()
+                  & (F.col("txmq_checks") == 0), "sender")
             .when((topic == OP_TOPIC) & (tags == OP_TAG_CHECK) & half.isNotNull() & op.isNull(), "check")
             .when((topic == OP_TOPIC) & (ours | ~F.coalesce(tags.isin(OP_TAG_DECISION, OP_TAG_CHECK), F.lit(False))
                                          | F.col("half_qo").isNull()), "bad_op")
@@ -61,7 +64,8 @@ def _by_body(classified):
 
     kind, op = F.col("kind"), F.col("txmq_op")
     halves = classified.where(kind == "half").select(F.col("queue_offset").alias("_q"), F.col("offset").alias("_at"))
-    ops = classified.where(kind.isin("op", "check", "bad_op"))
+    # (sender records too: the broker's recovery takes their body's half, and counts one whose TXMQ_HALF disagrees)
+    ops = classified.where(kind.isin("op", "check", "sender", "bad_op"))
     ops = ops.join(halves, ops["half_qo"] == halves["_q"], "left")
     known = lambda cond: F.coalesce(cond, F.lit(False))     # noqa: E731  (a missing property: not so, never null)
     agrees = known(F.col("txmq_half") == F.col("_at"))
@@ -92,7 +96,7 @@ def half_summary(classified):
     from pyspark.sql import functions as F
 
     ops = _by_body(classified)
-    rest = (classified.where(~F.col("kind").isin("op", "check", "bad_op"))
+    rest = (classified.where(~F.col("kind").isin("op", "check", "sender", "bad_op"))
             .withColumn("misnamed", F.lit(False)).withColumn("unreadable", F.lit(False))
             .withColumn("unsettled", F.lit(False)))
     records = rest.unionByName(ops)

@@ -18,7 +18,9 @@ import pytest
 from broker.store.manifest import NUL_FREE_FILE
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
-from protocol.codes import RequestCode, ResponseCode
+from protocol.codes import LanguageCode, RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
 from protocol.errors import ResponseError
 from protocol.message import decode_offset_msg_id
 from tests.support.bounded import bounded
@@ -65,11 +67,11 @@ async def _listed(b) -> dict:
     return json.loads((await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10000})).body_bytes())
 
 
-async def _metric(b, name: str, label: str = "") -> float:
+async def _metric(b, name: str, label: str = "", group: str = GROUP) -> float:
     text = await asyncio.to_thread(
         lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
     return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + "{") and f'producer_group="{GROUP}"' in line and label in line)
+               if line.startswith(name + "{") and f'producer_group="{group}"' in line and label in line)
 
 
 def _in_doubt(listed: dict) -> set[tuple]:
@@ -244,3 +246,89 @@ async def test_a_half_whose_real_topic_a_crash_tore_is_dead_lettered_not_checked
         assert await _metric(b, "txmq_transaction_dead_letters_total", 'reason="uncheckable-half"') == 1
     finally:
         await producer.shutdown()
+
+
+# A stock producer's first frames to a broker, as ali-ons 3.12 sent them (shared/vectors/ali-ons.jsonl,
+# txproducer-stub; its header values those of a Java TransactionMQProducer): its halves (SEND_MESSAGE_V2, whose
+# header names the producer group, not the instance) come before its first HEART_BEAT, which alone names it.
+STOCK_GROUP = "PID_probe_capture"
+STOCK_ID = "192.0.2.2@30674"
+STOCK_BEAT = json.dumps({"clientID": STOCK_ID, "consumerDataSet": [],
+                         "producerDataSet": [{"groupName": STOCK_GROUP}]}, separators=(",", ":")).encode()
+
+
+def _stock_half(i: int, uniq_key: str) -> RemotingCommand:
+    props = (f"TAGS\x01TagTx\x02KEYS\x01probe-tx-{i}\x02UNIQ_KEY\x01{uniq_key}\x02TRAN_MSG\x01true\x02"
+             f"PGROUP\x01{STOCK_GROUP}\x02")
+    return RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, {
+        "a": STOCK_GROUP, "b": "ProbeTopic", "c": "TBW102", "d": "4", "e": str(i), "f": "4", "g": "1795270104442",
+        "h": "0", "i": props, "j": "0", "k": "false"}, f"tx {i} from ali-ons".encode(),
+        language=LanguageCode.JAVA, version=121)
+
+
+class StockProducer:
+    """A raw connection that says what the stock producer said, and records the checks it is sent (unanswered)."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+        self.changed = asyncio.Event()
+        self.conn = None
+
+    def __call__(self, conn, cmd):
+        if cmd.code == RequestCode.CHECK_TRANSACTION_STATE:
+            self.asked.append(cmd.ext_fields["msgId"])
+            self.changed.set()
+        return None
+
+    async def open(self, b) -> "StockProducer":
+        host, _, port = b.broker.rpartition(":")
+        self.conn = await open_connection(host, int(port), self)
+        return self
+
+    async def call(self, cmd: RemotingCommand) -> None:
+        answer = await self.conn.request(cmd, 5)
+        assert answer.code == ResponseCode.SUCCESS, answer.remark
+
+    async def beat(self) -> None:
+        await self.call(RemotingCommand.request(RequestCode.HEART_BEAT, None, STOCK_BEAT,
+                                                language=LanguageCode.JAVA, version=121))
+
+    async def until_asked(self, n: int) -> None:
+        while len(self.asked) < n:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+@bounded(120)
+async def test_halves_sent_before_the_first_heartbeat_are_asked_of_its_instance_after_a_kill(broker_factory):
+    """A stock producer's first halves carry no client id (nor can their record name one): the heartbeat after them
+    named the connection in memory only, until a snapshot written once something else changed. Killed then, the
+    broker sent their checks to any producer of the group ("sender-unknown"), and its admin view showed no sender.
+    Now the heartbeat is answered once a sender record names the instance for each of those halves."""
+    keys = ["120EDF0120FE1D2C77184939FCCD35F3", "82D70A8D669F67AF893C2E22D68EFDA6", "40F3C00247CDC4B6F798F1619106535A"]
+    b = broker_factory(*FLAGS, "--transaction-timeout-ms", str(3600 * 1000))      # never due before the kill
+    sender = await StockProducer().open(b)
+    try:
+        for i, key in enumerate(keys):
+            await sender.call(_stock_half(i, key))
+        # Before its heartbeat the halves are known by the connection's address only.
+        assert {row["owner"] for row in (await _listed(b))["pending"]} == {"%s:%d" % sender.conn.local[:2]}
+        await sender.beat()
+        assert {row["owner"] for row in (await _listed(b))["pending"]} == {STOCK_ID}
+    finally:
+        sender.conn.close()
+    b.kill()                    # after the heartbeat was answered; no snapshot since the halves, no check
+    b = await asyncio.to_thread(broker_factory, *_fixed(b, *FLAGS, "--transaction-timeout-ms", "0"))
+    listed = await _listed(b)
+    assert listed["total"] == len(keys)
+    assert {row["owner"] for row in listed["pending"]} == {f"{STOCK_ID} (gone)"}
+    sender = await StockProducer().open(b)     # the same instance on a new connection
+    try:
+        await sender.beat()
+        await sender.until_asked(len(keys))
+        assert sorted(sender.asked) == sorted(keys)
+        assert {row["owner"] for row in (await _listed(b))["pending"]} == {STOCK_ID}
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total", group=STOCK_GROUP) == 0
+        assert await _metric(b, "txmq_transaction_checks_total", group=STOCK_GROUP) == len(keys)
+    finally:
+        sender.conn.close()

@@ -15,7 +15,7 @@ import pytest
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
-from protocol.codes import RequestCode, ResponseCode, SysFlag
+from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.message import Prop, SendMessageRequestHeader, decode_offset_msg_id, decode_record, properties_to_string
@@ -174,6 +174,58 @@ async def test_after_a_restart_the_sender_is_the_one_whose_heartbeat_came_after_
     finally:
         other.close()
         sender.close()
+
+
+@bounded(90)
+async def test_a_shared_connection_keeps_the_first_id_its_heartbeat_gave_for_every_group_across_a_kill(
+        broker_factory):
+    """A Java process shares one connection between all its producers: its halves of two groups come before its
+    first heartbeat, which names both groups and the instance. Those halves are that instance's, and stay so when
+    a later heartbeat on the same connection gives another id (each half keeps the id its connection had when it
+    came, or the first one given after): named by the connection's name of the moment, every half it had ever
+    sent went to the new id. Killed after the second heartbeat, the broker still knows each sender."""
+    other = GROUP + "_2"
+    b = broker_factory(*NEVER_DUE, "--transaction-snapshot-interval-s", "3600")
+    conn = await _raw(b, Checked(asyncio.Event()))
+
+    async def half(group: str, key: str) -> None:
+        h = SendMessageRequestHeader(group, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: group,
+                                                                      Prop.UNIQ_KEY: key}))
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, h.to_ext_fields(v2=True),
+                                                          key.encode(), language=LanguageCode.JAVA), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+
+    async def beat(client_id: str) -> None:
+        body = {"clientID": client_id, "producerDataSet": [{"groupName": GROUP}, {"groupName": other}],
+                "consumerDataSet": []}
+        beat = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(body).encode(),
+                                                          language=LanguageCode.JAVA), 5)
+        assert beat.code == ResponseCode.SUCCESS, beat.remark
+
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        await half(GROUP, "before-first-group")
+        await half(other, "before-second-group")
+        await beat("10.0.0.7@4242")
+        await half(GROUP, "after")
+        await beat("10.0.0.7@renamed")
+        await half(other, "renamed")
+        expected = {"before-first-group": "10.0.0.7@4242", "before-second-group": "10.0.0.7@4242",
+                    "after": "10.0.0.7@4242", "renamed": "10.0.0.7@renamed"}
+        assert _by_key(await _list(b)) == expected
+    finally:
+        conn.close()
+    b.kill()
+    b = await asyncio.to_thread(broker_factory, *NEVER_DUE)      # the same store
+    assert _by_key(await _list(b)) == {body: f"{owner} (gone)" for body, owner in expected.items()}
+
+
+def _by_key(listed: list[dict]) -> dict[str, str]:
+    """{half's UNIQ_KEY: the owner the admin view shows}."""
+    return {row["uniq_key"]: row["owner"] for row in listed}
 
 
 @bounded(90)

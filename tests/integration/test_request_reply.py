@@ -102,3 +102,46 @@ async def test_a_reply_is_pushed_to_the_requester_and_stored(broker):
     finally:
         requester.close()
         replier.close()
+
+
+@pytest.mark.parametrize("requester_first", [False, True], ids=["other-registered-first", "requester-first"])
+@bounded(30)
+async def test_a_reply_goes_to_the_connection_its_request_came_on_when_two_claim_its_client_id(broker,
+                                                                                            requester_first):
+    """Two live connections give the requester's client id (a Java process with a fixed instanceName started
+    twice on one host; the requester back on a new connection while its old one is not yet seen dead). The reply
+    went to the first registered: a stock Java client answers SUCCESS to a reply that matches none of its requests
+    (it only logs it), so the replier was told the reply was delivered and the requester never had it. RocketMQ
+    sends it to the last registered, as wrong the other way round. It goes where its request came from."""
+    pushed = {"requester": asyncio.Queue(), "other": asyncio.Queue()}
+
+    def handler(name):
+        def handle(conn, cmd):
+            pushed[name].put_nowait(cmd)
+            return cmd.response(ResponseCode.SUCCESS)      # as a Java client answers any reply, matched or not
+        return handle
+
+    conns = {}
+    beat = {"clientID": REQUESTER, "producerDataSet": [{"groupName": "PG_requester"}], "consumerDataSet": []}
+    for name in (("requester", "other") if requester_first else ("other", "requester")):
+        conns[name] = await open_connection(*_host_port(broker.broker), handler(name))
+        resp = await conns[name].request(RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                                 body=json.dumps(beat).encode()), 5)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    replier = await open_connection(*_host_port(broker.broker))
+    try:
+        for i in range(2):
+            request_props = {"CORRELATION_ID": f"corr-{i}", "REPLY_TO_CLIENT": REQUESTER, "TTL": "3000"}
+            sent = await conns["requester"].request(_send(RequestCode.SEND_MESSAGE_V2, "Orders", request_props,
+                                                          b"ask", True), 5)
+            assert sent.code == ResponseCode.SUCCESS, sent.remark
+            reply_props = {**request_props, "MSG_TYPE": "reply", "CLUSTER": "DefaultCluster"}
+            resp = await replier.request(_send(RequestCode.SEND_REPLY_MESSAGE_V2, REPLY_TOPIC, reply_props,
+                                               f"answer {i}".encode(), True), 5)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            # Answered once the push was: it is in one of the queues already.
+            assert pushed["other"].empty(), "the reply went to the other connection claiming the requester's id"
+            assert pushed["requester"].get_nowait().body_bytes() == f"answer {i}".encode()
+    finally:
+        for conn in (*conns.values(), replier):
+            conn.close()

@@ -129,6 +129,12 @@ class StoreBuilder:
              "TXMQ_HALF": str(half.offset), "TXMQ_CHECKS": str(attempt)}
         return [(OP_TOPIC, str(half.queue_offset).encode(), 0, p, 0, 0)]
 
+    def sender_specs(self, half: Stored, owner: str) -> list[tuple]:
+        """The broker's sender record: check-tagged, attempt 0, naming the half's sender (TXMQ_OWNER)."""
+        p = {Prop.TAGS: "c", Prop.WAIT: "false", Prop.UNIQ_KEY: f"C{len(self.written):08d}",
+             "TXMQ_HALF": str(half.offset), "TXMQ_CHECKS": "0", "TXMQ_OWNER": owner}
+        return [(OP_TOPIC, str(half.queue_offset).encode(), 0, p, 0, 0)]
+
     def dead_specs(self, half: Stored, reason: str) -> list[tuple]:
         """Dead letter (user body, half's properties + TXMQ_REASON / TXMQ_HALF) + DEAD op."""
         p = dict(half.props)
@@ -146,6 +152,9 @@ class StoreBuilder:
 
     def check(self, half: Stored, attempt: int) -> Stored:
         return self.put_many(self.check_specs(half, attempt))[0]
+
+    def sender(self, half: Stored, owner: str) -> Stored:
+        return self.put_many(self.sender_specs(half, owner))[0]
 
     def dead(self, half: Stored, reason: str) -> list[Stored]:
         return self.put_many(self.dead_specs(half, reason))

@@ -240,3 +240,59 @@ def test_a_misnamed_decision_across_midnight_goes_to_its_bodys_half_in_a_one_day
     one = run_rollup(spark, store, out, date="2024-03-10")
     assert one["incremental"] and one["segments_read"] < one["segments"], one
     assert day("2024-03-10") == expected
+
+
+def test_a_sender_record_naming_another_half_is_reported_as_the_broker_counts_it(spark, tmp_path):
+    """A sender record (check-tagged, TXMQ_CHECKS=0) is under no CRC either: a digit flipped in its TXMQ_HALF makes
+    the broker's recovery take its body's half, count the record corrupt and log it (salvage.misnamed), as for any
+    check record. The jobs left sender records out of the body check, so the damaged-ops report said nothing of
+    it; nor is it a check of either half."""
+    from ops.spark.expiry import build_plan
+
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=1 << 20) as b:
+        b.at(NOW - 90 * H)
+        named, other = b.half("pg-a", "Pay"), b.half("pg-a", "Pay")
+        spec = b.sender_specs(named, "10.0.0.7@4242")[0]
+        spec[3]["TXMQ_HALF"] = str(other.offset)           # a digit flipped: names the other half
+        b.put_many([spec])
+        b.at(NOW - H).send("Orders")
+    plan = build_plan(spark, d, retention_ms=RETENTION, now_ms=NOW)
+    assert {h["commit_log_offset"] for h in plan["halves"]} == {named.offset, other.offset}
+    assert plan["report"]["damaged_ops"]["misnamed"] == 1
+    assert plan["report"]["damaged_ops"]["unreadable"] == 0
+
+
+def test_a_misnamed_sender_record_across_midnight_is_reported_by_a_one_day_run_as_by_the_whole_store(
+        spark, tmp_path):
+    """A sender record (TXMQ_CHECKS=0) of a half stored the day before, its TXMQ_HALF naming another half: a
+    one-day run reads only the day's segments, and fetched the halves that op and check bodies name, not those
+    sender records name, so it could not see the record was misnamed, while the whole-store run (and the broker)
+    did."""
+    import os
+    import shutil
+
+    from ops.spark.rollup import run_rollup
+
+    d1 = NOW - 124 * H                                      # 2024-03-09 00:00
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    with StoreBuilder(store, segment_size=4096) as b:
+        for hour in range(48):
+            now = d1 + hour * H
+            for i in range(3):
+                b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+            if hour == 10:
+                other = b.at(now + 10).half("pg-b", "Pay")
+            if hour == 18:
+                half = b.at(now + 10).half("pg-a", "Pay")
+            if hour == 25:
+                spec = b.sender_specs(half, "10.0.0.7@4242")[0]
+                spec[3]["TXMQ_HALF"] = str(other.offset)
+                b.at(now + 10).put_many([spec])
+
+    whole = run_rollup(spark, store, out)
+    assert whole["damaged_ops"]["misnamed"] == 1
+    shutil.rmtree(os.path.join(out, "transactions", "date=2024-03-10"))
+    one = run_rollup(spark, store, out, date="2024-03-10")
+    assert one["incremental"] and one["segments_read"] < one["segments"], one
+    assert one["damaged_ops"]["misnamed"] == 1

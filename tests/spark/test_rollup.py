@@ -8,7 +8,8 @@ Scenario (UTC; D1 = 2024-03-09, D2 = 2024-03-10, D3 = 2024-03-11), all numbers b
   D2 00:00   5 x Orders
   D2 01:00   3 x Orders, 2 x %RETRY%cg1, 1 x %DLQ%cg1
   D2 01:00+10k s  halves h0..h9 pg-a/Pay, decided after LAT[k] ms: even k COMMIT, odd k ROLLBACK
-  D2 02:00   half pg-a h10: checks at 02:01, 02:02, dead letter `max-checks` at 02:03
+  D2 02:00   half pg-a h10: named by its sender's heartbeat at 02:00:30 (no check), checks at 02:01, 02:02,
+            dead letter `max-checks` at 02:03
   D2 03:00   half pg-a h11: never decided
   D2 04:00   half pg-b/Ship, COMMIT after 250 ms
   D2 05:00   4 x Audit (1000-byte bodies); the D1 half goes to the dead letters (`expired`)
@@ -55,6 +56,7 @@ def build_store(d: str) -> dict:
             else:
                 b.rollback(h)
         h10 = b.at(D2 + 2 * H).half("pg-a", "Pay")
+        b.at(D2 + 2 * H + 30_000).sender(h10, "10.0.0.7@4242")      # not a check
         b.at(D2 + 2 * H + 60_000).check(h10, 1)
         b.at(D2 + 2 * H + 120_000).check(h10, 2)
         b.at(D2 + 2 * H + 180_000).dead(h10, "max-checks")

@@ -201,7 +201,7 @@ async def add_big(ctx, i: int, size: int):
         opaque = 1
         body = b"x" * size
 
-    await tx._prepare(conn, Cmd(), req, "PG", "T", 0, props)
+    await tx._prepare(conn, Cmd(), req, "PG", "T", 0, props, conn.attributes.get("client_id"))
     return max(tx.pending.values(), key=lambda p: p.half_offset)
 
 

@@ -82,8 +82,9 @@ async def make_service(tmp_path, clock, **cfg):
     return ctx
 
 
-async def add_half(ctx, body=b"x", group="PG"):
-    """Store a half message and index it as the send path does; returns its Pending."""
+async def add_half(ctx, body=b"x", group="PG", conn=None):
+    """Store a half message and index it as the send path does (on ``conn``, else on a closed connection no
+    heartbeat named); returns its Pending."""
     tx = ctx.tx
     props = {Prop.UNIQ_KEY: f"U{body!r}", Prop.PGROUP: group, Prop.TRAN_MSG: "true"}
     req = tx.records.half(body=body, real_topic="T", real_qid=0, flag=0, sys_flag=0, born_timestamp=ctx.clock(),
@@ -104,12 +105,13 @@ async def add_half(ctx, body=b"x", group="PG"):
 
     cmd = Cmd()
     cmd.body = body         # the half's, as sent: counted under the half topic
-    await tx._prepare(Conn(), cmd, req, group, "T", 0, props)
+    conn = conn or Conn()
+    await tx._prepare(conn, cmd, req, group, "T", 0, props, conn.attributes.get("client_id"))
     return max(tx.pending.values(), key=lambda p: p.half_offset)
 
 
 
-async def half_stored_while(ctx, during, body=b"in-flight"):
+async def half_stored_while(ctx, during, body=b"in-flight", conn=None):
     """Store a half (as add_half) and run ``during()`` (awaited if it returns an awaitable) once the half is
     stored and dispatched but before its sender indexed it; returns its Pending."""
     real_put = ctx.store._store.put
@@ -123,7 +125,7 @@ async def half_stored_while(ctx, during, body=b"in-flight"):
 
     ctx.store.put = slow_put
     try:
-        adding = asyncio.ensure_future(add_half(ctx, body))
+        adding = asyncio.ensure_future(add_half(ctx, body, conn=conn))
         await written.wait()
         outcome = during()
         if asyncio.iscoroutine(outcome):

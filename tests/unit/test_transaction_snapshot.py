@@ -14,6 +14,7 @@ import os
 
 from broker.transaction.decisions import DecisionTable
 from broker.transaction.records import COMMIT, DEAD, ROLLBACK
+from protocol.message import Prop
 from tests.support.bounded import bounded
 from tests.unit.test_review_transactions import Clock, add_half, half_stored_while, make_service
 
@@ -380,8 +381,8 @@ class _Producer:
     writing_paused = False
     unsent_bytes = 0
 
-    def __init__(self, client_id: str):
-        self.attributes = {"client_id": client_id}
+    def __init__(self, client_id: str | None):
+        self.attributes = {"client_id": client_id} if client_id else {}      # None: no heartbeat named it yet
         self.asked: list[int] = []
 
     def oneway(self, cmd) -> None:
@@ -395,10 +396,12 @@ async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(tm
     producer's first halves precede its first heartbeat), not to the group in turn."""
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
-    halves = [await add_half(ctx, f"h{i}".encode()) for i in range(4)]
-    for p in halves:
-        p.owner.attributes["client_id"] = "10.0.0.7@4242"         # its heartbeat, after its halves
-    assert {p.owner_id for p in halves} == {"127.0.0.1:1"}          # taken under the connection's address
+    conn = _Producer(None)
+    halves = [await add_half(ctx, f"h{i}".encode(), conn=conn) for i in range(4)]
+    assert {p.owner_id for p in halves} == {"127.0.0.1:2"}          # taken under the connection's address
+    conn.attributes["client_id"] = "10.0.0.7@4242"                  # its heartbeat, after its halves
+    await ctx.tx.connection_named(conn)
+    assert {p.owner_id for p in halves} == {"10.0.0.7@4242"}
     await ctx.tx.stop()
     await ctx.store._store.close()
     ctx2 = await make_service(tmp_path, clock)
@@ -414,6 +417,54 @@ async def test_after_a_restart_checks_go_first_to_the_sender_that_reconnected(tm
 
 
 @bounded(30)
+async def test_a_half_whose_connection_was_named_while_it_was_stored_keeps_that_sender_across_a_crash(tmp_path):
+    """The heartbeat came while the half was being written without a name (a Java process's timer thread and its
+    sending thread share the connection): it found nothing unnamed yet, so the half is named once indexed, and its
+    sender record written then."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+
+    answers = []
+
+    def heartbeat():
+        conn.attributes["client_id"] = "10.0.0.7@4242"
+        answers.append(asyncio.ensure_future(ctx.tx.connection_named(conn)))    # waits for the half being stored
+
+    p = await half_stored_while(ctx, heartbeat, conn=conn)
+    assert p.owner_id == "10.0.0.7@4242"
+    await answers[0]
+    await asyncio.gather(*ctx.tx._naming)       # its sender record
+    await ctx.store._store.close()              # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(60)
+async def test_a_connection_never_named_keeps_only_its_undecided_halves_for_a_heartbeat(tmp_path):
+    """A client that never heartbeats, sending and deciding transaction after transaction on one connection:
+    the halves waiting for its name are the undecided ones (and those decided since the list last grew)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+    try:
+        kept = await add_half(ctx, b"undecided", conn=conn)
+        for i in range(300):
+            p = await add_half(ctx, f"h{i}".encode(), conn=conn)
+            await ctx.tx.decide(p.half_offset, COMMIT, group="PG")
+        unnamed = ctx.tx._unnamed[conn].halves
+        assert kept in unnamed and len(unnamed) < 64
+        conn.attributes["client_id"] = "10.0.0.7@4242"
+        await ctx.tx.connection_named(conn)
+        assert kept.owner_id == "10.0.0.7@4242" and conn not in ctx.tx._unnamed
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(30)
 async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp_path):
     """A client names itself, in up to a 16 MiB frame: the snapshot, written every few seconds, carried each such
     name whole (a hundred connections, 1.6 GB), where a check record leaves it out. Both keep the same ones."""
@@ -421,9 +472,9 @@ async def test_the_snapshot_keeps_only_client_ids_a_check_record_could_carry(tmp
     ctx = await make_service(tmp_path, clock)
     try:
         plain, huge, spliced = [await add_half(ctx, f"h{i}".encode()) for i in range(3)]
-        plain.owner.attributes["client_id"] = "10.0.0.7@4242"
-        huge.owner.attributes["client_id"] = "x" * (1 << 20)
-        spliced.owner.attributes["client_id"] = "evil\x02TXMQ_CHECKS\x011"
+        plain.owner_id = "10.0.0.7@4242"        # as their connections' heartbeats named them
+        huge.owner_id = "x" * (1 << 20)
+        spliced.owner_id = "evil\x02TXMQ_CHECKS\x011"
         await ctx.tx.write_snapshot()
         assert _snapshot(ctx)["owners"] == {"10.0.0.7@4242": [plain.half_offset]}
     finally:
@@ -461,5 +512,104 @@ async def test_the_snapshot_view_taken_on_the_loop_leaves_the_garbage_collector_
         assert not [row for row in rows if gc.is_tracked(row)]
         on_disk = _snapshot(ctx)["pending"]
         assert sorted(on_disk) == sorted([p.half_offset, p.queue_offset, p.checks] for p in halves)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(30)
+async def test_the_first_heartbeat_is_answered_in_bounded_time_while_sender_records_wait_on_the_store(tmp_path,
+                                                                                                     monkeypatch):
+    """A stock Java client (4.9.8) closes its connection when a HEART_BEAT is not answered within 3 s
+    (clientCloseSocketIfTimeout, true by default), failing every request in flight on it. The sender records are
+    written 256 at a time, one writer cycle (a flush when flush is sync) each, behind whatever else is queued: the
+    answer waited for all of them, however long that took (a stalled writer: never). It waits at most
+    NAMING_WAIT_S; the records are still written, and a restart after them still knows the sender."""
+    from broker.transaction import service as service_module
+    monkeypatch.setattr(service_module, "NAMING_WAIT_S", 0.01)
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+    p = await add_half(ctx, b"before the heartbeat", conn=conn)
+    ctx.store.gate = asyncio.Event()            # the writer holds every record from here on
+    conn.attributes["client_id"] = "10.0.0.7@4242"
+    await ctx.tx.connection_named(conn)         # answered, the record not yet written
+    assert ctx.store.entered.is_set() and not ctx.store.gate.is_set() and ctx.tx._naming
+    ctx.store.gate.set()
+    await asyncio.gather(*ctx.tx._naming)       # still written once the store takes it
+    await ctx.store._store.close()              # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_a_heartbeat_during_a_halfs_write_is_answered_once_that_halfs_sender_record_is_written(tmp_path):
+    """The half was sent before the heartbeat, on the same connection, and is still being written when the heartbeat
+    comes: nothing of the connection is indexed yet, so the heartbeat was answered at once, and the half's sender
+    record written only after (a kill -9 between left its checks to any producer of the group, the claim of the
+    first heartbeat broken for the halves closest to it). The heartbeat waits for that half too."""
+    from broker.topics import OP_TOPIC
+
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+    answered = []
+
+    def heartbeat():
+        conn.attributes["client_id"] = "10.0.0.7@4242"
+        answer = ctx.tx.connection_named(conn)
+        answered.append(asyncio.ensure_future(answer) if answer is not None else None)
+
+    p = await half_stored_while(ctx, heartbeat, conn=conn)
+    if answered[0] is not None:
+        await answered[0]
+    # The heartbeat is answered: its half's sender record is in the op queue now (nothing else was written there).
+    assert ctx.store.max_offset(OP_TOPIC, 0) == 1
+    await ctx.store._store.close()              # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_on_a_sync_master_a_heartbeat_before_the_halfs_write_begins_waits_for_its_sender_record(tmp_path):
+    """On a SYNC_MASTER a half is stored by a coroutine the connection runs after the request was read: a heartbeat
+    read next on the same connection can run before it begins. The half was sent first; the heartbeat is answered
+    once its sender record is written all the same."""
+    from broker.topics import OP_TOPIC
+    from protocol.codes import ResponseCode
+    from protocol.message import SendMessageRequestHeader
+
+    class Slave:
+        sync = True
+
+        async def confirm_async(self, offset):
+            return ResponseCode.SUCCESS
+
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    ctx.ha = Slave()
+    conn = _Producer(None)
+
+    class Cmd:
+        language = version = serialize_type = 0
+        opaque = 1
+        body = b"sent before the heartbeat"
+
+    h = SendMessageRequestHeader("PG", "T", queue_id=0, born_timestamp=clock())
+    props = {Prop.UNIQ_KEY: "U1", Prop.PGROUP: "PG", Prop.TRAN_MSG: "true"}
+    try:
+        storing = ctx.tx.prepare(conn, Cmd(), h, 0, props, ctx.store_host)      # not begun yet
+        conn.attributes["client_id"] = "10.0.0.7@4242"                          # the heartbeat, read next
+        answer = ctx.tx.connection_named(conn)
+        sent = asyncio.ensure_future(storing)
+        if answer is not None:
+            await answer
+        assert ctx.store.max_offset(OP_TOPIC, 0) == 1       # answered once the half's sender record is written
+        await sent
     finally:
         await ctx.store._store.close()

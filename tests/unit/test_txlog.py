@@ -186,6 +186,14 @@ def test_a_check_op_carries_its_senders_client_id_only_when_it_is_a_plain_value(
     assert (got.checks, got.owner) == (2, written)
 
 
+def test_a_sender_record_names_the_sender_and_counts_as_no_check_attempt():
+    got = txlog.parse_op(stored(factory().sender(987, 3, "10.0.0.7@4242")))
+    assert (got.tag, got.half_offset, got.half_queue_offset, got.op, got.checks, got.owner) == (
+        txlog.OP_TAG_CHECK, 987, 3, None, 0, "10.0.0.7@4242")
+    with pytest.raises(ValueError):         # the caller keeps such a name in memory only
+        factory().sender(987, 3, f"evil\x02{txlog.P_CHECKS}\x01999")
+
+
 @pytest.mark.parametrize("owner, written", [
     ("10.0.0.7@4242", "10.0.0.7@4242"),
     (None, None),                                              # no heartbeat named its connection yet
