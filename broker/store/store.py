@@ -389,6 +389,20 @@ class MessageStore:
                                      self.config.cq_file_size)
         made.add_done_callback(partial(self._queue_file_made, key))
 
+    def queue_file(self, topic: str, queue_id: int) -> asyncio.Future:
+        """``make_queue_file`` as a future: None once the queue has its file, else the error it met."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def then(exc):
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+        self.make_queue_file(topic, queue_id, then)
+        return fut
+
     def _queue_file_made(self, key: tuple[str, int], made: asyncio.Future) -> None:
         waiting = self._making.pop(key)
         exc = made.exception()
