@@ -337,6 +337,10 @@ class MessageStore:
             return
         if key in self._log.queue_starts:
             return
+        if key in self._making:
+            # its file is being made on the queue-file thread (make_queue_file): made here too, one of the two
+            # would fail "File exists", said as if no file could be made
+            raise OSError(errno.EAGAIN, f"consume queue {topic}-{queue_id}: its file is being made, try again")
         if cq is not None:
             # made by the writer, its file not: its units wait (backlog), written by the retry that makes it; or
             # loaded with none (a directory left empty by a failed open, or a crash, before a restart): made now

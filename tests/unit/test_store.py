@@ -535,6 +535,7 @@ async def test_a_queue_the_writer_makes_while_its_file_is_made_off_the_loop_keep
     writer first: the thread's file is not needed, the callers are told the queue is ready. The thread first: the
     writer's unit waits in memory for a moment, and the thread's file is taken and the unit written into it.
     Either way every unit is in the queue, nothing waits in memory, and the callers go on."""
+    import errno
     import threading
     from broker.store import consume_queue
     store = await opened(tmp_path)
@@ -560,6 +561,10 @@ async def test_a_queue_the_writer_makes_while_its_file_is_made_off_the_loop_keep
     r = await store.put(req(topic="Both", queue_id=1))       # the writer's own path: no make_queue_file
     assert r.ok
     assert ("Both", 1) not in store.queue_index and told == []
+    if first == "thread":       # a caller that cannot wait (a decision) is told to try again, not "File exists"
+        with pytest.raises(OSError) as exc:
+            store.prepare_queue("Both", 1)
+        assert exc.value.errno == errno.EAGAIN and "being made" in str(exc.value)
     release.set()
     await store.queue_file("Both", 1)                       # after the first (one thread, in order)
     assert told == [None] and ("Both", 1) in store.queue_index
