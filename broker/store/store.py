@@ -393,6 +393,11 @@ class MessageStore:
                                      self.config.cq_file_size)
         made.add_done_callback(partial(self._queue_file_made, key))
 
+    def making_queue_file(self, topic: str, queue_id: int) -> bool:
+        """Whether the queue-file thread is making this queue's first file (prepare_queue would say EAGAIN):
+        a caller that cannot wait in ``make_queue_file``'s order awaits ``queue_file`` instead."""
+        return (topic, queue_id) in self._making
+
     def queue_file(self, topic: str, queue_id: int) -> asyncio.Future:
         """``make_queue_file`` as a future: None once the queue has its file, else the error it met."""
         fut = asyncio.get_running_loop().create_future()
