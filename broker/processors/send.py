@@ -128,6 +128,17 @@ def _queue_file(ctx, cmd, topic: str, qid: int):
     return None
 
 
+async def _made_meanwhile(ctx, topic: str, qid: int) -> None:
+    """Wait while the queue-file thread makes this queue's first file (a send to it came first): prepare_queue
+    meanwhile says EAGAIN "try again", which a send-back or a reply answered as a queue file that cannot be made.
+    What stops the file is left to prepare_queue to say."""
+    if ctx.store.making_queue_file(topic, qid):
+        try:
+            await ctx.store.queue_file(topic, qid)
+        except OSError:
+            pass
+
+
 def _after_queue_file(ctx, cmd, topic: str, qid: int, go):
     """A send to a new queue: a future of its answer, ``go()``'s once the queue's file is made off the event loop
     (store.make_queue_file; made here, one client's burst of new queues stalled every other connection), or the
@@ -644,6 +655,7 @@ async def handle_send_back(ctx, conn, cmd):
     waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())
     if waits is not None and not isinstance(waits, str):
         to_topic, to_qid, delay_ms, tags = waits
+    await _made_meanwhile(ctx, to_topic, to_qid)
     refused = _queue_file(ctx, cmd, to_topic, to_qid)
     if refused is not None:
         return refused

@@ -51,3 +51,28 @@ async def test_a_commit_into_a_queue_whose_file_a_send_is_making_waits_for_it_an
         assert m.int_field("offset", 0) == 2
     finally:
         client.close()
+
+
+@bounded(60)
+async def test_a_send_back_into_a_schedule_queue_whose_file_a_send_is_making_waits_for_it(broker):
+    """A delayed send (level 5: its schedule queue's first) and, in the same read, a consumer's send-back with
+    delay level 5 (the same schedule queue). The send-back was refused "create mapped file failed ... try again"
+    and counted as a queue-file failure; now it waits for the file, as the send does, and both are stored."""
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        [plain] = await client.call(_send("Backed", 0, b"failed"), 10)
+        assert plain.code == C.SUCCESS, plain.remark
+        delayed = _send("Later", 0, b"later", props=properties_to_string({Prop.DELAY: "5"}))
+        back = RemotingCommand(R.CONSUMER_SEND_MSG_BACK, opaque=next(_OPAQUES), ext_fields={
+            "offset": str(decode_offset_msg_id(plain.ext_fields["msgId"])[2]), "group": "CG_races",
+            "delayLevel": "5", "originMsgId": plain.ext_fields["msgId"], "originTopic": "Backed"})
+        client.write(delayed.encode() + back.encode())      # one read: handled in one turn of the broker's loop
+        [sent] = await client.reply(delayed.opaque, 10)
+        [backed] = await client.reply(back.opaque, 10)
+        assert sent.code == C.SUCCESS, sent.remark
+        assert backed.code == C.SUCCESS, (backed.code, backed.remark)
+        [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
+            "topic": "SCHEDULE_TOPIC_XXXX", "queueId": "4"}), 10)
+        assert m.int_field("offset", 0) == 2
+    finally:
+        client.close()
