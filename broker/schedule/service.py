@@ -376,9 +376,11 @@ class ScheduleService:
                 # came free. The batch waits here instead, in the schedule queue, and is tried again.
                 try:
                     await store.queue_file(req.topic, req.queue_id)
-                except OSError as exc:
-                    for entry in timers:
+                except BaseException as exc:
+                    for entry in timers:            # not taken after all, whatever stopped it
                         heapq.heappush(self._timers, entry)
+                    if not isinstance(exc, OSError):
+                        raise
                     log.warning("schedule delivery of %d messages waits: consume queue %s-%d has no file (%s); "
                                 "retrying in %.0f s", len(batch), req.topic, req.queue_id, exc, REFUSED_RETRY_S)
                     return False

@@ -519,3 +519,31 @@ async def test_a_delivery_whose_queue_file_cannot_be_made_waits_in_the_schedule_
     assert [m.body for m in _delivered(store, "Fresh")] == [b"a"]
     await svc.stop()
     await store.close()
+
+
+@bounded()
+async def test_a_timer_whose_queue_file_fails_unexpectedly_is_kept_and_delivered_later(tmp_path, monkeypatch):
+    """A due timer is taken off the timer heap before its delivery. The put kept it on any failure ("not taken
+    after all"), but the wait for a new queue's file came before that, outside it: a failure there other than an
+    OSError (a bug, or the store closing) lost the timer from memory -- never delivered until a restart."""
+    from broker.store import consume_queue
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    await _schedule(svc, "Fresh", b"t", {"TIMER_DELIVER_MS": "101000"}, clock.now)
+    real = consume_queue.MappedFile.create
+
+    def broken(directory, *a, **kw):
+        if os.sep + "Fresh" + os.sep in directory + os.sep:
+            raise ValueError("mmap length is greater than file size")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", broken)
+    with pytest.raises(ValueError):
+        await svc.run_due(101_000, 101_000)
+    assert dict(svc.waiting())["timer"] == 1
+    monkeypatch.setattr(consume_queue.MappedFile, "create", real)
+    assert await svc.run_due(101_500, 101_500) == 1
+    assert [m.body for m in _delivered(store, "Fresh")] == [b"t"]
+    await svc.stop()
+    await store.close()
