@@ -952,6 +952,15 @@ class MessageStore:
             if why is not None and unmarked is not None:
                 unmarked(why)
 
+        # A new queue of the topic whose first file the queue-file thread is making: the sends waiting for it
+        # were accepted before this delete. Its file first, their records queued with it, then the delete takes
+        # the queue with them. Not waited for, the delete removed the directory under the thread (the sends
+        # refused ENOENT), or the file, made first, was adopted after the delete: a live queue of a deleted topic.
+        for key in [k for k in self._making if k[0] == topic]:
+            try:
+                await self.queue_file(*key)
+            except OSError:
+                pass                # no file, no queue: nothing of it to delete
         await self._writer.control(op)
         try:        # recovery must not bring the queues back from records before this point
             await self._checkpoint()

@@ -87,3 +87,57 @@ async def test_another_client_is_served_while_a_new_queues_file_is_made(tmp_path
             if client is not None:
                 client.close()
         await server.stop()
+
+
+@bounded(30)
+async def test_a_topic_deleted_while_its_new_queues_file_is_made_takes_the_waiting_send_with_it(tmp_path, monkeypatch):
+    """A send waits for its new queue's file (made on the queue-file thread) and the topic is deleted meanwhile.
+    The delete found no queue to remove, removed the directory the thread was making the file in, and the send
+    was then refused (the file's directory gone) -- or, the file made first, the queue was adopted after the
+    delete, a live queue of a deleted topic. The delete now waits for the file: the send is stored (accepted
+    before the delete), and the delete takes its queue."""
+    from broker.store import consume_queue
+    real = consume_queue.MappedFile.create
+    started, release = threading.Event(), threading.Event()
+
+    def slow(directory, *a, **kw):
+        if os.sep + "Slow" + os.sep in directory + os.sep:
+            started.set()
+            release.wait(10)
+        return real(directory, *a, **kw)
+
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    try:
+        store = server.ctx.store
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        [made] = await client.call(_send("Existing"), 10)
+        assert made.code == C.SUCCESS, made.remark
+        monkeypatch.setattr(consume_queue.MappedFile, "create", slow)
+        send = _send("Slow")
+        client.write(send.encode())
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        delete_waits = asyncio.Event()
+        queue_file = store.queue_file
+
+        def watched(topic, qid):
+            if topic == "Slow":
+                delete_waits.set()
+            return queue_file(topic, qid)
+
+        monkeypatch.setattr(store, "queue_file", watched)
+        deleting = asyncio.ensure_future(store.delete_topic("Slow"))
+        waiting = asyncio.ensure_future(delete_waits.wait())
+        await asyncio.wait({deleting, waiting}, return_when=asyncio.FIRST_COMPLETED)   # it ran, or it waits
+        waiting.cancel()
+        release.set()
+        [sent] = await client.reply(send.opaque, 10)
+        await deleting
+        assert sent.code == C.SUCCESS, sent.remark
+        assert ("Slow", 0) not in store._cqs and ("Slow", 0) not in store.queue_index
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
