@@ -141,3 +141,60 @@ async def test_a_topic_deleted_while_its_new_queues_file_is_made_takes_the_waiti
         if client is not None:
             client.close()
         await server.stop()
+
+
+@bounded(30)
+async def test_a_reply_into_a_queue_whose_file_a_send_is_making_waits_for_it_and_is_stored(tmp_path, monkeypatch):
+    """A reply (SEND_REPLY_MESSAGE) to a queue whose first file is being made for a send: its copy was not stored,
+    prepare_queue saying EAGAIN "try again", counted as a queue-file failure. It waits for the file now."""
+    from broker.store import consume_queue
+    from protocol.message import Prop, properties_to_string
+    real = consume_queue.MappedFile.create
+    started, release = threading.Event(), threading.Event()
+
+    def slow(directory, *a, **kw):
+        if os.sep + "Slow" + os.sep in directory + os.sep:
+            started.set()
+            release.wait(10)
+        return real(directory, *a, **kw)
+
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    try:
+        store = server.ctx.store
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        [made] = await client.call(_send("Existing"), 10)
+        assert made.code == C.SUCCESS, made.remark
+        monkeypatch.setattr(consume_queue.MappedFile, "create", slow)
+        send = _send("Slow")
+        client.write(send.encode())
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        reply = _send("Slow", b"reply")
+        reply.code = R.SEND_REPLY_MESSAGE
+        reply.ext_fields["properties"] = properties_to_string({Prop.REPLY_TO_CLIENT: "127.0.0.1@gone",
+                                                               "CORRELATION_ID": "c1"})
+        reply_waits = asyncio.Event()
+        queue_file = store.queue_file
+
+        def watched(topic, qid):
+            if topic == "Slow":
+                reply_waits.set()
+            return queue_file(topic, qid)
+
+        monkeypatch.setattr(store, "queue_file", watched)
+        replied = asyncio.ensure_future(client.call(reply, 10))
+        waiting = asyncio.ensure_future(reply_waits.wait())
+        await asyncio.wait({replied, waiting}, return_when=asyncio.FIRST_COMPLETED)     # answered, or it waits
+        waiting.cancel()
+        release.set()
+        [sent] = await client.reply(send.opaque, 10)
+        [answer] = await replied
+        assert sent.code == C.SUCCESS, sent.remark
+        assert "not found" in (answer.remark or ""), answer.remark      # nobody to push it to; its copy is kept
+        assert store.max_offset("Slow", 0) == 2
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
