@@ -68,6 +68,13 @@ async def handle_reply(ctx, conn, cmd):
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
         properties=h.properties.encode(), reconsume_times=h.reconsume_times)
     result = not_stored = None
+    if ctx.store.making_queue_file(h.topic, qid):
+        # its file is being made off the loop (a send to it came first): waited for, as that send does;
+        # prepare_queue meanwhile says EAGAIN "try again", and the copy was not stored
+        try:
+            await ctx.store.queue_file(h.topic, qid)
+        except OSError:
+            pass                                        # said by prepare_queue below
     if (h.topic, qid) not in ctx.store.queue_index:
         # a new queue's file first, as a send's: past the open-files limit the copy was stored and answered with
         # its msgId while its unit waited in memory, unreadable; now it is not stored, said as a copy not stored

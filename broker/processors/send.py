@@ -8,6 +8,8 @@ MESSAGE_ILLEGAL. A message whose TRAN_MSG is true becomes a half message.
 from __future__ import annotations
 
 import errno
+from asyncio import ensure_future, get_running_loop
+from inspect import isawaitable
 import logging
 import random
 import resource
@@ -122,16 +124,78 @@ def _queue_file(ctx, cmd, topic: str, qid: int):
     try:
         ctx.store.prepare_queue(topic, qid)
     except OSError as exc:
-        why = f"create mapped file failed, server is busy or broken: consume queue {topic}-{qid}: {exc}"
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            why += (f" (this process may open {soft} files, two a queue file: raise ulimit -n, or lower "
-                    f"--max-queues={ctx.config.max_queues})")
-        elif exc.errno == errno.ENOMEM:
-            why += f" (a mapping a queue file: raise vm.max_map_count, or lower --max-queues={ctx.config.max_queues})"
-        ctx.limits.refused("queue-file-failed", why)
-        return cmd.response(ResponseCode.SYSTEM_ERROR, why)
+        return _queue_file_refused(ctx, cmd, topic, qid, exc)
     return None
+
+
+async def _made_meanwhile(ctx, topic: str, qid: int) -> None:
+    """Wait while the queue-file thread makes this queue's first file (a send to it came first): prepare_queue
+    meanwhile says EAGAIN "try again", which a send-back or a reply answered as a queue file that cannot be made.
+    What stops the file is left to prepare_queue to say."""
+    if ctx.store.making_queue_file(topic, qid):
+        try:
+            await ctx.store.queue_file(topic, qid)
+        except OSError:
+            pass
+
+
+def _after_queue_file(ctx, cmd, topic: str, qid: int, go):
+    """A send to a new queue: a future of its answer, ``go()``'s once the queue's file is made off the event loop
+    (store.make_queue_file; made here, one client's burst of new queues stalled every other connection), or the
+    refusal saying why it cannot be (as ``_queue_file``). ``go`` runs as soon as the file is there, in the order
+    the sends came: records are put in the order they were sent."""
+    out = get_running_loop().create_future()
+
+    def ready(exc):
+        if isinstance(exc, OSError):
+            _settle(out, _queue_file_refused(ctx, cmd, topic, qid, exc))
+        elif exc is not None:       # the store is closing
+            if not out.done():
+                out.set_exception(exc)
+        else:
+            try:
+                answer = go()
+            except Exception as exc:  # noqa: BLE001 - this request's error reply
+                if not out.done():
+                    out.set_exception(exc)
+                return
+            if isawaitable(answer):
+                ensure_future(answer).add_done_callback(partial(_chain, out))
+            else:
+                _settle(out, None if answer is DEFERRED else answer)
+
+    ctx.store.make_queue_file(topic, qid, ready)
+    return out
+
+
+def _settle(out, answer) -> None:
+    if not out.done():      # (cancelled: its connection went)
+        out.set_result(answer)
+
+
+def _chain(out, answered) -> None:
+    if out.done():
+        return
+    if answered.cancelled():
+        out.cancel()
+    elif answered.exception() is not None:
+        out.set_exception(answered.exception())
+    else:
+        out.set_result(answered.result())
+
+
+def _queue_file_refused(ctx, cmd, topic: str, qid: int, exc: OSError):
+    """The refusal of a send whose new queue's file cannot be made: RocketMQ's CREATE_MAPEDFILE_FAILED remark,
+    with what to raise."""
+    why = f"create mapped file failed, server is busy or broken: consume queue {topic}-{qid}: {exc}"
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        why += (f" (this process may open {soft} files, two a queue file: raise ulimit -n, or lower "
+                f"--max-queues={ctx.config.max_queues})")
+    elif exc.errno == errno.ENOMEM:
+        why += f" (a mapping a queue file: raise vm.max_map_count, or lower --max-queues={ctx.config.max_queues})"
+    ctx.limits.refused("queue-file-failed", why)
+    return cmd.response(ResponseCode.SYSTEM_ERROR, why)
 
 
 # Transaction types the store gives no consume-queue unit: a record of them is only ever a half's business.
@@ -228,9 +292,16 @@ def handle_send(ctx, conn, cmd):
     if waits is not None:
         to_topic, to_qid, delay_ms, tags = waits
     if (to_topic, to_qid) not in ctx.store.queue_index:     # a new queue: its file first
-        refused = _queue_file(ctx, cmd, to_topic, to_qid)
-        if refused is not None:
-            return refused
+        return _after_queue_file(ctx, cmd, to_topic, to_qid, partial(
+            _put, ctx, conn, cmd, h, body, props, reconsume, sys_flag, topic, qid, to_topic, to_qid, tags, delay_ms,
+            waits_for_slave))
+    return _put(ctx, conn, cmd, h, body, props, reconsume, sys_flag, topic, qid, to_topic, to_qid, tags, delay_ms,
+                waits_for_slave)
+
+
+def _put(ctx, conn, cmd, h, body, props, reconsume, sys_flag, topic, qid, to_topic, to_qid, tags, delay_ms,
+         waits_for_slave):
+    """A plain send's record to the store, answered when it is stored."""
     record = encode_record(
         topic=to_topic.encode(), body=body, queue_id=to_qid, flag=h.flag, sys_flag=sys_flag,
         born_timestamp=h.born_timestamp, born_host=_born_host(conn), store_host=ctx.store_host,
@@ -353,10 +424,15 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     if illegal is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)
     busy = ctx.limits.busy(cmd, len(cmd.body))
-    if busy is None and (h.topic, qid) not in ctx.store.queue_index:     # a new queue: its file first
-        busy = _queue_file(ctx, cmd, h.topic, qid)
     if busy is not None:
         return busy
+    if (h.topic, qid) not in ctx.store.queue_index:     # a new queue: its file first
+        return _after_queue_file(ctx, cmd, h.topic, qid, partial(_put_batch, ctx, conn, cmd, h, qid))
+    return _put_batch(ctx, conn, cmd, h, qid)
+
+
+def _put_batch(ctx, conn, cmd, h, qid):
+    """A batch's records to the store, answered when they are stored (or the refusal of an entry)."""
     batch_props = string_to_properties(h.properties)
     refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch",
                          next((batch_props[k] for k in _TIMER_KEYS if k in batch_props), None))
@@ -579,6 +655,7 @@ async def handle_send_back(ctx, conn, cmd):
     waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())
     if waits is not None and not isinstance(waits, str):
         to_topic, to_qid, delay_ms, tags = waits
+    await _made_meanwhile(ctx, to_topic, to_qid)
     refused = _queue_file(ctx, cmd, to_topic, to_qid)
     if refused is not None:
         return refused

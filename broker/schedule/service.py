@@ -368,8 +368,24 @@ class ScheduleService:
     async def _deliver(self, batch, levels: dict[int, int], timers: list) -> bool:
         timer_offsets = [t[1] for t in timers]
         reqs = [req for req, _, _ in batch] + [self._progress_record(levels, timer_offsets)]
+        store = self.ctx.store
+        for req in reqs:
+            if (req.topic, req.queue_id) not in store.queue_index:
+                # A new queue's file first, as a send's: one that could not be made (past the open-files limit)
+                # had its units wait in memory, unreadable, and the checkpoint stood still until a descriptor
+                # came free. The batch waits here instead, in the schedule queue, and is tried again.
+                try:
+                    await store.queue_file(req.topic, req.queue_id)
+                except BaseException as exc:
+                    for entry in timers:            # not taken after all, whatever stopped it
+                        heapq.heappush(self._timers, entry)
+                    if not isinstance(exc, OSError):
+                        raise
+                    log.warning("schedule delivery of %d messages waits: consume queue %s-%d has no file (%s); "
+                                "retrying in %.0f s", len(batch), req.topic, req.queue_id, exc, REFUSED_RETRY_S)
+                    return False
         try:
-            results = await self.ctx.store.put_many(reqs)
+            results = await store.put_many(reqs)
         except BaseException:
             for entry in timers:            # not taken after all (the put's outcome is in the log)
                 heapq.heappush(self._timers, entry)

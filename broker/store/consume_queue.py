@@ -232,6 +232,15 @@ class ConsumeQueue:
                                             durable_name=False))
         self.unsynced.append(self.directory)
 
+    def adopt_first_file(self, made: tuple[MappedFile, list[str]]) -> None:
+        """Take the first file ``make_first_file`` made (on a thread) for this queue, which has none."""
+        mf, dirs = made
+        assert not self.files and mf.start == 0 == self.max_offset, (self.topic, self.queue_id)
+        self.unsynced += dirs
+        self.min_offset = 0
+        self.files.append(mf)
+        self.unsynced.append(self.directory)
+
     def mark_damaged(self, offset: int, what: str = "zeroed unit") -> bool:
         """A read met an all-zero unit at ``offset`` (no real unit has size 0): the units there are lost from
         this file though their records are in the log; or a unit whose record is not in its live segment
@@ -534,3 +543,15 @@ def read_tombstone(topic_dir: str) -> int | None:
                   path, text[:40])
         return None
     return int(text)
+
+
+def make_first_file(directory: str, file_size: int) -> tuple[MappedFile, list[str]]:
+    """A new queue's first file, made off the event loop (``ConsumeQueue.adopt_first_file`` takes it): its
+    directories, the file, its mapping, and its first page written once, so that the loop's first unit does not
+    fault it in. Each of those waits on the file system's journal (ext4: 1-4 ms while checkpoints fsync), and a
+    burst of new queues held the loop for all of them. Returns the file and the directories to sync (as
+    ``_new_file``: before the checkpoint that says its units are durable)."""
+    dirs = make_dirs(directory)
+    mf = MappedFile.create(directory, 0, file_size, reserve=RESERVE_CHUNK, durable_name=False)
+    mf.mm[0:1] = b"\0"
+    return mf, dirs

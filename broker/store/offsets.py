@@ -52,6 +52,10 @@ class ConsumerOffsets:
         self._maker: dict[tuple[str, str, int], str] = {}
         self._made_by: dict[str, int] = {}
         self._dirty = False
+        # What the last background save took (the table, the makers), and the keys changed since: the next one
+        # brings that copy up to date with just those keys (_snapshot). None: the next takes a whole copy.
+        self._copy: tuple[dict, dict] | None = None
+        self._changed: set[tuple[str, str, int]] = set()
         self._task: asyncio.Task | None = None
         self._write_lock = threading.Lock()     # a cancelled background write may still be running
         # Each save is numbered when its table is taken (on the loop); the write of an older one than the newest
@@ -95,6 +99,7 @@ class ConsumerOffsets:
                 self._maker[key] = client
                 self._made_by[client] = self._made_by.get(client, 0) + 1
             self._table[key] = offset
+            self._changed.add(key)
             self._dirty = True
             self._changes += 1
 
@@ -114,6 +119,7 @@ class ConsumerOffsets:
     def _remove(self, keys) -> None:
         for key in keys:
             del self._table[key]
+            self._changed.add(key)
             self._dirty = True
             self._changes += 1
             client = self._maker.pop(key, None)
@@ -161,6 +167,7 @@ class ConsumerOffsets:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._copy = None       # a cancelled save's thread may still be encoding that copy: never changed again
         try:
             self.persist()
         except OSError as exc:  # a full disk must not turn a clean stop into a crash; consumers re-read
@@ -175,10 +182,9 @@ class ConsumerOffsets:
             if self._dirty:
                 self._dirty = False
                 try:
-                    # copied here, encoded and written on a thread: 100,000 offsets with their makers take
+                    # taken here, encoded and written on a thread: 100,000 offsets with their makers take
                     # about 350 ms to encode, which held the loop that long
-                    snapshot = dict(self._table), dict(self._maker)
-                    await loop.run_in_executor(None, self._encode_and_write, snapshot, *self._take_save())
+                    await loop.run_in_executor(None, self._encode_and_write, self._snapshot(), *self._take_save())
                 except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
                     if not failing:     # once per outage (a full disk), not every few seconds
@@ -217,6 +223,31 @@ class ConsumerOffsets:
             raise
         finally:
             self._saving = None
+
+    def _snapshot(self) -> tuple[dict, dict]:
+        """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save
+        took, brought up to date with the keys changed since: a whole copy each save held the loop 11-55 ms at
+        100,000 offsets, however few had changed (1,000 changed: 0.3 ms). Only _persist_loop takes it, one save at
+        a time (``saved`` takes a copy of its own), so the copy is never changed while a thread encodes it. With more than a sixteenth of the table changed, a whole copy is the
+        cheaper (one C call; key by key, 100,000 changed took 300-600 ms)."""
+        if self._copy is None or len(self._changed) > len(self._table) // 16:
+            self._changed.clear()
+            self._copy = dict(self._table), dict(self._maker)
+            return self._copy
+        table, maker = self._table, self._maker
+        saved_table, saved_maker = self._copy
+        for key in self._changed:
+            if key in table:
+                saved_table[key] = table[key]
+            else:
+                saved_table.pop(key, None)
+            client = maker.get(key)
+            if client is not None:
+                saved_maker[key] = client
+            else:
+                saved_maker.pop(key, None)
+        self._changed.clear()
+        return self._copy
 
     def persist(self) -> None:
         """Write the table now (blocking)."""

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import time
+from functools import partial
 from typing import Callable
 
 from protocol.errors import CorruptRecordError, StoreError
@@ -29,7 +30,7 @@ from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_t
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
-from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, read_tombstone, write_tombstone
+from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_nul_copy_from, read_nul_free_from,
                        removed_from_disk, sealed_from_disk, summarize_file, write_manifest, write_nul_copy_from,
@@ -87,6 +88,9 @@ class MessageStore:
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
         self._io2: IoThread | None = None                   # a second group commit's msync while one is in flight
         self._reserve_io: IoThread | None = None            # new segments, zeros ahead of the writer
+        self._queue_io: IoThread | None = None              # new queues' first files (make_queue_file)
+        # new queue -> the callers waiting for its first file, in the order they asked (make_queue_file)
+        self._making: dict[tuple[str, int], list[Callable[[BaseException | None], object]]] = {}
         self._housekeeping: asyncio.Task | None = None
         self._disk_task: asyncio.Task | None = None
         self._backlogged: set = set()                       # consume queues with units waiting for space
@@ -196,6 +200,7 @@ class MessageStore:
         self._io = IoThread("txmq-flush")
         self._io2 = IoThread("txmq-flush-2") if self.config.flush == "sync" else None
         self._reserve_io = IoThread("txmq-reserve")
+        self._queue_io = IoThread("txmq-queue-files")
         if self._log.reserver is not None:
             self._log.reserver.start(self._reserve_io)
             self._log.reserver.after_job = self.disk.probe     # reserving is what fills the disk
@@ -233,6 +238,7 @@ class MessageStore:
             if self._io2 is not None:
                 self._io2.stop()
             self._reserve_io.stop()
+            self._queue_io.stop()
             self._close_files()
             self._state = "closed"
 
@@ -331,6 +337,10 @@ class MessageStore:
             return
         if key in self._log.queue_starts:
             return
+        if key in self._making:
+            # its file is being made on the queue-file thread (make_queue_file): made here too, one of the two
+            # would fail "File exists", said as if no file could be made
+            raise OSError(errno.EAGAIN, f"consume queue {topic}-{queue_id}: its file is being made, try again")
         if cq is not None:
             # made by the writer, its file not: its units wait (backlog), written by the retry that makes it; or
             # loaded with none (a directory left empty by a failed open, or a crash, before a restart): made now
@@ -349,6 +359,85 @@ class MessageStore:
         cq.open_file()
         self._cqs[key] = cq
         self.queue_index.add(key)
+        if self.on_new_queue is not None:
+            try:
+                self.on_new_queue(*key)
+            except Exception:
+                log.exception("new queue listener failed on %s", key)
+
+    def make_queue_file(self, topic: str, queue_id: int, then: Callable[[BaseException | None], object]) -> None:
+        """``prepare_queue`` off the event loop: ``then(None)`` once the queue has its file, ``then(exc)`` with
+        what stopped it (the OSError, as prepare_queue raises it). A new queue's first file is made on the
+        store's queue-file thread: made on the loop, a burst of new queues (one client's 1,000 topics of 8)
+        held every other connection 1-2 s at a time, each file waiting on the file system's journal.
+
+        ``then`` runs on the loop, for the callers of one queue in the order they asked, all of them before the
+        queue joins ``queue_index``: a send that finds it there puts its record after theirs, never ahead of
+        a record sent before it. The rare queues prepare_queue has more to do for (one the writer made without
+        its file, a slave's) are made at once, as there."""
+        key = (topic, queue_id)
+        waiting = self._making.get(key)
+        if waiting is not None:
+            waiting.append(then)
+            return
+        if self._queue_io is None or key in self._cqs or key in self._log.queue_starts:
+            try:
+                self.prepare_queue(topic, queue_id)
+            except OSError as exc:
+                then(exc)
+                return
+            then(None)
+            return
+        self._making[key] = [then]
+        made = self._queue_io.submit(make_first_file, os.path.join(self._cq_root, topic, str(queue_id)),
+                                     self.config.cq_file_size)
+        made.add_done_callback(partial(self._queue_file_made, key))
+
+    def making_queue_file(self, topic: str, queue_id: int) -> bool:
+        """Whether the queue-file thread is making this queue's first file (prepare_queue would say EAGAIN):
+        a caller that cannot wait in ``make_queue_file``'s order awaits ``queue_file`` instead."""
+        return (topic, queue_id) in self._making
+
+    def queue_file(self, topic: str, queue_id: int) -> asyncio.Future:
+        """``make_queue_file`` as a future: None once the queue has its file, else the error it met."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def then(exc):
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+        self.make_queue_file(topic, queue_id, then)
+        return fut
+
+    def _queue_file_made(self, key: tuple[str, int], made: asyncio.Future) -> None:
+        waiting = self._making.pop(key)
+        exc = made.exception()
+        cq = self._cqs.get(key)
+        if exc is None:
+            if cq is None:
+                cq = self._cqs[key] = self._make_queue(key)
+                cq.adopt_first_file(made.result())
+                self._new_queue(key)
+            elif not cq.files:      # the writer made it meanwhile (a scheduled message), its file not: ours
+                cq.adopt_first_file(made.result())
+                if cq.retry():
+                    self._backlogged.discard(cq)
+            else:                   # made meanwhile, file and all, on the loop: it cannot be ours (O_EXCL)
+                made.result()[0].close()
+        elif cq is not None and cq.files:   # EEXIST: the file made meanwhile on the loop is this queue's
+            exc = None
+        if exc is None:
+            self.queue_index.add(key)
+        for then in waiting:
+            try:
+                then(exc)
+            except Exception:
+                log.exception("new queue %s: a caller waiting for its file failed", key)
+
+    def _new_queue(self, key: tuple[str, int]) -> None:
         if self.on_new_queue is not None:
             try:
                 self.on_new_queue(*key)
@@ -863,6 +952,15 @@ class MessageStore:
             if why is not None and unmarked is not None:
                 unmarked(why)
 
+        # A new queue of the topic whose first file the queue-file thread is making: the sends waiting for it
+        # were accepted before this delete. Its file first, their records queued with it, then the delete takes
+        # the queue with them. Not waited for, the delete removed the directory under the thread (the sends
+        # refused ENOENT), or the file, made first, was adopted after the delete: a live queue of a deleted topic.
+        for key in [k for k in self._making if k[0] == topic]:
+            try:
+                await self.queue_file(*key)
+            except OSError:
+                pass                # no file, no queue: nothing of it to delete
         await self._writer.control(op)
         try:        # recovery must not bring the queues back from records before this point
             await self._checkpoint()

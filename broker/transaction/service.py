@@ -60,6 +60,11 @@ log = logging.getLogger("txmq.transaction")
 Pending = Tx                            # the name the rest of the broker and the tests know
 
 
+class _FileBeingMade(Exception):
+    """A decision's record goes to a queue whose first file the store's queue-file thread is making: args
+    (topic, queue id), for ``store.queue_file``. The decision stays claimed."""
+
+
 class DecisionError(Exception):
     def __init__(self, code: int, remark: str):
         super().__init__(remark)
@@ -471,6 +476,8 @@ class TransactionService:
                 self._put_decision(action, done, later)
             except DecisionError as exc:
                 return exc.code, exc.remark
+            except _FileBeingMade:      # its queue's file is being made: written once it is (_write_decision)
+                return self._answer(self._write_decision(action, done))
             return None
         return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
@@ -532,7 +539,20 @@ class TransactionService:
         are written whoever waits, so a caller cancelled meanwhile (a stop cancels the check timer) must not
         settle the decision as refused, leaving it pending with its op record in the log."""
         answer = asyncio.get_running_loop().create_future()
-        self._put_decision(action, done, answer, reclaim)
+        while True:
+            try:
+                self._put_decision(action, done, answer, reclaim)
+                break
+            except _FileBeingMade as being:
+                # Its queue's first file is being made off the loop (a send to it came first): wait for it, as
+                # that send does. Refused "try again", a stock client's oneway END was lost until a check.
+                try:
+                    await self.ctx.store.queue_file(*being.args)
+                except OSError:
+                    pass                # said by prepare_queue on the next try: refused, the half kept
+                except BaseException:
+                    self._unclaim(action.tx, done, False)
+                    raise
         code, remark = await asyncio.shield(answer)
         if code != ResponseCode.SUCCESS:
             raise DecisionError(code, remark)
@@ -566,8 +586,13 @@ class TransactionService:
             ready = store.queue_index       # a queue there is (every commit but a queue's first): one set lookup
             for req in reqs:
                 if (req.topic, req.queue_id) not in ready:
+                    if store.making_queue_file(req.topic, req.queue_id):
+                        raise _FileBeingMade(req.topic, req.queue_id)
                     store.prepare_queue(req.topic, req.queue_id)
             return floor, reqs
+        except _FileBeingMade:
+            self.writing_ops.remove(floor)      # still claimed: written once the file is there (_write_decision)
+            raise
         except OSError as exc:
             self._decision_settled(action.tx, floor, done, False)
             why = f"create mapped file failed, server is busy or broken: {exc}"

@@ -495,3 +495,55 @@ async def test_a_retry_due_in_a_queue_its_retry_topic_no_longer_has_is_delivered
     assert store.max_offset("%RETRY%G", 3) == 0
     await svc.stop()
     await store.close()
+
+
+@bounded()
+async def test_a_delivery_whose_queue_file_cannot_be_made_waits_in_the_schedule_queue(tmp_path, monkeypatch):
+    """Past the open-files limit a delivery into a new queue was stored and its unit waited in memory,
+    unreadable, the store's checkpoint standing still until a descriptor came free (a crash then re-read the log
+    from the old checkpoint). The queue's file is made first now, as a send's: the batch waits in the schedule
+    queue, and goes once the file can be made."""
+    from broker.store import consume_queue
+    from tests.support.store_faults import no_descriptor_for
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    await _schedule(svc, "Fresh", b"a", {"DELAY": "1"}, clock.now)
+    real = no_descriptor_for(monkeypatch, "Fresh")
+    assert await svc.run_due(102_000, 102_000) == -1
+    assert await svc.run_due(103_000, 103_000) == -1
+    assert store.max_offset("Fresh", 0) == 0 and dict(svc.waiting()) == {"1": 1, "timer": 0}
+    assert not store._backlogged                    # nothing waits in memory: the checkpoint goes on
+    monkeypatch.setattr(consume_queue.MappedFile, "create", real)
+    assert await svc.run_due(104_000, 104_000) == 1
+    assert [m.body for m in _delivered(store, "Fresh")] == [b"a"]
+    await svc.stop()
+    await store.close()
+
+
+@bounded()
+async def test_a_timer_whose_queue_file_fails_unexpectedly_is_kept_and_delivered_later(tmp_path, monkeypatch):
+    """A due timer is taken off the timer heap before its delivery. The put kept it on any failure ("not taken
+    after all"), but the wait for a new queue's file came before that, outside it: a failure there other than an
+    OSError (a bug, or the store closing) lost the timer from memory -- never delivered until a restart."""
+    from broker.store import consume_queue
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    await _schedule(svc, "Fresh", b"t", {"TIMER_DELIVER_MS": "101000"}, clock.now)
+    real = consume_queue.MappedFile.create
+
+    def broken(directory, *a, **kw):
+        if os.sep + "Fresh" + os.sep in directory + os.sep:
+            raise ValueError("mmap length is greater than file size")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", broken)
+    with pytest.raises(ValueError):
+        await svc.run_due(101_000, 101_000)
+    assert dict(svc.waiting())["timer"] == 1
+    monkeypatch.setattr(consume_queue.MappedFile, "create", real)
+    assert await svc.run_due(101_500, 101_500) == 1
+    assert [m.body for m in _delivered(store, "Fresh")] == [b"t"]
+    await svc.stop()
+    await store.close()

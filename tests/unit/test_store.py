@@ -524,3 +524,53 @@ async def test_a_unit_waiting_for_its_queue_file_is_not_lost_across_a_stop(tmp_p
     store = await opened(tmp_path)
     assert store.max_offset("Late", 1) == 1 and store.max_offset("Other", 0) == 1
     await store.close()
+
+
+@pytest.mark.parametrize("first", ["writer", "thread"])
+@bounded()
+async def test_a_queue_the_writer_makes_while_its_file_is_made_off_the_loop_keeps_every_unit(tmp_path, monkeypatch,
+                                                                                           first):
+    """make_queue_file makes a new queue's first file on a thread; meanwhile the writer may make the same queue
+    for a record put without it (a commit, a delivery), and one of the two finds the file there (O_EXCL). The
+    writer first: the thread's file is not needed, the callers are told the queue is ready. The thread first: the
+    writer's unit waits in memory for a moment, and the thread's file is taken and the unit written into it.
+    Either way every unit is in the queue, nothing waits in memory, and the callers go on."""
+    import errno
+    import threading
+    from broker.store import consume_queue
+    store = await opened(tmp_path)
+    real = consume_queue.MappedFile.create
+    made, release = threading.Event(), threading.Event()
+
+    def on_the_thread(directory, *a, **kw):
+        if threading.current_thread() is threading.main_thread():
+            return real(directory, *a, **kw)
+        if first == "writer":
+            assert release.wait(5)
+            return real(directory, *a, **kw)
+        mf = real(directory, *a, **kw)
+        made.set()
+        assert release.wait(5)
+        return mf
+
+    monkeypatch.setattr(consume_queue.MappedFile, "create", on_the_thread)
+    told = []
+    store.make_queue_file("Both", 1, told.append)
+    if first == "thread":
+        assert await asyncio.get_running_loop().run_in_executor(None, made.wait, 5)
+    r = await store.put(req(topic="Both", queue_id=1))       # the writer's own path: no make_queue_file
+    assert r.ok
+    assert ("Both", 1) not in store.queue_index and told == []
+    if first == "thread":       # a caller that cannot wait (a decision) is told to try again, not "File exists"
+        with pytest.raises(OSError) as exc:
+            store.prepare_queue("Both", 1)
+        assert exc.value.errno == errno.EAGAIN and "being made" in str(exc.value)
+    release.set()
+    await store.queue_file("Both", 1)                       # after the first (one thread, in order)
+    assert told == [None] and ("Both", 1) in store.queue_index
+    assert store.max_offset("Both", 1) == 1 and not store._backlogged
+    assert (await store.put(req(topic="Both", queue_id=1))).queue_offset == 1
+    await store.close()
+    store = await opened(tmp_path)
+    assert store.max_offset("Both", 1) == 2
+    await store.close()
