@@ -574,6 +574,19 @@ class TopicManager:
         log.warning("topic %s deleted", topic)
         return True
 
+    def follow(self, table: dict[str, TopicConfig]) -> tuple[list[str], list[str]]:
+        """(Slave) take its master's topics (GET_ALL_TOPIC_CONFIG, ``parse_topic_table``) for its own, as RocketMQ's
+        SlaveSynchronize does: each topic's queues, perm and order become the master's. Returns (set, gone): the
+        topics set here, and those the master no longer has, which the caller deletes as the master did
+        (config and queues). This broker's own system topics are neither set nor deleted, nor is another system
+        topic deleted (none can be, on the master)."""
+        changed = [tc for name, tc in table.items() if name not in self._system and self.topics.get(name) != tc]
+        for tc in changed:
+            self.create(tc)
+        gone = [name for name in self.topics if name not in table and not is_system_topic(name)
+                and name not in self._system]
+        return [tc.name for tc in changed], gone
+
     def ensure(self, topic: str, queues: int = 1, creator: str | None = None) -> TopicConfig:
         tc = self.topics.get(topic)
         return tc if tc is not None else self.create(TopicConfig(topic, queues, queues), creator)
@@ -590,6 +603,28 @@ class TopicManager:
             return tc
         return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
                                        tc.perm, tc.filter_type, tc.sys_flag, tc.order), client)
+
+
+_WIRE_FIELDS = {"readQueueNums": "read_queue_nums", "writeQueueNums": "write_queue_nums", "perm": "perm",
+                "topicFilterType": "filter_type", "topicSysFlag": "sys_flag", "order": "order"}
+
+
+def parse_topic_table(body: bytes) -> tuple[tuple, dict[str, TopicConfig]]:
+    """A GET_ALL_TOPIC_CONFIG body (TopicConfigSerializeWrapper, txmq's or a Java broker's): (its dataVersion as
+    (timestamp, counter), its topics). ValueError for a body of the wrong shape: a slave taking part of it would
+    delete the topics it left out."""
+    data = json.loads(body)
+    check(isinstance(data, dict) and isinstance(data.get("topicConfigTable"), dict), 'not {"topicConfigTable": {...}}')
+    version = data.get("dataVersion") or {}
+    check(isinstance(version, dict), f"dataVersion = {version!r}")
+    table = {}
+    for name, entry in data["topicConfigTable"].items():
+        check(isinstance(entry, dict) and name != "", f"malformed topic entry {name!r}: {entry!r}")
+        fields = {ours: entry[wire] for wire, ours in _WIRE_FIELDS.items() if entry.get(wire) is not None}
+        for key, value in fields.items():
+            check(_FIELD_TYPES[key](value), f"topic {name}: {key} = {value!r}")
+        table[name] = TopicConfig(name, **fields)
+    return (version.get("timestamp"), version.get("counter")), table
 
 
 def _retrieved(task: asyncio.Future) -> None:

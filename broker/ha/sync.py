@@ -20,6 +20,8 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 
+from ..topics import parse_topic_table
+
 log = logging.getLogger("txmq.ha")
 
 
@@ -35,6 +37,9 @@ class SlaveSync:
         self._failing: str | None = None
         self.subscriptions = None       # set by the server: the master's subscription groups are copied too
         self._groups_unsaved = False    # copied, but their file could not be written (a full disk): written again
+        self.topics = None              # set by the server: the master's topic configs are copied too
+        self.delete_topic = None        # async fn(topic): delete one as the master did (config, queues, offsets)
+        self._topics_version = None     # the master's dataVersion last taken: an unchanged table is not gone over
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -69,12 +74,46 @@ class SlaveSync:
             # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
             if offset >= 0:
                 self.offsets.commit(group, topic, qid, offset)
+        if self.topics is not None and not await self._sync_topics(addr):
+            return False
         if self.subscriptions is not None and not await self._sync_groups(addr):
             return False
         self.synced += 1
         if self._failing is not None:
             log.warning("consumer offsets copied from master %s again", addr)
             self._failing = None
+        return True
+
+    async def _sync_topics(self, addr: str) -> bool:
+        """The master's topic configs (GET_ALL_TOPIC_CONFIG) replace the slave's, as RocketMQ's slave takes them.
+        The log names only the queues that hold records: a topic made on the master with 16 queues, read-only
+        or ordered, was on the slave with the queues its records reached (none: not at all), read-write, and
+        failed-over consumers and GET_TOPIC_STATS_INFO saw that; a topic deleted on the master lived on in the
+        slave with its old messages, and came back on a slave restarted as the master."""
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG),
+                                           self.timeout_s)
+            if resp.code != ResponseCode.SUCCESS:
+                self._failed(f"master {addr} refused GET_ALL_TOPIC_CONFIG: code {resp.code} {resp.remark}")
+                return False
+            version, table = parse_topic_table(resp.body_bytes())
+        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
+            self._failed(f"topic configs not copied from master {addr}: {exc}")
+            return False
+        if version == self._topics_version and None not in version:
+            return True
+        changed, gone = self.topics.follow(table)
+        for topic in gone:
+            await self.delete_topic(topic)
+        if changed or gone:
+            log.info("topic configs copied from master %s: %d set (e.g. %s), %d deleted (e.g. %s)", addr,
+                     len(changed), changed[:1], len(gone), gone[:1])
+        try:
+            await self.topics.saved()
+        except OSError as exc:      # version not taken: tried again next interval, as the topics' own retry does
+            self._failed(f"topic configs copied from master {addr} but not saved: {exc}")
+            return False
+        self._topics_version = version
         return True
 
     async def _sync_groups(self, addr: str) -> bool:

@@ -971,3 +971,66 @@ async def test_a_slave_given_its_masters_groups_neither_grows_nor_refuses_retry_
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def _topic_table(pool: ConnectionPool, addr: str) -> dict:
+    resp = await pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5.0)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    return json.loads(resp.body_bytes())["topicConfigTable"]
+
+
+async def _until_slave_topics(pool: ConnectionPool, slave, done) -> dict:
+    """The slave's topic table once ``done(table)`` (copied within a few sync intervals; bounded by the caller)."""
+    while True:
+        table = await _topic_table(pool, slave.broker)
+        if done(table):
+            return table
+        await asyncio.sleep(0.1)
+
+
+async def test_a_slave_takes_its_masters_topic_configs_and_deletes(tmp_path):
+    """The log names only the queues that hold records. A topic an operator made on the master with 16 queues,
+    read-only and ordered was unknown to the slave (no record yet): a consumer failed over to it was answered
+    TOPIC_NOT_EXIST, and a topic made by its records had the queues they reached, read-write. A topic deleted on
+    the master lived on in the slave, its old messages served, restored at a restart (the slave restarted as the
+    master: the topic back). The slave copies its master's table (GET_ALL_TOPIC_CONFIG), deletes with it, as
+    RocketMQ's SlaveSynchronize."""
+    from tests.support.broker_process import BrokerProcess
+
+    started = []
+    pool = ConnectionPool()
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-tc", started, "--slave-sync-interval-ms", "200")
+        for topic, queues, perm, order in (("Ops16", 16, 4, "true"), ("Gone", 4, 6, "false")):
+            resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+                "topic": topic, "readQueueNums": queues, "writeQueueNums": queues, "perm": perm, "order": order}),
+                5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_topic_copies") as producer:
+                await _until_replicating(producer)
+                for qid in range(4):
+                    gone = await producer.send("Gone", b"old", queue=MessageQueue("Gone", "broker-tc", qid))
+                    assert gone.status is SendStatus.SEND_OK
+            table = await _until_slave_topics(pool, slave, lambda t: "Ops16" in t)
+            assert (table["Ops16"]["readQueueNums"], table["Ops16"]["writeQueueNums"], table["Ops16"]["perm"],
+                    table["Ops16"]["order"]) == (16, 16, 4, True)
+            resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                             {"topic": "Gone"}), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            await _until_slave_topics(pool, slave, lambda t: "Gone" not in t)
+            stats = RemotingCommand.request(RequestCode.GET_TOPIC_STATS_INFO, {"topic": "Gone"})
+            assert (await pool.request(slave.broker, stats, 5.0)).code == ResponseCode.TOPIC_NOT_EXIST
+            slave.stop()
+            # the slave restarted alone (its master away): neither the delete nor the copies undone
+            again = BrokerProcess(tmp_path / "slave", "--broker-role", "SLAVE", "--broker-id", "1",
+                                  "--ha-master-addr", "127.0.0.1:1").start()
+            started.append(again)
+            table = await _topic_table(pool, again.broker)
+            assert "Gone" not in table
+            assert (table["Ops16"]["readQueueNums"], table["Ops16"]["perm"]) == (16, 4)
+            assert (await pool.request(again.broker, stats, 5.0)).code == ResponseCode.TOPIC_NOT_EXIST
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
