@@ -358,8 +358,11 @@ class MessageStore:
     def _on_commit(self, units: list, infos: list) -> None:
         """Records just became readable: index them, then tell the listeners."""
         cqs = self._cqs
+        restarts = self._log.queue_restarts
         for key, packed in units.items():
             cq = cqs.get(key)
+            if restarts and cq is not None and key in restarts:
+                self._restart_queue(cq, restarts.pop(key))
             if cq is None:
                 cq = cqs[key] = self._make_queue(key)
                 cq.begin_at(self._log.queue_starts.pop(key, 0))
@@ -385,6 +388,16 @@ class MessageStore:
                             fn(info)
                         except Exception:
                             log.exception("dispatch listener %r failed on %s", fn, info)
+
+    def _restart_queue(self, cq: ConsumeQueue, qoff: int) -> None:
+        """(Slave) the master's queue starts again at ``qoff`` (commit_log._queue_went_back): the units from there
+        go, as the master's went with its delete, and the copied records' units follow from ``qoff``."""
+        dropped = cq.truncate(qoff)
+        if not cq.files:        # every file was past ``qoff`` (retention took those below): begun as a new queue
+            cq.begin_at(qoff)
+        log.warning("consume queue %s-%d: the master numbered a copied record %d, below this queue's end: the "
+                    "topic was deleted and made again there; %d units from %d on dropped, the queue goes on "
+                    "as the master's", cq.topic, cq.queue_id, qoff, dropped, qoff)
 
     async def _checkpoint_loop(self) -> None:
         failing = {"checkpoint": False, "segment manifest": False}     # log once per outage, not each turn

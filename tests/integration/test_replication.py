@@ -1034,3 +1034,44 @@ async def test_a_slave_takes_its_masters_topic_configs_and_deletes(tmp_path):
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_topic_deleted_and_made_again_on_the_master_starts_again_on_the_slave(broker_factory):
+    """Deleted on the master, a topic made again starts its queues at offset 0 there. The slave indexed the copied
+    records at the end of its own queue: the new message at offset 3 there, and a consumer failed over to it at
+    offset 0 was served the deleted messages, at every offset a few behind. Its queue now starts again where the
+    master's did (as the slave's own restart rebuilds it from the log). No name server here: the slave copies no
+    configs, only the log says what happened."""
+    from protocol.message import decode_records
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    topic = "Remade"
+    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
+    mq = MessageQueue(topic, "broker-a", 0)
+    try:
+        async with asyncio.timeout(60), Producer(master.namesrv, "PG_remade") as producer:
+            await _until_replicating(producer)
+            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
+            for i in range(3):
+                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                             {"topic": topic}), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+            res = await producer.send(topic, b"new0", queue=mq)
+            assert (res.status, res.queue_offset) == (SendStatus.SEND_OK, 0)    # on the slave too: SYNC_MASTER
+            answers = []
+            for broker in (master, slave):
+                resp = await pool.request(broker.broker, RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                    "consumerGroup": "CG_remade", "topic": topic, "queueId": 0, "queueOffset": 0, "maxMsgNums": 8,
+                    "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*",
+                    "subVersion": 1, "expressionType": "TAG"}), 5.0)
+                assert resp.code == ResponseCode.SUCCESS, resp.remark
+                answers.append([m.body for m in decode_records(resp.body_bytes())])
+        assert answers == [[b"new0"], [b"new0"]]
+    finally:
+        await pool.close()

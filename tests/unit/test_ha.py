@@ -604,3 +604,45 @@ async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_every
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         server.close()
+
+
+@bounded(30)
+async def test_a_slave_queue_starts_again_where_the_masters_did_after_a_delete(tmp_path):
+    """Deleted and made again, a topic's queue starts at 0 on the master; the slave appended the copied units at
+    its queue's end, serving the deleted messages at the new ones' offsets. Copied across batches (the slave had
+    the old run) and in one (it had not), and after the slave's restart, its queue is the master's."""
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    await master.open()
+    slaves = [MessageStore(str(tmp_path / name), CFG) for name in ("s1", "s2")]
+    for s in slaves:
+        await s.open()
+        s.set_replica_only()
+
+    def bodies(store):
+        got = store.get_messages("T", 0, 0, 100, 1 << 20)
+        return [bytes(b) for b in got.buffers]
+
+    try:
+        for i in range(3):
+            await master.put(PutRequest.build("T", f"old{i}".encode(), queue_id=0))
+        mid = await _copy(master, slaves[0], 0)
+        await master.delete_topic("T")
+        for i in range(2):
+            await master.put(PutRequest.build("T", f"new{i}".encode(), queue_id=0))
+        await _copy(master, slaves[0], mid)
+        await _copy(master, slaves[1], 0)
+        want = bodies(master)
+        assert len(want) == 2
+        for s in slaves:
+            assert (s.min_offset("T", 0), s.max_offset("T", 0)) == (0, 2)
+            assert bodies(s) == want
+    finally:
+        await master.close()
+        for s in slaves:
+            await s.close()
+    again = MessageStore(str(tmp_path / "s1"), CFG)
+    await again.open()
+    try:
+        assert bodies(again) == want
+    finally:
+        await again.close()
