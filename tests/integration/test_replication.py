@@ -1075,3 +1075,34 @@ async def test_a_topic_deleted_and_made_again_on_the_master_starts_again_on_the_
         assert answers == [[b"new0"], [b"new0"]]
     finally:
         await pool.close()
+
+
+async def test_a_master_answers_get_all_delay_offset_as_a_java_slave_asks_it(broker_factory):
+    """A Java slave's SlaveSynchronize asks GET_ALL_DELAY_OFFSET every sync and writes the body to its
+    delayOffset.json. Answered REQUEST_CODE_NOT_SUPPORTED, it kept none, and restarted as the master it delivered
+    every delayed message in its log again. The master answers RocketMQ's {"offsetTable": {level: offset}}: the
+    next SCHEDULE_TOPIC_XXXX queue offset per level, after the deliveries made; its slave says to ask the master."""
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    ask = RemotingCommand.request(RequestCode.GET_ALL_DELAY_OFFSET)
+    pool = ConnectionPool()
+    try:
+        async with asyncio.timeout(60):
+            async with Producer(master.namesrv, "PG_delay_offsets") as producer:
+                mq = None
+                for i in range(3):
+                    res = await producer.send("DelayedCopy", f"d{i}".encode(), delay_level=1, queue=mq)
+                    assert res.status is SendStatus.SEND_OK
+                    mq = res.queue
+            max_offset = RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": "DelayedCopy",
+                                                                              "queueId": mq.queue_id})
+            while (await pool.request(master.broker, max_offset, 5.0)).int_field("offset", 0) < 3:
+                await asyncio.sleep(0.1)        # delivered (the 1 s level; bounded by the timeout)
+            resp = await pool.request(master.broker, ask, 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            table = json.loads(resp.body_bytes())["offsetTable"]
+            assert table.pop("1") == 3 and set(table.values()) <= {0}      # the other levels: nothing delivered
+            resp = await pool.request(slave.broker, ask, 5.0)
+            assert resp.code == ResponseCode.SYSTEM_ERROR and "ask its master" in resp.remark
+    finally:
+        await pool.close()
