@@ -1106,3 +1106,49 @@ async def test_a_master_answers_get_all_delay_offset_as_a_java_slave_asks_it(bro
             assert resp.code == ResponseCode.SYSTEM_ERROR and "ask its master" in resp.remark
     finally:
         await pool.close()
+
+
+async def test_a_slave_restarted_as_the_master_checks_the_transactions_its_master_left_undecided(broker_factory):
+    """4.x promotes a slave by restarting it with another broker role. The slave's index of undecided halves is its
+    start-up one (it follows no decisions); its clean stop saved it as a snapshot covering its whole log, and,
+    restarted as the master, it listed none of the halves its master had left undecided: never checked, never
+    committed, gone without a word. The slave saves none: its next start reads the log it copied."""
+    from producer import LocalTransactionState, TransactionProducer
+
+    class Outcomes:
+        def execute_local_transaction(self, msg, arg):
+            return {b"u": LocalTransactionState.UNKNOW, b"c": LocalTransactionState.COMMIT_MESSAGE,
+                    b"r": LocalTransactionState.ROLLBACK_MESSAGE}[msg.body[:1]]
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+
+    async def call(b, code):
+        return await pool.request(b.broker, RemotingCommand.request(code), 5.0)
+
+    async def log_end(b):
+        info = await call(b, RequestCode.GET_BROKER_RUNTIME_INFO)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+
+    async def undecided(b):
+        return sorted(t["uniq_key"] for t in json.loads(
+            (await call(b, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"])
+    try:
+        async with asyncio.timeout(60):
+            async with TransactionProducer(master.namesrv, "PG_promoted_tx", Outcomes()) as producer:
+                for body in (b"u1", b"c1", b"r1", b"u2"):
+                    await producer.send_in_transaction(TOPIC, body)
+            left = await undecided(master)
+            assert len(left) == 2
+            while await log_end(slave) < await log_end(master):     # every half and decision copied
+                await asyncio.sleep(0.05)
+            master.kill()
+            assert slave.stop() == 0
+            promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+            assert await undecided(promoted) == left
+    finally:
+        await pool.close()
