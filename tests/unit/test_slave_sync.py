@@ -94,3 +94,29 @@ async def test_a_negative_offset_on_the_master_is_not_copied(tmp_path):
     offsets.persist()
     offsets.persist()                   # the previous copy holds it too
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]
+
+
+def test_a_java_masters_topic_table_is_read_and_a_damaged_one_refused_whole(tmp_path):
+    """GET_ALL_TOPIC_CONFIG as a Java 4.9.8 master writes it (fastjson, fields sorted). A body the slave cannot
+    read whole is refused: the topics it left out would be deleted on the slave."""
+    from broker.topics import TopicConfig, TopicManager, parse_topic_table
+
+    body = (b'{"dataVersion":{"counter":5,"timestamp":1700000000000},"topicConfigTable":{"Ops":{"order":true,'
+            b'"perm":4,"readQueueNums":16,"topicFilterType":"SINGLE_TAG","topicName":"Ops","topicSysFlag":0,'
+            b'"writeQueueNums":8},"TBW102":{"order":false,"perm":7,"readQueueNums":8,"topicFilterType":'
+            b'"SINGLE_TAG","topicName":"TBW102","topicSysFlag":0,"writeQueueNums":8}}}')
+    version, table = parse_topic_table(body)
+    assert version == (1700000000000, 5)
+    assert table["Ops"] == TopicConfig("Ops", 16, 8, 4, "SINGLE_TAG", 0, True)
+    for bad in (b"", b"[]", b'{"topicConfigTable":[]}', b'{"topicConfigTable":{"T":{"readQueueNums":-1}}}',
+                b'{"topicConfigTable":{"T":{"order":"yes"}}}', b'{"topicConfigTable":{"T":5}}'):
+        with pytest.raises(ValueError):
+            parse_topic_table(bad)
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    topics.create(TopicConfig("Old", 4, 4))
+    topics.create(TopicConfig("RMQ_SYS_TRACE_TOPIC", 1, 1))
+    changed, gone = topics.follow(table)
+    assert (changed, gone) == (["Ops"], ["Old"])       # TBW102 stays the slave's own; no system topic goes
+    assert topics.get("Ops") == table["Ops"] and topics.get("TBW102").perm != 4
+    assert topics.follow(table) == ([], ["Old"])       # the caller deletes it
