@@ -109,6 +109,7 @@ def test_a_java_masters_topic_table_is_read_and_a_damaged_one_refused_whole(tmp_
             b'"topicSysFlag":0,"writeQueueNums":1024}}}')
     version, table = parse_topic_table(body)
     assert version == (1700000000000, 5)
+    assert parse_topic_table(body, version) == (version, None)     # the version last taken: not read again
     assert table["Ops"] == TopicConfig("Ops", 16, 8, 4, "SINGLE_TAG", 0, True)
     for bad in (b"", b"[]", b'{"topicConfigTable":[]}', b'{"topicConfigTable":{"T":{"readQueueNums":-1}}}',
                 b'{"topicConfigTable":{"T":{"order":"yes"}}}', b'{"topicConfigTable":{"T":5}}'):
