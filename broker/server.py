@@ -241,6 +241,7 @@ class BrokerServer:
             self.slave_sync.subscriptions = ctx.subscriptions       # the master's groups are copied too
             self.slave_sync.topics = ctx.topics                     # and its topics, deletes with them
             self.slave_sync.delete_topic = self._delete_followed_topic
+            self.slave_sync.following = lambda: ctx.ha.following
             self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""

@@ -40,6 +40,7 @@ class SlaveSync:
         self.topics = None              # set by the server: the master's topic configs are copied too
         self.delete_topic = None        # async fn(topic): delete one as the master did (config, queues, offsets)
         self._topics_version = None     # the master's dataVersion last taken: an unchanged table is not gone over
+        self.following = lambda: True   # set by the server: the HA link follows the master's log (HASlave.following)
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -58,6 +59,13 @@ class SlaveSync:
         if addr is None:
             self._failed("no master broker address yet (it comes from the name server's answer to this "
                          "slave's registration; a slave with no --namesrv-addr never learns it)")
+            return False
+        if not self.following():
+            # A master that lost its store (or another broker behind the address) has none of this slave's topics,
+            # groups or offsets: copied, its empty table deleted every topic here, queues and all, while the slave
+            # kept the log it had (diverged) for its consumers to fail over to.
+            self._failed(f"nothing copied from master {addr}: this slave does not follow its log (not connected, "
+                         "or the logs diverged)")
             return False
         try:
             resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET),

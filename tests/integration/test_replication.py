@@ -1152,3 +1152,56 @@ async def test_a_slave_restarted_as_the_master_checks_the_transactions_its_maste
             assert await undecided(promoted) == left
     finally:
         await pool.close()
+
+
+async def test_a_slave_copies_nothing_from_a_master_whose_log_is_not_the_one_it_copied(tmp_path):
+    """The master comes back at its HA address with another store (its own lost): the slave refuses its log and
+    keeps its own, for consumers to fail over to. Its sync took the new master's table all the same, empty of the
+    old topics, and deleted them here, consume queues and all: the messages it kept unreachable. It copies nothing
+    while it does not follow its master's log."""
+    import shutil
+
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+    from tests.support.cluster_process import stored_count
+    from tests.support.prometheus import free_port
+
+    started = []
+    pool = ConnectionPool()
+    ha_port = str(free_port())
+
+    def master_process():
+        return BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-dv", 500), "--broker-role",
+                             "ASYNC_MASTER", "--ha-port", ha_port, "--ha-heartbeat-interval-ms", "500").start()
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
+        started.append(ns)
+        master = master_process()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-dv", 500), "--broker-role", "SLAVE",
+                              "--broker-id", "1", "--ha-master-addr", f"127.0.0.1:{ha_port}",
+                              "--ha-heartbeat-interval-ms", "500", "--slave-sync-interval-ms", "200").start()
+        started.append(slave)
+        resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "Kept", "readQueueNums": 2, "writeQueueNums": 2, "perm": 6}), 5.0)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_kept") as producer:
+                for i in range(20):
+                    await producer.send("Kept", b"k%02d" % i)
+                await producer.send(TOPIC, b"x" * 4000)     # the new master's log will be shorter than this
+            end = await _log_end(master.broker)
+            while await _log_end(slave.broker) < end:
+                await asyncio.sleep(0.05)
+            await _until_slave_topics(pool, slave, lambda t: "Kept" in t)
+            master.kill()
+            shutil.rmtree(tmp_path / "master")
+            started.append(master_process())
+            while "nothing copied from master" not in slave.log() and "Kept" in await _topic_table(pool, slave.broker):
+                await asyncio.sleep(0.1)        # a sync against the new master: refused, or the topics deleted
+            assert "Kept" in await _topic_table(pool, slave.broker)
+            assert await stored_count(slave.broker, "Kept", 2) == 20
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
