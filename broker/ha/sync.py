@@ -113,7 +113,11 @@ class SlaveSync:
             return True
         changed, gone = self.topics.follow(table)
         for topic in gone:
-            await self.delete_topic(topic)
+            try:
+                await self.delete_topic(topic)
+            except Exception as exc:  # noqa: BLE001 - a store that stopped taking writes: tried next interval
+                self._failed(f"topic {topic}, deleted on master {addr}, not deleted here: {exc}")
+                return False
         if changed or gone:
             log.info("topic configs copied from master %s: %d set (e.g. %s), %d deleted (e.g. %s)", addr,
                      len(changed), changed[:1], len(gone), gone[:1])
