@@ -124,3 +124,19 @@ def test_a_java_masters_topic_table_is_read_and_a_damaged_one_refused_whole(tmp_
     assert topics.get("Ops") == table["Ops"] and topics.get("TBW102").write_queue_nums == 4
     assert "BenchmarkTest" not in topics.topics and topics.get("RMQ_SYS_TRACE_TOPIC") is not None
     assert topics.follow(table) == ([], ["Old"])       # the caller deletes it
+
+
+def test_a_slave_at_max_retry_groups_takes_its_masters_new_retry_topic(tmp_path):
+    """At max_retry_groups, the master forgot an idle %RETRY% topic and made a new group's: the slave, still
+    holding the old one, was refused the new one (TopicLimitError out of follow) at every sync -- no topic copied
+    or deleted again, and the sync task's crashes stopped the broker. The master holds the limits; the slave
+    takes its table."""
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          max_retry_groups=2, per_host=False)
+    for name in ("%RETRY%A", "%RETRY%B"):
+        topics.create(TopicConfig(name, 1, 1))
+    table = {name: TopicConfig(name, 1, 1) for name in ("%RETRY%B", "%RETRY%C")}
+    assert topics.follow(table) == (["%RETRY%C"], ["%RETRY%A"])
+    assert topics.get("%RETRY%C") == table["%RETRY%C"]
