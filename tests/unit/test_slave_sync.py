@@ -140,3 +140,19 @@ def test_a_slave_at_max_retry_groups_takes_its_masters_new_retry_topic(tmp_path)
     table = {name: TopicConfig(name, 1, 1) for name in ("%RETRY%B", "%RETRY%C")}
     assert topics.follow(table) == (["%RETRY%C"], ["%RETRY%A"])
     assert topics.get("%RETRY%C") == table["%RETRY%C"]
+
+
+def test_a_slave_copying_many_topics_says_so_in_one_line(tmp_path, caplog):
+    """A slave's first sync against a master of 8,000 topics wrote 8,000 INFO lines ("topic T: 16 read / 16 write
+    queues ..."), one per copied topic; the sync says what it copied in one (broker/ha/sync.py)."""
+    import logging
+
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    table = {f"T{i}": TopicConfig(f"T{i}", 4, 4) for i in range(200)}
+    with caplog.at_level(logging.INFO):
+        changed, gone = topics.follow(table)
+    assert (len(changed), gone) == (200, [])
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("txmq")] == []
