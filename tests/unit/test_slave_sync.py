@@ -8,7 +8,7 @@ import pytest
 from broker.ha.sync import SlaveSync
 from broker.store.offsets import ConsumerOffsets
 from protocol.admin_bodies import decode_consumer_offsets, encode_consumer_offsets
-from protocol.codes import ResponseCode
+from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import ConnectionClosedError, HeaderError
 from tests.support.bounded import bounded
@@ -156,3 +156,48 @@ def test_a_slave_copying_many_topics_says_so_in_one_line(tmp_path, caplog):
         changed, gone = topics.follow(table)
     assert (len(changed), gone) == (200, [])
     assert [r.getMessage() for r in caplog.records if r.name.startswith("txmq")] == []
+
+
+@bounded(10)
+async def test_a_topic_whose_first_record_came_while_the_table_was_read_is_not_deleted(tmp_path):
+    """The master made a topic after answering GET_ALL_TOPIC_CONFIG; its first record reached the slave (which made
+    the topic from it) before the answer was applied. The slave deleted it as gone from the master: its queues went
+    with the deleted mark over live messages, never indexed there again (a consumer failed over to the slave lost
+    them). A topic the slave did not hold when it asked is kept until a table that can know it."""
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    topics.create(TopicConfig("Old", 4, 4))
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.topics = topics
+    deleted = []
+
+    async def delete_topic(topic):
+        deleted.append(topic)
+        topics.delete(topic)
+    sync.delete_topic = delete_topic
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    first = b'{"dataVersion":{"timestamp":1,"counter":1},"topicConfigTable":{}}'
+    second = b'{"dataVersion":{"timestamp":1,"counter":2},"topicConfigTable":{"Fresh":{"readQueueNums":4,' \
+             b'"writeQueueNums":4,"perm":6}}}'
+    answers = {int(RequestCode.GET_ALL_CONSUMER_OFFSET): lambda: b'{"offsetTable":{}}'}
+
+    def table(body):
+        def answer():
+            topics.queue_appeared("Fresh", 0)     # its first record copied while the master answered
+            return body
+        return answer
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=answers[cmd.code]())
+    sync.pool.request = request
+    try:
+        answers[int(RequestCode.GET_ALL_TOPIC_CONFIG)] = table(first)
+        assert await sync.sync_once()
+        assert deleted == ["Old"] and "Fresh" in topics.topics
+        answers[int(RequestCode.GET_ALL_TOPIC_CONFIG)] = table(second)
+        assert await sync.sync_once()
+        assert deleted == ["Old"] and topics.get("Fresh") == TopicConfig("Fresh", 4, 4)
+    finally:
+        await sync.close()
