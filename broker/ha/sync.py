@@ -38,7 +38,9 @@ class SlaveSync:
         self.subscriptions = None       # set by the server: the master's subscription groups are copied too
         self._groups_unsaved = False    # copied, but their file could not be written (a full disk): written again
         self.topics = None              # set by the server: the master's topic configs are copied too
-        self.delete_topic = None        # async fn(topic): delete one as the master did (config, queues, offsets)
+        self.delete_topic = None        # async fn(topic, written_from) -> deleted: as the master did (config, queues,
+                                        # offsets), unless its queues hold a record at or past written_from
+        self.log_end = lambda: None     # set by the server: the slave's readable log end
         self._topics_version = None     # the master's dataVersion last taken: an unchanged table is not gone over
         self.following = lambda: True   # set by the server: the HA link follows the master's log (HASlave.following)
 
@@ -102,6 +104,9 @@ class SlaveSync:
         # while the table was read) is not in the master's answer, though the master has it -- deleted, its queues
         # went with the deleted mark over live messages, never indexed on the slave again. Kept till the next sync.
         held = set(self.topics.topics)
+        # Made again on the master (deleted, then a send) after it answered, a topic the slave held has its new
+        # records copied past this point: kept too (store.delete_topic checks it with the delete).
+        log_end = self.log_end()
         try:
             resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG),
                                            self.timeout_s)
@@ -120,13 +125,15 @@ class SlaveSync:
         gone = [topic for topic in gone if topic in held]
         for topic in gone:
             try:
-                await self.delete_topic(topic)
+                if not await self.delete_topic(topic, log_end):
+                    newer.append(topic)
             except Exception as exc:  # noqa: BLE001 - a store that stopped taking writes: tried next interval
                 self._failed(f"topic {topic}, deleted on master {addr}, not deleted here: {exc}")
                 return False
-        if changed or gone:
+        deleted = [topic for topic in gone if topic not in newer]
+        if changed or deleted:
             log.info("topic configs copied from master %s: %d set (e.g. %s), %d deleted (e.g. %s)", addr,
-                     len(changed), changed[:1], len(gone), gone[:1])
+                     len(changed), changed[:1], len(deleted), deleted[:1])
         try:
             await self.topics.saved()
         except OSError as exc:      # version not taken: tried again next interval, as the topics' own retry does

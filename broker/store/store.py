@@ -842,7 +842,7 @@ class MessageStore:
         return -1 if ts is None else ts
 
     async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None,
-                           unmarked: Callable[[str], object] | None = None) -> int:
+                           unmarked: Callable[[str], object] | None = None, written_from: int | None = None) -> int:
         """Remove every consume queue of ``topic`` (its records stay in the log until retention);
         returns how many queues went. A topic of the same name later starts again at offset 0.
 
@@ -850,15 +850,29 @@ class MessageStore:
         accepted before the delete and written after its config went opened a queue, and on_new_queue made the
         topic again; its queues then went, the config stayed). ``unmarked``: called with the reason when the
         deleted topic's mark could not be written (the delete stands until a restart, which may index the
-        topic's records again): for the reply to say so, where the log alone said it."""
+        topic's records again): for the reply to say so, where the log alone said it.
+        ``written_from``: (slave) nothing is deleted, -1 returned, when a queue of the topic holds a record at or
+        past this log offset (checked between writer batches, with the delete): its master's table, asked for
+        when the log ended there, cannot know the topic was made again since."""
         if self._state != "open":
             raise StoreError("the store is not open")
         gone: list[ConsumeQueue] = []
 
+        kept = False
+
         async def op():
+            nonlocal kept
+            keys = [k for k in self._cqs if k[0] == topic]
+            if written_from is not None:
+                for key in keys:
+                    cq = self._cqs[key]
+                    last = cq.unit(cq.max_offset - 1) if cq.max_offset > cq.min_offset else None
+                    if last is not None and last[0] >= written_from:
+                        kept = True
+                        return
             if forget is not None:
                 forget()
-            for key in [k for k in self._cqs if k[0] == topic]:
+            for key in keys:
                 cq = self._cqs.pop(key)
                 self.queue_index.discard(key)
                 self._backlogged.discard(cq)
@@ -877,6 +891,8 @@ class MessageStore:
                 unmarked(why)
 
         await self._writer.control(op)
+        if kept:
+            return -1
         try:        # recovery must not bring the queues back from records before this point
             await self._checkpoint()
         except OSError as exc:

@@ -646,3 +646,35 @@ async def test_a_slave_queue_starts_again_where_the_masters_did_after_a_delete(t
         assert bodies(again) == want
     finally:
         await again.close()
+
+
+@bounded(30)
+async def test_a_slave_keeps_a_topic_made_again_after_the_log_end_its_delete_was_decided_at(tmp_path):
+    """Slave sync asks the master's topic table; the master deleted the topic before answering and made it again
+    (a send) after, its new first record copied before the answer was applied: the slave's delete, made from the
+    table, marked the queue deleted over that live record, and the next one started the queue past it -- a
+    consumer failed over to the slave never saw it. ``written_from`` (the slave's log end when it asked) keeps a
+    topic with a record copied since; asked again with a later end, it goes."""
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    await master.open()
+    slave = MessageStore(str(tmp_path / "s"), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    try:
+        for i in range(3):
+            await master.put(PutRequest.build("T", f"old{i}".encode(), queue_id=0))
+        mid = await _copy(master, slave, 0)
+        asked_at = slave.max_physical_offset      # the table asked for here: the master deletes T, answers
+        await master.delete_topic("T")
+        await master.put(PutRequest.build("T", b"new0", queue_id=0))
+        await _copy(master, slave, mid)             # ... and the new record is copied before the answer lands
+        assert await slave.delete_topic("T", written_from=asked_at) == -1
+        got = slave.get_messages("T", 0, 0, 100, 1 << 20)
+        assert [bytes(b) for b in got.buffers] == [bytes(b) for b in master.get_messages("T", 0, 0, 100,
+                                                                                          1 << 20).buffers]
+        assert slave.max_offset("T", 0) == 1
+        assert await slave.delete_topic("T", written_from=slave.max_physical_offset) == 1
+        assert slave.max_offset("T", 0) == 0
+    finally:
+        await master.close()
+        await slave.close()

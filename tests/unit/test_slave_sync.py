@@ -173,9 +173,10 @@ async def test_a_topic_whose_first_record_came_while_the_table_was_read_is_not_d
     sync.topics = topics
     deleted = []
 
-    async def delete_topic(topic):
+    async def delete_topic(topic, written_from):
         deleted.append(topic)
         topics.delete(topic)
+        return True
     sync.delete_topic = delete_topic
     sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
     first = b'{"dataVersion":{"timestamp":1,"counter":1},"topicConfigTable":{}}'
