@@ -100,12 +100,10 @@ class SlaveSync:
         or ordered, was on the slave with the queues its records reached (none: not at all), read-write, and
         failed-over consumers and GET_TOPIC_STATS_INFO saw that; a topic deleted on the master lived on in the
         slave with its old messages, and came back on a slave restarted as the master."""
-        # The topics held before the master was asked: one made here since (its first record copied meanwhile, or
-        # while the table was read) is not in the master's answer, though the master has it -- deleted, its queues
-        # went with the deleted mark over live messages, never indexed on the slave again. Kept till the next sync.
-        held = set(self.topics.topics)
-        # Made again on the master (deleted, then a send) after it answered, a topic the slave held has its new
-        # records copied past this point: kept too (store.delete_topic checks it with the delete).
+        # Deleted on the master and made again (a send) after it answered, a topic has its new records copied past
+        # this point, maybe before the answer is applied: deleted, its queues went with the deleted mark over live
+        # messages, never indexed on the slave again. store.delete_topic keeps it (checked with the delete); the
+        # same table is then gone over again next time (a topic kept as its last records came late goes then).
         log_end = self.log_end()
         try:
             resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG),
@@ -121,8 +119,7 @@ class SlaveSync:
         if table is None:       # the table last taken (RocketMQ compares dataVersion too)
             return True
         changed, gone = self.topics.follow(table)
-        newer = [topic for topic in gone if topic not in held]
-        gone = [topic for topic in gone if topic in held]
+        newer = []
         for topic in gone:
             try:
                 if not await self.delete_topic(topic, log_end):
@@ -140,8 +137,8 @@ class SlaveSync:
             self._failed(f"topic configs copied from master {addr} but not saved: {exc}")
             return False
         if newer:       # the same table next time is read again: a topic the master deleted meanwhile goes then
-            log.info("topics %s made here while master %s's table was read: kept until the next sync", newer[:3],
-                     addr)
+            log.info("topics %s not deleted: records copied since master %s's table was asked for; the next sync "
+                     "decides", newer[:3], addr)
             return True
         self._topics_version = version
         return True
