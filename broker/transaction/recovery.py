@@ -182,7 +182,10 @@ async def recover(tx) -> None:
     log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
              "from the snapshot and the op records after it" if snap else "from the whole log",
              ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
-    if snap is None:
+    if snap is None or getattr(ctx.config, "broker_role", "") == "SLAVE":
+        # A slave writes none later (its index follows no decisions: service.stop), so this one, true as the log
+        # is now (nothing is copied before recovery ends), is what its next start replays after: without it each
+        # start (and the one promoting it) read every op and half since the first start it ever had.
         await write_snapshot(tx)
 
 

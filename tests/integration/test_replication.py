@@ -1205,3 +1205,42 @@ async def test_a_slave_copies_nothing_from_a_master_whose_log_is_not_the_one_it_
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_slave_start_saves_the_transaction_index_it_rebuilt(broker_factory):
+    """A slave saves no transaction snapshot at its stop (its index follows no decisions). Its start-up wrote one only
+    when it had none: every later start (the one promoting it too) replayed every op and half record copied since
+    its first start, retention's 72 hours of them. The index a start rebuilt is true as the log is then (nothing is
+    copied before recovery ends): saved, the next start replays only what was copied since."""
+    from producer import LocalTransactionState, TransactionProducer
+    from protocol.txlog import OP_TOPIC
+
+    class Commit:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    op_end = RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": OP_TOPIC, "queueId": 0})
+
+    def saved_op_offset():
+        return json.loads((slave.store_dir / "transactions" / "snapshot.json").read_bytes())["op_offset"]
+    try:
+        async with asyncio.timeout(60):
+            assert saved_op_offset() == 0       # its first start, on an empty store
+            async with TransactionProducer(master.namesrv, "PG_slave_snapshot", Commit()) as producer:
+                for i in range(3):
+                    await producer.send_in_transaction(TOPIC, b"c%d" % i)
+            want = (await pool.request(master.broker, op_end, 5.0)).int_field("offset", 0)
+            assert want == 3
+            while (await pool.request(slave.broker, op_end, 5.0)).int_field("offset", 0) < want:
+                await asyncio.sleep(0.05)       # every decision copied (bounded by the timeout)
+            assert slave.stop() == 0
+            slave = _slave(broker_factory, master)
+            assert saved_op_offset() == want
+    finally:
+        await pool.close()
