@@ -1244,3 +1244,64 @@ async def test_a_slave_start_saves_the_transaction_index_it_rebuilt(broker_facto
             assert saved_op_offset() == want
     finally:
         await pool.close()
+
+
+async def test_a_slave_stopped_by_an_earlier_txmq_rebuilds_its_transaction_index_before_promotion(broker_factory):
+    """An earlier txmq slave saved, at its stop, its start-up index as a snapshot covering its whole log, and a
+    half floor at the log's end. Upgraded, the slave read that snapshot at each start (and now saves what it
+    read): restarted as the master, it listed none of the transactions its master had left undecided. A slave
+    start does not use a snapshot without "written_as" (an earlier txmq's), nor the floor: the whole log, once.
+    The files are made as that version left them (checked against it: the same loss)."""
+    from producer import LocalTransactionState, TransactionProducer
+    from protocol.txlog import HALF_TOPIC, OP_TOPIC, PROGRESS_GROUP
+
+    class Undecided:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+
+    async def call(b, code, fields=None):
+        return await pool.request(b.broker, RemotingCommand.request(code, fields), 5.0)
+
+    async def end(b, topic):
+        return (await call(b, RequestCode.GET_MAX_OFFSET, {"topic": topic, "queueId": 0})).int_field("offset", 0)
+
+    async def undecided(b):
+        return sorted(t["uniq_key"] for t in json.loads(
+            (await call(b, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"])
+    try:
+        async with asyncio.timeout(60):
+            async with TransactionProducer(master.namesrv, "PG_legacy_slave", Undecided()) as producer:
+                for body in (b"u1", b"u2"):
+                    await producer.send_in_transaction(TOPIC, body)
+            left = await undecided(master)
+            assert len(left) == 2
+            while await end(slave, HALF_TOPIC) < 2:
+                await asyncio.sleep(0.05)       # both halves copied (bounded by the timeout)
+            ops, halves = await end(slave, OP_TOPIC), await end(slave, HALF_TOPIC)
+            assert slave.stop() == 0
+            # as the earlier version's stop left them: its start-up index (empty) over the whole log, the floor
+            path = slave.store_dir / "transactions" / "snapshot.json"
+            snap = json.loads(path.read_bytes())
+            for key in ("written_as", "crc"):
+                snap.pop(key, None)
+            snap.update(op_offset=ops, half_offset=halves, pending=[], owners={})
+            path.write_text(json.dumps(snap))
+            offsets = slave.store_dir / "config" / "consumerOffset.json"
+            table = json.loads(offsets.read_bytes()) if offsets.exists() else {}
+            (table["offsetTable"] if "offsetTable" in table else table)[f"{HALF_TOPIC}@{PROGRESS_GROUP}"] = {
+                "0": halves}
+            offsets.write_text(json.dumps(table))
+            again = _slave(broker_factory, master)      # upgraded: started once as the slave
+            assert again.stop() == 0
+            master.kill()
+            promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+            assert await undecided(promoted) == left
+    finally:
+        await pool.close()
