@@ -198,3 +198,24 @@ async def test_a_topic_the_store_keeps_is_gone_over_again_with_the_same_table(tm
         assert asked == [("Late", 100), ("Late", 200)] and "Late" not in topics.topics
     finally:
         await sync.close()
+
+
+def test_records_in_a_masters_write_only_queues_do_not_undo_the_copied_config(tmp_path):
+    """A master topic with more write queues than read ones (4 read / 8 write: being shrunk, or made so) stores
+    records in queues 4-7. The slave's topic_follower grew its read queues to 8 at each such record, and the next
+    sync set them back to 4: a whole-catalogue write and a new data version (routes registered again) every
+    interval, and queues 4-7 served on the slave meanwhile, not on the master. Its queues cover them already."""
+    import types as t
+
+    from broker.ha import topic_follower
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    table = {"T": TopicConfig("T", 4, 8)}
+    topics.follow(table)
+    on_dispatch = topic_follower(topics)
+    on_dispatch(t.SimpleNamespace(topic="T", queue_id=6, queue_offset=0))
+    assert topics.follow(table) == ([], [])
+    on_dispatch(t.SimpleNamespace(topic="T", queue_id=9, queue_offset=0))     # past both: grown, as before
+    assert topics.get("T").read_queue_nums == 10
