@@ -239,6 +239,10 @@ class BrokerServer:
         if isinstance(ctx.ha, ha_roles.HASlave):
             self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000)
             self.slave_sync.subscriptions = ctx.subscriptions       # the master's groups are copied too
+            self.slave_sync.topics = ctx.topics                     # and its topics, deletes with them
+            self.slave_sync.delete_topic = self._delete_followed_topic
+            self.slave_sync.log_end = lambda: ctx.store.max_physical_offset
+            self.slave_sync.following = lambda: ctx.ha.following
             self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""
@@ -261,6 +265,20 @@ class BrokerServer:
         srv = await asyncio.start_server(serve, c.host, c.ha_port)
         self._servers.append(srv)
         return f"{c.public_host}:{srv.sockets[0].getsockname()[1]}"
+
+    async def _delete_followed_topic(self, topic: str, written_from: int | None = None) -> bool:
+        """(Slave) a topic its master no longer has goes as DELETE_TOPIC_IN_BROKER took it there: config, consume
+        queues (with the deleted-topic mark, so a restart does not index its records again) and offsets. False,
+        nothing deleted, when its queues hold a record copied at or past ``written_from`` (the log's end when the
+        master's table was asked for): made again on the master since, the table could not know it."""
+        ctx = self.ctx
+        queues = await ctx.store.delete_topic(topic, lambda: ctx.topics.delete(topic), written_from=written_from)
+        if queues < 0:
+            return False
+        ctx.offsets.remove_topic(topic)
+        self.metrics.forget_topic(topic)
+        log.warning("topic %s deleted: its master has it no more (%d consume queues removed)", topic, queues)
+        return True
 
     async def _connect_master(self):
         """(Slave) open the connection to the master's HA port; broker/ha gets the streams."""

@@ -49,7 +49,8 @@ def topic_follower(topics):
         if info.queue_offset < 0:
             return
         tc = topics.topics.get(info.topic)
-        if tc is not None and info.queue_id < tc.read_queue_nums:
+        # (its master's write-only queues too: grown, the next sync set the copied config back, every interval)
+        if tc is not None and info.queue_id < max(tc.read_queue_nums, tc.write_queue_nums):
             return
         n = info.queue_id + 1 if tc is None else max(info.queue_id + 1, tc.read_queue_nums)
         try:

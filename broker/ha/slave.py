@@ -123,6 +123,11 @@ class HASlave:
                 writer.close()
             await asyncio.sleep(pause)
 
+    @property
+    def following(self) -> bool:
+        """Connected to the master, its log found to be the one this slave copied (SlaveSync copies only then)."""
+        return self.connected and self._unverified is None and self.diverged is None
+
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._last_put is not None and not self._last_put.done():
             await asyncio.wait({self._last_put}, timeout=self.housekeeping_s)

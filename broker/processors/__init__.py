@@ -53,6 +53,7 @@ def broker_table() -> dict:
         R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS: forward.invoke_broker_to_get_consumer_status,
         R.GET_TOPIC_STATS_INFO: ops.get_topic_stats_info,
         R.GET_BROKER_RUNTIME_INFO: ops.get_broker_runtime_info,
+        R.GET_ALL_DELAY_OFFSET: ops.get_all_delay_offset,
         R.VIEW_BROKER_STATS_DATA: stats.view_broker_stats_data,
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
         R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG: ops.get_all_subscription_group,

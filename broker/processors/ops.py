@@ -185,6 +185,20 @@ def get_broker_runtime_info(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, body=dump({"table": runtime_info(ctx)}).encode())
 
 
+def get_all_delay_offset(ctx, conn, cmd):
+    """GET_ALL_DELAY_OFFSET (45): the delay levels' delivery progress as RocketMQ's delayOffset.json has it,
+    {"offsetTable": {level: next SCHEDULE_TOPIC_XXXX queue offset}}. A Java slave of this master asks it every
+    sync and writes it to its own delayOffset.json: refused (logged there every 10 s), it kept none, and restarted
+    as the master it delivered every delayed message its log still held again. (A txmq slave needs no copy: the
+    progress is in the log it copies.) A slave's own progress is the one it had at start-up: it says so."""
+    if ctx.config.broker_role == "SLAVE":
+        return cmd.response(ResponseCode.SYSTEM_ERROR, "this broker is a slave: its delay progress is in the log it "
+                            "copies, and the one it holds is its start-up one; ask its master")
+    levels = ctx.schedule.progress.levels
+    return cmd.response(ResponseCode.SUCCESS, body=json.dumps(
+        {"offsetTable": {str(level): offset for level, offset in sorted(levels.items())}}).encode())
+
+
 async def delete_topic_in_broker(ctx, conn, cmd):
     topic = cmd.str_field("topic", required=True)
     why = validate_topic(topic)

@@ -80,6 +80,9 @@ class CommitLog:
         # (slave) queues new to this log whose first record the master numbered past 0 (the slave's log began
         # where retention had trimmed the master's): that first queue offset, where the store begins the queue
         self.queue_starts: dict[tuple[str, int], int] = {}
+        # (slave) queues whose master numbered a record below their end (the topic deleted and made again): the
+        # queue offset the store cuts the queue at before this batch's units go in (_queue_went_back)
+        self.queue_restarts: dict[tuple[str, int], int] = {}
         self.dispatching = False    # build DispatchInfo only when someone listens
         self.reserver = SpaceReserver(self, RESERVE_LOW, RESERVE_HIGH) if config.preallocate else None
         self.need: tuple[Segment, int, int] | None = None   # set when append stops for space (see append)
@@ -379,8 +382,12 @@ class CommitLog:
         for r in chunk.records:
             if r.queue_offset >= 0:
                 key = (r.topic, r.queue_id)
-                if key not in qoffsets and r.queue_offset:
-                    self.queue_starts[key] = r.queue_offset
+                expected = qoffsets.get(key)
+                if expected is None:
+                    if r.queue_offset:
+                        self.queue_starts[key] = r.queue_offset
+                elif r.queue_offset < expected:
+                    self._queue_went_back(key, r.queue_offset, expected, units)
                 qoffsets[key] = r.queue_offset + 1
                 packed = units.get(key)
                 if packed is None:
@@ -395,6 +402,20 @@ class CommitLog:
         self._pos = seg.written = pos + n
         done.append((fut, PutResult(_OK, chunk.phys, n, self.last_ts, -1)))
         return True
+
+    def _queue_went_back(self, key, qoff: int, expected: int, units: dict) -> None:
+        """(Slave) the master numbered a record of ``key`` ``qoff``, below the ``expected`` next: its queue starts
+        again there -- the topic deleted and made again (offset 0), as recovery reads such a record
+        (recovery._checked_qoff). Appended at the end of the slave's queue instead, the new messages had the
+        deleted ones' offsets there, and a consumer failed over to the slave was served those. This batch's units
+        from ``qoff`` on go, and the store cuts its queue there (``queue_restarts``) before appending the rest."""
+        packed = units.get(key)
+        first = expected - (len(packed) // UNIT.size if packed else 0)     # the batch's first unit of ``key``
+        if packed:
+            del packed[max(0, qoff - first) * UNIT.size:]
+        if qoff < first:
+            restarts = self.queue_restarts
+            restarts[key] = min(qoff, restarts.get(key, qoff))
 
     def read_chunk(self, phys: int, limit: int) -> memoryview | None:
         """(Master) the readable chunk at ``phys`` for a slave (replica.py): whole records or an end marker;

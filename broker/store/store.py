@@ -447,8 +447,11 @@ class MessageStore:
     def _on_commit(self, units: list, infos: list) -> None:
         """Records just became readable: index them, then tell the listeners."""
         cqs = self._cqs
+        restarts = self._log.queue_restarts
         for key, packed in units.items():
             cq = cqs.get(key)
+            if restarts and cq is not None and key in restarts:
+                self._restart_queue(cq, restarts.pop(key))
             if cq is None:
                 cq = cqs[key] = self._make_queue(key)
                 cq.begin_at(self._log.queue_starts.pop(key, 0))
@@ -474,6 +477,16 @@ class MessageStore:
                             fn(info)
                         except Exception:
                             log.exception("dispatch listener %r failed on %s", fn, info)
+
+    def _restart_queue(self, cq: ConsumeQueue, qoff: int) -> None:
+        """(Slave) the master's queue starts again at ``qoff`` (commit_log._queue_went_back): the units from there
+        go, as the master's went with its delete, and the copied records' units follow from ``qoff``."""
+        dropped = cq.truncate(qoff)
+        if not cq.files:        # every file was past ``qoff`` (retention took those below): begun as a new queue
+            cq.begin_at(qoff)
+        log.warning("consume queue %s-%d: the master numbered a copied record %d, below this queue's end: the "
+                    "topic was deleted and made again there; %d units from %d on dropped, the queue goes on "
+                    "as the master's", cq.topic, cq.queue_id, qoff, dropped, qoff)
 
     async def _checkpoint_loop(self) -> None:
         failing = {"checkpoint": False, "segment manifest": False}     # log once per outage, not each turn
@@ -918,7 +931,7 @@ class MessageStore:
         return -1 if ts is None else ts
 
     async def delete_topic(self, topic: str, forget: Callable[[], object] | None = None,
-                           unmarked: Callable[[str], object] | None = None) -> int:
+                           unmarked: Callable[[str], object] | None = None, written_from: int | None = None) -> int:
         """Remove every consume queue of ``topic`` (its records stay in the log until retention);
         returns how many queues went. A topic of the same name later starts again at offset 0.
 
@@ -926,15 +939,29 @@ class MessageStore:
         accepted before the delete and written after its config went opened a queue, and on_new_queue made the
         topic again; its queues then went, the config stayed). ``unmarked``: called with the reason when the
         deleted topic's mark could not be written (the delete stands until a restart, which may index the
-        topic's records again): for the reply to say so, where the log alone said it."""
+        topic's records again): for the reply to say so, where the log alone said it.
+        ``written_from``: (slave) nothing is deleted, -1 returned, when a queue of the topic holds a record at or
+        past this log offset (checked between writer batches, with the delete): its master's table, asked for
+        when the log ended there, cannot know the topic was made again since."""
         if self._state != "open":
             raise StoreError("the store is not open")
         gone: list[ConsumeQueue] = []
 
+        kept = False
+
         async def op():
+            nonlocal kept
+            keys = [k for k in self._cqs if k[0] == topic]
+            if written_from is not None:
+                for key in keys:
+                    cq = self._cqs[key]
+                    last = cq.unit(cq.max_offset - 1) if cq.max_offset > cq.min_offset else None
+                    if last is not None and last[0] >= written_from:
+                        kept = True
+                        return
             if forget is not None:
                 forget()
-            for key in [k for k in self._cqs if k[0] == topic]:
+            for key in keys:
                 cq = self._cqs.pop(key)
                 self.queue_index.discard(key)
                 self._backlogged.discard(cq)
@@ -962,6 +989,8 @@ class MessageStore:
             except OSError:
                 pass                # no file, no queue: nothing of it to delete
         await self._writer.control(op)
+        if kept:
+            return -1
         try:        # recovery must not bring the queues back from records before this point
             await self._checkpoint()
         except OSError as exc:

@@ -144,6 +144,17 @@ async def recover(tx) -> None:
                     "log no longer holds (it was cut); forgotten, as new halves take those offsets", gone, half_end)
     why_not: list[str] = []
     snap = read_snapshot(tx.directory, store, why_not)
+    slave = getattr(ctx.config, "broker_role", "") == "SLAVE"
+    legacy = slave and snap is not None and "written_as" not in snap
+    if legacy:
+        # An earlier txmq slave saved its start-up index at its stop as covering its whole log, and its half floor
+        # with it: read, the halves its master took since were decided, and the slave, once promoted, never
+        # checked them. Which broker wrote this one cannot be told (a demoted master's is sound): rebuilt from
+        # the whole log once, the floor left aside too; the snapshot written at the end says it is sound.
+        log.warning("transaction snapshot %s was written by an earlier txmq, which saved a slave's start-up index "
+                    "as covering its log: not used; the index is rebuilt from the whole log once",
+                    os.path.join(tx.directory, "snapshot.json"))
+        snap = None
     if tx.table.damaged:
         # The snapshot vouches for the table up to its op offset: with files of it damaged, only the whole op
         # queue can say what the decisions were.
@@ -165,7 +176,7 @@ async def recover(tx) -> None:
         if FOREIGN in why_not:      # its decision files likely are too: no evidence for this log
             earlier.close()
             earlier = None
-        op_from, half_from = None, ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
+        op_from, half_from = None, None if legacy else ctx.offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0)
     else:
         op_from, half_from = snap["op_offset"], snap["half_offset"]
         for off, _q, n in snap.get("pending", []):
@@ -182,7 +193,10 @@ async def recover(tx) -> None:
     log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
              "from the snapshot and the op records after it" if snap else "from the whole log",
              ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
-    if snap is None:
+    if snap is None or slave:
+        # A slave writes none later (its index follows no decisions: service.stop), so this one, true as the log
+        # is now (nothing is copied before recovery ends), is what its next start replays after: without it each
+        # start (and the one promoting it) read every op and half since the first start it ever had.
         await write_snapshot(tx)
 
 
@@ -359,6 +373,8 @@ async def write_snapshot(tx) -> None:
             "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
             "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
+            # (a slave writes one at start only: true then; a snapshot without it is an earlier txmq's, see recover)
+            "written_as": getattr(tx.ctx.config, "broker_role", ""),
             "pending": [(t.half_offset, t.queue_offset, t.checks) for t in tx.pending.values()],
             "owners": _by_owner(tx.pending.values())}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the

@@ -977,3 +977,337 @@ async def test_a_slave_given_its_masters_groups_neither_grows_nor_refuses_retry_
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def _topic_table(pool: ConnectionPool, addr: str) -> dict:
+    resp = await pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5.0)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    return json.loads(resp.body_bytes())["topicConfigTable"]
+
+
+async def _until_slave_topics(pool: ConnectionPool, slave, done) -> dict:
+    """The slave's topic table once ``done(table)`` (copied within a few sync intervals; bounded by the caller)."""
+    while True:
+        table = await _topic_table(pool, slave.broker)
+        if done(table):
+            return table
+        await asyncio.sleep(0.1)
+
+
+async def test_a_slave_takes_its_masters_topic_configs_and_deletes(tmp_path):
+    """The log names only the queues that hold records. A topic an operator made on the master with 16 queues,
+    read-only and ordered was unknown to the slave (no record yet): a consumer failed over to it was answered
+    TOPIC_NOT_EXIST, and a topic made by its records had the queues they reached, read-write. A topic deleted on
+    the master lived on in the slave, its old messages served, restored at a restart (the slave restarted as the
+    master: the topic back). The slave copies its master's table (GET_ALL_TOPIC_CONFIG), deletes with it, as
+    RocketMQ's SlaveSynchronize."""
+    from tests.support.broker_process import BrokerProcess
+
+    started = []
+    pool = ConnectionPool()
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-tc", started, "--slave-sync-interval-ms", "200")
+        for topic, queues, perm, order in (("Ops16", 16, 4, "true"), ("Gone", 4, 6, "false")):
+            resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+                "topic": topic, "readQueueNums": queues, "writeQueueNums": queues, "perm": perm, "order": order}),
+                5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_topic_copies") as producer:
+                await _until_replicating(producer)
+                for qid in range(4):
+                    gone = await producer.send("Gone", b"old", queue=MessageQueue("Gone", "broker-tc", qid))
+                    assert gone.status is SendStatus.SEND_OK
+            table = await _until_slave_topics(pool, slave, lambda t: "Ops16" in t)
+            assert (table["Ops16"]["readQueueNums"], table["Ops16"]["writeQueueNums"], table["Ops16"]["perm"],
+                    table["Ops16"]["order"]) == (16, 16, 4, True)
+            resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                             {"topic": "Gone"}), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            await _until_slave_topics(pool, slave, lambda t: "Gone" not in t)
+            stats = RemotingCommand.request(RequestCode.GET_TOPIC_STATS_INFO, {"topic": "Gone"})
+            assert (await pool.request(slave.broker, stats, 5.0)).code == ResponseCode.TOPIC_NOT_EXIST
+            slave.stop()
+            # the slave restarted alone (its master away): neither the delete nor the copies undone
+            again = BrokerProcess(tmp_path / "slave", "--broker-role", "SLAVE", "--broker-id", "1",
+                                  "--ha-master-addr", "127.0.0.1:1").start()
+            started.append(again)
+            table = await _topic_table(pool, again.broker)
+            assert "Gone" not in table
+            assert (table["Ops16"]["readQueueNums"], table["Ops16"]["perm"]) == (16, 4)
+            assert (await pool.request(again.broker, stats, 5.0)).code == ResponseCode.TOPIC_NOT_EXIST
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_topic_deleted_and_made_again_on_the_master_starts_again_on_the_slave(broker_factory):
+    """Deleted on the master, a topic made again starts its queues at offset 0 there. The slave indexed the copied
+    records at the end of its own queue: the new message at offset 3 there, and a consumer failed over to it at
+    offset 0 was served the deleted messages, at every offset a few behind. Its queue now starts again where the
+    master's did (as the slave's own restart rebuilds it from the log). No name server here: the slave copies no
+    configs, only the log says what happened."""
+    from protocol.message import decode_records
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    topic = "Remade"
+    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
+    mq = MessageQueue(topic, "broker-a", 0)
+    try:
+        async with asyncio.timeout(60), Producer(master.namesrv, "PG_remade") as producer:
+            await _until_replicating(producer)
+            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
+            for i in range(3):
+                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                             {"topic": topic}), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+            res = await producer.send(topic, b"new0", queue=mq)
+            assert (res.status, res.queue_offset) == (SendStatus.SEND_OK, 0)    # on the slave too: SYNC_MASTER
+            answers = []
+            for broker in (master, slave):
+                resp = await pool.request(broker.broker, RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                    "consumerGroup": "CG_remade", "topic": topic, "queueId": 0, "queueOffset": 0, "maxMsgNums": 8,
+                    "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*",
+                    "subVersion": 1, "expressionType": "TAG"}), 5.0)
+                assert resp.code == ResponseCode.SUCCESS, resp.remark
+                answers.append([m.body for m in decode_records(resp.body_bytes())])
+        assert answers == [[b"new0"], [b"new0"]]
+    finally:
+        await pool.close()
+
+
+async def test_a_master_answers_get_all_delay_offset_as_a_java_slave_asks_it(broker_factory):
+    """A Java slave's SlaveSynchronize asks GET_ALL_DELAY_OFFSET every sync and writes the body to its
+    delayOffset.json. Answered REQUEST_CODE_NOT_SUPPORTED, it kept none, and restarted as the master it delivered
+    every delayed message in its log again. The master answers RocketMQ's {"offsetTable": {level: offset}}: the
+    next SCHEDULE_TOPIC_XXXX queue offset per level, after the deliveries made; its slave says to ask the master."""
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    ask = RemotingCommand.request(RequestCode.GET_ALL_DELAY_OFFSET)
+    pool = ConnectionPool()
+    try:
+        async with asyncio.timeout(60):
+            async with Producer(master.namesrv, "PG_delay_offsets") as producer:
+                mq = None
+                for i in range(3):
+                    res = await producer.send("DelayedCopy", f"d{i}".encode(), delay_level=1, queue=mq)
+                    assert res.status is SendStatus.SEND_OK
+                    mq = res.queue
+            max_offset = RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": "DelayedCopy",
+                                                                              "queueId": mq.queue_id})
+            while (await pool.request(master.broker, max_offset, 5.0)).int_field("offset", 0) < 3:
+                await asyncio.sleep(0.1)        # delivered (the 1 s level; bounded by the timeout)
+            resp = await pool.request(master.broker, ask, 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            table = json.loads(resp.body_bytes())["offsetTable"]
+            assert table.pop("1") == 3 and set(table.values()) <= {0}      # the other levels: nothing delivered
+            resp = await pool.request(slave.broker, ask, 5.0)
+            assert resp.code == ResponseCode.SYSTEM_ERROR and "ask its master" in resp.remark
+    finally:
+        await pool.close()
+
+
+async def test_a_slave_restarted_as_the_master_checks_the_transactions_its_master_left_undecided(broker_factory):
+    """4.x promotes a slave by restarting it with another broker role. The slave's index of undecided halves is its
+    start-up one (it follows no decisions); its clean stop saved it as a snapshot covering its whole log, and,
+    restarted as the master, it listed none of the halves its master had left undecided: never checked, never
+    committed, gone without a word. The slave saves none: its next start reads the log it copied."""
+    from producer import LocalTransactionState, TransactionProducer
+
+    class Outcomes:
+        def execute_local_transaction(self, msg, arg):
+            return {b"u": LocalTransactionState.UNKNOW, b"c": LocalTransactionState.COMMIT_MESSAGE,
+                    b"r": LocalTransactionState.ROLLBACK_MESSAGE}[msg.body[:1]]
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+
+    async def call(b, code):
+        return await pool.request(b.broker, RemotingCommand.request(code), 5.0)
+
+    async def log_end(b):
+        info = await call(b, RequestCode.GET_BROKER_RUNTIME_INFO)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+
+    async def undecided(b):
+        return sorted(t["uniq_key"] for t in json.loads(
+            (await call(b, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"])
+    try:
+        async with asyncio.timeout(60):
+            async with TransactionProducer(master.namesrv, "PG_promoted_tx", Outcomes()) as producer:
+                for body in (b"u1", b"c1", b"r1", b"u2"):
+                    await producer.send_in_transaction(TOPIC, body)
+            left = await undecided(master)
+            assert len(left) == 2
+            while await log_end(slave) < await log_end(master):     # every half and decision copied
+                await asyncio.sleep(0.05)
+            master.kill()
+            assert slave.stop() == 0
+            promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+            assert await undecided(promoted) == left
+    finally:
+        await pool.close()
+
+
+async def test_a_slave_copies_nothing_from_a_master_whose_log_is_not_the_one_it_copied(tmp_path):
+    """The master comes back at its HA address with another store (its own lost): the slave refuses its log and
+    keeps its own, for consumers to fail over to. Its sync took the new master's table all the same, empty of the
+    old topics, and deleted them here, consume queues and all: the messages it kept unreachable. It copies nothing
+    while it does not follow its master's log."""
+    import shutil
+
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+    from tests.support.cluster_process import stored_count
+    from tests.support.prometheus import free_port
+
+    started = []
+    pool = ConnectionPool()
+    ha_port = str(free_port())
+
+    def master_process():
+        return BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-dv", 500), "--broker-role",
+                             "ASYNC_MASTER", "--ha-port", ha_port, "--ha-heartbeat-interval-ms", "500").start()
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
+        started.append(ns)
+        master = master_process()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-dv", 500), "--broker-role", "SLAVE",
+                              "--broker-id", "1", "--ha-master-addr", f"127.0.0.1:{ha_port}",
+                              "--ha-heartbeat-interval-ms", "500", "--slave-sync-interval-ms", "200").start()
+        started.append(slave)
+        resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "Kept", "readQueueNums": 2, "writeQueueNums": 2, "perm": 6}), 5.0)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_kept") as producer:
+                for i in range(20):
+                    await producer.send("Kept", b"k%02d" % i)
+                await producer.send(TOPIC, b"x" * 4000)     # the new master's log will be shorter than this
+            end = await _log_end(master.broker)
+            while await _log_end(slave.broker) < end:
+                await asyncio.sleep(0.05)
+            await _until_slave_topics(pool, slave, lambda t: "Kept" in t)
+            master.kill()
+            shutil.rmtree(tmp_path / "master")
+            started.append(master_process())
+            while "nothing copied from master" not in slave.log() and "Kept" in await _topic_table(pool, slave.broker):
+                await asyncio.sleep(0.1)        # a sync against the new master: refused, or the topics deleted
+            assert "Kept" in await _topic_table(pool, slave.broker)
+            assert await stored_count(slave.broker, "Kept", 2) == 20
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_slave_start_saves_the_transaction_index_it_rebuilt(broker_factory):
+    """A slave saves no transaction snapshot at its stop (its index follows no decisions). Its start-up wrote one only
+    when it had none: every later start (the one promoting it too) replayed every op and half record copied since
+    its first start, retention's 72 hours of them. The index a start rebuilt is true as the log is then (nothing is
+    copied before recovery ends): saved, the next start replays only what was copied since."""
+    from producer import LocalTransactionState, TransactionProducer
+    from protocol.txlog import OP_TOPIC
+
+    class Commit:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    op_end = RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": OP_TOPIC, "queueId": 0})
+
+    def saved_op_offset():
+        return json.loads((slave.store_dir / "transactions" / "snapshot.json").read_bytes())["op_offset"]
+    try:
+        async with asyncio.timeout(60):
+            assert saved_op_offset() == 0       # its first start, on an empty store
+            async with TransactionProducer(master.namesrv, "PG_slave_snapshot", Commit()) as producer:
+                for i in range(3):
+                    await producer.send_in_transaction(TOPIC, b"c%d" % i)
+            want = (await pool.request(master.broker, op_end, 5.0)).int_field("offset", 0)
+            assert want == 3
+            while (await pool.request(slave.broker, op_end, 5.0)).int_field("offset", 0) < want:
+                await asyncio.sleep(0.05)       # every decision copied (bounded by the timeout)
+            assert slave.stop() == 0
+            slave = _slave(broker_factory, master)
+            assert saved_op_offset() == want
+    finally:
+        await pool.close()
+
+
+async def test_a_slave_stopped_by_an_earlier_txmq_rebuilds_its_transaction_index_before_promotion(broker_factory):
+    """An earlier txmq slave saved, at its stop, its start-up index as a snapshot covering its whole log, and a
+    half floor at the log's end. Upgraded, the slave read that snapshot at each start (and now saves what it
+    read): restarted as the master, it listed none of the transactions its master had left undecided. A slave
+    start does not use a snapshot without "written_as" (an earlier txmq's), nor the floor: the whole log, once.
+    The files are made as that version left them (checked against it: the same loss)."""
+    from producer import LocalTransactionState, TransactionProducer
+    from protocol.txlog import HALF_TOPIC, OP_TOPIC, PROGRESS_GROUP
+
+    class Undecided:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+
+    async def call(b, code, fields=None):
+        return await pool.request(b.broker, RemotingCommand.request(code, fields), 5.0)
+
+    async def end(b, topic):
+        return (await call(b, RequestCode.GET_MAX_OFFSET, {"topic": topic, "queueId": 0})).int_field("offset", 0)
+
+    async def undecided(b):
+        return sorted(t["uniq_key"] for t in json.loads(
+            (await call(b, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())["pending"])
+    try:
+        async with asyncio.timeout(60):
+            async with TransactionProducer(master.namesrv, "PG_legacy_slave", Undecided()) as producer:
+                for body in (b"u1", b"u2"):
+                    await producer.send_in_transaction(TOPIC, body)
+            left = await undecided(master)
+            assert len(left) == 2
+            while await end(slave, HALF_TOPIC) < 2:
+                await asyncio.sleep(0.05)       # both halves copied (bounded by the timeout)
+            ops, halves = await end(slave, OP_TOPIC), await end(slave, HALF_TOPIC)
+            assert slave.stop() == 0
+            # as the earlier version's stop left them: its start-up index (empty) over the whole log, the floor
+            path = slave.store_dir / "transactions" / "snapshot.json"
+            snap = json.loads(path.read_bytes())
+            for key in ("written_as", "crc"):
+                snap.pop(key, None)
+            snap.update(op_offset=ops, half_offset=halves, pending=[], owners={})
+            path.write_text(json.dumps(snap))
+            offsets = slave.store_dir / "config" / "consumerOffset.json"
+            table = json.loads(offsets.read_bytes()) if offsets.exists() else {}
+            (table["offsetTable"] if "offsetTable" in table else table)[f"{HALF_TOPIC}@{PROGRESS_GROUP}"] = {
+                "0": halves}
+            offsets.write_text(json.dumps(table))
+            again = _slave(broker_factory, master)      # upgraded: started once as the slave
+            assert again.stop() == 0
+            master.kill()
+            promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+            assert await undecided(promoted) == left
+    finally:
+        await pool.close()

@@ -604,3 +604,77 @@ async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_every
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         server.close()
+
+
+@bounded(30)
+async def test_a_slave_queue_starts_again_where_the_masters_did_after_a_delete(tmp_path):
+    """Deleted and made again, a topic's queue starts at 0 on the master; the slave appended the copied units at
+    its queue's end, serving the deleted messages at the new ones' offsets. Copied across batches (the slave had
+    the old run) and in one (it had not), and after the slave's restart, its queue is the master's."""
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    await master.open()
+    slaves = [MessageStore(str(tmp_path / name), CFG) for name in ("s1", "s2")]
+    for s in slaves:
+        await s.open()
+        s.set_replica_only()
+
+    def bodies(store):
+        got = store.get_messages("T", 0, 0, 100, 1 << 20)
+        return [bytes(b) for b in got.buffers]
+
+    try:
+        for i in range(3):
+            await master.put(PutRequest.build("T", f"old{i}".encode(), queue_id=0))
+        mid = await _copy(master, slaves[0], 0)
+        await master.delete_topic("T")
+        for i in range(2):
+            await master.put(PutRequest.build("T", f"new{i}".encode(), queue_id=0))
+        await _copy(master, slaves[0], mid)
+        await _copy(master, slaves[1], 0)
+        want = bodies(master)
+        assert len(want) == 2
+        for s in slaves:
+            assert (s.min_offset("T", 0), s.max_offset("T", 0)) == (0, 2)
+            assert bodies(s) == want
+    finally:
+        await master.close()
+        for s in slaves:
+            await s.close()
+    again = MessageStore(str(tmp_path / "s1"), CFG)
+    await again.open()
+    try:
+        assert bodies(again) == want
+    finally:
+        await again.close()
+
+
+@bounded(30)
+async def test_a_slave_keeps_a_topic_made_again_after_the_log_end_its_delete_was_decided_at(tmp_path):
+    """Slave sync asks the master's topic table; the master deleted the topic before answering and made it again
+    (a send) after, its new first record copied before the answer was applied: the slave's delete, made from the
+    table, marked the queue deleted over that live record, and the next one started the queue past it -- a
+    consumer failed over to the slave never saw it. ``written_from`` (the slave's log end when it asked) keeps a
+    topic with a record copied since; asked again with a later end, it goes."""
+    master = MessageStore(str(tmp_path / "m"), CFG)
+    await master.open()
+    slave = MessageStore(str(tmp_path / "s"), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    try:
+        for i in range(3):
+            await master.put(PutRequest.build("T", f"old{i}".encode(), queue_id=0))
+        mid = await _copy(master, slave, 0)
+        asked_at = slave.max_physical_offset      # the table asked for here: the master deletes T, answers
+        await master.delete_topic("T")
+        await master.put(PutRequest.build("T", b"new0", queue_id=0))
+        await _copy(master, slave, mid)             # ... and the new record is copied before the answer lands
+        assert await slave.delete_topic("T", written_from=asked_at) == -1
+        got = slave.get_messages("T", 0, 0, 100, 1 << 20)
+        assert [bytes(b) for b in got.buffers] == [bytes(b) for b in master.get_messages("T", 0, 0, 100,
+                                                                                          1 << 20).buffers]
+        assert slave.max_offset("T", 0) == 1
+        assert await slave.delete_topic("T", written_from=slave.max_physical_offset) == 1
+        assert slave.max_offset("T", 0) == 0
+    finally:
+        await master.close()
+        await slave.close()

@@ -8,7 +8,7 @@ import pytest
 from broker.ha.sync import SlaveSync
 from broker.store.offsets import ConsumerOffsets
 from protocol.admin_bodies import decode_consumer_offsets, encode_consumer_offsets
-from protocol.codes import ResponseCode
+from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import ConnectionClosedError, HeaderError
 from tests.support.bounded import bounded
@@ -94,3 +94,128 @@ async def test_a_negative_offset_on_the_master_is_not_copied(tmp_path):
     offsets.persist()
     offsets.persist()                   # the previous copy holds it too
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]
+
+
+def test_a_java_masters_topic_table_is_read_and_a_damaged_one_refused_whole(tmp_path):
+    """GET_ALL_TOPIC_CONFIG as a Java 4.9.8 master writes it (fastjson, fields sorted). A body the slave cannot
+    read whole is refused: the topics it left out would be deleted on the slave."""
+    from broker.topics import TopicConfig, TopicManager, parse_topic_table
+
+    body = (b'{"dataVersion":{"counter":5,"timestamp":1700000000000},"topicConfigTable":{"Ops":{"order":true,'
+            b'"perm":4,"readQueueNums":16,"topicFilterType":"SINGLE_TAG","topicName":"Ops","topicSysFlag":0,'
+            b'"writeQueueNums":8},"TBW102":{"order":false,"perm":7,"readQueueNums":8,"topicFilterType":'
+            b'"SINGLE_TAG","topicName":"TBW102","topicSysFlag":0,"writeQueueNums":8},"BenchmarkTest":{"order":false,'
+            b'"perm":6,"readQueueNums":1024,"topicFilterType":"SINGLE_TAG","topicName":"BenchmarkTest",'
+            b'"topicSysFlag":0,"writeQueueNums":1024}}}')
+    version, table = parse_topic_table(body)
+    assert version == (1700000000000, 5)
+    assert parse_topic_table(body, version) == (version, None)     # the version last taken: not read again
+    assert table["Ops"] == TopicConfig("Ops", 16, 8, 4, "SINGLE_TAG", 0, True)
+    for bad in (b"", b"[]", b'{"topicConfigTable":[]}', b'{"topicConfigTable":{"T":{"readQueueNums":-1}}}',
+                b'{"topicConfigTable":{"T":{"order":"yes"}}}', b'{"topicConfigTable":{"T":5}}'):
+        with pytest.raises(ValueError):
+            parse_topic_table(bad)
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    topics.create(TopicConfig("Old", 4, 4))
+    topics.create(TopicConfig("RMQ_SYS_TRACE_TOPIC", 1, 1))
+    changed, gone = topics.follow(table)
+    assert (changed, gone) == (["Ops"], ["Old"])       # system topics are the slave's own: none set, none gone
+    assert topics.get("Ops") == table["Ops"] and topics.get("TBW102").write_queue_nums == 4
+    assert "BenchmarkTest" not in topics.topics and topics.get("RMQ_SYS_TRACE_TOPIC") is not None
+    assert topics.follow(table) == ([], ["Old"])       # the caller deletes it
+
+
+def test_a_slave_at_max_retry_groups_takes_its_masters_new_retry_topic(tmp_path):
+    """At max_retry_groups, the master forgot an idle %RETRY% topic and made a new group's: the slave, still
+    holding the old one, was refused the new one (TopicLimitError out of follow) at every sync -- no topic copied
+    or deleted again, and the sync task's crashes stopped the broker. The master holds the limits; the slave
+    takes its table."""
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          max_retry_groups=2, per_host=False)
+    for name in ("%RETRY%A", "%RETRY%B"):
+        topics.create(TopicConfig(name, 1, 1))
+    table = {name: TopicConfig(name, 1, 1) for name in ("%RETRY%B", "%RETRY%C")}
+    assert topics.follow(table) == (["%RETRY%C"], ["%RETRY%A"])
+    assert topics.get("%RETRY%C") == table["%RETRY%C"]
+
+
+def test_a_slave_copying_many_topics_says_so_in_one_line(tmp_path, caplog):
+    """A slave's first sync against a master of 8,000 topics wrote 8,000 INFO lines ("topic T: 16 read / 16 write
+    queues ..."), one per copied topic; the sync says what it copied in one (broker/ha/sync.py)."""
+    import logging
+
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    table = {f"T{i}": TopicConfig(f"T{i}", 4, 4) for i in range(200)}
+    with caplog.at_level(logging.INFO):
+        changed, gone = topics.follow(table)
+    assert (len(changed), gone) == (200, [])
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("txmq")] == []
+
+
+
+@bounded(10)
+async def test_a_topic_the_store_keeps_is_gone_over_again_with_the_same_table(tmp_path):
+    """A topic the store would not delete (a record copied after the table was asked for: store.delete_topic's
+    written_from) is asked again at the next sync even if the master's table is the same: with the table's version
+    taken, a topic the master deleted whose last records reached the slave late lived on until the master's table
+    changed for some other reason."""
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    topics.create(TopicConfig("Late", 4, 4))
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.topics = topics
+    ends = iter([100, 200])
+    sync.log_end = lambda: next(ends)
+    asked = []
+
+    async def delete_topic(topic, written_from):
+        asked.append((topic, written_from))
+        if written_from < 200:
+            return False        # its last record lies at 150: copied after the table was asked for
+        topics.delete(topic)
+        return True
+    sync.delete_topic = delete_topic
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    bodies = {int(RequestCode.GET_ALL_CONSUMER_OFFSET): b'{"offsetTable":{}}',
+              int(RequestCode.GET_ALL_TOPIC_CONFIG): b'{"dataVersion":{"timestamp":1,"counter":1},'
+                                                     b'"topicConfigTable":{}}'}
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=bodies[cmd.code])
+    sync.pool.request = request
+    try:
+        assert await sync.sync_once()
+        assert "Late" in topics.topics
+        assert await sync.sync_once()
+        assert asked == [("Late", 100), ("Late", 200)] and "Late" not in topics.topics
+    finally:
+        await sync.close()
+
+
+def test_records_in_a_masters_write_only_queues_do_not_undo_the_copied_config(tmp_path):
+    """A master topic with more write queues than read ones (4 read / 8 write: being shrunk, or made so) stores
+    records in queues 4-7. The slave's topic_follower grew its read queues to 8 at each such record, and the next
+    sync set them back to 4: a whole-catalogue write and a new data version (routes registered again) every
+    interval, and queues 4-7 served on the slave meanwhile, not on the master. Its queues cover them already."""
+    import types as t
+
+    from broker.ha import topic_follower
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    table = {"T": TopicConfig("T", 4, 8)}
+    topics.follow(table)
+    on_dispatch = topic_follower(topics)
+    on_dispatch(t.SimpleNamespace(topic="T", queue_id=6, queue_offset=0))
+    assert topics.follow(table) == ([], [])
+    on_dispatch(t.SimpleNamespace(topic="T", queue_id=9, queue_offset=0))     # past both: grown, as before
+    assert topics.get("T").read_queue_nums == 10
