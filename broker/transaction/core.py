@@ -166,7 +166,18 @@ class TransactionCore:
         self.decided = decided                  # half offset -> COMMIT/ROLLBACK/DEAD or None
         self.half_of = half_of                  # half offset -> (its producer group, its queue offset) or None
         self.pending: dict[int, Tx] = {}
-        self._heap: list[tuple[int, int]] = []
+        # The check schedule, one per producer group, taken in turn (due): from one schedule, oldest due first, a
+        # group's backlog (100,000 due at once, its producer hung or gone) was popped and parked whole before the
+        # due check of another group was reached, 350-550 ms later and longer the larger the backlog.
+        self._sched: dict[str, list[tuple[int, int]]] = {}      # group -> lazy heap of (next check, half offset)
+        # Groups by the earliest of their schedule (lazy: an entry's time is at most its group's earliest), but for
+        # those in _turn: the groups found due, served one transaction at a time, in turn, across calls.
+        self._next: list[tuple[int, str]] = []
+        self._turn: deque[str] = deque()
+        self._turning: set[str] = set()
+        # Due entries taken per group (due), a counter for tests and benches: how much of one group's backlog was
+        # handled before another group's check went.
+        self.taken: dict[str, int] = {}
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
         # The floor each check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at
@@ -211,7 +222,7 @@ class TransactionCore:
             tx.next_check = max(tx.next_check, now)
         earliest = self.next_due()
         self._put(tx)
-        heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
+        self._push(tx.group, tx.next_check, tx.half_offset)
         self._age(tx)
         return earliest is None or tx.next_check <= earliest
 
@@ -295,18 +306,62 @@ class TransactionCore:
 
     def _reschedule(self, tx: Tx, when: int) -> None:
         tx.next_check = when
-        heapq.heappush(self._heap, (when, tx.half_offset))
+        self._push(tx.group, when, tx.half_offset)
 
-    def next_due(self) -> int | None:
-        heap = self._heap
-        waking = self._waking[0][0] if self._waking else None
+    def _push(self, group: str, when: int, off: int) -> None:
+        heap = self._sched.get(group)
+        if heap is None:
+            heap = self._sched[group] = []
+        if (not heap or when < heap[0][0]) and group not in self._turning:
+            if len(self._next) > 2 * len(self._sched) + 64:     # entries of groups since served or emptied
+                self._next = [(h[0][0], g) for g, h in self._sched.items() if h and g not in self._turning]
+                heapq.heapify(self._next)
+            heapq.heappush(self._next, (when, group))
+        heapq.heappush(heap, (when, off))
+
+    def _top(self, group: str) -> int | None:
+        """When ``group``'s next check is due (its schedule's stale entries dropped), None when it has none."""
+        heap = self._sched.get(group)
+        if heap is None:
+            return None
+        pending = self.pending
         while heap:
             when, off = heap[0]
-            tx = self.pending.get(off)
-            if tx is not None and tx.next_check == when:
-                return when if waking is None else min(when, waking)
+            tx = pending.get(off)
+            if tx is not None and tx.next_check == when and tx.group == group:
+                return when
             heapq.heappop(heap)
-        return waking
+        del self._sched[group]
+        return None
+
+    def _enter(self, group: str, now: int) -> None:
+        """``group`` (not in turn) joins the turn if its next check is due at ``now``, else waits on _next."""
+        top = self._top(group)
+        if top is None:
+            return
+        if top <= now:
+            self._turn.append(group)
+            self._turning.add(group)
+        else:
+            heapq.heappush(self._next, (top, group))
+
+    def next_due(self) -> int | None:
+        best = self._waking[0][0] if self._waking else None
+        for group in self._turn:                # the groups found due: few, but for a pass over many groups
+            top = self._top(group)
+            if top is not None and (best is None or top < best):
+                best = top
+        heap, turning = self._next, self._turning
+        while heap:
+            when, group = heap[0]
+            top = None if group in turning else self._top(group)
+            if top is None:
+                heapq.heappop(heap)
+            elif top > when:
+                heapq.heapreplace(heap, (top, group))
+            else:
+                return when if best is None else min(when, best)
+        return best
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, origin: Origin, group: str | None = None,
@@ -392,22 +447,35 @@ class TransactionCore:
         they are deferred (counted, again after an interval) like any other due transaction nobody can be
         asked about. ``limit``: at most that many due entries are taken in this call (the caller yields to
         the event loop between calls)."""
-        heap, policy = self._heap, self.policy
+        policy, turn, turning, upcoming = self.policy, self._turn, self._turning, self._next
         actions: list = []
         deferred: list[Tx] = []
         if room_for is not None:
             self._unpark(room_for)
         if self._waking:
             self._wake(now, limit)
+        while upcoming and upcoming[0][0] <= now:
+            group = heapq.heappop(upcoming)[1]
+            if group not in turning:
+                self._enter(group, now)
         taken = 0
-        while heap and heap[0][0] <= now:
+        # One transaction of each due group in turn: a group's backlog delays another group's due check by one
+        # transaction of its own a turn, whatever its size (the turn goes on in the next call where this one ends).
+        while turn:
             if limit is not None and taken >= limit:
                 break
-            when, off = heapq.heappop(heap)
-            tx = self.pending.get(off)
-            if tx is None or tx.next_check != when:
+            group = turn.popleft()
+            turning.discard(group)
+            top = self._top(group)
+            if top is None or top > now:
+                if top is not None:
+                    heapq.heappush(upcoming, (top, group))
                 continue
+            off = heapq.heappop(self._sched[group])[1]
+            tx = self.pending[off]
+            self._enter(group, now)             # at the back of the turn, before tx may be rescheduled below
             taken += 1
+            self.taken[group] = self.taken.get(group, 0) + 1
             if tx.deferred:
                 self._undefer(tx)
             if tx.deciding is not None:
@@ -516,7 +584,7 @@ class TransactionCore:
                 if not tx.parked or self.pending.get(tx.half_offset) is not tx:
                     continue            # decided meanwhile
                 tx.parked = False
-                heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
+                self._push(group, tx.next_check, tx.half_offset)
                 room -= 1
             if not queue:
                 del self._parked[group]

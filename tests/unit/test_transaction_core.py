@@ -4,7 +4,6 @@ The core has no I/O and no clock: each test plays the shell, performing the acti
 """
 from __future__ import annotations
 
-import heapq
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -405,7 +404,7 @@ EVENTS = st.lists(st.one_of(
 
 def _scheduled(core: TransactionCore, tx: Tx) -> bool:
     """On the check schedule, or parked until its producers have room for its check."""
-    return (tx.next_check, tx.half_offset) in core._heap or (tx.parked and tx in core._parked.get(tx.group, ()))
+    return (tx.next_check, tx.half_offset) in core._sched.get(tx.group, ()) or (tx.parked and tx in core._parked.get(tx.group, ()))
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -483,7 +482,6 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
         for w in list(s.writing):
             s.finish(w)
     assert not s.core.pending, f"never decided: {before}"
-    heapq.heapify(s.core._heap)
 
 
 def test_a_half_naming_no_group_or_topic_is_dead_lettered_when_due_not_deferred_for_ever():
