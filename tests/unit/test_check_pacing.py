@@ -389,3 +389,55 @@ async def test_a_slot_freed_inside_a_slice_is_used_though_the_group_was_found_fu
         assert tx.core.in_flight(producer, "PG") == 1
     finally:
         await ctx.store._store.close()
+
+
+@pytest.mark.parametrize("backlog", [600, 2400])
+@pytest.mark.parametrize("big_producer", ["hung", "gone"])
+@bounded(120)
+async def test_another_groups_due_check_waits_a_bounded_part_of_a_backlog_whatever_its_size(tmp_path, backlog,
+                                                                                          big_producer):
+    """One group's backlog of due checks (its producer hung at its cap, or gone) and another group's check that
+    comes due while the pass is working through it: the innocent check is taken in its group's turn, after at
+    most a slice of the backlog (the one under way when it came due) and one more of it, however large the
+    backlog. From one schedule, oldest due first, the pass took the whole backlog first, and the check came due
+    after the pass's clock, so waited for the next pass."""
+    ctx, clock, txs = await storm(tmp_path, backlog, transaction_check_in_flight_max=40)
+    tx = ctx.tx
+    for t in txs:       # storm's halves are of group PG: the backlog's group
+        assert t.group == "PG"
+    if big_producer == "hung":
+        ctx.clients.add_producer("PG", Producer(), "P1")
+    small = await add_half(ctx, b"small", group="PG_small")
+    innocent = Producer("P_small")
+    ctx.clients.add_producer("PG_small", innocent, "P_small")
+    taken = {"PG": 0, "PG_small": 0}
+    backlog_taken_before_small = []
+    choose = tx._channel_for
+
+    def counting(t):
+        if t.group == "PG_small":
+            backlog_taken_before_small.append(taken["PG"])
+        taken[t.group] += 1
+        return choose(t)
+    tx._channel_for = counting
+    due = tx.core.due
+    slices = []
+
+    def first_slice_then_the_innocent_check_comes_due(*args, **kwargs):
+        out = due(*args, **kwargs)
+        slices.append(len(out[0]) + len(out[1]))
+        if len(slices) == 1:
+            assert small.next_check > clock.now     # not due when the pass began
+            clock.now = small.next_check            # due from the next slice on
+        return out
+    tx.core.due = first_slice_then_the_innocent_check_comes_due
+    try:
+        await tx.run_due(clock.now)
+        if not innocent.checks:
+            await tx.run_due(clock.now)             # (from one schedule: in the next pass)
+        assert len(innocent.checks) == 1
+        assert len(backlog_taken_before_small) == 1
+        assert backlog_taken_before_small[0] <= tx.CHECK_SLICE + 1, (backlog_taken_before_small, backlog)
+        assert tx.core.taken["PG_small"] == 1
+    finally:
+        await ctx.store._store.close()
