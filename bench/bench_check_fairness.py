@@ -6,7 +6,8 @@ Group PG_big sends N half messages (local transaction UNKNOW); the broker is res
 3 s check interval, so all N are due at once, and a PG_big producer that never answers connects (it gets its
 cap of checks, the rest wait); with ``gone``, no producer of PG_big comes back (all N are deferred, and come
 due again each check interval). Then group PG_small sends one half and answers its check at once: prints how
-long after its SEND_OK its check came (the innocent group's wait), the worst latency of a plain SEND sent
+long after its SEND_OK its check came (the innocent group's wait) and the broker's CPU time meanwhile (the
+wall time drifts with the machine's load; the CPU time is the work done first), the worst latency of a plain SEND sent
 every 10 ms meanwhile (the broker's loop lag as a client sees it), and the broker's loop-lag metric. SPY=1
 records a py-spy profile of the restarted broker to /tmp/check_fair_spy.txt.
 """
@@ -31,6 +32,13 @@ class Listener:
         if self.answer is None:
             await asyncio.Event().wait()
         return self.answer
+
+
+def cpu_s(pid):
+    """The process's CPU time so far (user + system), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def metric(b, name):
@@ -76,12 +84,13 @@ async def main(n, gone):
     small = await TransactionProducer(b.namesrv, "PG_small", innocent, shutdown_grace_s=0).start()
     t = time.perf_counter()
     await small.send_in_transaction("TSmall", b"y")
-    sent = time.perf_counter()
+    sent, cpu0 = time.perf_counter(), cpu_s(b.proc.pid)
     await asyncio.wait_for(innocent.checked.wait(), 300)
-    first = time.perf_counter() - sent
+    first, cpu = time.perf_counter() - sent, cpu_s(b.proc.pid) - cpu0
     stop.set()
     await pt
     print(json.dumps({"n": n, "small_send_ms": round((sent - t) * 1000, 1), "small_first_check_ms": round(first * 1000, 1),
+                      "broker_cpu_ms": round(cpu * 1000),
                       "hung_checks": hung.checks, "probe_n": len(lat),
                       "probe_worst_ms": [round(x * 1000, 1) for x in sorted(lat)[-3:]]}), flush=True)
     print(metric(b, "txmq_event_loop_lag_max_seconds"))

@@ -438,6 +438,6 @@ async def test_another_groups_due_check_waits_a_bounded_part_of_a_backlog_whatev
         assert len(innocent.checks) == 1
         assert len(backlog_taken_before_small) == 1
         assert backlog_taken_before_small[0] <= tx.CHECK_SLICE + 1, (backlog_taken_before_small, backlog)
-        assert tx.core.taken["PG_small"] == 1
+        assert tx.core.taken == sum(taken.values())     # the core counts every due entry it took, as the test did
     finally:
         await ctx.store._store.close()
