@@ -441,3 +441,28 @@ async def test_another_groups_due_check_waits_a_bounded_part_of_a_backlog_whatev
         assert tx.core.taken == sum(taken.values())     # the core counts every due entry it took, as the test did
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_pass_reading_the_clock_each_slice_still_ends_within_an_interval(tmp_path):
+    """Each slice of a pass takes what is due by the clock of its start; a pass slower than the check interval
+    (a backlog of a group with no producer, its deferred transactions due again an interval on) then always found
+    more due, and never ended: the parked transactions of other groups, given room only as a pass begins, waited
+    for good. It ends once an interval long; the next pass goes on with the rest."""
+    ctx, clock, txs = await storm(tmp_path, 600)
+    tx = ctx.tx
+    interval = tx.core.policy.check_interval_ms
+    due, slices = tx.core.due, []
+
+    def slow_slices(*args, **kwargs):
+        slices.append(1)
+        assert len(slices) <= 20, "the pass never ends"
+        clock.now += interval // 2          # each slice half an interval
+        return due(*args, **kwargs)
+    tx.core.due = slow_slices
+    try:
+        await tx.run_due(clock.now)
+        assert len(slices) <= 3
+        assert tx.next_due() <= clock.now                   # the rest for the next pass, which starts at once
+    finally:
+        await ctx.store._store.close()
