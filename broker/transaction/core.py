@@ -158,7 +158,8 @@ class SendCheck:
 
 
 class TransactionCore:
-    """Undecided transactions ordered by their next check; every rule of the transaction lifecycle."""
+    """Undecided transactions ordered by their next check, a schedule per producer group taken in turn; every rule
+    of the transaction lifecycle."""
 
     def __init__(self, policy: Policy, decided: Callable[[int], str | None],
                  half_of: Callable[[int], tuple[str, int] | None] | None = None):
@@ -444,7 +445,11 @@ class TransactionCore:
         producer of the group is here any more: its parked transactions all go back on the schedule, where
         they are deferred (counted, again after an interval) like any other due transaction nobody can be
         asked about. ``limit``: at most that many due entries are taken in this call (the caller yields to
-        the event loop between calls)."""
+        the event loop between calls).
+
+        The groups with something due are served one transaction each in turn (oldest due first within a
+        group), the turn carried over from one call to the next: another group's due check waits for one
+        transaction of a backlog a turn, not the whole backlog."""
         policy, turn, turning, upcoming = self.policy, self._turn, self._turning, self._next
         actions: list = []
         deferred: list[Tx] = []
