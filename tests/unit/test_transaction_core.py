@@ -500,3 +500,36 @@ def test_a_half_naming_no_group_or_topic_is_dead_lettered_when_due_not_deferred_
     for action in list(s.writing):
         s.finish(action)
     assert set(s.core.pending) == {3}
+
+
+def test_groups_with_checks_due_are_served_in_turn_across_calls_however_many_and_whatever_their_backlog():
+    """A schedule per producer group: the groups with something due are served one transaction each in turn, the
+    turn carried from one call (one slice of a pass) to the next, so a group is reached after at most one
+    transaction of each other due group, whatever their backlogs; within a group, oldest due first."""
+    s = Shell()
+    groups = [f"PG{g}" for g in range(300)]         # more groups than a slice takes
+    off = 0
+    for size, group in zip([2_000, *([3] * 299)], groups):
+        for _ in range(size):
+            off += 1
+            s.half(off, group=group)
+            s.now += 1
+    s.now += IMMUNITY
+    taken: list[str] = []
+    first_taken: dict[str, int] = {}
+
+    def busy(tx):
+        first_taken.setdefault(tx.group, len(taken))
+        taken.append(tx.group)
+        return BUSY
+    for _ in range(3):
+        s.core.due(s.now, busy, limit=256)
+    assert len(taken) == 3 * 256
+    assert set(first_taken) == set(groups)                          # every group reached within two slices
+    assert all(n < len(groups) for n in first_taken.values())       # after one transaction of each other at most
+    assert taken.count("PG0") == 3                                  # its backlog of 2,000: one a turn
+    assert s.core.taken == 3 * 256
+    assert s.core.parked() == 3 * 256 and s.core.next_due() <= s.now         # the rest still due
+    # Within a group, oldest due first.
+    parked = list(s.core._parked["PG0"])
+    assert [tx.half_offset for tx in parked] == sorted(tx.half_offset for tx in parked) == [1, 2, 3]
