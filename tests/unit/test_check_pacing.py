@@ -466,3 +466,54 @@ async def test_a_pass_reading_the_clock_each_slice_still_ends_within_an_interval
         assert tx.next_due() <= clock.now                   # the rest for the next pass, which starts at once
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_slot_freed_during_a_long_pass_is_used_before_the_pass_would_have_ended(tmp_path):
+    """An answer that frees a check slot wakes the timer; the pass under way (another group's backlog of 3,000 due
+    with no producer of theirs here) ends at its next slice, and the next pass gives the parked transaction its
+    producer's room. Parked ones are given room only as a pass begins: the pass ran on through the backlog first."""
+    ctx, clock, txs = await storm(tmp_path, 3000, transaction_check_in_flight_max=1)
+    tx = ctx.tx
+    first = await add_half(ctx, b"first", group="PG_a")
+    second = await add_half(ctx, b"second", group="PG_a")
+    clock.now = max(first.next_check, second.next_check) + 1
+    a = Producer("PA")
+    ctx.clients.add_producer("PG_a", a, "PA")
+    taken = {"PG": 0}
+    choose = tx._channel_for
+
+    def counting(t):
+        taken[t.group] = taken.get(t.group, 0) + 1
+        return choose(t)
+    tx._channel_for = counting
+    due, slices = tx.core.due, []
+    answered = asyncio.Event()
+    backlog_taken_at_second_check, second_check = [], asyncio.Event()
+
+    def answer_in_the_second_slice(*args, **kwargs):
+        slices.append(1)
+        if len(slices) == 2:        # PG_a's first check is out, its second parked: the producer answers
+            assert a.checks and second.parked
+            asked = first if first.checks else second
+            assert tx.end(asked.half_offset, UNKNOWN, group="PG_a", table_offset=asked.queue_offset,
+                          from_check=True)[0] == 0
+            answered.set()
+        return due(*args, **kwargs)
+    tx.core.due = answer_in_the_second_slice
+    oneway = a.oneway
+
+    def sent(cmd):
+        oneway(cmd)
+        if len(a.checks) == 2:
+            backlog_taken_at_second_check.append(taken["PG"])
+            second_check.set()
+    a.oneway = sent
+    tx.timer.start()
+    try:
+        await second_check.wait()
+        assert answered.is_set()
+        assert backlog_taken_at_second_check[0] <= 3 * tx.CHECK_SLICE, backlog_taken_at_second_check
+    finally:
+        await tx.timer.stop()
+        await ctx.store._store.close()
