@@ -161,6 +161,8 @@ class TransactionCore:
     """Undecided transactions ordered by their next check, a schedule per producer group taken in turn; every rule
     of the transaction lifecycle."""
 
+    _NEXT_SLACK = 64    # stale entries _next may hold beyond two per group before it is rebuilt (see _push)
+
     def __init__(self, policy: Policy, decided: Callable[[int], str | None],
                  half_of: Callable[[int], tuple[str, int] | None] | None = None):
         self.policy = policy
@@ -312,7 +314,7 @@ class TransactionCore:
         if heap is None:
             heap = self._sched[group] = []
         if (not heap or when < heap[0][0]) and group not in self._turning:
-            if len(self._next) > 2 * len(self._sched) + 64:     # entries of groups since served or emptied
+            if len(self._next) > 2 * len(self._sched) + self._NEXT_SLACK:  # entries of groups since served or emptied
                 self._next = [(h[0][0], g) for g, h in self._sched.items() if h and g not in self._turning]
                 heapq.heapify(self._next)
             heapq.heappush(self._next, (when, group))
@@ -450,15 +452,15 @@ class TransactionCore:
         The groups with something due are served one transaction each in turn (oldest due first within a
         group), the turn carried over from one call to the next: another group's due check waits for one
         transaction of a backlog a turn, not the whole backlog."""
-        policy, turn, turning, upcoming = self.policy, self._turn, self._turning, self._next
+        policy, turn, turning = self.policy, self._turn, self._turning
         actions: list = []
         deferred: list[Tx] = []
         if room_for is not None:
             self._unpark(room_for)
         if self._waking:
             self._wake(now, limit)
-        while upcoming and upcoming[0][0] <= now:
-            group = heapq.heappop(upcoming)[1]
+        while self._next and self._next[0][0] <= now:      # (not held in a local: _push may rebuild it)
+            group = heapq.heappop(self._next)[1]
             if group not in turning:
                 self._enter(group, now)
         taken = 0
@@ -472,7 +474,7 @@ class TransactionCore:
             top = self._top(group)
             if top is None or top > now:
                 if top is not None:
-                    heapq.heappush(upcoming, (top, group))
+                    heapq.heappush(self._next, (top, group))
                 continue
             off = heapq.heappop(self._sched[group])[1]
             tx = self.pending[off]

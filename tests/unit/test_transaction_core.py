@@ -533,3 +533,71 @@ def test_groups_with_checks_due_are_served_in_turn_across_calls_however_many_and
     # Within a group, oldest due first.
     parked = list(s.core._parked["PG0"])
     assert [tx.half_offset for tx in parked] == sorted(tx.half_offset for tx in parked) == [1, 2, 3]
+
+
+GROUP_EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("half"), st.integers(0, 11), st.sampled_from(["A", "B", "C"])),
+    st.tuples(st.just("decide"), st.integers(0, 11), st.booleans()),
+    st.tuples(st.just("tick"), st.sampled_from([0, 1, 500, INTERVAL, IMMUNITY]), st.integers(1, 3)),
+    st.tuples(st.just("producer"), st.sampled_from([True, False, "busy"])),
+    st.tuples(st.just("answer"), st.integers(0, 11)),
+), max_size=80)
+
+
+def _reachable(core: TransactionCore, group: str) -> bool:
+    """A group with something scheduled is in the turn, or waits on _next no later than its next check."""
+    top = core._top(group)
+    return top is None or group in core._turning or any(g == group and w <= top for w, g in core._next)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(GROUP_EVENTS)
+def test_no_sequence_leaves_a_group_off_the_turn_or_a_transaction_unchecked(events):
+    """The per-group schedules under random halves of three groups, decisions, slices of 1-3 due entries (the
+    turn carried between them), producers here, absent or at their cap, and a _next rebuilt at every chance."""
+    s = Shell()
+    s.core._NEXT_SLACK = 0
+    added: dict[int, Tx] = {}
+    for event in events:
+        kind = event[0]
+        if kind == "half" and event[1] not in added:
+            added[event[1]] = s.half(event[1], group=event[2])
+        elif kind == "decide" and event[1] in added:
+            tx = added[event[1]]
+            action = s.end(tx.half_offset, COMMIT, origin=Origin.ADMIN, group=None)
+            if isinstance(action, Write):
+                s.finish(action, ok=event[2])
+        elif kind == "tick":
+            s.now += event[1]
+            actions, _ = s.core.due(s.now, s._channel_for, s._room_for, limit=event[2])
+            for a in actions:
+                if isinstance(a, SendCheck) and s.core.check_written(a.tx, s.now, True):
+                    s.core.check_sent(a.tx)
+                elif isinstance(a, Write):
+                    s.writing.append(a)
+                    s.finish(a)
+        elif kind == "producer":
+            s.producer = event[1]
+        elif kind == "answer" and event[1] in added:
+            tx = added[event[1]]
+            s.core.end(tx.half_offset, UNKNOWN, origin=Origin.CHECK, group=tx.group)
+        for tx in s.core.pending.values():
+            assert tx.deciding is not None or _scheduled(s.core, tx), f"{tx.half_offset} off the schedule"
+        for group in "ABC":
+            assert _reachable(s.core, group), f"group {group} never served again"
+    # And in the end: with a producer that answers, every group's transactions are checked and dead-lettered.
+    s.producer = True
+    for _ in range(4 * (MAX_CHECKS + 2) * 12):
+        s.now += 4 * INTERVAL
+        actions, _ = s.core.due(s.now, s._channel_for, s._room_for, limit=3)
+        for a in actions:
+            if isinstance(a, SendCheck):
+                if s.core.check_written(a.tx, s.now, True):
+                    s.core.check_sent(a.tx)
+                    s.core.end(a.tx.half_offset, UNKNOWN, origin=Origin.CHECK, group=a.tx.group)
+            else:
+                s.writing.append(a)
+                s.finish(a)
+        if not s.core.pending:
+            break
+    assert not s.core.pending, f"never decided: {sorted(s.core.pending)}"
