@@ -49,7 +49,9 @@ def metric(b, name):
 async def main(n, gone):
     d = tempfile.mkdtemp(prefix="check-fair")
     store = os.path.join(d, "store")
-    b = BrokerProcess(store, "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000").start()
+    limit = ("--max-undecided-per-group", str(max(n, 100000)))      # (its default, 100,000, refuses more)
+    b = BrokerProcess(store, "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000",
+                      *limit).start()
     p = await TransactionProducer(b.namesrv, "PG_big", Listener(None), end_retries=0).start()
     sem = asyncio.Semaphore(512)
 
@@ -61,7 +63,7 @@ async def main(n, gone):
     print("sent", n, "in", round(time.perf_counter() - t0, 1), "s", flush=True)
     await p.shutdown()
     b.stop()
-    b = BrokerProcess(store, "--transaction-timeout-ms", "0", "--transaction-check-interval-ms", "3000").start()
+    b = BrokerProcess(store, "--transaction-timeout-ms", "0", "--transaction-check-interval-ms", "3000", *limit).start()
     probe = await Producer(b.namesrv, "PG_probe", send_timeout=30).start()
     spy = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "-p", str(b.proc.pid),
                             "-f", "raw", "-o", "/tmp/check_fair_spy.txt", "-r", "200"],
