@@ -64,6 +64,11 @@ class CheckTimer:
     def wake(self) -> None:
         self._wake.set()
 
+    def woken(self) -> bool:
+        """Woken since the running pass began: the timer starts another as soon as it ends (never, when the timer
+        is not running: a caller that runs passes itself has them run to their end)."""
+        return self._task is not None and self._wake.is_set()
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

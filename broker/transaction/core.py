@@ -158,7 +158,10 @@ class SendCheck:
 
 
 class TransactionCore:
-    """Undecided transactions ordered by their next check; every rule of the transaction lifecycle."""
+    """Undecided transactions ordered by their next check, a schedule per producer group taken in turn; every rule
+    of the transaction lifecycle."""
+
+    _NEXT_SLACK = 64    # stale entries _next may hold beyond two per group before it is rebuilt (see _push)
 
     def __init__(self, policy: Policy, decided: Callable[[int], str | None],
                  half_of: Callable[[int], tuple[str, int] | None] | None = None):
@@ -166,7 +169,19 @@ class TransactionCore:
         self.decided = decided                  # half offset -> COMMIT/ROLLBACK/DEAD or None
         self.half_of = half_of                  # half offset -> (its producer group, its queue offset) or None
         self.pending: dict[int, Tx] = {}
-        self._heap: list[tuple[int, int]] = []
+        # The check schedule, one per producer group, taken in turn (due): from one schedule, oldest due first, a
+        # group's backlog (100,000 due at once, its producer hung or gone) was popped and parked whole before the
+        # due check of another group was reached, 350-550 ms later and longer the larger the backlog.
+        self._sched: dict[str, list[tuple[int, int]]] = {}      # group -> lazy heap of (next check, half offset)
+        # Groups by the earliest of their schedule (lazy: an entry's time is at most its group's earliest), but for
+        # those in _turn: the groups found due, served one transaction at a time, in turn, across calls.
+        self._next: list[tuple[int, str]] = []
+        self._turn: deque[str] = deque()
+        self._turning: set[str] = set()
+        # The groups in _turn by the earliest of their schedule (lazy as _next): next_due, asked for every half
+        # stored (add), read each of them, 6 ms a half with 10,000 groups due (a restart, producers hung or gone).
+        self._turn_next: list[tuple[int, str]] = []
+        self.taken = 0      # due entries taken so far (due): the work of check passes, for tests and benches
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
         # The floor each check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at
@@ -211,7 +226,7 @@ class TransactionCore:
             tx.next_check = max(tx.next_check, now)
         earliest = self.next_due()
         self._put(tx)
-        heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
+        self._push(tx.group, tx.next_check, tx.half_offset)
         self._age(tx)
         return earliest is None or tx.next_check <= earliest
 
@@ -295,18 +310,82 @@ class TransactionCore:
 
     def _reschedule(self, tx: Tx, when: int) -> None:
         tx.next_check = when
-        heapq.heappush(self._heap, (when, tx.half_offset))
+        self._push(tx.group, when, tx.half_offset)
 
-    def next_due(self) -> int | None:
-        heap = self._heap
-        waking = self._waking[0][0] if self._waking else None
+    def _push(self, group: str, when: int, off: int) -> None:
+        heap = self._sched.get(group)
+        if heap is None:
+            heap = self._sched[group] = []
+        if not heap or when < heap[0][0]:
+            if group in self._turning:
+                self._turn_push(when, group)
+            else:
+                if len(self._next) > 2 * len(self._sched) + self._NEXT_SLACK:  # of groups since served or emptied
+                    self._next = [(h[0][0], g) for g, h in self._sched.items() if h and g not in self._turning]
+                    heapq.heapify(self._next)
+                heapq.heappush(self._next, (when, group))
+        heapq.heappush(heap, (when, off))
+
+    def _turn_push(self, when: int, group: str) -> None:
+        """``group``, in the turn, has a check due at ``when``: on _turn_next (rebuilt from the groups in the turn
+        when the entries of groups since served outnumber them)."""
+        if len(self._turn_next) > 2 * len(self._turning) + self._NEXT_SLACK:
+            sched = self._sched
+            self._turn_next = [(sched[g][0][0], g) for g in self._turning if sched.get(g)]
+            heapq.heapify(self._turn_next)
+        heapq.heappush(self._turn_next, (when, group))
+
+    def _top(self, group: str) -> int | None:
+        """When ``group``'s next check is due (its schedule's stale entries dropped), None when it has none."""
+        heap = self._sched.get(group)
+        if heap is None:
+            return None
+        pending = self.pending
         while heap:
             when, off = heap[0]
-            tx = self.pending.get(off)
-            if tx is not None and tx.next_check == when:
-                return when if waking is None else min(when, waking)
+            tx = pending.get(off)
+            if tx is not None and tx.next_check == when and tx.group == group:
+                return when
             heapq.heappop(heap)
-        return waking
+        del self._sched[group]
+        return None
+
+    def _enter(self, group: str, now: int) -> None:
+        """``group`` (not in turn) joins the turn if its next check is due at ``now``, else waits on _next."""
+        top = self._top(group)
+        if top is None:
+            return
+        if top <= now:
+            self._turn.append(group)
+            self._turning.add(group)
+            self._turn_push(top, group)
+        else:
+            heapq.heappush(self._next, (top, group))
+
+    def next_due(self) -> int | None:
+        best = self._waking[0][0] if self._waking else None
+        heap, turning = self._turn_next, self._turning
+        while heap:                             # the groups found due: O(log) a call, however many they are
+            when, group = heap[0]
+            top = self._top(group) if group in turning else None
+            if top is None:
+                heapq.heappop(heap)
+            elif top > when:
+                heapq.heapreplace(heap, (top, group))
+            else:
+                best = when if best is None else min(when, best)
+                break
+        heap = self._next
+        while heap:
+            when, group = heap[0]
+            top = None if group in turning else self._top(group)
+            if top is None:
+                heapq.heappop(heap)
+            elif top > when:
+                heapq.heapreplace(heap, (top, group))
+            else:
+                return when if best is None else min(when, best)
+        return best
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, origin: Origin, group: str | None = None,
@@ -391,22 +470,38 @@ class TransactionCore:
         producer of the group is here any more: its parked transactions all go back on the schedule, where
         they are deferred (counted, again after an interval) like any other due transaction nobody can be
         asked about. ``limit``: at most that many due entries are taken in this call (the caller yields to
-        the event loop between calls)."""
-        heap, policy = self._heap, self.policy
+        the event loop between calls).
+
+        The groups with something due are served one transaction each in turn (oldest due first within a
+        group), the turn carried over from one call to the next: another group's due check waits for one
+        transaction of a backlog a turn, not the whole backlog."""
+        policy, turn, turning = self.policy, self._turn, self._turning
         actions: list = []
         deferred: list[Tx] = []
         if room_for is not None:
             self._unpark(room_for)
         if self._waking:
             self._wake(now, limit)
+        while self._next and self._next[0][0] <= now:      # (not held in a local: _push may rebuild it)
+            group = heapq.heappop(self._next)[1]
+            if group not in turning:
+                self._enter(group, now)
         taken = 0
-        while heap and heap[0][0] <= now:
+        # One transaction of each due group in turn: a group's backlog delays another group's due check by one
+        # transaction of its own a turn, whatever its size (the turn goes on in the next call where this one ends).
+        while turn:
             if limit is not None and taken >= limit:
                 break
-            when, off = heapq.heappop(heap)
-            tx = self.pending.get(off)
-            if tx is None or tx.next_check != when:
+            group = turn.popleft()
+            turning.discard(group)
+            top = self._top(group)
+            if top is None or top > now:
+                if top is not None:
+                    heapq.heappush(self._next, (top, group))
                 continue
+            off = heapq.heappop(self._sched[group])[1]
+            tx = self.pending[off]
+            self._enter(group, now)             # at the back of the turn, before tx may be rescheduled below
             taken += 1
             if tx.deferred:
                 self._undefer(tx)
@@ -446,6 +541,7 @@ class TransactionCore:
             key = (channel, tx.group)
             self._held[key] = self._held.get(key, 0) + 1
             actions.append(SendCheck(tx, channel))
+        self.taken += taken
         return actions, deferred
 
     def producer_joined(self, group: str, now: int) -> bool:
@@ -516,7 +612,7 @@ class TransactionCore:
                 if not tx.parked or self.pending.get(tx.half_offset) is not tx:
                     continue            # decided meanwhile
                 tx.parked = False
-                heapq.heappush(self._heap, (tx.next_check, tx.half_offset))
+                self._push(group, tx.next_check, tx.half_offset)
                 room -= 1
             if not queue:
                 del self._parked[group]

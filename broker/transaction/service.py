@@ -832,14 +832,20 @@ class TransactionService:
     CHECK_SLICE = 256
 
     async def run_due(self, now: int) -> None:
-        room_for = self._room_for
+        room_for, started = self._room_for, now
         self._refused = [0, ""]             # check records the store refused this pass: said once, at its end
         try:
             while True:
                 await self._run_slice(now, room_for)
                 room_for = None                 # parked ones come back once a pass, with the room there is then
+                # Each slice by the clock of its own start: a check that came due during a long pass (another group's
+                # backlog) is taken in its group's turn in the next slice, not after the whole pass. Woken meanwhile
+                # (a slot freed, a producer joined, a check lost), or an interval long, the pass ends: the next one
+                # starts at once and gives parked transactions the room there is now.
+                now = max(now, self.ctx.monotonic())
                 due = self.core.next_due()
-                if due is None or due > now:
+                if (due is None or due > now or self.timer.woken()
+                        or now - started >= self.core.policy.check_interval_ms):
                     break
                 await asyncio.sleep(0)
         finally:

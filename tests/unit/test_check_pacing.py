@@ -389,3 +389,131 @@ async def test_a_slot_freed_inside_a_slice_is_used_though_the_group_was_found_fu
         assert tx.core.in_flight(producer, "PG") == 1
     finally:
         await ctx.store._store.close()
+
+
+@pytest.mark.parametrize("backlog", [600, 2400])
+@pytest.mark.parametrize("big_producer", ["hung", "gone"])
+@bounded(120)
+async def test_another_groups_due_check_waits_a_bounded_part_of_a_backlog_whatever_its_size(tmp_path, backlog,
+                                                                                          big_producer):
+    """One group's backlog of due checks (its producer hung at its cap, or gone) and another group's check that
+    comes due while the pass is working through it: the innocent check is taken in its group's turn, after at
+    most a slice of the backlog (the one under way when it came due) and one more of it, however large the
+    backlog. From one schedule, oldest due first, the pass took the whole backlog first, and the check came due
+    after the pass's clock, so waited for the next pass."""
+    ctx, clock, txs = await storm(tmp_path, backlog, transaction_check_in_flight_max=40)
+    tx = ctx.tx
+    for t in txs:       # storm's halves are of group PG: the backlog's group
+        assert t.group == "PG"
+    if big_producer == "hung":
+        ctx.clients.add_producer("PG", Producer(), "P1")
+    small = await add_half(ctx, b"small", group="PG_small")
+    innocent = Producer("P_small")
+    ctx.clients.add_producer("PG_small", innocent, "P_small")
+    taken = {"PG": 0, "PG_small": 0}
+    backlog_taken_before_small = []
+    choose = tx._channel_for
+
+    def counting(t):
+        if t.group == "PG_small":
+            backlog_taken_before_small.append(taken["PG"])
+        taken[t.group] += 1
+        return choose(t)
+    tx._channel_for = counting
+    due = tx.core.due
+    slices = []
+
+    def first_slice_then_the_innocent_check_comes_due(*args, **kwargs):
+        out = due(*args, **kwargs)
+        slices.append(len(out[0]) + len(out[1]))
+        if len(slices) == 1:
+            assert small.next_check > clock.now     # not due when the pass began
+            clock.now = small.next_check            # due from the next slice on
+        return out
+    tx.core.due = first_slice_then_the_innocent_check_comes_due
+    try:
+        await tx.run_due(clock.now)
+        if not innocent.checks:
+            await tx.run_due(clock.now)             # (from one schedule: in the next pass)
+        assert len(innocent.checks) == 1
+        assert len(backlog_taken_before_small) == 1
+        assert backlog_taken_before_small[0] <= tx.CHECK_SLICE + 1, (backlog_taken_before_small, backlog)
+        assert tx.core.taken == sum(taken.values())     # the core counts every due entry it took, as the test did
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_pass_reading_the_clock_each_slice_still_ends_within_an_interval(tmp_path):
+    """Each slice of a pass takes what is due by the clock of its start; a pass slower than the check interval
+    (a backlog of a group with no producer, its deferred transactions due again an interval on) then always found
+    more due, and never ended: the parked transactions of other groups, given room only as a pass begins, waited
+    for good. It ends once an interval long; the next pass goes on with the rest."""
+    ctx, clock, txs = await storm(tmp_path, 600)
+    tx = ctx.tx
+    interval = tx.core.policy.check_interval_ms
+    due, slices = tx.core.due, []
+
+    def slow_slices(*args, **kwargs):
+        slices.append(1)
+        assert len(slices) <= 20, "the pass never ends"
+        clock.now += interval // 2          # each slice half an interval
+        return due(*args, **kwargs)
+    tx.core.due = slow_slices
+    try:
+        await tx.run_due(clock.now)
+        assert len(slices) <= 3
+        assert tx.next_due() <= clock.now                   # the rest for the next pass, which starts at once
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_slot_freed_during_a_long_pass_is_used_before_the_pass_would_have_ended(tmp_path):
+    """An answer that frees a check slot wakes the timer; the pass under way (another group's backlog of 3,000 due
+    with no producer of theirs here) ends at its next slice, and the next pass gives the parked transaction its
+    producer's room. Parked ones are given room only as a pass begins: the pass ran on through the backlog first."""
+    ctx, clock, txs = await storm(tmp_path, 3000, transaction_check_in_flight_max=1)
+    tx = ctx.tx
+    first = await add_half(ctx, b"first", group="PG_a")
+    second = await add_half(ctx, b"second", group="PG_a")
+    clock.now = max(first.next_check, second.next_check) + 1
+    a = Producer("PA")
+    ctx.clients.add_producer("PG_a", a, "PA")
+    taken = {"PG": 0}
+    choose = tx._channel_for
+
+    def counting(t):
+        taken[t.group] = taken.get(t.group, 0) + 1
+        return choose(t)
+    tx._channel_for = counting
+    due, slices = tx.core.due, []
+    answered = asyncio.Event()
+    backlog_taken_at_second_check, second_check = [], asyncio.Event()
+
+    def answer_in_the_second_slice(*args, **kwargs):
+        slices.append(1)
+        if len(slices) == 2:        # PG_a's first check is out, its second parked: the producer answers
+            assert a.checks and second.parked
+            asked = first if first.checks else second
+            assert tx.end(asked.half_offset, UNKNOWN, group="PG_a", table_offset=asked.queue_offset,
+                          from_check=True)[0] == 0
+            answered.set()
+        return due(*args, **kwargs)
+    tx.core.due = answer_in_the_second_slice
+    oneway = a.oneway
+
+    def sent(cmd):
+        oneway(cmd)
+        if len(a.checks) == 2:
+            backlog_taken_at_second_check.append(taken["PG"])
+            second_check.set()
+    a.oneway = sent
+    tx.timer.start()
+    try:
+        await second_check.wait()
+        assert answered.is_set()
+        assert backlog_taken_at_second_check[0] <= 3 * tx.CHECK_SLICE, backlog_taken_at_second_check
+    finally:
+        await tx.timer.stop()
+        await ctx.store._store.close()

@@ -4,7 +4,6 @@ The core has no I/O and no clock: each test plays the shell, performing the acti
 """
 from __future__ import annotations
 
-import heapq
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -405,7 +404,7 @@ EVENTS = st.lists(st.one_of(
 
 def _scheduled(core: TransactionCore, tx: Tx) -> bool:
     """On the check schedule, or parked until its producers have room for its check."""
-    return (tx.next_check, tx.half_offset) in core._heap or (tx.parked and tx in core._parked.get(tx.group, ()))
+    return (tx.next_check, tx.half_offset) in core._sched.get(tx.group, ()) or (tx.parked and tx in core._parked.get(tx.group, ()))
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -483,7 +482,6 @@ def test_no_sequence_delivers_a_rollback_twice_or_forgets_a_pending_transaction(
         for w in list(s.writing):
             s.finish(w)
     assert not s.core.pending, f"never decided: {before}"
-    heapq.heapify(s.core._heap)
 
 
 def test_a_half_naming_no_group_or_topic_is_dead_lettered_when_due_not_deferred_for_ever():
@@ -502,3 +500,104 @@ def test_a_half_naming_no_group_or_topic_is_dead_lettered_when_due_not_deferred_
     for action in list(s.writing):
         s.finish(action)
     assert set(s.core.pending) == {3}
+
+
+def test_groups_with_checks_due_are_served_in_turn_across_calls_however_many_and_whatever_their_backlog():
+    """A schedule per producer group: the groups with something due are served one transaction each in turn, the
+    turn carried from one call (one slice of a pass) to the next, so a group is reached after at most one
+    transaction of each other due group, whatever their backlogs; within a group, oldest due first."""
+    s = Shell()
+    groups = [f"PG{g}" for g in range(300)]         # more groups than a slice takes
+    off = 0
+    for size, group in zip([2_000, *([3] * 299)], groups):
+        for _ in range(size):
+            off += 1
+            s.half(off, group=group)
+            s.now += 1
+    s.now += IMMUNITY
+    taken: list[str] = []
+    first_taken: dict[str, int] = {}
+
+    def busy(tx):
+        first_taken.setdefault(tx.group, len(taken))
+        taken.append(tx.group)
+        return BUSY
+    for _ in range(3):
+        s.core.due(s.now, busy, limit=256)
+    assert len(taken) == 3 * 256
+    assert set(first_taken) == set(groups)                          # every group reached within two slices
+    assert all(n < len(groups) for n in first_taken.values())       # after one transaction of each other at most
+    assert taken.count("PG0") == 3                                  # its backlog of 2,000: one a turn
+    assert s.core.taken == 3 * 256
+    assert s.core.parked() == 3 * 256 and s.core.next_due() <= s.now         # the rest still due
+    # Within a group, oldest due first.
+    parked = list(s.core._parked["PG0"])
+    assert [tx.half_offset for tx in parked] == sorted(tx.half_offset for tx in parked) == [1, 2, 3]
+
+
+GROUP_EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("half"), st.integers(0, 11), st.sampled_from(["A", "B", "C"])),
+    st.tuples(st.just("decide"), st.integers(0, 11), st.booleans()),
+    st.tuples(st.just("tick"), st.sampled_from([0, 1, 500, INTERVAL, IMMUNITY]), st.integers(1, 3)),
+    st.tuples(st.just("producer"), st.sampled_from([True, False, "busy"])),
+    st.tuples(st.just("answer"), st.integers(0, 11)),
+), max_size=80)
+
+
+def _reachable(core: TransactionCore, group: str) -> bool:
+    """A group with something scheduled is in the turn, or waits on _next no later than its next check."""
+    top = core._top(group)
+    return top is None or group in core._turning or any(g == group and w <= top for w, g in core._next)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(GROUP_EVENTS)
+def test_no_sequence_leaves_a_group_off_the_turn_or_a_transaction_unchecked(events):
+    """The per-group schedules under random halves of three groups, decisions, slices of 1-3 due entries (the
+    turn carried between them), producers here, absent or at their cap, and a _next rebuilt at every chance."""
+    s = Shell()
+    s.core._NEXT_SLACK = 0
+    added: dict[int, Tx] = {}
+    for event in events:
+        kind = event[0]
+        if kind == "half" and event[1] not in added:
+            added[event[1]] = s.half(event[1], group=event[2])
+        elif kind == "decide" and event[1] in added:
+            tx = added[event[1]]
+            action = s.end(tx.half_offset, COMMIT, origin=Origin.ADMIN, group=None)
+            if isinstance(action, Write):
+                s.finish(action, ok=event[2])
+        elif kind == "tick":
+            s.now += event[1]
+            actions, _ = s.core.due(s.now, s._channel_for, s._room_for, limit=event[2])
+            for a in actions:
+                if isinstance(a, SendCheck) and s.core.check_written(a.tx, s.now, True):
+                    s.core.check_sent(a.tx)
+                elif isinstance(a, Write):
+                    s.writing.append(a)
+                    s.finish(a)
+        elif kind == "producer":
+            s.producer = event[1]
+        elif kind == "answer" and event[1] in added:
+            tx = added[event[1]]
+            s.core.end(tx.half_offset, UNKNOWN, origin=Origin.CHECK, group=tx.group)
+        for tx in s.core.pending.values():
+            assert tx.deciding is not None or _scheduled(s.core, tx), f"{tx.half_offset} off the schedule"
+        for group in "ABC":
+            assert _reachable(s.core, group), f"group {group} never served again"
+    # And in the end: with a producer that answers, every group's transactions are checked and dead-lettered.
+    s.producer = True
+    for _ in range(4 * (MAX_CHECKS + 2) * 12):
+        s.now += 4 * INTERVAL
+        actions, _ = s.core.due(s.now, s._channel_for, s._room_for, limit=3)
+        for a in actions:
+            if isinstance(a, SendCheck):
+                if s.core.check_written(a.tx, s.now, True):
+                    s.core.check_sent(a.tx)
+                    s.core.end(a.tx.half_offset, UNKNOWN, origin=Origin.CHECK, group=a.tx.group)
+            else:
+                s.writing.append(a)
+                s.finish(a)
+        if not s.core.pending:
+            break
+    assert not s.core.pending, f"never decided: {sorted(s.core.pending)}"
