@@ -431,7 +431,7 @@ class TransactionService:
             # waiting in memory, unreadable by a restart's replay, the checkpoint standing still meanwhile.
             try:
                 await store.queue_file(OP_TOPIC, 0)
-            except OSError as exc:
+            except (OSError, StoreError) as exc:     # (StoreError: the store is closing)
                 log.warning("the sender %s of %d undecided halves was not recorded (op queue file: %s): known until "
                             "a restart, and after one if the next snapshot is written first", client_id,
                             len(named), exc)
