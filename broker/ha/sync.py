@@ -19,6 +19,7 @@ from protocol.admin_bodies import decode_consumer_offsets
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
+from protocol.txlog import PROGRESS_GROUP
 
 from ..topics import parse_topic_table
 
@@ -82,7 +83,10 @@ class SlaveSync:
         for (group, topic, qid), offset in table.items():
             # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
             # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
-            if offset >= 0:
+            # The master's own transaction progress (its half floor) is not a consumer's: copied, a slave started
+            # without a usable transaction snapshot (and so one promoted) scanned its halves from the master's
+            # floor, past halves whose decisions had not reached it yet, never checking them.
+            if offset >= 0 and group != PROGRESS_GROUP:
                 self.offsets.commit(group, topic, qid, offset)
         if self.topics is not None and not await self._sync_topics(addr):
             return False

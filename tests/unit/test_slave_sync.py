@@ -261,3 +261,28 @@ async def test_offsets_of_a_topic_deleted_as_the_master_did_do_not_come_back_at_
         await sync.close()
     restarted = ConsumerOffsets(str(tmp_path))  # killed now: what the next start reads
     assert restarted.get("CG", "Gone", 0) is None and restarted.get("CG", "Kept", 0) == 7
+
+
+@bounded(10)
+async def test_the_masters_transaction_progress_is_not_copied_as_a_consumers_offset(tmp_path):
+    """GET_ALL_CONSUMER_OFFSET lists the master's own half floor (PROGRESS_GROUP) with its consumers'. A slave
+    saves no floor of its own (its index follows no decisions), but the copy put the master's there: a start
+    without a usable transaction snapshot (the one promoting it too) scanned halves from that floor, past halves the
+    master had decided whose op records had not reached the slave, and never checked them."""
+    from broker.topics import HALF_TOPIC
+    from protocol.admin_bodies import encode_consumer_offsets
+    from protocol.txlog import PROGRESS_GROUP
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = SlaveSync(offsets, 10.0)
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    body = encode_consumer_offsets([((PROGRESS_GROUP, HALF_TOPIC, 0), 40), (("CG", "Orders", 0), 12)])
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=body)
+    sync.pool.request = request
+    try:
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    assert offsets.get("CG", "Orders", 0) == 12 and offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0) is None
