@@ -19,6 +19,7 @@ from protocol.admin_bodies import decode_consumer_offsets
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
+from protocol.txlog import PROGRESS_GROUP
 
 from ..topics import parse_topic_table
 
@@ -82,7 +83,10 @@ class SlaveSync:
         for (group, topic, qid), offset in table.items():
             # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
             # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
-            if offset >= 0:
+            # The master's own transaction progress (its half floor) is not a consumer's: copied, a slave started
+            # without a usable transaction snapshot (and so one promoted) scanned its halves from the master's
+            # floor, past halves whose decisions had not reached it yet, never checking them.
+            if offset >= 0 and group != PROGRESS_GROUP:
                 self.offsets.commit(group, topic, qid, offset)
         if self.topics is not None and not await self._sync_topics(addr):
             return False
@@ -136,6 +140,17 @@ class SlaveSync:
         except OSError as exc:      # version not taken: tried again next interval, as the topics' own retry does
             self._failed(f"topic configs copied from master {addr} but not saved: {exc}")
             return False
+        if deleted:
+            # The deleted topics' offsets went with them (as DELETE_TOPIC_IN_BROKER's on the master, saved before
+            # its SUCCESS): left to the periodic save, a kill within its interval brought them back at the restart,
+            # where the master no longer has them and the copy (putAll) keeps what only the slave has -- for good.
+            # The topic made again on the master starts at 0, and a consumer failed over to the slave (or to it
+            # promoted) went on from the deleted topic's offset, past the new messages.
+            try:
+                await self.offsets.saved()
+            except OSError as exc:  # the periodic save retries; the next sync says it again
+                self._failed(f"topics deleted as master {addr} did, but their offsets' removal not saved: {exc}")
+                return False
         if newer:       # the same table next time is read again: a topic the master deleted meanwhile goes then
             log.info("topics %s not deleted: records copied since master %s's table was asked for; the next sync "
                      "decides", newer[:3], addr)

@@ -423,6 +423,19 @@ class TransactionService:
     async def _write_senders(self, named: list[Tx], client_id: str) -> None:
         rf = self.records
         failed, why = 0, ""
+        store = self.ctx.store
+        if (OP_TOPIC, 0) not in store.queue_index:
+            # A stock producer's first heartbeat on a new broker: its sender records may be the op queue's first.
+            # Its file first, off the loop (store.queue_file), as a decision's: put straight to the writer, the file
+            # was made on the event loop, and past the open-files limit the records were stored with their units
+            # waiting in memory, unreadable by a restart's replay, the checkpoint standing still meanwhile.
+            try:
+                await store.queue_file(OP_TOPIC, 0)
+            except (OSError, StoreError) as exc:     # (StoreError: the store is closing)
+                log.warning("the sender %s of %d undecided halves was not recorded (op queue file: %s): known until "
+                            "a restart, and after one if the next snapshot is written first", client_id,
+                            len(named), exc)
+                return
         for i in range(0, len(named), 256):     # batches of a check slice's size
             batch = named[i:i + 256]
             try:

@@ -219,3 +219,70 @@ def test_records_in_a_masters_write_only_queues_do_not_undo_the_copied_config(tm
     assert topics.follow(table) == ([], [])
     on_dispatch(t.SimpleNamespace(topic="T", queue_id=9, queue_offset=0))     # past both: grown, as before
     assert topics.get("T").read_queue_nums == 10
+
+
+@bounded(10)
+async def test_offsets_of_a_topic_deleted_as_the_master_did_do_not_come_back_at_a_restart(tmp_path):
+    """The slave deletes a topic its master no longer has, offsets too (server._delete_followed_topic). Their
+    removal was left to the periodic save: a kill within its interval brought them back, and the copy keeps what
+    only the slave has (putAll), so they stayed -- a consumer failed over to the slave after the master made the
+    topic again (its queues from 0) went on from the deleted topic's offset. Saved before the sync says it copied."""
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path / "config"), auto_create=True, default_queue_nums=4, cluster="C",
+                          broker="b", per_host=False)
+    topics.create(TopicConfig("Gone", 4, 4))
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG", "Gone", 0, 500)
+    offsets.commit("CG", "Kept", 0, 7)
+    offsets.persist()                           # on disk, as after an earlier periodic save
+    sync = SlaveSync(offsets, 10.0)
+    sync.topics = topics
+    sync.log_end = lambda: 100
+
+    async def delete_topic(topic, written_from):     # what the server's does: config, queues, offsets
+        topics.delete(topic)
+        offsets.remove_topic(topic)
+        return True
+    sync.delete_topic = delete_topic
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    bodies = {int(RequestCode.GET_ALL_CONSUMER_OFFSET): b'{"offsetTable":{"Kept@CG":{0:7}}}',
+              int(RequestCode.GET_ALL_TOPIC_CONFIG): b'{"dataVersion":{"timestamp":1,"counter":1},'
+                                                     b'"topicConfigTable":{"Kept":{"readQueueNums":4,'
+                                                     b'"writeQueueNums":4,"perm":6}}}'}
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=bodies[cmd.code])
+    sync.pool.request = request
+    try:
+        assert await sync.sync_once()
+        assert "Gone" not in topics.topics and offsets.get("CG", "Gone", 0) is None
+    finally:
+        await sync.close()
+    restarted = ConsumerOffsets(str(tmp_path))  # killed now: what the next start reads
+    assert restarted.get("CG", "Gone", 0) is None and restarted.get("CG", "Kept", 0) == 7
+
+
+@bounded(10)
+async def test_the_masters_transaction_progress_is_not_copied_as_a_consumers_offset(tmp_path):
+    """GET_ALL_CONSUMER_OFFSET lists the master's own half floor (PROGRESS_GROUP) with its consumers'. A slave
+    saves no floor of its own (its index follows no decisions), but the copy put the master's there: a start
+    without a usable transaction snapshot (the one promoting it too) scanned halves from that floor, past halves the
+    master had decided whose op records had not reached the slave, and never checked them."""
+    from broker.topics import HALF_TOPIC
+    from protocol.admin_bodies import encode_consumer_offsets
+    from protocol.txlog import PROGRESS_GROUP
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = SlaveSync(offsets, 10.0)
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    body = encode_consumer_offsets([((PROGRESS_GROUP, HALF_TOPIC, 0), 40), (("CG", "Orders", 0), 12)])
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=body)
+    sync.pool.request = request
+    try:
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    assert offsets.get("CG", "Orders", 0) == 12 and offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0) is None

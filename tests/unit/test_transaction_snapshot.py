@@ -533,7 +533,10 @@ async def test_the_first_heartbeat_is_answered_in_bounded_time_while_sender_reco
     ctx.store.gate = asyncio.Event()            # the writer holds every record from here on
     conn.attributes["client_id"] = "10.0.0.7@4242"
     await ctx.tx.connection_named(conn)         # answered, the record not yet written
-    assert ctx.store.entered.is_set() and not ctx.store.gate.is_set() and ctx.tx._naming
+    # (the record reaches the held writer once the new op queue's file is made, on the queue-file thread: maybe
+    # after the answer, which must not wait for it either way)
+    await ctx.store.entered.wait()
+    assert not ctx.store.gate.is_set() and ctx.tx._naming
     ctx.store.gate.set()
     await asyncio.gather(*ctx.tx._naming)       # still written once the store takes it
     await ctx.store._store.close()              # crash: no stop, no new snapshot
@@ -613,3 +616,38 @@ async def test_on_a_sync_master_a_heartbeat_before_the_halfs_write_begins_waits_
         await sent
     finally:
         await ctx.store._store.close()
+
+
+@bounded(30)
+async def test_sender_records_that_open_the_op_queue_have_its_file_made_off_the_loop(tmp_path, monkeypatch):
+    """A stock producer's first heartbeat on a new broker: its halves' sender records are the op queue's first
+    records. Put straight to the writer, the queue's first file was made on the event loop (what the queue-file
+    thread is for), and past the open-files limit the records were stored with their units waiting in memory,
+    unreadable by a restart's replay. They wait for the file as a decision does."""
+    from broker.store.consume_queue import ConsumeQueue
+    from broker.topics import OP_TOPIC
+
+    made_on_loop = []
+    real = ConsumeQueue._new_file
+
+    def new_file(self, byte):
+        if not self.files:
+            made_on_loop.append((self.topic, self.queue_id))
+        return real(self, byte)
+
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    conn = _Producer(None)
+    p = await add_half(ctx, b"before the heartbeat", conn=conn)
+    assert (OP_TOPIC, 0) not in ctx.store.queue_index           # nothing decided yet: no op queue
+    monkeypatch.setattr(ConsumeQueue, "_new_file", new_file)
+    conn.attributes["client_id"] = "10.0.0.7@4242"
+    await ctx.tx.connection_named(conn)
+    await asyncio.gather(*ctx.tx._naming)
+    assert ctx.store.max_offset(OP_TOPIC, 0) == 1 and made_on_loop == []
+    await ctx.store._store.close()              # crash: no stop, no new snapshot
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
+    finally:
+        await ctx2.store._store.close()
