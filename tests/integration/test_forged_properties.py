@@ -46,6 +46,14 @@ async def _connected(broker):
         conn.close()
 
 
+async def _commit(conn, half) -> RemotingCommand:
+    """The producer's END_TRANSACTION committing `half` (its SEND answer), as a stock client sends it."""
+    return await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+        "producerGroup": "PG_forge", "tranStateTableOffset": half.ext_fields["queueOffset"],
+        "commitLogOffset": decode_offset_msg_id(half.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
+        "fromTransactionCheck": "false", "msgId": half.ext_fields["msgId"]}), 5)
+
+
 async def _max_offset(conn, topic: str, qid: int = 0) -> int:
     reply = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": topic, "queueId": qid}), 5)
     return int(reply.ext_fields.get("offset", 0)) if reply.code == ResponseCode.SUCCESS else 0
@@ -203,10 +211,7 @@ async def test_a_send_back_of_every_message_a_consumer_is_given_still_works(brok
             sent = await conn.request(_send(f"GivenTx{i}", "TRAN_MSG\x01true\x02PGROUP\x01PG_forge" + wait, b"tx",
                                             sys_flag=PREPARED), 5)
             assert sent.code == ResponseCode.SUCCESS, sent.remark
-            end = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
-                "producerGroup": "PG_forge", "tranStateTableOffset": sent.ext_fields["queueOffset"],
-                "commitLogOffset": decode_offset_msg_id(sent.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
-                "fromTransactionCheck": "false", "msgId": sent.ext_fields["msgId"]}), 5)
+            end = await _commit(conn, sent)
             assert end.code == ResponseCode.SUCCESS, end.remark
             [msg] = await _pull_waiting(conn, "CG_given", f"GivenTx{i}")
             assert msg.sys_flag & 0xC == COMMIT
@@ -248,10 +253,7 @@ async def test_a_transactional_retry_out_of_retries_commits_to_the_dead_letter_t
         sent = await conn.request(_send("%RETRY%CG_txdead", "TRAN_MSG\x01true\x02PGROUP\x01PG_forge\x02UNIQ_KEY\x01x1",
                                         b"spent", sys_flag=PREPARED, reconsume=16), 5)
         assert sent.code == ResponseCode.SUCCESS, sent.remark
-        end = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
-            "producerGroup": "PG_forge", "tranStateTableOffset": sent.ext_fields["queueOffset"],
-            "commitLogOffset": decode_offset_msg_id(sent.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
-            "fromTransactionCheck": "false", "msgId": sent.ext_fields["msgId"]}), 5)
+        end = await _commit(conn, sent)
         assert end.code == ResponseCode.SUCCESS, end.remark
         [msg] = await _pull_waiting(conn, "CG_txdead", "%DLQ%CG_txdead")
         assert (msg.body, msg.properties["UNIQ_KEY"]) == (b"spent", "x1")
