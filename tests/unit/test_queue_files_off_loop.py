@@ -10,6 +10,7 @@ In-process (the broker's file creation is held by a threading.Event), over TCP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -69,6 +70,23 @@ async def _send_while_its_file_is_made(client: RawClient, monkeypatch, slow, sta
     client.write(send.encode())
     await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
     return send
+
+
+@contextlib.asynccontextmanager
+async def _broker_and_client(tmp_path, release: threading.Event):
+    """A broker on tmp_path and a client of it; at the end the held file is released (so that the stop does not
+    wait on it), the client closed and the broker stopped."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        yield server, client
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
 
 
 def _watch_queue_file(monkeypatch, store) -> asyncio.Event:
@@ -135,12 +153,8 @@ async def test_a_topic_deleted_while_its_new_queues_file_is_made_takes_the_waiti
     started, release = threading.Event(), threading.Event()
     slow = _held_create(started, release)
 
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    try:
+    async with _broker_and_client(tmp_path, release) as (server, client):
         store = server.ctx.store
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
         send = await _send_while_its_file_is_made(client, monkeypatch, slow, started)
         delete_waits = _watch_queue_file(monkeypatch, store)
         deleting = asyncio.ensure_future(store.delete_topic("Slow"))
@@ -152,11 +166,6 @@ async def test_a_topic_deleted_while_its_new_queues_file_is_made_takes_the_waiti
         await deleting
         assert sent.code == C.SUCCESS, sent.remark
         assert ("Slow", 0) not in store._cqs and ("Slow", 0) not in store.queue_index
-    finally:
-        release.set()
-        if client is not None:
-            client.close()
-        await server.stop()
 
 
 @bounded(30)
@@ -167,12 +176,8 @@ async def test_a_reply_into_a_queue_whose_file_a_send_is_making_waits_for_it_and
     started, release = threading.Event(), threading.Event()
     slow = _held_create(started, release)
 
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    try:
+    async with _broker_and_client(tmp_path, release) as (server, client):
         store = server.ctx.store
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
         send = await _send_while_its_file_is_made(client, monkeypatch, slow, started)
         reply = _send("Slow", b"reply")
         reply.code = R.SEND_REPLY_MESSAGE
@@ -189,8 +194,3 @@ async def test_a_reply_into_a_queue_whose_file_a_send_is_making_waits_for_it_and
         assert sent.code == C.SUCCESS, sent.remark
         assert "not found" in (answer.remark or ""), answer.remark      # nobody to push it to; its copy is kept
         assert store.max_offset("Slow", 0) == 2
-    finally:
-        release.set()
-        if client is not None:
-            client.close()
-        await server.stop()
