@@ -79,12 +79,10 @@ async def test_a_topic_deleted_on_a_full_disk_stays_deleted_after_a_restart(tiny
         await store.close()
 
 
-@bounded(10)
-async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_once_there_is_room(tiny_disk, tmp_path):
-    """The slave took its master's subscription groups but could not write them: the next copy was the same (no
-    change, no write), so the file stayed the old one for good -- a slave restarted while its master was away
-    read the stale groups (a group stopped with consumeEnable false consumed again) -- and the next sync said
-    the copies worked again. Now the write is tried at each sync until it is done."""
+def _slave_of_a_master_with_cg_stopped(tiny_disk, tmp_path, master_away=lambda: False):
+    """A slave's sync, its files in tiny_disk/slave, registered with a master (faked) whose group CG is stopped
+    (consumeEnable false): the master answers with no offsets and its groups, refusing the connection while
+    master_away() is true. Returns the sync and the slave's directory."""
     master = SubscriptionGroups(str(tmp_path / "master"), clock=lambda: 1)
     master.update({"groupName": "CG", "consumeEnable": False})
     slave_dir = tiny_disk / "slave"
@@ -94,10 +92,22 @@ async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_once_
     sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
 
     async def request(addr, cmd, timeout):
+        if master_away():
+            raise ConnectionRefusedError("the master is away")
         if cmd.code == RequestCode.GET_ALL_CONSUMER_OFFSET:
             return cmd.response(ResponseCode.SUCCESS, body=encode_consumer_offsets([]))
         return cmd.response(ResponseCode.SUCCESS, body=master.encode())
     sync.pool.request = request
+    return sync, slave_dir
+
+
+@bounded(10)
+async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_once_there_is_room(tiny_disk, tmp_path):
+    """The slave took its master's subscription groups but could not write them: the next copy was the same (no
+    change, no write), so the file stayed the old one for good -- a slave restarted while its master was away
+    read the stale groups (a group stopped with consumeEnable false consumed again) -- and the next sync said
+    the copies worked again. Now the write is tried at each sync until it is done."""
+    sync, slave_dir = _slave_of_a_master_with_cg_stopped(tiny_disk, tmp_path)
     try:
         _fill(tiny_disk / "ballast")
         refused = await sync.sync_once()
@@ -120,22 +130,9 @@ async def test_a_slaves_copy_of_the_groups_refused_by_a_full_disk_is_saved_while
     (the case the copy is for) left the file stale, and a slave stopped then read the stale groups at its next
     start (a group stopped with consumeEnable false consumed again). It is retried as any refused save: every
     5 s by itself, and once more at stop."""
-    master = SubscriptionGroups(str(tmp_path / "master"), clock=lambda: 1)
-    master.update({"groupName": "CG", "consumeEnable": False})
-    slave_dir = tiny_disk / "slave"
-    slave_dir.mkdir()
-    sync = SlaveSync(ConsumerOffsets(str(slave_dir)), 10.0)
-    subs = sync.subscriptions = SubscriptionGroups(str(slave_dir), clock=lambda: 1)
-    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
     away = False
-
-    async def request(addr, cmd, timeout):
-        if away:
-            raise ConnectionRefusedError("the master is away")
-        if cmd.code == RequestCode.GET_ALL_CONSUMER_OFFSET:
-            return cmd.response(ResponseCode.SUCCESS, body=encode_consumer_offsets([]))
-        return cmd.response(ResponseCode.SUCCESS, body=master.encode())
-    sync.pool.request = request
+    sync, slave_dir = _slave_of_a_master_with_cg_stopped(tiny_disk, tmp_path, master_away=lambda: away)
+    subs = sync.subscriptions
     try:
         _fill(tiny_disk / "ballast")
         assert not await sync.sync_once()

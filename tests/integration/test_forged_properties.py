@@ -7,6 +7,7 @@ never SEND_OK for a message no consumer can ever read.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -35,6 +36,24 @@ def _send(topic: str, properties: str, body: bytes, sys_flag: int = 0, reconsume
         "h": 0, "i": properties, "j": reconsume}, body)
 
 
+@contextlib.asynccontextmanager
+async def _connected(broker):
+    """A connection to the broker, closed when the test is done with it."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+async def _commit(conn, half) -> RemotingCommand:
+    """The producer's END_TRANSACTION committing `half` (its SEND answer), as a stock client sends it."""
+    return await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+        "producerGroup": "PG_forge", "tranStateTableOffset": half.ext_fields["queueOffset"],
+        "commitLogOffset": decode_offset_msg_id(half.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
+        "fromTransactionCheck": "false", "msgId": half.ext_fields["msgId"]}), 5)
+
+
 async def _max_offset(conn, topic: str, qid: int = 0) -> int:
     reply = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": topic, "queueId": qid}), 5)
     return int(reply.ext_fields.get("offset", 0)) if reply.code == ResponseCode.SUCCESS else 0
@@ -54,8 +73,7 @@ async def test_a_plain_send_typed_as_a_transaction_record_is_refused(broker):
     types) -- a message acknowledged that no consumer could ever pull. One typed COMMIT passed for a committed
     transaction's message (prepared offset 0: the store's first half, when start-up replays it after a crash
     and it repeats that half's UNIQ_KEY and body). A reply's stored copy the same. Now refused, saying why."""
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         for flag in (PREPARED, COMMIT, ROLLBACK):
             reply = await conn.request(_send("ReplyTyped", "UNIQ_KEY\x01r1", b"typed", sys_flag=flag,
                                              code=RequestCode.SEND_REPLY_MESSAGE_V2), 5)
@@ -68,8 +86,6 @@ async def test_a_plain_send_typed_as_a_transaction_record_is_refused(broker):
         ok = await conn.request(_send("ForgedType", "UNIQ_KEY\x01p3", b"plain"), 5)
         assert ok.code == ResponseCode.SUCCESS, ok.remark
         assert [m.body for m in await _pull(conn, "CG_forge", "ForgedType")] == [b"plain"]
-    finally:
-        conn.close()
 
 
 async def _pull_waiting(conn, group: str, topic: str, qid: int = 0):
@@ -91,8 +107,7 @@ async def test_an_old_clients_fallback_retry_of_a_transactional_message_is_deliv
     """A fallback retry typed PREPARED was stored PREPARED: the delay it asked for skipped (only NOT and COMMIT
     types wait) and no consume-queue unit given -- SEND_OK, and the retry was never consumed again."""
     broker = broker_factory(*FAST)
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         for flag in (0, PREPARED):
             topic = f"%RETRY%CG_old{flag}"
             reply = await conn.request(_send(topic, _OLD_FALLBACK.format(f"r{flag}", 1), b"again", sys_flag=flag,
@@ -101,8 +116,6 @@ async def test_an_old_clients_fallback_retry_of_a_transactional_message_is_deliv
             [msg] = await _pull_waiting(conn, f"CG_old{flag}", topic)      # after delay level 1 (100 ms here)
             assert (msg.body, msg.properties["UNIQ_KEY"], msg.sys_flag & 0xC) == (b"again", f"r{flag}", 0)
         assert await _max_offset(conn, "RMQ_SYS_TRANS_HALF_TOPIC") == 0
-    finally:
-        conn.close()
 
 
 @bounded(30)
@@ -111,8 +124,7 @@ async def test_an_old_clients_fallback_retry_out_of_retries_is_a_dead_letter_not
     no delay, so a half -- for %RETRY%<group>, not the dead-letter topic. Sent by a producer of another group
     than the message's PGROUP it was refused (MESSAGE_ILLEGAL, the failed message in no dead-letter queue); of
     the same group it became a transaction the broker checked with producers that never began it."""
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         for flag in (0, PREPARED):
             for i, props in enumerate((_OLD_FALLBACK, _OLD_FALLBACK.replace("PG_orig", "PG_forge"))):
                 group = f"CG_dead{flag}{i}"
@@ -122,8 +134,6 @@ async def test_an_old_clients_fallback_retry_out_of_retries_is_a_dead_letter_not
                 [msg] = await _pull(conn, group, f"%DLQ%{group}")
                 assert (msg.body, msg.properties["UNIQ_KEY"], msg.sys_flag & 0xC) == (b"last", f"d{flag}{i}", 0)
         assert await _max_offset(conn, "RMQ_SYS_TRANS_HALF_TOPIC") == 0
-    finally:
-        conn.close()
 
 
 @bounded(30)
@@ -133,8 +143,7 @@ async def test_a_send_back_cannot_copy_an_undecided_half_or_a_waiting_message_to
     before the transaction was decided, and stayed delivered when it was rolled back; named a message still
     waiting in SCHEDULE_TOPIC_XXXX, it was delivered hours early. Refused now, naming the record's topic; a
     message of an ordinary topic is handed back as ever."""
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         async def back(offset):
             return await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
                 "offset": offset, "group": "CG_peek", "delayLevel": 0, "originMsgId": "",
@@ -155,22 +164,17 @@ async def test_a_send_back_cannot_copy_an_undecided_half_or_a_waiting_message_to
         assert (await back(offsets[2])).code == ResponseCode.SUCCESS
         # the one retry waits in the schedule's level 3 queue (index 2); nothing else was copied there
         assert await _max_offset(conn, "SCHEDULE_TOPIC_XXXX", 2) == 1
-    finally:
-        conn.close()
 
 
 @bounded(20)
 async def test_a_topic_named_rmq_sys_in_capitals_is_a_users(broker):
     """The broker's system prefix is rmq_sys_, as RocketMQ's; RMQ_SYS_Orders is a user topic made on first send
     (the Spark rollups count its traffic: tests/spark/test_pure.py)."""
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         ok = await conn.request(_send("RMQ_SYS_Orders", "UNIQ_KEY\x01s1", b"mine"), 5)
         assert ok.code == ResponseCode.SUCCESS, ok.remark
         refused = await conn.request(_send("rmq_sys_orders", "UNIQ_KEY\x01s2", b"mine"), 5)
         assert refused.code == ResponseCode.NO_PERMISSION, (refused.code, refused.remark)
-    finally:
-        conn.close()
 
 
 @bounded(20)
@@ -180,16 +184,13 @@ async def test_a_forwarded_timer_message_waits_its_new_time(broker_factory):
     mark made the broker take it for one leaving the timer wheel: delivered at once, its delay skipped without a
     word. A client's TIMER_OUT_MS no longer skips its timer (the broker's own deliveries drop the TIMER_* asks)."""
     broker = broker_factory("--timer-max-delay-s", "600")
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         for ask in ("TIMER_DELAY_SEC\x01300", f"TIMER_DELIVER_MS\x01{int(time.time() * 1000) + 300_000}"):
             reply = await conn.request(_send("TimerForward", f"UNIQ_KEY\x01t1\x02TIMER_OUT_MS\x011700000000000\x02{ask}",
                                              b"later"), 5)
             assert reply.code == ResponseCode.SUCCESS, reply.remark
         assert await _max_offset(conn, "TimerForward") == 0
         assert await _max_offset(conn, "rmq_sys_wheel_timer") == 2
-    finally:
-        conn.close()
 
 
 @bounded(60)
@@ -199,8 +200,7 @@ async def test_a_send_back_of_every_message_a_consumer_is_given_still_works(brok
     level or after a timer), a delayed or timer message once delivered, and a retry delivered to %RETRY%<group>.
     Each is a copy on the topic the consumer reads, never the half or the waiting record, and is retried."""
     broker = broker_factory(*FAST)
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         async def back(offset):
             return await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
                 "offset": offset, "group": "CG_given", "delayLevel": 0, "originMsgId": "",
@@ -211,10 +211,7 @@ async def test_a_send_back_of_every_message_a_consumer_is_given_still_works(brok
             sent = await conn.request(_send(f"GivenTx{i}", "TRAN_MSG\x01true\x02PGROUP\x01PG_forge" + wait, b"tx",
                                             sys_flag=PREPARED), 5)
             assert sent.code == ResponseCode.SUCCESS, sent.remark
-            end = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
-                "producerGroup": "PG_forge", "tranStateTableOffset": sent.ext_fields["queueOffset"],
-                "commitLogOffset": decode_offset_msg_id(sent.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
-                "fromTransactionCheck": "false", "msgId": sent.ext_fields["msgId"]}), 5)
+            end = await _commit(conn, sent)
             assert end.code == ResponseCode.SUCCESS, end.remark
             [msg] = await _pull_waiting(conn, "CG_given", f"GivenTx{i}")
             assert msg.sys_flag & 0xC == COMMIT
@@ -228,8 +225,6 @@ async def test_a_send_back_of_every_message_a_consumer_is_given_still_works(brok
             assert reply.code == ResponseCode.SUCCESS, (i, reply.remark)
         [retry, *_] = await _pull_waiting(conn, "CG_given", "%RETRY%CG_given")      # level 3: 300 ms here
         assert (await back(retry.physical_offset)).code == ResponseCode.SUCCESS
-    finally:
-        conn.close()
 
 
 @bounded(30)
@@ -237,8 +232,7 @@ async def test_a_typed_reply_or_retry_whose_tran_msg_is_true_is_told_why_it_is_n
     """The refusal said "TRAN_MSG is not true" to a reply or a delayed retry whose TRAN_MSG was true (neither is
     ever a half, RocketMQ's rule for a retry asking a delay): a client's author read it, set TRAN_MSG, and got the
     same answer. It says why the message is no half."""
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         reply = await conn.request(_send("ReplyTx", "TRAN_MSG\x01true\x02UNIQ_KEY\x01r1", b"typed", sys_flag=PREPARED,
                                          code=RequestCode.SEND_REPLY_MESSAGE_V2), 5)
         retry = await conn.request(_send("%RETRY%CG_typed", "TRAN_MSG\x01true\x02UNIQ_KEY\x01r2\x02DELAY\x013",
@@ -246,8 +240,6 @@ async def test_a_typed_reply_or_retry_whose_tran_msg_is_true_is_told_why_it_is_n
         for answer, why in ((reply, "a reply is never"), (retry, "a retry asking for a delay")):
             assert answer.code == ResponseCode.MESSAGE_ILLEGAL, (answer.code, answer.remark)
             assert why in answer.remark and "TRAN_MSG is not true" not in answer.remark, answer.remark
-    finally:
-        conn.close()
 
 
 @bounded(30)
@@ -257,18 +249,12 @@ async def test_a_transactional_retry_out_of_retries_commits_to_the_dead_letter_t
     letter rewrite comes first, and its commit lands in the dead-letter queue. The half kept the %RETRY% topic the
     request named (queue 0, the dead letter's): committed, the message went back to the group's consumers out of
     retries, not to its dead letters."""
-    conn = await open_connection(*_hostport(broker.broker))
-    try:
+    async with _connected(broker) as conn:
         sent = await conn.request(_send("%RETRY%CG_txdead", "TRAN_MSG\x01true\x02PGROUP\x01PG_forge\x02UNIQ_KEY\x01x1",
                                         b"spent", sys_flag=PREPARED, reconsume=16), 5)
         assert sent.code == ResponseCode.SUCCESS, sent.remark
-        end = await conn.request(RemotingCommand.request(RequestCode.END_TRANSACTION, {
-            "producerGroup": "PG_forge", "tranStateTableOffset": sent.ext_fields["queueOffset"],
-            "commitLogOffset": decode_offset_msg_id(sent.ext_fields["msgId"])[2], "commitOrRollback": COMMIT,
-            "fromTransactionCheck": "false", "msgId": sent.ext_fields["msgId"]}), 5)
+        end = await _commit(conn, sent)
         assert end.code == ResponseCode.SUCCESS, end.remark
         [msg] = await _pull_waiting(conn, "CG_txdead", "%DLQ%CG_txdead")
         assert (msg.body, msg.properties["UNIQ_KEY"]) == (b"spent", "x1")
         assert await _max_offset(conn, "%RETRY%CG_txdead") == 0
-    finally:
-        conn.close()

@@ -25,6 +25,21 @@ def _send(topic: str, qid: int, body: bytes, sys_flag: int = 0, props: str = "")
         "queueId": str(qid), "sysFlag": str(sys_flag), "bornTimestamp": "0", "flag": "0", "properties": props})
 
 
+
+async def _in_one_read(client: RawClient, first: RemotingCommand, second: RemotingCommand):
+    """Writes both requests at once (one read: handled in one turn of the broker's loop); returns their answers."""
+    client.write(first.encode() + second.encode())
+    [a] = await client.reply(first.opaque, 10)
+    [b] = await client.reply(second.opaque, 10)
+    return a, b
+
+
+async def _max_offset(client: RawClient, topic: str, qid: int) -> int:
+    [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
+        "topic": topic, "queueId": str(qid)}), 10)
+    return m.int_field("offset", 0)
+
+
 @bounded(60)
 async def test_a_commit_into_a_queue_whose_file_a_send_is_making_waits_for_it_and_is_written(broker):
     """A half for queue Fresh-1, then, in one read, a plain send to Fresh-1 (its first: the file is made off the
@@ -41,14 +56,10 @@ async def test_a_commit_into_a_queue_whose_file_a_send_is_making_waits_for_it_an
             "producerGroup": "PG_races", "tranStateTableOffset": half.ext_fields["queueOffset"],
             "commitLogOffset": str(decode_offset_msg_id(half.ext_fields["msgId"])[2]), "commitOrRollback": "8",
             "fromTransactionCheck": "false", "msgId": half.ext_fields["msgId"]})
-        client.write(send.encode() + end.encode())      # one read: handled in one turn of the broker's loop
-        [sent] = await client.reply(send.opaque, 10)
-        [ended] = await client.reply(end.opaque, 10)
+        sent, ended = await _in_one_read(client, send, end)
         assert sent.code == C.SUCCESS, sent.remark
         assert ended.code == C.SUCCESS, (ended.code, ended.remark)
-        [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
-            "topic": "Fresh", "queueId": "1"}), 10)
-        assert m.int_field("offset", 0) == 2
+        assert await _max_offset(client, "Fresh", 1) == 2
     finally:
         client.close()
 
@@ -66,13 +77,9 @@ async def test_a_send_back_into_a_schedule_queue_whose_file_a_send_is_making_wai
         back = RemotingCommand(R.CONSUMER_SEND_MSG_BACK, opaque=next(_OPAQUES), ext_fields={
             "offset": str(decode_offset_msg_id(plain.ext_fields["msgId"])[2]), "group": "CG_races",
             "delayLevel": "5", "originMsgId": plain.ext_fields["msgId"], "originTopic": "Backed"})
-        client.write(delayed.encode() + back.encode())      # one read: handled in one turn of the broker's loop
-        [sent] = await client.reply(delayed.opaque, 10)
-        [backed] = await client.reply(back.opaque, 10)
+        sent, backed = await _in_one_read(client, delayed, back)
         assert sent.code == C.SUCCESS, sent.remark
         assert backed.code == C.SUCCESS, (backed.code, backed.remark)
-        [m] = await client.call(RemotingCommand(R.GET_MAX_OFFSET, opaque=next(_OPAQUES), ext_fields={
-            "topic": "SCHEDULE_TOPIC_XXXX", "queueId": "4"}), 10)
-        assert m.int_field("offset", 0) == 2
+        assert await _max_offset(client, "SCHEDULE_TOPIC_XXXX", 4) == 2
     finally:
         client.close()

@@ -4,6 +4,9 @@ names the half, a whole TXMQ_OP agreeing with it is that decision, and an op tha
 unsettled, never listed for expiry."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from protocol.message import Prop
@@ -54,6 +57,33 @@ def build(d: str) -> dict:
         b.at(NOW - H).send("Orders")
     s["dir"] = d
     return s
+
+
+def _two_days_of_orders(b: StoreBuilder):
+    """Hour by hour from 2024-03-09 00:00 for 48 hours, three 150-byte sends to Orders (so that 4 KiB segments
+    roll within a day); yields (hour, its start) after each hour's sends, for the test to store its own records."""
+    d1 = NOW - 124 * H                                      # 2024-03-09 00:00
+    for hour in range(48):
+        now = d1 + hour * H
+        for i in range(3):
+            b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+        yield hour, now
+
+
+def _day_rows(spark, out: str, date: str) -> list:
+    """The rollup's transactions rows of `date` (without the date column), sorted."""
+    df = spark.read.parquet(os.path.join(out, "transactions")).where(f"date = '{date}'").drop("date")
+    return sorted((tuple(sorted(r.asDict().items())) for r in df.collect()), key=repr)
+
+
+def _rerun_one_day(spark, store: str, out: str, date: str) -> dict:
+    """Removes `date`'s transactions partition and rolls that day up again (`rollup --date`), checking the run
+    was incremental, reading fewer segments than the store holds; returns the run's summary."""
+    from ops.spark.rollup import run_rollup
+    shutil.rmtree(os.path.join(out, "transactions", f"date={date}"))
+    one = run_rollup(spark, store, out, date=date)
+    assert one["incremental"] and one["segments_read"] < one["segments"], one
+    return one
 
 
 @pytest.fixture(scope="module")
@@ -167,18 +197,11 @@ def test_a_decision_op_with_a_flipped_tags_across_midnight_counts_in_a_one_day_r
     """`rollup --date D` reads one record for each half decided on D but stored in a segment it does not read: a
     decision op whose TAGS was flipped (its TXMQ_OP and TXMQ_HALF whole) is that decision in a whole-store run, and
     must be in the one-day run too (its half read, so its TXMQ_HALF can be seen to agree with its body)."""
-    import os
-    import shutil
-
     from ops.spark.rollup import run_rollup
 
-    d1 = NOW - 124 * H                                      # 2024-03-09 00:00
     store, out = str(tmp_path / "store"), str(tmp_path / "out")
     with StoreBuilder(store, segment_size=4096) as b:
-        for hour in range(48):
-            now = d1 + hour * H
-            for i in range(3):
-                b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+        for hour, now in _two_days_of_orders(b):
             if hour == 18:
                 late = b.at(now + 10).half("pg-a", "Pay")
             if hour == 25:
@@ -186,19 +209,13 @@ def test_a_decision_op_with_a_flipped_tags_across_midnight_counts_in_a_one_day_r
                 op[3][Prop.TAGS] = "e"
                 b.at(now + 10).put_many([op])
 
-    def day(date):
-        df = spark.read.parquet(os.path.join(out, "transactions")).where(f"date = '{date}'").drop("date")
-        return sorted((tuple(sorted(r.asDict().items())) for r in df.collect()), key=repr)
-
     whole = run_rollup(spark, store, out)
-    expected = day("2024-03-10")
+    expected = _day_rows(spark, out, "2024-03-10")
     assert [r for r in spark.read.parquet(os.path.join(out, "transactions")).where("date = '2024-03-10'").collect()
             if r["grain"] == "day" and r["producer_group"] == "pg-a"][0]["rollbacks"] == 1
     assert whole["damaged_ops"]["unsettled"] == 0
-    shutil.rmtree(os.path.join(out, "transactions", "date=2024-03-10"))
-    one = run_rollup(spark, store, out, date="2024-03-10")
-    assert one["incremental"] and one["segments_read"] < one["segments"], one
-    assert day("2024-03-10") == expected
+    one = _rerun_one_day(spark, store, out, "2024-03-10")
+    assert _day_rows(spark, out, "2024-03-10") == expected
     assert one["damaged_ops"]["unsettled"] == 0
 
 
@@ -207,18 +224,11 @@ def test_a_misnamed_decision_across_midnight_goes_to_its_bodys_half_in_a_one_day
     """A COMMIT whose TXMQ_HALF names another half (pg-b's) than its body does (pg-a's), both halves stored in
     segments a one-day run does not read: the run finds the body's half through the half queue (its consume
     queue), as the broker does, and counts the decision for pg-a with its latency, as the whole-store run does."""
-    import os
-    import shutil
-
     from ops.spark.rollup import run_rollup
 
-    d1 = NOW - 124 * H                                      # 2024-03-09 00:00
     store, out = str(tmp_path / "store"), str(tmp_path / "out")
     with StoreBuilder(store, segment_size=4096) as b:
-        for hour in range(48):
-            now = d1 + hour * H
-            for i in range(3):
-                b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+        for hour, now in _two_days_of_orders(b):
             if hour == 10:
                 named = b.at(now + 10).half("pg-b", "Pay")
             if hour == 18:
@@ -228,18 +238,12 @@ def test_a_misnamed_decision_across_midnight_goes_to_its_bodys_half_in_a_one_day
                 op[3]["TXMQ_HALF"] = str(named.offset)
                 b.at(now + 10).put_many([real, op])
 
-    def day(date):
-        df = spark.read.parquet(os.path.join(out, "transactions")).where(f"date = '{date}'").drop("date")
-        return sorted((tuple(sorted(r.asDict().items())) for r in df.collect()), key=repr)
-
     run_rollup(spark, store, out)
-    expected = day("2024-03-10")
+    expected = _day_rows(spark, out, "2024-03-10")
     pga = [dict(r) for r in expected if ("grain", "day") in r and ("producer_group", "pg-a") in r]
     assert pga[0]["commits"] == 1 and pga[0]["latency_max_ms"] == 7 * H
-    shutil.rmtree(os.path.join(out, "transactions", "date=2024-03-10"))
-    one = run_rollup(spark, store, out, date="2024-03-10")
-    assert one["incremental"] and one["segments_read"] < one["segments"], one
-    assert day("2024-03-10") == expected
+    _rerun_one_day(spark, store, out, "2024-03-10")
+    assert _day_rows(spark, out, "2024-03-10") == expected
 
 
 def test_a_sender_record_naming_another_half_is_reported_as_the_broker_counts_it(spark, tmp_path):
@@ -269,18 +273,11 @@ def test_a_misnamed_sender_record_across_midnight_is_reported_by_a_one_day_run_a
     one-day run reads only the day's segments, and fetched the halves that op and check bodies name, not those
     sender records name, so it could not see the record was misnamed, while the whole-store run (and the broker)
     did."""
-    import os
-    import shutil
-
     from ops.spark.rollup import run_rollup
 
-    d1 = NOW - 124 * H                                      # 2024-03-09 00:00
     store, out = str(tmp_path / "store"), str(tmp_path / "out")
     with StoreBuilder(store, segment_size=4096) as b:
-        for hour in range(48):
-            now = d1 + hour * H
-            for i in range(3):
-                b.at(now + i).send("Orders", b"o" * 150, queue_id=i)
+        for hour, now in _two_days_of_orders(b):
             if hour == 10:
                 other = b.at(now + 10).half("pg-b", "Pay")
             if hour == 18:
@@ -292,7 +289,5 @@ def test_a_misnamed_sender_record_across_midnight_is_reported_by_a_one_day_run_a
 
     whole = run_rollup(spark, store, out)
     assert whole["damaged_ops"]["misnamed"] == 1
-    shutil.rmtree(os.path.join(out, "transactions", "date=2024-03-10"))
-    one = run_rollup(spark, store, out, date="2024-03-10")
-    assert one["incremental"] and one["segments_read"] < one["segments"], one
+    one = _rerun_one_day(spark, store, out, "2024-03-10")
     assert one["damaged_ops"]["misnamed"] == 1

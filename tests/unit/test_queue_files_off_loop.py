@@ -10,6 +10,7 @@ In-process (the broker's file creation is held by a threading.Event), over TCP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -41,19 +42,72 @@ def _heartbeat() -> RemotingCommand:
         {"clientID": "other@1", "producerDataSet": [{"groupName": "PG_other"}], "consumerDataSet": []}).encode())
 
 
-@bounded(30)
-async def test_another_client_is_served_while_a_new_queues_file_is_made(tmp_path, monkeypatch):
+def _held_create(started: threading.Event, release: threading.Event, events: list | None = None):
+    """A MappedFile.create for the "Slow" topic's files that says it started, then waits for `release` (10 s at
+    most), appending "file made" to `events` when given; other files are made at once."""
     from broker.store import consume_queue
     real = consume_queue.MappedFile.create
-    started, release, events = threading.Event(), threading.Event(), []
 
     def slow(directory, *a, **kw):
         if os.sep + "Slow" + os.sep in directory + os.sep:
             started.set()
-            # on the loop (as before the fix) this held it, the heartbeat's answer with it, until the timeout
+            # on the loop (as before the fix) this held it, every other client's answers with it, until the timeout
             release.wait(10)
-            events.append("file made")
+            if events is not None:
+                events.append("file made")
         return real(directory, *a, **kw)
+    return slow
+
+
+async def _send_while_its_file_is_made(client: RawClient, monkeypatch, slow, started: threading.Event):
+    """Has the "Existing" queue's file made (new queues' files are made one after another), then holds new files
+    with `slow` and writes a send to "Slow": returns the send once its queue's file is being made."""
+    from broker.store import consume_queue
+    [made] = await client.call(_send("Existing"), 10)
+    assert made.code == C.SUCCESS, made.remark
+    monkeypatch.setattr(consume_queue.MappedFile, "create", slow)
+    send = _send("Slow")
+    client.write(send.encode())
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    return send
+
+
+@contextlib.asynccontextmanager
+async def _broker_and_client(tmp_path, release: threading.Event):
+    """A broker on tmp_path and a client of it; at the end the held file is released (so that the stop does not
+    wait on it), the client closed and the broker stopped."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        yield server, client
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
+
+
+def _watch_queue_file(monkeypatch, store) -> asyncio.Event:
+    """Sets the returned event when the store is asked for a "Slow" queue's file (store.queue_file)."""
+    asked = asyncio.Event()
+    queue_file = store.queue_file
+
+    def watched(topic, qid):
+        if topic == "Slow":
+            asked.set()
+        return queue_file(topic, qid)
+
+    monkeypatch.setattr(store, "queue_file", watched)
+    return asked
+
+
+@bounded(30)
+async def test_another_client_is_served_while_a_new_queues_file_is_made(tmp_path, monkeypatch):
+    from broker.store import consume_queue
+    started, release, events = threading.Event(), threading.Event(), []
+    slow = _held_create(started, release, events)
 
     server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
     await server.start()
@@ -96,37 +150,13 @@ async def test_a_topic_deleted_while_its_new_queues_file_is_made_takes_the_waiti
     was then refused (the file's directory gone) -- or, the file made first, the queue was adopted after the
     delete, a live queue of a deleted topic. The delete now waits for the file: the send is stored (accepted
     before the delete), and the delete takes its queue."""
-    from broker.store import consume_queue
-    real = consume_queue.MappedFile.create
     started, release = threading.Event(), threading.Event()
+    slow = _held_create(started, release)
 
-    def slow(directory, *a, **kw):
-        if os.sep + "Slow" + os.sep in directory + os.sep:
-            started.set()
-            release.wait(10)
-        return real(directory, *a, **kw)
-
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    try:
+    async with _broker_and_client(tmp_path, release) as (server, client):
         store = server.ctx.store
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
-        [made] = await client.call(_send("Existing"), 10)
-        assert made.code == C.SUCCESS, made.remark
-        monkeypatch.setattr(consume_queue.MappedFile, "create", slow)
-        send = _send("Slow")
-        client.write(send.encode())
-        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
-        delete_waits = asyncio.Event()
-        queue_file = store.queue_file
-
-        def watched(topic, qid):
-            if topic == "Slow":
-                delete_waits.set()
-            return queue_file(topic, qid)
-
-        monkeypatch.setattr(store, "queue_file", watched)
+        send = await _send_while_its_file_is_made(client, monkeypatch, slow, started)
+        delete_waits = _watch_queue_file(monkeypatch, store)
         deleting = asyncio.ensure_future(store.delete_topic("Slow"))
         waiting = asyncio.ensure_future(delete_waits.wait())
         await asyncio.wait({deleting, waiting}, return_when=asyncio.FIRST_COMPLETED)   # it ran, or it waits
@@ -136,53 +166,24 @@ async def test_a_topic_deleted_while_its_new_queues_file_is_made_takes_the_waiti
         await deleting
         assert sent.code == C.SUCCESS, sent.remark
         assert ("Slow", 0) not in store._cqs and ("Slow", 0) not in store.queue_index
-    finally:
-        release.set()
-        if client is not None:
-            client.close()
-        await server.stop()
 
 
 @bounded(30)
 async def test_a_reply_into_a_queue_whose_file_a_send_is_making_waits_for_it_and_is_stored(tmp_path, monkeypatch):
     """A reply (SEND_REPLY_MESSAGE) to a queue whose first file is being made for a send: its copy was not stored,
     prepare_queue saying EAGAIN "try again", counted as a queue-file failure. It waits for the file now."""
-    from broker.store import consume_queue
     from protocol.message import Prop, properties_to_string
-    real = consume_queue.MappedFile.create
     started, release = threading.Event(), threading.Event()
+    slow = _held_create(started, release)
 
-    def slow(directory, *a, **kw):
-        if os.sep + "Slow" + os.sep in directory + os.sep:
-            started.set()
-            release.wait(10)
-        return real(directory, *a, **kw)
-
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    try:
+    async with _broker_and_client(tmp_path, release) as (server, client):
         store = server.ctx.store
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
-        [made] = await client.call(_send("Existing"), 10)
-        assert made.code == C.SUCCESS, made.remark
-        monkeypatch.setattr(consume_queue.MappedFile, "create", slow)
-        send = _send("Slow")
-        client.write(send.encode())
-        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        send = await _send_while_its_file_is_made(client, monkeypatch, slow, started)
         reply = _send("Slow", b"reply")
         reply.code = R.SEND_REPLY_MESSAGE
         reply.ext_fields["properties"] = properties_to_string({Prop.REPLY_TO_CLIENT: "127.0.0.1@gone",
                                                                "CORRELATION_ID": "c1"})
-        reply_waits = asyncio.Event()
-        queue_file = store.queue_file
-
-        def watched(topic, qid):
-            if topic == "Slow":
-                reply_waits.set()
-            return queue_file(topic, qid)
-
-        monkeypatch.setattr(store, "queue_file", watched)
+        reply_waits = _watch_queue_file(monkeypatch, store)
         replied = asyncio.ensure_future(client.call(reply, 10))
         waiting = asyncio.ensure_future(reply_waits.wait())
         await asyncio.wait({replied, waiting}, return_when=asyncio.FIRST_COMPLETED)     # answered, or it waits
@@ -193,8 +194,3 @@ async def test_a_reply_into_a_queue_whose_file_a_send_is_making_waits_for_it_and
         assert sent.code == C.SUCCESS, sent.remark
         assert "not found" in (answer.remark or ""), answer.remark      # nobody to push it to; its copy is kept
         assert store.max_offset("Slow", 0) == 2
-    finally:
-        release.set()
-        if client is not None:
-            client.close()
-        await server.stop()

@@ -373,6 +373,17 @@ async def test_a_crash_keeps_the_sender_of_a_half_checked_after_the_last_snapsho
         await ctx2.store._store.close()
 
 
+async def _sender_after_a_crash(ctx, tmp_path, clock, half) -> str:
+    """Closes the store under `ctx` (a crash: no stop, no new snapshot), starts a service on it again and returns
+    the sender it knows for `half`."""
+    await ctx.store._store.close()
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        return ctx2.tx.pending[half.half_offset].owner_id
+    finally:
+        await ctx2.store._store.close()
+
+
 class _Producer:
     """A live producer connection as the check pass sees it: records the checks it is sent."""
 
@@ -435,12 +446,7 @@ async def test_a_half_whose_connection_was_named_while_it_was_stored_keeps_that_
     assert p.owner_id == "10.0.0.7@4242"
     await answers[0]
     await asyncio.gather(*ctx.tx._naming)       # its sender record
-    await ctx.store._store.close()              # crash: no stop, no new snapshot
-    ctx2 = await make_service(tmp_path, clock)
-    try:
-        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
-    finally:
-        await ctx2.store._store.close()
+    assert await _sender_after_a_crash(ctx, tmp_path, clock, p) == "10.0.0.7@4242"
 
 
 @bounded(60)
@@ -539,12 +545,7 @@ async def test_the_first_heartbeat_is_answered_in_bounded_time_while_sender_reco
     assert not ctx.store.gate.is_set() and ctx.tx._naming
     ctx.store.gate.set()
     await asyncio.gather(*ctx.tx._naming)       # still written once the store takes it
-    await ctx.store._store.close()              # crash: no stop, no new snapshot
-    ctx2 = await make_service(tmp_path, clock)
-    try:
-        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
-    finally:
-        await ctx2.store._store.close()
+    assert await _sender_after_a_crash(ctx, tmp_path, clock, p) == "10.0.0.7@4242"
 
 
 @bounded(30)
@@ -570,12 +571,7 @@ async def test_a_heartbeat_during_a_halfs_write_is_answered_once_that_halfs_send
         await answered[0]
     # The heartbeat is answered: its half's sender record is in the op queue now (nothing else was written there).
     assert ctx.store.max_offset(OP_TOPIC, 0) == 1
-    await ctx.store._store.close()              # crash: no stop, no new snapshot
-    ctx2 = await make_service(tmp_path, clock)
-    try:
-        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@4242"
-    finally:
-        await ctx2.store._store.close()
+    assert await _sender_after_a_crash(ctx, tmp_path, clock, p) == "10.0.0.7@4242"
 
 
 @bounded(30)
