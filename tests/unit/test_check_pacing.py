@@ -12,7 +12,6 @@ from broker.transaction.core import UNKNOWN
 from tests.support.bounded import bounded
 from tests.unit.test_review_transactions import Clock, add_half, make_service
 
-pytestmark = pytest.mark.asyncio
 
 
 class Producer:

@@ -3,15 +3,12 @@ of the whole undecided index (45 ms on the event loop at 500k undecided, after e
 whenever an answer frees a check slot). The floor is still the lowest undecided half's queue offset."""
 from __future__ import annotations
 
-import pytest
-
 from broker.topics import HALF_TOPIC
 from broker.transaction.records import ROLLBACK
 from broker.transaction.recovery import PROGRESS_GROUP
 from tests.support.bounded import bounded
 from tests.unit.test_review_transactions import Clock, add_half, make_service
 
-pytestmark = pytest.mark.asyncio
 
 
 class CountingIndex(dict):
