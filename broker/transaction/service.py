@@ -873,9 +873,10 @@ class TransactionService:
         self._slice_full = {}       # answers may have come back by then too, and producers joined
         self._slice_gone = set()
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
-        metrics = self.ctx.metrics
-        for group, n in collections.Counter(tx.group for tx in deferred).items():
-            metrics.child(metrics.checks_skipped, group).inc(n)
+        if deferred:        # (most slices defer nothing: no Counter built for them, one a transaction at one in flight)
+            metrics = self.ctx.metrics
+            for group, n in collections.Counter(tx.group for tx in deferred).items():
+                metrics.child(metrics.checks_skipped, group).inc(n)
         # due() took every one of these off the schedule and claimed the dead letters (the core marked them
         # DECIDING; a decision arriving meanwhile, a producer's END_TRANSACTION included, waits on the claim).
         # Each must be put back or settled whatever goes wrong below, or it is never checked again and a
