@@ -932,9 +932,20 @@ class TransactionService:
 
     async def _write_and_send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
+        store = self.ctx.store
         try:
-            results = await self.ctx.store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks,
-                                                              sender_id(a.tx)) for a in batch])
+            if (OP_TOPIC, 0) not in store.queue_index:
+                # The op queue's first records (a new broker whose first transactions were never decided): its
+                # file first, off the loop, as a decision's and a sender record's. Put straight to the writer,
+                # the file was made on the event loop, and past the open-files limit the records were stored
+                # with their units waiting in memory, the checkpoint standing still meanwhile.
+                await store.queue_file(OP_TOPIC, 0)
+            results = await store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks,
+                                                     sender_id(a.tx)) for a in batch])
+        except OSError as exc:      # the op queue's file: as a refusal (said once a pass), checked again later
+            results = [None] * len(batch)
+            self._refused[0] += len(batch)
+            self._refused[1] = self._refused[1] or f"op queue file: {exc}"
         except Exception:  # noqa: BLE001 - as a refusal: rescheduled below, the attempt not counted
             log.exception("check records of %d transactions not written", len(batch))
             results = [None] * len(batch)

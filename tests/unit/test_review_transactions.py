@@ -630,6 +630,85 @@ async def test_checks_whose_records_a_full_disk_refuses_are_not_sent_and_say_so(
 
 
 @bounded(20)
+async def test_check_records_that_open_the_op_queue_have_its_file_made_off_the_loop(tmp_path, monkeypatch, caplog):
+    """A new broker whose first transactions were never decided: their check records are the op queue's first.
+    Put straight to the writer, the queue's first file was made on the event loop (what the queue-file thread
+    is for), and past the open-files limit the records were stored with their units waiting in memory. They
+    wait for the file as a decision and a sender record do; a file that cannot be made is a refusal, said once
+    a pass, the check not counted and asked again later."""
+    from broker.store.consume_queue import ConsumeQueue
+    from broker.topics import OP_TOPIC
+
+    made_on_loop = []
+    real = ConsumeQueue._new_file
+
+    def new_file(self, byte):
+        if not self.files:
+            made_on_loop.append((self.topic, self.queue_id))
+        return real(self, byte)
+
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        pending = await add_half(ctx, b"never decided")
+        assert (OP_TOPIC, 0) not in ctx.store.queue_index           # nothing decided yet: no op queue
+        sent = []
+
+        class Producer:
+            is_open = True
+
+            def oneway(self, cmd):
+                sent.append(cmd)
+        pending.owner = Producer()
+        monkeypatch.setattr(ConsumeQueue, "_new_file", new_file)
+        clock.now = pending.next_check + 1
+        await tx.run_due(clock.now)
+        assert len(sent) == 1 and pending.checks == 1
+        assert ctx.store.max_offset(OP_TOPIC, 0) == 1 and made_on_loop == []
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_check_records_whose_op_queue_file_cannot_be_made_are_refused_and_said(tmp_path, monkeypatch, caplog):
+    """The op queue's first file cannot be made (the open-files limit): no check goes out unrecorded; the pass
+    says so once, the attempt is not counted, and the transaction stays on the schedule."""
+    import errno
+
+    from broker.topics import OP_TOPIC
+
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        pending = await add_half(ctx, b"never decided")
+        sent = []
+
+        class Producer:
+            is_open = True
+
+            def oneway(self, cmd):
+                sent.append(cmd)
+        pending.owner = Producer()
+
+        def no_file(topic, queue_id):
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(OSError(errno.EMFILE, "Too many open files"))
+            return fut
+        monkeypatch.setattr(ctx.store._store, "queue_file", no_file)
+        clock.now = pending.next_check + 1
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.run_due(clock.now)
+        assert sent == [] and pending.checks == 0 and tx.next_due() is not None
+        assert (OP_TOPIC, 0) not in ctx.store.queue_index
+        assert any("1 transaction checks not sent" in r.getMessage() and "op queue file" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
 async def test_checks_a_full_disk_refuses_are_said_once_a_pass_however_many_slices_it_takes(tmp_path, caplog):
     """The warning was written per slice of CHECK_SLICE (256) transactions, not per pass: 50000 transactions
     waiting on a full disk logged about 200 lines every check interval. Now one line a pass, with the total."""
