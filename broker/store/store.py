@@ -94,6 +94,8 @@ class MessageStore:
         self._housekeeping: asyncio.Task | None = None
         self._disk_task: asyncio.Task | None = None
         self._backlogged: set = set()                       # consume queues with units waiting for space
+        self._unmarked: set = set()     # damaged consume queues whose rebuild mark was refused (tried again)
+        self._marking: set = set()      # ...and those whose mark is being written
         self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
@@ -225,6 +227,7 @@ class MessageStore:
                 pass
         try:
             self._retry_backlogs()
+            self._retry_marks()     # once more: a mark still refused at the stop is said in the log already
             try:
                 await self._checkpoint()
             except OSError as exc:
@@ -511,6 +514,7 @@ class MessageStore:
             try:
                 self.disk.probe()
                 self._retry_backlogs()
+                self._retry_marks()
             except Exception:  # noqa: BLE001 - ending here would leave backlogged units (and the checkpoint) stuck
                 log.exception("disk check failed; trying again in %.1f s", PROBE_INTERVAL_S)
 
@@ -871,7 +875,22 @@ class MessageStore:
 
     def _damaged(self, cq: ConsumeQueue, offset: int, what: str = "zeroed unit") -> None:
         if cq.mark_damaged(offset, what) and self._io is not None:
-            self._io.submit(cq.write_damage_mark).add_done_callback(_quiet)    # it logs its own failure
+            self._mark(cq)
+
+    def _mark(self, cq: ConsumeQueue) -> None:
+        """Write ``cq``'s rebuild mark on the I/O thread; one refused is tried again by the disk loop."""
+        self._marking.add(cq)
+
+        def done(fut) -> None:
+            self._marking.discard(cq)
+            if fut.cancelled() or fut.exception() is not None or not fut.result():   # it logs its own failure
+                self._unmarked.add(cq)
+        self._io.submit(cq.write_damage_mark).add_done_callback(done)
+
+    def _retry_marks(self) -> None:
+        for cq in self._unmarked - self._marking:
+            self._unmarked.discard(cq)
+            self._mark(cq)
 
     def _real_unit(self, cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:
         """``cq.unit(offset)``, or None for a zeroed unit (marked damaged): (0, 0, 0) read as a unit would name

@@ -1576,3 +1576,43 @@ async def test_a_cut_at_an_unvouched_copy_is_not_made_again_over_the_log_written
     assert store.report.truncations == [] and store.max_offset("T", 0) == 5
     assert_readable(store, after)
     await store.close()
+
+
+@bounded(30)
+async def test_a_refused_rebuild_mark_is_written_again_once_it_fits(tmp_path, caplog, monkeypatch):
+    """A read that meets zeroed units marks the queue for a rebuild at the next start. A full disk (or no
+    descriptor free) that refused the mark was logged and never tried again: the restart an operator made to
+    have the queue rebuilt rebuilt nothing, and its reads stopped at the damage again. The store tries again
+    (said once, and once more when written) until it is on disk."""
+    import builtins
+    import errno
+
+    import broker.store.consume_queue as cqmod
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    _zero_units(qdir / f"{64 * 20:020d}", 6, 17)            # queue offsets 70..80, records in segment 0
+    refusals = []
+
+    def full_disk_open(path, *args, **kwargs):
+        if str(path).endswith(cqmod.DAMAGE_MARK) and len(refusals) < 3:
+            refusals.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(cqmod, "open", full_disk_open, raising=False)
+    store = await reopen(tmp_path, LAST_ONLY)
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        assert store.get_messages("T", 0, 70, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+        for _ in range(200):        # polls: the store's disk loop tries again each 0.5 s; three refusals first
+            if (qdir / "DAMAGED").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert (qdir / "DAMAGED").read_text() == f"queue offset 70, file {64 * 20:020d}\n"
+    assert len(refusals) == 3
+    said = [r.getMessage() for r in caplog.records if "rebuild" in r.getMessage()]
+    assert len([m for m in said if "could not mark it for a rebuild" in m]) == 1, said       # said once
+    assert len([m for m in said if "rebuild mark written again" in m]) == 1, said
+    await store.close()
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
