@@ -890,7 +890,10 @@ class MessageStore:
     def _retry_marks(self) -> None:
         for cq in self._unmarked - self._marking:
             self._unmarked.discard(cq)
-            self._mark(cq)
+            # A queue deleted meanwhile (its topic) wants no mark: tried again, it failed for the broker's life,
+            # or landed in the directory of a queue of the same name made since, rebuilt at the next start.
+            if self._cqs.get((cq.topic, cq.queue_id)) is cq:
+                self._mark(cq)
 
     def _real_unit(self, cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:
         """``cq.unit(offset)``, or None for a zeroed unit (marked damaged): (0, 0, 0) read as a unit would name
