@@ -1602,9 +1602,9 @@ async def test_a_refused_rebuild_mark_is_written_again_once_it_fits(tmp_path, ca
     store = await reopen(tmp_path, LAST_ONLY)
     with caplog.at_level(logging.WARNING, logger="txmq.store"):
         assert store.get_messages("T", 0, 70, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
-        for _ in range(200):        # polls: the store's disk loop tries again each 0.5 s; three refusals first
-            if (qdir / "DAMAGED").exists():
-                break
+        # Polled until the write is done (said), bounded by the test: the file exists from its open on, before
+        # its line is written and synced; the disk loop tries again each 0.5 s, three refusals first.
+        while not any("rebuild mark written again" in r.getMessage() for r in caplog.records):
             await asyncio.sleep(0.05)
         assert (qdir / "DAMAGED").read_text() == f"queue offset 70, file {64 * 20:020d}\n"
     assert len(refusals) == 3
@@ -1615,4 +1615,48 @@ async def test_a_refused_rebuild_mark_is_written_again_once_it_fits(tmp_path, ca
     store = await reopen(tmp_path, LAST_ONLY)
     assert store.report.queues_rebuilt == ["T-0"]
     assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
+
+
+@bounded(30)
+async def test_a_refused_rebuild_mark_of_a_deleted_queue_is_not_tried_again(tmp_path, monkeypatch):
+    """The queue whose mark a full disk refused is deleted (its topic with it): its mark is no longer wanted.
+    Tried again, it failed every 0.5 s for the broker's life (silently: said once already) and, once a topic of
+    the same name was made again, landed in the new queue's directory: the next start rebuilt a healthy queue."""
+    import builtins
+    import errno
+
+    import broker.store.consume_queue as cqmod
+    await fill(tmp_path, 900, cfg=LAST_ONLY)
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    _zero_units(qdir / f"{64 * 20:020d}", 6, 17)
+    full = [True]
+    tries = []
+
+    def full_disk_open(path, *args, **kwargs):
+        if str(path).endswith(cqmod.DAMAGE_MARK):
+            tries.append(full[0])
+            if full[0]:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(cqmod, "open", full_disk_open, raising=False)
+    store = await reopen(tmp_path, LAST_ONLY)
+    probes = [0]
+    probe = store.disk.probe
+
+    def counted_probe():
+        probes[0] += 1
+        return probe()
+    monkeypatch.setattr(store.disk, "probe", counted_probe)
+    assert store.get_messages("T", 0, 70, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+    while len(tries) < 2:           # the first write and one retry, refused
+        await asyncio.sleep(0.05)
+    assert await store.delete_topic("T") == 1
+    assert (await store.put(req(0))).ok             # T made again: a new, healthy queue 0 in the same directory
+    full[0] = False
+    start = probes[0]
+    while probes[0] < start + 3:    # three turns of the disk loop, which tries refused marks again
+        await asyncio.sleep(0.05)
+    assert not (qdir / "DAMAGED").exists()
+    assert False not in tries, "the deleted queue's mark was tried again"
     await store.close()
