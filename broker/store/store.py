@@ -95,7 +95,7 @@ class MessageStore:
         self._disk_task: asyncio.Task | None = None
         self._backlogged: set = set()                       # consume queues with units waiting for space
         self._unmarked: set = set()     # damaged consume queues whose rebuild mark was refused (tried again)
-        self._marking: set = set()      # ...and those whose mark is being written
+        self._marking: dict = {}        # ...and those whose mark is being written (its future)
         self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
@@ -227,7 +227,13 @@ class MessageStore:
                 pass
         try:
             self._retry_backlogs()
-            self._retry_marks()     # once more: a mark still refused at the stop is said in the log already
+            self._retry_marks()     # once more; one still refused is said: the next start will not rebuild it
+            if self._marking:
+                await asyncio.wait(list(self._marking.values()))
+            for cq in self._unmarked:
+                log.error("consume queue %s-%d: stopped with its rebuild mark unwritten: the next start does not "
+                          "rebuild it (its reads stop at the damage again); delete %s before it to have it rebuilt",
+                          cq.topic, cq.queue_id, cq.directory)
             try:
                 await self._checkpoint()
             except OSError as exc:
@@ -879,16 +885,15 @@ class MessageStore:
 
     def _mark(self, cq: ConsumeQueue) -> None:
         """Write ``cq``'s rebuild mark on the I/O thread; one refused is tried again by the disk loop."""
-        self._marking.add(cq)
-
         def done(fut) -> None:
-            self._marking.discard(cq)
+            self._marking.pop(cq, None)
             if fut.cancelled() or fut.exception() is not None or not fut.result():   # it logs its own failure
                 self._unmarked.add(cq)
-        self._io.submit(cq.write_damage_mark).add_done_callback(done)
+        fut = self._marking[cq] = self._io.submit(cq.write_damage_mark)
+        fut.add_done_callback(done)
 
     def _retry_marks(self) -> None:
-        for cq in self._unmarked - self._marking:
+        for cq in self._unmarked - self._marking.keys():
             self._unmarked.discard(cq)
             # A queue deleted meanwhile (its topic) wants no mark: tried again, it failed for the broker's life,
             # or landed in the directory of a queue of the same name made since, rebuilt at the next start.

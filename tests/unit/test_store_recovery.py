@@ -1660,3 +1660,29 @@ async def test_a_refused_rebuild_mark_of_a_deleted_queue_is_not_tried_again(tmp_
     assert not (qdir / "DAMAGED").exists()
     assert False not in tries, "the deleted queue's mark was tried again"
     await store.close()
+
+
+@bounded(30)
+async def test_a_rebuild_mark_still_refused_at_the_stop_is_said(tmp_path, caplog, monkeypatch):
+    """The mark is tried once more at the stop; still refused, the next start will not rebuild the queue. The
+    only word of it was the first ERROR, which said it would be tried again until written: the stop says so."""
+    import builtins
+    import errno
+
+    import broker.store.consume_queue as cqmod
+    await fill(tmp_path, 900, cfg=LAST_ONLY)
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    _zero_units(qdir / f"{64 * 20:020d}", 6, 17)
+
+    def full_disk_open(path, *args, **kwargs):
+        if str(path).endswith(cqmod.DAMAGE_MARK):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(cqmod, "open", full_disk_open, raising=False)
+    store = await reopen(tmp_path, LAST_ONLY)
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        assert store.get_messages("T", 0, 70, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+        await store.close()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert [m for m in said if "stopped with its rebuild mark unwritten" in m and str(qdir) in m], said
+    assert not (qdir / "DAMAGED").exists()
