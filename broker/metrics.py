@@ -211,6 +211,10 @@ class BrokerMetrics:
         self.queues_rebuilt = Counter("txmq_store_consume_queues_rebuilt_total",
                                       "Consume queues found damaged at start-up (zeroed, cut or missing units) "
                                       "and rebuilt from the commit log.", registry=r)
+        self.snapshots_paused = Counter("txmq_metric_snapshots_paused",
+                                        "Metric snapshots not written because the store's disk was over "
+                                        "disk_refuse_ratio (the room left is for the broker's own writes).",
+                                        registry=r)
         # scheduled messages (broker/schedule); the waiting gauge is collected from the server's snapshot
         self.schedule_delivered = Counter("txmq_schedule_delivered", "Delayed and timer messages delivered to "
                                           "their real topic, by level (\"timer\" for timer messages).", ["level"],

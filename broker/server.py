@@ -602,12 +602,27 @@ class BrokerServer:
     async def _snapshots(self, store_dir: str) -> None:
         keep = self.config.metrics_snapshot_retention_days
         pruned_day = None
+        paused = False
+        disk = self.ctx.store.disk
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
-            try:
-                await self.write_snapshot(store_dir)
-            except OSError as exc:
-                log.error("metric snapshot not written: %s", exc)
+            # Above disk_refuse_ratio the room left is the broker's own durable writes' (decisions, offsets,
+            # config saves): a snapshot appended there ate it a line a minute. Paused, said once, counted.
+            if disk.still_refusing():
+                self.metrics.snapshots_paused.inc()
+                if not paused:
+                    paused = True
+                    log.warning("metric snapshots paused: the store's disk is %.1f%% full, at or above "
+                                "disk_refuse_ratio %.0f%%; they resume below %.0f%%", disk.ratio * 100,
+                                disk.refuse_ratio * 100, disk.resume_ratio * 100)
+            else:
+                if paused:
+                    paused = False
+                    log.warning("metric snapshots resumed: the store's disk is %.1f%% full", disk.ratio * 100)
+                try:
+                    await self.write_snapshot(store_dir)
+                except OSError as exc:
+                    log.error("metric snapshot not written: %s", exc)
             now_ms = int(time.time() * 1000)        # the files are named by the UTC date of the wall clock
             day = now_ms // 86_400_000
             if keep > 0 and day != pruned_day:

@@ -64,6 +64,7 @@ class ConsumeQueue:
         # store syncs them once, on its I/O thread, before the checkpoint that says these units are durable.
         self.unsynced: list[str] = []
         self.damage: int | None = None      # queue offset of a zeroed unit a read met (mark_damaged)
+        self._mark_failed = False           # its rebuild mark was refused (write_damage_mark): said once
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -257,19 +258,30 @@ class ConsumeQueue:
                   self._damage_where)
         return True
 
-    def write_damage_mark(self) -> None:
-        """(I/O thread) The mark that has the next start rebuild this queue (see ``load``). Its name is synced
-        into the directory too: only its presence counts, and a crash that lost the entry left the queue
-        unrebuilt, its zeroed units found again only when a read met them."""
+    def write_damage_mark(self) -> bool:
+        """(I/O thread) The mark that has the next start rebuild this queue (see ``load``); True once written.
+        Its name is synced into the directory too: only its presence counts, and a crash that lost the entry
+        left the queue unrebuilt, its zeroed units found again only when a read met them. One refused (a full
+        disk, no descriptor free) is said once and tried again by the store until it is written: not retried,
+        the restart an operator makes to rebuild the queue rebuilt nothing, its reads still stopped there."""
         try:
             with open(os.path.join(self.directory, DAMAGE_MARK), "w") as f:
                 f.write(self._damage_where + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(self.directory)
-        except OSError as exc:      # a restart will not know: say so; reads stay refused meanwhile
-            log.error("consume queue %s-%d: could not mark it for a rebuild (%s): delete %s before the next start "
-                      "to have it rebuilt", self.topic, self.queue_id, exc, self.directory)
+        except OSError as exc:      # a restart would not know: say so once; reads stay refused meanwhile
+            if not self._mark_failed:
+                self._mark_failed = True
+                log.error("consume queue %s-%d: could not mark it for a rebuild (%s): tried again until it is "
+                          "written; or delete %s before the next start to have it rebuilt", self.topic,
+                          self.queue_id, exc, self.directory)
+            return False
+        if self._mark_failed:
+            self._mark_failed = False
+            log.warning("consume queue %s-%d: rebuild mark written again: the next start rebuilds the queue",
+                        self.topic, self.queue_id)
+        return True
 
     def clear_damage_mark(self) -> None:
         """Recovery rebuilt the queue: the mark has served, once the rebuilt units are on disk. They are

@@ -94,6 +94,8 @@ class MessageStore:
         self._housekeeping: asyncio.Task | None = None
         self._disk_task: asyncio.Task | None = None
         self._backlogged: set = set()                       # consume queues with units waiting for space
+        self._unmarked: set = set()     # damaged consume queues whose rebuild mark was refused (tried again)
+        self._marking: dict = {}        # ...and those whose mark is being written (its future)
         self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
@@ -225,6 +227,13 @@ class MessageStore:
                 pass
         try:
             self._retry_backlogs()
+            self._retry_marks()     # once more; one still refused is said: the next start will not rebuild it
+            if self._marking:
+                await asyncio.wait(list(self._marking.values()))
+            for cq in self._unmarked:
+                log.error("consume queue %s-%d: stopped with its rebuild mark unwritten: the next start does not "
+                          "rebuild it (its reads stop at the damage again); delete %s before it to have it rebuilt",
+                          cq.topic, cq.queue_id, cq.directory)
             try:
                 await self._checkpoint()
             except OSError as exc:
@@ -511,6 +520,7 @@ class MessageStore:
             try:
                 self.disk.probe()
                 self._retry_backlogs()
+                self._retry_marks()
             except Exception:  # noqa: BLE001 - ending here would leave backlogged units (and the checkpoint) stuck
                 log.exception("disk check failed; trying again in %.1f s", PROBE_INTERVAL_S)
 
@@ -871,7 +881,24 @@ class MessageStore:
 
     def _damaged(self, cq: ConsumeQueue, offset: int, what: str = "zeroed unit") -> None:
         if cq.mark_damaged(offset, what) and self._io is not None:
-            self._io.submit(cq.write_damage_mark).add_done_callback(_quiet)    # it logs its own failure
+            self._mark(cq)
+
+    def _mark(self, cq: ConsumeQueue) -> None:
+        """Write ``cq``'s rebuild mark on the I/O thread; one refused is tried again by the disk loop."""
+        def done(fut) -> None:
+            self._marking.pop(cq, None)
+            if fut.cancelled() or fut.exception() is not None or not fut.result():   # it logs its own failure
+                self._unmarked.add(cq)
+        fut = self._marking[cq] = self._io.submit(cq.write_damage_mark)
+        fut.add_done_callback(done)
+
+    def _retry_marks(self) -> None:
+        for cq in self._unmarked - self._marking.keys():
+            self._unmarked.discard(cq)
+            # A queue deleted meanwhile (its topic) wants no mark: tried again, it failed for the broker's life,
+            # or landed in the directory of a queue of the same name made since, rebuilt at the next start.
+            if self._cqs.get((cq.topic, cq.queue_id)) is cq:
+                self._mark(cq)
 
     def _real_unit(self, cq: ConsumeQueue, offset: int) -> tuple[int, int, int] | None:
         """``cq.unit(offset)``, or None for a zeroed unit (marked damaged): (0, 0, 0) read as a unit would name

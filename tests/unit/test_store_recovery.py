@@ -1576,3 +1576,113 @@ async def test_a_cut_at_an_unvouched_copy_is_not_made_again_over_the_log_written
     assert store.report.truncations == [] and store.max_offset("T", 0) == 5
     assert_readable(store, after)
     await store.close()
+
+
+@bounded(30)
+async def test_a_refused_rebuild_mark_is_written_again_once_it_fits(tmp_path, caplog, monkeypatch):
+    """A read that meets zeroed units marks the queue for a rebuild at the next start. A full disk (or no
+    descriptor free) that refused the mark was logged and never tried again: the restart an operator made to
+    have the queue rebuilt rebuilt nothing, and its reads stopped at the damage again. The store tries again
+    (said once, and once more when written) until it is on disk."""
+    import builtins
+    import errno
+
+    import broker.store.consume_queue as cqmod
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    _zero_units(qdir / f"{64 * 20:020d}", 6, 17)            # queue offsets 70..80, records in segment 0
+    refusals = []
+
+    def full_disk_open(path, *args, **kwargs):
+        if str(path).endswith(cqmod.DAMAGE_MARK) and len(refusals) < 3:
+            refusals.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(cqmod, "open", full_disk_open, raising=False)
+    store = await reopen(tmp_path, LAST_ONLY)
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        assert store.get_messages("T", 0, 70, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+        # Polled until the write is done (said), bounded by the test: the file exists from its open on, before
+        # its line is written and synced; the disk loop tries again each 0.5 s, three refusals first.
+        while not any("rebuild mark written again" in r.getMessage() for r in caplog.records):
+            await asyncio.sleep(0.05)
+        assert (qdir / "DAMAGED").read_text() == f"queue offset 70, file {64 * 20:020d}\n"
+    assert len(refusals) == 3
+    said = [r.getMessage() for r in caplog.records if "rebuild" in r.getMessage()]
+    assert len([m for m in said if "could not mark it for a rebuild" in m]) == 1, said       # said once
+    assert len([m for m in said if "rebuild mark written again" in m]) == 1, said
+    await store.close()
+    store = await reopen(tmp_path, LAST_ONLY)
+    assert store.report.queues_rebuilt == ["T-0"]
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
+
+
+@bounded(30)
+async def test_a_refused_rebuild_mark_of_a_deleted_queue_is_not_tried_again(tmp_path, monkeypatch):
+    """The queue whose mark a full disk refused is deleted (its topic with it): its mark is no longer wanted.
+    Tried again, it failed every 0.5 s for the broker's life (silently: said once already) and, once a topic of
+    the same name was made again, landed in the new queue's directory: the next start rebuilt a healthy queue."""
+    import builtins
+    import errno
+
+    import broker.store.consume_queue as cqmod
+    await fill(tmp_path, 900, cfg=LAST_ONLY)
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    _zero_units(qdir / f"{64 * 20:020d}", 6, 17)
+    full = [True]
+    tries = []
+
+    def full_disk_open(path, *args, **kwargs):
+        if str(path).endswith(cqmod.DAMAGE_MARK):
+            tries.append(full[0])
+            if full[0]:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(cqmod, "open", full_disk_open, raising=False)
+    store = await reopen(tmp_path, LAST_ONLY)
+    probes = [0]
+    probe = store.disk.probe
+
+    def counted_probe():
+        probes[0] += 1
+        return probe()
+    monkeypatch.setattr(store.disk, "probe", counted_probe)
+    assert store.get_messages("T", 0, 70, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+    while len(tries) < 2:           # the first write and one retry, refused
+        await asyncio.sleep(0.05)
+    assert await store.delete_topic("T") == 1
+    assert (await store.put(req(0))).ok             # T made again: a new, healthy queue 0 in the same directory
+    full[0] = False
+    start = probes[0]
+    while probes[0] < start + 3:    # three turns of the disk loop, which tries refused marks again
+        await asyncio.sleep(0.05)
+    assert not (qdir / "DAMAGED").exists()
+    assert False not in tries, "the deleted queue's mark was tried again"
+    await store.close()
+
+
+@bounded(30)
+async def test_a_rebuild_mark_still_refused_at_the_stop_is_said(tmp_path, caplog, monkeypatch):
+    """The mark is tried once more at the stop; still refused, the next start will not rebuild the queue. The
+    only word of it was the first ERROR, which said it would be tried again until written: the stop says so."""
+    import builtins
+    import errno
+
+    import broker.store.consume_queue as cqmod
+    await fill(tmp_path, 900, cfg=LAST_ONLY)
+    qdir = tmp_path / "consumequeue" / "T" / "0"
+    _zero_units(qdir / f"{64 * 20:020d}", 6, 17)
+
+    def full_disk_open(path, *args, **kwargs):
+        if str(path).endswith(cqmod.DAMAGE_MARK):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(cqmod, "open", full_disk_open, raising=False)
+    store = await reopen(tmp_path, LAST_ONLY)
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        assert store.get_messages("T", 0, 70, 32, 1 << 20).status is GetStatus.QUEUE_DAMAGED
+        await store.close()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert [m for m in said if "stopped with its rebuild mark unwritten" in m and str(qdir) in m], said
+    assert not (qdir / "DAMAGED").exists()
