@@ -250,6 +250,29 @@ async def test_parked_transactions_are_deferred_once_their_group_has_no_producer
 
 
 @bounded(60)
+async def test_a_closed_connection_offers_room_to_its_groups_at_the_next_pass(tmp_path):
+    """A pass offers room to the groups whose room may have changed, not to every group with parked checks. The
+    connection of a group's only producer, not reading (no check slot of it held), closes: the group's parked ones
+    are deferred at the next pass, not once every group is offered room again (core._OFFER_ALL_MS)."""
+    ctx, clock, txs = await storm(tmp_path, 5)
+    tx, metrics = ctx.tx, ctx.metrics
+    stuck = Producer()
+    stuck.writing_paused = True
+    ctx.clients.add_producer("PG", stuck, "P1")
+    try:
+        await tx.run_due(clock.now)
+        assert stuck.checks == [] and tx.core.parked() == 5
+        stuck.is_open = False
+        tx.connection_closed(stuck)             # as server.py closes it: the checks' step, then the groups'
+        ctx.clients.connection_closed(stuck)
+        clock.now += 1
+        await tx.run_due(clock.now)
+        assert tx.core.parked() == 0 and metrics.child(metrics.checks_skipped, "PG")._value.get() == 5
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
 async def test_only_an_answer_that_frees_a_check_slot_wakes_a_check_pass(tmp_path):
     """Every END with fromTransactionCheck woke the check timer while any transaction was parked, and each pass
     reads the whole pending index (the progress floor): a producer repeating one UNKNOWN "answer" for a
