@@ -484,8 +484,9 @@ class TransactionService:
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
         # An answer that freed a check slot: the parked may go now. Only such a one: a pass reads the whole pending
         # index (the progress floor), and an "answer" repeated for a transaction nobody was asked about (or another
-        # group's) woke one each, cutting END throughput 8x while anything was parked.
-        if held and tx.check_channel is None and self.core.has_parked():
+        # group's) woke one each, cutting END throughput 8x while anything was parked. Nor one of a group with nothing
+        # parked: a slot is a group's, and a group answering quickly ended at every slice a pass over another's backlog.
+        if held and tx.check_channel is None and self.core.has_parked(tx.group):
             self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group)

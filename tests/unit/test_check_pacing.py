@@ -303,6 +303,31 @@ async def test_only_an_answer_that_frees_a_check_slot_wakes_a_check_pass(tmp_pat
         await ctx.store._store.close()
 
 
+@bounded(60)
+async def test_an_answer_freeing_a_slot_of_a_group_with_nothing_parked_wakes_no_pass(tmp_path):
+    """A slot is a group's: an answer of group PG_b frees nothing PG's parked checks can use. It woke the timer,
+    and a pass ends when woken: a client of another group answering quickly ended a pass at every slice."""
+    ctx, clock, txs = await storm(tmp_path, 30, transaction_check_in_flight_max=10)
+    tx = ctx.tx
+    other = await add_half(ctx, b"other", group="PG_b")
+    clock.now = max(clock.now, other.next_check + 1)
+    producer, b = Producer(), Producer("PB")
+    ctx.clients.add_producer("PG", producer, "P1")
+    ctx.clients.add_producer("PG_b", b, "PB")
+    try:
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 10 and tx.core.parked() == 20 and len(b.checks) == 1
+        woken = []
+        tx.timer.wake = lambda: woken.append(True)
+        tx.end(other.half_offset, UNKNOWN, group="PG_b", table_offset=other.queue_offset, from_check=True)
+        assert other.check_channel is None and woken == []
+        asked = next(t for t in txs if t.checks)
+        tx.end(asked.half_offset, UNKNOWN, group="PG", table_offset=asked.queue_offset, from_check=True)
+        assert woken == [True]
+    finally:
+        await ctx.store._store.close()
+
+
 def test_the_claimants_of_a_senders_id_are_asked_newest_first_then_each_once_a_round():
     """The sender back on a new connection registered last: asked first. Then the others in the order they
     registered, each once a round, also when one joins or leaves between two checks (nobody skipped)."""
