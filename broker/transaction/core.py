@@ -209,10 +209,11 @@ class TransactionCore:
         self.released = 0
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
         # The groups of _parked that may have room since they were last offered it (a slot of theirs given back, a
-        # producer joined, a connection of theirs closed, a slice short of bytes): a pass offers room to those alone. Offered to
-        # every group with parked transactions, one room_for call each, it cost 2-5 ms a pass with 10,000 of them, and
-        # a client answering checks quickly ends a pass at every slice (each answer wakes the timer). Every group is
-        # offered it once each _OFFER_ALL_MS too, for room nothing here sees come (a producer reading again).
+        # producer joined, a connection of theirs closed, a slice short of bytes): a pass offers room to those alone.
+        # Offered to every group with parked transactions, one room_for call each, it cost 2-5 ms a pass with 10,000
+        # of them, and a client answering checks quickly ends a pass at every slice (each answer wakes the timer).
+        # Every group is offered it once each _OFFER_ALL_MS too, for room nothing here sees come (a producer reading
+        # again, or leaving its group).
         self._roomy: set[str] = set()
         self._all_offered: int | None = None
         # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
