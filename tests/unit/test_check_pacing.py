@@ -5,6 +5,7 @@ transactions waiting for room spend no check."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -563,4 +564,38 @@ async def test_a_slot_freed_during_a_long_pass_is_used_before_the_pass_would_hav
         assert backlog_taken_at_second_check[0] <= 3 * tx.CHECK_SLICE, backlog_taken_at_second_check
     finally:
         await tx.timer.stop()
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_every_group_is_offered_room_once_a_second_also_within_a_long_pass(tmp_path):
+    """Parked checks were offered room in a pass's first slice alone. A pass over another group's backlog lasts up
+    to a check interval (slices while something is due): what only the once-a-second offer to every group gives
+    (a producer reading again) waited for the whole pass, not a second. The clock moves 400 ms a slice here."""
+    ctx, clock, txs = await storm(tmp_path, 5)
+    tx = ctx.tx
+    tx.core.policy = dataclasses.replace(tx.core.policy, check_interval_ms=10_000)     # a pass may last 10 s
+    tx.CHECK_SLICE = 2
+    stuck = Producer()
+    stuck.writing_paused = True
+    ctx.clients.add_producer("PG", stuck, "P1")
+    try:
+        await tx.run_due(clock.now)
+        assert stuck.checks == [] and tx.core.parked() == 5
+        backlog = [await add_half(ctx, b"g%d" % i, group="GONE") for i in range(12)]     # nobody to ask: deferred
+        clock.now = max(clock.now, max(t.next_check for t in backlog) + 1)
+        tx.core._all_offered = clock.now        # every group was just offered room
+        stuck.writing_paused = False            # reading again: nothing says so
+        due, slices = tx.core.due, []
+
+        def slice_(*args, **kw):
+            slices.append(clock.now)
+            out = due(*args, **kw)
+            clock.now += 400
+            return out
+        tx.core.due = slice_
+        await tx.run_due(clock.now)
+        assert len(slices) >= 4                 # one pass, past a second long
+        assert len(stuck.checks) == 5 and tx.core.parked() == 0
+    finally:
         await ctx.store._store.close()
