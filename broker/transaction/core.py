@@ -614,6 +614,10 @@ class TransactionCore:
         if group in self._parked:
             self._roomy.add(group)
 
+    def offer_all_due(self, now: int) -> bool:
+        """Every group with parked transactions is to be offered room at ``now`` (_OFFER_ALL_MS since the last)."""
+        return self._all_offered is None or now - self._all_offered >= self._OFFER_ALL_MS
+
     def _unpark(self, room_for: Callable[[str], int | None], now: int) -> None:
         """Back on the schedule, due at once: as many parked transactions of each group as it has room; all of
         them when no producer of the group is here (None): parked, they were never deferred, so nothing
@@ -623,7 +627,7 @@ class TransactionCore:
         each _OFFER_ALL_MS. A group given room and still parked is asked again at the next offer: the ones it
         put back may be decided before they take a slot, which nothing would say."""
         parked, pending = self._parked, self.pending
-        if self._all_offered is None or now - self._all_offered >= self._OFFER_ALL_MS:
+        if self.offer_all_due(now):
             self._all_offered = now
             groups = list(parked)
         else:

@@ -854,15 +854,17 @@ class TransactionService:
         self._refused = [0, ""]             # check records the store refused this pass: said once, at its end
         try:
             while True:
-                # Parked ones are offered room at every slice: the groups whose room changed since (core._roomy, a
-                # few), every group once a second. Offered it in a pass's first slice alone, they waited for the whole
-                # of a pass over another group's backlog (up to a check interval), not the second said.
                 await self._run_slice(now, room_for)
+                # Parked ones come back once a pass, with the room there is then, and in a long pass at each offer to
+                # every group (once a second): offered room in a pass's first slice alone, they waited for the whole
+                # of a pass over another group's backlog (up to a check interval), not the second said. Not at every
+                # slice: a group short of a slice's bytes alone would be unparked and parked again at each of them.
                 # Each slice by the clock of its own start: a check that came due during a long pass (another group's
                 # backlog) is taken in its group's turn in the next slice, not after the whole pass. Woken meanwhile
                 # (a slot freed, a producer joined, a check lost), or an interval long, the pass ends: the next one
                 # starts at once and gives parked transactions the room there is now.
                 now = max(now, self.ctx.monotonic())
+                room_for = self._room_for if self.core.offer_all_due(now) else None
                 due = self.core.next_due()
                 if (due is None or due > now or self.timer.woken()
                         or now - started >= self.core.policy.check_interval_ms):
