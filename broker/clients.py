@@ -515,6 +515,10 @@ class ClientRegistry:
     def producer_channels(self, group: str) -> list[Channel]:
         return [ch for ch in self.producers.get(group, {}).values() if ch.alive]
 
+    def producer_groups_of(self, conn) -> frozenset[str]:
+        """The producer groups ``conn`` is registered in."""
+        return frozenset(self._producing.get(conn, ()))
+
     def left_group(self, conn, group: str) -> bool:
         """``conn`` unregistered its producer of ``group`` (UNREGISTER_CLIENT) and has not come back to it: it
         cannot answer for the group's transactions any more (the Java client ignores such a check)."""

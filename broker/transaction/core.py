@@ -162,6 +162,7 @@ class TransactionCore:
     of the transaction lifecycle."""
 
     _NEXT_SLACK = 64    # stale entries _next may hold beyond two per group before it is rebuilt (see _push)
+    _OFFER_ALL_MS = 1_000   # how often every group with parked transactions is offered room (see _roomy)
 
     def __init__(self, policy: Policy, decided: Callable[[int], str | None],
                  half_of: Callable[[int], tuple[str, int] | None] | None = None):
@@ -207,6 +208,14 @@ class TransactionCore:
         # slots itself: a transaction due again gives back its unanswered check's slot before it is placed.
         self.released = 0
         self._parked: dict[str, deque[Tx]] = {}    # group -> due transactions waiting for a check slot
+        # The groups of _parked that may have room since they were last offered it (a slot of theirs given back, a
+        # producer joined, a connection of theirs closed, a slice short of bytes): a pass offers room to those alone.
+        # Offered to every group with parked transactions, one room_for call each, it cost 2-5 ms a pass with 10,000
+        # of them, and a client answering checks quickly ends a pass at every slice (each answer wakes the timer).
+        # Every group is offered it once each _OFFER_ALL_MS too, for room nothing here sees come (a producer reading
+        # again, or leaving its group).
+        self._roomy: set[str] = set()
+        self._all_offered: int | None = None
         # group -> {half offset: Tx} deferred (due, nobody of the group to ask): what producer_joined makes due
         # now, without scanning every pending transaction. An entry leaves when its transaction comes due
         # again or is decided; producer_joined moves the group's whole dict to _waking, in O(1).
@@ -479,7 +488,7 @@ class TransactionCore:
         actions: list = []
         deferred: list[Tx] = []
         if room_for is not None:
-            self._unpark(room_for)
+            self._unpark(room_for, now)
         if self._waking:
             self._wake(now, limit)
         while self._next and self._next[0][0] <= now:      # (not held in a local: _push may rebuild it)
@@ -556,6 +565,7 @@ class TransactionCore:
         entries = self._deferred.pop(group, None)
         if entries:
             self._waking.append((now, entries))
+        self.room_changed(group)
         return bool(entries) or bool(self._parked.get(group))
 
     def _wake(self, now: int, limit: int | None) -> None:
@@ -593,29 +603,53 @@ class TransactionCore:
         """Transactions due and waiting for a check slot (stale entries of decided ones included)."""
         return sum(len(q) for q in self._parked.values())
 
-    def has_parked(self) -> bool:
-        """Any transaction waiting for a check slot: O(1), for every check answer (a group's queue is dropped
-        once empty, so a group listed has one)."""
-        return bool(self._parked)
+    def has_parked(self, group: str | None = None) -> bool:
+        """Any transaction (of ``group``) waiting for a check slot: O(1), for every check answer (a group's queue is
+        dropped once empty, so a group listed has one)."""
+        return bool(self._parked) if group is None else group in self._parked
 
-    def _unpark(self, room_for: Callable[[str], int | None]) -> None:
+    def room_changed(self, group: str) -> None:
+        """``group``'s producers may have room for more checks (a slot given back, a producer joined or gone): its
+        parked transactions, if any, are offered it at the next pass."""
+        if group in self._parked:
+            self._roomy.add(group)
+
+    def offer_all_due(self, now: int) -> bool:
+        """Every group with parked transactions is to be offered room at ``now`` (_OFFER_ALL_MS since the last)."""
+        return self._all_offered is None or now - self._all_offered >= self._OFFER_ALL_MS
+
+    def _unpark(self, room_for: Callable[[str], int | None], now: int) -> None:
         """Back on the schedule, due at once: as many parked transactions of each group as it has room; all of
         them when no producer of the group is here (None): parked, they were never deferred, so nothing
-        counted or alerted that nobody could answer for them, and their entries stayed for good."""
-        for group in list(self._parked):
-            queue = self._parked[group]
+        counted or alerted that nobody could answer for them, and their entries stayed for good.
+
+        Asked of the groups whose room may have changed since they were last asked (_roomy), of all of them once
+        each _OFFER_ALL_MS. A group given room and still parked is asked again at the next offer: the ones it
+        put back may be decided before they take a slot, which nothing would say."""
+        parked, pending = self._parked, self.pending
+        if self.offer_all_due(now):
+            self._all_offered = now
+            groups = list(parked)
+        else:
+            groups = [g for g in self._roomy if g in parked]
+        roomy = self._roomy = set()
+        for group in groups:
+            queue = parked[group]
             room = room_for(group)
             if room is None:
                 room = len(queue)
+            given = room > 0
             while queue and room > 0:
                 tx = queue.popleft()
-                if not tx.parked or self.pending.get(tx.half_offset) is not tx:
+                if not tx.parked or pending.get(tx.half_offset) is not tx:
                     continue            # decided meanwhile
                 tx.parked = False
                 self._push(group, tx.next_check, tx.half_offset)
                 room -= 1
             if not queue:
-                del self._parked[group]
+                del parked[group]
+            elif given:
+                roomy.add(group)
 
     def _release(self, tx: Tx) -> None:
         """``tx`` no longer holds a check slot of the channel its last check went to."""
@@ -626,6 +660,8 @@ class TransactionCore:
         held = self.checking.get(channel)
         if held is not None and held.pop(tx.half_offset, None) is not None:
             self.released += 1
+            if tx.group in self._parked:
+                self._roomy.add(tx.group)
             if not held:
                 del self.checking[channel]
             key = (channel, tx.group)
@@ -658,6 +694,7 @@ class TransactionCore:
         for tx in (held or {}).values():
             tx.check_channel = None
             self._held.pop((channel, tx.group), None)
+            self.room_changed(tx.group)
             if tx.awaiting and self._lost(tx, now):
                 lost.append(tx)
         return lost

@@ -100,6 +100,7 @@ class TransactionService:
         self._slice_bytes: dict = {}
         self._slice_full: dict[str, frozenset] = {}     # group -> its producers' connections, all at their cap
         self._slice_gone: set[str] = set()                # groups no producer of which is here
+        self._slice_short: set[str] = set()               # groups parked for this slice's check bytes alone
         self._slice_released = 0                          # core.released when _slice_full was last valid
         self._unnamed: dict = {}            # conn -> _Unnamed: halves sent before a heartbeat named it
         self._naming: set = set()           # sender records being written for halves named while stored
@@ -483,8 +484,9 @@ class TransactionService:
         action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
         # An answer that freed a check slot: the parked may go now. Only such a one: a pass reads the whole pending
         # index (the progress floor), and an "answer" repeated for a transaction nobody was asked about (or another
-        # group's) woke one each, cutting END throughput 8x while anything was parked.
-        if held and tx.check_channel is None and self.core.has_parked():
+        # group's) woke one each, cutting END throughput 8x while anything was parked. Nor one of a group with nothing
+        # parked: a slot is a group's, and a group answering quickly ended at every slice a pass over another's backlog.
+        if held and tx.check_channel is None and self.core.has_parked(tx.group):
             self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group)
@@ -748,21 +750,24 @@ class TransactionService:
             conn = channels[self._rr % len(channels)].conn
             if self._has_room(conn, tx.group, size):
                 return self._take(tx, conn, size, "" if conn is owner else why)
-        self._full(tx.group, channels)
+        if not self._full(tx.group, channels):
+            self._slice_short.add(tx.group)
         return BUSY
 
-    def _full(self, group: str, channels) -> None:
+    def _full(self, group: str, channels) -> bool:
         """Note ``group`` full for the rest of the slice when none of its producers has a check slot (each at its
         cap of unanswered checks, or not reading): the slice parks the group's other due transactions without
         asking again for each, until a check slot is given back (core.released: a transaction due again frees
         its unanswered check's slot in the slice itself; answers come between slices). A group with
         100,000 due checks and a hung producer took a whole second of passes to park, one by one, while the
         due check of another group waited behind them. Not when only this slice's byte budget was short: a
-        smaller check may still fit."""
+        smaller check may still fit (False: the group has room in the next slice, which nothing will say)."""
         conns = [ch.conn for ch in channels]
         in_flight, cap = self.core.in_flight, self.check_cap
         if all(in_flight(conn, group) >= cap or getattr(conn, "writing_paused", False) for conn in conns):
             self._slice_full[group] = frozenset(conns)
+            return True
+        return False
 
     def _sender(self, tx: Tx, channels) -> tuple[object, str]:
         """(the connection of the producer that sent ``tx``'s half, ""), if it may be asked first; else (None,
@@ -850,12 +855,16 @@ class TransactionService:
         try:
             while True:
                 await self._run_slice(now, room_for)
-                room_for = None                 # parked ones come back once a pass, with the room there is then
+                # Parked ones come back once a pass, with the room there is then, and in a long pass at each offer to
+                # every group (once a second): offered room in a pass's first slice alone, they waited for the whole
+                # of a pass over another group's backlog (up to a check interval), not the second said. Not at every
+                # slice: a group short of a slice's bytes alone would be unparked and parked again at each of them.
                 # Each slice by the clock of its own start: a check that came due during a long pass (another group's
                 # backlog) is taken in its group's turn in the next slice, not after the whole pass. Woken meanwhile
                 # (a slot freed, a producer joined, a check lost), or an interval long, the pass ends: the next one
                 # starts at once and gives parked transactions the room there is now.
                 now = max(now, self.ctx.monotonic())
+                room_for = self._room_for if self.core.offer_all_due(now) else None
                 due = self.core.next_due()
                 if (due is None or due > now or self.timer.woken()
                         or now - started >= self.core.policy.check_interval_ms):
@@ -872,7 +881,10 @@ class TransactionService:
         self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
         self._slice_full = {}       # answers may have come back by then too, and producers joined
         self._slice_gone = set()
+        self._slice_short = set()
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
+        for group in self._slice_short:     # the next slice's bytes are its room: offered it at the next pass
+            self.core.room_changed(group)
         if deferred:        # (most slices defer nothing: no Counter built for them, one a transaction at one in flight)
             metrics = self.ctx.metrics
             for group, n in collections.Counter(tx.group for tx in deferred).items():
@@ -977,6 +989,8 @@ class TransactionService:
         live producer at once, not after a whole check interval (core.channel_closed). The halves it sent
         unnamed stay so (their sender is known by its address only)."""
         self._unnamed.pop(conn, None)
+        for group in self.ctx.clients.producer_groups_of(conn):     # (still registered: server.py closes them next)
+            self.core.room_changed(group)       # its last producer gone: its parked ones are deferred at the next pass
         for done in self._unnamed_storing.pop(conn, {}).values():
             if not done.done():
                 done.set_result(None)

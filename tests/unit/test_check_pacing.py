@@ -5,6 +5,7 @@ transactions waiting for room spend no check."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -250,6 +251,29 @@ async def test_parked_transactions_are_deferred_once_their_group_has_no_producer
 
 
 @bounded(60)
+async def test_a_closed_connection_offers_room_to_its_groups_at_the_next_pass(tmp_path):
+    """A pass offers room to the groups whose room may have changed, not to every group with parked checks. The
+    connection of a group's only producer, not reading (no check slot of it held), closes: the group's parked ones
+    are deferred at the next pass, not once every group is offered room again (core._OFFER_ALL_MS)."""
+    ctx, clock, txs = await storm(tmp_path, 5)
+    tx, metrics = ctx.tx, ctx.metrics
+    stuck = Producer()
+    stuck.writing_paused = True
+    ctx.clients.add_producer("PG", stuck, "P1")
+    try:
+        await tx.run_due(clock.now)
+        assert stuck.checks == [] and tx.core.parked() == 5
+        stuck.is_open = False
+        tx.connection_closed(stuck)             # as server.py closes it: the checks' step, then the groups'
+        ctx.clients.connection_closed(stuck)
+        clock.now += 1
+        await tx.run_due(clock.now)
+        assert tx.core.parked() == 0 and metrics.child(metrics.checks_skipped, "PG")._value.get() == 5
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
 async def test_only_an_answer_that_frees_a_check_slot_wakes_a_check_pass(tmp_path):
     """Every END with fromTransactionCheck woke the check timer while any transaction was parked, and each pass
     reads the whole pending index (the progress floor): a producer repeating one UNKNOWN "answer" for a
@@ -275,6 +299,31 @@ async def test_only_an_answer_that_frees_a_check_slot_wakes_a_check_pass(tmp_pat
         assert code != 0 and woken == []        # another group's: refused, frees nothing
         for _ in range(3):          # the answer frees its slot once
             tx.end(asked.half_offset, UNKNOWN, group="PG", table_offset=asked.queue_offset, from_check=True)
+        assert woken == [True]
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_an_answer_freeing_a_slot_of_a_group_with_nothing_parked_wakes_no_pass(tmp_path):
+    """A slot is a group's: an answer of group PG_b frees nothing PG's parked checks can use. It woke the timer,
+    and a pass ends when woken: a client of another group answering quickly ended a pass at every slice."""
+    ctx, clock, txs = await storm(tmp_path, 30, transaction_check_in_flight_max=10)
+    tx = ctx.tx
+    other = await add_half(ctx, b"other", group="PG_b")
+    clock.now = max(clock.now, other.next_check + 1)
+    producer, b = Producer(), Producer("PB")
+    ctx.clients.add_producer("PG", producer, "P1")
+    ctx.clients.add_producer("PG_b", b, "PB")
+    try:
+        await tx.run_due(clock.now)
+        assert len(producer.checks) == 10 and tx.core.parked() == 20 and len(b.checks) == 1
+        woken = []
+        tx.timer.wake = lambda: woken.append(True)
+        tx.end(other.half_offset, UNKNOWN, group="PG_b", table_offset=other.queue_offset, from_check=True)
+        assert other.check_channel is None and woken == []
+        asked = next(t for t in txs if t.checks)
+        tx.end(asked.half_offset, UNKNOWN, group="PG", table_offset=asked.queue_offset, from_check=True)
         assert woken == [True]
     finally:
         await ctx.store._store.close()
@@ -515,4 +564,38 @@ async def test_a_slot_freed_during_a_long_pass_is_used_before_the_pass_would_hav
         assert backlog_taken_at_second_check[0] <= 3 * tx.CHECK_SLICE, backlog_taken_at_second_check
     finally:
         await tx.timer.stop()
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_every_group_is_offered_room_once_a_second_also_within_a_long_pass(tmp_path):
+    """Parked checks were offered room in a pass's first slice alone. A pass over another group's backlog lasts up
+    to a check interval (slices while something is due): what only the once-a-second offer to every group gives
+    (a producer reading again) waited for the whole pass, not a second. The clock moves 400 ms a slice here."""
+    ctx, clock, txs = await storm(tmp_path, 5)
+    tx = ctx.tx
+    tx.core.policy = dataclasses.replace(tx.core.policy, check_interval_ms=10_000)     # a pass may last 10 s
+    tx.CHECK_SLICE = 2
+    stuck = Producer()
+    stuck.writing_paused = True
+    ctx.clients.add_producer("PG", stuck, "P1")
+    try:
+        await tx.run_due(clock.now)
+        assert stuck.checks == [] and tx.core.parked() == 5
+        backlog = [await add_half(ctx, b"g%d" % i, group="GONE") for i in range(12)]     # nobody to ask: deferred
+        clock.now = max(clock.now, max(t.next_check for t in backlog) + 1)
+        tx.core._all_offered = clock.now        # every group was just offered room
+        stuck.writing_paused = False            # reading again: nothing says so
+        due, slices = tx.core.due, []
+
+        def slice_(*args, **kw):
+            slices.append(clock.now)
+            out = due(*args, **kw)
+            clock.now += 400
+            return out
+        tx.core.due = slice_
+        await tx.run_due(clock.now)
+        assert len(slices) >= 4                 # one pass, past a second long
+        assert len(stuck.checks) == 5 and tx.core.parked() == 0
+    finally:
         await ctx.store._store.close()

@@ -7,7 +7,9 @@ answers freeing slots, joins, closed connections, dead letters and their resume)
 push or seldom (_NEXT_SLACK -36 to 24: at 0 alone a rebuild later in the same slice restored a group an earlier
 one had lost, and the sequences passed with due() holding _next in a local). After every event: each undecided
 transaction is on its group's schedule or parked, its group is in the turn or waits on _next no later than its
-next check, and next_due() is no later than the earliest scheduled check (else the timer sleeps past it).
+next check, and next_due() is no later than the earliest scheduled check (else the timer sleeps past it); a group
+with parked transactions and room is offered it at the next pass (listed as such, or its producers changed unsaid
+since every group was last offered room).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class Model:
         self.writing: list[Write] = []      # decisions being written (their transactions DECIDING)
         self.claimed: set[int] = set()      # of those, the dead letters due() claimed (off the schedule meanwhile)
         self.dead: dict[int, str] = {}      # dead-lettered: offset -> group (for resume)
+        self.unnotified: set[str] = set()   # groups whose producers changed unsaid since every group was offered room
 
     def channel_for(self, tx):
         state = self.producer[tx.group]
@@ -103,8 +106,11 @@ class Model:
             self.now += rng.choice([1, 500, INTERVAL, IMMUNITY])
         elif op == "tick":
             self.now += rng.choice([0, 0, 0, 1, 500, INTERVAL, IMMUNITY, 4 * INTERVAL])
+            offered = core._all_offered
             actions, _ = core.due(self.now, self.channel_for, self.room_for if rng.random() < 0.5 else None,
                                   limit=rng.choice([1, 2, 3, 4]))
+            if core._all_offered != offered:
+                self.unnotified.clear()
             for a in actions:
                 if isinstance(a, SendCheck):
                     if core.check_written(a.tx, self.now, rng.random() < 0.9):
@@ -122,6 +128,10 @@ class Model:
             core.end(tx.half_offset, UNKNOWN, origin=Origin.CHECK, group=tx.group)
         elif op == "producer":
             self.producer[group] = rng.choice([True, True, False, "busy"])
+            if rng.random() < 0.5:
+                core.room_changed(group)        # said: a producer joined, a connection closed
+            else:
+                self.unnotified.add(group)      # unsaid: a producer reading again, leaving the group
         elif op == "joined":
             core.producer_joined(group, self.now)
         elif op == "closed":
@@ -151,6 +161,11 @@ class Model:
         if earliest is not None:
             assert due is not None and due <= earliest, f"next_due {due} after the earliest check {earliest}"
         assert set(core._turn) == core._turning and len(core._turn) == len(core._turning)
+        for group, queue in core._parked.items():
+            if any(tx.parked and core.pending.get(tx.half_offset) is tx for tx in queue):
+                # Room there now is offered at the next pass: the group is listed, or every group will be
+                assert self.room_for(group) == 0 or group in core._roomy or group in self.unnotified, (
+                    f"group {group} has room {self.room_for(group)} and parked checks, not offered it")
 
     def drain(self) -> None:
         """Producers here that answer, writes that succeed: every transaction is decided in the end."""
@@ -243,3 +258,37 @@ def test_storing_a_half_reads_a_few_schedules_not_every_group_with_a_check_due()
         core.add(Tx(off, off, "NEW", "T", "u", now))
     assert reads <= 100 * 8, f"{reads / 100:.0f} schedules read a half stored"
     assert core.next_due() == now                       # and the groups in the turn are still the earliest
+
+
+def test_a_freed_slot_offers_room_to_its_group_alone_not_to_every_group_with_parked_checks():
+    """Each pass offered room to every group with parked checks, one room_for call each (2 ms a pass with 10,000 of
+    them), and an answer that frees a slot ends the pass under way: a client answering quickly had it paid at every
+    slice. Only the group whose slot was freed is asked now, and every group once each _OFFER_ALL_MS."""
+    decisions: dict[int, str] = {}
+    core = TransactionCore(POLICY, decisions.get)
+    now, groups = 1_000_000, 2_000
+    for g in range(groups):
+        for i in range(2):
+            off = 2 * g + i + 1
+            core.add(Tx(off, off, f"G{g}", "T", f"u{off}", now), immunity_s="0")
+
+    def channel_for(tx):
+        conn = "conn-" + tx.group
+        return BUSY if core.in_flight(conn, tx.group) >= 1 else conn
+    asked = []
+
+    def room_for(group):
+        asked.append(group)
+        return max(0, 1 - core.in_flight("conn-" + group, group))
+    actions, _ = core.due(now, channel_for, room_for)       # one check a group, the other parked
+    assert len(actions) == groups and core.parked() == groups
+    answered = actions[7].tx
+    core.end(answered.half_offset, UNKNOWN, origin=Origin.CHECK, group=answered.group)
+    asked.clear()
+    actions, _ = core.due(now + 1, channel_for, room_for)
+    assert asked == [answered.group] and [a.tx.group for a in actions] == [answered.group]
+    asked.clear()
+    core.due(now + 2, channel_for, room_for)        # nothing freed since
+    assert asked == []
+    core.due(now + 1 + core._OFFER_ALL_MS, channel_for, room_for)      # and all of them, now and then
+    assert len(asked) == groups - 1
