@@ -34,5 +34,6 @@ for group in (None, "PG3"):
     body = list_transactions(ctx, None, cmd).body_bytes()
     cpu = time.process_time() - t0
     print(f"n={n} limit={limit} group={group}: {cpu * 1000:.1f} ms CPU on the loop, body {len(body) / 1e6:.2f} MB"
-          f", {core.examined} entries examined")
-    core.examined = 0
+          f", {getattr(core, 'examined', '?')} entries examined")
+    if hasattr(core, "examined"):
+        core.examined = 0
