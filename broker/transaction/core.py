@@ -290,6 +290,10 @@ class TransactionCore:
         Lazy heaps: a decided half leaves its entry behind until it reaches the top, so a read
         costs O(log n) per decided entry; when stale entries outnumber the live ones the heaps
         are rebuilt from the pending index (amortised O(1) per decision)."""
+        return {group: heap[0][0] for group, heap in self._age_heaps().items()}
+
+    def _age_heaps(self) -> dict[str, list[tuple[int, int]]]:
+        """The age heaps, each with a live entry on top, rebuilt when stale entries outnumber the live ones."""
         pending = self.pending
         if self._by_age_entries > 2 * len(pending) + 1024:
             self._by_age = {}
@@ -298,25 +302,24 @@ class TransactionCore:
             for heap in self._by_age.values():
                 heapq.heapify(heap)
             self._by_age_entries = len(pending)
-        out = {}
         for group, heap in list(self._by_age.items()):
             while heap and (heap[0][1] not in pending or pending[heap[0][1]].group != group):
                 heapq.heappop(heap)
                 self._by_age_entries -= 1
-            if heap:
-                out[group] = heap[0][0]
-            else:
+            if not heap:
                 del self._by_age[group]
-        return out
+        return self._by_age
 
     def oldest(self, group: str | None, limit: int) -> list[Tx]:
         """Up to ``limit`` pending transactions (of ``group``, or of every group), oldest stored first.
 
-        Read off the age heaps without popping them: a heap's least entry is its root and an entry's children
+        Read off the age heaps, leaving them as they are (but for stale tops): a heap's least entry is its root and an entry's children
         are each later, so the ``limit`` least of them are found from the root down, a candidate heap seeded
         with each group's root (O((limit + groups + stale) log) a call, ``examined`` counts the entries read).
         A sort of the whole index was 90-115 ms on the loop at 500k undecided, each time an operator listed."""
-        pending, heaps = self.pending, self._by_age
+        # (Stale entries are read too, those of decided transactions older than the last listed: the heaps are
+        # rebuilt first when they outnumber the live ones, as they were only when the metrics were scraped.)
+        pending, heaps = self.pending, self._age_heaps()
         if group is not None:
             heaps = {group: heaps[group]} if group in heaps else {}
         front = [(h[0], 0, g) for g, h in heaps.items() if h]

@@ -84,3 +84,16 @@ def test_a_negative_limit_is_refused():
     with pytest.raises(HeaderError, match="limit=-1"):
         processor.list_transactions(ctx, None, RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS,
                                                                        {"limit": -1}))
+
+
+def test_decided_transactions_older_than_the_listed_are_not_read_at_each_list():
+    """The age heaps dropped the entries of decided transactions only when the metrics were scraped: a broker
+    nobody scraped had a list read every one of them, older than what it lists, at each request."""
+    ctx, core = _service(5_000)
+    for tx in sorted(core.pending.values(), key=lambda t: t.store_ts)[:4_000]:
+        core.withdraw(tx.half_offset)
+    listed = _list(ctx, limit=10)
+    assert (len(listed["pending"]), listed["total"]) == (10, 1_000)
+    assert core.examined == 10
+    core.examined = 0
+    assert len(_list(ctx, group="PG1", limit=10)["pending"]) == 10 and core.examined == 10
