@@ -97,3 +97,20 @@ def test_decided_transactions_older_than_the_listed_are_not_read_at_each_list():
     assert core.examined == 10
     core.examined = 0
     assert len(_list(ctx, group="PG1", limit=10)["pending"]) == 10 and core.examined == 10
+
+
+def test_decided_transactions_under_an_old_undecided_one_are_not_read_at_each_list():
+    """One old transaction stays undecided (its producer gone) while thousands after it are decided, then a backlog
+    arrives: the decided ones' entries are under its top, never popped, and short of the rebuild threshold (twice
+    the live ones): a list of 10 read every one of them, each request (a sort of the index cost less)."""
+    core = TransactionCore(POLICY, lambda off: None)
+    core.add(Tx(0, 0, "PG0", "T", "U0", 1_000, owner_id="c@1"))               # stuck
+    for off in range(1, 20_001):                                                  # decided since
+        core.add(Tx(off * 100, off, "PG0", "T", f"U{off}", 1_000 + off, owner_id="c@1"))
+        core.withdraw(off * 100)
+    for off in range(20_001, 40_001):                                             # the backlog
+        core.add(Tx(off * 100, off, "PG0", "T", f"U{off}", 1_000 + off, owner_id="c@1"))
+    want = [0] + [off * 100 for off in range(20_001, 20_010)]
+    assert [t.half_offset for t in core.oldest(None, 10)] == want
+    assert [t.half_offset for t in core.oldest("PG0", 10)] == want
+    assert core.examined <= 2 * 2_000, core.examined
