@@ -11,6 +11,7 @@ import pytest
 
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
+from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
 pytestmark = pytest.mark.asyncio
@@ -101,6 +102,7 @@ async def test_sigterm_exits_zero_and_keeps_what_was_acknowledged(broker_factory
     assert sorted(got, key=int) == [f"{i}".encode() for i in range(20)] and len(results) == 20
 
 
+@bounded(90)
 async def test_admin_list_says_how_many_it_did_not_list(broker_factory):
     """A list cut at its limit said only the total: the oldest rows, read as all of them, hid the newest in doubt.
     It says how many more there are, and a limit of any size is capped (a 10**9 one built a body no client reads)."""
