@@ -30,6 +30,7 @@ from protocol.errors import BrokerError
 from protocol.signature import Credentials
 
 from . import admin_ops
+from .processors.transaction import LISTED_MAX
 
 
 async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--access-key", default=os.environ.get("BROKER_ADMIN_ACCESS_KEY", ""))
     parser.add_argument("--secret-key", default=os.environ.get("BROKER_ADMIN_SECRET_KEY", ""))
     sub = parser.add_subparsers(dest="action", required=True)
-    ls = sub.add_parser("list", help="undecided transactions, oldest first")
+    ls = sub.add_parser("list", help="undecided transactions, oldest first (at most %d; the rest are counted)" % LISTED_MAX)
     ls.add_argument("--group")
     ls.add_argument("--limit", type=int, default=1000)
     ls.add_argument("--json", action="store_true")
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(_table(data["pending"]))
             print(f"{data['total']} undecided, {data['dead_lettered']} dead-lettered")
+            if data.get("more"):        # (an older broker answers no "more")
+                print(f"{data['more']} more not listed (the oldest {len(data['pending'])} are: "
+                      f"--limit, at most {LISTED_MAX}, or --group to see others)")
     elif args.action == "apply-expiry":
         print(json.dumps(json.loads(resp.body_bytes()), indent=1))
     else:

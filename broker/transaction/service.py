@@ -1019,9 +1019,7 @@ class TransactionService:
     def describe(self, group: str | None = None, limit: int = 1000) -> list[dict]:
         now, ticks = self.ctx.clock(), self.ctx.monotonic()
         rows = []
-        for p in sorted(self.pending.values(), key=lambda p: p.store_ts):
-            if group and p.group != group:
-                continue
+        for p in self.core.oldest(group or None, limit):
             # As a check would find it: a sender reconnected (after a restart too) is here, not "gone".
             conn, why = self._sender(p, self.ctx.clients.producer_channels(p.group))
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,
@@ -1029,8 +1027,6 @@ class TransactionService:
                          "checks": p.checks, "owner": sender_id(p) + ("" if conn is not None else " (left the group)"
                                                                       if why == "sender-left" else " (gone)"),
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - ticks)})
-            if len(rows) >= limit:
-                break
         return rows
 
     async def resume(self, half_offset: int) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
+from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
 pytestmark = pytest.mark.asyncio
@@ -99,3 +100,23 @@ async def test_sigterm_exits_zero_and_keeps_what_was_acknowledged(broker_factory
         got += [m.body for m in (await consumer.pull(mq, 0, max_nums=100)).messages]
     await consumer.shutdown()
     assert sorted(got, key=int) == [f"{i}".encode() for i in range(20)] and len(results) == 20
+
+
+@bounded(90)
+async def test_admin_list_says_how_many_it_did_not_list(broker_factory):
+    """A list cut at its limit said only the total: the oldest rows, read as all of them, hid the newest in doubt.
+    It says how many more there are, and a limit of any size is capped (a 10**9 one built a body no client reads)."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_more", Unknown()) as producer:
+        sent = [await producer.send_in_transaction("TxMore", f"{i}".encode()) for i in range(3)]
+        listed = await asyncio.to_thread(_admin, b, "list", "--limit", "1", "--json")
+        assert listed.returncode == 0, listed.stderr
+        data = json.loads(listed.stdout)
+        assert (data["total"], data["more"], data["limit"]) == (3, 2, 1)
+        assert [r["uniq_key"] for r in data["pending"]] == [sent[0].send_result.msg_id]     # the oldest
+        table = await asyncio.to_thread(_admin, b, "list", "--limit", "1")
+        assert "3 undecided" in table.stdout and "2 more not listed" in table.stdout, table.stdout
+        huge = json.loads((await asyncio.to_thread(_admin, b, "list", "--limit", str(10**9), "--json")).stdout)
+        assert (len(huge["pending"]), huge["more"], huge["limit"]) == (3, 0, 2_000)
+        refused = await asyncio.to_thread(_admin, b, "list", "--limit", "-1")
+        assert refused.returncode == 1 and "limit=-1" in refused.stderr, refused.stderr

@@ -1,0 +1,39 @@
+"""The admin list (TXMQ_LIST_TRANSACTIONS) at a large backlog: its loop time and answer size.
+
+    python bench/bench_admin_list.py N [LIMIT]   (e.g. 100000 1000; 500000 1000000000)
+
+Fills a TransactionCore with N undecided transactions of 10 producer groups (as a check pass would keep them: the
+service's describe runs on a stub service, no broker, no socket), then times one request's work in its
+processor (describe, the group's total, the JSON body) for all groups and for one group, and prints the
+body size. The loop is blocked for all of it: that is what another client waits.
+"""
+import os, sys, time, types
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from broker.transaction.check import Policy
+from broker.transaction.core import TransactionCore, Tx
+from broker.processors.transaction import list_transactions
+from broker.transaction.service import TransactionService
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+
+n = int(sys.argv[1])
+limit = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
+core = TransactionCore(Policy(60_000, 6 * 3600_000, 15, 72 * 3600_000), lambda off: None)
+for off in range(n):
+    core.add(Tx(off * 300, off, f"PG{off % 10}", "T", f"U{off:032X}", 1_700_000_000_000 + off, owner_id=f"10.0.0.{off % 10}@1"))
+clients = types.SimpleNamespace(producer_channels=lambda group: [], left_group=lambda conn, group: False)
+ctx = types.SimpleNamespace(clock=lambda: 1_800_000_000_000, monotonic=lambda: 0, clients=clients)
+svc = types.SimpleNamespace(ctx=ctx, core=core, pending=core.pending)
+svc._sender = types.MethodType(TransactionService._sender, svc)
+svc.describe = types.MethodType(TransactionService.describe, svc)
+svc.dead_count = 0
+ctx.tx, ctx.config = svc, types.SimpleNamespace(broker_role="ASYNC_MASTER")
+for group in (None, "PG3"):
+    cmd = RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": group, "limit": limit})
+    t0 = time.process_time()
+    body = list_transactions(ctx, None, cmd).body_bytes()
+    cpu = time.process_time() - t0
+    print(f"n={n} limit={limit} group={group}: {cpu * 1000:.1f} ms CPU on the loop, body {len(body) / 1e6:.2f} MB"
+          f", {getattr(core, 'examined', '?')} entries examined")
+    if hasattr(core, "examined"):
+        core.examined = 0

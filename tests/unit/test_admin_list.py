@@ -1,0 +1,116 @@
+"""The admin list (TXMQ_LIST_TRANSACTIONS) at a large backlog: the oldest read off the age heaps, the answer capped.
+
+An operator lists in-doubt transactions during an incident, when there are most of them: the list sorted the
+whole undecided index on the loop (90-105 ms at 500k), and any limit was obeyed (limit=10**9 at 500k: 3.5 s
+and a 118 MB body, past the 16 MB a client reads). Work is counted here (age-heap entries examined), not timed.
+"""
+from __future__ import annotations
+
+import json
+import random
+import types
+
+import pytest
+
+from broker.processors import transaction as processor
+from broker.transaction.check import Policy
+from broker.transaction.core import TransactionCore, Tx
+from broker.transaction.service import TransactionService
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.errors import HeaderError
+
+POLICY = Policy(check_interval_ms=60_000, timeout_ms=6_000, check_max=15, retention_ms=72 * 3600_000)
+GROUPS = ("PG0", "PG1", "PG2", "PG3")
+
+
+def _service(n: int, decided_every: int = 0):
+    """A stub service on a real core holding ``n`` undecided of GROUPS, stored in a shuffled order."""
+    core = TransactionCore(POLICY, lambda off: None)
+    stamps = list(range(n))
+    random.Random(7).shuffle(stamps)
+    for off, ts in enumerate(stamps):
+        core.add(Tx(off * 100, off, GROUPS[off % len(GROUPS)], "T", f"U{off}", 1_000_000 + ts, owner_id="c@1"))
+    if decided_every:       # decided since: their age-heap entries stay behind until they reach a top
+        for off in range(0, n, decided_every):
+            core.withdraw(off * 100)
+    clients = types.SimpleNamespace(producer_channels=lambda group: [], left_group=lambda conn, group: False)
+    ctx = types.SimpleNamespace(clock=lambda: 2_000_000, monotonic=lambda: 0, clients=clients,
+                                config=types.SimpleNamespace(broker_role="ASYNC_MASTER"))
+    svc = types.SimpleNamespace(ctx=ctx, core=core, pending=core.pending, dead_count=0)
+    svc._sender = types.MethodType(TransactionService._sender, svc)
+    svc.describe = types.MethodType(TransactionService.describe, svc)
+    ctx.tx = svc
+    return ctx, core
+
+
+def _list(ctx, **fields):
+    resp = processor.list_transactions(ctx, None, RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, fields))
+    assert resp.code == ResponseCode.SUCCESS
+    return json.loads(resp.body_bytes())
+
+
+@pytest.mark.parametrize("group", [None, "PG2"])
+def test_the_oldest_are_read_off_the_age_heaps_not_a_sort_of_the_index(group, monkeypatch):
+    monkeypatch.setattr(processor, "LISTED_MAX", 10_000)      # to list them all below
+    ctx, core = _service(8_000, decided_every=7)
+    resumed = core.pending[300]         # indexed again (a resume): on its age heap twice, listed once
+    core.withdraw(300)
+    core.add(resumed)
+    want = sorted((t for t in core.pending.values() if group in (None, t.group)), key=lambda t: t.store_ts)
+    listed = _list(ctx, group=group, limit=25)
+    assert [r["commit_log_offset"] for r in listed["pending"]] == [t.half_offset for t in want[:25]]
+    assert (listed["total"], listed["more"], listed["limit"]) == (len(want), len(want) - 25, 25)
+    # 25 listed, and the entries of decided transactions older than the 25th (1 in 7): never the 8,000.
+    assert core.examined <= 25 * 2 + 10, core.examined
+    everything = _list(ctx, group=group, limit=len(want))
+    assert [r["commit_log_offset"] for r in everything["pending"]] == [t.half_offset for t in want]
+    assert everything["more"] == 0
+
+
+def test_a_huge_limit_is_capped_and_the_rest_is_counted(monkeypatch):
+    monkeypatch.setattr(processor, "LISTED_MAX", 40)
+    ctx, core = _service(1_000)
+    listed = _list(ctx, limit=10**9)
+    assert (len(listed["pending"]), listed["total"], listed["more"], listed["limit"]) == (40, 1_000, 960, 40)
+    assert core.examined == 40
+    assert _list(ctx, group="PG1", limit=0) == {"pending": [], "total": 250, "more": 250, "limit": 0,
+                                                "dead_lettered": 0}
+    assert _list(ctx, group="nobody", limit=5)["total"] == 0
+
+
+def test_a_negative_limit_is_refused():
+    ctx, _ = _service(3)
+    with pytest.raises(HeaderError, match="limit=-1"):
+        processor.list_transactions(ctx, None, RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS,
+                                                                       {"limit": -1}))
+
+
+def test_decided_transactions_older_than_the_listed_are_not_read_at_each_list():
+    """The age heaps dropped the entries of decided transactions only when the metrics were scraped: a broker
+    nobody scraped had a list read every one of them, older than what it lists, at each request."""
+    ctx, core = _service(5_000)
+    for tx in sorted(core.pending.values(), key=lambda t: t.store_ts)[:4_000]:
+        core.withdraw(tx.half_offset)
+    listed = _list(ctx, limit=10)
+    assert (len(listed["pending"]), listed["total"]) == (10, 1_000)
+    assert core.examined == 10
+    core.examined = 0
+    assert len(_list(ctx, group="PG1", limit=10)["pending"]) == 10 and core.examined == 10
+
+
+def test_decided_transactions_under_an_old_undecided_one_are_not_read_at_each_list():
+    """One old transaction stays undecided (its producer gone) while thousands after it are decided, then a backlog
+    arrives: the decided ones' entries are under its top, never popped, and short of the rebuild threshold (twice
+    the live ones): a list of 10 read every one of them, each request (a sort of the index cost less)."""
+    core = TransactionCore(POLICY, lambda off: None)
+    core.add(Tx(0, 0, "PG0", "T", "U0", 1_000, owner_id="c@1"))               # stuck
+    for off in range(1, 20_001):                                                  # decided since
+        core.add(Tx(off * 100, off, "PG0", "T", f"U{off}", 1_000 + off, owner_id="c@1"))
+        core.withdraw(off * 100)
+    for off in range(20_001, 40_001):                                             # the backlog
+        core.add(Tx(off * 100, off, "PG0", "T", f"U{off}", 1_000 + off, owner_id="c@1"))
+    want = [0] + [off * 100 for off in range(20_001, 20_010)]
+    assert [t.half_offset for t in core.oldest(None, 10)] == want
+    assert [t.half_offset for t in core.oldest("PG0", 10)] == want
+    assert core.examined <= 2 * 2_000, core.examined
