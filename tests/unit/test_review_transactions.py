@@ -599,6 +599,35 @@ async def test_a_commit_into_a_queue_there_is_does_not_call_into_the_store_to_pr
         await ctx.store._store.close()
 
 
+def _checks_sent_to(pending) -> list:
+    """The list ``pending``'s checks land in: its producer, a live channel that keeps what it is sent."""
+    sent = []
+
+    class Producer:
+        is_open = True
+
+        def oneway(self, cmd):
+            sent.append(cmd)
+    pending.owner = Producer()
+    return sent
+
+
+def first_queue_files_made_on_loop(monkeypatch) -> list:
+    """(topic, queue id) of every queue whose first file ConsumeQueue makes itself from here on: on the event
+    loop, where the store's queue-file thread should have made it."""
+    from broker.store.consume_queue import ConsumeQueue
+
+    made = []
+    real = ConsumeQueue._new_file
+
+    def new_file(self, byte):
+        if not self.files:
+            made.append((self.topic, self.queue_id))
+        return real(self, byte)
+    monkeypatch.setattr(ConsumeQueue, "_new_file", new_file)
+    return made
+
+
 @bounded(20)
 async def test_checks_whose_records_a_full_disk_refuses_are_not_sent_and_say_so(tmp_path, caplog):
     """A check goes out only once its record is written; on a full disk the record is refused, and the pass ended
@@ -609,14 +638,7 @@ async def test_checks_whose_records_a_full_disk_refuses_are_not_sent_and_say_so(
     tx = ctx.tx
     try:
         pending = await add_half(ctx, b"waiting")
-        sent = []
-
-        class Producer:
-            is_open = True
-
-            def oneway(self, cmd):
-                sent.append(cmd)
-        pending.owner = Producer()
+        sent = _checks_sent_to(pending)
         ctx.store.gate, ctx.store.fail = asyncio.Event(), True
         ctx.store.gate.set()
         clock.now = pending.next_check + 1
@@ -636,16 +658,7 @@ async def test_check_records_that_open_the_op_queue_have_its_file_made_off_the_l
     is for), and past the open-files limit the records were stored with their units waiting in memory. They
     wait for the file as a decision and a sender record do; a file that cannot be made is a refusal, said once
     a pass, the check not counted and asked again later."""
-    from broker.store.consume_queue import ConsumeQueue
     from broker.topics import OP_TOPIC
-
-    made_on_loop = []
-    real = ConsumeQueue._new_file
-
-    def new_file(self, byte):
-        if not self.files:
-            made_on_loop.append((self.topic, self.queue_id))
-        return real(self, byte)
 
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
@@ -653,15 +666,8 @@ async def test_check_records_that_open_the_op_queue_have_its_file_made_off_the_l
     try:
         pending = await add_half(ctx, b"never decided")
         assert (OP_TOPIC, 0) not in ctx.store.queue_index           # nothing decided yet: no op queue
-        sent = []
-
-        class Producer:
-            is_open = True
-
-            def oneway(self, cmd):
-                sent.append(cmd)
-        pending.owner = Producer()
-        monkeypatch.setattr(ConsumeQueue, "_new_file", new_file)
+        sent = _checks_sent_to(pending)
+        made_on_loop = first_queue_files_made_on_loop(monkeypatch)
         clock.now = pending.next_check + 1
         await tx.run_due(clock.now)
         assert len(sent) == 1 and pending.checks == 1
@@ -683,14 +689,7 @@ async def test_check_records_whose_op_queue_file_cannot_be_made_are_refused_and_
     tx = ctx.tx
     try:
         pending = await add_half(ctx, b"never decided")
-        sent = []
-
-        class Producer:
-            is_open = True
-
-            def oneway(self, cmd):
-                sent.append(cmd)
-        pending.owner = Producer()
+        sent = _checks_sent_to(pending)
 
         def no_file(topic, queue_id):
             fut = asyncio.get_running_loop().create_future()

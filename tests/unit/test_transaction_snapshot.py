@@ -16,7 +16,8 @@ from broker.transaction.decisions import DecisionTable
 from broker.transaction.records import COMMIT, DEAD, ROLLBACK
 from protocol.message import Prop
 from tests.support.bounded import bounded
-from tests.unit.test_review_transactions import Clock, add_half, half_stored_while, make_service
+from tests.unit.test_review_transactions import (Clock, add_half, first_queue_files_made_on_loop, half_stored_while,
+                                                 make_service)
 
 
 def _snapshot(ctx) -> dict:
@@ -620,23 +621,14 @@ async def test_sender_records_that_open_the_op_queue_have_its_file_made_off_the_
     records. Put straight to the writer, the queue's first file was made on the event loop (what the queue-file
     thread is for), and past the open-files limit the records were stored with their units waiting in memory,
     unreadable by a restart's replay. They wait for the file as a decision does."""
-    from broker.store.consume_queue import ConsumeQueue
     from broker.topics import OP_TOPIC
-
-    made_on_loop = []
-    real = ConsumeQueue._new_file
-
-    def new_file(self, byte):
-        if not self.files:
-            made_on_loop.append((self.topic, self.queue_id))
-        return real(self, byte)
 
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
     conn = _Producer(None)
     p = await add_half(ctx, b"before the heartbeat", conn=conn)
     assert (OP_TOPIC, 0) not in ctx.store.queue_index           # nothing decided yet: no op queue
-    monkeypatch.setattr(ConsumeQueue, "_new_file", new_file)
+    made_on_loop = first_queue_files_made_on_loop(monkeypatch)
     conn.attributes["client_id"] = "10.0.0.7@4242"
     await ctx.tx.connection_named(conn)
     await asyncio.gather(*ctx.tx._naming)
