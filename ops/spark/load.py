@@ -159,11 +159,9 @@ def half_offsets_by_queue(store_dir: str, queue_offsets) -> list[int]:
     recovery finds an op body's half (``physical_offset_of``). For a one-day run: an op's body names its half by
     queue offset, and a half in a segment the run does not read is found no other way (its TXMQ_HALF, under no
     CRC, may name another). Units the queue no longer has (files gone, RocketMQ's pre-blank) are skipped."""
-    import struct
-
+    from protocol.schema import CQ_UNIT_SIZE, ConsumeQueueUnit
     from protocol.txlog import HALF_TOPIC
 
-    unit = struct.Struct(">qiq")
     qdir = os.path.join(store_dir, "consumequeue", HALF_TOPIC, "0")
     try:
         files = sorted((int(n), os.path.join(qdir, n)) for n in os.listdir(qdir) if n.isdigit() and len(n) == 20)
@@ -171,20 +169,20 @@ def half_offsets_by_queue(store_dir: str, queue_offsets) -> list[int]:
         return []
     out = []
     for q in sorted(set(queue_offsets)):
-        at = q * unit.size
+        at = q * CQ_UNIT_SIZE
         start, path = next(((b, f) for b, f in reversed(files) if b <= at), (None, None))
         if path is None:
             continue
         try:
             with open(path, "rb") as f:
                 f.seek(at - start)
-                raw = f.read(unit.size)
+                raw = f.read(CQ_UNIT_SIZE)
         except OSError:
             continue
-        if len(raw) == unit.size:
-            offset, size, _ = unit.unpack(raw)
-            if size > 0 and size != 0x7FFFFFFF and offset >= 0:
-                out.append(offset)
+        if len(raw) == CQ_UNIT_SIZE:
+            u = ConsumeQueueUnit.parse(raw)
+            if u.size > 0 and u.size != 0x7FFFFFFF and u.physical_offset >= 0:
+                out.append(u.physical_offset)
     return out
 
 
