@@ -24,7 +24,6 @@ a delayed retry delivered after a restart makes its topic again charged to its m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -321,10 +320,8 @@ class TopicManager:
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
             self._saved_changes = max(self._saved_changes, changes)
-        except OSError:
+        except OSError:     # (save removed its cut-short .tmp)
             self._dirty = True
-            with contextlib.suppress(OSError):
-                os.unlink(self.path + ".tmp")
             raise
 
     def retry_groups(self) -> int:
