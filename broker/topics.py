@@ -24,7 +24,6 @@ a delayed retry delivered after a restart makes its topic again charged to its m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
 from .limits import count_down
-from .store.saved import check, is_int, load_saved, save
+from .store.saved import check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.topics")
 
@@ -256,7 +255,7 @@ class TopicManager:
         while self._pool is not None and self._saved_changes < wanted:
             if self._saving is None:
                 self._saving = asyncio.ensure_future(self._save_now())
-                self._saving.add_done_callback(_retrieved)
+                self._saving.add_done_callback(retrieved)  # (its failure is logged by _written)
             await asyncio.shield(self._saving)
 
     async def _save_now(self) -> None:
@@ -321,10 +320,8 @@ class TopicManager:
         try:
             save(self.path, body.encode())  # (its directory synced too: the rename is durable)
             self._saved_changes = max(self._saved_changes, changes)
-        except OSError:
+        except OSError:     # (save removed its cut-short .tmp)
             self._dirty = True
-            with contextlib.suppress(OSError):
-                os.unlink(self.path + ".tmp")
             raise
 
     def retry_groups(self) -> int:
@@ -637,13 +634,6 @@ def parse_topic_table(body: bytes, known=None) -> tuple[tuple, dict[str, TopicCo
             check(_FIELD_TYPES[key](value), f"topic {name}: {key} = {value!r}")
         table[name] = TopicConfig(name, **fields)
     return version, table
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    """A save whose every waiter was cancelled (its connection gone) must not log "never retrieved": its
-    failure is logged by ``_written``."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _take(counts: dict, key, n: int) -> None:

@@ -33,7 +33,7 @@ import threading
 from protocol.admin_bodies import split_offset_key
 
 from .mapped_file import fsync_dirs, make_dirs
-from .saved import check, is_int, load_saved, save
+from .saved import check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.store")
 
@@ -209,7 +209,7 @@ class ConsumerOffsets:
         while self._saved_changes < wanted:
             if self._saving is None:
                 self._saving = asyncio.ensure_future(self._save_now())
-                self._saving.add_done_callback(_retrieved)
+                self._saving.add_done_callback(retrieved)
             await asyncio.shield(self._saving)
 
     async def _save_now(self) -> None:
@@ -277,12 +277,6 @@ class ConsumerOffsets:
     def _write_locked(self, data: bytes) -> None:
         fsync_dirs(make_dirs(os.path.dirname(self.path)))
         save(self.path, data)       # the table being replaced becomes the previous copy (see _load)
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    """A save whose every waiter was cancelled must not log "never retrieved" (its caller was told, or gone)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _encode(table: dict, maker: dict) -> bytes:

@@ -100,6 +100,13 @@ def save(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
+def retrieved(task) -> None:
+    """Done callback of a shared save (topics' and offsets' ``saved``): one whose every waiter was cancelled (its
+    connection gone) must not log "never retrieved" -- its caller was told, or is gone."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _copy_durably(src: str, dst: str) -> None:
     tmp = dst + ".tmp"
     copy_synced(src, tmp)

@@ -368,11 +368,7 @@ class MessageStore:
         cq.open_file()
         self._cqs[key] = cq
         self.queue_index.add(key)
-        if self.on_new_queue is not None:
-            try:
-                self.on_new_queue(*key)
-            except Exception:
-                log.exception("new queue listener failed on %s", key)
+        self._new_queue(key)
 
     def make_queue_file(self, topic: str, queue_id: int, then: Callable[[BaseException | None], object]) -> None:
         """``prepare_queue`` off the event loop: ``then(None)`` once the queue has its file, ``then(exc)`` with
@@ -464,11 +460,7 @@ class MessageStore:
             if cq is None:
                 cq = cqs[key] = self._make_queue(key)
                 cq.begin_at(self._log.queue_starts.pop(key, 0))
-                if self.on_new_queue is not None:
-                    try:
-                        self.on_new_queue(*key)
-                    except Exception:
-                        log.exception("new queue listener failed on %s", key)
+                self._new_queue(key)
             if not cq.extend(packed):       # no space: the units wait in memory (see consume_queue.py)
                 self._backlogged.add(cq)
         live, by_topic = self._live, self._live_by_topic
