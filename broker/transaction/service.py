@@ -440,8 +440,9 @@ class TransactionService:
                         "a restart, and after one if the next snapshot is written first", client_id,
                         len(named), exc)
             return
-        for i in range(0, len(named), 256):     # batches of a check slice's size
-            batch = named[i:i + 256]
+        step = self.CHECK_SLICE     # batches of a check slice's size
+        for i in range(0, len(named), step):
+            batch = named[i:i + step]
             try:
                 results = await self.ctx.store.put_many([rf.sender(t.half_offset, t.queue_offset, client_id)
                                                          for t in batch])
