@@ -712,8 +712,7 @@ class TransactionCore:
         held = self.checking.get(channel)
         if held is not None and held.pop(tx.half_offset, None) is not None:
             self.released += 1
-            if tx.group in self._parked:
-                self._roomy.add(tx.group)
+            self.room_changed(tx.group)
             if not held:
                 del self.checking[channel]
             key = (channel, tx.group)
