@@ -123,7 +123,7 @@ def sender_extra(owner: str) -> dict[str, str]:
     check record's and its count as no attempt; an older txmq reads it the same way. Only for a ``plain_owner``."""
     if not plain_owner(owner):
         raise ValueError(f"client id {owner[:64]!r} cannot be written as {P_OWNER}")
-    return {P_CHECKS: "0", P_OWNER: owner}
+    return check_extra(0, owner)
 
 
 def plain_owner(owner: str) -> bool:

@@ -655,10 +655,10 @@ class TransactionCore:
         """Transactions due and waiting for a check slot (stale entries of decided ones included)."""
         return sum(len(q) for q in self._parked.values())
 
-    def has_parked(self, group: str | None = None) -> bool:
-        """Any transaction (of ``group``) waiting for a check slot: O(1), for every check answer (a group's queue is
+    def has_parked(self, group: str) -> bool:
+        """Any transaction of ``group`` waiting for a check slot: O(1), for every check answer (a group's queue is
         dropped once empty, so a group listed has one)."""
-        return bool(self._parked) if group is None else group in self._parked
+        return group in self._parked
 
     def room_changed(self, group: str) -> None:
         """``group``'s producers may have room for more checks (a slot given back, a producer joined or gone): its
@@ -712,8 +712,7 @@ class TransactionCore:
         held = self.checking.get(channel)
         if held is not None and held.pop(tx.half_offset, None) is not None:
             self.released += 1
-            if tx.group in self._parked:
-                self._roomy.add(tx.group)
+            self.room_changed(tx.group)
             if not held:
                 del self.checking[channel]
             key = (channel, tx.group)

@@ -421,24 +421,28 @@ class TransactionService:
             return None             # kept in memory only, as a check record or a snapshot would keep it
         return self._write_senders(named, client_id)
 
+    async def _op_queue_file(self) -> None:
+        """The op queue's file made, off the loop (store.queue_file), before records that may be its first (sender
+        or check records; a decision's makes it its own way). Put straight to the writer, the file was made on the
+        event loop, and past the open-files limit the records were stored with their units waiting in memory,
+        unreadable by a restart's replay, the checkpoint standing still meanwhile. Raises as queue_file does."""
+        store = self.ctx.store
+        if (OP_TOPIC, 0) not in store.queue_index:
+            await store.queue_file(OP_TOPIC, 0)
+
     async def _write_senders(self, named: list[Tx], client_id: str) -> None:
         rf = self.records
         failed, why = 0, ""
-        store = self.ctx.store
-        if (OP_TOPIC, 0) not in store.queue_index:
-            # A stock producer's first heartbeat on a new broker: its sender records may be the op queue's first.
-            # Its file first, off the loop (store.queue_file), as a decision's: put straight to the writer, the file
-            # was made on the event loop, and past the open-files limit the records were stored with their units
-            # waiting in memory, unreadable by a restart's replay, the checkpoint standing still meanwhile.
-            try:
-                await store.queue_file(OP_TOPIC, 0)
-            except (OSError, StoreError) as exc:     # (StoreError: the store is closing)
-                log.warning("the sender %s of %d undecided halves was not recorded (op queue file: %s): known until "
-                            "a restart, and after one if the next snapshot is written first", client_id,
-                            len(named), exc)
-                return
-        for i in range(0, len(named), 256):     # batches of a check slice's size
-            batch = named[i:i + 256]
+        try:    # a stock producer's first heartbeat on a new broker: its sender records may be the op queue's first
+            await self._op_queue_file()
+        except (OSError, StoreError) as exc:     # (StoreError: the store is closing)
+            log.warning("the sender %s of %d undecided halves was not recorded (op queue file: %s): known until "
+                        "a restart, and after one if the next snapshot is written first", client_id,
+                        len(named), exc)
+            return
+        step = self.CHECK_SLICE     # batches of a check slice's size
+        for i in range(0, len(named), step):
+            batch = named[i:i + step]
             try:
                 results = await self.ctx.store.put_many([rf.sender(t.half_offset, t.queue_offset, client_id)
                                                          for t in batch])
@@ -944,16 +948,10 @@ class TransactionService:
 
     async def _write_and_send_checks(self, batch: list[SendCheck], now: int) -> None:
         rf = self.records
-        store = self.ctx.store
         try:
-            if (OP_TOPIC, 0) not in store.queue_index:
-                # The op queue's first records (a new broker whose first transactions were never decided): its
-                # file first, off the loop, as a decision's and a sender record's. Put straight to the writer,
-                # the file was made on the event loop, and past the open-files limit the records were stored
-                # with their units waiting in memory, the checkpoint standing still meanwhile.
-                await store.queue_file(OP_TOPIC, 0)
-            results = await store.put_many([rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks,
-                                                     sender_id(a.tx)) for a in batch])
+            await self._op_queue_file()     # (a new broker whose first transactions were never decided)
+            results = await self.ctx.store.put_many([
+                rf.check(a.tx.half_offset, a.tx.queue_offset, a.tx.checks, sender_id(a.tx)) for a in batch])
         except OSError as exc:      # the op queue's file: as a refusal (said once a pass), checked again later
             results = [None] * len(batch)
             self._refused[0] += len(batch)
