@@ -9,6 +9,7 @@ during the limit-1,000 lists / the worst of the probes sent for 1 s before any l
 """
 import asyncio, json, os, shutil, sys, tempfile, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.probe_sends import probe_sends
 from tests.support.broker_process import BrokerProcess
 from producer import TransactionProducer, Producer, LocalTransactionState as S
 from protocol.codes import RequestCode
@@ -43,14 +44,7 @@ async def main(n):
     fig = {"n": n}
     for limit in (None, 1000, 10**9):       # None: no list, the probes' baseline
         lat, stop = [], asyncio.Event()
-
-        async def probing():
-            while not stop.is_set():
-                t = time.perf_counter()
-                await probe.send("TProbe", b"p")
-                lat.append(time.perf_counter() - t)
-                await asyncio.sleep(0.01)
-        task = asyncio.create_task(probing())
+        task = asyncio.create_task(probe_sends(probe, lat, stop))
         answers = []
         if limit is None:
             await asyncio.sleep(1)          # (the baseline's probes are sent for a fixed second)

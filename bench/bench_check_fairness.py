@@ -14,6 +14,7 @@ and "ratio" = the worst probe SEND / the median probe SEND of the same run (1: t
 """
 import asyncio, sys, time, json, os, shutil, subprocess, tempfile, urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.probe_sends import probe_sends
 from tests.support.broker_process import BrokerProcess
 from producer import TransactionProducer, Producer, LocalTransactionState as S
 
@@ -75,14 +76,7 @@ async def main(n, gone):
     if n and not gone:
         await asyncio.wait_for(hung.checked.wait(), 60)     # the backlog's pass has begun
     lat, stop = [], asyncio.Event()
-
-    async def probing():
-        while not stop.is_set():
-            t = time.perf_counter()
-            await probe.send("TProbe", b"p")
-            lat.append(time.perf_counter() - t)
-            await asyncio.sleep(0.01)
-    pt = asyncio.create_task(probing())
+    pt = asyncio.create_task(probe_sends(probe, lat, stop))
     innocent = Listener(S.COMMIT_MESSAGE)
     small = await TransactionProducer(b.namesrv, "PG_small", innocent, shutdown_grace_s=0).start()
     t = time.perf_counter()
