@@ -4,10 +4,12 @@
 
 A producer that never answers sends N halves (checks 10 minutes away); then a plain SEND every 10 ms probes the
 loop while the admin lists (limit 1,000, then 10^9), a few times each: prints each list's answer time and body size
-and the worst probe SEND during the lists.
+and the worst probe SEND during the lists. The last line is JSON: the figures and "ratio" = the worst probe SEND
+during the limit-1,000 lists / the worst of the probes sent for 1 s before any list (the same run's baseline).
 """
-import asyncio, os, shutil, sys, tempfile, time
+import asyncio, json, os, shutil, sys, tempfile, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.probe_sends import probe_sends
 from tests.support.broker_process import BrokerProcess
 from producer import TransactionProducer, Producer, LocalTransactionState as S
 from protocol.codes import RequestCode
@@ -39,18 +41,14 @@ async def main(n):
     await probe.send("TProbe", b"warm")
     host, _, port = b.broker.rpartition(":")
     admin = await open_connection(host, int(port))
-    for limit in (1000, 10**9):
+    fig = {"n": n}
+    for limit in (None, 1000, 10**9):       # None: no list, the probes' baseline
         lat, stop = [], asyncio.Event()
-
-        async def probing():
-            while not stop.is_set():
-                t = time.perf_counter()
-                await probe.send("TProbe", b"p")
-                lat.append(time.perf_counter() - t)
-                await asyncio.sleep(0.01)
-        task = asyncio.create_task(probing())
+        task = asyncio.create_task(probe_sends(probe, lat, stop))
         answers = []
-        for _ in range(5):
+        if limit is None:
+            await asyncio.sleep(1)          # (the baseline's probes are sent for a fixed second)
+        for _ in range(5 if limit else 0):
             t = time.perf_counter()
             try:
                 resp = await admin.request(RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS,
@@ -64,11 +62,15 @@ async def main(n):
         await task
         print(f"n={n} limit={limit}: answers (ms, body bytes) {answers}; worst probe SEND meanwhile "
               f"{[round(x * 1000, 1) for x in sorted(lat)[-3:]]} ms of {len(lat)}", flush=True)
+        fig[f"limit_{limit}"] = {"answers": answers, "probe_worst_ms": round(max(lat) * 1000, 1), "probe_n": len(lat)}
     admin.close()
     await probe.shutdown()
     await p.shutdown()
     b.stop()
     shutil.rmtree(d)
+    fig["ratio"] = round(fig["limit_1000"]["probe_worst_ms"] / fig["limit_None"]["probe_worst_ms"], 3) \
+        if fig["limit_None"]["probe_worst_ms"] else None
+    print(json.dumps(fig), flush=True)
 
 
 asyncio.run(main(int(sys.argv[1])))

@@ -9,10 +9,12 @@ due again each check interval). Then group PG_small sends one half and answers i
 long after its SEND_OK its check came (the innocent group's wait) and the broker's CPU time meanwhile (the
 wall time drifts with the machine's load; the CPU time is the work done first), the worst latency of a plain SEND sent
 every 10 ms meanwhile (the broker's loop lag as a client sees it), and the broker's loop-lag metric. SPY=1
-records a py-spy profile of the restarted broker to /tmp/check_fair_spy.txt.
+records a py-spy profile of the restarted broker to /tmp/check_fair_spy.txt. The last line is JSON: the figures
+and "ratio" = the worst probe SEND / the median probe SEND of the same run (1: the backlog stalls no one).
 """
 import asyncio, sys, time, json, os, shutil, subprocess, tempfile, urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.probe_sends import probe_sends
 from tests.support.broker_process import BrokerProcess
 from producer import TransactionProducer, Producer, LocalTransactionState as S
 
@@ -74,14 +76,7 @@ async def main(n, gone):
     if n and not gone:
         await asyncio.wait_for(hung.checked.wait(), 60)     # the backlog's pass has begun
     lat, stop = [], asyncio.Event()
-
-    async def probing():
-        while not stop.is_set():
-            t = time.perf_counter()
-            await probe.send("TProbe", b"p")
-            lat.append(time.perf_counter() - t)
-            await asyncio.sleep(0.01)
-    pt = asyncio.create_task(probing())
+    pt = asyncio.create_task(probe_sends(probe, lat, stop))
     innocent = Listener(S.COMMIT_MESSAGE)
     small = await TransactionProducer(b.namesrv, "PG_small", innocent, shutdown_grace_s=0).start()
     t = time.perf_counter()
@@ -91,11 +86,14 @@ async def main(n, gone):
     first, cpu = time.perf_counter() - sent, cpu_s(b.proc.pid) - cpu0
     stop.set()
     await pt
+    lat.sort()
     print(json.dumps({"n": n, "small_send_ms": round((sent - t) * 1000, 1), "small_first_check_ms": round(first * 1000, 1),
                       "broker_cpu_ms": round(cpu * 1000),
                       "hung_checks": hung.checks, "probe_n": len(lat),
-                      "probe_worst_ms": [round(x * 1000, 1) for x in sorted(lat)[-3:]]}), flush=True)
-    print(metric(b, "txmq_event_loop_lag_max_seconds"))
+                      "probe_worst_ms": [round(x * 1000, 1) for x in lat[-3:]],
+                      "probe_p50_ms": round(lat[len(lat) // 2] * 1000, 1),
+                      "loop_lag": metric(b, "txmq_event_loop_lag_max_seconds"),
+                      "ratio": round(lat[-1] / lat[len(lat) // 2], 3)}), flush=True)
     if spy:
         spy.send_signal(2)
         await asyncio.to_thread(spy.wait)

@@ -7,6 +7,8 @@ message to each queue, 32 in flight: every send makes a consume-queue file. Anot
 HEARTBEAT and a SEND to a queue that exists, one after the other, all the while. Prints the burst's time, the
 other client's worst and p99 latencies during it, and the broker's worst loop lag (txmq_event_loop_lag_max_seconds).
 REPO: the checkout whose broker runs (a baseline worktree). SPY=1 records a py-spy profile to /tmp/loop_stalls.txt.
+The last line is JSON: the figures and "ratio" = the other client's p99 SEND during the burst / its p99 SEND of 200
+sent just before it (the same run's baseline).
 """
 import asyncio, itertools, json, os, subprocess, sys, tempfile, time, urllib.request
 from pathlib import Path
@@ -50,6 +52,13 @@ async def main(topics, queues, repo):
                     "topic": f"T{t}", "readQueueNums": str(queues), "writeQueueNums": str(queues), "perm": "6"}), 30)
                 assert r.code == C.SUCCESS, r.remark
             base_lag = _metric(b, "txmq_event_loop_lag_max_seconds")
+            quiet = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                [r] = await other.call(_send_cmd("Existing", 0), 30)
+                quiet.append(time.perf_counter() - t0)
+                assert r.code == C.SUCCESS, r.remark
+            quiet.sort()
             spy = None
             if os.environ.get("SPY"):
                 spy = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "-o",
@@ -89,6 +98,8 @@ async def main(topics, queues, repo):
                 out[f"{kind}_max_ms"] = round(1000 * xs[-1], 1)
                 out[f"{kind}_p99_ms"] = round(1000 * xs[int(len(xs) * 0.99)], 1)
                 out[f"{kind}_p50_ms"] = round(1000 * xs[len(xs) // 2], 1)
+            out["quiet_send_p99_ms"] = round(1000 * quiet[int(len(quiet) * 0.99)], 1)
+            out["ratio"] = round(out["send_p99_ms"] / out["quiet_send_p99_ms"], 3) if out["quiet_send_p99_ms"] else None
             print(json.dumps(out))
         finally:
             b.kill()

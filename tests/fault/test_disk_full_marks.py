@@ -215,13 +215,14 @@ async def _request(broker, code, fields=None, body=b""):
         conn.close()
 
 
-async def _logged(broker, words: str, polls: int = 400) -> None:
-    """Until the broker's log says ``words`` (it is another process: its log is the event to wait for)."""
-    for _ in range(polls):
-        if words in broker.log():
-            return
+async def _logged(broker, words: str) -> None:
+    """Until the broker's log says ``words`` (it is another process: its log is the event to wait for). Polled for
+    progress, bounded by the test alone (a count of polls is a clock a loaded machine can outlast); a broker that
+    exited is said at once, with its log."""
+    while words not in broker.log():
+        if broker.proc.poll() is not None:
+            raise AssertionError(f"the broker never logged {words!r}:\n{broker.log()}")
         await asyncio.sleep(0.05)
-    raise AssertionError(f"the broker never logged {words!r}:\n{broker.log()}")
 
 
 @pytest.mark.slow

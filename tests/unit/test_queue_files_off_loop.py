@@ -59,6 +59,13 @@ def _held_create(started: threading.Event, release: threading.Event, events: lis
     return slow
 
 
+async def _until_set(event: threading.Event) -> None:
+    """Until the store's thread sets ``event``, polled, bounded by the test: a thread's wait(10) whose answer went
+    unread let a slow machine go on before the file was being made, and the test pass without reaching the bug."""
+    while not event.is_set():
+        await asyncio.sleep(0.01)
+
+
 async def _send_while_its_file_is_made(client: RawClient, monkeypatch, slow, started: threading.Event):
     """Has the "Existing" queue's file made (new queues' files are made one after another), then holds new files
     with `slow` and writes a send to "Slow": returns the send once its queue's file is being made."""
@@ -68,7 +75,7 @@ async def _send_while_its_file_is_made(client: RawClient, monkeypatch, slow, sta
     monkeypatch.setattr(consume_queue.MappedFile, "create", slow)
     send = _send("Slow")
     client.write(send.encode())
-    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    await _until_set(started)
     return send
 
 
@@ -122,7 +129,7 @@ async def test_another_client_is_served_while_a_new_queues_file_is_made(tmp_path
         first, second = _send("Slow", b"first"), _send("Slow", b"second")
         burst.write(first.encode())
         burst.write(second.encode())        # pipelined: it waits for the same file, and is stored after the first
-        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        await _until_set(started)
         [beat] = await other.call(_heartbeat(), 10)
         events.append("heartbeat answered")
         [sent] = await other.call(_send("Existing"), 10)

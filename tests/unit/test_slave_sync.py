@@ -159,6 +159,19 @@ def test_a_slave_copying_many_topics_says_so_in_one_line(tmp_path, caplog):
 
 
 
+def _master_answers(sync, offsets_body: bytes, topic_table: bytes) -> None:
+    """The slave registered with a master that answers GET_ALL_CONSUMER_OFFSET with ``offsets_body`` and
+    GET_ALL_TOPIC_CONFIG with ``topic_table`` (the topicConfigTable's JSON), at version 1."""
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    bodies = {int(RequestCode.GET_ALL_CONSUMER_OFFSET): offsets_body,
+              int(RequestCode.GET_ALL_TOPIC_CONFIG): b'{"dataVersion":{"timestamp":1,"counter":1},'
+                                                     b'"topicConfigTable":' + topic_table + b'}'}
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=bodies[cmd.code])
+    sync.pool.request = request
+
+
 @bounded(10)
 async def test_a_topic_the_store_keeps_is_gone_over_again_with_the_same_table(tmp_path):
     """A topic the store would not delete (a record copied after the table was asked for: store.delete_topic's
@@ -183,14 +196,7 @@ async def test_a_topic_the_store_keeps_is_gone_over_again_with_the_same_table(tm
         topics.delete(topic)
         return True
     sync.delete_topic = delete_topic
-    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
-    bodies = {int(RequestCode.GET_ALL_CONSUMER_OFFSET): b'{"offsetTable":{}}',
-              int(RequestCode.GET_ALL_TOPIC_CONFIG): b'{"dataVersion":{"timestamp":1,"counter":1},'
-                                                     b'"topicConfigTable":{}}'}
-
-    async def request(addr, cmd, timeout):
-        return cmd.response(ResponseCode.SUCCESS, body=bodies[cmd.code])
-    sync.pool.request = request
+    _master_answers(sync, b'{"offsetTable":{}}', b'{}')
     try:
         assert await sync.sync_once()
         assert "Late" in topics.topics
@@ -245,15 +251,8 @@ async def test_offsets_of_a_topic_deleted_as_the_master_did_do_not_come_back_at_
         offsets.remove_topic(topic)
         return True
     sync.delete_topic = delete_topic
-    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
-    bodies = {int(RequestCode.GET_ALL_CONSUMER_OFFSET): b'{"offsetTable":{"Kept@CG":{0:7}}}',
-              int(RequestCode.GET_ALL_TOPIC_CONFIG): b'{"dataVersion":{"timestamp":1,"counter":1},'
-                                                     b'"topicConfigTable":{"Kept":{"readQueueNums":4,'
-                                                     b'"writeQueueNums":4,"perm":6}}}'}
-
-    async def request(addr, cmd, timeout):
-        return cmd.response(ResponseCode.SUCCESS, body=bodies[cmd.code])
-    sync.pool.request = request
+    _master_answers(sync, b'{"offsetTable":{"Kept@CG":{0:7}}}',
+                    b'{"Kept":{"readQueueNums":4,"writeQueueNums":4,"perm":6}}')
     try:
         assert await sync.sync_once()
         assert "Gone" not in topics.topics and offsets.get("CG", "Gone", 0) is None
