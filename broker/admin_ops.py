@@ -53,7 +53,8 @@ def add_parsers(sub) -> None:
     to.add_argument("--timestamp", help="ms since the epoch, ISO time (local), 'now' or 'latest'")
     to.add_argument("--queue", type=int, help="move only this queue, to --offset")
     p.add_argument("--offset", type=int, help="with --queue: the queue offset to move to")
-    p.add_argument("--no-force", action="store_true", help="only move offsets back, never forward")
+    p.add_argument("--no-force", action="store_true", help="only move offsets back, never forward (a queue "
+                   "the group has no offset for is left as it is)")
     p = sub.add_parser("topic-status", help="a topic's queues and consumers")
     p.add_argument("topic")
     sub.add_parser("broker-status", help="the broker's runtime info")

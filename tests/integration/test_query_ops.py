@@ -13,7 +13,7 @@ import pytest
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import LocalTransactionState, Producer, TransactionProducer
-from protocol.admin_bodies import decode_mq_table
+from protocol.admin_bodies import decode_consumer_offsets, decode_mq_table
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
@@ -197,6 +197,37 @@ async def test_reset_by_timestamp_makes_a_live_consumer_read_again(broker):
         assert consumer.client.reset_offsets[mq] == 2
     finally:
         await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_reset_without_force_leaves_a_queue_the_group_never_committed_as_it_is(broker):
+    # resetOffsetByTime -f false (mqadmin, the admin API, `admin reset-offset --no-force`) moves each queue back
+    # to the time, never forward. A queue the group has no offset for has nothing to move back from: it was
+    # committed 0, and its consumer read the whole queue again from its start.
+    b = broker
+    await _create(b, "Partial", 2)
+    async with Producer(b.namesrv, "PG_partial") as producer:
+        for qid in (0, 1):
+            for i in range(4):
+                await producer.send("Partial", b"p%d" % i, queue=MessageQueue("Partial", "broker-a", qid))
+    committed = await _request(b, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "CG_partial", "topic": "Partial",
+                                                             "queueId": 0, "commitOffset": 4})
+    assert committed.code == ResponseCode.SUCCESS
+    reset = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Partial", "group": "CG_partial",
+                                                                "timestamp": 1, "isForce": False})
+    assert reset.code == ResponseCode.SUCCESS, reset.remark
+    assert decode_mq_table(reset.body_bytes())[1] == {("Partial", "broker-a", 0): 0}
+    one = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Partial", "group": "CG_partial",
+                                                              "timestamp": -1, "isForce": False,
+                                                              "queueId": 1, "offset": 2})
+    assert one.code == ResponseCode.SUCCESS, one.remark
+    assert decode_mq_table(one.body_bytes())[1] == {}
+    offsets = decode_consumer_offsets((await _request(b, R.GET_ALL_CONSUMER_OFFSET)).body_bytes())
+    assert {k: v for k, v in offsets.items() if k[0] == "CG_partial"} == {("CG_partial", "Partial", 0): 0}
+    # with force, as asked: every queue to the time, the one never committed too
+    forced = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Partial", "group": "CG_partial",
+                                                                 "timestamp": -1, "isForce": True})
+    assert decode_mq_table(forced.body_bytes())[1] == {("Partial", "broker-a", 0): 4, ("Partial", "broker-a", 1): 4}
 
 
 @bounded(90)
