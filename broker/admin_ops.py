@@ -249,6 +249,8 @@ async def reset_offset(args, call) -> int:
     rows = [{"topic": t, "broker": b, "queue_id": q, "offset": o} for (t, b, q), o in sorted(table_.items())]
     if args.json:
         print(json.dumps({"group": args.group, "timestamp": ts, "queues": rows}, indent=1))
+    elif not rows:      # --no-force, and no queue the group has an offset for
+        print(f"group {args.group} has no offset on {args.topic} to move back: nothing reset")
     else:
         print(table(["topic", "broker", "queue_id", "offset"], rows))
         print(f"group {args.group} reset to " + (f"offset {args.offset} of queue {args.queue}" if args.queue is not None

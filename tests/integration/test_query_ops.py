@@ -222,6 +222,9 @@ async def test_a_reset_without_force_leaves_a_queue_the_group_never_committed_as
                                                               "queueId": 1, "offset": 2})
     assert one.code == ResponseCode.SUCCESS, one.remark
     assert decode_mq_table(one.body_bytes())[1] == {}
+    said = await asyncio.to_thread(_admin, b, "reset-offset", "CG_partial", "Partial", "--queue", "1", "--offset", "2",
+                                   "--no-force")
+    assert said.returncode == 0 and "nothing reset" in said.stdout, said.stdout + said.stderr
     offsets = decode_consumer_offsets((await _request(b, R.GET_ALL_CONSUMER_OFFSET)).body_bytes())
     assert {k: v for k, v in offsets.items() if k[0] == "CG_partial"} == {("CG_partial", "Partial", 0): 0}
     # with force, as asked: every queue to the time, the one never committed too
