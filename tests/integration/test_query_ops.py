@@ -233,6 +233,63 @@ async def test_a_reset_without_force_leaves_a_queue_the_group_never_committed_as
     assert decode_mq_table(forced.body_bytes())[1] == {("Partial", "broker-a", 0): 4, ("Partial", "broker-a", 1): 4}
 
 
+@bounded(60)
+async def test_a_reset_without_force_leaves_a_live_consumers_uncommitted_queue_consuming(broker_factory):
+    # Without force the broker's table leaves out a queue the group never committed. The consumer stopped every
+    # loop of the topic all the same and started that queue again from where a queue with no offset starts --
+    # the end, past what it had pulled and not yet consumed: those messages were never delivered. (Ratio 0: the
+    # queue's first message counts as on disk, so a group with no offset is told QUERY_NOT_FOUND, not 0, as for
+    # any queue older than 40 % of RAM or one retention trimmed.)
+    b = broker_factory("--access-message-in-memory-max-ratio", "0")
+    await _create(b, "Untold", 2)
+    q0, q1 = MessageQueue("Untold", "broker-a", 0), MessageQueue("Untold", "broker-a", 1)
+    committed = await _request(b, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "CG_untold", "topic": "Untold",
+                                                             "queueId": 0, "commitOffset": 0})
+    assert committed.code == ResponseCode.SUCCESS
+    blocked, release, seen = asyncio.Event(), asyncio.Event(), asyncio.Queue()
+
+    async def listener(msg):
+        if msg.body == b"block":
+            blocked.set()
+            await release.wait()
+        seen.put_nowait((msg.queue_id, msg.queue_offset))
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(b.namesrv, "CG_untold", listener, consume_from="last", offset_commit_interval_s=3600,
+                            suspend_ms=1000)
+    consumer.subscribe("Untold")
+    applied = asyncio.Event()
+    reset = consumer.reset_offsets
+
+    async def told(topic, offsets):
+        try:
+            await reset(topic, offsets)
+        finally:
+            applied.set()
+    consumer.reset_offsets = told
+    await consumer.start()
+    try:
+        while consumer._offsets.get(q1) != 0:       # its loop started, at the queue's end (0): none committed
+            await asyncio.sleep(0.02)
+        async with Producer(b.namesrv, "PG_untold") as producer:
+            for body in (b"ok", b"block", b"after"):
+                await producer.send("Untold", body, queue=q1)
+            await blocked.wait()        # offset 1 in hand, 2 pulled or not: the queue's end is 3
+            said = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Untold", "group": "CG_untold",
+                                                                       "timestamp": -1, "isForce": False})
+            assert said.code == ResponseCode.SUCCESS, said.remark
+            assert decode_mq_table(said.body_bytes())[1] == {("Untold", "broker-a", 0): 0}
+            await applied.wait()
+            release.set()
+            await producer.send("Untold", b"last", queue=q1)
+        got = []
+        while (1, 3) not in got:
+            got.append(await seen.get())
+        assert [o for q, o in got if q == 1] == [0, 1, 2, 3]
+    finally:
+        await consumer.shutdown()
+
+
 @bounded(90)
 async def test_kill_9_loses_no_index_entry_and_a_lost_index_is_rebuilt(broker_factory):
     b = broker_factory()
