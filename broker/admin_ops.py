@@ -250,7 +250,8 @@ async def reset_offset(args, call) -> int:
     if args.json:
         print(json.dumps({"group": args.group, "timestamp": ts, "queues": rows}, indent=1))
     elif not rows:      # --no-force, and no queue the group has an offset for
-        print(f"group {args.group} has no offset on {args.topic} to move back: nothing reset")
+        where = args.topic if args.queue is None else f"queue {args.queue} of {args.topic}"
+        print(f"group {args.group} has no offset on {where} to move back: nothing reset")
     else:
         print(table(["topic", "broker", "queue_id", "offset"], rows))
         print(f"group {args.group} reset to " + (f"offset {args.offset} of queue {args.queue}" if args.queue is not None
