@@ -244,7 +244,7 @@ async def test_a_reset_without_force_leaves_a_live_consumers_uncommitted_queue_c
     # any queue older than 40 % of RAM or one retention trimmed.)
     b = broker_factory("--access-message-in-memory-max-ratio", "0")
     await _create(b, "Untold", 2)
-    q0, q1 = MessageQueue("Untold", "broker-a", 0), MessageQueue("Untold", "broker-a", 1)
+    q1 = MessageQueue("Untold", "broker-a", 1)
     committed = await _request(b, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "CG_untold", "topic": "Untold",
                                                              "queueId": 0, "commitOffset": 0})
     assert committed.code == ResponseCode.SUCCESS
