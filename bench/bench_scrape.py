@@ -12,9 +12,8 @@ runs (a baseline worktree). SPY=1 records a py-spy profile of the broker during 
 import asyncio, json, os, subprocess, sys, tempfile, time, urllib.request
 from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_loop_stalls import _OPAQUES, _heartbeat, _send_cmd
-from protocol.codes import RequestCode as R, ResponseCode as C
-from protocol.command import RemotingCommand
+from bench.bench_loop_stalls import _heartbeat, _send_cmd
+from protocol.codes import ResponseCode as C
 from tests.support.broker_process import BrokerProcess
 from tests.support.raw_client import RawClient
 
