@@ -360,3 +360,25 @@ def test_zeros_that_write_nothing_raise_naming_the_file(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         os.close(fd)
+
+
+def test_a_metrics_snapshot_line_that_writes_nothing_raises_naming_the_file(tmp_path, monkeypatch):
+    """The same loop outside the store: the metrics snapshot's append (on a worker thread) sliced its line by what
+    os.write returned, and a 0 spun that thread for ever, every later snapshot waiting behind it."""
+    from broker.metrics import append_snapshot
+    calls = []
+    real_write = os.write
+
+    def write(fd, data):
+        calls.append(fd)
+        if len(calls) > 100:
+            raise AssertionError("a write that wrote nothing was retried 100 times")
+        return 0
+    monkeypatch.setattr(os, "write", write)
+    try:
+        with pytest.raises(OSError) as err:
+            append_snapshot(str(tmp_path), {"ts": 1_700_000_000_000, "connections": 1})
+    finally:
+        monkeypatch.setattr(os, "write", real_write)
+    assert err.value.errno == errno.EIO and err.value.filename.endswith(".jsonl") and len(calls) == 1
+    assert os.path.getsize(err.value.filename) == 0         # and nothing torn left for the next line
