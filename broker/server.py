@@ -902,7 +902,13 @@ def no_room_for_topics(held: int, max_queues: int, one_topic: int, open_files: i
     if max_map_count is not None and max_map_count - _headroom(max_map_count) < want:
         short.append(f"vm.max_map_count={max_map_count} (sysctl vm.max_map_count={want + _QUEUE_HEADROOM} or more)")
     limits = " and ".join(short) or "the process's limits"
-    return (f"NO NEW TOPICS: every new topic and every topic given more queues will be refused NO_PERMISSION: "
+    room = max_queues - held
+    # Only with no room at all is every new topic refused: with a little, a stock producer's auto-created topic
+    # (4 queues, its defaultTopicQueueNums) or one made with fewer queues is made, and "every" was false.
+    refused = ("every new topic and every topic given more queues will be refused NO_PERMISSION" if room <= 0 else
+               f"a new topic, or more queues for one, past {room} more queues in all will be refused NO_PERMISSION "
+               f"(a topic of the default {one_topic} queues is)")
+    return (f"NO NEW TOPICS: {refused}: "
             f"the topics held (the system topics included) have {held} consume queues, and {limits} "
             f"hold only {max_queues} (max_queues, unset, is what the limits hold), not one more topic of "
             f"{one_topic} queues; raise the limit, or set --max-queues to accept the risk that a new queue's file "
