@@ -643,7 +643,8 @@ async def test_sender_records_that_open_the_op_queue_have_its_file_made_off_the_
 @bounded(20)
 async def test_the_snapshot_rows_and_owners_are_made_off_the_event_loop(tmp_path, monkeypatch):
     """Made on the loop they held it 73 + 82 ms at 500,000 undecided; the loop keeps only the copy of which
-    transactions are undecided, and the I/O thread makes the rows and the owners map from it."""
+    transactions are undecided, and a worker thread (not the store's I/O thread: the flushes wait behind that)
+    makes the rows and the owners map from it."""
     import threading
     from broker.transaction import recovery
     clock = Clock()
@@ -672,7 +673,7 @@ async def test_the_snapshot_rows_and_owners_are_made_off_the_event_loop(tmp_path
 
 @bounded(20)
 async def test_a_decision_taken_while_the_snapshot_rows_are_made_is_replayed(tmp_path, monkeypatch):
-    """The rows are made on the I/O thread from the loop's list of undecided transactions: one decided in
+    """The rows are made on a worker thread from the loop's list of undecided transactions: one decided in
     between is in the snapshot as undecided, and its op record, past the snapshot's op offset, decides it again
     at the next start."""
     import threading
