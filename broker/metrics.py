@@ -31,6 +31,7 @@ from protocol import __version__
 from protocol.codes import request_name
 
 from .stats_windows import StatsWindows
+from .store.reserve import stalled_write
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
@@ -620,12 +621,16 @@ def append_snapshot(store_dir: str, snapshot: dict) -> str:
     day = time.strftime("%Y-%m-%d", time.gmtime(snapshot["ts"] / 1000))
     path = os.path.join(folder, f"{day}.jsonl")
     line = memoryview((_encode(snapshot) + "\n").encode())
+    whole = len(line)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         before = os.fstat(fd).st_size
         try:
             while line:
-                line = line[os.write(fd, line):]
+                n = os.write(fd, line)
+                if n <= 0:      # nothing written, nothing said: retried, the thread spun for ever (as the store's)
+                    raise stalled_write(path, before + whole - len(line), len(line))
+                line = line[n:]
         except OSError:
             # A full disk takes part of the line: cut it off again, or the next snapshot is appended to the torn
             # one and both read as one bad line (ops/spark counts it and drops it).

@@ -102,7 +102,8 @@ class BrokerServer:
                                                  resource.getrlimit(resource.RLIMIT_NOFILE)[0], _max_map_count())
         if short is not None:
             log.warning("%s", short)
-        if max_queues != self.config.max_queues:
+        derived = max_queues != self.config.max_queues
+        if derived:
             log.info("max_queues %d: what the open-files limit and vm.max_map_count hold", max_queues)
             self.config = dataclasses.replace(self.config, max_queues=max_queues)
         c = self.config
@@ -173,7 +174,13 @@ class BrokerServer:
             store.add_dispatch_listener(ha_roles.topic_follower(topics))
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
-        if topics.queue_total > c.max_queues:     # a store from before the limit, or a limit lowered since
+        if derived and topics.queue_total + c.default_topic_queue_nums > c.max_queues:
+            # Not a limit anyone set: at a small open-files limit (128 holds 48 queues) the system topics alone
+            # (51) took it all, and every new topic was refused, with a warning to delete topics or raise a
+            # --max-queues that was never given.
+            log.error("%s", no_room_for_topics(topics.queue_total, c.max_queues, c.default_topic_queue_nums,
+                                               resource.getrlimit(resource.RLIMIT_NOFILE)[0], _max_map_count()))
+        elif topics.queue_total > c.max_queues:     # a store from before the limit, or a limit lowered since
             log.warning("the topics held have %d consume queues, past max_queues=%d: they are all served, but no "
                         "topic is created or given more queues until topics are deleted (or --max-queues is "
                         "raised, within the open-files limit and vm.max_map_count)", topics.queue_total, c.max_queues)
@@ -881,6 +888,31 @@ def effective_max_queues(max_queues: int, open_files: int, max_map_count: int | 
     return max_queues, (f"max_queues={max_queues} consume queues need two file descriptors and a mapping each, "
                         f"but {' and '.join(short)}: lower --max-queues to fit (or leave it unset: the limits "
                         f"decide), or raise the limits")
+
+
+def no_room_for_topics(held: int, max_queues: int, one_topic: int, open_files: int,
+                       max_map_count: int | None) -> str:
+    """What start-up says when the max_queues it derived from the process's limits leaves no room for one more
+    topic of the default size: every send to a new topic, every UPDATE_AND_CREATE_TOPIC, will be refused."""
+    want = held + one_topic
+    short = []
+    if open_files != resource.RLIM_INFINITY and (open_files - _headroom(open_files)) // 2 < want:
+        short.append(f"the open-files limit {open_files} (ulimit -n, systemd LimitNOFILE: raise it to "
+                     f"{2 * want + _QUEUE_HEADROOM} or more)")
+    if max_map_count is not None and max_map_count - _headroom(max_map_count) < want:
+        short.append(f"vm.max_map_count={max_map_count} (sysctl vm.max_map_count={want + _QUEUE_HEADROOM} or more)")
+    limits = " and ".join(short) or "the process's limits"
+    room = max_queues - held
+    # Only with no room at all is every new topic refused: with a little, a stock producer's auto-created topic
+    # (4 queues, its defaultTopicQueueNums) or one made with fewer queues is made, and "every" was false.
+    refused = ("every new topic and every topic given more queues will be refused NO_PERMISSION" if room <= 0 else
+               f"a new topic, or more queues for one, past {room} more queues in all will be refused NO_PERMISSION "
+               f"(a topic of the default {one_topic} queues is)")
+    return (f"NO NEW TOPICS: {refused}: "
+            f"the topics held (the system topics included) have {held} consume queues, and {limits} "
+            f"hold only {max_queues} (max_queues, unset, is what the limits hold), not one more topic of "
+            f"{one_topic} queues; raise the limit, or set --max-queues to accept the risk that a new queue's file "
+            f"fails to open")
 
 
 def run(config: BrokerConfig) -> int:
