@@ -113,6 +113,21 @@ _CORRECTIONS = frozenset({GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE
                           GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_OVERFLOW_BADLY, GetStatus.OFFSET_FOUND_NULL})
 
 
+_moved = EveryKey(60.0)      # (group, topic, queue) whose move past removed messages was said this minute
+
+
+def _moved_past_removed(ctx, group: str, topic: str, qid: int, asked: int, first: int) -> None:
+    """A consumer asked for messages retention removed before it read them: PULL_OFFSET_MOVED takes it to the
+    queue's minimum, past them. Unsaid, a group far behind lost ``first - asked`` messages with nothing to show
+    for it (RocketMQ logs its correction at WARN): counted (txmq_pull_offset_moved_messages_total) and logged,
+    once a minute a queue of a group (its consumers may ask again before they take the correction)."""
+    ctx.metrics.child(ctx.metrics.pulls_moved_past, topic, group).inc(first - asked)
+    if _moved.due(f"{group}\0{topic}\0{qid}"):
+        log.warning("group %s pulled %s queue %d at offset %d, below the queue's minimum %d: the %d messages "
+                    "between were removed by retention before it read them; moved to %d (PULL_OFFSET_MOVED)",
+                    group, topic, qid, asked, first, first - asked, first)
+
+
 def _reply(ctx, cmd, group, topic, got):
     status = got.status
     code = _code(cmd, status)
@@ -126,6 +141,8 @@ def _reply(ctx, cmd, group, topic, got):
         next_begin = cmd.int_field("queueOffset")
         if code == ResponseCode.PULL_OFFSET_MOVED:
             code, suggest = ResponseCode.PULL_RETRY_IMMEDIATELY, 0
+    elif status is GetStatus.OFFSET_TOO_SMALL:
+        _moved_past_removed(ctx, group, topic, cmd.int_field("queueId"), cmd.int_field("queueOffset"), next_begin)
     fields = {"suggestWhichBrokerId": suggest, "nextBeginOffset": next_begin,
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:

@@ -1,0 +1,77 @@
+"""Readers still pointing into segments retention removed, through the real broker process.
+
+Every disk is "above the clean ratio" here and a sealed segment expires about a second after its newest
+record (--file-reserved-hours 0.0003), so the broker removes its sealed segments by itself; each test
+waits for that by the broker's own commitLogMinOffset, never by a clock.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.request
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import PullStatus
+from producer import Producer
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import ConnectionPool
+
+pytestmark = pytest.mark.asyncio
+
+SEGMENT = 262144
+EXPIRING = ("--segment-size", str(SEGMENT), "--max-message-size", "16384", "--disk-clean-ratio", "0.0001",
+            "--disk-force-clean-ratio", "0.9999", "--disk-refuse-ratio", "1.0", "--file-reserved-hours", "0.0003",
+            "--disk-clean-interval-s", "0.2")
+
+
+async def _min_offset(b) -> int:
+    pool = ConnectionPool()
+    try:
+        info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMinOffset"])
+    finally:
+        await pool.close()
+
+
+async def _until_removed(b, below: int) -> None:
+    """Until the broker's log starts at or past ``below`` (bounded by the caller's timeout)."""
+    while await _min_offset(b) < below:
+        await asyncio.sleep(0.1)
+
+
+def _scrape(b, name: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}}) (\S+)$", text, re.M)}
+
+
+async def test_a_consumer_moved_past_messages_retention_removed_is_counted_and_logged(broker_factory):
+    """A group far behind pulls at an offset whose segment is gone: PULL_OFFSET_MOVED takes it to the queue's
+    minimum, as RocketMQ does. The messages between were never read by it; the answer alone said so to nobody
+    but the client, which moves on without a word. The broker counts them
+    (txmq_pull_offset_moved_messages_total{topic, consumer_group}) and logs the move at WARNING."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(60):
+        async with Producer(b.namesrv, "PG_behind") as producer:
+            mq = (await producer.send("Behind", b"m" * 1000)).queue
+            for _ in range(0, 600, 50):
+                await asyncio.gather(*(producer.send("Behind", b"m" * 1000, queue=mq) for _ in range(50)))
+        await _until_removed(b, 2 * SEGMENT)       # two sealed segments gone: hundreds of unread messages
+        async with PullConsumer(b.namesrv, "CG_behind") as consumer:
+            await consumer.fetch_queues("Behind")
+            res = await consumer.pull(mq, 5)
+            assert res.status is PullStatus.OFFSET_ILLEGAL
+            first = res.next_begin_offset
+            assert first == res.min_offset > 5
+            again = await consumer.pull(mq, 5)              # asked again before taking the correction
+            assert again.status is PullStatus.OFFSET_ILLEGAL and again.next_begin_offset == first
+            assert (await consumer.pull(mq, first)).status is PullStatus.FOUND
+        counted = _scrape(b, "txmq_pull_offset_moved_messages_total")
+        assert counted == {'{consumer_group="CG_behind",topic="Behind"}': 2 * (first - 5)}, counted
+        said = re.findall(r"group CG_behind pulled Behind queue \d+ at offset 5, below the queue's minimum (\d+): "
+                          r"the (\d+) messages between were removed by retention", b.log())
+        assert said == [(str(first), str(first - 5))], b.log()[-3000:]   # once a minute a queue, not once a pull
