@@ -547,3 +547,39 @@ async def test_a_timer_whose_queue_file_fails_unexpectedly_is_kept_and_delivered
     assert [m.body for m in _delivered(store, "Fresh")] == [b"t"]
     await svc.stop()
     await store.close()
+
+
+@bounded()
+async def test_level_messages_retention_removed_before_delivery_are_counted_as_dropped(tmp_path, caplog):
+    """Retention removes a segment whatever waits in it. The level's consume queue moves its minimum with the
+    segment, so the scheduler moves past the lost messages as a block, never meeting them one by one: that block
+    was logged on every gathering (once a second while the disk refused the batch) and never counted, and
+    txmq_schedule_dropped_total{reason="removed"} said 0 while each of them was lost. Counted, and said once,
+    when the progress past them is written."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"lost-%d" % i, {"DELAY": "3"}, clock.now)    # 10 s
+    while len(store.segments()) < 2:        # seal the segment they are in
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    kept = await _schedule(svc, "T", b"kept", {"DELAY": "3"}, clock.now)
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert store.min_offset(SCHEDULE_TOPIC, 2) == 3 and kept.queue_offset == 3
+
+    def removed():
+        return svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"})
+    disk = store.disk
+    disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
+    with caplog.at_level("ERROR", logger="txmq.schedule"):
+        for now in (110_000, 111_000):
+            assert await svc.run_due(now, now) == -1
+        assert not removed() and "were removed" not in caplog.text     # nothing moved past yet
+        disk.refusing = False
+        assert await svc.run_due(112_000, 112_000) == 4
+    assert [m.body for m in _delivered(store, "T")] == [b"kept"]
+    assert removed() == 3
+    said = [r.getMessage() for r in caplog.records if "were removed" in r.getMessage()]
+    assert said == ["schedule level 3: offsets 0..2 (3 messages) were removed by retention before delivery; "
+                    "moved past them"]
+    await store.close()
