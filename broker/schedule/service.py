@@ -81,6 +81,8 @@ class ScheduleService:
             log.warning("%s covers schedule progress records the recovered log no longer has (it was cut); "
                         "replaying the progress records of the log alone", SNAPSHOT_NAME)
             p = self.progress = Progress()
+        # Progress records retention removed before they were applied here: what they delivered is not known.
+        known = p.progress_offset >= store.min_offset(PROGRESS_TOPIC, 0)
         start = max(p.progress_offset, store.min_offset(PROGRESS_TOPIC, 0))
         end = store.max_offset(PROGRESS_TOPIC, 0)
         replayed = 0
@@ -99,11 +101,26 @@ class ScheduleService:
                 p.apply(*parsed)
                 replayed += 1
         p.progress_offset = end
+        removed = []        # (what, messages): waiting ones retention removed while the broker was down
         for level in range(1, self.levels.max_level + 1):
             qid = level - 1
             lo, hi = store.min_offset(SCHEDULE_TOPIC, qid), store.max_offset(SCHEDULE_TOPIC, qid)
+            if p.levels.get(level, 0) < min(lo, hi):
+                removed.append((f"level {level} offsets {p.levels.get(level, 0)}..{min(lo, hi) - 1}",
+                                min(lo, hi) - p.levels.get(level, 0)))
             p.levels[level] = min(max(p.levels.get(level, 0), lo), hi)
         hi = store.max_offset(TIMER_TOPIC, 0)
+        lo = min(store.min_offset(TIMER_TOPIC, 0), hi)
+        if p.timer_floor < lo:
+            # Timers below the queue's minimum are never indexed again: taken as passed over, or the floor stayed
+            # below them for good and every timer delivered after was kept in timerDone (and the file) for ever.
+            gone = lo - p.timer_floor - sum(1 for t in p.timer_done if t < lo)
+            if gone:
+                removed.append((f"timer offsets {p.timer_floor}..{lo - 1}", gone))
+            p.timer_done = {t for t in p.timer_done if t >= lo}
+            p.timer_floor = lo
+            p.apply({}, ())     # the floor moves on over timers delivered just above it
+        self._removed_while_down(removed, known)
         for offset in range(max(p.timer_floor, store.min_offset(TIMER_TOPIC, 0)), hi):
             if not p.timer_delivered(offset):
                 unit = store.queue_unit(TIMER_TOPIC, 0, offset)
@@ -122,6 +139,22 @@ class ScheduleService:
                 log.error("%s not rewritten (%s): remove it before the next start", SNAPSHOT_NAME, exc)
         log.info("schedule recovered: %d progress records replayed, %d level messages and %d timers waiting",
                  replayed, sum(n for _, n in self.waiting() if _ != "timer"), len(self._timers))
+
+    def _removed_while_down(self, removed: list[tuple[str, int]], known: bool) -> None:
+        """Said at start-up: waiting messages whose records retention removed before they were delivered (the
+        broker was down, or stopped before its scheduler moved past them). Moved past unsaid, they were lost
+        without a count or a line; counted as txmq_schedule_dropped_total{reason="removed"}, as when running."""
+        if not removed:
+            return
+        where = "; ".join(what for what, _ in removed)
+        if not known:       # the progress records of their deliveries went too: some may have been delivered
+            log.warning("schedule recovery: %s were removed by retention; whether they were delivered is not known "
+                        "(the progress records saying so were removed too)", where)
+            return
+        n = sum(k for _, k in removed)
+        self._dropped_total.labels("removed").inc(n)
+        log.error("schedule recovery: %d waiting messages were removed by retention before delivery (%s); moved "
+                  "past them", n, where)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-schedule")

@@ -583,3 +583,39 @@ async def test_level_messages_retention_removed_before_delivery_are_counted_as_d
     assert said == ["schedule level 3: offsets 0..2 (3 messages) were removed by retention before delivery; "
                     "moved past them"]
     await store.close()
+
+
+@bounded()
+async def test_waiting_messages_retention_removed_while_the_broker_was_down_are_counted_and_the_timer_floor_moves(
+        tmp_path, caplog):
+    """Start-up set each level's offset to its consume queue's minimum and indexed timers from there: messages
+    retention removed before their delivery were passed over with no line and no count. And the timer floor stayed
+    below the removed timers for good, so every timer delivered after was kept in timerDone (and
+    delayOffset.json) for ever. Now: counted as removed, said at ERROR, and the floor moves past them."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"lost-%d" % i, {"DELAY": "3"}, clock.now)
+    for i in range(2):
+        await _schedule(svc, "T", b"lost-timer-%d" % i, {"TIMER_DELIVER_MS": "200000"}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await _schedule(svc, "T", b"kept-timer", {"TIMER_DELIVER_MS": "101000"}, clock.now)
+    await svc.stop()                    # delayOffset.json: nothing delivered yet
+    await store.remove_segment(store.segments()[0].name, "test")
+    await store.close()
+
+    with caplog.at_level("ERROR", logger="txmq.schedule"):
+        svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"}) == 5
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert said == ["schedule recovery: 5 waiting messages were removed by retention before delivery (level 3 "
+                    "offsets 0..2; timer offsets 0..1); moved past them"]
+    assert svc.progress.timer_floor == 2
+    clock.now = 101_000
+    assert await svc.run_due(101_000, 101_000) == 1
+    assert [m.body for m in _delivered(store, "T")] == [b"kept-timer"]
+    assert (svc.progress.timer_floor, svc.progress.timer_done) == (3, set())     # nothing kept for ever
+    await store.close()
