@@ -114,18 +114,31 @@ _CORRECTIONS = frozenset({GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE
 
 
 _moved = EveryKey(60.0)      # (group, topic, queue) whose move past removed messages was said this minute
+_moved_to: dict[str, int] = {}      # (group, topic, queue) -> the minimum a pull last moved it to: counted to there
+_MOVED_KEYS = 4096
 
 
 def _moved_past_removed(ctx, group: str, topic: str, qid: int, asked: int, first: int) -> None:
     """A consumer asked for messages retention removed before it read them: PULL_OFFSET_MOVED takes it to the
     queue's minimum, past them. Unsaid, a group far behind lost ``first - asked`` messages with nothing to show
-    for it (RocketMQ logs its correction at WARN): counted (txmq_pull_offset_moved_messages_total) and logged,
-    once a minute a queue of a group (its consumers may ask again before they take the correction)."""
-    ctx.metrics.child(ctx.metrics.pulls_moved_past, topic, group).inc(first - asked)
-    if _moved.due(f"{group}\0{topic}\0{qid}"):
+    for it (RocketMQ logs its correction at WARN): counted (txmq_pull_offset_moved_messages_total) once, however
+    often its consumers ask again before they take the correction, and logged once a minute a queue of a group.
+    A group with no offset stored for the queue lost nothing: its first pull (CONSUME_FROM_FIRST_OFFSET asks at 0)
+    is moved to where the queue starts now."""
+    if ctx.offsets.get(group, topic, qid) is None:
+        return
+    key = f"{group}\0{topic}\0{qid}"
+    since = max(0, asked, _moved_to.get(key, 0))
+    if first <= since:
+        return
+    if len(_moved_to) >= _MOVED_KEYS:      # names a client chose: the table must not grow without end
+        _moved_to.clear()
+    _moved_to[key] = first
+    ctx.metrics.child(ctx.metrics.pulls_moved_past, topic, group).inc(first - since)
+    if _moved.due(key):
         log.warning("group %s pulled %s queue %d at offset %d, below the queue's minimum %d: the %d messages "
                     "between were removed by retention before it read them; moved to %d (PULL_OFFSET_MOVED)",
-                    group, topic, qid, asked, first, first - asked, first)
+                    group, topic, qid, asked, first, first - since, first)
 
 
 def _reply(ctx, cmd, group, topic, got):
