@@ -16,9 +16,11 @@ import pytest
 from consumer import PullConsumer
 from consumer.pull_consumer import PullStatus
 from producer import Producer
+from producer.producer import SendStatus
 from protocol.codes import RequestCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
+from protocol.errors import MessageIllegalError
 
 pytestmark = pytest.mark.asyncio
 
@@ -82,3 +84,17 @@ async def test_a_consumer_moved_past_messages_retention_removed_is_counted_and_l
                           r"the (\d+) messages between were removed by retention", b.log())
         assert said == [(str(first), str(first - 5))], b.log()[-3000:]   # once a minute a queue, not once a pull
         assert "group CG_new" not in b.log()
+
+
+async def test_a_timer_longer_than_the_retention_is_refused_not_accepted_and_lost(broker_factory):
+    """timer_max_delay_s (3 days) was the only bound: with --file-reserved-hours 1 a timer for two hours was SEND_OK,
+    and retention, once the disk was above its clean ratio, removed its record an hour before its time. The
+    retention bounds it too: refused MESSAGE_ILLEGAL, naming why, and said at start-up."""
+    b = broker_factory("--file-reserved-hours", "1")
+    async with asyncio.timeout(30), Producer(b.namesrv, "PG_timer") as producer:
+        with pytest.raises(MessageIllegalError, match=r"beyond the 3600 s maximum \(file_reserved_hours: retention "
+                                                      r"would remove it before its time\)"):
+            await producer.send("Timed", b"two hours", properties={"TIMER_DELAY_SEC": "7200"})
+        kept = await producer.send("Timed", b"one hour", properties={"TIMER_DELAY_SEC": "3600"})
+        assert kept.status is SendStatus.SEND_OK
+    assert "timer messages are refused beyond 3600 s, the retention (file_reserved_hours=1)" in b.log()
