@@ -554,13 +554,15 @@ async def test_level_messages_retention_removed_before_delivery_are_counted_as_d
     """Retention removes a segment whatever waits in it. The level's consume queue moves its minimum with the
     segment, so the scheduler moves past the lost messages as a block, never meeting them one by one: that block
     was logged on every gathering (once a second while the disk refused the batch) and never counted, and
-    txmq_schedule_dropped_total{reason="removed"} said 0 while each of them was lost. Counted, and said once,
-    when the progress past them is written."""
+    txmq_schedule_dropped_total{reason="removed"} said 0 while each of them was lost. A timer whose record went
+    stayed in the heap until its time, days later. Counted, and said once, when the progress past them is
+    written."""
     clock = Clock(100_000)
     svc = await _service(tmp_path, clock)
     store = svc.ctx.store
     for i in range(3):
         await _schedule(svc, "T", b"lost-%d" % i, {"DELAY": "3"}, clock.now)    # 10 s
+    await _schedule(svc, "T", b"lost-timer", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
     while len(store.segments()) < 2:        # seal the segment they are in
         assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
     kept = await _schedule(svc, "T", b"kept", {"DELAY": "3"}, clock.now)
@@ -576,12 +578,16 @@ async def test_level_messages_retention_removed_before_delivery_are_counted_as_d
             assert await svc.run_due(now, now) == -1
         assert not removed() and "were removed" not in caplog.text     # nothing moved past yet
         disk.refusing = False
-        assert await svc.run_due(112_000, 112_000) == 4
+        assert await svc.run_due(112_000, 112_000) == 5
     assert [m.body for m in _delivered(store, "T")] == [b"kept"]
-    assert removed() == 3
+    assert removed() == 4           # the timer too, now: not a day later, at its time
     said = [r.getMessage() for r in caplog.records if "were removed" in r.getMessage()]
-    assert said == ["schedule level 3: offsets 0..2 (3 messages) were removed by retention before delivery; "
-                    "moved past them"]
+    assert said == ["schedule: 4 waiting messages were removed by retention before delivery (level 3 offsets 0..2; "
+                    "1 timer(s) at offsets 0..0); moved past them"]
+    assert svc.progress.timer_floor == 1            # the timer's offset is done with
+    day = 100_000 + 86_400_000
+    assert await svc.run_due(day, day) == 0 and not svc._timers      # and at its time it is not counted again
+    assert removed() == 4
     await store.close()
 
 
