@@ -41,6 +41,7 @@ MAX_SLEEP_S = 1.0
 REFUSED_RETRY_S = 1.0           # the disk monitor probes once a second
 SNAPSHOT_INTERVAL_S = 10.0      # RocketMQ's flushDelayOffsetInterval
 LATE_MS = 1000
+LOST_PER_BATCH = 4096           # removed timers passed over in one progress record (about 8 bytes each)
 
 
 class ScheduleService:
@@ -340,10 +341,19 @@ class ScheduleService:
         minimum, in what the removal took (a walk of the heap cost 0.3 s on the loop with a million timers);
         their entries stay in the heap, skipped when they come up."""
         p = self.progress
-        self._timers_min_next = tmin = min(self.ctx.store.min_offset(TIMER_TOPIC, 0), self._timers_indexed)
+        tmin = min(self.ctx.store.min_offset(TIMER_TOPIC, 0), self._timers_indexed)
         if tmin <= self._timers_min_seen:
             return []
-        lost = [q for q in range(max(self._timers_min_seen, p.timer_floor), tmin) if not p.timer_delivered(q)]
+        lost = []
+        # At most LOST_PER_BATCH a batch: each is named in its progress record, which must stay well within a
+        # message (one refused as too large would be refused again every second, and all delivery stall).
+        for q in range(max(self._timers_min_seen, p.timer_floor), tmin):
+            if not p.timer_delivered(q):
+                lost.append(q)
+                if len(lost) == LOST_PER_BATCH:
+                    tmin = q + 1
+                    break
+        self._timers_min_next = tmin
         if not lost:
             self._timers_min_seen = tmin
             return []

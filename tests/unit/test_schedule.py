@@ -625,3 +625,27 @@ async def test_waiting_messages_retention_removed_while_the_broker_was_down_are_
     assert [m.body for m in _delivered(store, "T")] == [b"kept-timer"]
     assert (svc.progress.timer_floor, svc.progress.timer_done) == (3, set())     # nothing kept for ever
     await store.close()
+
+
+@bounded()
+async def test_removed_timers_are_passed_over_a_bounded_number_a_progress_record(tmp_path, monkeypatch):
+    """Each removed timer is named in the progress record of the batch that passes over it; a million of them in
+    one record would be refused as too large, every second, and all delivery would stall behind it."""
+    import broker.schedule.service as service_module
+    monkeypatch.setattr(service_module, "LOST_PER_BATCH", 2)
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"lost-timer-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert await svc.run_due(101_000, 101_000) == 2
+    assert await svc.run_due(101_000, 101_000) == 1
+    assert await svc.run_due(101_000, 101_000) == 0
+    records = [decode_progress(m.body) for m in _delivered(store, PROGRESS_TOPIC)]
+    assert [timers for _, timers in records] == [[0, 1], [2]]
+    assert svc.progress.timer_floor == 3
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"}) == 3
+    await store.close()
