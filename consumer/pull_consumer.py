@@ -622,7 +622,9 @@ class PullConsumer:
         return _offset(resp)
 
     async def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
-        """The offset of the first message of ``mq`` stored at or after ``timestamp_ms``."""
+        """The offset of the message of ``mq`` stored nearest ``timestamp_ms`` (RocketMQ's searchOffset): the first
+        stored at it, else the nearer of the last before and the first after (the earlier on a tie), so it may
+        be one stored before ``timestamp_ms``; the last message for a time after it; an empty queue's end."""
         resp = await self._offset_call(RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, mq, timestamp=timestamp_ms)
         return _offset(resp)
 

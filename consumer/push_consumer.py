@@ -446,10 +446,15 @@ class PushConsumer:
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def reset_offsets(self, topic: str, offsets: dict[MessageQueue, int]) -> None:
-        """RESET_CONSUMER_CLIENT_OFFSET: stop the topic's pull loops (the message in hand is finished
-        or abandoned), store the new offsets, and start the loops again from them. A listener call that
-        ignores its cancel is given up on after ``abandon_after_s`` (``_abandon``), as shutdown does."""
-        stopped = [mq for mq in self._loops if mq.topic == topic]
+        """RESET_CONSUMER_CLIENT_OFFSET: stop the pull loops of the queues in ``offsets`` (the message in hand
+        is finished or abandoned), store the new offsets, and start the loops again from them. A listener call
+        that ignores its cancel is given up on after ``abandon_after_s`` (``_abandon``), as shutdown does.
+
+        Only those queues, as RocketMQ's resetOffset drops only the process queues in the table: the topic's
+        others (another broker's, or one a reset without force leaves out, the group having no offset there)
+        were stopped too and started again from the stored offset; with none stored, from the queue's end
+        (consume_from "last"), past what was pulled and not yet consumed, which was never delivered."""
+        stopped = [mq for mq in self._loops if mq.topic == topic and mq in offsets]
         tasks = [self._loops.pop(mq) for mq in stopped]
         self._resetting.update(stopped)     # not started by a rebalance meanwhile: they would read the old offsets
         for task in tasks:
