@@ -152,6 +152,13 @@ class ScheduleService:
         without a count or a line; counted as txmq_schedule_dropped_total{reason="removed"}, as when running."""
         if not removed:
             return
+        config = getattr(self.ctx, "config", None)
+        if config is not None and config.broker_role == "SLAVE":
+            # A slave's retention runs on its own disk: what it removed its master may still hold and deliver
+            # (a slave delivers nothing), and what the master lost the master counts.
+            log.info("schedule recovery (slave): %s no longer in this slave's log (its retention); its master "
+                     "delivers, and counts what it loses", "; ".join(what for what, _ in removed))
+            return
         where = "; ".join(what for what, _ in removed)
         if not known:       # the progress records of their deliveries went too: some may have been delivered
             log.warning("schedule recovery: %s were removed by retention; whether they were delivered is not known "

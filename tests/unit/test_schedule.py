@@ -125,13 +125,15 @@ class Clock:
         return self.now
 
 
-async def _service(path, clock, levels="1s 5s 10s", monotonic=None, **store_config):
+async def _service(path, clock, levels="1s 5s 10s", monotonic=None, role=None, **store_config):
     """``monotonic``: the clock that times timers; by default ``clock`` (one clock that never steps: a test
-    then passes the same time twice to run_due)."""
+    then passes the same time twice to run_due). ``role``: the broker's (config.broker_role), when it matters."""
     store = MessageStore(str(path), StoreConfig(segment_size=1 << 20, cq_units_per_file=100, **store_config),
                          clock=clock, tag_rule=DelayLevels(levels).consume_queue_tag)
     ctx = SimpleNamespace(store=store, clock=clock, monotonic=monotonic or clock, metrics=BrokerMetrics(),
                           store_host=HOST, topics=SimpleNamespace(topics={}))
+    if role is not None:
+        ctx.config = SimpleNamespace(broker_role=role)
     svc = ScheduleService(ctx, DelayLevels(levels))
     store.add_dispatch_listener(svc.on_dispatch)
     await store.open()
@@ -649,3 +651,28 @@ async def test_removed_timers_are_passed_over_a_bounded_number_a_progress_record
     assert svc.progress.timer_floor == 3
     assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"}) == 3
     await store.close()
+
+
+@bounded()
+async def test_a_slave_does_not_count_or_say_as_lost_what_its_own_retention_removed(tmp_path, caplog):
+    """A slave's retention runs on its own disk: it may remove segments its master keeps, and the master delivers
+    their waiting messages (a slave delivers nothing). At a slave's start-up they were counted in
+    txmq_schedule_dropped_total{reason="removed"} and said at ERROR as lost: an alert on the pair for messages that
+    were not lost (and counted twice when the master did lose them: the master counts its own)."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"waiting-%d" % i, {"DELAY": "3"}, clock.now)
+    await _schedule(svc, "T", b"waiting-timer", {"TIMER_DELIVER_MS": "200000"}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await svc.stop()
+    await store.remove_segment(store.segments()[0].name, "test")      # the slave's own disk pressure
+    await store.close()
+
+    with caplog.at_level("WARNING", logger="txmq.schedule"):
+        svc = await _service(tmp_path, clock, role="SLAVE")
+    assert not svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"})
+    assert "removed by retention" not in caplog.text
+    await svc.ctx.store.close()
