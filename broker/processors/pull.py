@@ -123,9 +123,11 @@ def _moved_past_removed(ctx, group: str, topic: str, qid: int, asked: int, first
     queue's minimum, past them. Unsaid, a group far behind lost ``first - asked`` messages with nothing to show
     for it (RocketMQ logs its correction at WARN): counted (txmq_pull_offset_moved_messages_total) once, however
     often its consumers ask again before they take the correction, and logged once a minute a queue of a group.
-    A group with no offset stored for the queue lost nothing: its first pull (CONSUME_FROM_FIRST_OFFSET asks at 0)
-    is moved to where the queue starts now."""
-    if ctx.offsets.get(group, topic, qid) is None:
+    A first pull lost nothing: it asks at 0 (CONSUME_FROM_FIRST_OFFSET; the others ask where the broker's search
+    answered, at or past the minimum) and is moved to where the queue starts now. One past 0 with no offset stored
+    here was there before: a broadcasting consumer (its offsets are its host's, never committed) or a pull
+    consumer tracking its own; taken as a first pull, each of its moves went uncounted."""
+    if asked <= 0 and ctx.offsets.get(group, topic, qid) is None:
         return
     key = f"{group}\0{topic}\0{qid}"
     since = max(0, asked, _moved_to.get(key, 0))

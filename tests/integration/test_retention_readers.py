@@ -98,3 +98,29 @@ async def test_a_timer_longer_than_the_retention_is_refused_not_accepted_and_los
         kept = await producer.send("Timed", b"one hour", properties={"TIMER_DELAY_SEC": "3600"})
         assert kept.status is SendStatus.SEND_OK
     assert "timer messages are refused beyond 3600 s, the retention (file_reserved_hours=1)" in b.log()
+
+
+async def test_a_broadcasting_consumer_moved_past_removed_messages_is_counted_though_it_stores_no_offset(
+        broker_factory):
+    """A broadcasting consumer keeps its offsets on its own host (LocalFileOffsetStore: RocketMQ's push consumer
+    never commits them to the broker), as does a pull consumer that tracks its own. Taken as "a first pull, lost
+    nothing" because the broker had no offset stored for the group, every move of such a consumer past removed
+    messages went uncounted and unlogged. A first pull asks at 0 (or where the broker's search answered, at or
+    past the minimum): one that asks past 0 and below the minimum was there, and lost what is between."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(60):
+        async with Producer(b.namesrv, "PG_bcast") as producer:
+            mq = (await producer.send("Bcast", b"m" * 1000)).queue
+            for _ in range(0, 600, 50):
+                await asyncio.gather(*(producer.send("Bcast", b"m" * 1000, queue=mq) for _ in range(50)))
+        await _until_removed(b, 2 * SEGMENT)
+        async with PullConsumer(b.namesrv, "CG_bcast") as consumer:
+            await consumer.fetch_queues("Bcast")
+            res = await consumer.pull(mq, 5)            # its local offset: 5 read, then it fell behind
+            assert res.status is PullStatus.OFFSET_ILLEGAL
+            first = res.next_begin_offset
+            assert first > 5
+        counted = _scrape(b, "txmq_pull_offset_moved_messages_total")
+        assert counted == {'{consumer_group="CG_bcast",topic="Bcast"}': first - 5}, counted
+        assert re.search(rf"group CG_bcast pulled Bcast queue \d+ at offset 5, below the queue's minimum {first}",
+                         b.log()), b.log()[-3000:]
