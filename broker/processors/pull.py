@@ -118,6 +118,13 @@ _moved_to: dict[str, int] = {}      # (group, topic, queue) -> the minimum a pul
 _MOVED_KEYS = 4096
 
 
+def forget_moves(topic: str) -> None:
+    """A deleted topic: one made again under its name starts at offset 0, below what was counted in the old one
+    (kept, its groups' moves were taken for asks again of what was counted, and went unsaid)."""
+    for key in [k for k in _moved_to if k.split("\0", 2)[1] == topic]:
+        del _moved_to[key]
+
+
 def _moved_past_removed(ctx, group: str, topic: str, qid: int, asked: int, first: int) -> None:
     """A consumer asked for messages retention removed before it read them: PULL_OFFSET_MOVED takes it to the
     queue's minimum, past them. Unsaid, a group far behind lost ``first - asked`` messages with nothing to show

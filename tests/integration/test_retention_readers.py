@@ -124,3 +124,51 @@ async def test_a_broadcasting_consumer_moved_past_removed_messages_is_counted_th
         assert counted == {'{consumer_group="CG_bcast",topic="Bcast"}': first - 5}, counted
         assert re.search(rf"group CG_bcast pulled Bcast queue \d+ at offset 5, below the queue's minimum {first}",
                          b.log()), b.log()[-3000:]
+
+
+async def _log_end(b) -> int:
+    pool = ConnectionPool()
+    try:
+        info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+    finally:
+        await pool.close()
+
+
+async def _fill(b, topic: str, queue=None):
+    async with Producer(b.namesrv, "PG_fill") as producer:
+        mq = (await producer.send(topic, b"m" * 1000, queue=queue)).queue
+        for _ in range(0, 600, 50):
+            await asyncio.gather(*(producer.send(topic, b"m" * 1000, queue=mq) for _ in range(50)))
+    return mq
+
+
+async def test_a_topic_made_again_under_its_name_counts_its_groups_moves_from_its_own_offsets(broker_factory):
+    """A deleted topic made again starts at offset 0. The broker remembered how far it had counted each group's
+    move past removed messages in the old topic's offsets: in the new one, a group moved past fewer than that was
+    taken as asking again for what was counted, and its loss went unsaid (no count, no line)."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(90):
+        mq = await _fill(b, "Again")
+        await _until_removed(b, 2 * SEGMENT)
+        async with PullConsumer(b.namesrv, "CG_again") as consumer:
+            await consumer.fetch_queues("Again")
+            await consumer.commit_offset(mq, 5)
+            assert (await consumer.pull(mq, 5)).status is PullStatus.OFFSET_ILLEGAL
+        pool = ConnectionPool()
+        try:
+            deleted = await pool.request(b.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                           {"topic": "Again"}), 5.0)
+        finally:
+            await pool.close()
+        assert deleted.code == 0, deleted.remark
+        start = await _log_end(b)
+        await _fill(b, "Again", queue=mq)                           # made again: from offset 0
+        await _until_removed(b, start + 2 * SEGMENT)
+        async with PullConsumer(b.namesrv, "CG_again") as consumer:
+            await consumer.fetch_queues("Again")
+            await consumer.commit_offset(mq, 5)
+            res = await consumer.pull(mq, 5)
+            assert res.status is PullStatus.OFFSET_ILLEGAL
+        counted = _scrape(b, "txmq_pull_offset_moved_messages_total")
+        assert counted == {'{consumer_group="CG_again",topic="Again"}': res.next_begin_offset - 5}, counted
