@@ -64,6 +64,7 @@ class ScheduleService:
         self._timers_min_next = 0
         self._lost: list[int] = []      # timer queue offsets the batch being gathered passes over, removed
         self._written_off: set[int] = set()     # ... and once written, those still in the heap (skipped there)
+        self._gone_early: set[int] = set()      # ... and those whose heap entry went before they were written
         self.delivered = 0
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
@@ -324,7 +325,10 @@ class ScheduleService:
             entry = heap[0]
             if entry[1] in gone:        # passed over as removed by retention (_removed_timers): not twice
                 heapq.heappop(heap)
-                self._written_off.discard(entry[1])
+                if entry[1] in self._written_off:
+                    self._written_off.discard(entry[1])
+                else:       # due when found removed: written off with this batch, or the next if it is refused
+                    self._gone_early.add(entry[1])
                 continue
             req = self._delivery(entry[2], TIMER_TOPIC, entry[1])
             if req is not None and batch and size + len(req.record) > budget:
@@ -494,7 +498,9 @@ class ScheduleService:
         if self._removed:
             log.error("schedule: %d waiting messages were removed by retention before delivery (%s); moved past "
                       "them", sum(n for _, n in self._removed), "; ".join(what for what, _ in self._removed))
-        self._written_off.update(self._lost)
+        # Those whose heap entry already went are not kept: written off, they stayed in the set for good.
+        self._written_off.update(q for q in self._lost if q not in self._gone_early)
+        self._gone_early.difference_update(self._lost)
         self._timers_min_seen = max(self._timers_min_seen, self._timers_min_next)
         for (req, due, label), result in zip(batch, results):
             self.delivered += 1
@@ -517,7 +523,7 @@ class ScheduleService:
             hi = store.max_offset(SCHEDULE_TOPIC, level - 1)
             if hi:
                 out.append((str(level), max(0, hi - self.progress.levels.get(level, 0))))
-        out.append(("timer", len(self._timers)))
+        out.append(("timer", len(self._timers) - len(self._written_off)))     # (removed ones: passed over)
         return out
 
 

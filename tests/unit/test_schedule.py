@@ -676,3 +676,28 @@ async def test_a_slave_does_not_count_or_say_as_lost_what_its_own_retention_remo
     assert not svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"})
     assert "removed by retention" not in caplog.text
     await svc.ctx.store.close()
+
+
+@bounded()
+async def test_removed_timers_leave_the_waiting_count_when_passed_over_not_at_their_time(tmp_path):
+    """Timers retention removed are passed over and counted at once, but their heap entries stay until their
+    time: txmq_schedule_waiting{level="timer"} went on counting them as waiting for up to timer_max_delay_s (3
+    days) after they were said lost. And one already due when it was found removed was popped from the heap and
+    then written off again, kept in memory for good."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    await _schedule(svc, "T", b"lost-due", {"TIMER_DELIVER_MS": str(clock.now + 1_000)}, clock.now)
+    await _schedule(svc, "T", b"lost-later", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await _schedule(svc, "T", b"kept", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert await svc.run_due(102_000, 102_000) == 2
+    assert dict(svc.waiting())["timer"] == 1            # the kept one only
+    day = 100_000 + 86_400_000
+    assert await svc.run_due(day, day) == 1
+    assert [m.body for m in _delivered(store, "T")] == [b"kept"]
+    assert dict(svc.waiting())["timer"] == 0
+    assert not svc._written_off                         # nothing kept for good
+    await store.close()
