@@ -116,6 +116,8 @@ _CORRECTIONS = frozenset({GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE
 _moved = EveryKey(60.0)      # (group, topic, queue) whose move past removed messages was said this minute
 _moved_to: dict[str, int] = {}      # (group, topic, queue) -> the minimum a pull last moved it to: counted to there
 _MOVED_KEYS = 4096
+MOVED_LINES_A_MINUTE = 100      # move lines of all groups: group names are a client's to make up, one a request
+_moved_lines = {"since": float("-inf"), "n": 0}
 
 
 def forget_moves(topic: str) -> None:
@@ -144,10 +146,20 @@ def _moved_past_removed(ctx, group: str, topic: str, qid: int, asked: int, first
         _moved_to.clear()
     _moved_to[key] = first
     ctx.metrics.child(ctx.metrics.pulls_moved_past, topic, group).inc(first - since)
-    if _moved.due(key):
+    if not _moved.due(key):
+        return
+    now = time.monotonic()
+    if now - _moved_lines["since"] >= 60.0:
+        _moved_lines.update(since=now, n=0)
+    _moved_lines["n"] += 1
+    if _moved_lines["n"] <= MOVED_LINES_A_MINUTE:
         log.warning("group %s pulled %s queue %d at offset %d, below the queue's minimum %d: the %d messages "
                     "between were removed by retention before it read them; moved to %d (PULL_OFFSET_MOVED)",
                     group, topic, qid, asked, first, first - since, first)
+    elif _moved_lines["n"] == MOVED_LINES_A_MINUTE + 1:
+        log.warning("more than %d moves past messages retention removed this minute (new group names each "
+                    "pull?): the rest are not logged one by one, only counted in "
+                    "txmq_pull_offset_moved_messages_total", MOVED_LINES_A_MINUTE)
 
 
 def _reply(ctx, cmd, group, topic, got):
