@@ -123,7 +123,7 @@ _moved_lines = {"since": float("-inf"), "n": 0}
 def forget_moves(topic: str) -> None:
     """A deleted topic: one made again under its name starts at offset 0, below what was counted in the old one
     (kept, its groups' moves were taken for asks again of what was counted, and went unsaid)."""
-    for key in [k for k in _moved_to if k.split("\0", 2)[1] == topic]:
+    for key in [k for k in _moved_to if k.rsplit("\0", 2)[1] == topic]:
         del _moved_to[key]
 
 

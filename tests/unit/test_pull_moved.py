@@ -25,3 +25,16 @@ def test_moves_of_names_a_client_makes_up_are_counted_but_not_each_logged(caplog
     counted = sum(s.value for m in ctx.metrics.registry.collect() if m.name == "txmq_pull_offset_moved_messages"
                   for s in m.samples if s.name.endswith("_total"))
     assert counted == 2000 * 95
+
+
+def test_a_deleted_topics_move_marks_go_whatever_its_groups_are_named(monkeypatch):
+    """Group names are not checked for characters (only stock clients keep to [%|a-zA-Z0-9_-]): a mark of a group
+    whose name holds the key's separator must go with its topic too."""
+    monkeypatch.setattr(pull, "_moved_to", {})
+    monkeypatch.setattr(pull, "_moved", pull.EveryKey(60.0))
+    ctx = SimpleNamespace(offsets=SimpleNamespace(get=lambda *key: 5), metrics=BrokerMetrics())
+    for group in ("CG", "odd\0name"):
+        pull._moved_past_removed(ctx, group, "T", 0, 5, 100)
+    pull._moved_past_removed(ctx, "CG", "Kept", 0, 5, 100)
+    pull.forget_moves("T")
+    assert list(pull._moved_to) == ["CG\0Kept\0" + "0"]
