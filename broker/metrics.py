@@ -139,6 +139,9 @@ class BrokerMetrics:
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
                                  ["topic", "consumer_group"], registry=r)
+        self.pulls_moved_past = Counter("txmq_pull_offset_moved_messages", "Messages a pull asked for that retention "
+                                        "had removed: the consumer was moved past them to the queue's minimum "
+                                        "(PULL_OFFSET_MOVED) unread.", ["topic", "consumer_group"], registry=r)
         # Observed once or twice per request on the event loop: lock-free histograms (see LoopHistogram).
         self.rpc_latency = LoopHistogram("rocketmq_rpc_latency", "Request handling time in seconds.",
                                          ["request_code", "response_code"], _LATENCY_BUCKETS, r)
@@ -304,7 +307,7 @@ class BrokerMetrics:
         self._forget_out(lambda labels: labels[1] == group)
 
     def _forget_out(self, match) -> None:
-        for metric in (self.messages_out, self.bytes_out):          # labels (topic, consumer group)
+        for metric in (self.messages_out, self.bytes_out, self.pulls_moved_past):     # labels (topic, consumer group)
             mid = id(metric)
             marked = self._marks.get(mid)
             for key in [k for k in self._children if k[0] == mid and k[1] != (OTHER, OTHER) and match(k[1])]:

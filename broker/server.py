@@ -144,7 +144,17 @@ class BrokerServer:
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
 
-        levels = DelayLevels(c.message_delay_level, c.timer_max_delay_s * 1000)
+        retention_ms = int(c.file_reserved_hours * 3_600_000)
+        levels = DelayLevels(c.message_delay_level, c.timer_max_delay_s * 1000, retention_ms)
+        if levels.timer_max_delay_ms < c.timer_max_delay_s * 1000:
+            log.warning("timer messages are refused beyond %d s, the retention (file_reserved_hours=%g), not "
+                        "timer_max_delay_s=%d: retention would remove a later one before its time",
+                        levels.timer_max_delay_ms // 1000, c.file_reserved_hours, c.timer_max_delay_s)
+        longer = [i + 1 for i, d in enumerate(levels.delays_ms) if d >= retention_ms]
+        if longer:
+            log.warning("delay levels %s wait at least the retention (file_reserved_hours=%g): their messages (and "
+                        "retries sent back to them) may be removed before their time, counted in "
+                        "txmq_schedule_dropped_total{reason=\"removed\"}", longer, c.file_reserved_hours)
         store = MessageStore(store_dir, StoreConfig(segment_size=c.segment_size, flush=c.flush,
                                                     cq_units_per_file=c.cq_units_per_file,
                                                     flush_interval_ms=c.flush_interval_ms,

@@ -23,6 +23,7 @@ from ..limits import peer_host
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import topics_saved
+from .pull import forget_moves
 
 log = logging.getLogger("txmq.ops")
 
@@ -213,6 +214,7 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     existed = bool(existed and existed[0])
     ctx.offsets.remove_topic(topic)
     ctx.metrics.forget_topic(topic)
+    forget_moves(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
                 "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
     # Answered once the catalogue and the offsets say so: a kill before their batched writes brought the topic
