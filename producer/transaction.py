@@ -286,12 +286,16 @@ class TransactionProducer(Producer):
         if group and group != self.group:
             return
         remark = None
+        msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
         try:
             state = _state(await _call(self.listener.check_local_transaction, msg))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - an exception is UNKNOW, as in the Java client
+            # said here as the local transaction's is: in the broker's remark alone, a bug answered UNKNOW at
+            # every ask until the transaction was dead-lettered, nothing in this producer's log
+            log.warning("check of %s raised %s: %s; answered UNKNOW (the broker asks again)", msg_id,
+                        type(exc).__name__, exc)
             state = LocalTransactionState.UNKNOW
             remark = f"checkLocalTransactionState Exception: {exc}"
-        msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
         if asyncio.current_task() in self._abandoned:   # the producer closed without it: no END on a new connection
             log.warning("producer %s: check of %s given up on at shutdown has ended; left unanswered, the broker "
                         "asks again", self.group, msg_id)

@@ -53,3 +53,28 @@ async def test_a_check_still_running_is_not_started_again_when_the_broker_asks_a
             await asyncio.sleep(0.05)
         assert len(calls) >= 2
     assert await _drain(b.namesrv, "TxHung", expect=1) == [b"once"]
+
+
+@bounded(60)
+async def test_a_check_that_raises_is_said_in_the_producers_log(broker_factory, caplog):
+    """An exception in check_local_transaction is UNKNOW, as in execute_local_transaction, whose exception was
+    logged: the check's went to the broker's remark alone, and a bug there answered UNKNOW at every ask until
+    the transaction was dead-lettered, nothing in the producer's log."""
+    b = broker_factory("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "0")
+    calls = []
+
+    class Buggy:
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        def check_local_transaction(self, msg):
+            calls.append(msg.body)
+            if len(calls) == 1:
+                raise KeyError("order-17")
+            return S.COMMIT_MESSAGE
+
+    async with TransactionProducer(b.namesrv, "PG_buggy", Buggy()) as producer:
+        sent = await producer.send_in_transaction("TxBuggy", b"once")
+        assert await _drain(b.namesrv, "TxBuggy", expect=1, timeout=30) == [b"once"]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "order-17" in r.getMessage()]
+    assert len(said) == 1 and sent.send_result.msg_id in said[0] and "UNKNOW" in said[0]
