@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand, _field_text
 from protocol.connection import finish_within
-from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
+from protocol.errors import ConnectionClosedError, HeaderError, RequestTimeoutError, ResponseError, error_for_code
 from protocol.message import MessageExt, Prop, decode_offset_msg_id, decode_record
 
 from .producer import Producer, SendResult, SendStatus
@@ -163,10 +163,17 @@ class TransactionProducer(Producer):
                 log.warning("local transaction of %s raised: %s", result.msg_id, exc)
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
-        _, _, half_offset = decode_offset_msg_id(result.offset_msg_id)
         # The broker that stored the half, not whatever the route says now: with several brokers (or a
         # route refreshed meanwhile) only that one holds the half and can decide it.
         addr = result.broker_addr or self._addr(result.queue)
+        try:
+            _, _, half_offset = decode_offset_msg_id(result.offset_msg_id)
+        except HeaderError as exc:
+            # END names the half by its commit-log offset. Raised, it read as a failed send after the local
+            # transaction had run (a caller retrying ran it again): returned, and said, as the Java client does.
+            log.warning("END_TRANSACTION (%s) for %s not sent: broker %s stored the half but %s; the broker will "
+                        "check back", state.name, result.msg_id, addr, exc)
+            return TransactionSendResult(result, state, False)
         try:
             acked = await self._end(addr, half_offset, result.queue_offset, result.msg_id, state, False, remark)
         except ResponseError as exc:

@@ -320,3 +320,44 @@ async def test_shutdown_gives_up_a_check_that_ignores_its_cancel(caplog):
     finally:
         release.set()
         server.close()
+
+
+@pytest.mark.parametrize("msg_id", [None, "", "not-an-offset-id"])
+async def test_a_half_stored_with_no_readable_offset_id_is_returned_unacknowledged_not_raised(msg_id, caplog):
+    """A broker that stores the half (SEND_OK) but names no offset message id, or one that does not decode: END
+    cannot name the half. The HeaderError was raised after the local transaction had run, its outcome sent
+    nowhere: a caller could not tell it ran, and retrying ran it again. As the Java client, the result is
+    returned unacknowledged, no END sent (the check-back settles it), and a WARNING says why."""
+    import logging
+
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    handle = fake.handle
+
+    def no_offset_id(conn, cmd):
+        resp = handle(conn, cmd)
+        if cmd.code == RequestCode.SEND_MESSAGE_V2:
+            if msg_id is None:
+                del resp.ext_fields["msgId"]
+            else:
+                resp.ext_fields["msgId"] = msg_id
+        return resp
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(no_offset_id), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    ran = []
+
+    class Counts(Commit):
+        def execute_local_transaction(self, msg, arg):
+            ran.append(msg.body)
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", Counts(), end_timeout=2)
+    async with asyncio.timeout(10):
+        await producer.start()
+        result = await producer.send_in_transaction("T", b"stored, unnamed")
+        await producer.shutdown()
+    server.close()
+    assert ran == [b"stored, unnamed"]
+    assert not result.acknowledged and result.state is S.COMMIT_MESSAGE and fake.ends == []
+    assert any(r.levelno == logging.WARNING and "END_TRANSACTION" in r.getMessage()
+               and result.send_result.msg_id in r.getMessage() for r in caplog.records)
