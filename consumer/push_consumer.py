@@ -134,6 +134,8 @@ class PushConsumer:
                                    instance_name=instance_name or ("DEFAULT" if broadcasting else None),
                                    max_inflated_body=max_inflated_body)
         self.client.on_ids_changed = self._request_rebalance
+        if orderly:
+            self.client.pool.on_lost = self._on_broker_lost
         self.client.on_reset_offset = self._on_reset_offset
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
@@ -141,6 +143,7 @@ class PushConsumer:
         self._owned: set[MessageQueue] = set()
         self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
         self._lock_changed = asyncio.Event()
+        self._relock_now = asyncio.Event()            # orderly: locks were dropped (_on_broker_lost): ask at once
         self.subscriptions: dict[str, str | MessageSelector] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
@@ -512,6 +515,23 @@ class PushConsumer:
         if failed is not None:
             raise failed
 
+    def _on_broker_lost(self, addr: str) -> None:
+        """The connection to ``addr`` closed: the locks its broker granted are trusted no longer. A broker that
+        restarted holds none, and another consumer of the group it meets first (before this one's next heartbeat)
+        takes the queues and is granted their locks; trusted until lock_expire_s, two consumers consumed each of
+        those orderly queues at once. They are asked for again at once: a connection that only broke gets them back
+        (the broker still holds them for this client), a restarted broker gives them to whoever asks first."""
+        names = self.client.brokers_at(addr)
+        lost = [mq for mq in self._locks if mq.broker_name in names]
+        if not lost or self._stopping:
+            return
+        for mq in lost:
+            del self._locks[mq]
+        log.warning("push consumer %s: connection to broker %s lost: the locks of its %d queue(s) are no longer "
+                    "trusted (restarted, it holds none); they are consumed again once locked again", self.group,
+                    addr, len(lost))
+        self._relock_now.set()
+
     @property
     def locked_queues(self) -> set[MessageQueue]:
         """Orderly: the owned queues this consumer holds the broker's lock on now."""
@@ -524,7 +544,11 @@ class PushConsumer:
     async def _lock_loop(self) -> None:
         while True:
             waiting = any(not self._locked(q) for q in self._owned)
-            await asyncio.sleep(self.lock_retry_s if waiting else self.lock_interval_s)
+            try:
+                await wait_within(self._relock_now.wait(), self.lock_retry_s if waiting else self.lock_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._relock_now.clear()
             try:
                 await self._lock_owned()
             except BrokerError as exc:
