@@ -93,7 +93,10 @@ class Accumulator:
         while self._pending or self._in_flight:
             for topic in list(self._pending):
                 self._ship(topic)
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
+            # waited for, not gathered: a flush cancelled (a shutdown under its caller's deadline) cancelled every
+            # batch in flight, and the sends gathered in them never had their answer
+            if self._in_flight:
+                await asyncio.wait(self._in_flight)
 
     def _ship(self, topic: str) -> None:
         batch = self._pending.pop(topic, None)

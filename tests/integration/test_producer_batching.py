@@ -108,3 +108,31 @@ async def test_a_message_whose_properties_cannot_be_encoded_fails_alone_not_its_
     assert isinstance(results[1], UnicodeEncodeError), results[1]
     assert [r.status for i, r in enumerate(results) if i != 1] == [SendStatus.SEND_OK] * 3
     assert sorted(m.body for m in got) == [b"ok0", b"ok1", b"ok2", b"warm-up"]
+
+
+async def test_a_cancelled_shutdown_leaves_the_batched_sends_in_flight_to_their_answers(broker):
+    """shutdown() waits for the batches in flight. Cancelled meanwhile (an application's own deadline on its
+    shutdown), it cancelled them too, and the sends gathered in them were never resolved: their callers waited
+    for ever. The batches go on to their answers, as sends without batching do."""
+    import os
+    import signal
+    async with asyncio.timeout(60):
+        producer = await Producer(broker.namesrv, "PG_cancelled", batch_size=4, send_timeout=20).start()
+        try:
+            await producer.send("Cancelled", b"warm-up")
+            os.kill(broker.proc.pid, signal.SIGSTOP)        # the broker answers slowly: the batch stays in flight
+            try:
+                send = asyncio.ensure_future(producer.send("Cancelled", b"in flight"))
+                while not producer._accumulator._in_flight:
+                    await asyncio.sleep(0)
+                stopping = asyncio.ensure_future(producer.shutdown())
+                await asyncio.sleep(0)                      # shutdown waits for the batch in flight ...
+                stopping.cancel()                           # ... and is cancelled there
+                await asyncio.gather(stopping, return_exceptions=True)
+            finally:
+                os.kill(broker.proc.pid, signal.SIGCONT)
+            result = await send                             # answered once the broker reads again
+            assert result.status is SendStatus.SEND_OK
+        finally:
+            await producer.shutdown()
+    await _pull_all(broker.namesrv, "Cancelled", 2)
