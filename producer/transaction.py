@@ -124,12 +124,14 @@ class TransactionProducer(Producer):
         self._clock = clock
         self._oneway_since = 0.0                      # clock() when ENDs went oneway (or were last probed)
         self._check_tasks: set[asyncio.Task] = set()
-        # The check call in hand for each transaction, by (broker address, half's commit-log offset, msgId: a
-        # broker whose store was replaced asking about another half there is not taken for it). When the broker
-        # asks again (each interval while unanswered) the ask is left to that call: each ask of a
+        # The check call in hand for each transaction, by (broker address, msgId), or (broker address, half's
+        # commit-log offset) for an ask that names no msgId. Not by both: Apache RocketMQ writes the half again
+        # before each check (putBackHalfMsgQueue), so each of its asks names a new offset for the same msgId; a
+        # broker whose store was replaced asking about another half at the same offset names another msgId. When
+        # the broker asks again (each interval while unanswered) the ask is left to that call: each ask of a
         # check_local_transaction that hung (awaiting a database that is down) started one more beside it.
-        self._checking: dict[tuple[str, int, str], float] = {}    # -> clock() when its call began
-        self._overlap_said: set[tuple[str, int, str]] = set()     # those whose call was said to be still running
+        self._checking: dict[tuple[str, int | str], float] = {}    # -> clock() when its call began
+        self._overlap_said: set[tuple[str, int | str]] = set()     # those whose call was said to be still running
         self.checks_overlapped = 0          # asks left to the call in hand for their transaction (said once each)
         self.shutdown_grace_s = shutdown_grace_s
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
@@ -262,7 +264,8 @@ class TransactionProducer(Producer):
         if self._stopping:      # oneway, nothing to answer: the broker asks again (this group's other producers)
             log.info("CHECK_TRANSACTION_STATE not taken: producer %s is shutting down", self.group)
             return None
-        key = (f"{conn.peer[0]}:{conn.peer[1]}", cmd.int_field("commitLogOffset", 0), cmd.str_field("msgId", ""))
+        half_offset = cmd.int_field("commitLogOffset", 0)
+        key = (f"{conn.peer[0]}:{conn.peer[1]}", cmd.str_field("msgId", "") or half_offset)
         began = self._checking.get(key)
         if began is not None:
             # left to the call in hand, which answers it; the first ask so is said, the rest only counted
@@ -271,7 +274,7 @@ class TransactionProducer(Producer):
                 self._overlap_said.add(key)
                 log.warning("producer %s: check_local_transaction of %s (half at %d on %s) still running after "
                             "%.1f s; the broker's asks again are left to it (checks_overlapped)", self.group,
-                            key[2], key[1], key[0], self._clock() - began)
+                            cmd.str_field("msgId", ""), half_offset, key[0], self._clock() - began)
             return None
         self._checking[key] = self._clock()
         task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd))
@@ -280,7 +283,7 @@ class TransactionProducer(Producer):
         task.add_done_callback(lambda _t: self._check_ended(key))
         return None
 
-    def _check_ended(self, key: tuple[str, int, str]) -> None:
+    def _check_ended(self, key: tuple[str, int | str]) -> None:
         del self._checking[key]
         self._overlap_said.discard(key)
 
