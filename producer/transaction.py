@@ -132,6 +132,10 @@ class TransactionProducer(Producer):
         # check_local_transaction that hung (awaiting a database that is down) started one more beside it.
         self._checking: dict[tuple[str, int | str], float] = {}    # -> clock() when its call began
         self._overlap_said: set[tuple[str, int | str]] = set()     # those whose call was said to be still running
+        # The last ask left to each call in hand: its END names the half that ask named (Apache RocketMQ's copy
+        # written last, the one it asks about next; answered for the first copy, the last was asked about and
+        # committed again: the message delivered twice)
+        self._last_ask: dict[tuple[str, int | str], RemotingCommand] = {}
         self.checks_overlapped = 0          # asks left to the call in hand for their transaction (said once each)
         self.shutdown_grace_s = shutdown_grace_s
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
@@ -269,6 +273,7 @@ class TransactionProducer(Producer):
         began = self._checking.get(key)
         if began is not None:
             # left to the call in hand, which answers it; the first ask so is said, the rest only counted
+            self._last_ask[key] = cmd
             self.checks_overlapped += 1
             if key not in self._overlap_said:
                 self._overlap_said.add(key)
@@ -277,7 +282,7 @@ class TransactionProducer(Producer):
                             cmd.str_field("msgId", ""), half_offset, key[0], self._clock() - began)
             return None
         self._checking[key] = self._clock()
-        task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd))
+        task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd, key))
         self._check_tasks.add(task)
         task.add_done_callback(self._check_tasks.discard)
         task.add_done_callback(lambda _t: self._check_ended(key))
@@ -286,8 +291,9 @@ class TransactionProducer(Producer):
     def _check_ended(self, key: tuple[str, int | str]) -> None:
         del self._checking[key]
         self._overlap_said.discard(key)
+        self._last_ask.pop(key, None)
 
-    async def _answer_check(self, conn, cmd) -> None:
+    async def _answer_check(self, conn, cmd, key=None) -> None:
         try:
             msg, _ = decode_record(cmd.body_bytes())
         except Exception as exc:  # noqa: BLE001 - a check we cannot read is left for the next one
@@ -312,6 +318,7 @@ class TransactionProducer(Producer):
                         "asks again", self.group, msg_id)
             return
         addr = f"{conn.peer[0]}:{conn.peer[1]}"
+        cmd = self._last_ask.pop(key, cmd)      # the half the broker asked about last (see _last_ask)
         try:
             await self._end(addr, cmd.int_field("commitLogOffset", 0), cmd.int_field("tranStateTableOffset", 0),
                             msg_id, state, True, remark)

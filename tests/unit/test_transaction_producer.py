@@ -366,7 +366,8 @@ async def test_a_half_stored_with_no_readable_offset_id_is_returned_unacknowledg
 async def test_a_hung_check_is_not_started_again_when_a_stock_broker_asks_about_the_half_put_back_elsewhere(caplog):
     """Apache RocketMQ 4.9.8 writes the half again before each check (putBackHalfMsgQueue): every ask names the
     same msgId (its UNIQ_KEY) at a new commitLogOffset. Keyed by that offset, each ask of a stock broker started
-    one more call beside the hung one, as before one call per transaction was kept."""
+    one more call beside the hung one, as before one call per transaction was kept. The call's END names the copy
+    the broker asked about last."""
     import logging
 
     from protocol.command import RemotingCommand
@@ -411,6 +412,9 @@ async def test_a_hung_check_is_not_started_again_when_a_stock_broker_asks_about_
             release.set()
             await asyncio.gather(*list(producer._check_tasks))
             assert len(calls) == 2 and len(fake.ends) == 2
+            # M's END names the copy asked about last: the one the broker asks about next (answered for the first
+            # copy, the last was asked about again and committed again: the message delivered twice)
+            assert sorted(e.int_field("commitLogOffset") for e in fake.ends) == [1000, 1400]     # N's, M's
             assert not producer._checking and not producer._overlap_said
             producer._on_request(Conn(), ask(1600))   # the next ask once the call returned runs it again
             await asyncio.gather(*list(producer._check_tasks))
