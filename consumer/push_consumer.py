@@ -144,6 +144,9 @@ class PushConsumer:
         self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
         self._lock_changed = asyncio.Event()
         self._relock_now = asyncio.Event()            # orderly: locks were dropped (_on_broker_lost): ask at once
+        # orderly: queues being handed over whose lock _on_broker_lost dropped: a connection that only broke left
+        # it held on the broker, still released when the hand-over ends (its next owner need not wait for expiry)
+        self._unlock_owed: set[MessageQueue] = set()
         self.subscriptions: dict[str, str | MessageSelector] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
@@ -350,7 +353,8 @@ class PushConsumer:
     async def _release_locks(self, queues: list[MessageQueue]) -> None:
         """Forget and unlock ``queues``: their next owner need not wait for the locks to expire."""
         for mq in queues:
-            del self._locks[mq]
+            self._locks.pop(mq, None)
+            self._unlock_owed.discard(mq)
         if queues:
             try:
                 await self.client.unlock_queues(queues)
@@ -415,8 +419,10 @@ class PushConsumer:
                 self._committed.pop(mq, None)
                 self._known_stored.pop(mq, None)
             if self.orderly:
-                await self._release_locks([q for q in leaving if q in self._locks and q not in self._owned])
+                await self._release_locks([q for q in leaving if (q in self._locks or q in self._unlock_owed)
+                                           and q not in self._owned])
         finally:
+            self._unlock_owed.difference_update(leaving)
             for mq, task in leaving.items():
                 if self._leaving.get(mq) is task:
                     del self._leaving[mq]
@@ -527,6 +533,8 @@ class PushConsumer:
             return
         for mq in lost:
             del self._locks[mq]
+            if mq in self._leaving:
+                self._unlock_owed.add(mq)
         log.warning("push consumer %s: connection to broker %s lost: the locks of its %d queue(s) are no longer "
                     "trusted (restarted, it holds none); they are consumed again once locked again", self.group,
                     addr, len(lost))
