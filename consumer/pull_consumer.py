@@ -233,6 +233,10 @@ class PullConsumer:
     def _addr(self, mq: MessageQueue) -> str:
         return self._brokers[mq.broker_name]
 
+    def brokers_at(self, addr: str) -> set[str]:
+        """The names of the brokers known at ``addr`` (those no route names any more too)."""
+        return {name for name, a in (*self._brokers.items(), *self._offline.items()) if a == addr}
+
     async def _broker_addr(self, mq: MessageQueue) -> str:
         """``mq``'s broker address. A route older than route_ttl_s is fetched again in the background while the
         known address serves; the call waits for the fetch only when it knows no address, or its address just
