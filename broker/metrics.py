@@ -12,6 +12,7 @@ Snapshots: every ``metrics_snapshot_interval_s`` one JSON line is appended to
 """
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
@@ -237,6 +238,7 @@ class BrokerMetrics:
         self._pulled_swept = -1                                        # the slot of the last sweep of _pulled
         self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
         self._marks: dict[int, tuple[float, dict]] = {}    # id(metric) at its limit -> (when, {labels: reading})
+        self._folded: dict[str, int] = {}       # scrape-time gauge -> its rows under OTHER at its last collect
         self.monotonic = time.monotonic
 
     def child(self, metric, *labels):
@@ -436,8 +438,13 @@ class BrokerMetrics:
             if j < _RESERVOIR:
                 samples[j] = seconds
 
-    def add_gauge_collector(self, name: str, doc: str, labels: list[str], fn) -> None:
-        """A gauge computed at scrape time: fn() yields (label values, value)."""
+    def add_gauge_collector(self, name: str, doc: str, labels: list[str], fn, fold=sum) -> None:
+        """A gauge computed at scrape time: fn() yields (label values, value). Past ``max_series`` rows, the
+        ``max_series`` largest keep their labels and the rest are folded into one row with OTHER in every label,
+        its value ``fold`` of theirs (sum; max for an age), counted in txmq_metric_series_folded: the rows
+        follow names clients choose (a group per offset commit), and one client committing offsets for 100,000
+        made-up groups made each scrape 100,000 lines, 8 MB, for as long as the offsets were kept."""
+        metrics = self
 
         class _Collector:
             def collect(self_inner):
@@ -450,6 +457,8 @@ class BrokerMetrics:
                     except RuntimeError:
                         if attempt == 4:
                             raise
+                if labels:
+                    rows = metrics._fold_past_limit(name, rows, fold)
                 family = GaugeMetricFamily(name, doc, labels=labels)
                 for label_values, value in rows:
                     family.add_metric(list(label_values), value)
@@ -459,6 +468,44 @@ class BrokerMetrics:
                 return [GaugeMetricFamily(name, doc, labels=labels)]
 
         self.registry.register(_Collector())
+
+    def add_folded_collector(self) -> None:
+        """txmq_metric_series_folded: register it after every add_gauge_collector, so a scrape reads the
+        counts its own gauges just made."""
+        folded = self._folded
+
+        class _Folded:
+            def collect(self_inner):
+                family = GaugeMetricFamily("txmq_metric_series_folded", "Series of a scrape-time gauge past the "
+                                           f"{self.max_series} it names, counted under the {OTHER} label at the "
+                                           "last scrape, by metric.", labels=["metric"])
+                for name, n in list(folded.items()):
+                    family.add_metric([name], n)
+                yield family
+
+            def describe(self_inner):
+                return list(self_inner.collect())
+
+        self.registry.register(_Folded())
+
+    def _fold_past_limit(self, name: str, rows: list, fold) -> list:
+        """``rows`` as they are, or the ``max_series`` largest and one OTHER row for the rest (scrape thread).
+        The largest, not the first seen: the groups that lag most, or hold the oldest half, are the ones an
+        operator must see, and a client's made-up names (nothing to consume) cannot push them out."""
+        over = len(rows) - self.max_series
+        was = self._folded.get(name, 0)
+        self._folded[name] = max(0, over)
+        if over <= 0:
+            if was:
+                log.info("%s has %d series again: none counted under %s", name, len(rows), OTHER)
+            return rows
+        if not was:
+            log.warning("%s has %d series, more than %d: the smallest %d are counted under %s (names a client "
+                        "makes up?)", name, len(rows), self.max_series, over, OTHER)
+        kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: rows[i][1])
+        named = set(kept)
+        rest = fold(value for i, (_labels, value) in enumerate(rows) if i not in named)
+        return [rows[i] for i in sorted(kept)] + [((OTHER,) * len(rows[0][0]), rest)]
 
     def describe_broker(self, config) -> None:
         """Constant series a dashboard and alerts join on: the build, and the configured disk ratios

@@ -324,7 +324,7 @@ class BrokerServer:
                               ["consumer_group"], snap("consumers"))
         m.add_gauge_collector("txmq_half_message_oldest_age_seconds",
                               "Age of the oldest undecided half message, by producer group (absent: none).",
-                              ["producer_group"], snap("oldest_half"))
+                              ["producer_group"], snap("oldest_half"), fold=max)
         m.describe_broker(self.config)
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
         m.add_gauge_collector("txmq_unsent_response_bytes", "Response bytes all connections hold that their "
@@ -354,6 +354,7 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_diverged", "On a slave, 1 while its log has diverged from its "
                               "master's (it appends nothing; rebuild its store); absent elsewhere.", [],
                               snap("ha_diverged"))
+        m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server

@@ -1,0 +1,80 @@
+"""What one client's made-up names do to the Prometheus scrape: every series there is kept by the broker,
+read by each scrape and stored by Prometheus, so a name a client invents must not add one without bound."""
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.metrics import OTHER, BrokerMetrics
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import SendMessageRequestHeader
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+LAG = "rocketmq_consumer_lag_messages"
+
+
+def _scrape(broker) -> tuple[dict, dict]:
+    """(the lag series by labels, txmq_metric_series_folded by metric) of one scrape."""
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10).read().decode()
+    lag, folded = {}, {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == LAG:
+                lag[(s.labels["consumer_group"], s.labels["topic"])] = s.value
+            elif s.name == "txmq_metric_series_folded":
+                folded[s.labels["metric"]] = s.value
+    return lag, folded
+
+
+@bounded(90)
+async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker):
+    """The lag gauge had one series per (group, topic) with an offset, and offsets cost a client nothing up to
+    max_offsets_per_host (100,000 an address): one client committing offsets for 100,000 made-up groups made
+    every scrape 100,000 lines (8 MB, 0.6 s of the broker's CPU), unbounded across addresses, nothing said.
+    Past max_series the largest lags keep their names (the real group that lags most is still seen), the rest
+    are summed under _other (the total stays exact), counted in txmq_metric_series_folded and logged."""
+    extra = 50
+    made_up = BrokerMetrics.max_series + extra
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        for _ in range(3):
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+            assert sent.code == ResponseCode.SUCCESS
+
+        async def commit(group: str, offset: int) -> int:
+            return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": group, "topic": "Folded", "queueId": 0, "commitOffset": offset}), 30)).code
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            async with room:
+                return await commit(f"CG_made_up_{i}", 2)          # lag 1 each
+        codes = await asyncio.gather(*(made(i) for i in range(made_up)))
+        assert set(codes) == {ResponseCode.SUCCESS}
+        assert await commit("CG_real", 0) == ResponseCode.SUCCESS   # lag 3, committed last
+    finally:
+        conn.close()
+    total = made_up * 1 + 3
+    loop = asyncio.get_running_loop()
+    for _ in range(200):            # the gauges sum a large offset table in slices: until this one is in them
+        lag, folded = await loop.run_in_executor(None, _scrape, broker)
+        mine = {k: v for k, v in lag.items() if k[1] in ("Folded", OTHER)}
+        if sum(mine.values()) == total:
+            break
+        await asyncio.sleep(0.1)
+    assert sum(mine.values()) == total
+    assert len(lag) == BrokerMetrics.max_series + 1
+    assert lag[("CG_real", "Folded")] == 3
+    assert lag[(OTHER, OTHER)] == extra + 1                       # 10,051 of lag 1 for 10,000 places
+    assert folded[LAG] >= extra + 1                               # (and any group of lag 0 the broker has)
+    assert folded["rocketmq_consumer_connections"] == 0
+    assert f"series, more than {BrokerMetrics.max_series}: the smallest" in broker.log()
