@@ -160,6 +160,10 @@ class BrokerMetrics:
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
                                      "connections' together, the largest holders closed first).", ["reason"],
                                      registry=r)
+        self.notices_merged = Counter("txmq_consumer_notices_merged", "Consumer-group changes told to its "
+                                      "consumers with the one NOTIFY_CONSUMER_IDS_CHANGED at the end of a 0.5 s "
+                                      "gap after the last (each notice starts a rebalance in every consumer).",
+                                      registry=r)
         self.loop_lag = Gauge("txmq_event_loop_lag_seconds", "Worst event-loop lag seen over the last second.",
                               registry=r)
         self.loop_lag_worst = Gauge("txmq_event_loop_lag_max_seconds", "Worst event-loop lag since start.",

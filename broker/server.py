@@ -117,6 +117,8 @@ class BrokerServer:
                               trace_topic=c.trace_topic_enable,
                               per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
+        clients.call_later = loop.call_later
+        clients.on_notice_merged = self.metrics.notices_merged.inc
         topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         config_dir = os.path.join(store_dir, "config")

@@ -1,0 +1,81 @@
+"""One member of a consumer group that changes what it says at every heartbeat: the group's other consumers
+must not pay for each change (every NOTIFY_CONSUMER_IDS_CHANGED starts a rebalance in each of them)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.clients import NOTICE_GAP_S
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+
+def _heartbeat(client_id: str, topic: str, version: int) -> RemotingCommand:
+    return RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps({
+        "clientID": client_id, "producerDataSet": [], "consumerDataSet": [
+            {"groupName": "CG_storm", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+             "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
+             "subscriptionDataSet": [{"topic": topic, "subString": "*", "subVersion": version}]}]}).encode())
+
+
+def _merged(broker) -> float:
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10).read().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "txmq_consumer_notices_merged_total")
+
+
+@bounded(60)
+async def test_a_member_flipping_its_subscription_does_not_storm_the_group(broker):
+    """Each heartbeat that changed a group's subscriptions sent NOTIFY_CONSUMER_IDS_CHANGED to every consumer of
+    the group: one member pipelining heartbeats that flip its topic sent each of 100 consumers 5,000 notices in
+    4.5 s (500,000, 160 ms of loop lag for every other client), and each notice makes a stock consumer rebalance.
+    Now a group is told at most once per NOTICE_GAP_S (a change in a gap: once at its end), each change merged
+    so counted in txmq_consumer_notices_merged_total."""
+    host, _, port = broker.broker.rpartition(":")
+    beats, members = 2000, 3
+    notices = [0] * members
+    told = asyncio.Event()
+
+    def member_handler(i):
+        def handle(conn, cmd):
+            if cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
+                notices[i] += 1
+                told.set()
+        return handle
+    conns = [await open_connection(host, int(port), member_handler(i)) for i in range(members)]
+    hostile = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        for i, conn in enumerate(conns):
+            assert (await conn.request(_heartbeat(f"member{i}", "T", 1), 10)).code == ResponseCode.SUCCESS
+        merged_before = _merged(broker)
+        room = asyncio.Semaphore(256)
+
+        async def beat(k: int) -> int:
+            async with room:
+                return (await hostile.request(_heartbeat("hostile", "U" if k % 2 else "T", k), 30)).code
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        codes = await asyncio.gather(*(beat(k) for k in range(beats)))
+        elapsed = loop.time() - started
+        assert set(codes) == {ResponseCode.SUCCESS}
+        told.clear()
+        # one change more: told at once, or at the end of the gap it falls in -- never lost
+        assert (await hostile.request(_heartbeat("hostile", "T", beats), 10)).code == ResponseCode.SUCCESS
+        await told.wait()
+    finally:
+        hostile.close()
+        for conn in conns:
+            conn.close()
+    # one notice when a gap opens and one at its end, for the gaps the flood spanned (and the one its start
+    # fell in): whatever the machine's speed, not one a heartbeat
+    bound = 2 * (elapsed / NOTICE_GAP_S + 2)
+    assert all(1 <= n <= bound for n in notices), (notices, bound)
+    assert _merged(broker) - merged_before >= beats - max(notices)
