@@ -37,6 +37,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
 _RESERVOIR = 4096
 OTHER = "_other"         # the label values of series past BrokerMetrics.max_series
+SNAPSHOT_LAG = "snapshot_consumer_lag"      # the metric snapshots' consumer_lag rows, in txmq_metric_series_folded
 _TPS_SLOT_S = 10        # consume TPS: messages pulled per (topic, group) in 10 s slots over the last minute
 _TPS_SLOTS = 6
 # RocketMQ's putTps and getTransferedTps (GET_BROKER_RUNTIME_INFO, read by mqadmin clusterList): messages per
@@ -111,6 +112,11 @@ class BrokerMetrics:
     # OTHER, so sums over a label stay exact.
     max_series = 10_000
     idle_s = 3600.0
+    # Consumer-lag rows (one a consumer offset) one metric snapshot line keeps: the largest lags, the rest summed
+    # in one row (group and topic OTHER, queue -1). Offsets cost a client nothing up to max_offsets_per_host
+    # (100,000 an address, and again for each address): made-up groups' offsets made each line 4 MB, 5.7 GB a
+    # day kept for metrics_snapshot_retention_days on the store's disk. 200 groups of 160 queues are 32,000.
+    max_snapshot_lag_rows = 50_000
 
     def __init__(self):
         # ``*_created`` series (one per counter and histogram child) are noise nobody graphs; the
@@ -473,6 +479,28 @@ class BrokerMetrics:
 
         self.registry.register(_Collector())
 
+    def fold_snapshot(self, snapshot: dict) -> dict:
+        """``snapshot`` with its consumer_lag rows past max_snapshot_lag_rows folded into one OTHER row (the rows of
+        the largest lags kept, in their order), counted in txmq_metric_series_folded{metric="snapshot_consumer_lag"}
+        and logged. Sorts: call it on a thread, with the encoding."""
+        rows = snapshot.get("consumer_lag", [])
+        over = len(rows) - self.max_snapshot_lag_rows
+        was = self._folded.get(SNAPSHOT_LAG, 0)
+        self._folded[SNAPSHOT_LAG] = max(0, over)
+        if over <= 0:
+            if was:
+                log.info("metric snapshots hold every consumer-lag row again (%d)", len(rows))
+            return snapshot
+        if not was:
+            log.warning("metric snapshots: %d consumer offsets, more than %d: the smallest lags of %d are summed in "
+                        "one row of group %s (names a client makes up?)", len(rows), self.max_snapshot_lag_rows,
+                        over, OTHER)
+        order = sorted(range(len(rows)), key=lambda i: rows[i]["lag"], reverse=True)
+        rest = sum(rows[i]["lag"] for i in order[self.max_snapshot_lag_rows:])
+        kept = [rows[i] for i in sorted(order[:self.max_snapshot_lag_rows])]
+        kept.append({"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": rest})
+        return {**snapshot, "consumer_lag": kept}
+
     def add_folded_collector(self) -> None:
         """txmq_metric_series_folded: register it after every add_gauge_collector, so a scrape reads the
         counts its own gauges just made."""
@@ -482,7 +510,9 @@ class BrokerMetrics:
             def collect(self_inner):
                 family = GaugeMetricFamily("txmq_metric_series_folded", "Series of a scrape-time gauge past the "
                                            f"{self.max_series} it names, counted under the {OTHER} label at the "
-                                           "last scrape, by metric.", labels=["metric"])
+                                           f"last scrape, by metric ({SNAPSHOT_LAG}: the last metric snapshot's "
+                                           f"consumer-lag rows past {self.max_snapshot_lag_rows}).",
+                                           labels=["metric"])
                 for name, n in list(folded.items()):
                     family.add_metric([name], n)
                 yield family

@@ -647,7 +647,8 @@ class BrokerServer:
             lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
                     for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
-        return await asyncio.to_thread(append_snapshot, store_dir, self.metrics.snapshot(connections, lag))
+        snapshot = self.metrics.snapshot(connections, lag)
+        return await asyncio.to_thread(lambda: append_snapshot(store_dir, self.metrics.fold_snapshot(snapshot)))
 
     # -------------------------------------------------------------- shutdown
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -3,7 +3,9 @@ read by each scrape and stored by Prometheus, so a name a client invents must no
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,15 +35,22 @@ def _scrape(broker) -> tuple[dict, dict]:
     return lag, folded
 
 
-@bounded(90)
-async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker):
+def _last_snapshot_lag(broker) -> list[dict]:
+    files = sorted((Path(broker.store_dir) / "metrics").glob("*.jsonl"))
+    lines = files[-1].read_text().splitlines() if files else []
+    return json.loads(lines[-1])["consumer_lag"] if lines else []
+
+
+@bounded(120)
+async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_factory):
     """The lag gauge had one series per (group, topic) with an offset, and offsets cost a client nothing up to
     max_offsets_per_host (100,000 an address): one client committing offsets for 100,000 made-up groups made
     every scrape 100,000 lines (8 MB, 0.6 s of the broker's CPU), unbounded across addresses, nothing said.
     Past max_series the largest lags keep their names (the real group that lags most is still seen), the rest
-    are summed under _other (the total stays exact), counted in txmq_metric_series_folded and logged."""
-    extra = 50
-    made_up = BrokerMetrics.max_series + extra
+    are summed under _other (the total stays exact), counted in txmq_metric_series_folded and logged. The metric
+    snapshots' lag rows (one an offset, 4 MB a line, each minute, kept a week) likewise past max_snapshot_lag_rows."""
+    broker = broker_factory("--metrics-snapshot-interval-s", "1")
+    made_up = BrokerMetrics.max_snapshot_lag_rows + 50
     host, _, port = broker.broker.rpartition(":")
     conn = await open_connection(host, int(port), max_in_flight=1 << 16)
     try:
@@ -74,7 +83,19 @@ async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker):
     assert sum(mine.values()) == total
     assert len(lag) == BrokerMetrics.max_series + 1
     assert lag[("CG_real", "Folded")] == 3
-    assert lag[(OTHER, OTHER)] == extra + 1                       # 10,051 of lag 1 for 10,000 places
-    assert folded[LAG] >= extra + 1                               # (and any group of lag 0 the broker has)
+    assert lag[(OTHER, OTHER)] == made_up - (BrokerMetrics.max_series - 1)     # those of lag 1 with no place
+    assert folded[LAG] >= made_up + 1 - BrokerMetrics.max_series  # (and any group of lag 0 the broker has)
     assert folded["rocketmq_consumer_connections"] == 0
     assert f"series, more than {BrokerMetrics.max_series}: the smallest" in broker.log()
+
+    cap = BrokerMetrics.max_snapshot_lag_rows
+    for _ in range(200):            # until a snapshot taken after the commits (one a second)
+        rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
+        if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == total:
+            break
+        await asyncio.sleep(0.1)
+    assert len(rows) == cap + 1
+    assert {"group": "CG_real", "topic": "Folded", "queue_id": 0, "lag": 3} in rows
+    assert rows[-1] == {"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": made_up - (cap - 1)}
+    assert (await loop.run_in_executor(None, _scrape, broker))[1]["snapshot_consumer_lag"] >= made_up + 1 - cap
+    assert f"more than {cap}: the smallest lags of" in broker.log()
