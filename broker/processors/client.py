@@ -27,7 +27,7 @@ def _notify(ctx, groups) -> None:
 
 
 def heart_beat(ctx, conn, cmd):
-    if len(cmd.body or b"") > _LARGE_HEARTBEAT:
+    if cmd.body_length() > _LARGE_HEARTBEAT:
         return _heart_beat_in_slices(ctx, conn, cmd)
     return _heart_beat_done(ctx, conn, cmd, ctx.clients.heartbeat(conn, cmd))
 
