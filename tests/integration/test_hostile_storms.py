@@ -42,13 +42,13 @@ async def test_a_member_flipping_its_subscription_does_not_storm_the_group(broke
     host, _, port = broker.broker.rpartition(":")
     beats, members = 2000, 3
     notices = [0] * members
-    told = asyncio.Event()
+    told = [asyncio.Event() for _ in range(members)]
 
     def member_handler(i):
         def handle(conn, cmd):
             if cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
                 notices[i] += 1
-                told.set()
+                told[i].set()
         return handle
     conns = [await open_connection(host, int(port), member_handler(i)) for i in range(members)]
     hostile = await open_connection(host, int(port), max_in_flight=1 << 16)
@@ -66,10 +66,12 @@ async def test_a_member_flipping_its_subscription_does_not_storm_the_group(broke
         codes = await asyncio.gather(*(beat(k) for k in range(beats)))
         elapsed = loop.time() - started
         assert set(codes) == {ResponseCode.SUCCESS}
-        told.clear()
-        # one change more: told at once, or at the end of the gap it falls in -- never lost
+        for event in told:
+            event.clear()
+        # one change more: told to every member at once, or at the end of the gap it falls in -- never lost
         assert (await hostile.request(_heartbeat("hostile", "T", beats), 10)).code == ResponseCode.SUCCESS
-        await told.wait()
+        for event in told:
+            await event.wait()
     finally:
         hostile.close()
         for conn in conns:
