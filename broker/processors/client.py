@@ -27,9 +27,44 @@ def _notify(ctx, groups) -> None:
 
 
 def heart_beat(ctx, conn, cmd):
-    if cmd.body_length() > _LARGE_HEARTBEAT:
-        return _heart_beat_in_slices(ctx, conn, cmd)
+    if cmd.body_length() > _LARGE_HEARTBEAT or _TURN in conn.attributes:
+        return _in_order(conn, lambda: _heart_beat_in_slices(ctx, conn, cmd))
     return _heart_beat_done(ctx, conn, cmd, ctx.clients.heartbeat(conn, cmd))
+
+
+# conn.attributes key: the last of its HEART_BEAT / UNREGISTER_CLIENT requests still waiting or under way behind
+# a large heartbeat. A large heartbeat is a task, and the requests after it on its connection were handled at once:
+# an UNREGISTER_CLIENT sent right after it left nothing (not joined yet) and the heartbeat then joined the group
+# (the consumer listed, its queues unread, until channel_expire_ms), a newer heartbeat was overwritten by it.
+_TURN = "registration_turn"
+
+
+def _in_order(conn, make):
+    """A task running ``make()`` (a reply or an awaitable one) once the connection's earlier registration requests
+    are done. Until the last is, the connection is not read: what waits here is frames already read, not every
+    heartbeat of up to 16 MiB a client can pipeline (max_in_flight of them, a connection)."""
+    before = conn.attributes.get(_TURN)
+
+    async def run():
+        if before is not None:
+            await asyncio.wait([before])            # its outcome is its own request's answer
+        result = make()
+        return result if result is None or isinstance(result, RemotingCommand) else await result
+
+    task = asyncio.ensure_future(run())
+    conn.attributes[_TURN] = task
+    pause = getattr(conn, "pause_reading", None)
+    if pause is not None:
+        pause("heartbeat")
+
+    def done(t):
+        if conn.attributes.get(_TURN) is t:
+            del conn.attributes[_TURN]
+            resume = getattr(conn, "resume_reading", None)
+            if resume is not None:
+                resume("heartbeat")
+    task.add_done_callback(done)
+    return task
 
 
 # Body bytes past which a heartbeat is registered a slice of groups at a time (HEARTBEAT_SLICE), letting other
@@ -46,6 +81,8 @@ async def _heart_beat_in_slices(ctx, conn, cmd):
     turn[1] += 1
     try:
         async with turn[0]:
+            if not conn.is_open:
+                return None     # closed while it waited for its turn: it left its groups then
             steps = ctx.clients.heartbeat_steps(conn, cmd)
             try:
                 while True:
@@ -102,6 +139,12 @@ def _heartbeat_answer(ctx, conn, cmd, refused: int, oversized: list):
 
 
 def unregister_client(ctx, conn, cmd):
+    if _TURN in conn.attributes:          # after the heartbeats before it on its connection
+        return _in_order(conn, lambda: _unregister_client(ctx, conn, cmd))
+    return _unregister_client(ctx, conn, cmd)
+
+
+def _unregister_client(ctx, conn, cmd):
     _notify(ctx, ctx.clients.unregister(conn, cmd.str_field("producerGroup"), cmd.str_field("consumerGroup")))
     return cmd.response(ResponseCode.SUCCESS)
 

@@ -126,3 +126,25 @@ async def test_heartbeats_naming_thousands_of_groups_let_other_clients_in(broker
     # heartbeats' own time on the same machine, so it means the same on a fast and a slow one.
     per_heartbeat = (ended[0] - started) / beats
     assert worst < 2 * per_heartbeat, (worst, per_heartbeat)
+
+
+@bounded(60)
+async def test_an_unregister_pipelined_after_a_large_heartbeat_leaves_the_group(broker):
+    """A heartbeat over 64 KiB is handled as a task; the UNREGISTER_CLIENT sent right after it on the same
+    connection was handled first (nothing to leave yet) and the heartbeat then joined the group: the client that
+    left stayed listed, given queues it never reads, until channel_expire_ms."""
+    host, _, port = broker.broker.rpartition(":")
+    client = await open_connection(host, int(port))
+    probe = await open_connection(host, int(port))
+    try:
+        beat = asyncio.ensure_future(client.request(_many_groups(600), 30))
+        left = asyncio.ensure_future(client.request(RemotingCommand.request(
+            RequestCode.UNREGISTER_CLIENT, {"clientID": "many", "consumerGroup": "CG_many7"}), 30))
+        assert (await beat).code == ResponseCode.SUCCESS and (await left).code == ResponseCode.SUCCESS
+        gone, kept = [await probe.request(RemotingCommand.request(
+            RequestCode.GET_CONSUMER_LIST_BY_GROUP, {"consumerGroup": g}), 10) for g in ("CG_many7", "CG_many8")]
+    finally:
+        client.close()
+        probe.close()
+    assert json.loads(kept.body_bytes()) == {"consumerIdList": ["many"]}
+    assert gone.code == ResponseCode.SYSTEM_ERROR, gone.body_bytes()
