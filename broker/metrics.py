@@ -448,12 +448,14 @@ class BrokerMetrics:
             if j < _RESERVOIR:
                 samples[j] = seconds
 
-    def add_gauge_collector(self, name: str, doc: str, labels: list[str], fn, fold=sum) -> None:
+    def add_gauge_collector(self, name: str, doc: str, labels: list[str], fn, fold=sum, known=None) -> None:
         """A gauge computed at scrape time: fn() yields (label values, value). Past ``max_series`` rows, the
         ``max_series`` largest keep their labels and the rest are folded into one row with OTHER in every label,
         its value ``fold`` of theirs (sum; max for an age), counted in txmq_metric_series_folded: the rows
         follow names clients choose (a group per offset commit), and one client committing offsets for 100,000
-        made-up groups made each scrape 100,000 lines, 8 MB, for as long as the offsets were kept."""
+        made-up groups made each scrape 100,000 lines, 8 MB, for as long as the offsets were kept. ``known``
+        (label values -> bool; run on the scrape thread, only past the limit): rows it says True of are named
+        before any other, whatever their value (see _fold_past_limit)."""
         metrics = self
 
         class _Collector:
@@ -468,7 +470,7 @@ class BrokerMetrics:
                         if attempt == 4:
                             raise
                 if labels:
-                    rows = metrics._fold_past_limit(name, rows, fold)
+                    rows = metrics._fold_past_limit(name, rows, fold, known)
                 family = GaugeMetricFamily(name, doc, labels=labels)
                 for label_values, value in rows:
                     family.add_metric(list(label_values), value)
@@ -479,10 +481,11 @@ class BrokerMetrics:
 
         self.registry.register(_Collector())
 
-    def fold_snapshot(self, snapshot: dict) -> dict:
+    def fold_snapshot(self, snapshot: dict, known=None) -> dict:
         """``snapshot`` with its consumer_lag rows past max_snapshot_lag_rows folded into one OTHER row (the rows of
         the largest lags kept, in their order), counted in txmq_metric_series_folded{metric="snapshot_consumer_lag"}
-        and logged. Sorts: call it on a thread, with the encoding."""
+        and logged; the rows of the groups ``known`` (group -> bool) says True of first. Sorts: call it on a
+        thread, with the encoding."""
         rows = snapshot.get("consumer_lag", [])
         over = len(rows) - self.max_snapshot_lag_rows
         was = self._folded.get(SNAPSHOT_LAG, 0)
@@ -495,7 +498,10 @@ class BrokerMetrics:
             log.warning("metric snapshots: %d consumer offsets, more than %d: the smallest lags of %d are summed in "
                         "one row of group %s (names a client makes up?)", len(rows), self.max_snapshot_lag_rows,
                         over, OTHER)
-        order = sorted(range(len(rows)), key=lambda i: rows[i]["lag"], reverse=True)
+        if known is None:
+            order = sorted(range(len(rows)), key=lambda i: rows[i]["lag"], reverse=True)
+        else:
+            order = sorted(range(len(rows)), key=lambda i: (known(rows[i]["group"]), rows[i]["lag"]), reverse=True)
         rest = sum(rows[i]["lag"] for i in order[self.max_snapshot_lag_rows:])
         kept = [rows[i] for i in sorted(order[:self.max_snapshot_lag_rows])]
         kept.append({"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": rest})
@@ -522,10 +528,13 @@ class BrokerMetrics:
 
         self.registry.register(_Folded())
 
-    def _fold_past_limit(self, name: str, rows: list, fold) -> list:
+    def _fold_past_limit(self, name: str, rows: list, fold, known=None) -> list:
         """``rows`` as they are, or the ``max_series`` largest and one OTHER row for the rest (scrape thread).
         The largest, not the first seen: the groups that lag most, or hold the oldest half, are the ones an
-        operator must see, and a client's made-up names (nothing to consume) cannot push them out."""
+        operator must see. But a made-up group's lag is what its client commits (offset 0 on a long queue: the
+        largest of all), so the rows ``known`` says True of (groups the broker knows other than by a name a
+        client wrote) come first: ranked by value alone, made-up groups pushed every real one under OTHER, and
+        the alert on its lag went quiet."""
         over = len(rows) - self.max_series
         was = self._folded.get(name, 0)
         self._folded[name] = max(0, over)
@@ -536,7 +545,10 @@ class BrokerMetrics:
         if not was:
             log.warning("%s has %d series, more than %d: the smallest %d are counted under %s (names a client "
                         "makes up?)", name, len(rows), self.max_series, over, OTHER)
-        kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: rows[i][1])
+        if known is None:
+            kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: rows[i][1])
+        else:
+            kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: (known(rows[i][0]), rows[i][1]))
         named = set(kept)
         rest = fold(value for i, (_labels, value) in enumerate(rows) if i not in named)
         return [rows[i] for i in sorted(kept)] + [((OTHER,) * len(rows[0][0]), rest)]

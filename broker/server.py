@@ -318,7 +318,7 @@ class BrokerServer:
         m.registry.register(_Refresh())
         snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
-                              ["consumer_group", "topic"], snap("lag"))
+                              ["consumer_group", "topic"], snap("lag"), known=lambda labels: self._known_group(labels[0]))
         m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
         m.add_gauge_collector("rocketmq_producer_connections", "Live producer connections, by group.",
                               ["producer_group"], snap("producers"))
@@ -648,7 +648,16 @@ class BrokerServer:
                     for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
         snapshot = self.metrics.snapshot(connections, lag)
-        return await asyncio.to_thread(lambda: append_snapshot(store_dir, self.metrics.fold_snapshot(snapshot)))
+        return await asyncio.to_thread(lambda: append_snapshot(store_dir, self.metrics.fold_snapshot(
+            snapshot, self._known_group)))
+
+    def _known_group(self, group: str) -> bool:
+        """A consumer group the broker knows other than by a name a client wrote in an offset: one with a
+        consumer connected, or one an operator created (its consumers may all be down: its lag matters most
+        then). Named first where lag rows are capped (metrics._fold_past_limit). Read off the loop (scrape and
+        snapshot threads): dict lookups only."""
+        subs = self.ctx.subscriptions
+        return group in self.ctx.clients.consumers or (subs is not None and group in subs.groups)
 
     # -------------------------------------------------------------- shutdown
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -99,3 +99,60 @@ async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_fa
     assert rows[-1] == {"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": made_up - (cap - 1)}
     assert (await loop.run_in_executor(None, _scrape, broker))[1]["snapshot_consumer_lag"] >= made_up + 1 - cap
     assert f"more than {cap}: the smallest lags of" in broker.log()
+
+
+@bounded(120)
+async def test_made_up_groups_with_larger_lags_cannot_push_the_real_groups_out(broker_factory):
+    """The largest lags kept their names, and a made-up group's lag is what its client commits: offsets of 0 on a
+    topic with messages made every made-up group lag more than the real ones, and a real group's lag (the one
+    its alert reads, TxmqConsumerLagGrowing) went under _other, silently. Groups the broker knows -- a consumer
+    connected now, or a subscription group an operator created (its consumers may all be down: then above all)
+    -- keep their names before any other."""
+    broker = broker_factory("--metrics-snapshot-interval-s", "1")
+    made_up = BrokerMetrics.max_snapshot_lag_rows + 50
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        for _ in range(3):
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+            assert sent.code == ResponseCode.SUCCESS
+        created = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                                                             json.dumps({"groupName": "CG_stored"}).encode()), 10)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        beat = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps({
+            "clientID": "real", "consumerDataSet": [{"groupName": "CG_live", "subscriptionDataSet": [
+                {"topic": "Folded", "subString": "*"}]}]}).encode()), 10)
+        assert beat.code == ResponseCode.SUCCESS
+
+        async def commit(group: str, offset: int) -> int:
+            return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": group, "topic": "Folded", "queueId": 0, "commitOffset": offset}), 30)).code
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            async with room:
+                return await commit(f"CG_made_up_{i}", 0)          # lag 3 each
+        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
+        for group in ("CG_live", "CG_stored"):
+            assert await commit(group, 2) == ResponseCode.SUCCESS   # lag 1: the smallest here
+        total = made_up * 3 + 2
+        loop = asyncio.get_running_loop()
+        for _ in range(200):            # the gauges sum a large offset table in slices: until these are in them
+            lag, folded = await loop.run_in_executor(None, _scrape, broker)
+            if sum(v for k, v in lag.items() if k[1] in ("Folded", OTHER)) == total:
+                break
+            await asyncio.sleep(0.1)
+        for _ in range(200):            # until a snapshot taken after the commits (one a second)
+            rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
+            if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == total:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        conn.close()            # (CG_live's consumer is connected until here)
+    assert sum(v for k, v in lag.items() if k[1] in ("Folded", OTHER)) == total
+    assert len(lag) == BrokerMetrics.max_series + 1
+    assert lag[("CG_live", "Folded")] == 1 and lag[("CG_stored", "Folded")] == 1
+    assert len(rows) == BrokerMetrics.max_snapshot_lag_rows + 1
+    for group in ("CG_live", "CG_stored"):
+        assert {"group": group, "topic": "Folded", "queue_id": 0, "lag": 1} in rows
