@@ -41,8 +41,10 @@ _TURN = "registration_turn"
 
 def _in_order(conn, make):
     """A task running ``make()`` (a reply or an awaitable one) once the connection's earlier registration requests
-    are done. Until the last is, the connection is not read: what waits here is frames already read, not every
-    heartbeat of up to 16 MiB a client can pipeline (max_in_flight of them, a connection)."""
+    are done. One queued behind another stops the connection being read until the last is done: what waits here
+    is frames already read, not every heartbeat of up to 16 MiB a client can pipeline (max_in_flight of them, a
+    connection, each waiting for its address's turn). A stock client's single heartbeat leaves it read (its sends
+    and pulls go on meanwhile)."""
     before = conn.attributes.get(_TURN)
 
     async def run():
@@ -54,7 +56,7 @@ def _in_order(conn, make):
     task = asyncio.ensure_future(run())
     conn.attributes[_TURN] = task
     pause = getattr(conn, "pause_reading", None)
-    if pause is not None:
+    if before is not None and pause is not None:
         pause("heartbeat")
 
     def done(t):

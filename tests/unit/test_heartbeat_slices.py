@@ -127,3 +127,31 @@ def test_a_heartbeat_after_a_large_one_on_its_connection_is_not_overwritten_by_i
             assert (await r if not isinstance(r, RemotingCommand) else r).code == ResponseCode.SUCCESS
         assert set(ctx.clients.consumers["G3"].subscriptions) == {"NEW"}
     asyncio.run(run())
+
+
+def test_large_heartbeats_pipelined_on_a_connection_stop_its_reading_until_done():
+    """Each large heartbeat waited for its address's turn holding its frame (up to 16 MiB), and a connection could
+    have max_in_flight (256) of them waiting: gigabytes for one client. One queued behind another now stops the
+    connection being read until they are done; a single one (a stock client's) leaves it read."""
+    class _Paused(_Conn):
+        def __init__(self):
+            super().__init__()
+            self.paused = set()
+
+        def pause_reading(self, reason):
+            self.paused.add(reason)
+
+        def resume_reading(self, reason):
+            self.paused.discard(reason)
+
+    async def run():
+        ctx, conn = _ctx(), _Paused()
+        first = heart_beat(ctx, conn, _large())
+        assert conn.paused == set()                 # alone: its sends and pulls are still read
+        second = heart_beat(ctx, conn, _large())
+        assert conn.paused                          # queued behind: nothing more is read meanwhile
+        for r in (first, second):
+            assert (await r).code == ResponseCode.SUCCESS
+        await asyncio.sleep(0)
+        assert conn.paused == set() and "registration_turn" not in conn.attributes
+    asyncio.run(run())
