@@ -318,7 +318,8 @@ class BrokerServer:
         m.registry.register(_Refresh())
         snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
-                              ["consumer_group", "topic"], snap("lag"), known=lambda labels: self._known_group(labels[0]))
+                              ["consumer_group", "topic"], snap("lag"),
+                              known=lambda labels: self._known_group(labels[0]))
         m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
         m.add_gauge_collector("rocketmq_producer_connections", "Live producer connections, by group.",
                               ["producer_group"], snap("producers"))
