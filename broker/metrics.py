@@ -117,6 +117,10 @@ class BrokerMetrics:
     # (100,000 an address, and again for each address): made-up groups' offsets made each line 4 MB, 5.7 GB a
     # day kept for metrics_snapshot_retention_days on the store's disk. 200 groups of 160 queues are 32,000.
     max_snapshot_lag_rows = 50_000
+    # ... and the bytes their group and topic names take in the line, at most this: a group name may be 255
+    # characters, each a 12-byte JSON escape (an emoji), so 50,000 made-up rows were a 150 MB line each minute.
+    # 32,000 rows of 60-byte names and topics are 3.5 MB with the rest of each row.
+    max_snapshot_lag_bytes = 4 * 1024 * 1024
 
     def __init__(self):
         # ``*_created`` series (one per counter and histogram child) are noise nobody graphs; the
@@ -487,23 +491,31 @@ class BrokerMetrics:
         and logged; the rows of the groups ``known`` (group -> bool) says True of first. Sorts: call it on a
         thread, with the encoding."""
         rows = snapshot.get("consumer_lag", [])
-        over = len(rows) - self.max_snapshot_lag_rows
+        sizes = [_row_bytes(r) for r in rows]
         was = self._folded.get(SNAPSHOT_LAG, 0)
-        self._folded[SNAPSHOT_LAG] = max(0, over)
-        if over <= 0:
+        if len(rows) <= self.max_snapshot_lag_rows and sum(sizes) <= self.max_snapshot_lag_bytes:
+            self._folded[SNAPSHOT_LAG] = 0
             if was:
                 log.info("metric snapshots hold every consumer-lag row again (%d)", len(rows))
             return snapshot
-        if not was:
-            log.warning("metric snapshots: %d consumer offsets, more than %d: the smallest lags of %d are summed in "
-                        "one row of group %s (names a client makes up?)", len(rows), self.max_snapshot_lag_rows,
-                        over, OTHER)
         if known is None:
             order = sorted(range(len(rows)), key=lambda i: rows[i]["lag"], reverse=True)
         else:
             order = sorted(range(len(rows)), key=lambda i: (known(rows[i]["group"]), rows[i]["lag"]), reverse=True)
-        rest = sum(rows[i]["lag"] for i in order[self.max_snapshot_lag_rows:])
-        kept = [rows[i] for i in sorted(order[:self.max_snapshot_lag_rows])]
+        kept, used, rest = [], 0, 0
+        for i in order:
+            if len(kept) < self.max_snapshot_lag_rows and used + sizes[i] <= self.max_snapshot_lag_bytes:
+                kept.append(i)
+                used += sizes[i]
+            else:
+                rest += rows[i]["lag"]
+        over = len(rows) - len(kept)
+        self._folded[SNAPSHOT_LAG] = over
+        if not was:
+            log.warning("metric snapshots: %d consumer offsets, more than %d or %d bytes of names: the smallest lags "
+                        "of %d are summed in one row of group %s (names a client makes up?)", len(rows),
+                        self.max_snapshot_lag_rows, self.max_snapshot_lag_bytes, over, OTHER)
+        kept = [rows[i] for i in sorted(kept)]
         kept.append({"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": rest})
         return {**snapshot, "consumer_lag": kept}
 
@@ -689,6 +701,12 @@ def _is_date(text: str) -> bool:
         return time.strftime("%Y-%m-%d", time.strptime(text, "%Y-%m-%d")) == text
     except ValueError:
         return False
+
+
+def _row_bytes(row: dict) -> int:
+    """About the bytes a consumer_lag row takes in a snapshot line: its names as JSON writes them (a character
+    outside ASCII as one or two 6-byte escapes), and 45 for the rest."""
+    return sum(len(v) if v.isascii() else len(json.dumps(v)) for v in (row["group"], row["topic"])) + 45
 
 
 def _encode(snapshot: dict) -> str:

@@ -98,7 +98,7 @@ async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_fa
     assert {"group": "CG_real", "topic": "Folded", "queue_id": 0, "lag": 3} in rows
     assert rows[-1] == {"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": made_up - (cap - 1)}
     assert (await loop.run_in_executor(None, _scrape, broker))[1]["snapshot_consumer_lag"] >= made_up + 1 - cap
-    assert f"more than {cap}: the smallest lags of" in broker.log()
+    assert f"more than {cap} or {BrokerMetrics.max_snapshot_lag_bytes} bytes of names: the smallest lags of" in broker.log()
 
 
 @bounded(120)
@@ -156,3 +156,42 @@ async def test_made_up_groups_with_larger_lags_cannot_push_the_real_groups_out(b
     assert len(rows) == BrokerMetrics.max_snapshot_lag_rows + 1
     for group in ("CG_live", "CG_stored"):
         assert {"group": group, "topic": "Folded", "queue_id": 0, "lag": 1} in rows
+
+
+@bounded(120)
+async def test_long_made_up_group_names_cannot_grow_a_snapshot_line_past_its_budget(broker_factory):
+    """The snapshot rows were capped by count only (50,000), and a group name may be 255 characters: written as
+    JSON escapes (\\ud83d\\ude00, 12 bytes one), a row of a made-up name is some 3 KB, so 50,000 of them made each
+    minute's line 150 MB on the store's disk (the count cap's own reason: 4 MB lines were too much). Rows are kept
+    within max_snapshot_lag_bytes too, the rest summed under _other as for the count."""
+    broker = broker_factory("--metrics-snapshot-interval-s", "1")
+    per_row = 12 * 255
+    made_up = BrokerMetrics.max_snapshot_lag_bytes // per_row + 500       # far fewer than the row cap
+    assert made_up < BrokerMetrics.max_snapshot_lag_rows
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+        assert sent.code == ResponseCode.SUCCESS
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            name = f"{i:06d}" + "\U0001F600" * 249
+            async with room:
+                return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": name, "topic": "Folded", "queueId": 0, "commitOffset": 0}), 30)).code
+        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
+    finally:
+        conn.close()
+    loop = asyncio.get_running_loop()
+    for _ in range(300):            # until a snapshot taken after the commits (one a second)
+        rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
+        if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == made_up:
+            break
+        await asyncio.sleep(0.1)
+    assert sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == made_up
+    files = sorted((Path(broker.store_dir) / "metrics").glob("*.jsonl"))
+    last = files[-1].read_bytes().splitlines()[-1]
+    assert len(last) <= BrokerMetrics.max_snapshot_lag_bytes + 4096, len(last)
+    assert rows[-1]["group"] == OTHER and rows[-1]["lag"] > 0
