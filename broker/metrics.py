@@ -111,6 +111,10 @@ class BrokerMetrics:
     # sets that have not moved for ``idle_s`` give their places up; while none has, new ones are counted under
     # OTHER, so sums over a label stay exact.
     max_series = 10_000
+    # A scrape-time gauge's label values (group names: up to 255 characters, an emoji 4 bytes) in the series it
+    # names, at most this many bytes; the rest under OTHER as past max_series. By count alone, 10,000 made-up
+    # groups of such names were 10 MB of every scrape, stored by Prometheus. 10,000 series of 100 bytes fit.
+    max_series_bytes = 2 * 1024 * 1024
     idle_s = 3600.0
     # Consumer-lag rows (one a consumer offset) one metric snapshot line keeps: the largest lags, the rest summed
     # in one row (group and topic OTHER, queue -1). Offsets cost a client nothing up to max_offsets_per_host
@@ -547,20 +551,31 @@ class BrokerMetrics:
         largest of all), so the rows ``known`` says True of (groups the broker knows other than by a name a
         client wrote) come first: ranked by value alone, made-up groups pushed every real one under OTHER, and
         the alert on its lag went quiet."""
-        over = len(rows) - self.max_series
         was = self._folded.get(name, 0)
-        self._folded[name] = max(0, over)
-        if over <= 0:
+        # (label values are at most 1,150 bytes a row: below this many rows no sizes need counting)
+        sizes = None if len(rows) * 1150 <= self.max_series_bytes else [_label_bytes(r[0]) for r in rows]
+        if len(rows) <= self.max_series and (sizes is None or sum(sizes) <= self.max_series_bytes):
+            self._folded[name] = 0
             if was:
                 log.info("%s has %d series again: none counted under %s", name, len(rows), OTHER)
             return rows
-        if not was:
-            log.warning("%s has %d series, more than %d: the smallest %d are counted under %s (names a client "
-                        "makes up?)", name, len(rows), self.max_series, over, OTHER)
         if known is None:
             kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: rows[i][1])
         else:
             kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: (known(rows[i][0]), rows[i][1]))
+        if sizes is not None and sum(sizes[i] for i in kept) > self.max_series_bytes:
+            within, used = [], 0
+            for i in kept:                      # (largest first)
+                if used + sizes[i] <= self.max_series_bytes:
+                    within.append(i)
+                    used += sizes[i]
+            kept = within
+        over = len(rows) - len(kept)
+        self._folded[name] = over
+        if not was:
+            log.warning("%s has %d series, more than %d or %d bytes of labels: the smallest %d are counted under %s "
+                        "(names a client makes up?)", name, len(rows), self.max_series, self.max_series_bytes, over,
+                        OTHER)
         named = set(kept)
         rest = fold(value for i, (_labels, value) in enumerate(rows) if i not in named)
         return [rows[i] for i in sorted(kept)] + [((OTHER,) * len(rows[0][0]), rest)]
@@ -701,6 +716,11 @@ def _is_date(text: str) -> bool:
         return time.strftime("%Y-%m-%d", time.strptime(text, "%Y-%m-%d")) == text
     except ValueError:
         return False
+
+
+def _label_bytes(labels) -> int:
+    """The UTF-8 bytes of a series' label values."""
+    return sum(len(v) if v.isascii() else len(v.encode("utf-8", "surrogatepass")) for v in map(str, labels))
 
 
 def _row_bytes(row: dict) -> int:

@@ -86,7 +86,8 @@ async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_fa
     assert lag[(OTHER, OTHER)] == made_up - (BrokerMetrics.max_series - 1)     # those of lag 1 with no place
     assert folded[LAG] >= made_up + 1 - BrokerMetrics.max_series  # (and any group of lag 0 the broker has)
     assert folded["rocketmq_consumer_connections"] == 0
-    assert f"series, more than {BrokerMetrics.max_series}: the smallest" in broker.log()
+    assert f"series, more than {BrokerMetrics.max_series} or {BrokerMetrics.max_series_bytes} bytes of labels: the " \
+           "smallest" in broker.log()
 
     cap = BrokerMetrics.max_snapshot_lag_rows
     for _ in range(200):            # until a snapshot taken after the commits (one a second)
@@ -195,3 +196,49 @@ async def test_long_made_up_group_names_cannot_grow_a_snapshot_line_past_its_bud
     last = files[-1].read_bytes().splitlines()[-1]
     assert len(last) <= BrokerMetrics.max_snapshot_lag_bytes + 4096, len(last)
     assert rows[-1]["group"] == OTHER and rows[-1]["lag"] > 0
+
+
+def _lag_label_bytes(broker) -> tuple[int, float]:
+    """(the bytes of the lag gauge's label values in one scrape, the sum of its values)."""
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10).read().decode()
+    size, total = 0, 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == LAG and s.labels["topic"] in ("Folded", OTHER):
+                size += sum(len(v.encode()) for v in s.labels.values())
+                total += s.value
+    return size, total
+
+
+@bounded(120)
+async def test_long_made_up_group_names_cannot_grow_the_lag_gauge_past_its_budget(broker):
+    """The lag gauge's series were capped by count only (10,000), and a group name may be 255 characters (an
+    emoji is 4 bytes of UTF-8): 10,000 made-up groups with such names made every scrape 10 MB of labels, which
+    Prometheus stores. The named series are kept within max_series_bytes of label values too."""
+    per_row = 4 * 249 + 6 + len("Folded")
+    made_up = BrokerMetrics.max_series_bytes // per_row + 500           # far fewer than max_series
+    assert made_up < BrokerMetrics.max_series
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+        assert sent.code == ResponseCode.SUCCESS
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            async with room:
+                return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": f"{i:06d}" + "\U0001F600" * 249, "topic": "Folded", "queueId": 0,
+                    "commitOffset": 0}), 30)).code
+        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
+    finally:
+        conn.close()
+    loop = asyncio.get_running_loop()
+    for _ in range(200):
+        size, total = await loop.run_in_executor(None, _lag_label_bytes, broker)
+        if total == made_up:
+            break
+        await asyncio.sleep(0.1)
+    assert total == made_up
+    assert size <= BrokerMetrics.max_series_bytes, size
