@@ -531,10 +531,11 @@ class BrokerMetrics:
         class _Folded:
             def collect(self_inner):
                 family = GaugeMetricFamily("txmq_metric_series_folded", "Series of a scrape-time gauge past the "
-                                           f"{self.max_series} it names, counted under the {OTHER} label at the "
-                                           f"last scrape, by metric ({SNAPSHOT_LAG}: the last metric snapshot's "
-                                           f"consumer-lag rows past {self.max_snapshot_lag_rows}).",
-                                           labels=["metric"])
+                                           f"{self.max_series} (or {self.max_series_bytes} bytes of label values) "
+                                           f"it names, counted under the {OTHER} label at the last scrape, by "
+                                           f"metric ({SNAPSHOT_LAG}: the last metric snapshot's consumer-lag rows "
+                                           f"past {self.max_snapshot_lag_rows} or {self.max_snapshot_lag_bytes} "
+                                           "bytes of names).", labels=["metric"])
                 for name, n in list(folded.items()):
                     family.add_metric([name], n)
                 yield family
