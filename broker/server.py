@@ -118,6 +118,8 @@ class BrokerServer:
                               trace_topic=c.trace_topic_enable,
                               per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
+        clients.call_later = loop.call_later
+        clients.on_notice_merged = self.metrics.notices_merged.inc
         topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         config_dir = os.path.join(store_dir, "config")
@@ -333,7 +335,8 @@ class BrokerServer:
         m.registry.register(_Refresh())
         snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
-                              ["consumer_group", "topic"], snap("lag"))
+                              ["consumer_group", "topic"], snap("lag"),
+                              known=lambda labels: self._known_group(labels[0]))
         m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
         m.add_gauge_collector("rocketmq_producer_connections", "Live producer connections, by group.",
                               ["producer_group"], snap("producers"))
@@ -341,7 +344,7 @@ class BrokerServer:
                               ["consumer_group"], snap("consumers"))
         m.add_gauge_collector("txmq_half_message_oldest_age_seconds",
                               "Age of the oldest undecided half message, by producer group (absent: none).",
-                              ["producer_group"], snap("oldest_half"))
+                              ["producer_group"], snap("oldest_half"), fold=max)
         m.describe_broker(self.config)
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
         m.add_gauge_collector("txmq_unsent_response_bytes", "Response bytes all connections hold that their "
@@ -371,6 +374,7 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_diverged", "On a slave, 1 while its log has diverged from its "
                               "master's (it appends nothing; rebuild its store); absent elsewhere.", [],
                               snap("ha_diverged"))
+        m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -661,7 +665,17 @@ class BrokerServer:
             lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
                     for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
-        return await asyncio.to_thread(append_snapshot, store_dir, self.metrics.snapshot(connections, lag))
+        snapshot = self.metrics.snapshot(connections, lag)
+        return await asyncio.to_thread(lambda: append_snapshot(store_dir, self.metrics.fold_snapshot(
+            snapshot, self._known_group)))
+
+    def _known_group(self, group: str) -> bool:
+        """A consumer group the broker knows other than by a name a client wrote in an offset: one with a
+        consumer connected, or one an operator created (its consumers may all be down: its lag matters most
+        then). Named first where lag rows are capped (metrics._fold_past_limit). Read off the loop (scrape and
+        snapshot threads): dict lookups only."""
+        subs = self.ctx.subscriptions
+        return group in self.ctx.clients.consumers or (subs is not None and group in subs.groups)
 
     # -------------------------------------------------------------- shutdown
     async def stop(self, grace_s: float = 5.0) -> None:
