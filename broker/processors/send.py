@@ -153,19 +153,32 @@ def _after_queue_file(ctx, cmd, topic: str, qid: int, go):
             if not out.done():
                 out.set_exception(exc)
         else:
-            try:
-                answer = go()
-            except Exception as exc:  # noqa: BLE001 - this request's error reply
-                if not out.done():
-                    out.set_exception(exc)
-                return
-            if isawaitable(answer):
-                ensure_future(answer).add_done_callback(partial(_chain, out))
-            else:
-                _settle(out, None if answer is DEFERRED else answer)
+            _go(out, go)
 
     ctx.store.make_queue_file(topic, qid, ready)
     return out
+
+
+def _after(gate, go):
+    """A future of ``go()``'s answer, run once ``gate`` is done (TopicManager.made_durable): sends waiting on one
+    gate run in the order they came."""
+    out = get_running_loop().create_future()
+    gate.add_done_callback(lambda _: _go(out, go))
+    return out
+
+
+def _go(out, go) -> None:
+    """Run ``go`` and settle ``out`` with its answer (None: it answers by itself, DEFERRED)."""
+    try:
+        answer = go()
+    except Exception as exc:  # noqa: BLE001 - this request's error reply
+        if not out.done():
+            out.set_exception(exc)
+        return
+    if isawaitable(answer):
+        ensure_future(answer).add_done_callback(partial(_chain, out))
+    else:
+        _settle(out, None if answer is DEFERRED else answer)
 
 
 def _settle(out, answer) -> None:
@@ -209,6 +222,10 @@ def handle_send(ctx, conn, cmd):
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
+    if ctx.topics.unsaved:          # a topic made moments ago: stored once it is written (made_durable)
+        gate = ctx.topics.made_durable(h.topic)
+        if gate is not None:
+            return _after(gate, partial(handle_send, ctx, conn, cmd))
     _, qid = checked
     body = cmd.body
     if len(body) > ctx.config.max_message_size:
@@ -234,6 +251,9 @@ def handle_send(ctx, conn, cmd):
             refused = _ensure_back_topic(ctx, conn, cmd, topic)     # made as send-back makes it
             if refused is not None:
                 return refused
+            gate = ctx.topics.made_durable(topic)
+            if gate is not None:
+                return _after(gate, partial(handle_send, ctx, conn, cmd))
             qid = 0
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
@@ -414,6 +434,10 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
+    if ctx.topics.unsaved:          # as handle_send's
+        gate = ctx.topics.made_durable(h.topic)
+        if gate is not None:
+            return _after(gate, partial(handle_batch, ctx, conn, cmd, h))
     _, qid = checked
     if len(cmd.body) > ctx.config.max_message_size:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL,
@@ -644,6 +668,9 @@ async def handle_send_back(ctx, conn, cmd):
     refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
     if refused is not None:
         return refused
+    gate = ctx.topics.made_durable(topic)       # as a send's: a topic made moments ago is written first
+    if gate is not None:
+        await gate
     # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries. Never past
     # the queues the topic has (a queue limit can keep it from growing): a queue past them would never be read.
     writable = ctx.topics.topics[topic].write_queue_nums

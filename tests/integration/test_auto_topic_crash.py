@@ -1,0 +1,65 @@
+"""A topic a send made (auto-creation, a send-back's %RETRY%) survives a SIGKILL that comes right after the send's
+answer with the queues and perm it was made with.
+
+Its catalogue write was batched up to 100 ms after the SEND_OK: killed before it, the broker came back with the
+topic restored from the store's queues -- one queue when only queue 0 held a message -- and sends to queues 1-3
+(every client still held the 4-queue route) were refused SYSTEM_ERROR "queueId illegal" for good: the restored
+topic never grew back. The kill here follows each acknowledged send at once, so it always falls inside that
+window."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import encode_batch
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+
+def _hostport(addr):
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+def _send(topic: str, queue_id: int, batch: bool = False) -> RemotingCommand:
+    code = RequestCode.SEND_BATCH_MESSAGE if batch else RequestCode.SEND_MESSAGE
+    body = encode_batch([(0, b"m", "")]) if batch else b"m"
+    return RemotingCommand.request(code, {
+        "producerGroup": "PG_auto", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": 4,
+        "queueId": queue_id, "sysFlag": 0, "bornTimestamp": 0, "flag": 0, "properties": ""}, body)
+
+
+async def _topic_table(conn) -> dict:
+    reply = await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5)
+    assert reply.code == ResponseCode.SUCCESS, reply.remark
+    return json.loads(reply.body_bytes())["topicConfigTable"]
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["send", "batch"])
+@bounded(90)
+async def test_a_topic_made_by_a_send_keeps_its_queues_through_a_kill_right_after_its_send_ok(
+        broker_factory, batch):
+    b = broker_factory()
+    conn = await open_connection(*_hostport(b.broker))
+    try:
+        reply = await conn.request(_send("AutoMade", 0, batch), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+    finally:
+        conn.close()
+    b.kill()                # acknowledged: whatever the broker still had to write is its own business
+
+    b = broker_factory()
+    conn = await open_connection(*_hostport(b.broker))
+    try:
+        made = (await _topic_table(conn))["AutoMade"]
+        assert (made["readQueueNums"], made["writeQueueNums"], made["perm"]) == (4, 4, 6)
+        for qid in range(4):    # every queue of the route the clients were given takes messages
+            reply = await conn.request(_send("AutoMade", qid, batch), 5)
+            assert reply.code == ResponseCode.SUCCESS, (qid, reply.remark)
+    finally:
+        conn.close()
