@@ -5,7 +5,9 @@ topic created by a send survives a restart with its queue count. Once the broker
 serves, writes leave the event loop: a change marks the catalogue dirty and one
 write (serialise, fsync, rename) runs on a config thread at most every 100 ms for
 all the changes since -- a flood of new topics costs one write per batch, not a
-rewrite of the whole file per topic on the loop. A crash before the write loses
+rewrite of the whole file per topic on the loop. A send to a topic made moments
+ago is stored only once it is written (``made_durable``): restored from the
+store, a topic has only the queues that hold messages. A crash before the write loses
 no message: ``adopt`` restores any topic the store holds queues for, and
 ``queue_appeared`` one whose first queue comes later (a half committed, a delayed
 message delivered after the restart). An operator's change (UPDATE_AND_CREATE_TOPIC,
@@ -274,7 +276,7 @@ class TopicManager:
         """None when ``topic`` was not made since the catalogue was last written; else a future done once it is
         written (at once, on the config thread, as ``saved``), the same for every send to the topic until then.
 
-        For the sends that make a topic (auto-creation, a send-back's %RETRY% or %DLQ%): answered SEND_OK while
+        For the sends that make a topic (processors/send.py; a slave's sync waits with ``saved``): answered SEND_OK while
         the batched write was still up to 100 ms away, a broker killed then came back with the topic restored from
         the store's queues -- one queue when only queue 0 held a message, where clients held a route of four, and
         each send to queues 1-3 was refused SYSTEM_ERROR "queueId illegal" for good. Such sends wait before they

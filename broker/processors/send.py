@@ -251,9 +251,6 @@ def handle_send(ctx, conn, cmd):
             refused = _ensure_back_topic(ctx, conn, cmd, topic)     # made as send-back makes it
             if refused is not None:
                 return refused
-            gate = ctx.topics.made_durable(topic)
-            if gate is not None:
-                return _after(gate, partial(handle_send, ctx, conn, cmd))
             qid = 0
             props[Prop.DELAY] = "0"
     props[Prop.CLUSTER] = ctx.config.cluster_name
@@ -668,9 +665,6 @@ async def handle_send_back(ctx, conn, cmd):
     refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
     if refused is not None:
         return refused
-    gate = ctx.topics.made_durable(topic)       # as a send's: a topic made moments ago is written first
-    if gate is not None:
-        await gate
     # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries. Never past
     # the queues the topic has (a queue limit can keep it from growing): a queue past them would never be read.
     writable = ctx.topics.topics[topic].write_queue_nums

@@ -8,6 +8,7 @@ topic never grew back. The kill here follows each acknowledged send at once, so 
 window."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -63,3 +64,18 @@ async def test_a_topic_made_by_a_send_keeps_its_queues_through_a_kill_right_afte
             assert reply.code == ResponseCode.SUCCESS, (qid, reply.remark)
     finally:
         conn.close()
+
+
+@bounded(60)
+async def test_sends_pipelined_to_a_new_topic_are_stored_in_the_order_they_came(broker):
+    """The first sends to a new topic wait for its catalogue write, together: queued behind it, none may overtake
+    another (a send arriving as the write ends included), or an orderly producer's messages swap places."""
+    n = 64
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        pending = [asyncio.ensure_future(conn.request(_send("Pipelined", 0), 10)) for _ in range(n)]
+        replies = await asyncio.gather(*pending)
+    finally:
+        conn.close()
+    assert [r.code for r in replies] == [ResponseCode.SUCCESS] * n
+    assert [int(r.ext_fields["queueOffset"]) for r in replies] == list(range(n))
