@@ -1,12 +1,12 @@
-"""A topic a send made (auto-creation, a send-back's %RETRY%) survives a SIGKILL that comes right after the send's
-answer with the queues and perm it was made with.
+"""A topic a send made (auto-creation; a transaction's half names it) survives a SIGKILL that comes right after the
+send's answer, with the queues and perm it was made with.
 
-Its catalogue write was batched up to 100 ms after the SEND_OK: killed before it, the broker came back with the
-topic restored from the store's queues -- one queue when only queue 0 held a message -- and sends to queues 1-3
-(every client still held the 4-queue route) were refused SYSTEM_ERROR "queueId illegal" for good: the restored
-topic never grew back. The kill here follows each acknowledged send at once, so it always falls inside that
-window (when the first send's queue file took longer than that to make, the write came before the SEND_OK and the
-old code passed too: the assertions mean the same either way)."""
+Its catalogue write was batched up to 100 ms after the topic was made: killed before it, the broker came back with
+the topic restored from the store's queues -- one queue when only queue 0 held a message, none for a half's topic --
+and sends to queues 1-3 (every client still held the 4-queue route) were refused SYSTEM_ERROR "queueId illegal" for
+good: the restored topic never grew back. The kill here follows the acknowledged send at once, so it nearly always
+fell inside that window (when the first send's queue file took longer to make, the write came before the SEND_OK
+and the old code passed too: the assertions mean the same either way)."""
 from __future__ import annotations
 
 import asyncio
