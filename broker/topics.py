@@ -123,6 +123,7 @@ class TopicManager:
         # Topics made since the catalogue was last written, each with the change count that made it, or, once a
         # send to it waits (``made_durable``), the future it waits on. Empty nearly always: a send looks at it.
         self.unsaved: dict[str, int | asyncio.Future] = {}
+        self._waiting: dict[asyncio.Future, list] = {}     # each gate's sends (``when_durable``), in order
         self.topics: dict[str, TopicConfig] = {}
         self._restored: set[str] = set()    # topics the store's queues made again (adopt, queue_appeared)
         # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
@@ -280,8 +281,8 @@ class TopicManager:
         the batched write was still up to 100 ms away, a broker killed then came back with the topic restored from
         the store's queues -- one queue when only queue 0 held a message, where clients held a route of four, and
         each send to queues 1-3 was refused SYSTEM_ERROR "queueId illegal" for good. Such sends wait before they
-        are stored, so they keep their order: the future's callbacks run in the order the sends came, and the
-        topic leaves ``unsaved`` in the same step, before any later send is looked at. Only the first sends to a
+        are stored (``when_durable``), so they keep their order: they run in the order they came, in the step
+        the topic leaves ``unsaved``, before any later send is looked at. Only the first sends to a
         new topic wait, and they share the coalesced writes (a flood of new topics: one write at a time)."""
         held = self.unsaved.get(topic)
         if held is None or held.__class__ is not int:
@@ -294,6 +295,19 @@ class TopicManager:
         asyncio.ensure_future(self.saved()).add_done_callback(partial(self._topic_saved, topic, gate))
         return gate
 
+    def when_durable(self, topic: str, run) -> bool:
+        """False when ``topic`` has nothing to wait for (``made_durable``); else ``run()`` is called once it is
+        written, after the sends that waited before it, in the very step the topic leaves ``unsaved``.
+
+        Not a callback of the gate: those run a loop turn after it is done, and a send read in between (the
+        next frame of the same connection) found the topic gone from ``unsaved`` and was stored ahead of the
+        sends that had waited -- an async or orderly producer's messages swapped in their queue."""
+        gate = self.made_durable(topic)
+        if gate is None:
+            return False
+        self._waiting.setdefault(gate, []).append(run)
+        return True
+
     def _topic_saved(self, topic: str, gate: asyncio.Future, saving: asyncio.Future) -> None:
         # A write that failed was logged (``_written``) and is retried: the sends go on, their messages restored
         # from the store's queues should the broker stop before the catalogue is written, as before.
@@ -302,6 +316,11 @@ class TopicManager:
             del self.unsaved[topic]
         if not gate.done():
             gate.set_result(None)
+        for run in self._waiting.pop(gate, ()):     # now, in order: no later send can come between
+            try:
+                run()
+            except Exception:  # noqa: BLE001 - a bug in one send must not strand the others
+                log.exception("a send waiting for topic %s to be written failed", topic)
 
     def _forget_saved(self) -> None:
         """Drop from ``unsaved`` the topics a catalogue write just took that no send waits on."""

@@ -159,11 +159,12 @@ def _after_queue_file(ctx, cmd, topic: str, qid: int, go):
     return out
 
 
-def _after(gate, go):
-    """A future of ``go()``'s answer, run once ``gate`` is done (TopicManager.made_durable): sends waiting on one
-    gate run in the order they came."""
+def _after_durable(ctx, topic: str, go):
+    """None when ``topic`` needs no wait; else a future of ``go()``'s answer, run once topics.json holds the topic
+    (TopicManager.when_durable): sends waiting for one topic run in the order they came, before any later one."""
     out = get_running_loop().create_future()
-    gate.add_done_callback(lambda _: _go(out, go))
+    if not ctx.topics.when_durable(topic, partial(_go, out, go)):
+        return None
     return out
 
 
@@ -222,10 +223,10 @@ def handle_send(ctx, conn, cmd):
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
-    if ctx.topics.unsaved:          # a topic made moments ago: stored once it is written (made_durable)
-        gate = ctx.topics.made_durable(h.topic)
-        if gate is not None:
-            return _after(gate, partial(handle_send, ctx, conn, cmd))
+    if h.topic in ctx.topics.unsaved:   # a topic made moments ago: stored once it is written (made_durable)
+        waits = _after_durable(ctx, h.topic, partial(handle_send, ctx, conn, cmd))
+        if waits is not None:
+            return waits
     _, qid = checked
     body = cmd.body
     if len(body) > ctx.config.max_message_size:
@@ -431,10 +432,10 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
-    if ctx.topics.unsaved:          # as handle_send's
-        gate = ctx.topics.made_durable(h.topic)
-        if gate is not None:
-            return _after(gate, partial(handle_batch, ctx, conn, cmd, h))
+    if h.topic in ctx.topics.unsaved:   # as handle_send's
+        waits = _after_durable(ctx, h.topic, partial(handle_batch, ctx, conn, cmd, h))
+        if waits is not None:
+            return waits
     _, qid = checked
     if len(cmd.body) > ctx.config.max_message_size:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL,

@@ -1,0 +1,85 @@
+"""Sends to a topic made moments ago wait for topics.json to hold it (TopicManager.made_durable), and are stored
+in the order they came -- those that came while the write ran, and those read just as it ended.
+
+In-process, over TCP: the catalogue write is held by a threading.Event, and the frame "read just as it ended" is
+handed to the broker's connection (data_received, as the transport does) in the loop turn that ends the wait --
+the turn where, before the fix, the topic had left the waiting table and the waiting sends had not run yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import pytest
+
+from broker import topics as topics_module
+from broker.config import BrokerConfig
+from broker.server import BrokerServer
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from protocol.command import RemotingCommand
+from tests.support.bounded import bounded
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+_OPAQUES = itertools.count(1 << 24)
+
+
+def _send(topic: str, body: bytes) -> RemotingCommand:
+    return RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=body, ext_fields={
+        "producerGroup": "PG_order", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
+        "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""})
+
+
+def _held_saves(monkeypatch):
+    """topics.json writes held until ``release`` is set; ``started`` once the first is under way."""
+    real_save, started, release = topics_module.save, threading.Event(), threading.Event()
+
+    def save(path, data):
+        started.set()
+        assert release.wait(10)
+        real_save(path, data)
+    monkeypatch.setattr(topics_module, "save", save)
+    return started, release
+
+
+@bounded(30)
+async def test_a_send_read_as_the_new_topics_write_ends_is_stored_after_the_sends_that_waited(tmp_path, monkeypatch):
+    """One connection pipelines sends to a new topic (an async producer, or an orderly one's queue): the first
+    waits for the catalogue write; the next frame is read in the loop turn the write's end is handled in. It was
+    stored first -- the topic already out of the waiting table, the waiting sends' callbacks one turn later --
+    and took queue offset 0 ahead of a message sent before it."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    release = threading.Event()
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        [made] = await client.call(_send("Existing", b"x"), 10)        # the connection is there, its first file too
+        assert made.code == C.SUCCESS, made.remark
+        started, release = _held_saves(monkeypatch)
+        [conn] = list(server.connections["broker"])
+        tm = server.ctx.topics
+        first, second = _send("Ordered", b"first"), _send("Ordered", b"second")
+        real_topic_saved = tm._topic_saved
+
+        def saved_then_read(*args):
+            real_topic_saved(*args)
+            conn.data_received(second.encode())     # the next frame, read in this very turn
+        monkeypatch.setattr(tm, "_topic_saved", saved_then_read)
+
+        client.write(first.encode())
+        while not started.is_set():             # the catalogue write under way (polled, bounded by the test)
+            await asyncio.sleep(0.01)
+        release.set()
+        [a] = await client.reply(first.opaque, 10)
+        [b] = await client.reply(second.opaque, 10)
+        assert (a.code, b.code) == (C.SUCCESS, C.SUCCESS), (a.remark, b.remark)
+        assert (a.ext_fields["queueOffset"], b.ext_fields["queueOffset"]) == ("0", "1")
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
