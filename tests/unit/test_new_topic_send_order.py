@@ -83,3 +83,61 @@ async def test_a_send_read_as_the_new_topics_write_ends_is_stored_after_the_send
         if client is not None:
             client.close()
         await server.stop()
+
+
+@bounded(30)
+async def test_a_reply_that_makes_a_topic_is_stored_only_once_topics_json_holds_it(tmp_path, monkeypatch):
+    """SEND_REPLY_MESSAGE makes its topic as a send does (_check_topic: TBW102, the queues it asks for), and stores
+    its copy. It did not wait for the catalogue write: killed then, the broker restored the topic with the one
+    queue holding the copy, where the topic was made with four -- the bug the sends' wait fixed, on this path."""
+    from protocol.message import Prop, properties_to_string
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    release = threading.Event()
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        events = []
+        real_save, started = topics_module.save, threading.Event()
+
+        def save(path, data):
+            started.set()
+            assert release.wait(10)
+            real_save(path, data)
+            if b"ReplyMade" in data:
+                events.append("written")
+        monkeypatch.setattr(topics_module, "save", save)
+        store, tm = server.ctx.store, server.ctx.topics
+        real_put, real_made_durable = store.put, tm.made_durable
+        waits = asyncio.Event()
+
+        def put(req, *a, **kw):
+            if req.topic == "ReplyMade":
+                events.append("stored")
+            return real_put(req, *a, **kw)
+
+        def made_durable(topic):
+            gate = real_made_durable(topic)
+            if topic == "ReplyMade" and gate is not None:
+                waits.set()
+            return gate
+        monkeypatch.setattr(store, "put", put)
+        monkeypatch.setattr(tm, "made_durable", made_durable)
+
+        reply = _send("ReplyMade", b"reply")
+        reply.code = R.SEND_REPLY_MESSAGE
+        reply.ext_fields["properties"] = properties_to_string({Prop.REPLY_TO_CLIENT: "127.0.0.1@gone",
+                                                               "CORRELATION_ID": "c1"})
+        replied = asyncio.ensure_future(client.call(reply, 10))
+        waiting = asyncio.ensure_future(waits.wait())
+        await asyncio.wait({replied, waiting}, return_when=asyncio.FIRST_COMPLETED)    # answered, or it waits
+        waiting.cancel()
+        release.set()
+        [answer] = await replied
+        assert answer.code == C.SYSTEM_ERROR    # (no requester to push it to: its copy is stored all the same)
+        assert events == ["written", "stored"]
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
