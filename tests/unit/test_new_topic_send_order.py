@@ -141,3 +141,29 @@ async def test_a_reply_that_makes_a_topic_is_stored_only_once_topics_json_holds_
         if client is not None:
             client.close()
         await server.stop()
+
+
+@bounded(30)
+async def test_sends_to_a_new_topic_go_ahead_when_topics_json_cannot_be_written(tmp_path, monkeypatch):
+    """A full disk: the catalogue write fails (logged, retried); the sends that waited for it are stored and
+    answered, in order, rather than held until the disk frees up."""
+    import errno
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+
+        def full(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(topics_module, "save", full)
+        sends = [_send("Full", b"%d" % i) for i in range(3)]
+        for send in sends:
+            client.write(send.encode())
+        answers = [(await client.reply(send.opaque, 10))[0] for send in sends]
+        assert [a.code for a in answers] == [C.SUCCESS] * 3, [a.remark for a in answers]
+        assert [a.ext_fields["queueOffset"] for a in answers] == ["0", "1", "2"]
+    finally:
+        if client is not None:
+            client.close()
+        await server.stop()
