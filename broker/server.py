@@ -262,6 +262,7 @@ class BrokerServer:
             self.slave_sync.delete_topic = self._delete_followed_topic
             self.slave_sync.log_end = lambda: ctx.store.max_physical_offset
             self.slave_sync.following = lambda: ctx.ha.following
+            ctx.retention.master_removed_to = self.slave_sync.removable_end    # removes what the master did
             self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""
