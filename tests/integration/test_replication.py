@@ -1388,3 +1388,46 @@ async def test_a_slave_keeps_the_segments_its_master_still_holds_so_promotion_ke
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_promoted_slave_says_which_undecided_halves_its_own_retention_removed(broker_factory):
+    """Disk pressure on a slave still removes a segment its master holds (a full disk stops replication), undecided
+    halves with it. Restarted as the master, the slave's recovery dropped them without a word: never checked,
+    committed or dead-lettered, and nothing said they had been. It now logs an ERROR naming them and counts them
+    (txmq_transaction_halves_lost_total); the slave's cleaner said at the removal what a promotion would lose."""
+    import urllib.request
+
+    from producer import LocalTransactionState, TransactionProducer
+
+    class Undecided:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING,
+                            "--disk-clean-ratio", "0.9998", "--disk-force-clean-ratio", "0.9999", store="master")
+    slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           *SMALL_EXPIRING, "--disk-clean-ratio", "0.0001", "--disk-force-clean-ratio", "0.0002",
+                           store="slave")
+    async with asyncio.timeout(90):
+        async with TransactionProducer(master.namesrv, "PG_promote_lost", Undecided()) as producer:
+            await producer.send_in_transaction(TOPIC, b"undecided")     # in the first segment
+        async with Producer(master.namesrv, "PG_promote_fill") as producer:
+            mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+            for _ in range(0, 1500, 100):
+                await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+        end = await _log_end(master.broker)
+        assert end > 1 << 20
+        while await _log_end(slave.broker) < end or await _min_offset(slave.broker) == 0:
+            await asyncio.sleep(0.05)       # copied, and the first segment removed under pressure
+        assert "undecided halves in it are lost to this slave promoted" in slave.log()
+        master.kill()
+        assert slave.stop() == 0
+        promoted = broker_factory("--broker-role", "ASYNC_MASTER", *SMALL_EXPIRING[:4], store="slave")
+        assert re.search(r"ERROR .*1 undecided half message\(s\) .*no longer in the log", promoted.log()), \
+            promoted.log()[-3000:]
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{promoted.metrics}/metrics", timeout=5).read().decode())
+        assert "txmq_transaction_halves_lost_total 1.0" in text
