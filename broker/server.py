@@ -375,6 +375,13 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_diverged", "On a slave, 1 while its log has diverged from its "
                               "master's (it appends nothing; rebuild its store); absent elsewhere.", [],
                               snap("ha_diverged"))
+        m.add_gauge_collector("txmq_ha_slave_cannot_catch_up", "On a slave, 1 while its master closes every session on "
+                              "its first report and its log holds nothing to compare from instead: retention on the "
+                              "master removed what it still had to copy (rebuild its store); absent elsewhere.", [],
+                              snap("ha_cannot_catch_up"))
+        m.add_gauge_collector("txmq_ha_slaves_behind_log_start", "On a master, slave sessions closed (since start) "
+                              "because the slave was below this master's log start: retention removed what it "
+                              "still had to copy; absent elsewhere.", [], snap("ha_behind"))
         m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
@@ -744,6 +751,9 @@ def _ha_gauges(ha) -> dict:
     out = {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
     if isinstance(ha, ha_roles.HASlave):
         out["ha_diverged"] = [((), int(ha.diverged is not None))]
+        out["ha_cannot_catch_up"] = [((), int(ha.cannot_catch_up is not None))]
+    else:
+        out["ha_behind"] = [((), ha.behind_total)]
     return out
 
 

@@ -1431,3 +1431,46 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_own_retention_re
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://{promoted.metrics}/metrics", timeout=5).read().decode())
         assert "txmq_transaction_halves_lost_total 1.0" in text
+
+
+async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_cannot_catch_up(broker_factory):
+    """A new slave still copying the master's oldest segment when the master's retention removed it: the master
+    closed each session (a WARNING naming an offset 'not in the log', then an ERROR on every reconnect, every
+    second), the slave said only 'the master closed the connection; reconnecting', for ever, and no metric told.
+    Now each side says it once at ERROR with what to do (rebuild the slave's store), and counts it: the master's
+    txmq_ha_slaves_behind_log_start, the slave's txmq_ha_slave_cannot_catch_up."""
+    import urllib.request
+
+    def gauges(b) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("txmq_ha_")}
+
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "200",
+                            *SMALL_EXPIRING, *CLEANS, store="master")
+    async with Producer(master.namesrv, "PG_overtaken") as producer:
+        mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+        for _ in range(0, 1500, 100):
+            await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+    proxy = _FrameProxy(master.ha, 1 << 19)      # the slave gets half the first segment, then nothing
+    addr = await proxy.start()
+    try:
+        slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", addr,
+                               "--ha-heartbeat-interval-ms", "200", "--ha-housekeeping-interval-ms", "1500",
+                               *SMALL_EXPIRING[:4], store="slave")
+        async with asyncio.timeout(60):
+            while await _log_end(slave.broker) == 0:
+                await asyncio.sleep(0.05)
+            while await _min_offset(master.broker) < 1 << 20:      # the master's retention removed it
+                await asyncio.sleep(0.1)
+            proxy.stop = 1 << 40                                   # later sessions relay everything
+            while (await asyncio.to_thread(gauges, slave)).get("txmq_ha_slave_cannot_catch_up") != 1:
+                await asyncio.sleep(0.1)
+            while (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"] < 4:
+                await asyncio.sleep(0.1)
+        assert slave.log().count("This slave cannot catch up by itself: rebuild its store") == 1
+        said = [line for line in master.log().splitlines() if "cannot catch up" in line]
+        assert 1 <= len(said) <= 2 and all(" ERROR " in line and "Rebuild the slave's store" in line
+                                            for line in said), said
+    finally:
+        await proxy.close()
