@@ -128,7 +128,7 @@ class Retention:
             for seg in sorted(plan.get("segments") or [], key=lambda s: str(s.get("name"))):
                 name = str(seg.get("name"))
                 why = (blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
-                       or self._young_halves(by_name[name], now))
+                       or self._young_halves(by_name[name], now) or self._master_holds(by_name[name]))
                 if why is None:
                     why = await self._remove(by_name[name], "plan", "expired")
                 if why is None:
@@ -250,8 +250,8 @@ class Retention:
                                         "ones after it until disk pressure (%.0f%%): %s", usage * 100,
                                         c.disk_clean_ratio * 100, oldest.name, c.disk_force_clean_ratio * 100, held)
                         break
-                    log.error("disk pressure: removing segment %s, %s: undecided halves in it are lost to this slave "
-                              "promoted before its master decides them", oldest.name, held)
+                    log.error("disk pressure: removing segment %s although %s; undecided halves in it are lost to this "
+                              "slave promoted before its master decides them", oldest.name, held)
                 log.warning("disk %.1f%% used (clean above %.0f%%, force above %.0f%%): removing segment %s (%s)",
                             usage * 100, c.disk_clean_ratio * 100, c.disk_force_clean_ratio * 100, oldest.name,
                             reason)
