@@ -285,7 +285,9 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     # otherwise (with the snapshot, the table holds every decision, its op record removed or not).
     below = range(half_from, store.min_offset(HALF_TOPIC, 0)) if snap is not None and half_from is not None else ()
     removed_q = [q for q in below if tx.table.get(q) is None]
-    _say_removed(tx, removed, removed_q)
+    # Every op record since the snapshot read (none removed): a removed half with no decision was undecided.
+    ops_whole = store.min_offset(OP_TOPIC, 0) <= (op_from or 0)
+    _say_removed(tx, removed, removed_q, ops_whole)
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
@@ -295,13 +297,22 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     return repaired
 
 
-def _say_removed(tx, offsets: list[int], queue_offsets: list[int]) -> None:
+def _say_removed(tx, offsets: list[int], queue_offsets: list[int], ops_whole: bool) -> None:
     """Undecided halves whose records retention removed: a master dead-letters a segment's halves before removing
     it, a slave never does -- its master does, and the slave removes its copy after its master (retention.py),
     unless disk pressure forced it out. Promoted before its master decided them, the slave has nothing left to
-    check, commit or dead-letter: each is said and counted, never dropped without a word."""
+    check, commit or dead-letter: each is said and counted, never dropped without a word. With op records since
+    the snapshot removed as well (``ops_whole`` False), their decisions went with them: a slave promoted after a
+    long run, whose cleaner removed what its master had decided and removed. Said at INFO, not counted: a slave's
+    disk-pressure removal of what its master still held said so at ERROR when it removed it."""
     n = len(offsets) + len(queue_offsets)
     if not n:
+        return
+    if not ops_whole:
+        log.info("transaction recovery: %d half message(s) not known decided are no longer in the log, nor are the "
+                 "op records written since the transaction snapshot: taken as decided (their decisions were "
+                 "removed with them). Commit-log offsets %s; half queue offsets %s", n, _span(offsets),
+                 _span(queue_offsets))
         return
     tx.ctx.metrics.halves_lost.inc(n)
     log.error("transaction recovery: %d undecided half message(s) are no longer in the log (retention removed their "

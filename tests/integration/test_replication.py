@@ -1474,3 +1474,51 @@ async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_can
                                             for line in said), said
     finally:
         await proxy.close()
+
+
+async def test_a_slave_promoted_after_its_cleaner_followed_its_master_reports_no_decided_half_as_lost(tmp_path):
+    """The other side of naming removed undecided halves at promotion: a slave started once (its snapshot then),
+    whose cleaner removed, after its master, segments holding halves and the commits that decided them. Its table
+    has no decision for them (the op records went too): they are not 'lost', and recovery must not say so."""
+    from producer import LocalTransactionState, TransactionProducer
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+
+    class Commits:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+    started = []
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-d", 500), "--broker-role",
+                               "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING, *CLEANS).start()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-d", 500), "--broker-role", "SLAVE",
+                              "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
+                              *SMALL_EXPIRING, *CLEANS).start()
+        started.append(slave)
+        async with asyncio.timeout(90):
+            async with TransactionProducer(ns.addr, "PG_promote_decided", Commits()) as producer:
+                for i in range(3):
+                    await producer.send_in_transaction(TOPIC, f"committed-{i}".encode())    # first segment
+            async with Producer(ns.addr, "PG_promote_fill") as producer:
+                mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+                for _ in range(0, 1500, 100):
+                    await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+            end = await _log_end(master.broker)
+            while await _log_end(slave.broker) < end or await _min_offset(slave.broker) == 0:
+                await asyncio.sleep(0.05)       # copied, and the first segment removed after the master's
+            master.kill()
+            assert slave.stop() == 0
+            promoted = BrokerProcess(tmp_path / "slave", "--broker-role", "ASYNC_MASTER", *SMALL_EXPIRING[:4]).start()
+            started.append(promoted)
+            assert "no longer in the log" not in "\n".join(
+                line for line in promoted.log().splitlines() if " ERROR " in line), promoted.log()[-3000:]
+    finally:
+        for p in reversed(started):
+            p.kill()
