@@ -51,7 +51,7 @@ class SlaveSync:
         self.log_end = lambda: None     # set by the server: the slave's readable log end
         self._topics_version = None     # the master's dataVersion last taken: an unchanged table is not gone over
         self.following = lambda: True   # set by the server: the HA link follows the master's log (HASlave.following)
-        self._master_log: tuple[int, int] | None = None     # (start, end) of the master's log, as it last said
+        self._master_log: tuple[int, int] | None = None     # (start, end) of the master's log, not yet reached
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
 
@@ -128,7 +128,11 @@ class SlaveSync:
         if self._bounds_failing is not None:
             log.warning("master %s's log start learnt again", addr)
             self._bounds_failing = None
-        self._master_log = bounds
+        self.removable_end(self.log_end())      # latches the pending bounds if this slave's log reached them
+        if self._master_log is None:
+            # Replaced only once reached: a slave steadily behind by more than one interval's writes never held the
+            # master's end as last said, replaced at each sync, and so removed nothing until disk pressure.
+            self._master_log = bounds
         self.removable_end(self.log_end())
 
     def removable_end(self, log_end: int | None) -> int | None:
@@ -137,6 +141,7 @@ class SlaveSync:
         bounds = self._master_log
         if bounds is not None and log_end is not None and log_end >= bounds[1]:
             self._removable = bounds[0] if self._removable is None else max(self._removable, bounds[0])
+            self._master_log = None     # reached: the next sync's bounds are the next to wait for
         return self._removable
 
     async def _sync_topics(self, addr: str) -> bool:
