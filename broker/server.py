@@ -263,6 +263,15 @@ class BrokerServer:
             self.slave_sync.log_end = lambda: ctx.store.max_physical_offset
             self.slave_sync.following = lambda: ctx.ha.following
             ctx.retention.master_removed_to = self.slave_sync.removable_end    # removes what the master did
+            if not c.namesrv_addrs:
+                # Said at start: otherwise the first word of it came once the disk passed --disk-clean-ratio, the
+                # next the ERRORs of pressure cleaning at --disk-force-clean-ratio, days later.
+                log.warning("this slave has no --namesrv-addr: it cannot learn where its master's log starts "
+                            "(GET_BROKER_RUNTIME_INFO from the master broker the name server names), so its "
+                            "cleaner removes no expired segment: its disk fills to --disk-force-clean-ratio "
+                            "(%.0f%%), where the oldest segments go with an ERROR each (undecided halves in them "
+                            "lost to this slave promoted). Give it --namesrv-addr",
+                            c.disk_force_clean_ratio * 100)
             self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""

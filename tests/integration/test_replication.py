@@ -1522,3 +1522,12 @@ async def test_a_slave_promoted_after_its_cleaner_followed_its_master_reports_no
     finally:
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_slave_with_no_name_server_says_at_start_that_its_cleaner_removes_no_expired_segment(broker_factory):
+    """It cannot learn its master's log start, so it keeps every expired segment until disk pressure: the first
+    word of it came once the disk was past --disk-clean-ratio, then ERRORs at the force ratio."""
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    assert "its cleaner removes no expired segment" in slave.log()
+    assert "removes no expired segment" not in master.log()
