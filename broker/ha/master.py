@@ -34,6 +34,9 @@ from .waiter import OffsetWatermark
 log = logging.getLogger("txmq.ha")
 
 
+BEHIND_SAID_MAX = 256   # (slave host, offset) pairs remembered as said at ERROR
+
+
 class SlaveBehindError(HAProtocolError):
     """The slave's position is below this master's log start: retention removed what it still had to copy."""
 
@@ -194,6 +197,10 @@ class HAMaster:
         if key in self._behind_said:
             log.debug("slave %s dropped again: %s", link.peer, exc)
             return
+        if len(self._behind_said) >= BEHIND_SAID_MAX:
+            # Anyone reaching the HA port may report offsets below the log start, a new one each connection:
+            # remembered all, the set grew by one per connection for ever. Forgotten, a slave is said again.
+            self._behind_said.clear()
         self._behind_said.add(key)
         log.error("slave %s dropped: %s (said once; counted in txmq_ha_slaves_behind_log_start)", link.peer, exc)
 
