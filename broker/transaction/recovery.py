@@ -284,9 +284,11 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     # Halves stored after the snapshot and below the half queue's start: removed, undecided unless the table says
     # otherwise (with the snapshot, the table holds every decision, its op record removed or not).
     below = range(half_from, store.min_offset(HALF_TOPIC, 0)) if snap is not None and half_from is not None else ()
-    removed_q = [q for q in below if tx.table.get(q) is None]
     # Every op record since the snapshot read (none removed): a removed half with no decision was undecided.
     ops_whole = store.min_offset(OP_TOPIC, 0) <= (op_from or 0)
+    # Not gone over otherwise: a slave writes its snapshot at start only, and promoted after months its removed
+    # halves since then ran to billions, each looked up and listed only to be said at INFO.
+    removed_q = [q for q in below if tx.table.get(q) is None] if ops_whole else below
     _say_removed(tx, removed, removed_q, ops_whole)
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
@@ -297,7 +299,7 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     return repaired
 
 
-def _say_removed(tx, offsets: list[int], queue_offsets: list[int], ops_whole: bool) -> None:
+def _say_removed(tx, offsets: list[int], queue_offsets, ops_whole: bool) -> None:
     """Undecided halves whose records retention removed: a master dead-letters a segment's halves before removing
     it, a slave never does -- its master does, and the slave removes its copy after its master (retention.py),
     unless disk pressure forced it out. Promoted before its master decided them, the slave has nothing left to
@@ -308,17 +310,23 @@ def _say_removed(tx, offsets: list[int], queue_offsets: list[int], ops_whole: bo
     n = len(offsets) + len(queue_offsets)
     if not n:
         return
-    if not ops_whole:
-        log.info("transaction recovery: %d half message(s) not known decided are no longer in the log, nor are the "
-                 "op records written since the transaction snapshot: taken as decided (their decisions were "
-                 "removed with them). Commit-log offsets %s; half queue offsets %s", n, _span(offsets),
-                 _span(queue_offsets))
+    if not ops_whole:       # queue_offsets: the range removed since the snapshot, decided ones among them
+        log.info("transaction recovery: half messages are no longer in the log (%d the snapshot named undecided; "
+                 "half queue offsets %s, some of them decided), nor are the op records written since the "
+                 "transaction snapshot: taken as decided (their decisions were removed with them). Commit-log "
+                 "offsets %s", len(offsets), _queue_span(queue_offsets), _span(offsets))
         return
     tx.ctx.metrics.halves_lost.inc(n)
     log.error("transaction recovery: %d undecided half message(s) are no longer in the log (retention removed their "
               "segments before they were decided: a slave's disk-pressure cleaning, then promoted): they cannot be "
               "checked, committed or dead-lettered; ask their producers. Commit-log offsets %s; half queue offsets "
               "%s", n, _span(offsets), _span(queue_offsets))
+
+
+def _queue_span(queue_offsets) -> str:
+    if isinstance(queue_offsets, range):
+        return f"{queue_offsets.start} to {queue_offsets.stop - 1}" if len(queue_offsets) else "none"
+    return _span(queue_offsets)
 
 
 def _span(items: list[int], most: int = 20) -> str:
