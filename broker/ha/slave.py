@@ -113,8 +113,9 @@ class HASlave:
                             "(--ha-housekeeping-interval-ms): it is stalled, or the network between us is; "
                             "reconnecting", self.master_addr, self.housekeeping_s)
             except (OSError, HAProtocolError, ValueError) as exc:
-                log.warning("replication from %s stopped: %s; reconnecting", self.master_addr,
-                            exc or type(exc).__name__)
+                # Said at ERROR once (_say_stuck) while the master refuses every session: not again every second
+                log.log(logging.DEBUG if self.cannot_catch_up is not None else logging.WARNING,
+                        "replication from %s stopped: %s; reconnecting", self.master_addr, exc or type(exc).__name__)
                 if isinstance(exc, ConnectionResetError) and self._asked is not None and not self._received:
                     start, n = self._refused       # the master closed the link on our first report
                     self._refused = (self._asked, n + 1 if start == self._asked else 1)
