@@ -1446,8 +1446,16 @@ async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_can
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                 if line.startswith("txmq_ha_")}
 
+    import time
+
+    from tests.integration.test_retention_process import _admin, _plan, _wait_manifest
+
+    # The master's cleaner removes nothing by itself (disk ratios out of reach): the first segment goes by a plan
+    # once the slave is copying it. Cleaned by the 1 s retention instead, it could go before the slave (started
+    # late on a loaded machine) copied a byte: the slave then started past it, got nothing, and the test timed out.
     master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "200",
-                            *SMALL_EXPIRING, *CLEANS, store="master")
+                            *SMALL_EXPIRING, "--disk-clean-ratio", "0.9998", "--disk-force-clean-ratio", "0.9999",
+                            store="master")
     async with Producer(master.namesrv, "PG_overtaken") as producer:
         mq = (await producer.send(TOPIC, b"z" * 1000)).queue
         for _ in range(0, 1500, 100):
@@ -1461,8 +1469,12 @@ async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_can
         async with asyncio.timeout(60):
             while await _log_end(slave.broker) == 0:
                 await asyncio.sleep(0.05)
-            while await _min_offset(master.broker) < 1 << 20:      # the master's retention removed it
-                await asyncio.sleep(0.1)
+            await _wait_manifest(master.store_dir, lambda m: m["segments"] and m["segments"][0]["sealed"])
+            plan = _plan(master.store_dir, int(time.time() * 1000) + 5000, retention_ms=1)
+            plan["segments"] = plan["segments"][:1]
+            rc, reply = await asyncio.to_thread(_admin, master, plan, master.store_dir.parent, "overtake")
+            assert rc == 0 and reply["segments_removed"] == [SEGMENT], reply
+            assert await _min_offset(master.broker) == 1 << 20     # the master's retention removed it
             proxy.stop = 1 << 40                                   # later sessions relay everything
             while (await asyncio.to_thread(gauges, slave)).get("txmq_ha_slave_cannot_catch_up") != 1:
                 await asyncio.sleep(0.1)
