@@ -25,7 +25,12 @@ newest record it cannot date by its clock (stamped ahead of it: the clock steppe
 first, so every later segment waits with it.
 
 A slave runs the disk-pressure cleaner too (expired and pressure), without the halves step: it
-writes nothing, its master dead-letters them. A plan is applied on the master.
+writes nothing, its master dead-letters them. So an expired segment goes from a slave only once its master
+removed it (the master's log start, learnt by ha/sync.py, at or past the segment's end, and the slave's log
+holding the master's log as it was then: the halves' dead-letter records with it); until then the slave keeps
+it, and says so once. Removed first, its undecided halves were lost to the slave promoted before its master
+decided them. Disk pressure still forces it out, with an ERROR that says what a promotion loses. A plan is
+applied on the master.
 
 Consumed or not does not matter (RocketMQ's fileReservedTime): a consumer behind a removed
 segment gets PULL_OFFSET_MOVED and continues from the new minimum. retain_unconsumed_max_bytes
@@ -98,6 +103,10 @@ class Retention:
         self._task: asyncio.Task | None = None
         self._young_said: tuple | None = None   # the segment the cleaner last said young halves keep
         self._undated_said: tuple | None = None  # the segment the cleaner last said it cannot date by this clock
+        self._master_said: tuple | None = None   # the segment the slave's cleaner last said its master holds
+        # (a slave) fn(log end) -> the offset up to which its master removed its log, None while not known
+        # (ha/sync.py SlaveSync.removable_end; set by the server)
+        self.master_removed_to = lambda _end: None
 
     def _probe(self) -> float:
         disk = self.ctx.store.disk   # the store's watermark monitor: one measure of the disk
@@ -119,7 +128,7 @@ class Retention:
             for seg in sorted(plan.get("segments") or [], key=lambda s: str(s.get("name"))):
                 name = str(seg.get("name"))
                 why = (blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
-                       or self._young_halves(by_name[name], now))
+                       or self._young_halves(by_name[name], now) or self._master_holds(by_name[name]))
                 if why is None:
                     why = await self._remove(by_name[name], "plan", "expired")
                 if why is None:
@@ -232,6 +241,17 @@ class Retention:
                     reason, half_reason = "pressure", "disk-pressure"
                 else:
                     break
+                held = self._master_holds(oldest)
+                if held is not None:
+                    if reason == "expired" and usage < c.disk_force_clean_ratio:
+                        if self._master_said != (oldest.name, oldest.start):
+                            self._master_said = (oldest.name, oldest.start)
+                            log.warning("disk %.1f%% used (clean above %.0f%%): keeping expired segment %s and the "
+                                        "ones after it until disk pressure (%.0f%%): %s", usage * 100,
+                                        c.disk_clean_ratio * 100, oldest.name, c.disk_force_clean_ratio * 100, held)
+                        break
+                    log.error("disk pressure: removing segment %s although %s; undecided halves in it are lost to this "
+                              "slave promoted before its master decides them", oldest.name, held)
                 log.warning("disk %.1f%% used (clean above %.0f%%, force above %.0f%%): removing segment %s (%s)",
                             usage * 100, c.disk_clean_ratio * 100, c.disk_force_clean_ratio * 100, oldest.name,
                             reason)
@@ -242,6 +262,19 @@ class Retention:
                 removed.append((oldest.name, reason))
                 usage = self.usage()
         return removed
+
+    def _master_holds(self, facts) -> str | None:
+        """(A slave) why its master may still hold the segment (None: it removed it, or this is no slave)."""
+        if self.ctx.config.broker_role != "SLAVE":
+            return None
+        removed_to = self.master_removed_to(self.ctx.store.max_physical_offset)
+        if removed_to is not None and removed_to >= facts.end:
+            return None
+        if removed_to is None:
+            return ("its master still holds it, as far as this slave knows: it has not learnt where its master's "
+                    "log starts (GET_BROKER_RUNTIME_INFO from the master broker the name server names)")
+        return (f"its master still holds it (the master's log starts at {removed_to}, the segment ends at "
+                f"{facts.end}): the master dead-letters the undecided halves in it first")
 
     def _say_undated(self, oldest, now: int, usage: float) -> None:
         """Once a segment: the oldest cannot expire by the broker's clock, so neither can any after it (oldest

@@ -262,6 +262,16 @@ class BrokerServer:
             self.slave_sync.delete_topic = self._delete_followed_topic
             self.slave_sync.log_end = lambda: ctx.store.max_physical_offset
             self.slave_sync.following = lambda: ctx.ha.following
+            ctx.retention.master_removed_to = self.slave_sync.removable_end    # removes what the master did
+            if not c.namesrv_addrs:
+                # Said at start: otherwise the first word of it came once the disk passed --disk-clean-ratio, the
+                # next the ERRORs of pressure cleaning at --disk-force-clean-ratio, days later.
+                log.warning("this slave has no --namesrv-addr: it cannot learn where its master's log starts "
+                            "(GET_BROKER_RUNTIME_INFO from the master broker the name server names), so its "
+                            "cleaner removes no expired segment: its disk fills to --disk-force-clean-ratio "
+                            "(%.0f%%), where the oldest segments go with an ERROR each (undecided halves in them "
+                            "lost to this slave promoted). Give it --namesrv-addr",
+                            c.disk_force_clean_ratio * 100)
             self.supervisor.spawn("txmq-slave-sync", self.slave_sync.run)
             self.supervisor.spawn("txmq-ha-slave", ctx.ha.run)
             return ""
@@ -374,6 +384,13 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_diverged", "On a slave, 1 while its log has diverged from its "
                               "master's (it appends nothing; rebuild its store); absent elsewhere.", [],
                               snap("ha_diverged"))
+        m.add_gauge_collector("txmq_ha_slave_cannot_catch_up", "On a slave, 1 while its master closes every session on "
+                              "its first report and its log holds nothing to compare from instead: retention on the "
+                              "master removed what it still had to copy (rebuild its store); absent elsewhere.", [],
+                              snap("ha_cannot_catch_up"))
+        m.add_gauge_collector("txmq_ha_slaves_behind_log_start", "On a master, slave sessions closed (since start) "
+                              "because the slave was below this master's log start: retention removed what it "
+                              "still had to copy; absent elsewhere.", [], snap("ha_behind"))
         m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
@@ -743,6 +760,9 @@ def _ha_gauges(ha) -> dict:
     out = {"ha_lag": [((), ha.slave_lag_bytes())], "ha_connected": [((), connected)]}
     if isinstance(ha, ha_roles.HASlave):
         out["ha_diverged"] = [((), int(ha.diverged is not None))]
+        out["ha_cannot_catch_up"] = [((), int(ha.cannot_catch_up is not None))]
+    else:
+        out["ha_behind"] = [((), ha.behind_total)]
     return out
 
 

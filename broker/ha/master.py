@@ -34,6 +34,13 @@ from .waiter import OffsetWatermark
 log = logging.getLogger("txmq.ha")
 
 
+BEHIND_SAID_MAX = 256   # (slave host, offset) pairs remembered as said at ERROR
+
+
+class SlaveBehindError(HAProtocolError):
+    """The slave's position is below this master's log start: retention removed what it still had to copy."""
+
+
 class SlaveLink:
     """One connected slave: where it asked to start and what it last acknowledged."""
 
@@ -56,6 +63,8 @@ class HAMaster:
         self.links: set[SlaveLink] = set()
         self.watermark = OffsetWatermark(config.ha_slave_timeout_ms / 1000)
         self.connections_total = 0
+        self.behind_total = 0           # sessions closed because the slave is below this master's log start
+        self._behind_said: set[tuple[str, int]] = set()     # (slave host, offset) said at ERROR once
 
     # ------------------------------------------------------------ what others ask
     def on_dispatch(self, _info) -> None:
@@ -111,7 +120,9 @@ class HAMaster:
             done, _ = await asyncio.wait({reading, sending}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 exc = task.exception()
-                if isinstance(exc, HAProtocolError):
+                if isinstance(exc, SlaveBehindError):
+                    self._say_behind(link, exc)
+                elif isinstance(exc, HAProtocolError):
                     log.error("slave %s dropped: %s", link.peer, exc)
                 elif isinstance(exc, asyncio.TimeoutError):     # its str() is empty
                     log.warning("slave %s dropped: no offset report for %g s (--ha-housekeeping-interval-ms): "
@@ -161,8 +172,7 @@ class HAMaster:
         if start == 0:
             return                                  # a new slave
         if start < self.store.min_physical_offset:
-            raise HAProtocolError(f"slave {link.peer} asks for offset {start}, but this master's log now starts "
-                                  f"at {self.store.min_physical_offset}: it cannot catch up (start it afresh)")
+            raise self._behind(link, start)
         try:
             chunk = self.store.replica_chunk(start, 1)
         except ValueError as exc:
@@ -172,6 +182,27 @@ class HAMaster:
                 "acknowledgements; rebuild the slave's store") from None
         if chunk is not None:
             chunk.release()
+
+    def _behind(self, link: SlaveLink, offset: int) -> SlaveBehindError:
+        return SlaveBehindError(
+            f"slave {link.peer} is at offset {offset}, but this master's log now starts at "
+            f"{self.store.min_physical_offset}: retention removed what the slave had still to copy, and it cannot "
+            "catch up. Rebuild the slave's store (stop it, empty its store directory, start it): it copies this "
+            "master's log from its start")
+
+    def _say_behind(self, link: SlaveLink, exc: SlaveBehindError) -> None:
+        """Counted each time; said at ERROR once a slave host and offset (it reconnects every second, for ever)."""
+        self.behind_total += 1
+        key = (link.peer.rpartition(":")[0], link.request_offset)
+        if key in self._behind_said:
+            log.debug("slave %s dropped again: %s", link.peer, exc)
+            return
+        if len(self._behind_said) >= BEHIND_SAID_MAX:
+            # Anyone reaching the HA port may report offsets below the log start, a new one each connection:
+            # remembered all, the set grew by one per connection for ever. Forgotten, a slave is said again.
+            self._behind_said.clear()
+        self._behind_said.add(key)
+        log.error("slave %s dropped: %s (said once; counted in txmq_ha_slaves_behind_log_start)", link.peer, exc)
 
     def _start_offset(self, link: SlaveLink) -> int:
         start = link.request_offset
@@ -188,6 +219,8 @@ class HAMaster:
             link.wake.clear()
             chunk = None
             if not stopped:
+                if nxt < self.store.min_physical_offset:    # retention removed it while the slave was copying it
+                    raise self._behind(link, nxt)
                 try:
                     chunk = self.store.replica_chunk(nxt, self.batch)
                 except CorruptRecordError:

@@ -29,7 +29,10 @@ the slave was away and the slave's log ends at the next segment's start (it had 
 record after it): the master then closes the link on the first report ("cannot catch up"). After
 REFUSED_MAX such sessions in a row, closed before a single transfer, the slave compares from the first
 segment start after that record instead; if that is its end there is nothing left to compare, and it
-follows on offsets alone (as RocketMQ 4.x always does) with a WARNING saying so.
+follows on offsets alone (as RocketMQ 4.x always does) with a WARNING saying so. With no segment start
+after that record in its log (a new slave still copying the master's oldest segment when the master's
+retention removed it), it cannot catch up by itself: an ERROR says so once, txmq_ha_slave_cannot_catch_up
+is 1 while it lasts, and the master says it too (ERROR once, txmq_ha_slaves_behind_log_start).
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ class HASlave:
         self._asked: int | None = None          # this session's first report, when it was a comparison start
         self._received = False                  # a transfer came in this session
         self._refused = (None, 0)               # (comparison start, sessions in a row the master closed at once)
+        self.cannot_catch_up: str | None = None     # why the master refuses every session (said once, a gauge)
 
     def slave_lag_bytes(self) -> int:
         """How far this slave's log is behind what the master last said it was sending."""
@@ -109,14 +113,16 @@ class HASlave:
                             "(--ha-housekeeping-interval-ms): it is stalled, or the network between us is; "
                             "reconnecting", self.master_addr, self.housekeeping_s)
             except (OSError, HAProtocolError, ValueError) as exc:
-                log.warning("replication from %s stopped: %s; reconnecting", self.master_addr,
-                            exc or type(exc).__name__)
+                # Said at ERROR once (_say_stuck) while the master refuses every session: not again every second
+                log.log(logging.DEBUG if self.cannot_catch_up is not None else logging.WARNING,
+                        "replication from %s stopped: %s; reconnecting", self.master_addr, exc or type(exc).__name__)
                 if isinstance(exc, ConnectionResetError) and self._asked is not None and not self._received:
                     start, n = self._refused       # the master closed the link on our first report
                     self._refused = (self._asked, n + 1 if start == self._asked else 1)
             finally:
                 if self._received:
                     self._refused = (None, 0)
+                    self.cannot_catch_up = None
                 self.connected = False
                 self._writer = None
                 self._unverified = None
@@ -139,7 +145,9 @@ class HASlave:
         if last is not None and self._refused[0] == last and self._refused[1] >= REFUSED_MAX:
             seg = self.store.segment_size
             later = last - last % seg + seg     # the first segment start after the newest record
-            if later <= end:
+            if later > end:
+                self._say_stuck(last, end)
+            elif later <= end:
                 expected = later
                 log.warning("master %s closed the link %d times on this slave's first report (%d, the start of its "
                             "newest record): its log no longer holds that record -- retention removed the segment "
@@ -191,6 +199,20 @@ class HASlave:
                     self._last_put = put
         finally:
             heartbeat.cancel()
+
+    def _say_stuck(self, last: int, end: int) -> None:
+        """The master closed every session on this slave's first report, and its log holds no later segment start
+        to compare from: most likely the master's retention removed the segment this new slave was still copying.
+        It reconnected every second for ever with a WARNING naming no cause; now an ERROR once, and a gauge."""
+        if self.cannot_catch_up is not None:
+            return
+        self.cannot_catch_up = (f"master {self.master_addr} closed the link {self._refused[1]} times on this slave's "
+                                f"first report ({last}, the start of its newest record; its log ends at {end})")
+        log.error("NOT replicating: %s. Its retention has most likely removed the segment this slave was still "
+                  "copying (the master's log says 'cannot catch up'), or its log is not the one this slave copied. "
+                  "This slave cannot catch up by itself: rebuild its store (stop it, empty its store directory, "
+                  "start it) to copy the master's log from its start. Still trying (txmq_ha_slave_cannot_catch_up "
+                  "is 1 meanwhile)", self.cannot_catch_up)
 
     def _compare(self, phys: int, body: bytes, expected: int, end: int) -> tuple[int, bytes]:
         """A transfer for ``expected``, below this slave's log ``end``: the master's copy of bytes this slave

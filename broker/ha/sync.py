@@ -9,10 +9,17 @@ lists, as RocketMQ's slave does (putAll: the master's value wins; offsets only t
 
 The master's broker address comes from the name server's answer to the slave's registration
 (``masterAddr``), as in RocketMQ; a slave that registers with no name server has nobody to ask, and says so.
+
+It also asks where the master's log starts and ends (GET_BROKER_RUNTIME_INFO: commitLogMinOffset and
+commitLogMaxOffset). The slave's own cleaner removes no segment its master still holds (retention.py): the
+master dead-letters the undecided halves in a segment before removing it, the slave never does, and a slave
+promoted with the segment gone lost them. ``removable_end`` is how far it may remove: the master's log start,
+once this slave's log reaches the master's end as it was then (and so holds the dead-letter records too).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from protocol.admin_bodies import decode_consumer_offsets
@@ -44,6 +51,9 @@ class SlaveSync:
         self.log_end = lambda: None     # set by the server: the slave's readable log end
         self._topics_version = None     # the master's dataVersion last taken: an unchanged table is not gone over
         self.following = lambda: True   # set by the server: the HA link follows the master's log (HASlave.following)
+        self._master_log: tuple[int, int] | None = None     # (start, end) of the master's log, not yet reached
+        self._removable = None          # the master's log start once this slave's log reached its end then
+        self._bounds_failing: str | None = None
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -92,11 +102,47 @@ class SlaveSync:
             return False
         if self.subscriptions is not None and not await self._sync_groups(addr):
             return False
+        await self._sync_log_bounds(addr)      # its failure is said apart: the copies above stand
         self.synced += 1
         if self._failing is not None:
             log.warning("consumer offsets copied from master %s again", addr)
             self._failing = None
         return True
+
+    async def _sync_log_bounds(self, addr: str) -> None:
+        """Where the master's log starts and ends (GET_BROKER_RUNTIME_INFO, a Java master answers it too)."""
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO),
+                                           self.timeout_s)
+            if resp.code != ResponseCode.SUCCESS:
+                raise ValueError(f"refused: code {resp.code} {resp.remark}")
+            table = json.loads(resp.body_bytes())["table"]
+            bounds = int(table["commitLogMinOffset"]), int(table["commitLogMaxOffset"])
+        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
+            why = (f"master {addr}'s log start not learnt from GET_BROKER_RUNTIME_INFO ({exc or type(exc).__name__}): "
+                   "this slave's cleaner keeps every segment its master may still hold")
+            if why != self._bounds_failing:
+                log.warning("%s", why)
+                self._bounds_failing = why
+            return
+        if self._bounds_failing is not None:
+            log.warning("master %s's log start learnt again", addr)
+            self._bounds_failing = None
+        self.removable_end(self.log_end())      # latches the pending bounds if this slave's log reached them
+        if self._master_log is None:
+            # Replaced only once reached: a slave steadily behind by more than one interval's writes never held the
+            # master's end as last said, replaced at each sync, and so removed nothing until disk pressure.
+            self._master_log = bounds
+        self.removable_end(self.log_end())
+
+    def removable_end(self, log_end: int | None) -> int | None:
+        """The offset up to which this slave may remove segments: the master's log start, as learnt once this
+        slave's log (ending at ``log_end``) held the master's whole log of then; None while never."""
+        bounds = self._master_log
+        if bounds is not None and log_end is not None and log_end >= bounds[1]:
+            self._removable = bounds[0] if self._removable is None else max(self._removable, bounds[0])
+            self._master_log = None     # reached: the next sync's bounds are the next to wait for
+        return self._removable
 
     async def _sync_topics(self, addr: str) -> bool:
         """The master's topic configs (GET_ALL_TOPIC_CONFIG) replace the slave's, as RocketMQ's slave takes them.

@@ -266,6 +266,7 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
         tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
                     msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
 
+    removed: list[int] = []     # undecided halves at these commit-log offsets: their segments were removed
     for off in sorted(undecided):
         view = store.get_record(off)
         msg = _decoded(view, off, store, HALF_TOPIC) if view is not None else None
@@ -273,11 +274,22 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             if off >= store.min_physical_offset:    # not removed by retention: its record is damaged
                 log.error("transaction recovery: the undecided half at %d is not a readable record (the commit log "
                           "is damaged there): it cannot be checked or committed, and is dropped", off)
+            else:
+                removed.append(off)
             continue
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
+    # Halves stored after the snapshot and below the half queue's start: removed, undecided unless the table says
+    # otherwise (with the snapshot, the table holds every decision, its op record removed or not).
+    below = range(half_from, store.min_offset(HALF_TOPIC, 0)) if snap is not None and half_from is not None else ()
+    # Every op record since the snapshot read (none removed): a removed half with no decision was undecided.
+    ops_whole = store.min_offset(OP_TOPIC, 0) <= (op_from or 0)
+    # Not gone over otherwise: a slave writes its snapshot at start only, and promoted after months its removed
+    # halves since then ran to billions, each looked up and listed only to be said at INFO.
+    removed_q = [q for q in below if tx.table.get(q) is None] if ops_whole else below
+    _say_removed(tx, removed, removed_q, ops_whole)
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
@@ -285,6 +297,43 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     if unplaced:
         repaired += await settle_unplaced(tx, unplaced, earlier)
     return repaired
+
+
+def _say_removed(tx, offsets: list[int], queue_offsets, ops_whole: bool) -> None:
+    """Undecided halves whose records retention removed: a master dead-letters a segment's halves before removing
+    it, a slave never does -- its master does, and the slave removes its copy after its master (retention.py),
+    unless disk pressure forced it out. Promoted before its master decided them, the slave has nothing left to
+    check, commit or dead-letter: each is said and counted, never dropped without a word. With op records since
+    the snapshot removed as well (``ops_whole`` False), their decisions went with them: a slave promoted after a
+    long run, whose cleaner removed what its master had decided and removed. Said at INFO, not counted: a slave's
+    disk-pressure removal of what its master still held said so at ERROR when it removed it."""
+    n = len(offsets) + len(queue_offsets)
+    if not n:
+        return
+    if not ops_whole:       # queue_offsets: the range removed since the snapshot, decided ones among them
+        log.info("transaction recovery: half messages are no longer in the log (%d the snapshot named undecided; "
+                 "half queue offsets %s, some of them decided), nor are the op records written since the "
+                 "transaction snapshot: taken as decided (their decisions were removed with them). Commit-log "
+                 "offsets %s", len(offsets), _queue_span(queue_offsets), _span(offsets))
+        return
+    tx.ctx.metrics.halves_lost.inc(n)
+    log.error("transaction recovery: %d undecided half message(s) are no longer in the log (retention removed their "
+              "segments before they were decided: a slave's disk-pressure cleaning, then promoted): they cannot be "
+              "checked, committed or dead-lettered; ask their producers. Commit-log offsets %s; half queue offsets "
+              "%s", n, _span(offsets), _span(queue_offsets))
+
+
+def _queue_span(queue_offsets) -> str:
+    if isinstance(queue_offsets, range):
+        return f"{queue_offsets.start} to {queue_offsets.stop - 1}" if len(queue_offsets) else "none"
+    return _span(queue_offsets)
+
+
+def _span(items: list[int], most: int = 20) -> str:
+    if not items:
+        return "none"
+    shown = ", ".join(map(str, items[:most]))
+    return shown if len(items) <= most else f"{shown} ... ({len(items) - most} more, up to {items[-1]})"
 
 
 def _owners(snap: dict) -> dict[int, str]:

@@ -83,6 +83,11 @@ async def _until_slave_has_offset(slave, group: str, mq: MessageQueue, offset: i
         await pool.close()
 
 
+SMALL_EXPIRING = ("--segment-size", str(1 << 20), "--max-message-size", str(64 * 1024),
+                  "--file-reserved-hours", "0.0003", "--disk-clean-interval-s", "0.2", "--disk-refuse-ratio", "1.0")
+CLEANS = ("--disk-clean-ratio", "0.0001", "--disk-force-clean-ratio", "0.9999")
+
+
 async def _pull_all(namesrv: str, mq: MessageQueue, want: int, timeout: float = 20.0) -> list[bytes]:
     """Everything in ``mq`` from offset 0, waiting (long polls) until there are ``want`` messages."""
     async with PullConsumer(namesrv, "CG_replica") as consumer:
@@ -611,46 +616,53 @@ async def test_a_stalled_link_is_dropped_with_a_log_line_that_says_why(broker_fa
         master.proc.send_signal(signal.SIGCONT)
 
 
-async def test_a_slave_removes_expired_segments_under_disk_pressure_as_its_master_does(broker_factory):
+async def test_a_slave_removes_expired_segments_under_disk_pressure_as_its_master_does(tmp_path):
     """A slave ran no retention at all: the master's disk stayed under its clean ratio while the slave kept every
     segment, until at the refuse ratio it took no more of its master's bytes (replication stopped, a SYNC_MASTER
     answered SLAVE_NOT_AVAILABLE). Here every disk is 'above the clean ratio' and segments expire in about a
-    second: the slave removes its expired sealed segments (never dead-letters halves: its master does)."""
-    small = ("--segment-size", str(1 << 20), "--max-message-size", str(64 * 1024),
-             "--disk-clean-ratio", "0.0001", "--disk-force-clean-ratio", "0.9999", "--disk-refuse-ratio", "1.0",
-             "--file-reserved-hours", "0.0003", "--disk-clean-interval-s", "0.2")
-    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", *small, store="master")
-    slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha, *small,
-                           store="slave")
-    async with Producer(master.namesrv, "PG_slave_retention") as producer:
-        mq = (await producer.send(TOPIC, b"z" * 1000)).queue
-        for i in range(0, 3000, 100):
-            await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
-    end = await _log_end(master.broker)
-    assert end > 2 * (1 << 20)
+    second: the slave removes its expired sealed segments once its master has (never dead-letters halves: its
+    master does; it learns the master's log start from the master broker the name server names)."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags, route
 
-    async def min_offset(b):
-        pool = ConnectionPool()
-        try:
-            info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
-            return int(json.loads(info.body_bytes())["table"]["commitLogMinOffset"])
-        finally:
-            await pool.close()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while await min_offset(master) < 2 * (1 << 20):        # the master removed its two sealed segments ...
-        assert loop.time() < deadline, master.log()[-2000:]
-        await asyncio.sleep(0.1)
-    while await _log_end(slave.broker) < end or await min_offset(slave) < 2 * (1 << 20):    # ... and the slave
-        assert loop.time() < deadline, f"slave kept its expired segments:\n{slave.log()[-2000:]}"
-        await asyncio.sleep(0.1)
-    async with Producer(master.namesrv, "PG_slave_retention") as producer:
-        last = await producer.send(TOPIC, b"after", queue=mq)
-    async with PullConsumer(slave.namesrv, "CG_slave_retention") as consumer, asyncio.timeout(20):
-        await consumer.fetch_queues(TOPIC)
-        while not (res := await consumer.pull(mq, last.queue_offset, suspend_ms=1000)).messages:
-            pass                                            # and it follows on (bounded by the timeout)
-        assert res.messages[0].body == b"after"
+    started = []
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000",
+                            "--scan-interval-ms", "200").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-c", 500), "--broker-role",
+                               "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING, *CLEANS).start()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-c", 500), "--broker-role", "SLAVE",
+                              "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
+                              *SMALL_EXPIRING, *CLEANS).start()
+        started.append(slave)
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_slave_retention") as producer:
+                mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+                for i in range(0, 3000, 100):
+                    await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+            end = await _log_end(master.broker)
+            assert end > 2 * (1 << 20)
+            while await _min_offset(master.broker) < 2 * (1 << 20):    # the master removed its sealed segments ...
+                await asyncio.sleep(0.1)
+            while await _log_end(slave.broker) < end or await _min_offset(slave.broker) < 2 * (1 << 20):
+                await asyncio.sleep(0.1)                                # ... and the slave after it
+            async with Producer(ns.addr, "PG_slave_retention") as producer:
+                last = await producer.send(TOPIC, b"after", queue=mq)
+            while await _log_end(slave.broker) < await _log_end(master.broker):
+                await asyncio.sleep(0.05)
+            master.kill()
+            while 0 in (await route(ns.addr, TOPIC)).broker_datas[0].broker_addrs:
+                await asyncio.sleep(0.1)        # dropped when its connection closed: consumers read the slave
+            async with PullConsumer(ns.addr, "CG_slave_retention") as consumer:
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                while not (res := await consumer.pull(mq, last.queue_offset, suspend_ms=1000)).messages:
+                    pass                                        # and it follows on (bounded by the timeout)
+                assert res.messages[0].body == b"after"
+    finally:
+        for p in reversed(started):
+            p.kill()
 
 
 async def test_a_master_killed_and_restarted_on_its_own_store_is_followed_again(broker_factory, tmp_path):
@@ -1311,3 +1323,228 @@ async def test_a_slave_stopped_by_an_earlier_txmq_rebuilds_its_transaction_index
             assert await undecided(promoted) == left
     finally:
         await pool.close()
+
+
+async def _undecided(pool: ConnectionPool, addr: str) -> list[str]:
+    resp = await pool.request(addr, RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS), 5.0)
+    return sorted(t["uniq_key"] for t in json.loads(resp.body_bytes())["pending"])
+
+
+async def test_a_slave_keeps_the_segments_its_master_still_holds_so_promotion_keeps_their_halves(tmp_path):
+    """A slave's own cleaner removed expired segments its master still held (the master's disk below its clean
+    ratio), undecided halves with them: the master had not dead-lettered them, the slave never does, and the slave
+    restarted as the master listed none of them -- gone without a word. The slave now removes a segment only once
+    its master has (GET_BROKER_RUNTIME_INFO's commitLogMinOffset, and its log holds what the master had written
+    by then: the dead-letter records of the halves), and says why it keeps one."""
+    from producer import LocalTransactionState, TransactionProducer
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+
+    class Undecided:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    started = []
+    pool = ConnectionPool()
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-p", 500), "--broker-role",
+                               "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING, "--disk-clean-ratio", "0.9998",
+                               "--disk-force-clean-ratio", "0.9999").start()    # never cleans
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-p", 500), "--broker-role", "SLAVE",
+                              "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
+                              *SMALL_EXPIRING, *CLEANS).start()
+        started.append(slave)
+        async with asyncio.timeout(90):
+            async with TransactionProducer(ns.addr, "PG_promote_keep", Undecided()) as producer:
+                await producer.send_in_transaction(TOPIC, b"undecided")     # in the first segment
+            async with Producer(ns.addr, "PG_promote_fill") as producer:
+                mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+                for _ in range(0, 2500, 100):
+                    await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+            left = await _undecided(pool, master.broker)
+            assert len(left) == 1
+            end = await _log_end(master.broker)
+            assert end > 2 * (1 << 20)
+            while await _log_end(slave.broker) < end:
+                await asyncio.sleep(0.05)
+            # The slave's cleaner either removes the first segment (the loss) or says it keeps it for its master.
+            while "its master still holds it" not in slave.log():
+                assert await _min_offset(slave.broker) == 0, \
+                    f"the slave removed a segment its master holds:\n{slave.log()[-3000:]}"
+                await asyncio.sleep(0.05)
+            assert await _min_offset(slave.broker) == 0
+            master.kill()
+            assert slave.stop() == 0
+            promoted = BrokerProcess(tmp_path / "slave", "--broker-role", "ASYNC_MASTER", *SMALL_EXPIRING[:4]).start()
+            started.append(promoted)
+            assert await _undecided(pool, promoted.broker) == left
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_promoted_slave_says_which_undecided_halves_its_own_retention_removed(broker_factory):
+    """Disk pressure on a slave still removes a segment its master holds (a full disk stops replication), undecided
+    halves with it. Restarted as the master, the slave's recovery dropped them without a word: never checked,
+    committed or dead-lettered, and nothing said they had been. It now logs an ERROR naming them and counts them
+    (txmq_transaction_halves_lost_total); the slave's cleaner said at the removal what a promotion would lose."""
+    import urllib.request
+
+    from producer import LocalTransactionState, TransactionProducer
+
+    class Undecided:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOW
+
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING,
+                            "--disk-clean-ratio", "0.9998", "--disk-force-clean-ratio", "0.9999", store="master")
+    slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           *SMALL_EXPIRING, "--disk-clean-ratio", "0.0001", "--disk-force-clean-ratio", "0.0002",
+                           store="slave")
+    async with asyncio.timeout(90):
+        async with TransactionProducer(master.namesrv, "PG_promote_lost", Undecided()) as producer:
+            await producer.send_in_transaction(TOPIC, b"undecided")     # in the first segment
+        async with Producer(master.namesrv, "PG_promote_fill") as producer:
+            mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+            for _ in range(0, 1500, 100):
+                await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+        end = await _log_end(master.broker)
+        assert end > 1 << 20
+        while await _log_end(slave.broker) < end or await _min_offset(slave.broker) == 0:
+            await asyncio.sleep(0.05)       # copied, and the first segment removed under pressure
+        assert "undecided halves in it are lost to this slave promoted" in slave.log()
+        master.kill()
+        assert slave.stop() == 0
+        promoted = broker_factory("--broker-role", "ASYNC_MASTER", *SMALL_EXPIRING[:4], store="slave")
+        assert re.search(r"ERROR .*1 undecided half message\(s\) .*no longer in the log", promoted.log()), \
+            promoted.log()[-3000:]
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{promoted.metrics}/metrics", timeout=5).read().decode())
+        assert "txmq_transaction_halves_lost_total 1.0" in text
+
+
+async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_cannot_catch_up(broker_factory):
+    """A new slave still copying the master's oldest segment when the master's retention removed it: the master
+    closed each session (a WARNING naming an offset 'not in the log', then an ERROR on every reconnect, every
+    second), the slave said only 'the master closed the connection; reconnecting', for ever, and no metric told.
+    Now each side says it once at ERROR with what to do (rebuild the slave's store), and counts it: the master's
+    txmq_ha_slaves_behind_log_start, the slave's txmq_ha_slave_cannot_catch_up."""
+    import urllib.request
+
+    def gauges(b) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("txmq_ha_")}
+
+    import time
+
+    from tests.integration.test_retention_process import _admin, _plan, _wait_manifest
+
+    # The master's cleaner removes nothing by itself (disk ratios out of reach): the first segment goes by a plan
+    # once the slave is copying it. Cleaned by the 1 s retention instead, it could go before the slave (started
+    # late on a loaded machine) copied a byte: the slave then started past it, got nothing, and the test timed out.
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "200",
+                            *SMALL_EXPIRING, "--disk-clean-ratio", "0.9998", "--disk-force-clean-ratio", "0.9999",
+                            store="master")
+    async with Producer(master.namesrv, "PG_overtaken") as producer:
+        mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+        for _ in range(0, 1500, 100):
+            await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+    proxy = _FrameProxy(master.ha, 1 << 19)      # the slave gets half the first segment, then nothing
+    addr = await proxy.start()
+    try:
+        slave = broker_factory("--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", addr,
+                               "--ha-heartbeat-interval-ms", "200", "--ha-housekeeping-interval-ms", "1500",
+                               *SMALL_EXPIRING[:4], store="slave")
+        async with asyncio.timeout(60):
+            while await _log_end(slave.broker) == 0:
+                await asyncio.sleep(0.05)
+            await _wait_manifest(master.store_dir, lambda m: m["segments"] and m["segments"][0]["sealed"])
+            plan = _plan(master.store_dir, int(time.time() * 1000) + 5000, retention_ms=1)
+            plan["segments"] = plan["segments"][:1]
+            rc, reply = await asyncio.to_thread(_admin, master, plan, master.store_dir.parent, "overtake")
+            assert rc == 0 and reply["segments_removed"] == [SEGMENT], reply
+            assert await _min_offset(master.broker) == 1 << 20     # the master's retention removed it
+            proxy.stop = 1 << 40                                   # later sessions relay everything
+            while (await asyncio.to_thread(gauges, slave)).get("txmq_ha_slave_cannot_catch_up") != 1:
+                await asyncio.sleep(0.1)
+            while (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"] < 4:
+                await asyncio.sleep(0.1)
+            closed = (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"]
+            while (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"] < closed + 3:
+                await asyncio.sleep(0.1)        # sessions after the slave said it: not said again each second
+        assert slave.log().count("This slave cannot catch up by itself: rebuild its store") == 1
+        after = slave.log_path.read_text(errors="replace").split("This slave cannot catch up by itself")[1]
+        assert after.count("replication from") <= 1, after[-3000:]
+        said = [line for line in master.log().splitlines() if "cannot catch up" in line]
+        assert 1 <= len(said) <= 2 and all(" ERROR " in line and "Rebuild the slave's store" in line
+                                            for line in said), said
+    finally:
+        await proxy.close()
+
+
+async def test_a_slave_promoted_after_its_cleaner_followed_its_master_reports_no_decided_half_as_lost(tmp_path):
+    """The other side of naming removed undecided halves at promotion: a slave started once (its snapshot then),
+    whose cleaner removed, after its master, segments holding halves and the commits that decided them. Its table
+    has no decision for them (the op records went too): they are not 'lost', and recovery must not say so."""
+    from producer import LocalTransactionState, TransactionProducer
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+
+    class Commits:
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+        async def check_local_transaction(self, msg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+    started = []
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-d", 500), "--broker-role",
+                               "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING, *CLEANS).start()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-d", 500), "--broker-role", "SLAVE",
+                              "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
+                              *SMALL_EXPIRING, *CLEANS).start()
+        started.append(slave)
+        async with asyncio.timeout(90):
+            async with TransactionProducer(ns.addr, "PG_promote_decided", Commits()) as producer:
+                for i in range(3):
+                    await producer.send_in_transaction(TOPIC, f"committed-{i}".encode())    # first segment
+            async with Producer(ns.addr, "PG_promote_fill") as producer:
+                mq = (await producer.send(TOPIC, b"z" * 1000)).queue
+                for _ in range(0, 1500, 100):
+                    await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000, queue=mq) for _ in range(100)))
+            end = await _log_end(master.broker)
+            while await _log_end(slave.broker) < end or await _min_offset(slave.broker) == 0:
+                await asyncio.sleep(0.05)       # copied, and the first segment removed after the master's
+            master.kill()
+            assert slave.stop() == 0
+            promoted = BrokerProcess(tmp_path / "slave", "--broker-role", "ASYNC_MASTER", *SMALL_EXPIRING[:4]).start()
+            started.append(promoted)
+            assert "no longer in the log" not in "\n".join(
+                line for line in promoted.log().splitlines() if " ERROR " in line), promoted.log()[-3000:]
+    finally:
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_slave_with_no_name_server_says_at_start_that_its_cleaner_removes_no_expired_segment(broker_factory):
+    """It cannot learn its master's log start, so it keeps every expired segment until disk pressure: the first
+    word of it came once the disk was past --disk-clean-ratio, then ERRORs at the force ratio."""
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    assert "its cleaner removes no expired segment" in slave.log()
+    assert "removes no expired segment" not in master.log()

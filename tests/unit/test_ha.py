@@ -678,3 +678,20 @@ async def test_a_slave_keeps_a_topic_made_again_after_the_log_end_its_delete_was
     finally:
         await master.close()
         await slave.close()
+
+
+def test_what_the_master_said_of_slaves_below_its_log_start_stays_bounded():
+    """Anyone reaching the HA port may report a new offset below the log start each connection: each (host,
+    offset) was remembered for ever as said."""
+    from types import SimpleNamespace
+
+    from broker.ha.master import BEHIND_SAID_MAX, HAMaster, SlaveLink
+
+    store = SimpleNamespace(max_physical_offset=1 << 20, min_physical_offset=1 << 20)
+    master = HAMaster(store, _ha_config("ASYNC_MASTER"))
+    for offset in range(1, 3 * BEHIND_SAID_MAX):
+        link = SlaveLink("10.0.0.9:40000")
+        link.request_offset = offset
+        master._say_behind(link, master._behind(link, offset))
+    assert len(master._behind_said) <= BEHIND_SAID_MAX
+    assert master.behind_total == 3 * BEHIND_SAID_MAX - 1

@@ -493,3 +493,42 @@ async def test_an_oldest_segment_stamped_ahead_of_the_clock_is_said_once_not_kep
         assert names(ctx)[0] != first
     finally:
         await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_slave_removes_an_expired_segment_only_once_its_master_has(tmp_path, caplog):
+    """A slave never dead-letters the undecided halves in a segment (its master does, then removes it): removed by
+    the slave first, and the slave promoted before its master decided them, they were gone without a word. The
+    slave keeps every expired segment its master still holds, says so once, and disk pressure still forces it."""
+    import logging
+
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    ctx.config = dataclasses.replace(ctx.config, broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    try:
+        await send(ctx, 200)
+        clock.now = T0
+        await send(ctx, 150)
+        ctx.store.set_replica_only()
+        facts = await ctx.store.segment_facts()
+        assert len(facts) >= 3
+        usage = [0.80]
+        r = Retention(ctx, usage=lambda: usage[0])
+        with caplog.at_level(logging.WARNING, logger="txmq.retention"):
+            assert await r.clean_once() == [] and await r.clean_once() == []       # its master's log start unknown
+        said = [rec.getMessage() for rec in caplog.records if "its master still holds it" in rec.getMessage()]
+        assert len(said) == 1 and facts[0].name in said[0], said
+        removed_to = [facts[1].start]           # the master removed the first segment
+        r.master_removed_to = lambda _end: removed_to[0]
+        assert await r.clean_once() == [(facts[0].name, "expired")]
+        plan = {"version": 2, "store_id": ctx.store.store_id, "now_ms": clock.now,
+                "segments": [{"name": f.name, "start_offset": f.start, "end_offset": f.end,
+                              "last_store_timestamp": f.last_ts} for f in facts[1:2]]}
+        kept = (await r.apply_plan(plan))["segments_kept"]      # a plan for the slave's own store: the same rule
+        assert [k["name"] for k in kept] == [facts[1].name] and "its master still holds it" in kept[0]["why"]
+        usage[0] = 0.90                                         # disk pressure forces it out, saying so
+        with caplog.at_level(logging.ERROR, logger="txmq.retention"):
+            assert (await r.clean_once())[0][0] == facts[1].name
+        assert any("lost to this slave promoted" in rec.getMessage() for rec in caplog.records)
+    finally:
+        await ctx.store.close()

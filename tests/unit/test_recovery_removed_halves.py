@@ -1,0 +1,45 @@
+"""Recovery's account of halves retention removed since the transaction snapshot (broker/transaction/recovery.py)."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from broker.topics import HALF_TOPIC, OP_TOPIC
+from broker.transaction import recovery
+from tests.support.bounded import bounded
+
+
+class _Table:
+    """Counts its lookups: a promoted slave's recovery looked up every half queue offset since its snapshot."""
+    def __init__(self):
+        self.lookups = 0
+
+    def get(self, _q):
+        self.lookups += 1
+        if self.lookups > 10_000:
+            raise AssertionError("recovery went over the removed half queue offsets one by one")
+        return None
+
+
+@bounded(10)
+async def test_a_slave_promoted_long_after_its_snapshot_does_not_go_over_every_half_removed_since(monkeypatch,
+                                                                                                  caplog):
+    """A slave writes its snapshot at start only. Promoted months later, the halves removed since then (with the
+    op records that decided them) ran to billions: each was looked up and listed, only to be said at INFO."""
+    async def none(*_a, **_k):
+        return 0
+    monkeypatch.setattr(recovery, "scan", lambda *a, **k: iter(()))
+    for name in ("settle", "_repair_lost_dead_op", "_repair_lost_commit_ops"):
+        monkeypatch.setattr(recovery, name, none)
+    starts = {HALF_TOPIC: 3_000_000_000, OP_TOPIC: 2_000_000_000}    # both removed far past the snapshot's
+    store = SimpleNamespace(min_offset=lambda topic, _q: starts[topic], min_physical_offset=1 << 40,
+                            get_record=lambda _off: None)
+    lost = []
+    tx = SimpleNamespace(ctx=SimpleNamespace(store=store, monotonic=lambda: 0.0,
+                                             metrics=SimpleNamespace(halves_lost=SimpleNamespace(inc=lost.append))),
+                         table=_Table(), pending={})
+    snap = {"op_offset": 5, "half_offset": 7}
+    with caplog.at_level(logging.INFO, logger=recovery.log.name):
+        await recovery._replay(tx, snap, None, {}, set(), {}, 5, 7)
+    assert not lost
+    assert "half queue offsets 7 to 2999999999" in caplog.text and "taken as decided" in caplog.text
