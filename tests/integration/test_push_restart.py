@@ -1,0 +1,97 @@
+"""Push consumers across a broker restart (kill -9, started again on the same port and store), against the real
+broker: a restarted broker knows a consumer again only from its heartbeat."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+
+import pytest
+
+from consumer import ConsumeStatus, PushConsumer
+from producer import Producer
+from tests.support.bounded import bounded
+from tests.support.cluster_process import create_topic
+
+pytestmark = pytest.mark.asyncio
+
+QUEUES = 4
+
+
+def _consumer(b, topic, group, got, consumed, **kw):
+    def consume(msg):
+        got[msg.body] += 1
+        consumed.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+    consumer = PushConsumer(b.namesrv, group, consume, consume_from="first", offset_commit_interval_s=0.2, **kw)
+    consumer.subscribe(topic)
+    return consumer
+
+
+async def _until(condition, changed: asyncio.Event):
+    """Wait, event by event, for ``condition()``: paced by consumption, not by a clock."""
+    while not condition():
+        changed.clear()
+        await changed.wait()
+
+
+async def _members(consumer: PushConsumer, topic: str) -> set[str]:
+    try:
+        mq = (await consumer.client.fetch_queues(topic))[0]
+        return set(await consumer.client.consumer_ids(mq))
+    except Exception:  # noqa: BLE001 - the broker not back yet
+        return set()
+
+
+@bounded(60)
+async def test_push_consumers_heartbeat_a_restarted_broker_at_once_not_at_their_next_rebalance(broker_factory,
+                                                                                             caplog):
+    """After its broker restarted, a push consumer heartbeat it only at its next rebalance (rebalance_interval_s,
+    20 s by default; 120 s here): until then the broker listed only the consumers whose rebalance came first, they
+    took every queue, and the queues' messages were consumed twice. A lost connection now makes the consumer
+    heartbeat at once (again after a back-off while the broker is down, one WARNING for the outage), then
+    rebalance: the restarted broker lists both consumers, each keeps its own queues, nothing is consumed twice."""
+    caplog.set_level(logging.DEBUG, logger="txmq.consumer")
+    b = broker_factory()
+    fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1])
+    topic, group = "PushRestart", "CG_push_restart"
+    got: collections.Counter = collections.Counter()
+    consumed = asyncio.Event()
+    async with Producer(b.namesrv, "PG_push_restart") as producer:
+        await create_topic(b.broker, topic, QUEUES)      # saved when answered: a kill -9 keeps it
+        queues = await producer.routes.publish_queues(topic)
+        # The first rebalances every two minutes: on its own it never heartbeats the restarted broker in this test.
+        # The second rebalances every second, as a member whose periodic rebalance comes first after the restart.
+        first = await _consumer(b, topic, group, got, consumed, rebalance_interval_s=120).start()
+        second = await _consumer(b, topic, group, got, consumed, rebalance_interval_s=1).start()
+        try:
+            def split():
+                mine = {q for q in first._owned if q.topic == topic}
+                theirs = {q for q in second._owned if q.topic == topic}
+                return len(mine) == len(theirs) == QUEUES // 2 and not mine & theirs
+            while not split():      # the first hears of the second from the broker (NOTIFY_CONSUMER_IDS_CHANGED)
+                await asyncio.sleep(0.05)
+            before = [b"before-%d-%d" % (q.queue_id, i) for q in queues for i in range(5)]
+            for body, q in zip(before, [q for q in queues for _ in range(5)]):
+                await producer.send(topic, body, queue=q)
+            await _until(lambda: all(got[m] for m in before), consumed)
+            b.kill()
+            b = broker_factory(*fixed)
+            ids = {first.client.client_id, second.client.client_id}
+            while await _members(second, topic) != ids:
+                await asyncio.sleep(0.05)
+            after = [b"after-%d-%d" % (q.queue_id, i) for q in queues for i in range(5)]
+            for body, q in zip(after, [q for q in queues for _ in range(5)]):
+                await producer.send(topic, body, queue=q)
+            await _until(lambda: all(got[m] for m in after), consumed)
+            while not split():
+                await asyncio.sleep(0.05)
+        finally:
+            await second.shutdown()
+            await first.shutdown()
+    twice = sorted(m for m in (*before, *after) if got[m] > 1)
+    assert not twice, f"{len(twice)} message(s) consumed twice: {twice}"
+    assert first.beats_failed == second.beats_failed == 0
+    beat_warnings = [r for r in caplog.records if r.levelno == logging.WARNING
+                     and r.getMessage().startswith(f"heartbeat of {group} failed")]
+    assert len(beat_warnings) <= 2, "one WARNING per consumer for the outage"
