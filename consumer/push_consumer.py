@@ -267,7 +267,7 @@ class PushConsumer:
         """A connection to a broker closed: it may have restarted, and then it knows this consumer again only from
         a heartbeat. Waiting for the next rebalance (up to rebalance_interval_s) left the broker listing only the
         other consumers of the group meanwhile: they took this one's queues, and both consumed them."""
-        if self._stopping:
+        if self._stopping or not self.client.brokers_at(addr):     # a name server's: nothing to announce
             return
         self._beat_now = True
         self._rebalance_now.set()
@@ -292,7 +292,8 @@ class PushConsumer:
             else:   # not sooner for a connection lost meanwhile: a broker that accepts and then drops every
                 # connection (each failed beat losing one) made a tight loop of connects
                 await asyncio.sleep(retry)
-                asked = self._rebalance_now.is_set()
+                # a group change asks for a rebalance; a connection lost meanwhile only for the beat this is
+                asked = self._rebalance_now.is_set() and not self._beat_now
             self._rebalance_now.clear()
             lost, self._beat_now = self._beat_now, False
             try:

@@ -95,3 +95,63 @@ async def test_push_consumers_heartbeat_a_restarted_broker_at_once_not_at_their_
     beat_warnings = [r for r in caplog.records if r.levelno == logging.WARNING
                      and r.getMessage().startswith(f"heartbeat of {group} failed")]
     assert len(beat_warnings) <= 2, "one WARNING per consumer for the outage"
+
+
+@bounded(60)
+async def test_a_push_consumer_backs_off_and_warns_once_while_its_broker_stays_down(broker_factory, caplog):
+    """While its broker is down the consumer beats again after a back-off (0.5 s doubling up to 4 s), never in a
+    tight loop, says so once (WARNING) and not at every attempt, and rebalances only when a beat is heard (or its
+    own time comes): once the broker is back, it beats, is listed and consumes again."""
+    caplog.set_level(logging.DEBUG, logger="txmq.consumer")
+    b = broker_factory()
+    fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1])
+    topic, group = "PushDown", "CG_push_down"
+    got: collections.Counter = collections.Counter()
+    consumed = asyncio.Event()
+    await create_topic(b.broker, topic, QUEUES)
+    consumer = _consumer(b, topic, group, got, consumed, rebalance_interval_s=120)
+    attempts: list[tuple[float, bool]] = []
+    rebalances = []
+    attempted = asyncio.Event()
+    heartbeat, rebalance = consumer._heartbeat, consumer.rebalance
+
+    async def counted_heartbeat():
+        loop = asyncio.get_running_loop()
+        try:
+            await heartbeat()
+            attempts.append((loop.time(), True))
+        except Exception:
+            attempts.append((loop.time(), False))
+            raise
+        finally:
+            attempted.set()
+
+    async def counted_rebalance():
+        rebalances.append(len(attempts))
+        await rebalance()
+    consumer._heartbeat, consumer.rebalance = counted_heartbeat, counted_rebalance
+    await consumer.start()
+    try:
+        b.kill()
+        start = len(attempts)
+        await _until(lambda: sum(not ok for _, ok in attempts[start:]) >= 5, attempted)
+        failed = [t for t, ok in attempts[start:] if not ok]
+        # each wait at least its back-off (0.5, 1, 2, 4 s): a slower machine only makes them longer
+        assert failed[4] - failed[0] >= 0.5 + 1 + 2 + 4 - 0.1
+        assert all(ok is False for _, ok in attempts[start:])
+        beat_warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
+                         and r.getMessage().startswith(f"heartbeat of {group} failed")]
+        assert len(beat_warnings) == 1, [r.getMessage() for r in beat_warnings]
+        # the turn the lost connection asked for rebalanced; the retries after it did not
+        assert len([n for n in rebalances if n > start]) <= 1
+        b = broker_factory(*fixed)
+        while await _members(consumer, topic) != {consumer.client.client_id}:
+            await asyncio.sleep(0.05)
+        q = (await consumer.client.fetch_queues(topic))[0]
+        async with Producer(b.namesrv, "PG_push_down") as producer:
+            await producer.send(topic, b"back", queue=q)
+        await _until(lambda: got[b"back"], consumed)
+        assert consumer.beats_failed == 0
+        assert any(r.getMessage().startswith(f"heartbeat of {group} heard again") for r in caplog.records)
+    finally:
+        await consumer.shutdown()
