@@ -645,6 +645,12 @@ class ConnectionPool:
         return conn
 
     def _lost(self, addr: str, conn: RemotingConnection) -> None:
+        # Only the address's current connection: one closed by us (a malformed frame) ends only once its write
+        # buffer drains, and a new one may be made meanwhile; its late close, reported, undid what was just
+        # done on the new one (an orderly consumer's locks dropped, a heartbeat for nothing).
+        current = self._conns.get(addr)
+        if current is not None and current is not conn:
+            return
         if not self._closed and self.on_lost is not None:
             self.on_lost(addr)
 

@@ -84,3 +84,39 @@ async def test_connections_to_brokers_gone_away_are_not_kept():
             await server.wait_closed()
         assert len(pool._conns) == 1 and pool.connections() == []
     await pool.close()
+
+
+async def test_a_replaced_connections_late_close_is_not_reported_lost():
+    """A connection the client closes itself (a malformed frame) is no longer open at once, but its close ends
+    only once its write buffer reaches a peer that reads slowly; a new connection to the address is made
+    meanwhile. The old one's close, arriving then, was reported as the address's connection lost: an orderly
+    push consumer dropped the queue locks just granted on the new connection, and every client beat again for
+    nothing. Only the loss of the address's current connection is reported now."""
+    loop = asyncio.get_running_loop()
+    peers: list[asyncio.Transport] = []
+
+    class Stalled(asyncio.Protocol):
+        def connection_made(self, transport):
+            peers.append(transport)
+            transport.pause_reading()       # reads nothing until told: what the client writes waits in its buffer
+
+    server = await loop.create_server(Stalled, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = ConnectionPool()
+    lost = []
+    pool.on_lost = lost.append
+    async with asyncio.timeout(10):
+        old = await pool.get(addr)
+        old.transport.write(b"\0" * (16 << 20))     # far more than the socket buffers hold
+        old.close()
+        assert not old.is_open and not old.closed.is_set()
+        new = await pool.get(addr)
+        assert new is not old and new.is_open
+        peers[0].resume_reading()                  # the old one's buffer drains, and its close ends now
+        await old.closed.wait()
+        assert lost == [], "the close of a connection already replaced was reported as the current one lost"
+        peers[1].close()                           # the current one lost: reported
+        await new.closed.wait()
+        assert lost == [addr]
+    await pool.close()
+    server.close()
