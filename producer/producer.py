@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
-from protocol.errors import (ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError, RequestTimeoutError,
+from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError, RequestTimeoutError,
                              ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
@@ -183,6 +183,9 @@ class Producer:
         self.pool.on_lost = lambda addr: self._beat_now.set()
         self._route_task: asyncio.Task | None = None
         self._started = False
+        # shutdown has begun: sends begun now are refused (ClientClosedError). Taken, an application still sending
+        # kept the batches filling, and shutdown, flushing them until none was left, never returned.
+        self._stopping = False
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
         self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
         self._unreachable: dict[str, tuple[str, float]] = {}   # broker name -> (its address, passed over until)
@@ -208,9 +211,19 @@ class Producer:
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
+    @property
+    def shutting_down(self) -> bool:
+        """True once ``shutdown`` has begun: new sends are refused (``ClientClosedError``)."""
+        return self._stopping
+
+    def _refuse_if_stopping(self) -> None:
+        if self._stopping:
+            raise ClientClosedError(f"producer {self.group} is shutting down: send refused, not sent")
+
     async def shutdown(self) -> None:
-        """Flush batched sends, let the sends in flight have their answers (each within its send_timeout),
-        stop the background tasks, unregister from the brokers, close."""
+        """Refuse new sends, flush batched ones, let the sends in flight have their answers (each within its
+        send_timeout), stop the background tasks, unregister from the brokers, close."""
+        self._stopping = True
         if self._accumulator is not None:
             await self._accumulator.flush()
         await self.pool.settle(self.send_timeout)
@@ -313,8 +326,9 @@ class Producer:
         after the broker's n-th delay level (1 s, 5 s, 10 s, ... by default); ``deliver_at_ms``:
         delivered at that wall-clock time (RocketMQ 5's TIMER_DELIVER_MS, up to the broker's
         timer_max_delay_s ahead). A refusal raises the ``ResponseError`` of its code; timeouts raise
-        ``RequestTimeoutError``.
+        ``RequestTimeoutError``; a send begun once ``shutdown`` has, ``ClientClosedError``.
         """
+        self._refuse_if_stopping()
         if properties:
             props = self.message_properties(tags, keys, properties)
             if delay_level:
@@ -349,6 +363,7 @@ class Producer:
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
                          queue: MessageQueue | None = None) -> SendResult:
         """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
+        self._refuse_if_stopping()
         entries, uniqs = [], []
         for body in bodies:
             props = self.message_properties(tags)
@@ -362,6 +377,7 @@ class Producer:
     async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None,
                           keys: str | list[str] | None = None, properties: dict[str, str] | None = None) -> None:
         """Send without waiting for the broker (no result, no retry: it may be lost)."""
+        self._refuse_if_stopping()
         props = self.message_properties(tags, keys, properties)
         queues = await self.routes.publish_queues(topic)
         mq = self.routes.select(queues)
@@ -393,6 +409,7 @@ class Producer:
 
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
         """Send with properties given as a dict (the transaction producer's half)."""
+        self._refuse_if_stopping()
         return await self._send_text(code, topic, body, properties_to_string(props), props.get(Prop.UNIQ_KEY, ""),
                                      queue, sys_flag=sys_flag, flag=flag, batch=batch)
 
