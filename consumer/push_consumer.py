@@ -151,6 +151,9 @@ class PushConsumer:
         # orderly: queues being handed over whose lock _on_broker_lost dropped: a connection that only broke left
         # it held on the broker, still released when the hand-over ends (its next owner need not wait for expiry)
         self._unlock_owed: set[MessageQueue] = set()
+        # orderly: broker name -> connections to it lost so far: a lock granted over a connection lost before the
+        # grant was acted on (its answer and its close read in one step) is not trusted (_lock_owned)
+        self._losses: dict[str, int] = {}
         self.subscriptions: dict[str, str | MessageSelector] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
@@ -552,11 +555,18 @@ class PushConsumer:
         for mq in (*self._owned, *(q for q in self._leaving if q in self._locks)):
             by_broker.setdefault(mq.broker_name, set()).add(mq)
         failed = None
-        for queues in by_broker.values():
+        for name, queues in by_broker.items():
+            losses = self._losses.get(name, 0)
             try:
                 granted = await self.client.lock_queues(queues)
             except BrokerError as exc:
                 failed = failed or exc
+                continue
+            if self._losses.get(name, 0) != losses:
+                # Its connection closed between the answer and now: _on_broker_lost has already run, and would
+                # not see these grants. Trusted, a restarted broker's queues were consumed here for lock_expire_s
+                # while it gave their locks to another consumer. Asked for again at once, over a new connection.
+                self._relock_now.set()
                 continue
             now = time.monotonic()
             stale = []
@@ -583,6 +593,8 @@ class PushConsumer:
         those orderly queues at once. They are asked for again at once: a connection that only broke gets them back
         (the broker still holds them for this client), a restarted broker gives them to whoever asks first."""
         names = self.client.brokers_at(addr)
+        for name in names:
+            self._losses[name] = self._losses.get(name, 0) + 1
         lost = [mq for mq in self._locks if mq.broker_name in names]
         if not lost or self._stopping:
             return

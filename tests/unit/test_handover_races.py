@@ -734,3 +734,28 @@ async def test_an_orderly_queue_whose_connection_broke_during_its_hand_over_is_s
         if handing is not None:
             await asyncio.gather(handing, return_exceptions=True)
         await consumer.shutdown()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["first-lock", "renewal"])
+@bounded(10)
+async def test_a_lock_granted_over_a_connection_lost_before_the_grant_is_acted_on_is_not_trusted(held):
+    """The lock answer and the connection's close read in one loop step: the close's callback
+    (_on_broker_lost) ran before the lock request's caller resumed, found no lock (a first one) or dropped
+    the old one (a renewal), and then the grant was trusted for lock_expire_s. A restarted broker holds no
+    such lock and grants it to the next consumer that asks: both consumed the orderly queue. A grant whose
+    broker's connection was lost meanwhile is not trusted now, and the lock is asked for again at once."""
+    mq = MessageQueue("T", "b", 0)
+    addr = "127.0.0.1:10911"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True)
+    consumer.client._brokers["b"] = addr
+    consumer._owned = {mq}
+    if held:
+        consumer._locks[mq] = 0.0
+
+    async def lock_queues(mqs):
+        consumer.client.pool.on_lost(addr)     # granted, and the connection closed, before we resume
+        return set(mqs)
+    consumer.client.lock_queues = lock_queues
+    await consumer._lock_owned()
+    assert mq not in consumer.locked_queues, "a lock granted over a lost connection is trusted"
+    assert consumer._relock_now.is_set()
