@@ -274,7 +274,10 @@ class PushConsumer:
             return
         self._beat_now = True
         self._rebalance_now.set()
-        if self.orderly:
+        # A connection already replaced by an open one to the same address (closed by us, its close ending late):
+        # the broker dropped this consumer's channel with it (hence the beat) but not its locks, kept by client id;
+        # dropped here, the locks just granted over the new connection were undone for nothing.
+        if self.orderly and self.client.pool.cached(addr) is None:
             self._on_broker_lost(addr)
 
     async def _rebalance_loop(self) -> None:

@@ -6,6 +6,8 @@ import asyncio
 import collections
 import json
 import logging
+import os
+import signal
 
 import pytest
 
@@ -167,5 +169,51 @@ async def test_a_push_consumer_backs_off_and_warns_once_while_its_broker_stays_d
         await _until(lambda: got[b"back"], consumed)
         assert consumer.beats_failed == 0
         assert any(r.getMessage().startswith(f"heartbeat of {group} heard again") for r in caplog.records)
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_replaced_connections_late_close_still_makes_the_consumer_heartbeat(broker_factory):
+    """A connection the client closed itself (a malformed frame) whose close ends late, once a new connection to
+    the broker was made: the broker drops the consumer's channel when that old connection closes, and lists it
+    again only after a heartbeat on the new one. The pool stopped reporting such a close (it is no longer the
+    address's current connection): the consumer heartbeat only at its next rebalance (120 s here), the broker
+    listing the group without it meanwhile -- its queues taken by the others, consumed twice."""
+    b = broker_factory()
+    topic, group = "LateClose", "CG_late_close"
+    got: collections.Counter = collections.Counter()
+    await create_topic(b.broker, topic, QUEUES)
+    consumer = _consumer(b, topic, group, got, asyncio.Event(), rebalance_interval_s=120)
+    beats = []
+    beaten = asyncio.Event()
+    heartbeat = consumer._heartbeat
+
+    async def counted_heartbeat():
+        await heartbeat()
+        beats.append(consumer.client.pool.cached(b.broker))
+        beaten.set()
+    consumer._heartbeat = counted_heartbeat
+    await consumer.start()
+    try:
+        me = {consumer.client.client_id}
+        assert await _members(consumer, topic) == me
+        pool = consumer.client.pool
+        old = pool.cached(b.broker)
+        os.kill(b.proc.pid, signal.SIGSTOP)     # reads nothing: what the client writes waits in its buffer
+        try:
+            old.transport.write(b"\0" * (16 << 20))
+            old.close()                         # what a malformed frame does: no longer open, not closed yet
+            assert not old.closed.is_set()
+            new = await pool.get(b.broker)      # the kernel completes the handshake for the stopped broker
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        await old.closed.wait()                 # the broker read it, and dropped the consumer's channel
+        beaten.clear()
+        async with asyncio.timeout(30):         # a quarter of rebalance_interval_s: only a prompt beat is in time
+            while not beats or beats[-1] is not new:
+                await beaten.wait()
+                beaten.clear()
+        assert await _members(consumer, topic) == me, "the broker lists the group without the consumer"
     finally:
         await consumer.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -759,3 +760,24 @@ async def test_a_lock_granted_over_a_connection_lost_before_the_grant_is_acted_o
     await consumer._lock_owned()
     assert mq not in consumer.locked_queues, "a lock granted over a lost connection is trusted"
     assert consumer._relock_now.is_set()
+
+
+@bounded(10)
+async def test_a_replaced_connections_late_close_beats_and_keeps_the_locks():
+    """The late close of a connection already replaced by an open one (closed by us: a malformed frame) is
+    reported: the broker dropped the consumer's channel with it, so the consumer beats at once. Its locks, kept by
+    the broker by client id, stay trusted: dropped, the locks just granted over the new connection were undone."""
+    mq = MessageQueue("T", "b", 0)
+    addr = "127.0.0.1:10911"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True)
+    consumer.client._brokers["b"] = addr
+    consumer._owned = {mq}
+    consumer._locks[mq] = time.monotonic()
+    newer = object()
+    consumer.client.pool.cached = lambda a: newer if a == addr else None
+    consumer.client.pool.on_lost(addr)
+    assert consumer._beat_now and consumer._rebalance_now.is_set()
+    assert mq in consumer.locked_queues and not consumer._relock_now.is_set()
+    consumer.client.pool.cached = lambda a: None       # the current connection lost: the locks go
+    consumer.client.pool.on_lost(addr)
+    assert mq not in consumer.locked_queues and consumer._relock_now.is_set()
