@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
-from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError, RequestTimeoutError,
+from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError,
+                             RequestTimeoutError,
                              ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
@@ -130,6 +132,25 @@ class _SendCommand(RemotingCommand):
                 f'"opaque":{self.opaque},"serializeTypeCurrentRPC":"JSON","version":{VERSION_4_9_8}}}').encode()
 
 
+def _accepted(method):
+    """A send entry point: refused (ClientClosedError, nothing sent) once shutdown has begun; accepted before, it
+    is counted until it returns, and shutdown waits for it. Only requests in flight were waited for: a send still
+    looking its topic's route up (a topic's first sends) went on once shutdown had closed the routes or the
+    connections, and failed (CancelledError, a send stored but reported failed)."""
+    @functools.wraps(method)
+    async def counted(self, *args, **kwargs):
+        if self._stopping:
+            raise ClientClosedError(f"producer {self.group} is shutting down: send refused, not sent")
+        self._sending += 1
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._sending -= 1
+            if not self._sending and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
+    return counted
+
+
 def _client_ip() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -186,6 +207,8 @@ class Producer:
         # shutdown has begun: sends begun now are refused (ClientClosedError). Taken, an application still sending
         # kept the batches filling, and shutdown, flushing them until none was left, never returned.
         self._stopping = False
+        self._sending = 0                                   # sends accepted (see _accepted) and not returned yet
+        self._idle: asyncio.Future | None = None            # shutdown's wait for _sending to reach 0
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
         self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
         self._unreachable: dict[str, tuple[str, float]] = {}   # broker name -> (its address, passed over until)
@@ -216,16 +239,16 @@ class Producer:
         """True once ``shutdown`` has begun: new sends are refused (``ClientClosedError``)."""
         return self._stopping
 
-    def _refuse_if_stopping(self) -> None:
-        if self._stopping:
-            raise ClientClosedError(f"producer {self.group} is shutting down: send refused, not sent")
-
     async def shutdown(self) -> None:
         """Refuse new sends, flush batched ones, let the sends in flight have their answers (each within its
         send_timeout), stop the background tasks, unregister from the brokers, close."""
         self._stopping = True
         if self._accumulator is not None:
             await self._accumulator.flush()
+        if self._sending:       # accepted before, not yet a request in flight (its route being looked up)
+            if self._idle is None or self._idle.done():     # a second shutdown meanwhile waits for the same
+                self._idle = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._idle)
         await self.pool.settle(self.send_timeout)
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
@@ -316,6 +339,7 @@ class Producer:
             tpl = self._templates[key] = _SendTemplate(code, self.group, mq.topic, mq.queue_id, sys_flag, flag, batch)
         return _SendCommand(code, tpl, int(time.time() * 1000), props, body)
 
+    @_accepted
     async def send(self, topic: str, body: bytes, *, tags: str | None = None, keys: str | list[str] | None = None,
                    properties: dict[str, str] | None = None, queue: MessageQueue | None = None,
                    flag: int = 0, delay_level: int = 0, deliver_at_ms: int | None = None) -> SendResult:
@@ -328,7 +352,6 @@ class Producer:
         timer_max_delay_s ahead). A refusal raises the ``ResponseError`` of its code; timeouts raise
         ``RequestTimeoutError``; a send begun once ``shutdown`` has, ``ClientClosedError``.
         """
-        self._refuse_if_stopping()
         if properties:
             props = self.message_properties(tags, keys, properties)
             if delay_level:
@@ -360,10 +383,10 @@ class Producer:
             text += "\x02TIMER_DELIVER_MS\x01" + str(deliver_at_ms)
         return await self._send_text(RequestCode.SEND_MESSAGE_V2, topic, body, text, uniq, queue, flag=flag)
 
+    @_accepted
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
                          queue: MessageQueue | None = None) -> SendResult:
         """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
-        self._refuse_if_stopping()
         entries, uniqs = [], []
         for body in bodies:
             props = self.message_properties(tags)
@@ -374,10 +397,10 @@ class Producer:
         return await self._send_text(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), "WAIT\x01true",
                                      ",".join(uniqs), queue, batch=True)
 
+    @_accepted
     async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None,
                           keys: str | list[str] | None = None, properties: dict[str, str] | None = None) -> None:
         """Send without waiting for the broker (no result, no retry: it may be lost)."""
-        self._refuse_if_stopping()
         props = self.message_properties(tags, keys, properties)
         queues = await self.routes.publish_queues(topic)
         mq = self.routes.select(queues)
@@ -407,9 +430,9 @@ class Producer:
                 del self._unreachable[name]
         return set(self._unreachable)
 
+    @_accepted
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
         """Send with properties given as a dict (the transaction producer's half)."""
-        self._refuse_if_stopping()
         return await self._send_text(code, topic, body, properties_to_string(props), props.get(Prop.UNIQ_KEY, ""),
                                      queue, sys_flag=sys_flag, flag=flag, batch=batch)
 

@@ -419,3 +419,23 @@ async def test_shutdown_with_a_broker_that_does_not_answer_waits_one_timeout_not
         if stopped:
             broker.proc.send_signal(signal.SIGCONT)
     assert took < 5.0, f"shutdown took {took:.1f} s"
+
+
+@pytest.mark.parametrize("batch_size", [1, 16], ids=["plain", "batching"])
+@bounded(30)
+async def test_producer_shutdown_answers_the_sends_begun_before_it(broker, batch_size):
+    """Sends begun before shutdown, still looking their topic's route up when it began (the first sends to a
+    topic): not yet requests in flight nor gathered in a batch, shutdown neither flushed nor waited for them.
+    They went on once the route came, over a connection shutdown then closed under them (or after it
+    closed): failed, or reported failed once stored. Shutdown now waits for every send accepted before it."""
+    topic = "ShutdownRouting"
+    await create_topic(broker.broker, topic, 1)
+    producer = await Producer(broker.namesrv, "PG_shutdown_routing", batch_size=batch_size, linger_ms=2).start()
+    sends = [asyncio.create_task(producer.send(topic, b"m%d" % i)) for i in range(20)]
+    await asyncio.sleep(0)          # each has begun (accepted) and waits for the route
+    assert not any(s.done() for s in sends)
+    await producer.shutdown()
+    results = await asyncio.gather(*sends, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, failed[:3]
+    assert await stored_count(broker.broker, topic, 1) == 20
