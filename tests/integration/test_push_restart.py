@@ -209,6 +209,7 @@ async def test_a_replaced_connections_late_close_still_makes_the_consumer_heartb
         finally:
             os.kill(b.proc.pid, signal.SIGCONT)
         await old.closed.wait()                 # the broker read it, and dropped the consumer's channel
+        beats.clear()
         beaten.clear()
         async with asyncio.timeout(30):         # a quarter of rebalance_interval_s: only a prompt beat is in time
             while not beats or beats[-1] is not new:
