@@ -218,3 +218,32 @@ async def test_a_replaced_connections_late_close_still_makes_the_consumer_heartb
         assert await _members(consumer, topic) == me, "the broker lists the group without the consumer"
     finally:
         await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_push_consumer_shut_down_during_its_back_off_ends_and_leaves_no_task(broker_factory):
+    """Shut down while its heartbeat backs off (the broker down): the back-off is cut short, shutdown returns,
+    and no loop of the consumer is left running."""
+    b = broker_factory()
+    topic, group = "PushDownStop", "CG_push_down_stop"
+    got: collections.Counter = collections.Counter()
+    await create_topic(b.broker, topic, QUEUES)
+    consumer = _consumer(b, topic, group, got, asyncio.Event(), rebalance_interval_s=120)
+    failed = asyncio.Event()
+    heartbeat = consumer._heartbeat
+
+    async def counted_heartbeat():
+        try:
+            await heartbeat()
+        except Exception:
+            if consumer.beats_failed >= 1:      # this one is the second failure in a row: backing off now
+                failed.set()
+            raise
+    consumer._heartbeat = counted_heartbeat
+    await consumer.start()
+    b.kill()
+    await failed.wait()
+    tasks = set(consumer._tasks)
+    await consumer.shutdown()
+    assert all(t.done() for t in tasks)
+    assert not [t for t in asyncio.all_tasks() if "_rebalance_loop" in repr(t.get_coro()) and not t.done()]
