@@ -144,6 +144,7 @@ class PullConsumer:
         self._brokers: dict[str, str] = {}
         self._route_brokers: dict[str, set[str]] = {}     # topic -> the brokers its last route named
         self._offline: dict[str, str] = {}      # broker forgotten (no route names it) -> its last address
+        self.beat_unreached: list[str] = []     # the broker addresses the last heartbeat met no answer from
         self.subscriptions: dict[str, "str | MessageSelector"] = {}
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
@@ -336,6 +337,7 @@ class PullConsumer:
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
         failed = None
+        unreached = []
         for addr in dict.fromkeys(self._brokers.values()):     # in the order learnt
             try:
                 resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
@@ -343,8 +345,12 @@ class PullConsumer:
                 if resp.code != ResponseCode.SUCCESS:
                     raise error_for_code(resp.code, resp.remark)
             except BrokerError as exc:      # a refusal is raised before a broker out of reach (start tells them apart)
+                if not isinstance(exc, ResponseError):
+                    unreached.append(addr)
                 if failed is None or isinstance(exc, ResponseError) and not isinstance(failed, ResponseError):
                     failed = exc
+        # the brokers this beat did not reach, refused by another or not: a push consumer beats them again soon
+        self.beat_unreached = unreached
         if failed is not None:
             raise failed
 

@@ -303,13 +303,25 @@ class PushConsumer:
             self._rebalance_now.clear()
             lost, self._beat_now = self._beat_now, False
             try:
+                unreached: BrokerError | None = None
                 try:
                     await self._heartbeat()
+                except (RequestTimeoutError, ConnectionClosedError) as exc:
+                    unreached = exc
+                except BrokerError as exc:     # a broker gone for good stays known: rebalance all the same
+                    log.log(logging.WARNING if not self.beats_failed else logging.DEBUG,
+                            "heartbeat of %s failed: %s", self.group, exc)
+                    # A refusal is raised before a broker out of reach: that one (restarting) was left to the next
+                    # rebalance, up to rebalance_interval_s, as if no connection had been lost. Backed off as well.
+                    if self.client.beat_unreached:
+                        unreached = exc
+                if unreached is None:
                     if self.beats_failed:
                         log.info("heartbeat of %s heard again after %d failed attempt(s)", self.group,
                                  self.beats_failed)
                     self.beats_failed, retry = 0, None
-                except (RequestTimeoutError, ConnectionClosedError) as exc:
+                else:
+                    exc = unreached
                     self.beats_failed += 1
                     retry = min(self.rebalance_interval_s, _BEAT_RETRY_MAX_S,
                                 _BEAT_RETRY_S if retry is None else retry * 2)
@@ -318,8 +330,6 @@ class PushConsumer:
                     log.log(logging.WARNING if self.beats_failed == 1 else logging.DEBUG,
                             "heartbeat of %s failed: %s; retrying, backing off up to %g s (said again once heard)",
                             self.group, exc, retry)
-                except BrokerError as exc:     # a broker gone for good stays known: rebalance all the same
-                    log.warning("heartbeat of %s failed: %s", self.group, exc)
                 # a retry that still reaches no broker changes nothing the last rebalance saw
                 if retry is None or asked or time.monotonic() - last_rebalance >= self.rebalance_interval_s:
                     last_rebalance = time.monotonic()

@@ -11,6 +11,9 @@ import pytest
 from consumer import ConsumeStatus, PushConsumer
 from consumer.pull_consumer import MessageQueue, PullResult, PullStatus
 from protocol.message import MessageExt
+from protocol.codes import ResponseCode
+from protocol.command import RemotingCommand
+from protocol.errors import ConnectionClosedError
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -781,3 +784,37 @@ async def test_a_replaced_connections_late_close_beats_and_keeps_the_locks():
     consumer.client.pool.cached = lambda a: None       # the current connection lost: the locks go
     consumer.client.pool.on_lost(addr)
     assert mq not in consumer.locked_queues and consumer._relock_now.is_set()
+
+
+@bounded(10)
+async def test_a_broker_out_of_reach_is_beaten_again_when_another_refuses_the_heartbeat():
+    """Two brokers: the connection to one is lost (it restarts), the other refuses the heartbeat (SYSTEM_BUSY past
+    max_groups_per_host, an ACL). The heartbeat raised the refusal, which hides the broker out of reach, and the
+    loop treated it as heard: the restarting broker was beaten again only at the next rebalance (120 s here),
+    listing the group without this consumer meanwhile. It is retried after the back-off now."""
+    down, busy = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": busy})
+    tries = []
+    second = asyncio.Event()
+
+    async def request(addr, cmd, timeout=3.0):
+        if addr == down:
+            tries.append(addr)
+            if len(tries) >= 2:
+                second.set()
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
+
+    async def rebalance():
+        pass
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        consumer._on_connection_lost(down)
+        await second.wait()
+        assert consumer.beats_failed >= 1
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
