@@ -327,10 +327,11 @@ class PullConsumer:
             raise unreached
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
-                        consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
-        """Announce the group and its subscriptions to every known broker; a broker that does not answer
-        does not keep the others from hearing (once all were tried, the first refusal is raised, else the first
-        failure)."""
+                        consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING", *,
+                        only: list[str] | None = None) -> None:
+        """Announce the group and its subscriptions to every known broker (``only``: those of them at these
+        addresses); a broker that does not answer does not keep the others from hearing (once all were tried, the
+        first refusal is raised, else the first failure)."""
         version = int(time.time() * 1000)
         subs = [as_selector(e).subscription_data(t, version) for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
@@ -339,6 +340,8 @@ class PullConsumer:
         failed = None
         unreached = []
         for addr in dict.fromkeys(self._brokers.values()):     # in the order learnt
+            if only is not None and addr not in only:
+                continue
             try:
                 resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                                              body=body.encode()), self.timeout)

@@ -818,3 +818,36 @@ async def test_a_broker_out_of_reach_is_beaten_again_when_another_refuses_the_he
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+
+
+@bounded(10)
+async def test_a_heartbeat_retry_beats_only_the_brokers_the_last_beat_did_not_reach():
+    """One broker of two down: each retry (every few seconds, for as long as it stays down) beat the healthy one
+    too, in every consumer of the process: several times its usual heartbeat load. A retry beats only the
+    brokers not reached; a connection lost again beats them all."""
+    down, up = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": up})
+    beaten = {down: 0, up: 0}
+    third = asyncio.Event()
+
+    async def request(addr, cmd, timeout=3.0):
+        beaten[addr] += 1
+        if addr == down:
+            if beaten[down] >= 3:
+                third.set()
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SUCCESS, flag=1)
+
+    async def rebalance():
+        pass
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        consumer._on_connection_lost(down)
+        await third.wait()          # the beat the loss asked for, and two retries
+        assert beaten[up] == 1, beaten
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
