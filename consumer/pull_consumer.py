@@ -144,6 +144,7 @@ class PullConsumer:
         self._brokers: dict[str, str] = {}
         self._route_brokers: dict[str, set[str]] = {}     # topic -> the brokers its last route named
         self._offline: dict[str, str] = {}      # broker forgotten (no route names it) -> its last address
+        self.beat_unreached: list[str] = []     # the broker addresses the last heartbeat met no answer from
         self.subscriptions: dict[str, "str | MessageSelector"] = {}
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
@@ -326,25 +327,33 @@ class PullConsumer:
             raise unreached
 
     async def heartbeat(self, consume_type: str = "CONSUME_ACTIVELY",
-                        consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING") -> None:
-        """Announce the group and its subscriptions to every known broker; a broker that does not answer
-        does not keep the others from hearing (once all were tried, the first refusal is raised, else the first
-        failure)."""
+                        consume_from: str = "CONSUME_FROM_FIRST_OFFSET", message_model: str = "CLUSTERING", *,
+                        only: list[str] | None = None) -> None:
+        """Announce the group and its subscriptions to every known broker (``only``: those of them at these
+        addresses); a broker that does not answer does not keep the others from hearing (once all were tried, the
+        first refusal is raised, else the first failure)."""
         version = int(time.time() * 1000)
         subs = [as_selector(e).subscription_data(t, version) for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,
             "consumeFromWhere": consume_from, "subscriptionDataSet": subs, "unitMode": False}]})
         failed = None
+        unreached = []
         for addr in dict.fromkeys(self._brokers.values()):     # in the order learnt
+            if only is not None and addr not in only:
+                continue
             try:
                 resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.HEART_BEAT,
                                                                              body=body.encode()), self.timeout)
                 if resp.code != ResponseCode.SUCCESS:
                     raise error_for_code(resp.code, resp.remark)
             except BrokerError as exc:      # a refusal is raised before a broker out of reach (start tells them apart)
+                if not isinstance(exc, ResponseError):
+                    unreached.append(addr)
                 if failed is None or isinstance(exc, ResponseError) and not isinstance(failed, ResponseError):
                     failed = exc
+        # the brokers this beat did not reach, refused by another or not: a push consumer beats them again soon
+        self.beat_unreached = unreached
         if failed is not None:
             raise failed
 

@@ -41,6 +41,11 @@ from .pull_consumer import DEFAULT_MAX_RECONSUME_TIMES, MessageQueue, MessageSel
 from .rebalance import allocate_averagely
 
 _JAVA_INT_MAX = (1 << 31) - 1   # an orderly consumer's maxReconsumeTimes -1: retried in place for good
+# A heartbeat that could not reach a broker (it is down, or restarting) is tried again after this, doubling up to
+# _BEAT_RETRY_MAX_S (never past rebalance_interval_s), as the producer's; and a beat a lost connection asks for comes
+# no sooner than this after the last, so connections that keep breaking never make a reconnect storm.
+_BEAT_RETRY_S = 0.5
+_BEAT_RETRY_MAX_S = 4.0
 
 log = logging.getLogger("txmq.consumer")
 
@@ -134,8 +139,7 @@ class PushConsumer:
                                    instance_name=instance_name or ("DEFAULT" if broadcasting else None),
                                    max_inflated_body=max_inflated_body)
         self.client.on_ids_changed = self._request_rebalance
-        if orderly:
-            self.client.pool.on_lost = self._on_broker_lost
+        self.client.pool.on_lost = self._on_connection_lost
         self.client.on_reset_offset = self._on_reset_offset
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
@@ -147,6 +151,9 @@ class PushConsumer:
         # orderly: queues being handed over whose lock _on_broker_lost dropped: a connection that only broke left
         # it held on the broker, still released when the hand-over ends (its next owner need not wait for expiry)
         self._unlock_owed: set[MessageQueue] = set()
+        # orderly: broker name -> connections to it lost so far: a lock granted over a connection lost before the
+        # grant was acted on (its answer and its close read in one step) is not trusted (_lock_owned)
+        self._losses: dict[str, int] = {}
         self.subscriptions: dict[str, str | MessageSelector] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
@@ -169,6 +176,8 @@ class PushConsumer:
         self._stopping = False
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
+        self._beat_now = False            # a connection was lost: heartbeat (then rebalance) at once
+        self.beats_failed = 0             # heartbeats in a row that could not reach a broker (0: all heard)
 
     def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
         """Consume ``topic``, only tags in ``expression`` (``"a || b"``; ``"*"`` for all), or what a
@@ -257,27 +266,88 @@ class PushConsumer:
     def _request_rebalance(self) -> None:
         self._rebalance_now.set()
 
+    def _on_connection_lost(self, addr: str) -> None:
+        """A connection to a broker closed: it may have restarted, and then it knows this consumer again only from
+        a heartbeat. Waiting for the next rebalance (up to rebalance_interval_s) left the broker listing only the
+        other consumers of the group meanwhile: they took this one's queues, and both consumed them."""
+        if self._stopping or not self.client.brokers_at(addr):     # a name server's: nothing to announce
+            return
+        self._beat_now = True
+        self._rebalance_now.set()
+        # A connection already replaced by an open one to the same address (closed by us, its close ending late):
+        # the broker dropped this consumer's channel with it (hence the beat) but not its locks, kept by client id;
+        # dropped here, the locks just granted over the new connection were undone for nothing.
+        if self.orderly and self.client.pool.cached(addr) is None:
+            self._on_broker_lost(addr)
+
     async def _rebalance_loop(self) -> None:
+        """Heartbeat, then rebalance: every rebalance_interval_s, when the group changes, and at once when a
+        connection is lost. While a heartbeat cannot reach a broker it is tried again after a back-off (0.5 s
+        doubling up to 4 s): a broker back on its feet hears this consumer within seconds, not up to
+        rebalance_interval_s later. Those retries only beat, one WARNING per outage; the rebalance between them
+        waits for a beat that is heard, or for its own time."""
+        retry: float | None = None
+        last_rebalance = time.monotonic()
         while True:
-            try:
-                await wait_within(self._rebalance_now.wait(), self.rebalance_interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._rebalance_now.clear()
-            try:
+            if retry is None:
                 try:
-                    await self._heartbeat()
+                    await wait_within(self._rebalance_now.wait(), self.rebalance_interval_s)
+                except asyncio.TimeoutError:
+                    pass
+                asked = True
+            else:   # not sooner for a connection lost meanwhile: a broker that accepts and then drops every
+                # connection (each failed beat losing one) made a tight loop of connects
+                await asyncio.sleep(retry)
+                # a group change asks for a rebalance; a connection lost meanwhile only for the beat this is
+                asked = self._rebalance_now.is_set() and not self._beat_now
+            self._rebalance_now.clear()
+            lost, self._beat_now = self._beat_now, False
+            # A retry beats only the brokers the last beat did not reach (all of them once a connection is lost
+            # again): every consumer of a process beating every healthy broker each few seconds, for as long as
+            # one broker stayed down, was five times their usual heartbeat load.
+            only = list(self.client.beat_unreached) if retry is not None and not lost else None
+            try:
+                unreached: BrokerError | None = None
+                try:
+                    await (self._heartbeat() if only is None else self._heartbeat(only))
+                except (RequestTimeoutError, ConnectionClosedError) as exc:
+                    unreached = exc
                 except BrokerError as exc:     # a broker gone for good stays known: rebalance all the same
-                    log.warning("heartbeat of %s failed: %s", self.group, exc)
-                await self.rebalance()
+                    log.log(logging.WARNING if not self.beats_failed else logging.DEBUG,
+                            "heartbeat of %s failed: %s", self.group, exc)
+                    # A refusal is raised before a broker out of reach: that one (restarting) was left to the next
+                    # rebalance, up to rebalance_interval_s, as if no connection had been lost. Backed off as well.
+                    if self.client.beat_unreached:
+                        unreached = exc
+                if unreached is None:
+                    if self.beats_failed:
+                        log.info("heartbeat of %s heard again after %d failed attempt(s)", self.group,
+                                 self.beats_failed)
+                    self.beats_failed, retry = 0, None
+                else:
+                    exc = unreached
+                    self.beats_failed += 1
+                    retry = min(self.rebalance_interval_s, _BEAT_RETRY_MAX_S,
+                                _BEAT_RETRY_S if retry is None else retry * 2)
+                    # the first of an outage a WARNING, the rest only for the debugging eye: said every retry, a
+                    # broker down for an hour wrote a line every few seconds
+                    log.log(logging.WARNING if self.beats_failed == 1 else logging.DEBUG,
+                            "heartbeat of %s failed: %s; retrying, backing off up to %g s (said again once heard)",
+                            self.group, exc, retry)
+                # a retry that still reaches no broker changes nothing the last rebalance saw
+                if retry is None or asked or time.monotonic() - last_rebalance >= self.rebalance_interval_s:
+                    last_rebalance = time.monotonic()
+                    await self.rebalance()
             except BrokerError as exc:
                 log.warning("rebalance of %s failed: %s", self.group, exc)
             except Exception:  # noqa: BLE001 - ending here would stop rebalancing (and restarting pull loops) for good
                 self._turn_failed("rebalance")
+            if lost and retry is None:      # connections that keep breaking: at most two beats a second for them
+                await asyncio.sleep(min(_BEAT_RETRY_S, self.rebalance_interval_s))
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, only: list[str] | None = None) -> None:
         await self.client.heartbeat("CONSUME_PASSIVELY", "CONSUME_FROM_LAST_OFFSET" if self.consume_from == "last"
-                                    else "CONSUME_FROM_FIRST_OFFSET", self.message_model)
+                                    else "CONSUME_FROM_FIRST_OFFSET", self.message_model, only=only)
 
     async def rebalance(self) -> None:
         """Recompute this consumer's queues now (also run periodically and when the group changes).
@@ -502,11 +572,18 @@ class PushConsumer:
         for mq in (*self._owned, *(q for q in self._leaving if q in self._locks)):
             by_broker.setdefault(mq.broker_name, set()).add(mq)
         failed = None
-        for queues in by_broker.values():
+        for name, queues in by_broker.items():
+            losses = self._losses.get(name, 0)
             try:
                 granted = await self.client.lock_queues(queues)
             except BrokerError as exc:
                 failed = failed or exc
+                continue
+            if self._losses.get(name, 0) != losses:
+                # Its connection closed between the answer and now: _on_broker_lost has already run, and would
+                # not see these grants. Trusted, a restarted broker's queues were consumed here for lock_expire_s
+                # while it gave their locks to another consumer. Asked for again at once, over a new connection.
+                self._relock_now.set()
                 continue
             now = time.monotonic()
             stale = []
@@ -533,6 +610,8 @@ class PushConsumer:
         those orderly queues at once. They are asked for again at once: a connection that only broke gets them back
         (the broker still holds them for this client), a restarted broker gives them to whoever asks first."""
         names = self.client.brokers_at(addr)
+        for name in names:
+            self._losses[name] = self._losses.get(name, 0) + 1
         lost = [mq for mq in self._locks if mq.broker_name in names]
         if not lost or self._stopping:
             return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
-from protocol.errors import (ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError, RequestTimeoutError,
+from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError,
+                             RequestTimeoutError,
                              ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
@@ -130,6 +132,25 @@ class _SendCommand(RemotingCommand):
                 f'"opaque":{self.opaque},"serializeTypeCurrentRPC":"JSON","version":{VERSION_4_9_8}}}').encode()
 
 
+def _accepted(method):
+    """A send entry point: refused (ClientClosedError, nothing sent) once shutdown has begun; accepted before, it
+    is counted until it returns, and shutdown waits for it. Only requests in flight were waited for: a send still
+    looking its topic's route up (a topic's first sends) went on once shutdown had closed the routes or the
+    connections, and failed (CancelledError, a send stored but reported failed)."""
+    @functools.wraps(method)
+    async def counted(self, *args, **kwargs):
+        if self._stopping:
+            raise ClientClosedError(f"producer {self.group} is shutting down: send refused, not sent")
+        self._sending += 1
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._sending -= 1
+            if not self._sending and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
+    return counted
+
+
 def _client_ip() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -183,6 +204,11 @@ class Producer:
         self.pool.on_lost = lambda addr: self._beat_now.set()
         self._route_task: asyncio.Task | None = None
         self._started = False
+        # shutdown has begun: sends begun now are refused (ClientClosedError). Taken, an application still sending
+        # kept the batches filling, and shutdown, flushing them until none was left, never returned.
+        self._stopping = False
+        self._sending = 0                                   # sends accepted (see _accepted) and not returned yet
+        self._idle: asyncio.Future | None = None            # shutdown's wait for _sending to reach 0
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
         self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
         self._unreachable: dict[str, tuple[str, float]] = {}   # broker name -> (its address, passed over until)
@@ -208,11 +234,21 @@ class Producer:
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
+    @property
+    def shutting_down(self) -> bool:
+        """True once ``shutdown`` has begun: new sends are refused (``ClientClosedError``)."""
+        return self._stopping
+
     async def shutdown(self) -> None:
-        """Flush batched sends, let the sends in flight have their answers (each within its send_timeout),
-        stop the background tasks, unregister from the brokers, close."""
+        """Refuse new sends, flush batched ones, let the sends in flight have their answers (each within its
+        send_timeout), stop the background tasks, unregister from the brokers, close."""
+        self._stopping = True
         if self._accumulator is not None:
             await self._accumulator.flush()
+        if self._sending:       # accepted before, not yet a request in flight (its route being looked up)
+            if self._idle is None or self._idle.done():     # a second shutdown meanwhile waits for the same
+                self._idle = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._idle)
         await self.pool.settle(self.send_timeout)
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
@@ -313,39 +349,49 @@ class Producer:
         after the broker's n-th delay level (1 s, 5 s, 10 s, ... by default); ``deliver_at_ms``:
         delivered at that wall-clock time (RocketMQ 5's TIMER_DELIVER_MS, up to the broker's
         timer_max_delay_s ahead). A refusal raises the ``ResponseError`` of its code; timeouts raise
-        ``RequestTimeoutError``.
+        ``RequestTimeoutError``; a send begun once ``shutdown`` has, ``ClientClosedError``.
         """
-        if properties:
-            props = self.message_properties(tags, keys, properties)
+        # what _accepted does, written out: this is the hot path, and the wrapper's extra coroutine cost ~0.5 us
+        if self._stopping:
+            raise ClientClosedError(f"producer {self.group} is shutting down: send refused, not sent")
+        self._sending += 1
+        try:
+            if properties:
+                props = self.message_properties(tags, keys, properties)
+                if delay_level:
+                    props[Prop.DELAY] = str(delay_level)
+                if deliver_at_ms is not None:
+                    props["TIMER_DELIVER_MS"] = str(deliver_at_ms)
+                waits = Prop.DELAY in props or not props.keys().isdisjoint(_TIMER_PROPS)
+                uniq = props.get(Prop.UNIQ_KEY, "")
+                if self._accumulator is not None and queue is None and flag == 0 and not waits:
+                    return await self._accumulator.add(
+                        topic, body, properties_to_string({k: v for k, v in props.items() if k != Prop.WAIT}), uniq)
+                return await self._send_text(RequestCode.SEND_MESSAGE_V2, topic, body, properties_to_string(props),
+                                             uniq, queue, flag=flag)
+            # No user properties: the string message_properties + properties_to_string would give, written directly
+            # (TAGS, KEYS, UNIQ_KEY, WAIT, then DELAY and TIMER_DELIVER_MS).
+            uniq = self.uniq_ids.next()
+            text = "UNIQ_KEY\x01" + uniq
+            if keys:
+                text = "KEYS\x01" + (keys if isinstance(keys, str) else " ".join(keys)) + "\x02" + text
+            if tags:
+                text = "TAGS\x01" + tags + "\x02" + text
+            if (self._accumulator is not None and queue is None and flag == 0 and not delay_level
+                    and deliver_at_ms is None):
+                return await self._accumulator.add(topic, body, text, uniq)      # a batch entry carries no WAIT
+            text += "\x02WAIT\x01true"
             if delay_level:
-                props[Prop.DELAY] = str(delay_level)
+                text += "\x02DELAY\x01" + str(delay_level)
             if deliver_at_ms is not None:
-                props["TIMER_DELIVER_MS"] = str(deliver_at_ms)
-            waits = Prop.DELAY in props or not props.keys().isdisjoint(_TIMER_PROPS)
-            uniq = props.get(Prop.UNIQ_KEY, "")
-            if self._accumulator is not None and queue is None and flag == 0 and not waits:
-                return await self._accumulator.add(
-                    topic, body, properties_to_string({k: v for k, v in props.items() if k != Prop.WAIT}), uniq)
-            return await self._send_text(RequestCode.SEND_MESSAGE_V2, topic, body, properties_to_string(props), uniq,
-                                         queue, flag=flag)
-        # No user properties: the string message_properties + properties_to_string would give, written directly
-        # (TAGS, KEYS, UNIQ_KEY, WAIT, then DELAY and TIMER_DELIVER_MS).
-        uniq = self.uniq_ids.next()
-        text = "UNIQ_KEY\x01" + uniq
-        if keys:
-            text = "KEYS\x01" + (keys if isinstance(keys, str) else " ".join(keys)) + "\x02" + text
-        if tags:
-            text = "TAGS\x01" + tags + "\x02" + text
-        if (self._accumulator is not None and queue is None and flag == 0 and not delay_level
-                and deliver_at_ms is None):
-            return await self._accumulator.add(topic, body, text, uniq)      # a batch entry carries no WAIT
-        text += "\x02WAIT\x01true"
-        if delay_level:
-            text += "\x02DELAY\x01" + str(delay_level)
-        if deliver_at_ms is not None:
-            text += "\x02TIMER_DELIVER_MS\x01" + str(deliver_at_ms)
-        return await self._send_text(RequestCode.SEND_MESSAGE_V2, topic, body, text, uniq, queue, flag=flag)
+                text += "\x02TIMER_DELIVER_MS\x01" + str(deliver_at_ms)
+            return await self._send_text(RequestCode.SEND_MESSAGE_V2, topic, body, text, uniq, queue, flag=flag)
+        finally:
+            self._sending -= 1
+            if not self._sending and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
 
+    @_accepted
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
                          queue: MessageQueue | None = None) -> SendResult:
         """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
@@ -359,6 +405,7 @@ class Producer:
         return await self._send_text(RequestCode.SEND_BATCH_MESSAGE, topic, encode_batch(entries), "WAIT\x01true",
                                      ",".join(uniqs), queue, batch=True)
 
+    @_accepted
     async def send_oneway(self, topic: str, body: bytes, *, tags: str | None = None,
                           keys: str | list[str] | None = None, properties: dict[str, str] | None = None) -> None:
         """Send without waiting for the broker (no result, no retry: it may be lost)."""
@@ -391,6 +438,7 @@ class Producer:
                 del self._unreachable[name]
         return set(self._unreachable)
 
+    @_accepted
     async def _send(self, code, topic, body, props, queue, *, sys_flag=0, flag=0, batch=False) -> SendResult:
         """Send with properties given as a dict (the transaction producer's half)."""
         return await self._send_text(code, topic, body, properties_to_string(props), props.get(Prop.UNIQ_KEY, ""),

@@ -645,6 +645,10 @@ class ConnectionPool:
         return conn
 
     def _lost(self, addr: str, conn: RemotingConnection) -> None:
+        # Every connection's, the address's current one or not: one closed by us (a malformed frame) ends only once
+        # its write buffer drains, and a new one may be made meanwhile, but its peer drops what it knew of this
+        # client over it (a broker: the consumer's or producer's channel) only then, and learns it again only from
+        # a heartbeat. on_lost tells a replaced one by ``cached(addr)``: the newer connection, open.
         if not self._closed and self.on_lost is not None:
             self.on_lost(addr)
 

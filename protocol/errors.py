@@ -11,6 +11,7 @@
      |         +-- MaybeStoredClosedError   ... and its last attempt met a closed connection (also a
      |                                      ConnectionClosedError, what such a send raised before)
      +-- ConnectionClosedError    the connection went away with requests pending
+     |    +-- ClientClosedError   the client is shutting down (or shut down): the request was not sent
      +-- StoreError               a segment file is damaged or unwritable (never on the wire)
      |    +-- CorruptRecordError  a stored record whose body no longer matches its BODYCRC
      +-- ConfigError              a setting is wrong (also a ValueError)
@@ -127,6 +128,11 @@ class MaybeStoredError(RequestTimeoutError):
 
 class ConnectionClosedError(BrokerError):
     """The connection closed while a request was waiting or before it was sent."""
+
+
+class ClientClosedError(ConnectionClosedError):
+    """The client's shutdown has begun (or ended): a send begun now is refused, not sent. A ConnectionClosedError,
+    what a send after shutdown raised before (its connections closed)."""
 
 
 class MaybeStoredClosedError(MaybeStoredError, ConnectionClosedError):

@@ -18,7 +18,7 @@ from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode
-from protocol.errors import BrokerError
+from protocol.errors import BrokerError, ClientClosedError
 from tests.support.broker_process import BrokerProcess
 from tests.support.bounded import bounded
 from tests.support.cluster_process import (NamesrvProcess, cluster_flags, create_topic, request, stored_count,
@@ -309,6 +309,46 @@ async def test_producer_shutdown_lets_the_sends_in_flight_have_their_answers(bro
 
 
 @bounded(30)
+async def test_producer_shutdown_refuses_new_sends_so_it_ends_while_the_app_keeps_sending(broker):
+    """A batching producer's shutdown flushed until nothing was gathered or in flight; an application still
+    sending (its workers not stopped yet) kept adding to the batches, and shutdown never returned. Sends
+    begun once shutdown has begun are refused now (ClientClosedError, nothing sent), those accepted before
+    are flushed and answered, and shutdown ends."""
+    topic = "ShutdownStillSending"
+    await create_topic(broker.broker, topic, 1)
+    producer = await Producer(broker.namesrv, "PG_shutdown_sending", batch_size=16, linger_ms=2).start()
+    answered, refused = [], []
+    going = asyncio.Event()
+
+    async def worker(w: int) -> None:
+        i = 0
+        while True:
+            try:
+                await producer.send(topic, b"w%d-%d" % (w, i))
+            except ClientClosedError as exc:
+                refused.append(exc)
+                return
+            answered.append(w)
+            going.set()
+            i += 1
+
+    workers = [asyncio.create_task(worker(w)) for w in range(8)]
+    try:
+        while len(answered) < 64:        # every worker under way, its sends gathered into batches
+            going.clear()
+            await going.wait()
+        await producer.shutdown()
+        await asyncio.gather(*workers)
+    finally:
+        for task in workers:
+            task.cancel()
+    assert len(refused) == 8 and "shutting down" in str(refused[0])
+    with pytest.raises(ClientClosedError):
+        await producer.send(topic, b"after")
+    # every send answered was stored, and nothing refused was
+    assert await stored_count(broker.broker, topic, 1) == len(answered)
+
+@bounded(30)
 async def test_an_offset_the_broker_corrects_is_said(broker_factory, caplog):
     """PULL_OFFSET_MOVED (a committed offset past the queue's end, as after a broker lost its tail; or before
     its start, after retention) moved the consumer on, passing messages over, or back, with nothing said. The
@@ -379,3 +419,23 @@ async def test_shutdown_with_a_broker_that_does_not_answer_waits_one_timeout_not
         if stopped:
             broker.proc.send_signal(signal.SIGCONT)
     assert took < 5.0, f"shutdown took {took:.1f} s"
+
+
+@pytest.mark.parametrize("batch_size", [1, 16], ids=["plain", "batching"])
+@bounded(30)
+async def test_producer_shutdown_answers_the_sends_begun_before_it(broker, batch_size):
+    """Sends begun before shutdown, still looking their topic's route up when it began (the first sends to a
+    topic): not yet requests in flight nor gathered in a batch, shutdown neither flushed nor waited for them.
+    They went on once the route came, over a connection shutdown then closed under them (or after it
+    closed): failed, or reported failed once stored. Shutdown now waits for every send accepted before it."""
+    topic = "ShutdownRouting"
+    await create_topic(broker.broker, topic, 1)
+    producer = await Producer(broker.namesrv, "PG_shutdown_routing", batch_size=batch_size, linger_ms=2).start()
+    sends = [asyncio.create_task(producer.send(topic, b"m%d" % i)) for i in range(20)]
+    await asyncio.sleep(0)          # each has begun (accepted) and waits for the route
+    assert not any(s.done() for s in sends)
+    await producer.shutdown()
+    results = await asyncio.gather(*sends, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, failed[:3]
+    assert await stored_count(broker.broker, topic, 1) == 20

@@ -84,3 +84,39 @@ async def test_connections_to_brokers_gone_away_are_not_kept():
             await server.wait_closed()
         assert len(pool._conns) == 1 and pool.connections() == []
     await pool.close()
+
+
+async def test_a_replaced_connections_late_close_is_reported_with_the_new_one_open():
+    """A connection the client closes itself (a malformed frame) is no longer open at once, but its close ends
+    only once its write buffer reaches a peer that reads slowly; a new connection to the address is made
+    meanwhile. Its close is still reported (the broker drops the client's channel only then, and a consumer must
+    heartbeat to be listed again), with ``cached(addr)`` the new, open connection: what tells a replaced one's
+    late close from the current one lost (an orderly consumer keeps its locks for the former)."""
+    loop = asyncio.get_running_loop()
+    peers: list[asyncio.Transport] = []
+
+    class Stalled(asyncio.Protocol):
+        def connection_made(self, transport):
+            peers.append(transport)
+            transport.pause_reading()       # reads nothing until told: what the client writes waits in its buffer
+
+    server = await loop.create_server(Stalled, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = ConnectionPool()
+    lost = []
+    pool.on_lost = lambda addr: lost.append((addr, pool.cached(addr)))
+    async with asyncio.timeout(10):
+        old = await pool.get(addr)
+        old.transport.write(b"\0" * (16 << 20))     # far more than the socket buffers hold
+        old.close()
+        assert not old.is_open and not old.closed.is_set()
+        new = await pool.get(addr)
+        assert new is not old and new.is_open
+        peers[0].resume_reading()                  # the old one's buffer drains, and its close ends now
+        await old.closed.wait()
+        assert lost == [(addr, new)], "the late close of a replaced connection: reported, the new one open"
+        peers[1].close()                           # the current one lost: reported, none open
+        await new.closed.wait()
+        assert lost == [(addr, new), (addr, None)]
+    await pool.close()
+    server.close()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
 from consumer import ConsumeStatus, PushConsumer
 from consumer.pull_consumer import MessageQueue, PullResult, PullStatus
 from protocol.message import MessageExt
+from protocol.codes import ResponseCode
+from protocol.command import RemotingCommand
+from protocol.errors import ConnectionClosedError
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -734,3 +738,116 @@ async def test_an_orderly_queue_whose_connection_broke_during_its_hand_over_is_s
         if handing is not None:
             await asyncio.gather(handing, return_exceptions=True)
         await consumer.shutdown()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["first-lock", "renewal"])
+@bounded(10)
+async def test_a_lock_granted_over_a_connection_lost_before_the_grant_is_acted_on_is_not_trusted(held):
+    """The lock answer and the connection's close read in one loop step: the close's callback
+    (_on_broker_lost) ran before the lock request's caller resumed, found no lock (a first one) or dropped
+    the old one (a renewal), and then the grant was trusted for lock_expire_s. A restarted broker holds no
+    such lock and grants it to the next consumer that asks: both consumed the orderly queue. A grant whose
+    broker's connection was lost meanwhile is not trusted now, and the lock is asked for again at once."""
+    mq = MessageQueue("T", "b", 0)
+    addr = "127.0.0.1:10911"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True)
+    consumer.client._brokers["b"] = addr
+    consumer._owned = {mq}
+    if held:
+        consumer._locks[mq] = 0.0
+
+    async def lock_queues(mqs):
+        consumer.client.pool.on_lost(addr)     # granted, and the connection closed, before we resume
+        return set(mqs)
+    consumer.client.lock_queues = lock_queues
+    await consumer._lock_owned()
+    assert mq not in consumer.locked_queues, "a lock granted over a lost connection is trusted"
+    assert consumer._relock_now.is_set()
+
+
+@bounded(10)
+async def test_a_replaced_connections_late_close_beats_and_keeps_the_locks():
+    """The late close of a connection already replaced by an open one (closed by us: a malformed frame) is
+    reported: the broker dropped the consumer's channel with it, so the consumer beats at once. Its locks, kept by
+    the broker by client id, stay trusted: dropped, the locks just granted over the new connection were undone."""
+    mq = MessageQueue("T", "b", 0)
+    addr = "127.0.0.1:10911"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True)
+    consumer.client._brokers["b"] = addr
+    consumer._owned = {mq}
+    consumer._locks[mq] = time.monotonic()
+    newer = object()
+    consumer.client.pool.cached = lambda a: newer if a == addr else None
+    consumer.client.pool.on_lost(addr)
+    assert consumer._beat_now and consumer._rebalance_now.is_set()
+    assert mq in consumer.locked_queues and not consumer._relock_now.is_set()
+    consumer.client.pool.cached = lambda a: None       # the current connection lost: the locks go
+    consumer.client.pool.on_lost(addr)
+    assert mq not in consumer.locked_queues and consumer._relock_now.is_set()
+
+
+@bounded(10)
+async def test_a_broker_out_of_reach_is_beaten_again_when_another_refuses_the_heartbeat():
+    """Two brokers: the connection to one is lost (it restarts), the other refuses the heartbeat (SYSTEM_BUSY past
+    max_groups_per_host, an ACL). The heartbeat raised the refusal, which hides the broker out of reach, and the
+    loop treated it as heard: the restarting broker was beaten again only at the next rebalance (120 s here),
+    listing the group without this consumer meanwhile. It is retried after the back-off now."""
+    down, busy = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": busy})
+    tries = []
+    second = asyncio.Event()
+
+    async def request(addr, cmd, timeout=3.0):
+        if addr == down:
+            tries.append(addr)
+            if len(tries) >= 2:
+                second.set()
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
+
+    async def rebalance():
+        pass
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        consumer._on_connection_lost(down)
+        await second.wait()
+        assert consumer.beats_failed >= 1
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
+@bounded(10)
+async def test_a_heartbeat_retry_beats_only_the_brokers_the_last_beat_did_not_reach():
+    """One broker of two down: each retry (every few seconds, for as long as it stays down) beat the healthy one
+    too, in every consumer of the process: several times its usual heartbeat load. A retry beats only the
+    brokers not reached; a connection lost again beats them all."""
+    down, up = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": up})
+    beaten = {down: 0, up: 0}
+    third = asyncio.Event()
+
+    async def request(addr, cmd, timeout=3.0):
+        beaten[addr] += 1
+        if addr == down:
+            if beaten[down] >= 3:
+                third.set()
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SUCCESS, flag=1)
+
+    async def rebalance():
+        pass
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        consumer._on_connection_lost(down)
+        await third.wait()          # the beat the loss asked for, and two retries
+        assert beaten[up] == 1, beaten
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
