@@ -177,6 +177,9 @@ class PushConsumer:
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
         self._beat_now = False            # a connection was lost: heartbeat (then rebalance) at once
+        # a rebalance was asked for (a group change, a loop to restart) rather than only a beat: told apart from a
+        # lost connection's beat, which sets _rebalance_now as well
+        self._rebalance_asked = False
         self.beats_failed = 0             # heartbeats in a row that could not reach a broker (0: all heard)
 
     def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
@@ -264,6 +267,7 @@ class PushConsumer:
 
     # ------------------------------------------------------------ rebalance
     def _request_rebalance(self) -> None:
+        self._rebalance_asked = True
         self._rebalance_now.set()
 
     def _on_connection_lost(self, addr: str) -> None:
@@ -298,9 +302,12 @@ class PushConsumer:
             else:   # not sooner for a connection lost meanwhile: a broker that accepts and then drops every
                 # connection (each failed beat losing one) made a tight loop of connects
                 await asyncio.sleep(retry)
-                # a group change asks for a rebalance; a connection lost meanwhile only for the beat this is
-                asked = self._rebalance_now.is_set() and not self._beat_now
+                # a group change asks for a rebalance; a connection lost meanwhile only for the beat this is. Told
+                # apart by their own flag: a notice and a loss both in one back-off read as the loss alone, and the
+                # notice (one per 0.5 s a group, the changes within it merged: nothing else is coming) was lost
+                asked = self._rebalance_asked
             self._rebalance_now.clear()
+            self._rebalance_asked = False
             lost, self._beat_now = self._beat_now, False
             # A retry beats only the brokers the last beat did not reach (all of them once a connection is lost
             # again): every consumer of a process beating every healthy broker each few seconds, for as long as

@@ -851,3 +851,40 @@ async def test_a_heartbeat_retry_beats_only_the_brokers_the_last_beat_did_not_re
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+
+
+@bounded(10)
+async def test_a_group_change_told_during_a_heartbeat_retry_that_also_lost_a_connection_still_rebalances():
+    """A broker that accepts and then drops each connection keeps the heartbeat retrying, each failed beat losing
+    a connection. A NOTIFY_CONSUMER_IDS_CHANGED from a healthy broker arriving meanwhile set the same flag as the
+    lost connection, and the retry read the pair as a loss alone: no rebalance until rebalance_interval_s (120 s
+    here). The broker tells a group at most once per 0.5 s, the changes within together: that one notice was
+    all there was, and the consumer kept queues the group's new member was given."""
+    down, up = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": up})
+    beats = 0
+    rebalanced = asyncio.Event()
+
+    async def request(addr, cmd, timeout=3.0):
+        nonlocal beats
+        if addr == down:
+            beats += 1
+            if beats == 2:          # the first retry: the group changed, and the connection it made was dropped
+                consumer._request_rebalance()
+                consumer._on_connection_lost(down)
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SUCCESS, flag=1)
+
+    async def rebalance():
+        if beats >= 2:
+            rebalanced.set()
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        consumer._on_connection_lost(down)
+        await rebalanced.wait()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
