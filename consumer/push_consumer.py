@@ -320,12 +320,14 @@ class PushConsumer:
                 except (RequestTimeoutError, ConnectionClosedError) as exc:
                     unreached = exc
                 except BrokerError as exc:     # a broker gone for good stays known: rebalance all the same
-                    log.log(logging.WARNING if not self.beats_failed else logging.DEBUG,
-                            "heartbeat of %s failed: %s", self.group, exc)
                     # A refusal is raised before a broker out of reach: that one (restarting) was left to the next
-                    # rebalance, up to rebalance_interval_s, as if no connection had been lost. Backed off as well.
+                    # rebalance, up to rebalance_interval_s, as if no connection had been lost. Backed off as well,
+                    # and said there (once an outage): said here too, one failure was two WARNINGs.
                     if self.client.beat_unreached:
                         unreached = exc
+                    else:
+                        log.log(logging.WARNING if not self.beats_failed else logging.DEBUG,
+                                "heartbeat of %s failed: %s", self.group, exc)
                 if unreached is None:
                     if self.beats_failed:
                         log.info("heartbeat of %s heard again after %d failed attempt(s)", self.group,

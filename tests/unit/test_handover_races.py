@@ -888,3 +888,40 @@ async def test_a_group_change_told_during_a_heartbeat_retry_that_also_lost_a_con
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+
+
+@bounded(10)
+async def test_a_refused_heartbeat_with_a_broker_out_of_reach_is_warned_once_not_twice(caplog):
+    """One broker refuses the beat, another cannot be reached: the refusal was said at WARNING as a failed beat,
+    and then again at WARNING as the outage's first failed beat (`...; retrying`): two lines for one failure, where
+    the outage is to have one WARNING."""
+    down, busy = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": busy})
+    second = asyncio.Event()
+    tries = 0
+
+    async def request(addr, cmd, timeout=3.0):
+        nonlocal tries
+        if addr == down:
+            tries += 1
+            if tries >= 2:
+                second.set()
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
+
+    async def rebalance():
+        pass
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        with caplog.at_level(logging.DEBUG, logger="txmq.consumer"):
+            consumer._on_connection_lost(down)
+            await second.wait()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and r.getMessage().startswith("heartbeat of G failed")]
+    assert len(warned) == 1, warned
