@@ -181,6 +181,7 @@ class PushConsumer:
         # lost connection's beat, which sets _rebalance_now as well
         self._rebalance_asked = False
         self.beats_failed = 0             # heartbeats in a row that could not reach a broker (0: all heard)
+        self.locks_failed = 0             # orderly: lock renewals in a row that failed (0: the last succeeded)
 
     def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
         """Consume ``topic``, only tags in ``expression`` (``"a || b"``; ``"*"`` for all), or what a
@@ -653,9 +654,19 @@ class PushConsumer:
             try:
                 await self._lock_owned()
             except BrokerError as exc:
-                log.warning("lock renewal of %s failed: %s", self.group, exc)
+                # one WARNING while they keep failing, as the heartbeat's back-off: a lost connection drops the
+                # locks (asked again at once, then every lock_retry_s), and a broker down a minute was 60 lines
+                self.locks_failed += 1
+                log.log(logging.WARNING if self.locks_failed == 1 else logging.DEBUG,
+                        "lock renewal of %s failed: %s%s", self.group, exc,
+                        "; said again once it succeeds" if self.locks_failed == 1 else "")
             except Exception:  # noqa: BLE001 - ending here would let every lock lapse: orderly consuming stops
                 self._turn_failed("lock renewal")
+            else:
+                if self.locks_failed:
+                    log.info("lock renewal of %s succeeded again after %d failed attempt(s)", self.group,
+                             self.locks_failed)
+                self.locks_failed = 0
 
     async def _wait_for_lock(self, mq: MessageQueue) -> None:
         while not self._locked(mq):

@@ -925,3 +925,38 @@ async def test_a_refused_heartbeat_with_a_broker_out_of_reach_is_warned_once_not
     warned = [r.getMessage() for r in caplog.records
               if r.levelno >= logging.WARNING and r.getMessage().startswith("heartbeat of G failed")]
     assert len(warned) == 1, warned
+
+
+@bounded(10)
+async def test_an_orderly_consumers_lock_requests_warn_once_while_their_broker_stays_down(caplog):
+    """A lost connection drops the locks its broker granted and asks for them again at once, then every
+    lock_retry_s while none is held: each failed ask was a WARNING, one a second for as long as the broker stayed
+    down, beside the heartbeat's one WARNING an outage. One WARNING now, the rest DEBUG, INFO once granted again."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True,
+                            lock_retry_s=0.01)
+    consumer._owned = {mq}
+    asks = 0
+    granted = asyncio.Event()
+
+    async def lock_queues(mqs):
+        nonlocal asks
+        asks += 1
+        if asks < 4:
+            raise ConnectionClosedError("cannot connect to 127.0.0.1:10911")
+        granted.set()
+        return set(mqs)
+    consumer.client.lock_queues = lock_queues
+    loop = asyncio.get_running_loop().create_task(consumer._lock_loop())
+    try:
+        with caplog.at_level(logging.DEBUG, logger="txmq.consumer"):
+            await granted.wait()
+            while mq not in consumer.locked_queues:
+                await asyncio.sleep(0)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "lock renewal of G failed" in warned[0], warned
+    assert any(r.levelno == logging.INFO and "lock" in r.getMessage() and "again" in r.getMessage()
+               for r in caplog.records)
