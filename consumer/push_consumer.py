@@ -173,6 +173,8 @@ class PushConsumer:
         self._abandoned: set[asyncio.Task] = set()
         # Queues whose loops reset_offsets stopped and starts again once the new offsets are written.
         self._resetting: set[MessageQueue] = set()
+        # queues being handed over that an offset reset named -> its offset, what their hand-over commits
+        self._reset_leaving: dict[MessageQueue, int] = {}
         self._stopping = False
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
@@ -486,6 +488,11 @@ class PushConsumer:
             await self._let_finish(leaving.items(), self.handover_grace_s, " on queues given away", "handover_grace_s")
             await asyncio.gather(*(t for t in leaving.values() if t not in self._abandoned), return_exceptions=True)
             for mq in leaving:
+                reset = self._reset_leaving.pop(mq, None)
+                if reset is not None:
+                    # An offset reset came meanwhile: committing the progress it was at wrote over the reset, and
+                    # the queue's next owner went on from there (RocketMQ's hand-over persists the reset offset)
+                    self._offsets[mq] = reset
                 try:
                     await self._commit(mq)
                 except BrokerError as exc:     # often its broker is what went away
@@ -503,6 +510,8 @@ class PushConsumer:
                                            and q not in self._owned])
         finally:
             self._unlock_owed.difference_update(leaving)
+            for mq in leaving:
+                self._reset_leaving.pop(mq, None)
             for mq, task in leaving.items():
                 if self._leaving.get(mq) is task:
                     del self._leaving[mq]
@@ -542,7 +551,8 @@ class PushConsumer:
         Only those queues, as RocketMQ's resetOffset drops only the process queues in the table: the topic's
         others (another broker's, or one a reset without force leaves out, the group having no offset there)
         were stopped too and started again from the stored offset; with none stored, from the queue's end
-        (consume_from "last"), past what was pulled and not yet consumed, which was never delivered."""
+        (consume_from "last"), past what was pulled and not yet consumed, which was never delivered. A queue being
+        handed over (its loop the hand-over's) has the reset's offset committed by its hand-over, not its progress."""
         stopped = [mq for mq in self._loops if mq.topic == topic and mq in offsets]
         tasks = [self._loops.pop(mq) for mq in stopped]
         self._resetting.update(stopped)     # not started by a rebalance meanwhile: they would read the old offsets
@@ -558,6 +568,8 @@ class PushConsumer:
                 mine = mq in self._owned        # another consumer's queue: its position is not ours to keep
                 if mine:
                     self._offsets[mq] = offset
+                elif mq in self._leaving:       # its hand-over commits this, not the progress it was at
+                    self._reset_leaving[mq] = offset
                 await self.offset_store.write(mq, offset)
                 if mine:
                     self._committed[mq] = self._known_stored[mq] = offset

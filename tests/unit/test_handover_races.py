@@ -960,3 +960,63 @@ async def test_an_orderly_consumers_lock_requests_warn_once_while_their_broker_s
     assert len(warned) == 1 and "lock renewal of G failed" in warned[0], warned
     assert any(r.levelno == logging.INFO and "lock" in r.getMessage() and "again" in r.getMessage()
                for r in caplog.records)
+
+
+@bounded(20)
+async def test_an_offset_reset_of_a_queue_being_handed_over_is_not_undone_by_its_hand_over_commit():
+    """An operator's reset reached a consumer while a rebalance was handing one of the queues it names over (its
+    message in hand still running): the reset stopped only the pull loops it found (the queue's was the
+    hand-over's by then) and stored the new offset, and the hand-over then committed the consumer's own progress
+    over it: the queue's next owner went on from there, the reset undone on that queue alone. As RocketMQ's client
+    (the reset's offset is the one its hand-over persists), the hand-over commits the reset's offset."""
+    mq = MessageQueue("T", "b", 0)
+    release, in_hand = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        in_hand.set()
+        await release.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=10)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+    stored = []
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    async def pull(q, offset, **kw):
+        if offset == 5:
+            return PullResult(PullStatus.FOUND, 6, 0, 6, [MessageExt("T", b"m5", queue_offset=5)])
+        await asyncio.Event().wait()
+
+    async def start_offset(q):
+        return 5
+
+    async def write(q, offset):
+        stored.append(offset)
+    c = consumer.client
+    c.fetch_queues, c.consumer_ids, c.pull = fetch_queues, consumer_ids, pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    handing = None
+    try:
+        await consumer.rebalance()
+        await in_hand.wait()
+        ids[:] = ["!", me]          # the other consumer sorts first: it is given the one queue
+        handing = asyncio.get_running_loop().create_task(consumer.rebalance())
+        while mq not in consumer._leaving:
+            await asyncio.sleep(0)
+        await consumer.reset_offsets("T", {mq: 2})
+        release.set()
+        await handing
+        assert stored[-1] == 2, f"the hand-over wrote {stored[-1]} over the reset (writes {stored})"
+    finally:
+        release.set()
+        if handing is not None:
+            await asyncio.gather(handing, return_exceptions=True)
+        await consumer.shutdown()
