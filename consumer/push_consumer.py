@@ -173,11 +173,17 @@ class PushConsumer:
         self._abandoned: set[asyncio.Task] = set()
         # Queues whose loops reset_offsets stopped and starts again once the new offsets are written.
         self._resetting: set[MessageQueue] = set()
+        # queues being handed over that an offset reset named -> its offset, what their hand-over commits
+        self._reset_leaving: dict[MessageQueue, int] = {}
         self._stopping = False
         self.crashes = 0                  # background loops, or turns of them, that raised (each logged)
         self._rebalance_now = asyncio.Event()
         self._beat_now = False            # a connection was lost: heartbeat (then rebalance) at once
+        # a rebalance was asked for (a group change, a loop to restart) rather than only a beat: told apart from a
+        # lost connection's beat, which sets _rebalance_now as well
+        self._rebalance_asked = False
         self.beats_failed = 0             # heartbeats in a row that could not reach a broker (0: all heard)
+        self.locks_failed = 0             # orderly: lock renewals in a row that failed (0: the last succeeded)
 
     def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
         """Consume ``topic``, only tags in ``expression`` (``"a || b"``; ``"*"`` for all), or what a
@@ -264,6 +270,7 @@ class PushConsumer:
 
     # ------------------------------------------------------------ rebalance
     def _request_rebalance(self) -> None:
+        self._rebalance_asked = True
         self._rebalance_now.set()
 
     def _on_connection_lost(self, addr: str) -> None:
@@ -298,9 +305,12 @@ class PushConsumer:
             else:   # not sooner for a connection lost meanwhile: a broker that accepts and then drops every
                 # connection (each failed beat losing one) made a tight loop of connects
                 await asyncio.sleep(retry)
-                # a group change asks for a rebalance; a connection lost meanwhile only for the beat this is
-                asked = self._rebalance_now.is_set() and not self._beat_now
+                # a group change asks for a rebalance; a connection lost meanwhile only for the beat this is. Told
+                # apart by their own flag: a notice and a loss both in one back-off read as the loss alone, and the
+                # notice (one per 0.5 s a group, the changes within it merged: nothing else is coming) was lost
+                asked = self._rebalance_asked
             self._rebalance_now.clear()
+            self._rebalance_asked = False
             lost, self._beat_now = self._beat_now, False
             # A retry beats only the brokers the last beat did not reach (all of them once a connection is lost
             # again): every consumer of a process beating every healthy broker each few seconds, for as long as
@@ -313,12 +323,14 @@ class PushConsumer:
                 except (RequestTimeoutError, ConnectionClosedError) as exc:
                     unreached = exc
                 except BrokerError as exc:     # a broker gone for good stays known: rebalance all the same
-                    log.log(logging.WARNING if not self.beats_failed else logging.DEBUG,
-                            "heartbeat of %s failed: %s", self.group, exc)
                     # A refusal is raised before a broker out of reach: that one (restarting) was left to the next
-                    # rebalance, up to rebalance_interval_s, as if no connection had been lost. Backed off as well.
+                    # rebalance, up to rebalance_interval_s, as if no connection had been lost. Backed off as well,
+                    # and said there (once an outage): said here too, one failure was two WARNINGs.
                     if self.client.beat_unreached:
                         unreached = exc
+                    else:
+                        log.log(logging.WARNING if not self.beats_failed else logging.DEBUG,
+                                "heartbeat of %s failed: %s", self.group, exc)
                 if unreached is None:
                     if self.beats_failed:
                         log.info("heartbeat of %s heard again after %d failed attempt(s)", self.group,
@@ -476,6 +488,11 @@ class PushConsumer:
             await self._let_finish(leaving.items(), self.handover_grace_s, " on queues given away", "handover_grace_s")
             await asyncio.gather(*(t for t in leaving.values() if t not in self._abandoned), return_exceptions=True)
             for mq in leaving:
+                reset = self._reset_leaving.pop(mq, None)
+                if reset is not None:
+                    # An offset reset came meanwhile: committing the progress it was at wrote over the reset, and
+                    # the queue's next owner went on from there (RocketMQ's hand-over persists the reset offset)
+                    self._offsets[mq] = reset
                 try:
                     await self._commit(mq)
                 except BrokerError as exc:     # often its broker is what went away
@@ -493,6 +510,8 @@ class PushConsumer:
                                            and q not in self._owned])
         finally:
             self._unlock_owed.difference_update(leaving)
+            for mq in leaving:
+                self._reset_leaving.pop(mq, None)
             for mq, task in leaving.items():
                 if self._leaving.get(mq) is task:
                     del self._leaving[mq]
@@ -532,7 +551,8 @@ class PushConsumer:
         Only those queues, as RocketMQ's resetOffset drops only the process queues in the table: the topic's
         others (another broker's, or one a reset without force leaves out, the group having no offset there)
         were stopped too and started again from the stored offset; with none stored, from the queue's end
-        (consume_from "last"), past what was pulled and not yet consumed, which was never delivered."""
+        (consume_from "last"), past what was pulled and not yet consumed, which was never delivered. A queue being
+        handed over (its loop the hand-over's) has the reset's offset committed by its hand-over, not its progress."""
         stopped = [mq for mq in self._loops if mq.topic == topic and mq in offsets]
         tasks = [self._loops.pop(mq) for mq in stopped]
         self._resetting.update(stopped)     # not started by a rebalance meanwhile: they would read the old offsets
@@ -548,6 +568,8 @@ class PushConsumer:
                 mine = mq in self._owned        # another consumer's queue: its position is not ours to keep
                 if mine:
                     self._offsets[mq] = offset
+                elif mq in self._leaving:       # its hand-over commits this, not the progress it was at
+                    self._reset_leaving[mq] = offset
                 await self.offset_store.write(mq, offset)
                 if mine:
                     self._committed[mq] = self._known_stored[mq] = offset
@@ -644,9 +666,19 @@ class PushConsumer:
             try:
                 await self._lock_owned()
             except BrokerError as exc:
-                log.warning("lock renewal of %s failed: %s", self.group, exc)
+                # one WARNING while they keep failing, as the heartbeat's back-off: a lost connection drops the
+                # locks (asked again at once, then every lock_retry_s), and a broker down a minute was 60 lines
+                self.locks_failed += 1
+                log.log(logging.WARNING if self.locks_failed == 1 else logging.DEBUG,
+                        "lock renewal of %s failed: %s%s", self.group, exc,
+                        "; said again once it succeeds" if self.locks_failed == 1 else "")
             except Exception:  # noqa: BLE001 - ending here would let every lock lapse: orderly consuming stops
                 self._turn_failed("lock renewal")
+            else:
+                if self.locks_failed:
+                    log.info("lock renewal of %s succeeded again after %d failed attempt(s)", self.group,
+                             self.locks_failed)
+                self.locks_failed = 0
 
     async def _wait_for_lock(self, mq: MessageQueue) -> None:
         while not self._locked(mq):

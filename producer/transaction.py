@@ -27,7 +27,7 @@ from protocol.connection import finish_within
 from protocol.errors import ConnectionClosedError, HeaderError, RequestTimeoutError, ResponseError, error_for_code
 from protocol.message import MessageExt, Prop, decode_offset_msg_id, decode_record
 
-from .producer import Producer, SendResult, SendStatus
+from .producer import Producer, SendResult, SendStatus, _accepted
 
 log = logging.getLogger("txmq.producer")
 
@@ -144,6 +144,10 @@ class TransactionProducer(Producer):
         self._abandoned: set[asyncio.Task] = set()      # checks given up on: they send no END when they end
         self._stopping = False
 
+    # Accepted (and waited for by shutdown) as a whole, not only while its half is sent: shutdown begun during the
+    # local transaction closed the connections, and its END went nowhere (the decision left to a check-back that
+    # no producer of the group may be there to answer).
+    @_accepted
     async def send_in_transaction(self, topic: str, body: bytes, arg: Any = None, *, tags: str | None = None,
                                   keys: str | list[str] | None = None,
                                   properties: dict[str, str] | None = None) -> TransactionSendResult:

@@ -851,3 +851,172 @@ async def test_a_heartbeat_retry_beats_only_the_brokers_the_last_beat_did_not_re
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+
+
+@bounded(10)
+async def test_a_group_change_told_during_a_heartbeat_retry_that_also_lost_a_connection_still_rebalances():
+    """A broker that accepts and then drops each connection keeps the heartbeat retrying, each failed beat losing
+    a connection. A NOTIFY_CONSUMER_IDS_CHANGED from a healthy broker arriving meanwhile set the same flag as the
+    lost connection, and the retry read the pair as a loss alone: no rebalance until rebalance_interval_s (120 s
+    here). The broker tells a group at most once per 0.5 s, the changes within together: that one notice was
+    all there was, and the consumer kept queues the group's new member was given."""
+    down, up = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": up})
+    beats = 0
+    rebalanced = asyncio.Event()
+
+    async def request(addr, cmd, timeout=3.0):
+        nonlocal beats
+        if addr == down:
+            beats += 1
+            if beats == 2:          # the first retry: the group changed, and the connection it made was dropped
+                consumer._request_rebalance()
+                consumer._on_connection_lost(down)
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SUCCESS, flag=1)
+
+    async def rebalance():
+        if beats >= 2:
+            rebalanced.set()
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        consumer._on_connection_lost(down)
+        await rebalanced.wait()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
+@bounded(10)
+async def test_a_refused_heartbeat_with_a_broker_out_of_reach_is_warned_once_not_twice(caplog):
+    """One broker refuses the beat, another cannot be reached: the refusal was said at WARNING as a failed beat,
+    and then again at WARNING as the outage's first failed beat (`...; retrying`): two lines for one failure, where
+    the outage is to have one WARNING."""
+    down, busy = "127.0.0.1:10911", "127.0.0.1:10921"
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, rebalance_interval_s=120)
+    consumer.client._brokers.update({"a": down, "b": busy})
+    second = asyncio.Event()
+    tries = 0
+
+    async def request(addr, cmd, timeout=3.0):
+        nonlocal tries
+        if addr == down:
+            tries += 1
+            if tries >= 2:
+                second.set()
+            raise ConnectionClosedError(f"cannot connect to {addr}")
+        return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
+
+    async def rebalance():
+        pass
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    try:
+        with caplog.at_level(logging.DEBUG, logger="txmq.consumer"):
+            consumer._on_connection_lost(down)
+            await second.wait()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and r.getMessage().startswith("heartbeat of G failed")]
+    assert len(warned) == 1, warned
+
+
+@bounded(10)
+async def test_an_orderly_consumers_lock_requests_warn_once_while_their_broker_stays_down(caplog):
+    """A lost connection drops the locks its broker granted and asks for them again at once, then every
+    lock_retry_s while none is held: each failed ask was a WARNING, one a second for as long as the broker stayed
+    down, beside the heartbeat's one WARNING an outage. One WARNING now, the rest DEBUG, INFO once granted again."""
+    mq = MessageQueue("T", "b", 0)
+    consumer = PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True,
+                            lock_retry_s=0.01)
+    consumer._owned = {mq}
+    asks = 0
+    granted = asyncio.Event()
+
+    async def lock_queues(mqs):
+        nonlocal asks
+        asks += 1
+        if asks < 4:
+            raise ConnectionClosedError("cannot connect to 127.0.0.1:10911")
+        granted.set()
+        return set(mqs)
+    consumer.client.lock_queues = lock_queues
+    loop = asyncio.get_running_loop().create_task(consumer._lock_loop())
+    try:
+        with caplog.at_level(logging.DEBUG, logger="txmq.consumer"):
+            await granted.wait()
+            while mq not in consumer.locked_queues:
+                await asyncio.sleep(0)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "lock renewal of G failed" in warned[0], warned
+    assert any(r.levelno == logging.INFO and "lock" in r.getMessage() and "again" in r.getMessage()
+               for r in caplog.records)
+
+
+@bounded(20)
+async def test_an_offset_reset_of_a_queue_being_handed_over_is_not_undone_by_its_hand_over_commit():
+    """An operator's reset reached a consumer while a rebalance was handing one of the queues it names over (its
+    message in hand still running): the reset stopped only the pull loops it found (the queue's was the
+    hand-over's by then) and stored the new offset, and the hand-over then committed the consumer's own progress
+    over it: the queue's next owner went on from there, the reset undone on that queue alone. As RocketMQ's client
+    (the reset's offset is the one its hand-over persists), the hand-over commits the reset's offset."""
+    mq = MessageQueue("T", "b", 0)
+    release, in_hand = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        in_hand.set()
+        await release.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=10)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+    stored = []
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    async def pull(q, offset, **kw):
+        if offset == 5:
+            return PullResult(PullStatus.FOUND, 6, 0, 6, [MessageExt("T", b"m5", queue_offset=5)])
+        await asyncio.Event().wait()
+
+    async def start_offset(q):
+        return 5
+
+    async def write(q, offset):
+        stored.append(offset)
+    c = consumer.client
+    c.fetch_queues, c.consumer_ids, c.pull = fetch_queues, consumer_ids, pull
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    handing = None
+    try:
+        await consumer.rebalance()
+        await in_hand.wait()
+        ids[:] = ["!", me]          # the other consumer sorts first: it is given the one queue
+        handing = asyncio.get_running_loop().create_task(consumer.rebalance())
+        while mq not in consumer._leaving:
+            await asyncio.sleep(0)
+        await consumer.reset_offsets("T", {mq: 2})
+        release.set()
+        await handing
+        assert stored[-1] == 2, f"the hand-over wrote {stored[-1]} over the reset (writes {stored})"
+    finally:
+        release.set()
+        if handing is not None:
+            await asyncio.gather(handing, return_exceptions=True)
+        await consumer.shutdown()
