@@ -62,8 +62,13 @@ class HeapSettler:
             gc.callbacks.append(self._timing)
 
     def close(self) -> None:
+        """Stop timing, and give back what the settles froze: gc.freeze() is the whole process's, and a process
+        that goes on after its broker stopped (the tests, the in-process benches) kept the stopped broker's
+        cycles, frozen, until it ended; the next full collection walks (and frees) them again."""
         if self._timing in gc.callbacks:
             gc.callbacks.remove(self._timing)
+        if self.settles:
+            gc.unfreeze()
 
     def drain(self) -> list[float]:
         """The full collections' pauses timed since the last drain."""

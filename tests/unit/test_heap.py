@@ -108,3 +108,22 @@ async def test_full_collections_are_timed_until_closed():
     pauses = heap.drain()
     assert len(pauses) == 1 and pauses[0] >= 0
     assert heap.drain() == []
+
+
+@bounded(30)
+async def test_a_stopped_in_process_broker_is_not_kept_by_its_settle(tmp_path):
+    """gc.freeze() is process-wide: a broker started in a process that goes on (the tests, the in-process benches)
+    froze itself with the rest, and once stopped its own cycles (the server and its supervisor, the store and its
+    parts) were garbage no collection would ever walk again: every such broker was kept whole until the process
+    ended (found in review)."""
+    import weakref
+
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    await server.stop()
+    gone = weakref.ref(server)
+    del server
+    gc.collect()
+    assert gone() is None
