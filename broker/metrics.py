@@ -239,6 +239,13 @@ class BrokerMetrics:
         self.queues_rebuilt = Counter("txmq_store_consume_queues_rebuilt_total",
                                       "Consume queues found damaged at start-up (zeroed, cut or missing units) "
                                       "and rebuilt from the commit log.", registry=r)
+        self.gc_full_pause = Histogram("txmq_gc_full_collection_seconds",
+                                       "Pauses of the garbage collector's full (generation 2) passes: the event loop "
+                                       "and every request wait them out (see broker/heap.py).",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.heap_settles = Counter("txmq_heap_settles_total",
+                                    "Times the heap was settled (collected, then frozen out of the full passes): at "
+                                    "start-up and each time the big tables doubled.", registry=r)
         self.snapshots_paused = Counter("txmq_metric_snapshots_paused",
                                         "Metric snapshots not written because the store's disk was over "
                                         "disk_refuse_ratio (the room left is for the broker's own writes).",

@@ -36,6 +36,7 @@ from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .context import BrokerContext, monotonic_ms, wall_clock_ms
+from .heap import HeapSettler
 from .kv_config import FILE_NAME as KV_FILE_NAME
 from .kv_config import KvConfig
 from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
@@ -85,6 +86,7 @@ class BrokerServer:
         self.fatal: str | None = None
         self.supervisor = Supervisor(self.metrics, self._fatal)
         self.loop_lag = LoopLag(self.metrics.loop_lag, self.metrics.loop_lag_worst)
+        self.heap: HeapSettler | None = None            # the big tables frozen out of full collections (heap.py)
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
         self._lag_totals: list | None = None    # lag by (group, topic), summed in slices (see _gauge_loop)
         self._loop = None
@@ -216,6 +218,12 @@ class BrokerServer:
 
         topics.start_background(loop)
         self._loop = loop
+        # Recovery loaded the big tables (undecided transactions, offsets): out of the full collections' walks
+        # before the first request, and again each time they double (_gauge_loop).
+        self.heap = HeapSettler(lambda: len(ctx.tx.core.pending) + ctx.offsets.count(),
+                                on_settled=lambda _took: self.metrics.heap_settles.inc())
+        self.heap.settle("start-up")
+        self.heap.watch()
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
         await broker_srv.start_serving()
@@ -453,6 +461,9 @@ class BrokerServer:
             self._lag_totals = await self._lag_in_slices(offsets) if len(offsets) > LAG_SLICE else None
             self._refresh_gauges()
             self.metrics.sample_totals()
+            for pause in self.heap.drain():
+                self.metrics.gc_full_pause.observe(pause)
+            self.heap.maybe_settle()
 
     async def _lag_in_slices(self, offsets: list) -> list:
         """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between
@@ -705,6 +716,8 @@ class BrokerServer:
         for task in self._tasks:
             task.cancel()
         self.supervisor.cancel()
+        if self.heap is not None:
+            self.heap.close()
         ctx = self.ctx
         if ctx is not None and ctx.holds is not None:
             ctx.holds.wake_all()

@@ -130,6 +130,10 @@ class ConsumerOffsets:
                 else:
                     del self._made_by[client]
 
+    def count(self) -> int:
+        """How many (group, topic, queue id) offsets are held."""
+        return len(self._table)
+
     def items(self):
         """((group, topic, queue id), offset) pairs."""
         return list(self._table.items())
