@@ -265,6 +265,7 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
         tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
                     msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
 
+    removed: list[int] = []             # undecided halves in segments removed without their dead letter
     for off in sorted(undecided):
         view = store.get_record(off)
         msg = _decoded(view, off, store, HALF_TOPIC) if view is not None else None
@@ -272,9 +273,13 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             if off >= store.min_physical_offset:    # not removed by retention: its record is damaged
                 log.error("transaction recovery: the undecided half at %d is not a readable record (the commit log "
                           "is damaged there): it cannot be checked or committed, and is dropped", off)
+            else:
+                removed.append(off)
             continue
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
+    if removed and getattr(tx.ctx.config, "broker_role", "") != "SLAVE":
+        _removed_undecided(tx, removed)
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
     for msg in scan(store, HALF_TOPIC, half_from):
@@ -284,6 +289,20 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     if unplaced:
         repaired += await settle_unplaced(tx, unplaced, earlier)
     return repaired
+
+
+def _removed_undecided(tx, removed: list[int]) -> None:
+    """Say and count the undecided halves whose segment went without their dead letter. A master's retention
+    dead-letters a half before it removes its segment; a slave's does not (it writes nothing: its master does).
+    A slave promoted before its master dead-lettered them held them in its start-up index only: dropped
+    unsaid, an undecided transaction was gone with no dead letter, log line or count. (A slave keeps
+    quiet: its master may decide them yet, and the decision replicates.)"""
+    tx.ctx.metrics.transactions_lost.labels("segment-removed").inc(len(removed))
+    log.error("transaction recovery: %d undecided half message(s) are in commit-log segments removed without a "
+              "dead letter (by this broker's cleaner while it was a slave, before its master dead-lettered them): "
+              "lost, never checked or committed; the log now starts at %d; half offsets %s%s", len(removed),
+              tx.ctx.store.min_physical_offset, ", ".join(map(str, removed[:10])),
+              f" and {len(removed) - 10} more" if len(removed) > 10 else "")
 
 
 def _owners(snap: dict) -> dict[int, str]:

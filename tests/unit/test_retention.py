@@ -324,6 +324,45 @@ async def test_a_slave_removes_segments_with_halves_in_them_without_writing(tmp_
 
 
 @bounded(30)
+async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments_took(tmp_path, caplog):
+    """A slave removes expired segments without dead-lettering the halves in them: its master does. Promoted
+    before its master did (the master lost), it recovered without them and said nothing -- an undecided
+    transaction gone without a dead letter, a log line or a count. It is said and counted, once."""
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided on the master")
+    await send(ctx, 80)
+    await ctx.store.close()
+    clock.now = T0 + 100 * H
+    ctx = await make(tmp_path, clock, broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    ctx.store.set_replica_only()
+    try:
+        assert half.half_offset in ctx.tx.pending                        # its start-up index: the master's half
+        removed = await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert removed and half.half_offset < ctx.store.min_physical_offset
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                                     # restarted as the master
+    try:
+        assert half.half_offset not in ctx.tx.pending
+        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "lost" in r.getMessage()]
+        assert len(said) == 1 and f"{half.half_offset}" in said[0] and "slave" in said[0], said
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 1
+        await ctx.tx.stop()                                               # its snapshot: without the half
+    finally:
+        await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                                     # said once: the next start is quiet
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
 async def test_forced_cleaning_works_while_the_disk_refuses_writes(tmp_path):
     """Above disk_refuse_ratio every client write is refused; the dead-letter records that must precede a
     forced removal are what frees the disk, so they are not, or a full disk could never clean itself."""
