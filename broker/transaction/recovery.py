@@ -183,6 +183,9 @@ async def recover(tx) -> None:
             undecided.add(off)
             checks[off] = n
         owners = _owners(snap)
+        removed = snap.get("removed_undecided")
+        if isinstance(removed, list):           # (a slave's, see _removed_undecided)
+            undecided.update(off for off in removed if type(off) is int and off >= 0)
     try:
         repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from)
     finally:
@@ -278,7 +281,9 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             continue
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
-    if removed and getattr(tx.ctx.config, "broker_role", "") != "SLAVE":
+    if getattr(tx.ctx.config, "broker_role", "") == "SLAVE":
+        tx.removed_undecided = removed      # its master may decide them yet: the next start looks again
+    elif removed:
         _removed_undecided(tx, removed)
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
@@ -296,7 +301,8 @@ def _removed_undecided(tx, removed: list[int]) -> None:
     dead-letters a half before it removes its segment; a slave's does not (it writes nothing: its master does).
     A slave promoted before its master dead-lettered them held them in its start-up index only: dropped
     unsaid, an undecided transaction was gone with no dead letter, log line or count. (A slave keeps
-    quiet: its master may decide them yet, and the decision replicates.)"""
+    quiet, and keeps their offsets in its snapshot, "removed_undecided": its master may decide them yet,
+    and the op that does replicates.)"""
     tx.ctx.metrics.transactions_lost.labels("segment-removed").inc(len(removed))
     log.error("transaction recovery: %d undecided half message(s) are in commit-log segments removed without a "
               "dead letter (by this broker's cleaner while it was a slave, before its master dead-lettered them): "
@@ -395,7 +401,7 @@ async def write_snapshot(tx) -> None:
             # (a slave writes one at start only: true then; a snapshot without it is an earlier txmq's, see recover)
             "written_as": getattr(tx.ctx.config, "broker_role", ""),
             "pending": [(t.half_offset, t.queue_offset, t.checks) for t in tx.pending.values()],
-            "owners": _by_owner(tx.pending.values())}
+            "owners": _by_owner(tx.pending.values()), "removed_undecided": tx.removed_undecided}
     # Encoded on the I/O thread: with 100,000 undecided transactions the JSON takes tens of ms, which the
     # event loop must not spend (the list above is the loop's one consistent view; nothing else shares it).
     # Its rows are tuples (written as the same JSON arrays): the garbage collector stops tracking a tuple of

@@ -21,6 +21,7 @@ from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, S
 from broker.topics import TopicManager
 from broker.transaction import TransactionService
 from protocol.message import decode_record
+from protocol.txlog import DEAD
 from tests.support.bounded import bounded
 from tests.unit.test_review_transactions import Clock, add_half
 
@@ -323,18 +324,22 @@ async def test_a_slave_removes_segments_with_halves_in_them_without_writing(tmp_
         await ctx.store.close()
 
 
+@pytest.mark.parametrize("slave_restarts", [0, 1])
 @bounded(30)
-async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments_took(tmp_path, caplog):
+async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments_took(tmp_path, caplog,
+                                                                                       slave_restarts):
     """A slave removes expired segments without dead-lettering the halves in them: its master does. Promoted
     before its master did (the master lost), it recovered without them and said nothing -- an undecided
-    transaction gone without a dead letter, a log line or a count. It is said and counted, once."""
+    transaction gone without a dead letter, a log line or a count. It is said and counted, once; a restart
+    as a slave in between (which dropped them from its snapshot) keeps quiet and keeps them in mind."""
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
     clock = Clock(T0)
     ctx = await make(tmp_path, clock)
     half = await add_half(ctx, b"undecided on the master")
     await send(ctx, 80)
     await ctx.store.close()
     clock.now = T0 + 100 * H
-    ctx = await make(tmp_path, clock, broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    ctx = await make(tmp_path, clock, **slave)
     ctx.store.set_replica_only()
     try:
         assert half.half_offset in ctx.tx.pending                        # its start-up index: the master's half
@@ -343,6 +348,14 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments
         await ctx.tx.stop()
     finally:
         await ctx.store.close()
+    for _ in range(slave_restarts):
+        caplog.clear()
+        ctx = await make(tmp_path, clock, **slave)
+        try:
+            assert half.half_offset not in ctx.tx.pending and not [r for r in caplog.records if r.levelname == "ERROR"]
+            await ctx.tx.stop()
+        finally:
+            await ctx.store.close()
     caplog.clear()
     ctx = await make(tmp_path, clock)                                     # restarted as the master
     try:
@@ -357,6 +370,39 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments
     ctx = await make(tmp_path, clock)                                     # said once: the next start is quiet
     try:
         assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_promoted_slave_is_quiet_about_a_removed_half_its_master_dead_lettered(tmp_path, caplog):
+    """The master's dead letter of a half (its op record copied to the slave) after the slave removed the half's
+    segment and restarted: the promotion has nothing to say."""
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided on the master")
+    await send(ctx, 80)
+    await ctx.store.close()
+    clock.now = T0 + 100 * H
+    ctx = await make(tmp_path, clock, **slave)
+    try:
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    ctx = await make(tmp_path, clock, **slave)
+    try:
+        op = ctx.tx.records.decision(DEAD, half.half_offset, half.queue_offset, reason="expired")
+        assert (await ctx.store.put(op)).ok                             # as the copy of its master's log writes it
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
         assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
     finally:
         await ctx.store.close()
