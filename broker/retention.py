@@ -21,7 +21,7 @@ does one younger than transaction_retention_hours (set above file_reserved_hours
 undecided transactions, and the log they are in, longer) unless the disk forces it out.
 
 A slave runs the disk-pressure cleaner too (expired and pressure), without the halves step: it
-writes nothing, its master dead-letters them. A plan is applied on the master.
+writes nothing, its master dead-letters them. A plan is applied on the master: a slave refuses it whole.
 
 Consumed or not does not matter (RocketMQ's fileReservedTime): a consumer behind a removed
 segment gets PULL_OFFSET_MOVED and continues from the new minimum. retain_unconsumed_max_bytes
@@ -102,6 +102,12 @@ class Retention:
     # ------------------------------------------------------------------ plans
     async def apply_plan(self, plan: dict) -> dict:
         ctx = self.ctx
+        if ctx.config.broker_role == "SLAVE":
+            # Its store refuses the dead letters (its master writes them) and its index is its start-up one:
+            # taken, a plan made from the slave's store "skipped" its halves and removed its segments, a
+            # success while the master, whose halves they are, was never told.
+            raise PlanRefused("this broker is a SLAVE: a plan is applied on the master (make it from the master's "
+                              "store: a slave's store has its own store id); the slave cleans its disk by itself")
         now = ctx.clock()
         check_plan_header(plan, ctx.store.store_id, now, ctx.config.plan_clock_skew_ms)
         plan_retention = plan.get("retention_ms") if isinstance(plan.get("retention_ms"), int) else 0

@@ -409,6 +409,31 @@ async def test_a_promoted_slave_is_quiet_about_a_removed_half_its_master_dead_le
 
 
 @bounded(30)
+async def test_a_plan_is_refused_whole_by_a_slave(tmp_path):
+    """A plan made from a slave's store (Spark run there to spare the master) names the slave's store id, and the
+    slave took it: its halves "skipped" (its store refuses the dead letters), its segments removed -- the reply
+    a success, while the master, whose halves they are, was never told. Refused whole, nothing changed."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        half = await add_half(ctx, b"undecided on the master")
+        await send(ctx, 80)
+        clock.now = T0
+        ctx.config = dataclasses.replace(ctx.config, broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+        ctx.store.set_replica_only()
+        before = names(ctx)
+        plan = await spark_like_plan(ctx, clock.now)
+        plan["halves"] = [{"commit_log_offset": half.half_offset, "queue_offset": half.queue_offset,
+                           "producer_group": "PG", "topic": "T", "store_timestamp": T0 - 80 * H, "uniq_key": None}]
+        assert plan["segments"]
+        with pytest.raises(PlanRefused, match="SLAVE"):
+            await Retention(ctx).apply_plan(plan)
+        assert names(ctx) == before and half.half_offset in ctx.tx.pending
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
 async def test_forced_cleaning_works_while_the_disk_refuses_writes(tmp_path):
     """Above disk_refuse_ratio every client write is refused; the dead-letter records that must precede a
     forced removal are what frees the disk, so they are not, or a full disk could never clean itself."""
