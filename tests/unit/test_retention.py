@@ -138,6 +138,35 @@ async def test_the_manifest_names_the_newest_removed_segment_across_a_restart(tm
         await ctx.store.close()
 
 
+@pytest.mark.parametrize("restart", [False, True])
+@bounded(30)
+async def test_the_manifest_dates_the_active_segment_by_its_oldest_record_after_a_clock_step_back(tmp_path, restart):
+    """The wall clock stepped back across midnight while the active segment was written: its first record is of
+    day D+1, later ones of D. Its manifest entry said first_ts = the first record's, so `rollup --date D` (which
+    reads the segments that can hold D by the manifest) left it out, and D's records in it went uncounted."""
+    from ops.spark.manifest import segments_for_window
+    from ops.spark.segments import list_segments
+
+    day = T0 - T0 % (24 * H)                  # D+1 00:00
+    clock = Clock(day + 5 * 60_000)
+    ctx = await make(tmp_path, clock)
+    await send(ctx, 3)                         # D+1 00:05
+    clock.now = day - 5 * 60_000
+    await send(ctx, 3)                         # D 23:55: NTP stepped the clock back
+    if restart:
+        await ctx.store.close()
+        ctx = await make(tmp_path, clock)
+    try:
+        await ctx.store.refresh_manifest()     # what the checkpoint loop does every turn
+        store = str(tmp_path / "s")
+        segs = list_segments(store)
+        assert len(segs) == 1 and segs[0].active
+        assert segments_for_window(segs, store, day - 24 * H, day) == segs
+        assert (await ctx.store.segment_facts())[-1].first_ts == day - 5 * 60_000
+    finally:
+        await ctx.store.close()
+
+
 @bounded(30)
 async def test_a_good_plan_removes_the_old_segments_and_dead_letters_the_half_inside_first(world):
     ctx, clock, half, old, fresh = world
