@@ -604,6 +604,7 @@ class BrokerServer:
         pruned_day = None
         paused = False
         disk = self.ctx.store.disk
+        started_s, started_mono = time.time(), time.monotonic()
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
             # Above disk_refuse_ratio the room left is the broker's own durable writes' (decisions, offsets,
@@ -623,7 +624,11 @@ class BrokerServer:
                     await self.write_snapshot(store_dir)
                 except OSError as exc:
                     log.error("metric snapshot not written: %s", exc)
-            now_ms = int(time.time() * 1000)        # the files are named by the UTC date of the wall clock
+            # The files are named by the UTC date of the wall clock; which are old is judged by the time that passed
+            # since the start as well. By the wall clock alone, a step days ahead (a VM's host, a bad NTP source)
+            # removed every file before the future date, those the nightly rollup had yet to read with them. (A
+            # step back, or a start with a clock behind, keeps files longer: never fewer.)
+            now_ms = int(min(time.time(), started_s + time.monotonic() - started_mono) * 1000)
             day = now_ms // 86_400_000
             if keep > 0 and day != pruned_day:
                 try:
