@@ -183,3 +183,31 @@ def test_a_previous_day_rewritten_while_a_run_reads_the_store_is_counted_on_from
     third = rollup_mod.run_rollup(spark, store, out, date=DATES[2])
     assert third["incremental"] and nested[0]["incremental"]
     assert table(spark, out, "transactions", DATES[2]) == want
+
+
+def test_the_previous_day_of_another_store_under_the_same_name_is_not_counted_on(spark, tmp_path, caplog):
+    """D1 is rolled up from one store; by D2 the directory holds another (a store restored from another broker's
+    backup, a mixed-up mount), whose log neither starts at offset 0 nor begins on D2. D2's run counted on from the
+    first store's undecided count: a transaction of the old store undecided for good in every later day's rows,
+    nothing said. The rows carry their store's id (<store>/store_id); another store's day is not counted on."""
+    from ops.spark.rollup import run_rollup
+
+    out, store = str(tmp_path / "out"), str(tmp_path / "a" / "store")
+    other = str(tmp_path / "b" / "store")
+    with StoreBuilder(store, segment_size=4096) as b:
+        b.at(D1 + H).half("pg-x", "Pay")
+        for hour in range(30):
+            b.at(D1 + hour * H + 20).send("Orders", b"o" * 150)
+    with StoreBuilder(other, segment_size=4096) as b:
+        for hour in range(30):
+            b.at(D1 + hour * H + 20).send("Orders", b"o" * 150)
+    run_rollup(spark, store, out, date="2024-03-09")
+    day1 = [dict(r) for r in table(spark, out, "transactions", "2024-03-09") if dict(r)["grain"] == "day"]
+    assert {r["producer_group"]: r["undecided_at_end"] for r in day1} == {"pg-x": 1, "*": 1}
+    os.rename(store, store + "-before")
+    os.rename(other, store)             # the same name: the same broker column
+    one = run_rollup(spark, store, out, date="2024-03-10")
+    assert not one["incremental"], one
+    assert any("another store" in r.getMessage() for r in caplog.records)
+    day2 = [dict(r) for r in table(spark, out, "transactions", "2024-03-10") if dict(r)["grain"] == "day"]
+    assert {r["producer_group"]: r["undecided_at_end"] for r in day2} == {"*": 0}
