@@ -53,7 +53,8 @@ def add_parsers(sub) -> None:
     to.add_argument("--timestamp", help="ms since the epoch, ISO time (local), 'now' or 'latest'")
     to.add_argument("--queue", type=int, help="move only this queue, to --offset")
     p.add_argument("--offset", type=int, help="with --queue: the queue offset to move to")
-    p.add_argument("--no-force", action="store_true", help="only move offsets back, never forward")
+    p.add_argument("--no-force", action="store_true", help="only move offsets back, never forward (a queue "
+                   "the group has no offset for is left as it is)")
     p = sub.add_parser("topic-status", help="a topic's queues and consumers")
     p.add_argument("topic")
     sub.add_parser("broker-status", help="the broker's runtime info")
@@ -248,6 +249,9 @@ async def reset_offset(args, call) -> int:
     rows = [{"topic": t, "broker": b, "queue_id": q, "offset": o} for (t, b, q), o in sorted(table_.items())]
     if args.json:
         print(json.dumps({"group": args.group, "timestamp": ts, "queues": rows}, indent=1))
+    elif not rows:      # --no-force, and no queue the group has an offset for
+        where = args.topic if args.queue is None else f"queue {args.queue} of {args.topic}"
+        print(f"group {args.group} has no offset on {where} to move back: nothing reset")
     else:
         print(table(["topic", "broker", "queue_id", "offset"], rows))
         print(f"group {args.group} reset to " + (f"offset {args.offset} of queue {args.queue}" if args.queue is not None

@@ -12,6 +12,7 @@ Snapshots: every ``metrics_snapshot_interval_s`` one JSON line is appended to
 """
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
@@ -31,11 +32,13 @@ from protocol import __version__
 from protocol.codes import request_name
 
 from .stats_windows import StatsWindows
+from .store.reserve import stalled_write
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 24 * 3600, 72 * 3600)
 _RESERVOIR = 4096
 OTHER = "_other"         # the label values of series past BrokerMetrics.max_series
+SNAPSHOT_LAG = "snapshot_consumer_lag"      # the metric snapshots' consumer_lag rows, in txmq_metric_series_folded
 _TPS_SLOT_S = 10        # consume TPS: messages pulled per (topic, group) in 10 s slots over the last minute
 _TPS_SLOTS = 6
 # RocketMQ's putTps and getTransferedTps (GET_BROKER_RUNTIME_INFO, read by mqadmin clusterList): messages per
@@ -109,7 +112,20 @@ class BrokerMetrics:
     # sets that have not moved for ``idle_s`` give their places up; while none has, new ones are counted under
     # OTHER, so sums over a label stay exact.
     max_series = 10_000
+    # A scrape-time gauge's label values (group names: up to 255 characters, an emoji 4 bytes) in the series it
+    # names, at most this many bytes; the rest under OTHER as past max_series. By count alone, 10,000 made-up
+    # groups of such names were 10 MB of every scrape, stored by Prometheus. 10,000 series of 100 bytes fit.
+    max_series_bytes = 2 * 1024 * 1024
     idle_s = 3600.0
+    # Consumer-lag rows (one a consumer offset) one metric snapshot line keeps: the largest lags, the rest summed
+    # in one row (group and topic OTHER, queue -1). Offsets cost a client nothing up to max_offsets_per_host
+    # (100,000 an address, and again for each address): made-up groups' offsets made each line 4 MB, 5.7 GB a
+    # day kept for metrics_snapshot_retention_days on the store's disk. 200 groups of 160 queues are 32,000.
+    max_snapshot_lag_rows = 50_000
+    # ... and the bytes their group and topic names take in the line, at most this: a group name may be 255
+    # characters, each a 12-byte JSON escape (an emoji), so 50,000 made-up rows were a 150 MB line each minute.
+    # 32,000 rows of 60-byte names and topics are 3.5 MB with the rest of each row.
+    max_snapshot_lag_bytes = 4 * 1024 * 1024
 
     def __init__(self):
         # ``*_created`` series (one per counter and histogram child) are noise nobody graphs; the
@@ -138,6 +154,9 @@ class BrokerMetrics:
                                     ["topic", "consumer_group"], registry=r)
         self.bytes_out = Counter("rocketmq_throughput_out", "Record bytes delivered by pulls.",
                                  ["topic", "consumer_group"], registry=r)
+        self.pulls_moved_past = Counter("txmq_pull_offset_moved_messages", "Messages a pull asked for that retention "
+                                        "had removed: the consumer was moved past them to the queue's minimum "
+                                        "(PULL_OFFSET_MOVED) unread.", ["topic", "consumer_group"], registry=r)
         # Observed once or twice per request on the event loop: lock-free histograms (see LoopHistogram).
         self.rpc_latency = LoopHistogram("rocketmq_rpc_latency", "Request handling time in seconds.",
                                          ["request_code", "response_code"], _LATENCY_BUCKETS, r)
@@ -159,6 +178,10 @@ class BrokerMetrics:
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
                                      "connections' together, the largest holders closed first).", ["reason"],
                                      registry=r)
+        self.notices_merged = Counter("txmq_consumer_notices_merged", "Consumer-group changes told to its "
+                                      "consumers with the one NOTIFY_CONSUMER_IDS_CHANGED at the end of a 0.5 s "
+                                      "gap after the last (each notice starts a rebalance in every consumer).",
+                                      registry=r)
         self.loop_lag = Gauge("txmq_event_loop_lag_seconds", "Worst event-loop lag seen over the last second.",
                               registry=r)
         self.loop_lag_worst = Gauge("txmq_event_loop_lag_max_seconds", "Worst event-loop lag since start.",
@@ -241,6 +264,7 @@ class BrokerMetrics:
         self._pulled_swept = -1                                        # the slot of the last sweep of _pulled
         self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
         self._marks: dict[int, tuple[float, dict]] = {}    # id(metric) at its limit -> (when, {labels: reading})
+        self._folded: dict[str, int] = {}       # scrape-time gauge -> its rows under OTHER at its last collect
         self.monotonic = time.monotonic
 
     def child(self, metric, *labels):
@@ -307,7 +331,7 @@ class BrokerMetrics:
         self._forget_out(lambda labels: labels[1] == group)
 
     def _forget_out(self, match) -> None:
-        for metric in (self.messages_out, self.bytes_out):          # labels (topic, consumer group)
+        for metric in (self.messages_out, self.bytes_out, self.pulls_moved_past):     # labels (topic, consumer group)
             mid = id(metric)
             marked = self._marks.get(mid)
             for key in [k for k in self._children if k[0] == mid and k[1] != (OTHER, OTHER) and match(k[1])]:
@@ -440,8 +464,15 @@ class BrokerMetrics:
             if j < _RESERVOIR:
                 samples[j] = seconds
 
-    def add_gauge_collector(self, name: str, doc: str, labels: list[str], fn) -> None:
-        """A gauge computed at scrape time: fn() yields (label values, value)."""
+    def add_gauge_collector(self, name: str, doc: str, labels: list[str], fn, fold=sum, known=None) -> None:
+        """A gauge computed at scrape time: fn() yields (label values, value). Past ``max_series`` rows, the
+        ``max_series`` largest keep their labels and the rest are folded into one row with OTHER in every label,
+        its value ``fold`` of theirs (sum; max for an age), counted in txmq_metric_series_folded: the rows
+        follow names clients choose (a group per offset commit), and one client committing offsets for 100,000
+        made-up groups made each scrape 100,000 lines, 8 MB, for as long as the offsets were kept. ``known``
+        (label values -> bool; run on the scrape thread, only past the limit): rows it says True of are named
+        before any other, whatever their value (see _fold_past_limit)."""
+        metrics = self
 
         class _Collector:
             def collect(self_inner):
@@ -454,6 +485,8 @@ class BrokerMetrics:
                     except RuntimeError:
                         if attempt == 4:
                             raise
+                if labels:
+                    rows = metrics._fold_past_limit(name, rows, fold, known)
                 family = GaugeMetricFamily(name, doc, labels=labels)
                 for label_values, value in rows:
                     family.add_metric(list(label_values), value)
@@ -463,6 +496,98 @@ class BrokerMetrics:
                 return [GaugeMetricFamily(name, doc, labels=labels)]
 
         self.registry.register(_Collector())
+
+    def fold_snapshot(self, snapshot: dict, known=None) -> dict:
+        """``snapshot`` with its consumer_lag rows past max_snapshot_lag_rows folded into one OTHER row (the rows of
+        the largest lags kept, in their order), counted in txmq_metric_series_folded{metric="snapshot_consumer_lag"}
+        and logged; the rows of the groups ``known`` (group -> bool) says True of first. Sorts: call it on a
+        thread, with the encoding."""
+        rows = snapshot.get("consumer_lag", [])
+        sizes = [_row_bytes(r) for r in rows]
+        was = self._folded.get(SNAPSHOT_LAG, 0)
+        if len(rows) <= self.max_snapshot_lag_rows and sum(sizes) <= self.max_snapshot_lag_bytes:
+            self._folded[SNAPSHOT_LAG] = 0
+            if was:
+                log.info("metric snapshots hold every consumer-lag row again (%d)", len(rows))
+            return snapshot
+        if known is None:
+            order = sorted(range(len(rows)), key=lambda i: rows[i]["lag"], reverse=True)
+        else:
+            order = sorted(range(len(rows)), key=lambda i: (known(rows[i]["group"]), rows[i]["lag"]), reverse=True)
+        kept, used, rest = [], 0, 0
+        for i in order:
+            if len(kept) < self.max_snapshot_lag_rows and used + sizes[i] <= self.max_snapshot_lag_bytes:
+                kept.append(i)
+                used += sizes[i]
+            else:
+                rest += rows[i]["lag"]
+        over = len(rows) - len(kept)
+        self._folded[SNAPSHOT_LAG] = over
+        if not was:
+            log.warning("metric snapshots: %d consumer offsets, more than %d or %d bytes of names: the smallest lags "
+                        "of %d are summed in one row of group %s (names a client makes up?)", len(rows),
+                        self.max_snapshot_lag_rows, self.max_snapshot_lag_bytes, over, OTHER)
+        kept = [rows[i] for i in sorted(kept)]
+        kept.append({"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": rest})
+        return {**snapshot, "consumer_lag": kept}
+
+    def add_folded_collector(self) -> None:
+        """txmq_metric_series_folded: register it after every add_gauge_collector, so a scrape reads the
+        counts its own gauges just made."""
+        folded = self._folded
+
+        class _Folded:
+            def collect(self_inner):
+                family = GaugeMetricFamily("txmq_metric_series_folded", "Series of a scrape-time gauge past the "
+                                           f"{self.max_series} (or {self.max_series_bytes} bytes of label values) "
+                                           f"it names, counted under the {OTHER} label at the last scrape, by "
+                                           f"metric ({SNAPSHOT_LAG}: the last metric snapshot's consumer-lag rows "
+                                           f"past {self.max_snapshot_lag_rows} or {self.max_snapshot_lag_bytes} "
+                                           "bytes of names).", labels=["metric"])
+                for name, n in list(folded.items()):
+                    family.add_metric([name], n)
+                yield family
+
+            def describe(self_inner):
+                return list(self_inner.collect())
+
+        self.registry.register(_Folded())
+
+    def _fold_past_limit(self, name: str, rows: list, fold, known=None) -> list:
+        """``rows`` as they are, or the ``max_series`` largest and one OTHER row for the rest (scrape thread).
+        The largest, not the first seen: the groups that lag most, or hold the oldest half, are the ones an
+        operator must see. But a made-up group's lag is what its client commits (offset 0 on a long queue: the
+        largest of all), so the rows ``known`` says True of (groups the broker knows other than by a name a
+        client wrote) come first: ranked by value alone, made-up groups pushed every real one under OTHER, and
+        the alert on its lag went quiet."""
+        was = self._folded.get(name, 0)
+        # (label values are at most 1,150 bytes a row: below this many rows no sizes need counting)
+        sizes = None if len(rows) * 1150 <= self.max_series_bytes else [_label_bytes(r[0]) for r in rows]
+        if len(rows) <= self.max_series and (sizes is None or sum(sizes) <= self.max_series_bytes):
+            self._folded[name] = 0
+            if was:
+                log.info("%s has %d series again: none counted under %s", name, len(rows), OTHER)
+            return rows
+        if known is None:
+            kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: rows[i][1])
+        else:
+            kept = heapq.nlargest(self.max_series, range(len(rows)), key=lambda i: (known(rows[i][0]), rows[i][1]))
+        if sizes is not None and sum(sizes[i] for i in kept) > self.max_series_bytes:
+            within, used = [], 0
+            for i in kept:                      # (largest first)
+                if used + sizes[i] <= self.max_series_bytes:
+                    within.append(i)
+                    used += sizes[i]
+            kept = within
+        over = len(rows) - len(kept)
+        self._folded[name] = over
+        if not was:
+            log.warning("%s has %d series, more than %d or %d bytes of labels: the smallest %d are counted under %s "
+                        "(names a client makes up?)", name, len(rows), self.max_series, self.max_series_bytes, over,
+                        OTHER)
+        named = set(kept)
+        rest = fold(value for i, (_labels, value) in enumerate(rows) if i not in named)
+        return [rows[i] for i in sorted(kept)] + [((OTHER,) * len(rows[0][0]), rest)]
 
     def describe_broker(self, config) -> None:
         """Constant series a dashboard and alerts join on: the build, and the configured disk ratios
@@ -602,6 +727,17 @@ def _is_date(text: str) -> bool:
         return False
 
 
+def _label_bytes(labels) -> int:
+    """The UTF-8 bytes of a series' label values."""
+    return sum(len(v) if v.isascii() else len(v.encode("utf-8", "surrogatepass")) for v in map(str, labels))
+
+
+def _row_bytes(row: dict) -> int:
+    """About the bytes a consumer_lag row takes in a snapshot line: its names as JSON writes them (a character
+    outside ASCII as one or two 6-byte escapes), and 45 for the rest."""
+    return sum(len(v) if v.isascii() else len(json.dumps(v)) for v in (row["group"], row["topic"])) + 45
+
+
 def _encode(snapshot: dict) -> str:
     """The snapshot as one JSON line, its consumer_lag rows (one per consumer offset: tens of thousands) a
     slice per call: json's C encoder holds the GIL for a whole call, and the event loop waited for it."""
@@ -624,12 +760,16 @@ def append_snapshot(store_dir: str, snapshot: dict) -> str:
     day = time.strftime("%Y-%m-%d", time.gmtime(snapshot["ts"] / 1000))
     path = os.path.join(folder, f"{day}.jsonl")
     line = memoryview((_encode(snapshot) + "\n").encode())
+    whole = len(line)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         before = os.fstat(fd).st_size
         try:
             while line:
-                line = line[os.write(fd, line):]
+                n = os.write(fd, line)
+                if n <= 0:      # nothing written, nothing said: retried, the thread spun for ever (as the store's)
+                    raise stalled_write(path, before + whole - len(line), len(line))
+                line = line[n:]
         except OSError:
             # A full disk takes part of the line: cut it off again, or the next snapshot is appended to the torn
             # one and both read as one bad line (ops/spark counts it and drops it).

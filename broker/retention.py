@@ -20,6 +20,10 @@ listed segment went. Undecided halves inside a segment are dead-lettered first (
 does one younger than transaction_retention_hours (set above file_reserved_hours, it keeps
 undecided transactions, and the log they are in, longer) unless the disk forces it out.
 
+The cleaner says once a segment why an expired-looking oldest segment stays: young undecided halves, or a
+newest record it cannot date by its clock (stamped ahead of it: the clock stepped back). Segments go oldest
+first, so every later segment waits with it.
+
 A slave runs the disk-pressure cleaner too (expired and pressure), without the halves step: it
 writes nothing, its master dead-letters them. A plan is applied on the master: a slave refuses it whole.
 
@@ -93,6 +97,7 @@ class Retention:
         self._lock = asyncio.Lock()          # one removal pass at a time: a plan or the pressure cleaner
         self._task: asyncio.Task | None = None
         self._young_said: tuple | None = None   # the segment the cleaner last said young halves keep
+        self._undated_said: tuple | None = None  # the segment the cleaner last said it cannot date by this clock
 
     def _probe(self) -> float:
         disk = self.ctx.store.disk   # the store's watermark monitor: one measure of the disk
@@ -225,6 +230,8 @@ class Retention:
                         log.warning("disk %.1f%% used (clean above %.0f%%): keeping expired segment %s and the "
                                     "ones after it until disk pressure (%.0f%%): %s", usage * 100,
                                     c.disk_clean_ratio * 100, oldest.name, c.disk_force_clean_ratio * 100, young)
+                if not (0 <= oldest.last_ts <= now) and usage < c.disk_force_clean_ratio:
+                    self._say_undated(oldest, now, usage)
                 if expired and (usage >= c.disk_force_clean_ratio or self._held(oldest) is None):
                     reason, half_reason = "expired", "expired"
                 elif usage >= c.disk_force_clean_ratio:
@@ -241,6 +248,21 @@ class Retention:
                 removed.append((oldest.name, reason))
                 usage = self.usage()
         return removed
+
+    def _say_undated(self, oldest, now: int, usage: float) -> None:
+        """Once a segment: the oldest cannot expire by the broker's clock, so neither can any after it (oldest
+        first). A newest record stamped ahead of the clock (it was stepped back since, or was ahead then) kept
+        the disk above disk_clean_ratio with every expired segment behind it, and not a line said why."""
+        if self._undated_said == (oldest.name, oldest.start):
+            return
+        self._undated_said = (oldest.name, oldest.start)
+        c = self.ctx.config
+        why = (f"its newest record is stamped {oldest.last_ts}, {oldest.last_ts - now} ms ahead of the broker's "
+               f"clock ({now}): the clock was stepped back since, or was ahead when it was written"
+               if oldest.last_ts > now else "it holds no record the broker can date")
+        log.warning("disk %.1f%% used (clean above %.0f%%): segment %s cannot expire, %s; it and every segment after "
+                    "it are kept until disk pressure (%.0f%%) or its time comes", usage * 100,
+                    c.disk_clean_ratio * 100, oldest.name, why, c.disk_force_clean_ratio * 100)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-retention")

@@ -102,7 +102,8 @@ class BrokerServer:
                                                  resource.getrlimit(resource.RLIMIT_NOFILE)[0], _max_map_count())
         if short is not None:
             log.warning("%s", short)
-        if max_queues != self.config.max_queues:
+        derived = max_queues != self.config.max_queues
+        if derived:
             log.info("max_queues %d: what the open-files limit and vm.max_map_count hold", max_queues)
             self.config = dataclasses.replace(self.config, max_queues=max_queues)
         c = self.config
@@ -117,6 +118,8 @@ class BrokerServer:
                               trace_topic=c.trace_topic_enable,
                               per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
+        clients.call_later = loop.call_later
+        clients.on_notice_merged = self.metrics.notices_merged.inc
         topics.retry_reclaimable = self._retry_topic_idle
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
         config_dir = os.path.join(store_dir, "config")
@@ -143,7 +146,17 @@ class BrokerServer:
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
 
-        levels = DelayLevels(c.message_delay_level, c.timer_max_delay_s * 1000)
+        retention_ms = int(c.file_reserved_hours * 3_600_000)
+        levels = DelayLevels(c.message_delay_level, c.timer_max_delay_s * 1000, retention_ms)
+        if levels.timer_max_delay_ms < c.timer_max_delay_s * 1000:
+            log.warning("timer messages are refused beyond %d s, the retention (file_reserved_hours=%g), not "
+                        "timer_max_delay_s=%d: retention would remove a later one before its time",
+                        levels.timer_max_delay_ms // 1000, c.file_reserved_hours, c.timer_max_delay_s)
+        longer = [i + 1 for i, d in enumerate(levels.delays_ms) if d >= retention_ms]
+        if longer:
+            log.warning("delay levels %s wait at least the retention (file_reserved_hours=%g): their messages (and "
+                        "retries sent back to them) may be removed before their time, counted in "
+                        "txmq_schedule_dropped_total{reason=\"removed\"}", longer, c.file_reserved_hours)
         store = MessageStore(store_dir, StoreConfig(segment_size=c.segment_size, flush=c.flush,
                                                     cq_units_per_file=c.cq_units_per_file,
                                                     flush_interval_ms=c.flush_interval_ms,
@@ -173,7 +186,13 @@ class BrokerServer:
             store.add_dispatch_listener(ha_roles.topic_follower(topics))
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
-        if topics.queue_total > c.max_queues:     # a store from before the limit, or a limit lowered since
+        if derived and topics.queue_total + c.default_topic_queue_nums > c.max_queues:
+            # Not a limit anyone set: at a small open-files limit (128 holds 48 queues) the system topics alone
+            # (51) took it all, and every new topic was refused, with a warning to delete topics or raise a
+            # --max-queues that was never given.
+            log.error("%s", no_room_for_topics(topics.queue_total, c.max_queues, c.default_topic_queue_nums,
+                                               resource.getrlimit(resource.RLIMIT_NOFILE)[0], _max_map_count()))
+        elif topics.queue_total > c.max_queues:     # a store from before the limit, or a limit lowered since
             log.warning("the topics held have %d consume queues, past max_queues=%d: they are all served, but no "
                         "topic is created or given more queues until topics are deleted (or --max-queues is "
                         "raised, within the open-files limit and vm.max_map_count)", topics.queue_total, c.max_queues)
@@ -316,7 +335,8 @@ class BrokerServer:
         m.registry.register(_Refresh())
         snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
         m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
-                              ["consumer_group", "topic"], snap("lag"))
+                              ["consumer_group", "topic"], snap("lag"),
+                              known=lambda labels: self._known_group(labels[0]))
         m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
         m.add_gauge_collector("rocketmq_producer_connections", "Live producer connections, by group.",
                               ["producer_group"], snap("producers"))
@@ -324,7 +344,7 @@ class BrokerServer:
                               ["consumer_group"], snap("consumers"))
         m.add_gauge_collector("txmq_half_message_oldest_age_seconds",
                               "Age of the oldest undecided half message, by producer group (absent: none).",
-                              ["producer_group"], snap("oldest_half"))
+                              ["producer_group"], snap("oldest_half"), fold=max)
         m.describe_broker(self.config)
         m.add_gauge_collector("txmq_parked_pulls", "Pulls held by long polling.", [], snap("parked"))
         m.add_gauge_collector("txmq_unsent_response_bytes", "Response bytes all connections hold that their "
@@ -354,6 +374,7 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_diverged", "On a slave, 1 while its log has diverged from its "
                               "master's (it appends nothing; rebuild its store); absent elsewhere.", [],
                               snap("ha_diverged"))
+        m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -649,7 +670,17 @@ class BrokerServer:
             lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
                     for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
-        return await asyncio.to_thread(append_snapshot, store_dir, self.metrics.snapshot(connections, lag))
+        snapshot = self.metrics.snapshot(connections, lag)
+        return await asyncio.to_thread(lambda: append_snapshot(store_dir, self.metrics.fold_snapshot(
+            snapshot, self._known_group)))
+
+    def _known_group(self, group: str) -> bool:
+        """A consumer group the broker knows other than by a name a client wrote in an offset: one with a
+        consumer connected, or one an operator created (its consumers may all be down: its lag matters most
+        then). Named first where lag rows are capped (metrics._fold_past_limit). Read off the loop (scrape and
+        snapshot threads): dict lookups only."""
+        subs = self.ctx.subscriptions
+        return group in self.ctx.clients.consumers or (subs is not None and group in subs.groups)
 
     # -------------------------------------------------------------- shutdown
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -886,6 +917,31 @@ def effective_max_queues(max_queues: int, open_files: int, max_map_count: int | 
     return max_queues, (f"max_queues={max_queues} consume queues need two file descriptors and a mapping each, "
                         f"but {' and '.join(short)}: lower --max-queues to fit (or leave it unset: the limits "
                         f"decide), or raise the limits")
+
+
+def no_room_for_topics(held: int, max_queues: int, one_topic: int, open_files: int,
+                       max_map_count: int | None) -> str:
+    """What start-up says when the max_queues it derived from the process's limits leaves no room for one more
+    topic of the default size: every send to a new topic, every UPDATE_AND_CREATE_TOPIC, will be refused."""
+    want = held + one_topic
+    short = []
+    if open_files != resource.RLIM_INFINITY and (open_files - _headroom(open_files)) // 2 < want:
+        short.append(f"the open-files limit {open_files} (ulimit -n, systemd LimitNOFILE: raise it to "
+                     f"{2 * want + _QUEUE_HEADROOM} or more)")
+    if max_map_count is not None and max_map_count - _headroom(max_map_count) < want:
+        short.append(f"vm.max_map_count={max_map_count} (sysctl vm.max_map_count={want + _QUEUE_HEADROOM} or more)")
+    limits = " and ".join(short) or "the process's limits"
+    room = max_queues - held
+    # Only with no room at all is every new topic refused: with a little, a stock producer's auto-created topic
+    # (4 queues, its defaultTopicQueueNums) or one made with fewer queues is made, and "every" was false.
+    refused = ("every new topic and every topic given more queues will be refused NO_PERMISSION" if room <= 0 else
+               f"a new topic, or more queues for one, past {room} more queues in all will be refused NO_PERMISSION "
+               f"(a topic of the default {one_topic} queues is)")
+    return (f"NO NEW TOPICS: {refused}: "
+            f"the topics held (the system topics included) have {held} consume queues, and {limits} "
+            f"hold only {max_queues} (max_queues, unset, is what the limits hold), not one more topic of "
+            f"{one_topic} queues; raise the limit, or set --max-queues to accept the risk that a new queue's file "
+            f"fails to open")
 
 
 def run(config: BrokerConfig) -> int:

@@ -5,7 +5,9 @@ topic created by a send survives a restart with its queue count. Once the broker
 serves, writes leave the event loop: a change marks the catalogue dirty and one
 write (serialise, fsync, rename) runs on a config thread at most every 100 ms for
 all the changes since -- a flood of new topics costs one write per batch, not a
-rewrite of the whole file per topic on the loop. A crash before the write loses
+rewrite of the whole file per topic on the loop. A send to a topic made moments
+ago is stored only once it is written (``made_durable``): restored from the
+store, a topic has only the queues that hold messages. A crash before the write loses
 no message: ``adopt`` restores any topic the store holds queues for, and
 ``queue_appeared`` one whose first queue comes later (a half committed, a delayed
 message delivered after the restart). An operator's change (UPDATE_AND_CREATE_TOPIC,
@@ -30,6 +32,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 
 from protocol.codes import Perm
 from protocol.registration import DataVersion
@@ -117,6 +120,10 @@ class TopicManager:
         self._write_failing = False         # the last write failed: it is retried every retry_write_s
         self.retry_write_s = 5.0
         self._last_write = None
+        # Topics made since the catalogue was last written, each with the change count that made it, or, once a
+        # send to it waits (``made_durable``), the future it waits on. Empty nearly always: a send looks at it.
+        self.unsaved: dict[str, int | asyncio.Future] = {}
+        self._waiting: dict[asyncio.Future, list] = {}     # each gate's sends (``when_durable``), in order
         self.topics: dict[str, TopicConfig] = {}
         self._restored: set[str] = set()    # topics the store's queues made again (adopt, queue_appeared)
         # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
@@ -266,6 +273,61 @@ class TopicManager:
         finally:
             self._saving = None
 
+    def made_durable(self, topic: str) -> asyncio.Future | None:
+        """None when ``topic`` was not made since the catalogue was last written; else a future done once it is
+        written (at once, on the config thread, as ``saved``), the same for every send to the topic until then.
+
+        For the sends that make a topic (processors/send.py; a slave's sync waits with ``saved``): answered SEND_OK while
+        the batched write was still up to 100 ms away, a broker killed then came back with the topic restored from
+        the store's queues -- one queue when only queue 0 held a message, where clients held a route of four, and
+        each send to queues 1-3 was refused SYSTEM_ERROR "queueId illegal" for good. Such sends wait before they
+        are stored (``when_durable``), so they keep their order: they run in the order they came, in the step
+        the topic leaves ``unsaved``, before any later send is looked at. Only the first sends to a
+        new topic wait, and they share the coalesced writes (a flood of new topics: one write at a time)."""
+        held = self.unsaved.get(topic)
+        if held is None or held.__class__ is not int:
+            return held
+        if held <= self._saved_changes or self._pool is None:      # written meanwhile, no send waiting for it
+            del self.unsaved[topic]
+            return None
+        gate = self._loop.create_future()
+        self.unsaved[topic] = gate
+        asyncio.ensure_future(self.saved()).add_done_callback(partial(self._topic_saved, topic, gate))
+        return gate
+
+    def when_durable(self, topic: str, run) -> bool:
+        """False when ``topic`` has nothing to wait for (``made_durable``); else ``run()`` is called once it is
+        written, after the sends that waited before it, in the very step the topic leaves ``unsaved``.
+
+        Not a callback of the gate: those run a loop turn after it is done, and a send read in between (the
+        next frame of the same connection) found the topic gone from ``unsaved`` and was stored ahead of the
+        sends that had waited -- an async or orderly producer's messages swapped in their queue."""
+        gate = self.made_durable(topic)
+        if gate is None:
+            return False
+        self._waiting.setdefault(gate, []).append(run)
+        return True
+
+    def _topic_saved(self, topic: str, gate: asyncio.Future, saving: asyncio.Future) -> None:
+        # A write that failed was logged (``_written``) and is retried: the sends go on, their messages restored
+        # from the store's queues should the broker stop before the catalogue is written, as before.
+        retrieved(saving)
+        if self.unsaved.get(topic) is gate:
+            del self.unsaved[topic]
+        if not gate.done():
+            gate.set_result(None)
+        for run in self._waiting.pop(gate, ()):     # now, in order: no later send can come between
+            try:
+                run()
+            except Exception:  # noqa: BLE001 - a bug in one send must not strand the others
+                log.exception("a send waiting for topic %s to be written failed", topic)
+
+    def _forget_saved(self) -> None:
+        """Drop from ``unsaved`` the topics a catalogue write just took that no send waits on."""
+        done = self._saved_changes
+        for name in [n for n, held in self.unsaved.items() if held.__class__ is int and held <= done]:
+            del self.unsaved[name]
+
     def _write_batch(self) -> None:
         self._write_scheduled = False
         if self._pool is None or self._saved_changes >= self._changes:     # (``saved`` wrote them already)
@@ -276,6 +338,8 @@ class TopicManager:
     def _written(self, fut) -> None:
         exc = None if fut.cancelled() else fut.exception()
         if exc is None:
+            if self.unsaved:
+                self._forget_saved()
             if self._write_failing:
                 self._write_failing = False
                 log.warning("topics catalogue %s written again", self.path)
@@ -427,6 +491,8 @@ class TopicManager:
         self._count_queues(tc.name, tc.queue_count)
         self._restored.discard(tc.name)     # set by hand (or by a send) now: queue_appeared leaves it alone
         self._persist()
+        if new and self._loop is not None:
+            self.unsaved[tc.name] = self._changes
         if not copied:
             log.info("topic %s: %d read / %d write queues, perm %d", tc.name, tc.read_queue_nums,
                      tc.write_queue_nums, tc.perm)

@@ -233,6 +233,10 @@ class PullConsumer:
     def _addr(self, mq: MessageQueue) -> str:
         return self._brokers[mq.broker_name]
 
+    def brokers_at(self, addr: str) -> set[str]:
+        """The names of the brokers known at ``addr`` (those no route names any more too)."""
+        return {name for name, a in (*self._brokers.items(), *self._offline.items()) if a == addr}
+
     async def _broker_addr(self, mq: MessageQueue) -> str:
         """``mq``'s broker address. A route older than route_ttl_s is fetched again in the background while the
         known address serves; the call waits for the fetch only when it knows no address, or its address just
@@ -622,7 +626,9 @@ class PullConsumer:
         return _offset(resp)
 
     async def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
-        """The offset of the first message of ``mq`` stored at or after ``timestamp_ms``."""
+        """The offset of the message of ``mq`` stored nearest ``timestamp_ms`` (RocketMQ's searchOffset): the first
+        stored at it, else the nearer of the last before and the first after (the earlier on a tie), so it may
+        be one stored before ``timestamp_ms``; the last message for a time after it; an empty queue's end."""
         resp = await self._offset_call(RequestCode.SEARCH_OFFSET_BY_TIMESTAMP, mq, timestamp=timestamp_ms)
         return _offset(resp)
 

@@ -134,6 +134,8 @@ class PushConsumer:
                                    instance_name=instance_name or ("DEFAULT" if broadcasting else None),
                                    max_inflated_body=max_inflated_body)
         self.client.on_ids_changed = self._request_rebalance
+        if orderly:
+            self.client.pool.on_lost = self._on_broker_lost
         self.client.on_reset_offset = self._on_reset_offset
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
@@ -141,6 +143,10 @@ class PushConsumer:
         self._owned: set[MessageQueue] = set()
         self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
         self._lock_changed = asyncio.Event()
+        self._relock_now = asyncio.Event()            # orderly: locks were dropped (_on_broker_lost): ask at once
+        # orderly: queues being handed over whose lock _on_broker_lost dropped: a connection that only broke left
+        # it held on the broker, still released when the hand-over ends (its next owner need not wait for expiry)
+        self._unlock_owed: set[MessageQueue] = set()
         self.subscriptions: dict[str, str | MessageSelector] = {}
         self._loops: dict[MessageQueue, asyncio.Task] = {}
         self._offsets: dict[MessageQueue, int] = {}
@@ -347,7 +353,8 @@ class PushConsumer:
     async def _release_locks(self, queues: list[MessageQueue]) -> None:
         """Forget and unlock ``queues``: their next owner need not wait for the locks to expire."""
         for mq in queues:
-            del self._locks[mq]
+            self._locks.pop(mq, None)
+            self._unlock_owed.discard(mq)
         if queues:
             try:
                 await self.client.unlock_queues(queues)
@@ -412,8 +419,10 @@ class PushConsumer:
                 self._committed.pop(mq, None)
                 self._known_stored.pop(mq, None)
             if self.orderly:
-                await self._release_locks([q for q in leaving if q in self._locks and q not in self._owned])
+                await self._release_locks([q for q in leaving if (q in self._locks or q in self._unlock_owed)
+                                           and q not in self._owned])
         finally:
+            self._unlock_owed.difference_update(leaving)
             for mq, task in leaving.items():
                 if self._leaving.get(mq) is task:
                     del self._leaving[mq]
@@ -446,10 +455,15 @@ class PushConsumer:
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def reset_offsets(self, topic: str, offsets: dict[MessageQueue, int]) -> None:
-        """RESET_CONSUMER_CLIENT_OFFSET: stop the topic's pull loops (the message in hand is finished
-        or abandoned), store the new offsets, and start the loops again from them. A listener call that
-        ignores its cancel is given up on after ``abandon_after_s`` (``_abandon``), as shutdown does."""
-        stopped = [mq for mq in self._loops if mq.topic == topic]
+        """RESET_CONSUMER_CLIENT_OFFSET: stop the pull loops of the queues in ``offsets`` (the message in hand
+        is finished or abandoned), store the new offsets, and start the loops again from them. A listener call
+        that ignores its cancel is given up on after ``abandon_after_s`` (``_abandon``), as shutdown does.
+
+        Only those queues, as RocketMQ's resetOffset drops only the process queues in the table: the topic's
+        others (another broker's, or one a reset without force leaves out, the group having no offset there)
+        were stopped too and started again from the stored offset; with none stored, from the queue's end
+        (consume_from "last"), past what was pulled and not yet consumed, which was never delivered."""
+        stopped = [mq for mq in self._loops if mq.topic == topic and mq in offsets]
         tasks = [self._loops.pop(mq) for mq in stopped]
         self._resetting.update(stopped)     # not started by a rebalance meanwhile: they would read the old offsets
         for task in tasks:
@@ -512,6 +526,25 @@ class PushConsumer:
         if failed is not None:
             raise failed
 
+    def _on_broker_lost(self, addr: str) -> None:
+        """The connection to ``addr`` closed: the locks its broker granted are trusted no longer. A broker that
+        restarted holds none, and another consumer of the group it meets first (before this one's next heartbeat)
+        takes the queues and is granted their locks; trusted until lock_expire_s, two consumers consumed each of
+        those orderly queues at once. They are asked for again at once: a connection that only broke gets them back
+        (the broker still holds them for this client), a restarted broker gives them to whoever asks first."""
+        names = self.client.brokers_at(addr)
+        lost = [mq for mq in self._locks if mq.broker_name in names]
+        if not lost or self._stopping:
+            return
+        for mq in lost:
+            del self._locks[mq]
+            if mq in self._leaving:
+                self._unlock_owed.add(mq)
+        log.warning("push consumer %s: connection to broker %s lost: the locks of its %d queue(s) are no longer "
+                    "trusted (restarted, it holds none); they are consumed again once locked again", self.group,
+                    addr, len(lost))
+        self._relock_now.set()
+
     @property
     def locked_queues(self) -> set[MessageQueue]:
         """Orderly: the owned queues this consumer holds the broker's lock on now."""
@@ -524,7 +557,11 @@ class PushConsumer:
     async def _lock_loop(self) -> None:
         while True:
             waiting = any(not self._locked(q) for q in self._owned)
-            await asyncio.sleep(self.lock_retry_s if waiting else self.lock_interval_s)
+            try:
+                await wait_within(self._relock_now.wait(), self.lock_retry_s if waiting else self.lock_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._relock_now.clear()
             try:
                 await self._lock_owned()
             except BrokerError as exc:

@@ -9,7 +9,8 @@ A batch leaves when it holds ``batch_size`` messages or ``max_batch_bytes`` of b
 ``linger_ms`` after its first message arrived, whichever comes first. A failed batch fails
 every send in it with the same error (the broker stores a batch all or none; a MaybeStoredError names each
 send's own message id), except a batch
-the broker refuses as MESSAGE_ILLEGAL for what one entry holds: each of its sends goes again
+the broker refuses as MESSAGE_ILLEGAL for what one entry holds, or whose body cannot be written for what one
+entry holds (properties no UTF-8 can hold): each of its sends goes again
 alone, so only the one at fault fails (properties too long for any record are refused at once).
 """
 from __future__ import annotations
@@ -92,7 +93,10 @@ class Accumulator:
         while self._pending or self._in_flight:
             for topic in list(self._pending):
                 self._ship(topic)
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
+            # waited for, not gathered: a flush cancelled (a shutdown under its caller's deadline) cancelled every
+            # batch in flight, and the sends gathered in them never had their answer
+            if self._in_flight:
+                await asyncio.wait(self._in_flight)
 
     def _ship(self, topic: str) -> None:
         batch = self._pending.pop(topic, None)
@@ -106,17 +110,20 @@ class Accumulator:
 
     async def _send(self, topic: str, batch: _Pending) -> None:
         try:
-            result = await self._producer._send_text(RequestCode.SEND_BATCH_MESSAGE, topic,
-                                                     encode_batch(batch.entries), _BATCH_PROPS, "", None, batch=True)
-        except MessageIllegalError as exc:
-            if len(batch.entries) == 1:
-                _fail(batch.futures, exc)
-                return
-            # Refused for what one entry holds (its size, a property): the sends gathered here are strangers to
-            # each other, so each goes again alone and only the one at fault fails.
-            await asyncio.gather(*(self._send_alone(topic, entry, uniq, fut)
-                                   for entry, uniq, fut in zip(batch.entries, batch.uniqs, batch.futures)))
+            body = encode_batch(batch.entries)
+        except (UnicodeEncodeError, MessageIllegalError) as exc:
+            # One entry's properties (a lone surrogate, which no UTF-8 holds), found for all of them, as the
+            # broker's MESSAGE_ILLEGAL below: its own send raises it, alone.
+            return await self._each_alone(topic, batch, exc)
+        except Exception as exc:  # noqa: BLE001 - raised out of this task, it left every send unresolved
+            _fail(batch.futures, exc)
             return
+        try:
+            result = await self._producer._send_text(RequestCode.SEND_BATCH_MESSAGE, topic, body, _BATCH_PROPS, "",
+                                                     None, batch=True)
+        except MessageIllegalError as exc:
+            # Refused for what one entry holds (its size, a property)
+            return await self._each_alone(topic, batch, exc)
         except MaybeStoredError as exc:     # each caller is told its own message's id, to dedupe by
             for fut, uniq in zip(batch.futures, batch.uniqs):
                 own = type(exc)(f"{exc} ({uniq} is this one's)", msg_id=uniq)
@@ -130,6 +137,14 @@ class Accumulator:
             if not fut.done():
                 fut.set_result(single)
 
+    async def _each_alone(self, topic: str, batch: _Pending, exc: Exception) -> None:
+        """The batch failed with ``exc`` for what one of its entries holds: the sends gathered here are strangers to
+        each other, so each goes again alone and only the one at fault fails (with ``exc`` itself if alone)."""
+        if len(batch.entries) == 1:
+            _fail(batch.futures, exc)
+            return
+        await asyncio.gather(*(self._send_alone(topic, entry, uniq, fut)
+                               for entry, uniq, fut in zip(batch.entries, batch.uniqs, batch.futures)))
 
     async def _send_alone(self, topic: str, entry: tuple[int, bytes, str], uniq: str, fut: asyncio.Future) -> None:
         _flag, body, props = entry

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand, _field_text
 from protocol.connection import finish_within
-from protocol.errors import ConnectionClosedError, RequestTimeoutError, ResponseError, error_for_code
+from protocol.errors import ConnectionClosedError, HeaderError, RequestTimeoutError, ResponseError, error_for_code
 from protocol.message import MessageExt, Prop, decode_offset_msg_id, decode_record
 
 from .producer import Producer, SendResult, SendStatus
@@ -124,6 +124,19 @@ class TransactionProducer(Producer):
         self._clock = clock
         self._oneway_since = 0.0                      # clock() when ENDs went oneway (or were last probed)
         self._check_tasks: set[asyncio.Task] = set()
+        # The check call in hand for each transaction, by (broker address, msgId), or (broker address, half's
+        # commit-log offset) for an ask that names no msgId. Not by both: Apache RocketMQ writes the half again
+        # before each check (putBackHalfMsgQueue), so each of its asks names a new offset for the same msgId; a
+        # broker whose store was replaced asking about another half at the same offset names another msgId. When
+        # the broker asks again (each interval while unanswered) the ask is left to that call: each ask of a
+        # check_local_transaction that hung (awaiting a database that is down) started one more beside it.
+        self._checking: dict[tuple[str, int | str], float] = {}    # -> clock() when its call began
+        self._overlap_said: set[tuple[str, int | str]] = set()     # those whose call was said to be still running
+        # The last ask left to each call in hand: its END names the half that ask named (Apache RocketMQ's copy
+        # written last, the one it asks about next; answered for the first copy, the last was asked about and
+        # committed again: the message delivered twice)
+        self._last_ask: dict[tuple[str, int | str], RemotingCommand] = {}
+        self.checks_overlapped = 0          # asks left to the call in hand for their transaction (said once each)
         self.shutdown_grace_s = shutdown_grace_s
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
         # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
@@ -157,10 +170,17 @@ class TransactionProducer(Producer):
                 log.warning("local transaction of %s raised: %s", result.msg_id, exc)
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
-        _, _, half_offset = decode_offset_msg_id(result.offset_msg_id)
         # The broker that stored the half, not whatever the route says now: with several brokers (or a
         # route refreshed meanwhile) only that one holds the half and can decide it.
         addr = result.broker_addr or self._addr(result.queue)
+        try:
+            _, _, half_offset = decode_offset_msg_id(result.offset_msg_id)
+        except HeaderError as exc:
+            # END names the half by its commit-log offset. Raised, it read as a failed send after the local
+            # transaction had run (a caller retrying ran it again): returned, and said, as the Java client does.
+            log.warning("END_TRANSACTION (%s) for %s not sent: broker %s stored the half but %s; the broker will "
+                        "check back", state.name, result.msg_id, addr, exc)
+            return TransactionSendResult(result, state, False)
         try:
             acked = await self._end(addr, half_offset, result.queue_offset, result.msg_id, state, False, remark)
         except ResponseError as exc:
@@ -248,12 +268,32 @@ class TransactionProducer(Producer):
         if self._stopping:      # oneway, nothing to answer: the broker asks again (this group's other producers)
             log.info("CHECK_TRANSACTION_STATE not taken: producer %s is shutting down", self.group)
             return None
-        task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd))
+        half_offset = cmd.int_field("commitLogOffset", 0)
+        key = (f"{conn.peer[0]}:{conn.peer[1]}", cmd.str_field("msgId", "") or half_offset)
+        began = self._checking.get(key)
+        if began is not None:
+            # left to the call in hand, which answers it; the first ask so is said, the rest only counted
+            self._last_ask[key] = cmd
+            self.checks_overlapped += 1
+            if key not in self._overlap_said:
+                self._overlap_said.add(key)
+                log.warning("producer %s: check_local_transaction of %s (half at %d on %s) still running after "
+                            "%.1f s; the broker's asks again are left to it (checks_overlapped)", self.group,
+                            cmd.str_field("msgId", ""), half_offset, key[0], self._clock() - began)
+            return None
+        self._checking[key] = self._clock()
+        task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd, key))
         self._check_tasks.add(task)
         task.add_done_callback(self._check_tasks.discard)
+        task.add_done_callback(lambda _t: self._check_ended(key))
         return None
 
-    async def _answer_check(self, conn, cmd) -> None:
+    def _check_ended(self, key: tuple[str, int | str]) -> None:
+        del self._checking[key]
+        self._overlap_said.discard(key)
+        self._last_ask.pop(key, None)
+
+    async def _answer_check(self, conn, cmd, key=None) -> None:
         try:
             msg, _ = decode_record(cmd.body_bytes())
         except Exception as exc:  # noqa: BLE001 - a check we cannot read is left for the next one
@@ -263,17 +303,22 @@ class TransactionProducer(Producer):
         if group and group != self.group:
             return
         remark = None
+        msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
         try:
             state = _state(await _call(self.listener.check_local_transaction, msg))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - an exception is UNKNOW, as in the Java client
+            # said here as the local transaction's is: in the broker's remark alone, a bug answered UNKNOW at
+            # every ask until the transaction was dead-lettered, nothing in this producer's log
+            log.warning("check of %s raised %s: %s; answered UNKNOW (the broker asks again)", msg_id,
+                        type(exc).__name__, exc)
             state = LocalTransactionState.UNKNOW
             remark = f"checkLocalTransactionState Exception: {exc}"
-        msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
         if asyncio.current_task() in self._abandoned:   # the producer closed without it: no END on a new connection
             log.warning("producer %s: check of %s given up on at shutdown has ended; left unanswered, the broker "
                         "asks again", self.group, msg_id)
             return
         addr = f"{conn.peer[0]}:{conn.peer[1]}"
+        cmd = self._last_ask.pop(key, cmd)      # the half the broker asked about last (see _last_ask)
         try:
             await self._end(addr, cmd.int_field("commitLogOffset", 0), cmd.int_field("tranStateTableOffset", 0),
                             msg_id, state, True, remark)

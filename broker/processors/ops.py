@@ -23,6 +23,7 @@ from ..limits import peer_host
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import topics_saved
+from .pull import forget_moves
 
 log = logging.getLogger("txmq.ops")
 
@@ -213,6 +214,7 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     existed = bool(existed and existed[0])
     ctx.offsets.remove_topic(topic)
     ctx.metrics.forget_topic(topic)
+    forget_moves(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
                 "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
     # Answered once the catalogue and the offsets say so: a kill before their batched writes brought the topic
@@ -339,23 +341,31 @@ async def reset_offset(ctx, conn, cmd):
     if not any(g == group and t == topic for (g, t, _q), _o in ctx.offsets.items()):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"THe consumer group <{group}> not exist")
     broker = ctx.config.broker_name
-    table = {}
-    if one_qid >= 0 and one_offset >= 0:
+    one = one_qid >= 0 and one_offset >= 0
+    if one:
         lo, hi = ctx.store.min_offset(topic, one_qid), ctx.store.max_offset(topic, one_qid)
         if one_qid >= tc.write_queue_nums or not lo <= one_offset <= hi:
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"[reset-offset] queue {one_qid} of {topic} holds "
                                 f"offsets {lo} to {hi}, not {one_offset}")
-        current = ctx.offsets.get(group, topic, one_qid) or 0
-        table[(topic, broker, one_qid)] = one_offset if force or one_offset < current else current
-    for qid in range(tc.write_queue_nums) if not table else ():
-        current = ctx.offsets.get(group, topic, qid) or 0
-        target = (ctx.store.max_offset(topic, qid) if timestamp == -1
-                  else ctx.store.search_offset_by_time(topic, qid, timestamp))
-        target = max(target, 0)
+    table = {}
+    for qid in (one_qid,) if one else range(tc.write_queue_nums):
+        current = ctx.offsets.get(group, topic, qid)
+        if current is None and not force:
+            # Without force a queue only moves back; one the group never committed has no place to move back
+            # from, and is left as it is (RocketMQ refuses the whole reset). Taken as 0, it was committed 0 and
+            # its consumer read the whole queue again.
+            continue
+        if one:
+            target = one_offset
+        else:
+            target = max(ctx.store.max_offset(topic, qid) if timestamp == -1
+                         else ctx.store.search_offset_by_time(topic, qid, timestamp), 0)
         table[(topic, broker, qid)] = target if force or target < current else current
     for (_t, _b, qid), offset in table.items():
         ctx.offsets.commit(group, topic, qid, offset)
-    notified = _notify_reset(ctx, group, topic, timestamp, force, table, cmd.language == LanguageCode.CPP)
+    notified = 0
+    if table:       # (with nothing to move no consumer is told: a Java one pauses some 10 s when it is)
+        notified = _notify_reset(ctx, group, topic, timestamp, force, table, cmd.language == LanguageCode.CPP)
     log.warning("[reset-offset] group %s topic %s to timestamp %d (force=%s) by %s: %s; %d consumers told",
                 group, topic, timestamp, force, _peer(conn), {q: o for (_t, _b, q), o in table.items()}, notified)
     # On disk before SUCCESS: left to the periodic save, a kill within its interval put the group back where

@@ -113,6 +113,55 @@ _CORRECTIONS = frozenset({GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE
                           GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_OVERFLOW_BADLY, GetStatus.OFFSET_FOUND_NULL})
 
 
+_moved = EveryKey(60.0)      # (group, topic, queue) whose move past removed messages was said this minute
+_moved_to: dict[str, int] = {}      # (group, topic, queue) -> the minimum a pull last moved it to: counted to there
+_MOVED_KEYS = 4096
+MOVED_LINES_A_MINUTE = 100      # move lines of all groups: group names are a client's to make up, one a request
+_moved_lines = {"since": float("-inf"), "n": 0}
+
+
+def forget_moves(topic: str) -> None:
+    """A deleted topic: one made again under its name starts at offset 0, below what was counted in the old one
+    (kept, its groups' moves were taken for asks again of what was counted, and went unsaid)."""
+    for key in [k for k in _moved_to if k.rsplit("\0", 2)[1] == topic]:
+        del _moved_to[key]
+
+
+def _moved_past_removed(ctx, group: str, topic: str, qid: int, asked: int, first: int) -> None:
+    """A consumer asked for messages retention removed before it read them: PULL_OFFSET_MOVED takes it to the
+    queue's minimum, past them. Unsaid, a group far behind lost ``first - asked`` messages with nothing to show
+    for it (RocketMQ logs its correction at WARN): counted (txmq_pull_offset_moved_messages_total) once, however
+    often its consumers ask again before they take the correction, and logged once a minute a queue of a group.
+    A first pull lost nothing: it asks at 0 (CONSUME_FROM_FIRST_OFFSET; the others ask where the broker's search
+    answered, at or past the minimum) and is moved to where the queue starts now. One past 0 with no offset stored
+    here was there before: a broadcasting consumer (its offsets are its host's, never committed) or a pull
+    consumer tracking its own; taken as a first pull, each of its moves went uncounted."""
+    if asked <= 0 and ctx.offsets.get(group, topic, qid) is None:
+        return
+    key = f"{group}\0{topic}\0{qid}"
+    since = max(0, asked, _moved_to.get(key, 0))
+    if first <= since:
+        return
+    if len(_moved_to) >= _MOVED_KEYS:      # names a client chose: the table must not grow without end
+        _moved_to.clear()
+    _moved_to[key] = first
+    ctx.metrics.child(ctx.metrics.pulls_moved_past, topic, group).inc(first - since)
+    if not _moved.due(key):
+        return
+    now = time.monotonic()
+    if now - _moved_lines["since"] >= 60.0:
+        _moved_lines.update(since=now, n=0)
+    _moved_lines["n"] += 1
+    if _moved_lines["n"] <= MOVED_LINES_A_MINUTE:
+        log.warning("group %s pulled %s queue %d at offset %d, below the queue's minimum %d: the %d messages "
+                    "between were removed by retention before it read them; moved to %d (PULL_OFFSET_MOVED)",
+                    group, topic, qid, asked, first, first - since, first)
+    elif _moved_lines["n"] == MOVED_LINES_A_MINUTE + 1:
+        log.warning("more than %d moves past messages retention removed this minute (new group names each "
+                    "pull?): the rest are not logged one by one, only counted in "
+                    "txmq_pull_offset_moved_messages_total", MOVED_LINES_A_MINUTE)
+
+
 def _reply(ctx, cmd, group, topic, got):
     status = got.status
     code = _code(cmd, status)
@@ -126,6 +175,8 @@ def _reply(ctx, cmd, group, topic, got):
         next_begin = cmd.int_field("queueOffset")
         if code == ResponseCode.PULL_OFFSET_MOVED:
             code, suggest = ResponseCode.PULL_RETRY_IMMEDIATELY, 0
+    elif status is GetStatus.OFFSET_TOO_SMALL:
+        _moved_past_removed(ctx, group, topic, cmd.int_field("queueId"), cmd.int_field("queueOffset"), next_begin)
     fields = {"suggestWhichBrokerId": suggest, "nextBeginOffset": next_begin,
               "minOffset": got.min_offset, "maxOffset": got.max_offset}
     if code == ResponseCode.SUCCESS:

@@ -50,6 +50,10 @@ async def handle_reply(ctx, conn, cmd):
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
+    if h.topic in ctx.topics.unsaved:   # a topic this reply made: its copy is stored once it is written, as a send's
+        gate = ctx.topics.made_durable(h.topic)
+        if gate is not None:
+            await gate
     _, qid = checked
     body = cmd.body_bytes()
     if len(body) > ctx.config.max_message_size:

@@ -153,19 +153,33 @@ def _after_queue_file(ctx, cmd, topic: str, qid: int, go):
             if not out.done():
                 out.set_exception(exc)
         else:
-            try:
-                answer = go()
-            except Exception as exc:  # noqa: BLE001 - this request's error reply
-                if not out.done():
-                    out.set_exception(exc)
-                return
-            if isawaitable(answer):
-                ensure_future(answer).add_done_callback(partial(_chain, out))
-            else:
-                _settle(out, None if answer is DEFERRED else answer)
+            _go(out, go)
 
     ctx.store.make_queue_file(topic, qid, ready)
     return out
+
+
+def _after_durable(ctx, topic: str, go):
+    """None when ``topic`` needs no wait; else a future of ``go()``'s answer, run once topics.json holds the topic
+    (TopicManager.when_durable): sends waiting for one topic run in the order they came, before any later one."""
+    out = get_running_loop().create_future()
+    if not ctx.topics.when_durable(topic, partial(_go, out, go)):
+        return None
+    return out
+
+
+def _go(out, go) -> None:
+    """Run ``go`` and settle ``out`` with its answer (None: it answers by itself, DEFERRED)."""
+    try:
+        answer = go()
+    except Exception as exc:  # noqa: BLE001 - this request's error reply
+        if not out.done():
+            out.set_exception(exc)
+        return
+    if isawaitable(answer):
+        ensure_future(answer).add_done_callback(partial(_chain, out))
+    else:
+        _settle(out, None if answer is DEFERRED else answer)
 
 
 def _settle(out, answer) -> None:
@@ -209,6 +223,10 @@ def handle_send(ctx, conn, cmd):
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
+    if h.topic in ctx.topics.unsaved:   # a topic made moments ago: stored once it is written (made_durable)
+        waits = _after_durable(ctx, h.topic, partial(handle_send, ctx, conn, cmd))
+        if waits is not None:
+            return waits
     _, qid = checked
     body = cmd.body
     if len(body) > ctx.config.max_message_size:
@@ -414,6 +432,10 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
     checked = _check_topic(ctx, conn, cmd, h)
     if not isinstance(checked, tuple):
         return checked
+    if h.topic in ctx.topics.unsaved:   # as handle_send's
+        waits = _after_durable(ctx, h.topic, partial(handle_batch, ctx, conn, cmd, h))
+        if waits is not None:
+            return waits
     _, qid = checked
     if len(cmd.body) > ctx.config.max_message_size:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL,

@@ -61,9 +61,16 @@ class Diverted(NamedTuple):
 class DelayLevels:
     """The level table and the rules that send a message to wait."""
 
-    def __init__(self, text: str, timer_max_delay_ms: int = 3 * 86_400_000):
+    def __init__(self, text: str, timer_max_delay_ms: int = 3 * 86_400_000, retention_ms: int | None = None):
         self.delays_ms = parse_delay_levels(text)
         self.timer_max_delay_ms = timer_max_delay_ms
+        self.timer_limit = "timer_max_delay_s"
+        # A waiting message's record must outlive its wait: retention removes a segment whose newest record is
+        # older than file_reserved_hours, waiting messages in it or not. A timer accepted for later than that was
+        # SEND_OK and then, with the disk above disk_clean_ratio, removed before its time.
+        if retention_ms is not None and retention_ms < timer_max_delay_ms:
+            self.timer_max_delay_ms = retention_ms
+            self.timer_limit = "file_reserved_hours: retention would remove it before its time"
 
     @property
     def max_level(self) -> int:
@@ -134,7 +141,7 @@ class DelayLevels:
                 break
         if deliver_ms - now > self.timer_max_delay_ms:
             return (f"timer message illegal: delivery in {(deliver_ms - now) // 1000} s is beyond the "
-                    f"{self.timer_max_delay_ms // 1000} s maximum (timer_max_delay_s)")
+                    f"{self.timer_max_delay_ms // 1000} s maximum ({self.timer_limit})")
         return deliver_ms
 
     def consume_queue_tag(self, topic: str, props: dict, store_ts: int) -> int | None:

@@ -41,6 +41,7 @@ MAX_SLEEP_S = 1.0
 REFUSED_RETRY_S = 1.0           # the disk monitor probes once a second
 SNAPSHOT_INTERVAL_S = 10.0      # RocketMQ's flushDelayOffsetInterval
 LATE_MS = 1000
+LOST_PER_BATCH = 4096           # removed timers passed over in one progress record (about 8 bytes each)
 
 
 class ScheduleService:
@@ -57,7 +58,13 @@ class ScheduleService:
         self._snap_task: asyncio.Task | None = None
         self._progress_end = 0          # commit-log end of the last progress record applied
         self._snapshot_key = None
-        self._drops: list[str] = []     # reasons of the entries the batch being gathered passes over
+        self._drops: dict[str, int] = {}    # reason -> entries the batch being gathered passes over
+        self._removed: list[tuple[str, int]] = []   # (which, how many): waiting ones it moves past, removed
+        self._timers_min_seen = 0       # timer queue offsets below it that retention removed are accounted for
+        self._timers_min_next = 0
+        self._lost: list[int] = []      # timer queue offsets the batch being gathered passes over, removed
+        self._written_off: set[int] = set()     # ... and once written, those still in the heap (skipped there)
+        self._gone_early: set[int] = set()      # ... and those whose heap entry went before they were written
         self.delivered = 0
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
@@ -80,6 +87,8 @@ class ScheduleService:
             log.warning("%s covers schedule progress records the recovered log no longer has (it was cut); "
                         "replaying the progress records of the log alone", SNAPSHOT_NAME)
             p = self.progress = Progress()
+        # Progress records retention removed before they were applied here: what they delivered is not known.
+        known = p.progress_offset >= store.min_offset(PROGRESS_TOPIC, 0)
         start = max(p.progress_offset, store.min_offset(PROGRESS_TOPIC, 0))
         end = store.max_offset(PROGRESS_TOPIC, 0)
         replayed = 0
@@ -98,11 +107,26 @@ class ScheduleService:
                 p.apply(*parsed)
                 replayed += 1
         p.progress_offset = end
+        removed = []        # (what, messages): waiting ones retention removed while the broker was down
         for level in range(1, self.levels.max_level + 1):
             qid = level - 1
             lo, hi = store.min_offset(SCHEDULE_TOPIC, qid), store.max_offset(SCHEDULE_TOPIC, qid)
+            if p.levels.get(level, 0) < min(lo, hi):
+                removed.append((f"level {level} offsets {p.levels.get(level, 0)}..{min(lo, hi) - 1}",
+                                min(lo, hi) - p.levels.get(level, 0)))
             p.levels[level] = min(max(p.levels.get(level, 0), lo), hi)
         hi = store.max_offset(TIMER_TOPIC, 0)
+        lo = min(store.min_offset(TIMER_TOPIC, 0), hi)
+        if p.timer_floor < lo:
+            # Timers below the queue's minimum are never indexed again: taken as passed over, or the floor stayed
+            # below them for good and every timer delivered after was kept in timerDone (and the file) for ever.
+            gone = lo - p.timer_floor - sum(1 for t in p.timer_done if t < lo)
+            if gone:
+                removed.append((f"timer offsets {p.timer_floor}..{lo - 1}", gone))
+            p.timer_done = {t for t in p.timer_done if t >= lo}
+            p.timer_floor = lo
+            p.apply({}, ())     # the floor moves on over timers delivered just above it
+        self._removed_while_down(removed, known)
         for offset in range(max(p.timer_floor, store.min_offset(TIMER_TOPIC, 0)), hi):
             if not p.timer_delivered(offset):
                 unit = store.queue_unit(TIMER_TOPIC, 0, offset)
@@ -113,6 +137,7 @@ class ScheduleService:
                     self._timers.append((self._due(unit[2], None), offset, unit[0]))
         heapq.heapify(self._timers)
         self._timers_indexed = hi
+        self._timers_min_seen = lo      # (those below: said just above)
         self._recovered = True
         if ahead:       # replace it now: once new progress records pass its offset, it would look valid
             try:
@@ -121,6 +146,29 @@ class ScheduleService:
                 log.error("%s not rewritten (%s): remove it before the next start", SNAPSHOT_NAME, exc)
         log.info("schedule recovered: %d progress records replayed, %d level messages and %d timers waiting",
                  replayed, sum(n for _, n in self.waiting() if _ != "timer"), len(self._timers))
+
+    def _removed_while_down(self, removed: list[tuple[str, int]], known: bool) -> None:
+        """Said at start-up: waiting messages whose records retention removed before they were delivered (the
+        broker was down, or stopped before its scheduler moved past them). Moved past unsaid, they were lost
+        without a count or a line; counted as txmq_schedule_dropped_total{reason="removed"}, as when running."""
+        if not removed:
+            return
+        config = getattr(self.ctx, "config", None)
+        if config is not None and config.broker_role == "SLAVE":
+            # A slave's retention runs on its own disk: what it removed its master may still hold and deliver
+            # (a slave delivers nothing), and what the master lost the master counts.
+            log.info("schedule recovery (slave): %s no longer in this slave's log (its retention); its master "
+                     "delivers, and counts what it loses", "; ".join(what for what, _ in removed))
+            return
+        where = "; ".join(what for what, _ in removed)
+        if not known:       # the progress records of their deliveries went too: some may have been delivered
+            log.warning("schedule recovery: %s were removed by retention; whether they were delivered is not known "
+                        "(the progress records saying so were removed too)", where)
+            return
+        n = sum(k for _, k in removed)
+        self._dropped_total.labels("removed").inc(n)
+        log.error("schedule recovery: %d waiting messages were removed by retention before delivery (%s); moved "
+                  "past them", n, where)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-schedule")
@@ -218,9 +266,10 @@ class ScheduleService:
         dropped as undeliverable), 0 when nothing was due, -1 when the store refused the batch (nothing moved;
         the same messages are tried next time). Sets ``next_due`` (by the wall clock)."""
         batch, levels, timers, self.next_due = self._collect(now, mono)
-        if not levels and not timers:
+        if not levels and not timers and not self._lost:
             return 0
-        moved = sum(offset - self.progress.levels.get(level, 0) for level, offset in levels.items()) + len(timers)
+        moved = (sum(offset - self.progress.levels.get(level, 0) for level, offset in levels.items()) + len(timers)
+                 + len(self._lost))
         if not await self._deliver(batch, levels, timers):
             return -1
         return moved
@@ -229,7 +278,7 @@ class ScheduleService:
         """What is due now: (delivery requests with their due times, new level offsets, timer entries taken,
         the earliest time something not yet due falls due), due times by the wall clock."""
         store = self.ctx.store
-        self._drops = []
+        self._drops, self._removed = {}, []
         batch: list[tuple[PutRequest, int, str]] = []
         levels: dict[int, int] = {}
         size = 0
@@ -244,8 +293,12 @@ class ScheduleService:
             start = offset
             end = store.max_offset(SCHEDULE_TOPIC, qid)
             if offset < end and offset < store.min_offset(SCHEDULE_TOPIC, qid):
-                offset = store.min_offset(SCHEDULE_TOPIC, qid)     # removed by retention meanwhile
-                log.error("schedule level %d: offsets %d..%d were removed before delivery", level, start, offset)
+                # Removed by retention meanwhile: counted and said once moved past, as each dropped entry is
+                # (the consume queue's minimum moves with the segment, so the record-by-record check below
+                # never sees these: txmq_schedule_dropped_total said 0 while every one of them was lost).
+                offset = store.min_offset(SCHEDULE_TOPIC, qid)
+                self._removed.append((f"level {level} offsets {start}..{offset - 1}", offset - start))
+                self._dropped("removed", offset - start)
             while offset < end and len(batch) < BATCH_MESSAGES and size < budget:
                 unit = store.queue_unit(SCHEDULE_TOPIC, qid, offset)
                 if unit is None:
@@ -264,10 +317,19 @@ class ScheduleService:
                 offset += 1
             if offset != start:
                 levels[level] = offset
+        self._lost = self._removed_timers()
+        gone = self._written_off.union(self._lost) if self._lost else self._written_off
         timers: list[tuple[int, int, int]] = []
         heap = self._timers
         while heap and heap[0][0] <= mono and len(batch) < BATCH_MESSAGES and size < budget:
             entry = heap[0]
+            if entry[1] in gone:        # passed over as removed by retention (_removed_timers): not twice
+                heapq.heappop(heap)
+                if entry[1] in self._written_off:
+                    self._written_off.discard(entry[1])
+                else:       # due when found removed: written off with this batch, or the next if it is refused
+                    self._gone_early.add(entry[1])
+                continue
             req = self._delivery(entry[2], TIMER_TOPIC, entry[1])
             if req is not None and batch and size + len(req.record) > budget:
                 break                           # the next batch takes it, at once (next_due = now below)
@@ -282,6 +344,33 @@ class ScheduleService:
         elif heap:
             next_due = now
         return batch, levels, timers, next_due
+
+    def _removed_timers(self) -> list[int]:
+        """The timer queue offsets, not yet delivered, whose records retention removed since the last look: passed
+        over with this batch (in its progress record), counted and said, as the removed level messages are. Left
+        to be found at their time, they were said days after they were lost. Found from the timer queue's new
+        minimum, in what the removal took (a walk of the heap cost 0.3 s on the loop with a million timers);
+        their entries stay in the heap, skipped when they come up."""
+        p = self.progress
+        tmin = min(self.ctx.store.min_offset(TIMER_TOPIC, 0), self._timers_indexed)
+        if tmin <= self._timers_min_seen:
+            return []
+        lost = []
+        # At most LOST_PER_BATCH a batch: each is named in its progress record, which must stay well within a
+        # message (one refused as too large would be refused again every second, and all delivery stall).
+        for q in range(max(self._timers_min_seen, p.timer_floor), tmin):
+            if not p.timer_delivered(q):
+                lost.append(q)
+                if len(lost) == LOST_PER_BATCH:
+                    tmin = q + 1
+                    break
+        self._timers_min_next = tmin
+        if not lost:
+            self._timers_min_seen = tmin
+            return []
+        self._dropped("removed", len(lost))
+        self._removed.append((f"{len(lost)} timer(s) at offsets {lost[0]}..{lost[-1]}", len(lost)))
+        return lost
 
     def _due(self, deliver: int, stored: int | None) -> int:
         """When a timer falls due by the monotonic clock: the wait it has left by the wall clock, from now.
@@ -354,9 +443,9 @@ class ScheduleService:
             reconsume_times=msg.reconsume_times, prepared_offset=msg.prepared_offset)
         return self.ctx.store.copying(phys, PutRequest(record, topic, qid, tags_code(props), sys_flag))
 
-    def _dropped(self, reason: str) -> None:
+    def _dropped(self, reason: str, n: int = 1) -> None:
         # Counted once the batch's progress is written (_deliver): a refused batch is gathered again.
-        self._drops.append(reason)
+        self._drops[reason] = self._drops.get(reason, 0) + n
 
     def _progress_record(self, levels: dict[int, int], timers: list[int]) -> PutRequest:
         ctx = self.ctx
@@ -366,7 +455,7 @@ class ScheduleService:
         return PutRequest(record, PROGRESS_TOPIC, 0, 0, 0)
 
     async def _deliver(self, batch, levels: dict[int, int], timers: list) -> bool:
-        timer_offsets = [t[1] for t in timers]
+        timer_offsets = [t[1] for t in timers] + self._lost
         reqs = [req for req, _, _ in batch] + [self._progress_record(levels, timer_offsets)]
         store = self.ctx.store
         for req in reqs:
@@ -404,8 +493,15 @@ class ScheduleService:
         self.progress.apply(levels, timer_offsets)
         self.progress.progress_offset = last.queue_offset + 1
         self._progress_end = last.physical_offset + last.size
-        for reason in self._drops:
-            self._dropped_total.labels(reason).inc()
+        for reason, n in self._drops.items():
+            self._dropped_total.labels(reason).inc(n)
+        if self._removed:
+            log.error("schedule: %d waiting messages were removed by retention before delivery (%s); moved past "
+                      "them", sum(n for _, n in self._removed), "; ".join(what for what, _ in self._removed))
+        # Those whose heap entry already went are not kept: written off, they stayed in the set for good.
+        self._written_off.update(q for q in self._lost if q not in self._gone_early)
+        self._gone_early.difference_update(self._lost)
+        self._timers_min_seen = max(self._timers_min_seen, self._timers_min_next)
         for (req, due, label), result in zip(batch, results):
             self.delivered += 1
             self._delivered.labels(label).inc()
@@ -427,7 +523,7 @@ class ScheduleService:
             hi = store.max_offset(SCHEDULE_TOPIC, level - 1)
             if hi:
                 out.append((str(level), max(0, hi - self.progress.levels.get(level, 0))))
-        out.append(("timer", len(self._timers)))
+        out.append(("timer", len(self._timers) - len(self._written_off)))     # (removed ones: passed over)
         return out
 
 

@@ -37,7 +37,7 @@ from .config import StoreConfig
 from .consume_queue import UNIT
 from .mapped_file import MappedFile
 from .replica import ReplicaChunk, chunk_span
-from .reserve import SpaceReserver, write_zeros
+from .reserve import SpaceReserver, stalled_write, write_zeros
 from .results import DispatchInfo, PutRequest, PutResult, PutStatus
 
 log = logging.getLogger("txmq.store")
@@ -155,7 +155,7 @@ class CommitLog:
     def zero(self, seg: Segment, lo: int, hi: int) -> None:
         """Erase a torn or cut tail so the next start does not see it again (pwrite: the range may hold a
         hole, and a store through the mapping into a hole SIGBUSes on a full disk)."""
-        write_zeros(seg.fd, lo, hi)
+        write_zeros(seg.fd, lo, hi, seg.path)
 
     def drop_segments_from(self, index: int) -> list[str]:
         """Remove the segments from ``index`` on, newest first: a crash part way leaves a log without a gap
@@ -533,7 +533,8 @@ def _pwrite_all(seg: Segment, at: int, bufs: list) -> None:
     joins the inode to the running journal transaction, so each group commit's sync then waited for a
     journal commit (msync of 30 KiB: 0.22 ms against 0.09 ms for pwrite + fdatasync on this disk, and the
     faults cost the loop ~40 us a batch). The range is reserved (zeroed, allocated), so this cannot hit
-    ENOSPC short of a failing disk; an OSError here stops the log like any I/O error.
+    ENOSPC short of a failing disk; an OSError here stops the log like any I/O error, and so does a call
+    that writes nothing without an error (it would be retried for ever, with the loop held).
     """
     fd = seg.fd
     for k in range(0, len(bufs), _IOV_MAX):
@@ -542,5 +543,8 @@ def _pwrite_all(seg: Segment, at: int, bufs: list) -> None:
         done = os.pwritev(fd, part, at)
         while done < want:              # a short write: finish it byte-exact
             flat = b"".join(part)
-            done += os.pwrite(fd, memoryview(flat)[done:], at + done)
+            n = os.pwrite(fd, memoryview(flat)[done:], at + done)
+            if n <= 0:
+                raise stalled_write(seg.path, at + done, want - done)
+            done += n
         at += want

@@ -46,7 +46,7 @@ MAX_BATCH = 1024            # entries per header update: bounds what open() may 
 _INT_MAX = 0x7FFFFFFF
 
 
-def _pwrite_all(fd: int, data, at: int) -> None:
+def _pwrite_all(fd: int, data, at: int, path: str) -> None:
     """pwrite all of ``data``. A full disk part-way returns the bytes that fit, with no error (write(2)): a
     batch cut short was counted whole, its entries zeros the slots named (keys lost, and each slot's older
     entries cut off behind them). The rest is written, and the error that stopped it raised."""
@@ -55,7 +55,7 @@ def _pwrite_all(fd: int, data, at: int) -> None:
     while done < len(view):
         n = os.pwrite(fd, view[done:], at + done)
         if n <= 0:
-            raise OSError(errno.ENOSPC, f"index entries written {done} of {len(view)} bytes")
+            raise OSError(errno.ENOSPC, f"index entries written {done} of {len(view)} bytes", path)
         done += n
 
 
@@ -317,7 +317,7 @@ class IndexFile:
             at += ENTRY_SIZE
             slots[slot] = count
             count += 1
-        _pwrite_all(self.fd, out, self._entry_base + first * ENTRY_SIZE)
+        _pwrite_all(self.fd, out, self._entry_base + first * ENTRY_SIZE, self.path)
         for slot, value in slots.items():
             write_slot(mem, HEADER_SIZE + 4 * slot, value)
         last = items[n - 1]

@@ -280,7 +280,8 @@ def _short_of_checkpoint(clog: CommitLog, end: int, point: int, what: str, trunc
     text = (f"the commit log ends at offset {end} ({what}), but the checkpoint says every byte below {point} was "
             "flushed: acknowledged messages are missing (a segment deleted or cut short?)")
     if not truncate_corrupt:
-        raise StoreError(text + ". To start anyway with the log as it is, set StoreConfig(truncate_corrupt_tail=True)",
+        raise StoreError(text + ". To start anyway with the log as it is, set truncate_corrupt_tail=True (the "
+                         "broker's --truncate-corrupt-tail)",
                          segment=f"{end - end % clog.seg_size:020d}", position=end % clog.seg_size)
     log.error("truncate_corrupt_tail: %s; starting with the log as it is", text)
 
@@ -305,9 +306,20 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
                  else f"later segment {later.name} holds data" if later is not None
                  else f"the checkpoint says every byte below offset {point} was flushed")
         if not truncate_corrupt:
-            raise StoreError(f"commit log damaged at segment {seg.name} byte {pos} ({reason}) and {where}, "
-                             "so acknowledged data lies beyond it. To start anyway, discarding this record and "
-                             "everything after it, set StoreConfig(truncate_corrupt_tail=True)",
+            # Past the checkpoint the same shape is what a power loss part-way through one flush leaves (the
+            # disk wrote a later page of the write before this one's; in sync mode none of it was acknowledged):
+            # it cannot be told from a damaged acknowledged record, so it is refused, saying both. Keeping the
+            # records after the hole is no way out: a commit's message and its op record are one write, and the
+            # op kept without its message is a transaction decided and never delivered.
+            lost = (f"{tail_end - pos} bytes to the end of the data" if later is None
+                    else f"{tail_end - pos} bytes and segments {[s.name for s in segs[i + 1:]]}")
+            why = ("so acknowledged data lies beyond it" if vouched else
+                   "so data that may have been acknowledged lies beyond it (or a power loss part-way through a "
+                   "flush wrote later pages of that write before this one's; then none of it was acknowledged)")
+            raise StoreError(f"commit log damaged at segment {seg.name} byte {pos} (file {seg.path}; {reason}) "
+                             f"and {where}, {why}. "
+                             f"To start anyway, discarding this record and everything after it ({lost}), set "
+                             "truncate_corrupt_tail=True (the broker's --truncate-corrupt-tail)",
                              segment=seg.name, position=pos)
         log.error("truncate_corrupt_tail: cutting the commit log at segment %s byte %d (%s; %s): %d bytes "
                   "and segments %s discarded", seg.name, pos, reason, where, tail_end - pos,

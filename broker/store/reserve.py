@@ -34,8 +34,16 @@ log = logging.getLogger("txmq.store")
 _ZEROS = memoryview(bytes(1 << 20))
 
 
-def write_zeros(fd: int, lo: int, hi: int) -> None:
-    """Zero-fill [lo, hi) and make the block allocation durable (OSError, ENOSPC included, on failure)."""
+def stalled_write(path: str, at: int, left: int) -> OSError:
+    """The error for a pwrite that wrote nothing and reported nothing: a loop that retried it would spin
+    for ever on the thread or loop that called it, so every write loop of the store raises this instead."""
+    return OSError(errno.EIO, f"a write of {left} bytes at offset {at} wrote 0 bytes and reported no error",
+                   path)
+
+
+def write_zeros(fd: int, lo: int, hi: int, path: str) -> None:
+    """Zero-fill [lo, hi) of ``path`` (open as ``fd``) and make the block allocation durable (OSError,
+    ENOSPC included, on failure)."""
     start = lo
     while lo < hi:
         # 1 MiB a call. The writer copies records into the same file with pwritev on the event loop,
@@ -44,7 +52,10 @@ def write_zeros(fd: int, lo: int, hi: int) -> None:
         # GIL back between calls costs at most the broker's switch interval (0.2 ms; it was 5 ms when
         # one call did it all).
         n = min(hi - lo, len(_ZEROS))
-        lo += os.pwrite(fd, _ZEROS[:n], lo)
+        done = os.pwrite(fd, _ZEROS[:n], lo)
+        if done <= 0:
+            raise stalled_write(path, lo, hi - lo)
+        lo += done
     if hi > start:
         os.fdatasync(fd)
 
@@ -64,14 +75,14 @@ def zero_to(mf: MappedFile, need: int, want: int) -> int:
     fd = os.open(mf.path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         try:
-            write_zeros(fd, mf.zeroed, want)
+            write_zeros(fd, mf.zeroed, want, mf.path)
         except OSError as exc:
             if exc.errno != errno.ENOSPC or want <= need:
                 raise
             if mf.zeroed >= need:       # what was asked for is there; the read-ahead must wait
                 return mf.zeroed
             want = need
-            write_zeros(fd, mf.zeroed, want)
+            write_zeros(fd, mf.zeroed, want, mf.path)
     finally:
         os.close(fd)
     mf.zeroed = want

@@ -1032,10 +1032,14 @@ class MessageStore:
 
     def search_offset_by_time(self, topic: str, queue_id: int, timestamp: int) -> int:
         """Spec 3.13: the first offset stored exactly at ``timestamp``, else the one closest in time
-        (the earlier on a tie), 0 when the queue is empty."""
+        (the earlier on a tie); an empty queue's end (0 for one never written)."""
         cq = self._cqs.get((topic, queue_id))
-        if cq is None or cq.min_offset >= cq.max_offset:
+        if cq is None:
             return 0
+        if cq.min_offset >= cq.max_offset:
+            # Emptied by retention: not 0, below its start, which a reset by time committed (its whole length
+            # shown as lag) and a consumer starting from a time pulled only to be moved.
+            return cq.max_offset
         first, last = cq.min_offset, cq.max_offset - 1
         lo, hi = first, last + 1
         while lo < hi:                      # lower bound: first offset with store time >= timestamp

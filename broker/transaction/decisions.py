@@ -142,7 +142,7 @@ class DecisionTable:
             # Zeros written, not fallocate'd: the first store into an allocated-but-unwritten block through
             # the mapping converts the extent on the loop (first decision 187 us against 15 us, each new page
             # 2.7 us against 0.2; ext4, /tmp/dec_micro2.py in docs/performance.md).
-            write_zeros(fd, 0, self.file_entries)
+            write_zeros(fd, 0, self.file_entries, tmp)
             try:
                 os.link(tmp, path)
             except FileExistsError:

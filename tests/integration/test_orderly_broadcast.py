@@ -243,10 +243,14 @@ async def test_a_group_set_not_to_be_notified_is_not_told_of_joins_and_leaves(br
     host, _, port = broker.broker.rpartition(":")
     told = defaultdict(list)
 
+    both_told = asyncio.Event()
+
     def listener(name):
         def handle(conn, cmd):
             if cmd.code == RequestCode.NOTIFY_CONSUMER_IDS_CHANGED:
                 told[name].append(cmd.ext_fields.get("consumerGroup"))
+                if told["first"].count("CG_told") >= 2:
+                    both_told.set()
         return handle
 
     first = await open_connection(host, int(port), listener("first"))
@@ -272,14 +276,15 @@ async def test_a_group_set_not_to_be_notified_is_not_told_of_joins_and_leaves(br
             left = await second.request(RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
                 "clientID": "127.0.0.1@second", "consumerGroup": group}), 5)
             assert left.code == ResponseCode.SUCCESS
-        # A notice is sent before the request that caused it is answered, and one connection keeps its order:
-        # after one more round trip on ``first``, every notice it was sent has arrived.
+        # Its own join is told at once; the second's join and leaving at once too or, when they come within
+        # NOTICE_GAP_S of that, together at the gap's end (a fast machine): two notices or three.
+        await both_told.wait()
         await first.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": "Quiet", "queueId": 0}), 5)
     finally:
         first.close()
         second.close()
     assert "CG_quiet" not in told["first"] + told["second"]
-    assert told["first"].count("CG_told") == 3       # its own join, the second's join, the second's leaving
+    assert 2 <= told["first"].count("CG_told") <= 3
 
 
 @bounded(30)

@@ -92,3 +92,47 @@ async def test_a_batch_the_broker_refuses_as_a_whole_is_sent_again_message_by_me
         got = await _pull_all(broker.namesrv, "BigOnes", 3)
     assert [r.status for r in results] == [SendStatus.SEND_OK] * 2
     assert sorted(len(m.body) for m in got) == [7, 3 << 20, 3 << 20]
+
+
+async def test_a_message_whose_properties_cannot_be_encoded_fails_alone_not_its_whole_batch(broker):
+    """A property holding a lone surrogate (a file name decoded with surrogateescape) cannot be written as UTF-8:
+    sent alone it fails its own send, but in a batch the body's encoding failed, and every send gathered with it
+    was failed with its UnicodeEncodeError, though nothing of theirs was at fault."""
+    async with asyncio.timeout(30):
+        async with Producer(broker.namesrv, "PG_surrogate", batch_size=16, linger_ms=50) as producer:
+            await producer.send("Surrogates", b"warm-up")
+            sends = [producer.send("Surrogates", f"ok{i}".encode()) for i in range(3)]
+            sends.insert(1, producer.send("Surrogates", b"bad", properties={"file": "report-\udcff.csv"}))
+            results = await asyncio.gather(*sends, return_exceptions=True)
+        got = await _pull_all(broker.namesrv, "Surrogates", 4)
+    assert isinstance(results[1], UnicodeEncodeError), results[1]
+    assert [r.status for i, r in enumerate(results) if i != 1] == [SendStatus.SEND_OK] * 3
+    assert sorted(m.body for m in got) == [b"ok0", b"ok1", b"ok2", b"warm-up"]
+
+
+async def test_a_cancelled_shutdown_leaves_the_batched_sends_in_flight_to_their_answers(broker):
+    """shutdown() waits for the batches in flight. Cancelled meanwhile (an application's own deadline on its
+    shutdown), it cancelled them too, and the sends gathered in them were never resolved: their callers waited
+    for ever. The batches go on to their answers, as sends without batching do."""
+    import os
+    import signal
+    async with asyncio.timeout(60):
+        producer = await Producer(broker.namesrv, "PG_cancelled", batch_size=4, send_timeout=20).start()
+        try:
+            await producer.send("Cancelled", b"warm-up")
+            os.kill(broker.proc.pid, signal.SIGSTOP)        # the broker answers slowly: the batch stays in flight
+            try:
+                send = asyncio.ensure_future(producer.send("Cancelled", b"in flight"))
+                while not producer._accumulator._in_flight:
+                    await asyncio.sleep(0)
+                stopping = asyncio.ensure_future(producer.shutdown())
+                await asyncio.sleep(0)                      # shutdown waits for the batch in flight ...
+                stopping.cancel()                           # ... and is cancelled there
+                await asyncio.gather(stopping, return_exceptions=True)
+            finally:
+                os.kill(broker.proc.pid, signal.SIGCONT)
+            result = await send                             # answered once the broker reads again
+            assert result.status is SendStatus.SEND_OK
+        finally:
+            await producer.shutdown()
+    await _pull_all(broker.namesrv, "Cancelled", 2)

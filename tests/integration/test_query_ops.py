@@ -13,7 +13,7 @@ import pytest
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import LocalTransactionState, Producer, TransactionProducer
-from protocol.admin_bodies import decode_mq_table
+from protocol.admin_bodies import decode_consumer_offsets, decode_mq_table
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
@@ -195,6 +195,99 @@ async def test_reset_by_timestamp_makes_a_live_consumer_read_again(broker):
             await got.wait()
         assert [m.queue_offset for m in seen[before:]] == [2, 3, 4, 5]
         assert consumer.client.reset_offsets[mq] == 2
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_reset_without_force_leaves_a_queue_the_group_never_committed_as_it_is(broker):
+    # resetOffsetByTime -f false (mqadmin, the admin API, `admin reset-offset --no-force`) moves each queue back
+    # to the time, never forward. A queue the group has no offset for has nothing to move back from: it was
+    # committed 0, and its consumer read the whole queue again from its start.
+    b = broker
+    await _create(b, "Partial", 2)
+    async with Producer(b.namesrv, "PG_partial") as producer:
+        for qid in (0, 1):
+            for i in range(4):
+                await producer.send("Partial", b"p%d" % i, queue=MessageQueue("Partial", "broker-a", qid))
+    committed = await _request(b, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "CG_partial", "topic": "Partial",
+                                                             "queueId": 0, "commitOffset": 4})
+    assert committed.code == ResponseCode.SUCCESS
+    reset = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Partial", "group": "CG_partial",
+                                                                "timestamp": 1, "isForce": False})
+    assert reset.code == ResponseCode.SUCCESS, reset.remark
+    assert decode_mq_table(reset.body_bytes())[1] == {("Partial", "broker-a", 0): 0}
+    one = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Partial", "group": "CG_partial",
+                                                              "timestamp": -1, "isForce": False,
+                                                              "queueId": 1, "offset": 2})
+    assert one.code == ResponseCode.SUCCESS, one.remark
+    assert decode_mq_table(one.body_bytes())[1] == {}
+    said = await asyncio.to_thread(_admin, b, "reset-offset", "CG_partial", "Partial", "--queue", "1", "--offset", "2",
+                                   "--no-force")
+    # (the group has an offset on the topic, queue 0's: not "no offset on Partial")
+    assert said.returncode == 0 and "no offset on queue 1 of Partial to move back: nothing reset" in said.stdout, \
+        said.stdout + said.stderr
+    offsets = decode_consumer_offsets((await _request(b, R.GET_ALL_CONSUMER_OFFSET)).body_bytes())
+    assert {k: v for k, v in offsets.items() if k[0] == "CG_partial"} == {("CG_partial", "Partial", 0): 0}
+    # with force, as asked: every queue to the time, the one never committed too
+    forced = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Partial", "group": "CG_partial",
+                                                                 "timestamp": -1, "isForce": True})
+    assert decode_mq_table(forced.body_bytes())[1] == {("Partial", "broker-a", 0): 4, ("Partial", "broker-a", 1): 4}
+
+
+@bounded(60)
+async def test_a_reset_without_force_leaves_a_live_consumers_uncommitted_queue_consuming(broker_factory):
+    # Without force the broker's table leaves out a queue the group never committed. The consumer stopped every
+    # loop of the topic all the same and started that queue again from where a queue with no offset starts --
+    # the end, past what it had pulled and not yet consumed: those messages were never delivered. (Ratio 0: the
+    # queue's first message counts as on disk, so a group with no offset is told QUERY_NOT_FOUND, not 0, as for
+    # any queue older than 40 % of RAM or one retention trimmed.)
+    b = broker_factory("--access-message-in-memory-max-ratio", "0")
+    await _create(b, "Untold", 2)
+    q1 = MessageQueue("Untold", "broker-a", 1)
+    committed = await _request(b, R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "CG_untold", "topic": "Untold",
+                                                             "queueId": 0, "commitOffset": 0})
+    assert committed.code == ResponseCode.SUCCESS
+    blocked, release, seen = asyncio.Event(), asyncio.Event(), asyncio.Queue()
+
+    async def listener(msg):
+        if msg.body == b"block":
+            blocked.set()
+            await release.wait()
+        seen.put_nowait((msg.queue_id, msg.queue_offset))
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(b.namesrv, "CG_untold", listener, consume_from="last", offset_commit_interval_s=3600,
+                            suspend_ms=1000)
+    consumer.subscribe("Untold")
+    applied = asyncio.Event()
+    reset = consumer.reset_offsets
+
+    async def told(topic, offsets):
+        try:
+            await reset(topic, offsets)
+        finally:
+            applied.set()
+    consumer.reset_offsets = told
+    await consumer.start()
+    try:
+        while consumer._offsets.get(q1) != 0:       # its loop started, at the queue's end (0): none committed
+            await asyncio.sleep(0.02)
+        async with Producer(b.namesrv, "PG_untold") as producer:
+            for body in (b"ok", b"block", b"after"):
+                await producer.send("Untold", body, queue=q1)
+            await blocked.wait()        # offset 1 in hand, 2 pulled or not: the queue's end is 3
+            said = await _request(b, R.INVOKE_BROKER_TO_RESET_OFFSET, {"topic": "Untold", "group": "CG_untold",
+                                                                       "timestamp": -1, "isForce": False})
+            assert said.code == ResponseCode.SUCCESS, said.remark
+            assert decode_mq_table(said.body_bytes())[1] == {("Untold", "broker-a", 0): 0}
+            await applied.wait()
+            release.set()
+            await producer.send("Untold", b"last", queue=q1)
+        got = []
+        while (1, 3) not in got:
+            got.append(await seen.get())
+        assert [o for q, o in got if q == 1] == [0, 1, 2, 3]
     finally:
         await consumer.shutdown()
 

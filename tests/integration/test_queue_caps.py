@@ -553,3 +553,32 @@ async def test_a_send_that_makes_a_retry_topic_makes_it_with_the_queues_its_rout
         assert await _retry_write_queues(client, group) == 4
     finally:
         client.close()
+
+
+@bounded(60)
+async def test_an_open_files_limit_too_small_for_one_more_topic_is_said_at_start_naming_the_limit(tmp_path):
+    """Unset, max_queues is what the limits hold: 48 at an open-files limit of 128, and the system topics alone
+    have more queues than that. Every new topic was refused, and start-up only warned to delete topics or raise
+    --max-queues (never given). It now says, as an error, that no new topic will be made, and which limit to
+    raise to what; a limit with room says nothing of the kind."""
+    b = BrokerProcess(tmp_path / "small", preexec_fn=_open_files(128)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            reply = await _update_topic(client, "Narrow", 1)
+            assert reply.code == C.NO_PERMISSION and "max_queues=48)" in reply.remark, reply.remark
+        finally:
+            client.close()
+        assert b.stop() == 0
+        log = b.log()
+        assert "ERROR txmq.server: NO NEW TOPICS: every new topic" in log
+        assert "the open-files limit 128 (ulimit -n, systemd LimitNOFILE: raise it to" in log
+        assert "until topics are deleted" not in log        # the advice for a store past a limit someone set
+    finally:
+        b.kill()
+    b = BrokerProcess(tmp_path / "roomy", preexec_fn=_open_files(8000)).start()
+    try:
+        assert b.stop() == 0
+        assert "NO NEW TOPICS" not in b.log()
+    finally:
+        b.kill()

@@ -58,6 +58,34 @@ async def test_a_burst_of_changes_shares_its_catalogue_writes(tmp_path, monkeypa
 
 
 @bounded(20)
+async def test_sends_to_a_topic_made_moments_ago_wait_for_the_write_that_holds_it(tmp_path, monkeypatch):
+    """made_durable: one gate for every send to a new topic, done only once topics.json holds the topic (a kill
+    before that restored it from the store's queues, one where it had four); none once it is written."""
+    tm = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="B")
+    tm.start_background(asyncio.get_running_loop())
+    tm._write_scheduled = True      # no 100 ms batch: the gate's own write is the one held
+    writes, first_started, release = _held_saves(monkeypatch, topics_module)
+    try:
+        tm.create(TopicConfig("Made", 4, 4))
+        gate = tm.made_durable("Made")
+        assert gate is not None and tm.made_durable("Made") is gate
+        while not first_started.is_set():     # its write under way (polled, bounded by the test)
+            await asyncio.sleep(0.01)
+        assert not gate.done() and not (tmp_path / "topics.json").exists()
+        release.set()
+        await gate
+        saved = {t["name"]: t for t in json.loads((tmp_path / "topics.json").read_text())["topics"]}
+        assert saved["Made"]["write_queue_nums"] == 4
+        assert tm.made_durable("Made") is None and tm.unsaved == {}
+        tm.create(TopicConfig("Later", 1, 1))       # written by another write first: nothing to wait for
+        await tm.saved()
+        assert tm.made_durable("Later") is None and len(writes) == 2
+    finally:
+        release.set()
+        await tm.close()
+
+
+@bounded(20)
 async def test_a_burst_of_offset_resets_shares_its_writes(tmp_path, monkeypatch):
     offsets = ConsumerOffsets(str(tmp_path))
     writes, first_started, release = _held_saves(monkeypatch, offsets_module)

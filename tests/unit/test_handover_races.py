@@ -666,3 +666,71 @@ async def test_a_loop_an_offset_reset_cancels_takes_no_further_message():
         assert pulls == [0, 5, 7]
     finally:
         await consumer.shutdown()
+
+
+@bounded(20)
+async def test_an_orderly_queue_whose_connection_broke_during_its_hand_over_is_still_unlocked_after_it():
+    """A lost connection ends the trust in the locks its broker granted (_on_broker_lost), the lock of a queue
+    being handed over too. A connection that only broke leaves that lock held on the broker for this client;
+    the hand-over unlocked only the queues still in ``_locks``, so it left it held, and the queue's next owner
+    waited for the broker's lock expiry (60 s) before it could consume."""
+    mq = MessageQueue("T", "b", 0)
+    release, in_hand = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        in_hand.set()
+        await release.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, orderly=True, handover_grace_s=10)
+    consumer.subscribe("T")
+    me = consumer.client.client_id
+    ids = [me]
+    unlocked = []
+
+    async def fetch_queues(topic):
+        return [mq] if topic == "T" else []
+
+    async def consumer_ids(q):
+        return list(ids)
+
+    async def lock_queues(mqs):
+        return set(mqs)
+
+    async def unlock_queues(mqs):
+        unlocked.extend(mqs)
+
+    async def pull(q, offset, **kw):
+        if offset == 0:
+            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
+        await asyncio.Event().wait()
+
+    async def start_offset(q):
+        return 0
+
+    async def write(q, offset):
+        pass
+    c = consumer.client
+    c.fetch_queues, c.consumer_ids, c.lock_queues, c.unlock_queues, c.pull = (
+        fetch_queues, consumer_ids, lock_queues, unlock_queues, pull)
+    c.brokers_at = lambda addr: {"b"} if addr == "10.0.0.2:10911" else set()
+    consumer._start_offset = start_offset
+    consumer.offset_store.write = write
+    handing = None
+    try:
+        await consumer.rebalance()
+        await in_hand.wait()
+        ids[:] = ["!", me]
+        handing = asyncio.get_running_loop().create_task(consumer.rebalance())
+        while mq not in consumer._leaving:
+            await asyncio.sleep(0)
+        consumer._on_broker_lost("10.0.0.2:10911")      # the connection broke: the broker still holds the lock
+        assert mq not in consumer._locks
+        release.set()
+        await handing
+        assert unlocked == [mq], "the lock of the queue handed over was left held on its broker"
+    finally:
+        release.set()
+        if handing is not None:
+            await asyncio.gather(handing, return_exceptions=True)
+        await consumer.shutdown()

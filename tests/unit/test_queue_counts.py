@@ -153,3 +153,15 @@ def test_the_catalogue_saves_the_newest_reclaimed_retry_makers_only_and_none_pas
     again = _manager(tmp_path)
     again.queue_appeared(f"%RETRY%g{kept + 9}", 0)     # the newest: still its maker's
     assert again.created_by("10.0.0.1") == 2
+
+
+def test_no_room_for_a_default_topic_says_every_new_topic_is_refused_only_when_none_fits():
+    """Start-up's NO NEW TOPICS error: with room for fewer queues than the default topic's, a smaller topic (a
+    stock producer's auto-created one has 4) is still made, so "every new topic will be refused" was false."""
+    from broker.server import no_room_for_topics
+    none = no_room_for_topics(51, 48, 8, 128, 65530)
+    assert "every new topic and every topic given more queues will be refused" in none
+    assert "raise it to" in none
+    some = no_room_for_topics(51, 55, 8, 148, 65530)
+    assert some.startswith("NO NEW TOPICS: ") and "every new topic" not in some
+    assert "past 4 more queues in all" in some and "default 8 queues" in some

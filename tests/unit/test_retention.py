@@ -600,3 +600,35 @@ async def test_an_end_for_a_half_whose_segment_retention_removed_is_refused_and_
         assert (code, remark) == (1, "Find prepared transaction message failed")
     assert refused._value.get() == 2
     assert ctx.store.get_messages("T", 0, 0, 8, 1 << 20).buffers == []      # never committed
+
+
+@bounded(30)
+async def test_an_oldest_segment_stamped_ahead_of_the_clock_is_said_once_not_kept_silently(tmp_path, caplog):
+    """Segments go oldest first, so one whose newest record is stamped ahead of the broker's clock (written while
+    the clock was ahead; it was stepped back since) kept itself and every expired segment after it while the disk
+    sat above disk_clean_ratio, and nothing said why. Said once a segment; disk pressure still removes it."""
+    import logging
+
+    clock = Clock(T0 + H)                           # the clock is an hour ahead ...
+    ctx = await make(tmp_path, clock)
+    try:
+        await send(ctx, 65)                         # the first segment, whole
+        clock.now = T0 - 80 * H                     # ... then stepped back; the rest expires normally
+        await send(ctx, 200)
+        clock.now = T0
+        await send(ctx, 150)
+        first = names(ctx)[0]
+        facts = await ctx.store.segment_facts()
+        assert facts[0].last_ts > T0 and facts[1].last_ts < T0 - 72 * H
+        usage = [0.80]
+        r = Retention(ctx, usage=lambda: usage[0])
+        with caplog.at_level(logging.WARNING, logger="txmq.retention"):
+            assert await r.clean_once() == [] and await r.clean_once() == []
+        said = [rec.getMessage() for rec in caplog.records if "cannot expire" in rec.getMessage()]
+        assert len(said) == 1 and first in said[0] and f"{H} ms ahead of the broker's clock" in said[0], said
+        usage[0] = 0.90
+        removed = await r.clean_once()
+        assert removed[0] == (first, "pressure")
+        assert names(ctx)[0] != first
+    finally:
+        await ctx.store.close()

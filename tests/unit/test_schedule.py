@@ -125,13 +125,15 @@ class Clock:
         return self.now
 
 
-async def _service(path, clock, levels="1s 5s 10s", monotonic=None, **store_config):
+async def _service(path, clock, levels="1s 5s 10s", monotonic=None, role=None, **store_config):
     """``monotonic``: the clock that times timers; by default ``clock`` (one clock that never steps: a test
-    then passes the same time twice to run_due)."""
+    then passes the same time twice to run_due). ``role``: the broker's (config.broker_role), when it matters."""
     store = MessageStore(str(path), StoreConfig(segment_size=1 << 20, cq_units_per_file=100, **store_config),
                          clock=clock, tag_rule=DelayLevels(levels).consume_queue_tag)
     ctx = SimpleNamespace(store=store, clock=clock, monotonic=monotonic or clock, metrics=BrokerMetrics(),
                           store_host=HOST, topics=SimpleNamespace(topics={}))
+    if role is not None:
+        ctx.config = SimpleNamespace(broker_role=role)
     svc = ScheduleService(ctx, DelayLevels(levels))
     store.add_dispatch_listener(svc.on_dispatch)
     await store.open()
@@ -546,4 +548,156 @@ async def test_a_timer_whose_queue_file_fails_unexpectedly_is_kept_and_delivered
     assert await svc.run_due(101_500, 101_500) == 1
     assert [m.body for m in _delivered(store, "Fresh")] == [b"t"]
     await svc.stop()
+    await store.close()
+
+
+@bounded()
+async def test_level_messages_retention_removed_before_delivery_are_counted_as_dropped(tmp_path, caplog):
+    """Retention removes a segment whatever waits in it. The level's consume queue moves its minimum with the
+    segment, so the scheduler moves past the lost messages as a block, never meeting them one by one: that block
+    was logged on every gathering (once a second while the disk refused the batch) and never counted, and
+    txmq_schedule_dropped_total{reason="removed"} said 0 while each of them was lost. A timer whose record went
+    stayed in the heap until its time, days later. Counted, and said once, when the progress past them is
+    written."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"lost-%d" % i, {"DELAY": "3"}, clock.now)    # 10 s
+    await _schedule(svc, "T", b"lost-timer", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    while len(store.segments()) < 2:        # seal the segment they are in
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    kept = await _schedule(svc, "T", b"kept", {"DELAY": "3"}, clock.now)
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert store.min_offset(SCHEDULE_TOPIC, 2) == 3 and kept.queue_offset == 3
+
+    def removed():
+        return svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"})
+    disk = store.disk
+    disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
+    with caplog.at_level("ERROR", logger="txmq.schedule"):
+        for now in (110_000, 111_000):
+            assert await svc.run_due(now, now) == -1
+        assert not removed() and "were removed" not in caplog.text     # nothing moved past yet
+        disk.refusing = False
+        assert await svc.run_due(112_000, 112_000) == 5
+    assert [m.body for m in _delivered(store, "T")] == [b"kept"]
+    assert removed() == 4           # the timer too, now: not a day later, at its time
+    said = [r.getMessage() for r in caplog.records if "were removed" in r.getMessage()]
+    assert said == ["schedule: 4 waiting messages were removed by retention before delivery (level 3 offsets 0..2; "
+                    "1 timer(s) at offsets 0..0); moved past them"]
+    assert svc.progress.timer_floor == 1            # the timer's offset is done with
+    day = 100_000 + 86_400_000
+    assert await svc.run_due(day, day) == 0 and not svc._timers      # and at its time it is not counted again
+    assert removed() == 4
+    await store.close()
+
+
+@bounded()
+async def test_waiting_messages_retention_removed_while_the_broker_was_down_are_counted_and_the_timer_floor_moves(
+        tmp_path, caplog):
+    """Start-up set each level's offset to its consume queue's minimum and indexed timers from there: messages
+    retention removed before their delivery were passed over with no line and no count. And the timer floor stayed
+    below the removed timers for good, so every timer delivered after was kept in timerDone (and
+    delayOffset.json) for ever. Now: counted as removed, said at ERROR, and the floor moves past them."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"lost-%d" % i, {"DELAY": "3"}, clock.now)
+    for i in range(2):
+        await _schedule(svc, "T", b"lost-timer-%d" % i, {"TIMER_DELIVER_MS": "200000"}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await _schedule(svc, "T", b"kept-timer", {"TIMER_DELIVER_MS": "101000"}, clock.now)
+    await svc.stop()                    # delayOffset.json: nothing delivered yet
+    await store.remove_segment(store.segments()[0].name, "test")
+    await store.close()
+
+    with caplog.at_level("ERROR", logger="txmq.schedule"):
+        svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"}) == 5
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert said == ["schedule recovery: 5 waiting messages were removed by retention before delivery (level 3 "
+                    "offsets 0..2; timer offsets 0..1); moved past them"]
+    assert svc.progress.timer_floor == 2
+    clock.now = 101_000
+    assert await svc.run_due(101_000, 101_000) == 1
+    assert [m.body for m in _delivered(store, "T")] == [b"kept-timer"]
+    assert (svc.progress.timer_floor, svc.progress.timer_done) == (3, set())     # nothing kept for ever
+    await store.close()
+
+
+@bounded()
+async def test_removed_timers_are_passed_over_a_bounded_number_a_progress_record(tmp_path, monkeypatch):
+    """Each removed timer is named in the progress record of the batch that passes over it; a million of them in
+    one record would be refused as too large, every second, and all delivery would stall behind it."""
+    import broker.schedule.service as service_module
+    monkeypatch.setattr(service_module, "LOST_PER_BATCH", 2)
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"lost-timer-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert await svc.run_due(101_000, 101_000) == 2
+    assert await svc.run_due(101_000, 101_000) == 1
+    assert await svc.run_due(101_000, 101_000) == 0
+    records = [decode_progress(m.body) for m in _delivered(store, PROGRESS_TOPIC)]
+    assert [timers for _, timers in records] == [[0, 1], [2]]
+    assert svc.progress.timer_floor == 3
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"}) == 3
+    await store.close()
+
+
+@bounded()
+async def test_a_slave_does_not_count_or_say_as_lost_what_its_own_retention_removed(tmp_path, caplog):
+    """A slave's retention runs on its own disk: it may remove segments its master keeps, and the master delivers
+    their waiting messages (a slave delivers nothing). At a slave's start-up they were counted in
+    txmq_schedule_dropped_total{reason="removed"} and said at ERROR as lost: an alert on the pair for messages that
+    were not lost (and counted twice when the master did lose them: the master counts its own)."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"waiting-%d" % i, {"DELAY": "3"}, clock.now)
+    await _schedule(svc, "T", b"waiting-timer", {"TIMER_DELIVER_MS": "200000"}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await svc.stop()
+    await store.remove_segment(store.segments()[0].name, "test")      # the slave's own disk pressure
+    await store.close()
+
+    with caplog.at_level("WARNING", logger="txmq.schedule"):
+        svc = await _service(tmp_path, clock, role="SLAVE")
+    assert not svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"})
+    assert "removed by retention" not in caplog.text
+    await svc.ctx.store.close()
+
+
+@bounded()
+async def test_removed_timers_leave_the_waiting_count_when_passed_over_not_at_their_time(tmp_path):
+    """Timers retention removed are passed over and counted at once, but their heap entries stay until their
+    time: txmq_schedule_waiting{level="timer"} went on counting them as waiting for up to timer_max_delay_s (3
+    days) after they were said lost. And one already due when it was found removed was popped from the heap and
+    then written off again, kept in memory for good."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    await _schedule(svc, "T", b"lost-due", {"TIMER_DELIVER_MS": str(clock.now + 1_000)}, clock.now)
+    await _schedule(svc, "T", b"lost-later", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await _schedule(svc, "T", b"kept", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert await svc.run_due(102_000, 102_000) == 2
+    assert dict(svc.waiting())["timer"] == 1            # the kept one only
+    day = 100_000 + 86_400_000
+    assert await svc.run_due(day, day) == 1
+    assert [m.body for m in _delivered(store, "T")] == [b"kept"]
+    assert dict(svc.waiting())["timer"] == 0
+    assert not svc._written_off                         # nothing kept for good
     await store.close()

@@ -327,6 +327,24 @@ async def test_search_offset_by_time(tmp_path):
     await store.close()
 
 
+@bounded()
+async def test_search_offset_by_time_of_a_queue_retention_emptied_is_its_end(tmp_path):
+    # Answered 0, below the queue's start: a reset by time (resetOffsetByTime) committed it, and the group showed
+    # the queue's whole length as its lag until a consumer pulled and was moved; a new consumer starting from a
+    # timestamp was moved too, after a wasted pull. Every message at or after any time would be at the end.
+    clock = Clock(1000)
+    store = await opened(tmp_path, StoreConfig(segment_size=SEG, cq_units_per_file=100), clock=clock)
+    for i in range(400):
+        clock.now = 1000 + i
+        await store.put(req("Old" if i < 10 else "Other", body=b"r" * 3000))
+    await store.remove_segment(store.segments()[0].name)
+    assert store.min_offset("Old", 0) == store.max_offset("Old", 0) == 10
+    for ts in (0, 1005, 10_000):
+        assert store.search_offset_by_time("Old", 0, ts) == 10, ts
+    assert store.search_offset_by_time("Never", 0, 1005) == 0
+    await store.close()
+
+
 # --------------------------------------------------------------- dispatch
 @bounded()
 async def test_dispatch_happens_before_the_put_resolves(tmp_path):

@@ -132,7 +132,8 @@ def test_decision_files_are_synced_into_their_directory_before_a_snapshot_relies
     t.adopt(8, made)
     assert dir_syncs(synced, str(tmp_path)) == ["tx/decisions"]
     synced.clear()
-    tx_recovery_mod._write_files(str(tmp_path / "tx"), t.dirty(), {"v": 1}, t.directory)
+    tx_recovery_mod._write_files(str(tmp_path / "tx"), t.dirty(), tx_recovery_mod.encode_snapshot({"v": 1}, []),
+                                 t.directory)
     assert dir_syncs(synced, str(tmp_path)) == ["tx/decisions", "tx"]     # the files' names, then the snapshot's
     assert json.loads((tmp_path / "tx" / "snapshot.json").read_text()).get("v") == 1
     t.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 
 import pytest
 
@@ -305,3 +306,79 @@ async def test_a_job_handed_to_a_stopped_io_thread_fails_instead_of_waiting_fore
     with pytest.raises(Exception, match="test-io is stopped"):
         await fut
     await woken.wait()              # the caller's wake-up runs too, as after a job that ran
+
+
+def _stalled_writes(monkeypatch, fds) -> list:
+    """pwritev / pwrite into any of ``fds`` write nothing and report nothing (os.pwrite may return 0);
+    other files write normally. Past 100 such calls it raises instead: the loop that retries would spin for
+    ever, and the test must end to fail."""
+    import os
+    calls = []
+    real_pwrite, real_pwritev = os.pwrite, os.pwritev
+
+    def stalled(real):
+        def write(fd, data, at):
+            if fd not in fds:
+                return real(fd, data, at)
+            calls.append(at)
+            if len(calls) > 100:
+                raise AssertionError("a write that wrote nothing was retried 100 times")
+            return 0
+        return write
+    monkeypatch.setattr(os, "pwrite", stalled(real_pwrite))
+    monkeypatch.setattr(os, "pwritev", stalled(real_pwritev))
+    return calls
+
+
+@bounded()
+async def test_a_write_that_writes_nothing_stops_the_store_and_names_the_segment(tmp_path, monkeypatch):
+    """os.pwrite may return 0 without an error; the copy loop retried it for ever, with the loop held. Now
+    it is an I/O error like any other, naming the segment, and the store stops."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    good = await store.put(req())
+    assert good.ok
+    seg = store._log.segments[-1]
+    calls = _stalled_writes(monkeypatch, {seg.fd})
+    result = await store.put(req())
+    assert result.status is PutStatus.SERVICE_NOT_AVAILABLE
+    assert len(calls) <= 2
+    assert not store.writable and seg.path in store.failure and "wrote 0 bytes" in store.failure
+    monkeypatch.undo()
+    await store.close()
+
+
+def test_zeros_that_write_nothing_raise_naming_the_file(tmp_path, monkeypatch):
+    from broker.store.reserve import write_zeros
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        calls = _stalled_writes(monkeypatch, {fd})
+        with pytest.raises(OSError) as err:
+            write_zeros(fd, 0, 4096, path)
+        assert err.value.errno == errno.EIO and err.value.filename == path and len(calls) == 1
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+
+
+def test_a_metrics_snapshot_line_that_writes_nothing_raises_naming_the_file(tmp_path, monkeypatch):
+    """The same loop outside the store: the metrics snapshot's append (on a worker thread) sliced its line by what
+    os.write returned, and a 0 spun that thread for ever, every later snapshot waiting behind it."""
+    from broker.metrics import append_snapshot
+    calls = []
+    real_write = os.write
+
+    def write(fd, data):
+        calls.append(fd)
+        if len(calls) > 100:
+            raise AssertionError("a write that wrote nothing was retried 100 times")
+        return 0
+    monkeypatch.setattr(os, "write", write)
+    try:
+        with pytest.raises(OSError) as err:
+            append_snapshot(str(tmp_path), {"ts": 1_700_000_000_000, "connections": 1})
+    finally:
+        monkeypatch.setattr(os, "write", real_write)
+    assert err.value.errno == errno.EIO and err.value.filename.endswith(".jsonl") and len(calls) == 1
+    assert os.path.getsize(err.value.filename) == 0         # and nothing torn left for the next line

@@ -1686,3 +1686,31 @@ async def test_a_rebuild_mark_still_refused_at_the_stop_is_said(tmp_path, caplog
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert [m for m in said if "stopped with its rebuild mark unwritten" in m and str(qdir) in m], said
     assert not (qdir / "DAMAGED").exists()
+
+
+@bounded(20)
+async def test_a_torn_record_before_intact_ones_of_its_write_is_refused_naming_the_file_and_the_way_out(tmp_path):
+    """A power loss part-way through the flush of one write (a list: a commit's message and its op record)
+    may leave a later page on disk and an earlier one not: a torn record with sound ones after it. Recovery
+    cannot tell that from a damaged acknowledged record, and keeping the sound ones is no way out (the op
+    without its message: a transaction decided, never delivered). The refusal said acknowledged data lay
+    beyond and named a StoreConfig field; it names the file, what the flag discards, and says both causes."""
+    store = await reopen(tmp_path)
+    before = await store.put(req(0))
+    batch = await store.put_many([req(i) for i in range(1, 6)])
+    end = batch[-1].physical_offset + batch[-1].size
+    await store.close()
+    crashed_at(tmp_path, batch[0].physical_offset)
+    patch(tmp_path, batch[0].physical_offset + batch[0].size - 3, b"\0\0\0")    # its properties' page lost
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    text = str(err.value)
+    assert err.value.position == batch[0].physical_offset
+    assert f"(file {seg_path(tmp_path, 0)}; " in text
+    assert f"({end - batch[0].physical_offset} bytes to the end of the data)" in text
+    assert "may have been acknowledged" in text and "power loss" in text
+    assert "--truncate-corrupt-tail" in text
+    store = await reopen(tmp_path, CUT)
+    assert store.max_offset("T", 0) == 1 and store.max_physical_offset == batch[0].physical_offset
+    assert_readable(store, [before])
+    await store.close()

@@ -33,10 +33,10 @@ class Budget:
         self.limit = limit
         real = reserve.write_zeros
 
-        def limited(fd, lo, hi):
+        def limited(fd, lo, hi, path):
             if self.limit is not None and hi > self.limit:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            real(fd, lo, hi)
+            real(fd, lo, hi, path)
         monkeypatch.setattr(reserve, "write_zeros", limited)
 
 

@@ -320,3 +320,106 @@ async def test_shutdown_gives_up_a_check_that_ignores_its_cancel(caplog):
     finally:
         release.set()
         server.close()
+
+
+@pytest.mark.parametrize("msg_id", [None, "", "not-an-offset-id"])
+async def test_a_half_stored_with_no_readable_offset_id_is_returned_unacknowledged_not_raised(msg_id, caplog):
+    """A broker that stores the half (SEND_OK) but names no offset message id, or one that does not decode: END
+    cannot name the half. The HeaderError was raised after the local transaction had run, its outcome sent
+    nowhere: a caller could not tell it ran, and retrying ran it again. As the Java client, the result is
+    returned unacknowledged, no END sent (the check-back settles it), and a WARNING says why."""
+    import logging
+
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    handle = fake.handle
+
+    def no_offset_id(conn, cmd):
+        resp = handle(conn, cmd)
+        if cmd.code == RequestCode.SEND_MESSAGE_V2:
+            if msg_id is None:
+                del resp.ext_fields["msgId"]
+            else:
+                resp.ext_fields["msgId"] = msg_id
+        return resp
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(no_offset_id), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    ran = []
+
+    class Counts(Commit):
+        def execute_local_transaction(self, msg, arg):
+            ran.append(msg.body)
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", Counts(), end_timeout=2)
+    async with asyncio.timeout(10):
+        await producer.start()
+        result = await producer.send_in_transaction("T", b"stored, unnamed")
+        await producer.shutdown()
+    server.close()
+    assert ran == [b"stored, unnamed"]
+    assert not result.acknowledged and result.state is S.COMMIT_MESSAGE and fake.ends == []
+    assert any(r.levelno == logging.WARNING and "END_TRANSACTION" in r.getMessage()
+               and result.send_result.msg_id in r.getMessage() for r in caplog.records)
+
+
+async def test_a_hung_check_is_not_started_again_when_a_stock_broker_asks_about_the_half_put_back_elsewhere(caplog):
+    """Apache RocketMQ 4.9.8 writes the half again before each check (putBackHalfMsgQueue): every ask names the
+    same msgId (its UNIQ_KEY) at a new commitLogOffset. Keyed by that offset, each ask of a stock broker started
+    one more call beside the hung one, as before one call per transaction was kept. The call's END names the copy
+    the broker asked about last."""
+    import logging
+
+    from protocol.command import RemotingCommand
+    from protocol.message import encode_record
+
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    calls, entered, release = [], asyncio.Event(), asyncio.Event()
+
+    class Hung(Commit):
+        async def check_local_transaction(self, msg):
+            calls.append(msg.body)
+            entered.set()
+            await release.wait()
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", Hung(), end_timeout=2)
+    record = encode_record(topic=b"T", body=b"half", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                           properties=b"PGROUP\x01PG\x02UNIQ_KEY\x01M\x02")
+
+    def ask(commit_log_offset, msg_id="M"):
+        return RemotingCommand(RequestCode.CHECK_TRANSACTION_STATE, body=bytes(record), ext_fields={
+            "commitLogOffset": str(commit_log_offset), "tranStateTableOffset": "0", "msgId": msg_id})
+
+    class Conn:
+        peer = ("127.0.0.1", int(fake.addr.rsplit(":", 1)[1]))
+    try:
+        async with asyncio.timeout(10):
+            await producer.start()
+            producer._on_request(Conn(), ask(1000))
+            await entered.wait()                    # the call is in hand, and hangs
+            for offset in (1200, 1400):             # the half put back before each ask
+                producer._on_request(Conn(), ask(offset))
+            assert len(producer._check_tasks) == 1, "an ask about the half put back started another call"
+            assert producer.checks_overlapped == 2
+            producer._on_request(Conn(), ask(1000, "N"))    # another half where the first was: its own call
+            assert len(producer._check_tasks) == 2 and producer.checks_overlapped == 2
+            assert sum("still running" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1
+            release.set()
+            await asyncio.gather(*list(producer._check_tasks))
+            assert len(calls) == 2 and len(fake.ends) == 2
+            # M's END names the copy asked about last: the one the broker asks about next (answered for the first
+            # copy, the last was asked about again and committed again: the message delivered twice)
+            assert sorted(e.int_field("commitLogOffset") for e in fake.ends) == [1000, 1400]     # N's, M's
+            assert not producer._checking and not producer._overlap_said
+            producer._on_request(Conn(), ask(1600))   # the next ask once the call returned runs it again
+            await asyncio.gather(*list(producer._check_tasks))
+            assert len(calls) == 3
+            await producer.shutdown()
+    finally:
+        release.set()
+        server.close()

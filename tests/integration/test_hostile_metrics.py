@@ -1,0 +1,244 @@
+"""What one client's made-up names do to the Prometheus scrape: every series there is kept by the broker,
+read by each scrape and stored by Prometheus, so a name a client invents must not add one without bound."""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.metrics import OTHER, BrokerMetrics
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
+from protocol.message import SendMessageRequestHeader
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+LAG = "rocketmq_consumer_lag_messages"
+
+
+def _scrape(broker) -> tuple[dict, dict]:
+    """(the lag series by labels, txmq_metric_series_folded by metric) of one scrape."""
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10).read().decode()
+    lag, folded = {}, {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == LAG:
+                lag[(s.labels["consumer_group"], s.labels["topic"])] = s.value
+            elif s.name == "txmq_metric_series_folded":
+                folded[s.labels["metric"]] = s.value
+    return lag, folded
+
+
+def _last_snapshot_lag(broker) -> list[dict]:
+    files = sorted((Path(broker.store_dir) / "metrics").glob("*.jsonl"))
+    lines = files[-1].read_text().splitlines() if files else []
+    return json.loads(lines[-1])["consumer_lag"] if lines else []
+
+
+@bounded(120)
+async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_factory):
+    """The lag gauge had one series per (group, topic) with an offset, and offsets cost a client nothing up to
+    max_offsets_per_host (100,000 an address): one client committing offsets for 100,000 made-up groups made
+    every scrape 100,000 lines (8 MB, 0.6 s of the broker's CPU), unbounded across addresses, nothing said.
+    Past max_series the largest lags keep their names (the real group that lags most is still seen), the rest
+    are summed under _other (the total stays exact), counted in txmq_metric_series_folded and logged. The metric
+    snapshots' lag rows (one an offset, 4 MB a line, each minute, kept a week) likewise past max_snapshot_lag_rows."""
+    broker = broker_factory("--metrics-snapshot-interval-s", "1")
+    made_up = BrokerMetrics.max_snapshot_lag_rows + 50
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        for _ in range(3):
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+            assert sent.code == ResponseCode.SUCCESS
+
+        async def commit(group: str, offset: int) -> int:
+            return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": group, "topic": "Folded", "queueId": 0, "commitOffset": offset}), 30)).code
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            async with room:
+                return await commit(f"CG_made_up_{i}", 2)          # lag 1 each
+        codes = await asyncio.gather(*(made(i) for i in range(made_up)))
+        assert set(codes) == {ResponseCode.SUCCESS}
+        assert await commit("CG_real", 0) == ResponseCode.SUCCESS   # lag 3, committed last
+    finally:
+        conn.close()
+    total = made_up * 1 + 3
+    loop = asyncio.get_running_loop()
+    for _ in range(200):            # the gauges sum a large offset table in slices: until this one is in them
+        lag, folded = await loop.run_in_executor(None, _scrape, broker)
+        mine = {k: v for k, v in lag.items() if k[1] in ("Folded", OTHER)}
+        if sum(mine.values()) == total:
+            break
+        await asyncio.sleep(0.1)
+    assert sum(mine.values()) == total
+    assert len(lag) == BrokerMetrics.max_series + 1
+    assert lag[("CG_real", "Folded")] == 3
+    assert lag[(OTHER, OTHER)] == made_up - (BrokerMetrics.max_series - 1)     # those of lag 1 with no place
+    assert folded[LAG] >= made_up + 1 - BrokerMetrics.max_series  # (and any group of lag 0 the broker has)
+    assert folded["rocketmq_consumer_connections"] == 0
+    assert f"series, more than {BrokerMetrics.max_series} or {BrokerMetrics.max_series_bytes} bytes of labels: the " \
+           "smallest" in broker.log()
+
+    cap = BrokerMetrics.max_snapshot_lag_rows
+    for _ in range(200):            # until a snapshot taken after the commits (one a second)
+        rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
+        if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == total:
+            break
+        await asyncio.sleep(0.1)
+    assert len(rows) == cap + 1
+    assert {"group": "CG_real", "topic": "Folded", "queue_id": 0, "lag": 3} in rows
+    assert rows[-1] == {"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": made_up - (cap - 1)}
+    assert (await loop.run_in_executor(None, _scrape, broker))[1]["snapshot_consumer_lag"] >= made_up + 1 - cap
+    assert f"more than {cap} or {BrokerMetrics.max_snapshot_lag_bytes} bytes of names: the smallest lags of" in broker.log()
+
+
+@bounded(120)
+async def test_made_up_groups_with_larger_lags_cannot_push_the_real_groups_out(broker_factory):
+    """The largest lags kept their names, and a made-up group's lag is what its client commits: offsets of 0 on a
+    topic with messages made every made-up group lag more than the real ones, and a real group's lag (the one
+    its alert reads, TxmqConsumerLagGrowing) went under _other, silently. Groups the broker knows -- a consumer
+    connected now, or a subscription group an operator created (its consumers may all be down: then above all)
+    -- keep their names before any other."""
+    broker = broker_factory("--metrics-snapshot-interval-s", "1")
+    made_up = BrokerMetrics.max_snapshot_lag_rows + 50
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        for _ in range(3):
+            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+            assert sent.code == ResponseCode.SUCCESS
+        created = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                                                             json.dumps({"groupName": "CG_stored"}).encode()), 10)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        beat = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps({
+            "clientID": "real", "consumerDataSet": [{"groupName": "CG_live", "subscriptionDataSet": [
+                {"topic": "Folded", "subString": "*"}]}]}).encode()), 10)
+        assert beat.code == ResponseCode.SUCCESS
+
+        async def commit(group: str, offset: int) -> int:
+            return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": group, "topic": "Folded", "queueId": 0, "commitOffset": offset}), 30)).code
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            async with room:
+                return await commit(f"CG_made_up_{i}", 0)          # lag 3 each
+        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
+        for group in ("CG_live", "CG_stored"):
+            assert await commit(group, 2) == ResponseCode.SUCCESS   # lag 1: the smallest here
+        total = made_up * 3 + 2
+        loop = asyncio.get_running_loop()
+        for _ in range(200):            # the gauges sum a large offset table in slices: until these are in them
+            lag, folded = await loop.run_in_executor(None, _scrape, broker)
+            if sum(v for k, v in lag.items() if k[1] in ("Folded", OTHER)) == total:
+                break
+            await asyncio.sleep(0.1)
+        for _ in range(200):            # until a snapshot taken after the commits (one a second)
+            rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
+            if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == total:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        conn.close()            # (CG_live's consumer is connected until here)
+    assert sum(v for k, v in lag.items() if k[1] in ("Folded", OTHER)) == total
+    assert len(lag) == BrokerMetrics.max_series + 1
+    assert lag[("CG_live", "Folded")] == 1 and lag[("CG_stored", "Folded")] == 1
+    assert len(rows) == BrokerMetrics.max_snapshot_lag_rows + 1
+    for group in ("CG_live", "CG_stored"):
+        assert {"group": group, "topic": "Folded", "queue_id": 0, "lag": 1} in rows
+
+
+@bounded(120)
+async def test_long_made_up_group_names_cannot_grow_a_snapshot_line_past_its_budget(broker_factory):
+    """The snapshot rows were capped by count only (50,000), and a group name may be 255 characters: written as
+    JSON escapes (\\ud83d\\ude00, 12 bytes one), a row of a made-up name is some 3 KB, so 50,000 of them made each
+    minute's line 150 MB on the store's disk (the count cap's own reason: 4 MB lines were too much). Rows are kept
+    within max_snapshot_lag_bytes too, the rest summed under _other as for the count."""
+    broker = broker_factory("--metrics-snapshot-interval-s", "1")
+    per_row = 12 * 255
+    made_up = BrokerMetrics.max_snapshot_lag_bytes // per_row + 500       # far fewer than the row cap
+    assert made_up < BrokerMetrics.max_snapshot_lag_rows
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+        assert sent.code == ResponseCode.SUCCESS
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            name = f"{i:06d}" + "\U0001F600" * 249
+            async with room:
+                return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": name, "topic": "Folded", "queueId": 0, "commitOffset": 0}), 30)).code
+        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
+    finally:
+        conn.close()
+    loop = asyncio.get_running_loop()
+    for _ in range(300):            # until a snapshot taken after the commits (one a second)
+        rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
+        if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == made_up:
+            break
+        await asyncio.sleep(0.1)
+    assert sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == made_up
+    files = sorted((Path(broker.store_dir) / "metrics").glob("*.jsonl"))
+    last = files[-1].read_bytes().splitlines()[-1]
+    assert len(last) <= BrokerMetrics.max_snapshot_lag_bytes + 4096, len(last)
+    assert rows[-1]["group"] == OTHER and rows[-1]["lag"] > 0
+
+
+def _lag_label_bytes(broker) -> tuple[int, float]:
+    """(the bytes of the lag gauge's label values in one scrape, the sum of its values)."""
+    text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=10).read().decode()
+    size, total = 0, 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == LAG and s.labels["topic"] in ("Folded", OTHER):
+                size += sum(len(v.encode()) for v in s.labels.values())
+                total += s.value
+    return size, total
+
+
+@bounded(120)
+async def test_long_made_up_group_names_cannot_grow_the_lag_gauge_past_its_budget(broker):
+    """The lag gauge's series were capped by count only (10,000), and a group name may be 255 characters (an
+    emoji is 4 bytes of UTF-8): 10,000 made-up groups with such names made every scrape 10 MB of labels, which
+    Prometheus stores. The named series are kept within max_series_bytes of label values too."""
+    per_row = 4 * 249 + 6 + len("Folded")
+    made_up = BrokerMetrics.max_series_bytes // per_row + 500           # far fewer than max_series
+    assert made_up < BrokerMetrics.max_series
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    try:
+        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+        assert sent.code == ResponseCode.SUCCESS
+        room = asyncio.Semaphore(200)
+
+        async def made(i: int) -> int:
+            async with room:
+                return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": f"{i:06d}" + "\U0001F600" * 249, "topic": "Folded", "queueId": 0,
+                    "commitOffset": 0}), 30)).code
+        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
+    finally:
+        conn.close()
+    loop = asyncio.get_running_loop()
+    for _ in range(200):
+        size, total = await loop.run_in_executor(None, _lag_label_bytes, broker)
+        if total == made_up:
+            break
+        await asyncio.sleep(0.1)
+    assert total == made_up
+    assert size <= BrokerMetrics.max_series_bytes, size

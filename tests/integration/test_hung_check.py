@@ -1,0 +1,80 @@
+"""A transaction check that hangs in the producer (its check_local_transaction awaits a database that is down)
+while the broker asks again, each interval: against the real broker."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from producer import LocalTransactionState as S
+from producer import TransactionProducer
+from protocol.codes import RequestCode
+from tests.integration.test_transactions import _admin, _drain
+from tests.support.bounded import bounded
+
+pytestmark = pytest.mark.asyncio
+
+
+@bounded(60)
+async def test_a_check_still_running_is_not_started_again_when_the_broker_asks_again(broker_factory, caplog):
+    """Each ask started another call beside the hung one, with nothing said: one task more per transaction each
+    interval for as long as it hung, and as many ENDs once it returned. The ask is now left to the call in hand,
+    counted and said once; once that call returns, the next ask runs again."""
+    b = broker_factory("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "0")
+    release = asyncio.Event()
+    calls = []
+
+    class Hung:
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            calls.append(msg.body)
+            first = len(calls) == 1
+            await release.wait()
+            # the first says UNKNOW: the ask after it must still be taken, nothing of the hung call left in its way
+            return S.UNKNOW if first else S.COMMIT_MESSAGE
+
+    async with TransactionProducer(b.namesrv, "PG_hung", Hung()) as producer:
+        await producer.send_in_transaction("TxHung", b"once")
+        # paced by the asks the producer received: four while the first call hangs
+        while len(calls) + getattr(producer, "checks_overlapped", 0) < 4:
+            await asyncio.sleep(0.02)
+        assert len(calls) == 1, "an ask started another call while the first still ran"
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "still running" in r.getMessage()]
+        assert len(warned) == 1 and "PG_hung" in warned[0].getMessage()
+        release.set()
+        while True:
+            body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_hung"})).body_bytes()
+            if not json.loads(body)["pending"]:
+                break
+            await asyncio.sleep(0.05)
+        assert len(calls) >= 2
+    assert await _drain(b.namesrv, "TxHung", expect=1) == [b"once"]
+
+
+@bounded(60)
+async def test_a_check_that_raises_is_said_in_the_producers_log(broker_factory, caplog):
+    """An exception in check_local_transaction is UNKNOW, as in execute_local_transaction, whose exception was
+    logged: the check's went to the broker's remark alone, and a bug there answered UNKNOW at every ask until
+    the transaction was dead-lettered, nothing in the producer's log."""
+    b = broker_factory("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "0")
+    calls = []
+
+    class Buggy:
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        def check_local_transaction(self, msg):
+            calls.append(msg.body)
+            if len(calls) == 1:
+                raise KeyError("order-17")
+            return S.COMMIT_MESSAGE
+
+    async with TransactionProducer(b.namesrv, "PG_buggy", Buggy()) as producer:
+        sent = await producer.send_in_transaction("TxBuggy", b"once")
+        assert await _drain(b.namesrv, "TxBuggy", expect=1, timeout=30) == [b"once"]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "order-17" in r.getMessage()]
+    assert len(said) == 1 and sent.send_result.msg_id in said[0] and "UNKNOW" in said[0]

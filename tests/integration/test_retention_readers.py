@@ -1,0 +1,175 @@
+"""Readers still pointing into segments retention removed, through the real broker process.
+
+Every disk is "above the clean ratio" here and a sealed segment expires about a second after its newest
+record (--file-reserved-hours 0.0003), so the broker removes its sealed segments by itself; each test
+waits for that by the broker's own commitLogMinOffset, never by a clock.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.request
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import PullStatus
+from producer import Producer
+from producer.producer import SendStatus
+from protocol.codes import RequestCode
+from protocol.command import RemotingCommand
+from protocol.connection import ConnectionPool
+from protocol.errors import MessageIllegalError
+
+pytestmark = pytest.mark.asyncio
+
+SEGMENT = 262144
+EXPIRING = ("--segment-size", str(SEGMENT), "--max-message-size", "16384", "--disk-clean-ratio", "0.0001",
+            "--disk-force-clean-ratio", "0.9999", "--disk-refuse-ratio", "1.0", "--file-reserved-hours", "0.0003",
+            "--disk-clean-interval-s", "0.2")
+
+
+async def _min_offset(b) -> int:
+    pool = ConnectionPool()
+    try:
+        info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMinOffset"])
+    finally:
+        await pool.close()
+
+
+async def _until_removed(b, below: int) -> None:
+    """Until the broker's log starts at or past ``below`` (bounded by the caller's timeout)."""
+    while await _min_offset(b) < below:
+        await asyncio.sleep(0.1)
+
+
+def _scrape(b, name: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}}) (\S+)$", text, re.M)}
+
+
+async def test_a_consumer_moved_past_messages_retention_removed_is_counted_and_logged(broker_factory):
+    """A group far behind pulls at an offset whose segment is gone: PULL_OFFSET_MOVED takes it to the queue's
+    minimum, as RocketMQ does. The messages between were never read by it; the answer alone said so to nobody
+    but the client, which moves on without a word. The broker counts them
+    (txmq_pull_offset_moved_messages_total{topic, consumer_group}) once, however often it asks again before it
+    takes the correction, and logs the move at WARNING. A group with no
+    offset stored there (its first pull) lost nothing and is neither counted nor said."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(60):
+        async with Producer(b.namesrv, "PG_behind") as producer:
+            mq = (await producer.send("Behind", b"m" * 1000)).queue
+            for _ in range(0, 600, 50):
+                await asyncio.gather(*(producer.send("Behind", b"m" * 1000, queue=mq) for _ in range(50)))
+        await _until_removed(b, 2 * SEGMENT)       # two sealed segments gone: hundreds of unread messages
+        async with PullConsumer(b.namesrv, "CG_behind") as consumer:
+            await consumer.fetch_queues("Behind")
+            await consumer.commit_offset(mq, 5)             # consumed a little, then fell behind
+            res = await consumer.pull(mq, 5)
+            assert res.status is PullStatus.OFFSET_ILLEGAL
+            first = res.next_begin_offset
+            assert first == res.min_offset > 5
+            again = await consumer.pull(mq, 5)              # asked again before taking the correction
+            assert again.status is PullStatus.OFFSET_ILLEGAL and again.next_begin_offset == first
+            assert (await consumer.pull(mq, first)).status is PullStatus.FOUND
+        async with PullConsumer(b.namesrv, "CG_new") as newcomer:     # a first pull (CONSUME_FROM_FIRST_OFFSET):
+            await newcomer.fetch_queues("Behind")                       # it lost nothing, and is not counted
+            assert (await newcomer.pull(mq, 0)).status is PullStatus.OFFSET_ILLEGAL
+        counted = _scrape(b, "txmq_pull_offset_moved_messages_total")
+        assert counted == {'{consumer_group="CG_behind",topic="Behind"}': first - 5}, counted     # once
+        said = re.findall(r"group CG_behind pulled Behind queue \d+ at offset 5, below the queue's minimum (\d+): "
+                          r"the (\d+) messages between were removed by retention", b.log())
+        assert said == [(str(first), str(first - 5))], b.log()[-3000:]   # once a minute a queue, not once a pull
+        assert "group CG_new" not in b.log()
+
+
+async def test_a_timer_longer_than_the_retention_is_refused_not_accepted_and_lost(broker_factory):
+    """timer_max_delay_s (3 days) was the only bound: with --file-reserved-hours 1 a timer for two hours was SEND_OK,
+    and retention, once the disk was above its clean ratio, removed its record an hour before its time. The
+    retention bounds it too: refused MESSAGE_ILLEGAL, naming why, and said at start-up."""
+    b = broker_factory("--file-reserved-hours", "1")
+    async with asyncio.timeout(30), Producer(b.namesrv, "PG_timer") as producer:
+        with pytest.raises(MessageIllegalError, match=r"beyond the 3600 s maximum \(file_reserved_hours: retention "
+                                                      r"would remove it before its time\)"):
+            await producer.send("Timed", b"two hours", properties={"TIMER_DELAY_SEC": "7200"})
+        kept = await producer.send("Timed", b"one hour", properties={"TIMER_DELAY_SEC": "3600"})
+        assert kept.status is SendStatus.SEND_OK
+    assert "timer messages are refused beyond 3600 s, the retention (file_reserved_hours=1)" in b.log()
+
+
+async def test_a_broadcasting_consumer_moved_past_removed_messages_is_counted_though_it_stores_no_offset(
+        broker_factory):
+    """A broadcasting consumer keeps its offsets on its own host (LocalFileOffsetStore: RocketMQ's push consumer
+    never commits them to the broker), as does a pull consumer that tracks its own. Taken as "a first pull, lost
+    nothing" because the broker had no offset stored for the group, every move of such a consumer past removed
+    messages went uncounted and unlogged. A first pull asks at 0 (or where the broker's search answered, at or
+    past the minimum): one that asks past 0 and below the minimum was there, and lost what is between."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(60):
+        async with Producer(b.namesrv, "PG_bcast") as producer:
+            mq = (await producer.send("Bcast", b"m" * 1000)).queue
+            for _ in range(0, 600, 50):
+                await asyncio.gather(*(producer.send("Bcast", b"m" * 1000, queue=mq) for _ in range(50)))
+        await _until_removed(b, 2 * SEGMENT)
+        async with PullConsumer(b.namesrv, "CG_bcast") as consumer:
+            await consumer.fetch_queues("Bcast")
+            res = await consumer.pull(mq, 5)            # its local offset: 5 read, then it fell behind
+            assert res.status is PullStatus.OFFSET_ILLEGAL
+            first = res.next_begin_offset
+            assert first > 5
+        counted = _scrape(b, "txmq_pull_offset_moved_messages_total")
+        assert counted == {'{consumer_group="CG_bcast",topic="Bcast"}': first - 5}, counted
+        assert re.search(rf"group CG_bcast pulled Bcast queue \d+ at offset 5, below the queue's minimum {first}",
+                         b.log()), b.log()[-3000:]
+
+
+async def _log_end(b) -> int:
+    pool = ConnectionPool()
+    try:
+        info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+    finally:
+        await pool.close()
+
+
+async def _fill(b, topic: str, queue=None):
+    async with Producer(b.namesrv, "PG_fill") as producer:
+        mq = (await producer.send(topic, b"m" * 1000, queue=queue)).queue
+        for _ in range(0, 600, 50):
+            await asyncio.gather(*(producer.send(topic, b"m" * 1000, queue=mq) for _ in range(50)))
+    return mq
+
+
+async def test_a_topic_made_again_under_its_name_counts_its_groups_moves_from_its_own_offsets(broker_factory):
+    """A deleted topic made again starts at offset 0. The broker remembered how far it had counted each group's
+    move past removed messages in the old topic's offsets: in the new one, a group moved past fewer than that was
+    taken as asking again for what was counted, and its loss went unsaid (no count, no line)."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(90):
+        mq = await _fill(b, "Again")
+        await _until_removed(b, 2 * SEGMENT)
+        async with PullConsumer(b.namesrv, "CG_again") as consumer:
+            await consumer.fetch_queues("Again")
+            await consumer.commit_offset(mq, 5)
+            assert (await consumer.pull(mq, 5)).status is PullStatus.OFFSET_ILLEGAL
+        pool = ConnectionPool()
+        try:
+            deleted = await pool.request(b.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                           {"topic": "Again"}), 5.0)
+        finally:
+            await pool.close()
+        assert deleted.code == 0, deleted.remark
+        start = await _log_end(b)
+        await _fill(b, "Again", queue=mq)                           # made again: from offset 0
+        await _until_removed(b, start + 16384)      # the segment with its first dozen messages went (the log's
+        #                                             start is a segment's: sealed, as 600 messages fill two more)
+        async with PullConsumer(b.namesrv, "CG_again") as consumer:
+            await consumer.fetch_queues("Again")
+            await consumer.commit_offset(mq, 5)
+            res = await consumer.pull(mq, 5)
+            assert res.status is PullStatus.OFFSET_ILLEGAL
+        counted = _scrape(b, "txmq_pull_offset_moved_messages_total")
+        assert counted == {'{consumer_group="CG_again",topic="Again"}': res.next_begin_offset - 5}, counted

@@ -1,0 +1,169 @@
+"""Sends to a topic made moments ago wait for topics.json to hold it (TopicManager.made_durable), and are stored
+in the order they came -- those that came while the write ran, and those read just as it ended.
+
+In-process, over TCP: the catalogue write is held by a threading.Event, and the frame "read just as it ended" is
+handed to the broker's connection (data_received, as the transport does) in the loop turn that ends the wait --
+the turn where, before the fix, the topic had left the waiting table and the waiting sends had not run yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import pytest
+
+from broker import topics as topics_module
+from broker.config import BrokerConfig
+from broker.server import BrokerServer
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from protocol.command import RemotingCommand
+from tests.support.bounded import bounded
+from tests.support.raw_client import RawClient
+
+pytestmark = pytest.mark.asyncio
+
+_OPAQUES = itertools.count(1 << 24)
+
+
+def _send(topic: str, body: bytes) -> RemotingCommand:
+    return RemotingCommand(R.SEND_MESSAGE, opaque=next(_OPAQUES), body=body, ext_fields={
+        "producerGroup": "PG_order", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
+        "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""})
+
+
+def _held_saves(monkeypatch):
+    """topics.json writes held until ``release`` is set; ``started`` once the first is under way."""
+    real_save, started, release = topics_module.save, threading.Event(), threading.Event()
+
+    def save(path, data):
+        started.set()
+        assert release.wait(10)
+        real_save(path, data)
+    monkeypatch.setattr(topics_module, "save", save)
+    return started, release
+
+
+@bounded(30)
+async def test_a_send_read_as_the_new_topics_write_ends_is_stored_after_the_sends_that_waited(tmp_path, monkeypatch):
+    """One connection pipelines sends to a new topic (an async producer, or an orderly one's queue): the first
+    waits for the catalogue write; the next frame is read in the loop turn the write's end is handled in. It was
+    stored first -- the topic already out of the waiting table, the waiting sends' callbacks one turn later --
+    and took queue offset 0 ahead of a message sent before it."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    release = threading.Event()
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        [made] = await client.call(_send("Existing", b"x"), 10)        # the connection is there, its first file too
+        assert made.code == C.SUCCESS, made.remark
+        started, release = _held_saves(monkeypatch)
+        [conn] = list(server.connections["broker"])
+        tm = server.ctx.topics
+        first, second = _send("Ordered", b"first"), _send("Ordered", b"second")
+        real_topic_saved = tm._topic_saved
+
+        def saved_then_read(*args):
+            real_topic_saved(*args)
+            conn.data_received(second.encode())     # the next frame, read in this very turn
+        monkeypatch.setattr(tm, "_topic_saved", saved_then_read)
+
+        client.write(first.encode())
+        while not started.is_set():             # the catalogue write under way (polled, bounded by the test)
+            await asyncio.sleep(0.01)
+        release.set()
+        [a] = await client.reply(first.opaque, 10)
+        [b] = await client.reply(second.opaque, 10)
+        assert (a.code, b.code) == (C.SUCCESS, C.SUCCESS), (a.remark, b.remark)
+        assert (a.ext_fields["queueOffset"], b.ext_fields["queueOffset"]) == ("0", "1")
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
+
+
+@bounded(30)
+async def test_a_reply_that_makes_a_topic_is_stored_only_once_topics_json_holds_it(tmp_path, monkeypatch):
+    """SEND_REPLY_MESSAGE makes its topic as a send does (_check_topic: TBW102, the queues it asks for), and stores
+    its copy. It did not wait for the catalogue write: killed then, the broker restored the topic with the one
+    queue holding the copy, where the topic was made with four -- the bug the sends' wait fixed, on this path."""
+    from protocol.message import Prop, properties_to_string
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    release = threading.Event()
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        events = []
+        real_save, started = topics_module.save, threading.Event()
+
+        def save(path, data):
+            started.set()
+            assert release.wait(10)
+            real_save(path, data)
+            if b"ReplyMade" in data:
+                events.append("written")
+        monkeypatch.setattr(topics_module, "save", save)
+        store, tm = server.ctx.store, server.ctx.topics
+        real_put, real_made_durable = store.put, tm.made_durable
+        waits = asyncio.Event()
+
+        def put(req, *a, **kw):
+            if req.topic == "ReplyMade":
+                events.append("stored")
+            return real_put(req, *a, **kw)
+
+        def made_durable(topic):
+            gate = real_made_durable(topic)
+            if topic == "ReplyMade" and gate is not None:
+                waits.set()
+            return gate
+        monkeypatch.setattr(store, "put", put)
+        monkeypatch.setattr(tm, "made_durable", made_durable)
+
+        reply = _send("ReplyMade", b"reply")
+        reply.code = R.SEND_REPLY_MESSAGE
+        reply.ext_fields["properties"] = properties_to_string({Prop.REPLY_TO_CLIENT: "127.0.0.1@gone",
+                                                               "CORRELATION_ID": "c1"})
+        replied = asyncio.ensure_future(client.call(reply, 10))
+        waiting = asyncio.ensure_future(waits.wait())
+        await asyncio.wait({replied, waiting}, return_when=asyncio.FIRST_COMPLETED)    # answered, or it waits
+        waiting.cancel()
+        release.set()
+        [answer] = await replied
+        assert answer.code == C.SYSTEM_ERROR    # (no requester to push it to: its copy is stored all the same)
+        assert events == ["written", "stored"]
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
+
+
+@bounded(30)
+async def test_sends_to_a_new_topic_go_ahead_when_topics_json_cannot_be_written(tmp_path, monkeypatch):
+    """A full disk: the catalogue write fails (logged, retried); the sends that waited for it are stored and
+    answered, in order, rather than held until the disk frees up."""
+    import errno
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+
+        def full(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(topics_module, "save", full)
+        sends = [_send("Full", b"%d" % i) for i in range(3)]
+        for send in sends:
+            client.write(send.encode())
+        answers = [(await client.reply(send.opaque, 10))[0] for send in sends]
+        assert [a.code for a in answers] == [C.SUCCESS] * 3, [a.remark for a in answers]
+        assert [a.ext_fields["queueOffset"] for a in answers] == ["0", "1", "2"]
+    finally:
+        if client is not None:
+            client.close()
+        await server.stop()
