@@ -215,6 +215,9 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     unplaced: list[int] = []            # unreadable op records that name no half
     touched: set[int] = set()           # (with the snapshot's table) halves whose byte the replay set already
     others = 0                          # op records txmq did not write (salvage.foreign), left out as ever
+    # Whether every op record after the snapshot is still here: a slave writes its snapshot at start only, and one
+    # up longer than the retention removed the op records of its master's decisions after it (with their halves).
+    ops_gone = op_from is not None and op_from < store.min_offset(OP_TOPIC, 0)
     for msg in scan(store, OP_TOPIC, op_from, check_body=True, undecodable=unplaced):
         op = parse_op(msg)
         if op is None and foreign(msg):
@@ -282,6 +285,12 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             continue
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
+    if removed and ops_gone:
+        # The op records that decided them may have gone with them (a commit seconds after the slave's start, both
+        # removed days later): taken as lost, every long-running slave's promotion said and alerted on committed
+        # transactions, and a slave kept their offsets for good (no op can come to clear them).
+        _undecidable(tx, removed, op_from)
+        removed = []
     if getattr(tx.ctx.config, "broker_role", "") == "SLAVE":
         tx.removed_undecided = removed      # its master may decide them yet: the next start looks again
     elif removed:
@@ -310,6 +319,18 @@ def _removed_undecided(tx, removed: list[int]) -> None:
               "lost, never checked or committed; the log now starts at %d; half offsets %s%s", len(removed),
               tx.ctx.store.min_physical_offset, ", ".join(map(str, removed[:10])),
               f" and {len(removed) - 10} more" if len(removed) > 10 else "")
+
+
+def _undecidable(tx, removed: list[int], op_from: int) -> None:
+    """Halves undecided as of the snapshot whose segments were removed, as were op records after the snapshot:
+    whether their master decided them cannot be told. Said, not counted as lost (most were decided: a slave's
+    snapshot is its start's, its halves those in flight then)."""
+    store = tx.ctx.store
+    log.log(logging.INFO if getattr(tx.ctx.config, "broker_role", "") == "SLAVE" else logging.WARNING,
+            "transaction recovery: %d undecided half message(s) of the snapshot are in removed commit-log segments, "
+            "and so are the op records after it (op queue offsets %d..%d): whether they were decided cannot be "
+            "told (not counted as lost); half offsets %s%s", len(removed), op_from, store.min_offset(OP_TOPIC, 0),
+            ", ".join(map(str, removed[:10])), f" and {len(removed) - 10} more" if len(removed) > 10 else "")
 
 
 def _owners(snap: dict) -> dict[int, str]:

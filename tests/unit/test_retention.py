@@ -632,3 +632,50 @@ async def test_an_oldest_segment_stamped_ahead_of_the_clock_is_said_once_not_kep
         assert names(ctx)[0] != first
     finally:
         await ctx.store.close()
+
+
+@pytest.mark.parametrize("slave_restarts", [0, 1])
+@bounded(30)
+async def test_a_promoted_slave_is_quiet_about_a_half_decided_by_an_op_its_cleaner_removed_too(tmp_path, caplog,
+                                                                                                slave_restarts):
+    """A slave writes its transaction snapshot at start only: the halves undecided then stay in it, and the next
+    start replays the op records after it. A slave up longer than the retention removed the segments of the
+    halves undecided at its start *and* of the master's decisions of them (a commit seconds later): the next
+    start found neither, and took each for an undecided half lost -- an ERROR and the critical alert at the
+    promotion of every long-running slave, for transactions committed days ago (and, across slave restarts,
+    their offsets kept in its snapshot for good). Without the op records after its snapshot, a start cannot
+    tell: it says so (WARNING) and counts nothing."""
+    from protocol.txlog import COMMIT
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"committed on the master seconds later")
+    await ctx.tx.stop()
+    await ctx.store.close()
+    ctx = await make(tmp_path, clock, **slave)         # its start-up snapshot: the half undecided
+    try:
+        assert half.half_offset in ctx.tx.pending
+        op = ctx.tx.records.decision(COMMIT, half.half_offset, half.queue_offset)
+        assert (await ctx.store.put(op)).ok                 # the master's commit, as the copy of its log writes it
+        await send(ctx, 80)
+        clock.now = T0 + 100 * H
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert op is not None and ctx.store.min_offset("RMQ_SYS_TRANS_OP_HALF_TOPIC", 0) > 0   # the commit went too
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    for _ in range(slave_restarts):
+        ctx = await make(tmp_path, clock, **slave)
+        try:
+            assert ctx.tx.removed_undecided == []           # nothing kept that no op can ever clear
+            await ctx.tx.stop()
+        finally:
+            await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                        # promoted
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+        assert half.half_offset not in ctx.tx.pending
+    finally:
+        await ctx.store.close()
