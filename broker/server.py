@@ -218,6 +218,10 @@ class BrokerServer:
         self._loop = loop
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
+        # The wall clock and the monotonic one at the start, before a client can connect: what the metric snapshot
+        # task judges old files by (taken when the task first ran, a step just after the start, or before the
+        # supervisor restarted the task, was taken as the start's time, and the step removed the files).
+        self._started_clocks = (time.time(), time.monotonic())
         await broker_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
@@ -625,7 +629,7 @@ class BrokerServer:
         pruned_day = None
         paused = False
         disk = self.ctx.store.disk
-        started_s, started_mono = time.time(), time.monotonic()
+        started_s, started_mono = self._started_clocks
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
             # Above disk_refuse_ratio the room left is the broker's own durable writes' (decisions, offsets,
