@@ -187,8 +187,10 @@ async def recover(tx) -> None:
         removed = snap.get("removed_undecided")
         if isinstance(removed, list):           # (a slave's, see _removed_undecided)
             undecided.update(off for off in removed if type(off) is int and off >= 0)
+    gone_queue = snap.get("removed_undecided_queue") if snap is not None else None
+    gone_queue = {q for q in gone_queue if type(q) is int and q >= 0} if isinstance(gone_queue, list) else set()
     try:
-        repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from)
+        repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from, gone_queue)
     finally:
         if earlier is not None:
             earlier.close()
@@ -205,7 +207,7 @@ async def recover(tx) -> None:
 
 
 async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int], owners: dict[int, str],
-                  op_from: int | None, half_from: int | None) -> int:
+                  op_from: int | None, half_from: int | None, gone_queue: set[int] = frozenset()) -> int:
     """The op records from ``op_from`` into the decision table, then the undecided halves into the index; returns
     how many transactions it repaired. ``earlier``: the table as the last process left it (None: it is still
     ``tx.table``, or was another store's), for op records that cannot be read (salvage.py)."""
@@ -273,6 +275,14 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
                     msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
 
     removed: list[int] = []             # undecided halves in segments removed without their dead letter
+    # Halves stored after the snapshot (a slave's is its start's: most halves of a slave up for days) whose segments
+    # were removed before this start: the scan below begins past them. By half queue offset, those without a
+    # decision, and those a slave's earlier start found so (the snapshot's "removed_undecided_queue").
+    removed_queue: list[int] = []
+    if snap is not None and half_from is not None:
+        gone_to = store.min_offset(HALF_TOPIC, 0)
+        candidates = gone_queue | set(tx.table.undecided_in(half_from, gone_to) if half_from < gone_to else ())
+        removed_queue = sorted(q for q in candidates if q < gone_to and tx.table.get(q) is None)
     for off in sorted(undecided):
         view = store.get_record(off)
         msg = _decoded(view, off, store, HALF_TOPIC) if view is not None else None
@@ -285,16 +295,17 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             continue
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
-    if removed and ops_gone:
+    if (removed or removed_queue) and ops_gone:
         # The op records that decided them may have gone with them (a commit seconds after the slave's start, both
         # removed days later): taken as lost, every long-running slave's promotion said and alerted on committed
         # transactions, and a slave kept their offsets for good (no op can come to clear them).
-        _undecidable(tx, removed, op_from)
-        removed = []
+        _undecidable(tx, removed, removed_queue, op_from)
+        removed, removed_queue = [], []
     if getattr(tx.ctx.config, "broker_role", "") == "SLAVE":
-        tx.removed_undecided = removed      # its master may decide them yet: the next start looks again
-    elif removed:
-        _removed_undecided(tx, removed)
+        # its master may decide them yet: the next start looks again
+        tx.removed_undecided, tx.removed_undecided_queue = removed, removed_queue
+    elif removed or removed_queue:
+        _removed_undecided(tx, removed, removed_queue)
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
     for msg in scan(store, HALF_TOPIC, half_from):
@@ -306,31 +317,35 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     return repaired
 
 
-def _removed_undecided(tx, removed: list[int]) -> None:
+def _listed(values: list[int]) -> str:
+    return ", ".join(map(str, values[:10])) + (f" and {len(values) - 10} more" if len(values) > 10 else "")
+
+
+def _removed_undecided(tx, removed: list[int], removed_queue: list[int] = ()) -> None:
     """Say and count the undecided halves whose segment went without their dead letter. A master's retention
     dead-letters a half before it removes its segment; a slave's does not (it writes nothing: its master does).
     A slave promoted before its master dead-lettered them held them in its start-up index only: dropped
     unsaid, an undecided transaction was gone with no dead letter, log line or count. (A slave keeps
     quiet, and keeps their offsets in its snapshot, "removed_undecided": its master may decide them yet,
     and the op that does replicates.)"""
-    tx.ctx.metrics.transactions_lost.labels("segment-removed").inc(len(removed))
+    tx.ctx.metrics.transactions_lost.labels("segment-removed").inc(len(removed) + len(removed_queue))
     log.error("transaction recovery: %d undecided half message(s) are in commit-log segments removed without a "
               "dead letter (by this broker's cleaner while it was a slave, before its master dead-lettered them): "
-              "lost, never checked or committed; the log now starts at %d; half offsets %s%s", len(removed),
-              tx.ctx.store.min_physical_offset, ", ".join(map(str, removed[:10])),
-              f" and {len(removed) - 10} more" if len(removed) > 10 else "")
+              "lost, never checked or committed; the log now starts at %d; half offsets %s; half queue offsets "
+              "(of %s-0) %s", len(removed) + len(removed_queue), tx.ctx.store.min_physical_offset,
+              _listed(removed) or "-", HALF_TOPIC, _listed(removed_queue) or "-")
 
 
-def _undecidable(tx, removed: list[int], op_from: int) -> None:
+def _undecidable(tx, removed: list[int], removed_queue: list[int], op_from: int) -> None:
     """Halves undecided as of the snapshot whose segments were removed, as were op records after the snapshot:
     whether their master decided them cannot be told. Said, not counted as lost (most were decided: a slave's
     snapshot is its start's, its halves those in flight then)."""
     store = tx.ctx.store
     log.log(logging.INFO if getattr(tx.ctx.config, "broker_role", "") == "SLAVE" else logging.WARNING,
-            "transaction recovery: %d undecided half message(s) of the snapshot are in removed commit-log segments, "
-            "and so are the op records after it (op queue offsets %d..%d): whether they were decided cannot be "
-            "told (not counted as lost); half offsets %s%s", len(removed), op_from, store.min_offset(OP_TOPIC, 0),
-            ", ".join(map(str, removed[:10])), f" and {len(removed) - 10} more" if len(removed) > 10 else "")
+            "transaction recovery: %d undecided half message(s) are in removed commit-log segments, and so are op "
+            "records after the transaction snapshot (op queue offsets %d..%d): whether they were decided cannot be "
+            "told (not counted as lost); half offsets %s; half queue offsets %s", len(removed) + len(removed_queue),
+            op_from, store.min_offset(OP_TOPIC, 0), _listed(removed) or "-", _listed(removed_queue) or "-")
 
 
 def _owners(snap: dict) -> dict[int, str]:
@@ -421,7 +436,8 @@ async def write_snapshot(tx) -> None:
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
             "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
             # (a slave writes one at start only: true then; a snapshot without it is an earlier txmq's, see recover)
-            "written_as": getattr(tx.ctx.config, "broker_role", ""), "removed_undecided": tx.removed_undecided}
+            "written_as": getattr(tx.ctx.config, "broker_role", ""), "removed_undecided": tx.removed_undecided,
+            "removed_undecided_queue": tx.removed_undecided_queue}
     # The loop's one consistent view is which transactions are undecided: a copy of the index's entries (7 ms at
     # 500,000). The rows, the owners map and the JSON are made from it on a worker thread, the JSON a slice of
     # rows at a time: made on the loop, the rows and owners held it 73 + 82 ms at 500,000, and the JSON, one

@@ -86,6 +86,7 @@ class TransactionService:
         # (a slave) undecided halves its cleaner removed, its master's to dead-letter: kept in its snapshot until an
         # op decides them, so the start that promotes it can say the ones it lost (recovery._removed_undecided)
         self.removed_undecided: list[int] = []
+        self.removed_undecided_queue: list[int] = []     # (those stored after its snapshot: by half queue offset)
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
         self.recovered_commits: set[int] = set()

@@ -679,3 +679,53 @@ async def test_a_promoted_slave_is_quiet_about_a_half_decided_by_an_op_its_clean
         assert half.half_offset not in ctx.tx.pending
     finally:
         await ctx.store.close()
+
+
+@pytest.mark.parametrize("slave_restarts", [0, 1])
+@pytest.mark.parametrize("decided", [False, True])
+@bounded(30)
+async def test_a_promoted_slave_says_the_undecided_halves_copied_after_its_start_that_its_cleaner_removed(
+        tmp_path, caplog, decided, slave_restarts):
+    """A slave's snapshot is its start's: a half copied from its master later is in none, and the next start scans
+    the halves from the snapshot's floor. Its cleaner removed the segment of such a half (undecided: its master
+    had not dead-lettered it) and the start that promoted it began the scan past them -- the half gone without
+    a word, the case of most halves of a slave up for days. Each half queue offset between the floor and the
+    log's first half without a decision is said and counted (kept by a slave's restart); one its master decided,
+    the op copied after the removed segment, is not."""
+    from protocol.message import Prop
+    from protocol.txlog import COMMIT
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock, **slave)          # its start-up snapshot: no half
+    try:
+        props = {Prop.UNIQ_KEY: "U-copied", Prop.PGROUP: "PG", Prop.TRAN_MSG: "true"}
+        req = ctx.tx.records.half(body=b"copied after the start", real_topic="T", real_qid=0, flag=0, sys_flag=0,
+                                  born_timestamp=T0, born_host=ctx.store_host, props=props)
+        put = await ctx.store.put(req)                      # as the copy of its master's log writes it
+        assert put.ok
+        await send(ctx, 80)
+        if decided:                                         # the master's commit, in a segment the slave keeps
+            assert (await ctx.store.put(ctx.tx.records.decision(COMMIT, put.physical_offset, 0))).ok
+        clock.now = T0 + 100 * H
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert put.physical_offset < ctx.store.min_physical_offset
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    for _ in range(slave_restarts):
+        caplog.clear()
+        ctx = await make(tmp_path, clock, **slave)
+        try:
+            assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+            assert ctx.tx.removed_undecided_queue == ([] if decided else [0])
+            await ctx.tx.stop()
+        finally:
+            await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                        # promoted
+    try:
+        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "lost" in r.getMessage()]
+        assert len(said) == (0 if decided else 1), caplog.text
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == (0 if decided else 1)
+    finally:
+        await ctx.store.close()
