@@ -595,6 +595,12 @@ class _StoreRollup:
         if now is None:
             raise ValueError(f"{self.day - dt.timedelta(1)}'s rows of {self.broker} went from {out_dir} while this "
                              f"run read the store for {date} (another run removed them): run it again")
+        if self.store_id is not None and (others := previous_stores(self.spark, out_dir, date, self.broker) - {
+                self.store_id}):
+            # (the store check __init__ made, again: counted on, the other store's count was this one's for good)
+            raise ValueError(f"{self.day - dt.timedelta(1)}'s rows of {self.broker} under {out_dir} were rewritten "
+                             f"from another store ({', '.join(sorted(others))}) while this run read store "
+                             f"{self.store_id} for {date}: run it again")
         if sorted(now) != sorted(self.baseline):
             log.warning("rollup: %s's undecided count of %s under %s changed while this run read the store "
                         "(another run rewrote that day): %s counts on from the new one", self.day - dt.timedelta(1),
