@@ -199,7 +199,9 @@ async def recover(tx) -> None:
     log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
              "from the snapshot and the op records after it" if snap else "from the whole log",
              ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
-    if snap is None or slave:
+    if snap is None or slave or tx.lost_said:
+        # (lost_said: the snapshot read still names the halves said lost; killed before the first periodic one,
+        # each start said and counted them again.)
         # A slave writes none later (its index follows no decisions: service.stop), so this one, true as the log
         # is now (nothing is copied before recovery ends), is what its next start replays after: without it each
         # start (and the one promoting it) read every op and half since the first start it ever had.
@@ -328,6 +330,7 @@ def _removed_undecided(tx, removed: list[int], removed_queue: list[int] = ()) ->
     unsaid, an undecided transaction was gone with no dead letter, log line or count. (A slave keeps
     quiet, and keeps their offsets in its snapshot, "removed_undecided": its master may decide them yet,
     and the op that does replicates.)"""
+    tx.lost_said = True
     tx.ctx.metrics.transactions_lost.labels("segment-removed").inc(len(removed) + len(removed_queue))
     log.error("transaction recovery: %d undecided half message(s) are in commit-log segments removed without a "
               "dead letter (by this broker's cleaner while it was a slave, before its master dead-lettered them): "

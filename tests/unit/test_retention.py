@@ -729,3 +729,38 @@ async def test_a_promoted_slave_says_the_undecided_halves_copied_after_its_start
         assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == (0 if decided else 1)
     finally:
         await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_promoted_slave_killed_before_its_first_snapshot_does_not_say_the_lost_halves_again(tmp_path,
+                                                                                                   caplog):
+    """The start that promoted a slave said and counted its lost halves, but the snapshot that still named them
+    (the slave's) was replaced only by the master's first periodic one or its stop: killed before either, each
+    start said and counted them again, the critical alert firing anew for the same halves."""
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided on the master")
+    await send(ctx, 80)
+    await ctx.store.close()
+    clock.now = T0 + 100 * H
+    ctx = await make(tmp_path, clock, **slave)
+    ctx.store.set_replica_only()
+    try:
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert half.half_offset < ctx.store.min_physical_offset
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    ctx = await make(tmp_path, clock)                                     # promoted: said once
+    try:
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 1
+    finally:
+        await ctx.store.close()                                           # killed: no tx.stop, no periodic snapshot
+    caplog.clear()
+    ctx = await make(tmp_path, clock)
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+    finally:
+        await ctx.store.close()
