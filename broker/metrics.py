@@ -223,11 +223,10 @@ class BrokerMetrics:
                                       ["producer_group"], registry=r)
         self.dead_letters = Counter("txmq_transaction_dead_letters", "Transactions dead-lettered, by reason.",
                                     ["producer_group", "reason"], registry=r)
-        self.halves_lost = Counter("txmq_transaction_halves_lost",
-                                   "Undecided half messages recovery found removed from the log (a slave's "
-                                   "disk-pressure cleaning removed their segment, then it was promoted): never "
-                                   "checked, committed or dead-lettered. Each is logged (ERROR) with its offset.",
-                                   registry=r)
+        self.transactions_lost = Counter("txmq_transactions_lost", "Undecided transactions whose half message the "
+                                         "log lost without a decision or dead letter, by reason (segment-removed: "
+                                         "by a slave's cleaner, then promoted before its master dead-lettered them).",
+                                         ["reason"], registry=r)
         self.segments_removed = Counter("txmq_store_segments_removed_total",
                                         "Commit-log segments removed, by reason (expired, plan, pressure).",
                                         ["reason"], registry=r)

@@ -30,7 +30,7 @@ removed it (the master's log start, learnt by ha/sync.py, at or past the segment
 holding the master's log as it was then: the halves' dead-letter records with it); until then the slave keeps
 it, and says so once. Removed first, its undecided halves were lost to the slave promoted before its master
 decided them. Disk pressure still forces it out, with an ERROR that says what a promotion loses. A plan is
-applied on the master.
+applied on the master: a slave refuses it whole.
 
 Consumed or not does not matter (RocketMQ's fileReservedTime): a consumer behind a removed
 segment gets PULL_OFFSET_MOVED and continues from the new minimum. retain_unconsumed_max_bytes
@@ -116,6 +116,12 @@ class Retention:
     # ------------------------------------------------------------------ plans
     async def apply_plan(self, plan: dict) -> dict:
         ctx = self.ctx
+        if ctx.config.broker_role == "SLAVE":
+            # Its store refuses the dead letters (its master writes them) and its index is its start-up one:
+            # taken, a plan made from the slave's store "skipped" its halves and removed its segments, a
+            # success while the master, whose halves they are, was never told.
+            raise PlanRefused("this broker is a SLAVE: a plan is applied on the master (make it from the master's "
+                              "store: a slave's store has its own store id); the slave cleans its disk by itself")
         now = ctx.clock()
         check_plan_header(plan, ctx.store.store_id, now, ctx.config.plan_clock_skew_ms)
         plan_retention = plan.get("retention_ms") if isinstance(plan.get("retention_ms"), int) else 0
@@ -128,7 +134,7 @@ class Retention:
             for seg in sorted(plan.get("segments") or [], key=lambda s: str(s.get("name"))):
                 name = str(seg.get("name"))
                 why = (blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
-                       or self._young_halves(by_name[name], now) or self._master_holds(by_name[name]))
+                       or self._young_halves(by_name[name], now))
                 if why is None:
                     why = await self._remove(by_name[name], "plan", "expired")
                 if why is None:

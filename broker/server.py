@@ -226,6 +226,10 @@ class BrokerServer:
         self.heap.watch()
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
+        # The wall clock and the monotonic one at the start, before a client can connect: what the metric snapshot
+        # task judges old files by (taken when the task first ran, a step just after the start, or before the
+        # supervisor restarted the task, was taken as the start's time, and the step removed the files).
+        self._started_clocks = (time.time(), time.monotonic())
         await broker_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
@@ -653,6 +657,7 @@ class BrokerServer:
         pruned_day = None
         paused = False
         disk = self.ctx.store.disk
+        started_s, started_mono = self._started_clocks
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
             # Above disk_refuse_ratio the room left is the broker's own durable writes' (decisions, offsets,
@@ -672,7 +677,11 @@ class BrokerServer:
                     await self.write_snapshot(store_dir)
                 except OSError as exc:
                     log.error("metric snapshot not written: %s", exc)
-            now_ms = int(time.time() * 1000)        # the files are named by the UTC date of the wall clock
+            # The files are named by the UTC date of the wall clock; which are old is judged by the time that passed
+            # since the start as well. By the wall clock alone, a step days ahead (a VM's host, a bad NTP source)
+            # removed every file before the future date, those the nightly rollup had yet to read with them. (A
+            # step back, or a start with a clock behind, keeps files longer: never fewer.)
+            now_ms = int(min(time.time(), started_s + time.monotonic() - started_mono) * 1000)
             day = now_ms // 86_400_000
             if keep > 0 and day != pruned_day:
                 try:

@@ -60,7 +60,10 @@ class Segment(MappedFile):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.first_ts = -1      # store timestamps of the first and last record, -1 while unknown
+        # Store timestamps, -1 while unknown: the oldest record's (not the first's: the wall clock may step back
+        # while the segment is written, and the segment manifest's first_ts says which days it can hold) and the
+        # last record's.
+        self.first_ts = -1
         self.last_ts = -1
         self.written = -1       # end of the last record; -1 while unknown (sealed, not yet walked)
 
@@ -342,6 +345,8 @@ class CommitLog:
         self._pos = seg.written = pos
         if wrote:
             seg.last_ts = self.last_ts = now
+            if now < seg.first_ts:      # the clock stepped back (each record of a cycle is stamped ``now``)
+                seg.first_ts = now
         if self.reserver is not None:
             self.reserver.top_up(seg, pos)
         return i
@@ -396,8 +401,9 @@ class CommitLog:
         if infos is not None:
             infos.extend(chunk.infos())
         if chunk.records:
-            if pos == 0:
-                seg.first_ts = chunk.records[0].store_timestamp
+            oldest = min(r.store_timestamp for r in chunk.records)    # (the master's clock may have stepped back)
+            if pos == 0 or oldest < seg.first_ts:
+                seg.first_ts = oldest
             seg.last_ts = self.last_ts = chunk.records[-1].store_timestamp
         self._pos = seg.written = pos + n
         done.append((fut, PutResult(_OK, chunk.phys, n, self.last_ts, -1)))

@@ -201,7 +201,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
                                    truncate_corrupt, report, point, tail_from)
                 seg.written = pos
                 break
-            if seg.first_ts < 0:
+            if seg.first_ts < 0 or ts < seg.first_ts:     # the oldest: the clock may have stepped back
                 seg.first_ts = ts
             seg.last_ts = last_ts = ts
             phys = seg.start + pos

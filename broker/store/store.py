@@ -1257,7 +1257,7 @@ def _remove_files(files) -> None:
 
 
 def _summarize(seg: Segment) -> None:
-    """First/last store time and data length of a sealed segment, by hopping over record headers."""
+    """Oldest/last store time and data length of a sealed segment, by hopping over record headers."""
     pos, first, last = 0, -1, -1
     limit = seg.size - 8
     while pos + MIN_RECORD_SIZE <= limit:
@@ -1265,7 +1265,7 @@ def _summarize(seg: Segment) -> None:
         if magic != MESSAGE_MAGIC or size < MIN_RECORD_SIZE or pos + size > limit:
             break
         last = store_timestamp_at(seg.mm, pos)
-        if first < 0:
+        if first < 0 or last < first:       # the oldest, as Segment.first_ts
             first = last
         pos += size
     seg.first_ts, seg.last_ts, seg.written = first, last, pos

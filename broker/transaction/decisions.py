@@ -219,6 +219,27 @@ class DecisionTable:
             self._dirty.add(base)
             del self._pending[index]
 
+    def undecided_in(self, lo: int, hi: int) -> list[int]:
+        """The indexes in [lo, hi) without a decision (start-up: the halves retention removed before a start read
+        them). A file's zero bytes are found by ``bytes.find``, not index by index: decided halves are most."""
+        out: list[int] = []
+        n = self.file_entries
+        base = lo - lo % n if lo >= 0 else 0
+        while base < hi:
+            a, b = max(lo, base), min(hi, base + n)
+            m = self._maps.get(base)
+            if m is None:
+                candidates = range(a, b)
+            else:
+                chunk, candidates = m[a - base:b - base], []
+                i = chunk.find(0)
+                while i >= 0:
+                    candidates.append(a + i)
+                    i = chunk.find(0, i + 1)
+            out += [q for q in candidates if self.get(q) is None]
+            base += n
+        return out
+
     def count(self, op: str) -> int:
         """How many entries hold ``op`` (a full read: start-up and tests, not the request path)."""
         return (sum(_count(m, _CODE[op]) for m in self._maps.values())

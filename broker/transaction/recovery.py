@@ -184,8 +184,13 @@ async def recover(tx) -> None:
             undecided.add(off)
             checks[off] = n
         owners = _owners(snap)
+        removed = snap.get("removed_undecided")
+        if isinstance(removed, list):           # (a slave's, see _removed_undecided)
+            undecided.update(off for off in removed if type(off) is int and off >= 0)
+    gone_queue = snap.get("removed_undecided_queue") if snap is not None else None
+    gone_queue = {q for q in gone_queue if type(q) is int and q >= 0} if isinstance(gone_queue, list) else set()
     try:
-        repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from)
+        repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from, gone_queue)
     finally:
         if earlier is not None:
             earlier.close()
@@ -194,7 +199,9 @@ async def recover(tx) -> None:
     log.info("transactions recovered %s in %d ms: %d undecided, %d dead-lettered, %d repaired",
              "from the snapshot and the op records after it" if snap else "from the whole log",
              ctx.clock() - started, len(tx.pending), tx.dead_count, repaired)
-    if snap is None or slave:
+    if snap is None or slave or tx.lost_said:
+        # (lost_said: the snapshot read still names the halves said lost; killed before the first periodic one,
+        # each start said and counted them again.)
         # A slave writes none later (its index follows no decisions: service.stop), so this one, true as the log
         # is now (nothing is copied before recovery ends), is what its next start replays after: without it each
         # start (and the one promoting it) read every op and half since the first start it ever had.
@@ -202,7 +209,7 @@ async def recover(tx) -> None:
 
 
 async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int], owners: dict[int, str],
-                  op_from: int | None, half_from: int | None) -> int:
+                  op_from: int | None, half_from: int | None, gone_queue: set[int] = frozenset()) -> int:
     """The op records from ``op_from`` into the decision table, then the undecided halves into the index; returns
     how many transactions it repaired. ``earlier``: the table as the last process left it (None: it is still
     ``tx.table``, or was another store's), for op records that cannot be read (salvage.py)."""
@@ -212,6 +219,9 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     unplaced: list[int] = []            # unreadable op records that name no half
     touched: set[int] = set()           # (with the snapshot's table) halves whose byte the replay set already
     others = 0                          # op records txmq did not write (salvage.foreign), left out as ever
+    # Whether every op record after the snapshot is still here: a slave writes its snapshot at start only, and one
+    # up longer than the retention removed the op records of its master's decisions after it (with their halves).
+    ops_gone = op_from is not None and op_from < store.min_offset(OP_TOPIC, 0)
     for msg in scan(store, OP_TOPIC, op_from, check_body=True, undecodable=unplaced):
         op = parse_op(msg)
         if op is None and foreign(msg):
@@ -266,7 +276,24 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
         tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
                     msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
 
-    removed: list[int] = []     # undecided halves at these commit-log offsets: their segments were removed
+    removed: list[int] = []             # undecided halves in segments removed without their dead letter
+    # Halves stored after the snapshot (a slave's is its start's: most halves of a slave up for days) whose segments
+    # were removed before this start: the scan below begins past them. By half queue offset, those without a
+    # decision, and those a slave's earlier start found so (the snapshot's "removed_undecided_queue").
+    removed_queue: list[int] = []
+    # With the op records after the snapshot removed too, those halves are not gone over, only said as a range: a
+    # slave writes its snapshot at start only, and promoted after months its removed halves since then ran to
+    # billions, each looked up and listed only to be said as undecidable.
+    gone: range = range(0)
+    if snap is not None and half_from is not None:
+        gone_to = store.min_offset(HALF_TOPIC, 0)
+        candidates = set(gone_queue)
+        if half_from < gone_to:
+            if ops_gone:
+                gone = range(half_from, gone_to)
+            else:
+                candidates.update(tx.table.undecided_in(half_from, gone_to))
+        removed_queue = sorted(q for q in candidates if q < gone_to and tx.table.get(q) is None)
     for off in sorted(undecided):
         view = store.get_record(off)
         msg = _decoded(view, off, store, HALF_TOPIC) if view is not None else None
@@ -279,17 +306,19 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             continue
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
+    if (removed or removed_queue or gone) and ops_gone:
+        # The op records that decided them may have gone with them (a commit seconds after the slave's start, both
+        # removed days later): taken as lost, every long-running slave's promotion said and alerted on committed
+        # transactions, and a slave kept their offsets for good (no op can come to clear them).
+        _undecidable(tx, removed, removed_queue, gone, op_from)
+        removed, removed_queue = [], []
+    if getattr(tx.ctx.config, "broker_role", "") == "SLAVE":
+        # its master may decide them yet: the next start looks again
+        tx.removed_undecided, tx.removed_undecided_queue = removed, removed_queue
+    elif removed or removed_queue:
+        _removed_undecided(tx, removed, removed_queue)
     if half_from is not None and resumed_floor is not None and snap is None:
         half_from = min(half_from, resumed_floor)
-    # Halves stored after the snapshot and below the half queue's start: removed, undecided unless the table says
-    # otherwise (with the snapshot, the table holds every decision, its op record removed or not).
-    below = range(half_from, store.min_offset(HALF_TOPIC, 0)) if snap is not None and half_from is not None else ()
-    # Every op record since the snapshot read (none removed): a removed half with no decision was undecided.
-    ops_whole = store.min_offset(OP_TOPIC, 0) <= (op_from or 0)
-    # Not gone over otherwise: a slave writes its snapshot at start only, and promoted after months its removed
-    # halves since then ran to billions, each looked up and listed only to be said at INFO.
-    removed_q = [q for q in below if tx.table.get(q) is None] if ops_whole else below
-    _say_removed(tx, removed, removed_q, ops_whole)
     for msg in scan(store, HALF_TOPIC, half_from):
         if msg.physical_offset in tx.pending or tx.table.get(msg.queue_offset) is not None:
             continue
@@ -299,41 +328,44 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     return repaired
 
 
-def _say_removed(tx, offsets: list[int], queue_offsets, ops_whole: bool) -> None:
-    """Undecided halves whose records retention removed: a master dead-letters a segment's halves before removing
-    it, a slave never does -- its master does, and the slave removes its copy after its master (retention.py),
-    unless disk pressure forced it out. Promoted before its master decided them, the slave has nothing left to
-    check, commit or dead-letter: each is said and counted, never dropped without a word. With op records since
-    the snapshot removed as well (``ops_whole`` False), their decisions went with them: a slave promoted after a
-    long run, whose cleaner removed what its master had decided and removed. Said at INFO, not counted: a slave's
-    disk-pressure removal of what its master still held said so at ERROR when it removed it."""
-    n = len(offsets) + len(queue_offsets)
-    if not n:
-        return
-    if not ops_whole:       # queue_offsets: the range removed since the snapshot, decided ones among them
-        log.info("transaction recovery: half messages are no longer in the log (%d the snapshot named undecided; "
-                 "half queue offsets %s, some of them decided), nor are the op records written since the "
-                 "transaction snapshot: taken as decided (their decisions were removed with them). Commit-log "
-                 "offsets %s", len(offsets), _queue_span(queue_offsets), _span(offsets))
-        return
-    tx.ctx.metrics.halves_lost.inc(n)
-    log.error("transaction recovery: %d undecided half message(s) are no longer in the log (retention removed their "
-              "segments before they were decided: a slave's disk-pressure cleaning, then promoted): they cannot be "
-              "checked, committed or dead-lettered; ask their producers. Commit-log offsets %s; half queue offsets "
-              "%s", n, _span(offsets), _span(queue_offsets))
-
-
-def _queue_span(queue_offsets) -> str:
-    if isinstance(queue_offsets, range):
-        return f"{queue_offsets.start} to {queue_offsets.stop - 1}" if len(queue_offsets) else "none"
-    return _span(queue_offsets)
-
-
-def _span(items: list[int], most: int = 20) -> str:
+def _span(items, most: int = 20) -> str:
+    """Offsets for a log line: a range as its ends (billions of halves), a list as its first ``most`` and its last."""
+    if isinstance(items, range):
+        return f"{items.start} to {items.stop - 1}" if len(items) else "-"
     if not items:
-        return "none"
+        return "-"
     shown = ", ".join(map(str, items[:most]))
     return shown if len(items) <= most else f"{shown} ... ({len(items) - most} more, up to {items[-1]})"
+
+
+def _removed_undecided(tx, removed: list[int], removed_queue: list[int] = ()) -> None:
+    """Say and count the undecided halves whose segment went without their dead letter. A master's retention
+    dead-letters a half before it removes its segment; a slave's does not (it writes nothing: its master does).
+    A slave promoted before its master dead-lettered them held them in its start-up index only: dropped
+    unsaid, an undecided transaction was gone with no dead letter, log line or count. (A slave keeps
+    quiet, and keeps their offsets in its snapshot, "removed_undecided": its master may decide them yet,
+    and the op that does replicates.)"""
+    tx.lost_said = True
+    tx.ctx.metrics.transactions_lost.labels("segment-removed").inc(len(removed) + len(removed_queue))
+    log.error("transaction recovery: %d undecided half message(s) are in commit-log segments removed without a "
+              "dead letter (by this broker's cleaner while it was a slave, before its master dead-lettered them): "
+              "lost, never checked or committed (ask their producers); the log now starts at %d; half offsets %s; half queue offsets "
+              "(of %s-0) %s", len(removed) + len(removed_queue), tx.ctx.store.min_physical_offset,
+              _span(removed), HALF_TOPIC, _span(removed_queue))
+
+
+def _undecidable(tx, removed: list[int], removed_queue: list[int], gone: range, op_from: int) -> None:
+    """Halves undecided as of the snapshot whose segments were removed, as were op records after the snapshot:
+    whether their master decided them cannot be told. Said, not counted as lost (most were decided: a slave's
+    snapshot is its start's, its halves those in flight then). ``gone``: the half queue offsets stored after the
+    snapshot and removed, decided or not (not looked up one by one: they may be billions)."""
+    store = tx.ctx.store
+    log.log(logging.INFO if getattr(tx.ctx.config, "broker_role", "") == "SLAVE" else logging.WARNING,
+            "transaction recovery: %d undecided half message(s), and the %d stored after the transaction snapshot, "
+            "are in removed commit-log segments, and so are op records after the snapshot (op queue offsets "
+            "%d..%d): whether they were decided cannot be told (not counted as lost); half offsets %s; half queue "
+            "offsets %s; stored after the snapshot, half queue offsets %s", len(removed) + len(removed_queue),
+            len(gone), op_from, store.min_offset(OP_TOPIC, 0), _span(removed), _span(removed_queue), _span(gone))
 
 
 def _owners(snap: dict) -> dict[int, str]:
@@ -424,7 +456,8 @@ async def write_snapshot(tx) -> None:
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
             "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
             # (a slave writes one at start only: true then; a snapshot without it is an earlier txmq's, see recover)
-            "written_as": getattr(tx.ctx.config, "broker_role", "")}
+            "written_as": getattr(tx.ctx.config, "broker_role", ""), "removed_undecided": tx.removed_undecided,
+            "removed_undecided_queue": tx.removed_undecided_queue}
     # The loop's one consistent view is which transactions are undecided: a copy of the index's entries (7 ms at
     # 500,000). The rows, the owners map and the JSON are made from it on a worker thread, the JSON a slice of
     # rows at a time: made on the loop, the rows and owners held it 73 + 82 ms at 500,000, and the JSON, one

@@ -83,6 +83,11 @@ class TransactionService:
         self.table: DecisionTable | None = None
         self._refused = [0, ""]     # (run_due) check records refused this pass, and why
         self.dead_count = 0
+        # (a slave) undecided halves its cleaner removed, its master's to dead-letter: kept in its snapshot until an
+        # op decides them, so the start that promotes it can say the ones it lost (recovery._removed_undecided)
+        self.removed_undecided: list[int] = []
+        self.removed_undecided_queue: list[int] = []     # (those stored after its snapshot: by half queue offset)
+        self.lost_said = False      # this start said removed halves lost (its snapshot is written at once)
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
         self.recovered_commits: set[int] = set()

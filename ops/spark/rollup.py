@@ -10,7 +10,8 @@ or "day", window_start the window's first instant):
     consumer_lag   consumer_group: snapshots, lag_max, lag_avg (lag summed over the group's queues)
     broker         snapshots, connections_max, connections_avg
 
-Every table also has a ``broker`` column: the rollup reads one store or several (one per broker of
+Every table also has a ``broker`` column and a ``store_id`` one (the store's id, see previous_stores): the
+rollup reads one store or several (one per broker of
 a cluster, ``--store-dir A --store-dir B`` or ``--store-root``), computes each store's rows on their
 own (a store's commit-log offsets mean nothing in another) and writes them together, so one run
 gives one set of tables and one report across the brokers. A store's broker is its directory's name
@@ -36,7 +37,7 @@ from protocol.txlog import COMMIT, OPS
 
 from . import segments as seg_mod
 from .load import DEFAULT_CHUNK_BYTES, half_offsets_by_queue, load_snapshots, read_halves, scan_store
-from .manifest import removed_before, segments_for_window
+from .manifest import read_store_id, removed_before, segments_for_window
 from .publish import Publisher
 from .snapshots import snapshot_files
 from .transactions import ALL_GROUPS, classify, half_summary, op_damage
@@ -279,6 +280,19 @@ def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None
     return [(r["producer_group"], r["undecided_at_end"] or 0) for r in rows] or None
 
 
+def previous_stores(spark, out_dir: str, date: str, broker: str) -> set[str]:
+    """The ids of the stores the day before ``date``'s transactions rows of ``broker`` were rolled up from
+    (rows written before the store_id column, or from a store without an id: none)."""
+    F = _F()
+    prev = (dt.date.fromisoformat(date) - dt.timedelta(days=1)).isoformat()
+    df = _read_dates(spark, os.path.join(out_dir, "transactions"), [prev])
+    if df is None or "store_id" not in df.columns or "broker" not in df.columns:
+        return set()
+    rows = (df.where((F.col("broker") == broker) & F.col("store_id").isNotNull())
+            .select("store_id").distinct().collect())
+    return {r["store_id"] for r in rows}
+
+
 def store_brokers(store_dirs) -> list[tuple[str, str]]:
     """[(broker, store dir)] from one directory or several; the broker is the directory's name,
     which must differ between stores."""
@@ -498,6 +512,7 @@ class _StoreRollup:
     def __init__(self, spark, broker: str, store_dir: str, out_dir: str, day, *, skip_damaged: bool,
                  check_crc: bool, chunk_bytes: int):
         self.spark, self.broker, self.day = spark, broker, day
+        self.store_id = read_store_id(store_dir)
         self.scan = self.snaps = self.per_half = None
         date = day.isoformat() if day is not None else None
         self.since = baseline = select = None
@@ -512,6 +527,14 @@ class _StoreRollup:
                 log.warning("rollup: %s's store begins on %s or later (its log starts at offset 0 with no "
                             "record before): the %s rows under %s are another store's (a new or wiped store); "
                             "reading the whole store for %s", broker, date, day - dt.timedelta(1), out_dir, date)
+                self.since = baseline = None
+            elif self.store_id is not None and (others := previous_stores(spark, out_dir, date, broker) - {
+                    self.store_id}):
+                # A store whose log neither starts at 0 nor begins on the day (another broker's, restored from a
+                # backup, a mixed-up mount): its undecided count would have been the old store's, for good.
+                log.warning("rollup: %s's %s rows under %s were rolled up from another store (%s; %s holds store "
+                            "%s): not counted on; reading the whole store for %s", broker, day - dt.timedelta(1),
+                            out_dir, ", ".join(sorted(others)), store_dir, self.store_id, date)
                 self.since = baseline = None
             else:
                 since = self.since
@@ -572,6 +595,12 @@ class _StoreRollup:
         if now is None:
             raise ValueError(f"{self.day - dt.timedelta(1)}'s rows of {self.broker} went from {out_dir} while this "
                              f"run read the store for {date} (another run removed them): run it again")
+        if self.store_id is not None and (others := previous_stores(self.spark, out_dir, date, self.broker) - {
+                self.store_id}):
+            # (the store check __init__ made, again: counted on, the other store's count was this one's for good)
+            raise ValueError(f"{self.day - dt.timedelta(1)}'s rows of {self.broker} under {out_dir} were rewritten "
+                             f"from another store ({', '.join(sorted(others))}) while this run read store "
+                             f"{self.store_id} for {date}: run it again")
         if sorted(now) != sorted(self.baseline):
             log.warning("rollup: %s's undecided count of %s under %s changed while this run read the store "
                         "(another run rewrote that day): %s counts on from the new one", self.day - dt.timedelta(1),
@@ -629,7 +658,8 @@ class _StoreRollup:
             df = consumer_lag_table(self.snaps.rows, dates)
         else:
             df = broker_table(self.snaps.rows, dates)
-        return df.withColumn("broker", _F().lit(self.broker))
+        F = _F()
+        return df.withColumn("broker", F.lit(self.broker)).withColumn("store_id", F.lit(self.store_id).cast("string"))
 
     def release(self) -> None:
         if self.per_half is not None:

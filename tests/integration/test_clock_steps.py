@@ -126,3 +126,29 @@ async def test_a_timer_message_is_not_held_an_hour_when_the_clock_goes_back(brok
     offset.write_text("-1h\n")
     b = broker_factory(env=stepped_env(offset))
     assert sorted(await _arrived(b.namesrv, "Timed", 3, 20)) == [b"a", b"b", b"c"]
+
+
+async def test_a_clock_stepped_days_ahead_removes_no_snapshot_file_the_rollup_has_yet_to_read(broker_factory,
+                                                                                              tmp_path):
+    """Metric snapshot files older than metrics_snapshot_retention_days (7) are removed by the wall clock's
+    date. Stepped 30 days ahead for a while (a VM's host, a bad NTP source), the broker wrote one file of that
+    future date and removed every file before it -- yesterday's too, which the nightly rollup had yet to read:
+    the metric history gone, one INFO line a file. Which files are old is judged by the time that passed
+    since the broker started as well, so a step ahead removes nothing."""
+    folder = tmp_path / "store" / "metrics"
+    folder.mkdir(parents=True)
+    now = time.time()
+    day = lambda days_ago: time.strftime("%Y-%m-%d", time.gmtime(now - days_ago * 86400))  # noqa: E731
+    recent = [folder / f"{day(1)}.jsonl", folder / f"{day(3)}.jsonl"]
+    for path in recent:
+        path.write_text('{"ts": 0, "connections": 0, "consumer_lag": []}\n')
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    broker_factory("--metrics-snapshot-interval-s", "0.05", env=stepped_env(offset))
+    offset.write_text("+30d\n")
+    ahead = lambda: [f for f in folder.glob("*.jsonl") if f.stem > day(-20)]  # noqa: E731
+    # Two snapshots in the future file: the pass that wrote the first one judged the files by it before the second.
+    async with asyncio.timeout(15):
+        while not (ahead() and len(ahead()[0].read_text().splitlines()) >= 2):
+            await asyncio.sleep(0.05)
+    assert [p for p in recent if not p.exists()] == []

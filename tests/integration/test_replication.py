@@ -1394,7 +1394,8 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_own_retention_re
     """Disk pressure on a slave still removes a segment its master holds (a full disk stops replication), undecided
     halves with it. Restarted as the master, the slave's recovery dropped them without a word: never checked,
     committed or dead-lettered, and nothing said they had been. It now logs an ERROR naming them and counts them
-    (txmq_transaction_halves_lost_total); the slave's cleaner said at the removal what a promotion would lose."""
+    (txmq_transactions_lost_total{reason="segment-removed"}); the slave's cleaner said at the removal what a
+    promotion would lose."""
     import urllib.request
 
     from producer import LocalTransactionState, TransactionProducer
@@ -1426,11 +1427,12 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_own_retention_re
         master.kill()
         assert slave.stop() == 0
         promoted = broker_factory("--broker-role", "ASYNC_MASTER", *SMALL_EXPIRING[:4], store="slave")
-        assert re.search(r"ERROR .*1 undecided half message\(s\) .*no longer in the log", promoted.log()), \
+        assert re.search(r"ERROR .*1 undecided half message\(s\) are in commit-log segments removed without a dead "
+                         r"letter", promoted.log()), \
             promoted.log()[-3000:]
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://{promoted.metrics}/metrics", timeout=5).read().decode())
-        assert "txmq_transaction_halves_lost_total 1.0" in text
+        assert 'txmq_transactions_lost_total{reason="segment-removed"} 1.0' in text
 
 
 async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_cannot_catch_up(broker_factory):
@@ -1534,7 +1536,7 @@ async def test_a_slave_promoted_after_its_cleaner_followed_its_master_reports_no
             assert slave.stop() == 0
             promoted = BrokerProcess(tmp_path / "slave", "--broker-role", "ASYNC_MASTER", *SMALL_EXPIRING[:4]).start()
             started.append(promoted)
-            assert "no longer in the log" not in "\n".join(
+            assert "removed without a dead letter" not in "\n".join(
                 line for line in promoted.log().splitlines() if " ERROR " in line), promoted.log()[-3000:]
     finally:
         for p in reversed(started):

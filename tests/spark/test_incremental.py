@@ -183,3 +183,63 @@ def test_a_previous_day_rewritten_while_a_run_reads_the_store_is_counted_on_from
     third = rollup_mod.run_rollup(spark, store, out, date=DATES[2])
     assert third["incremental"] and nested[0]["incremental"]
     assert table(spark, out, "transactions", DATES[2]) == want
+
+
+def test_the_previous_day_of_another_store_under_the_same_name_is_not_counted_on(spark, tmp_path, caplog):
+    """D1 is rolled up from one store; by D2 the directory holds another (a store restored from another broker's
+    backup, a mixed-up mount), whose log neither starts at offset 0 nor begins on D2. D2's run counted on from the
+    first store's undecided count: a transaction of the old store undecided for good in every later day's rows,
+    nothing said. The rows carry their store's id (<store>/store_id); another store's day is not counted on."""
+    from ops.spark.rollup import run_rollup
+
+    out, store = str(tmp_path / "out"), str(tmp_path / "a" / "store")
+    other = str(tmp_path / "b" / "store")
+    with StoreBuilder(store, segment_size=4096) as b:
+        b.at(D1 + H).half("pg-x", "Pay")
+        for hour in range(30):
+            b.at(D1 + hour * H + 20).send("Orders", b"o" * 150)
+    with StoreBuilder(other, segment_size=4096) as b:
+        for hour in range(30):
+            b.at(D1 + hour * H + 20).send("Orders", b"o" * 150)
+    run_rollup(spark, store, out, date="2024-03-09")
+    day1 = [dict(r) for r in table(spark, out, "transactions", "2024-03-09") if dict(r)["grain"] == "day"]
+    assert {r["producer_group"]: r["undecided_at_end"] for r in day1} == {"pg-x": 1, "*": 1}
+    os.rename(store, store + "-before")
+    os.rename(other, store)             # the same name: the same broker column
+    one = run_rollup(spark, store, out, date="2024-03-10")
+    assert not one["incremental"], one
+    assert any("another store" in r.getMessage() for r in caplog.records)
+    day2 = [dict(r) for r in table(spark, out, "transactions", "2024-03-10") if dict(r)["grain"] == "day"]
+    assert {r["producer_group"]: r["undecided_at_end"] for r in day2} == {"*": 0}
+
+
+def test_a_previous_day_rewritten_from_another_store_while_a_run_reads_is_not_counted_on(spark, tmp_path,
+                                                                                        monkeypatch):
+    """The store check is made before --out's lock, with the first read of D-1's count; the count is read again
+    under the lock (another run may have rewritten D-1 meanwhile), the store not. A run of another store under
+    the same name (a mixed-up mount) that rewrote D-1 in between: its undecided count was taken as this store's,
+    for D and every later day. Refused, as a D-1 that went meanwhile is: run it again."""
+    import ops.spark.rollup as rollup_mod
+
+    out, store = str(tmp_path / "out"), str(tmp_path / "a" / "store")
+    other = str(tmp_path / "b" / "store")
+    with StoreBuilder(store, segment_size=4096) as b:
+        for hour in range(30):
+            b.at(D1 + hour * H + 20).send("Orders", b"o" * 150)
+    with StoreBuilder(other, segment_size=4096) as b:
+        b.at(D1 + H).half("pg-x", "Pay")
+        for hour in range(30):
+            b.at(D1 + hour * H + 20).send("Orders", b"o" * 150)
+    rollup_mod.run_rollup(spark, store, out, date="2024-03-09")
+
+    real, nested = rollup_mod.previous_stores, []
+
+    def read_then_overlap(spark_, out_dir, date, broker):
+        ids = real(spark_, out_dir, date, broker)
+        if date == "2024-03-10" and not nested:         # after the first check: the other store's run
+            nested.append(rollup_mod.run_rollup(spark, other, out, date="2024-03-09"))
+        return ids
+    monkeypatch.setattr(rollup_mod, "previous_stores", read_then_overlap)
+    with pytest.raises(ValueError, match="another store"):
+        rollup_mod.run_rollup(spark, store, out, date="2024-03-10")
+    assert nested

@@ -54,6 +54,15 @@ def test_every_alert_has_severity_summary_and_description():
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
 
 
+def test_every_alert_is_in_the_operations_guide_with_its_severity():
+    """docs/operations.md's alert table is what an operator reads to know what pages them: an alert added to
+    alerts.yml without its row (TxmqTransactionsLost, critical) was one they learnt of when it fired."""
+    rules = [r for g in yaml.safe_load((OPS / "prometheus" / "alerts.yml").read_text())["groups"] for r in g["rules"]]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| (Txmq\w+) \|.*\| (warning|critical) \|$",
+                                             (REPO / "docs" / "operations.md").read_text(), re.M)}
+    assert {r["alert"]: r["labels"]["severity"] for r in rules} == rows
+
+
 # ------------------------------------------------------------------ systemd, cron, compose
 SYSTEMD = OPS / "systemd"
 

@@ -21,6 +21,7 @@ from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, S
 from broker.topics import TopicManager
 from broker.transaction import TransactionService
 from protocol.message import decode_record
+from protocol.txlog import DEAD
 from tests.support.bounded import bounded
 from tests.unit.test_review_transactions import Clock, add_half
 
@@ -133,6 +134,35 @@ async def test_the_manifest_names_the_newest_removed_segment_across_a_restart(tm
         await send(ctx, 100)                     # a roll rewrites the manifest: the entry stays
         manifest = json.loads((tmp_path / "s" / "segments.json").read_text())
         assert manifest["removed"] == dataclasses.asdict(facts[1])
+    finally:
+        await ctx.store.close()
+
+
+@pytest.mark.parametrize("restart", [False, True])
+@bounded(30)
+async def test_the_manifest_dates_the_active_segment_by_its_oldest_record_after_a_clock_step_back(tmp_path, restart):
+    """The wall clock stepped back across midnight while the active segment was written: its first record is of
+    day D+1, later ones of D. Its manifest entry said first_ts = the first record's, so `rollup --date D` (which
+    reads the segments that can hold D by the manifest) left it out, and D's records in it went uncounted."""
+    from ops.spark.manifest import segments_for_window
+    from ops.spark.segments import list_segments
+
+    day = T0 - T0 % (24 * H)                  # D+1 00:00
+    clock = Clock(day + 5 * 60_000)
+    ctx = await make(tmp_path, clock)
+    await send(ctx, 3)                         # D+1 00:05
+    clock.now = day - 5 * 60_000
+    await send(ctx, 3)                         # D 23:55: NTP stepped the clock back
+    if restart:
+        await ctx.store.close()
+        ctx = await make(tmp_path, clock)
+    try:
+        await ctx.store.refresh_manifest()     # what the checkpoint loop does every turn
+        store = str(tmp_path / "s")
+        segs = list_segments(store)
+        assert len(segs) == 1 and segs[0].active
+        assert segments_for_window(segs, store, day - 24 * H, day) == segs
+        assert (await ctx.store.segment_facts())[-1].first_ts == day - 5 * 60_000
     finally:
         await ctx.store.close()
 
@@ -319,6 +349,115 @@ async def test_a_slave_removes_segments_with_halves_in_them_without_writing(tmp_
         assert [n for n, _ in removed] == before[:-1] and {w for _, w in removed} == {"pressure"}
         assert not ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 8, 1 << 20).buffers   # wrote nothing
         assert half.half_offset < ctx.store.min_physical_offset
+    finally:
+        await ctx.store.close()
+
+
+@pytest.mark.parametrize("slave_restarts", [0, 1])
+@bounded(30)
+async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments_took(tmp_path, caplog,
+                                                                                       slave_restarts):
+    """A slave removes expired segments without dead-lettering the halves in them: its master does. Promoted
+    before its master did (the master lost), it recovered without them and said nothing -- an undecided
+    transaction gone without a dead letter, a log line or a count. It is said and counted, once; a restart
+    as a slave in between (which dropped them from its snapshot) keeps quiet and keeps them in mind."""
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided on the master")
+    await send(ctx, 80)
+    await ctx.store.close()
+    clock.now = T0 + 100 * H
+    ctx = await make(tmp_path, clock, **slave)
+    ctx.store.set_replica_only()
+    try:
+        assert half.half_offset in ctx.tx.pending                        # its start-up index: the master's half
+        removed = await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert removed and half.half_offset < ctx.store.min_physical_offset
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    for _ in range(slave_restarts):
+        caplog.clear()
+        ctx = await make(tmp_path, clock, **slave)
+        try:
+            assert half.half_offset not in ctx.tx.pending and not [r for r in caplog.records if r.levelname == "ERROR"]
+            await ctx.tx.stop()
+        finally:
+            await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                                     # restarted as the master
+    try:
+        assert half.half_offset not in ctx.tx.pending
+        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "lost" in r.getMessage()]
+        assert len(said) == 1 and f"{half.half_offset}" in said[0] and "slave" in said[0], said
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 1
+        await ctx.tx.stop()                                               # its snapshot: without the half
+    finally:
+        await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                                     # said once: the next start is quiet
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_promoted_slave_is_quiet_about_a_removed_half_its_master_dead_lettered(tmp_path, caplog):
+    """The master's dead letter of a half (its op record copied to the slave) after the slave removed the half's
+    segment and restarted: the promotion has nothing to say."""
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided on the master")
+    await send(ctx, 80)
+    await ctx.store.close()
+    clock.now = T0 + 100 * H
+    ctx = await make(tmp_path, clock, **slave)
+    try:
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    ctx = await make(tmp_path, clock, **slave)
+    try:
+        op = ctx.tx.records.decision(DEAD, half.half_offset, half.queue_offset, reason="expired")
+        assert (await ctx.store.put(op)).ok                             # as the copy of its master's log writes it
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_plan_is_refused_whole_by_a_slave(tmp_path):
+    """A plan made from a slave's store (Spark run there to spare the master) names the slave's store id, and the
+    slave took it: its halves "skipped" (its store refuses the dead letters), its segments removed -- the reply
+    a success, while the master, whose halves they are, was never told. Refused whole, nothing changed."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        half = await add_half(ctx, b"undecided on the master")
+        await send(ctx, 80)
+        clock.now = T0
+        ctx.config = dataclasses.replace(ctx.config, broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+        ctx.store.set_replica_only()
+        before = names(ctx)
+        plan = await spark_like_plan(ctx, clock.now)
+        plan["halves"] = [{"commit_log_offset": half.half_offset, "queue_offset": half.queue_offset,
+                           "producer_group": "PG", "topic": "T", "store_timestamp": T0 - 80 * H, "uniq_key": None}]
+        assert plan["segments"]
+        with pytest.raises(PlanRefused, match="SLAVE"):
+            await Retention(ctx).apply_plan(plan)
+        assert names(ctx) == before and half.half_offset in ctx.tx.pending
     finally:
         await ctx.store.close()
 
@@ -521,14 +660,141 @@ async def test_a_slave_removes_an_expired_segment_only_once_its_master_has(tmp_p
         removed_to = [facts[1].start]           # the master removed the first segment
         r.master_removed_to = lambda _end: removed_to[0]
         assert await r.clean_once() == [(facts[0].name, "expired")]
-        plan = {"version": 2, "store_id": ctx.store.store_id, "now_ms": clock.now,
-                "segments": [{"name": f.name, "start_offset": f.start, "end_offset": f.end,
-                              "last_store_timestamp": f.last_ts} for f in facts[1:2]]}
-        kept = (await r.apply_plan(plan))["segments_kept"]      # a plan for the slave's own store: the same rule
-        assert [k["name"] for k in kept] == [facts[1].name] and "its master still holds it" in kept[0]["why"]
         usage[0] = 0.90                                         # disk pressure forces it out, saying so
         with caplog.at_level(logging.ERROR, logger="txmq.retention"):
             assert (await r.clean_once())[0][0] == facts[1].name
         assert any("lost to this slave promoted" in rec.getMessage() for rec in caplog.records)
+    finally:
+        await ctx.store.close()
+
+
+@pytest.mark.parametrize("slave_restarts", [0, 1])
+@bounded(30)
+async def test_a_promoted_slave_is_quiet_about_a_half_decided_by_an_op_its_cleaner_removed_too(tmp_path, caplog,
+                                                                                                slave_restarts):
+    """A slave writes its transaction snapshot at start only: the halves undecided then stay in it, and the next
+    start replays the op records after it. A slave up longer than the retention removed the segments of the
+    halves undecided at its start *and* of the master's decisions of them (a commit seconds later): the next
+    start found neither, and took each for an undecided half lost -- an ERROR and the critical alert at the
+    promotion of every long-running slave, for transactions committed days ago (and, across slave restarts,
+    their offsets kept in its snapshot for good). Without the op records after its snapshot, a start cannot
+    tell: it says so (WARNING) and counts nothing."""
+    from protocol.txlog import COMMIT
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"committed on the master seconds later")
+    await ctx.tx.stop()
+    await ctx.store.close()
+    ctx = await make(tmp_path, clock, **slave)         # its start-up snapshot: the half undecided
+    try:
+        assert half.half_offset in ctx.tx.pending
+        op = ctx.tx.records.decision(COMMIT, half.half_offset, half.queue_offset)
+        assert (await ctx.store.put(op)).ok                 # the master's commit, as the copy of its log writes it
+        await send(ctx, 80)
+        clock.now = T0 + 100 * H
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert op is not None and ctx.store.min_offset("RMQ_SYS_TRANS_OP_HALF_TOPIC", 0) > 0   # the commit went too
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    for _ in range(slave_restarts):
+        ctx = await make(tmp_path, clock, **slave)
+        try:
+            assert ctx.tx.removed_undecided == []           # nothing kept that no op can ever clear
+            await ctx.tx.stop()
+        finally:
+            await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                        # promoted
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+        assert half.half_offset not in ctx.tx.pending
+    finally:
+        await ctx.store.close()
+
+
+@pytest.mark.parametrize("slave_restarts", [0, 1])
+@pytest.mark.parametrize("decided", [False, True])
+@bounded(30)
+async def test_a_promoted_slave_says_the_undecided_halves_copied_after_its_start_that_its_cleaner_removed(
+        tmp_path, caplog, decided, slave_restarts):
+    """A slave's snapshot is its start's: a half copied from its master later is in none, and the next start scans
+    the halves from the snapshot's floor. Its cleaner removed the segment of such a half (undecided: its master
+    had not dead-lettered it) and the start that promoted it began the scan past them -- the half gone without
+    a word, the case of most halves of a slave up for days. Each half queue offset between the floor and the
+    log's first half without a decision is said and counted (kept by a slave's restart); one its master decided,
+    the op copied after the removed segment, is not."""
+    from protocol.message import Prop
+    from protocol.txlog import COMMIT
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock, **slave)          # its start-up snapshot: no half
+    try:
+        props = {Prop.UNIQ_KEY: "U-copied", Prop.PGROUP: "PG", Prop.TRAN_MSG: "true"}
+        req = ctx.tx.records.half(body=b"copied after the start", real_topic="T", real_qid=0, flag=0, sys_flag=0,
+                                  born_timestamp=T0, born_host=ctx.store_host, props=props)
+        put = await ctx.store.put(req)                      # as the copy of its master's log writes it
+        assert put.ok
+        await send(ctx, 80)
+        if decided:                                         # the master's commit, in a segment the slave keeps
+            assert (await ctx.store.put(ctx.tx.records.decision(COMMIT, put.physical_offset, 0))).ok
+        clock.now = T0 + 100 * H
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert put.physical_offset < ctx.store.min_physical_offset
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    for _ in range(slave_restarts):
+        caplog.clear()
+        ctx = await make(tmp_path, clock, **slave)
+        try:
+            assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+            assert ctx.tx.removed_undecided_queue == ([] if decided else [0])
+            await ctx.tx.stop()
+        finally:
+            await ctx.store.close()
+    caplog.clear()
+    ctx = await make(tmp_path, clock)                        # promoted
+    try:
+        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "lost" in r.getMessage()]
+        assert len(said) == (0 if decided else 1), caplog.text
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == (0 if decided else 1)
+    finally:
+        await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_promoted_slave_killed_before_its_first_snapshot_does_not_say_the_lost_halves_again(tmp_path,
+                                                                                                   caplog):
+    """The start that promoted a slave said and counted its lost halves, but the snapshot that still named them
+    (the slave's) was replaced only by the master's first periodic one or its stop: killed before either, each
+    start said and counted them again, the critical alert firing anew for the same halves."""
+    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided on the master")
+    await send(ctx, 80)
+    await ctx.store.close()
+    clock.now = T0 + 100 * H
+    ctx = await make(tmp_path, clock, **slave)
+    ctx.store.set_replica_only()
+    try:
+        assert await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert half.half_offset < ctx.store.min_physical_offset
+        await ctx.tx.stop()
+    finally:
+        await ctx.store.close()
+    ctx = await make(tmp_path, clock)                                     # promoted: said once
+    try:
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 1
+    finally:
+        await ctx.store.close()                                           # killed: no tx.stop, no periodic snapshot
+    caplog.clear()
+    ctx = await make(tmp_path, clock)
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
     finally:
         await ctx.store.close()
