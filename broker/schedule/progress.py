@@ -115,7 +115,10 @@ def load_snapshot(config_dir: str) -> Progress:
         return Progress()
 
 
-def write_snapshot(config_dir: str, data: dict) -> None:
+def write_snapshot(config_dir: str, data: "dict | Progress") -> None:
     """Write delayOffset.json with the catalogues' save (temp file synced, the previous one kept as
-    delayOffset.json.bak as RocketMQ keeps it, rename, directory synced). Runs off the event loop."""
+    delayOffset.json.bak as RocketMQ keeps it, rename, directory synced). Runs off the event loop; a ``Progress``
+    (a copy the loop no longer changes) is made into its JSON here too."""
+    if isinstance(data, Progress):
+        data = data.to_json()
     save(os.path.join(config_dir, SNAPSHOT_NAME), with_crc(json.dumps(data, separators=(",", ":")).encode()))

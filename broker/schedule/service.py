@@ -196,14 +196,20 @@ class ScheduleService:
             log.error("%s not written at stop (progress is replayed from the log): %s", self.config_dir, exc)
 
     async def snapshot(self) -> None:
-        """Write delayOffset.json when progress moved and its last record is flushed."""
+        """Write delayOffset.json when progress moved and its last record is flushed. The loop copies the progress;
+        its sort and JSON are made on a worker thread (``write_snapshot``): one undelivered timer holds the floor
+        back while every timer after it is delivered (into ``timer_done``), and made on the loop, the sorted list
+        and its repr (the change key) cost 164 ms a million of them, every 10 s."""
         if not self._recovered or self._progress_end > self.ctx.store.flushed_offset:
             return
-        data = self.progress.to_json()
-        key = repr(data)
+        p = self.progress
+        # Progress moves by progress records (progress_offset) or the floor's bounded steps (raise_floor)
+        key = (p.progress_offset, p.timer_floor, len(p.timer_done), tuple(sorted(p.levels.items())))
         if key == self._snapshot_key:
             return
-        await asyncio.to_thread(write_snapshot, self.config_dir, data)
+        view = Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=set(p.timer_done),
+                        progress_offset=p.progress_offset)
+        await asyncio.to_thread(write_snapshot, self.config_dir, view)
         self._snapshot_key = key
 
     async def _snapshots(self) -> None:

@@ -750,3 +750,32 @@ async def test_a_removed_segment_of_delivered_timers_is_gone_over_a_bounded_step
     last = store.queue_unit(PROGRESS_TOPIC, 0, store.max_offset(PROGRESS_TOPIC, 0) - 1)
     assert decode_progress(decode_record(store.get_record(last[0]))[0].body)[1] == [0]     # passed over, once
     await store.close()
+
+
+@bounded()
+async def test_delay_offset_json_is_sorted_and_encoded_off_the_event_loop(tmp_path, monkeypatch):
+    """One undelivered timer holds the floor back while every timer after it is delivered: they are kept in
+    timerDone until it goes (up to timer_max_delay_s). The snapshot every 10 s sorted them and took the repr of
+    the whole table as its change key on the loop, 164 ms a million. The loop copies the progress; the sort and
+    the JSON are made on a worker thread, and what it writes is the progress as it was."""
+    import threading
+    from broker.schedule.progress import Progress
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _schedule(svc, "T", b"held", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    for i in range(3):
+        await _schedule(svc, "T", b"due-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + 1_000)}, clock.now)
+    assert await svc.run_due(101_000, 101_000) == 3
+    made_on = []
+    to_json = Progress.to_json
+    monkeypatch.setattr(Progress, "to_json", lambda self: made_on.append(threading.get_ident()) or to_json(self))
+    await svc.snapshot()
+    assert made_on and threading.get_ident() not in made_on
+    monkeypatch.undo()
+    with open(os.path.join(svc.config_dir, "delayOffset.json"), "rb") as fh:
+        saved = json.loads(fh.read())
+    assert (saved["timerFloor"], saved["timerDone"]) == (0, [1, 2, 3])
+    made_on.clear()
+    await svc.snapshot()            # unchanged: not written again
+    assert not made_on
+    await svc.ctx.store.close()
