@@ -207,7 +207,8 @@ class ScheduleService:
         key = (p.progress_offset, p.timer_floor, len(p.timer_done), tuple(sorted(p.levels.items())))
         if key == self._snapshot_key:
             return
-        view = Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=set(p.timer_done),
+        # (a list: 10 ms a million to copy, a set 35; to_json sorts it there)
+        view = Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=list(p.timer_done),
                         progress_offset=p.progress_offset)
         await asyncio.to_thread(write_snapshot, self.config_dir, view)
         self._snapshot_key = key
