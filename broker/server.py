@@ -42,7 +42,6 @@ from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .processors import broker_table, namesrv_table
-from .processors.pull import forget_moves
 from .registration import BrokerRegistrar
 from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
@@ -307,9 +306,6 @@ class BrokerServer:
             return False
         ctx.offsets.remove_topic(topic)
         self.metrics.forget_topic(topic)
-        # As DELETE_TOPIC_IN_BROKER does: a slave serves pulls too (slave reads), and one made again here from
-        # offset 0 had its groups' moves past removed messages taken for asks again of what was counted, unsaid.
-        forget_moves(topic)
         log.warning("topic %s deleted: its master has it no more (%d consume queues removed)", topic, queues)
         return True
 

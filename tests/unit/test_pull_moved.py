@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 from broker.metrics import BrokerMetrics
 from broker.processors import pull
-from tests.support.bounded import bounded
 
 
 def test_moves_of_names_a_client_makes_up_are_counted_but_not_each_logged(caplog, monkeypatch):
@@ -39,25 +38,3 @@ def test_a_deleted_topics_move_marks_go_whatever_its_groups_are_named(monkeypatc
     pull._moved_past_removed(ctx, "CG", "Kept", 0, 5, 100)
     pull.forget_moves("T")
     assert list(pull._moved_to) == ["CG\0Kept\0" + "0"]
-
-
-@bounded()
-async def test_a_topic_a_slave_deletes_after_its_master_forgets_its_move_marks(monkeypatch):
-    """A slave serves pulls (slave reads) and counts moves past removed messages as its master does. Its master's
-    DELETE_TOPIC_IN_BROKER forgot the topic's marks (retention), but the slave's own delete of a topic its master
-    has no more (server._delete_followed_topic) kept them: made again from offset 0, its groups' moves were taken
-    for asks again of what was counted, and went uncounted and unsaid."""
-    from broker.server import BrokerServer
-    monkeypatch.setattr(pull, "_moved_to", {})
-    monkeypatch.setattr(pull, "_moved", pull.EveryKey(60.0))
-    ctx = SimpleNamespace(offsets=SimpleNamespace(get=lambda *key: 5, remove_topic=lambda topic: None),
-                          metrics=BrokerMetrics(), topics=SimpleNamespace(delete=lambda topic: True))
-
-    async def delete_topic(topic, then, written_from=None):
-        then()
-        return 1
-    ctx.store = SimpleNamespace(delete_topic=delete_topic)
-    pull._moved_past_removed(ctx, "CG", "T", 0, 5, 100)
-    server = SimpleNamespace(ctx=ctx, metrics=ctx.metrics)
-    assert await BrokerServer._delete_followed_topic(server, "T", 0)
-    assert pull._moved_to == {}
