@@ -701,3 +701,81 @@ async def test_removed_timers_leave_the_waiting_count_when_passed_over_not_at_th
     assert dict(svc.waiting())["timer"] == 0
     assert not svc._written_off                         # nothing kept for good
     await store.close()
+
+
+@bounded()
+async def test_a_removed_segment_of_delivered_timers_is_gone_over_a_bounded_step_a_turn(tmp_path, monkeypatch):
+    """One undelivered timer holds the floor back while every timer after it is delivered (kept in timerDone).
+    Retention removes their segment: the scan for removed timers went over every offset the segment held in one
+    turn on the event loop (74 ms a million; again every second while the disk refused the batch), and the batch
+    passing over the one lost timer moved the floor over all the delivered ones in one step (210 ms a million).
+    Now SCAN_PER_TURN offsets a turn, the next turn at once, with the same outcome."""
+    import broker.schedule.service as service_module
+    monkeypatch.setattr(service_module, "SCAN_PER_TURN", 4)
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    await _schedule(svc, "T", b"held", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    for i in range(20):
+        await _schedule(svc, "T", b"due-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + 1_000)}, clock.now)
+    assert await svc.run_due(101_000, 101_000) == 20
+    assert (svc.progress.timer_floor, len(svc.progress.timer_done)) == (0, 20)     # held back by offset 0
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await store.remove_segment(store.segments()[0].name, "test")
+
+    looked = []
+    delivered = svc.progress.timer_delivered
+    monkeypatch.setattr(svc.progress, "timer_delivered", lambda q: looked.append(q) or delivered(q))
+    disk = store.disk
+    disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
+    for _ in range(3):          # refused: looked over again each time, a bounded step each time
+        looked.clear()
+        assert await svc.run_due(102_000, 102_000) == -1
+        assert len(looked) <= 4
+    disk.refusing = False
+    floors, turns = [], 0
+    while svc.progress.timer_floor < 21:
+        looked.clear()
+        before = svc.progress.timer_floor
+        await svc.run_due(102_000, 102_000)
+        assert len(looked) <= 4 and svc.progress.timer_floor - before <= 8     # this turn's step and the batch's
+        if svc.progress.timer_floor < 21:
+            assert svc.next_due == 102_000       # the next step at once
+        floors.append(svc.progress.timer_floor)
+        turns += 1
+        assert turns < 20
+    assert svc.progress.timer_done == set()
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"}) == 1
+    last = store.queue_unit(PROGRESS_TOPIC, 0, store.max_offset(PROGRESS_TOPIC, 0) - 1)
+    assert decode_progress(decode_record(store.get_record(last[0]))[0].body)[1] == [0]     # passed over, once
+    await store.close()
+
+
+@bounded()
+async def test_delay_offset_json_is_sorted_and_encoded_off_the_event_loop(tmp_path, monkeypatch):
+    """One undelivered timer holds the floor back while every timer after it is delivered: they are kept in
+    timerDone until it goes (up to timer_max_delay_s). The snapshot every 10 s sorted them and took the repr of
+    the whole table as its change key on the loop, 164 ms a million. The loop copies the progress; the sort and
+    the JSON are made on a worker thread, and what it writes is the progress as it was."""
+    import threading
+    from broker.schedule.progress import Progress
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _schedule(svc, "T", b"held", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    for i in range(3):
+        await _schedule(svc, "T", b"due-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + 1_000)}, clock.now)
+    assert await svc.run_due(101_000, 101_000) == 3
+    made_on = []
+    to_json = Progress.to_json
+    monkeypatch.setattr(Progress, "to_json", lambda self: made_on.append(threading.get_ident()) or to_json(self))
+    await svc.snapshot()
+    assert made_on and threading.get_ident() not in made_on
+    monkeypatch.undo()
+    with open(os.path.join(svc.config_dir, "delayOffset.json"), "rb") as fh:
+        saved = json.loads(fh.read())
+    assert (saved["timerFloor"], saved["timerDone"]) == (0, [1, 2, 3])
+    made_on.clear()
+    await svc.snapshot()            # unchanged: not written again
+    assert not made_on
+    await svc.ctx.store.close()
