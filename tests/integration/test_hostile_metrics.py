@@ -70,6 +70,18 @@ async def _commit_all(conn, groups, offset: int) -> set:
     return set(await asyncio.gather(*(made(g) for g in groups)))
 
 
+async def _long_named_groups_lag_1_each(broker, n: int) -> None:
+    """One message on Folded, then n made-up groups commit offset 0: names of 255 characters (6 digits and 249
+    emoji, 4 bytes of UTF-8 and 12 of JSON escapes each)."""
+    conn = await _connect(broker)
+    try:
+        await _send(conn, 1)
+        codes = await _commit_all(conn, (f"{i:06d}" + "\U0001F600" * 249 for i in range(n)), 0)
+        assert codes == {ResponseCode.SUCCESS}
+    finally:
+        conn.close()
+
+
 async def _scrape_when_lag_is(broker, total) -> tuple[dict, dict]:
     """A scrape (as _scrape) once the lags on Folded and _other sum to ``total`` (the gauges sum a large offset
     table in slices), or the last of 200 tries."""
@@ -179,13 +191,7 @@ async def test_long_made_up_group_names_cannot_grow_a_snapshot_line_past_its_bud
     per_row = 12 * 255
     made_up = BrokerMetrics.max_snapshot_lag_bytes // per_row + 500       # far fewer than the row cap
     assert made_up < BrokerMetrics.max_snapshot_lag_rows
-    conn = await _connect(broker)
-    try:
-        await _send(conn, 1)
-        codes = await _commit_all(conn, (f"{i:06d}" + "\U0001F600" * 249 for i in range(made_up)), 0)
-        assert codes == {ResponseCode.SUCCESS}
-    finally:
-        conn.close()
+    await _long_named_groups_lag_1_each(broker, made_up)
     rows = await _snapshot_when_lag_is(broker, made_up, tries=300)
     assert sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == made_up
     files = sorted((Path(broker.store_dir) / "metrics").glob("*.jsonl"))
@@ -214,13 +220,7 @@ async def test_long_made_up_group_names_cannot_grow_the_lag_gauge_past_its_budge
     per_row = 4 * 249 + 6 + len("Folded")
     made_up = BrokerMetrics.max_series_bytes // per_row + 500           # far fewer than max_series
     assert made_up < BrokerMetrics.max_series
-    conn = await _connect(broker)
-    try:
-        await _send(conn, 1)
-        codes = await _commit_all(conn, (f"{i:06d}" + "\U0001F600" * 249 for i in range(made_up)), 0)
-        assert codes == {ResponseCode.SUCCESS}
-    finally:
-        conn.close()
+    await _long_named_groups_lag_1_each(broker, made_up)
     loop = asyncio.get_running_loop()
     for _ in range(200):
         size, total = await loop.run_in_executor(None, _lag_label_bytes, broker)
