@@ -25,19 +25,9 @@ async def test_a_queue_taken_back_during_its_hand_over_is_consumed_again_once_th
     back. Its pull loop was started at once and, the queue still leaving, ended before its first pull,
     left in ``_loops`` as a finished task that no later rebalance replaced: the queue stopped for good."""
     mq = MessageQueue("T", "b", 0)
-    release = asyncio.Event()
-    in_hand = asyncio.Event()
     pulls = []
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
+    consumer, ids, in_hand, release = _holding_its_message(handover_grace_s=10)
+    me = ids[0]
     stored = {mq: 0}            # the broker's committed offsets
     _fake_broker(consumer, mq, ids=ids, pull={0: 1}, pulls=pulls, start_offset=stored, write=stored)
     first = None
@@ -101,17 +91,8 @@ async def test_an_orderly_queue_being_handed_over_keeps_its_lock_renewed_while_i
     broker's lock life (60 s) let the next owner lock and consume the queue while the old owner's message
     was still in hand, out of order."""
     mq = MessageQueue("T", "b", 0)
-    release, in_hand = asyncio.Event(), asyncio.Event()
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, orderly=True, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
+    consumer, ids, in_hand, release = _holding_its_message(orderly=True, handover_grace_s=10)
+    me = ids[0]
     asked, unlocked = [], []
 
     async def lock_queues(mqs):
@@ -520,6 +501,21 @@ def _fake_broker(consumer, mq, *, ids=None, pull=None, pulls=None, start_offset=
         client.send_back = send_back
 
 
+def _holding_its_message(**options):
+    """A PushConsumer of group G subscribed to T, alone in its group ``ids`` (put "!" first to give the queue
+    away), whose listener holds each message until ``release`` is set; ``in_hand`` is set once it has one."""
+    release, in_hand = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        in_hand.set()
+        await release.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, **options)
+    consumer.subscribe("T")
+    return consumer, [consumer.client.client_id], in_hand, release
+
+
 def _store_in(stored):
     """An offset commit that lands in ``stored`` by queue."""
     async def write(q, offset):
@@ -633,17 +629,8 @@ async def test_an_orderly_queue_whose_connection_broke_during_its_hand_over_is_s
     the hand-over unlocked only the queues still in ``_locks``, so it left it held, and the queue's next owner
     waited for the broker's lock expiry (60 s) before it could consume."""
     mq = MessageQueue("T", "b", 0)
-    release, in_hand = asyncio.Event(), asyncio.Event()
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, orderly=True, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
+    consumer, ids, in_hand, release = _holding_its_message(orderly=True, handover_grace_s=10)
+    me = ids[0]
     unlocked = []
     _fake_broker(consumer, mq, ids=ids, lock_queues=_grant, unlock_queues=unlocked, pull={0: 1}, start_offset=0,
                  write=_discard)
@@ -898,17 +885,8 @@ async def test_an_offset_reset_of_a_queue_being_handed_over_is_not_undone_by_its
     over it: the queue's next owner went on from there, the reset undone on that queue alone. As RocketMQ's client
     (the reset's offset is the one its hand-over persists), the hand-over commits the reset's offset."""
     mq = MessageQueue("T", "b", 0)
-    release, in_hand = asyncio.Event(), asyncio.Event()
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
+    consumer, ids, in_hand, release = _holding_its_message(handover_grace_s=10)
+    me = ids[0]
     stored = []
     _fake_broker(consumer, mq, ids=ids, pull={5: 1}, start_offset=5, write=stored)
     handing = None
