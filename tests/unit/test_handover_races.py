@@ -701,6 +701,18 @@ async def test_a_replaced_connections_late_close_beats_and_keeps_the_locks():
     assert mq not in consumer.locked_queues and consumer._relock_now.is_set()
 
 
+async def _no_rebalance():
+    pass
+
+
+def _rebalance_loop(consumer, request, rebalance=_no_rebalance):
+    """Starts ``consumer``'s rebalance loop (its heartbeats) with each broker request answered by ``request`` and
+    each rebalance turn replaced by ``rebalance`` (by default: nothing)."""
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    return asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+
+
 @bounded(10)
 async def test_a_broker_out_of_reach_is_beaten_again_when_another_refuses_the_heartbeat():
     """Two brokers: the connection to one is lost (it restarts), the other refuses the heartbeat (SYSTEM_BUSY past
@@ -720,12 +732,7 @@ async def test_a_broker_out_of_reach_is_beaten_again_when_another_refuses_the_he
                 second.set()
             raise ConnectionClosedError(f"cannot connect to {addr}")
         return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
-
-    async def rebalance():
-        pass
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request)
     try:
         consumer._on_connection_lost(down)
         await second.wait()
@@ -753,12 +760,7 @@ async def test_a_heartbeat_retry_beats_only_the_brokers_the_last_beat_did_not_re
                 third.set()
             raise ConnectionClosedError(f"cannot connect to {addr}")
         return RemotingCommand(ResponseCode.SUCCESS, flag=1)
-
-    async def rebalance():
-        pass
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request)
     try:
         consumer._on_connection_lost(down)
         await third.wait()          # the beat the loss asked for, and two retries
@@ -794,9 +796,7 @@ async def test_a_group_change_told_during_a_heartbeat_retry_that_also_lost_a_con
     async def rebalance():
         if beats >= 2:
             rebalanced.set()
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request, rebalance)
     try:
         consumer._on_connection_lost(down)
         await rebalanced.wait()
@@ -824,12 +824,7 @@ async def test_a_refused_heartbeat_with_a_broker_out_of_reach_is_warned_once_not
                 second.set()
             raise ConnectionClosedError(f"cannot connect to {addr}")
         return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
-
-    async def rebalance():
-        pass
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request)
     try:
         with caplog.at_level(logging.DEBUG, logger="txmq.consumer"):
             consumer._on_connection_lost(down)
