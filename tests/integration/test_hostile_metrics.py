@@ -41,6 +41,71 @@ def _last_snapshot_lag(broker) -> list[dict]:
     return json.loads(lines[-1])["consumer_lag"] if lines else []
 
 
+async def _connect(broker):
+    host, _, port = broker.broker.rpartition(":")
+    return await open_connection(host, int(port), max_in_flight=1 << 16)
+
+
+async def _send(conn, n: int) -> None:
+    """n messages to topic Folded (one queue), by producer group PG_fold."""
+    fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
+    for _ in range(n):
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
+        assert sent.code == ResponseCode.SUCCESS
+
+
+async def _commit(conn, group: str, offset: int) -> int:
+    """The response code of ``group``'s commit of ``offset`` on Folded's queue."""
+    return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+        "consumerGroup": group, "topic": "Folded", "queueId": 0, "commitOffset": offset}), 30)).code
+
+
+async def _commit_all(conn, groups, offset: int) -> set:
+    """The response codes of each group's commit of ``offset``, 200 of them in flight at a time."""
+    room = asyncio.Semaphore(200)
+
+    async def made(group: str) -> int:
+        async with room:
+            return await _commit(conn, group, offset)
+    return set(await asyncio.gather(*(made(g) for g in groups)))
+
+
+async def _long_named_groups_lag_1_each(broker, n: int) -> None:
+    """One message on Folded, then n made-up groups commit offset 0: names of 255 characters (6 digits and 249
+    emoji, 4 bytes of UTF-8 and 12 of JSON escapes each)."""
+    conn = await _connect(broker)
+    try:
+        await _send(conn, 1)
+        codes = await _commit_all(conn, (f"{i:06d}" + "\U0001F600" * 249 for i in range(n)), 0)
+        assert codes == {ResponseCode.SUCCESS}
+    finally:
+        conn.close()
+
+
+async def _scrape_when_lag_is(broker, total) -> tuple[dict, dict]:
+    """A scrape (as _scrape) once the lags on Folded and _other sum to ``total`` (the gauges sum a large offset
+    table in slices), or the last of 200 tries."""
+    loop = asyncio.get_running_loop()
+    for _ in range(200):
+        lag, folded = await loop.run_in_executor(None, _scrape, broker)
+        if sum(v for k, v in lag.items() if k[1] in ("Folded", OTHER)) == total:
+            break
+        await asyncio.sleep(0.1)
+    return lag, folded
+
+
+async def _snapshot_when_lag_is(broker, total, tries: int = 200) -> list[dict]:
+    """The last snapshot's lag rows once those on Folded and _other sum to ``total`` (a snapshot taken after the
+    commits: one a second), or the last of ``tries``."""
+    loop = asyncio.get_running_loop()
+    for _ in range(tries):
+        rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
+        if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == total:
+            break
+        await asyncio.sleep(0.1)
+    return rows
+
+
 @bounded(120)
 async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_factory):
     """The lag gauge had one series per (group, topic) with an offset, and offsets cost a client nothing up to
@@ -51,35 +116,17 @@ async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_fa
     snapshots' lag rows (one an offset, 4 MB a line, each minute, kept a week) likewise past max_snapshot_lag_rows."""
     broker = broker_factory("--metrics-snapshot-interval-s", "1")
     made_up = BrokerMetrics.max_snapshot_lag_rows + 50
-    host, _, port = broker.broker.rpartition(":")
-    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    conn = await _connect(broker)
     try:
-        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
-        for _ in range(3):
-            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
-            assert sent.code == ResponseCode.SUCCESS
-
-        async def commit(group: str, offset: int) -> int:
-            return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-                "consumerGroup": group, "topic": "Folded", "queueId": 0, "commitOffset": offset}), 30)).code
-        room = asyncio.Semaphore(200)
-
-        async def made(i: int) -> int:
-            async with room:
-                return await commit(f"CG_made_up_{i}", 2)          # lag 1 each
-        codes = await asyncio.gather(*(made(i) for i in range(made_up)))
-        assert set(codes) == {ResponseCode.SUCCESS}
-        assert await commit("CG_real", 0) == ResponseCode.SUCCESS   # lag 3, committed last
+        await _send(conn, 3)
+        codes = await _commit_all(conn, (f"CG_made_up_{i}" for i in range(made_up)), 2)       # lag 1 each
+        assert codes == {ResponseCode.SUCCESS}
+        assert await _commit(conn, "CG_real", 0) == ResponseCode.SUCCESS   # lag 3, committed last
     finally:
         conn.close()
     total = made_up * 1 + 3
-    loop = asyncio.get_running_loop()
-    for _ in range(200):            # the gauges sum a large offset table in slices: until this one is in them
-        lag, folded = await loop.run_in_executor(None, _scrape, broker)
-        mine = {k: v for k, v in lag.items() if k[1] in ("Folded", OTHER)}
-        if sum(mine.values()) == total:
-            break
-        await asyncio.sleep(0.1)
+    lag, folded = await _scrape_when_lag_is(broker, total)
+    mine = {k: v for k, v in lag.items() if k[1] in ("Folded", OTHER)}
     assert sum(mine.values()) == total
     assert len(lag) == BrokerMetrics.max_series + 1
     assert lag[("CG_real", "Folded")] == 3
@@ -90,15 +137,11 @@ async def test_made_up_groups_cannot_grow_the_lag_gauge_past_its_limit(broker_fa
            "smallest" in broker.log()
 
     cap = BrokerMetrics.max_snapshot_lag_rows
-    for _ in range(200):            # until a snapshot taken after the commits (one a second)
-        rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
-        if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == total:
-            break
-        await asyncio.sleep(0.1)
+    rows = await _snapshot_when_lag_is(broker, total)
     assert len(rows) == cap + 1
     assert {"group": "CG_real", "topic": "Folded", "queue_id": 0, "lag": 3} in rows
     assert rows[-1] == {"group": OTHER, "topic": OTHER, "queue_id": -1, "lag": made_up - (cap - 1)}
-    assert (await loop.run_in_executor(None, _scrape, broker))[1]["snapshot_consumer_lag"] >= made_up + 1 - cap
+    assert (await asyncio.get_running_loop().run_in_executor(None, _scrape, broker))[1]["snapshot_consumer_lag"] >= made_up + 1 - cap
     assert f"more than {cap} or {BrokerMetrics.max_snapshot_lag_bytes} bytes of names: the smallest lags of" in broker.log()
 
 
@@ -111,13 +154,9 @@ async def test_made_up_groups_with_larger_lags_cannot_push_the_real_groups_out(b
     -- keep their names before any other."""
     broker = broker_factory("--metrics-snapshot-interval-s", "1")
     made_up = BrokerMetrics.max_snapshot_lag_rows + 50
-    host, _, port = broker.broker.rpartition(":")
-    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
+    conn = await _connect(broker)
     try:
-        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
-        for _ in range(3):
-            sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
-            assert sent.code == ResponseCode.SUCCESS
+        await _send(conn, 3)
         created = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
                                                              json.dumps({"groupName": "CG_stored"}).encode()), 10)
         assert created.code == ResponseCode.SUCCESS, created.remark
@@ -125,30 +164,13 @@ async def test_made_up_groups_with_larger_lags_cannot_push_the_real_groups_out(b
             "clientID": "real", "consumerDataSet": [{"groupName": "CG_live", "subscriptionDataSet": [
                 {"topic": "Folded", "subString": "*"}]}]}).encode()), 10)
         assert beat.code == ResponseCode.SUCCESS
-
-        async def commit(group: str, offset: int) -> int:
-            return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-                "consumerGroup": group, "topic": "Folded", "queueId": 0, "commitOffset": offset}), 30)).code
-        room = asyncio.Semaphore(200)
-
-        async def made(i: int) -> int:
-            async with room:
-                return await commit(f"CG_made_up_{i}", 0)          # lag 3 each
-        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
+        codes = await _commit_all(conn, (f"CG_made_up_{i}" for i in range(made_up)), 0)       # lag 3 each
+        assert codes == {ResponseCode.SUCCESS}
         for group in ("CG_live", "CG_stored"):
-            assert await commit(group, 2) == ResponseCode.SUCCESS   # lag 1: the smallest here
+            assert await _commit(conn, group, 2) == ResponseCode.SUCCESS   # lag 1: the smallest here
         total = made_up * 3 + 2
-        loop = asyncio.get_running_loop()
-        for _ in range(200):            # the gauges sum a large offset table in slices: until these are in them
-            lag, folded = await loop.run_in_executor(None, _scrape, broker)
-            if sum(v for k, v in lag.items() if k[1] in ("Folded", OTHER)) == total:
-                break
-            await asyncio.sleep(0.1)
-        for _ in range(200):            # until a snapshot taken after the commits (one a second)
-            rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
-            if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == total:
-                break
-            await asyncio.sleep(0.1)
+        lag, folded = await _scrape_when_lag_is(broker, total)
+        rows = await _snapshot_when_lag_is(broker, total)
     finally:
         conn.close()            # (CG_live's consumer is connected until here)
     assert sum(v for k, v in lag.items() if k[1] in ("Folded", OTHER)) == total
@@ -169,28 +191,8 @@ async def test_long_made_up_group_names_cannot_grow_a_snapshot_line_past_its_bud
     per_row = 12 * 255
     made_up = BrokerMetrics.max_snapshot_lag_bytes // per_row + 500       # far fewer than the row cap
     assert made_up < BrokerMetrics.max_snapshot_lag_rows
-    host, _, port = broker.broker.rpartition(":")
-    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
-    try:
-        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
-        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
-        assert sent.code == ResponseCode.SUCCESS
-        room = asyncio.Semaphore(200)
-
-        async def made(i: int) -> int:
-            name = f"{i:06d}" + "\U0001F600" * 249
-            async with room:
-                return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-                    "consumerGroup": name, "topic": "Folded", "queueId": 0, "commitOffset": 0}), 30)).code
-        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
-    finally:
-        conn.close()
-    loop = asyncio.get_running_loop()
-    for _ in range(300):            # until a snapshot taken after the commits (one a second)
-        rows = await loop.run_in_executor(None, _last_snapshot_lag, broker)
-        if sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == made_up:
-            break
-        await asyncio.sleep(0.1)
+    await _long_named_groups_lag_1_each(broker, made_up)
+    rows = await _snapshot_when_lag_is(broker, made_up, tries=300)
     assert sum(r["lag"] for r in rows if r["topic"] in ("Folded", OTHER)) == made_up
     files = sorted((Path(broker.store_dir) / "metrics").glob("*.jsonl"))
     last = files[-1].read_bytes().splitlines()[-1]
@@ -218,22 +220,7 @@ async def test_long_made_up_group_names_cannot_grow_the_lag_gauge_past_its_budge
     per_row = 4 * 249 + 6 + len("Folded")
     made_up = BrokerMetrics.max_series_bytes // per_row + 500           # far fewer than max_series
     assert made_up < BrokerMetrics.max_series
-    host, _, port = broker.broker.rpartition(":")
-    conn = await open_connection(host, int(port), max_in_flight=1 << 16)
-    try:
-        fields = SendMessageRequestHeader("PG_fold", "Folded", default_topic_queue_nums=1).to_ext_fields()
-        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE_V2, fields, b"m"), 10)
-        assert sent.code == ResponseCode.SUCCESS
-        room = asyncio.Semaphore(200)
-
-        async def made(i: int) -> int:
-            async with room:
-                return (await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-                    "consumerGroup": f"{i:06d}" + "\U0001F600" * 249, "topic": "Folded", "queueId": 0,
-                    "commitOffset": 0}), 30)).code
-        assert set(await asyncio.gather(*(made(i) for i in range(made_up)))) == {ResponseCode.SUCCESS}
-    finally:
-        conn.close()
+    await _long_named_groups_lag_1_each(broker, made_up)
     loop = asyncio.get_running_loop()
     for _ in range(200):
         size, total = await loop.run_in_executor(None, _lag_label_bytes, broker)

@@ -25,43 +25,11 @@ async def test_a_queue_taken_back_during_its_hand_over_is_consumed_again_once_th
     back. Its pull loop was started at once and, the queue still leaving, ended before its first pull,
     left in ``_loops`` as a finished task that no later rebalance replaced: the queue stopped for good."""
     mq = MessageQueue("T", "b", 0)
-    release = asyncio.Event()
-    in_hand = asyncio.Event()
     pulls = []
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
-
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
-
+    consumer, ids, in_hand, release = _holding_its_message(handover_grace_s=10)
+    me = ids[0]
     stored = {mq: 0}            # the broker's committed offsets
-
-    async def start_offset(q):
-        return stored[q]
-
-    async def pull(q, offset, **kw):
-        pulls.append(offset)
-        if offset == 0:
-            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
-        await asyncio.Event().wait()        # a long poll with nothing new
-
-    async def write(q, offset):
-        stored[q] = offset
-    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
-    consumer.client.pull = pull
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, ids=ids, pull={0: 1}, pulls=pulls, start_offset=stored, write=stored)
     first = None
     try:
         await consumer.rebalance()
@@ -107,20 +75,8 @@ async def test_a_message_that_could_not_be_handed_back_is_not_given_to_the_liste
         handed_back.set()
         raise ConnectionClosedError("the broker went away")
 
-    async def pull(q, offset, **kw):
-        if offset == 0:
-            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
-        await asyncio.Event().wait()
-
-    async def start_offset(q):
-        return 0
     writes = []
-
-    async def write(q, offset):
-        writes.append(offset)
-    consumer.client.send_back, consumer.client.pull = send_back, pull
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, send_back=send_back, pull={0: 1}, start_offset=0, write=writes)
     consumer._owned = {mq}
     consumer._start_loop(mq)
     await handed_back.wait()            # the listener said later, the hand-back failed: waiting to retry
@@ -135,47 +91,15 @@ async def test_an_orderly_queue_being_handed_over_keeps_its_lock_renewed_while_i
     broker's lock life (60 s) let the next owner lock and consume the queue while the old owner's message
     was still in hand, out of order."""
     mq = MessageQueue("T", "b", 0)
-    release, in_hand = asyncio.Event(), asyncio.Event()
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, orderly=True, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
+    consumer, ids, in_hand, release = _holding_its_message(orderly=True, handover_grace_s=10)
+    me = ids[0]
     asked, unlocked = [], []
-
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
 
     async def lock_queues(mqs):
         asked.append(set(mqs))
         return set(mqs)
-
-    async def unlock_queues(mqs):
-        unlocked.extend(mqs)
-
-    async def pull(q, offset, **kw):
-        if offset == 0:
-            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
-        await asyncio.Event().wait()
-
-    async def start_offset(q):
-        return 0
-
-    async def write(q, offset):
-        pass
-    c = consumer.client
-    c.fetch_queues, c.consumer_ids, c.lock_queues, c.unlock_queues, c.pull = (
-        fetch_queues, consumer_ids, lock_queues, unlock_queues, pull)
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, ids=ids, lock_queues=lock_queues, unlock_queues=unlocked, pull={0: 1}, start_offset=0,
+                 write=_discard)
     handing = None
     try:
         await consumer.rebalance()
@@ -211,10 +135,7 @@ async def test_a_lock_granted_for_a_queue_given_away_meanwhile_is_released_not_k
     async def lock_queues(mqs):
         consumer._owned = {kept}            # the rebalance ran meanwhile
         return set(mqs)
-
-    async def unlock_queues(mqs):
-        unlocked.extend(mqs)
-    consumer.client.lock_queues, consumer.client.unlock_queues = lock_queues, unlock_queues
+    _fake_broker(consumer, mq, lock_queues=lock_queues, unlock_queues=unlocked)
     try:
         await consumer._lock_owned()
         assert mq not in consumer._locks and kept in consumer._locks
@@ -252,15 +173,7 @@ async def test_a_listener_raising_cancelled_error_does_not_stop_its_queue_for_go
 
     async def send_back(q, msg, **kw):
         sent_back.append(msg.body)
-
-    async def start_offset(q):
-        return 0
-
-    async def write(q, offset):
-        pass
-    consumer.client.pull, consumer.client.send_back = pull, send_back
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, pull=pull, send_back=send_back, start_offset=0, write=_discard)
     consumer._owned = {mq}
     consumer._start_loop(mq)
     try:
@@ -283,11 +196,7 @@ async def test_a_pull_loop_ended_cancelled_by_no_one_is_restarted_by_the_next_re
 
     async def pull(q, offset, **kw):
         raise asyncio.CancelledError()      # not a cancel of the loop's task
-
-    async def start_offset(q):
-        return 0
-    consumer.client.pull = pull
-    consumer._start_offset = start_offset
+    _fake_broker(consumer, mq, pull=pull, start_offset=0)
     consumer._owned = {mq}
     consumer._start_loop(mq)
     try:
@@ -312,27 +221,11 @@ async def test_a_rebalance_during_an_offset_reset_does_not_start_the_queue_from_
     pulls = []
     writing, go_on = asyncio.Event(), asyncio.Event()
 
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return [me]
-
-    async def start_offset(q):
-        return stored[q]
-
-    async def pull(q, offset, **kw):
-        pulls.append(offset)
-        await asyncio.Event().wait()
-
     async def write(q, offset):
         writing.set()
         await go_on.wait()              # the broker answers slowly
         stored[q] = offset
-    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
-    consumer.client.pull = pull
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, ids=[me], pull={}, pulls=pulls, start_offset=stored, write=write)
     reset = None
     try:
         await consumer.rebalance()
@@ -376,11 +269,7 @@ async def test_shutdown_unlocks_an_owned_queue_whose_lock_request_it_cut():
 
     async def unlock_queues(mqs):
         broker_locks.difference_update(mqs)
-
-    async def write(q, offset):
-        pass
-    consumer.client.lock_queues, consumer.client.unlock_queues = lock_queues, unlock_queues
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, lock_queues=lock_queues, unlock_queues=unlock_queues, write=_discard)
     consumer._lock_task = asyncio.get_running_loop().create_task(consumer._lock_owned())
     consumer._tasks = [consumer._lock_task]
     await asyncio.wait_for(asked.wait(), 5)
@@ -462,23 +351,12 @@ async def test_a_failed_hand_over_is_counted_once(caplog):
     ids = [me]
     turns = asyncio.Queue()
 
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
-
     async def heartbeat():
         pass
 
-    async def start_offset(q):
-        return 0
-
-    async def pull(q, offset, **kw):
-        await asyncio.Event().wait()        # a long poll with nothing new
-
     async def write(q, offset):
         raise ValueError("a bug in the offset store")
+    _fake_broker(consumer, mq, ids=ids, pull={}, start_offset=0, write=write)
 
     real_rebalance = consumer.rebalance
 
@@ -487,10 +365,7 @@ async def test_a_failed_hand_over_is_counted_once(caplog):
             await real_rebalance()
         finally:
             turns.put_nowait(None)
-    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
-    consumer.client.pull = pull
-    consumer._heartbeat, consumer._start_offset, consumer.rebalance = heartbeat, start_offset, rebalance
-    consumer.offset_store.write = write
+    consumer._heartbeat, consumer.rebalance = heartbeat, rebalance
     task = None
     try:
         await real_rebalance()
@@ -566,6 +441,104 @@ async def test_a_loop_given_up_on_while_handing_its_message_back_moves_no_offset
         await consumer.shutdown()
 
 
+def _fake_broker(consumer, mq, *, ids=None, pull=None, pulls=None, start_offset=None, write=None,
+                 lock_queues=None, unlock_queues=None, send_back=None):
+    """Fakes the broker calls of ``consumer`` that are given, the others left as they are. ``ids`` is the group
+    (a list the test changes: put "!" first to give the queue away) and ``mq`` the one queue of topic T.
+    ``pull`` is the pull, or a dict of batches: a pull at an offset in it finds that many messages from there
+    (bodies m<offset>), any other waits for ever (a long poll with nothing new); pulled offsets land in ``pulls``.
+    ``start_offset`` is a number, or the dict of committed offsets. ``write`` is the offset commit, or a dict
+    (the committed offsets) or list it lands in. ``unlock_queues`` is the unlock, or a list the queues land in."""
+    client = consumer.client
+    if ids is not None:
+        async def fetch_queues(topic):
+            return [mq] if topic == "T" else []
+
+        async def consumer_ids(q):
+            return list(ids)
+        client.fetch_queues, client.consumer_ids = fetch_queues, consumer_ids
+    if isinstance(pull, dict):
+        batches = pull
+
+        async def pull(q, offset, **kw):
+            if pulls is not None:
+                pulls.append(offset)
+            if offset in batches:
+                n = batches[offset]
+                return PullResult(PullStatus.FOUND, offset + n, 0, offset + n,
+                                  [MessageExt("T", b"m%d" % o, queue_offset=o) for o in range(offset, offset + n)])
+            await asyncio.Event().wait()
+    if pull is not None:
+        client.pull = pull
+    if isinstance(start_offset, dict):
+        committed = start_offset
+
+        async def start_offset(q):
+            return committed[q]
+    elif start_offset is not None:
+        first = start_offset
+
+        async def start_offset(q):
+            return first
+    if start_offset is not None:
+        consumer._start_offset = start_offset
+    if isinstance(write, dict):
+        write = _store_in(write)
+    elif isinstance(write, list):
+        write = _append_to(write)
+    if write is not None:
+        consumer.offset_store.write = write
+    if lock_queues is not None:
+        client.lock_queues = lock_queues
+    if isinstance(unlock_queues, list):
+        unlocked = unlock_queues
+
+        async def unlock_queues(mqs):
+            unlocked.extend(mqs)
+    if unlock_queues is not None:
+        client.unlock_queues = unlock_queues
+    if send_back is not None:
+        client.send_back = send_back
+
+
+def _holding_its_message(**options):
+    """A PushConsumer of group G subscribed to T, alone in its group ``ids`` (put "!" first to give the queue
+    away), whose listener holds each message until ``release`` is set; ``in_hand`` is set once it has one."""
+    release, in_hand = asyncio.Event(), asyncio.Event()
+
+    async def listener(msg):
+        in_hand.set()
+        await release.wait()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, **options)
+    consumer.subscribe("T")
+    return consumer, [consumer.client.client_id], in_hand, release
+
+
+def _store_in(stored):
+    """An offset commit that lands in ``stored`` by queue."""
+    async def write(q, offset):
+        stored[q] = offset
+    return write
+
+
+def _append_to(writes):
+    """An offset commit appended to ``writes``."""
+    async def write(q, offset):
+        writes.append(offset)
+    return write
+
+
+async def _discard(q, offset):
+    """An offset commit that goes nowhere."""
+
+
+async def _grant(mqs):
+    """A lock request the broker grants in full."""
+    return set(mqs)
+
+
 def _one_queue(listener, batches: dict[int, int], **options):
     """A PushConsumer of group G owning queue T/0 with its broker faked: a pull at an offset in ``batches``
     finds that many messages from there (bodies m<offset>), any other waits for ever (a long poll with nothing
@@ -576,30 +549,7 @@ def _one_queue(listener, batches: dict[int, int], **options):
     consumer = PushConsumer("127.0.0.1:1", "G", listener, **options)
     consumer.subscribe("T")
     stored, pulls, ids = {mq: 0}, [], [consumer.client.client_id]
-
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
-
-    async def start_offset(q):
-        return stored[q]
-
-    async def pull(q, offset, **kw):
-        pulls.append(offset)
-        if offset in batches:
-            n = batches[offset]
-            return PullResult(PullStatus.FOUND, offset + n, 0, offset + n,
-                              [MessageExt("T", b"m%d" % o, queue_offset=o) for o in range(offset, offset + n)])
-        await asyncio.Event().wait()
-
-    async def write(q, offset):
-        stored[q] = offset
-    consumer.client.fetch_queues, consumer.client.consumer_ids = fetch_queues, consumer_ids
-    consumer.client.pull = pull
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, ids=ids, pull=batches, pulls=pulls, start_offset=stored, write=stored)
     return consumer, mq, stored, pulls, ids
 
 
@@ -679,47 +629,12 @@ async def test_an_orderly_queue_whose_connection_broke_during_its_hand_over_is_s
     the hand-over unlocked only the queues still in ``_locks``, so it left it held, and the queue's next owner
     waited for the broker's lock expiry (60 s) before it could consume."""
     mq = MessageQueue("T", "b", 0)
-    release, in_hand = asyncio.Event(), asyncio.Event()
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, orderly=True, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
+    consumer, ids, in_hand, release = _holding_its_message(orderly=True, handover_grace_s=10)
+    me = ids[0]
     unlocked = []
-
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
-
-    async def lock_queues(mqs):
-        return set(mqs)
-
-    async def unlock_queues(mqs):
-        unlocked.extend(mqs)
-
-    async def pull(q, offset, **kw):
-        if offset == 0:
-            return PullResult(PullStatus.FOUND, 1, 0, 1, [MessageExt("T", b"m0", queue_offset=0)])
-        await asyncio.Event().wait()
-
-    async def start_offset(q):
-        return 0
-
-    async def write(q, offset):
-        pass
-    c = consumer.client
-    c.fetch_queues, c.consumer_ids, c.lock_queues, c.unlock_queues, c.pull = (
-        fetch_queues, consumer_ids, lock_queues, unlock_queues, pull)
-    c.brokers_at = lambda addr: {"b"} if addr == "10.0.0.2:10911" else set()
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, ids=ids, lock_queues=_grant, unlock_queues=unlocked, pull={0: 1}, start_offset=0,
+                 write=_discard)
+    consumer.client.brokers_at = lambda addr: {"b"} if addr == "10.0.0.2:10911" else set()
     handing = None
     try:
         await consumer.rebalance()
@@ -786,6 +701,18 @@ async def test_a_replaced_connections_late_close_beats_and_keeps_the_locks():
     assert mq not in consumer.locked_queues and consumer._relock_now.is_set()
 
 
+async def _no_rebalance():
+    pass
+
+
+def _rebalance_loop(consumer, request, rebalance=_no_rebalance):
+    """Starts ``consumer``'s rebalance loop (its heartbeats) with each broker request answered by ``request`` and
+    each rebalance turn replaced by ``rebalance`` (by default: nothing)."""
+    consumer.client.pool.request = request
+    consumer.rebalance = rebalance
+    return asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+
+
 @bounded(10)
 async def test_a_broker_out_of_reach_is_beaten_again_when_another_refuses_the_heartbeat():
     """Two brokers: the connection to one is lost (it restarts), the other refuses the heartbeat (SYSTEM_BUSY past
@@ -805,12 +732,7 @@ async def test_a_broker_out_of_reach_is_beaten_again_when_another_refuses_the_he
                 second.set()
             raise ConnectionClosedError(f"cannot connect to {addr}")
         return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
-
-    async def rebalance():
-        pass
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request)
     try:
         consumer._on_connection_lost(down)
         await second.wait()
@@ -838,12 +760,7 @@ async def test_a_heartbeat_retry_beats_only_the_brokers_the_last_beat_did_not_re
                 third.set()
             raise ConnectionClosedError(f"cannot connect to {addr}")
         return RemotingCommand(ResponseCode.SUCCESS, flag=1)
-
-    async def rebalance():
-        pass
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request)
     try:
         consumer._on_connection_lost(down)
         await third.wait()          # the beat the loss asked for, and two retries
@@ -879,9 +796,7 @@ async def test_a_group_change_told_during_a_heartbeat_retry_that_also_lost_a_con
     async def rebalance():
         if beats >= 2:
             rebalanced.set()
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request, rebalance)
     try:
         consumer._on_connection_lost(down)
         await rebalanced.wait()
@@ -909,12 +824,7 @@ async def test_a_refused_heartbeat_with_a_broker_out_of_reach_is_warned_once_not
                 second.set()
             raise ConnectionClosedError(f"cannot connect to {addr}")
         return RemotingCommand(ResponseCode.SYSTEM_BUSY, remark="too many groups", flag=1)
-
-    async def rebalance():
-        pass
-    consumer.client.pool.request = request
-    consumer.rebalance = rebalance
-    loop = asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    loop = _rebalance_loop(consumer, request)
     try:
         with caplog.at_level(logging.DEBUG, logger="txmq.consumer"):
             consumer._on_connection_lost(down)
@@ -970,39 +880,10 @@ async def test_an_offset_reset_of_a_queue_being_handed_over_is_not_undone_by_its
     over it: the queue's next owner went on from there, the reset undone on that queue alone. As RocketMQ's client
     (the reset's offset is the one its hand-over persists), the hand-over commits the reset's offset."""
     mq = MessageQueue("T", "b", 0)
-    release, in_hand = asyncio.Event(), asyncio.Event()
-
-    async def listener(msg):
-        in_hand.set()
-        await release.wait()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer("127.0.0.1:1", "G", listener, handover_grace_s=10)
-    consumer.subscribe("T")
-    me = consumer.client.client_id
-    ids = [me]
+    consumer, ids, in_hand, release = _holding_its_message(handover_grace_s=10)
+    me = ids[0]
     stored = []
-
-    async def fetch_queues(topic):
-        return [mq] if topic == "T" else []
-
-    async def consumer_ids(q):
-        return list(ids)
-
-    async def pull(q, offset, **kw):
-        if offset == 5:
-            return PullResult(PullStatus.FOUND, 6, 0, 6, [MessageExt("T", b"m5", queue_offset=5)])
-        await asyncio.Event().wait()
-
-    async def start_offset(q):
-        return 5
-
-    async def write(q, offset):
-        stored.append(offset)
-    c = consumer.client
-    c.fetch_queues, c.consumer_ids, c.pull = fetch_queues, consumer_ids, pull
-    consumer._start_offset = start_offset
-    consumer.offset_store.write = write
+    _fake_broker(consumer, mq, ids=ids, pull={5: 1}, start_offset=5, write=stored)
     handing = None
     try:
         await consumer.rebalance()

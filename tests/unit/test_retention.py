@@ -94,6 +94,39 @@ def readable(ctx, results):
     return sum(ctx.store.get_record(r.physical_offset) is not None for r in results)
 
 
+SLAVE = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
+
+
+def lost(ctx):
+    """The undecided halves this start said it lost with their removed segments."""
+    return ctx.metrics.transactions_lost.labels("segment-removed")._value.get()
+
+
+async def a_slave_100h_after_its_master_wrote_a_half(tmp_path, clock, *, replica_only):
+    """The master writes an undecided half and 80 messages at T0 and stops; the store is started again as a slave
+    100 h later, its segments all expired (set replica-only, as replication does, if ``replica_only``)."""
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided on the master")
+    await send(ctx, 80)
+    await ctx.store.close()
+    clock.now = T0 + 100 * H
+    ctx = await make(tmp_path, clock, **SLAVE)
+    if replica_only:
+        ctx.store.set_replica_only()
+    return ctx, half
+
+
+async def assert_promoted_quietly(tmp_path, clock, caplog):
+    """A start as the master says (ERROR) and counts no lost half."""
+    caplog.clear()
+    ctx = await make(tmp_path, clock)
+    try:
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert lost(ctx) == 0
+    finally:
+        await ctx.store.close()
+
+
 @bounded(30)
 async def test_store_id_and_manifest_survive_a_restart(tmp_path):
     clock = Clock(T0)
@@ -361,15 +394,8 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments
     before its master did (the master lost), it recovered without them and said nothing -- an undecided
     transaction gone without a dead letter, a log line or a count. It is said and counted, once; a restart
     as a slave in between (which dropped them from its snapshot) keeps quiet and keeps them in mind."""
-    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
     clock = Clock(T0)
-    ctx = await make(tmp_path, clock)
-    half = await add_half(ctx, b"undecided on the master")
-    await send(ctx, 80)
-    await ctx.store.close()
-    clock.now = T0 + 100 * H
-    ctx = await make(tmp_path, clock, **slave)
-    ctx.store.set_replica_only()
+    ctx, half = await a_slave_100h_after_its_master_wrote_a_half(tmp_path, clock, replica_only=True)
     try:
         assert half.half_offset in ctx.tx.pending                        # its start-up index: the master's half
         removed = await Retention(ctx, usage=lambda: 0.95).clean_once()
@@ -379,7 +405,7 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments
         await ctx.store.close()
     for _ in range(slave_restarts):
         caplog.clear()
-        ctx = await make(tmp_path, clock, **slave)
+        ctx = await make(tmp_path, clock, **SLAVE)
         try:
             assert half.half_offset not in ctx.tx.pending and not [r for r in caplog.records if r.levelname == "ERROR"]
             await ctx.tx.stop()
@@ -391,50 +417,32 @@ async def test_a_promoted_slave_says_which_undecided_halves_its_removed_segments
         assert half.half_offset not in ctx.tx.pending
         said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "lost" in r.getMessage()]
         assert len(said) == 1 and f"{half.half_offset}" in said[0] and "slave" in said[0], said
-        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 1
+        assert lost(ctx) == 1
         await ctx.tx.stop()                                               # its snapshot: without the half
     finally:
         await ctx.store.close()
-    caplog.clear()
-    ctx = await make(tmp_path, clock)                                     # said once: the next start is quiet
-    try:
-        assert not [r for r in caplog.records if r.levelname == "ERROR"]
-        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
-    finally:
-        await ctx.store.close()
+    await assert_promoted_quietly(tmp_path, clock, caplog)               # said once: the next start is quiet
 
 
 @bounded(30)
 async def test_a_promoted_slave_is_quiet_about_a_removed_half_its_master_dead_lettered(tmp_path, caplog):
     """The master's dead letter of a half (its op record copied to the slave) after the slave removed the half's
     segment and restarted: the promotion has nothing to say."""
-    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
     clock = Clock(T0)
-    ctx = await make(tmp_path, clock)
-    half = await add_half(ctx, b"undecided on the master")
-    await send(ctx, 80)
-    await ctx.store.close()
-    clock.now = T0 + 100 * H
-    ctx = await make(tmp_path, clock, **slave)
+    ctx, half = await a_slave_100h_after_its_master_wrote_a_half(tmp_path, clock, replica_only=False)
     try:
         assert await Retention(ctx, usage=lambda: 0.95).clean_once()
         await ctx.tx.stop()
     finally:
         await ctx.store.close()
-    ctx = await make(tmp_path, clock, **slave)
+    ctx = await make(tmp_path, clock, **SLAVE)
     try:
         op = ctx.tx.records.decision(DEAD, half.half_offset, half.queue_offset, reason="expired")
         assert (await ctx.store.put(op)).ok                             # as the copy of its master's log writes it
         await ctx.tx.stop()
     finally:
         await ctx.store.close()
-    caplog.clear()
-    ctx = await make(tmp_path, clock)
-    try:
-        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
-        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
-    finally:
-        await ctx.store.close()
+    await assert_promoted_quietly(tmp_path, clock, caplog)
 
 
 @bounded(30)
@@ -680,13 +688,12 @@ async def test_a_promoted_slave_is_quiet_about_a_half_decided_by_an_op_its_clean
     their offsets kept in its snapshot for good). Without the op records after its snapshot, a start cannot
     tell: it says so (WARNING) and counts nothing."""
     from protocol.txlog import COMMIT
-    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
     clock = Clock(T0)
     ctx = await make(tmp_path, clock)
     half = await add_half(ctx, b"committed on the master seconds later")
     await ctx.tx.stop()
     await ctx.store.close()
-    ctx = await make(tmp_path, clock, **slave)         # its start-up snapshot: the half undecided
+    ctx = await make(tmp_path, clock, **SLAVE)         # its start-up snapshot: the half undecided
     try:
         assert half.half_offset in ctx.tx.pending
         op = ctx.tx.records.decision(COMMIT, half.half_offset, half.queue_offset)
@@ -699,7 +706,7 @@ async def test_a_promoted_slave_is_quiet_about_a_half_decided_by_an_op_its_clean
     finally:
         await ctx.store.close()
     for _ in range(slave_restarts):
-        ctx = await make(tmp_path, clock, **slave)
+        ctx = await make(tmp_path, clock, **SLAVE)
         try:
             assert ctx.tx.removed_undecided == []           # nothing kept that no op can ever clear
             await ctx.tx.stop()
@@ -709,7 +716,7 @@ async def test_a_promoted_slave_is_quiet_about_a_half_decided_by_an_op_its_clean
     ctx = await make(tmp_path, clock)                        # promoted
     try:
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
-        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
+        assert lost(ctx) == 0
         assert half.half_offset not in ctx.tx.pending
     finally:
         await ctx.store.close()
@@ -728,9 +735,8 @@ async def test_a_promoted_slave_says_the_undecided_halves_copied_after_its_start
     the op copied after the removed segment, is not."""
     from protocol.message import Prop
     from protocol.txlog import COMMIT
-    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
     clock = Clock(T0)
-    ctx = await make(tmp_path, clock, **slave)          # its start-up snapshot: no half
+    ctx = await make(tmp_path, clock, **SLAVE)          # its start-up snapshot: no half
     try:
         props = {Prop.UNIQ_KEY: "U-copied", Prop.PGROUP: "PG", Prop.TRAN_MSG: "true"}
         req = ctx.tx.records.half(body=b"copied after the start", real_topic="T", real_qid=0, flag=0, sys_flag=0,
@@ -748,7 +754,7 @@ async def test_a_promoted_slave_says_the_undecided_halves_copied_after_its_start
         await ctx.store.close()
     for _ in range(slave_restarts):
         caplog.clear()
-        ctx = await make(tmp_path, clock, **slave)
+        ctx = await make(tmp_path, clock, **SLAVE)
         try:
             assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
             assert ctx.tx.removed_undecided_queue == ([] if decided else [0])
@@ -760,7 +766,7 @@ async def test_a_promoted_slave_says_the_undecided_halves_copied_after_its_start
     try:
         said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "lost" in r.getMessage()]
         assert len(said) == (0 if decided else 1), caplog.text
-        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == (0 if decided else 1)
+        assert lost(ctx) == (0 if decided else 1)
     finally:
         await ctx.store.close()
 
@@ -771,15 +777,8 @@ async def test_a_promoted_slave_killed_before_its_first_snapshot_does_not_say_th
     """The start that promoted a slave said and counted its lost halves, but the snapshot that still named them
     (the slave's) was replaced only by the master's first periodic one or its stop: killed before either, each
     start said and counted them again, the critical alert firing anew for the same halves."""
-    slave = dict(broker_role="SLAVE", broker_id=1, ha_master_addr="127.0.0.1:1")
     clock = Clock(T0)
-    ctx = await make(tmp_path, clock)
-    half = await add_half(ctx, b"undecided on the master")
-    await send(ctx, 80)
-    await ctx.store.close()
-    clock.now = T0 + 100 * H
-    ctx = await make(tmp_path, clock, **slave)
-    ctx.store.set_replica_only()
+    ctx, half = await a_slave_100h_after_its_master_wrote_a_half(tmp_path, clock, replica_only=True)
     try:
         assert await Retention(ctx, usage=lambda: 0.95).clean_once()
         assert half.half_offset < ctx.store.min_physical_offset
@@ -788,13 +787,7 @@ async def test_a_promoted_slave_killed_before_its_first_snapshot_does_not_say_th
         await ctx.store.close()
     ctx = await make(tmp_path, clock)                                     # promoted: said once
     try:
-        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 1
+        assert lost(ctx) == 1
     finally:
         await ctx.store.close()                                           # killed: no tx.stop, no periodic snapshot
-    caplog.clear()
-    ctx = await make(tmp_path, clock)
-    try:
-        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
-        assert ctx.metrics.transactions_lost.labels("segment-removed")._value.get() == 0
-    finally:
-        await ctx.store.close()
+    await assert_promoted_quietly(tmp_path, clock, caplog)
