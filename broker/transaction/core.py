@@ -163,6 +163,7 @@ class TransactionCore:
 
     _NEXT_SLACK = 64    # stale entries _next may hold beyond two per group before it is rebuilt (see _push)
     _OFFER_ALL_MS = 1_000   # how often every group with parked transactions is offered room (see _roomy)
+    _SCHED_SLACK = 1024     # stale entries a group's schedule may hold beyond two per pending one (see _push)
 
     def __init__(self, policy: Policy, decided: Callable[[int], str | None],
                  half_of: Callable[[int], tuple[str, int] | None] | None = None):
@@ -185,6 +186,7 @@ class TransactionCore:
         self.taken = 0      # due entries taken so far (due): the work of check passes, for tests and benches
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
+        self.compactions = 0    # lazy heaps rebuilt without their decided entries (_push, _age): for the metrics
         self.examined = 0   # age-heap entries read by oldest (the admin list): its work, for tests and benches
         # The floor each check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at
         # 500k undecided. Every pending transaction is kept by half-queue offset in buckets of _BUCKET offsets
@@ -275,6 +277,13 @@ class TransactionCore:
             del self._by_queue[b]
 
     def _age(self, tx: Tx) -> None:
+        """``tx``, just put in the index, on its group's age heap."""
+        if self._by_age_entries > 2 * len(self.pending) + 1024:
+            # Compacted on a read (_age_heaps) too, but that is a metrics scrape or an admin list: without them,
+            # the heaps kept every decision's entry as the schedule did (_push). The rebuild holds ``tx`` already.
+            self._rebuild_age()
+            self.compactions += 1
+            return
         heapq.heappush(self._by_age.setdefault(tx.group, []), (tx.store_ts, tx.half_offset))
         self._by_age_entries += 1
 
@@ -385,7 +394,19 @@ class TransactionCore:
                     self._next = [(h[0][0], g) for g, h in self._sched.items() if h and g not in self._turning]
                     heapq.heapify(self._next)
                 heapq.heappush(self._next, (when, group))
+        if len(heap) > 2 * self.per_group.get(group, 0) + self._SCHED_SLACK:
+            # A decided transaction's entry is dropped only once it reaches the top: under an older undecided one
+            # (a backlog, its check hours off) it never did, and the schedule kept a pair for every decision since,
+            # ~150 B each (100 MiB over 200k). Compacted when stale entries outnumber the live ones: amortised O(1).
+            heap = self._sched[group] = [e for e in heap if self._scheduled(group, *e)]
+            heapq.heapify(heap)
+            self.compactions += 1
         heapq.heappush(heap, (when, off))
+
+    def _scheduled(self, group: str, when: int, off: int) -> bool:
+        """The schedule entry (``when``, ``off``) of ``group`` is live: its transaction's next check, pending."""
+        tx = self.pending.get(off)
+        return tx is not None and tx.next_check == when and tx.group == group
 
     def _turn_push(self, when: int, group: str) -> None:
         """``group``, in the turn, has a check due at ``when``: on _turn_next (rebuilt from the groups in the turn
@@ -401,11 +422,9 @@ class TransactionCore:
         heap = self._sched.get(group)
         if heap is None:
             return None
-        pending = self.pending
         while heap:
             when, off = heap[0]
-            tx = pending.get(off)
-            if tx is not None and tx.next_check == when and tx.group == group:
+            if self._scheduled(group, when, off):
                 return when
             heapq.heappop(heap)
         del self._sched[group]
