@@ -611,6 +611,10 @@ class BrokerMetrics:
         """Records the store's reads found failing their body CRC (MessageStore.corrupt), read at scrape time."""
         self.registry.register(_CorruptCollector(store))
 
+    def add_compaction_collector(self, core) -> None:
+        """The undecided index's lazy heaps rebuilt without their decided entries (TransactionCore.compactions)."""
+        self.registry.register(_CompactionCollector(core))
+
     # ------------------------------------------------------------- snapshots
     def snapshot(self, connections: int, lag: list[dict]) -> dict:
         requests = {}
@@ -664,6 +668,20 @@ class _CorruptCollector:
         for read, n in list(self.store.corrupt.items()):
             family.add_metric([read], n)
         yield family
+
+    def describe(self):
+        return list(self.collect())
+
+
+class _CompactionCollector:
+    def __init__(self, core):
+        self.core = core
+
+    def collect(self):
+        yield CounterMetricFamily("txmq_transaction_index_compactions", "Times the undecided index's check "
+                                  "schedule or age heaps were rebuilt without the entries of decided transactions "
+                                  "(when those outnumbered the live ones: decisions under an older undecided one).",
+                                  value=self.core.compactions)
 
     def describe(self):
         return list(self.collect())
