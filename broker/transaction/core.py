@@ -398,7 +398,9 @@ class TransactionCore:
             # A decided transaction's entry is dropped only once it reaches the top: under an older undecided one
             # (a backlog, its check hours off) it never did, and the schedule kept a pair for every decision since,
             # ~150 B each (100 MiB over 200k). Compacted when stale entries outnumber the live ones: amortised O(1).
-            heap = self._sched[group] = [e for e in heap if self._scheduled(group, *e)]
+            pending = self.pending      # _scheduled, inline: no call per entry
+            heap = self._sched[group] = [e for e in heap if (tx := pending.get(e[1])) is not None
+                                         and tx.next_check == e[0] and tx.group == group]
             heapq.heapify(heap)
             self.compactions += 1
         heapq.heappush(heap, (when, off))
