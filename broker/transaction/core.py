@@ -282,7 +282,6 @@ class TransactionCore:
             # Compacted on a read (_age_heaps) too, but that is a metrics scrape or an admin list: without them,
             # the heaps kept every decision's entry as the schedule did (_push). The rebuild holds ``tx`` already.
             self._rebuild_age()
-            self.compactions += 1
             return
         heapq.heappush(self._by_age.setdefault(tx.group, []), (tx.store_ts, tx.half_offset))
         self._by_age_entries += 1
@@ -331,6 +330,7 @@ class TransactionCore:
         for heap in self._by_age.values():
             heapq.heapify(heap)
         self._by_age_entries = len(self.pending)
+        self.compactions += 1
 
     def oldest(self, group: str | None, limit: int) -> list[Tx]:
         """Up to ``limit`` pending transactions (of ``group``, or of every group), oldest stored first.
