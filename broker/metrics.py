@@ -612,7 +612,7 @@ class BrokerMetrics:
         self.registry.register(_CorruptCollector(store))
 
     def add_compaction_collector(self, core) -> None:
-        """The undecided index's lazy heaps rebuilt without their decided entries (TransactionCore.compactions)."""
+        """The undecided index's lazy heaps swept (or rebuilt) of their decided entries (TransactionCore.compactions)."""
         self.registry.register(_CompactionCollector(core))
 
     # ------------------------------------------------------------- snapshots
@@ -678,9 +678,10 @@ class _CompactionCollector:
         self.core = core
 
     def collect(self):
-        yield CounterMetricFamily("txmq_transaction_index_compactions", "Times the undecided index's check "
-                                  "schedule or age heaps were rebuilt without the entries of decided transactions "
-                                  "(when those outnumbered the live ones: decisions under an older undecided one).",
+        yield CounterMetricFamily("txmq_transaction_index_compactions", "Times a producer group's check "
+                                  "schedule or age heap began a sweep of the entries of decided transactions (when "
+                                  "those outnumbered the live ones: decisions under an older undecided one), or the "
+                                  "age heaps were rebuilt on a read.",
                                   value=self.core.compactions)
 
     def describe(self):
