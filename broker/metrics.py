@@ -617,6 +617,10 @@ class BrokerMetrics:
         """Records the store's reads found failing their body CRC (MessageStore.corrupt), read at scrape time."""
         self.registry.register(_CorruptCollector(store))
 
+    def add_compaction_collector(self, core) -> None:
+        """The undecided index's lazy heaps swept (or rebuilt) of their decided entries (TransactionCore.compactions)."""
+        self.registry.register(_CompactionCollector(core))
+
     # ------------------------------------------------------------- snapshots
     def snapshot(self, connections: int, lag: list[dict]) -> dict:
         requests = {}
@@ -670,6 +674,21 @@ class _CorruptCollector:
         for read, n in list(self.store.corrupt.items()):
             family.add_metric([read], n)
         yield family
+
+    def describe(self):
+        return list(self.collect())
+
+
+class _CompactionCollector:
+    def __init__(self, core):
+        self.core = core
+
+    def collect(self):
+        yield CounterMetricFamily("txmq_transaction_index_compactions", "Times a producer group's check "
+                                  "schedule or age heap began a sweep of the entries of decided transactions (when "
+                                  "those outnumbered the live ones: decisions under an older undecided one), or the "
+                                  "age heaps were rebuilt on a read.",
+                                  value=self.core.compactions)
 
     def describe(self):
         return list(self.collect())

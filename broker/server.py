@@ -387,6 +387,7 @@ class BrokerServer:
                               "answered from memory until it can.", [], snap("decisions_waiting"))
         m.add_disk_collector(ctx.store.disk)
         m.add_corrupt_collector(ctx.store)
+        m.add_compaction_collector(ctx.tx.core)
         m.add_gauge_collector("txmq_ha_slave_lag_bytes", "Replication lag in bytes: on a master, its log end less "
                               "the furthest offset a slave acknowledged; on a slave, what the master last sent "
                               "less what is stored here (absent without replication).", [], snap("ha_lag"))

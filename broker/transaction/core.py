@@ -163,6 +163,9 @@ class TransactionCore:
 
     _NEXT_SLACK = 64    # stale entries _next may hold beyond two per group before it is rebuilt (see _push)
     _OFFER_ALL_MS = 1_000   # how often every group with parked transactions is offered room (see _roomy)
+    _SCHED_SLACK = 1024     # stale entries a group's schedule may hold beyond two per pending one (see _push)
+    _AGE_SLACK = 1024       # the same for a group's age heap (see _age)
+    _SWEEP = 64             # heap positions a push over the bound examines for stale entries (see _sweep)
 
     def __init__(self, policy: Policy, decided: Callable[[int], str | None],
                  half_of: Callable[[int], tuple[str, int] | None] | None = None):
@@ -185,6 +188,10 @@ class TransactionCore:
         self.taken = 0      # due entries taken so far (due): the work of check passes, for tests and benches
         self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
         self._by_age_entries = 0
+        self.compactions = 0    # lazy heaps rebuilt or swept of their decided entries (_push, _age): for the metrics
+        # group -> the next position of its schedule (age heap) to examine, while a sweep of it is under way (_sweep)
+        self._sched_sweep: dict[str, int] = {}
+        self._age_sweep: dict[str, int] = {}
         self.examined = 0   # age-heap entries read by oldest (the admin list): its work, for tests and benches
         # The floor each check pass saves (lowest_queue_offset) was a scan of the whole index, 45 ms on the loop at
         # 500k undecided. Every pending transaction is kept by half-queue offset in buckets of _BUCKET offsets
@@ -275,7 +282,14 @@ class TransactionCore:
             del self._by_queue[b]
 
     def _age(self, tx: Tx) -> None:
-        heapq.heappush(self._by_age.setdefault(tx.group, []), (tx.store_ts, tx.half_offset))
+        """``tx``, just put in the index, on its group's age heap."""
+        group = tx.group
+        heap = self._by_age.setdefault(group, [])
+        if group in self._age_sweep or len(heap) > 2 * self.per_group.get(group, 0) + self._AGE_SLACK:
+            # Compacted on a read (_age_heaps) too, but that is a metrics scrape or an admin list: without them,
+            # the heaps kept every decision's entry as the schedule did (_push). Swept a slice a push, as it is.
+            self._by_age_entries -= self._sweep(heap, group, self._age_sweep, False)
+        heapq.heappush(heap, (tx.store_ts, tx.half_offset))
         self._by_age_entries += 1
 
     def lowest_queue_offset(self) -> int | None:
@@ -312,16 +326,19 @@ class TransactionCore:
                 self._by_age_entries -= 1
             if not heap:
                 del self._by_age[group]
+                self._age_sweep.pop(group, None)
         return self._by_age
 
     def _rebuild_age(self) -> None:
         """The age heaps from the pending index: no stale entry left (O(n))."""
         self._by_age = {}
+        self._age_sweep.clear()
         for tx in self.pending.values():
             self._by_age.setdefault(tx.group, []).append((tx.store_ts, tx.half_offset))
         for heap in self._by_age.values():
             heapq.heapify(heap)
         self._by_age_entries = len(self.pending)
+        self.compactions += 1
 
     def oldest(self, group: str | None, limit: int) -> list[Tx]:
         """Up to ``limit`` pending transactions (of ``group``, or of every group), oldest stored first.
@@ -385,7 +402,54 @@ class TransactionCore:
                     self._next = [(h[0][0], g) for g, h in self._sched.items() if h and g not in self._turning]
                     heapq.heapify(self._next)
                 heapq.heappush(self._next, (when, group))
+        if group in self._sched_sweep or len(heap) > 2 * self.per_group.get(group, 0) + self._SCHED_SLACK:
+            # A decided transaction's entry is dropped only once it reaches the top: under an older undecided one
+            # (a backlog, its check hours off) it never did, and the schedule kept a pair for every decision since,
+            # ~150 B each (100 MiB over 200k). Swept when stale entries outnumber the live ones, a slice a push.
+            self._sweep(heap, group, self._sched_sweep, True)
         heapq.heappush(heap, (when, off))
+
+    def _sweep(self, heap: list[tuple[int, int]], group: str, cursors: dict[str, int], sched: bool) -> int:
+        """The next _SWEEP positions of ``group``'s lazy heap (its schedule when ``sched``, else its age heap),
+        from the last one down, cleared of the entries of transactions decided (or checked again later, on the
+        schedule): the number removed. A sweep goes on at each push until it has passed the root.
+
+        Rebuilt at once, the heaps were a pause on the loop of 470-520 ms at 500k pending (filter and heapify of
+        1M entries); a slice is O(_SWEEP log n), and a whole sweep, n / _SWEEP pushes, leaves no more than the
+        stale entries added meanwhile (and the few a removal's sift carried past the cursor): bounded the same.
+        Removed in place (the last entry put there and sifted), the heap stays a heap at every step, and the
+        list a caller may hold is still the group's."""
+        i = cursors.get(group)
+        if i is None:
+            i = len(heap) - 1
+            self.compactions += 1
+        i = min(i, len(heap) - 1)
+        stop = max(i - self._SWEEP, -1)
+        pending = self.pending      # the liveness of _scheduled (or the age heap's), inline: no call per entry
+        removed = 0
+        while i > stop:
+            key, off = heap[i]
+            tx = pending.get(off)
+            if tx is None or tx.group != group or (sched and tx.next_check != key):
+                last = heap.pop()
+                if i < len(heap):
+                    heap[i] = last
+                    if last < (key, off):
+                        heapq._siftdown(heap, 0, i)     # up, toward the root
+                    else:
+                        heapq._siftup(heap, i)          # down, to the leaves
+                removed += 1
+            i -= 1
+        if i < 0:
+            cursors.pop(group, None)
+        else:
+            cursors[group] = i
+        return removed
+
+    def _scheduled(self, group: str, when: int, off: int) -> bool:
+        """The schedule entry (``when``, ``off``) of ``group`` is live: its transaction's next check, pending."""
+        tx = self.pending.get(off)
+        return tx is not None and tx.next_check == when and tx.group == group
 
     def _turn_push(self, when: int, group: str) -> None:
         """``group``, in the turn, has a check due at ``when``: on _turn_next (rebuilt from the groups in the turn
@@ -401,14 +465,13 @@ class TransactionCore:
         heap = self._sched.get(group)
         if heap is None:
             return None
-        pending = self.pending
         while heap:
             when, off = heap[0]
-            tx = pending.get(off)
-            if tx is not None and tx.next_check == when and tx.group == group:
+            if self._scheduled(group, when, off):
                 return when
             heapq.heappop(heap)
         del self._sched[group]
+        self._sched_sweep.pop(group, None)
         return None
 
     def _enter(self, group: str, now: int) -> None:

@@ -24,22 +24,28 @@ CAP = 2
 
 
 OPS = ["half", "recovered", "decide", "expire", "tick", "answer", "producer", "joined", "closed", "resume", "finish",
-       "next_due", "time"]
+       "next_due", "time", "churn"]
 MIXES = [
-    [2, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1],        # a bit of everything
-    [4, 1, 4, 0, 5, 0, 1, 0, 0, 0, 0, 0, 0],        # backlogs due at once, decided between short slices
-    [3, 1, 2, 1, 4, 2, 2, 1, 2, 1, 2, 1, 0],        # producers coming, going and at their cap
-    [3, 0, 4, 0, 6, 0, 3, 0, 0, 0, 1, 0, 1],        # backlogs of groups nobody can be asked about (deferred)
+    [2, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0],        # a bit of everything
+    [4, 1, 4, 0, 5, 0, 1, 0, 0, 0, 0, 0, 0, 0],        # backlogs due at once, decided between short slices
+    [3, 1, 2, 1, 4, 2, 2, 1, 2, 1, 2, 1, 0, 0],        # producers coming, going and at their cap
+    [3, 0, 4, 0, 6, 0, 3, 0, 0, 0, 1, 0, 1, 0],        # backlogs of groups nobody can be asked about (deferred)
+    # decisions under older undecided ones, many at a time: the heaps swept of them inside check passes
+    [2, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 3],
+    [3, 0, 3, 0, 5, 1, 2, 0, 1, 0, 1, 0, 1, 4],
 ]
 
 
 class Model:
-    def __init__(self, rng: random.Random, groups: int, slack: int, weights: list[int]):
+    def __init__(self, rng: random.Random, groups: int, slack: int, weights: list[int], sweep: tuple[int, int] = (64, 1024)):
         self.rng = rng
         self.weights = weights
         self.decisions: dict[int, str] = {}
         self.core = TransactionCore(POLICY, self.decisions.get)
         self.core._NEXT_SLACK = slack      # 0: rebuilt at every chance, which also heals a loss at once
+        # small: the schedule and age heaps swept of decided entries (a slice a push) inside nearly every pass
+        self.core._SWEEP, self.core._SCHED_SLACK = sweep
+        self.core._AGE_SLACK = sweep[1]
         self.groups = [f"G{i}" for i in range(groups)]
         self.producer = {g: True for g in self.groups}      # True, False (gone), "busy" (every slot held)
         self.now = 1_000_000
@@ -100,6 +106,17 @@ class Model:
                 self.writing.append(action)
                 if rng.random() < 0.7:
                     self.finish(action, rng.random() < 0.7)
+        elif op == "churn":
+            # halves stored and decided at once (written or not), under whatever is older and undecided
+            for _ in range(rng.choice([1, 5, 20, 60])):
+                self.next_off += 1
+                tx = Tx(self.next_off, self.next_off, group, "T", f"U{self.next_off}", self.now)
+                core.add(tx, immunity_s=rng.choice([None, "0"]))
+                action = core.end(tx.half_offset, COMMIT, origin=Origin.ADMIN)
+                if isinstance(action, Write):
+                    self.writing.append(action)
+                    if rng.random() < 0.9:
+                        self.finish(action, rng.random() < 0.95)
         elif op == "finish" and self.writing:
             self.finish(rng.choice(self.writing), rng.random() < 0.6)
         elif op == "time":
@@ -157,6 +174,12 @@ class Model:
             assert tx.group in core._turning or any(g == tx.group and w <= top for w, g in core._next), (
                 f"group {tx.group} (next check {top}) neither in the turn nor on _next: never served again")
             earliest = tx.next_check if earliest is None else min(earliest, tx.next_check)
+        for heaps in (core._sched, core._by_age):
+            for group, heap in heaps.items():
+                assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), f"{group}'s heap broken"
+        assert core._by_age_entries == sum(map(len, core._by_age.values()))
+        for tx in core.pending.values():
+            assert (tx.store_ts, tx.half_offset) in core._by_age.get(tx.group, ()), f"{tx.half_offset} aged out"
         due = core.next_due()
         if earliest is not None:
             assert due is not None and due <= earliest, f"next_due {due} after the earliest check {earliest}"
@@ -194,7 +217,8 @@ def test_no_random_sequence_over_many_groups_drops_a_group_or_a_transaction_from
     for seed in range(250):
         pick = random.Random(-seed)
         model = Model(random.Random(seed), groups=pick.choice([3, 8, 20]), slack=pick.choice([0, 1, 3, 8, 24, -4, -12, -36]),
-                      weights=MIXES[seed % len(MIXES)])
+                      weights=MIXES[seed % len(MIXES)],
+                      sweep=pick.choice([(64, 1024), (1, 0), (2, 0), (3, 1), (8, 4), (1, -2)]))
         for i in range(250):
             model.step()
             try:
