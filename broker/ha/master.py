@@ -38,7 +38,12 @@ BEHIND_SAID_MAX = 256   # (slave host, offset) pairs remembered as said at ERROR
 
 
 class SlaveBehindError(HAProtocolError):
-    """The slave's position is below this master's log start: retention removed what it still had to copy."""
+    """The slave's position (``offset``) is below this master's log start: retention removed what it still had
+    to copy."""
+
+    def __init__(self, message: str, offset: int):
+        super().__init__(message)
+        self.offset = offset
 
 
 class SlaveLink:
@@ -188,12 +193,13 @@ class HAMaster:
             f"slave {link.peer} is at offset {offset}, but this master's log now starts at "
             f"{self.store.min_physical_offset}: retention removed what the slave had still to copy, and it cannot "
             "catch up. Rebuild the slave's store (stop it, empty its store directory, start it): it copies this "
-            "master's log from its start")
+            "master's log from its start", offset)
 
     def _say_behind(self, link: SlaveLink, exc: SlaveBehindError) -> None:
         """Counted each time; said at ERROR once a slave host and offset (it reconnects every second, for ever)."""
         self.behind_total += 1
-        key = (link.peer.rpartition(":")[0], link.request_offset)
+        # (the error's offset: one refused at its first report has no request_offset yet, -1 for every slave)
+        key = (link.peer.rpartition(":")[0], exc.offset)
         if key in self._behind_said:
             log.debug("slave %s dropped again: %s", link.peer, exc)
             return

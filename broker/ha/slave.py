@@ -147,7 +147,7 @@ class HASlave:
             later = last - last % seg + seg     # the first segment start after the newest record
             if later > end:
                 self._say_stuck(last, end)
-            elif later <= end:
+            else:
                 expected = later
                 log.warning("master %s closed the link %d times on this slave's first report (%d, the start of its "
                             "newest record): its log no longer holds that record -- retention removed the segment "

@@ -113,8 +113,8 @@ _CORRECTIONS = frozenset({GetStatus.NO_MATCHED_LOGIC_QUEUE, GetStatus.NO_MESSAGE
                           GetStatus.OFFSET_OVERFLOW_ONE, GetStatus.OFFSET_OVERFLOW_BADLY, GetStatus.OFFSET_FOUND_NULL})
 
 
-_moved = EveryKey(60.0)      # (group, topic, queue) whose move past removed messages was said this minute
-_moved_to: dict[str, int] = {}      # (group, topic, queue) -> the minimum a pull last moved it to: counted to there
+_moved = EveryKey(60.0)      # "group\0topic\0queue" keys whose move past removed messages was said this minute
+_moved_to: dict[str, int] = {}      # "group\0topic\0queue" -> the minimum a pull last moved it to: counted to there
 _MOVED_KEYS = 4096
 MOVED_LINES_A_MINUTE = 100      # move lines of all groups: group names are a client's to make up, one a request
 _moved_lines = {"since": float("-inf"), "n": 0}

@@ -695,3 +695,33 @@ def test_what_the_master_said_of_slaves_below_its_log_start_stays_bounded():
         master._say_behind(link, master._behind(link, offset))
     assert len(master._behind_said) <= BEHIND_SAID_MAX
     assert master.behind_total == 3 * BEHIND_SAID_MAX - 1
+
+
+@bounded(10)
+async def test_slaves_refused_at_their_first_report_are_said_once_a_host_and_offset(caplog):
+    """The first report is checked before it is recorded as the link's start: keyed by that, every slave of a
+    host refused there was (host, -1), and a second one (another store on the host, or the same slave rebuilt and
+    overtaken again further on) was only a DEBUG line."""
+    import logging
+    from types import SimpleNamespace
+
+    from broker.ha.master import HAMaster, SlaveBehindError, SlaveLink
+
+    store = SimpleNamespace(max_physical_offset=4 << 20, min_physical_offset=2 << 20)
+    master = HAMaster(store, _ha_config("ASYNC_MASTER"))
+
+    async def first_report(port: int, offset: int) -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode_offset(offset))
+        link = SlaveLink(f"10.0.0.9:{port}")
+        with pytest.raises(SlaveBehindError) as err:
+            await master._read(link, reader)
+        master._say_behind(link, err.value)
+
+    with caplog.at_level(logging.DEBUG, logger="txmq.ha"):
+        await first_report(40000, 1 << 20)
+        await first_report(40001, 1 << 20)          # the same slave again: not said again
+        await first_report(40002, (1 << 20) + 512)  # another offset of that host: said
+    said = [r for r in caplog.records if r.levelno == logging.ERROR and "cannot catch up" in r.getMessage()]
+    assert [str((1 << 20) + 512) in r.getMessage() for r in said] == [False, True], [r.getMessage() for r in said]
+    assert master.behind_total == 3

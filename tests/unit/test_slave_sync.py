@@ -287,16 +287,9 @@ async def test_the_masters_transaction_progress_is_not_copied_as_a_consumers_off
     assert offsets.get("CG", "Orders", 0) == 12 and offsets.get(PROGRESS_GROUP, HALF_TOPIC, 0) is None
 
 
-@bounded(10)
-async def test_a_slave_may_remove_up_to_its_masters_log_start_once_it_holds_the_masters_log_of_then(tmp_path):
-    """The master dead-letters a segment's undecided halves, then removes it: a slave that removed its copy of the
-    segment before its log held those dead-letter records, promoted, had the halves neither in its log nor decided."""
+def _master_log_bounds(sync, answers: list) -> None:
+    """The master answers each GET_BROKER_RUNTIME_INFO with the next (log start, log end) of ``answers``."""
     import json
-
-    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
-    end = [100]
-    sync.log_end = lambda: end[0]
-    answers = [(1000, 5000), (3000, 9000)]
 
     async def request(addr, cmd, timeout):
         assert cmd.code == RequestCode.GET_BROKER_RUNTIME_INFO
@@ -304,6 +297,16 @@ async def test_a_slave_may_remove_up_to_its_masters_log_start_once_it_holds_the_
         table = {"commitLogMinOffset": str(low), "commitLogMaxOffset": str(high)}
         return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"table": table}).encode())
     sync.pool.request = request
+
+
+@bounded(10)
+async def test_a_slave_may_remove_up_to_its_masters_log_start_once_it_holds_the_masters_log_of_then(tmp_path):
+    """The master dead-letters a segment's undecided halves, then removes it: a slave that removed its copy of the
+    segment before its log held those dead-letter records, promoted, had the halves neither in its log nor decided."""
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    end = [100]
+    sync.log_end = lambda: end[0]
+    _master_log_bounds(sync, [(1000, 5000), (3000, 9000)])
     try:
         assert sync.removable_end(end[0]) is None           # nothing learnt: nothing may go
         await sync._sync_log_bounds("127.0.0.1:10911")
@@ -321,18 +324,10 @@ async def test_a_slave_may_remove_up_to_its_masters_log_start_once_it_holds_the_
 async def test_a_slave_steadily_behind_its_master_still_learns_how_far_it_may_remove(tmp_path):
     """Each sync's answer replaced the last: a slave behind its master by more than one interval's writes (busy
     master, slower slave disk) never held the master's end as last said, and removed nothing until disk pressure."""
-    import json
-
     sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
     end = [3000]
     sync.log_end = lambda: end[0]
-    answers = [(1000, 5000), (3000, 9000), (5000, 13000)]
-
-    async def request(addr, cmd, timeout):
-        low, high = answers.pop(0)
-        table = {"commitLogMinOffset": str(low), "commitLogMaxOffset": str(high)}
-        return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"table": table}).encode())
-    sync.pool.request = request
+    _master_log_bounds(sync, [(1000, 5000), (3000, 9000), (5000, 13000)])
     try:
         await sync._sync_log_bounds("127.0.0.1:10911")      # master (1000, 5000), slave at 3000
         end[0] = 6000                                       # past 5000, never up to the master's end of the moment

@@ -312,7 +312,6 @@ def _stalled_writes(monkeypatch, fds) -> list:
     """pwritev / pwrite into any of ``fds`` write nothing and report nothing (os.pwrite may return 0);
     other files write normally. Past 100 such calls it raises instead: the loop that retries would spin for
     ever, and the test must end to fail."""
-    import os
     calls = []
     real_pwrite, real_pwritev = os.pwrite, os.pwritev
 
