@@ -236,7 +236,8 @@ class Producer:
 
     @property
     def shutting_down(self) -> bool:
-        """True once ``shutdown`` has begun: new sends are refused (``ClientClosedError``)."""
+        """True once ``shutdown`` has begun: new sends are refused (``ClientClosedError``); a
+        ``TransactionProducer`` takes no more of the broker's checks either."""
         return self._stopping
 
     async def shutdown(self) -> None:
