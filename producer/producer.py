@@ -29,8 +29,7 @@ from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCod
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
 from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError,
-                             RequestTimeoutError,
-                             ResponseError, TopicNotExistError, error_for_code)
+                             RequestTimeoutError, ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
 
