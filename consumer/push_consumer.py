@@ -292,7 +292,7 @@ class PushConsumer:
         connection is lost. While a heartbeat cannot reach a broker it is tried again after a back-off (0.5 s
         doubling up to 4 s): a broker back on its feet hears this consumer within seconds, not up to
         rebalance_interval_s later. Those retries only beat, one WARNING per outage; the rebalance between them
-        waits for a beat that is heard, or for its own time."""
+        waits for a beat that is heard, a group change told meanwhile, or its own time."""
         retry: float | None = None
         last_rebalance = time.monotonic()
         while True:

@@ -29,8 +29,7 @@ from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCod
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, wait_within
 from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError,
-                             RequestTimeoutError,
-                             ResponseError, TopicNotExistError, error_for_code)
+                             RequestTimeoutError, ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
 from protocol.signature import Credentials
 
@@ -236,7 +235,8 @@ class Producer:
 
     @property
     def shutting_down(self) -> bool:
-        """True once ``shutdown`` has begun: new sends are refused (``ClientClosedError``)."""
+        """True once ``shutdown`` has begun: new sends are refused (``ClientClosedError``); a
+        ``TransactionProducer`` takes no more of the broker's checks either."""
         return self._stopping
 
     async def shutdown(self) -> None:

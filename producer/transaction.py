@@ -142,7 +142,6 @@ class TransactionProducer(Producer):
         # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
         self.abandon_after_s = abandon_after_s
         self._abandoned: set[asyncio.Task] = set()      # checks given up on: they send no END when they end
-        self._stopping = False
 
     # Accepted (and waited for by shutdown) as a whole, not only while its half is sent: shutdown begun during the
     # local transaction closed the connections, and its END went nowhere (the decision left to a check-back that
@@ -328,11 +327,6 @@ class TransactionProducer(Producer):
                             msg_id, state, True, remark)
         except Exception as exc:  # noqa: BLE001 - the broker will ask again
             log.info("answer to check of %s failed: %s", msg_id, exc)
-
-    @property
-    def shutting_down(self) -> bool:
-        """True once ``shutdown`` has begun: the broker's checks are no longer taken."""
-        return self._stopping
 
     async def shutdown(self) -> None:
         """Take no more checks, let those being answered finish (up to ``shutdown_grace_s``), then as

@@ -608,7 +608,8 @@ class ConnectionPool:
         # attempt after the one before it had timed out: the n-th waited n connect timeouts)
         self._connecting: dict[str, asyncio.Task] = {}
         self._closed = False
-        # on_lost(addr): a connection this pool opened closed, other than by close() (the peer went away)
+        # on_lost(addr): a connection this pool opened closed, other than by close(): the peer went away, or the
+        # connection was closed on a malformed frame, the address's current one or one already replaced (see _lost)
         self.on_lost: Callable[[str], None] | None = None
 
     async def get(self, addr: str) -> RemotingConnection:
