@@ -40,7 +40,7 @@ async def test_a_check_still_running_is_not_started_again_when_the_broker_asks_a
     async with TransactionProducer(b.namesrv, "PG_hung", Hung()) as producer:
         await producer.send_in_transaction("TxHung", b"once")
         # paced by the asks the producer received: four while the first call hangs
-        while len(calls) + getattr(producer, "checks_overlapped", 0) < 4:
+        while len(calls) + producer.checks_overlapped < 4:
             await asyncio.sleep(0.02)
         assert len(calls) == 1, "an ask started another call while the first still ran"
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and "still running" in r.getMessage()]

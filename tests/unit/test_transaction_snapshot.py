@@ -656,12 +656,12 @@ async def test_the_snapshot_rows_and_owners_are_made_off_the_event_loop(tmp_path
         made_on.append(threading.current_thread())
         return by_owner(pending)
     monkeypatch.setattr(recovery, "_by_owner", recorded)
-    rows_on, dumps = [], getattr(recovery, "_dumps", None)     # (None: before it existed)
+    rows_on, dumps = [], recovery._dumps
 
     def recorded_dumps(value):
         rows_on.append(threading.current_thread())
         return dumps(value)
-    monkeypatch.setattr(recovery, "_dumps", recorded_dumps, raising=False)
+    monkeypatch.setattr(recovery, "_dumps", recorded_dumps)
     await ctx.tx.write_snapshot()
     assert made_on and threading.main_thread() not in made_on
     assert rows_on and threading.main_thread() not in rows_on
@@ -682,13 +682,13 @@ async def test_a_decision_taken_while_the_snapshot_rows_are_made_is_replayed(tmp
     ctx = await make_service(tmp_path, clock)
     p = await add_half(ctx, b"decided-meanwhile")
     loop = asyncio.get_running_loop()
-    making, decided, encode = asyncio.Event(), threading.Event(), getattr(recovery, "encode_snapshot", None)
+    making, decided, encode = asyncio.Event(), threading.Event(), recovery.encode_snapshot
 
     def held(snap, pending):
         loop.call_soon_threadsafe(making.set)
         assert decided.wait(10)
         return encode(snap, pending)
-    monkeypatch.setattr(recovery, "encode_snapshot", held, raising=False)
+    monkeypatch.setattr(recovery, "encode_snapshot", held)
     snapshot = asyncio.ensure_future(ctx.tx.write_snapshot())
     await making.wait()
     assert await ctx.tx.decide(p.half_offset, COMMIT, group="PG") == COMMIT
