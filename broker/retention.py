@@ -236,9 +236,7 @@ class Retention:
                         # Once a segment: the disk stays above disk_clean_ratio with it (and every later
                         # segment) until the half is decided or expired, or disk pressure forces it out.
                         self._young_said = (oldest.name, oldest.start)
-                        log.warning("disk %.1f%% used (clean above %.0f%%): keeping expired segment %s and the "
-                                    "ones after it until disk pressure (%.0f%%): %s", usage * 100,
-                                    c.disk_clean_ratio * 100, oldest.name, c.disk_force_clean_ratio * 100, young)
+                        self._say_kept(oldest, usage, young)
                 if not (0 <= oldest.last_ts <= now) and usage < c.disk_force_clean_ratio:
                     self._say_undated(oldest, now, usage)
                 if expired and (usage >= c.disk_force_clean_ratio or self._held(oldest) is None):
@@ -252,9 +250,7 @@ class Retention:
                     if reason == "expired" and usage < c.disk_force_clean_ratio:
                         if self._master_said != (oldest.name, oldest.start):
                             self._master_said = (oldest.name, oldest.start)
-                            log.warning("disk %.1f%% used (clean above %.0f%%): keeping expired segment %s and the "
-                                        "ones after it until disk pressure (%.0f%%): %s", usage * 100,
-                                        c.disk_clean_ratio * 100, oldest.name, c.disk_force_clean_ratio * 100, held)
+                            self._say_kept(oldest, usage, held)
                         break
                     log.error("disk pressure: removing segment %s although %s; undecided halves in it are lost to this "
                               "slave promoted before its master decides them", oldest.name, held)
@@ -268,6 +264,13 @@ class Retention:
                 removed.append((oldest.name, reason))
                 usage = self.usage()
         return removed
+
+    def _say_kept(self, oldest, usage: float, why: str) -> None:
+        """The warning that an expired oldest segment, and every one after it, stays until disk pressure."""
+        c = self.ctx.config
+        log.warning("disk %.1f%% used (clean above %.0f%%): keeping expired segment %s and the ones after it until "
+                    "disk pressure (%.0f%%): %s", usage * 100, c.disk_clean_ratio * 100, oldest.name,
+                    c.disk_force_clean_ratio * 100, why)
 
     def _master_holds(self, facts) -> str | None:
         """(A slave) why its master may still hold the segment (None: it removed it, or this is no slave)."""

@@ -129,7 +129,7 @@ class ScheduleService:
                 removed.append((f"timer offsets {p.timer_floor}..{lo - 1}", gone))
             p.timer_done = {t for t in p.timer_done if t >= lo}
             p.timer_floor = lo
-            p.apply({}, ())     # the floor moves on over timers delivered just above it
+            p.raise_floor()     # the floor moves on over timers delivered just above it
         self._removed_while_down(removed, known)
         for offset in range(max(p.timer_floor, store.min_offset(TIMER_TOPIC, 0)), hi):
             if not p.timer_delivered(offset):
