@@ -1174,11 +1174,6 @@ def _coalesce(ranges) -> list:
     return [tuple(r) for r in merged.values()]
 
 
-def _quiet(fut: "asyncio.Future") -> None:
-    if not fut.cancelled():
-        fut.exception()         # retrieved: a stopped I/O thread at shutdown is not worth a traceback
-
-
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = ()) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)

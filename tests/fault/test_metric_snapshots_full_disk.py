@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import urllib.request
 
 import pytest
 
+from tests.fault.test_disk_full import _metric
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.tmpfs import tmpfs
@@ -20,14 +20,6 @@ from tests.support.tmpfs import tmpfs
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 MiB = 1 << 20
-
-
-def _metric(addr: str, name: str) -> float:
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
 
 
 def _snapshot_bytes(store) -> int:

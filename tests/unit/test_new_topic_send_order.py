@@ -33,14 +33,17 @@ def _send(topic: str, body: bytes) -> RemotingCommand:
         "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": ""})
 
 
-def _held_saves(monkeypatch):
-    """topics.json writes held until ``release`` is set; ``started`` once the first is under way."""
+def _held_saves(monkeypatch, then=None):
+    """topics.json writes held until ``release`` is set; ``started`` once the first is under way; ``then(data)``
+    after each is written."""
     real_save, started, release = topics_module.save, threading.Event(), threading.Event()
 
     def save(path, data):
         started.set()
         assert release.wait(10)
         real_save(path, data)
+        if then is not None:
+            then(data)
     monkeypatch.setattr(topics_module, "save", save)
     return started, release
 
@@ -98,15 +101,11 @@ async def test_a_reply_that_makes_a_topic_is_stored_only_once_topics_json_holds_
     try:
         client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
         events = []
-        real_save, started = topics_module.save, threading.Event()
 
-        def save(path, data):
-            started.set()
-            assert release.wait(10)
-            real_save(path, data)
+        def written(data):
             if b"ReplyMade" in data:
                 events.append("written")
-        monkeypatch.setattr(topics_module, "save", save)
+        _started, release = _held_saves(monkeypatch, written)
         store, tm = server.ctx.store, server.ctx.topics
         real_put, real_made_durable = store.put, tm.made_durable
         waits = asyncio.Event()
