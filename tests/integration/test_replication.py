@@ -88,6 +88,25 @@ SMALL_EXPIRING = ("--segment-size", str(1 << 20), "--max-message-size", str(64 *
 CLEANS = ("--disk-clean-ratio", "0.0001", "--disk-force-clean-ratio", "0.9999")
 
 
+def _expiring_master_slave(tmp_path, name: str, started: list, master_cleans=CLEANS, namesrv_flags=()):
+    """A stand-alone name server, an ASYNC_MASTER (cleaning as ``master_cleans`` says) and its SLAVE under broker
+    name ``name``, both with SMALL_EXPIRING segments, the slave cleaning; each process goes on ``started`` as it
+    starts (the caller kills them)."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+
+    ns = NamesrvProcess(tmp_path / "namesrv.log", *namesrv_flags).start()
+    started.append(ns)
+    master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, name, 500), "--broker-role", "ASYNC_MASTER",
+                           "--ha-port", "0", *SMALL_EXPIRING, *master_cleans).start()
+    started.append(master)
+    slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, name, 500), "--broker-role", "SLAVE",
+                          "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
+                          *SMALL_EXPIRING, *CLEANS).start()
+    started.append(slave)
+    return ns, master, slave
+
+
 async def _pull_all(namesrv: str, mq: MessageQueue, want: int, timeout: float = 20.0) -> list[bytes]:
     """Everything in ``mq`` from offset 0, waiting (long polls) until there are ``want`` messages."""
     async with PullConsumer(namesrv, "CG_replica") as consumer:
@@ -622,21 +641,12 @@ async def test_a_slave_removes_expired_segments_under_disk_pressure_as_its_maste
     answered SLAVE_NOT_AVAILABLE). Here every disk is 'above the clean ratio' and segments expire in about a
     second: the slave removes its expired sealed segments once its master has (never dead-letters halves: its
     master does; it learns the master's log start from the master broker the name server names)."""
-    from tests.support.broker_process import BrokerProcess
-    from tests.support.cluster_process import NamesrvProcess, cluster_flags, route
+    from tests.support.cluster_process import route
 
     started = []
     try:
-        ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000",
-                            "--scan-interval-ms", "200").start()
-        started.append(ns)
-        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-c", 500), "--broker-role",
-                               "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING, *CLEANS).start()
-        started.append(master)
-        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-c", 500), "--broker-role", "SLAVE",
-                              "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
-                              *SMALL_EXPIRING, *CLEANS).start()
-        started.append(slave)
+        ns, master, slave = _expiring_master_slave(tmp_path, "broker-c", started, namesrv_flags=(
+            "--broker-expire-ms", "3000", "--scan-interval-ms", "200"))
         async with asyncio.timeout(60):
             async with Producer(ns.addr, "PG_slave_retention") as producer:
                 mq = (await producer.send(TOPIC, b"z" * 1000)).queue
@@ -1338,7 +1348,6 @@ async def test_a_slave_keeps_the_segments_its_master_still_holds_so_promotion_ke
     by then: the dead-letter records of the halves), and says why it keeps one."""
     from producer import LocalTransactionState, TransactionProducer
     from tests.support.broker_process import BrokerProcess
-    from tests.support.cluster_process import NamesrvProcess, cluster_flags
 
     class Undecided:
         def execute_local_transaction(self, msg, arg):
@@ -1350,16 +1359,8 @@ async def test_a_slave_keeps_the_segments_its_master_still_holds_so_promotion_ke
     started = []
     pool = ConnectionPool()
     try:
-        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
-        started.append(ns)
-        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-p", 500), "--broker-role",
-                               "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING, "--disk-clean-ratio", "0.9998",
-                               "--disk-force-clean-ratio", "0.9999").start()    # never cleans
-        started.append(master)
-        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-p", 500), "--broker-role", "SLAVE",
-                              "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
-                              *SMALL_EXPIRING, *CLEANS).start()
-        started.append(slave)
+        ns, master, slave = _expiring_master_slave(tmp_path, "broker-p", started, master_cleans=(
+            "--disk-clean-ratio", "0.9998", "--disk-force-clean-ratio", "0.9999"))     # the master never cleans
         async with asyncio.timeout(90):
             async with TransactionProducer(ns.addr, "PG_promote_keep", Undecided()) as producer:
                 await producer.send_in_transaction(TOPIC, b"undecided")     # in the first segment
@@ -1501,7 +1502,6 @@ async def test_a_slave_promoted_after_its_cleaner_followed_its_master_reports_no
     has no decision for them (the op records went too): they are not 'lost', and recovery must not say so."""
     from producer import LocalTransactionState, TransactionProducer
     from tests.support.broker_process import BrokerProcess
-    from tests.support.cluster_process import NamesrvProcess, cluster_flags
 
     class Commits:
         def execute_local_transaction(self, msg, arg):
@@ -1512,15 +1512,7 @@ async def test_a_slave_promoted_after_its_cleaner_followed_its_master_reports_no
 
     started = []
     try:
-        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
-        started.append(ns)
-        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-d", 500), "--broker-role",
-                               "ASYNC_MASTER", "--ha-port", "0", *SMALL_EXPIRING, *CLEANS).start()
-        started.append(master)
-        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-d", 500), "--broker-role", "SLAVE",
-                              "--broker-id", "1", "--ha-master-addr", master.ha, "--slave-sync-interval-ms", "200",
-                              *SMALL_EXPIRING, *CLEANS).start()
-        started.append(slave)
+        ns, master, slave = _expiring_master_slave(tmp_path, "broker-d", started)
         async with asyncio.timeout(90):
             async with TransactionProducer(ns.addr, "PG_promote_decided", Commits()) as producer:
                 for i in range(3):
