@@ -35,7 +35,7 @@ from . import live_config
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
-from .context import BrokerContext, monotonic_ms, wall_clock_ms
+from .context import BrokerContext, aged_clock, monotonic_ms, wall_clock_ms
 from .heap import HeapSettler
 from .kv_config import FILE_NAME as KV_FILE_NAME
 from .kv_config import KvConfig
@@ -123,7 +123,8 @@ class BrokerServer:
         clients.call_later = loop.call_later
         clients.on_notice_merged = self.metrics.notices_merged.inc
         topics.retry_reclaimable = self._retry_topic_idle
-        ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
+        ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock,
+                                       aged=aged_clock(self.clock))
         config_dir = os.path.join(store_dir, "config")
         perm = live_config.load(config_dir).get("brokerPermission", ctx.broker_permission)
         if perm != ctx.broker_permission:   # before any registration or request: routes carry it from the first

@@ -14,7 +14,7 @@ import pytest
 
 from broker.clients import ClientRegistry
 from broker.config import BrokerConfig
-from broker.context import BrokerContext
+from broker.context import BrokerContext, aged_clock
 from broker.metrics import BrokerMetrics
 from broker.retention import PlanRefused, Retention
 from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, StoreConfig
@@ -346,6 +346,35 @@ async def test_disk_pressure_cleans_expired_then_forces_the_oldest_never_the_act
     assert m.labels("expired")._value.get() == len(plan["segments"])
     assert m.labels("pressure")._value.get() == len(young) - 1
     assert len(before) == len(plan["segments"]) + len(young)
+
+
+@bounded(30)
+async def test_a_clock_stepped_days_ahead_expires_only_what_the_time_passed_made_old(world, caplog):
+    """Ages are the wall clock's bounded by the time that passed since the start (context.aged_clock). Judged
+    by the wall clock alone, a step 100 h ahead with the disk above its clean ratio removed every sealed segment,
+    fresh messages with them, and dead-lettered a half stored a moment before as `expired`; a plan made at the
+    stepped time did the same."""
+    ctx, clock, half, old, fresh = world
+    ticks = Clock(0)                                   # the monotonic clock: no time passes in this test
+    ctx.aged = aged_clock(clock, ticks)
+    young_half = await add_half(ctx, b"young-undecided")
+    young = await send(ctx, 100)                       # seals the young half's segment
+    expired = await spark_like_plan(ctx, clock.now)
+    clock.now += 100 * H                               # stepped ahead, not a second passed
+    r = Retention(ctx, usage=lambda: 0.80)
+    removed = await r.clean_once()
+    assert [n for n, _ in removed] == [s["name"] for s in expired["segments"]]   # the 80-hour-old ones alone
+    assert dead_lettered(ctx, half.half_offset)
+    assert young_half.half_offset in ctx.tx.pending and not dead_lettered(ctx, young_half.half_offset)
+    assert readable(ctx, fresh + young) == len(fresh + young)
+    summary = await r.apply_plan(await spark_like_plan(ctx, clock.now))    # every sealed segment, by the step
+    assert summary["segments_removed"] == [] and summary["segments_kept"]
+    assert young_half.half_offset in ctx.tx.pending and readable(ctx, fresh + young) == len(fresh + young)
+    said = [m for m in caplog.messages if "ahead of the time that passed since the broker started" in m]
+    assert len(said) == 1 and "360000 s ahead" in said[0], said           # once a step, not once a pass
+    ticks.now += 73 * H                                # the broker's own 73 h: the young ones are old now
+    clock.now += 73 * H
+    assert await r.clean_once() and dead_lettered(ctx, young_half.half_offset)
 
 
 @bounded(30)
