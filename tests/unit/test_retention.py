@@ -820,3 +820,30 @@ async def test_a_promoted_slave_killed_before_its_first_snapshot_does_not_say_th
     finally:
         await ctx.store.close()                                           # killed: no tx.stop, no periodic snapshot
     await assert_promoted_quietly(tmp_path, clock, caplog)
+
+
+@bounded(5)
+async def test_the_age_clock_counts_the_time_a_suspended_host_slept_but_not_a_step(monkeypatch):
+    """aged_clock bounds the wall clock by the time that passed since the start. CLOCK_MONOTONIC stops while a
+    host (a laptop, a VM's guest) is suspended: after a 10 h sleep, with the wall clock put right on resume, ages
+    were judged 10 h short for the rest of the run, and every further sleep added to it (segments and undecided
+    halves kept that much longer, the disk filling towards forced removal). CLOCK_BOOTTIME counts the sleep; a
+    step ahead while awake is still not counted."""
+    import time
+
+    import broker.context as context
+
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        pytest.skip("no CLOCK_BOOTTIME here: the monotonic clock is used")
+    host = {"wall": 1_700_000_000.0, "mono": 500.0, "boot": 700.0}
+    real_gettime = time.clock_gettime
+    monkeypatch.setattr(time, "time", lambda: host["wall"])
+    monkeypatch.setattr(time, "monotonic", lambda: host["mono"])
+    monkeypatch.setattr(time, "clock_gettime", lambda cid: host["boot"] if cid == time.CLOCK_BOOTTIME
+                        else host["mono"] if cid == time.CLOCK_MONOTONIC else real_gettime(cid))
+    aged = context.aged_clock()
+    start = aged()
+    host["wall"] += 36_000; host["boot"] += 36_000         # noqa: E702 - suspended 10 h: the monotonic clock stood
+    assert aged() == start + 36_000_000, "the sleep was not counted"
+    host["wall"] += 4 * 86_400; host["boot"] += 1; host["mono"] += 1     # noqa: E702 - stepped 4 days ahead, awake
+    assert aged() == start + 36_001_000
