@@ -26,12 +26,25 @@ def monotonic_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
-def aged_clock(clock=wall_clock_ms, monotonic=monotonic_ms):
+def boottime_ms() -> int:
+    """Like monotonic_ms, never stepped, but counting the time the host was suspended (Linux CLOCK_BOOTTIME;
+    CLOCK_MONOTONIC stands still while it sleeps). The monotonic clock where there is none."""
+    if _BOOTTIME is None:
+        return monotonic_ms()
+    return int(time.clock_gettime(_BOOTTIME) * 1000)
+
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def aged_clock(clock=wall_clock_ms, monotonic=boottime_ms):
     """A clock to judge ages by (what retention removes): the wall clock, but never further ahead of its reading
-    now than the monotonic time that passes from now. Store times are the wall clock's; judged by it alone, a step
-    days ahead while the broker runs (a VM's host, a bad NTP source) aged every record and undecided half by the
-    step at once, and retention removed them. A step back (or a clock behind at the start) keeps things longer:
-    never removes more. Until a restart, a clock put right by a step forward keeps them longer by that step."""
+    now than the time that passes from now (boottime_ms: a suspended host's sleep counts; by CLOCK_MONOTONIC ages
+    were judged short by every sleep for the rest of the run). Store times are the wall clock's; judged by it
+    alone, a step days ahead while the broker runs (a VM's host, a bad NTP source) aged every record and undecided
+    half by the step at once, and retention removed them. A step back (or a clock behind at the start) keeps
+    things longer: never removes more. Until a restart, a clock put right by a step forward keeps them longer by
+    that step."""
     wall0, mono0 = clock(), monotonic()
     return lambda: min(clock(), wall0 + monotonic() - mono0)
 
