@@ -847,3 +847,24 @@ async def test_the_age_clock_counts_the_time_a_suspended_host_slept_but_not_a_st
     assert aged() == start + 36_000_000, "the sleep was not counted"
     host["wall"] += 4 * 86_400; host["boot"] += 1; host["mono"] += 1     # noqa: E702 - stepped 4 days ahead, awake
     assert aged() == start + 36_001_000
+
+
+@bounded(30)
+async def test_a_clock_stepped_ahead_again_after_it_was_put_back_is_said_again(world, caplog):
+    """The step warning is said once a step. It remembered the largest lead it had said, not the lead now: a clock
+    put back, then stepped ahead again by as much (a flapping NTP source, a VM migrated twice), was not said the
+    second time, though retention again kept everything that much longer."""
+    ctx, clock, *_ = world
+    ticks = Clock(0)
+    ctx.aged = aged_clock(clock, ticks)
+    r = Retention(ctx, usage=lambda: 0.0)
+
+    def said():
+        return [m for m in caplog.messages if "ahead of the time that passed since the broker started" in m]
+
+    for _ in range(2):
+        clock.now += 100 * H
+        r.now(); r.now()                                 # noqa: E702 - once a step, not once a pass
+        clock.now -= 100 * H                             # put back
+        r.now()
+    assert len(said()) == 2, said()
