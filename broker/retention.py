@@ -103,7 +103,7 @@ class Retention:
         # Ages by the wall clock bounded by the time that passed since the start (context.aged_clock): a step
         # ahead while the broker ran expired every sealed segment and undecided half by the step at once.
         self._aged = ctx.aged or ctx.clock
-        self._ahead_said = 0                # how far the wall clock ran ahead of it when last said
+        self._ahead_said = 0                # how far the wall clock ran ahead of it when last said (or since)
         self._lock = asyncio.Lock()          # one removal pass at a time: a plan or the pressure cleaner
         self._task: asyncio.Task | None = None
         self._young_said: tuple | None = None   # the segment the cleaner last said young halves keep
@@ -122,6 +122,8 @@ class Retention:
             log.warning("the wall clock is %d s ahead of the time that passed since the broker started (stepped "
                         "ahead while it ran): retention judges ages by the latter, so nothing expires by the step; "
                         "until a restart segments and undecided halves stay that much longer", ahead // 1000)
+        elif ahead < self._ahead_said - STEP_SAID_MS:
+            self._ahead_said = max(ahead, 0)    # put back: the next step ahead is said again
         return now
 
     def _probe(self) -> float:
