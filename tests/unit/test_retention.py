@@ -868,3 +868,15 @@ async def test_a_clock_stepped_ahead_again_after_it_was_put_back_is_said_again(w
         clock.now -= 100 * H                             # put back
         r.now()
     assert len(said()) == 2, said()
+
+
+@bounded(30)
+async def test_a_clock_stepped_ahead_is_said_at_the_next_pass_with_the_disk_below_its_clean_ratio(world, caplog):
+    """The step warning was said only by a pass that found the disk above disk_clean_ratio: a step days ahead on a
+    quiet disk was said days later, when the disk filled and the operator asked why nothing expired, if ever."""
+    ctx, clock, *_ = world
+    ctx.aged = aged_clock(clock, Clock(0))
+    r = Retention(ctx, usage=lambda: 0.0)
+    clock.now += 100 * H
+    assert await r.clean_once() == []
+    assert [m for m in caplog.messages if "ahead of the time that passed since the broker started" in m]
