@@ -235,6 +235,7 @@ class Retention:
     async def clean_once(self) -> list[tuple[str, str]]:
         """One pass of disk-pressure cleaning; [(segment, reason)] removed."""
         c = self.ctx.config
+        self.now()                  # a step ahead is said when it happens, not when the disk first fills after it
         usage = self.usage()
         if usage < c.disk_clean_ratio:
             return []
