@@ -413,4 +413,13 @@ async def test_only_a_rewind_by_a_client_that_is_no_consumer_of_the_group_waits_
     assert asyncio.iscoroutine(reply) and not file.exists()
     assert (await reply).code == ResponseCode.SUCCESS
     assert json.loads(file.read_text())["T@CG"] == {"0": 1}
+
+    def full(*_a):
+        raise OSError(28, "No space left on device")
+    offsets._write = full                                           # the save fails: the tool is told so
+    reply = await commit(tool, 0)
+    assert reply.code == ResponseCode.SYSTEM_ERROR and "moved back but the consumer offsets are not saved" in (
+        reply.remark or ""), reply.remark
+    assert json.loads(file.read_text())["T@CG"] == {"0": 1}
+    del offsets._write
     await offsets.close()
