@@ -123,7 +123,7 @@ class BrokerServer:
         clients.call_later = loop.call_later
         clients.on_notice_merged = self.metrics.notices_merged.inc
         topics.retry_reclaimable = self._retry_topic_idle
-        # aged: the wall clock and the monotonic one read at the start, before a client can connect, what retention
+        # aged: the wall clock and CLOCK_BOOTTIME read at the start, before a client can connect, what retention
         # and the metric snapshot task judge ages by (read when the snapshot task first ran, a step just after the
         # start, or before the supervisor restarted the task, was taken as the start's time: files were removed).
         ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock,
