@@ -26,6 +26,29 @@ def monotonic_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
+def boottime_ms() -> int:
+    """Like monotonic_ms, never stepped, but counting the time the host was suspended (Linux CLOCK_BOOTTIME;
+    CLOCK_MONOTONIC stands still while it sleeps). The monotonic clock where there is none."""
+    if _BOOTTIME is None:
+        return monotonic_ms()
+    return int(time.clock_gettime(_BOOTTIME) * 1000)
+
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def aged_clock(clock=wall_clock_ms, monotonic=boottime_ms):
+    """A clock to judge ages by (what retention removes): the wall clock, but never further ahead of its reading
+    now than the time that passes from now (boottime_ms: a suspended host's sleep counts; by CLOCK_MONOTONIC ages
+    were judged short by every sleep for the rest of the run). Store times are the wall clock's; judged by it
+    alone, a step days ahead while the broker runs (a VM's host, a bad NTP source) aged every record and undecided
+    half by the step at once, and retention removed them. A step back (or a clock behind at the start) keeps
+    things longer: never removes more. Until a restart, a clock put right by a step forward keeps them longer by
+    that step."""
+    wall0, mono0 = clock(), monotonic()
+    return lambda: min(clock(), wall0 + monotonic() - mono0)
+
+
 @dataclass
 class BrokerContext:
     config: BrokerConfig
@@ -38,6 +61,7 @@ class BrokerContext:
     store_host: bytes = b""          # packed host of broker_addr, in every stored record
     clock: object = wall_clock_ms    # what records and reports carry (store timestamps): the wall clock
     monotonic: object = monotonic_ms  # what times waits (the check schedule): never stepped
+    aged: object = None              # what ages are judged by (retention): aged_clock(), set by the server; None: clock
     holds: object = None             # broker.longpoll.PullHoldService
     tx: object = None                # broker.transaction.TransactionService
     limits: object = None            # broker.limits.Limits

@@ -46,6 +46,7 @@ from protocol.errors import StoreError
 log = logging.getLogger("txmq.retention")
 HOUR_MS = 3_600_000
 PLAN_VERSION = 2
+STEP_SAID_MS = 60_000   # a wall clock ahead of the time passed by more than this (again) is said
 
 
 class PlanRefused(Exception):
@@ -99,6 +100,10 @@ class Retention:
         self.retention_ms = int(c.file_reserved_hours * HOUR_MS)
         self.half_retention_ms = int(c.transaction_retention_hours * HOUR_MS)
         self.usage = usage or self._probe
+        # Ages by the wall clock bounded by the time that passed since the start (context.aged_clock): a step
+        # ahead while the broker ran expired every sealed segment and undecided half by the step at once.
+        self._aged = ctx.aged or ctx.clock
+        self._ahead_said = 0                # how far the wall clock ran ahead of it when last said (or since)
         self._lock = asyncio.Lock()          # one removal pass at a time: a plan or the pressure cleaner
         self._task: asyncio.Task | None = None
         self._young_said: tuple | None = None   # the segment the cleaner last said young halves keep
@@ -107,6 +112,19 @@ class Retention:
         # (a slave) fn(log end) -> the offset up to which its master removed its log, None while not known
         # (ha/sync.py SlaveSync.removable_end; set by the server)
         self.master_removed_to = lambda _end: None
+
+    def now(self) -> int:
+        """The broker's clock to judge ages by; says once a step when the wall clock ran ahead of it."""
+        now = self._aged()
+        ahead = self.ctx.clock() - now
+        if ahead - self._ahead_said > STEP_SAID_MS:
+            self._ahead_said = ahead
+            log.warning("the wall clock is %d s ahead of the time that passed since the broker started (stepped "
+                        "ahead while it ran): retention judges ages by the latter, so nothing expires by the step; "
+                        "until a restart segments and undecided halves stay that much longer", ahead // 1000)
+        elif ahead < self._ahead_said - STEP_SAID_MS:
+            self._ahead_said = max(ahead, 0)    # put back: the next step ahead is said again
+        return now
 
     def _probe(self) -> float:
         disk = self.ctx.store.disk   # the store's watermark monitor: one measure of the disk
@@ -122,8 +140,8 @@ class Retention:
             # success while the master, whose halves they are, was never told.
             raise PlanRefused("this broker is a SLAVE: a plan is applied on the master (make it from the master's "
                               "store: a slave's store has its own store id); the slave cleans its disk by itself")
-        now = ctx.clock()
-        check_plan_header(plan, ctx.store.store_id, now, ctx.config.plan_clock_skew_ms)
+        now = self.now()
+        check_plan_header(plan, ctx.store.store_id, ctx.clock(), ctx.config.plan_clock_skew_ms)
         plan_retention = plan.get("retention_ms") if isinstance(plan.get("retention_ms"), int) else 0
         cutoff = now - max(self.retention_ms, plan_retention)
         async with self._lock:
@@ -217,6 +235,7 @@ class Retention:
     async def clean_once(self) -> list[tuple[str, str]]:
         """One pass of disk-pressure cleaning; [(segment, reason)] removed."""
         c = self.ctx.config
+        self.now()                  # a step ahead is said when it happens, not when the disk first fills after it
         usage = self.usage()
         if usage < c.disk_clean_ratio:
             return []
@@ -227,7 +246,7 @@ class Retention:
                 if len(facts) < 2:
                     break
                 oldest = facts[0]
-                now = self.ctx.clock()
+                now = self.now()
                 expired = 0 <= oldest.last_ts < now - self.retention_ms
                 young = self._young_halves(oldest, now) if expired else None
                 if young is not None:

@@ -35,7 +35,7 @@ from . import live_config
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
-from .context import BrokerContext, monotonic_ms, wall_clock_ms
+from .context import BrokerContext, aged_clock, monotonic_ms, wall_clock_ms
 from .heap import HeapSettler
 from .kv_config import FILE_NAME as KV_FILE_NAME
 from .kv_config import KvConfig
@@ -123,7 +123,11 @@ class BrokerServer:
         clients.call_later = loop.call_later
         clients.on_notice_merged = self.metrics.notices_merged.inc
         topics.retry_reclaimable = self._retry_topic_idle
-        ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock)
+        # aged: the wall clock and CLOCK_BOOTTIME read at the start, before a client can connect, what retention
+        # and the metric snapshot task judge ages by (read when the snapshot task first ran, a step just after the
+        # start, or before the supervisor restarted the task, was taken as the start's time: files were removed).
+        ctx = self.ctx = BrokerContext(c, None, None, topics, clients, self.metrics, clock=self.clock,
+                                       aged=aged_clock(self.clock))
         config_dir = os.path.join(store_dir, "config")
         perm = live_config.load(config_dir).get("brokerPermission", ctx.broker_permission)
         if perm != ctx.broker_permission:   # before any registration or request: routes carry it from the first
@@ -226,10 +230,6 @@ class BrokerServer:
         self.heap.watch()
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
-        # The wall clock and the monotonic one at the start, before a client can connect: what the metric snapshot
-        # task judges old files by (taken when the task first ran, a step just after the start, or before the
-        # supervisor restarted the task, was taken as the start's time, and the step removed the files).
-        self._started_clocks = (time.time(), time.monotonic())
         await broker_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
@@ -658,7 +658,6 @@ class BrokerServer:
         pruned_day = None
         paused = False
         disk = self.ctx.store.disk
-        started_s, started_mono = self._started_clocks
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
             # Above disk_refuse_ratio the room left is the broker's own durable writes' (decisions, offsets,
@@ -682,7 +681,7 @@ class BrokerServer:
             # since the start as well. By the wall clock alone, a step days ahead (a VM's host, a bad NTP source)
             # removed every file before the future date, those the nightly rollup had yet to read with them. (A
             # step back, or a start with a clock behind, keeps files longer: never fewer.)
-            now_ms = int(min(time.time(), started_s + time.monotonic() - started_mono) * 1000)
+            now_ms = self.ctx.aged()
             day = now_ms // 86_400_000
             if keep > 0 and day != pruned_day:
                 try:

@@ -1,13 +1,18 @@
 """Consumer offsets and queue bounds: codes 14, 15, 29, 30, 31, 32, 43 (spec 3.8, 3.9, 3.13, 9.2)."""
 from __future__ import annotations
 
+import logging
+
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import ResponseCode
 from protocol.message import validate_group
 from protocol.txlog import PROGRESS_GROUP
 
-from ..limits import peer_host
+from ..limits import EveryKey, peer_host
 from .pull import on_disk
+
+log = logging.getLogger("txmq.offsets")
+_rewinds_said = EveryKey(60.0)      # groups and topics whose rewinds by a non-consumer were said this minute
 
 
 def _queue(cmd):
@@ -55,8 +60,42 @@ def update_consumer_offset(ctx, conn, cmd):
         refused = ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid)
         if refused is not None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
+        rewound = _rewound_by_another(ctx, conn, group, topic, qid, offset)
         ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
+        if rewound is not None:
+            # An admin tool's reset (mqadmin resetOffsetByTimeOld, the fallback of resetOffsetNew): answered from
+            # memory, a kill -9 before the next periodic save put the group back where it was, its replay lost.
+            # On disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is. (A consumer's own commits stay cheap.)
+            if _rewinds_said.due(f"{group}\0{topic}"):
+                log.warning("offset of group %s on %s queue %d moved back from %d to %d by %s, no consumer of the "
+                            "group (an admin reset: resetOffsetByTimeOld?); saved before the reply (more of this "
+                            "group and topic in the next minute are not said)", group, topic, qid, rewound, offset,
+                            peer_host(conn))
+            return offsets_saved(ctx, cmd, f"offset of group {group} on {topic} queue {qid} moved back",
+                                 cmd.response(ResponseCode.SUCCESS))
     return cmd.response(ResponseCode.SUCCESS)
+
+
+def _rewound_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) -> int | None:
+    """The offset a commit moves back from when the committer is no consumer of the group (an admin tool), else
+    None: a consumer's own commits go on disk with the periodic save (one lost to a kill -9 costs redeliveries)."""
+    current = ctx.offsets.get(group, topic, qid)
+    if current is None or offset >= current:
+        return None
+    g = ctx.clients.consumers.get(group)
+    return current if g is None or conn not in g.channels else None
+
+
+async def offsets_saved(ctx, cmd, done: str, reply):
+    """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
+    saved (``reply`` too when it is an error already)."""
+    try:
+        await ctx.offsets.saved()
+    except OSError as exc:
+        if reply.code == ResponseCode.SUCCESS:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
+                                f"are lost if the broker stops before the next periodic save): {exc}")
+    return reply
 
 
 def get_max_offset(ctx, conn, cmd):

@@ -23,6 +23,7 @@ from ..limits import peer_host
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import topics_saved
+from .offsets import offsets_saved
 from .pull import forget_moves
 
 log = logging.getLogger("txmq.ops")
@@ -220,7 +221,7 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     # Answered once the catalogue and the offsets say so: a kill before their batched writes brought the topic
     # back with its old settings (and its groups' offsets) though the operator was told it was gone.
     reply = await topics_saved(ctx, cmd, f"topic {topic} deleted")
-    reply = await _offsets_saved(ctx, cmd, f"topic {topic} deleted", reply)
+    reply = await offsets_saved(ctx, cmd, f"topic {topic} deleted", reply)
     if unmarked and reply.code == ResponseCode.SUCCESS:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"topic {topic} deleted, but its mark was not written "
                             f"({unmarked[0]}): a restart may index its old records again and serve it with the "
@@ -276,7 +277,7 @@ async def delete_subscription_group(ctx, conn, cmd):
     reply = await _saved(ctx, cmd, f"subscription group {group} deleted") if existed else cmd.response(
         ResponseCode.SUCCESS)
     if remove_offset:       # else a kill before the periodic save brought the group's offsets back
-        reply = await _offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply)
+        reply = await offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply)
     return reply
 
 
@@ -287,18 +288,6 @@ async def _saved(ctx, cmd, done: str):
     except OSError as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but not saved (retried until it is): {exc}")
     return cmd.response(ResponseCode.SUCCESS)
-
-
-async def _offsets_saved(ctx, cmd, done: str, reply):
-    """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
-    saved (``reply`` too when it is an error already)."""
-    try:
-        await ctx.offsets.saved()
-    except OSError as exc:
-        if reply.code == ResponseCode.SUCCESS:
-            return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
-                                f"are lost if the broker stops before the next periodic save): {exc}")
-    return reply
 
 
 def consume_guard(handler):
@@ -370,7 +359,7 @@ async def reset_offset(ctx, conn, cmd):
                 group, topic, timestamp, force, _peer(conn), {q: o for (_t, _b, q), o in table.items()}, notified)
     # On disk before SUCCESS: left to the periodic save, a kill within its interval put the group back where
     # it was -- the replay asked for never came, or the records skipped were delivered again.
-    return await _offsets_saved(ctx, cmd, f"[reset-offset] group {group} topic {topic} reset",
+    return await offsets_saved(ctx, cmd, f"[reset-offset] group {group} topic {topic} reset",
                                 cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table)))
 
 

@@ -152,3 +152,34 @@ async def test_a_clock_stepped_days_ahead_removes_no_snapshot_file_the_rollup_ha
         while not (ahead() and len(ahead()[0].read_text().splitlines()) >= 2):
             await asyncio.sleep(0.05)
     assert [p for p in recent if not p.exists()] == []
+
+
+RETAINED_S = 10.8       # --file-reserved-hours / --transaction-retention-hours 0.003
+EXPIRING = ("--segment-size", "262144", "--max-message-size", "16384", "--disk-clean-ratio", "0.0001",
+            "--disk-force-clean-ratio", "0.9999", "--disk-refuse-ratio", "1.0", "--file-reserved-hours", "0.003",
+            "--transaction-retention-hours", "0.003", "--disk-clean-interval-s", "0.2",
+            "--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000")
+
+
+async def test_a_clock_stepped_days_ahead_expires_no_half_or_segment_before_its_time(broker_factory, tmp_path):
+    """Retention judges a segment (its newest record) and an undecided half by their store times, the wall
+    clock's. Stepped four days ahead while the broker ran (a VM's host, a bad NTP source), with the disk above
+    its clean ratio the next pass removed every sealed segment and dead-lettered as `expired` the undecided
+    half in it, stored a second before: a transaction lost, not 72 h old by the broker's own account, and
+    unread messages with it. Their age is bounded by the time that passed since the start as well: they go
+    when the retention has passed by the broker's monotonic clock, not at the step."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(*EXPIRING, env=stepped_env(offset))
+    async with asyncio.timeout(60):
+        stored = time.monotonic()
+        async with TransactionProducer(b.namesrv, "PG_clock", Checked()) as producer:
+            await producer.send_in_transaction("TxClock", b"in doubt")
+        async with Producer(b.namesrv, "PG_fill") as producer:    # seals the half's segment
+            for _ in range(0, 300, 50):
+                await asyncio.gather(*(producer.send("Fill", b"m" * 1000) for _ in range(50)))
+        offset.write_text("+4d\n")
+        while "undecided halves dead-lettered (expired) before removal" not in b.log():
+            await asyncio.sleep(0.1)
+    assert time.monotonic() - stored >= RETAINED_S - 0.3, "expired by the step, not by its age"
+    assert b.log().count("retention judges ages by the latter") == 1, b.log()[-3000:]

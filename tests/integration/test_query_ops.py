@@ -293,6 +293,41 @@ async def test_a_reset_without_force_leaves_a_live_consumers_uncommitted_queue_c
 
 
 @bounded(90)
+async def test_an_old_style_reset_by_time_survives_a_kill_9(broker_factory):
+    """mqadmin resetOffsetByTimeOld (the admin API's resetOffsetByTimestampOld, also how resetOffsetNew falls back)
+    moves a group that has no consumer running: SEARCH_OFFSET_BY_TIMESTAMP, then UPDATE_CONSUMER_OFFSET from the
+    admin tool, which is no consumer of the group. Answered SUCCESS from memory, the rewind was on disk only at the
+    next periodic save (--flush-consumer-offset-interval-ms): a kill -9 before it put the group back where it
+    was, the replay asked for never came, nothing said. A rewind by a client that is no consumer of the group is
+    on disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is."""
+    flags = ("--flush-consumer-offset-interval-ms", "600000")       # no periodic save within the test
+    b = broker_factory(*flags)
+    await _create(b, "OldReset", 1)
+    mq = MessageQueue("OldReset", "broker-a", 0)
+    async with Producer(b.namesrv, "PG_old_reset") as producer:
+        for i in range(6):
+            await producer.send("OldReset", b"o%d" % i, queue=mq)
+            await asyncio.sleep(0.01)       # distinct store times, so the target offset is unambiguous
+    async with PullConsumer(b.namesrv, "CG_old_reset") as consumer:
+        await consumer.fetch_queues("OldReset")
+        stored_at = [m.store_timestamp for m in (await consumer.pull(mq, 0)).messages]
+        await consumer.commit_offset(mq, 6)             # consumed it all
+    assert b.stop() == 0                                # saved at the stop
+    b = broker_factory(*flags)
+    async with PullConsumer(b.namesrv, "CG_old_reset") as tool:     # no heartbeat: no consumer of the group
+        await tool.fetch_queues("OldReset")
+        target = await tool.search_offset(mq, stored_at[2])
+        assert target == 2
+        await tool.commit_offset(mq, target)
+    b.kill()
+    b = broker_factory(*flags)
+    async with PullConsumer(b.namesrv, "CG_old_reset") as consumer:
+        await consumer.fetch_queues("OldReset")
+        assert await consumer.fetch_offset(mq) == 2, "the reset was undone by the kill"
+    assert "offset of group CG_old_reset on OldReset queue 0 moved back from 6 to 2" in b.log()
+
+
+@bounded(90)
 async def test_kill_9_loses_no_index_entry_and_a_lost_index_is_rebuilt(broker_factory):
     b = broker_factory()
     async with Producer(b.namesrv, "PG_kill") as producer:

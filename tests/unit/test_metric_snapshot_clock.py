@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+from broker.context import aged_clock
 from broker.server import BrokerServer
 from tests.support.bounded import bounded
 
@@ -32,8 +33,8 @@ async def test_a_snapshot_task_first_run_or_restarted_after_a_step_ahead_removes
     disk = types.SimpleNamespace(still_refusing=lambda: False)
     server = types.SimpleNamespace(
         config=types.SimpleNamespace(metrics_snapshot_retention_days=7, metrics_snapshot_interval_s=0),
-        ctx=types.SimpleNamespace(store=types.SimpleNamespace(disk=disk)),
-        metrics=None, write_snapshot=write_snapshot, _started_clocks=(real, time.monotonic()))
+        ctx=types.SimpleNamespace(store=types.SimpleNamespace(disk=disk), aged=aged_clock()),
+        metrics=None, write_snapshot=write_snapshot)
     monkeypatch.setattr(time, "time", lambda: real + 30 * 86400)      # stepped 30 days ahead since the start
     task = asyncio.get_running_loop().create_task(BrokerServer._snapshots(server, str(tmp_path)))
     try:

@@ -377,3 +377,49 @@ async def test_a_save_takes_only_the_offsets_changed_since_the_last_one(tmp_path
         offsets.commit("g", "T", q, 1000 + q)
     offsets.remove_topic("U")
     assert await save() == len(offsets.items())      # most of it changed: a whole copy is the cheaper
+
+
+@bounded(10)
+async def test_only_a_rewind_by_a_client_that_is_no_consumer_of_the_group_waits_for_the_save(tmp_path):
+    """UPDATE_CONSUMER_OFFSET moving an offset back from a connection with no heartbeat for the group (an admin
+    tool: mqadmin resetOffsetByTimeOld) is answered once the file holds it; a consumer's own commits, a rewind
+    among them, and anyone's moves forward are answered at once and saved periodically, as before."""
+    from types import SimpleNamespace
+
+    from broker.clients import ConsumerGroup
+    from broker.processors.offsets import update_consumer_offset
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    await offsets.open()
+    offsets.commit("CG", "T", 0, 10)
+    class Conn:
+        peer = ("127.0.0.1", 1)
+
+    member, tool = Conn(), Conn()
+    ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
+                          limits=SimpleNamespace(may_commit=lambda *a: None),
+                          clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}))
+    file = tmp_path / "config" / "consumerOffset.json"
+
+    def commit(conn, offset):
+        return update_consumer_offset(ctx, conn, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG", "topic": "T", "queueId": 0, "commitOffset": offset}))
+
+    for conn, offset in ((member, 8), (tool, 9), (member, 3)):      # back by a consumer, forward by anyone
+        assert commit(conn, offset).code == ResponseCode.SUCCESS and not file.exists()
+    reply = commit(tool, 1)
+    assert asyncio.iscoroutine(reply) and not file.exists()
+    assert (await reply).code == ResponseCode.SUCCESS
+    assert json.loads(file.read_text())["T@CG"] == {"0": 1}
+
+    def full(*_a):
+        raise OSError(28, "No space left on device")
+    offsets._write = full                                           # the save fails: the tool is told so
+    reply = await commit(tool, 0)
+    assert reply.code == ResponseCode.SYSTEM_ERROR and "moved back but the consumer offsets are not saved" in (
+        reply.remark or ""), reply.remark
+    assert json.loads(file.read_text())["T@CG"] == {"0": 1}
+    del offsets._write
+    await offsets.close()
