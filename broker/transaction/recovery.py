@@ -257,6 +257,8 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
         if earlier is None:
             touched.add(q)
         if op.op == RESUME:
+            if op.owner:            # the sender its dead letter named (TransactionService.resume)
+                owners[op.half_offset] = op.owner
             tx.record(q, None)
             undecided.add(op.half_offset)
             checks[op.half_offset] = 0

@@ -185,6 +185,34 @@ async def test_a_resumed_transaction_survives_a_crash_before_the_progress_is_per
 
 
 @bounded(20)
+async def test_a_resumed_transactions_sender_survives_a_crash_before_the_next_snapshot(tmp_path, monkeypatch):
+    """The sender a resume found in the dead letter (TransactionService._dead_letter_sender: the message index,
+    which this context has none of) is written with the RESUME op: recovery replays it as a check record's. Left
+    out, a crash after a snapshot written while the transaction was dead (no "owners" entry for it) rebuilt it from
+    the half alone, which a stock Java producer's first halves do not name it in: checked with the group in turn."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    p = await add_half(ctx, b"named-then-dead")
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+    await tx.write_snapshot()             # the transaction is in no snapshot's "owners"
+
+    async def found(half):
+        return "10.0.0.7@sender"
+    monkeypatch.setattr(tx, "_dead_letter_sender", found)
+    await tx.resume(p.half_offset)
+    assert tx.pending[p.half_offset].owner_id == "10.0.0.7@sender"
+    await ctx.store._store.close()        # crash: no snapshot since the resume
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@sender", "the resumed sender was forgotten"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(20)
 async def test_progress_saved_while_a_half_is_being_indexed_does_not_skip_it(tmp_path):
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
@@ -270,11 +298,11 @@ async def test_a_dead_letter_that_raises_leaves_no_transaction_unscheduled_or_cl
             p.checks = tx.policy.check_max
         real, calls = tx.records.dead_letter, []
 
-        def dead_letter(half, half_offset, reason, checks=None):
+        def dead_letter(half, half_offset, reason, checks=None, owner=""):
             calls.append(half_offset)
             if len(calls) == 1:
                 raise ValueError("corrupt half record")
-            return real(half, half_offset, reason, checks)
+            return real(half, half_offset, reason, checks, owner)
         tx.records.dead_letter = dead_letter
         clock.now = max(a.next_check, b.next_check) + 1
         try:
