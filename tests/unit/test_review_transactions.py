@@ -213,6 +213,42 @@ async def test_a_resumed_transactions_sender_survives_a_crash_before_the_next_sn
 
 
 @bounded(20)
+async def test_a_resume_while_the_message_index_catches_up_warns_that_its_sender_was_not_found(tmp_path, caplog):
+    """The message index answers a query from what it has indexed so far while it catches up with the log at
+    start-up (a slice at a time), or after a write error stopped it: a resume then found no dead letter and went
+    on silently with the half's mark, none for a stock Java producer's first halves, its checks to the group in
+    turn, though its sender was in the dead letter. The lookup that could not see the whole log is said."""
+    import threading
+    from broker.store.index import IndexService
+    from broker.topics import OP_TOPIC
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    p = await add_half(ctx, b"named-then-dead")
+    p.owner_id = "10.0.0.7@sender"        # named after the half (a sender record): the half has no mark
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+    # A broker restarted with its index behind the log: the catch-up is held, so the dead letter is not indexed.
+    index = IndexService(str(tmp_path / "s"), segment_size=1 << 20, slots=1024, entries=4096, clock=clock,
+                         unindexed=(OP_TOPIC,))
+    released, real = threading.Event(), index._scan
+    index._scan = lambda *a: real(*a) if released.wait(0.02) else False
+    store.add_dispatch_listener(index.on_dispatch)
+    await index.open(store.min_physical_offset, store.max_physical_offset)
+    ctx.index = index
+    try:
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.resume(p.half_offset)
+        assert tx.pending[p.half_offset].owner_id == ""          # the half's mark: none
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("not looked up" in m and "index" in m for m in said), said
+    finally:
+        released.set()
+        await index.close()
+        await store.close()
+
+
+@bounded(20)
 async def test_progress_saved_while_a_half_is_being_indexed_does_not_skip_it(tmp_path):
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
