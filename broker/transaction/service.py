@@ -1067,7 +1067,7 @@ class TransactionService:
             return ""
         try:
             found, _, _ = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
-        except (StoreError, OSError) as exc:        # indexing stopped, or the broker is stopping
+        except (StoreError, OSError) as exc:        # the broker is stopping
             log.warning("resume of the transaction at %d: its dead letter not looked up (%s): its checks ask the "
                         "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)
             return ""
@@ -1077,6 +1077,13 @@ class TransactionService:
             if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half.physical_offset:
                 owner = dead.properties.get(P_OWNER, "")
                 return owner if plain_owner(owner) else ""
+        if index.partial:
+            # Answered from a prefix of the log (catching up at start-up, or stopped by a write error): its dead
+            # letter may lie past it. Silent, a resume just after a restart went to the group in turn unsaid.
+            log.warning("resume of the transaction at %d: its dead letter not looked up in the whole log (the message "
+                        "index %s, to offset %d): its checks ask the sender its half names, if any, else the group's "
+                        "producers in turn", half.physical_offset,
+                        "stopped by a write error" if index.stopped else "is catching up", index.covered)
         return ""
 
     # ------------------------------------------------------------ retention (broker/retention.py)
