@@ -249,6 +249,37 @@ async def test_a_resume_while_the_message_index_catches_up_warns_that_its_sender
 
 
 @bounded(20)
+async def test_a_dead_letter_recovery_writes_for_an_unreadable_op_names_the_sender_a_record_named(tmp_path):
+    """The second path to a dead letter: recovery dead-letters (op-unreadable) a transaction whose decision op went
+    bad and that nothing else says the decision of. Its dead letter was made from the half alone, which a stock
+    Java producer's first halves name no sender in (a sender record does): resumed, its checks went to the group
+    in turn. It carries the sender the replayed records named, as the check path's dead letter does."""
+    import shutil
+    from broker.transaction.records import DEAD_TOPIC, P_OWNER, ROLLBACK
+    from protocol.message import decode_record
+    from tests.integration.test_corrupt_records import _op_records
+    from tests.integration.test_op_damage import _damage_properties
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    p = await add_half(ctx, b"named-then-rolled-back")        # no heartbeat: the half names no sender
+    assert (await ctx.store.put(tx.records.sender(p.half_offset, p.queue_offset, "10.0.0.7@sender"))).ok
+    await tx.decide(p.half_offset, ROLLBACK)
+    await ctx.store._store.close()
+    store_dir = tmp_path / "s"
+    [(pos, _)] = [(at, body) for at, body in _op_records(store_dir) if body == str(p.queue_offset).encode()][-1:]
+    _damage_properties(store_dir, pos, "zeroed")                # the ROLLBACK op, the last op record
+    shutil.rmtree(store_dir / "transactions")                     # no snapshot, no decision table: nothing says it
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        letters = [decode_record(ctx2.store.get_record(at))[0] for at, _ in _op_records(store_dir, DEAD_TOPIC)]
+        assert [m.properties.get(P_OWNER) for m in letters] == ["10.0.0.7@sender"]
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(20)
 async def test_progress_saved_while_a_half_is_being_indexed_does_not_skip_it(tmp_path):
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
