@@ -9,13 +9,14 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
                                                            client id; not on the committed message)
     committed message  REAL_TOPIC / REAL_QID               sysFlag COMMIT, PREPARED TX OFFSET = half offset
     decision op        RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=d, body = half queue offset, TXMQ_OP, TXMQ_HALF
-                                                           (+ TXMQ_REASON on a DEAD op)
+                                                           (+ TXMQ_REASON on a DEAD op; TXMQ_OWNER on a RESUME)
     check attempt      RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS, TXMQ_HALF
                                                            (+ TXMQ_OWNER: the half's sender's client id)
     sender named       RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, body = half queue offset, TXMQ_CHECKS=0, TXMQ_HALF,
                                                            TXMQ_OWNER: the client id a heartbeat gave the half's
                                                            connection after the half came (no check was made)
-    dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       the half's properties + TXMQ_REASON, TXMQ_HALF
+    dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       the half's properties + TXMQ_REASON, TXMQ_HALF, and
+                                                           TXMQ_OWNER: the sender the broker knew (a resume asks it)
 
     op record properties, in this order:
     TAGS      d | c                     tag code in the consume queue: Java "d".hashCode() = 100, "c" = 99
@@ -25,14 +26,17 @@ The broker writes these records (broker/transaction) and the Spark jobs read the
     TXMQ_OP   COMMIT | ROLLBACK | DEAD | RESUME            decision ops
     TXMQ_REASON why a half was dead-lettered               DEAD ops
     TXMQ_CHECKS the attempt's number (1, 2, ...)            check ops (0: a sender named, no attempt)
-    TXMQ_OWNER  client id of the producer that sent the half check ops, when it can be written (see check_extra)
+    TXMQ_OWNER  client id of the producer that sent the half check and RESUME ops, when it can be written (see
+                                                            check_extra)
 
     A half carries TXMQ_OWNER too, as its last property, when its connection had a client id that can be
     written (a heartbeat named it before the half came): after a crash, a half stored since the last snapshot
     and never checked is asked of its sender first all the same. The committed message is the half without it
     (retopic_record(drop_last=...): the producer's own properties, as sent), and so is a check's message; a
     dead letter keeps it, to show who sent the half
-    (when it still fits the dead letter's properties).
+    (when it still fits the dead letter's properties), or the sender a heartbeat named after the half (a stock
+    Java producer's first halves have no mark): an operator's resume reads it there (by the message index) and
+    writes it with the RESUME op, so the resumed transaction is asked of its sender first, after a crash too.
 
 Decision ops are what RocketMQ writes (tag ``d``, body = the half's queue offset), so
 RocketMQ tooling reads them; the TXMQ_* properties carry what RocketMQ would have to

@@ -187,6 +187,13 @@ class IndexService:
         a resume clears that while it tries, and the gauge read 0 for that moment every interval of a full disk."""
         return self.failed is not None or self._failing
 
+    @property
+    def partial(self) -> bool:
+        """A query is answered from a prefix of the log: the start-up catch-up (or a full disk's resume) has not
+        reached its end, or a write error stopped indexing. Who must know a record is absent (not merely not
+        indexed yet) says so when this is true (TransactionService resume)."""
+        return self._catching_up or self.stopped
+
     # ------------------------------------------------------------ the API (awaitable)
     def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> asyncio.Future:
         """(commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest first,

@@ -13,7 +13,9 @@ they are re-exported here so the transaction service imports them from one place
                                                            TXMQ_OWNER (the sender's client id: recovery asks it first)
     sender named       RMQ_SYS_TRANS_OP_HALF_TOPIC q0      TAGS=c, TXMQ_CHECKS=0, TXMQ_HALF, TXMQ_OWNER (named by a
                                                            heartbeat after the half: see protocol/txlog.py)
-    dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       TXMQ_REASON, TXMQ_HALF
+    dead letter        TRANS_CHECK_MAX_TIME_TOPIC q0       TXMQ_REASON, TXMQ_HALF, TXMQ_OWNER (the sender the broker
+                                                           knew: a resume asks it first, see TransactionService.resume)
+    resume             RMQ_SYS_TRANS_OP_HALF_TOPIC q0      a decision op (RESUME), TXMQ_OWNER as its dead letter's
 """
 from __future__ import annotations
 
@@ -68,8 +70,13 @@ class RecordFactory:
                                store_host=self.store_host, properties=props.encode())
         return PutRequest(record, OP_TOPIC, 0, OP_TAG_CODES[tag], 0)
 
-    def decision(self, op: str, half_offset: int, half_queue_offset: int, reason: str | None = None) -> PutRequest:
-        return self.op(OP_TAG_DECISION, half_offset, half_queue_offset, **decision_extra(op, reason))
+    def decision(self, op: str, half_offset: int, half_queue_offset: int, reason: str | None = None,
+                 owner: str = "") -> PutRequest:
+        """``owner``: the half's sender (a RESUME's, read by recovery as a check record's), when a plain_owner."""
+        extra = decision_extra(op, reason)
+        if plain_owner(owner):
+            extra[P_OWNER] = owner
+        return self.op(OP_TAG_DECISION, half_offset, half_queue_offset, **extra)
 
     def check(self, half_offset: int, half_queue_offset: int, attempt: int, owner: str = "") -> PutRequest:
         return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **check_extra(attempt, owner))
@@ -78,8 +85,13 @@ class RecordFactory:
         """The record naming ``owner`` (a plain_owner) the sender of the half at ``half_offset`` (sender_extra)."""
         return self.op(OP_TAG_CHECK, half_offset, half_queue_offset, **sender_extra(owner))
 
-    def dead_letter(self, half: MessageExt, half_offset: int, reason: str, checks: int | None = None) -> PutRequest:
+    def dead_letter(self, half: MessageExt, half_offset: int, reason: str, checks: int | None = None,
+                    owner: str = "") -> PutRequest:
+        """``owner``: the sender the broker knew (Tx.owner_id), over the half's mark: a stock Java producer's first
+        halves have none (sent before its first heartbeat, a sender record names it), and a resume reads it here."""
         props = dead_letter_properties(half.properties, half_offset, reason, checks)
+        if plain_owner(owner):
+            props[P_OWNER] = owner
         text = properties_to_string(props).encode()
         if len(text) > MAX_PROPERTIES_LENGTH and P_OWNER in props:
             # The broker's mark fitted the half but not with the dead letter's own properties: left off, as it

@@ -257,6 +257,8 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
         if earlier is None:
             touched.add(q)
         if op.op == RESUME:
+            if op.owner:            # the sender its dead letter named (TransactionService.resume)
+                owners[op.half_offset] = op.owner
             tx.record(q, None)
             undecided.add(op.half_offset)
             checks[op.half_offset] = 0
@@ -267,7 +269,7 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     if others:
         log.warning("transaction recovery: %d op records without TXMQ_* properties (not written by txmq: a RocketMQ "
                     "broker's) left out", others)
-    repaired = await settle(tx, damaged, undecided)
+    repaired = await settle(tx, damaged, undecided, owners)
     repaired += await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
     now = tx.ctx.monotonic()        # the check schedule's clock (service.py)

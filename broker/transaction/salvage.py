@@ -107,9 +107,12 @@ def superseded(d: Damaged, op: str) -> None:
               "are damaged); a later op record of its half (%s) stands", d.at, d.half, op)
 
 
-async def settle(tx, damaged: dict[int, Damaged], undecided: set[int]) -> int:
+async def settle(tx, damaged: dict[int, Damaged], undecided: set[int],
+                 owners: dict[int, str] | None = None) -> int:
     """Decide what each op record that stayed unreadable (no later decision op of its half) recorded, from the
-    rest of the store (see the top); returns how many transactions it decided."""
+    rest of the store (see the top); returns how many transactions it decided. ``owners``: the senders the replay
+    found (snapshot, check and sender records, RESUME ops), put on a dead letter as the check path's has it: a
+    stock Java producer's first halves name none, and a resume asks the one the dead letter names."""
     settled = 0
     for q, d in sorted(damaged.items()):
         half = tx._half_at(d.half) if d.half is not None else None
@@ -128,7 +131,8 @@ async def settle(tx, damaged: dict[int, Damaged], undecided: set[int]) -> int:
                       "committed message nor a dead letter says how: dead-lettered (%s), not checked again", what,
                       UNREADABLE)
             decision = DEAD
-            reqs = tx._decision_records(tx_from_half(half), DEAD, UNREADABLE)
+            reqs = tx._decision_records(tx_from_half(half, owner_id=(owners or {}).get(d.half, "")), DEAD,
+                                        UNREADABLE)
             metrics = tx.ctx.metrics
             metrics.child(metrics.dead_letters, half.properties.get(Prop.PGROUP, ""), UNREADABLE).inc()
         else:

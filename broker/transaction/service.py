@@ -44,7 +44,8 @@ from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
 from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
 from .decisions import DecisionTable
-from .records import COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, plain_owner
+from .records import (COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, parse_dead_letter,
+                      plain_owner)
 from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 
 # How long a heartbeat naming a connection waits for its halves' sender records at most: a stock Java client (4.9.8)
@@ -54,6 +55,7 @@ from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
 NAMING_WAIT_S = 1.0
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
+_FOREVER = (1 << 63) - 1         # a message-index query over all time
 
 log = logging.getLogger("txmq.transaction")
 
@@ -698,7 +700,7 @@ class TransactionService:
             return [self.ctx.store.copying(p.half_offset, real), rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
         try:
-            dead = rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks)
+            dead = rf.dead_letter(half, p.half_offset, reason or "unknown", p.checks, p.owner_id)
         except RecordError as exc:
             # The half's properties leave no room for the dead letter's own (TXMQ_REASON, TXMQ_HALF, the check
             # count): raising, it was retried every interval and never dead-lettered, and an expiry raised out of
@@ -1037,11 +1039,12 @@ class TransactionService:
         if msg is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
                                 "(unknown): no half message is stored there")
-        tx = tx_from_half(msg)
+        tx = tx_from_half(msg, owner_id=await self._dead_letter_sender(msg))
         why = self.core.resume(tx, self.ctx.monotonic())      # pending again at once: a second resume is refused
         if why is not None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
-        result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset))
+        result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset,
+                                                                owner=sender_id(tx)))
         if not result.ok:
             self.core.withdraw(half_offset)
             raise DecisionError(response_code(result), f"store refused: {result.status.name}")
@@ -1052,6 +1055,36 @@ class TransactionService:
             self.record(msg.queue_offset, None)
         self.timer.wake()
         return "resumed: pending again with its check count reset"
+
+    async def _dead_letter_sender(self, half) -> str:
+        """The sender its dead letter names (the broker's Tx.owner_id when it was dead-lettered), found by the
+        message index (``TRANS_CHECK_MAX_TIME_TOPIC#UNIQ_KEY``, newest first); "" when none does (the half's own
+        mark then: tx_from_half). A stock Java producer's first halves carry no mark (sent before its first
+        heartbeat, a sender record names them): rebuilt from the half alone, a resumed one's checks went to the
+        group's producers in turn, other instances asked about a transaction they never began."""
+        uniq, index = half.properties.get(Prop.UNIQ_KEY), self.ctx.index
+        if not uniq or index is None:
+            return ""
+        try:
+            found, _, _ = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
+        except (StoreError, OSError) as exc:        # the broker is stopping
+            log.warning("resume of the transaction at %d: its dead letter not looked up (%s): its checks ask the "
+                        "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)
+            return ""
+        for phy in found:           # newest first: a transaction dead-lettered again after a resume
+            view = self.ctx.store.get_record(phy)
+            dead = decode_record(view)[0] if view is not None else None
+            if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half.physical_offset:
+                owner = dead.properties.get(P_OWNER, "")
+                return owner if plain_owner(owner) else ""
+        if index.partial:
+            # Answered from a prefix of the log (catching up at start-up, or stopped by a write error): its dead
+            # letter may lie past it. Silent, a resume just after a restart went to the group in turn unsaid.
+            log.warning("resume of the transaction at %d: its dead letter not looked up in the whole log (the message "
+                        "index %s, to offset %d): its checks ask the sender its half names, if any, else the group's "
+                        "producers in turn", half.physical_offset,
+                        "stopped by a write error" if index.stopped else "is catching up", index.covered)
+        return ""
 
     # ------------------------------------------------------------ retention (broker/retention.py)
     def undecided(self, lo: int = 0, hi: int | None = None) -> dict[int, int]:

@@ -408,3 +408,49 @@ async def test_a_half_whose_properties_leave_its_dead_letter_no_room_is_dead_let
         assert "no dead letter copied" in b.log()
     finally:
         conn.close()
+
+
+@bounded(90)
+async def test_a_resumed_dead_letter_sent_before_its_first_heartbeat_is_asked_of_its_sender(broker_factory):
+    """A stock Java producer sends its first halves before its first heartbeat: the half carries no TXMQ_OWNER,
+    its sender is named after (a sender record). Dead-lettered and resumed by an operator, the transaction was
+    rebuilt from its half alone: its checks went to the group's producers in turn ("sender-unknown"), another
+    instance asked about a transaction it never began. The dead letter keeps the sender, and the resume finds it."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1")
+    changed = asyncio.Event()
+    sender, other = Checked(changed), Checked(changed)
+    conn = await _raw(b, sender)                    # no heartbeat yet: the half names no sender
+    peer = await _raw(b, other, "10.0.0.9@other")
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP,
+                                                                      Prop.UNIQ_KEY: "C0A80001000012345678"}))
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                          b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+        await _beat(conn, "10.0.0.7@sender")        # named now: its sender record is written before the answer
+        while len(sender.asked) + len(other.asked) < 1:
+            changed.clear()
+            await changed.wait()
+        assert sender.asked == [str(offset)] and other.asked == []     # its sender, as the record named it
+        while True:         # unanswered past its one check: dead-lettered (no event says so but the admin view)
+            listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            if json.loads(listed.body_bytes())["dead_lettered"]:
+                break
+            await asyncio.sleep(0.05)
+        resumed = await request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": offset})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+        while len(sender.asked) + len(other.asked) < 2:     # asked again at once: resumed, it is due
+            changed.clear()
+            await changed.wait()
+        assert sender.asked == [str(offset)] * 2 and other.asked == []
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total") == 0
+        assert _owners(await _list(b)) == {"10.0.0.7@sender"}
+    finally:
+        conn.close()
+        peer.close()

@@ -185,6 +185,101 @@ async def test_a_resumed_transaction_survives_a_crash_before_the_progress_is_per
 
 
 @bounded(20)
+async def test_a_resumed_transactions_sender_survives_a_crash_before_the_next_snapshot(tmp_path, monkeypatch):
+    """The sender a resume found in the dead letter (TransactionService._dead_letter_sender: the message index,
+    which this context has none of) is written with the RESUME op: recovery replays it as a check record's. Left
+    out, a crash after a snapshot written while the transaction was dead (no "owners" entry for it) rebuilt it from
+    the half alone, which a stock Java producer's first halves do not name it in: checked with the group in turn."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    p = await add_half(ctx, b"named-then-dead")
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+    await tx.write_snapshot()             # the transaction is in no snapshot's "owners"
+
+    async def found(half):
+        return "10.0.0.7@sender"
+    monkeypatch.setattr(tx, "_dead_letter_sender", found)
+    await tx.resume(p.half_offset)
+    assert tx.pending[p.half_offset].owner_id == "10.0.0.7@sender"
+    await ctx.store._store.close()        # crash: no snapshot since the resume
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert ctx2.tx.pending[p.half_offset].owner_id == "10.0.0.7@sender", "the resumed sender was forgotten"
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(20)
+async def test_a_resume_while_the_message_index_catches_up_warns_that_its_sender_was_not_found(tmp_path, caplog):
+    """The message index answers a query from what it has indexed so far while it catches up with the log at
+    start-up (a slice at a time), or after a write error stopped it: a resume then found no dead letter and went
+    on silently with the half's mark, none for a stock Java producer's first halves, its checks to the group in
+    turn, though its sender was in the dead letter. The lookup that could not see the whole log is said."""
+    import threading
+    from broker.store.index import IndexService
+    from broker.topics import OP_TOPIC
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    p = await add_half(ctx, b"named-then-dead")
+    p.owner_id = "10.0.0.7@sender"        # named after the half (a sender record): the half has no mark
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+    # A broker restarted with its index behind the log: the catch-up is held, so the dead letter is not indexed.
+    index = IndexService(str(tmp_path / "s"), segment_size=1 << 20, slots=1024, entries=4096, clock=clock,
+                         unindexed=(OP_TOPIC,))
+    released, real = threading.Event(), index._scan
+    index._scan = lambda *a: real(*a) if released.wait(0.02) else False
+    store.add_dispatch_listener(index.on_dispatch)
+    await index.open(store.min_physical_offset, store.max_physical_offset)
+    ctx.index = index
+    try:
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.resume(p.half_offset)
+        assert tx.pending[p.half_offset].owner_id == ""          # the half's mark: none
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("not looked up" in m and "index" in m for m in said), said
+    finally:
+        released.set()
+        await index.close()
+        await store.close()
+
+
+@bounded(20)
+async def test_a_dead_letter_recovery_writes_for_an_unreadable_op_names_the_sender_a_record_named(tmp_path):
+    """The second path to a dead letter: recovery dead-letters (op-unreadable) a transaction whose decision op went
+    bad and that nothing else says the decision of. Its dead letter was made from the half alone, which a stock
+    Java producer's first halves name no sender in (a sender record does): resumed, its checks went to the group
+    in turn. It carries the sender the replayed records named, as the check path's dead letter does."""
+    import shutil
+    from broker.transaction.records import DEAD_TOPIC, P_OWNER, ROLLBACK
+    from protocol.message import decode_record
+    from tests.integration.test_corrupt_records import _op_records
+    from tests.integration.test_op_damage import _damage_properties
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    p = await add_half(ctx, b"named-then-rolled-back")        # no heartbeat: the half names no sender
+    assert (await ctx.store.put(tx.records.sender(p.half_offset, p.queue_offset, "10.0.0.7@sender"))).ok
+    await tx.decide(p.half_offset, ROLLBACK)
+    await ctx.store._store.close()
+    store_dir = tmp_path / "s"
+    [(pos, _)] = [(at, body) for at, body in _op_records(store_dir) if body == str(p.queue_offset).encode()][-1:]
+    _damage_properties(store_dir, pos, "zeroed")                # the ROLLBACK op, the last op record
+    shutil.rmtree(store_dir / "transactions")                     # no snapshot, no decision table: nothing says it
+
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        letters = [decode_record(ctx2.store.get_record(at))[0] for at, _ in _op_records(store_dir, DEAD_TOPIC)]
+        assert [m.properties.get(P_OWNER) for m in letters] == ["10.0.0.7@sender"]
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(20)
 async def test_progress_saved_while_a_half_is_being_indexed_does_not_skip_it(tmp_path):
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
@@ -270,11 +365,11 @@ async def test_a_dead_letter_that_raises_leaves_no_transaction_unscheduled_or_cl
             p.checks = tx.policy.check_max
         real, calls = tx.records.dead_letter, []
 
-        def dead_letter(half, half_offset, reason, checks=None):
+        def dead_letter(half, half_offset, reason, checks=None, owner=""):
             calls.append(half_offset)
             if len(calls) == 1:
                 raise ValueError("corrupt half record")
-            return real(half, half_offset, reason, checks)
+            return real(half, half_offset, reason, checks, owner)
         tx.records.dead_letter = dead_letter
         clock.now = max(a.next_check, b.next_check) + 1
         try:
