@@ -228,7 +228,7 @@ async def test_a_stock_admins_resume_check_half_message_checks_a_dead_letter_aga
     listener = Listener(execute=S.UNKNOW, check=S.UNKNOW)
     async with TransactionProducer(b.namesrv, "PG_resume", listener) as producer:
         plain = await producer.send("TxPlain", b"no transaction")
-        await producer.send_in_transaction("TxResumed", b"checked again")
+        sent = await producer.send_in_transaction("TxResumed", b"checked again")
         consumer = PullConsumer(b.namesrv, "CG_dlq_resume")
         try:
             async with asyncio.timeout(30):
@@ -238,6 +238,7 @@ async def test_a_stock_admins_resume_check_half_message_checks_a_dead_letter_aga
             dead = (await consumer.pull(mq, 0)).messages[0]
         finally:
             await consumer.shutdown()
+        dead_half = int(dead.properties["TXMQ_HALF"])
         refused = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": plain.offset_msg_id})
         assert refused.code == ResponseCode.SYSTEM_ERROR and "TxPlain" in refused.remark, refused.remark
         nowhere = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE,
@@ -248,6 +249,21 @@ async def test_a_stock_admins_resume_check_half_message_checks_a_dead_letter_aga
         assert resumed.code == ResponseCode.SUCCESS, resumed.remark
         # (a check answered after the dead letter, had one been late, is not taken: the first decision wins)
         assert await _drain(b.namesrv, "TxResumed", expect=1) == [b"checked again"]
+        # Decided now, by its dead letter's id and by its half's: neither checked again nor delivered again
+        for again in (dead.offset_msg_id, sent.send_result.offset_msg_id):
+            refused = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": again})
+            assert (refused.code, refused.remark) == (ResponseCode.SYSTEM_ERROR, f"transaction at {dead_half} is "
+                                                      "not dead-lettered (it is COMMIT)")
+        # A half still being checked is refused as what it is, not as "unknown"
+        listener.execute, listener.check = S.UNKNOW, S.UNKNOW
+        listener.answer_after = asyncio.Event()         # its checks hang: it stays undecided
+        undecided = (await producer.send_in_transaction("TxResumed", b"undecided")).send_result
+        refused = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": undecided.offset_msg_id})
+        assert (refused.code, refused.remark) == (ResponseCode.SYSTEM_ERROR, f"transaction at "
+                                                  f"{decode_offset_msg_id(undecided.offset_msg_id)[2]} is not "
+                                                  "dead-lettered (it is undecided: pending its checks)")
+        assert await _drain(b.namesrv, "TxResumed") == [b"checked again"]
+        listener.answer_after.set()
 
 
 async def test_admin_force_commit(broker_factory):
