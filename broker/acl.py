@@ -46,7 +46,8 @@ TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"
 ADMIN_CODES = frozenset({R.UPDATE_AND_CREATE_TOPIC, R.UPDATE_BROKER_CONFIG, R.DELETE_TOPIC_IN_BROKER,
                          R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, 207, R.INVOKE_BROKER_TO_RESET_OFFSET,
                          R.TXMQ_LIST_TRANSACTIONS,
-                         R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION, R.TXMQ_APPLY_EXPIRY,
+                         R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION, R.RESUME_CHECK_HALF_MESSAGE,
+                         R.TXMQ_APPLY_EXPIRY,
                          R.WIPE_WRITE_PERM_OF_BROKER, R.ADD_WRITE_PERM_OF_BROKER})
 
 # What the broker's own name-server port checks (it answers routes to anyone, as a RocketMQ name server):

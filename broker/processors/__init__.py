@@ -39,6 +39,7 @@ def broker_table() -> dict:
         R.TXMQ_LIST_TRANSACTIONS: transaction.list_transactions,
         R.TXMQ_RESOLVE_TRANSACTION: transaction.resolve_transaction,
         R.TXMQ_RESUME_TRANSACTION: transaction.resume_transaction,
+        R.RESUME_CHECK_HALF_MESSAGE: transaction.resume_check_half_message,
         R.TXMQ_APPLY_EXPIRY: transaction.apply_expiry,
         # Query and operations (processors/query.py, processors/ops.py)
         R.QUERY_MESSAGE: query.query_message,

@@ -2,7 +2,7 @@
 
 Above ``disk_refuse_ratio`` (the store's DiskMonitor says ``refusing``) a request that
 would write -- a send, a batch, a half message, an END_TRANSACTION, a send-back, an
-operator's resolve or resume -- is answered SERVICE_NOT_AVAILABLE with RocketMQ's words
+operator's resolve or resume (903, a stock admin's 323) -- is answered SERVICE_NOT_AVAILABLE with RocketMQ's words
 and how full the disk is, before its processor runs: no topic is auto-created, no record
 encoded, nothing queued. A oneway request (stock clients send END_TRANSACTION oneway)
 gets no answer, as in RocketMQ; its transaction is checked again later. A SLAVE refuses the same
@@ -22,7 +22,8 @@ from protocol.codes import RequestCode as R
 
 WRITES = frozenset({R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE, R.CONSUMER_SEND_MSG_BACK,
                     R.SEND_REPLY_MESSAGE, R.SEND_REPLY_MESSAGE_V2,
-                    R.END_TRANSACTION, R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION})
+                    R.END_TRANSACTION, R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION,
+                    R.RESUME_CHECK_HALF_MESSAGE})
 
 
 NEW_MESSAGES = frozenset({R.SEND_MESSAGE, R.SEND_MESSAGE_V2, R.SEND_BATCH_MESSAGE, R.CONSUMER_SEND_MSG_BACK})

@@ -1,4 +1,4 @@
-"""END_TRANSACTION (37) and txmq's transaction administration (901-904).
+"""END_TRANSACTION (37), RESUME_CHECK_HALF_MESSAGE (323) and txmq's transaction administration (901-904).
 
 END_TRANSACTION arrives oneway from stock clients and is then never answered;
 our clients send it as a request and get the outcome, so a lost END is
@@ -13,6 +13,8 @@ from functools import partial
 from protocol.codes import ResponseCode
 from protocol.connection import DEFERRED
 from protocol.errors import HeaderError
+from protocol.message import decode_offset_msg_id, decode_record
+from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, parse_dead_letter
 
 from ..answer import Answer
 from ..retention import PlanRefused
@@ -20,6 +22,7 @@ from ..transaction import DecisionError
 from ..transaction.core import UNKNOWN
 from ..transaction.records import COMMIT, ROLLBACK
 from ..transaction.service import dumps
+from .admin import stored_record
 
 log = logging.getLogger("txmq.admin")
 
@@ -123,7 +126,29 @@ async def resolve_transaction(ctx, conn, cmd):
 
 
 async def resume_transaction(ctx, conn, cmd):
-    off = cmd.int_field("commitLogOffset", required=True)
+    return await _resume(ctx, conn, cmd, cmd.int_field("commitLogOffset", required=True))
+
+
+async def resume_check_half_message(ctx, conn, cmd):
+    """RESUME_CHECK_HALF_MESSAGE (323), a stock admin's resumeCheckHalfMessage(msgId): the transaction whose dead
+    letter (TRANS_CHECK_MAX_TIME_TOPIC; its TXMQ_HALF names the half) or half the offset message id names is
+    checked again from a check count of 0. RocketMQ stores the dead letter again as a half with that count; here
+    its half is made pending again, as txmq's own resume (903). Any other record is refused by name."""
+    msg_id = cmd.str_field("msgId", required=True)
+    _host, _port, offset = decode_offset_msg_id(msg_id)         # (a HeaderError saying what is wrong with it)
+    view, error = stored_record(ctx, cmd, offset, "resume check", f"can not find message by the offset message "
+                                f"id, {msg_id}")
+    if error is not None:
+        return error
+    msg = decode_record(view)[0]
+    dead = parse_dead_letter(msg) if msg.topic == DEAD_TOPIC else None
+    if dead is None and msg.topic != HALF_TOPIC:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"message {msg_id} is a message of {msg.topic}, neither a "
+                            f"dead-lettered transaction ({DEAD_TOPIC}) nor a half ({HALF_TOPIC}): nothing resumed")
+    return await _resume(ctx, conn, cmd, offset if dead is None else dead[0])
+
+
+async def _resume(ctx, conn, cmd, off: int):
     log.warning("admin %s:%s resumes the dead-lettered transaction at %d", conn.peer[0], conn.peer[1], off)
     try:
         remark = await ctx.tx.resume(off)

@@ -575,13 +575,15 @@ class IndexService:
         h = key_hash(f"{topic}#{key}")
         files = self.files
         for f in reversed(files):
+            if len(found) >= max_num:       # before the first file too: a maxNum of 0 asks for nothing (RocketMQ)
+                break
             if f.count > 1 and f.time_matched(begin, end):
                 for phy in f.select(h, begin, end, limit=2 * max_num + 16):
                     if phy not in found and self._has_key(phy, topic, key):
                         found.append(phy)
                         if len(found) >= max_num:
                             break
-            if len(found) >= max_num or (f.count > 1 and f.begin_ts < begin):
+            if f.count > 1 and f.begin_ts < begin:
                 break
         last = files[-1] if files else None
         return found, (last.end_ts if last else 0), (last.end_phy if last else 0)

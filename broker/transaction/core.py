@@ -568,8 +568,11 @@ class TransactionCore:
         """Re-open a dead-lettered transaction; None, or why not."""
         earlier = self.decided(tx.half_offset)
         if earlier != DEAD:
-            return (f"transaction at {tx.half_offset} is not dead-lettered"
-                    + (f" (it is {earlier})" if earlier else " (unknown)"))
+            # (undecided is not unknown: said "(unknown)", an operator resuming a half still being checked was told
+            # the broker did not know it)
+            state = (f"it is {earlier}" if earlier else "it is undecided: pending its checks"
+                     if tx.half_offset in self.pending else "unknown")
+            return f"transaction at {tx.half_offset} is not dead-lettered ({state})"
         if tx.half_offset in self.pending:
             return f"transaction at {tx.half_offset} is already pending again"
         tx.checks = 0

@@ -87,6 +87,13 @@ async def test_admin_codes_need_an_admin_account(acl_broker):
     assert app.remark == "Need admin permission for request code=17, but accessKey=appuser is not"
     listed = await _request(b, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10}, APP)
     assert listed.code == ResponseCode.NO_PERMISSION and "admin permission" in listed.remark
+    # A stock admin's resumeCheckHalfMessage (323) makes a dead letter pending again, as txmq's resume (903)
+    no_half = {"msgId": "7F00000100002A9F" + "0" * 16}
+    resumed = await _request(b, RequestCode.RESUME_CHECK_HALF_MESSAGE, no_half, APP)
+    assert (resumed.code, resumed.remark) == (ResponseCode.NO_PERMISSION, "Need admin permission for request "
+                                              "code=323, but accessKey=appuser is not")
+    resumed = await _request(b, RequestCode.RESUME_CHECK_HALF_MESSAGE, no_half, ADMIN)
+    assert resumed.code == ResponseCode.SYSTEM_ERROR and "can not find message" in resumed.remark
     assert (await _create(b, "AclTopic")).code == ResponseCode.SUCCESS
 
 

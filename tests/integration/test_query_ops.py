@@ -80,6 +80,16 @@ async def test_found_by_key_by_uniq_key_and_by_id(broker):
     nothing = await _request(b, R.QUERY_MESSAGE, {"topic": "Orders", "key": "nope", "maxNum": 32,
                                                   "beginTimestamp": 0, "endTimestamp": 2**63 - 1})
     assert nothing.code == ResponseCode.QUERY_NOT_FOUND and "maybe time range not correct" in nothing.remark
+    # maxNum as a Java queryMessage(topic, key, maxNum, ..) passes it: RocketMQ's index takes at most min(maxNum,
+    # 64), none at all for 0 or less
+    for max_num, bodies in ((0, []), (-1, []), (2, [b"order 3", b"order 4"]), (1_000, [b"order 0", b"order 1",
+                                                                                      b"order 2", b"order 3",
+                                                                                      b"order 4"])):
+        asked = await _request(b, R.QUERY_MESSAGE, {"topic": "Orders", "key": "shop-1", "maxNum": max_num,
+                                                    "beginTimestamp": 0, "endTimestamp": 2**63 - 1})
+        got = [m.body for m in decode_records(asked.body_bytes())] if asked.body else []
+        assert (asked.code, got) == (ResponseCode.SUCCESS if bodies else ResponseCode.QUERY_NOT_FOUND, bodies), \
+            max_num
 
     by_offset_id = await _admin_json(b, "show-msg", sent[2].offset_msg_id)
     assert [(m["body"], m["msg_id"]) for m in by_offset_id] == [("order 2", sent[2].msg_id)]

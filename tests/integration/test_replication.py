@@ -198,6 +198,14 @@ async def test_slave_refuses_writes(broker_factory):
             "producerGroup": "PG", "tranStateTableOffset": "0", "commitLogOffset": "0",
             "commitOrRollback": "8", "msgId": "x"})
         assert (await pool.request(slave.broker, end)).code == ResponseCode.SLAVE_NOT_AVAILABLE
+        # A stock admin's resumeCheckHalfMessage (323) writes as txmq's resume (903) does: refused at the door
+        # alike. It ran its processor: the slave's start-up index answered "not dead-lettered (unknown)" or, for a
+        # dead letter it knew, made it pending there before its store refused the record.
+        for code, fields in ((RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": "0"}),
+                             (RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": "7F00000100002A9F" + "0" * 16})):
+            resp = await pool.request(slave.broker, RemotingCommand.request(code, fields))
+            assert (resp.code, "this broker's role is SLAVE" in resp.remark) == \
+                (ResponseCode.SERVICE_NOT_AVAILABLE, True), (code, resp.remark)
     finally:
         await pool.close()
 

@@ -219,6 +219,53 @@ async def test_unanswered_checks_dead_letter_then_resume(broker_factory):
         assert sent.state is S.UNKNOW
 
 
+async def test_a_stock_admins_resume_check_half_message_checks_a_dead_letter_again(broker_factory):
+    """RESUME_CHECK_HALF_MESSAGE (323) as DefaultMQAdminExt.resumeCheckHalfMessage sends it: the offset message id
+    of the dead letter (or of the half). It was REQUEST_CODE_NOT_SUPPORTED: a stock tool could not get a
+    dead-lettered transaction checked again."""
+    b = broker_factory("--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "2")
+    listener = Listener(execute=S.UNKNOW, check=S.UNKNOW)
+    async with TransactionProducer(b.namesrv, "PG_resume", listener) as producer:
+        plain = await producer.send("TxPlain", b"no transaction")
+        sent = await producer.send_in_transaction("TxResumed", b"checked again")
+        consumer = PullConsumer(b.namesrv, "CG_dlq_resume")
+        try:
+            async with asyncio.timeout(30):
+                while not await _drain(b.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC", group="CG_dlq_wait"):
+                    await asyncio.sleep(0.05)
+            mq = (await consumer.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC"))[0]
+            dead = (await consumer.pull(mq, 0)).messages[0]
+        finally:
+            await consumer.shutdown()
+        dead_half = int(dead.properties["TXMQ_HALF"])
+        refused = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": plain.offset_msg_id})
+        assert refused.code == ResponseCode.SYSTEM_ERROR and "TxPlain" in refused.remark, refused.remark
+        nowhere = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE,
+                               {"msgId": plain.offset_msg_id[:-16] + "7" * 16})
+        assert nowhere.code == ResponseCode.SYSTEM_ERROR and "can not find message" in nowhere.remark
+        listener.check = S.COMMIT_MESSAGE
+        resumed = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead.offset_msg_id})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+        # (a check answered after the dead letter, had one been late, is not taken: the first decision wins)
+        assert await _drain(b.namesrv, "TxResumed", expect=1) == [b"checked again"]
+        # Decided now, by its dead letter's id and by its half's: neither checked again nor delivered again
+        for again in (dead.offset_msg_id, sent.send_result.offset_msg_id):
+            refused = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": again})
+            assert (refused.code, refused.remark) == (ResponseCode.SYSTEM_ERROR, f"transaction at {dead_half} is "
+                                                      "not dead-lettered (it is COMMIT)")
+    # A half still undecided is refused as what it is, not as "unknown". (Its group's producer gone, its checks
+    # are deferred, none spent: it stays undecided however slow the machine.)
+    hung = Listener(execute=S.UNKNOW, check=S.UNKNOW, answer_after=asyncio.Event())     # a check never answered
+    async with TransactionProducer(b.namesrv, "PG_undecided", hung) as gone:
+        undecided = (await gone.send_in_transaction("TxResumed", b"undecided")).send_result
+    refused = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": undecided.offset_msg_id})
+    assert (refused.code, refused.remark) == (ResponseCode.SYSTEM_ERROR, f"transaction at "
+                                              f"{decode_offset_msg_id(undecided.offset_msg_id)[2]} is not "
+                                              "dead-lettered (it is undecided: pending its checks)")
+    assert await _drain(b.namesrv, "TxResumed") == [b"checked again"]
+
+
 async def test_admin_force_commit(broker_factory):
     b = broker_factory("--transaction-check-interval-ms", "60000")
     async with TransactionProducer(b.namesrv, "PG_admin", Listener(execute=S.UNKNOW)) as producer:

@@ -309,6 +309,16 @@ def test_resume_reopens_only_a_dead_letter_with_checks_reset():
     assert s.checks_sent == [1]                                # due at once
 
 
+def test_resume_of_an_undecided_transaction_says_it_is_undecided():
+    """A resume (903, or a stock admin's 323 naming a half) of a transaction never decided was refused as "not
+    dead-lettered (unknown)": the broker knows it well, it is pending its checks."""
+    s = Shell()
+    s.half(4)
+    assert s.core.resume(Tx(4, 4, "PG", "T", "U4", 0), s.now) == ("transaction at 4 is not dead-lettered (it is "
+                                                                   "undecided: pending its checks)")
+    assert 4 in s.core.pending
+
+
 def test_unknown_half_is_refused():
     s = Shell()
     r = s.end(42, COMMIT)
