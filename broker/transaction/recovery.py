@@ -15,7 +15,7 @@ import os
 import struct
 
 from broker.store.mapped_file import fsync_dir
-from broker.store.saved import crc_matches, with_crc
+from broker.store.saved import crc_matches, with_crc, write_synced
 from protocol.errors import RecordError, StoreError
 from protocol.message import Prop, decode_record
 from protocol.record import body_crc_ok
@@ -526,10 +526,5 @@ def _write_files(directory: str, maps, data: bytes, new_files: str | None = None
     if new_files is not None:
         fsync_dir(new_files)
     path = os.path.join(directory, "snapshot.json")
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(write_synced(path + ".tmp", data), path)
     fsync_dir(directory)

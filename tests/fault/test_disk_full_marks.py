@@ -26,7 +26,9 @@ from broker.subscriptions import SubscriptionGroups
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
+from producer import TransactionProducer
 from protocol.connection import open_connection
+from tests.fault.test_transactions_crash import Listener, _listed
 from tests.support.broker_process import BrokerProcess
 from tests.support.bounded import bounded
 from tests.support.tmpfs import tmpfs
@@ -321,3 +323,47 @@ async def test_a_refused_groups_save_leaves_no_partial_file_holding_the_room_a_b
         subs._retry.cancel()        # (not close(): its last try would write the table once the test is over)
         subs._retry = None
     assert live_config.load(str(config)) == {"brokerPermission": 4}
+
+
+@pytest.mark.slow
+@bounded(120)
+async def test_a_transaction_snapshot_a_full_disk_refused_leaves_no_partial_file_behind(tmp_path):
+    """A real broker holding 4,000 undecided transactions is stopped with 64 KiB free on its tmpfs: its snapshot
+    (about 100 KiB) does not fit. The partial snapshot.json.tmp was left there holding the last free pages for good
+    (61,440 bytes, 0 free after the stop; nothing removed it until a later snapshot fitted). Now it is gone and
+    the room with it; once the ballast goes, the next start still lists every transaction and its stop writes
+    the snapshot whole."""
+    flags = ("--segment-size", str(4 << 20), "--max-message-size", str(256 << 10), "--metrics-snapshot-interval-s", "0",
+             "--transaction-snapshot-interval-s", "3600", "--transaction-check-interval-ms", "600000")
+    halves = 4000
+    with tmpfs(tmp_path / "disk", "48m") as store:
+        broker = BrokerProcess(store, *flags).start()
+        try:
+            producer = TransactionProducer(broker.namesrv, "PG_snap", Listener())
+            await producer.start()
+            for first in range(0, halves, 200):
+                await asyncio.gather(*(producer.send_in_transaction("TxSnap", b"%d" % n)
+                                       for n in range(first, first + 200)))
+            await producer.shutdown()
+            _fill(store / "ballast", bound=48 * 256)
+            os.truncate(store / "ballast", os.path.getsize(store / "ballast") - (64 << 10))
+            assert broker.stop() == 0
+            assert "transaction snapshot not written at stop" in broker.log()
+            assert not (store / "transactions" / "snapshot.json.tmp").exists()
+            assert _free(store) >= 48 << 10, _free(store)
+
+            os.unlink(store / "ballast")
+            broker = BrokerProcess(store, *flags).start()
+            assert (await _listed(broker))["total"] == halves
+            assert broker.stop() == 0
+            snapshot = json.loads((store / "transactions" / "snapshot.json").read_bytes())
+            assert len(snapshot["pending"]) == halves
+            broker = BrokerProcess(store, *flags).start()
+            assert (await _listed(broker))["total"] == halves
+        finally:
+            broker.stop()
+
+
+def _free(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
