@@ -26,7 +26,7 @@ from broker.subscriptions import SubscriptionGroups
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from producer import TransactionProducer
+from producer import Producer, TransactionProducer
 from protocol.connection import open_connection
 from tests.fault.test_transactions_crash import Listener, _listed
 from tests.support.broker_process import BrokerProcess
@@ -367,3 +367,46 @@ async def test_a_transaction_snapshot_a_full_disk_refused_leaves_no_partial_file
 def _free(path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.slow
+@bounded(90)
+async def test_a_slave_whose_disk_is_full_pauses_replication_once_and_resumes_by_itself(tmp_path):
+    """A slave on a full tmpfs refused its master's bytes at each session's first transfer and reconnected every
+    second for as long as the disk stayed full: a WARNING and two INFO lines a second on the slave, three on the
+    master, the master sending its tail again each time. Now it says once that it pauses, connects no more until
+    there is room, and then says once that it resumes and copies everything the master took meanwhile."""
+    from tests.integration.test_replication import _log_end
+
+    flags = ("--segment-size", str(4 << 20), "--max-message-size", str(256 << 10), "--metrics-snapshot-interval-s", "0")
+    master = BrokerProcess(tmp_path / "master", *flags, "--broker-role", "ASYNC_MASTER", "--ha-port", "0").start()
+    try:
+        with tmpfs(tmp_path / "disk", "48m") as store:
+            slave = BrokerProcess(store, *flags, "--broker-role", "SLAVE", "--broker-id", "1",
+                                  "--ha-master-addr", master.ha).start()
+            try:
+                producer = Producer(master.namesrv, "PG_full_slave")
+                await producer.start()
+                await producer.send("FullSlave", b"before")
+                _fill(store / "ballast", bound=48 * 256)
+                # Sends until the slave has said it paused, or has stopped three sessions (reconnecting for ever)
+                while "paused: this slave's disk is" not in slave.log() and slave.log().count(" stopped: ") < 3:
+                    assert slave.proc.poll() is None, slave.log()
+                    await producer.send("FullSlave", b"x" * 10_000)
+                    await asyncio.sleep(0.05)
+                assert slave.log().count(" stopped: ") == 1, slave.log()
+                for _ in range(100):      # the master goes on taking sends while the slave waits
+                    await producer.send("FullSlave", b"x" * 10_000)
+                sessions = master.log().count(" connected")
+                os.unlink(store / "ballast")
+                await _logged(slave, "resumes: this slave's disk has room again")
+                end = await _log_end(master.broker)
+                while await _log_end(slave.broker) < end:
+                    await asyncio.sleep(0.05)
+                await producer.shutdown()
+                assert slave.log().count("replication from") == 3, slave.log()    # stopped, paused, resumes
+                assert sessions <= 2, master.log()  # the first, and the one the refusal ended
+            finally:
+                slave.stop()
+    finally:
+        master.stop()
