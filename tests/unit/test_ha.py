@@ -577,7 +577,8 @@ async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_every
         store.max_physical_offset = phys + len(body)
         return fut, phys + len(body)
     store = SimpleNamespace(max_physical_offset=0, min_physical_offset=0, is_empty=False,
-                            last_indexed_record=lambda: None, append_replica=append_replica)
+                            last_indexed_record=lambda: None, append_replica=append_replica,
+                            disk=SimpleNamespace(refusing=False))
 
     async def master(reader, writer):
         body = bytes(frame)
