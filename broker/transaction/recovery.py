@@ -434,8 +434,9 @@ async def _repair_lost_dead_op(tx, undecided: set[int]) -> int:
     return 1
 
 
-async def write_snapshot(tx) -> None:
-    """The undecided index and the op-queue offset the decision table covers, through the I/O thread.
+async def write_snapshot(tx) -> bool:
+    """The undecided index and the op-queue offset the decision table covers, through the I/O thread; False when
+    it is not written for decisions waiting for disk space (said, ``tx.changed`` left set).
 
     Taken on the loop in one step: every op record below ``op_offset`` has its byte in the table
     (decisions being written hold the offset down), every half below ``half_offset`` is pending or
@@ -448,7 +449,7 @@ async def write_snapshot(tx) -> None:
         log.warning("transaction snapshot not written: %d decisions wait for disk space to be recorded",
                     tx.table.waiting)
         tx.changed = True
-        return
+        return False
     tx.changed = False
     tx.trim()
     snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
@@ -472,6 +473,7 @@ async def write_snapshot(tx) -> None:
     # (the maps taken after that wait: a snapshot cancelled there, by stop, leaves them for the one stop writes)
     await store.run_io(_write_files, tx.directory, table.dirty(), data, new_files)
     table.files_synced = made
+    return True
 
 
 _SLICE = 4096       # rows (or owners' offsets) a json.dumps: ~3 ms with the interpreter lock held, then a hand-off

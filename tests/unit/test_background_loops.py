@@ -8,6 +8,7 @@ Each test makes the first turn raise and waits (bounded) for the second turn.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 
 import pytest
@@ -115,6 +116,36 @@ async def test_the_transaction_snapshot_loop_retries_after_a_turn_that_raised(tm
         await tx.stop()                 # and stopping does not raise the failed turn's exception
         await ctx.store._store.close()
     assert "transaction snapshot not written" in caplog.text
+
+
+@bounded(20)
+async def test_a_transaction_snapshot_a_full_disk_refuses_is_said_once_not_at_every_turn(tmp_path, caplog):
+    """Five turns refused by ENOSPC, then one written: one ERROR for the run (it was one every interval, 360 an
+    hour at the default 10 s for as long as the disk stayed full), one WARNING once written again."""
+    from tests.unit.test_review_transactions import Clock, make_service
+    ctx = await make_service(tmp_path, Clock(), transaction_snapshot_interval_s=0.01)
+    tx = ctx.tx
+    written = asyncio.Event()
+    real, calls = tx.write_snapshot, []
+
+    async def write_snapshot():
+        calls.append(1)
+        if len(calls) <= 5:
+            tx.changed = False
+            raise OSError(errno.ENOSPC, "No space left on device")
+        done = await real()
+        written.set()
+        return done
+    tx.write_snapshot = write_snapshot
+    tx.changed = True
+    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
+    try:
+        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
+    finally:
+        await tx.stop()
+        await ctx.store._store.close()
+    assert caplog.text.count("transaction snapshot not written") == 1, caplog.text
+    assert caplog.text.count("transaction snapshot written again") == 1, caplog.text
 
 
 @bounded(20)
