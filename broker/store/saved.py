@@ -94,7 +94,7 @@ def write_synced(tmp: str, data: bytes, then=None) -> str:
     A full disk cut the copy short: left there, it held every page that was free, and the other tables of the
     directory (brokerConfig.json's few bytes, written before SUCCESS and never retried) were refused on a disk with
     room for them until this one's retried save fitted (retried_save.py); the transaction snapshot's, written again
-    only at its next change or stop, held it until then (at a stop on a full disk: the last 64 KiB free, for good)."""
+    at its next change or stop, held it until one fitted (left by a stop: through the next start too)."""
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
