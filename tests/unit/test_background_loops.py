@@ -166,6 +166,37 @@ async def test_the_schedule_snapshot_loop_goes_on_after_a_turn_that_raised(tmp_p
 
 
 @bounded(20)
+async def test_a_delay_progress_snapshot_a_full_disk_refuses_is_said_once_not_at_every_turn(tmp_path, caplog,
+                                                                                            monkeypatch):
+    """Five turns of delayOffset.json refused by ENOSPC, then one written: one ERROR for the run (it was one every
+    10 s, 360 an hour, for as long as the disk stayed full), one WARNING once written again."""
+    import broker.schedule.service as service_mod
+    from tests.unit.test_schedule import Clock, _service
+    monkeypatch.setattr(service_mod, "SNAPSHOT_INTERVAL_S", 0.01)
+    svc = await _service(tmp_path, Clock(100_000))
+    written = asyncio.Event()
+    real, calls = svc.snapshot, []
+
+    async def snapshot():
+        calls.append(1)
+        if len(calls) <= 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        svc._snapshot_key = None        # progress "moved": this turn writes
+        done = await real()
+        written.set()
+        return done
+    svc.snapshot = snapshot
+    svc._snap_task = asyncio.get_running_loop().create_task(svc._snapshots())
+    try:
+        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
+    finally:
+        await svc.stop()
+        await svc.ctx.store.close()
+    assert caplog.text.count("not written") == 1, caplog.text
+    assert caplog.text.count("written again") == 1, caplog.text
+
+
+@bounded(20)
 async def test_the_name_server_keeps_expiring_brokers_after_a_scan_that_raised(caplog):
     from broker.namesrv.config import NamesrvConfig
     from broker.namesrv.server import NameServer
