@@ -374,8 +374,9 @@ def _free(path) -> int:
 async def test_a_slave_whose_disk_is_full_pauses_replication_once_and_resumes_by_itself(tmp_path):
     """A slave on a full tmpfs refused its master's bytes at each session's first transfer and reconnected every
     second for as long as the disk stayed full: a WARNING and two INFO lines a second on the slave, three on the
-    master, the master sending its tail again each time. Now it says once that it pauses, connects no more until
-    there is room, and then says once that it resumes and copies everything the master took meanwhile."""
+    master, the master sending its tail again each time. Now it says once that it pauses, holds the master back
+    on the link it keeps until there is room, and then says once that it resumes and copies everything the master
+    took meanwhile."""
     from tests.integration.test_replication import _log_end
 
     flags = ("--segment-size", str(4 << 20), "--max-message-size", str(256 << 10), "--metrics-snapshot-interval-s", "0")
@@ -394,7 +395,7 @@ async def test_a_slave_whose_disk_is_full_pauses_replication_once_and_resumes_by
                     assert slave.proc.poll() is None, slave.log()
                     await producer.send("FullSlave", b"x" * 10_000)
                     await asyncio.sleep(0.05)
-                assert slave.log().count(" stopped: ") == 1, slave.log()
+                assert slave.log().count(" stopped: ") <= 1, slave.log()     # a transfer queued as it filled
                 for _ in range(100):      # the master goes on taking sends while the slave waits
                     await producer.send("FullSlave", b"x" * 10_000)
                 sessions = master.log().count(" connected")
@@ -404,7 +405,9 @@ async def test_a_slave_whose_disk_is_full_pauses_replication_once_and_resumes_by
                 while await _log_end(slave.broker) < end:
                     await asyncio.sleep(0.05)
                 await producer.shutdown()
-                assert slave.log().count("replication from") == 3, slave.log()    # stopped, paused, resumes
+                assert slave.log().count(" stopped: ") <= 1, slave.log()
+                assert slave.log().count("paused: this slave's disk is") == 1, slave.log()
+                assert slave.log().count("resumes: this slave's disk has room again") == 1, slave.log()
                 assert sessions <= 2, master.log()  # the first, and the one the refusal ended
             finally:
                 slave.stop()
