@@ -149,6 +149,37 @@ async def test_a_transaction_snapshot_a_full_disk_refuses_is_said_once_not_at_ev
 
 
 @bounded(20)
+async def test_a_transaction_snapshot_held_for_decisions_waiting_for_disk_space_is_said_once(tmp_path, caplog,
+                                                                                             monkeypatch):
+    """The other way a full disk holds the snapshot back: decisions whose file could not be made wait in memory,
+    and no snapshot may pass them. That was a WARNING at every interval (360 an hour at the default 10 s) for as
+    long as they waited. Now once for the run, and once more when a snapshot is written again."""
+    from tests.unit.test_review_transactions import Clock, make_service
+    ctx = await make_service(tmp_path, Clock(), transaction_snapshot_interval_s=0.01)
+    tx = ctx.tx
+    turns, written = [], asyncio.Event()
+    monkeypatch.setattr(type(tx.table), "waiting", property(lambda table: 3 if len(turns) <= 5 else 0))
+    real = tx.write_snapshot
+
+    async def write_snapshot():
+        turns.append(1)
+        done = await real()
+        if done:
+            written.set()
+        return done
+    tx.write_snapshot = write_snapshot
+    tx.changed = True
+    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
+    try:
+        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
+    finally:
+        await tx.stop()
+        await ctx.store._store.close()
+    assert caplog.text.count("decisions wait for disk space") == 1, caplog.text
+    assert caplog.text.count("transaction snapshot written again") == 1, caplog.text
+
+
+@bounded(20)
 async def test_the_schedule_snapshot_loop_goes_on_after_a_turn_that_raised(tmp_path, caplog, monkeypatch):
     import broker.schedule.service as service_mod
     from tests.unit.test_schedule import Clock, _service
