@@ -446,8 +446,12 @@ async def write_snapshot(tx) -> bool:
     if tx.table.waiting:
         # Decisions whose file could not be made live only in memory: a snapshot past their op records
         # would leave them out of the next start. Keep the last snapshot; its replay covers them.
-        log.warning("transaction snapshot not written: %d decisions wait for disk space to be recorded",
-                    tx.table.waiting)
+        # Once a run: it was a WARNING every interval for as long as the disk stayed full
+        if not tx.snapshot_held:
+            tx.snapshot_held = True
+            log.warning("transaction snapshot not written: %d decisions wait for disk space to be recorded (tried "
+                        "again every %g s, said again once written)", tx.table.waiting,
+                        tx.ctx.config.transaction_snapshot_interval_s)
         tx.changed = True
         return False
     tx.changed = False
@@ -473,6 +477,9 @@ async def write_snapshot(tx) -> bool:
     # (the maps taken after that wait: a snapshot cancelled there, by stop, leaves them for the one stop writes)
     await store.run_io(_write_files, tx.directory, table.dirty(), data, new_files)
     table.files_synced = made
+    if tx.snapshot_held:
+        tx.snapshot_held = False
+        log.warning("transaction snapshot written again: the decisions that waited for disk space are recorded")
     return True
 
 

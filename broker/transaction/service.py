@@ -99,6 +99,7 @@ class TransactionService:
         self.writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
         self.changed = True
         self._snapshot_task: asyncio.Task | None = None
+        self.snapshot_held = False      # a snapshot held back for decisions waiting for disk space (said once)
         self._rr = 0
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
