@@ -43,6 +43,7 @@ from typing import Awaitable, Callable
 
 from protocol.connection import wait_within
 
+from ..store.disk import human_bytes
 from ..store.replica import chunk_end
 from .codec import HAProtocolError, TransferDecoder, encode_offset
 
@@ -82,6 +83,7 @@ class HASlave:
         self._received = False                  # a transfer came in this session
         self._refused = (None, 0)               # (comparison start, sessions in a row the master closed at once)
         self.cannot_catch_up: str | None = None     # why the master refuses every session (said once, a gauge)
+        self.disk_full = False                  # holding the master back: this slave's disk refuses writes (said once)
 
     def slave_lag_bytes(self) -> int:
         """How far this slave's log is behind what the master last said it was sending."""
@@ -128,6 +130,27 @@ class HASlave:
                 self._unverified = None
                 writer.close()
             await asyncio.sleep(pause)
+
+    def _disk_full(self) -> bool:
+        """Whether this slave's disk refuses writes (said once when it starts and once when it ends). Each session
+        then failed at the master's first bytes: the slave reconnected every second for as long as the disk stayed
+        full, a WARNING and two INFO lines on the slave and three on the master a second (10,800 lines an hour
+        each, onto a disk that may be that full one), and the master read and sent its log tail again each time.
+        The session now waits, not reading (TCP holds the master back), before appending a transfer. Not
+        connecting at all instead stopped following: SlaveSync copied no offsets, topics or groups, and learnt no
+        new log start of the master's, the one thing that lets this slave's cleaner remove an expired segment."""
+        disk = self.store.disk
+        full = disk.refusing and disk.still_refusing()
+        if full != self.disk_full:
+            self.disk_full = full
+            if full:
+                log.warning("replication from %s paused: this slave's disk is %.1f%% full (%s free), at or above "
+                            "disk_refuse_ratio; it stays connected, holds the master's bytes back and resumes by "
+                            "itself below %.0f%%", self.master_addr, disk.ratio * 100,
+                            human_bytes(disk.free_bytes), disk.resume_ratio * 100)
+            else:
+                log.warning("replication from %s resumes: this slave's disk has room again", self.master_addr)
+        return full
 
     @property
     def following(self) -> bool:
@@ -193,6 +216,10 @@ class HASlave:
                         expected = phys
                     if phys != expected:
                         raise HAProtocolError(f"the master sent offset {phys}, this slave's log ends at {expected}")
+                    while self._disk_full():        # hold the master back (TCP) until there is room, following
+                        if writer.is_closing():
+                            raise ConnectionResetError("the link was lost while this slave's disk was full")
+                        await asyncio.sleep(RECONNECT_S)
                     put, expected = self.store.append_replica(phys, body)
                     self._pending += len(body)
                     put.add_done_callback(functools.partial(self._stored, len(body)))

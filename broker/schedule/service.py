@@ -195,32 +195,42 @@ class ScheduleService:
         except OSError as exc:
             log.error("%s not written at stop (progress is replayed from the log): %s", self.config_dir, exc)
 
-    async def snapshot(self) -> None:
-        """Write delayOffset.json when progress moved and its last record is flushed. The loop copies the progress;
+    async def snapshot(self) -> bool:
+        """Write delayOffset.json when progress moved and its last record is flushed (True when it did). The loop copies the progress;
         its sort and JSON are made on a worker thread (``write_snapshot``): one undelivered timer holds the floor
         back while every timer after it is delivered (into ``timer_done``), and made on the loop, the sorted list
         and its repr (the change key) cost 164 ms a million of them, every 10 s."""
         if not self._recovered or self._progress_end > self.ctx.store.flushed_offset:
-            return
+            return False
         p = self.progress
         # Progress moves by progress records (progress_offset) or the floor's bounded steps (raise_floor)
         key = (p.progress_offset, p.timer_floor, len(p.timer_done), tuple(sorted(p.levels.items())))
         if key == self._snapshot_key:
-            return
+            return False
         # (a list: 10 ms a million to copy, a set 35; to_json sorts it there)
         view = Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=list(p.timer_done),
                         progress_offset=p.progress_offset)
         await asyncio.to_thread(write_snapshot, self.config_dir, view)
         self._snapshot_key = key
+        return True
 
     async def _snapshots(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
             try:
-                await self.snapshot()
+                written = await self.snapshot()
             except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later snapshot
-                log.error("%s not written (retried in %.0f s): %s", self.config_dir, SNAPSHOT_INTERVAL_S, exc,
-                          exc_info=not isinstance(exc, OSError))
+                # Once per failure run (a full disk): it was an ERROR every 10 s for as long as the disk stayed full
+                if not failing or not isinstance(exc, OSError):
+                    log.error("%s not written (retried every %g s; until it is, a start replays the progress "
+                              "records after the last one): %s", self.config_dir, SNAPSHOT_INTERVAL_S, exc,
+                              exc_info=not isinstance(exc, OSError))
+                failing = isinstance(exc, OSError)
+                continue
+            if failing and written:
+                failing = False
+                log.warning("%s/%s written again", self.config_dir, SNAPSHOT_NAME)
 
     # ----------------------------------------------------------- dispatch
     def on_dispatch(self, info) -> None:

@@ -26,6 +26,7 @@ Why things are done this way:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -109,13 +110,20 @@ def keep_previous(path: str) -> None:
 
 
 def copy_synced(src: str, dst: str) -> None:
-    """Copy ``src`` to ``dst`` and fsync ``dst`` (its directory is the caller's)."""
-    shutil.copyfile(src, dst)
-    fd = os.open(dst, os.O_RDONLY)
+    """Copy ``src`` to ``dst`` and fsync ``dst`` (its directory is the caller's); ``dst`` (a temporary file
+    each caller renames) is removed again when that fails: a full disk cut it short, and it held the pages that
+    were free, a partial copy of a whole table, after the save whose .tmp was removed (saved.write_synced)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        shutil.copyfile(src, dst)
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(dst)
+        raise
 
 
 def fsync_dir(path: str) -> None:

@@ -82,22 +82,31 @@ def load_saved(path: str, parse: Callable[[object], T], what: str, log: logging.
 def save(path: str, data: bytes) -> None:
     """Replace the table in ``path`` with ``data`` (written and synced first), its current contents kept as the
     previous copy ``load_saved`` falls back to. Blocking: off the loop."""
-    tmp = path + ".tmp"
+    tmp = write_synced(path + ".tmp", data, then=lambda: keep_previous(path))
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_synced(tmp: str, data: bytes, then=None) -> str:
+    """``tmp`` made to hold ``data``, synced (then ``then()``), for the caller to rename over the file it replaces;
+    removed again when any of that fails. Blocking: off the loop.
+
+    A full disk cut the copy short: left there, it held every page that was free, and the other tables of the
+    directory (brokerConfig.json's few bytes, written before SUCCESS and never retried) were refused on a disk with
+    room for them until this one's retried save fitted (retried_save.py); the transaction snapshot's, written again
+    at its next change or stop, held it until one fitted (left by a stop: through the next start too)."""
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        keep_previous(path)
+        if then is not None:
+            then()
     except BaseException:
-        # A full disk cut the copy short: left there, it held every page that was free, and the other tables of
-        # the directory (brokerConfig.json's few bytes, written before SUCCESS and never retried) were refused
-        # on a disk with room for them until this one's retried save fitted (retried_save.py).
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    return tmp
 
 
 def retrieved(task) -> None:

@@ -15,7 +15,7 @@ import os
 import struct
 
 from broker.store.mapped_file import fsync_dir
-from broker.store.saved import crc_matches, with_crc
+from broker.store.saved import crc_matches, with_crc, write_synced
 from protocol.errors import RecordError, StoreError
 from protocol.message import Prop, decode_record
 from protocol.record import body_crc_ok
@@ -436,8 +436,9 @@ async def _repair_lost_dead_op(tx, undecided: set[int]) -> int:
     return 1
 
 
-async def write_snapshot(tx) -> None:
-    """The undecided index and the op-queue offset the decision table covers, through the I/O thread.
+async def write_snapshot(tx) -> bool:
+    """The undecided index and the op-queue offset the decision table covers, through the I/O thread; False when
+    it is not written for decisions waiting for disk space (said, ``tx.changed`` left set).
 
     Taken on the loop in one step: every op record below ``op_offset`` has its byte in the table
     (decisions being written hold the offset down), every half below ``half_offset`` is pending or
@@ -447,10 +448,14 @@ async def write_snapshot(tx) -> None:
     if tx.table.waiting:
         # Decisions whose file could not be made live only in memory: a snapshot past their op records
         # would leave them out of the next start. Keep the last snapshot; its replay covers them.
-        log.warning("transaction snapshot not written: %d decisions wait for disk space to be recorded",
-                    tx.table.waiting)
+        # Once a run: it was a WARNING every interval for as long as the disk stayed full
+        if not tx.snapshot_held:
+            tx.snapshot_held = True
+            log.warning("transaction snapshot not written: %d decisions wait for disk space to be recorded (tried "
+                        "again every %g s, said again once written)", tx.table.waiting,
+                        tx.ctx.config.transaction_snapshot_interval_s)
         tx.changed = True
-        return
+        return False
     tx.changed = False
     tx.trim()
     snap = {"version": SNAPSHOT_VERSION, "store_id": store.store_id,
@@ -474,6 +479,10 @@ async def write_snapshot(tx) -> None:
     # (the maps taken after that wait: a snapshot cancelled there, by stop, leaves them for the one stop writes)
     await store.run_io(_write_files, tx.directory, table.dirty(), data, new_files)
     table.files_synced = made
+    if tx.snapshot_held:
+        tx.snapshot_held = False
+        log.warning("transaction snapshot written again: the decisions that waited for disk space are recorded")
+    return True
 
 
 _SLICE = 4096       # rows (or owners' offsets) a json.dumps: ~3 ms with the interpreter lock held, then a hand-off
@@ -528,10 +537,5 @@ def _write_files(directory: str, maps, data: bytes, new_files: str | None = None
     if new_files is not None:
         fsync_dir(new_files)
     path = os.path.join(directory, "snapshot.json")
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(write_synced(path + ".tmp", data), path)
     fsync_dir(directory)

@@ -101,6 +101,7 @@ class TransactionService:
         self.writing_ops: list[int] = []  # op-queue end offsets seen by decisions still being written
         self.changed = True
         self._snapshot_task: asyncio.Task | None = None
+        self.snapshot_held = False      # a snapshot held back for decisions waiting for disk space (said once)
         self._rr = 0
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
@@ -249,18 +250,28 @@ class TransactionService:
 
     # ------------------------------------------------------------ snapshots
     async def _snapshots(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.snapshot_interval_s)
             if not self.changed:
                 continue
             try:
-                await self.write_snapshot()
+                written = await self.write_snapshot()
             except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later snapshot
                 self.changed = True     # write_snapshot cleared it before writing: try again next turn
-                log.error("transaction snapshot not written: %s", exc, exc_info=not isinstance(exc, OSError))
+                # Once per failure run (a full disk): an ERROR every interval for as long as it lasted
+                if not failing or not isinstance(exc, OSError):
+                    log.error("transaction snapshot not written (retried every %g s; until it is, a start replays "
+                              "the op records after the last one): %s", self.snapshot_interval_s, exc,
+                              exc_info=not isinstance(exc, OSError))
+                failing = isinstance(exc, OSError)
+                continue
+            if failing and written:
+                failing = False
+                log.warning("transaction snapshot written again")
 
-    async def write_snapshot(self) -> None:
-        await write_snapshot(self)
+    async def write_snapshot(self) -> bool:
+        return await write_snapshot(self)
 
     # -------------------------------------------------------- half messages
     def prepare(self, conn, cmd, h, qid: int, props: dict, born_host: bytes, topic: str | None = None):

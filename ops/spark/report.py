@@ -12,6 +12,7 @@ would need every latency). A "Brokers" table gives each broker's day, and the CS
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import html
 import io
@@ -114,9 +115,16 @@ def write_reports(report_dir: str, dates: list[str], tables: dict, summary: dict
         for ext, text in (("html", render_html(data)), ("csv", render_csv(data))):
             path = os.path.join(report_dir, f"txmq-{d}.{ext}")
             tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8", newline="") as f:
-                f.write(text)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "w", encoding="utf-8", newline="") as f:
+                    f.write(text)
+                os.replace(tmp, path)
+            except BaseException:
+                # A full disk cut it short: left there, it held the pages that were free (the next night's rollup
+                # and the broker's store if they share the disk) until a later run for that date fitted.
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             paths.append(path)
     return paths
 

@@ -392,3 +392,39 @@ def test_a_user_topic_named_like_the_transaction_topics_is_traffic(tmp_path):
     assert not seg.is_traffic("RMQ_SYS_TRANS_HALF_TOPIC", 0) and not seg.is_traffic("RMQ_SYS_TRANS_OP_HALF_TOPIC", 0)
     rows = [dict(zip(seg.ROW_FIELDS, r)) for r in _rows(seg.plan_chunks(d, 1 << 40)[1])]
     assert {(r["topic"], r["n"]) for r in rows if r["row"] == "msg"} == {("RMQ_SYS_Orders", 1)}
+
+
+def test_a_report_a_full_disk_cuts_short_leaves_no_partial_tmp_behind(tmp_path, monkeypatch):
+    """A daily report's write refused by ENOSPC half-way left txmq-DATE.html.tmp behind, holding the pages that
+    were free until a later run for that date fitted. Now the write fails as before and the .tmp goes with it."""
+    import builtins
+    import errno
+
+    from ops.spark import report as report_mod
+    monkeypatch.setattr(report_mod, "collect", lambda tables, dates, summary: {"2026-01-01": {}})
+    monkeypatch.setattr(report_mod, "render_html", lambda data: "<html>" + "x" * 100_000)
+    monkeypatch.setattr(report_mod, "render_csv", lambda data: "date\n")
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, text):
+            self.fh.write(text[:4096])
+            self.fh.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    monkeypatch.setattr(report_mod, "open", lambda *a, **kw: Full(builtins.open(*a, **kw)), raising=False)
+    out = tmp_path / "reports"
+    with pytest.raises(OSError, match="No space left"):
+        report_mod.write_reports(str(out), ["2026-01-01"], {}, {})
+    assert os.listdir(out) == []

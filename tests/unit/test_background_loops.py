@@ -8,6 +8,7 @@ Each test makes the first turn raise and waits (bounded) for the second turn.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 
 import pytest
@@ -118,6 +119,67 @@ async def test_the_transaction_snapshot_loop_retries_after_a_turn_that_raised(tm
 
 
 @bounded(20)
+async def test_a_transaction_snapshot_a_full_disk_refuses_is_said_once_not_at_every_turn(tmp_path, caplog):
+    """Five turns refused by ENOSPC, then one written: one ERROR for the run (it was one every interval, 360 an
+    hour at the default 10 s for as long as the disk stayed full), one WARNING once written again."""
+    from tests.unit.test_review_transactions import Clock, make_service
+    ctx = await make_service(tmp_path, Clock(), transaction_snapshot_interval_s=0.01)
+    tx = ctx.tx
+    written = asyncio.Event()
+    real, calls = tx.write_snapshot, []
+
+    async def write_snapshot():
+        calls.append(1)
+        if len(calls) <= 5:
+            tx.changed = False
+            raise OSError(errno.ENOSPC, "No space left on device")
+        done = await real()
+        written.set()
+        return done
+    tx.write_snapshot = write_snapshot
+    tx.changed = True
+    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
+    try:
+        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
+    finally:
+        await tx.stop()
+        await ctx.store._store.close()
+    assert caplog.text.count("transaction snapshot not written") == 1, caplog.text
+    assert caplog.text.count("transaction snapshot written again") == 1, caplog.text
+
+
+@bounded(20)
+async def test_a_transaction_snapshot_held_for_decisions_waiting_for_disk_space_is_said_once(tmp_path, caplog,
+                                                                                             monkeypatch):
+    """The other way a full disk holds the snapshot back: decisions whose file could not be made wait in memory,
+    and no snapshot may pass them. That was a WARNING at every interval (360 an hour at the default 10 s) for as
+    long as they waited. Now once for the run, and once more when a snapshot is written again."""
+    from tests.unit.test_review_transactions import Clock, make_service
+    ctx = await make_service(tmp_path, Clock(), transaction_snapshot_interval_s=0.01)
+    tx = ctx.tx
+    turns, written = [], asyncio.Event()
+    monkeypatch.setattr(type(tx.table), "waiting", property(lambda table: 3 if len(turns) <= 5 else 0))
+    real = tx.write_snapshot
+
+    async def write_snapshot():
+        turns.append(1)
+        done = await real()
+        if done:
+            written.set()
+        return done
+    tx.write_snapshot = write_snapshot
+    tx.changed = True
+    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
+    try:
+        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
+    finally:
+        await tx.stop()
+        await ctx.store._store.close()
+    assert caplog.text.count("decisions wait for disk space") == 1, caplog.text
+    assert caplog.text.count("transaction snapshot written again") == 1, caplog.text
+
+
+@bounded(20)
 async def test_the_schedule_snapshot_loop_goes_on_after_a_turn_that_raised(tmp_path, caplog, monkeypatch):
     import broker.schedule.service as service_mod
     from tests.unit.test_schedule import Clock, _service
@@ -132,6 +194,37 @@ async def test_the_schedule_snapshot_loop_goes_on_after_a_turn_that_raised(tmp_p
         await svc.stop()
         await svc.ctx.store.close()
     assert "not written" in caplog.text
+
+
+@bounded(20)
+async def test_a_delay_progress_snapshot_a_full_disk_refuses_is_said_once_not_at_every_turn(tmp_path, caplog,
+                                                                                            monkeypatch):
+    """Five turns of delayOffset.json refused by ENOSPC, then one written: one ERROR for the run (it was one every
+    10 s, 360 an hour, for as long as the disk stayed full), one WARNING once written again."""
+    import broker.schedule.service as service_mod
+    from tests.unit.test_schedule import Clock, _service
+    monkeypatch.setattr(service_mod, "SNAPSHOT_INTERVAL_S", 0.01)
+    svc = await _service(tmp_path, Clock(100_000))
+    written = asyncio.Event()
+    real, calls = svc.snapshot, []
+
+    async def snapshot():
+        calls.append(1)
+        if len(calls) <= 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        svc._snapshot_key = None        # progress "moved": this turn writes
+        done = await real()
+        written.set()
+        return done
+    svc.snapshot = snapshot
+    svc._snap_task = asyncio.get_running_loop().create_task(svc._snapshots())
+    try:
+        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
+    finally:
+        await svc.stop()
+        await svc.ctx.store.close()
+    assert caplog.text.count("not written") == 1, caplog.text
+    assert caplog.text.count("written again") == 1, caplog.text
 
 
 @bounded(20)

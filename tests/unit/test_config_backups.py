@@ -80,6 +80,35 @@ def test_the_previous_save_is_kept_where_the_file_system_has_no_hard_links(tmp_p
     assert not (tmp_path / "topics.json.bak.tmp").exists()
 
 
+
+def test_a_previous_save_copy_a_full_disk_cuts_short_leaves_no_partial_file_behind(tmp_path, monkeypatch):
+    """Where there are no hard links the previous save is a copy (topics.json.bak.tmp, then renamed): a full disk
+    cut it short and it stayed, a partial copy of the whole table holding the pages that were free, while the
+    save's own .tmp was removed (saved.write_synced). Now the copy goes too, and so does the one a catalogue
+    written again from its .bak at start makes."""
+    import errno
+    import os
+    import shutil
+
+    from broker.store import saved
+
+    def no_links(src, dst, *a, **kw):
+        raise OSError(errno.EPERM, "Operation not permitted", dst)
+
+    def full(src, dst, *a, **kw):
+        with open(src, "rb") as f, open(dst, "wb") as out:
+            out.write(f.read(10))
+        raise OSError(errno.ENOSPC, "No space left on device", dst)
+    tm = _topics(tmp_path)
+    tm.create(TopicConfig("Orders", 16, 16, perm=4))
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(shutil, "copyfile", full)
+    with pytest.raises(OSError, match="No space left"):
+        saved.save(str(tmp_path / "topics.json"), b"{}")
+    with pytest.raises(OSError, match="No space left"):
+        saved._copy_durably(str(tmp_path / "topics.json"), str(tmp_path / "again.json"))
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".tmp")) == []
+
 # Every way a catalogue was seen damaged: each is read from the previous save, none resets the catalogue.
 DAMAGE = {
     "zero-length": lambda p: p.write_bytes(b""),

@@ -577,7 +577,8 @@ async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_every
         store.max_physical_offset = phys + len(body)
         return fut, phys + len(body)
     store = SimpleNamespace(max_physical_offset=0, min_physical_offset=0, is_empty=False,
-                            last_indexed_record=lambda: None, append_replica=append_replica)
+                            last_indexed_record=lambda: None, append_replica=append_replica,
+                            disk=SimpleNamespace(refusing=False))
 
     async def master(reader, writer):
         body = bytes(frame)
@@ -725,3 +726,61 @@ async def test_slaves_refused_at_their_first_report_are_said_once_a_host_and_off
     said = [r for r in caplog.records if r.levelno == logging.ERROR and "cannot catch up" in r.getMessage()]
     assert [str((1 << 20) + 512) in r.getMessage() for r in said] == [False, True], [r.getMessage() for r in said]
     assert master.behind_total == 3
+
+
+@bounded(30)
+async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_holding_the_master_back(caplog):
+    """A slave whose disk is at its refuse mark copies nothing; it stopped connecting to its master at all, so it
+    no longer followed: its SlaveSync (which copies only while following) took no consumer offsets, topics or
+    groups, and learnt no new log start of its master's -- the slave's cleaner removes an expired segment only
+    up to there, so with nothing new to copy it could not free the room it waits for (a slave whose master had
+    nothing new was connected and following before). Now it connects and follows, and holds the master's bytes
+    back (it stops reading) until its disk has room: no session is lost, nothing appended meanwhile, and the
+    held transfer is appended once the disk has room."""
+    from types import SimpleNamespace
+
+    from broker.ha.codec import encode_transfer
+    from broker.ha.slave import HASlave
+
+    appended: list[tuple[int, int]] = []
+
+    def append_replica(phys, body):
+        appended.append((phys, len(body)))
+        store.max_physical_offset = phys + len(body)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(SimpleNamespace(ok=True))
+        return fut, phys + len(body)
+    disk = SimpleNamespace(refusing=True, ratio=0.95, free_bytes=1 << 20, resume_ratio=0.89)
+    disk.still_refusing = lambda: disk.refusing
+    store = SimpleNamespace(max_physical_offset=0, min_physical_offset=0, is_empty=False,
+                            last_indexed_record=lambda: None, append_replica=append_replica, disk=disk)
+    send = asyncio.Event()
+
+    async def master(reader, writer):
+        writer.write(encode_transfer(0, b""))           # a heartbeat: nothing new to copy
+        await writer.drain()
+        await send.wait()
+        writer.write(encode_transfer(0, b"x" * 100) + b"x" * 100)
+        await writer.drain()
+        await reader.read()
+    server = await asyncio.start_server(master, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    slave = HASlave(store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
+    task = asyncio.ensure_future(slave.run())
+    try:
+        while not slave.following:
+            await asyncio.sleep(0.01)
+        send.set()
+        while not slave.disk_full:
+            await asyncio.sleep(0.01)
+        assert appended == [] and slave.following and slave.sessions == 1
+        disk.refusing = False
+        while not appended:
+            await asyncio.sleep(0.01)
+        assert appended == [(0, 100)] and slave.sessions == 1 and not slave.disk_full
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
+    assert caplog.text.count("paused: this slave's disk is") == 1, caplog.text
+    assert caplog.text.count("resumes: this slave's disk has room again") == 1, caplog.text
