@@ -69,6 +69,7 @@ class ScheduleService:
         self._lost: list[int] = []      # timer queue offsets the batch being gathered passes over, removed
         self._written_off: set[int] = set()     # ... and once written, those still in the heap (skipped there)
         self._gone_early: set[int] = set()      # ... and those whose heap entry went before they were written
+        self._unindexed: set[int] = set()       # timer offsets recovery found no readable unit for: not in the heap
         self.delivered = 0
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
@@ -138,6 +139,8 @@ class ScheduleService:
                     self._timers.append((self._due(unit[2], store_timestamp_at(view, 0)), offset, unit[0]))
                 elif unit is not None:      # removed or damaged: _delivery says so and drops it, as before
                     self._timers.append((self._due(unit[2], None), offset, unit[0]))
+                else:           # a zeroed unit (the store logs it): no heap entry to skip when retention takes it
+                    self._unindexed.add(offset)
         heapq.heapify(self._timers)
         self._timers_indexed = hi
         self._timers_min_seen = lo      # (those below: said just above)
@@ -513,9 +516,11 @@ class ScheduleService:
         if self._removed:
             log.error("schedule: %d waiting messages were removed by retention before delivery (%s); moved past "
                       "them", sum(n for _, n in self._removed), "; ".join(what for what, _ in self._removed))
-        # Those whose heap entry already went are not kept: written off, they stayed in the set for good.
-        self._written_off.update(q for q in self._lost if q not in self._gone_early)
+        # Only those still in the heap are kept (skipped there): one whose entry already went, or never was (its
+        # unit unreadable at start-up), stayed in the set for good and the waiting count was one low for it.
+        self._written_off.update(q for q in self._lost if q not in self._gone_early and q not in self._unindexed)
         self._gone_early.difference_update(self._lost)
+        self._unindexed.difference_update(self._lost)
         self._timers_min_seen = max(self._timers_min_seen, self._timers_min_next)
         for (req, due, label), result in zip(batch, results):
             self.delivered += 1

@@ -849,3 +849,38 @@ def test_an_old_delay_offset_json_of_lone_timer_offsets_loads_and_one_of_runs_is
     assert p.timer_done.to_json() == [[5, 7], 9]            # 2, below the floor, is delivered by it already
     with pytest.raises(TypeError):
         [int(t) for t in p.to_json()["timerDone"]]        # what a broker before this change did with the file
+
+
+@bounded()
+async def test_a_timer_with_no_readable_unit_at_start_up_then_removed_leaves_the_waiting_count_right(
+        tmp_path, monkeypatch):
+    """A timer whose consume-queue unit was unreadable (zeroed) at start-up is not put in the heap. When retention
+    then removed it, it was written off like the others (kept to be skipped in the heap, where it never was): the
+    set kept it for good and txmq_schedule_messages_waiting{level="timer"} said one fewer than were waiting, below
+    zero once the rest went."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(2):
+        await _schedule(svc, "T", b"lost-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await _schedule(svc, "T", b"kept", {"TIMER_DELIVER_MS": str(clock.now + 86_400_000)}, clock.now)
+    await svc.stop()
+    await store.close()
+
+    queue_unit = MessageStore.queue_unit
+    monkeypatch.setattr(MessageStore, "queue_unit", lambda self, topic, qid, offset: None
+                        if (topic, offset) == (TIMER_TOPIC, 0) else queue_unit(self, topic, qid, offset))
+    svc = await _service(tmp_path, clock)           # offset 0's unit reads as zeroed: not indexed
+    monkeypatch.undo()
+    store = svc.ctx.store
+    assert dict(svc.waiting())["timer"] == 2
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert await svc.run_due(102_000, 102_000) == 2     # both passed over as removed
+    assert dict(svc.waiting())["timer"] == 1            # the kept one
+    day = 100_000 + 86_400_000
+    assert await svc.run_due(day, day) == 1
+    assert [m.body for m in _delivered(store, "T")] == [b"kept"]
+    assert dict(svc.waiting())["timer"] == 0 and not svc._written_off
+    await store.close()
