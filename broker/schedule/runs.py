@@ -70,8 +70,7 @@ class OffsetRuns:
                 self._chunks[idx] = FULL
                 self._base = min(self._base, idx)
             else:
-                for offset in range(start, stop):
-                    self.add(offset)
+                self.update(range(start, stop))
             start = stop
 
     def __contains__(self, offset: int) -> bool:
