@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
@@ -783,6 +783,7 @@ async def test_delay_offset_json_is_sorted_and_encoded_off_the_event_loop(tmp_pa
 
 
 # ------------------------------------------------------------------ delivered timers as runs
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 3 * 4096), st.integers(0, 5000)), max_size=40),
        st.integers(0, 4 * 4096))
 def test_offset_runs_hold_what_a_set_holds(ops, bound):
