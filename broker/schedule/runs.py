@@ -5,16 +5,20 @@ timer_max_delay_s (3 days) while every timer after it is delivered; as a set of 
 million, a 6.9 MB delayOffset.json, sorted and written whole every 10 s.
 
 In memory: the offsets cut into chunks of CHUNK; a chunk with some offsets held is a bitmap (CHUNK / 8 bytes),
-a chunk with all of them is the shared FULL marker, a chunk with none is absent. An offset costs one bit at most
-(timers that go in random order: no run to fold), a full chunk a dict entry: a million delivered in the order
-they were sent is 245 entries. Every operation is O(1) in what is held, but ``discard_below`` (the chunks it
-passes) and the JSON (off the loop).
+a chunk with all of them is the shared FULL marker, a chunk with none is absent. A partial chunk costs its 512
+bytes however few it holds (its other offsets are timers waiting, each a heap entry), a full chunk a dict entry:
+a million delivered in the order they were sent is 245 entries. Every operation is O(1) in what is held, but
+``discard_below`` (the chunks it passes) and the JSON (off the loop).
 
-In delayOffset.json (``to_json`` / ``from_json``) a run is ``[first, last]`` (both held) and a lone offset the
-bare number, so an old file's ``timerDone`` (every offset, bare) loads as it is.
+In delayOffset.json (``to_json`` / ``from_json``) a run is ``[first, last]`` (both held), a lone offset the
+bare number, so an old file's ``timerDone`` (every offset, bare) loads as it is; a chunk cut into more than BUSY
+runs is ``"<its first offset>:<base64 of its bitmap>"`` (at most 700 bytes for 4,096 offsets: every other timer
+delivered, listed, was 7.4 MB a million, slower to write and read than the old set's list). A broker older than
+runs refuses both (its int() of a list or of that string): it replays the progress records instead.
 """
 from __future__ import annotations
 
+from base64 import b64decode, b64encode
 from collections import deque
 from itertools import compress, repeat
 from operator import sub
@@ -22,6 +26,7 @@ from operator import sub
 SHIFT = 12
 CHUNK = 1 << SHIFT              # offsets a chunk (a bitmap of 512 bytes)
 FULL = b"\xff" * (CHUNK // 8)   # the marker of a chunk with every offset held (compared by identity)
+BUSY = 64                       # a chunk cut into more runs is written as its bitmap (684 characters of base64)
 SEGMENT = 256                   # bitmap chunks made into runs at a time (to_json: bounds what it makes, 1 Mbit)
 
 
@@ -138,12 +143,14 @@ class OffsetRuns:
         for start, last in zip(starts, lasts):
             yield start, last + 1
 
-    def _spans(self) -> tuple[list[int], list[int]]:
-        """The first and the last offset of each run, in order, as two lists. Made with C loops (int bit
-        operations, format, translate, compress) over up to SEGMENT adjacent bitmap chunks at a time: a byte at a
-        time in Python it cost 5 times the old set's sort when every other offset was held (2.0 s a million)."""
+    def _spans(self, idxs: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """The first and the last offset of each run (in the chunks ``idxs``, sorted; None: all), in order, as two
+        lists. Made with C loops (int bit operations, format, translate, compress) over up to SEGMENT adjacent
+        bitmap chunks at a time: a byte at a time in Python it cost 5 times the old set's sort when every other
+        offset was held (2.0 s a million)."""
         chunks = self._chunks
-        idxs = sorted(chunks)
+        if idxs is None:
+            idxs = sorted(chunks)
         firsts: list[int] = []
         lasts: list[int] = []
         i, n = 0, len(idxs)
@@ -192,7 +199,25 @@ class OffsetRuns:
         return new
 
     def to_json(self) -> list:
-        firsts, lasts = self._spans()
+        """Runs and lone offsets, in order; a chunk cut into more than BUSY runs as its bitmap instead."""
+        chunks, out, plain = self._chunks, [], []
+        for idx in sorted(chunks):
+            chunk = chunks[idx]
+            if chunk is not FULL:
+                value = int.from_bytes(chunk, "little")
+                if (value & ~(value << 1)).bit_count() > BUSY:
+                    if plain:
+                        out += self._items(plain)
+                        plain = []
+                    out.append(f"{idx * CHUNK}:{b64encode(chunk).decode()}")
+                    continue
+            plain.append(idx)
+        if plain:
+            out += self._items(plain)
+        return out
+
+    def _items(self, idxs: list[int]) -> list:
+        firsts, lasts = self._spans(idxs)
         if firsts is lasts:
             return firsts
         return [f if f == last else [f, last] for f, last in zip(firsts, lasts)]
@@ -222,10 +247,39 @@ class OffsetRuns:
                         new.add_run(first, end)         # whole chunks: FULL markers
                     else:
                         short.append((first, end))
+                elif isinstance(item, str):
+                    new._set_bitmap(item)
                 else:
                     lone.append(int(item))
         new._set_many(lone, short)
         return new
+
+    def _set_bitmap(self, item: str) -> None:
+        """``"<first>:<base64 of the chunk's bitmap>"``: ``first`` a chunk's first offset."""
+        first, colon, data = item.partition(":")
+        first = int(first)
+        bitmap = b64decode(data, validate=True)
+        if not colon or first < 0 or first % CHUNK or len(bitmap) != CHUNK // 8:
+            raise ValueError(f"timerDone bitmap {item[:40]!r} is not <chunk's first offset>:<{CHUNK // 8} bytes>")
+        self._or_chunk(first >> SHIFT, int.from_bytes(bitmap, "little"))
+
+    def _or_chunk(self, idx: int, piece: int) -> None:
+        """Hold the set bits of ``piece`` (a chunk's bitmap as an int) in chunk ``idx``."""
+        chunks, counts = self._chunks, self._counts
+        old = chunks.get(idx)
+        if not piece or old is FULL:
+            return
+        if old is not None:
+            piece |= int.from_bytes(old, "little")
+        held = piece.bit_count()
+        self._count += held - counts.get(idx, 0)
+        if held == CHUNK:
+            chunks[idx] = FULL
+            counts.pop(idx, None)
+        else:
+            chunks[idx] = bytearray(piece.to_bytes(CHUNK // 8, "little"))
+            counts[idx] = held
+        self._base = min(self._base, idx)
 
     def _set_many(self, lone: list[int], short: list[tuple[int, int]]) -> None:
         """Hold the offsets ``lone`` and the runs ``short`` ([start, end), each under 2 chunks): as 0/1 bytes set by
@@ -251,24 +305,9 @@ class OffsetRuns:
             flags[start - base:end - base] = b"\x01" * (end - start)
         value = int(flags[::-1].translate(_FROM_01), 2)
         bitmap = value.to_bytes(span // 8, "little")
-        chunks, counts, size = self._chunks, self._counts, CHUNK // 8
+        size = CHUNK // 8
         for k in range(hi - lo + 1):
-            piece = int.from_bytes(bitmap[k * size:(k + 1) * size], "little")
-            idx = lo + k
-            old = chunks.get(idx)
-            if not piece or old is FULL:
-                continue
-            if old is not None:
-                piece |= int.from_bytes(old, "little")
-            held = piece.bit_count()
-            self._count += held - counts.get(idx, 0)
-            if held == CHUNK:
-                chunks[idx] = FULL
-                counts.pop(idx, None)
-            else:
-                chunks[idx] = bytearray(piece.to_bytes(size, "little"))
-                counts[idx] = held
-            self._base = min(self._base, idx)
+            self._or_chunk(lo + k, int.from_bytes(bitmap[k * size:(k + 1) * size], "little"))
 
     def __repr__(self) -> str:
         return f"OffsetRuns({self.to_json()!r})"
