@@ -27,24 +27,26 @@ SHIFT = 12
 CHUNK = 1 << SHIFT              # offsets a chunk (a bitmap of 512 bytes)
 FULL = b"\xff" * (CHUNK // 8)   # the marker of a chunk with every offset held (compared by identity)
 BUSY = 64                       # a chunk cut into more runs is written as its bitmap (684 characters of base64)
-SEGMENT = 256                   # bitmap chunks made into runs at a time (to_json: bounds what it makes, 1 Mbit)
+SPARSE = 64                     # a chunk of at most this many runs has them found one by one (_spans)
 
 
 class OffsetRuns:
-    __slots__ = ("_chunks", "_counts", "_count", "_base")
+    __slots__ = ("_chunks", "_counts", "_count", "_base", "_owned")
 
     def __init__(self):
         self._chunks: dict[int, bytearray | bytes] = {}    # chunk index -> its bitmap, or FULL
         self._counts: dict[int, int] = {}                   # offsets held in each bitmap chunk (not FULL ones)
         self._count = 0
         self._base = 0                  # no chunk below this index is held (discard_below)
+        self._owned: set[int] = set()   # bitmap chunks made since the last copy(): the others are shared, copied
+        #                                 before they are changed (copy-on-write: the loop's copy is the dict's)
 
     def add(self, offset: int) -> None:
         self.update((offset,))
 
     def update(self, offsets) -> None:
         """Hold each of ``offsets`` (a delivery batch's: one pass, names bound once)."""
-        chunks, counts = self._chunks, self._counts
+        chunks, counts, owned = self._chunks, self._counts, self._owned
         added = 0
         for offset in offsets:
             idx = offset >> SHIFT
@@ -54,12 +56,16 @@ class OffsetRuns:
             if chunk is None:
                 chunk = chunks[idx] = bytearray(CHUNK >> 3)
                 counts[idx] = 0
+                owned.add(idx)
                 if idx < self._base:
                     self._base = idx
             bit = offset & (CHUNK - 1)
             byte, mask = bit >> 3, 1 << (bit & 7)
             if chunk[byte] & mask:
                 continue
+            if idx not in owned:        # shared with a copy (a snapshot being written): copied first
+                chunk = chunks[idx] = bytearray(chunk)
+                owned.add(idx)
             chunk[byte] |= mask
             added += 1
             n = counts[idx] + 1
@@ -123,7 +129,9 @@ class OffsetRuns:
                 counts[top] = CHUNK
             cut = int.from_bytes(chunk, "little") & ((1 << bit) - 1)
             if cut:
-                chunk[:] = (int.from_bytes(chunk, "little") & ~((1 << bit) - 1)).to_bytes(CHUNK // 8, "little")
+                chunks[top] = bytearray(   # a new one: the old may be shared with a copy
+                    (int.from_bytes(chunk, "little") & ~((1 << bit) - 1)).to_bytes(CHUNK // 8, "little"))
+                self._owned.add(top)
                 n = cut.bit_count()
                 gone += n
                 counts[top] -= n
@@ -145,31 +153,25 @@ class OffsetRuns:
 
     def _spans(self, idxs: list[int] | None = None) -> tuple[list[int], list[int]]:
         """The first and the last offset of each run (in the chunks ``idxs``, sorted; None: all), in order, as two
-        lists. Made with C loops (int bit operations, format, translate, compress) over up to SEGMENT adjacent
-        bitmap chunks at a time: a byte at a time in Python it cost 5 times the old set's sort when every other
-        offset was held (2.0 s a million)."""
+        lists. A chunk of more than SPARSE runs by C loops over its 4,096 bits (format, translate, compress: a
+        byte at a time in Python was 5 times the old set's sort, every other offset held); one of fewer a run at a
+        time (int bit operations), so a few delivered among thousands waiting cost what is held, not the span."""
         chunks = self._chunks
         if idxs is None:
             idxs = sorted(chunks)
         firsts: list[int] = []
         lasts: list[int] = []
-        i, n = 0, len(idxs)
         lone_only = True        # every run one offset: one list for both (to_json: taken as it is)
-        while i < n:
-            idx = j = idxs[i]
-            full = chunks[idx] is FULL
-            i += 1
-            while i < n and idxs[i] == j + 1 and (chunks[idxs[i]] is FULL) == full and (full or j + 1 - idx < SEGMENT):
-                j = idxs[i]
-                i += 1
-            if full:
-                s, e = [idx * CHUNK], [(j + 1) * CHUNK - 1]
+        for idx in idxs:
+            chunk, base = chunks[idx], idx * CHUNK
+            if chunk is FULL:
+                s, e = [base], [base + CHUNK - 1]
             else:
-                value = int.from_bytes(b"".join([chunks[k] for k in range(idx, j + 1)]), "little")
-                bits = (j + 1 - idx) * CHUNK
+                value = int.from_bytes(chunk, "little")
                 first_bits, last_bits = value & ~(value << 1), value & ~(value >> 1)    # a held bit after / before
-                s = _positions(first_bits, bits, idx * CHUNK)                           # one not held
-                e = s if last_bits == first_bits else _positions(last_bits, bits, idx * CHUNK)  # (all lone)
+                find = _positions if first_bits.bit_count() > SPARSE else _set_bits        # one not held
+                s = find(first_bits, base)
+                e = s if last_bits == first_bits else find(last_bits, base)             # (all lone)
                 if not s:
                     continue
             lone_only = lone_only and e is s
@@ -193,9 +195,12 @@ class OffsetRuns:
         return list(self.iter_runs()) == list(other.iter_runs())
 
     def copy(self) -> "OffsetRuns":
+        """A copy that shares the bitmaps: each side copies one before it changes it (a dict's copy on the loop;
+        copying every 512-byte bitmap was 103 ms for 73k chunks, 20 times main's list of the offsets)."""
         new = OffsetRuns()
-        new._chunks = {i: c if c is FULL else bytearray(c) for i, c in self._chunks.items()}
-        new._counts, new._count, new._base = dict(self._counts), self._count, self._base
+        new._chunks, new._counts = dict(self._chunks), dict(self._counts)
+        new._count, new._base = self._count, self._base
+        self._owned = set()
         return new
 
     def to_json(self) -> list:
@@ -279,6 +284,7 @@ class OffsetRuns:
         else:
             chunks[idx] = bytearray(piece.to_bytes(CHUNK // 8, "little"))
             counts[idx] = held
+            self._owned.add(idx)
         self._base = min(self._base, idx)
 
     def _set_many(self, lone: list[int], short: list[tuple[int, int]]) -> None:
@@ -313,11 +319,22 @@ class OffsetRuns:
         return f"OffsetRuns({self.to_json()!r})"
 
 
+_CHUNK_BITS = "0%db" % CHUNK
 _TO_01 = bytes.maketrans(b"01", b"\x00\x01")
 _FROM_01 = bytes.maketrans(b"\x00\x01", b"01")
 
 
-def _positions(value: int, bits: int, base: int) -> list[int]:
-    """``base + i`` for each set bit ``i`` of ``value`` (``bits`` wide), in order: C loops only."""
-    flags = format(value, "0%db" % bits)[::-1].encode().translate(_TO_01)
-    return list(compress(range(base, base + bits), flags))
+def _positions(value: int, base: int) -> list[int]:
+    """``base + i`` for each set bit ``i`` of ``value`` (a chunk's bitmap), in order: C loops over its bits."""
+    flags = format(value, _CHUNK_BITS)[::-1].encode().translate(_TO_01)
+    return list(compress(range(base, base + CHUNK), flags))
+
+
+def _set_bits(value: int, base: int) -> list[int]:
+    """The same, a set bit at a time: for a few."""
+    out = []
+    while value:
+        low = value & -value
+        out.append(base + low.bit_length() - 1)
+        value ^= low
+    return out
