@@ -15,7 +15,8 @@ delayOffset.json (<store>/config), RocketMQ's file with txmq's additions, is a s
 for start-up, written every 10 s and at stop (only for progress that is on disk)::
 
     {"offsetTable": {"<level>": <offset>}, "timerFloor": <every timer below it delivered>,
-     "timerDone": [<delivered timer offsets above the floor: a lone offset, or [first, last] for a run>],
+     "timerDone": [<delivered timer offsets above the floor: a lone offset, [first, last] for a run, or
+                    "<chunk's first offset>:<base64 bitmap>" for a chunk of many runs (runs.py)>],
      "progressOffset": <progress records below this queue offset are reflected here>,
      "crc": <CRC-32 of the bytes before it (store/saved.py): a file changed since is replayed from the log>}
 
