@@ -784,20 +784,30 @@ async def test_delay_offset_json_is_sorted_and_encoded_off_the_event_loop(tmp_pa
 
 # ------------------------------------------------------------------ delivered timers as runs
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3 * 4096), st.integers(0, 5000)), max_size=40),
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3 * 4096), st.integers(0, 5000)), max_size=40),
        st.integers(0, 4 * 4096))
 def test_offset_runs_hold_what_a_set_holds(ops, bound):
-    """OffsetRuns against a set of ints: adds (one offset or a run, touching, overlapping, inside others), the
-    floor's discard, membership, count, and the delayOffset.json round trip."""
+    """OffsetRuns against a set of ints: adds (one offset, a run, or every other offset: a chunk of many runs,
+    written as its bitmap; touching, overlapping, inside others), the floor's discard, membership, count, and the
+    delayOffset.json round trip; a copy taken half way is not changed by what follows."""
     from broker.schedule.runs import OffsetRuns
     runs, model = OffsetRuns(), set()
-    for lone, start, length in ops:
-        if lone:
+    for i, (kind, start, length) in enumerate(ops):
+        if i == len(ops) // 2:
+            half, half_model = runs.copy(), sorted(model)
+        if kind == 0:
             runs.add(start)
             model.add(start)
-        else:
+        elif kind == 1:
             runs.add_run(start, start + length)
             model.update(range(start, start + length))
+        else:
+            runs.update(range(start, start + length, 2))
+            model.update(range(start, start + length, 2))
+    if ops:
+        runs.discard_below(bound // 2)
+        model = {q for q in model if q >= bound // 2}
+        assert list(half) == half_model and len(half) == len(half_model)
     assert list(runs) == sorted(model) and len(runs) == len(model)
     assert all((q in runs) == (q in model) for q in range(0, 4 * 4096 + 5000))
     assert all(runs.run_end(q) == next(e for e in range(q, 9 * 4096) if e not in model) for q in (0, bound))
@@ -908,3 +918,33 @@ def test_a_sparse_set_of_delivered_timers_costs_what_it_holds_not_the_span_it_co
     runs.discard_below(8)
     assert 8 in runs and 7 not in runs and list(snap) == held and 8 not in snap     # changed: copied first
     assert OffsetRuns.from_json(snap.to_json()) == snap
+
+
+@bounded()
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+async def test_a_torn_delay_offset_json_of_runs_and_bitmaps_is_replayed_from_the_log(tmp_path, keep, caplog):
+    """Every other timer delivered behind held ones: the chunk is written as its bitmap. The file cut short (a
+    torn write by hand, a copy cut off) is refused at start-up and the progress records replayed: the held ones
+    wait, none delivered is delivered again."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    for i in range(300):
+        delay = 86_400_000 if i % 2 == 0 else 1_000
+        await _schedule(svc, "T", b"t-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + delay)}, clock.now)
+    while await svc.run_due(101_000, 101_000) > 0:
+        pass
+    await svc.snapshot()
+    path = os.path.join(svc.config_dir, "delayOffset.json")
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    assert any(isinstance(item, str) for item in json.loads(raw)["timerDone"])     # a bitmap, not 150 lone ones
+    await svc.ctx.store.close()
+    with open(path, "wb") as fh:
+        fh.write(raw[:int(len(raw) * keep)])
+    again = await _service(tmp_path, clock)
+    assert "ignoring unreadable" in caplog.text
+    assert sorted(entry[1] for entry in again._timers) == list(range(0, 300, 2))
+    assert set(again.progress.timer_done) == set(range(1, 300, 2)) and again.progress.timer_floor == 0
+    assert await again.run_due(102_000, 102_000) == 0
+    assert len(_delivered(again.ctx.store, "T")) == 150
+    await again.ctx.store.close()
