@@ -15,7 +15,8 @@ delayOffset.json (<store>/config), RocketMQ's file with txmq's additions, is a s
 for start-up, written every 10 s and at stop (only for progress that is on disk)::
 
     {"offsetTable": {"<level>": <offset>}, "timerFloor": <every timer below it delivered>,
-     "timerDone": [<delivered timer offsets at or above the floor>],
+     "timerDone": [<delivered timer offsets above the floor: a lone offset, [first, last] for a run, or
+                    "<chunk's first offset>:<base64 bitmap>" for a chunk of many runs (runs.py)>],
      "progressOffset": <progress records below this queue offset are reflected here>,
      "crc": <CRC-32 of the bytes before it (store/saved.py): a file changed since is replayed from the log>}
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..store.saved import crc_matches, save, with_crc
 from ..topics import SCHEDULE_PROGRESS_TOPIC
+from .runs import OffsetRuns
 
 log = logging.getLogger("txmq.schedule")
 
@@ -43,7 +45,7 @@ class Progress:
 
     levels: dict[int, int] = field(default_factory=dict)    # level -> next queue offset to deliver
     timer_floor: int = 0                                     # timer queue offsets below: all delivered
-    timer_done: set[int] = field(default_factory=set)       # delivered offsets >= timer_floor
+    timer_done: OffsetRuns = field(default_factory=OffsetRuns)  # delivered offsets >= timer_floor, as runs
     progress_offset: int = 0                                 # progress records below this are applied
 
     def apply(self, levels: dict[int, int], timers, floor_steps: int | None = None) -> bool:
@@ -51,36 +53,38 @@ class Progress:
         for level, offset in levels.items():
             if offset > self.levels.get(level, 0):
                 self.levels[level] = offset
-        self.timer_done.update(t for t in timers if t >= self.timer_floor)
+        floor = self.timer_floor
+        self.timer_done.update(t for t in timers if t >= floor)
         return self.raise_floor(floor_steps)
 
     def raise_floor(self, most: int | None = None) -> bool:
         """Move the floor over the delivered offsets just above it, at most ``most`` of them (None: all); True
-        when more remain. Bounded for the event loop: one undelivered timer held the floor back while a million
-        after it were delivered, and the batch that passed over it (removed by retention) then moved the floor
-        over all of them in one step, 210 ms of the loop a million. Offsets left in ``timer_done`` above the
-        floor read as delivered all the same (``timer_delivered``)."""
+        when more remain. Bounded for the event loop as it was when a move cost 210 ms a million (SCAN_PER_TURN
+        a turn, the next turn at once); a whole chunk of them is one step now. Offsets left in ``timer_done``
+        above the floor read as delivered all the same (``timer_delivered``)."""
         done, floor = self.timer_done, self.timer_floor
-        end = None if most is None else floor + most
-        while floor in done and floor != end:
-            done.discard(floor)
-            floor += 1
-        self.timer_floor = floor
-        return floor in done
+        end = done.run_end(floor, None if most is None else floor + most)
+        if end == floor:
+            return False
+        done.discard_below(end)
+        self.timer_floor = end
+        return end in done
 
     def timer_delivered(self, offset: int) -> bool:
         return offset < self.timer_floor or offset in self.timer_done
 
     def to_json(self) -> dict:
         return {"offsetTable": {str(k): v for k, v in sorted(self.levels.items())},
-                "timerFloor": self.timer_floor, "timerDone": sorted(self.timer_done),
+                "timerFloor": self.timer_floor, "timerDone": self.timer_done.to_json(),
                 "progressOffset": self.progress_offset}
 
     @classmethod
     def from_json(cls, data: dict) -> "Progress":
-        return cls({int(k): int(v) for k, v in (data.get("offsetTable") or {}).items()},
-                   int(data.get("timerFloor", 0)), {int(t) for t in data.get("timerDone") or []},
-                   int(data.get("progressOffset", 0)))
+        p = cls({int(k): int(v) for k, v in (data.get("offsetTable") or {}).items()},
+                int(data.get("timerFloor", 0)), OffsetRuns.from_json(data.get("timerDone")),
+                int(data.get("progressOffset", 0)))
+        p.timer_done.discard_below(p.timer_floor)
+        return p
 
 
 def encode_progress(levels: dict[int, int], timers: list[int]) -> bytes:

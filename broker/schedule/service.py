@@ -69,6 +69,7 @@ class ScheduleService:
         self._lost: list[int] = []      # timer queue offsets the batch being gathered passes over, removed
         self._written_off: set[int] = set()     # ... and once written, those still in the heap (skipped there)
         self._gone_early: set[int] = set()      # ... and those whose heap entry went before they were written
+        self._unindexed: set[int] = set()       # timer offsets recovery found no readable unit for: not in the heap
         self.delivered = 0
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
@@ -124,10 +125,9 @@ class ScheduleService:
         if p.timer_floor < lo:
             # Timers below the queue's minimum are never indexed again: taken as passed over, or the floor stayed
             # below them for good and every timer delivered after was kept in timerDone (and the file) for ever.
-            gone = lo - p.timer_floor - sum(1 for t in p.timer_done if t < lo)
+            gone = lo - p.timer_floor - p.timer_done.discard_below(lo)
             if gone:
                 removed.append((f"timer offsets {p.timer_floor}..{lo - 1}", gone))
-            p.timer_done = {t for t in p.timer_done if t >= lo}
             p.timer_floor = lo
             p.raise_floor()     # the floor moves on over timers delivered just above it
         self._removed_while_down(removed, known)
@@ -139,6 +139,8 @@ class ScheduleService:
                     self._timers.append((self._due(unit[2], store_timestamp_at(view, 0)), offset, unit[0]))
                 elif unit is not None:      # removed or damaged: _delivery says so and drops it, as before
                     self._timers.append((self._due(unit[2], None), offset, unit[0]))
+                else:           # a zeroed unit (the store logs it): no heap entry to skip when retention takes it
+                    self._unindexed.add(offset)
         heapq.heapify(self._timers)
         self._timers_indexed = hi
         self._timers_min_seen = lo      # (those below: said just above)
@@ -196,10 +198,9 @@ class ScheduleService:
             log.error("%s not written at stop (progress is replayed from the log): %s", self.config_dir, exc)
 
     async def snapshot(self) -> bool:
-        """Write delayOffset.json when progress moved and its last record is flushed (True when it did). The loop copies the progress;
-        its sort and JSON are made on a worker thread (``write_snapshot``): one undelivered timer holds the floor
-        back while every timer after it is delivered (into ``timer_done``), and made on the loop, the sorted list
-        and its repr (the change key) cost 164 ms a million of them, every 10 s."""
+        """Write delayOffset.json when progress moved and its last record is flushed (True when it did). The loop
+        copies the progress (``timer_done`` is chunks: its dict is copied, bitmaps shared until changed); its JSON
+        is made on a worker thread (``write_snapshot``)."""
         if not self._recovered or self._progress_end > self.ctx.store.flushed_offset:
             return False
         p = self.progress
@@ -207,8 +208,7 @@ class ScheduleService:
         key = (p.progress_offset, p.timer_floor, len(p.timer_done), tuple(sorted(p.levels.items())))
         if key == self._snapshot_key:
             return False
-        # (a list: 10 ms a million to copy, a set 35; to_json sorts it there)
-        view = Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=list(p.timer_done),
+        view = Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=p.timer_done.copy(),
                         progress_offset=p.progress_offset)
         await asyncio.to_thread(write_snapshot, self.config_dir, view)
         self._snapshot_key = key
@@ -527,9 +527,11 @@ class ScheduleService:
         if self._removed:
             log.error("schedule: %d waiting messages were removed by retention before delivery (%s); moved past "
                       "them", sum(n for _, n in self._removed), "; ".join(what for what, _ in self._removed))
-        # Those whose heap entry already went are not kept: written off, they stayed in the set for good.
-        self._written_off.update(q for q in self._lost if q not in self._gone_early)
+        # Only those still in the heap are kept (skipped there): one whose entry already went, or never was (its
+        # unit unreadable at start-up), stayed in the set for good and the waiting count was one low for it.
+        self._written_off.update(q for q in self._lost if q not in self._gone_early and q not in self._unindexed)
         self._gone_early.difference_update(self._lost)
+        self._unindexed.difference_update(self._lost)
         self._timers_min_seen = max(self._timers_min_seen, self._timers_min_next)
         for (req, due, label), result in zip(batch, results):
             self.delivered += 1

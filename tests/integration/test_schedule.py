@@ -229,3 +229,34 @@ async def test_a_refusing_disk_holds_deliveries_until_it_has_room_then_each_goes
     offsets = json.loads((tmp_path / "store" / "config" / "delayOffset.json").read_text())
     assert offsets["offsetTable"]["10"] == 0    # written at the stop, when nothing had been delivered
     assert _scrape(broker)[("txmq_schedule_delivered_late_total", ())] == 20    # held past due by the disk
+
+
+async def test_kill_9_mid_timer_delivery_after_a_delay_offset_json_of_bitmaps_loses_and_repeats_nothing(
+        broker_factory):
+    """delayOffset.json's new timerDone (every other timer delivered behind held ones: a chunk's bitmap) loaded at
+    start-up, then a kill -9 while timers are delivered: each due timer arrives once, the held ones wait."""
+    broker = broker_factory(*FAST)
+    due, held = set(), set()
+    async with asyncio.timeout(60):
+        async with Producer(broker.namesrv, "PG_tkill") as producer:
+            for i in range(300):
+                props = {"TIMER_DELAY_SEC": "50"} if i % 2 == 0 else {"TIMER_DELAY_MS": str(200 + i)}
+                (held if i % 2 == 0 else due).add((await producer.send("Timed", b"a%d" % i, properties=props)).msg_id)
+        while sum((await _count_keys(broker.namesrv, "Timed")).values()) < 150:
+            await asyncio.sleep(0.05)
+        broker.stop()                           # writes delayOffset.json
+        saved = json.loads((broker.store_dir / "config" / "delayOffset.json").read_bytes())
+        assert saved["timerFloor"] == 0 and any(isinstance(item, str) for item in saved["timerDone"])
+        broker = broker_factory(*FAST)          # loads it
+        async with Producer(broker.namesrv, "PG_tkill") as producer:
+            for i in range(150):
+                due.add((await producer.send("Timed", b"b%d" % i, properties={"TIMER_DELAY_MS": str(300 + 5 * i)}))
+                        .msg_id)
+        while sum((await _count_keys(broker.namesrv, "Timed")).values()) < 190:
+            await asyncio.sleep(0.02)
+        broker.kill()                           # SIGKILL while deliveries go on
+        broker = broker_factory(*FAST)          # same store
+        while sum((keys := await _count_keys(broker.namesrv, "Timed")).values()) < len(due):
+            await asyncio.sleep(0.1)
+    assert set(keys) == due and not held & set(keys)
+    assert [k for k, n in keys.items() if n > 1] == []
