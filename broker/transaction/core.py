@@ -307,6 +307,21 @@ class TransactionCore:
             heapq.heappop(heap)
         return None
 
+    def between(self, lo: int, hi: int) -> list[Tx]:
+        """The pending transactions whose half is stored in commit-log range [lo, hi), in log order.
+
+        Read off the buckets by half-queue offset, lowest first: the half queue is one queue, so a later
+        bucket's halves lie later in the log, and the walk ends at the first bucket past ``hi``. Retention
+        asks for its oldest segment's, at the bottom: O(the transactions up to ``hi`` + buckets log buckets).
+        A walk of the whole index was 20-30 ms on the loop at 500k undecided, twice for each segment removed."""
+        by_queue, out = self._by_queue, []
+        for b in sorted(by_queue):
+            members = by_queue[b]
+            if min(members) >= hi:
+                break
+            out += [self.pending[off] for off in sorted(members) if lo <= off < hi]
+        return out
+
     def oldest_by_group(self) -> dict[str, int]:
         """{producer group: store time (ms) of its oldest undecided half}.
 
