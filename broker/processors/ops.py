@@ -50,7 +50,7 @@ def _queue_nums(tc, read: bool) -> int:
 def get_consume_stats(ctx, conn, cmd):
     group = cmd.str_field("consumerGroup", required=True)
     topic = cmd.str_field("topic")
-    topics = [topic] if topic else sorted({t for (g, t, _q), _o in ctx.offsets.items() if g == group})
+    topics = [topic] if topic else ctx.offsets.topics_of(group)
     consumers = ctx.clients.consumers.get(group)
     rows = {}
     tps = 0.0

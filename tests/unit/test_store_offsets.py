@@ -377,3 +377,57 @@ async def test_a_save_takes_only_the_offsets_changed_since_the_last_one(tmp_path
         offsets.commit("g", "T", q, 1000 + q)
     offsets.remove_topic("U")
     assert await save() == len(offsets.items())      # most of it changed: a whole copy is the cheaper
+
+
+def test_a_groups_topics_follow_its_commits_removals_and_a_restart(tmp_path):
+    """topics_of(group), what GET_CONSUME_STATS of one group reads, kept as offsets come and go."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    for q in range(4):
+        offsets.commit("g", "T", q, 5)
+        offsets.commit("g", "U", q, 5)
+        offsets.commit("h", "T", q, 5)
+    offsets.commit("g", "T", 0, 9)                      # moved, not new
+    assert offsets.topics_of("g") == ["T", "U"] and offsets.topics_of("h") == ["T"]
+    offsets.remove_topic("U")
+    assert offsets.topics_of("g") == ["T"]
+    offsets.persist()
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.topics_of("g") == ["T"] and again.topics_of("h") == ["T"]
+    again.remove_group("g")
+    assert again.topics_of("g") == [] and again.topics_of("h") == ["T"] and "g" not in again._topics
+    again.commit("g", "V", 3, 1)
+    assert again.topics_of("g") == ["V"]
+
+
+def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path):
+    """Groups that went away keep their offsets (as RocketMQ's, until deleteSubGroup). GET_CONSUME_STATS of one
+    group found its topics in a walk of every offset: 1,000 groups of 160 offsets made each ask ~60 ms of the
+    loop, and mqadmin consumerProgress (or a dashboard) asks every group in turn: O(groups x offsets)."""
+    from types import SimpleNamespace
+
+    from broker.processors.ops import get_consume_stats
+    from protocol.admin_bodies import decode_mq_table
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    for g in range(1000):
+        for q in range(4):
+            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
+    offsets.commit("live", "T7", 1, 2)
+    offsets.commit("live", "T9", 0, 1)
+    walks = []
+    items = offsets.items
+    offsets.items = lambda: walks.append(1) or items()
+    ctx = SimpleNamespace(
+        offsets=offsets, clients=SimpleNamespace(consumers={}), config=SimpleNamespace(broker_name="b"),
+        topics=SimpleNamespace(get=lambda t: SimpleNamespace(read_queue_nums=2)),
+        metrics=SimpleNamespace(consume_tps=lambda g, t: 0.0),
+        store=SimpleNamespace(max_offset=lambda t, q: 10, store_time_of=lambda t, q, o: 1_000))
+    cmd = RemotingCommand.request(RequestCode.GET_CONSUME_STATS, {"consumerGroup": "live"})
+    reply = get_consume_stats(ctx, None, cmd)
+    assert reply.code == ResponseCode.SUCCESS
+    assert walks == []
+    _, rows = decode_mq_table(reply.body_bytes())
+    assert {mq: row["consumerOffset"] for mq, row in rows.items()} == {
+        ("T7", "b", 0): 0, ("T7", "b", 1): 2, ("T9", "b", 0): 1, ("T9", "b", 1): 0}
