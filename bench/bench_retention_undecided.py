@@ -1,6 +1,6 @@
 """What finding a segment's undecided halves costs the retention pass, at two sizes of undecided index.
 
-    python bench/bench_retention_undecided.py [--pending 50000 500000] [--segments 20] [--failed 200]
+    python bench/bench_retention_undecided.py [--pending 50000 500000] [--segments 20] [--failed 200] [--every 1]
 
 An undecided index of ``--pending`` halves (a backlog that never decides, ~1 KiB each, so ~1,000 to a
 1 MiB segment) built in a real TransactionCore. A cleaning pass over the ``--segments`` oldest segments
@@ -8,7 +8,8 @@ asks, for each, which undecided halves it holds twice (are any young; which to d
 last segment's ``--failed`` halves could not be dead-lettered (the store refusing writes), and the pass
 asks which of those are still undecided. Timed per pass, in one process, both arms on the same index:
 before (a walk of the whole index per question, one per failed half) and now (TransactionCore.between,
-membership in the index). Last line JSON, "ratio" = now / before at the largest index.
+membership in the index). Last line JSON, "ratio" = now / before at the largest index. ``--every N``: one
+undecided half in N stored, the rest decided (a sparse backlog: each undecided half a bucket of its own).
 """
 from __future__ import annotations
 
@@ -54,12 +55,15 @@ def main() -> None:
     p.add_argument("--pending", type=int, nargs="+", default=[50_000, 500_000])
     p.add_argument("--segments", type=int, default=20)
     p.add_argument("--failed", type=int, default=200)
+    p.add_argument("--every", type=int, default=1, help="one undecided half in this many stored (2000: a sparse "
+                   "backlog, a bucket of the index each)")
     a = p.parse_args()
     out = {}
     for n in a.pending:
         core = TransactionCore(Policy(60_000, 6_000, 15, 72 * 3_600_000), {}.get)
-        for q in range(n):
-            core.add(Tx(q * HALF, q, f"PG{q % 8}", "T", f"U{q}", 1_000))
+        for i in range(n):
+            q = i * a.every
+            core.add(Tx(q * HALF, q, f"PG{i % 8}", "T", f"U{i}", 1_000))
         row = {}
         for name, arm in (("before", before), ("now", now)):
             t = time.perf_counter()
@@ -69,7 +73,7 @@ def main() -> None:
               f"now {row['now_s']:.4f} s", flush=True)
         out[n] = row
     last = out[a.pending[-1]]
-    print(json.dumps({"pending": out, "segments": a.segments, "failed": a.failed,
+    print(json.dumps({"pending": out, "segments": a.segments, "failed": a.failed, "every": a.every,
                       "ratio": round(last["now_s"] / last["before_s"], 5)}))
 
 
