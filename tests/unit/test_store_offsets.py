@@ -431,3 +431,47 @@ def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path)
     _, rows = decode_mq_table(reply.body_bytes())
     assert {mq: row["consumerOffset"] for mq, row in rows.items()} == {
         ("T7", "b", 0): 0, ("T7", "b", 1): 2, ("T9", "b", 0): 1, ("T9", "b", 1): 0}
+
+
+def test_which_groups_consume_a_topic_is_answered_without_walking_every_offset(tmp_path):
+    """QUERY_TOPIC_CONSUME_BY_WHO found a topic's groups in a walk of every offset of every group, and mqadmin
+    topicList -c and statsAll ask it of every topic in turn (a message's track asks it per message): O(topics x
+    offsets) of the loop, the shape GET_CONSUME_STATS of one group had. The groups of a topic are kept as its
+    offsets come and go, a restart and the removal of a group or a topic included."""
+    import json
+    from types import SimpleNamespace
+
+    from broker.processors.ops import query_topic_consume_by_who
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    for g in range(1000):
+        for q in range(4):
+            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
+    offsets.commit("live", "T7", 1, 2)
+    offsets.commit("live", "U", 0, 1)
+    ctx = SimpleNamespace(offsets=offsets, clients=SimpleNamespace(consumers={
+        "online": SimpleNamespace(subscriptions={"T7": None}), "other": SimpleNamespace(subscriptions={"U": None})}))
+
+    def who(topic):
+        walks = []
+        items = ctx.offsets.items
+        ctx.offsets.items = lambda: walks.append(1) or items()
+        try:
+            cmd = RemotingCommand.request(RequestCode.QUERY_TOPIC_CONSUME_BY_WHO, {"topic": topic})
+            reply = query_topic_consume_by_who(ctx, None, cmd)
+        finally:
+            del ctx.offsets.items
+        assert reply.code == ResponseCode.SUCCESS and walks == [], f"{len(walks)} walks of every offset"
+        return json.loads(reply.body_bytes())["groupList"]
+
+    assert who("T7") == sorted(["live", "online"] + [f"gone-{g}" for g in range(7, 1000, 50)])
+    assert who("U") == ["live", "other"]
+    offsets.remove_group("gone-7")
+    offsets.remove_topic("U")
+    offsets.commit("late", "T7", 0, 1)
+    assert who("U") == ["other"] and "gone-7" not in who("T7") and "late" in who("T7")
+    offsets.persist()
+    ctx.offsets = offsets = ConsumerOffsets(str(tmp_path))
+    assert who("T8") == sorted(f"gone-{g}" for g in range(8, 1000, 50)) and "late" in who("T7")
