@@ -55,6 +55,9 @@ class ConsumerOffsets:
         # every offset (GET_CONSUME_STATS of one group walked all of them: mqadmin consumerProgress, asking each
         # group in turn, was O(groups x offsets), and groups that went away months ago keep their offsets).
         self._topics: dict[str, dict[str, int]] = {}
+        # topic -> the groups holding an offset on it, changed only as a (group, topic) pair comes or goes in
+        # _topics: QUERY_TOPIC_CONSUME_BY_WHO walked every offset, and topicList -c and statsAll ask every topic.
+        self._groups: dict[str, set[str]] = {}
         self._dirty = False
         # What the last background save took (the table, the makers), and the keys changed since: the next one
         # brings that copy up to date with just those keys (_snapshot). None: the next takes a whole copy.
@@ -123,9 +126,17 @@ class ConsumerOffsets:
         """The topics ``group`` holds an offset on, sorted (O(its topics), not a walk of every offset)."""
         return sorted(self._topics.get(group, ()))
 
+    def groups_of(self, topic: str) -> set[str]:
+        """The groups holding an offset on ``topic`` (a copy; O(those groups), not a walk of every offset)."""
+        return set(self._groups.get(topic, ()))
+
     def _index(self, key: tuple[str, str, int]) -> None:
-        topics = self._topics.setdefault(key[0], {})
-        topics[key[1]] = topics.get(key[1], 0) + 1
+        group, topic = key[0], key[1]
+        topics = self._topics.setdefault(group, {})
+        n = topics.get(topic, 0)
+        topics[topic] = n + 1
+        if not n:
+            self._groups.setdefault(topic, set()).add(group)
 
     def remove_group(self, group: str) -> None:
         self._remove([k for k in self._table if k[0] == group])
@@ -139,10 +150,15 @@ class ConsumerOffsets:
             topics = self._topics[key[0]]
             if topics[key[1]] > 1:
                 topics[key[1]] -= 1
-            elif len(topics) > 1:
-                del topics[key[1]]
             else:
-                del self._topics[key[0]]
+                if len(topics) > 1:
+                    del topics[key[1]]
+                else:
+                    del self._topics[key[0]]
+                groups = self._groups[key[1]]
+                groups.discard(key[0])
+                if not groups:
+                    del self._groups[key[1]]
             self._changed.add(key)
             self._dirty = True
             self._changes += 1

@@ -4,8 +4,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.store import ConsumerOffsets
 from protocol.errors import StoreError
@@ -475,3 +478,30 @@ def test_which_groups_consume_a_topic_is_answered_without_walking_every_offset(t
     offsets.persist()
     ctx.offsets = offsets = ConsumerOffsets(str(tmp_path))
     assert who("T8") == sorted(f"gone-{g}" for g in range(8, 1000, 50)) and "late" in who("T7")
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(["commit", "commit", "group", "topic", "fit", "restart"]),
+                          st.sampled_from(["g", "h", "odd@"]), st.sampled_from(["T", "U"]), st.integers(0, 2),
+                          st.integers(0, 5)), max_size=40))
+def test_the_group_and_topic_indexes_are_what_a_walk_of_the_offsets_finds(ops):
+    """topics_of and groups_of, kept as offsets are made, moved, lowered, removed and read back at a restart."""
+    with tempfile.TemporaryDirectory() as d:
+        offsets = ConsumerOffsets(d)
+        for op, group, topic, qid, value in ops:
+            if op == "commit":
+                offsets.commit(group, topic, qid, value, "c")
+            elif op == "group":
+                offsets.remove_group(group)
+            elif op == "topic":
+                offsets.remove_topic(topic)
+            elif op == "fit":
+                offsets.fit(lambda _t, _q: value)
+            else:
+                offsets.persist()
+                offsets = ConsumerOffsets(d)
+            table = [k for k, _o in offsets.items()]
+            for g in ("g", "h", "odd@"):
+                assert offsets.topics_of(g) == sorted({t for (gg, t, _q) in table if gg == g})
+            for t in ("T", "U"):
+                assert offsets.groups_of(t) == {g for (g, tt, _q) in table if tt == t}
