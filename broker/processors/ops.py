@@ -51,7 +51,7 @@ def _queue_nums(tc, read: bool) -> int:
 def get_consume_stats(ctx, conn, cmd):
     group = cmd.str_field("consumerGroup", required=True)
     topic = cmd.str_field("topic")
-    topics = [topic] if topic else sorted({t for (g, t, _q), _o in ctx.offsets.items() if g == group})
+    topics = [topic] if topic else ctx.offsets.topics_of(group)
     consumers = ctx.clients.consumers.get(group)
     rows = {}
     tps = 0.0
@@ -124,7 +124,7 @@ def _connection(ch) -> dict:
 def query_topic_consume_by_who(ctx, conn, cmd):
     topic = cmd.str_field("topic", required=True)
     groups = {name for name, g in ctx.clients.consumers.items() if topic in g.subscriptions}
-    groups |= {g for (g, t, _q), _o in ctx.offsets.items() if t == topic}
+    groups |= ctx.offsets.groups_of(topic)       # (not a walk of every offset: asked of every topic)
     return cmd.response(ResponseCode.SUCCESS, body=dump({"groupList": sorted(groups)}).encode())
 
 

@@ -51,6 +51,13 @@ class ConsumerOffsets:
         self.per_host = per_host
         self._maker: dict[tuple[str, str, int], str] = {}
         self._made_by: dict[str, int] = {}
+        # group -> its topics -> how many queues of each it holds an offset on: a group's topics without a walk of
+        # every offset (GET_CONSUME_STATS of one group walked all of them: mqadmin consumerProgress, asking each
+        # group in turn, was O(groups x offsets), and groups that went away months ago keep their offsets).
+        self._topics: dict[str, dict[str, int]] = {}
+        # topic -> the groups holding an offset on it, changed only as a (group, topic) pair comes or goes in
+        # _topics: QUERY_TOPIC_CONSUME_BY_WHO walked every offset, and topicList -c and statsAll ask every topic.
+        self._groups: dict[str, set[str]] = {}
         self._dirty = False
         # What the last background save took (the table, the makers), and the keys changed since: the next one
         # brings that copy up to date with just those keys (_snapshot). None: the next takes a whole copy.
@@ -78,6 +85,8 @@ class ConsumerOffsets:
                            fallback_cost="at most one save older: groups may see a few messages again",
                            reset_hint="move both away to start every group over by its consume-from policy")
         self._table = table or {}
+        for key in self._table:
+            self._index(key)
         if table is None:
             return
         # taken off the table, not left on it as a second copy for good (on a slave, the only one, never read)
@@ -94,10 +103,13 @@ class ConsumerOffsets:
     def commit(self, group: str, topic: str, queue_id: int, offset: int, client: str | None = None) -> None:
         """Keep ``offset``; ``client``: who commits it (a new offset is counted as that client's, ``made_by``)."""
         key = (group, topic, queue_id)
-        if self._table.get(key) != offset:
-            if client is not None and key not in self._table and self.per_host:
-                self._maker[key] = client
-                self._made_by[client] = self._made_by.get(client, 0) + 1
+        was = self._table.get(key)
+        if was != offset:
+            if was is None:         # a new offset (none is None)
+                self._index(key)
+                if client is not None and self.per_host:
+                    self._maker[key] = client
+                    self._made_by[client] = self._made_by.get(client, 0) + 1
             self._table[key] = offset
             self._changed.add(key)
             self._dirty = True
@@ -110,6 +122,22 @@ class ConsumerOffsets:
         """How many of the offsets there are ``client`` made."""
         return self._made_by.get(client, 0)
 
+    def topics_of(self, group: str) -> list[str]:
+        """The topics ``group`` holds an offset on, sorted (O(its topics), not a walk of every offset)."""
+        return sorted(self._topics.get(group, ()))
+
+    def groups_of(self, topic: str) -> set[str]:
+        """The groups holding an offset on ``topic`` (a copy; O(those groups), not a walk of every offset)."""
+        return set(self._groups.get(topic, ()))
+
+    def _index(self, key: tuple[str, str, int]) -> None:
+        group, topic = key[0], key[1]
+        topics = self._topics.setdefault(group, {})
+        n = topics.get(topic, 0)
+        topics[topic] = n + 1
+        if not n:
+            self._groups.setdefault(topic, set()).add(group)
+
     def remove_group(self, group: str) -> None:
         self._remove([k for k in self._table if k[0] == group])
 
@@ -119,6 +147,18 @@ class ConsumerOffsets:
     def _remove(self, keys) -> None:
         for key in keys:
             del self._table[key]
+            topics = self._topics[key[0]]
+            if topics[key[1]] > 1:
+                topics[key[1]] -= 1
+            else:
+                if len(topics) > 1:
+                    del topics[key[1]]
+                else:
+                    del self._topics[key[0]]
+                groups = self._groups[key[1]]
+                groups.discard(key[0])
+                if not groups:
+                    del self._groups[key[1]]
             self._changed.add(key)
             self._dirty = True
             self._changes += 1

@@ -1098,9 +1098,10 @@ class TransactionService:
         return ""
 
     # ------------------------------------------------------------ retention (broker/retention.py)
-    def undecided(self, lo: int = 0, hi: int | None = None) -> dict[int, int]:
-        """{half offset: store time} of the undecided halves stored in commit-log range [lo, hi)."""
-        return {off: p.store_ts for off, p in self.pending.items() if lo <= off and (hi is None or off < hi)}
+    def undecided(self, lo: int, hi: int) -> dict[int, int]:
+        """{half offset: store time} of the undecided halves stored in commit-log range [lo, hi): a segment's,
+        found without a walk of the whole index (TransactionCore.between)."""
+        return {p.half_offset: p.store_ts for p in self.core.between(lo, hi)}
 
     async def dead_letter(self, offsets, reason: str) -> tuple[list[int], list[dict]]:
         """Dead-letter these undecided halves with ``reason``; (done, [{commit_log_offset, why}] not done).

@@ -90,3 +90,30 @@ def test_the_floor_never_walks_the_index_however_many_transactions_come_and_go_a
         core.withdraw(q * 100)
     assert core.lowest_queue_offset() is None
     assert CountingIndex.scans == 0
+
+
+def test_a_segments_halves_under_a_sparse_backlog_are_found_without_walking_every_bucket():
+    """A backlog that never decides is most often a few halves in thousands (one in 2,000 over months): each
+    undecided half then has a bucket of its own, and TransactionCore.between sorted the numbers of every bucket
+    for each segment retention removed, twice: 73 ms on the loop at 500k undecided, where the walk of the index it
+    replaced was 82 ms. The buckets up to the segment's end are taken off the lazy heap of bucket numbers."""
+    from broker.transaction.check import Policy
+    from broker.transaction.core import TransactionCore, Tx
+
+    core = TransactionCore(Policy(1000, 1000, 3, 72 * 3600_000), lambda off: None)
+    core._by_queue = CountingIndex()
+    for i in range(5000):                       # one half in 2,000 left undecided, 1 KiB each
+        core.add(Tx(i * 2000 * 1024, i * 2000, "PG", "T", f"U{i}", 0))
+    core.withdraw(2000 * 1024)                  # a bucket emptied: its number stays on the heap, stale
+    CountingIndex.scans = 0
+    segment = 4 * 2000 * 1024
+    for s in range(3):                          # a segment a few halves long, lowest first, as retention asks
+        lo, hi = s * segment, (s + 1) * segment
+        assert [tx.half_offset for tx in core.between(lo, hi)] == [
+            off for off in range(lo, hi, 2000 * 1024) if off in core.pending]
+    assert core.lowest_queue_offset() == 0
+    for i in range(4):
+        core.withdraw(i * 2000 * 1024)
+    assert [tx.half_offset for tx in core.between(0, segment * 2)] == [off * 2000 * 1024 for off in range(4, 8)]
+    assert core.lowest_queue_offset() == 4 * 2000
+    assert CountingIndex.scans == 0, f"{CountingIndex.scans} walks of every bucket"

@@ -6,6 +6,7 @@ kind of bad plan. A bad plan removes nothing; a good one removes exactly the old
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -820,6 +821,65 @@ async def test_a_promoted_slave_killed_before_its_first_snapshot_does_not_say_th
     finally:
         await ctx.store.close()                                           # killed: no tx.stop, no periodic snapshot
     await assert_promoted_quietly(tmp_path, clock, caplog)
+
+
+@bounded(60)
+async def test_halves_that_cannot_be_dead_lettered_do_not_each_walk_the_undecided_index(tmp_path, caplog):
+    """A segment whose undecided halves could not be dead-lettered (the store refusing writes: an I/O error
+    stopped it, or no block is left for the records) is kept. Which of them were still undecided was asked of
+    the whole index once per half that failed: K halves under P undecided held the event loop K x P (2,000 under
+    200,000: 40-50 s a pass, again at every cleaning interval)."""
+    from tests.unit.test_check_pass_cost import CountingIndex
+    from tests.unit.test_review_transactions import GatedStore
+    clock = Clock(T0)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, b"h%d" % i) for i in range(40)]
+        await send(ctx, 80)
+        oldest = names(ctx)[0]
+        assert all(h.half_offset < ctx.store.segments()[1].start_offset for h in halves)
+        store = ctx.store = GatedStore(ctx.store)
+        store.gate, store.fail = asyncio.Event(), True      # every write refused
+        store.gate.set()
+        index = CountingIndex(ctx.tx.pending)
+        ctx.tx.pending = ctx.tx.core.pending = index
+        CountingIndex.scans = 0
+        removed = await Retention(ctx, usage=lambda: 0.95).clean_once()
+        assert removed == [] and names(ctx)[0] == oldest               # kept: its halves are still undecided
+        assert all(h.half_offset in index for h in halves)
+        assert "could not be dead-lettered" in caplog.text
+        assert CountingIndex.scans <= 1, f"{CountingIndex.scans} walks of the undecided index for one segment"
+    finally:
+        await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_cleaning_pass_finds_each_segments_undecided_halves_without_walking_the_index(tmp_path):
+    """Each segment removed asked which undecided halves it held of the whole index, twice (expired: are any young;
+    then which to dead-letter first): 20-30 ms of the loop a walk at 500k undecided, for each of the thousands of
+    segments a pass over months of history removes. The halves are found by half-queue offset, and every one
+    inside is still dead-lettered before its segment goes; those after it stay undecided."""
+    from tests.unit.test_check_pass_cost import CountingIndex
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        old = []
+        for i in range(4):              # a half in each of the first segments, ~60 records a segment
+            old.append(await add_half(ctx, b"old-%d" % i))
+            await send(ctx, 70)
+        clock.now = T0
+        young = await add_half(ctx, b"young")
+        await send(ctx, 70)
+        index = CountingIndex(ctx.tx.pending)
+        ctx.tx.pending = ctx.tx.core.pending = index
+        CountingIndex.scans = 0
+        removed = await Retention(ctx, usage=lambda: 0.80).clean_once()
+        assert len(removed) >= 4 and {why for _, why in removed} == {"expired"}
+        assert all(dead_lettered(ctx, h.half_offset) and h.half_offset not in index for h in old)
+        assert young.half_offset in index and not dead_lettered(ctx, young.half_offset)
+        assert CountingIndex.scans == 0, f"{CountingIndex.scans} walks of the undecided index"
+    finally:
+        await ctx.store.close()
 
 
 @bounded(5)

@@ -4,8 +4,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.store import ConsumerOffsets
 from protocol.errors import StoreError
@@ -377,6 +380,131 @@ async def test_a_save_takes_only_the_offsets_changed_since_the_last_one(tmp_path
         offsets.commit("g", "T", q, 1000 + q)
     offsets.remove_topic("U")
     assert await save() == len(offsets.items())      # most of it changed: a whole copy is the cheaper
+
+
+def test_a_groups_topics_follow_its_commits_removals_and_a_restart(tmp_path):
+    """topics_of(group), what GET_CONSUME_STATS of one group reads, kept as offsets come and go."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    for q in range(4):
+        offsets.commit("g", "T", q, 5)
+        offsets.commit("g", "U", q, 5)
+        offsets.commit("h", "T", q, 5)
+    offsets.commit("g", "T", 0, 9)                      # moved, not new
+    assert offsets.topics_of("g") == ["T", "U"] and offsets.topics_of("h") == ["T"]
+    offsets.remove_topic("U")
+    assert offsets.topics_of("g") == ["T"]
+    offsets.persist()
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.topics_of("g") == ["T"] and again.topics_of("h") == ["T"]
+    again.remove_group("g")
+    assert again.topics_of("g") == [] and again.topics_of("h") == ["T"] and "g" not in again._topics
+    again.commit("g", "V", 3, 1)
+    assert again.topics_of("g") == ["V"]
+
+
+def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path):
+    """Groups that went away keep their offsets (as RocketMQ's, until deleteSubGroup). GET_CONSUME_STATS of one
+    group found its topics in a walk of every offset: 1,000 groups of 160 offsets made each ask ~60 ms of the
+    loop, and mqadmin consumerProgress (or a dashboard) asks every group in turn: O(groups x offsets)."""
+    from types import SimpleNamespace
+
+    from broker.processors.ops import get_consume_stats
+    from protocol.admin_bodies import decode_mq_table
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    for g in range(1000):
+        for q in range(4):
+            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
+    offsets.commit("live", "T7", 1, 2)
+    offsets.commit("live", "T9", 0, 1)
+    walks = []
+    items = offsets.items
+    offsets.items = lambda: walks.append(1) or items()
+    ctx = SimpleNamespace(
+        offsets=offsets, clients=SimpleNamespace(consumers={}), config=SimpleNamespace(broker_name="b"),
+        topics=SimpleNamespace(get=lambda t: SimpleNamespace(read_queue_nums=2)),
+        metrics=SimpleNamespace(consume_tps=lambda g, t: 0.0),
+        store=SimpleNamespace(max_offset=lambda t, q: 10, store_time_of=lambda t, q, o: 1_000))
+    cmd = RemotingCommand.request(RequestCode.GET_CONSUME_STATS, {"consumerGroup": "live"})
+    reply = get_consume_stats(ctx, None, cmd)
+    assert reply.code == ResponseCode.SUCCESS
+    assert walks == []
+    _, rows = decode_mq_table(reply.body_bytes())
+    assert {mq: row["consumerOffset"] for mq, row in rows.items()} == {
+        ("T7", "b", 0): 0, ("T7", "b", 1): 2, ("T9", "b", 0): 1, ("T9", "b", 1): 0}
+
+
+def test_which_groups_consume_a_topic_is_answered_without_walking_every_offset(tmp_path):
+    """QUERY_TOPIC_CONSUME_BY_WHO found a topic's groups in a walk of every offset of every group, and mqadmin
+    topicList -c and statsAll ask it of every topic in turn (a message's track asks it per message): O(topics x
+    offsets) of the loop, the shape GET_CONSUME_STATS of one group had. The groups of a topic are kept as its
+    offsets come and go, a restart and the removal of a group or a topic included."""
+    import json
+    from types import SimpleNamespace
+
+    from broker.processors.ops import query_topic_consume_by_who
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    for g in range(1000):
+        for q in range(4):
+            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
+    offsets.commit("live", "T7", 1, 2)
+    offsets.commit("live", "U", 0, 1)
+    ctx = SimpleNamespace(offsets=offsets, clients=SimpleNamespace(consumers={
+        "online": SimpleNamespace(subscriptions={"T7": None}), "other": SimpleNamespace(subscriptions={"U": None})}))
+
+    def who(topic):
+        walks = []
+        items = ctx.offsets.items
+        ctx.offsets.items = lambda: walks.append(1) or items()
+        try:
+            cmd = RemotingCommand.request(RequestCode.QUERY_TOPIC_CONSUME_BY_WHO, {"topic": topic})
+            reply = query_topic_consume_by_who(ctx, None, cmd)
+        finally:
+            del ctx.offsets.items
+        assert reply.code == ResponseCode.SUCCESS and walks == [], f"{len(walks)} walks of every offset"
+        return json.loads(reply.body_bytes())["groupList"]
+
+    assert who("T7") == sorted(["live", "online"] + [f"gone-{g}" for g in range(7, 1000, 50)])
+    assert who("U") == ["live", "other"]
+    offsets.remove_group("gone-7")
+    offsets.remove_topic("U")
+    offsets.commit("late", "T7", 0, 1)
+    assert who("U") == ["other"] and "gone-7" not in who("T7") and "late" in who("T7")
+    offsets.persist()
+    ctx.offsets = offsets = ConsumerOffsets(str(tmp_path))
+    assert who("T8") == sorted(f"gone-{g}" for g in range(8, 1000, 50)) and "late" in who("T7")
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(["commit", "commit", "group", "topic", "fit", "restart"]),
+                          st.sampled_from(["g", "h", "odd@"]), st.sampled_from(["T", "U"]), st.integers(0, 2),
+                          st.integers(0, 5)), max_size=40))
+def test_the_group_and_topic_indexes_are_what_a_walk_of_the_offsets_finds(ops):
+    """topics_of and groups_of, kept as offsets are made, moved, lowered, removed and read back at a restart."""
+    with tempfile.TemporaryDirectory() as d:
+        offsets = ConsumerOffsets(d)
+        for op, group, topic, qid, value in ops:
+            if op == "commit":
+                offsets.commit(group, topic, qid, value, "c")
+            elif op == "group":
+                offsets.remove_group(group)
+            elif op == "topic":
+                offsets.remove_topic(topic)
+            elif op == "fit":
+                offsets.fit(lambda _t, _q: value)
+            else:
+                offsets.persist()
+                offsets = ConsumerOffsets(d)
+            table = [k for k, _o in offsets.items()]
+            for g in ("g", "h", "odd@"):
+                assert offsets.topics_of(g) == sorted({t for (gg, t, _q) in table if gg == g})
+            for t in ("T", "U"):
+                assert offsets.groups_of(t) == {g for (g, tt, _q) in table if tt == t}
 
 
 @bounded(10)

@@ -675,3 +675,37 @@ def test_decisions_under_a_backlog_clear_the_lazy_heaps_a_slice_at_a_time_not_in
     assert sorted(tx.half_offset for tx in core.oldest(None, backlog + 1)) == list(range(backlog))
     shell.now = core.next_due()
     assert {a.tx.half_offset for a in shell.tick(0)} <= set(range(backlog))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=300), st.lists(st.integers(0, 5000), max_size=300),
+       st.integers(0, 250_000), st.integers(0, 250_000))
+def test_between_is_the_pending_halves_of_a_log_range_in_log_order(added, decided, lo, hi):
+    """Retention asks which undecided halves a segment holds (TransactionCore.between, off the buckets by
+    half-queue offset): exactly those whose half offset is in [lo, hi), whatever was decided before."""
+    core = TransactionCore(POLICY, {}.get)
+    for q in added:         # one half queue: a later queue offset is a later log offset
+        core.add(Tx(50 * q + 7, q, "PG", "T", f"U{q}", 1_000))
+    for q in decided:
+        core.withdraw(50 * q + 7)
+    assert [tx.half_offset for tx in core.between(lo, hi)] == sorted(off for off in core.pending if lo <= off < hi)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(["add", "withdraw", "between"]), st.integers(0, 40 * 1024),
+                          st.integers(0, 40 * 1024)), max_size=200))
+def test_between_keeps_the_floor_and_its_answers_as_halves_come_and_go_over_many_buckets(ops):
+    """between() takes the buckets it reads off the floor's lazy heap and puts them back: the floor, and every
+    later answer, stay exact whatever came, went or was read before (buckets emptied, refilled, many of them)."""
+    core = TransactionCore(POLICY, {}.get)
+    for op, q, span in ops:
+        if op == "add":
+            core.add(Tx(50 * q + 7, q, "PG", "T", f"U{q}", 1_000))
+        elif op == "withdraw":
+            core.withdraw(50 * q + 7)
+        else:
+            lo, hi = 50 * q, 50 * (q + span)
+            assert [tx.half_offset for tx in core.between(lo, hi)] == sorted(
+                off for off in core.pending if lo <= off < hi)
+        assert core.lowest_queue_offset() == min((tx.queue_offset for tx in core.pending.values()), default=None)
+        assert set(core._by_queue) <= set(core._buckets)
