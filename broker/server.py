@@ -42,6 +42,7 @@ from .kv_config import KvConfig
 from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
+from .metrics_http import start_metrics_server
 from .processors import broker_table, namesrv_table
 from .registration import BrokerRegistrar
 from .retention import Retention
@@ -407,15 +408,17 @@ class BrokerServer:
         m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
-            from prometheus_client import start_http_server
-            httpd, _thread = start_http_server(self.config.metrics_port, addr=self.config.host, registry=m.registry)
+            httpd = start_metrics_server(self.config.metrics_port, self.config.host, m.registry, lambda: self._loop)
             self._metrics_httpd = httpd
             self._metrics_port = httpd.server_address[1]
 
     def _fresh_gauges(self) -> None:
-        """On the scrape thread, once per scrape: ask the loop for a new snapshot and wait up to 1 s
-        for it (else the last one serves). The loop builds it; this thread only reads it."""
+        """Once per scrape: build a new snapshot (on the loop, where metrics_http renders a scrape), or from
+        another thread ask the loop for one and wait up to 1 s for it (else the last one serves)."""
         if self._loop is None:
+            return
+        if _running_loop() is self._loop:       # (rendered on the loop: see metrics_http)
+            self._refresh_gauges()
             return
         done = threading.Event()
 
@@ -990,3 +993,10 @@ def run(config: BrokerConfig) -> int:
     soft, hard = raise_open_files_limit()
     log.info("open-files limit %d (hard %d)", soft, hard)
     return uvloop.run(serve(config))
+
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

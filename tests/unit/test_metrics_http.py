@@ -1,0 +1,66 @@
+"""The /metrics exposition rendered on the event loop (broker/metrics_http.py): the same bytes as prometheus-client's
+encoders, in slices the loop's other work runs between."""
+import asyncio
+
+import pytest
+from prometheus_client.exposition import choose_encoder
+
+from broker.metrics import BrokerMetrics
+from broker.metrics_http import CHUNK, render
+from tests.support.bounded import bounded
+
+# Prometheus 2.x's Accept header (OpenMetrics first), the plain default, and the text format with UTF-8 names.
+ACCEPTS = [None, "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+           "text/plain;version=0.0.4;q=0.5,*/*;q=0.1", "text/plain;version=1.0.0;escaping=allow-utf-8"]
+
+
+def _busy_metrics(topics=3 * CHUNK + 7, groups=2 * CHUNK + 1):
+    m = BrokerMetrics()
+    for i in range(topics):
+        m.count_in(f"T{i}", i, 10 * i)
+    for i in range(groups):
+        m.count_out(f"T{i}", f"G{i}", 1, 10)
+    lag = [((f"G{i}", f"T{i}"), i) for i in range(groups)]
+    m.add_gauge_collector("rocketmq_consumer_lag_messages", "Lag.", ["consumer_group", "topic"], lambda: lag)
+    m.add_gauge_collector("txmq_odd", 'Escapes: \\ "quoted"\nnew line.', ["l"],
+                          lambda: [(('a"b\\c\nd',), 1.5), (("é🙂",), float("inf")), (("nan",), float("nan"))])
+    for code in range(CHUNK // 16 + 2):            # a histogram family of more than CHUNK series
+        m.rpc_latency.labels(f"R{code}", "0").observe(0.003 * code)
+    m.flush_latency.observe(0.2)
+    m.refused.labels("acl").inc(3)
+    m.add_folded_collector()
+    return m
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+@bounded(60)
+async def test_the_loop_rendering_is_prometheus_clients_bytes_for_every_format(accept):
+    m = _busy_metrics()
+    encode, _type = choose_encoder(accept)
+    encode(m.registry)          # (txmq_metric_series_folded reads what the collectors before it counted last time)
+    assert await render(encode, m.registry, slice_s=0) == encode(m.registry)
+    restricted = m.registry.restricted_registry(["rocketmq_messages_in", "txmq_odd"])
+    assert await render(encode, restricted, slice_s=0) == encode(restricted)
+
+
+@bounded(60)
+async def test_a_large_scrape_lets_the_loop_run_between_its_slices():
+    """Formatted in one go on prometheus-client's thread, 6,000 topics held the loop 16-26 ms a heartbeat."""
+    m = _busy_metrics(topics=20 * CHUNK)
+    encode, _type = choose_encoder(None)
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def other_client():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+    other = asyncio.ensure_future(other_client())
+    await asyncio.sleep(0)
+    try:
+        await render(encode, m.registry, slice_s=0)
+    finally:
+        stop.set()
+        await other
+    assert ticks > 2 * 20, ticks        # (the two families of 20 chunks each, and every other family, at least)
