@@ -40,36 +40,46 @@ class _Families:
 
 
 async def render(encode, registry, slice_s: float = SLICE_S) -> bytes:
-    """``encode(registry)``, byte for byte, run on the loop with a pause to the loop after each ``slice_s``."""
+    """``encode(registry)``, byte for byte, run on the loop with a pause to the loop after each ``slice_s``.
+    A collector with ``collect_parts`` gives its families in parts (consecutive families of one name), collected
+    with the loop running between them; a family of more than CHUNK series is formatted CHUNK at a time."""
     eof = encode(_Families(()))     # what the format ends with (b"# EOF\n" for OpenMetrics)
     cut = len(eof)
     parts = []
     clock = time.perf_counter
     deadline = clock() + slice_s
-
-    async def pause():
-        nonlocal deadline
-        if clock() >= deadline:
-            await asyncio.sleep(0)
-            deadline = clock() + slice_s
-
-    for family in registry.collect():
+    last = header = None            # the family the previous part was of, and its header's length
+    for family in _families(registry):
+        if (family.name, family.type) != last:
+            head = copy.copy(family)
+            head.samples = []
+            text = encode(_Families((head,)))
+            header = len(text) - cut
+            parts.append(text[:header])
+            last = family.name, family.type
         samples = family.samples
-        if len(samples) <= CHUNK or any(s.name.endswith(_APART) for s in samples):
-            parts.append(encode(_Families((family,)))[:-cut or None])
-        else:
-            empty = copy.copy(family)
-            empty.samples = []
-            header = len(encode(_Families((empty,)))) - cut
-            for i in range(0, len(samples), CHUNK):
-                part = copy.copy(family)
-                part.samples = samples[i:i + CHUNK]
-                text = encode(_Families((part,)))[:-cut or None]
-                parts.append(text if i == 0 else text[header:])
-                await pause()
-        await pause()
+        step = len(samples) if any(s.name.endswith(_APART) for s in samples) else CHUNK
+        for i in range(0, len(samples), step):
+            chunk = copy.copy(family)
+            chunk.samples = samples[i:i + step]
+            parts.append(encode(_Families((chunk,)))[header:-cut or None])
+            if clock() >= deadline:
+                await asyncio.sleep(0)
+                deadline = clock() + slice_s
     parts.append(eof)
     return b"".join(parts)
+
+
+def _families(registry):
+    """``registry.collect()``, with the parts of the collectors that give parts (see render)."""
+    collectors = getattr(registry, "_collector_to_names", None)     # (a RestrictedRegistry: its collect())
+    if collectors is None or getattr(registry, "_target_info", None):
+        yield from registry.collect()
+        return
+    with registry._lock:
+        collectors = list(collectors)
+    for collector in collectors:
+        yield from getattr(collector, "collect_parts", collector.collect)()
 
 
 def start_metrics_server(port: int, addr: str, registry, loop_of):
