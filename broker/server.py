@@ -43,6 +43,7 @@ from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .metrics_http import start_metrics_server
+from .slices import in_slices
 from .processors import broker_table, namesrv_table
 from .registration import BrokerRegistrar
 from .retention import Retention
@@ -477,7 +478,7 @@ class BrokerServer:
         """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between
         slices of LAG_SLICE."""
         totals: dict[tuple[str, str], int] = {}
-        async for part in _in_slices(offsets):
+        async for part in in_slices(offsets, LAG_SLICE):
             _add_lag(totals, part, self.ctx.store.max_offset)
         return list(totals.items())
 
@@ -702,7 +703,7 @@ class BrokerServer:
         # between them) and appended on a thread.
         offsets, max_offset = self.ctx.offsets.items(), self.ctx.store.max_offset
         lag = []
-        async for part in _in_slices(offsets):
+        async for part in in_slices(offsets, LAG_SLICE):
             lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
                     for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
@@ -869,14 +870,6 @@ def _add_lag(totals: dict, offsets, max_offset) -> None:
     """Add each ((group, topic, qid), offset)'s lag behind ``max_offset(topic, qid)`` to ``totals[(group, topic)]``."""
     for (group, topic, qid), offset in offsets:
         totals[(group, topic)] = totals.get((group, topic), 0) + max(0, max_offset(topic, qid) - offset)
-
-
-async def _in_slices(items: list):
-    """``items`` LAG_SLICE at a time, the event loop running between two slices."""
-    for i in range(0, len(items), LAG_SLICE):
-        if i:
-            await asyncio.sleep(0)
-        yield items[i:i + LAG_SLICE]
 
 
 def _errno_in(exc: BaseException | None, code: int) -> bool:
