@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import gzip
+import logging
 import threading
 import time
 from urllib.parse import parse_qs
@@ -27,6 +28,7 @@ SLICE_S = 0.002             # loop time the rendering takes before letting other
 RENDER_TIMEOUT_S = 30.0     # a loop that renders nothing for this long: the scrape gets 503, not a hang
 # (text format only: series rendered in a block of their own after the family's, so never split from it)
 _APART = ("_created", "_gsum", "_gcount")
+log = logging.getLogger("txmq.metrics")
 
 
 class _Families:
@@ -103,6 +105,7 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
             finally:
                 rendering.cancel()
         except (RuntimeError, TimeoutError) as exc:
+            log.warning("a /metrics scrape answered 503: %s", exc or f"the event loop rendered nothing in {RENDER_TIMEOUT_S:.0f} s")
             start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
             return [f"# metrics not rendered: {exc or 'the event loop did not answer'}\n".encode()]
         headers = [("Content-Type", content_type)]
