@@ -1,4 +1,4 @@
-"""The /metrics endpoint: served on a thread, the exposition collected and formatted on the event loop, a slice at a time.
+"""The /metrics endpoint: served on a thread, the page collected and formatted on the event loop a slice at a time.
 
 prometheus-client's own server collects and formats on its HTTP thread. That thread and the event loop then take
 turns with the GIL for the whole scrape (0.07-0.33 s at 6,000 topics, a MB of text), and each turn handed to the
@@ -105,9 +105,10 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
             finally:
                 rendering.cancel()
         except (RuntimeError, TimeoutError) as exc:
-            log.warning("a /metrics scrape answered 503: %s", exc or f"the event loop rendered nothing in {RENDER_TIMEOUT_S:.0f} s")
+            why = str(exc) or f"the event loop rendered nothing in {RENDER_TIMEOUT_S:.0f} s"
+            log.warning("a /metrics scrape answered 503: %s", why)
             start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
-            return [f"# metrics not rendered: {exc or 'the event loop did not answer'}\n".encode()]
+            return [f"# metrics not rendered: {why}\n".encode()]
         headers = [("Content-Type", content_type)]
         if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING")):
             output = gzip.compress(output)

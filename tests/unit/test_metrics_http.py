@@ -100,3 +100,25 @@ async def test_a_collector_of_many_series_is_collected_with_the_loop_running_bet
     assert len(parts) == 4 and parts == sorted(set(parts)), parts     # the loop ran between each two parts
     assert text.count(b"txmq_many{") == 4 * PART and text.count(b"# TYPE txmq_many ") == 1
     assert [f.name for f in m.registry.collect()].count("txmq_many") == 1      # collect() gives it whole
+
+
+@bounded(60)
+async def test_a_scrape_with_no_loop_to_render_it_is_a_503_and_one_with_a_loop_the_page(caplog):
+    import urllib.error
+    import urllib.request
+    from broker.metrics_http import start_metrics_server
+    m = _busy_metrics(topics=3, groups=2)
+    loop = None
+    httpd = start_metrics_server(0, "127.0.0.1", m.registry, lambda: loop)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            await asyncio.to_thread(urllib.request.urlopen, url, timeout=10)
+        assert refused.value.code == 503 and b"not rendered" in refused.value.read()
+        assert "scrape answered 503" in caplog.text
+        loop = asyncio.get_running_loop()
+        page = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+        assert b'rocketmq_messages_in_total{topic="T2"} 2.0' in page
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
