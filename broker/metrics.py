@@ -157,6 +157,8 @@ class BrokerMetrics:
         self.pulls_moved_past = Counter("txmq_pull_offset_moved_messages", "Messages a pull asked for that retention "
                                         "had removed: the consumer was moved past them to the queue's minimum "
                                         "(PULL_OFFSET_MOVED) unread.", ["topic", "consumer_group"], registry=r)
+        for pairs in (self.messages_out, self.bytes_out, self.pulls_moved_past):     # up to max_series each
+            pairs.collect_parts = _counter_parts(pairs)
         # Observed once or twice per request on the event loop: lock-free histograms (see LoopHistogram).
         self.rpc_latency = LoopHistogram("rocketmq_rpc_latency", "Request handling time in seconds.",
                                          ["request_code", "response_code"], _LATENCY_BUCKETS, r)
@@ -660,6 +662,20 @@ class _InParts:
 
     def describe(self):
         return self.collect()
+
+
+def _counter_parts(metric):
+    """collect_parts (see _InParts) for a labelled prometheus-client Counter: its children PART at a time, as its
+    collect() gives them whole (no ``_created``: disable_created_metrics)."""
+    def collect_parts():
+        with metric._lock:
+            children = list(metric._metrics.items())
+        for part in _parts(children):
+            family = CounterMetricFamily(metric._name, metric._documentation, labels=metric._labelnames)
+            for labels, child in part:
+                family.add_metric(list(labels), child._value.get())
+            yield family
+    return collect_parts
 
 
 class _InCollector(_InParts):

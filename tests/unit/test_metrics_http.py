@@ -122,3 +122,13 @@ async def test_a_scrape_with_no_loop_to_render_it_is_a_503_and_one_with_a_loop_t
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_the_delivery_counters_of_many_groups_come_in_parts_of_the_same_series():
+    """rocketmq_messages_out and its kind have a series a (topic, group): up to 10,000, collected whole before."""
+    m = _busy_metrics(topics=1, groups=2 * PART + 1)
+    for counter in (m.messages_out, m.bytes_out, m.pulls_moved_past):
+        parts = list(counter.collect_parts())
+        [whole] = counter.collect()
+        assert [len(p.samples) for p in parts] == ([PART, PART, 1] if counter is not m.pulls_moved_past else [0])
+        assert [s for p in parts for s in p.samples] == whole.samples
