@@ -132,3 +132,38 @@ def test_the_delivery_counters_of_many_groups_come_in_parts_of_the_same_series()
         [whole] = counter.collect()
         assert [len(p.samples) for p in parts] == ([PART, PART, 1] if counter is not m.pulls_moved_past else [0])
         assert [s for p in parts for s in p.samples] == whole.samples
+
+
+class _CancelledMidScrape:
+    """A collector during whose collection the render's task is cancelled, as asyncio.run's (uvloop.run's) teardown
+    cancels every task left when the broker has stopped with a scrape under way."""
+
+    def collect(self):
+        asyncio.current_task().cancel()
+        return []
+
+    collect_parts = collect
+
+
+@bounded(60)
+async def test_a_scrape_whose_rendering_is_cancelled_by_a_stopping_broker_is_a_503_not_a_500(caplog, capfd):
+    """Its concurrent future raised concurrent.futures.CancelledError, which the 503 path did not catch: wsgiref
+    answered 500 and wrote the traceback to the broker's stderr."""
+    import urllib.error
+    import urllib.request
+    from prometheus_client import CollectorRegistry
+    from broker.metrics_http import start_metrics_server
+    registry = CollectorRegistry()
+    registry.register(_CancelledMidScrape())
+    loop = asyncio.get_running_loop()
+    httpd = start_metrics_server(0, "127.0.0.1", registry, lambda: loop)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            await asyncio.to_thread(urllib.request.urlopen, url, timeout=10)
+        assert refused.value.code == 503 and b"not rendered" in refused.value.read()
+        assert "scrape answered 503" in caplog.text
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
