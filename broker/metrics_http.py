@@ -11,6 +11,7 @@ own (text 0.0.4 or OpenMetrics, as the Accept header chooses), so nothing a scra
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import gzip
 import logging
@@ -96,6 +97,7 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
         params = parse_qs(environ.get("QUERY_STRING", ""))
         chosen = registry.restricted_registry(params["name[]"]) if "name[]" in params else registry
         loop = loop_of()
+        why = None
         try:
             if loop is None:
                 raise RuntimeError("the broker is not running")
@@ -104,8 +106,11 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
                 output = rendering.result(RENDER_TIMEOUT_S)
             finally:
                 rendering.cancel()
+        except concurrent.futures.CancelledError:     # the broker stopping: its loop cancelled the rendering task
+            why = "the broker is stopping"
         except (RuntimeError, TimeoutError) as exc:
             why = str(exc) or f"the event loop rendered nothing in {RENDER_TIMEOUT_S:.0f} s"
+        if why is not None:
             log.warning("a /metrics scrape answered 503: %s", why)
             start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
             return [f"# metrics not rendered: {why}\n".encode()]
