@@ -74,15 +74,30 @@ async def render(encode, registry, slice_s: float = SLICE_S) -> bytes:
 
 
 def _families(registry):
-    """``registry.collect()``, with the parts of the collectors that give parts (see render)."""
-    collectors = getattr(registry, "_collector_to_names", None)     # (a RestrictedRegistry: its collect())
-    if collectors is None or getattr(registry, "_target_info", None):
+    """``registry.collect()``, with the parts of the collectors that give parts (see render). For a
+    RestrictedRegistry (name[]) its own walk, in its order, each part restricted as it restricts a family."""
+    names = getattr(registry, "_name_set", None)
+    whole = registry if names is None else getattr(registry, "_registry", None)
+    collectors = getattr(whole, "_collector_to_names", None)
+    if collectors is None or getattr(whole, "_target_info", None):
         yield from registry.collect()
         return
-    with registry._lock:
-        collectors = list(collectors)
-    for collector in collectors:
-        yield from getattr(collector, "collect_parts", collector.collect)()
+    if names is None:
+        with whole._lock:
+            collectors = list(collectors)
+        for collector in collectors:
+            yield from getattr(collector, "collect_parts", collector.collect)()
+        return
+    chosen = set(whole._collectors_without_names)       # (built as RestrictedRegistry.collect builds it: same order)
+    with whole._lock:
+        for name in names:
+            if name != "target_info" and name in whole._names_to_collectors:
+                chosen.add(whole._names_to_collectors[name])
+    for collector in chosen:
+        for family in getattr(collector, "collect_parts", collector.collect)():
+            family = family._restricted_metric(names)
+            if family:
+                yield family
 
 
 def start_metrics_server(port: int, addr: str, registry, loop_of):
