@@ -26,7 +26,7 @@ from prometheus_client.exposition import (ThreadingWSGIServer, _get_best_family,
 
 CHUNK = 256                 # series of one family formatted in one encoder call
 SLICE_S = 0.002             # loop time the rendering takes before letting other work run
-RENDER_TIMEOUT_S = 30.0     # a loop that renders nothing for this long: the scrape gets 503, not a hang
+RENDER_TIMEOUT_S = 30.0     # a page the loop has not finished in this long (stalled, or far too busy): 503, not a hang
 # (text format only: series rendered in a block of their own after the family's, so never split from it)
 _APART = ("_created", "_gsum", "_gcount")
 log = logging.getLogger("txmq.metrics")
@@ -124,7 +124,7 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
         except concurrent.futures.CancelledError:     # the broker stopping: its loop cancelled the rendering task
             why = "the broker is stopping"
         except (RuntimeError, TimeoutError) as exc:
-            why = str(exc) or f"the event loop rendered nothing in {RENDER_TIMEOUT_S:.0f} s"
+            why = str(exc) or f"the event loop did not finish the page in {RENDER_TIMEOUT_S:.0f} s"
         if why is not None:
             log.warning("a /metrics scrape answered 503: %s", why)
             start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
