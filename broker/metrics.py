@@ -828,9 +828,14 @@ def append_snapshot(store_dir: str, snapshot: dict) -> str:
     path = os.path.join(folder, f"{day}.jsonl")
     line = memoryview((_encode(snapshot) + "\n").encode())
     whole = len(line)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         before = os.fstat(fd).st_size
+        if before and os.pread(fd, 1, before - 1) != b"\n":
+            # A line a kill -9 tore (its first part only): ended here, so it is one bad line and this one whole;
+            # appended to it, the two read as one bad line and this snapshot was lost with it.
+            line = memoryview(b"\n" + bytes(line))
+            whole = len(line)
         try:
             while line:
                 n = os.write(fd, line)
