@@ -42,6 +42,8 @@ from .kv_config import KvConfig
 from .limits import ConnectionGate, Limits, peer_host, set_ipv6_client_prefix
 from .longpoll import PullHoldService
 from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
+from .metrics_http import start_metrics_server
+from .slices import in_slices
 from .processors import broker_table, namesrv_table
 from .registration import BrokerRegistrar
 from .retention import Retention
@@ -407,15 +409,17 @@ class BrokerServer:
         m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
-            from prometheus_client import start_http_server
-            httpd, _thread = start_http_server(self.config.metrics_port, addr=self.config.host, registry=m.registry)
+            httpd = start_metrics_server(self.config.metrics_port, self.config.host, m.registry, lambda: self._loop)
             self._metrics_httpd = httpd
             self._metrics_port = httpd.server_address[1]
 
     def _fresh_gauges(self) -> None:
-        """On the scrape thread, once per scrape: ask the loop for a new snapshot and wait up to 1 s
-        for it (else the last one serves). The loop builds it; this thread only reads it."""
+        """Once per scrape: build a new snapshot (on the loop, where metrics_http renders a scrape), or from
+        another thread ask the loop for one and wait up to 1 s for it (else the last one serves)."""
         if self._loop is None:
+            return
+        if _running_loop() is self._loop:       # (rendered on the loop: see metrics_http)
+            self._refresh_gauges()
             return
         done = threading.Event()
 
@@ -474,7 +478,7 @@ class BrokerServer:
         """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between
         slices of LAG_SLICE."""
         totals: dict[tuple[str, str], int] = {}
-        async for part in _in_slices(offsets):
+        async for part in in_slices(offsets, LAG_SLICE):
             _add_lag(totals, part, self.ctx.store.max_offset)
         return list(totals.items())
 
@@ -698,7 +702,7 @@ class BrokerServer:
         # between them) and appended on a thread.
         offsets, max_offset = self.ctx.offsets.items(), self.ctx.store.max_offset
         lag = []
-        async for part in _in_slices(offsets):
+        async for part in in_slices(offsets, LAG_SLICE):
             lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
                     for (g, t, q), n in part]
         connections = sum(len(s) for s in self.connections.values())
@@ -867,14 +871,6 @@ def _add_lag(totals: dict, offsets, max_offset) -> None:
         totals[(group, topic)] = totals.get((group, topic), 0) + max(0, max_offset(topic, qid) - offset)
 
 
-async def _in_slices(items: list):
-    """``items`` LAG_SLICE at a time, the event loop running between two slices."""
-    for i in range(0, len(items), LAG_SLICE):
-        if i:
-            await asyncio.sleep(0)
-        yield items[i:i + LAG_SLICE]
-
-
 def _errno_in(exc: BaseException | None, code: int) -> bool:
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno == code:
@@ -989,3 +985,10 @@ def run(config: BrokerConfig) -> int:
     soft, hard = raise_open_files_limit()
     log.info("open-files limit %d (hard %d)", soft, hard)
     return uvloop.run(serve(config))
+
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

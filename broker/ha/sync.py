@@ -22,15 +22,22 @@ import asyncio
 import json
 import logging
 
-from protocol.admin_bodies import decode_consumer_offsets
+from protocol.admin_bodies import (add_offset_entries, consumer_offset_table, quote_int_keys,
+                                   split_at_string_literals)
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.txlog import PROGRESS_GROUP
 
+from ..slices import in_slices
 from ..topics import parse_topic_table
 
 log = logging.getLogger("txmq.ha")
+
+
+OFFSET_SLICE = 4096     # offsets committed in one turn of the loop (as the master encodes them: processors/offsets)
+KEY_SLICE = 64          # topic@group entries decoded in one turn (each up to a topic's queue count of offsets)
+QUOTE_SLICE = 512       # pieces of the body (a key, then its queues' ids and offsets) quoted in one turn: even
 
 
 class SlaveSync:
@@ -86,18 +93,26 @@ class SlaveSync:
             if resp.code != ResponseCode.SUCCESS:
                 self._failed(f"master {addr} refused GET_ALL_CONSUMER_OFFSET: code {resp.code} {resp.remark}")
                 return False
-            table = decode_consumer_offsets(resp.body_bytes())
+            # A slice at a time, the loop running between (as the master encodes it): 100,000 offsets decoded and
+            # committed in one go held this slave's loop 0.4-1.7 s at every sync.
+            pieces = []     # (QUOTE_SLICE is even: a slice starts with a piece outside the literals, as the body)
+            async for part in in_slices(split_at_string_literals(resp.body_bytes().decode("utf-8")), QUOTE_SLICE):
+                pieces += [quote_int_keys(p) if i % 2 == 0 else p for i, p in enumerate(part)]
+            table: dict = {}
+            async for part in in_slices(list(consumer_offset_table(pieces).items()), KEY_SLICE):
+                add_offset_entries(part, table)
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             self._failed(f"consumer offsets not copied from master {addr}: {exc}")
             return False
-        for (group, topic, qid), offset in table.items():
-            # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
-            # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
-            # The master's own transaction progress (its half floor) is not a consumer's: copied, a slave started
-            # without a usable transaction snapshot (and so one promoted) scanned its halves from the master's
-            # floor, past halves whose decisions had not reached it yet, never checking them.
-            if offset >= 0 and group != PROGRESS_GROUP:
-                self.offsets.commit(group, topic, qid, offset)
+        # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
+        # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
+        # The master's own transaction progress (its half floor) is not a consumer's: copied, a slave started
+        # without a usable transaction snapshot (and so one promoted) scanned its halves from the master's
+        # floor, past halves whose decisions had not reached it yet, never checking them.
+        async for part in in_slices(list(table.items()), OFFSET_SLICE):
+            for (group, topic, qid), offset in part:
+                if offset >= 0 and group != PROGRESS_GROUP:
+                    self.offsets.commit(group, topic, qid, offset)
         if self.topics is not None and not await self._sync_topics(addr):
             return False
         if self.subscriptions is not None and not await self._sync_groups(addr):

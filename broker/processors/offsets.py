@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import logging
 
-from protocol.admin_bodies import encode_consumer_offsets
+from protocol.admin_bodies import consumer_offset_entries, consumer_offsets_body, key_consumer_offsets
 from protocol.codes import ResponseCode
 from protocol.message import validate_group
 from protocol.txlog import PROGRESS_GROUP
 
 from ..limits import EveryKey, peer_host
+from ..slices import in_slices
 from .pull import on_disk
 
 log = logging.getLogger("txmq.offsets")
@@ -120,8 +121,20 @@ def get_earliest_msg_storetime(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, None, {"timestamp": -1 if ts is None else ts})
 
 
-def get_all_consumer_offset(ctx, conn, cmd):
+async def get_all_consumer_offset(ctx, conn, cmd):
     """Every committed offset (GET_ALL_CONSUMER_OFFSET): what a slave copies from its master every
     ``slave_sync_interval_ms`` (RocketMQ's SlaveSynchronize), so consumers that fail over to it go on from
-    where they were, not from the start or the end."""
-    return cmd.response(ResponseCode.SUCCESS, body=encode_consumer_offsets(ctx.offsets.items()))
+    where they were, not from the start or the end. Encoded a slice at a time (OFFSET_SLICE offsets, then
+    KEY_SLICE topic@group entries), the loop running between: in one go, 100,000 offsets held it 100-190 ms at
+    every slave's sync."""
+    by_key: dict = {}
+    async for part in in_slices(ctx.offsets.items(), OFFSET_SLICE):
+        key_consumer_offsets(part, by_key)
+    entries = []
+    async for part in in_slices(sorted(by_key.items()), KEY_SLICE):
+        entries.append(consumer_offset_entries(part))
+    return cmd.response(ResponseCode.SUCCESS, body=consumer_offsets_body(entries))
+
+
+OFFSET_SLICE = 4096
+KEY_SLICE = 64          # (a key's entry holds one offset per queue: up to a topic's queue count)

@@ -381,3 +381,18 @@ def test_a_metrics_snapshot_line_that_writes_nothing_raises_naming_the_file(tmp_
         monkeypatch.setattr(os, "write", real_write)
     assert err.value.errno == errno.EIO and err.value.filename.endswith(".jsonl") and len(calls) == 1
     assert os.path.getsize(err.value.filename) == 0         # and nothing torn left for the next line
+
+
+def test_a_snapshot_appended_after_a_torn_line_is_a_line_of_its_own(tmp_path):
+    """A broker killed (kill -9, power) while appending a snapshot line leaves its first part with no newline; the
+    next start's first snapshot was appended to it, and the two read as one bad line (ops/spark drops it): the
+    first whole snapshot after the crash was lost with the torn one."""
+    import json
+    from broker.metrics import append_snapshot
+    path = append_snapshot(str(tmp_path), {"ts": 1_700_000_000_000, "connections": 1})
+    with open(path, "ab") as f:
+        f.write(b'{"ts":1700000001000,"connections":1,"consumer_la')        # killed mid-append
+    append_snapshot(str(tmp_path), {"ts": 1_700_000_002_000, "connections": 2})
+    lines = open(path, "rb").read().split(b"\n")
+    assert lines[-1] == b"" and json.loads(lines[-2])["connections"] == 2, lines
+    assert len(lines) == 4 and json.loads(lines[0])["connections"] == 1
