@@ -26,6 +26,7 @@ from broker.subscriptions import SubscriptionGroups
 from protocol.admin_bodies import encode_consumer_offsets
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
+from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from protocol.connection import open_connection
 from tests.fault.test_transactions_crash import Listener, _listed
@@ -332,19 +333,29 @@ async def test_a_transaction_snapshot_a_full_disk_refused_leaves_no_partial_file
     (about 100 KiB) does not fit. The partial snapshot.json.tmp was left there holding the last free pages for good
     (61,440 bytes, 0 free after the stop; nothing removed it until a later snapshot fitted). Now it is gone and
     the room with it; once the ballast goes, the next start still lists every transaction and its stop writes
-    the snapshot whole."""
+    the snapshot whole.
+
+    No transaction may be checked meanwhile, however slow the machine: checked, the listener's answer decided it
+    (a check interval alone did not stop it: the first check is due at the immunity, 6 s after the half, and a
+    loaded machine took longer than that to send 4,000), and fewer undecided made both the listing short (3,600
+    of 4,000, each missing one a COMMIT op record, not a loss) and the snapshot small enough to fit (no "not
+    written at stop"). The immunity is an hour, the listener answers UNKNOW, and the count is taken before the
+    stop too, so a check that slipped in says so there."""
     flags = ("--segment-size", str(4 << 20), "--max-message-size", str(256 << 10), "--metrics-snapshot-interval-s", "0",
-             "--transaction-snapshot-interval-s", "3600", "--transaction-check-interval-ms", "600000")
+             "--transaction-snapshot-interval-s", "3600", "--transaction-check-interval-ms", "600000",
+             "--transaction-timeout-ms", "3600000")
     halves = 4000
     with tmpfs(tmp_path / "disk", "48m") as store:
         broker = BrokerProcess(store, *flags).start()
         try:
-            producer = TransactionProducer(broker.namesrv, "PG_snap", Listener())
+            # (a send's 3 s default timed out on a loaded machine, 200 in flight: MaybeStoredError, not the subject)
+            producer = TransactionProducer(broker.namesrv, "PG_snap", Listener(S.UNKNOW), send_timeout=30.0)
             await producer.start()
             for first in range(0, halves, 200):
                 await asyncio.gather(*(producer.send_in_transaction("TxSnap", b"%d" % n)
                                        for n in range(first, first + 200)))
             await producer.shutdown()
+            assert (await _listed(broker))["total"] == halves, "a transaction was decided before the stop"
             _fill(store / "ballast", bound=48 * 256)
             os.truncate(store / "ballast", os.path.getsize(store / "ballast") - (64 << 10))
             assert broker.stop() == 0
