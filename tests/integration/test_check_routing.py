@@ -454,3 +454,55 @@ async def test_a_resumed_dead_letter_sent_before_its_first_heartbeat_is_asked_of
     finally:
         conn.close()
         peer.close()
+
+
+@bounded(90)
+async def test_a_stock_admins_resume_of_a_dead_letter_keeps_its_sender_with_the_message_index_off(broker_factory):
+    """RESUME_CHECK_HALF_MESSAGE (323) names the dead letter itself, and the dead letter names the sender: the
+    resume looked the dead letter up again through the message index, so with --message-index-enable false a
+    stock producer's half sent before its first heartbeat came back sender-unknown, its checks asked the group's
+    producers in turn (another instance asked about a transaction it never began)."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1", "--message-index-enable", "false")
+    changed = asyncio.Event()
+    sender, other = Checked(changed), Checked(changed)
+    conn = await _raw(b, sender)                    # no heartbeat yet: the half names no sender
+    peer = await _raw(b, other, "10.0.0.9@other")
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP,
+                                                                      Prop.UNIQ_KEY: "C0A80001000012345679"}))
+        sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                          b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        offset = decode_offset_msg_id(sent.ext_fields["msgId"])[2]
+        await _beat(conn, "10.0.0.7@sender")        # named now: its sender record is written before the answer
+        while len(sender.asked) + len(other.asked) < 1:
+            changed.clear()
+            await changed.wait()
+        assert sender.asked == [str(offset)] and other.asked == []
+        consumer = PullConsumer(b.namesrv, "CG_dead_owner")
+        try:
+            dead = []
+            while not dead:     # unanswered past its one check: dead-lettered
+                for mq in await consumer.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC"):
+                    dead += (await consumer.pull(mq, 0)).messages
+                if not dead:
+                    await asyncio.sleep(0.05)
+        finally:
+            await consumer.shutdown()
+        assert dead[0].properties[P_OWNER] == "10.0.0.7@sender"
+        resumed = await request(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead[0].offset_msg_id})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+        while len(sender.asked) + len(other.asked) < 2:     # asked again at once: resumed, it is due
+            changed.clear()
+            await changed.wait()
+        assert sender.asked == [str(offset)] * 2 and other.asked == []
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total") == 0
+        assert _owners(await _list(b)) == {"10.0.0.7@sender"}
+    finally:
+        conn.close()
+        peer.close()
