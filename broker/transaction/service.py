@@ -1045,12 +1045,18 @@ class TransactionService:
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - ticks)})
         return rows
 
-    async def resume(self, half_offset: int) -> str:
+    async def resume(self, half_offset: int, owner: str | None = None) -> str:
+        """Make the dead-lettered transaction whose half is at ``half_offset`` pending again. ``owner``: the
+        sender its dead letter names, when the caller holds the dead letter (a stock admin's 323 names it):
+        taken as it is, not looked up again through the message index (off, or behind, it lost the sender);
+        none or not a sender's name, looked up as for 903."""
         msg = self._half_at(half_offset)
         if msg is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
                                 "(unknown): no half message is stored there")
-        tx = tx_from_half(msg, owner_id=await self._dead_letter_sender(msg))
+        if not owner or not plain_owner(owner):      # none in hand (903), or its dead letter had no room for it
+            owner = await self._dead_letter_sender(msg)
+        tx = tx_from_half(msg, owner_id=owner)
         why = self.core.resume(tx, self.ctx.monotonic())      # pending again at once: a second resume is refused
         if why is not None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
