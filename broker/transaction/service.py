@@ -1089,8 +1089,13 @@ class TransactionService:
                         "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)
             return ""
         for phy in found:           # newest first: a transaction dead-lettered again after a resume
-            view = self.ctx.store.get_record(phy)
-            dead = decode_record(view)[0] if view is not None else None
+            try:
+                view = self.ctx.store.get_record(phy)
+                dead = decode_record(view)[0] if view is not None else None
+            except Exception as exc:  # noqa: BLE001 - damaged (as _half_at): the lookup is a help, not the resume
+                log.warning("resume of the transaction at %d: the dead letter the message index names at %d does "
+                            "not decode (%s): passed over", half.physical_offset, phy, exc)
+                continue
             if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half.physical_offset:
                 owner = dead.properties.get(P_OWNER, "")
                 return owner if plain_owner(owner) else ""
