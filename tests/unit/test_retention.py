@@ -940,3 +940,19 @@ async def test_a_clock_stepped_ahead_is_said_at_the_next_pass_with_the_disk_belo
     clock.now += 100 * H
     assert await r.clean_once() == []
     assert [m for m in caplog.messages if "ahead of the time that passed since the broker started" in m]
+
+
+@bounded(30)
+async def test_a_resume_of_a_dead_letter_whose_half_retention_removed_says_so(world):
+    """A resume (903, or a stock admin's 323 naming the dead letter) of a transaction whose half went with its
+    segment was refused as "not dead-lettered (unknown)": it is dead-lettered, its dead letter in hand, and the
+    broker knows why it cannot be checked again -- its half is gone with the log before the oldest kept offset."""
+    from broker.transaction import DecisionError
+    ctx, clock, half, old, fresh = world
+    await Retention(ctx).apply_plan(await spark_like_plan(ctx, clock.now))
+    assert dead_lettered(ctx, half.half_offset) and ctx.store.get_record(half.half_offset) is None
+    with pytest.raises(DecisionError) as refused:
+        await ctx.tx.resume(half.half_offset)
+    remark = refused.value.remark
+    assert "unknown" not in remark and "removed" in remark, remark
+    assert str(ctx.store.min_physical_offset) in remark, remark
