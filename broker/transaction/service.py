@@ -1051,6 +1051,12 @@ class TransactionService:
         taken as it is, not looked up again through the message index (off, or behind, it lost the sender);
         none or not a sender's name, looked up as for 903."""
         msg = self._half_at(half_offset)
+        if msg is None and 0 <= half_offset < self.ctx.store.min_physical_offset:
+            # Retention removed its segment (it dead-lettered the half first, as expired, if undecided): the dead
+            # letter is all that is left, and nothing can be checked again. "(unknown)" said the broker had no idea.
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} can not be checked again: "
+                                "its half was removed with its commit-log segment (the log starts at "
+                                f"{self.ctx.store.min_physical_offset}); its dead letter keeps the message")
         if msg is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
                                 "(unknown): no half message is stored there")
