@@ -90,6 +90,9 @@ class TransactionService:
         self.removed_undecided: list[int] = []
         self.removed_undecided_queue: list[int] = []     # (those stored after its snapshot: by half queue offset)
         self.lost_said = False      # this start said removed halves lost (its snapshot is written at once)
+        # [start, end) of the commit-log segment retention is dead-lettering and removing (Retention._remove): no
+        # resume of a half in it meanwhile, or it is pending again, in no list, and its half removed under it
+        self.removing: tuple[int, int] | None = None
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
         self.recovered_commits: set[int] = set()
@@ -1062,6 +1065,10 @@ class TransactionService:
                                 "(unknown): no half message is stored there")
         if not owner or not plain_owner(owner):      # none in hand (903), or its dead letter had no room for it
             owner = await self._dead_letter_sender(msg)
+        # (checked after the lookup's await: from here to core.resume nothing yields)
+        if self.removing is not None and self.removing[0] <= half_offset < self.removing[1]:
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} not resumed: retention is "
+                                "removing the commit-log segment its half is in; its dead letter keeps the message")
         tx = tx_from_half(msg, owner_id=owner)
         why = self.core.resume(tx, self.ctx.monotonic())      # pending again at once: a second resume is refused
         if why is not None:

@@ -990,5 +990,9 @@ async def test_a_resume_while_a_pass_dead_letters_a_segments_halves_leaves_no_pe
         assert undecided.half_offset not in tx.pending
         lost = [off for off in tx.pending if ctx.store.get_record(off) is None]
         assert lost == [], (lost, said)
+        assert len(said) == 1 and "retention is removing" in said[0], said
+        with pytest.raises(DecisionError) as after:         # and once it is gone, said as gone
+            await tx.resume(dead.half_offset)
+        assert "removed with its commit-log segment" in after.value.remark
     finally:
         await ctx.store.close()
