@@ -214,22 +214,29 @@ class Retention:
         tx = self.ctx.tx
         # A slave writes nothing: its master dead-letters the halves (the slave's index is its start-up one).
         slave = self.ctx.config.broker_role == "SLAVE"
-        inside = [] if slave else sorted(tx.undecided(facts.start, facts.end))
-        if inside:
-            done, failed = await tx.dead_letter(inside, half_reason)
-            log.warning("segment %s: %d undecided halves dead-lettered (%s) before removal", facts.name, len(done),
-                        half_reason)
-            # Each failed half is inside the segment: still undecided is still in the index. (Asked of
-            # undecided(start, end), a walk of the whole index per failed half: 2,000 refused under 200,000
-            # undecided held the loop 50 s, and again each cleaning interval while the store refused writes.)
-            still = [f for f in failed if f["commit_log_offset"] in tx.pending]
-            if still:
-                first = still[0]
-                return f"undecided half at {first['commit_log_offset']} could not be dead-lettered: {first['why']}"
+        # The halves are taken once (between()) and the loop runs while they are dead-lettered and the segment
+        # removed: a resume (903, 323) landing meanwhile made a transaction in it pending again, in no list, its
+        # half then removed under it. Resumes of a half in the range are refused until the removal is over.
+        tx.removing = (facts.start, facts.end)
         try:
-            await self.ctx.store.remove_segment(facts.name, reason)
-        except StoreError as exc:        # not the oldest, not yet flushed
-            return str(exc)
+            inside = [] if slave else sorted(tx.undecided(facts.start, facts.end))
+            if inside:
+                done, failed = await tx.dead_letter(inside, half_reason)
+                log.warning("segment %s: %d undecided halves dead-lettered (%s) before removal", facts.name,
+                            len(done), half_reason)
+                # Each failed half is inside the segment: still undecided is still in the index. (Asked of
+                # undecided(start, end), a walk of the whole index per failed half: 2,000 refused under 200,000
+                # undecided held the loop 50 s, and again each cleaning interval while the store refused writes.)
+                still = [f for f in failed if f["commit_log_offset"] in tx.pending]
+                if still:
+                    first = still[0]
+                    return f"undecided half at {first['commit_log_offset']} could not be dead-lettered: {first['why']}"
+            try:
+                await self.ctx.store.remove_segment(facts.name, reason)
+            except StoreError as exc:        # not the oldest, not yet flushed
+                return str(exc)
+        finally:
+            tx.removing = None
         self.ctx.metrics.child(self.ctx.metrics.segments_removed, reason).inc()
         return None
 

@@ -14,7 +14,7 @@ from protocol.codes import ResponseCode
 from protocol.connection import DEFERRED
 from protocol.errors import HeaderError
 from protocol.message import decode_offset_msg_id, decode_record
-from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, parse_dead_letter
+from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, P_OWNER, parse_dead_letter
 
 from ..answer import Answer
 from ..retention import PlanRefused
@@ -145,13 +145,16 @@ async def resume_check_half_message(ctx, conn, cmd):
     if dead is None and msg.topic != HALF_TOPIC:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"message {msg_id} is a message of {msg.topic}, neither a "
                             f"dead-lettered transaction ({DEAD_TOPIC}) nor a half ({HALF_TOPIC}): nothing resumed")
-    return await _resume(ctx, conn, cmd, offset if dead is None else dead[0])
+    # The dead letter in hand names the sender (TXMQ_OWNER): given as it is, not looked up again through the
+    # message index -- with --message-index-enable false that lookup found nothing and the sender was lost.
+    return await _resume(ctx, conn, cmd, offset if dead is None else dead[0],
+                         None if dead is None else msg.properties.get(P_OWNER, ""))
 
 
-async def _resume(ctx, conn, cmd, off: int):
+async def _resume(ctx, conn, cmd, off: int, owner: str | None = None):
     log.warning("admin %s:%s resumes the dead-lettered transaction at %d", conn.peer[0], conn.peer[1], off)
     try:
-        remark = await ctx.tx.resume(off)
+        remark = await ctx.tx.resume(off, owner)
     except DecisionError as exc:
         return cmd.response(exc.code, exc.remark)
     return cmd.response(ResponseCode.SUCCESS, remark)

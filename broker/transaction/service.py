@@ -90,6 +90,9 @@ class TransactionService:
         self.removed_undecided: list[int] = []
         self.removed_undecided_queue: list[int] = []     # (those stored after its snapshot: by half queue offset)
         self.lost_said = False      # this start said removed halves lost (its snapshot is written at once)
+        # [start, end) of the commit-log segment retention is dead-lettering and removing (Retention._remove): no
+        # resume of a half in it meanwhile, or it is pending again, in no list, and its half removed under it
+        self.removing: tuple[int, int] | None = None
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
         self.recovered_commits: set[int] = set()
@@ -1045,12 +1048,28 @@ class TransactionService:
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - ticks)})
         return rows
 
-    async def resume(self, half_offset: int) -> str:
+    async def resume(self, half_offset: int, owner: str | None = None) -> str:
+        """Make the dead-lettered transaction whose half is at ``half_offset`` pending again. ``owner``: the
+        sender its dead letter names, when the caller holds the dead letter (a stock admin's 323 names it):
+        taken as it is, not looked up again through the message index (off, or behind, it lost the sender);
+        none or not a sender's name, looked up as for 903."""
         msg = self._half_at(half_offset)
+        if msg is None and 0 <= half_offset < self.ctx.store.min_physical_offset:
+            # Retention removed its segment (it dead-lettered the half first, as expired, if undecided): the dead
+            # letter is all that is left, and nothing can be checked again. "(unknown)" said the broker had no idea.
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} can not be checked again: "
+                                "its half was removed with its commit-log segment (the log starts at "
+                                f"{self.ctx.store.min_physical_offset}); its dead letter keeps the message")
         if msg is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
                                 "(unknown): no half message is stored there")
-        tx = tx_from_half(msg, owner_id=await self._dead_letter_sender(msg))
+        if not owner or not plain_owner(owner):      # none in hand (903), or its dead letter had no room for it
+            owner = await self._dead_letter_sender(msg)
+        # (checked after the lookup's await: from here to core.resume nothing yields)
+        if self.removing is not None and self.removing[0] <= half_offset < self.removing[1]:
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} not resumed: retention is "
+                                "removing the commit-log segment its half is in; its dead letter keeps the message")
+        tx = tx_from_half(msg, owner_id=owner)
         why = self.core.resume(tx, self.ctx.monotonic())      # pending again at once: a second resume is refused
         if why is not None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
@@ -1083,8 +1102,13 @@ class TransactionService:
                         "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)
             return ""
         for phy in found:           # newest first: a transaction dead-lettered again after a resume
-            view = self.ctx.store.get_record(phy)
-            dead = decode_record(view)[0] if view is not None else None
+            try:
+                view = self.ctx.store.get_record(phy)
+                dead = decode_record(view)[0] if view is not None else None
+            except Exception as exc:  # noqa: BLE001 - damaged (as _half_at): the lookup is a help, not the resume
+                log.warning("resume of the transaction at %d: the dead letter the message index names at %d does "
+                            "not decode (%s): passed over", half.physical_offset, phy, exc)
+                continue
             if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half.physical_offset:
                 owner = dead.properties.get(P_OWNER, "")
                 return owner if plain_owner(owner) else ""

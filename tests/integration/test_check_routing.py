@@ -410,14 +410,10 @@ async def test_a_half_whose_properties_leave_its_dead_letter_no_room_is_dead_let
         conn.close()
 
 
-@bounded(90)
-async def test_a_resumed_dead_letter_sent_before_its_first_heartbeat_is_asked_of_its_sender(broker_factory):
-    """A stock Java producer sends its first halves before its first heartbeat: the half carries no TXMQ_OWNER,
-    its sender is named after (a sender record). Dead-lettered and resumed by an operator, the transaction was
-    rebuilt from its half alone: its checks went to the group's producers in turn ("sender-unknown"), another
-    instance asked about a transaction it never began. The dead letter keeps the sender, and the resume finds it."""
-    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
-                       "--transaction-check-max", "1")
+async def _asked_of_its_sender_before_its_first_heartbeat(b, uniq: str, resume) -> None:
+    """A stock Java producer's half sent before its first heartbeat (no TXMQ_OWNER on it; a sender record names
+    it after), checked once, unanswered: dead-lettered; ``resume(b, offset)`` gets it checked again, which must ask
+    its sender alone (a second producer of the group is there) and count no reroute."""
     changed = asyncio.Event()
     sender, other = Checked(changed), Checked(changed)
     conn = await _raw(b, sender)                    # no heartbeat yet: the half names no sender
@@ -428,7 +424,7 @@ async def test_a_resumed_dead_letter_sent_before_its_first_heartbeat_is_asked_of
         assert made.code == ResponseCode.SUCCESS, made.remark
         h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
                                      properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP,
-                                                                      Prop.UNIQ_KEY: "C0A80001000012345678"}))
+                                                                      Prop.UNIQ_KEY: uniq}))
         sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
                                                           b"order 1"), 5)
         assert sent.code == ResponseCode.SUCCESS, sent.remark
@@ -438,13 +434,7 @@ async def test_a_resumed_dead_letter_sent_before_its_first_heartbeat_is_asked_of
             changed.clear()
             await changed.wait()
         assert sender.asked == [str(offset)] and other.asked == []     # its sender, as the record named it
-        while True:         # unanswered past its one check: dead-lettered (no event says so but the admin view)
-            listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
-            if json.loads(listed.body_bytes())["dead_lettered"]:
-                break
-            await asyncio.sleep(0.05)
-        resumed = await request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": offset})
-        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+        await resume(b, offset)
         while len(sender.asked) + len(other.asked) < 2:     # asked again at once: resumed, it is due
             changed.clear()
             await changed.wait()
@@ -454,3 +444,49 @@ async def test_a_resumed_dead_letter_sent_before_its_first_heartbeat_is_asked_of
     finally:
         conn.close()
         peer.close()
+
+
+@bounded(90)
+async def test_a_resumed_dead_letter_sent_before_its_first_heartbeat_is_asked_of_its_sender(broker_factory):
+    """A stock Java producer sends its first halves before its first heartbeat: the half carries no TXMQ_OWNER,
+    its sender is named after (a sender record). Dead-lettered and resumed by an operator, the transaction was
+    rebuilt from its half alone: its checks went to the group's producers in turn ("sender-unknown"), another
+    instance asked about a transaction it never began. The dead letter keeps the sender, and the resume finds it."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1")
+
+    async def resume(b, offset):
+        while True:         # unanswered past its one check: dead-lettered (no event says so but the admin view)
+            listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 1})
+            if json.loads(listed.body_bytes())["dead_lettered"]:
+                break
+            await asyncio.sleep(0.05)
+        resumed = await request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": offset})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+    await _asked_of_its_sender_before_its_first_heartbeat(b, "C0A80001000012345678", resume)
+
+
+@bounded(90)
+async def test_a_stock_admins_resume_of_a_dead_letter_keeps_its_sender_with_the_message_index_off(broker_factory):
+    """RESUME_CHECK_HALF_MESSAGE (323) names the dead letter itself, and the dead letter names the sender: the
+    resume looked the dead letter up again through the message index, so with --message-index-enable false a
+    stock producer's half sent before its first heartbeat came back sender-unknown, its checks asked the group's
+    producers in turn (another instance asked about a transaction it never began)."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "300",
+                       "--transaction-check-max", "1", "--message-index-enable", "false")
+
+    async def resume(b, offset):
+        consumer = PullConsumer(b.namesrv, "CG_dead_owner")
+        try:
+            dead = []
+            while not dead:     # unanswered past its one check: dead-lettered
+                for mq in await consumer.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC"):
+                    dead += (await consumer.pull(mq, 0)).messages
+                if not dead:
+                    await asyncio.sleep(0.05)
+        finally:
+            await consumer.shutdown()
+        assert dead[0].properties[P_OWNER] == "10.0.0.7@sender"
+        resumed = await request(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead[0].offset_msg_id})
+        assert resumed.code == ResponseCode.SUCCESS, resumed.remark
+    await _asked_of_its_sender_before_its_first_heartbeat(b, "C0A80001000012345679", resume)

@@ -940,3 +940,59 @@ async def test_a_clock_stepped_ahead_is_said_at_the_next_pass_with_the_disk_belo
     clock.now += 100 * H
     assert await r.clean_once() == []
     assert [m for m in caplog.messages if "ahead of the time that passed since the broker started" in m]
+
+
+@bounded(30)
+async def test_a_resume_of_a_dead_letter_whose_half_retention_removed_says_so(world):
+    """A resume (903, or a stock admin's 323 naming the dead letter) of a transaction whose half went with its
+    segment was refused as "not dead-lettered (unknown)": it is dead-lettered, its dead letter in hand, and the
+    broker knows why it cannot be checked again -- its half is gone with the log before the oldest kept offset."""
+    from broker.transaction import DecisionError
+    ctx, clock, half, old, fresh = world
+    await Retention(ctx).apply_plan(await spark_like_plan(ctx, clock.now))
+    assert dead_lettered(ctx, half.half_offset) and ctx.store.get_record(half.half_offset) is None
+    with pytest.raises(DecisionError) as refused:
+        await ctx.tx.resume(half.half_offset)
+    remark = refused.value.remark
+    assert "unknown" not in remark and "removed" in remark, remark
+    assert str(ctx.store.min_physical_offset) in remark, remark
+
+
+@bounded(30)
+async def test_a_resume_while_a_pass_dead_letters_a_segments_halves_leaves_no_pending_half_removed(tmp_path):
+    """Retention takes a segment's undecided halves (TransactionCore.between) once, dead-letters them a decision at
+    a time -- the loop runs between -- then removes the segment. A dead-lettered transaction in it resumed
+    meanwhile (903, a stock admin's 323) was pending again but in no list: its half went with the segment, a
+    transaction undecided for ever that no check could reach (its half gone) and no later pass dead-letters."""
+    from broker.transaction import DecisionError
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        dead = await add_half(ctx, b"dead-80h")
+        undecided = await add_half(ctx, b"undecided-80h")
+        await send(ctx, 200)
+        clock.now = T0
+        await send(ctx, 150)
+        done, _ = await ctx.tx.dead_letter([dead.half_offset], "max-checks")
+        assert done == [dead.half_offset]
+        tx, real = ctx.tx, ctx.tx.dead_letter
+        said = []
+
+        async def resumed_meanwhile(offsets, reason):
+            if list(offsets) == [undecided.half_offset]:    # the segment's halves, taken: at work on them
+                try:            # the operator's resume lands meanwhile
+                    said.append(await tx.resume(dead.half_offset))
+                except DecisionError as exc:
+                    said.append(exc.remark)
+            return await real(offsets, reason)
+        tx.dead_letter = resumed_meanwhile
+        await Retention(ctx).apply_plan(await spark_like_plan(ctx, clock.now))
+        assert undecided.half_offset not in tx.pending
+        lost = [off for off in tx.pending if ctx.store.get_record(off) is None]
+        assert lost == [], (lost, said)
+        assert len(said) == 1 and "retention is removing" in said[0], said
+        with pytest.raises(DecisionError) as after:         # and once it is gone, said as gone
+            await tx.resume(dead.half_offset)
+        assert "removed with its commit-log segment" in after.value.remark
+    finally:
+        await ctx.store.close()

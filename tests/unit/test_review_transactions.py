@@ -830,3 +830,37 @@ async def test_checks_a_full_disk_refuses_are_said_once_a_pass_however_many_slic
         assert all(p.checks == 0 for p in halves)
     finally:
         await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_resume_whose_indexed_dead_letter_is_damaged_falls_back_to_the_halfs_mark(tmp_path, caplog):
+    """The dead letter the message index names is decoded to read its sender: a damaged one (its body length past
+    its record) raised out of the resume, which failed -- the transaction stayed dead-lettered -- where a damaged
+    half is taken as no half (_half_at). The lookup is a help to the resume: it falls back to the half's mark,
+    said."""
+    import struct
+    from broker.transaction.records import DEAD, DEAD_TOPIC
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    p = await add_half(ctx, b"dead-then-damaged")
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+    phy = store.queue_unit(DEAD_TOPIC, 0, 0)[0]
+
+    class Index:
+        partial = stopped = False
+
+        async def query(self, topic, key, max_num, begin, end):
+            return [phy], 0, 0
+    ctx.index = Index()
+    view = store.get_record(phy)
+    at = 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 8 + 8 + 4 + 8     # the body length (IPv4 hosts)
+    view[at:at + 4] = struct.pack(">i", 1 << 30)
+    try:
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.resume(p.half_offset)
+        assert p.half_offset in tx.pending and tx.pending[p.half_offset].owner_id == ""
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("dead letter" in m and str(phy) in m for m in said), said
+    finally:
+        await store.close()
