@@ -948,3 +948,52 @@ async def test_a_torn_delay_offset_json_of_runs_and_bitmaps_is_replayed_from_the
     assert await again.run_due(102_000, 102_000) == 0
     assert len(_delivered(again.ctx.store, "T")) == 150
     await again.ctx.store.close()
+
+
+@bounded()
+@pytest.mark.parametrize("done", [[[0, 10 ** 15]], [1, 3, 10 ** 15], ["%d:%s" % (10 ** 15 // 4096 * 4096,
+                                                                                 "/" * 682 + "w=")]])
+async def test_a_hand_edited_delay_offset_json_naming_timers_past_the_log_is_refused_and_replayed(
+        tmp_path, done, caplog):
+    """delayOffset.json without its crc (edited by hand) is taken as it reads. A run [0, 10**15] made start-up loop
+    over 2.4e11 chunks (hung; the alarm below ends it); a lone offset or a bitmap past the timer queue's end marked
+    timers not written yet as delivered, skipped when they come. Refused, said why, the log replayed instead."""
+    import signal
+
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    for i in range(6):
+        delay = 86_400_000 if i % 2 == 0 else 1_000
+        await _schedule(svc, "T", b"t-%d" % i, {"TIMER_DELIVER_MS": str(clock.now + delay)}, clock.now)
+    assert await svc.run_due(101_000, 101_000) == 3
+    await svc.stop()
+    await svc.ctx.store.close()
+    path = os.path.join(svc.config_dir, "delayOffset.json")
+    with open(path) as fh:
+        data = json.load(fh)
+    del data["crc"]
+    data["timerDone"] = done
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+
+    class Hung(BaseException):      # (not an OSError: load_snapshot would take a TimeoutError as a bad file)
+        pass
+
+    def hung(*_):
+        raise Hung("start-up still loading delayOffset.json after 5 s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, 5)
+    try:
+        again = await _service(tmp_path, clock)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert "ignoring unreadable" in caplog.text and "past the timer queue's end 6" in caplog.text
+    assert sorted(entry[1] for entry in again._timers) == [0, 2, 4]
+    assert set(again.progress.timer_done) == {1, 3, 5} and again.progress.timer_floor == 0
+    assert await again.run_due(102_000, 102_000) == 0
+    await _schedule(again, "T", b"t-6", {"TIMER_DELIVER_MS": str(clock.now + 1_000)}, clock.now)
+    assert await again.run_due(103_000, 103_000) == 1      # offset 6, not taken as delivered
+    assert len(_delivered(again.ctx.store, "T")) == 4
+    await again.ctx.store.close()
