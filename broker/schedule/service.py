@@ -86,7 +86,9 @@ class ScheduleService:
     async def recover(self) -> None:
         """Load delayOffset.json, replay the progress records after it, index the waiting timers."""
         store = self.ctx.store
-        p = self.progress = load_snapshot(self.config_dir)
+        p = self.progress = load_snapshot(self.config_dir, store.max_offset(TIMER_TOPIC, 0))
+        # (refused as naming timers past the log: written over at once too, or it reads as good once the log grows)
+        rewrite = p.past_the_log
         ahead = p.progress_offset > store.max_offset(PROGRESS_TOPIC, 0)
         if ahead:       # the log was cut below it: its deliveries and timer offsets may be gone or reused
             log.warning("%s covers schedule progress records the recovered log no longer has (it was cut); "
@@ -145,7 +147,7 @@ class ScheduleService:
         self._timers_indexed = hi
         self._timers_min_seen = lo      # (those below: said just above)
         self._recovered = True
-        if ahead:       # replace it now: once new progress records pass its offset, it would look valid
+        if ahead or rewrite:    # replace it now: once new progress records pass its offset, it would look valid
             try:
                 await self.snapshot()
             except OSError as exc:
