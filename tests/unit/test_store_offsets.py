@@ -551,3 +551,40 @@ async def test_only_a_rewind_by_a_client_that_is_no_consumer_of_the_group_waits_
     assert json.loads(file.read_text())["T@CG"] == {"0": 1}
     del offsets._write
     await offsets.close()
+
+
+@bounded(20)
+async def test_a_second_full_disk_after_a_rewind_saved_the_table_is_said_again(tmp_path, caplog):
+    """A full disk's run of refused saves is said once (ERROR) and its end once (WARNING). A rewind's save
+    (offsets_saved: ``saved()``) that wrote the table once the disk had room ended the run unsaid: the periodic
+    loop, nothing left to write, never saw it end, and the next full disk, days later, was not said at all."""
+    import errno
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
+    full = [True]
+    real = offsets._write_locked
+
+    def write(data):
+        if full[0]:
+            offsets.persist_interval_s = 3600   # the loop's next turn is not in this test's time
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(data)
+
+    offsets._write_locked = write
+    await offsets.open()
+    try:
+        offsets.commit("G", "T", 0, 42)
+        while "consumer offsets not persisted" not in caplog.text:     # the periodic save refused
+            await asyncio.sleep(0.001)
+        full[0] = False
+        offsets.commit("G", "T", 0, 7)      # an admin's rewind, saved before its SUCCESS
+        await offsets.saved()
+        assert ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 7
+        assert "consumer offsets persisted again" in caplog.text
+        full[0] = True                      # full again, later: the next rewind's save is refused
+        offsets.commit("G", "T", 0, 5)
+        with pytest.raises(OSError):
+            await offsets.saved()
+        assert caplog.text.count("consumer offsets not persisted") == 2
+    finally:
+        full[0] = False
+        await offsets.close()
