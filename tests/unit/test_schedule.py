@@ -999,3 +999,27 @@ async def test_a_hand_edited_delay_offset_json_naming_timers_past_the_log_is_ref
     assert await again.run_due(103_000, 103_000) == 1      # offset 6, not taken as delivered
     assert len(_delivered(again.ctx.store, "T")) == 4
     await again.ctx.store.close()
+
+
+@bounded()
+async def test_a_removed_segment_of_delivered_timer_runs_is_looked_over_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """One timer held back, a million delivered after it (kept as runs: full chunks), their segment removed: the
+    scan for removed timers asked each offset in turn whether it was delivered, SCAN_PER_TURN (65,536) a turn, 16
+    turns of a few ms for what the runs say in one look a chunk. It finds the held one and passes the million in
+    one turn, looking at chunks, not offsets."""
+    from broker.schedule.runs import OffsetRuns
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    p, end = svc.progress, 1_000_001
+    p.timer_done.add_run(1, end)
+    p.timer_done.update([end + 5])              # (one delivered past the removed part: not looked at)
+    svc._timers_indexed = end + 10
+    min_offset = svc.ctx.store.min_offset
+    monkeypatch.setattr(svc.ctx.store, "min_offset",
+                        lambda topic, qid: end if topic == TIMER_TOPIC else min_offset(topic, qid))
+    looks = []
+    contains = OffsetRuns.__contains__
+    monkeypatch.setattr(OffsetRuns, "__contains__", lambda self, q: looks.append(q) or contains(self, q))
+    assert svc._removed_timers() == [0]
+    assert svc._timers_min_next == end and len(looks) < 1000
+    await svc.ctx.store.close()
