@@ -111,6 +111,26 @@ class OffsetRuns:
             offset = (idx + 1) * CHUNK
         return offset if limit is None else min(offset, limit)
 
+    def missing(self, start: int, end: int, most: int) -> list[int]:
+        """The offsets in [start, end) not held, in order, at most ``most``: a chunk at a time (a full one passed
+        in one look), not an offset at a time."""
+        chunks, out = self._chunks, []
+        offset = start
+        while offset < end and len(out) < most:
+            idx = offset >> SHIFT
+            base = idx << SHIFT
+            stop = min(end, base + CHUNK)
+            chunk = chunks.get(idx)
+            if chunk is None:
+                out.extend(range(offset, min(stop, offset + most - len(out))))
+            elif chunk is not FULL:
+                value = ~int.from_bytes(chunk, "little") & ((1 << (stop - base)) - 1) & ~((1 << (offset - base)) - 1)
+                if value:
+                    found = (_positions if value.bit_count() > SPARSE else _set_bits)(value, base)
+                    out.extend(found[:most - len(out)])
+            offset = stop
+        return out
+
     def discard_below(self, bound: int) -> int:
         """Forget every offset below ``bound``; returns how many were held. Costs the chunks it passes."""
         top, bit = divmod(bound, CHUNK)
