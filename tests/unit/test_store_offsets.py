@@ -402,6 +402,16 @@ def test_a_groups_topics_follow_its_commits_removals_and_a_restart(tmp_path):
     assert again.topics_of("g") == ["V"]
 
 
+def _gone_groups_and_live(tmp_path) -> ConsumerOffsets:
+    """1,000 groups long gone, 4 offsets each on 50 topics, and group "live" at 2 on T7 queue 1."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    for g in range(1000):
+        for q in range(4):
+            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
+    offsets.commit("live", "T7", 1, 2)
+    return offsets
+
+
 def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path):
     """Groups that went away keep their offsets (as RocketMQ's, until deleteSubGroup). GET_CONSUME_STATS of one
     group found its topics in a walk of every offset: 1,000 groups of 160 offsets made each ask ~60 ms of the
@@ -413,11 +423,7 @@ def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path)
     from protocol.codes import RequestCode, ResponseCode
     from protocol.command import RemotingCommand
 
-    offsets = ConsumerOffsets(str(tmp_path))
-    for g in range(1000):
-        for q in range(4):
-            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
-    offsets.commit("live", "T7", 1, 2)
+    offsets = _gone_groups_and_live(tmp_path)
     offsets.commit("live", "T9", 0, 1)
     walks = []
     items = offsets.items
@@ -448,11 +454,7 @@ def test_which_groups_consume_a_topic_is_answered_without_walking_every_offset(t
     from protocol.codes import RequestCode, ResponseCode
     from protocol.command import RemotingCommand
 
-    offsets = ConsumerOffsets(str(tmp_path))
-    for g in range(1000):
-        for q in range(4):
-            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
-    offsets.commit("live", "T7", 1, 2)
+    offsets = _gone_groups_and_live(tmp_path)
     offsets.commit("live", "U", 0, 1)
     ctx = SimpleNamespace(offsets=offsets, clients=SimpleNamespace(consumers={
         "online": SimpleNamespace(subscriptions={"T7": None}), "other": SimpleNamespace(subscriptions={"U": None})}))
