@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ..store.saved import crc_matches, save, with_crc
 from ..topics import SCHEDULE_PROGRESS_TOPIC
-from .runs import OffsetRuns
+from .runs import OffsetRuns, PastTheLog
 
 log = logging.getLogger("txmq.schedule")
 
@@ -47,6 +47,9 @@ class Progress:
     timer_floor: int = 0                                     # timer queue offsets below: all delivered
     timer_done: OffsetRuns = field(default_factory=OffsetRuns)  # delivered offsets >= timer_floor, as runs
     progress_offset: int = 0                                 # progress records below this are applied
+    # loaded in place of a file naming timers past the log's end (load_snapshot): recovery writes it over at once,
+    # or once the log grew past them a start took that file as good
+    past_the_log: bool = field(default=False, compare=False, repr=False)
 
     def apply(self, levels: dict[int, int], timers, floor_steps: int | None = None) -> bool:
         """Take a progress record's levels and timers; True when the floor has further to move (``floor_steps``)."""
@@ -79,9 +82,14 @@ class Progress:
                 "progressOffset": self.progress_offset}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Progress":
+    def from_json(cls, data: dict, timer_end: int | None = None) -> "Progress":
+        """``timer_end``: the timer queue's end; a floor or a delivered timer past it is refused (ValueError)."""
+        floor = int(data.get("timerFloor", 0))
+        if timer_end is not None and floor > timer_end:
+            raise PastTheLog(f"timerFloor {floor} is past the timer queue's end {timer_end} (no timer there is "
+                             "written yet: the file was edited, or is not this log's)")
         p = cls({int(k): int(v) for k, v in (data.get("offsetTable") or {}).items()},
-                int(data.get("timerFloor", 0)), OffsetRuns.from_json(data.get("timerDone")),
+                floor, OffsetRuns.from_json(data.get("timerDone"), timer_end),
                 int(data.get("progressOffset", 0)))
         p.timer_done.discard_below(p.timer_floor)
         return p
@@ -102,7 +110,9 @@ def decode_progress(body: bytes) -> tuple[dict[int, int], list[int]] | None:
         return None
 
 
-def load_snapshot(config_dir: str) -> Progress:
+def load_snapshot(config_dir: str, timer_end: int | None = None) -> Progress:
+    """The progress delayOffset.json holds, or none (the progress records replayed) when it cannot be read, its crc
+    does not match, or it names timer offsets at or past ``timer_end`` (the timer queue's end: Progress.from_json)."""
     path = os.path.join(config_dir, SNAPSHOT_NAME)
     try:
         with open(path, "rb") as fh:
@@ -111,9 +121,12 @@ def load_snapshot(config_dir: str) -> Progress:
         # A flipped digit leaves valid JSON: a level's offset set higher would skip its waiting messages for good.
         if isinstance(data, dict) and "crc" in data and not crc_matches(raw, data["crc"]):
             raise ValueError("its checksum does not match: it was changed after it was written")
-        return Progress.from_json(data)
+        return Progress.from_json(data, timer_end)
     except FileNotFoundError:
         return Progress()
+    except PastTheLog as exc:
+        log.error("ignoring unreadable %s (%s): progress is replayed from the log, the file written over", path, exc)
+        return Progress(past_the_log=True)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         log.error("ignoring unreadable %s (%s): progress is replayed from the log", path, exc)
         return Progress()

@@ -111,6 +111,26 @@ class OffsetRuns:
             offset = (idx + 1) * CHUNK
         return offset if limit is None else min(offset, limit)
 
+    def missing(self, start: int, end: int, most: int) -> list[int]:
+        """The offsets in [start, end) not held, in order, at most ``most``: a chunk at a time (a full one passed
+        in one look), not an offset at a time."""
+        chunks, out = self._chunks, []
+        offset = start
+        while offset < end and len(out) < most:
+            idx = offset >> SHIFT
+            base = idx << SHIFT
+            stop = min(end, base + CHUNK)
+            chunk = chunks.get(idx)
+            if chunk is None:
+                out.extend(range(offset, min(stop, offset + most - len(out))))
+            elif chunk is not FULL:
+                value = ~int.from_bytes(chunk, "little") & ((1 << (stop - base)) - 1) & ~((1 << (offset - base)) - 1)
+                if value:
+                    found = (_positions if value.bit_count() > SPARSE else _set_bits)(value, base)
+                    out.extend(found[:most - len(out)])
+            offset = stop
+        return out
+
     def discard_below(self, bound: int) -> int:
         """Forget every offset below ``bound``; returns how many were held. Costs the chunks it passes."""
         top, bit = divmod(bound, CHUNK)
@@ -228,8 +248,11 @@ class OffsetRuns:
         return [f if f == last else [f, last] for f, last in zip(firsts, lasts)]
 
     @classmethod
-    def from_json(cls, items) -> "OffsetRuns":
-        """``to_json``'s list, or an old file's list of offsets. ValueError/TypeError for anything else."""
+    def from_json(cls, items, limit: int | None = None) -> "OffsetRuns":
+        """``to_json``'s list, or an old file's list of offsets. ValueError/TypeError for anything else, and for an
+        offset at or past ``limit`` (the timer queue's end, None: unchecked). A file without its crc (edited by hand)
+        is taken as it reads: a run [0, 10**15] held start-up for ever in ``add_run`` (a step a chunk), and an
+        offset past the end marked a timer not written yet as delivered, skipped when it came."""
         new = cls()
         if items is None:
             return new
@@ -248,25 +271,31 @@ class OffsetRuns:
                     if len(item) != 2 or int(item[1]) < int(item[0]) or int(item[0]) < 0:
                         raise ValueError(f"timerDone run {item!r} is not [first, last]")
                     first, end = int(item[0]), int(item[1]) + 1
+                    _within(end - 1, limit, item)
                     if end - first >= 2 * CHUNK:
                         new.add_run(first, end)         # whole chunks: FULL markers
                     else:
                         short.append((first, end))
                 elif isinstance(item, str):
-                    new._set_bitmap(item)
+                    new._set_bitmap(item, limit)
                 else:
                     lone.append(int(item))
+        if lone:
+            _within(max(lone), limit, max(lone))
         new._set_many(lone, short)
         return new
 
-    def _set_bitmap(self, item: str) -> None:
+    def _set_bitmap(self, item: str, limit: int | None = None) -> None:
         """``"<first>:<base64 of the chunk's bitmap>"``: ``first`` a chunk's first offset."""
         first, colon, data = item.partition(":")
         first = int(first)
         bitmap = b64decode(data, validate=True)
         if not colon or first < 0 or first % CHUNK or len(bitmap) != CHUNK // 8:
             raise ValueError(f"timerDone bitmap {item[:40]!r} is not <chunk's first offset>:<{CHUNK // 8} bytes>")
-        self._or_chunk(first >> SHIFT, int.from_bytes(bitmap, "little"))
+        value = int.from_bytes(bitmap, "little")
+        if value:
+            _within(first + value.bit_length() - 1, limit, f"{item[:40]}...")
+        self._or_chunk(first >> SHIFT, value)
 
     def _or_chunk(self, idx: int, piece: int) -> None:
         """Hold the set bits of ``piece`` (a chunk's bitmap as an int) in chunk ``idx``."""
@@ -317,6 +346,17 @@ class OffsetRuns:
 
     def __repr__(self) -> str:
         return f"OffsetRuns({self.to_json()!r})"
+
+
+class PastTheLog(ValueError):
+    """delayOffset.json names a timer offset the timer queue does not reach (yet): see ``from_json``."""
+
+
+def _within(last: int, limit: int | None, item) -> None:
+    """PastTheLog when the offset ``last`` (of ``item``) is at or past ``limit``."""
+    if limit is not None and last >= limit:
+        raise PastTheLog(f"timerDone {item!r} goes past the timer queue's end {limit} (no timer there is written "
+                         "yet: the file was edited, or is not this log's)")
 
 
 _CHUNK_BITS = "0%db" % CHUNK

@@ -71,6 +71,7 @@ class ConsumerOffsets:
         self._saves_taken = 0
         self._saves_written = 0
         self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
+        self._failing = False       # the last save (the loop's or ``saved``'s) was refused: _save_failed
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
         # nothing (a reset that moves no offset, a deleted topic no group consumed). Each forced a whole-table
         # write (100,000 offsets: 1-1.5 s of a core, the loop slowed with it), asked by any client without ACL.
@@ -220,7 +221,6 @@ class ConsumerOffsets:
 
     async def _persist_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        failing = False
         while True:
             await asyncio.sleep(self.persist_interval_s)
             if self._dirty:
@@ -231,14 +231,22 @@ class ConsumerOffsets:
                     await loop.run_in_executor(None, self._encode_and_write, self._snapshot(), *self._take_save())
                 except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
-                    if not failing:     # once per outage (a full disk), not every few seconds
-                        log.error("consumer offsets not persisted (retrying): %s", exc,
-                                  exc_info=not isinstance(exc, OSError))
-                    failing = True
+                    self._save_failed(exc)
                     continue
-                if failing:
-                    log.warning("consumer offsets persisted again")
-                    failing = False
+                self._save_worked()
+
+    def _save_failed(self, exc: BaseException) -> None:
+        """Said once per outage (a full disk), not every few seconds, whichever save (the loop's, ``saved``'s) met
+        it: a ``saved`` that wrote once the disk had room ended the run unsaid when only the loop kept it (nothing
+        left to write, it never saw the end), and the next outage was then not said at all."""
+        if not self._failing:
+            log.error("consumer offsets not persisted (retrying): %s", exc, exc_info=not isinstance(exc, OSError))
+        self._failing = True
+
+    def _save_worked(self) -> None:
+        if self._failing:
+            log.warning("consumer offsets persisted again")
+            self._failing = False
 
     async def saved(self) -> None:
         """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
@@ -262,11 +270,13 @@ class ConsumerOffsets:
         try:
             await asyncio.get_running_loop().run_in_executor(None, self._encode_and_write, snapshot,
                                                              *self._take_save())
-        except OSError:
+        except OSError as exc:
             self._dirty = True
+            self._save_failed(exc)
             raise
         finally:
             self._saving = None
+        self._save_worked()
 
     def _snapshot(self) -> tuple[dict, dict]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save

@@ -402,6 +402,16 @@ def test_a_groups_topics_follow_its_commits_removals_and_a_restart(tmp_path):
     assert again.topics_of("g") == ["V"]
 
 
+def _gone_groups_and_live(tmp_path) -> ConsumerOffsets:
+    """1,000 groups long gone, 4 offsets each on 50 topics, and group "live" at 2 on T7 queue 1."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    for g in range(1000):
+        for q in range(4):
+            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
+    offsets.commit("live", "T7", 1, 2)
+    return offsets
+
+
 def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path):
     """Groups that went away keep their offsets (as RocketMQ's, until deleteSubGroup). GET_CONSUME_STATS of one
     group found its topics in a walk of every offset: 1,000 groups of 160 offsets made each ask ~60 ms of the
@@ -413,11 +423,7 @@ def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path)
     from protocol.codes import RequestCode, ResponseCode
     from protocol.command import RemotingCommand
 
-    offsets = ConsumerOffsets(str(tmp_path))
-    for g in range(1000):
-        for q in range(4):
-            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
-    offsets.commit("live", "T7", 1, 2)
+    offsets = _gone_groups_and_live(tmp_path)
     offsets.commit("live", "T9", 0, 1)
     walks = []
     items = offsets.items
@@ -448,11 +454,7 @@ def test_which_groups_consume_a_topic_is_answered_without_walking_every_offset(t
     from protocol.codes import RequestCode, ResponseCode
     from protocol.command import RemotingCommand
 
-    offsets = ConsumerOffsets(str(tmp_path))
-    for g in range(1000):
-        for q in range(4):
-            offsets.commit(f"gone-{g}", f"T{g % 50}", q, 3)
-    offsets.commit("live", "T7", 1, 2)
+    offsets = _gone_groups_and_live(tmp_path)
     offsets.commit("live", "U", 0, 1)
     ctx = SimpleNamespace(offsets=offsets, clients=SimpleNamespace(consumers={
         "online": SimpleNamespace(subscriptions={"T7": None}), "other": SimpleNamespace(subscriptions={"U": None})}))
@@ -551,3 +553,40 @@ async def test_only_a_rewind_by_a_client_that_is_no_consumer_of_the_group_waits_
     assert json.loads(file.read_text())["T@CG"] == {"0": 1}
     del offsets._write
     await offsets.close()
+
+
+@bounded(20)
+async def test_a_second_full_disk_after_a_rewind_saved_the_table_is_said_again(tmp_path, caplog):
+    """A full disk's run of refused saves is said once (ERROR) and its end once (WARNING). A rewind's save
+    (offsets_saved: ``saved()``) that wrote the table once the disk had room ended the run unsaid: the periodic
+    loop, nothing left to write, never saw it end, and the next full disk, days later, was not said at all."""
+    import errno
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
+    full = [True]
+    real = offsets._write_locked
+
+    def write(data):
+        if full[0]:
+            offsets.persist_interval_s = 3600   # the loop's next turn is not in this test's time
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(data)
+
+    offsets._write_locked = write
+    await offsets.open()
+    try:
+        offsets.commit("G", "T", 0, 42)
+        while "consumer offsets not persisted" not in caplog.text:     # the periodic save refused
+            await asyncio.sleep(0.001)
+        full[0] = False
+        offsets.commit("G", "T", 0, 7)      # an admin's rewind, saved before its SUCCESS
+        await offsets.saved()
+        assert ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 7
+        assert "consumer offsets persisted again" in caplog.text
+        full[0] = True                      # full again, later: the next rewind's save is refused
+        offsets.commit("G", "T", 0, 5)
+        with pytest.raises(OSError):
+            await offsets.saved()
+        assert caplog.text.count("consumer offsets not persisted") == 2
+    finally:
+        full[0] = False
+        await offsets.close()
