@@ -171,3 +171,62 @@ async def test_a_scrape_whose_rendering_is_cancelled_by_a_stopping_broker_is_a_5
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def _idle_connections(port, n):
+    import socket
+    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+
+
+@bounded(60)
+async def test_a_client_that_connects_and_never_sends_is_dropped_after_the_read_timeout(monkeypatch, capfd):
+    """Each connection has a thread of its own: one that never sends held it for ever (a port scanner, a
+    half-open scraper), and enough of them a thread each without end."""
+    import broker.metrics_http as mh
+    monkeypatch.setattr(mh, "READ_TIMEOUT_S", 0.5, raising=False)
+    loop = asyncio.get_running_loop()
+    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry, lambda: loop)
+    try:
+        (idle,) = _idle_connections(httpd.server_address[1], 1)
+        with idle:
+            assert await asyncio.to_thread(idle.recv, 1) == b""      # closed by the broker (10 s: socket.timeout)
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@bounded(60)
+async def test_connections_past_the_cap_are_answered_503_at_once_not_given_a_thread(monkeypatch):
+    """A loop blocked for 30 s held a thread a scrape for 30 s, and nothing bounded how many."""
+    import threading
+    import urllib.error
+    import urllib.request
+    import broker.metrics_http as mh
+    monkeypatch.setattr(mh, "READ_TIMEOUT_S", 30.0, raising=False)
+    loop = asyncio.get_running_loop()
+    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry, lambda: loop)
+    port = httpd.server_address[1]
+    url = f"http://127.0.0.1:{port}/metrics"
+    before = threading.active_count()
+    held = _idle_connections(port, getattr(mh, "MAX_CONNECTIONS", 16) + 5)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            await asyncio.to_thread(urllib.request.urlopen, url, timeout=10)
+        assert refused.value.code == 503 and b"too many" in refused.value.read()
+        assert threading.active_count() - before <= getattr(mh, "MAX_CONNECTIONS", 16)
+        for s in held:
+            s.close()
+        for _ in range(200):        # their threads see the close and end; a scrape has a thread again
+            try:
+                page = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+                break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503
+                await asyncio.sleep(0.05)
+        assert b'rocketmq_messages_in_total{topic="T2"} 2.0' in page
+    finally:
+        for s in held:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
