@@ -112,8 +112,9 @@ def read_lines(items):
 
 
 def snapshot_files(store_dir: str, dates: list[str] | None = None) -> list[str]:
-    """The snapshot files to read. For given dates, the neighbouring days' files too: a file
-    named by the broker's local date can hold the first or last hours of a UTC day."""
+    """The snapshot files to read. For given dates, the neighbouring days' files too (each line is
+    filtered by its ts; the broker names a file by its lines' UTC date, and the day after the date
+    rolled up is often the file it is appending to: see whole_part)."""
     directory = os.path.join(store_dir, "metrics")
     try:
         names = sorted(n for n in os.listdir(directory) if _FILE.fullmatch(n))
