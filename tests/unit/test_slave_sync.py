@@ -1,6 +1,7 @@
 """A slave copies its master's consumer offsets (broker/ha/sync.py); the GET_ALL_CONSUMER_OFFSET body both ways."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -340,29 +341,35 @@ async def test_a_slave_steadily_behind_its_master_still_learns_how_far_it_may_re
         await sync.close()
 
 
-@bounded(60)
-async def test_the_masters_offsets_body_is_encoded_with_the_loop_running_between_slices():
-    """In one go, 100,000 offsets held the master's event loop 100-190 ms at every slave's sync (each 10 s)."""
+@contextlib.asynccontextmanager
+async def _other_client():
+    """Another client's work on the loop: yields [turns], the loop turns it was given while the block ran."""
     import asyncio
-    from broker.processors.offsets import KEY_SLICE, OFFSET_SLICE, get_all_consumer_offset
-    table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * OFFSET_SLICE + 5)]
-    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table)))
-    turns = 0
+    turns = [0]
 
     async def other_client():
-        nonlocal turns
         while True:
-            turns += 1
+            turns[0] += 1
             await asyncio.sleep(0)
     other = asyncio.ensure_future(other_client())
     await asyncio.sleep(0)
     try:
-        reply = await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
+        yield turns
     finally:
-        other.cancel()
+        other.cancel()         # (it counts no more: cancelled, its next turn raises at the sleep)
+
+
+@bounded(60)
+async def test_the_masters_offsets_body_is_encoded_with_the_loop_running_between_slices():
+    """In one go, 100,000 offsets held the master's event loop 100-190 ms at every slave's sync (each 10 s)."""
+    from broker.processors.offsets import KEY_SLICE, OFFSET_SLICE, get_all_consumer_offset
+    table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * OFFSET_SLICE + 5)]
+    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table)))
+    async with _other_client() as turns:
+        reply = await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
     assert reply.body_bytes() == encode_consumer_offsets(table)
     keys = len({(g, t) for (g, t, _q), _o in table})
-    assert turns >= 3 + keys // KEY_SLICE, turns     # the loop ran between every two slices
+    assert turns[0] >= 3 + keys // KEY_SLICE, turns[0]      # the loop ran between every two slices
 
 
 @bounded(60)
@@ -370,25 +377,15 @@ async def test_the_slave_reads_and_takes_its_masters_offsets_with_the_loop_runni
     """The slave's side of the same sync: the body decoded (bare ids quoted by a Python callback per id, then each
     entry split and converted) and every offset committed in one go held the slave's loop 0.4-1.7 s at 100,000
     offsets, every 10 s, while it serves reads (and, promoted, everything)."""
-    import asyncio
     table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * 4096 + 5)]
     offsets = ConsumerOffsets(str(tmp_path))
     sync = SlaveSync(offsets, 10.0)
     _master_answers(sync, encode_consumer_offsets(table), b'{}')
-    turns = 0
-
-    async def other_client():
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-    other = asyncio.ensure_future(other_client())
-    await asyncio.sleep(0)
     try:
-        assert await sync.sync_once()
-        copied = turns
+        async with _other_client() as turns:
+            assert await sync.sync_once()
     finally:
-        other.cancel()
         await sync.close()
+    copied = turns[0]
     assert {k: v for k, v in offsets.items()} == dict(table)
     assert copied >= 6, copied       # between the entries' slices and the commits' slices at least
