@@ -27,6 +27,10 @@ from prometheus_client.exposition import (ThreadingWSGIServer, _get_best_family,
 CHUNK = 256                 # series of one family formatted in one encoder call
 SLICE_S = 0.002             # loop time the rendering takes before letting other work run
 RENDER_TIMEOUT_S = 30.0     # a page the loop has not finished in this long (stalled, or far too busy): 503, not a hang
+READ_TIMEOUT_S = 10.0       # a connection that has not sent its request (or taken the page) in this long is closed
+MAX_CONNECTIONS = 16        # connections served at once, a thread each; one more is answered 503 and closed
+_TOO_MANY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+             b"# metrics not rendered: too many connections to /metrics at once\n")
 # (text format only: series rendered in a block of their own after the family's, so never split from it)
 _APART = ("_created", "_gsum", "_gcount")
 log = logging.getLogger("txmq.metrics")
@@ -136,9 +140,43 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
         start_response("200 OK", headers)
         return [output]
 
+    class _Handler(_SilentHandler):
+        timeout = READ_TIMEOUT_S        # on the socket: a client that never sends is not waited for for ever
+
+        def handle(self):
+            try:
+                super().handle()
+            except OSError as exc:      # TimeoutError, a reset: the client's doing, not a traceback on stderr
+                log.debug("/metrics connection from %s dropped: %r", self.client_address, exc)
+
     class _Server(ThreadingWSGIServer):
-        pass
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+        def process_request(self, request, client_address):
+            # Each connection a thread: a blocked loop holds one a scrape for RENDER_TIMEOUT_S, and idle clients
+            # one each until READ_TIMEOUT_S. Past the cap the answer is written here, short and at once.
+            if not self.slots.acquire(blocking=False):
+                log.warning("a /metrics connection from %s answered 503: %d served already", client_address,
+                            MAX_CONNECTIONS)
+                try:
+                    request.settimeout(1.0)
+                    request.sendall(_TOO_MANY)
+                except OSError:
+                    pass
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
     _Server.address_family, addr = _get_best_family(addr, port)
-    httpd = make_server(addr, port, app, _Server, handler_class=_SilentHandler)
+    httpd = make_server(addr, port, app, _Server, handler_class=_Handler)
     threading.Thread(target=httpd.serve_forever, name="txmq-metrics-http", daemon=True).start()
     return httpd

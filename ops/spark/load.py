@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from protocol.errors import StoreError
 
 from . import segments as seg_mod
-from .snapshots import SNAPSHOT_FIELDS, parse_lines, snapshot_files
+from .snapshots import SNAPSHOT_FIELDS, parse_lines, read_lines, snapshot_files, whole_part
 
 log = logging.getLogger("ops.spark")
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -232,7 +232,16 @@ def load_snapshots(spark, store_dir: str, dates: list[str] | None, *, job: str) 
     schema = StructType([StructField(n, types.get(n, StringType())) for n in SNAPSHOT_FIELDS])
     files = snapshot_files(store_dir, dates)
     if files:
-        text = spark.sparkContext.textFile(",".join(_uri(p) for p in files))
+        # The file the broker appends to now (today's, and so a neighbour of the date rolled up) is read only
+        # up to its last newline: the line being written is not a bad line, and the next run reads it whole.
+        # Hadoop's reader would take it (and one appended while it reads: its last split finishes a line).
+        sc = spark.sparkContext
+        parts = {p: whole_part(p) for p in files}
+        done = [p for p in files if parts[p] is None]
+        live = [(p, parts[p]) for p in files if parts[p]]
+        text = sc.textFile(",".join(_uri(p) for p in done)) if done else sc.emptyRDD()
+        if live:
+            text = text.union(sc.parallelize(live, len(live)).mapPartitions(read_lines))
         df = spark.createDataFrame(text.mapPartitions(parse_lines), schema, verifySchema=False)
     else:
         df = spark.createDataFrame([], schema)

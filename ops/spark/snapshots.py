@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import re
+import time
 
 # Row kinds: one "snap" per usable line, one "lag" per usable lag entry, plus counters.
 SNAPSHOT_FIELDS = ("kind", "ts", "connections", "group", "topic", "queue_id", "lag")
@@ -67,9 +68,53 @@ def parse_lines(lines):
         yield from parse_line(line)
 
 
+# A file modified this recently may be the one the broker is appending to now (a line every
+# metrics_snapshot_interval_s, written in a few calls): only its newline-ended part is read.
+LIVE_S = 120.0
+
+
+def whole_part(path: str, *, now: float | None = None) -> int | None:
+    """For a file the broker may be appending to (modified in the last LIVE_S seconds), the length of its
+    newline-ended part, the bytes a reader may take; None for a file no longer written, read whole (an
+    unterminated last line there is one a kill -9 tore: a bad line)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return 0
+    if (time.time() if now is None else now) - st.st_mtime > LIVE_S:
+        return None
+    size = st.st_size
+    with open(path, "rb") as f:
+        pos = size
+        while pos > 0:
+            start = max(0, pos - 65536)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                return start + nl + 1
+            pos = start
+    return 0
+
+
+def read_lines(items):
+    """mapPartitions body over (path, length): the text lines of each file's first length bytes (a file
+    that grows while read is read no further than the driver saw it end with a newline)."""
+    for path, length in items:
+        with open(path, "rb") as f:
+            left = length
+            while left > 0:
+                line = f.readline(left)
+                if not line:
+                    break
+                left -= len(line)
+                yield line.decode("utf-8", "replace")
+
+
 def snapshot_files(store_dir: str, dates: list[str] | None = None) -> list[str]:
-    """The snapshot files to read. For given dates, the neighbouring days' files too: a file
-    named by the broker's local date can hold the first or last hours of a UTC day."""
+    """The snapshot files to read. For given dates, the neighbouring days' files too (each line is
+    filtered by its ts; the broker names a file by its lines' UTC date, and the day after the date
+    rolled up is often the file it is appending to: see whole_part)."""
     directory = os.path.join(store_dir, "metrics")
     try:
         names = sorted(n for n in os.listdir(directory) if _FILE.fullmatch(n))

@@ -21,6 +21,30 @@ pytestmark = pytest.mark.asyncio
 SECOND_TURN_S = 5.0     # how long a loop may take to run its next turn (the intervals are 10 ms)
 
 
+async def _run_tx_snapshots(ctx, write_snapshot, until: asyncio.Event) -> None:
+    """Run the transaction service's snapshot loop with ``write_snapshot`` until ``until`` is set (bounded), then
+    stop it (which must not raise a failed turn's exception) and close the store."""
+    tx = ctx.tx
+    tx.write_snapshot = write_snapshot
+    tx.changed = True
+    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
+    try:
+        await asyncio.wait_for(until.wait(), SECOND_TURN_S)
+    finally:
+        await tx.stop()
+        await ctx.store._store.close()
+
+
+async def _run_schedule_snapshots(svc, until: asyncio.Event) -> None:
+    """The same for the schedule service's delayOffset.json loop (``svc.snapshot`` already replaced)."""
+    svc._snap_task = asyncio.get_running_loop().create_task(svc._snapshots())
+    try:
+        await asyncio.wait_for(until.wait(), SECOND_TURN_S)
+    finally:
+        await svc.stop()
+        await svc.ctx.store.close()
+
+
 def failing_once(real, exc, second: asyncio.Event, loop=None):
     """``real`` wrapped: the first call raises ``exc``, later ones set ``second`` and call ``real``.
     With ``loop``, ``second`` is set through it (the wrapper runs on a thread)."""
@@ -107,14 +131,7 @@ async def test_the_transaction_snapshot_loop_retries_after_a_turn_that_raised(tm
             raise RuntimeError("a bug")     # ... then the write fails: it must be tried again
         second.set()
         await real()
-    tx.write_snapshot = write_snapshot
-    tx.changed = True
-    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
-    try:
-        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
-    finally:
-        await tx.stop()                 # and stopping does not raise the failed turn's exception
-        await ctx.store._store.close()
+    await _run_tx_snapshots(ctx, write_snapshot, second)                 # stopping does not raise the failed turn's exception
     assert "transaction snapshot not written" in caplog.text
 
 
@@ -136,14 +153,7 @@ async def test_a_transaction_snapshot_a_full_disk_refuses_is_said_once_not_at_ev
         done = await real()
         written.set()
         return done
-    tx.write_snapshot = write_snapshot
-    tx.changed = True
-    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
-    try:
-        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
-    finally:
-        await tx.stop()
-        await ctx.store._store.close()
+    await _run_tx_snapshots(ctx, write_snapshot, written)
     assert caplog.text.count("transaction snapshot not written") == 1, caplog.text
     assert caplog.text.count("transaction snapshot written again") == 1, caplog.text
 
@@ -167,14 +177,7 @@ async def test_a_transaction_snapshot_held_for_decisions_waiting_for_disk_space_
         if done:
             written.set()
         return done
-    tx.write_snapshot = write_snapshot
-    tx.changed = True
-    tx._snapshot_task = asyncio.get_running_loop().create_task(tx._snapshots())
-    try:
-        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
-    finally:
-        await tx.stop()
-        await ctx.store._store.close()
+    await _run_tx_snapshots(ctx, write_snapshot, written)
     assert caplog.text.count("decisions wait for disk space") == 1, caplog.text
     assert caplog.text.count("transaction snapshot written again") == 1, caplog.text
 
@@ -187,12 +190,7 @@ async def test_the_schedule_snapshot_loop_goes_on_after_a_turn_that_raised(tmp_p
     svc = await _service(tmp_path, Clock(100_000))
     second = asyncio.Event()
     svc.snapshot = failing_once_async(svc.snapshot, RuntimeError("a bug"), second)
-    svc._snap_task = asyncio.get_running_loop().create_task(svc._snapshots())
-    try:
-        await asyncio.wait_for(second.wait(), SECOND_TURN_S)
-    finally:
-        await svc.stop()
-        await svc.ctx.store.close()
+    await _run_schedule_snapshots(svc, second)
     assert "not written" in caplog.text
 
 
@@ -217,12 +215,7 @@ async def test_a_delay_progress_snapshot_a_full_disk_refuses_is_said_once_not_at
         written.set()
         return done
     svc.snapshot = snapshot
-    svc._snap_task = asyncio.get_running_loop().create_task(svc._snapshots())
-    try:
-        await asyncio.wait_for(written.wait(), SECOND_TURN_S)
-    finally:
-        await svc.stop()
-        await svc.ctx.store.close()
+    await _run_schedule_snapshots(svc, written)
     assert caplog.text.count("not written") == 1, caplog.text
     assert caplog.text.count("written again") == 1, caplog.text
 

@@ -1,6 +1,7 @@
 """A slave copies its master's consumer offsets (broker/ha/sync.py); the GET_ALL_CONSUMER_OFFSET body both ways."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -340,8 +341,9 @@ async def test_a_slave_steadily_behind_its_master_still_learns_how_far_it_may_re
         await sync.close()
 
 
-async def _loop_turns():
-    """([turns], task): another client's task counting the event loop's turns until cancelled (started)."""
+@contextlib.asynccontextmanager
+async def _other_client():
+    """Another client's work on the loop: yields [turns], the loop turns it was given while the block ran."""
     import asyncio
     turns = [0]
 
@@ -351,7 +353,10 @@ async def _loop_turns():
             await asyncio.sleep(0)
     other = asyncio.ensure_future(other_client())
     await asyncio.sleep(0)
-    return turns, other
+    try:
+        yield turns
+    finally:
+        other.cancel()         # (it counts no more: cancelled, its next turn raises at the sleep)
 
 
 @bounded(60)
@@ -360,14 +365,11 @@ async def test_the_masters_offsets_body_is_encoded_with_the_loop_running_between
     from broker.processors.offsets import KEY_SLICE, OFFSET_SLICE, get_all_consumer_offset
     table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * OFFSET_SLICE + 5)]
     ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table)))
-    turns, other = await _loop_turns()
-    try:
+    async with _other_client() as turns:
         reply = await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
-    finally:
-        other.cancel()
     assert reply.body_bytes() == encode_consumer_offsets(table)
     keys = len({(g, t) for (g, t, _q), _o in table})
-    assert turns[0] >= 3 + keys // KEY_SLICE, turns     # the loop ran between every two slices
+    assert turns[0] >= 3 + keys // KEY_SLICE, turns[0]      # the loop ran between every two slices
 
 
 @bounded(60)
@@ -379,12 +381,11 @@ async def test_the_slave_reads_and_takes_its_masters_offsets_with_the_loop_runni
     offsets = ConsumerOffsets(str(tmp_path))
     sync = SlaveSync(offsets, 10.0)
     _master_answers(sync, encode_consumer_offsets(table), b'{}')
-    turns, other = await _loop_turns()
     try:
-        assert await sync.sync_once()
-        copied = turns[0]
+        async with _other_client() as turns:
+            assert await sync.sync_once()
     finally:
-        other.cancel()
         await sync.close()
+    copied = turns[0]
     assert {k: v for k, v in offsets.items()} == dict(table)
     assert copied >= 6, copied       # between the entries' slices and the commits' slices at least

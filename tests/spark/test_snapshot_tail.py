@@ -1,0 +1,32 @@
+"""The rollup reads the neighbouring days' snapshot files too, one of them the file the broker is appending to
+right now: a last line still being written is not a bad line (it is read whole by the next run), but a line a
+kill -9 tore in a file no longer written is."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def _line(ts: int, lag: int) -> str:
+    return json.dumps({"ts": ts, "connections": 1,
+                       "consumer_lag": [{"group": "cg", "topic": "T", "queue_id": 0, "lag": lag}]}) + "\n"
+
+
+def test_a_line_being_appended_is_not_bad_but_an_old_torn_one_is(spark, tmp_path):
+    from ops.spark.load import load_snapshots
+
+    d = tmp_path / "metrics"
+    d.mkdir()
+    day = 1710028800000          # 2024-03-10 00:00 UTC
+    old = d / "2024-03-09.jsonl"
+    old.write_text(_line(day - 60_000, 1) + '{"ts": 17100287')     # torn by a kill -9, never ended
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    live = d / "2024-03-10.jsonl"
+    live.write_text(_line(day, 2) + _line(day + 60_000, 3) + '{"ts": 1710028920000, "connec')   # being appended
+    snaps = load_snapshots(spark, str(tmp_path), ["2024-03-10"], job="test")
+    try:
+        assert (snaps.files, snaps.lines, snaps.bad_lines) == (2, 3, 1)
+    finally:
+        snaps.cached.unpersist()
