@@ -985,6 +985,7 @@ class TransactionService:
             self._refused[0] += len(refused)
             self._refused[1] = self._refused[1] or refused[0].remark or refused[0].status.name
         self.changed = True
+        not_sent: dict[str, list[str]] = {}     # why -> the keys of the checks it kept from going out
         for action, result in zip(batch, results):
             tx = action.tx
             if not self.core.check_written(tx, now, result is not None and result.ok):
@@ -992,7 +993,7 @@ class TransactionService:
             try:
                 action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
-                log.info("check of %s not sent: %s", tx.uniq_key, exc)
+                not_sent.setdefault(str(exc), []).append(tx.uniq_key)
                 closed = not getattr(action.channel, "is_open", False)
                 if self.core.check_not_sent(tx, self.ctx.monotonic() if closed else None):
                     self._checks_lost([tx])
@@ -1002,6 +1003,7 @@ class TransactionService:
             metrics.child(metrics.checks_sent, tx.group).inc()
             if tx.rerouted:
                 metrics.child(metrics.checks_rerouted, tx.group, tx.rerouted).inc()
+        _say_not_sent(not_sent)
 
     def connection_closed(self, conn) -> None:
         """A client connection closed (server.py): the checks sent on it and not answered are asked again of a
@@ -1159,6 +1161,14 @@ class _Unnamed:
         if len(self.halves) >= self.limit:
             self.halves = [t for t in self.halves if pending.get(t.half_offset) is t]
             self.limit = max(64, 2 * len(self.halves))
+
+
+def _say_not_sent(not_sent: dict[str, list[str]]) -> None:
+    """One line for each reason checks of a slice did not go out (a producer's connection closed while they were
+    written: one line for it with the count, where each of its 60 due transactions was one line of its own)."""
+    for why, keys in not_sent.items():
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        log.info("%d transaction checks written but not sent (%s%s): %s", len(keys), ", ".join(keys[:3]), more, why)
 
 
 def _claimant(tx: Tx, channels, owner_id: str):

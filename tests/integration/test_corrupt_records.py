@@ -31,7 +31,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
 from protocol.message import MESSAGE_MAGIC, decode_offset_msg_id, decode_record
-from tests.support.broker_process import REPO
+from tests.support.broker_process import NO_CHECKS, REPO
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
 
 pytestmark = pytest.mark.asyncio
@@ -241,9 +241,9 @@ async def _pending(b) -> int:
 
 
 async def _restarted_with_a_bad_half(broker_factory, tmp_path, group: str, topic: str, body: bytes, check_max: int):
-    """A broker restarted on a store whose one undecided half (of ``group``, never checked: a minute's interval)
+    """A broker restarted on a store whose one undecided half (of ``group``, never checked: NO_CHECKS)
     had a bit of its body flipped while it was down, its checks now due at once, every 30 ms."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     async with TransactionProducer(b.namesrv, group, _Unknown()) as producer:
         sent = await producer.send_in_transaction(topic, body)
     await _fill(b)
@@ -326,7 +326,7 @@ async def test_an_op_record_whose_body_went_bad_decides_its_own_transaction(brok
     Passed over instead, the committed one was pending again when an older one was undecided (the half queue's
     progress before it): its producer's COMMIT answer to the next check committed it twice. The op's TXMQ_HALF
     property (outside the body) still names its half, whose own record gives the queue offset."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
 
     class CommitOne(_Unknown):
         calls = 0
@@ -345,7 +345,7 @@ async def test_an_op_record_whose_body_went_bad_decides_its_own_transaction(brok
     _flip_body(tmp_path / "store", pos)                  # "0" <-> "1": the other transaction's queue offset
     os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")    # lost: rebuilt from the op records
 
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
     pending = {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
     undecided = decode_offset_msg_id(sent[1 - committed].send_result.offset_msg_id)[2]

@@ -26,6 +26,7 @@ from protocol.record import record_properties
 from tests.integration.test_corrupt_records import (FLAGS, SEG, _corrupt_count, _dead_letters, _fill, _op_records,
                                                     _pull_all, _request, _Unknown)
 from tests.support.bounded import bounded
+from tests.support.broker_process import NO_CHECKS
 
 pytestmark = pytest.mark.asyncio
 
@@ -93,7 +94,7 @@ async def _pending(b) -> set[int]:
 async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided(broker_factory, tmp_path, decided,
                                                                                  how, table):
     group, topic = f"PG_opzero_{decided.replace('-', '_')}", "TxOpZero"
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
 
     class Second(_Unknown):     # the first transaction stays undecided (the half queue's progress stays before it)
         calls = 0
@@ -150,7 +151,7 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
 
     # The decision was written again as a sound op record: the next rebuild reads it, and no check follows.
     os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     assert await _pending(b) == {undecided}
     assert b.stop() == 0
     if how != "length":
@@ -162,7 +163,7 @@ async def _rebuilt_as_a_check_attempt(broker_factory, tmp_path, sent, pos: int) 
     """With the snapshot gone, a start rebuilds from the op queue: the damaged record at ``pos`` is said and
     counted as a check attempt, and ``sent``'s transaction stays undecided, not dead-lettered."""
     os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     assert await _pending(b) == {decode_offset_msg_id(sent.send_result.offset_msg_id)[2]}
     assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
     assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
@@ -211,7 +212,7 @@ async def test_a_half_that_cannot_be_decoded_does_not_keep_the_broker_from_start
     body length ... runs past the record"), every transaction with it. The half is said, counted and left out
     (nothing can check or commit it); the others are undecided as before. Read from the snapshot's pending list
     or from the half queue (no snapshot)."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     async with TransactionProducer(b.namesrv, "PG_opzero_half", _Unknown()) as producer:
         sent = [await producer.send_in_transaction("TxOpZero", b"tx-%d" % i) for i in range(2)]
     halves = [decode_offset_msg_id(s.send_result.offset_msg_id)[2] for s in sent]
@@ -221,7 +222,7 @@ async def test_a_half_that_cannot_be_decoded_does_not_keep_the_broker_from_start
     if not snapshot:
         os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
 
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     assert await _pending(b) == {halves[1]}
     assert await asyncio.to_thread(_corrupt_count, b, "transaction recovery (RMQ_SYS_TRANS_HALF_TOPIC)") == 1
     assert b.stop() == 0
@@ -232,7 +233,7 @@ async def test_a_half_that_cannot_be_decoded_does_not_keep_the_broker_from_start
 async def test_an_unreadable_op_after_the_snapshot_takes_the_decision_table_at_its_word(broker_factory, tmp_path):
     """Killed before the next snapshot, the broker replays the op records after the last one; an unreadable one
     among them is said and counted, and the decision table (the killed process's pages) gives its COMMIT."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000", "--transaction-snapshot-interval-s",
+    b = broker_factory(*FLAGS, *NO_CHECKS, "--transaction-snapshot-interval-s",
                        "3600")
 
     class CommitSecond(_Unknown):
@@ -249,7 +250,7 @@ async def test_an_unreadable_op_after_the_snapshot_takes_the_decision_table_at_i
     [(pos, _)] = _op_records(tmp_path / "store")
     _damage_properties(tmp_path / "store", pos, "flipped")     # no NUL: past the checkpoint, not cut as torn
 
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     assert await _pending(b) == {undecided}
     assert await _bodies(b, "TxOpZero", "CG_opzero_kill") == [b"tx-1"]
     assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
@@ -280,7 +281,7 @@ async def test_a_check_record_whose_txmq_half_went_bad_still_counts_for_its_half
         f.write(b"1")                   # "0" ^ 0x01: a half at commit-log offset 1, which is no record's
     os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
 
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     resp = await _request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {})
     [row] = json.loads(resp.body_bytes())["pending"]
     assert (row["commit_log_offset"], row["checks"]) == (half, int(last.properties["TXMQ_CHECKS"]))
@@ -340,7 +341,7 @@ async def test_an_op_after_a_resume_is_not_taken_for_the_dead_letter_before_it(b
         shutil.rmtree(tmp_path / "store" / "transactions" / "decisions")
     os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
 
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     assert await _pending(b) == ({half} if after == "check" else set())
     assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
     assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == (1 if after == "rollback" else 0)
@@ -380,7 +381,7 @@ async def test_a_rollback_record_whose_tag_went_bad_still_says_rollback(broker_f
     are whole and agree with its body. The decision table and the snapshot lost, nothing else records a ROLLBACK:
     it was dead-lettered (op-unreadable), the rolled-back message copied to the dead-letter topic. What the
     record itself says is read first."""
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
 
     class Rollback(_Unknown):
         def execute_local_transaction(self, msg, arg):
@@ -403,7 +404,7 @@ async def test_a_rollback_record_whose_tag_went_bad_still_says_rollback(broker_f
     os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")
     shutil.rmtree(tmp_path / "store" / "transactions" / "decisions")
 
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "60000")
+    b = broker_factory(*FLAGS, *NO_CHECKS)
     assert await _pending(b) == set()
     assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
     assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0

@@ -12,6 +12,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"LISTENING broker=(\S+) namesrv=(\S+) metrics=(\S+)")
+# Flags for a broker on which no check decides (or records a check of) a transaction while the test looks, however
+# slow the machine. A long check interval alone does not say it: a half's first check is due when its immunity
+# (--transaction-timeout-ms, 6 s by default) runs out, and a loaded machine took longer than that to send and fill.
+NO_CHECKS = ("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "3600000")
 
 
 class BrokerProcess:

@@ -833,6 +833,38 @@ async def test_checks_a_full_disk_refuses_are_said_once_a_pass_however_many_slic
 
 
 @bounded(20)
+async def test_checks_a_closing_connection_does_not_take_are_said_in_one_line_with_their_count(tmp_path, caplog):
+    """A producer disconnected while its due checks were written: "check of <key> not sent: connection ... is
+    closed" was said once for each of them (60 lines in one burst; 100,000 due transactions, as many lines). Now
+    one line for the slice, with the count, a few of the keys and why; each is due again as before."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        halves = [await add_half(ctx, b"%d" % i) for i in range(60)]
+
+        class Closing:
+            is_open = True
+
+            def oneway(self, cmd):
+                self.is_open = False
+                raise ConnectionError("connection 127.0.0.1:5 is closed")
+        closing = Closing()
+        for p in halves:
+            p.owner = closing
+        clock.now = max(p.next_check for p in halves) + 1
+        with caplog.at_level(logging.INFO, logger="txmq.transaction"):
+            await tx.run_due(clock.now)
+        said = [r.getMessage() for r in caplog.records if "not sent" in r.getMessage()]
+        assert len(said) == 1, said
+        assert said[0].startswith("60 transaction checks written but not sent (") and "and 57 more" in said[0]
+        assert said[0].endswith("connection 127.0.0.1:5 is closed"), said
+        assert all(p.checks == 1 and p.check_channel is None for p in halves)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
 async def test_a_resume_whose_indexed_dead_letter_is_damaged_falls_back_to_the_halfs_mark(tmp_path, caplog):
     """The dead letter the message index names is decoded to read its sender: a damaged one (its body length past
     its record) raised out of the resume, which failed -- the transaction stayed dead-lettered -- where a damaged
