@@ -24,6 +24,8 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import (ThreadingWSGIServer, _get_best_family, _SilentHandler, choose_encoder,
                                           gzip_accepted)
 
+from .limits import EveryKey
+
 CHUNK = 256                 # series of one family formatted in one encoder call
 SLICE_S = 0.002             # loop time the rendering takes before letting other work run
 RENDER_TIMEOUT_S = 30.0     # a page the loop has not finished in this long (stalled, or far too busy): 503, not a hang
@@ -151,13 +153,15 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
 
     class _Server(ThreadingWSGIServer):
         slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        said = EveryKey(60.0)       # hosts whose refusals were said this minute: a flood of connections, one line
 
         def process_request(self, request, client_address):
             # Each connection a thread: a blocked loop holds one a scrape for RENDER_TIMEOUT_S, and idle clients
             # one each until READ_TIMEOUT_S. Past the cap the answer is written here, short and at once.
             if not self.slots.acquire(blocking=False):
-                log.warning("a /metrics connection from %s answered 503: %d served already", client_address,
-                            MAX_CONNECTIONS)
+                if self.said.due(client_address[0]):
+                    log.warning("a /metrics connection from %s answered 503: %d served already (said once a minute "
+                                "a host)", client_address, MAX_CONNECTIONS)
                 try:
                     request.settimeout(1.0)
                     request.sendall(_TOO_MANY)

@@ -198,7 +198,8 @@ class ScheduleService:
         try:
             await self.snapshot()
         except OSError as exc:
-            log.error("%s not written at stop (progress is replayed from the log): %s", self.config_dir, exc)
+            log.error("%s/%s not written at stop (progress is replayed from the log): %s", self.config_dir,
+                      SNAPSHOT_NAME, exc)
 
     async def snapshot(self) -> bool:
         """Write delayOffset.json when progress moved and its last record is flushed (True when it did). The loop
@@ -226,9 +227,9 @@ class ScheduleService:
             except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later snapshot
                 # Once per failure run (a full disk): it was an ERROR every 10 s for as long as the disk stayed full
                 if not failing or not isinstance(exc, OSError):
-                    log.error("%s not written (retried every %g s; until it is, a start replays the progress "
-                              "records after the last one): %s", self.config_dir, SNAPSHOT_INTERVAL_S, exc,
-                              exc_info=not isinstance(exc, OSError))
+                    log.error("%s/%s not written (retried every %g s; until it is, a start replays the progress "
+                              "records after the last one): %s", self.config_dir, SNAPSHOT_NAME, SNAPSHOT_INTERVAL_S,
+                              exc, exc_info=not isinstance(exc, OSError))
                 failing = isinstance(exc, OSError)
                 continue
             if failing and written:
