@@ -7,6 +7,7 @@ elsewhere the tests are skipped and say why.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -43,9 +44,10 @@ def tiny_disk(tmp_path):
         yield mount
 
 
-def _fill(path, bound: int = 2048) -> None:
-    """Write zeros to ``path`` until the disk is full to the last page (``bound`` pages at most)."""
-    with open(path, "wb", buffering=0) as f:
+def _fill(path, bound: int = 2048, mode: str = "wb") -> None:
+    """Write zeros to ``path`` until the disk is full to the last page (``bound`` pages at most); ``mode="ab"``
+    tops an existing ballast up, taking back whatever the disk freed since."""
+    with open(path, mode, buffering=0) as f:
         for _ in range(bound):
             try:
                 f.write(bytes(4096))
@@ -400,15 +402,22 @@ async def test_a_slave_whose_disk_is_full_pauses_replication_once_and_resumes_by
                 producer = Producer(master.namesrv, "PG_full_slave")
                 await producer.start()
                 await producer.send("FullSlave", b"before")
-                _fill(store / "ballast", bound=48 * 256)
+                # The disk stays full until the test frees it: each turn takes back what the slave freed (its
+                # index thread's slot table allocation, racing the first fill and undone by its ENOSPC, gave back
+                # 6 MiB on a slow CI run; the pressure cleaner frees a segment) so usage never sits below the
+                # refusal ratio with the slave appending into the room.
+                top_up = functools.partial(_fill, store / "ballast", bound=48 * 256, mode="ab")
+                top_up()
                 # Sends until the slave has said it paused, or has stopped three sessions (reconnecting for ever)
                 while "paused: this slave's disk is" not in slave.log() and slave.log().count(" stopped: ") < 3:
                     assert slave.proc.poll() is None, slave.log()
                     await producer.send("FullSlave", b"x" * 10_000)
+                    top_up()
                     await asyncio.sleep(0.05)
                 assert slave.log().count(" stopped: ") <= 1, slave.log()     # a transfer queued as it filled
                 for _ in range(100):      # the master goes on taking sends while the slave waits
                     await producer.send("FullSlave", b"x" * 10_000)
+                    top_up()
                 sessions = master.log().count(" connected")
                 os.unlink(store / "ballast")
                 await _logged(slave, "resumes: this slave's disk has room again")
