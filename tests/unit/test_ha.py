@@ -3,6 +3,7 @@ path (a master store's chunks copied into a slave store: same bytes, same queues
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 
@@ -449,6 +450,22 @@ def _ha_config(role: str, addr: str = ""):
                            ha_heartbeat_interval_ms=50, ha_housekeeping_interval_ms=5000,
                            ha_slave_fallbehind_max=1 << 28, ha_slave_timeout_ms=300)
 
+@contextlib.asynccontextmanager
+async def _slave_of(store, master):
+    """An HASlave of ``store`` following ``master`` (an asyncio server callback on 127.0.0.1:0), stopped after."""
+    from broker.ha.slave import HASlave
+    server = await asyncio.start_server(master, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    slave = HASlave(store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
+    task = asyncio.ensure_future(slave.run())
+    try:
+        yield slave
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
+
+
 
 async def _follow(master_store: MessageStore, slave_store: MessageStore, until, timeout: float = 10.0):
     """HAMaster over ``master_store`` and HASlave over ``slave_store`` on loopback, until ``until(slave,
@@ -565,7 +582,6 @@ async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_every
 
     import broker.ha.slave as slave_mod
     from broker.ha.codec import encode_transfer
-    from broker.ha.slave import HASlave
 
     monkeypatch.setattr(slave_mod, "PENDING_MAX", 4 << 20)
     frame, frames = 1 << 20, 64
@@ -586,11 +602,7 @@ async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_every
             writer.write(encode_transfer(i * frame, body) + body)
             await writer.drain()
         await reader.read()
-    server = await asyncio.start_server(master, "127.0.0.1", 0)
-    host, port = server.sockets[0].getsockname()[:2]
-    slave = HASlave(store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
-    task = asyncio.ensure_future(slave.run())
-    try:
+    async with _slave_of(store, master) as slave:
         while not slave.paused and len(held) < frames:
             await asyncio.sleep(0.01)
         assert slave.paused and len(held) * frame <= (4 << 20) + 2 * frame, len(held)
@@ -601,10 +613,6 @@ async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_every
                     f.set_result(ok)
             await asyncio.sleep(0.01)
         assert store.max_physical_offset == frames * frame
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        server.close()
 
 
 @bounded(30)
@@ -740,7 +748,6 @@ async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_h
     from types import SimpleNamespace
 
     from broker.ha.codec import encode_transfer
-    from broker.ha.slave import HASlave
 
     appended: list[tuple[int, int]] = []
 
@@ -763,11 +770,7 @@ async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_h
         writer.write(encode_transfer(0, b"x" * 100) + b"x" * 100)
         await writer.drain()
         await reader.read()
-    server = await asyncio.start_server(master, "127.0.0.1", 0)
-    host, port = server.sockets[0].getsockname()[:2]
-    slave = HASlave(store, _ha_config("SLAVE", f"{host}:{port}"), lambda: asyncio.open_connection(host, port))
-    task = asyncio.ensure_future(slave.run())
-    try:
+    async with _slave_of(store, master) as slave:
         while not slave.following:
             await asyncio.sleep(0.01)
         send.set()
@@ -778,9 +781,5 @@ async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_h
         while not appended:
             await asyncio.sleep(0.01)
         assert appended == [(0, 100)] and slave.sessions == 1 and not slave.disk_full
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        server.close()
     assert caplog.text.count("paused: this slave's disk is") == 1, caplog.text
     assert caplog.text.count("resumes: this slave's disk has room again") == 1, caplog.text
