@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -92,3 +93,16 @@ async def test_a_deleted_topic_leaves_the_scrape_and_a_new_one_of_its_name_count
         await producer.send("Gone", b"again")
     m = await asyncio.to_thread(_scrape, broker)
     assert m[("rocketmq_messages_in_total", (("topic", "Gone"),))] == 1
+
+
+async def test_every_exported_family_has_a_row_in_the_readme_metrics_table(broker_factory):
+    """An operator reads what a metric means in README's table: ten families were exported with no row there
+    (a live scrape's TYPE lines against the table), so an alert on them had nothing to say what they count."""
+    broker = broker_factory()
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = "\n".join(line for line in readme.splitlines() if line.startswith("| `"))
+    assert len(families) > 40
+    assert sorted(f for f in families if f"`{f}`" not in rows) == []
