@@ -528,14 +528,11 @@ class PullConsumer:
         only if that fails too does this raise (the second error, the broker's refusal as its cause). A refusal
         naming a late flush or slave (FLUSH_DISK_TIMEOUT, FLUSH_SLAVE_TIMEOUT, SLAVE_NOT_AVAILABLE: a RocketMQ
         broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
-        # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
-        # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
         if max_reconsume_times < -1:    # sent, the broker read it as no retries left: dead-lettered at once
             raise ValueError(f"max_reconsume_times={max_reconsume_times!r}: 0 or more, or -1 for the default")
         if max_reconsume_times == -1:   # RocketMQ's "default", never sent as such: the broker reads -1 as none
             max_reconsume_times = DEFAULT_MAX_RECONSUME_TIMES
-        origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
-                        if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic)
+        origin_topic = _origin_topic(mq, msg)
         cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
             "offset": msg.physical_offset, "group": self.group, "delayLevel": delay_level,
             "originMsgId": msg.msg_id, "originTopic": origin_topic, "maxReconsumeTimes": max_reconsume_times})
@@ -557,15 +554,23 @@ class PullConsumer:
         except BrokerError as exc:
             raise exc from refused
 
+    async def dead_letter(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int) -> None:
+        """Give an orderly consumer's message (pulled from ``mq``) that ran out of retries in place to
+        %DLQ%<group>, as RocketMQ's ConsumeMessageOrderlyService.sendMessageBack does: a send to %RETRY%<group>
+        whose count is ``msg.reconsume_times``, the retries counted here, which the broker dead-letters. Handed back
+        with CONSUMER_SEND_MSG_BACK and delayLevel -1, the broker counts from the stored record (0): every orderly
+        dead letter said RECONSUME_TIMES 1, whatever retries it had."""
+        await self._resend_for_retry(mq, msg, _origin_topic(mq, msg), max_reconsume_times, -1)
+
     async def _resend_for_retry(self, mq: MessageQueue, msg: MessageExt, origin_topic: str,
                                 max_reconsume_times: int, delay_level: int) -> None:
         """The message as pulled, sent to %RETRY%<group> on ``mq``'s broker with RocketMQ's retry properties
         (DefaultMQPushConsumerImpl.sendMessageBack's fallback); the broker dead-letters it when its count says
-        so. ``delay_level`` -1 sends it with the count at ``max_reconsume_times``: straight to %DLQ%<group>."""
+        so. ``delay_level`` -1 sends it with the count at least ``max_reconsume_times``: straight to %DLQ%<group>."""
         props = dict(msg.properties)
         props.setdefault(Prop.ORIGIN_MESSAGE_ID, msg.msg_id)
         props[Prop.RETRY_TOPIC] = origin_topic
-        times = max_reconsume_times if delay_level < 0 else msg.reconsume_times + 1
+        times = max(max_reconsume_times, msg.reconsume_times) if delay_level < 0 else msg.reconsume_times + 1
         props[Prop.RECONSUME_TIME] = str(times)
         props[Prop.MAX_RECONSUME_TIMES] = str(max_reconsume_times)
         props[Prop.DELAY] = str(delay_level if delay_level > 0 else 3 + max(msg.reconsume_times, 0))
@@ -652,6 +657,13 @@ class PullConsumer:
             except Exception:  # noqa: BLE001 - best effort
                 pass
         await self.pool.close()
+
+
+def _origin_topic(mq: MessageQueue, msg: MessageExt) -> str:
+    """The topic a handed-back message retries as: a retry's copy names its first copy's topic; any other message
+    is its queue's (a push consumer has set msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries
+    its source's RETRY_TOPIC)."""
+    return msg.properties.get(Prop.RETRY_TOPIC, msg.topic) if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic
 
 
 def _offset(resp: RemotingCommand) -> int:

@@ -11,6 +11,7 @@ from consumer import ConsumeStatus, PullConsumer, PushConsumer, SqliteIdempotenc
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.errors import BrokerError
+from tests.support.bounded import bounded
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -73,3 +74,42 @@ async def test_push_consumer_retries_parks_poison_and_applies_once(broker_factor
     assert skipped == ["job-5"]
     assert all(attempts[f"job-{i}"] == 2 for i in (0, 4, 8, 10, 14, 18))
     assert [m.body for m in dead] == [b"poison"]
+
+
+@bounded(60)
+async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker):
+    """An orderly consumer retries a failed message in place, counting each retry on its own, and past
+    max_reconsume_times dead-letters it as RocketMQ's (ConsumeMessageOrderlyService.sendMessageBack): a send to
+    %RETRY%<group> carrying that count, which the broker stores in %DLQ%<group>. It handed it back with
+    CONSUMER_SEND_MSG_BACK and delayLevel -1 instead, which counts from the stored record: every orderly dead
+    letter said RECONSUME_TIMES 1 after its 3 retries here (a stock consumer's says 3)."""
+    async with Producer(broker.namesrv, "PG_orderly_dead") as producer:
+        sent = await producer.send("OrderlyDead", b"poison")
+    attempts = []
+
+    def listener(msg):
+        attempts.append(msg.reconsume_times)
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer(broker.namesrv, "CG_orderly_dead", listener, consume_from="first", orderly=True,
+                            max_reconsume_times=3, suspend_s=0.05)
+    consumer.subscribe("OrderlyDead")
+    probe = PullConsumer(broker.namesrv, "CG_orderly_dead_probe")
+    await consumer.start()
+    try:
+        dead = []
+        while not dead:
+            try:
+                [dlq] = await probe.fetch_queues("%DLQ%CG_orderly_dead")
+            except BrokerError:                       # the dead letter makes the DLQ topic
+                await asyncio.sleep(0.05)
+                continue
+            dead = (await probe.pull(dlq, 0, suspend_ms=1000)).messages
+    finally:
+        await consumer.shutdown()
+        await probe.shutdown()
+    assert attempts == [0, 1, 2, 3]                   # the first delivery and three retries in place
+    [letter] = dead
+    assert letter.body == b"poison" and letter.reconsume_times == 3
+    assert letter.properties["RETRY_TOPIC"] == "OrderlyDead"
+    assert letter.properties["ORIGIN_MESSAGE_ID"] == sent.msg_id
