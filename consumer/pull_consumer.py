@@ -559,8 +559,19 @@ class PullConsumer:
         %DLQ%<group>, as RocketMQ's ConsumeMessageOrderlyService.sendMessageBack does: a send to %RETRY%<group>
         whose count is ``msg.reconsume_times``, the retries counted here, which the broker dead-letters. Handed back
         with CONSUMER_SEND_MSG_BACK and delayLevel -1, the broker counts from the stored record (0): every orderly
-        dead letter said RECONSUME_TIMES 1, whatever retries it had."""
-        await self._resend_for_retry(mq, msg, _origin_topic(mq, msg), max_reconsume_times, -1)
+        dead letter said RECONSUME_TIMES 1, whatever retries it had.
+
+        Refused (a group name of 121 or 122 characters, whose %RETRY% topic is past the 127-character limit where
+        its %DLQ% one is not; a broker without the retry topic and auto-creation), it is handed back with delayLevel
+        -1 as before, its count 1, rather than kept from the dead-letter queue for good, its queue stalled behind
+        it. Not after a timeout or a lost connection: the send may have been stored."""
+        origin_topic = _origin_topic(mq, msg)
+        try:
+            await self._resend_for_retry(mq, msg, origin_topic, max_reconsume_times, -1)
+        except ResponseError as exc:
+            log.warning("group %s: %s not dead-lettered with its count (%s); handing it back with delayLevel -1",
+                        self.group, msg.msg_id, exc)
+            await self.send_back(mq, msg, max_reconsume_times=max_reconsume_times, delay_level=-1)
 
     async def _resend_for_retry(self, mq: MessageQueue, msg: MessageExt, origin_topic: str,
                                 max_reconsume_times: int, delay_level: int) -> None:

@@ -76,13 +76,15 @@ async def test_push_consumer_retries_parks_poison_and_applies_once(broker_factor
     assert [m.body for m in dead] == [b"poison"]
 
 
+@pytest.mark.parametrize("group, counted", [("CG_orderly_dead", 3), ("G" * 121, 1)], ids=["group", "long-group"])
 @bounded(60)
-async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker):
+async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker, group, counted):
     """An orderly consumer retries a failed message in place, counting each retry on its own, and past
     max_reconsume_times dead-letters it as RocketMQ's (ConsumeMessageOrderlyService.sendMessageBack): a send to
     %RETRY%<group> carrying that count, which the broker stores in %DLQ%<group>. It handed it back with
     CONSUMER_SEND_MSG_BACK and delayLevel -1 instead, which counts from the stored record: every orderly dead
-    letter said RECONSUME_TIMES 1 after its 3 retries here (a stock consumer's says 3)."""
+    letter said RECONSUME_TIMES 1 after its 3 retries here (a stock consumer's says 3). A group whose %RETRY%
+    topic would be past the name limit (its %DLQ% one is not) is still dead-lettered, by that hand-back."""
     async with Producer(broker.namesrv, "PG_orderly_dead") as producer:
         sent = await producer.send("OrderlyDead", b"poison")
     attempts = []
@@ -91,7 +93,7 @@ async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker):
         attempts.append(msg.reconsume_times)
         return ConsumeStatus.RECONSUME_LATER
 
-    consumer = PushConsumer(broker.namesrv, "CG_orderly_dead", listener, consume_from="first", orderly=True,
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first", orderly=True,
                             max_reconsume_times=3, suspend_s=0.05)
     consumer.subscribe("OrderlyDead")
     probe = PullConsumer(broker.namesrv, "CG_orderly_dead_probe")
@@ -100,7 +102,7 @@ async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker):
         dead = []
         while not dead:
             try:
-                [dlq] = await probe.fetch_queues("%DLQ%CG_orderly_dead")
+                [dlq] = await probe.fetch_queues(f"%DLQ%{group}")
             except BrokerError:                       # the dead letter makes the DLQ topic
                 await asyncio.sleep(0.05)
                 continue
@@ -110,6 +112,6 @@ async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker):
         await probe.shutdown()
     assert attempts == [0, 1, 2, 3]                   # the first delivery and three retries in place
     [letter] = dead
-    assert letter.body == b"poison" and letter.reconsume_times == 3
+    assert letter.body == b"poison" and letter.reconsume_times == counted
     assert letter.properties["RETRY_TOPIC"] == "OrderlyDead"
     assert letter.properties["ORIGIN_MESSAGE_ID"] == sent.msg_id
