@@ -111,6 +111,9 @@ class PullResult:
 # The put statuses a RocketMQ broker answers a send-back with as SYSTEM_ERROR although it stored the copy.
 DEFAULT_MAX_RECONSUME_TIMES = 16   # RocketMQ's: what a push consumer's maxReconsumeTimes -1 stands for
 _STORED_LATE = frozenset({"FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"})
+# The same for a send (a retry's resend): its own codes, the message stored (a Java producer returns it as sent).
+_SENT_LATE = frozenset({ResponseCode.FLUSH_DISK_TIMEOUT, ResponseCode.FLUSH_SLAVE_TIMEOUT,
+                        ResponseCode.SLAVE_NOT_AVAILABLE})
 
 
 class PullConsumer:
@@ -599,7 +602,7 @@ class PullConsumer:
                 "flag": msg.flag, "properties": properties_to_string(props), "reconsumeTimes": times,
                 "unitMode": False, "maxReconsumeTimes": max_reconsume_times}, body=msg.body)
         resp = await self._request(mq, command(), self.timeout)
-        if resp.code == ResponseCode.SUCCESS:
+        if resp.code == ResponseCode.SUCCESS or _sent_late(self.group, msg, retry_topic, mq.broker_name, resp):
             return
         refused = error_for_code(resp.code, f"resending {msg.msg_id} to {retry_topic} on {mq.broker_name}: "
                                             f"{resp.remark}")
@@ -625,7 +628,7 @@ class PullConsumer:
                 log.warning("group %s: resending %s to %s on %s: %s", self.group, msg.msg_id, retry_topic,
                             qd.broker_name, exc)
                 continue
-            if resp.code == ResponseCode.SUCCESS:
+            if resp.code == ResponseCode.SUCCESS or _sent_late(self.group, msg, retry_topic, qd.broker_name, resp):
                 return
             log.warning("group %s: resending %s to %s on %s refused: %s", self.group, msg.msg_id, retry_topic,
                         qd.broker_name, resp.remark)
@@ -668,6 +671,17 @@ class PullConsumer:
             except Exception:  # noqa: BLE001 - best effort
                 pass
         await self.pool.close()
+
+
+def _sent_late(group: str, msg: MessageExt, topic: str, broker: str, resp: RemotingCommand) -> bool:
+    """True (said at WARNING) when a resend was stored though its flush or slave was late (a SYNC_MASTER with no
+    slave: SLAVE_NOT_AVAILABLE). Read as a refusal, the caller sent it again: an orderly dead letter stored twice
+    in %DLQ%<group> (handed back with delayLevel -1 after it), a retry resent for good."""
+    if resp.code not in _SENT_LATE:
+        return False
+    log.warning("group %s: %s resent to %s on %s, stored there but %s", group, msg.msg_id, topic, broker,
+                ResponseCode(resp.code).name)
+    return True
 
 
 def _origin_topic(mq: MessageQueue, msg: MessageExt) -> str:
