@@ -274,8 +274,9 @@ class TopicManager:
             self._saving = None
 
     def made_durable(self, topic: str) -> asyncio.Future | None:
-        """None when ``topic`` was not made since the catalogue was last written; else a future done once it is
-        written (at once, on the config thread, as ``saved``), the same for every send to the topic until then.
+        """None when ``topic`` was not made (nor grown: ``grow``) since the catalogue was last written; else a future
+        done once it is written (at once, on the config thread, as ``saved``), the same for every send to the topic
+        until then.
 
         For the sends that make a topic (processors/send.py; a slave's sync waits with ``saved``): answered SEND_OK while
         the batched write was still up to 100 ms away, a broker killed then came back with the topic restored from
@@ -672,8 +673,14 @@ class TopicManager:
         tc = self.topics.get(topic)
         if tc is None or (tc.read_queue_nums >= queues and tc.write_queue_nums >= queues):
             return tc
-        return self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
-                                       tc.perm, tc.filter_type, tc.sys_flag, tc.order), client)
+        tc = self.create(TopicConfig(topic, max(tc.read_queue_nums, queues), max(tc.write_queue_nums, queues),
+                                     tc.perm, tc.filter_type, tc.sys_flag, tc.order), client)
+        # Grown, it waits for its write as a new topic does (``made_durable``): a send-back that grew it picked a
+        # queue past the count on disk, and killed before the batched write, the broker came back with the old
+        # count while the retry, waiting in SCHEDULE_TOPIC_XXXX, went to a queue no consumer was given.
+        if self._loop is not None and self.unsaved.get(topic).__class__ is not asyncio.Future:
+            self.unsaved[topic] = self._changes
+        return tc
 
 
 _WIRE_FIELDS = {"readQueueNums": "read_queue_nums", "writeQueueNums": "write_queue_nums", "perm": "perm",

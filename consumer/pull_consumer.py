@@ -111,6 +111,9 @@ class PullResult:
 # The put statuses a RocketMQ broker answers a send-back with as SYSTEM_ERROR although it stored the copy.
 DEFAULT_MAX_RECONSUME_TIMES = 16   # RocketMQ's: what a push consumer's maxReconsumeTimes -1 stands for
 _STORED_LATE = frozenset({"FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"})
+# The same for a send (a retry's resend): its own codes, the message stored (a Java producer returns it as sent).
+_SENT_LATE = frozenset({ResponseCode.FLUSH_DISK_TIMEOUT, ResponseCode.FLUSH_SLAVE_TIMEOUT,
+                        ResponseCode.SLAVE_NOT_AVAILABLE})
 
 
 class PullConsumer:
@@ -528,14 +531,11 @@ class PullConsumer:
         only if that fails too does this raise (the second error, the broker's refusal as its cause). A refusal
         naming a late flush or slave (FLUSH_DISK_TIMEOUT, FLUSH_SLAVE_TIMEOUT, SLAVE_NOT_AVAILABLE: a RocketMQ
         broker's SYNC_FLUSH or SYNC_MASTER) is not one: the copy is stored, and nothing more is sent."""
-        # A retry's copy names its first copy's topic; any other message is its queue's (a push consumer has set
-        # msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries its source's RETRY_TOPIC).
         if max_reconsume_times < -1:    # sent, the broker read it as no retries left: dead-lettered at once
             raise ValueError(f"max_reconsume_times={max_reconsume_times!r}: 0 or more, or -1 for the default")
         if max_reconsume_times == -1:   # RocketMQ's "default", never sent as such: the broker reads -1 as none
             max_reconsume_times = DEFAULT_MAX_RECONSUME_TIMES
-        origin_topic = (msg.properties.get(Prop.RETRY_TOPIC, msg.topic)
-                        if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic)
+        origin_topic = _origin_topic(mq, msg)
         cmd = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
             "offset": msg.physical_offset, "group": self.group, "delayLevel": delay_level,
             "originMsgId": msg.msg_id, "originTopic": origin_topic, "maxReconsumeTimes": max_reconsume_times})
@@ -557,15 +557,34 @@ class PullConsumer:
         except BrokerError as exc:
             raise exc from refused
 
+    async def dead_letter(self, mq: MessageQueue, msg: MessageExt, *, max_reconsume_times: int) -> None:
+        """Give an orderly consumer's message (pulled from ``mq``) that ran out of retries in place to
+        %DLQ%<group>, as RocketMQ's ConsumeMessageOrderlyService.sendMessageBack does: a send to %RETRY%<group>
+        whose count is ``msg.reconsume_times``, the retries counted here, which the broker dead-letters. Handed back
+        with CONSUMER_SEND_MSG_BACK and delayLevel -1, the broker counts from the stored record (0): every orderly
+        dead letter said RECONSUME_TIMES 1, whatever retries it had.
+
+        Refused (a group name of 121 or 122 characters, whose %RETRY% topic is past the 127-character limit where
+        its %DLQ% one is not; a broker without the retry topic and auto-creation), it is handed back with delayLevel
+        -1 as before, its count 1, rather than kept from the dead-letter queue for good, its queue stalled behind
+        it. Not after a timeout or a lost connection: the send may have been stored."""
+        origin_topic = _origin_topic(mq, msg)
+        try:
+            await self._resend_for_retry(mq, msg, origin_topic, max_reconsume_times, -1)
+        except ResponseError as exc:
+            log.warning("group %s: %s not dead-lettered with its count (%s); handing it back with delayLevel -1",
+                        self.group, msg.msg_id, exc)
+            await self.send_back(mq, msg, max_reconsume_times=max_reconsume_times, delay_level=-1)
+
     async def _resend_for_retry(self, mq: MessageQueue, msg: MessageExt, origin_topic: str,
                                 max_reconsume_times: int, delay_level: int) -> None:
         """The message as pulled, sent to %RETRY%<group> on ``mq``'s broker with RocketMQ's retry properties
         (DefaultMQPushConsumerImpl.sendMessageBack's fallback); the broker dead-letters it when its count says
-        so. ``delay_level`` -1 sends it with the count at ``max_reconsume_times``: straight to %DLQ%<group>."""
+        so. ``delay_level`` -1 sends it with the count at least ``max_reconsume_times``: straight to %DLQ%<group>."""
         props = dict(msg.properties)
         props.setdefault(Prop.ORIGIN_MESSAGE_ID, msg.msg_id)
         props[Prop.RETRY_TOPIC] = origin_topic
-        times = max_reconsume_times if delay_level < 0 else msg.reconsume_times + 1
+        times = max(max_reconsume_times, msg.reconsume_times) if delay_level < 0 else msg.reconsume_times + 1
         props[Prop.RECONSUME_TIME] = str(times)
         props[Prop.MAX_RECONSUME_TIMES] = str(max_reconsume_times)
         props[Prop.DELAY] = str(delay_level if delay_level > 0 else 3 + max(msg.reconsume_times, 0))
@@ -583,7 +602,7 @@ class PullConsumer:
                 "flag": msg.flag, "properties": properties_to_string(props), "reconsumeTimes": times,
                 "unitMode": False, "maxReconsumeTimes": max_reconsume_times}, body=msg.body)
         resp = await self._request(mq, command(), self.timeout)
-        if resp.code == ResponseCode.SUCCESS:
+        if resp.code == ResponseCode.SUCCESS or _sent_late(self.group, msg, retry_topic, mq.broker_name, resp):
             return
         refused = error_for_code(resp.code, f"resending {msg.msg_id} to {retry_topic} on {mq.broker_name}: "
                                             f"{resp.remark}")
@@ -609,7 +628,7 @@ class PullConsumer:
                 log.warning("group %s: resending %s to %s on %s: %s", self.group, msg.msg_id, retry_topic,
                             qd.broker_name, exc)
                 continue
-            if resp.code == ResponseCode.SUCCESS:
+            if resp.code == ResponseCode.SUCCESS or _sent_late(self.group, msg, retry_topic, qd.broker_name, resp):
                 return
             log.warning("group %s: resending %s to %s on %s refused: %s", self.group, msg.msg_id, retry_topic,
                         qd.broker_name, resp.remark)
@@ -652,6 +671,24 @@ class PullConsumer:
             except Exception:  # noqa: BLE001 - best effort
                 pass
         await self.pool.close()
+
+
+def _sent_late(group: str, msg: MessageExt, topic: str, broker: str, resp: RemotingCommand) -> bool:
+    """True (said at WARNING) when a resend was stored though its flush or slave was late (a SYNC_MASTER with no
+    slave: SLAVE_NOT_AVAILABLE). Read as a refusal, the caller sent it again: an orderly dead letter stored twice
+    in %DLQ%<group> (handed back with delayLevel -1 after it), a retry resent for good."""
+    if resp.code not in _SENT_LATE:
+        return False
+    log.warning("group %s: %s resent to %s on %s, stored there but %s", group, msg.msg_id, topic, broker,
+                ResponseCode(resp.code).name)
+    return True
+
+
+def _origin_topic(mq: MessageQueue, msg: MessageExt) -> str:
+    """The topic a handed-back message retries as: a retry's copy names its first copy's topic; any other message
+    is its queue's (a push consumer has set msg.topic to RETRY_TOPIC, and a message forwarded from a retry carries
+    its source's RETRY_TOPIC)."""
+    return msg.properties.get(Prop.RETRY_TOPIC, msg.topic) if mq.topic.startswith(("%RETRY%", "%DLQ%")) else mq.topic
 
 
 def _offset(resp: RemotingCommand) -> int:

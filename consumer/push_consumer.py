@@ -883,9 +883,8 @@ class PushConsumer:
                               msg.msg_id, mq, retries)
                     return
                 while True:
-                    try:     # delayLevel -1: straight to the dead-letter queue
-                        await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times,
-                                                    delay_level=-1)
+                    try:     # with the retries counted here, as RocketMQ's orderly consumer sends it
+                        await self.client.dead_letter(mq, msg, max_reconsume_times=self.max_reconsume_times)
                         return
                     except BrokerError as exc:
                         if self._halted(mq):

@@ -666,6 +666,14 @@ async def handle_send_back(ctx, conn, cmd):
     refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
     if refused is not None:
         return refused
+    made = ctx.topics.made_durable(topic)
+    if made is not None:
+        # A topic the send-back just made (or grew, or a heartbeat did) is in topics.json before the copy is
+        # stored, as RocketMQ's createTopicInSendMessageBackMethod persists it: a retry waits in
+        # SCHEDULE_TOPIC_XXXX, so no queue of its topic is on disk for start-up to restore it from, and a kill -9
+        # within the batched write's 100 ms left the group's consumers without the topic (TOPIC_NOT_EXIST) until
+        # the retry was delivered, or (grown) with fewer queues than the one the retry went to.
+        await made
     # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries. Never past
     # the queues the topic has (a queue limit can keep it from growing): a queue past them would never be read.
     writable = ctx.topics.topics[topic].write_queue_nums

@@ -83,3 +83,77 @@ async def test_sends_pipelined_to_a_new_topic_are_stored_in_the_order_they_came(
         conn.close()
     assert [r.code for r in replies] == [ResponseCode.SUCCESS] * n
     assert [int(r.ext_fields["queueOffset"]) for r in replies] == list(range(n))
+
+
+@pytest.mark.parametrize("delay_level", [0, -1], ids=["retry", "dead-letter"])
+@bounded(90)
+async def test_a_retry_topic_a_send_back_made_keeps_its_queues_through_a_kill_right_after_its_success(
+        broker_factory, delay_level):
+    """RocketMQ's send-back writes the %RETRY% (or %DLQ%) topic it makes before it stores the copy. Here it was
+    batched: killed right after the SUCCESS, the broker came back without %RETRY%CG_back -- its only message still
+    waited in SCHEDULE_TOPIC_XXXX, so no queue of it was on disk to restore it from -- and its consumers' routes,
+    pulls and locks of it were answered TOPIC_NOT_EXIST until the retry was delivered, which made it again with
+    one queue of the group's four."""
+    b = broker_factory()
+    conn = await open_connection(*_hostport(b.broker))
+    try:
+        reply = await conn.request(RemotingCommand.request(
+            RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+            json.dumps({"groupName": "CG_back", "retryQueueNums": 4}).encode()), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        sent = await conn.request(_send("Failing", 0), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        reply = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": int(sent.ext_fields["msgId"][-16:], 16), "group": "CG_back", "delayLevel": delay_level,
+            "originMsgId": sent.ext_fields["msgId"], "maxReconsumeTimes": 16}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+    finally:
+        conn.close()
+    b.kill()
+
+    b = broker_factory()
+    conn = await open_connection(*_hostport(b.broker))
+    try:
+        table = await _topic_table(conn)
+    finally:
+        conn.close()
+    made, queues = ("%RETRY%CG_back", 4) if delay_level == 0 else ("%DLQ%CG_back", 1)
+    assert made in table, f"{made} is gone"
+    assert (table[made]["readQueueNums"], table[made]["writeQueueNums"], table[made]["perm"]) == (queues, queues, 6)
+
+
+@bounded(90)
+async def test_a_retry_topic_a_send_back_grew_keeps_its_queues_through_a_kill_right_after_its_success(
+        broker_factory):
+    """The same for a %RETRY% topic the send-back grows to its group's retryQueueNums (one set to fewer queues):
+    killed right after the SUCCESS, the broker came back with the one queue it had, while the retry, waiting in
+    SCHEDULE_TOPIC_XXXX, went to any of the four -- into a queue past the topic's count, which no consumer is
+    given until something grows the topic again."""
+    b = broker_factory()
+    conn = await open_connection(*_hostport(b.broker))
+    try:
+        reply = await conn.request(RemotingCommand.request(
+            RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+            json.dumps({"groupName": "CG_grow", "retryQueueNums": 4}).encode()), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        reply = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "%RETRY%CG_grow", "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        sent = await conn.request(_send("Failing", 0), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        reply = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
+            "offset": int(sent.ext_fields["msgId"][-16:], 16), "group": "CG_grow", "delayLevel": 0,
+            "originMsgId": sent.ext_fields["msgId"], "maxReconsumeTimes": 16}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+    finally:
+        conn.close()
+    b.kill()
+
+    b = broker_factory()
+    conn = await open_connection(*_hostport(b.broker))
+    try:
+        table = await _topic_table(conn)
+    finally:
+        conn.close()
+    grown = table["%RETRY%CG_grow"]
+    assert (grown["readQueueNums"], grown["writeQueueNums"]) == (4, 4)

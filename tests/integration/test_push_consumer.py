@@ -11,6 +11,7 @@ from consumer import ConsumeStatus, PullConsumer, PushConsumer, SqliteIdempotenc
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.errors import BrokerError
+from tests.support.bounded import bounded
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -73,3 +74,63 @@ async def test_push_consumer_retries_parks_poison_and_applies_once(broker_factor
     assert skipped == ["job-5"]
     assert all(attempts[f"job-{i}"] == 2 for i in (0, 4, 8, 10, 14, 18))
     assert [m.body for m in dead] == [b"poison"]
+
+
+async def _orderly_dead_letters(broker, group: str):
+    """A poison message, then one more in its queue, consumed orderly with 3 retries in place: (the poison's
+    SendResult, the retry counts the listener saw, everything in %DLQ%<group> once the next message was consumed
+    -- so after the poison's dead letter was done with, however many copies it stored)."""
+    async with Producer(broker.namesrv, "PG_orderly_dead") as producer:
+        sent = await producer.send("OrderlyDead", b"poison")
+        await producer.send("OrderlyDead", b"next", queue=sent.queue)
+    attempts = []
+    passed = asyncio.Event()
+
+    def listener(msg):
+        if msg.body == b"next":
+            passed.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        attempts.append(msg.reconsume_times)
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first", orderly=True,
+                            max_reconsume_times=3, suspend_s=0.05)
+    consumer.subscribe("OrderlyDead")
+    probe = PullConsumer(broker.namesrv, "CG_orderly_dead_probe")
+    await consumer.start()
+    try:
+        await passed.wait()
+        [dlq] = await probe.fetch_queues(f"%DLQ%{group}")
+        dead = (await probe.pull(dlq, 0, max_nums=32, suspend_ms=0)).messages
+    finally:
+        await consumer.shutdown()
+        await probe.shutdown()
+    return sent, attempts, dead
+
+
+@pytest.mark.parametrize("group, counted", [("CG_orderly_dead", 3), ("G" * 121, 1)], ids=["group", "long-group"])
+@bounded(60)
+async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker, group, counted):
+    """An orderly consumer retries a failed message in place, counting each retry on its own, and past
+    max_reconsume_times dead-letters it as RocketMQ's (ConsumeMessageOrderlyService.sendMessageBack): a send to
+    %RETRY%<group> carrying that count, which the broker stores in %DLQ%<group>. It handed it back with
+    CONSUMER_SEND_MSG_BACK and delayLevel -1 instead, which counts from the stored record: every orderly dead
+    letter said RECONSUME_TIMES 1 after its 3 retries here (a stock consumer's says 3). A group whose %RETRY%
+    topic would be past the name limit (its %DLQ% one is not) is still dead-lettered, by that hand-back."""
+    sent, attempts, dead = await _orderly_dead_letters(broker, group)
+    assert attempts == [0, 1, 2, 3]                   # the first delivery and three retries in place
+    [letter] = dead
+    assert letter.body == b"poison" and letter.reconsume_times == counted
+    assert letter.properties["RETRY_TOPIC"] == "OrderlyDead"
+    assert letter.properties["ORIGIN_MESSAGE_ID"] == sent.msg_id
+
+
+@bounded(60)
+async def test_an_orderly_dead_letter_a_sync_master_stored_late_is_stored_once(broker_factory):
+    """A SYNC_MASTER with no slave answers the dead letter's send SLAVE_NOT_AVAILABLE, the message stored (as
+    RocketMQ's, whose producer returns such a send as sent). Read as a refusal, the dead letter was handed back
+    with delayLevel -1 too: two copies in %DLQ%<group>, the second counting 1."""
+    b = broker_factory("--broker-role", "SYNC_MASTER", "--ha-port", "0")
+    _, attempts, dead = await _orderly_dead_letters(b, "CG_orderly_dead_sync")
+    assert attempts == [0, 1, 2, 3]
+    assert [(m.body, m.reconsume_times) for m in dead] == [(b"poison", 3)]

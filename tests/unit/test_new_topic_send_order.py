@@ -166,3 +166,55 @@ async def test_sends_to_a_new_topic_go_ahead_when_topics_json_cannot_be_written(
         if client is not None:
             client.close()
         await server.stop()
+
+
+def _send_back(offset: int, group: str) -> RemotingCommand:
+    return RemotingCommand(R.CONSUMER_SEND_MSG_BACK, opaque=next(_OPAQUES), ext_fields={
+        "offset": str(offset), "group": group, "delayLevel": "0", "maxReconsumeTimes": "16"})
+
+
+@bounded(30)
+async def test_a_send_back_waiting_for_its_new_retry_topic_holds_no_other_and_goes_ahead_on_a_full_disk(
+        tmp_path, monkeypatch):
+    """A send-back that made %RETRY%<group> waits for topics.json (made_durable); one of a group whose topic is
+    written does not wait behind it, and on a full disk (the write failing) the waiting one is stored and answered
+    SUCCESS -- its retry, delivered, makes the topic again should the broker stop before the write -- rather than
+    held until the disk frees up."""
+    import errno
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        sent = _send("Failing", b"m")
+        client.write(sent.encode())
+        [reply] = await client.reply(sent.opaque, 10)
+        assert reply.code == C.SUCCESS, reply.remark
+        offset = int(reply.ext_fields["msgId"][-16:], 16)
+        old = _send_back(offset, "CG_written")
+        client.write(old.encode())
+        assert (await client.reply(old.opaque, 10))[0].code == C.SUCCESS
+        await server.ctx.topics.saved()
+
+        started, release = _held_saves(monkeypatch)
+        new, old = _send_back(offset, "CG_new"), _send_back(offset, "CG_written")
+        client.write(new.encode())
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        client.write(old.encode())
+        assert (await client.reply(old.opaque, 10))[0].code == C.SUCCESS    # while CG_new's write is held
+        assert new.opaque not in client.replies                             # which CG_new's answer waits for
+
+        def full(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(topics_module, "save", full)
+        release.set()       # the held write goes on (real_save); a second new topic meets the full disk
+        assert (await client.reply(new.opaque, 10))[0].code == C.SUCCESS
+        full_new = _send_back(offset, "CG_full")
+        client.write(full_new.encode())
+        [reply] = await client.reply(full_new.opaque, 10)
+        assert reply.code == C.SUCCESS, reply.remark
+        assert "%RETRY%CG_full" in server.ctx.topics.topics
+    finally:
+        if client is not None:
+            client.close()
+        await server.stop()
