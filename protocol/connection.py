@@ -38,6 +38,7 @@ import functools
 import itertools
 import json
 import logging
+import random
 import socket
 from typing import Awaitable, Callable, Optional, Union
 
@@ -760,6 +761,13 @@ async def finish_within(tasks, grace_s: float) -> list:
     for task in late:
         task.cancel()
     return late
+
+
+def jittered(delay: float) -> float:
+    """A back-off of ``delay`` seconds spread at random over its second half. Clients whose broker went down failed
+    at one instant and, backing off alike (0.5, 1, 2, 4 s), retried at one instant too: every client of a restarted
+    broker reconnected and heartbeat in the same tick, each round. Never longer than ``delay``."""
+    return delay * random.uniform(0.5, 1.0)
 
 
 async def wait_within(aw, timeout: float | None):
