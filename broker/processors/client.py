@@ -70,8 +70,8 @@ def _in_order(conn, make):
 
 
 # Body bytes past which a heartbeat is registered a slice of groups at a time (HEARTBEAT_SLICE, or fewer holding
-# HEARTBEAT_SLICE_ITEMS tags), letting other clients in between: some 300 groups. One naming 9,000 groups (2 MB) held the loop 0.3 s, and a client sending
-# them back to back held every other client's request up to 1.2 s.
+# HEARTBEAT_SLICE_ITEMS tags), letting other clients in between: some 300 groups. One naming 9,000 groups (2 MB)
+# held the loop 0.3 s, and a client sending them back to back held every other client's request up to 1.2 s.
 _LARGE_HEARTBEAT = 64 * 1024
 
 
