@@ -219,3 +219,34 @@ async def test_frames_received_in_part_are_capped_broker_wide(broker_factory):
             sender.close()
     assert seen.get(("txmq_requests_refused_total", (("reason", "max_total_read_buffer"),))) == 1, seen
     assert "over the broker's limit (max_total_read_buffer" in b.log()
+
+
+@bounded(60)
+async def test_a_frame_arriving_whole_is_not_closed_for_frames_others_left_unfinished(broker_factory):
+    """Past --max-total-read-buffer the connection holding the most unfinished bytes was closed: connections each
+    holding 1 MiB of a frame they never finish (6 MiB together, under the cap) got a producer sending one 4 MiB
+    request at full speed closed instead of them, as soon as its frame in progress was the largest: an idle
+    holder could keep every large request out. The frames left unfinished longest go first."""
+    cap = 6 * MiB
+    b = broker_factory("--max-total-read-buffer", str(cap))
+    stalled = [await RawClient.open(b.broker) for _ in range(6)]
+    sender = await RawClient.open(b.broker)
+    try:
+        for s in stalled:
+            s.write(RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO,
+                                            body=b"s" * (4 * MiB)).encode()[:MiB])
+            await s.writer.drain()
+        small = RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO, opaque=1)
+        assert (await sender.call(small, 20))[0].code == ResponseCode.SUCCESS
+        big = RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO, body=b"x" * (4 * MiB), opaque=2)
+        replies = await sender.call(big, 20)
+        assert replies and replies[0].code == ResponseCode.SUCCESS, (replies, b.log()[-3000:])
+        seen = await asyncio.to_thread(_metrics, b.metrics)
+        closed = seen.get(("txmq_requests_refused_total", (("reason", "max_total_read_buffer"),)))
+        assert closed and closed >= 1, seen
+        assert not sender.closed.is_set()       # (those closed were stalled ones)
+    finally:
+        sender.close()
+        for s in stalled:
+            s.close()
+    assert b.log().count("over the broker's limit (max_total_read_buffer") == closed
