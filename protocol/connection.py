@@ -16,7 +16,7 @@ listener), and applies the limits a server facing unknown clients needs:
   it, the connections holding the most are closed, largest first (one peer that does not read
   may hold ``max_write_buffer``; a hundred of them must not hold a hundred times that);
   a shared ``ReadBudget`` does the same for frames received in part (one may declare 16 MiB and
-  never finish);
+  never finish), closing those unfinished longest first;
 * a malformed frame is answered with an error where its opaque can be found,
   then the connection closes (the stream cannot be re-synchronised);
 * fairness: one read handles at most ``FRAMES_PER_TURN`` frames; the rest wait for the next
@@ -196,7 +196,8 @@ class RemotingConnection(asyncio.Protocol):
             self.close()
             return
         if self.read_budget is not None:
-            self.read_budget.report(self, self._decoder.buffered)     # (a dict look-up when nothing changed)
+            # (a dict look-up when nothing changed; with frames completed, what is left is of a frame begun since)
+            self.read_budget.report(self, self._decoder.buffered, bool(frames))
         if self._backlog:                   # a turn is already scheduled: these wait behind it
             self._backlog.extend(frames)
             return
@@ -549,7 +550,7 @@ class _SharedBudget:
         self.total = sum(held.values())
         if self.total <= self.cap:
             return
-        for conn, size in sorted(held.items(), key=self._shed_order, reverse=True):
+        for conn, size in self._in_shed_order(held):
             if self.total <= self.cap:
                 break
             self._say(conn, size)
@@ -560,6 +561,9 @@ class _SharedBudget:
 
     def _measure(self, conn: RemotingConnection) -> int:
         raise NotImplementedError
+
+    def _in_shed_order(self, held: dict) -> list:
+        return sorted(held.items(), key=self._shed_order, reverse=True)
 
     def _shed_order(self, item) -> tuple:
         return (item[1],)                   # the largest first
@@ -593,15 +597,35 @@ class ReadBudget(_SharedBudget):
     """Bytes of request frames received but not yet whole. A frame may declare up to max_frame_size (16 MiB) and
     arrive as slowly as its peer likes: forty connections each holding 15 MiB of a frame never finished kept
     600 MB, logged nothing, and max_connections_per_host lets one address open thousands (the process was killed
-    for its memory, every client with it). The connections holding the most unfinished bytes are closed first."""
+    for its memory, every client with it). The connections whose frame has been unfinished longest are closed
+    first: a sender at full speed finishes its frame in milliseconds, one that stalls holds its bytes as long as it
+    likes. (Closed largest first, six connections idling on 1 MiB each got a 4 MiB request sent at full speed
+    closed instead, as soon as its frame in progress was the largest: idle holders kept every large request out.)
+    ``_held`` is in that order: a connection enters it at the first byte of a frame, and goes to its back when a
+    frame completed and another has begun (``fresh``)."""
 
     reason = "max_total_read_buffer"
+
+    def report(self, conn: RemotingConnection, held: int, fresh: bool = False) -> None:
+        before = self._held.get(conn, 0)
+        if held == before and not fresh:
+            return
+        if before:
+            del self._held[conn]            # (re-inserted below: a frame begun since goes to the back)
+        if held:
+            self._held[conn] = held
+        self.total += held - before
+        if self.total > self.cap:
+            self._shed()
+
+    def _in_shed_order(self, held: dict) -> list:
+        return list(held.items())           # the frame unfinished longest first
 
     def _measure(self, conn: RemotingConnection) -> int:
         return conn.unfinished_bytes
 
     def _say(self, conn: RemotingConnection, size: int) -> None:
-        log.warning("closing %s:%s: %d bytes of a request frame not yet whole, the most of any connection, while "
+        log.warning("closing %s:%s: %d bytes of a request frame not yet whole, the one unfinished longest, while "
                     "all connections hold %d such bytes, over the %s's limit (max_total_read_buffer=%d)",
                     conn.peer[0], conn.peer[1], size, self.total, self.owner, self.cap)
 

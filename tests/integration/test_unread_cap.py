@@ -192,7 +192,7 @@ async def test_unread_replies_of_many_clients_are_capped_across_the_name_server(
 async def test_frames_received_in_part_are_capped_broker_wide(broker_factory):
     """A frame may declare up to 16 MiB and arrive as slowly as its sender likes: forty connections each holding
     15 MiB of a frame never finished kept 600 MB in the broker, with no log line or count, and one address may
-    open thousands. With --max-total-read-buffer, the connection holding the most unfinished bytes is closed once
+    open thousands. With --max-total-read-buffer, the connection whose frame is unfinished longest is closed once
     all together pass it (logged, counted); the others finish their frames and are answered."""
     cap = 8 * MiB
     b = broker_factory("--max-total-read-buffer", str(cap))
