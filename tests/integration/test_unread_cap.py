@@ -250,3 +250,29 @@ async def test_a_frame_arriving_whole_is_not_closed_for_frames_others_left_unfin
         for s in stalled:
             s.close()
     assert b.log().count("over the broker's limit (max_total_read_buffer") == closed
+
+
+@bounded(60)
+async def test_frames_received_in_part_are_capped_across_the_name_server(tmp_path):
+    """The stand-alone name server's --max-total-read-buffer (64 MiB), untested before: the connection whose frame
+    is unfinished longest is closed, logged, once all together pass it; the others are answered."""
+    ns = NamesrvProcess(tmp_path / "namesrv.log", "--max-total-read-buffer", str(4 * MiB)).start()
+    senders = [await RawClient.open(ns.addr) for _ in range(3)]
+    frames = [RemotingCommand.request(RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER, body=b"x" * (2 * MiB),
+                                      opaque=n) for n in range(len(senders))]
+    encoded = [f.encode() for f in frames]
+    cut = 3 * MiB // 2              # three of them are 4.5 MiB not yet whole: past the cap
+    try:
+        for sender, frame in zip(senders, encoded):
+            sender.write(frame[:cut])
+            await sender.writer.drain()
+        await asyncio.wait_for(senders[0].closed.wait(), 20)      # the first begun
+        for sender, frame, whole in zip(senders[1:], frames[1:], encoded[1:]):
+            sender.write(whole[cut:])
+            replies = await sender.reply(frame.opaque, 20)
+            assert replies and replies[0].code == ResponseCode.SUCCESS, (replies, ns.log()[-3000:])
+    finally:
+        for sender in senders:
+            sender.close()
+        ns.stop()
+    assert ns.log().count("over the name server's limit (max_total_read_buffer=4194304)") == 1, ns.log()[-3000:]
