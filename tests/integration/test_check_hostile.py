@@ -213,6 +213,29 @@ async def test_ends_a_client_repeats_at_will_are_counted_and_logged_at_most_ever
     assert 1 <= log.count("END_TRANSACTION refused: transaction already COMMIT") <= 2, log[-3000:]
 
 
+@bounded(60)
+async def test_ends_whose_fields_are_not_numbers_are_logged_at_most_every_10_s(broker_factory):
+    """The second path of the END flood: a commitOrRollback (or an offset) that is not a number is refused before
+    the END is read, by the connection's header check, which logged each at INFO (the broker's level): 300 oneway
+    ENDs, 300 lines, as many as a client cares to send."""
+    b = broker_factory()
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    repeats = 300
+    try:
+        for n in range(repeats):
+            conn.oneway(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": GROUP, "tranStateTableOffset": "1", "commitLogOffset": "x" if n % 2 else "1",
+                "commitOrRollback": "COMMIT", "fromTransactionCheck": "false"}, oneway=True))
+        code, remark = await _end(conn, "y", 0)     # answered after every oneway END before it
+        assert code != ResponseCode.SUCCESS and "commitLogOffset" in remark, remark
+    finally:
+        conn.close()
+    log = b.log_path.read_text(errors="replace")
+    # one line, or two if the run took longer than 10 s on a loaded machine
+    assert 1 <= log.count("END_TRANSACTION from ") <= 2, log[-3000:]
+
+
 class PerGroup:
     """One connection's handler for a process with producers of two groups: checks of ``hung`` are never
     answered (its listener is stuck), the others are committed."""
