@@ -348,7 +348,7 @@ class RemotingConnection(asyncio.Protocol):
     def _reply_error(self, cmd: RemotingCommand, exc: BaseException) -> None:
         if isinstance(exc, ProtocolError):
             code = exc.response_code
-            log.info("%s from %s:%s refused: %s", request_name(cmd.code), self.peer[0], self.peer[1], exc)
+            _log_refusal(self._loop.time(), cmd, self.peer, exc)
         else:
             code = ResponseCode.SYSTEM_ERROR
             log.error("%s from %s:%s failed", request_name(cmd.code), self.peer[0], self.peer[1],
@@ -785,6 +785,33 @@ async def finish_within(tasks, grace_s: float) -> list:
     for task in late:
         task.cancel()
     return late
+
+
+# A request refused for its header (a field not a number, one missing): logged at most every REFUSAL_LOG_GAP_S a request
+# code, with how many went unlogged since. A line each, 300 oneway ENDs of commitOrRollback=COMMIT wrote 300 lines, as
+# many as a client cared to send, each quoting the field's value whole (up to a frame, 16 MiB): now cut to
+# REFUSAL_LOG_CHARS.
+REFUSAL_LOG_GAP_S = 10.0
+REFUSAL_LOG_CHARS = 512
+_refusals_logged: dict[str, list] = {}      # request name ("other" for unknown codes) -> [when logged, unlogged since]
+
+
+def _log_refusal(now: float, cmd: RemotingCommand, peer: tuple, exc: BaseException) -> None:
+    name = request_name(cmd.code)
+    if name.lstrip("-").isdigit():          # a made-up code: one key for them all, so the dict stays bounded
+        name = "other"
+    seen = _refusals_logged.get(name)
+    if seen is not None and now - seen[0] < REFUSAL_LOG_GAP_S:
+        seen[1] += 1
+        return
+    unlogged = seen[1] if seen is not None else 0
+    _refusals_logged[name] = [now, 0]
+    text = str(exc)
+    if len(text) > REFUSAL_LOG_CHARS:
+        text = f"{text[:REFUSAL_LOG_CHARS]}... ({len(text)} characters)"
+    log.info("%s from %s:%s refused: %s (logged at most every %d s a request code%s)", request_name(cmd.code),
+             peer[0], peer[1], text, REFUSAL_LOG_GAP_S,
+             f"; {unlogged} more refused since the last line" if unlogged else "")
 
 
 def jittered(delay: float) -> float:
