@@ -608,7 +608,7 @@ class ReadBudget(_SharedBudget):
 
     def report(self, conn: RemotingConnection, held: int, fresh: bool = False) -> None:
         before = self._held.get(conn, 0)
-        if held == before and not fresh:
+        if held == before and not (fresh and held):     # (a read ending on a frame's end: nothing to move)
             return
         if before:
             del self._held[conn]            # (re-inserted below: a frame begun since goes to the back)
