@@ -234,6 +234,12 @@ async def test_ends_whose_fields_are_not_numbers_are_logged_at_most_every_10_s(b
     log = b.log_path.read_text(errors="replace")
     # one line, or two if the run took longer than 10 s on a loaded machine
     assert 1 <= log.count("END_TRANSACTION from ") <= 2, log[-3000:]
+    # a commitOrRollback of COMMIT is as made up as 5 (README: not 0, 8 or 12), where the offsets before it are
+    # numbers
+    import urllib.request
+    scraped = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
+    assert f'txmq_requests_refused_total{{reason="end-bad-state"}} {repeats // 2}.0' in scraped
 
 
 class PerGroup:
