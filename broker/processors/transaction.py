@@ -34,7 +34,11 @@ def end_transaction(ctx, conn, cmd):
     group = cmd.str_field("producerGroup", required=True)
     table_offset = cmd.int_field("tranStateTableOffset", required=True)
     half_offset = cmd.int_field("commitLogOffset", required=True)
-    state = cmd.int_field("commitOrRollback", required=True)
+    try:
+        state = cmd.int_field("commitOrRollback", required=True)
+    except HeaderError:     # made up as much as 5 is: counted alike (refused, and logged, by the connection)
+        ctx.limits.refused("end-bad-state")
+        raise
     from_check = cmd.bool_field("fromTransactionCheck")
     op = _STATES.get(state)
     if op is None:      # (RocketMQ answers nothing and says nothing: the decision it carried was lost unseen)
