@@ -197,7 +197,7 @@ class RemotingConnection(asyncio.Protocol):
             return
         if self.read_budget is not None:
             # (a dict look-up when nothing changed; with frames completed, what is left is of a frame begun since)
-            self.read_budget.report(self, self._decoder.buffered, bool(frames))
+            self.read_budget.report(self, self._decoder.buffered, frames)
         if self._backlog:                   # a turn is already scheduled: these wait behind it
             self._backlog.extend(frames)
             return
@@ -606,7 +606,9 @@ class ReadBudget(_SharedBudget):
 
     reason = "max_total_read_buffer"
 
-    def report(self, conn: RemotingConnection, held: int, fresh: bool = False) -> None:
+    def report(self, conn: RemotingConnection, held: int, fresh=False) -> None:
+        """``fresh``: true (the frames a read completed, passed as they are: no bool() on every read) when what is
+        held now is of a frame begun since the last report."""
         before = self._held.get(conn, 0)
         if held == before and not (fresh and held):     # (a read ending on a frame's end: nothing to move)
             return
