@@ -26,6 +26,9 @@ log = logging.getLogger("txmq.clients")
 # Groups a heartbeat registers (or checks) between two turns of the loop: a heartbeat may name 10,000 groups
 # (max_groups_per_host; 2 MB), 0.3 s of work that held every other client when done in one go.
 HEARTBEAT_SLICE = 500
+# ... or fewer, when they hold this many subscriptions, tags and codes between them: a group may name hundreds of
+# thousands (a 15 MB heartbeat of one group of 3 million tags held the loop 3.3 s, slices or not).
+HEARTBEAT_SLICE_ITEMS = 20_000
 NOTICE_GAP_S = 0.5      # a consumer group's NOTIFY_CONSUMER_IDS_CHANGED: the least time between two
 
 
@@ -136,6 +139,39 @@ class ConsumerGroup:
     consume_from_where: str = "CONSUME_FROM_LAST_OFFSET"
 
 
+class _Slices:
+    """When heartbeat work should let the loop run: before a group once HEARTBEAT_SLICE groups, or
+    HEARTBEAT_SLICE_ITEMS of their subscriptions, tags and codes, were done since the last time."""
+    __slots__ = ("groups", "items")
+
+    def __init__(self):
+        self.groups = self.items = 0
+
+    def due(self, items: int) -> bool:
+        self.groups += 1
+        self.items += items
+        if self.groups < HEARTBEAT_SLICE and self.items < HEARTBEAT_SLICE_ITEMS:
+            return False
+        self.groups, self.items = 1, items
+        return True
+
+
+def _raw_items(consumer: dict, limit: int) -> int:
+    """The subscriptions, tags and codes a consumer entry names, untyped, or ``limit`` + 1 once past ``limit``:
+    each is at least a byte of _subscription_bytes, so an entry past max_subscription_bytes by this count is
+    refused without typing its parts (3 million tags took a second to type and weigh, only to be refused)."""
+    subs = consumer.get("subscriptionDataSet")
+    if not isinstance(subs, list):
+        return 0
+    items = len(subs)
+    for s in subs:
+        if items > limit:
+            break
+        if isinstance(s, dict):
+            items += sum(len(v) for v in (s.get("tagsSet"), s.get("codeSet")) if isinstance(v, list))
+    return min(items, limit + 1)
+
+
 def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
     """(clientID, producer groups, consumer entries) of a HEART_BEAT body, typed as RocketMQ's HeartbeatData
     (fastjson) types them: a number or boolean where a name belongs is its text, a subVersion or code may be
@@ -146,19 +182,27 @@ def typed_heartbeat(data) -> tuple[str | None, list[str], list[dict]]:
     return _run(typed_heartbeat_steps(data))
 
 
-def typed_heartbeat_steps(data):
-    """typed_heartbeat as a generator: it yields after each HEARTBEAT_SLICE consumer entries (a caller on the loop
-    lets other clients in there) and returns what typed_heartbeat does."""
+def typed_heartbeat_steps(data, max_subscription_bytes: int = 1 << 62):
+    """typed_heartbeat as a generator: it yields between slices of consumer entries (_Slices: a caller on the loop
+    lets other clients in there) and returns what typed_heartbeat does. An entry naming more subscriptions, tags
+    and codes than ``max_subscription_bytes`` is left untyped, its subscriptionDataSet None: it is refused."""
     if not isinstance(data, dict):
         raise HeaderError("heartbeat body is not a JSON object")
     producers = [_text(p.get("groupName"), "producer groupName") for p in _objects(data, "producerDataSet")]
     consumers = []
-    for n, c in enumerate(_objects(data, "consumerDataSet"), 1):
-        if not n % HEARTBEAT_SLICE:
+    slices = _Slices()
+    for c in _objects(data, "consumerDataSet"):
+        items = _raw_items(c, max_subscription_bytes)
+        if slices.due(items):
             yield
         entry = {key: _text(c.get(key), key) for key in ("groupName", "consumeType", "messageModel",
                                                           "consumeFromWhere")}
         if not entry["groupName"]:
+            continue
+        entry["items"] = items
+        if items > max_subscription_bytes:
+            entry["subscriptionDataSet"] = None
+            consumers.append(entry)
             continue
         entry["subscriptionDataSet"] = [{
             "topic": _text(s.get("topic"), "subscription topic"),
@@ -193,10 +237,14 @@ def _run(steps):
 
 
 def _subscription_bytes(consumer: dict) -> int:
-    """The text a typed consumer entry's subscriptions hold (codes at 8 bytes): what the group would keep."""
-    return sum(len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or "")
-               + sum(len(t or "") for t in s["tagsSet"]) + 8 * len(s["codeSet"])
-               for s in consumer["subscriptionDataSet"])
+    """The text a typed consumer entry's subscriptions hold (codes at 8 bytes, each subscription and tag at least
+    one: _raw_items): what the group would keep. An entry left untyped for its size is past any limit."""
+    subs = consumer["subscriptionDataSet"]
+    if subs is None:
+        return 1 << 62
+    return sum(max(1, len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or ""))
+               + sum(max(1, len(t or "")) for t in s["tagsSet"]) + 8 * len(s["codeSet"])
+               for s in subs)
 
 
 def _list(value, what: str) -> list:
@@ -294,7 +342,7 @@ class ClientRegistry:
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise HeaderError(f"heartbeat body is not JSON: {exc}") from None
         # all checked before anything registers
-        client_id, producers, consumers = yield from typed_heartbeat_steps(data)
+        client_id, producers, consumers = yield from typed_heartbeat_steps(data, self.max_subscription_bytes)
         client_id = client_id or f"{conn.peer[0]}@{conn.peer[1]}"
         now = self.clock()
         changed = []
@@ -305,8 +353,9 @@ class ClientRegistry:
                 yield
             if not self.add_producer(group, conn, client_id, cmd.language, cmd.version, now):
                 refused += 1
-        for n, consumer in enumerate(consumers, 1):
-            if not n % HEARTBEAT_SLICE:
+        slices = _Slices()
+        for consumer in consumers:
+            if slices.due(consumer["items"]):
                 yield
             group = self.consumers.get(consumer["groupName"])
             member = group is not None and group.channels.get(conn)

@@ -24,7 +24,7 @@ import time
 
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
-from protocol.connection import DEFERRED, RemotingConnection, WriteBudget
+from protocol.connection import DEFERRED, ReadBudget, RemotingConnection, WriteBudget
 from protocol.errors import ProtocolError
 from protocol.message import validate_topic
 from protocol.txlog import OP_TOPIC
@@ -79,6 +79,9 @@ class BrokerServer:
         # unread responses of every connection of both listeners, together (max_total_write_buffer)
         self.write_budget = WriteBudget(config.max_total_write_buffer,
                                         on_close=lambda reason: self.metrics.unread_closes.labels(reason).inc())
+        # frames received in part on every connection of both listeners, together (max_total_read_buffer)
+        self.read_budget = ReadBudget(config.max_total_read_buffer,
+                                      on_close=lambda reason: self.metrics.refused.labels(reason).inc())
         self._servers: list = []
         self._tasks: list[asyncio.Task] = []
         self._metrics_httpd = None
@@ -589,7 +592,8 @@ class BrokerServer:
         guarded = True if listener == "broker" else NAMESRV_CHECKED
         return RemotingConnection(self._handler(table, guarded=guarded), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
-                                  on_open=opened, on_close=closed, budget=self.write_budget)
+                                  on_open=opened, on_close=closed, budget=self.write_budget,
+                                  read_budget=self.read_budget)
 
     def _close_holds(self, conn) -> None:
         if self.ctx.holds is not None:

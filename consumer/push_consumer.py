@@ -30,7 +30,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from protocol.connection import finish_within, wait_within
+from protocol.connection import finish_within, jittered, wait_within
 from protocol.errors import (BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError,
                              TopicNotExistError)
 from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
@@ -290,7 +290,7 @@ class PushConsumer:
     async def _rebalance_loop(self) -> None:
         """Heartbeat, then rebalance: every rebalance_interval_s, when the group changes, and at once when a
         connection is lost. While a heartbeat cannot reach a broker it is tried again after a back-off (0.5 s
-        doubling up to 4 s): a broker back on its feet hears this consumer within seconds, not up to
+        doubling up to 4 s, each ``jittered``): a broker back on its feet hears this consumer within seconds, not up to
         rebalance_interval_s later. Those retries only beat, one WARNING per outage; the rebalance between them
         waits for a beat that is heard, a group change told meanwhile, or its own time."""
         retry: float | None = None
@@ -304,7 +304,7 @@ class PushConsumer:
                 asked = True
             else:   # not sooner for a connection lost meanwhile: a broker that accepts and then drops every
                 # connection (each failed beat losing one) made a tight loop of connects
-                await asyncio.sleep(retry)
+                await asyncio.sleep(jittered(retry))
                 # a group change asks for a rebalance; a connection lost meanwhile only for the beat this is. Told
                 # apart by their own flag: a notice and a loss both in one back-off read as the loss alone, and the
                 # notice (one per 0.5 s a group, the changes within it merged: nothing else is coming) was lost

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from protocol.codes import VERSION_4_9_8, LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.connection import ConnectionPool, wait_within
+from protocol.connection import ConnectionPool, jittered, wait_within
 from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError,
                              RequestTimeoutError, ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
@@ -285,7 +285,8 @@ class Producer:
 
     async def _heartbeat_loop(self) -> None:
         """A beat every heartbeat_interval_s; one soon (0.5 s at most after the last) when a connection breaks,
-        and while beats fail, one after a back-off from 0.5 s doubling up to 4 s: a broker restarted
+        and while beats fail, one after a back-off from 0.5 s doubling up to 4 s (each spread at random over its
+        second half, ``jittered``: clients that failed together retry apart): a broker restarted
         knows this group (and can check its undecided transactions) within about a second of being back, not
         up to 30 s later."""
         retry: float | None = None
@@ -296,7 +297,7 @@ class Producer:
                 except asyncio.TimeoutError:
                     pass
             else:       # a broker that fails beats is not tried sooner, connections lost meanwhile or not
-                await asyncio.sleep(retry)
+                await asyncio.sleep(jittered(retry))
             self._beat_now.clear()
             if await self.heartbeat():
                 retry = None

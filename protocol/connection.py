@@ -15,6 +15,8 @@ listener), and applies the limits a server facing unknown clients needs:
 * a shared ``WriteBudget`` caps what all of a server's connections hold unsent together: past
   it, the connections holding the most are closed, largest first (one peer that does not read
   may hold ``max_write_buffer``; a hundred of them must not hold a hundred times that);
+  a shared ``ReadBudget`` does the same for frames received in part (one may declare 16 MiB and
+  never finish), closing those unfinished longest first;
 * a malformed frame is answered with an error where its opaque can be found,
   then the connection closes (the stream cannot be re-synchronised);
 * fairness: one read handles at most ``FRAMES_PER_TURN`` frames; the rest wait for the next
@@ -36,6 +38,7 @@ import functools
 import itertools
 import json
 import logging
+import random
 import socket
 from typing import Awaitable, Callable, Optional, Union
 
@@ -75,9 +78,11 @@ class RemotingConnection(asyncio.Protocol):
                  on_open: Callable[["RemotingConnection"], bool] | None = None,
                  on_close: Callable[["RemotingConnection"], None] | None = None,
                  sign: Callable[[RemotingCommand], None] | None = None, frames_per_turn: int = FRAMES_PER_TURN,
-                 client: bool = False, budget: "WriteBudget | None" = None):
+                 client: bool = False, budget: "WriteBudget | None" = None,
+                 read_budget: "ReadBudget | None" = None):
         self.handler = handler
         self.budget = budget                # shared with the server's other connections (WriteBudget)
+        self.read_budget = read_budget      # likewise (ReadBudget)
         # A client's connection reads on while its writes are backed up: what it reads are mostly answers, and
         # its server stops reading requests while answers wait unread, so pausing would stall both for good.
         self.client = client
@@ -146,6 +151,8 @@ class RemotingConnection(asyncio.Protocol):
         self._out.clear()
         if self.budget is not None:
             self.budget.report(self, 0)
+        if self.read_budget is not None:
+            self.read_budget.report(self, 0)
         self.closed.set()
         if self.on_close is not None:
             self.on_close(self)
@@ -160,6 +167,11 @@ class RemotingConnection(asyncio.Protocol):
             self._release_waiters.append(fut)
             pending.append(fut)
         return pending
+
+    @property
+    def unfinished_bytes(self) -> int:
+        """Bytes received of a frame not yet whole (ReadBudget)."""
+        return self._decoder.buffered
 
     @property
     def is_open(self) -> bool:
@@ -183,6 +195,9 @@ class RemotingConnection(asyncio.Protocol):
             log.warning("closing %s:%s: %s", self.peer[0], self.peer[1], exc)
             self.close()
             return
+        if self.read_budget is not None:
+            # (a dict look-up when nothing changed; with frames completed, what is left is of a frame begun since)
+            self.read_budget.report(self, self._decoder.buffered, frames)
         if self._backlog:                   # a turn is already scheduled: these wait behind it
             self._backlog.extend(frames)
             return
@@ -333,7 +348,7 @@ class RemotingConnection(asyncio.Protocol):
     def _reply_error(self, cmd: RemotingCommand, exc: BaseException) -> None:
         if isinstance(exc, ProtocolError):
             code = exc.response_code
-            log.info("%s from %s:%s refused: %s", request_name(cmd.code), self.peer[0], self.peer[1], exc)
+            _log_refusal(self._loop.time(), cmd, self.peer, exc)
         else:
             code = ResponseCode.SYSTEM_ERROR
             log.error("%s from %s:%s failed", request_name(cmd.code), self.peer[0], self.peer[1],
@@ -491,18 +506,15 @@ class RemotingConnection(asyncio.Protocol):
         self.send(cmd)
 
 
-class WriteBudget:
-    """What all of a server's connections hold unsent, together, against ``cap`` bytes.
+class _SharedBudget:
+    """What all of a server's connections hold of one kind, together, against ``cap`` bytes.
 
-    Each connection reports its transport's unsent bytes when it writes, when writing resumes and when it
-    closes. A buffer that drains tells nobody until then, so the running total may be high; when it
-    passes the cap the sizes are read afresh, and only if they are still over it are connections closed:
-    those whose peer stopped reading (writing paused) before the others, the largest first, until the total is
-    back under the cap. A peer that reads its replies holds little for long, so it is the last to go, and one
-    that never reads cannot make the server's memory grow past the cap (a connection may hold up to
-    ``max_write_buffer`` alone; a hundred of them held a hundred times that, until the process was killed).
-    ``on_close(reason)`` counts each connection closed for its unread replies (``closed_for``).
-    """
+    Each connection reports what it holds when that may have changed and when it closes (0). Past the cap the
+    sizes are read afresh (``_measure``: a buffer may have drained since its last report), and only if they are
+    still over it are connections closed, in ``_shed_order``, until the total is back under the cap: each is
+    logged (``_say``) and counted (``on_close(reason)``, ``closed_for``)."""
+
+    reason = ""
 
     def __init__(self, cap: int, on_close: Callable[[str], None] | None = None, owner: str = "broker"):
         self.cap = cap
@@ -511,15 +523,15 @@ class WriteBudget:
         self.on_close = on_close
         self._held: dict[RemotingConnection, int] = {}
 
-    def report(self, conn: RemotingConnection, unsent: int) -> None:
+    def report(self, conn: RemotingConnection, held: int) -> None:
         before = self._held.get(conn, 0)
-        if unsent == before:
+        if held == before:
             return
-        if unsent:
-            self._held[conn] = unsent
+        if held:
+            self._held[conn] = held
         else:
             del self._held[conn]
-        self.total += unsent - before
+        self.total += held - before
         if self.total > self.cap:
             self._shed()
 
@@ -529,26 +541,95 @@ class WriteBudget:
 
     def _shed(self) -> None:
         held = self._held
-        for conn in list(held):             # what each holds now: some drained since they last wrote
-            unsent = conn.unsent_bytes
-            if unsent:
-                held[conn] = unsent
+        for conn in list(held):             # what each holds now: some drained since they last reported
+            now = self._measure(conn)
+            if now:
+                held[conn] = now
             else:
                 del held[conn]
         self.total = sum(held.values())
         if self.total <= self.cap:
             return
-        order = sorted(held.items(), key=lambda kv: (kv[0].writing_paused, kv[1]), reverse=True)
-        for conn, unsent in order:
+        for conn, size in self._in_shed_order(held):
             if self.total <= self.cap:
                 break
-            log.warning("closing %s:%s: %d bytes of responses unread, the most of any connection, while all "
-                        "connections hold %d, over the %s's limit (max_total_write_buffer=%d)",
-                        conn.peer[0], conn.peer[1], unsent, self.total, self.owner, self.cap)
+            self._say(conn, size)
             del held[conn]
-            self.total -= unsent
-            self.closed_for("max_total_write_buffer")
+            self.total -= size
+            self.closed_for(self.reason)
             conn.abort()
+
+    def _measure(self, conn: RemotingConnection) -> int:
+        raise NotImplementedError
+
+    def _in_shed_order(self, held: dict) -> list:
+        return sorted(held.items(), key=self._shed_order, reverse=True)
+
+    def _shed_order(self, item) -> tuple:
+        return (item[1],)                   # the largest first
+
+    def _say(self, conn: RemotingConnection, size: int) -> None:
+        raise NotImplementedError
+
+
+class WriteBudget(_SharedBudget):
+    """Unsent response bytes. Each connection reports its transport's unsent bytes when it writes, when writing
+    resumes and when it closes. Those whose peer stopped reading (writing paused) are closed before the others,
+    the largest first: a peer that reads its replies holds little for long, so it is the last to go, and one
+    that never reads cannot make the server's memory grow past the cap (a connection may hold up to
+    ``max_write_buffer`` alone; a hundred of them held a hundred times that, until the process was killed)."""
+
+    reason = "max_total_write_buffer"
+
+    def _measure(self, conn: RemotingConnection) -> int:
+        return conn.unsent_bytes
+
+    def _shed_order(self, item) -> tuple:
+        return (item[0].writing_paused, item[1])
+
+    def _say(self, conn: RemotingConnection, size: int) -> None:
+        log.warning("closing %s:%s: %d bytes of responses unread, the most of any connection, while all "
+                    "connections hold %d, over the %s's limit (max_total_write_buffer=%d)",
+                    conn.peer[0], conn.peer[1], size, self.total, self.owner, self.cap)
+
+
+class ReadBudget(_SharedBudget):
+    """Bytes of request frames received but not yet whole. A frame may declare up to max_frame_size (16 MiB) and
+    arrive as slowly as its peer likes: forty connections each holding 15 MiB of a frame never finished kept
+    600 MB, logged nothing, and max_connections_per_host lets one address open thousands (the process was killed
+    for its memory, every client with it). The connections whose frame has been unfinished longest are closed
+    first: a sender at full speed finishes its frame in milliseconds, one that stalls holds its bytes as long as it
+    likes. (Closed largest first, six connections idling on 1 MiB each got a 4 MiB request sent at full speed
+    closed instead, as soon as its frame in progress was the largest: idle holders kept every large request out.)
+    ``_held`` is in that order: a connection enters it at the first byte of a frame, and goes to its back when a
+    frame completed and another has begun (``fresh``)."""
+
+    reason = "max_total_read_buffer"
+
+    def report(self, conn: RemotingConnection, held: int, fresh=False) -> None:
+        """``fresh``: true (the frames a read completed, passed as they are: no bool() on every read) when what is
+        held now is of a frame begun since the last report."""
+        before = self._held.get(conn, 0)
+        if held == before and not (fresh and held):     # (a read ending on a frame's end: nothing to move)
+            return
+        if before:
+            del self._held[conn]            # (re-inserted below: a frame begun since goes to the back)
+        if held:
+            self._held[conn] = held
+        self.total += held - before
+        if self.total > self.cap:
+            self._shed()
+
+    def _in_shed_order(self, held: dict) -> list:
+        return list(held.items())           # the frame unfinished longest first
+
+    def _measure(self, conn: RemotingConnection) -> int:
+        return conn.unfinished_bytes
+
+    def _say(self, conn: RemotingConnection, size: int) -> None:
+        log.warning("closing %s:%s: %d bytes of a request frame not yet whole, the one unfinished longest, while "
+                    "all connections hold %d such bytes, over the %s's limit (max_total_read_buffer=%d)",
+                    conn.peer[0], conn.peer[1], size, self.total, self.owner, self.cap)
 
 
 def _expire(fut: asyncio.Future, code: int, peer: tuple, timeout: float) -> None:
@@ -706,6 +787,40 @@ async def finish_within(tasks, grace_s: float) -> list:
     for task in late:
         task.cancel()
     return late
+
+
+# A request refused for its header (a field not a number, one missing): logged at most every REFUSAL_LOG_GAP_S a request
+# code, with how many went unlogged since. A line each, 300 oneway ENDs of commitOrRollback=COMMIT wrote 300 lines, as
+# many as a client cared to send, each quoting the field's value whole (up to a frame, 16 MiB): now cut to
+# REFUSAL_LOG_CHARS.
+REFUSAL_LOG_GAP_S = 10.0
+REFUSAL_LOG_CHARS = 512
+_refusals_logged: dict[str, list] = {}      # request name ("other" for unknown codes) -> [when logged, unlogged since]
+
+
+def _log_refusal(now: float, cmd: RemotingCommand, peer: tuple, exc: BaseException) -> None:
+    name = request_name(cmd.code)
+    if name.lstrip("-").isdigit():          # a made-up code: one key for them all, so the dict stays bounded
+        name = "other"
+    seen = _refusals_logged.get(name)
+    if seen is not None and now - seen[0] < REFUSAL_LOG_GAP_S:
+        seen[1] += 1
+        return
+    unlogged = seen[1] if seen is not None else 0
+    _refusals_logged[name] = [now, 0]
+    text = str(exc)
+    if len(text) > REFUSAL_LOG_CHARS:
+        text = f"{text[:REFUSAL_LOG_CHARS]}... ({len(text)} characters)"
+    log.info("%s from %s:%s refused: %s (logged at most every %d s a request code%s)", request_name(cmd.code),
+             peer[0], peer[1], text, REFUSAL_LOG_GAP_S,
+             f"; {unlogged} more refused since the last line" if unlogged else "")
+
+
+def jittered(delay: float) -> float:
+    """A back-off of ``delay`` seconds spread at random over its second half. Clients whose broker went down failed
+    at one instant and, backing off alike (0.5, 1, 2, 4 s), retried at one instant too: every client of a restarted
+    broker reconnected and heartbeat in the same tick, each round. Never longer than ``delay``."""
+    return delay * random.uniform(0.5, 1.0)
 
 
 async def wait_within(aw, timeout: float | None):

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from protocol.codes import ResponseCode
-from protocol.connection import RemotingConnection, WriteBudget
+from protocol.connection import ReadBudget, RemotingConnection, WriteBudget
 from protocol.errors import StoreError
 
 from ..context import monotonic_ms
@@ -36,6 +36,7 @@ class NameServer:
         self.connections = ConnectionGate(config.max_connections, config.max_connections_per_host, log, "name server")
         # unread replies of every connection, together (max_total_write_buffer); WriteBudget logs each close
         self.write_budget = WriteBudget(config.max_total_write_buffer, owner="name server")
+        self.read_budget = ReadBudget(config.max_total_read_buffer, owner="name server")    # frames not yet whole
         self.address = ""
         self._server = None
         self._scan: asyncio.Task | None = None
@@ -66,7 +67,7 @@ class NameServer:
                 ctx.table.connection_closed(conn)
 
         return RemotingConnection(handle, max_frame_size=self.config.max_frame_size, on_open=opened, on_close=closed,
-                                  budget=self.write_budget)
+                                  budget=self.write_budget, read_budget=self.read_budget)
 
     async def _scan_loop(self) -> None:
         while True:

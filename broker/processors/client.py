@@ -69,9 +69,9 @@ def _in_order(conn, make):
     return task
 
 
-# Body bytes past which a heartbeat is registered a slice of groups at a time (HEARTBEAT_SLICE), letting other
-# clients in between: some 300 groups. One naming 9,000 groups (2 MB) held the loop 0.3 s, and a client sending
-# them back to back held every other client's request up to 1.2 s.
+# Body bytes past which a heartbeat is registered a slice of groups at a time (HEARTBEAT_SLICE, or fewer holding
+# HEARTBEAT_SLICE_ITEMS tags), letting other clients in between: some 300 groups. One naming 9,000 groups (2 MB)
+# held the loop 0.3 s, and a client sending them back to back held every other client's request up to 1.2 s.
 _LARGE_HEARTBEAT = 64 * 1024
 
 

@@ -34,11 +34,16 @@ def end_transaction(ctx, conn, cmd):
     group = cmd.str_field("producerGroup", required=True)
     table_offset = cmd.int_field("tranStateTableOffset", required=True)
     half_offset = cmd.int_field("commitLogOffset", required=True)
-    state = cmd.int_field("commitOrRollback", required=True)
+    try:
+        state = cmd.int_field("commitOrRollback", required=True)
+    except HeaderError:     # made up as much as 5 is: counted alike (refused, and logged, by the connection)
+        ctx.limits.refused("end-bad-state")
+        raise
     from_check = cmd.bool_field("fromTransactionCheck")
     op = _STATES.get(state)
-    if op is None:
-        return _end_reply(cmd, ctx, (ResponseCode.SYSTEM_ERROR, f"commitOrRollback={state}: expected 0, 8 or 12"))
+    if op is None:      # (RocketMQ answers nothing and says nothing: the decision it carried was lost unseen)
+        ctx.limits.refused("end-bad-state")
+        return _end_reply(cmd, ctx, (ResponseCode.SYSTEM_ERROR, f"{_BAD_STATE}{state}: expected 0, 8 or 12"))
     later = Answer(ctx, conn, cmd, partial(_end_reply, cmd, ctx))
     try:
         answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check,
@@ -59,11 +64,15 @@ def end_transaction(ctx, conn, cmd):
 _LOGGED_FIELDS = ("producerGroup", "tranStateTableOffset", "commitLogOffset", "commitOrRollback",
                   "fromTransactionCheck", "msgId", "transactionId")
 _FIELD_CHARS = 256
-# Refusals any client can repeat at will, each counted in txmq_requests_refused_total (end-no-half,
-# end-not-its-half): logged at most every 10 s each, not a line (a disk write) a request.
+# Refusals any client can repeat at will, each counted (txmq_requests_refused_total end-no-half, end-not-its-half,
+# end-bad-state; txmq_conflicting_decisions_total): logged at most every 10 s each, not a line (a disk write) a
+# request. One client sending oneway ENDs of a made-up commitOrRollback, or a rollback of a committed half again
+# and again, wrote a WARNING of ~400 bytes each: 2,000 ENDs, 2,000 lines.
 _QUEUE_FILE_FAILED = "create mapped file failed"     # TransactionService._decision_begin's refusal (EMFILE, ...)
+_BAD_STATE = "commitOrRollback="
 _GATED = frozenset(("Find prepared transaction message failed", "The producer group wrong",
                     "The transaction state table offset wrong"))
+_GATED_PREFIXES = (_BAD_STATE, "transaction already ")      # the rest of the remark names the END's own values
 
 
 def _end_reply(cmd, ctx, answer: tuple[int, str]):
@@ -71,15 +80,26 @@ def _end_reply(cmd, ctx, answer: tuple[int, str]):
     code, remark = answer
     if code != ResponseCode.SUCCESS:
         fields = {k: str(cmd.ext_fields[k])[:_FIELD_CHARS] for k in _LOGGED_FIELDS if k in cmd.ext_fields}
-        if remark in _GATED:
-            ctx.limits.warn(f"END_TRANSACTION {remark}", f"END_TRANSACTION refused: {remark} ({fields})")
-        elif remark.startswith(_QUEUE_FILE_FAILED):
-            # (the decision's queue file could not be made: counted and said, gated, under the send path's reason
-            # by _decision_begin; said again here, a line each, every END past the open-files limit was logged)
-            ctx.limits.warn("queue-file-failed", f"END_TRANSACTION refused: {remark} ({fields})")
+        gate = _gate(remark)
+        if gate is not None:
+            ctx.limits.warn(gate, f"END_TRANSACTION refused: {remark} ({fields})")
         else:
             log.warning("END_TRANSACTION refused: %s (%s)", remark, fields)
     return None if cmd.is_oneway else cmd.response(code, remark)
+
+
+def _gate(remark: str) -> str | None:
+    """The reason a refusal's log line is rate-limited under (one of a fixed few), or None: a line each."""
+    if remark in _GATED:
+        return f"END_TRANSACTION {remark}"
+    if remark.startswith(_QUEUE_FILE_FAILED):
+        # (the decision's queue file could not be made: counted and said, gated, under the send path's reason by
+        # _decision_begin; said again here, a line each, every END past the open-files limit was logged)
+        return "queue-file-failed"
+    for prefix in _GATED_PREFIXES:
+        if remark.startswith(prefix):
+            return f"END_TRANSACTION {prefix}"
+    return None
 
 
 async def _end_reply_later(cmd, ctx, answer):

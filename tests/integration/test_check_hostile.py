@@ -21,7 +21,7 @@ pytestmark = pytest.mark.asyncio
 
 TOPIC = "HostileChecks"
 GROUP = "PG_hostile"
-COMMIT, UNKNOWN = 8, 0
+COMMIT, ROLLBACK, UNKNOWN = 8, 12, 0
 CHECK_MAX = 6
 
 
@@ -173,6 +173,73 @@ async def test_an_end_naming_no_half_is_refused_decides_nothing_and_is_counted(b
         lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
     assert 'txmq_requests_refused_total{reason="end-no-half"} 4.0' in scraped
     assert 'txmq_requests_refused_total{reason="end-not-its-half"} 2.0' in scraped
+
+
+@bounded(60)
+async def test_ends_a_client_repeats_at_will_are_counted_and_logged_at_most_every_10_s(broker_factory):
+    """Oneway ENDs of a made-up commitOrRollback, or rolling back a committed half again and again, wrote a WARNING
+    of ~400 bytes each (2,000 ENDs: 2,000 lines) and the first were counted nowhere: a client could fill the
+    broker's disk with its log. Now each kind is said at most every 10 s, and each END counted."""
+    b = broker_factory()
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    repeats = 300
+    try:
+        created = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        committed, committed_q = await _send(conn, b"committed")
+        assert (await _end(conn, committed, committed_q))[0] == ResponseCode.SUCCESS
+        for state in (ROLLBACK, 5) * repeats:
+            conn.oneway(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": GROUP, "tranStateTableOffset": str(committed_q), "commitLogOffset": str(committed),
+                "commitOrRollback": str(state), "fromTransactionCheck": "false"}, oneway=True))
+        # answered after every oneway END before it on this connection (each is handled at once, in order)
+        code, remark = await _end(conn, committed, committed_q, state=5)
+        assert code == ResponseCode.SYSTEM_ERROR and "commitOrRollback=5" in remark, remark
+        stored = await conn.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {"topic": TOPIC,
+                                                                                         "queueId": 0}), 5)
+        assert stored.ext_fields["offset"] == "1"            # the commit, once: nothing rolled back
+    finally:
+        conn.close()
+    import urllib.request
+    scraped = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
+    assert f'txmq_requests_refused_total{{reason="end-bad-state"}} {repeats + 1}.0' in scraped
+    assert f'txmq_conflicting_decisions_total{{producer_group="{GROUP}"}} {repeats}.0' in scraped
+    log = b.log_path.read_text(errors="replace")
+    # one line each kind, or two if the run took longer than 10 s on a loaded machine
+    assert 1 <= log.count("END_TRANSACTION refused: commitOrRollback=") <= 2, log[-3000:]
+    assert 1 <= log.count("END_TRANSACTION refused: transaction already COMMIT") <= 2, log[-3000:]
+
+
+@bounded(60)
+async def test_ends_whose_fields_are_not_numbers_are_logged_at_most_every_10_s(broker_factory):
+    """The second path of the END flood: a commitOrRollback (or an offset) that is not a number is refused before
+    the END is read, by the connection's header check, which logged each at INFO (the broker's level): 300 oneway
+    ENDs, 300 lines, as many as a client cares to send."""
+    b = broker_factory()
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    repeats = 300
+    try:
+        for n in range(repeats):
+            conn.oneway(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": GROUP, "tranStateTableOffset": "1", "commitLogOffset": "x" if n % 2 else "1",
+                "commitOrRollback": "COMMIT", "fromTransactionCheck": "false"}, oneway=True))
+        code, remark = await _end(conn, "y", 0)     # answered after every oneway END before it
+        assert code != ResponseCode.SUCCESS and "commitLogOffset" in remark, remark
+    finally:
+        conn.close()
+    log = b.log_path.read_text(errors="replace")
+    # one line, or two if the run took longer than 10 s on a loaded machine
+    assert 1 <= log.count("END_TRANSACTION from ") <= 2, log[-3000:]
+    # a commitOrRollback of COMMIT is as made up as 5 (README: not 0, 8 or 12), where the offsets before it are
+    # numbers
+    import urllib.request
+    scraped = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode())
+    assert f'txmq_requests_refused_total{{reason="end-bad-state"}} {repeats // 2}.0' in scraped
 
 
 class PerGroup:

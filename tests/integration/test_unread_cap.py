@@ -24,6 +24,7 @@ from protocol.codes import ResponseCode
 from protocol.registration import DataVersion, RegisterBrokerBody, RegisteredTopic, encode_register_body, register_header
 from tests.support.bounded import bounded
 from tests.support.cluster_process import NamesrvProcess
+from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
 
@@ -185,3 +186,93 @@ async def test_unread_replies_of_many_clients_are_capped_across_the_name_server(
     text = (tmp_path / "namesrv.log").read_text(errors="replace")
     closed = text.count("over the name server's limit (max_total_write_buffer")
     assert 1 <= closed < NEVER_READERS, text[-3000:]
+
+
+@bounded(60)
+async def test_frames_received_in_part_are_capped_broker_wide(broker_factory):
+    """A frame may declare up to 16 MiB and arrive as slowly as its sender likes: forty connections each holding
+    15 MiB of a frame never finished kept 600 MB in the broker, with no log line or count, and one address may
+    open thousands. With --max-total-read-buffer, the connection whose frame is unfinished longest is closed once
+    all together pass it (logged, counted); the others finish their frames and are answered."""
+    cap = 8 * MiB
+    b = broker_factory("--max-total-read-buffer", str(cap))
+    senders = [await RawClient.open(b.broker) for _ in range(3)]
+    frames = [RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO, body=b"x" * (4 * MiB)) for _ in senders]
+    encoded = [f.encode() for f in frames]
+    cut = 3 * MiB                   # three of them are 9 MiB not yet whole: past the cap
+    try:
+        for sender, frame in zip(senders, encoded):
+            sender.write(frame[:cut])
+            await sender.writer.drain()
+        await asyncio.wait([asyncio.ensure_future(s.closed.wait()) for s in senders],
+                           return_when=asyncio.FIRST_COMPLETED, timeout=20)
+        closed = [s for s in senders if s.closed.is_set()]
+        assert len(closed) == 1, b.log()
+        for sender, frame, encoded_frame in zip(senders, frames, encoded):
+            if sender not in closed:             # the rest of its frame: answered, nothing of it lost
+                sender.write(encoded_frame[cut:])
+                replies = await sender.reply(frame.opaque, 20)
+                assert replies and replies[0].code == ResponseCode.SUCCESS, replies
+        seen = await asyncio.to_thread(_metrics, b.metrics)
+    finally:
+        for sender in senders:
+            sender.close()
+    assert seen.get(("txmq_requests_refused_total", (("reason", "max_total_read_buffer"),))) == 1, seen
+    assert "over the broker's limit (max_total_read_buffer" in b.log()
+
+
+@bounded(60)
+async def test_a_frame_arriving_whole_is_not_closed_for_frames_others_left_unfinished(broker_factory):
+    """Past --max-total-read-buffer the connection holding the most unfinished bytes was closed: connections each
+    holding 1 MiB of a frame they never finish (6 MiB together, under the cap) got a producer sending one 4 MiB
+    request at full speed closed instead of them, as soon as its frame in progress was the largest: an idle
+    holder could keep every large request out. The frames left unfinished longest go first."""
+    cap = 6 * MiB
+    b = broker_factory("--max-total-read-buffer", str(cap))
+    stalled = [await RawClient.open(b.broker) for _ in range(6)]
+    sender = await RawClient.open(b.broker)
+    try:
+        for s in stalled:
+            s.write(RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO,
+                                            body=b"s" * (4 * MiB)).encode()[:MiB])
+            await s.writer.drain()
+        small = RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO, opaque=1)
+        assert (await sender.call(small, 20))[0].code == ResponseCode.SUCCESS
+        big = RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO, body=b"x" * (4 * MiB), opaque=2)
+        replies = await sender.call(big, 20)
+        assert replies and replies[0].code == ResponseCode.SUCCESS, (replies, b.log()[-3000:])
+        seen = await asyncio.to_thread(_metrics, b.metrics)
+        closed = seen.get(("txmq_requests_refused_total", (("reason", "max_total_read_buffer"),)))
+        assert closed and closed >= 1, seen
+        assert not sender.closed.is_set()       # (those closed were stalled ones)
+    finally:
+        sender.close()
+        for s in stalled:
+            s.close()
+    assert b.log().count("over the broker's limit (max_total_read_buffer") == closed
+
+
+@bounded(60)
+async def test_frames_received_in_part_are_capped_across_the_name_server(tmp_path):
+    """The stand-alone name server's --max-total-read-buffer (64 MiB), untested before: the connection whose frame
+    is unfinished longest is closed, logged, once all together pass it; the others are answered."""
+    ns = NamesrvProcess(tmp_path / "namesrv.log", "--max-total-read-buffer", str(4 * MiB)).start()
+    senders = [await RawClient.open(ns.addr) for _ in range(3)]
+    frames = [RemotingCommand.request(RequestCode.GET_ALL_TOPIC_LIST_FROM_NAMESERVER, body=b"x" * (2 * MiB),
+                                      opaque=n) for n in range(len(senders))]
+    encoded = [f.encode() for f in frames]
+    cut = 3 * MiB // 2              # three of them are 4.5 MiB not yet whole: past the cap
+    try:
+        for sender, frame in zip(senders, encoded):
+            sender.write(frame[:cut])
+            await sender.writer.drain()
+        await asyncio.wait_for(senders[0].closed.wait(), 20)      # the first begun
+        for sender, frame, whole in zip(senders[1:], frames[1:], encoded[1:]):
+            sender.write(whole[cut:])
+            replies = await sender.reply(frame.opaque, 20)
+            assert replies and replies[0].code == ResponseCode.SUCCESS, (replies, ns.log()[-3000:])
+    finally:
+        for sender in senders:
+            sender.close()
+        ns.stop()
+    assert ns.log().count("over the name server's limit (max_total_read_buffer=4194304)") == 1, ns.log()[-3000:]

@@ -8,6 +8,7 @@ Each test makes the first turn raise and waits (bounded) for the second turn.
 from __future__ import annotations
 
 import asyncio
+import functools
 import errno
 import logging
 
@@ -507,9 +508,90 @@ async def test_producer_heartbeat_is_sent_when_a_connection_breaks_and_backs_off
 
     await _beat_until(producer, heartbeat, enough)
     gaps = [b - a for a, b in zip(beats, beats[1:])]
-    floors = [0.05, 0.1, 0.2, 0.05, 0.05]        # the back-off while failing, then the floor between beats
+    floors = [0.025, 0.05, 0.1, 0.05, 0.05]      # the back-off while failing (jittered: its second half at least),
+    # then the floor between beats
     assert all(floor - 0.005 <= gap < 5 for gap, floor in zip(gaps, floors)), gaps    # 5 s: far below 30 s
 
+
+_JITTER_BASE_S = 0.2
+
+
+async def _first_retries(loops: int, start, monkeypatch) -> list[float]:
+    """The first retry gap of ``loops`` heartbeat loops whose beats all began failing at one instant (their broker
+    went down): ``start(i, beat)`` runs loop ``i`` with ``beat()`` in place of its heartbeat (it fails)."""
+    import random
+    from protocol import connection as connection_module
+    monkeypatch.setattr(connection_module, "random", random.Random(7))     # the same draws every run
+    beats: list[list[float]] = [[] for _ in range(loops)]
+    enough = asyncio.Event()
+
+    def beat(i):
+        beats[i].append(asyncio.get_running_loop().time())
+        if all(len(b) >= 2 for b in beats):
+            enough.set()
+    tasks = [start(i, functools.partial(beat, i)) for i in range(loops)]
+    try:
+        async with asyncio.timeout(10):
+            await enough.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    gaps = [b[1] - b[0] for b in beats]
+    assert all(_JITTER_BASE_S / 2 - 0.005 <= gap < _JITTER_BASE_S + 2 for gap in gaps), gaps    # never past it
+    return gaps
+
+
+@bounded(20)
+async def test_producers_whose_broker_went_down_together_retry_their_heartbeats_apart(monkeypatch):
+    """Every client of a broker that went down failed its beat at one instant and backed off alike (0.5, 1, 2,
+    4 s): each round of retries, and the first beat the restarted broker heard, came from all of them in one tick.
+    Each back-off is now spread at random over its second half."""
+    from producer import Producer, producer as producer_module
+
+    monkeypatch.setattr(producer_module, "_BEAT_RETRY_S", _JITTER_BASE_S)
+    producers = []
+
+    def start(i, beat):
+        producer = Producer("127.0.0.1:1", f"PG_jitter{i}", heartbeat_interval_s=30.0)
+        producers.append(producer)
+
+        async def heartbeat():
+            beat()
+            return False                                # the broker is down
+        producer.heartbeat = heartbeat
+        producer._beat_now.set()                        # its connection was lost: a beat at once
+        return asyncio.get_running_loop().create_task(producer._heartbeat_loop())
+    try:
+        gaps = await _first_retries(6, start, monkeypatch)
+    finally:
+        for producer in producers:
+            await producer.pool.close()
+    assert max(gaps) - min(gaps) > _JITTER_BASE_S / 5, gaps       # alike, they were within a millisecond
+
+
+@bounded(20)
+async def test_push_consumers_whose_broker_went_down_together_retry_their_heartbeats_apart(monkeypatch):
+    """As the producers' (above), for the push consumers' heartbeat retries in their rebalance loop."""
+    from consumer import push_consumer as push_module
+    from protocol.errors import ConnectionClosedError
+
+    monkeypatch.setattr(push_module, "_BEAT_RETRY_S", _JITTER_BASE_S)
+
+    def start(i, beat):
+        consumer = _push_consumer(rebalance_interval_s=30)
+
+        async def heartbeat(only=None):
+            beat()
+            raise ConnectionClosedError("the broker is down")
+
+        async def rebalance():
+            pass
+        consumer._heartbeat, consumer.rebalance = heartbeat, rebalance
+        consumer._rebalance_now.set()
+        return asyncio.get_running_loop().create_task(consumer._rebalance_loop())
+    gaps = await _first_retries(6, start, monkeypatch)
+    assert max(gaps) - min(gaps) > _JITTER_BASE_S / 5, gaps
 
 @bounded(20)
 async def test_producer_heartbeat_back_off_is_capped_while_a_broker_stays_down(monkeypatch):

@@ -1,7 +1,8 @@
-"""WriteBudget (protocol/connection.py): which connections go when all of them together hold too much unread."""
+"""WriteBudget and ReadBudget (protocol/connection.py): which connections go when all of them together hold too much
+unread, or too much of frames not yet whole."""
 from __future__ import annotations
 
-from protocol.connection import WriteBudget
+from protocol.connection import ReadBudget, WriteBudget
 
 MiB = 1024 * 1024
 
@@ -50,3 +51,34 @@ def test_a_closed_connection_leaves_the_total():
     d = FakeConn("d", 9 * MiB, True)
     budget.report(d, d.unsent_bytes)
     assert not d.aborted
+
+
+class Partial:
+    """What a ReadBudget reads of a connection: the bytes of its frame not yet whole, abort()."""
+
+    def __init__(self, name, unfinished):
+        self.peer = (name, 1)
+        self.unfinished_bytes = unfinished
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_frames_unfinished_longest_go_first_not_the_largest():
+    """Largest first closed a request sent at full speed (its frame in progress the largest) in place of
+    connections idling on frames they never finish. A connection that finished a frame and began another goes
+    to the back of the line."""
+    closed = []
+    budget = ReadBudget(10 * MiB, on_close=closed.append)
+    idle, streaming = Partial("idle", 3 * MiB), Partial("streaming", 3 * MiB)
+    budget.report(streaming, streaming.unfinished_bytes)
+    budget.report(idle, idle.unfinished_bytes)
+    budget.report(streaming, streaming.unfinished_bytes, fresh=True)    # a frame done; as much of the next
+    big = Partial("big", 5 * MiB)                                       # 11 MiB in all
+    budget.report(big, big.unfinished_bytes)
+    assert [c.peer[0] for c in (idle, streaming, big) if c.aborted] == ["idle"]
+    assert closed == ["max_total_read_buffer"] and budget.total == 8 * MiB
+    budget.report(big, 0)                       # its frame whole, or its connection closed mid-frame
+    budget.report(streaming, 0)
+    assert budget.total == 0 and not budget._held
