@@ -178,7 +178,7 @@ class BrokerServer:
         ctx.holds = PullHoldService(c.max_parked_pulls_per_host)
         ctx.tx = TransactionService(ctx)
         ctx.schedule = ScheduleService(ctx, levels)
-        store.add_dispatch_listener(ctx.holds.on_dispatch)
+        ctx.holds.attach(store)
         store.add_dispatch_listener(ctx.tx.on_dispatch, live=False)          # it keeps recovered commits only
         if not ha_roles.is_slave(c):     # a slave delivers nothing: its master does, and the copies replicate
             store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
