@@ -611,6 +611,12 @@ class ClientRegistry:
         g = self.consumers.get(group)
         return [] if g is None else sorted({ch.client_id for ch in g.channels.values() if ch.alive})
 
+    def reads_elsewhere(self, group: str, topic: str) -> bool:
+        """``group`` is online and subscribes to topics, ``topic`` not among them: RocketMQ's getConsumeStats (and
+        so consumer-progress and the lag it shows) leaves such a topic out (findSubscriptionDataCount > 0)."""
+        g = self.consumers.get(group)
+        return g is not None and bool(g.subscriptions) and topic not in g.subscriptions
+
     def subscription(self, group: str, topic: str) -> Subscription | None:
         g = self.consumers.get(group)
         return None if g is None else g.subscriptions.get(topic)

@@ -439,8 +439,10 @@ class BrokerServer:
         now_ms = self.clock()
         self._gauges = {
             "at": time.monotonic(),
+            # (as consumer-progress: not a topic its online group no longer subscribes to, where its offset
+            # stays and the lag grew with every message others sent there, an alert firing for good)
             "lag": [((g, t), n) for (g, t), n in (self._lag_by_group_topic() if self._lag_totals is None
-                                                  else self._lag_totals)],
+                                                  else self._lag_totals) if not ctx.clients.reads_elsewhere(g, t)],
             "storage": [((), ctx.store.storage_bytes())],
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
