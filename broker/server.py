@@ -437,12 +437,18 @@ class BrokerServer:
     def _refresh_gauges(self) -> None:
         ctx = self.ctx
         now_ms = self.clock()
+        read: dict[str, frozenset | None] = {}      # group -> the topics its members read (ClientRegistry.topics_read)
+
+        def counted(g: str, t: str) -> bool:
+            if g not in read:
+                read[g] = ctx.clients.topics_read(g)
+            return read[g] is None or t in read[g]
         self._gauges = {
             "at": time.monotonic(),
-            # (as consumer-progress: not a topic its online group no longer subscribes to, where its offset
+            # (as consumer-progress: not a topic no online member of its group subscribes to, where its offset
             # stays and the lag grew with every message others sent there, an alert firing for good)
             "lag": [((g, t), n) for (g, t), n in (self._lag_by_group_topic() if self._lag_totals is None
-                                                  else self._lag_totals) if not ctx.clients.reads_elsewhere(g, t)],
+                                                  else self._lag_totals) if counted(g, t)],
             "storage": [((), ctx.store.storage_bytes())],
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
