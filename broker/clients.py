@@ -40,6 +40,9 @@ class Channel:
     version: int = 0
     last_seen_ms: int = 0
     seq: int = 0                     # the order its connection joined the group in (producers: ClientRegistry._joins)
+    # a consumer's: the topics its last heartbeat subscribed to; None when it named none (a pull consumer, which
+    # may pull and commit any topic). See ClientRegistry.reads_elsewhere.
+    topics: frozenset | None = None
 
     @property
     def alive(self) -> bool:
@@ -458,6 +461,7 @@ class ClientRegistry:
             if topic not in topics and topics:
                 del group.subscriptions[topic]
                 changed = True
+        group.channels[conn].topics = frozenset(topics) if topics else None
         return changed
 
     # ----------------------------------------------------------- departures
@@ -659,6 +663,30 @@ class ClientRegistry:
     def consumer_ids(self, group: str) -> list[str]:
         g = self.consumers.get(group)
         return [] if g is None else sorted({ch.client_id for ch in g.channels.values() if ch.alive})
+
+    def reads_elsewhere(self, group: str, topic: str) -> bool:
+        """``group`` is online and none of its members reads ``topic``: each subscribes to topics (its last
+        heartbeat named some), ``topic`` not among them. Consumer progress (GET_CONSUME_STATS) and the lag gauge
+        leave such a topic out, as RocketMQ's getConsumeStats does (findSubscriptionDataCount > 0). Asked per
+        member, not of the group's table, which follows whichever heartbeat came last (two members on different
+        topics: each one's topic hidden every other heartbeat) and keeps a departed member's topics after an empty
+        heartbeat (a pull consumer, which names none: the topics it pulls hidden for good) -- a real backlog hid
+        from the lag alert either way."""
+        read = self.topics_read(group)
+        return read is not None and topic not in read
+
+    def topics_read(self, group: str) -> frozenset | None:
+        """The topics ``group``'s online members subscribe to; None when any topic may be read (nobody online, or
+        a member naming no subscription). A caller asking of many topics asks this once a group."""
+        g = self.consumers.get(group)
+        if g is None or not g.channels:
+            return None
+        read = set()
+        for ch in g.channels.values():
+            if ch.topics is None:
+                return None
+            read |= ch.topics
+        return frozenset(read)
 
     def subscription(self, group: str, topic: str) -> Subscription | None:
         g = self.consumers.get(group)

@@ -40,6 +40,11 @@ class PullHoldService:
         self._waiters: dict[tuple[str, int], _Queue] = {}
         self.parked = 0
 
+    def attach(self, store) -> None:
+        """Be woken by ``store``: for each record stored, and for units that became readable only later."""
+        store.add_dispatch_listener(self.on_dispatch)
+        store.add_landed_listener(self.on_landed)
+
     def room(self, conn) -> bool:
         """May a pull of ``conn`` be parked (max_per_host)?"""
         return conn is None or self._by_host.get(peer_host(conn), 0) < self.max_per_host
@@ -103,12 +108,20 @@ class PullHoldService:
             fut.cancel()
 
     def on_dispatch(self, info) -> None:
-        key = (info.topic, info.queue_id)
+        self._wake((info.topic, info.queue_id), info.queue_offset)
+
+    def on_landed(self, topic: str, queue_id: int, max_offset: int) -> None:
+        """The store's landed listener: units dispatched earlier became readable only now (they waited for disk
+        space or their queue's file); the pulls parked since, on offsets below ``max_offset``, have them."""
+        self._wake((topic, queue_id), max_offset - 1)
+
+    def _wake(self, key: tuple[str, int], queue_offset: int) -> None:
+        """Wake the pulls parked on ``key`` at offsets up to ``queue_offset``, now readable."""
         queue = self._waiters.get(key)
         if queue is None:
             return
         heap, by_offset = queue.heap, queue.by_offset
-        while heap and heap[0] <= info.queue_offset:
+        while heap and heap[0] <= queue_offset:
             for fut in by_offset.pop(heapq.heappop(heap), ()):
                 if not fut.done():
                     fut.set_result(None)

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
@@ -181,7 +182,7 @@ class BrokerServer:
         ctx.holds = PullHoldService(c.max_parked_pulls_per_host)
         ctx.tx = TransactionService(ctx)
         ctx.schedule = ScheduleService(ctx, levels)
-        store.add_dispatch_listener(ctx.holds.on_dispatch)
+        ctx.holds.attach(store)
         store.add_dispatch_listener(ctx.tx.on_dispatch, live=False)          # it keeps recovered commits only
         if not ha_roles.is_slave(c):     # a slave delivers nothing: its master does, and the copies replicate
             store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
@@ -440,10 +441,13 @@ class BrokerServer:
     def _refresh_gauges(self) -> None:
         ctx = self.ctx
         now_ms = self.clock()
+        counted = self._lag_counted()
         self._gauges = {
             "at": time.monotonic(),
+            # (as consumer-progress: not a topic no online member of its group subscribes to, where its offset
+            # stays and the lag grew with every message others sent there, an alert firing for good)
             "lag": [((g, t), n) for (g, t), n in (self._lag_by_group_topic() if self._lag_totals is None
-                                                  else self._lag_totals)],
+                                                  else self._lag_totals) if counted(g, t)],
             "storage": [((), ctx.store.storage_bytes())],
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
@@ -556,6 +560,18 @@ class BrokerServer:
         store = self.ctx.store
         for (group, topic, qid), offset in self.ctx.offsets.items():
             yield group, topic, qid, max(0, store.max_offset(topic, qid) - offset)
+
+    def _lag_counted(self) -> Callable[[str, str], bool]:
+        """fn(group, topic): is that lag counted (ClientRegistry.reads_elsewhere, asking topics_read once a group)?
+        The gauge and the metric snapshots leave out what consumer-progress does."""
+        read: dict[str, frozenset | None] = {}
+        clients = self.ctx.clients
+
+        def counted(group: str, topic: str) -> bool:
+            if group not in read:
+                read[group] = clients.topics_read(group)
+            return read[group] is None or topic in read[group]
+        return counted
 
     def _lag_by_group_topic(self):
         totals: dict[tuple[str, str], int] = {}
@@ -706,9 +722,10 @@ class BrokerServer:
         # between them) and appended on a thread.
         offsets, max_offset = self.ctx.offsets.items(), self.ctx.store.max_offset
         lag = []
+        counted = self._lag_counted()       # as the gauge (a topic no online member of the group reads: no row)
         async for part in in_slices(offsets, LAG_SLICE):
             lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
-                    for (g, t, q), n in part]
+                    for (g, t, q), n in part if counted(g, t)]
         connections = sum(len(s) for s in self.connections.values())
         snapshot = self.metrics.snapshot(connections, lag)
         return await asyncio.to_thread(lambda: append_snapshot(store_dir, self.metrics.fold_snapshot(

@@ -52,15 +52,12 @@ def get_consume_stats(ctx, conn, cmd):
     group = cmd.str_field("consumerGroup", required=True)
     topic = cmd.str_field("topic")
     topics = [topic] if topic else ctx.offsets.topics_of(group)
-    consumers = ctx.clients.consumers.get(group)
     rows = {}
     tps = 0.0
     for t in topics:
         tc = ctx.topics.get(t)
-        if tc is None:
+        if tc is None or ctx.clients.reads_elsewhere(group, t):
             continue
-        if consumers is not None and consumers.subscriptions and t not in consumers.subscriptions:
-            continue        # RocketMQ: the group is online and does not subscribe to it
         tps += ctx.metrics.consume_tps(group, t)
         for qid in range(tc.read_queue_nums):
             broker_offset = max(0, ctx.store.max_offset(t, qid))

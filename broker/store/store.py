@@ -79,6 +79,7 @@ class MessageStore:
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
+        self._landed_listeners: list[Callable[[str, int, int], None]] = []   # see add_landed_listener
         # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
         # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
         self.on_new_queue: Callable[[str, int], object] | None = None
@@ -136,6 +137,26 @@ class MessageStore:
     def add_removal_listener(self, fn: Callable[[int], object]) -> None:
         """fn(min physical offset) after each segment removal (the index drops files with it)."""
         self._removal_listeners.append(fn)
+
+    def add_landed_listener(self, fn: Callable[[str, int, int], None]) -> None:
+        """fn(topic, queue id, its new max offset) when units that waited in memory (no disk space, no file for
+        the queue yet) are written and become readable. Their records were dispatched when stored, before any
+        reader could see them: a pull woken then found nothing, was parked again, and slept its whole suspend
+        time (15 s and more) past the moment they landed."""
+        self._landed_listeners.append(fn)
+
+    def _retry_queue(self, cq: ConsumeQueue) -> bool:
+        """``cq.retry()``, telling the landed listeners of the units it wrote (all, or some on a disk still full)."""
+        before = cq.max_offset
+        try:
+            return cq.retry()
+        finally:
+            if cq.max_offset > before:
+                for fn in self._landed_listeners:
+                    try:
+                        fn(cq.topic, cq.queue_id, cq.max_offset)
+                    except Exception:
+                        log.exception("landed listener %r failed on %s-%d", fn, cq.topic, cq.queue_id)
 
     async def open(self) -> RecoveryReport:
         if self._state != "new":
@@ -353,7 +374,7 @@ class MessageStore:
         if cq is not None:
             # made by the writer, its file not: its units wait (backlog), written by the retry that makes it; or
             # loaded with none (a directory left empty by a failed open, or a crash, before a restart): made now
-            if not cq.retry():
+            if not self._retry_queue(cq):
                 # A fresh error each time: raised, the one the queue keeps would take this caller's frames into its
                 # traceback and keep them (a decision's records, an older NUL copy counted for the writer among
                 # them) until the queue's next failure or its file.
@@ -428,7 +449,7 @@ class MessageStore:
                 self._new_queue(key)
             elif not cq.files:      # the writer made it meanwhile (a scheduled message), its file not: ours
                 cq.adopt_first_file(made.result())
-                if cq.retry():
+                if self._retry_queue(cq):
                     self._backlogged.discard(cq)
             else:                   # made meanwhile, file and all, on the loop: it cannot be ours (O_EXCL)
                 made.result()[0].close()
@@ -518,7 +539,7 @@ class MessageStore:
 
     def _retry_backlogs(self) -> None:
         if self._backlogged:
-            self._backlogged = {cq for cq in self._backlogged if not cq.retry()}
+            self._backlogged = {cq for cq in self._backlogged if not self._retry_queue(cq)}
 
     async def _checkpoint(self) -> None:
         if self._backlogged:        # units below the flushed offset are not all in their queues yet

@@ -15,7 +15,7 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import MessageIllegalError, NoPermissionError
-from protocol.message import SendMessageRequestHeader
+from protocol.message import SendMessageRequestHeader, decode_records
 from protocol.route import decode_route
 from tests.support.bounded import bounded
 
@@ -287,3 +287,45 @@ async def test_a_group_config_number_a_java_client_cannot_read_is_refused(broker
     resp = await _request(broker.broker, RequestCode.SEND_MESSAGE, header.to_ext_fields(v2=False), b"read me")
     assert resp.code == ResponseCode.SUCCESS, resp.remark
     assert await _pull_suggestion(broker, "CG_out_of_range", 0) == (ResponseCode.SUCCESS, 0)
+
+
+@bounded(60)
+async def test_tags_with_one_hash_code_reach_the_client_by_code_and_are_told_apart_there(broker):
+    """"Aa" and "BB" have one Java hashCode (2112). The broker filters by the consume queue's tag code only, as
+    RocketMQ's ExpressionMessageFilter.isMatchedByConsumeQueue: a stock push consumer subscribed to "Aa" (its
+    heartbeat's tagsSet and codeSet, a pull without the subscription flag) is given both; its client filters
+    again by the tag itself (tagsSet). Ours do the same: each gets only its own tag, not the other's, and no
+    message without a tag."""
+    async with Producer(broker.namesrv, "PG_hash") as producer:
+        await producer.send("HashTags", b"seed", tags="C")
+        mq = (await producer.routes.publish_queues("HashTags"))[0]
+        for tag in ("Aa", "BB", "Aa", "C", None, "BB"):
+            await producer.send("HashTags", (tag or "none").encode(), tags=tag, queue=mq)
+    conn = await _conn(broker.broker)
+    try:
+        beat = {"clientID": "127.0.0.1@hash", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": "CG_hash_java", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+                "classFilterMode": False, "topic": "HashTags", "subString": "Aa", "tagsSet": ["Aa"],
+                "codeSet": [2112], "subVersion": 1, "expressionType": "TAG"}]}]}
+        resp = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(beat).encode()), 5)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        resp = await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_hash_java", "topic": "HashTags", "queueId": mq.queue_id, "queueOffset": 0,
+            "maxMsgNums": 32, "sysFlag": 0, "commitOffset": 0, "suspendTimeoutMillis": 0, "subVersion": 1,
+            "expressionType": "TAG"}), 5)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        # by code: both tags, neither C (the seed among them) nor the untagged one
+        assert [m.body for m in decode_records(resp.body_bytes())] == [b"Aa", b"BB", b"Aa", b"BB"]
+    finally:
+        conn.close()
+    consumer = PullConsumer(broker.namesrv, "CG_hash")
+    try:
+        cmq = next(q for q in await consumer.fetch_queues("HashTags") if q.queue_id == mq.queue_id)
+        for tag in ("Aa", "BB"):
+            got = await consumer.pull(cmq, 0, max_nums=32, expression=tag)
+            assert [m.body for m in got.messages] == [tag.encode()] * 2, (tag, got)
+        both = await consumer.pull(cmq, 0, max_nums=32, expression="BB || C")
+        assert sorted(m.body for m in both.messages) == [b"BB", b"BB", b"C", b"seed"]
+    finally:
+        await consumer.shutdown()

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -532,3 +533,56 @@ async def test_runtime_info_earliest_time_is_the_commit_logs_first_message(broke
     table = json.loads(info.body_bytes())["table"]
     assert table["commitLogMinOffset"] == "0" and sent.offset_msg_id.endswith("0" * 16)    # the log's first
     assert table["earliestMessageTimeStamp"] == str(first.store_timestamp)
+
+
+async def _snapshot_lag(folder, group: str, topic: str) -> int:
+    """The lag of ``group`` in ``topic`` (summed over its queues; 0 when it has no row) in the second metric
+    snapshot written from now (the first may have summed its rows before)."""
+    after = int(time.time() * 1000)
+
+    def later():        # whole lines only: one may be being appended
+        lines = [line for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().split("\n")[:-1]]
+        return [s for s in map(json.loads, lines) if s["ts"] > after]
+    async with asyncio.timeout(10):
+        while len(snaps := later()) < 2:
+            await asyncio.sleep(0.1)
+    return sum(r["lag"] for r in snaps[1]["consumer_lag"] if (r["group"], r["topic"]) == (group, topic))
+
+
+@bounded(60)
+async def test_a_topic_an_online_group_no_longer_subscribes_has_no_lag_series_as_in_its_progress(broker_factory,
+                                                                                                 tmp_path):
+    """A group moved from one topic to another (its consumers now subscribe only to the new one) keeps its offsets
+    in the old: GET_CONSUME_STATS (consumer-progress) leaves the old topic out while the group is online, as
+    RocketMQ's getConsumeStats does, but rocketmq_consumer_lag_messages went on counting it, growing with every
+    message other groups' producers sent there: a lag alert that fired for good on a topic the group does not
+    read. The series follows the progress now, and so do the metric snapshots the Spark rollups and report read
+    (they went on counting it); once the group has nobody online, all count every topic again."""
+    b = broker_factory("--metrics-snapshot-interval-s", "0.2")
+    folder = tmp_path / "store" / "metrics"
+    for topic in ("Left", "Joined"):
+        await _create(b, topic, 1)
+    async with Producer(b.namesrv, "PG_moved") as producer:
+        await producer.send("Left", b"read")
+        consumer = PullConsumer(b.namesrv, "CG_moved")
+        async with consumer:
+            mq = (await consumer.fetch_queues("Left"))[0]
+            await consumer.subscribe("Left")
+            await consumer.commit_offset(mq, len((await consumer.pull(mq, 0)).messages))
+            await consumer.fetch_queues("Joined")
+            consumer.subscriptions = {"Joined": "*"}        # the group's consumers now read only Joined
+            await consumer.heartbeat()
+            for i in range(5):
+                await producer.send("Left", b"not for it %d" % i, queue=MessageQueue("Left", mq.broker_name, 0))
+            stats = decode_mq_table((await _request(b, R.GET_CONSUME_STATS, {"consumerGroup": "CG_moved"}))
+                                    .body_bytes())[1]
+            assert "Left" not in {t for t, _, _ in stats}, stats
+            series = await asyncio.to_thread(_group_series, b, "CG_moved")
+            lag_left = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_moved"), ("topic", "Left")))
+            assert lag_left not in series, series
+            assert await _snapshot_lag(folder, "CG_moved", "Left") == 0
+        async with asyncio.timeout(20):     # its connection closed: the group is offline, every topic counts
+            while lag_left not in (series := await asyncio.to_thread(_group_series, b, "CG_moved")):
+                await asyncio.sleep(0.1)
+        assert series[lag_left] == 5
+        assert await _snapshot_lag(folder, "CG_moved", "Left") == 5

@@ -8,10 +8,11 @@ import pytest
 from broker.longpoll import PullHoldService
 from broker.clients import build_subscription
 from broker.processors.pull import handle_pull
-from broker.store import PutRequest
+from broker.store import PutRequest, consume_queue
 from protocol.codes import PullSysFlag, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from tests.support.bounded import bounded
+from tests.support.store_faults import no_descriptor_for
 from tests.unit.test_review_transactions import Clock, make_service
 
 pytestmark = pytest.mark.asyncio
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.asyncio
 async def make_ctx(tmp_path):
     ctx = await make_service(tmp_path, Clock())
     ctx.holds = PullHoldService()
-    ctx.store._store.add_dispatch_listener(ctx.holds.on_dispatch)
+    ctx.holds.attach(ctx.store._store)
     ctx.topics.ensure("PT", 4)
     return ctx
 
@@ -51,6 +52,30 @@ async def test_pull_on_a_queue_never_written_is_held_until_a_message_arrives(tmp
         await put(ctx, 3, b"late")
         reply = await asyncio.wait_for(held, 5)
         assert reply.code == ResponseCode.SUCCESS
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_a_pull_parked_on_units_waiting_in_memory_is_woken_when_they_land(tmp_path, monkeypatch):
+    """A delivery (scheduled, retry, commit) to a queue whose file cannot be opened yet (out of descriptors; or no
+    disk space for its units) is stored and dispatched, its unit kept in memory until the store's disk loop writes
+    it. The dispatch woke nobody that could read it: the consumer's next pull found nothing and was parked, and
+    when the unit landed nothing woke it -- it slept its whole suspend time (a push consumer's 15 s) with the
+    message readable."""
+    ctx = await make_ctx(tmp_path)
+    try:
+        real = no_descriptor_for(monkeypatch, "PT")
+        await put(ctx, 2, b"waited")                        # stored; its unit waits for a file
+        assert ctx.store.max_offset("PT", 2) == 0
+        result = handle_pull(ctx, None, pull_cmd(2, 0))     # nothing readable: parked for 10 s
+        assert not isinstance(result, RemotingCommand), f"not held: {result.code} {result.remark}"
+        held = asyncio.ensure_future(result)
+        await asyncio.sleep(0)                  # let the pull park
+        assert ctx.holds.parked == 1
+        monkeypatch.setattr(consume_queue.MappedFile, "create", real)     # descriptors back: the disk loop writes it
+        reply = await asyncio.wait_for(held, 5)     # the disk loop retries every 0.5 s; the hold is 10 s
+        assert reply.code == ResponseCode.SUCCESS and ctx.store.max_offset("PT", 2) == 1
     finally:
         await ctx.store._store.close()
 

@@ -418,6 +418,7 @@ def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path)
     loop, and mqadmin consumerProgress (or a dashboard) asks every group in turn: O(groups x offsets)."""
     from types import SimpleNamespace
 
+    from broker.clients import ClientRegistry
     from broker.processors.ops import get_consume_stats
     from protocol.admin_bodies import decode_mq_table
     from protocol.codes import RequestCode, ResponseCode
@@ -429,7 +430,7 @@ def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path)
     items = offsets.items
     offsets.items = lambda: walks.append(1) or items()
     ctx = SimpleNamespace(
-        offsets=offsets, clients=SimpleNamespace(consumers={}), config=SimpleNamespace(broker_name="b"),
+        offsets=offsets, clients=ClientRegistry(clock=lambda: 0), config=SimpleNamespace(broker_name="b"),
         topics=SimpleNamespace(get=lambda t: SimpleNamespace(read_queue_nums=2)),
         metrics=SimpleNamespace(consume_tps=lambda g, t: 0.0),
         store=SimpleNamespace(max_offset=lambda t, q: 10, store_time_of=lambda t, q, o: 1_000))
