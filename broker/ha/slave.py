@@ -32,7 +32,7 @@ segment start after that record instead; if that is its end there is nothing lef
 follows on offsets alone (as RocketMQ 4.x always does) with a WARNING saying so. With no segment start
 after that record in its log (a new slave still copying the master's oldest segment when the master's
 retention removed it), it cannot catch up by itself: an ERROR says so once, txmq_ha_slave_cannot_catch_up
-is 1 while it lasts, and the master says it too (ERROR once, txmq_ha_slaves_behind_log_start).
+is 1 while it lasts, and the master says it too (ERROR once, txmq_ha_slave_sessions_behind_log_start_total).
 """
 from __future__ import annotations
 

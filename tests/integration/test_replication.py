@@ -1449,11 +1449,16 @@ async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_can
     closed each session (a WARNING naming an offset 'not in the log', then an ERROR on every reconnect, every
     second), the slave said only 'the master closed the connection; reconnecting', for ever, and no metric told.
     Now each side says it once at ERROR with what to do (rebuild the slave's store), and counts it: the master's
-    txmq_ha_slaves_behind_log_start, the slave's txmq_ha_slave_cannot_catch_up."""
+    txmq_ha_slave_sessions_behind_log_start_total, the slave's txmq_ha_slave_cannot_catch_up. The master's count
+    was exported as a gauge, which rate() and increase() must not be used on: a counter now."""
     import urllib.request
+
+    BEHIND = "txmq_ha_slave_sessions_behind_log_start_total"
 
     def gauges(b) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+        if b is master:
+            assert "# TYPE txmq_ha_slave_sessions_behind_log_start counter" in text
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                 if line.startswith("txmq_ha_")}
 
@@ -1489,10 +1494,10 @@ async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_can
             proxy.stop = 1 << 40                                   # later sessions relay everything
             while (await asyncio.to_thread(gauges, slave)).get("txmq_ha_slave_cannot_catch_up") != 1:
                 await asyncio.sleep(0.1)
-            while (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"] < 4:
+            while (await asyncio.to_thread(gauges, master))[BEHIND] < 4:
                 await asyncio.sleep(0.1)
-            closed = (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"]
-            while (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"] < closed + 3:
+            closed = (await asyncio.to_thread(gauges, master))[BEHIND]
+            while (await asyncio.to_thread(gauges, master))[BEHIND] < closed + 3:
                 await asyncio.sleep(0.1)        # sessions after the slave said it: not said again each second
         assert slave.log().count("This slave cannot catch up by itself: rebuild its store") == 1
         after = slave.log_path.read_text(errors="replace").split("This slave cannot catch up by itself")[1]
