@@ -318,6 +318,37 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
             p.kill()
 
 
+async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_slave_too(tmp_path):
+    """mqadmin deleteSubGroup -r removes a group's offsets on the master; the slave's copy (putAll) kept them for
+    good, so a consumer of the group made again that failed over to the slave (or to it promoted) resumed from the
+    deleted offset (17 here) where the master answered 0 (a young queue: from its start). The next sync removes
+    them on the slave too; another group's stay."""
+    started = []
+    pool = ConnectionPool()
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-dg", started, "--slave-sync-interval-ms", "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_deleted_group") as producer:
+                mq = await _until_replicating(producer)
+                for i in range(30):
+                    await producer.send(TOPIC, f"g{i}".encode(), queue=mq)
+            for group, offset in (("CG_deleted", 17), ("CG_kept", 5)):
+                async with PullConsumer(ns.addr, group) as consumer:
+                    await _fetch_queues_once_routed(consumer, TOPIC)
+                    await consumer.commit_offset(mq, offset)
+                await _until_slave_has_offset(slave, group, mq, offset)
+            gone = await pool.request(master.broker, RemotingCommand.request(
+                RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_deleted", "removeOffset": "true"}), 3.0)
+            assert gone.code == ResponseCode.SUCCESS, gone.remark
+            await _until_slave_has_offset(slave, "CG_deleted", mq, 0)     # as the master answers now
+            await _until_slave_has_offset(slave, "CG_kept", mq, 5)
+        assert "consumer offsets of 1 group(s) removed as master" in slave.log()
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
 async def test_a_slave_does_not_list_transactions_it_does_not_follow(broker_factory):
     """A slave rebuilds its undecided-transaction index once, at start-up, and never follows its master's
     halves and decisions after that (it runs no checks). Its TXMQ_LIST_TRANSACTIONS answered SUCCESS with
