@@ -573,25 +573,32 @@ async def test_a_slave_of_the_same_log_resumes_after_comparing_even_at_a_segment
     assert _files(tmp_path / "a") == _files(tmp_path / "s")
 
 
+@pytest.mark.parametrize("copied", [True, False], ids=["a-segment-copied", "rebased-empty"])
 @bounded(30)
-async def test_a_slave_ending_at_a_segment_start_its_master_removed_says_it_cannot_catch_up(tmp_path, caplog):
+async def test_a_slave_ending_at_a_segment_start_its_master_removed_says_it_cannot_catch_up(tmp_path, caplog, copied):
     """A slave whose log ends where a segment begins (its newest record, then the end marker) and whose master's
     retention removed that segment and the next while it was away: the master refuses its first report (the newest
     record) and then its end too. It went round for ever -- two sessions from its newest record, one from its end,
     a WARNING each 'following on offsets alone' -- and txmq_ha_slave_cannot_catch_up stayed 0, so no alert told
-    that it copies nothing. Now the refusals of the later start count too: it says it cannot catch up."""
+    that it copies nothing. Now the refusals of the later start count too: it says it cannot catch up. So does a
+    new slave begun at the master's first segment start (rebased, still empty) when that segment is removed: with
+    no record to compare, its refusals at its log end were not counted at all."""
     from broker.ha.master import HAMaster
     a, s = await _stores(tmp_path, "a", "s")
     s.set_replica_only()
     try:
         for i in range(30):
             await a.put(_req(i))                            # ~90 KB: one roll
-        nxt = 0
-        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
-            chunk = a.replica_chunk(nxt, 8000)
-            fut, nxt = s.append_replica(nxt, bytes(chunk))
-            chunk.release()
-        assert (await fut).ok and s.max_physical_offset == SEG
+        if copied:
+            nxt = 0
+            while nxt % SEG or nxt == 0:                    # copy up to the end marker of the first segment
+                chunk = a.replica_chunk(nxt, 8000)
+                fut, nxt = s.append_replica(nxt, bytes(chunk))
+                chunk.release()
+            assert (await fut).ok
+        else:
+            await s.rebase_empty(SEG)
+        assert s.max_physical_offset == SEG
         i = 30
         while a.max_physical_offset < 2 * SEG + 10_000:     # the master rolls again while the slave is away...
             await a.put(_req(i))
