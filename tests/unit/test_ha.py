@@ -627,6 +627,53 @@ async def test_a_slave_ending_at_a_segment_start_its_master_removed_says_it_cann
 
 
 @bounded(30)
+async def test_a_slave_refused_once_at_the_next_segment_start_by_chance_still_catches_up(tmp_path, caplog):
+    """A slave whose log ends at a segment start, its newest record's segment removed by the master's retention:
+    refused twice at that record, it asks from its log end, which the master still holds. One session there
+    closed before a transfer by chance (the master restarting, a network blip) made it say it cannot catch up
+    and ask from the removed record for ever after, never from its log end again: it copied nothing, for good."""
+    from broker.ha.master import HAMaster
+    from broker.ha.slave import REFUSED_MAX
+    a, s = await _stores(tmp_path, "a", "s")
+    s.set_replica_only()
+    try:
+        for i in range(30):
+            await a.put(_req(i))                            # ~90 KB: one roll
+        nxt = 0
+        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
+            chunk = a.replica_chunk(nxt, 8000)
+            fut, nxt = s.append_replica(nxt, bytes(chunk))
+            chunk.release()
+        assert (await fut).ok and s.max_physical_offset == SEG
+        for i in range(30, 40):
+            await a.put(_req(i))
+        await a.remove_segment(a.segments()[0].name, "test")     # the newest record's segment goes, not the next
+        assert a.min_physical_offset == SEG
+        want = a.max_physical_offset
+        master = HAMaster(a, _ha_config("ASYNC_MASTER"))
+        a.add_dispatch_listener(master.on_dispatch)
+        sessions = []
+
+        async def serve(reader, writer):
+            sessions.append(1)
+            if len(sessions) == REFUSED_MAX + 1:            # its first session from SEG, cut before a transfer
+                writer.close()
+                return
+            await master.serve(reader, writer)
+
+        caplog.set_level(logging.WARNING, "txmq.ha")
+        async with _slave_of(s, serve) as slave:
+            while master.acked < want:
+                assert slave.sessions <= 8, slave.cannot_catch_up
+                await asyncio.sleep(0.05)
+        master.close()
+        assert s.max_physical_offset == want and slave.cannot_catch_up is None
+    finally:
+        await a.close()
+        await s.close()
+
+
+@bounded(30)
 async def test_a_slave_whose_disk_stalls_stops_reading_instead_of_queueing_everything(monkeypatch):
     """The slave hands each transfer to its store's writer and reads on at once (the writer's group commit
     flushes them together). With the writer stalled -- a disk that blocks on writeback -- it read on all the
