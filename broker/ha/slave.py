@@ -31,8 +31,9 @@ REFUSED_MAX such sessions in a row, closed before a single transfer, the slave c
 segment start after that record instead; if that is its end there is nothing left to compare, and it
 follows on offsets alone (as RocketMQ 4.x always does) with a WARNING saying so. With no segment start
 after that record in its log (a new slave still copying the master's oldest segment when the master's
-retention removed it), or when the master refuses that later start too (its retention removed the segments past
-this slave's end while it was away), it cannot catch up by itself: an ERROR says so once, txmq_ha_slave_cannot_catch_up
+retention removed it), or when the master refuses that later start REFUSED_MAX times too (its retention removed
+the segments past this slave's end while it was away; the slave goes on asking from there, so a refusal by chance
+is no verdict for good), it cannot catch up by itself: an ERROR says so once, txmq_ha_slave_cannot_catch_up
 is 1 while it lasts, and the master says it too (ERROR once, txmq_ha_slave_sessions_behind_log_start_total).
 """
 from __future__ import annotations
@@ -174,20 +175,25 @@ class HASlave:
         if refused >= REFUSED_MAX:
             seg = self.store.segment_size
             later = None if last is None else last - last % seg + seg  # the first segment start after the newest record
-            if later is None or later > end or refused > REFUSED_MAX:  # none, or the master refused it too
-                self._say_stuck(f"{last}, the start of its newest record" + (
-                    "" if later is None or later > end else f", then {later}, the next segment start")
-                    if last is not None else f"{end}, its log end", end)
+            if later is None or later > end:
+                self._say_stuck(f"{last}, the start of its newest record" if last is not None
+                                else f"{end}, its log end", end)
             else:
+                # Asked from there every session from now on, said stuck or not: one session there closed by chance
+                # (the master restarting) made it say so and ask from the removed record for ever, copying nothing.
                 expected = later
-                log.warning("master %s closed the link %d times on this slave's first report (%d, the start of its "
-                            "newest record): its log no longer holds that record -- retention removed the segment "
-                            "while this slave was away -- or it has no record there. %s", self.master_addr,
-                            refused, last,
-                            f"Comparing its copy from the next segment start {later} instead" if later < end else
-                            f"This slave's log ends at the next segment's start {end}: nothing is left to compare, "
-                            "following on offsets alone (unverified; if the master lost its store or an unflushed "
-                            "tail while this slave was away, rebuild this slave's store)")
+                if refused >= 2 * REFUSED_MAX:      # the master refused the later start as often: it goes on
+                    self._say_stuck(f"{last}, the start of its newest record, then {later}, the next segment start",
+                                    end)
+                elif refused == REFUSED_MAX:        # said once, not at each session from there
+                    log.warning("master %s closed the link %d times on this slave's first report (%d, the start of "
+                                "its newest record): its log no longer holds that record -- retention removed the "
+                                "segment while this slave was away -- or it has no record there. %s",
+                                self.master_addr, refused, last,
+                                f"Comparing its copy from the next segment start {later} instead" if later < end else
+                                f"This slave's log ends at the next segment's start {end}: nothing is left to compare, "
+                                "following on offsets alone (unverified; if the master lost its store or an unflushed "
+                                "tail while this slave was away, rebuild this slave's store)")
         self._unverified = None if expected == end else expected
         self._report(expected)
         log.info("following master %s from offset %d%s", self.master_addr, end,
