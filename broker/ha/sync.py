@@ -6,7 +6,7 @@ the routes) asks for its offset and gets none: it starts over from the first mes
 once retention has trimmed the queue, from the last (the rest never delivered). So every
 ``slave_sync_interval_ms`` the slave asks its master GET_ALL_CONSUMER_OFFSET and takes every offset it
 lists, as RocketMQ's slave does (putAll: the master's value wins; offsets only the slave has stay), and removes
-those of a group the master listed at the last copy and lists no more (deleted with its offsets there).
+those of a group the master listed at an earlier copy and its last two do not (deleted with its offsets there).
 
 The master's broker address comes from the name server's answer to the slave's registration
 (``masterAddr``), as in RocketMQ; a slave that registers with no name server has nobody to ask, and says so.
@@ -62,7 +62,8 @@ class SlaveSync:
         self._master_log: tuple[int, int] | None = None     # (start, end) of the master's log, not yet reached
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
-        self._master_groups: set[str] | None = None     # the groups the master's last copied offsets named
+        self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
+        self._absent: set[str] = set()  # of those, the ones the last answer missed: removed if the next misses them too
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -131,12 +132,17 @@ class SlaveSync:
         return True
 
     async def _forget_groups(self, addr: str, groups: set[str]) -> bool:
-        """Remove the offsets of the groups the master's last copy named and this one does not: the master removed
-        them (DELETE_SUBSCRIPTIONGROUP with removeOffset). The copy (putAll) kept them for good: a slave promoted
-        resumed a group made again from its deleted offsets, past messages, and its lag series lived on. Offsets only
-        this slave ever had (committed here while the master was away) stay, as RocketMQ's."""
-        gone = set() if self._master_groups is None else self._master_groups - groups
-        self._master_groups = groups
+        """Remove the offsets of the groups the master's earlier copies named and its last two do not: the master
+        removed them (DELETE_SUBSCRIPTIONGROUP with removeOffset). The copy (putAll) kept them for good: a slave
+        promoted resumed a group made again from its deleted offsets, past messages, and its lag series lived on.
+        Two answers, not one: a master killed -9 comes back with its offsets as saved up to 5 s before, without a
+        group whose first commits came since, until its consumers commit again (every 5 s); removed at that one
+        answer, saved, a consumer failing over to this slave meanwhile started the group over. Offsets only this
+        slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        missed = set() if self._master_groups is None else self._master_groups - groups
+        gone = missed & self._absent
+        self._absent = missed - gone
+        self._master_groups = groups | self._absent
         if not gone:
             return True
         self.offsets.remove_groups(gone)
