@@ -612,6 +612,11 @@ class BrokerMetrics:
             limits.add_metric([name], getattr(config, f"disk_{name}_ratio"))
         self.registry.register(_Constant([info, limits]))
 
+    def add_counter_collector(self, name: str, doc: str, fn) -> None:
+        """A label-less counter kept by another object and read at scrape time: fn() yields ((), value) rows, none
+        where the broker has no such thing (absent then), as add_gauge_collector's."""
+        self.registry.register(_RowsCounter(name, doc, fn))
+
     def add_disk_collector(self, disk) -> None:
         """The store's disk watermark state (a store/disk.py DiskMonitor), read at scrape time."""
         self.registry.register(_DiskCollector(disk))
@@ -718,6 +723,18 @@ class _CorruptCollector:
 
     def describe(self):
         return list(self.collect())
+
+
+class _RowsCounter:
+    def __init__(self, name: str, doc: str, fn):
+        self.name, self.doc, self.fn = name, doc, fn
+
+    def collect(self):
+        for _labels, value in list(self.fn()):
+            yield CounterMetricFamily(self.name, self.doc, value=value)
+
+    def describe(self):
+        return [CounterMetricFamily(self.name, self.doc)]
 
 
 class _CompactionCollector:

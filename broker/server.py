@@ -407,9 +407,9 @@ class BrokerServer:
                               "its first report and its log holds nothing to compare from instead: retention on the "
                               "master removed what it still had to copy (rebuild its store); absent elsewhere.", [],
                               snap("ha_cannot_catch_up"))
-        m.add_gauge_collector("txmq_ha_slaves_behind_log_start", "On a master, slave sessions closed (since start) "
-                              "because the slave was below this master's log start: retention removed what it "
-                              "still had to copy; absent elsewhere.", [], snap("ha_behind"))
+        m.add_counter_collector("txmq_ha_slave_sessions_behind_log_start", "On a master, slave sessions closed "
+                                "because the slave was below this master's log start: retention removed what it "
+                                "still had to copy; absent elsewhere.", snap("ha_behind"))
         m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:

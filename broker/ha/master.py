@@ -208,7 +208,8 @@ class HAMaster:
             # remembered all, the set grew by one per connection for ever. Forgotten, a slave is said again.
             self._behind_said.clear()
         self._behind_said.add(key)
-        log.error("slave %s dropped: %s (said once; counted in txmq_ha_slaves_behind_log_start)", link.peer, exc)
+        log.error("slave %s dropped: %s (said once; counted in txmq_ha_slave_sessions_behind_log_start_total)",
+                  link.peer, exc)
 
     def _start_offset(self, link: SlaveLink) -> int:
         start = link.request_offset

@@ -31,8 +31,10 @@ REFUSED_MAX such sessions in a row, closed before a single transfer, the slave c
 segment start after that record instead; if that is its end there is nothing left to compare, and it
 follows on offsets alone (as RocketMQ 4.x always does) with a WARNING saying so. With no segment start
 after that record in its log (a new slave still copying the master's oldest segment when the master's
-retention removed it), it cannot catch up by itself: an ERROR says so once, txmq_ha_slave_cannot_catch_up
-is 1 while it lasts, and the master says it too (ERROR once, txmq_ha_slaves_behind_log_start).
+retention removed it), or when the master refuses that later start REFUSED_MAX times too (its retention removed
+the segments past this slave's end while it was away; the slave goes on asking from there, so a refusal by chance
+is no verdict for good), it cannot catch up by itself: an ERROR says so once, txmq_ha_slave_cannot_catch_up
+is 1 while it lasts, and the master says it too (ERROR once, txmq_ha_slave_sessions_behind_log_start_total).
 """
 from __future__ import annotations
 
@@ -79,9 +81,9 @@ class HASlave:
         self._pending = 0                       # bytes queued to the store's writer and not yet stored
         self._room = asyncio.Event()            # set when _pending drops to PENDING_MAX
         self.paused = False                     # not reading: the writer is that far behind
-        self._asked: int | None = None          # this session's first report, when it was a comparison start
+        self._asked: int | None = None          # what this session's refusal counts against (see _session)
         self._received = False                  # a transfer came in this session
-        self._refused = (None, 0)               # (comparison start, sessions in a row the master closed at once)
+        self._refused = (None, 0)               # (that offset, sessions in a row the master closed at once)
         self.cannot_catch_up: str | None = None     # why the master refuses every session (said once, a gauge)
         self.disk_full = False                  # holding the master back: this slave's disk refuses writes (said once)
 
@@ -165,22 +167,33 @@ class HASlave:
         end = self.store.max_physical_offset
         last = self.store.last_indexed_record() if end > self.store.min_physical_offset else None
         expected = end if last is None else last        # from ``last`` to ``end``: compared, not appended
-        if last is not None and self._refused[0] == last and self._refused[1] >= REFUSED_MAX:
+        # Refusals count against the newest record (the log end if none) whatever was asked: counted against the
+        # later start instead, a refusal there too went unnoticed -- and against the log end not at all -- and the
+        # slave went round for ever, a WARNING a second, never saying it cannot catch up.
+        self._asked = end if last is None else last
+        refused = self._refused[1] if self._refused[0] == self._asked else 0
+        if refused >= REFUSED_MAX:
             seg = self.store.segment_size
-            later = last - last % seg + seg     # the first segment start after the newest record
-            if later > end:
-                self._say_stuck(last, end)
+            later = None if last is None else last - last % seg + seg  # the first segment start after the newest record
+            if later is None or later > end:
+                self._say_stuck(f"{last}, the start of its newest record" if last is not None
+                                else f"{end}, its log end", end)
             else:
+                # Asked from there every session from now on, said stuck or not: one session there closed by chance
+                # (the master restarting) made it say so and ask from the removed record for ever, copying nothing.
                 expected = later
-                log.warning("master %s closed the link %d times on this slave's first report (%d, the start of its "
-                            "newest record): its log no longer holds that record -- retention removed the segment "
-                            "while this slave was away -- or it has no record there. %s", self.master_addr,
-                            self._refused[1], last,
-                            f"Comparing its copy from the next segment start {later} instead" if later < end else
-                            f"This slave's log ends at the next segment's start {end}: nothing is left to compare, "
-                            "following on offsets alone (unverified; if the master lost its store or an unflushed "
-                            "tail while this slave was away, rebuild this slave's store)")
-        self._asked = expected if expected < end else None
+                if refused >= 2 * REFUSED_MAX:      # the master refused the later start as often: it goes on
+                    self._say_stuck(f"{last}, the start of its newest record, then {later}, the next segment start",
+                                    end)
+                elif refused == REFUSED_MAX:        # said once, not at each session from there
+                    log.warning("master %s closed the link %d times on this slave's first report (%d, the start of "
+                                "its newest record): its log no longer holds that record -- retention removed the "
+                                "segment while this slave was away -- or it has no record there. %s",
+                                self.master_addr, refused, last,
+                                f"Comparing its copy from the next segment start {later} instead" if later < end else
+                                f"This slave's log ends at the next segment's start {end}: nothing is left to compare, "
+                                "following on offsets alone (unverified; if the master lost its store or an unflushed "
+                                "tail while this slave was away, rebuild this slave's store)")
         self._unverified = None if expected == end else expected
         self._report(expected)
         log.info("following master %s from offset %d%s", self.master_addr, end,
@@ -227,14 +240,15 @@ class HASlave:
         finally:
             heartbeat.cancel()
 
-    def _say_stuck(self, last: int, end: int) -> None:
+    def _say_stuck(self, asked: str, end: int) -> None:
         """The master closed every session on this slave's first report, and its log holds no later segment start
-        to compare from: most likely the master's retention removed the segment this new slave was still copying.
+        to compare from (or the master refused that too): most likely the master's retention removed the segment
+        this slave was still copying, or the segments after its end while it was away.
         It reconnected every second for ever with a WARNING naming no cause; now an ERROR once, and a gauge."""
         if self.cannot_catch_up is not None:
             return
         self.cannot_catch_up = (f"master {self.master_addr} closed the link {self._refused[1]} times on this slave's "
-                                f"first report ({last}, the start of its newest record; its log ends at {end})")
+                                f"first report ({asked}; its log ends at {end})")
         log.error("NOT replicating: %s. Its retention has most likely removed the segment this slave was still "
                   "copying (the master's log says 'cannot catch up'), or its log is not the one this slave copied. "
                   "This slave cannot catch up by itself: rebuild its store (stop it, empty its store directory, "

@@ -5,7 +5,8 @@ master's consumerOffset.json. Without them, a consumer that fails over to the sl
 the routes) asks for its offset and gets none: it starts over from the first message (every one again) or,
 once retention has trimmed the queue, from the last (the rest never delivered). So every
 ``slave_sync_interval_ms`` the slave asks its master GET_ALL_CONSUMER_OFFSET and takes every offset it
-lists, as RocketMQ's slave does (putAll: the master's value wins; offsets only the slave has stay).
+lists, as RocketMQ's slave does (putAll: the master's value wins; offsets only the slave has stay), and removes
+those of a group the master listed at an earlier copy and its last two do not (deleted with its offsets there).
 
 The master's broker address comes from the name server's answer to the slave's registration
 (``masterAddr``), as in RocketMQ; a slave that registers with no name server has nobody to ask, and says so.
@@ -61,6 +62,8 @@ class SlaveSync:
         self._master_log: tuple[int, int] | None = None     # (start, end) of the master's log, not yet reached
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
+        self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
+        self._absent: set[str] = set()  # of those, the ones the last answer missed: removed if the next misses them too
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -109,10 +112,14 @@ class SlaveSync:
         # The master's own transaction progress (its half floor) is not a consumer's: copied, a slave started
         # without a usable transaction snapshot (and so one promoted) scanned its halves from the master's
         # floor, past halves whose decisions had not reached it yet, never checking them.
+        groups = set()
         async for part in in_slices(list(table.items()), OFFSET_SLICE):
             for (group, topic, qid), offset in part:
                 if offset >= 0 and group != PROGRESS_GROUP:
                     self.offsets.commit(group, topic, qid, offset)
+                    groups.add(group)
+        if not await self._forget_groups(addr, groups):
+            return False
         if self.topics is not None and not await self._sync_topics(addr):
             return False
         if self.subscriptions is not None and not await self._sync_groups(addr):
@@ -122,6 +129,30 @@ class SlaveSync:
         if self._failing is not None:
             log.warning("consumer offsets copied from master %s again", addr)
             self._failing = None
+        return True
+
+    async def _forget_groups(self, addr: str, groups: set[str]) -> bool:
+        """Remove the offsets of the groups the master's earlier copies named and its last two do not: the master
+        removed them (DELETE_SUBSCRIPTIONGROUP with removeOffset). The copy (putAll) kept them for good: a slave
+        promoted resumed a group made again from its deleted offsets, past messages, and its lag series lived on.
+        Two answers, not one: a master killed -9 comes back with its offsets as saved up to 5 s before, without a
+        group whose first commits came since, until its consumers commit again (every 5 s); removed at that one
+        answer, saved, a consumer failing over to this slave meanwhile started the group over. Offsets only this
+        slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        missed = set() if self._master_groups is None else self._master_groups - groups
+        gone = missed & self._absent
+        self._absent = missed - gone
+        self._master_groups = groups | self._absent
+        if not gone:
+            return True
+        self.offsets.remove_groups(gone)
+        log.warning("consumer offsets of %d group(s) removed as master %s did (e.g. %s): it lists them no more",
+                    len(gone), addr, min(gone))
+        try:
+            await self.offsets.saved()     # else a kill before the periodic save brought them back for good
+        except OSError as exc:
+            self._failed(f"offsets of groups removed as master {addr} did, but their removal not saved: {exc}")
+            return False
         return True
 
     async def _sync_log_bounds(self, addr: str) -> None:

@@ -318,6 +318,37 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
             p.kill()
 
 
+async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_slave_too(tmp_path):
+    """mqadmin deleteSubGroup -r removes a group's offsets on the master; the slave's copy (putAll) kept them for
+    good, so a consumer of the group made again that failed over to the slave (or to it promoted) resumed from the
+    deleted offset (17 here) where the master answered 0 (a young queue: from its start). The next sync removes
+    them on the slave too; another group's stay."""
+    started = []
+    pool = ConnectionPool()
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-dg", started, "--slave-sync-interval-ms", "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_deleted_group") as producer:
+                mq = await _until_replicating(producer)
+                for i in range(30):
+                    await producer.send(TOPIC, f"g{i}".encode(), queue=mq)
+            for group, offset in (("CG_deleted", 17), ("CG_kept", 5)):
+                async with PullConsumer(ns.addr, group) as consumer:
+                    await _fetch_queues_once_routed(consumer, TOPIC)
+                    await consumer.commit_offset(mq, offset)
+                await _until_slave_has_offset(slave, group, mq, offset)
+            gone = await pool.request(master.broker, RemotingCommand.request(
+                RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_deleted", "removeOffset": "true"}), 3.0)
+            assert gone.code == ResponseCode.SUCCESS, gone.remark
+            await _until_slave_has_offset(slave, "CG_deleted", mq, 0)     # as the master answers now
+            await _until_slave_has_offset(slave, "CG_kept", mq, 5)
+        assert "consumer offsets of 1 group(s) removed as master" in slave.log()
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
 async def test_a_slave_does_not_list_transactions_it_does_not_follow(broker_factory):
     """A slave rebuilds its undecided-transaction index once, at start-up, and never follows its master's
     halves and decisions after that (it runs no checks). Its TXMQ_LIST_TRANSACTIONS answered SUCCESS with
@@ -1449,11 +1480,16 @@ async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_can
     closed each session (a WARNING naming an offset 'not in the log', then an ERROR on every reconnect, every
     second), the slave said only 'the master closed the connection; reconnecting', for ever, and no metric told.
     Now each side says it once at ERROR with what to do (rebuild the slave's store), and counts it: the master's
-    txmq_ha_slaves_behind_log_start, the slave's txmq_ha_slave_cannot_catch_up."""
+    txmq_ha_slave_sessions_behind_log_start_total, the slave's txmq_ha_slave_cannot_catch_up. The master's count
+    was exported as a gauge, which rate() and increase() must not be used on: a counter now."""
     import urllib.request
+
+    BEHIND = "txmq_ha_slave_sessions_behind_log_start_total"
 
     def gauges(b) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+        if b is master:
+            assert re.search(r"^# TYPE txmq_ha_slave_sessions_behind_log_start(_total)? counter$", text, re.M)
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                 if line.startswith("txmq_ha_")}
 
@@ -1489,10 +1525,10 @@ async def test_a_new_slave_whose_copy_the_masters_retention_overtook_says_it_can
             proxy.stop = 1 << 40                                   # later sessions relay everything
             while (await asyncio.to_thread(gauges, slave)).get("txmq_ha_slave_cannot_catch_up") != 1:
                 await asyncio.sleep(0.1)
-            while (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"] < 4:
+            while (await asyncio.to_thread(gauges, master))[BEHIND] < 4:
                 await asyncio.sleep(0.1)
-            closed = (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"]
-            while (await asyncio.to_thread(gauges, master))["txmq_ha_slaves_behind_log_start"] < closed + 3:
+            closed = (await asyncio.to_thread(gauges, master))[BEHIND]
+            while (await asyncio.to_thread(gauges, master))[BEHIND] < closed + 3:
                 await asyncio.sleep(0.1)        # sessions after the slave said it: not said again each second
         assert slave.log().count("This slave cannot catch up by itself: rebuild its store") == 1
         after = slave.log_path.read_text(errors="replace").split("This slave cannot catch up by itself")[1]

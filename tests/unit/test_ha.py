@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 
@@ -570,6 +571,106 @@ async def test_a_slave_of_the_same_log_resumes_after_comparing_even_at_a_segment
         await a.close()
         await s.close()
     assert _files(tmp_path / "a") == _files(tmp_path / "s")
+
+
+@pytest.mark.parametrize("copied", [True, False], ids=["a-segment-copied", "rebased-empty"])
+@bounded(30)
+async def test_a_slave_ending_at_a_segment_start_its_master_removed_says_it_cannot_catch_up(tmp_path, caplog, copied):
+    """A slave whose log ends where a segment begins (its newest record, then the end marker) and whose master's
+    retention removed that segment and the next while it was away: the master refuses its first report (the newest
+    record) and then its end too. It went round for ever -- two sessions from its newest record, one from its end,
+    a WARNING each 'following on offsets alone' -- and txmq_ha_slave_cannot_catch_up stayed 0, so no alert told
+    that it copies nothing. Now the refusals of the later start count too: it says it cannot catch up. So does a
+    new slave begun at the master's first segment start (rebased, still empty) when that segment is removed: with
+    no record to compare, its refusals at its log end were not counted at all."""
+    from broker.ha.master import HAMaster
+    a, s = await _stores(tmp_path, "a", "s")
+    s.set_replica_only()
+    try:
+        for i in range(30):
+            await a.put(_req(i))                            # ~90 KB: one roll
+        if copied:
+            nxt = 0
+            while nxt % SEG or nxt == 0:                    # copy up to the end marker of the first segment
+                chunk = a.replica_chunk(nxt, 8000)
+                fut, nxt = s.append_replica(nxt, bytes(chunk))
+                chunk.release()
+            assert (await fut).ok
+        else:
+            await s.rebase_empty(SEG)
+        assert s.max_physical_offset == SEG
+        i = 30
+        while a.max_physical_offset < 2 * SEG + 10_000:     # the master rolls again while the slave is away...
+            await a.put(_req(i))
+            i += 1
+        for _ in range(2):                                  # ...and its retention removes both sealed segments
+            await a.remove_segment(a.segments()[0].name, "test")
+        assert a.min_physical_offset == 2 * SEG
+        master = HAMaster(a, _ha_config("ASYNC_MASTER"))
+        a.add_dispatch_listener(master.on_dispatch)
+        caplog.set_level(logging.WARNING, "txmq.ha")
+        async with _slave_of(s, master.serve) as slave:
+            while slave.cannot_catch_up is None:
+                assert slave.sessions <= 10, "still going round, saying nothing"
+                await asyncio.sleep(0.05)
+            sessions = slave.sessions
+            while slave.sessions < sessions + 2:            # it goes on trying, saying no more
+                await asyncio.sleep(0.05)
+        master.close()
+        assert s.max_physical_offset == SEG                 # nothing appended after a gap
+        said = [r.getMessage() for r in caplog.records if r.name == "txmq.ha"]
+        assert sum("cannot catch up by itself" in m for m in said) == 1, said
+        assert sum("following on offsets alone" in m for m in said) <= 1, said
+    finally:
+        await a.close()
+        await s.close()
+
+
+@bounded(30)
+async def test_a_slave_refused_once_at_the_next_segment_start_by_chance_still_catches_up(tmp_path, caplog):
+    """A slave whose log ends at a segment start, its newest record's segment removed by the master's retention:
+    refused twice at that record, it asks from its log end, which the master still holds. One session there
+    closed before a transfer by chance (the master restarting, a network blip) made it say it cannot catch up
+    and ask from the removed record for ever after, never from its log end again: it copied nothing, for good."""
+    from broker.ha.master import HAMaster
+    from broker.ha.slave import REFUSED_MAX
+    a, s = await _stores(tmp_path, "a", "s")
+    s.set_replica_only()
+    try:
+        for i in range(30):
+            await a.put(_req(i))                            # ~90 KB: one roll
+        nxt = 0
+        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
+            chunk = a.replica_chunk(nxt, 8000)
+            fut, nxt = s.append_replica(nxt, bytes(chunk))
+            chunk.release()
+        assert (await fut).ok and s.max_physical_offset == SEG
+        for i in range(30, 40):
+            await a.put(_req(i))
+        await a.remove_segment(a.segments()[0].name, "test")     # the newest record's segment goes, not the next
+        assert a.min_physical_offset == SEG
+        want = a.max_physical_offset
+        master = HAMaster(a, _ha_config("ASYNC_MASTER"))
+        a.add_dispatch_listener(master.on_dispatch)
+        sessions = []
+
+        async def serve(reader, writer):
+            sessions.append(1)
+            if len(sessions) == REFUSED_MAX + 1:            # its first session from SEG, cut before a transfer
+                writer.close()
+                return
+            await master.serve(reader, writer)
+
+        caplog.set_level(logging.WARNING, "txmq.ha")
+        async with _slave_of(s, serve) as slave:
+            while master.acked < want:
+                assert slave.sessions <= 8, slave.cannot_catch_up
+                await asyncio.sleep(0.05)
+        master.close()
+        assert s.max_physical_offset == want and slave.cannot_catch_up is None
+    finally:
+        await a.close()
+        await s.close()
 
 
 @bounded(30)

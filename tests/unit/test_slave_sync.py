@@ -389,3 +389,68 @@ async def test_the_slave_reads_and_takes_its_masters_offsets_with_the_loop_runni
     copied = turns[0]
     assert {k: v for k, v in offsets.items()} == dict(table)
     assert copied >= 6, copied       # between the entries' slices and the commits' slices at least
+
+
+@bounded(10)
+async def test_offsets_of_a_group_the_master_deleted_go_from_the_slave_too(tmp_path, caplog):
+    """DELETE_SUBSCRIPTIONGROUP with removeOffset removes a group's offsets on the master; the slave's copy (putAll)
+    kept them for good: its table grew by every group the master ever forgot, their lag series lived on, and the
+    slave promoted resumed the group made again from its deleted offsets, past the messages its consumers asked
+    for. A group the master's last copy named and this one does not goes now, saved; an offset only the slave
+    ever had (committed here while the master was away) stays, as RocketMQ's."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("Only", "Here", 0, 9)
+    sync = SlaveSync(offsets, 10.0)
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    answers = [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40),
+                                        (("Old", "Orders", 1), 41)]),
+               encode_consumer_offsets([(("CG", "Orders", 0), 13)]), encode_consumer_offsets([(("CG", "Orders", 0), 13)])]
+
+    async def request(addr, cmd, timeout):
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:     # the log bounds: not learnt, said apart
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        return cmd.response(ResponseCode.SUCCESS, body=answers.pop(0))
+    sync.pool.request = request
+    try:
+        assert await sync.sync_once()
+        assert offsets.get("Old", "Orders", 1) == 41
+        assert await sync.sync_once()                   # the master deleted "Old" with its offsets meanwhile
+        assert offsets.get("Old", "Orders", 1) == 41    # missed by one answer: kept (a master back from a kill -9)
+        assert await sync.sync_once()                   # and by the next: gone
+    finally:
+        await sync.close()
+    restarted = ConsumerOffsets(str(tmp_path))          # killed now: what the next start reads
+    for table in (offsets, restarted):
+        assert table.get("Old", "Orders", 0) is None and table.get("Old", "Orders", 1) is None
+        assert table.get("CG", "Orders", 0) == 13 and table.get("Only", "Here", 0) == 9
+    assert "consumer offsets of 1 group(s) removed as master 127.0.0.1:10911 did (e.g. Old)" in caplog.text
+
+
+@bounded(10)
+async def test_a_group_missing_from_one_answer_only_keeps_its_offsets_on_the_slave(tmp_path):
+    """A master killed -9 comes back with its offsets as saved up to 5 s before: a group whose first commits came
+    in that window is missing from its next answer, and back at its consumers' next commit (every 5 s). The slave,
+    which held the group's newest offsets, removed them at that one answer (saved at once), so consumers failing
+    over to it then started the group over by its consume-from policy. A group goes only when two answers in a
+    row miss it; one deleted and made again in between takes the master's offsets, as any."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = SlaveSync(offsets, 10.0)
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    both = encode_consumer_offsets([(("CG", "Orders", 0), 12), (("New", "Orders", 0), 40)])
+    answers = [both, encode_consumer_offsets([(("CG", "Orders", 0), 12)]), both,
+               encode_consumer_offsets([(("CG", "Orders", 0), 13)]), encode_consumer_offsets([(("CG", "Orders", 0), 14)])]
+
+    async def request(addr, cmd, timeout):
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:     # the log bounds: not learnt, said apart
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        return cmd.response(ResponseCode.SUCCESS, body=answers.pop(0))
+    sync.pool.request = request
+    try:
+        held = []
+        for _ in range(5):
+            assert await sync.sync_once()
+            held.append(offsets.get("New", "Orders", 0))
+    finally:
+        await sync.close()
+    assert held == [40, 40, 40, 40, None]       # the restarted master's one answer without it: kept; two: gone
+    assert ConsumerOffsets(str(tmp_path)).get("New", "Orders", 0) is None
