@@ -26,6 +26,7 @@ from protocol.message import validate_group
 from protocol.txlog import PROGRESS_GROUP
 
 from .retried_save import RetriedSave
+from .slices import members_in_slices
 from .store.saved import check, load_saved, save
 
 log = logging.getLogger("txmq.subscriptions")
@@ -37,6 +38,8 @@ SYSTEM_GROUPS = ("TOOLS_CONSUMER", "FILTERSRV_CONSUMER", "SELF_TEST_C_GROUP", "C
 DEFAULTS = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True, "consumeFromMinEnable": True,
             "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16, "retryQueueNums": 1,
             "whichBrokerWhenConsumeSlowly": 1}
+# Groups encoded between two turns of the loop (GET_ALL_SUBSCRIPTIONGROUP_CONFIG, encode_in_slices), ~9 us each.
+GROUP_SLICE = 512
 _JAVA_BITS = {"brokerId": 64, "whichBrokerWhenConsumeSlowly": 64, "retryMaxTimes": 32, "retryQueueNums": 32}
 _TYPES = {"brokerId": int, "retryMaxTimes": int, "retryQueueNums": int, "whichBrokerWhenConsumeSlowly": int,
           "consumeBroadcastEnable": bool, "consumeEnable": bool, "consumeFromMinEnable": bool,
@@ -169,6 +172,15 @@ class SubscriptionGroups(RetriedSave):
         table.update(self.groups)
         return dump({"dataVersion": {"counter": self.counter, "timestamp": self.timestamp},
                      "subscriptionGroupTable": table}).encode()
+
+    async def encode_in_slices(self, known_groups=()) -> list[bytes]:
+        """``encode``'s body, the same bytes in parts, a slice of groups at a time, the loop running between two. The
+        version as it starts: a group updated meanwhile is read again at the next sync (see get_all_topic_config)."""
+        head = dump({"counter": self.counter, "timestamp": self.timestamp})
+        return await members_in_slices(
+            f'{{"dataVersion":{head},"subscriptionGroupTable":{{', sorted({*SYSTEM_GROUPS, *known_groups, *self.groups}),
+            GROUP_SLICE, lambda names: dump({name: self.groups.get(name) or group_config(name) for name in names})[1:-1],
+            ",", "}}")
 
     def write(self, data: bytes, counter: int | None = None) -> None:
         """Blocking (fsync, rename): call it off the loop. ``counter``: the one ``data`` was encoded at; two

@@ -1,7 +1,6 @@
 """A slave copies its master's consumer offsets (broker/ha/sync.py); the GET_ALL_CONSUMER_OFFSET body both ways."""
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
@@ -12,7 +11,7 @@ from protocol.admin_bodies import decode_consumer_offsets, encode_consumer_offse
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import ConnectionClosedError, HeaderError
-from tests.support.bounded import bounded
+from tests.support.bounded import bounded, other_client
 
 
 def test_the_body_is_javas_and_reads_back():
@@ -341,31 +340,13 @@ async def test_a_slave_steadily_behind_its_master_still_learns_how_far_it_may_re
         await sync.close()
 
 
-@contextlib.asynccontextmanager
-async def _other_client():
-    """Another client's work on the loop: yields [turns], the loop turns it was given while the block ran."""
-    import asyncio
-    turns = [0]
-
-    async def other_client():
-        while True:
-            turns[0] += 1
-            await asyncio.sleep(0)
-    other = asyncio.ensure_future(other_client())
-    await asyncio.sleep(0)
-    try:
-        yield turns
-    finally:
-        other.cancel()         # (it counts no more: cancelled, its next turn raises at the sleep)
-
-
 @bounded(60)
 async def test_the_masters_offsets_body_is_encoded_with_the_loop_running_between_slices():
     """In one go, 100,000 offsets held the master's event loop 100-190 ms at every slave's sync (each 10 s)."""
     from broker.processors.offsets import KEY_SLICE, OFFSET_SLICE, get_all_consumer_offset
     table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * OFFSET_SLICE + 5)]
     ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table)))
-    async with _other_client() as turns:
+    async with other_client() as turns:
         reply = await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
     assert reply.body_bytes() == encode_consumer_offsets(table)
     keys = len({(g, t) for (g, t, _q), _o in table})
@@ -382,7 +363,7 @@ async def test_the_slave_reads_and_takes_its_masters_offsets_with_the_loop_runni
     sync = SlaveSync(offsets, 10.0)
     _master_answers(sync, encode_consumer_offsets(table), b'{}')
     try:
-        async with _other_client() as turns:
+        async with other_client() as turns:
             assert await sync.sync_once()
     finally:
         await sync.close()
