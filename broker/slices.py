@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+from itertools import islice
 
 
-async def in_slices(items: list, size: int):
-    """``items`` ``size`` at a time, the event loop running between two slices."""
-    for i in range(0, len(items), size):
-        if i:
+async def in_slices(items, size: int):
+    """``items`` (a list, or any iterable: a generator is advanced a slice at a time) ``size`` at a time, as
+    lists, the event loop running between two slices."""
+    items = iter(items)
+    part = list(islice(items, size))
+    while part:
+        yield part
+        part = list(islice(items, size))
+        if part:
             await asyncio.sleep(0)
-        yield items[i:i + size]
 
 
 async def members_in_slices(head: str, names: list, size: int, members, sep: str, tail: str) -> list[bytes]:

@@ -1,6 +1,7 @@
 """A slave copies its master's consumer offsets (broker/ha/sync.py); the GET_ALL_CONSUMER_OFFSET body both ways."""
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -370,3 +371,45 @@ async def test_the_slave_reads_and_takes_its_masters_offsets_with_the_loop_runni
     copied = turns[0]
     assert {k: v for k, v in offsets.items()} == dict(table)
     assert copied >= 6, copied       # between the entries' slices and the commits' slices at least
+
+
+@pytest.mark.parametrize("body", [
+    b'{"offsetTable":{"T@G":{"0":1,"1":2},"U@H":{}}}',
+    b' { "offsetTable" : { "T@G" : { "0" : 1 } , "T@\\"{,:}" : {"3": 4} } } \n',
+    b'{"dataVersion":{"counter":3,"stateVersion":0},"offsetTable":{"T@G":{"0":1}},"extra":[1,{"a":"}"}]}',
+    b'{"offsetTable":{}}',
+    '{"offsetTable":{"Tö@Gé":{"0":9}}}'.encode(),
+])
+def test_the_offset_table_is_read_a_member_at_a_time_as_json_reads_it_whole(body):
+    """The slave read the master's whole body in one json.loads (22-35 ms of its loop at 100,000 offsets, under
+    load up to 140): its members come one at a time now, the same as JSON reads them."""
+    from protocol.admin_bodies import offset_table_members
+    assert dict(offset_table_members([body.decode()])) == json.loads(body)["offsetTable"]
+
+
+def test_the_offset_table_members_come_before_a_fault_further_on():
+    from protocol.admin_bodies import offset_table_members
+    members = offset_table_members(['{"offsetTable":{"T@G":{"0":1},"U@G":{"0":2},"V@G":{0:'])
+    assert [next(members), next(members)] == [("T@G", {"0": 1}), ("U@G", {"0": 2})]
+    with pytest.raises(HeaderError, match="consumer offsets body is not usable"):
+        next(members)
+    for bad in ('{"offsetTable":{"T@G":{"0":1}}} x', '{"offsetTable":[]}', '{"offsetTable":{"T@G":{"0":1}',
+                '{"other":{}}', '{"offsetTable":{},"offsetTable":{"T@G":{}}}', '{"offsetTable":{"T@G" {}}}',
+                '{"offsetTable":{"T@G":{} "U@G":{}}}', '{"offsetTable":{5:{}}}', '{"offsetTable":{"T@G":{}},}'):
+        with pytest.raises(HeaderError, match="consumer offsets body is not usable"):
+            list(offset_table_members([bad]))
+
+
+@bounded(60)
+async def test_a_body_bad_past_its_first_slices_copies_no_offset(tmp_path):
+    """Read a slice at a time, the members before a fault are read first: none of them is taken (a slave taking
+    part of a table would hold offsets its master's table no longer says as they are)."""
+    table = [((f"G{i}", "T", 0), i) for i in range(5 * 64)]
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = SlaveSync(offsets, 10.0)
+    _master_answers(sync, encode_consumer_offsets(table)[:-2] + b',"X@G":{0:', b'{}')
+    try:
+        assert not await sync.sync_once()
+    finally:
+        await sync.close()
+    assert offsets.count() == 0
