@@ -109,8 +109,8 @@ class SlaveSync:
         # The master's own transaction progress (its half floor) is not a consumer's: copied, a slave started
         # without a usable transaction snapshot (and so one promoted) scanned its halves from the master's
         # floor, past halves whose decisions had not reached it yet, never checking them.
-        # Taken off the table as they are committed: a list of its 100,000 items, freed with the table as this
-        # returned, held the loop 30 ms in that one step.
+        # Taken off the table as they are committed, not listed first: a list of 100,000 items made in one step
+        # (and freed in one as this returns).
         del pieces
         async for part in in_slices((table.popitem() for _ in range(len(table))), OFFSET_SLICE):
             for (group, topic, qid), offset in part:
