@@ -104,11 +104,10 @@ def list_transactions(ctx, conn, cmd):
     if limit < 0:
         raise HeaderError(f"limit={limit}: expected 0 or more")
     limit = min(limit, LISTED_MAX)
-    per_group = ctx.tx.core.per_group
-    total = per_group.get(group, 0) if group else len(ctx.tx.pending)      # of what is listed
     if cmd.ext_fields.get("after") is not None:
-        return _list_page(ctx, cmd, group, limit, cmd.int_field("after"), total)
+        return _list_page(ctx, cmd, group, limit, cmd.int_field("after"))
     rows = ctx.tx.describe(group, limit)
+    total = _listed_total(ctx, group)
     # "more": undecided of what is listed and not in the answer (the oldest come first): say it, a cut list
     # read as the whole one hides the newest in doubt.
     return cmd.response(ResponseCode.SUCCESS, body=dumps({"pending": rows, "total": total, "more": total - len(rows),
@@ -120,7 +119,12 @@ def list_transactions(ctx, conn, cmd):
 PAGE_WALK_SLICE = 4_096
 
 
-async def _list_page(ctx, cmd, group, limit, after, total):
+def _listed_total(ctx, group) -> int:
+    """The undecided of what is listed: of ``group``, or all."""
+    return ctx.tx.core.per_group.get(group, 0) if group else len(ctx.tx.pending)
+
+
+async def _list_page(ctx, cmd, group, limit, after):
     """A page of the list: the undecided whose half-queue offset is past ``after``, in the order they were
     stored (oldest first), and "next_after", the cursor of the next page (None at the end). Without it the
     list answered the oldest LISTED_MAX alone, and no request could reach the 48,000 behind them."""
@@ -135,7 +139,7 @@ async def _list_page(ctx, cmd, group, limit, after, total):
             break
         txs.append(tx)
     # (counted as the page is answered: halves come and go while a long walk yields)
-    total = ctx.tx.core.per_group.get(group, 0) if group else len(ctx.tx.pending)
+    total = _listed_total(ctx, group)
     body = {"pending": ctx.tx.describe(txs=txs), "total": total, "after": after, "limit": limit,
             "next_after": (txs[-1].queue_offset if txs else after) if more else None,
             "dead_lettered": ctx.tx.dead_count}
