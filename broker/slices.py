@@ -17,6 +17,17 @@ async def in_slices(items, size: int):
             await asyncio.sleep(0)
 
 
+async def in_steps(steps):
+    """Run the generator ``steps`` (each of its yields ends a step), the event loop running between two steps;
+    what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
+
+
 async def members_in_slices(head: str, names: list, size: int, members, sep: str, tail: str) -> list[bytes]:
     """The parts of a JSON body (to send without joining) that holds an object's members: ``head``, then
     ``members(slice)`` (a slice of ``names``' members, written out, without braces) for each slice of ``size``

@@ -169,29 +169,39 @@ def offset_table_members(pieces: list[str]):
     Read whole (json.loads), 100,000 offsets held a slave's loop 80-140 ms in one call at each sync. The body's
     other members are read and left. A body that is not JSON raises HeaderError when the reading reaches the fault
     (after the members before it: the caller takes nothing until the end)."""
-    text, decode = "".join(pieces), _DECODER.raw_decode
     try:
-        found, (pos, more) = False, _opened(text, 0)
-        while more:
-            key, pos = _member_key(text, pos)
-            if key != "offsetTable":
-                _, pos = decode(text, pos)
-            elif found:
-                raise ValueError("a second offsetTable")
-            else:
-                found, (pos, inner) = True, _opened(text, pos)
-                while inner:
-                    name, pos = _member_key(text, pos)
-                    queues, pos = decode(text, pos)
-                    yield name, queues
-                    pos, inner = _after_member(text, pos)
-            pos, more = _after_member(text, pos)
-        if not found:
-            raise KeyError("offsetTable")
-        if _WS.match(text, pos).end() != len(text):
-            raise ValueError(f"extra data at {pos}")
+        for inside, key, value in json_members("".join(pieces), "offsetTable"):
+            if inside:
+                yield key, value
     except _BAD_BODY as exc:
         raise HeaderError(f"consumer offsets body is not usable: {exc}") from None
+
+
+def json_members(text: str, table: str):
+    """The JSON object ``text`` read a member at a time, as json.loads reads it whole: (False, key, value) for
+    each of its members but ``table``, (True, key, value) for each member of the object ``table`` is, in the
+    body's order. ValueError (or KeyError: no ``table``) when the reading reaches a fault."""
+    decode = _DECODER.raw_decode
+    found, (pos, more) = False, _opened(text, 0)
+    while more:
+        key, pos = _member_key(text, pos)
+        if key != table:
+            value, pos = decode(text, pos)
+            yield False, key, value
+        elif found:
+            raise ValueError(f"a second {table}")
+        else:
+            found, (pos, inner) = True, _opened(text, pos)
+            while inner:
+                name, pos = _member_key(text, pos)
+                value, pos = decode(text, pos)
+                yield True, name, value
+                pos, inner = _after_member(text, pos)
+        pos, more = _after_member(text, pos)
+    if not found:
+        raise KeyError(table)
+    if _WS.match(text, pos).end() != len(text):
+        raise ValueError(f"extra data at {pos}")
 
 
 _DECODER = json.JSONDecoder()

@@ -413,3 +413,26 @@ async def test_a_body_bad_past_its_first_slices_copies_no_offset(tmp_path):
     finally:
         await sync.close()
     assert offsets.count() == 0
+
+
+@bounded(60)
+async def test_the_masters_topic_table_is_read_on_the_loop_a_step_at_a_time():
+    """Read whole in a thread, 50,000 topics held the slave's loop 300-800 ms at every sync all the same (json.loads
+    keeps the GIL for the whole call), an unchanged table too. Read a step at a time now, the loop running between;
+    an unchanged version is known before any of the table is read."""
+    from broker.slices import in_steps
+    from broker.topics import TOPIC_READ_STEP, TopicConfig, read_topic_table
+    names = [f"T{i}" for i in range(3 * TOPIC_READ_STEP + 1)]
+    table = ",".join(f'"{n}":{{"readQueueNums":4,"writeQueueNums":{2 + i % 3},"perm":6,"order":{str(i % 2 == 0).lower()}}}'
+                     for i, n in enumerate(names))
+    body = ('{"dataVersion":{"counter":9,"timestamp":1700000000000},"topicConfigTable":{' + table + '}}').encode()
+    async with other_client() as turns:
+        version, read = await in_steps(read_topic_table(body))
+    assert version == (1700000000000, 9) and list(read) == names
+    assert read["T4"] == TopicConfig("T4", 4, 3, 6, order=True)
+    assert turns[0] >= 3, turns[0]
+    # the version last taken: the rest, damaged here, is never read
+    unread = body[:body.index(b'"T0"')] + b'"T0": garbage'
+    assert await in_steps(read_topic_table(unread, version)) == (version, None)
+    with pytest.raises(ValueError):
+        await in_steps(read_topic_table(unread, (1, 1)))
