@@ -20,6 +20,7 @@ from broker.transaction.service import TransactionService
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
+from tests.support.bounded import bounded, other_client
 
 POLICY = Policy(check_interval_ms=60_000, timeout_ms=6_000, check_max=15, retention_ms=72 * 3600_000)
 GROUPS = ("PG0", "PG1", "PG2", "PG3")
@@ -183,3 +184,27 @@ def test_a_page_after_a_decided_cursor_starts_past_it():
     assert [r["queue_offset"] for r in page["pending"]] == [51, 52, 53] and page["next_after"] == 53
     assert _page(ctx, limit=0, after=50)["next_after"] == 50
     assert _page(ctx, limit=5, after=98)["next_after"] is None
+
+
+@pytest.mark.parametrize("after", [-1, 39_000 * 2_000])
+def test_a_page_of_a_sparse_backlog_gives_the_loop_turns_as_it_finds_its_buckets(after, monkeypatch):
+    """A sparse backlog (one undecided half in 2,000 of the half queue: a bucket each): a page sorted every bucket
+    number past its cursor before its first row, in one hold of the loop (~100 ms at 500,000 undecided, at every
+    page; a far cursor's filter alone 20 ms). Each bucket looked at counts as a step of the walk, as another
+    group's entry does: 40,000 of them, a turn every PAGE_WALK_SLICE."""
+    monkeypatch.setattr(processor, "PAGE_WALK_SLICE", 1_000)
+    core = TransactionCore(POLICY, lambda off: None)
+    for i in range(40_000):
+        core.add(Tx(i * 100, i * 2_000, "PG", "T", f"U{i}", 1_000_000 + i, owner_id="c@1"))
+    ctx, _ = _service(0)
+    ctx.tx.core, ctx.tx.pending = core, core.pending
+
+    async def page():
+        async with other_client() as turns:
+            resp = await processor.list_transactions(ctx, None, RemotingCommand.request(
+                RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10, "after": after}))
+        return json.loads(resp.body_bytes()), turns[0]
+
+    body, turns = asyncio.run(bounded(30)(page)())
+    assert [r["queue_offset"] for r in body["pending"]] == [(after // 2_000 + 1 + i) * 2_000 for i in range(10)]
+    assert turns >= 35, f"{turns} turns of the loop while the page looked at 40,000 buckets"
