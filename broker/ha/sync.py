@@ -30,6 +30,7 @@ from protocol.connection import ConnectionPool
 from protocol.txlog import PROGRESS_GROUP
 
 from ..slices import in_slices, in_steps
+from ..subscriptions import read_group_table
 from ..topics import read_topic_table
 
 log = logging.getLogger("txmq.ha")
@@ -237,7 +238,8 @@ class SlaveSync:
                 self._failed(f"master {addr} refused GET_ALL_SUBSCRIPTIONGROUP_CONFIG: code {resp.code} "
                              f"{resp.remark}")
                 return False
-            changed = subs.adopt(resp.body_bytes())
+            # A step at a time on the loop (as the topics): read in one go, 10,000 groups held it 70-80 ms.
+            changed = subs.take(await in_steps(read_group_table(resp.body_bytes())))
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             self._failed(f"subscription groups not copied from master {addr}: {exc}")
             return False
