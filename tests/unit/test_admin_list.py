@@ -208,3 +208,26 @@ def test_a_page_of_a_sparse_backlog_gives_the_loop_turns_as_it_finds_its_buckets
     body, turns = asyncio.run(bounded(30)(page)())
     assert [r["queue_offset"] for r in body["pending"]] == [(after // 2_000 + 1 + i) * 2_000 for i in range(10)]
     assert turns >= 35, f"{turns} turns of the loop while the page looked at 40,000 buckets"
+
+
+def test_a_row_decided_while_its_page_walks_on_is_not_listed(monkeypatch):
+    """A page of a group's few among many others' gives the loop turns between its rows: one found, then decided
+    in such a turn, was listed as undecided (an operator's commit of it then refused), though the walk leaves out
+    what was decided before it reached it. The next page's cursor is still the last row found."""
+    monkeypatch.setattr(processor, "PAGE_WALK_SLICE", 1_000)
+    core = TransactionCore(POLICY, lambda off: None)
+    for off in range(20_003):
+        core.add(Tx(off * 100, off, "RARE" if off % 10_000 == 1 else "BUSY", "T", f"U{off}", 1_000_000 + off,
+                    owner_id="c@1"))
+    ctx, _ = _service(0)
+    ctx.tx.core, ctx.tx.pending = core, core.pending
+    real_sleep = asyncio.sleep
+
+    async def decided_meanwhile(delay, *a):
+        core.withdraw(1 * 100)      # the first row, found before this turn
+        await real_sleep(delay, *a)
+
+    monkeypatch.setattr(processor.asyncio, "sleep", decided_meanwhile)
+    page = _page(ctx, group="RARE", limit=2, after=-1)
+    assert [r["queue_offset"] for r in page["pending"]] == [10_001]
+    assert page["next_after"] == 10_001
