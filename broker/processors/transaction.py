@@ -140,8 +140,11 @@ async def _list_page(ctx, cmd, group, limit, after):
         txs.append(tx)
     # (counted as the page is answered: halves come and go while a long walk yields)
     total = _listed_total(ctx, group)
+    next_after = (txs[-1].queue_offset if txs else after) if more else None     # (the last found, decided or not)
+    # found, then decided in a later turn of the walk: not listed as undecided (its commit would be refused)
+    txs = [tx for tx in txs if ctx.tx.pending.get(tx.half_offset) is tx]
     body = {"pending": ctx.tx.describe(txs=txs), "total": total, "after": after, "limit": limit,
-            "next_after": (txs[-1].queue_offset if txs else after) if more else None,
+            "next_after": next_after,
             "dead_lettered": ctx.tx.dead_count}
     if after < 0:       # the first page: all of them lie past its cursor. Past another one, counting is a walk.
         body["more"] = total - len(txs)
