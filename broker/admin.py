@@ -1,6 +1,6 @@
 """``python -m broker admin``: operate a running broker.
 
-    python -m broker admin list [--group G] [--json]
+    python -m broker admin list [--group G] [--limit N] [--after Q] [--json]
     python -m broker admin commit OFFSET | rollback OFFSET | resume OFFSET
     python -m broker admin apply-expiry PLAN.json
     python -m broker admin query-key TOPIC KEY | show-msg ID | consumer-progress GROUP
@@ -10,7 +10,9 @@
 The last six find messages and operate consumers (broker/admin_ops.py; ``--json`` on each).
 
 OFFSET is the half message's commit-log offset (the ``commit_log_offset``
-column of ``list``). Every action is logged by the broker with the caller's
+column of ``list``). ``list`` answers a page, oldest stored first; when more
+follow, its last line names the ``--after Q`` of the next page (Q: the half-queue
+offset of the page's last row). Every action is logged by the broker with the caller's
 address. The broker address comes from --broker or BROKER_ADMIN_ADDR
 (default 127.0.0.1:10911). A broker with an ACL file needs an admin account's
 credentials: --access-key/--secret-key or BROKER_ADMIN_ACCESS_KEY/BROKER_ADMIN_SECRET_KEY.
@@ -70,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--access-key", default=os.environ.get("BROKER_ADMIN_ACCESS_KEY", ""))
     parser.add_argument("--secret-key", default=os.environ.get("BROKER_ADMIN_SECRET_KEY", ""))
     sub = parser.add_subparsers(dest="action", required=True)
-    ls = sub.add_parser("list", help="undecided transactions, oldest first (at most %d; the rest are counted)" % LISTED_MAX)
+    ls = sub.add_parser("list", help="undecided transactions, oldest stored first, a page of at most %d" % LISTED_MAX)
     ls.add_argument("--group")
     ls.add_argument("--limit", type=int, default=1000)
+    ls.add_argument("--after", type=int, default=-1, help="the page after half-queue offset Q (the last page's "
+                    "last line names it)")
     ls.add_argument("--json", action="store_true")
     for name in ("commit", "rollback", "resume"):
         p = sub.add_parser(name, help=f"{name} the transaction whose half is at OFFSET")
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     if args.action == "list":
-        cmd = RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": args.group, "limit": args.limit})
+        cmd = RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": args.group, "limit": args.limit,
+                                                                                 "after": args.after})
     elif args.action in ("commit", "rollback"):
         cmd = RemotingCommand.request(RequestCode.TXMQ_RESOLVE_TRANSACTION,
                                       {"commitLogOffset": args.offset, "decision": args.action})
@@ -129,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(_table(data["pending"]))
             print(f"{data['total']} undecided, {data['dead_lettered']} dead-lettered")
-            if data.get("more"):        # (an older broker answers no "more")
+            if data.get("next_after") is not None:
+                more = f"{data['more']} more not listed" if "more" in data else "more follow"
+                print(f"{more}: --after {data['next_after']} for the next page")
+            elif "next_after" not in data and data.get("more"):     # (a broker that answers no pages)
                 print(f"{data['more']} more not listed (the oldest {len(data['pending'])} are: "
                       f"--limit, at most {LISTED_MAX}, or --group to see others)")
     elif args.action == "apply-expiry":

@@ -2,11 +2,40 @@
 from __future__ import annotations
 
 import asyncio
+from itertools import islice
 
 
-async def in_slices(items: list, size: int):
-    """``items`` ``size`` at a time, the event loop running between two slices."""
-    for i in range(0, len(items), size):
-        if i:
+async def in_slices(items, size: int):
+    """``items`` (a list, or any iterable: a generator is advanced a slice at a time) ``size`` at a time, as
+    lists, the event loop running between two slices."""
+    items = iter(items)
+    part = list(islice(items, size))
+    while part:
+        yield part
+        part = list(islice(items, size))
+        if part:
             await asyncio.sleep(0)
-        yield items[i:i + size]
+
+
+async def in_steps(steps):
+    """Run the generator ``steps`` (each of its yields ends a step), the event loop running between two steps;
+    what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
+
+
+async def members_in_slices(head: str, names: list, size: int, members, sep: str, tail: str) -> list[bytes]:
+    """The parts of a JSON body (to send without joining) that holds an object's members: ``head``, then
+    ``members(slice)`` (a slice of ``names``' members, written out, without braces) for each slice of ``size``
+    names, the event loop running between two, ``sep`` between them, then ``tail``."""
+    parts = [head.encode()]
+    async for part in in_slices(names, size):
+        text = members(part)
+        if text:
+            parts += (sep.encode(), text.encode()) if len(parts) > 1 else (text.encode(),)
+    parts.append(tail.encode())
+    return parts

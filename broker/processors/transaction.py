@@ -6,6 +6,7 @@ retried instead of waiting for a check.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from functools import partial
@@ -123,13 +124,51 @@ def list_transactions(ctx, conn, cmd):
     if limit < 0:
         raise HeaderError(f"limit={limit}: expected 0 or more")
     limit = min(limit, LISTED_MAX)
+    if cmd.ext_fields.get("after") is not None:
+        return _list_page(ctx, cmd, group, limit, cmd.int_field("after"))
     rows = ctx.tx.describe(group, limit)
-    per_group = ctx.tx.core.per_group
-    total = per_group.get(group, 0) if group else len(ctx.tx.pending)      # of what is listed
+    total = _listed_total(ctx, group)
     # "more": undecided of what is listed and not in the answer (the oldest come first): say it, a cut list
     # read as the whole one hides the newest in doubt.
     return cmd.response(ResponseCode.SUCCESS, body=dumps({"pending": rows, "total": total, "more": total - len(rows),
                                                           "limit": limit, "dead_lettered": ctx.tx.dead_count}))
+
+
+# Index entries a page's walk reads between two turns of the event loop: a group's few among many others' (or
+# a page far in) are walked to, not read in one go.
+PAGE_WALK_SLICE = 4_096
+
+
+def _listed_total(ctx, group) -> int:
+    """The undecided of what is listed: of ``group``, or all."""
+    return ctx.tx.core.per_group.get(group, 0) if group else len(ctx.tx.pending)
+
+
+async def _list_page(ctx, cmd, group, limit, after):
+    """A page of the list: the undecided whose half-queue offset is past ``after``, in the order they were
+    stored (oldest first), and "next_after", the cursor of the next page (None at the end). Without it the
+    list answered the oldest LISTED_MAX alone, and no request could reach the 48,000 behind them."""
+    txs, more = [], False
+    for walked, tx in enumerate(ctx.tx.core.stored_after(after, group or None), 1):
+        if walked % PAGE_WALK_SLICE == 0:
+            await asyncio.sleep(0)
+        if tx is None or ctx.tx.pending.get(tx.half_offset) is not tx:   # (decided while the walk yielded)
+            continue
+        if len(txs) == limit:
+            more = True
+            break
+        txs.append(tx)
+    # (counted as the page is answered: halves come and go while a long walk yields)
+    total = _listed_total(ctx, group)
+    next_after = (txs[-1].queue_offset if txs else after) if more else None     # (the last found, decided or not)
+    # found, then decided in a later turn of the walk: not listed as undecided (its commit would be refused)
+    txs = [tx for tx in txs if ctx.tx.pending.get(tx.half_offset) is tx]
+    body = {"pending": ctx.tx.describe(txs=txs), "total": total, "after": after, "limit": limit,
+            "next_after": next_after,
+            "dead_lettered": ctx.tx.dead_count}
+    if after < 0:       # the first page: all of them lie past its cursor. Past another one, counting is a walk.
+        body["more"] = total - len(txs)
+    return cmd.response(ResponseCode.SUCCESS, body=dumps(body))
 
 
 async def resolve_transaction(ctx, conn, cmd):

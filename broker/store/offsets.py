@@ -127,6 +127,14 @@ class ConsumerOffsets:
         """The topics ``group`` holds an offset on, sorted (O(its topics), not a walk of every offset)."""
         return sorted(self._topics.get(group, ()))
 
+    def groups(self):
+        """The groups holding an offset (a view; O(1), not a walk of every offset)."""
+        return self._topics.keys()
+
+    def holds(self, group: str, topic: str) -> bool:
+        """Whether ``group`` holds an offset on ``topic`` (O(1))."""
+        return topic in self._topics.get(group, ())
+
     def groups_of(self, topic: str) -> set[str]:
         """The groups holding an offset on ``topic`` (a copy; O(those groups), not a walk of every offset)."""
         return set(self._groups.get(topic, ()))

@@ -34,7 +34,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import Callable, Iterator
 
 from protocol.codes import ResponseCode
 from protocol.message import Prop, tags_code, validate_topic
@@ -366,6 +366,30 @@ class TransactionCore:
             heapq.heapify(heap)
         self._by_age_entries = len(self.pending)
         self.compactions += 1
+
+    def stored_after(self, after: int, group: str | None = None) -> Iterator[Tx | None]:
+        """The pending transactions whose half-queue offset is past ``after`` (of ``group``, or of every group),
+        lowest first: the order their halves were stored, so a caller pages through any backlog by the last
+        queue offset it was given (the admin list's cursor). Each one of another group is yielded as None, so a
+        caller can pace a long walk. Read off the buckets by half-queue offset from ``after``'s on, each read
+        afresh as it is reached: the index may change between two steps (what left it is not yielded).
+
+        Each bucket number looked at while they are found is yielded as None too: a sparse backlog (one
+        undecided half in 2,000, a bucket each) had them all filtered and sorted before the first row, in one
+        hold of the caller's loop (~100 ms at 500,000 undecided, at every page)."""
+        by_queue, pending = self._by_queue, self.pending
+        first = max(after + 1, 0) // _BUCKET
+        numbers = []
+        for b in list(by_queue):        # (a copy: the index changes while the caller yields)
+            if b >= first:
+                numbers.append(b)
+            yield None
+        numbers.sort()                  # (nearly sorted as the buckets were made: one pass)
+        for b in numbers:
+            for off in sorted(by_queue.get(b, ())):     # a bucket's halves in log order are in queue order
+                tx = pending.get(off)
+                if tx is not None and tx.queue_offset > after:
+                    yield tx if group in (None, tx.group) else None
 
     def oldest(self, group: str | None, limit: int) -> list[Tx]:
         """Up to ``limit`` pending transactions (of ``group``, or of every group), oldest stored first.

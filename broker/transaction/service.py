@@ -1037,10 +1037,11 @@ class TransactionService:
         }, bytes(msg.encode()), language=LanguageCode.JAVA)
 
     # ---------------------------------------------------------------- admin
-    def describe(self, group: str | None = None, limit: int = 1000) -> list[dict]:
+    def describe(self, group: str | None = None, limit: int = 1000, txs: list[Tx] | None = None) -> list[dict]:
+        """The admin list's rows: of ``txs``, or of the ``limit`` oldest stored (of ``group``)."""
         now, ticks = self.ctx.clock(), self.ctx.monotonic()
         rows = []
-        for p in self.core.oldest(group or None, limit):
+        for p in self.core.oldest(group or None, limit) if txs is None else txs:
             # As a check would find it: a sender reconnected (after a restart too) is here, not "gone".
             conn, why = self._sender(p, self.ctx.clients.producer_channels(p.group))
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,

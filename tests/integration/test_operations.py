@@ -120,3 +120,38 @@ async def test_admin_list_says_how_many_it_did_not_list(broker_factory):
         assert (len(huge["pending"]), huge["more"], huge["limit"]) == (3, 0, 2_000)
         refused = await asyncio.to_thread(_admin, b, "list", "--limit", "-1")
         assert refused.returncode == 1 and "limit=-1" in refused.stderr, refused.stderr
+
+
+@bounded(90)
+async def test_admin_list_pages_through_every_undecided(broker_factory):
+    """The list answered the oldest 2,000 at most and no option reached the rest: an operator with 50,000 in doubt
+    saw the oldest 2,000 alone. Each page's last line names the next one's --after; followed, the pages list every
+    undecided transaction once, oldest stored first, one decided between two pages included no more."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_pages", Unknown()) as producer:
+        sent = [(await producer.send_in_transaction("TxPages", f"{i}".encode())).send_result.msg_id
+                for i in range(7)]
+        seen, argv = [], ["list", "--limit", "2"]
+        for page in range(5):
+            table = await asyncio.to_thread(_admin, b, *argv)
+            assert table.returncode == 0, table.stderr
+            data = json.loads((await asyncio.to_thread(_admin, b, *argv, "--json")).stdout)
+            seen += [r["uniq_key"] for r in data["pending"]]
+            if data["next_after"] is None:
+                assert "--after" not in table.stdout, table.stdout
+                break
+            assert table.stdout.endswith(f"--after {data['next_after']} for the next page\n"), table.stdout
+            argv = ["list", "--limit", "2", "--after", str(data["next_after"])]
+            if page == 0:
+                assert "5 more not listed" in table.stdout, table.stdout
+                decided = await asyncio.to_thread(_admin, b, "commit", str(data["pending"][0]["commit_log_offset"]))
+                assert decided.returncode == 0, decided.stderr
+                sent.remove(seen[0])
+            elif page == 1:     # not yet listed: decided, then never listed
+                row = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"][-1]
+                assert row["uniq_key"] == sent[-1]
+                decided = await asyncio.to_thread(_admin, b, "rollback", str(row["commit_log_offset"]))
+                assert decided.returncode == 0, decided.stderr
+                sent.pop()
+        seen.remove(seen[0])    # listed on the first page, then decided
+        assert (seen, page) == (sent, 2)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 
 
@@ -12,3 +13,21 @@ def bounded(seconds: float = 15):
             return await asyncio.wait_for(fn(*args, **kwargs), seconds)
         return run
     return deco
+
+
+@contextlib.asynccontextmanager
+async def other_client():
+    """Another client's work on the loop: yields [turns], the loop turns it was given while the block ran (a
+    handler that holds the loop for its whole work gives it none)."""
+    turns = [0]
+
+    async def other_client():
+        while True:
+            turns[0] += 1
+            await asyncio.sleep(0)
+    other = asyncio.ensure_future(other_client())
+    await asyncio.sleep(0)
+    try:
+        yield turns
+    finally:
+        other.cancel()         # (it counts no more: cancelled, its next turn raises at the sleep)

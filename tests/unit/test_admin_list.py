@@ -6,6 +6,7 @@ and a 118 MB body, past the 16 MB a client reads). Work is counted here (age-hea
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import types
@@ -19,6 +20,7 @@ from broker.transaction.service import TransactionService
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
+from tests.support.bounded import bounded, other_client
 
 POLICY = Policy(check_interval_ms=60_000, timeout_ms=6_000, check_max=15, retention_ms=72 * 3600_000)
 GROUPS = ("PG0", "PG1", "PG2", "PG3")
@@ -114,3 +116,118 @@ def test_decided_transactions_under_an_old_undecided_one_are_not_read_at_each_li
     assert [t.half_offset for t in core.oldest(None, 10)] == want
     assert [t.half_offset for t in core.oldest("PG0", 10)] == want
     assert core.examined <= 2 * 2_000, core.examined
+
+
+def _page(ctx, **fields):
+    """A page of the paged list (the request names "after"): its processor answers from a coroutine."""
+    resp = asyncio.run(processor.list_transactions(ctx, None, RemotingCommand.request(
+        RequestCode.TXMQ_LIST_TRANSACTIONS, fields)))
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    return json.loads(resp.body_bytes())
+
+
+@pytest.mark.parametrize("group", [None, "PG1"])
+def test_pages_reach_every_undecided_past_the_oldest_the_list_caps(group, monkeypatch):
+    """The list answered the oldest LISTED_MAX alone and no request reached the rest (50,000 in doubt: the newest
+    48,000 unseen). Pages by half-queue offset reach all of them, each once, in the order they were stored, even
+    as transactions are decided between two pages."""
+    monkeypatch.setattr(processor, "LISTED_MAX", 40)
+    ctx, core = _service(1_000)
+    assert _list(ctx, group=group, limit=10**9)["more"] > 0      # the unpaged list: its cap, and no way past it
+    want = [t for t in sorted(core.pending.values(), key=lambda t: t.queue_offset) if group in (None, t.group)]
+    seen, after, pages = [], -1, 0
+    while after is not None:
+        page = _page(ctx, group=group, limit=10**9, after=after)
+        assert len(page["pending"]) <= 40 and page["total"] == sum(group in (None, t.group)
+                                                                   for t in core.pending.values())
+        seen += [r["queue_offset"] for r in page["pending"]]
+        after, pages = page["next_after"], pages + 1
+        if pages == 3:      # decided between pages: one listed already, one not yet listed
+            gone = {want[5].queue_offset, want[200].queue_offset}
+            for tx in (want[5], want[200]):
+                core.withdraw(tx.half_offset)
+            want = [t for t in want if t.queue_offset not in gone]
+            seen.remove(want_5 := seen[5])
+            assert want_5 in gone
+    assert seen == [t.queue_offset for t in want]
+    assert pages == -(-len(seen) // 40)
+
+
+def test_a_page_of_a_few_among_many_walks_to_them_a_slice_at_a_time(monkeypatch):
+    """A group's few undecided behind 20,000 of another group's: the walk to them gives the loop back every
+    PAGE_WALK_SLICE entries, not one hold for the whole of it."""
+    monkeypatch.setattr(processor, "PAGE_WALK_SLICE", 1_000)
+    core = TransactionCore(POLICY, lambda off: None)
+    for off in range(20_003):
+        core.add(Tx(off * 100, off, "RARE" if off % 10_000 == 1 else "BUSY", "T", f"U{off}", 1_000_000 + off,
+                    owner_id="c@1"))
+    ctx, _ = _service(0)
+    ctx.tx.core, ctx.tx.pending = core, core.pending
+    turns = []
+    real_sleep = asyncio.sleep
+
+    async def counted(delay, *a):
+        turns.append(delay)
+        await real_sleep(delay, *a)
+
+    monkeypatch.setattr(processor.asyncio, "sleep", counted)
+    page = _page(ctx, group="RARE", limit=10, after=-1)
+    assert [r["queue_offset"] for r in page["pending"]] == [1, 10_001, 20_001]
+    assert page["next_after"] is None and page["total"] == 3
+    assert len(turns) == 20
+
+
+def test_a_page_after_a_decided_cursor_starts_past_it():
+    ctx, core = _service(100)
+    core.withdraw(50 * 100)     # the last row of a page, decided since
+    page = _page(ctx, limit=3, after=50)
+    assert [r["queue_offset"] for r in page["pending"]] == [51, 52, 53] and page["next_after"] == 53
+    assert _page(ctx, limit=0, after=50)["next_after"] == 50
+    assert _page(ctx, limit=5, after=98)["next_after"] is None
+
+
+@pytest.mark.parametrize("after", [-1, 39_000 * 2_000])
+def test_a_page_of_a_sparse_backlog_gives_the_loop_turns_as_it_finds_its_buckets(after, monkeypatch):
+    """A sparse backlog (one undecided half in 2,000 of the half queue: a bucket each): a page sorted every bucket
+    number past its cursor before its first row, in one hold of the loop (~100 ms at 500,000 undecided, at every
+    page; a far cursor's filter alone 20 ms). Each bucket looked at counts as a step of the walk, as another
+    group's entry does: 40,000 of them, a turn every PAGE_WALK_SLICE."""
+    monkeypatch.setattr(processor, "PAGE_WALK_SLICE", 1_000)
+    core = TransactionCore(POLICY, lambda off: None)
+    for i in range(40_000):
+        core.add(Tx(i * 100, i * 2_000, "PG", "T", f"U{i}", 1_000_000 + i, owner_id="c@1"))
+    ctx, _ = _service(0)
+    ctx.tx.core, ctx.tx.pending = core, core.pending
+
+    async def page():
+        async with other_client() as turns:
+            resp = await processor.list_transactions(ctx, None, RemotingCommand.request(
+                RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10, "after": after}))
+        return json.loads(resp.body_bytes()), turns[0]
+
+    body, turns = asyncio.run(bounded(30)(page)())
+    assert [r["queue_offset"] for r in body["pending"]] == [(after // 2_000 + 1 + i) * 2_000 for i in range(10)]
+    assert turns >= 35, f"{turns} turns of the loop while the page looked at 40,000 buckets"
+
+
+def test_a_row_decided_while_its_page_walks_on_is_not_listed(monkeypatch):
+    """A page of a group's few among many others' gives the loop turns between its rows: one found, then decided
+    in such a turn, was listed as undecided (an operator's commit of it then refused), though the walk leaves out
+    what was decided before it reached it. The next page's cursor is still the last row found."""
+    monkeypatch.setattr(processor, "PAGE_WALK_SLICE", 1_000)
+    core = TransactionCore(POLICY, lambda off: None)
+    for off in range(20_003):
+        core.add(Tx(off * 100, off, "RARE" if off % 10_000 == 1 else "BUSY", "T", f"U{off}", 1_000_000 + off,
+                    owner_id="c@1"))
+    ctx, _ = _service(0)
+    ctx.tx.core, ctx.tx.pending = core, core.pending
+    real_sleep = asyncio.sleep
+
+    async def decided_meanwhile(delay, *a):
+        core.withdraw(1 * 100)      # the first row, found before this turn
+        await real_sleep(delay, *a)
+
+    monkeypatch.setattr(processor.asyncio, "sleep", decided_meanwhile)
+    page = _page(ctx, group="RARE", limit=2, after=-1)
+    assert [r["queue_offset"] for r in page["pending"]] == [10_001]
+    assert page["next_after"] == 10_001
