@@ -32,9 +32,9 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_nul_copy_from, read_nul_free_from,
-                       removed_from_disk, sealed_from_disk, summarize_file, write_manifest, write_nul_copy_from,
-                       write_nul_free_from)
+from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept, read_nul_copy_from,
+                       read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file, write_corrupt_kept,
+                       write_manifest, write_nul_copy_from, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -160,13 +160,20 @@ class MessageStore:
                 # back after the start that cut there removed it, the log written on since. Cut there again, that
                 # acknowledged, checkpointed log was lost without a word.
                 copy_from = None
+            known_corrupt = read_corrupt_kept(self.store_dir)
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
                                   deleted=self._deleted,
                                   cut_from=copy_from if nul_free_from is not None and copy_from is not None
-                                  and copy_from >= nul_free_from else None)
+                                  and copy_from >= nul_free_from else None,
+                                  keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
+            kept = {int(t.segment) + t.position: t.length for t in self.report.corrupt_kept}
+            if kept.keys() - known_corrupt:
+                # before anything is served past them: a restart without the flag must not refuse them again
+                write_corrupt_kept(self.store_dir, set(kept) | {o for o in known_corrupt
+                                                                if o >= self._log.min_offset})
             if os.path.exists(os.path.join(self.store_dir, NUL_COPY_FILE)):
                 os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
                 # durable before anything is written where the log was cut: back after a power loss, it cut
@@ -187,7 +194,9 @@ class MessageStore:
             self._settle_marks(self._log.min_offset, self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
-            self._check_below = (1 << 63) - 1 if self.config.verify_all_reads else self.report.scanned_from
+            # (and every record up to the last damaged one kept in place: a pull must stop at it, not serve it)
+            self._check_below = ((1 << 63) - 1 if self.config.verify_all_reads else
+                                 max([self.report.scanned_from] + [o + n for o, n in kept.items()]))
         except BaseException:
             self._close_files()
             raise
