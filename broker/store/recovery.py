@@ -57,7 +57,7 @@ import time
 from typing import Callable
 
 from protocol.errors import RecordError, StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_OFFSET, peek_record, validate_topic
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_ID, POS_QUEUE_OFFSET, peek_record, validate_topic
 from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, check_tail_fields, read_index_fields
 
 from .checkpoint import Checkpoint
@@ -224,11 +224,19 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             if not sys_flag & 0x4 and not (deleted and phys < deleted.get(topic, -1)):
                 key = (topic, qid)
                 want = expect.get(key)
-                if want is not None and qoff != want:       # rare: no call, no closure per record otherwise
-                    qoff = _checked_qoff(seg, pos, key, qoff, want, lambda: _next_qoff(segs, i, pos + size, key))
+                # rare: no call, no closure per record otherwise (want is None once a queue and scan)
+                if want is not None and qoff != want or want is None and qoff > _units(queues, key):
+                    moved = _misfiled(seg, pos, size, key, qoff, queues,
+                                      lambda: _owner_by_log(segs, i, pos, size, key, qoff, expect) if want is None
+                                      else None)
+                    if moved is not None:
+                        key = (topic, moved)
+                        want = expect.get(key)
+                    if want is not None and qoff != want:
+                        qoff = _checked_qoff(seg, pos, key, qoff, want, lambda: _next_qoff(segs, i, pos + size, key))
+                key = _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
+                                   ts, tag_rule)
                 expect[key] = qoff + 1
-                _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
-                             ts, tag_rule)
             if listeners and phys >= point and not corrupt:
                 info = DispatchInfo(topic, qid, qoff if not sys_flag & 0x4 else -1, phys, size,
                                     _tag(seg, span, topic, ts, tag_rule),
@@ -412,6 +420,43 @@ def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int, next_qoff: 
 _LOOKAHEAD_RECORDS = 65536
 
 
+def _units(queues, key) -> int:
+    cq = queues.get(key)
+    return cq.max_offset if cq is not None else 0
+
+
+def _misfiled(seg: Segment, pos: int, size: int, key, qoff: int, queues: dict, by_log: Callable) -> int | None:
+    """The queue a record whose QUEUEID field was damaged belongs to, its field rewritten; None if it is not that.
+
+    The field is outside the body CRC. A flipped bit there filed the message under a queue its topic does not
+    have (pulled by no consumer: lost without a word) or under a sibling, where it was taken for a damaged
+    QUEUEOFFSET or a stale unit: that queue's units, or offsets in the log, rewritten from there, the message
+    delivered from the wrong queue and its own queue one short. Its queue is the one other queue of the topic
+    whose unit at that offset points at it; with no such unit, ``by_log()`` (or None)."""
+    topic, claimed = key
+    phys = seg.start + pos
+    found = {q for (t, q), cq in queues.items() if t == topic and q != claimed and qoff < cq.max_offset
+             and (cq.unit_on_disk(qoff) or (0, 0))[:2] == (phys, size)}
+    queue = found.pop() if len(found) == 1 else None if found else by_log()
+    if queue is None:
+        return None
+    log.error("commit log segment %s byte %d: a record of %s says queue %d, offset %d, where queue %d of its topic "
+              "is missing exactly that offset: its QUEUEID field is damaged; rewritten to %d", seg.name, pos, topic,
+              claimed, qoff, queue, queue)
+    os.pwrite(seg.fd, struct.pack(">i", queue), pos + POS_QUEUE_ID)
+    return queue
+
+
+def _owner_by_log(segs: list, i: int, pos: int, size: int, key, qoff: int, expect: dict) -> int | None:
+    """For a record filed under a queue that has no record yet at an offset past 0 (a queue id its topic likely
+    does not have): the one other queue of its topic whose previous record in the log is one before it and whose
+    next one after it (or none)."""
+    topic, claimed = key
+    found = [q for (t, q), want in expect.items() if t == topic and q != claimed and want == qoff
+             and _next_qoff(segs, i, pos + size, (t, q)) in (None, qoff + 1)]
+    return found[0] if len(found) == 1 else None
+
+
 def _end_marker_at(seg: Segment, pos: int) -> bool:
     """A segment's end marker (BLANK magic, TOTALSIZE the bytes left) starts at ``pos``."""
     total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
@@ -461,22 +506,29 @@ def _check_zeroed(key, cq: ConsumeQueue, gaps: set) -> None:
     gaps.add(key)
 
 
-def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report, ts=0, rule=None) -> None:
+def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report, ts=0, rule=None):
+    """Bring ``key``'s unit at ``qoff`` in line with the record; returns the key it is filed under (another queue
+    of its topic when its unit there says the record's QUEUEID field is damaged: _misfiled)."""
     cq = queues.get(key)
     if cq is None:
         if validate_topic(key[0]) is not None or key[1] < 0:
             log.warning("record at %d has topic %r queue %d, which cannot be a consume queue; not indexed",
                         phys, key[0], key[1])
-            return
+            return key
         cq = queues[key] = make_queue(key)
     if key in gaps:
-        return
+        return key
     if qoff < cq.max_offset:
         unit = cq.unit(qoff)
         # the tag too: a unit torn by the crash may hold the offset and size but not the tag, which
         # filters the message out of tag subscriptions (or, for a delayed one, makes it due at once)
         if unit is not None and unit[:2] == (phys, size) and unit[2] == _tag(seg, span, key[0], ts, rule):
-            return
+            return key
+        if unit is not None and unit[:2] != (phys, size):
+            moved = _misfiled(seg, phys - seg.start, size, key, qoff, queues, lambda: None)
+            if moved is not None:
+                return _replay_unit(queues, make_queue, (key[0], moved), qoff, phys, size, seg, span, gaps, report,
+                                    ts, rule)
         log.warning("consume queue %s-%d: unit %d does not match the log; rewriting from there", *key, qoff)
         report.cq_units_dropped += cq.truncate(qoff)
     if qoff == cq.max_offset:
@@ -484,6 +536,7 @@ def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, rep
         report.cq_units_appended += 1
     else:
         gaps.add(key)
+    return key
 
 
 def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryReport, rule=None,
