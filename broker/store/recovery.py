@@ -450,10 +450,11 @@ def _misfiled(seg: Segment, pos: int, size: int, key, qoff: int, queues: dict, b
 def _owner_by_log(segs: list, i: int, pos: int, size: int, key, qoff: int, expect: dict) -> int | None:
     """For a record filed under a queue that has no record yet at an offset past 0 (a queue id its topic likely
     does not have): the one other queue of its topic whose previous record in the log is one before it and whose
-    next one after it (or none)."""
+    next one after it. (Not one with no next record: a queue whose files were lost also starts past 0 in the scan,
+    and a sibling that ends waiting for that very offset would take its record.)"""
     topic, claimed = key
     found = [q for (t, q), want in expect.items() if t == topic and q != claimed and want == qoff
-             and _next_qoff(segs, i, pos + size, (t, q)) in (None, qoff + 1)]
+             and _next_qoff(segs, i, pos + size, (t, q)) == qoff + 1]
     return found[0] if len(found) == 1 else None
 
 
