@@ -15,6 +15,7 @@ transaction is undecided again (it would be checked, and a COMMIT answer deliver
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -245,3 +246,25 @@ async def test_a_record_whose_queue_id_was_flipped_stays_in_its_queue(broker_fac
     assert body[:9] in [b for _, b in by_queue[qid]], f"{body[:9]} is not in its queue {qid}: {by_queue}"
     assert b.stop() == 0
     assert f"a record of TornPlain says queue {qid ^ (8 if to == 'missing' else 1)}" in b.log()
+
+
+@bounded(120)
+async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_after_it(broker_factory, tmp_path):
+    """The kept record stays in the master's log: a slave that has not copied it yet must get past it, not be
+    refused it for ever (its log end stuck there, a SYNC_MASTER's every later send FLUSH_SLAVE_TIMEOUT)."""
+    from tests.integration.test_replication import _log_end
+    ha = ("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
+    b = broker_factory(*FLAGS, *ha, store="master")
+    await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "master")
+    records = _records(path)
+    pos = next(r for r in records[len(records) // 2:] if r[2] == "TornPlain")[0]
+    _flip(path, pos + 88 + 300, 0x10)
+    master = broker_factory(*FLAGS, *ha, "--keep-corrupt-records", store="master")
+    end = await _log_end(master.broker)
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    async with asyncio.timeout(30):
+        while await _log_end(slave.broker) < end:
+            await asyncio.sleep(0.1)
