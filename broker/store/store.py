@@ -115,6 +115,10 @@ class MessageStore:
         self._nul_free_from = 0
         self._written_from = (1 << 63) - 1
         self._corrupt_seen: set[tuple[int, str]] = set()
+        # log offsets of damaged records kept in place (store file corrupt_kept): a master sends them to its
+        # slave as they are; a slave takes one only when the master sent the same bytes twice (append_replica)
+        self._kept: set[int] = set()
+        self._refused_chunk: tuple[int, bytes] | None = None
 
     # ---------------------------------------------------------- lifecycle
     def add_dispatch_listener(self, fn: Callable[[DispatchInfo], None], *, live: bool = True,
@@ -170,6 +174,7 @@ class MessageStore:
                                   and copy_from >= nul_free_from else None,
                                   keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
             kept = {int(t.segment) + t.position: t.length for t in self.report.corrupt_kept}
+            self._kept = set(kept) | {o for o in known_corrupt if o >= self._log.min_offset}
             if kept.keys() - known_corrupt:
                 # before anything is served past them: a restart without the flag must not refuse them again
                 write_corrupt_kept(self.store_dir, set(kept) | {o for o in known_corrupt
@@ -578,8 +583,29 @@ class MessageStore:
     def append_replica(self, phys: int, data) -> tuple["asyncio.Future", int]:
         """(Slave) check and queue a chunk of the master's log for ``phys``: (future, log end after it).
         The future's PutResult is PUT_OK once the bytes are on disk (sync flush) and indexed.
-        ValueError at once for a malformed chunk."""
-        chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
+        ValueError at once for a malformed chunk.
+
+        A record failing only its body CRC that the master sends again, byte for byte, after this slave refused
+        it is the master's own (a record its start kept in place, keep_corrupt_records), not a damaged transfer:
+        it is taken, remembered in corrupt_kept (a restart keeps it) and, as on the master, a pull stops at it."""
+        try:
+            chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
+        except ValueError:
+            again = self._refused_chunk == (phys, bytes(data))
+            self._refused_chunk = (phys, bytes(data))
+            if not again:
+                raise
+            chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule, check_crc=False)
+            if len(chunk.records) != 1:
+                raise
+            size = chunk.records[0].size
+            log.error("the master sent the record at log offset %d (%d bytes), which fails its body CRC, twice the "
+                      "same: it is the master's damaged record kept in place (keep_corrupt_records), copied as it "
+                      "is; lost, not served (a pull stops at it, as on the master)", phys, size)
+            self._kept.add(phys)
+            write_corrupt_kept(self.store_dir, {o for o in self._kept if o >= self._log.min_offset})
+            self._check_below = max(self._check_below, phys + size)
+        self._refused_chunk = None
         if chunk.nul_end > self._nul_free_from:
             # The master's records are not this broker's to refuse: one an older txmq (or RocketMQ) master
             # stored with a NUL in its properties (or a copy of one) must not read as torn here (cut at the next
@@ -628,6 +654,8 @@ class MessageStore:
         chunk = self._log.read_chunk(phys, limit)
         if chunk is None or phys >= self._check_below or len(chunk) == 8:      # (8 bytes: an end marker)
             return chunk
+        if phys in self._kept:      # a damaged record kept in place: the slave's log is this log, it included
+            return chunk[:int.from_bytes(chunk[0:4], "big")]
         pos, n = 0, len(chunk)
         while pos < n:
             size = int.from_bytes(chunk[pos:pos + 4], "big")

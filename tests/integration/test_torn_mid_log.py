@@ -252,7 +252,7 @@ async def test_a_record_whose_queue_id_was_flipped_stays_in_its_queue(broker_fac
 async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_after_it(broker_factory, tmp_path):
     """The kept record stays in the master's log: a slave that has not copied it yet must get past it, not be
     refused it for ever (its log end stuck there, a SYNC_MASTER's every later send FLUSH_SLAVE_TIMEOUT)."""
-    from tests.integration.test_replication import _log_end
+    from tests.integration.test_replication import _fetch_queues_once_routed, _log_end
     ha = ("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
     b = broker_factory(*FLAGS, *ha, store="master")
     await _load(b)
@@ -268,3 +268,14 @@ async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_aft
     async with asyncio.timeout(30):
         while await _log_end(slave.broker) < end:
             await asyncio.sleep(0.1)
+    slave.kill()                                # restarted without the flag it keeps the record as its master does
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    route = PullConsumer(slave.namesrv, "CG_route")
+    try:
+        async with asyncio.timeout(30):
+            await _fetch_queues_once_routed(route, "TornPlain")
+    finally:
+        await route.shutdown()
+    got, errors = await _delivered(slave, "TornPlain")
+    assert len(got) == PLAIN - 1 and len(errors) == 1 and "corrupt" in errors[0], (len(got), errors)
