@@ -1714,3 +1714,18 @@ async def test_a_torn_record_before_intact_ones_of_its_write_is_refused_naming_t
     assert store.max_offset("T", 0) == 1 and store.max_physical_offset == batch[0].physical_offset
     assert_readable(store, [before])
     await store.close()
+
+
+@bounded(20)
+async def test_a_sealed_segment_cut_short_names_the_brokers_flag(tmp_path):
+    """A sealed segment cut short with later ones after it: the refusal told a broker's operator to set
+    StoreConfig(truncate_corrupt_tail=True), a name no flag of the broker has, and nothing of
+    --keep-corrupt-records, which cannot help there (the lost bytes have no extent to skip)."""
+    results = await fill(tmp_path, 700)
+    assert max(r.physical_offset for r in results) >= SEG          # a sealed segment and a later one
+    os.truncate(seg_path(tmp_path, 0), SEG // 2)
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    text = str(err.value)
+    assert "--truncate-corrupt-tail" in text and "StoreConfig(" not in text, text
+    assert "--keep-corrupt-records" in text, text                 # said why it is not offered
