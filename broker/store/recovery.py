@@ -148,8 +148,9 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
                              "(was segment_size changed?)", segment=name, position=seg_size)
         if found < seg_size and i < len(starts) - 1 and not truncate_corrupt:
             raise StoreError(f"segment {name} is cut short at {found} of {seg_size} bytes and later segments "
-                             "exist: the log is damaged in the middle. To start anyway, discarding the log from "
-                             "the first bad record on, set StoreConfig(truncate_corrupt_tail=True)",
+                             "exist: the log is damaged in the middle (--keep-corrupt-records cannot skip it: what "
+                             "is lost has no known extent). To start anyway, discarding the log from the first bad "
+                             "record on, set truncate_corrupt_tail=True (the broker's --truncate-corrupt-tail)",
                              segment=name, position=found)
         seg, found = Segment.open(os.path.join(clog.directory, name), start, seg_size)
         seg.reserved = seg.allocated_prefix()      # what recovery may read through the mapping
