@@ -268,14 +268,16 @@ async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_aft
     async with asyncio.timeout(30):
         while await _log_end(slave.broker) < end:
             await asyncio.sleep(0.1)
-    slave.kill()                                # restarted without the flag it keeps the record as its master does
-    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
-                           "--ha-heartbeat-interval-ms", "500", store="slave")
-    route = PullConsumer(slave.namesrv, "CG_route")
-    try:
-        async with asyncio.timeout(30):
-            await _fetch_queues_once_routed(route, "TornPlain")
-    finally:
-        await route.shutdown()
-    got, errors = await _delivered(slave, "TornPlain")
-    assert len(got) == PLAIN - 1 and len(errors) == 1 and "corrupt" in errors[0], (len(got), errors)
+    for restart in (False, True):       # as copied; restarted (without the flag it keeps it as its master does)
+        if restart:
+            slave.kill()
+            slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr",
+                                   master.ha, "--ha-heartbeat-interval-ms", "500", store="slave")
+        route = PullConsumer(slave.namesrv, "CG_route")
+        try:
+            async with asyncio.timeout(30):
+                await _fetch_queues_once_routed(route, "TornPlain")
+        finally:
+            await route.shutdown()
+        got, errors = await _delivered(slave, "TornPlain")
+        assert len(got) == PLAIN - 1 and len(errors) == 1 and "corrupt" in errors[0], (restart, len(got), errors)
