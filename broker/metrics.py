@@ -237,6 +237,11 @@ class BrokerMetrics:
                                  "failing its body CRC, or its topic or properties zero-filled), or with "
                                  "truncate_corrupt_tail, damage. Each is logged with segment, byte and reason.",
                                  registry=r)
+        self.corrupt_kept = Counter("txmq_store_corrupt_records_kept_total",
+                                    "Damaged commit-log records found mid-log at start-up and kept in place, the log "
+                                    "after them served (keep_corrupt_records, or remembered from a start with it): "
+                                    "each is a lost message, logged at ERROR with topic, queue and offset.",
+                                    registry=r)
         self.queues_rebuilt = Counter("txmq_store_consume_queues_rebuilt_total",
                                       "Consume queues found damaged at start-up (zeroed, cut or missing units) "
                                       "and rebuilt from the commit log.", registry=r)

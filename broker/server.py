@@ -174,6 +174,7 @@ class BrokerServer:
                                                     flush_interval_ms=c.flush_interval_ms,
                                                     max_message_size=c.max_message_size + 64 * 1024,
                                                     truncate_corrupt_tail=c.truncate_corrupt_tail,
+                                                    keep_corrupt_records=c.keep_corrupt_records,
                                                     verify_all_reads=c.verify_all_reads,
                                                     disk_refuse_ratio=c.disk_refuse_ratio),
                              clock=self.clock, tag_rule=levels.consume_queue_tag)
@@ -192,6 +193,8 @@ class BrokerServer:
             self.metrics.queues_rebuilt.inc(len(report.queues_rebuilt))
         if report.truncations:
             self.metrics.tail_cuts.inc(len(report.truncations))
+        if report.corrupt_kept:
+            self.metrics.corrupt_kept.inc(len(report.corrupt_kept))
         ctx.ha = ha_roles.build(c, store, self._connect_master)
         slave = ha_roles.is_slave(c)
         if slave:

@@ -62,6 +62,7 @@ _HOST_V6 = struct.Struct(">16si")
 _BATCH_HEAD = struct.Struct(">iiiii")           # size, magic, crc, flag, body length
 
 # Fixed field positions the store patches in place after encoding.
+POS_QUEUE_ID = 12
 POS_QUEUE_OFFSET = 20
 POS_PHYSICAL_OFFSET = 28
 POS_SYSFLAG = 36

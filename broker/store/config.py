@@ -34,6 +34,9 @@ class StoreConfig:
     # silently discarding acknowledged messages. True is the operator's explicit "cut the log at the
     # first bad record and everything after it" (logged at ERROR with what was removed).
     truncate_corrupt_tail: bool = False
+    # True: such a record, when its extent is sure (head sound, a valid record right after it), is kept in
+    # place and lost alone (logged at ERROR; a pull stops at it), the log after it recovered and served.
+    keep_corrupt_records: bool = False
 
     # 1000 ms, RocketMQ's flushConsumeQueue interval: how often consume queues are flushed and the
     # checkpoint advanced. Bounds how much of the log recovery must re-scan after a crash.
@@ -83,6 +86,7 @@ class StoreConfig:
         need(self.recovery_verify_segments >= 0,
              f"recovery_verify_segments={self.recovery_verify_segments} must not be negative")
         need(isinstance(self.truncate_corrupt_tail, bool), "truncate_corrupt_tail must be a bool")
+        need(isinstance(self.keep_corrupt_records, bool), "keep_corrupt_records must be a bool")
         need(isinstance(self.preallocate, bool), "preallocate must be a bool")
         need(isinstance(self.disk_refuse_ratio, (int, float)) and 0.0 < self.disk_refuse_ratio <= 1.0,
              f"disk_refuse_ratio={self.disk_refuse_ratio!r} must be in (0, 1]")

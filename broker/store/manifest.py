@@ -24,6 +24,7 @@ date can be in; the broker reads nothing back from it but its own sealed entries
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import uuid
@@ -34,11 +35,14 @@ from protocol.record import MIN_RECORD_SIZE, store_timestamp_at
 
 from .mapped_file import fsync_dir
 
+log = logging.getLogger("txmq.store")
+
 STORE_ID_FILE = "store_id"
 NUL_FREE_FILE = "nul_free_from"     # commit-log offset from which every record's topic and properties hold no NUL
 MANIFEST_FILE = "segments.json"
 # commit-log offset where a copy of an older broker's record with a NUL was being written, not yet vouched for
 NUL_COPY_FILE = "nul_copy_from"
+CORRUPT_KEPT_FILE = "corrupt_kept"  # log offsets of damaged records kept in place (keep_corrupt_records)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,24 @@ def read_nul_free_from(store_dir: str) -> int | None:
 
 def write_nul_free_from(store_dir: str, offset: int) -> None:
     _write_atomically(os.path.join(store_dir, NUL_FREE_FILE), f"{offset}\n".encode())
+
+
+def read_corrupt_kept(store_dir: str) -> frozenset[int]:
+    """Log offsets of damaged records a start with keep_corrupt_records kept in place (one a line): later starts
+    keep them again without the flag. Unreadable, it is empty (the start then refuses them again, saying why)."""
+    try:
+        with open(os.path.join(store_dir, CORRUPT_KEPT_FILE), encoding="ascii") as f:
+            return frozenset(int(line) for line in f.read().split())
+    except FileNotFoundError:
+        return frozenset()
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        log.error("%s is unreadable (%s): the damaged records it named are refused again at this start",
+                  os.path.join(store_dir, CORRUPT_KEPT_FILE), exc)
+        return frozenset()
+
+
+def write_corrupt_kept(store_dir: str, offsets) -> None:
+    _write_atomically(os.path.join(store_dir, CORRUPT_KEPT_FILE), "".join(f"{o}\n" for o in sorted(offsets)).encode())
 
 
 def read_nul_copy_from(store_dir: str) -> int | None:

@@ -23,6 +23,11 @@ Torn tail or damage in the middle -- the rule:
   acknowledged data lies beyond it. Start-up stops with StoreError naming the segment
   and position, unless ``StoreConfig.truncate_corrupt_tail`` is set, in which case the
   log is cut at the bad record and every later segment is deleted (logged at ERROR).
+  ``StoreConfig.keep_corrupt_records`` loses only the bad record instead, when where it ends
+  is sure (its head sound and a valid record or the end marker right after it): it stays in
+  place, indexed (a pull stops at it: RECORD_CORRUPT), replayed into nothing, and logged at
+  ERROR with topic, queue and offset; the log after it is recovered as usual. Its offset goes
+  into the store's ``corrupt_kept`` file, so later starts keep it again without the flag.
 * A segment file shorter than ``segment_size`` is re-extended with zeros first; its
   missing tail then reads as zeros and the rule above applies.
 * Below the checkpoint's flushed offset there is no torn tail: nothing is checkpointed
@@ -52,7 +57,7 @@ import time
 from typing import Callable
 
 from protocol.errors import RecordError, StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_OFFSET, peek_record, validate_topic
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, POS_QUEUE_ID, POS_QUEUE_OFFSET, peek_record, validate_topic
 from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, check_tail_fields, read_index_fields
 
 from .checkpoint import Checkpoint
@@ -143,8 +148,9 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
                              "(was segment_size changed?)", segment=name, position=seg_size)
         if found < seg_size and i < len(starts) - 1 and not truncate_corrupt:
             raise StoreError(f"segment {name} is cut short at {found} of {seg_size} bytes and later segments "
-                             "exist: the log is damaged in the middle. To start anyway, discarding the log from "
-                             "the first bad record on, set StoreConfig(truncate_corrupt_tail=True)",
+                             "exist: the log is damaged in the middle (--keep-corrupt-records cannot skip it: what "
+                             "is lost has no known extent). To start anyway, discarding the log from the first bad "
+                             "record on, set truncate_corrupt_tail=True (the broker's --truncate-corrupt-tail)",
                              segment=name, position=found)
         seg, found = Segment.open(os.path.join(clog.directory, name), start, seg_size)
         seg.reserved = seg.allocated_prefix()      # what recovery may read through the mapping
@@ -158,12 +164,16 @@ def load_segments(clog: CommitLog, truncate_corrupt: bool) -> int | None:
 def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_queue: Callable,
             checkpoint: Checkpoint | None, verify_segments: int, truncate_corrupt: bool,
             listeners: list, tag_rule: Callable | None = None, nul_free_from: int = 0,
-            deleted: dict[str, int] | None = None, cut_from: int | None = None) -> RecoveryReport:
+            deleted: dict[str, int] | None = None, cut_from: int | None = None, keep_corrupt: bool = False,
+            known_corrupt: frozenset[int] = frozenset()) -> RecoveryReport:
     """``nul_free_from``: where the records of brokers that refuse NUL in topic and properties begin (store
     file nul_free_from); before it, a NUL there may be an older broker's data, not a torn page.
     ``deleted``: topic -> log offset its queues were deleted at (consume_queue.TOMBSTONE): its records
     below that offset are indexed nowhere. ``cut_from``: where a copy of an older broker's record with a NUL
-    began that its mark never vouched for (manifest.read_nul_copy_from): the log is cut there."""
+    began that its mark never vouched for (manifest.read_nul_copy_from): the log is cut there.
+    ``keep_corrupt``: a damaged record whose extent is sound (see _keep_corrupt) is kept in place with the log
+    after it, instead of refusing the start; ``known_corrupt``: log offsets of records kept so at an earlier
+    start (MessageStore's corrupt_kept file), kept again without being asked."""
     deleted = deleted or {}
     cut_from = (1 << 63) - 1 if cut_from is None else cut_from
     began = time.monotonic()
@@ -187,34 +197,48 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             if seg.start + pos >= cut_from:
                 end = _cut_unvouched_copy(clog, seg, pos, report)
                 break
+            corrupt = False
             try:
                 # below the checkpoint nothing is torn (it was flushed first), and before nul_free_from an older
                 # broker may have stored a NUL: records there keep the old checks
-                size, qid, qoff, sys_flag, ts, prepared, topic, span = parse_record(
-                    seg, pos, torn=seg.start + pos >= tail_from)
+                fields = parse_record(seg, pos, torn=seg.start + pos >= tail_from)
             except BadRecord as bad:
                 total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
                 if magic == BLANK_MAGIC and total == seg.size - pos:
                     seg.written = pos
                     break
-                end = _end_of_data(clog, i, pos, str(bad) if (total, magic) != (0, 0) else None,
-                                   truncate_corrupt, report, point, tail_from)
-                seg.written = pos
-                break
-            if seg.first_ts < 0 or ts < seg.first_ts:     # the oldest: the clock may have stepped back
-                seg.first_ts = ts
-            seg.last_ts = last_ts = ts
+                fields = (_keep_corrupt(seg, pos, str(bad), report, tail_from)
+                          if keep_corrupt or seg.start + pos in known_corrupt else None)
+                if fields is None:
+                    end = _end_of_data(clog, i, pos, str(bad) if (total, magic) != (0, 0) else None,
+                                       truncate_corrupt, report, point, tail_from)
+                    seg.written = pos
+                    break
+                corrupt = True
+            size, qid, qoff, sys_flag, ts, prepared, topic, span = fields
+            if not corrupt:                 # (a damaged record's store timestamp may be damaged too)
+                if seg.first_ts < 0 or ts < seg.first_ts:     # the oldest: the clock may have stepped back
+                    seg.first_ts = ts
+                seg.last_ts = last_ts = ts
             phys = seg.start + pos
             report.records_scanned += 1
             if not sys_flag & 0x4 and not (deleted and phys < deleted.get(topic, -1)):
                 key = (topic, qid)
                 want = expect.get(key)
-                if want is not None and qoff != want:       # rare: no call, no closure per record otherwise
-                    qoff = _checked_qoff(seg, pos, key, qoff, want, lambda: _next_qoff(segs, i, pos + size, key))
+                # rare: no call, no closure per record otherwise (want is None once a queue and scan)
+                if want is not None and qoff != want or want is None and qoff > _units(queues, key):
+                    moved = _misfiled(seg, pos, size, key, qoff, queues,
+                                      lambda: _owner_by_log(segs, i, pos, size, key, qoff, expect) if want is None
+                                      else None)
+                    if moved is not None:
+                        key = (topic, moved)
+                        want = expect.get(key)
+                    if want is not None and qoff != want:
+                        qoff = _checked_qoff(seg, pos, key, qoff, want, lambda: _next_qoff(segs, i, pos + size, key))
+                key = _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
+                                   ts, tag_rule)
                 expect[key] = qoff + 1
-                _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report,
-                             ts, tag_rule)
-            if listeners and phys >= point:
+            if listeners and phys >= point and not corrupt:
                 info = DispatchInfo(topic, qid, qoff if not sys_flag & 0x4 else -1, phys, size,
                                     _tag(seg, span, topic, ts, tag_rule),
                                     ts, sys_flag, prepared, True)
@@ -256,6 +280,41 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
              report.scanned_from, end, len(report.truncations), report.cq_units_appended,
              report.cq_units_dropped, report.seconds)
     return report
+
+
+def _sound_extent(seg: Segment, pos: int, tail_from: int):
+    """The fields of the damaged record at ``pos`` if where it ends is sure, else None: its head is sound (magic,
+    a size that fits, its own offset) and a fully valid record or the segment's end marker starts right after
+    it. Only its body, topic or properties fail their checks; a torn tail (zeros after it) is never this."""
+    try:
+        fields = parse_record(seg, pos, check_crc=False)
+    except BadRecord:
+        return None
+    nxt = pos + fields[0]
+    if _end_marker_at(seg, nxt):
+        return fields
+    try:
+        parse_record(seg, nxt, torn=seg.start + nxt >= tail_from)
+    except BadRecord:
+        return None
+    return fields
+
+
+def _keep_corrupt(seg: Segment, pos: int, reason: str, report: RecoveryReport, tail_from: int):
+    """Keep the damaged record at ``pos`` where it lies (keep_corrupt_records): the log after it stays. Its queue
+    unit stays too, and a pull stops at it with RECORD_CORRUPT (the store checks the CRC of reads up to it) until
+    the group is moved past it; it is replayed into nothing else (transactions, schedule, index)."""
+    fields = _sound_extent(seg, pos, tail_from)
+    if fields is None:
+        return None
+    size, qid, qoff, sys_flag, _ts, _p, topic, _span = fields
+    what = f"{topic}-{qid} queue offset {qoff}, sys flag {sys_flag:#x}"
+    log.error("keep_corrupt_records: commit log segment %s byte %d, %d bytes (%s) is damaged (%s); kept in place "
+              "with the log after it: it is lost, not served (a pull of %s-%d stops at offset %d until the group "
+              "is moved past it: python -m broker admin reset-offset GROUP %s --queue %d --offset %d)", seg.name, pos,
+              size, what, reason, topic, qid, qoff, topic, qid, qoff + 1)
+    report.corrupt_kept.append(Truncation(seg.name, pos, size, f"{what}: {reason}"))
+    return fields
 
 
 def _cut_unvouched_copy(clog: CommitLog, seg: Segment, pos: int, report: RecoveryReport) -> int:
@@ -316,9 +375,13 @@ def _end_of_data(clog: CommitLog, i: int, pos: int, reason: str | None, truncate
             why = ("so acknowledged data lies beyond it" if vouched else
                    "so data that may have been acknowledged lies beyond it (or a power loss part-way through a "
                    "flush wrote later pages of that write before this one's; then none of it was acknowledged)")
+            sound = _sound_extent(seg, pos, tail_from)
+            keep = (f"To start losing only this record ({sound[0]} bytes), the intact ones after it kept and served, "
+                    "set keep_corrupt_records=True (the broker's --keep-corrupt-records). " if sound is not None else
+                    "Where this record ends is unknown (its head is damaged): it cannot be skipped alone. ")
             raise StoreError(f"commit log damaged at segment {seg.name} byte {pos} (file {seg.path}; {reason}) "
-                             f"and {where}, {why}. "
-                             f"To start anyway, discarding this record and everything after it ({lost}), set "
+                             f"and {where}, {why}. {keep}"
+                             f"To start discarding this record and everything after it ({lost}), set "
                              "truncate_corrupt_tail=True (the broker's --truncate-corrupt-tail)",
                              segment=seg.name, position=pos)
         log.error("truncate_corrupt_tail: cutting the commit log at segment %s byte %d (%s; %s): %d bytes "
@@ -356,6 +419,44 @@ def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int, next_qoff: 
 
 
 _LOOKAHEAD_RECORDS = 65536
+
+
+def _units(queues, key) -> int:
+    cq = queues.get(key)
+    return cq.max_offset if cq is not None else 0
+
+
+def _misfiled(seg: Segment, pos: int, size: int, key, qoff: int, queues: dict, by_log: Callable) -> int | None:
+    """The queue a record whose QUEUEID field was damaged belongs to, its field rewritten; None if it is not that.
+
+    The field is outside the body CRC. A flipped bit there filed the message under a queue its topic does not
+    have (pulled by no consumer: lost without a word) or under a sibling, where it was taken for a damaged
+    QUEUEOFFSET or a stale unit: that queue's units, or offsets in the log, rewritten from there, the message
+    delivered from the wrong queue and its own queue one short. Its queue is the one other queue of the topic
+    whose unit at that offset points at it; with no such unit, ``by_log()`` (or None)."""
+    topic, claimed = key
+    phys = seg.start + pos
+    found = {q for (t, q), cq in queues.items() if t == topic and q != claimed and qoff < cq.max_offset
+             and (cq.unit_on_disk(qoff) or (0, 0))[:2] == (phys, size)}
+    queue = found.pop() if len(found) == 1 else None if found else by_log()
+    if queue is None:
+        return None
+    log.error("commit log segment %s byte %d: a record of %s says queue %d, offset %d, where queue %d of its topic "
+              "is missing exactly that offset: its QUEUEID field is damaged; rewritten to %d", seg.name, pos, topic,
+              claimed, qoff, queue, queue)
+    os.pwrite(seg.fd, struct.pack(">i", queue), pos + POS_QUEUE_ID)
+    return queue
+
+
+def _owner_by_log(segs: list, i: int, pos: int, size: int, key, qoff: int, expect: dict) -> int | None:
+    """For a record filed under a queue that has no record yet at an offset past 0 (a queue id its topic likely
+    does not have): the one other queue of its topic whose previous record in the log is one before it and whose
+    next one after it. (Not one with no next record: a queue whose files were lost also starts past 0 in the scan,
+    and a sibling that ends waiting for that very offset would take its record.)"""
+    topic, claimed = key
+    found = [q for (t, q), want in expect.items() if t == topic and q != claimed and want == qoff
+             and _next_qoff(segs, i, pos + size, (t, q)) == qoff + 1]
+    return found[0] if len(found) == 1 else None
 
 
 def _end_marker_at(seg: Segment, pos: int) -> bool:
@@ -407,22 +508,29 @@ def _check_zeroed(key, cq: ConsumeQueue, gaps: set) -> None:
     gaps.add(key)
 
 
-def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report, ts=0, rule=None) -> None:
+def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, report, ts=0, rule=None):
+    """Bring ``key``'s unit at ``qoff`` in line with the record; returns the key it is filed under (another queue
+    of its topic when its unit there says the record's QUEUEID field is damaged: _misfiled)."""
     cq = queues.get(key)
     if cq is None:
         if validate_topic(key[0]) is not None or key[1] < 0:
             log.warning("record at %d has topic %r queue %d, which cannot be a consume queue; not indexed",
                         phys, key[0], key[1])
-            return
+            return key
         cq = queues[key] = make_queue(key)
     if key in gaps:
-        return
+        return key
     if qoff < cq.max_offset:
         unit = cq.unit(qoff)
         # the tag too: a unit torn by the crash may hold the offset and size but not the tag, which
         # filters the message out of tag subscriptions (or, for a delayed one, makes it due at once)
         if unit is not None and unit[:2] == (phys, size) and unit[2] == _tag(seg, span, key[0], ts, rule):
-            return
+            return key
+        if unit is not None and unit[:2] != (phys, size):
+            moved = _misfiled(seg, phys - seg.start, size, key, qoff, queues, lambda: None)
+            if moved is not None:
+                return _replay_unit(queues, make_queue, (key[0], moved), qoff, phys, size, seg, span, gaps, report,
+                                    ts, rule)
         log.warning("consume queue %s-%d: unit %d does not match the log; rewriting from there", *key, qoff)
         report.cq_units_dropped += cq.truncate(qoff)
     if qoff == cq.max_offset:
@@ -430,6 +538,7 @@ def _replay_unit(queues, make_queue, key, qoff, phys, size, seg, span, gaps, rep
         report.cq_units_appended += 1
     else:
         gaps.add(key)
+    return key
 
 
 def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryReport, rule=None,

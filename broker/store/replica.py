@@ -70,8 +70,10 @@ class ReplicaChunk:
                              r.store_timestamp, r.sys_flag, r.prepared_offset, False) for r in self.records]
 
 
-def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None = None) -> ReplicaChunk:
+def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None = None,
+                check_crc: bool = True) -> ReplicaChunk:
     """Check a chunk from the master and parse its records; ValueError says what is wrong with it.
+    (``check_crc`` False: a record the master kept damaged, sent the same twice: MessageStore.append_replica.)
 
     Every record is checked as recovery checks it (magic, size, its PHYSICALOFFSET field equal to where
     it will lie, lengths, body CRC), so a damaged transfer never reaches the slave's log.
@@ -102,7 +104,7 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
         if rphys != phys + pos:
             raise ValueError(f"record at {phys + pos} says its offset is {rphys}")
         try:
-            ts, prepared, topic, (plo, plen) = read_index_fields(data, pos, size, sys_flag, crc)
+            ts, prepared, topic, (plo, plen) = read_index_fields(data, pos, size, sys_flag, crc if check_crc else None)
         except RecordError as exc:
             raise ValueError(f"record at {phys + pos}: {exc}") from None
         if data.find(b"\x00", plo, plo + plen) >= 0:

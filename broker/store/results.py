@@ -154,6 +154,8 @@ class RecoveryReport:
     end_offset: int                 # first byte after the last valid record
     records_scanned: int = 0
     truncations: list[Truncation] = field(default_factory=list)
+    # damaged records kept in place, the log after them served (keep_corrupt_records; reason names topic and queue)
+    corrupt_kept: list[Truncation] = field(default_factory=list)
     removed_segments: list[str] = field(default_factory=list)
     cq_units_appended: int = 0
     cq_units_dropped: int = 0

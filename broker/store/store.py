@@ -32,9 +32,9 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_nul_copy_from, read_nul_free_from,
-                       removed_from_disk, sealed_from_disk, summarize_file, write_manifest, write_nul_copy_from,
-                       write_nul_free_from)
+from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept, read_nul_copy_from,
+                       read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file, write_corrupt_kept,
+                       write_manifest, write_nul_copy_from, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -116,6 +116,10 @@ class MessageStore:
         self._nul_free_from = 0
         self._written_from = (1 << 63) - 1
         self._corrupt_seen: set[tuple[int, str]] = set()
+        # log offsets of damaged records kept in place (store file corrupt_kept): a master sends them to its
+        # slave as they are; a slave takes one only when the master sent the same bytes twice (append_replica)
+        self._kept: set[int] = set()
+        self._refused_chunk: tuple[int, bytes] | None = None
 
     # ---------------------------------------------------------- lifecycle
     def add_dispatch_listener(self, fn: Callable[[DispatchInfo], None], *, live: bool = True,
@@ -181,13 +185,21 @@ class MessageStore:
                 # back after the start that cut there removed it, the log written on since. Cut there again, that
                 # acknowledged, checkpointed log was lost without a word.
                 copy_from = None
+            known_corrupt = read_corrupt_kept(self.store_dir)
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
                                   self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
                                   deleted=self._deleted,
                                   cut_from=copy_from if nul_free_from is not None and copy_from is not None
-                                  and copy_from >= nul_free_from else None)
+                                  and copy_from >= nul_free_from else None,
+                                  keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
+            kept = {int(t.segment) + t.position: t.length for t in self.report.corrupt_kept}
+            self._kept = set(kept) | {o for o in known_corrupt if o >= self._log.min_offset}
+            if kept.keys() - known_corrupt:
+                # before anything is served past them: a restart without the flag must not refuse them again
+                write_corrupt_kept(self.store_dir, set(kept) | {o for o in known_corrupt
+                                                                if o >= self._log.min_offset})
             if os.path.exists(os.path.join(self.store_dir, NUL_COPY_FILE)):
                 os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
                 # durable before anything is written where the log was cut: back after a power loss, it cut
@@ -208,7 +220,9 @@ class MessageStore:
             self._settle_marks(self._log.min_offset, self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
-            self._check_below = (1 << 63) - 1 if self.config.verify_all_reads else self.report.scanned_from
+            # (and every record up to the last damaged one kept in place: a pull must stop at it, not serve it)
+            self._check_below = ((1 << 63) - 1 if self.config.verify_all_reads else
+                                 max([self.report.scanned_from] + [o + n for o, n in kept.items()]))
         except BaseException:
             self._close_files()
             raise
@@ -590,8 +604,29 @@ class MessageStore:
     def append_replica(self, phys: int, data) -> tuple["asyncio.Future", int]:
         """(Slave) check and queue a chunk of the master's log for ``phys``: (future, log end after it).
         The future's PutResult is PUT_OK once the bytes are on disk (sync flush) and indexed.
-        ValueError at once for a malformed chunk."""
-        chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
+        ValueError at once for a malformed chunk.
+
+        A record failing only its body CRC that the master sends again, byte for byte, after this slave refused
+        it is the master's own (a record its start kept in place, keep_corrupt_records), not a damaged transfer:
+        it is taken, remembered in corrupt_kept (a restart keeps it) and, as on the master, a pull stops at it."""
+        try:
+            chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule)
+        except ValueError:
+            again = self._refused_chunk == (phys, bytes(data))
+            self._refused_chunk = (phys, bytes(data))
+            if not again:
+                raise
+            chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule, check_crc=False)
+            if len(chunk.records) != 1:
+                raise
+            size = chunk.records[0].size
+            log.error("the master sent the record at log offset %d (%d bytes), which fails its body CRC, twice the "
+                      "same: it is the master's damaged record kept in place (keep_corrupt_records), copied as it "
+                      "is; lost, not served (a pull stops at it, as on the master)", phys, size)
+            self._kept.add(phys)
+            write_corrupt_kept(self.store_dir, {o for o in self._kept if o >= self._log.min_offset})
+            self._check_below = max(self._check_below, phys + size)
+        self._refused_chunk = None
         if chunk.nul_end > self._nul_free_from:
             # The master's records are not this broker's to refuse: one an older txmq (or RocketMQ) master
             # stored with a NUL in its properties (or a copy of one) must not read as torn here (cut at the next
@@ -640,6 +675,8 @@ class MessageStore:
         chunk = self._log.read_chunk(phys, limit)
         if chunk is None or phys >= self._check_below or len(chunk) == 8:      # (8 bytes: an end marker)
             return chunk
+        if phys in self._kept:      # a damaged record kept in place: the slave's log is this log, it included
+            return chunk[:int.from_bytes(chunk[0:4], "big")]
         pos, n = 0, len(chunk)
         while pos < n:
             size = int.from_bytes(chunk[pos:pos + 4], "big")

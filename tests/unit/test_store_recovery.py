@@ -1715,3 +1715,43 @@ async def test_a_torn_record_before_intact_ones_of_its_write_is_refused_naming_t
     assert store.max_offset("T", 0) == 1 and store.max_physical_offset == batch[0].physical_offset
     assert_readable(store, [before])
     await store.close()
+
+
+@bounded(20)
+async def test_a_sealed_segment_cut_short_names_the_brokers_flag(tmp_path):
+    """A sealed segment cut short with later ones after it: the refusal told a broker's operator to set
+    StoreConfig(truncate_corrupt_tail=True), a name no flag of the broker has, and nothing of
+    --keep-corrupt-records, which cannot help there (the lost bytes have no extent to skip)."""
+    results = await fill(tmp_path, 700)
+    assert max(r.physical_offset for r in results) >= SEG          # a sealed segment and a later one
+    os.truncate(seg_path(tmp_path, 0), SEG // 2)
+    with pytest.raises(StoreError) as err:
+        await reopen(tmp_path)
+    text = str(err.value)
+    assert "--truncate-corrupt-tail" in text and "StoreConfig(" not in text, text
+    assert "--keep-corrupt-records" in text, text                 # said why it is not offered
+
+
+@bounded(30)
+async def test_a_queue_whose_files_were_lost_keeps_its_newest_record_a_sibling_waits_for(tmp_path):
+    """Queue 1's consume-queue files lost; the scan (the newest segment only) first meets queue 1 at offset N,
+    right after queue 0's record N - 1, the last of queue 0. Queue 0 "misses exactly that offset" and a QUEUEID
+    repair from the log sequence alone moved the intact record there: rewritten on disk, delivered from queue 0,
+    queue 1 one short. Queue 0 has no record after it, so nothing says the field was damaged."""
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=64, recovery_verify_segments=1)
+    n = 700
+    store = MessageStore(str(tmp_path), cfg)
+    await store.open()
+    for i in range(n):                                  # queue 1: 0..n-1, over a segment
+        before = await store.put(req(i, queue_id=1))
+    for i in range(n):                                  # queue 0: 0..n-1, ending in the newest segment
+        assert (await store.put(req(i, queue_id=0))).ok
+    last = await store.put(req(n, queue_id=1))          # queue 1's offset n, right after queue 0's last
+    assert last.queue_offset == n and last.physical_offset // SEG > before.physical_offset // SEG   # alone there
+    await store.close()
+    shutil.rmtree(tmp_path / "consumequeue" / "T" / "1")
+    store = await reopen(tmp_path, cfg)
+    assert (store.max_offset("T", 0), store.max_offset("T", 1)) == (n, n + 1)
+    msg, _ = decode_record(bytes(store.get_record(last.physical_offset)), check_crc=True)
+    assert msg.queue_id == 1
+    await store.close()
