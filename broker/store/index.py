@@ -578,7 +578,7 @@ class IndexService:
             if len(found) >= max_num:       # before the first file too: a maxNum of 0 asks for nothing (RocketMQ)
                 break
             if f.count > 1 and f.time_matched(begin, end):
-                for phy in f.select(h, begin, end, limit=2 * max_num + 16):
+                for phy in f.walk(h, begin, end):     # every entry of the hash, not a count of them: see walk
                     if phy not in found and self._has_key(phy, topic, key):
                         found.append(phy)
                         if len(found) >= max_num:

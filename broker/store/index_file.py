@@ -32,6 +32,7 @@ counts, offsets) is reported as IndexCorrupt; the caller rebuilds.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import operator
 import os
@@ -383,29 +384,33 @@ class IndexFile:
 
     def select(self, h: int, begin: int, end: int, limit: int = 1 << 30) -> list[int]:
         """Commit-log offsets of the entries with key hash ``h`` stored in [begin, end], newest first
-        (IndexFile.selectPhyOffset). Entries of other keys with the same hash are included: the caller
-        checks each record's key."""
-        out: list[int] = []
+        (IndexFile.selectPhyOffset), at most ``limit``. Entries of other keys with the same hash are
+        included: the caller checks each record's key."""
+        return list(itertools.islice(self.walk(h, begin, end), limit))
+
+    def walk(self, h: int, begin: int, end: int):
+        """select's offsets one at a time, as far as the caller reads: a caller that checks each record's
+        key reads on past the other keys of the hash (a cap counted in entries returned, not in matches,
+        answered a key NOT FOUND behind 80 newer entries of a key whose hashCode equals its own)."""
         count = self.count
         at = self._slot(h % self.slots)
         if at <= 0 or at >= count or count <= 1:
-            return out
+            return
         seen = 0
-        while len(out) < limit and seen < count:
+        while seen < count:
             seen += 1
             raw = os.pread(self.fd, ENTRY_SIZE, self._entry_base + at * ENTRY_SIZE)
             if len(raw) != ENTRY_SIZE:
-                break
+                return
             hr, phy, diff, prev = ENTRY.unpack(raw)
             if diff < 0:
-                break
+                return
             t = self.begin_ts + diff * 1000
             if hr == h and begin <= t <= end:
-                out.append(phy)
+                yield phy
             if prev <= 0 or prev >= count or prev == at or t < begin:
-                break
+                return
             at = prev
-        return out
 
     def __repr__(self) -> str:
         return (f"IndexFile({self.name}, entries 1..{self.count - 1}, offsets {self.begin_phy}..{self.end_phy}, "

@@ -207,6 +207,28 @@ async def test_expire_removes_files_below_the_log(tmp_path):
     await store.close()
 
 
+@bounded(30)
+async def test_a_key_behind_many_newer_entries_of_a_colliding_key_is_found(tmp_path):
+    """"Aa" and "BB" have one String.hashCode, so T#Aa and T#BB share every index entry chain. The query took
+    2 * maxNum + 16 entries of the hash per file and dropped the other key's: one message of Aa behind 100 of BB
+    was answered as absent (0 of 1), where RocketMQ's client would at least have had BB's to filter. Now every
+    entry of the hash is read until maxNum records of the key are found."""
+    assert key_hash("T#Aa") == key_hash("T#BB")
+    store = await _store_with(tmp_path, 1, keys=lambda i: "Aa")
+    for _ in range(100):
+        assert (await store.put(PutRequest.build("T", b"b", properties={"KEYS": "BB"}))).ok
+    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=1000)
+    store.add_dispatch_listener(svc.on_dispatch)
+    await svc.open(store.min_physical_offset, store.max_physical_offset)
+    try:
+        found, _, _ = await svc.query("T", "Aa", 32, 0, 2**62)
+        assert len(svc.files) == 1 and [record_keys(store.get_record(p))[4] for p in found] == [["Aa"]]
+        assert len((await svc.query("T", "BB", 32, 0, 2**62))[0]) == 32
+    finally:
+        await svc.close()
+        await store.close()
+
+
 async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path, monkeypatch):
     store = await _store_with(tmp_path, 3)
     svc = await _service(tmp_path, store)
