@@ -580,7 +580,7 @@ class IndexService:
                 break
             if f.count > 1 and f.time_matched(begin, end):
                 for phy in f.walk(h, begin, end):     # every entry of the hash, not a count of them: see walk
-                    if phy not in found and self._has_key(phy, topic, key):
+                    if phy not in found and self._has_key(phy, topic, key, begin, end):
                         found.append(phy)
                         if len(found) >= max_num:
                             break
@@ -589,8 +589,9 @@ class IndexService:
         last = files[-1] if files else None
         return found, (last.end_ts if last else 0), (last.end_phy if last else 0)
 
-    def _has_key(self, phy: int, topic: str, key: str) -> bool:
-        """The record at ``phy`` is still there and really has the key (hashes collide)."""
+    def _has_key(self, phy: int, topic: str, key: str, begin: int, end: int) -> bool:
+        """The record at ``phy`` is still there, really has the key (hashes collide) and was stored in [begin,
+        end] (an entry's time is in whole seconds: RocketMQ answers a range to the second, both ends)."""
         head = self._read(phy, 8)
         if len(head) < 8:
             return False
@@ -600,8 +601,8 @@ class IndexService:
         raw = self._read(phy, size)
         if len(raw) < size or _I64.unpack_from(raw, 28)[0] != phy:
             return False
-        t, _ts, _sf, uniq, keys = record_keys(raw, 0)
-        return t == topic and (uniq == key or key in keys)
+        t, ts, _sf, uniq, keys = record_keys(raw, 0)
+        return t == topic and begin <= ts <= end and (uniq == key or key in keys)
 
     def _expire(self, min_offset: int) -> list[str]:
         self._log_min = max(self._log_min, min_offset)

@@ -45,6 +45,7 @@ ENTRY = struct.Struct(">iqii")
 ENTRY_SIZE = 20
 MAX_BATCH = 1024            # entries per header update: bounds what open() may have to undo
 _INT_MAX = 0x7FFFFFFF
+_SECOND = 1000              # an entry's TIME DIFF is in seconds
 
 
 def _pwrite_all(fd: int, data, at: int, path: str) -> None:
@@ -405,9 +406,11 @@ class IndexFile:
         return (begin < b and end > e) or b <= begin <= e or b <= end <= e
 
     def select(self, h: int, begin: int, end: int, limit: int = 1 << 30) -> list[int]:
-        """Commit-log offsets of the entries with key hash ``h`` stored in [begin, end], newest first
-        (IndexFile.selectPhyOffset), at most ``limit``. Entries of other keys with the same hash are
-        included: the caller checks each record's key."""
+        """Commit-log offsets of the entries with key hash ``h`` that may have been stored in [begin, end],
+        newest first (IndexFile.selectPhyOffset), at most ``limit``. An entry holds its store time in whole
+        seconds from the file's BEGIN TIMESTAMP, so one stored up to 999 ms either side of the range may be
+        included, and so are entries of other keys with the same hash: the caller checks each record's key
+        and store time."""
         return list(itertools.islice(self.walk(h, begin, end), limit))
 
     def walk(self, h: int, begin: int, end: int):
@@ -427,10 +430,10 @@ class IndexFile:
             hr, phy, diff, prev = ENTRY.unpack(raw)
             if diff < 0:
                 return
-            t = self.begin_ts + diff * 1000
-            if hr == h and begin <= t <= end:
+            t = self.begin_ts + diff * 1000         # the record was stored in [t, t + 999]
+            if hr == h and t <= end and t + _SECOND > begin:
                 yield phy
-            if prev <= 0 or prev >= count or prev == at or t < begin:
+            if prev <= 0 or prev >= count or prev == at or t + _SECOND <= begin:
                 return
             at = prev
 

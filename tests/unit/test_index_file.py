@@ -229,6 +229,30 @@ async def test_a_key_behind_many_newer_entries_of_a_colliding_key_is_found(tmp_p
         await store.close()
 
 
+@bounded(30)
+async def test_a_time_range_is_answered_to_the_millisecond_both_ends_inclusive(tmp_path):
+    """An entry holds its store time in whole seconds from its file's first: a message stored 300 ms after the
+    file's first was taken as stored with it. Asked for exactly its store time it was answered NOT FOUND (0 of 1),
+    and a range that ended before it returned it all the same. Now each record's own store time is checked."""
+    base = 1_700_000_000_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    at = []
+    for now[0] in (base, base + 300, base + 1_700):
+        at.append((await store.put(PutRequest.build("T", b"x", properties={"KEYS": "k"}))).physical_offset)
+    svc = await _service(tmp_path, store)
+    try:
+        for begin, end, want in ((base + 300, base + 300, [at[1]]), (base, base + 299, [at[0]]),
+                                 (base + 1, base + 1_699, [at[1]]), (base + 301, base + 1_700, [at[2]]),
+                                 (base, base + 1_700, at[::-1]), (base + 1_701, base + 5_000, [])):
+            assert (await svc.query("T", "k", 64, begin, end))[0] == want, (begin - base, end - base)
+    finally:
+        await svc.close()
+        await store.close()
+
+
 async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path, monkeypatch):
     store = await _store_with(tmp_path, 3)
     svc = await _service(tmp_path, store)
