@@ -4,7 +4,8 @@
 
     offset                  size          field
     0                       8             BEGIN TIMESTAMP   store time of the first entry (ms)
-    8                       8             END TIMESTAMP     store time of the last entry
+    8                       8             END TIMESTAMP     store time of the last entry (never below BEGIN or
+                                                              an earlier batch's: see put_many)
     16                      8             BEGIN PHYOFFSET   commit-log offset of the first entry's record
     24                      8             END PHYOFFSET     commit-log offset of the last entry's record
     32                      4             HASH SLOT COUNT   slots in use
@@ -325,7 +326,10 @@ class IndexFile:
         for slot, value in slots.items():
             write_slot(mem, HEADER_SIZE + 4 * slot, value)
         last = items[n - 1]
-        self.count, self.begin_ts, self.end_phy, self.end_ts = count, begin_ts, last[1], last[2]
+        # Never below the begin or the end it had: store times are the wall clock's, and one stepped back made
+        # END < BEGIN, a header every later start took for damage (the file and all newer ones rebuilt).
+        end_ts = max(last[2], begin_ts if first <= 1 else self.end_ts)
+        self.count, self.begin_ts, self.end_phy, self.end_ts = count, begin_ts, last[1], end_ts
         self.slot_count = slot_count
         self._write_header()
         return n

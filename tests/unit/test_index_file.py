@@ -253,6 +253,34 @@ async def test_a_time_range_is_answered_to_the_millisecond_both_ends_inclusive(t
         await store.close()
 
 
+@bounded(30)
+async def test_a_wall_clock_stepped_back_leaves_an_index_file_the_next_start_keeps(tmp_path, caplog):
+    """Store times are the wall clock's: stepped back (NTP) after a file's first entry, the next entry set the
+    file's END TIMESTAMP below its BEGIN TIMESTAMP, and every start after it took the file for damaged (ERROR),
+    removed it with every newer file and indexed their part of the log again. The header now keeps the newest
+    store time it saw."""
+    base = 1_700_000_000_000
+    now = [base + 5_000]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    svc = await _service(tmp_path, store)
+    at = []
+    try:
+        for now[0], key in ((base + 5_000, "before"), (base, "after")):
+            at.append((await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+            assert (await svc.query("T", key, 64, 0, 2**62))[0] == [at[-1]]
+    finally:
+        await svc.close()
+    svc = await _service(tmp_path, store)
+    try:
+        assert svc.rebuilt == [] and "damaged" not in caplog.text
+        assert [(await svc.query("T", key, 64, 0, 2**62))[0] for key in ("before", "after")] == [[at[0]], [at[1]]]
+    finally:
+        await svc.close()
+        await store.close()
+
+
 async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path, monkeypatch):
     store = await _store_with(tmp_path, 3)
     svc = await _service(tmp_path, store)
