@@ -4,7 +4,8 @@ Request header (QueryMessageRequestHeader): topic, key, maxNum, beginTimestamp, 
 Reply: the stored records of the matches concatenated, oldest first (as a pull body), with
 indexLastUpdateTimestamp / indexLastUpdatePhyoffset (the index's newest entry) in the header;
 QUERY_NOT_FOUND when nothing matches. Unlike RocketMQ, every match is checked against its
-record's topic, KEYS and UNIQ_KEY, so a hash collision never returns another key's message.
+record's topic, KEYS, UNIQ_KEY and store time, so a hash collision never returns another key's
+message and [beginTimestamp, endTimestamp] is kept to the millisecond, both ends inclusive.
 """
 from __future__ import annotations
 

@@ -93,11 +93,12 @@ _V4_FIELDS = struct.Struct(">i16xq20xi")   # at 36: sys flag, store time, body l
 class IndexService:
     def __init__(self, store_dir: str, *, segment_size: int, slots: int = 5_000_000, entries: int = 20_000_000,
                  period_ms: int = 86_400_000, lag_ms: float = LAG_MS, clock: Callable[[], int] | None = None,
-                 unindexed: Iterable[str] = ()):
+                 unindexed: Iterable[str] = (), refuse_ratio: float = 1.0):
         self.directory = os.path.join(store_dir, "index")
         self.log_dir = os.path.join(store_dir, "commitlog")
         self.seg_size = segment_size
         self.slots, self.entries, self.period_ms = slots, entries, period_ms
+        self.refuse_ratio = refuse_ratio    # a file's slot table is allocated only below it (IndexFile._check_room)
         self.clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.files: list[IndexFile] = []
         self.covered = 0                # every record below is indexed (or has no key)
@@ -216,7 +217,7 @@ class IndexService:
         for i, name in enumerate(names):
             path = os.path.join(self.directory, name)
             try:
-                self.files.append(IndexFile.open(path, self.slots, self.entries))
+                self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio))
             except (IndexCorrupt, OSError) as exc:
                 self._drop_damaged(names[i:], str(exc))
                 break
@@ -442,7 +443,7 @@ class IndexService:
         if last is not None and name <= last.name:
             name = f"{int(last.name) + 1:017d}"
         f = IndexFile.create(os.path.join(self.directory, name), self.slots, self.entries,
-                             last.end_phy if last else 0, last.end_ts if last else 0)
+                             last.end_phy if last else 0, last.end_ts if last else 0, self.refuse_ratio)
         # Once a file (this is the index thread): the progress saved later says its entries exist, and a file
         # whose name a power loss took would be skipped, not rebuilt, at the next start.
         fsync_dir(self.directory)
@@ -578,8 +579,8 @@ class IndexService:
             if len(found) >= max_num:       # before the first file too: a maxNum of 0 asks for nothing (RocketMQ)
                 break
             if f.count > 1 and f.time_matched(begin, end):
-                for phy in f.select(h, begin, end, limit=2 * max_num + 16):
-                    if phy not in found and self._has_key(phy, topic, key):
+                for phy in f.walk(h, begin, end):     # every entry of the hash, not a count of them: see walk
+                    if phy not in found and self._has_key(phy, topic, key, begin, end):
                         found.append(phy)
                         if len(found) >= max_num:
                             break
@@ -588,8 +589,9 @@ class IndexService:
         last = files[-1] if files else None
         return found, (last.end_ts if last else 0), (last.end_phy if last else 0)
 
-    def _has_key(self, phy: int, topic: str, key: str) -> bool:
-        """The record at ``phy`` is still there and really has the key (hashes collide)."""
+    def _has_key(self, phy: int, topic: str, key: str, begin: int, end: int) -> bool:
+        """The record at ``phy`` is still there, really has the key (hashes collide) and was stored in [begin,
+        end] (an entry's time is in whole seconds: RocketMQ answers a range to the second, both ends)."""
         head = self._read(phy, 8)
         if len(head) < 8:
             return False
@@ -599,8 +601,8 @@ class IndexService:
         raw = self._read(phy, size)
         if len(raw) < size or _I64.unpack_from(raw, 28)[0] != phy:
             return False
-        t, _ts, _sf, uniq, keys = record_keys(raw, 0)
-        return t == topic and (uniq == key or key in keys)
+        t, ts, _sf, uniq, keys = record_keys(raw, 0)
+        return t == topic and begin <= ts <= end and (uniq == key or key in keys)
 
     def _expire(self, min_offset: int) -> list[str]:
         self._log_min = max(self._log_min, min_offset)

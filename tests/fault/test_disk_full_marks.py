@@ -300,6 +300,47 @@ async def test_the_index_a_full_disk_stopped_catches_up_by_itself_once_there_is_
             await store.close()
 
 
+@bounded(30)
+async def test_the_index_slot_table_never_takes_the_room_the_store_is_refused_writes_without(tmp_path):
+    """The index allocates a file's whole slot table (4 bytes a slot: 20 MB by default) at its first entry. On a
+    disk at 62% it took a quarter of the disk at once (to 93%): the store, above its refuse ratio (0.90), refused every
+    send for an index table of its derived data. Now the table is allocated only when the disk stays below the
+    refuse ratio with it; otherwise indexing stops as on a full disk (said, txmq_index_failed) and resumes, with
+    no key lost, once there is room."""
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        store_dir = str(disk / "store")
+        store = MessageStore(store_dir, CFG)
+        await store.open()
+        svc = IndexService(store_dir, segment_size=CFG.segment_size, slots=1 << 20, entries=200_000,
+                           refuse_ratio=store.disk.refuse_ratio)
+        svc.resume_every_s = 3600       # no resume while the disk is full: the failure stays to be seen
+        store.add_dispatch_listener(svc.on_dispatch)
+        await svc.open(store.min_physical_offset, store.max_physical_offset)
+        try:
+            st = os.statvfs(disk)
+            total = st.f_blocks * st.f_frsize
+            (disk / "ballast").write_bytes(bytes(int(0.62 * total) - (st.f_blocks - st.f_bfree) * st.f_frsize))
+            first = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "first"}))
+            assert first.ok
+            await svc.query("T", "first", 1, 0, 2**62)        # the index's first entry: its slot table
+            store.disk.probe()
+            assert store.disk.ratio < store.disk.refuse_ratio, f"the index took the disk to {store.disk.ratio:.0%}"
+            second = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "second"}))
+            assert second.ok, "a send refused for the index's slot table"
+            assert svc.stopped and "slot table" in svc.failed
+            os.unlink(disk / "ballast")
+            svc.resume_every_s = 0
+            for _ in range(10):         # each query a turn of the index thread: the resume, then its catch-up
+                if (await svc.query("T", "second", 64, 0, 2**62))[0]:
+                    break
+            assert not svc.stopped
+            for key, res in (("first", first), ("second", second)):
+                assert (await svc.query("T", key, 64, 0, 2**62))[0] == [res.physical_offset]
+        finally:
+            await svc.close()
+            await store.close()
+
+
 @bounded(20)
 async def test_a_refused_groups_save_leaves_no_partial_file_holding_the_room_a_broker_permission_needs(tiny_disk):
     """The groups' file (its save retried, retried_save.py) and brokerConfig.json (written before SUCCESS, never

@@ -354,6 +354,32 @@ async def test_kill_9_loses_no_index_entry_and_a_lost_index_is_rebuilt(broker_fa
     assert len(await _admin_json(b, "query-key", "Crash", "batch")) == 50
 
 
+async def _query_key(b, topic, key, begin=0, end=2**63 - 1):
+    resp = await _request(b, R.QUERY_MESSAGE, {"topic": topic, "key": key, "maxNum": 32, "beginTimestamp": begin,
+                                               "endTimestamp": end})
+    assert resp.code in (ResponseCode.SUCCESS, ResponseCode.QUERY_NOT_FOUND), resp.remark
+    return decode_records(resp.body_bytes()) if resp.code == ResponseCode.SUCCESS else []
+
+
+@bounded(60)
+async def test_a_key_is_found_behind_a_colliding_key_and_by_its_exact_store_time(broker):
+    """"Aa" and "BB" share String.hashCode: one message of Aa behind 100 of BB was NOT FOUND (the query took 80
+    entries of the hash and dropped BB's). A message asked for by its own store time, to the millisecond, was NOT
+    FOUND unless stored a whole number of seconds after its index file's first entry."""
+    b = broker
+    async with Producer(b.namesrv, "PG_collide") as producer:
+        aa = await producer.send("Collide", b"aa", keys="Aa")
+        for i in range(100):
+            await producer.send("Collide", b"bb%d" % i, keys="BB")
+    assert [m.msg_id for m in await _query_key(b, "Collide", "Aa")] == [aa.msg_id]
+    bb = await _query_key(b, "Collide", "BB")
+    assert len(bb) == 32 and all(m.keys == "BB" for m in bb)
+    for m in bb:
+        got = await _query_key(b, "Collide", "BB", m.store_timestamp, m.store_timestamp)
+        assert m.msg_id in [g.msg_id for g in got], f"not found at its store time {m.store_timestamp}"
+        assert {g.store_timestamp for g in got} == {m.store_timestamp}, "outside [begin, end]"
+
+
 @bounded(60)
 async def test_subscription_groups_topic_delete_and_broker_status(broker):
     b = broker

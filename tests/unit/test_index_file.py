@@ -207,6 +207,80 @@ async def test_expire_removes_files_below_the_log(tmp_path):
     await store.close()
 
 
+@bounded(30)
+async def test_a_key_behind_many_newer_entries_of_a_colliding_key_is_found(tmp_path):
+    """"Aa" and "BB" have one String.hashCode, so T#Aa and T#BB share every index entry chain. The query took
+    2 * maxNum + 16 entries of the hash per file and dropped the other key's: one message of Aa behind 100 of BB
+    was answered as absent (0 of 1), where RocketMQ's client would at least have had BB's to filter. Now every
+    entry of the hash is read until maxNum records of the key are found."""
+    assert key_hash("T#Aa") == key_hash("T#BB")
+    store = await _store_with(tmp_path, 1, keys=lambda i: "Aa")
+    for _ in range(100):
+        assert (await store.put(PutRequest.build("T", b"b", properties={"KEYS": "BB"}))).ok
+    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=1000)
+    store.add_dispatch_listener(svc.on_dispatch)
+    await svc.open(store.min_physical_offset, store.max_physical_offset)
+    try:
+        found, _, _ = await svc.query("T", "Aa", 32, 0, 2**62)
+        assert len(svc.files) == 1 and [record_keys(store.get_record(p))[4] for p in found] == [["Aa"]]
+        assert len((await svc.query("T", "BB", 32, 0, 2**62))[0]) == 32
+    finally:
+        await svc.close()
+        await store.close()
+
+
+@bounded(30)
+async def test_a_time_range_is_answered_to_the_millisecond_both_ends_inclusive(tmp_path):
+    """An entry holds its store time in whole seconds from its file's first: a message stored 300 ms after the
+    file's first was taken as stored with it. Asked for exactly its store time it was answered NOT FOUND (0 of 1),
+    and a range that ended before it returned it all the same. Now each record's own store time is checked."""
+    base = 1_700_000_000_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    at = []
+    for now[0] in (base, base + 300, base + 1_700):
+        at.append((await store.put(PutRequest.build("T", b"x", properties={"KEYS": "k"}))).physical_offset)
+    svc = await _service(tmp_path, store)
+    try:
+        for begin, end, want in ((base + 300, base + 300, [at[1]]), (base, base + 299, [at[0]]),
+                                 (base + 1, base + 1_699, [at[1]]), (base + 301, base + 1_700, [at[2]]),
+                                 (base, base + 1_700, at[::-1]), (base + 1_701, base + 5_000, [])):
+            assert (await svc.query("T", "k", 64, begin, end))[0] == want, (begin - base, end - base)
+    finally:
+        await svc.close()
+        await store.close()
+
+
+@bounded(30)
+async def test_a_wall_clock_stepped_back_leaves_an_index_file_the_next_start_keeps(tmp_path, caplog):
+    """Store times are the wall clock's: stepped back (NTP) after a file's first entry, the next entry set the
+    file's END TIMESTAMP below its BEGIN TIMESTAMP, and every start after it took the file for damaged (ERROR),
+    removed it with every newer file and indexed their part of the log again. The header now keeps the newest
+    store time it saw."""
+    base = 1_700_000_000_000
+    now = [base + 5_000]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    svc = await _service(tmp_path, store)
+    at = []
+    try:
+        for now[0], key in ((base + 5_000, "before"), (base, "after")):
+            at.append((await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+            assert (await svc.query("T", key, 64, 0, 2**62))[0] == [at[-1]]
+    finally:
+        await svc.close()
+    svc = await _service(tmp_path, store)
+    try:
+        assert svc.rebuilt == [] and "damaged" not in caplog.text
+        assert [(await svc.query("T", key, 64, 0, 2**62))[0] for key in ("before", "after")] == [[at[0]], [at[1]]]
+    finally:
+        await svc.close()
+        await store.close()
+
+
 async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path, monkeypatch):
     store = await _store_with(tmp_path, 3)
     svc = await _service(tmp_path, store)
