@@ -492,6 +492,17 @@ async def _follow(master_store: MessageStore, slave_store: MessageStore, until, 
     return slave, master
 
 
+async def _copy_first_segment(master: MessageStore, slave: MessageStore) -> None:
+    """``slave`` (empty) given ``master``'s first segment as replication would, up to its end marker: its log ends
+    where the master's second segment begins."""
+    nxt = 0
+    while nxt % SEG or nxt == 0:
+        chunk = master.replica_chunk(nxt, 8000)
+        fut, nxt = slave.append_replica(nxt, bytes(chunk))
+        chunk.release()
+    assert (await fut).ok
+
+
 async def _stores(tmp_path, *names):
     stores = [MessageStore(str(tmp_path / n), CFG) for n in names]
     for s in stores:
@@ -556,12 +567,8 @@ async def test_a_slave_of_the_same_log_resumes_after_comparing_even_at_a_segment
     try:
         for i in range(30):
             await a.put(_req(i))                            # ~90 KB: one roll
-        nxt = 0
-        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
-            chunk = a.replica_chunk(nxt, 8000)
-            fut, nxt = s.append_replica(nxt, bytes(chunk))
-            chunk.release()
-        assert (await fut).ok and s.max_physical_offset == SEG and s.last_indexed_record() < SEG
+        await _copy_first_segment(a, s)
+        assert s.max_physical_offset == SEG and s.last_indexed_record() < SEG
         for i in range(30, 40):
             await a.put(_req(i))
         want = a.max_physical_offset
@@ -590,12 +597,7 @@ async def test_a_slave_ending_at_a_segment_start_its_master_removed_says_it_cann
         for i in range(30):
             await a.put(_req(i))                            # ~90 KB: one roll
         if copied:
-            nxt = 0
-            while nxt % SEG or nxt == 0:                    # copy up to the end marker of the first segment
-                chunk = a.replica_chunk(nxt, 8000)
-                fut, nxt = s.append_replica(nxt, bytes(chunk))
-                chunk.release()
-            assert (await fut).ok
+            await _copy_first_segment(a, s)
         else:
             await s.rebase_empty(SEG)
         assert s.max_physical_offset == SEG
@@ -639,12 +641,8 @@ async def test_a_slave_refused_once_at_the_next_segment_start_by_chance_still_ca
     try:
         for i in range(30):
             await a.put(_req(i))                            # ~90 KB: one roll
-        nxt = 0
-        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
-            chunk = a.replica_chunk(nxt, 8000)
-            fut, nxt = s.append_replica(nxt, bytes(chunk))
-            chunk.release()
-        assert (await fut).ok and s.max_physical_offset == SEG
+        await _copy_first_segment(a, s)
+        assert s.max_physical_offset == SEG
         for i in range(30, 40):
             await a.put(_req(i))
         await a.remove_segment(a.segments()[0].name, "test")     # the newest record's segment goes, not the next
