@@ -236,7 +236,8 @@ def _warn_if_not_retried(name: str, cfg: dict) -> None:
     start dropping the group's failed messages on upgrade with nothing said until the first one went."""
     if cfg["retryQueueNums"] <= 0:
         log.warning("consumer group %s has retryQueueNums %d: its failed messages are answered SUCCESS and dropped, "
-                    "neither retried nor dead-lettered, as RocketMQ does; updateSubGroup -q 1 (or more) retries them",
+                    "neither retried nor dead-lettered, as RocketMQ does (an orderly consumer's dead letters, sent to "
+                    "its retry topic, still go to its dead-letter queue); updateSubGroup -q 1 (or more) retries them",
                     name, cfg["retryQueueNums"])
 
 

@@ -125,6 +125,7 @@ class TopicManager:
         # send to it waits (``made_durable``), the future it waits on. Empty nearly always: a send looks at it.
         self.unsaved: dict[str, int | asyncio.Future] = {}
         self._waiting: dict[asyncio.Future, list] = {}     # each gate's sends (``when_durable``), in order
+        self._regrown: dict[str, int] = {}     # topic -> the change that grew it while its gate's write ran (grow)
         self.topics: dict[str, TopicConfig] = {}
         self._restored: set[str] = set()    # topics the store's queues made again (adopt, queue_appeared)
         # Who made each topic a client made (limits.client_key), and how many each holds: max_topics_per_host.
@@ -314,6 +315,12 @@ class TopicManager:
         # A write that failed was logged (``_written``) and is retried: the sends go on, their messages restored
         # from the store's queues should the broker stop before the catalogue is written, as before.
         retrieved(saving)
+        if (self._regrown.get(topic, 0) > self._saved_changes and self._pool is not None
+                and not saving.cancelled() and saving.exception() is None):
+            # grown after the snapshot this write took: the gate (its sends in order) waits for the next write
+            asyncio.ensure_future(self.saved()).add_done_callback(partial(self._topic_saved, topic, gate))
+            return
+        self._regrown.pop(topic, None)
         if self.unsaved.get(topic) is gate:
             del self.unsaved[topic]
         if not gate.done():
@@ -679,8 +686,14 @@ class TopicManager:
         # Grown, it waits for its write as a new topic does (``made_durable``): a send-back that grew it picked a
         # queue past the count on disk, and killed before the batched write, the broker came back with the old
         # count while the retry, waiting in SCHEDULE_TOPIC_XXXX, went to a queue no consumer was given.
-        if self._loop is not None and self.unsaved.get(topic).__class__ is not asyncio.Future:
-            self.unsaved[topic] = self._changes
+        if self._loop is not None:
+            if self.unsaved.get(topic).__class__ is not asyncio.Future:
+                self.unsaved[topic] = self._changes
+            else:
+                # Its gate's write may have taken its snapshot already: the gate waits for this change too
+                # (_topic_saved). Handed that gate as it was, a send-back that grew it here was answered once the
+                # topic's making was written, 1 queue of 4 on disk, its retry bound for queue 3.
+                self._regrown[topic] = self._changes
         return tc
 
 

@@ -4,7 +4,8 @@ Per slave (RocketMQ's HAConnection): a reader takes the slave's offset reports -
 where to start, each later one past it acknowledges (a txmq slave's first report is the start of its
 newest record, still to be compared: it acknowledges nothing) -- and a sender streams the log from
 there: chunks of whole records (store/replica.py), at most ``ha_transfer_batch_size`` bytes each, or
-an empty frame after a heartbeat interval with nothing to send. The sender sleeps on an event the store's dispatch sets, so
+an empty frame after a heartbeat interval with nothing to send (and one at once when it accepts the first
+report, nothing to send: the slave tells an accepted session from a refused one by a first transfer). The sender sleeps on an event the store's dispatch sets, so
 a new record goes out at once and an idle master costs nothing.
 
 A new slave (it reports 0) gets the whole log from the master's first segment, not, as RocketMQ
@@ -220,7 +221,10 @@ class HAMaster:
         nxt = self._start_offset(link)
         log.info("slave %s: sending the log from offset %d", link.peer, nxt)
         loop = asyncio.get_running_loop()
-        last_write = loop.time()
+        # A heartbeat at once if there is nothing to send: the slave counts a session closed before any transfer as
+        # this master refusing its first report (ha/slave.py). An empty slave caught up with an idle master had its
+        # first transfer 5 s on, so a master restarting twice quickly made it say it cannot catch up (paging).
+        last_write = loop.time() - self.heartbeat_s
         stopped = False         # at a record that fails its CRC: heartbeats only, from then on
         while True:
             link.wake.clear()

@@ -94,29 +94,7 @@ async def test_a_retry_topic_a_send_back_made_keeps_its_queues_through_a_kill_ri
     waited in SCHEDULE_TOPIC_XXXX, so no queue of it was on disk to restore it from -- and its consumers' routes,
     pulls and locks of it were answered TOPIC_NOT_EXIST until the retry was delivered, which made it again with
     one queue of the group's four."""
-    b = broker_factory()
-    conn = await open_connection(*_hostport(b.broker))
-    try:
-        reply = await conn.request(RemotingCommand.request(
-            RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
-            json.dumps({"groupName": "CG_back", "retryQueueNums": 4}).encode()), 5)
-        assert reply.code == ResponseCode.SUCCESS, reply.remark
-        sent = await conn.request(_send("Failing", 0), 5)
-        assert sent.code == ResponseCode.SUCCESS, sent.remark
-        reply = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
-            "offset": int(sent.ext_fields["msgId"][-16:], 16), "group": "CG_back", "delayLevel": delay_level,
-            "originMsgId": sent.ext_fields["msgId"], "maxReconsumeTimes": 16}), 5)
-        assert reply.code == ResponseCode.SUCCESS, reply.remark
-    finally:
-        conn.close()
-    b.kill()
-
-    b = broker_factory()
-    conn = await open_connection(*_hostport(b.broker))
-    try:
-        table = await _topic_table(conn)
-    finally:
-        conn.close()
+    table = await _topics_after_a_kill_right_after_a_send_back(broker_factory, "CG_back", delay_level)
     made, queues = ("%RETRY%CG_back", 4) if delay_level == 0 else ("%DLQ%CG_back", 1)
     assert made in table, f"{made} is gone"
     assert (table[made]["readQueueNums"], table[made]["writeQueueNums"], table[made]["perm"]) == (queues, queues, 6)
@@ -129,20 +107,31 @@ async def test_a_retry_topic_a_send_back_grew_keeps_its_queues_through_a_kill_ri
     killed right after the SUCCESS, the broker came back with the one queue it had, while the retry, waiting in
     SCHEDULE_TOPIC_XXXX, went to any of the four -- into a queue past the topic's count, which no consumer is
     given until something grows the topic again."""
+    table = await _topics_after_a_kill_right_after_a_send_back(broker_factory, "CG_grow", 0, RemotingCommand.request(
+        RequestCode.UPDATE_AND_CREATE_TOPIC, {"topic": "%RETRY%CG_grow", "readQueueNums": 1, "writeQueueNums": 1,
+                                              "perm": 6}))
+    grown = table["%RETRY%CG_grow"]
+    assert (grown["readQueueNums"], grown["writeQueueNums"]) == (4, 4)
+
+
+async def _topics_after_a_kill_right_after_a_send_back(broker_factory, group: str, delay_level: int, *first) -> dict:
+    """A broker: ``group`` given retryQueueNums 4, the ``first`` requests, a message sent and handed back at once
+    (CONSUMER_SEND_MSG_BACK, ``delay_level``), the broker killed -9 at its SUCCESS; the topic table of the broker
+    started again on that store."""
     b = broker_factory()
     conn = await open_connection(*_hostport(b.broker))
     try:
         reply = await conn.request(RemotingCommand.request(
             RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
-            json.dumps({"groupName": "CG_grow", "retryQueueNums": 4}).encode()), 5)
+            json.dumps({"groupName": group, "retryQueueNums": 4}).encode()), 5)
         assert reply.code == ResponseCode.SUCCESS, reply.remark
-        reply = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
-            "topic": "%RETRY%CG_grow", "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
-        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        for cmd in first:
+            reply = await conn.request(cmd, 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
         sent = await conn.request(_send("Failing", 0), 5)
         assert sent.code == ResponseCode.SUCCESS, sent.remark
         reply = await conn.request(RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK, {
-            "offset": int(sent.ext_fields["msgId"][-16:], 16), "group": "CG_grow", "delayLevel": 0,
+            "offset": int(sent.ext_fields["msgId"][-16:], 16), "group": group, "delayLevel": delay_level,
             "originMsgId": sent.ext_fields["msgId"], "maxReconsumeTimes": 16}), 5)
         assert reply.code == ResponseCode.SUCCESS, reply.remark
     finally:
@@ -152,8 +141,6 @@ async def test_a_retry_topic_a_send_back_grew_keeps_its_queues_through_a_kill_ri
     b = broker_factory()
     conn = await open_connection(*_hostport(b.broker))
     try:
-        table = await _topic_table(conn)
+        return await _topic_table(conn)
     finally:
         conn.close()
-    grown = table["%RETRY%CG_grow"]
-    assert (grown["readQueueNums"], grown["writeQueueNums"]) == (4, 4)

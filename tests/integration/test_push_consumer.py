@@ -126,6 +126,18 @@ async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker, group, 
 
 
 @bounded(60)
+async def test_an_orderly_dead_letter_of_a_group_without_retries_is_stored_as_a_stock_consumers(broker):
+    """A group set to retryQueueNums 0 has its hand-backs answered SUCCESS and dropped; an orderly consumer's dead
+    letter is no hand-back but a send to %RETRY%<group> (as a stock orderly consumer's), which RocketMQ's
+    handleRetryAndDLQ stores in %DLQ%<group> whatever the group's retryQueueNums: so does this broker (README)."""
+    from tests.integration.test_retry import _set_retry_queue_nums
+    await _set_retry_queue_nums(broker, "CG_orderly_dead_no_retry", 0)
+    _, attempts, dead = await _orderly_dead_letters(broker, "CG_orderly_dead_no_retry")
+    assert attempts == [0, 1, 2, 3]
+    assert [(m.body, m.reconsume_times) for m in dead] == [(b"poison", 3)]
+
+
+@bounded(60)
 async def test_an_orderly_dead_letter_a_sync_master_stored_late_is_stored_once(broker_factory):
     """A SYNC_MASTER with no slave answers the dead letter's send SLAVE_NOT_AVAILABLE, the message stored (as
     RocketMQ's, whose producer returns such a send as sent). Read as a refusal, the dead letter was handed back

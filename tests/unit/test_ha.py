@@ -492,6 +492,17 @@ async def _follow(master_store: MessageStore, slave_store: MessageStore, until, 
     return slave, master
 
 
+async def _copy_first_segment(master: MessageStore, slave: MessageStore) -> None:
+    """``slave`` (empty) given ``master``'s first segment as replication would, up to its end marker: its log ends
+    where the master's second segment begins."""
+    nxt = 0
+    while nxt % SEG or nxt == 0:
+        chunk = master.replica_chunk(nxt, 8000)
+        fut, nxt = slave.append_replica(nxt, bytes(chunk))
+        chunk.release()
+    assert (await fut).ok
+
+
 async def _stores(tmp_path, *names):
     stores = [MessageStore(str(tmp_path / n), CFG) for n in names]
     for s in stores:
@@ -556,12 +567,8 @@ async def test_a_slave_of_the_same_log_resumes_after_comparing_even_at_a_segment
     try:
         for i in range(30):
             await a.put(_req(i))                            # ~90 KB: one roll
-        nxt = 0
-        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
-            chunk = a.replica_chunk(nxt, 8000)
-            fut, nxt = s.append_replica(nxt, bytes(chunk))
-            chunk.release()
-        assert (await fut).ok and s.max_physical_offset == SEG and s.last_indexed_record() < SEG
+        await _copy_first_segment(a, s)
+        assert s.max_physical_offset == SEG and s.last_indexed_record() < SEG
         for i in range(30, 40):
             await a.put(_req(i))
         want = a.max_physical_offset
@@ -590,12 +597,7 @@ async def test_a_slave_ending_at_a_segment_start_its_master_removed_says_it_cann
         for i in range(30):
             await a.put(_req(i))                            # ~90 KB: one roll
         if copied:
-            nxt = 0
-            while nxt % SEG or nxt == 0:                    # copy up to the end marker of the first segment
-                chunk = a.replica_chunk(nxt, 8000)
-                fut, nxt = s.append_replica(nxt, bytes(chunk))
-                chunk.release()
-            assert (await fut).ok
+            await _copy_first_segment(a, s)
         else:
             await s.rebase_empty(SEG)
         assert s.max_physical_offset == SEG
@@ -639,12 +641,8 @@ async def test_a_slave_refused_once_at_the_next_segment_start_by_chance_still_ca
     try:
         for i in range(30):
             await a.put(_req(i))                            # ~90 KB: one roll
-        nxt = 0
-        while nxt % SEG or nxt == 0:                        # copy up to the end marker of the first segment
-            chunk = a.replica_chunk(nxt, 8000)
-            fut, nxt = s.append_replica(nxt, bytes(chunk))
-            chunk.release()
-        assert (await fut).ok and s.max_physical_offset == SEG
+        await _copy_first_segment(a, s)
+        assert s.max_physical_offset == SEG
         for i in range(30, 40):
             await a.put(_req(i))
         await a.remove_segment(a.segments()[0].name, "test")     # the newest record's segment goes, not the next
@@ -884,3 +882,54 @@ async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_h
         assert appended == [(0, 100)] and slave.sessions == 1 and not slave.disk_full
     assert caplog.text.count("paused: this slave's disk is") == 1, caplog.text
     assert caplog.text.count("resumes: this slave's disk has room again") == 1, caplog.text
+
+
+@bounded(30)
+async def test_an_empty_slave_of_an_idle_master_restarting_twice_is_not_said_unable_to_catch_up(tmp_path, caplog):
+    """An empty slave, caught up with an idle master (nothing to send: its first transfer is the heartbeat, 5 s on; 3 s here, the
+    slave's housekeeping being 5 s),
+    whose master restarts twice in a row a second or so into each session: each session closed before a transfer
+    counted as a refusal of its log end, and at the second one it said it cannot catch up (ERROR,
+    txmq_ha_slave_cannot_catch_up 1, the critical alert without a for:) though the master accepted its report
+    every time. A master now sends a heartbeat as soon as it accepts a slave's first report: only a session the
+    master closes on that report, before anything at all, is a refusal."""
+    from types import SimpleNamespace
+
+    from broker.ha.master import HAMaster
+    from broker.ha.slave import REFUSED_MAX
+    a, s = await _stores(tmp_path, "a", "s")
+    s.set_replica_only()
+    try:
+        master = HAMaster(a, SimpleNamespace(**{**vars(_ha_config("ASYNC_MASTER")), "ha_heartbeat_interval_ms": 3000}))
+        a.add_dispatch_listener(master.on_dispatch)
+        slave = None
+        restarts = []
+
+        async def serve(reader, writer):
+            if len(restarts) == REFUSED_MAX:
+                return await master.serve(reader, writer)
+            task = asyncio.ensure_future(master.serve(reader, writer))
+            loop = asyncio.get_running_loop()
+            until = None
+            while until is None or loop.time() < until:     # the master "restarts" 0.5 s after it accepted
+                if until is None and any(link.request_offset >= 0 for link in master.links):
+                    until = loop.time() + 0.5
+                await asyncio.sleep(0.01)
+            restarts.append(slave._received)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            writer.transport.abort()
+
+        caplog.set_level(logging.WARNING, "txmq.ha")
+        async with _slave_of(s, serve) as slave:
+            while slave.sessions <= REFUSED_MAX or not slave.connected:
+                await asyncio.sleep(0.01)
+            while master.acked < 0 or not slave._received:
+                await asyncio.sleep(0.01)
+            assert slave.cannot_catch_up is None, slave.cannot_catch_up
+        master.close()
+        said = [r.getMessage() for r in caplog.records if r.name == "txmq.ha"]
+        assert not any("cannot catch up" in m for m in said), said
+    finally:
+        await a.close()
+        await s.close()

@@ -218,3 +218,36 @@ async def test_a_send_back_waiting_for_its_new_retry_topic_holds_no_other_and_go
         if client is not None:
             client.close()
         await server.stop()
+
+
+
+@bounded(30)
+async def test_a_topic_grown_while_its_write_is_under_way_waits_for_the_write_of_its_new_count(tmp_path, monkeypatch):
+    """A send-back that grows %RETRY%<group> waits for topics.json to hold the new count (made_durable). One that
+    grew it while the write of the topic's making (or an earlier growth) was under way, its snapshot taken, was
+    handed that write's gate: answered SUCCESS when it ended, its retry bound for a queue past the count on disk
+    until the batched write 100 ms on -- a kill -9 between brought the topic back with 1 queue of 4, the retry
+    waiting in SCHEDULE_TOPIC_XXXX for a queue no consumer is given (what the grow's wait was for)."""
+    import json
+
+    from broker.topics import TopicConfig
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    topics, topic = server.ctx.topics, "%RETRY%CG_race"
+
+    def on_disk():
+        with open(topics.path, encoding="utf-8") as f:
+            return [t["write_queue_nums"] for t in json.load(f)["topics"] if t["name"] == topic]
+    try:
+        started, release = _held_saves(monkeypatch)
+        topics.create(TopicConfig(topic, 1, 1), "127.0.0.1")      # made, as a send-back makes it
+        made = topics.made_durable(topic)                           # that send-back's wait: its write begins
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        topics.grow(topic, 4, "127.0.0.1")                          # another send-back grows it meanwhile
+        grown = topics.made_durable(topic)                          # and waits for...
+        release.set()
+        await made
+        await grown
+        assert on_disk() == [4], "a send-back that grew it would be answered with 1 queue on disk"
+    finally:
+        await server.stop()

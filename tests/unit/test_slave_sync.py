@@ -382,17 +382,11 @@ async def test_offsets_of_a_group_the_master_deleted_go_from_the_slave_too(tmp_p
     ever had (committed here while the master was away) stays, as RocketMQ's."""
     offsets = ConsumerOffsets(str(tmp_path))
     offsets.commit("Only", "Here", 0, 9)
-    sync = SlaveSync(offsets, 10.0)
-    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    sync = _following("127.0.0.1:10911", offsets)
     answers = [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40),
                                         (("Old", "Orders", 1), 41)]),
                encode_consumer_offsets([(("CG", "Orders", 0), 13)]), encode_consumer_offsets([(("CG", "Orders", 0), 13)])]
-
-    async def request(addr, cmd, timeout):
-        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:     # the log bounds: not learnt, said apart
-            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
-        return cmd.response(ResponseCode.SUCCESS, body=answers.pop(0))
-    sync.pool.request = request
+    _offsets_answers(sync, answers)
     try:
         assert await sync.sync_once()
         assert offsets.get("Old", "Orders", 1) == 41
@@ -416,17 +410,11 @@ async def test_a_group_missing_from_one_answer_only_keeps_its_offsets_on_the_sla
     over to it then started the group over by its consume-from policy. A group goes only when two answers in a
     row miss it; one deleted and made again in between takes the master's offsets, as any."""
     offsets = ConsumerOffsets(str(tmp_path))
-    sync = SlaveSync(offsets, 10.0)
-    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": "127.0.0.1:10911"}))
+    sync = _following("127.0.0.1:10911", offsets)
     both = encode_consumer_offsets([(("CG", "Orders", 0), 12), (("New", "Orders", 0), 40)])
     answers = [both, encode_consumer_offsets([(("CG", "Orders", 0), 12)]), both,
                encode_consumer_offsets([(("CG", "Orders", 0), 13)]), encode_consumer_offsets([(("CG", "Orders", 0), 14)])]
-
-    async def request(addr, cmd, timeout):
-        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:     # the log bounds: not learnt, said apart
-            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
-        return cmd.response(ResponseCode.SUCCESS, body=answers.pop(0))
-    sync.pool.request = request
+    _offsets_answers(sync, answers)
     try:
         held = []
         for _ in range(5):
@@ -533,3 +521,19 @@ async def test_the_masters_subscription_groups_are_read_on_the_loop_a_step_at_a_
         assert list(subs.groups) == ["CG7"]
     finally:
         await sync.close()
+
+
+def _following(master: str, offsets) -> SlaveSync:
+    """A SlaveSync of ``offsets`` the name server told its master is ``master``."""
+    sync = SlaveSync(offsets, 10.0)
+    sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": master}))
+    return sync
+
+
+def _offsets_answers(sync, answers: list) -> None:
+    """The master answers each GET_ALL_CONSUMER_OFFSET with the next of ``answers``; the log bounds it does not."""
+    async def request(addr, cmd, timeout):
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:     # the log bounds: not learnt, said apart
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        return cmd.response(ResponseCode.SUCCESS, body=answers.pop(0))
+    sync.pool.request = request
