@@ -381,7 +381,8 @@ class IndexFile:
 
     def _check_room(self) -> None:
         """ENOSPC, allocating nothing, when the slot table's blocks not yet allocated would take the disk to
-        ``room_ratio`` (the store's refuse ratio): 20 MB at once took a 48 MiB disk from 50% to 92%, and the store
+        ``room_ratio`` (the lower of the store's refuse and force-clean ratios): 20 MB at once took a 48 MiB
+        disk from 50% to 92%, and the store
         refused every send for the table of its derived index. Indexing stops as on a full disk and resumes once
         there is room (index.py)."""
         if self.room_ratio >= 1.0:
@@ -394,9 +395,9 @@ class IndexFile:
         total = used + avail
         if total <= 0 or used + need >= self.room_ratio * total:
             raise OSError(errno.ENOSPC, f"the index's slot table needs {need / 2**20:.1f} MiB, which would take the "
-                          f"disk from {used / max(total, 1):.0%} to {(used + need) / max(total, 1):.0%} full, past the "
-                          f"store's refuse ratio {self.room_ratio:.0%}: not allocated, the room left to the commit "
-                          "log", self.path)
+                          f"disk from {used / max(total, 1):.0%} to {(used + need) / max(total, 1):.0%} full, past "
+                          f"{self.room_ratio:.0%} (the lower of disk_refuse_ratio and disk_force_clean_ratio): not "
+                          "allocated, the room left to the commit log", self.path)
 
     def release_slots(self) -> None:
         if self._mem is not None:
