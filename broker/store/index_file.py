@@ -253,8 +253,14 @@ class IndexFile:
             why = f"hash slot count {self.slot_count} is impossible with {self.count - 1} entries"
         elif self.begin_phy < 0 or self.end_phy < self.begin_phy:
             why = f"offsets {self.begin_phy}..{self.end_phy} are not a range"
-        elif self.begin_ts < 0 or self.end_ts < self.begin_ts:
-            why = f"timestamps {self.begin_ts}..{self.end_ts} are not a range"
+        elif self.begin_ts < 0:
+            why = f"begin timestamp {self.begin_ts} is negative"
+        elif self.end_ts < self.begin_ts:
+            # The version before wrote the last entry's store time, below the begin after a clock stepped back:
+            # not damage. Its end is taken from the last entry (whole seconds from the begin: to the second's end).
+            last = os.pread(self.fd, ENTRY_SIZE, self._entry_base + (self.count - 1) * ENTRY_SIZE)
+            diff = ENTRY.unpack(last)[2] if self.count > 1 and len(last) == ENTRY_SIZE else 0
+            self.end_ts = self.begin_ts + max(diff, 0) * _SECOND + _SECOND - 1
         if why:
             raise IndexCorrupt(why)
 
