@@ -345,7 +345,10 @@ class BrokerServer:
             return
         ctx.index = IndexService(store_dir, segment_size=c.segment_size, slots=c.index_hash_slots,
                                  entries=c.index_max_entries, period_ms=int(c.index_file_period_hours * 3_600_000),
-                                 clock=self.clock, unindexed=(OP_TOPIC,), refuse_ratio=c.disk_refuse_ratio)
+                                 clock=self.clock, unindexed=(OP_TOPIC,),
+                                 # Below the force-clean ratio too: past it retention removes the oldest segments
+                                 # whatever their age, live messages lost for a table of derived data.
+                                 refuse_ratio=min(c.disk_refuse_ratio, c.disk_force_clean_ratio))
         store.add_dispatch_listener(ctx.index.on_dispatch)
         store.add_removal_listener(ctx.index.expire)
         await ctx.index.open(store.min_physical_offset, store.max_physical_offset)

@@ -253,8 +253,14 @@ class IndexFile:
             why = f"hash slot count {self.slot_count} is impossible with {self.count - 1} entries"
         elif self.begin_phy < 0 or self.end_phy < self.begin_phy:
             why = f"offsets {self.begin_phy}..{self.end_phy} are not a range"
-        elif self.begin_ts < 0 or self.end_ts < self.begin_ts:
-            why = f"timestamps {self.begin_ts}..{self.end_ts} are not a range"
+        elif self.begin_ts < 0:
+            why = f"begin timestamp {self.begin_ts} is negative"
+        elif self.end_ts < self.begin_ts:
+            # The version before wrote the last entry's store time, below the begin after a clock stepped back:
+            # not damage. Its end is taken from the last entry (whole seconds from the begin: to the second's end).
+            last = os.pread(self.fd, ENTRY_SIZE, self._entry_base + (self.count - 1) * ENTRY_SIZE)
+            diff = ENTRY.unpack(last)[2] if self.count > 1 and len(last) == ENTRY_SIZE else 0
+            self.end_ts = self.begin_ts + max(diff, 0) * _SECOND + _SECOND - 1
         if why:
             raise IndexCorrupt(why)
 
@@ -381,7 +387,8 @@ class IndexFile:
 
     def _check_room(self) -> None:
         """ENOSPC, allocating nothing, when the slot table's blocks not yet allocated would take the disk to
-        ``room_ratio`` (the store's refuse ratio): 20 MB at once took a 48 MiB disk from 50% to 92%, and the store
+        ``room_ratio`` (the lower of the store's refuse and force-clean ratios): 20 MB at once took a 48 MiB
+        disk from 50% to 92%, and the store
         refused every send for the table of its derived index. Indexing stops as on a full disk and resumes once
         there is room (index.py)."""
         if self.room_ratio >= 1.0:
@@ -394,9 +401,9 @@ class IndexFile:
         total = used + avail
         if total <= 0 or used + need >= self.room_ratio * total:
             raise OSError(errno.ENOSPC, f"the index's slot table needs {need / 2**20:.1f} MiB, which would take the "
-                          f"disk from {used / max(total, 1):.0%} to {(used + need) / max(total, 1):.0%} full, past the "
-                          f"store's refuse ratio {self.room_ratio:.0%}: not allocated, the room left to the commit "
-                          "log", self.path)
+                          f"disk from {used / max(total, 1):.0%} to {(used + need) / max(total, 1):.0%} full, past "
+                          f"{self.room_ratio:.0%} (the lower of disk_refuse_ratio and disk_force_clean_ratio): not "
+                          "allocated, the room left to the commit log", self.path)
 
     def release_slots(self) -> None:
         if self._mem is not None:

@@ -30,6 +30,7 @@ from protocol.command import RemotingCommand
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from protocol.connection import open_connection
+from protocol.message import decode_records
 from tests.fault.test_transactions_crash import Listener, _listed
 from tests.support.broker_process import BrokerProcess
 from tests.support.bounded import bounded
@@ -474,3 +475,42 @@ async def test_a_slave_whose_disk_is_full_pauses_replication_once_and_resumes_by
                 slave.stop()
     finally:
         master.stop()
+
+
+@pytest.mark.slow
+@bounded(90)
+async def test_the_index_slot_table_never_takes_the_disk_to_the_ratio_that_removes_young_segments(tmp_path):
+    """A real broker: the slot table was allocated whenever the disk stayed below disk_refuse_ratio (0.90) with it,
+    but at disk_force_clean_ratio (0.85) retention removes the oldest segments whatever their age (undecided halves
+    dead-lettered first). A disk at 70% took a new index file's table (17% of it) to 87%, and retention removed the
+    segment holding a message stored a moment before: its QUERY_MESSAGE answered NOT FOUND, for derived data. The
+    table is now allocated only below the lower of the two ratios; otherwise indexing stops as on a full disk."""
+    flags = ("--segment-size", str(1 << 20), "--max-message-size", str(256 << 10), "--metrics-snapshot-interval-s",
+             "0", "--index-hash-slots", "700000", "--index-max-entries", "64", "--disk-clean-interval-s", "0.1")
+    with tmpfs(tmp_path / "disk", "16m") as store:
+        broker = BrokerProcess(store, *flags).start()
+        producer = await Producer(broker.namesrv, "PG_room", send_timeout=10.0).start()
+        try:
+            old = await producer.send("T", b"old", keys="old")      # the first index file and its table, disk near empty
+            for _ in range(7):          # (incompressible) into the log's second segment: the first may go
+                await producer.send("T", os.urandom(200 << 10))
+            st = os.statvfs(store)
+            used, total = (st.f_blocks - st.f_bfree) * st.f_frsize, (st.f_blocks - st.f_bfree + st.f_bavail) * st.f_frsize
+            (store / "ballast").write_bytes(bytes(int(0.70 * total) - used))    # 70% + a 2.8 MB table: 86.7%
+            begun = broker.log().count("; new file ")
+            for i in range(2000):       # until a new index file begins (64 entries a file): a bound, not a clock
+                await producer.send("T", b"new", keys=f"new-{i}")
+                if broker.log().count("; new file ") > begun:
+                    break
+            while "slot table needs" not in broker.log() and "removing segment" not in broker.log():
+                if broker.proc.poll() is not None:
+                    raise AssertionError(f"the broker exited:\n{broker.log()}")
+                await asyncio.sleep(0.05)       # another process: its log is the event to wait for
+            assert "removing segment" not in broker.log(), "retention removed a young segment for the index's table"
+            resp = await _request(broker, RequestCode.QUERY_MESSAGE, {
+                "topic": "T", "key": "old", "maxNum": 32, "beginTimestamp": 0, "endTimestamp": 2**63 - 1})
+            assert resp.code == ResponseCode.SUCCESS, (resp.code, resp.remark)
+            assert [m.msg_id for m in decode_records(resp.body_bytes())] == [old.msg_id]
+        finally:
+            await producer.shutdown()
+            broker.stop()

@@ -654,3 +654,22 @@ async def test_catch_up_ends_at_a_segment_file_cut_inside_a_record(tmp_path, cap
     assert len(last) == 1 and len(first) == 1
     assert any(r.levelno == logging.ERROR and "ends inside the record" in r.getMessage() for r in caplog.records)
     await svc.close()
+
+
+def test_an_index_file_an_earlier_version_wrote_while_the_clock_stepped_back_is_kept(tmp_path):
+    """The version before kept END TIMESTAMP = the last entry's store time: a clock stepped back left it below
+    BEGIN TIMESTAMP in files already on disk, and the fix for new headers still read those as damaged: the first
+    start after the upgrade removed each with every newer file and indexed their part of the log again (ERROR).
+    Such a header is read as ending with its last entry (to the end of its second); its entries are found."""
+    base = 1_700_000_000_000
+    f = _new(tmp_path)
+    f.put_many([(key_hash("T#a"), 100, base + 5_000), (key_hash("T#b"), 200, base + 6_000)])
+    f.end_ts = base     # what the earlier version wrote for a last entry stored after a step back
+    f._write_header()
+    f.close()
+    g = IndexFile.open(f.path, SLOTS, ENTRIES)
+    try:
+        assert (g.begin_ts, g.end_ts, g.count) == (base + 5_000, base + 6_999, 3)
+        assert g.select(key_hash("T#b"), 0, 2**62) == [200]
+    finally:
+        g.close()
