@@ -211,6 +211,35 @@ async def test_fuzz_a_flipped_byte_in_the_newest_segment(broker_factory, tmp_pat
     assert b.stop() == 0
 
 
+@bounded(120)
+async def test_a_kept_record_whose_topic_byte_was_flipped_stays_in_its_queue(broker_factory, tmp_path):
+    """A bit flipped in a record's TOPIC (outside the body CRC: 'TornPlain' read 'T/rnPlain') fails the start's
+    check, and --keep-corrupt-records kept it, filed under the damaged name: its own queue was one short there, and
+    every later record of that queue had its QUEUEOFFSET rewritten one down on disk (ERROR 'its header is damaged'
+    for each intact record), so a group whose offset lay past it skipped one more message, and no pull of the
+    queue met the kept record (no RECORD_CORRUPT: lost without a word). It stays in its own queue now."""
+    store = tmp_path / "store"
+    b = broker_factory(*FLAGS)
+    plain, _, _ = await _load(b)
+    b.kill()
+    path = _newest(store)
+    records = _records(path)
+    pos, _size, _topic, body = [r for r in records if r[2] == "TornPlain"][PLAIN // 2]
+    qid = int.from_bytes(open(path, "rb").read()[pos + 12:pos + 16], "big")
+    _flip(path, pos + 88 + len(body) + 1 + 1, 0x40)        # its topic's 'o' -> '/' (IPv4 hosts)
+
+    b = broker_factory(*FLAGS, "--keep-corrupt-records")
+    got, errors = await _delivered(b, "TornPlain")
+    lost = body[:10].rstrip(b"\0")
+    assert sorted(got) == [p for p in plain if p != lost], f"{len(got)} of {len(plain) - 1}; {errors}"
+    assert len(errors) == 1 and "corrupt" in errors[0], errors
+    assert _kept_count(b) == 1
+    assert b.stop() == 0
+    text = b.log()
+    assert "its header is damaged; rewritten" not in text, [x for x in text.splitlines() if "rewritten" in x][:3]
+    assert f"a pull of TornPlain-{qid} stops at offset" in text, text
+
+
 @pytest.mark.parametrize("to", ["missing", "sibling"])
 @bounded(90)
 async def test_a_record_whose_queue_id_was_flipped_stays_in_its_queue(broker_factory, tmp_path, to):
