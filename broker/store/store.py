@@ -797,7 +797,7 @@ class MessageStore:
             ok = body_crc_ok(view, 0, len(view))
         else:
             ok = self._intact(view, 0, len(view), physical_offset)
-        if not ok:
+        if not ok or physical_offset in self._kept:
             raise self.corrupt_record(physical_offset, reader)
         return view
 
@@ -857,6 +857,7 @@ class MessageStore:
         skip_below = -1
         clog = self._log
         crc_ok, check_below, nul_from = record_intact, self._check_below if verify else -1, self._nul_free_from
+        kept = self._kept       # damaged records kept in place: one whose TOPIC alone is damaged passes its CRC
         for phys, size, tag in UNIT.iter_unpack(raw):
             if not size:        # a zeroed unit (a lost page, a damaged file): its message must not be skipped
                 if not buffers:
@@ -893,7 +894,8 @@ class MessageStore:
                     status = _REMOVING
                 skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
                 continue
-            if phys < check_below and not (crc_ok if phys >= nul_from else body_crc_ok)(view, 0, size):
+            if phys < check_below and ((kept and phys in kept) or
+                                       not (crc_ok if phys >= nul_from else body_crc_ok)(view, 0, size)):
                 if not buffers:
                     self.corrupt_record(phys, "pull")
                     return GetResult(GetStatus.RECORD_CORRUPT, offset + scanned - 1, lo, hi)

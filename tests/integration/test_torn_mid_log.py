@@ -239,6 +239,11 @@ async def test_a_kept_record_whose_topic_byte_was_flipped_stays_in_its_queue(bro
     assert "its header is damaged; rewritten" not in text, [x for x in text.splitlines() if "rewritten" in x][:3]
     assert f"a pull of TornPlain-{qid} stops at offset" in text, text
 
+    b = broker_factory(*FLAGS)                  # remembered: filed the same again
+    again, errors = await _delivered(b, "TornPlain")
+    assert sorted(again) == sorted(got) and len(errors) == 1, errors
+    assert b.stop() == 0
+
 
 @pytest.mark.parametrize("to", ["missing", "sibling"])
 @bounded(90)
