@@ -126,6 +126,17 @@ async def _pending(b) -> set[int]:
     return {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
 
 
+async def _a_plain_record_mid_log(broker_factory, tmp_path) -> tuple[list[bytes], str, int, bytes, int]:
+    """_load a broker, kill it: the plain bodies, and the newest segment's path with the position, body and queue
+    id of the middle plain record in it."""
+    b = broker_factory(*FLAGS)
+    plain, _, _ = await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "store")
+    pos, _size, _topic, body = [r for r in _records(path) if r[2] == "TornPlain"][PLAIN // 2]
+    return plain, path, pos, body, int.from_bytes(open(path, "rb").read()[pos + 12:pos + 16], "big")
+
+
 def _refused(store_dir, *flags) -> str:
     """Start a broker that must refuse: its log."""
     b = BrokerProcess(store_dir, *FLAGS, *flags)
@@ -218,14 +229,7 @@ async def test_a_kept_record_whose_topic_byte_was_flipped_stays_in_its_queue(bro
     every later record of that queue had its QUEUEOFFSET rewritten one down on disk (ERROR 'its header is damaged'
     for each intact record), so a group whose offset lay past it skipped one more message, and no pull of the
     queue met the kept record (no RECORD_CORRUPT: lost without a word). It stays in its own queue now."""
-    store = tmp_path / "store"
-    b = broker_factory(*FLAGS)
-    plain, _, _ = await _load(b)
-    b.kill()
-    path = _newest(store)
-    records = _records(path)
-    pos, _size, _topic, body = [r for r in records if r[2] == "TornPlain"][PLAIN // 2]
-    qid = int.from_bytes(open(path, "rb").read()[pos + 12:pos + 16], "big")
+    plain, path, pos, body, qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
     _flip(path, pos + 88 + len(body) + 1 + 1, 0x40)        # its topic's 'o' -> '/' (IPv4 hosts)
 
     b = broker_factory(*FLAGS, "--keep-corrupt-records")
@@ -252,15 +256,7 @@ async def test_a_record_whose_queue_id_was_flipped_stays_in_its_queue(broker_fac
     there, where no consumer pulls: lost without a word. Flipped to a sibling queue, the record was taken for a
     damaged QUEUEOFFSET there and rewritten to follow it (the sibling delivered it; its own queue lost it, and every
     later record of both had its offset rewritten). Now the field is rewritten to the queue missing that offset."""
-    store = tmp_path / "store"
-    b = broker_factory(*FLAGS)
-    plain, _, _ = await _load(b)
-    b.kill()
-    path = _newest(store)
-    records = _records(path)
-    pos, _size, _topic, body = [r for r in records if r[2] == "TornPlain"][PLAIN // 2]
-    data = open(path, "rb").read()
-    qid = int.from_bytes(data[pos + 12:pos + 16], "big")
+    plain, path, pos, body, qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
     with open(path, "r+b") as f:
         f.seek(pos + 12)
         f.write((qid ^ (8 if to == "missing" else 1)).to_bytes(4, "big"))
