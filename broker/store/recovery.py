@@ -202,12 +202,21 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
                 # below the checkpoint nothing is torn (it was flushed first), and before nul_free_from an older
                 # broker may have stored a NUL: records there keep the old checks
                 fields = parse_record(seg, pos, torn=seg.start + pos >= tail_from)
+                if known_corrupt and seg.start + pos in known_corrupt and seg.start + pos < tail_from:
+                    # kept for a damaged TOPIC or properties, which are judged only past the checkpoint: below
+                    # it at a later start, it was read as sound (filed under the damaged name, replayed)
+                    try:
+                        check_tail_fields(seg.mm, fields[6], fields[7])
+                    except RecordError as exc:
+                        raise BadRecord(str(exc)) from None
             except BadRecord as bad:
                 total, magic = peek_record(seg.mm, pos) if pos + 8 <= seg.reserved else (0, 0)
                 if magic == BLANK_MAGIC and total == seg.size - pos:
                     seg.written = pos
                     break
-                fields = (_keep_corrupt(seg, pos, str(bad), report, tail_from)
+                fields = (_keep_corrupt(seg, pos, str(bad), report, tail_from,
+                                        lambda t, q, o, n, i=i, p=pos: _kept_owner(segs, i, p, n, t, q, o, queues,
+                                                                                    expect))
                           if keep_corrupt or seg.start + pos in known_corrupt else None)
                 if fields is None:
                     end = _end_of_data(clog, i, pos, str(bad) if (total, magic) != (0, 0) else None,
@@ -300,14 +309,26 @@ def _sound_extent(seg: Segment, pos: int, tail_from: int):
     return fields
 
 
-def _keep_corrupt(seg: Segment, pos: int, reason: str, report: RecoveryReport, tail_from: int):
+def _keep_corrupt(seg: Segment, pos: int, reason: str, report: RecoveryReport, tail_from: int,
+                  owner: Callable[[str, int, int, int], str | None] = lambda t, q, o, n: None):
     """Keep the damaged record at ``pos`` where it lies (keep_corrupt_records): the log after it stays. Its queue
-    unit stays too, and a pull stops at it with RECORD_CORRUPT (the store checks the CRC of reads up to it) until
-    the group is moved past it; it is replayed into nothing else (transactions, schedule, index)."""
+    unit stays too, and a pull stops at it with RECORD_CORRUPT (the store stops reads at a kept record) until
+    the group is moved past it; it is replayed into nothing else (transactions, schedule, index).
+
+    Its TOPIC is outside the body CRC: one that is no topic name (a flipped bit) is read as ``owner``'s (the queue
+    of its id whose unit at its offset points at it, or whose sequence in the log misses exactly it). Filed under
+    the damaged name, its own queue was one short, every later record of it had its offset rewritten one down, and
+    no pull met it."""
     fields = _sound_extent(seg, pos, tail_from)
     if fields is None:
         return None
     size, qid, qoff, sys_flag, _ts, _p, topic, _span = fields
+    read_as = owner(topic, qid, qoff, size) if validate_topic(topic) is not None else None
+    if read_as is not None:
+        log.error("commit log segment %s byte %d: the damaged record's TOPIC reads %r, no topic name; it is the "
+                  "record queue %d of %s misses at offset %d (filed there)", seg.name, pos, topic, qid, read_as, qoff)
+        topic = read_as
+        fields = (*fields[:6], topic, fields[7])
     what = f"{topic}-{qid} queue offset {qoff}, sys flag {sys_flag:#x}"
     log.error("keep_corrupt_records: commit log segment %s byte %d, %d bytes (%s) is damaged (%s); kept in place "
               "with the log after it: it is lost, not served (a pull of %s-%d stops at offset %d until the group "
@@ -315,6 +336,20 @@ def _keep_corrupt(seg: Segment, pos: int, reason: str, report: RecoveryReport, t
               size, what, reason, topic, qid, qoff, topic, qid, qoff + 1)
     report.corrupt_kept.append(Truncation(seg.name, pos, size, f"{what}: {reason}"))
     return fields
+
+
+def _kept_owner(segs: list, i: int, pos: int, size: int, topic: str, qid: int, qoff: int, queues: dict,
+                expect: dict) -> str | None:
+    """The topic of a kept damaged record whose TOPIC field is no name: the one other topic whose queue ``qid``
+    has a unit at ``qoff`` pointing at it, else whose previous record in the log is one before it and next one
+    after it; None when not exactly one."""
+    phys = segs[i].start + pos
+    found = {t for (t, q), cq in queues.items() if q == qid and t != topic and qoff < cq.max_offset
+             and (cq.unit_on_disk(qoff) or (0, 0))[:2] == (phys, size)}
+    if not found:
+        found = {t for (t, q), want in expect.items() if q == qid and t != topic and want == qoff
+                 and _next_qoff(segs, i, pos + size, (t, q)) == qoff + 1}
+    return found.pop() if len(found) == 1 else None
 
 
 def _cut_unvouched_copy(clog: CommitLog, seg: Segment, pos: int, report: RecoveryReport) -> int:

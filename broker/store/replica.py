@@ -24,7 +24,7 @@ import struct
 from typing import Callable, NamedTuple
 
 from protocol.errors import RecordError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, string_to_properties, tags_code
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, string_to_properties, tags_code, validate_topic
 from protocol.record import MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
 
 from .results import DispatchInfo
@@ -73,7 +73,8 @@ class ReplicaChunk:
 def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None = None,
                 check_crc: bool = True) -> ReplicaChunk:
     """Check a chunk from the master and parse its records; ValueError says what is wrong with it.
-    (``check_crc`` False: a record the master kept damaged, sent the same twice: MessageStore.append_replica.)
+    (``check_crc`` False: a record the master kept damaged, sent the same twice: MessageStore.append_replica; its
+    body CRC and its topic name are not judged.)
 
     Every record is checked as recovery checks it (magic, size, its PHYSICALOFFSET field equal to where
     it will lie, lengths, body CRC), so a damaged transfer never reaches the slave's log.
@@ -95,6 +96,7 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
     records: list[ReplicaRecord] = []
     pos = 0
     nul_end = -1
+    known: set[str] = set()     # topics judged (a chunk is mostly a few topics' records)
     while pos < n:
         if n - pos < MIN_RECORD_SIZE:
             raise ValueError(f"chunk at {phys} ends with {n - pos} bytes, not a whole record")
@@ -107,6 +109,10 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
             ts, prepared, topic, (plo, plen) = read_index_fields(data, pos, size, sys_flag, crc if check_crc else None)
         except RecordError as exc:
             raise ValueError(f"record at {phys + pos}: {exc}") from None
+        # (the TOPIC is outside the CRC: one that is no name is a damaged record, its master's kept one)
+        if check_crc and topic not in known and validate_topic(topic) is not None:
+            raise ValueError(f"record at {phys + pos}: {validate_topic(topic)}")
+        known.add(topic)
         if data.find(b"\x00", plo, plo + plen) >= 0:
             nul_end = phys + pos + size
         unit = not sys_flag & 0x4       # NOT and COMMIT records have a consume-queue unit (spec 7.2)

@@ -619,7 +619,15 @@ class MessageStore:
             chunk = parse_chunk(phys, data, self._log.seg_size, self.tag_rule, check_crc=False)
             if len(chunk.records) != 1:
                 raise
-            size = chunk.records[0].size
+            rec = chunk.records[0]
+            size = rec.size
+            if validate_topic(rec.topic) is not None:
+                # its TOPIC damaged (outside the CRC): filed, as by its master's start, under the queue of its id
+                # that misses exactly its offset; under the damaged name its own queue here was one short
+                owners = [t for (t, q), cq in self._cqs.items() if q == rec.queue_id and t != rec.topic
+                          and cq.max_offset == rec.queue_offset]
+                if len(owners) == 1:
+                    chunk.records[0] = rec._replace(topic=owners[0])
             log.error("the master sent the record at log offset %d (%d bytes), which fails its body CRC, twice the "
                       "same: it is the master's damaged record kept in place (keep_corrupt_records), copied as it "
                       "is; lost, not served (a pull stops at it, as on the master)", phys, size)
@@ -680,6 +688,8 @@ class MessageStore:
         pos, n = 0, len(chunk)
         while pos < n:
             size = int.from_bytes(chunk[pos:pos + 4], "big")
+            if pos and phys + pos in self._kept:    # sent alone (above): one whose TOPIC alone is damaged is intact
+                return chunk[:pos]
             if not self._intact(chunk, pos, size, phys + pos):
                 if pos == 0:
                     chunk.release()
@@ -797,7 +807,7 @@ class MessageStore:
             ok = body_crc_ok(view, 0, len(view))
         else:
             ok = self._intact(view, 0, len(view), physical_offset)
-        if not ok:
+        if not ok or physical_offset in self._kept:
             raise self.corrupt_record(physical_offset, reader)
         return view
 
@@ -857,6 +867,7 @@ class MessageStore:
         skip_below = -1
         clog = self._log
         crc_ok, check_below, nul_from = record_intact, self._check_below if verify else -1, self._nul_free_from
+        kept = self._kept       # damaged records kept in place: one whose TOPIC alone is damaged passes its CRC
         for phys, size, tag in UNIT.iter_unpack(raw):
             if not size:        # a zeroed unit (a lost page, a damaged file): its message must not be skipped
                 if not buffers:
@@ -893,7 +904,8 @@ class MessageStore:
                     status = _REMOVING
                 skip_below = phys - phys % clog.seg_size + clog.seg_size     # the rest of that segment
                 continue
-            if phys < check_below and not (crc_ok if phys >= nul_from else body_crc_ok)(view, 0, size):
+            if phys < check_below and ((kept and phys in kept) or
+                                       not (crc_ok if phys >= nul_from else body_crc_ok)(view, 0, size)):
                 if not buffers:
                     self.corrupt_record(phys, "pull")
                     return GetResult(GetStatus.RECORD_CORRUPT, offset + scanned - 1, lo, hi)

@@ -126,6 +126,17 @@ async def _pending(b) -> set[int]:
     return {row["commit_log_offset"] for row in json.loads(resp.body_bytes())["pending"]}
 
 
+async def _a_plain_record_mid_log(broker_factory, tmp_path) -> tuple[list[bytes], str, int, bytes, int]:
+    """_load a broker, kill it: the plain bodies, and the newest segment's path with the position, body and queue
+    id of the middle plain record in it."""
+    b = broker_factory(*FLAGS)
+    plain, _, _ = await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "store")
+    pos, _size, _topic, body = [r for r in _records(path) if r[2] == "TornPlain"][PLAIN // 2]
+    return plain, path, pos, body, int.from_bytes(open(path, "rb").read()[pos + 12:pos + 16], "big")
+
+
 def _refused(store_dir, *flags) -> str:
     """Start a broker that must refuse: its log."""
     b = BrokerProcess(store_dir, *FLAGS, *flags)
@@ -211,6 +222,33 @@ async def test_fuzz_a_flipped_byte_in_the_newest_segment(broker_factory, tmp_pat
     assert b.stop() == 0
 
 
+@bounded(120)
+async def test_a_kept_record_whose_topic_byte_was_flipped_stays_in_its_queue(broker_factory, tmp_path):
+    """A bit flipped in a record's TOPIC (outside the body CRC: 'TornPlain' read 'T/rnPlain') fails the start's
+    check, and --keep-corrupt-records kept it, filed under the damaged name: its own queue was one short there, and
+    every later record of that queue had its QUEUEOFFSET rewritten one down on disk (ERROR 'its header is damaged'
+    for each intact record), so a group whose offset lay past it skipped one more message, and no pull of the
+    queue met the kept record (no RECORD_CORRUPT: lost without a word). It stays in its own queue now."""
+    plain, path, pos, body, qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
+    _flip(path, pos + 88 + len(body) + 1 + 1, 0x40)        # its topic's 'o' -> '/' (IPv4 hosts)
+
+    b = broker_factory(*FLAGS, "--keep-corrupt-records")
+    got, errors = await _delivered(b, "TornPlain")
+    lost = body[:10].rstrip(b"\0")
+    assert sorted(got) == [p for p in plain if p != lost], f"{len(got)} of {len(plain) - 1}; {errors}"
+    assert len(errors) == 1 and "corrupt" in errors[0], errors
+    assert _kept_count(b) == 1
+    assert b.stop() == 0
+    text = b.log()
+    assert "its header is damaged; rewritten" not in text, [x for x in text.splitlines() if "rewritten" in x][:3]
+    assert f"a pull of TornPlain-{qid} stops at offset" in text, text
+
+    b = broker_factory(*FLAGS)                  # remembered: filed the same again
+    again, errors = await _delivered(b, "TornPlain")
+    assert sorted(again) == sorted(got) and len(errors) == 1, errors
+    assert b.stop() == 0
+
+
 @pytest.mark.parametrize("to", ["missing", "sibling"])
 @bounded(90)
 async def test_a_record_whose_queue_id_was_flipped_stays_in_its_queue(broker_factory, tmp_path, to):
@@ -218,15 +256,7 @@ async def test_a_record_whose_queue_id_was_flipped_stays_in_its_queue(broker_fac
     there, where no consumer pulls: lost without a word. Flipped to a sibling queue, the record was taken for a
     damaged QUEUEOFFSET there and rewritten to follow it (the sibling delivered it; its own queue lost it, and every
     later record of both had its offset rewritten). Now the field is rewritten to the queue missing that offset."""
-    store = tmp_path / "store"
-    b = broker_factory(*FLAGS)
-    plain, _, _ = await _load(b)
-    b.kill()
-    path = _newest(store)
-    records = _records(path)
-    pos, _size, _topic, body = [r for r in records if r[2] == "TornPlain"][PLAIN // 2]
-    data = open(path, "rb").read()
-    qid = int.from_bytes(data[pos + 12:pos + 16], "big")
+    plain, path, pos, body, qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
     with open(path, "r+b") as f:
         f.seek(pos + 12)
         f.write((qid ^ (8 if to == "missing" else 1)).to_bytes(4, "big"))
@@ -248,10 +278,14 @@ async def test_a_record_whose_queue_id_was_flipped_stays_in_its_queue(broker_fac
     assert f"a record of TornPlain says queue {qid ^ (8 if to == 'missing' else 1)}" in b.log()
 
 
+@pytest.mark.parametrize("damage", ["body", "topic"])
 @bounded(120)
-async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_after_it(broker_factory, tmp_path):
+async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_after_it(broker_factory, tmp_path,
+                                                                                      damage):
     """The kept record stays in the master's log: a slave that has not copied it yet must get past it, not be
-    refused it for ever (its log end stuck there, a SYNC_MASTER's every later send FLUSH_SLAVE_TIMEOUT)."""
+    refused it for ever (its log end stuck there, a SYNC_MASTER's every later send FLUSH_SLAVE_TIMEOUT).
+    One whose TOPIC alone is damaged (outside the CRC) the slave took at once as sound, filed under the damaged name:
+    its own queue there one short, the record served by no pull, never stopped at."""
     from tests.integration.test_replication import _fetch_queues_once_routed, _log_end
     ha = ("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
     b = broker_factory(*FLAGS, *ha, store="master")
@@ -259,8 +293,8 @@ async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_aft
     b.kill()
     path = _newest(tmp_path / "master")
     records = _records(path)
-    pos = next(r for r in records[len(records) // 2:] if r[2] == "TornPlain")[0]
-    _flip(path, pos + 88 + 300, 0x10)
+    pos, _size, _topic, body = next(r for r in records[len(records) // 2:] if r[2] == "TornPlain")
+    _flip(path, pos + 88 + (300 if damage == "body" else len(body) + 2), 0x10 if damage == "body" else 0x40)
     master = broker_factory(*FLAGS, *ha, "--keep-corrupt-records", store="master")
     end = await _log_end(master.broker)
     slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
