@@ -182,6 +182,25 @@ class Retention:
         done, failed = await tx.dead_letter(due, "expired")
         return done, skipped + failed
 
+    async def undoes_resume(self, half_offset: int, store_ts: int) -> str | None:
+        """Why a resume (903, 323) of the dead-lettered transaction whose half is at ``half_offset`` would be undone
+        (None: it would not). A half past transaction_retention_hours in a sealed segment past file_reserved_hours
+        is, undecided again, what the next cleaning pass over disk_clean_ratio (or an expiry plan) dead-letters as
+        `expired` before removing the segment: resumed, the operator's resume was silently taken back."""
+        now = self.now()
+        if now - store_ts <= self.half_retention_ms:
+            return None
+        facts = next((f for f in await self.ctx.store.segment_facts() if f.start <= half_offset < f.end), None)
+        if facts is None or not facts.sealed or not 0 <= facts.last_ts < now - self.retention_ms:
+            return None
+        c = self.ctx.config
+        return (f"transaction at {half_offset} not resumed: its half, stored {(now - store_ts) / HOUR_MS:.1f} h ago, "
+                f"is past transaction_retention_hours ({self.half_retention_ms / HOUR_MS:g} h) in segment "
+                f"{facts.name}, past file_reserved_hours ({self.retention_ms / HOUR_MS:g} h): the next cleaning pass "
+                f"(every {c.disk_clean_interval_s:g} s) with the disk above disk_clean_ratio "
+                f"({c.disk_clean_ratio * 100:g}%), or the next expiry plan, would dead-letter it again as expired "
+                "and remove its half; its dead letter keeps the message")
+
     def _held(self, facts) -> str | None:
         """The opt-in: an unconsumed expired segment stays while the log is within retain_unconsumed_max_bytes."""
         cap = self.ctx.config.retain_unconsumed_max_bytes

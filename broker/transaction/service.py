@@ -1068,6 +1068,13 @@ class TransactionService:
                                 "(unknown): no half message is stored there")
         if not owner or not plain_owner(owner):      # none in hand (903), or its dead letter had no room for it
             owner = await self._dead_letter_sender(msg)
+        # Asked of a dead-lettered one only (anything else is refused as what it is, by core.resume below).
+        retention = self.ctx.retention
+        expired = (await retention.undoes_resume(half_offset, msg.store_timestamp)
+                   if retention is not None and self.core.decided(half_offset) == DEAD else None)
+        if expired is not None:
+            log.warning("resume refused: %s", expired)
+            raise DecisionError(ResponseCode.SYSTEM_ERROR, expired)
         # (checked after the lookup's await: from here to core.resume nothing yields)
         if self.removing is not None and self.removing[0] <= half_offset < self.removing[1]:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} not resumed: retention is "

@@ -1,0 +1,88 @@
+"""A resume (903, a stock admin's 323) of a transaction whose half is already past every retention.
+
+A broker living 80 hours in the past dead-letters an unanswered transaction (its check count spent) and seals the
+segment its half is in. Served at the real time, the segment is past file_reserved_hours and the half past
+transaction_retention_hours, kept only while the disk is below disk_clean_ratio. Resumed, the transaction was
+pending again for as long as that lasted: the next cleaning pass over the clean ratio (or the nightly plan)
+dead-lettered it again as `expired` and removed its half -- the operator's resume silently taken back. Both
+resumes are now refused up front saying so, and the plan that removes the segment writes no second dead letter.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from consumer import PullConsumer
+from consumer.pull_consumer import PullStatus
+from producer import Producer, TransactionProducer
+from protocol.codes import RequestCode, ResponseCode
+from protocol.message import decode_offset_msg_id
+from tests.integration.test_retention_process import _admin as _apply_plan
+from tests.integration.test_corrupt_records import _dead_letters as _counted
+from tests.integration.test_retention_process import Undecided, _plan
+from tests.integration.test_transactions import _admin
+from tests.support.broker_process import REPO
+from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
+
+pytestmark = pytest.mark.asyncio
+
+if LIBFAKETIME is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+SMALL = ("--segment-size", "262144", "--max-message-size", "16384")
+NEVER_CLEANS = ("--disk-clean-ratio", "0.9998", "--disk-force-clean-ratio", "0.9999")
+DEAD_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
+
+
+async def _dead_letters(b, group: str, expect: int = 0) -> list:
+    """The dead letters stored, from the queue's first (a removed segment moves it); with ``expect``, pulled until
+    that many are (bounded)."""
+    async with PullConsumer(b.namesrv, group) as consumer:
+        async with asyncio.timeout(30):
+            while True:
+                (mq,) = await consumer.fetch_queues(DEAD_TOPIC)
+                letters, offset = [], 0
+                while (res := await consumer.pull(mq, offset, max_nums=32)).status is not PullStatus.NO_NEW_MSG:
+                    letters += res.messages
+                    offset = res.next_begin_offset
+                if len(letters) >= expect:
+                    return letters
+                await consumer.pull(mq, offset, suspend_ms=200)
+
+
+async def test_a_resume_the_next_cleaning_pass_would_undo_is_refused_saying_so(broker_factory, tmp_path):
+    store = tmp_path / "store"
+    past = broker_factory(*SMALL, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                          "--transaction-check-max", "1", env=past_env("-80h"))
+    async with TransactionProducer(past.namesrv, "PG_old", Undecided()) as producer:
+        sent = (await producer.send_in_transaction("Paid", b"dead-80h")).send_result
+        (dead,) = await _dead_letters(past, "CG_wait", expect=1)
+    async with Producer(past.namesrv, "PG_fill") as filler:     # seals the half's segment
+        await asyncio.gather(*(filler.send("Fill", b"f" * 1000) for _ in range(300)))
+    assert past.stop() == 0
+    half = decode_offset_msg_id(sent.offset_msg_id)[2]
+    assert int(dead.properties["TXMQ_HALF"]) == half
+
+    b = broker_factory(*SMALL, *NEVER_CLEANS)
+    cli = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "resume", str(half)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    stock = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead.offset_msg_id})
+    assert cli.returncode == 1 and f"transaction at {half} not resumed" in cli.stderr, cli.stderr
+    assert "past transaction_retention_hours (72 h)" in cli.stderr and "dead-letter it again as expired" in cli.stderr
+    assert (stock.code, stock.remark) == (ResponseCode.SYSTEM_ERROR, cli.stderr.strip().split(": ", 1)[1])
+    listed = await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10})
+    assert json.loads(listed.body)["pending"] == [] and json.loads(listed.body)["dead_lettered"] == 1
+
+    # The segment then goes (here by a plan; the cleaner does the same over the clean ratio): no second letter.
+    plan = _plan(store, int(time.time() * 1000))
+    rc, reply = _apply_plan(b, plan, tmp_path, "plan")
+    assert rc == 0 and reply["segments_removed"] and reply["segments_kept"] == [], reply
+    # Its dead letter (max-checks) went with the segment it was written in; resumed, a second one (expired) was
+    # written as the plan removed the half from under the pending transaction.
+    assert dead.properties["TXMQ_REASON"] == "max-checks"
+    assert await _dead_letters(b, "CG_after") == []
+    assert await asyncio.to_thread(_counted, b, "expired") == 0
