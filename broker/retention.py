@@ -184,22 +184,23 @@ class Retention:
 
     async def undoes_resume(self, half_offset: int, store_ts: int) -> str | None:
         """Why a resume (903, 323) of the dead-lettered transaction whose half is at ``half_offset`` would be undone
-        (None: it would not). A half past transaction_retention_hours in a sealed segment past file_reserved_hours
-        is, undecided again, what the next cleaning pass over disk_clean_ratio (or an expiry plan) dead-letters as
-        `expired` before removing the segment: resumed, the operator's resume was silently taken back."""
+        (None: it would not). A half past transaction_retention_hours, undecided again, is what the next expiry plan
+        lists and dead-letters as `expired`, as does the cleaning pass that removes its segment once that is past
+        file_reserved_hours: resumed, the operator's resume was silently taken back."""
         now = self.now()
-        if now - store_ts <= self.half_retention_ms:
-            return None
-        facts = next((f for f in await self.ctx.store.segment_facts() if f.start <= half_offset < f.end), None)
-        if facts is None or not facts.sealed or not 0 <= facts.last_ts < now - self.retention_ms:
+        age = now - store_ts
+        if age <= self.half_retention_ms:
             return None
         c = self.ctx.config
-        return (f"transaction at {half_offset} not resumed: its half, stored {(now - store_ts) / HOUR_MS:.1f} h ago, "
-                f"is past transaction_retention_hours ({self.half_retention_ms / HOUR_MS:g} h) in segment "
-                f"{facts.name}, past file_reserved_hours ({self.retention_ms / HOUR_MS:g} h): the next cleaning pass "
-                f"(every {c.disk_clean_interval_s:g} s) with the disk above disk_clean_ratio "
-                f"({c.disk_clean_ratio * 100:g}%), or the next expiry plan, would dead-letter it again as expired "
-                "and remove its half; its dead letter keeps the message")
+        facts = next((f for f in await self.ctx.store.segment_facts() if f.start <= half_offset < f.end), None)
+        when = "the next expiry plan"
+        if facts is not None and facts.sealed and 0 <= facts.last_ts < now - self.retention_ms:
+            when = (f"the next cleaning pass (every {c.disk_clean_interval_s:g} s) with the disk above "
+                    f"disk_clean_ratio ({c.disk_clean_ratio * 100:g}%), or {when}, its segment {facts.name} being past "
+                    f"file_reserved_hours ({self.retention_ms / HOUR_MS:g} h),")
+        return (f"transaction at {half_offset} not resumed: its half, stored {age / HOUR_MS:.1f} h ago, is past "
+                f"transaction_retention_hours ({self.half_retention_ms / HOUR_MS:g} h): {when} would dead-letter it "
+                "again as expired; its dead letter keeps the message")
 
     def _held(self, facts) -> str | None:
         """The opt-in: an unconsumed expired segment stays while the log is within retain_unconsumed_max_bytes."""

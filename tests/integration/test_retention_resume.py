@@ -1,11 +1,11 @@
-"""A resume (903, a stock admin's 323) of a transaction whose half is already past every retention.
+"""A resume (903, a stock admin's 323) of a transaction whose half is already past transaction_retention_hours.
 
-A broker living 80 hours in the past dead-letters an unanswered transaction (its check count spent) and seals the
-segment its half is in. Served at the real time, the segment is past file_reserved_hours and the half past
-transaction_retention_hours, kept only while the disk is below disk_clean_ratio. Resumed, the transaction was
-pending again for as long as that lasted: the next cleaning pass over the clean ratio (or the nightly plan)
-dead-lettered it again as `expired` and removed its half -- the operator's resume silently taken back. Both
-resumes are now refused up front saying so, and the plan that removes the segment writes no second dead letter.
+A broker living 80 hours in the past dead-letters an unanswered transaction (its check count spent). Served at the
+real time, its half is past transaction_retention_hours. Resumed, the transaction was pending again only until the
+next expiry plan (which lists every open half that old), or the cleaning pass over disk_clean_ratio that removes
+its segment once past file_reserved_hours, dead-lettered it again as `expired` and removed its half -- the
+operator's resume silently taken back. Both resumes are now refused up front saying so, and the plan that then
+runs writes no second dead letter.
 """
 from __future__ import annotations
 
@@ -54,35 +54,63 @@ async def _dead_letters(b, group: str, expect: int = 0) -> list:
                 await consumer.pull(mq, offset, suspend_ms=200)
 
 
-async def test_a_resume_the_next_cleaning_pass_would_undo_is_refused_saying_so(broker_factory, tmp_path):
-    store = tmp_path / "store"
+async def _dead_lettered_80h_ago(broker_factory, *, seal: bool):
+    """(half offset, dead letter) of a transaction a broker living 80 hours ago dead-lettered (its one check
+    unanswered); ``seal``: the segment the half is in is then filled and sealed."""
     past = broker_factory(*SMALL, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
                           "--transaction-check-max", "1", env=past_env("-80h"))
     async with TransactionProducer(past.namesrv, "PG_old", Undecided()) as producer:
         sent = (await producer.send_in_transaction("Paid", b"dead-80h")).send_result
         (dead,) = await _dead_letters(past, "CG_wait", expect=1)
-    async with Producer(past.namesrv, "PG_fill") as filler:     # seals the half's segment
-        await asyncio.gather(*(filler.send("Fill", b"f" * 1000) for _ in range(300)))
+    if seal:
+        async with Producer(past.namesrv, "PG_fill") as filler:
+            await asyncio.gather(*(filler.send("Fill", b"f" * 1000) for _ in range(300)))
     assert past.stop() == 0
     half = decode_offset_msg_id(sent.offset_msg_id)[2]
-    assert int(dead.properties["TXMQ_HALF"]) == half
+    assert (int(dead.properties["TXMQ_HALF"]), dead.properties["TXMQ_REASON"]) == (half, "max-checks")
+    return half, dead
 
-    b = broker_factory(*SMALL, *NEVER_CLEANS)
+
+async def _both_resumes_refused(b, half: int, dead) -> str:
+    """`admin resume` (903) and a stock 323 by the dead letter's id: both refused alike; the remark."""
     cli = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "resume", str(half)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     stock = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead.offset_msg_id})
     assert cli.returncode == 1 and f"transaction at {half} not resumed" in cli.stderr, cli.stderr
-    assert "past transaction_retention_hours (72 h)" in cli.stderr and "dead-letter it again as expired" in cli.stderr
     assert (stock.code, stock.remark) == (ResponseCode.SYSTEM_ERROR, cli.stderr.strip().split(": ", 1)[1])
-    listed = await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10})
-    assert json.loads(listed.body)["pending"] == [] and json.loads(listed.body)["dead_lettered"] == 1
+    assert "past transaction_retention_hours (72 h)" in stock.remark and "again as expired" in stock.remark
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10})).body)
+    assert (listed["pending"], listed["dead_lettered"]) == ([], 1)
+    assert "resume refused: transaction at" in b.log()
+    return stock.remark
 
-    # The segment then goes (here by a plan; the cleaner does the same over the clean ratio): no second letter.
-    plan = _plan(store, int(time.time() * 1000))
-    rc, reply = _apply_plan(b, plan, tmp_path, "plan")
+
+async def test_a_resume_the_next_cleaning_pass_would_undo_is_refused_saying_so(broker_factory, tmp_path):
+    """The half in a sealed segment past file_reserved_hours, kept while the disk is below disk_clean_ratio."""
+    half, dead = await _dead_lettered_80h_ago(broker_factory, seal=True)
+    b = broker_factory(*SMALL, *NEVER_CLEANS)
+    remark = await _both_resumes_refused(b, half, dead)
+    assert "the next cleaning pass (every 5 s) with the disk above disk_clean_ratio (99.98%)" in remark
+
+    # The segment then goes (here by a plan; the cleaner does the same over the clean ratio): resumed, a second
+    # dead letter (expired) was written as it went, the half removed from under the pending transaction. The first
+    # one went with the segment it was written in.
+    rc, reply = _apply_plan(b, _plan(tmp_path / "store", int(time.time() * 1000)), tmp_path, "plan")
     assert rc == 0 and reply["segments_removed"] and reply["segments_kept"] == [], reply
-    # Its dead letter (max-checks) went with the segment it was written in; resumed, a second one (expired) was
-    # written as the plan removed the half from under the pending transaction.
-    assert dead.properties["TXMQ_REASON"] == "max-checks"
     assert await _dead_letters(b, "CG_after") == []
+    assert await asyncio.to_thread(_counted, b, "expired") == 0
+
+
+async def test_a_resume_the_nightly_plan_would_undo_is_refused_saying_so(broker_factory, tmp_path):
+    """The half 80 hours old in the segment still being written: no segment expires, but the nightly plan lists
+    every open half past transaction_retention_hours (ops/spark/expiry.py), a resumed one too."""
+    half, dead = await _dead_lettered_80h_ago(broker_factory, seal=False)
+    b = broker_factory(*SMALL, *NEVER_CLEANS)
+    remark = await _both_resumes_refused(b, half, dead)
+    assert "the next expiry plan would dead-letter it" in remark and "cleaning pass" not in remark
+    plan = dict(_plan(tmp_path / "store", int(time.time() * 1000)), halves=[{"commit_log_offset": half}])
+    rc, reply = _apply_plan(b, plan, tmp_path, "plan")
+    assert rc == 0 and reply["expired"] == [] and reply["segments_removed"] == [], reply
+    assert [(m.body, m.properties["TXMQ_REASON"]) for m in await _dead_letters(b, "CG_after")] == \
+        [(b"dead-80h", "max-checks")]
     assert await asyncio.to_thread(_counted, b, "expired") == 0
