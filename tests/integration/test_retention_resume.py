@@ -19,13 +19,14 @@ import pytest
 
 from consumer import PullConsumer
 from consumer.pull_consumer import PullStatus
+from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.message import decode_offset_msg_id
 from tests.integration.test_retention_process import _admin as _apply_plan
 from tests.integration.test_corrupt_records import _dead_letters as _counted
 from tests.integration.test_retention_process import Undecided, _plan
-from tests.integration.test_transactions import _admin
+from tests.integration.test_transactions import FAST, Listener, _admin, _drain
 from tests.support.broker_process import REPO
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
 
@@ -114,3 +115,17 @@ async def test_a_resume_the_nightly_plan_would_undo_is_refused_saying_so(broker_
     assert [(m.body, m.properties["TXMQ_REASON"]) for m in await _dead_letters(b, "CG_after")] == \
         [(b"dead-80h", "max-checks")]
     assert await asyncio.to_thread(_counted, b, "expired") == 0
+
+
+async def test_a_resume_its_producer_commits_at_the_first_check_is_not_refused(broker_factory):
+    """The common resume: the producer that could not answer is back. The resumed transaction is checked at once
+    (its half is long past the transaction timeout), answered, decided: nothing left for a plan or a cleaning pass
+    to undo. Refused for its half's age alone, the operator was left to decide it by hand from the dead letter."""
+    half, dead = await _dead_lettered_80h_ago(broker_factory, seal=False)
+    b = broker_factory(*SMALL, *NEVER_CLEANS, *FAST)
+    listener = Listener(check=S.COMMIT_MESSAGE)
+    async with TransactionProducer(b.namesrv, "PG_old", listener):
+        stock = await _admin(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead.offset_msg_id})
+        assert stock.code == ResponseCode.SUCCESS, stock.remark
+        assert await _drain(b.namesrv, "Paid", expect=1, timeout=30) == [b"dead-80h"]
+    assert "past transaction_retention_hours" in b.log()     # said, not refused
