@@ -183,10 +183,11 @@ class Retention:
         return done, skipped + failed
 
     async def undoes_resume(self, half_offset: int, store_ts: int) -> str | None:
-        """Why a resume (903, 323) of the dead-lettered transaction whose half is at ``half_offset`` would be undone
-        (None: it would not). A half past transaction_retention_hours, undecided again, is what the next expiry plan
-        lists and dead-letters as `expired`, as does the cleaning pass that removes its segment once that is past
-        file_reserved_hours: resumed, the operator's resume was silently taken back."""
+        """What would undo a resume (903, 323) of the dead-lettered transaction whose half is at ``half_offset``
+        should it still be undecided then (None: nothing soon). A half past transaction_retention_hours, undecided
+        again, is what the next expiry plan lists and dead-letters as `expired`, as does the cleaning pass that
+        removes its segment once that is past file_reserved_hours. Said with the resume, not a refusal: the resumed
+        transaction is checked at once, and a producer that is back decides it before either comes."""
         now = self.now()
         age = now - store_ts
         if age <= self.half_retention_ms:
@@ -198,9 +199,9 @@ class Retention:
             when = (f"the next cleaning pass (every {c.disk_clean_interval_s:g} s) with the disk above "
                     f"disk_clean_ratio ({c.disk_clean_ratio * 100:g}%), or {when}, its segment {facts.name} being past "
                     f"file_reserved_hours ({self.retention_ms / HOUR_MS:g} h),")
-        return (f"transaction at {half_offset} not resumed: its half, stored {age / HOUR_MS:.1f} h ago, is past "
-                f"transaction_retention_hours ({self.half_retention_ms / HOUR_MS:g} h): {when} would dead-letter it "
-                "again as expired; its dead letter keeps the message")
+        return (f"its half, stored {age / HOUR_MS:.1f} h ago, is past transaction_retention_hours "
+                f"({self.half_retention_ms / HOUR_MS:g} h): undecided by then, {when} would dead-letter it again as "
+                "expired")
 
     def _held(self, facts) -> str | None:
         """The opt-in: an unconsumed expired segment stays while the log is within retain_unconsumed_max_bytes."""
