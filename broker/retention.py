@@ -194,7 +194,8 @@ class Retention:
             return None
         c = self.ctx.config
         facts = next((f for f in await self.ctx.store.segment_facts() if f.start <= half_offset < f.end), None)
-        when = "the next expiry plan"
+        # (the plan lists open halves older than its own --retention-hours, not transaction_retention_hours)
+        when = "an expiry plan listing it (the nightly one lists the open halves older than its --retention-hours)"
         if facts is not None and facts.sealed and 0 <= facts.last_ts < now - self.retention_ms:
             when = (f"the next cleaning pass (every {c.disk_clean_interval_s:g} s) with the disk above "
                     f"disk_clean_ratio ({c.disk_clean_ratio * 100:g}%), or {when}, its segment {facts.name} being past "

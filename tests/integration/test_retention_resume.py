@@ -113,7 +113,7 @@ async def test_a_resume_the_nightly_plan_would_undo_says_so(broker_factory, tmp_
     half, dead = await _dead_lettered_80h_ago(broker_factory, seal=False)
     b = broker_factory(*SMALL, *NEVER_CLEANS)
     reply = await _resumed_saying_so(b, half, dead, stock=True)
-    assert "the next expiry plan would dead-letter it" in reply and "cleaning pass" not in reply
+    assert "an expiry plan listing it (the nightly one lists the open halves older than its --retention-hours) would" in reply and "cleaning pass" not in reply
     plan = dict(_plan(tmp_path / "store", int(time.time() * 1000)), halves=[{"commit_log_offset": half}])
     rc, out = _apply_plan(b, plan, tmp_path, "plan")
     assert rc == 0 and out["expired"] == [half] and out["segments_removed"] == [], out
