@@ -182,6 +182,28 @@ class Retention:
         done, failed = await tx.dead_letter(due, "expired")
         return done, skipped + failed
 
+    async def undoes_resume(self, half_offset: int, store_ts: int) -> str | None:
+        """What would undo a resume (903, 323) of the dead-lettered transaction whose half is at ``half_offset``
+        should it still be undecided then (None: nothing soon). A half past transaction_retention_hours, undecided
+        again, is what the next expiry plan lists and dead-letters as `expired`, as does the cleaning pass that
+        removes its segment once that is past file_reserved_hours. Said with the resume, not a refusal: the resumed
+        transaction is checked at once, and a producer that is back decides it before either comes."""
+        now = self.now()
+        age = now - store_ts
+        if age <= self.half_retention_ms:
+            return None
+        c = self.ctx.config
+        facts = next((f for f in await self.ctx.store.segment_facts() if f.start <= half_offset < f.end), None)
+        # (the plan lists open halves older than its own --retention-hours, not transaction_retention_hours)
+        when = "an expiry plan listing it (the nightly one lists the open halves older than its --retention-hours)"
+        if facts is not None and facts.sealed and 0 <= facts.last_ts < now - self.retention_ms:
+            when = (f"the next cleaning pass (every {c.disk_clean_interval_s:g} s) with the disk above "
+                    f"disk_clean_ratio ({c.disk_clean_ratio * 100:g}%), or {when}, its segment {facts.name} being past "
+                    f"file_reserved_hours ({self.retention_ms / HOUR_MS:g} h),")
+        return (f"its half, stored {age / HOUR_MS:.1f} h ago, is past transaction_retention_hours "
+                f"({self.half_retention_ms / HOUR_MS:g} h): undecided by then, {when} would dead-letter it again as "
+                "expired")
+
     def _held(self, facts) -> str | None:
         """The opt-in: an unconsumed expired segment stays while the log is within retain_unconsumed_max_bytes."""
         cap = self.ctx.config.retain_unconsumed_max_bytes

@@ -1068,6 +1068,13 @@ class TransactionService:
                                 "(unknown): no half message is stored there")
         if not owner or not plain_owner(owner):      # none in hand (903), or its dead letter had no room for it
             owner = await self._dead_letter_sender(msg)
+        # Asked of a dead-lettered one only (anything else is refused as what it is, by core.resume below).
+        retention = self.ctx.retention
+        # Said, not refused: checked at once (its half is long past the transaction timeout), a producer that is
+        # back decides it before any plan or cleaning pass comes; refused, every such resume was left to be
+        # decided by hand from its dead letter.
+        expiring = (await retention.undoes_resume(half_offset, msg.store_timestamp)
+                    if retention is not None and self.core.decided(half_offset) == DEAD else None)
         # (checked after the lookup's await: from here to core.resume nothing yields)
         if self.removing is not None and self.removing[0] <= half_offset < self.removing[1]:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} not resumed: retention is "
@@ -1087,6 +1094,9 @@ class TransactionService:
         if self.pending.get(half_offset) is tx:
             self.record(msg.queue_offset, None)
         self.timer.wake()
+        if expiring is not None:
+            log.warning("resume of the transaction at %d: %s", half_offset, expiring)
+            return f"resumed: pending again with its check count reset; {expiring}"
         return "resumed: pending again with its check count reset"
 
     async def _dead_letter_sender(self, half) -> str:

@@ -996,3 +996,23 @@ async def test_a_resume_while_a_pass_dead_letters_a_segments_halves_leaves_no_pe
         assert "removed with its commit-log segment" in after.value.remark
     finally:
         await ctx.store.close()
+
+
+@bounded(30)
+async def test_what_a_resume_is_told_names_the_plan_that_lists_its_half_not_every_plan(tmp_path):
+    """--transaction-retention-hours 24 below the nightly plan's --retention-hours (72 by default, one retention
+    for segments and halves: ops/spark/expiry.py): a half 30 h old is in no default plan, nor in an expired
+    segment. A resume of it was told "the next expiry plan would dead-letter it again": the nightly one would not,
+    for 42 hours more."""
+    clock = Clock(T0 - 30 * H)
+    ctx = await make(tmp_path, clock, transaction_retention_hours=24)
+    try:
+        half = await add_half(ctx, b"undecided-30h")
+        clock.now = T0
+        said = await Retention(ctx).undoes_resume(half.half_offset, T0 - 30 * H)
+        assert "the next expiry plan" not in said, said
+        assert "an expiry plan listing it (the nightly one lists the open halves older than its --retention-hours)" \
+            in said, said
+        assert await Retention(ctx).undoes_resume(half.half_offset, T0 - 20 * H) is None
+    finally:
+        await ctx.store.close()
