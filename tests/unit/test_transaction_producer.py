@@ -172,6 +172,37 @@ async def test_a_connect_timeout_before_end_is_retried_not_taken_for_a_broker_th
     assert [e.is_oneway for e in fake.ends] == [False]
 
 
+
+async def test_producers_whose_ends_failed_together_retry_them_apart(monkeypatch):
+    """Producers whose ENDs all failed at one instant (their broker restarted) backed off alike, 0.05 s doubling,
+    and retried in the same ticks, every attempt: their ENDs arrived at the broker coming back as one burst each
+    round. Each pause is spread over its second half now (``jittered``, as the heartbeats' are); never longer."""
+    import random
+
+    from protocol import connection as connection_module
+    monkeypatch.setattr(connection_module, "random", random.Random(7))     # the same draws every run
+    retries, loops = 3, 6
+    attempts: list[list[float]] = [[] for _ in range(loops)]
+
+    async def ends_failing(i):
+        producer = TransactionProducer("127.0.0.1:1", f"PG_apart{i}", Commit(), end_retries=retries)
+
+        async def broker_down(addr):
+            attempts[i].append(asyncio.get_running_loop().time())
+            raise ConnectionClosedError(f"{addr} is restarting")
+        producer.pool.get = broker_down
+        try:
+            return await producer._end("127.0.0.1:1", 0, 0, "AB", S.COMMIT_MESSAGE, False, None)
+        finally:
+            await producer.pool.close()
+    async with asyncio.timeout(10):
+        acked = await asyncio.gather(*(ends_failing(i) for i in range(loops)))
+    assert acked == [False] * loops and all(len(a) == retries + 1 for a in attempts), attempts
+    spans = [a[-1] - a[0] for a in attempts]
+    back_off = 0.05 + 0.1 + 0.2
+    assert all(back_off / 2 - 0.005 <= span < back_off + 2 for span in spans), spans
+    assert max(spans) - min(spans) > back_off / 5, spans     # alike, they were within a millisecond
+
 @pytest.mark.parametrize("code", [ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_BUSY])
 async def test_an_end_refused_for_now_is_retried_and_never_reported_as_a_failed_send(code):
     """The broker refuses END for a moment (disk over its watermark: SERVICE_NOT_AVAILABLE; its writer
