@@ -499,3 +499,32 @@ async def test_shutdown_lets_a_transaction_begun_before_it_send_its_decision():
     assert result.acknowledged, "the END of a transaction begun before shutdown went nowhere"
     assert [e.ext_fields["commitOrRollback"] for e in fake.ends] == ["8"]
     assert fake.sends == 1
+
+
+async def test_jittered_end_retries_still_ride_over_the_outage_the_unspread_ones_did(monkeypatch):
+    """The jitter shortened every pause by up to half, so the whole retry budget too: 3 retries, unspread, tried
+    END again 0.35 s after the first failure; spread, as early as 0.175 s. A broker back 0.22 s after the ENDs
+    failed got every END before (the last at 0.35 s) and none now (the producer gave up, the broker checked
+    back). Each attempt is spread over the second half of its unspread wait now, never later than unspread: the
+    last one lands at least 0.35 - 0.2 / 2 = 0.25 s on. The draws here are all the shortest."""
+    import random
+
+    from protocol import connection as connection_module
+
+    class Shortest(random.Random):
+        def uniform(self, a, b):
+            return a
+    monkeypatch.setattr(connection_module, "random", Shortest())
+    producer = TransactionProducer("127.0.0.1:1", "PG_budget", Commit(), end_retries=3)
+    first: list[float] = []         # each attempt's time
+
+    async def restarting(addr):
+        first.append(asyncio.get_running_loop().time())
+        raise ConnectionClosedError(f"{addr} is restarting")
+    producer.pool.get = restarting
+    try:
+        async with asyncio.timeout(10):
+            await producer._end("127.0.0.1:1", 0, 0, "AB", S.COMMIT_MESSAGE, False, None)
+    finally:
+        await producer.pool.close()
+    assert len(first) == 4 and first[-1] - first[0] >= 0.22, [t - first[0] for t in first]   # back by then
