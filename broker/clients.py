@@ -21,6 +21,7 @@ from protocol.message import MAX_CLIENT_ID_LENGTH, Prop, java_string_hash, text_
 
 from .limits import count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
+from .topics import RETRY_PREFIX
 
 log = logging.getLogger("txmq.clients")
 # Groups a heartbeat registers (or checks) between two turns of the loop: a heartbeat may name 10,000 groups
@@ -676,12 +677,18 @@ class ClientRegistry:
         return read is not None and topic not in read
 
     def topics_read(self, group: str) -> frozenset | None:
-        """The topics ``group``'s online members subscribe to; None when any topic may be read (nobody online, or
-        a member naming no subscription). A caller asking of many topics asks this once a group."""
+        """The topics ``group``'s online members subscribe to, and always its own %RETRY%<group>; None when any
+        topic may be read (nobody online, or a member naming no subscription). A caller asking of many topics asks
+        this once a group.
+
+        The retry topic counts whatever the members name: a pull consumer reading its retries (stock
+        DefaultMQPullConsumer and DefaultLitePullConsumer, and ours, name only their topics) committed offsets
+        there, and its retries piling up unread were left out of the lag, as RocketMQ leaves them out. A group
+        that does not read them has no offset there, so no lag to show."""
         g = self.consumers.get(group)
         if g is None or not g.channels:
             return None
-        read = set()
+        read = {RETRY_PREFIX + group}
         for ch in g.channels.values():
             if ch.topics is None:
                 return None

@@ -612,3 +612,41 @@ async def test_a_topic_an_online_group_no_longer_subscribes_has_no_lag_series_as
                 await asyncio.sleep(0.1)
         assert series[lag_left] == 5
         assert await _snapshot_lag(folder, "CG_moved", "Left") == 5
+
+
+@bounded(60)
+async def test_the_retries_a_subscribed_pull_consumer_reads_have_a_lag_series_and_progress(broker_factory):
+    """A pull consumer subscribing to its topic and reading its own retries (it pulls %RETRY%<group>, as a
+    DefaultMQPullConsumer user does: neither it nor a DefaultLitePullConsumer names the retry topic in its
+    heartbeat) commits offsets there. Its heartbeat names only the topic, so consumer-progress and
+    rocketmq_consumer_lag_messages left the retry topic out as one the group does not read: retries piling up
+    unread showed no lag and no alert. The group's own retry topic counts now whatever its members name."""
+    b = broker_factory()
+    retry = "%RETRY%CG_own_retries"
+    async with Producer(b.namesrv, "PG_own_retries") as producer, PullConsumer(b.namesrv, "CG_own_retries") as c:
+        for i in range(3):
+            await producer.send("Failing", b"fails %d" % i)
+        await c.subscribe("Failing")
+        pulled = []
+        for mq in await c.fetch_queues("Failing"):
+            msgs = (await c.pull(mq, 0)).messages
+            pulled += [(mq, m) for m in msgs]
+            await c.commit_offset(mq, len(msgs))
+        for mq, m in pulled:
+            await c.send_back(mq, m, delay_level=1)
+        [rq] = await c.fetch_queues(retry)
+        async with asyncio.timeout(20):     # each back from its 1 s delay
+            while await c.max_offset(rq) < 3:
+                await asyncio.sleep(0.1)
+        assert len((await c.pull(rq, 0, max_nums=1)).messages) == 1
+        await c.commit_offset(rq, 1)        # one retry read, two waiting
+        await c.heartbeat()
+        stats = decode_mq_table((await _request(b, R.GET_CONSUME_STATS, {"consumerGroup": "CG_own_retries"}))
+                                .body_bytes())[1]
+        lag = {}
+        for (topic, _, _), row in stats.items():
+            lag[topic] = lag.get(topic, 0) + row["brokerOffset"] - row["consumerOffset"]
+        assert lag == {"Failing": 0, retry: 2}, stats
+        series = await asyncio.to_thread(_group_series, b, "CG_own_retries")
+        assert series[("rocketmq_consumer_lag_messages", (("consumer_group", "CG_own_retries"),
+                                                          ("topic", retry)))] == 2, series

@@ -53,3 +53,12 @@ def test_a_member_that_names_no_subscription_may_read_any_topic():
     _beat(clients, pull, "G")
     assert not clients.reads_elsewhere("G", "Pulled")
     assert not clients.reads_elsewhere("Nobody", "T")       # a group with nobody online: every topic counts
+
+
+def test_the_groups_own_retry_topic_counts_whatever_its_members_name():
+    """A pull consumer names only its topics (stock DefaultMQPullConsumer and DefaultLitePullConsumer too) yet may
+    pull and commit %RETRY%<group>: that lag counts; another group's retry topic does not."""
+    clients = ClientRegistry(lambda: 0)
+    _beat(clients, _Conn(), "G", "T")
+    assert not clients.reads_elsewhere("G", "%RETRY%G") and not clients.reads_elsewhere("G", "T")
+    assert clients.reads_elsewhere("G", "%RETRY%H")

@@ -172,6 +172,44 @@ async def test_a_connect_timeout_before_end_is_retried_not_taken_for_a_broker_th
     assert [e.is_oneway for e in fake.ends] == [False]
 
 
+
+async def test_producers_whose_ends_failed_together_retry_them_apart(monkeypatch):
+    """Producers whose ENDs all failed at one instant (their broker restarted) backed off alike, 0.05 s doubling,
+    and retried in the same ticks, every attempt: their ENDs arrived at the broker coming back as one burst each
+    round. Each pause is spread over its second half now (``jittered``, as the heartbeats' are); never longer."""
+    from protocol import connection as connection_module
+    retries, loops = 3, 6
+
+    class Spread:
+        """Each round's draws the same whatever order the producers wake in (a seeded Random's were dealt out
+        by wake order, which a loaded machine shuffles: the spans came out too close now and then)."""
+        drawn = 0
+
+        def uniform(self, a, b):
+            Spread.drawn += 1
+            return a + (b - a) * (Spread.drawn % loops) / loops
+    monkeypatch.setattr(connection_module, "random", Spread())
+    attempts: list[list[float]] = [[] for _ in range(loops)]
+
+    async def ends_failing(i):
+        producer = TransactionProducer("127.0.0.1:1", f"PG_apart{i}", Commit(), end_retries=retries)
+
+        async def broker_down(addr):
+            attempts[i].append(asyncio.get_running_loop().time())
+            raise ConnectionClosedError(f"{addr} is restarting")
+        producer.pool.get = broker_down
+        try:
+            return await producer._end("127.0.0.1:1", 0, 0, "AB", S.COMMIT_MESSAGE, False, None)
+        finally:
+            await producer.pool.close()
+    async with asyncio.timeout(10):
+        acked = await asyncio.gather(*(ends_failing(i) for i in range(loops)))
+    assert acked == [False] * loops and all(len(a) == retries + 1 for a in attempts), attempts
+    spans = [a[-1] - a[0] for a in attempts]
+    back_off = 0.05 + 0.1 + 0.2
+    assert all(back_off - 0.2 / 2 - 0.005 <= span < back_off + 2 for span in spans), spans   # never later
+    assert max(spans) - min(spans) > 0.04, spans    # the last waits drawn 0.1 * 5/6 apart; alike, within 2 ms
+
 @pytest.mark.parametrize("code", [ResponseCode.SERVICE_NOT_AVAILABLE, ResponseCode.SYSTEM_BUSY])
 async def test_an_end_refused_for_now_is_retried_and_never_reported_as_a_failed_send(code):
     """The broker refuses END for a moment (disk over its watermark: SERVICE_NOT_AVAILABLE; its writer
@@ -468,3 +506,32 @@ async def test_shutdown_lets_a_transaction_begun_before_it_send_its_decision():
     assert result.acknowledged, "the END of a transaction begun before shutdown went nowhere"
     assert [e.ext_fields["commitOrRollback"] for e in fake.ends] == ["8"]
     assert fake.sends == 1
+
+
+async def test_jittered_end_retries_still_ride_over_the_outage_the_unspread_ones_did(monkeypatch):
+    """The jitter shortened every pause by up to half, so the whole retry budget too: 3 retries, unspread, tried
+    END again 0.35 s after the first failure; spread, as early as 0.175 s. A broker back 0.22 s after the ENDs
+    failed got every END before (the last at 0.35 s) and none now (the producer gave up, the broker checked
+    back). Each attempt is spread over the second half of its unspread wait now, never later than unspread: the
+    last one lands at least 0.35 - 0.2 / 2 = 0.25 s on. The draws here are all the shortest."""
+    import random
+
+    from protocol import connection as connection_module
+
+    class Shortest(random.Random):
+        def uniform(self, a, b):
+            return a
+    monkeypatch.setattr(connection_module, "random", Shortest())
+    producer = TransactionProducer("127.0.0.1:1", "PG_budget", Commit(), end_retries=3)
+    first: list[float] = []         # each attempt's time
+
+    async def restarting(addr):
+        first.append(asyncio.get_running_loop().time())
+        raise ConnectionClosedError(f"{addr} is restarting")
+    producer.pool.get = restarting
+    try:
+        async with asyncio.timeout(10):
+            await producer._end("127.0.0.1:1", 0, 0, "AB", S.COMMIT_MESSAGE, False, None)
+    finally:
+        await producer.pool.close()
+    assert len(first) == 4 and first[-1] - first[0] >= 0.22, [t - first[0] for t in first]   # back by then
