@@ -61,14 +61,15 @@ def update_consumer_offset(ctx, conn, cmd):
         refused = ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid)
         if refused is not None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
-        moved_from = _moved_by_another(ctx, conn, group, topic, qid, offset)
+        moved_from = None if cmd.is_oneway else _moved_by_another(ctx, conn, group, topic, qid, offset)
         ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
         if moved_from is not None:
             # An admin tool's move, either way (resetOffsetByTimeOld and its --force forward, the fallback of
             # resetOffsetNew and of skipAccumulatedMessage, cloneGroupOffset into the destination group): answered
             # from memory, a kill -9 before the next periodic save put the group back where it was, its replay
-            # lost or its skip redelivered. On disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is. (A
-            # consumer's own commits stay cheap.)
+            # lost or its skip redelivered. On disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is. A
+            # consumer's own commits stay cheap: a Java consumer's (persistAll) are oneway, told nothing, and so
+            # are never waited for even on a connection it has not heartbeated on yet (a restarted broker).
             done = (f"offset of group {group} on {topic} queue {qid} "
                     + (f"set to {offset} (none before)" if moved_from < 0 else
                        f"moved {'back' if offset < moved_from else 'forward'} from {moved_from} to {offset}"))

@@ -514,8 +514,9 @@ def test_the_group_and_topic_indexes_are_what_a_walk_of_the_offsets_finds(ops):
 async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_for_the_save(tmp_path):
     """UPDATE_CONSUMER_OFFSET moving an offset, back or forward or to a group with none, from a connection with no
     heartbeat for the group (an admin tool: resetOffsetByTimeOld, skipAccumulatedMessage's fallback,
-    cloneGroupOffset) is answered once the file holds it; a consumer's own commits either way, and a tool's that
-    moves nothing, are answered at once and saved periodically, as before."""
+    cloneGroupOffset) is answered once the file holds it; a consumer's own commits either way, a oneway commit
+    (a Java consumer's persistAll: no reply to wait for), and a tool's that moves nothing, are answered at once
+    and saved periodically, as before."""
     from types import SimpleNamespace
 
     from broker.clients import ConsumerGroup
@@ -535,12 +536,14 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
                           clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}))
     file = tmp_path / "config" / "consumerOffset.json"
 
-    def commit(conn, offset):
+    def commit(conn, offset, oneway=False):
         return update_consumer_offset(ctx, conn, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-            "consumerGroup": "CG", "topic": "T", "queueId": 0, "commitOffset": offset}))
+            "consumerGroup": "CG", "topic": "T", "queueId": 0, "commitOffset": offset}, oneway=oneway))
 
     for conn, offset in ((member, 8), (member, 9), (member, 3), (tool, 3)):   # a consumer's either way; no move
         assert commit(conn, offset).code == ResponseCode.SUCCESS and not file.exists()
+    # A Java consumer's persistAll, oneway (nobody told SUCCESS), on a connection not heartbeated on yet
+    assert commit(tool, 4, oneway=True).code == ResponseCode.SUCCESS and not file.exists()
     for offset in (1, 5):                                           # a tool's back, then forward
         reply = commit(tool, offset)
         assert asyncio.iscoroutine(reply)
