@@ -651,3 +651,32 @@ async def test_a_topic_an_online_group_no_longer_subscribes_has_no_lag_series_as
                 await asyncio.sleep(0.1)
         assert series[lag_left] == 5
         assert await _snapshot_lag(folder, "CG_moved", "Left") == 5
+
+
+@bounded(60)
+async def test_a_pull_consumers_own_commits_are_not_taken_for_an_admins_moves(broker_factory):
+    """A PullConsumer that pulls with its subscription in each pull sends no heartbeat (subscribe() is needed
+    only for pulls without one): it is the group's consumer all the same, on the connection it pulls on. Its
+    commits of what it pulled were taken for an admin tool's moves: each one forward waited for a save of the
+    whole offsets table (100,000 offsets: some 350 ms encoded, one save after another while it commits) and
+    was said at WARNING as "no consumer of the group (an admin tool ...)". Only a move by a connection that
+    neither heartbeated nor pulled for the group waits."""
+    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
+    await _create(b, "OwnPulls", 1)
+    mq = MessageQueue("OwnPulls", "broker-a", 0)
+    async with Producer(b.namesrv, "PG_own_pulls") as producer:
+        for i in range(4):
+            await producer.send("OwnPulls", b"p%d" % i, queue=mq)
+    async with PullConsumer(b.namesrv, "CG_own_pulls") as consumer:
+        await consumer.fetch_queues("OwnPulls")
+        offset = 0
+        for _ in range(2):
+            got = await consumer.pull(mq, offset, max_nums=2)
+            assert len(got.messages) == 2
+            offset = got.next_begin_offset
+            await consumer.commit_offset(mq, offset)
+        assert await consumer.fetch_offset(mq) == 4
+    offsets_file = b.store_dir / "config" / "consumerOffset.json"
+    saved = json.loads(offsets_file.read_text()) if offsets_file.exists() else {}
+    assert "OwnPulls@CG_own_pulls" not in saved.get("offsetTable", saved), "a pull consumer's commit waited for a save"
+    assert "CG_own_pulls" not in b.log(), "a pull consumer's commit was said as an admin's move"
