@@ -10,7 +10,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..limits import EveryKey, peer_host
 from ..slices import in_slices
-from .pull import on_disk
+from .pull import on_disk, pulled_groups
 
 log = logging.getLogger("txmq.offsets")
 _moves_said = EveryKey(60.0)        # groups and topics whose offsets a non-consumer moved, said this minute
@@ -83,13 +83,15 @@ def update_consumer_offset(ctx, conn, cmd):
 
 def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) -> int | None:
     """The offset a commit moves from (-1: none was stored) when the committer is no consumer of the group (an
-    admin tool), else None: a consumer's own commits, and a commit that moves nothing, go on disk with the periodic
+    admin tool: no heartbeat for it and no pull for it on that connection), else None: a consumer's own commits, and a commit that moves nothing, go on disk with the periodic
     save (one lost to a kill -9 costs redeliveries)."""
     current = ctx.offsets.get(group, topic, qid)
     if offset == current:
         return None
     g = ctx.clients.consumers.get(group)
     if g is not None and conn in g.channels:
+        return None
+    if group in pulled_groups(conn):
         return None
     return -1 if current is None else current
 
