@@ -10,10 +10,10 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..limits import EveryKey, peer_host
 from ..slices import in_slices
-from .pull import on_disk
+from .pull import on_disk, pulled_groups
 
 log = logging.getLogger("txmq.offsets")
-_rewinds_said = EveryKey(60.0)      # groups and topics whose rewinds by a non-consumer were said this minute
+_moves_said = EveryKey(60.0)        # groups and topics whose offsets a non-consumer moved, said this minute
 
 
 def _queue(cmd):
@@ -61,30 +61,39 @@ def update_consumer_offset(ctx, conn, cmd):
         refused = ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid)
         if refused is not None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
-        rewound = _rewound_by_another(ctx, conn, group, topic, qid, offset)
+        moved_from = None if cmd.is_oneway else _moved_by_another(ctx, conn, group, topic, qid, offset)
         ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
-        if rewound is not None:
-            # An admin tool's reset (mqadmin resetOffsetByTimeOld, the fallback of resetOffsetNew): answered from
-            # memory, a kill -9 before the next periodic save put the group back where it was, its replay lost.
-            # On disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is. (A consumer's own commits stay cheap.)
-            if _rewinds_said.due(f"{group}\0{topic}"):
-                log.warning("offset of group %s on %s queue %d moved back from %d to %d by %s, no consumer of the "
-                            "group (an admin reset: resetOffsetByTimeOld?); saved before the reply (more of this "
-                            "group and topic in the next minute are not said)", group, topic, qid, rewound, offset,
-                            peer_host(conn))
-            return offsets_saved(ctx, cmd, f"offset of group {group} on {topic} queue {qid} moved back",
-                                 cmd.response(ResponseCode.SUCCESS))
+        if moved_from is not None:
+            # An admin tool's move, either way (resetOffsetByTimeOld and its --force forward, the fallback of
+            # resetOffsetNew and of skipAccumulatedMessage, cloneGroupOffset into the destination group): answered
+            # from memory, a kill -9 before the next periodic save put the group back where it was, its replay
+            # lost or its skip redelivered. On disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is. A
+            # consumer's own commits stay cheap: a Java consumer's (persistAll) are oneway, told nothing, and so
+            # are never waited for even on a connection it has not heartbeated on yet (a restarted broker).
+            done = (f"offset of group {group} on {topic} queue {qid} "
+                    + (f"set to {offset} (none before)" if moved_from < 0 else
+                       f"moved {'back' if offset < moved_from else 'forward'} from {moved_from} to {offset}"))
+            if _moves_said.due(f"{group}\0{topic}"):
+                log.warning("%s by %s, no consumer of the group (an admin tool: resetOffsetByTimeOld, "
+                            "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply (more of this group "
+                            "and topic in the next minute are not said)", done, peer_host(conn))
+            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS))
     return cmd.response(ResponseCode.SUCCESS)
 
 
-def _rewound_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) -> int | None:
-    """The offset a commit moves back from when the committer is no consumer of the group (an admin tool), else
-    None: a consumer's own commits go on disk with the periodic save (one lost to a kill -9 costs redeliveries)."""
+def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) -> int | None:
+    """The offset a commit moves from (-1: none was stored) when the committer is no consumer of the group (an
+    admin tool: no heartbeat for it and no pull for it on that connection), else None: a consumer's own commits, and a commit that moves nothing, go on disk with the periodic
+    save (one lost to a kill -9 costs redeliveries)."""
     current = ctx.offsets.get(group, topic, qid)
-    if current is None or offset >= current:
+    if offset == current:
         return None
     g = ctx.clients.consumers.get(group)
-    return current if g is None or conn not in g.channels else None
+    if g is not None and conn in g.channels:
+        return None
+    if group in pulled_groups(conn):
+        return None
+    return -1 if current is None else current
 
 
 async def offsets_saved(ctx, cmd, done: str, reply):

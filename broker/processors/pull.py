@@ -212,6 +212,29 @@ def _unconfigured_with_messages(ctx, topic: str, qid: int) -> None:
               "has no config (create it with updateTopic to serve them)", topic, qid, held)
 
 
+PULLED_GROUPS = 256     # groups a connection's pulls are remembered for (past it its commits are taken for a tool's)
+
+
+def pulled_for(conn, group: str) -> None:
+    """``conn`` pulled for ``group``: a consumer of it, heartbeat or not. A PullConsumer that puts its subscription
+    in each pull sends none, and its own commits were taken for an admin tool's moves, each forward one waiting for
+    a save of the whole offsets table (100,000 offsets: some 350 ms) and said at WARNING. Tools never pull for the
+    group they move (skipAccumulatedMessage, resetOffsetByTimeOld, cloneGroupOffset's destination)."""
+    attributes = getattr(conn, "attributes", None)
+    if attributes is None:
+        return
+    groups = attributes.get("pulled_for")
+    if groups is None:
+        groups = attributes["pulled_for"] = set()
+    if group not in groups and len(groups) < PULLED_GROUPS:
+        groups.add(group)
+
+
+def pulled_groups(conn):
+    """The groups ``conn`` pulled for (``pulled_for``)."""
+    return getattr(conn, "attributes", {}).get("pulled_for", ())
+
+
 def handle_pull(ctx, conn, cmd, woken: bool = False):
     """PULL_MESSAGE. ``woken``: run again for a held pull (RocketMQ's executeRequestWhenWakeup): by the
     subscription its group has now, without committing its offset again or being held again."""
@@ -269,6 +292,8 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
             return cmd.response(ResponseCode.FILTER_DATA_NOT_EXIST, "The broker's consumer filter data is not "
                                 f"exist!Your expression may be wrong! ({sub.filter_error})")
         record_filter = selector_filter(sub.selector, group, topic)
+    if not woken:
+        pulled_for(conn, group)
     # As RocketMQ: not on a slave, nor again when a held pull is run again.
     if sys_flag & PullSysFlag.COMMIT_OFFSET and ctx.config.broker_role != "SLAVE" and not woken:
         commit = cmd.int_field("commitOffset", -1)

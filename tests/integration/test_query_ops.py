@@ -339,6 +339,45 @@ async def test_an_old_style_reset_by_time_survives_a_kill_9(broker_factory):
 
 
 @bounded(90)
+async def test_an_admin_skip_forward_and_a_cloned_group_survive_a_kill_9(broker_factory):
+    """An admin's move FORWARD is UPDATE_CONSUMER_OFFSET from a client that is no consumer of the group too:
+    skipAccumulatedMessage and resetOffsetByTimeOld --force fall back to it (max offset or a later time) when the
+    group has no consumer online, and cloneGroupOffset sends it per queue to the destination group, which has no
+    offset yet. Only rewinds were saved before SUCCESS: a kill -9 within the periodic save had the group redeliver
+    all it was told to skip (6 of 6 here) and the clone start over, the operator told SUCCESS each time."""
+    flags = ("--flush-consumer-offset-interval-ms", "600000")       # no periodic save within the test
+    b = broker_factory(*flags)
+    await _create(b, "SkipFwd", 1)
+    mq = MessageQueue("SkipFwd", "broker-a", 0)
+    async with Producer(b.namesrv, "PG_skip_fwd") as producer:
+        for i in range(6):
+            await producer.send("SkipFwd", b"s%d" % i, queue=mq)
+    async with PullConsumer(b.namesrv, "CG_skip_fwd") as consumer:
+        await consumer.fetch_queues("SkipFwd")
+        await consumer.commit_offset(mq, 0)
+    assert b.stop() == 0                                # saved at the stop: the group at 0 of 6
+    b = broker_factory(*flags)
+    async with PullConsumer(b.namesrv, "CG_skip_fwd") as tool:      # no heartbeat: no consumer of the group
+        await tool.fetch_queues("SkipFwd")
+        end = await tool.max_offset(mq)
+        assert end == 6
+        await tool.commit_offset(mq, end)                           # skipAccumulatedMessage's fallback
+    async with PullConsumer(b.namesrv, "CG_skip_clone") as tool:    # cloneGroupOffset into a new group
+        await tool.fetch_queues("SkipFwd")
+        await tool.commit_offset(mq, 4)
+    b.kill()
+    b = broker_factory(*flags)
+    async with PullConsumer(b.namesrv, "CG_skip_fwd") as consumer:
+        await consumer.fetch_queues("SkipFwd")
+        assert await consumer.fetch_offset(mq) == 6, "the skip was undone by the kill"
+    async with PullConsumer(b.namesrv, "CG_skip_clone") as consumer:
+        await consumer.fetch_queues("SkipFwd")
+        assert await consumer.fetch_offset(mq) == 4, "the cloned offset was lost to the kill"
+    assert "offset of group CG_skip_fwd on SkipFwd queue 0 moved forward from 0 to 6" in b.log()
+    assert "offset of group CG_skip_clone on SkipFwd queue 0 set to 4 (none before)" in b.log()
+
+
+@bounded(90)
 async def test_kill_9_loses_no_index_entry_and_a_lost_index_is_rebuilt(broker_factory):
     b = broker_factory()
     async with Producer(b.namesrv, "PG_kill") as producer:
@@ -650,3 +689,32 @@ async def test_the_retries_a_subscribed_pull_consumer_reads_have_a_lag_series_an
         series = await asyncio.to_thread(_group_series, b, "CG_own_retries")
         assert series[("rocketmq_consumer_lag_messages", (("consumer_group", "CG_own_retries"),
                                                           ("topic", retry)))] == 2, series
+
+
+@bounded(60)
+async def test_a_pull_consumers_own_commits_are_not_taken_for_an_admins_moves(broker_factory):
+    """A PullConsumer that pulls with its subscription in each pull sends no heartbeat (subscribe() is needed
+    only for pulls without one): it is the group's consumer all the same, on the connection it pulls on. Its
+    commits of what it pulled were taken for an admin tool's moves: each one forward waited for a save of the
+    whole offsets table (100,000 offsets: some 350 ms encoded, one save after another while it commits) and
+    was said at WARNING as "no consumer of the group (an admin tool ...)". Only a move by a connection that
+    neither heartbeated nor pulled for the group waits."""
+    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
+    await _create(b, "OwnPulls", 1)
+    mq = MessageQueue("OwnPulls", "broker-a", 0)
+    async with Producer(b.namesrv, "PG_own_pulls") as producer:
+        for i in range(4):
+            await producer.send("OwnPulls", b"p%d" % i, queue=mq)
+    async with PullConsumer(b.namesrv, "CG_own_pulls") as consumer:
+        await consumer.fetch_queues("OwnPulls")
+        offset = 0
+        for _ in range(2):
+            got = await consumer.pull(mq, offset, max_nums=2)
+            assert len(got.messages) == 2
+            offset = got.next_begin_offset
+            await consumer.commit_offset(mq, offset)
+        assert await consumer.fetch_offset(mq) == 4
+    offsets_file = b.store_dir / "config" / "consumerOffset.json"
+    saved = json.loads(offsets_file.read_text()) if offsets_file.exists() else {}
+    assert "OwnPulls@CG_own_pulls" not in saved.get("offsetTable", saved), "a pull consumer's commit waited for a save"
+    assert "CG_own_pulls" not in b.log(), "a pull consumer's commit was said as an admin's move"

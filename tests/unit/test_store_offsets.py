@@ -511,10 +511,12 @@ def test_the_group_and_topic_indexes_are_what_a_walk_of_the_offsets_finds(ops):
 
 
 @bounded(10)
-async def test_only_a_rewind_by_a_client_that_is_no_consumer_of_the_group_waits_for_the_save(tmp_path):
-    """UPDATE_CONSUMER_OFFSET moving an offset back from a connection with no heartbeat for the group (an admin
-    tool: mqadmin resetOffsetByTimeOld) is answered once the file holds it; a consumer's own commits, a rewind
-    among them, and anyone's moves forward are answered at once and saved periodically, as before."""
+async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_for_the_save(tmp_path):
+    """UPDATE_CONSUMER_OFFSET moving an offset, back or forward or to a group with none, from a connection with no
+    heartbeat for the group (an admin tool: resetOffsetByTimeOld, skipAccumulatedMessage's fallback,
+    cloneGroupOffset) is answered once the file holds it; a consumer's own commits either way, a oneway commit
+    (a Java consumer's persistAll: no reply to wait for), and a tool's that moves nothing, are answered at once
+    and saved periodically, as before."""
     from types import SimpleNamespace
 
     from broker.clients import ConsumerGroup
@@ -534,24 +536,27 @@ async def test_only_a_rewind_by_a_client_that_is_no_consumer_of_the_group_waits_
                           clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}))
     file = tmp_path / "config" / "consumerOffset.json"
 
-    def commit(conn, offset):
+    def commit(conn, offset, oneway=False):
         return update_consumer_offset(ctx, conn, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-            "consumerGroup": "CG", "topic": "T", "queueId": 0, "commitOffset": offset}))
+            "consumerGroup": "CG", "topic": "T", "queueId": 0, "commitOffset": offset}, oneway=oneway))
 
-    for conn, offset in ((member, 8), (tool, 9), (member, 3)):      # back by a consumer, forward by anyone
+    for conn, offset in ((member, 8), (member, 9), (member, 3), (tool, 3)):   # a consumer's either way; no move
         assert commit(conn, offset).code == ResponseCode.SUCCESS and not file.exists()
-    reply = commit(tool, 1)
-    assert asyncio.iscoroutine(reply) and not file.exists()
-    assert (await reply).code == ResponseCode.SUCCESS
-    assert json.loads(file.read_text())["T@CG"] == {"0": 1}
+    # A Java consumer's persistAll, oneway (nobody told SUCCESS), on a connection not heartbeated on yet
+    assert commit(tool, 4, oneway=True).code == ResponseCode.SUCCESS and not file.exists()
+    for offset in (1, 5):                                           # a tool's back, then forward
+        reply = commit(tool, offset)
+        assert asyncio.iscoroutine(reply)
+        assert (await reply).code == ResponseCode.SUCCESS
+        assert json.loads(file.read_text())["T@CG"] == {"0": offset}
 
     def full(*_a):
         raise OSError(28, "No space left on device")
     offsets._write = full                                           # the save fails: the tool is told so
     reply = await commit(tool, 0)
-    assert reply.code == ResponseCode.SYSTEM_ERROR and "moved back but the consumer offsets are not saved" in (
+    assert reply.code == ResponseCode.SYSTEM_ERROR and "moved back from 5 to 0 but the consumer offsets are not saved" in (
         reply.remark or ""), reply.remark
-    assert json.loads(file.read_text())["T@CG"] == {"0": 1}
+    assert json.loads(file.read_text())["T@CG"] == {"0": 5}
     del offsets._write
     await offsets.close()
 
