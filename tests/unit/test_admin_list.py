@@ -153,9 +153,9 @@ def test_pages_reach_every_undecided_past_the_oldest_the_list_caps(group, monkey
     assert pages == -(-len(seen) // 40)
 
 
-def test_a_page_of_a_few_among_many_walks_to_them_a_slice_at_a_time(monkeypatch):
-    """A group's few undecided behind 20,000 of another group's: the walk to them gives the loop back every
-    PAGE_WALK_SLICE entries, not one hold for the whole of it."""
+def _rare_among_busy(monkeypatch):
+    """A service whose group RARE has 3 undecided (queue offsets 1, 10,001, 20,001) among 20,000 of BUSY's, its
+    page walks giving the loop back every 1,000 entries."""
     monkeypatch.setattr(processor, "PAGE_WALK_SLICE", 1_000)
     core = TransactionCore(POLICY, lambda off: None)
     for off in range(20_003):
@@ -163,6 +163,13 @@ def test_a_page_of_a_few_among_many_walks_to_them_a_slice_at_a_time(monkeypatch)
                     owner_id="c@1"))
     ctx, _ = _service(0)
     ctx.tx.core, ctx.tx.pending = core, core.pending
+    return ctx, core
+
+
+def test_a_page_of_a_few_among_many_walks_to_them_a_slice_at_a_time(monkeypatch):
+    """A group's few undecided behind 20,000 of another group's: the walk to them gives the loop back every
+    PAGE_WALK_SLICE entries, not one hold for the whole of it."""
+    ctx, core = _rare_among_busy(monkeypatch)
     turns = []
     real_sleep = asyncio.sleep
 
@@ -214,13 +221,7 @@ def test_a_row_decided_while_its_page_walks_on_is_not_listed(monkeypatch):
     """A page of a group's few among many others' gives the loop turns between its rows: one found, then decided
     in such a turn, was listed as undecided (an operator's commit of it then refused), though the walk leaves out
     what was decided before it reached it. The next page's cursor is still the last row found."""
-    monkeypatch.setattr(processor, "PAGE_WALK_SLICE", 1_000)
-    core = TransactionCore(POLICY, lambda off: None)
-    for off in range(20_003):
-        core.add(Tx(off * 100, off, "RARE" if off % 10_000 == 1 else "BUSY", "T", f"U{off}", 1_000_000 + off,
-                    owner_id="c@1"))
-    ctx, _ = _service(0)
-    ctx.tx.core, ctx.tx.pending = core, core.pending
+    ctx, core = _rare_among_busy(monkeypatch)
     real_sleep = asyncio.sleep
 
     async def decided_meanwhile(delay, *a):
