@@ -591,7 +591,8 @@ class IndexService:
 
     def _has_key(self, phy: int, topic: str, key: str, begin: int, end: int) -> bool:
         """The record at ``phy`` is still there, really has the key (hashes collide) and was stored in [begin,
-        end] (an entry's time is in whole seconds: RocketMQ answers a range to the second, both ends)."""
+        end], both ends inclusive, by its own store time in milliseconds (an entry's time is in whole seconds, so
+        the walk widens each to its second and the record decides)."""
         head = self._read(phy, 8)
         if len(head) < 8:
             return False
