@@ -74,17 +74,22 @@ def update_consumer_offset(ctx, conn, cmd):
                     + (f"set to {offset} (none before)" if moved_from < 0 else
                        f"moved {'back' if offset < moved_from else 'forward'} from {moved_from} to {offset}"))
             if _moves_said.due(f"{group}\0{topic}"):
+                # A tool reaches a slave only while its master is gone; the slave's next copy from the master
+                # takes the master's offset for the queue (putAll), undoing the move once the master is back.
+                slave = ("; on a slave: its master's offset for the queue replaces it at the next copy from the "
+                         "master (move it on the master)" if ctx.config.broker_role == "SLAVE" else "")
                 log.warning("%s by %s, no consumer of the group (an admin tool: resetOffsetByTimeOld, "
-                            "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply (more of this group "
-                            "and topic in the next minute are not said)", done, peer_host(conn))
+                            "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply%s (more of this "
+                            "group and topic in the next minute are not said)", done, peer_host(conn), slave)
             return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS))
     return cmd.response(ResponseCode.SUCCESS)
 
 
 def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) -> int | None:
     """The offset a commit moves from (-1: none was stored) when the committer is no consumer of the group (an
-    admin tool: no heartbeat for it and no pull for it on that connection), else None: a consumer's own commits, and a commit that moves nothing, go on disk with the periodic
-    save (one lost to a kill -9 costs redeliveries)."""
+    admin tool: no heartbeat for it and no pull for it on that connection), else None: a consumer's own commits,
+    and a commit that moves nothing, go on disk with the periodic save (one lost to a kill -9 costs
+    redeliveries)."""
     current = ctx.offsets.get(group, topic, qid)
     if offset == current:
         return None

@@ -696,7 +696,7 @@ async def test_a_pull_consumers_own_commits_are_not_taken_for_an_admins_moves(br
     """A PullConsumer that pulls with its subscription in each pull sends no heartbeat (subscribe() is needed
     only for pulls without one): it is the group's consumer all the same, on the connection it pulls on. Its
     commits of what it pulled were taken for an admin tool's moves: each one forward waited for a save of the
-    whole offsets table (100,000 offsets: some 350 ms encoded, one save after another while it commits) and
+    whole offsets table (100,000 offsets: 1.0-1.5 s, one save after another while it commits) and
     was said at WARNING as "no consumer of the group (an admin tool ...)". Only a move by a connection that
     neither heartbeated nor pulled for the group waits."""
     b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test

@@ -533,7 +533,8 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
     member, tool = Conn(), Conn()
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
                           limits=SimpleNamespace(may_commit=lambda *a: None),
-                          clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}))
+                          clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}),
+                          config=SimpleNamespace(broker_role="ASYNC_MASTER"))
     file = tmp_path / "config" / "consumerOffset.json"
 
     def commit(conn, offset, oneway=False):
@@ -558,6 +559,37 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
         reply.remark or ""), reply.remark
     assert json.loads(file.read_text())["T@CG"] == {"0": 5}
     del offsets._write
+    await offsets.close()
+
+
+@bounded(10)
+async def test_an_admin_move_on_a_slave_says_its_master_copy_replaces_it(tmp_path, caplog):
+    """A stock tool reaches a slave with its UPDATE_CONSUMER_OFFSET only while the master is gone (cloneGroupOffset's
+    selectBrokerAddr, a route with no master): saved there before SUCCESS, but the slave's next copy from its master
+    takes the master's offset for that queue (putAll: the master's value wins), and the move is undone unsaid.
+    The WARNING said only "saved before the reply", as on a master."""
+    from types import SimpleNamespace
+
+    from broker.processors.offsets import update_consumer_offset
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    await offsets.open()
+    offsets.commit("CG_slave_move", "T", 0, 2)
+
+    class Conn:
+        peer = ("127.0.0.1", 1)
+
+    ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
+                          limits=SimpleNamespace(may_commit=lambda *a: None), clients=SimpleNamespace(consumers={}),
+                          config=SimpleNamespace(broker_role="SLAVE"))
+    with caplog.at_level("WARNING", logger="txmq.offsets"):
+        reply = await update_consumer_offset(ctx, Conn(), RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_slave_move", "topic": "T", "queueId": 0, "commitOffset": 6}))
+    assert reply.code == ResponseCode.SUCCESS
+    said = [r.getMessage() for r in caplog.records if "CG_slave_move" in r.getMessage()]
+    assert said and "master" in said[0], said
     await offsets.close()
 
 
