@@ -224,7 +224,7 @@ def split_segment(seg: Segment, chunk_bytes: int) -> list[Chunk]:
         limit = len(mm) - 8
         while pos <= limit:
             size, magic = peek_record(mm, pos)
-            if (magic != MESSAGE_MAGIC or size < 91 or pos + size > len(mm)) and pos not in seg.kept:
+            if size < 91 or pos + size > len(mm) or (magic != MESSAGE_MAGIC and pos not in seg.kept):
                 break
             pos += size
             if pos - start >= chunk_bytes:
