@@ -117,6 +117,7 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
                            "records": info["records"]})
         report = _report(spark, scan, [c["name"] for c in chosen], offsets)
         report["damaged_ops"] = damaged_ops
+        report["kept_corrupt"] = scan.kept
         plan = {
             "version": PLAN_VERSION, "store_id": store_id, "created_ms": int(time.time() * 1000),
             "retention_ms": retention_ms, "now_ms": now_ms,

@@ -43,6 +43,7 @@ class Scan:
     read: list = field(default_factory=list)        # the segments actually read
     ends: dict = field(default_factory=dict)        # segment name -> commit-log offset after its data
     bytes_read: int = 0                             # bytes of record data decoded
+    kept: list[dict] = field(default_factory=list)  # damaged records the broker kept in place: stepped over
 
     def release(self) -> None:
         self.cached.unpersist()
@@ -80,8 +81,8 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
                .repartition(slices).mapPartitions(lambda part: seg_mod.decode_chunks(part, check_crc)))
         df = spark.createDataFrame(rdd, schema, verifySchema=False)
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
-    notes = df.where(F.col("row").isin("dmg", "err", "end")).select("row", "segment", "offset", "size",
-                                                                      "damage").collect()
+    notes = df.where(F.col("row").isin("dmg", "err", "end", "kept")).select("row", "segment", "offset", "size",
+                                                                              "damage").collect()
     errors = sorted(r["damage"] for r in notes if r["row"] == "err")
     if errors:
         df.unpersist()
@@ -90,6 +91,12 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
     ends = {r["segment"]: r["offset"] for r in notes if r["row"] == "end"}
     damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"] + holes(segments)
     damage.sort(key=lambda d: (d["segment"], d["position"]))
+    kept = sorted((_damage_dict(r, segments) for r in notes if r["row"] == "kept"),
+                  key=lambda d: (d["segment"], d["position"]))
+    for k in kept:
+        log.warning("%s: left out the damaged record %s byte %d (%d bytes) the broker kept in place (corrupt_kept), "
+                    "read on after it%s", job, k["file"], k["position"], k["skipped_bytes"],
+                    f": {k['reason']}" if k["reason"] else "")
     rows = df.where(F.col("row").isin("rec", "msg", "seg"))
     if damage and not skip_damaged:
         df.unpersist()
@@ -109,7 +116,7 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
              len(segments), bytes_read, seconds)
     return Scan(rows, rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
                 rows.where(F.col("row") == "seg"), df, segments, len(chosen), count, damage, seconds,
-                list(chosen), ends, bytes_read)
+                list(chosen), ends, bytes_read, kept)
 
 
 def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = False):

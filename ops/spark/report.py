@@ -73,6 +73,7 @@ def collect(tables: dict, dates: list[str], summary: dict) -> dict[str, dict]:
     scan = {k: summary[k] for k in ("records", "segments", "damage", "snapshot_lines", "bad_snapshot_lines",
                                     "incomplete_snapshot_lines")}
     scan["damaged_ops"] = summary.get("damaged_ops") or {}
+    scan["kept_corrupt"] = summary.get("kept_corrupt") or []
     brokers = list(summary.get("brokers") or [])
     out = {}
     for d in dates:
@@ -201,6 +202,9 @@ def render_html(data: dict) -> str:
                      f"the body's), {ops.get('unreadable', 0)} could not be read ({ops.get('unplaced', 0)} naming "
                      f"no half); {ops.get('unsettled', 0)} half messages one may have decided are counted undecided "
                      "until the broker's next start settles them.")
+    for kept in scan["kept_corrupt"]:
+        notes.append(f"Damaged record the broker kept in place, left out (the records after it were read): "
+                     f"{kept['file']} at byte {kept['position']} ({kept['skipped_bytes']:,} bytes)")
     for dmg in scan["damage"]:
         notes.append(f"Damaged tail skipped: {dmg['file']} from byte {dmg['position']} "
                      f"({dmg['skipped_bytes']:,} bytes): {dmg['reason']}")

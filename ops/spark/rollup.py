@@ -500,6 +500,7 @@ def _summary(parts, date: str | None) -> dict:
             "segments_read": total("segments_read"), "bytes_read": total("bytes_read"),
             "incremental": all(p.summary["incremental"] for p in parts),
             "damage": [d for p in parts for d in p.summary["damage"]],
+            "kept_corrupt": [d for p in parts for d in p.summary["kept_corrupt"]],
             "damaged_ops": {k: sum(p.summary["damaged_ops"][k] for p in parts) for k in DAMAGED_OPS},
             "snapshot_lines": total("snapshot_lines"), "bad_snapshot_lines": total("bad_snapshot_lines"),
             "incomplete_snapshot_lines": total("incomplete_snapshot_lines"),
@@ -581,6 +582,7 @@ class _StoreRollup:
         self.summary = {"records": scan.record_count, "segments": len(scan.segments), "segments_read": len(scan.read),
                         "bytes_read": scan.bytes_read, "incremental": self.since is not None,
                         "damage": [{**d, "broker": broker} for d in scan.damage], "damaged_ops": damaged_ops,
+                        "kept_corrupt": [{**d, "broker": broker} for d in scan.kept],
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
                         "incomplete_snapshot_lines": self.snaps.incomplete_lines}
 

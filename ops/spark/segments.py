@@ -74,6 +74,8 @@ _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
 #   seg  a chunk's records of one (topic, queue): store_ts = first, ts_max, n, qo_max
 #        (highest queue offset of records that consume queues index; None if none)
 #   dmg  damage: segment, offset, size = bytes skipped to the segment's end, damage = reason
+#   kept a damaged record the broker kept in place (--keep-corrupt-records, store file corrupt_kept): segment,
+#        offset, size = its length, damage = why it does not decode (or "" when it does); it is stepped over
 #   end  where a segment's data ends (its last chunk): segment, offset = the end, size = bytes
 #        of data in the segment
 #   err  the file could not be read where the task ran: segment, damage = the one-line reason
@@ -109,6 +111,7 @@ class Segment:
     base: int           # commit-log offset of byte 0
     size: int           # file size in bytes
     active: bool        # still being written: the newest segment, or the one before its unwritten spare
+    kept: frozenset = frozenset()   # byte positions of damaged records the broker kept in place (corrupt_kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,23 @@ def require_store(store_dir: str) -> None:
                          "point --store-dir at the broker's --store-dir")
 
 
+CORRUPT_KEPT_FILE = "corrupt_kept"  # the broker's (broker/store/manifest.py); not imported: that pulls in the store
+
+
+def read_corrupt_kept(store_dir: str) -> frozenset[int]:
+    """Commit-log offsets of the damaged records a broker started with --keep-corrupt-records kept in place, one a
+    line. It serves none of them and reads past them; the jobs do the same. A file that cannot be read is an error:
+    read as damage, such a record would stop the job or, skipped, drop every record after it in its segment."""
+    path = os.path.join(store_dir, CORRUPT_KEPT_FILE)
+    try:
+        with open(path, encoding="ascii") as f:
+            return frozenset(int(line) for line in f.read().split())
+    except FileNotFoundError:
+        return frozenset()
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{path} (the damaged records the broker kept in place) cannot be read: {exc}") from None
+
+
 def list_segments(store_dir: str) -> list[Segment]:
     """The commit-log segments of a store, oldest first; the newest (or the one before its spare) is active."""
     if not os.path.isdir(store_dir):
@@ -149,10 +169,13 @@ def list_segments(store_dir: str) -> list[Segment]:
     except OSError as exc:
         raise StoreError(read_error(directory, exc) + " (the driver)") from None
     names.sort(key=int)
+    kept = read_corrupt_kept(store_dir)
     out = []
     for i, name in enumerate(names):
         path = os.path.join(directory, name)
-        out.append(Segment(name, path, int(name), os.path.getsize(path), i == len(names) - 1))
+        base, size = int(name), os.path.getsize(path)
+        out.append(Segment(name, path, base, size, i == len(names) - 1,
+                           frozenset(o - base for o in kept if base <= o < base + size)))
     # The broker creates the next segment before it needs it (broker/store/reserve.py): until that
     # spare holds a record, the segment before it is the one being written, with no end marker yet.
     if len(out) > 1 and _unwritten(out[-1]):
@@ -201,7 +224,7 @@ def split_segment(seg: Segment, chunk_bytes: int) -> list[Chunk]:
         limit = len(mm) - 8
         while pos <= limit:
             size, magic = peek_record(mm, pos)
-            if magic != MESSAGE_MAGIC or size < 91 or pos + size > len(mm):
+            if size < 91 or pos + size > len(mm) or (magic != MESSAGE_MAGIC and pos not in seg.kept):
                 break
             pos += size
             if pos - start >= chunk_bytes:
@@ -294,9 +317,16 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
     queues: dict = {}
     damage = None
     kind = None
+    kept = seg.kept
     try:
         pos = chunk.start
         while pos < chunk.end:
+            row = _kept_row(mm, seg, pos, check_crc) if kept and pos in kept else None
+            if row is not None:
+                # The broker kept this damaged record in place and serves none of it: step over it, not stop.
+                yield row
+                pos += row[3]
+                continue
             kind, what, size = _step(mm, pos, check_crc)
             rereads = ACTIVE_REREADS if seg.active else 0
             while kind == "damage" and rereads:
@@ -345,6 +375,19 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
             damage = _unsealed(seg, pos)
     if damage:
         yield damage
+
+
+def _kept_row(mm, seg: Segment, pos: int, check_crc: bool) -> tuple | None:
+    """The row for a kept damaged record, size = its TOTALSIZE (the broker kept it because that is sure); None when
+    no record can end there (the file was changed since): then it is read, and reported, as damage."""
+    if len(mm) - pos < 8:
+        return None
+    size, _ = peek_record(mm, pos)
+    if size < 91 or pos + size > len(mm):
+        return None
+    kind, what, _ = _step(mm, pos, check_crc)
+    return ("kept", seg.name, seg.base + pos, size) + (None,) * (len(ROW_FIELDS) - 5) + (
+        what if kind == "damage" else "",)
 
 
 def _unsealed(seg: Segment, pos: int) -> tuple:

@@ -1,0 +1,60 @@
+"""A damaged record a broker started with --keep-corrupt-records kept in place (store file corrupt_kept): the jobs
+step over exactly it, as the broker does, and read the rest of its segment. Before, the scan read it as damage: the
+job stopped at it (exit 2), or with --skip-damaged left out every record after it in its segment."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.spark.storegen import StoreBuilder
+
+pytestmark = pytest.mark.spark
+
+H = 3_600_000
+NOW = 1710028800000 + 100 * H
+SEG = 1 << 20
+N = 40
+
+
+def _kept_store(d: str):
+    """N Orders messages and one undecided half after them; record N // 2's body damaged, kept by the real broker."""
+    from tests.support.broker_process import NO_CHECKS, BrokerProcess
+
+    with StoreBuilder(d, segment_size=SEG) as b:
+        b.at(NOW - 90 * H)
+        sent = [b.send("Orders", f"order-{i:04d}".encode() * 8) for i in range(N)]
+        half = b.half("pg-a", "Pay")
+    victim = sent[N // 2]
+    path = os.path.join(d, "commitlog", f"{0:020d}")
+    with open(path, "r+b") as f:
+        data = f.read(victim.offset + victim.size)
+        at = data.index(f"order-{N // 2:04d}".encode(), victim.offset)
+        f.seek(at)
+        f.write(b"O")                           # its body CRC fails; its head and every record after it sound
+    with BrokerProcess(d, "--segment-size", str(SEG), "--max-message-size", str(64 * 1024), *NO_CHECKS, "--keep-corrupt-records"):
+        pass
+    with open(os.path.join(d, "corrupt_kept")) as f:
+        assert f.read().split() == [str(victim.offset)]
+    return victim, half
+
+
+@pytest.mark.parametrize("check_crc", [False, True])
+def test_the_jobs_step_over_a_kept_record_and_read_the_rest_of_its_segment(spark, tmp_path, check_crc):
+    from ops.spark.expiry import build_plan
+    from ops.spark.load import scan_store
+
+    d = str(tmp_path / "store")
+    victim, half = _kept_store(d)
+    # --skip-damaged: before, the rest of the segment (N // 2 - 1 messages and the half) was left out unsaid
+    scan = scan_store(spark, d, job="test", check_crc=check_crc, skip_damaged=True)
+    try:
+        orders = scan.traffic.where("topic = 'Orders'").groupBy().sum("n").first()[0]
+        assert (scan.record_count, orders) == (N - 1 + 1, N - 1)   # all but the kept one, and the half
+        assert scan.damage == []
+        assert [(k["offset"], k["skipped_bytes"]) for k in scan.kept] == [(victim.offset, victim.size)]
+    finally:
+        scan.release()
+    plan = build_plan(spark, d, retention_ms=72 * H, now_ms=NOW, check_crc=check_crc)   # without: no stop at it
+    assert [h["commit_log_offset"] for h in plan["halves"]] == [half.offset]   # the half after it is read
+    assert [k["offset"] for k in plan["report"]["kept_corrupt"]] == [victim.offset]
