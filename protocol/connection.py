@@ -612,10 +612,10 @@ class ReadBudget(_SharedBudget):
         before = self._held.get(conn, 0)
         if held == before and not (fresh and held):     # (a read ending on a frame's end: nothing to move)
             return
-        if before:
+        if before and (fresh or not held):
             del self._held[conn]            # (re-inserted below: a frame begun since goes to the back)
         if held:
-            self._held[conn] = held
+            self._held[conn] = held         # a frame still arriving keeps its place: unfinished since it began
         self.total += held - before
         if self.total > self.cap:
             self._shed()

@@ -82,3 +82,18 @@ def test_frames_unfinished_longest_go_first_not_the_largest():
     budget.report(big, 0)                       # its frame whole, or its connection closed mid-frame
     budget.report(streaming, 0)
     assert budget.total == 0 and not budget._held
+
+
+def test_a_frame_still_arriving_keeps_its_place_in_the_line():
+    """More bytes of the same frame do not send its connection to the back: each did, so a peer trickling a byte
+    of its 4 MiB frame now and then stayed out of the shedding's way for good, and a connection whose frame began
+    after it (and was no nearer to whole) went first, against the order the docs give."""
+    budget = ReadBudget(10 * MiB)
+    trickling, later = Partial("trickling", 4 * MiB), Partial("later", 4 * MiB)
+    budget.report(trickling, trickling.unfinished_bytes)
+    budget.report(later, later.unfinished_bytes)
+    trickling.unfinished_bytes += 1
+    budget.report(trickling, trickling.unfinished_bytes)                # one byte more of the same frame
+    big = Partial("big", 3 * MiB)
+    budget.report(big, big.unfinished_bytes)
+    assert [c.peer[0] for c in (trickling, later, big) if c.aborted] == ["trickling"]
