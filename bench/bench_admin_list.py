@@ -17,6 +17,7 @@ from broker.processors.transaction import list_transactions
 from broker.transaction.service import TransactionService
 from protocol.codes import RequestCode
 from protocol.command import RemotingCommand
+from bench_admin_tables import drive     # (bench/ is this script's own directory on sys.path)
 
 n = int(sys.argv[1])
 limit = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
@@ -47,16 +48,7 @@ for group in (None, "PG3"):
 
 def paged(fields):
     """A page (the request names "after"): its coroutine driven step by step, each step what the loop is held."""
-    coro = list_transactions(ctx, None, RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, fields))
-    steps = []
-    while True:
-        t0 = time.process_time()
-        try:
-            coro.send(None)
-        except StopIteration as done:
-            steps.append(time.process_time() - t0)
-            return done.value, steps
-        steps.append(time.process_time() - t0)
+    return drive(list_transactions(ctx, None, RemotingCommand.request(RequestCode.TXMQ_LIST_TRANSACTIONS, fields)))
 
 
 # Pages: the first, one half-way, the last; and a group whose one lies behind all the others' (a walk to it).
