@@ -600,6 +600,36 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
     return None
 
 
+_BACK_TOPIC_TRIES = 3     # a send-back's topic made again after a DELETE_TOPIC while it waited: at most so often
+
+
+async def _back_topic_written(ctx, conn, cmd, topic: str, queues: int):
+    """The config of a send-back's ``topic`` once it exists and is in topics.json, or the refusal.
+
+    A topic the send-back just made (or grew, or a heartbeat did) is in topics.json before the copy is stored, as
+    RocketMQ's createTopicInSendMessageBackMethod persists it: a retry waits in SCHEDULE_TOPIC_XXXX, so no queue of
+    its topic is on disk for start-up to restore it from, and a kill -9 within the batched write's 100 ms left the
+    group's consumers without the topic (TOPIC_NOT_EXIST) until the retry was delivered, or (grown) with fewer
+    queues than the one the retry went to. Deleted (DELETE_TOPIC_IN_BROKER) during that wait, it is made again,
+    as a send-back that came just after the delete makes it (and RocketMQ's, which does not wait, stores the retry
+    and has its delivery make it): each such send-back was answered SYSTEM_ERROR "KeyError" and logged as a bug."""
+    for _ in range(_BACK_TOPIC_TRIES):
+        refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
+        if refused is not None:
+            return refused
+        made = ctx.topics.made_durable(topic)
+        if made is not None:
+            await made
+        tc = ctx.topics.topics.get(topic)
+        if tc is not None:
+            return tc
+        log.warning("topic %s was deleted while a send-back from %s:%s waited for it to be written: made again",
+                    topic, *conn.peer)
+    # (deleted at every try: RocketMQ's answer when createTopicInSendMessageBackMethod gives no topic)
+    return cmd.response(ResponseCode.SYSTEM_ERROR, f"topic[{topic}] not exist: deleted while this send-back "
+                        f"waited for it, {_BACK_TOPIC_TRIES} times")
+
+
 # Records no consumer is given, which a send-back must not copy to one: halves (undecided), their op records,
 # messages waiting for their delay or timer, and the scheduler's progress.
 _NOT_HANDED_BACK = frozenset({HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, SCHEDULE_PROGRESS_TOPIC})
@@ -663,20 +693,12 @@ async def handle_send_back(ctx, conn, cmd):
         # Backoff: the n-th retry waits level 3 + n (10 s, 30 s, 1 min, ...) in SCHEDULE_TOPIC_XXXX.
         topic, queues = RETRY_PREFIX + group, retry_queues(ctx.subscriptions, group)
         props[Prop.DELAY] = str(delay_level or 3 + times)
-    refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
-    if refused is not None:
-        return refused
-    made = ctx.topics.made_durable(topic)
-    if made is not None:
-        # A topic the send-back just made (or grew, or a heartbeat did) is in topics.json before the copy is
-        # stored, as RocketMQ's createTopicInSendMessageBackMethod persists it: a retry waits in
-        # SCHEDULE_TOPIC_XXXX, so no queue of its topic is on disk for start-up to restore it from, and a kill -9
-        # within the batched write's 100 ms left the group's consumers without the topic (TOPIC_NOT_EXIST) until
-        # the retry was delivered, or (grown) with fewer queues than the one the retry went to.
-        await made
+    tc = await _back_topic_written(ctx, conn, cmd, topic, queues)
+    if not isinstance(tc, TopicConfig):
+        return tc
     # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries. Never past
     # the queues the topic has (a queue limit can keep it from growing): a queue past them would never be read.
-    writable = ctx.topics.topics[topic].write_queue_nums
+    writable = tc.write_queue_nums
     qid = _rand.randrange(min(writable, queues)) if queues > 1 and writable > 1 else 0
     to_topic, to_qid, tags, delay_ms = topic, qid, tags_code(props), -1
     # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed

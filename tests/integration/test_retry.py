@@ -18,6 +18,7 @@ from protocol.connection import open_connection
 from protocol.message import SendMessageRequestHeader
 from tests.support.bounded import bounded
 from tests.support.delays import FAST
+from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
 
@@ -437,3 +438,39 @@ async def test_a_stored_group_with_retry_queue_nums_zero_is_warned_of_at_start_a
     resp = await _call(broker, RequestCode.GET_BROKER_RUNTIME_INFO, {})      # started and serving
     assert resp.code == ResponseCode.SUCCESS, resp.remark
     assert "CG_set_to_zero has retryQueueNums 0" in broker.log_path.read_text()[before:]
+
+
+@bounded(60)
+async def test_a_retry_topic_deleted_while_its_send_back_waits_is_made_again_and_the_retry_delivered(broker_factory):
+    """A send-back that makes %RETRY%<group> waits for topics.json; a DELETE_TOPIC_IN_BROKER of that topic in the
+    same moment (sent right behind it) took it away meanwhile, and the send-back was answered SYSTEM_ERROR
+    "KeyError" (logged as a bug), every time. It is made again now, as by a send-back just after the delete (and
+    RocketMQ, whose send-back does not wait, stores the retry): both answered SUCCESS, the retry delivered."""
+    broker = broker_factory(*FAST)
+    async with Producer(broker.namesrv, "PG_retry_del") as producer:
+        sent = await producer.send("Work", b"fails while its retry topic goes")
+    offset = int(sent.offset_msg_id[-16:], 16)
+    groups = [f"CG_del_race{i}" for i in range(4)]
+    client = await RawClient.open(broker.broker)
+    try:
+        for i, group in enumerate(groups):
+            back = RemotingCommand.request(RequestCode.CONSUMER_SEND_MSG_BACK,
+                                           {"offset": offset, "group": group, "delayLevel": 0}, opaque=2 * i + 1)
+            delete = RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER, {"topic": f"%RETRY%{group}"},
+                                             opaque=2 * i + 2)
+            client.write(back.encode() + delete.encode())     # one write: read and dispatched together
+            backed, deleted = await client.reply(back.opaque, 10), await client.reply(delete.opaque, 10)
+            assert [(r.code, r.remark) for r in backed] == [(ResponseCode.SUCCESS, None)], group
+            assert [r.code for r in deleted] == [ResponseCode.SUCCESS], deleted[0].remark
+    finally:
+        client.close()
+    consumer = PullConsumer(broker.namesrv, "CG_del_reader")
+    try:
+        async with asyncio.timeout(30):
+            for group in groups:
+                retry_mq = (await consumer.fetch_queues(f"%RETRY%{group}"))[0]
+                msg = await _pull_one(consumer, retry_mq, 0)
+                assert (msg.body, msg.reconsume_times) == (b"fails while its retry topic goes", 1)
+    finally:
+        await consumer.shutdown()
+    assert "CONSUMER_SEND_MSG_BACK from" not in broker.log()
