@@ -683,6 +683,10 @@ async def handle_send_back(ctx, conn, cmd):
         # delivered (and keyed by SqliteIdempotency) as a message of that other topic.
         props[Prop.RETRY_TOPIC] = msg.topic
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, origin_id or msg.offset_msg_id)
+    # A committed transaction's message keeps its half's TRAN_MSG=true here (RocketMQ's commit clears it): copied,
+    # its retries and dead letter carried it, and a dead letter sent again with its properties (a stock producer
+    # then types it PREPARED) became a half, or was refused as another producer group's, never a message.
+    props.pop(Prop.TRAN_MSG, None)
     limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
     times = max(msg.reconsume_times, 0)

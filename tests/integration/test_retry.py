@@ -11,11 +11,11 @@ import pytest
 
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from consumer.pull_consumer import MessageQueue
-from producer import Producer
+from producer import LocalTransactionState, Producer, TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import SendMessageRequestHeader
+from protocol.message import SendMessageRequestHeader, properties_to_string
 from tests.support.bounded import bounded
 from tests.support.delays import FAST
 from tests.support.raw_client import RawClient
@@ -474,3 +474,51 @@ async def test_a_retry_topic_deleted_while_its_send_back_waits_is_made_again_and
     finally:
         await consumer.shutdown()
     assert "CONSUMER_SEND_MSG_BACK from" not in broker.log()
+
+
+class _Commits:
+    def execute_local_transaction(self, msg, arg):
+        return LocalTransactionState.COMMIT_MESSAGE
+
+    async def check_local_transaction(self, msg):
+        return LocalTransactionState.COMMIT_MESSAGE
+
+
+@bounded(60)
+async def test_a_committed_transactions_retry_and_dead_letter_are_plain_messages_a_redrive_delivers(broker_factory):
+    """The retries and dead letter of a committed transaction's message are plain messages, as on RocketMQ (whose
+    commit clears TRAN_MSG): they carried the half's TRAN_MSG=true, so a dead letter sent again with its properties
+    -- a stock producer types it PREPARED for that -- was refused MESSAGE_ILLEGAL as another producer group's half
+    (under its own group: stored as a half, checked, never delivered to the topic)."""
+    broker = broker_factory(*FAST)
+    group = "CG_tx_retry"
+    async with TransactionProducer(broker.namesrv, "PG_tx_orig", _Commits()) as producer:
+        done = await producer.send_in_transaction("TxWork", b"committed, then failed")
+    assert done.acknowledged
+    consumer = PullConsumer(broker.namesrv, group)
+    try:
+        async with asyncio.timeout(30):
+            mq = next(q for q in await consumer.fetch_queues("TxWork")
+                      if q.queue_id == done.send_result.queue.queue_id)
+            msg = await _pull_one(consumer, mq, 0)
+            addr = consumer._addr(mq)
+            resp = await _send_back(consumer, addr, msg, group, max_times=1)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            retry = await _pull_one(consumer, (await consumer.fetch_queues(f"%RETRY%{group}"))[0], 0)
+            resp = await _send_back(consumer, addr, retry, group, max_times=1)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            await consumer.fetch_queues(f"%DLQ%{group}")
+            dead = await _pull_one(consumer, MessageQueue(f"%DLQ%{group}", mq.broker_name, 0), 0)
+    finally:
+        await consumer.shutdown()
+    assert (retry.reconsume_times, dead.reconsume_times, dead.body) == (1, 2, b"committed, then failed")
+    assert "TRAN_MSG" not in retry.properties and "TRAN_MSG" not in dead.properties, dead.properties
+    # An operator's redrive: the dead letter to its topic with its properties, typed as DefaultMQProducerImpl
+    # types a message by its TRAN_MSG.
+    before = await _queue_size(broker, "TxWork", mq.queue_id)
+    prepared = 4 if dead.properties.get("TRAN_MSG", "").lower() == "true" else 0
+    header = SendMessageRequestHeader(producer_group="PG_redrive", topic="TxWork", queue_id=mq.queue_id,
+                                      sys_flag=prepared, properties=properties_to_string(dead.properties))
+    resp = await _call(broker, RequestCode.SEND_MESSAGE, header.to_ext_fields(v2=False), dead.body)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _queue_size(broker, "TxWork", mq.queue_id) == before + 1
