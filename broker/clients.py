@@ -684,11 +684,13 @@ class ClientRegistry:
         The retry topic counts whatever the members name: a pull consumer reading its retries (stock
         DefaultMQPullConsumer and DefaultLitePullConsumer, and ours, name only their topics) committed offsets
         there, and its retries piling up unread were left out of the lag, as RocketMQ leaves them out. A group
-        that does not read them has no offset there, so no lag to show."""
+        that does not read them has no offset there, so no lag to show. Not a BROADCASTING group's: its consumers
+        never read it (a stock one drops what it fails), so offsets left there from when it was CLUSTERING showed a
+        backlog frozen for good, a lag alert that never cleared (RocketMQ leaves it out: no member subscribes)."""
         g = self.consumers.get(group)
         if g is None or not g.channels:
             return None
-        read = {RETRY_PREFIX + group}
+        read = set() if g.message_model == "BROADCASTING" else {RETRY_PREFIX + group}
         for ch in g.channels.values():
             if ch.topics is None:
                 return None
