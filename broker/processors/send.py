@@ -661,6 +661,13 @@ async def handle_send_back(ctx, conn, cmd):
         # failed messages came back to its consumers up to 16 times and then sat in its dead-letter queue.
         _said_not_retried(group, offset)
         return cmd.response(ResponseCode.SUCCESS)
+    retry_tc = ctx.topics.topics.get(RETRY_PREFIX + group)
+    if retry_tc is not None and not retry_tc.perm & Perm.WRITE:
+        # The operator made the group's retry topic read-only (updateTopicPerm -p 4): RocketMQ's send-back refuses,
+        # retries and dead letters alike, and the consumer retries the message itself. Stored all the same, the
+        # retries went on as if the topic were writable.
+        return cmd.response(ResponseCode.NO_PERMISSION, f"the topic[{RETRY_PREFIX + group}] sending message is "
+                            "forbidden")
     # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
     view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}")
     if error is not None:

@@ -522,3 +522,26 @@ async def test_a_committed_transactions_retry_and_dead_letter_are_plain_messages
     resp = await _call(broker, RequestCode.SEND_MESSAGE, header.to_ext_fields(v2=False), dead.body)
     assert resp.code == ResponseCode.SUCCESS, resp.remark
     assert await _queue_size(broker, "TxWork", mq.queue_id) == before + 1
+
+
+@bounded(60)
+async def test_a_send_back_to_a_read_only_retry_topic_is_refused_and_stores_nothing(broker_factory):
+    """An operator made a group's retry topic read-only (updateTopicPerm -p 4): RocketMQ's send-back answers
+    NO_PERMISSION, for a retry and a dead letter alike, and the consumer retries the message itself. The broker
+    stored both as if the topic were writable, the retry delivered into the read-only topic."""
+    broker = broker_factory()
+    group = "CG_read_only_retries"
+    resp = await _call(broker, RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": f"%RETRY%{group}", "readQueueNums": 1, "writeQueueNums": 1, "perm": 4})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(broker.namesrv, "PG_read_only") as producer:
+        sent = await producer.send("Work", b"fails")
+    offset = int(sent.offset_msg_id[-16:], 16)
+    for delay_level in (0, -1):
+        resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK,
+                           {"offset": offset, "group": group, "delayLevel": delay_level, "maxReconsumeTimes": 16})
+        assert (resp.code, resp.remark) == (ResponseCode.NO_PERMISSION,
+                                            f"the topic[%RETRY%{group}] sending message is forbidden")
+    assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 0       # level 3: the first retry's
+    resp = await _call(broker, RequestCode.GET_MAX_OFFSET, {"topic": f"%DLQ%{group}", "queueId": 0})
+    assert resp.code != ResponseCode.SUCCESS or resp.int_field("offset") == 0, resp.remark
