@@ -696,6 +696,17 @@ async def test_the_retries_a_subscribed_pull_consumer_reads_have_a_lag_series_an
                                 .body_bytes())[1]
         assert {topic for topic, _, _ in stats} == {"Failing"}, stats
         assert lag_retry not in await asyncio.to_thread(_group_series, b, "CG_own_retries")
+        # Mid-switch (a rolling restart back to CLUSTERING): one member still reads the retries. They count
+        # whichever member's heartbeat came last, not only when it was the CLUSTERING one's.
+        async with PullConsumer(b.namesrv, "CG_own_retries") as clustering:
+            await clustering.subscribe("Failing")
+            await clustering.fetch_queues("Failing")
+            await clustering.heartbeat()
+            await c.heartbeat(message_model="BROADCASTING")
+            stats = decode_mq_table((await _request(b, R.GET_CONSUME_STATS, {"consumerGroup": "CG_own_retries"}))
+                                    .body_bytes())[1]
+            assert {topic for topic, _, _ in stats} == {"Failing", retry}, stats
+            assert (await asyncio.to_thread(_group_series, b, "CG_own_retries"))[lag_retry] == 2
 
 
 @bounded(60)
