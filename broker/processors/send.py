@@ -302,6 +302,11 @@ def handle_send(ctx, conn, cmd):
         # The retry above (a client before 4.6.1 types it PREPARED, as it sends TRAN_MSG=true): a plain message,
         # stored so. Kept PREPARED it skipped its delay and got no unit: acknowledged, and lost.
         sys_flag = SysFlag.with_transaction_type(sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
+    if h.topic.startswith(RETRY_PREFIX):
+        # No half gets here: a retry (or its dead letter) is a plain message, as a send-back's copy. A client
+        # before 4.6.1 resends the failed message with its TRAN_MSG=true (4.6.1+ clear it): kept, a redrive of
+        # the retry or dead letter with its properties through a stock producer (typed PREPARED) became a half.
+        props.pop(Prop.TRAN_MSG, None)
     waits_for_slave = props.pop(Prop.WAIT, "true").lower() != "false"     # isWaitStoreMsgOK
     to_topic, to_qid, tags, delay_ms = topic, qid, None, -1
     waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())   # DELAY, TIMER_*
@@ -690,9 +695,10 @@ async def handle_send_back(ctx, conn, cmd):
         # delivered (and keyed by SqliteIdempotency) as a message of that other topic.
         props[Prop.RETRY_TOPIC] = msg.topic
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, origin_id or msg.offset_msg_id)
-    # A committed transaction's message keeps its half's TRAN_MSG=true here (RocketMQ's commit clears it): copied,
-    # its retries and dead letter carried it, and a dead letter sent again with its properties (a stock producer
-    # then types it PREPARED) became a half, or was refused as another producer group's, never a message.
+    # A committed transaction's message keeps its half's TRAN_MSG=true (RocketMQ 4.9.8's commit keeps it too, and
+    # its send-back copies it; stock clients since 4.6.1 clear it from their own resend): copied, its retries and
+    # dead letter carried it, and a dead letter sent again with its properties (a stock producer then types it
+    # PREPARED) became a half, or was refused as another producer group's, never a message. Differs on purpose.
     props.pop(Prop.TRAN_MSG, None)
     limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.

@@ -486,8 +486,9 @@ class _Commits:
 
 @bounded(60)
 async def test_a_committed_transactions_retry_and_dead_letter_are_plain_messages_a_redrive_delivers(broker_factory):
-    """The retries and dead letter of a committed transaction's message are plain messages, as on RocketMQ (whose
-    commit clears TRAN_MSG): they carried the half's TRAN_MSG=true, so a dead letter sent again with its properties
+    """The retries and dead letter of a committed transaction's message are plain messages, as a stock client's own
+    resend makes them since 4.6.1 (RocketMQ 4.9.8's send-back copies the commit's TRAN_MSG: this differs on
+    purpose): they carried the half's TRAN_MSG=true, so a dead letter sent again with its properties
     -- a stock producer types it PREPARED for that -- was refused MESSAGE_ILLEGAL as another producer group's half
     (under its own group: stored as a half, checked, never delivered to the topic)."""
     broker = broker_factory(*FAST)
