@@ -302,7 +302,7 @@ def handle_send(ctx, conn, cmd):
         # The retry above (a client before 4.6.1 types it PREPARED, as it sends TRAN_MSG=true): a plain message,
         # stored so. Kept PREPARED it skipped its delay and got no unit: acknowledged, and lost.
         sys_flag = SysFlag.with_transaction_type(sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
-    if h.topic.startswith(RETRY_PREFIX):
+    if Prop.TRAN_MSG in props and h.topic.startswith(RETRY_PREFIX):    # (one dict look-up a plain send)
         # No half gets here: a retry (or its dead letter) is a plain message, as a send-back's copy. A client
         # before 4.6.1 resends the failed message with its TRAN_MSG=true (4.6.1+ clear it): kept, a redrive of
         # the retry or dead letter with its properties through a stock producer (typed PREPARED) became a half.
