@@ -44,6 +44,8 @@ class Channel:
     # a consumer's: the topics its last heartbeat subscribed to; None when it named none (a pull consumer, which
     # may pull and commit any topic). See ClientRegistry.reads_elsewhere.
     topics: frozenset | None = None
+    # a consumer's: its last heartbeat's messageModel was BROADCASTING (it never reads %RETRY%<group>)
+    broadcasting: bool = False
 
     @property
     def alive(self) -> bool:
@@ -463,6 +465,8 @@ class ClientRegistry:
                 del group.subscriptions[topic]
                 changed = True
         group.channels[conn].topics = frozenset(topics) if topics else None
+        group.channels[conn].broadcasting = (_enum(data.get("messageModel"), _MESSAGE_MODELS, "CLUSTERING")
+                                              == "BROADCASTING")
         return changed
 
     # ----------------------------------------------------------- departures
@@ -684,15 +688,21 @@ class ClientRegistry:
         The retry topic counts whatever the members name: a pull consumer reading its retries (stock
         DefaultMQPullConsumer and DefaultLitePullConsumer, and ours, name only their topics) committed offsets
         there, and its retries piling up unread were left out of the lag, as RocketMQ leaves them out. A group
-        that does not read them has no offset there, so no lag to show."""
+        that does not read them has no offset there, so no lag to show. Not a BROADCASTING group's: its consumers
+        never read it (a stock one drops what it fails), so offsets left there from when it was CLUSTERING showed a
+        backlog frozen for good, a lag alert that never cleared (RocketMQ leaves it out: no member subscribes).
+        Judged by each member's own model, not the group's (the last heartbeat's): mid-switch, a CLUSTERING member
+        still reading the retries had them hidden every time a BROADCASTING member's heartbeat came last."""
         g = self.consumers.get(group)
         if g is None or not g.channels:
             return None
-        read = {RETRY_PREFIX + group}
+        read = set()
         for ch in g.channels.values():
             if ch.topics is None:
                 return None
             read |= ch.topics
+            if not ch.broadcasting:
+                read.add(RETRY_PREFIX + group)
         return frozenset(read)
 
     def subscription(self, group: str, topic: str) -> Subscription | None:

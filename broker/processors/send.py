@@ -302,6 +302,11 @@ def handle_send(ctx, conn, cmd):
         # The retry above (a client before 4.6.1 types it PREPARED, as it sends TRAN_MSG=true): a plain message,
         # stored so. Kept PREPARED it skipped its delay and got no unit: acknowledged, and lost.
         sys_flag = SysFlag.with_transaction_type(sys_flag, SysFlag.TRANSACTION_NOT_TYPE)
+    if Prop.TRAN_MSG in props and h.topic.startswith(RETRY_PREFIX):    # (one dict look-up a plain send)
+        # No half gets here: a retry (or its dead letter) is a plain message, as a send-back's copy. A client
+        # before 4.6.1 resends the failed message with its TRAN_MSG=true (4.6.1+ clear it): kept, a redrive of
+        # the retry or dead letter with its properties through a stock producer (typed PREPARED) became a half.
+        props.pop(Prop.TRAN_MSG, None)
     waits_for_slave = props.pop(Prop.WAIT, "true").lower() != "false"     # isWaitStoreMsgOK
     to_topic, to_qid, tags, delay_ms = topic, qid, None, -1
     waits = ctx.schedule.levels.divert(topic, qid, props, sys_flag, ctx.clock())   # DELAY, TIMER_*
@@ -600,6 +605,36 @@ def _ensure_back_topic(ctx, conn, cmd, topic: str, queues: int = 1):
     return None
 
 
+_BACK_TOPIC_TRIES = 3     # a send-back's topic made again after a DELETE_TOPIC while it waited: at most so often
+
+
+async def _back_topic_written(ctx, conn, cmd, topic: str, queues: int):
+    """The config of a send-back's ``topic`` once it exists and is in topics.json, or the refusal.
+
+    A topic the send-back just made (or grew, or a heartbeat did) is in topics.json before the copy is stored, as
+    RocketMQ's createTopicInSendMessageBackMethod persists it: a retry waits in SCHEDULE_TOPIC_XXXX, so no queue of
+    its topic is on disk for start-up to restore it from, and a kill -9 within the batched write's 100 ms left the
+    group's consumers without the topic (TOPIC_NOT_EXIST) until the retry was delivered, or (grown) with fewer
+    queues than the one the retry went to. Deleted (DELETE_TOPIC_IN_BROKER) during that wait, it is made again,
+    as a send-back that came just after the delete makes it (and RocketMQ's, which does not wait, stores the retry
+    and has its delivery make it): each such send-back was answered SYSTEM_ERROR "KeyError" and logged as a bug."""
+    for _ in range(_BACK_TOPIC_TRIES):
+        refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
+        if refused is not None:
+            return refused
+        made = ctx.topics.made_durable(topic)
+        if made is not None:
+            await made
+        tc = ctx.topics.topics.get(topic)
+        if tc is not None:
+            return tc
+        log.warning("topic %s was deleted while a send-back from %s:%s waited for it to be written: made again",
+                    topic, *conn.peer)
+    # (deleted at every try: RocketMQ's answer when createTopicInSendMessageBackMethod gives no topic)
+    return cmd.response(ResponseCode.SYSTEM_ERROR, f"topic[{topic}] not exist: deleted while this send-back "
+                        f"waited for it, {_BACK_TOPIC_TRIES} times")
+
+
 # Records no consumer is given, which a send-back must not copy to one: halves (undecided), their op records,
 # messages waiting for their delay or timer, and the scheduler's progress.
 _NOT_HANDED_BACK = frozenset({HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, SCHEDULE_PROGRESS_TOPIC})
@@ -631,6 +666,13 @@ async def handle_send_back(ctx, conn, cmd):
         # failed messages came back to its consumers up to 16 times and then sat in its dead-letter queue.
         _said_not_retried(group, offset)
         return cmd.response(ResponseCode.SUCCESS)
+    retry_tc = ctx.topics.topics.get(RETRY_PREFIX + group)
+    if retry_tc is not None and not retry_tc.perm & Perm.WRITE:
+        # The operator made the group's retry topic read-only (updateTopicPerm -p 4): RocketMQ's send-back refuses,
+        # retries and dead letters alike, and the consumer retries the message itself. Stored all the same, the
+        # retries went on as if the topic were writable.
+        return cmd.response(ResponseCode.NO_PERMISSION, f"the topic[{RETRY_PREFIX + group}] sending message is "
+                            "forbidden")
     # (a body damaged on disk, copied, would go to the retry topic under a fresh, valid CRC)
     view, error = stored_record(ctx, cmd, offset, "send back", f"look message by offset failed, {offset}")
     if error is not None:
@@ -653,6 +695,11 @@ async def handle_send_back(ctx, conn, cmd):
         # delivered (and keyed by SqliteIdempotency) as a message of that other topic.
         props[Prop.RETRY_TOPIC] = msg.topic
     props.setdefault(Prop.ORIGIN_MESSAGE_ID, origin_id or msg.offset_msg_id)
+    # A committed transaction's message keeps its half's TRAN_MSG=true (RocketMQ 4.9.8's commit keeps it too, and
+    # its send-back copies it; stock clients since 4.6.1 clear it from their own resend): copied, its retries and
+    # dead letter carried it, and a dead letter sent again with its properties (a stock producer then types it
+    # PREPARED) became a half, or was refused as another producer group's, never a message. Differs on purpose.
+    props.pop(Prop.TRAN_MSG, None)
     limit = _retry_limit(ctx, cmd, group, cmd.int_field("maxReconsumeTimes"))
     # A producer may send any count; a negative one gave a negative backoff level, retried at once for good.
     times = max(msg.reconsume_times, 0)
@@ -663,20 +710,12 @@ async def handle_send_back(ctx, conn, cmd):
         # Backoff: the n-th retry waits level 3 + n (10 s, 30 s, 1 min, ...) in SCHEDULE_TOPIC_XXXX.
         topic, queues = RETRY_PREFIX + group, retry_queues(ctx.subscriptions, group)
         props[Prop.DELAY] = str(delay_level or 3 + times)
-    refused = _ensure_back_topic(ctx, conn, cmd, topic, queues)
-    if refused is not None:
-        return refused
-    made = ctx.topics.made_durable(topic)
-    if made is not None:
-        # A topic the send-back just made (or grew, or a heartbeat did) is in topics.json before the copy is
-        # stored, as RocketMQ's createTopicInSendMessageBackMethod persists it: a retry waits in
-        # SCHEDULE_TOPIC_XXXX, so no queue of its topic is on disk for start-up to restore it from, and a kill -9
-        # within the batched write's 100 ms left the group's consumers without the topic (TOPIC_NOT_EXIST) until
-        # the retry was delivered, or (grown) with fewer queues than the one the retry went to.
-        await made
+    tc = await _back_topic_written(ctx, conn, cmd, topic, queues)
+    if not isinstance(tc, TopicConfig):
+        return tc
     # One of the group's first retryQueueNums queues at random, as RocketMQ spreads a group's retries. Never past
     # the queues the topic has (a queue limit can keep it from growing): a queue past them would never be read.
-    writable = ctx.topics.topics[topic].write_queue_nums
+    writable = tc.write_queue_nums
     qid = _rand.randrange(min(writable, queues)) if queues > 1 and writable > 1 else 0
     to_topic, to_qid, tags, delay_ms = topic, qid, tags_code(props), -1
     # A retry is a new message, not a transaction's commit record: a COMMIT type copied from a committed

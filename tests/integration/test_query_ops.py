@@ -687,8 +687,26 @@ async def test_the_retries_a_subscribed_pull_consumer_reads_have_a_lag_series_an
             lag[topic] = lag.get(topic, 0) + row["brokerOffset"] - row["consumerOffset"]
         assert lag == {"Failing": 0, retry: 2}, stats
         series = await asyncio.to_thread(_group_series, b, "CG_own_retries")
-        assert series[("rocketmq_consumer_lag_messages", (("consumer_group", "CG_own_retries"),
-                                                          ("topic", retry)))] == 2, series
+        lag_retry = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_own_retries"), ("topic", retry)))
+        assert series[lag_retry] == 2, series
+        # The group turned BROADCASTING: its consumers never read the retry topic again (a stock one drops what
+        # it fails), so the two left there are no backlog of it; counted, they were a lag alert that never cleared.
+        await c.heartbeat(message_model="BROADCASTING")
+        stats = decode_mq_table((await _request(b, R.GET_CONSUME_STATS, {"consumerGroup": "CG_own_retries"}))
+                                .body_bytes())[1]
+        assert {topic for topic, _, _ in stats} == {"Failing"}, stats
+        assert lag_retry not in await asyncio.to_thread(_group_series, b, "CG_own_retries")
+        # Mid-switch (a rolling restart back to CLUSTERING): one member still reads the retries. They count
+        # whichever member's heartbeat came last, not only when it was the CLUSTERING one's.
+        async with PullConsumer(b.namesrv, "CG_own_retries") as clustering:
+            await clustering.subscribe("Failing")
+            await clustering.fetch_queues("Failing")
+            await clustering.heartbeat()
+            await c.heartbeat(message_model="BROADCASTING")
+            stats = decode_mq_table((await _request(b, R.GET_CONSUME_STATS, {"consumerGroup": "CG_own_retries"}))
+                                    .body_bytes())[1]
+            assert {topic for topic, _, _ in stats} == {"Failing", retry}, stats
+            assert (await asyncio.to_thread(_group_series, b, "CG_own_retries"))[lag_retry] == 2
 
 
 @bounded(60)
