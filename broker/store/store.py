@@ -33,9 +33,8 @@ from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
-                       read_nul_copy_from,
-                       read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file, write_corrupt_kept,
-                       write_manifest, write_nul_copy_from, write_nul_free_from)
+                       read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
+                       write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
