@@ -27,7 +27,7 @@ from consumer import PullConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
-from protocol.codes import RequestCode
+from protocol.codes import RequestCode, ResponseCode
 from protocol.errors import BrokerError
 from protocol.message import MESSAGE_MAGIC, decode_offset_msg_id, decode_record
 from tests.integration.test_corrupt_records import _corrupt_count, _request
@@ -366,4 +366,33 @@ async def test_a_record_whose_transaction_type_bit_flipped_is_still_served(broke
     got, errors = await _delivered(b, topic)
     assert sorted(got) == (plain if topic == "TornPlain" else committed) and not errors, (len(got), errors)
     assert f"byte {pos}: a record of {topic}-" in b.log() and "its header is damaged" not in b.log()
+    assert b.stop() == 0
+
+
+@bounded(150)
+async def test_a_kept_record_the_log_was_cut_below_leaves_the_count_and_refuses_no_new_record(broker_factory,
+                                                                                              tmp_path):
+    """A start with --truncate-corrupt-tail that cut the log below a kept record (a record before it damaged
+    since) left its offset in corrupt_kept: the gauge still counted a record no longer in the log, and the new
+    message the log was written on with at that same offset was refused to every pull (RECORD_CORRUPT) and
+    dropped by the Spark jobs, a sound, acknowledged message lost. Only the records below the log's end stay."""
+    plain, path, pos, body, _qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
+    _flip(path, pos + 88 + 300, 0x10)
+    b = broker_factory(*FLAGS, "--keep-corrupt-records")
+    assert _kept_now(b) == 1
+    assert b.stop() == 0
+    before = [r for r in _records(path) if r[2] == "TornPlain"]
+    prev = before[[r[0] for r in before].index(pos) - 1]
+    assert prev[0] + prev[1] == pos                 # the plain record right before the kept one
+    _flip(path, prev[0] + 88 + 300, 0x10)
+
+    b = broker_factory(*FLAGS, "--truncate-corrupt-tail")
+    kept_after_cut = _kept_now(b)
+    async with Producer(b.namesrv, "PG_torn") as producer:        # the same sizes: the second lands on it
+        for i in range(2):
+            await producer.send("TornPlain", b"again-%03d" % i + bytes(600))
+    assert [r[0] for r in _records(path) if r[3].startswith(b"again-")] == [prev[0], pos]
+    view = await _request(b.broker, RequestCode.VIEW_MESSAGE_BY_ID, {"offset": int(path.rsplit("/", 1)[1]) + pos})
+    assert view.code == ResponseCode.SUCCESS, view.remark      # (a half there: its COMMIT refused, corrupt)
+    assert kept_after_cut == 0, "a kept record the log was cut below is counted"
     assert b.stop() == 0
