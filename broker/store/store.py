@@ -195,10 +195,12 @@ class MessageStore:
                                   and copy_from >= nul_free_from else None,
                                   keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
             kept = {int(t.segment) + t.position: t.length for t in self.report.corrupt_kept}
-            self._kept = set(kept) | {o for o in known_corrupt if o >= self._log.min_offset}
+            # (only those still in the log: one a --truncate-corrupt-tail start cut the log below, left named,
+            # had the sound record later written at its offset refused as corrupt, a COMMIT of it too)
+            self._kept = set(kept) | {o for o in known_corrupt if self._log.min_offset <= o < self._log.readable}
             if self._kept != known_corrupt:
                 # before anything is served past them: a restart without the flag must not refuse them again;
-                # and the ones whose segments retention removed leave the file (it grew by each kept for good)
+                # and the ones whose segments retention removed, or the log was cut below, leave the file
                 write_corrupt_kept(self.store_dir, self._kept)
             if os.path.exists(os.path.join(self.store_dir, NUL_COPY_FILE)):
                 os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
