@@ -493,18 +493,19 @@ async def test_a_schedule_progress_record_whose_body_went_bad_marks_no_other_tim
     assert b.stop() == 0
 
 
-def _flip_store_timestamp(store_dir, phys: int, bit: int) -> tuple[int, int]:
-    """Flip ``bit`` of the STORETIMESTAMP of the record at ``phys`` (outside the body CRC: nothing checks it);
-    (store time before, after)."""
+def _flip_store_timestamp(store_dir, phys: int, bit: int, born: bool = False) -> tuple[int, int]:
+    """Flip ``bit`` of the STORETIMESTAMP (``born``: the BORNTIMESTAMP, byte 40) of the record at ``phys``
+    (outside the body CRC: nothing checks it); (its time before, after)."""
     path = os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}")
     with open(path, "r+b") as f:
         f.seek(phys % SEG)
         head = f.read(4)
         f.seek(phys % SEG)
         msg, _size = decode_record(f.read(int.from_bytes(head, "big")))
-        f.seek(phys % SEG + store_timestamp_pos(msg.sys_flag))
+        at = phys % SEG + (40 if born else store_timestamp_pos(msg.sys_flag))
+        f.seek(at)
         before = int.from_bytes(f.read(8), "big")
-        f.seek(phys % SEG + store_timestamp_pos(msg.sys_flag))
+        f.seek(at)
         f.write((before ^ (1 << bit)).to_bytes(8, "big"))
     return before, before ^ (1 << bit)
 
@@ -548,3 +549,26 @@ async def test_a_half_whose_store_time_went_bad_is_not_expired_young(broker_fact
     assert await _pending(b) == 1
     assert "have a store timestamp one bit" in b.log() and f"the halves at {half}" in b.log()
     assert _dead_letters(b, "expired") == 0
+
+
+async def test_a_half_whose_born_time_went_bad_keeps_its_store_time(broker_factory, tmp_path):
+    """The BORNTIMESTAMP is as far outside the body CRC as the STORETIMESTAMP, and as likely to flip. Read as the
+    store time's bit flipped, a born time's bit 28 cleared had the sound store time of a half sent a minute ago
+    "put back" 74.6 h into the past: the plan listing it dead-lettered it `expired` at once, unchecked, where
+    before the put-back a damaged born time changed nothing. The half stored before it was stored earlier than
+    that put-back value could be: the store time is left as it is."""
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    async with TransactionProducer(b.namesrv, "PG_born", _Unknown()) as producer:
+        await producer.send_in_transaction("Born", b"first-half")
+        sent = await producer.send_in_transaction("Born", b"born-half")
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    b.kill()
+    before, after = _flip_store_timestamp(tmp_path / "store", half, 28, born=True)
+    assert before - after == 1 << 28
+
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    out = await _apply_halves(b, tmp_path / "store", [half])
+    assert out["expired"] == [] and [s["commit_log_offset"] for s in out["skipped"]] == [half], out
+    assert await _pending(b) == 2
+    assert _dead_letters(b, "expired") == 0
+    assert "have a store timestamp one bit" not in b.log()
