@@ -396,3 +396,33 @@ async def test_a_kept_record_the_log_was_cut_below_leaves_the_count_and_refuses_
     assert view.code == ResponseCode.SUCCESS, view.remark      # (a half there: its COMMIT refused, corrupt)
     assert kept_after_cut == 0, "a kept record the log was cut below is counted"
     assert b.stop() == 0
+
+
+@bounded(120)
+async def test_a_slave_copying_a_record_whose_transaction_type_bit_flipped_serves_it(broker_factory, tmp_path):
+    """The master's start reads the record with the bit put back, but its bytes keep the flipped bit: a slave
+    copying them (a new one, or one catching up) gave the record no unit, a blank at its offset, and served 59 of
+    60 without a word. The same QUEUEOFFSET rule: a type stored with no unit never carries a non-zero one."""
+    from tests.integration.test_replication import _fetch_queues_once_routed, _log_end
+    ha = ("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
+    b = broker_factory(*FLAGS, *ha, store="master")
+    plain, _, _ = await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "master")
+    mine = [r for r in _records(path) if r[2] == "TornPlain"]
+    _flip(path, mine[len(mine) // 2][0] + 39, 0x04)
+    master = broker_factory(*FLAGS, *ha, store="master")
+    end = await _log_end(master.broker)
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    async with asyncio.timeout(30):
+        while await _log_end(slave.broker) < end:
+            await asyncio.sleep(0.1)
+        route = PullConsumer(slave.namesrv, "CG_route")
+        try:
+            await _fetch_queues_once_routed(route, "TornPlain")
+        finally:
+            await route.shutdown()
+    got, errors = await _delivered(slave, "TornPlain")
+    assert sorted(got) == plain and not errors, (len(got), errors)
+    assert "the bit 0x4 is damaged" in slave.log()
