@@ -725,6 +725,10 @@ class _CorruptCollector:
         for read, n in list(self.store.corrupt.items()):
             family.add_metric([read], n)
         yield family
+        yield GaugeMetricFamily("txmq_store_kept_corrupt_records", "Damaged commit-log records kept in place "
+                                "(keep_corrupt_records; store file corrupt_kept) still in the log: each a lost "
+                                "message a pull of its queue stops at. Held across restarts and on a slave from the "
+                                "copy; 0 once retention removed their segments.", value=self.store.kept_corrupt)
 
     def describe(self):
         return list(self.collect())

@@ -231,6 +231,9 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
                 seg.last_ts = last_ts = ts
             phys = seg.start + pos
             report.records_scanned += 1
+            if sys_flag & 0x4 and qoff and _typed_away(seg, pos, size, (topic, qid), qoff, sys_flag, queues, expect,
+                                                       lambda: _next_qoff(segs, i, pos + size, (topic, qid))):
+                sys_flag ^= 0x4
             if not sys_flag & 0x4 and not (deleted and phys < deleted.get(topic, -1)):
                 key = (topic, qid)
                 want = expect.get(key)
@@ -454,6 +457,29 @@ def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int, next_qoff: 
 
 
 _LOOKAHEAD_RECORDS = 65536
+
+
+def _typed_away(seg: Segment, pos: int, size: int, key, qoff: int, sys_flag: int, queues: dict, expect: dict,
+                next_qoff: Callable[[], int | None]) -> bool:
+    """True (logged) if the record at ``pos``, typed PREPARED or ROLLBACK (TRANSACTION bit 0x4: no consume-queue
+    unit), is a plain or COMMIT record whose bit flipped at rest: those types are stored with QUEUEOFFSET 0 (spec
+    7.2; no send stores them), and it carries its queue's next offset (the previous record's + 1; else its queue's
+    unit there points at it, or its queue's next record in the log carries the one after). The SYSFLAG is outside
+    the body CRC: taken as read, its unit was dropped, every later record of its queue had its QUEUEOFFSET
+    rewritten one down in the log ("its header is damaged"), and the message was served to no one, unsaid."""
+    want = expect.get(key)
+    phys = seg.start + pos
+    if want is not None:
+        ours = qoff == want
+    else:
+        cq = queues.get(key)
+        ours = (cq is not None and qoff < cq.max_offset and (cq.unit_on_disk(qoff) or (0, 0))[:2] == (phys, size)
+                or next_qoff() == qoff + 1)
+    if ours:
+        log.error("commit log segment %s byte %d: a record of %s-%d at queue offset %d has SYSFLAG %#x, a transaction "
+                  "type stored with no queue offset: the bit 0x4 is damaged (outside the body CRC); read as %#x, "
+                  "indexed", seg.name, pos, key[0], key[1], qoff, sys_flag, sys_flag ^ 0x4)
+    return ours
 
 
 def _units(queues, key) -> int:

@@ -32,9 +32,9 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept, read_nul_copy_from,
-                       read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file, write_corrupt_kept,
-                       write_manifest, write_nul_copy_from, write_nul_free_from)
+from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
+                       read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
+                       write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
@@ -195,11 +195,13 @@ class MessageStore:
                                   and copy_from >= nul_free_from else None,
                                   keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
             kept = {int(t.segment) + t.position: t.length for t in self.report.corrupt_kept}
-            self._kept = set(kept) | {o for o in known_corrupt if o >= self._log.min_offset}
-            if kept.keys() - known_corrupt:
-                # before anything is served past them: a restart without the flag must not refuse them again
-                write_corrupt_kept(self.store_dir, set(kept) | {o for o in known_corrupt
-                                                                if o >= self._log.min_offset})
+            # (only those still in the log: one a --truncate-corrupt-tail start cut the log below, left named,
+            # had the sound record later written at its offset refused as corrupt, a COMMIT of it too)
+            self._kept = set(kept) | {o for o in known_corrupt if self._log.min_offset <= o < self._log.readable}
+            if self._kept != known_corrupt:
+                # before anything is served past them: a restart without the flag must not refuse them again;
+                # and the ones whose segments retention removed, or the log was cut below, leave the file
+                write_corrupt_kept(self.store_dir, self._kept)
             if os.path.exists(os.path.join(self.store_dir, NUL_COPY_FILE)):
                 os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
                 # durable before anything is written where the log was cut: back after a power loss, it cut
@@ -768,6 +770,26 @@ class MessageStore:
         return self._log.min_offset
 
     @property
+    def kept_corrupt(self) -> int:
+        """Damaged records kept in place (corrupt_kept) still in the log: each a lost message a pull of its queue
+        stops at. Counted from the remembered set, not from what this start's scan met (a record in a segment
+        older than the ones recovery verifies is kept again unseen); a removed segment's leave it."""
+        return len(self._kept)
+
+    async def _forget_kept_before(self, low: int) -> None:
+        """The kept records of removed segments leave the set and the corrupt_kept file (off the loop): counted
+        as kept for as long as the broker ran, the file holding them for good."""
+        gone = {o for o in self._kept if o < low}
+        if not gone:
+            return
+        self._kept -= gone
+        try:
+            await self._io.submit(write_corrupt_kept, self.store_dir, set(self._kept))
+        except OSError as exc:      # (a full disk) harmless: the next start drops them, being below the log
+            log.error("%s not rewritten without the %d kept records of the removed segment (dropped at the "
+                      "next start): %s", CORRUPT_KEPT_FILE, len(gone), exc)
+
+    @property
     def max_physical_offset(self) -> int:
         """End of the readable log."""
         return self._log.readable
@@ -1209,6 +1231,7 @@ class MessageStore:
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)
             await self._io.submit(_remove_files, dead)
+            await self._forget_kept_before(clog.min_offset)
             f = facts.get(name)
             log.warning("removed segment %s (%s; %s records, store times %s..%s); the log now starts at %d",
                         name, reason or "asked", f.records if f else "?", f.first_ts if f else "?",

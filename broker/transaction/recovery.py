@@ -17,7 +17,7 @@ import struct
 from broker.store.mapped_file import fsync_dir
 from broker.store.saved import crc_matches, with_crc, write_synced
 from protocol.errors import RecordError, StoreError
-from protocol.message import Prop, decode_record
+from protocol.message import Prop, decode_record, store_timestamp_pos
 from protocol.record import body_crc_ok
 from protocol.txlog import PROGRESS_GROUP
 
@@ -33,6 +33,12 @@ log = logging.getLogger("txmq.transaction")
 
 SNAPSHOT_VERSION = 1
 _PHYS = struct.Struct(">q")          # a record's PHYSICALOFFSET, at byte 28
+# A half's STORETIMESTAMP (the broker's clock) and BORNTIMESTAMP (its producer's) lie seconds apart. Neither is
+# under the body CRC: a store time that is one flipped bit (an hour's worth or more) from being within a minute of
+# its born time is taken for damage at rest and read with the bit put back (_unflipped_stamp). A producer's clock
+# merely off by hours is no such bit: the chance its error lands within a minute of a power of two is small.
+STAMP_CLOSE_MS = 60_000
+_STAMP_BITS = range(22, 63)         # 2^22 ms: 70 min
 
 
 def scan(store, topic: str, start: int | None = None, check_body: bool = False, undecodable: list | None = None):
@@ -273,8 +279,11 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     repaired += await _repair_lost_dead_op(tx, undecided) + await _repair_lost_commit_ops(tx, undecided)
     # The undecided halves: those the snapshot or a resume names, and every half stored after.
     now = tx.ctx.monotonic()        # the check schedule's clock (service.py)
+    restamped: list[int] = []
 
     def index(msg, off: int) -> None:
+        if _unflipped_stamp(msg, lambda: _stamp_bounds(store, msg, tx.ctx.clock())) is not None:
+            restamped.append(off)
         tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
                     msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
 
@@ -327,7 +336,55 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
         index(msg, msg.physical_offset)
     if unplaced:
         repaired += await settle_unplaced(tx, unplaced, earlier)
+    if restamped:
+        log.error("transaction recovery: %d undecided halves have a store timestamp one bit (an hour's worth or "
+                  "more) from lying within %d s of their born timestamp: damaged at rest (outside the body CRC), "
+                  "read with that bit put back (taken as stored, a cleared bit aged a half just sent past "
+                  "transaction_retention_hours, expired by the next plan unchecked); the halves at %s",
+                  len(restamped), STAMP_CLOSE_MS // 1000, _span(restamped))
     return repaired
+
+
+def _unflipped_stamp(msg, bounds=None) -> int | None:
+    """The bit of the half ``msg``'s store timestamp flipped at rest, put back (None: no such bit): the one that
+    brings it within STAMP_CLOSE_MS of its born time. Cleared, it aged a half just sent into the nightly plan's
+    expiry (74.6 hours for bit 28) unchecked; set, it put its checks' and its expiry's age off for ever.
+
+    The born timestamp is as far outside the CRC, as likely the one flipped: ``bounds`` () -> (lo, hi), what the
+    log says of when the half was stored (_stamp_bounds). A store time within them whose put-back value is not
+    is left as read: put back, a born time's cleared bit 28 aged a half sent a minute before 74.6 hours."""
+    store, born = msg.store_timestamp, msg.born_timestamp
+    if abs(store - born) <= STAMP_CLOSE_MS:
+        return None
+    for bit in _STAMP_BITS:
+        if abs((store ^ (1 << bit)) - born) <= STAMP_CLOSE_MS:
+            if bounds is not None:
+                lo, hi = bounds()
+
+                def fits(t: int) -> bool:
+                    return (lo is None or t >= lo - STAMP_CLOSE_MS) and (hi is None or t <= hi + STAMP_CLOSE_MS)
+                if fits(store) and not fits(store ^ (1 << bit)):
+                    return None
+            msg.store_timestamp = store ^ (1 << bit)
+            return bit
+    return None
+
+
+def _stamp_bounds(store, msg, wall: int) -> tuple[int | None, int | None]:
+    """When the half ``msg`` can have been stored, by the log: not before the half stored before it in the half
+    queue, not after the next one nor the wall clock now (lo, hi; None: nothing says)."""
+    def stored(qoff: int) -> int | None:
+        unit = store.queue_unit(HALF_TOPIC, 0, qoff) if qoff >= 0 else None
+        try:
+            view = store.get_record(unit[0]) if unit is not None else None
+        except (StoreError, OSError, ValueError):       # damaged: says nothing
+            return None
+        if view is None or len(view) < 76:
+            return None
+        at = store_timestamp_pos(int.from_bytes(view[36:40], "big"))
+        return int.from_bytes(view[at:at + 8], "big")
+    after = stored(msg.queue_offset + 1)
+    return stored(msg.queue_offset - 1), wall if after is None else min(after, wall)
 
 
 def _span(items, most: int = 20) -> str:

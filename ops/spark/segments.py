@@ -341,6 +341,10 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
                 break
             msg = what
             topic, ts, tx_type = msg.topic, msg.store_timestamp, msg.sys_flag & SysFlag.TRANSACTION_MASK
+            if tx_type & 0x4 and msg.queue_offset:
+                # PREPARED / ROLLBACK are stored with QUEUEOFFSET 0: its bit 0x4 (outside the CRC) flipped at rest,
+                # read put back as the broker's start and its slaves do (the message served, so counted)
+                tx_type ^= 0x4
             if topic in ROW_TOPICS:
                 yield _record_row(seg, pos, msg, size, tx_type)
             elif is_traffic(topic, tx_type):

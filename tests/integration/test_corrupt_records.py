@@ -30,7 +30,7 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
-from protocol.message import MESSAGE_MAGIC, decode_offset_msg_id, decode_record
+from protocol.message import MESSAGE_MAGIC, decode_offset_msg_id, decode_record, store_timestamp_pos
 from tests.support.broker_process import NO_CHECKS, REPO
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
 
@@ -491,3 +491,84 @@ async def test_a_schedule_progress_record_whose_body_went_bad_marks_no_other_tim
         await consumer.shutdown()
     assert await asyncio.to_thread(_corrupt_count, b, "schedule recovery") == 1
     assert b.stop() == 0
+
+
+def _flip_store_timestamp(store_dir, phys: int, bit: int, born: bool = False) -> tuple[int, int]:
+    """Flip ``bit`` of the STORETIMESTAMP (``born``: the BORNTIMESTAMP, byte 40) of the record at ``phys``
+    (outside the body CRC: nothing checks it); (its time before, after)."""
+    path = os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}")
+    with open(path, "r+b") as f:
+        f.seek(phys % SEG)
+        head = f.read(4)
+        f.seek(phys % SEG)
+        msg, _size = decode_record(f.read(int.from_bytes(head, "big")))
+        at = phys % SEG + (40 if born else store_timestamp_pos(msg.sys_flag))
+        f.seek(at)
+        before = int.from_bytes(f.read(8), "big")
+        f.seek(at)
+        f.write((before ^ (1 << bit)).to_bytes(8, "big"))
+    return before, before ^ (1 << bit)
+
+
+async def _apply_halves(b, store_dir, halves: list[int]) -> dict:
+    """An expiry plan listing ``halves`` as the nightly job lists open halves past its --retention-hours (their
+    store timestamps, read from the segments), and no segment: the broker's answer."""
+    now = int(time.time() * 1000)
+    plan = {"version": 2, "store_id": open(os.path.join(store_dir, "store_id")).read().strip(), "created_ms": now,
+            "now_ms": now, "retention_ms": 72 * 3_600_000, "segments": [],
+            "halves": [{"commit_log_offset": h} for h in halves]}
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY,
+                                                          body=json.dumps(plan).encode()), 30.0)
+    finally:
+        conn.close()
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    return json.loads(resp.body_bytes())
+
+
+@pytest.mark.parametrize("bit", [40, 28])       # 34.8 years; 74.6 hours, just past transaction_retention_hours
+async def test_a_half_whose_store_time_went_bad_is_not_expired_young(broker_factory, tmp_path, bit):
+    """A half's STORETIMESTAMP is outside the body CRC: one bit cleared at rest made a half stored a minute ago
+    74.6 h (or 34.8 years) old to the restarted broker's index, and the nightly plan, which lists every open half
+    past 72 h by that same field, had it dead-lettered `expired` at once: a transaction its producer was about to
+    commit taken out unchecked. Its born time (the producer's clock, another field) is that one bit away: the bit
+    is put back, and said at ERROR."""
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    async with TransactionProducer(b.namesrv, "PG_stamp", _Unknown()) as producer:
+        sent = await producer.send_in_transaction("Stamped", b"stamped-half")
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    b.kill()
+    before, after = _flip_store_timestamp(tmp_path / "store", half, bit)
+    assert before - after == 1 << bit          # (the bit was set: made older)
+
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    out = await _apply_halves(b, tmp_path / "store", [half])
+    assert out["expired"] == [] and [s["commit_log_offset"] for s in out["skipped"]] == [half], out
+    assert await _pending(b) == 1
+    assert "have a store timestamp one bit" in b.log() and f"the halves at {half}" in b.log()
+    assert _dead_letters(b, "expired") == 0
+
+
+async def test_a_half_whose_born_time_went_bad_keeps_its_store_time(broker_factory, tmp_path):
+    """The BORNTIMESTAMP is as far outside the body CRC as the STORETIMESTAMP, and as likely to flip. Read as the
+    store time's bit flipped, a born time's bit 28 cleared had the sound store time of a half sent a minute ago
+    "put back" 74.6 h into the past: the plan listing it dead-lettered it `expired` at once, unchecked, where
+    before the put-back a damaged born time changed nothing. The half stored before it was stored earlier than
+    that put-back value could be: the store time is left as it is."""
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    async with TransactionProducer(b.namesrv, "PG_born", _Unknown()) as producer:
+        await producer.send_in_transaction("Born", b"first-half")
+        sent = await producer.send_in_transaction("Born", b"born-half")
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    b.kill()
+    before, after = _flip_store_timestamp(tmp_path / "store", half, 28, born=True)
+    assert before - after == 1 << 28
+
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    out = await _apply_halves(b, tmp_path / "store", [half])
+    assert out["expired"] == [] and [s["commit_log_offset"] for s in out["skipped"]] == [half], out
+    assert await _pending(b) == 2
+    assert _dead_letters(b, "expired") == 0
+    assert "have a store timestamp one bit" not in b.log()

@@ -27,7 +27,7 @@ from consumer import PullConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
-from protocol.codes import RequestCode
+from protocol.codes import RequestCode, ResponseCode
 from protocol.errors import BrokerError
 from protocol.message import MESSAGE_MAGIC, decode_offset_msg_id, decode_record
 from tests.integration.test_corrupt_records import _corrupt_count, _request
@@ -66,10 +66,14 @@ def _flip(path: str, at: int, bit: int) -> None:
         f.write(bytes([old[0] ^ bit]))
 
 
-def _kept_count(b) -> float:
+def _kept_count(b, name: str = "txmq_store_corrupt_records_kept_total") -> float:
     text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("txmq_store_corrupt_records_kept_total"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _kept_now(b) -> float:
+    """The gauge of kept damaged records still in the log (TxmqCorruptRecordsKept)."""
+    return _kept_count(b, "txmq_store_kept_corrupt_records")
 
 
 async def _load(b) -> tuple[list[bytes], list[bytes], int]:
@@ -315,3 +319,110 @@ async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_aft
             await route.shutdown()
         got, errors = await _delivered(slave, "TornPlain")
         assert len(got) == PLAIN - 1 and len(errors) == 1 and "corrupt" in errors[0], (restart, len(got), errors)
+        assert _kept_now(slave) == 1, restart       # counted as copied, not only from the slave's next start
+
+
+@bounded(180)
+async def test_a_kept_record_older_than_the_segments_a_start_verifies_is_still_counted(broker_factory, tmp_path):
+    """The start-up scan verifies only the newest segments (recovery_verify_segments, 3): a kept record older than
+    them is kept again from corrupt_kept unseen, and txmq_store_corrupt_records_kept_total, counting what a start's
+    scan kept, stayed 0 after that restart: TxmqCorruptRecordsKept went quiet while every pull of the queue still
+    stopped at the record. The gauge of records kept now holds it."""
+    plain, path, pos, body, _qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
+    _flip(path, pos + 88 + 300, 0x10)
+    b = broker_factory(*FLAGS, "--keep-corrupt-records")
+    assert _kept_count(b) == 1 and _kept_now(b) == 1
+    async with Producer(b.namesrv, "PG_torn") as producer:     # 6 newer segments (64 KiB each)
+        for i in range(400):
+            await producer.send("TornFiller", b"f" * 1000)
+    assert b.stop() == 0
+    segments = sorted(os.listdir(tmp_path / "store" / "commitlog"))
+    assert segments.index(os.path.basename(path)) < len(segments) - 4, segments
+
+    b = broker_factory(*FLAGS)
+    got, errors = await _delivered(b, "TornPlain")
+    assert len(got) == PLAIN - 1 and len(errors) == 1 and "corrupt" in errors[0], (len(got), errors)
+    assert _kept_now(b) == 1, "the kept record a pull stops at is counted nowhere"
+    assert b.stop() == 0
+
+
+@pytest.mark.parametrize("topic", ["TornPlain", "TornTx"])      # type NOT made PREPARED; COMMIT made ROLLBACK
+@bounded(120)
+async def test_a_record_whose_transaction_type_bit_flipped_is_still_served(broker_factory, tmp_path, topic):
+    """SYSFLAG is outside the body CRC. Its bit 0x4 flipped (a plain message read as PREPARED, a committed one as
+    ROLLBACK: types that get no consume-queue unit), the start after a kill -9 dropped the record's unit and
+    rewrote the QUEUEOFFSET of every later record of its queue one down in the log: 59 of 60 plain messages
+    served, no pull error, only ERRORs calling the intact records' headers damaged. Those types are stored with
+    QUEUEOFFSET 0; one carrying its queue's next offset is read with the bit put back."""
+    b = broker_factory(*FLAGS)
+    plain, committed, _ = await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "store")
+    mine = [r for r in _records(path) if r[2] == topic]
+    pos = mine[len(mine) // 2][0]
+    _flip(path, pos + 39, 0x04)                 # SYSFLAG: bytes 36-39 of the record
+
+    b = broker_factory(*FLAGS)
+    got, errors = await _delivered(b, topic)
+    assert sorted(got) == (plain if topic == "TornPlain" else committed) and not errors, (len(got), errors)
+    assert f"byte {pos}: a record of {topic}-" in b.log() and "its header is damaged" not in b.log()
+    assert b.stop() == 0
+
+
+@bounded(150)
+async def test_a_kept_record_the_log_was_cut_below_leaves_the_count_and_refuses_no_new_record(broker_factory,
+                                                                                              tmp_path):
+    """A start with --truncate-corrupt-tail that cut the log below a kept record (a record before it damaged
+    since) left its offset in corrupt_kept: the gauge still counted a record no longer in the log, and the new
+    message the log was written on with at that same offset was refused to every pull (RECORD_CORRUPT) and
+    dropped by the Spark jobs, a sound, acknowledged message lost. Only the records below the log's end stay."""
+    plain, path, pos, body, _qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
+    _flip(path, pos + 88 + 300, 0x10)
+    b = broker_factory(*FLAGS, "--keep-corrupt-records")
+    assert _kept_now(b) == 1
+    assert b.stop() == 0
+    before = [r for r in _records(path) if r[2] == "TornPlain"]
+    prev = before[[r[0] for r in before].index(pos) - 1]
+    assert prev[0] + prev[1] == pos                 # the plain record right before the kept one
+    _flip(path, prev[0] + 88 + 300, 0x10)
+
+    b = broker_factory(*FLAGS, "--truncate-corrupt-tail")
+    kept_after_cut = _kept_now(b)
+    async with Producer(b.namesrv, "PG_torn") as producer:        # the same sizes: the second lands on it
+        for i in range(2):
+            await producer.send("TornPlain", b"again-%03d" % i + bytes(600))
+    assert [r[0] for r in _records(path) if r[3].startswith(b"again-")] == [prev[0], pos]
+    view = await _request(b.broker, RequestCode.VIEW_MESSAGE_BY_ID, {"offset": int(path.rsplit("/", 1)[1]) + pos})
+    assert view.code == ResponseCode.SUCCESS, view.remark      # (a half there: its COMMIT refused, corrupt)
+    assert kept_after_cut == 0, "a kept record the log was cut below is counted"
+    assert b.stop() == 0
+
+
+@bounded(120)
+async def test_a_slave_copying_a_record_whose_transaction_type_bit_flipped_serves_it(broker_factory, tmp_path):
+    """The master's start reads the record with the bit put back, but its bytes keep the flipped bit: a slave
+    copying them (a new one, or one catching up) gave the record no unit, a blank at its offset, and served 59 of
+    60 without a word. The same QUEUEOFFSET rule: a type stored with no unit never carries a non-zero one."""
+    from tests.integration.test_replication import _fetch_queues_once_routed, _log_end
+    ha = ("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
+    b = broker_factory(*FLAGS, *ha, store="master")
+    plain, _, _ = await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "master")
+    mine = [r for r in _records(path) if r[2] == "TornPlain"]
+    _flip(path, mine[len(mine) // 2][0] + 39, 0x04)
+    master = broker_factory(*FLAGS, *ha, store="master")
+    end = await _log_end(master.broker)
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    async with asyncio.timeout(30):
+        while await _log_end(slave.broker) < end:
+            await asyncio.sleep(0.1)
+        route = PullConsumer(slave.namesrv, "CG_route")
+        try:
+            await _fetch_queues_once_routed(route, "TornPlain")
+        finally:
+            await route.shutdown()
+    got, errors = await _delivered(slave, "TornPlain")
+    assert sorted(got) == plain and not errors, (len(got), errors)
+    assert "the bit 0x4 is damaged" in slave.log()

@@ -50,3 +50,29 @@ async def test_a_slave_promoted_long_after_its_snapshot_does_not_go_over_every_h
     assert "half queue offsets 7 to 2999999999" in caplog.text and "cannot be told" in caplog.text
     if role == "SLAVE":
         assert tx.removed_undecided == [] and tx.removed_undecided_queue == []
+
+
+def test_a_store_time_one_flipped_bit_from_its_born_time_is_put_back_a_skewed_producers_is_not():
+    born = 1_795_800_000_000
+    for bit, skew in ((28, 0), (40, 0), (22, 35_000), (45, -59_000)):     # cleared or set, the producer seconds off
+        true = born + skew
+        msg = SimpleNamespace(store_timestamp=true ^ (1 << bit), born_timestamp=born)
+        assert recovery._unflipped_stamp(msg) == bit and msg.store_timestamp == true
+    hour = 3_600_000
+    for skew in (30_000, -80 * hour, 5 * hour, -(1 << 28) + 2 * 60_000):   # sound, or a producer's clock hours off
+        msg = SimpleNamespace(store_timestamp=born + skew, born_timestamp=born)
+        assert recovery._unflipped_stamp(msg) is None and msg.store_timestamp == born + skew
+
+
+def test_a_born_time_one_flipped_bit_from_its_store_time_leaves_the_store_time():
+    """The born time is as likely the flipped one: the halves around it in the log bound the store time."""
+    store = 1_795_800_000_000
+    for bit in (28, 22, 40):
+        msg = SimpleNamespace(store_timestamp=store, born_timestamp=store ^ (1 << bit))     # the born time damaged
+        bounds = (store - 60_000, store + 5_000)        # the half before it; the one after it or the wall clock
+        assert recovery._unflipped_stamp(msg, lambda: bounds) is None and msg.store_timestamp == store
+    # the store time damaged, out of those bounds: put back as before; nothing to bound it: put back
+    msg = SimpleNamespace(store_timestamp=store ^ (1 << 28), born_timestamp=store)
+    assert recovery._unflipped_stamp(msg, lambda: (store - 60_000, store + 5_000)) == 28
+    msg = SimpleNamespace(store_timestamp=store ^ (1 << 28), born_timestamp=store)
+    assert recovery._unflipped_stamp(msg, lambda: (None, None)) == 28 and msg.store_timestamp == store

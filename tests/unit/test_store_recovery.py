@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from broker.store import GetStatus, MessageStore, PutRequest, PutResult, StoreConfig
 from broker.store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from broker.store.manifest import NUL_FREE_FILE, read_nul_free_from, write_nul_free_from
+from broker.store.manifest import NUL_FREE_FILE, read_corrupt_kept, read_nul_free_from, write_corrupt_kept, write_nul_free_from
 from broker.store.recovery import BadRecord, parse_record
 from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import decode_record, encode_record, pack_host, properties_to_string
@@ -1754,4 +1754,27 @@ async def test_a_queue_whose_files_were_lost_keeps_its_newest_record_a_sibling_w
     assert (store.max_offset("T", 0), store.max_offset("T", 1)) == (n, n + 1)
     msg, _ = decode_record(bytes(store.get_record(last.physical_offset)), check_crc=True)
     assert msg.queue_id == 1
+    await store.close()
+
+
+@bounded(30)
+async def test_a_kept_record_leaves_the_count_and_corrupt_kept_with_its_segment(tmp_path):
+    """Retention removing the segment of a record kept in place (keep_corrupt_records) left it in the store's kept
+    set and its corrupt_kept file for as long as the broker ran: txmq_store_kept_corrupt_records (the alert) held
+    a loss no pull can meet any more, and the file kept every offset ever kept until some later start."""
+    config = StoreConfig(segment_size=8192, max_message_size=8000)
+    store = MessageStore(str(tmp_path), config)
+    await store.open()
+    old = await store.put(PutRequest.build("Old", b"o" * 7500))       # alone in the first segment
+    for _ in range(3):
+        assert (await store.put(PutRequest.build("New", b"n" * 3000))).ok
+    await store.close()
+    write_corrupt_kept(str(tmp_path), {old.physical_offset})        # as a start keeping it would have written
+
+    store = MessageStore(str(tmp_path), config)
+    await store.open()
+    assert store.kept_corrupt == 1
+    await store.remove_segment(store.segments()[0].name, "test")
+    assert store.kept_corrupt == 0
+    assert read_corrupt_kept(str(tmp_path)) == frozenset()
     await store.close()
