@@ -277,7 +277,8 @@ class BrokerServer:
         """The master's HA listener (returns its address) or the slave's follower task (broker/ha)."""
         c = self.config
         if isinstance(ctx.ha, ha_roles.HASlave):
-            self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000)
+            self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000,
+                                        forget_after_s=c.slave_group_forget_ms / 1000)
             self.slave_sync.subscriptions = ctx.subscriptions       # the master's groups are copied too
             self.slave_sync.topics = ctx.topics                     # and its topics, deletes with them
             self.slave_sync.delete_topic = self._delete_followed_topic

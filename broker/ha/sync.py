@@ -6,7 +6,8 @@ the routes) asks for its offset and gets none: it starts over from the first mes
 once retention has trimmed the queue, from the last (the rest never delivered). So every
 ``slave_sync_interval_ms`` the slave asks its master GET_ALL_CONSUMER_OFFSET and takes every offset it
 lists, as RocketMQ's slave does (putAll: the master's value wins; offsets only the slave has stay), and removes
-those of a group the master listed at an earlier copy and its last two do not (deleted with its offsets there).
+those of a group the master listed at an earlier copy and its answers have missed for ``slave_group_forget_ms``
+(deleted with its offsets there; not a master back from a kill -9 without its last seconds of commits).
 
 The master's broker address comes from the name server's answer to the slave's registration
 (``masterAddr``), as in RocketMQ; a slave that registers with no name server has nobody to ask, and says so.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 from protocol.admin_bodies import (add_offset_entries, offset_table_members, quote_int_keys,
                                    string_literal_pieces)
@@ -43,9 +45,11 @@ QUOTE_SLICE = 512       # pieces of the body (a key, then its queues' ids and of
 
 
 class SlaveSync:
-    def __init__(self, offsets, interval_s: float, *, timeout_s: float = 3.0):
+    def __init__(self, offsets, interval_s: float, *, timeout_s: float = 3.0, forget_after_s: float = 30.0):
         self.offsets = offsets
         self.interval_s = interval_s
+        self.forget_after_s = forget_after_s    # a group missing from the master's answers this long goes here too
+        self.clock = time.monotonic
         self.timeout_s = timeout_s
         self.master_addr: str | None = None     # the master's broker address, from the name server
         self.synced = 0                         # copies taken (metrics, tests)
@@ -64,7 +68,7 @@ class SlaveSync:
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
-        self._absent: set[str] = set()  # of those, the ones the last answer missed: removed if the next misses them too
+        self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: since when (self.clock)
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -136,17 +140,23 @@ class SlaveSync:
         return True
 
     async def _forget_groups(self, addr: str, groups: set[str]) -> bool:
-        """Remove the offsets of the groups the master's earlier copies named and its last two do not: the master
-        removed them (DELETE_SUBSCRIPTIONGROUP with removeOffset). The copy (putAll) kept them for good: a slave
-        promoted resumed a group made again from its deleted offsets, past messages, and its lag series lived on.
-        Two answers, not one: a master killed -9 comes back with its offsets as saved up to 5 s before, without a
-        group whose first commits came since, until its consumers commit again (every 5 s); removed at that one
-        answer, saved, a consumer failing over to this slave meanwhile started the group over. Offsets only this
-        slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        """Remove the offsets of the groups the master's earlier copies named and its answers have missed since at
+        least ``forget_after_s`` ago, the last one too: the master removed them (DELETE_SUBSCRIPTIONGROUP with
+        removeOffset). The copy (putAll) kept them for good: a slave promoted resumed a group made again from its
+        deleted offsets, and its lag series lived on.
+        Not at the first answer that misses one, nor at the second: a master killed -9 comes back with its offsets
+        as saved up to 5 s before, without a group whose first commits came since, until its consumers commit
+        again (every 5 s once they reach it again); removed then, saved, a consumer failing over to this slave
+        meanwhile started the group over. Two answers in a row held that off only while the sync interval (10 s)
+        was longer than the consumers' way back: at --slave-sync-interval-ms 1000 two answers came 1 s apart.
+        Offsets only this slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        now = self.clock()
         missed = set() if self._master_groups is None else self._master_groups - groups
-        gone = missed & self._absent
-        self._absent = missed - gone
-        self._master_groups = groups | self._absent
+        self._absent = {group: self._absent.get(group, now) for group in missed}
+        gone = {group for group, since in self._absent.items() if now - since >= self.forget_after_s}
+        for group in gone:
+            del self._absent[group]
+        self._master_groups = groups | self._absent.keys()
         if not gone:
             return True
         self.offsets.remove_groups(gone)

@@ -326,7 +326,8 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
     started = []
     pool = ConnectionPool()
     try:
-        ns, master, slave = _name_server_master_slave(tmp_path, "broker-dg", started, "--slave-sync-interval-ms", "200")
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-dg", started, "--slave-sync-interval-ms", "200",
+                                                       "--slave-group-forget-ms", "1000")
         async with asyncio.timeout(60):
             async with Producer(ns.addr, "PG_deleted_group") as producer:
                 mq = await _until_replicating(producer)

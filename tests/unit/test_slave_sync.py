@@ -383,6 +383,7 @@ async def test_offsets_of_a_group_the_master_deleted_go_from_the_slave_too(tmp_p
     offsets = ConsumerOffsets(str(tmp_path))
     offsets.commit("Only", "Here", 0, 9)
     sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
     answers = [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40),
                                         (("Old", "Orders", 1), 41)]),
                encode_consumer_offsets([(("CG", "Orders", 0), 13)]), encode_consumer_offsets([(("CG", "Orders", 0), 13)])]
@@ -392,7 +393,8 @@ async def test_offsets_of_a_group_the_master_deleted_go_from_the_slave_too(tmp_p
         assert offsets.get("Old", "Orders", 1) == 41
         assert await sync.sync_once()                   # the master deleted "Old" with its offsets meanwhile
         assert offsets.get("Old", "Orders", 1) == 41    # missed by one answer: kept (a master back from a kill -9)
-        assert await sync.sync_once()                   # and by the next: gone
+        clock[0] += sync.forget_after_s
+        assert await sync.sync_once()                   # and by the next, forget_after_s on: gone
     finally:
         await sync.close()
     restarted = ConsumerOffsets(str(tmp_path))          # killed now: what the next start reads
@@ -411,6 +413,7 @@ async def test_a_group_missing_from_one_answer_only_keeps_its_offsets_on_the_sla
     row miss it; one deleted and made again in between takes the master's offsets, as any."""
     offsets = ConsumerOffsets(str(tmp_path))
     sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
     both = encode_consumer_offsets([(("CG", "Orders", 0), 12), (("New", "Orders", 0), 40)])
     answers = [both, encode_consumer_offsets([(("CG", "Orders", 0), 12)]), both,
                encode_consumer_offsets([(("CG", "Orders", 0), 13)]), encode_consumer_offsets([(("CG", "Orders", 0), 14)])]
@@ -420,10 +423,39 @@ async def test_a_group_missing_from_one_answer_only_keeps_its_offsets_on_the_sla
         for _ in range(5):
             assert await sync.sync_once()
             held.append(offsets.get("New", "Orders", 0))
+            clock[0] += sync.forget_after_s
     finally:
         await sync.close()
     assert held == [40, 40, 40, 40, None]       # the restarted master's one answer without it: kept; two: gone
     assert ConsumerOffsets(str(tmp_path)).get("New", "Orders", 0) is None
+
+
+@bounded(10)
+async def test_a_group_a_restarted_master_misses_for_a_few_quick_answers_keeps_its_offsets_on_the_slave(tmp_path):
+    """At --slave-sync-interval-ms 1000 two answers in a row came 1 s apart: a master killed -9 within 5 s of a new
+    group's first commits came back without the group, its next two answers (1 s) removed the group's offsets on
+    the slave, saved, 4 s before its consumers committed again (every 5 s) -- a consumer failing over to the slave
+    meanwhile started the group over, and with the consumers stopped before the kill the offsets were gone for
+    good. A group goes only once the master's answers have missed it for forget_after_s (30 s): here 5 answers a
+    second apart miss it, the sixth names it again, and the slave held its offset throughout."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    both = encode_consumer_offsets([(("CG", "Orders", 0), 12), (("New", "Orders", 0), 40)])
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])     # the restarted master, before the recommit
+    _offsets_answers(sync, [both] + [lost] * 5 + [encode_consumer_offsets([(("New", "Orders", 0), 41)])])
+    try:
+        held = []
+        for _ in range(7):
+            assert await sync.sync_once()
+            held.append(offsets.get("New", "Orders", 0))
+            if len(held) == 1:
+                await offsets.saved()                   # the periodic save, before the master's kill
+            clock[0] += 1.0                             # --slave-sync-interval-ms 1000
+    finally:
+        await sync.close()
+    assert held == [40] * 6 + [41]
+    assert ConsumerOffsets(str(tmp_path)).get("New", "Orders", 0) == 40     # no removal saved either
 
 
 @pytest.mark.parametrize("body", [
@@ -528,6 +560,13 @@ def _following(master: str, offsets) -> SlaveSync:
     sync = SlaveSync(offsets, 10.0)
     sync.on_registered("ns", types.SimpleNamespace(ext_fields={"masterAddr": master}))
     return sync
+
+
+def _fake_clock(sync) -> list[float]:
+    """``sync``'s clock reads the returned list's one item: a test moves it as the answers come."""
+    now = [1000.0]
+    sync.clock = lambda: now[0]
+    return now
 
 
 def _offsets_answers(sync, answers: list) -> None:
