@@ -50,6 +50,7 @@ class SlaveSync:
         self.interval_s = interval_s
         self.forget_after_s = forget_after_s    # a group missing from the master's answers this long goes here too
         self.clock = time.monotonic
+        self.copied_at = self.clock()           # the last whole copy's time (the start's while none): copy_age_s
         self.timeout_s = timeout_s
         self.master_addr: str | None = None     # the master's broker address, from the name server
         self.synced = 0                         # copies taken (metrics, tests)
@@ -69,6 +70,14 @@ class SlaveSync:
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
         self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: since when (self.clock)
+
+    def copy_age_s(self) -> float:
+        """Seconds since the master's offsets, groups and topics were last copied whole (since this slave's start
+        while never). A failed copy was said once at WARNING and nowhere else: a slave following its master's log,
+        its copies refused for days (an ACL on the master without the slave's address, a master address the name
+        server gave that the slave cannot reach, a full disk), looked as sound as any in its metrics, and consumers
+        that failed over to it went on from offsets days old -- those days' messages again."""
+        return max(0.0, self.clock() - self.copied_at)
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -134,6 +143,7 @@ class SlaveSync:
             return False
         await self._sync_log_bounds(addr)      # its failure is said apart: the copies above stand
         self.synced += 1
+        self.copied_at = self.clock()
         if self._failing is not None:
             log.warning("consumer offsets copied from master %s again", addr)
             self._failing = None

@@ -1587,3 +1587,50 @@ async def test_a_slave_with_no_name_server_says_at_start_that_its_cleaner_remove
     slave = _slave(broker_factory, master)
     assert "its cleaner removes no expired segment" in slave.log()
     assert "removes no expired segment" not in master.log()
+
+
+MASTER_ACL = """\
+globalWhiteRemoteAddresses: [{white}]
+accounts:
+  - accessKey: txmqadmin
+    secretKey: admin-secret
+    admin: true
+"""
+
+
+async def test_a_slave_whose_copies_its_master_refuses_says_so_in_a_gauge(tmp_path):
+    """A master with an ACL that does not whitelist its slave refuses the slave's unsigned GET_ALL_CONSUMER_OFFSET
+    (RocketMQ: whitelist the slave). The slave follows the master's log all the same, and the copies' refusal was
+    a WARNING once: its metrics (connected 1, lag 0) were a sound slave's for as long as it lasted, and consumers
+    failing over to it went on from offsets as old. txmq_ha_slave_sync_age_seconds grows meanwhile (an alert
+    fires past 5 minutes) and is back near 0 once the master whitelists the slave."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+
+    started = []
+    acl = tmp_path / "plain_acl.yml"
+    acl.write_text(MASTER_ACL.format(white=""))
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-acl", 500), "--broker-role",
+                               "ASYNC_MASTER", "--ha-port", "0", "--acl-file", str(acl)).start()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-acl", 500), "--broker-role",
+                              "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                              "--slave-sync-interval-ms", "200").start()
+        started.append(slave)
+        async with asyncio.timeout(60):
+            while True:         # following, its copies refused for 10 sync intervals and more
+                gauges = _scrape(slave.metrics)
+                if gauges.get("txmq_ha_slave_connected") == 1 and "refused GET_ALL_CONSUMER_OFFSET" in slave.log() \
+                        and gauges["txmq_ha_slave_sync_age_seconds"] >= 2.0:
+                    break
+                await asyncio.sleep(0.2)
+            acl.write_text(MASTER_ACL.format(white='"127.0.0.1"'))   # reloaded by the master as it changes
+            while _scrape(slave.metrics)["txmq_ha_slave_sync_age_seconds"] >= 1.0:
+                await asyncio.sleep(0.2)
+        assert "consumer offsets copied from master" in slave.log()
+    finally:
+        for p in reversed(started):
+            p.kill()
