@@ -545,12 +545,57 @@ async def test_the_masters_subscription_groups_are_read_on_the_loop_a_step_at_a_
     try:
         assert await sync._sync_groups("127.0.0.1:10911")
         assert subs.groups == {"CG7": group_config("CG7", {"retryMaxTimes": 3})}
-        async with other_client() as turns:     # the same table again: nothing saved, the reading's turns alone
+        master.update({"groupName": "CG8", "retryMaxTimes": 4})
+        answers[0] = body = master.encode([f"CG{i}" for i in range(2_000)])
+        async with other_client() as turns:     # a table changed on the master: read again, a step at a time
             assert await sync._sync_groups("127.0.0.1:10911")
         assert turns[0] >= 3, turns[0]
-        answers[0] = body[:-2] + b', "Bad": [1]}}'       # the last group of the table not one
+        assert list(subs.groups) == ["CG7", "CG8"]
+        master.update({"groupName": "CG9", "retryMaxTimes": 5})
+        answers[0] = master.encode()[:-2] + b', "Bad": [1]}}'      # the last group of the table not one
         assert not await sync._sync_groups("127.0.0.1:10911")
-        assert list(subs.groups) == ["CG7"]
+        assert list(subs.groups) == ["CG7", "CG8"]
+    finally:
+        await sync.close()
+
+
+@bounded(30)
+async def test_the_masters_subscription_groups_are_not_read_again_while_its_data_version_is_the_one_taken(tmp_path):
+    """RocketMQ's slave takes its master's subscription groups only when their dataVersion differs from its own.
+    The slave read and checked the whole table at every sync, unchanged for days: 50,000 groups cost it 0.6-0.9 s of
+    CPU every 10 s. A body of the version last taken is read no further than its version now (here one of that
+    version holding another table is not taken: it is not read); a group set on the slave itself
+    (UPDATE_AND_CREATE_SUBSCRIPTIONGROUP there) is still undone by the master's table at the next sync, as
+    RocketMQ's (its own version moved), and a new version on the master is taken."""
+    from broker.subscriptions import SubscriptionGroups, group_config
+    master = SubscriptionGroups(str(tmp_path / "m"), lambda: 5)
+    master.update({"groupName": "CG7", "retryMaxTimes": 3})
+    subs = SubscriptionGroups(str(tmp_path), lambda: 5)
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.subscriptions = subs
+    answers = [master.encode()]
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=answers[0])
+    sync.pool.request = request
+    try:
+        assert await sync._sync_groups("127.0.0.1:10911")
+        taken = {"CG7": group_config("CG7", {"retryMaxTimes": 3})}
+        assert subs.groups == taken
+        other = SubscriptionGroups(str(tmp_path / "o"), lambda: 5)
+        other.update({"groupName": "Unread", "retryMaxTimes": 1})
+        other.counter, other.timestamp = master.counter, master.timestamp
+        answers[0] = other.encode()             # the version taken: not read past it
+        assert await sync._sync_groups("127.0.0.1:10911")
+        assert subs.groups == taken
+        subs.update({"groupName": "SetOnTheSlave", "retryMaxTimes": 2})
+        answers[0] = master.encode()            # the master's version unchanged, the slave's groups not
+        assert await sync._sync_groups("127.0.0.1:10911")
+        assert subs.groups == taken
+        master.update({"groupName": "CG8", "retryMaxTimes": 4})
+        answers[0] = master.encode()
+        assert await sync._sync_groups("127.0.0.1:10911")
+        assert list(subs.groups) == ["CG7", "CG8"]
     finally:
         await sync.close()
 
