@@ -207,6 +207,33 @@ async def test_a_topic_the_store_keeps_is_gone_over_again_with_the_same_table(tm
         await sync.close()
 
 
+@bounded(10)
+async def test_a_topic_set_on_the_slave_itself_is_the_masters_again_at_the_next_sync(tmp_path):
+    """RocketMQ's slave takes its master's topic table whenever its own dataVersion differs from the master's: an
+    updateTopic aimed at the slave (-b) is undone at the next sync. This slave compared the master's version with
+    the one it last took, and skipped the table: the slave's own change (2 read-only queues here, where the master
+    has 8 read-write) held until the master's table changed for another reason -- days maybe, consumers failing over
+    to it seeing the slave's. The table is skipped only while the slave's own topics are as it left them."""
+    from broker.topics import TopicConfig, TopicManager
+
+    topics = TopicManager(str(tmp_path), auto_create=True, default_queue_nums=4, cluster="C", broker="b",
+                          per_host=False)
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.topics = topics
+    sync.log_end = lambda: 0
+    _master_answers(sync, b'{"offsetTable":{}}', b'{"Orders":{"topicName":"Orders","readQueueNums":8,'
+                                                 b'"writeQueueNums":8,"perm":6}}')
+    try:
+        assert await sync.sync_once()
+        assert topics.topics["Orders"] == TopicConfig("Orders", 8, 8, 6)
+        assert await sync.sync_once()                   # the same table: skipped
+        topics.create(TopicConfig("Orders", 2, 2, 4))   # UPDATE_AND_CREATE_TOPIC sent to the slave
+        assert await sync.sync_once()
+        assert topics.topics["Orders"] == TopicConfig("Orders", 8, 8, 6)
+    finally:
+        await sync.close()
+
+
 def test_records_in_a_masters_write_only_queues_do_not_undo_the_copied_config(tmp_path):
     """A master topic with more write queues than read ones (4 read / 8 write: being shrunk, or made so) stores
     records in queues 4-7. The slave's topic_follower grew its read queues to 8 at each such record, and the next
