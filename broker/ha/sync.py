@@ -100,29 +100,13 @@ class SlaveSync:
             self._failed("no master broker address yet (it comes from the name server's answer to this "
                          "slave's registration; a slave with no --namesrv-addr never learns it)")
             return False
-        if not self.following():
-            # A master that lost its store (or another broker behind the address) has none of this slave's topics,
-            # groups or offsets: copied, its empty table deleted every topic here, queues and all, while the slave
-            # kept the log it had (diverged) for its consumers to fail over to.
-            self._failed(f"nothing copied from master {addr}: this slave does not follow its log (not connected, "
-                         "or the logs diverged)")
-            return False
-        try:
-            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET),
-                                           self.timeout_s)
-            if resp.code != ResponseCode.SUCCESS:
-                self._failed(f"master {addr} refused GET_ALL_CONSUMER_OFFSET: code {resp.code} {resp.remark}")
-                return False
-            # A slice at a time, the loop running between (as the master encodes it): 100,000 offsets decoded and
-            # committed in one go held this slave's loop 0.4-1.7 s at every sync.
-            pieces = []     # (QUOTE_SLICE is even: a slice starts with a piece outside the literals, as the body)
-            async for part in in_slices(string_literal_pieces(resp.body_bytes().decode("utf-8")), QUOTE_SLICE):
-                pieces += [quote_int_keys(p) if i % 2 == 0 else p for i, p in enumerate(part)]
-            table: dict = {}
-            async for part in in_slices(offset_table_members(pieces), KEY_SLICE):
-                add_offset_entries(part, table)
-        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
-            self._failed(f"consumer offsets not copied from master {addr}: {exc}")
+        table = await self._master_offsets(addr)
+        if table is None:
+            # The master away (or its log not followed): a group its answers missed before is timed afresh from its
+            # next answers. Timed on, a master killed -9 that missed a new group at its first answer, then stayed
+            # away longer than forget_after_s, had the group removed here at its first answer back, before the
+            # group's consumers could reach it and commit again.
+            self._absent.clear()
             return False
         # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
         # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
@@ -131,7 +115,6 @@ class SlaveSync:
         # floor, past halves whose decisions had not reached it yet, never checking them.
         # Taken off the table as they are committed, not listed first: a list of 100,000 items made in one step
         # (and freed in one as this returns).
-        del pieces
         groups = set()
         async for part in in_slices((table.popitem() for _ in range(len(table))), OFFSET_SLICE):
             for (group, topic, qid), offset in part:
@@ -151,6 +134,34 @@ class SlaveSync:
             log.warning("consumer offsets copied from master %s again", addr)
             self._failing = None
         return True
+
+    async def _master_offsets(self, addr: str) -> dict | None:
+        """The master's GET_ALL_CONSUMER_OFFSET table, {(group, topic, queue id): offset}; None (said) when not had."""
+        if not self.following():
+            # A master that lost its store (or another broker behind the address) has none of this slave's topics,
+            # groups or offsets: copied, its empty table deleted every topic here, queues and all, while the slave
+            # kept the log it had (diverged) for its consumers to fail over to.
+            self._failed(f"nothing copied from master {addr}: this slave does not follow its log (not connected, "
+                         "or the logs diverged)")
+            return None
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET),
+                                           self.timeout_s)
+            if resp.code != ResponseCode.SUCCESS:
+                self._failed(f"master {addr} refused GET_ALL_CONSUMER_OFFSET: code {resp.code} {resp.remark}")
+                return None
+            # A slice at a time, the loop running between (as the master encodes it): 100,000 offsets decoded and
+            # committed in one go held this slave's loop 0.4-1.7 s at every sync.
+            pieces = []     # (QUOTE_SLICE is even: a slice starts with a piece outside the literals, as the body)
+            async for part in in_slices(string_literal_pieces(resp.body_bytes().decode("utf-8")), QUOTE_SLICE):
+                pieces += [quote_int_keys(p) if i % 2 == 0 else p for i, p in enumerate(part)]
+            table: dict = {}
+            async for part in in_slices(offset_table_members(pieces), KEY_SLICE):
+                add_offset_entries(part, table)
+        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
+            self._failed(f"consumer offsets not copied from master {addr}: {exc}")
+            return None
+        return table
 
     async def _forget_groups(self, addr: str, groups: set[str]) -> bool:
         """Remove the offsets of the groups the master's earlier copies named and its answers have missed since at

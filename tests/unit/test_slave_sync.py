@@ -485,6 +485,39 @@ async def test_a_group_a_restarted_master_misses_for_a_few_quick_answers_keeps_i
     assert ConsumerOffsets(str(tmp_path)).get("New", "Orders", 0) == 40     # no removal saved either
 
 
+@bounded(10)
+async def test_a_master_away_between_two_answers_that_miss_a_group_does_not_count_as_their_time(tmp_path):
+    """A master killed -9 misses a new group at its first answer back; killed again (or unreachable) for longer than
+    forget_after_s, its next answer back still misses the group, its consumers not back on it yet. Timed from the
+    first miss, the group went here at that answer (saved), the outage counted as the master's word. The time runs
+    only over answers in a row: the group stays until the master has missed it for forget_after_s since."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    answers = [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("New", "Orders", 0), 40)]), lost, None, lost,
+               lost]
+
+    async def request(addr, cmd, timeout):
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        body = answers.pop(0)
+        if body is None:
+            raise ConnectionClosedError("the master is away")
+        return cmd.response(ResponseCode.SUCCESS, body=body)
+    sync.pool.request = request
+    try:
+        held = []
+        for step in (1.0, 10 * sync.forget_after_s, 1.0, sync.forget_after_s, 0.0):
+            await sync.sync_once()
+            held.append(offsets.get("New", "Orders", 0))
+            clock[0] += step
+    finally:
+        await sync.close()
+    # named; missed; away for 10 x forget_after_s; missed again: kept; missed forget_after_s later: gone
+    assert held == [40, 40, 40, 40, None]
+
+
 @pytest.mark.parametrize("body", [
     b'{"offsetTable":{"T@G":{"0":1,"1":2},"U@H":{}}}',
     b' { "offsetTable" : { "T@G" : { "0" : 1 } , "T@\\"{,:}" : {"3": 4} } } \n',
