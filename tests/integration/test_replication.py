@@ -1634,3 +1634,41 @@ async def test_a_slave_whose_copies_its_master_refuses_says_so_in_a_gauge(tmp_pa
     finally:
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_slave_refuses_to_delete_a_topic_its_consumers_fail_over_to(broker_factory):
+    """DELETE_TOPIC_IN_BROKER sent to a slave removed its consume queues (with the deleted-topic mark) and answered
+    SUCCESS; the master kept the topic, its next records were indexed on the slave from their own queue offset on,
+    and a consumer failed over to the slave found the queue starting there: every message before the delete, still
+    on the master and in the slave's log, never served by the slave again (nor after its restart: the mark). A
+    RocketMQ 4.9.8 slave refuses it (validateSlave: "Can't modify topic or subscription group from slave broker");
+    so does this one, and its queue stays whole."""
+    from protocol.message import decode_records
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    topic = "KeptOnTheSlave"
+    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
+    try:
+        async with asyncio.timeout(60), Producer(master.namesrv, "PG_kept") as producer:
+            await _until_replicating(producer)
+            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
+            for i in range(3):
+                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            deleted = await pool.request(slave.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                               {"topic": topic}), 5.0)
+            res = await producer.send(topic, b"new3", queue=mq)
+            assert (res.status, res.queue_offset) == (SendStatus.SEND_OK, 3)    # on the slave too: SYNC_MASTER
+            resp = await pool.request(slave.broker, RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                "consumerGroup": "CG_kept", "topic": topic, "queueId": 0, "queueOffset": 0, "maxMsgNums": 8,
+                "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*",
+                "subVersion": 1, "expressionType": "TAG"}), 5.0)
+            served = [m.body for m in decode_records(resp.body_bytes())] if resp.code == ResponseCode.SUCCESS else []
+        assert (resp.code, served) == (ResponseCode.SUCCESS, [b"old0", b"old1", b"old2", b"new3"]), \
+            (resp.code, resp.remark, resp.ext_fields)
+        assert deleted.code == ResponseCode.SYSTEM_ERROR and "from slave broker" in deleted.remark, deleted.remark
+    finally:
+        await pool.close()
