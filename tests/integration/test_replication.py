@@ -240,16 +240,17 @@ async def test_sync_master_answers_flush_slave_timeout_when_the_slave_stalls(bro
     assert b"unconfirmed" in await _pull_all(slave.namesrv, mq, res.queue_offset + 1)
 
 
-def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str):
+def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str, master_flags=()):
     """A stand-alone name server, a SYNC_MASTER and its SLAVE registered under broker name ``name``; each
-    process goes on ``started`` as it starts (the caller kills them)."""
+    process goes on ``started`` as it starts (the caller kills them). The master's, then the slave's, are
+    ``master_flags`` and ``slave_flags``."""
     from tests.support.broker_process import BrokerProcess
     from tests.support.cluster_process import NamesrvProcess, cluster_flags
 
     ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000", "--scan-interval-ms", "200").start()
     started.append(ns)
     master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SYNC_MASTER",
-                           "--ha-port", "0", "--ha-heartbeat-interval-ms", "500").start()
+                           "--ha-port", "0", "--ha-heartbeat-interval-ms", "500", *master_flags).start()
     started.append(master)
     slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SLAVE",
                           "--broker-id", "1", "--ha-master-addr", master.ha, "--ha-heartbeat-interval-ms", "500",
@@ -344,6 +345,51 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
             await _until_slave_has_offset(slave, "CG_deleted", mq, 0)     # as the master answers now
             await _until_slave_has_offset(slave, "CG_kept", mq, 5)
         assert "consumer offsets of 1 group(s) removed as master" in slave.log()
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_new_group_a_master_killed_9_comes_back_without_keeps_its_offsets_on_the_slave(tmp_path):
+    """The real thing behind the unit test of --slave-group-forget-ms: a master killed -9 within its offset flush
+    interval of a new group's first commit comes back (same store, same addresses) without the group, until its
+    consumers commit again. With answers every 200 ms the slave removed the group's offset at the restarted
+    master's second answer, saved; a consumer failing over meanwhile started the group over. Five answers of the
+    restarted master without it (each seen by the slave: another group's new offset copied) remove nothing."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.prometheus import free_port
+
+    started = []
+    pool = ConnectionPool()
+    fixed = ("--port", str(free_port()), "--ha-port", str(free_port()), "--flush-consumer-offset-interval-ms", "600000")
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-k9", started, "--slave-sync-interval-ms", "200",
+                                                       master_flags=fixed)
+        async with asyncio.timeout(90):
+            async with Producer(ns.addr, "PG_k9") as producer:
+                mq = await _until_replicating(producer)
+            async with PullConsumer(ns.addr, "CG_new") as consumer:
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                await consumer.pull(mq, 0, max_nums=1, suspend_ms=0)     # a consumer's commit: not saved at once
+                await consumer.commit_offset(mq, 1)
+            await _until_slave_has_offset(slave, "CG_new", mq, 1)
+            master.kill()
+            master = BrokerProcess(tmp_path / "master", *master.flags).start()
+            started.append(master)
+            query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_new", "topic": TOPIC, "queueId": mq.queue_id})
+            table = await pool.request(master.broker, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET), 3.0)
+            assert b"CG_new" not in table.body_bytes()     # lost by the kill: the master's answers miss the group
+            for answer in range(5):       # the restarted master's answers, each one the slave took
+                commit = RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": "CG_other", "topic": TOPIC, "queueId": mq.queue_id, "commitOffset": answer})
+                assert (await pool.request(master.broker, commit, 3.0)).code == ResponseCode.SUCCESS
+                await _until_slave_has_offset(slave, "CG_other", mq, answer)
+            resp = await pool.request(slave.broker, query, 3.0)
+        assert (resp.code, resp.int_field("offset") if resp.code == ResponseCode.SUCCESS else None) == \
+            (ResponseCode.SUCCESS, 1), slave.log()
+        assert "removed as master" not in slave.log()
     finally:
         await pool.close()
         for p in reversed(started):
