@@ -247,7 +247,7 @@ class SlaveSync:
                 return False
             # A step at a time on the loop: read in a thread, json.loads held the GIL, and the loop, for the whole
             # body all the same (50,000 topics: 300-800 ms at every sync).
-            # Compared with the master's version alone, a topic set or deleted on the slave itself (updateTopic -b
+            # Compared with the master's version alone, a topic set on the slave itself (updateTopic -b
             # aimed at it: queues, perm) stayed so until the master's table changed for some other reason, days
             # maybe, failed-over consumers seeing the slave's; RocketMQ's slave takes the master's at the next sync.
             version, taken = self._topics_version
