@@ -117,6 +117,7 @@ class BrokerConfig:
     ha_housekeeping_interval_ms: int = setting(20000, "Either side drops an HA connection silent for this long; the slave reconnects (RocketMQ's haHousekeepingInterval).")
     ha_transfer_batch_size: int = setting(32 * 1024, "Bytes of commit log a master sends a slave per frame, at least one whole record (RocketMQ's haTransferBatchSize).")
     slave_sync_interval_ms: int = setting(10000, "SLAVE: how often it copies its master's committed consumer offsets (GET_ALL_CONSUMER_OFFSET, RocketMQ's SlaveSynchronize every 10 s), so consumers that fail over to it go on from there, its subscription groups (GET_ALL_SUBSCRIPTIONGROUP_CONFIG, replacing the slave's), so what updateSubGroup set on the master holds on the slave, and its topic configs (GET_ALL_TOPIC_CONFIG: queues, perm and order as the master's; a topic the master deleted is deleted on the slave). The master's broker address comes from the name server (--namesrv-addr); with an ACL on the master, whitelist the slave's address there.")
+    slave_group_forget_ms: int = setting(30000, "SLAVE: how long its master's answers must go on missing a consumer group, from the first that missed it (answers in a row: a sync that gets none starts that time again), before the slave removes the group's copied offsets as the master did (DELETE_SUBSCRIPTIONGROUP with removeOffset); at least two answers in a row. A master killed -9 comes back without the commits of its last --flush-consumer-offset-interval-ms (5 s), a new group's first ones among them, until the group's consumers commit again (a Java consumer every 5 s once it reaches the master again): removed meanwhile, a consumer failing over to the slave started the group over. Keep it above the master's offset flush interval plus its consumers' commit interval.")
     slave_read_enable: bool = setting(False, "RocketMQ's slaveReadEnable: pull replies suggest the group's whichBrokerWhenConsumeSlowly (the slave, 1, by default) to a consumer far behind the log (more than access_message_in_memory_max_ratio of RAM), else the group's brokerId (the master, 0, by default). A slave serves pulls either way.")
     # ---- operations
     metrics_snapshot_interval_s: float = setting(60.0, "Period of the metric snapshots appended under <store>/metrics for the Spark rollups; 0 disables them.")
@@ -217,7 +218,8 @@ class BrokerConfig:
             if self.ha_master_addr:
                 raise ConfigError(f"ha_master_addr is for a SLAVE; this broker is {self.broker_role}")
         for name in ("ha_slave_timeout_ms", "ha_slave_fallbehind_max", "ha_heartbeat_interval_ms",
-                     "ha_housekeeping_interval_ms", "ha_transfer_batch_size", "slave_sync_interval_ms"):
+                     "ha_housekeeping_interval_ms", "ha_transfer_batch_size", "slave_sync_interval_ms",
+                     "slave_group_forget_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
 

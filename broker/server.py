@@ -277,7 +277,8 @@ class BrokerServer:
         """The master's HA listener (returns its address) or the slave's follower task (broker/ha)."""
         c = self.config
         if isinstance(ctx.ha, ha_roles.HASlave):
-            self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000)
+            self.slave_sync = SlaveSync(ctx.offsets, c.slave_sync_interval_ms / 1000,
+                                        forget_after_s=c.slave_group_forget_ms / 1000)
             self.slave_sync.subscriptions = ctx.subscriptions       # the master's groups are copied too
             self.slave_sync.topics = ctx.topics                     # and its topics, deletes with them
             self.slave_sync.delete_topic = self._delete_followed_topic
@@ -413,6 +414,10 @@ class BrokerServer:
                               "its first report and its log holds nothing to compare from instead: retention on the "
                               "master removed what it still had to copy (rebuild its store); absent elsewhere.", [],
                               snap("ha_cannot_catch_up"))
+        m.add_gauge_collector("txmq_ha_slave_sync_age_seconds", "On a slave, seconds since it last copied its "
+                              "master's consumer offsets, subscription groups and topic configs whole (since its "
+                              "start while never): consumers failing over to it go on from offsets that old; "
+                              "absent elsewhere.", [], snap("ha_sync_age"))
         m.add_counter_collector("txmq_ha_slave_sessions_behind_log_start", "On a master, slave sessions closed "
                                 "because the slave was below this master's log start: retention removed what it "
                                 "still had to copy; absent elsewhere.", snap("ha_behind"))
@@ -470,6 +475,7 @@ class BrokerServer:
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.stopped else 0)],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
+            "ha_sync_age": [] if self.slave_sync is None else [((), self.slave_sync.copy_age_s())],
         }
 
     async def _gauge_loop(self) -> None:

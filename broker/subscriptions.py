@@ -27,6 +27,7 @@ from protocol.txlog import PROGRESS_GROUP
 from .retried_save import RetriedSave
 from .slices import members_in_slices
 from .store.saved import check, load_saved, save
+from .topics import version_taken
 
 log = logging.getLogger("txmq.subscriptions")
 
@@ -161,7 +162,7 @@ class SubscriptionGroups(RetriedSave):
             try:
                 next(reader)
             except StopIteration as done:
-                return self.take(done.value)
+                return self.take(done.value[1])
 
     def take(self, groups: dict[str, dict]) -> bool:
         """(Slave) ``groups`` (read_group_table's) for this broker's own: True when that changed anything."""
@@ -205,17 +206,24 @@ class SubscriptionGroups(RetriedSave):
 GROUP_READ_STEP = 256
 
 
-def read_group_table(body: bytes):
-    """A GET_ALL_SUBSCRIPTIONGROUP_CONFIG body's groups whose config is not all defaults (what a slave takes), read
-    a step at a time (a generator: it yields between two steps and returns them): a slave reads its master's table
-    on its loop, the loop running between two steps. Read whole (json.loads, then every group checked), 10,000
-    groups held the slave's loop 70-80 ms at every sync, 50,000 360 ms. ValueError or TypeError for a body of the
-    wrong shape, found before anything is taken (as _parse_file's: a table missing is an empty one)."""
-    groups, read = {}, 0
+def read_group_table(body: bytes, known=None):
+    """A GET_ALL_SUBSCRIPTIONGROUP_CONFIG body's (dataVersion, groups whose config is not all defaults: what a slave
+    takes), read a step at a time (a generator: it yields between two steps and returns them): a slave reads its
+    master's table on its loop, the loop running between two steps. Read whole (json.loads, then every group
+    checked), 10,000 groups held the slave's loop 70-80 ms at every sync, 50,000 360 ms. ValueError or TypeError
+    for a body of the wrong shape, found before anything is taken (as _parse_file's: a table missing is an empty
+    one). A body of dataVersion ``known`` (the one last taken, as RocketMQ's slave compares it) is not read past its
+    version, first in txmq's and a Java master's bodies: (known, None). Read each time, 50,000 groups cost the
+    slave 0.6-0.9 s of CPU at every sync (10 s), the table unchanged for days."""
+    version, groups, read = {}, {}, 0
     try:
         for inside, name, cfg in json_members(body.decode("utf-8"), "subscriptionGroupTable"):
             if not inside:
-                check(name != "dataVersion" or isinstance(cfg or {}, dict), f"malformed dataVersion {cfg!r}")
+                if name == "dataVersion":
+                    version = cfg or {}
+                    check(isinstance(version, dict), f"malformed dataVersion {cfg!r}")
+                    if version_taken(version, known):
+                        return known, None
                 continue
             check(isinstance(cfg, dict), f"group {name}: {cfg!r}")
             full = group_config(name, cfg)
@@ -228,7 +236,9 @@ def read_group_table(body: bytes):
         pass
     except UnicodeDecodeError as exc:
         raise ValueError(f"not UTF-8: {exc}") from None
-    return groups
+    if version_taken(version, known):
+        return known, None
+    return (version.get("timestamp"), version.get("counter")), groups
 
 
 def _warn_if_not_retried(name: str, cfg: dict) -> None:

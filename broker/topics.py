@@ -731,7 +731,7 @@ def read_topic_table(body: bytes, known=None):
                 if name == "dataVersion":
                     version = entry or {}
                     check(isinstance(version, dict), f"dataVersion = {version!r}")
-                    if _taken(version, known):      # (before the table: nothing of it read)
+                    if version_taken(version, known):      # (before the table: nothing of it read)
                         return known, None
                 continue
             check(isinstance(entry, dict) and name != "", f"malformed topic entry {name!r}: {entry!r}")
@@ -744,13 +744,14 @@ def read_topic_table(body: bytes, known=None):
                 yield
     except (KeyError, UnicodeDecodeError) as exc:
         raise ValueError(f'not {{"topicConfigTable": {{...}}}}: {exc}') from None
-    if _taken(version, known):
+    if version_taken(version, known):
         return known, None
     return (version.get("timestamp"), version.get("counter")), table
 
 
-def _taken(version: dict, known) -> bool:
-    """Whether the table of dataVersion ``version`` is the one last taken (``known``): a full version alone."""
+def version_taken(version: dict, known) -> bool:
+    """Whether the table of dataVersion ``version`` (a body's) is the one last taken (``known``, its (timestamp,
+    counter)): a full version alone."""
     version = (version.get("timestamp"), version.get("counter"))
     return version == known and None not in version
 

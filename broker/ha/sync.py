@@ -6,7 +6,8 @@ the routes) asks for its offset and gets none: it starts over from the first mes
 once retention has trimmed the queue, from the last (the rest never delivered). So every
 ``slave_sync_interval_ms`` the slave asks its master GET_ALL_CONSUMER_OFFSET and takes every offset it
 lists, as RocketMQ's slave does (putAll: the master's value wins; offsets only the slave has stay), and removes
-those of a group the master listed at an earlier copy and its last two do not (deleted with its offsets there).
+those of a group the master listed at an earlier copy and its answers have missed for ``slave_group_forget_ms``
+(deleted with its offsets there; not a master back from a kill -9 without its last seconds of commits).
 
 The master's broker address comes from the name server's answer to the slave's registration
 (``masterAddr``), as in RocketMQ; a slave that registers with no name server has nobody to ask, and says so.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 from protocol.admin_bodies import (add_offset_entries, offset_table_members, quote_int_keys,
                                    string_literal_pieces)
@@ -43,9 +45,12 @@ QUOTE_SLICE = 512       # pieces of the body (a key, then its queues' ids and of
 
 
 class SlaveSync:
-    def __init__(self, offsets, interval_s: float, *, timeout_s: float = 3.0):
+    def __init__(self, offsets, interval_s: float, *, timeout_s: float = 3.0, forget_after_s: float = 30.0):
         self.offsets = offsets
         self.interval_s = interval_s
+        self.forget_after_s = forget_after_s    # a group missing from the master's answers this long goes here too
+        self.clock = time.monotonic
+        self.copied_at = self.clock()           # the last whole copy's time (the start's while none): copy_age_s
         self.timeout_s = timeout_s
         self.master_addr: str | None = None     # the master's broker address, from the name server
         self.synced = 0                         # copies taken (metrics, tests)
@@ -58,13 +63,24 @@ class SlaveSync:
         self.delete_topic = None        # async fn(topic, written_from) -> deleted: as the master did (config, queues,
                                         # offsets), unless its queues hold a record at or past written_from
         self.log_end = lambda: None     # set by the server: the slave's readable log end
-        self._topics_version = None     # the master's dataVersion last taken: an unchanged table is not gone over
+        # (the master's dataVersion last taken, this slave's own counter right after): a table of that version is not
+        # gone over again while nothing here changed the slave's since (RocketMQ compares the slave's own version)
+        self._topics_version = None, None
+        self._groups_version = None, None   # the same for its subscription groups
         self.following = lambda: True   # set by the server: the HA link follows the master's log (HASlave.following)
         self._master_log: tuple[int, int] | None = None     # (start, end) of the master's log, not yet reached
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
-        self._absent: set[str] = set()  # of those, the ones the last answer missed: removed if the next misses them too
+        self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: since when (self.clock)
+
+    def copy_age_s(self) -> float:
+        """Seconds since the master's offsets, groups and topics were last copied whole (since this slave's start
+        while never). A failed copy was said once at WARNING and nowhere else: a slave following its master's log,
+        its copies refused for days (an ACL on the master without the slave's address, a master address the name
+        server gave that the slave cannot reach, a full disk), looked as sound as any in its metrics, and consumers
+        that failed over to it went on from offsets days old -- those days' messages again."""
+        return max(0.0, self.clock() - self.copied_at)
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -84,29 +100,13 @@ class SlaveSync:
             self._failed("no master broker address yet (it comes from the name server's answer to this "
                          "slave's registration; a slave with no --namesrv-addr never learns it)")
             return False
-        if not self.following():
-            # A master that lost its store (or another broker behind the address) has none of this slave's topics,
-            # groups or offsets: copied, its empty table deleted every topic here, queues and all, while the slave
-            # kept the log it had (diverged) for its consumers to fail over to.
-            self._failed(f"nothing copied from master {addr}: this slave does not follow its log (not connected, "
-                         "or the logs diverged)")
-            return False
-        try:
-            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET),
-                                           self.timeout_s)
-            if resp.code != ResponseCode.SUCCESS:
-                self._failed(f"master {addr} refused GET_ALL_CONSUMER_OFFSET: code {resp.code} {resp.remark}")
-                return False
-            # A slice at a time, the loop running between (as the master encodes it): 100,000 offsets decoded and
-            # committed in one go held this slave's loop 0.4-1.7 s at every sync.
-            pieces = []     # (QUOTE_SLICE is even: a slice starts with a piece outside the literals, as the body)
-            async for part in in_slices(string_literal_pieces(resp.body_bytes().decode("utf-8")), QUOTE_SLICE):
-                pieces += [quote_int_keys(p) if i % 2 == 0 else p for i, p in enumerate(part)]
-            table: dict = {}
-            async for part in in_slices(offset_table_members(pieces), KEY_SLICE):
-                add_offset_entries(part, table)
-        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
-            self._failed(f"consumer offsets not copied from master {addr}: {exc}")
+        table = await self._master_offsets(addr)
+        if table is None:
+            # The master away (or its log not followed): a group its answers missed before is timed afresh from its
+            # next answers. Timed on, a master killed -9 that missed a new group at its first answer, then stayed
+            # away longer than forget_after_s, had the group removed here at its first answer back, before the
+            # group's consumers could reach it and commit again.
+            self._absent.clear()
             return False
         # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
         # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
@@ -115,7 +115,6 @@ class SlaveSync:
         # floor, past halves whose decisions had not reached it yet, never checking them.
         # Taken off the table as they are committed, not listed first: a list of 100,000 items made in one step
         # (and freed in one as this returns).
-        del pieces
         groups = set()
         async for part in in_slices((table.popitem() for _ in range(len(table))), OFFSET_SLICE):
             for (group, topic, qid), offset in part:
@@ -130,23 +129,58 @@ class SlaveSync:
             return False
         await self._sync_log_bounds(addr)      # its failure is said apart: the copies above stand
         self.synced += 1
+        self.copied_at = self.clock()
         if self._failing is not None:
             log.warning("consumer offsets copied from master %s again", addr)
             self._failing = None
         return True
 
+    async def _master_offsets(self, addr: str) -> dict | None:
+        """The master's GET_ALL_CONSUMER_OFFSET table, {(group, topic, queue id): offset}; None (said) when not had."""
+        if not self.following():
+            # A master that lost its store (or another broker behind the address) has none of this slave's topics,
+            # groups or offsets: copied, its empty table deleted every topic here, queues and all, while the slave
+            # kept the log it had (diverged) for its consumers to fail over to.
+            self._failed(f"nothing copied from master {addr}: this slave does not follow its log (not connected, "
+                         "or the logs diverged)")
+            return None
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET),
+                                           self.timeout_s)
+            if resp.code != ResponseCode.SUCCESS:
+                self._failed(f"master {addr} refused GET_ALL_CONSUMER_OFFSET: code {resp.code} {resp.remark}")
+                return None
+            # A slice at a time, the loop running between (as the master encodes it): 100,000 offsets decoded and
+            # committed in one go held this slave's loop 0.4-1.7 s at every sync.
+            pieces = []     # (QUOTE_SLICE is even: a slice starts with a piece outside the literals, as the body)
+            async for part in in_slices(string_literal_pieces(resp.body_bytes().decode("utf-8")), QUOTE_SLICE):
+                pieces += [quote_int_keys(p) if i % 2 == 0 else p for i, p in enumerate(part)]
+            table: dict = {}
+            async for part in in_slices(offset_table_members(pieces), KEY_SLICE):
+                add_offset_entries(part, table)
+        except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
+            self._failed(f"consumer offsets not copied from master {addr}: {exc}")
+            return None
+        return table
+
     async def _forget_groups(self, addr: str, groups: set[str]) -> bool:
-        """Remove the offsets of the groups the master's earlier copies named and its last two do not: the master
-        removed them (DELETE_SUBSCRIPTIONGROUP with removeOffset). The copy (putAll) kept them for good: a slave
-        promoted resumed a group made again from its deleted offsets, past messages, and its lag series lived on.
-        Two answers, not one: a master killed -9 comes back with its offsets as saved up to 5 s before, without a
-        group whose first commits came since, until its consumers commit again (every 5 s); removed at that one
-        answer, saved, a consumer failing over to this slave meanwhile started the group over. Offsets only this
-        slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        """Remove the offsets of the groups the master's earlier copies named and its answers have missed since at
+        least ``forget_after_s`` ago, the last one too: the master removed them (DELETE_SUBSCRIPTIONGROUP with
+        removeOffset). The copy (putAll) kept them for good: a slave promoted resumed a group made again from its
+        deleted offsets, and its lag series lived on.
+        Not at the first answer that misses one, nor at the second: a master killed -9 comes back with its offsets
+        as saved up to 5 s before, without a group whose first commits came since, until its consumers commit
+        again (every 5 s once they reach it again); removed then, saved, a consumer failing over to this slave
+        meanwhile started the group over. Two answers in a row held that off only while the sync interval (10 s)
+        was longer than the consumers' way back: at --slave-sync-interval-ms 1000 two answers came 1 s apart.
+        Offsets only this slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        now = self.clock()
         missed = set() if self._master_groups is None else self._master_groups - groups
-        gone = missed & self._absent
-        self._absent = missed - gone
-        self._master_groups = groups | self._absent
+        self._absent = {group: self._absent.get(group, now) for group in missed}
+        gone = {group for group, since in self._absent.items() if now - since >= self.forget_after_s}
+        for group in gone:
+            del self._absent[group]
+        self._master_groups = groups | self._absent.keys()
         if not gone:
             return True
         self.offsets.remove_groups(gone)
@@ -213,7 +247,12 @@ class SlaveSync:
                 return False
             # A step at a time on the loop: read in a thread, json.loads held the GIL, and the loop, for the whole
             # body all the same (50,000 topics: 300-800 ms at every sync).
-            version, table = await in_steps(read_topic_table(resp.body_bytes(), self._topics_version))
+            # Compared with the master's version alone, a topic set on the slave itself (updateTopic -b
+            # aimed at it: queues, perm) stayed so until the master's table changed for some other reason, days
+            # maybe, failed-over consumers seeing the slave's; RocketMQ's slave takes the master's at the next sync.
+            version, taken = self._topics_version
+            version, table = await in_steps(read_topic_table(
+                resp.body_bytes(), version if taken == self.topics.data_version.counter else None))
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             self._failed(f"topic configs not copied from master {addr}: {exc}")
             return False
@@ -252,7 +291,7 @@ class SlaveSync:
             log.info("topics %s not deleted: records copied since master %s's table was asked for; the next sync "
                      "decides", newer[:3], addr)
             return True
-        self._topics_version = version
+        self._topics_version = version, self.topics.data_version.counter
         return True
 
     async def _sync_groups(self, addr: str) -> bool:
@@ -270,7 +309,13 @@ class SlaveSync:
                              f"{resp.remark}")
                 return False
             # A step at a time on the loop (as the topics): read in one go, 10,000 groups held it 70-80 ms.
-            changed = subs.take(await in_steps(read_group_table(resp.body_bytes())))
+            # Skipped while the master's dataVersion is the one taken and nothing here changed the groups since
+            # (an UPDATE_AND_CREATE_SUBSCRIPTIONGROUP sent to the slave: the master's table is taken over it again).
+            version, taken = self._groups_version
+            version, groups = await in_steps(read_group_table(
+                resp.body_bytes(), version if taken == subs.counter else None))
+            changed = groups is not None and subs.take(groups)
+            self._groups_version = version, subs.counter
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             self._failed(f"subscription groups not copied from master {addr}: {exc}")
             return False

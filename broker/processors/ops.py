@@ -205,6 +205,12 @@ async def delete_topic_in_broker(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, why)
     if is_system_topic(topic):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
+    if ctx.config.broker_role == "SLAVE":
+        # As RocketMQ 4.9.8's slave (validateSlave). Accepted, its queues went with the deleted-topic mark while the
+        # master kept the topic: its next records were indexed from their own offset on, and a consumer failed over
+        # to the slave found every earlier message gone (OFFSET_TOO_SMALL), for good (the mark holds at restart).
+        return cmd.response(ResponseCode.SYSTEM_ERROR, "Can't modify topic or subscription group from slave broker, "
+                            "please execute it from master broker.")
     existed, unmarked = [], []
     # The config goes with the queues, between the writer's batches: forgotten before, a send accepted earlier and
     # written after it opened a new queue, and the store made the topic again (topics.queue_appeared).

@@ -240,16 +240,17 @@ async def test_sync_master_answers_flush_slave_timeout_when_the_slave_stalls(bro
     assert b"unconfirmed" in await _pull_all(slave.namesrv, mq, res.queue_offset + 1)
 
 
-def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str):
+def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str, master_flags=()):
     """A stand-alone name server, a SYNC_MASTER and its SLAVE registered under broker name ``name``; each
-    process goes on ``started`` as it starts (the caller kills them)."""
+    process goes on ``started`` as it starts (the caller kills them). The master's, then the slave's, are
+    ``master_flags`` and ``slave_flags``."""
     from tests.support.broker_process import BrokerProcess
     from tests.support.cluster_process import NamesrvProcess, cluster_flags
 
     ns = NamesrvProcess(tmp_path / "namesrv.log", "--broker-expire-ms", "3000", "--scan-interval-ms", "200").start()
     started.append(ns)
     master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SYNC_MASTER",
-                           "--ha-port", "0", "--ha-heartbeat-interval-ms", "500").start()
+                           "--ha-port", "0", "--ha-heartbeat-interval-ms", "500", *master_flags).start()
     started.append(master)
     slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SLAVE",
                           "--broker-id", "1", "--ha-master-addr", master.ha, "--ha-heartbeat-interval-ms", "500",
@@ -326,7 +327,8 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
     started = []
     pool = ConnectionPool()
     try:
-        ns, master, slave = _name_server_master_slave(tmp_path, "broker-dg", started, "--slave-sync-interval-ms", "200")
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-dg", started, "--slave-sync-interval-ms", "200",
+                                                       "--slave-group-forget-ms", "1000")
         async with asyncio.timeout(60):
             async with Producer(ns.addr, "PG_deleted_group") as producer:
                 mq = await _until_replicating(producer)
@@ -343,6 +345,51 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
             await _until_slave_has_offset(slave, "CG_deleted", mq, 0)     # as the master answers now
             await _until_slave_has_offset(slave, "CG_kept", mq, 5)
         assert "consumer offsets of 1 group(s) removed as master" in slave.log()
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_new_group_a_master_killed_9_comes_back_without_keeps_its_offsets_on_the_slave(tmp_path):
+    """The real thing behind the unit test of --slave-group-forget-ms: a master killed -9 within its offset flush
+    interval of a new group's first commit comes back (same store, same addresses) without the group, until its
+    consumers commit again. With answers every 200 ms the slave removed the group's offset at the restarted
+    master's second answer, saved; a consumer failing over meanwhile started the group over. Five answers of the
+    restarted master without it (each seen by the slave: another group's new offset copied) remove nothing."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.prometheus import free_port
+
+    started = []
+    pool = ConnectionPool()
+    fixed = ("--port", str(free_port()), "--ha-port", str(free_port()), "--flush-consumer-offset-interval-ms", "600000")
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-k9", started, "--slave-sync-interval-ms", "200",
+                                                       master_flags=fixed)
+        async with asyncio.timeout(90):
+            async with Producer(ns.addr, "PG_k9") as producer:
+                mq = await _until_replicating(producer)
+            async with PullConsumer(ns.addr, "CG_new") as consumer:
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                await consumer.pull(mq, 0, max_nums=1, suspend_ms=0)     # a consumer's commit: not saved at once
+                await consumer.commit_offset(mq, 1)
+            await _until_slave_has_offset(slave, "CG_new", mq, 1)
+            master.kill()
+            master = BrokerProcess(tmp_path / "master", *master.flags).start()
+            started.append(master)
+            query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_new", "topic": TOPIC, "queueId": mq.queue_id})
+            table = await pool.request(master.broker, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET), 3.0)
+            assert b"CG_new" not in table.body_bytes()     # lost by the kill: the master's answers miss the group
+            for answer in range(5):       # the restarted master's answers, each one the slave took
+                commit = RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": "CG_other", "topic": TOPIC, "queueId": mq.queue_id, "commitOffset": answer})
+                assert (await pool.request(master.broker, commit, 3.0)).code == ResponseCode.SUCCESS
+                await _until_slave_has_offset(slave, "CG_other", mq, answer)
+            resp = await pool.request(slave.broker, query, 3.0)
+        assert (resp.code, resp.int_field("offset") if resp.code == ResponseCode.SUCCESS else None) == \
+            (ResponseCode.SUCCESS, 1), slave.log()
+        assert "removed as master" not in slave.log()
     finally:
         await pool.close()
         for p in reversed(started):
@@ -1586,3 +1633,88 @@ async def test_a_slave_with_no_name_server_says_at_start_that_its_cleaner_remove
     slave = _slave(broker_factory, master)
     assert "its cleaner removes no expired segment" in slave.log()
     assert "removes no expired segment" not in master.log()
+
+
+MASTER_ACL = """\
+globalWhiteRemoteAddresses: [{white}]
+accounts:
+  - accessKey: txmqadmin
+    secretKey: admin-secret
+    admin: true
+"""
+
+
+async def test_a_slave_whose_copies_its_master_refuses_says_so_in_a_gauge(tmp_path):
+    """A master with an ACL that does not whitelist its slave refuses the slave's unsigned GET_ALL_CONSUMER_OFFSET
+    (RocketMQ: whitelist the slave). The slave follows the master's log all the same, and the copies' refusal was
+    a WARNING once: its metrics (connected 1, lag 0) were a sound slave's for as long as it lasted, and consumers
+    failing over to it went on from offsets as old. txmq_ha_slave_sync_age_seconds grows meanwhile (an alert
+    fires past 5 minutes) and is back near 0 once the master whitelists the slave."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import NamesrvProcess, cluster_flags
+
+    started = []
+    acl = tmp_path / "plain_acl.yml"
+    acl.write_text(MASTER_ACL.format(white=""))
+    try:
+        ns = NamesrvProcess(tmp_path / "namesrv.log").start()
+        started.append(ns)
+        master = BrokerProcess(tmp_path / "master", *cluster_flags(ns.addr, "broker-acl", 500), "--broker-role",
+                               "ASYNC_MASTER", "--ha-port", "0", "--acl-file", str(acl)).start()
+        started.append(master)
+        slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-acl", 500), "--broker-role",
+                              "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                              "--slave-sync-interval-ms", "200").start()
+        started.append(slave)
+        async with asyncio.timeout(60):
+            while True:         # following, its copies refused for 10 sync intervals and more
+                gauges = _scrape(slave.metrics)
+                if gauges.get("txmq_ha_slave_connected") == 1 and "refused GET_ALL_CONSUMER_OFFSET" in slave.log() \
+                        and gauges["txmq_ha_slave_sync_age_seconds"] >= 2.0:
+                    break
+                await asyncio.sleep(0.2)
+            acl.write_text(MASTER_ACL.format(white='"127.0.0.1"'))   # reloaded by the master as it changes
+            while _scrape(slave.metrics)["txmq_ha_slave_sync_age_seconds"] >= 1.0:
+                await asyncio.sleep(0.2)
+        assert "consumer offsets copied from master" in slave.log()
+    finally:
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_slave_refuses_to_delete_a_topic_its_consumers_fail_over_to(broker_factory):
+    """DELETE_TOPIC_IN_BROKER sent to a slave removed its consume queues (with the deleted-topic mark) and answered
+    SUCCESS; the master kept the topic, its next records were indexed on the slave from their own queue offset on,
+    and a consumer failed over to the slave found the queue starting there: every message before the delete, still
+    on the master and in the slave's log, never served by the slave again (nor after its restart: the mark). A
+    RocketMQ 4.9.8 slave refuses it (validateSlave: "Can't modify topic or subscription group from slave broker");
+    so does this one, and its queue stays whole."""
+    from protocol.message import decode_records
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+    topic = "KeptOnTheSlave"
+    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
+    try:
+        async with asyncio.timeout(60), Producer(master.namesrv, "PG_kept") as producer:
+            await _until_replicating(producer)
+            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
+            for i in range(3):
+                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            deleted = await pool.request(slave.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
+                                                                               {"topic": topic}), 5.0)
+            res = await producer.send(topic, b"new3", queue=mq)
+            assert (res.status, res.queue_offset) == (SendStatus.SEND_OK, 3)    # on the slave too: SYNC_MASTER
+            resp = await pool.request(slave.broker, RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                "consumerGroup": "CG_kept", "topic": topic, "queueId": 0, "queueOffset": 0, "maxMsgNums": 8,
+                "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*",
+                "subVersion": 1, "expressionType": "TAG"}), 5.0)
+            served = [m.body for m in decode_records(resp.body_bytes())] if resp.code == ResponseCode.SUCCESS else []
+        assert (resp.code, served) == (ResponseCode.SUCCESS, [b"old0", b"old1", b"old2", b"new3"]), \
+            (resp.code, resp.remark, resp.ext_fields)
+        assert deleted.code == ResponseCode.SYSTEM_ERROR and "from slave broker" in deleted.remark, deleted.remark
+    finally:
+        await pool.close()
