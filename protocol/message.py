@@ -96,6 +96,13 @@ class Prop:
     CORRELATION_ID = "CORRELATION_ID"       # request-reply: the request a reply answers
     REPLY_TO_CLIENT = "REPLY_TO_CLIENT"     # request-reply: the client id of the requester
     TTL = "TTL"                             # request-reply: how long (ms) the requester waits
+    START_DELIVER_TIME = "__STARTDELIVERTIME"   # Aliyun's timer (ali-ons setStartDeliverTime): absolute ms
+
+
+# Properties asking the broker to hold a message until a time: RocketMQ 5's timers, and the one Aliyun's brokers
+# honour and its clients set (ali-ons' setStartDeliverTime; Java producers migrated from Aliyun put it by hand),
+# which RocketMQ 4.9.8 ignores, delivering such a message at once.
+TIMER_PROPS = ("TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", Prop.START_DELIVER_TIME)
 
 
 # ----------------------------------------------------------------- properties

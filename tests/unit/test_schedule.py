@@ -99,6 +99,22 @@ def test_timer_properties_give_an_exact_delivery_time():
     assert "TIMER_DELAY_SEC" not in props
 
 
+def test_aliyuns_start_deliver_time_is_a_timer_after_rocketmq_5s():
+    """__STARTDELIVERTIME (ali-ons' setStartDeliverTime, absolute ms) was no timer: delivered at once."""
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS, timer_max_delay_ms=3_600_000)
+    now = 1_000_000
+    props = {"__STARTDELIVERTIME": str(now + 1500)}
+    assert lv.divert("T", 2, props, 0, now) == (TIMER_TOPIC, 0, -1, now + 1500)
+    assert props["TIMER_OUT_MS"] == str(now + 1500) and props["REAL_TOPIC"] == "T" and props["REAL_QID"] == "2"
+    both = {"__STARTDELIVERTIME": str(now + 9000), "TIMER_DELIVER_MS": str(now + 700)}
+    assert lv.divert("T", 0, both, 0, now) == (TIMER_TOPIC, 0, -1, now + 700)      # RocketMQ 5's wins
+    assert lv.divert("T", 0, {"__STARTDELIVERTIME": str(now - 1)}, 0, now) is None   # past: at once
+    assert "__STARTDELIVERTIME='soon' is not a whole number" in lv.divert("T", 0, {"__STARTDELIVERTIME": "soon"}, 0, now)
+    assert "beyond the 3600 s maximum" in lv.divert("T", 0, {"__STARTDELIVERTIME": str(now + 3_601_000)}, 0, now)
+    props = {"DELAY": "1", "__STARTDELIVERTIME": str(now + 60_000)}
+    assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC and "__STARTDELIVERTIME" not in props
+
+
 def test_rebuilt_consume_queue_units_carry_the_delivery_time():
     lv = DelayLevels("1s 5s")
     assert lv.consume_queue_tag(SCHEDULE_TOPIC, {"DELAY": "2"}, 7_000) == 12_000
