@@ -259,8 +259,8 @@ def handle_send(ctx, conn, cmd):
     if Prop.REPLY_TO_CLIENT in props:       # a request (request-reply): its reply goes back to this connection
         ctx.clients.requested(conn, props)
     if half:
-        if any(k in props for k in TIMER_PROPS):
-            # A half waits only once committed, where a refused timer could only mean "deliver now": judge it
+        if Prop.DELAY in props or any(k in props for k in TIMER_PROPS):
+            # A half waits only once committed, where a refused delay could only mean "deliver now": judge it
             # here, as a plain send's (on a copy: the half keeps its properties as sent).
             illegal = ctx.schedule.levels.divert(topic, qid, dict(props), SysFlag.TRANSACTION_COMMIT, ctx.clock())
             if isinstance(illegal, str):

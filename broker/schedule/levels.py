@@ -99,12 +99,17 @@ class DelayLevels:
         """Rewrite ``props`` (in place) for a message that must wait, and say where it goes; None: it
         goes to ``topic`` now; a string: why it is refused (MESSAGE_ILLEGAL).
 
-        Only NOT and COMMIT transaction types wait (a half waits only once committed)."""
+        Only NOT and COMMIT transaction types wait (a half waits only once committed). A DELAY that is no whole
+        number is refused (an empty one asks for nothing)."""
         if Prop.DELAY not in props and props.keys().isdisjoint(TIMER_PROPS):
             return None         # the common case, first: nothing asks to wait
         if SysFlag.transaction_type(sys_flag) not in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT):
             return None
         level = _int(props.get(Prop.DELAY))
+        if level is None and props.get(Prop.DELAY, "").strip():
+            # RocketMQ's Integer.parseInt throws on it and the send fails; taken as no delay, the message was
+            # SEND_OK and delivered at once.
+            return f"delay level illegal: DELAY={props[Prop.DELAY]!r} is not a whole number"
         if level is not None and level > 0:
             for key in TIMER_PROPS:
                 props.pop(key, None)

@@ -18,7 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import LocalTransactionState, Producer, TransactionProducer
+from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.errors import MessageIllegalError
+from protocol.message import SendMessageRequestHeader, properties_to_string
+from tests.support.cluster_process import request, stored_count
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -177,6 +180,30 @@ async def test_a_transactional_message_with_an_illegal_timer_is_refused_at_its_h
             with pytest.raises(MessageIllegalError, match="not a whole number"):
                 await tx.send_in_transaction("TxTimed", b"bad", properties={"TIMER_DELIVER_MS": "tomorrow"})
         assert executed == [] and await _all_messages(broker.namesrv, "TxTimed") == []
+
+
+async def test_a_delay_level_that_is_no_number_is_refused_not_delivered_at_once(broker_factory):
+    """A DELAY that is no whole number ("2.5" from a JavaScript producer's ``msg.delayTimeLevel = 2.5``) was
+    answered SEND_OK and delivered at once, as if no delay was asked; RocketMQ's Integer.parseInt throws on it and
+    the send fails (SYSTEM_ERROR). Refused MESSAGE_ILLEGAL now, on a plain send and on a half (whose delay applies
+    at its commit, where a refusal could only mean "now"; stock producers clear DELAY on halves, a raw one may not)."""
+    broker = broker_factory(*FAST)
+    async with asyncio.timeout(20):
+        async with Producer(broker.namesrv, "PG_bad_delay") as producer:
+            for delay in ("2.5", "soon"):
+                with pytest.raises(MessageIllegalError, match=f"DELAY='{delay}' is not a whole number"):
+                    await producer.send("BadDelay", b"early", properties={"DELAY": delay})
+            kept = await producer.send("BadDelay", b"no delay asked", properties={"DELAY": ""})
+        half = SendMessageRequestHeader(
+            producer_group="PG_raw_half", topic="BadDelay", queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+            properties=properties_to_string({"TRAN_MSG": "true", "PGROUP": "PG_raw_half", "DELAY": "2.5"}),
+            born_timestamp=int(time.time() * 1000))
+        resp = await request(broker.broker, RequestCode.SEND_MESSAGE_V2, half.to_ext_fields(v2=True), b"half")
+        assert (resp.code, resp.remark) == (ResponseCode.MESSAGE_ILLEGAL,
+                                            "delay level illegal: DELAY='2.5' is not a whole number")
+        assert [m.body for m in await _all_messages(broker.namesrv, "BadDelay")] == [b"no delay asked"]
+        assert kept.queue_offset == 0
+        assert await stored_count(broker.broker, "RMQ_SYS_TRANS_HALF_TOPIC", 1) == 0
 
 
 async def _count_keys(namesrv, topic) -> Counter:

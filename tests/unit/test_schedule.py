@@ -74,7 +74,7 @@ def test_a_delayed_message_is_rewritten_into_the_schedule_topic():
     d = lv.divert("Orders", 0, props, 0, now=1000)
     assert (d.queue_id, props["DELAY"]) == (17, "18")   # clamped to the max level, as CommitLog does
     assert lv.divert("Orders", 0, {"DELAY": "0"}, 0, now=1000) is None
-    assert lv.divert("Orders", 0, {"DELAY": "x"}, 0, now=1000) is None
+    assert "is not a whole number" in lv.divert("Orders", 0, {"DELAY": "x"}, 0, now=1000)    # RocketMQ: parseInt throws
     committed = SysFlag.with_transaction_type(0, SysFlag.TRANSACTION_COMMIT)
     assert lv.divert("Orders", 0, {"DELAY": "1"}, committed, now=1000).topic == SCHEDULE_TOPIC
     prepared = SysFlag.with_transaction_type(0, SysFlag.TRANSACTION_PREPARED)
@@ -113,6 +113,15 @@ def test_aliyuns_start_deliver_time_is_a_timer_after_rocketmq_5s():
     assert "beyond the 3600 s maximum" in lv.divert("T", 0, {"__STARTDELIVERTIME": str(now + 3_601_000)}, 0, now)
     props = {"DELAY": "1", "__STARTDELIVERTIME": str(now + 60_000)}
     assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC and "__STARTDELIVERTIME" not in props
+
+
+def test_a_delay_that_is_no_whole_number_is_refused_an_empty_one_asks_nothing():
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS)
+    for delay in ("2.5", "soon", "1e3"):
+        assert lv.divert("T", 0, {"DELAY": delay}, 0, 1000) == \
+            f"delay level illegal: DELAY={delay!r} is not a whole number"
+    assert lv.divert("T", 0, {"DELAY": " "}, 0, 1000) is None
+    assert lv.divert("T", 0, {"DELAY": "-1"}, 0, 1000) is None       # RocketMQ: level <= 0 is no delay
 
 
 def test_rebuilt_consume_queue_units_carry_the_delivery_time():
