@@ -510,7 +510,7 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
         if "\x00" in text:
             return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"message {i} of the batch not stored: "
                                 f"{nul_in_properties(text)}")
-        if "DELAY\x01" in text or "TRAN_MSG\x01" in text or "TIMER_" in text:
+        if "DELAY\x01" in text or "TRAN_MSG\x01" in text or "TIMER_" in text or _START_DELIVER_MARK in text:
             refused = _held_back(property_value(text, Prop.DELAY), property_value(text, Prop.TRAN_MSG),
                                  f"message {i} of the batch", _timer_of(text))
             if refused is not None:
@@ -526,6 +526,9 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
         body_bytes += len(body)
     reqs.append(body_bytes)
     return reqs
+
+
+_START_DELIVER_MARK = Prop.START_DELIVER_TIME + "\x01"     # a timer of TIMER_PROPS that names no TIMER_
 
 
 def _timer_of(text: str) -> str | None:
