@@ -148,9 +148,17 @@ async def test_timer_limits_and_a_delayed_commit(broker_factory):
             started = time.monotonic()
             r = await tx.send_in_transaction("TxDelayed", b"paid", properties={"TIMER_DELAY_MS": "800"})
             committed_ms = int(time.time() * 1000)
+            # Aliyun's absolute __STARTDELIVERTIME on a half: the commit must wait for it too (asks_delay).
+            ali_at = committed_ms + 1500
+            ra = await tx.send_in_transaction("TxDelayedAli", b"paid at",
+                                              properties={"__STARTDELIVERTIME": str(ali_at)})
             assert await _all_messages(broker.namesrv, "TxDelayed") == []    # committed, still waiting
+            assert await _all_messages(broker.namesrv, "TxDelayedAli") == []
             took, msg = await _first_arrival(broker.namesrv, "CG_txd", "TxDelayed", r.send_result.queue.queue_id,
                                                started)
+            ali = await _delivered(broker.namesrv, "CG_txd_ali", "TxDelayedAli", ra.send_result.queue.queue_id)
+    assert ali_at <= ali.store_timestamp < ali_at + 2000, (ali.store_timestamp - ali_at, ali.properties)
+    assert ali.body == b"paid at" and "__STARTDELIVERTIME" not in ali.properties
     assert took >= 0.8
     # Delivered within a second of its due time, by the broker's store time (this process may take that long to
     # start its consumers on a loaded machine); committed_ms is after the commit, by the same wall clock.
