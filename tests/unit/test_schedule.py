@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
 from broker.schedule import (DEFAULT_DELAY_LEVELS, PROGRESS_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels,
-                             ScheduleService, parse_delay_levels)
+                             ScheduleService, diverted_request, parse_delay_levels)
 from broker.schedule.progress import Progress, decode_progress
 from broker.store import MessageStore, PutRequest, StoreConfig
 from protocol.codes import SysFlag
@@ -122,6 +122,26 @@ def test_a_delay_that_is_no_whole_number_is_refused_an_empty_one_asks_nothing():
             f"delay level illegal: DELAY={delay!r} is not a whole number"
     assert lv.divert("T", 0, {"DELAY": " "}, 0, 1000) is None
     assert lv.divert("T", 0, {"DELAY": "-1"}, 0, 1000) is None       # RocketMQ: level <= 0 is no delay
+
+
+def test_a_half_stored_before_the_delay_checks_is_committed_at_once_not_lost():
+    """A half an older broker stored with DELAY='x' (now refused at the half) or a __STARTDELIVERTIME past
+    timer_max_delay_s (then no timer at all), committed after the upgrade: its refusal means "no delay", so the
+    commit writes it to its topic at once (None) rather than nowhere; a __STARTDELIVERTIME in range waits."""
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS, timer_max_delay_ms=60_000)
+    now = 1_000_000
+
+    def half(props):
+        record = encode_record(topic=b"RMQ_SYS_TRANS_HALF_TOPIC", body=b"b", queue_id=0, flag=0,
+                               sys_flag=SysFlag.TRANSACTION_PREPARED, born_timestamp=now, born_host=HOST,
+                               store_host=HOST, properties=properties_to_string(props).encode())
+        return decode_record(record)[0]
+
+    base = {"TRAN_MSG": "true", "PGROUP": "PG", "REAL_TOPIC": "T", "REAL_QID": "1"}
+    for old in ({"DELAY": "x"}, {"__STARTDELIVERTIME": str(now + 61_000)}, {"__STARTDELIVERTIME": "soon"}):
+        assert diverted_request(lv, half({**base, **old}), "T", 1, 4242, HOST, now) is None, old
+    waits = diverted_request(lv, half({**base, "__STARTDELIVERTIME": str(now + 5000)}), "T", 1, 4242, HOST, now)
+    assert (waits.topic, waits.tags_code) == (TIMER_TOPIC, now + 5000)
 
 
 def test_rebuilt_consume_queue_units_carry_the_delivery_time():
