@@ -30,14 +30,15 @@ from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool, jittered, wait_within
 from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError,
                              RequestTimeoutError, ResponseError, TopicNotExistError, error_for_code)
-from protocol.message import (Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch, properties_to_string)
+from protocol.message import (TIMER_PROPS, Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch,
+                              properties_to_string)
 from protocol.signature import Credentials
 
 from .accumulator import Accumulator
 from .routes import MessageQueue, RouteCache
 
 log = logging.getLogger("txmq.producer")
-_TIMER_PROPS = frozenset({"TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS"})   # RocketMQ 5 timers
+_TIMER_PROPS = frozenset(TIMER_PROPS)       # RocketMQ 5 timers, Aliyun's __STARTDELIVERTIME
 _esc = json.encoder.encode_basestring           # the escaper RemotingCommand's JSON header writer uses
 _STORED = (ResponseCode.SUCCESS, ResponseCode.FLUSH_DISK_TIMEOUT, ResponseCode.SLAVE_NOT_AVAILABLE,
            ResponseCode.FLUSH_SLAVE_TIMEOUT)

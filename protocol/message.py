@@ -96,6 +96,13 @@ class Prop:
     CORRELATION_ID = "CORRELATION_ID"       # request-reply: the request a reply answers
     REPLY_TO_CLIENT = "REPLY_TO_CLIENT"     # request-reply: the client id of the requester
     TTL = "TTL"                             # request-reply: how long (ms) the requester waits
+    START_DELIVER_TIME = "__STARTDELIVERTIME"   # Aliyun's timer (ali-ons setStartDeliverTime): absolute ms
+
+
+# Properties asking the broker to hold a message until a time: RocketMQ 5's timers, and the one Aliyun's brokers
+# honour and its clients set (ali-ons' setStartDeliverTime; Java producers migrated from Aliyun put it by hand),
+# which RocketMQ 4.9.8 ignores, delivering such a message at once.
+TIMER_PROPS = ("TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", Prop.START_DELIVER_TIME)
 
 
 # ----------------------------------------------------------------- properties
@@ -731,7 +738,8 @@ def decode_batch(buf) -> list[tuple[int, bytes, str]]:
     return entries
 
 
-_BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", b"WAIT\x01")
+# TIMER_ covers RocketMQ 5's timer names; Aliyun's __STARTDELIVERTIME (one of TIMER_PROPS too) does not contain it.
+_BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", Prop.START_DELIVER_TIME.encode() + b"\x01", b"WAIT\x01")
 _TAGS_KEY = b"TAGS\x01"
 _tag_codes: dict[bytes, int] = {}
 
@@ -748,8 +756,8 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
 
     None -- the caller then takes the general path (``decode_batch``, the per-entry checks, ``encode_record``),
     which gives the same records or the same error -- when anything is out of the ordinary: a malformed or
-    empty body, an entry naming DELAY, TRAN_MSG, TIMER_*, WAIT or any name of ``extra``, properties that are
-    not ASCII, too long or hold a NUL, IPv6 hosts, a long topic, an empty ``extra``.
+    empty body, an entry naming DELAY, TRAN_MSG, TIMER_*, __STARTDELIVERTIME, WAIT or any name of ``extra``,
+    properties that are not ASCII, too long or hold a NUL, IPv6 hosts, a long topic, an empty ``extra``.
     """
     if len(born_host) != 8 or len(store_host) != 8 or len(topic) > MAX_TOPIC_LENGTH or not extra:
         return None

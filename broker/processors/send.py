@@ -20,6 +20,7 @@ from protocol.codes import Perm, ResponseCode, SysFlag
 from protocol.connection import DEFERRED
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 from protocol.message import (
+    TIMER_PROPS,
     Prop,
     SendMessageRequestHeader,
     decode_batch,
@@ -258,8 +259,8 @@ def handle_send(ctx, conn, cmd):
     if Prop.REPLY_TO_CLIENT in props:       # a request (request-reply): its reply goes back to this connection
         ctx.clients.requested(conn, props)
     if half:
-        if any(k in props for k in _TIMER_KEYS):
-            # A half waits only once committed, where a refused timer could only mean "deliver now": judge it
+        if Prop.DELAY in props or any(k in props for k in TIMER_PROPS):
+            # A half waits only once committed, where a refused delay could only mean "deliver now": judge it
             # here, as a plain send's (on a copy: the half keeps its properties as sent).
             illegal = ctx.schedule.levels.divert(topic, qid, dict(props), SysFlag.TRANSACTION_COMMIT, ctx.clock())
             if isinstance(illegal, str):
@@ -462,7 +463,7 @@ def _put_batch(ctx, conn, cmd, h, qid):
     """A batch's records to the store, answered when they are stored (or the refusal of an entry)."""
     batch_props = string_to_properties(h.properties)
     refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch",
-                         next((batch_props[k] for k in _TIMER_KEYS if k in batch_props), None))
+                         next((batch_props[k] for k in TIMER_PROPS if k in batch_props), None))
     for name in _NOT_INHERITED:
         batch_props.pop(name, None)
     batch_props[Prop.CLUSTER] = ctx.config.cluster_name
@@ -514,7 +515,7 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
         if "\x00" in text:
             return cmd.response(ResponseCode.MESSAGE_ILLEGAL, f"message {i} of the batch not stored: "
                                 f"{nul_in_properties(text)}")
-        if "DELAY\x01" in text or "TRAN_MSG\x01" in text or "TIMER_" in text:
+        if "DELAY\x01" in text or "TRAN_MSG\x01" in text or "TIMER_" in text or _START_DELIVER_MARK in text:
             refused = _held_back(property_value(text, Prop.DELAY), property_value(text, Prop.TRAN_MSG),
                                  f"message {i} of the batch", _timer_of(text))
             if refused is not None:
@@ -532,11 +533,11 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
     return reqs
 
 
-_TIMER_KEYS = ("TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
+_START_DELIVER_MARK = Prop.START_DELIVER_TIME + "\x01"     # a timer of TIMER_PROPS that names no TIMER_
 
 
 def _timer_of(text: str) -> str | None:
-    return next((v for v in (property_value(text, k) for k in _TIMER_KEYS) if v is not None), None)
+    return next((v for v in (property_value(text, k) for k in TIMER_PROPS) if v is not None), None)
 
 
 def _held_back(delay: str | None, tran: str | None, what: str, timer: str | None = None) -> str | None:

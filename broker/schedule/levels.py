@@ -9,7 +9,8 @@ where it goes; its consume-queue tagsCode is its delivery time, store time + del
 
 RocketMQ 5 timer messages (HookUtils.transformTimerMessage): TIMER_DELAY_SEC, else
 TIMER_DELAY_MS (both from now), else TIMER_DELIVER_MS (absolute ms) give the delivery
-time; a value that does not parse, or a time more than ``timer_max_delay_ms`` ahead,
+time, and Aliyun's __STARTDELIVERTIME (absolute ms, as ali-ons' setStartDeliverTime sets it) after them;
+a value that does not parse, or a time more than ``timer_max_delay_ms`` ahead,
 is refused; a time already past is sent at once; a DELAY level wins over them (they
 are dropped). A timer message is stored in rmq_sys_wheel_timer queue 0 with
 TIMER_OUT_MS = its delivery time, which is also its tagsCode.
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from protocol.codes import SysFlag
-from protocol.message import Prop
+from protocol.message import TIMER_PROPS, Prop
 
 from ..topics import SCHEDULE_TOPIC, TIMER_TOPIC
 
@@ -28,7 +29,6 @@ TIMER_DELIVER_MS = "TIMER_DELIVER_MS"
 TIMER_DELAY_SEC = "TIMER_DELAY_SEC"
 TIMER_DELAY_MS = "TIMER_DELAY_MS"
 TIMER_OUT_MS = "TIMER_OUT_MS"
-TIMER_PROPS = (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS)
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -99,12 +99,17 @@ class DelayLevels:
         """Rewrite ``props`` (in place) for a message that must wait, and say where it goes; None: it
         goes to ``topic`` now; a string: why it is refused (MESSAGE_ILLEGAL).
 
-        Only NOT and COMMIT transaction types wait (a half waits only once committed)."""
+        Only NOT and COMMIT transaction types wait (a half waits only once committed). A DELAY that is no whole
+        number is refused (an empty one asks for nothing)."""
         if Prop.DELAY not in props and props.keys().isdisjoint(TIMER_PROPS):
             return None         # the common case, first: nothing asks to wait
         if SysFlag.transaction_type(sys_flag) not in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT):
             return None
         level = _int(props.get(Prop.DELAY))
+        if level is None and props.get(Prop.DELAY, "").strip():
+            # RocketMQ's Integer.parseInt throws on it and the send fails; taken as no delay, the message was
+            # SEND_OK and delivered at once.
+            return f"delay level illegal: DELAY={props[Prop.DELAY]!r} is not a whole number"
         if level is not None and level > 0:
             for key in TIMER_PROPS:
                 props.pop(key, None)
@@ -132,7 +137,7 @@ class DelayLevels:
         """The absolute delivery time a timer message asks for, or why it is refused."""
         deliver_ms = now
         for key, scale, relative in ((TIMER_DELAY_SEC, 1000, True), (TIMER_DELAY_MS, 1, True),
-                                     (TIMER_DELIVER_MS, 1, False)):
+                                     (TIMER_DELIVER_MS, 1, False), (Prop.START_DELIVER_TIME, 1, False)):
             if key in props:
                 value = _int(props[key])
                 if value is None:

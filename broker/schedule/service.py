@@ -22,14 +22,14 @@ import os
 from protocol.codes import SysFlag
 from protocol.connection import wait_within
 from protocol.errors import CorruptRecordError, ProtocolError
-from protocol.message import (Prop, decode_record, encode_record, pack_host, properties_to_string, tags_code,
-                              validate_topic)
+from protocol.message import (TIMER_PROPS, Prop, decode_record, encode_record, pack_host, properties_to_string,
+                              tags_code, validate_topic)
 from protocol.record import store_timestamp_at
 
 from ..store import PutRequest
 from ..store.results import PutStatus
 from ..topics import HALF_TOPIC, RETRY_PREFIX
-from .levels import SCHEDULE_TOPIC, TIMER_DELAY_MS, TIMER_DELAY_SEC, TIMER_DELIVER_MS, TIMER_TOPIC, DelayLevels
+from .levels import SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels
 from .progress import (PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress, load_snapshot,
                        write_snapshot)
 
@@ -440,7 +440,7 @@ class ScheduleService:
             return None
         props = dict(msg.properties)
         props.pop(Prop.DELAY, None)
-        for key in (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS):
+        for key in TIMER_PROPS:
             props.pop(key, None)
         topic = props.get(Prop.REAL_TOPIC, "")
         try:

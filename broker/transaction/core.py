@@ -37,7 +37,7 @@ from enum import Enum
 from typing import Callable, Iterator
 
 from protocol.codes import ResponseCode
-from protocol.message import Prop, tags_code, validate_topic
+from protocol.message import TIMER_PROPS, Prop, tags_code, validate_topic
 
 from .check import Policy, first_check_time, next_check_after_check
 from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK, plain_owner
@@ -87,7 +87,7 @@ class Tx:
     deferred: bool = False       # due with no producer of its group here: rescheduled an interval on (see due)
 
 
-_DELAY_KEYS = (Prop.DELAY, "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS")
+_DELAY_KEYS = (Prop.DELAY, *TIMER_PROPS)
 
 
 def asks_delay(props: dict) -> bool:

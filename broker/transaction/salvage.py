@@ -38,7 +38,7 @@ from protocol.codes import SysFlag
 from protocol.errors import RecordError
 from protocol.message import Prop, decode_record
 
-from ..topics import HALF_TOPIC, OP_TOPIC
+from ..topics import HALF_TOPIC, OP_TOPIC, TIMER_TOPIC
 from .core import tx_from_half
 from .records import (COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION, P_CHECKS, P_HALF, P_OP,
                       RESUME, ROLLBACK, parse_dead_letter)
@@ -241,13 +241,20 @@ def own_letter(half, letter) -> bool:
 
 
 def _copy_queues(tx, half, half_offset: int) -> list[tuple[str, int]]:
-    """Where a COMMIT of ``half`` wrote its message: its real queue, or (a delay asked) the schedule's."""
+    """Where a COMMIT of ``half`` wrote its message: its real queue, or (a delay asked) the schedule's.
+
+    The timer queue too whenever a delay was asked: where the commit went was judged by the clock and limits of
+    then, and a wall-clock time (TIMER_DELIVER_MS, __STARTDELIVERTIME) gone by since, or a lower timer_max_delay_s,
+    judges it "now" here. Asked with that alone, a commit waiting in the timer topic was not found: its op was
+    dead-lettered op-unreadable while the timer delivered the message too. (_commits checks the half's offset.)"""
     t = tx_from_half(half)
     queues = [(t.topic, t.real_qid)]
     if t.delayed and tx.ctx.schedule is not None:
         waits = tx.ctx.schedule.delayed_commit(half, t.topic, t.real_qid, half_offset)
         if waits is not None:
             queues.append((waits.topic, waits.queue_id))
+        if (TIMER_TOPIC, 0) not in queues:
+            queues.append((TIMER_TOPIC, 0))
     return queues
 
 

@@ -112,6 +112,15 @@ async def test_batch_flag_false_stays_a_single_message(broker):
     ("garbage", b"\x00\x00\x00\x05garbage-that-is-not-a-batch", "", "batch entry"),
     ("delayed entry", encode_batch([(0, b"x", _props(DELAY="2", UNIQ_KEY="D1"))]), "", "cannot be delayed"),
     ("delayed batch", encode_batch(_entries(2, "d")), _props(DELAY="1"), "cannot be delayed"),
+    ("timer entry", encode_batch([(0, b"x", _props(TIMER_DELIVER_MS="9999999999999"))]), "", "cannot be delayed"),
+    # Aliyun's timer (ali-ons' setStartDeliverTime) names no TIMER_: it was stored at once, by both batch paths.
+    ("aliyun timer entry", encode_batch([(0, b"x", _props(__STARTDELIVERTIME="9999999999999"))]), "",
+     "cannot be delayed"),
+    ("aliyun timer entry, not first", encode_batch(
+        [(0, b"x", _props(UNIQ_KEY="A1")), (0, b"x", _props(__STARTDELIVERTIME="9999999999999"))]), "",
+     "cannot be delayed"),
+    ("aliyun timer entry, slow path", encode_batch([(0, b"x", _props(WAIT="true", __STARTDELIVERTIME="1"))]), "",
+     "cannot be delayed"),
     ("transactional entry", encode_batch([(0, b"x", _props(TRAN_MSG="true"))]), "", "cannot be transactional"),
 ])
 async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, props, remark):

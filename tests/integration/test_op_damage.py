@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -27,6 +28,7 @@ from tests.integration.test_corrupt_records import (FLAGS, SEG, _corrupt_count, 
                                                     _pull_all, _request, _Unknown)
 from tests.support.bounded import bounded
 from tests.support.broker_process import NO_CHECKS
+from tests.support.faketime import LIBFAKETIME, past_env
 
 pytestmark = pytest.mark.asyncio
 
@@ -85,6 +87,10 @@ async def _pending(b) -> set[int]:
     ("commit", "zeroed", False),        # the committed message written just before the op says so
     ("commit", "flipped", False),
     ("commit-timer", "zeroed", False),  # committed to wait an hour: its message is in the timer topic
+    # Committed to wait until a wall-clock time (Aliyun's __STARTDELIVERTIME, as TIMER_DELIVER_MS) that has gone by
+    # when the broker starts again: its message is still in the timer topic, due at once.
+    pytest.param("commit-at", "zeroed", False,
+                 marks=pytest.mark.skipif(LIBFAKETIME is None, reason="libfaketime is not installed")),
     ("rollback", "zeroed", True),       # the decision table says ROLLBACK
     ("rollback", "flipped", False),     # nothing else says it: dead-lettered, not checked
     ("commit", "length", False),        # names no half: the committed message that ends where it begins does
@@ -106,6 +112,8 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
             return S.COMMIT_MESSAGE if decided.startswith("commit") else S.ROLLBACK_MESSAGE
 
     waits = {"TIMER_DELAY_SEC": "3600"} if decided == "commit-timer" else None
+    if decided == "commit-at":
+        waits = {"__STARTDELIVERTIME": str(int(time.time() * 1000) + 3_600_000)}
     async with TransactionProducer(b.namesrv, group, Second()) as producer:
         sent = [await producer.send_in_transaction(topic, b"tx-%d" % i, properties=waits) for i in range(2)]
     undecided, decided_at = (decode_offset_msg_id(s.send_result.offset_msg_id)[2] for s in sent)
@@ -119,7 +127,8 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
         shutil.rmtree(tmp_path / "store" / "transactions" / "decisions")
 
     # Checks due at once: a committed transaction taken for undecided would be asked, and committed again.
-    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0")
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       env=past_env("+2h") if decided == "commit-at" else None)    # (two hours on: it is due)
     assert await _pending(b) == {undecided}
 
     class AnswersCommit(_Unknown):
@@ -134,7 +143,11 @@ async def test_an_op_record_whose_properties_went_bad_is_not_taken_for_undecided
             while AnswersCommit.asked.count(b"tx-0") < 3:   # three checks of the undecided one: a pass went by
                 await asyncio.sleep(0.03)
     assert b"tx-1" not in AnswersCommit.asked
-    assert await _bodies(b, topic, "CG_opzero") == ([b"tx-1"] if decided == "commit" else [])
+    if decided == "commit-at":      # delivered from the timer topic, once
+        async with asyncio.timeout(30):
+            while not await _bodies(b, topic, "CG_opzero"):
+                await asyncio.sleep(0.05)
+    assert await _bodies(b, topic, "CG_opzero") == ([b"tx-1"] if decided in ("commit", "commit-at") else [])
     assert await asyncio.to_thread(_corrupt_count, b, READ) == 1
     dead = decided == "rollback" and not table
     assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == (1 if dead else 0)

@@ -18,7 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import LocalTransactionState, Producer, TransactionProducer
+from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.errors import MessageIllegalError
+from protocol.message import SendMessageRequestHeader, properties_to_string
+from tests.support.cluster_process import request, stored_count
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -145,9 +148,17 @@ async def test_timer_limits_and_a_delayed_commit(broker_factory):
             started = time.monotonic()
             r = await tx.send_in_transaction("TxDelayed", b"paid", properties={"TIMER_DELAY_MS": "800"})
             committed_ms = int(time.time() * 1000)
+            # Aliyun's absolute __STARTDELIVERTIME on a half: the commit must wait for it too (asks_delay).
+            ali_at = committed_ms + 1500
+            ra = await tx.send_in_transaction("TxDelayedAli", b"paid at",
+                                              properties={"__STARTDELIVERTIME": str(ali_at)})
             assert await _all_messages(broker.namesrv, "TxDelayed") == []    # committed, still waiting
+            assert await _all_messages(broker.namesrv, "TxDelayedAli") == []
             took, msg = await _first_arrival(broker.namesrv, "CG_txd", "TxDelayed", r.send_result.queue.queue_id,
                                                started)
+            ali = await _delivered(broker.namesrv, "CG_txd_ali", "TxDelayedAli", ra.send_result.queue.queue_id)
+    assert ali_at <= ali.store_timestamp < ali_at + 2000, (ali.store_timestamp - ali_at, ali.properties)
+    assert ali.body == b"paid at" and "__STARTDELIVERTIME" not in ali.properties
     assert took >= 0.8
     # Delivered within a second of its due time, by the broker's store time (this process may take that long to
     # start its consumers on a loaded machine); committed_ms is after the commit, by the same wall clock.
@@ -177,6 +188,30 @@ async def test_a_transactional_message_with_an_illegal_timer_is_refused_at_its_h
             with pytest.raises(MessageIllegalError, match="not a whole number"):
                 await tx.send_in_transaction("TxTimed", b"bad", properties={"TIMER_DELIVER_MS": "tomorrow"})
         assert executed == [] and await _all_messages(broker.namesrv, "TxTimed") == []
+
+
+async def test_a_delay_level_that_is_no_number_is_refused_not_delivered_at_once(broker_factory):
+    """A DELAY that is no whole number ("2.5" from a JavaScript producer's ``msg.delayTimeLevel = 2.5``) was
+    answered SEND_OK and delivered at once, as if no delay was asked; RocketMQ's Integer.parseInt throws on it and
+    the send fails (SYSTEM_ERROR). Refused MESSAGE_ILLEGAL now, on a plain send and on a half (whose delay applies
+    at its commit, where a refusal could only mean "now"; stock producers clear DELAY on halves, a raw one may not)."""
+    broker = broker_factory(*FAST)
+    async with asyncio.timeout(20):
+        async with Producer(broker.namesrv, "PG_bad_delay") as producer:
+            for delay in ("2.5", "soon"):
+                with pytest.raises(MessageIllegalError, match=f"DELAY='{delay}' is not a whole number"):
+                    await producer.send("BadDelay", b"early", properties={"DELAY": delay})
+            kept = await producer.send("BadDelay", b"no delay asked", properties={"DELAY": ""})
+        half = SendMessageRequestHeader(
+            producer_group="PG_raw_half", topic="BadDelay", queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+            properties=properties_to_string({"TRAN_MSG": "true", "PGROUP": "PG_raw_half", "DELAY": "2.5"}),
+            born_timestamp=int(time.time() * 1000))
+        resp = await request(broker.broker, RequestCode.SEND_MESSAGE_V2, half.to_ext_fields(v2=True), b"half")
+        assert (resp.code, resp.remark) == (ResponseCode.MESSAGE_ILLEGAL,
+                                            "delay level illegal: DELAY='2.5' is not a whole number")
+        assert [m.body for m in await _all_messages(broker.namesrv, "BadDelay")] == [b"no delay asked"]
+        assert kept.queue_offset == 0
+        assert await stored_count(broker.broker, "RMQ_SYS_TRANS_HALF_TOPIC", 1) == 0
 
 
 async def _count_keys(namesrv, topic) -> Counter:

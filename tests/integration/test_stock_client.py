@@ -4,9 +4,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+
+from consumer import PullConsumer
+from tests.support.bounded import bounded
+from tests.support.cluster_process import create_topic
 
 JS = Path(__file__).parent / "js"
 
@@ -32,3 +37,39 @@ def test_ali_ons_sends_and_consumes_through_txmq(broker):
     final = lines[-1]
     assert final["ok"] is True and final["sent"] == 10
     assert len(final["received"]) == 10
+
+
+def _ali_ons_send(namesrv: str, topic: str, deliver_at_ms: int) -> list[dict]:
+    proc = subprocess.run(
+        ["node", "ali_ons_sender.js", "--namesrv", namesrv, "--topic", topic, "--count", "1",
+         "--deliver-at-ms", str(deliver_at_ms)], cwd=JS, capture_output=True, text=True, timeout=60)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.asyncio
+@bounded(60)
+async def test_an_ali_ons_start_deliver_time_is_waited_for(broker_factory):
+    """ali-ons' ``msg.setStartDeliverTime(ms)`` (property __STARTDELIVERTIME, honoured by Aliyun's brokers; RocketMQ
+    4.9.8 ignores it) was stored as a plain message and consumed at once, hours early, nothing said. It is a timer
+    now: held until that wall-clock time, and refused loudly past timer_max_delay_s."""
+    broker = broker_factory("--timer-max-delay-s", "60")
+    await create_topic(broker.broker, "AliOnsTimed", 1)
+    deliver_at = int(time.time() * 1000) + 5000
+    sent = _ali_ons_send(broker.namesrv, "AliOnsTimed", deliver_at)
+    assert [s["ok"] for s in sent if s["event"] == "send"] == [True], f"{sent}\n{broker.log()}"
+    consumer = PullConsumer(broker.namesrv, "CG_ali_ons_timed")
+    try:
+        mq, = await consumer.fetch_queues("AliOnsTimed")
+        got = await consumer.pull(mq, 0, suspend_ms=1000)
+        while not got.messages:
+            got = await consumer.pull(mq, 0, suspend_ms=1000)
+    finally:
+        await consumer.shutdown()
+    msg = got.messages[0]
+    assert msg.body == b"failover-0" and msg.topic == "AliOnsTimed"
+    # By the broker's own store time (one wall clock, whole ms): not before the time asked, and not long after.
+    assert deliver_at <= msg.store_timestamp < deliver_at + 3000, (msg.store_timestamp - deliver_at, msg.properties)
+
+    too_far = _ali_ons_send(broker.namesrv, "AliOnsTimed", int(time.time() * 1000) + 120_000)
+    assert [(s["ok"], "beyond the 60 s maximum" in s.get("error", "")) for s in too_far if s["event"] == "send"] \
+        == [(False, True)], too_far

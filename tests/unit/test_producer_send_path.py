@@ -97,6 +97,27 @@ async def test_the_properties_string_is_the_one_the_dict_path_gave(kwargs, batch
     assert seen == [(properties_to_string(props), props[Prop.UNIQ_KEY])]
 
 
+async def test_a_batching_producer_sends_a_message_with_aliyuns_start_deliver_time_alone():
+    """The broker holds __STARTDELIVERTIME as a timer and refuses a batch holding one: gathered into a batch, it
+    would have had every message sent with it refused."""
+    producer = Producer("127.0.0.1:1", "PG", batch_size=8)
+    went = []
+
+    async def send_text(code, topic, body, props, uniq, queue, **kw):
+        went.append("alone")
+        raise _Captured
+
+    def add(topic, body, props, uniq):
+        went.append("batched")
+        raise _Captured
+
+    producer._send_text, producer._accumulator.add = send_text, add
+    for props in ({"__STARTDELIVERTIME": "1800000000000"}, {"x": "1"}):
+        with pytest.raises(_Captured):
+            await producer.send("T", b"x", properties=props)
+    assert went == ["alone", "batched"]
+
+
 def test_uniq_keys_keep_rocketmqs_layout_and_are_unique():
     gen = UniqIdGenerator("10.1.2.3")
     ids = [gen.next() for _ in range(50_000)]

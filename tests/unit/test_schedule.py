@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
 from broker.schedule import (DEFAULT_DELAY_LEVELS, PROGRESS_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels,
-                             ScheduleService, parse_delay_levels)
+                             ScheduleService, diverted_request, parse_delay_levels)
 from broker.schedule.progress import Progress, decode_progress
 from broker.store import MessageStore, PutRequest, StoreConfig
 from protocol.codes import SysFlag
@@ -74,7 +74,7 @@ def test_a_delayed_message_is_rewritten_into_the_schedule_topic():
     d = lv.divert("Orders", 0, props, 0, now=1000)
     assert (d.queue_id, props["DELAY"]) == (17, "18")   # clamped to the max level, as CommitLog does
     assert lv.divert("Orders", 0, {"DELAY": "0"}, 0, now=1000) is None
-    assert lv.divert("Orders", 0, {"DELAY": "x"}, 0, now=1000) is None
+    assert "is not a whole number" in lv.divert("Orders", 0, {"DELAY": "x"}, 0, now=1000)    # RocketMQ: parseInt throws
     committed = SysFlag.with_transaction_type(0, SysFlag.TRANSACTION_COMMIT)
     assert lv.divert("Orders", 0, {"DELAY": "1"}, committed, now=1000).topic == SCHEDULE_TOPIC
     prepared = SysFlag.with_transaction_type(0, SysFlag.TRANSACTION_PREPARED)
@@ -97,6 +97,51 @@ def test_timer_properties_give_an_exact_delivery_time():
     props = {"DELAY": "1", "TIMER_DELAY_SEC": "60"}
     assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC     # a level wins; timer props dropped
     assert "TIMER_DELAY_SEC" not in props
+
+
+def test_aliyuns_start_deliver_time_is_a_timer_after_rocketmq_5s():
+    """__STARTDELIVERTIME (ali-ons' setStartDeliverTime, absolute ms) was no timer: delivered at once."""
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS, timer_max_delay_ms=3_600_000)
+    now = 1_000_000
+    props = {"__STARTDELIVERTIME": str(now + 1500)}
+    assert lv.divert("T", 2, props, 0, now) == (TIMER_TOPIC, 0, -1, now + 1500)
+    assert props["TIMER_OUT_MS"] == str(now + 1500) and props["REAL_TOPIC"] == "T" and props["REAL_QID"] == "2"
+    both = {"__STARTDELIVERTIME": str(now + 9000), "TIMER_DELIVER_MS": str(now + 700)}
+    assert lv.divert("T", 0, both, 0, now) == (TIMER_TOPIC, 0, -1, now + 700)      # RocketMQ 5's wins
+    assert lv.divert("T", 0, {"__STARTDELIVERTIME": str(now - 1)}, 0, now) is None   # past: at once
+    assert "__STARTDELIVERTIME='soon' is not a whole number" in lv.divert("T", 0, {"__STARTDELIVERTIME": "soon"}, 0, now)
+    assert "beyond the 3600 s maximum" in lv.divert("T", 0, {"__STARTDELIVERTIME": str(now + 3_601_000)}, 0, now)
+    props = {"DELAY": "1", "__STARTDELIVERTIME": str(now + 60_000)}
+    assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC and "__STARTDELIVERTIME" not in props
+
+
+def test_a_delay_that_is_no_whole_number_is_refused_an_empty_one_asks_nothing():
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS)
+    for delay in ("2.5", "soon", "1e3"):
+        assert lv.divert("T", 0, {"DELAY": delay}, 0, 1000) == \
+            f"delay level illegal: DELAY={delay!r} is not a whole number"
+    assert lv.divert("T", 0, {"DELAY": " "}, 0, 1000) is None
+    assert lv.divert("T", 0, {"DELAY": "-1"}, 0, 1000) is None       # RocketMQ: level <= 0 is no delay
+
+
+def test_a_half_stored_before_the_delay_checks_is_committed_at_once_not_lost():
+    """A half an older broker stored with DELAY='x' (now refused at the half) or a __STARTDELIVERTIME past
+    timer_max_delay_s (then no timer at all), committed after the upgrade: its refusal means "no delay", so the
+    commit writes it to its topic at once (None) rather than nowhere; a __STARTDELIVERTIME in range waits."""
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS, timer_max_delay_ms=60_000)
+    now = 1_000_000
+
+    def half(props):
+        record = encode_record(topic=b"RMQ_SYS_TRANS_HALF_TOPIC", body=b"b", queue_id=0, flag=0,
+                               sys_flag=SysFlag.TRANSACTION_PREPARED, born_timestamp=now, born_host=HOST,
+                               store_host=HOST, properties=properties_to_string(props).encode())
+        return decode_record(record)[0]
+
+    base = {"TRAN_MSG": "true", "PGROUP": "PG", "REAL_TOPIC": "T", "REAL_QID": "1"}
+    for old in ({"DELAY": "x"}, {"__STARTDELIVERTIME": str(now + 61_000)}, {"__STARTDELIVERTIME": "soon"}):
+        assert diverted_request(lv, half({**base, **old}), "T", 1, 4242, HOST, now) is None, old
+    waits = diverted_request(lv, half({**base, "__STARTDELIVERTIME": str(now + 5000)}), "T", 1, 4242, HOST, now)
+    assert (waits.topic, waits.tags_code) == (TIMER_TOPIC, now + 5000)
 
 
 def test_rebuilt_consume_queue_units_carry_the_delivery_time():

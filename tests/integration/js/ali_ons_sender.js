@@ -4,11 +4,12 @@
  * Sends N messages with the stock ali-ons 3.12.0 Producer and reports each, for the failover tests.
  *
  * usage: node ali_ons_sender.js --namesrv HOST:PORT --topic T --count N [--pause-after K]
- *                               [--producer-group G] [--poll-ms MS]
+ *                               [--producer-group G] [--poll-ms MS] [--deliver-at-ms MS]
  *
  * stdout: one JSON line per send {"event":"send","i","ok","brokerName","queueId","error"}; with
  * --pause-after K, after the K-th acknowledged send one {"event":"paused"} line, then nothing is sent
  * until a line arrives on stdin (the test kills a broker meanwhile); last {"event":"done","ok","failed"}.
+ * --deliver-at-ms: each message asks to be delivered at that wall-clock time (msg.setStartDeliverTime).
  * A failed send is reported and the run goes on (ali-ons has already retried it on another broker).
  * Only loopback is ever connected to (every TCP connect is checked); ali-ons' HTTP name-server lookup
  * is refused. Exit 0 when every send succeeded, 1 otherwise, 2 on bad arguments.
@@ -33,15 +34,16 @@ net.connect = guardedConnect;
 net.createConnection = guardedConnect;
 
 function parseArgs(argv) {
-  const o = { namesrv: '', topic: '', count: 0, pauseAfter: 0, producerGroup: 'PID_txmq_failover', pollMs: 30000 };
+  const o = { namesrv: '', topic: '', count: 0, pauseAfter: 0, producerGroup: 'PID_txmq_failover', pollMs: 30000,
+    deliverAtMs: 0 };
   const keys = { '--namesrv': 'namesrv', '--topic': 'topic', '--count': 'count', '--pause-after': 'pauseAfter',
-    '--producer-group': 'producerGroup', '--poll-ms': 'pollMs' };
+    '--producer-group': 'producerGroup', '--poll-ms': 'pollMs', '--deliver-at-ms': 'deliverAtMs' };
   for (let i = 0; i < argv.length; i++) {
     const k = keys[argv[i]];
     if (!k || argv[i + 1] === undefined) throw new Error(`bad argument ${argv[i]}`);
     o[k] = argv[++i];
   }
-  for (const k of [ 'count', 'pauseAfter', 'pollMs' ]) o[k] = Number(o[k]);
+  for (const k of [ 'count', 'pauseAfter', 'pollMs', 'deliverAtMs' ]) o[k] = Number(o[k]);
   const host = o.namesrv.split(':')[0];
   if (!isLoopback(host) || !o.topic || !(o.count > 0)) throw new Error('need a loopback --namesrv, --topic and --count');
   return o;
@@ -78,6 +80,7 @@ async function main() {
   let failed = 0;
   for (let i = 0; i < opts.count; i++) {
     const msg = new ons.Message(opts.topic, 'TagA', `failover-${i}`);
+    if (opts.deliverAtMs) msg.setStartDeliverTime(opts.deliverAtMs);
     try {
       const r = await producer.send(msg);
       const good = r.sendStatus === 'SEND_OK';
