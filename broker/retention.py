@@ -15,7 +15,9 @@ it is in the store and sealed; its start, end offset and newest store timestamp 
 ones the plan saw (a segment that grew, or another store's segment of the same name, is
 not what was planned); its newest record, read from the store, is older than the broker's
 clock minus the retention (the larger of the broker's and the plan's); and every older
-listed segment went. Undecided halves inside a segment are dead-lettered first (reason
+listed segment went. A listed segment the store no longer has that ends at or before its log start went
+already (an earlier apply, one killed midway, the cleaner): it is in the reply's segments_gone, not kept, and
+keeps no later one. Undecided halves inside a segment are dead-lettered first (reason
 `expired`, or `disk-pressure` for a forced removal); one that cannot be keeps the segment, and so
 does one younger than transaction_retention_hours (set above file_reserved_hours, it keeps
 undecided transactions, and the log they are in, longer) unless the disk forces it out.
