@@ -15,7 +15,9 @@ it is in the store and sealed; its start, end offset and newest store timestamp 
 ones the plan saw (a segment that grew, or another store's segment of the same name, is
 not what was planned); its newest record, read from the store, is older than the broker's
 clock minus the retention (the larger of the broker's and the plan's); and every older
-listed segment went. Undecided halves inside a segment are dead-lettered first (reason
+listed segment went. A listed segment the store no longer has that ends at or before its log start went
+already (an earlier apply, one killed midway, the cleaner): it is in the reply's segments_gone, not kept, and
+keeps no later one. Undecided halves inside a segment are dead-lettered first (reason
 `expired`, or `disk-pressure` for a forced removal); one that cannot be keeps the segment, and so
 does one younger than transaction_retention_hours (set above file_reserved_hours, it keeps
 undecided transactions, and the log they are in, longer) unless the disk forces it out.
@@ -146,11 +148,16 @@ class Retention:
         cutoff = now - max(self.retention_ms, plan_retention)
         async with self._lock:
             expired, skipped = await self._expire_halves(plan.get("halves") or [], now)
-            removed, kept = [], []
+            removed, kept, gone = [], [], []
             by_name = {f.name: f for f in await ctx.store.segment_facts()}
             blocked = None
             for seg in sorted(plan.get("segments") or [], key=lambda s: str(s.get("name"))):
                 name = str(seg.get("name"))
+                if name not in by_name and self._went(seg):
+                    # Removed since the plan was made (an apply killed midway, applied before, the cleaner): gone
+                    # as the plan wanted, so no older listed segment is kept; kept, it held back every later one.
+                    gone.append(name)
+                    continue
                 why = (blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
                        or self._young_halves(by_name[name], now))
                 if why is None:
@@ -161,10 +168,15 @@ class Retention:
                 kept.append({"name": name, "why": why})
                 log.warning("expiry plan: keeping segment %s: %s", name, why)
                 blocked = blocked or f"an older listed segment ({name}) is kept"
-        log.warning("expiry plan applied: %d halves expired, %d skipped, %d segments removed, %d kept",
-                    len(expired), len(skipped), len(removed), len(kept))
+        log.warning("expiry plan applied: %d halves expired, %d skipped, %d segments removed, %d kept, %d gone "
+                    "before", len(expired), len(skipped), len(removed), len(kept), len(gone))
         return {"store_id": ctx.store.store_id, "now_ms": now, "cutoff_ms": cutoff, "expired": expired,
-                "skipped": skipped, "segments_removed": removed, "segments_kept": kept}
+                "skipped": skipped, "segments_removed": removed, "segments_kept": kept, "segments_gone": gone}
+
+    def _went(self, seg: dict) -> bool:
+        """Whether a listed segment the store no longer has lies wholly before its log start (removed already)."""
+        end = seg.get("end_offset")
+        return isinstance(end, int) and not isinstance(end, bool) and end <= self.ctx.store.min_physical_offset
 
     async def _expire_halves(self, listed: list, now: int) -> tuple[list[int], list[dict]]:
         """Listed halves older than the retention by the broker's own record of their store time."""

@@ -71,8 +71,9 @@ _INDEXED = (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT)
 #   rec  one transaction record: segment .. half_qo (an op record's body: the half's queue offset, under
 #        the body CRC where TXMQ_HALF is under none; None when it is not a number or fails its CRC)
 #   msg  user traffic of a chunk: topic, pgroup, store_ts = hour start, n, bytes, body_bytes
-#   seg  a chunk's records of one (topic, queue): store_ts = first, ts_max, n, qo_max
-#        (highest queue offset of records that consume queues index; None if none)
+#   seg  a chunk's records of one (topic, queue) with no gap in their queue offsets: store_ts = first, ts_max,
+#        n, qo_max (highest queue offset of records that consume queues index; None if none); a gap (a kept
+#        record) starts another
 #   dmg  damage: segment, offset, size = bytes skipped to the segment's end, damage = reason
 #   kept a damaged record the broker kept in place (--keep-corrupt-records, store file corrupt_kept): segment,
 #        offset, size = its length, damage = why it does not decode (or "" when it does); it is stepped over
@@ -268,11 +269,11 @@ def damage_row(seg: Segment, pos: int, reason: str) -> tuple:
     return ("dmg", seg.name, seg.base + pos, seg.size - pos) + (None,) * (len(ROW_FIELDS) - 5) + (reason,)
 
 
-def _partials(seg: Segment, chunk_offset: int, traffic: dict, queues: dict):
+def _partials(seg: Segment, chunk_offset: int, traffic: dict, queues: list):
     for (hour, topic, group), (n, size, body) in traffic.items():
         yield ("msg", seg.name, chunk_offset, None, topic, None, None, None, hour, None, group) + (None,) * 8 + (
             n, size, body, None, None, None)
-    for (topic, qid), (n, first, last, qo_max) in queues.items():
+    for (topic, qid), (n, first, last, qo_max) in queues:
         yield ("seg", seg.name, chunk_offset, None, topic, qid, None, None, first) + (None,) * 10 + (
             n, None, None, last, qo_max, None)
 
@@ -314,7 +315,8 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
                 yield _unsealed(seg, 0)
         return
     traffic: dict = {}
-    queues: dict = {}
+    queues: dict = {}       # (topic, queue id) -> [n, first ts, last ts, qo_max] of its current run of offsets
+    runs: list = []         # the runs a gap ended: ((topic, queue id), [n, first ts, last ts, qo_max])
     damage = None
     kind = None
     kept = seg.kept
@@ -359,6 +361,11 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
             qkey = (topic, msg.queue_id)
             q = queues.get(qkey)
             qo = msg.queue_offset if tx_type in _INDEXED else None
+            if q is not None and qo is not None and q[3] is not None and qo != q[3] + 1:
+                # A gap in the queue's offsets (a kept record stepped over above): the run before it is a partial
+                # of its own, so each holds qo_max - n + 1 .. qo_max, as the expiry report counts them.
+                runs.append((qkey, q))
+                q = None
             if q is None:
                 queues[qkey] = [1, ts, ts, qo]
             else:
@@ -367,12 +374,12 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
                     q[1] = ts
                 if ts > q[2]:
                     q[2] = ts
-                if qo is not None and (q[3] is None or qo > q[3]):
+                if qo is not None:
                     q[3] = qo
             pos += size
     finally:
         mm.close()
-    yield from _partials(seg, seg.base + chunk.start, traffic, queues)
+    yield from _partials(seg, seg.base + chunk.start, traffic, [*runs, *queues.items()])
     if chunk.last:
         yield _end_row(seg, pos)
         if damage is None and kind != "marker" and not seg.active:

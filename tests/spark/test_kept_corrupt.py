@@ -8,23 +8,28 @@ import os
 import pytest
 
 from tests.spark.storegen import StoreBuilder
+from tests.spark.test_expiry import set_offsets
 
 pytestmark = pytest.mark.spark
 
 H = 3_600_000
 NOW = 1710028800000 + 100 * H
-SEG = 1 << 20
+SEG = 16 * 1024
 N = 40
+LATER = 1      # a young message too long for the rest of their segment: theirs is sealed, and goes
 
 
 def _kept_store(d: str):
-    """N Orders messages and one undecided half after them; record N // 2's body damaged, kept by the real broker."""
+    """N Orders messages and one undecided half after them, then LATER young ones in the next segment; record
+    N // 2's body damaged, kept by the real broker."""
     from tests.support.broker_process import NO_CHECKS, BrokerProcess
 
     with StoreBuilder(d, segment_size=SEG) as b:
         b.at(NOW - 90 * H)
         sent = [b.send("Orders", f"order-{i:04d}".encode() * 8) for i in range(N)]
         half = b.half("pg-a", "Pay")
+        later = [b.at(NOW - H).send("Later", b"y" * (SEG // 2)) for _ in range(LATER)]
+    assert later[0].offset == SEG
     victim = sent[N // 2]
     path = os.path.join(d, "commitlog", f"{0:020d}")
     with open(path, "r+b") as f:
@@ -32,7 +37,7 @@ def _kept_store(d: str):
         at = data.index(f"order-{N // 2:04d}".encode(), victim.offset)
         f.seek(at)
         f.write(b"O")                           # its body CRC fails; its head and every record after it sound
-    with BrokerProcess(d, "--segment-size", str(SEG), "--max-message-size", str(64 * 1024), *NO_CHECKS, "--keep-corrupt-records"):
+    with BrokerProcess(d, "--segment-size", str(SEG), "--max-message-size", str(SEG // 2 + 1024), *NO_CHECKS, "--keep-corrupt-records"):
         pass
     with open(os.path.join(d, "corrupt_kept")) as f:
         assert f.read().split() == [str(victim.offset)]
@@ -50,11 +55,17 @@ def test_the_jobs_step_over_a_kept_record_and_read_the_rest_of_its_segment(spark
     scan = scan_store(spark, d, job="test", check_crc=check_crc, skip_damaged=True)
     try:
         orders = scan.traffic.where("topic = 'Orders'").groupBy().sum("n").first()[0]
-        assert (scan.record_count, orders) == (N - 1 + 1, N - 1)   # all but the kept one, and the half
+        assert (scan.record_count, orders) == (N - 1 + 1 + LATER, N - 1)   # all but the kept one, the half, later
         assert scan.damage == []
         assert [(k["offset"], k["skipped_bytes"]) for k in scan.kept] == [(victim.offset, victim.size)]
     finally:
         scan.release()
+    set_offsets(d, [("behind", "Orders", 0, 10), ("past", "Orders", 0, N // 2 + 5)])
     plan = build_plan(spark, d, retention_ms=72 * H, now_ms=NOW, check_crc=check_crc)   # without: no stop at it
     assert [h["commit_log_offset"] for h in plan["halves"]] == [half.offset]   # the half after it is read
     assert [k["offset"] for k in plan["report"]["kept_corrupt"]] == [victim.offset]
+    # The kept record is no message that goes: a group behind it has N - 10 - 1 unconsumed, not N - 10 (the report
+    # took the queue's offsets in the segment as one unbroken run, the kept one's among them)
+    assert plan["report"]["messages_by_topic"] == [{"topic": "Orders", "messages": N - 1}]
+    assert plan["report"]["unconsumed"] == [{"topic": "Orders", "group": "behind", "messages": N - 10 - 1},
+                                            {"topic": "Orders", "group": "past", "messages": N - (N // 2 + 5)}]

@@ -223,6 +223,26 @@ async def test_a_good_plan_removes_the_old_segments_and_dead_letters_the_half_in
 
 
 @bounded(30)
+async def test_a_plan_applied_again_after_an_apply_killed_midway_removes_the_rest(world):
+    """An apply killed -9 after its first segment went (or that segment removed since by the cleaner): applied again,
+    the gone segment was "kept, not in this store" and held back every later listed one as "an older listed segment
+    is kept", so nothing more went until the next night's plan, while the reply said each was kept."""
+    ctx, clock, half, old, fresh = world
+    before = names(ctx)
+    plan = await spark_like_plan(ctx, clock.now)
+    listed = [s["name"] for s in plan["segments"]]
+    assert len(listed) >= 2, "the 80-hour-old data filled fewer than two segments"
+    first = await Retention(ctx).apply_plan(dict(plan, segments=plan["segments"][:1]))   # all the killed one did
+    assert first["segments_removed"] == listed[:1]
+    again = await Retention(ctx).apply_plan(plan)
+    assert again["segments_removed"] == listed[1:] and again["segments_kept"] == []
+    assert again["segments_gone"] == listed[:1]
+    assert names(ctx) == before[len(listed):] and readable(ctx, fresh) == len(fresh)
+    third = await Retention(ctx).apply_plan(plan)             # applying twice changes nothing, and says so
+    assert (third["segments_removed"], third["segments_kept"], third["segments_gone"]) == ([], [], listed)
+
+
+@bounded(30)
 async def test_a_future_plan_is_refused_whole(world):
     ctx, clock, half, old, fresh = world
     before = names(ctx)
