@@ -1109,7 +1109,7 @@ class TransactionService:
         if not uniq or index is None:
             return ""
         try:
-            found, _, _ = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
+            found = (await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)).found
         except (StoreError, OSError) as exc:        # the broker is stopping
             log.warning("resume of the transaction at %d: its dead letter not looked up (%s): its checks ask the "
                         "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)

@@ -18,6 +18,7 @@ from broker.store import (
     PutStatus,
     StoreConfig,
 )
+from broker.store.index import QueryResult
 from broker.topics import TopicManager
 from broker.transaction import DecisionError, TransactionService
 from broker.transaction.records import COMMIT
@@ -883,7 +884,7 @@ async def test_a_resume_whose_indexed_dead_letter_is_damaged_falls_back_to_the_h
         partial = stopped = False
 
         async def query(self, topic, key, max_num, begin, end):
-            return [phy], 0, 0
+            return QueryResult([phy], 0, 0, False)
     ctx.index = Index()
     view = store.get_record(phy)
     at = 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 8 + 8 + 4 + 8     # the body length (IPv4 hosts)
