@@ -897,3 +897,34 @@ async def test_a_resume_whose_indexed_dead_letter_is_damaged_falls_back_to_the_h
         assert any("dead letter" in m and str(phy) in m for m in said), said
     finally:
         await store.close()
+
+
+@bounded(20)
+async def test_a_resume_whose_dead_letter_lookup_was_cut_says_so(tmp_path, caplog):
+    """The message index reads at most max_checks records of a key's hash (IndexService: keys sharing its
+    String.hashCode, which any client can make, in any topic). A lookup of the dead letter that stopped there
+    answered nothing, and the resume's checks went to the group's producers in turn unsaid (as a partial index's
+    did before it was said): the resume now says its dead letter was not looked up in the whole index."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    p = await add_half(ctx, b"dead-behind-collisions")
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+
+    class Index:
+        partial = stopped = False
+        covered = 0
+
+        async def query(self, topic, key, max_num, begin, end):
+            return QueryResult([], 0, 0, True)
+    ctx.index = Index()
+    try:
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.resume(p.half_offset)
+        assert p.half_offset in tx.pending
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(m.startswith(f"resume of the transaction at {p.half_offset}: its dead letter") and "hashCode" in m
+                   for m in said), said
+    finally:
+        await store.close()
