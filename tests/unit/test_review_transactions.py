@@ -914,7 +914,7 @@ async def test_a_resume_whose_dead_letter_lookup_was_cut_says_so(tmp_path, caplo
 
     class Index:
         partial = stopped = False
-        covered = 0
+        max_checks = 4096
 
         async def query(self, topic, key, max_num, begin, end):
             return QueryResult([], 0, 0, True)
