@@ -11,7 +11,7 @@ key's own outside the range), the answer is what was found, and its remark says 
 """
 from __future__ import annotations
 
-from protocol.codes import ResponseCode
+from protocol.codes import QUERY_NOT_FOUND_REMARK, ResponseCode
 from protocol.errors import CorruptRecordError
 
 UNIQUE_KEY_QUERY = "_UNIQUE_KEY_QUERY"      # MixAll.UNIQUE_MSG_QUERY_FLAG
@@ -47,8 +47,7 @@ async def query_message(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"{corrupt} matching message(s) are corrupt on the broker's "
                             "disk (their bodies fail their CRC; see the broker's log)", header)
     if not views:
-        return cmd.response(ResponseCode.QUERY_NOT_FOUND, stopped or "can not find message, maybe time range not "
-                            "correct", header)
+        return cmd.response(ResponseCode.QUERY_NOT_FOUND, stopped or QUERY_NOT_FOUND_REMARK, header)
     left_out = f"{corrupt} corrupt match(es) left out (see the broker's log)" if corrupt else None
     remark = "; ".join(filter(None, (left_out, stopped))) or None
     return cmd.response(ResponseCode.SUCCESS, remark, header, body=views)
