@@ -395,8 +395,9 @@ class BrokerServer:
                               "log (by itself once a full disk has room; after another error, at the next "
                               "start).", [], snap("index_failed"))
         m.add_counter_collector("txmq_index_queries_cut", "Queries by key (QUERY_MESSAGE) that stopped after "
-                                "reading 4,096 records of the key's hash, more left: keys sharing its String.hashCode "
-                                "(made on purpose, or the key's own outside the time range); older matches not "
+                                "reading 4,096 records of the key's hash or 16,384 index entries, more left: keys "
+                                "sharing its String.hashCode or index slot (made on purpose, or the key's own outside "
+                                "the time range); older matches not "
                                 "answered (absent with the index off).", snap("index_cut"))
         m.add_gauge_collector("txmq_transaction_decisions_waiting_for_disk",
                               "Transaction decisions whose decision-table file could not be made (a full disk): "

@@ -6,8 +6,9 @@ indexLastUpdateTimestamp / indexLastUpdatePhyoffset (the index's newest entry) i
 QUERY_NOT_FOUND when nothing matches. Unlike RocketMQ, every match is checked against its
 record's topic, KEYS, UNIQ_KEY and store time, so a hash collision never returns another key's
 message and [beginTimestamp, endTimestamp] is kept to the millisecond, both ends inclusive. A query reads at
-most MAX_QUERY_CHECKS (4,096) records of its key's hash: past that (other keys with the same hashCode, or the
-key's own outside the range), the answer is what was found, and its remark says the search stopped.
+most MAX_QUERY_CHECKS (4,096) records of its key's hash and MAX_QUERY_READS (16,384) index entries of any hash:
+past that (other keys with the same hashCode or index slot, or the key's own outside the range), the answer is
+what was found, and its remark says the search stopped.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ async def query_message(ctx, conn, cmd):
                             "(message_index_enable=false)")
     found, last_ts, last_phy, cut = await ctx.index.query(topic, key, max_num, begin, end)
     header = {"indexLastUpdateTimestamp": last_ts, "indexLastUpdatePhyoffset": last_phy}
-    stopped = (f"the search stopped after {ctx.index.max_checks} records of the key's hash (other keys share "
-               "its hashCode): older matches are not answered; narrow beginTimestamp/endTimestamp") if cut else None
+    stopped = (f"the search stopped after {ctx.index.max_checks} records of the key's hash or {ctx.index.max_reads} "
+               "index entries (other keys share its hashCode or its index slot): older matches are not answered; "
+               "narrow beginTimestamp/endTimestamp") if cut else None
     views, corrupt = [], 0
     for phy in sorted(found):
         try:
