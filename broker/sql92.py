@@ -352,9 +352,10 @@ def _tokens(text: str) -> list[tuple[str, str, int]]:
             m = _INT_ONLY.match(text, pos)
         else:
             m = (_TOKEN if pos < last_break else _TOKEN_LAST_LINE).match(text, pos)
-            # An int ending inside a digit run (a 0): a float starting further in the run would need what follows
-            # the run, as one starting here did, and none was found.
-            if m is not None and m.lastgroup == "int" and m.end() < end and "0" <= text[m.end()] <= "9":
+            # A 0 with digits after it (an int ending inside a digit run; not 12L3, a new run): a float starting
+            # further in the run would need what follows the run, as one starting here did, and none was found.
+            if m is not None and m.lastgroup == "int" and m.group() == "0" and m.end() < end \
+                    and "0" <= text[m.end()] <= "9":
                 ints_until = _DIGITS.match(text, m.end()).end()
         if m is None:
             what = ("an unterminated string" if text[pos] == "'" else "an unterminated comment"

@@ -326,8 +326,9 @@ def test_a_run_of_zeros_is_not_read_to_its_end_for_a_float_at_every_zero(monkeyp
     with pytest.raises(SelectorError, match="after a complete expression"):
         parse(zeros)
     # what the lexer makes of digits is unchanged
-    assert [(k, w) for k, w, _ in sql92._tokens("007 00.5 001e3 00e 0012L 120")[:-1]] == [
+    assert [(k, w) for k, w, _ in sql92._tokens("007 00.5 001e3 00e 0012L 120 12L3.5 0L05.5")[:-1]] == [
         ("int", "0"), ("int", "0"), ("int", "7"), ("float", "00.5"), ("float", "001e3"), ("int", "0"), ("int", "0"),
-        ("id", "e"), ("int", "0"), ("int", "0"), ("int", "12L"), ("int", "120")]
+        ("id", "e"), ("int", "0"), ("int", "0"), ("int", "12L"), ("int", "120"), ("int", "12L"), ("float", "3.5"),
+        ("int", "0"), ("id", "L05"), ("float", ".5")]
     assert ev("a = 0", a="0") is True
     assert ev("a = 5.0", a="5") is True
