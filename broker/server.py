@@ -395,6 +395,11 @@ class BrokerServer:
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
                               "log (by itself once a full disk has room; after another error, at the next "
                               "start).", [], snap("index_failed"))
+        m.add_counter_collector("txmq_index_queries_cut", "Queries by key (QUERY_MESSAGE) that stopped after "
+                                "reading 4,096 records of the key's hash or 16,384 index entries, more left: keys "
+                                "sharing its String.hashCode or index slot (made on purpose, or the key's own outside "
+                                "the time range); older matches not "
+                                "answered (absent with the index off).", snap("index_cut"))
         m.add_gauge_collector("txmq_transaction_decisions_waiting_for_disk",
                               "Transaction decisions whose decision-table file could not be made (a full disk): "
                               "answered from memory until it can.", [], snap("decisions_waiting"))
@@ -473,6 +478,7 @@ class BrokerServer:
             "oldest_half": [] if ha_roles.is_slave(self.config) else
             [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.stopped else 0)],
+            "index_cut": [((), ctx.index.queries_cut)] if ctx.index is not None else [],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
             "ha_sync_age": [] if self.slave_sync is None else [((), self.slave_sync.copy_age_s())],

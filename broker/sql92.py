@@ -323,21 +323,40 @@ def _in(node: _Node, values: list[str], negated: bool) -> _Node:
 
 # ------------------------------------------------------------------ lexer (SelectorParser.jj's tokens)
 _KEYWORDS = frozenset({"NOT", "AND", "OR", "BETWEEN", "IN", "TRUE", "FALSE", "NULL", "IS"})
-_TOKEN = re.compile(r"""
-    (?P<space>[ \t\n\r\f]+ | --[^\n\r]*(?:\r\n|\n|\r) | /\*[^*]*\*+(?:[^/*][^*]*\*+)*/)
+_TOKENS = r"""
+    (?P<space>[ \t\n\r\f]+ %s| /\*[^*]*\*+(?:[^/*][^*]*\*+)*/)
   | (?P<float>[0-9]+\.[0-9]*(?:[eE][+-]?[0-9]+)? | \.[0-9]+(?:[eE][+-]?[0-9]+)? | [0-9]+[eE][+-]?[0-9]+)
   | (?P<int>0 | [1-9][0-9]*[lL]?)
   | (?P<string>'(?:''|[^'])*')
   | (?P<id>[a-zA-Z_$][a-zA-Z0-9_$]*)
   | (?P<op><> | >= | <= | [=><(),+-])
-""", re.VERBOSE)
+"""
+_TOKEN = re.compile(_TOKENS % r"| --[^\n\r]*(?:\r\n|\n|\r) ", re.VERBOSE)
+# Past the text's last line break a -- starts no comment (one must end with a line break), only a minus: each
+# attempt there read to the end of the text for the break, at every "-": 8,000 of them took 4.5 s to tokenize
+# (a subscription or CHECK_CLIENT_CONFIG, on the loop), quadratic in the expression's length.
+_TOKEN_LAST_LINE = re.compile(_TOKENS % "", re.VERBOSE)
+# Inside a run of digits no float starts in, only ints: a 0 is a whole token (no leading zeros), and at each zero
+# of "000...0" the float patterns read the rest of the run for a '.' or an exponent: 16,000 zeros took 4.3 s.
+_INT_ONLY = re.compile(r"(?P<int>0 | [1-9][0-9]*[lL]?)", re.VERBOSE)
+_DIGITS = re.compile(r"[0-9]*")
 
 
 def _tokens(text: str) -> list[tuple[str, str, int]]:
     """(kind, text, position) of each token, then ("eof", "", len). Longest match, as JavaCC's."""
     out, pos, end = [], 0, len(text)
+    last_break = max(text.rfind("\n"), text.rfind("\r"))
+    ints_until = -1     # the end of the digit run pos is in, when no float started at its first digit
     while pos < end:
-        m = _TOKEN.match(text, pos)
+        if pos < ints_until:
+            m = _INT_ONLY.match(text, pos)
+        else:
+            m = (_TOKEN if pos < last_break else _TOKEN_LAST_LINE).match(text, pos)
+            # A 0 with digits after it (an int ending inside a digit run; not 12L3, a new run): a float starting
+            # further in the run would need what follows the run, as one starting here did, and none was found.
+            if m is not None and m.lastgroup == "int" and m.group() == "0" and m.end() < end \
+                    and "0" <= text[m.end()] <= "9":
+                ints_until = _DIGITS.match(text, m.end()).end()
         if m is None:
             what = ("an unterminated string" if text[pos] == "'" else "an unterminated comment"
                     if text.startswith("/*", pos) else f"the character {text[pos]!r}")

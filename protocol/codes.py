@@ -144,6 +144,10 @@ class SerializeType(IntEnum):
     ROCKETMQ = 1
 
 
+# QUERY_MESSAGE's QUERY_NOT_FOUND remark, RocketMQ's: any other one says more (the search stopped, see
+# broker/processors/query.py), and the admin CLI prints it
+QUERY_NOT_FOUND_REMARK = "can not find message, maybe time range not correct"
+
 # Remoting command flag bits (spec 1.5).
 FLAG_RESPONSE = 0x1
 FLAG_ONEWAY = 0x2

@@ -5,11 +5,14 @@ Reply: the stored records of the matches concatenated, oldest first (as a pull b
 indexLastUpdateTimestamp / indexLastUpdatePhyoffset (the index's newest entry) in the header;
 QUERY_NOT_FOUND when nothing matches. Unlike RocketMQ, every match is checked against its
 record's topic, KEYS, UNIQ_KEY and store time, so a hash collision never returns another key's
-message and [beginTimestamp, endTimestamp] is kept to the millisecond, both ends inclusive.
+message and [beginTimestamp, endTimestamp] is kept to the millisecond, both ends inclusive. A query reads at
+most MAX_QUERY_CHECKS (4,096) records of its key's hash and MAX_QUERY_READS (16,384) index entries of any hash:
+past that (other keys with the same hashCode or index slot, or the key's own outside the range), the answer is
+what was found, and its remark says the search stopped.
 """
 from __future__ import annotations
 
-from protocol.codes import ResponseCode
+from protocol.codes import QUERY_NOT_FOUND_REMARK, ResponseCode
 from protocol.errors import CorruptRecordError
 
 UNIQUE_KEY_QUERY = "_UNIQUE_KEY_QUERY"      # MixAll.UNIQUE_MSG_QUERY_FLAG
@@ -28,8 +31,11 @@ async def query_message(ctx, conn, cmd):
     if ctx.index is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, "the message index is off on this broker "
                             "(message_index_enable=false)")
-    found, last_ts, last_phy = await ctx.index.query(topic, key, max_num, begin, end)
+    found, last_ts, last_phy, cut = await ctx.index.query(topic, key, max_num, begin, end)
     header = {"indexLastUpdateTimestamp": last_ts, "indexLastUpdatePhyoffset": last_phy}
+    stopped = (f"the search stopped after {ctx.index.max_checks} records of the key's hash or {ctx.index.max_reads} "
+               "index entries (other keys share its hashCode or its index slot): older matches are not answered; "
+               "narrow beginTimestamp/endTimestamp") if cut else None
     views, corrupt = [], 0
     for phy in sorted(found):
         try:
@@ -43,7 +49,7 @@ async def query_message(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"{corrupt} matching message(s) are corrupt on the broker's "
                             "disk (their bodies fail their CRC; see the broker's log)", header)
     if not views:
-        return cmd.response(ResponseCode.QUERY_NOT_FOUND, "can not find message, maybe time range not correct",
-                            header)
-    remark = f"{corrupt} corrupt match(es) left out (see the broker's log)" if corrupt else None
+        return cmd.response(ResponseCode.QUERY_NOT_FOUND, stopped or QUERY_NOT_FOUND_REMARK, header)
+    left_out = f"{corrupt} corrupt match(es) left out (see the broker's log)" if corrupt else None
+    remark = "; ".join(filter(None, (left_out, stopped))) or None
     return cmd.response(ResponseCode.SUCCESS, remark, header, body=views)

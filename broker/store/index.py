@@ -38,13 +38,13 @@ import struct
 import threading
 import time
 import zlib
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
 from protocol.record import MESSAGE_MAGIC_BYTES, property_bytes
 
-from .index_file import IndexCorrupt, IndexFile, KeyHasher, key_hash
+from .index_file import IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 
 log = logging.getLogger("txmq.index")
@@ -59,6 +59,16 @@ PROGRESS_FILE = "progress"
 PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page dirtied since the last (under
                                 # load, most of its 20 MB): once a second that cost the broker 2-5 us per send
 MAX_QUERY = 64                  # RocketMQ's maxMsgsNumBatch
+# Records of the key's hash a query reads and checks, over all files. Hashes collide ("Aa"/"BB" families make
+# any number of keys with one String.hashCode), and a query reads on past the other keys' records: behind 50,000
+# of them it held the index thread 0.8-1.4 s (no record indexed meanwhile; the loop's clients 3x slower at p99).
+# 4,096 is ~80 ms; a key that is really there is met long before, unless that many of its hash are newer.
+MAX_QUERY_CHECKS = 4096
+# Index entries a query reads in all, of any hash: a slot (hash % slots) holds other hashes' entries too, and the
+# entries newer than endTimestamp are walked past. Uncounted, 100,000 of them held the thread 0.66-0.81 s (one
+# pread each, 7-10 us on a loaded host); 16,384 is 0.16 s there.
+MAX_QUERY_READS = 4 * MAX_QUERY_CHECKS
+_CUT_LOG_EVERY_S = 60.0
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room: indexing resumes
@@ -130,6 +140,10 @@ class IndexService:
         self._failing = False           # in a failure run (said once): until a resume has caught up
         self._log_min = 0               # the log's first offset (open, expire) ...
         self._seen_end = 0              # ... and the end of the last record dispatched: what a resume indexes
+        self.max_checks = MAX_QUERY_CHECKS
+        self.max_reads = MAX_QUERY_READS
+        self.queries_cut = 0            # queries that stopped at max_checks (txmq_index_queries_cut_total)
+        self._cut_logged = -_CUT_LOG_EVERY_S
 
     # ------------------------------------------------------------ lifecycle
     def on_dispatch(self, info) -> None:
@@ -197,8 +211,9 @@ class IndexService:
 
     # ------------------------------------------------------------ the API (awaitable)
     def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> asyncio.Future:
-        """(commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest first,
-        at most min(max_num, 64); the last file's END TIMESTAMP; its END PHYOFFSET)."""
+        """A QueryResult: the commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest
+        first, at most min(max_num, 64), from at most ``max_checks`` records of its hash (``cut`` if more were
+        left)."""
         return self._submit(self._query, topic, key, max(0, min(max_num, MAX_QUERY)), begin, end)
 
     def expire(self, min_offset: int) -> asyncio.Future:
@@ -571,23 +586,42 @@ class IndexService:
             fds.move_to_end(start)
         return os.pread(fd, n, pos)
 
-    def _query(self, topic: str, key: str, max_num: int, begin: int, end: int):
+    def _query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> QueryResult:
         found: list[int] = []
         h = key_hash(f"{topic}#{key}")
         files = self.files
+        checks, cut = self.max_checks, False
+        budget = WalkBudget(self.max_reads)
         for f in reversed(files):
-            if len(found) >= max_num:       # before the first file too: a maxNum of 0 asks for nothing (RocketMQ)
-                break
+            if len(found) >= max_num or cut or budget.cut:  # before the first file too: a maxNum of 0 asks for
+                break                                       # nothing (RocketMQ)
             if f.count > 1 and f.time_matched(begin, end):
-                for phy in f.walk(h, begin, end):     # every entry of the hash, not a count of them: see walk
+                for phy in f.walk(h, begin, end, budget):   # every entry of the hash, not a count of them: see walk
+                    if checks <= 0:
+                        cut = True
+                        break
+                    checks -= 1
                     if phy not in found and self._has_key(phy, topic, key, begin, end):
                         found.append(phy)
                         if len(found) >= max_num:
                             break
             if f.count > 1 and f.begin_ts < begin:
                 break
+        cut = cut or budget.cut
+        if cut:
+            self._said_cut(topic, key, len(found))
         last = files[-1] if files else None
-        return found, (last.end_ts if last else 0), (last.end_phy if last else 0)
+        return QueryResult(found, (last.end_ts if last else 0), (last.end_phy if last else 0), cut)
+
+    def _said_cut(self, topic: str, key: str, found: int) -> None:
+        self.queries_cut += 1
+        now = time.monotonic()
+        if now - self._cut_logged >= _CUT_LOG_EVERY_S:
+            self._cut_logged = now
+            log.warning("a query by key (topic %r, key %r) stopped after %d records of its hash or %d index "
+                        "entries (other keys with the same String.hashCode or index slot), %d match(es) found: older "
+                        "ones are not answered (%d such queries so far; said once a minute)", topic, key[:64],
+                        self.max_checks, self.max_reads, found, self.queries_cut)
 
     def _has_key(self, phy: int, topic: str, key: str, begin: int, end: int) -> bool:
         """The record at ``phy`` is still there, really has the key (hashes collide) and was stored in [begin,
@@ -618,6 +652,13 @@ class IndexService:
             log.info("removed index files %s: every entry points below the log's first offset %d", gone,
                      min_offset)
         return gone
+
+
+class QueryResult(NamedTuple):
+    found: list[int]        # commit-log offsets of the matches, newest first
+    last_ts: int            # the last file's END TIMESTAMP
+    last_phy: int           # its END PHYOFFSET
+    cut: bool               # MAX_QUERY_CHECKS records of the hash read and more left: older matches may be missed
 
 
 def _file_name(ms: int) -> str:

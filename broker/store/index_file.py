@@ -173,6 +173,14 @@ def file_size(slots: int, entries: int) -> int:
     return HEADER_SIZE + 4 * slots + ENTRY_SIZE * entries
 
 
+class WalkBudget:
+    """Index entries a query may still read (IndexFile.walk), over all its files, and whether it ran out."""
+    __slots__ = ("reads", "cut")
+
+    def __init__(self, reads: int):
+        self.reads, self.cut = reads, False
+
+
 class IndexFile:
     def __init__(self, path: str, fd: int, slots: int, entries: int, room_ratio: float = 1.0):
         self.path = path
@@ -424,16 +432,23 @@ class IndexFile:
         and store time."""
         return list(itertools.islice(self.walk(h, begin, end), limit))
 
-    def walk(self, h: int, begin: int, end: int):
+    def walk(self, h: int, begin: int, end: int, budget: "WalkBudget | None" = None):
         """select's offsets one at a time, as far as the caller reads: a caller that checks each record's
         key reads on past the other keys of the hash (a cap counted in entries returned, not in matches,
-        answered a key NOT FOUND behind 80 newer entries of a key whose hashCode equals its own)."""
+        answered a key NOT FOUND behind 80 newer entries of a key whose hashCode equals its own). With a
+        ``budget``, each entry read (of any hash, in the range or not) spends one of its reads; spent, the walk
+        stops with ``budget.cut`` set."""
         count = self.count
         at = self._slot(h % self.slots)
         if at <= 0 or at >= count or count <= 1:
             return
         seen = 0
         while seen < count:
+            if budget is not None:
+                if budget.reads <= 0:
+                    budget.cut = True
+                    return
+                budget.reads -= 1
             seen += 1
             raw = os.pread(self.fd, ENTRY_SIZE, self._entry_base + at * ENTRY_SIZE)
             if len(raw) != ENTRY_SIZE:

@@ -1109,12 +1109,12 @@ class TransactionService:
         if not uniq or index is None:
             return ""
         try:
-            found, _, _ = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
+            looked = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
         except (StoreError, OSError) as exc:        # the broker is stopping
             log.warning("resume of the transaction at %d: its dead letter not looked up (%s): its checks ask the "
                         "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)
             return ""
-        for phy in found:           # newest first: a transaction dead-lettered again after a resume
+        for phy in looked.found:    # newest first: a transaction dead-lettered again after a resume
             try:
                 view = self.ctx.store.get_record(phy)
                 dead = decode_record(view)[0] if view is not None else None
@@ -1132,6 +1132,13 @@ class TransactionService:
                         "index %s, to offset %d): its checks ask the sender its half names, if any, else the group's "
                         "producers in turn", half.physical_offset,
                         "stopped by a write error" if index.stopped else "is catching up", index.covered)
+        elif looked.cut:
+            # The lookup read max_checks records of the key's hash and stopped (other keys with the same
+            # String.hashCode, which any client can send in any topic): unsaid, the checks went to the group in turn.
+            log.warning("resume of the transaction at %d: its dead letter not looked up in the whole index (the "
+                        "lookup stopped after %d records of its key's String.hashCode, other keys share it): its "
+                        "checks ask the sender its half names, if any, else the group's producers in turn",
+                        half.physical_offset, index.max_checks)
         return ""
 
     # ------------------------------------------------------------ retention (broker/retention.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import urllib.request
 
 import pytest
 
@@ -259,6 +260,31 @@ async def test_a_consumer_group_past_max_subscription_bytes_is_not_joined(broker
         assert await _consumers(client, "G_big") == []
     finally:
         client.close()
+
+
+async def test_a_heartbeat_past_max_heartbeat_bytes_is_not_read_and_renews_its_groups(broker_factory):
+    """A heartbeat body is one JSON document parsed on the loop in one go: 15 MB held every other client 0.6-2 s
+    a heartbeat, back to back up to 4.8 s (bench/bench_heartbeat_hold.py). One past max_heartbeat_bytes (4 MiB) is
+    not read: SYSTEM_BUSY naming the limit, counted and logged, no group joined; the connection's groups stay."""
+    broker = broker_factory()
+    client = await RawClient.open(broker.broker)
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("c1", "G_in"))).code == C.SUCCESS
+        body = _heartbeat("c1", "G_in", "G_new")
+        body["consumerDataSet"][1]["subscriptionDataSet"] = [
+            {"topic": f"Topic{i:06d}", "subString": "*", "subVersion": 1} for i in range(4 * 1024 * 1024 // 50)]
+        assert len(json.dumps(body)) > 4 * 1024 * 1024
+        reply = await _call(client, R.HEART_BEAT, body)
+        assert reply.code == C.SYSTEM_BUSY and "max_heartbeat_bytes=4194304" in reply.remark, reply.remark
+        assert "1 groups this connection is in are renewed" in reply.remark
+        assert await _consumers(client, "G_in") == ["c1"]
+        assert await _consumers(client, "G_new") == []
+    finally:
+        client.close()
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+    assert 'txmq_requests_refused_total{reason="heartbeat-size"} 1.0' in text
+    assert "max_heartbeat_bytes" in broker.log()
 
 
 def _scheduled_waiting(broker) -> float:

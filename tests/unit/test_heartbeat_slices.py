@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 from broker.clients import ClientRegistry
+from broker.config import BrokerConfig
 from broker.processors.client import heart_beat
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode
@@ -22,7 +23,8 @@ def _large(n: int = 2000) -> RemotingCommand:
 
 
 def _ctx():
-    return SimpleNamespace(clients=ClientRegistry(lambda: 0), subscriptions=None, tx=None, heartbeat_turns={})
+    return SimpleNamespace(clients=ClientRegistry(lambda: 0), subscriptions=None, tx=None, heartbeat_turns={},
+                           config=BrokerConfig())
 
 
 def _groups_of(clients, conn) -> int:

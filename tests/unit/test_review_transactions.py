@@ -18,6 +18,7 @@ from broker.store import (
     PutStatus,
     StoreConfig,
 )
+from broker.store.index import QueryResult
 from broker.topics import TopicManager
 from broker.transaction import DecisionError, TransactionService
 from broker.transaction.records import COMMIT
@@ -883,7 +884,7 @@ async def test_a_resume_whose_indexed_dead_letter_is_damaged_falls_back_to_the_h
         partial = stopped = False
 
         async def query(self, topic, key, max_num, begin, end):
-            return [phy], 0, 0
+            return QueryResult([phy], 0, 0, False)
     ctx.index = Index()
     view = store.get_record(phy)
     at = 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + 8 + 8 + 8 + 8 + 4 + 8     # the body length (IPv4 hosts)
@@ -894,5 +895,36 @@ async def test_a_resume_whose_indexed_dead_letter_is_damaged_falls_back_to_the_h
         assert p.half_offset in tx.pending and tx.pending[p.half_offset].owner_id == ""
         said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("dead letter" in m and str(phy) in m for m in said), said
+    finally:
+        await store.close()
+
+
+@bounded(20)
+async def test_a_resume_whose_dead_letter_lookup_was_cut_says_so(tmp_path, caplog):
+    """The message index reads at most max_checks records of a key's hash (IndexService: keys sharing its
+    String.hashCode, which any client can make, in any topic). A lookup of the dead letter that stopped there
+    answered nothing, and the resume's checks went to the group's producers in turn unsaid (as a partial index's
+    did before it was said): the resume now says its dead letter was not looked up in the whole index."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    p = await add_half(ctx, b"dead-behind-collisions")
+    await tx.decide(p.half_offset, DEAD, reason="max-checks")
+
+    class Index:
+        partial = stopped = False
+        max_checks = 4096
+
+        async def query(self, topic, key, max_num, begin, end):
+            return QueryResult([], 0, 0, True)
+    ctx.index = Index()
+    try:
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            await tx.resume(p.half_offset)
+        assert p.half_offset in tx.pending
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(m.startswith(f"resume of the transaction at {p.half_offset}: its dead letter") and "hashCode" in m
+                   for m in said), said
     finally:
         await store.close()

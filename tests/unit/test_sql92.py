@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from broker import sql92
 from broker.sql92 import (MAX_DEPTH, MAX_LENGTH, MAX_OPERATORS, SelectorError, SelectorEvalError, compile_cached,
                           parse)
 
@@ -232,6 +233,32 @@ def test_a_long_number_like_property_is_refused_in_linear_time(value):
     assert ev("a > b", a=value, b="1") == ERR
 
 
+def test_minus_signs_past_the_last_line_break_are_not_read_to_the_end_for_a_comment(monkeypatch):
+    """A -- comment ends with a line break; at every "-" after the text's last one the lexer looked for a break to
+    the end of the text: quadratic, a 16,000-character CHECK_CLIENT_CONFIG expression held the loop 16.8 s
+    (bench/bench_sql92_hold.py). The pattern that can start a comment is now tried only before the last break;
+    what a -- means is unchanged."""
+    tried = []
+
+    class Counting:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def match(self, text, pos):
+            tried.append(pos)
+            return self.pattern.match(text, pos)
+    monkeypatch.setattr(sql92, "_TOKEN", Counting(sql92._TOKEN))
+    with pytest.raises(SelectorError, match="nested more than"):
+        parse("a = " + "-" * (MAX_LENGTH - 10) + "1")
+    assert tried == []
+    head = "a = 1 -- c\r\nAND b = 3\n-- x\n"
+    assert parse(head + "OR b = --2").evaluate({"a": "1", "b": "2"}) is True
+    assert 0 < max(tried) < len(head)
+    assert ev("a = --1", a="1") is True                  # no line break after it: two minus signs
+    with pytest.raises(SelectorError, match="must end with a line break"):
+        parse("a = 1 -- c")
+
+
 def test_the_pull_filter_always_examines_one_record_then_stops_at_its_budget():
     """Every read makes progress (its first record is evaluated whatever the budget), then stops once spent."""
     from broker.processors.pull import selector_filter
@@ -275,3 +302,33 @@ def test_a_cached_refusal_keeps_no_traceback_of_earlier_callers():
         except SelectorError as exc:
             depths.append(depth(exc))
     assert max(depths) == depths[0] <= 3
+
+
+def test_a_run_of_zeros_is_not_read_to_its_end_for_a_float_at_every_zero(monkeypatch):
+    """A 0 is a whole int token (no leading zeros), and at each of a run's zeros the float patterns read the rest of
+    the run looking for a '.' or an exponent: quadratic, 16,000 zeros (within MAX_LENGTH) took 4.3 s to tokenize
+    and 11 s to refuse on a loaded host (a CHECK_CLIENT_CONFIG or a subscription, on the loop). Where no float
+    starts at a run's first digit none starts inside it: the rest of the run is read as ints alone."""
+    tried = []
+
+    class Counting:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def match(self, text, pos):
+            tried.append(pos)
+            return self.pattern.match(text, pos)
+    monkeypatch.setattr(sql92, "_TOKEN", Counting(sql92._TOKEN))
+    monkeypatch.setattr(sql92, "_TOKEN_LAST_LINE", Counting(sql92._TOKEN_LAST_LINE))
+    zeros = "a = " + "0" * (MAX_LENGTH - 10)
+    assert [w for k, w, _ in sql92._tokens(zeros)[2:-1]] == ["0"] * (MAX_LENGTH - 10)
+    assert len(tried) < 10
+    with pytest.raises(SelectorError, match="after a complete expression"):
+        parse(zeros)
+    # what the lexer makes of digits is unchanged
+    assert [(k, w) for k, w, _ in sql92._tokens("007 00.5 001e3 00e 0012L 120 12L3.5 0L05.5")[:-1]] == [
+        ("int", "0"), ("int", "0"), ("int", "7"), ("float", "00.5"), ("float", "001e3"), ("int", "0"), ("int", "0"),
+        ("id", "e"), ("int", "0"), ("int", "0"), ("int", "12L"), ("int", "120"), ("int", "12L"), ("float", "3.5"),
+        ("int", "0"), ("id", "L05"), ("float", ".5")]
+    assert ev("a = 0", a="0") is True
+    assert ev("a = 5.0", a="5") is True
