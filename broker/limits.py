@@ -102,6 +102,7 @@ class Limits:
         self.queued_bytes = 0               # send bodies handed to the writer and not yet answered
         self._undecided: dict[str, int] = {}
         self._topic_tokens: dict[str, tuple[float, float]] = {}    # client host -> (tokens, when)
+        self._move_tokens: dict[str, tuple[float, float]] = {}     # the same, for may_save_move_now
         self._undecided_at = -1.0
         self._warned: dict[str, float] = {}         # reason -> when its refusal was last logged
 
@@ -194,23 +195,29 @@ class Limits:
         if refused is not None:
             return refused
         rate = self.config.max_auto_create_topics_per_s
-        now = self.monotonic()
-        buckets = self._topic_tokens
         host = peer_host(conn)
-        tokens, last = buckets.get(host, (float(rate), now))
-        tokens = min(float(rate), tokens + (now - last) * rate)
-        if len(buckets) > 4096:         # forget clients whose bucket has refilled: they lose nothing
-            for h, (t, when) in list(buckets.items()):
-                if t + (now - when) * rate >= rate:
-                    del buckets[h]
-        if tokens < 1.0:
-            buckets[host] = (tokens, now)
+        if not self._take(self._topic_tokens, host, rate, rate):
             self.refused("topic-rate")
             return cmd.response(ResponseCode.SYSTEM_BUSY,
                                 f"topic[{topic}] not created: client {host} creates topics faster than "
                                 f"max_auto_create_topics_per_s={rate:g}; retry later")
-        buckets[host] = (tokens - 1.0, now)
         return None
+
+    def _take(self, buckets: dict, host: str, rate: float, burst: float) -> bool:
+        """Take a token from ``host``'s bucket in ``buckets`` (``burst`` at most, ``rate`` more a second): whether
+        there was one. A client is its address, not its connection: fifty connections buy no more."""
+        now = self.monotonic()
+        tokens, last = buckets.get(host, (float(burst), now))
+        tokens = min(float(burst), tokens + (now - last) * rate)
+        if len(buckets) > 4096:         # forget clients whose bucket has refilled: they lose nothing
+            for h, (t, when) in list(buckets.items()):
+                if t + (now - when) * rate >= burst:
+                    del buckets[h]
+        if tokens < 1.0:
+            buckets[host] = (tokens, now)
+            return False
+        buckets[host] = (tokens - 1.0, now)
+        return True
 
     # ------------------------------------------------------------ offsets
     def may_commit(self, conn, offsets, group: str, topic: str, queue_id: int) -> str | None:
@@ -227,6 +234,24 @@ class Limits:
                f"offsets, its limit (max_offsets_per_host={limit}); delete groups it no longer uses")
         self.refused("offset-host-limit", why)
         return why
+
+    def may_save_move_now(self, conn) -> bool:
+        """Whether an offset move by this client, no consumer of the group (an admin tool's), may start a save of
+        the offsets table of its own (else it rides the next periodic one). OFFSET_MOVE_SAVES such moves at once,
+        one more each flush interval: a tool's reset or clone of a few hundred queues is saved move by move as
+        before, but a client looping over answered moves (made-up groups cost nothing) had the table (100,000
+        offsets: 1.0-1.5 s each) saved back to back for as long as it went on. Those past it are counted and
+        said (at most every 10 s), and still on disk before their SUCCESS."""
+        host = peer_host(conn)
+        rate = 1000.0 / max(1, self.config.flush_consumer_offset_interval_ms)
+        if self._take(self._move_tokens, host, rate, OFFSET_MOVE_SAVES):
+            return True
+        self.metrics.offset_moves_deferred.inc()
+        self.warn("offset-move-rate", f"offset moves by client {host}, no consumer of their groups, past "
+                  f"{OFFSET_MOVE_SAVES} saves of the consumer offsets at once and one each "
+                  f"{self.config.flush_consumer_offset_interval_ms} ms: answered after the next periodic save "
+                  "(txmq_offset_moves_deferred_total)")
+        return False
 
     # ------------------------------------------------------------ writer pressure
     def busy(self, cmd, size: int):
@@ -344,3 +369,6 @@ class ConnectionGate:
 
 
 _GATE_LOG_INTERVAL_S = 10
+# Admin moves of offsets one client address may have saved at once (may_save_move_now): a tool's reset or clone of
+# this many queues in a row, each waiting for the save that holds it.
+OFFSET_MOVE_SAVES = 256

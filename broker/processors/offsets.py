@@ -81,7 +81,8 @@ def update_consumer_offset(ctx, conn, cmd):
                 log.warning("%s by %s, no consumer of the group (an admin tool: resetOffsetByTimeOld, "
                             "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply%s (more of this "
                             "group and topic in the next minute are not said)", done, peer_host(conn), slave)
-            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS))
+            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS),
+                                 start=ctx.limits.may_save_move_now(conn))
     return cmd.response(ResponseCode.SUCCESS)
 
 
@@ -101,11 +102,11 @@ def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) 
     return -1 if current is None else current
 
 
-async def offsets_saved(ctx, cmd, done: str, reply):
+async def offsets_saved(ctx, cmd, done: str, reply, *, start: bool = True):
     """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
-    saved (``reply`` too when it is an error already)."""
+    saved (``reply`` too when it is an error already). ``start`` False: by the next periodic save."""
     try:
-        await ctx.offsets.saved()
+        await ctx.offsets.saved(start=start)
     except OSError as exc:
         if reply.code == ResponseCode.SUCCESS:
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "

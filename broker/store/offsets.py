@@ -71,6 +71,7 @@ class ConsumerOffsets:
         self._saves_taken = 0
         self._saves_written = 0
         self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
+        self._next_write: asyncio.Future | None = None  # what ``saved(start=False)`` callers wait for: any write's end
         self._failing = False       # the last save (the loop's or ``saved``'s) was refused: _save_failed
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
         # nothing (a reset that moves no offset, a deleted topic no group consumed). Each forced a whole-table
@@ -230,6 +231,9 @@ class ConsumerOffsets:
         except OSError as exc:  # a full disk must not turn a clean stop into a crash; consumers re-read
             log.error("consumer offsets not persisted at close: %s (consumers resume from the last saved "
                       "offsets and may see messages again)", exc)
+            self._wrote(exc)
+        else:
+            self._wrote()
 
     async def _persist_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -244,8 +248,10 @@ class ConsumerOffsets:
                 except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
                     self._save_failed(exc)
+                    self._wrote(exc)
                     continue
                 self._save_worked()
+                self._wrote()
 
     def _save_failed(self, exc: BaseException) -> None:
         """Said once per outage (a full disk), not every few seconds, whichever save (the loop's, ``saved``'s) met
@@ -260,9 +266,19 @@ class ConsumerOffsets:
             log.warning("consumer offsets persisted again")
             self._failing = False
 
-    async def saved(self) -> None:
+    def _wrote(self, exc: BaseException | None = None) -> None:
+        """A write (the loop's or ``saved``'s) ended: wake the ``saved(start=False)`` callers, who look again."""
+        waiting, self._next_write = self._next_write, None
+        if waiting is not None and not waiting.done():
+            if exc is None:
+                waiting.set_result(None)
+            else:
+                waiting.set_exception(exc)
+
+    async def saved(self, *, start: bool = True) -> None:
         """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
-        background save retries). For the operators' codes, which move offsets on purpose and answer SUCCESS: a
+        background save retries). ``start`` False: return once a write holds the table as it is now, starting
+        none (the periodic save, or one another caller starts): within ``persist_interval_s`` and a save. For the operators' codes, which move offsets on purpose and answer SUCCESS: a
         reset (INVOKE_BROKER_TO_RESET_OFFSET) or a removal left to the next periodic save was undone by a kill
         within ``persist_interval_s`` -- the group back where it was, its replay lost or its skip redelivered.
 
@@ -271,6 +287,12 @@ class ConsumerOffsets:
         offsets: about 350 ms each), not one each, queued."""
         wanted = self._changes
         while self._saved_changes < wanted:
+            if not start:
+                if self._next_write is None:
+                    self._next_write = asyncio.get_running_loop().create_future()
+                    self._next_write.add_done_callback(retrieved)
+                await asyncio.shield(self._next_write)
+                continue
             if self._saving is None:
                 self._saving = asyncio.ensure_future(self._save_now())
                 self._saving.add_done_callback(retrieved)
@@ -285,10 +307,12 @@ class ConsumerOffsets:
         except OSError as exc:
             self._dirty = True
             self._save_failed(exc)
+            self._wrote(exc)
             raise
         finally:
             self._saving = None
         self._save_worked()
+        self._wrote()
 
     def _snapshot(self) -> tuple[dict, dict]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save

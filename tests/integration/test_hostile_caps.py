@@ -13,6 +13,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
 from protocol.errors import BrokerError
+from tests.support.bounded import bounded
 from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
@@ -587,3 +588,42 @@ async def test_retry_topics_of_groups_gone_make_room_under_max_queues(broker_fac
         first.close()
         second.close()
     assert "%RETRY%G_next" in made and not {"%RETRY%G_gone1", "%RETRY%G_gone2"} & made
+
+
+def _scraped(broker, name: str) -> float:
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in scraped.splitlines() if line.startswith(name + " "))
+
+
+@bounded(60)
+async def test_one_address_moving_offsets_of_groups_it_does_not_consume_rides_the_periodic_save(broker_factory):
+    """An answered UPDATE_CONSUMER_OFFSET from a connection that is no consumer of the group is an admin tool's move
+    and is on disk before SUCCESS. Each started a save of the whole table: one client looping over answered moves
+    of made-up groups (100,000 offsets: 1.0-1.5 s a save) had it saved back to back, 1.2 saves and 3.5 MB written a
+    second, for as long as it went on. An address's first OFFSET_MOVE_SAVES moves (one more each flush interval)
+    still start a save; the rest are answered after the next periodic one, on disk all the same, counted and
+    said. Another address's move starts its own save."""
+    from broker.limits import OFFSET_MOVE_SAVES
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "2000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    admin = await RawClient.open(broker.broker, "127.0.0.2")
+    moves = OFFSET_MOVE_SAVES + 40
+    try:
+        assert (await _send_to(admin, "Offsets")).code == C.SUCCESS
+        frames = [RemotingCommand(R.UPDATE_CONSUMER_OFFSET, opaque=next(_OPAQUES), ext_fields={
+            "consumerGroup": f"CG_moved{i}", "topic": "Offsets", "queueId": "0", "commitOffset": "3"})
+            for i in range(moves)]
+        hostile.write(b"".join(f.encode() for f in frames))
+        replies = [await hostile.reply(f.opaque, 30) for f in frames]
+        assert all(r and r[0].code == C.SUCCESS for r in replies), [r[0].remark for r in replies if r]
+        table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())["offsetTable"]
+        assert all(table.get(f"Offsets@CG_moved{i}") == {"0": 3} for i in range(moves))  # on disk at SUCCESS
+        deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
+        assert 30 <= deferred <= 40, deferred           # (a token or so refilled while the frames were read)
+        assert (await _commit(admin, "CG_moved0")).code == C.SUCCESS    # another address: a save of its own
+        assert _scraped(broker, "txmq_offset_moves_deferred_total") == deferred
+    finally:
+        hostile.close()
+        admin.close()
+    assert "answered after the next periodic save" in broker.log_path.read_text()

@@ -532,7 +532,7 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
 
     member, tool = Conn(), Conn()
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
-                          limits=SimpleNamespace(may_commit=lambda *a: None),
+                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True),
                           clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}),
                           config=SimpleNamespace(broker_role="ASYNC_MASTER"))
     file = tmp_path / "config" / "consumerOffset.json"
@@ -582,7 +582,7 @@ async def test_an_admin_move_on_a_slave_says_its_master_copy_replaces_it(tmp_pat
         peer = ("127.0.0.1", 1)
 
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
-                          limits=SimpleNamespace(may_commit=lambda *a: None), clients=SimpleNamespace(consumers={}),
+                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True), clients=SimpleNamespace(consumers={}),
                           config=SimpleNamespace(broker_role="SLAVE"))
     with caplog.at_level("WARNING", logger="txmq.offsets"):
         reply = await update_consumer_offset(ctx, Conn(), RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
@@ -628,3 +628,29 @@ async def test_a_second_full_disk_after_a_rewind_saved_the_table_is_said_again(t
     finally:
         full[0] = False
         await offsets.close()
+
+
+@bounded(10)
+async def test_a_save_not_started_is_the_next_periodic_one(tmp_path):
+    """``saved(start=False)`` (an admin move past its address's budget of saves): returns once the periodic save
+    holds the change, starting no write of its own; a periodic save refused is raised to it (SYSTEM_ERROR)."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.2)
+    writes = []
+    write = offsets._write
+    offsets._write = lambda *a: (writes.append(a[1]), write(*a))
+    await offsets.open()
+    offsets.commit("CG", "T", 0, 7)
+    await offsets.saved(start=False)
+    assert len(writes) == 1
+    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text())["T@CG"] == {"0": 7}
+    await offsets.saved(start=False)                        # nothing new: no wait, no write
+    assert len(writes) == 1
+
+    def full(*_a):
+        raise OSError(28, "No space left on device")
+    offsets._write = full
+    offsets.commit("CG", "T", 0, 8)
+    with pytest.raises(OSError):
+        await offsets.saved(start=False)
+    offsets._write = write
+    await offsets.close()
