@@ -638,6 +638,10 @@ async def test_a_save_not_started_is_the_next_periodic_one(tmp_path):
     writes = []
     write = offsets._write
     offsets._write = lambda *a: (writes.append(a[1]), write(*a))
+
+    async def started(*_a):
+        raise AssertionError("saved(start=False) started a save of its own")
+    offsets._save_now = started     # only the periodic save may write it
     await offsets.open()
     offsets.commit("CG", "T", 0, 7)
     await offsets.saved(start=False)
