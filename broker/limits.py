@@ -32,20 +32,36 @@ class EveryKey:
     ``max_keys`` (cleared when full: a key a client chooses must not grow it). For lines said on a request
     path about a name a client gave (a group, a topic), which a loop of requests would repeat without end."""
 
-    def __init__(self, interval_s: float, max_keys: int = 1024, clock=time.monotonic):
+    def __init__(self, interval_s: float, max_keys: int = 1024, clock=time.monotonic, *, total: int | None = None):
         self.interval_s = interval_s
         self.max_keys = max_keys
         self.clock = clock
         self.said: dict[str, float] = {}       # key -> when last said
+        # ``total``: keys said in one interval, all together. Once a minute each is no bound where the client
+        # chooses the keys (made-up group names cost nothing): each new one was a line.
+        self.total = total
+        self._window = (float("-inf"), 0)      # (when the interval began, keys said in it)
 
     def due(self, key: str) -> bool:
         now = self.clock()
         if now - self.said.get(key, float("-inf")) < self.interval_s:
             return False
+        if self.total is not None:
+            began, n = self._window
+            if now - began >= self.interval_s:
+                began, n = now, 0
+            if n >= self.total:
+                return False        # (not marked said: said once the interval is over)
+            self._window = (began, n + 1)
         if len(self.said) >= self.max_keys:
             self.said.clear()
         self.said[key] = now
         return True
+
+    def full(self) -> bool:
+        """Whether this interval's ``total`` is said: a due() False for that, not for the key said lately."""
+        began, n = self._window
+        return self.total is not None and n >= self.total and self.clock() - began < self.interval_s
 
 
 _NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")     # RFC 6052: an IPv4 address in its last 32 bits

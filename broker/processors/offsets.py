@@ -13,7 +13,9 @@ from ..slices import in_slices
 from .pull import on_disk, pulled_groups
 
 log = logging.getLogger("txmq.offsets")
-_moves_said = EveryKey(60.0)        # groups and topics whose offsets a non-consumer moved, said this minute
+MOVES_SAID_A_MINUTE = 20
+# groups and topics whose offsets a non-consumer moved, said this minute (MOVES_SAID_A_MINUTE of them at most)
+_moves_said = EveryKey(60.0, total=MOVES_SAID_A_MINUTE)
 
 
 def _queue(cmd):
@@ -81,6 +83,11 @@ def update_consumer_offset(ctx, conn, cmd):
                 log.warning("%s by %s, no consumer of the group (an admin tool: resetOffsetByTimeOld, "
                             "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply%s (more of this "
                             "group and topic in the next minute are not said)", done, peer_host(conn), slave)
+            elif _moves_said.full():
+                # made-up groups (they cost nothing) were a line each: 296 moves, 296 lines
+                ctx.limits.warn("offset-move-said", f"offsets of more than {MOVES_SAID_A_MINUTE} groups and topics "
+                                f"moved this minute by clients that are no consumer of the group (latest: {done} by "
+                                f"{peer_host(conn)}): not said one by one")
             return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS),
                                  start=ctx.limits.may_save_move_now(conn))
     return cmd.response(ResponseCode.SUCCESS)

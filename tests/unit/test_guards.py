@@ -425,6 +425,20 @@ def test_every_key_says_a_key_once_an_interval_and_keeps_no_more_than_max_keys()
     assert len(said.said) <= 3
 
 
+def test_every_key_with_a_total_says_at_most_that_many_keys_an_interval():
+    """``total``: new keys (made-up groups a client names at no cost) were a line each; at most ``total`` are said
+    an interval, ``full`` saying why the rest were not (a summary line), and a key held back is said once the
+    interval is over."""
+    from broker.limits import EveryKey
+    now = [100.0]
+    said = EveryKey(60.0, clock=lambda: now[0], total=2)
+    assert [said.due(k) for k in ("a", "b", "c", "d")] == [True, True, False, False]
+    assert said.full()
+    now[0] += 60.0
+    assert not said.full() and said.due("c") and said.due("a") and said.full()
+    assert not EveryKey(60.0).full()
+
+
 @bounded(30)
 async def test_undecided_per_group_counts_the_halves_still_being_stored_when_it_reads_the_counts(tmp_path):
     """Halves accepted and still in the store's writer queue are not in the pending index yet: the counts read

@@ -678,3 +678,43 @@ def test_removing_a_group_or_a_topic_does_not_walk_every_offset(tmp_path):
     offsets.remove_topic("U")
     assert sorted(dict.keys(offsets._table)) == [(g, "T", q) for g in ("B", "C") for q in range(3)]
     assert offsets.topics_of("A") == [] and offsets.groups_of("U") == set() and offsets.made_by("127.0.0.1") == 6
+
+
+@bounded(30)
+async def test_admin_moves_of_many_made_up_groups_are_not_a_warning_each(tmp_path, caplog):
+    """An admin move is said at WARNING once a minute a group and topic, in a table of 1,024 keys: a client moving
+    offsets of made-up groups (they cost nothing) had every move said, one line each (296 moves: 296 lines). At
+    most MOVES_SAID_A_MINUTE of them are said a minute, the rest in one line every 10 s (Limits.warn)."""
+    from types import SimpleNamespace
+
+    from broker.config import BrokerConfig
+    from broker.limits import Limits
+    from broker.metrics import BrokerMetrics
+    from broker.processors import offsets as processor
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    await offsets.open()
+    limits = Limits(BrokerConfig(), BrokerMetrics())
+
+    class Conn:
+        peer = ("127.0.0.1", 1)
+
+    ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
+                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True,
+                                                 warn=limits.warn),
+                          clients=SimpleNamespace(consumers={}), config=SimpleNamespace(broker_role="ASYNC_MASTER"))
+    tool = Conn()
+    moves = 300
+    with caplog.at_level("WARNING"):
+        for i in range(moves):
+            reply = await processor.update_consumer_offset(ctx, tool, RemotingCommand.request(
+                RequestCode.UPDATE_CONSUMER_OFFSET, {"consumerGroup": f"CG_madeup{i}", "topic": "T", "queueId": 0,
+                                                     "commitOffset": 1}))
+            assert reply.code == ResponseCode.SUCCESS
+    summary = [r for r in caplog.records if "not said one by one" in r.getMessage()]
+    one_each = [r for r in caplog.records if "CG_madeup" in r.getMessage() and r not in summary]
+    assert len(one_each) <= processor.MOVES_SAID_A_MINUTE < moves, len(one_each)
+    assert len(summary) == 1, [r.getMessage() for r in summary]
+    await offsets.close()
