@@ -34,8 +34,8 @@ class BrokerOffsetStore:
     async def read(self, mq) -> int | None:
         return await self.client.fetch_offset(mq)
 
-    async def write(self, mq, offset: int) -> None:
-        await self.client.commit_offset(mq, offset)
+    async def write(self, mq, offset: int, *, oneway: bool = False) -> None:
+        await self.client.commit_offset(mq, offset, oneway=oneway)
 
     async def flush(self) -> None:
         pass
@@ -71,7 +71,7 @@ class LocalOffsetStore:
     async def read(self, mq) -> int | None:
         return self._offsets.get(self._key(mq))
 
-    async def write(self, mq, offset: int) -> None:
+    async def write(self, mq, offset: int, *, oneway: bool = False) -> None:     # (oneway: the broker's)
         key = self._key(mq)
         if self._offsets.get(key) != offset:
             self._offsets[key] = offset
