@@ -627,3 +627,33 @@ async def test_one_address_moving_offsets_of_groups_it_does_not_consume_rides_th
         hostile.close()
         admin.close()
     assert "answered after the next periodic save" in broker.log_path.read_text()
+
+
+@bounded(60)
+async def test_moves_waiting_for_the_periodic_save_are_answered_when_the_broker_stops(broker_factory):
+    """Moves past an address's OFFSET_MOVE_SAVES wait for the next periodic save. A SIGTERM gives requests in flight
+    5 s, then closes the connections: with --flush-consumer-offset-interval-ms past that (or its save ending after),
+    the waiting moves were saved at close but never answered, the tool left not knowing whether they were made. A
+    stop starts the save they wait for: each is answered SUCCESS, and the file holds it."""
+    from broker.limits import OFFSET_MOVE_SAVES
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "60000")
+    tool = await RawClient.open(broker.broker, "127.0.0.1")
+    waiting = 5
+    try:
+        assert (await _send_to(tool, "Offsets")).code == C.SUCCESS
+        frames = [RemotingCommand(R.UPDATE_CONSUMER_OFFSET, opaque=next(_OPAQUES), ext_fields={
+            "consumerGroup": f"CG_stopped{i}", "topic": "Offsets", "queueId": "0", "commitOffset": "3"})
+            for i in range(OFFSET_MOVE_SAVES + waiting)]
+        tool.write(b"".join(f.encode() for f in frames[:OFFSET_MOVE_SAVES]))
+        saved = [await tool.reply(f.opaque, 30) for f in frames[:OFFSET_MOVE_SAVES]]
+        assert all(r and r[0].code == C.SUCCESS for r in saved)
+        tool.write(b"".join(f.encode() for f in frames[OFFSET_MOVE_SAVES:]))     # (no save of the first holds them)
+        while _scraped(broker, "txmq_offset_moves_deferred_total") < waiting:
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(broker.stop) == 0
+        replies = [await tool.reply(f.opaque, 10) for f in frames[OFFSET_MOVE_SAVES:]]
+    finally:
+        tool.close()
+    assert [r and r[0].code for r in replies] == [C.SUCCESS] * waiting
+    table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())["offsetTable"]
+    assert all(table.get(f"Offsets@CG_stopped{i}") == {"0": 3} for i in range(OFFSET_MOVE_SAVES + waiting))
