@@ -74,6 +74,7 @@ class ConsumerOffsets:
         self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
         self._next_write: asyncio.Future | None = None  # what ``saved(start=False)`` callers wait for: any write's end
         self._failing = False       # the last save (the loop's or ``saved``'s) was refused: _save_failed
+        self._hurry = False         # stopping: ``saved(start=False)`` starts a save as ``saved()`` does (hurry)
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
         # nothing (a reset that moves no offset, a deleted topic no group consumed). Each forced a whole-table
         # write (100,000 offsets: 1-1.5 s of a core, the loop slowed with it), asked by any client without ACL.
@@ -279,6 +280,13 @@ class ConsumerOffsets:
             else:
                 waiting.set_exception(exc)
 
+    def hurry(self) -> None:
+        """A stop: ``saved(start=False)`` callers, those waiting and any later, start a save (shared) as ``saved()``
+        does. A stop gives requests in flight 5 s, then closes their connections: moves waiting for a periodic
+        save due later were saved at close but never answered, the tool not knowing whether they were made."""
+        self._hurry = True
+        self._wrote()
+
     async def saved(self, *, start: bool = True) -> None:
         """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
         background save retries). ``start`` False: return once a write holds the table as it is now, starting
@@ -291,7 +299,7 @@ class ConsumerOffsets:
         offsets: about 350 ms each), not one each, queued."""
         wanted = self._changes
         while self._saved_changes < wanted:
-            if not start:
+            if not start and not self._hurry:
                 if self._next_write is None:
                     self._next_write = asyncio.get_running_loop().create_future()
                     self._next_write.add_done_callback(retrieved)
