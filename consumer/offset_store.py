@@ -34,8 +34,13 @@ class BrokerOffsetStore:
     async def read(self, mq) -> int | None:
         return await self.client.fetch_offset(mq)
 
-    async def write(self, mq, offset: int, *, oneway: bool = False) -> None:
-        await self.client.commit_offset(mq, offset, oneway=oneway)
+    async def write(self, mq, offset: int) -> None:
+        await self.client.commit_offset(mq, offset)
+
+    async def write_oneway(self, mq, offset: int) -> None:
+        """``write`` with no reply asked for: the push consumer's commit rounds, as a Java consumer's persistAll
+        (an offset store without it has its ``write`` called)."""
+        await self.client.commit_offset(mq, offset, oneway=True)
 
     async def flush(self) -> None:
         pass
@@ -71,7 +76,7 @@ class LocalOffsetStore:
     async def read(self, mq) -> int | None:
         return self._offsets.get(self._key(mq))
 
-    async def write(self, mq, offset: int, *, oneway: bool = False) -> None:     # (oneway: the broker's)
+    async def write(self, mq, offset: int) -> None:
         key = self._key(mq)
         if self._offsets.get(key) != offset:
             self._offsets[key] = offset

@@ -907,7 +907,8 @@ class PushConsumer:
     async def _commit(self, mq: MessageQueue, again: bool = False, oneway: bool = False) -> None:
         offset = self._offsets.get(mq)
         if offset is not None and (again or self._committed.get(mq) != offset):
-            await self.offset_store.write(mq, offset, oneway=oneway)
+            write = getattr(self.offset_store, "write_oneway", None) if oneway else None
+            await (write or self.offset_store.write)(mq, offset)
             self._committed[mq] = self._known_stored[mq] = offset
 
     async def _recommit(self, queues: list[MessageQueue]) -> None:
