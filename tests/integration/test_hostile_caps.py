@@ -657,3 +657,34 @@ async def test_moves_waiting_for_the_periodic_save_are_answered_when_the_broker_
     assert [r and r[0].code for r in replies] == [C.SUCCESS] * waiting
     table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())["offsetTable"]
     assert all(table.get(f"Offsets@CG_stopped{i}") == {"0": 3} for i in range(OFFSET_MOVE_SAVES + waiting))
+
+
+@bounded(60)
+async def test_one_address_deleting_groups_with_their_offsets_in_a_loop_rides_the_periodic_save(broker_factory):
+    """The second path to the back-to-back saves: DELETE_SUBSCRIPTIONGROUP with removeOffset (and
+    INVOKE_BROKER_TO_RESET_OFFSET) starts a save of the whole offsets table before SUCCESS, as an admin move did, and
+    a oneway commit makes an offset at no cost (no save): a client looping over oneway commit + delete had the table
+    saved once a delete, past the budget the moves have. They share the moves' budget of OFFSET_MOVE_SAVES now."""
+    from broker.limits import OFFSET_MOVE_SAVES
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "2000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    rounds = OFFSET_MOVE_SAVES + 40
+    try:
+        assert (await _send_to(hostile, "Offsets")).code == C.SUCCESS
+        frames, deletes = [], []
+        for i in range(rounds):
+            frames.append(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": f"CG_gone{i}", "topic": "Offsets", "queueId": "0", "commitOffset": "3"},
+                oneway=True, opaque=next(_OPAQUES)))
+            deletes.append(RemotingCommand(R.DELETE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES), ext_fields={
+                "groupName": f"CG_gone{i}", "removeOffset": "true"}))
+            frames.append(deletes[-1])
+        hostile.write(b"".join(f.encode() for f in frames))
+        replies = [await hostile.reply(f.opaque, 30) for f in deletes]
+        assert all(r and r[0].code == C.SUCCESS for r in replies), [r[0].remark for r in replies if r]
+        table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())
+        assert not any(key.endswith("@CG_gone0") for key in table.get("offsetTable", table))    # removed on disk
+        deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
+    finally:
+        hostile.close()
+    assert 30 <= deferred <= 40, deferred
