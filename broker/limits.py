@@ -252,7 +252,9 @@ class Limits:
         return why
 
     def may_save_move_now(self, conn) -> bool:
-        """Whether an offset move by this client, no consumer of the group (an admin tool's), may start a save of
+        """Whether an offset move by this client, no consumer of the group (an admin tool's), or its reset of a
+        group's offsets (INVOKE_BROKER_TO_RESET_OFFSET) or removal of them (DELETE_SUBSCRIPTIONGROUP with
+        removeOffset), may start a save of
         the offsets table of its own (else it rides the next periodic one). OFFSET_MOVE_SAVES such moves at once,
         one more each flush interval: a tool's reset or clone of a few hundred queues is saved move by move as
         before, but a client looping over answered moves (made-up groups cost nothing) had the table (100,000
@@ -263,7 +265,8 @@ class Limits:
         if self._take(self._move_tokens, host, rate, OFFSET_MOVE_SAVES):
             return True
         self.metrics.offset_moves_deferred.inc()
-        self.warn("offset-move-rate", f"offset moves by client {host}, no consumer of their groups, past "
+        self.warn("offset-move-rate", f"offset moves, resets and removals by client {host} (no consumer of "
+                  "the groups), past "
                   f"{OFFSET_MOVE_SAVES} saves of the consumer offsets at once and one each "
                   f"{self.config.flush_consumer_offset_interval_ms} ms: answered after the next periodic save "
                   "(txmq_offset_moves_deferred_total)")
