@@ -32,20 +32,36 @@ class EveryKey:
     ``max_keys`` (cleared when full: a key a client chooses must not grow it). For lines said on a request
     path about a name a client gave (a group, a topic), which a loop of requests would repeat without end."""
 
-    def __init__(self, interval_s: float, max_keys: int = 1024, clock=time.monotonic):
+    def __init__(self, interval_s: float, max_keys: int = 1024, clock=time.monotonic, *, total: int | None = None):
         self.interval_s = interval_s
         self.max_keys = max_keys
         self.clock = clock
         self.said: dict[str, float] = {}       # key -> when last said
+        # ``total``: keys said in one interval, all together. Once a minute each is no bound where the client
+        # chooses the keys (made-up group names cost nothing): each new one was a line.
+        self.total = total
+        self._window = (float("-inf"), 0)      # (when the interval began, keys said in it)
 
     def due(self, key: str) -> bool:
         now = self.clock()
         if now - self.said.get(key, float("-inf")) < self.interval_s:
             return False
+        if self.total is not None:
+            began, n = self._window
+            if now - began >= self.interval_s:
+                began, n = now, 0
+            if n >= self.total:
+                return False        # (not marked said: said once the interval is over)
+            self._window = (began, n + 1)
         if len(self.said) >= self.max_keys:
             self.said.clear()
         self.said[key] = now
         return True
+
+    def full(self) -> bool:
+        """Whether this interval's ``total`` is said: a due() False for that, not for the key said lately."""
+        began, n = self._window
+        return self.total is not None and n >= self.total and self.clock() - began < self.interval_s
 
 
 _NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")     # RFC 6052: an IPv4 address in its last 32 bits
@@ -102,6 +118,7 @@ class Limits:
         self.queued_bytes = 0               # send bodies handed to the writer and not yet answered
         self._undecided: dict[str, int] = {}
         self._topic_tokens: dict[str, tuple[float, float]] = {}    # client host -> (tokens, when)
+        self._move_tokens: dict[str, tuple[float, float]] = {}     # the same, for may_save_move_now
         self._undecided_at = -1.0
         self._warned: dict[str, float] = {}         # reason -> when its refusal was last logged
 
@@ -194,23 +211,29 @@ class Limits:
         if refused is not None:
             return refused
         rate = self.config.max_auto_create_topics_per_s
-        now = self.monotonic()
-        buckets = self._topic_tokens
         host = peer_host(conn)
-        tokens, last = buckets.get(host, (float(rate), now))
-        tokens = min(float(rate), tokens + (now - last) * rate)
-        if len(buckets) > 4096:         # forget clients whose bucket has refilled: they lose nothing
-            for h, (t, when) in list(buckets.items()):
-                if t + (now - when) * rate >= rate:
-                    del buckets[h]
-        if tokens < 1.0:
-            buckets[host] = (tokens, now)
+        if not self._take(self._topic_tokens, host, rate, rate):
             self.refused("topic-rate")
             return cmd.response(ResponseCode.SYSTEM_BUSY,
                                 f"topic[{topic}] not created: client {host} creates topics faster than "
                                 f"max_auto_create_topics_per_s={rate:g}; retry later")
-        buckets[host] = (tokens - 1.0, now)
         return None
+
+    def _take(self, buckets: dict, host: str, rate: float, burst: float) -> bool:
+        """Take a token from ``host``'s bucket in ``buckets`` (``burst`` at most, ``rate`` more a second): whether
+        there was one. A client is its address, not its connection: fifty connections buy no more."""
+        now = self.monotonic()
+        tokens, last = buckets.get(host, (float(burst), now))
+        tokens = min(float(burst), tokens + (now - last) * rate)
+        if len(buckets) > 4096:         # forget clients whose bucket has refilled: they lose nothing
+            for h, (t, when) in list(buckets.items()):
+                if t + (now - when) * rate >= burst:
+                    del buckets[h]
+        if tokens < 1.0:
+            buckets[host] = (tokens, now)
+            return False
+        buckets[host] = (tokens - 1.0, now)
+        return True
 
     # ------------------------------------------------------------ offsets
     def may_commit(self, conn, offsets, group: str, topic: str, queue_id: int) -> str | None:
@@ -227,6 +250,27 @@ class Limits:
                f"offsets, its limit (max_offsets_per_host={limit}); delete groups it no longer uses")
         self.refused("offset-host-limit", why)
         return why
+
+    def may_save_move_now(self, conn) -> bool:
+        """Whether an offset move by this client, no consumer of the group (an admin tool's), or its reset of a
+        group's offsets (INVOKE_BROKER_TO_RESET_OFFSET) or removal of them (DELETE_SUBSCRIPTIONGROUP with
+        removeOffset), may start a save of
+        the offsets table of its own (else it rides the next periodic one). OFFSET_MOVE_SAVES such moves at once,
+        one more each flush interval: a tool's reset or clone of a few hundred queues is saved move by move as
+        before, but a client looping over answered moves (made-up groups cost nothing) had the table (100,000
+        offsets: 1.0-1.5 s each) saved back to back for as long as it went on. Those past it are counted and
+        said (at most every 10 s), and still on disk before their SUCCESS."""
+        host = peer_host(conn)
+        rate = 1000.0 / max(1, self.config.flush_consumer_offset_interval_ms)
+        if self._take(self._move_tokens, host, rate, OFFSET_MOVE_SAVES):
+            return True
+        self.metrics.offset_moves_deferred.inc()
+        self.warn("offset-move-rate", f"offset moves, resets and removals by client {host} (no consumer of "
+                  "the groups), past "
+                  f"{OFFSET_MOVE_SAVES} saves of the consumer offsets at once and one each "
+                  f"{self.config.flush_consumer_offset_interval_ms} ms: answered after the next periodic save "
+                  "(txmq_offset_moves_deferred_total)")
+        return False
 
     # ------------------------------------------------------------ writer pressure
     def busy(self, cmd, size: int):
@@ -344,3 +388,6 @@ class ConnectionGate:
 
 
 _GATE_LOG_INTERVAL_S = 10
+# Admin moves of offsets one client address may have saved at once (may_save_move_now): a tool's reset or clone of
+# this many queues in a row, each waiting for the save that holds it.
+OFFSET_MOVE_SAVES = 256

@@ -176,6 +176,11 @@ class BrokerMetrics:
                                "producer-group-mismatch, end-not-its-half, end-no-half, end-bad-state, transaction-type-without-half, "
                                "send-back-unconsumable).",
                                ["reason"], registry=r)
+        self.offset_moves_deferred = Counter(
+            "txmq_offset_moves_deferred", "Offset moves by a client that is no consumer of the group (an admin "
+            "tool's UPDATE_CONSUMER_OFFSET), resets (INVOKE_BROKER_TO_RESET_OFFSET) and removals (DELETE_SUBSCRIPTIONGROUP "
+            "with removeOffset) past its address's budget of saves started for them: answered after the "
+            "next periodic save of the consumer offsets, not one started for them.", registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
                                      "connections' together, the largest holders closed first).", ["reason"],

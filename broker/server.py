@@ -775,6 +775,8 @@ class BrokerServer:
             ctx.holds.wake_all()
         if ctx is not None and isinstance(ctx.ha, ha_roles.HAMaster):
             ctx.ha.close()
+        if ctx is not None and getattr(ctx.offsets, "hurry", None) is not None:
+            ctx.offsets.hurry()     # admin moves waiting for the next periodic save: answered within the grace
         pending = [t for conns in self.connections.values() for conn in conns for t in conn.in_flight]
         if pending:
             await asyncio.wait(pending, timeout=grace_s)

@@ -37,6 +37,11 @@ class BrokerOffsetStore:
     async def write(self, mq, offset: int) -> None:
         await self.client.commit_offset(mq, offset)
 
+    async def write_oneway(self, mq, offset: int) -> None:
+        """``write`` with no reply asked for: the push consumer's commit rounds, as a Java consumer's persistAll
+        (an offset store without it has its ``write`` called)."""
+        await self.client.commit_offset(mq, offset, oneway=True)
+
     async def flush(self) -> None:
         pass
 

@@ -457,8 +457,18 @@ class PullConsumer:
         fields = {"topic": mq.topic, "queueId": mq.queue_id, **extra}
         return await self._request(mq, RemotingCommand.request(code, fields), self.timeout)
 
-    async def commit_offset(self, mq: MessageQueue, offset: int) -> None:
-        """Store the group's offset for ``mq`` on its broker (the next message to consume)."""
+    async def commit_offset(self, mq: MessageQueue, offset: int, *, oneway: bool = False) -> None:
+        """Store the group's offset for ``mq`` on its broker (the next message to consume). ``oneway``: sent with
+        no reply asked for, as a Java consumer's periodic persistAll (RemoteBrokerOffsetStore, isOneway true): an
+        answered commit on a connection the broker has seen neither a heartbeat nor a pull of the group on (just
+        reconnected to a restarted broker) is taken for an admin tool's move, and answered only once the broker's
+        offsets file holds it (past an address's budget of such saves, after its next periodic save)."""
+        if oneway:
+            addr = await self._broker_addr(mq)
+            await self.pool.oneway(addr, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                "topic": mq.topic, "queueId": mq.queue_id, "consumerGroup": self.group, "commitOffset": offset},
+                oneway=True))
+            return
         resp = await self._offset_call(RequestCode.UPDATE_CONSUMER_OFFSET, mq, consumerGroup=self.group,
                                        commitOffset=offset)
         if resp.code != ResponseCode.SUCCESS:

@@ -904,17 +904,22 @@ class PushConsumer:
                 raise _LockLost()
 
     # ------------------------------------------------------------ offsets
-    async def _commit(self, mq: MessageQueue, again: bool = False) -> None:
+    async def _commit(self, mq: MessageQueue, again: bool = False, oneway: bool = False) -> None:
         offset = self._offsets.get(mq)
         if offset is not None and (again or self._committed.get(mq) != offset):
-            await self.offset_store.write(mq, offset)
+            write = getattr(self.offset_store, "write_oneway", None) if oneway else None
+            await (write or self.offset_store.write)(mq, offset)
             self._committed[mq] = self._known_stored[mq] = offset
 
     async def _recommit(self, queues: list[MessageQueue]) -> None:
-        """Commit again the offsets of one broker's ``queues``, changed or not (the commit loop's round)."""
+        """Commit again the offsets of one broker's ``queues``, changed or not (the commit loop's round): oneway,
+        as a Java consumer's persistAll. Answered, a round on a connection the broker had seen no heartbeat or
+        pull of the group on yet (a restarted broker) was taken for an admin tool's moves, each commit waiting for
+        a save of the broker's offsets (past 256 of an address, its next periodic save), one queue after another.
+        Shutdown's and a hand-over's commits stay answered: their failure is said."""
         for mq in queues:
             try:
-                await self._commit(mq, again=True)
+                await self._commit(mq, again=True, oneway=True)
             except BrokerError as exc:
                 log.info("offset commit of %s failed: %s", mq, exc)
             except Exception:  # noqa: BLE001 - ending here would leave every later offset uncommitted

@@ -13,7 +13,9 @@ from ..slices import in_slices
 from .pull import on_disk, pulled_groups
 
 log = logging.getLogger("txmq.offsets")
-_moves_said = EveryKey(60.0)        # groups and topics whose offsets a non-consumer moved, said this minute
+MOVES_SAID_A_MINUTE = 20
+# groups and topics whose offsets a non-consumer moved, said this minute (MOVES_SAID_A_MINUTE of them at most)
+_moves_said = EveryKey(60.0, total=MOVES_SAID_A_MINUTE)
 
 
 def _queue(cmd):
@@ -81,7 +83,13 @@ def update_consumer_offset(ctx, conn, cmd):
                 log.warning("%s by %s, no consumer of the group (an admin tool: resetOffsetByTimeOld, "
                             "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply%s (more of this "
                             "group and topic in the next minute are not said)", done, peer_host(conn), slave)
-            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS))
+            elif _moves_said.full():
+                # made-up groups (they cost nothing) were a line each: 296 moves, 296 lines
+                ctx.limits.warn("offset-move-said", f"offsets of more than {MOVES_SAID_A_MINUTE} groups and topics "
+                                f"moved this minute by clients that are no consumer of the group (latest: {done} by "
+                                f"{peer_host(conn)}): not said one by one")
+            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS),
+                                 start=ctx.limits.may_save_move_now(conn))
     return cmd.response(ResponseCode.SUCCESS)
 
 
@@ -101,11 +109,11 @@ def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) 
     return -1 if current is None else current
 
 
-async def offsets_saved(ctx, cmd, done: str, reply):
+async def offsets_saved(ctx, cmd, done: str, reply, *, start: bool = True):
     """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
-    saved (``reply`` too when it is an error already)."""
+    saved (``reply`` too when it is an error already). ``start`` False: by the next periodic save."""
     try:
-        await ctx.offsets.saved()
+        await ctx.offsets.saved(start=start)
     except OSError as exc:
         if reply.code == ResponseCode.SUCCESS:
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "

@@ -51,10 +51,11 @@ class ConsumerOffsets:
         self.per_host = per_host
         self._maker: dict[tuple[str, str, int], str] = {}
         self._made_by: dict[str, int] = {}
-        # group -> its topics -> how many queues of each it holds an offset on: a group's topics without a walk of
+        # group -> its topics -> the queue ids of each it holds an offset on: a group's topics without a walk of
         # every offset (GET_CONSUME_STATS of one group walked all of them: mqadmin consumerProgress, asking each
-        # group in turn, was O(groups x offsets), and groups that went away months ago keep their offsets).
-        self._topics: dict[str, dict[str, int]] = {}
+        # group in turn, was O(groups x offsets), and groups that went away months ago keep their offsets), and
+        # its offsets, or a topic's, for remove_groups and remove_topic (each walked all 100,000: 15-50 ms of loop).
+        self._topics: dict[str, dict[str, list[int]]] = {}
         # topic -> the groups holding an offset on it, changed only as a (group, topic) pair comes or goes in
         # _topics: QUERY_TOPIC_CONSUME_BY_WHO walked every offset, and topicList -c and statsAll ask every topic.
         self._groups: dict[str, set[str]] = {}
@@ -71,7 +72,9 @@ class ConsumerOffsets:
         self._saves_taken = 0
         self._saves_written = 0
         self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
+        self._next_write: asyncio.Future | None = None  # what ``saved(start=False)`` callers wait for: any write's end
         self._failing = False       # the last save (the loop's or ``saved``'s) was refused: _save_failed
+        self._hurry = False         # stopping: ``saved(start=False)`` starts a save as ``saved()`` does (hurry)
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
         # nothing (a reset that moves no offset, a deleted topic no group consumed). Each forced a whole-table
         # write (100,000 offsets: 1-1.5 s of a core, the loop slowed with it), asked by any client without ACL.
@@ -142,27 +145,30 @@ class ConsumerOffsets:
     def _index(self, key: tuple[str, str, int]) -> None:
         group, topic = key[0], key[1]
         topics = self._topics.setdefault(group, {})
-        n = topics.get(topic, 0)
-        topics[topic] = n + 1
-        if not n:
+        qids = topics.get(topic)
+        if qids is None:
+            topics[topic] = [key[2]]
             self._groups.setdefault(topic, set()).add(group)
+        else:
+            qids.append(key[2])
 
     def remove_group(self, group: str) -> None:
         self.remove_groups({group})
 
     def remove_groups(self, groups: set[str]) -> None:
-        """Every offset of these groups, in one walk of the table."""
-        self._remove([k for k in self._table if k[0] in groups])
+        """Every offset of these groups: O(their offsets), not a walk of the table."""
+        self._remove([(g, t, q) for g in groups for t, qids in self._topics.get(g, {}).items() for q in qids])
 
     def remove_topic(self, topic: str) -> None:
-        self._remove([k for k in self._table if k[1] == topic])
+        self._remove([(g, topic, q) for g in self._groups.get(topic, ()) for q in self._topics[g][topic]])
 
     def _remove(self, keys) -> None:
         for key in keys:
             del self._table[key]
             topics = self._topics[key[0]]
-            if topics[key[1]] > 1:
-                topics[key[1]] -= 1
+            qids = topics[key[1]]
+            if len(qids) > 1:
+                qids.remove(key[2])
             else:
                 if len(topics) > 1:
                     del topics[key[1]]
@@ -230,6 +236,9 @@ class ConsumerOffsets:
         except OSError as exc:  # a full disk must not turn a clean stop into a crash; consumers re-read
             log.error("consumer offsets not persisted at close: %s (consumers resume from the last saved "
                       "offsets and may see messages again)", exc)
+            self._wrote(exc)
+        else:
+            self._wrote()
 
     async def _persist_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -244,8 +253,10 @@ class ConsumerOffsets:
                 except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
                     self._save_failed(exc)
+                    self._wrote(exc)
                     continue
                 self._save_worked()
+                self._wrote()
 
     def _save_failed(self, exc: BaseException) -> None:
         """Said once per outage (a full disk), not every few seconds, whichever save (the loop's, ``saved``'s) met
@@ -260,9 +271,26 @@ class ConsumerOffsets:
             log.warning("consumer offsets persisted again")
             self._failing = False
 
-    async def saved(self) -> None:
+    def _wrote(self, exc: BaseException | None = None) -> None:
+        """A write (the loop's or ``saved``'s) ended: wake the ``saved(start=False)`` callers, who look again."""
+        waiting, self._next_write = self._next_write, None
+        if waiting is not None and not waiting.done():
+            if exc is None:
+                waiting.set_result(None)
+            else:
+                waiting.set_exception(exc)
+
+    def hurry(self) -> None:
+        """A stop: ``saved(start=False)`` callers, those waiting and any later, start a save (shared) as ``saved()``
+        does. A stop gives requests in flight 5 s, then closes their connections: moves waiting for a periodic
+        save due later were saved at close but never answered, the tool not knowing whether they were made."""
+        self._hurry = True
+        self._wrote()
+
+    async def saved(self, *, start: bool = True) -> None:
         """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
-        background save retries). For the operators' codes, which move offsets on purpose and answer SUCCESS: a
+        background save retries). ``start`` False: return once a write holds the table as it is now, starting
+        none (the periodic save, or one another caller starts): within ``persist_interval_s`` and a save. For the operators' codes, which move offsets on purpose and answer SUCCESS: a
         reset (INVOKE_BROKER_TO_RESET_OFFSET) or a removal left to the next periodic save was undone by a kill
         within ``persist_interval_s`` -- the group back where it was, its replay lost or its skip redelivered.
 
@@ -271,6 +299,12 @@ class ConsumerOffsets:
         offsets: about 350 ms each), not one each, queued."""
         wanted = self._changes
         while self._saved_changes < wanted:
+            if not start and not self._hurry:
+                if self._next_write is None:
+                    self._next_write = asyncio.get_running_loop().create_future()
+                    self._next_write.add_done_callback(retrieved)
+                await asyncio.shield(self._next_write)
+                continue
             if self._saving is None:
                 self._saving = asyncio.ensure_future(self._save_now())
                 self._saving.add_done_callback(retrieved)
@@ -285,10 +319,12 @@ class ConsumerOffsets:
         except OSError as exc:
             self._dirty = True
             self._save_failed(exc)
+            self._wrote(exc)
             raise
         finally:
             self._saving = None
         self._save_worked()
+        self._wrote()
 
     def _snapshot(self) -> tuple[dict, dict]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save

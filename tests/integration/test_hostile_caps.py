@@ -14,6 +14,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
 from protocol.errors import BrokerError
+from tests.support.bounded import bounded
 from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
@@ -613,3 +614,103 @@ async def test_retry_topics_of_groups_gone_make_room_under_max_queues(broker_fac
         first.close()
         second.close()
     assert "%RETRY%G_next" in made and not {"%RETRY%G_gone1", "%RETRY%G_gone2"} & made
+
+
+def _scraped(broker, name: str) -> float:
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in scraped.splitlines() if line.startswith(name + " "))
+
+
+@bounded(60)
+async def test_one_address_moving_offsets_of_groups_it_does_not_consume_rides_the_periodic_save(broker_factory):
+    """An answered UPDATE_CONSUMER_OFFSET from a connection that is no consumer of the group is an admin tool's move
+    and is on disk before SUCCESS. Each started a save of the whole table: one client looping over answered moves
+    of made-up groups (100,000 offsets: 1.0-1.5 s a save) had it saved back to back, 1.35 saves and 4.9 MB written a
+    second, for as long as it went on. An address's first OFFSET_MOVE_SAVES moves (one more each flush interval)
+    still start a save; the rest are answered after the next periodic one, on disk all the same, counted and
+    said. Another address's move starts its own save."""
+    from broker.limits import OFFSET_MOVE_SAVES
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "2000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    admin = await RawClient.open(broker.broker, "127.0.0.2")
+    moves = OFFSET_MOVE_SAVES + 40
+    try:
+        assert (await _send_to(admin, "Offsets")).code == C.SUCCESS
+        frames = [RemotingCommand(R.UPDATE_CONSUMER_OFFSET, opaque=next(_OPAQUES), ext_fields={
+            "consumerGroup": f"CG_moved{i}", "topic": "Offsets", "queueId": "0", "commitOffset": "3"})
+            for i in range(moves)]
+        hostile.write(b"".join(f.encode() for f in frames))
+        replies = [await hostile.reply(f.opaque, 30) for f in frames]
+        assert all(r and r[0].code == C.SUCCESS for r in replies), [r[0].remark for r in replies if r]
+        table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())["offsetTable"]
+        assert all(table.get(f"Offsets@CG_moved{i}") == {"0": 3} for i in range(moves))  # on disk at SUCCESS
+        deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
+        assert 30 <= deferred <= 40, deferred           # (a token or so refilled while the frames were read)
+        assert (await _commit(admin, "CG_moved0")).code == C.SUCCESS    # another address: a save of its own
+        assert _scraped(broker, "txmq_offset_moves_deferred_total") == deferred
+    finally:
+        hostile.close()
+        admin.close()
+    assert "answered after the next periodic save" in broker.log_path.read_text()
+
+
+@bounded(60)
+async def test_moves_waiting_for_the_periodic_save_are_answered_when_the_broker_stops(broker_factory):
+    """Moves past an address's OFFSET_MOVE_SAVES wait for the next periodic save. A SIGTERM gives requests in flight
+    5 s, then closes the connections: with --flush-consumer-offset-interval-ms past that (or its save ending after),
+    the waiting moves were saved at close but never answered, the tool left not knowing whether they were made. A
+    stop starts the save they wait for: each is answered SUCCESS, and the file holds it."""
+    from broker.limits import OFFSET_MOVE_SAVES
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "60000")
+    tool = await RawClient.open(broker.broker, "127.0.0.1")
+    waiting = 5
+    try:
+        assert (await _send_to(tool, "Offsets")).code == C.SUCCESS
+        frames = [RemotingCommand(R.UPDATE_CONSUMER_OFFSET, opaque=next(_OPAQUES), ext_fields={
+            "consumerGroup": f"CG_stopped{i}", "topic": "Offsets", "queueId": "0", "commitOffset": "3"})
+            for i in range(OFFSET_MOVE_SAVES + waiting)]
+        tool.write(b"".join(f.encode() for f in frames[:OFFSET_MOVE_SAVES]))
+        saved = [await tool.reply(f.opaque, 30) for f in frames[:OFFSET_MOVE_SAVES]]
+        assert all(r and r[0].code == C.SUCCESS for r in saved)
+        tool.write(b"".join(f.encode() for f in frames[OFFSET_MOVE_SAVES:]))     # (no save of the first holds them)
+        while _scraped(broker, "txmq_offset_moves_deferred_total") < waiting:
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(broker.stop) == 0
+        replies = [await tool.reply(f.opaque, 10) for f in frames[OFFSET_MOVE_SAVES:]]
+    finally:
+        tool.close()
+    assert [r and r[0].code for r in replies] == [C.SUCCESS] * waiting
+    table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())["offsetTable"]
+    assert all(table.get(f"Offsets@CG_stopped{i}") == {"0": 3} for i in range(OFFSET_MOVE_SAVES + waiting))
+
+
+@bounded(60)
+async def test_one_address_deleting_groups_with_their_offsets_in_a_loop_rides_the_periodic_save(broker_factory):
+    """The second path to the back-to-back saves: DELETE_SUBSCRIPTIONGROUP with removeOffset (and
+    INVOKE_BROKER_TO_RESET_OFFSET) starts a save of the whole offsets table before SUCCESS, as an admin move did, and
+    a oneway commit makes an offset at no cost (no save): a client looping over oneway commit + delete had the table
+    saved once a delete, past the budget the moves have. They share the moves' budget of OFFSET_MOVE_SAVES now."""
+    from broker.limits import OFFSET_MOVE_SAVES
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "2000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    rounds = OFFSET_MOVE_SAVES + 40
+    try:
+        assert (await _send_to(hostile, "Offsets")).code == C.SUCCESS
+        frames, deletes = [], []
+        for i in range(rounds):
+            frames.append(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": f"CG_gone{i}", "topic": "Offsets", "queueId": "0", "commitOffset": "3"},
+                oneway=True, opaque=next(_OPAQUES)))
+            deletes.append(RemotingCommand(R.DELETE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES), ext_fields={
+                "groupName": f"CG_gone{i}", "removeOffset": "true"}))
+            frames.append(deletes[-1])
+        hostile.write(b"".join(f.encode() for f in frames))
+        replies = [await hostile.reply(f.opaque, 30) for f in deletes]
+        assert all(r and r[0].code == C.SUCCESS for r in replies), [r[0].remark for r in replies if r]
+        table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())
+        assert not any(key.endswith("@CG_gone0") for key in table.get("offsetTable", table))    # removed on disk
+        deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
+    finally:
+        hostile.close()
+    assert 30 <= deferred <= 40, deferred

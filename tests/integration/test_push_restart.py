@@ -248,3 +248,42 @@ async def test_a_push_consumer_shut_down_during_its_back_off_ends_and_leaves_no_
     await consumer.shutdown()
     assert all(t.done() for t in tasks)
     assert not [t for t in asyncio.all_tasks() if "_rebalance_loop" in repr(t.get_coro()) and not t.done()]
+
+
+@bounded(60)
+async def test_a_push_consumers_commit_rounds_go_oneway_as_a_java_consumers_persist_all(broker_factory):
+    """The commit loop's rounds went answered; RocketMQ's persistAll sends them oneway (RemoteBrokerOffsetStore,
+    isOneway true). Answered, a round reaching a restarted broker on a connection it had seen no heartbeat or pull
+    of the group on yet was taken for an admin tool's moves: each commit waited for a save of the broker's offsets
+    (past 256 of an address, its next periodic save), queue after queue. The rounds go oneway now, and the
+    broker's offsets file holds what was consumed all the same; shutdown's commits are still answered."""
+    from protocol.codes import RequestCode
+    b = broker_factory("--flush-consumer-offset-interval-ms", "50")
+    topic, group = "PushOneway", "CG_push_oneway"
+    got: collections.Counter = collections.Counter()
+    consumed = asyncio.Event()
+    async with Producer(b.namesrv, "PG_push_oneway") as producer:
+        await create_topic(b.broker, topic, QUEUES)
+        queues = await producer.routes.publish_queues(topic)
+        consumer = _consumer(b, topic, group, got, consumed)
+        answered = []
+        request = consumer.client.pool.request
+
+        async def recording(addr, cmd, timeout):
+            if cmd.code == RequestCode.UPDATE_CONSUMER_OFFSET:
+                answered.append(cmd)
+            return await request(addr, cmd, timeout)
+        consumer.client.pool.request = recording
+        await consumer.start()
+        try:
+            sent = [b"oneway-%d-%d" % (q.queue_id, i) for q in queues for i in range(3)]
+            for body, q in zip(sent, [q for q in queues for _ in range(3)]):
+                await producer.send(topic, body, queue=q)
+            await _until(lambda: all(got[m] for m in sent), consumed)
+            while _saved(b, group, topic) != {str(q.queue_id): 3 for q in queues}:     # committed, and on disk
+                await asyncio.sleep(0.05)
+            by_rounds = list(answered)
+        finally:
+            await consumer.shutdown()
+    assert by_rounds == [], f"{len(by_rounds)} answered commit(s) by the commit loop's rounds"
+    assert answered, "shutdown's commits are answered"

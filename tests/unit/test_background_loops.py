@@ -279,7 +279,7 @@ async def test_the_push_consumers_commit_loop_goes_on_after_a_turn_that_raised(c
 
     async def write(q, offset):
         written[q] = offset
-    consumer.offset_store.write = failing_once_async(write, ValueError("a bug"), second)
+    consumer.offset_store.write = consumer.offset_store.write_oneway = failing_once_async(write, ValueError("a bug"), second)
     task = asyncio.get_running_loop().create_task(consumer._commit_loop())
     task.add_done_callback(consumer._crashed)
     try:
@@ -344,7 +344,7 @@ async def test_the_push_consumers_commit_loop_recommits_owned_queues_only():
         writes.append((q, offset))
         if len(writes) == 3:
             third.set()
-    consumer.offset_store.write = write
+    consumer.offset_store.write = consumer.offset_store.write_oneway = write
     task = asyncio.get_running_loop().create_task(consumer._commit_loop())
     try:
         await asyncio.wait_for(third.wait(), SECOND_TURN_S)
@@ -387,7 +387,7 @@ async def test_a_queue_taken_back_is_not_recommitted_at_the_offset_it_had_when_g
             kept_commits.append(offset)
             if len(kept_commits) >= 3:
                 rounds.set()
-    consumer.offset_store.write = write
+    consumer.offset_store.write = consumer.offset_store.write_oneway = write
     never = asyncio.Event()
 
     async def start_offset(q):      # the pull loops stay where a new one waits: reading its start offset
@@ -439,7 +439,7 @@ async def test_a_broker_that_does_not_answer_does_not_hold_up_the_other_brokers_
         written.append(q)
         if set(fine) <= set(written):
             committed.set()
-    consumer.offset_store.write = write
+    consumer.offset_store.write = consumer.offset_store.write_oneway = write
     task = asyncio.get_running_loop().create_task(consumer._commit_loop())
     try:
         await asyncio.wait_for(committed.wait(), SECOND_TURN_S)

@@ -425,6 +425,20 @@ def test_every_key_says_a_key_once_an_interval_and_keeps_no_more_than_max_keys()
     assert len(said.said) <= 3
 
 
+def test_every_key_with_a_total_says_at_most_that_many_keys_an_interval():
+    """``total``: new keys (made-up groups a client names at no cost) were a line each; at most ``total`` are said
+    an interval, ``full`` saying why the rest were not (a summary line), and a key held back is said once the
+    interval is over."""
+    from broker.limits import EveryKey
+    now = [100.0]
+    said = EveryKey(60.0, clock=lambda: now[0], total=2)
+    assert [said.due(k) for k in ("a", "b", "c", "d")] == [True, True, False, False]
+    assert said.full()
+    now[0] += 60.0
+    assert not said.full() and said.due("c") and said.due("a") and said.full()
+    assert not EveryKey(60.0).full()
+
+
 @bounded(30)
 async def test_undecided_per_group_counts_the_halves_still_being_stored_when_it_reads_the_counts(tmp_path):
     """Halves accepted and still in the store's writer queue are not in the pending index yet: the counts read
@@ -479,3 +493,20 @@ async def test_undecided_per_group_counts_the_halves_still_being_stored_when_it_
         assert tx.storing_groups == {}
     finally:
         await ctx.store._store.close()
+
+
+def test_admin_moves_start_saves_at_most_a_burst_then_one_each_flush_interval():
+    """may_save_move_now: OFFSET_MOVE_SAVES moves of one address start a save each, then one more each flush
+    interval (whatever connection they come on); the rest ride the periodic save, counted. Another address has its
+    own budget."""
+    from broker.limits import OFFSET_MOVE_SAVES
+    now = [0.0]
+    metrics = BrokerMetrics()
+    lim = Limits(BrokerConfig(flush_consumer_offset_interval_ms=5000), metrics, monotonic=lambda: now[0])
+    a, b = _Conn(), _Conn()
+    assert all(lim.may_save_move_now(a if i % 2 else b) for i in range(OFFSET_MOVE_SAVES))
+    assert not lim.may_save_move_now(a) and not lim.may_save_move_now(b)
+    assert lim.may_save_move_now(_Conn("10.0.0.9"))
+    now[0] += 5.0
+    assert lim.may_save_move_now(a) and not lim.may_save_move_now(b)
+    assert metrics.offset_moves_deferred._value.get() == 3

@@ -532,7 +532,7 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
 
     member, tool = Conn(), Conn()
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
-                          limits=SimpleNamespace(may_commit=lambda *a: None),
+                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True),
                           clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}),
                           config=SimpleNamespace(broker_role="ASYNC_MASTER"))
     file = tmp_path / "config" / "consumerOffset.json"
@@ -582,7 +582,7 @@ async def test_an_admin_move_on_a_slave_says_its_master_copy_replaces_it(tmp_pat
         peer = ("127.0.0.1", 1)
 
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
-                          limits=SimpleNamespace(may_commit=lambda *a: None), clients=SimpleNamespace(consumers={}),
+                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True), clients=SimpleNamespace(consumers={}),
                           config=SimpleNamespace(broker_role="SLAVE"))
     with caplog.at_level("WARNING", logger="txmq.offsets"):
         reply = await update_consumer_offset(ctx, Conn(), RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
@@ -628,3 +628,93 @@ async def test_a_second_full_disk_after_a_rewind_saved_the_table_is_said_again(t
     finally:
         full[0] = False
         await offsets.close()
+
+
+@bounded(10)
+async def test_a_save_not_started_is_the_next_periodic_one(tmp_path):
+    """``saved(start=False)`` (an admin move past its address's budget of saves): returns once the periodic save
+    holds the change, starting no write of its own; a periodic save refused is raised to it (SYSTEM_ERROR)."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.2)
+    writes = []
+    write = offsets._write
+    offsets._write = lambda *a: (writes.append(a[1]), write(*a))
+
+    async def started(*_a):
+        raise AssertionError("saved(start=False) started a save of its own")
+    offsets._save_now = started     # only the periodic save may write it
+    await offsets.open()
+    offsets.commit("CG", "T", 0, 7)
+    await offsets.saved(start=False)
+    assert len(writes) == 1
+    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text())["T@CG"] == {"0": 7}
+    await offsets.saved(start=False)                        # nothing new: no wait, no write
+    assert len(writes) == 1
+
+    def full(*_a):
+        raise OSError(28, "No space left on device")
+    offsets._write = full
+    offsets.commit("CG", "T", 0, 8)
+    with pytest.raises(OSError):
+        await offsets.saved(start=False)
+    offsets._write = write
+    await offsets.close()
+
+
+def test_removing_a_group_or_a_topic_does_not_walk_every_offset(tmp_path):
+    """remove_groups and remove_topic (DELETE_SUBSCRIPTIONGROUP with cleanOffset, deleteTopic, a retry topic
+    reclaimed) walked the whole table on the loop for a few offsets: at 100,000 offsets 15-50 ms each. They take
+    the offsets from the group and topic index now."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    for g in ("A", "B", "C"):
+        for t in ("T", "U"):
+            for q in range(3):
+                offsets.commit(g, t, q, 1, "127.0.0.1")
+
+    class Unwalkable(dict):
+        def __iter__(self):
+            raise AssertionError("the whole table was walked")
+    offsets._table = Unwalkable(offsets._table)
+    offsets.remove_group("A")
+    offsets.remove_topic("U")
+    assert sorted(dict.keys(offsets._table)) == [(g, "T", q) for g in ("B", "C") for q in range(3)]
+    assert offsets.topics_of("A") == [] and offsets.groups_of("U") == set() and offsets.made_by("127.0.0.1") == 6
+
+
+@bounded(30)
+async def test_admin_moves_of_many_made_up_groups_are_not_a_warning_each(tmp_path, caplog):
+    """An admin move is said at WARNING once a minute a group and topic, in a table of 1,024 keys: a client moving
+    offsets of made-up groups (they cost nothing) had every move said, one line each (296 moves: 296 lines). At
+    most MOVES_SAID_A_MINUTE of them are said a minute, the rest in one line every 10 s (Limits.warn)."""
+    from types import SimpleNamespace
+
+    from broker.config import BrokerConfig
+    from broker.limits import Limits
+    from broker.metrics import BrokerMetrics
+    from broker.processors import offsets as processor
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    offsets = ConsumerOffsets(str(tmp_path))
+    await offsets.open()
+    limits = Limits(BrokerConfig(), BrokerMetrics())
+
+    class Conn:
+        peer = ("127.0.0.1", 1)
+
+    ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
+                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True,
+                                                 warn=limits.warn),
+                          clients=SimpleNamespace(consumers={}), config=SimpleNamespace(broker_role="ASYNC_MASTER"))
+    tool = Conn()
+    moves = 300
+    with caplog.at_level("WARNING"):
+        for i in range(moves):
+            reply = await processor.update_consumer_offset(ctx, tool, RemotingCommand.request(
+                RequestCode.UPDATE_CONSUMER_OFFSET, {"consumerGroup": f"CG_madeup{i}", "topic": "T", "queueId": 0,
+                                                     "commitOffset": 1}))
+            assert reply.code == ResponseCode.SUCCESS
+    summary = [r for r in caplog.records if "not said one by one" in r.getMessage()]
+    one_each = [r for r in caplog.records if "CG_madeup" in r.getMessage() and r not in summary]
+    assert len(one_each) <= processor.MOVES_SAID_A_MINUTE < moves, len(one_each)
+    assert len(summary) == 1, [r.getMessage() for r in summary]
+    await offsets.close()
