@@ -704,6 +704,25 @@ def encode_batch(entries: list[tuple[int, bytes, str]]) -> bytes:
     return bytes(out)
 
 
+def batch_entries_past(buf, limit: int) -> bool:
+    """Whether the batch body ``buf`` holds more than ``limit`` entries, read from their TOTALSIZE fields only
+    (at most ``limit`` + 1 of them; a body too short to hold ``limit`` + 1 entries is not read at all). A body that
+    is not a batch is left to the batch's decoder to refuse."""
+    if len(buf) < 22 * (limit + 1):
+        return False
+    pos, end, n = 0, len(buf), 0
+    unpack = _I32.unpack_from
+    while pos + 4 <= end:
+        n += 1
+        if n > limit:
+            return True
+        size = unpack(buf, pos)[0]
+        if size < 22:
+            return False
+        pos += size
+    return False
+
+
 def decode_batch(buf) -> list[tuple[int, bytes, str]]:
     """(flag, body, properties string) for each entry of a batch body."""
     entries = []

@@ -88,3 +88,11 @@ def test_a_batch_entry_with_properties_past_the_limit_is_refused_clearly():
     from protocol.message import encode_batch
     with pytest.raises(MessageIllegalError, match="message 1 of the batch not sent: its properties are 40006 bytes"):
         encode_batch([(0, b"a", "k\x01v"), (0, b"b", "k\x01" + "x" * 40004)])
+
+
+def test_batch_entries_past_counts_entries_up_to_one_past_the_limit():
+    from protocol.message import batch_entries_past     # (here: a file without it still collects)
+    assert not batch_entries_past(encode_batch([(0, b"x", "")] * 100), 100)
+    assert batch_entries_past(encode_batch([(0, b"x", "")] * 101), 100)
+    assert not batch_entries_past(encode_batch([(0, b"x" * 50, "")] * 3), 100)      # too short to hold 101
+    assert not batch_entries_past(b"\x00" * 5000, 100)          # not a batch: left to its decoder to refuse
