@@ -1,7 +1,7 @@
 """How long one large request holds a real broker's loop: LOCK_BATCH_MQ / UNLOCK_BATCH_MQ of a frame's worth of
-queues, and SEND_BATCH_MESSAGE of many tiny messages.
+queues, and SEND_BATCH_MESSAGE of many tiny messages (at most max_batch_messages, 4,096, on this tree).
 
-    python bench/bench_request_holds.py [--queues 250000] [--batch 20000] [--baseline REPO]
+    python bench/bench_request_holds.py [--queues 250000] [--batch 4096] [--baseline REPO]
 
 One client (127.0.0.1) sends each request three times, one after another; another (127.0.0.2) sends a SEND every
 10 ms meanwhile. Prints, per request, its answer times, the other client's worst SEND and the broker's worst loop
@@ -90,7 +90,7 @@ def _worst_lock_lag(fig):
 async def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--queues", type=int, default=250_000)
-    ap.add_argument("--batch", type=int, default=20_000)
+    ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--baseline")
     args = ap.parse_args()
     out = {"queues": args.queues, "batch": args.batch, "this": await one_broker(None, args)}

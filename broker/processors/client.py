@@ -34,8 +34,9 @@ def heart_beat(ctx, conn, cmd):
     return _heart_beat_done(ctx, conn, cmd, ctx.clients.heartbeat(conn, cmd))
 
 
-# conn.attributes key: the last of its HEART_BEAT / UNREGISTER_CLIENT requests still waiting or under way behind
-# a large heartbeat. A large heartbeat is a task, and the requests after it on its connection were handled at once:
+# conn.attributes key: the last of its HEART_BEAT / UNREGISTER_CLIENT / LOCK_BATCH_MQ / UNLOCK_BATCH_MQ requests
+# still waiting or under way behind a large heartbeat or lock batch. A large heartbeat is a task, and the requests
+# after it on its connection were handled at once:
 # an UNREGISTER_CLIENT sent right after it left nothing (not joined yet) and the heartbeat then joined the group
 # (the consumer listed, its queues unread, until channel_expire_ms), a newer heartbeat was overwritten by it.
 _TURN = "registration_turn"
