@@ -226,3 +226,41 @@ def test_a_lock_body_read_a_piece_at_a_time_is_taken_and_refused_as_json_loads_w
                 '{"consumerGroup":"CG","clientId":"A","mqSet":7}'):
         with pytest.raises(HeaderError):
             _lock_answer(bad, pad)
+
+
+def test_a_large_lock_batch_whose_connection_closed_takes_no_more_locks():
+    """A lock batch still waiting for its turn, or between two slices, when its connection closes: its answer can
+    never reach the client, which then does not know it holds the queues, and every other consumer of the group
+    was kept off them for queue_lock_max_live_ms (60 s). Sliced, that window is the seconds a frame's worth of
+    queues takes, and max_in_flight such requests queue behind one another: it stops at the next slice now."""
+    big = TopicConfig("Big", 4096, 4096)
+    mqs = [{"topic": "Big", "brokerName": "broker-a", "queueId": i % 4096} for i in range(40_000)]
+
+    async def run():
+        ctx, _clock = _ctx()
+        ctx.topics = SimpleNamespace(topics={"Big": big})
+        conn = _Conn("10.0.0.1", 1)
+        conn.closed = asyncio.Event()
+        first = _large_call(lock_batch_mq, ctx, conn, "A", mqs)
+        behind = _large_call(lock_batch_mq, ctx, conn, "A", mqs[:10])     # pipelined: waits for its turn
+        conn.closed.set()                   # the client went away with both read, neither answered
+        assert await first is None and await behind is None
+        assert len(ctx.clients.locks) == 0
+    asyncio.run(run())
+
+
+def test_two_clients_large_lock_batches_of_the_same_queues_interleaved_never_both_get_a_queue():
+    """Sliced, two clients' lock batches of the same queues run side by side (RocketMQ's take each whole under
+    one lock): a queue may go to either, never to both, and each lock is its holder's."""
+    big = TopicConfig("Big", 8192, 8192)
+    mqs = [{"topic": "Big", "brokerName": "broker-a", "queueId": i} for i in range(8192)]
+
+    async def run():
+        ctx, _clock = _ctx()
+        ctx.topics = SimpleNamespace(topics={"Big": big})
+        a, b = await asyncio.gather(_large_call(lock_batch_mq, ctx, _Conn("10.0.0.1", 1), "A", mqs),
+                                    _large_call(lock_batch_mq, ctx, _Conn("10.0.0.2", 1), "B", mqs[::-1]))
+        got = {c: {m["queueId"] for m in json.loads(r.body_bytes())["lockOKMQSet"]} for c, r in (("A", a), ("B", b))}
+        assert not got["A"] & got["B"] and len(got["A"] | got["B"]) == 8192
+        assert all(ctx.clients.locks[("CG", "Big", q)][0] == c for c, qs in got.items() for q in qs)
+    asyncio.run(run())
