@@ -304,9 +304,14 @@ def _lock_steps(ctx, conn, cmd):
     granted = []
     refused: dict[str, int] = {}
     topics = ctx.topics.topics
+    closed = getattr(conn, "closed", None)
     for n, mq in enumerate(mqs, 1):
         if n % LOCK_SLICE == 0:
             yield
+        # Its connection gone (while it waited for its turn or between slices), its answer can never reach the
+        # client, which would not know it holds these queues: the rest of its group kept off them for ttl.
+        if (n == 1 or n % LOCK_SLICE == 0) and closed is not None and closed.is_set():
+            return None
         # Only queues this broker has: a lock is held for queue_lock_max_live_ms, and any name was taken, so one
         # 15 MB request of made-up queues kept some 70 MB for a minute; a client sending them in a loop, gigabytes.
         # (UPDATE_CONSUMER_OFFSET refuses such queues the same way.) Not granted, it is left out of the answer.
