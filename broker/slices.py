@@ -39,3 +39,13 @@ async def members_in_slices(head: str, names: list, size: int, members, sep: str
             parts += (sep.encode(), text.encode()) if len(parts) > 1 else (text.encode(),)
     parts.append(tail.encode())
     return parts
+
+
+def run_steps(steps):
+    """Run the generator ``steps`` through at once (a small request's: no turn of the loop between); what it
+    returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

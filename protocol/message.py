@@ -711,6 +711,25 @@ def encode_batch(entries: list[tuple[int, bytes, str]]) -> bytes:
     return bytes(out)
 
 
+def batch_entries_past(buf, limit: int) -> bool:
+    """Whether the batch body ``buf`` holds more than ``limit`` entries, read from their TOTALSIZE fields only
+    (at most ``limit`` + 1 of them; a body too short to hold ``limit`` + 1 entries is not read at all). A body that
+    is not a batch is left to the batch's decoder to refuse."""
+    if len(buf) < 22 * (limit + 1):
+        return False
+    pos, end, n = 0, len(buf), 0
+    unpack = _I32.unpack_from
+    while pos + 4 <= end:
+        n += 1
+        if n > limit:
+            return True
+        size = unpack(buf, pos)[0]
+        if size < 22:
+            return False
+        pos += size
+    return False
+
+
 def decode_batch(buf) -> list[tuple[int, bytes, str]]:
     """(flag, body, properties string) for each entry of a batch body."""
     entries = []
@@ -739,7 +758,8 @@ def decode_batch(buf) -> list[tuple[int, bytes, str]]:
 
 
 # TIMER_ covers RocketMQ 5's timer names; Aliyun's __STARTDELIVERTIME (one of TIMER_PROPS too) does not contain it.
-_BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", Prop.START_DELIVER_TIME.encode() + b"\x01", b"WAIT\x01")
+_BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", Prop.START_DELIVER_TIME.encode() + b"\x01")
+_WAIT_KEY = b"WAIT\x01"
 _TAGS_KEY = b"TAGS\x01"
 _tag_codes: dict[bytes, int] = {}
 
@@ -756,8 +776,10 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
 
     None -- the caller then takes the general path (``decode_batch``, the per-entry checks, ``encode_record``),
     which gives the same records or the same error -- when anything is out of the ordinary: a malformed or
-    empty body, an entry naming DELAY, TRAN_MSG, TIMER_*, __STARTDELIVERTIME, WAIT or any name of ``extra``,
-    properties that are not ASCII, too long or hold a NUL, IPv6 hosts, a long topic, an empty ``extra``.
+    empty body, an entry naming DELAY, TRAN_MSG, TIMER_*, __STARTDELIVERTIME or any name of ``extra``,
+    properties that are not ASCII, too long or hold a NUL, IPv6 hosts, a long topic, an empty ``extra``. An
+    entry's WAIT pair (a Java producer's every message names it) is dropped as the general path drops it
+    (``drop_property``).
     """
     if len(born_host) != 8 or len(store_host) != 8 or len(topic) > MAX_TOPIC_LENGTH or not extra:
         return None
@@ -796,12 +818,20 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
     for mark in marks:
         if mark in every:
             return None
+    wait = _WAIT_KEY in every
     parts = []
     extend = parts.extend
     sizes = []
     tags = []
     bodies = 0
     for flag, body_at, body_len, props in entries:
+        if wait and _WAIT_KEY in props:     # drop_property(text, "WAIT"): the first pair of that name
+            i = props.find(_WAIT_KEY)
+            while i > 0 and props[i - 1] != 2:
+                i = props.find(_WAIT_KEY, i + 1)
+            if i >= 0:
+                j = props.find(b"\x02", i)
+                props = props[:i] + (b"" if j < 0 else props[j + 1:])
         if not props:
             props = tail
         elif props[-1] == 2:

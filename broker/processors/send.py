@@ -23,6 +23,7 @@ from protocol.message import (
     TIMER_PROPS,
     Prop,
     SendMessageRequestHeader,
+    batch_entries_past,
     decode_batch,
     decode_record,
     drop_property,
@@ -448,6 +449,11 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
                             f"the batch body size {len(cmd.body)} is over the maximum {ctx.config.max_message_size}")
     if SysFlag.transaction_type(h.sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "batch messages cannot be transactional")
+    cap = ctx.config.max_batch_messages
+    if batch_entries_past(cmd.body, cap):      # stored as one unit on the loop: more held every other client
+        why = f"the batch holds more than {cap} messages (max_batch_messages): split it, nothing was stored"
+        ctx.limits.refused("batch-messages", f"SEND_BATCH_MESSAGE to {h.topic} from {peer_host(conn)} refused: {why}")
+        return cmd.response(ResponseCode.MESSAGE_ILLEGAL, why)
     illegal = nul_in_properties(h.properties)
     if illegal is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, illegal)

@@ -714,3 +714,28 @@ async def test_one_address_deleting_groups_with_their_offsets_in_a_loop_rides_th
     finally:
         hostile.close()
     assert 30 <= deferred <= 40, deferred
+
+
+async def test_a_lock_batch_of_a_frames_worth_of_queues_answers_each_once_and_keeps_its_connections_order(
+        broker_factory):
+    """A LOCK_BATCH_MQ naming the broker's queues over and over (15 MB, 250,000 of them, held the loop 4.7 s) was
+    answered with each queue as often as asked: its mqSet is a Java Set, and a stock client's answer holds each
+    once. A large one is read and locked a slice at a time now, each queue once, and an UNLOCK_BATCH_MQ sent
+    right behind it on its connection is done after it, not before (the queues free for another client)."""
+    broker = broker_factory()
+    client = await RawClient.open(broker.broker)
+    other = await RawClient.open(broker.broker)
+    try:
+        mqs = await _queues(client)
+        asked = {"consumerGroup": "G_big", "clientId": "big", "mqSet": [mqs[i % len(mqs)] for i in range(40_000)]}
+        lock = RemotingCommand(R.LOCK_BATCH_MQ, opaque=next(_OPAQUES), body=json.dumps(asked).encode())
+        unlock = RemotingCommand(R.UNLOCK_BATCH_MQ, opaque=next(_OPAQUES), body=json.dumps(asked).encode())
+        client.write(lock.encode())
+        [unlocked] = await client.call(unlock, 30)
+        [locked] = await client.reply(lock.opaque, 30)
+        assert locked.code == unlocked.code == C.SUCCESS
+        assert json.loads(locked.body_bytes())["lockOKMQSet"] == mqs
+        assert await _lock(other, "G_big", "other", mqs) == mqs        # the unlock came after the lock
+    finally:
+        client.close()
+        other.close()
