@@ -1,5 +1,5 @@
 """How long one large request holds a real broker's loop: LOCK_BATCH_MQ / UNLOCK_BATCH_MQ of a frame's worth of
-queues, and SEND_BATCH_MESSAGE of many tiny messages (at most max_batch_messages, 4,096, on this tree).
+queues, and SEND_BATCH_MESSAGE of many tiny messages (4,096 by default; at most max_batch_messages, max_message_size / 64).
 
     python bench/bench_request_holds.py [--queues 250000] [--batch 4096] [--baseline REPO]
 

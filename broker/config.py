@@ -37,7 +37,7 @@ class BrokerConfig:
     segment_size: int = setting(1 << 30, "Commit-log segment size in bytes (RocketMQ's 1 GiB).")
     cq_units_per_file: int = setting(300_000, "Consume-queue units (20 bytes each) per file (RocketMQ's mappedFileSizeConsumeQueue, 300000). Fixed for a store: a store written with another value does not start.")
     max_message_size: int = setting(4 * 1024 * 1024, "Largest message body accepted (RocketMQ's 4 MiB); larger gets MESSAGE_ILLEGAL.")
-    max_batch_messages: int = setting(4096, "Messages one SEND_BATCH_MESSAGE may hold (RocketMQ has no such cap, only max_message_size for the whole body); more gets MESSAGE_ILLEGAL, nothing stored, counted in txmq_requests_refused_total{reason=\"batch-messages\"}. A batch is stored as one unit on the event loop: 150,000 one-byte messages (3.5 MB) held every other client 3.6 s; 4,096 tiny ones hold it some 50 ms (150 ms on a busy 2-core host). Split larger batches (a Java producer: a list splitter by count as well as by size).")
+    max_batch_messages: int = setting(0, "Messages one SEND_BATCH_MESSAGE may hold (RocketMQ has no such cap, only max_message_size for the whole body); more gets MESSAGE_ILLEGAL, nothing stored, counted in txmq_requests_refused_total{reason=\"batch-messages\"}. A batch is stored as one unit on the event loop, so its count is how long every other client waits: 150,000 one-byte messages (3.5 MB, no properties) held it 3.6 s. 0 (the default): max_message_size / 64 (65,536 at 4 MiB), more than a stock producer's batch of that size can hold (its smallest entry, a one-byte body naming WAIT and UNIQ_KEY, is 75 bytes: about 55,900), so no stock client meets it; 55,900 tiny ones hold the loop some 0.8 s on a loaded 2-core host (another client's SEND waited up to 2 s), 4,096 of them 70 ms. Set it lower to bound the hold, and split batches by count as well as by size.")
     disk_refuse_ratio: float = setting(0.90, "Refuse writes (SERVICE_NOT_AVAILABLE, 'disk is full') while the store's file system is at least this full; they resume by themselves below it less 0.01 (RocketMQ's diskSpaceWarningLevelRatio).")
     verify_all_reads: bool = setting(False, "Check the body CRC of every record a pull serves, and that its topic and properties (which no CRC covers) hold no NUL. Off: only of the records start-up did not verify (segments older than the ones recovery scans), where damage at rest is otherwise unseen; about 1.4 us a 1 KiB message when on. A record that fails is never served: the pull stops at it with an error (counted in txmq_store_corrupt_records_total, logged with segment and byte).")
     keep_corrupt_records: bool = setting(False, "Start even when a record mid-way through the log is damaged, if where it ends is sure (its head sound, an intact record right after it): only it is lost (logged at ERROR with topic, queue and offset; a pull stops at it until the group is moved past it with admin reset-offset), every intact record after it is kept and served. Remembered in the store (file corrupt_kept): later starts keep it again. Off: refuse to start and say where.")
@@ -144,9 +144,12 @@ class BrokerConfig:
                      "max_total_write_buffer", "max_total_read_buffer", "max_undecided_per_group", "max_retry_groups",
                      "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection",
                      "max_queue_locks_per_host", "max_groups_per_host", "max_parked_pulls_per_host",
-                     "max_subscription_bytes_per_group", "max_batch_messages"):
+                     "max_subscription_bytes_per_group"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if self.max_batch_messages < 0:
+            raise ConfigError(f"max_batch_messages={self.max_batch_messages} must not be negative "
+                              "(0: max_message_size / 64)")
         if self.max_queues < 0:
             raise ConfigError(f"max_queues={self.max_queues} must not be negative (0: what the process's limits hold)")
         if not 1 <= self.ipv6_client_prefix <= 128:
@@ -194,6 +197,11 @@ class BrokerConfig:
             raise ConfigError(f"broker_id={self.broker_id} must not be negative (0 master, 1+ slave)")
         if self.register_period_ms <= 0 or self.register_timeout_ms <= 0:
             raise ConfigError("register_period_ms and register_timeout_ms must be positive")
+
+    @property
+    def batch_messages_cap(self) -> int:
+        """max_batch_messages, or when 0 what no stock producer's batch of max_message_size can reach."""
+        return self.max_batch_messages or max(1, self.max_message_size // 64)
 
     @property
     def namesrv_addrs(self) -> list[str]:

@@ -449,7 +449,7 @@ def handle_batch(ctx, conn, cmd, h: SendMessageRequestHeader | None = None):
                             f"the batch body size {len(cmd.body)} is over the maximum {ctx.config.max_message_size}")
     if SysFlag.transaction_type(h.sys_flag) != SysFlag.TRANSACTION_NOT_TYPE:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, "batch messages cannot be transactional")
-    cap = ctx.config.max_batch_messages
+    cap = ctx.config.batch_messages_cap
     if batch_entries_past(cmd.body, cap):      # stored as one unit on the loop: more held every other client
         why = f"the batch holds more than {cap} messages (max_batch_messages): split it, nothing was stored"
         ctx.limits.refused("batch-messages", f"SEND_BATCH_MESSAGE to {h.topic} from {peer_host(conn)} refused: {why}")
