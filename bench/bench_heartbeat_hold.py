@@ -12,9 +12,9 @@ import asyncio, json, os, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_index_collisions import _p  # noqa: E402
-from bench_loop_stalls import _OPAQUES, _metric, _send_cmd  # noqa: E402
-from protocol.codes import RequestCode as R, ResponseCode as C  # noqa: E402
+from bench_index_collisions import other_client_sees  # noqa: E402
+from bench_loop_stalls import _OPAQUES  # noqa: E402
+from protocol.codes import RequestCode as R  # noqa: E402
 from protocol.command import RemotingCommand  # noqa: E402
 from tests.support.broker_process import BrokerProcess  # noqa: E402
 from tests.support.raw_client import RawClient  # noqa: E402
@@ -40,34 +40,16 @@ async def main(megabytes, count, repo):
         try:
             big = await RawClient.open(b.broker, "127.0.0.1")
             other = await RawClient.open(b.broker, "127.0.0.2")
-            quiet = []
-            for _ in range(200):
-                t0 = time.perf_counter()
-                [r] = await other.call(_send_cmd("Existing", 0), 30)
-                quiet.append(time.perf_counter() - t0)
-            quiet.sort()
-            base_lag = _metric(b, "txmq_event_loop_lag_max_seconds")
-            done, lat, beats = asyncio.Event(), [], []
 
-            async def watch():
-                while not done.is_set():
+            async def beat():
+                beats = []
+                for _ in range(count):
                     t0 = time.perf_counter()
-                    [r] = await other.call(_send_cmd("Existing", 0), 30)
-                    lat.append(time.perf_counter() - t0)
-                    assert r.code == C.SUCCESS, r.remark
-            watcher = asyncio.create_task(watch())
-            for _ in range(count):
-                t0 = time.perf_counter()
-                [r] = await big.call(RemotingCommand(R.HEART_BEAT, opaque=next(_OPAQUES), body=body), 120)
-                beats.append((round(time.perf_counter() - t0, 3), int(r.code), (r.remark or "")[:120]))
-            done.set()
-            await watcher
-            lat.sort()
-            out = {"body_bytes": len(body), "heartbeats": beats, "other_n": len(lat), "other_max_ms": _p(lat, 1),
-                   "other_p99_ms": _p(lat, 0.99), "quiet_p99_ms": _p(quiet, 0.99),
-                   "loop_lag_max_ms": round(1000 * _metric(b, "txmq_event_loop_lag_max_seconds"), 1),
-                   "loop_lag_max_before_ms": round(1000 * base_lag, 1)}
-            out["ratio"] = round(out["other_p99_ms"] / out["quiet_p99_ms"], 3) if out["quiet_p99_ms"] else None
+                    [r] = await big.call(RemotingCommand(R.HEART_BEAT, opaque=next(_OPAQUES), body=body), 120)
+                    beats.append((round(time.perf_counter() - t0, 3), int(r.code), (r.remark or "")[:120]))
+                return beats
+            beats, seen = await other_client_sees(b, other, beat)
+            out = {"body_bytes": len(body), "heartbeats": beats, **seen}
             print(json.dumps(out))
         finally:
             b.kill()

@@ -36,6 +36,40 @@ def _p(xs, q):
     return round(1000 * xs[min(len(xs) - 1, int(len(xs) * q))], 1)
 
 
+async def other_client_sees(b, other, act, timeout=30):
+    """What ``other`` (a RawClient of broker ``b``) sees while ``await act()`` runs: it SENDs one after another
+    meanwhile. Returns (act's result, the JSON fields the hold benches print: its sends' count, worst and p99 in ms,
+    its p99 of 200 sent just before, the broker's worst loop lag then and before, and "ratio" of the two p99s)."""
+    quiet = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        [r] = await other.call(_send_cmd("Existing", 0), 30)
+        quiet.append(time.perf_counter() - t0)
+    quiet.sort()
+    base_lag = _metric(b, "txmq_event_loop_lag_max_seconds")
+    done, lat = asyncio.Event(), []
+
+    async def watch():
+        while not done.is_set():
+            t0 = time.perf_counter()
+            [r] = await other.call(_send_cmd("Existing", 0), timeout)
+            lat.append(time.perf_counter() - t0)
+            assert r.code == C.SUCCESS, r.remark
+    watcher = asyncio.create_task(watch())
+    try:
+        acted = await act()
+    finally:
+        done.set()
+        await watcher
+    lat.sort()
+    out = {"other_n": len(lat), "other_max_ms": _p(lat, 1), "other_p99_ms": _p(lat, 0.99),
+           "quiet_p99_ms": _p(quiet, 0.99),
+           "loop_lag_max_ms": round(1000 * _metric(b, "txmq_event_loop_lag_max_seconds"), 1),
+           "loop_lag_max_before_ms": round(1000 * base_lag, 1)}
+    out["ratio"] = round(out["other_p99_ms"] / out["quiet_p99_ms"], 3) if out["quiet_p99_ms"] else None
+    return acted, out
+
+
 async def main(count, repo):
     with tempfile.TemporaryDirectory() as d:
         b = BrokerProcess(Path(d) / "store", repo=repo and Path(repo)).start()
@@ -56,34 +90,16 @@ async def main(count, repo):
                         break
                 await asyncio.sleep(0.2)
             await asyncio.sleep(2)
-            quiet = []
-            for _ in range(200):
-                t0 = time.perf_counter()
-                [r] = await other.call(_send_cmd("Existing", 0), 30)
-                quiet.append(time.perf_counter() - t0)
-            quiet.sort()
-            base_lag = _metric(b, "txmq_event_loop_lag_max_seconds")
-            done, lat, queries = asyncio.Event(), [], []
 
-            async def watch():
-                while not done.is_set():
+            async def ask():
+                queries = []
+                for _ in range(5):
                     t0 = time.perf_counter()
-                    [r] = await other.call(_send_cmd("Existing", 0), 30)
-                    lat.append(time.perf_counter() - t0)
-                    assert r.code == C.SUCCESS, r.remark
-            watcher = asyncio.create_task(watch())
-            for _ in range(5):
-                t0 = time.perf_counter()
-                [r] = await loader.call(_query("Aa"), 120)
-                queries.append((round(time.perf_counter() - t0, 3), int(r.code), r.remark))
-            done.set()
-            await watcher
-            lat.sort()
-            out = {"count": count, "queries": queries, "other_n": len(lat), "other_max_ms": _p(lat, 1),
-                   "other_p99_ms": _p(lat, 0.99), "quiet_p99_ms": _p(quiet, 0.99),
-                   "loop_lag_max_ms": round(1000 * _metric(b, "txmq_event_loop_lag_max_seconds"), 1),
-                   "loop_lag_max_before_ms": round(1000 * base_lag, 1)}
-            out["ratio"] = round(out["other_p99_ms"] / out["quiet_p99_ms"], 3) if out["quiet_p99_ms"] else None
+                    [r] = await loader.call(_query("Aa"), 120)
+                    queries.append((round(time.perf_counter() - t0, 3), int(r.code), r.remark))
+                return queries
+            queries, seen = await other_client_sees(b, other, ask)
+            out = {"count": count, "queries": queries, **seen}
             print(json.dumps(out))
         finally:
             b.kill()

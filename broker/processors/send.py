@@ -469,7 +469,7 @@ def _put_batch(ctx, conn, cmd, h, qid):
     """A batch's records to the store, answered when they are stored (or the refusal of an entry)."""
     batch_props = string_to_properties(h.properties)
     refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch",
-                         next((batch_props[k] for k in TIMER_PROPS if k in batch_props), None))
+                         _timer_asked(batch_props.get(k) for k in TIMER_PROPS))
     for name in _NOT_INHERITED:
         batch_props.pop(name, None)
     batch_props[Prop.CLUSTER] = ctx.config.cluster_name
@@ -543,7 +543,14 @@ _START_DELIVER_MARK = Prop.START_DELIVER_TIME + "\x01"     # a timer of TIMER_PR
 
 
 def _timer_of(text: str) -> str | None:
-    return next((v for v in (property_value(text, k) for k in TIMER_PROPS) if v is not None), None)
+    return _timer_asked(property_value(text, k) for k in TIMER_PROPS)
+
+
+def _timer_asked(values) -> str | None:
+    """The first of a batch (entry)'s TIMER_PROPS ``values`` that asks for a time (_held_back), else None. Any of
+    them, not the first there: a single send takes TIMER_DELAY_SEC before TIMER_DELIVER_MS (levels.timer_deliver_ms),
+    and judged by TIMER_DELIVER_MS=0 alone a batch entry a single send holds 60 s was stored at once."""
+    return next((v for v in values if v is not None and v.strip() not in ("", "0")), None)
 
 
 def _held_back(delay: str | None, tran: str | None, what: str, timer: str | None = None) -> str | None:

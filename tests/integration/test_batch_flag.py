@@ -122,6 +122,14 @@ async def test_batch_flag_false_stays_a_single_message(broker):
      "cannot be delayed"),
     ("aliyun timer entry, slow path", encode_batch([(0, b"x", _props(WAIT="true", __STARTDELIVERTIME="1"))]), "",
      "cannot be delayed"),
+    # A single send waits for TIMER_DELAY_SEC (it comes before TIMER_DELIVER_MS); the batch paths judged the first
+    # key of TIMER_PROPS alone, TIMER_DELIVER_MS=0 (a time gone by), and stored it at once.
+    ("timer entry behind a zero", encode_batch([(0, b"x", _props(TIMER_DELIVER_MS="0", TIMER_DELAY_SEC="60"))]),
+     "", "cannot be delayed"),
+    ("timer entry behind a zero, slow path", encode_batch(
+        [(0, b"x", _props(WAIT="true", TIMER_DELIVER_MS="0", TIMER_DELAY_SEC="60"))]), "", "cannot be delayed"),
+    ("timer batch behind a zero", encode_batch(_entries(2, "z")), _props(TIMER_DELIVER_MS="0", TIMER_DELAY_MS="60000"),
+     "cannot be delayed"),
     ("transactional entry", encode_batch([(0, b"x", _props(TRAN_MSG="true"))]), "", "cannot be transactional"),
 ])
 async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, props, remark):

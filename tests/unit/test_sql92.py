@@ -233,11 +233,8 @@ def test_a_long_number_like_property_is_refused_in_linear_time(value):
     assert ev("a > b", a=value, b="1") == ERR
 
 
-def test_minus_signs_past_the_last_line_break_are_not_read_to_the_end_for_a_comment(monkeypatch):
-    """A -- comment ends with a line break; at every "-" after the text's last one the lexer looked for a break to
-    the end of the text: quadratic, a 16,000-character CHECK_CLIENT_CONFIG expression held the loop 16.8 s
-    (bench/bench_sql92_hold.py). The pattern that can start a comment is now tried only before the last break;
-    what a -- means is unchanged."""
+def _count_tries(monkeypatch, *patterns: str) -> list:
+    """The positions the lexer tries sql92's token ``patterns`` at, from now on (a list appended to)."""
     tried = []
 
     class Counting:
@@ -247,7 +244,16 @@ def test_minus_signs_past_the_last_line_break_are_not_read_to_the_end_for_a_comm
         def match(self, text, pos):
             tried.append(pos)
             return self.pattern.match(text, pos)
-    monkeypatch.setattr(sql92, "_TOKEN", Counting(sql92._TOKEN))
+    for name in patterns:
+        monkeypatch.setattr(sql92, name, Counting(getattr(sql92, name)))
+    return tried
+
+def test_minus_signs_past_the_last_line_break_are_not_read_to_the_end_for_a_comment(monkeypatch):
+    """A -- comment ends with a line break; at every "-" after the text's last one the lexer looked for a break to
+    the end of the text: quadratic, a 16,000-character CHECK_CLIENT_CONFIG expression held the loop 16.8 s
+    (bench/bench_sql92_hold.py). The pattern that can start a comment is now tried only before the last break;
+    what a -- means is unchanged."""
+    tried = _count_tries(monkeypatch, "_TOKEN")
     with pytest.raises(SelectorError, match="nested more than"):
         parse("a = " + "-" * (MAX_LENGTH - 10) + "1")
     assert tried == []
@@ -309,17 +315,7 @@ def test_a_run_of_zeros_is_not_read_to_its_end_for_a_float_at_every_zero(monkeyp
     the run looking for a '.' or an exponent: quadratic, 16,000 zeros (within MAX_LENGTH) took 4.3 s to tokenize
     and 11 s to refuse on a loaded host (a CHECK_CLIENT_CONFIG or a subscription, on the loop). Where no float
     starts at a run's first digit none starts inside it: the rest of the run is read as ints alone."""
-    tried = []
-
-    class Counting:
-        def __init__(self, pattern):
-            self.pattern = pattern
-
-        def match(self, text, pos):
-            tried.append(pos)
-            return self.pattern.match(text, pos)
-    monkeypatch.setattr(sql92, "_TOKEN", Counting(sql92._TOKEN))
-    monkeypatch.setattr(sql92, "_TOKEN_LAST_LINE", Counting(sql92._TOKEN_LAST_LINE))
+    tried = _count_tries(monkeypatch, "_TOKEN", "_TOKEN_LAST_LINE")
     zeros = "a = " + "0" * (MAX_LENGTH - 10)
     assert [w for k, w, _ in sql92._tokens(zeros)[2:-1]] == ["0"] * (MAX_LENGTH - 10)
     assert len(tried) < 10
