@@ -572,3 +572,32 @@ async def test_a_half_whose_born_time_went_bad_keeps_its_store_time(broker_facto
     assert await _pending(b) == 2
     assert _dead_letters(b, "expired") == 0
     assert "have a store timestamp one bit" not in b.log()
+
+
+async def test_a_resumed_half_whose_store_time_went_bad_keeps_it_put_back(broker_factory, tmp_path):
+    """The start puts a half's flipped store-time bit back in its pending index, but the bytes keep it: a resume
+    (903) of the transaction, dead-lettered since (its checks spent), read the store time from the log as it is.
+    Resumed, the half was 74.6 h old: the reply said an expiry plan would dead-letter it again, and the nightly
+    plan, which lists it by that same field, did, at once and unchecked. A resume reads it as the start does."""
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    async with TransactionProducer(b.namesrv, "PG_stamp_resume", _Unknown()) as producer:
+        sent = await producer.send_in_transaction("StampedResume", b"stamped-half")
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    b.kill()
+    before, after = _flip_store_timestamp(tmp_path / "store", half, 28)
+    assert before - after == 1 << 28
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "1")
+    async with TransactionProducer(b.namesrv, "PG_stamp_resume", _Unknown()):
+        async with asyncio.timeout(30):
+            while await _pending(b):                    # its one check unanswered: dead-lettered max-checks
+                await asyncio.sleep(0.05)
+    assert "have a store timestamp one bit" in b.log()
+    resp = await _request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": half})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert "past transaction_retention_hours" not in (resp.remark or ""), resp.remark
+    out = await _apply_halves(b, tmp_path / "store", [half])
+    assert out["expired"] == [] and [s["commit_log_offset"] for s in out["skipped"]] == [half], out
+    assert _dead_letters(b, "expired") == 0
+    assert b.stop() == 0
