@@ -474,3 +474,28 @@ async def test_a_timer_whose_transaction_type_bit_flipped_is_delivered_as_served
     got, errors = await _delivered(b, "TornTimer")
     assert sorted(got) == [b"timer-000", b"timer-001"] and not errors, (got, errors)
     assert b.stop() == 0
+
+
+@bounded(120)
+async def test_a_served_record_whose_transaction_type_bit_flipped_can_be_sent_back(broker_factory, tmp_path):
+    """The start serves a plain record whose bit 0x4 flipped (read PREPARED) with the bit put back, but a consumer
+    that failed it and handed it back (CONSUMER_SEND_MSG_BACK) was refused MESSAGE_ILLEGAL "a record of topic
+    TornPlain, which no consumer is given" (counted send-back-unconsumable): the send-back read the type from the
+    log as stored. One the store gives a unit, and serves, is a consumer's to hand back."""
+    b = broker_factory(*FLAGS)
+    await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "store")
+    mine = [r for r in _records(path) if r[2] == "TornPlain"]
+    pos = mine[len(mine) // 2][0]
+    _flip(path, pos + 39, 0x04)
+
+    b = broker_factory(*FLAGS)
+    got, errors = await _delivered(b, "TornPlain")
+    assert len(got) == PLAIN and not errors
+    phys = int(os.path.basename(path)) + pos
+    resp = await _request(b.broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+        "offset": phys, "group": "CG_torn", "delayLevel": 0, "originMsgId": "", "originTopic": "TornPlain",
+        "maxReconsumeTimes": 16})
+    assert resp.code == ResponseCode.SUCCESS, (resp.code, resp.remark)
+    assert b.stop() == 0
