@@ -47,14 +47,19 @@ async def _fill(b, topic: str = "Filler") -> None:
             await producer.send_batch(topic, [bytes(2000)] * 7)
 
 
+def _open_record(store_dir, phys: int):
+    """(the segment holding the record at ``phys``, opened for update; the record decoded)"""
+    f = open(os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}"), "r+b")
+    f.seek(phys % SEG)
+    head = f.read(4)
+    f.seek(phys % SEG)
+    return f, decode_record(f.read(int.from_bytes(head, "big")))[0]
+
+
 def _flip_body(store_dir, phys: int, at: int = 0, bit: int = 0x01) -> bytes:
     """Flip ``bit`` of byte ``at`` of the body of the record at ``phys``; returns the body as it was."""
-    path = os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}")
-    with open(path, "r+b") as f:
-        f.seek(phys % SEG)
-        head = f.read(4)
-        f.seek(phys % SEG)
-        msg, size = decode_record(f.read(int.from_bytes(head, "big")))
+    f, msg = _open_record(store_dir, phys)
+    with f:
         where = phys % SEG + 88 + at     # IPv4 hosts: the body starts at byte 88 of the record
         f.seek(where)
         old = f.read(1)
@@ -496,12 +501,8 @@ async def test_a_schedule_progress_record_whose_body_went_bad_marks_no_other_tim
 def _flip_store_timestamp(store_dir, phys: int, bit: int, born: bool = False) -> tuple[int, int]:
     """Flip ``bit`` of the STORETIMESTAMP (``born``: the BORNTIMESTAMP, byte 40) of the record at ``phys``
     (outside the body CRC: nothing checks it); (its time before, after)."""
-    path = os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}")
-    with open(path, "r+b") as f:
-        f.seek(phys % SEG)
-        head = f.read(4)
-        f.seek(phys % SEG)
-        msg, _size = decode_record(f.read(int.from_bytes(head, "big")))
+    f, msg = _open_record(store_dir, phys)
+    with f:
         at = phys % SEG + (40 if born else store_timestamp_pos(msg.sys_flag))
         f.seek(at)
         before = int.from_bytes(f.read(8), "big")
