@@ -46,8 +46,10 @@ async def query_message(ctx, conn, cmd):
         if view is not None:
             views.append(view)
     if not views and corrupt:
-        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{corrupt} matching message(s) are corrupt on the broker's "
-                            "disk (their bodies fail their CRC; see the broker's log)", header)
+        # (a search cut short says so here too: older matches, sound ones, may be left unread)
+        return cmd.response(ResponseCode.SYSTEM_ERROR, "; ".join(filter(None, (
+            f"{corrupt} matching message(s) are corrupt on the broker's disk (their bodies fail their CRC; see the "
+            "broker's log)", stopped))), header)
     if not views:
         return cmd.response(ResponseCode.QUERY_NOT_FOUND, stopped or QUERY_NOT_FOUND_REMARK, header)
     left_out = f"{corrupt} corrupt match(es) left out (see the broker's log)" if corrupt else None

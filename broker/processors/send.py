@@ -692,7 +692,11 @@ async def handle_send_back(ctx, conn, cmd):
     if error is not None:
         return error
     msg, _ = decode_record(view)
-    if msg.topic in _NOT_HANDED_BACK or SysFlag.transaction_type(msg.sys_flag) in _NO_UNIT_TYPES:
+    # (a record typed PREPARED/ROLLBACK that its queue's unit points at is served: its bit 0x4 flipped at rest, read
+    # put back by the start, recovery._typed_away; refused, its consumer was told no consumer is given it)
+    unitless = (SysFlag.transaction_type(msg.sys_flag) in _NO_UNIT_TYPES
+                and ctx.store.physical_offset_of(msg.topic, msg.queue_id, msg.queue_offset) != offset)
+    if msg.topic in _NOT_HANDED_BACK or unitless:
         # No consumer was given this record: a half not yet decided (its copy went to the group, and stayed there
         # when the transaction was rolled back), a message still waiting for its delivery time (delivered hours
         # early), the broker's own bookkeeping. The offset is wrong, or not a consumer's to hand back.

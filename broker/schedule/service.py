@@ -467,6 +467,14 @@ class ScheduleService:
                          source, offset, topic, qid, qid % queues, queues)
                 qid %= queues
         sys_flag = msg.sys_flag
+        if sys_flag & 0x4:
+            # Only NOT and COMMIT wait here (DelayLevels.divert): PREPARED / ROLLBACK is its bit 0x4 flipped at rest
+            # (outside the CRC), which the start read put back to give it its unit here. Copied as stored, the
+            # delivered message got no unit in its topic: served to no one, counted delivered.
+            log.error("%s offset %d (record %d): SYSFLAG %#x, a transaction type that never waits: the bit 0x4 is "
+                      "damaged (outside the body CRC); delivered as %#x", source, offset, phys, sys_flag,
+                      sys_flag ^ 0x4)
+            sys_flag ^= 0x4
         record = encode_record(
             topic=topic.encode(), body=msg.body, queue_id=qid, flag=msg.flag, sys_flag=sys_flag,
             born_timestamp=msg.born_timestamp, born_host=pack_host(*msg.born_host),

@@ -412,7 +412,9 @@ class IndexService:
         """Append (hash, phy, store time) for the keys of the record at ``pos`` -- what record_keys and
         key_hash give, read straight from the bytes (see KeyHasher): the index thread's per-record work."""
         sys_flag, ts, body_len = _V4_FIELDS.unpack_from(raw, pos + 36)
-        if sys_flag & 0xC == _ROLLBACK:
+        if sys_flag & 0xC == _ROLLBACK and not _I64.unpack_from(raw, pos + 20)[0]:
+            # (ROLLBACK is stored with QUEUEOFFSET 0: one carrying another is a COMMIT whose bit 0x4 flipped at rest,
+            # served by the store with the bit put back, recovery._typed_away; left out, a query missed it)
             return
         if sys_flag & 0x30:             # an IPv6 host: the fields after it move
             p = pos + 48 + (20 if sys_flag & 0x10 else 8)

@@ -633,6 +633,12 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
                 pos = nxt
                 continue
             key = (topic, qid)
+            if sys_flag & 0x4 and qoff and key in gaps and _typed_away(
+                    seg, pos, size, key, qoff, sys_flag, queues, {key: queues[key].max_offset} if key in seen else {},
+                    lambda: _next_qoff(clog.segments, si, pos + size, key, end)):
+                # as the start-up scan reads it: taken as typed, the record got no unit here and every later record
+                # of its queue was "repaired" one down in the log
+                sys_flag ^= 0x4
             if not sys_flag & 0x4 and key in gaps and not (deleted and seg.start + pos < deleted.get(topic, -1)):
                 cq = queues[key]
                 if key in seen and qoff != cq.max_offset:     # only a mismatch costs a call and a closure

@@ -370,6 +370,17 @@ def _unflipped_stamp(msg, bounds=None) -> int | None:
     return None
 
 
+def restamp_half(store, msg, wall: int) -> int | None:
+    """_unflipped_stamp with the log's bounds (the bit put back in ``msg``, said at ERROR; None: none): for a half
+    read from the log after the start (a resume), which the start's pending index read so."""
+    bit = _unflipped_stamp(msg, lambda: _stamp_bounds(store, msg, wall))
+    if bit is not None:
+        log.error("the half at %d has a store timestamp one bit (bit %d) from lying within %d s of its born timestamp: "
+                  "damaged at rest (outside the body CRC), read with that bit put back", msg.physical_offset, bit,
+                  STAMP_CLOSE_MS // 1000)
+    return bit
+
+
 def _stamp_bounds(store, msg, wall: int) -> tuple[int | None, int | None]:
     """When the half ``msg`` can have been stored, by the log: not before the half stored before it in the half
     queue, not after the next one nor the wall clock now (lo, hi; None: nothing says)."""

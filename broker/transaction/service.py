@@ -46,7 +46,7 @@ from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Wri
 from .decisions import DecisionTable
 from .records import (COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, parse_dead_letter,
                       plain_owner)
-from .recovery import PROGRESS_GROUP, recover, sender_id, write_snapshot
+from .recovery import PROGRESS_GROUP, recover, restamp_half, sender_id, write_snapshot
 
 # How long a heartbeat naming a connection waits for its halves' sender records at most: a stock Java client (4.9.8)
 # closes its connection when a HEART_BEAT is not answered within 3 s (clientCloseSocketIfTimeout, true by default),
@@ -1066,6 +1066,9 @@ class TransactionService:
         if msg is None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} is not dead-lettered "
                                 "(unknown): no half message is stored there")
+        # its store time as the start reads it into the pending index: a bit flipped at rest (outside the CRC), taken
+        # as read, aged the resumed half 74.6 h (bit 28) and the next plan dead-lettered it again, unchecked
+        restamp_half(self.ctx.store, msg, self.ctx.clock())
         if not owner or not plain_owner(owner):      # none in hand (903), or its dead letter had no room for it
             owner = await self._dead_letter_sender(msg)
         # Asked of a dead-lettered one only (anything else is refused as what it is, by core.resume below).

@@ -47,14 +47,19 @@ async def _fill(b, topic: str = "Filler") -> None:
             await producer.send_batch(topic, [bytes(2000)] * 7)
 
 
+def _open_record(store_dir, phys: int):
+    """(the segment holding the record at ``phys``, opened for update; the record decoded)"""
+    f = open(os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}"), "r+b")
+    f.seek(phys % SEG)
+    head = f.read(4)
+    f.seek(phys % SEG)
+    return f, decode_record(f.read(int.from_bytes(head, "big")))[0]
+
+
 def _flip_body(store_dir, phys: int, at: int = 0, bit: int = 0x01) -> bytes:
     """Flip ``bit`` of byte ``at`` of the body of the record at ``phys``; returns the body as it was."""
-    path = os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}")
-    with open(path, "r+b") as f:
-        f.seek(phys % SEG)
-        head = f.read(4)
-        f.seek(phys % SEG)
-        msg, size = decode_record(f.read(int.from_bytes(head, "big")))
+    f, msg = _open_record(store_dir, phys)
+    with f:
         where = phys % SEG + 88 + at     # IPv4 hosts: the body starts at byte 88 of the record
         f.seek(where)
         old = f.read(1)
@@ -496,12 +501,8 @@ async def test_a_schedule_progress_record_whose_body_went_bad_marks_no_other_tim
 def _flip_store_timestamp(store_dir, phys: int, bit: int, born: bool = False) -> tuple[int, int]:
     """Flip ``bit`` of the STORETIMESTAMP (``born``: the BORNTIMESTAMP, byte 40) of the record at ``phys``
     (outside the body CRC: nothing checks it); (its time before, after)."""
-    path = os.path.join(store_dir, "commitlog", f"{phys - phys % SEG:020d}")
-    with open(path, "r+b") as f:
-        f.seek(phys % SEG)
-        head = f.read(4)
-        f.seek(phys % SEG)
-        msg, _size = decode_record(f.read(int.from_bytes(head, "big")))
+    f, msg = _open_record(store_dir, phys)
+    with f:
         at = phys % SEG + (40 if born else store_timestamp_pos(msg.sys_flag))
         f.seek(at)
         before = int.from_bytes(f.read(8), "big")
@@ -572,3 +573,32 @@ async def test_a_half_whose_born_time_went_bad_keeps_its_store_time(broker_facto
     assert await _pending(b) == 2
     assert _dead_letters(b, "expired") == 0
     assert "have a store timestamp one bit" not in b.log()
+
+
+async def test_a_resumed_half_whose_store_time_went_bad_keeps_it_put_back(broker_factory, tmp_path):
+    """The start puts a half's flipped store-time bit back in its pending index, but the bytes keep it: a resume
+    (903) of the transaction, dead-lettered since (its checks spent), read the store time from the log as it is.
+    Resumed, the half was 74.6 h old: the reply said an expiry plan would dead-letter it again, and the nightly
+    plan, which lists it by that same field, did, at once and unchecked. A resume reads it as the start does."""
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    async with TransactionProducer(b.namesrv, "PG_stamp_resume", _Unknown()) as producer:
+        sent = await producer.send_in_transaction("StampedResume", b"stamped-half")
+    half = decode_offset_msg_id(sent.send_result.offset_msg_id)[2]
+    b.kill()
+    before, after = _flip_store_timestamp(tmp_path / "store", half, 28)
+    assert before - after == 1 << 28
+
+    b = broker_factory(*FLAGS, "--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "1")
+    async with TransactionProducer(b.namesrv, "PG_stamp_resume", _Unknown()):
+        async with asyncio.timeout(30):
+            while await _pending(b):                    # its one check unanswered: dead-lettered max-checks
+                await asyncio.sleep(0.05)
+    assert "have a store timestamp one bit" in b.log()
+    resp = await _request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": half})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert "past transaction_retention_hours" not in (resp.remark or ""), resp.remark
+    out = await _apply_halves(b, tmp_path / "store", [half])
+    assert out["expired"] == [] and [s["commit_log_offset"] for s in out["skipped"]] == [half], out
+    assert _dead_letters(b, "expired") == 0
+    assert b.stop() == 0

@@ -426,3 +426,76 @@ async def test_a_slave_copying_a_record_whose_transaction_type_bit_flipped_serve
     got, errors = await _delivered(slave, "TornPlain")
     assert sorted(got) == plain and not errors, (len(got), errors)
     assert "the bit 0x4 is damaged" in slave.log()
+
+
+def _timers_delivered(b) -> float:
+    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("txmq_schedule_delivered_total{") and 'level="timer"' in line)
+
+
+@pytest.mark.parametrize("kind", ["plain", "committed"])     # NOT made PREPARED; COMMIT made ROLLBACK
+@bounded(120)
+async def test_a_timer_whose_transaction_type_bit_flipped_is_delivered_as_served(broker_factory, tmp_path, kind):
+    """A message waiting in the timer topic (__STARTDELIVERTIME) whose SYSFLAG bit 0x4 flipped at rest: the start
+    reads it with the bit put back and gives it its timer-queue unit, so the scheduler delivers it; but the
+    delivery copied the record's SYSFLAG as stored, PREPARED or ROLLBACK, types the store gives no unit: the
+    message was written to its topic and served to no one, counted delivered, unsaid (1 of 2 pulled)."""
+    import time
+    b = broker_factory(*FLAGS)
+    at = int(time.time() * 1000) + 3000
+    props = {"__STARTDELIVERTIME": str(at)}
+    if kind == "plain":
+        async with Producer(b.namesrv, "PG_torn_timer") as producer:
+            for i in range(2):
+                await producer.send("TornTimer", b"timer-%03d" % i, properties=props)
+    else:
+        class Commits:
+            def execute_local_transaction(self, msg, arg):
+                return S.COMMIT_MESSAGE
+
+            async def check_local_transaction(self, msg):
+                return S.COMMIT_MESSAGE
+
+        async with TransactionProducer(b.namesrv, "PG_torn_timer", Commits()) as producer:
+            for i in range(2):
+                await producer.send_in_transaction("TornTimer", b"timer-%03d" % i, properties=props)
+    b.kill()
+    assert time.time() * 1000 < at, "too slow: the timers were due before the damage"
+    path = _newest(tmp_path / "store")
+    timers = [r for r in _records(path) if r[2] == "rmq_sys_wheel_timer"]
+    assert len(timers) == 2, timers
+    _flip(path, timers[1][0] + 39, 0x04)        # the second: its queue's next offset is 1, not 0
+
+    b = broker_factory(*FLAGS)
+    async with asyncio.timeout(30):
+        while _timers_delivered(b) < 2:
+            await asyncio.sleep(0.1)
+    got, errors = await _delivered(b, "TornTimer")
+    assert sorted(got) == [b"timer-000", b"timer-001"] and not errors, (got, errors)
+    assert b.stop() == 0
+
+
+@bounded(120)
+async def test_a_served_record_whose_transaction_type_bit_flipped_can_be_sent_back(broker_factory, tmp_path):
+    """The start serves a plain record whose bit 0x4 flipped (read PREPARED) with the bit put back, but a consumer
+    that failed it and handed it back (CONSUMER_SEND_MSG_BACK) was refused MESSAGE_ILLEGAL "a record of topic
+    TornPlain, which no consumer is given" (counted send-back-unconsumable): the send-back read the type from the
+    log as stored. One the store gives a unit, and serves, is a consumer's to hand back."""
+    b = broker_factory(*FLAGS)
+    await _load(b)
+    b.kill()
+    path = _newest(tmp_path / "store")
+    mine = [r for r in _records(path) if r[2] == "TornPlain"]
+    pos = mine[len(mine) // 2][0]
+    _flip(path, pos + 39, 0x04)
+
+    b = broker_factory(*FLAGS)
+    got, errors = await _delivered(b, "TornPlain")
+    assert len(got) == PLAIN and not errors
+    phys = int(os.path.basename(path)) + pos
+    resp = await _request(b.broker, RequestCode.CONSUMER_SEND_MSG_BACK, {
+        "offset": phys, "group": "CG_torn", "delayLevel": 0, "originMsgId": "", "originTopic": "TornPlain",
+        "maxReconsumeTimes": 16})
+    assert resp.code == ResponseCode.SUCCESS, (resp.code, resp.remark)
+    assert b.stop() == 0

@@ -1778,3 +1778,24 @@ async def test_a_kept_record_leaves_the_count_and_corrupt_kept_with_its_segment(
     assert store.kept_corrupt == 0
     assert read_corrupt_kept(str(tmp_path)) == frozenset()
     await store.close()
+
+
+@pytest.mark.parametrize("where", ["verified", "older"])
+@bounded(30)
+async def test_a_queue_rebuilt_from_the_whole_log_serves_a_record_whose_type_bit_flipped(tmp_path, caplog, where):
+    """The start-up scan reads a record typed PREPARED/ROLLBACK (bit 0x4 of SYSFLAG, outside the CRC) that carries
+    its queue's next offset with the bit put back; the rebuild of a queue that lost units before the verified range
+    (a zeroed, cut or missing queue file) read it as typed: no unit, a blank at its offset, and every later record
+    of its queue "damaged", its QUEUEOFFSET rewritten one down in the log: the message lost unsaid."""
+    results = await fill(tmp_path, 900, cfg=LAST_ONLY)      # two segments; queue files of 64 units
+    victim = results[700 if where == "verified" else 200]
+    assert (victim.physical_offset >= SEG) == (where == "verified")
+    patch(tmp_path, victim.physical_offset + 39, bytes([0x04]))       # SYSFLAG's low byte: NOT -> PREPARED
+    os.unlink(tmp_path / "consumequeue" / "T" / "0" / f"{64 * 20:020d}")
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        store = await reopen(tmp_path, LAST_ONLY)
+    assert any("rebuilding the queue" in r.getMessage() for r in caplog.records)
+    assert not any("its header is damaged" in r.getMessage() for r in caplog.records)
+    assert store.max_offset("T", 0) == 900
+    assert read_queue(store) == [r.physical_offset for r in results]
+    await store.close()
