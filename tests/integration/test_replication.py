@@ -1718,3 +1718,48 @@ async def test_a_slave_refuses_to_delete_a_topic_its_consumers_fail_over_to(brok
         assert deleted.code == ResponseCode.SYSTEM_ERROR and "from slave broker" in deleted.remark, deleted.remark
     finally:
         await pool.close()
+
+
+async def test_a_slave_refuses_topic_and_group_changes_so_a_failed_over_group_keeps_its_offsets(tmp_path):
+    """RocketMQ 4.9.8's slave refuses UPDATE_AND_CREATE_TOPIC (17), UPDATE_AND_CREATE_SUBSCRIPTIONGROUP (200) and
+    DELETE_SUBSCRIPTIONGROUP (207) as it does DELETE_TOPIC_IN_BROKER (validateSlave: its topics and groups are its
+    master's). This slave took them: with its master away (when an operator reaches for the slave), a
+    `deleteSubGroup -r` aimed at it answered SUCCESS and removed the group's copied offsets, so consumers failing
+    over to the slave were answered 0 where 17 was (a young queue: from its start, every message again); with the
+    master there, its next copy put them back after all. Refused now, with 4.9.8's words, and the offset stays; so
+    are a group's and a topic's settings made there (the next copy undid them)."""
+    started = []
+    pool = ConnectionPool()
+    group = "CG_failed_over"
+    query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {"consumerGroup": group, "topic": TOPIC,
+                                                                         "queueId": 0})
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-vs", started, "--slave-sync-interval-ms", "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_validate_slave") as producer:
+                mq = await _until_replicating(producer)
+            query.ext_fields["queueId"] = str(mq.queue_id)
+            async with PullConsumer(ns.addr, group) as consumer:
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                await consumer.commit_offset(mq, 17)            # to the master, while it is there
+            await _until_slave_has_offset(slave, group, mq, 17)
+            master.kill()
+            answers = [await pool.request(slave.broker, request, 5.0) for request in (
+                RemotingCommand.request(RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": group,
+                                                                               "removeOffset": "true"}),
+                RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                                        body=json.dumps({"groupName": group, "consumeEnable": False}).encode()),
+                RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+                    "topic": "MadeOnTheSlave", "readQueueNums": 2, "writeQueueNums": 2, "perm": 6}))]
+            offset = await pool.request(slave.broker, query, 5.0)
+            topics = await _topic_table(pool, slave.broker)
+        assert (offset.code, offset.int_field("offset") if offset.code == ResponseCode.SUCCESS else None) == \
+            (ResponseCode.SUCCESS, 17)
+        assert [(a.code, a.remark) for a in answers] == [(ResponseCode.SYSTEM_ERROR, "Can't modify topic or "
+                                                          "subscription group from slave broker, please execute it "
+                                                          "from master broker.")] * 3
+        assert "MadeOnTheSlave" not in topics
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
