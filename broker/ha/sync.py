@@ -247,9 +247,10 @@ class SlaveSync:
                 return False
             # A step at a time on the loop: read in a thread, json.loads held the GIL, and the loop, for the whole
             # body all the same (50,000 topics: 300-800 ms at every sync).
-            # Compared with the master's version alone, a topic set on the slave itself (updateTopic -b
-            # aimed at it: queues, perm) stayed so until the master's table changed for some other reason, days
-            # maybe, failed-over consumers seeing the slave's; RocketMQ's slave takes the master's at the next sync.
+            # Compared with the master's version alone, a topic changed on the slave itself (a heartbeat's retry
+            # topic; before the slave refused UPDATE_AND_CREATE_TOPIC, an updateTopic -b aimed at it) stayed so until
+            # the master's table changed for some other reason, days maybe, failed-over consumers seeing the
+            # slave's; RocketMQ's slave takes the master's at the next sync.
             version, taken = self._topics_version
             version, table = await in_steps(read_topic_table(
                 resp.body_bytes(), version if taken == self.topics.data_version.counter else None))
@@ -310,7 +311,7 @@ class SlaveSync:
                 return False
             # A step at a time on the loop (as the topics): read in one go, 10,000 groups held it 70-80 ms.
             # Skipped while the master's dataVersion is the one taken and nothing here changed the groups since
-            # (an UPDATE_AND_CREATE_SUBSCRIPTIONGROUP sent to the slave: the master's table is taken over it again).
+            # (the slave's own groups changed since, however: the master's table is taken over them again).
             version, taken = self._groups_version
             version, groups = await in_steps(read_group_table(
                 resp.body_bytes(), version if taken == subs.counter else None))

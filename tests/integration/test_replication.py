@@ -1073,10 +1073,10 @@ async def test_a_slave_given_its_masters_groups_neither_grows_nor_refuses_retry_
                     "subscriptionDataSet": []}]}).encode())
             resp = await pool.request(slave.broker, beat, 5.0)
             assert resp.code == ResponseCode.SUCCESS, resp.remark
-            resp = await pool.request(slave.broker, RemotingCommand.request(     # an operator's, on the slave
-                RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+            resp = await pool.request(slave.broker, RemotingCommand.request(     # an operator's, on the slave:
+                RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},                # refused, as 4.9.8's validateSlave
                 body=json.dumps({"groupName": group, "retryQueueNums": 16}).encode()), 5.0)
-            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            assert resp.code == ResponseCode.SYSTEM_ERROR and "from slave broker" in resp.remark, resp.remark
             configs = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG)
             table = json.loads((await pool.request(slave.broker, configs, 5.0)).body_bytes())["topicConfigTable"]
         assert f"%RETRY%{group}" in table
