@@ -1763,3 +1763,49 @@ async def test_a_slave_refuses_topic_and_group_changes_so_a_failed_over_group_ke
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+def _series_of(metrics_addr: str, group: str) -> list[str]:
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    return [line for line in scraped.splitlines() if f'consumer_group="{group}"' in line and not line.startswith("#")]
+
+
+async def test_a_group_the_slave_forgets_as_its_master_deleted_it_leaves_the_slaves_delivery_series(tmp_path):
+    """A group deleted on the master (deleteSubGroup -r) loses its delivery series there (rocketmq_messages_out,
+    rocketmq_throughput_out: forget_consumer_group), and its offsets on the slave once the master's answers have
+    missed it for --slave-group-forget-ms. The slave kept the series of its own pulls of the group (failed over, or
+    slave_read_enable) for good: in each scrape, and a group made again under the name went on from the old
+    counts. The slave forgets them with the offsets, as its master did."""
+    started = []
+    pool = ConnectionPool()
+    group = "CG_read_from_the_slave"
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-fs", started, "--slave-sync-interval-ms", "200",
+                                                       "--slave-group-forget-ms", "1000")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_forgotten_series") as producer:
+                mq = await _until_replicating(producer)
+                for i in range(3):
+                    await producer.send(TOPIC, f"s{i}".encode(), queue=mq)
+            async with PullConsumer(ns.addr, group) as consumer:
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                await consumer.commit_offset(mq, 2)            # to the master
+            await _until_slave_has_offset(slave, group, mq, 2)
+            resp = await pool.request(slave.broker, RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                "consumerGroup": group, "topic": TOPIC, "queueId": mq.queue_id, "queueOffset": 0, "maxMsgNums": 8,
+                "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 1,
+                "expressionType": "TAG"}), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            assert await asyncio.to_thread(_series_of, slave.metrics, group)    # the slave's own deliveries
+            gone = await pool.request(master.broker, RemotingCommand.request(
+                RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": group, "removeOffset": "true"}), 3.0)
+            assert gone.code == ResponseCode.SUCCESS, gone.remark
+            while "consumer offsets of 1 group(s) removed as master" not in slave.log():
+                await asyncio.sleep(0.1)
+            series = await asyncio.to_thread(_series_of, slave.metrics, group)
+        assert series == []
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
