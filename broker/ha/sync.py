@@ -73,6 +73,7 @@ class SlaveSync:
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
         self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: since when (self.clock)
+        self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
 
     def copy_age_s(self) -> float:
         """Seconds since the master's offsets, groups and topics were last copied whole (since this slave's start
@@ -184,6 +185,9 @@ class SlaveSync:
         if not gone:
             return True
         self.offsets.remove_groups(gone)
+        # As the master's DELETE_SUBSCRIPTIONGROUP forgot them: kept, the slave's own deliveries of the group (pulls
+        # failed over to it, slave_read_enable) stayed in every scrape, and a group made again went on from them.
+        self.forget_groups(gone)
         log.warning("consumer offsets of %d group(s) removed as master %s did (e.g. %s): it lists them no more",
                     len(gone), addr, min(gone))
         try:
