@@ -1150,6 +1150,19 @@ async def test_a_slave_takes_its_masters_topic_configs_and_deletes(tmp_path):
             p.kill()
 
 
+async def _one_queue_topic_of_three(pool: ConnectionPool, master, producer: Producer, topic: str) -> MessageQueue:
+    """``topic`` made on ``master`` with one queue once the slave confirms (SYNC_MASTER), and old0-old2 sent to it:
+    its queue."""
+    await _until_replicating(producer)
+    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
+    assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+    mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
+    for i in range(3):
+        assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+    return mq
+
+
 async def test_a_topic_deleted_and_made_again_on_the_master_starts_again_on_the_slave(broker_factory):
     """Deleted on the master, a topic made again starts its queues at offset 0 there. The slave indexed the copied
     records at the end of its own queue: the new message at offset 3 there, and a consumer failed over to it at
@@ -1167,11 +1180,7 @@ async def test_a_topic_deleted_and_made_again_on_the_master_starts_again_on_the_
     mq = MessageQueue(topic, "broker-a", 0)
     try:
         async with asyncio.timeout(60), Producer(master.namesrv, "PG_remade") as producer:
-            await _until_replicating(producer)
-            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
-            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
-            for i in range(3):
-                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            mq = await _one_queue_topic_of_three(pool, master, producer, topic)
             resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
                                                                              {"topic": topic}), 5.0)
             assert resp.code == ResponseCode.SUCCESS, resp.remark
@@ -1695,15 +1704,9 @@ async def test_a_slave_refuses_to_delete_a_topic_its_consumers_fail_over_to(brok
     slave = _slave(broker_factory, master)
     pool = ConnectionPool()
     topic = "KeptOnTheSlave"
-    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
-        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
     try:
         async with asyncio.timeout(60), Producer(master.namesrv, "PG_kept") as producer:
-            await _until_replicating(producer)
-            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
-            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
-            for i in range(3):
-                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            mq = await _one_queue_topic_of_three(pool, master, producer, topic)
             deleted = await pool.request(slave.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
                                                                                {"topic": topic}), 5.0)
             res = await producer.send(topic, b"new3", queue=mq)
