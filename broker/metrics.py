@@ -347,7 +347,12 @@ class BrokerMetrics:
 
     def forget_consumer_group(self, group: str) -> None:
         """Drop the delivery series and rates of a deleted consumer group (DELETE_SUBSCRIPTIONGROUP)."""
-        self._forget_out(lambda labels: labels[1] == group)
+        self.forget_consumer_groups({group})
+
+    def forget_consumer_groups(self, groups: set[str]) -> None:
+        """forget_consumer_group of each, in one walk of the series (a slave forgets its master's deleted groups
+        together: SlaveSync)."""
+        self._forget_out(lambda labels: labels[1] in groups)
 
     def _forget_out(self, match) -> None:
         for metric in (self.messages_out, self.bytes_out, self.pulls_moved_past):     # labels (topic, consumer group)

@@ -282,6 +282,7 @@ class BrokerServer:
             self.slave_sync.subscriptions = ctx.subscriptions       # the master's groups are copied too
             self.slave_sync.topics = ctx.topics                     # and its topics, deletes with them
             self.slave_sync.delete_topic = self._delete_followed_topic
+            self.slave_sync.forget_groups = self.metrics.forget_consumer_groups     # with the offsets, as the master
             self.slave_sync.log_end = lambda: ctx.store.max_physical_offset
             self.slave_sync.following = lambda: ctx.ha.following
             ctx.retention.master_removed_to = self.slave_sync.removable_end    # removes what the master did

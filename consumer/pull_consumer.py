@@ -285,13 +285,16 @@ class PullConsumer:
         try:
             resp = await self.pool.request(addr, cmd, timeout)
         except (ConnectionClosedError, RequestTimeoutError):
-            self._route_at.pop(mq.topic, None)
-            self._suspect.add(mq.broker_name)
+            self._unreachable(mq)
             raise
         if resp.code in (ResponseCode.TOPIC_NOT_EXIST, ResponseCode.NO_PERMISSION):
-            self._route_at.pop(mq.topic, None)
-            self._suspect.add(mq.broker_name)
+            self._unreachable(mq)
         return resp
+
+    def _unreachable(self, mq: MessageQueue) -> None:
+        """``mq``'s broker failed a call: the next one fetches the route again (a master gone: the slave)."""
+        self._route_at.pop(mq.topic, None)
+        self._suspect.add(mq.broker_name)
 
     async def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
         """Register the group and subscription with a heartbeat (needed only for pulls without a subscription).
@@ -465,9 +468,15 @@ class PullConsumer:
         offsets file holds it (past an address's budget of such saves, after its next periodic save)."""
         if oneway:
             addr = await self._broker_addr(mq)
-            await self.pool.oneway(addr, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-                "topic": mq.topic, "queueId": mq.queue_id, "consumerGroup": self.group, "commitOffset": offset},
-                oneway=True))
+            try:
+                await self.pool.oneway(addr, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "topic": mq.topic, "queueId": mq.queue_id, "consumerGroup": self.group, "commitOffset": offset},
+                    oneway=True))
+            except (ConnectionClosedError, RequestTimeoutError):
+                # as an answered call's (_request): else the commits went on to a dead master until a pull or
+                # the route's age refetched it, not to the slave the route names while it is gone
+                self._unreachable(mq)
+                raise
             return
         resp = await self._offset_call(RequestCode.UPDATE_CONSUMER_OFFSET, mq, consumerGroup=self.group,
                                        commitOffset=offset)

@@ -73,6 +73,7 @@ class SlaveSync:
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
         self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: since when (self.clock)
+        self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
 
     def copy_age_s(self) -> float:
         """Seconds since the master's offsets, groups and topics were last copied whole (since this slave's start
@@ -184,6 +185,9 @@ class SlaveSync:
         if not gone:
             return True
         self.offsets.remove_groups(gone)
+        # As the master's DELETE_SUBSCRIPTIONGROUP forgot them: kept, the slave's own deliveries of the group (pulls
+        # failed over to it, slave_read_enable) stayed in every scrape, and a group made again went on from them.
+        self.forget_groups(gone)
         log.warning("consumer offsets of %d group(s) removed as master %s did (e.g. %s): it lists them no more",
                     len(gone), addr, min(gone))
         try:
@@ -247,9 +251,10 @@ class SlaveSync:
                 return False
             # A step at a time on the loop: read in a thread, json.loads held the GIL, and the loop, for the whole
             # body all the same (50,000 topics: 300-800 ms at every sync).
-            # Compared with the master's version alone, a topic set on the slave itself (updateTopic -b
-            # aimed at it: queues, perm) stayed so until the master's table changed for some other reason, days
-            # maybe, failed-over consumers seeing the slave's; RocketMQ's slave takes the master's at the next sync.
+            # Compared with the master's version alone, a topic changed on the slave itself (a heartbeat's retry
+            # topic; before the slave refused UPDATE_AND_CREATE_TOPIC, an updateTopic -b aimed at it) stayed so until
+            # the master's table changed for some other reason, days maybe, failed-over consumers seeing the
+            # slave's; RocketMQ's slave takes the master's at the next sync.
             version, taken = self._topics_version
             version, table = await in_steps(read_topic_table(
                 resp.body_bytes(), version if taken == self.topics.data_version.counter else None))
@@ -310,7 +315,7 @@ class SlaveSync:
                 return False
             # A step at a time on the loop (as the topics): read in one go, 10,000 groups held it 70-80 ms.
             # Skipped while the master's dataVersion is the one taken and nothing here changed the groups since
-            # (an UPDATE_AND_CREATE_SUBSCRIPTIONGROUP sent to the slave: the master's table is taken over it again).
+            # (the slave's own groups changed since, however: the master's table is taken over them again).
             version, taken = self._groups_version
             version, groups = await in_steps(read_group_table(
                 resp.body_bytes(), version if taken == subs.counter else None))

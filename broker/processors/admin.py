@@ -13,7 +13,23 @@ from ..slices import members_in_slices
 from ..topics import TopicConfig, TopicLimitError, is_system_topic
 
 
+def refused_on_slave(ctx, cmd):
+    """RocketMQ 4.9.8's validateSlave, first thing in UPDATE_AND_CREATE_TOPIC (17), UPDATE_AND_CREATE_SUBSCRIPTIONGROUP
+    (200), DELETE_SUBSCRIPTIONGROUP (207) and DELETE_TOPIC_IN_BROKER (215): on a slave, SYSTEM_ERROR with its words;
+    else None. A slave's topics and groups are its master's (SlaveSync copies them). Taken, a change held only until
+    the next copy, and for as long as the master was away -- when an operator reaches for the slave: a group deleted
+    there with its offsets had its consumers failing over to the slave start from the queue's start again, a topic's
+    queues went with the deleted-topic mark."""
+    if ctx.config.broker_role != "SLAVE":
+        return None
+    return cmd.response(ResponseCode.SYSTEM_ERROR, "Can't modify topic or subscription group from slave broker, "
+                        "please execute it from master broker.")
+
+
 async def update_and_create_topic(ctx, conn, cmd):
+    refused = refused_on_slave(ctx, cmd)
+    if refused is not None:
+        return refused
     topic = cmd.str_field("topic", required=True)
     why = validate_topic(topic)
     if why is not None:

@@ -22,7 +22,7 @@ from ..store.disk import human_bytes
 from ..limits import peer_host
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
-from .admin import topics_saved
+from .admin import refused_on_slave, topics_saved
 from .offsets import offsets_saved
 from .pull import forget_moves
 
@@ -199,18 +199,18 @@ def get_all_delay_offset(ctx, conn, cmd):
 
 
 async def delete_topic_in_broker(ctx, conn, cmd):
+    # Refused on a slave (validateSlave). Accepted, its queues went with the deleted-topic mark while the master kept
+    # the topic: its next records were indexed from their own offset on, and a consumer failed over to the slave
+    # found every earlier message gone (OFFSET_TOO_SMALL), for good (the mark holds at restart).
+    refused = refused_on_slave(ctx, cmd)
+    if refused is not None:
+        return refused
     topic = cmd.str_field("topic", required=True)
     why = validate_topic(topic)
     if why is not None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, why)
     if is_system_topic(topic):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
-    if ctx.config.broker_role == "SLAVE":
-        # As RocketMQ 4.9.8's slave (validateSlave). Accepted, its queues went with the deleted-topic mark while the
-        # master kept the topic: its next records were indexed from their own offset on, and a consumer failed over
-        # to the slave found every earlier message gone (OFFSET_TOO_SMALL), for good (the mark holds at restart).
-        return cmd.response(ResponseCode.SYSTEM_ERROR, "Can't modify topic or subscription group from slave broker, "
-                            "please execute it from master broker.")
     existed, unmarked = [], []
     # The config goes with the queues, between the writer's batches: forgotten before, a send accepted earlier and
     # written after it opened a new queue, and the store made the topic again (topics.queue_appeared).
@@ -241,6 +241,9 @@ async def get_all_subscription_group(ctx, conn, cmd):
 
 
 async def update_and_create_subscription_group(ctx, conn, cmd):
+    refused = refused_on_slave(ctx, cmd)    # the master's groups replace a slave's at its next copy
+    if refused is not None:
+        return refused
     try:
         values = json.loads(cmd.body_bytes() or b"null")
         if not isinstance(values, dict):
@@ -256,10 +259,8 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
     # (With an ACL the request was signed by an account allowed to: an operator's, charged to no address, as
     # UPDATE_AND_CREATE_TOPIC's.)
     topic, queues = RETRY_PREFIX + cfg["groupName"], retry_queues(ctx.subscriptions, cfg["groupName"])
-    # (Not on a slave: its queues are its master's, made by the records it copies, and its groups are replaced by
-    # its master's at the next SlaveSync.)
     asker = peer_host(conn) if ctx.acl is None else None
-    growing = topic in ctx.topics.topics and ctx.config.broker_role != "SLAVE" and ctx.limits.queue_room(
+    growing = topic in ctx.topics.topics and ctx.limits.queue_room(
         ctx.topics, topic, queues, asker, "grown") is None and ctx.topics.grow(topic, queues, asker)
     reply = await _saved(ctx, cmd, f"subscription group {cfg['groupName']} set")
     if growing and reply.code == ResponseCode.SUCCESS:     # saved too (if it grew), as UPDATE_AND_CREATE_TOPIC's
@@ -271,6 +272,9 @@ async def delete_subscription_group(ctx, conn, cmd):
     """DELETE_SUBSCRIPTIONGROUP: the group's config goes and, with removeOffset, its committed offsets, as
     RocketMQ's (mqadmin deleteSubGroup -c, and `admin delete-group`, then delete its %RETRY% and %DLQ% topics).
     A group that was gone kept its offsets, its lag series and its entry in every group listing for good."""
+    refused = refused_on_slave(ctx, cmd)    # its offsets gone there until a copy: while the master is away, none
+    if refused is not None:
+        return refused
     group = cmd.str_field("groupName", required=True)
     remove_offset = cmd.bool_field("removeOffset", False)
     existed = ctx.subscriptions.delete(group)

@@ -1073,10 +1073,10 @@ async def test_a_slave_given_its_masters_groups_neither_grows_nor_refuses_retry_
                     "subscriptionDataSet": []}]}).encode())
             resp = await pool.request(slave.broker, beat, 5.0)
             assert resp.code == ResponseCode.SUCCESS, resp.remark
-            resp = await pool.request(slave.broker, RemotingCommand.request(     # an operator's, on the slave
-                RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+            resp = await pool.request(slave.broker, RemotingCommand.request(     # an operator's, on the slave:
+                RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},                # refused, as 4.9.8's validateSlave
                 body=json.dumps({"groupName": group, "retryQueueNums": 16}).encode()), 5.0)
-            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            assert resp.code == ResponseCode.SYSTEM_ERROR and "from slave broker" in resp.remark, resp.remark
             configs = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG)
             table = json.loads((await pool.request(slave.broker, configs, 5.0)).body_bytes())["topicConfigTable"]
         assert f"%RETRY%{group}" in table
@@ -1150,6 +1150,19 @@ async def test_a_slave_takes_its_masters_topic_configs_and_deletes(tmp_path):
             p.kill()
 
 
+async def _one_queue_topic_of_three(pool: ConnectionPool, master, producer: Producer, topic: str) -> MessageQueue:
+    """``topic`` made on ``master`` with one queue once the slave confirms (SYNC_MASTER), and old0-old2 sent to it:
+    its queue."""
+    await _until_replicating(producer)
+    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
+    assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
+    mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
+    for i in range(3):
+        assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+    return mq
+
+
 async def test_a_topic_deleted_and_made_again_on_the_master_starts_again_on_the_slave(broker_factory):
     """Deleted on the master, a topic made again starts its queues at offset 0 there. The slave indexed the copied
     records at the end of its own queue: the new message at offset 3 there, and a consumer failed over to it at
@@ -1167,11 +1180,7 @@ async def test_a_topic_deleted_and_made_again_on_the_master_starts_again_on_the_
     mq = MessageQueue(topic, "broker-a", 0)
     try:
         async with asyncio.timeout(60), Producer(master.namesrv, "PG_remade") as producer:
-            await _until_replicating(producer)
-            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
-            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
-            for i in range(3):
-                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            mq = await _one_queue_topic_of_three(pool, master, producer, topic)
             resp = await pool.request(master.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
                                                                              {"topic": topic}), 5.0)
             assert resp.code == ResponseCode.SUCCESS, resp.remark
@@ -1695,15 +1704,9 @@ async def test_a_slave_refuses_to_delete_a_topic_its_consumers_fail_over_to(brok
     slave = _slave(broker_factory, master)
     pool = ConnectionPool()
     topic = "KeptOnTheSlave"
-    create = RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
-        "topic": topic, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6})
     try:
         async with asyncio.timeout(60), Producer(master.namesrv, "PG_kept") as producer:
-            await _until_replicating(producer)
-            assert (await pool.request(master.broker, create, 5.0)).code == ResponseCode.SUCCESS
-            mq = MessageQueue(topic, (await producer.send(TOPIC, b"seed")).queue.broker_name, 0)
-            for i in range(3):
-                assert (await producer.send(topic, f"old{i}".encode(), queue=mq)).status is SendStatus.SEND_OK
+            mq = await _one_queue_topic_of_three(pool, master, producer, topic)
             deleted = await pool.request(slave.broker, RemotingCommand.request(RequestCode.DELETE_TOPIC_IN_BROKER,
                                                                                {"topic": topic}), 5.0)
             res = await producer.send(topic, b"new3", queue=mq)
@@ -1718,3 +1721,94 @@ async def test_a_slave_refuses_to_delete_a_topic_its_consumers_fail_over_to(brok
         assert deleted.code == ResponseCode.SYSTEM_ERROR and "from slave broker" in deleted.remark, deleted.remark
     finally:
         await pool.close()
+
+
+async def test_a_slave_refuses_topic_and_group_changes_so_a_failed_over_group_keeps_its_offsets(tmp_path):
+    """RocketMQ 4.9.8's slave refuses UPDATE_AND_CREATE_TOPIC (17), UPDATE_AND_CREATE_SUBSCRIPTIONGROUP (200) and
+    DELETE_SUBSCRIPTIONGROUP (207) as it does DELETE_TOPIC_IN_BROKER (validateSlave: its topics and groups are its
+    master's). This slave took them: with its master away (when an operator reaches for the slave), a
+    `deleteSubGroup -r` aimed at it answered SUCCESS and removed the group's copied offsets, so consumers failing
+    over to the slave were answered 0 where 17 was (a young queue: from its start, every message again); with the
+    master there, its next copy put them back after all. Refused now, with 4.9.8's words, and the offset stays; so
+    are a group's and a topic's settings made there (the next copy undid them)."""
+    started = []
+    pool = ConnectionPool()
+    group = "CG_failed_over"
+    query = RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {"consumerGroup": group, "topic": TOPIC,
+                                                                         "queueId": 0})
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-vs", started, "--slave-sync-interval-ms", "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_validate_slave") as producer:
+                mq = await _until_replicating(producer)
+            query.ext_fields["queueId"] = str(mq.queue_id)
+            async with PullConsumer(ns.addr, group) as consumer:
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                await consumer.commit_offset(mq, 17)            # to the master, while it is there
+            await _until_slave_has_offset(slave, group, mq, 17)
+            master.kill()
+            answers = [await pool.request(slave.broker, request, 5.0) for request in (
+                RemotingCommand.request(RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": group,
+                                                                               "removeOffset": "true"}),
+                RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {},
+                                        body=json.dumps({"groupName": group, "consumeEnable": False}).encode()),
+                RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+                    "topic": "MadeOnTheSlave", "readQueueNums": 2, "writeQueueNums": 2, "perm": 6}))]
+            offset = await pool.request(slave.broker, query, 5.0)
+            topics = await _topic_table(pool, slave.broker)
+        assert (offset.code, offset.int_field("offset") if offset.code == ResponseCode.SUCCESS else None) == \
+            (ResponseCode.SUCCESS, 17)
+        assert [(a.code, a.remark) for a in answers] == [(ResponseCode.SYSTEM_ERROR, "Can't modify topic or "
+                                                          "subscription group from slave broker, please execute it "
+                                                          "from master broker.")] * 3
+        assert "MadeOnTheSlave" not in topics
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+def _series_of(metrics_addr: str, group: str) -> list[str]:
+    import urllib.request
+    scraped = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    return [line for line in scraped.splitlines() if f'consumer_group="{group}"' in line and not line.startswith("#")]
+
+
+async def test_a_group_the_slave_forgets_as_its_master_deleted_it_leaves_the_slaves_delivery_series(tmp_path):
+    """A group deleted on the master (deleteSubGroup -r) loses its delivery series there (rocketmq_messages_out,
+    rocketmq_throughput_out: forget_consumer_group), and its offsets on the slave once the master's answers have
+    missed it for --slave-group-forget-ms. The slave kept the series of its own pulls of the group (failed over, or
+    slave_read_enable) for good: in each scrape, and a group made again under the name went on from the old
+    counts. The slave forgets them with the offsets, as its master did."""
+    started = []
+    pool = ConnectionPool()
+    group = "CG_read_from_the_slave"
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-fs", started, "--slave-sync-interval-ms", "200",
+                                                       "--slave-group-forget-ms", "1000")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_forgotten_series") as producer:
+                mq = await _until_replicating(producer)
+                for i in range(3):
+                    await producer.send(TOPIC, f"s{i}".encode(), queue=mq)
+            async with PullConsumer(ns.addr, group) as consumer:
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                await consumer.commit_offset(mq, 2)            # to the master
+            await _until_slave_has_offset(slave, group, mq, 2)
+            resp = await pool.request(slave.broker, RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                "consumerGroup": group, "topic": TOPIC, "queueId": mq.queue_id, "queueOffset": 0, "maxMsgNums": 8,
+                "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 1,
+                "expressionType": "TAG"}), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            assert await asyncio.to_thread(_series_of, slave.metrics, group)    # the slave's own deliveries
+            gone = await pool.request(master.broker, RemotingCommand.request(
+                RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": group, "removeOffset": "true"}), 3.0)
+            assert gone.code == ResponseCode.SUCCESS, gone.remark
+            while "consumer offsets of 1 group(s) removed as master" not in slave.log():
+                await asyncio.sleep(0.1)
+            series = await asyncio.to_thread(_series_of, slave.metrics, group)
+        assert series == []
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()

@@ -106,6 +106,33 @@ async def test_pull_resolves_routes_itself_and_refetches_after_a_routing_error(c
                 await fresh.shutdown()
 
 
+async def test_a_oneway_commit_that_cannot_reach_its_broker_refetches_the_route_as_an_answered_one(cluster):
+    """A push consumer's commit rounds go oneway (as a Java consumer's persistAll). An answered commit that could not
+    reach its broker (a master killed) had the next call fetch the route again, which names the slave while the
+    master is gone; the oneway one went on to the dead address, commit after commit, until a pull or the route's
+    age happened to refetch it: a round's offsets lost, the slave's copy (what a consumer failing over starts from)
+    as old as the master's last sync."""
+    committed = []
+    handle = cluster.handle
+
+    def recording(conn, cmd):
+        if cmd.code == RequestCode.UPDATE_CONSUMER_OFFSET:
+            committed.append(int(cmd.ext_fields["commitOffset"]))
+            return None
+        return handle(conn, cmd)
+    cluster.handle = recording
+    async with asyncio.timeout(10):
+        async with PullConsumer(cluster.live_addr, "CG", timeout=1.0) as consumer:
+            mq = (await consumer.fetch_queues("T"))[0]
+            with pytest.raises(ConnectionClosedError):
+                await consumer.commit_offset(mq, 5, oneway=True)     # route says: a dead address
+            cluster.broker_addr = cluster.live_addr                    # the name server names where it went
+            await consumer.commit_offset(mq, 6, oneway=True)
+            while not committed:
+                await asyncio.sleep(0.01)
+    assert committed == [6]
+
+
 async def test_a_route_the_name_server_forgets_for_a_moment_keeps_the_heartbeat_going(cluster):
     """A name server answers TOPIC_NOT_EXIST while the topic's broker is away (it unregistered on a clean
     stop, or the name server restarted and brokers have not registered again yet). The background refresh

@@ -145,7 +145,8 @@ async def test_group_updates_whose_writes_finish_out_of_order_are_all_saved(tmp_
         finally:
             newer_written.set()
     monkeypatch.setattr(SubscriptionGroups, "write", write)
-    ctx = SimpleNamespace(subscriptions=groups, topics=SimpleNamespace(topics={}), acl=None)     # (no retry topic to grow)
+    ctx = SimpleNamespace(subscriptions=groups, topics=SimpleNamespace(topics={}), acl=None,     # (no retry topic to grow)
+                          config=SimpleNamespace(broker_role="ASYNC_MASTER"))
     conn = SimpleNamespace(peer=("127.0.0.1", 1))
 
     def update(name):

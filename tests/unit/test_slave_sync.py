@@ -209,8 +209,8 @@ async def test_a_topic_the_store_keeps_is_gone_over_again_with_the_same_table(tm
 
 @bounded(10)
 async def test_a_topic_set_on_the_slave_itself_is_the_masters_again_at_the_next_sync(tmp_path):
-    """RocketMQ's slave takes its master's topic table whenever its own dataVersion differs from the master's: an
-    updateTopic aimed at the slave (-b) is undone at the next sync. This slave compared the master's version with
+    """RocketMQ's slave takes its master's topic table whenever its own dataVersion differs from the master's: a
+    change made on the slave itself (an updateTopic -b aimed at a slave that took it) is undone at the next sync. This slave compared the master's version with
     the one it last took, and skipped the table: the slave's own change (2 read-only queues here, where the master
     has 8 read-write) held until the master's table changed for another reason -- days maybe, consumers failing over
     to it seeing the slave's. The table is skipped only while the slave's own topics are as it left them."""
@@ -227,7 +227,7 @@ async def test_a_topic_set_on_the_slave_itself_is_the_masters_again_at_the_next_
         assert await sync.sync_once()
         assert topics.topics["Orders"] == TopicConfig("Orders", 8, 8, 6)
         assert await sync.sync_once()                   # the same table: skipped
-        topics.create(TopicConfig("Orders", 2, 2, 4))   # UPDATE_AND_CREATE_TOPIC sent to the slave
+        topics.create(TopicConfig("Orders", 2, 2, 4))   # the slave's own change (now refused on the wire)
         assert await sync.sync_once()
         assert topics.topics["Orders"] == TopicConfig("Orders", 8, 8, 6)
     finally:
@@ -625,7 +625,7 @@ async def test_the_masters_subscription_groups_are_not_read_again_while_its_data
     The slave read and checked the whole table at every sync, unchanged for days: 50,000 groups cost it 0.6-0.9 s of
     CPU every 10 s. A body of the version last taken is read no further than its version now (here one of that
     version holding another table is not taken: it is not read); a group set on the slave itself
-    (UPDATE_AND_CREATE_SUBSCRIPTIONGROUP there) is still undone by the master's table at the next sync, as
+    (its own table changed) is still undone by the master's table at the next sync, as
     RocketMQ's (its own version moved), and a new version on the master is taken."""
     from broker.subscriptions import SubscriptionGroups, group_config
     master = SubscriptionGroups(str(tmp_path / "m"), lambda: 5)
