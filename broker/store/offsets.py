@@ -336,21 +336,23 @@ class ConsumerOffsets:
         """Wait for the write in flight to end and the rest after it (REST_FACTOR times what it took), then save
         what every paced caller queued by then changed; the seconds waited. A write ending meanwhile (the periodic
         save) starts the rest again after it, and may hold every change (then nothing is written)."""
-        began = self.clock()
+        began, held = self.clock(), False
         while not self._hurry and self._saved_changes < self._changes:
             if self._writing:
+                held = True
                 await asyncio.wait([self._write_end()])
                 continue
             rest = self._last_end + REST_FACTOR * self._last_took - self.clock()
             if rest <= 0:
                 break
+            held = True
             nap = asyncio.ensure_future(self.sleep(rest))
             try:
                 await asyncio.wait([nap, self._write_end()], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 nap.cancel()
         self._paced = None      # (callers from now on wait for the next rest: this save's table is taken at once)
-        waited = self.clock() - began
+        waited = self.clock() - began if held else 0.0
         if self._saved_changes < self._changes:
             await asyncio.shield(self._save_started())
         return waited
