@@ -314,16 +314,22 @@ class ConsumerOffsets:
         share the writes (group commit): a burst of resets costs two encodings of the table (100,000
         offsets: about 350 ms each), not one each, queued."""
         wanted = self._changes
-        rested = 0.0
+        began, held = self.clock(), False
         while self._saved_changes < wanted:
             if paced and not self._hurry:
                 if self._paced is None:
                     self._paced = asyncio.ensure_future(self._paced_save())
                     self._paced.add_done_callback(retrieved)
-                rested = max(rested, await asyncio.shield(self._paced))
+                # The paced save, or any write that holds this caller's change first: with the rest longer than
+                # the flush interval, a periodic save ends inside each rest, and the paced one waits on while
+                # later moves keep coming; the moves a periodic save held waited with it for good.
+                paced_save = self._paced
+                while not paced_save.done() and self._saved_changes < wanted:
+                    await asyncio.wait([paced_save, self._write_end()], return_when=asyncio.FIRST_COMPLETED)
+                held = held or not paced_save.done() or paced_save.result() > 0     # (raises a failed save's)
                 continue
             await asyncio.shield(self._save_started())
-        return rested
+        return self.clock() - began if held else 0.0
 
     def _save_started(self) -> asyncio.Future:
         """The save ``saved`` shares: the one in flight, else a new one."""

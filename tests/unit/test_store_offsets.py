@@ -710,7 +710,8 @@ async def test_a_tool_moving_one_queue_at_a_time_waits_a_few_saves_a_move(tmp_pa
 @bounded(10)
 async def test_a_paced_save_rests_after_a_periodic_one_which_may_hold_its_move(tmp_path):
     """A move after another save waits the rest; a periodic save ending in the rest starts it again after itself,
-    and when it holds the move nothing more is written. A save refused is raised to the moves waiting for it
+    and when it holds the move nothing more is written; a move it holds is answered even while later moves wait
+    (with the rest past the flush interval, those a periodic save held waited for good). A save refused is raised to the moves waiting for it
     (SYSTEM_ERROR); a stop (hurry) starts the save they wait for at once."""
     clock = _SaveClock(1.0)
     offsets = clock.offsets(tmp_path)
@@ -730,11 +731,17 @@ async def test_a_paced_save_rests_after_a_periodic_one_which_may_hold_its_move(t
     offsets.commit("CG", "T", 0, 3)
     moved = asyncio.ensure_future(offsets.saved(paced=True))
     await asyncio.sleep(0.05)
-    assert not moved.done()
+    await offsets._write_off_loop(offsets._snapshot(), *offsets._take_save())     # a periodic save holds it...
+    offsets.commit("CG", "U", 0, 1)                     # ...and another move comes meanwhile (a flood)
+    later = asyncio.ensure_future(offsets.saved(paced=True))
+    await asyncio.sleep(0.05)
+    offsets._wrote()
+    assert await asyncio.wait_for(moved, 5) > 0         # answered, not held with the later move's rest
+    assert not later.done() and len(clock.saves) == 3
     offsets.hurry()                                     # a stop
-    await asyncio.wait_for(moved, 5)
-    assert len(clock.saves) == 3 and json.loads(
-        (tmp_path / "config" / "consumerOffset.json").read_text())["T@CG"] == {"0": 3}
+    await asyncio.wait_for(later, 5)
+    assert len(clock.saves) == 4 and json.loads(
+        (tmp_path / "config" / "consumerOffset.json").read_text())["U@CG"] == {"0": 1}
 
     clock.held = False
     offsets._hurry = False
