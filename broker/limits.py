@@ -118,7 +118,6 @@ class Limits:
         self.queued_bytes = 0               # send bodies handed to the writer and not yet answered
         self._undecided: dict[str, int] = {}
         self._topic_tokens: dict[str, tuple[float, float]] = {}    # client host -> (tokens, when)
-        self._move_tokens: dict[str, tuple[float, float]] = {}     # the same, for may_save_move_now
         self._undecided_at = -1.0
         self._warned: dict[str, float] = {}         # reason -> when its refusal was last logged
 
@@ -251,27 +250,6 @@ class Limits:
         self.refused("offset-host-limit", why)
         return why
 
-    def may_save_move_now(self, conn) -> bool:
-        """Whether an offset move by this client, no consumer of the group (an admin tool's), or its reset of a
-        group's offsets (INVOKE_BROKER_TO_RESET_OFFSET) or removal of them (DELETE_SUBSCRIPTIONGROUP with
-        removeOffset), may start a save of
-        the offsets table of its own (else it rides the next periodic one). OFFSET_MOVE_SAVES such moves at once,
-        one more each flush interval: a tool's reset or clone of a few hundred queues is saved move by move as
-        before, but a client looping over answered moves (made-up groups cost nothing) had the table (100,000
-        offsets: 1.0-1.5 s each) saved back to back for as long as it went on. Those past it are counted and
-        said (at most every 10 s), and still on disk before their SUCCESS."""
-        host = peer_host(conn)
-        rate = 1000.0 / max(1, self.config.flush_consumer_offset_interval_ms)
-        if self._take(self._move_tokens, host, rate, OFFSET_MOVE_SAVES):
-            return True
-        self.metrics.offset_moves_deferred.inc()
-        self.warn("offset-move-rate", f"offset moves, resets and removals by client {host} (no consumer of "
-                  "the groups), past "
-                  f"{OFFSET_MOVE_SAVES} saves of the consumer offsets at once and one each "
-                  f"{self.config.flush_consumer_offset_interval_ms} ms: answered after the next periodic save "
-                  "(txmq_offset_moves_deferred_total)")
-        return False
-
     # ------------------------------------------------------------ writer pressure
     def busy(self, cmd, size: int):
         """SYSTEM_BUSY while the bytes queued for the writer are over max_writer_queued_bytes."""
@@ -388,6 +366,3 @@ class ConnectionGate:
 
 
 _GATE_LOG_INTERVAL_S = 10
-# Admin moves of offsets one client address may have saved at once (may_save_move_now): a tool's reset or clone of
-# this many queues in a row, each waiting for the save that holds it.
-OFFSET_MOVE_SAVES = 256

@@ -179,8 +179,9 @@ class BrokerMetrics:
         self.offset_moves_deferred = Counter(
             "txmq_offset_moves_deferred", "Offset moves by a client that is no consumer of the group (an admin "
             "tool's UPDATE_CONSUMER_OFFSET), resets (INVOKE_BROKER_TO_RESET_OFFSET) and removals (DELETE_SUBSCRIPTIONGROUP "
-            "with removeOffset) past its address's budget of saves started for them: answered after the "
-            "next periodic save of the consumer offsets, not one started for them.", registry=r)
+            "with removeOffset) whose save waited for the offsets saver's rest (3 times its last save, after a save "
+            "in flight ended): on disk before SUCCESS all the same; saves moves start keep the saver at most a "
+            "quarter busy.", registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
                                      "connections' together, the largest holders closed first).", ["reason"],

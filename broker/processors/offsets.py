@@ -10,6 +10,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..limits import EveryKey, peer_host
 from ..slices import in_slices
+from ..store.offsets import REST_FACTOR
 from .pull import on_disk, pulled_groups
 
 log = logging.getLogger("txmq.offsets")
@@ -88,8 +89,7 @@ def update_consumer_offset(ctx, conn, cmd):
                 ctx.limits.warn("offset-move-said", f"offsets of more than {MOVES_SAID_A_MINUTE} groups and topics "
                                 f"moved this minute by clients that are no consumer of the group (latest: {done} by "
                                 f"{peer_host(conn)}): not said one by one")
-            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS),
-                                 start=ctx.limits.may_save_move_now(conn))
+            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS), paced=True)
     return cmd.response(ResponseCode.SUCCESS)
 
 
@@ -109,15 +109,23 @@ def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) 
     return -1 if current is None else current
 
 
-async def offsets_saved(ctx, cmd, done: str, reply, *, start: bool = True):
+async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False):
     """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
-    saved (``reply`` too when it is an error already). ``start`` False: by the next periodic save."""
+    saved (``reply`` too when it is an error already). ``paced``: an admin's move, reset or removal, which a client
+    may loop over: its save starts after the saver's rest (``ConsumerOffsets.saved``), counted when it waits one."""
     try:
-        await ctx.offsets.saved(start=start)
+        rested = await ctx.offsets.saved(paced=paced)
     except OSError as exc:
         if reply.code == ResponseCode.SUCCESS:
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
                                 f"are lost if the broker stops before the next periodic save): {exc}")
+        return reply
+    if rested > 0:
+        ctx.metrics.offset_moves_deferred.inc()
+        if rested >= 1.0:       # a big table (a rest is REST_FACTOR saves), or many moves at once
+            ctx.limits.warn("offset-move-rest", f"{done}: its save waited {rested:.1f} s for the offsets saver's "
+                            f"rest ({REST_FACTOR} times its last save; saves admin moves start keep it at most "
+                            f"1/{REST_FACTOR + 1} busy) (txmq_offset_moves_deferred_total)")
     return reply
 
 

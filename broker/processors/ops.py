@@ -286,9 +286,8 @@ async def delete_subscription_group(ctx, conn, cmd):
     reply = await _saved(ctx, cmd, f"subscription group {group} deleted") if existed else cmd.response(
         ResponseCode.SUCCESS)
     if remove_offset:       # else a kill before the periodic save brought the group's offsets back
-        # (a save each, started: a oneway commit then this, in a loop, had the table saved back to back)
-        reply = await offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply,
-                                    start=ctx.limits.may_save_move_now(conn))
+        # (paced: a oneway commit then this, in a loop, had the table saved back to back)
+        reply = await offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply, paced=True)
     return reply
 
 
@@ -372,7 +371,7 @@ async def reset_offset(ctx, conn, cmd):
     # it was -- the replay asked for never came, or the records skipped were delivered again.
     return await offsets_saved(ctx, cmd, f"[reset-offset] group {group} topic {topic} reset",
                                 cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table)),
-                                start=not table or ctx.limits.may_save_move_now(conn))
+                                paced=True)
 
 
 def _notify_reset(ctx, group: str, topic: str, timestamp: int, force: bool, table: dict, for_c: bool) -> int:

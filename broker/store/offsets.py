@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 from protocol.admin_bodies import split_offset_key
 
@@ -38,10 +39,16 @@ from .saved import check, is_int, load_saved, retrieved, save
 log = logging.getLogger("txmq.store")
 
 FILE_NAME = "consumerOffset.json"
+# A save an admin move starts (``saved(paced=True)``) begins only once the saver has rested this many times the last
+# save's duration since it ended: saves started by moves keep the save thread at most 1 / (1 + REST_FACTOR) busy,
+# whatever the clients do, and a tool moving queue after queue waits about (1 + REST_FACTOR) saves a move.
+REST_FACTOR = 3
 
 
 class ConsumerOffsets:
-    def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0, per_host: bool = True):
+    def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0, per_host: bool = True,
+                 clock=time.monotonic, sleep=asyncio.sleep):
+        self.clock, self.sleep = clock, sleep
         self.path = os.path.join(store_dir, "config", FILE_NAME)
         self.persist_interval_s = persist_interval_s
         self._table: dict[tuple[str, str, int], int] = {}
@@ -72,9 +79,13 @@ class ConsumerOffsets:
         self._saves_taken = 0
         self._saves_written = 0
         self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
-        self._next_write: asyncio.Future | None = None  # what ``saved(start=False)`` callers wait for: any write's end
+        self._next_write: asyncio.Future | None = None  # any write's end (or hurry): what a paced save waits for
+        self._paced: asyncio.Future | None = None       # the save moves wait for: it starts when the rest ends
+        self._writing = 0           # writes in flight (the loop's, ``saved``'s)
+        self._last_end = float("-inf")  # when the last write ended (``clock``), and what it took: the rest after it
+        self._last_took = 0.0
         self._failing = False       # the last save (the loop's or ``saved``'s) was refused: _save_failed
-        self._hurry = False         # stopping: ``saved(start=False)`` starts a save as ``saved()`` does (hurry)
+        self._hurry = False         # stopping: a paced save starts at once, without its rest (hurry)
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
         # nothing (a reset that moves no offset, a deleted topic no group consumed). Each forced a whole-table
         # write (100,000 offsets: 1-1.5 s of a core, the loop slowed with it), asked by any client without ACL.
@@ -241,7 +252,6 @@ class ConsumerOffsets:
             self._wrote()
 
     async def _persist_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.persist_interval_s)
             if self._dirty:
@@ -249,7 +259,7 @@ class ConsumerOffsets:
                 try:
                     # taken here, encoded and written on a thread: 100,000 offsets with their makers take
                     # about 350 ms to encode, which held the loop that long
-                    await loop.run_in_executor(None, self._encode_and_write, self._snapshot(), *self._take_save())
+                    await self._write_off_loop(self._snapshot(), *self._take_save())
                 except Exception as exc:  # noqa: BLE001 - a bug too: ending the loop would stop every later save
                     self._dirty = True
                     self._save_failed(exc)
@@ -272,7 +282,7 @@ class ConsumerOffsets:
             self._failing = False
 
     def _wrote(self, exc: BaseException | None = None) -> None:
-        """A write (the loop's or ``saved``'s) ended: wake the ``saved(start=False)`` callers, who look again."""
+        """A write (the loop's or ``saved``'s) ended: wake a paced save waiting for it, which looks again."""
         waiting, self._next_write = self._next_write, None
         if waiting is not None and not waiting.done():
             if exc is None:
@@ -281,41 +291,100 @@ class ConsumerOffsets:
                 waiting.set_exception(exc)
 
     def hurry(self) -> None:
-        """A stop: ``saved(start=False)`` callers, those waiting and any later, start a save (shared) as ``saved()``
-        does. A stop gives requests in flight 5 s, then closes their connections: moves waiting for a periodic
-        save due later were saved at close but never answered, the tool not knowing whether they were made."""
+        """A stop: paced saves, the one waiting and any later, start at once, without their rest. A stop gives
+        requests in flight 5 s, then closes their connections: moves waiting longer were saved at close but never
+        answered, the tool not knowing whether they were made."""
         self._hurry = True
         self._wrote()
 
-    async def saved(self, *, start: bool = True) -> None:
+    async def saved(self, *, paced: bool = False) -> float:
         """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
-        background save retries). ``start`` False: return once a write holds the table as it is now, starting
-        none (the periodic save, or one another caller starts): within ``persist_interval_s`` and a save. For the operators' codes, which move offsets on purpose and answer SUCCESS: a
+        background save retries). For the operators' codes, which move offsets on purpose and answer SUCCESS: a
         reset (INVOKE_BROKER_TO_RESET_OFFSET) or a removal left to the next periodic save was undone by a kill
         within ``persist_interval_s`` -- the group back where it was, its replay lost or its skip redelivered.
+
+        ``paced`` (an admin's move, reset or removal, which any client may loop over): the save starts only once
+        the saver has rested REST_FACTOR times the last save's duration since it ended (a save in flight first
+        ends), shared by every paced caller queued by then. A save each, back to back, had one client looping over
+        moves keep the save thread busy without rest (100,000 offsets: 1.0-1.5 s a save); a count of moves per
+        address instead held a tool moving queue after queue to one move a flush interval however cheap the save.
+        Returns the seconds the rest held this caller's save back (0.0: none).
 
         Nothing changed since the newest save written: nothing to write, it returns at once. Callers at once
         share the writes (group commit): a burst of resets costs two encodings of the table (100,000
         offsets: about 350 ms each), not one each, queued."""
         wanted = self._changes
+        began, held = self.clock(), False
         while self._saved_changes < wanted:
-            if not start and not self._hurry:
-                if self._next_write is None:
-                    self._next_write = asyncio.get_running_loop().create_future()
-                    self._next_write.add_done_callback(retrieved)
-                await asyncio.shield(self._next_write)
+            if paced and not self._hurry:
+                if self._paced is None:
+                    self._paced = asyncio.ensure_future(self._paced_save())
+                    self._paced.add_done_callback(retrieved)
+                # The paced save, or any write that holds this caller's change first: with the rest longer than
+                # the flush interval, a periodic save ends inside each rest, and the paced one waits on while
+                # later moves keep coming; the moves a periodic save held waited with it for good.
+                paced_save = self._paced
+                while not paced_save.done() and self._saved_changes < wanted:
+                    await asyncio.wait([paced_save, self._write_end()], return_when=asyncio.FIRST_COMPLETED)
+                held = held or not paced_save.done() or paced_save.result() > 0     # (raises a failed save's)
                 continue
-            if self._saving is None:
-                self._saving = asyncio.ensure_future(self._save_now())
-                self._saving.add_done_callback(retrieved)
-            await asyncio.shield(self._saving)
+            await asyncio.shield(self._save_started())
+        return self.clock() - began if held else 0.0
+
+    def _save_started(self) -> asyncio.Future:
+        """The save ``saved`` shares: the one in flight, else a new one."""
+        if self._saving is None:
+            self._saving = asyncio.ensure_future(self._save_now())
+            self._saving.add_done_callback(retrieved)
+        return self._saving
+
+    async def _paced_save(self) -> float:
+        """Wait for the write in flight to end and the rest after it (REST_FACTOR times what it took), then save
+        what every paced caller queued by then changed; the seconds waited. A write ending meanwhile (the periodic
+        save) starts the rest again after it, and may hold every change (then nothing is written)."""
+        began, held = self.clock(), False
+        while not self._hurry and self._saved_changes < self._changes:
+            if self._writing:
+                held = True
+                await asyncio.wait([self._write_end()])
+                continue
+            rest = self._last_end + REST_FACTOR * self._last_took - self.clock()
+            if rest <= 0:
+                break
+            held = True
+            nap = asyncio.ensure_future(self.sleep(rest))
+            try:
+                await asyncio.wait([nap, self._write_end()], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                nap.cancel()
+        self._paced = None      # (callers from now on wait for the next rest: this save's table is taken at once)
+        waited = self.clock() - began if held else 0.0
+        if self._saved_changes < self._changes:
+            await asyncio.shield(self._save_started())
+        return waited
+
+    def _write_end(self) -> asyncio.Future:
+        if self._next_write is None:
+            self._next_write = asyncio.get_running_loop().create_future()
+            self._next_write.add_done_callback(retrieved)
+        return self._next_write
+
+    async def _write_off_loop(self, snapshot: tuple, number: int, changes: int) -> None:
+        """Encode and write ``snapshot`` on a thread, timed: the rest a paced save waits for follows it."""
+        began = self.clock()
+        self._writing += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._encode_and_write, snapshot, number, changes)
+        finally:
+            self._writing -= 1
+            self._last_end = self.clock()
+            self._last_took = self._last_end - began
 
     async def _save_now(self) -> None:
         self._dirty = False
         snapshot = dict(self._table), dict(self._maker)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._encode_and_write, snapshot,
-                                                             *self._take_save())
+            await self._write_off_loop(snapshot, *self._take_save())
         except OSError as exc:
             self._dirty = True
             self._save_failed(exc)

@@ -493,20 +493,3 @@ async def test_undecided_per_group_counts_the_halves_still_being_stored_when_it_
         assert tx.storing_groups == {}
     finally:
         await ctx.store._store.close()
-
-
-def test_admin_moves_start_saves_at_most_a_burst_then_one_each_flush_interval():
-    """may_save_move_now: OFFSET_MOVE_SAVES moves of one address start a save each, then one more each flush
-    interval (whatever connection they come on); the rest ride the periodic save, counted. Another address has its
-    own budget."""
-    from broker.limits import OFFSET_MOVE_SAVES
-    now = [0.0]
-    metrics = BrokerMetrics()
-    lim = Limits(BrokerConfig(flush_consumer_offset_interval_ms=5000), metrics, monotonic=lambda: now[0])
-    a, b = _Conn(), _Conn()
-    assert all(lim.may_save_move_now(a if i % 2 else b) for i in range(OFFSET_MOVE_SAVES))
-    assert not lim.may_save_move_now(a) and not lim.may_save_move_now(b)
-    assert lim.may_save_move_now(_Conn("10.0.0.9"))
-    now[0] += 5.0
-    assert lim.may_save_move_now(a) and not lim.may_save_move_now(b)
-    assert metrics.offset_moves_deferred._value.get() == 3

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker.metrics import BrokerMetrics
 from broker.store import ConsumerOffsets
 from protocol.errors import StoreError
 from tests.support.bounded import bounded
@@ -532,9 +533,9 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
 
     member, tool = Conn(), Conn()
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
-                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True),
+                          limits=SimpleNamespace(may_commit=lambda *a: None),
                           clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}),
-                          config=SimpleNamespace(broker_role="ASYNC_MASTER"))
+                          config=SimpleNamespace(broker_role="ASYNC_MASTER"), metrics=BrokerMetrics())
     file = tmp_path / "config" / "consumerOffset.json"
 
     def commit(conn, offset, oneway=False):
@@ -582,8 +583,8 @@ async def test_an_admin_move_on_a_slave_says_its_master_copy_replaces_it(tmp_pat
         peer = ("127.0.0.1", 1)
 
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
-                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True), clients=SimpleNamespace(consumers={}),
-                          config=SimpleNamespace(broker_role="SLAVE"))
+                          limits=SimpleNamespace(may_commit=lambda *a: None), clients=SimpleNamespace(consumers={}),
+                          config=SimpleNamespace(broker_role="SLAVE"), metrics=BrokerMetrics())
     with caplog.at_level("WARNING", logger="txmq.offsets"):
         reply = await update_consumer_offset(ctx, Conn(), RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
             "consumerGroup": "CG_slave_move", "topic": "T", "queueId": 0, "commitOffset": 6}))
@@ -630,34 +631,127 @@ async def test_a_second_full_disk_after_a_rewind_saved_the_table_is_said_again(t
         await offsets.close()
 
 
-@bounded(10)
-async def test_a_save_not_started_is_the_next_periodic_one(tmp_path):
-    """``saved(start=False)`` (an admin move past its address's budget of saves): returns once the periodic save
-    holds the change, starting no write of its own; a periodic save refused is raised to it (SYSTEM_ERROR)."""
-    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.2)
-    writes = []
-    write = offsets._write
-    offsets._write = lambda *a: (writes.append(a[1]), write(*a))
+class _SaveClock:
+    """ConsumerOffsets' clock and sleep, moved by the test: each write takes ``took`` seconds of it, each sleep its
+    length at once; ``saves`` the (start, end) of each write. ``held``: sleeps do not end (a stop's hurry)."""
 
-    async def started(*_a):
-        raise AssertionError("saved(start=False) started a save of its own")
-    offsets._save_now = started     # only the periodic save may write it
+    def __init__(self, took: float):
+        self.now, self.took, self.saves, self.held = 0.0, took, [], False
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        if self.held:
+            await asyncio.Event().wait()
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    def offsets(self, path) -> ConsumerOffsets:
+        offsets = ConsumerOffsets(str(path), persist_interval_s=3600, clock=self, sleep=self.sleep)
+        write = offsets._encode_and_write
+
+        def timed(*a):
+            self.saves.append((self.now, self.now + self.took))
+            self.now += self.took
+            write(*a)
+        offsets._encode_and_write = timed
+        return offsets
+
+
+@bounded(30)
+async def test_a_flood_of_paced_saves_keeps_the_saver_resting_three_times_each_save(tmp_path):
+    """Admin moves (``saved(paced=True)``) from 64 clients at once, each moving again as soon as it is answered, for
+    200 s of a table that takes 1 s to save: each save starts only once the saver has rested REST_FACTOR times the
+    last one since it ended, shared by every move queued by then, so the saver is busy at most a quarter of the
+    time; each move is on disk when it returns."""
+    from broker.store.offsets import REST_FACTOR
+    clock = _SaveClock(1.0)
+    offsets = clock.offsets(tmp_path)
     await offsets.open()
-    offsets.commit("CG", "T", 0, 7)
-    await offsets.saved(start=False)
-    assert len(writes) == 1
-    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text())["T@CG"] == {"0": 7}
-    await offsets.saved(start=False)                        # nothing new: no wait, no write
-    assert len(writes) == 1
+    answered = []
+
+    async def client(c: int):
+        n = 0
+        while clock.now < 200:
+            n += 1
+            offsets.commit(f"CG{c}", "T", 0, n)
+            await offsets.saved(paced=True)
+            assert offsets._saved_changes >= offsets._changes - 64
+            answered.append(clock.now)
+    await asyncio.gather(*(client(c) for c in range(64)))
+    await offsets.close()
+    starts = [s for s, _e in clock.saves]
+    assert all(b[0] >= a[1] + REST_FACTOR * clock.took for a, b in zip(clock.saves, clock.saves[1:])), clock.saves
+    busy = sum(e - s for s, e in clock.saves if s < 200)
+    assert 0.2 * 200 <= busy <= 200 / (1 + REST_FACTOR) + clock.took, (busy, starts[:10])
+    assert len(answered) >= 64 * (len(starts) - 2)      # every move queued in a rest shares its save
+
+
+@bounded(30)
+async def test_a_tool_moving_one_queue_at_a_time_waits_a_few_saves_a_move(tmp_path):
+    """One move at a time (resetOffsetByTimeOld, cloneGroupOffset over 1,000 queues), the table saved in 2 ms: each
+    waits the rest after the last save and its own save, (1 + REST_FACTOR) saves, never the periodic save (an hour
+    away here): 200 moves take 1.6 s of the clock, not 200 flush intervals."""
+    from broker.store.offsets import REST_FACTOR
+    clock = _SaveClock(0.002)
+    offsets = clock.offsets(tmp_path)
+    await offsets.open()
+    for q in range(200):
+        began = clock.now
+        offsets.commit("CG", "T", q, 5)
+        await offsets.saved(paced=True)
+        assert clock.now - began <= (1 + REST_FACTOR) * clock.took + 1e-9, q
+        assert offsets._saved_changes == offsets._changes
+    assert len(clock.saves) == 200 and clock.now <= 200 * (1 + REST_FACTOR) * clock.took + 1e-6
+    await offsets.close()
+
+
+@bounded(10)
+async def test_a_paced_save_rests_after_a_periodic_one_which_may_hold_its_move(tmp_path):
+    """A move after another save waits the rest; a periodic save ending in the rest starts it again after itself,
+    and when it holds the move nothing more is written; a move it holds is answered even while later moves wait
+    (with the rest past the flush interval, those a periodic save held waited for good). A save refused is raised to the moves waiting for it
+    (SYSTEM_ERROR); a stop (hurry) starts the save they wait for at once."""
+    clock = _SaveClock(1.0)
+    offsets = clock.offsets(tmp_path)
+    offsets.commit("CG", "T", 0, 1)
+    await offsets.saved(paced=True)                     # the first: no save before it, no rest
+    assert clock.saves == [(0.0, 1.0)]
+    offsets.commit("CG", "T", 0, 2)
+    clock.held = True                                   # the rest does not end by itself
+    moved = asyncio.ensure_future(offsets.saved(paced=True))
+    await asyncio.sleep(0.05)
+    assert not moved.done()
+    await offsets._write_off_loop(offsets._snapshot(), *offsets._take_save())     # as the periodic save does
+    offsets._wrote()
+    assert await asyncio.wait_for(moved, 5) > 0 and len(clock.saves) == 2        # held by the periodic save
+    assert json.loads((tmp_path / "config" / "consumerOffset.json").read_text())["T@CG"] == {"0": 2}
+
+    offsets.commit("CG", "T", 0, 3)
+    moved = asyncio.ensure_future(offsets.saved(paced=True))
+    await asyncio.sleep(0.05)
+    await offsets._write_off_loop(offsets._snapshot(), *offsets._take_save())     # a periodic save holds it...
+    offsets.commit("CG", "U", 0, 1)                     # ...and another move comes meanwhile (a flood)
+    later = asyncio.ensure_future(offsets.saved(paced=True))
+    await asyncio.sleep(0.05)
+    offsets._wrote()
+    assert await asyncio.wait_for(moved, 5) > 0         # answered, not held with the later move's rest
+    assert not later.done() and len(clock.saves) == 3
+    offsets.hurry()                                     # a stop
+    await asyncio.wait_for(later, 5)
+    assert len(clock.saves) == 4 and json.loads(
+        (tmp_path / "config" / "consumerOffset.json").read_text())["U@CG"] == {"0": 1}
+
+    clock.held = False
+    offsets._hurry = False
 
     def full(*_a):
         raise OSError(28, "No space left on device")
     offsets._write = full
-    offsets.commit("CG", "T", 0, 8)
+    offsets.commit("CG", "T", 0, 4)
     with pytest.raises(OSError):
-        await offsets.saved(start=False)
-    offsets._write = write
-    await offsets.close()
+        await offsets.saved(paced=True)
 
 
 def test_removing_a_group_or_a_topic_does_not_walk_every_offset(tmp_path):
@@ -694,7 +788,7 @@ async def test_admin_moves_of_many_made_up_groups_are_not_a_warning_each(tmp_pat
     from protocol.codes import RequestCode, ResponseCode
     from protocol.command import RemotingCommand
 
-    offsets = ConsumerOffsets(str(tmp_path))
+    offsets = ConsumerOffsets(str(tmp_path), clock=lambda: 0.0)     # (saves take no time: no rest between)
     await offsets.open()
     limits = Limits(BrokerConfig(), BrokerMetrics())
 
@@ -702,9 +796,9 @@ async def test_admin_moves_of_many_made_up_groups_are_not_a_warning_each(tmp_pat
         peer = ("127.0.0.1", 1)
 
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
-                          limits=SimpleNamespace(may_commit=lambda *a: None, may_save_move_now=lambda _c: True,
+                          limits=SimpleNamespace(may_commit=lambda *a: None,
                                                  warn=limits.warn),
-                          clients=SimpleNamespace(consumers={}), config=SimpleNamespace(broker_role="ASYNC_MASTER"))
+                          clients=SimpleNamespace(consumers={}), config=SimpleNamespace(broker_role="ASYNC_MASTER"), metrics=BrokerMetrics())
     tool = Conn()
     moves = 300
     with caplog.at_level("WARNING"):
