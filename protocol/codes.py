@@ -180,6 +180,14 @@ class SysFlag:
     def with_transaction_type(sys_flag: int, tx_type: int) -> int:
         return (sys_flag & ~SysFlag.TRANSACTION_MASK) | tx_type
 
+    @staticmethod
+    def type_bit_flipped(sys_flag: int, queue_offset: int) -> bool:
+        """Whether a record's transaction type bit 0x4 (outside the body CRC) flipped at rest: PREPARED and
+        ROLLBACK records are stored with QUEUEOFFSET 0 (our writer, RocketMQ's CommitLog), so one typed so that
+        carries another offset was a plain or committed message. Read with the bit put back (``sys_flag ^ 0x4``)
+        it keeps its consume-queue unit; taken as read, it was served by no pull, unsaid."""
+        return bool(sys_flag & 0x4) and queue_offset != 0
+
 
 class PullSysFlag:
     COMMIT_OFFSET = 0x1

@@ -24,6 +24,7 @@ import logging
 import struct
 from typing import Callable, NamedTuple
 
+from protocol.codes import SysFlag
 from protocol.errors import RecordError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, string_to_properties, tags_code, validate_topic
 from protocol.record import MIN_RECORD_SIZE, RECORD_HEAD, read_index_fields
@@ -118,10 +119,9 @@ def parse_chunk(phys: int, data: bytes, seg_size: int, tag_rule: Callable | None
         known.add(topic)
         if data.find(b"\x00", plo, plo + plen) >= 0:
             nul_end = phys + pos + size
-        if sys_flag & 0x4 and qoff:
-            # PREPARED / ROLLBACK are stored with QUEUEOFFSET 0: the bit 0x4 (outside the CRC) flipped at rest in
-            # the master's log, which its start reads put back (recovery._typed_away); taken as read, the record
-            # got no unit here, a blank at its offset, the message served by no pull of this slave, unsaid
+        if SysFlag.type_bit_flipped(sys_flag, qoff):
+            # in the master's log, which its start reads put back (recovery._typed_away); taken as read, the record
+            # got no unit here, a blank at its offset
             log.error("record at log offset %d from the master: %s-%d queue offset %d has SYSFLAG %#x, a transaction "
                       "type stored with no queue offset: the bit 0x4 is damaged (outside the body CRC); indexed as "
                       "%#x", phys + pos, topic, qid, qoff, sys_flag, sys_flag ^ 0x4)

@@ -343,10 +343,8 @@ def decode_chunk(chunk: Chunk, check_crc: bool = False):
                 break
             msg = what
             topic, ts, tx_type = msg.topic, msg.store_timestamp, msg.sys_flag & SysFlag.TRANSACTION_MASK
-            if tx_type & 0x4 and msg.queue_offset:
-                # PREPARED / ROLLBACK are stored with QUEUEOFFSET 0: its bit 0x4 (outside the CRC) flipped at rest,
-                # read put back as the broker's start and its slaves do (the message served, so counted)
-                tx_type ^= 0x4
+            if SysFlag.type_bit_flipped(tx_type, msg.queue_offset):
+                tx_type ^= 0x4      # put back as the broker's start and its slaves do (the message served, so counted)
             if topic in ROW_TOPICS:
                 yield _record_row(seg, pos, msg, size, tx_type)
             elif is_traffic(topic, tx_type):
