@@ -637,12 +637,18 @@ class _SaveClock:
 
     def __init__(self, took: float):
         self.now, self.took, self.saves, self.held = 0.0, took, [], False
+        self.napping = asyncio.Event()      # set when a held sleep begins: the paced save is resting
+
+    async def nap_begun(self) -> None:
+        await asyncio.wait_for(self.napping.wait(), 5)
+        self.napping.clear()
 
     def __call__(self) -> float:
         return self.now
 
     async def sleep(self, seconds: float) -> None:
         if self.held:
+            self.napping.set()
             await asyncio.Event().wait()
         self.now += seconds
         await asyncio.sleep(0)
@@ -721,7 +727,7 @@ async def test_a_paced_save_rests_after_a_periodic_one_which_may_hold_its_move(t
     offsets.commit("CG", "T", 0, 2)
     clock.held = True                                   # the rest does not end by itself
     moved = asyncio.ensure_future(offsets.saved(paced=True))
-    await asyncio.sleep(0.05)
+    await clock.nap_begun()
     assert not moved.done()
     await offsets._write_off_loop(offsets._snapshot(), *offsets._take_save())     # as the periodic save does
     offsets._wrote()
@@ -730,7 +736,7 @@ async def test_a_paced_save_rests_after_a_periodic_one_which_may_hold_its_move(t
 
     offsets.commit("CG", "T", 0, 3)
     moved = asyncio.ensure_future(offsets.saved(paced=True))
-    await asyncio.sleep(0.05)
+    await clock.nap_begun()
     await offsets._write_off_loop(offsets._snapshot(), *offsets._take_save())     # a periodic save holds it...
     offsets.commit("CG", "U", 0, 1)                     # ...and another move comes meanwhile (a flood)
     later = asyncio.ensure_future(offsets.saved(paced=True))
