@@ -46,6 +46,7 @@ from protocol.message import (
 from ..answer import Answer
 from ..limits import EveryKey, peer_host
 from ..results import put_failure_response, send_ok
+from ..schedule.levels import java_int
 from ..store import PutRequest
 from ..subscriptions import retry_queues
 from ..topics import (DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SCHEDULE_PROGRESS_TOPIC, SCHEDULE_TOPIC,
@@ -547,19 +548,29 @@ def _timer_of(text: str) -> str | None:
 
 
 def _timer_asked(values) -> str | None:
-    """The first of a batch (entry)'s TIMER_PROPS ``values`` that asks for a time (_held_back), else None. Any of
-    them, not the first there: a single send takes TIMER_DELAY_SEC before TIMER_DELIVER_MS (levels.timer_deliver_ms),
-    and judged by TIMER_DELIVER_MS=0 alone a batch entry a single send holds 60 s was stored at once."""
-    return next((v for v in values if v is not None and v.strip() not in ("", "0")), None)
+    """The first of a batch (entry)'s TIMER_PROPS ``values`` that asks for a time or is no number (_held_back),
+    else None. Any of them, not the first there: a single send takes TIMER_DELAY_SEC before TIMER_DELIVER_MS
+    (levels.timer_deliver_ms), and judged by TIMER_DELIVER_MS=0 alone a batch entry a single send holds 60 s was
+    stored at once."""
+    return next((v for v in values if v and java_int(v, 64) != 0), None)
 
 
 def _held_back(delay: str | None, tran: str | None, what: str, timer: str | None = None) -> str | None:
     """Why a batch (entry) may not be stored as it is, or None."""
     if tran is not None and tran.lower() == "true":
         return f"{what} is transactional: batch messages cannot be transactional"
-    if delay is not None and delay.strip() not in ("", "0"):
-        return f"{what} has delay level {delay}: batch messages cannot be delayed"
-    if timer is not None and timer.strip() not in ("", "0"):
+    if delay:       # an empty value is no property (string_to_properties, as Java's string2messageProperties)
+        # As a single send's DELAY (levels.divert): one Integer.parseInt refuses is refused, a level of 0 or below
+        # stored (RocketMQ's batch takes it; a batch with DELAY=-1 was refused).
+        level = java_int(delay, 32)
+        if isinstance(level, str):
+            return f"{what} has DELAY={delay!r}, which {level}"
+        if level > 0:
+            return f"{what} has delay level {delay}: batch messages cannot be delayed"
+    if timer is not None:
+        why = java_int(timer, 64)
+        if isinstance(why, str):
+            return f"{what} has a delivery time {timer!r}, which {why}"
         return f"{what} asks for a delivery time ({timer}): batch messages cannot be delayed"
     return None
 

@@ -17,6 +17,7 @@ TIMER_OUT_MS = its delivery time, which is also its tagsCode.
 """
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 from protocol.codes import SysFlag
@@ -99,18 +100,20 @@ class DelayLevels:
         """Rewrite ``props`` (in place) for a message that must wait, and say where it goes; None: it
         goes to ``topic`` now; a string: why it is refused (MESSAGE_ILLEGAL).
 
-        Only NOT and COMMIT transaction types wait (a half waits only once committed). A DELAY that is no whole
-        number is refused (an empty one asks for nothing)."""
+        Only NOT and COMMIT transaction types wait (a half waits only once committed). A DELAY that
+        Integer.parseInt does not take (empty, spaces, past Java's int range) is refused."""
         if Prop.DELAY not in props and props.keys().isdisjoint(TIMER_PROPS):
             return None         # the common case, first: nothing asks to wait
         if SysFlag.transaction_type(sys_flag) not in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT):
             return None
-        level = _int(props.get(Prop.DELAY))
-        if level is None and props.get(Prop.DELAY, "").strip():
-            # RocketMQ's Integer.parseInt throws on it and the send fails; taken as no delay, the message was
-            # SEND_OK and delivered at once.
-            return f"delay level illegal: DELAY={props[Prop.DELAY]!r} is not a whole number"
-        if level is not None and level > 0:
+        level = 0
+        if Prop.DELAY in props:
+            # RocketMQ's getDelayTimeLevel (Integer.parseInt) throws on it and the send fails; taken as no delay
+            # (or " 3" as 3, "9999999999" as the last level), the message was SEND_OK.
+            level = java_int(props[Prop.DELAY], 32)
+            if isinstance(level, str):
+                return f"delay level illegal: DELAY={props[Prop.DELAY]!r} {level}"
+        if level > 0:
             for key in TIMER_PROPS:
                 props.pop(key, None)
             level = self.clamp(level)
@@ -139,9 +142,9 @@ class DelayLevels:
         for key, scale, relative in ((TIMER_DELAY_SEC, 1000, True), (TIMER_DELAY_MS, 1, True),
                                      (TIMER_DELIVER_MS, 1, False), (Prop.START_DELIVER_TIME, 1, False)):
             if key in props:
-                value = _int(props[key])
-                if value is None:
-                    return f"timer message illegal: {key}={props[key]!r} is not a whole number"
+                value = java_int(props[key], 64)       # RocketMQ 5's Long.parseLong
+                if isinstance(value, str):
+                    return f"timer message illegal: {key}={props[key]!r} {value}"
                 deliver_ms = now + value * scale if relative else value
                 break
         if deliver_ms - now > self.timer_max_delay_ms:
@@ -160,10 +163,20 @@ class DelayLevels:
         return None
 
 
+_JAVA_INT = re.compile(r"[+-]?\d+")      # Integer.parseInt / Long.parseLong: a sign, digits; no spaces, no "_"
+
+
+def java_int(text: str, bits: int) -> int | str:
+    """``text`` read as Java's Integer.parseInt (``bits`` 32) or Long.parseLong (64) reads it, or why it throws.
+    Python's int() also takes " 3", "1_000" and any size: a value RocketMQ refuses was taken."""
+    if not _JAVA_INT.fullmatch(text):
+        return "is not a whole number"
+    value = int(text)
+    if -(1 << bits - 1) <= value < 1 << bits - 1:
+        return value
+    return f"is past Java's {'int' if bits == 32 else 'long'} range"
+
+
 def _int(text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return int(text.strip())
-    except ValueError:
-        return None
+    value = None if text is None else java_int(text, 64)
+    return None if isinstance(value, str) else value

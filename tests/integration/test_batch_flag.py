@@ -131,6 +131,8 @@ async def test_batch_flag_false_stays_a_single_message(broker):
     ("timer batch behind a zero", encode_batch(_entries(2, "z")), _props(TIMER_DELIVER_MS="0", TIMER_DELAY_MS="60000"),
      "cannot be delayed"),
     ("transactional entry", encode_batch([(0, b"x", _props(TRAN_MSG="true"))]), "", "cannot be transactional"),
+    ("spaced delay batch", encode_batch(_entries(2, "d")), _props(DELAY=" 3"), "DELAY=' 3', which is not a whole"),
+    ("spaced timer entry", encode_batch([(0, b"x", _props(TIMER_DELAY_SEC=" 5"))]), "", "' 5', which is not a whole"),
 ])
 async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, props, remark):
     topic = "CppRefused"

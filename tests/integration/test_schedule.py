@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.request
 from collections import Counter
@@ -216,6 +217,29 @@ async def test_a_delay_level_that_is_no_number_is_refused_not_delivered_at_once(
 
 async def _count_keys(namesrv, topic) -> Counter:
     return Counter(m.properties["UNIQ_KEY"] for m in await _all_messages(namesrv, topic))
+
+
+async def test_a_delay_or_timer_javas_parse_refuses_is_refused_not_taken(broker_factory):
+    """RocketMQ reads DELAY with Integer.parseInt (and RocketMQ 5 its timers with Long.parseLong), which throw on
+    spaces, "_" and a number past Java's range: the send fails. txmq's int() took them: " 3" and "1_000" were
+    delayed (level 3, level 18), "3000000000" 2 hours, a TIMER_DELAY_SEC of " 60" held a minute, all SEND_OK.
+    Refused MESSAGE_ILLEGAL now, and nothing stored. (An empty value is no property, as in Java's
+    string2messageProperties: no delay, test above.)"""
+    broker = broker_factory(*FAST)
+    asks = [("DELAY", " 3", "is not a whole number"),
+            ("DELAY", "1_000", "is not a whole number"), ("DELAY", "3000000000", "is past Java's int range"),
+            ("TIMER_DELAY_SEC", " 60", "is not a whole number"),
+            ("__STARTDELIVERTIME", "99999999999999999999", "is past Java's long range")]
+    async with asyncio.timeout(20):
+        async with Producer(broker.namesrv, "PG_parse_delay") as producer:
+            for key, value, why in asks:
+                with pytest.raises(MessageIllegalError, match=re.escape(f"{key}={value!r} {why}")):
+                    await producer.send("ParseDelay", b"refused", properties={key: value})
+            kept = await producer.send("ParseDelay", b"level 0", properties={"DELAY": "+0"})    # parseInt takes "+"
+        assert [m.body for m in await _all_messages(broker.namesrv, "ParseDelay")] == [b"level 0"]
+        assert kept.queue_offset == 0
+        assert await stored_count(broker.broker, "SCHEDULE_TOPIC_XXXX", 18) == 0
+        assert await stored_count(broker.broker, "rmq_sys_wheel_timer", 1) == 0
 
 
 async def test_kill_9_mid_delivery_loses_and_repeats_nothing(broker_factory):
