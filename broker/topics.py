@@ -120,6 +120,11 @@ class TopicManager:
         self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
         self._write_failing = False         # the last write failed: it is retried every retry_write_s
         self.retry_write_s = 5.0
+        # How long a send to a new topic waits for the catalogue write that holds it: one that HANGS (a stopped NFS,
+        # a stuck FUSE) held every new topic's sends and send-backs with no answer for as long, each one's frame
+        # kept. Under a stock producer's 3 s send timeout; past it they go on unsaved, as when a write fails.
+        self.write_wait_s = 2.0
+        self.write_hung = False             # a write has run past write_wait_s and not ended yet
         self._last_write = None
         # Topics made since the catalogue was last written, each with the change count that made it, or, once a
         # send to it waits (``made_durable``), the future it waits on. Empty nearly always: a send looks at it.
@@ -290,13 +295,29 @@ class TopicManager:
         held = self.unsaved.get(topic)
         if held is None or held.__class__ is not int:
             return held
-        if held <= self._saved_changes or self._pool is None:      # written meanwhile, no send waiting for it
-            del self.unsaved[topic]
+        if held <= self._saved_changes or self._pool is None or self.write_hung:
+            del self.unsaved[topic]     # written meanwhile, or a write hangs (``_saved_within``): nothing to wait for
             return None
         gate = self._loop.create_future()
         self.unsaved[topic] = gate
-        asyncio.ensure_future(self.saved()).add_done_callback(partial(self._topic_saved, topic, gate))
+        asyncio.ensure_future(self._saved_within()).add_done_callback(partial(self._topic_saved, topic, gate))
         return gate
+
+    async def _saved_within(self) -> None:
+        """``saved``, given up (TimeoutError) after ``write_wait_s``: the write goes on, the sends waiting for it
+        do not (``_topic_saved``), nor do those to topics made while it hangs (``made_durable``)."""
+        saving = asyncio.ensure_future(self.saved())
+        saving.add_done_callback(retrieved)
+        try:
+            await asyncio.wait_for(asyncio.shield(saving), self.write_wait_s)
+        except TimeoutError:
+            if not self.write_hung and not saving.done():
+                self.write_hung = True      # until the write ends (``_written``)
+                log.error("topics catalogue %s: a write has not ended in %g s (a hung disk or a stopped network "
+                          "file system?): sends to new topics go on without waiting for it (a topic without "
+                          "messages and a topic's settings are lost if the broker stops before it is written)",
+                          self.path, self.write_wait_s)
+            raise
 
     def when_durable(self, topic: str, run) -> bool:
         """False when ``topic`` has nothing to wait for (``made_durable``); else ``run()`` is called once it is
@@ -318,7 +339,7 @@ class TopicManager:
         if (self._regrown.get(topic, 0) > self._saved_changes and self._pool is not None
                 and not saving.cancelled() and saving.exception() is None):
             # grown after the snapshot this write took: the gate (its sends in order) waits for the next write
-            asyncio.ensure_future(self.saved()).add_done_callback(partial(self._topic_saved, topic, gate))
+            asyncio.ensure_future(self._saved_within()).add_done_callback(partial(self._topic_saved, topic, gate))
             return
         self._regrown.pop(topic, None)
         if self.unsaved.get(topic) is gate:
@@ -345,6 +366,9 @@ class TopicManager:
         fut.add_done_callback(self._written)
 
     def _written(self, fut) -> None:
+        if self.write_hung:
+            self.write_hung = False
+            log.warning("topics catalogue %s: the write that hung has ended", self.path)
         exc = None if fut.cancelled() else fut.exception()
         if exc is None:
             if self.unsaved:
