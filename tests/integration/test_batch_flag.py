@@ -149,6 +149,32 @@ async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, pro
     assert all(not m.body.startswith((b"cut", b"x", b"d-")) for m in messages)
 
 
+_GONE_BY = str(int(time.time() * 1000) - 600_000)     # a time a delivered message's __STARTDELIVERTIME holds
+
+
+@pytest.mark.parametrize("what, body, props", [
+    # A message the timer delivered keeps __STARTDELIVERTIME (ali-ons' getStartDeliverTime()); a consumer that
+    # forwards what it got in a batch was refused MESSAGE_ILLEGAL "cannot be delayed", where the same message sent
+    # alone is stored at once (levels.divert: a time gone by asks nothing).
+    ("forwarded delivered entries", encode_batch(
+        [(0, b"f-%d" % i, _props(UNIQ_KEY=f"F{i}", __STARTDELIVERTIME=_GONE_BY)) for i in range(2)]), ""),
+    ("forwarded delivered entry, slow path", encode_batch(
+        [(0, b"f-0", _props(WAIT="true", __STARTDELIVERTIME=_GONE_BY)), (0, b"f-1", _props(UNIQ_KEY="F1"))]), ""),
+    ("a batch with a time gone by", encode_batch([(0, b"f-0", ""), (0, b"f-1", "")]),
+     _props(TIMER_DELIVER_MS=_GONE_BY)),
+    # DELAY 0 or below is no delay for a single send and for RocketMQ's batch check (getDelayTimeLevel() > 0).
+    ("a batch with DELAY -1", encode_batch([(0, b"f-0", ""), (0, b"f-1", "")]), _props(DELAY="-1")),
+    ("an entry with DELAY -1", encode_batch([(0, b"f-0", _props(DELAY="-1")), (0, b"f-1", "")]), ""),
+])
+async def test_batches_a_single_send_stores_at_once_are_stored(broker, what, body, props):
+    topic = "BatchNoWait"
+    async with asyncio.timeout(30):
+        reply = await _send(broker, RequestCode.SEND_MESSAGE, _v1_fields(topic, 0, props, batch="true"), body)
+        assert reply.code == ResponseCode.SUCCESS, (what, reply.code, reply.remark)
+        messages = await _pull_all(broker, topic, 0, "CG_no_wait")
+    assert [m.body for m in messages][-2:] == [b"f-0", b"f-1"], what
+
+
 async def test_a_oneway_send_is_stored_and_answers_nothing(broker):
     """sendOneway: the store's completion answers no one, and the connection goes on."""
     topic = "OnewaySend"
