@@ -139,8 +139,7 @@ class DelayLevels:
     def timer_deliver_ms(self, props: dict, now: int) -> int | str:
         """The absolute delivery time a timer message asks for, or why it is refused."""
         deliver_ms = now
-        for key, scale, relative in ((TIMER_DELAY_SEC, 1000, True), (TIMER_DELAY_MS, 1, True),
-                                     (TIMER_DELIVER_MS, 1, False), (Prop.START_DELIVER_TIME, 1, False)):
+        for key, scale, relative in TIMER_ASKS:
             if key in props:
                 value = java_int(props[key], 64)       # RocketMQ 5's Long.parseLong
                 if isinstance(value, str):
@@ -161,6 +160,24 @@ class DelayLevels:
         if topic == TIMER_TOPIC:
             return _int(props.get(TIMER_OUT_MS))
         return None
+
+
+# The timer properties in the order a single send reads them (the first there wins): key, ms per unit, from now.
+TIMER_ASKS = ((TIMER_DELAY_SEC, 1000, True), (TIMER_DELAY_MS, 1, True), (TIMER_DELIVER_MS, 1, False),
+              (Prop.START_DELIVER_TIME, 1, False))
+
+
+def timer_waits(value_of, now: int) -> str | None:
+    """The timer value (``value_of(key)``; empty or None: not there) that makes a message wait, or one Long.parseLong
+    refuses, judged as ``timer_deliver_ms`` does (the first there, in TIMER_ASKS order), else None. For the batch
+    checks: a time gone by asks nothing -- a delivered message keeps its __STARTDELIVERTIME, and forwarded in a
+    batch it was refused where alone it is stored at once."""
+    for key, scale, relative in TIMER_ASKS:
+        value = value_of(key)
+        if value:
+            at = java_int(value, 64)
+            return value if isinstance(at, str) or (at * scale if relative else at - now) > 0 else None
+    return None
 
 
 _JAVA_INT = re.compile(r"[+-]?\d+")      # Integer.parseInt / Long.parseLong: a sign, digits; no spaces, no "_"

@@ -120,8 +120,8 @@ async def test_batch_flag_false_stays_a_single_message(broker):
     ("aliyun timer entry, not first", encode_batch(
         [(0, b"x", _props(UNIQ_KEY="A1")), (0, b"x", _props(__STARTDELIVERTIME="9999999999999"))]), "",
      "cannot be delayed"),
-    ("aliyun timer entry, slow path", encode_batch([(0, b"x", _props(WAIT="true", __STARTDELIVERTIME="1"))]), "",
-     "cannot be delayed"),
+    ("aliyun timer entry, slow path", encode_batch(
+        [(0, b"x", _props(WAIT="true", __STARTDELIVERTIME="9999999999999"))]), "", "cannot be delayed"),
     # A single send waits for TIMER_DELAY_SEC (it comes before TIMER_DELIVER_MS); the batch paths judged the first
     # key of TIMER_PROPS alone, TIMER_DELIVER_MS=0 (a time gone by), and stored it at once.
     ("timer entry behind a zero", encode_batch([(0, b"x", _props(TIMER_DELIVER_MS="0", TIMER_DELAY_SEC="60"))]),
