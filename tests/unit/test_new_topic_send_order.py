@@ -298,3 +298,38 @@ async def test_sends_and_send_backs_to_new_topics_go_ahead_while_the_catalogue_w
         if client is not None:
             client.close()
         await server.stop()
+
+
+@bounded(30)
+async def test_a_hung_catalogue_write_is_seen_without_a_send_and_piles_up_no_writes(tmp_path, monkeypatch):
+    """The gauge (``write_hung``) was set only by a send that waited for the hung write: topics made by heartbeats
+    or retry topics (``ensure``) left it 0 however long the write hung, the alert silent. And each 100 ms batch of
+    changes meanwhile queued another write on the config thread, each with its copy of the topic list: unbounded
+    for as long as the write hangs. One write waits behind the hung one now, holding every change made meanwhile."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    release = threading.Event()
+    try:
+        tm = server.ctx.topics
+        await tm.saved()
+        tm.write_wait_s = 0.3
+        started, release = _held_saves(monkeypatch)
+        tm.ensure("MadeByHeartbeat0")
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, started.wait, 5)
+        async with asyncio.timeout(5):      # (it was never set: this timed out)
+            while not tm.write_hung:
+                await asyncio.sleep(0.05)
+        for i in range(1, 8):     # a change each batch interval (``_write_batch``, as its timer calls it)
+            tm.ensure(f"MadeByHeartbeat{i}")
+            tm._write_batch()
+        assert tm._pool._work_queue.qsize() <= 1, f"{tm._pool._work_queue.qsize()} writes queued behind the hung one"
+        release.set()
+        async with asyncio.timeout(10):
+            await tm.saved()
+        assert not tm.write_hung
+        written = (tmp_path / "config" / "topics.json").read_text()
+        assert all(f'"MadeByHeartbeat{i}"' in written for i in range(8))
+    finally:
+        release.set()
+        await server.stop()
