@@ -220,6 +220,28 @@ async def _count_keys(namesrv, topic) -> Counter:
     return Counter(m.properties["UNIQ_KEY"] for m in await _all_messages(namesrv, topic))
 
 
+async def test_a_retry_of_a_message_that_waited_for_its_start_deliver_time_keeps_it(broker_factory):
+    """The delivered message keeps Aliyun's __STARTDELIVERTIME (ali-ons' getStartDeliverTime()); its retry lost it:
+    the send-back's delay level dropped every timer property, as a send's asks, and the retry read 0. RocketMQ's
+    send-back copies every property and its schedule drops DELAY alone."""
+    broker = broker_factory(*FAST)
+    at = str(int(time.time() * 1000) + 300)
+    async with asyncio.timeout(30):
+        async with Producer(broker.namesrv, "PG_ali_retry") as producer:
+            sent = await producer.send("AliRetry", b"retry me", properties={"__STARTDELIVERTIME": at})
+        msg = await _delivered(broker.namesrv, "CG_ali_retry", "AliRetry", sent.queue.queue_id)
+        assert msg.properties["__STARTDELIVERTIME"] == at
+        consumer = PullConsumer(broker.namesrv, "CG_ali_retry")
+        try:
+            mq = next(q for q in await consumer.fetch_queues("AliRetry") if q.queue_id == sent.queue.queue_id)
+            await consumer.send_back(mq, msg, delay_level=1)
+        finally:
+            await consumer.shutdown()
+        retry = await _delivered(broker.namesrv, "CG_ali_retry_audit", "%RETRY%CG_ali_retry", 0)
+    assert retry.body == b"retry me" and retry.reconsume_times == 1
+    assert retry.properties.get("__STARTDELIVERTIME") == at, retry.properties
+
+
 async def test_a_delay_or_timer_javas_parse_refuses_is_refused_not_taken(broker_factory):
     """RocketMQ reads DELAY with Integer.parseInt (and RocketMQ 5 its timers with Long.parseLong), which throw on
     spaces, "_" and a number past Java's range: the send fails. txmq's int() took them: " 3" and "1_000" were
