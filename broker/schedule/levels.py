@@ -114,8 +114,13 @@ class DelayLevels:
             if isinstance(level, str):
                 return f"delay level illegal: DELAY={props[Prop.DELAY]!r} {level}"
         if level > 0:
+            mark = props.get(Prop.START_DELIVER_TIME)
             for key in TIMER_PROPS:
                 props.pop(key, None)
+            if mark is not None and java_int(mark, 64).__class__ is int and int(mark) <= now:
+                # A time gone by asks nothing: a delivered message's (ali-ons' getStartDeliverTime()), kept on
+                # its retry (send-back, or a stock consumer's resend with DELAY), as RocketMQ copies it.
+                props[Prop.START_DELIVER_TIME] = mark
             level = self.clamp(level)
             props[Prop.DELAY] = str(level)
             props[Prop.REAL_TOPIC] = topic

@@ -113,6 +113,10 @@ def test_aliyuns_start_deliver_time_is_a_timer_after_rocketmq_5s():
     assert "beyond the 3600 s maximum" in lv.divert("T", 0, {"__STARTDELIVERTIME": str(now + 3_601_000)}, 0, now)
     props = {"DELAY": "1", "__STARTDELIVERTIME": str(now + 60_000)}
     assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC and "__STARTDELIVERTIME" not in props
+    # gone by: a delivered message's mark, kept on its retry (a send-back's or a resend's DELAY), as RocketMQ's
+    props = {"DELAY": "3", "__STARTDELIVERTIME": str(now), "TIMER_DELAY_SEC": "5"}
+    assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC
+    assert props["__STARTDELIVERTIME"] == str(now) and "TIMER_DELAY_SEC" not in props
 
 
 def test_a_delay_that_integer_parseint_refuses_is_refused():
