@@ -133,6 +133,9 @@ async def test_batch_flag_false_stays_a_single_message(broker):
     ("transactional entry", encode_batch([(0, b"x", _props(TRAN_MSG="true"))]), "", "cannot be transactional"),
     ("spaced delay batch", encode_batch(_entries(2, "d")), _props(DELAY=" 3"), "DELAY=' 3', which is not a whole"),
     ("spaced timer entry", encode_batch([(0, b"x", _props(TIMER_DELAY_SEC=" 5"))]), "", "' 5', which is not a whole"),
+    # past int()'s 4,300 digits: its ValueError escaped the batch check, answered SYSTEM_ERROR "ValueError"
+    ("huge delay entry", encode_batch([(0, b"x", _props(DELAY="9" * 5000))]), "", "which is past Java's int range"),
+    ("huge timer batch", encode_batch(_entries(2, "h")), _props(TIMER_DELAY_MS="9" * 5000), "past Java's long range"),
 ])
 async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, props, remark):
     topic = "CppRefused"

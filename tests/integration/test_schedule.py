@@ -252,7 +252,8 @@ async def test_a_delay_or_timer_javas_parse_refuses_is_refused_not_taken(broker_
     asks = [("DELAY", " 3", "is not a whole number"),
             ("DELAY", "1_000", "is not a whole number"), ("DELAY", "3000000000", "is past Java's int range"),
             ("TIMER_DELAY_SEC", " 60", "is not a whole number"),
-            ("__STARTDELIVERTIME", "99999999999999999999", "is past Java's long range")]
+            ("__STARTDELIVERTIME", "99999999999999999999", "is past Java's long range"),
+            ("DELAY", "9" * 5000, "is past Java's int range")]     # past int()'s 4,300 digits: SYSTEM_ERROR
     async with asyncio.timeout(20):
         async with Producer(broker.namesrv, "PG_parse_delay") as producer:
             for key, value, why in asks:

@@ -127,6 +127,12 @@ def test_a_delay_that_integer_parseint_refuses_is_refused():
     for delay in ("2147483648", "-2147483649"):
         assert lv.divert("T", 0, {"DELAY": delay}, 0, 1000) == \
             f"delay level illegal: DELAY={delay!r} is past Java's int range"
+    # past int()'s 4,300 digits: its ValueError escaped divert (the send answered SYSTEM_ERROR "ValueError"), not
+    # refused as Java's range; leading zeros are no size to parseInt
+    for delay in ("9" * 5000, "-" + "9" * 5000):
+        assert lv.divert("T", 0, {"DELAY": delay}, 0, 1000) == \
+            f"delay level illegal: DELAY={delay!r} is past Java's int range"
+    assert lv.divert("T", 0, {"DELAY": "+" + "0" * 5000 + "3"}, 0, 1000).queue_id == 2
     assert lv.divert("T", 0, {"DELAY": "-1"}, 0, 1000) is None       # RocketMQ: level <= 0 is no delay
     assert lv.divert("T", 0, {"DELAY": "-2147483648"}, 0, 1000) is None
     assert lv.divert("T", 0, {"DELAY": "2147483647"}, 0, 1000).queue_id == 17     # the last level
@@ -142,6 +148,8 @@ def test_a_timer_that_long_parselong_refuses_is_refused():
                 f"timer message illegal: {key}={value!r} is not a whole number"
         assert lv.divert("T", 0, {key: str(1 << 63)}, 0, 1000) == \
             f"timer message illegal: {key}={str(1 << 63)!r} is past Java's long range"
+        assert lv.divert("T", 0, {key: "7" * 5000}, 0, 1000) == \
+            f"timer message illegal: {key}={'7' * 5000!r} is past Java's long range"
 
 
 def test_a_half_stored_before_the_delay_checks_is_committed_at_once_not_lost():
