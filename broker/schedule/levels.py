@@ -18,6 +18,7 @@ TIMER_OUT_MS = its delivery time, which is also its tagsCode.
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import NamedTuple
 
 from protocol.codes import SysFlag
@@ -193,6 +194,13 @@ def java_int(text: str, bits: int) -> int | str:
     Python's int() also takes " 3", "1_000" and any size: a value RocketMQ refuses was taken."""
     if not _JAVA_INT.fullmatch(text):
         return "is not a whole number"
+    if len(text) > 20:
+        # int() refuses past 4,300 digits (a ValueError out of the send: SYSTEM_ERROR); no long has over 19 but
+        # leading zeros, which parseInt skips (any Unicode zero: \d)
+        sign = text[0] if text[0] in "+-" else ""
+        text = sign + ("".join(str(unicodedata.decimal(c)) for c in text[len(sign):]).lstrip("0") or "0")
+        if len(text) > 20:
+            return f"is past Java's {'int' if bits == 32 else 'long'} range"
     value = int(text)
     if -(1 << bits - 1) <= value < 1 << bits - 1:
         return value
