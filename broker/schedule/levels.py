@@ -118,7 +118,8 @@ class DelayLevels:
             mark = props.get(Prop.START_DELIVER_TIME)
             for key in TIMER_PROPS:
                 props.pop(key, None)
-            if mark is not None and java_int(mark, 64).__class__ is int and int(mark) <= now:
+            at = None if mark is None else java_int(mark, 64)
+            if at.__class__ is int and at <= now:
                 # A time gone by asks nothing: a delivered message's (ali-ons' getStartDeliverTime()), kept on
                 # its retry (send-back, or a stock consumer's resend with DELAY), as RocketMQ copies it.
                 props[Prop.START_DELIVER_TIME] = mark

@@ -117,6 +117,8 @@ def test_aliyuns_start_deliver_time_is_a_timer_after_rocketmq_5s():
     props = {"DELAY": "3", "__STARTDELIVERTIME": str(now), "TIMER_DELAY_SEC": "5"}
     assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC
     assert props["__STARTDELIVERTIME"] == str(now) and "TIMER_DELAY_SEC" not in props
+    props = {"DELAY": "3", "__STARTDELIVERTIME": "0" * 5000 + "1"}
+    assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC and props["__STARTDELIVERTIME"] == "0" * 5000 + "1"
 
 
 def test_a_delay_that_integer_parseint_refuses_is_refused():
