@@ -392,6 +392,11 @@ class BrokerServer:
                               "until a restart rebuilds them.", [], snap("damaged"))
         m.add_gauge_collector("txmq_schedule_messages_waiting", "Delayed messages not yet delivered, by level "
                               "(\"timer\" for timer messages).", ["level"], snap("schedule"))
+        m.add_gauge_collector("txmq_topics_catalogue_write_hung", "1 while a topics.json write has run past "
+                              "2 s without ending (a hung disk or a stopped network file system): sends to new "
+                              "topics go on without waiting for it: if the broker stops before it ends, such a topic "
+                              "without messages is lost, one with messages restored from the store with the queues "
+                              "that hold them.", [], lambda: [((), 1 if ctx.topics.write_hung else 0)])
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
                               "log (by itself once a full disk has room; after another error, at the next "

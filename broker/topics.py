@@ -120,6 +120,13 @@ class TopicManager:
         self._saving: asyncio.Future | None = None     # the write ``saved`` callers wait for
         self._write_failing = False         # the last write failed: it is retried every retry_write_s
         self.retry_write_s = 5.0
+        # How long a send to a new topic waits for the catalogue write that holds it: one that HANGS (a stopped NFS,
+        # a stuck FUSE) held every new topic's sends and send-backs with no answer for as long, each one's frame
+        # kept. Under a stock producer's 3 s send timeout; past it they go on unsaved, as when a write fails.
+        self.write_wait_s = 2.0
+        self.write_hung = False             # a write has run past write_wait_s and not ended yet
+        self._writes = 0                    # writes handed to the config thread and not ended (_start_write)
+        self._batch_deferred = False        # _write_batch came while one was under way: it runs once they end
         self._last_write = None
         # Topics made since the catalogue was last written, each with the change count that made it, or, once a
         # send to it waits (``made_durable``), the future it waits on. Empty nearly always: a send looks at it.
@@ -269,9 +276,7 @@ class TopicManager:
 
     async def _save_now(self) -> None:
         try:
-            fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
-            fut.add_done_callback(self._written)    # failed: logged once and retried, as a batch's
-            await fut
+            await self._start_write()     # failed: logged once and retried, as a batch's (_written)
         finally:
             self._saving = None
 
@@ -290,13 +295,43 @@ class TopicManager:
         held = self.unsaved.get(topic)
         if held is None or held.__class__ is not int:
             return held
-        if held <= self._saved_changes or self._pool is None:      # written meanwhile, no send waiting for it
-            del self.unsaved[topic]
+        if held <= self._saved_changes or self._pool is None or self.write_hung:
+            del self.unsaved[topic]     # written meanwhile, or a write hangs (``_saved_within``): nothing to wait for
             return None
         gate = self._loop.create_future()
         self.unsaved[topic] = gate
-        asyncio.ensure_future(self.saved()).add_done_callback(partial(self._topic_saved, topic, gate))
+        asyncio.ensure_future(self._saved_within()).add_done_callback(partial(self._topic_saved, topic, gate))
         return gate
+
+    async def _saved_within(self) -> None:
+        """``saved``, given up (TimeoutError) after ``write_wait_s``: the write goes on, the sends waiting for it
+        do not (``_topic_saved``), nor do those to topics made while it hangs (``made_durable``)."""
+        saving = asyncio.ensure_future(self.saved())
+        saving.add_done_callback(retrieved)
+        try:
+            await asyncio.wait_for(asyncio.shield(saving), self.write_wait_s)
+        except TimeoutError:
+            if not saving.done():
+                self._hung()
+            raise
+
+    def _start_write(self) -> asyncio.Future:
+        """A catalogue write of the topics as they are now, on the config thread. One that has not ended in
+        ``write_wait_s`` sets ``write_hung`` whoever waits for it: set only by a send that waited, the gauge read 0
+        under a write hung by a heartbeat's or an operator's change."""
+        fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
+        self._writes += 1
+        timer = self._loop.call_later(self.write_wait_s, lambda: fut.done() or self._hung())
+        fut.add_done_callback(lambda f: (timer.cancel(), self._written(f)))
+        return fut
+
+    def _hung(self) -> None:
+        if not self.write_hung:
+            self.write_hung = True      # until no write is under way (``_written``)
+            log.error("topics catalogue %s: a write has not ended in %g s (a hung disk or a stopped network "
+                      "file system?): sends to new topics go on without waiting for it (a topic without "
+                      "messages and a topic's settings are lost if the broker stops before it is written)",
+                      self.path, self.write_wait_s)
 
     def when_durable(self, topic: str, run) -> bool:
         """False when ``topic`` has nothing to wait for (``made_durable``); else ``run()`` is called once it is
@@ -318,7 +353,7 @@ class TopicManager:
         if (self._regrown.get(topic, 0) > self._saved_changes and self._pool is not None
                 and not saving.cancelled() and saving.exception() is None):
             # grown after the snapshot this write took: the gate (its sends in order) waits for the next write
-            asyncio.ensure_future(self.saved()).add_done_callback(partial(self._topic_saved, topic, gate))
+            asyncio.ensure_future(self._saved_within()).add_done_callback(partial(self._topic_saved, topic, gate))
             return
         self._regrown.pop(topic, None)
         if self.unsaved.get(topic) is gate:
@@ -341,18 +376,32 @@ class TopicManager:
         self._write_scheduled = False
         if self._pool is None or self._saved_changes >= self._changes:     # (``saved`` wrote them already)
             return
-        fut = self._loop.run_in_executor(self._pool, self._write, self._snapshot())
-        fut.add_done_callback(self._written)
+        if self._writes:
+            # After the write under way, with every change made meanwhile: queued behind a write that hangs, one
+            # every 100 ms of changes piled up on the config thread, each with its copy of the topic list.
+            self._batch_deferred = True
+            return
+        self._start_write()
 
     def _written(self, fut) -> None:
+        self._writes -= 1
+        if self.write_hung and not self._writes:
+            self.write_hung = False
+            log.warning("topics catalogue %s: the write that hung has ended", self.path)
         exc = None if fut.cancelled() else fut.exception()
         if exc is None:
             if self.unsaved:
                 self._forget_saved()
+            if self._batch_deferred and not self._writes:
+                self._batch_deferred = False
+                if self._loop is not None and not self._write_scheduled:
+                    self._write_scheduled = True
+                    self._loop.call_soon(self._write_batch)
             if self._write_failing:
                 self._write_failing = False
                 log.warning("topics catalogue %s written again", self.path)
             return
+        self._batch_deferred = False    # the retry below writes them
         if not self._write_failing:     # once per failure run: each retry would say the same
             self._write_failing = True
             log.error("topics catalogue %s not written, retrying every %g s (a topic without messages and a "

@@ -46,6 +46,7 @@ from protocol.message import (
 from ..answer import Answer
 from ..limits import EveryKey, peer_host
 from ..results import put_failure_response, send_ok
+from ..schedule.levels import java_int, timer_waits
 from ..store import PutRequest
 from ..subscriptions import retry_queues
 from ..topics import (DLQ_PREFIX, NO_SEND_TOPICS, RETRY_PREFIX, SCHEDULE_PROGRESS_TOPIC, SCHEDULE_TOPIC,
@@ -469,7 +470,7 @@ def _put_batch(ctx, conn, cmd, h, qid):
     """A batch's records to the store, answered when they are stored (or the refusal of an entry)."""
     batch_props = string_to_properties(h.properties)
     refused = _held_back(batch_props.get(Prop.DELAY), batch_props.get(Prop.TRAN_MSG), "the batch",
-                         _timer_asked(batch_props.get(k) for k in TIMER_PROPS))
+                         timer_waits(batch_props.get, ctx.clock()))
     for name in _NOT_INHERITED:
         batch_props.pop(name, None)
     batch_props[Prop.CLUSTER] = ctx.config.cluster_name
@@ -515,6 +516,7 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
     if refused is not None:
         return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
     append_batch_props = properties_appender(batch_props)
+    now = ctx.clock()
     reqs = []
     body_bytes = 0
     for i, (flag, body, text) in enumerate(entries):
@@ -523,7 +525,7 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
                                 f"{nul_in_properties(text)}")
         if "DELAY\x01" in text or "TRAN_MSG\x01" in text or "TIMER_" in text or _START_DELIVER_MARK in text:
             refused = _held_back(property_value(text, Prop.DELAY), property_value(text, Prop.TRAN_MSG),
-                                 f"message {i} of the batch", _timer_of(text))
+                                 f"message {i} of the batch", timer_waits(partial(property_value, text), now))
             if refused is not None:
                 return cmd.response(ResponseCode.MESSAGE_ILLEGAL, refused)
         if "WAIT\x01" in text:
@@ -542,24 +544,22 @@ def _batch_requests_slow(ctx, cmd, h, qid, refused, batch_props, born, topic_b, 
 _START_DELIVER_MARK = Prop.START_DELIVER_TIME + "\x01"     # a timer of TIMER_PROPS that names no TIMER_
 
 
-def _timer_of(text: str) -> str | None:
-    return _timer_asked(property_value(text, k) for k in TIMER_PROPS)
-
-
-def _timer_asked(values) -> str | None:
-    """The first of a batch (entry)'s TIMER_PROPS ``values`` that asks for a time (_held_back), else None. Any of
-    them, not the first there: a single send takes TIMER_DELAY_SEC before TIMER_DELIVER_MS (levels.timer_deliver_ms),
-    and judged by TIMER_DELIVER_MS=0 alone a batch entry a single send holds 60 s was stored at once."""
-    return next((v for v in values if v is not None and v.strip() not in ("", "0")), None)
-
-
 def _held_back(delay: str | None, tran: str | None, what: str, timer: str | None = None) -> str | None:
     """Why a batch (entry) may not be stored as it is, or None."""
     if tran is not None and tran.lower() == "true":
         return f"{what} is transactional: batch messages cannot be transactional"
-    if delay is not None and delay.strip() not in ("", "0"):
-        return f"{what} has delay level {delay}: batch messages cannot be delayed"
-    if timer is not None and timer.strip() not in ("", "0"):
+    if delay:       # an empty value is no property (string_to_properties, as Java's string2messageProperties)
+        # As a single send's DELAY (levels.divert): one Integer.parseInt refuses is refused, a level of 0 or below
+        # stored (RocketMQ's batch takes it; a batch with DELAY=-1 was refused).
+        level = java_int(delay, 32)
+        if isinstance(level, str):
+            return f"{what} has DELAY={delay!r}, which {level}"
+        if level > 0:
+            return f"{what} has delay level {delay}: batch messages cannot be delayed"
+    if timer is not None:
+        why = java_int(timer, 64)
+        if isinstance(why, str):
+            return f"{what} has a delivery time {timer!r}, which {why}"
         return f"{what} asks for a delivery time ({timer}): batch messages cannot be delayed"
     return None
 

@@ -17,6 +17,8 @@ TIMER_OUT_MS = its delivery time, which is also its tagsCode.
 """
 from __future__ import annotations
 
+import re
+import unicodedata
 from typing import NamedTuple
 
 from protocol.codes import SysFlag
@@ -99,20 +101,28 @@ class DelayLevels:
         """Rewrite ``props`` (in place) for a message that must wait, and say where it goes; None: it
         goes to ``topic`` now; a string: why it is refused (MESSAGE_ILLEGAL).
 
-        Only NOT and COMMIT transaction types wait (a half waits only once committed). A DELAY that is no whole
-        number is refused (an empty one asks for nothing)."""
+        Only NOT and COMMIT transaction types wait (a half waits only once committed). A DELAY that
+        Integer.parseInt does not take (empty, spaces, past Java's int range) is refused."""
         if Prop.DELAY not in props and props.keys().isdisjoint(TIMER_PROPS):
             return None         # the common case, first: nothing asks to wait
         if SysFlag.transaction_type(sys_flag) not in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT):
             return None
-        level = _int(props.get(Prop.DELAY))
-        if level is None and props.get(Prop.DELAY, "").strip():
-            # RocketMQ's Integer.parseInt throws on it and the send fails; taken as no delay, the message was
-            # SEND_OK and delivered at once.
-            return f"delay level illegal: DELAY={props[Prop.DELAY]!r} is not a whole number"
-        if level is not None and level > 0:
+        level = 0
+        if Prop.DELAY in props:
+            # RocketMQ's getDelayTimeLevel (Integer.parseInt) throws on it and the send fails; taken as no delay
+            # (or " 3" as 3, "9999999999" as the last level), the message was SEND_OK.
+            level = java_int(props[Prop.DELAY], 32)
+            if isinstance(level, str):
+                return f"delay level illegal: DELAY={props[Prop.DELAY]!r} {level}"
+        if level > 0:
+            mark = props.get(Prop.START_DELIVER_TIME)
             for key in TIMER_PROPS:
                 props.pop(key, None)
+            at = None if mark is None else java_int(mark, 64)
+            if at.__class__ is int and at <= now:
+                # A time gone by asks nothing: a delivered message's (ali-ons' getStartDeliverTime()), kept on
+                # its retry (send-back, or a stock consumer's resend with DELAY), as RocketMQ copies it.
+                props[Prop.START_DELIVER_TIME] = mark
             level = self.clamp(level)
             props[Prop.DELAY] = str(level)
             props[Prop.REAL_TOPIC] = topic
@@ -136,12 +146,11 @@ class DelayLevels:
     def timer_deliver_ms(self, props: dict, now: int) -> int | str:
         """The absolute delivery time a timer message asks for, or why it is refused."""
         deliver_ms = now
-        for key, scale, relative in ((TIMER_DELAY_SEC, 1000, True), (TIMER_DELAY_MS, 1, True),
-                                     (TIMER_DELIVER_MS, 1, False), (Prop.START_DELIVER_TIME, 1, False)):
+        for key, scale, relative in TIMER_ASKS:
             if key in props:
-                value = _int(props[key])
-                if value is None:
-                    return f"timer message illegal: {key}={props[key]!r} is not a whole number"
+                value = java_int(props[key], 64)       # RocketMQ 5's Long.parseLong
+                if isinstance(value, str):
+                    return f"timer message illegal: {key}={props[key]!r} {value}"
                 deliver_ms = now + value * scale if relative else value
                 break
         if deliver_ms - now > self.timer_max_delay_ms:
@@ -160,10 +169,45 @@ class DelayLevels:
         return None
 
 
+# The timer properties in the order a single send reads them (the first there wins): key, ms per unit, from now.
+TIMER_ASKS = ((TIMER_DELAY_SEC, 1000, True), (TIMER_DELAY_MS, 1, True), (TIMER_DELIVER_MS, 1, False),
+              (Prop.START_DELIVER_TIME, 1, False))
+
+
+def timer_waits(value_of, now: int) -> str | None:
+    """The timer value (``value_of(key)``; empty or None: not there) that makes a message wait, or one Long.parseLong
+    refuses, judged as ``timer_deliver_ms`` does (the first there, in TIMER_ASKS order), else None. For the batch
+    checks: a time gone by asks nothing -- a delivered message keeps its __STARTDELIVERTIME, and forwarded in a
+    batch it was refused where alone it is stored at once."""
+    for key, scale, relative in TIMER_ASKS:
+        value = value_of(key)
+        if value:
+            at = java_int(value, 64)
+            return value if isinstance(at, str) or (at * scale if relative else at - now) > 0 else None
+    return None
+
+
+_JAVA_INT = re.compile(r"[+-]?\d+")      # Integer.parseInt / Long.parseLong: a sign, digits; no spaces, no "_"
+
+
+def java_int(text: str, bits: int) -> int | str:
+    """``text`` read as Java's Integer.parseInt (``bits`` 32) or Long.parseLong (64) reads it, or why it throws.
+    Python's int() also takes " 3", "1_000" and any size: a value RocketMQ refuses was taken."""
+    if not _JAVA_INT.fullmatch(text):
+        return "is not a whole number"
+    if len(text) > 20:
+        # int() refuses past 4,300 digits (a ValueError out of the send: SYSTEM_ERROR); no long has over 19 but
+        # leading zeros, which parseInt skips (any Unicode zero: \d)
+        sign = text[0] if text[0] in "+-" else ""
+        text = sign + ("".join(str(unicodedata.decimal(c)) for c in text[len(sign):]).lstrip("0") or "0")
+        if len(text) > 20:
+            return f"is past Java's {'int' if bits == 32 else 'long'} range"
+    value = int(text)
+    if -(1 << bits - 1) <= value < 1 << bits - 1:
+        return value
+    return f"is past Java's {'int' if bits == 32 else 'long'} range"
+
+
 def _int(text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return int(text.strip())
-    except ValueError:
-        return None
+    value = None if text is None else java_int(text, 64)
+    return None if isinstance(value, str) else value

@@ -33,6 +33,11 @@ from .levels import SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels
 from .progress import (PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress, load_snapshot,
                        write_snapshot)
 
+# Dropped from a delivered copy: forwarded with its properties, a relative ask (DELAY, TIMER_DELAY_*) would wait
+# again. Aliyun's __STARTDELIVERTIME stays, as RocketMQ 4.9.8 and Aliyun keep it: ali-ons' getStartDeliverTime()
+# read 0 on a message that waited for it, and an absolute time gone by asks nothing of a forward.
+_ASKS_DROPPED = tuple(key for key in TIMER_PROPS if key != Prop.START_DELIVER_TIME)
+
 log = logging.getLogger("txmq.schedule")
 
 BATCH_MESSAGES = 256
@@ -440,7 +445,7 @@ class ScheduleService:
             return None
         props = dict(msg.properties)
         props.pop(Prop.DELAY, None)
-        for key in TIMER_PROPS:
+        for key in _ASKS_DROPPED:
             props.pop(key, None)
         topic = props.get(Prop.REAL_TOPIC, "")
         try:

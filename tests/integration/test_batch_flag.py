@@ -120,8 +120,8 @@ async def test_batch_flag_false_stays_a_single_message(broker):
     ("aliyun timer entry, not first", encode_batch(
         [(0, b"x", _props(UNIQ_KEY="A1")), (0, b"x", _props(__STARTDELIVERTIME="9999999999999"))]), "",
      "cannot be delayed"),
-    ("aliyun timer entry, slow path", encode_batch([(0, b"x", _props(WAIT="true", __STARTDELIVERTIME="1"))]), "",
-     "cannot be delayed"),
+    ("aliyun timer entry, slow path", encode_batch(
+        [(0, b"x", _props(WAIT="true", __STARTDELIVERTIME="9999999999999"))]), "", "cannot be delayed"),
     # A single send waits for TIMER_DELAY_SEC (it comes before TIMER_DELIVER_MS); the batch paths judged the first
     # key of TIMER_PROPS alone, TIMER_DELIVER_MS=0 (a time gone by), and stored it at once.
     ("timer entry behind a zero", encode_batch([(0, b"x", _props(TIMER_DELIVER_MS="0", TIMER_DELAY_SEC="60"))]),
@@ -131,6 +131,11 @@ async def test_batch_flag_false_stays_a_single_message(broker):
     ("timer batch behind a zero", encode_batch(_entries(2, "z")), _props(TIMER_DELIVER_MS="0", TIMER_DELAY_MS="60000"),
      "cannot be delayed"),
     ("transactional entry", encode_batch([(0, b"x", _props(TRAN_MSG="true"))]), "", "cannot be transactional"),
+    ("spaced delay batch", encode_batch(_entries(2, "d")), _props(DELAY=" 3"), "DELAY=' 3', which is not a whole"),
+    ("spaced timer entry", encode_batch([(0, b"x", _props(TIMER_DELAY_SEC=" 5"))]), "", "' 5', which is not a whole"),
+    # past int()'s 4,300 digits: its ValueError escaped the batch check, answered SYSTEM_ERROR "ValueError"
+    ("huge delay entry", encode_batch([(0, b"x", _props(DELAY="9" * 5000))]), "", "which is past Java's int range"),
+    ("huge timer batch", encode_batch(_entries(2, "h")), _props(TIMER_DELAY_MS="9" * 5000), "past Java's long range"),
 ])
 async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, props, remark):
     topic = "CppRefused"
@@ -145,6 +150,32 @@ async def test_bad_batches_are_refused_and_store_nothing(broker, what, body, pro
     # Only the good batch was stored: the refused one left no partial entries before it.
     assert [m.body for m in messages][-2:] == [b"ok-0", b"ok-1"]
     assert all(not m.body.startswith((b"cut", b"x", b"d-")) for m in messages)
+
+
+_GONE_BY = str(int(time.time() * 1000) - 600_000)     # a time a delivered message's __STARTDELIVERTIME holds
+
+
+@pytest.mark.parametrize("what, body, props", [
+    # A message the timer delivered keeps __STARTDELIVERTIME (ali-ons' getStartDeliverTime()); a consumer that
+    # forwards what it got in a batch was refused MESSAGE_ILLEGAL "cannot be delayed", where the same message sent
+    # alone is stored at once (levels.divert: a time gone by asks nothing).
+    ("forwarded delivered entries", encode_batch(
+        [(0, b"f-%d" % i, _props(UNIQ_KEY=f"F{i}", __STARTDELIVERTIME=_GONE_BY)) for i in range(2)]), ""),
+    ("forwarded delivered entry, slow path", encode_batch(
+        [(0, b"f-0", _props(WAIT="true", __STARTDELIVERTIME=_GONE_BY)), (0, b"f-1", _props(UNIQ_KEY="F1"))]), ""),
+    ("a batch with a time gone by", encode_batch([(0, b"f-0", ""), (0, b"f-1", "")]),
+     _props(TIMER_DELIVER_MS=_GONE_BY)),
+    # DELAY 0 or below is no delay for a single send and for RocketMQ's batch check (getDelayTimeLevel() > 0).
+    ("a batch with DELAY -1", encode_batch([(0, b"f-0", ""), (0, b"f-1", "")]), _props(DELAY="-1")),
+    ("an entry with DELAY -1", encode_batch([(0, b"f-0", _props(DELAY="-1")), (0, b"f-1", "")]), ""),
+])
+async def test_batches_a_single_send_stores_at_once_are_stored(broker, what, body, props):
+    topic = "BatchNoWait"
+    async with asyncio.timeout(30):
+        reply = await _send(broker, RequestCode.SEND_MESSAGE, _v1_fields(topic, 0, props, batch="true"), body)
+        assert reply.code == ResponseCode.SUCCESS, (what, reply.code, reply.remark)
+        messages = await _pull_all(broker, topic, 0, "CG_no_wait")
+    assert [m.body for m in messages][-2:] == [b"f-0", b"f-1"], what
 
 
 async def test_a_oneway_send_is_stored_and_answers_nothing(broker):

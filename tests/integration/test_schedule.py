@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.request
 from collections import Counter
@@ -158,7 +159,8 @@ async def test_timer_limits_and_a_delayed_commit(broker_factory):
                                                started)
             ali = await _delivered(broker.namesrv, "CG_txd_ali", "TxDelayedAli", ra.send_result.queue.queue_id)
     assert ali_at <= ali.store_timestamp < ali_at + 2000, (ali.store_timestamp - ali_at, ali.properties)
-    assert ali.body == b"paid at" and "__STARTDELIVERTIME" not in ali.properties
+    # Kept, as RocketMQ 4.9.8 and Aliyun keep it: ali-ons' getStartDeliverTime() read 0 when it was dropped.
+    assert ali.body == b"paid at" and ali.properties["__STARTDELIVERTIME"] == str(ali_at)
     assert took >= 0.8
     # Delivered within a second of its due time, by the broker's store time (this process may take that long to
     # start its consumers on a loaded machine); committed_ms is after the commit, by the same wall clock.
@@ -216,6 +218,52 @@ async def test_a_delay_level_that_is_no_number_is_refused_not_delivered_at_once(
 
 async def _count_keys(namesrv, topic) -> Counter:
     return Counter(m.properties["UNIQ_KEY"] for m in await _all_messages(namesrv, topic))
+
+
+async def test_a_retry_of_a_message_that_waited_for_its_start_deliver_time_keeps_it(broker_factory):
+    """The delivered message keeps Aliyun's __STARTDELIVERTIME (ali-ons' getStartDeliverTime()); its retry lost it:
+    the send-back's delay level dropped every timer property, as a send's asks, and the retry read 0. RocketMQ's
+    send-back copies every property and its schedule drops DELAY alone."""
+    broker = broker_factory(*FAST)
+    at = str(int(time.time() * 1000) + 300)
+    async with asyncio.timeout(30):
+        async with Producer(broker.namesrv, "PG_ali_retry") as producer:
+            sent = await producer.send("AliRetry", b"retry me", properties={"__STARTDELIVERTIME": at})
+        msg = await _delivered(broker.namesrv, "CG_ali_retry", "AliRetry", sent.queue.queue_id)
+        assert msg.properties["__STARTDELIVERTIME"] == at
+        consumer = PullConsumer(broker.namesrv, "CG_ali_retry")
+        try:
+            mq = next(q for q in await consumer.fetch_queues("AliRetry") if q.queue_id == sent.queue.queue_id)
+            await consumer.send_back(mq, msg, delay_level=1)
+        finally:
+            await consumer.shutdown()
+        retry = await _delivered(broker.namesrv, "CG_ali_retry_audit", "%RETRY%CG_ali_retry", 0)
+    assert retry.body == b"retry me" and retry.reconsume_times == 1
+    assert retry.properties.get("__STARTDELIVERTIME") == at, retry.properties
+
+
+async def test_a_delay_or_timer_javas_parse_refuses_is_refused_not_taken(broker_factory):
+    """RocketMQ reads DELAY with Integer.parseInt (and RocketMQ 5 its timers with Long.parseLong), which throw on
+    spaces, "_" and a number past Java's range: the send fails. txmq's int() took them: " 3" and "1_000" were
+    delayed (level 3, level 18), "3000000000" 2 hours, a TIMER_DELAY_SEC of " 60" held a minute, all SEND_OK.
+    Refused MESSAGE_ILLEGAL now, and nothing stored. (An empty value is no property, as in Java's
+    string2messageProperties: no delay, test above.)"""
+    broker = broker_factory(*FAST)
+    asks = [("DELAY", " 3", "is not a whole number"),
+            ("DELAY", "1_000", "is not a whole number"), ("DELAY", "3000000000", "is past Java's int range"),
+            ("TIMER_DELAY_SEC", " 60", "is not a whole number"),
+            ("__STARTDELIVERTIME", "99999999999999999999", "is past Java's long range"),
+            ("DELAY", "9" * 5000, "is past Java's int range")]     # past int()'s 4,300 digits: SYSTEM_ERROR
+    async with asyncio.timeout(20):
+        async with Producer(broker.namesrv, "PG_parse_delay") as producer:
+            for key, value, why in asks:
+                with pytest.raises(MessageIllegalError, match=re.escape(f"{key}={value!r} {why}")):
+                    await producer.send("ParseDelay", b"refused", properties={key: value})
+            kept = await producer.send("ParseDelay", b"level 0", properties={"DELAY": "+0"})    # parseInt takes "+"
+        assert [m.body for m in await _all_messages(broker.namesrv, "ParseDelay")] == [b"level 0"]
+        assert kept.queue_offset == 0
+        assert await stored_count(broker.broker, "SCHEDULE_TOPIC_XXXX", 18) == 0
+        assert await stored_count(broker.broker, "rmq_sys_wheel_timer", 1) == 0
 
 
 async def test_kill_9_mid_delivery_loses_and_repeats_nothing(broker_factory):

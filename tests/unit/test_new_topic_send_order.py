@@ -251,3 +251,85 @@ async def test_a_topic_grown_while_its_write_is_under_way_waits_for_the_write_of
         assert on_disk() == [4], "a send-back that grew it would be answered with 1 queue on disk"
     finally:
         await server.stop()
+
+
+@bounded(30)
+async def test_sends_and_send_backs_to_new_topics_go_ahead_while_the_catalogue_write_hangs(tmp_path, monkeypatch):
+    """A topics.json write that HANGS (a stopped NFS, a stuck FUSE; not one that fails): every send to a new topic,
+    and every send-back that made a retry topic, waited for it with no answer (none within 10 s here), each frame
+    held. Past write_wait_s they are stored and answered as when the write fails, in order; sends to topics made
+    while it hangs do not wait; ``write_hung`` (the txmq_topics_catalogue_write_hung gauge) says so until it ends."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client = None
+    release = threading.Event()
+    try:
+        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        sent = _send("Before", b"m")
+        client.write(sent.encode())
+        [reply] = await client.reply(sent.opaque, 10)
+        assert reply.code == C.SUCCESS, reply.remark
+        offset = int(reply.ext_fields["msgId"][-16:], 16)
+        await server.ctx.topics.saved()
+        tm = server.ctx.topics
+        tm.write_wait_s = 0.5
+        started, release = _held_saves(monkeypatch)
+        sends = [_send("Hung", b"%d" % i) for i in range(3)]
+        for send in sends:
+            client.write(send.encode())
+        answers = [(await client.reply(send.opaque, 10))[0] for send in sends]
+        assert [a.code for a in answers] == [C.SUCCESS] * 3, [a.remark for a in answers]
+        assert [a.ext_fields["queueOffset"] for a in answers] == ["0", "1", "2"]
+        assert started.is_set() and not release.is_set() and tm.write_hung
+        later, back = _send("MadeWhileHung", b"x"), _send_back(offset, "CG_hung")
+        client.write(later.encode())
+        client.write(back.encode())
+        assert (await client.reply(later.opaque, 10))[0].code == C.SUCCESS
+        assert (await client.reply(back.opaque, 10))[0].code == C.SUCCESS
+        assert "%RETRY%CG_hung" in tm.topics and tm.write_hung
+        release.set()       # the write ends: the next one holds every topic made meanwhile
+        async with asyncio.timeout(10):
+            await tm.saved()
+        assert not tm.write_hung
+        written = (tmp_path / "config" / "topics.json").read_text()
+        assert all(f'"{name}"' in written for name in ("Hung", "MadeWhileHung", "%RETRY%CG_hung"))
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
+
+
+@bounded(30)
+async def test_a_hung_catalogue_write_is_seen_without_a_send_and_piles_up_no_writes(tmp_path, monkeypatch):
+    """The gauge (``write_hung``) was set only by a send that waited for the hung write: topics made by heartbeats
+    or retry topics (``ensure``) left it 0 however long the write hung, the alert silent. And each 100 ms batch of
+    changes meanwhile queued another write on the config thread, each with its copy of the topic list: unbounded
+    for as long as the write hangs. One write waits behind the hung one now, holding every change made meanwhile."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    release = threading.Event()
+    try:
+        tm = server.ctx.topics
+        await tm.saved()
+        tm.write_wait_s = 0.3
+        started, release = _held_saves(monkeypatch)
+        tm.ensure("MadeByHeartbeat0")
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, started.wait, 5)
+        async with asyncio.timeout(5):      # (it was never set: this timed out)
+            while not tm.write_hung:
+                await asyncio.sleep(0.05)
+        for i in range(1, 8):     # a change each batch interval (``_write_batch``, as its timer calls it)
+            tm.ensure(f"MadeByHeartbeat{i}")
+            tm._write_batch()
+        assert tm._pool._work_queue.qsize() <= 1, f"{tm._pool._work_queue.qsize()} writes queued behind the hung one"
+        release.set()
+        async with asyncio.timeout(10):
+            await tm.saved()
+        assert not tm.write_hung
+        written = (tmp_path / "config" / "topics.json").read_text()
+        assert all(f'"MadeByHeartbeat{i}"' in written for i in range(8))
+    finally:
+        release.set()
+        await server.stop()

@@ -113,15 +113,45 @@ def test_aliyuns_start_deliver_time_is_a_timer_after_rocketmq_5s():
     assert "beyond the 3600 s maximum" in lv.divert("T", 0, {"__STARTDELIVERTIME": str(now + 3_601_000)}, 0, now)
     props = {"DELAY": "1", "__STARTDELIVERTIME": str(now + 60_000)}
     assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC and "__STARTDELIVERTIME" not in props
+    # gone by: a delivered message's mark, kept on its retry (a send-back's or a resend's DELAY), as RocketMQ's
+    props = {"DELAY": "3", "__STARTDELIVERTIME": str(now), "TIMER_DELAY_SEC": "5"}
+    assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC
+    assert props["__STARTDELIVERTIME"] == str(now) and "TIMER_DELAY_SEC" not in props
+    props = {"DELAY": "3", "__STARTDELIVERTIME": "0" * 5000 + "1"}
+    assert lv.divert("T", 0, props, 0, now).topic == SCHEDULE_TOPIC and props["__STARTDELIVERTIME"] == "0" * 5000 + "1"
 
 
-def test_a_delay_that_is_no_whole_number_is_refused_an_empty_one_asks_nothing():
+def test_a_delay_that_integer_parseint_refuses_is_refused():
     lv = DelayLevels(DEFAULT_DELAY_LEVELS)
-    for delay in ("2.5", "soon", "1e3"):
+    for delay in ("2.5", "soon", "1e3", "", " ", " 3", "3 ", "1_000", "0x10", "3\n"):
         assert lv.divert("T", 0, {"DELAY": delay}, 0, 1000) == \
             f"delay level illegal: DELAY={delay!r} is not a whole number"
-    assert lv.divert("T", 0, {"DELAY": " "}, 0, 1000) is None
+    for delay in ("2147483648", "-2147483649"):
+        assert lv.divert("T", 0, {"DELAY": delay}, 0, 1000) == \
+            f"delay level illegal: DELAY={delay!r} is past Java's int range"
+    # past int()'s 4,300 digits: its ValueError escaped divert (the send answered SYSTEM_ERROR "ValueError"), not
+    # refused as Java's range; leading zeros are no size to parseInt
+    for delay in ("9" * 5000, "-" + "9" * 5000):
+        assert lv.divert("T", 0, {"DELAY": delay}, 0, 1000) == \
+            f"delay level illegal: DELAY={delay!r} is past Java's int range"
+    assert lv.divert("T", 0, {"DELAY": "+" + "0" * 5000 + "3"}, 0, 1000).queue_id == 2
     assert lv.divert("T", 0, {"DELAY": "-1"}, 0, 1000) is None       # RocketMQ: level <= 0 is no delay
+    assert lv.divert("T", 0, {"DELAY": "-2147483648"}, 0, 1000) is None
+    assert lv.divert("T", 0, {"DELAY": "2147483647"}, 0, 1000).queue_id == 17     # the last level
+    assert lv.divert("T", 0, {"DELAY": "+2"}, 0, 1000).queue_id == 1               # parseInt takes a "+"
+    assert lv.divert("T", 0, {"DELAY": "\uff12"}, 0, 1000).queue_id == 1           # and any Unicode digit
+
+
+def test_a_timer_that_long_parselong_refuses_is_refused():
+    lv = DelayLevels(DEFAULT_DELAY_LEVELS, timer_max_delay_ms=3_600_000)
+    for key in ("TIMER_DELAY_SEC", "TIMER_DELAY_MS", "TIMER_DELIVER_MS", "__STARTDELIVERTIME"):
+        for value in ("", " 5", "1_000"):
+            assert lv.divert("T", 0, {key: value}, 0, 1000) == \
+                f"timer message illegal: {key}={value!r} is not a whole number"
+        assert lv.divert("T", 0, {key: str(1 << 63)}, 0, 1000) == \
+            f"timer message illegal: {key}={str(1 << 63)!r} is past Java's long range"
+        assert lv.divert("T", 0, {key: "7" * 5000}, 0, 1000) == \
+            f"timer message illegal: {key}={'7' * 5000!r} is past Java's long range"
 
 
 def test_a_half_stored_before_the_delay_checks_is_committed_at_once_not_lost():
