@@ -72,7 +72,8 @@ class SlaveSync:
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
-        self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: since when (self.clock)
+        self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: seconds of answers since
+        self._answered_at: float | None = None  # the last answer's time (self.clock); None after a sync that got none
         self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
 
     def copy_age_s(self) -> float:
@@ -103,11 +104,11 @@ class SlaveSync:
             return False
         table = await self._master_offsets(addr)
         if table is None:
-            # The master away (or its log not followed): a group its answers missed before is timed afresh from its
-            # next answers. Timed on, a master killed -9 that missed a new group at its first answer, then stayed
-            # away longer than forget_after_s, had the group removed here at its first answer back, before the
-            # group's consumers could reach it and commit again.
-            self._absent.clear()
+            # The master away (or its log not followed): the time until its next answer does not count as its
+            # answers' (_forget_groups). Counted, a master killed -9 that missed a new group at its first answer,
+            # then stayed away longer than forget_after_s, had the group removed here at its first answer back,
+            # before the group's consumers could reach it and commit again.
+            self._answered_at = None
             return False
         # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
         # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
@@ -175,10 +176,15 @@ class SlaveSync:
         meanwhile started the group over. Two answers in a row held that off only while the sync interval (10 s)
         was longer than the consumers' way back: at --slave-sync-interval-ms 1000 two answers came 1 s apart.
         Offsets only this slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        # Only the time between two answers in a row counts, kept over a sync that got none: restarted at each, an
+        # HA link that dropped once within every forget_after_s (a flapping network, a master's GC pauses past the
+        # timeout) kept a group the master had deleted on this slave for good.
         now = self.clock()
+        step = 0.0 if self._answered_at is None else now - self._answered_at
+        self._answered_at = now
         missed = set() if self._master_groups is None else self._master_groups - groups
-        self._absent = {group: self._absent.get(group, now) for group in missed}
-        gone = {group for group, since in self._absent.items() if now - since >= self.forget_after_s}
+        self._absent = {group: self._absent[group] + step if group in self._absent else 0.0 for group in missed}
+        gone = {group for group, missed_for in self._absent.items() if missed_for >= self.forget_after_s}
         for group in gone:
             del self._absent[group]
         self._master_groups = groups | self._absent.keys()

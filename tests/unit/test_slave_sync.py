@@ -518,6 +518,41 @@ async def test_a_master_away_between_two_answers_that_miss_a_group_does_not_coun
     assert held == [40, 40, 40, 40, None]
 
 
+@bounded(10)
+async def test_a_group_the_master_deleted_goes_from_a_slave_whose_link_to_it_drops_now_and_then(tmp_path):
+    """The missed time started again at every sync that got no answer: a link that dropped once within each
+    forget_after_s (a flapping network, a master's GC pauses past the timeout) kept a group the master had deleted
+    on this slave for good -- here 30 answers missed it over 10 x forget_after_s. The time between answers in a row
+    counts, kept over a failed sync (the failed one's own time does not): gone once it adds up."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    answers = [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40)])]
+    answers += [lost, lost, None] * 10
+
+    async def request(addr, cmd, timeout):
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        body = answers.pop(0)
+        if body is None:
+            raise ConnectionClosedError("the link dropped")
+        return cmd.response(ResponseCode.SUCCESS, body=body)
+    sync.pool.request = request
+    step = sync.forget_after_s / 3      # lost, lost (one step of answers in a row), away: a third of the time counts
+    held = []
+    try:
+        while answers:
+            await sync.sync_once()
+            held.append(offsets.get("Old", "Orders", 0))
+            clock[0] += step
+    finally:
+        await sync.close()
+    # missed over answers in a row: syncs 2-3 (1/3 of forget_after_s), 5-6 (2/3), 8-9 (3/3): gone at the 9th
+    assert held == [40] * 8 + [None] * 23, held
+    assert ConsumerOffsets(str(tmp_path)).get("Old", "Orders", 0) is None
+
+
 @pytest.mark.parametrize("body", [
     b'{"offsetTable":{"T@G":{"0":1,"1":2},"U@H":{}}}',
     b' { "offsetTable" : { "T@G" : { "0" : 1 } , "T@\\"{,:}" : {"3": 4} } } \n',
