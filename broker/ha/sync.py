@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 
 from protocol.admin_bodies import (add_offset_entries, offset_table_members, quote_int_keys,
@@ -33,6 +34,8 @@ from protocol.connection import ConnectionPool
 from protocol.txlog import PROGRESS_GROUP
 
 from ..slices import in_slices, in_steps
+from ..store.mapped_file import fsync_dirs, make_dirs
+from ..store.saved import check, read_saved, save
 from ..subscriptions import read_group_table
 from ..topics import read_topic_table
 
@@ -41,6 +44,8 @@ log = logging.getLogger("txmq.ha")
 
 OFFSET_SLICE = 1024     # offsets committed in one turn of the loop (4,096 held it 10-20 ms on a loaded machine)
 KEY_SLICE = 64          # topic@group entries decoded in one turn (each up to a topic's queue count of offsets)
+# Beside consumerOffset.json: the groups its master's answers named (a sorted JSON list), for a restarted slave.
+NAMED_GROUPS_FILE = "slaveMasterGroups.json"
 QUOTE_SLICE = 512       # pieces of the body (a key, then its queues' ids and offsets) quoted in one turn: even
 
 
@@ -72,6 +77,12 @@ class SlaveSync:
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
+        path = getattr(offsets, "path", None)
+        self._named_path = path and os.path.join(os.path.dirname(path), NAMED_GROUPS_FILE)
+        self._named_saved: set[str] | None = None      # _master_groups as last written there
+        self._named_failing: str | None = None
+        if self._named_path is not None:
+            self._master_groups = self._named_saved = self._read_named()
         self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: seconds of answers since
         self._answered_at: float | None = None  # the last answer's time (self.clock); None after a sync that got none
         self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
@@ -188,6 +199,7 @@ class SlaveSync:
         for group in gone:
             del self._absent[group]
         self._master_groups = groups | self._absent.keys()
+        await self._save_named()
         if not gone:
             return True
         self.offsets.remove_groups(gone)
@@ -202,6 +214,35 @@ class SlaveSync:
             self._failed(f"offsets of groups removed as master {addr} did, but their removal not saved: {exc}")
             return False
         return True
+
+    def _read_named(self) -> set[str] | None:
+        """The groups the master's answers named as this slave last saved them; None (said) when not had. Known in
+        memory only, a group the master deleted while this slave was down (or restarted while it timed the group's
+        absence) was one only the slave had to the restarted slave, and stayed for good. Timed afresh from its
+        first answer (not removed at once: the master may be the one back from a kill -9)."""
+        def parse(raw) -> set[str]:
+            check(isinstance(raw, list) and all(isinstance(group, str) for group in raw), "not a list of group names")
+            return set(raw)
+        named, why = read_saved(self._named_path, parse)
+        if why is not None and why != "missing":
+            log.warning("groups named by the master %s not read (%s): a group it deleted while this slave was down "
+                        "keeps its offsets here", self._named_path, why)
+        return named
+
+    async def _save_named(self) -> None:
+        """_master_groups written for the next start once changed; a write refused is tried again next sync."""
+        named = self._master_groups     # replaced at each answer, never changed: encoded on a thread as it is
+        if self._named_path is None or named == self._named_saved:
+            return
+        try:
+            await asyncio.to_thread(_save_named, self._named_path, named)
+        except OSError as exc:
+            why = f"groups named by the master not saved to {self._named_path} ({exc}): tried again at the next sync"
+            if why != self._named_failing:      # once per cause
+                log.warning("%s", why)
+                self._named_failing = why
+            return
+        self._named_saved, self._named_failing = named, None
 
     async def _sync_log_bounds(self, addr: str) -> None:
         """Where the master's log starts and ends (GET_BROKER_RUNTIME_INFO, a Java master answers it too)."""
@@ -353,3 +394,9 @@ class SlaveSync:
 
     async def close(self) -> None:
         await self.pool.close()
+
+
+def _save_named(path: str, named: set[str]) -> None:
+    """Blocking: off the loop."""
+    fsync_dirs(make_dirs(os.path.dirname(path)))
+    save(path, json.dumps(sorted(named)).encode())

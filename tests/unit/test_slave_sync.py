@@ -519,6 +519,41 @@ async def test_a_master_away_between_two_answers_that_miss_a_group_does_not_coun
 
 
 @bounded(10)
+async def test_a_restarted_slave_times_a_group_its_master_named_before_and_misses_now(tmp_path, caplog):
+    """The groups the master's answers named lived in memory only: to a restarted slave, a group the master had
+    deleted meanwhile was one only the slave ever had, and its offsets stayed for good. Saved beside the offsets
+    now, read at the start: missed by the first answer after the restart it is kept (the master may be the one
+    back from a kill -9 without it), missed forget_after_s on it goes. A file that cannot be read is said, and
+    the slave starts as before."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    _offsets_answers(sync, [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40)])])
+    try:
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    offsets.persist()                                   # the slave stopped (or its periodic save, then a kill -9)
+    restarted = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", restarted)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])     # "Old" deleted on the master meanwhile
+    _offsets_answers(sync, [lost, lost])
+    try:
+        held = []
+        for _ in range(2):
+            assert await sync.sync_once()
+            held.append(restarted.get("Old", "Orders", 0))
+            clock[0] += sync.forget_after_s
+    finally:
+        await sync.close()
+    assert held == [40, None]
+    assert ConsumerOffsets(str(tmp_path)).get("Old", "Orders", 0) is None
+    (tmp_path / "config" / "slaveMasterGroups.json").write_bytes(b'["CG", 3')
+    assert SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)._master_groups is None
+    assert "groups named by the master" in caplog.text and "not read" in caplog.text
+
+
+@bounded(10)
 async def test_a_group_the_master_deleted_goes_from_a_slave_whose_link_to_it_drops_now_and_then(tmp_path):
     """The missed time started again at every sync that got no answer: a link that dropped once within each
     forget_after_s (a flapping network, a master's GC pauses past the timeout) kept a group the master had deleted
