@@ -1725,6 +1725,9 @@ async def test_a_slave_whose_copies_its_master_refuses_says_so_in_a_gauge(tmp_pa
             while _scrape(slave.metrics)["txmq_ha_slave_sync_age_seconds"] >= 1.0:
                 await asyncio.sleep(0.2)
         assert "consumer offsets copied from master" in slave.log()
+        # the alert's threshold follows the interval (a fixed 5 minutes fired for good past 100 s intervals)
+        assert gauges["txmq_ha_slave_sync_interval_seconds"] == 0.2
+        assert "txmq_ha_slave_sync_interval_seconds" not in _scrape(master.metrics)
     finally:
         for p in reversed(started):
             p.kill()
