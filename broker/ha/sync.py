@@ -199,8 +199,8 @@ class SlaveSync:
         for group in gone:
             del self._absent[group]
         self._master_groups = groups | self._absent.keys()
-        await self._save_named()
         if not gone:
+            await self._save_named()
             return True
         self.offsets.remove_groups(gone)
         # As the master's DELETE_SUBSCRIPTIONGROUP forgot them: kept, the slave's own deliveries of the group (pulls
@@ -213,6 +213,8 @@ class SlaveSync:
         except OSError as exc:
             self._failed(f"offsets of groups removed as master {addr} did, but their removal not saved: {exc}")
             return False
+        # Only now: named no more in the file while their offsets still were, a kill in between kept them for good.
+        await self._save_named()
         return True
 
     def _read_named(self) -> set[str] | None:
