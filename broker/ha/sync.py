@@ -85,6 +85,7 @@ class SlaveSync:
             self._master_groups = self._named_saved = self._read_named()
         self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: seconds of answers since
         self._answered_at: float | None = None  # the last answer's time (self.clock); None after a sync that got none
+        self._master_boot = None                # the master's bootTimestamp as last answered (a restart: _absent afresh)
         self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
 
     def copy_age_s(self) -> float:
@@ -254,6 +255,7 @@ class SlaveSync:
             if resp.code != ResponseCode.SUCCESS:
                 raise ValueError(f"refused: code {resp.code} {resp.remark}")
             table = json.loads(resp.body_bytes())["table"]
+            self._master_booted(table.get("bootTimestamp"))
             bounds = int(table["commitLogMinOffset"]), int(table["commitLogMaxOffset"])
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             why = (f"master {addr}'s log start not learnt from GET_BROKER_RUNTIME_INFO ({exc or type(exc).__name__}): "
@@ -271,6 +273,18 @@ class SlaveSync:
             # master's end as last said, replaced at each sync, and so removed nothing until disk pressure.
             self._master_log = bounds
         self.removable_end(self.log_end())
+
+    def _master_booted(self, boot) -> None:
+        """A master restarted (its bootTimestamp another) times the groups its answers miss afresh. The missed time
+        is kept over a sync that got no answer (a flapping link to the same master), but a master killed -9 comes
+        back without the commits of its last flush interval until its consumers reach it again: kept over the
+        restart, the time its previous run had missed a group removed the group that much sooner after the master
+        came back (2/3 of forget_after_s before, gone 1/3 of it after, in the test), the consumers not on it yet."""
+        if boot is None:
+            return
+        if self._master_boot is not None and boot != self._master_boot:
+            self._absent = dict.fromkeys(self._absent, 0.0)
+        self._master_boot = boot
 
     def removable_end(self, log_end: int | None) -> int | None:
         """The offset up to which this slave may remove segments: the master's log start, as learnt once this

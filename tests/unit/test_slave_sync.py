@@ -588,6 +588,46 @@ async def test_a_group_the_master_deleted_goes_from_a_slave_whose_link_to_it_dro
     assert ConsumerOffsets(str(tmp_path)).get("Old", "Orders", 0) is None
 
 
+@bounded(10)
+async def test_a_master_back_from_a_restart_misses_a_group_for_forget_after_s_before_the_slave_removes_it(tmp_path):
+    """The missed time is kept over a failed sync (a flapping link to the same master), but a master killed -9 comes
+    back without the commits of its last flush interval: its consumers need their way back to it before it names
+    their group again. Kept over its restart, time its previous run's answers had missed the group (2/3 of
+    forget_after_s here) removed the group 1/2 of forget_after_s after it came back, the consumers not on it yet.
+    A new bootTimestamp (GET_BROKER_RUNTIME_INFO, a Java master's too) starts the time again."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    # (offsets answer or None for the master away, its bootTimestamp)
+    answers = [(encode_consumer_offsets([(("CG", "Orders", 0), 12), (("New", "Orders", 0), 40)]), 1),
+               (lost, 1), (lost, 1), (None, None), (lost, 2), (lost, 2), (lost, 2)]
+    boot = [None]
+
+    async def request(addr, cmd, timeout):
+        if cmd.code == RequestCode.GET_BROKER_RUNTIME_INFO:
+            table = {"commitLogMinOffset": "0", "commitLogMaxOffset": "0", "bootTimestamp": str(boot[0])}
+            return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"table": table}).encode())
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        body, boot[0] = answers.pop(0)
+        if body is None:
+            raise ConnectionClosedError("the master is away")
+        return cmd.response(ResponseCode.SUCCESS, body=body)
+    sync.pool.request = request
+    try:
+        held = []
+        f = sync.forget_after_s
+        for step in (1.0, f * 2 / 3, 1.0, 10 * f, f / 2, f / 2, 0.0):
+            await sync.sync_once()
+            held.append(offsets.get("New", "Orders", 0))
+            clock[0] += step
+    finally:
+        await sync.close()
+    # named; missed; missed 2/3 f later; away; back (restarted), missed; 1/2 f later: kept; f later: gone
+    assert held == [40, 40, 40, 40, 40, 40, None], held
+
+
 @pytest.mark.parametrize("body", [
     b'{"offsetTable":{"T@G":{"0":1,"1":2},"U@H":{}}}',
     b' { "offsetTable" : { "T@G" : { "0" : 1 } , "T@\\"{,:}" : {"3": 4} } } \n',
