@@ -197,6 +197,9 @@ class SlaveSync:
         missed = set() if self._master_groups is None else self._master_groups - groups
         self._absent = {group: self._absent[group] + step if group in self._absent else 0.0 for group in missed}
         gone = {group for group, missed_for in self._absent.items() if missed_for >= self.forget_after_s}
+        if gone and await self._master_restarted(addr):
+            # Back from a kill -9 within one interval, no sync failed: the time since its last answer counted.
+            gone = set()
         for group in gone:
             del self._absent[group]
         self._master_groups = groups | self._absent.keys()
@@ -273,6 +276,20 @@ class SlaveSync:
             # master's end as last said, replaced at each sync, and so removed nothing until disk pressure.
             self._master_log = bounds
         self.removable_end(self.log_end())
+
+    async def _master_restarted(self, addr: str) -> bool:
+        """Whether the master's bootTimestamp is another than last answered (the missed times set to 0 then); asked
+        only before a group goes. Not had (said by the log bounds' sync): False, as a master that never says."""
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO),
+                                           self.timeout_s)
+            boot = json.loads(resp.body_bytes())["table"].get("bootTimestamp") \
+                if resp.code == ResponseCode.SUCCESS else None
+        except Exception:  # noqa: BLE001 - the master away, a bad body: as before this check
+            return False
+        known = self._master_boot
+        self._master_booted(boot)
+        return known is not None and boot is not None and boot != known
 
     def _master_booted(self, boot) -> None:
         """A master restarted (its bootTimestamp another) times the groups its answers miss afresh. The missed time
