@@ -86,6 +86,7 @@ class SlaveSync:
         self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: seconds of answers since
         self._answered_at: float | None = None  # the last answer's time (self.clock); None after a sync that got none
         self._master_boot = None                # the master's bootTimestamp as last answered (a restart: _absent afresh)
+        self._unsaved_removals: set[str] = set()    # groups removed here whose removal is not on disk yet: still named
         self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
 
     def copy_age_s(self) -> float:
@@ -204,8 +205,15 @@ class SlaveSync:
             del self._absent[group]
         self._master_groups = groups | self._absent.keys()
         if not gone:
+            if self._unsaved_removals:      # a removal's save failed: named on, until it is on disk
+                try:
+                    await self.offsets.saved()
+                    self._unsaved_removals.clear()
+                except OSError:
+                    pass                    # said when it failed; the file names them still
             await self._save_named()
             return True
+        self._unsaved_removals |= gone
         self.offsets.remove_groups(gone)
         # As the master's DELETE_SUBSCRIPTIONGROUP forgot them: kept, the slave's own deliveries of the group (pulls
         # failed over to it, slave_read_enable) stayed in every scrape, and a group made again went on from them.
@@ -218,6 +226,7 @@ class SlaveSync:
             self._failed(f"offsets of groups removed as master {addr} did, but their removal not saved: {exc}")
             return False
         # Only now: named no more in the file while their offsets still were, a kill in between kept them for good.
+        self._unsaved_removals.clear()
         await self._save_named()
         return True
 
@@ -237,7 +246,9 @@ class SlaveSync:
 
     async def _save_named(self) -> None:
         """_master_groups written for the next start once changed; a write refused is tried again next sync."""
-        named = self._master_groups     # replaced at each answer, never changed: encoded on a thread as it is
+        # Replaced at each answer, never changed: encoded on a thread as it is. A removal not saved yet stays named: a
+        # kill before its save left the offsets on disk, and unnamed, the restarted slave kept them for good.
+        named = self._master_groups | self._unsaved_removals if self._unsaved_removals else self._master_groups
         if self._named_path is None or named == self._named_saved:
             return
         try:

@@ -554,6 +554,45 @@ async def test_a_restarted_slave_times_a_group_its_master_named_before_and_misse
 
 
 @bounded(10)
+async def test_a_removal_the_slave_could_not_save_keeps_the_group_named_for_its_restart(tmp_path):
+    """The named groups are written only once a removal's offsets are saved -- but at the next sync too, which
+    wrote them without the removed group while the offsets file (too big for a full disk, the small named file
+    not) still held its offsets: restarted, the slave took them for ones only it had, for good (40 here, where
+    the master answers none). The group stays named until its removal is saved."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    _offsets_answers(sync, [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40)]),
+                            lost, lost, lost])
+
+    async def full_disk(**_):
+        raise OSError(28, "No space left on device")
+    try:
+        assert await sync.sync_once()
+        offsets.persist()                               # the periodic save: "Old" on disk
+        offsets.saved = full_disk
+        for step in (sync.forget_after_s, 1.0, 0.0):   # missed; gone (not saved); the next sync
+            await sync.sync_once()
+            clock[0] += step
+        assert offsets.get("Old", "Orders", 0) is None
+    finally:
+        await sync.close()
+    restarted = ConsumerOffsets(str(tmp_path))          # a kill -9: the removal never reached the disk
+    assert restarted.get("Old", "Orders", 0) == 40
+    sync = _following("127.0.0.1:10911", restarted)
+    clock = _fake_clock(sync)
+    _offsets_answers(sync, [lost, lost])
+    try:
+        for _ in range(2):
+            assert await sync.sync_once()
+            clock[0] += sync.forget_after_s
+    finally:
+        await sync.close()
+    assert restarted.get("Old", "Orders", 0) is None
+
+
+@bounded(10)
 async def test_a_group_the_master_deleted_goes_from_a_slave_whose_link_to_it_drops_now_and_then(tmp_path):
     """The missed time started again at every sync that got no answer: a link that dropped once within each
     forget_after_s (a flapping network, a master's GC pauses past the timeout) kept a group the master had deleted
