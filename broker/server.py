@@ -429,6 +429,9 @@ class BrokerServer:
                               "master's consumer offsets, subscription groups and topic configs whole (since its "
                               "start while never): consumers failing over to it go on from offsets that old; "
                               "absent elsewhere.", [], snap("ha_sync_age"))
+        m.add_gauge_collector("txmq_ha_slave_sync_interval_seconds", "On a slave, its --slave-sync-interval-ms in "
+                              "seconds: how old txmq_ha_slave_sync_age_seconds gets between sound copies (the stale "
+                              "alert's threshold follows it); absent elsewhere.", [], snap("ha_sync_interval"))
         m.add_counter_collector("txmq_ha_slave_sessions_behind_log_start", "On a master, slave sessions closed "
                                 "because the slave was below this master's log start: retention removed what it "
                                 "still had to copy; absent elsewhere.", snap("ha_behind"))
@@ -488,6 +491,7 @@ class BrokerServer:
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
             "ha_sync_age": [] if self.slave_sync is None else [((), self.slave_sync.copy_age_s())],
+            "ha_sync_interval": [] if self.slave_sync is None else [((), self.slave_sync.interval_s)],
         }
 
     async def _gauge_loop(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 
 from protocol.admin_bodies import (add_offset_entries, offset_table_members, quote_int_keys,
@@ -33,6 +34,8 @@ from protocol.connection import ConnectionPool
 from protocol.txlog import PROGRESS_GROUP
 
 from ..slices import in_slices, in_steps
+from ..store.mapped_file import fsync_dirs, make_dirs
+from ..store.saved import check, read_saved, save
 from ..subscriptions import read_group_table
 from ..topics import read_topic_table
 
@@ -41,6 +44,8 @@ log = logging.getLogger("txmq.ha")
 
 OFFSET_SLICE = 1024     # offsets committed in one turn of the loop (4,096 held it 10-20 ms on a loaded machine)
 KEY_SLICE = 64          # topic@group entries decoded in one turn (each up to a topic's queue count of offsets)
+# Beside consumerOffset.json: the groups its master's answers named (a sorted JSON list), for a restarted slave.
+NAMED_GROUPS_FILE = "slaveMasterGroups.json"
 QUOTE_SLICE = 512       # pieces of the body (a key, then its queues' ids and offsets) quoted in one turn: even
 
 
@@ -72,7 +77,16 @@ class SlaveSync:
         self._removable = None          # the master's log start once this slave's log reached its end then
         self._bounds_failing: str | None = None
         self._master_groups: set[str] | None = None     # the groups the master's copied offsets named (and _absent)
-        self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: since when (self.clock)
+        path = getattr(offsets, "path", None)
+        self._named_path = path and os.path.join(os.path.dirname(path), NAMED_GROUPS_FILE)
+        self._named_saved: set[str] | None = None      # _master_groups as last written there
+        self._named_failing: str | None = None
+        if self._named_path is not None:
+            self._master_groups = self._named_saved = self._read_named()
+        self._absent: dict[str, float] = {}     # of those, the ones the last answer missed: seconds of answers since
+        self._answered_at: float | None = None  # the last answer's time (self.clock); None after a sync that got none
+        self._master_boot = None                # the master's bootTimestamp as last answered (a restart: _absent afresh)
+        self._unsaved_removals: set[str] = set()    # groups removed here whose removal is not on disk yet: still named
         self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
 
     def copy_age_s(self) -> float:
@@ -103,11 +117,11 @@ class SlaveSync:
             return False
         table = await self._master_offsets(addr)
         if table is None:
-            # The master away (or its log not followed): a group its answers missed before is timed afresh from its
-            # next answers. Timed on, a master killed -9 that missed a new group at its first answer, then stayed
-            # away longer than forget_after_s, had the group removed here at its first answer back, before the
-            # group's consumers could reach it and commit again.
-            self._absent.clear()
+            # The master away (or its log not followed): the time until its next answer does not count as its
+            # answers' (_forget_groups). Counted, a master killed -9 that missed a new group at its first answer,
+            # then stayed away longer than forget_after_s, had the group removed here at its first answer back,
+            # before the group's consumers could reach it and commit again.
+            self._answered_at = None
             return False
         # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
         # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
@@ -175,15 +189,31 @@ class SlaveSync:
         meanwhile started the group over. Two answers in a row held that off only while the sync interval (10 s)
         was longer than the consumers' way back: at --slave-sync-interval-ms 1000 two answers came 1 s apart.
         Offsets only this slave ever had (committed here while the master was away) stay, as RocketMQ's."""
+        # Only the time between two answers in a row counts, kept over a sync that got none: restarted at each, an
+        # HA link that dropped once within every forget_after_s (a flapping network, a master's GC pauses past the
+        # timeout) kept a group the master had deleted on this slave for good.
         now = self.clock()
+        step = 0.0 if self._answered_at is None else now - self._answered_at
+        self._answered_at = now
         missed = set() if self._master_groups is None else self._master_groups - groups
-        self._absent = {group: self._absent.get(group, now) for group in missed}
-        gone = {group for group, since in self._absent.items() if now - since >= self.forget_after_s}
+        self._absent = {group: self._absent[group] + step if group in self._absent else 0.0 for group in missed}
+        gone = {group for group, missed_for in self._absent.items() if missed_for >= self.forget_after_s}
+        if gone and await self._master_restarted(addr):
+            # Back from a kill -9 within one interval, no sync failed: the time since its last answer counted.
+            gone = set()
         for group in gone:
             del self._absent[group]
         self._master_groups = groups | self._absent.keys()
         if not gone:
+            if self._unsaved_removals:      # a removal's save failed: named on, until it is on disk
+                try:
+                    await self.offsets.saved()
+                    self._unsaved_removals.clear()
+                except OSError:
+                    pass                    # said when it failed; the file names them still
+            await self._save_named()
             return True
+        self._unsaved_removals |= gone
         self.offsets.remove_groups(gone)
         # As the master's DELETE_SUBSCRIPTIONGROUP forgot them: kept, the slave's own deliveries of the group (pulls
         # failed over to it, slave_read_enable) stayed in every scrape, and a group made again went on from them.
@@ -195,7 +225,41 @@ class SlaveSync:
         except OSError as exc:
             self._failed(f"offsets of groups removed as master {addr} did, but their removal not saved: {exc}")
             return False
+        # Only now: named no more in the file while their offsets still were, a kill in between kept them for good.
+        self._unsaved_removals.clear()
+        await self._save_named()
         return True
+
+    def _read_named(self) -> set[str] | None:
+        """The groups the master's answers named as this slave last saved them; None (said) when not had. Known in
+        memory only, a group the master deleted while this slave was down (or restarted while it timed the group's
+        absence) was one only the slave had to the restarted slave, and stayed for good. Timed afresh from its
+        first answer (not removed at once: the master may be the one back from a kill -9)."""
+        def parse(raw) -> set[str]:
+            check(isinstance(raw, list) and all(isinstance(group, str) for group in raw), "not a list of group names")
+            return set(raw)
+        named, why = read_saved(self._named_path, parse)
+        if why is not None and why != "missing":
+            log.warning("groups named by the master %s not read (%s): a group it deleted while this slave was down "
+                        "keeps its offsets here", self._named_path, why)
+        return named
+
+    async def _save_named(self) -> None:
+        """_master_groups written for the next start once changed; a write refused is tried again next sync."""
+        # Replaced at each answer, never changed: encoded on a thread as it is. A removal not saved yet stays named: a
+        # kill before its save left the offsets on disk, and unnamed, the restarted slave kept them for good.
+        named = self._master_groups | self._unsaved_removals if self._unsaved_removals else self._master_groups
+        if self._named_path is None or named == self._named_saved:
+            return
+        try:
+            await asyncio.to_thread(_save_named, self._named_path, named)
+        except OSError as exc:
+            why = f"groups named by the master not saved to {self._named_path} ({exc}): tried again at the next sync"
+            if why != self._named_failing:      # once per cause
+                log.warning("%s", why)
+                self._named_failing = why
+            return
+        self._named_saved, self._named_failing = named, None
 
     async def _sync_log_bounds(self, addr: str) -> None:
         """Where the master's log starts and ends (GET_BROKER_RUNTIME_INFO, a Java master answers it too)."""
@@ -205,6 +269,7 @@ class SlaveSync:
             if resp.code != ResponseCode.SUCCESS:
                 raise ValueError(f"refused: code {resp.code} {resp.remark}")
             table = json.loads(resp.body_bytes())["table"]
+            self._master_booted(table.get("bootTimestamp"))
             bounds = int(table["commitLogMinOffset"]), int(table["commitLogMaxOffset"])
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             why = (f"master {addr}'s log start not learnt from GET_BROKER_RUNTIME_INFO ({exc or type(exc).__name__}): "
@@ -222,6 +287,32 @@ class SlaveSync:
             # master's end as last said, replaced at each sync, and so removed nothing until disk pressure.
             self._master_log = bounds
         self.removable_end(self.log_end())
+
+    async def _master_restarted(self, addr: str) -> bool:
+        """Whether the master's bootTimestamp is another than last answered (the missed times set to 0 then); asked
+        only before a group goes. Not had (said by the log bounds' sync): False, as a master that never says."""
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO),
+                                           self.timeout_s)
+            boot = json.loads(resp.body_bytes())["table"].get("bootTimestamp") \
+                if resp.code == ResponseCode.SUCCESS else None
+        except Exception:  # noqa: BLE001 - the master away, a bad body: as before this check
+            return False
+        known = self._master_boot
+        self._master_booted(boot)
+        return known is not None and boot is not None and boot != known
+
+    def _master_booted(self, boot) -> None:
+        """A master restarted (its bootTimestamp another) times the groups its answers miss afresh. The missed time
+        is kept over a sync that got no answer (a flapping link to the same master), but a master killed -9 comes
+        back without the commits of its last flush interval until its consumers reach it again: kept over the
+        restart, the time its previous run had missed a group removed the group that much sooner after the master
+        came back (2/3 of forget_after_s before, gone 1/3 of it after, in the test), the consumers not on it yet."""
+        if boot is None:
+            return
+        if self._master_boot is not None and boot != self._master_boot:
+            self._absent = dict.fromkeys(self._absent, 0.0)
+        self._master_boot = boot
 
     def removable_end(self, log_end: int | None) -> int | None:
         """The offset up to which this slave may remove segments: the master's log start, as learnt once this
@@ -347,3 +438,9 @@ class SlaveSync:
 
     async def close(self) -> None:
         await self.pool.close()
+
+
+def _save_named(path: str, named: set[str]) -> None:
+    """Blocking: off the loop."""
+    fsync_dirs(make_dirs(os.path.dirname(path)))
+    save(path, json.dumps(sorted(named)).encode())

@@ -518,6 +518,173 @@ async def test_a_master_away_between_two_answers_that_miss_a_group_does_not_coun
     assert held == [40, 40, 40, 40, None]
 
 
+@bounded(10)
+async def test_a_restarted_slave_times_a_group_its_master_named_before_and_misses_now(tmp_path, caplog):
+    """The groups the master's answers named lived in memory only: to a restarted slave, a group the master had
+    deleted meanwhile was one only the slave ever had, and its offsets stayed for good. Saved beside the offsets
+    now, read at the start: missed by the first answer after the restart it is kept (the master may be the one
+    back from a kill -9 without it), missed forget_after_s on it goes. A file that cannot be read is said, and
+    the slave starts as before."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    _offsets_answers(sync, [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40)])])
+    try:
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    offsets.persist()                                   # the slave stopped (or its periodic save, then a kill -9)
+    restarted = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", restarted)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])     # "Old" deleted on the master meanwhile
+    _offsets_answers(sync, [lost, lost])
+    try:
+        held = []
+        for _ in range(2):
+            assert await sync.sync_once()
+            held.append(restarted.get("Old", "Orders", 0))
+            clock[0] += sync.forget_after_s
+    finally:
+        await sync.close()
+    assert held == [40, None]
+    assert ConsumerOffsets(str(tmp_path)).get("Old", "Orders", 0) is None
+    (tmp_path / "config" / "slaveMasterGroups.json").write_bytes(b'["CG", 3')
+    assert SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)._master_groups is None
+    assert "groups named by the master" in caplog.text and "not read" in caplog.text
+
+
+@bounded(10)
+async def test_a_removal_the_slave_could_not_save_keeps_the_group_named_for_its_restart(tmp_path):
+    """The named groups are written only once a removal's offsets are saved -- but at the next sync too, which
+    wrote them without the removed group while the offsets file (too big for a full disk, the small named file
+    not) still held its offsets: restarted, the slave took them for ones only it had, for good (40 here, where
+    the master answers none). The group stays named until its removal is saved."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    _offsets_answers(sync, [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40)]),
+                            lost, lost, lost])
+
+    async def full_disk(**_):
+        raise OSError(28, "No space left on device")
+    try:
+        assert await sync.sync_once()
+        offsets.persist()                               # the periodic save: "Old" on disk
+        offsets.saved = full_disk
+        for step in (sync.forget_after_s, 1.0, 0.0):   # missed; gone (not saved); the next sync
+            await sync.sync_once()
+            clock[0] += step
+        assert offsets.get("Old", "Orders", 0) is None
+    finally:
+        await sync.close()
+    restarted = ConsumerOffsets(str(tmp_path))          # a kill -9: the removal never reached the disk
+    assert restarted.get("Old", "Orders", 0) == 40
+    sync = _following("127.0.0.1:10911", restarted)
+    clock = _fake_clock(sync)
+    _offsets_answers(sync, [lost, lost])
+    try:
+        for _ in range(2):
+            assert await sync.sync_once()
+            clock[0] += sync.forget_after_s
+    finally:
+        await sync.close()
+    assert restarted.get("Old", "Orders", 0) is None
+
+
+@bounded(10)
+async def test_a_group_the_master_deleted_goes_from_a_slave_whose_link_to_it_drops_now_and_then(tmp_path):
+    """The missed time started again at every sync that got no answer: a link that dropped once within each
+    forget_after_s (a flapping network, a master's GC pauses past the timeout) kept a group the master had deleted
+    on this slave for good -- here 30 answers missed it over 10 x forget_after_s. The time between answers in a row
+    counts, kept over a failed sync (the failed one's own time does not): gone once it adds up."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    answers = [encode_consumer_offsets([(("CG", "Orders", 0), 12), (("Old", "Orders", 0), 40)])]
+    answers += [lost, lost, None] * 10
+
+    async def request(addr, cmd, timeout):
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        body = answers.pop(0)
+        if body is None:
+            raise ConnectionClosedError("the link dropped")
+        return cmd.response(ResponseCode.SUCCESS, body=body)
+    sync.pool.request = request
+    step = sync.forget_after_s / 3      # lost, lost (one step of answers in a row), away: a third of the time counts
+    held = []
+    try:
+        while answers:
+            await sync.sync_once()
+            held.append(offsets.get("Old", "Orders", 0))
+            clock[0] += step
+    finally:
+        await sync.close()
+    # missed over answers in a row: syncs 2-3 (1/3 of forget_after_s), 5-6 (2/3), 8-9 (3/3): gone at the 9th
+    assert held == [40] * 8 + [None] * 23, held
+    assert ConsumerOffsets(str(tmp_path)).get("Old", "Orders", 0) is None
+
+
+@bounded(10)
+async def test_a_master_back_from_a_restart_misses_a_group_for_forget_after_s_before_the_slave_removes_it(tmp_path):
+    """The missed time is kept over a failed sync (a flapping link to the same master), but a master killed -9 comes
+    back without the commits of its last flush interval: its consumers need their way back to it before it names
+    their group again. Kept over its restart, time its previous run's answers had missed the group (2/3 of
+    forget_after_s here) removed the group 1/2 of forget_after_s after it came back, the consumers not on it yet.
+    A new bootTimestamp (GET_BROKER_RUNTIME_INFO, a Java master's too) starts the time again."""
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    held = await _missed_over_a_restart(tmp_path, [(lost, 1), (lost, 1), (None, None), (lost, 2), (lost, 2), (lost, 2)],
+                                        lambda f: (1.0, f * 2 / 3, 1.0, 10 * f, f / 2, f / 2, 0.0))
+    # named; missed; missed 2/3 f later; away; back (restarted), missed; 1/2 f later: kept; f later: gone
+    assert held == [40, 40, 40, 40, 40, 40, None], held
+
+
+@bounded(10)
+async def test_a_master_restarted_between_two_syncs_misses_a_group_for_forget_after_s_before_the_slave_removes_it(
+        tmp_path):
+    """A master killed -9 and back (systemd) within one sync interval gives the slave no failed sync: its first
+    answer after the restart added the time since the last one to what its previous run had missed, past
+    forget_after_s here, and the group went at once. Its bootTimestamp is asked before a group goes."""
+    lost = encode_consumer_offsets([(("CG", "Orders", 0), 12)])
+    held = await _missed_over_a_restart(tmp_path, [(lost, 1), (lost, 1), (lost, 2), (lost, 2), (lost, 2)],
+                                        lambda f: (1.0, f * 2 / 3, f / 2, f / 2, f / 2, 0.0))
+    # named; missed; missed 2/3 f later; restarted, missed 1/2 f later: kept; 1/2 f later: kept; f later: gone
+    assert held == [40, 40, 40, 40, 40, None], held
+
+
+async def _missed_over_a_restart(tmp_path, answers: list, steps) -> list:
+    """Offsets of group "New" after each sync of a slave whose master first names it, then answers ``answers``
+    ((offsets body or None for away, its bootTimestamp)), the clock moved by ``steps(forget_after_s)``."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    sync = _following("127.0.0.1:10911", offsets)
+    clock = _fake_clock(sync)
+    answers = [(encode_consumer_offsets([(("CG", "Orders", 0), 12), (("New", "Orders", 0), 40)]), 1)] + answers
+    boot = [None]
+
+    async def request(addr, cmd, timeout):
+        if cmd.code == RequestCode.GET_BROKER_RUNTIME_INFO:
+            table = {"commitLogMinOffset": "0", "commitLogMaxOffset": "0", "bootTimestamp": str(boot[0])}
+            return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"table": table}).encode())
+        if cmd.code != RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
+        body, boot[0] = answers.pop(0)
+        if body is None:
+            raise ConnectionClosedError("the master is away")
+        return cmd.response(ResponseCode.SUCCESS, body=body)
+    sync.pool.request = request
+    held = []
+    try:
+        for step in steps(sync.forget_after_s):
+            await sync.sync_once()
+            held.append(offsets.get("New", "Orders", 0))
+            clock[0] += step
+    finally:
+        await sync.close()
+    return held
+
+
 @pytest.mark.parametrize("body", [
     b'{"offsetTable":{"T@G":{"0":1,"1":2},"U@H":{}}}',
     b' { "offsetTable" : { "T@G" : { "0" : 1 } , "T@\\"{,:}" : {"3": 4} } } \n',
