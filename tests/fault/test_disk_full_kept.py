@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import pytest
 
 from broker.store import MessageStore
-from broker.store.manifest import CORRUPT_KEPT_FILE
+from broker.store.manifest import CORRUPT_KEPT_FILE, read_corrupt_kept
 from tests.fault.test_disk_full_marks import CFG, _fill, _logged, _req
 from tests.integration.test_torn_mid_log import FLAGS, PLAIN, _delivered, _flip, _kept_now, _load, _newest, _records
 from tests.support.bounded import bounded
@@ -100,3 +101,47 @@ async def test_a_start_on_a_full_disk_drops_a_kept_record_no_longer_in_the_log_o
                 await asyncio.sleep(0.05)
         finally:
             await store.close()
+
+
+@bounded(60)
+async def test_a_stale_kept_offset_past_the_log_end_never_names_a_sound_record_written_there(tmp_path):
+    """corrupt_kept naming an offset at or past the log's end (a --truncate-corrupt-tail start cut the log below a
+    kept record) is rewritten without it at the start, before the log writes there again. On a full disk that
+    rewrite was left to the disk loop (half a second), while a write takes space as soon as it is back (it probes
+    again itself): the next record went to that very offset with the file still naming it, and a kill -9 then had
+    the next start keep that sound, acknowledged record as damaged (a pull stops at it: the message lost)."""
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        store_dir = disk / "store"
+        store = MessageStore(str(store_dir), CFG)
+        await store.open()
+        assert all(r.ok for r in [await store.put(_req(i)) for i in range(20)])
+        end = store.max_physical_offset
+        await store.close()
+        _no_segment_reserved(store_dir)
+        kept_file = store_dir / CORRUPT_KEPT_FILE
+        # as a start that cut the log below a kept record leaves it, beside one kept in the log (its first: the
+        # file rewritten then holds a line, which takes a page)
+        kept_file.write_text(f"0\n{end}\n")
+        _fill(disk / "ballast")
+        store = MessageStore(str(store_dir), CFG)
+        await store.open()
+        try:
+            assert store.kept_corrupt == 1
+            os.unlink(disk / "ballast")
+            assert not store.disk.probe()       # (as the next write does itself, 50 ms after the last probe)
+            put = await store.put(_req(99))
+            assert put.ok and put.physical_offset == end, put
+            crashed = tmp_path / "crashed"      # the store as a kill -9 now leaves it
+            shutil.copytree(store_dir, crashed, ignore=shutil.ignore_patterns("lock"))
+        finally:
+            await store.close()
+    assert end not in read_corrupt_kept(str(crashed)), "the file still names the sound record's offset"
+    store = MessageStore(str(crashed), CFG)
+    await store.open()
+    try:
+        assert store.kept_corrupt == 1
+        got = store.get_messages("T", 0, 20, 1, 1 << 20)
+        assert got.message_count == 1, got.status
+        got.buffers.clear()
+    finally:
+        await store.close()
