@@ -210,6 +210,8 @@ class MessageStore:
                     write_corrupt_kept(self.store_dir, self._kept)      # (no I/O thread yet)
                 except OSError as exc:
                     self._kept_written(exc)
+                    if any(o >= self._log.readable for o in known_corrupt):
+                        self._drop_stale_kept_file(known_corrupt)
                 else:
                     self._kept_written()
             if os.path.exists(os.path.join(self.store_dir, NUL_COPY_FILE)):
@@ -806,6 +808,23 @@ class MessageStore:
             self._kept_written(exc)
         else:
             self._kept_written()
+
+    def _drop_stale_kept_file(self, known: frozenset[int]) -> None:
+        """The corrupt_kept file names an offset at or past the log's end (a start cut the log below a kept
+        record) and cannot be rewritten (a full disk): the next record is written there, sound, as soon as a write
+        finds room, before the disk loop's next turn rewrites the file, and a kill -9 between had the next start
+        keep that acknowledged record as damaged. The file goes (a removal needs no room): a start before it is
+        written again refuses the records kept in place (and names them), as for a record kept since."""
+        path = os.path.join(self.store_dir, CORRUPT_KEPT_FILE)
+        try:
+            os.unlink(path)
+            fsync_dir(self.store_dir)
+        except OSError as exc:
+            raise StoreError(f"{path} names log offsets at or past the log's end "
+                             f"({sorted(o for o in known if o >= self._log.readable)}), where the next records "
+                             f"go, and can be neither rewritten nor removed: {exc}") from exc
+        log.error("%s removed: it named log offsets at or past the log's end (%s), where the next records go, and "
+                  "the disk has no room to rewrite it", path, sorted(o for o in known if o >= self._log.readable))
 
     def _kept_written(self, exc: OSError | None = None) -> None:
         """After a write of the corrupt_kept file, refused with ``exc`` or not: said once per outage. Unwritten, a

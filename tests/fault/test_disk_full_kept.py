@@ -97,7 +97,8 @@ async def test_a_start_on_a_full_disk_drops_a_kept_record_no_longer_in_the_log_o
         try:
             assert store.kept_corrupt == 1
             os.unlink(disk / "ballast")
-            while kept_file.read_text().split() != ["0"]:   # the disk loop's next turn (half a second)
+            # (the file removed meanwhile, it naming an offset past the log's end: see the test below)
+            while not kept_file.exists() or kept_file.read_text().split() != ["0"]:   # the disk loop's next turn
                 await asyncio.sleep(0.05)
         finally:
             await store.close()
@@ -139,7 +140,6 @@ async def test_a_stale_kept_offset_past_the_log_end_never_names_a_sound_record_w
     store = MessageStore(str(crashed), CFG)
     await store.open()
     try:
-        assert store.kept_corrupt == 1
         got = store.get_messages("T", 0, 20, 1, 1 << 20)
         assert got.message_count == 1, got.status
         got.buffers.clear()
