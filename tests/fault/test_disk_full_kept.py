@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 
 from broker.store import MessageStore
+from broker.store.checkpoint import read_checkpoint, write_checkpoint
 from broker.store.manifest import CORRUPT_KEPT_FILE, read_corrupt_kept
 from tests.fault.test_disk_full_marks import CFG, _fill, _logged, _req
 from tests.integration.test_torn_mid_log import FLAGS, PLAIN, _delivered, _flip, _kept_now, _load, _newest, _records
@@ -143,5 +145,47 @@ async def test_a_stale_kept_offset_past_the_log_end_never_names_a_sound_record_w
         got = store.get_messages("T", 0, 20, 1, 1 << 20)
         assert got.message_count == 1, got.status
         got.buffers.clear()
+    finally:
+        await store.close()
+
+
+@bounded(60)
+async def test_no_checkpoint_passes_a_kept_record_the_corrupt_kept_file_does_not_name(tmp_path):
+    """A record whose TOPIC is damaged (outside the body CRC) is judged by a start only past the checkpoint:
+    below it, a later start reads it as sound and it is lost without a word, unless corrupt_kept names it. Kept on
+    a full disk, the file was left to the disk loop (every half second) while the checkpoint loop wrote its own
+    file as soon as there was room: the checkpoint passed the record with the file unwritten, and a kill -9 then
+    a start without the flag lost the message silently (not refused, not counted)."""
+    cfg = replace(CFG, checkpoint_interval_ms=20, keep_corrupt_records=True)
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        store_dir = disk / "store"
+        store = MessageStore(str(store_dir), CFG)
+        await store.open()
+        assert all(r.ok for r in [await store.put(_req(i)) for i in range(20)])
+        await store.close()
+        _no_segment_reserved(store_dir)
+        seg = _newest(store_dir)
+        pos, _size, _topic, body = _records(seg)[10]
+        phys = int(os.path.basename(seg)) + pos
+        _flip(seg, pos + 88 + len(body) + 1, 0x40)        # its topic "T" -> "\x14" (IPv4 hosts)
+        point = read_checkpoint(str(store_dir))
+        write_checkpoint(str(store_dir), point._replace(flushed_offset=phys))    # as a kill -9 before it leaves it
+        _fill(disk / "ballast")
+        store = MessageStore(str(store_dir), cfg)
+        await store.open()
+        try:
+            assert store.kept_corrupt == 1
+            os.unlink(disk / "ballast")
+            while read_checkpoint(str(store_dir)).flushed_offset <= phys:    # the checkpoint loop's next turns
+                await asyncio.sleep(0.005)
+            # the store as a kill -9 now leaves it
+            shutil.copytree(store_dir, tmp_path / "crashed", ignore=shutil.ignore_patterns("lock"))
+        finally:
+            await store.close()
+    assert phys in read_corrupt_kept(str(tmp_path / "crashed")), "the checkpoint passed a record the file lacks"
+    store = MessageStore(str(tmp_path / "crashed"), CFG)        # without the flag
+    await store.open()
+    try:
+        assert store.kept_corrupt == 1
     finally:
         await store.close()
