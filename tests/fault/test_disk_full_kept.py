@@ -17,7 +17,8 @@ from broker.store import MessageStore
 from broker.store.checkpoint import read_checkpoint, write_checkpoint
 from broker.store.manifest import CORRUPT_KEPT_FILE, read_corrupt_kept
 from tests.fault.test_disk_full_marks import CFG, _fill, _logged, _req
-from tests.integration.test_torn_mid_log import FLAGS, PLAIN, _delivered, _flip, _kept_now, _load, _newest, _records
+from tests.integration.test_torn_mid_log import (FLAGS, PLAIN, _delivered, _flip, _kept_count, _kept_now, _load,
+                                                 _newest, _records)
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.tmpfs import tmpfs
@@ -61,8 +62,11 @@ async def test_a_record_kept_on_a_full_disk_is_remembered_once_there_is_room(tmp
             assert sorted(got) == [p for p in plain if p != lost] and len(errors) == 1, (len(got), errors)
             await _logged(b, f"{CORRUPT_KEPT_FILE} not written")
             assert not kept_file.exists()
+            # the ERROR is said once: the gauge holds while a restart without the flag would refuse the record
+            assert _kept_count(b, "txmq_store_corrupt_kept_unwritten") == 1
             os.unlink(store / "ballast")
             await _logged(b, f"{CORRUPT_KEPT_FILE} written again")
+            assert _kept_count(b, "txmq_store_corrupt_kept_unwritten") == 0
             assert kept_file.read_text().split() == [str(int(os.path.basename(path)) + pos)]
         finally:
             b.kill()
