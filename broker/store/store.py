@@ -798,6 +798,12 @@ class MessageStore:
         older than the ones recovery verifies is kept again unseen); a removed segment's leave it."""
         return len(self._kept)
 
+    @property
+    def kept_unwritten(self) -> bool:
+        """The corrupt_kept file lags the records kept in place, its write refused (a full disk):
+        txmq_store_corrupt_kept_unwritten. (Not while a rewrite is merely under way.)"""
+        return self._kept_unsaved and self._kept_failing
+
     async def _forget_kept_before(self, low: int) -> None:
         """The kept records of removed segments leave the set and the corrupt_kept file (off the loop): counted
         as kept for as long as the broker ran, the file holding them for good."""
