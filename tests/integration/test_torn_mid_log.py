@@ -311,6 +311,7 @@ async def test_a_slave_of_a_master_that_kept_a_damaged_record_copies_the_log_aft
     records = _records(path)
     pos, _size, _topic, body = next(r for r in records[len(records) // 2:] if r[2] == "TornPlain")
     _flip(path, pos + 88 + (300 if damage == "body" else len(body) + 2), 0x10 if damage == "body" else 0x40)
+    _checkpoint_below(tmp_path / "master", int(os.path.basename(path)) + pos)
     master = broker_factory(*FLAGS, *ha, "--keep-corrupt-records", store="master")
     end = await _log_end(master.broker)
     slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
