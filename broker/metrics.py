@@ -740,6 +740,10 @@ class _CorruptCollector:
                                 "(keep_corrupt_records; store file corrupt_kept) still in the log: each a lost "
                                 "message a pull of its queue stops at. Held across restarts and on a slave from the "
                                 "copy; 0 once retention removed their segments.", value=self.store.kept_corrupt)
+        yield GaugeMetricFamily("txmq_store_corrupt_kept_unwritten", "1 while the store file corrupt_kept lags the "
+                                "damaged records kept in place (a full disk; said once at ERROR, retried every half "
+                                "second; checkpoints wait for it): a restart without keep_corrupt_records meanwhile "
+                                "refuses them again.", value=int(self.store.kept_unwritten))
 
     def describe(self):
         return list(self.collect())

@@ -18,6 +18,7 @@ import asyncio
 import heapq
 import logging
 import os
+import time
 
 from protocol.codes import SysFlag
 from protocol.connection import wait_within
@@ -77,6 +78,8 @@ class ScheduleService:
         self._gone_early: set[int] = set()      # ... and those whose heap entry went before they were written
         self._unindexed: set[int] = set()       # timer offsets recovery found no readable unit for: not in the heap
         self.delivered = 0
+        self._held_since: float | None = None   # when deliveries began to wait (a full disk): said once, not per turn
+        self._held_why: str | None = None       # ... and why, as last said
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
         m = ctx.metrics
@@ -514,8 +517,9 @@ class ScheduleService:
                         heapq.heappush(self._timers, entry)
                     if not isinstance(exc, OSError):
                         raise
-                    log.warning("schedule delivery of %d messages waits: consume queue %s-%d has no file (%s); "
-                                "retrying in %.0f s", len(batch), req.topic, req.queue_id, exc, REFUSED_RETRY_S)
+                    self._held(logging.WARNING, "schedule delivery of %d messages waits: consume queue %s-%d has no "
+                               "file (%s); retrying every %.0f s", len(batch), req.topic, req.queue_id, exc,
+                               REFUSED_RETRY_S)
                     return False
         try:
             results = await store.put_many(reqs)
@@ -528,11 +532,14 @@ class ScheduleService:
                 heapq.heappush(self._timers, entry)
             status = next(r for r in results if not r.ok)
             if status.status is PutStatus.MESSAGE_ILLEGAL:
-                log.error("schedule delivery batch refused as illegal; retrying")
+                self._held(logging.ERROR, "schedule delivery batch refused as illegal; retrying")
             else:
-                log.warning("schedule delivery of %d messages refused (%s %s); retrying in %.0f s", len(batch),
-                            status.status.name, status.remark, REFUSED_RETRY_S)
+                self._held(logging.WARNING, "schedule delivery of %d messages refused (%s %s); retrying every %.0f s",
+                           len(batch), status.status.name, status.remark, REFUSED_RETRY_S)
             return False
+        if self._held_since is not None:
+            log.warning("schedule delivering again (deliveries waited %.1f s)", time.monotonic() - self._held_since)
+            self._held_since = self._held_why = None
         last = results[-1]
         if self.progress.apply(levels, timer_offsets, SCAN_PER_TURN):
             self._more = True
@@ -555,6 +562,15 @@ class ScheduleService:
             if result.store_timestamp - due > LATE_MS:
                 self._late.inc()
         return True
+
+    def _held(self, level: int, msg: str, *args) -> None:
+        """A batch not delivered, tried again every REFUSED_RETRY_S: said when deliveries begin to wait, not at each
+        try (a full disk for an hour was 3,600 lines); 'delivering again' ends it."""
+        if self._held_since is None:
+            self._held_since = time.monotonic()
+        if msg != self._held_why:       # (a new reason is said too)
+            self._held_why = msg
+            log.log(level, msg + " (said once until deliveries go on)", *args)
 
     def delayed_commit(self, half, topic: str, queue_id: int, half_offset: int) -> PutRequest | None:
         """The committed message of a half that asked for a delay, as it waits; None: it goes now."""

@@ -119,6 +119,8 @@ class MessageStore:
         # log offsets of damaged records kept in place (store file corrupt_kept): a master sends them to its
         # slave as they are; a slave takes one only when the master sent the same bytes twice (append_replica)
         self._kept: set[int] = set()
+        self._kept_unsaved = False      # the corrupt_kept file lags ``_kept`` (a full disk): the disk loop retries
+        self._kept_failing = False      # its last write was refused (said once per outage)
         self._refused_chunk: tuple[int, bytes] | None = None
 
     # ---------------------------------------------------------- lifecycle
@@ -200,8 +202,18 @@ class MessageStore:
             self._kept = set(kept) | {o for o in known_corrupt if self._log.min_offset <= o < self._log.readable}
             if self._kept != known_corrupt:
                 # before anything is served past them: a restart without the flag must not refuse them again;
-                # and the ones whose segments retention removed, or the log was cut below, leave the file
-                write_corrupt_kept(self.store_dir, self._kept)
+                # and the ones whose segments retention removed, or the log was cut below, leave the file.
+                # A full disk does not stop the start (it starts, serves reads and refuses writes): the disk loop
+                # writes it once there is room.
+                self._kept_unsaved = True
+                try:
+                    write_corrupt_kept(self.store_dir, self._kept)      # (no I/O thread yet)
+                except OSError as exc:
+                    self._kept_written(exc)
+                    if any(o >= self._log.readable for o in known_corrupt):
+                        self._drop_stale_kept_file(known_corrupt)
+                else:
+                    self._kept_written()
             if os.path.exists(os.path.join(self.store_dir, NUL_COPY_FILE)):
                 os.unlink(os.path.join(self.store_dir, NUL_COPY_FILE))     # (cut; or vouched for by the mark)
                 # durable before anything is written where the log was cut: back after a power loss, it cut
@@ -550,6 +562,8 @@ class MessageStore:
                 self.disk.probe()
                 self._retry_backlogs()
                 self._retry_marks()
+                if self._kept_unsaved:
+                    await self._save_kept()
             except Exception:  # noqa: BLE001 - ending here would leave backlogged units (and the checkpoint) stuck
                 log.exception("disk check failed; trying again in %.1f s", PROBE_INTERVAL_S)
 
@@ -569,6 +583,14 @@ class MessageStore:
         ranges += [r for cq in self._cqs.values() for r in cq.dirty_ranges()]
         # ...and the directory entries of queue files made since the last one (one fsync per new file or
         # directory, none per unit): a file whose name was lost at a power loss would take its units with it.
+        if self._kept_unsaved:
+            # corrupt_kept first: a start judges a record's TOPIC and properties only past the checkpoint, so one
+            # past a kept record the file does not name read it as sound at a start without the flag (a kill -9
+            # before the disk loop's turn): the message lost without a word
+            await self._save_kept()
+            if self._kept_unsaved:
+                self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
+                raise OSError(f"waits for {CORRUPT_KEPT_FILE}, not written")
         dirs, self._dirs_to_sync = self._dirs_to_sync, []
         for cq in self._cqs.values():
             if cq.unsynced:
@@ -776,6 +798,12 @@ class MessageStore:
         older than the ones recovery verifies is kept again unseen); a removed segment's leave it."""
         return len(self._kept)
 
+    @property
+    def kept_unwritten(self) -> bool:
+        """The corrupt_kept file lags the records kept in place, its write refused (a full disk):
+        txmq_store_corrupt_kept_unwritten. (Not while a rewrite is merely under way.)"""
+        return self._kept_unsaved and self._kept_failing
+
     async def _forget_kept_before(self, low: int) -> None:
         """The kept records of removed segments leave the set and the corrupt_kept file (off the loop): counted
         as kept for as long as the broker ran, the file holding them for good."""
@@ -783,11 +811,49 @@ class MessageStore:
         if not gone:
             return
         self._kept -= gone
+        self._kept_unsaved = True
+        await self._save_kept()
+
+    async def _save_kept(self) -> None:
+        """Off the loop: the corrupt_kept file brought up to ``_kept``; refused (a full disk), the disk loop retries."""
         try:
-            await self._io.submit(write_corrupt_kept, self.store_dir, set(self._kept))
-        except OSError as exc:      # (a full disk) harmless: the next start drops them, being below the log
-            log.error("%s not rewritten without the %d kept records of the removed segment (dropped at the "
-                      "next start): %s", CORRUPT_KEPT_FILE, len(gone), exc)
+            await self._io.submit(write_corrupt_kept, self.store_dir, set(self._kept))    # (taken on the loop)
+        except OSError as exc:
+            self._kept_written(exc)
+        else:
+            self._kept_written()
+
+    def _drop_stale_kept_file(self, known: frozenset[int]) -> None:
+        """The corrupt_kept file names an offset at or past the log's end (a start cut the log below a kept
+        record) and cannot be rewritten (a full disk): the next record is written there, sound, as soon as a write
+        finds room, before the disk loop's next turn rewrites the file, and a kill -9 between had the next start
+        keep that acknowledged record as damaged. The file goes (a removal needs no room): a start before it is
+        written again refuses the records kept in place (and names them), as for a record kept since."""
+        path = os.path.join(self.store_dir, CORRUPT_KEPT_FILE)
+        try:
+            os.unlink(path)
+            fsync_dir(self.store_dir)
+        except OSError as exc:
+            raise StoreError(f"{path} names log offsets at or past the log's end "
+                             f"({sorted(o for o in known if o >= self._log.readable)}), where the next records "
+                             f"go, and can be neither rewritten nor removed: {exc}") from exc
+        log.error("%s removed: it named log offsets at or past the log's end (%s), where the next records go, and "
+                  "the disk has no room to rewrite it", path, sorted(o for o in known if o >= self._log.readable))
+
+    def _kept_written(self, exc: OSError | None = None) -> None:
+        """After a write of the corrupt_kept file, refused with ``exc`` or not: said once per outage. Unwritten, a
+        record kept in place since is refused again by a start without keep_corrupt_records (which says so and
+        where); one of a removed segment is left named, harmless (a start drops what is below the log)."""
+        path = os.path.join(self.store_dir, CORRUPT_KEPT_FILE)
+        if exc is not None:
+            if not self._kept_failing:
+                log.error("%s not written (retried as the disk has room; until it is, a start without "
+                          "keep_corrupt_records refuses the damaged records kept in place again): %s", path, exc)
+            self._kept_failing = True
+            return
+        if self._kept_failing:
+            log.warning("%s written again", path)
+        self._kept_unsaved = self._kept_failing = False
 
     @property
     def max_physical_offset(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -364,6 +365,26 @@ async def test_a_message_passed_over_is_counted_once_while_the_disk_refuses_its_
     disk.refusing = False
     assert await svc.run_due(104_000, 104_000) == 2
     assert dropped() == 1
+    await svc.ctx.store.close()
+
+
+@bounded()
+async def test_a_batch_the_full_disk_refuses_is_said_once_and_its_delivery_again(tmp_path, caplog):
+    """A batch the store refused (a full disk) is tried again every second, and each try was a WARNING: a disk full
+    for an hour logged 3,600 lines. Said once when deliveries begin to wait, and once when they go on."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _schedule(svc, "T", b"late", {"DELAY": "1"}, clock.now)
+    disk = svc.ctx.store.disk
+    disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: "the broker's disk is full"
+    with caplog.at_level(logging.WARNING, logger="txmq.schedule"):
+        for now in (101_000, 102_000, 103_000):
+            assert await svc.run_due(now, now) == -1
+        disk.refusing = False
+        assert await svc.run_due(104_000, 104_000) == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "txmq.schedule"]
+    assert len(said) == 2 and "refused" in said[0] and "delivering again" in said[1], said
+    assert [m.body for m in _delivered(svc.ctx.store, "T")] == [b"late"]
     await svc.ctx.store.close()
 
 
