@@ -42,9 +42,17 @@ def encode_reset_offset(offsets: dict[MQ, int]) -> bytes:
 def encode_consume_stats(rows: dict[MQ, tuple[int, int, int]], tps: float = 0.0) -> bytes:
     """ConsumeStats: {"consumeTps":d,"offsetTable":{MessageQueue: OffsetWrapper}}; rows hold
     (broker offset, consumer offset, last timestamp)."""
-    table = _mq_map((mq, f'{{"brokerOffset":{b},"consumerOffset":{c},"lastTimestamp":{t}}}')
-                    for mq, (b, c, t) in sorted(rows.items()))
-    return f'{{"consumeTps":{float(tps)!r},"offsetTable":{table}}}'.encode()
+    return (consume_stats_head(tps) + consume_stats_members(rows, sorted(rows)) + "}}").encode()
+
+
+# encode_consume_stats in parts, for a caller that writes the members a slice at a time (broker.slices.
+# members_in_slices): head, the members of each slice of the sorted queues, joined by ",", then "}}".
+def consume_stats_head(tps: float) -> str:
+    return f'{{"consumeTps":{float(tps)!r},"offsetTable":{{'
+
+
+def consume_stats_members(rows: dict[MQ, tuple[int, int, int]], mqs) -> str:
+    return _mq_map((mq, '{"brokerOffset":%d,"consumerOffset":%d,"lastTimestamp":%d}' % rows[mq]) for mq in mqs)[1:-1]
 
 
 def encode_topic_stats(rows: dict[MQ, tuple[int, int, int]]) -> bytes:
