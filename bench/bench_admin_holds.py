@@ -3,9 +3,11 @@
 * status: mqadmin getConsumerStatus (INVOKE_BROKER_TO_GET_CONSUMER_STATUS, 223) of a group whose one consumer
   answers a GetConsumerStatusBody of QUEUES queues (250,000: 15 MB, near a frame's 16 MiB);
 * connections: mqadmin consumerConnection (GET_CONSUMER_CONNECTION_LIST, 203) of a group subscribed to SUBS
-  topics (26,000 six-character names: max_subscription_bytes_per_group's 256 KiB).
+  topics (26,000 six-character names: max_subscription_bytes_per_group's 256 KiB);
+* stats: mqadmin consumerProgress -g G (GET_CONSUME_STATS, 208) of a group holding an offset on each of TOPICS
+  topics of 1,024 queues (6 by default: what max_queues allows on a small machine; every queue of each is a row).
 
-    python bench/bench_admin_holds.py [status|connections] [--queues N] [--subs N] [--baseline REPO]
+    python bench/bench_admin_holds.py [status|connections|stats] [--queues N] [--subs N] [--topics N] [--baseline REPO]
 
 A stand-in Java consumer (a heartbeat; GET_CONSUMER_STATUS_FROM_CLIENT answered from a body built once) joins
 group G; one client (127.0.0.1) asks three times in a row while another (127.0.0.2) sends, one after another
@@ -43,8 +45,12 @@ def _heartbeat(topics):
 
 async def one_broker(repo, args):
     status = _status_body(args.queues) if args.case == "status" else b""
-    beat = _heartbeat(["T"] if args.case == "status" else [f"T{i:05d}" for i in range(args.subs)])
-    if args.case == "status":
+    beat = _heartbeat({"status": ["T"], "connections": [f"T{i:05d}" for i in range(args.subs)],
+                       "stats": [f"TC{i}" for i in range(args.topics)]}[args.case])
+    if args.case == "stats":
+        ask_cmd = lambda: RemotingCommand(R.GET_CONSUME_STATS, opaque=next(_OPAQUES),  # noqa: E731
+                                          ext_fields={"consumerGroup": "G"})
+    elif args.case == "status":
         ask_cmd = lambda: RemotingCommand(R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS, opaque=next(_OPAQUES),  # noqa: E731
                                           ext_fields={"topic": "T", "group": "G"})
     else:
@@ -58,6 +64,13 @@ async def one_broker(repo, args):
                                              if cmd.code == R.GET_CONSUMER_STATUS_FROM_CLIENT else None)
             r = await consumer.request(RemotingCommand.request(R.HEART_BEAT, body=beat, language=LanguageCode.JAVA), 60)
             assert r.code == C.SUCCESS, r.remark
+            for i in range(args.topics if args.case == "stats" else 0):
+                for code, fields in ((R.UPDATE_AND_CREATE_TOPIC, {"topic": f"TC{i}", "readQueueNums": "1024",
+                                                                  "writeQueueNums": "1024", "perm": "6"}),
+                                     (R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": "G", "topic": f"TC{i}",
+                                                                 "queueId": "0", "commitOffset": "0"})):
+                    r = await consumer.request(RemotingCommand.request(code, fields), 30)
+                    assert r.code == C.SUCCESS, r.remark
             for _ in range(100):        # the heartbeat's parse out of the recent lag (at most 20 s)
                 if _metric(b, "txmq_event_loop_lag_seconds") < 0.05:
                     break
@@ -89,7 +102,7 @@ async def one_broker(repo, args):
 async def main(args):
     ours = await one_broker(None, args)
     base = await one_broker(args.baseline, args) if args.baseline else None
-    print(json.dumps({"case": args.case, "queues": args.queues, "subs": args.subs,
+    print(json.dumps({"case": args.case, "queues": args.queues, "subs": args.subs, "topics": args.topics,
                       "loop_lag_ms": ours["loop_lag_ask_max_ms"], "baseline_loop_lag_ms": base and base["loop_lag_ask_max_ms"],
                       "other_max_ms": ours["other_max_ms"], "baseline_other_max_ms": base and base["other_max_ms"],
                       "ratio": round(ours["loop_lag_ask_max_ms"] / base["loop_lag_ask_max_ms"], 3) if base else None}))
@@ -97,8 +110,9 @@ async def main(args):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("case", nargs="?", choices=("status", "connections"), default="status")
+    p.add_argument("case", nargs="?", choices=("status", "connections", "stats"), default="status")
     p.add_argument("--queues", type=int, default=250_000)
     p.add_argument("--subs", type=int, default=26_000)
+    p.add_argument("--topics", type=int, default=6)
     p.add_argument("--baseline")
     asyncio.run(main(p.parse_args()))
