@@ -95,20 +95,24 @@ def decode_mq_table(body: bytes, field: str = "offsetTable") -> tuple[dict, dict
 
 _SPACE = re.compile(r"[ \t\n\r]*")
 _SCALAR = json.JSONDecoder()
-_MQ_KEY = re.compile(r'\{"brokerName":"([^"\\\x00-\x1f]*)","queueId":(-?\d{1,10}),"topic":"([^"\\\x00-\x1f]*)"\}')
+# (a queue id as JSON writes a number: "01" is not one, and decode_mq_table refuses it)
+_MQ_KEY = re.compile(r'\{"brokerName":"([^"\\\x00-\x1f]*)","queueId":(-?(?:0|[1-9]\d{0,9})),'
+                     r'"topic":"([^"\\\x00-\x1f]*)"\}')
+_FLAT_KEY = re.compile(r"\{[^{}]*\}")       # any other object key, as decode_mq_table's _OBJECT_KEY takes it
 
 
 def mq_table_steps(body: bytes, field: str, value=lambda item: item, per_step: int = 2048):
     """decode_mq_table's table, ``{(topic, broker, queue id): value(item)}`` of ``body``'s map ``field`` (names
     as fastjson reads them into MessageQueue's Strings: a number from an odd client becomes its text), read a
     token at a time: a generator that yields (a step, for broker.slices.in_steps) every ``per_step`` keys and
-    values, and returns the table. For a body from a peer the broker waits on (a consumer's
+    values, and returns the table; an object key other than fastjson's MessageQueue is kept as its text, read
+    only if it keys ``field``, as decode_mq_table does. For a body from a peer the broker waits on (a consumer's
     GET_CONSUMER_STATUS_FROM_CLIENT answer, up to a frame's 16 MiB): decode_mq_table held the event loop 2.5 s
     on 15 MB. Scalars are read by json's own scanner, a key as fastjson writes a MessageQueue by one match; any
-    other object key is read as an object, a quoted one as JSON; a malformed body is a HeaderError, as
+    other object key as its text, a quoted one as JSON; a malformed body is a HeaderError, as
     decode_mq_table's."""
     count = 0
-    space, scalar, mq_key = _SPACE.match, _SCALAR.raw_decode, _MQ_KEY.match
+    space, scalar, mq_key, flat_key = _SPACE.match, _SCALAR.raw_decode, _MQ_KEY.match, _FLAT_KEY.match
 
     def container(pos):         # text[pos] opens an object or array -> (its value, end)
         nonlocal count
@@ -125,8 +129,12 @@ def mq_table_steps(body: bytes, field: str, value=lambda item: item, per_step: i
                 if m is not None:
                     key, pos = (m[3], m[1], int(m[2])), m.end()
                 elif text[pos:pos + 1] == "{":
-                    mq, pos = yield from container(pos)
-                    key = (mq["topic"], mq["brokerName"], int(mq["queueId"]))
+                    # its text, read as JSON only if it keys ``field`` (decode_mq_table's way: an object key
+                    # elsewhere, such as a consumerTable's, is not read, so it neither parses nor needs a queueId)
+                    m = flat_key(text, pos)
+                    if m is None:
+                        raise ValueError(f"an object key holding an object at {pos}")
+                    key, pos = m[0], m.end()
                 else:
                     key, pos = scalar(text, pos)
                     if not isinstance(key, str):
