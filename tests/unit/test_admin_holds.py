@@ -189,3 +189,44 @@ def test_the_sliced_reading_agrees_with_decode_mq_table_on_random_and_damaged_bo
         damaged = body[:at] + rnd.choice([b"", b"0", b",", b":", b'"', b"{", b"}"]) + body[at + 1:]
         new = outcome(lambda b: _read(b)[0], damaged)
         assert new == "refused" or new == outcome(old, damaged), damaged
+
+
+def test_a_consumers_status_in_hash_order_is_sorted_a_slice_at_a_time():
+    """A stock consumer writes its messageQueueTable in HashMap order, not sorted: the writer's one sort of all
+    100,000 queues before its first slice was every comparison in one step (here 4.6 million; 250,000 queues held
+    a loaded host's loop 3.6-4.7 s where the same queues in order took 0.08 s). Each step now compares at most a
+    few slices' worth, the body as before."""
+    import random
+
+    from broker.slices import run_steps
+    from protocol.admin_bodies import consumer_status_steps
+
+    compared = [0]
+
+    class Qid(int):             # counts the comparisons a sort of (topic, broker, queue id) keys makes
+        def __eq__(self, other):
+            compared[0] += 1
+            return int.__eq__(self, other)
+
+        def __lt__(self, other):
+            compared[0] += 1
+            return int.__lt__(self, other)
+
+        __hash__ = int.__hash__
+
+    queues = 100_000
+    order = list(range(queues))
+    random.Random(7).shuffle(order)
+    offsets = {("T", "broker-a", Qid(q)): q * 3 for q in order}
+    steps, most = consumer_status_steps({"c": offsets}), 0
+    try:
+        while True:
+            compared[0] = 0
+            next(steps)
+            most = max(most, compared[0])
+    except StopIteration as done:
+        body = done.value
+    most = max(most, compared[0])
+    assert body == run_steps(consumer_status_steps({"c": dict(sorted(offsets.items()))}))
+    assert body.startswith(b'{"consumerTable":{"c":{{"brokerName":"broker-a","queueId":0,"topic":"T"}:0,')
+    assert most <= 16 * 2048 * 2, most          # a slice's sort, or a slice merged from the runs
