@@ -12,8 +12,10 @@ fastjson quirks kept here (clients and mqadmin parse what Java writes):
 """
 from __future__ import annotations
 
+import heapq
 import json
 import re
+from itertools import islice
 
 from .errors import HeaderError
 
@@ -68,12 +70,34 @@ def consumer_status_steps(by_client: dict[str, dict[MQ, int]], per_step: int = 2
     returns the body. (At once, a consumer that answered 290,000 queues held the event loop 1.3 s.)"""
     clients = []
     for cid, offsets in sorted(by_client.items()):
-        rows, parts = sorted(offsets.items()), []
+        rows, parts = (yield from sorted_steps(list(offsets.items()), per_step)), []
         for i in range(0, len(rows), per_step):
             yield
             parts.append(_mq_map(rows[i:i + per_step])[1:-1])
         clients.append(f"{dump(cid)}:{{{','.join(parts)}}}")
     return f'{{"consumerTable":{{{",".join(clients)}}},"messageQueueTable":{{}}}}'.encode()
+
+
+def sorted_steps(items: list, per_step: int = 2048):
+    """``items`` sorted, a generator that yields (a step, for broker.slices.in_steps) between slices of the work
+    and returns the sorted list: runs of ``per_step`` sorted one a step, then merged ``per_step`` at a time. (A
+    stock consumer's table comes in HashMap order: one sort of 250,000 queues held a loaded loop 3.6-4.7 s.)"""
+    runs = []
+    for i in range(0, len(items), per_step):
+        if i:
+            yield
+        runs.append(sorted(items[i:i + per_step]))
+    if len(runs) <= 1:
+        return runs[0] if runs else []
+    if all(a[-1] <= b[0] for a, b in zip(runs, runs[1:])):      # (items in order already: no merge)
+        return [item for run in runs for item in run]
+    merged, out = heapq.merge(*runs), []
+    while True:
+        yield
+        part = list(islice(merged, per_step))
+        if not part:
+            return out
+        out += part
 
 
 _OBJECT_KEY = re.compile(r'([{,])\s*(\{[^{}]*\})\s*:')
