@@ -254,3 +254,22 @@ async def test_all_producer_info_of_many_groups_is_written_with_the_loop_running
                              "remoteIP": f"/10.0.0.1:{5000 + i}", "version": 395}] for i in range(groups - 1)}
     assert resp.body_bytes() == dump({"data": data}).encode()
     assert turns[0] >= groups // 512 - 1, turns[0]
+
+
+@bounded(60)
+async def test_a_groups_consume_stats_over_many_small_topics_take_a_turn_a_slice_of_queues_not_of_topics():
+    """GET_CONSUME_STATS of a group holding offsets on 4,096 topics of one queue each: read two topics a turn, the
+    answer waited 2,048 turns of the loop (each as long as every other client's work then: seconds on a busy
+    broker, past mqadmin's timeout) for 4,096 rows; a turn every 2,048 queues read and written now."""
+    names = [f"T{i:04d}" for i in range(4096)]
+    ctx = SimpleNamespace(
+        topics={t: SimpleNamespace(read_queue_nums=1) for t in names}, config=SimpleNamespace(broker_name="b"),
+        offsets=SimpleNamespace(topics_of=lambda g: names, get=lambda g, t, q: 1),
+        clients=SimpleNamespace(reads_elsewhere=lambda g, t: False),
+        metrics=SimpleNamespace(consume_tps=lambda g, t: 0.0),
+        store=SimpleNamespace(max_offset=lambda t, q: 5, store_time_of=lambda t, q, o: 7))
+    cmd = RemotingCommand.request(R.GET_CONSUME_STATS, {"consumerGroup": "G"})
+    async with other_client() as turns:
+        resp = await ops.get_consume_stats(ctx, None, cmd)
+    assert resp.body_bytes() == encode_consume_stats({(t, "b", 0): (5, 1, 7) for t in names})
+    assert turns[0] <= 2 * 4096 // 2048 + 4, turns[0]
