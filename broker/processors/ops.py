@@ -8,6 +8,7 @@ RESET_CONSUMER_CLIENT_OFFSET (220).
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -21,7 +22,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
 from ..limits import peer_host
-from ..slices import in_slices, members_in_slices
+from ..slices import members_in_slices
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import refused_on_slave, topics_saved
@@ -59,20 +60,25 @@ async def get_consume_stats(ctx, conn, cmd):
     topics = [topic] if topic else ctx.offsets.topics_of(group)
     rows = {}
     tps = 0.0
-    # A slice of topics at a time, then the body a slice of queues at a time, the loop running between: a group
-    # holding offsets on many topics is every queue of each (32 topics of 1,024 queues: 32,768 rows, some 1 s of
-    # the event loop in one go on a loaded host).
-    async for part in in_slices(topics, max(1, CONSUME_STATS_SLICE // 1024)):
-        for t in part:
-            tc = ctx.topics.get(t)
-            if tc is None or ctx.clients.reads_elsewhere(group, t):
-                continue
-            tps += ctx.metrics.consume_tps(group, t)
-            for qid in range(tc.read_queue_nums):
-                broker_offset = max(0, ctx.store.max_offset(t, qid))
-                consumer_offset = max(0, ctx.offsets.get(group, t, qid) or 0)
-                last = ctx.store.store_time_of(t, qid, consumer_offset - 1) if consumer_offset > 0 else 0
-                rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
+    # The rows a slice of queues at a time (a turn once CONSUME_STATS_SLICE were read: a turn a slice of topics
+    # instead made a group on thousands of one-queue topics wait thousands of turns), then the body a slice of
+    # queues at a time, the loop running between: a group holding offsets on many topics is every queue of each
+    # (32 topics of 1,024 queues: 32,768 rows, some 1 s of the event loop in one go on a loaded host).
+    read = 0
+    for t in topics:
+        if read >= CONSUME_STATS_SLICE:
+            read = 0
+            await asyncio.sleep(0)
+        tc = ctx.topics.get(t)
+        if tc is None or ctx.clients.reads_elsewhere(group, t):
+            continue
+        tps += ctx.metrics.consume_tps(group, t)
+        read += max(1, tc.read_queue_nums)
+        for qid in range(tc.read_queue_nums):
+            broker_offset = max(0, ctx.store.max_offset(t, qid))
+            consumer_offset = max(0, ctx.offsets.get(group, t, qid) or 0)
+            last = ctx.store.store_time_of(t, qid, consumer_offset - 1) if consumer_offset > 0 else 0
+            rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
     return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
         consume_stats_head(tps), sorted(rows), CONSUME_STATS_SLICE, functools.partial(consume_stats_members, rows),
         ",", "}}"))
