@@ -436,7 +436,7 @@ def test_consume_stats_of_one_group_does_not_walk_every_groups_offsets(tmp_path)
         metrics=SimpleNamespace(consume_tps=lambda g, t: 0.0),
         store=SimpleNamespace(max_offset=lambda t, q: 10, store_time_of=lambda t, q, o: 1_000))
     cmd = RemotingCommand.request(RequestCode.GET_CONSUME_STATS, {"consumerGroup": "live"})
-    reply = get_consume_stats(ctx, None, cmd)
+    reply = asyncio.run(get_consume_stats(ctx, None, cmd))
     assert reply.code == ResponseCode.SUCCESS
     assert walks == []
     _, rows = decode_mq_table(reply.body_bytes())
