@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import sqlite3
 import threading
 import time
@@ -33,6 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from protocol.message import MessageExt, Prop
+
+log = logging.getLogger("txmq.consumer.idempotent")
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+STEP_SAID_S = 60.0      # a wall clock ahead of the time passed by more than this (again) is said
+
+
+def _elapsed_s() -> float:
+    """Seconds of a clock never stepped that counts a suspended host's sleep (CLOCK_BOOTTIME; else monotonic)."""
+    return time.monotonic() if _BOOTTIME is None else time.clock_gettime(_BOOTTIME)
 
 
 def message_key(msg: MessageExt) -> str:
@@ -103,6 +113,26 @@ class SqliteIdempotency:
         self._worker_db: sqlite3.Connection | None = None
         self._worker_guard = threading.Lock()
         self._closed = False
+        # Ages (forget_older_than) are judged by the wall clock, as consumed_ms is stamped, but never further
+        # ahead of its reading at the open than the time that passed since: judged by the wall clock alone, a step
+        # days ahead (a VM's host, a bad NTP source) made every key "days old", and the next forget deleted them
+        # all, keys of messages consumed a minute before; their redeliveries then ran again.
+        self._opened = (time.time(), _elapsed_s())
+        self._ahead_said = 0.0
+
+    def _age_now(self) -> float:
+        """The wall clock to judge ages by: bounded by the time passed since the open; a step ahead said once."""
+        wall, (wall0, elapsed0) = time.time(), self._opened
+        now = min(wall, wall0 + _elapsed_s() - elapsed0)
+        ahead = wall - now
+        if ahead - self._ahead_said > STEP_SAID_S:
+            log.warning("the wall clock is %d s ahead of the time that passed since the keys table was opened (stepped "
+                        "ahead): forget_older_than judges ages by the latter, so no key is forgotten by the step; "
+                        "until the table is opened again keys are kept that much longer", ahead)
+            self._ahead_said = ahead
+        elif ahead < self._ahead_said - STEP_SAID_S:
+            self._ahead_said = max(ahead, 0.0)    # put back: the next step ahead is said again
+        return now
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_s)
@@ -205,7 +235,7 @@ class SqliteIdempotency:
         connection, waits at most one chunk."""
         if not seconds > 0:
             raise ValueError(f"seconds={seconds!r}: keep the keys of some past, or nothing is idempotent")
-        cutoff = int((time.time() - seconds) * 1000)
+        cutoff = int((self._age_now() - seconds) * 1000)
         deleted = 0
         while True:
             n = self.db.execute(f"DELETE FROM {self.table} WHERE rowid IN (SELECT rowid FROM {self.table} "
