@@ -91,12 +91,7 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
     ends = {r["segment"]: r["offset"] for r in notes if r["row"] == "end"}
     damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"] + holes(segments)
     damage.sort(key=lambda d: (d["segment"], d["position"]))
-    kept = sorted((_damage_dict(r, segments) for r in notes if r["row"] == "kept"),
-                  key=lambda d: (d["segment"], d["position"]))
-    for k in kept:
-        log.warning("%s: left out the damaged record %s byte %d (%d bytes) the broker kept in place (corrupt_kept), "
-                    "read on after it%s", job, k["file"], k["position"], k["skipped_bytes"],
-                    f": {k['reason']}" if k["reason"] else "")
+    kept = _kept(notes, segments, job)
     rows = df.where(F.col("row").isin("rec", "msg", "seg"))
     if damage and not skip_damaged:
         df.unpersist()
@@ -119,6 +114,17 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
                 list(chosen), ends, bytes_read, kept)
 
 
+def _kept(notes, segments, job: str) -> list[dict]:
+    """The kept rows among ``notes`` (damaged records the broker kept in place), each said at WARNING."""
+    kept = sorted((_damage_dict(r, segments) for r in notes if r["row"] == "kept"),
+                  key=lambda d: (d["segment"], d["position"]))
+    for k in kept:
+        log.warning("%s: left out the damaged record %s byte %d (%d bytes) the broker kept in place (corrupt_kept), "
+                    "read on after it%s", job, k["file"], k["position"], k["skipped_bytes"],
+                    f": {k['reason']}" if k["reason"] else "")
+    return kept
+
+
 def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = False):
     """rec rows of the records at these commit-log offsets (halves an incremental scan did not
     read but whose decisions it met), read one record each in Spark tasks; also adds their
@@ -138,12 +144,14 @@ def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = F
     sc = spark.sparkContext
     rdd = sc.parallelize(items, min(len(items), sc.defaultParallelism)).mapPartitions(seg_mod.read_records)
     df = spark.createDataFrame(rdd, record_schema(), verifySchema=False).cache()
-    notes = df.where(F.col("row").isin("dmg", "err")).select("row", "segment", "offset", "size", "damage").collect()
+    notes = df.where(F.col("row").isin("dmg", "err", "kept")).select("row", "segment", "offset", "size",
+                                                                      "damage").collect()
     errors = [r["damage"] for r in notes if r["row"] == "err"]
     if errors:
         df.unpersist()
         raise StoreError(errors[0])
-    damage = sorted((_damage_dict(r, scan.segments) for r in notes), key=lambda d: (d["segment"], d["position"]))
+    damage = sorted((_damage_dict(r, scan.segments) for r in notes if r["row"] == "dmg"),
+                    key=lambda d: (d["segment"], d["position"]))
     if damage and not skip_damaged:
         df.unpersist()
         first = damage[0]
@@ -154,6 +162,7 @@ def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = F
     for d in damage:
         log.warning("rollup: left out the damaged half in %s at byte %d: %s", d["file"], d["position"], d["reason"])
     scan.damage += damage
+    scan.kept += _kept(notes, scan.segments, "rollup")     # its decision is met with no half, as in a whole scan
     got = df.where(F.col("row") == "rec")
     scan.bytes_read += got.agg(F.sum("size")).first()[0] or 0
     log.info("read %d records outside the segments scanned (halves decided in them)", got.count())
