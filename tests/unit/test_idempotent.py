@@ -131,6 +131,43 @@ def test_a_wall_clock_stepped_days_ahead_forgets_no_key_before_its_time(tmp_path
     assert ledger.forget_older_than(72 * 3600) == 30
 
 
+def test_a_wall_clock_stepped_ahead_forgets_no_key_in_a_process_opened_after_the_step(tmp_path, monkeypatch):
+    """The bound on ages was the time passed since *this object* opened the table: a process opening it after a
+    step (the consumer restarted, or a cron job that opens the table only to call forget_older_than) took the
+    stepped wall clock as its start, and forget_older_than(72 h) deleted 30 of 30 keys consumed a minute
+    before. The reference is kept in the database for the host's boot (CLOCK_BOOTTIME is one clock for every
+    process of a boot): a process opened after the step forgets nothing by it either."""
+    import consumer.idempotent as idem
+
+    wall, elapsed = [1_000_000.0], [50.0]
+    monkeypatch.setattr(idem.time, "time", lambda: wall[0])
+    monkeypatch.setattr(idem, "_elapsed_s", lambda: elapsed[0])
+    monkeypatch.setattr(idem, "_boot_id", lambda: "boot-1")
+    path = str(tmp_path / "ledger.db")
+    ledger = SqliteIdempotency(path)
+    for i in range(30):
+        assert ledger.run_once(_message(f"m-{i}"), lambda m, db: None)
+    ledger.close()
+    wall[0] += 60 + 4 * 86400           # a minute passes; the clock steps four days ahead
+    elapsed[0] += 60
+    cron = SqliteIdempotency(path)      # opened after the step
+    try:
+        assert cron.forget_older_than(72 * 3600) == 0, "keys consumed a minute ago forgotten"
+        assert not cron.run_once(_message("m-7"), lambda m, db: None), "a redelivery is still skipped"
+        wall[0] += 72 * 3600
+        elapsed[0] += 72 * 3600
+        assert cron.forget_older_than(72 * 3600) == 30
+    finally:
+        cron.close()
+    monkeypatch.setattr(idem, "_boot_id", lambda: "boot-2")    # rebooted: a new reference, the old one dropped
+    elapsed[0] = 5.0
+    again = SqliteIdempotency(path)
+    try:
+        assert again.db.execute("SELECT boot FROM txmq_consumed_clock").fetchall() == [("boot-2",)]
+    finally:
+        again.close()
+
+
 def test_a_locked_database_is_waited_for_up_to_busy_timeout_s(tmp_path):
     """Several consumer processes may share the database: a restarting one found it locked by another's
     commit and failed to open after sqlite3's default 5 s. The wait is ``busy_timeout_s`` (30 s)."""
