@@ -1,6 +1,7 @@
 """Turn a store directory into DataFrames: decoded records (cached) and metric snapshots."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ class Scan:
     ends: dict = field(default_factory=dict)        # segment name -> commit-log offset after its data
     bytes_read: int = 0                             # bytes of record data decoded
     kept: list[dict] = field(default_factory=list)  # damaged records the broker kept in place: stepped over
+    check_crc: bool = False                         # records were read with their CRC (read_halves reads so too)
 
     def release(self) -> None:
         self.cached.unpersist()
@@ -111,7 +113,7 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
              len(segments), bytes_read, seconds)
     return Scan(rows, rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
                 rows.where(F.col("row") == "seg"), df, segments, len(chosen), count, damage, seconds,
-                list(chosen), ends, bytes_read, kept)
+                list(chosen), ends, bytes_read, kept, check_crc=check_crc)
 
 
 def _kept(notes, segments, job: str) -> list[dict]:
@@ -142,7 +144,10 @@ def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = F
     if not items:
         return None
     sc = spark.sparkContext
-    rdd = sc.parallelize(items, min(len(items), sc.defaultParallelism)).mapPartitions(seg_mod.read_records)
+    # Read as the scan read: else a damaged half its --check-crc scan stops at (or leaves out) came back sound
+    # here, and its decision was counted.
+    rdd = sc.parallelize(items, min(len(items), sc.defaultParallelism)).mapPartitions(
+        functools.partial(seg_mod.read_records, check_crc=scan.check_crc))
     df = spark.createDataFrame(rdd, record_schema(), verifySchema=False).cache()
     notes = df.where(F.col("row").isin("dmg", "err", "kept")).select("row", "segment", "offset", "size",
                                                                       "damage").collect()

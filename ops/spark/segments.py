@@ -408,7 +408,7 @@ def _end_row(seg: Segment, pos: int) -> tuple:
     return ("end", seg.name, seg.base + pos, pos) + (None,) * (len(ROW_FIELDS) - 4)
 
 
-def read_records(items):
+def read_records(items, check_crc: bool = False):
     """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, a kept row (a damaged
     record the broker kept in place: left out, as the scan leaves it out), a dmg row (no record can be decoded
     there), or an err row."""
@@ -427,7 +427,7 @@ def read_records(items):
             if row is not None:
                 yield row
                 continue
-            kind, what, size = _step(mm, pos, False)
+            kind, what, size = _step(mm, pos, check_crc)
             if kind == "rec":
                 yield _record_row(seg, pos, what, size, what.sys_flag & SysFlag.TRANSACTION_MASK)
             else:
