@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import sqlite3
 import threading
 import time
@@ -33,6 +34,27 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from protocol.message import MessageExt, Prop
+
+log = logging.getLogger("txmq.consumer.idempotent")
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+STEP_SAID_S = 60.0      # a wall clock ahead of the time passed by more than this (again) is said
+
+
+def _elapsed_s() -> float:
+    """Seconds of a clock never stepped that counts a suspended host's sleep (CLOCK_BOOTTIME; else monotonic)."""
+    return time.monotonic() if _BOOTTIME is None else time.clock_gettime(_BOOTTIME)
+
+
+def _boot_id() -> str | None:
+    """This boot of the host (Linux's boot_id): CLOCK_BOOTTIME readings of every process of one boot compare;
+    None where there is none (then the reference is this object's own)."""
+    if _BOOTTIME is None:
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def message_key(msg: MessageExt) -> str:
@@ -103,6 +125,48 @@ class SqliteIdempotency:
         self._worker_db: sqlite3.Connection | None = None
         self._worker_guard = threading.Lock()
         self._closed = False
+        # Ages (forget_older_than) are judged by the wall clock, as consumed_ms is stamped, but never further
+        # ahead of its reading at the open than the time that passed since: judged by the wall clock alone, a step
+        # days ahead (a VM's host, a bad NTP source) made every key "days old", and the next forget deleted them
+        # all, keys of messages consumed a minute before; their redeliveries then ran again.
+        # The reference is kept in the database for the host's boot: one taken at each open made a process opened
+        # after a step (the consumer restarted, a cron job opening the table only to forget) judge by the stepped
+        # clock, and forget every key. A step before the boot's first open, or across a reboot, is not seen.
+        self._opened = self._reference()
+        self._ahead_said = 0.0
+
+    def _reference(self) -> tuple[float, float]:
+        """(wall clock, _elapsed_s()) read together at the first open of the table in this boot of the host."""
+        here, boot = (time.time(), _elapsed_s()), _boot_id()
+        if boot is None:
+            return here
+        clock = f"{self.table}_clock"
+        self.db.execute(f"CREATE TABLE IF NOT EXISTS {clock} (boot TEXT PRIMARY KEY, wall REAL NOT NULL, "
+                        "elapsed REAL NOT NULL)")
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute(f"DELETE FROM {clock} WHERE boot != ?", (boot,))     # a boot before: not comparable
+            self.db.execute(f"INSERT OR IGNORE INTO {clock} (boot, wall, elapsed) VALUES (?, ?, ?)", (boot, *here))
+            wall, elapsed = self.db.execute(f"SELECT wall, elapsed FROM {clock} WHERE boot = ?", (boot,)).fetchone()
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return wall, elapsed
+
+    def _age_now(self) -> float:
+        """The wall clock to judge ages by: bounded by the time passed since the open; a step ahead said once."""
+        wall, (wall0, elapsed0) = time.time(), self._opened
+        now = min(wall, wall0 + _elapsed_s() - elapsed0)
+        ahead = wall - now
+        if ahead - self._ahead_said > STEP_SAID_S:
+            log.warning("the wall clock is %d s ahead of the time that passed since the keys table was opened (stepped "
+                        "ahead): forget_older_than judges ages by the latter, so no key is forgotten by the step; "
+                        "until the host boots again keys are kept that much longer", ahead)
+            self._ahead_said = ahead
+        elif ahead < self._ahead_said - STEP_SAID_S:
+            self._ahead_said = max(ahead, 0.0)    # put back: the next step ahead is said again
+        return now
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_s)
@@ -205,7 +269,7 @@ class SqliteIdempotency:
         connection, waits at most one chunk."""
         if not seconds > 0:
             raise ValueError(f"seconds={seconds!r}: keep the keys of some past, or nothing is idempotent")
-        cutoff = int((time.time() - seconds) * 1000)
+        cutoff = int((self._age_now() - seconds) * 1000)
         deleted = 0
         while True:
             n = self.db.execute(f"DELETE FROM {self.table} WHERE rowid IN (SELECT rowid FROM {self.table} "

@@ -299,18 +299,30 @@ def decode_offset_msg_id(msg_id: str) -> tuple[str, int, int]:
 
 
 class UniqIdGenerator:
-    """UNIQ_KEY ids in the Java client's layout: ip, pid, a per-process hash, ms into the month, counter."""
+    """UNIQ_KEY ids in the Java client's layout: ip, pid, a per-process hash, ms into the month, counter.
+
+    The time field is the wall clock's (a stock admin's queryMsgByUniqueKey looks the message up from the time
+    it reads there), so a clock stepped back makes the generator visit its past milliseconds again, the counter
+    (16 bits) at whatever it reached: at 10 ids a millisecond, 10 s again gave about 15 ids it had given before
+    (RocketMQ's MessageClientIDSetter too), two messages with one key, and an idempotent consumer skipped the
+    second as a redelivery of the first. A step back draws a new per-process hash: what follows differs from
+    everything before it."""
 
     def __init__(self, ip: str = "127.0.0.1"):
         try:
             packed_ip = ipaddress.ip_address(ip).packed
         except ValueError:
             packed_ip = b"\x7f\x00\x00\x01"
-        self._prefix = packed_ip + struct.pack(">H", os.getpid() & 0xFFFF) + os.urandom(4)
-        self._prefix_hex = self._prefix.hex().upper()
+        self._host_pid = packed_ip + struct.pack(">H", os.getpid() & 0xFFFF)
+        self._new_hash()
         self._counter = itertools.count(int.from_bytes(os.urandom(2), "big"))
         self._month_start = 0.0
         self._next_month = 0.0
+        self._last = 0.0            # the wall clock's latest reading: one ahead of now is a step back
+
+    def _new_hash(self) -> None:
+        self._prefix = self._host_pid + os.urandom(4)
+        self._prefix_hex = self._prefix.hex().upper()
 
     def _roll_month(self, now: float) -> None:
         t = time.localtime(now)
@@ -321,6 +333,11 @@ class UniqIdGenerator:
 
     def next(self) -> str:
         now = time.time()
+        if now < self._last:        # stepped back: its milliseconds again, with a hash of their own
+            self._new_hash()
+            if now < self._month_start:
+                self._next_month = now      # back into the month before: its start, not a negative time
+        self._last = now
         if now >= self._next_month:
             self._roll_month(now)
         # one format: the same 32 hex digits as hex() of prefix + pack(">IH", ms, counter), in a third of the time

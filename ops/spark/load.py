@@ -1,6 +1,7 @@
 """Turn a store directory into DataFrames: decoded records (cached) and metric snapshots."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ class Scan:
     ends: dict = field(default_factory=dict)        # segment name -> commit-log offset after its data
     bytes_read: int = 0                             # bytes of record data decoded
     kept: list[dict] = field(default_factory=list)  # damaged records the broker kept in place: stepped over
+    check_crc: bool = False                         # records were read with their CRC (read_halves reads so too)
 
     def release(self) -> None:
         self.cached.unpersist()
@@ -91,12 +93,7 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
     ends = {r["segment"]: r["offset"] for r in notes if r["row"] == "end"}
     damage = [_damage_dict(r, segments) for r in notes if r["row"] == "dmg"] + holes(segments)
     damage.sort(key=lambda d: (d["segment"], d["position"]))
-    kept = sorted((_damage_dict(r, segments) for r in notes if r["row"] == "kept"),
-                  key=lambda d: (d["segment"], d["position"]))
-    for k in kept:
-        log.warning("%s: left out the damaged record %s byte %d (%d bytes) the broker kept in place (corrupt_kept), "
-                    "read on after it%s", job, k["file"], k["position"], k["skipped_bytes"],
-                    f": {k['reason']}" if k["reason"] else "")
+    kept = _kept(notes, segments, job)
     rows = df.where(F.col("row").isin("rec", "msg", "seg"))
     if damage and not skip_damaged:
         df.unpersist()
@@ -116,7 +113,18 @@ def scan_store(spark, store_dir: str, *, job: str, skip_damaged: bool = False, c
              len(segments), bytes_read, seconds)
     return Scan(rows, rows.where(F.col("row") == "rec"), rows.where(F.col("row") == "msg"),
                 rows.where(F.col("row") == "seg"), df, segments, len(chosen), count, damage, seconds,
-                list(chosen), ends, bytes_read, kept)
+                list(chosen), ends, bytes_read, kept, check_crc=check_crc)
+
+
+def _kept(notes, segments, job: str) -> list[dict]:
+    """The kept rows among ``notes`` (damaged records the broker kept in place), each said at WARNING."""
+    kept = sorted((_damage_dict(r, segments) for r in notes if r["row"] == "kept"),
+                  key=lambda d: (d["segment"], d["position"]))
+    for k in kept:
+        log.warning("%s: left out the damaged record %s byte %d (%d bytes) the broker kept in place (corrupt_kept), "
+                    "read on after it%s", job, k["file"], k["position"], k["skipped_bytes"],
+                    f": {k['reason']}" if k["reason"] else "")
+    return kept
 
 
 def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = False):
@@ -136,14 +144,19 @@ def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = F
     if not items:
         return None
     sc = spark.sparkContext
-    rdd = sc.parallelize(items, min(len(items), sc.defaultParallelism)).mapPartitions(seg_mod.read_records)
+    # Read as the scan read: else a damaged half its --check-crc scan stops at (or leaves out) came back sound
+    # here, and its decision was counted.
+    rdd = sc.parallelize(items, min(len(items), sc.defaultParallelism)).mapPartitions(
+        functools.partial(seg_mod.read_records, check_crc=scan.check_crc))
     df = spark.createDataFrame(rdd, record_schema(), verifySchema=False).cache()
-    notes = df.where(F.col("row").isin("dmg", "err")).select("row", "segment", "offset", "size", "damage").collect()
+    notes = df.where(F.col("row").isin("dmg", "err", "kept")).select("row", "segment", "offset", "size",
+                                                                      "damage").collect()
     errors = [r["damage"] for r in notes if r["row"] == "err"]
     if errors:
         df.unpersist()
         raise StoreError(errors[0])
-    damage = sorted((_damage_dict(r, scan.segments) for r in notes), key=lambda d: (d["segment"], d["position"]))
+    damage = sorted((_damage_dict(r, scan.segments) for r in notes if r["row"] == "dmg"),
+                    key=lambda d: (d["segment"], d["position"]))
     if damage and not skip_damaged:
         df.unpersist()
         first = damage[0]
@@ -154,6 +167,7 @@ def read_halves(spark, scan: Scan, offsets: list[int], *, skip_damaged: bool = F
     for d in damage:
         log.warning("rollup: left out the damaged half in %s at byte %d: %s", d["file"], d["position"], d["reason"])
     scan.damage += damage
+    scan.kept += _kept(notes, scan.segments, "rollup")     # its decision is met with no half, as in a whole scan
     got = df.where(F.col("row") == "rec")
     scan.bytes_read += got.agg(F.sum("size")).first()[0] or 0
     log.info("read %d records outside the segments scanned (halves decided in them)", got.count())

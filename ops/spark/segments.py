@@ -408,9 +408,10 @@ def _end_row(seg: Segment, pos: int) -> tuple:
     return ("end", seg.name, seg.base + pos, pos) + (None,) * (len(ROW_FIELDS) - 4)
 
 
-def read_records(items):
-    """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, a dmg row (no
-    record can be decoded there), or an err row."""
+def read_records(items, check_crc: bool = False):
+    """mapPartitions body for point reads: (Segment, commit-log offset) -> a rec row, a kept row (a damaged
+    record the broker kept in place: left out, as the scan leaves it out), a dmg row (no record can be decoded
+    there), or an err row."""
     for seg, offset in items:
         try:
             with open(seg.path, "rb") as f:
@@ -420,7 +421,13 @@ def read_records(items):
             continue
         pos = offset - seg.base
         try:
-            kind, what, size = _step(mm, pos, False)
+            # Read without its CRC, a kept half came back as sound (a decision counted for it that the whole
+            # scan, stepping over it, leaves out), or stopped the job as damage.
+            row = _kept_row(mm, seg, pos, True) if pos in seg.kept else None
+            if row is not None:
+                yield row
+                continue
+            kind, what, size = _step(mm, pos, check_crc)
             if kind == "rec":
                 yield _record_row(seg, pos, what, size, what.sys_flag & SysFlag.TRANSACTION_MASK)
             else:

@@ -69,3 +69,78 @@ def test_the_jobs_step_over_a_kept_record_and_read_the_rest_of_its_segment(spark
     assert plan["report"]["messages_by_topic"] == [{"topic": "Orders", "messages": N - 1}]
     assert plan["report"]["unconsumed"] == [{"topic": "Orders", "group": "behind", "messages": N - 10 - 1},
                                             {"topic": "Orders", "group": "past", "messages": N - (N // 2 + 5)}]
+
+
+def _damaged_half_decided_later(d: str):
+    """A half in the first segment, its body CRC failing (head and every record after it sound), and its ROLLBACK
+    in the next segment (the day's): an incremental rollup reads the half alone (read_halves)."""
+    with StoreBuilder(d, segment_size=SEG) as b:
+        b.at(NOW - 90 * H)
+        half = b.half("pg-a", "Pay", b"half-body " * 8)
+        for i in range(N):
+            b.send("Orders", f"order-{i:04d}".encode() * 8)
+        later = b.at(NOW - H).send("Later", b"y" * (SEG // 2))
+        b.put_many([b.op_spec(half, "ROLLBACK")])       # its decision, in the day's segment
+    assert later.offset == SEG
+    path = os.path.join(d, "commitlog", f"{0:020d}")
+    with open(path, "r+b") as f:
+        data = f.read(half.offset + half.size)
+        f.seek(data.index(b"half-body", half.offset))
+        f.write(b"H")
+    return half
+
+
+def test_a_kept_half_read_outside_the_scanned_segments_is_left_out_as_the_scan_leaves_it(spark, tmp_path):
+    """An incremental rollup reads one by one the halves decided in its day's segments that lie in older ones
+    (read_halves). It read them without their CRC and without the store's corrupt_kept: a half the broker kept in
+    place, damaged, came back as a sound record (1 of 1 in the test), its decision counted, where the whole scan
+    steps over it and leaves it out; one whose properties did not decode stopped the job. It is left out now, and
+    listed with the scan's kept records, said at WARNING."""
+    from tests.support.broker_process import NO_CHECKS, BrokerProcess
+
+    from ops.spark.load import read_halves, scan_store
+
+    d = str(tmp_path / "store")
+    half = _damaged_half_decided_later(d)
+    with BrokerProcess(d, "--segment-size", str(SEG), "--max-message-size", str(SEG // 2 + 1024), *NO_CHECKS,
+                       "--keep-corrupt-records"):
+        pass
+    with open(os.path.join(d, "corrupt_kept")) as f:
+        assert f.read().split() == [str(half.offset)]
+    whole = scan_store(spark, d, job="test")
+    try:
+        assert whole.records.where(f"offset = {half.offset}").count() == 0     # the whole scan steps over it
+        assert [k["offset"] for k in whole.kept] == [half.offset]
+    finally:
+        whole.release()
+    scan = scan_store(spark, d, job="test", select=lambda segs: segs[1:])    # the day's segment only
+    try:
+        got = read_halves(spark, scan, [half.offset])
+        assert (got.count() if got is not None else 0) == 0, "the kept half read as sound"
+        assert [(k["offset"], k["skipped_bytes"]) for k in scan.kept] == [(half.offset, half.size)]
+        assert scan.damage == []
+    finally:
+        scan.release()
+
+
+def test_a_half_read_outside_the_scanned_segments_is_crc_checked_when_the_scan_is(spark, tmp_path):
+    """read_halves read every half without its CRC whatever the job's --check-crc: a half whose body CRC fails
+    (not kept by the broker) was the whole scan's damage (the job stopped, or --skip-damaged left it out) but
+    came back sound to an incremental rollup, and its decision was counted (1 of 1). It is read as its scan was:
+    damage, left out with skip_damaged and listed in scan.damage."""
+    from ops.spark.load import read_halves, scan_store
+    from protocol.errors import StoreError
+
+    d = str(tmp_path / "store")
+    half = _damaged_half_decided_later(d)
+    with pytest.raises(StoreError):
+        scan_store(spark, d, job="test", check_crc=True).release()     # the whole scan: damage
+    scan = scan_store(spark, d, job="test", check_crc=True, select=lambda segs: segs[1:])
+    try:
+        with pytest.raises(StoreError):
+            read_halves(spark, scan, [half.offset])
+        got = read_halves(spark, scan, [half.offset], skip_damaged=True)
+        assert (got.count() if got is not None else 0) == 0, "the damaged half read as sound"
+        assert [d["offset"] for d in scan.damage] == [half.offset]
+    finally:
+        scan.release()

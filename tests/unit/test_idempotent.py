@@ -86,9 +86,10 @@ def test_forget_older_than_drops_only_old_keys(tmp_path, monkeypatch):
     recent message is still skipped on redelivery, a forgotten one runs again."""
     import consumer.idempotent as idem
 
-    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
     clock = [1_000_000.0]
     monkeypatch.setattr(idem.time, "time", lambda: clock[0])
+    monkeypatch.setattr(idem, "_elapsed_s", lambda: clock[0] - 1_000_000.0)   # time passes: no step
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
     for i in range(25):
         assert ledger.run_once(_message(f"old-{i}"), lambda m, db: None)
     clock[0] += 3600
@@ -102,6 +103,69 @@ def test_forget_older_than_drops_only_old_keys(tmp_path, monkeypatch):
     with pytest.raises(ValueError):
         ledger.forget_older_than(0)
 
+
+
+def test_a_wall_clock_stepped_days_ahead_forgets_no_key_before_its_time(tmp_path, monkeypatch, caplog):
+    """consumed_ms is the wall clock's, and forget_older_than judged ages by it alone: stepped four days ahead
+    (a VM's host, a bad NTP source), forget_older_than(72 h) deleted every key, 30 of 30 consumed a minute
+    before, and their redeliveries (a rebalance, a retry) ran again. Ages are bounded by the time that passed
+    since the table was opened: nothing is forgotten by the step, said once; the keys go once 72 h have passed."""
+    import consumer.idempotent as idem
+
+    wall, elapsed = [1_000_000.0], [50.0]
+    monkeypatch.setattr(idem.time, "time", lambda: wall[0])
+    monkeypatch.setattr(idem, "_elapsed_s", lambda: elapsed[0], raising=False)
+    ledger = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    for i in range(30):
+        assert ledger.run_once(_message(f"m-{i}"), lambda m, db: None)
+    wall[0] += 60 + 4 * 86400           # a minute passes; the clock steps four days ahead
+    elapsed[0] += 60
+    with caplog.at_level("WARNING", logger="txmq.consumer.idempotent"):
+        assert ledger.forget_older_than(72 * 3600) == 0
+        assert ledger.forget_older_than(72 * 3600) == 0
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1, "said once a step"
+    assert "forget_older_than judges ages by the latter" in caplog.records[0].message
+    assert not ledger.run_once(_message("m-7"), lambda m, db: None), "a redelivery is still skipped"
+    wall[0] += 72 * 3600
+    elapsed[0] += 72 * 3600             # the retention has passed by the time that passed as well
+    assert ledger.forget_older_than(72 * 3600) == 30
+
+
+def test_a_wall_clock_stepped_ahead_forgets_no_key_in_a_process_opened_after_the_step(tmp_path, monkeypatch):
+    """The bound on ages was the time passed since *this object* opened the table: a process opening it after a
+    step (the consumer restarted, or a cron job that opens the table only to call forget_older_than) took the
+    stepped wall clock as its start, and forget_older_than(72 h) deleted 30 of 30 keys consumed a minute
+    before. The reference is kept in the database for the host's boot (CLOCK_BOOTTIME is one clock for every
+    process of a boot): a process opened after the step forgets nothing by it either."""
+    import consumer.idempotent as idem
+
+    wall, elapsed = [1_000_000.0], [50.0]
+    monkeypatch.setattr(idem.time, "time", lambda: wall[0])
+    monkeypatch.setattr(idem, "_elapsed_s", lambda: elapsed[0])
+    monkeypatch.setattr(idem, "_boot_id", lambda: "boot-1")
+    path = str(tmp_path / "ledger.db")
+    ledger = SqliteIdempotency(path)
+    for i in range(30):
+        assert ledger.run_once(_message(f"m-{i}"), lambda m, db: None)
+    ledger.close()
+    wall[0] += 60 + 4 * 86400           # a minute passes; the clock steps four days ahead
+    elapsed[0] += 60
+    cron = SqliteIdempotency(path)      # opened after the step
+    try:
+        assert cron.forget_older_than(72 * 3600) == 0, "keys consumed a minute ago forgotten"
+        assert not cron.run_once(_message("m-7"), lambda m, db: None), "a redelivery is still skipped"
+        wall[0] += 72 * 3600
+        elapsed[0] += 72 * 3600
+        assert cron.forget_older_than(72 * 3600) == 30
+    finally:
+        cron.close()
+    monkeypatch.setattr(idem, "_boot_id", lambda: "boot-2")    # rebooted: a new reference, the old one dropped
+    elapsed[0] = 5.0
+    again = SqliteIdempotency(path)
+    try:
+        assert again.db.execute("SELECT boot FROM txmq_consumed_clock").fetchall() == [("boot-2",)]
+    finally:
+        again.close()
 
 
 def test_a_locked_database_is_waited_for_up_to_busy_timeout_s(tmp_path):

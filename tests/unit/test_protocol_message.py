@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+import time
 import zlib
 
 import pytest
@@ -280,6 +281,36 @@ def test_uniq_ids_are_32_upper_hex_and_distinct():
     assert len(set(ids)) == 1000
     assert all(len(i) == 32 and i == i.upper() and i.startswith("0A010203") for i in ids)
     assert len(UniqIdGenerator("::1").next()) == 56
+
+
+def test_uniq_ids_stay_distinct_when_the_wall_clock_steps_back(monkeypatch):
+    """The id's time field is the wall clock's milliseconds into the month and its counter 16 bits: stepped back
+    10 s, a producer that sent 4 messages a millisecond, then 20, gave again 24 of the 200,000 ids it had given
+    before (wherever the ids given between a millisecond and its second visit came to a multiple of 65,536): two
+    messages with one UNIQ_KEY, the second skipped by an idempotent consumer as a redelivery of the first. A step
+    back draws a new per-process hash; the time field stays the wall clock's, also stepped back into the month
+    before (a stock admin's queryMsgByUniqueKey reads the store time from it)."""
+    import protocol.message as pm
+
+    clock = [time.mktime((2026, 11, 1, 0, 0, 10, 0, 0, -1))]
+    monkeypatch.setattr(pm.time, "time", lambda: clock[0])
+    gen = UniqIdGenerator("10.1.2.3")
+
+    def run(per_ms: int) -> list[str]:
+        start, ids = clock[0], []
+        for i in range(10_000):
+            clock[0] = start + i / 1000
+            ids += [gen.next() for _ in range(per_ms)]
+        return ids
+
+    before = run(4)
+    clock[0] -= 10.0                # the same ten seconds again
+    again = run(20)
+    assert len(set(before + again)) == len(before) + len(again), "an id given twice"
+    assert again[0][:12] == before[0][:12] and again[0][12:20] != before[0][12:20], "ip, pid; a new hash"
+    clock[0] -= 20.0                # into October: ms into its month, not a negative time
+    into_october = int(gen.next()[20:28], 16)
+    assert into_october == int((clock[0] - time.mktime((2026, 10, 1, 0, 0, 0, 0, 0, -1))) * 1000)
 
 
 def test_message_ext_msg_id_falls_back_to_offset_id():
