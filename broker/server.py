@@ -370,8 +370,15 @@ class BrokerServer:
                 return []
         m.registry.register(_Refresh())
         snap = lambda key: lambda: self._gauges.get(key, [])  # noqa: E731
-        m.add_gauge_collector("rocketmq_consumer_lag_messages", "Messages not yet consumed, by group and topic.",
+        m.add_gauge_collector("rocketmq_consumer_lag_messages",
+                              "Messages not yet consumed that the store still holds, by group and topic (those "
+                              "retention removed first: txmq_consumer_removed_unread_messages).",
                               ["consumer_group", "topic"], snap("lag"),
+                              known=lambda labels: self._known_group(labels[0]))
+        m.add_gauge_collector("txmq_consumer_removed_unread_messages",
+                              "Messages retention removed before the group read them (from its offset to the queue's "
+                              "minimum), by group and topic; gone when it pulls or is moved past them.",
+                              ["consumer_group", "topic"], snap("removed_unread"),
                               known=lambda labels: self._known_group(labels[0]))
         m.add_gauge_collector("rocketmq_storage_size", "Commit-log bytes on disk.", [], snap("storage"))
         m.add_gauge_collector("rocketmq_producer_connections", "Live producer connections, by group.",
@@ -459,12 +466,14 @@ class BrokerServer:
         ctx = self.ctx
         now_ms = self.clock()
         counted = self._lag_counted()
+        # (as consumer-progress: not a topic no online member of its group subscribes to, where its offset
+        # stays and the lag grew with every message others sent there, an alert firing for good)
+        lag = [(k, n) for k, n in (self._lag_by_group_topic() if self._lag_totals is None else self._lag_totals)
+               if counted(*k)]
         self._gauges = {
             "at": time.monotonic(),
-            # (as consumer-progress: not a topic no online member of its group subscribes to, where its offset
-            # stays and the lag grew with every message others sent there, an alert firing for good)
-            "lag": [((g, t), n) for (g, t), n in (self._lag_by_group_topic() if self._lag_totals is None
-                                                  else self._lag_totals) if counted(g, t)],
+            "lag": [(k, n[0]) for k, n in lag],
+            "removed_unread": [(k, n[1]) for k, n in lag if n[1]],     # a row only while there is a loss to see
             "storage": [((), ctx.store.storage_bytes())],
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
@@ -505,7 +514,7 @@ class BrokerServer:
         slices of LAG_SLICE."""
         totals: dict[tuple[str, str], int] = {}
         async for part in in_slices(offsets, LAG_SLICE):
-            _add_lag(totals, part, self.ctx.store.max_offset)
+            _add_lag(totals, part, self.ctx.store)
         return list(totals.items())
 
     async def _acl_reload(self) -> None:
@@ -578,7 +587,7 @@ class BrokerServer:
     def _lag(self):
         store = self.ctx.store
         for (group, topic, qid), offset in self.ctx.offsets.items():
-            yield group, topic, qid, max(0, store.max_offset(topic, qid) - offset)
+            yield group, topic, qid, _behind(store, topic, qid, offset)[0]
 
     def _lag_counted(self) -> Callable[[str, str], bool]:
         """fn(group, topic): is that lag counted (ClientRegistry.reads_elsewhere, asking topics_read once a group)?
@@ -594,7 +603,7 @@ class BrokerServer:
 
     def _lag_by_group_topic(self):
         totals: dict[tuple[str, str], int] = {}
-        _add_lag(totals, self.ctx.offsets.items(), self.ctx.store.max_offset)
+        _add_lag(totals, self.ctx.offsets.items(), self.ctx.store)
         return list(totals.items())
 
     def _connection(self, listener: str, table: dict) -> RemotingConnection:
@@ -739,11 +748,11 @@ class BrokerServer:
         # A row per consumer offset: built, encoded and appended in one go, 32,000 of them held the loop
         # 60-115 ms each minute. Built a slice at a time here; encoded (a slice a call, so the GIL passes
         # between them) and appended on a thread.
-        offsets, max_offset = self.ctx.offsets.items(), self.ctx.store.max_offset
+        offsets, store = self.ctx.offsets.items(), self.ctx.store
         lag = []
         counted = self._lag_counted()       # as the gauge (a topic no online member of the group reads: no row)
         async for part in in_slices(offsets, LAG_SLICE):
-            lag += [{"group": g, "topic": t, "queue_id": q, "lag": max(0, max_offset(t, q) - n)}
+            lag += [{"group": g, "topic": t, "queue_id": q, "lag": _behind(store, t, q, n)[0]}
                     for (g, t, q), n in part if counted(g, t)]
         connections = sum(len(s) for s in self.connections.values())
         snapshot = self.metrics.snapshot(connections, lag)
@@ -907,10 +916,21 @@ def start_failure(exc: BaseException, store_dir: str) -> str:
     return text.replace("\n", " ")
 
 
-def _add_lag(totals: dict, offsets, max_offset) -> None:
-    """Add each ((group, topic, qid), offset)'s lag behind ``max_offset(topic, qid)`` to ``totals[(group, topic)]``."""
+def _behind(store, topic: str, qid: int, offset: int) -> tuple[int, int]:
+    """(lag, removed unread) of a consumer offset: the messages of the queue from it on that the store still holds,
+    and those retention removed before it read them (from it up to the queue's minimum). Counted as lag, a group
+    that stopped showed every message sent since, whether on disk or long gone: months of traffic, never read and
+    never to be, its loss unsaid until it pulled again."""
+    low = store.min_offset(topic, qid)
+    return max(0, store.max_offset(topic, qid) - max(offset, low)), max(0, low - offset)
+
+
+def _add_lag(totals: dict, offsets, store) -> None:
+    """Add each ((group, topic, qid), offset)'s (lag, removed unread) (_behind) to ``totals[(group, topic)]``."""
     for (group, topic, qid), offset in offsets:
-        totals[(group, topic)] = totals.get((group, topic), 0) + max(0, max_offset(topic, qid) - offset)
+        lag, removed = _behind(store, topic, qid, offset)
+        had = totals.get((group, topic))
+        totals[(group, topic)] = (lag, removed) if had is None else (had[0] + lag, had[1] + removed)
 
 
 def _errno_in(exc: BaseException | None, code: int) -> bool:
