@@ -921,8 +921,8 @@ def _behind(store, topic: str, qid: int, offset: int) -> tuple[int, int]:
     and those retention removed before it read them (from it up to the queue's minimum). Counted as lag, a group
     that stopped showed every message sent since, whether on disk or long gone: months of traffic, never read and
     never to be, its loss unsaid until it pulled again."""
-    low = store.min_offset(topic, qid)
-    return max(0, store.max_offset(topic, qid) - max(offset, low)), max(0, low - offset)
+    low, high = store.queue_bounds(topic, qid)
+    return max(0, high - max(offset, low)), max(0, low - offset)
 
 
 def _add_lag(totals: dict, offsets, store) -> None:
