@@ -921,16 +921,25 @@ def _behind(store, topic: str, qid: int, offset: int) -> tuple[int, int]:
     and those retention removed before it read them (from it up to the queue's minimum). Counted as lag, a group
     that stopped showed every message sent since, whether on disk or long gone: months of traffic, never read and
     never to be, its loss unsaid until it pulled again."""
+    # (branches, not max(): run for every consumer offset each second, the builtin calls and a new pair per
+    # offset summed made the lag sum 1.6-1.9x main's)
     low, high = store.queue_bounds(topic, qid)
-    return max(0, high - max(offset, low)), max(0, low - offset)
+    if offset >= low:
+        return (high - offset if high > offset else 0), 0
+    return high - low, low - offset
 
 
 def _add_lag(totals: dict, offsets, store) -> None:
-    """Add each ((group, topic, qid), offset)'s (lag, removed unread) (_behind) to ``totals[(group, topic)]``."""
+    """Add each ((group, topic, qid), offset)'s (lag, removed unread) (_behind) to ``totals[(group, topic)]``, a
+    [lag, removed unread] list added to in place."""
     for (group, topic, qid), offset in offsets:
         lag, removed = _behind(store, topic, qid, offset)
         had = totals.get((group, topic))
-        totals[(group, topic)] = (lag, removed) if had is None else (had[0] + lag, had[1] + removed)
+        if had is None:
+            totals[(group, topic)] = [lag, removed]
+        else:
+            had[0] += lag
+            had[1] += removed
 
 
 def _errno_in(exc: BaseException | None, code: int) -> bool:
