@@ -94,7 +94,7 @@ class BrokerServer:
         self.loop_lag = LoopLag(self.metrics.loop_lag, self.metrics.loop_lag_worst)
         self.heap: HeapSettler | None = None            # the big tables frozen out of full collections (heap.py)
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
-        self._lag_totals: list | None = None    # lag by (group, topic), summed in slices (see _gauge_loop)
+        self._lag_totals: tuple | None = None   # (lag, removed unread) rows, summed in slices (see _gauge_loop)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -468,12 +468,11 @@ class BrokerServer:
         counted = self._lag_counted()
         # (as consumer-progress: not a topic no online member of its group subscribes to, where its offset
         # stays and the lag grew with every message others sent there, an alert firing for good)
-        lag = [(k, n) for k, n in (self._lag_by_group_topic() if self._lag_totals is None else self._lag_totals)
-               if counted(*k)]
+        lags, removed = self._lag_by_group_topic() if self._lag_totals is None else self._lag_totals
         self._gauges = {
             "at": time.monotonic(),
-            "lag": [(k, n[0]) for k, n in lag],
-            "removed_unread": [(k, n[1]) for k, n in lag if n[1]],     # a row only while there is a loss to see
+            "lag": [(k, n) for k, n in lags if counted(*k)],
+            "removed_unread": [(k, n) for k, n in removed if counted(*k)],     # rows only while there is a loss
             "storage": [((), ctx.store.storage_bytes())],
             "producers": [((g,), len(ctx.clients.producer_channels(g))) for g in list(ctx.clients.producers)],
             "consumers": [((g,), len(ctx.clients.consumer_ids(g))) for g in list(ctx.clients.consumers)],
@@ -509,13 +508,13 @@ class BrokerServer:
                 self.metrics.gc_full_pause.observe(pause)
             self.heap.maybe_settle()
 
-    async def _lag_in_slices(self, offsets: list) -> list:
-        """Lag by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between
+    async def _lag_in_slices(self, offsets: list) -> tuple[list, list]:
+        """(Lag, removed unread) rows (_lag_rows) by (group, topic) over ``offsets`` ((group, topic, qid), offset), yielding to the loop between
         slices of LAG_SLICE."""
-        totals: dict[tuple[str, str], int] = {}
+        totals: tuple[dict, dict] = ({}, {})
         async for part in in_slices(offsets, LAG_SLICE):
             _add_lag(totals, part, self.ctx.store)
-        return list(totals.items())
+        return _lag_rows(totals)
 
     async def _acl_reload(self) -> None:
         while True:
@@ -602,9 +601,9 @@ class BrokerServer:
         return counted
 
     def _lag_by_group_topic(self):
-        totals: dict[tuple[str, str], int] = {}
+        totals: tuple[dict, dict] = ({}, {})
         _add_lag(totals, self.ctx.offsets.items(), self.ctx.store)
-        return list(totals.items())
+        return _lag_rows(totals)
 
     def _connection(self, listener: str, table: dict) -> RemotingConnection:
         c = self.config
@@ -929,17 +928,24 @@ def _behind(store, topic: str, qid: int, offset: int) -> tuple[int, int]:
     return high - low, low - offset
 
 
-def _add_lag(totals: dict, offsets, store) -> None:
-    """Add each ((group, topic, qid), offset)'s (lag, removed unread) (_behind) to ``totals[(group, topic)]``, a
-    [lag, removed unread] list added to in place."""
+def _add_lag(totals: tuple[dict, dict], offsets, store) -> None:
+    """Add each ((group, topic, qid), offset)'s lag and removed unread (_behind) to ``totals`` (lags, removed), two
+    dicts of ints by (group, topic), the second holding only those with some. Not a pair or a list a (group,
+    topic): a new pair an offset made the sum 1.6-1.9x main's, and lists (200,000 for as many made-up groups, held
+    a second) were scanned by every collection of the garbage collector meanwhile; ints are not tracked."""
+    lags, removed_by = totals
     for (group, topic, qid), offset in offsets:
         lag, removed = _behind(store, topic, qid, offset)
-        had = totals.get((group, topic))
-        if had is None:
-            totals[(group, topic)] = [lag, removed]
-        else:
-            had[0] += lag
-            had[1] += removed
+        key = (group, topic)
+        lags[key] = lags.get(key, 0) + lag
+        if removed:
+            removed_by[key] = removed_by.get(key, 0) + removed
+
+
+def _lag_rows(totals: tuple[dict, dict]) -> tuple[list, list]:
+    """``_add_lag``'s totals as (lag rows, removed unread rows), each ((group, topic), n): the second only of those
+    with some, as the gauge's."""
+    return list(totals[0].items()), list(totals[1].items())
 
 
 def _errno_in(exc: BaseException | None, code: int) -> bool:
