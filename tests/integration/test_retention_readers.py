@@ -195,10 +195,24 @@ async def test_a_group_behind_removed_messages_shows_as_lag_only_what_it_can_sti
         low, high = res.min_offset, res.max_offset
         assert 5 < low < high
         labels = '{consumer_group="CG_stopped",topic="Stopped"}'
-        for _ in range(100):        # the gauges are summed once a second
-            lag = _scrape(b, "rocketmq_consumer_lag_messages")
-            removed = _scrape(b, "txmq_consumer_removed_unread_messages")
-            if removed.get(labels) == low - 5:
-                break
-            await asyncio.sleep(0.1)
+        lag, removed = await _lag_and_removed_once(b, lambda removed: removed.get(labels) == low - 5)
         assert (lag.get(labels), removed.get(labels)) == (high - low, low - 5), (high, low, lag, removed)
+        assert '{consumer_group="CG_look",topic="Stopped"}' not in removed    # pulled, never committed: no loss
+
+        async with PullConsumer(b.namesrv, "CG_stopped") as consumer:      # moved past what was removed
+            await consumer.fetch_queues("Stopped")
+            await consumer.commit_offset(mq, low)
+        lag, removed = await _lag_and_removed_once(b, lambda removed: labels not in removed)
+        assert (lag.get(labels), removed.get(labels)) == (high - low, None), (high, low, lag, removed)  # row gone
+
+
+async def _lag_and_removed_once(b, done) -> tuple[dict, dict]:
+    """(rocketmq_consumer_lag_messages, txmq_consumer_removed_unread_messages) by labels once ``done(the
+    second)`` (the gauges are summed once a second), or the last of 100 looks."""
+    for _ in range(100):
+        lag = _scrape(b, "rocketmq_consumer_lag_messages")
+        removed = _scrape(b, "txmq_consumer_removed_unread_messages")
+        if done(removed):
+            break
+        await asyncio.sleep(0.1)
+    return lag, removed
