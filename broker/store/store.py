@@ -1075,6 +1075,11 @@ class MessageStore:
         cq = self._cqs.get((topic, queue_id))
         return cq.min_offset if cq is not None else 0
 
+    def queue_bounds(self, topic: str, queue_id: int) -> tuple[int, int]:
+        """(min_offset, max_offset) in one look-up: the gauges ask it of every consumer offset each second."""
+        cq = self._cqs.get((topic, queue_id))
+        return (cq.min_offset, cq.max_offset) if cq is not None else (0, 0)
+
     def queue_units(self, topic: str, queue_id: int, index: int, count: int) -> list[tuple[int, int, int]] | None:
         """Up to ``count`` raw units (commit-log offset, size, tag code) from ``index``, as stored: a zeroed unit
         too (mqadmin queryCq is how one is looked at); none when ``index`` is outside the queue (it numbers the

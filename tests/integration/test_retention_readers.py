@@ -173,3 +173,46 @@ async def test_a_topic_made_again_under_its_name_counts_its_groups_moves_from_it
             assert res.status is PullStatus.OFFSET_ILLEGAL
         counted = _scrape(b, "txmq_pull_offset_moved_messages_total")
         assert counted == {'{consumer_group="CG_again",topic="Again"}': res.next_begin_offset - 5}, counted
+
+
+async def test_a_group_behind_removed_messages_shows_as_lag_only_what_it_can_still_read(broker_factory):
+    """A group that stopped at offset 5 while retention removed what followed: its lag was the queue's end less 5,
+    messages the broker no longer holds counted as waiting for it, and for a group that never comes back it grew
+    with every message sent for as long as the broker ran (months of traffic, with a few days' of it on disk).
+    The lag is what it can still read (end less the queue's minimum); what retention removed before it read it
+    is txmq_consumer_removed_unread_messages, until it pulls (or is moved) past it."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(60):
+        mq = await _fill(b, "Stopped")
+        async with PullConsumer(b.namesrv, "CG_stopped") as consumer:
+            await consumer.fetch_queues("Stopped")
+            await consumer.commit_offset(mq, 5)             # consumed a little, then stopped for good
+        end = await _log_end(b)
+        await _until_removed(b, end - end % SEGMENT)        # every sealed segment gone: the queue holds still
+        async with PullConsumer(b.namesrv, "CG_look") as look:     # a first pull: where the queue starts and ends
+            await look.fetch_queues("Stopped")
+            res = await look.pull(mq, 0)
+        low, high = res.min_offset, res.max_offset
+        assert 5 < low < high
+        labels = '{consumer_group="CG_stopped",topic="Stopped"}'
+        lag, removed = await _lag_and_removed_once(b, lambda removed: removed.get(labels) == low - 5)
+        assert (lag.get(labels), removed.get(labels)) == (high - low, low - 5), (high, low, lag, removed)
+        assert '{consumer_group="CG_look",topic="Stopped"}' not in removed    # pulled, never committed: no loss
+
+        async with PullConsumer(b.namesrv, "CG_stopped") as consumer:      # moved past what was removed
+            await consumer.fetch_queues("Stopped")
+            await consumer.commit_offset(mq, low)
+        lag, removed = await _lag_and_removed_once(b, lambda removed: labels not in removed)
+        assert (lag.get(labels), removed.get(labels)) == (high - low, None), (high, low, lag, removed)  # row gone
+
+
+async def _lag_and_removed_once(b, done) -> tuple[dict, dict]:
+    """(rocketmq_consumer_lag_messages, txmq_consumer_removed_unread_messages) by labels once ``done(the
+    second)`` (the gauges are summed once a second), or the last of 100 looks."""
+    for _ in range(100):
+        lag = _scrape(b, "rocketmq_consumer_lag_messages")
+        removed = _scrape(b, "txmq_consumer_removed_unread_messages")
+        if done(removed):
+            break
+        await asyncio.sleep(0.1)
+    return lag, removed
