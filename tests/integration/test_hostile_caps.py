@@ -736,6 +736,43 @@ async def test_one_address_deleting_groups_with_their_offsets_in_a_loop_waits_fo
     assert rounds // 2 <= deferred <= rounds, deferred
 
 
+@bounded(90)
+async def test_one_address_deleting_topics_with_offsets_in_a_loop_waits_for_the_savers_rest(broker_factory,
+                                                                                             tmp_path):
+    """The third path to the back-to-back saves: DELETE_TOPIC_IN_BROKER removes the topic's offsets and saves the
+    whole offsets table before SUCCESS, and any client may make a topic (UPDATE_AND_CREATE_TOPIC) and an offset on
+    it (a oneway commit, no save): a client looping over create + commit + delete had the table saved once a delete
+    (100,000 offsets: 0.75 saves a second, the save thread never resting). Its saves follow the saver's rest as the
+    moves' do: here a table of 50,000 offsets, and deletes queued behind one another wait the rest (counted)."""
+    config = tmp_path / "store" / "config"
+    config.mkdir(parents=True)
+    (config / "consumerOffset.json").write_text(json.dumps(
+        {f"Big{i // 100}@CG_big{i % 100}": {"0": 0} for i in range(50_000)}))
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "60000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    rounds = 60
+    try:
+        frames, deletes = [], []
+        for i in range(rounds):
+            frames.append(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+                "topic": f"Gone{i}", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}, opaque=next(_OPAQUES)))
+            frames.append(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_gone", "topic": f"Gone{i}", "queueId": "0", "commitOffset": "3"},
+                oneway=True, opaque=next(_OPAQUES)))
+            deletes.append(RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": f"Gone{i}"},
+                                                   opaque=next(_OPAQUES)))
+            frames.append(deletes[-1])
+        hostile.write(b"".join(f.encode() for f in frames))
+        replies = [await hostile.reply(f.opaque, 60) for f in deletes]
+        assert all(r and r[0].code == C.SUCCESS for r in replies), [r[0].remark for r in replies if r]
+        table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())
+        assert not any(key.startswith("Gone") for key in table.get("offsetTable", table))    # on disk at SUCCESS
+        deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
+    finally:
+        hostile.close()
+    assert rounds // 2 <= deferred <= rounds, deferred
+
+
 async def test_a_lock_batch_of_a_frames_worth_of_queues_answers_each_once_and_keeps_its_connections_order(
         broker_factory):
     """A LOCK_BATCH_MQ naming the broker's queues over and over (15 MB, 250,000 of them, held the loop 4.7 s) was
