@@ -525,8 +525,8 @@ class BrokerServer:
         # only sit in the catalogue and in every registration (1024 of 15 KB make a body past the frame limit).
         why = validate_topic(topic)
         if why is not None:
-            if first:
-                log.warning("consumer group %.200r: no retry topic: %s", group, why[:200])
+            if first:       # (at most every 10 s: made-up group names cost nothing, each was a line)
+                self.ctx.limits.warn("retry-topic-name", f"consumer group {group[:200]!r}: no retry topic: {why[:200]}")
             return
         # The heartbeat's client makes it (max_topics_per_host): else one address heartbeating max_retry_groups
         # made-up groups, and staying, left every other host's new group with no retry topic.
@@ -554,9 +554,8 @@ class BrokerServer:
             (not slave and self.ctx.topics.grow(topic, queues, creator)) or self.ctx.topics.ensure(
                 topic, queues, creator=creator)
         except TopicLimitError as exc:
-            if first:
-                self.ctx.limits.refused("retry-group-limit")
-                log.warning("consumer group %s: %s", group, exc)
+            if first:       # (at most every 10 s: made-up group names cost nothing, each was a line)
+                self.ctx.limits.refused("retry-group-limit", f"consumer group {group[:200]}: {exc}")
         else:
             if not first:
                 log.info("consumer group %s: its retry topic %s was gone; made again", group, topic)

@@ -79,6 +79,44 @@ async def _retry_topics(client: RawClient) -> set[str]:
     return {mq["topic"] for mq in await _queues(client) if mq["topic"].startswith("%RETRY%")}
 
 
+@bounded(60)
+async def test_made_up_groups_past_max_retry_groups_are_not_a_log_line_each(broker_factory):
+    """At max_retry_groups with every retry topic a live group's (none to forget), a new group's first heartbeat
+    makes no retry topic: counted (retry-group-limit) and said at WARNING, a line a group. Group names cost
+    nothing: one heartbeat of 300 made-up groups made 300 lines, and a client looping heartbeat + unregister of
+    new names one a group, without end. Said at most every 10 s now, still counted a group."""
+    broker = broker_factory("--max-retry-groups", "2")
+    client = await RawClient.open(broker.broker)
+    made_up = [f"G_made{i}" for i in range(300)]
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("live", "G_live1", "G_live2"))).code == C.SUCCESS
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("live", "G_live1", "G_live2", *made_up))).code \
+            == C.SUCCESS
+        assert await _retry_topics(client) == {"%RETRY%G_live1", "%RETRY%G_live2"}
+    finally:
+        client.close()
+    assert _scraped(broker, 'txmq_requests_refused_total{reason="retry-group-limit"}') == len(made_up)
+    said = [line for line in broker.log_path.read_text(errors="replace").splitlines() if "%RETRY%G_made" in line]
+    assert 1 <= len(said) <= 2, len(said)
+
+
+@bounded(60)
+async def test_made_up_groups_whose_retry_topic_name_is_too_long_are_not_a_log_line_each(broker_factory):
+    """A group name of 250 characters is a group's (255 at most) but its %RETRY% topic's is past the topic limit:
+    the group gets no retry topic, said at WARNING on its first heartbeat, a line a group: one heartbeat of 300
+    such made-up names made 300 lines. Said at most every 10 s now."""
+    broker = broker_factory()
+    client = await RawClient.open(broker.broker)
+    made_up = [f"G_long{i:03d}" + "x" * 240 for i in range(300)]
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("long", *made_up))).code == C.SUCCESS
+        assert not any(topic.startswith("%RETRY%G_long") for topic in await _retry_topics(client))
+    finally:
+        client.close()
+    said = [line for line in broker.log_path.read_text(errors="replace").splitlines() if "'G_long" in line]
+    assert 1 <= len(said) <= 2, len(said)
+
+
 async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(broker_factory):
     """Every consumer group named in a heartbeat got a %RETRY% topic for good, up to max_retry_groups, and only
     deleting groups by hand made room: a client that heartbeat made-up group names once (then left) left every
