@@ -236,10 +236,17 @@ class Limits:
 
     # ------------------------------------------------------------ offsets
     def may_commit(self, conn, offsets, group: str, topic: str, queue_id: int) -> str | None:
-        """None, or why this client may not make the offset of (``group``, ``topic``, ``queue_id``): past
+        """None, or why this client may not make the offset of (``group``, ``topic``, ``queue_id``): past max_offsets
+        (every client's together: per address alone, clients from enough addresses grew the table without bound) or
         max_offsets_per_host. An offset there is (its own or not) is always moved."""
         if offsets.has(group, topic, queue_id):
             return None
+        held, limit = offsets.count(), self.config.max_offsets
+        if held >= limit and offsets.per_host:
+            why = (f"offset of group {group} on {topic} queue {queue_id} not stored: the broker holds {held} "
+                   f"offsets, its limit (max_offsets={limit}); delete groups no longer used")
+            self.refused("offset-limit", why)
+            return why
         limit = self.config.max_offsets_per_host
         host = peer_host(conn)
         held = offsets.made_by(host)

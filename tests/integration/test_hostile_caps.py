@@ -481,6 +481,35 @@ async def test_one_address_commits_offsets_for_at_most_max_offsets_per_host_queu
     assert 'txmq_requests_refused_total{reason="offset-host-limit"} 4.0' in scraped
 
 
+@bounded(60)
+async def test_clients_from_many_addresses_commit_at_most_max_offsets_together(broker_factory):
+    """max_offsets_per_host bounds one address, and loopback alone is 127.0.0.0/8: clients from 40 addresses, each
+    under its own cap, grew the table to 40 times it, bounded by nothing (RocketMQ has no limit at all). The
+    broker's offsets are at most max_offsets now: past it a new one is refused naming the limit (counted, a pull's
+    commit too), an offset there is is still moved, and deleting a group gives the room back."""
+    broker = broker_factory("--max-offsets", "30", "--max-offsets-per-host", "5")
+    clients = [await RawClient.open(broker.broker, f"127.0.0.{2 + i}") for i in range(10)]
+    try:
+        assert (await _send_to(clients[0], "Offsets")).code == C.SUCCESS
+        room = 30 - len(await _offsets(clients[0]))     # (the broker's own, if any)
+        codes = [(await _commit(c, f"CG_{n}_{i}")).code for n, c in enumerate(clients) for i in range(4)]
+        assert codes[:room] == [C.SUCCESS] * room and C.SUCCESS not in codes[room:], codes
+        refused = await _commit(clients[9], "CG_new")
+        assert refused.code == C.SYSTEM_ERROR and "max_offsets=30" in refused.remark, refused.remark
+        assert (await _commit(clients[0], "CG_0_0")).code == C.SUCCESS        # one there is: still moved
+        assert len(await _offsets(clients[0])) == 30
+        [deleted] = await clients[0].call(RemotingCommand(R.DELETE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+                                                          ext_fields={"groupName": "CG_0_0", "removeOffset": "true"}), 10)
+        assert deleted.code == C.SUCCESS, deleted.remark
+        assert (await _commit(clients[9], "CG_new")).code == C.SUCCESS       # the room it gave back
+    finally:
+        for c in clients:
+            c.close()
+    # each commit past the limit, and CG_new's first
+    assert _scraped(broker, 'txmq_requests_refused_total{reason="offset-limit"}') == 40 - room + 1
+    assert "max_offsets=30" in broker.log()
+
+
 async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by_name(broker_factory):
     """UPDATE_AND_CREATE_TOPIC of a %RETRY% topic past max_retry_groups raised out of the handler: answered
     SYSTEM_ERROR "TopicLimitError: ..." and logged at ERROR with a traceback, as a bug, and not counted. It is
