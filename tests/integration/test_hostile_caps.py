@@ -511,6 +511,31 @@ async def test_clients_from_many_addresses_commit_at_most_max_offsets_together(b
     assert "max_offsets=30" in broker.log()
 
 
+@bounded(60)
+async def test_a_forced_reset_at_max_offsets_makes_no_offsets_past_it(broker_factory):
+    """INVOKE_BROKER_TO_RESET_OFFSET with isForce sets every queue of the topic, one the group has no offset for
+    too: a second path to new offsets, around max_offsets. A group holding one offset on a topic of 64 queues, reset
+    at the limit, made 63 more (any client may send it; one such group a topic, and a table of 30 became 93). Past
+    the limit only the offsets there are move, the others are left as they are and counted (offset-limit)."""
+    broker = broker_factory("--max-offsets", "30")
+    client = await RawClient.open(broker.broker)
+    try:
+        made = RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "Wide", "readQueueNums": "64", "writeQueueNums": "64", "perm": "6"}, opaque=next(_OPAQUES))
+        assert (await client.call(made, 10))[0].code == C.SUCCESS
+        assert (await _commit(client, "CG_wide", "Wide")).code == C.SUCCESS
+        room = 30 - len(await _offsets(client))
+        assert all([(await _commit(client, f"CG_fill{i}", "Wide")).code == C.SUCCESS for i in range(room)])
+        assert len(await _offsets(client)) == 30
+        [reset] = await client.call(RemotingCommand.request(R.INVOKE_BROKER_TO_RESET_OFFSET, {
+            "topic": "Wide", "group": "CG_wide", "timestamp": "-1", "isForce": "true"}, opaque=next(_OPAQUES)), 30)
+        assert reset.code == C.SUCCESS, reset.remark
+        assert len(await _offsets(client)) == 30
+    finally:
+        client.close()
+    assert _scraped(broker, 'txmq_requests_refused_total{reason="offset-limit"}') == 63
+
+
 async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by_name(broker_factory):
     """UPDATE_AND_CREATE_TOPIC of a %RETRY% topic past max_retry_groups raised out of the handler: answered
     SYSTEM_ERROR "TopicLimitError: ..." and logged at ERROR with a traceback, as a bug, and not counted. It is
