@@ -357,6 +357,9 @@ async def reset_offset(ctx, conn, cmd):
             # from, and is left as it is (RocketMQ refuses the whole reset). Taken as 0, it was committed 0 and
             # its consumer read the whole queue again.
             continue
+        if current is None and ctx.limits.offsets_full(ctx.offsets, group, topic, qid) is not None:
+            # a new offset, past max_offsets: left as it is (each queue of a wide topic was one more past it)
+            continue
         if one:
             target = one_offset
         else:
