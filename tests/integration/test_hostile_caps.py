@@ -536,6 +536,26 @@ async def test_a_forced_reset_at_max_offsets_makes_no_offsets_past_it(broker_fac
     assert _scraped(broker, 'txmq_requests_refused_total{reason="offset-limit"}') == 63
 
 
+@bounded(60)
+async def test_a_table_loaded_past_max_offsets_is_said_at_start(broker_factory, tmp_path):
+    """A table loaded at or past --max-offsets (a store from before the limit: RocketMQ has none, a deployment of
+    600,000 offsets upgrading) is kept whole, and every new offset is refused from the first: a new group's or a
+    rebalanced queue's commits, oneway, told nothing. Nothing said so until the first refusal. Said at start now, as
+    a table of queues past max_queues is."""
+    config = tmp_path / "store" / "config"
+    config.mkdir(parents=True)
+    (config / "consumerOffset.json").write_text(json.dumps(
+        {f"Big{i // 10}@CG_big{i % 10}": {"0": 0} for i in range(40)}))
+    broker = broker_factory("--max-offsets", "30")
+    client = await RawClient.open(broker.broker)
+    try:
+        assert len(await _offsets(client)) >= 40        # kept whole
+    finally:
+        client.close()
+    said = [line for line in broker.log().splitlines() if "max_offsets=30" in line]
+    assert said and "WARNING" in said[0] and "40" in said[0], said
+
+
 async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by_name(broker_factory):
     """UPDATE_AND_CREATE_TOPIC of a %RETRY% topic past max_retry_groups raised out of the handler: answered
     SYSTEM_ERROR "TopicLimitError: ..." and logged at ERROR with a traceback, as a bug, and not counted. It is
