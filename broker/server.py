@@ -216,6 +216,11 @@ class BrokerServer:
         ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000,
                                       per_host=not slave)   # a slave's are its master's copies: no caps
         ctx.offsets.fit(store.max_offset)       # queues a cut log left shorter than what was committed
+        if not slave and ctx.offsets.count() >= c.max_offsets:     # a store from before the limit, or one lowered
+            log.warning("the consumer offsets held are %d, at or past max_offsets=%d: all are kept and moved, but "
+                        "every new one (a new group's, a queue's first commit) is refused, its consumer told "
+                        "nothing (its commits are oneway): delete groups no longer used or raise --max-offsets",
+                        ctx.offsets.count(), c.max_offsets)
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
         await ctx.schedule.recover()
