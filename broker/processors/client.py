@@ -189,7 +189,7 @@ def check_client_config(ctx, conn, cmd):
     if why is not None:
         # (a line each was any client's to repeat, the expression at any length: 300 asks, 300 lines)
         ctx.limits.warn("sql92-refused", f"client {str(data.get('clientId'))[:200]} of group "
-                        f"{str(data.get('group'))[:200]}: SQL92 expression {str(expression)[:200]!r} refused: {why}")
+                        f"{str(data.get('group'))[:200]}: SQL92 expression {str(expression)[:200]!r} refused: {why[:200]}")
         return cmd.response(ResponseCode.SUBSCRIPTION_PARSE_FAILED, why)
     return cmd.response(ResponseCode.SUCCESS)
 
