@@ -235,11 +235,28 @@ class Limits:
         return True
 
     # ------------------------------------------------------------ offsets
+    def offsets_full(self, offsets, group: str, topic: str, queue_id: int) -> str | None:
+        """None, or why a new offset of (``group``, ``topic``, ``queue_id``) may not be made: the broker holds
+        max_offsets (counted, said at most every 10 s). For every path that makes one: a client's commit
+        (``may_commit``) and a forced reset (INVOKE_BROKER_TO_RESET_OFFSET), which sets queues the group has none
+        for. Not on a slave (its offsets are its master's copies)."""
+        held, limit = offsets.count(), self.config.max_offsets
+        if held < limit or not offsets.per_host:
+            return None
+        why = (f"offset of group {group} on {topic} queue {queue_id} not stored: the broker holds {held} "
+               f"offsets, its limit (max_offsets={limit}); delete groups no longer used")
+        self.refused("offset-limit", why)
+        return why
+
     def may_commit(self, conn, offsets, group: str, topic: str, queue_id: int) -> str | None:
-        """None, or why this client may not make the offset of (``group``, ``topic``, ``queue_id``): past
+        """None, or why this client may not make the offset of (``group``, ``topic``, ``queue_id``): past max_offsets
+        (every client's together: per address alone, clients from enough addresses grew the table without bound) or
         max_offsets_per_host. An offset there is (its own or not) is always moved."""
         if offsets.has(group, topic, queue_id):
             return None
+        why = self.offsets_full(offsets, group, topic, queue_id)
+        if why is not None:
+            return why
         limit = self.config.max_offsets_per_host
         host = peer_host(conn)
         held = offsets.made_by(host)

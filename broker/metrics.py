@@ -171,7 +171,7 @@ class BrokerMetrics:
         self.rejected_frames = Counter("txmq_rejected_frames", "Connections closed for malformed input.",
                                        registry=r)
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
-                               "(acl, topic-limit, topic-host-limit, queue-limit, queue-host-limit, queue-file-failed, topic-rate, offset-host-limit, busy, undecided-limit, retry-group-limit, queue-lock-limit, "
+                               "(acl, topic-limit, topic-host-limit, queue-limit, queue-host-limit, queue-file-failed, topic-rate, offset-limit, offset-host-limit, busy, undecided-limit, retry-group-limit, queue-lock-limit, "
                                "max_connections, max_connections_per_host, max_total_read_buffer, group-limit, subscription-limit, heartbeat-size, parked-pull-limit, "
                                "producer-group-mismatch, end-not-its-half, end-no-half, end-bad-state, transaction-type-without-half, "
                                "send-back-unconsumable, batch-messages).",
@@ -179,9 +179,9 @@ class BrokerMetrics:
         self.offset_moves_deferred = Counter(
             "txmq_offset_moves_deferred", "Offset moves by a client that is no consumer of the group (an admin "
             "tool's UPDATE_CONSUMER_OFFSET), resets (INVOKE_BROKER_TO_RESET_OFFSET) and removals (DELETE_SUBSCRIPTIONGROUP "
-            "with removeOffset) whose save waited for the offsets saver's rest (3 times its last save, after a save "
-            "in flight ended): on disk before SUCCESS all the same; saves moves start keep the saver at most a "
-            "quarter busy.", registry=r)
+            "with removeOffset) and topic deletions (DELETE_TOPIC_IN_BROKER) whose save waited for the offsets saver's rest (3 times its last save, after a save "
+            "in flight ended; a topic deletion at most 1 s of it): on disk before SUCCESS all the same; saves moves "
+            "start keep the saver at most a quarter busy.", registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
                                      "connections' together, the largest holders closed first).", ["reason"],

@@ -216,6 +216,11 @@ class BrokerServer:
         ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000,
                                       per_host=not slave)   # a slave's are its master's copies: no caps
         ctx.offsets.fit(store.max_offset)       # queues a cut log left shorter than what was committed
+        if not slave and ctx.offsets.count() >= c.max_offsets:     # a store from before the limit, or one lowered
+            log.warning("the consumer offsets held are %d, at or past max_offsets=%d: all are kept and moved, but "
+                        "every new one (a new group's, a queue's first commit) is refused, its consumer told "
+                        "nothing (its commits are oneway): delete groups no longer used or raise --max-offsets",
+                        ctx.offsets.count(), c.max_offsets)
         await _maybe_await(getattr(ctx.offsets, "open", None))
         await ctx.tx.recover()
         await ctx.schedule.recover()
@@ -556,8 +561,8 @@ class BrokerServer:
         # only sit in the catalogue and in every registration (1024 of 15 KB make a body past the frame limit).
         why = validate_topic(topic)
         if why is not None:
-            if first:
-                log.warning("consumer group %.200r: no retry topic: %s", group, why[:200])
+            if first:       # (at most every 10 s: made-up group names cost nothing, each was a line)
+                self.ctx.limits.warn("retry-topic-name", f"consumer group {group[:200]!r}: no retry topic: {why[:200]}")
             return
         # The heartbeat's client makes it (max_topics_per_host): else one address heartbeating max_retry_groups
         # made-up groups, and staying, left every other host's new group with no retry topic.
@@ -585,9 +590,8 @@ class BrokerServer:
             (not slave and self.ctx.topics.grow(topic, queues, creator)) or self.ctx.topics.ensure(
                 topic, queues, creator=creator)
         except TopicLimitError as exc:
-            if first:
-                self.ctx.limits.refused("retry-group-limit")
-                log.warning("consumer group %s: %s", group, exc)
+            if first:       # (at most every 10 s: made-up group names cost nothing, each was a line)
+                self.ctx.limits.refused("retry-group-limit", f"consumer group {group[:200]}: {exc}")
         else:
             if not first:
                 log.info("consumer group %s: its retry topic %s was gone; made again", group, topic)

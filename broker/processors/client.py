@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 
 from protocol.codes import ResponseCode
@@ -15,8 +14,6 @@ from protocol.message import MAX_CLIENT_ID_LENGTH, text_encodes, validate_group
 from ..clients import build_subscription, is_tag_type
 from ..limits import peer_host
 from ..slices import in_steps, run_steps
-
-log = logging.getLogger("txmq.clients")
 
 
 def _notify(ctx, groups) -> None:
@@ -190,8 +187,9 @@ def check_client_config(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The broker does not support consumer to filter message by {expression_type}")
     why = build_subscription(str(sub.get("topic")), expression, 0, str(expression_type)).filter_error
     if why is not None:
-        log.warning("client %s of group %s: SQL92 expression %r refused: %s", data.get("clientId"), data.get("group"),
-                    expression, why)
+        # (a line each was any client's to repeat, the expression at any length: 300 asks, 300 lines)
+        ctx.limits.warn("sql92-refused", f"client {str(data.get('clientId'))[:200]} of group "
+                        f"{str(data.get('group'))[:200]}: SQL92 expression {str(expression)[:200]!r} refused: {why[:200]}")
         return cmd.response(ResponseCode.SUBSCRIPTION_PARSE_FAILED, why)
     return cmd.response(ResponseCode.SUCCESS)
 

@@ -109,12 +109,12 @@ def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) 
     return -1 if current is None else current
 
 
-async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False):
+async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_rest: float | None = None):
     """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
     saved (``reply`` too when it is an error already). ``paced``: an admin's move, reset or removal, which a client
     may loop over: its save starts after the saver's rest (``ConsumerOffsets.saved``), counted when it waits one."""
     try:
-        rested = await ctx.offsets.saved(paced=paced)
+        rested = await ctx.offsets.saved(paced=paced, max_rest=max_rest)
     except OSError as exc:
         if reply.code == ResponseCode.SUCCESS:
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "

@@ -280,9 +280,9 @@ def handle_send(ctx, conn, cmd):
             # The half is kept, checked and limited as PGROUP's: sent by another group it was charged to that
             # group's max_undecided_per_group (one group's flood refused another's halves), its checks went to
             # producers that never began it, and its sender could not decide it. Stock clients set both alike.
-            ctx.limits.refused("producer-group-mismatch")
-            log.warning("half message from %s:%s refused: producerGroup %.200r, PGROUP %.200r", *conn.peer,
-                        h.producer_group, group)
+            # (said at most every 10 s: a line each was any client's to repeat, one a message)
+            ctx.limits.refused("producer-group-mismatch", f"half message from {conn.peer[0]}:{conn.peer[1]} refused: "
+                               f"producerGroup {h.producer_group[:200]!r}, PGROUP {group[:200]!r}")
             return cmd.response(ResponseCode.MESSAGE_ILLEGAL,
                                 f"transaction message claims producer group {group} (PGROUP) but is sent by "
                                 f"producer group {h.producer_group}: they must be the same")

@@ -43,6 +43,11 @@ FILE_NAME = "consumerOffset.json"
 # save's duration since it ended: saves started by moves keep the save thread at most 1 / (1 + REST_FACTOR) busy,
 # whatever the clients do, and a tool moving queue after queue waits about (1 + REST_FACTOR) saves a move.
 REST_FACTOR = 3
+# The most of that rest a DELETE_TOPIC_IN_BROKER waits (``saved(max_rest=)``): a stock mqadmin deleteTopic times out
+# after 5 s (DefaultMQAdminExt) and then never deletes the topic from the name server, and a delete right after
+# another waited the whole rest (100,000 offsets: 2.3-5.1 s, a save 0.6-1.2 s). A client looping over create, commit
+# and delete then keeps the saver at most S / (S + 1 s) busy (S its save; a quarter while 3 S < 1 s).
+DELETE_REST_MAX_S = 1.0
 
 
 class ConsumerOffsets:
@@ -297,7 +302,7 @@ class ConsumerOffsets:
         self._hurry = True
         self._wrote()
 
-    async def saved(self, *, paced: bool = False) -> float:
+    async def saved(self, *, paced: bool = False, max_rest: float | None = None) -> float:
         """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
         background save retries). For the operators' codes, which move offsets on purpose and answer SUCCESS: a
         reset (INVOKE_BROKER_TO_RESET_OFFSET) or a removal left to the next periodic save was undone by a kill
@@ -308,15 +313,17 @@ class ConsumerOffsets:
         ends), shared by every paced caller queued by then. A save each, back to back, had one client looping over
         moves keep the save thread busy without rest (100,000 offsets: 1.0-1.5 s a save); a count of moves per
         address instead held a tool moving queue after queue to one move a flush interval however cheap the save.
-        Returns the seconds the rest held this caller's save back (0.0: none).
+        Returns the seconds the rest held this caller's save back (0.0: none). ``max_rest``: this caller waits the
+        rest at most that long, then starts a save (DELETE_REST_MAX_S: a reply a stock client times out on).
 
         Nothing changed since the newest save written: nothing to write, it returns at once. Callers at once
         share the writes (group commit): a burst of resets costs two encodings of the table (100,000
         offsets: about 350 ms each), not one each, queued."""
         wanted = self._changes
         began, held = self.clock(), False
+        until = None if max_rest is None else began + max_rest
         while self._saved_changes < wanted:
-            if paced and not self._hurry:
+            if paced and not self._hurry and (until is None or self.clock() < until):
                 if self._paced is None:
                     self._paced = asyncio.ensure_future(self._paced_save())
                     self._paced.add_done_callback(retrieved)
@@ -325,7 +332,15 @@ class ConsumerOffsets:
                 # later moves keep coming; the moves a periodic save held waited with it for good.
                 paced_save = self._paced
                 while not paced_save.done() and self._saved_changes < wanted:
-                    await asyncio.wait([paced_save, self._write_end()], return_when=asyncio.FIRST_COMPLETED)
+                    nap = None if until is None else asyncio.ensure_future(self.sleep(max(until - self.clock(), 0)))
+                    try:
+                        await asyncio.wait([paced_save, self._write_end()] + ([nap] if nap else []),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        if nap is not None:
+                            nap.cancel()
+                    if until is not None and self.clock() >= until:
+                        break       # (then a save of its own, below, the paced one left to its waiters)
                 held = held or not paced_save.done() or paced_save.result() > 0     # (raises a failed save's)
                 continue
             await asyncio.shield(self._save_started())

@@ -262,3 +262,16 @@ async def test_a_transactional_retry_out_of_retries_commits_to_the_dead_letter_t
         [msg] = await _pull_waiting(conn, "CG_txdead", "%DLQ%CG_txdead")
         assert (msg.body, msg.properties["UNIQ_KEY"]) == (b"spent", "x1")
         assert await _max_offset(conn, "%RETRY%CG_txdead") == 0
+
+
+@bounded(60)
+async def test_halves_claiming_another_producer_group_are_refused_without_a_log_line_each(broker):
+    """A half whose PGROUP is not its sender's producer group is MESSAGE_ILLEGAL (counted under
+    producer-group-mismatch), and each was also a WARNING: one client sending 300 made 300 lines. Said at most
+    every 10 s now; every one is refused as before, and counted."""
+    async with _connected(broker) as conn:
+        sent = [await conn.request(_send("OtherTx", f"TRAN_MSG\x01true\x02PGROUP\x01PG_other\x02UNIQ_KEY\x01m{i}",
+                                         b"claimed", sys_flag=PREPARED), 5) for i in range(300)]
+    assert {s.code for s in sent} == {ResponseCode.MESSAGE_ILLEGAL}
+    said = [line for line in broker.log_path.read_text(errors="replace").splitlines() if "half message from" in line]
+    assert 1 <= len(said) <= 2, len(said)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 import urllib.request
 
 import pytest
@@ -77,6 +78,44 @@ def _heartbeat(client_id: str, *groups: str) -> dict:
 
 async def _retry_topics(client: RawClient) -> set[str]:
     return {mq["topic"] for mq in await _queues(client) if mq["topic"].startswith("%RETRY%")}
+
+
+@bounded(60)
+async def test_made_up_groups_past_max_retry_groups_are_not_a_log_line_each(broker_factory):
+    """At max_retry_groups with every retry topic a live group's (none to forget), a new group's first heartbeat
+    makes no retry topic: counted (retry-group-limit) and said at WARNING, a line a group. Group names cost
+    nothing: one heartbeat of 300 made-up groups made 300 lines, and a client looping heartbeat + unregister of
+    new names one a group, without end. Said at most every 10 s now, still counted a group."""
+    broker = broker_factory("--max-retry-groups", "2")
+    client = await RawClient.open(broker.broker)
+    made_up = [f"G_made{i}" for i in range(300)]
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("live", "G_live1", "G_live2"))).code == C.SUCCESS
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("live", "G_live1", "G_live2", *made_up))).code \
+            == C.SUCCESS
+        assert await _retry_topics(client) == {"%RETRY%G_live1", "%RETRY%G_live2"}
+    finally:
+        client.close()
+    assert _scraped(broker, 'txmq_requests_refused_total{reason="retry-group-limit"}') == len(made_up)
+    said = [line for line in broker.log_path.read_text(errors="replace").splitlines() if "%RETRY%G_made" in line]
+    assert 1 <= len(said) <= 2, len(said)
+
+
+@bounded(60)
+async def test_made_up_groups_whose_retry_topic_name_is_too_long_are_not_a_log_line_each(broker_factory):
+    """A group name of 250 characters is a group's (255 at most) but its %RETRY% topic's is past the topic limit:
+    the group gets no retry topic, said at WARNING on its first heartbeat, a line a group: one heartbeat of 300
+    such made-up names made 300 lines. Said at most every 10 s now."""
+    broker = broker_factory()
+    client = await RawClient.open(broker.broker)
+    made_up = [f"G_long{i:03d}" + "x" * 240 for i in range(300)]
+    try:
+        assert (await _call(client, R.HEART_BEAT, _heartbeat("long", *made_up))).code == C.SUCCESS
+        assert not any(topic.startswith("%RETRY%G_long") for topic in await _retry_topics(client))
+    finally:
+        client.close()
+    said = [line for line in broker.log_path.read_text(errors="replace").splitlines() if "'G_long" in line]
+    assert 1 <= len(said) <= 2, len(said)
 
 
 async def test_retry_topics_of_groups_gone_are_reclaimed_at_max_retry_groups(broker_factory):
@@ -443,6 +482,80 @@ async def test_one_address_commits_offsets_for_at_most_max_offsets_per_host_queu
     assert 'txmq_requests_refused_total{reason="offset-host-limit"} 4.0' in scraped
 
 
+@bounded(60)
+async def test_clients_from_many_addresses_commit_at_most_max_offsets_together(broker_factory):
+    """max_offsets_per_host bounds one address, and loopback alone is 127.0.0.0/8: clients from 40 addresses, each
+    under its own cap, grew the table to 40 times it, bounded by nothing (RocketMQ has no limit at all). The
+    broker's offsets are at most max_offsets now: past it a new one is refused naming the limit (counted, a pull's
+    commit too), an offset there is is still moved, and deleting a group gives the room back."""
+    broker = broker_factory("--max-offsets", "30", "--max-offsets-per-host", "5")
+    clients = [await RawClient.open(broker.broker, f"127.0.0.{2 + i}") for i in range(10)]
+    try:
+        assert (await _send_to(clients[0], "Offsets")).code == C.SUCCESS
+        room = 30 - len(await _offsets(clients[0]))     # (the broker's own, if any)
+        codes = [(await _commit(c, f"CG_{n}_{i}")).code for n, c in enumerate(clients) for i in range(4)]
+        assert codes[:room] == [C.SUCCESS] * room and C.SUCCESS not in codes[room:], codes
+        refused = await _commit(clients[9], "CG_new")
+        assert refused.code == C.SYSTEM_ERROR and "max_offsets=30" in refused.remark, refused.remark
+        assert (await _commit(clients[0], "CG_0_0")).code == C.SUCCESS        # one there is: still moved
+        assert len(await _offsets(clients[0])) == 30
+        [deleted] = await clients[0].call(RemotingCommand(R.DELETE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+                                                          ext_fields={"groupName": "CG_0_0", "removeOffset": "true"}), 10)
+        assert deleted.code == C.SUCCESS, deleted.remark
+        assert (await _commit(clients[9], "CG_new")).code == C.SUCCESS       # the room it gave back
+    finally:
+        for c in clients:
+            c.close()
+    # each commit past the limit, and CG_new's first
+    assert _scraped(broker, 'txmq_requests_refused_total{reason="offset-limit"}') == 40 - room + 1
+    assert "max_offsets=30" in broker.log()
+
+
+@bounded(60)
+async def test_a_forced_reset_at_max_offsets_makes_no_offsets_past_it(broker_factory):
+    """INVOKE_BROKER_TO_RESET_OFFSET with isForce sets every queue of the topic, one the group has no offset for
+    too: a second path to new offsets, around max_offsets. A group holding one offset on a topic of 64 queues, reset
+    at the limit, made 63 more (any client may send it; one such group a topic, and a table of 30 became 93). Past
+    the limit only the offsets there are move, the others are left as they are and counted (offset-limit)."""
+    broker = broker_factory("--max-offsets", "30")
+    client = await RawClient.open(broker.broker)
+    try:
+        made = RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "Wide", "readQueueNums": "64", "writeQueueNums": "64", "perm": "6"}, opaque=next(_OPAQUES))
+        assert (await client.call(made, 10))[0].code == C.SUCCESS
+        assert (await _commit(client, "CG_wide", "Wide")).code == C.SUCCESS
+        room = 30 - len(await _offsets(client))
+        assert all([(await _commit(client, f"CG_fill{i}", "Wide")).code == C.SUCCESS for i in range(room)])
+        assert len(await _offsets(client)) == 30
+        [reset] = await client.call(RemotingCommand.request(R.INVOKE_BROKER_TO_RESET_OFFSET, {
+            "topic": "Wide", "group": "CG_wide", "timestamp": "-1", "isForce": "true"}, opaque=next(_OPAQUES)), 30)
+        assert reset.code == C.SUCCESS, reset.remark
+        assert len(await _offsets(client)) == 30
+    finally:
+        client.close()
+    assert _scraped(broker, 'txmq_requests_refused_total{reason="offset-limit"}') == 63
+
+
+@bounded(60)
+async def test_a_table_loaded_past_max_offsets_is_said_at_start(broker_factory, tmp_path):
+    """A table loaded at or past --max-offsets (a store from before the limit: RocketMQ has none, a deployment of
+    600,000 offsets upgrading) is kept whole, and every new offset is refused from the first: a new group's or a
+    rebalanced queue's commits, oneway, told nothing. Nothing said so until the first refusal. Said at start now, as
+    a table of queues past max_queues is."""
+    config = tmp_path / "store" / "config"
+    config.mkdir(parents=True)
+    (config / "consumerOffset.json").write_text(json.dumps(
+        {f"Big{i // 10}@CG_big{i % 10}": {"0": 0} for i in range(40)}))
+    broker = broker_factory("--max-offsets", "30")
+    client = await RawClient.open(broker.broker)
+    try:
+        assert len(await _offsets(client)) >= 40        # kept whole
+    finally:
+        client.close()
+    said = [line for line in broker.log().splitlines() if "max_offsets=30" in line]
+    assert said and "WARNING" in said[0] and "40" in said[0], said
+
+
 async def test_update_topic_of_a_retry_topic_past_max_retry_groups_is_refused_by_name(broker_factory):
     """UPDATE_AND_CREATE_TOPIC of a %RETRY% topic past max_retry_groups raised out of the handler: answered
     SYSTEM_ERROR "TopicLimitError: ..." and logged at ERROR with a traceback, as a bug, and not counted. It is
@@ -734,6 +847,80 @@ async def test_one_address_deleting_groups_with_their_offsets_in_a_loop_waits_fo
     finally:
         hostile.close()
     assert rounds // 2 <= deferred <= rounds, deferred
+
+
+@bounded(90)
+async def test_one_address_deleting_topics_with_offsets_in_a_loop_waits_for_the_savers_rest(broker_factory,
+                                                                                             tmp_path):
+    """The third path to the back-to-back saves: DELETE_TOPIC_IN_BROKER removes the topic's offsets and saves the
+    whole offsets table before SUCCESS, and any client may make a topic (UPDATE_AND_CREATE_TOPIC) and an offset on
+    it (a oneway commit, no save): a client looping over create + commit + delete had the table saved once a delete
+    (100,000 offsets: 0.75 saves a second, the save thread never resting). Its saves follow the saver's rest as the
+    moves' do: here a table of 50,000 offsets, and deletes queued behind one another wait the rest (counted)."""
+    config = tmp_path / "store" / "config"
+    config.mkdir(parents=True)
+    (config / "consumerOffset.json").write_text(json.dumps(
+        {f"Big{i // 100}@CG_big{i % 100}": {"0": 0} for i in range(50_000)}))
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "60000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.1")
+    rounds = 60
+    try:
+        frames, deletes = [], []
+        for i in range(rounds):
+            frames.append(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+                "topic": f"Gone{i}", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}, opaque=next(_OPAQUES)))
+            frames.append(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_gone", "topic": f"Gone{i}", "queueId": "0", "commitOffset": "3"},
+                oneway=True, opaque=next(_OPAQUES)))
+            deletes.append(RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": f"Gone{i}"},
+                                                   opaque=next(_OPAQUES)))
+            frames.append(deletes[-1])
+        hostile.write(b"".join(f.encode() for f in frames))
+        replies = [await hostile.reply(f.opaque, 60) for f in deletes]
+        assert all(r and r[0].code == C.SUCCESS for r in replies), [r[0].remark for r in replies if r]
+        table = json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text())
+        assert not any(key.startswith("Gone") for key in table.get("offsetTable", table))    # on disk at SUCCESS
+        deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
+    finally:
+        hostile.close()
+    assert rounds // 2 <= deferred <= rounds, deferred
+
+
+@bounded(90)
+async def test_a_stock_admins_delete_topics_at_a_large_table_are_answered_within_its_timeout(broker_factory, tmp_path):
+    """DELETE_TOPIC_IN_BROKER's offsets save waits the saver's rest (REST_FACTOR times its last save) so that a
+    client looping over create + commit + delete cannot keep the saver busy; but a stock mqadmin deleteTopic waits
+    5 s (DefaultMQAdminExt's timeout) and, timed out, never deletes the topic from the name server (its next step).
+    At 100,000 offsets (a large deployment's table) a delete right after another was answered in 4.3-5.1 s, a whole
+    rest and a save (0.7-1.2 s unpaced). The rest a delete waits is bounded (1 s, DELETE_REST_MAX_S): a delete after
+    another is answered within that and two of the first's."""
+    config = tmp_path / "store" / "config"
+    config.mkdir(parents=True)
+    (config / "consumerOffset.json").write_text(json.dumps(
+        {f"Big{i // 100}@CG_big{i % 100}": {"0": 0} for i in range(100_000)}))
+    broker = broker_factory("--flush-consumer-offset-interval-ms", "600000")
+    admin = await RawClient.open(broker.broker, "127.0.0.1")
+    took = []
+    try:
+        for i in range(4):
+            made = RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+                "topic": f"Gone{i}", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}, opaque=next(_OPAQUES))
+            assert (await admin.call(made, 10))[0].code == C.SUCCESS
+            admin.write(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_gone", "topic": f"Gone{i}", "queueId": "0", "commitOffset": "3"},
+                oneway=True, opaque=next(_OPAQUES)).encode())
+        for i in range(4):      # each right after the one before: the whole rest ahead of it
+            began = time.monotonic()
+            [deleted] = await admin.call(RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": f"Gone{i}"},
+                                                                 opaque=next(_OPAQUES)), 60)
+            took.append(time.monotonic() - began)
+            assert deleted.code == C.SUCCESS, deleted.remark
+        deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
+    finally:
+        admin.close()
+    # the first waits no rest (a save of the table and the catalogue's); the others at most 1 s of rest more
+    assert max(took[1:]) <= 2 * took[0] + 1.5, took
+    assert deferred >= 1, deferred         # still paced, and counted
 
 
 async def test_a_lock_batch_of_a_frames_worth_of_queues_answers_each_once_and_keeps_its_connections_order(

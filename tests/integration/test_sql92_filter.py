@@ -278,3 +278,33 @@ async def test_our_push_consumer_is_refused_by_sql_where_the_filter_is_off(broke
         await refused.start()
     assert getattr(info.value, "code", None) == ResponseCode.SYSTEM_ERROR
     await refused.shutdown()
+
+
+@pytest.mark.parametrize("bad", ["a > " + "(" * 10_000, "a " + "y" * 10_000], ids=["nested", "echoed"])
+@bounded(60)
+async def test_a_client_asking_again_and_again_with_a_bad_expression_is_not_a_log_line_each(broker_factory, bad):
+    """CHECK_CLIENT_CONFIG with an expression that does not parse is SUBSCRIPTION_PARSE_FAILED, and it was said at
+    WARNING each time, the expression at any length: one client asking 300 times made 300 lines (a 10 KB
+    expression, 3 MB of log). Said at most every 10 s now (the expression cut at 200 characters); each ask is
+    still answered SUBSCRIPTION_PARSE_FAILED with the reason. The reason may quote the expression ("echoed":
+    unexpected 'yyy...', 10 KB): cut too, else the line was the expression's length still (a frame's, 16 MB,
+    every 10 s)."""
+    from protocol.codes import RequestCode
+    from protocol.command import RemotingCommand
+    broker = broker_factory("--enable-property-filter", "true")
+    raw = await RawClient.open(broker.broker)
+    asks = 300
+    body = json.dumps({"clientId": "flood", "group": "CG_flood", "subscriptionData": {
+        "topic": TOPIC, "subString": bad, "expressionType": "SQL92"}}).encode()
+    try:
+        frames = [RemotingCommand.request(RequestCode.CHECK_CLIENT_CONFIG, body=body, opaque=10_000 + i)
+                  for i in range(asks)]
+        raw.write(b"".join(f.encode() for f in frames))
+        replies = [await raw.reply(f.opaque, 20) for f in frames]
+    finally:
+        raw.close()
+    assert [r and r[0].code for r in replies] == [ResponseCode.SUBSCRIPTION_PARSE_FAILED] * asks
+    log = broker.log_path.read_text(errors="replace")
+    said = [line for line in log.splitlines() if "SQL92 expression" in line]
+    assert 1 <= len(said) <= 2, len(said)
+    assert max(len(line) for line in said) < 2_000
