@@ -180,7 +180,7 @@ class BrokerMetrics:
             "txmq_offset_moves_deferred", "Offset moves by a client that is no consumer of the group (an admin "
             "tool's UPDATE_CONSUMER_OFFSET), resets (INVOKE_BROKER_TO_RESET_OFFSET) and removals (DELETE_SUBSCRIPTIONGROUP "
             "with removeOffset) and topic deletions (DELETE_TOPIC_IN_BROKER) whose save waited for the offsets saver's rest (3 times its last save, after a save "
-            "in flight ended; a topic deletion at most 1 s of it): on disk before SUCCESS all the same; saves moves "
+            "in flight ended; a reset or removal at most 1 s of it): on disk before SUCCESS all the same; saves moves "
             "start keep the saver at most a quarter busy.", registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "

@@ -26,7 +26,7 @@ from ..slices import members_in_slices
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import refused_on_slave, topics_saved
-from ..store.offsets import DELETE_REST_MAX_S
+from ..store.offsets import ADMIN_REST_MAX_S
 from .offsets import offsets_saved
 from .pull import forget_moves
 
@@ -258,7 +258,7 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     reply = await topics_saved(ctx, cmd, f"topic {topic} deleted")
     # (paced: a topic made, a oneway commit on it, then this, in a loop, had the offsets saved back to back; the
     # rest bounded: a stock mqadmin deleteTopic times out after 5 s, and then leaves the topic in the name server)
-    reply = await offsets_saved(ctx, cmd, f"topic {topic} deleted", reply, paced=True, max_rest=DELETE_REST_MAX_S)
+    reply = await offsets_saved(ctx, cmd, f"topic {topic} deleted", reply, paced=True, max_rest=ADMIN_REST_MAX_S)
     if unmarked and reply.code == ResponseCode.SUCCESS:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"topic {topic} deleted, but its mark was not written "
                             f"({unmarked[0]}): a restart may index its old records again and serve it with the "
@@ -321,7 +321,8 @@ async def delete_subscription_group(ctx, conn, cmd):
         ResponseCode.SUCCESS)
     if remove_offset:       # else a kill before the periodic save brought the group's offsets back
         # (paced: a oneway commit then this, in a loop, had the table saved back to back)
-        reply = await offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply, paced=True)
+        reply = await offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply, paced=True,
+                                     max_rest=ADMIN_REST_MAX_S)
     return reply
 
 
@@ -408,7 +409,7 @@ async def reset_offset(ctx, conn, cmd):
     # it was -- the replay asked for never came, or the records skipped were delivered again.
     return await offsets_saved(ctx, cmd, f"[reset-offset] group {group} topic {topic} reset",
                                 cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table)),
-                                paced=True)
+                                paced=True, max_rest=ADMIN_REST_MAX_S)
 
 
 def _notify_reset(ctx, group: str, topic: str, timestamp: int, force: bool, table: dict, for_c: bool) -> int:

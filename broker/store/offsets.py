@@ -43,11 +43,13 @@ FILE_NAME = "consumerOffset.json"
 # save's duration since it ended: saves started by moves keep the save thread at most 1 / (1 + REST_FACTOR) busy,
 # whatever the clients do, and a tool moving queue after queue waits about (1 + REST_FACTOR) saves a move.
 REST_FACTOR = 3
-# The most of that rest a DELETE_TOPIC_IN_BROKER waits (``saved(max_rest=)``): a stock mqadmin deleteTopic times out
-# after 5 s (DefaultMQAdminExt) and then never deletes the topic from the name server, and a delete right after
-# another waited the whole rest (100,000 offsets: 2.3-5.1 s, a save 0.6-1.2 s). A client looping over create, commit
-# and delete then keeps the saver at most S / (S + 1 s) busy (S its save; a quarter while 3 S < 1 s).
-DELETE_REST_MAX_S = 1.0
+# The most of that rest one stock admin command waits (``saved(max_rest=)``): DELETE_TOPIC_IN_BROKER,
+# DELETE_SUBSCRIPTIONGROUP with removeOffset and INVOKE_BROKER_TO_RESET_OFFSET. A stock mqadmin times out after 5 s
+# (DefaultMQAdminExt) and then skips its next steps (deleteTopic never deletes the topic from the name server,
+# deleteSubGroup never deletes its %RETRY%/%DLQ% topics), and one right after another waited the whole rest (100,000
+# offsets: 2.3-5.1 s, a save 0.6-1.2 s). A client looping over them keeps the saver at most S / (S + 1 s) busy (S its
+# save; a quarter while 3 S < 1 s). A tool's answered moves (UPDATE_CONSUMER_OFFSET, one per queue) wait the whole rest.
+ADMIN_REST_MAX_S = 1.0
 
 
 class ConsumerOffsets:
@@ -314,7 +316,7 @@ class ConsumerOffsets:
         moves keep the save thread busy without rest (100,000 offsets: 1.0-1.5 s a save); a count of moves per
         address instead held a tool moving queue after queue to one move a flush interval however cheap the save.
         Returns the seconds the rest held this caller's save back (0.0: none). ``max_rest``: this caller waits the
-        rest at most that long, then starts a save (DELETE_REST_MAX_S: a reply a stock client times out on).
+        rest at most that long, then starts a save (ADMIN_REST_MAX_S: a reply a stock client times out on).
 
         Nothing changed since the newest save written: nothing to write, it returns at once. Callers at once
         share the writes (group commit): a burst of resets costs two encodings of the table (100,000

@@ -788,7 +788,7 @@ async def test_one_address_moving_offsets_of_groups_it_does_not_consume_shares_s
         admin.close()
 
 
-@bounded(90)
+@bounded(150)
 async def test_moves_waiting_for_the_savers_rest_are_answered_when_the_broker_stops(broker_factory, tmp_path):
     """Moves wait for the saver's rest, REST_FACTOR times its last save: at 200,000 offsets longer than the 5 s a
     SIGTERM gives requests in flight before it closes the connections, and the waiting moves were then saved at
@@ -810,7 +810,7 @@ async def test_moves_waiting_for_the_savers_rest_are_answered_when_the_broker_st
         assert first.code == C.SUCCESS
         tool.write(b"".join(f.encode() for f in frames[1:]))
         assert (await _send_to(tool, "Offsets")).code == C.SUCCESS     # (read after the moves: they wait)
-        assert await asyncio.to_thread(broker.stop) == 0
+        assert await asyncio.to_thread(broker.stop, 75) == 0
         replies = [await tool.reply(f.opaque, 10) for f in frames[1:]]
     finally:
         tool.close()
@@ -886,13 +886,37 @@ async def test_one_address_deleting_topics_with_offsets_in_a_loop_waits_for_the_
     assert rounds // 2 <= deferred <= rounds, deferred
 
 
+def _admin_command(kind: str, i: int) -> tuple[list, RemotingCommand]:
+    """What a stock mqadmin sends for ``kind`` (its i-th of a run), and the frames that give it offsets to save."""
+    if kind == "deleteTopic":
+        return [RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+                    "topic": f"Gone{i}", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"},
+                    opaque=next(_OPAQUES)),
+                RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": "CG_gone", "topic": f"Gone{i}", "queueId": "0", "commitOffset": "3"},
+                    oneway=True, opaque=next(_OPAQUES))], \
+            RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": f"Gone{i}"}, opaque=next(_OPAQUES))
+    group = f"CG_gone{i}"
+    made = [RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+        "consumerGroup": group, "topic": "Big0", "queueId": "0", "commitOffset": "3"},
+        oneway=True, opaque=next(_OPAQUES))]
+    if kind == "deleteSubGroup":
+        return made, RemotingCommand.request(R.DELETE_SUBSCRIPTIONGROUP, {"groupName": group, "removeOffset": "true"},
+                                             opaque=next(_OPAQUES))
+    return made, RemotingCommand.request(R.INVOKE_BROKER_TO_RESET_OFFSET, {
+        "topic": "Big0", "group": group, "timestamp": "-1", "isForce": "true"}, opaque=next(_OPAQUES))
+
+
 @bounded(90)
-async def test_a_stock_admins_delete_topics_at_a_large_table_are_answered_within_its_timeout(broker_factory, tmp_path):
-    """DELETE_TOPIC_IN_BROKER's offsets save waits the saver's rest (REST_FACTOR times its last save) so that a
-    client looping over create + commit + delete cannot keep the saver busy; but a stock mqadmin deleteTopic waits
-    5 s (DefaultMQAdminExt's timeout) and, timed out, never deletes the topic from the name server (its next step).
+@pytest.mark.parametrize("kind", ["deleteTopic", "deleteSubGroup", "resetOffsetByTime"])
+async def test_a_stock_admins_commands_at_a_large_table_are_answered_within_its_timeout(broker_factory, tmp_path,
+                                                                                         kind):
+    """DELETE_TOPIC_IN_BROKER, DELETE_SUBSCRIPTIONGROUP with removeOffset and INVOKE_BROKER_TO_RESET_OFFSET save the
+    offsets table after the saver's rest (REST_FACTOR times its last save) so that a client looping over them cannot
+    keep the saver busy; but a stock mqadmin waits 5 s (DefaultMQAdminExt's timeout) and, timed out, skips its next
+    steps (deleteTopic never deletes the topic from the name server, deleteSubGroup never its %RETRY%/%DLQ% topics).
     At 100,000 offsets (a large deployment's table) a delete right after another was answered in 4.3-5.1 s, a whole
-    rest and a save (0.7-1.2 s unpaced). The rest a delete waits is bounded (1 s, DELETE_REST_MAX_S): a delete after
+    rest and a save (0.7-1.2 s unpaced). The rest such a command waits is bounded (1 s, ADMIN_REST_MAX_S): one after
     another is answered within that and two of the first's."""
     config = tmp_path / "store" / "config"
     config.mkdir(parents=True)
@@ -902,23 +926,28 @@ async def test_a_stock_admins_delete_topics_at_a_large_table_are_answered_within
     admin = await RawClient.open(broker.broker, "127.0.0.1")
     took = []
     try:
-        for i in range(4):
+        if kind != "deleteTopic":
             made = RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
-                "topic": f"Gone{i}", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}, opaque=next(_OPAQUES))
+                "topic": "Big0", "readQueueNums": "1", "writeQueueNums": "1", "perm": "6"}, opaque=next(_OPAQUES))
             assert (await admin.call(made, 10))[0].code == C.SUCCESS
-            admin.write(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
-                "consumerGroup": "CG_gone", "topic": f"Gone{i}", "queueId": "0", "commitOffset": "3"},
-                oneway=True, opaque=next(_OPAQUES)).encode())
-        for i in range(4):      # each right after the one before: the whole rest ahead of it
+        commands = []
+        for i in range(4):
+            frames, command = _admin_command(kind, i)
+            for frame in frames:
+                if frame.is_oneway:
+                    admin.write(frame.encode())
+                else:
+                    assert (await admin.call(frame, 10))[0].code == C.SUCCESS
+            commands.append(command)
+        for command in commands:      # each right after the one before: the whole rest ahead of it
             began = time.monotonic()
-            [deleted] = await admin.call(RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": f"Gone{i}"},
-                                                                 opaque=next(_OPAQUES)), 60)
+            [answer] = await admin.call(command, 60)
             took.append(time.monotonic() - began)
-            assert deleted.code == C.SUCCESS, deleted.remark
+            assert answer.code == C.SUCCESS, answer.remark
         deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
     finally:
         admin.close()
-    # the first waits no rest (a save of the table and the catalogue's); the others at most 1 s of rest more
+    # the first waits no rest (a save of the table, and the catalogue's); the others at most 1 s of rest more
     assert max(took[1:]) <= 2 * took[0] + 1.5, took
     assert deferred >= 1, deferred         # still paced, and counted
 
