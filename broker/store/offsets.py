@@ -304,6 +304,15 @@ class ConsumerOffsets:
         self._hurry = True
         self._wrote()
 
+    def saving(self) -> asyncio.Future | None:
+        """A future that ends with the next step of the saves under way (a write, ``saved``'s save, a paced one);
+        None when none is. A stop waits on it past its grace for requests waiting on those saves."""
+        under_way = [f for f in (self._saving, self._paced) if f is not None and not f.done()]
+        if self._writing:
+            under_way.append(self._write_end())
+        return asyncio.ensure_future(asyncio.wait(under_way, return_when=asyncio.FIRST_COMPLETED)) \
+            if under_way else None
+
     async def saved(self, *, paced: bool = False, max_rest: float | None = None) -> float:
         """Write the table now, off the loop, and return once it is on disk; OSError when it cannot be (the
         background save retries). For the operators' codes, which move offsets on purpose and answer SUCCESS: a
