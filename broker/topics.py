@@ -237,9 +237,19 @@ class TopicManager:
             return
         loop, self._loop = self._loop, None
         pool, self._pool = self._pool, None
+        # On the config thread, after any write still running there: skipped when nothing changed. Bounded: behind
+        # a write that hangs (a stopped NFS) the stop waited for ever, and what closes after the topics (the
+        # subscription groups, the consumer offsets) was never saved. Given up, the catalogue is as its last
+        # write left it: a topic without messages made since is lost, the others restored from the store.
+        bound = self.write_wait_s if (self.write_hung or self._writes) else 5 * self.write_wait_s
+        last = loop.run_in_executor(pool, self._write_if_dirty, self._snapshot())
+        last.add_done_callback(retrieved)
         try:
-            # On the config thread, after any write still running there: skipped when nothing changed.
-            await loop.run_in_executor(pool, self._write_if_dirty, self._snapshot())
+            await asyncio.wait_for(asyncio.shield(last), bound)
+        except TimeoutError:
+            log.error("topics catalogue %s not written at stop: a write has not ended in %g s (a hung disk or a "
+                      "stopped network file system?); stopping without it (topics with messages are restored "
+                      "from the store at start-up, one without messages made since is lost)", self.path, bound)
         except OSError as exc:          # a full disk must not turn a clean stop into a crash
             log.error("topics catalogue %s not written at stop (topics are restored from the store at "
                       "start-up): %s", self.path, exc)
