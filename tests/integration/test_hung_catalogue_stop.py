@@ -23,7 +23,7 @@ pytestmark = pytest.mark.asyncio
 async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_offsets(tmp_path):
     """The config thread was a ThreadPoolExecutor worker: not a daemon, so even once the stop gave the catalogue
     up, the interpreter's exit joined the thread stuck in the hung write and the process never ended (SIGTERM,
-    then a supervisor's SIGKILL)."""
+    then a supervisor's SIGKILL). Nor is the write said to have ended when the loop's end cancels it."""
     broker = BrokerProcess(tmp_path / "store").start()
     fifo = tmp_path / "store" / "config" / "topics.json.tmp"
     try:
@@ -44,6 +44,8 @@ async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_
         assert code == 0, broker.log()
         saved = (tmp_path / "store" / "config" / "consumerOffset.json").read_text()
         assert "CG_hung_stop" in saved, broker.log()
+        # the loop's end cancelled the wrapped write: that is no end of the write, and no success
+        assert "the write that hung has ended" not in broker.log(), broker.log()
     finally:
         with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
             fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
