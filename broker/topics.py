@@ -430,6 +430,10 @@ class TopicManager:
 
     def _written(self, fut) -> None:
         self._writes -= 1
+        if fut.cancelled() and self._loop is None:
+            # the loop's end cancelled a write a stop gave up (``close``): still under way on the config thread,
+            # not ended, not written
+            return
         if self.write_hung and not self._writes:
             self.write_hung = False
             log.warning("topics catalogue %s: the write that hung has ended", self.path)
