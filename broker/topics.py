@@ -30,7 +30,9 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -102,6 +104,39 @@ class TopicConfig:
         return max(self.read_queue_nums, self.write_queue_nums)
 
 
+class ConfigThread(Executor):
+    """The config thread catalogue writes run on, in order (an executor of one thread for run_in_executor).
+
+    A daemon, unlike a ThreadPoolExecutor's worker: the interpreter's exit joins those, so a write that hangs (a
+    stopped NFS) kept the process from ending after its stop had given the catalogue up (``close``), SIGTERM
+    answered by nothing until a SIGKILL. A write cut by the exit leaves only its .tmp copy (``save``)."""
+
+    def __init__(self, name: str):
+        self._work_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        self._work_queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._work_queue.put(None)
+        if wait:
+            self._thread.join()
+
+    def _main(self) -> None:
+        while (job := self._work_queue.get()) is not None:
+            fut, fn, args, kwargs = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see, as ThreadPoolExecutor's
+                fut.set_exception(exc)
+
+
 class TopicManager:
     def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str,
                  max_retry_groups: int = 1 << 30, trace_topic: bool = False, per_host: bool = True):
@@ -112,7 +147,7 @@ class TopicManager:
         # cap is counted or enforced there; creators read from the catalogue are not kept.
         self.per_host = per_host
         self._loop = None                   # set by start_background: writes then go to _pool
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ConfigThread | None = None
         self._write_scheduled = False
         self._dirty = False                 # changed since the last catalogue write that succeeded
         self._changes = 0                   # changes made (_persist); a snapshot carries the count it holds
@@ -229,7 +264,7 @@ class TopicManager:
     def start_background(self, loop) -> None:
         """From now on, catalogue writes are batched on a config thread, off ``loop``."""
         self._loop = loop
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="txmq-topics")
+        self._pool = ConfigThread("txmq-topics")
 
     async def close(self) -> None:
         """Write what is pending and stop the config thread."""
@@ -237,9 +272,19 @@ class TopicManager:
             return
         loop, self._loop = self._loop, None
         pool, self._pool = self._pool, None
+        # On the config thread, after any write still running there: skipped when nothing changed. Bounded: behind
+        # a write that hangs (a stopped NFS) the stop waited for ever, and what closes after the topics (the
+        # subscription groups, the consumer offsets) was never saved. Given up, the catalogue is as its last
+        # write left it: a topic without messages made since is lost, the others restored from the store.
+        bound = self.write_wait_s if (self.write_hung or self._writes) else 5 * self.write_wait_s
+        last = loop.run_in_executor(pool, self._write_if_dirty, self._snapshot())
+        last.add_done_callback(retrieved)
         try:
-            # On the config thread, after any write still running there: skipped when nothing changed.
-            await loop.run_in_executor(pool, self._write_if_dirty, self._snapshot())
+            await asyncio.wait_for(asyncio.shield(last), bound)
+        except TimeoutError:
+            log.error("topics catalogue %s not written at stop: a write has not ended in %g s (a hung disk or a "
+                      "stopped network file system?); stopping without it (topics with messages are restored "
+                      "from the store at start-up, one without messages made since is lost)", self.path, bound)
         except OSError as exc:          # a full disk must not turn a clean stop into a crash
             log.error("topics catalogue %s not written at stop (topics are restored from the store at "
                       "start-up): %s", self.path, exc)
@@ -385,6 +430,10 @@ class TopicManager:
 
     def _written(self, fut) -> None:
         self._writes -= 1
+        if fut.cancelled() and self._loop is None:
+            # the loop's end cancelled a write a stop gave up (``close``): still under way on the config thread,
+            # not ended, not written
+            return
         if self.write_hung and not self._writes:
             self.write_hung = False
             log.warning("topics catalogue %s: the write that hung has ended", self.path)

@@ -333,3 +333,37 @@ async def test_a_hung_catalogue_write_is_seen_without_a_send_and_piles_up_no_wri
     finally:
         release.set()
         await server.stop()
+
+
+@bounded(40)
+async def test_a_stop_behind_a_hung_catalogue_write_ends_and_saves_the_rest(tmp_path, monkeypatch):
+    """rstock2 let sends go on past a hung topics.json write, but a stop still queued the catalogue's last write
+    on the config thread behind it: ``stop`` never returned while the write hung (a stopped NFS: for ever), and the
+    parts closed after the topics -- subscription groups, KV config, consumer offsets -- were never saved: offsets
+    committed since the last periodic save lost, consumers re-reading them after the restart. The stop gives the
+    catalogue up after write_wait_s (topics are restored from the store at start-up) and closes the rest."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    release = threading.Event()
+    stopped = False
+    try:
+        tm = server.ctx.topics
+        await tm.saved()
+        tm.write_wait_s = 0.3
+        started, release = _held_saves(monkeypatch)
+        tm.ensure("MadeBeforeStop")
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, started.wait, 5)
+        server.ctx.offsets.commit("CG_stop", "T", 0, 42)
+        try:
+            async with asyncio.timeout(8):      # (it never returned: timed out here)
+                await server.stop()
+        except TimeoutError:
+            pytest.fail("stop did not return while a topics.json write hung")
+        stopped = True
+        saved = (tmp_path / "config" / "consumerOffset.json").read_text()
+        assert "CG_stop" in saved, "consumer offsets not saved at a stop behind a hung catalogue write"
+    finally:
+        release.set()
+        if not stopped:
+            await server.stop()

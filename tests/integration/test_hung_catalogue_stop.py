@@ -1,0 +1,53 @@
+"""A broker stopped (SIGTERM) while its topics.json write hangs: the process ends, and saves what closes after the
+topics. The hang is real: topics.json.tmp is a FIFO no one reads, so the config thread's open() blocks for ever,
+as on a stopped NFS."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+import pytest
+
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from tests.support.bounded import bounded
+from tests.support.broker_process import BrokerProcess
+from tests.support.cluster_process import request
+
+pytestmark = pytest.mark.asyncio
+
+
+@bounded(90)
+async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_offsets(tmp_path):
+    """The config thread was a ThreadPoolExecutor worker: not a daemon, so even once the stop gave the catalogue
+    up, the interpreter's exit joined the thread stuck in the hung write and the process never ended (SIGTERM,
+    then a supervisor's SIGKILL). Nor is the write said to have ended when the loop's end cancels it."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "topics.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        send = await request(broker.broker, R.SEND_MESSAGE, {
+            "producerGroup": "PG_hung", "topic": "HungStop", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": "4", "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+            "properties": ""}, b"m")
+        assert send.code == C.SUCCESS, send.remark       # past write_wait_s (2 s): the write hangs
+        commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_hung_stop", "topic": "HungStop", "queueId": "0", "commitOffset": "1"})
+        assert commit.code == C.SUCCESS, commit.remark
+        broker.proc.send_signal(signal.SIGTERM)
+        try:
+            code = broker.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the broker did not end within 30 s of SIGTERM behind a hung topics.json write\n{broker.log()}")
+        assert code == 0, broker.log()
+        saved = (tmp_path / "store" / "config" / "consumerOffset.json").read_text()
+        assert "CG_hung_stop" in saved, broker.log()
+        # the loop's end cancelled the wrapped write: that is no end of the write, and no success
+        assert "the write that hung has ended" not in broker.log(), broker.log()
+    finally:
+        with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
+            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(fd)
+        broker.kill()
