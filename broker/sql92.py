@@ -31,6 +31,8 @@ import math
 import re
 import struct
 
+from .javanum import java_int
+
 MAX_LENGTH = 16 * 1024      # characters; an IN list of a few hundred ids fits
 MAX_DEPTH = 64              # nested parentheses and prefix operators: bounds the parser's and evaluator's recursion
 MAX_OPERATORS = 256         # comparisons and logic per expression: bounds the work per message scanned
@@ -54,7 +56,6 @@ class Long(int):
 
 
 # ------------------------------------------------------------------ Java conversions (ComparisonExpression)
-_JAVA_INT = re.compile(r"[+-]?\d+")     # parseInt: one sign, Unicode digits (Character.digit), no space, no _
 # Each run of digits can match one way only ("1." then digits, never "1" "1"): a property of 30,000 digits
 # and an "x" otherwise backtracked quadratically, seconds per comparison on the event loop.
 _JAVA_DOUBLE = re.compile(r"[+-]?(?:NaN|Infinity|(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[fFdD]?)")
@@ -65,15 +66,13 @@ _DOUBLE = struct.Struct(">d")
 
 
 def _java_integer(text: str, limit: int) -> int:
-    if text.isascii() and text.isdigit() or _JAVA_INT.fullmatch(text):     # the first test: the usual case, fast
-        # No more than a Long's 19 digits reach int(), which refuses over 4300 with a plain ValueError: such a
-        # value stopped every pull of its queue with a SYSTEM_ERROR instead of being passed over.
-        if len(text) > 20:
-            sign = text[0] if text[0] in "+-" else ""
-            text = sign + (text[len(sign):].lstrip("0") or "0")
-        value = int(text) if len(text) <= 20 else None
-        if value is not None and -limit - 1 <= value <= limit:
-            return value
+    # (javanum's: no more than a Long's 19 digits reach int(), which refuses over 4300 with a plain ValueError: such
+    # a value stopped every pull of its queue with a SYSTEM_ERROR instead of being passed over)
+    if len(text) < 10 and text.isascii() and text.isdigit():    # the usual case: fits an Integer, no sign
+        return int(text)
+    value = java_int(text, 32 if limit == _INT_MAX else 64)
+    if value.__class__ is int:
+        return value
     raise SelectorEvalError(f"For input string: {text!r} (not {'a Long' if limit > _INT_MAX else 'an Integer'})")
 
 

@@ -141,17 +141,29 @@ class SqliteIdempotency:
         if boot is None:
             return here
         clock = f"{self.table}_clock"
-        self.db.execute(f"CREATE TABLE IF NOT EXISTS {clock} (boot TEXT PRIMARY KEY, wall REAL NOT NULL, "
-                        "elapsed REAL NOT NULL)")
-        self.db.execute("BEGIN IMMEDIATE")
         try:
-            self.db.execute(f"DELETE FROM {clock} WHERE boot != ?", (boot,))     # a boot before: not comparable
-            self.db.execute(f"INSERT OR IGNORE INTO {clock} (boot, wall, elapsed) VALUES (?, ?, ?)", (boot, *here))
-            wall, elapsed = self.db.execute(f"SELECT wall, elapsed FROM {clock} WHERE boot = ?", (boot,)).fetchone()
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {clock} (boot TEXT PRIMARY KEY, wall REAL NOT NULL, "
+                            "elapsed REAL NOT NULL)")
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute(f"DELETE FROM {clock} WHERE boot != ?", (boot,))     # a boot before: not comparable
+                self.db.execute(f"INSERT OR IGNORE INTO {clock} (boot, wall, elapsed) VALUES (?, ?, ?)", (boot, *here))
+                wall, elapsed = self.db.execute(f"SELECT wall, elapsed FROM {clock} WHERE boot = ?",
+                                                (boot,)).fetchone()
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_READONLY:
+                raise
+            # A database this process may not write (a read-only file or mount, an audit's reader) opened before
+            # the clock table; it forgets nothing. This boot's reference if there is one, else this open's.
+            try:
+                row = self.db.execute(f"SELECT wall, elapsed FROM {clock} WHERE boot = ?", (boot,)).fetchone()
+            except sqlite3.OperationalError:        # no clock table (one an older release wrote)
+                row = None
+            return here if row is None else tuple(row)
         return wall, elapsed
 
     def _age_now(self) -> float:

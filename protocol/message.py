@@ -36,6 +36,7 @@ import re
 import socket
 import struct
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -313,8 +314,10 @@ class UniqIdGenerator:
             packed_ip = ipaddress.ip_address(ip).packed
         except ValueError:
             packed_ip = b"\x7f\x00\x00\x01"
+        self._ip = packed_ip
         self._host_pid = packed_ip + struct.pack(">H", os.getpid() & 0xFFFF)
         self._new_hash()
+        _GENERATORS.add(self)
         self._counter = itertools.count(int.from_bytes(os.urandom(2), "big"))
         self._month_start = 0.0
         self._next_month = 0.0
@@ -323,6 +326,12 @@ class UniqIdGenerator:
     def _new_hash(self) -> None:
         self._prefix = self._host_pid + os.urandom(4)
         self._prefix_hex = self._prefix.hex().upper()
+
+    def _forked(self) -> None:
+        """In a forked child: its own pid and hash (the parent's copy gave the parent's ids in the same ms)."""
+        self._host_pid = self._ip + struct.pack(">H", os.getpid() & 0xFFFF)
+        self._new_hash()
+        self._counter = itertools.count(int.from_bytes(os.urandom(2), "big"))
 
     def _roll_month(self, now: float) -> None:
         t = time.localtime(now)
@@ -343,6 +352,13 @@ class UniqIdGenerator:
         # one format: the same 32 hex digits as hex() of prefix + pack(">IH", ms, counter), in a third of the time
         return "%s%08X%04X" % (self._prefix_hex, int((now - self._month_start) * 1000) & 0xFFFFFFFF,
                                next(self._counter) & 0xFFFF)
+
+
+# Every generator, for a fork: a producer made before one (a pre-fork server, multiprocessing's fork start method)
+# was copied whole into the child, pid, hash and counter, and both gave the same UNIQ_KEYs in one millisecond.
+_GENERATORS: "weakref.WeakSet[UniqIdGenerator]" = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [gen._forked() for gen in list(_GENERATORS)])
 
 
 # -------------------------------------------------------------------- records

@@ -17,13 +17,12 @@ TIMER_OUT_MS = its delivery time, which is also its tagsCode.
 """
 from __future__ import annotations
 
-import re
-import unicodedata
 from typing import NamedTuple
 
 from protocol.codes import SysFlag
 from protocol.message import TIMER_PROPS, Prop
 
+from ..javanum import java_int
 from ..topics import SCHEDULE_TOPIC, TIMER_TOPIC
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
@@ -185,27 +184,6 @@ def timer_waits(value_of, now: int) -> str | None:
             at = java_int(value, 64)
             return value if isinstance(at, str) or (at * scale if relative else at - now) > 0 else None
     return None
-
-
-_JAVA_INT = re.compile(r"[+-]?\d+")      # Integer.parseInt / Long.parseLong: a sign, digits; no spaces, no "_"
-
-
-def java_int(text: str, bits: int) -> int | str:
-    """``text`` read as Java's Integer.parseInt (``bits`` 32) or Long.parseLong (64) reads it, or why it throws.
-    Python's int() also takes " 3", "1_000" and any size: a value RocketMQ refuses was taken."""
-    if not _JAVA_INT.fullmatch(text):
-        return "is not a whole number"
-    if len(text) > 20:
-        # int() refuses past 4,300 digits (a ValueError out of the send: SYSTEM_ERROR); no long has over 19 but
-        # leading zeros, which parseInt skips (any Unicode zero: \d)
-        sign = text[0] if text[0] in "+-" else ""
-        text = sign + ("".join(str(unicodedata.decimal(c)) for c in text[len(sign):]).lstrip("0") or "0")
-        if len(text) > 20:
-            return f"is past Java's {'int' if bits == 32 else 'long'} range"
-    value = int(text)
-    if -(1 << bits - 1) <= value < 1 << bits - 1:
-        return value
-    return f"is past Java's {'int' if bits == 32 else 'long'} range"
 
 
 def _int(text: str | None) -> int | None:

@@ -79,7 +79,7 @@ class ScheduleService:
         self._unindexed: set[int] = set()       # timer offsets recovery found no readable unit for: not in the heap
         self.delivered = 0
         self._held_since: float | None = None   # when deliveries began to wait (a full disk): said once, not per turn
-        self._held_why: str | None = None       # ... and why, as last said
+        self._held_why: object = None           # ... and why, as last said (the store's status and remark)
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
         self._recovered = False
         m = ctx.metrics
@@ -517,7 +517,8 @@ class ScheduleService:
                         heapq.heappush(self._timers, entry)
                     if not isinstance(exc, OSError):
                         raise
-                    self._held(logging.WARNING, "schedule delivery of %d messages waits: consume queue %s-%d has no "
+                    self._held(logging.WARNING, (req.topic, req.queue_id, str(exc)),
+                               "schedule delivery of %d messages waits: consume queue %s-%d has no "
                                "file (%s); retrying every %.0f s", len(batch), req.topic, req.queue_id, exc,
                                REFUSED_RETRY_S)
                     return False
@@ -532,9 +533,10 @@ class ScheduleService:
                 heapq.heappush(self._timers, entry)
             status = next(r for r in results if not r.ok)
             if status.status is PutStatus.MESSAGE_ILLEGAL:
-                self._held(logging.ERROR, "schedule delivery batch refused as illegal; retrying")
+                self._held(logging.ERROR, status.status, "schedule delivery batch refused as illegal; retrying")
             else:
-                self._held(logging.WARNING, "schedule delivery of %d messages refused (%s %s); retrying every %.0f s",
+                self._held(logging.WARNING, (status.status, status.remark),
+                           "schedule delivery of %d messages refused (%s %s); retrying every %.0f s",
                            len(batch), status.status.name, status.remark, REFUSED_RETRY_S)
             return False
         if self._held_since is not None:
@@ -563,13 +565,13 @@ class ScheduleService:
                 self._late.inc()
         return True
 
-    def _held(self, level: int, msg: str, *args) -> None:
+    def _held(self, level: int, why: object, msg: str, *args) -> None:
         """A batch not delivered, tried again every REFUSED_RETRY_S: said when deliveries begin to wait, not at each
         try (a full disk for an hour was 3,600 lines); 'delivering again' ends it."""
         if self._held_since is None:
             self._held_since = time.monotonic()
-        if msg != self._held_why:       # (a new reason is said too)
-            self._held_why = msg
+        if why != self._held_why:       # (a new reason is said too; ``why``, not the line: its count may grow)
+            self._held_why = why
             log.log(level, msg + " (said once until deliveries go on)", *args)
 
     def delayed_commit(self, half, topic: str, queue_id: int, half_offset: int) -> PutRequest | None:

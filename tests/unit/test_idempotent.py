@@ -371,3 +371,29 @@ def test_a_key_that_reads_like_another_topics_scoped_key_is_not_taken_for_it(tmp
     assert ledger.run_once(_in("Orders", "Payments:42"), lambda m, db: ran.append(m.topic))
     assert ran == ["Payments", "Orders"]
     ledger.close()
+
+
+@pytest.mark.parametrize("clock_row", [False, True], ids=["table-before-the-clock", "clock-of-this-boot"])
+def test_a_read_only_database_still_opens(tmp_path, clock_row):
+    """An open of a database it may not write (a read-only mount or file, an audit reading the keys) worked before
+    the clock table: its CREATE and BEGIN IMMEDIATE then refused the open ("attempt to write a readonly database"),
+    also for a table an older release wrote (no clock table yet) -- an upgrade's read-only reader could not start."""
+    path = str(tmp_path / "keys.db")
+    if clock_row:
+        SqliteIdempotency(path).close()
+    else:       # as a release before the clock table left it
+        db = sqlite3.connect(path)
+        db.execute("CREATE TABLE txmq_consumed (key TEXT PRIMARY KEY, consumed_ms INTEGER NOT NULL)")
+        db.execute("CREATE INDEX txmq_consumed_by_time ON txmq_consumed (consumed_ms)")
+        db.commit()
+        db.close()
+
+    class ReadOnly(SqliteIdempotency):
+        def _connect(self):
+            return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
+
+    keys = ReadOnly(path)
+    try:
+        assert keys.db.execute("SELECT count(*) FROM txmq_consumed").fetchone() == (0,)
+    finally:
+        keys.close()

@@ -507,3 +507,25 @@ def test_a_pulled_records_properties_read_by_two_threads_at_once_are_never_empti
     assert other == [{"TAGS": "a", "UNIQ_KEY": "ID1"}]
     assert mine == {"TAGS": "a", "UNIQ_KEY": "ID1"}
     assert msg.properties == {"TAGS": "a", "UNIQ_KEY": "ID1"} and msg.tags == "a"
+
+
+def test_uniq_ids_of_a_forked_child_differ_from_its_parents():
+    """A producer made before a fork (a pre-fork server, multiprocessing's fork start) was copied whole into the
+    child: its pid, hash and counter, so parent and child gave the same UNIQ_KEYs in the same millisecond, and an
+    idempotent consumer skipped one of the two messages as a redelivery."""
+    import os
+    gen = UniqIdGenerator("10.1.2.3")
+    gen.next()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:        # the child: its next id's prefix and counter, to the parent
+        try:
+            os.write(w, gen.next().encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    child = os.read(r, 100).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    mine = gen.next()
+    assert child[:16] != mine[:16], "the child kept its parent's ip/pid/hash prefix"

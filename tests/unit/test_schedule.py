@@ -1133,3 +1133,28 @@ def test_missing_is_the_offsets_a_set_does_not_hold(runs, start, span, most):
         model.update(range(first, first + n) if n % 3 else range(first, first + n, 2))
     want = [q for q in range(start, start + span) if q not in model][:most]
     assert held.missing(start, start + span, most) == want
+
+
+@bounded()
+async def test_a_held_batch_says_a_new_reason_but_not_a_growing_batch(tmp_path, caplog):
+    """Held deliveries are said once, and again when the reason changes ("a new reason is said too"): the reason
+    was told apart by the log line's format alone, so another refusal (another remark from the store) went unsaid
+    while the deliveries stayed held; the count of messages waiting is no new reason."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    await _schedule(svc, "T", b"late", {"DELAY": "1"}, clock.now)
+    disk = svc.ctx.store.disk
+    why = ["the broker's disk is full"]
+    disk.refusing, disk.still_refusing, disk.refuse = True, lambda: True, lambda: why[0]
+    with caplog.at_level(logging.WARNING, logger="txmq.schedule"):
+        assert await svc.run_due(101_000, 101_000) == -1
+        disk.refusing = False           # (room for one more to wait: the held batch grows, no new reason)
+        await _schedule(svc, "T", b"later", {"DELAY": "1"}, 101_000)
+        disk.refusing = True
+        assert await svc.run_due(102_500, 102_500) == -1
+        why[0] = "the store's log cannot be written: EROFS"
+        assert await svc.run_due(103_000, 103_000) == -1
+        assert await svc.run_due(104_000, 104_000) == -1
+    said = [r.getMessage() for r in caplog.records if r.name == "txmq.schedule"]
+    assert len(said) == 2 and "disk is full" in said[0] and "EROFS" in said[1], said
+    await svc.ctx.store.close()

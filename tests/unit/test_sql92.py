@@ -214,6 +214,9 @@ def test_the_pull_reads_a_records_properties_as_java_decodes_them(props_text, wa
     ("0" * 5000 + "7", True),               # Integer.valueOf takes any number of leading zeros
     ("-" + "0" * 5000 + "7", False),
     ("+" + "0" * 30, False),
+    # Character.digit's zeros of any script are skipped as "0"s are (schedule's java_int did, sql92's copy not)
+    ("\u0660" * 30 + "7", True),
+    ("-" + "\uff10" * 30 + "\uff17", False),
 ])
 def test_a_long_property_is_parsed_as_java_does(value, want):
     assert ev("a > 5", a=value) == want
