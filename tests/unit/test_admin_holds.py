@@ -273,3 +273,63 @@ async def test_a_groups_consume_stats_over_many_small_topics_take_a_turn_a_slice
         resp = await ops.get_consume_stats(ctx, None, cmd)
     assert resp.body_bytes() == encode_consume_stats({(t, "b", 0): (5, 1, 7) for t in names})
     assert turns[0] <= 2 * 4096 // 2048 + 4, turns[0]
+
+
+def _closing_conn():
+    """A connection stand-in whose ``closed`` is set after the handler's first turn of the loop (the admin tool
+    timed out and went, or a client that pipelined many such asks closed)."""
+    import asyncio
+    conn = SimpleNamespace(closed=asyncio.Event())
+    asyncio.get_running_loop().call_soon(conn.closed.set)
+    return conn
+
+
+@bounded(60)
+async def test_sliced_answers_stop_once_their_connection_is_gone():
+    """GET_ALL_PRODUCER_INFO, GET_CONSUMER_CONNECTION_LIST and GET_CONSUME_STATS written a slice at a time went on
+    to the last slice after the asker's connection closed: a client pipelining its 256 asks and closing had the
+    broker write 256 whole bodies for nobody (each 10,000 groups' ProducerInfo), the loop's turns spent on them.
+    Each stops at the first turn after the close, and answers nothing."""
+    asked = [0]
+    channels = {f"PG_{i:05d}": [SimpleNamespace(client_id=f"c{i}", language=0, last_seen_ms=i, version=395,
+                                                conn=SimpleNamespace(peer=("10.0.0.1", 1)))] for i in range(10_000)}
+
+    def producer_channels(g):
+        asked[0] += 1
+        return channels.get(g, [])
+    ctx = SimpleNamespace(clock=lambda: 0, clients=SimpleNamespace(clock=lambda: 0, producers=dict(channels),
+                                                                   producer_channels=producer_channels))
+    resp = await ops.get_all_producer_info(ctx, _closing_conn(), RemotingCommand.request(R.GET_ALL_PRODUCER_INFO, {}))
+    assert resp is None and asked[0] <= 2 * ops.PRODUCER_GROUP_SLICE, asked[0]
+
+    subs = {f"T{i:05d}": SimpleNamespace(codes=set(), tags=set(), expression_type="TAG", sub_string="*",
+                                         sub_version=1) for i in range(10_000)}
+    written = []
+    real = ops.subscription_data
+    group = SimpleNamespace(channels={1: SimpleNamespace(conn=SimpleNamespace(peer=("h", 1)), client_id="c",
+                                                         language=0, version=395)},
+                            subscriptions=subs, consume_from_where="W", consume_type="T", message_model="M")
+    ops.subscription_data = lambda t, s: written.append(t) or real(t, s)
+    try:
+        resp = await ops.get_consumer_connection_list(
+            SimpleNamespace(clients=SimpleNamespace(consumers={"G": group})), _closing_conn(),
+            RemotingCommand.request(R.GET_CONSUMER_CONNECTION_LIST, {"consumerGroup": "G"}))
+    finally:
+        ops.subscription_data = real
+    assert resp is None and len(written) <= 2 * ops.SUBSCRIPTION_SLICE, len(written)
+
+    names = [f"T{i:04d}" for i in range(4096)]
+    read = [0]
+
+    def get(g, t, q):
+        read[0] += 1
+        return 1
+    ctx = SimpleNamespace(
+        topics={t: SimpleNamespace(read_queue_nums=4) for t in names}, config=SimpleNamespace(broker_name="b"),
+        offsets=SimpleNamespace(topics_of=lambda g: names, get=get),
+        clients=SimpleNamespace(reads_elsewhere=lambda g, t: False),
+        metrics=SimpleNamespace(consume_tps=lambda g, t: 0.0),
+        store=SimpleNamespace(max_offset=lambda t, q: 5, store_time_of=lambda t, q, o: 7))
+    resp = await ops.get_consume_stats(ctx, _closing_conn(),
+                                       RemotingCommand.request(R.GET_CONSUME_STATS, {"consumerGroup": "G"}))
+    assert resp is None and read[0] <= 2 * ops.CONSUME_STATS_SLICE, read[0]
