@@ -333,3 +333,21 @@ async def test_sliced_answers_stop_once_their_connection_is_gone():
     resp = await ops.get_consume_stats(ctx, _closing_conn(),
                                        RemotingCommand.request(R.GET_CONSUME_STATS, {"consumerGroup": "G"}))
     assert resp is None and read[0] <= 2 * ops.CONSUME_STATS_SLICE, read[0]
+
+
+@bounded(60)
+async def test_a_consumers_status_is_not_written_once_the_askers_connection_is_gone():
+    """INVOKE_BROKER_TO_GET_CONSUMER_STATUS: the asker gone while its consumer answered 100,000 queues, the
+    broker's answer was still sorted and written, a slice a turn, for nobody; it stops at the first turn now."""
+    import asyncio
+    asker = SimpleNamespace(closed=asyncio.Event())
+
+    class Consumer:
+        async def request(self, request, timeout):
+            asker.closed.set()          # (mqadmin timed out meanwhile and went)
+            return request.response(C.SUCCESS, body=_status_body(100_000))
+
+    channel = SimpleNamespace(alive=True, client_id="10.0.0.1@1", conn=Consumer())
+    ctx = SimpleNamespace(forwarding=0, clients=SimpleNamespace(consumers={"G": SimpleNamespace(channels={1: channel})}))
+    cmd = RemotingCommand.request(R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS, {"topic": "T", "group": "G"})
+    assert await forward.invoke_broker_to_get_consumer_status(ctx, asker, cmd) is None
