@@ -105,8 +105,9 @@ async def invoke_broker_to_get_consumer_status(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"No Any Consumer online in the consumer group: [{group}]")
     asked = [ch for ch in channels if not only or ch.client_id == only][:1 if only else None]
     answers = await asyncio.gather(*(_consumer_status(ch, topic, group) for ch in asked))
-    return cmd.response(ResponseCode.SUCCESS, body=await in_steps(consumer_status_steps(
-        {ch.client_id: offsets for ch, offsets in zip(asked, answers) if offsets is not None})))
+    body = await in_steps(consumer_status_steps(
+        {ch.client_id: offsets for ch, offsets in zip(asked, answers) if offsets is not None}), conn)
+    return None if body is None else cmd.response(ResponseCode.SUCCESS, body=body)     # None: the asker went
 
 
 async def _consumer_status(ch, topic: str, group: str) -> dict | None:
