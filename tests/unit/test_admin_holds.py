@@ -351,3 +351,32 @@ async def test_a_consumers_status_is_not_written_once_the_askers_connection_is_g
     ctx = SimpleNamespace(forwarding=0, clients=SimpleNamespace(consumers={"G": SimpleNamespace(channels={1: channel})}))
     cmd = RemotingCommand.request(R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS, {"topic": "T", "group": "G"})
     assert await forward.invoke_broker_to_get_consumer_status(ctx, asker, cmd) is None
+
+
+@bounded(60)
+async def test_a_consumers_status_answer_is_not_read_once_the_askers_connection_is_gone():
+    """The consumer's answer (up to a frame's 16 MiB) read a slice a turn went on to its end after the asker went;
+    it stops at the first turn after the close now."""
+    import asyncio
+    asker = SimpleNamespace(closed=asyncio.Event())
+    read = [0]
+
+    def steps(body, field, value):
+        read[0] += 1
+        for _ in range(100):
+            asker.closed.set()
+            read[0] += 1
+            yield
+        return {}
+    real, forward.mq_table_steps = forward.mq_table_steps, steps
+    try:
+        ch = SimpleNamespace(client_id="c", conn=SimpleNamespace(
+            request=lambda request, timeout: _answered(request.response(C.SUCCESS, body=b"{}"))))
+        assert await forward._consumer_status(ch, "T", "G", asker) is None
+    finally:
+        forward.mq_table_steps = real
+    assert read[0] <= 2, read[0]
+
+
+async def _answered(resp):
+    return resp
