@@ -30,7 +30,7 @@ from protocol.command import RemotingCommand
 from protocol.errors import RequestTimeoutError
 from protocol.message import decode_offset_msg_id
 
-from ..slices import gone, in_steps
+from ..slices import in_steps, stop_if_gone
 from .admin import stored_record
 
 log = logging.getLogger("txmq.ops")
@@ -105,16 +105,14 @@ async def invoke_broker_to_get_consumer_status(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"No Any Consumer online in the consumer group: [{group}]")
     asked = [ch for ch in channels if not only or ch.client_id == only][:1 if only else None]
     answers = await asyncio.gather(*(_consumer_status(ch, topic, group, conn) for ch in asked))
-    if gone(conn):
-        return None         # (the asker went while its consumers answered)
-    body = await in_steps(consumer_status_steps(
-        {ch.client_id: offsets for ch, offsets in zip(asked, answers) if offsets is not None}), conn)
-    return None if body is None else cmd.response(ResponseCode.SUCCESS, body=body)     # None: the asker went
+    stop_if_gone(conn)      # (the asker went while its consumers answered)
+    return cmd.response(ResponseCode.SUCCESS, body=await in_steps(consumer_status_steps(
+        {ch.client_id: offsets for ch, offsets in zip(asked, answers) if offsets is not None}), conn))
 
 
 async def _consumer_status(ch, topic: str, group: str, asker=None) -> dict | None:
-    """One consumer's {queue: offset} of ``topic``, or None when it did not say (logged, as RocketMQ), or the
-    ``asker``'s connection went while it was read."""
+    """One consumer's {queue: offset} of ``topic``, or None when it did not say (logged, as RocketMQ); cancelled
+    once the ``asker``'s connection went while it was read."""
     request = RemotingCommand.request(RequestCode.GET_CONSUMER_STATUS_FROM_CLIENT, {"topic": topic, "group": group},
                                       language=LanguageCode.JAVA)
     try:

@@ -22,7 +22,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
 from ..limits import peer_host
-from ..slices import gone, members_in_slices
+from ..slices import members_in_slices, stop_if_gone
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import refused_on_slave, topics_saved
@@ -69,8 +69,7 @@ async def get_consume_stats(ctx, conn, cmd):
         if read >= CONSUME_STATS_SLICE:
             read = 0
             await asyncio.sleep(0)
-            if gone(conn):          # (the asker went: nobody to answer)
-                return None
+            stop_if_gone(conn)      # (the asker went: nobody to answer)
         tc = ctx.topics.get(t)
         if tc is None or ctx.clients.reads_elsewhere(group, t):
             continue
@@ -81,14 +80,9 @@ async def get_consume_stats(ctx, conn, cmd):
             consumer_offset = max(0, ctx.offsets.get(group, t, qid) or 0)
             last = ctx.store.store_time_of(t, qid, consumer_offset - 1) if consumer_offset > 0 else 0
             rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
-    return _answer(cmd, await members_in_slices(
+    return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
         consume_stats_head(tps), sorted(rows), CONSUME_STATS_SLICE, functools.partial(consume_stats_members, rows),
         ",", "}}", conn))
-
-
-def _answer(cmd, body: list[bytes] | None):
-    """SUCCESS with a body members_in_slices wrote; None (no answer) when it stopped, its connection gone."""
-    return None if body is None else cmd.response(ResponseCode.SUCCESS, body=body)
 
 
 def subscription_data(topic: str, s) -> dict:
@@ -113,7 +107,7 @@ async def get_consumer_connection_list(ctx, conn, cmd):
 
     # The subscription table a slice at a time: a group's can be some 37,000 topics (max_subscription_bytes_per_group
     # of short names), 0.6 s of the event loop written in one go.
-    return _answer(cmd, await members_in_slices(
+    return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
         head[:-1] + ',"subscriptionTable":{', sorted(subs), SUBSCRIPTION_SLICE, members, ",", "}}", conn))
 
 
@@ -146,7 +140,7 @@ async def get_all_producer_info(ctx, conn, cmd):
                                 "remoteIP": "/" + _peer(ch.conn), "version": ch.version} for ch in channels]
         return dump(data)[1:-1]
 
-    return _answer(cmd, await members_in_slices(
+    return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
         '{"data":{', sorted(ctx.clients.producers), PRODUCER_GROUP_SLICE, members, ",", "}}", conn))
 
 
