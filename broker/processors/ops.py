@@ -22,7 +22,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
 from ..limits import peer_host
-from ..slices import members_in_slices
+from ..slices import members_in_slices, stop_if_gone
 from ..subscriptions import retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import refused_on_slave, topics_saved
@@ -70,6 +70,7 @@ async def get_consume_stats(ctx, conn, cmd):
         if read >= CONSUME_STATS_SLICE:
             read = 0
             await asyncio.sleep(0)
+            stop_if_gone(conn)      # (the asker went: nobody to answer)
         tc = ctx.topics.get(t)
         if tc is None or ctx.clients.reads_elsewhere(group, t):
             continue
@@ -82,7 +83,7 @@ async def get_consume_stats(ctx, conn, cmd):
             rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
     return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
         consume_stats_head(tps), sorted(rows), CONSUME_STATS_SLICE, functools.partial(consume_stats_members, rows),
-        ",", "}}"))
+        ",", "}}", conn))
 
 
 def subscription_data(topic: str, s) -> dict:
@@ -108,7 +109,7 @@ async def get_consumer_connection_list(ctx, conn, cmd):
     # The subscription table a slice at a time: a group's can be some 37,000 topics (max_subscription_bytes_per_group
     # of short names), 0.6 s of the event loop written in one go.
     return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
-        head[:-1] + ',"subscriptionTable":{', sorted(subs), SUBSCRIPTION_SLICE, members, ",", "}}"))
+        head[:-1] + ',"subscriptionTable":{', sorted(subs), SUBSCRIPTION_SLICE, members, ",", "}}", conn))
 
 
 def get_producer_connection_list(ctx, conn, cmd):
@@ -141,7 +142,7 @@ async def get_all_producer_info(ctx, conn, cmd):
         return dump(data)[1:-1]
 
     return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
-        '{"data":{', sorted(ctx.clients.producers), PRODUCER_GROUP_SLICE, members, ",", "}}"))
+        '{"data":{', sorted(ctx.clients.producers), PRODUCER_GROUP_SLICE, members, ",", "}}", conn))
 
 
 def _connection(ch) -> dict:

@@ -6,6 +6,8 @@ max_subscription_bytes_per_group: 0.6 s); GET_CONSUME_STATS (208) reads and writ
 group holds an offset on."""
 from __future__ import annotations
 
+import asyncio
+
 import json
 from types import SimpleNamespace
 
@@ -273,3 +275,113 @@ async def test_a_groups_consume_stats_over_many_small_topics_take_a_turn_a_slice
         resp = await ops.get_consume_stats(ctx, None, cmd)
     assert resp.body_bytes() == encode_consume_stats({(t, "b", 0): (5, 1, 7) for t in names})
     assert turns[0] <= 2 * 4096 // 2048 + 4, turns[0]
+
+
+def _closing_conn():
+    """A connection stand-in whose ``closed`` is set after the handler's first turn of the loop (the admin tool
+    timed out and went, or a client that pipelined many such asks closed)."""
+    conn = SimpleNamespace(closed=asyncio.Event())
+    asyncio.get_running_loop().call_soon(conn.closed.set)
+    return conn
+
+
+@bounded(60)
+async def test_sliced_answers_stop_once_their_connection_is_gone():
+    """GET_ALL_PRODUCER_INFO, GET_CONSUMER_CONNECTION_LIST and GET_CONSUME_STATS written a slice at a time went on
+    to the last slice after the asker's connection closed: a client pipelining its 256 asks and closing had the
+    broker write 256 whole bodies for nobody (each 10,000 groups' ProducerInfo), the loop's turns spent on them.
+    Each stops at the first turn after the close, cancelled as a handler whose connection closed (answered nothing,
+    not counted)."""
+    asked = [0]
+    channels = {f"PG_{i:05d}": [SimpleNamespace(client_id=f"c{i}", language=0, last_seen_ms=i, version=395,
+                                                conn=SimpleNamespace(peer=("10.0.0.1", 1)))] for i in range(10_000)}
+
+    def producer_channels(g):
+        asked[0] += 1
+        return channels.get(g, [])
+    ctx = SimpleNamespace(clock=lambda: 0, clients=SimpleNamespace(clock=lambda: 0, producers=dict(channels),
+                                                                   producer_channels=producer_channels))
+    with pytest.raises(asyncio.CancelledError):
+        await ops.get_all_producer_info(ctx, _closing_conn(), RemotingCommand.request(R.GET_ALL_PRODUCER_INFO, {}))
+    assert asked[0] <= 2 * ops.PRODUCER_GROUP_SLICE, asked[0]
+
+    subs = {f"T{i:05d}": SimpleNamespace(codes=set(), tags=set(), expression_type="TAG", sub_string="*",
+                                         sub_version=1) for i in range(10_000)}
+    written = []
+    real = ops.subscription_data
+    group = SimpleNamespace(channels={1: SimpleNamespace(conn=SimpleNamespace(peer=("h", 1)), client_id="c",
+                                                         language=0, version=395)},
+                            subscriptions=subs, consume_from_where="W", consume_type="T", message_model="M")
+    ops.subscription_data = lambda t, s: written.append(t) or real(t, s)
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await ops.get_consumer_connection_list(
+                SimpleNamespace(clients=SimpleNamespace(consumers={"G": group})), _closing_conn(),
+                RemotingCommand.request(R.GET_CONSUMER_CONNECTION_LIST, {"consumerGroup": "G"}))
+    finally:
+        ops.subscription_data = real
+    assert len(written) <= 2 * ops.SUBSCRIPTION_SLICE, len(written)
+
+    names = [f"T{i:04d}" for i in range(4096)]
+    read = [0]
+
+    def get(g, t, q):
+        read[0] += 1
+        return 1
+    ctx = SimpleNamespace(
+        topics={t: SimpleNamespace(read_queue_nums=4) for t in names}, config=SimpleNamespace(broker_name="b"),
+        offsets=SimpleNamespace(topics_of=lambda g: names, get=get),
+        clients=SimpleNamespace(reads_elsewhere=lambda g, t: False),
+        metrics=SimpleNamespace(consume_tps=lambda g, t: 0.0),
+        store=SimpleNamespace(max_offset=lambda t, q: 5, store_time_of=lambda t, q, o: 7))
+    with pytest.raises(asyncio.CancelledError):
+        await ops.get_consume_stats(ctx, _closing_conn(),
+                                    RemotingCommand.request(R.GET_CONSUME_STATS, {"consumerGroup": "G"}))
+    assert read[0] <= 2 * ops.CONSUME_STATS_SLICE, read[0]
+
+
+@bounded(60)
+async def test_a_consumers_status_is_not_written_once_the_askers_connection_is_gone():
+    """INVOKE_BROKER_TO_GET_CONSUMER_STATUS: the asker gone while its consumer answered 100,000 queues, the
+    broker's answer was still sorted and written, a slice a turn, for nobody; it stops at the first turn now."""
+    asker = SimpleNamespace(closed=asyncio.Event())
+
+    class Consumer:
+        async def request(self, request, timeout):
+            asker.closed.set()          # (mqadmin timed out meanwhile and went)
+            return request.response(C.SUCCESS, body=_status_body(100_000))
+
+    channel = SimpleNamespace(alive=True, client_id="10.0.0.1@1", conn=Consumer())
+    ctx = SimpleNamespace(forwarding=0, clients=SimpleNamespace(consumers={"G": SimpleNamespace(channels={1: channel})}))
+    cmd = RemotingCommand.request(R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS, {"topic": "T", "group": "G"})
+    with pytest.raises(asyncio.CancelledError):
+        await forward.invoke_broker_to_get_consumer_status(ctx, asker, cmd)
+
+
+@bounded(60)
+async def test_a_consumers_status_answer_is_not_read_once_the_askers_connection_is_gone():
+    """The consumer's answer (up to a frame's 16 MiB) read a slice a turn went on to its end after the asker went;
+    it stops at the first turn after the close now."""
+    asker = SimpleNamespace(closed=asyncio.Event())
+    read = [0]
+
+    def steps(body, field, value):
+        read[0] += 1
+        for _ in range(100):
+            asker.closed.set()
+            read[0] += 1
+            yield
+        return {}
+    real, forward.mq_table_steps = forward.mq_table_steps, steps
+    try:
+        ch = SimpleNamespace(client_id="c", conn=SimpleNamespace(
+            request=lambda request, timeout: _answered(request.response(C.SUCCESS, body=b"{}"))))
+        with pytest.raises(asyncio.CancelledError):
+            await forward._consumer_status(ch, "T", "G", asker)
+    finally:
+        forward.mq_table_steps = real
+    assert read[0] <= 2, read[0]
+
+
+async def _answered(resp):
+    return resp
