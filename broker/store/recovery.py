@@ -199,12 +199,14 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
                 break
             corrupt = False
             try:
-                # below the checkpoint nothing is torn (it was flushed first), and before nul_free_from an older
-                # broker may have stored a NUL: records there keep the old checks
-                fields = parse_record(seg, pos, torn=seg.start + pos >= tail_from)
-                if known_corrupt and seg.start + pos in known_corrupt and seg.start + pos < tail_from:
-                    # kept for a damaged TOPIC or properties, which are judged only past the checkpoint: below
-                    # it at a later start, it was read as sound (filed under the damaged name, replayed)
+                # TOPIC and properties (outside the body CRC) are judged below the checkpoint too: nothing there
+                # is torn, but a byte flipped at rest is damage all the same (read as sound, the record was filed
+                # under the damaged name, lost with no word). Before nul_free_from an older broker may have
+                # stored a NUL: records there keep the old checks
+                fields = parse_record(seg, pos, torn=seg.start + pos >= nul_free_from)
+                if known_corrupt and seg.start + pos in known_corrupt and seg.start + pos < nul_free_from:
+                    # kept for a damaged TOPIC or properties: at a later start it would be read as sound (filed
+                    # under the damaged name, replayed)
                     try:
                         check_tail_fields(seg.mm, fields[6], fields[7])
                     except RecordError as exc:

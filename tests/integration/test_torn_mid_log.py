@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 
-from broker.store.checkpoint import read_checkpoint, write_checkpoint
+from broker.store.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from consumer import PullConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import LocalTransactionState as S
@@ -512,3 +512,48 @@ async def test_a_served_record_whose_transaction_type_bit_flipped_can_be_sent_ba
         "maxReconsumeTimes": 16})
     assert resp.code == ResponseCode.SUCCESS, (resp.code, resp.remark)
     assert b.stop() == 0
+
+
+def _checkpoint_above(store_dir, path: str) -> int:
+    """The checkpoint as a broker left running a second longer leaves it: past every record of ``path`` (the
+    newest segment). Its flushed offset."""
+    data = open(path, "rb").read()
+    end = int(os.path.basename(path)) + len(data.rstrip(b"\0"))
+    point = read_checkpoint(str(store_dir)) or Checkpoint(0, 0)
+    write_checkpoint(str(store_dir), point._replace(flushed_offset=max(point.flushed_offset, end)))
+    return end
+
+
+@pytest.mark.parametrize("field", ["topic", "properties"])
+@bounded(120)
+async def test_a_flipped_topic_or_properties_byte_below_the_checkpoint_is_not_lost_silently(broker_factory,
+                                                                                             tmp_path, field):
+    """TOPIC and properties lie outside the body CRC, and a start judged them only past the checkpoint: a byte
+    flipped at rest below it ('TornPlain' read 'T/rnPlain') was read as sound. The message was filed under the
+    damaged name, where no consumer pulls: lost with no RECORD_CORRUPT and no count, and every later record of
+    its queue had its QUEUEOFFSET rewritten one down on disk (ERROR 'its header is damaged; rewritten'). Now a
+    start refuses it, naming it, as past the checkpoint, and --keep-corrupt-records keeps it in its own queue."""
+    plain, path, pos, body, qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
+    at = pos + 88 + len(body) + 1 + 1               # its topic's 'o' (IPv4 hosts)
+    if field == "properties":
+        at += len("TornPlain") + 2 + 1              # past the topic and the 2-byte properties length
+    _flip(path, at, 0x40 if field == "topic" else 0xFF)
+    if field == "properties":                        # a NUL: a byte of the properties flipped to zero
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(b"\0")
+    assert _checkpoint_above(tmp_path / "store", path) > int(os.path.basename(path)) + pos
+
+    text = _refused(tmp_path / "store")
+    assert f"segment {os.path.basename(path)} byte {pos}" in text and "--keep-corrupt-records" in text, text
+
+    b = broker_factory(*FLAGS, "--keep-corrupt-records")
+    got, errors = await _delivered(b, "TornPlain")
+    lost = body[:10].rstrip(b"\0")
+    assert sorted(got) == [p for p in plain if p != lost], f"{len(got)} of {len(plain) - 1}; {errors}"
+    assert len(errors) == 1 and "corrupt" in errors[0], errors
+    assert _kept_count(b) == 1
+    assert b.stop() == 0
+    text = b.log()
+    assert "its header is damaged; rewritten" not in text, [x for x in text.splitlines() if "rewritten" in x][:3]
+    assert f"a pull of TornPlain-{qid} stops at offset" in text, text
