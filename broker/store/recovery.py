@@ -5,9 +5,10 @@ Where the scan starts: the segment holding the checkpoint's flushed offset, or e
 segment when there is no valid checkpoint. Each record is checked for MESSAGE magic, a
 size that fits the segment (with room for the 8-byte end marker), its PHYSICALOFFSET
 field equal to where it lies, a layout whose lengths add up to TOTALSIZE, and its body
-CRC; at or past the checkpoint's flushed offset also a valid topic name and properties with no
-NUL byte (the body CRC leaves them unguarded, and a crash can lose their pages while the head
-and body reached the disk: they read as zeros; the broker stores no NUL there). An end
+CRC; also a valid topic name and properties with no NUL byte (the body CRC leaves them
+unguarded: a crash can lose their pages while the head and body reached the disk, read as
+zeros, the broker stores no NUL there; and below the checkpoint a byte flipped at rest is
+damage all the same), except before ``nul_free_from`` (an older broker's NULs). An end
 marker (BLANK magic, TOTALSIZE = bytes left) moves the scan to the next segment. Eight
 zero bytes where a record would start are the end of the data.
 

@@ -132,10 +132,11 @@ async def _pending(b) -> set[int]:
 
 
 def _checkpoint_below(store_dir, phys: int) -> None:
-    """The checkpoint as a kill -9 before its next turn (every second) leaves it: below ``phys``. A start judges a
+    """The checkpoint as a kill -9 before its next turn (every second) leaves it: below ``phys``. A start judged a
     record's TOPIC and properties (outside the body CRC) only past the checkpoint; a test of that damage which
     took whatever the checkpoint held passed only when the kill came within a second of the record's write (a
-    loaded host's slower sends: its first start's pulls met no corrupt record)."""
+    loaded host's slower sends: its first start's pulls met no corrupt record). Below it they are judged too now
+    (test_a_flipped_topic_or_properties_byte_below_the_checkpoint_is_not_lost_silently)."""
     point = read_checkpoint(str(store_dir))
     if point is not None and point.flushed_offset > phys:
         write_checkpoint(str(store_dir), point._replace(flushed_offset=phys))
@@ -557,3 +558,44 @@ async def test_a_flipped_topic_or_properties_byte_below_the_checkpoint_is_not_lo
     text = b.log()
     assert "its header is damaged; rewritten" not in text, [x for x in text.splitlines() if "rewritten" in x][:3]
     assert f"a pull of TornPlain-{qid} stops at offset" in text, text
+
+
+
+@bounded(240)
+async def test_a_flipped_topic_byte_in_a_segment_the_start_does_not_verify_is_refused_not_served(broker_factory,
+                                                                                                  tmp_path):
+    """A start verifies only the newest segments; reads of older ones check each record (record_intact) for a
+    body CRC and zeroed bytes, not for a TOPIC byte flipped at rest ('TornPlain' read 'T/rnPlain'): the pull served
+    it under a topic no one sent, counted nowhere, and a slave refused the master's chunk holding it, reconnecting
+    with a WARNING every second for ever. Now the read refuses it as a flipped body bit: RECORD_CORRUPT, counted,
+    and the master says so instead of sending it."""
+    from tests.integration.test_replication import _log_end
+    ha = ("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
+    plain, path, pos, body, qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
+    b = broker_factory(*FLAGS)
+    async with Producer(b.namesrv, "PG_torn") as producer:     # 6 newer segments (64 KiB each)
+        for i in range(400):
+            await producer.send("TornFiller", b"f" * 1000)
+    assert b.stop() == 0
+    segments = sorted(os.listdir(tmp_path / "store" / "commitlog"))
+    assert segments.index(os.path.basename(path)) < len(segments) - 4, segments
+    _flip(path, pos + 88 + len(body) + 1 + 1, 0x40)        # its topic's 'o' -> '/' (IPv4 hosts)
+
+    b = broker_factory(*FLAGS, *ha)
+    got, errors = await _delivered(b, "TornPlain")
+    lost = body[:10].rstrip(b"\0")
+    assert sorted(got) == [p for p in plain if p != lost], f"{len(got)} of {len(plain) - 1}; {errors}"
+    assert len(errors) == 1 and "corrupt" in errors[0], errors
+    assert _corrupt_count(b, "pull") == 1
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", b.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    phys = int(os.path.basename(path)) + pos
+    async with asyncio.timeout(60):
+        while await _log_end(slave.broker) < phys:
+            await asyncio.sleep(0.1)
+    async with asyncio.timeout(60):         # said once, by the master, whose disk holds the damage
+        while f"replication stops at offset {phys}, a corrupt record" not in b.log():
+            await asyncio.sleep(0.1)
+    assert await _log_end(slave.broker) == phys
+    assert not [x for x in slave.log().splitlines() if "txmq.ha" in x and "WARNING" in x], slave.log()[-2000:]
+    assert b.stop() == 0 and slave.stop() == 0
