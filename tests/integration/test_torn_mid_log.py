@@ -525,24 +525,15 @@ def _checkpoint_above(store_dir, path: str) -> int:
     return end
 
 
-@pytest.mark.parametrize("field", ["topic", "properties"])
 @bounded(120)
-async def test_a_flipped_topic_or_properties_byte_below_the_checkpoint_is_not_lost_silently(broker_factory,
-                                                                                             tmp_path, field):
-    """TOPIC and properties lie outside the body CRC, and a start judged them only past the checkpoint: a byte
-    flipped at rest below it ('TornPlain' read 'T/rnPlain') was read as sound. The message was filed under the
-    damaged name, where no consumer pulls: lost with no RECORD_CORRUPT and no count, and every later record of
-    its queue had its QUEUEOFFSET rewritten one down on disk (ERROR 'its header is damaged; rewritten'). Now a
-    start refuses it, naming it, as past the checkpoint, and --keep-corrupt-records keeps it in its own queue."""
+async def test_a_flipped_topic_byte_below_the_checkpoint_is_not_lost_silently(broker_factory, tmp_path):
+    """TOPIC lies outside the body CRC, and a start judged it only past the checkpoint: a byte flipped at rest
+    below it ('TornPlain' read 'T/rnPlain') was read as sound. The message was filed under the damaged name, where
+    no consumer pulls: 59 of 60 served, no RECORD_CORRUPT, no count, and every later record of its queue had its
+    QUEUEOFFSET rewritten one down on disk (7 ERRORs 'its header is damaged; rewritten'). Now a start refuses it,
+    naming it, as past the checkpoint, and --keep-corrupt-records keeps it in its own queue."""
     plain, path, pos, body, qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
-    at = pos + 88 + len(body) + 1 + 1               # its topic's 'o' (IPv4 hosts)
-    if field == "properties":
-        at += len("TornPlain") + 2 + 1              # past the topic and the 2-byte properties length
-    _flip(path, at, 0x40 if field == "topic" else 0xFF)
-    if field == "properties":                        # a NUL: a byte of the properties flipped to zero
-        with open(path, "r+b") as f:
-            f.seek(at)
-            f.write(b"\0")
+    _flip(path, pos + 88 + len(body) + 1 + 1, 0x40)        # its topic's 'o' -> '/' (IPv4 hosts)
     assert _checkpoint_above(tmp_path / "store", path) > int(os.path.basename(path)) + pos
 
     text = _refused(tmp_path / "store")
