@@ -590,3 +590,43 @@ async def test_a_flipped_topic_byte_in_a_segment_the_start_does_not_verify_is_re
     assert await _log_end(slave.broker) == phys
     assert not [x for x in slave.log().splitlines() if "txmq.ha" in x and "WARNING" in x], slave.log()[-2000:]
     assert b.stop() == 0 and slave.stop() == 0
+
+
+@bounded(240)
+async def test_a_slave_stopped_at_a_flipped_topic_in_an_old_segment_gets_past_it_by_the_documented_way(
+        broker_factory, tmp_path):
+    """A master refuses to replicate a record of a segment its start does not verify whose TOPIC byte flipped at
+    rest, and no flag made its start look there: the slave stayed at that offset until retention removed the
+    segment. docs/operations.md's way out: stop the master, remove its checkpoint (the start then verifies the
+    whole log), start it with --keep-corrupt-records: the record is kept, sent to the slave alone, and the slave
+    copies on past it."""
+    from tests.integration.test_replication import _log_end
+    ha = ("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500")
+    _plain, path, pos, body, _qid = await _a_plain_record_mid_log(broker_factory, tmp_path)
+    b = broker_factory(*FLAGS)
+    async with Producer(b.namesrv, "PG_torn") as producer:     # 6 newer segments (64 KiB each)
+        for i in range(400):
+            await producer.send("TornFiller", b"f" * 1000)
+    assert b.stop() == 0
+    _flip(path, pos + 88 + len(body) + 1 + 1, 0x40)        # its topic's 'o' -> '/' (IPv4 hosts)
+    phys = int(os.path.basename(path)) + pos
+
+    b = broker_factory(*FLAGS, *ha)
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", b.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    async with asyncio.timeout(60):
+        while f"replication stops at offset {phys}, a corrupt record" not in b.log():
+            await asyncio.sleep(0.1)
+    assert await _log_end(slave.broker) == phys
+    end = await _log_end(b.broker)
+    assert b.stop() == 0 and slave.stop() == 0
+
+    os.remove(tmp_path / "store" / "checkpoint")
+    b = broker_factory(*FLAGS, *ha, "--keep-corrupt-records")
+    assert _kept_count(b) == 1
+    slave = broker_factory(*FLAGS, "--broker-role", "SLAVE", "--broker-id", "1", "--ha-master-addr", b.ha,
+                           "--ha-heartbeat-interval-ms", "500", store="slave")
+    async with asyncio.timeout(60):
+        while await _log_end(slave.broker) < end:
+            await asyncio.sleep(0.1)
+    assert b.stop() == 0 and slave.stop() == 0
