@@ -11,6 +11,8 @@ checkouts alternate (the same page cache, the same machine load). Two modes:
     intact   consume queues as written
     cq_lost  one queue's consume-queue directory deleted (its first record in the scan past its units: the
              QUEUEID check's rare path, then a rebuild of that queue)
+    stopped  a clean stop's checkpoint (at the log's end) and the default recovery_verify_segments: every record
+             lies below the checkpoint in a verified segment (its TOPIC and properties judged there too)
 
 The last line is JSON: per mode the median CPU seconds of each checkout and ratio = this / baseline.
 """
@@ -46,16 +48,18 @@ OPEN = """
 import asyncio, sys, time
 from broker.store import MessageStore, StoreConfig
 from broker.store.checkpoint import Checkpoint, write_checkpoint
-async def main(path):
-    write_checkpoint(path, Checkpoint(0, 0))
-    s = MessageStore(path, StoreConfig(segment_size=64 << 20, recovery_verify_segments=1000))
+async def main(path, mode):
+    if mode != "stopped":
+        write_checkpoint(path, Checkpoint(0, 0))
+    s = MessageStore(path, StoreConfig(segment_size=64 << 20, **({} if mode == "stopped" else
+                                                                 {"recovery_verify_segments": 1000})))
     t = time.process_time()
     await s.open()
     took = time.process_time() - t
     assert s.report.records_scanned > 0
     await s.close()
     print(took)
-asyncio.run(main(sys.argv[1]))
+asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
@@ -69,7 +73,7 @@ def _time_open(repo: Path, image: Path, work: Path, mode: str) -> float:
     shutil.copytree(image, work)
     if mode == "cq_lost":
         shutil.rmtree(work / "consumequeue" / "Bench" / "1")
-    out = subprocess.run([_python(HERE), "-c", OPEN, str(work)], cwd=repo, check=True, capture_output=True,
+    out = subprocess.run([_python(HERE), "-c", OPEN, str(work), mode], cwd=repo, check=True, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(repo)})
     return float(out.stdout.split()[-1])
 
@@ -86,7 +90,7 @@ def main() -> None:
         subprocess.run([_python(HERE), "-c", FILL, str(image), str(args.records), str(args.queues)], cwd=HERE,
                        check=True, env={**os.environ, "PYTHONPATH": str(HERE)})
         fig: dict = {"records": args.records, "runs": args.runs}
-        for mode in ("intact", "cq_lost"):
+        for mode in ("intact", "cq_lost", "stopped"):
             this, base = [], []
             for _ in range(args.runs):
                 this.append(_time_open(HERE, image, work, mode))

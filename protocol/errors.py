@@ -154,14 +154,16 @@ class StoreError(BrokerError):
 
 class CorruptRecordError(StoreError):
     """A record read from the commit log fails its body CRC (bits flipped on the disk since it was written), or
-    its topic or properties, which no CRC covers, hold a NUL (a page zeroed: protocol.record.record_intact).
+    its topic or properties, which no CRC covers, are damaged (a page zeroed, a topic byte flipped:
+    protocol.record.record_intact).
 
     Raised by the reads that copy a record elsewhere (a commit, a retry, a dead letter, a scheduled delivery):
     copied, the damage would be re-encoded under a fresh, valid CRC and pass for sound from then on."""
 
     def __init__(self, offset: int, *, segment: str | None = None, position: int | None = None):
         super().__init__(f"the record at commit-log offset {offset} is corrupt: its body no longer matches its "
-                         "BODYCRC, or its topic or properties are zeroed", segment=segment, position=position)
+                         "BODYCRC, its topic is no topic name, or its properties are zeroed", segment=segment,
+                         position=position)
         self.offset = offset
 
 

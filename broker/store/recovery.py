@@ -5,9 +5,11 @@ Where the scan starts: the segment holding the checkpoint's flushed offset, or e
 segment when there is no valid checkpoint. Each record is checked for MESSAGE magic, a
 size that fits the segment (with room for the 8-byte end marker), its PHYSICALOFFSET
 field equal to where it lies, a layout whose lengths add up to TOTALSIZE, and its body
-CRC; at or past the checkpoint's flushed offset also a valid topic name and properties with no
-NUL byte (the body CRC leaves them unguarded, and a crash can lose their pages while the head
-and body reached the disk: they read as zeros; the broker stores no NUL there). An end
+CRC, and a valid topic name; at or past the checkpoint's flushed offset also properties with
+no NUL byte (the body CRC leaves them unguarded, and a crash can lose their pages while the
+head and body reached the disk: they read as zeros; the broker stores no NUL there). Below the
+checkpoint nothing is torn, but a TOPIC byte flipped at rest is damage all the same: each
+name is judged once a scan. Before ``nul_free_from`` (an older broker's records) neither. An end
 marker (BLANK magic, TOTALSIZE = bytes left) moves the scan to the next segment. Eight
 zero bytes where a record would start are the end of the data.
 
@@ -190,6 +192,7 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     end, last_ts = None, 0
     gaps = {key for key, cq in queues.items() if cq.damaged is not None}     # units lost before the last file
     expect: dict[tuple[str, int], int] = {}     # queue offset the next record of each queue must carry
+    named: set[str] = set()     # topic names judged sound in this scan
 
     for i in range(first, len(segs)):
         seg, pos = segs[i], 0
@@ -202,9 +205,13 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
                 # below the checkpoint nothing is torn (it was flushed first), and before nul_free_from an older
                 # broker may have stored a NUL: records there keep the old checks
                 fields = parse_record(seg, pos, torn=seg.start + pos >= tail_from)
+                if fields[6] not in named and seg.start + pos >= nul_free_from:
+                    # (below the checkpoint: a TOPIC byte flipped at rest, outside the body CRC, read as sound,
+                    # filed the message under the damaged name, lost with no word; one set lookup a record)
+                    _check_topic(fields[6], named)
                 if known_corrupt and seg.start + pos in known_corrupt and seg.start + pos < tail_from:
-                    # kept for a damaged TOPIC or properties, which are judged only past the checkpoint: below
-                    # it at a later start, it was read as sound (filed under the damaged name, replayed)
+                    # kept for damaged properties, judged only past the checkpoint (a TOPIC before nul_free_from):
+                    # below it at a later start, it was read as sound (replayed, served)
                     try:
                         check_tail_fields(seg.mm, fields[6], fields[7])
                     except RecordError as exc:
@@ -292,6 +299,14 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
              report.scanned_from, end, len(report.truncations), report.cq_units_appended,
              report.cq_units_dropped, report.seconds)
     return report
+
+
+def _check_topic(topic: str, named: set[str]) -> None:
+    """BadRecord unless ``topic`` is a name the broker accepts; remembered in ``named`` when it is."""
+    why = validate_topic(topic)
+    if why is not None:
+        raise BadRecord(f"topic: {why}")
+    named.add(topic)
 
 
 def _sound_extent(seg: Segment, pos: int, tail_from: int):
@@ -611,6 +626,7 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
     for key in gaps:
         report.cq_units_dropped += queues[key].truncate(0)
     seen: set = set()           # queues whose previous record this pass appended: the next must follow it
+    named: set[str] = set()     # topic names judged sound in this pass
     for si, seg in enumerate(clog.segments):
         pos = 0
         while seg.start + pos < end:
@@ -633,6 +649,17 @@ def _fill_gaps(clog: CommitLog, queues, gaps: set, end: int, report: RecoveryRep
                 pos = nxt
                 continue
             key = (topic, qid)
+            if topic not in named and key not in gaps:
+                if validate_topic(topic) is None:
+                    named.add(topic)
+                else:
+                    # A TOPIC byte flipped at rest (outside the body CRC; the start judges none in old segments):
+                    # taken for another queue's, the next record of its own was "repaired" one down in the log,
+                    # and the message skipped without a word. Filed where its queue misses exactly it, a pull
+                    # stops at it (RECORD_CORRUPT: the reads of old segments judge the topic).
+                    owners = [k for k in gaps if k[1] == qid and queues[k].max_offset == qoff]
+                    if len(owners) == 1:
+                        key, topic = owners[0], owners[0][0]
             if sys_flag & 0x4 and qoff and key in gaps and _typed_away(
                     seg, pos, size, key, qoff, sys_flag, queues, {key: queues[key].max_offset} if key in seen else {},
                     lambda: _next_qoff(clog.segments, si, pos + size, key, end)):

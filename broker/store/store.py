@@ -584,9 +584,8 @@ class MessageStore:
         # ...and the directory entries of queue files made since the last one (one fsync per new file or
         # directory, none per unit): a file whose name was lost at a power loss would take its units with it.
         if self._kept_unsaved:
-            # corrupt_kept first: a start judges a record's TOPIC and properties only past the checkpoint, so one
-            # past a kept record the file does not name read it as sound at a start without the flag (a kill -9
-            # before the disk loop's turn): the message lost without a word
+            # corrupt_kept first: no checkpoint passes a kept record the file does not name (a kill -9 before
+            # the disk loop's turn): a start without the flag would not keep it again
             await self._save_kept()
             if self._kept_unsaved:
                 self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
