@@ -69,7 +69,9 @@ POS_PHYSICAL_OFFSET = 28
 POS_SYSFLAG = 36
 POS_BORN_HOST = 48
 
-TOPIC_PATTERN = re.compile(r"[%|a-zA-Z0-9_-]+")
+# RocketMQ's TopicValidator characters: the pattern send checks, and as bytes for a stored record's TOPIC (record.py)
+TOPIC_CHARS = b"%|_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+TOPIC_PATTERN = re.compile("[" + re.escape(TOPIC_CHARS.decode()) + "]+")
 
 
 class Prop:

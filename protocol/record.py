@@ -36,7 +36,7 @@ import zlib
 
 from .codes import SysFlag
 from .errors import RecordError
-from .message import MAX_TOPIC_LENGTH, MESSAGE_MAGIC, POS_BORN_HOST, validate_topic
+from .message import MAX_TOPIC_LENGTH, MESSAGE_MAGIC, POS_BORN_HOST, TOPIC_CHARS, validate_topic
 
 MIN_RECORD_SIZE = 91                        # empty body, topic and properties, IPv4 hosts
 MESSAGE_MAGIC_BYTES = struct.pack(">i", MESSAGE_MAGIC)     # what a search for a record start looks for
@@ -140,10 +140,6 @@ def body_crc_ok(buf, pos: int = 0, size: int | None = None) -> bool:
     return zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF == _I32.unpack_from(buf, pos + 8)[0]
 
 
-# validate_topic's characters ([%|a-zA-Z0-9_-]), as bytes: a topic holding only them translates to nothing
-_TOPIC_CHARS = b"%|_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
 def _body_at(buf, pos: int, size: int | None) -> tuple[int, int, int]:
     """Where the body of the record at ``pos`` starts, its BODYLENGTH, and where the record ends."""
     if size is None:
@@ -170,5 +166,5 @@ def record_intact(buf, pos: int = 0, size: int | None = None) -> bool:
     t = tail[0] + 1                         # where PROPERTIESLENGTH starts
     if t == 1 or t + 2 > len(tail) or t + 2 + _I16.unpack_from(tail, t)[0] != len(tail):
         return False
-    return t <= MAX_TOPIC_LENGTH + 1 and not tail[1:t].translate(None, _TOPIC_CHARS) \
+    return t <= MAX_TOPIC_LENGTH + 1 and not tail[1:t].translate(None, TOPIC_CHARS) \
         and tail.find(b"\x00", t + 2) < 0
