@@ -7,6 +7,7 @@ elsewhere the test is skipped and says why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from dataclasses import replace
@@ -32,6 +33,29 @@ def _no_segment_reserved(store) -> None:
     for name in os.listdir(store / "commitlog"):
         if not _records(store / "commitlog" / name):
             os.unlink(store / "commitlog" / name)
+
+
+async def _twenty_written(store_dir) -> int:
+    """Twenty records put in a store at ``store_dir``, closed, left as a broker on the full disk leaves it; the log's
+    end they reach."""
+    store = MessageStore(str(store_dir), CFG)
+    await store.open()
+    assert all(r.ok for r in [await store.put(_req(i)) for i in range(20)])
+    end = store.max_physical_offset
+    await store.close()
+    _no_segment_reserved(store_dir)
+    return end
+
+
+@contextlib.asynccontextmanager
+async def _opened(store_dir, cfg=CFG):
+    """The store at ``store_dir`` opened with ``cfg``, closed at the end."""
+    store = MessageStore(str(store_dir), cfg)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 @bounded(150)
@@ -88,26 +112,18 @@ async def test_a_start_on_a_full_disk_drops_a_kept_record_no_longer_in_the_log_o
     the file without the other once there is room."""
     with tmpfs(tmp_path / "disk", "4m") as disk:
         store_dir = disk / "store"
-        store = MessageStore(str(store_dir), CFG)
-        await store.open()
-        assert all(r.ok for r in [await store.put(_req(i)) for i in range(20)])
-        await store.close()
-        _no_segment_reserved(store_dir)
+        await _twenty_written(store_dir)
         kept_file = store_dir / CORRUPT_KEPT_FILE
         # one kept record in the log (its first), one past its end (as one a start cut the log below leaves): the
         # file rewritten holds a line, which takes a page (an empty one would not)
         kept_file.write_text(f"0\n{1 << 40}\n")
         _fill(disk / "ballast")
-        store = MessageStore(str(store_dir), CFG)
-        await store.open()
-        try:
+        async with _opened(store_dir) as store:
             assert store.kept_corrupt == 1
             os.unlink(disk / "ballast")
             # (the file removed meanwhile, it naming an offset past the log's end: see the test below)
             while not kept_file.exists() or kept_file.read_text().split() != ["0"]:   # the disk loop's next turn
                 await asyncio.sleep(0.05)
-        finally:
-            await store.close()
 
 
 @bounded(60)
@@ -119,20 +135,13 @@ async def test_a_stale_kept_offset_past_the_log_end_never_names_a_sound_record_w
     the next start keep that sound, acknowledged record as damaged (a pull stops at it: the message lost)."""
     with tmpfs(tmp_path / "disk", "4m") as disk:
         store_dir = disk / "store"
-        store = MessageStore(str(store_dir), CFG)
-        await store.open()
-        assert all(r.ok for r in [await store.put(_req(i)) for i in range(20)])
-        end = store.max_physical_offset
-        await store.close()
-        _no_segment_reserved(store_dir)
+        end = await _twenty_written(store_dir)
         kept_file = store_dir / CORRUPT_KEPT_FILE
         # as a start that cut the log below a kept record leaves it, beside one kept in the log (its first: the
         # file rewritten then holds a line, which takes a page)
         kept_file.write_text(f"0\n{end}\n")
         _fill(disk / "ballast")
-        store = MessageStore(str(store_dir), CFG)
-        await store.open()
-        try:
+        async with _opened(store_dir) as store:
             assert store.kept_corrupt == 1
             os.unlink(disk / "ballast")
             assert not store.disk.probe()       # (as the next write does itself, 50 ms after the last probe)
@@ -140,17 +149,11 @@ async def test_a_stale_kept_offset_past_the_log_end_never_names_a_sound_record_w
             assert put.ok and put.physical_offset == end, put
             crashed = tmp_path / "crashed"      # the store as a kill -9 now leaves it
             shutil.copytree(store_dir, crashed, ignore=shutil.ignore_patterns("lock"))
-        finally:
-            await store.close()
     assert end not in read_corrupt_kept(str(crashed)), "the file still names the sound record's offset"
-    store = MessageStore(str(crashed), CFG)
-    await store.open()
-    try:
+    async with _opened(crashed) as store:
         got = store.get_messages("T", 0, 20, 1, 1 << 20)
         assert got.message_count == 1, got.status
         got.buffers.clear()
-    finally:
-        await store.close()
 
 
 @bounded(60)
@@ -163,11 +166,7 @@ async def test_no_checkpoint_passes_a_kept_record_the_corrupt_kept_file_does_not
     cfg = replace(CFG, checkpoint_interval_ms=20, keep_corrupt_records=True)
     with tmpfs(tmp_path / "disk", "4m") as disk:
         store_dir = disk / "store"
-        store = MessageStore(str(store_dir), CFG)
-        await store.open()
-        assert all(r.ok for r in [await store.put(_req(i)) for i in range(20)])
-        await store.close()
-        _no_segment_reserved(store_dir)
+        await _twenty_written(store_dir)
         seg = _newest(store_dir)
         pos, _size, _topic, body = _records(seg)[10]
         phys = int(os.path.basename(seg)) + pos
@@ -175,21 +174,13 @@ async def test_no_checkpoint_passes_a_kept_record_the_corrupt_kept_file_does_not
         point = read_checkpoint(str(store_dir))
         write_checkpoint(str(store_dir), point._replace(flushed_offset=phys))    # as a kill -9 before it leaves it
         _fill(disk / "ballast")
-        store = MessageStore(str(store_dir), cfg)
-        await store.open()
-        try:
+        async with _opened(store_dir, cfg) as store:
             assert store.kept_corrupt == 1
             os.unlink(disk / "ballast")
             while read_checkpoint(str(store_dir)).flushed_offset <= phys:    # the checkpoint loop's next turns
                 await asyncio.sleep(0.005)
             # the store as a kill -9 now leaves it
             shutil.copytree(store_dir, tmp_path / "crashed", ignore=shutil.ignore_patterns("lock"))
-        finally:
-            await store.close()
     assert phys in read_corrupt_kept(str(tmp_path / "crashed")), "the checkpoint passed a record the file lacks"
-    store = MessageStore(str(tmp_path / "crashed"), CFG)        # without the flag
-    await store.open()
-    try:
+    async with _opened(tmp_path / "crashed") as store:        # without the flag
         assert store.kept_corrupt == 1
-    finally:
-        await store.close()

@@ -8,6 +8,7 @@ the turn where, before the fix, the topic had left the waiting table and the wai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 
@@ -48,21 +49,40 @@ def _held_saves(monkeypatch, then=None):
     return started, release
 
 
+@contextlib.asynccontextmanager
+async def _broker(tmp_path, monkeypatch, connect=True):
+    """A broker on ``tmp_path`` and (``connect``) a RawClient to it; ``hold(then=None)`` is ``_held_saves`` whose
+    writes are released at the end, before the client is closed and the broker stopped."""
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    await server.start()
+    client, releases = None, []
+
+    def hold(then=None):
+        started, release = _held_saves(monkeypatch, then)
+        releases.append(release)
+        return started, release
+    try:
+        if connect:
+            client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+        yield server, client, hold
+    finally:
+        for release in releases:
+            release.set()
+        if client is not None:
+            client.close()
+        await server.stop()
+
+
 @bounded(30)
 async def test_a_send_read_as_the_new_topics_write_ends_is_stored_after_the_sends_that_waited(tmp_path, monkeypatch):
     """One connection pipelines sends to a new topic (an async producer, or an orderly one's queue): the first
     waits for the catalogue write; the next frame is read in the loop turn the write's end is handled in. It was
     stored first -- the topic already out of the waiting table, the waiting sends' callbacks one turn later --
     and took queue offset 0 ahead of a message sent before it."""
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    release = threading.Event()
-    try:
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+    async with _broker(tmp_path, monkeypatch) as (server, client, hold):
         [made] = await client.call(_send("Existing", b"x"), 10)        # the connection is there, its first file too
         assert made.code == C.SUCCESS, made.remark
-        started, release = _held_saves(monkeypatch)
+        started, release = hold()
         [conn] = list(server.connections["broker"])
         tm = server.ctx.topics
         first, second = _send("Ordered", b"first"), _send("Ordered", b"second")
@@ -81,11 +101,6 @@ async def test_a_send_read_as_the_new_topics_write_ends_is_stored_after_the_send
         [b] = await client.reply(second.opaque, 10)
         assert (a.code, b.code) == (C.SUCCESS, C.SUCCESS), (a.remark, b.remark)
         assert (a.ext_fields["queueOffset"], b.ext_fields["queueOffset"]) == ("0", "1")
-    finally:
-        release.set()
-        if client is not None:
-            client.close()
-        await server.stop()
 
 
 @bounded(30)
@@ -94,18 +109,13 @@ async def test_a_reply_that_makes_a_topic_is_stored_only_once_topics_json_holds_
     its copy. It did not wait for the catalogue write: killed then, the broker restored the topic with the one
     queue holding the copy, where the topic was made with four -- the bug the sends' wait fixed, on this path."""
     from protocol.message import Prop, properties_to_string
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    release = threading.Event()
-    try:
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+    async with _broker(tmp_path, monkeypatch) as (server, client, hold):
         events = []
 
         def written(data):
             if b"ReplyMade" in data:
                 events.append("written")
-        _started, release = _held_saves(monkeypatch, written)
+        _started, release = hold(written)
         store, tm = server.ctx.store, server.ctx.topics
         real_put, real_made_durable = store.put, tm.made_durable
         waits = asyncio.Event()
@@ -135,11 +145,6 @@ async def test_a_reply_that_makes_a_topic_is_stored_only_once_topics_json_holds_
         [answer] = await replied
         assert answer.code == C.SYSTEM_ERROR    # (no requester to push it to: its copy is stored all the same)
         assert events == ["written", "stored"]
-    finally:
-        release.set()
-        if client is not None:
-            client.close()
-        await server.stop()
 
 
 @bounded(30)
@@ -147,11 +152,7 @@ async def test_sends_to_a_new_topic_go_ahead_when_topics_json_cannot_be_written(
     """A full disk: the catalogue write fails (logged, retried); the sends that waited for it are stored and
     answered, in order, rather than held until the disk frees up."""
     import errno
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    try:
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+    async with _broker(tmp_path, monkeypatch) as (server, client, _hold):
 
         def full(path, data):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -162,10 +163,6 @@ async def test_sends_to_a_new_topic_go_ahead_when_topics_json_cannot_be_written(
         answers = [(await client.reply(send.opaque, 10))[0] for send in sends]
         assert [a.code for a in answers] == [C.SUCCESS] * 3, [a.remark for a in answers]
         assert [a.ext_fields["queueOffset"] for a in answers] == ["0", "1", "2"]
-    finally:
-        if client is not None:
-            client.close()
-        await server.stop()
 
 
 def _send_back(offset: int, group: str) -> RemotingCommand:
@@ -181,11 +178,7 @@ async def test_a_send_back_waiting_for_its_new_retry_topic_holds_no_other_and_go
     SUCCESS -- its retry, delivered, makes the topic again should the broker stop before the write -- rather than
     held until the disk frees up."""
     import errno
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    try:
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+    async with _broker(tmp_path, monkeypatch) as (server, client, _hold):
         sent = _send("Failing", b"m")
         client.write(sent.encode())
         [reply] = await client.reply(sent.opaque, 10)
@@ -214,10 +207,6 @@ async def test_a_send_back_waiting_for_its_new_retry_topic_holds_no_other_and_go
         [reply] = await client.reply(full_new.opaque, 10)
         assert reply.code == C.SUCCESS, reply.remark
         assert "%RETRY%CG_full" in server.ctx.topics.topics
-    finally:
-        if client is not None:
-            client.close()
-        await server.stop()
 
 
 
@@ -259,12 +248,7 @@ async def test_sends_and_send_backs_to_new_topics_go_ahead_while_the_catalogue_w
     and every send-back that made a retry topic, waited for it with no answer (none within 10 s here), each frame
     held. Past write_wait_s they are stored and answered as when the write fails, in order; sends to topics made
     while it hangs do not wait; ``write_hung`` (the txmq_topics_catalogue_write_hung gauge) says so until it ends."""
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    client = None
-    release = threading.Event()
-    try:
-        client = await RawClient.open(server.addresses["broker"], "127.0.0.1")
+    async with _broker(tmp_path, monkeypatch) as (server, client, hold):
         sent = _send("Before", b"m")
         client.write(sent.encode())
         [reply] = await client.reply(sent.opaque, 10)
@@ -273,7 +257,7 @@ async def test_sends_and_send_backs_to_new_topics_go_ahead_while_the_catalogue_w
         await server.ctx.topics.saved()
         tm = server.ctx.topics
         tm.write_wait_s = 0.5
-        started, release = _held_saves(monkeypatch)
+        started, release = hold()
         sends = [_send("Hung", b"%d" % i) for i in range(3)]
         for send in sends:
             client.write(send.encode())
@@ -293,11 +277,6 @@ async def test_sends_and_send_backs_to_new_topics_go_ahead_while_the_catalogue_w
         assert not tm.write_hung
         written = (tmp_path / "config" / "topics.json").read_text()
         assert all(f'"{name}"' in written for name in ("Hung", "MadeWhileHung", "%RETRY%CG_hung"))
-    finally:
-        release.set()
-        if client is not None:
-            client.close()
-        await server.stop()
 
 
 @bounded(30)
@@ -306,14 +285,11 @@ async def test_a_hung_catalogue_write_is_seen_without_a_send_and_piles_up_no_wri
     or retry topics (``ensure``) left it 0 however long the write hung, the alert silent. And each 100 ms batch of
     changes meanwhile queued another write on the config thread, each with its copy of the topic list: unbounded
     for as long as the write hangs. One write waits behind the hung one now, holding every change made meanwhile."""
-    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
-    await server.start()
-    release = threading.Event()
-    try:
+    async with _broker(tmp_path, monkeypatch, connect=False) as (server, _client, hold):
         tm = server.ctx.topics
         await tm.saved()
         tm.write_wait_s = 0.3
-        started, release = _held_saves(monkeypatch)
+        started, release = hold()
         tm.ensure("MadeByHeartbeat0")
         loop = asyncio.get_running_loop()
         assert await loop.run_in_executor(None, started.wait, 5)
@@ -330,9 +306,6 @@ async def test_a_hung_catalogue_write_is_seen_without_a_send_and_piles_up_no_wri
         assert not tm.write_hung
         written = (tmp_path / "config" / "topics.json").read_text()
         assert all(f'"MadeByHeartbeat{i}"' in written for i in range(8))
-    finally:
-        release.set()
-        await server.stop()
 
 
 @bounded(40)
