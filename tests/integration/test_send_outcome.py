@@ -211,3 +211,35 @@ async def test_a_broker_whose_host_is_gone_does_not_take_the_sends_time(tmp_path
         broker.kill()
         namesrv.kill()
         hole.close()
+
+
+@bounded(120)
+async def test_a_send_past_the_frame_limit_fails_alone_not_the_sends_beside_it(broker_factory):
+    """A request frame past 16 MiB (RocketMQ's frameMaxLength) makes the broker close the connection. Sent, a 17 MiB
+    body failed as maybe stored with every send in flight beside it: 100 small sends all raised MaybeStoredError,
+    and their retries, reset again by its own, stored 50 of them three times each and the other 50 never. It is
+    refused before it is sent (MESSAGE_ILLEGAL, as the broker refuses a body past its max_message_size)."""
+    from consumer import PullConsumer
+    from protocol.errors import MessageIllegalError
+    broker = broker_factory()
+    async with Producer(broker.namesrv, "PG_frame", send_timeout=20) as producer:
+        await producer.send("Framed", b"warm-up")
+        small = [asyncio.ensure_future(producer.send("Framed", b"s%d" % i)) for i in range(50)]
+        huge = asyncio.ensure_future(producer.send("Framed", b"x" * (17 << 20)))
+        small += [asyncio.ensure_future(producer.send("Framed", b"t%d" % i)) for i in range(50)]
+        results = await asyncio.gather(huge, *small, return_exceptions=True)
+    consumer = PullConsumer(broker.namesrv, "CG_frame")
+    bodies = []
+    try:
+        for mq in await consumer.fetch_queues("Framed"):
+            offset = 0
+            while (res := await consumer.pull(mq, offset, max_nums=64)).messages:
+                bodies += [m.body for m in res.messages]
+                offset = res.next_begin_offset
+    finally:
+        await consumer.shutdown()
+    assert type(results[0]) is MessageIllegalError, results[0]
+    assert "not sent" in str(results[0])
+    failed = [r for r in results[1:] if isinstance(r, BaseException)]
+    assert not failed, failed[:3]
+    assert sorted(bodies) == sorted([b"warm-up", *(b"s%d" % i for i in range(50)), *(b"t%d" % i for i in range(50))])
