@@ -395,11 +395,20 @@ class Producer:
 
     @_accepted
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
-                         queue: MessageQueue | None = None) -> SendResult:
-        """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
+                         queue: MessageQueue | None = None, uniq_keys: list[str] | None = None) -> SendResult:
+        """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order.
+
+        ``uniq_keys``: the messages' UNIQ_KEYs, one a body (new ones by default). A batch whose send raised
+        MaybeStoredError is sent again under its own (``exc.msg_id.split(",")``), so that a consumer can tell the
+        copies apart from new messages; without them the batch could only be sent again under new keys, each
+        message then consumed twice whatever the consumer dedupes by."""
+        if uniq_keys is not None and (len(uniq_keys) != len(bodies) or not all(k and "," not in k for k in uniq_keys)):
+            raise ValueError(f"uniq_keys: one key a body ({len(bodies)}), none empty or holding ',' (the batch's "
+                             f"msg_id joins them with it); got {uniq_keys!r:.200}")
         entries, uniqs = [], []
-        for body in bodies:
-            props = self.message_properties(tags)
+        for i, body in enumerate(bodies):
+            props = self.message_properties(tags, properties=None if uniq_keys is None
+                                            else {Prop.UNIQ_KEY: uniq_keys[i]})
             props.pop(Prop.WAIT, None)
             uniqs.append(props[Prop.UNIQ_KEY])
             entries.append((0, body, properties_to_string(props)))

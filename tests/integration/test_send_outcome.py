@@ -119,6 +119,48 @@ async def test_batched_sends_whose_answer_is_lost_each_say_maybe_stored(broker_f
         await producer.shutdown()
 
 
+@bounded(60)
+async def test_a_batch_whose_answer_is_lost_is_sent_again_under_its_own_keys_and_consumed_once(broker_factory,
+                                                                                                 tmp_path):
+    """send_batch's MaybeStoredError names its messages' UNIQ_KEYs, and the docs say to send again under them: but
+    send_batch took no keys, so the batch could only go again under new ones, and a consumer deduping by UNIQ_KEY
+    (SqliteIdempotency) ran each of its messages twice. ``uniq_keys`` sends it again under its own."""
+    from consumer import PullConsumer, SqliteIdempotency
+    direct, namesrv, cutter = await _behind_a_cutter(broker_factory, "LostSendBatch")
+    producer = await Producer(namesrv, "lost-send-batch", retries=2, send_timeout=10).start()
+    try:
+        await producer.send("LostSendBatch", b"warm-up")
+        cutter.armed = True
+        bodies = [b"order-1", b"order-2", b"order-3"]
+        with pytest.raises(MaybeStoredError) as info:
+            await producer.send_batch("LostSendBatch", bodies)
+        assert await stored_count(direct, "LostSendBatch", 1) == 4      # stored, its answer lost
+        cutter = await ReplyCutter(cutter.port).start()                 # the way to the broker is back
+        result = await producer.send_batch("LostSendBatch", bodies, uniq_keys=info.value.msg_id.split(","))
+        assert result.msg_id == info.value.msg_id
+        assert await stored_count(direct, "LostSendBatch", 1) == 7
+        with pytest.raises(ValueError):
+            await producer.send_batch("LostSendBatch", bodies, uniq_keys=["only-one"])
+        consumer = PullConsumer(namesrv, "CG_lost_send_batch")
+        try:
+            (mq,) = await consumer.fetch_queues("LostSendBatch")
+            copies = (await consumer.pull(mq, 1, max_nums=32)).messages
+        finally:
+            await consumer.shutdown()
+    finally:
+        cutter.close()
+        await producer.shutdown()
+    assert [m.body for m in copies] == bodies * 2
+    ran: list[bytes] = []
+    done = SqliteIdempotency(str(tmp_path / "ledger.db"))
+    try:
+        for msg in copies:
+            done.run_once(msg, lambda m, db: ran.append(m.body))
+    finally:
+        done.close()
+    assert ran == bodies                # each once, the copies skipped
+
+
 @pytest.mark.parametrize("batch_size", [1, 8])
 @bounded(30)
 async def test_a_str_body_fails_its_own_send_not_the_others(broker, batch_size):
