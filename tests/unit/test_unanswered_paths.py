@@ -179,3 +179,30 @@ async def test_an_unexpected_failure_in_a_later_turn_closes_the_connection_inste
         await conns[0].closed.wait()
     finally:
         await _stop(server, client)
+
+
+@bounded()
+async def test_a_request_past_the_frame_limit_is_refused_unsent_and_the_connection_carries_on():
+    """A frame past the peer's limit (16 MiB) made it close the connection, failing every request in flight there.
+    Refused before it is written, request or oneway, and the connection's other requests are answered."""
+    from protocol.errors import MessageIllegalError
+
+    def handler(conn, cmd):
+        return None if cmd.is_oneway else cmd.response(ResponseCode.SUCCESS, "ok")
+
+    server, client, conns = await _serve(handler)
+    try:
+        beside = asyncio.ensure_future(client.request(RemotingCommand.request(10, {}), 5))
+        await asyncio.sleep(0)                      # in flight
+        big = RemotingCommand.request(10, {}, b"x" * (16 << 20))
+        for send in (client.oneway, client.start_request):
+            try:
+                send(big)
+                raise AssertionError(f"{send.__name__} sent a frame past the limit")
+            except MessageIllegalError as exc:
+                assert "not sent" in str(exc)
+        assert len(client._pending) == 1            # the refused one left nothing waiting
+        assert (await beside).code == ResponseCode.SUCCESS
+        assert (await client.request(RemotingCommand.request(10, {}, b"x" * 1000), 5)).code == ResponseCode.SUCCESS
+    finally:
+        await _stop(server, client)
