@@ -206,3 +206,37 @@ async def test_a_request_past_the_frame_limit_is_refused_unsent_and_the_connecti
         assert (await client.request(RemotingCommand.request(10, {}, b"x" * 1000), 5)).code == ResponseCode.SUCCESS
     finally:
         await _stop(server, client)
+
+
+@bounded()
+async def test_a_request_frame_of_exactly_the_limit_is_sent_and_one_byte_more_is_refused():
+    """The limit is on the whole frame, its 4-byte length field included, as RocketMQ's NettyDecoder
+    (LengthFieldBasedFrameDecoder(16 MiB, 0, 4, 0, 4): length field + 4 > 16 MiB is too long) reads it. The check
+    compared the length field alone: frames of 16 MiB + 1 to + 4 bytes were sent, and a stock broker closed the
+    connection on them, failing every request in flight there. The peer here reads as a stock broker does."""
+    from protocol.errors import MessageIllegalError
+    from protocol.frame import MAX_FRAME_SIZE
+
+    def handler(conn, cmd):
+        return cmd.response(ResponseCode.SUCCESS, "ok")
+
+    def frame_of(total):
+        cmd = RemotingCommand.request(10, {})
+        cmd.body = b"x" * (total - len(b"".join(cmd.encode_parts())))
+        assert len(b"".join(cmd.encode_parts())) == total
+        return cmd
+
+    server, client, conns = await _serve(handler, max_frame_size=MAX_FRAME_SIZE - 4)    # Netty's reading of it
+    try:
+        beside = asyncio.ensure_future(client.request(RemotingCommand.request(10, {}), 5))
+        await asyncio.sleep(0)                      # in flight
+        for over in (1, 4):
+            try:
+                client.start_request(frame_of(MAX_FRAME_SIZE + over))
+                raise AssertionError(f"a frame of {MAX_FRAME_SIZE} + {over} bytes was sent")
+            except MessageIllegalError as exc:
+                assert "not sent" in str(exc)
+        assert (await beside).code == ResponseCode.SUCCESS
+        assert (await client.request(frame_of(MAX_FRAME_SIZE), 10)).code == ResponseCode.SUCCESS
+    finally:
+        await _stop(server, client)
