@@ -214,14 +214,15 @@ async def test_a_request_frame_of_exactly_the_limit_is_sent_and_one_byte_more_is
     (LengthFieldBasedFrameDecoder(16 MiB, 0, 4, 0, 4): length field + 4 > 16 MiB is too long) reads it. The check
     compared the length field alone: frames of 16 MiB + 1 to + 4 bytes were sent, and a stock broker closed the
     connection on them, failing every request in flight there. The peer here reads as a stock broker does."""
+    from protocol.codes import SerializeType
     from protocol.errors import MessageIllegalError
     from protocol.frame import MAX_FRAME_SIZE
 
     def handler(conn, cmd):
         return cmd.response(ResponseCode.SUCCESS, "ok")
 
-    def frame_of(total):
-        cmd = RemotingCommand.request(10, {})
+    def frame_of(total):        # a binary header: its length is not the opaque's number of digits, set when sent
+        cmd = RemotingCommand.request(10, {}, serialize_type=SerializeType.ROCKETMQ)
         cmd.body = b"x" * (total - len(b"".join(cmd.encode_parts())))
         assert len(b"".join(cmd.encode_parts())) == total
         return cmd
