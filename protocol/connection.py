@@ -381,8 +381,10 @@ class RemotingConnection(asyncio.Protocol):
         on it, and every request in flight there failed with it: one 17 MiB send beside 100 small ones failed
         them all as maybe stored, and their retries, reset again by its own, stored 50 of them three times each."""
         parts = cmd.encode_parts()
-        # the frame's length field, as the peer's decoder reads it (a send: header and body, summed without a call)
-        length = (len(parts[0]) + len(parts[1]) if len(parts) == 2 else sum(map(len, parts))) - 4
+        # the whole frame, its 4-byte length field included, as a stock broker's NettyDecoder counts it
+        # (LengthFieldBasedFrameDecoder: field + 4 > 16 MiB is too long; the field alone let 16 MiB + 4 through)
+        # (a send: header and body, summed without a call)
+        length = len(parts[0]) + len(parts[1]) if len(parts) == 2 else sum(map(len, parts))
         if length > self._decoder.max_frame_size:
             raise MessageIllegalError(f"request {request_name(cmd.code)} is a frame of {length} bytes, over the "
                                       f"{self._decoder.max_frame_size} a broker reads: not sent")
