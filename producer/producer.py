@@ -31,7 +31,7 @@ from protocol.connection import ConnectionPool, jittered, wait_within
 from protocol.errors import (ClientClosedError, ConnectionClosedError, MaybeStoredClosedError, MaybeStoredError,
                              RequestTimeoutError, ResponseError, TopicNotExistError, error_for_code)
 from protocol.message import (TIMER_PROPS, Prop, SendMessageRequestHeader, UniqIdGenerator, encode_batch,
-                              properties_to_string)
+                              properties_to_string, separator_in)
 from protocol.signature import Credentials
 
 from .accumulator import Accumulator
@@ -395,11 +395,24 @@ class Producer:
 
     @_accepted
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,
-                         queue: MessageQueue | None = None) -> SendResult:
-        """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order."""
+                         queue: MessageQueue | None = None, uniq_keys: list[str] | None = None) -> SendResult:
+        """Send ``bodies`` as one SEND_BATCH_MESSAGE to one queue; stored together, in order.
+
+        ``uniq_keys``: the messages' UNIQ_KEYs, one a body (new ones by default). A batch whose send raised
+        MaybeStoredError is sent again under its own (``exc.msg_id.split(",")``), so that a consumer can tell the
+        copies apart from new messages; without them the batch could only be sent again under new keys, each
+        message then consumed twice whatever the consumer dedupes by."""
+        if uniq_keys is not None and (len(uniq_keys) != len(bodies) or not all(
+                type(k) is str and k and "," not in k and not separator_in(k) for k in uniq_keys)):
+            # (a separator stored the key as more pairs, a property smuggled into the batch, and the msg_id returned
+            # was no key a consumer sees)
+            raise ValueError(f"uniq_keys: one str key a body ({len(bodies)}), none empty or holding ',' (the batch's "
+                             f"msg_id joins them with it), U+0001, U+0002 or NUL (properties separators); "
+                             f"got {uniq_keys!r:.200}")
         entries, uniqs = [], []
-        for body in bodies:
-            props = self.message_properties(tags)
+        for i, body in enumerate(bodies):
+            props = self.message_properties(tags, properties=None if uniq_keys is None
+                                            else {Prop.UNIQ_KEY: uniq_keys[i]})
             props.pop(Prop.WAIT, None)
             uniqs.append(props[Prop.UNIQ_KEY])
             entries.append((0, body, properties_to_string(props)))

@@ -83,10 +83,8 @@ def _end_command(fields: dict[str, str], remark: str | None) -> RemotingCommand:
                            ext_fields=dict(fields))
 
 
-def _state(value) -> LocalTransactionState:
-    if isinstance(value, LocalTransactionState):
-        return value
-    return LocalTransactionState.UNKNOW
+# A listener's answer that is no LocalTransactionState is said at most this often (with how many went unsaid)
+STATE_SAID_EVERY_S = 60.0
 
 
 class _EndBackoff:
@@ -152,11 +150,35 @@ class TransactionProducer(Producer):
         # committed again: the message delivered twice)
         self._last_ask: dict[tuple[str, int | str], RemotingCommand] = {}
         self.checks_overlapped = 0          # asks left to the call in hand for their transaction (said once each)
+        # Listener answers that were no LocalTransactionState (a forgotten return: None), taken as UNKNOW. Unsaid, a
+        # listener that never returned one left every transaction to checks that never decided it either, until the
+        # broker dead-lettered it: the local transaction done, its message never delivered, nothing in this log.
+        self.states_not_understood = 0
+        self._state_said_at: float | None = None
+        self._states_unsaid = 0
         self.shutdown_grace_s = shutdown_grace_s
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
         # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
         self.abandon_after_s = abandon_after_s
         self._abandoned: set[asyncio.Task] = set()      # checks given up on: they send no END when they end
+
+    def _state(self, value, method: str, msg_id: str) -> LocalTransactionState:
+        """The listener's answer ``value`` (of ``method``, for ``msg_id``); anything else is UNKNOW, counted and said
+        (a WARNING at most every STATE_SAID_EVERY_S, naming how many went unsaid)."""
+        if isinstance(value, LocalTransactionState):
+            return value
+        self.states_not_understood += 1
+        now = self._clock()
+        if self._state_said_at is not None and now - self._state_said_at < STATE_SAID_EVERY_S:
+            self._states_unsaid += 1
+        else:
+            log.warning("producer %s: %s returned %.100r for %s, not a LocalTransactionState: taken as UNKNOW (the "
+                        "broker checks back; a transaction no check decides is dead-lettered, its message never "
+                        "delivered)%s", self.group, method, value, msg_id,
+                        f"; {self._states_unsaid} more such answer(s) since the last said" if self._states_unsaid
+                        else "")
+            self._state_said_at, self._states_unsaid = now, 0
+        return LocalTransactionState.UNKNOW
 
     # Accepted (and waited for by shutdown) as a whole, not only while its half is sent: shutdown begun during the
     # local transaction closed the connections, and its END went nowhere (the decision left to a check-back that
@@ -183,7 +205,8 @@ class TransactionProducer(Producer):
         else:
             remark = None
             try:
-                state = _state(await _call(self.listener.execute_local_transaction, msg, arg))
+                state = self._state(await _call(self.listener.execute_local_transaction, msg, arg),
+                                    "execute_local_transaction", result.msg_id)
             except Exception as exc:  # noqa: BLE001 - an exception is UNKNOW, as in the Java client
                 log.warning("local transaction of %s raised: %s", result.msg_id, exc)
                 state = LocalTransactionState.UNKNOW
@@ -323,7 +346,8 @@ class TransactionProducer(Producer):
         remark = None
         msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
         try:
-            state = _state(await _call(self.listener.check_local_transaction, msg))
+            state = self._state(await _call(self.listener.check_local_transaction, msg), "check_local_transaction",
+                                msg_id)
         except Exception as exc:  # noqa: BLE001 - an exception is UNKNOW, as in the Java client
             # said here as the local transaction's is: in the broker's remark alone, a bug answered UNKNOW at
             # every ask until the transaction was dead-lettered, nothing in this producer's log

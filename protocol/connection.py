@@ -44,7 +44,7 @@ from typing import Awaitable, Callable, Optional, Union
 
 from .codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode, request_name
 from .command import RemotingCommand
-from .errors import ConnectionClosedError, ProtocolError, RequestTimeoutError
+from .errors import ConnectionClosedError, MessageIllegalError, ProtocolError, RequestTimeoutError
 from .frame import MAX_FRAME_SIZE, FrameDecoder
 
 log = logging.getLogger("txmq.connection")
@@ -373,7 +373,25 @@ class RemotingConnection(asyncio.Protocol):
         """Queue a frame; frames queued in one loop iteration go out in one write."""
         if self.transport is None:
             return
-        self._out.extend(cmd.encode_parts())
+        self._queue(cmd.encode_parts())
+
+    def _send_request(self, cmd: RemotingCommand) -> None:
+        """Queue a request (or oneway) frame; one longer than a peer reads (``max_frame_size``, RocketMQ's
+        frameMaxLength, 16 MiB) raises MessageIllegalError and is not sent. Sent, the peer closed the connection
+        on it, and every request in flight there failed with it: one 17 MiB send beside 100 small ones failed
+        them all as maybe stored, and their retries, reset again by its own, stored 50 of them three times each."""
+        parts = cmd.encode_parts()
+        # the whole frame, its 4-byte length field included, as a stock broker's NettyDecoder counts it
+        # (LengthFieldBasedFrameDecoder: field + 4 > 16 MiB is too long; the field alone let 16 MiB + 4 through)
+        # (a send: header and body, summed without a call)
+        length = len(parts[0]) + len(parts[1]) if len(parts) == 2 else sum(map(len, parts))
+        if length > self._decoder.max_frame_size:
+            raise MessageIllegalError(f"request {request_name(cmd.code)} is a frame of {length} bytes, over the "
+                                      f"{self._decoder.max_frame_size} a broker reads: not sent")
+        self._queue(parts)
+
+    def _queue(self, parts: list) -> None:
+        self._out.extend(parts)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
@@ -468,7 +486,7 @@ class RemotingConnection(asyncio.Protocol):
         try:
             if self.sign is not None:
                 self.sign(cmd)
-            self.send(cmd)
+            self._send_request(cmd)
         except BaseException:   # not sent (a body that is not bytes): raised here, not left to time out unawaited
             del self._pending[opaque]
             raise
@@ -503,7 +521,7 @@ class RemotingConnection(asyncio.Protocol):
         cmd.flag = (cmd.flag | FLAG_ONEWAY) & ~FLAG_RESPONSE
         if self.sign is not None:
             self.sign(cmd)
-        self.send(cmd)
+        self._send_request(cmd)
 
 
 class _SharedBudget:

@@ -136,3 +136,27 @@ async def test_a_cancelled_shutdown_leaves_the_batched_sends_in_flight_to_their_
         finally:
             await producer.shutdown()
     await _pull_all(broker.namesrv, "Cancelled", 2)
+
+
+async def test_a_batch_is_bounded_by_its_properties_not_only_its_bodies(broker):
+    """max_batch_bytes counted the bodies alone: 150 sends of 100 bytes with 30,000 bytes of properties each made one
+    batch of 4.5 MB, which the broker refuses (past its 4 MiB max_message_size), and every send went again alone.
+    The entries' whole size counts: batches of at most 1 MiB (34 such sends), each stored as one run of its queue."""
+    props = {"k": "p" * 30_000}
+    async with asyncio.timeout(60):
+        async with Producer(broker.namesrv, "PG_propsize", batch_size=1000, linger_ms=200,
+                            send_timeout=20) as producer:
+            await producer.send("PropSized", b"warm-up")
+            results = await asyncio.gather(*(producer.send("PropSized", b"b" * 100, properties=props)
+                                             for _ in range(150)))
+        await _pull_all(broker.namesrv, "PropSized", 151)
+    # a batch is stored as one run of consecutive offsets in one queue: count the runs of the sends, in order
+    runs = [1]
+    for before, r in zip(results, results[1:]):
+        if r.queue == before.queue and r.queue_offset == before.queue_offset + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    per_batch = (1 << 20) // (22 + 100 + 30_004)
+    assert max(runs) <= per_batch, runs
+    assert len(runs) <= -(-150 // per_batch) + 1, runs      # gathered, not sent one by one

@@ -243,3 +243,22 @@ async def test_a_send_to_a_queue_reuses_its_template_and_its_routes_queue_list()
     assert len(await routes.publish_queues("T")) == 3
     routes.ttl_s = 0.0                                                 # a stale route is not served from cache
     assert routes.cached_publish_queues("T") is None
+
+
+@pytest.mark.parametrize("key", ["k\x02DELAY\x013", "k\x01v", "k\x00", b"k", 7])
+async def test_send_batch_refuses_a_uniq_key_that_would_not_come_back_as_itself(key):
+    """A UNIQ_KEY holding a properties separator is stored as more pairs (its UNIQ_KEY "k" and a DELAY smuggled
+    into the batch), a NUL has the batch refused: the msg_id send_batch returned was no key a consumer sees, and
+    deduping by it ran the messages again. Refused before anything is sent, as an empty key or a ',' is, and so
+    is a key that is no str (a TypeError from the check, or sent as its repr)."""
+    producer = Producer("127.0.0.1:1", "PG")
+    sent = []
+
+    async def send_text(*a, **kw):
+        sent.append(a)
+        raise _Captured
+
+    producer._send_text = send_text
+    with pytest.raises(ValueError, match="uniq_keys"):
+        await producer.send_batch("T", [b"a", b"b"], uniq_keys=["fine", key])
+    assert not sent

@@ -535,3 +535,86 @@ async def test_jittered_end_retries_still_ride_over_the_outage_the_unspread_ones
     finally:
         await producer.pool.close()
     assert len(first) == 4 and first[-1] - first[0] >= 0.22, [t - first[0] for t in first]   # back by then
+
+
+async def test_a_listener_answer_that_is_no_state_is_said_and_counted_not_silently_unknow(caplog):
+    """execute_local_transaction with a forgotten return (None) was UNKNOW without a word: with a check listener
+    as careless, every check answered UNKNOW too until the broker dead-lettered the transaction, its local
+    transaction done and its message never delivered, nothing in the producer's log. Said (at most every
+    STATE_SAID_EVERY_S, naming how many went unsaid) and counted in states_not_understood."""
+    import logging
+
+    from producer import transaction
+
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    now = [0.0]
+
+    class Forgetful(Commit):
+        def execute_local_transaction(self, msg, arg):
+            return None if arg != "string" else "COMMIT_MESSAGE"
+
+    producer = TransactionProducer(fake.addr, "PG", Forgetful(), clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, "txmq.producer")
+    async with asyncio.timeout(10):
+        await producer.start()
+        results = [await producer.send_in_transaction("T", b"a"), await producer.send_in_transaction("T", b"b")]
+        now[0] += getattr(transaction, "STATE_SAID_EVERY_S", 60.0)
+        results.append(await producer.send_in_transaction("T", b"c", "string"))
+        await producer.shutdown()
+    server.close()
+    assert [r.state for r in results] == [S.UNKNOW] * 3
+    said = [r.getMessage() for r in caplog.records if "not a LocalTransactionState" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "execute_local_transaction returned None" in said[0] and results[0].send_result.msg_id in said[0]
+    assert "returned 'COMMIT_MESSAGE'" in said[1] and "1 more such answer(s)" in said[1]
+    assert producer.states_not_understood == 3
+
+
+def _check_ask(msg_id: str, commit_log_offset: int = 1000):
+    """A broker's CHECK_TRANSACTION_STATE about the half ``msg_id`` of group PG."""
+    from protocol.command import RemotingCommand
+    from protocol.message import encode_record
+    record = encode_record(topic=b"T", body=b"half", queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
+                           born_host=pack_host("127.0.0.1", 1), store_host=pack_host("127.0.0.1", 2),
+                           properties=b"PGROUP\x01PG\x02UNIQ_KEY\x01" + msg_id.encode() + b"\x02")
+    return RemotingCommand(RequestCode.CHECK_TRANSACTION_STATE, body=bytes(record), ext_fields={
+        "commitLogOffset": str(commit_log_offset), "tranStateTableOffset": "0", "msgId": msg_id})
+
+
+async def test_a_check_answer_that_is_no_state_is_said_and_counted_too(caplog):
+    """The check is where a careless answer costs the message: every ask answered UNKNOW until the broker
+    dead-lettered the transaction. check_local_transaction's answer is counted and said as the local
+    transaction's is (in one count, one rate limit), and the END sent for it is UNKNOW."""
+    import logging
+
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    class Forgetful(Commit):
+        def check_local_transaction(self, msg):
+            return None
+
+    producer = TransactionProducer(fake.addr, "PG", Forgetful(), clock=lambda: 0.0)
+
+    class Conn:
+        peer = ("127.0.0.1", int(fake.addr.rsplit(":", 1)[1]))
+    caplog.set_level(logging.WARNING, "txmq.producer")
+    try:
+        async with asyncio.timeout(10):
+            await producer.start()
+            for msg_id in ("M1", "M2"):
+                producer._on_request(Conn(), _check_ask(msg_id))
+                await asyncio.gather(*list(producer._check_tasks))
+            await producer.shutdown()
+    finally:
+        server.close()
+    assert producer.states_not_understood == 2
+    said = [r.getMessage() for r in caplog.records if "not a LocalTransactionState" in r.getMessage()]
+    assert len(said) == 1 and "check_local_transaction returned None for M1" in said[0], said
+    assert sorted((e.ext_fields.get("msgId"), e.ext_fields.get("commitOrRollback")) for e in fake.ends) == [
+        ("M1", "0"), ("M2", "0")]       # UNKNOW (TRANSACTION_NOT_TYPE)

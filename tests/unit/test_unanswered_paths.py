@@ -179,3 +179,65 @@ async def test_an_unexpected_failure_in_a_later_turn_closes_the_connection_inste
         await conns[0].closed.wait()
     finally:
         await _stop(server, client)
+
+
+@bounded()
+async def test_a_request_past_the_frame_limit_is_refused_unsent_and_the_connection_carries_on():
+    """A frame past the peer's limit (16 MiB) made it close the connection, failing every request in flight there.
+    Refused before it is written, request or oneway, and the connection's other requests are answered."""
+    from protocol.errors import MessageIllegalError
+
+    def handler(conn, cmd):
+        return None if cmd.is_oneway else cmd.response(ResponseCode.SUCCESS, "ok")
+
+    server, client, conns = await _serve(handler)
+    try:
+        beside = asyncio.ensure_future(client.request(RemotingCommand.request(10, {}), 5))
+        await asyncio.sleep(0)                      # in flight
+        big = RemotingCommand.request(10, {}, b"x" * (16 << 20))
+        for send in (client.oneway, client.start_request):
+            try:
+                send(big)
+                raise AssertionError(f"{send.__name__} sent a frame past the limit")
+            except MessageIllegalError as exc:
+                assert "not sent" in str(exc)
+        assert len(client._pending) == 1            # the refused one left nothing waiting
+        assert (await beside).code == ResponseCode.SUCCESS
+        assert (await client.request(RemotingCommand.request(10, {}, b"x" * 1000), 5)).code == ResponseCode.SUCCESS
+    finally:
+        await _stop(server, client)
+
+
+@bounded()
+async def test_a_request_frame_of_exactly_the_limit_is_sent_and_one_byte_more_is_refused():
+    """The limit is on the whole frame, its 4-byte length field included, as RocketMQ's NettyDecoder
+    (LengthFieldBasedFrameDecoder(16 MiB, 0, 4, 0, 4): length field + 4 > 16 MiB is too long) reads it. The check
+    compared the length field alone: frames of 16 MiB + 1 to + 4 bytes were sent, and a stock broker closed the
+    connection on them, failing every request in flight there. The peer here reads as a stock broker does."""
+    from protocol.codes import SerializeType
+    from protocol.errors import MessageIllegalError
+    from protocol.frame import MAX_FRAME_SIZE
+
+    def handler(conn, cmd):
+        return cmd.response(ResponseCode.SUCCESS, "ok")
+
+    def frame_of(total):        # a binary header: its length is not the opaque's number of digits, set when sent
+        cmd = RemotingCommand.request(10, {}, serialize_type=SerializeType.ROCKETMQ)
+        cmd.body = b"x" * (total - len(b"".join(cmd.encode_parts())))
+        assert len(b"".join(cmd.encode_parts())) == total
+        return cmd
+
+    server, client, conns = await _serve(handler, max_frame_size=MAX_FRAME_SIZE - 4)    # Netty's reading of it
+    try:
+        beside = asyncio.ensure_future(client.request(RemotingCommand.request(10, {}), 5))
+        await asyncio.sleep(0)                      # in flight
+        for over in (1, 4):
+            try:
+                client.start_request(frame_of(MAX_FRAME_SIZE + over))
+                raise AssertionError(f"a frame of {MAX_FRAME_SIZE} + {over} bytes was sent")
+            except MessageIllegalError as exc:
+                assert "not sent" in str(exc)
+        assert (await beside).code == ResponseCode.SUCCESS
+        assert (await client.request(frame_of(MAX_FRAME_SIZE), 10)).code == ResponseCode.SUCCESS
+    finally:
+        await _stop(server, client)
