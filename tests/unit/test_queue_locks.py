@@ -264,3 +264,27 @@ def test_two_clients_large_lock_batches_of_the_same_queues_interleaved_never_bot
         assert not got["A"] & got["B"] and len(got["A"] | got["B"]) == 8192
         assert all(ctx.clients.locks[("CG", "Big", q)][0] == c for c, qs in got.items() for q in qs)
     asyncio.run(run())
+
+
+def test_restored_locks_are_renewed_by_their_holder_taken_over_by_its_connection_and_lapse_for_others(tmp_path):
+    """Locks saved by a previous run (queue_locks.LockFile) are held again at start as renewed then: another
+    client is refused until they lapse, the holder renews them on its new connection (the restored entry counts
+    against no address once taken over), and a damaged file starts with none (said at ERROR)."""
+    from broker.queue_locks import LockFile
+    saved = ClientRegistry(lambda: 0)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=1)
+    assert saved.lock_queue(("CG", "Orders", 0), "A", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    lock_file = LockFile(str(tmp_path), saved)
+    asyncio.run(lock_file.save())
+
+    clock = SimpleNamespace(now=5_000_000)
+    clients = ClientRegistry(lambda: clock.now)
+    assert LockFile(str(tmp_path), clients).load() == 1
+    conn = _Conn("10.0.0.1", 7)
+    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 59_000, **caps) == "held"
+    assert clients.lock_queue(("CG", "Orders", 0), "A", conn, now=clock.now + 59_000, **caps) is None
+    assert clients._locks_by_host == {"10.0.0.1": 1}       # (max_per_host 1: not refused for the restored entry)
+    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 120_000, **caps) is None
+
+    (tmp_path / "queueLocks.json").write_text('{"locks": [["CG", "Orders", "zero", "A"]]}')
+    assert LockFile(str(tmp_path), ClientRegistry(lambda: 0)).load() == 0

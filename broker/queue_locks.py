@@ -1,0 +1,85 @@
+"""Orderly consumers' queue locks (LOCK_BATCH_MQ) kept across a broker restart.
+
+RocketMQ keeps them in memory only, and a stock orderly consumer trusts a lock it was granted for 30 s
+(rocketmq.client.rebalance.lockMaxLiveTime) after its last renewal, broker restart or not. A restarted broker
+holding no lock granted the queue to the first other consumer of the group that asked (the one whose heartbeat
+reached it first took every queue at its rebalance): two consumers of one orderly queue at once, out of order
+and again, with nothing said. Saved here (at most ``interval_s`` after a holder changes, and at a stop), a lock
+is held again at start as if renewed then: its holder renews it as ever, any other consumer waits for it to
+lapse (``queue_lock_max_live_ms``), as when the broker had not stopped. A lock granted within ``interval_s``
+before a kill -9 is not in the file: RocketMQ's behaviour for that queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+from .store.saved import read_saved, save
+
+log = logging.getLogger("txmq.locks")
+FILE_NAME = "queueLocks.json"
+
+
+def _parse(data) -> list[list]:
+    holders = data["locks"]
+    for entry in holders:
+        group, topic, qid, client_id = entry
+        if not (isinstance(group, str) and isinstance(topic, str) and type(qid) is int and isinstance(client_id, str)):
+            raise TypeError(f"lock entry {entry!r} is not [group, topic, queue id, client id]")
+    return holders
+
+
+class LockFile:
+    def __init__(self, config_dir: str, clients, metrics=None, interval_s: float = 1.0):
+        self.path = os.path.join(config_dir, FILE_NAME)
+        self.clients = clients
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._saved = -1            # clients.lock_holders_changed as of the last save (-1: none yet)
+        self._failing = False
+
+    def load(self) -> int:
+        """Hold again the locks the previous run saved, renewed now; how many. An unreadable file is said at ERROR
+        and the broker starts with none (as RocketMQ always does)."""
+        holders, why = read_saved(self.path, _parse)
+        if why == "missing":
+            return 0
+        if why is not None:
+            log.error("queue lock file %s cannot be read (%s): starting with no queue locks; an orderly consumer "
+                      "that held one before the restart may share its queue with another for up to 30 s",
+                      self.path, why)
+            return 0
+        clients = self.clients
+        clients.restore_locks(holders, clients.clock())
+        self._saved = clients.lock_holders_changed
+        if holders:
+            log.info("%d queue locks held again from %s: their holders renew them, others wait for them to lapse",
+                     len(holders), self.path)
+        return len(holders)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self.clients.lock_holders_changed != self._saved:
+                await self.save()
+
+    async def save(self) -> None:
+        """Write the locks held now, off the loop; a failure is said at ERROR once until a save succeeds again."""
+        changed = self.clients.lock_holders_changed
+        data = json.dumps({"locks": self.clients.lock_holders()}).encode()
+        try:
+            await asyncio.to_thread(save, self.path, data)
+        except OSError as exc:
+            if self.metrics is not None:
+                self.metrics.queue_lock_saves_failed.inc()
+            if not self._failing:
+                self._failing = True
+                log.error("queue lock file %s not written (retrying every %g s; a restart meanwhile forgets the "
+                          "locks granted since): %s", self.path, self.interval_s, exc)
+            return
+        if self._failing:
+            self._failing = False
+            log.warning("queue lock file %s written again", self.path)
+        self._saved = changed
