@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 
 from .store.saved import read_saved, save
 
@@ -31,9 +32,13 @@ def _parse(data) -> list[list]:
     return holders
 
 
-def _write(path: str, locks: dict) -> None:
-    """Save ``ClientRegistry.lock_table()`` as [group, topic, queue id, client id] entries. Blocking: off the loop."""
-    save(path, json.dumps({"locks": [[*key, holder[0]] for key, holder in locks.items()]}).encode())
+def _write(path: str, locks: dict, one_at_a_time: threading.Lock) -> None:
+    """Save ``ClientRegistry.lock_table()`` as [group, topic, queue id, client id] entries. Blocking: off the loop
+    (the stop's save may start while the periodic one, its task cancelled, still runs in its thread: one at a
+    time, as both write ``<path>.tmp``)."""
+    data = json.dumps({"locks": [[*key, holder[0]] for key, holder in locks.items()]}).encode()
+    with one_at_a_time:
+        save(path, data)
 
 
 class LockFile:
@@ -44,6 +49,7 @@ class LockFile:
         self.interval_s = interval_s
         self._saved = -1            # clients.lock_holders_changed as of the last save (-1: none yet)
         self._failing = False
+        self._one_at_a_time = threading.Lock()
 
     def load(self) -> int:
         """Hold again the locks the previous run saved, renewed now; how many. An unreadable file is said at ERROR
@@ -75,7 +81,7 @@ class LockFile:
         changed = self.clients.lock_holders_changed
         locks = self.clients.lock_table()       # written out off the loop (200,000 locks: 0.75 s on a loaded host)
         try:
-            await asyncio.to_thread(_write, self.path, locks)
+            await asyncio.to_thread(_write, self.path, locks, self._one_at_a_time)
         except OSError as exc:
             if self.metrics is not None:
                 self.metrics.queue_lock_saves_failed.inc()
