@@ -51,3 +51,31 @@ async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_
             fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
             os.close(fd)
         broker.kill()
+
+
+@bounded(90)
+async def test_sigterm_behind_a_hung_queue_lock_write_ends_the_process_and_saves_offsets(tmp_path):
+    """The queue lock file (queueLocks.json) is written at every stop, before the store and the offsets close: on
+    the default executor (a thread the interpreter's exit joins) and waited for without a bound, a write that hung
+    kept the stop from ever ending, and nothing after it -- the store, the offsets -- was closed or saved."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "queueLocks.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_hung_locks", "topic": "TBW102", "queueId": "0", "commitOffset": "0"})
+        assert commit.code == C.SUCCESS, commit.remark
+        broker.proc.send_signal(signal.SIGTERM)
+        try:
+            code = broker.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the broker did not end within 30 s of SIGTERM behind a hung queueLocks.json write\n"
+                        f"{broker.log()}")
+        assert code == 0, broker.log()
+        assert "CG_hung_locks" in (tmp_path / "store" / "config" / "consumerOffset.json").read_text(), broker.log()
+        assert "queueLocks.json" in broker.log() and "not written at stop" in broker.log(), broker.log()
+    finally:
+        with contextlib.suppress(OSError):
+            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(fd)
+        broker.kill()
