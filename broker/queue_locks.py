@@ -15,9 +15,9 @@ import asyncio
 import json
 import logging
 import os
-import threading
 
-from .store.saved import read_saved, save
+from .store.saved import read_saved, retrieved, save
+from .topics import ConfigThread
 
 log = logging.getLogger("txmq.locks")
 FILE_NAME = "queueLocks.json"
@@ -32,16 +32,17 @@ def _parse(data) -> list[list]:
     return holders
 
 
-def _write(path: str, locks: dict, one_at_a_time: threading.Lock) -> None:
-    """Save ``ClientRegistry.lock_table()`` as [group, topic, queue id, client id] entries. Blocking: off the loop
-    (the stop's save may start while the periodic one, its task cancelled, still runs in its thread: one at a
-    time, as both write ``<path>.tmp``)."""
+def _write(path: str, locks: dict) -> None:
+    """Save ``ClientRegistry.lock_table()`` as [group, topic, queue id, client id] entries. Blocking: on the lock
+    file's own thread (``LockFile._writer``), one save at a time, as all write ``<path>.tmp``: the stop's save may
+    be queued while the periodic one, its task cancelled, still runs there."""
     data = json.dumps({"locks": [[*key, holder[0]] for key, holder in locks.items()]}).encode()
-    with one_at_a_time:
-        save(path, data)
+    save(path, data)
 
 
 class LockFile:
+    stop_wait_s = 2.0       # what a stop waits for its save (behind a write still running: a hung disk?)
+
     def __init__(self, config_dir: str, clients, metrics=None, interval_s: float = 1.0):
         self.path = os.path.join(config_dir, FILE_NAME)
         self.clients = clients
@@ -49,7 +50,10 @@ class LockFile:
         self.interval_s = interval_s
         self._saved = -1            # clients.lock_holders_changed as of the last save (-1: none yet)
         self._failing = False
-        self._one_at_a_time = threading.Lock()
+        # A daemon thread, not the default executor's (the interpreter's exit joins those): a write that hangs (a
+        # stopped NFS) kept the stop waiting for ever, before the store and the offsets were closed, and the process
+        # from ending. Made at the first save.
+        self._writer: ConfigThread | None = None
 
     def load(self) -> int:
         """Hold again the locks the previous run saved, renewed now; how many. An unreadable file is said at ERROR
@@ -76,12 +80,40 @@ class LockFile:
             if self.clients.lock_holders_changed != self._saved:
                 await self.save()
 
-    async def save(self) -> None:
-        """Write the locks held now, off the loop; a failure is said at ERROR once until a save succeeds again."""
+    def _start_write(self) -> tuple[int, asyncio.Future]:
+        if self._writer is None:
+            self._writer = ConfigThread("txmq-queue-locks")
         changed = self.clients.lock_holders_changed
         locks = self.clients.lock_table()       # written out off the loop (200,000 locks: 0.75 s on a loaded host)
+        return changed, asyncio.get_running_loop().run_in_executor(self._writer, _write, self.path, locks)
+
+    async def close(self) -> None:
+        """(The broker stops) write the locks held now, waiting ``stop_wait_s`` at most: a stop behind a hung write
+        gives the file up (the next start holds the locks of its last save), said at ERROR, and goes on."""
+        changed, writing = self._start_write()
+        writer, self._writer = self._writer, None
         try:
-            await asyncio.to_thread(_write, self.path, locks, self._one_at_a_time)
+            await asyncio.wait_for(asyncio.shield(writing), self.stop_wait_s)
+        except TimeoutError:
+            writing.add_done_callback(retrieved)
+            log.error("queue lock file %s not written at stop: a write has not ended in %g s (a hung disk or a "
+                      "stopped network file system?); the next start holds the locks of its last save",
+                      self.path, self.stop_wait_s)
+        except OSError as exc:      # a full disk must not turn a clean stop into a crash
+            if self.metrics is not None:
+                self.metrics.queue_lock_saves_failed.inc()
+            log.error("queue lock file %s not written at stop (the next start holds the locks of its last save): "
+                      "%s", self.path, exc)
+        else:
+            self._saved = changed
+        finally:
+            writer.shutdown(wait=False)
+
+    async def save(self) -> None:
+        """Write the locks held now, off the loop; a failure is said at ERROR once until a save succeeds again."""
+        changed, writing = self._start_write()
+        try:
+            await writing
         except OSError as exc:
             if self.metrics is not None:
                 self.metrics.queue_lock_saves_failed.inc()

@@ -847,7 +847,7 @@ class BrokerServer:
             for conn in list(conns):
                 conn.close()
         if self.lock_file is not None:
-            await self.lock_file.save()     # held again at the next start (queue_locks.py)
+            await self.lock_file.close()    # held again at the next start (queue_locks.py); bounded
         if ctx is not None:
             # In this order; one that fails is logged and the rest still stop: everything they save
             # is derived from the log or replayed from it, and the store must always be closed.
