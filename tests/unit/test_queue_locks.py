@@ -288,3 +288,23 @@ def test_restored_locks_are_renewed_by_their_holder_taken_over_by_its_connection
 
     (tmp_path / "queueLocks.json").write_text('{"locks": [["CG", "Orders", "zero", "A"]]}')
     assert LockFile(str(tmp_path), ClientRegistry(lambda: 0)).load() == 0
+
+
+def test_a_lock_lapsed_when_saved_is_not_held_again_after_a_restart(tmp_path):
+    """The file was written from the whole lock table, lapsed locks not yet swept (the housekeeping sweeps every
+    10 s) included, and each is held again at start as renewed then: a stop in that gap gave the queue of an
+    orderly consumer gone for over a minute to no other consumer for another queue_lock_max_live_ms."""
+    from broker.queue_locks import LockFile
+    clock = SimpleNamespace(now=0)
+    saved = ClientRegistry(lambda: clock.now)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=100)
+    assert saved.lock_queue(("CG", "Orders", 0), "gone", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    clock.now = 30_000
+    assert saved.lock_queue(("CG", "Orders", 1), "alive", _Conn("10.0.0.2", 1), now=clock.now, **caps) is None
+    clock.now = 61_000                          # "gone"'s lock lapsed a second ago, not swept yet
+    asyncio.run(LockFile(str(tmp_path), saved, max_live_ms=60_000).save())
+
+    clients = ClientRegistry(lambda: 7)
+    assert LockFile(str(tmp_path), clients, max_live_ms=60_000).load() == 1
+    assert clients.lock_queue(("CG", "Orders", 0), "other", _Conn("10.0.0.3", 1), now=8, **caps) is None
+    assert clients.lock_queue(("CG", "Orders", 1), "other", _Conn("10.0.0.3", 1), now=8, **caps) == "held"
