@@ -32,22 +32,26 @@ def _parse(data) -> list[list]:
     return holders
 
 
-def _write(path: str, locks: dict) -> None:
-    """Save ``ClientRegistry.lock_table()`` as [group, topic, queue id, client id] entries. Blocking: on the lock
+def _write(path: str, locks: dict, now: int, max_live_ms: int) -> None:
+    """Save ``ClientRegistry.lock_table()`` as [group, topic, queue id, client id] entries, but those lapsed at
+    ``now`` (not swept yet: each would be held again at start as renewed then, a queue whose consumer is gone kept
+    from the others for another ``max_live_ms``). Blocking: on the lock
     file's own thread (``LockFile._writer``), one save at a time, as all write ``<path>.tmp``: the stop's save may
     be queued while the periodic one, its task cancelled, still runs there."""
-    data = json.dumps({"locks": [[*key, holder[0]] for key, holder in locks.items()]}).encode()
+    data = json.dumps({"locks": [[*key, holder[0]] for key, holder in locks.items()
+                                 if now - holder[1] <= max_live_ms]}).encode()
     save(path, data)
 
 
 class LockFile:
     stop_wait_s = 2.0       # what a stop waits for its save (behind a write still running: a hung disk?)
 
-    def __init__(self, config_dir: str, clients, metrics=None, interval_s: float = 1.0):
+    def __init__(self, config_dir: str, clients, metrics=None, interval_s: float = 1.0, max_live_ms: int = 60_000):
         self.path = os.path.join(config_dir, FILE_NAME)
         self.clients = clients
         self.metrics = metrics
         self.interval_s = interval_s
+        self.max_live_ms = max_live_ms      # queue_lock_max_live_ms: a lock lapsed is not saved
         self._saved = -1            # clients.lock_holders_changed as of the last save (-1: none yet)
         self._failing = False
         # A daemon thread, not the default executor's (the interpreter's exit joins those): a write that hangs (a
@@ -85,7 +89,8 @@ class LockFile:
             self._writer = ConfigThread("txmq-queue-locks")
         changed = self.clients.lock_holders_changed
         locks = self.clients.lock_table()       # written out off the loop (200,000 locks: 0.75 s on a loaded host)
-        return changed, asyncio.get_running_loop().run_in_executor(self._writer, _write, self.path, locks)
+        return changed, asyncio.get_running_loop().run_in_executor(self._writer, _write, self.path, locks,
+                                                                   self.clients.clock(), self.max_live_ms)
 
     async def close(self) -> None:
         """(The broker stops) write the locks held now, waiting ``stop_wait_s`` at most: a stop behind a hung write
