@@ -308,3 +308,25 @@ def test_a_lock_lapsed_when_saved_is_not_held_again_after_a_restart(tmp_path):
     assert LockFile(str(tmp_path), clients, max_live_ms=60_000).load() == 1
     assert clients.lock_queue(("CG", "Orders", 0), "other", _Conn("10.0.0.3", 1), now=8, **caps) is None
     assert clients.lock_queue(("CG", "Orders", 1), "other", _Conn("10.0.0.3", 1), now=8, **caps) == "held"
+
+
+def test_the_lock_file_is_encoded_a_bounded_slice_at_a_time(tmp_path, monkeypatch):
+    """The save ran in a thread "off the loop", but as one json.dumps of every lock: one C call that holds the GIL
+    throughout, so the loop stood still as long (200,000 locks: 0.5-0.8 s, every second while holders change).
+    Encoded a slice at a time, the thread gives the GIL back between slices; the file reads the same."""
+    import json as json_module
+
+    import broker.queue_locks as queue_locks
+    longest = []
+    real_dumps = json_module.dumps
+
+    def dumps(obj, *args, **kwargs):
+        longest.append(len(obj["locks"]) if isinstance(obj, dict) else len(obj))
+        return real_dumps(obj, *args, **kwargs)
+    monkeypatch.setattr(queue_locks.json, "dumps", dumps)
+    clients = ClientRegistry(lambda: 0)
+    clients.locks = {("CG", "Many", q): (f"c{q % 7}", 0, None) for q in range(10_000)}
+    asyncio.run(queue_locks.LockFile(str(tmp_path), clients).save())
+    assert longest and max(longest) <= 4096, max(longest)
+    saved = json_module.loads((tmp_path / "queueLocks.json").read_text())
+    assert saved == {"locks": [["CG", "Many", q, f"c{q % 7}"] for q in range(10_000)]}
