@@ -330,3 +330,37 @@ def test_the_lock_file_is_encoded_a_bounded_slice_at_a_time(tmp_path, monkeypatc
     assert longest and max(longest) <= 4096, max(longest)
     saved = json_module.loads((tmp_path / "queueLocks.json").read_text())
     assert saved == {"locks": [["CG", "Many", q, f"c{q % 7}"] for q in range(10_000)]}
+
+
+def test_a_refused_lock_file_save_is_said_once_counted_each_time_and_said_written_again(tmp_path, caplog):
+    """(The disk refuses the write: here a directory where its .tmp copy goes.) ERROR once for a run of failures,
+    each counted in txmq_queue_lock_saves_failed_total, and not taken for saved: the periodic loop tries again; a
+    WARNING when it is written again."""
+    import logging
+
+    from broker.metrics import BrokerMetrics
+    from broker.queue_locks import LockFile
+    clients = ClientRegistry(lambda: 0)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=100)
+    assert clients.lock_queue(("CG", "Orders", 0), "A", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    metrics = BrokerMetrics()
+    lock_file = LockFile(str(tmp_path), clients, metrics)
+    (tmp_path / "queueLocks.json.tmp").mkdir()
+
+    async def saves(n):
+        for _ in range(n):
+            await lock_file.save()
+    with caplog.at_level(logging.WARNING, logger="txmq.locks"):
+        asyncio.run(saves(3))
+        assert metrics.queue_lock_saves_failed._value.get() == 3
+        assert [r.levelno for r in caplog.records] == [logging.ERROR]
+        assert lock_file._saved != clients.lock_holders_changed        # the loop's next turn saves again
+        (tmp_path / "queueLocks.json.tmp").rmdir()
+        asyncio.run(saves(1))
+    assert lock_file._saved == clients.lock_holders_changed
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
+    assert json.loads((tmp_path / "queueLocks.json").read_text()) == {"locks": [["CG", "Orders", 0, "A"]]}
+    (tmp_path / "queueLocks.json.tmp").mkdir()
+    asyncio.run(lock_file.close())          # a stop on a full disk: said, counted, and no crash
+    assert metrics.queue_lock_saves_failed._value.get() == 4
+    assert "not written at stop" in caplog.records[-1].getMessage()
