@@ -302,6 +302,16 @@ def _integer(value, what: str) -> int:
     return number
 
 
+class _Restored:
+    """The "connection" of a lock restored from a previous run: none (no peer, never open)."""
+
+    peer = None
+    is_open = False
+
+
+RESTORED = _Restored()
+
+
 class ClientRegistry:
     def __init__(self, clock, max_groups_per_host: int = 1 << 30, max_subscription_bytes: int = 1 << 62):
         self.clock = clock
@@ -336,6 +346,7 @@ class ClientRegistry:
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
         self._left: dict[object, dict[str, None]] = {}
         self._locks_swept = clock()
+        self.lock_holders_changed = 0             # bumped when a queue's lock holder changes (queue_locks.py saves)
         self._joins = 0                           # producer registrations ever made: each Channel's seq
         # correlation id -> (weak reference to the connection its request came on, ms its requester stops waiting),
         # oldest first. An OrderedDict: the oldest is dropped at each send at the cap, and a plain dict's first key
@@ -570,6 +581,8 @@ class ClientRegistry:
         stale = [key for key, (_client, ms, _conn) in self.locks.items() if now - ms > max_live_ms]
         for key in stale:
             self._uncount(self.locks.pop(key)[2])
+        if stale:
+            self.lock_holders_changed += 1
         return len(stale)
 
     def maybe_expire_locks(self, max_live_ms: int, now: int) -> None:
@@ -606,6 +619,8 @@ class ClientRegistry:
             self._locks_by_conn[conn] = self._locks_by_conn.get(conn, 0) + 1
             host = peer_host(conn)
             self._locks_by_host[host] = self._locks_by_host.get(host, 0) + 1
+        if holder is None or holder[0] != client_id:
+            self.lock_holders_changed += 1
         self.locks[key] = (client_id, now, conn)
         return None
 
@@ -630,6 +645,22 @@ class ClientRegistry:
         if holder is not None and holder[0] == client_id:
             del self.locks[key]
             self._uncount(holder[2])
+            self.lock_holders_changed += 1
+
+    def lock_table(self) -> dict[tuple, tuple]:
+        """A copy of ``locks`` (lapsed ones not yet swept included) to read off the loop: a dict copy makes no
+        object per lock (200,000 locks on a loaded host: 0.1 s, where a list of their items took 0.75 s)."""
+        return self.locks.copy()
+
+    def restore_locks(self, holders: list[list], granted_ms: int) -> None:
+        """Hold the locks a previous run of the broker saved (queue_locks.py), as if last renewed at
+        ``granted_ms``: under none of its connections (a holder's renewal, on whatever connection, takes it over)."""
+        for group, topic, qid, client_id in holders:
+            key = (group, topic, qid)
+            if key not in self.locks:
+                self.locks[key] = (client_id, granted_ms, RESTORED)
+                self._locks_by_conn[RESTORED] = self._locks_by_conn.get(RESTORED, 0) + 1
+                self._locks_by_host[""] = self._locks_by_host.get("", 0) + 1
 
     # -------------------------------------------------------------- queries
     def producer_channels(self, group: str) -> list[Channel]:

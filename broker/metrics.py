@@ -186,6 +186,9 @@ class BrokerMetrics:
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
                                      "connections' together, the largest holders closed first).", ["reason"],
                                      registry=r)
+        self.queue_lock_saves_failed = Counter("txmq_queue_lock_saves_failed", "Saves of the queue lock file "
+                                               "(config/queueLocks.json) the disk refused: retried every second; a "
+                                               "restart meanwhile forgets the locks granted since.", registry=r)
         self.notices_merged = Counter("txmq_consumer_notices_merged", "Consumer-group changes told to its "
                                       "consumers with the one NOTIFY_CONSUMER_IDS_CHANGED at the end of a 0.5 s "
                                       "gap after the last (each notice starts a rebalance in every consumer).",

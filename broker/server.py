@@ -46,6 +46,7 @@ from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .metrics_http import start_metrics_server
 from .slices import in_slices
 from .processors import broker_table, namesrv_table
+from .queue_locks import LockFile
 from .registration import BrokerRegistrar
 from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
@@ -85,6 +86,7 @@ class BrokerServer:
                                       on_close=lambda reason: self.metrics.refused.labels(reason).inc())
         self._servers: list = []
         self._tasks: list[asyncio.Task] = []
+        self.lock_file: LockFile | None = None
         self._metrics_httpd = None
         self.addresses: dict[str, str] = {}
         self.ctx: BrokerContext | None = None
@@ -126,6 +128,9 @@ class BrokerServer:
                               trace_topic=c.trace_topic_enable,
                               per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
+        self.lock_file = LockFile(os.path.join(store_dir, "config"), clients, self.metrics,
+                                  max_live_ms=c.queue_lock_max_live_ms)
+        self.lock_file.load()
         clients.call_later = loop.call_later
         clients.on_notice_merged = self.metrics.notices_merged.inc
         topics.retry_reclaimable = self._retry_topic_idle
@@ -250,6 +255,7 @@ class BrokerServer:
         ha_addr = await self._start_ha(ctx)
         spawn = self.supervisor.spawn
         spawn("txmq-housekeeping", self._housekeeping)
+        spawn("txmq-queue-locks", self.lock_file.run)
         spawn("txmq-loop-lag", self.loop_lag.run)
         spawn("txmq-gauges", self._gauge_loop)
         if ctx.acl is not None:
@@ -841,6 +847,8 @@ class BrokerServer:
         for conns in self.connections.values():
             for conn in list(conns):
                 conn.close()
+        if self.lock_file is not None:
+            await self.lock_file.close()    # held again at the next start (queue_locks.py); bounded
         if ctx is not None:
             # In this order; one that fails is logged and the rest still stop: everything they save
             # is derived from the log or replayed from it, and the store must always be closed.

@@ -19,6 +19,23 @@ from tests.support.cluster_process import request
 pytestmark = pytest.mark.asyncio
 
 
+def _sigterm_ends(broker: BrokerProcess, hung: str) -> None:
+    """SIGTERM: the process ends, with 0, within 30 s though ``hung``'s write hangs."""
+    broker.proc.send_signal(signal.SIGTERM)
+    try:
+        code = broker.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the broker did not end within 30 s of SIGTERM behind a hung {hung} write\n{broker.log()}")
+    assert code == 0, broker.log()
+
+
+def _release(fifo, broker: BrokerProcess) -> None:
+    with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        os.close(fd)
+    broker.kill()
+
+
 @bounded(90)
 async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_offsets(tmp_path):
     """The config thread was a ThreadPoolExecutor worker: not a daemon, so even once the stop gave the catalogue
@@ -36,18 +53,29 @@ async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_
         commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
             "consumerGroup": "CG_hung_stop", "topic": "HungStop", "queueId": "0", "commitOffset": "1"})
         assert commit.code == C.SUCCESS, commit.remark
-        broker.proc.send_signal(signal.SIGTERM)
-        try:
-            code = broker.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the broker did not end within 30 s of SIGTERM behind a hung topics.json write\n{broker.log()}")
-        assert code == 0, broker.log()
+        _sigterm_ends(broker, "topics.json")
         saved = (tmp_path / "store" / "config" / "consumerOffset.json").read_text()
         assert "CG_hung_stop" in saved, broker.log()
         # the loop's end cancelled the wrapped write: that is no end of the write, and no success
         assert "the write that hung has ended" not in broker.log(), broker.log()
     finally:
-        with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
-            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-            os.close(fd)
-        broker.kill()
+        _release(fifo, broker)
+
+
+@bounded(90)
+async def test_sigterm_behind_a_hung_queue_lock_write_ends_the_process_and_saves_offsets(tmp_path):
+    """The queue lock file (queueLocks.json) is written at every stop, before the store and the offsets close: on
+    the default executor (a thread the interpreter's exit joins) and waited for without a bound, a write that hung
+    kept the stop from ever ending, and nothing after it -- the store, the offsets -- was closed or saved."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "queueLocks.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_hung_locks", "topic": "TBW102", "queueId": "0", "commitOffset": "0"})
+        assert commit.code == C.SUCCESS, commit.remark
+        _sigterm_ends(broker, "queueLocks.json")
+        assert "CG_hung_locks" in (tmp_path / "store" / "config" / "consumerOffset.json").read_text(), broker.log()
+        assert "queueLocks.json" in broker.log() and "not written at stop" in broker.log(), broker.log()
+    finally:
+        _release(fifo, broker)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from consumer import ConsumeStatus, PushConsumer
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import Producer
 from tests.support.bounded import bounded
 from tests.support.cluster_process import create_topic
@@ -83,6 +83,9 @@ async def test_an_orderly_consumer_trusts_no_lock_of_a_broker_it_lost_its_connec
                 return await lock(*args, **kwargs)
             first.client.heartbeat, first.client.lock_queues = held_beat, held_lock
             b.kill()
+            # Killed before its locks were saved (within a second of their grant): the restarted broker holds none
+            # (test_queue_locks_are_held_again_after_a_restart has it hold those it saved).
+            (b.store_dir / "config" / "queueLocks.json").unlink(missing_ok=True)
             await beating.wait()        # the loss is handled (the beat it asks for comes after)
             b = broker_factory(*fixed)
             second = await orderly("second").start()     # the restarted broker knows only it: it takes every queue
@@ -95,3 +98,45 @@ async def test_an_orderly_consumer_trusts_no_lock_of_a_broker_it_lost_its_connec
                 await second.shutdown()
             await first.shutdown()
     assert any(r.levelno == logging.WARNING and "no longer trusted" in r.getMessage() for r in caplog.records)
+
+
+@bounded(90)
+async def test_queue_locks_are_held_again_after_a_restart(broker_factory):
+    """A stock orderly consumer trusts a queue lock for 30 s after its last renewal, broker restart or not. A
+    restarted broker held no lock, and granted the queue to the first other consumer of the group that asked: two
+    consumers of one orderly queue at once, with nothing said. The locks are saved now (within a second of a
+    change, and at a stop) and held again at start: their holder renews them, another consumer waits."""
+    b = broker_factory()
+    fixed = ("--port", str(b.broker_port), "--namesrv-port", b.namesrv.rsplit(":", 1)[1])
+    topic, group = "LocksKept", "CG_locks_kept"
+    await create_topic(b.broker, topic, 2)
+    saved = b.store_dir / "config" / "queueLocks.json"
+    made: list[PullConsumer] = []
+
+    async def consumers():
+        """The group's two consumers, new clients of the same ids (none keeps a connection from before)."""
+        pair = [PullConsumer(b.namesrv, group, instance_name=name) for name in ("first", "second")]
+        made.extend(pair)
+        queues = [await c.fetch_queues(topic) for c in pair]
+        return pair, sorted(queues[0], key=lambda q: q.queue_id)
+
+    try:
+        (first, second), (q0, q1) = await consumers()
+        assert await first.lock_queues([q0]) == {q0}
+        b.stop()                                    # a clean stop saves the locks, however new
+        b = broker_factory(*fixed)
+        (first, second), _ = await consumers()
+        assert await second.lock_queues([q0]) == set(), "a restarted broker gave away a lock its holder still trusts"
+        assert await first.lock_queues([q1]) == {q1}
+        while first.client_id not in saved.read_text() or '"LocksKept", 1' not in saved.read_text():
+            await asyncio.sleep(0.05)
+        b.kill()                                    # a crash once the new lock is saved
+        b = broker_factory(*fixed)
+        (first, second), _ = await consumers()
+        assert await second.lock_queues([q0, q1]) == set()
+        assert await first.lock_queues([q0, q1]) == {q0, q1}        # its holder renews them as ever
+        await first.unlock_queues([q0, q1])
+        assert await second.lock_queues([q0, q1]) == {q0, q1}
+    finally:
+        for consumer in made:
+            await consumer.shutdown()

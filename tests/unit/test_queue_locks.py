@@ -264,3 +264,103 @@ def test_two_clients_large_lock_batches_of_the_same_queues_interleaved_never_bot
         assert not got["A"] & got["B"] and len(got["A"] | got["B"]) == 8192
         assert all(ctx.clients.locks[("CG", "Big", q)][0] == c for c, qs in got.items() for q in qs)
     asyncio.run(run())
+
+
+def test_restored_locks_are_renewed_by_their_holder_taken_over_by_its_connection_and_lapse_for_others(tmp_path):
+    """Locks saved by a previous run (queue_locks.LockFile) are held again at start as renewed then: another
+    client is refused until they lapse, the holder renews them on its new connection (the restored entry counts
+    against no address once taken over), and a damaged file starts with none (said at ERROR)."""
+    from broker.queue_locks import LockFile
+    saved = ClientRegistry(lambda: 0)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=1)
+    assert saved.lock_queue(("CG", "Orders", 0), "A", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    lock_file = LockFile(str(tmp_path), saved)
+    asyncio.run(lock_file.save())
+
+    clock = SimpleNamespace(now=5_000_000)
+    clients = ClientRegistry(lambda: clock.now)
+    assert LockFile(str(tmp_path), clients).load() == 1
+    conn = _Conn("10.0.0.1", 7)
+    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 59_000, **caps) == "held"
+    assert clients.lock_queue(("CG", "Orders", 0), "A", conn, now=clock.now + 59_000, **caps) is None
+    assert clients._locks_by_host == {"10.0.0.1": 1}       # (max_per_host 1: not refused for the restored entry)
+    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 120_000, **caps) is None
+
+    (tmp_path / "queueLocks.json").write_text('{"locks": [["CG", "Orders", "zero", "A"]]}')
+    assert LockFile(str(tmp_path), ClientRegistry(lambda: 0)).load() == 0
+
+
+def test_a_lock_lapsed_when_saved_is_not_held_again_after_a_restart(tmp_path):
+    """The file was written from the whole lock table, lapsed locks not yet swept (the housekeeping sweeps every
+    10 s) included, and each is held again at start as renewed then: a stop in that gap gave the queue of an
+    orderly consumer gone for over a minute to no other consumer for another queue_lock_max_live_ms."""
+    from broker.queue_locks import LockFile
+    clock = SimpleNamespace(now=0)
+    saved = ClientRegistry(lambda: clock.now)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=100)
+    assert saved.lock_queue(("CG", "Orders", 0), "gone", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    clock.now = 30_000
+    assert saved.lock_queue(("CG", "Orders", 1), "alive", _Conn("10.0.0.2", 1), now=clock.now, **caps) is None
+    clock.now = 61_000                          # "gone"'s lock lapsed a second ago, not swept yet
+    asyncio.run(LockFile(str(tmp_path), saved, max_live_ms=60_000).save())
+
+    clients = ClientRegistry(lambda: 7)
+    assert LockFile(str(tmp_path), clients, max_live_ms=60_000).load() == 1
+    assert clients.lock_queue(("CG", "Orders", 0), "other", _Conn("10.0.0.3", 1), now=8, **caps) is None
+    assert clients.lock_queue(("CG", "Orders", 1), "other", _Conn("10.0.0.3", 1), now=8, **caps) == "held"
+
+
+def test_the_lock_file_is_encoded_a_bounded_slice_at_a_time(tmp_path, monkeypatch):
+    """The save ran in a thread "off the loop", but as one json.dumps of every lock: one C call that holds the GIL
+    throughout, so the loop stood still as long (200,000 locks: 0.5-0.8 s, every second while holders change).
+    Encoded a slice at a time, the thread gives the GIL back between slices; the file reads the same."""
+    import json as json_module
+
+    import broker.queue_locks as queue_locks
+    longest = []
+    real_dumps = json_module.dumps
+
+    def dumps(obj, *args, **kwargs):
+        longest.append(len(obj["locks"]) if isinstance(obj, dict) else len(obj))
+        return real_dumps(obj, *args, **kwargs)
+    monkeypatch.setattr(queue_locks.json, "dumps", dumps)
+    clients = ClientRegistry(lambda: 0)
+    clients.locks = {("CG", "Many", q): (f"c{q % 7}", 0, None) for q in range(10_000)}
+    asyncio.run(queue_locks.LockFile(str(tmp_path), clients).save())
+    assert longest and max(longest) <= 4096, max(longest)
+    saved = json_module.loads((tmp_path / "queueLocks.json").read_text())
+    assert saved == {"locks": [["CG", "Many", q, f"c{q % 7}"] for q in range(10_000)]}
+
+
+def test_a_refused_lock_file_save_is_said_once_counted_each_time_and_said_written_again(tmp_path, caplog):
+    """(The disk refuses the write: here a directory where its .tmp copy goes.) ERROR once for a run of failures,
+    each counted in txmq_queue_lock_saves_failed_total, and not taken for saved: the periodic loop tries again; a
+    WARNING when it is written again."""
+    import logging
+
+    from broker.metrics import BrokerMetrics
+    from broker.queue_locks import LockFile
+    clients = ClientRegistry(lambda: 0)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=100)
+    assert clients.lock_queue(("CG", "Orders", 0), "A", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    metrics = BrokerMetrics()
+    lock_file = LockFile(str(tmp_path), clients, metrics)
+    (tmp_path / "queueLocks.json.tmp").mkdir()
+
+    async def saves(n):
+        for _ in range(n):
+            await lock_file.save()
+    with caplog.at_level(logging.WARNING, logger="txmq.locks"):
+        asyncio.run(saves(3))
+        assert metrics.queue_lock_saves_failed._value.get() == 3
+        assert [r.levelno for r in caplog.records] == [logging.ERROR]
+        assert lock_file._saved != clients.lock_holders_changed        # the loop's next turn saves again
+        (tmp_path / "queueLocks.json.tmp").rmdir()
+        asyncio.run(saves(1))
+    assert lock_file._saved == clients.lock_holders_changed
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
+    assert json.loads((tmp_path / "queueLocks.json").read_text()) == {"locks": [["CG", "Orders", 0, "A"]]}
+    (tmp_path / "queueLocks.json.tmp").mkdir()
+    asyncio.run(lock_file.close())          # a stop on a full disk: said, counted, and no crash
+    assert metrics.queue_lock_saves_failed._value.get() == 4
+    assert "not written at stop" in caplog.records[-1].getMessage()
