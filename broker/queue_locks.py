@@ -5,8 +5,8 @@ RocketMQ keeps them in memory only, and a stock orderly consumer trusts a lock i
 holding no lock granted the queue to the first other consumer of the group that asked (the one whose heartbeat
 reached it first took every queue at its rebalance): two consumers of one orderly queue at once, out of order
 and again, with nothing said. Saved here (at most ``interval_s`` after a holder changes, and at a stop), a lock
-is held again at start as if renewed then: its holder renews it as ever, any other consumer waits for it to
-lapse (``queue_lock_max_live_ms``), as when the broker had not stopped. A change of holder within ``interval_s``
+is held again at start for ``RESTORED_LIFE_MS`` (35 s, past the 30 s its holder can still trust it): its holder
+renews it as ever, any other consumer waits for it to lapse. A change of holder within ``interval_s``
 before a kill -9 is not in the file: a new lock is not held again (RocketMQ's behaviour for that queue), a lock
 that went to another consumer is held again for its previous holder (the new one refused until it lapses).
 """
@@ -22,6 +22,11 @@ from .topics import ConfigThread
 
 log = logging.getLogger("txmq.locks")
 FILE_NAME = "queueLocks.json"
+# How long a lock held again at start lives unless its holder renews it. Its holder trusts it for 30 s after its
+# last renewal (rocketmq.client.rebalance.lockMaxLiveTime), which came before the stop: 35 s outlives that trust
+# with 5 s to spare, where the whole queue_lock_max_live_ms (60 s) kept the queue of a holder gone during the
+# restart from the rest of its group 25 s longer than any consumer could still be using it.
+RESTORED_LIFE_MS = 35_000
 _SLICE = 2048           # entries encoded at a time (a few ms holding the GIL)
 
 
@@ -65,8 +70,8 @@ class LockFile:
         self._writer: ConfigThread | None = None
 
     def load(self) -> int:
-        """Hold again the locks the previous run saved, renewed now; how many. An unreadable file is said at ERROR
-        and the broker starts with none (as RocketMQ always does)."""
+        """Hold again the locks the previous run saved, each for ``RESTORED_LIFE_MS`` unless renewed; how many.
+        An unreadable file is said at ERROR and the broker starts with none (as RocketMQ always does)."""
         holders, why = read_saved(self.path, _parse)
         if why == "missing":
             return 0
@@ -76,7 +81,7 @@ class LockFile:
                       self.path, why)
             return 0
         clients = self.clients
-        clients.restore_locks(holders, clients.clock())
+        clients.restore_locks(holders, clients.clock() - max(0, self.max_live_ms - RESTORED_LIFE_MS))
         self._saved = clients.lock_holders_changed
         if holders:
             log.info("%d queue locks held again from %s: their holders renew them, others wait for them to lapse",

@@ -281,13 +281,38 @@ def test_restored_locks_are_renewed_by_their_holder_taken_over_by_its_connection
     clients = ClientRegistry(lambda: clock.now)
     assert LockFile(str(tmp_path), clients).load() == 1
     conn = _Conn("10.0.0.1", 7)
-    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 59_000, **caps) == "held"
-    assert clients.lock_queue(("CG", "Orders", 0), "A", conn, now=clock.now + 59_000, **caps) is None
+    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 34_000, **caps) == "held"
+    assert clients.lock_queue(("CG", "Orders", 0), "A", conn, now=clock.now + 34_000, **caps) is None
     assert clients._locks_by_host == {"10.0.0.1": 1}       # (max_per_host 1: not refused for the restored entry)
-    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 120_000, **caps) is None
+    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 90_000, **caps) == "held"
+    assert clients.lock_queue(("CG", "Orders", 0), "B", _Conn("10.0.0.2", 1), now=clock.now + 95_000, **caps) is None
 
     (tmp_path / "queueLocks.json").write_text('{"locks": [["CG", "Orders", "zero", "A"]]}')
     assert LockFile(str(tmp_path), ClientRegistry(lambda: 0)).load() == 0
+
+
+def test_a_restored_lock_nobody_renews_lapses_35_s_after_the_start_not_60(tmp_path):
+    """A lock held again at start was given the whole queue_lock_max_live_ms (60 s), as if renewed then. Its holder
+    trusts it 30 s after its last renewal (rocketmq.client.rebalance.lockMaxLiveTime), which came before the stop:
+    a holder gone during the restart kept its queue from the rest of its group 25 s longer than anyone could still
+    be consuming it. It lives 35 s now, unless renewed; a shorter queue_lock_max_live_ms is not lengthened."""
+    from broker.queue_locks import LockFile
+    saved = ClientRegistry(lambda: 0)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=100)
+    assert saved.lock_queue(("CG", "Orders", 0), "gone", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    asyncio.run(LockFile(str(tmp_path), saved, max_live_ms=60_000).save())
+
+    clients = ClientRegistry(lambda: 1_000_000)
+    assert LockFile(str(tmp_path), clients, max_live_ms=60_000).load() == 1
+    other = _Conn("10.0.0.3", 1)
+    assert clients.lock_queue(("CG", "Orders", 0), "other", other, now=1_035_000, **caps) == "held"
+    assert clients.lock_queue(("CG", "Orders", 0), "other", other, now=1_035_001, **caps) is None
+
+    short = dict(caps, max_live_ms=20_000)
+    clients = ClientRegistry(lambda: 1_000_000)
+    assert LockFile(str(tmp_path), clients, max_live_ms=20_000).load() == 1
+    assert clients.lock_queue(("CG", "Orders", 0), "other", other, now=1_020_000, **short) == "held"
+    assert clients.lock_queue(("CG", "Orders", 0), "other", other, now=1_020_001, **short) is None
 
 
 def test_a_lock_lapsed_when_saved_is_not_held_again_after_a_restart(tmp_path):
