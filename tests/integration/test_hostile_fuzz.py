@@ -23,6 +23,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
 from protocol.message import decode_records, encode_batch
+from tests.support.frame_fuzz import VECTORS, fuzz, load_vectors, seeds
 from tests.support.raw_client import RawClient
 
 pytestmark = pytest.mark.asyncio
@@ -187,6 +188,22 @@ async def test_hostile_frames_for_every_request_code(broker_factory):
     await _canary_round_trip(broker, FRAMES + 1)
     assert broker.proc.poll() is None
     # Every refusal above is expected; a handler that raised (answered SYSTEM_ERROR "SomeError: ...") is a bug.
+    log = broker.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, log[log.index("Traceback") - 300:][:3000]
+
+
+@pytest.mark.skipif(not VECTORS.is_dir(), reason=f"no vectors under {VECTORS} (set TXMQ_SHARED_DIR)")
+async def test_real_clients_frames_mutated_and_stateful_clients(broker_factory):
+    """tests/support/frame_fuzz.py, short (bench/fuzz_broker.py runs it long): the frames stock clients sent,
+    mutated, and clients that join, pull, lock, leave, send halves and END them (twice, pipelined, of no half, as
+    another group) on connections then closed or left open. Every request is answered, no handler raises, a
+    canary SEND succeeds every 200 frames and at the end, and no half is stored twice."""
+    broker = broker_factory("--max-suspend-ms", "100")
+    async with asyncio.timeout(240):
+        found = await fuzz(broker, seeds(load_vectors(VECTORS)), FRAMES, FRAMES // 5, random.Random(SEED))
+    assert found["findings"] == []
+    assert found["sequences"]["halves"] > 0
+    assert broker.proc.poll() is None
     log = broker.log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[log.index("Traceback") - 300:][:3000]
 
