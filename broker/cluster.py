@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 from protocol.connection import wait_within
 
+from . import logline
+
 log = logging.getLogger("txmq.cluster")
 _LISTENING = re.compile(rb"LISTENING (.*)")
 MAX_BACKOFF_S = 30.0
@@ -205,6 +207,5 @@ def main(argv: list[str]) -> int:
     if args.brokers < 1:
         print("txmq-cluster: cannot start: --brokers must be at least 1", file=sys.stderr)
         return 1
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logline.configure(logging.INFO)
     return asyncio.run(supervise(args))

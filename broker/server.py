@@ -32,7 +32,7 @@ from protocol.txlog import OP_TOPIC
 
 from .acl import NAMESRV_CHECKED, PlainAcl
 from . import ha as ha_roles
-from . import live_config
+from . import live_config, logline
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig
@@ -1109,8 +1109,7 @@ def no_room_for_topics(held: int, max_queues: int, one_topic: int, open_files: i
 
 
 def run(config: BrokerConfig) -> int:
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logline.configure(config.log_level)
     import uvloop
     sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     soft, hard = raise_open_files_limit()

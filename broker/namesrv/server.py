@@ -17,6 +17,7 @@ from protocol.codes import ResponseCode
 from protocol.connection import ReadBudget, RemotingConnection, WriteBudget
 from protocol.errors import StoreError
 
+from .. import logline
 from ..context import monotonic_ms
 from ..kv_config import KvConfig
 from ..limits import ConnectionGate, set_ipv6_client_prefix
@@ -123,7 +124,6 @@ async def serve(config: NamesrvConfig) -> int:
 
 
 def run(config: NamesrvConfig) -> int:
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logline.configure(config.log_level)
     import uvloop
     return uvloop.run(serve(config))

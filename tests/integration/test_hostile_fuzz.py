@@ -405,3 +405,22 @@ async def test_connections_closed_for_malformed_input_are_counted_and_logged_at_
     said = [line for line in log.splitlines() if "malformed frame from" in line or "closing 127.0.0.1" in line]
     assert 1 <= len(said) <= 2, said[:5]          # (2 when the run spans a 10 s gap)
     assert "logged at most every 10 s" in said[0]
+
+
+async def test_a_name_holding_a_newline_cannot_forge_a_log_line(broker):
+    """Found by bench/fuzz_broker.py (a group named "\\x01\\x02" logged raw): group, topic and client names are
+    the clients' to choose and log lines quote them. An offset commit for the group "G\\n<timestamp> ERROR
+    txmq.store: ..." wrote a line of its own, a forged store ERROR for any grep or alert to take as the broker's.
+    Control characters in a message are escaped now: one record, one line."""
+    forged = "2026-01-01 00:00:00,000 ERROR txmq.store: FORGED the commit log is corrupt"
+    client = await RawClient.open(broker.broker)
+    try:
+        [reply] = await client.call(RemotingCommand(R.UPDATE_CONSUMER_OFFSET, opaque=1, ext_fields={
+            "consumerGroup": f"G\n{forged}\r\x1b[2K", "topic": "TBW102", "queueId": "0", "commitOffset": "0"}), 10)
+    finally:
+        client.close()
+    assert reply.code == C.SUCCESS                  # (RocketMQ stores any group name; so does txmq)
+    lines = broker.log_path.read_text(errors="replace").splitlines()
+    assert not [line for line in lines if line.startswith(forged[:20])]
+    [said] = [line for line in lines if "FORGED" in line]
+    assert f"offset of group G\\n{forged}\\r\\x1b[2K on TBW102" in said
