@@ -25,4 +25,33 @@ def test_a_traceback_is_still_written_as_lines():
         line = _format("handling %s failed", "G\nX", exc_info=sys.exc_info())
     head, *rest = line.split("\n")
     assert head.endswith("handling G\\nX failed")
-    assert rest[0] == "Traceback (most recent call last):" and rest[-2:] == ["ValueError: bad", "value"]
+    assert rest[0] == "Traceback (most recent call last):" and rest[-1] == "ValueError: bad\\nvalue"
+
+
+def test_a_client_name_in_a_logged_exception_cannot_forge_a_line():
+    """log.exception writes the exception's message after the traceback: a group name in it ("no offset for
+    group G\\n<timestamp> ERROR ...") wrote a line of its own there. Its message is escaped; the frame lines and
+    a chained exception's stay lines."""
+    forged = "2026-01-01 00:00:00,000 ERROR txmq.store: FORGED"
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError as inner:
+            raise ValueError(f"no offset for group G\n{forged}") from inner
+    except ValueError:
+        import sys
+        text = _format("answering %s failed", 14, exc_info=sys.exc_info())
+    lines = text.split("\n")
+    assert not [line for line in lines if line.startswith(forged[:20])], lines
+    assert lines[-1] == f"ValueError: no offset for group G\\n{forged}"
+    assert "KeyError: 'inner'" in lines and lines.count("Traceback (most recent call last):") == 2
+    assert [line for line in lines if line.startswith('  File "')]
+
+
+def test_characters_str_splitlines_and_terminals_break_lines_on_are_escaped_and_other_non_ascii_kept():
+    """str.splitlines (and log tools built on it) end a line at NEL and the Unicode line and paragraph
+    separators too, and a terminal takes C1 controls (\\x9b is CSI): a name holding them split or rewrote a
+    record as "\\n" did. Printable non-ASCII names stay as they are."""
+    line = _format("group %s joined", "G\x85A\u2028B\u2029C\x9b2K\x0b\x0c\x1c Grüße 订单 🚀")
+    assert len(line.splitlines()) == 1, line.splitlines()
+    assert line.endswith("group G\\x85A\\u2028B\\u2029C\\x9b2K\\x0b\\x0c\\x1c Grüße 订单 🚀 joined")
