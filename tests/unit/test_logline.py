@@ -55,3 +55,18 @@ def test_characters_str_splitlines_and_terminals_break_lines_on_are_escaped_and_
     line = _format("group %s joined", "G\x85A\u2028B\u2029C\x9b2K\x0b\x0c\x1c Grüße 订单 🚀")
     assert len(line.splitlines()) == 1, line.splitlines()
     assert line.endswith("group G\\x85A\\u2028B\\u2029C\\x9b2K\\x0b\\x0c\\x1c Grüße 订单 🚀 joined")
+
+
+def test_the_spark_jobs_log_cannot_be_forged_by_a_group_name(capsys, monkeypatch):
+    """python -m ops.spark logs the consumer groups it read from the store (expiry: "group %s has not consumed
+    ..."): a group named "G\\nexpiry: ..." wrote a line of its own there, as in the broker's log."""
+    from ops.spark import cli
+    spark_log = logging.getLogger("ops.spark")
+    monkeypatch.setattr(spark_log, "handlers", [])
+    monkeypatch.setattr(spark_log, "propagate", spark_log.propagate)
+    monkeypatch.setattr(spark_log, "level", spark_log.level)
+    cli._setup_logging()
+    spark_log.warning("expiry: group %s has not consumed %d of them on topic %s",
+                      "G\nexpiry: wrote /tmp/plan.json", 3, "T")
+    err = capsys.readouterr().err
+    assert err == "expiry: group G\\nexpiry: wrote /tmp/plan.json has not consumed 3 of them on topic T\n"
