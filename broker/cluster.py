@@ -32,9 +32,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from protocol import logline
 from protocol.connection import wait_within
-
-from . import logline
 
 log = logging.getLogger("txmq.cluster")
 _LISTENING = re.compile(rb"LISTENING (.*)")

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from protocol import logline
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import DEFERRED, ReadBudget, RemotingConnection, WriteBudget
@@ -32,7 +33,7 @@ from protocol.txlog import OP_TOPIC
 
 from .acl import NAMESRV_CHECKED, PlainAcl
 from . import ha as ha_roles
-from . import live_config, logline
+from . import live_config
 from .ha.sync import SlaveSync
 from .clients import ClientRegistry
 from .config import BrokerConfig

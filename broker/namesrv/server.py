@@ -13,11 +13,11 @@ import os
 import signal
 import sys
 
+from protocol import logline
 from protocol.codes import ResponseCode
 from protocol.connection import ReadBudget, RemotingConnection, WriteBudget
 from protocol.errors import StoreError
 
-from .. import logline
 from ..context import monotonic_ms
 from ..kv_config import KvConfig
 from ..limits import ConnectionGate, set_ipv6_client_prefix

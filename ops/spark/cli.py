@@ -10,7 +10,7 @@ import re
 import sys
 import tempfile
 
-from broker.logline import OneLineFormatter
+from protocol.logline import OneLineFormatter
 from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES

@@ -1,9 +1,9 @@
-"""broker/logline.py: a record's message is one line whatever its arguments hold; its traceback stays lines."""
+"""protocol/logline.py: a record's message is one line whatever its arguments hold; its traceback stays lines."""
 from __future__ import annotations
 
 import logging
 
-from broker.logline import FORMAT, OneLineFormatter
+from protocol.logline import FORMAT, OneLineFormatter
 
 
 def _format(msg, *args, exc_info=None) -> str:
