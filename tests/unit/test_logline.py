@@ -70,3 +70,14 @@ def test_the_spark_jobs_log_cannot_be_forged_by_a_group_name(capsys, monkeypatch
                       "G\nexpiry: wrote /tmp/plan.json", 3, "T")
     err = capsys.readouterr().err
     assert err == "expiry: group G\\nexpiry: wrote /tmp/plan.json has not consumed 3 of them on topic T\n"
+
+
+def test_the_admin_pending_table_shows_a_producer_groups_control_characters_escaped():
+    """`python -m broker admin pending` prints the undecided halves' producer groups and keys, both the clients'
+    to choose: a group "PG\\n<a row>" printed a row of its own, and "\\x1b[2J" cleared the operator's terminal."""
+    from broker.admin import _table
+    rows = [{"commit_log_offset": 1, "group": "PG\n999  FORGED\x1b[2J", "topic": "T", "age_ms": 5, "checks": 0,
+             "owner": "", "last_answer": "", "uniq_key": "K\u2028X"}]
+    out = _table(rows).splitlines()
+    assert len(out) == 2, out
+    assert "PG\\n999  FORGED\\x1b[2J" in out[1] and "K\\u2028X" in out[1]
