@@ -29,6 +29,7 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
+from protocol.logline import escape
 from protocol.signature import Credentials
 
 from . import admin_ops
@@ -58,9 +59,10 @@ def _table(rows: list[dict]) -> str:
     if not rows:
         return "no undecided transactions"
     cols = ["commit_log_offset", "group", "topic", "age_ms", "checks", "owner", "last_answer", "uniq_key"]
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    cells = [{c: escape(str(r.get(c, ""))) for c in cols} for r in rows]   # (groups and keys: the clients' names)
+    widths = {c: max(len(c), *(len(r[c]) for r in cells)) for c in cols}
     lines = ["  ".join(c.upper().ljust(widths[c]) for c in cols)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) for r in rows]
+    lines += ["  ".join(r[c].ljust(widths[c]) for c in cols) for r in cells]
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from protocol import logline
 from protocol.connection import wait_within
 
 log = logging.getLogger("txmq.cluster")
@@ -205,6 +206,5 @@ def main(argv: list[str]) -> int:
     if args.brokers < 1:
         print("txmq-cluster: cannot start: --brokers must be at least 1", file=sys.stderr)
         return 1
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logline.configure(logging.INFO)
     return asyncio.run(supervise(args))

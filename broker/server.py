@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from protocol import logline
 from protocol.codes import ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import DEFERRED, ReadBudget, RemotingConnection, WriteBudget
@@ -669,7 +670,7 @@ class BrokerServer:
         return RemotingConnection(self._handler(table, guarded=guarded), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
                                   on_open=opened, on_close=closed, budget=self.write_budget,
-                                  read_budget=self.read_budget)
+                                  read_budget=self.read_budget, on_reject=self.metrics.rejected_frames.inc)
 
     def _close_holds(self, conn) -> None:
         if self.ctx.holds is not None:
@@ -1117,8 +1118,7 @@ def no_room_for_topics(held: int, max_queues: int, one_topic: int, open_files: i
 
 
 def run(config: BrokerConfig) -> int:
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logline.configure(config.log_level)
     import uvloop
     sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     soft, hard = raise_open_files_limit()

@@ -79,7 +79,7 @@ class RemotingConnection(asyncio.Protocol):
                  on_close: Callable[["RemotingConnection"], None] | None = None,
                  sign: Callable[[RemotingCommand], None] | None = None, frames_per_turn: int = FRAMES_PER_TURN,
                  client: bool = False, budget: "WriteBudget | None" = None,
-                 read_budget: "ReadBudget | None" = None):
+                 read_budget: "ReadBudget | None" = None, on_reject: Callable[[], None] | None = None):
         self.handler = handler
         self.budget = budget                # shared with the server's other connections (WriteBudget)
         self.read_budget = read_budget      # likewise (ReadBudget)
@@ -92,6 +92,7 @@ class RemotingConnection(asyncio.Protocol):
         self.max_in_flight = max_in_flight
         self.max_write_buffer = max_write_buffer
         self.on_close = on_close
+        self.on_reject = on_reject          # called once a connection is closed for malformed input (a metric)
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] = ("", 0)
         self.local: tuple[str, int] = ("", 0)
@@ -192,7 +193,7 @@ class RemotingConnection(asyncio.Protocol):
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
-            log.warning("closing %s:%s: %s", self.peer[0], self.peer[1], exc)
+            self._rejected("closing %s:%s: %s", exc)
             self.close()
             return
         if self.read_budget is not None:
@@ -224,8 +225,7 @@ class RemotingConnection(asyncio.Protocol):
                 continue
             self._dispatch(cmd)
         if not self._backlog and self._decoder.error is not None:
-            log.warning("closing %s:%s after its last good frame: %s", self.peer[0], self.peer[1],
-                        self._decoder.error)
+            self._rejected("closing %s:%s after its last good frame: %s", self._decoder.error)
             self.close()
 
     def _next_turn(self) -> None:
@@ -253,12 +253,24 @@ class RemotingConnection(asyncio.Protocol):
 
     def _reject_frame(self, frame: bytes, exc: ProtocolError) -> None:
         """Answer a frame we cannot decode when its opaque is findable, then close."""
-        log.warning("malformed frame from %s:%s: %s", self.peer[0], self.peer[1], exc)
+        self._rejected("malformed frame from %s:%s: %s", exc)
         opaque = _best_effort_opaque(frame)
         if opaque is not None:
             reply = RemotingCommand(exc.response_code, opaque=opaque, flag=FLAG_RESPONSE, remark=str(exc))
             self.send(reply)
         self.close()
+
+    def _rejected(self, what: str, exc: BaseException) -> None:
+        """A connection closed for malformed input: counted (on_reject), and logged at most every
+        REFUSAL_LOG_GAP_S with how many were not. A line each, a client reconnecting in a loop to send one bad frame
+        wrote a WARNING per connection (250 lines and 32 KiB a second from one loopback client), without end."""
+        if self.on_reject is not None:
+            self.on_reject()
+        unlogged = _gate(_rejections_logged, "malformed", self._loop.time())
+        if unlogged is not None:
+            log.warning(what + " (logged at most every %d s%s)", self.peer[0], self.peer[1], _clipped(exc),
+                        REFUSAL_LOG_GAP_S, f"; {unlogged} more connections closed for malformed input since the "
+                        "last line" if unlogged else "")
 
     def _dispatch(self, cmd: RemotingCommand) -> None:
         if self.handler is None:
@@ -814,23 +826,34 @@ async def finish_within(tasks, grace_s: float) -> list:
 REFUSAL_LOG_GAP_S = 10.0
 REFUSAL_LOG_CHARS = 512
 _refusals_logged: dict[str, list] = {}      # request name ("other" for unknown codes) -> [when logged, unlogged since]
+_rejections_logged: dict[str, list] = {}    # connections closed for malformed input: "malformed" -> the same
+
+
+def _gate(logged: dict[str, list], key: str, now: float) -> int | None:
+    """None while ``key`` was logged less than REFUSAL_LOG_GAP_S ago (counted unlogged), else how many went unlogged
+    since its last line (the caller logs now)."""
+    seen = logged.get(key)
+    if seen is not None and now - seen[0] < REFUSAL_LOG_GAP_S:
+        seen[1] += 1
+        return None
+    logged[key] = [now, 0]
+    return seen[1] if seen is not None else 0
+
+
+def _clipped(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{text[:REFUSAL_LOG_CHARS]}... ({len(text)} characters)" if len(text) > REFUSAL_LOG_CHARS else text
 
 
 def _log_refusal(now: float, cmd: RemotingCommand, peer: tuple, exc: BaseException) -> None:
     name = request_name(cmd.code)
     if name.lstrip("-").isdigit():          # a made-up code: one key for them all, so the dict stays bounded
         name = "other"
-    seen = _refusals_logged.get(name)
-    if seen is not None and now - seen[0] < REFUSAL_LOG_GAP_S:
-        seen[1] += 1
+    unlogged = _gate(_refusals_logged, name, now)
+    if unlogged is None:
         return
-    unlogged = seen[1] if seen is not None else 0
-    _refusals_logged[name] = [now, 0]
-    text = str(exc)
-    if len(text) > REFUSAL_LOG_CHARS:
-        text = f"{text[:REFUSAL_LOG_CHARS]}... ({len(text)} characters)"
     log.info("%s from %s:%s refused: %s (logged at most every %d s a request code%s)", request_name(cmd.code),
-             peer[0], peer[1], text, REFUSAL_LOG_GAP_S,
+             peer[0], peer[1], _clipped(exc), REFUSAL_LOG_GAP_S,
              f"; {unlogged} more refused since the last line" if unlogged else "")
 
 

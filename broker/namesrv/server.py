@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+from protocol import logline
 from protocol.codes import ResponseCode
 from protocol.connection import ReadBudget, RemotingConnection, WriteBudget
 from protocol.errors import StoreError
@@ -123,7 +124,6 @@ async def serve(config: NamesrvConfig) -> int:
 
 
 def run(config: NamesrvConfig) -> int:
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logline.configure(config.log_level)
     import uvloop
     return uvloop.run(serve(config))

@@ -31,6 +31,7 @@ import functools
 import json
 import logging
 import os
+import weakref
 
 from protocol.codes import LanguageCode, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
@@ -42,7 +43,8 @@ from ..answer import Answer
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
-from .core import BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, tx_from_half
+from .core import (BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, owner_of,
+                   tx_from_half)
 from .decisions import DecisionTable
 from .records import (COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, parse_dead_letter,
                       plain_owner)
@@ -345,7 +347,7 @@ class TransactionService:
             return put_failure_response(cmd, result)
         ctx = self.ctx
         tx = Tx(result.physical_offset, result.queue_offset, group, topic, props.get(Prop.UNIQ_KEY, ""),
-                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=conn,
+                result.store_timestamp, real_qid=qid, tags_code=req.tags_code, owner=weakref.ref(conn),
                 owner_id=owner or f"{conn.peer[0]}:{conn.peer[1]}", delayed=asks_delay(props))
         if self.core.add(tx, immunity_s=props.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS),
                          stored_at=self.stored_at(tx.store_ts)):
@@ -749,7 +751,7 @@ class TransactionService:
             # is not connected (it is then asked of one of the group's producers): nothing in a slice registers
             # a producer, and a slot it frees clears what was noted full (above). 100,000 due transactions of a group whose producer is hung or
             # gone were otherwise each looked up again, and another group's due check waited behind them.
-            owner = tx.owner
+            owner = owner_of(tx)
             if owner is None or not getattr(owner, "is_open", False):
                 return BUSY if full is not None else None
             if full is not None and owner in full:
@@ -762,7 +764,7 @@ class TransactionService:
         size = self._check_size(tx)
         if owner is not None and (not tx.unanswered or not channels):
             if self._has_room(owner, tx.group, size):
-                if owner is not tx.owner:   # a claimant of its sender's id: the next check asks the next one
+                if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
                     tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
                 return self._take(tx, owner, size, "")
             why = "sender-busy"
@@ -817,7 +819,7 @@ class TransactionService:
         their order of registration, so one joining or leaving meanwhile skips nobody): asked from the oldest
         at ``checks % claimants``, those registered first took every check left and the transaction was
         dead-lettered before the sender's turn came."""
-        owner = tx.owner
+        owner = owner_of(tx)
         if owner is None or not getattr(owner, "is_open", False):
             owner_id = sender_id(tx)
             claimant = _claimant(tx, channels, owner_id) if owner_id else None

@@ -10,6 +10,7 @@ import re
 import sys
 import tempfile
 
+from protocol.logline import OneLineFormatter
 from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES
@@ -156,7 +157,7 @@ def spark_failure(exc: BaseException) -> str | None:
 
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(OneLineFormatter("%(message)s"))     # (group and topic names read from the store)
     log = logging.getLogger("ops.spark")
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
