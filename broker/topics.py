@@ -30,9 +30,6 @@ import json
 import logging
 import os
 import time
-import queue
-import threading
-from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -43,7 +40,7 @@ from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
 from .limits import count_down
-from .store.saved import check, is_int, load_saved, retrieved, save
+from .store.saved import ConfigThread, check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.topics")
 
@@ -102,39 +99,6 @@ class TopicConfig:
     @property
     def queue_count(self) -> int:
         return max(self.read_queue_nums, self.write_queue_nums)
-
-
-class ConfigThread(Executor):
-    """The config thread catalogue writes run on, in order (an executor of one thread for run_in_executor).
-
-    A daemon, unlike a ThreadPoolExecutor's worker: the interpreter's exit joins those, so a write that hangs (a
-    stopped NFS) kept the process from ending after its stop had given the catalogue up (``close``), SIGTERM
-    answered by nothing until a SIGKILL. A write cut by the exit leaves only its .tmp copy (``save``)."""
-
-    def __init__(self, name: str):
-        self._work_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        fut: Future = Future()
-        self._work_queue.put((fut, fn, args, kwargs))
-        return fut
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._work_queue.put(None)
-        if wait:
-            self._thread.join()
-
-    def _main(self) -> None:
-        while (job := self._work_queue.get()) is not None:
-            fut, fn, args, kwargs = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - the caller's to see, as ThreadPoolExecutor's
-                fut.set_exception(exc)
 
 
 class TopicManager:

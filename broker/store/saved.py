@@ -14,7 +14,10 @@ import contextlib
 import json
 import logging
 import os
+import queue
+import threading
 import zlib
+from concurrent.futures import Executor, Future
 from typing import Callable, TypeVar
 
 from protocol.errors import StoreError
@@ -149,3 +152,37 @@ def crc_matches(raw: bytes, crc) -> bool:
     """Whether ``raw`` (the file) ends with checksum ``crc`` (its "crc" key) of what comes before it."""
     at = raw.rfind(_CRC_MARK)
     return type(crc) is int and at >= 0 and raw[at:] == _CRC_MARK + b"%d}" % crc and zlib.crc32(raw[:at] + b"}") == crc
+
+
+class ConfigThread(Executor):
+    """A thread config writes run on, in order (an executor of one thread for run_in_executor): the topics
+    catalogue's, the consumer offsets'.
+
+    A daemon, unlike a ThreadPoolExecutor's worker: the interpreter's exit joins those, so a write that hangs (a
+    stopped NFS) kept the process from ending after its stop had given the table up (topics.py, offsets.py ``close``), SIGTERM
+    answered by nothing until a SIGKILL. A write cut by the exit leaves only its .tmp copy (``save``)."""
+
+    def __init__(self, name: str):
+        self._work_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        self._work_queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._work_queue.put(None)
+        if wait:
+            self._thread.join()
+
+    def _main(self) -> None:
+        while (job := self._work_queue.get()) is not None:
+            fut, fn, args, kwargs = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see, as ThreadPoolExecutor's
+                fut.set_exception(exc)
