@@ -40,7 +40,7 @@ from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
 from .limits import count_down
-from .store.saved import ConfigThread, check, is_int, load_saved, retrieved, save
+from .store.saved import DaemonThreads, check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.topics")
 
@@ -111,7 +111,7 @@ class TopicManager:
         # cap is counted or enforced there; creators read from the catalogue are not kept.
         self.per_host = per_host
         self._loop = None                   # set by start_background: writes then go to _pool
-        self._pool: ConfigThread | None = None
+        self._pool: DaemonThreads | None = None
         self._write_scheduled = False
         self._dirty = False                 # changed since the last catalogue write that succeeded
         self._changes = 0                   # changes made (_persist); a snapshot carries the count it holds
@@ -228,7 +228,7 @@ class TopicManager:
     def start_background(self, loop) -> None:
         """From now on, catalogue writes are batched on a config thread, off ``loop``."""
         self._loop = loop
-        self._pool = ConfigThread("txmq-topics")
+        self._pool = DaemonThreads("txmq-topics")
 
     async def close(self) -> None:
         """Write what is pending and stop the config thread."""

@@ -36,7 +36,7 @@ from functools import partial
 from protocol.admin_bodies import split_offset_key
 
 from .mapped_file import fsync_dirs, make_dirs
-from .saved import ConfigThread, check, is_int, load_saved, retrieved, save
+from .saved import DaemonThreads, check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.store")
 
@@ -102,9 +102,9 @@ class ConsumerOffsets:
         self._last_took = 0.0
         self._failing = False       # the last save (the loop's or ``saved``'s) was refused: _save_failed
         self._hurry = False         # stopping: a paced save starts at once, without its rest (hurry)
-        # The saves' own thread, a daemon (saved.ConfigThread), made at the first: on the default executor a write
+        # The saves' own thread, a daemon (saved.DaemonThreads), made at the first: on the default executor a write
         # that hung kept the interpreter's exit joining its worker, the process never ending.
-        self._thread: ConfigThread | None = None
+        self._thread: DaemonThreads | None = None
         self.write_hung_s = WRITE_HUNG_S
         self.write_hung = False     # a write has run past write_hung_s and not ended yet (_write_off_loop)
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
@@ -435,7 +435,7 @@ class ConsumerOffsets:
         One that has not ended in ``write_hung_s`` sets ``write_hung`` until it ends, said at ERROR: a save that
         hung was said by nothing, commits answered and never saved, admin moves never answered."""
         if self._thread is None:
-            self._thread = ConfigThread("txmq-offsets")
+            self._thread = DaemonThreads("txmq-offsets")
         loop = asyncio.get_running_loop()
         write = loop.run_in_executor(self._thread, self._encode_and_write, snapshot, number, changes)
         self._writing += 1
