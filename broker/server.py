@@ -414,6 +414,11 @@ class BrokerServer:
                               "30 s without ending (a hung disk or a stopped network file system): commits are "
                               "held in memory only, admin offset moves are answered SYSTEM_ERROR, a stop gives the "
                               "last save up.", [], lambda: [((), 1 if getattr(ctx.offsets, "write_hung", False) else 0)])
+        m.add_gauge_collector("txmq_config_write_hung", "1 while a write of this config file has run past 2 s "
+                              "without ending (a hung disk or a stopped network file system): its updates are "
+                              "answered SYSTEM_ERROR \"not saved\" and held in memory, written once it ends.",
+                              ["file"], lambda: [((os.path.basename(t.path),), 1 if t.write_hung else 0)
+                                                 for t in (ctx.subscriptions, ctx.kv) if t is not None])
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
                               "log (by itself once a full disk has room; after another error, at the next "

@@ -15,8 +15,6 @@ import pytest
 
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
-from protocol.command import RemotingCommand
-from protocol.connection import open_connection
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import request
@@ -24,11 +22,15 @@ from tests.support.cluster_process import request
 pytestmark = pytest.mark.asyncio
 
 
-async def _gauge(broker, name: str) -> float | None:
+async def _page(broker) -> str:
     def scrape() -> str:
         with urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5) as page:
             return page.read().decode()
-    lines = [x for x in (await asyncio.to_thread(scrape)).splitlines() if x.startswith(name + " ")]
+    return await asyncio.to_thread(scrape)
+
+
+async def _gauge(broker, name: str) -> float | None:
+    lines = [x for x in (await _page(broker)).splitlines() if x.startswith(name + " ")]
     return float(lines[0].split()[-1]) if lines else None
 
 
@@ -66,26 +68,23 @@ async def test_a_hung_offsets_save_is_said_answered_and_the_stop_still_ends(tmp_
 
 
 @bounded(90)
-async def test_sigterm_behind_a_hung_subscription_groups_write_ends_the_process(tmp_path):
-    """A subscriptionGroup.json write (asyncio.to_thread: the loop's default executor) that hangs: the broker
-    logged "stopped" and never ended, the loop's close joining the stuck ThreadPoolExecutor worker (then the
-    interpreter's exit would have). The default executor's threads are daemons joined at most 10 s: the process
-    ends, saying which thread it left."""
+async def test_a_hung_subscription_groups_write_is_answered_said_and_the_stop_ends(tmp_path):
+    """A subscriptionGroup.json write (asyncio.to_thread: the loop's default executor) that hangs: the update was
+    never answered and nothing said it; at SIGTERM the broker logged "stopped" and never ended, the loop's close
+    joining the stuck ThreadPoolExecutor worker (then the interpreter's exit would have). Now the update is
+    answered SYSTEM_ERROR "not saved" after 2 s, txmq_config_write_hung says it, and the default executor's threads
+    are daemons joined at most 10 s at the stop: the process ends, saying which thread it left."""
     broker = BrokerProcess(tmp_path / "store").start()
     fifo = tmp_path / "store" / "config" / "subscriptionGroup.json.tmp"
-    conn = None
     try:
         os.mkfifo(fifo)
-        conn = await open_connection("127.0.0.1", broker.broker_port)
-        update = conn.start_request(RemotingCommand.request(R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {}, json.dumps(
-            {"groupName": "CG_hung_groups", "consumeEnable": True}).encode()), 60)
-        update.add_done_callback(lambda f: f.cancelled() or f.exception())     # (cut by the stop: not asserted)
-        for _ in range(200):            # its save is under way (and hangs) once the update is logged
-            if "subscription group CG_hung_groups updated" in broker.log():
-                break
-            await asyncio.sleep(0.05)
-        else:
-            pytest.fail(f"the group update never came\n{broker.log()}")
+        update = await request(broker.broker, R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {}, json.dumps(
+            {"groupName": "CG_hung_groups", "consumeEnable": True}).encode(), timeout=15)
+        assert update.code == C.SYSTEM_ERROR and "not saved" in update.remark, (update.code, update.remark)
+        assert "has not ended in 2 s" in update.remark, update.remark
+        page = await _page(broker)
+        assert 'txmq_config_write_hung{file="subscriptionGroup.json"} 1.0' in page, page
+        assert 'txmq_config_write_hung{file="kvConfig.json"} 0.0' in page, page
         broker.proc.send_signal(signal.SIGTERM)
         try:
             code = broker.proc.wait(45)
@@ -95,8 +94,6 @@ async def test_sigterm_behind_a_hung_subscription_groups_write_ends_the_process(
         assert code == 0, broker.log()
         assert re.search(r"1 thread\(s\) still blocked 10 s after the stop \(txmq-io-\d+", broker.log()), broker.log()
     finally:
-        if conn is not None:
-            conn.close()
         with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
             fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
             os.close(fd)
