@@ -412,10 +412,11 @@ class BrokerServer:
                               "topics go on without waiting for it: if the broker stops before it ends, such a topic "
                               "without messages is lost, one with messages restored from the store with the queues "
                               "that hold them.", [], lambda: [((), 1 if ctx.topics.write_hung else 0)])
-        m.add_gauge_collector("txmq_consumer_offsets_write_hung", "1 while a consumerOffset.json save has run past "
-                              "30 s without ending (a hung disk or a stopped network file system): commits are "
-                              "held in memory only, admin offset moves are answered SYSTEM_ERROR, a stop gives the "
-                              "last save up.", [], lambda: [((), 1 if getattr(ctx.offsets, "write_hung", False) else 0)])
+        m.add_gauge_collector("txmq_consumer_offsets_write_hung", "1 while a consumerOffset.json save's write (not "
+                              "its encode) has run past 30 s without ending (a hung disk or a stopped network file "
+                              "system): commits are held in memory only, admin offset moves are answered SYSTEM_ERROR, "
+                              "a stop gives the last save up.", [],
+                              lambda: [((), 1 if getattr(ctx.offsets, "write_hung", False) else 0)])
         m.add_gauge_collector("txmq_config_write_hung", "1 while a write of this config file has run past 2 s "
                               "without ending (a hung disk or a stopped network file system): its updates are "
                               "answered SYSTEM_ERROR \"not saved\" and held in memory, written once it ends.",

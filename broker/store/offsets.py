@@ -52,7 +52,7 @@ REST_FACTOR = 3
 # offsets: 2.3-5.1 s, a save 0.6-1.2 s). A client looping over them keeps the saver at most S / (S + 1 s) busy (S its
 # save; a quarter while 3 S < 1 s). A tool's answered moves (UPDATE_CONSUMER_OFFSET, one per queue) wait the whole rest.
 ADMIN_REST_MAX_S = 1.0
-# A save that has not ended in this long is taken as hung (a stopped NFS, a stuck FUSE): said once at ERROR and by
+# A save's write (after its encode: _check_hung) that has not ended in this long is taken as hung (a stopped NFS, a stuck FUSE): said once at ERROR and by
 # ``write_hung`` (txmq_consumer_offsets_write_hung) until it ends; callers of ``saved`` are answered OSError instead of
 # waiting for it, and the stop gives its last save up after as long. Above a big table's save on a loaded host
 # (200,000 offsets: 14 s seen), not a stuck one.
@@ -107,6 +107,7 @@ class ConsumerOffsets:
         self._thread: DaemonThreads | None = None
         self.write_hung_s = WRITE_HUNG_S
         self.write_hung = False     # a write has run past write_hung_s and not ended yet (_write_off_loop)
+        self._io_began: float | None = None   # time.monotonic() the saves' thread began writing (not encoding)
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
         # nothing (a reset that moves no offset, a deleted topic no group consumed). Each forced a whole-table
         # write (100,000 offsets: 1-1.5 s of a core, the loop slowed with it), asked by any client without ACL.
@@ -439,15 +440,31 @@ class ConsumerOffsets:
         loop = asyncio.get_running_loop()
         write = loop.run_in_executor(self._thread, self._encode_and_write, snapshot, number, changes)
         self._writing += 1
-        timer = loop.call_later(self.write_hung_s, lambda: write.done() or self._hung())
+        timer: list = []
+        self._check_hung(write, timer)
         # Ended when the thread's write ends, not when this wait is cancelled (the stop cancels the periodic save):
         # the gauge went to 0 and the stop waited its long bound while the write still hung.
         write.add_done_callback(partial(self._write_ended, self.clock(), timer))
         await asyncio.shield(write)
 
-    def _write_ended(self, began: float, timer: asyncio.TimerHandle, write: asyncio.Future) -> None:
+    def _check_hung(self, write: asyncio.Future, timer: list) -> None:
+        """``_hung`` once the write (from ``_io_began``) has run ``write_hung_s``; checked again until then. Not the
+        encode before it, nor the wait behind another save: CPU, slow on a big table and a loaded host, never hung
+        (200,000 offsets: 4 s of 4.1), and timed with it a 500,000-offset save was said hung, its admin moves
+        answered SYSTEM_ERROR and a stop then gave its last save up after the hung bound, the commits since lost."""
+        if write.done():
+            return
+        began = self._io_began
+        left = min(self.write_hung_s, 1.0) if began is None else began + self.write_hung_s - time.monotonic()
+        if left > 0:
+            timer[:] = [asyncio.get_running_loop().call_later(left, self._check_hung, write, timer)]
+        else:
+            self._hung()
+
+    def _write_ended(self, began: float, timer: list, write: asyncio.Future) -> None:
         retrieved(write)            # (its waiter's to raise; none when cancelled)
-        timer.cancel()
+        for handle in timer:
+            handle.cancel()
         self._writing -= 1
         self._last_end = self.clock()
         self._last_took = self._last_end - began
@@ -518,7 +535,12 @@ class ConsumerOffsets:
         return self._saves_taken, self._changes
 
     def _encode_and_write(self, snapshot: tuple, number: int, changes: int) -> None:
-        self._write(_encode(*snapshot), number, changes)
+        data = _encode(*snapshot)
+        self._io_began = time.monotonic()       # a hang is timed from here (_check_hung): an encode is only slow
+        try:
+            self._write(data, number, changes)
+        finally:
+            self._io_began = None
 
     def _write(self, data: bytes, number: int, changes: int) -> None:
         with self._write_lock:
