@@ -17,7 +17,7 @@ from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
-from tests.support.cluster_process import request
+from tests.support.cluster_process import NamesrvProcess, request
 
 pytestmark = pytest.mark.asyncio
 
@@ -27,6 +27,12 @@ async def _page(broker) -> str:
         with urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5) as page:
             return page.read().decode()
     return await asyncio.to_thread(scrape)
+
+
+def _unblock(fifo) -> None:
+    """A reader lets a writer still blocked in open() go on."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
 
 
 async def _gauge(broker, name: str) -> float | None:
@@ -98,3 +104,30 @@ async def test_a_hung_subscription_groups_write_is_answered_said_and_the_stop_en
             fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
             os.close(fd)
         broker.kill()
+
+
+@bounded(90)
+async def test_a_hung_kv_config_write_on_the_name_server_is_answered_and_its_stop_ends(tmp_path):
+    """The second path: the name server keeps kvConfig.json with the same RetriedSave, on its loop's default
+    executor, which its serve() (broker/namesrv/server.py) left a ThreadPoolExecutor: PUT_KV_CONFIG was answered
+    "not saved" after 2 s, but at SIGTERM the name server never ended, its loop's close joining the worker stuck in
+    the write (then a supervisor's SIGKILL)."""
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    fifo = tmp_path / "namesrv.kv.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        put = await request(namesrv.addr, R.PUT_KV_CONFIG, {"namespace": "ORDER_TOPIC_CONFIG", "key": "TopicA",
+                                                            "value": "broker-a:4"}, timeout=15)
+        assert put.code == C.SYSTEM_ERROR and "not saved" in put.remark, (put.code, put.remark)
+        namesrv.proc.send_signal(signal.SIGTERM)
+        try:
+            code = namesrv.proc.wait(40)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the name server did not end within 40 s of SIGTERM behind a hung kvConfig.json "
+                        f"write\n{namesrv.log()}")
+        assert code == 0, namesrv.log()
+        assert re.search(r"1 thread\(s\) still blocked 10 s after the stop \(txmq-io-\d+", namesrv.log()), \
+            namesrv.log()
+    finally:
+        _unblock(fifo)
+        namesrv.kill()
