@@ -52,7 +52,7 @@ from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store.index import IndexService
-from .store.saved import DaemonThreads
+from .store.saved import daemon_default_executor
 from .subscriptions import SubscriptionGroups, retry_queues
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
@@ -948,11 +948,7 @@ async def _maybe_await(fn):
 
 
 async def serve(config: BrokerConfig) -> int:
-    # asyncio.to_thread's writes (subscription groups, KV config, snapshots) on daemon threads, joined at most 10 s
-    # at the loop's close: a ThreadPoolExecutor's worker stuck in a hung write kept the process from ending after
-    # "stopped", for ever (the loop's close and the interpreter's exit join them).
-    asyncio.get_running_loop().set_default_executor(
-        DaemonThreads("txmq-io", workers=min(32, (os.cpu_count() or 1) + 4), join_s=10.0))
+    daemon_default_executor()      # a write that hangs must not keep the process from ending (saved.py)
     server = BrokerServer(config)
     try:
         await server.start()

@@ -10,6 +10,7 @@ settings -- and the next save would make that for good.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -193,6 +194,7 @@ class DaemonThreads(Executor):
             _log.error("%d thread(s) still blocked %g s after the stop (%s: a write to a hung disk or a stopped "
                        "network file system?); the process ends without them (a table they were writing keeps "
                        "its previous save)", len(hung), self._join_s, ", ".join(hung))
+
     def _main(self) -> None:
         while (job := self._work_queue.get()) is not None:
             fut, fn, args, kwargs = job
@@ -202,3 +204,12 @@ class DaemonThreads(Executor):
                 fut.set_result(fn(*args, **kwargs))
             except BaseException as exc:  # noqa: BLE001 - the caller's to see, as ThreadPoolExecutor's
                 fut.set_exception(exc)
+
+
+def daemon_default_executor() -> None:
+    """The running loop's default executor made DaemonThreads joined at most 10 s (the broker's and the name
+    server's ``serve``): asyncio.to_thread's writes (subscription groups, KV config, snapshots) that hung kept the
+    process from ending after its stop, for ever (the loop's close and the interpreter's exit join a
+    ThreadPoolExecutor's workers). As many threads as a ThreadPoolExecutor's default."""
+    asyncio.get_running_loop().set_default_executor(
+        DaemonThreads("txmq-io", workers=min(32, (os.cpu_count() or 1) + 4), join_s=10.0))
