@@ -43,7 +43,9 @@ class RetriedSave:
     async def _write_within(self) -> None:
         if self.write_hung:     # not one more thread stuck behind it
             raise self._hung_error()
-        write = asyncio.ensure_future(asyncio.to_thread(self.write, self.encode(), self.counter))
+        # A future of the thread's, not a task: the loop's end cancels every task, and the write's, cancelled, was
+        # said to have ended ("the write that hung has ended") while it still hung, the gauge back to 0.
+        write = asyncio.get_running_loop().run_in_executor(None, self.write, self.encode(), self.counter)
         self._writes += 1
         write.add_done_callback(self._write_ended)
         try:
@@ -58,8 +60,9 @@ class RetriedSave:
                                         f"a stopped network file system?)")
 
     def _write_ended(self, write: asyncio.Future) -> None:
-        if not write.cancelled():
-            write.exception()       # (its waiter's to raise; none once it was given up)
+        if write.cancelled():       # (not by its thread: the write may still run)
+            return
+        write.exception()           # (its waiter's to raise; none once it was given up)
         self._writes -= 1
         if self.write_hung and not self._writes:
             self.write_hung = False
