@@ -968,3 +968,23 @@ async def test_a_save_slow_to_encode_is_not_taken_as_hung_nor_given_up_at_stop(t
         go.set()
         if closing is None:
             await offsets.close()
+
+
+@bounded(20)
+async def test_a_stop_begun_before_a_stuck_write_is_said_hung_gives_it_up_once_it_is(tmp_path, caplog):
+    """close() chose its bound once, at its start: a SIGTERM while the write was stuck but not yet past
+    ``write_hung_s`` waited the long bound (CLOSE_WAIT_S, 120 s; a supervisor's SIGKILL first) though the write was
+    said hung meanwhile. Once it is, the stop waits ``write_hung_s`` more, as when it was hung at its start."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
+    offsets.write_hung_s = 1.0
+    go = _hang_writes(offsets)
+    await offsets.open()
+    try:
+        offsets.commit("G", "T", 0, 5)
+        while offsets._io_began is None:    # the periodic save's write is stuck, not yet said hung
+            await asyncio.sleep(0.01)
+        assert not offsets.write_hung
+        await asyncio.wait_for(offsets.close(), 6)
+        assert "consumer offsets not persisted at close: a write has not ended" in caplog.text
+    finally:
+        go.set()
