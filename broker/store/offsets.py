@@ -266,16 +266,15 @@ class ConsumerOffsets:
         self._copy = None       # a cancelled save's thread may still be encoding that copy: never changed again
         # On the saves' thread, behind any write still running there, and bounded: run here on the loop, behind a
         # write that hung (a stopped NFS) the stop blocked the loop for good and SIGTERM never ended the process.
-        bound = self.write_hung_s if self.write_hung else CLOSE_WAIT_S
         self._dirty = False
         last = asyncio.ensure_future(self._write_off_loop((dict(self._table), dict(self._maker)), *self._take_save()))
         last.add_done_callback(retrieved)
         try:
-            await asyncio.wait_for(asyncio.shield(last), bound)
-        except TimeoutError:
-            log.error("consumer offsets not persisted at close: a write has not ended in %g s (a hung disk or a "
+            await self._last_save(last)
+        except TimeoutError as exc:
+            log.error("consumer offsets not persisted at close: a write has not ended in %s (a hung disk or a "
                       "stopped network file system?); stopping without it (consumers resume from the last saved "
-                      "offsets and may see messages again)", bound)
+                      "offsets and may see messages again)", exc)
         except OSError as exc:  # a full disk must not turn a clean stop into a crash; consumers re-read
             self._dirty = True
             log.error("consumer offsets not persisted at close: %s (consumers resume from the last saved "
@@ -287,6 +286,26 @@ class ConsumerOffsets:
             if self._thread is not None:
                 self._thread.shutdown(wait=False)
                 self._thread = None
+
+    async def _last_save(self, last: asyncio.Future) -> None:
+        """Wait for the stop's ``last`` save CLOSE_WAIT_S at most, ``write_hung_s`` once a write is said hung (at
+        the stop's start or while it waits: a bound chosen once at the start had a stop begun a moment before a
+        stuck write was said hung wait the long one, and one begun while it hung give the last save, behind it,
+        ``write_hung_s`` whole after it ended); TimeoutError when given up."""
+        loop = asyncio.get_running_loop()
+        longest = deadline = loop.time() + CLOSE_WAIT_S
+        hung = False
+        while not last.done():
+            if self.write_hung != hung:     # said hung; or the write that hung ended: the last save may run its time
+                hung = self.write_hung
+                deadline = min(longest, loop.time() + self.write_hung_s) if hung else longest
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"{self.write_hung_s:g} s" if hung else
+                                   f"{CLOSE_WAIT_S:g} s")
+            waits = [last, self._write_end()]   # (``_hung`` ends one; a write's end sets the next)
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        last.result()       # (raises a failed save's)
 
     async def _persist_loop(self) -> None:
         while True:
