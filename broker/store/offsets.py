@@ -457,13 +457,14 @@ class ConsumerOffsets:
         if self._thread is None:
             self._thread = DaemonThreads("txmq-offsets")
         loop = asyncio.get_running_loop()
+        began = self.clock()    # (before the thread may start it: read after, a write's time could be counted 0)
         write = loop.run_in_executor(self._thread, self._encode_and_write, snapshot, number, changes)
         self._writing += 1
         timer: list = []
         self._check_hung(write, timer)
         # Ended when the thread's write ends, not when this wait is cancelled (the stop cancels the periodic save):
         # the gauge went to 0 and the stop waited its long bound while the write still hung.
-        write.add_done_callback(partial(self._write_ended, self.clock(), timer))
+        write.add_done_callback(partial(self._write_ended, began, timer))
         await asyncio.shield(write)
 
     def _check_hung(self, write: asyncio.Future, timer: list) -> None:
