@@ -17,8 +17,7 @@ import json
 import logging
 import os
 
-from .store.saved import read_saved, retrieved, save
-from .topics import ConfigThread
+from .store.saved import DaemonThreads, read_saved, retrieved, save
 
 log = logging.getLogger("txmq.locks")
 FILE_NAME = "queueLocks.json"
@@ -67,7 +66,7 @@ class LockFile:
         # A daemon thread, not the default executor's (the interpreter's exit joins those): a write that hangs (a
         # stopped NFS) kept the stop waiting for ever, before the store and the offsets were closed, and the process
         # from ending. Made at the first save.
-        self._writer: ConfigThread | None = None
+        self._writer: DaemonThreads | None = None
 
     def load(self) -> int:
         """Hold again the locks the previous run saved, each for ``RESTORED_LIFE_MS`` unless renewed; how many.
@@ -96,7 +95,7 @@ class LockFile:
 
     def _start_write(self) -> tuple[int, asyncio.Future]:
         if self._writer is None:
-            self._writer = ConfigThread("txmq-queue-locks")
+            self._writer = DaemonThreads("txmq-queue-locks")
         changed = self.clients.lock_holders_changed
         locks = self.clients.lock_table()       # the loop only copies (200,000 locks: 55 ms); encoded off it
         return changed, asyncio.get_running_loop().run_in_executor(self._writer, _write, self.path, locks,

@@ -54,12 +54,14 @@ from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store.index import IndexService
+from .store.saved import daemon_default_executor
 from .subscriptions import SubscriptionGroups, retry_queues
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
 from .transaction import TransactionService
 
 log = logging.getLogger("txmq.server")
+FLUSH_HUNG_S = 10.0     # a commit-log flush in flight this long is said at ERROR (_flush_age)
 LAG_SLICE = 4096        # consumer offsets summed between two turns of the loop (the lag gauge)
 
 
@@ -98,6 +100,7 @@ class BrokerServer:
         self.heap: HeapSettler | None = None            # the big tables frozen out of full collections (heap.py)
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
         self._lag_totals: tuple | None = None   # (lag, removed unread) rows, summed in slices (see _gauge_loop)
+        self._flush_hung = False    # a commit-log flush has run past FLUSH_HUNG_S (_flush_age)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -416,6 +419,19 @@ class BrokerServer:
                               "topics go on without waiting for it: if the broker stops before it ends, such a topic "
                               "without messages is lost, one with messages restored from the store with the queues "
                               "that hold them.", [], lambda: [((), 1 if ctx.topics.write_hung else 0)])
+        m.add_gauge_collector("txmq_consumer_offsets_write_hung", "1 while a consumerOffset.json save's write (not "
+                              "its encode) has run past 30 s without ending (a hung disk or a stopped network file "
+                              "system): commits are held in memory only, admin offset moves are answered SYSTEM_ERROR, "
+                              "a stop gives the last save up.", [],
+                              lambda: [((), 1 if getattr(ctx.offsets, "write_hung", False) else 0)])
+        m.add_gauge_collector("txmq_config_write_hung", "1 while a write of this config file has run past 2 s "
+                              "without ending (a hung disk or a stopped network file system): its updates are "
+                              "answered SYSTEM_ERROR \"not saved\" and held in memory, written once it ends.",
+                              ["file"], lambda: [((os.path.basename(t.path),), 1 if t.write_hung else 0)
+                                                 for t in (ctx.subscriptions, ctx.kv) if t is not None])
+        m.add_gauge_collector("txmq_store_flush_in_flight_seconds", "How long the oldest commit-log flush (msync) in "
+                              "flight has run, 0 with none: one that does not return (a hung disk, a stopped "
+                              "network file system) holds every SYNC_FLUSH send unanswered.", [], snap("flush_age"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
                               "log (by itself once a full disk has room; after another error, at the next "
@@ -503,6 +519,7 @@ class BrokerServer:
             "unsent": [((), self.write_budget.total)],
             "topics": [((), len(ctx.topics.topics))],
             "damaged": [((), len(ctx.store.damaged_queues()))],
+            "flush_age": [((), self._flush_age())],
             # (none on a slave: its delivery progress and undecided index are the ones it had at start-up,
             # never following its master's, so what they count as waiting, and for how long, only grows)
             "schedule": [] if ha_roles.is_slave(self.config) else
@@ -516,6 +533,20 @@ class BrokerServer:
             "ha_sync_age": [] if self.slave_sync is None else [((), self.slave_sync.copy_age_s())],
             "ha_sync_interval": [] if self.slave_sync is None else [((), self.slave_sync.interval_s)],
         }
+
+    def _flush_age(self) -> float:
+        """The oldest commit-log flush's age (the gauge), said once at ERROR past FLUSH_HUNG_S (every second, by
+        the gauge loop) and once at WARNING when flushes return again."""
+        age = self.ctx.store.flush_age_s()
+        if age > FLUSH_HUNG_S and not self._flush_hung:
+            self._flush_hung = True
+            log.error("a commit-log flush (msync) has not returned in %.0f s (a hung disk or a stopped network file "
+                      "system?): sends in SYNC_FLUSH are not answered, nothing after it is acknowledged "
+                      "(txmq_store_flush_in_flight_seconds)", age)
+        elif age == 0.0 and self._flush_hung:
+            self._flush_hung = False
+            log.warning("commit-log flushes return again")
+        return age
 
     async def _gauge_loop(self) -> None:
         while True:
@@ -926,6 +957,7 @@ async def _maybe_await(fn):
 
 
 async def serve(config: BrokerConfig) -> int:
+    daemon_default_executor()      # a write that hangs must not keep the process from ending (saved.py)
     server = BrokerServer(config)
     try:
         await server.start()

@@ -30,9 +30,6 @@ import json
 import logging
 import os
 import time
-import queue
-import threading
-from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -43,7 +40,7 @@ from protocol.txlog import DEAD_TOPIC as TRANS_DLQ_TOPIC
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
 from .limits import count_down
-from .store.saved import check, is_int, load_saved, retrieved, save
+from .store.saved import DaemonThreads, check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.topics")
 
@@ -104,39 +101,6 @@ class TopicConfig:
         return max(self.read_queue_nums, self.write_queue_nums)
 
 
-class ConfigThread(Executor):
-    """The config thread catalogue writes run on, in order (an executor of one thread for run_in_executor).
-
-    A daemon, unlike a ThreadPoolExecutor's worker: the interpreter's exit joins those, so a write that hangs (a
-    stopped NFS) kept the process from ending after its stop had given the catalogue up (``close``), SIGTERM
-    answered by nothing until a SIGKILL. A write cut by the exit leaves only its .tmp copy (``save``)."""
-
-    def __init__(self, name: str):
-        self._work_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        fut: Future = Future()
-        self._work_queue.put((fut, fn, args, kwargs))
-        return fut
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._work_queue.put(None)
-        if wait:
-            self._thread.join()
-
-    def _main(self) -> None:
-        while (job := self._work_queue.get()) is not None:
-            fut, fn, args, kwargs = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - the caller's to see, as ThreadPoolExecutor's
-                fut.set_exception(exc)
-
-
 class TopicManager:
     def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str,
                  max_retry_groups: int = 1 << 30, trace_topic: bool = False, per_host: bool = True):
@@ -147,7 +111,7 @@ class TopicManager:
         # cap is counted or enforced there; creators read from the catalogue are not kept.
         self.per_host = per_host
         self._loop = None                   # set by start_background: writes then go to _pool
-        self._pool: ConfigThread | None = None
+        self._pool: DaemonThreads | None = None
         self._write_scheduled = False
         self._dirty = False                 # changed since the last catalogue write that succeeded
         self._changes = 0                   # changes made (_persist); a snapshot carries the count it holds
@@ -264,7 +228,7 @@ class TopicManager:
     def start_background(self, loop) -> None:
         """From now on, catalogue writes are batched on a config thread, off ``loop``."""
         self._loop = loop
-        self._pool = ConfigThread("txmq-topics")
+        self._pool = DaemonThreads("txmq-topics")
 
     async def close(self) -> None:
         """Write what is pending and stop the config thread."""

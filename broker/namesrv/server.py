@@ -21,6 +21,7 @@ from protocol.errors import StoreError
 from ..context import monotonic_ms
 from ..kv_config import KvConfig
 from ..limits import ConnectionGate, set_ipv6_client_prefix
+from ..store.saved import daemon_default_executor
 from .config import NamesrvConfig
 from .processors import NamesrvContext, namesrv_table
 from .table import RouteTable
@@ -106,6 +107,7 @@ class NameServer:
 
 
 async def serve(config: NamesrvConfig) -> int:
+    daemon_default_executor()      # kvConfig.json's write that hangs must not keep the process from ending (saved.py)
     try:
         server = NameServer(config)         # (reads the KV config file)
         await server.start()

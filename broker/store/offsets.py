@@ -25,16 +25,18 @@ A file without "makers" (written before, or by a slave, which counts nothing) ch
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
 import threading
 import time
+from functools import partial
 
 from protocol.admin_bodies import split_offset_key
 
 from .mapped_file import fsync_dirs, make_dirs
-from .saved import check, is_int, load_saved, retrieved, save
+from .saved import DaemonThreads, check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.store")
 
@@ -50,6 +52,13 @@ REST_FACTOR = 3
 # offsets: 2.3-5.1 s, a save 0.6-1.2 s). A client looping over them keeps the saver at most S / (S + 1 s) busy (S its
 # save; a quarter while 3 S < 1 s). A tool's answered moves (UPDATE_CONSUMER_OFFSET, one per queue) wait the whole rest.
 ADMIN_REST_MAX_S = 1.0
+# A save's write (after its encode: _check_hung) that has not ended in this long is taken as hung (a stopped NFS, a stuck FUSE): said once at ERROR and by
+# ``write_hung`` (txmq_consumer_offsets_write_hung) until it ends; callers of ``saved`` are answered OSError instead of
+# waiting for it, and the stop gives its last save up after as long. Above a big table's save on a loaded host
+# (200,000 offsets: 14 s seen), not a stuck one.
+WRITE_HUNG_S = 30.0
+# The most a stop waits for its last save when no write was seen hung (a big table on a slow disk).
+CLOSE_WAIT_S = 120.0
 
 
 class ConsumerOffsets:
@@ -93,6 +102,12 @@ class ConsumerOffsets:
         self._last_took = 0.0
         self._failing = False       # the last save (the loop's or ``saved``'s) was refused: _save_failed
         self._hurry = False         # stopping: a paced save starts at once, without its rest (hurry)
+        # The saves' own thread, a daemon (saved.DaemonThreads), made at the first: on the default executor a write
+        # that hung kept the interpreter's exit joining its worker, the process never ending.
+        self._thread: DaemonThreads | None = None
+        self.write_hung_s = WRITE_HUNG_S
+        self.write_hung = False     # a write has run past write_hung_s and not ended yet (_write_off_loop)
+        self._io_began: float | None = None   # time.monotonic() the saves' thread began writing (not encoding)
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
         # nothing (a reset that moves no offset, a deleted topic no group consumed). Each forced a whole-table
         # write (100,000 offsets: 1-1.5 s of a core, the loop slowed with it), asked by any client without ACL.
@@ -249,14 +264,48 @@ class ConsumerOffsets:
                 pass
             self._task = None
         self._copy = None       # a cancelled save's thread may still be encoding that copy: never changed again
+        # On the saves' thread, behind any write still running there, and bounded: run here on the loop, behind a
+        # write that hung (a stopped NFS) the stop blocked the loop for good and SIGTERM never ended the process.
+        self._dirty = False
+        last = asyncio.ensure_future(self._write_off_loop((dict(self._table), dict(self._maker)), *self._take_save()))
+        last.add_done_callback(retrieved)
         try:
-            self.persist()
+            await self._last_save(last)
+        except TimeoutError as exc:
+            log.error("consumer offsets not persisted at close: a write has not ended in %s (a hung disk or a "
+                      "stopped network file system?); stopping without it (consumers resume from the last saved "
+                      "offsets and may see messages again)", exc)
         except OSError as exc:  # a full disk must not turn a clean stop into a crash; consumers re-read
+            self._dirty = True
             log.error("consumer offsets not persisted at close: %s (consumers resume from the last saved "
                       "offsets and may see messages again)", exc)
             self._wrote(exc)
         else:
             self._wrote()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=False)
+                self._thread = None
+
+    async def _last_save(self, last: asyncio.Future) -> None:
+        """Wait for the stop's ``last`` save CLOSE_WAIT_S at most, ``write_hung_s`` once a write is said hung (at
+        the stop's start or while it waits: a bound chosen once at the start had a stop begun a moment before a
+        stuck write was said hung wait the long one, and one begun while it hung give the last save, behind it,
+        ``write_hung_s`` whole after it ended); TimeoutError when given up."""
+        loop = asyncio.get_running_loop()
+        longest = deadline = loop.time() + CLOSE_WAIT_S
+        hung = False
+        while not last.done():
+            if self.write_hung != hung:     # said hung; or the write that hung ended: the last save may run its time
+                hung = self.write_hung
+                deadline = min(longest, loop.time() + self.write_hung_s) if hung else longest
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"{self.write_hung_s:g} s" if hung else
+                                   f"{CLOSE_WAIT_S:g} s")
+            waits = [last, self._write_end()]   # (``_hung`` ends one; a write's end sets the next)
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        last.result()       # (raises a failed save's)
 
     async def _persist_loop(self) -> None:
         while True:
@@ -334,6 +383,9 @@ class ConsumerOffsets:
         began, held = self.clock(), False
         until = None if max_rest is None else began + max_rest
         while self._saved_changes < wanted:
+            if self.write_hung:     # (``_hung`` wakes the callers waiting on it)
+                raise OSError(errno.ETIMEDOUT, f"a consumer offsets write has not ended in {self.write_hung_s:g} s "
+                                               "(a hung disk or a stopped network file system?)")
             if paced and not self._hurry and (until is None or self.clock() < until):
                 if self._paced is None:
                     self._paced = asyncio.ensure_future(self._paced_save())
@@ -342,7 +394,7 @@ class ConsumerOffsets:
                 # the flush interval, a periodic save ends inside each rest, and the paced one waits on while
                 # later moves keep coming; the moves a periodic save held waited with it for good.
                 paced_save = self._paced
-                while not paced_save.done() and self._saved_changes < wanted:
+                while not paced_save.done() and self._saved_changes < wanted and not self.write_hung:
                     nap = None if until is None else asyncio.ensure_future(self.sleep(max(until - self.clock(), 0)))
                     try:
                         await asyncio.wait([paced_save, self._write_end()] + ([nap] if nap else []),
@@ -354,7 +406,10 @@ class ConsumerOffsets:
                         break       # (then a save of its own, below, the paced one left to its waiters)
                 held = held or not paced_save.done() or paced_save.result() > 0     # (raises a failed save's)
                 continue
-            await asyncio.shield(self._save_started())
+            saving = self._save_started()
+            await asyncio.wait([saving, self._write_end()], return_when=asyncio.FIRST_COMPLETED)
+            if saving.done():
+                saving.result()     # (raises a failed save's)
         return self.clock() - began if held else 0.0
 
     def _save_started(self) -> asyncio.Future:
@@ -396,15 +451,54 @@ class ConsumerOffsets:
         return self._next_write
 
     async def _write_off_loop(self, snapshot: tuple, number: int, changes: int) -> None:
-        """Encode and write ``snapshot`` on a thread, timed: the rest a paced save waits for follows it."""
-        began = self.clock()
+        """Encode and write ``snapshot`` on the saves' thread, timed: the rest a paced save waits for follows it.
+        One that has not ended in ``write_hung_s`` sets ``write_hung`` until it ends, said at ERROR: a save that
+        hung was said by nothing, commits answered and never saved, admin moves never answered."""
+        if self._thread is None:
+            self._thread = DaemonThreads("txmq-offsets")
+        loop = asyncio.get_running_loop()
+        began = self.clock()    # (before the thread may start it: read after, a write's time could be counted 0)
+        write = loop.run_in_executor(self._thread, self._encode_and_write, snapshot, number, changes)
         self._writing += 1
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self._encode_and_write, snapshot, number, changes)
-        finally:
-            self._writing -= 1
-            self._last_end = self.clock()
-            self._last_took = self._last_end - began
+        timer: list = []
+        self._check_hung(write, timer)
+        # Ended when the thread's write ends, not when this wait is cancelled (the stop cancels the periodic save):
+        # the gauge went to 0 and the stop waited its long bound while the write still hung.
+        write.add_done_callback(partial(self._write_ended, began, timer))
+        await asyncio.shield(write)
+
+    def _check_hung(self, write: asyncio.Future, timer: list) -> None:
+        """``_hung`` once the write (from ``_io_began``) has run ``write_hung_s``; checked again until then. Not the
+        encode before it, nor the wait behind another save: CPU, slow on a big table and a loaded host, never hung
+        (200,000 offsets: 4 s of 4.1), and timed with it a 500,000-offset save was said hung, its admin moves
+        answered SYSTEM_ERROR and a stop then gave its last save up after the hung bound, the commits since lost."""
+        if write.done():
+            return
+        began = self._io_began
+        left = min(self.write_hung_s, 1.0) if began is None else began + self.write_hung_s - time.monotonic()
+        if left > 0:
+            timer[:] = [asyncio.get_running_loop().call_later(left, self._check_hung, write, timer)]
+        else:
+            self._hung()
+
+    def _write_ended(self, began: float, timer: list, write: asyncio.Future) -> None:
+        retrieved(write)            # (its waiter's to raise; none when cancelled)
+        for handle in timer:
+            handle.cancel()
+        self._writing -= 1
+        self._last_end = self.clock()
+        self._last_took = self._last_end - began
+        if self.write_hung and not self._writing:
+            self.write_hung = False
+            log.warning("consumer offsets: the write that hung has ended, after %.1f s", self._last_took)
+
+    def _hung(self) -> None:
+        if not self.write_hung:
+            self.write_hung = True
+            log.error("consumer offsets: a write has not ended in %g s (a hung disk or a stopped network file "
+                      "system?): commits are held in memory only, admin moves are answered SYSTEM_ERROR, and a "
+                      "stop gives the last save up (txmq_consumer_offsets_write_hung)", self.write_hung_s)
+        self._wrote()               # callers of ``saved`` waiting for a write's end: answered now
 
     async def _save_now(self) -> None:
         self._dirty = False
@@ -461,7 +555,12 @@ class ConsumerOffsets:
         return self._saves_taken, self._changes
 
     def _encode_and_write(self, snapshot: tuple, number: int, changes: int) -> None:
-        self._write(_encode(*snapshot), number, changes)
+        data = _encode(*snapshot)
+        self._io_began = time.monotonic()       # a hang is timed from here (_check_hung): an encode is only slow
+        try:
+            self._write(data, number, changes)
+        finally:
+            self._io_began = None
 
     def _write(self, data: bytes, number: int, changes: int) -> None:
         with self._write_lock:

@@ -10,11 +10,16 @@ settings -- and the next save would make that for good.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
+import queue
+import threading
+import time
 import zlib
+from concurrent.futures import Executor, Future
 from typing import Callable, TypeVar
 
 from protocol.errors import StoreError
@@ -22,6 +27,7 @@ from protocol.errors import StoreError
 from .mapped_file import BACKUP_SUFFIX, copy_synced, fsync_dir, keep_previous
 
 T = TypeVar("T")
+_log = logging.getLogger("txmq.store")
 DAMAGED_SUFFIX = ".damaged"
 
 # What a parse raises for JSON of the wrong shape (a list where a table was, a string where a number was).
@@ -149,3 +155,61 @@ def crc_matches(raw: bytes, crc) -> bool:
     """Whether ``raw`` (the file) ends with checksum ``crc`` (its "crc" key) of what comes before it."""
     at = raw.rfind(_CRC_MARK)
     return type(crc) is int and at >= 0 and raw[at:] == _CRC_MARK + b"%d}" % crc and zlib.crc32(raw[:at] + b"}") == crc
+
+
+class DaemonThreads(Executor):
+    """Daemon threads sharing one queue of work (an executor for run_in_executor): the topics catalogue's and the
+    consumer offsets' writes, one thread each (``workers`` 1: in order), and the loop's default executor (server.py
+    ``serve``: ``asyncio.to_thread``, the subscription groups', KV config's, snapshots' writes).
+
+    Daemons, unlike a ThreadPoolExecutor's workers: the interpreter's exit joins those, and the event loop's close
+    joins its default executor's, so a write that hangs (a stopped NFS) kept the process from ending after its stop
+    had given the table up (topics.py, offsets.py ``close``), or after it had logged "stopped", SIGTERM answered by
+    nothing until a SIGKILL. ``shutdown(wait=True)`` joins them for at most ``join_s``, then says which still hang
+    and leaves them to the exit. A write cut by the exit leaves only its .tmp copy (``save``)."""
+
+    def __init__(self, name: str, workers: int = 1, join_s: float | None = None):
+        self._work_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._join_s = join_s
+        self._threads = [threading.Thread(target=self._main, name=name if workers == 1 else f"{name}-{i}",
+                                          daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        self._work_queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for _ in self._threads:
+            self._work_queue.put(None)
+        if not wait:
+            return
+        until = None if self._join_s is None else time.monotonic() + self._join_s
+        for thread in self._threads:
+            thread.join(None if until is None else max(0.0, until - time.monotonic()))
+        hung = [t.name for t in self._threads if t.is_alive()]
+        if hung:
+            _log.error("%d thread(s) still blocked %g s after the stop (%s: a write to a hung disk or a stopped "
+                       "network file system?); the process ends without them (a table they were writing keeps "
+                       "its previous save)", len(hung), self._join_s, ", ".join(hung))
+
+    def _main(self) -> None:
+        while (job := self._work_queue.get()) is not None:
+            fut, fn, args, kwargs = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see, as ThreadPoolExecutor's
+                fut.set_exception(exc)
+
+
+def daemon_default_executor() -> None:
+    """The running loop's default executor made DaemonThreads joined at most 10 s (the broker's and the name
+    server's ``serve``): asyncio.to_thread's writes (subscription groups, KV config, snapshots) that hung kept the
+    process from ending after its stop, for ever (the loop's close and the interpreter's exit join a
+    ThreadPoolExecutor's workers). As many threads as a ThreadPoolExecutor's default."""
+    asyncio.get_running_loop().set_default_executor(
+        DaemonThreads("txmq-io", workers=min(32, (os.cpu_count() or 1) + 4), join_s=10.0))

@@ -1058,6 +1058,10 @@ class MessageStore:
             return None
         return unit
 
+    def flush_age_s(self) -> float:
+        """How long the oldest commit-log flush in flight has run (0.0: none; Writer.flush_age_s)."""
+        return self._writer.flush_age_s()
+
     def damaged_queues(self) -> dict[tuple[str, int], int]:
         """(topic, queue id) -> queue offset of the zeroed unit a read met; rebuilt at the next start."""
         return {key: cq.damage for key, cq in self._cqs.items() if cq.damage is not None}

@@ -415,6 +415,13 @@ class Writer:
         if self._sync:
             self._waiting, self._units, self._infos = [], {}, []
 
+    def flush_age_s(self) -> float:
+        """How long the oldest flush in flight has been in the kernel (0.0: none). For the gauge only (not the hot
+        path): an msync that never returns (a hung disk, a stopped NFS) held every sync send unanswered, and the
+        flush-latency histogram, observed only when a flush ends, never showed it."""
+        flushing = self._flushing
+        return time.perf_counter() - flushing[0][6] if flushing else 0.0
+
     def _flushes_done(self) -> None:
         """Every flush in flight has returned: complete them in log order, judged together. Linux reports
         a file's writeback error to one msync of that open file, whatever range it asked for: a later

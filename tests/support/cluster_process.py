@@ -49,11 +49,12 @@ def cluster_flags(namesrv: str, name: str, period_ms: int = 1000) -> list[str]:
     return ["--namesrv-addr", namesrv, "--broker-name", name, "--register-period-ms", str(period_ms)]
 
 
-async def request(addr: str, code: int, fields: dict | None = None, body: bytes = b"") -> RemotingCommand:
+async def request(addr: str, code: int, fields: dict | None = None, body: bytes = b"", *,
+                  timeout: float = 5.0) -> RemotingCommand:
     host, _, port = addr.rpartition(":")
     conn = await open_connection(host, int(port))
     try:
-        return await conn.request(RemotingCommand.request(code, fields, body), 5.0)
+        return await conn.request(RemotingCommand.request(code, fields, body), timeout)
     finally:
         conn.close()
 

@@ -13,6 +13,7 @@ import pytest
 from broker.subscriptions import SubscriptionGroups
 from broker.topics import TopicConfig, TopicManager
 from protocol.codes import Perm
+from tests.support.bounded import bounded
 
 
 def _topics(path) -> TopicManager:
@@ -249,3 +250,60 @@ def test_a_topic_made_again_from_its_queues_still_grows_after_a_restart(tmp_path
     tm2.create(TopicConfig("Lost", 2, 2))   # set by hand: read back as such
     _topics(tmp_path).queue_appeared("Lost", 7)
     assert _topics(tmp_path).get("Lost").read_queue_nums == 2
+
+
+@bounded(20)
+async def test_a_hung_subscription_groups_write_is_given_up_and_no_second_one_starts_behind_it(tmp_path, caplog):
+    """A write that never returns: save() waited for it for good (the update never answered), and each later save
+    and retry stuck one more default-executor thread in the same write. Now save() is OSError after write_wait_s
+    (once said, retried), no other write starts while it hangs (``write_hung``: txmq_config_write_hung), the stop's
+    last try is no wait, and once it ends the retry writes the newest table."""
+    import asyncio
+    import threading
+    subs = SubscriptionGroups(str(tmp_path), lambda: 1)
+    subs.write_wait_s, subs.retry_write_s = 0.1, 0.01
+    go, real, calls = threading.Event(), subs.write, []
+
+    def write(data, counter=None):
+        calls.append(counter)
+        assert go.wait(15)
+        real(data, counter)
+    subs.write = write
+    try:
+        subs.update({"groupName": "CG1", "retryMaxTimes": 2})
+        with pytest.raises(OSError, match="has not ended in 0.1 s"):
+            await subs.save()
+        assert subs.write_hung
+        subs.update({"groupName": "CG2", "retryMaxTimes": 3})
+        with pytest.raises(OSError, match="has not ended"):
+            await asyncio.wait_for(subs.save(), 0.05)     # at once: no wait behind the hung write
+        await asyncio.sleep(0.1)        # ten retry periods: none starts a write behind the hung one
+        assert len(calls) == 1, calls
+        assert caplog.text.count("subscription groups file") == 1 and "not written, retrying" in caplog.text
+        go.set()
+        while subs._retry is not None:  # the hung write ends; the retry writes the newest table
+            await asyncio.sleep(0.01)
+        assert not subs.write_hung and "the write that hung has ended" in caplog.text
+        again = SubscriptionGroups(str(tmp_path), lambda: 1)
+        assert again.groups["CG2"]["retryMaxTimes"] == 3
+    finally:
+        go.set()
+        await subs.close()
+
+
+@bounded(20)
+async def test_a_stop_behind_a_hung_subscription_groups_write_does_not_wait_for_it(tmp_path, caplog):
+    import asyncio
+    import threading
+    subs = SubscriptionGroups(str(tmp_path), lambda: 1)
+    subs.write_wait_s = 0.1
+    go, real = threading.Event(), subs.write
+    subs.write = lambda data, counter=None: (go.wait(15), real(data, counter))
+    try:
+        subs.update({"groupName": "CG1", "retryMaxTimes": 2})
+        with pytest.raises(OSError):
+            await subs.save()
+        await asyncio.wait_for(subs.close(), 1)
+        assert "not written at stop" in caplog.text
+    finally:
+        go.set()

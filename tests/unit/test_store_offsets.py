@@ -240,7 +240,7 @@ def test_malformed_makers_make_the_file_damaged(tmp_path, makers):
 @bounded(10)
 async def test_a_background_save_still_encoding_at_close_never_writes_its_older_table_last(tmp_path, monkeypatch):
     """The background save encodes its copy on a thread, then writes; close() cancels it (the thread runs on) and
-    writes the newest table itself. Taking the write lock only to write, the thread's older table was written after
+    writes the newest table itself (on that thread, behind it: a write that hung must not block the loop). Taking the write lock only to write, the thread's older table was written after
     close's: the file ended one save older (a group deleted meanwhile back, its offsets' makers gone)."""
     import threading
 
@@ -249,7 +249,7 @@ async def test_a_background_save_still_encoding_at_close_never_writes_its_older_
     real_encode = offsets_mod._encode
 
     def held_encode(table, maker):
-        if threading.current_thread() is not threading.main_thread():     # the background save's, not close's
+        if not encoding.is_set():           # the background save's, not close's
             encoding.set()
             assert release.wait(5)
         return real_encode(table, maker)
@@ -271,8 +271,9 @@ async def test_a_background_save_still_encoding_at_close_never_writes_its_older_
     assert await loop.run_in_executor(None, encoding.wait, 5)          # the background save holds {0: 1}
     offsets.commit("g", "T", 0, 2)
     offsets.commit("h", "T", 0, 3, "10.0.0.2")
-    await offsets.close()                                               # writes {0: 2} and h now
+    closing = asyncio.ensure_future(offsets.close())                  # writes {0: 2} and h, on the same thread
     release.set()
+    await closing
     assert await loop.run_in_executor(None, finished.wait, 5)          # the older save is done (or skipped)
     again = ConsumerOffsets(str(tmp_path))
     assert again.get("g", "T", 0) == 2 and again.get("h", "T", 0) == 3 and again.made_by("10.0.0.2") == 1
@@ -686,10 +687,11 @@ async def test_a_flood_of_paced_saves_keeps_the_saver_resting_three_times_each_s
             assert offsets._saved_changes >= offsets._changes - 64
             answered.append(clock.now)
     await asyncio.gather(*(client(c) for c in range(64)))
+    saves = list(clock.saves)       # (not the stop's last save: it rests for no one)
     await offsets.close()
-    starts = [s for s, _e in clock.saves]
-    assert all(b[0] >= a[1] + REST_FACTOR * clock.took for a, b in zip(clock.saves, clock.saves[1:])), clock.saves
-    busy = sum(e - s for s, e in clock.saves if s < 200)
+    starts = [s for s, _e in saves]
+    assert all(b[0] >= a[1] + REST_FACTOR * clock.took for a, b in zip(saves, saves[1:])), saves
+    busy = sum(e - s for s, e in saves if s < 200)
     assert 0.2 * 200 <= busy <= 200 / (1 + REST_FACTOR) + clock.took, (busy, starts[:10])
     assert len(answered) >= 64 * (len(starts) - 2)      # every move queued in a rest shares its save
 
@@ -854,3 +856,135 @@ async def test_a_stop_answers_moves_whose_hurried_save_outlasts_its_grace(tmp_pa
     finally:
         release.set()
         await offsets.close()
+
+
+def _hang_writes(offsets: ConsumerOffsets):
+    """``offsets``' writes block (a stopped NFS) until the event returned is set."""
+    import threading
+    go, real = threading.Event(), offsets._write_locked
+
+    def write(data):
+        assert go.wait(20)
+        real(data)
+    offsets._write_locked = write
+    return go
+
+
+@bounded(20)
+async def test_a_hung_save_is_said_and_callers_of_saved_are_answered(tmp_path, caplog):
+    """A save that never returns was said by nothing (no log, no ``write_hung``: the gauge), and every caller of
+    ``saved`` (an admin's move, answered only once saved) waited for as long. Past ``write_hung_s`` it is said once,
+    they get OSError (SYSTEM_ERROR "not saved"), a caller after it at once; its end is said, and saves work again."""
+    import errno
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    offsets.write_hung_s = 0.2
+    go = _hang_writes(offsets)
+    await offsets.open()
+    try:
+        offsets.commit("G", "T", 0, 5)
+        with pytest.raises(OSError) as raised:
+            await offsets.saved()
+        assert raised.value.errno == errno.ETIMEDOUT and "has not ended in 0.2 s" in str(raised.value)
+        assert offsets.write_hung
+        offsets.commit("G", "T", 0, 6)
+        with pytest.raises(OSError):    # at once: not another wait behind the hung write
+            await asyncio.wait_for(offsets.saved(), 0.1)
+        assert caplog.text.count("consumer offsets: a write has not ended") == 1
+        go.set()
+        while offsets.write_hung:       # the write that hung ends
+            await asyncio.sleep(0.01)
+        assert "the write that hung has ended" in caplog.text
+        await offsets.saved()
+        assert ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 6
+    finally:
+        go.set()
+        await offsets.close()
+
+
+@bounded(20)
+async def test_a_stop_behind_a_hung_save_gives_it_up_and_ends(tmp_path, caplog):
+    """close() wrote the last table ON the loop, behind the hung write's lock: the stop never ended (SIGTERM
+    answered by nothing). Now it waits ``write_hung_s`` on the saves' daemon thread, then goes on, with an ERROR."""
+    import threading
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
+    offsets.write_hung_s = 0.2
+    go = _hang_writes(offsets)
+    await offsets.open()
+    try:
+        offsets.commit("G", "T", 0, 5)
+        while not offsets.write_hung:   # the periodic save hangs
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(offsets.close(), 5)
+        assert "consumer offsets not persisted at close: a write has not ended in 0.2 s" in caplog.text
+        assert all(t.daemon for t in threading.enumerate() if t.name == "txmq-offsets")
+    finally:
+        go.set()
+
+
+async def _let_pass(seconds: float, check) -> None:
+    """``seconds`` of the loop's time pass (what is measured), ``check()`` true all along."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + seconds
+    while loop.time() < until:
+        assert check()
+        await asyncio.sleep(0.02)
+
+
+@bounded(20)
+async def test_a_save_slow_to_encode_is_not_taken_as_hung_nor_given_up_at_stop(tmp_path, monkeypatch, caplog):
+    """A big table's encode is slow, never hung (CPU: 200,000 offsets 4 s of a loaded 2-core host, most of a save;
+    the stop's 14 s): the hung clock counted it, so a 500,000-offset save there was said hung at 30 s (an ERROR,
+    a critical alert with no ``for``), admin moves answered SYSTEM_ERROR, and a stop in that window gave its last
+    save up after 30 s (the bound for a hung write), the commits since lost. Only the write is timed now."""
+    import threading
+
+    from broker.store import offsets as offsets_mod
+    real_encode, go, encoding = offsets_mod._encode, threading.Event(), threading.Event()
+
+    def slow_encode(table, maker):
+        if not go.is_set():
+            encoding.set()
+            assert go.wait(15)
+        return real_encode(table, maker)
+    monkeypatch.setattr(offsets_mod, "_encode", slow_encode)
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    offsets.write_hung_s = 0.2
+    await offsets.open()
+    closing = None
+    try:
+        offsets.commit("G", "T", 0, 5)
+        saving = asyncio.ensure_future(offsets.saved())
+        assert await asyncio.to_thread(encoding.wait, 5)
+        await _let_pass(3 * offsets.write_hung_s, lambda: not saving.done() and not offsets.write_hung)
+        offsets.commit("G", "T", 0, 6)
+        closing = asyncio.ensure_future(offsets.close())     # the stop, while that save still encodes
+        await _let_pass(3 * offsets.write_hung_s, lambda: not closing.done())
+        go.set()
+        await saving
+        await closing
+        assert "has not ended" not in caplog.text and "not persisted" not in caplog.text, caplog.text
+        assert ConsumerOffsets(str(tmp_path)).get("G", "T", 0) == 6
+    finally:
+        go.set()
+        if closing is None:
+            await offsets.close()
+
+
+@bounded(20)
+async def test_a_stop_begun_before_a_stuck_write_is_said_hung_gives_it_up_once_it_is(tmp_path, caplog):
+    """close() chose its bound once, at its start: a SIGTERM while the write was stuck but not yet past
+    ``write_hung_s`` waited the long bound (CLOSE_WAIT_S, 120 s; a supervisor's SIGKILL first) though the write was
+    said hung meanwhile. Once it is, the stop waits ``write_hung_s`` more, as when it was hung at its start."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
+    offsets.write_hung_s = 1.0
+    go = _hang_writes(offsets)
+    await offsets.open()
+    try:
+        offsets.commit("G", "T", 0, 5)
+        while offsets._io_began is None:    # the periodic save's write is stuck, not yet said hung
+            await asyncio.sleep(0.01)
+        assert not offsets.write_hung
+        await asyncio.wait_for(offsets.close(), 6)
+        assert "consumer offsets not persisted at close: a write has not ended" in caplog.text
+    finally:
+        go.set()

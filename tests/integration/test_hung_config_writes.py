@@ -1,0 +1,136 @@
+"""A broker whose config writes hang (a stopped NFS, a stuck FUSE): the hang is real, as in
+test_hung_catalogue_stop.py -- the table's .tmp copy is a FIFO no one reads, so the save's open() blocks for ever."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import urllib.request
+
+import pytest
+
+from protocol.codes import RequestCode as R
+from protocol.codes import ResponseCode as C
+from tests.support.bounded import bounded
+from tests.support.broker_process import BrokerProcess
+from tests.support.cluster_process import NamesrvProcess, request
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _page(broker) -> str:
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5) as page:
+            return page.read().decode()
+    return await asyncio.to_thread(scrape)
+
+
+def _unblock(fifo) -> None:
+    """A reader lets a writer still blocked in open() go on."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+
+
+async def _gauge(broker, name: str) -> float | None:
+    lines = [x for x in (await _page(broker)).splitlines() if x.startswith(name + " ")]
+    return float(lines[0].split()[-1]) if lines else None
+
+
+@bounded(150)
+async def test_a_hung_offsets_save_is_said_answered_and_the_stop_still_ends(tmp_path):
+    """The offsets save hung with nothing said (no log, no gauge), an admin's move (a commit by no consumer of the
+    group, saved before its reply) was never answered, and the stop's last save ran ON the loop: blocked behind
+    the same write, the process never ended after SIGTERM (then a supervisor's SIGKILL). Now past the bound (30 s)
+    the gauge and an ERROR say it, the move is answered SYSTEM_ERROR "not saved" (the next at once), and the stop
+    gives its last save up after the bound, with an ERROR, and ends."""
+    broker = BrokerProcess(tmp_path / "store", "--flush-consumer-offset-interval-ms", "200").start()
+    fifo = tmp_path / "store" / "config" / "consumerOffset.json.tmp"
+    move = {"consumerGroup": "CG_hung_offsets", "topic": "TBW102", "queueId": "0", "commitOffset": "0"}
+    try:
+        os.mkfifo(fifo)
+        first = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, move, timeout=60)
+        assert first.code == C.SYSTEM_ERROR and "not saved" in first.remark, (first.code, first.remark)
+        assert "has not ended in 30 s" in first.remark, first.remark
+        assert await _gauge(broker, "txmq_consumer_offsets_write_hung") == 1, broker.log()
+        assert "consumer offsets: a write has not ended in 30 s" in broker.log(), broker.log()
+        again = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {**move, "commitOffset": "1"}, timeout=5)
+        assert again.code == C.SYSTEM_ERROR and "not saved" in again.remark, (again.code, again.remark)
+        broker.proc.send_signal(signal.SIGTERM)
+        try:
+            code = broker.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the broker did not end within 60 s of SIGTERM behind a hung offsets save\n{broker.log()}")
+        assert code == 0, broker.log()
+        assert "consumer offsets not persisted at close: a write has not ended" in broker.log(), broker.log()
+    finally:
+        with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
+            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(fd)
+        broker.kill()
+
+
+@bounded(90)
+async def test_a_hung_subscription_groups_write_is_answered_said_and_the_stop_ends(tmp_path):
+    """A subscriptionGroup.json write (asyncio.to_thread: the loop's default executor) that hangs: the update was
+    never answered and nothing said it; at SIGTERM the broker logged "stopped" and never ended, the loop's close
+    joining the stuck ThreadPoolExecutor worker (then the interpreter's exit would have). Now the update is
+    answered SYSTEM_ERROR "not saved" after 2 s, txmq_config_write_hung says it, and the default executor's threads
+    are daemons joined at most 10 s at the stop: the process ends, saying which thread it left."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "subscriptionGroup.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        update = await request(broker.broker, R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, {}, json.dumps(
+            {"groupName": "CG_hung_groups", "consumeEnable": True}).encode(), timeout=15)
+        assert update.code == C.SYSTEM_ERROR and "not saved" in update.remark, (update.code, update.remark)
+        assert "has not ended in 2 s" in update.remark, update.remark
+        page = await _page(broker)
+        assert 'txmq_config_write_hung{file="subscriptionGroup.json"} 1.0' in page, page
+        assert 'txmq_config_write_hung{file="kvConfig.json"} 0.0' in page, page
+        broker.proc.send_signal(signal.SIGTERM)
+        try:
+            code = broker.proc.wait(45)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the broker did not end within 45 s of SIGTERM behind a hung subscription groups "
+                        f"write\n{broker.log()}")
+        assert code == 0, broker.log()
+        assert re.search(r"1 thread\(s\) still blocked 10 s after the stop \(txmq-io-\d+", broker.log()), broker.log()
+        # (the loop's end cancels its tasks: the write's, a task, was then said to have ended while it still hung)
+        assert "the write that hung has ended" not in broker.log(), broker.log()
+    finally:
+        with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
+            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(fd)
+        broker.kill()
+
+
+@bounded(90)
+async def test_a_hung_kv_config_write_on_the_name_server_is_answered_and_its_stop_ends(tmp_path):
+    """The second path: the name server keeps kvConfig.json with the same RetriedSave, on its loop's default
+    executor, which its serve() (broker/namesrv/server.py) left a ThreadPoolExecutor: PUT_KV_CONFIG was answered
+    "not saved" after 2 s, but at SIGTERM the name server never ended, its loop's close joining the worker stuck in
+    the write (then a supervisor's SIGKILL)."""
+    namesrv = NamesrvProcess(tmp_path / "namesrv.log").start()
+    fifo = tmp_path / "namesrv.kv.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        put = await request(namesrv.addr, R.PUT_KV_CONFIG, {"namespace": "ORDER_TOPIC_CONFIG", "key": "TopicA",
+                                                            "value": "broker-a:4"}, timeout=15)
+        assert put.code == C.SYSTEM_ERROR and "not saved" in put.remark, (put.code, put.remark)
+        namesrv.proc.send_signal(signal.SIGTERM)
+        try:
+            code = namesrv.proc.wait(40)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the name server did not end within 40 s of SIGTERM behind a hung kvConfig.json "
+                        f"write\n{namesrv.log()}")
+        assert code == 0, namesrv.log()
+        assert re.search(r"1 thread\(s\) still blocked 10 s after the stop \(txmq-io-\d+", namesrv.log()), \
+            namesrv.log()
+        assert "the write that hung has ended" not in namesrv.log(), namesrv.log()
+    finally:
+        _unblock(fifo)
+        namesrv.kill()
