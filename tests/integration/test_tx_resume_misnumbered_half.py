@@ -12,6 +12,7 @@ from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode, ResponseCode
 from protocol.message import decode_offset_msg_id
+from protocol.txlog import HALF_TOPIC
 from tests.integration.test_corrupt_records import (FLAGS, SEG, _corrupt_count, _fill, _open_record, _pending, _request,
                                                     _Unknown)
 from tests.integration.test_transactions import _drain
@@ -103,4 +104,36 @@ async def test_an_undecided_half_whose_queue_offset_names_a_committed_one_is_sti
     assert resp.code == ResponseCode.SUCCESS, resp.remark
     assert await _pending(b) == 0
     assert sorted(await _drain(b.namesrv, "TxMisnumbered", expect=2)) == [b"A", b"B"]
+    assert b.stop() == 0
+
+
+@bounded(90)
+async def test_a_dead_letter_whose_half_queue_unit_was_zeroed_still_resumes(broker_factory, tmp_path):
+    """A zeroed half-queue unit (a consume-queue page lost at rest) names no half, but the half is sound in the log
+    and its QUEUEOFFSET names that very unit, or past the queue's end when the start took the zeroed tail for it:
+    nothing disagrees. Taken for "no unit names it", the resume of dead-lettered C, whose unit (the queue's last) was
+    zeroed, answered 'not dead-lettered (unknown): no half message is stored there' (its END or an admin decision
+    of it were refused the same way)."""
+    zeroed = 2
+    b = broker_factory(*FLAGS, *DEAD_FAST)
+    async with TransactionProducer(b.namesrv, "PG_misnumbered", _CommitFirst()) as producer:
+        sent = [await producer.send_in_transaction("TxMisnumbered", body) for body in (b"A", b"B", b"C")]
+        async with asyncio.timeout(30):
+            while await _pending(b):            # B's and C's one check unanswered: dead-lettered max-checks
+                await asyncio.sleep(0.05)
+    halves = [decode_offset_msg_id(s.send_result.offset_msg_id)[2] for s in sent]
+    await _fill(b)
+    assert b.stop() == 0
+    qdir = tmp_path / "store" / "consumequeue" / HALF_TOPIC / "0"
+    with open(qdir / sorted(os.listdir(qdir))[0], "r+b") as f:
+        f.seek(zeroed * 20)
+        f.write(bytes(20))
+
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    resp = await _request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": halves[zeroed]})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert await _pending(b) == 1
+    resp = await _request(b.broker, RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": halves[0]})
+    assert resp.code == ResponseCode.SYSTEM_ERROR and "COMMIT" in (resp.remark or ""), (resp.code, resp.remark)
+    assert _corrupt_count(b, "transaction half lookup") == 0      # nothing disagreed: no damage said of the log
     assert b.stop() == 0
