@@ -89,12 +89,20 @@ def filed_at(store, half, queue_offset: int | None = None) -> bool:
     the queue, counted and said once. Taken as read, a decided transaction was looked up in the decision table
     under another's entry: a committed one damaged to name a dead letter's was resumed (SUCCESS), checked, and
     its producer's COMMIT delivered it twice; at start an undecided one naming a decided entry was left out of
-    the pending index, never checked. False: no unit of the queue names it."""
+    the pending index, never checked. False: no unit of the queue names it, and the one its field names is another
+    record's (a unit lost at rest, or none there, leaves the field's word)."""
     phys = half.physical_offset
     if queue_offset is None:
-        if store.physical_offset_of(HALF_TOPIC, 0, half.queue_offset) == phys:
+        at = store.physical_offset_of(HALF_TOPIC, 0, half.queue_offset)
+        if at == phys:
             return True
         queue_offset = store.queue_offset_at(HALF_TOPIC, 0, phys)
+        if queue_offset is None and at is None:
+            # No unit names it, nor another record at the offset its field says: that unit was lost at rest (zeroed,
+            # marked damaged by that read; or a zeroed tail the start took for the queue's end), and the queue says
+            # nothing against the field. Taken for "not a half", a sound dead-lettered half was refused a resume
+            # ("no half message is stored there"), and its END or admin decision likewise.
+            return True
     elif half.queue_offset == queue_offset:
         return True
     if store.count_corrupt(phys, HALF_LOOKUP):
