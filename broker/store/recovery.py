@@ -244,8 +244,11 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
             if not sys_flag & 0x4 and not (deleted and phys < deleted.get(topic, -1)):
                 key = (topic, qid)
                 want = expect.get(key)
+                filed = _filed_elsewhere(seg, pos, size, key, qoff, queues) if want is None else None
+                if filed is not None:
+                    qoff = filed
                 # rare: no call, no closure per record otherwise (want is None once a queue and scan)
-                if want is not None and qoff != want or want is None and qoff > _units(queues, key):
+                elif want is not None and qoff != want or want is None and qoff > _units(queues, key):
                     moved = _misfiled(seg, pos, size, key, qoff, queues,
                                       lambda: _owner_by_log(segs, i, pos, size, key, qoff, expect) if want is None
                                       else None)
@@ -469,6 +472,32 @@ def _checked_qoff(seg: Segment, pos: int, key, qoff: int, want: int, next_qoff: 
               "record says %d: its header is damaged; rewritten to %d", seg.name, pos, *key, qoff, want - 1, want)
     os.pwrite(seg.fd, struct.pack(">q", want), pos + POS_QUEUE_OFFSET)
     return want
+
+
+def _filed_elsewhere(seg: Segment, pos: int, size: int, key, qoff: int, queues: dict) -> int | None:
+    """For the first record of a queue in a scan (none before it to check its QUEUEOFFSET against): the offset of
+    the queue's unit naming exactly it when that is not the field's, the field rewritten (None: nothing to repair).
+
+    The field is outside the body CRC. Damaged 0 -> 1 in the queue's first record, the unit at 1 (the next
+    record's) was taken as stale: the queue rewritten from there, the record filed twice, and every intact record
+    after it rewritten one up in the log; damaged to a high bit, the start asked for a queue the disk cannot hold.
+    Once a queue and scan: a unit read, a binary search only when that unit names another record."""
+    cq = queues.get(key)
+    if cq is None:
+        return None
+    phys = seg.start + pos
+    if qoff < cq.max_offset:
+        unit = cq.unit(qoff)
+        if unit is None or unit[:2] == (phys, size) or not unit[1]:
+            return None
+    at = cq.first_unit_at_or_after(phys)
+    unit = cq.unit(at) if at < cq.max_offset else None
+    if unit is None or unit[:2] != (phys, size) or at == qoff:
+        return None
+    log.error("commit log segment %s byte %d: a record of %s-%d says queue offset %d where its queue's unit %d names "
+              "it: its header is damaged; rewritten to %d", seg.name, pos, *key, qoff, at, at)
+    os.pwrite(seg.fd, struct.pack(">q", at), pos + POS_QUEUE_OFFSET)
+    return at
 
 
 _LOOKAHEAD_RECORDS = 65536

@@ -1247,6 +1247,16 @@ class MessageStore:
         """Bytes of commit-log segments, without summarising anything (safe for gauges)."""
         return sum(seg.size for seg in self._log.segments)
 
+    def queue_offset_at(self, topic: str, queue_id: int, phys: int) -> int | None:
+        """The queue offset whose unit points at the record at commit-log offset ``phys`` (a binary search of the
+        queue), or None when none does: the queue's own word, where the record's QUEUEOFFSET is outside its CRC."""
+        cq = self._cqs.get((topic, queue_id))
+        if cq is None:
+            return None
+        at = cq.first_unit_at_or_after(phys)
+        unit = self._real_unit(cq, at) if at < cq.max_offset else None
+        return at if unit is not None and unit[0] == phys else None
+
     def physical_offset_of(self, topic: str, queue_id: int, offset: int) -> int | None:
         """Commit-log offset of the message at a queue offset (None past the end or before the start)."""
         cq = self._cqs.get((topic, queue_id))

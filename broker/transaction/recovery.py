@@ -63,17 +63,56 @@ def scan(store, topic: str, start: int | None = None, check_body: bool = False, 
                 break
             offset = got.next_begin_offset
             continue
-        for buf in got.buffers:
+        # (units passed over, zeroed ones, leave the buffers' queue offsets unknown: each is looked up then)
+        dense = topic == HALF_TOPIC and len(got.buffers) == got.next_begin_offset - offset
+        for i, buf in enumerate(got.buffers):
             msg = _decoded(buf, None, store, topic)
             if msg is None:
                 if undecodable is not None:
                     undecodable.append(_PHYS.unpack_from(buf, 28)[0])
+                continue
+            if topic == HALF_TOPIC and not filed_at(store, msg, offset + i if dense else None):
                 continue
             if check_body and not body_crc_ok(buf):
                 store.corrupt_record(msg.physical_offset, f"transaction recovery ({topic})")
                 msg.body = b""
             yield msg
         offset = got.next_begin_offset
+
+
+HALF_LOOKUP = "transaction half lookup"     # txmq_store_corrupt_records_total{read=...}: a half's QUEUEOFFSET
+
+
+def filed_at(store, half, queue_offset: int | None = None) -> bool:
+    """Whether the half queue files ``half`` at the queue offset its record says (QUEUEOFFSET, outside the body
+    CRC; ``queue_offset``: where a walk of the queue found it, when known); if not, that field is put right from
+    the queue, counted and said once. Taken as read, a decided transaction was looked up in the decision table
+    under another's entry: a committed one damaged to name a dead letter's was resumed (SUCCESS), checked, and
+    its producer's COMMIT delivered it twice; at start an undecided one naming a decided entry was left out of
+    the pending index, never checked. False: no unit of the queue names it, and the one its field names is another
+    record's (a unit lost at rest, or none there, leaves the field's word)."""
+    phys = half.physical_offset
+    if queue_offset is None:
+        at = store.physical_offset_of(HALF_TOPIC, 0, half.queue_offset)
+        if at == phys:
+            return True
+        queue_offset = store.queue_offset_at(HALF_TOPIC, 0, phys)
+        if queue_offset is None and at is None:
+            # No unit names it, nor another record at the offset its field says: that unit was lost at rest (zeroed,
+            # marked damaged by that read; or a zeroed tail the start took for the queue's end), and the queue says
+            # nothing against the field. Taken for "not a half", a sound dead-lettered half was refused a resume
+            # ("no half message is stored there"), and its END or admin decision likewise.
+            return True
+    elif half.queue_offset == queue_offset:
+        return True
+    if store.count_corrupt(phys, HALF_LOOKUP):
+        log.error("the half at commit-log offset %d says queue offset %d, but the half queue files it at %s: its "
+                  "header is damaged; %s", phys, half.queue_offset, queue_offset,
+                  "taken from the queue" if queue_offset is not None else "not taken for a half")
+    if queue_offset is None:
+        return False
+    half.queue_offset = queue_offset
+    return True
 
 
 def _decoded(buf, phys: int | None, store=None, topic: str = ""):
@@ -315,6 +354,7 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             else:
                 removed.append(off)
             continue
+        filed_at(store, msg)        # (none of the queue's units naming it: its own word, as before, not dropped)
         if tx.table.get(msg.queue_offset) is None:
             index(msg, off)
     if (removed or removed_queue or gone) and ops_gone:

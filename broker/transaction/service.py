@@ -48,7 +48,7 @@ from .core import (BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Wr
 from .decisions import DecisionTable
 from .records import (COMMIT, DEAD, DEAD_TOPIC, P_OWNER, RESUME, ROLLBACK, RecordFactory, parse_dead_letter,
                       plain_owner)
-from .recovery import PROGRESS_GROUP, recover, restamp_half, sender_id, write_snapshot
+from .recovery import PROGRESS_GROUP, filed_at, recover, restamp_half, sender_id, write_snapshot
 
 # How long a heartbeat naming a connection waits for its halves' sender records at most: a stock Java client (4.9.8)
 # closes its connection when a HEART_BEAT is not answered within 3 s (clientCloseSocketIfTimeout, true by default),
@@ -185,7 +185,9 @@ class TransactionService:
             msg = decode_record(view)[0] if view is not None else None
         except Exception:  # noqa: BLE001 - not a record boundary: no half there
             return None
-        return msg if msg is not None and msg.topic == HALF_TOPIC else None
+        if msg is None or msg.topic != HALF_TOPIC:
+            return None
+        return msg if filed_at(self.ctx.store, msg) else None
 
     def record(self, queue_offset: int, op: str | None) -> None:
         before = self.table.get(queue_offset)

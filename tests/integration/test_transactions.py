@@ -385,14 +385,15 @@ async def test_a_producer_is_sent_no_more_unanswered_checks_than_its_cap(broker_
 
 
 async def test_a_huge_check_immunity_does_not_stop_the_checks_of_others(broker_factory):
-    """CHECK_IMMUNITY_TIME_IN_SECONDS of 321 digits parses as an int; when that transaction was the next one
-    due, the check timer's delay (ms / 1000) overflowed a float, the timer task died, and no transaction of
-    any producer was checked or dead-lettered again."""
+    """CHECK_IMMUNITY_TIME_IN_SECONDS of 321 digits parsed as an int (now, as Long.parseLong, none: the default);
+    when that transaction was the next one due, the check timer's delay (ms / 1000) overflowed a float, the timer
+    task died, and no transaction of any producer was checked or dead-lettered again. The largest long (which
+    Long.parseLong reads) is as far past any due time a timer can wait for."""
     b = broker_factory(*FAST)
     listener = Listener(execute=S.UNKNOW, check=S.COMMIT_MESSAGE)
     async with TransactionProducer(b.namesrv, "PG_huge", listener) as producer:
         await producer.send_in_transaction("TxHuge", b"hostile", properties={
-            "CHECK_IMMUNITY_TIME_IN_SECONDS": "1" + "0" * 320})
+            "CHECK_IMMUNITY_TIME_IN_SECONDS": str((1 << 63) - 1)})
         await producer.send_in_transaction("TxHuge", b"ordinary")
         await asyncio.wait_for(listener.checked.wait(), 10)
         assert await _drain(b.namesrv, "TxHuge", expect=1) == [b"ordinary"]

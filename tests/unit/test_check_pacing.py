@@ -207,7 +207,8 @@ async def add_big(ctx, i: int, size: int):
 
 async def test_hostile_check_immunity_values():
     """CHECK_IMMUNITY_TIME_IN_SECONDS as a producer may set it: negative or non-numeric is the default;
-    huge is capped at the retention (the half expires by then), so no due time overflows a float."""
+    huge is capped at the retention (the half expires by then), so no due time overflows a float; past a long's
+    range, or with a space or "_", it is not a number (Long.parseLong), the default."""
     from broker.transaction.check import CheckTimer, Policy, first_check_time
     policy = Policy(check_interval_ms=60_000, timeout_ms=6_000, check_max=15, retention_ms=72 * 3600_000)
     assert first_check_time(policy, 1_000, "-5") == 7_000
@@ -215,7 +216,10 @@ async def test_hostile_check_immunity_values():
     assert first_check_time(policy, 1_000, "1.5") == 7_000
     assert first_check_time(policy, 1_000, "9" * 5000) == 7_000          # past int()'s digit limit
     assert first_check_time(policy, 1_000, "30") == 31_000
-    assert first_check_time(policy, 1_000, "1" + "0" * 320) == 1_000 + policy.retention_ms
+    assert first_check_time(policy, 1_000, str(1 << 62)) == 1_000 + policy.retention_ms
+    # what Long.parseLong (RocketMQ's getLong) refuses is no value: the default, as there
+    for refused in ("1" + "0" * 320, " 600", "600 ", "1_000"):
+        assert first_check_time(policy, 1_000, refused) == 7_000, refused
     timer = CheckTimer(service=None, clock=lambda: 0, max_sleep_s=1.0)
     assert timer._delay(10 ** 400) == 1.0 and timer._delay(None) == 1.0
     assert timer._delay(250) == 0.25 and timer._delay(-5) == 0.0

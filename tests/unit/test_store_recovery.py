@@ -1244,6 +1244,27 @@ async def test_a_damaged_queue_offset_field_is_repaired_from_the_queues_sequence
     await store.close()
 
 
+@bounded(30)
+@pytest.mark.parametrize("says", [1, 700 + (1 << 20)], ids=["onto-the-next", "high-bit"])
+async def test_a_damaged_queue_offset_of_a_queues_first_record_is_repaired_from_its_unit(tmp_path, caplog, says):
+    """A crash with nothing flushed (checkpoint 0) scans the whole log; the first record of a queue has no previous
+    one to check its QUEUEOFFSET (outside the body CRC) against. Damaged 0 -> 1, the unit at 1 (the next record's)
+    was taken as stale: the queue rewritten from there, the record filed at 0 and 1 (delivered twice) and every later
+    intact record's QUEUEOFFSET rewritten one up in the log (a transaction's half then names the next one's entry
+    in the decision table). The queue's own unit naming exactly that record says where it is: the field is
+    repaired from it, logged at ERROR."""
+    results = await fill(tmp_path, 6)
+    patch(tmp_path, results[0].physical_offset + 20, says.to_bytes(8, "big"))
+    crashed_at(tmp_path, 0)
+    with caplog.at_level(logging.ERROR, logger="txmq.store"):
+        store = await reopen(tmp_path)
+    assert read_queue(store) == [r.physical_offset for r in results]
+    assert_readable(store, results)
+    assert any("header is damaged" in r.getMessage() and str(says) in r.getMessage() for r in caplog.records)
+    assert (await store.put(req(1))).queue_offset == 6
+    await store.close()
+
+
 async def _topic_made_again(path, cfg):
     """An open store whose topic T had 50 records, was deleted and made again with 30 (offsets from 0 anew)."""
     store = MessageStore(str(path), cfg)
