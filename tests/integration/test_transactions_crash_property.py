@@ -100,6 +100,14 @@ def _keys(bodies, ledger: Ledger) -> set[str]:
     return {ledger.key[body] for body in bodies}
 
 
+def _dead_now(dead: list[bytes], delivered: list[bytes], ledger: Ledger, pending: set[str]) -> set[bytes]:
+    """The transactions dead-lettered now, by their dead letters: a resumed one is again only if not delivered
+    or pending since (a check limit reached while the END of its check crossed a kill), with a second letter."""
+    again = ledger.resumed - set(delivered) - {body for body in ledger.resumed if ledger.key[body] in pending}
+    assert all(dead.count(body) >= 2 for body in again), "an acknowledged resume undone by a kill"
+    return (set(dead) - ledger.resumed) | again
+
+
 # (seed, transaction_check_max): with 3, every never-decided transaction is dead-lettered on the way.
 @pytest.mark.parametrize("seed, check_max", [(20261128, 100000), (7, 100000), (4242, 3)])
 @bounded(110)
@@ -183,7 +191,9 @@ async def test_kills_after_acknowledged_operations_lose_repeat_and_reask_nothing
     progress.set()
     await killing
 
-    # One more kill, then a broker that checks nothing: its undecided index is what the log says, unsettled.
+    # One more kill, then a broker that checks nothing and that no END reaches (the producer is gone, ENDs it was
+    # retrying with it): its undecided index is what the log says, unsettled.
+    await producer.shutdown()
     brokers[-1].kill()
     quiet = await asyncio.to_thread(broker_factory, *_fixed(b, *NO_CHECKS))
     ledger.generation += 1
@@ -195,12 +205,10 @@ async def test_kills_after_acknowledged_operations_lose_repeat_and_reask_nothing
     # (a resume whose reply a kill cut off is asked again: refused till its transaction is dead-lettered again)
     twice = {d for d in dead if dead.count(d) > 1} - resumed
     assert not twice, f"dead-lettered twice: {sorted(twice)}"
-    assert listed["dead_lettered"] == len(set(dead) - ledger.resumed)
+    assert listed["dead_lettered"] == len(_dead_now(dead, await _delivered(quiet.namesrv, TOPIC), ledger, pending))
     assert _keys(never, ledger) <= pending | _keys(dead, ledger), "acknowledged undecided halves lost from the index"
-    assert not set(dead) - never - resumed, f"decided transactions dead-lettered: {sorted(set(dead) - never - resumed)}"
-    lost = ledger.resumed - set(await _delivered(quiet.namesrv, TOPIC)) - {
-        body for body in ledger.resumed if ledger.key[body] in pending}
-    assert not lost, f"acknowledged resumes undone by a kill: {sorted(lost)}"
+    # (an unacknowledged decision may lose to the check limit: its checks went on while its END was on its way)
+    assert not set(dead) & set(ledger.decided), f"acknowledged decisions dead-lettered: {set(dead) & set(ledger.decided)}"
     decided = _keys(ledger.decided, ledger)
     assert not pending & decided, f"acknowledged decisions undone by a kill: {sorted(pending & decided)}"
     assert listed["total"] == len(pending) == await _gauge(quiet, "rocketmq_half_messages")
@@ -210,20 +218,24 @@ async def test_kills_after_acknowledged_operations_lose_repeat_and_reask_nothing
     # Checks settle what the kills left unanswered; the never-decided stay (or are dead-lettered), nothing else.
     quiet.kill()
     last = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+    producer = TransactionProducer(last.namesrv, GROUP, ledger, retries=0)     # the group's producer, back
+    await producer.start()
     stays = set() if check_max <= 3 else _keys(never, ledger)
     while {row["uniq_key"] for row in (await _listed(last))["pending"]} != stays:
         await asyncio.sleep(0.1)
     await producer.shutdown()
     delivered = await _delivered(last.namesrv, TOPIC)
-    committed = {body for body in ledger.executed if ledger.final(body) is S.COMMIT_MESSAGE}
+    dead = await _delivered(last.namesrv, DEAD_TOPIC)
+    dead_now = _dead_now(dead, delivered, ledger, set())
+    committed = {body for body in ledger.executed if ledger.final(body) is S.COMMIT_MESSAGE} - dead_now
     assert sorted(delivered) == sorted(committed), (
         f"twice: {sorted({d for d in delivered if delivered.count(d) > 1})}, "
         f"lost: {sorted(committed - set(delivered))}, not committed: {sorted(set(delivered) - committed)}")
-    dead = await _delivered(last.namesrv, DEAD_TOPIC)
-    assert set(dead) == (set() if stays else never | resumed), f"dead letters: {sorted(dead)}"
+    assert set(dead) >= (set() if stays else never | resumed) and not set(dead) & set(ledger.decided)
+    assert not dead or not stays, f"dead-lettered with no check limit to reach: {sorted(dead)}"
     assert not {d for d in dead if dead.count(d) > 1} - resumed, f"dead-lettered twice: {sorted(dead)}"
     listed = await _listed(last)
-    assert listed["dead_lettered"] == len(set(dead) - resumed)
+    assert listed["dead_lettered"] == len(dead_now)
     assert listed["total"] == len(stays) == await _gauge(last, "rocketmq_half_messages")
     print(f"seed {seed}: {total} transactions, kills after {kill_at} acknowledged operations (of {acked}), "
           f"{len(committed)} committed, {len(never)} never decided, {len(dead)} dead-lettered, "
