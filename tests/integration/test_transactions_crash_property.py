@@ -12,12 +12,18 @@ its answer. The invariants, against what was acknowledged:
 - after one more kill, a broker that checks nothing lists as undecided every acknowledged never-decided half and
   no acknowledged decision, its rocketmq_half_messages gauge says the same number, and it dead-lettered nothing;
 - once checks have settled the rest, the undecided are exactly the acknowledged never-decided halves, and the
-  real topic holds each committed transaction once and no rolled-back one.
+  real topic holds each committed transaction once and no rolled-back one. That broker starts with no decision
+  table and no snapshot, from the log alone (as a slave's promotion or a damaged table does): the table, kept
+  in shared memory, outlives a SIGKILL and hid a decision whose op record was never written or never replayed.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
+import shutil
+import time
 import urllib.request
 
 import pytest
@@ -194,6 +200,9 @@ async def test_kills_after_acknowledged_operations_lose_repeat_and_reask_nothing
     # One more kill, then a broker that checks nothing and that no END reaches (the producer is gone, ENDs it was
     # retrying with it): its undecided index is what the log says, unsettled.
     await producer.shutdown()
+    # The live broker's gauge and list agree (the producer gone, nothing decides: no check has a channel).
+    live = (await _listed(brokers[-1]))["total"]
+    assert await _gauge(brokers[-1], "rocketmq_half_messages") == live, "the half-message gauge disagrees"
     brokers[-1].kill()
     quiet = await asyncio.to_thread(broker_factory, *_fixed(b, *NO_CHECKS))
     ledger.generation += 1
@@ -216,8 +225,11 @@ async def test_kills_after_acknowledged_operations_lose_repeat_and_reask_nothing
     assert not reasked, f"decided transactions checked again after a restart: {reasked[:5]}"
 
     # Checks settle what the kills left unanswered; the never-decided stay (or are dead-lettered), nothing else.
+    # The decisions as the log alone says them: the table and the snapshot gone.
     quiet.kill()
+    shutil.rmtree(b.store_dir / "transactions")
     last = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+    ledger.generation += 1
     producer = TransactionProducer(last.namesrv, GROUP, ledger, retries=0)     # the group's producer, back
     await producer.start()
     stays = set() if check_max <= 3 else _keys(never, ledger)
@@ -234,9 +246,102 @@ async def test_kills_after_acknowledged_operations_lose_repeat_and_reask_nothing
     assert set(dead) >= (set() if stays else never | resumed) and not set(dead) & set(ledger.decided)
     assert not dead or not stays, f"dead-lettered with no check limit to reach: {sorted(dead)}"
     assert not {d for d in dead if dead.count(d) > 1} - resumed, f"dead-lettered twice: {sorted(dead)}"
+    reasked = [(body, g) for body, g in ledger.asked if body in ledger.decided and g > ledger.decided[body]]
+    assert not reasked, f"decided transactions checked again by a broker rebuilt from the log: {reasked[:5]}"
     listed = await _listed(last)
     assert listed["dead_lettered"] == len(dead_now)
     assert listed["total"] == len(stays) == await _gauge(last, "rocketmq_half_messages")
     print(f"seed {seed}: {total} transactions, kills after {kill_at} acknowledged operations (of {acked}), "
           f"{len(committed)} committed, {len(never)} never decided, {len(dead)} dead-lettered, "
           f"{len(ledger.asked)} checks")
+
+
+class Undecided:
+    """Every local transaction and check says UNKNOW; records the checks asked, by broker generation."""
+
+    def __init__(self):
+        self.generation = 0
+        self.asked: list[tuple[bytes, int]] = []
+        self.checked = asyncio.Event()
+
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    def check_local_transaction(self, msg):
+        self.asked.append((msg.body, self.generation))
+        self.checked.set()
+        return S.UNKNOW
+
+
+@bounded(60)
+async def test_an_expiry_plan_killed_midway_then_applied_again_dead_letters_each_expired_half_once(broker_factory):
+    """The expiry (transaction_retention_hours, made small) of an apply-expiry plan, killed after its first dead
+    letter and applied again: each undecided half is dead-lettered once, as expired, none is checked again by a
+    broker started after its expiry was acknowledged (its table gone: from the log alone), a committed one the
+    plan lists is skipped, and an END COMMIT after the expiry is refused and delivers nothing."""
+    flags = (*CHECKING, "--transaction-check-max", "100000", "--transaction-retention-hours", "0.0005")    # 1.8 s
+    b = broker_factory(*flags)
+    listener = Undecided()
+    producer = TransactionProducer(b.namesrv, GROUP, listener, retries=0)
+    await producer.start()
+    halves: dict[int, bytes] = {}
+    for i in range(30):
+        res = (await producer.send_in_transaction(TOPIC, f"exp-{i}".encode())).send_result
+        halves[decode_offset_msg_id(res.offset_msg_id)[2]] = f"exp-{i}".encode()
+    committed = {}
+    for i in range(3):
+        res = await producer.send_in_transaction(TOPIC, f"kept-{i}".encode())
+        assert res.state is S.UNKNOW
+        half = decode_offset_msg_id(res.send_result.offset_msg_id)[2]
+        assert await _admin(b.broker, RequestCode.TXMQ_RESOLVE_TRANSACTION, half, decision="commit")
+        committed[half] = f"kept-{i}".encode()
+    # (expiry is about age: the last half past the retention by the broker's own record of its store time)
+    youngest = min(row["age_ms"] for row in (await _listed(b))["pending"])
+    await asyncio.sleep(max(0, 1800 + 300 - youngest) / 1000)
+    store_id = json.loads((b.store_dir / "segments.json").read_text())["store_id"]
+    now = int(time.time() * 1000)
+    plan = json.dumps({"version": 2, "store_id": store_id, "created_ms": now, "now_ms": now, "retention_ms": 0,
+                       "segments": [], "halves": [{"commit_log_offset": off} for off in [*halves, *committed]]})
+
+    # Killed once its first dead letter is stored: the plan's reply never comes.
+    applying = asyncio.create_task(request(b.broker, RequestCode.TXMQ_APPLY_EXPIRY, body=plan.encode()))
+    while not (await _listed(b))["dead_lettered"] and not applying.done():     # (a round trip a poll)
+        pass
+    b.kill()
+    with contextlib.suppress(BrokerError, OSError):
+        await applying
+    again = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+    listener.generation += 1
+    before = (await _listed(again))["dead_lettered"]        # (expired by the first application, before its kill)
+    resp = await request(again.broker, RequestCode.TXMQ_APPLY_EXPIRY, body=plan.encode())
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    applied = json.loads(resp.body_bytes())
+    skipped = {row["commit_log_offset"] for row in applied["skipped"]}
+    assert set(applied["expired"]) | skipped == {*halves, *committed} and set(committed) <= skipped
+    acknowledged = listener.generation
+
+    # After an acknowledged expiry: killed, its decisions read from the log alone.
+    again.kill()
+    shutil.rmtree(b.store_dir / "transactions")
+    last = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+    listener.generation += 1
+    listener.checked.clear()
+    await producer.send_in_transaction(TOPIC, b"after")         # checked at once: the check timer has run
+    while ("after", listener.generation) not in {(body.decode(), g) for body, g in listener.asked}:
+        listener.checked.clear()
+        await listener.checked.wait()
+    expired_at = next(iter(halves))
+    resp = await request(last.broker, RequestCode.END_TRANSACTION, {
+        "producerGroup": GROUP, "tranStateTableOffset": "0", "commitLogOffset": str(expired_at),
+        "commitOrRollback": "8", "fromTransactionCheck": "false"})
+    assert resp.code == ResponseCode.TRANSACTION_FAILED, resp.remark
+    await producer.shutdown()
+    listed = await _listed(last)
+    dead = await _delivered(last.namesrv, DEAD_TOPIC)
+    assert sorted(dead) == sorted(halves.values()), "each expired half dead-lettered once"
+    assert listed["total"] == 1 == await _gauge(last, "rocketmq_half_messages")     # "after"
+    assert listed["dead_lettered"] == len(halves)
+    assert sorted(await _delivered(last.namesrv, TOPIC)) == sorted(committed.values())
+    reasked = [(body, g) for body, g in listener.asked if body in set(halves.values()) and g > acknowledged]
+    assert not reasked, f"expired transactions checked again: {reasked[:5]}"
+    print(f"{before} of {len(halves)} expired before the kill, {len(applied['expired'])} by the plan applied again")
