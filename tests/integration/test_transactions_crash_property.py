@@ -319,6 +319,7 @@ async def test_an_expiry_plan_killed_midway_then_applied_again_dead_letters_each
     skipped = {row["commit_log_offset"] for row in applied["skipped"]}
     assert set(applied["expired"]) | skipped == {*halves, *committed} and set(committed) <= skipped
     acknowledged = listener.generation
+    assert (await _listed(again))["total"] == 0 == await _gauge(again, "rocketmq_half_messages")
 
     # After an acknowledged expiry: killed, its decisions read from the log alone.
     again.kill()
