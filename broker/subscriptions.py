@@ -181,14 +181,15 @@ class SubscriptionGroups(RetriedSave):
         return dump({"dataVersion": {"counter": self.counter, "timestamp": self.timestamp},
                      "subscriptionGroupTable": table}).encode()
 
-    async def encode_in_slices(self, known_groups=()) -> list[bytes]:
+    async def encode_in_slices(self, known_groups=(), conn=None) -> list[bytes]:
         """``encode``'s body, the same bytes in parts, a slice of groups at a time, the loop running between two. The
-        version as it starts: a group updated meanwhile is read again at the next sync (see get_all_topic_config)."""
+        version as it starts: a group updated meanwhile is read again at the next sync (see get_all_topic_config).
+        Stopped once ``conn`` (the asker's) is gone (members_in_slices)."""
         head = dump({"counter": self.counter, "timestamp": self.timestamp})
         return await members_in_slices(
             f'{{"dataVersion":{head},"subscriptionGroupTable":{{', sorted({*SYSTEM_GROUPS, *known_groups, *self.groups}),
             GROUP_SLICE, lambda names: dump({name: self.groups.get(name) or group_config(name) for name in names})[1:-1],
-            ",", "}}")
+            ",", "}}", conn)
 
     def write(self, data: bytes, counter: int | None = None) -> None:
         """Blocking (fsync, rename): call it off the loop. ``counter``: the one ``data`` was encoded at; two
