@@ -442,6 +442,33 @@ async def test_get_consumer_status_survives_a_consumer_answering_odd_queues(brok
 
 
 @bounded(60)
+async def test_a_consumer_whose_status_does_not_read_is_logged_at_most_every_10_s(broker):
+    """A consumer answering GET_CONSUMER_STATUS_FROM_CLIENT with a body that does not read is left out of the
+    answer and logged, as RocketMQ does; but a WARNING each time: one such consumer and a client asking in a loop
+    wrote 200 lines for 200 asks. Said at most every 10 s now; each ask still answered without it."""
+    def handle(conn, cmd):
+        if cmd.code == R.GET_CONSUMER_STATUS_FROM_CLIENT:
+            return cmd.response(ResponseCode.SUCCESS, body=b'{"messageQueueTable":' + b"[" * 200)
+        return None
+
+    host, _, port = broker.broker.rpartition(":")
+    consumer = await open_connection(host, int(port), handle)
+    admin = await _connect(broker.broker)
+    asks = 200
+    try:
+        assert (await consumer.request(_consumer_heartbeat("10.0.0.3@3", "CG_garbled"), 5.0)).code == 0
+        for _ in range(asks):
+            resp = await admin.request(RemotingCommand.request(R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS, {
+                "topic": "Orders", "group": "CG_garbled"}), 5.0)
+            assert resp.code == ResponseCode.SUCCESS, resp.remark
+            assert decode_mq_table(resp.body_bytes(), "messageQueueTable")[0]["consumerTable"] == {}
+    finally:
+        consumer.close()
+        admin.close()
+    said = broker.log_path.read_text(errors="replace").count("[get-consumer-status] consumer 10.0.0.3@3")
+    assert said == 1, f"{said} lines for {asks} asks"
+
+@bounded(60)
 async def test_a_txmq_consumer_says_at_once_what_it_does_not_serve(broker):
     """txmq's own consumer left requests it does not serve unanswered: mqadmin consumerStatus on it waited the
     broker's 10 s (the tool's own 5 s first), getConsumerStatus 5 s, each holding a forwarded request's place.

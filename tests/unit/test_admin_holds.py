@@ -377,7 +377,7 @@ async def test_a_consumers_status_answer_is_not_read_once_the_askers_connection_
         ch = SimpleNamespace(client_id="c", conn=SimpleNamespace(
             request=lambda request, timeout: _answered(request.response(C.SUCCESS, body=b"{}"))))
         with pytest.raises(asyncio.CancelledError):
-            await forward._consumer_status(ch, "T", "G", asker)
+            await forward._consumer_status(None, ch, "T", "G", asker)
     finally:
         forward.mq_table_steps = real
     assert read[0] <= 2, read[0]
