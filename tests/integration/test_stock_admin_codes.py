@@ -492,15 +492,20 @@ async def test_kv_config_holds_at_most_its_limit(broker):
     values filled the broker's store disk (its name server keeps the file there), each change writing them all
     again. A change past the limit is refused and changes nothing; smaller ones go on."""
     from broker.kv_config import MAX_BYTES
+    from protocol.frame import MAX_HEADER_SIZE
 
-    half = "x" * (MAX_BYTES // 2)
-    assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
-                          {"namespace": ORDER, "key": "A", "value": half})).code == ResponseCode.SUCCESS
-    past = await request(broker.namesrv, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": "B", "value": half})
+    # (in values a header carries: one past MAX_HEADER_SIZE is refused unread)
+    parts = -(-MAX_BYTES // (MAX_HEADER_SIZE // 2))
+    value = "x" * (MAX_BYTES // parts)
+    for i in range(parts - 1):
+        assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
+                              {"namespace": ORDER, "key": f"A{i}", "value": value})).code == ResponseCode.SUCCESS
+    past = await request(broker.namesrv, R.PUT_KV_CONFIG,
+                         {"namespace": ORDER, "key": "B", "value": value + "y" * 4096})
     assert past.code == ResponseCode.SYSTEM_ERROR and "more than" in past.remark, past.remark
     assert (await request(broker.namesrv, R.GET_KV_CONFIG, {"namespace": ORDER, "key": "B"})).code == \
         ResponseCode.QUERY_NOT_FOUND
     assert (await request(broker.namesrv, R.PUT_KV_CONFIG,     # replacing a value frees its room
-                          {"namespace": ORDER, "key": "A", "value": "broker-a:8"})).code == ResponseCode.SUCCESS
+                          {"namespace": ORDER, "key": "A0", "value": "broker-a:8"})).code == ResponseCode.SUCCESS
     assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
-                          {"namespace": ORDER, "key": "B", "value": half})).code == ResponseCode.SUCCESS
+                          {"namespace": ORDER, "key": "B", "value": value + "y" * 4096})).code == ResponseCode.SUCCESS
