@@ -5,15 +5,17 @@ one byte at a time, and cut at every position must give the same frames.
 """
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import pytest
 
 from protocol.codes import RequestCode, SerializeType
 from protocol.command import RemotingCommand
-from protocol.connection import _unread_fields
+from protocol.connection import RemotingConnection, _unread_fields, open_connection
 from protocol.errors import FrameError, HeaderError, HeaderTooLargeError, ProtocolError
 from protocol.frame import MAX_FRAME_SIZE, MAX_HEADER_SIZE, FrameDecoder, check_prefix, encode_frame
+from tests.support.bounded import bounded
 
 
 def frame_a() -> bytes:
@@ -229,3 +231,29 @@ def test_a_header_past_the_maximum_is_refused_from_its_length_and_its_opaque_fou
     assert _unread_fields(struct.pack(">ii", 4 + len(header), len(header)) + header) == (10, 1234, 0)
     header = b'{"code":10,"extFields":{"opaque":"9"}}'
     assert _unread_fields(struct.pack(">ii", 4 + len(header), len(header)) + header) == (10, None, 0)
+
+
+@bounded(30)
+async def test_a_response_past_the_maximum_fails_its_request_at_once_not_at_its_timeout():
+    """A response whose header is past MAX_HEADER_SIZE is not parsed either; its request (the broker's to a
+    consumer or a requester, a tool's or a slave's to a broker) failed only at its timeout, RequestTimeoutError "got
+    no response", though one came (found in review). It fails at once with the refusal, the connection kept."""
+    loop = asyncio.get_running_loop()
+
+    def handler(conn, cmd):
+        remark = "r" * MAX_HEADER_SIZE if cmd.code == 1 else "ok"
+        return cmd.response(0, remark)
+
+    server = await loop.create_server(lambda: RemotingConnection(handler), "127.0.0.1", 0)
+    client = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    try:
+        for stype in (0, 1):
+            call = client.request(RemotingCommand.request(1, {}, serialize_type=stype), 600)
+            with pytest.raises(HeaderTooLargeError):
+                await asyncio.wait_for(call, 20)     # (600 s: the timeout would be the test's bound, not the answer)
+            assert not client._pending
+        assert (await asyncio.wait_for(client.request(RemotingCommand.request(2, {}), 20), 20)).remark == "ok"
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
