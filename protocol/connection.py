@@ -266,8 +266,14 @@ class RemotingConnection(asyncio.Protocol):
 
     def _refuse_unread(self, frame: bytes, exc: ProtocolError) -> None:
         """Refuse a frame whose header is not parsed (HeaderTooLargeError): answered, when its opaque is found
-        without parsing it (_unread_fields) and it is a request answered, logged as any header refused."""
+        without parsing it (_unread_fields) and it is a request answered, logged as any header refused; a response
+        fails its request with the refusal."""
         code, opaque, flag = _unread_fields(frame)
+        if flag & FLAG_RESPONSE and opaque is not None:
+            # (a response: its request fails now with the refusal, not at its timeout as if none had come)
+            entry = self._pending.pop(opaque, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(exc)
         if opaque is None or flag & FLAG_RESPONSE:
             flag |= FLAG_ONEWAY         # nothing to answer: no opaque to answer with, or a response
         self._reply_error(RemotingCommand(code, opaque=opaque or 0, flag=flag), exc)
