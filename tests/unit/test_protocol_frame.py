@@ -73,6 +73,23 @@ def test_every_split_point(stream):
         assert decoder.buffered == 0
 
 
+def test_frames_either_side_of_the_view_cut_come_out_whole_whatever_the_reads():
+    """A frame under _VIEW_CUT is sliced from the read buffer, one at or past it copied through a view: pipelined,
+    in reads split anywhere (seeded), each comes out whole and the buffer empties."""
+    import random
+    from protocol.frame import _VIEW_CUT
+    rng = random.Random(7)
+    frames = [encode_frame(b"h" * 3, bytes([n % 251]) * (n - 11))
+              for n in (16, _VIEW_CUT - 1, _VIEW_CUT, _VIEW_CUT + 1, 300, 200_000, _VIEW_CUT, 17)]
+    assert [len(f) for f in frames][1:4] == [_VIEW_CUT - 1, _VIEW_CUT, _VIEW_CUT + 1]
+    stream = b"".join(frames)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, 12)))
+        decoder = FrameDecoder()
+        assert feed_all(decoder, [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]) == frames
+        assert decoder.buffered == 0
+
+
 def test_every_pair_of_split_points_for_a_small_frame():
     stream = empty_frame() + encode_frame(b"h", b"b")
     expected = [empty_frame(), encode_frame(b"h", b"b")]
