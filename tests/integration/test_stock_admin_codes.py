@@ -509,3 +509,32 @@ async def test_kv_config_holds_at_most_its_limit(broker):
                           {"namespace": ORDER, "key": "A0", "value": "broker-a:8"})).code == ResponseCode.SUCCESS
     assert (await request(broker.namesrv, R.PUT_KV_CONFIG,
                           {"namespace": ORDER, "key": "B", "value": value + "y" * 4096})).code == ResponseCode.SUCCESS
+
+
+@bounded(60)
+async def test_the_kept_group_table_answer_follows_consumers_and_offsets_over_tcp(broker):
+    """The master gives its last whole GET_ALL_SUBSCRIPTIONGROUP_CONFIG again while the table and the known groups
+    are unchanged; the body also lists groups known only from a consumer's heartbeat or an offset commit, so a
+    slave asking after either must see it (found a reviewer's worry: a cache on dataVersion alone would not)."""
+    conn = await _connect(broker.broker)
+    try:
+        async def table() -> dict:
+            answer = await conn.request(RemotingCommand.request(R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG), 10)
+            assert answer.code == ResponseCode.SUCCESS, answer.remark
+            return json.loads(answer.body_bytes())
+
+        first = await table()
+        assert await table() == first and "CG_hb_only" not in first["subscriptionGroupTable"]
+        assert (await conn.request(_consumer_heartbeat("10.0.0.9@1", "CG_hb_only"), 10)).code == ResponseCode.SUCCESS
+        after_heartbeat = await table()
+        assert "CG_hb_only" in after_heartbeat["subscriptionGroupTable"]
+        assert after_heartbeat["dataVersion"] == first["dataVersion"]     # (no config changed: only known groups)
+        assert (await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "Orders", "defaultTopic": "TBW102", "readQueueNums": 1, "writeQueueNums": 1, "perm": 6,
+            "topicFilterType": "SINGLE_TAG", "topicSysFlag": 0, "order": "false"}), 10)).code == ResponseCode.SUCCESS
+        committed = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_offset_only", "topic": "Orders", "queueId": 0, "commitOffset": 0}), 10)
+        assert committed.code == ResponseCode.SUCCESS, committed.remark
+        assert "CG_offset_only" in (await table())["subscriptionGroupTable"]
+    finally:
+        conn.close()
