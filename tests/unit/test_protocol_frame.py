@@ -274,3 +274,27 @@ async def test_a_response_past_the_maximum_fails_its_request_at_once_not_at_its_
         client.close()
         server.close()
         await server.wait_closed()
+
+
+@bounded(30)
+async def test_a_oneway_request_past_the_maximum_is_not_answered_and_the_next_is():
+    """A oneway frame past MAX_HEADER_SIZE (an END_TRANSACTION with a huge remark) is refused unanswered: its peer
+    awaits nothing, and an answer under its opaque could meet a request of its own. The next request is answered."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: RemotingConnection(lambda conn, cmd: cmd.response(0, "ok")),
+                                      "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    try:
+        for stype in (0, 1):
+            huge = RemotingCommand.request(37, {"p": "x" * MAX_HEADER_SIZE}, oneway=True, opaque=41,
+                                           serialize_type=stype)
+            writer.write(huge.encode() + RemotingCommand.request(38, {}, opaque=42 + stype).encode())
+            decoder, frames = FrameDecoder(), []
+            while not frames:
+                frames = decoder.feed(await reader.read(65536))
+            [answer] = [RemotingCommand.decode(f) for f in frames]
+            assert (answer.opaque, answer.remark) == (42 + stype, "ok")
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
