@@ -100,4 +100,5 @@ async def main():
     print(json.dumps(out), flush=True)
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    asyncio.run(main())

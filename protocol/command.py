@@ -32,8 +32,8 @@ import struct
 from typing import Iterable, Sequence
 
 from .codes import FLAG_ONEWAY, FLAG_RESPONSE, VERSION_4_9_8, LanguageCode, ResponseCode, SerializeType
-from .errors import FrameError, HeaderError
-from .frame import HEADER_LENGTH_MASK, MAX_FRAME_SIZE, PREFIX, check_prefix
+from .errors import FrameError, HeaderError, HeaderTooLargeError
+from .frame import HEADER_LENGTH_MASK, MAX_FRAME_SIZE, MAX_HEADER_SIZE, PREFIX, check_prefix
 
 _BIN_FIXED = struct.Struct(">hBhiii")  # code, language, version, opaque, flag, remark length: 17 bytes
 _I32 = struct.Struct(">i")
@@ -183,6 +183,9 @@ class RemotingCommand:
         header_length = word & HEADER_LENGTH_MASK
         if header_length > length - 4:  # the only check_prefix rule a whole frame of n >= 8 bytes can break
             check_prefix(length, word, max(max_frame_size, length))
+        if header_length > MAX_HEADER_SIZE:
+            raise HeaderTooLargeError(f"the command header of {header_length} bytes is over the broker's maximum of "
+                                      f"{MAX_HEADER_SIZE}: not read")
         stype = (word >> 24) & 0xFF
         header = frame[8:8 + header_length]
         body = bytes(frame[8 + header_length:])

@@ -39,12 +39,14 @@ import itertools
 import json
 import logging
 import random
+import re
 import socket
 from typing import Awaitable, Callable, Optional, Union
 
 from .codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode, request_name
 from .command import RemotingCommand
-from .errors import ConnectionClosedError, MessageIllegalError, ProtocolError, RequestTimeoutError
+from .errors import (ConnectionClosedError, HeaderTooLargeError, MessageIllegalError, ProtocolError,
+                     RequestTimeoutError)
 from .frame import MAX_FRAME_SIZE, FrameDecoder
 
 log = logging.getLogger("txmq.connection")
@@ -214,6 +216,9 @@ class RemotingConnection(asyncio.Protocol):
         for frame in frames:
             try:
                 cmd = RemotingCommand.decode(frame)
+            except HeaderTooLargeError as exc:
+                self._refuse_unread(frame, exc)     # the frame is whole: the next is read as before
+                continue
             except ProtocolError as exc:
                 self._backlog = []
                 self._reject_frame(frame, exc)
@@ -271,6 +276,20 @@ class RemotingConnection(asyncio.Protocol):
             log.warning(what + " (logged at most every %d s%s)", self.peer[0], self.peer[1], _clipped(exc),
                         REFUSAL_LOG_GAP_S, f"; {unlogged} more connections closed for malformed input since the "
                         "last line" if unlogged else "")
+
+    def _refuse_unread(self, frame: bytes, exc: ProtocolError) -> None:
+        """Refuse a frame whose header is not parsed (HeaderTooLargeError): answered, when its opaque is found
+        without parsing it (_unread_fields) and it is a request answered, logged as any header refused; a response
+        fails its request with the refusal."""
+        code, opaque, flag = _unread_fields(frame)
+        if flag & FLAG_RESPONSE and opaque is not None:
+            # (a response: its request fails now with the refusal, not at its timeout as if none had come)
+            entry = self._pending.pop(opaque, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(exc)
+        if opaque is None or flag & FLAG_RESPONSE:
+            flag |= FLAG_ONEWAY         # nothing to answer: no opaque to answer with, or a response
+        self._reply_error(RemotingCommand(code, opaque=opaque or 0, flag=flag), exc)
 
     def _dispatch(self, cmd: RemotingCommand) -> None:
         if self.handler is None:
@@ -666,6 +685,32 @@ def _expire(fut: asyncio.Future, code: int, peer: tuple, timeout: float) -> None
     if not fut.done():
         fut.set_exception(RequestTimeoutError(f"{request_name(code)} to {peer[0]}:{peer[1]} "
                                               f"got no response in {timeout:.3g} s"))
+
+
+# A JSON header's code, flag and opaque found by their names (a stock client writes them as numbers at the top
+# level; a name of extFields is followed by a string, and one in a string is escaped): in a header too large to parse.
+_UNREAD_FIELD = {name: re.compile(rb'"%s"\s*:\s*(-?\d{1,11})[\s,}]' % name.encode())
+                 for name in ("code", "flag", "opaque")}
+
+
+def _unread_fields(frame: bytes) -> tuple[int, int | None, int]:
+    """(code, opaque or None, flag) of a frame whose header is not parsed, found without parsing it: at their
+    fixed places in a ROCKETMQ header, by their names in a JSON one (a few scans at memchr speed: 15 MB in ms)."""
+    header_len = int.from_bytes(frame[5:8], "big")
+    if frame[4] == 1:           # SerializeType.ROCKETMQ: code (2), language (1), version (2), opaque (4), flag (4)
+        if header_len < 13:
+            return 0, None, 0
+        return (int.from_bytes(frame[8:10], "big", signed=True), int.from_bytes(frame[13:17], "big", signed=True),
+                int.from_bytes(frame[17:21], "big", signed=True))
+    header = memoryview(frame)[8:8 + header_len]
+    found = {}
+    for name, pattern in _UNREAD_FIELD.items():
+        # (fastjson writes code first and flag and opaque after extFields, the bulk: their ends are looked at first)
+        match = (pattern.search(header, 0, 4096) or pattern.search(header, max(0, header_len - 4096))
+                 or pattern.search(header))
+        value = int(match.group(1)) if match else None
+        found[name] = value if value is not None and -(1 << 31) <= value < (1 << 31) else None
+    return found["code"] or 0, found["opaque"], found["flag"] or 0
 
 
 def _best_effort_opaque(frame: bytes) -> int | None:

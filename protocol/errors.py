@@ -47,6 +47,13 @@ class HeaderError(ProtocolError):
     """A command header (JSON or ROCKETMQ binary) or one of its fields is malformed."""
 
 
+class HeaderTooLargeError(HeaderError):
+    """A header longer than MAX_HEADER_SIZE: refused from its length, not parsed (as RocketMQ refuses a send's
+    properties past Short.MAX_VALUE characters: MESSAGE_ILLEGAL)."""
+
+    response_code = ResponseCode.MESSAGE_ILLEGAL
+
+
 class RecordError(ProtocolError):
     """A store record or a batch body is malformed."""
 

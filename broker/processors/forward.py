@@ -104,15 +104,16 @@ async def invoke_broker_to_get_consumer_status(ctx, conn, cmd):
     if not channels:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"No Any Consumer online in the consumer group: [{group}]")
     asked = [ch for ch in channels if not only or ch.client_id == only][:1 if only else None]
-    answers = await asyncio.gather(*(_consumer_status(ch, topic, group, conn) for ch in asked))
+    answers = await asyncio.gather(*(_consumer_status(ctx, ch, topic, group, conn) for ch in asked))
     stop_if_gone(conn)      # (the asker went while its consumers answered)
     return cmd.response(ResponseCode.SUCCESS, body=await in_steps(consumer_status_steps(
         {ch.client_id: offsets for ch, offsets in zip(asked, answers) if offsets is not None}), conn))
 
 
-async def _consumer_status(ch, topic: str, group: str, asker=None) -> dict | None:
-    """One consumer's {queue: offset} of ``topic``, or None when it did not say (logged, as RocketMQ); cancelled
-    once the ``asker``'s connection went while it was read."""
+async def _consumer_status(ctx, ch, topic: str, group: str, asker=None) -> dict | None:
+    """One consumer's {queue: offset} of ``topic``, or None when it did not say (logged, as RocketMQ, at most every
+    10 s: a consumer answering garbage and a client asking in a loop wrote a WARNING an ask); cancelled once the
+    ``asker``'s connection went while it was read."""
     request = RemotingCommand.request(RequestCode.GET_CONSUMER_STATUS_FROM_CLIENT, {"topic": topic, "group": group},
                                       language=LanguageCode.JAVA)
     try:
@@ -122,5 +123,6 @@ async def _consumer_status(ch, topic: str, group: str, asker=None) -> dict | Non
         # (read a slice at a time: a consumer's answer may be a frame's 16 MiB, 2.5 s of the event loop in one go)
         return await in_steps(mq_table_steps(answer.body_bytes(), "messageQueueTable", int), asker)
     except Exception as exc:  # noqa: BLE001 - one consumer failing leaves it out of the answer, as RocketMQ
-        log.warning("[get-consumer-status] consumer %s of %s: %s", ch.client_id, group, exc)
+        ctx.limits.warn("consumer-status-failed", f"[get-consumer-status] consumer {ch.client_id[:200]} of "
+                        f"{group[:200]}: {str(exc)[:200]}")
         return None

@@ -272,7 +272,7 @@ async def get_all_subscription_group(ctx, conn, cmd):
     # The groups holding offsets off the offsets' per-group index, and encoded a slice at a time: a walk of every
     # offset and the table in one go held the loop 90-130 ms at 100,000 offsets of 10,000 groups, at each sync.
     known = set(ctx.clients.consumers).union(ctx.offsets.groups())
-    return cmd.response(ResponseCode.SUCCESS, body=await ctx.subscriptions.encode_in_slices(known))
+    return cmd.response(ResponseCode.SUCCESS, body=await ctx.subscriptions.encode_in_slices(known, conn))
 
 
 async def update_and_create_subscription_group(ctx, conn, cmd):

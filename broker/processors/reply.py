@@ -15,8 +15,6 @@ id) and TTL; the send stamps CLUSTER on it. The consumer that handles it builds 
 """
 from __future__ import annotations
 
-import logging
-
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.message import (
@@ -33,8 +31,6 @@ from protocol.message import (
 
 from ..store import PutRequest
 from .send import _born_host, _check_topic, plain_type_refused
-
-log = logging.getLogger("txmq.reply")
 
 REPLY_TO_CLIENT = Prop.REPLY_TO_CLIENT   # MessageConst.PROPERTY_MESSAGE_REPLY_TO_CLIENT
 PUSH_REPLY_TIME = "PUSH_REPLY_TIME"     # MessageConst.PROPERTY_PUSH_REPLY_TIME
@@ -98,7 +94,8 @@ async def handle_reply(ctx, conn, cmd):
         ctx.metrics.count_in(h.topic, 1, len(body))
         msg_id, queue_offset = offset_msg_id(ctx.store_host, result.physical_offset), result.queue_offset
     else:
-        log.warning("reply to %s pushed but not stored in %s: %s", props.get(REPLY_TO_CLIENT), h.topic, not_stored)
+        ctx.limits.warn("reply-not-stored", f"reply to {str(props.get(REPLY_TO_CLIENT))[:200]} pushed but not "
+                        f"stored in {h.topic}: {not_stored}")
     return cmd.response(ResponseCode.SUCCESS, None, {"msgId": msg_id, "queueId": qid, "queueOffset": queue_offset,
                                                       "MSG_REGION": ctx.config.region_id, "TRACE_ON": "true"})
 
@@ -124,9 +121,12 @@ async def _push(ctx, conn, h: SendMessageRequestHeader, props: dict, body: bytes
     try:
         answer = await requester.request(push, PUSH_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - a dead or slow requester is this reply's failure, said to the replier
-        log.warning("push reply message to <%s> failed: %s", sender, exc)
+        # (each said at most every 10 s, the requester's remark cut: a requester refusing or dropping every push,
+        # and a replier sending in a loop, had a line a reply, at the rate of the loop)
+        ctx.limits.warn("reply-push-failed", f"push reply message to <{sender[:200]}> failed: {exc}")
         return False, f"push reply message to {sender}fail."
     if answer.code != ResponseCode.SUCCESS:
-        log.warning("push reply message to <%s> return fail, response remark: %s", sender, answer.remark)
+        ctx.limits.warn("reply-push-failed", f"push reply message to <{sender[:200]}> return fail, response "
+                        f"remark: {str(answer.remark)[:200]}")
         return False, f"push reply message to {sender}fail."
     return True, None

@@ -73,7 +73,9 @@ _QUEUE_FILE_FAILED = "create mapped file failed"     # TransactionService._decis
 _BAD_STATE = "commitOrRollback="
 _GATED = frozenset(("Find prepared transaction message failed", "The producer group wrong",
                     "The transaction state table offset wrong"))
-_GATED_PREFIXES = (_BAD_STATE, "transaction already ")      # the rest of the remark names the END's own values
+# (the rest of the remark names the END's own values, or the store's refusal: while the disk was full, every END
+# and every producer's answer to every check wrote a line)
+_GATED_PREFIXES = (_BAD_STATE, "transaction already ", "store refused the decision: ", "not committed: ")
 
 
 def _end_reply(cmd, ctx, answer: tuple[int, str]):

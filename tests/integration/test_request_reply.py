@@ -145,3 +145,35 @@ async def test_a_reply_goes_to_the_connection_its_request_came_on_when_two_claim
     finally:
         for conn in (*conns.values(), replier):
             conn.close()
+
+
+@bounded(60)
+async def test_replies_a_requester_refuses_are_logged_at_most_every_10_s(broker):
+    """A requester answering every PUSH_REPLY_MESSAGE_TO_CLIENT with an error (its remark its own choice) had the
+    broker log a WARNING a reply, with that remark: a replier and a requester in a loop wrote to the broker's disk
+    as fast as they could send (200 replies: 200 lines of 4 KB each). Each reply is still refused to its replier
+    (SYSTEM_ERROR), and said at most every 10 s."""
+    remark = "r" * 4096
+
+    def requester_handler(conn, cmd):
+        return cmd.response(ResponseCode.SYSTEM_ERROR, remark)
+
+    requester = await open_connection(*_host_port(broker.broker), requester_handler)
+    replier = await open_connection(*_host_port(broker.broker))
+    try:
+        beat = {"clientID": REQUESTER, "producerDataSet": [{"groupName": "PG_requester"}], "consumerDataSet": []}
+        resp = await requester.request(RemotingCommand.request(RequestCode.HEART_BEAT,
+                                                               body=json.dumps(beat).encode()), 5)
+        assert resp.code == ResponseCode.SUCCESS
+        reply_props = {"CORRELATION_ID": "corr", "REPLY_TO_CLIENT": REQUESTER, "MSG_TYPE": "reply",
+                       "CLUSTER": "DefaultCluster"}
+        replies = 200
+        for _ in range(replies):
+            resp = await replier.request(_send(RequestCode.SEND_REPLY_MESSAGE_V2, REPLY_TOPIC, reply_props, b"y",
+                                               True), 5)
+            assert (resp.code, resp.remark) == (ResponseCode.SYSTEM_ERROR, f"push reply message to {REQUESTER}fail.")
+    finally:
+        requester.close()
+        replier.close()
+    said = broker.log_path.read_text(errors="replace").count(f"push reply message to <{REQUESTER}> return fail")
+    assert said == 1, f"{said} lines for {replies} refused replies"

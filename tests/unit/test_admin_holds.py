@@ -377,7 +377,7 @@ async def test_a_consumers_status_answer_is_not_read_once_the_askers_connection_
         ch = SimpleNamespace(client_id="c", conn=SimpleNamespace(
             request=lambda request, timeout: _answered(request.response(C.SUCCESS, body=b"{}"))))
         with pytest.raises(asyncio.CancelledError):
-            await forward._consumer_status(ch, "T", "G", asker)
+            await forward._consumer_status(None, ch, "T", "G", asker)
     finally:
         forward.mq_table_steps = real
     assert read[0] <= 2, read[0]
@@ -385,3 +385,21 @@ async def test_a_consumers_status_answer_is_not_read_once_the_askers_connection_
 
 async def _answered(resp):
     return resp
+
+
+@bounded(60)
+async def test_all_subscription_groups_are_not_written_once_the_askers_connection_is_gone(tmp_path, monkeypatch):
+    """GET_ALL_SUBSCRIPTIONGROUP_CONFIG (a slave's sync, or mqadmin) written a slice of groups at a time went on to
+    the last slice after its asker's connection closed, as the other sliced answers did (seams B): 50,000 groups,
+    11.9 MB, written for nobody each time a client asked and went. It stops at the first turn after the close."""
+    from broker import subscriptions
+    table = subscriptions.SubscriptionGroups(str(tmp_path), lambda: 0)
+    written = []
+    real = subscriptions.group_config
+    monkeypatch.setattr(subscriptions, "group_config", lambda name, values=None: written.append(name) or real(name))
+    ctx = SimpleNamespace(subscriptions=table, clients=SimpleNamespace(consumers={}),
+                          offsets=SimpleNamespace(groups=lambda: [f"G{i:05d}" for i in range(20_000)]))
+    with pytest.raises(asyncio.CancelledError):
+        await ops.get_all_subscription_group(ctx, _closing_conn(),
+                                             RemotingCommand.request(R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG, {}))
+    assert len(written) <= 2 * subscriptions.GROUP_SLICE, len(written)

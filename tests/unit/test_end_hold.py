@@ -81,3 +81,36 @@ async def test_an_end_refused_for_its_queue_file_is_logged_at_most_every_10_s(ca
         end_transaction(ctx, conn, cmd)
         assert len(caplog.records) == 2
     assert "create mapped file failed" in caplog.records[-1].getMessage()
+
+
+async def test_ends_the_store_refuses_are_logged_at_most_every_10_s(caplog):
+    """An END whose decision the store refused (a full disk: SERVICE_NOT_AVAILABLE; a damaged half's commit) was
+    logged a WARNING each, ungated: while the disk was full every END, and every producer's answer to every check
+    of every half, wrote a line to the broker's log (on that disk or another), as fast as the clients sent them.
+    Each is still answered; the line is said at most every 10 s a kind of refusal."""
+    import logging
+
+    from broker.limits import Limits
+
+    now = [100.0]
+    refusals = [(14, "store refused the decision: SERVICE_NOT_AVAILABLE"),
+                (1, "not committed: record at 4096 fails its body CRC")]
+    ctx = types.SimpleNamespace(tx=types.SimpleNamespace(end=lambda *a, **kw: refusals[0]),
+                                limits=Limits(None, None, monotonic=lambda: now[0]))
+    conn = RemotingConnection(lambda c, m: None)
+
+    def ends(n):
+        for i in range(n):
+            cmd = RemotingCommand.request(37, {"producerGroup": "g", "tranStateTableOffset": str(i),
+                                               "commitLogOffset": str(i), "commitOrRollback": "8"})
+            assert end_transaction(ctx, conn, cmd).code == refusals[0][0]
+
+    with caplog.at_level(logging.WARNING):
+        ends(500)
+        assert len(caplog.records) == 1
+        refusals.pop(0)
+        ends(500)
+        assert len(caplog.records) == 2
+        now[0] += 10
+        ends(1)
+        assert len(caplog.records) == 3

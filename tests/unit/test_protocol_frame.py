@@ -5,14 +5,17 @@ one byte at a time, and cut at every position must give the same frames.
 """
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import pytest
 
 from protocol.codes import RequestCode, SerializeType
 from protocol.command import RemotingCommand
-from protocol.errors import FrameError, HeaderError, ProtocolError
-from protocol.frame import MAX_FRAME_SIZE, FrameDecoder, check_prefix, encode_frame
+from protocol.connection import RemotingConnection, _unread_fields, open_connection
+from protocol.errors import FrameError, HeaderError, HeaderTooLargeError, ProtocolError
+from protocol.frame import MAX_FRAME_SIZE, MAX_HEADER_SIZE, FrameDecoder, check_prefix, encode_frame
+from tests.support.bounded import bounded
 
 
 def frame_a() -> bytes:
@@ -67,6 +70,23 @@ def test_every_split_point(stream):
     for i in range(len(stream) + 1):
         decoder = FrameDecoder()
         assert feed_all(decoder, [stream[:i], stream[i:]]) == expected, i
+        assert decoder.buffered == 0
+
+
+def test_frames_either_side_of_the_view_cut_come_out_whole_whatever_the_reads():
+    """A frame under _VIEW_CUT is sliced from the read buffer, one at or past it copied through a view: pipelined,
+    in reads split anywhere (seeded), each comes out whole and the buffer empties."""
+    import random
+    from protocol.frame import _VIEW_CUT
+    rng = random.Random(7)
+    frames = [encode_frame(b"h" * 3, bytes([n % 251]) * (n - 11))
+              for n in (16, _VIEW_CUT - 1, _VIEW_CUT, _VIEW_CUT + 1, 300, 200_000, _VIEW_CUT, 17)]
+    assert [len(f) for f in frames][1:4] == [_VIEW_CUT - 1, _VIEW_CUT, _VIEW_CUT + 1]
+    stream = b"".join(frames)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, 12)))
+        decoder = FrameDecoder()
+        assert feed_all(decoder, [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]) == frames
         assert decoder.buffered == 0
 
 
@@ -212,3 +232,69 @@ def test_good_frames_before_a_bad_length_in_one_read_are_kept():
     assert isinstance(dec.error, FrameError)
     with pytest.raises(FrameError):
         dec.feed(good)
+
+
+def test_a_header_past_the_maximum_is_refused_from_its_length_and_its_opaque_found_unparsed():
+    """A header past MAX_HEADER_SIZE is refused before it is parsed (12.5 MB of fields held the loop seconds); its
+    code, opaque and flag are found without parsing, for its answer: by their names in JSON (not a string of
+    extFields named alike), at their places in a ROCKETMQ header."""
+    big = {"opaque": "5", "p": "x" * MAX_HEADER_SIZE}
+    for stype in (0, 1):
+        frame = RemotingCommand(10, opaque=77, flag=2, ext_fields=big, serialize_type=stype).encode()
+        with pytest.raises(HeaderTooLargeError):
+            RemotingCommand.decode(frame)
+        assert _unread_fields(frame) == (10, 77, 2)
+    header = b'{"code":10,"extFields":{"a":"\\"opaque\\":9"},"opaque" : 1234}'
+    assert _unread_fields(struct.pack(">ii", 4 + len(header), len(header)) + header) == (10, 1234, 0)
+    header = b'{"code":10,"extFields":{"opaque":"9"}}'
+    assert _unread_fields(struct.pack(">ii", 4 + len(header), len(header)) + header) == (10, None, 0)
+
+
+@bounded(30)
+async def test_a_response_past_the_maximum_fails_its_request_at_once_not_at_its_timeout():
+    """A response whose header is past MAX_HEADER_SIZE is not parsed either; its request (the broker's to a
+    consumer or a requester, a tool's or a slave's to a broker) failed only at its timeout, RequestTimeoutError "got
+    no response", though one came (found in review). It fails at once with the refusal, the connection kept."""
+    loop = asyncio.get_running_loop()
+
+    def handler(conn, cmd):
+        remark = "r" * MAX_HEADER_SIZE if cmd.code == 1 else "ok"
+        return cmd.response(0, remark)
+
+    server = await loop.create_server(lambda: RemotingConnection(handler), "127.0.0.1", 0)
+    client = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    try:
+        for stype in (0, 1):
+            call = client.request(RemotingCommand.request(1, {}, serialize_type=stype), 600)
+            with pytest.raises(HeaderTooLargeError):
+                await asyncio.wait_for(call, 20)     # (600 s: the timeout would be the test's bound, not the answer)
+            assert not client._pending
+        assert (await asyncio.wait_for(client.request(RemotingCommand.request(2, {}), 20), 20)).remark == "ok"
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
+
+
+@bounded(30)
+async def test_a_oneway_request_past_the_maximum_is_not_answered_and_the_next_is():
+    """A oneway frame past MAX_HEADER_SIZE (an END_TRANSACTION with a huge remark) is refused unanswered: its peer
+    awaits nothing, and an answer under its opaque could meet a request of its own. The next request is answered."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: RemotingConnection(lambda conn, cmd: cmd.response(0, "ok")),
+                                      "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    try:
+        for stype in (0, 1):
+            huge = RemotingCommand.request(37, {"p": "x" * MAX_HEADER_SIZE}, oneway=True, opaque=41,
+                                           serialize_type=stype)
+            writer.write(huge.encode() + RemotingCommand.request(38, {}, opaque=42 + stype).encode())
+            decoder, frames = FrameDecoder(), []
+            while not frames:
+                frames = decoder.feed(await reader.read(65536))
+            [answer] = [RemotingCommand.decode(f) for f in frames]
+            assert (answer.opaque, answer.remark) == (42 + stype, "ok")
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
