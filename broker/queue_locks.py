@@ -54,6 +54,8 @@ def _write(path: str, locks: dict, now: int, max_live_ms: int) -> None:
 
 class LockFile:
     stop_wait_s = 2.0       # what a stop waits for its save (behind a write still running: a hung disk?)
+    write_wait_s = 2.0      # a save's write not ended by then is said hung (txmq_config_write_hung{file}), as the
+                            # other config files' (retried_save.py): the locks granted meanwhile are not saved
 
     def __init__(self, config_dir: str, clients, metrics=None, interval_s: float = 1.0, max_live_ms: int = 60_000):
         self.path = os.path.join(config_dir, FILE_NAME)
@@ -63,6 +65,7 @@ class LockFile:
         self.max_live_ms = max_live_ms      # queue_lock_max_live_ms: a lock lapsed is not saved
         self._saved = -1            # clients.lock_holders_changed as of the last save (-1: none yet)
         self._failing = False
+        self.write_hung = False     # a save's write has run past write_wait_s and not ended yet
         # A daemon thread, not the default executor's (the interpreter's exit joins those): a write that hangs (a
         # stopped NFS) kept the stop waiting for ever, before the store and the offsets were closed, and the process
         # from ending. Made at the first save.
@@ -127,7 +130,14 @@ class LockFile:
         """Write the locks held now, off the loop; a failure is said at ERROR once until a save succeeds again."""
         changed, writing = self._start_write()
         try:
-            await writing
+            try:
+                await asyncio.wait_for(asyncio.shield(writing), self.write_wait_s)
+            except TimeoutError:
+                self.write_hung = True
+                log.error("queue lock file %s: a write has not ended in %g s (a hung disk or a stopped network file "
+                          "system?); locks granted meanwhile are not saved, a restart forgets them", self.path,
+                          self.write_wait_s)
+                await writing
         except OSError as exc:
             if self.metrics is not None:
                 self.metrics.queue_lock_saves_failed.inc()
@@ -136,6 +146,10 @@ class LockFile:
                 log.error("queue lock file %s not written (retrying every %g s; a restart meanwhile forgets the "
                           "locks granted since): %s", self.path, self.interval_s, exc)
             return
+        finally:
+            if self.write_hung and writing.done():
+                self.write_hung = False
+                log.warning("queue lock file %s: the write that hung has ended", self.path)
         if self._failing:
             self._failing = False
             log.warning("queue lock file %s written again", self.path)

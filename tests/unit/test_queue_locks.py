@@ -389,3 +389,49 @@ def test_a_refused_lock_file_save_is_said_once_counted_each_time_and_said_writte
     asyncio.run(lock_file.close())          # a stop on a full disk: said, counted, and no crash
     assert metrics.queue_lock_saves_failed._value.get() == 4
     assert "not written at stop" in caplog.records[-1].getMessage()
+
+
+def test_a_hung_lock_file_write_is_said_once_and_its_end_once(tmp_path, caplog, monkeypatch):
+    """(seams C3: stock3's lock file met hungfs's hung writes.) A queueLocks.json write that hangs while the broker
+    runs (a stopped NFS) was said by nothing: no line, no gauge, every lock granted from then on unsaved (a restart
+    shares those queues between two consumers), where a hung topics.json, consumerOffset.json, subscriptionGroup.json
+    or kvConfig.json write is said at ERROR and by a gauge. Past ``write_wait_s``: ERROR once and ``write_hung``
+    (txmq_config_write_hung{file="queueLocks.json"}) until it ends, then WARNING."""
+    import logging
+    import threading
+
+    import broker.queue_locks as queue_locks
+    release, entered = threading.Event(), threading.Event()
+    real_save = queue_locks.save
+
+    def hanging_save(path, data):
+        entered.set()
+        assert release.wait(30)
+        real_save(path, data)
+    monkeypatch.setattr(queue_locks, "save", hanging_save)
+    clients = ClientRegistry(lambda: 0)
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=100)
+    assert clients.lock_queue(("CG", "Orders", 0), "A", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    lock_file = queue_locks.LockFile(str(tmp_path), clients)
+    lock_file.write_wait_s = 0.2
+
+    async def scenario():
+        saving = asyncio.create_task(lock_file.save())
+        done, _ = await asyncio.wait([saving], timeout=2.0)        # past write_wait_s (0.2 s): said hung
+        assert not done and entered.is_set()
+        assert lock_file.write_hung
+        assert [r.levelno for r in caplog.records] == [logging.ERROR]
+        assert "has not ended" in caplog.records[0].getMessage()
+        release.set()
+        await asyncio.wait_for(saving, 10)
+        assert not lock_file.write_hung
+
+    with caplog.at_level(logging.WARNING, logger="txmq.locks"):
+        try:
+            asyncio.run(scenario())
+        finally:
+            release.set()
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
+    assert "hung has ended" in caplog.records[1].getMessage()
+    assert lock_file._saved == clients.lock_holders_changed
+    assert json.loads((tmp_path / "queueLocks.json").read_text()) == {"locks": [["CG", "Orders", 0, "A"]]}
