@@ -26,6 +26,7 @@ from protocol.codes import FLAG_ONEWAY
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
+from protocol.frame import MAX_HEADER_SIZE
 from protocol.message import decode_offset_msg_id, decode_records
 from tests.support.raw_client import RawClient
 
@@ -34,7 +35,8 @@ VECTORS = Path(os.environ.get("TXMQ_SHARED_DIR", Path(__file__).resolve().parent
 VALUES = ["", "-1", "-2147483649", "2147483648", "9223372036854775808", "-9223372036854775809", "9" * 400,
           "1e3", " 7", "0x1f", "\x00", "a\x00b", "\u00e9\u4e2d", "\ud7ff", "A" * 70_000, "%RETRY%G", "%DLQ%G",
           "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX", "TBW102", "true",
-          "false", "null", "*", "a||b", "[]", "{}", "\x01\x02", "../x", "0", "1", "2", "3", "8", "12", "16", "64"]
+          "false", "null", "*", "a||b", "[]", "{}", "\x01\x02", "../x", "0", "1", "2", "3", "8", "12", "16", "64",
+          "H" * (MAX_HEADER_SIZE + 1)]       # a header past the cap: refused unread (MESSAGE_ILLEGAL), read on
 JSON_VALUES = [None, True, -1, 2 ** 64, 1.5, [], {}, {"a": [1]}, "x" * 5000]
 
 
