@@ -289,7 +289,9 @@ class RemotingConnection(asyncio.Protocol):
                 entry[0].set_exception(exc)
         if opaque is None or flag & FLAG_RESPONSE:
             flag |= FLAG_ONEWAY         # nothing to answer: no opaque to answer with, or a response
-        self._reply_error(RemotingCommand(code, opaque=opaque or 0, flag=flag), exc)
+        # (answered in the request's serialization, as every reply: a ROCKETMQ request's refusal was JSON)
+        self._reply_error(RemotingCommand(code, opaque=opaque or 0, flag=flag,
+                                          serialize_type=1 if frame[4] == 1 else 0), exc)
 
     def _dispatch(self, cmd: RemotingCommand) -> None:
         if self.handler is None:
