@@ -454,3 +454,9 @@ async def test_a_header_past_the_maximum_is_refused_unread_and_the_connection_go
         assert r.code == C.SUCCESS and r.ext_fields["offset"] == "1", (r.code, r.remark, r.ext_fields)
     finally:
         client.close()
+    # counted as the other guards' refusals (docs/design.md), the connection kept: not a rejected frame
+    import urllib.request
+    page = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics",
+                                                                   timeout=5).read().decode())
+    assert 'txmq_requests_refused_total{reason="header-size"} 1.0' in page
+    assert "txmq_rejected_frames_total 0.0" in page
