@@ -2,8 +2,8 @@
 tests/integration/test_hostile_fuzz.py runs it short).
 
 Every broker-bound frame in the shared vectors (ali-ons, rocketmq-client-cpp), and one frame for each request
-code the broker serves that they never send, mutated: extFields values (huge, negative, past 64 bits, non-ASCII,
-NUL, system topics), keys dropped, typed JSON values where text belongs, either header serialization, header bytes
+code the broker serves that they never send, mutated: extFields values (huge, past the header cap, negative, past
+64 bits, non-ASCII, NUL, system topics), keys dropped, typed JSON values where text belongs, either header serialization, header bytes
 flipped past the opaque and flag, bodies truncated, grown, re-encoded (UTF-16) or flipped, the same opaque twice.
 Then stateful clients: HEART_BEAT, PULL (held), UNREGISTER_CLIENT, LOCK_BATCH_MQ, UPDATE_CONSUMER_OFFSET, halves and
 END_TRANSACTION (of a half, twice, of none, of another group's) pipelined on one connection, which is then closed,
