@@ -703,7 +703,8 @@ class BrokerServer:
         return RemotingConnection(self._handler(table, guarded=guarded), max_frame_size=c.max_frame_size,
                                   max_in_flight=c.max_in_flight, max_write_buffer=c.max_write_buffer,
                                   on_open=opened, on_close=closed, budget=self.write_budget,
-                                  read_budget=self.read_budget, on_reject=self.metrics.rejected_frames.inc)
+                                  read_budget=self.read_budget, on_reject=self.metrics.rejected_frames.inc,
+                                  on_refuse=lambda reason: self.metrics.refused.labels(reason).inc())
 
     def _close_holds(self, conn) -> None:
         if self.ctx.holds is not None:

@@ -81,7 +81,8 @@ class RemotingConnection(asyncio.Protocol):
                  on_close: Callable[["RemotingConnection"], None] | None = None,
                  sign: Callable[[RemotingCommand], None] | None = None, frames_per_turn: int = FRAMES_PER_TURN,
                  client: bool = False, budget: "WriteBudget | None" = None,
-                 read_budget: "ReadBudget | None" = None, on_reject: Callable[[], None] | None = None):
+                 read_budget: "ReadBudget | None" = None, on_reject: Callable[[], None] | None = None,
+                 on_refuse: Callable[[str], None] | None = None):
         self.handler = handler
         self.budget = budget                # shared with the server's other connections (WriteBudget)
         self.read_budget = read_budget      # likewise (ReadBudget)
@@ -95,6 +96,7 @@ class RemotingConnection(asyncio.Protocol):
         self.max_write_buffer = max_write_buffer
         self.on_close = on_close
         self.on_reject = on_reject          # called once a connection is closed for malformed input (a metric)
+        self.on_refuse = on_refuse          # called with a reason when a request is refused here (header-size)
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] = ("", 0)
         self.local: tuple[str, int] = ("", 0)
@@ -281,6 +283,8 @@ class RemotingConnection(asyncio.Protocol):
         """Refuse a frame whose header is not parsed (HeaderTooLargeError): answered, when its opaque is found
         without parsing it (_unread_fields) and it is a request answered, logged as any header refused; a response
         fails its request with the refusal."""
+        if self.on_refuse is not None:
+            self.on_refuse("header-size")   # as every guard's refusal; the connection is kept: no rejected frame
         code, opaque, flag = _unread_fields(frame)
         if flag & FLAG_RESPONSE and opaque is not None:
             # (a response: its request fails now with the refusal, not at its timeout as if none had come)
@@ -289,7 +293,9 @@ class RemotingConnection(asyncio.Protocol):
                 entry[0].set_exception(exc)
         if opaque is None or flag & FLAG_RESPONSE:
             flag |= FLAG_ONEWAY         # nothing to answer: no opaque to answer with, or a response
-        self._reply_error(RemotingCommand(code, opaque=opaque or 0, flag=flag), exc)
+        # (answered in the request's serialization, as every reply: a ROCKETMQ request's refusal was JSON)
+        self._reply_error(RemotingCommand(code, opaque=opaque or 0, flag=flag,
+                                          serialize_type=1 if frame[4] == 1 else 0), exc)
 
     def _dispatch(self, cmd: RemotingCommand) -> None:
         if self.handler is None:

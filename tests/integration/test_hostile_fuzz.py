@@ -58,7 +58,8 @@ _FIELDS = ["topic", "consumerGroup", "group", "queueId", "queueOffset", "commitO
 _TEXT = ["", "abc", "-1", "-2147483649", "2147483648", "9223372036854775807", "9223372036854775808",
          "-9223372036854775808", "9" * 30, " 1", "1.5", "0x10", "true", "\x01\x02", "KEYS\x01a\x02TAGS\x01b",
          "A" * 300, "../../x", "..", "%RETRY%CG_fuzz", "%DLQ%CG_fuzz", "\uff11", "1_0", "NaN", "-0", "0",
-         "RMQ_SYS_TRANS_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX", "TBW102", "a/b", "\x00", "\u00e9"]
+         "RMQ_SYS_TRANS_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX", "TBW102", "a/b", "\x00", "\u00e9",
+         "H" * (MAX_HEADER_SIZE + 1)]        # a header past the cap: refused unread (MESSAGE_ILLEGAL), read on
 _JSON = [1, -1, 2 ** 31, 2 ** 63, 1.5, 1e300, True, False, None, "", [], {}, [1], {"a": 1}]
 _BODIED = (R.HEART_BEAT, R.UNREGISTER_CLIENT, R.LOCK_BATCH_MQ, R.UNLOCK_BATCH_MQ, R.CHECK_CLIENT_CONFIG,
            R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, R.INVOKE_BROKER_TO_RESET_OFFSET, R.REGISTER_BROKER,
@@ -441,6 +442,7 @@ async def test_a_header_past_the_maximum_is_refused_unread_and_the_connection_go
         [r] = await client.call(over, 10)
         assert r.code == C.MESSAGE_ILLEGAL, r.remark
         assert f"over the broker's maximum of {MAX_HEADER_SIZE}" in r.remark, r.remark
+        assert r.serialize_type == serialize_type       # answered in its request's serialization, as every reply
         largest = "\x02" * (MAX_PROPERTIES_LENGTH - len("UNIQ_KEY\x01u")) + "UNIQ_KEY\x01u"
         fits = RemotingCommand(R.SEND_MESSAGE, opaque=902, serialize_type=serialize_type, body=b"y", ext_fields={
             **_SEND_V1, "topic": "HugeHeaderT", "properties": largest})
@@ -452,3 +454,9 @@ async def test_a_header_past_the_maximum_is_refused_unread_and_the_connection_go
         assert r.code == C.SUCCESS and r.ext_fields["offset"] == "1", (r.code, r.remark, r.ext_fields)
     finally:
         client.close()
+    # counted as the other guards' refusals (docs/design.md), the connection kept: not a rejected frame
+    import urllib.request
+    page = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics",
+                                                                   timeout=5).read().decode())
+    assert 'txmq_requests_refused_total{reason="header-size"} 1.0' in page
+    assert "txmq_rejected_frames_total 0.0" in page

@@ -2,8 +2,8 @@
 tests/integration/test_hostile_fuzz.py runs it short).
 
 Every broker-bound frame in the shared vectors (ali-ons, rocketmq-client-cpp), and one frame for each request
-code the broker serves that they never send, mutated: extFields values (huge, negative, past 64 bits, non-ASCII,
-NUL, system topics), keys dropped, typed JSON values where text belongs, either header serialization, header bytes
+code the broker serves that they never send, mutated: extFields values (huge, past the header cap, negative, past
+64 bits, non-ASCII, NUL, system topics), keys dropped, typed JSON values where text belongs, either header serialization, header bytes
 flipped past the opaque and flag, bodies truncated, grown, re-encoded (UTF-16) or flipped, the same opaque twice.
 Then stateful clients: HEART_BEAT, PULL (held), UNREGISTER_CLIENT, LOCK_BATCH_MQ, UPDATE_CONSUMER_OFFSET, halves and
 END_TRANSACTION (of a half, twice, of none, of another group's) pipelined on one connection, which is then closed,
@@ -26,6 +26,7 @@ from protocol.codes import FLAG_ONEWAY
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from protocol.command import RemotingCommand
+from protocol.frame import MAX_HEADER_SIZE
 from protocol.message import decode_offset_msg_id, decode_records
 from tests.support.raw_client import RawClient
 
@@ -34,7 +35,8 @@ VECTORS = Path(os.environ.get("TXMQ_SHARED_DIR", Path(__file__).resolve().parent
 VALUES = ["", "-1", "-2147483649", "2147483648", "9223372036854775808", "-9223372036854775809", "9" * 400,
           "1e3", " 7", "0x1f", "\x00", "a\x00b", "\u00e9\u4e2d", "\ud7ff", "A" * 70_000, "%RETRY%G", "%DLQ%G",
           "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC", "SCHEDULE_TOPIC_XXXX", "TBW102", "true",
-          "false", "null", "*", "a||b", "[]", "{}", "\x01\x02", "../x", "0", "1", "2", "3", "8", "12", "16", "64"]
+          "false", "null", "*", "a||b", "[]", "{}", "\x01\x02", "../x", "0", "1", "2", "3", "8", "12", "16", "64",
+          "H" * (MAX_HEADER_SIZE + 1)]       # a header past the cap: refused unread (MESSAGE_ILLEGAL), read on
 JSON_VALUES = [None, True, -1, 2 ** 64, 1.5, [], {}, {"a": [1]}, "x" * 5000]
 
 
