@@ -33,6 +33,15 @@ def _send(code, topic, props, body, v2):
     return RemotingCommand.request(code, header.to_ext_fields(v2=v2), body)
 
 
+async def _requester(broker, handler):
+    """A connection answering pushes with ``handler``, registered (heartbeat) as the producer REQUESTER."""
+    conn = await open_connection(*_host_port(broker.broker), handler)
+    beat = {"clientID": REQUESTER, "producerDataSet": [{"groupName": "PG_requester"}], "consumerDataSet": []}
+    resp = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps(beat).encode()), 5)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    return conn
+
+
 @bounded(30)
 async def test_a_reply_is_pushed_to_the_requester_and_stored(broker):
     pushed: asyncio.Queue = asyncio.Queue()
@@ -42,13 +51,9 @@ async def test_a_reply_is_pushed_to_the_requester_and_stored(broker):
         pushed.put_nowait(cmd)
         return cmd.response(answer["code"], None if answer["code"] == ResponseCode.SUCCESS else "refused")
 
-    requester = await open_connection(*_host_port(broker.broker), requester_handler)
+    requester = await _requester(broker, requester_handler)
     replier = await open_connection(*_host_port(broker.broker))
     try:
-        beat = {"clientID": REQUESTER, "producerDataSet": [{"groupName": "PG_requester"}], "consumerDataSet": []}
-        resp = await requester.request(RemotingCommand.request(RequestCode.HEART_BEAT,
-                                                               body=json.dumps(beat).encode()), 5)
-        assert resp.code == ResponseCode.SUCCESS
         # The replier's producer needs the reply topic's route before anything was ever sent to it.
         route = await replier.request(RemotingCommand.request(RequestCode.GET_ROUTEINFO_BY_TOPIC,
                                                               {"topic": REPLY_TOPIC}), 5)
@@ -122,12 +127,8 @@ async def test_a_reply_goes_to_the_connection_its_request_came_on_when_two_claim
         return handle
 
     conns = {}
-    beat = {"clientID": REQUESTER, "producerDataSet": [{"groupName": "PG_requester"}], "consumerDataSet": []}
     for name in (("requester", "other") if requester_first else ("other", "requester")):
-        conns[name] = await open_connection(*_host_port(broker.broker), handler(name))
-        resp = await conns[name].request(RemotingCommand.request(RequestCode.HEART_BEAT,
-                                                                 body=json.dumps(beat).encode()), 5)
-        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        conns[name] = await _requester(broker, handler(name))
     replier = await open_connection(*_host_port(broker.broker))
     try:
         for i in range(2):
@@ -158,13 +159,9 @@ async def test_replies_a_requester_refuses_are_logged_at_most_every_10_s(broker)
     def requester_handler(conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, remark)
 
-    requester = await open_connection(*_host_port(broker.broker), requester_handler)
+    requester = await _requester(broker, requester_handler)
     replier = await open_connection(*_host_port(broker.broker))
     try:
-        beat = {"clientID": REQUESTER, "producerDataSet": [{"groupName": "PG_requester"}], "consumerDataSet": []}
-        resp = await requester.request(RemotingCommand.request(RequestCode.HEART_BEAT,
-                                                               body=json.dumps(beat).encode()), 5)
-        assert resp.code == ResponseCode.SUCCESS
         reply_props = {"CORRELATION_ID": "corr", "REPLY_TO_CLIENT": REQUESTER, "MSG_TYPE": "reply",
                        "CLUSTER": "DefaultCluster"}
         replies = 200
