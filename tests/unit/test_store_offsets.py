@@ -858,16 +858,20 @@ async def test_a_stop_answers_moves_whose_hurried_save_outlasts_its_grace(tmp_pa
         await offsets.close()
 
 
-def _hang_writes(offsets: ConsumerOffsets):
-    """``offsets``' writes block (a stopped NFS) until the event returned is set."""
+async def _hung_offsets(tmp_path, persist_interval_s: float, write_hung_s: float):
+    """Offsets opened in ``tmp_path`` whose writes block (a stopped NFS) until the event returned with them is set;
+    said hung past ``write_hung_s``."""
     import threading
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=persist_interval_s)
+    offsets.write_hung_s = write_hung_s
     go, real = threading.Event(), offsets._write_locked
 
     def write(data):
         assert go.wait(20)
         real(data)
     offsets._write_locked = write
-    return go
+    await offsets.open()
+    return offsets, go
 
 
 @bounded(20)
@@ -876,10 +880,7 @@ async def test_a_hung_save_is_said_and_callers_of_saved_are_answered(tmp_path, c
     ``saved`` (an admin's move, answered only once saved) waited for as long. Past ``write_hung_s`` it is said once,
     they get OSError (SYSTEM_ERROR "not saved"), a caller after it at once; its end is said, and saves work again."""
     import errno
-    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
-    offsets.write_hung_s = 0.2
-    go = _hang_writes(offsets)
-    await offsets.open()
+    offsets, go = await _hung_offsets(tmp_path, 3600, 0.2)
     try:
         offsets.commit("G", "T", 0, 5)
         with pytest.raises(OSError) as raised:
@@ -906,10 +907,7 @@ async def test_a_stop_behind_a_hung_save_gives_it_up_and_ends(tmp_path, caplog):
     """close() wrote the last table ON the loop, behind the hung write's lock: the stop never ended (SIGTERM
     answered by nothing). Now it waits ``write_hung_s`` on the saves' daemon thread, then goes on, with an ERROR."""
     import threading
-    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
-    offsets.write_hung_s = 0.2
-    go = _hang_writes(offsets)
-    await offsets.open()
+    offsets, go = await _hung_offsets(tmp_path, 0.01, 0.2)
     try:
         offsets.commit("G", "T", 0, 5)
         while not offsets.write_hung:   # the periodic save hangs
@@ -975,10 +973,7 @@ async def test_a_stop_begun_before_a_stuck_write_is_said_hung_gives_it_up_once_i
     """close() chose its bound once, at its start: a SIGTERM while the write was stuck but not yet past
     ``write_hung_s`` waited the long bound (CLOSE_WAIT_S, 120 s; a supervisor's SIGKILL first) though the write was
     said hung meanwhile. Once it is, the stop waits ``write_hung_s`` more, as when it was hung at its start."""
-    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.01)
-    offsets.write_hung_s = 1.0
-    go = _hang_writes(offsets)
-    await offsets.open()
+    offsets, go = await _hung_offsets(tmp_path, 0.01, 1.0)
     try:
         offsets.commit("G", "T", 0, 5)
         while offsets._io_began is None:    # the periodic save's write is stuck, not yet said hung
