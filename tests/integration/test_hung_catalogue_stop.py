@@ -79,3 +79,37 @@ async def test_sigterm_behind_a_hung_queue_lock_write_ends_the_process_and_saves
         assert "queueLocks.json" in broker.log() and "not written at stop" in broker.log(), broker.log()
     finally:
         _release(fifo, broker)
+
+
+@bounded(90)
+async def test_sigterm_behind_a_hung_delay_offset_write_ends_the_process_and_saves_offsets(tmp_path):
+    """config/delayOffset.json (the scheduler's progress) is written at every stop a delayed message moved it,
+    before the store and the offsets close: on the default executor and waited for without a bound. The stop of a
+    broker whose config directory hung (hungfs's case: topics, groups, offsets, queue locks each bounded) never
+    got past the scheduler: the store and the offsets were never closed or saved, SIGTERM answered by nothing."""
+    import asyncio
+
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "delayOffset.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        send = await request(broker.broker, R.SEND_MESSAGE, {
+            "producerGroup": "PG_hung", "topic": "HungDelay", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": "4", "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+            "properties": "DELAY\x011\x02"}, b"later")
+        assert send.code == C.SUCCESS, send.remark
+        for _ in range(300):        # level 1: delivered 1 s later, the scheduler's progress moved
+            stored = await request(broker.broker, R.GET_MAX_OFFSET, {"topic": "HungDelay", "queueId": "0"})
+            if stored.code == C.SUCCESS and int(stored.ext_fields.get("offset", 0)) > 0:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"the delayed message was not delivered\n{broker.log()}")
+        commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_hung_delay", "topic": "HungDelay", "queueId": "0", "commitOffset": "1"})
+        assert commit.code == C.SUCCESS, commit.remark
+        _sigterm_ends(broker, "delayOffset.json")
+        assert "CG_hung_delay" in (tmp_path / "store" / "config" / "consumerOffset.json").read_text(), broker.log()
+        assert broker.log().count("delayOffset.json not written at stop") == 1, broker.log()
+    finally:
+        _release(fifo, broker)
