@@ -46,6 +46,7 @@ BATCH_BYTES = 4 * 1024 * 1024
 MAX_SLEEP_S = 1.0
 REFUSED_RETRY_S = 1.0           # the disk monitor probes once a second
 SNAPSHOT_INTERVAL_S = 10.0      # RocketMQ's flushDelayOffsetInterval
+STOP_WRITE_WAIT_S = 2.0         # what a stop waits for delayOffset.json's write (then given up: replayed from the log)
 LATE_MS = 1000
 LOST_PER_BATCH = 4096           # removed timers passed over in one progress record (about 8 bytes each)
 # Timer queue offsets a turn looks at for removed timers, and moves the delivered-timer floor over (each a few
@@ -204,7 +205,13 @@ class ScheduleService:
                 except Exception:  # noqa: BLE001 - logged; stopping goes on
                     log.exception("schedule task failed")
         try:
-            await self.snapshot()
+            # Bounded, as the other config/ writes at stop (topics, groups, KV, queue locks, offsets): a write that
+            # hangs (a stopped NFS) kept the stop here for ever, the store and the offsets never closed or saved.
+            await asyncio.wait_for(self.snapshot(), STOP_WRITE_WAIT_S)
+        except TimeoutError:
+            log.error("%s/%s not written at stop (progress is replayed from the log): a write has not ended in %g s "
+                      "(a hung disk or a stopped network file system?)", self.config_dir, SNAPSHOT_NAME,
+                      STOP_WRITE_WAIT_S)
         except OSError as exc:
             log.error("%s/%s not written at stop (progress is replayed from the log): %s", self.config_dir,
                       SNAPSHOT_NAME, exc)
