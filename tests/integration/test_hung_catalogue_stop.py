@@ -3,10 +3,7 @@ topics. The hang is real: topics.json.tmp is a FIFO no one reads, so the config 
 as on a stopped NFS."""
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 
 import pytest
 
@@ -15,25 +12,9 @@ from protocol.codes import ResponseCode as C
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import request
+from tests.support.hung_writes import release, sigterm_ends
 
 pytestmark = pytest.mark.asyncio
-
-
-def _sigterm_ends(broker: BrokerProcess, hung: str) -> None:
-    """SIGTERM: the process ends, with 0, within 30 s though ``hung``'s write hangs."""
-    broker.proc.send_signal(signal.SIGTERM)
-    try:
-        code = broker.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the broker did not end within 30 s of SIGTERM behind a hung {hung} write\n{broker.log()}")
-    assert code == 0, broker.log()
-
-
-def _release(fifo, broker: BrokerProcess) -> None:
-    with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
-        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-        os.close(fd)
-    broker.kill()
 
 
 @bounded(90)
@@ -53,13 +34,13 @@ async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_
         commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
             "consumerGroup": "CG_hung_stop", "topic": "HungStop", "queueId": "0", "commitOffset": "1"})
         assert commit.code == C.SUCCESS, commit.remark
-        _sigterm_ends(broker, "topics.json")
+        sigterm_ends(broker, "topics.json")
         saved = (tmp_path / "store" / "config" / "consumerOffset.json").read_text()
         assert "CG_hung_stop" in saved, broker.log()
         # the loop's end cancelled the wrapped write: that is no end of the write, and no success
         assert "the write that hung has ended" not in broker.log(), broker.log()
     finally:
-        _release(fifo, broker)
+        release(fifo, broker)
 
 
 @bounded(90)
@@ -74,11 +55,11 @@ async def test_sigterm_behind_a_hung_queue_lock_write_ends_the_process_and_saves
         commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
             "consumerGroup": "CG_hung_locks", "topic": "TBW102", "queueId": "0", "commitOffset": "0"})
         assert commit.code == C.SUCCESS, commit.remark
-        _sigterm_ends(broker, "queueLocks.json")
+        sigterm_ends(broker, "queueLocks.json")
         assert "CG_hung_locks" in (tmp_path / "store" / "config" / "consumerOffset.json").read_text(), broker.log()
         assert "queueLocks.json" in broker.log() and "not written at stop" in broker.log(), broker.log()
     finally:
-        _release(fifo, broker)
+        release(fifo, broker)
 
 
 @bounded(90)
@@ -108,8 +89,8 @@ async def test_sigterm_behind_a_hung_delay_offset_write_ends_the_process_and_sav
         commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
             "consumerGroup": "CG_hung_delay", "topic": "HungDelay", "queueId": "0", "commitOffset": "1"})
         assert commit.code == C.SUCCESS, commit.remark
-        _sigterm_ends(broker, "delayOffset.json")
+        sigterm_ends(broker, "delayOffset.json")
         assert "CG_hung_delay" in (tmp_path / "store" / "config" / "consumerOffset.json").read_text(), broker.log()
         assert broker.log().count("delayOffset.json not written at stop") == 1, broker.log()
     finally:
-        _release(fifo, broker)
+        release(fifo, broker)

@@ -3,12 +3,9 @@ test_hung_catalogue_stop.py -- the table's .tmp copy is a FIFO no one reads, so 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import urllib.request
 
 import pytest
@@ -18,6 +15,7 @@ from protocol.codes import ResponseCode as C
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import NamesrvProcess, request
+from tests.support.hung_writes import release, sigterm_ends
 
 pytestmark = pytest.mark.asyncio
 
@@ -27,12 +25,6 @@ async def _page(broker) -> str:
         with urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5) as page:
             return page.read().decode()
     return await asyncio.to_thread(scrape)
-
-
-def _unblock(fifo) -> None:
-    """A reader lets a writer still blocked in open() go on."""
-    with contextlib.suppress(OSError):
-        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
 
 
 async def _gauge(broker, name: str) -> float | None:
@@ -59,18 +51,10 @@ async def test_a_hung_offsets_save_is_said_answered_and_the_stop_still_ends(tmp_
         assert "consumer offsets: a write has not ended in 30 s" in broker.log(), broker.log()
         again = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {**move, "commitOffset": "1"}, timeout=5)
         assert again.code == C.SYSTEM_ERROR and "not saved" in again.remark, (again.code, again.remark)
-        broker.proc.send_signal(signal.SIGTERM)
-        try:
-            code = broker.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the broker did not end within 60 s of SIGTERM behind a hung offsets save\n{broker.log()}")
-        assert code == 0, broker.log()
+        sigterm_ends(broker, "consumerOffset.json", within=60)
         assert "consumer offsets not persisted at close: a write has not ended" in broker.log(), broker.log()
     finally:
-        with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
-            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-            os.close(fd)
-        broker.kill()
+        release(fifo, broker)
 
 
 @bounded(90)
@@ -91,21 +75,12 @@ async def test_a_hung_subscription_groups_write_is_answered_said_and_the_stop_en
         page = await _page(broker)
         assert 'txmq_config_write_hung{file="subscriptionGroup.json"} 1.0' in page, page
         assert 'txmq_config_write_hung{file="kvConfig.json"} 0.0' in page, page
-        broker.proc.send_signal(signal.SIGTERM)
-        try:
-            code = broker.proc.wait(45)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the broker did not end within 45 s of SIGTERM behind a hung subscription groups "
-                        f"write\n{broker.log()}")
-        assert code == 0, broker.log()
+        sigterm_ends(broker, "subscriptionGroup.json", within=45)
         assert re.search(r"1 thread\(s\) still blocked 10 s after the stop \(txmq-io-\d+", broker.log()), broker.log()
         # (the loop's end cancels its tasks: the write's, a task, was then said to have ended while it still hung)
         assert "the write that hung has ended" not in broker.log(), broker.log()
     finally:
-        with contextlib.suppress(OSError):      # a reader lets a writer still blocked in open() go on
-            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-            os.close(fd)
-        broker.kill()
+        release(fifo, broker)
 
 
 @bounded(90)
@@ -121,16 +96,9 @@ async def test_a_hung_kv_config_write_on_the_name_server_is_answered_and_its_sto
         put = await request(namesrv.addr, R.PUT_KV_CONFIG, {"namespace": "ORDER_TOPIC_CONFIG", "key": "TopicA",
                                                             "value": "broker-a:4"}, timeout=15)
         assert put.code == C.SYSTEM_ERROR and "not saved" in put.remark, (put.code, put.remark)
-        namesrv.proc.send_signal(signal.SIGTERM)
-        try:
-            code = namesrv.proc.wait(40)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the name server did not end within 40 s of SIGTERM behind a hung kvConfig.json "
-                        f"write\n{namesrv.log()}")
-        assert code == 0, namesrv.log()
+        sigterm_ends(namesrv, "kvConfig.json", within=40)
         assert re.search(r"1 thread\(s\) still blocked 10 s after the stop \(txmq-io-\d+", namesrv.log()), \
             namesrv.log()
         assert "the write that hung has ended" not in namesrv.log(), namesrv.log()
     finally:
-        _unblock(fifo)
-        namesrv.kill()
+        release(fifo, namesrv)

@@ -1,0 +1,32 @@
+"""Hung-write stop tests (a FIFO no one reads where a table's .tmp copy goes: its open() blocks for ever, as on
+a stopped NFS): SIGTERM, then the process must end within a bound; the FIFO released after."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+import pytest
+
+
+def sigterm_ends(server, hung: str, within: float = 30.0) -> None:
+    """SIGTERM ``server`` (a BrokerProcess or NamesrvProcess): it ends, with 0, within ``within`` s though
+    ``hung``'s write hangs."""
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        code = server.proc.wait(within)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"not ended within {within:g} s of SIGTERM behind a hung {hung} write\n{server.log()}")
+    assert code == 0, server.log()
+
+
+def unblock(fifo) -> None:
+    """A reader lets a writer still blocked in open() go on."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+
+
+def release(fifo, server) -> None:
+    unblock(fifo)
+    server.kill()
