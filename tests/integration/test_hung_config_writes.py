@@ -75,6 +75,7 @@ async def test_a_hung_subscription_groups_write_is_answered_said_and_the_stop_en
         page = await _page(broker)
         assert 'txmq_config_write_hung{file="subscriptionGroup.json"} 1.0' in page, page
         assert 'txmq_config_write_hung{file="kvConfig.json"} 0.0' in page, page
+        assert 'txmq_config_write_hung{file="queueLocks.json"} 0.0' in page, page     # (gauged too)
         sigterm_ends(broker, "subscriptionGroup.json", within=45)
         assert re.search(r"1 thread\(s\) still blocked 10 s after the stop \(txmq-io-\d+", broker.log()), broker.log()
         # (the loop's end cancels its tasks: the write's, a task, was then said to have ended while it still hung)
