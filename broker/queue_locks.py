@@ -137,7 +137,7 @@ class LockFile:
                 log.error("queue lock file %s: a write has not ended in %g s (a hung disk or a stopped network file "
                           "system?); locks granted meanwhile are not saved, a restart forgets them", self.path,
                           self.write_wait_s)
-                await writing
+                await asyncio.shield(writing)   # (a stop cancelling the loop here has not ended the write)
         except OSError as exc:
             if self.metrics is not None:
                 self.metrics.queue_lock_saves_failed.inc()
