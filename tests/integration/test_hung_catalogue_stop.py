@@ -17,6 +17,13 @@ from tests.support.hung_writes import release, sigterm_ends
 pytestmark = pytest.mark.asyncio
 
 
+async def _send(broker: BrokerProcess, topic: str, properties: str, body: bytes):
+    """SEND_MESSAGE to queue 0 of ``topic`` (created from TBW102 if new)."""
+    return await request(broker.broker, R.SEND_MESSAGE, {
+        "producerGroup": "PG_hung", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
+        "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": properties}, body)
+
+
 @bounded(90)
 async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_offsets(tmp_path):
     """The config thread was a ThreadPoolExecutor worker: not a daemon, so even once the stop gave the catalogue
@@ -26,10 +33,7 @@ async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_
     fifo = tmp_path / "store" / "config" / "topics.json.tmp"
     try:
         os.mkfifo(fifo)
-        send = await request(broker.broker, R.SEND_MESSAGE, {
-            "producerGroup": "PG_hung", "topic": "HungStop", "defaultTopic": "TBW102",
-            "defaultTopicQueueNums": "4", "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
-            "properties": ""}, b"m")
+        send = await _send(broker, "HungStop", "", b"m")
         assert send.code == C.SUCCESS, send.remark       # past write_wait_s (2 s): the write hangs
         commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
             "consumerGroup": "CG_hung_stop", "topic": "HungStop", "queueId": "0", "commitOffset": "1"})
@@ -74,10 +78,7 @@ async def test_sigterm_behind_a_hung_delay_offset_write_ends_the_process_and_sav
     fifo = tmp_path / "store" / "config" / "delayOffset.json.tmp"
     try:
         os.mkfifo(fifo)
-        send = await request(broker.broker, R.SEND_MESSAGE, {
-            "producerGroup": "PG_hung", "topic": "HungDelay", "defaultTopic": "TBW102",
-            "defaultTopicQueueNums": "4", "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
-            "properties": "DELAY\x011\x02"}, b"later")
+        send = await _send(broker, "HungDelay", "DELAY\x011\x02", b"later")
         assert send.code == C.SUCCESS, send.remark
         for _ in range(300):        # level 1: delivered 1 s later, the scheduler's progress moved
             stored = await request(broker.broker, R.GET_MAX_OFFSET, {"topic": "HungDelay", "queueId": "0"})
