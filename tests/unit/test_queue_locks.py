@@ -315,6 +315,32 @@ def test_a_restored_lock_nobody_renews_lapses_35_s_after_the_start_not_60(tmp_pa
     assert clients.lock_queue(("CG", "Orders", 0), "other", other, now=1_020_001, **short) is None
 
 
+def test_a_stop_with_nothing_changed_since_the_last_save_writes_no_lock_file(tmp_path, monkeypatch):
+    """Every stop wrote queueLocks.json, a broker no orderly consumer ever used included: on a full disk its 4 KiB
+    block was taken from the room the stop's other writes had (the transaction snapshot's full-disk test saw 45,056
+    bytes free where 49,152 were left). A stop writes it only when a holder changed since the last save or load."""
+    import broker.queue_locks as queue_locks
+    writes = []
+    real_write = queue_locks._write
+    monkeypatch.setattr(queue_locks, "_write", lambda *args: (writes.append(args[0]), real_write(*args)))
+    clients = ClientRegistry(lambda: 0)
+    lock_file = queue_locks.LockFile(str(tmp_path), clients)
+    assert lock_file.load() == 0
+    asyncio.run(lock_file.close())
+    assert writes == [] and not (tmp_path / queue_locks.FILE_NAME).exists()
+
+    caps = dict(max_live_ms=60_000, max_total=100, max_per_conn=100, max_per_host=100)
+    assert clients.lock_queue(("CG", "Orders", 0), "A", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    asyncio.run(lock_file.close())                  # a holder changed: written
+    assert len(writes) == 1
+
+    restarted = ClientRegistry(lambda: 0)
+    lock_file = queue_locks.LockFile(str(tmp_path), restarted)
+    assert lock_file.load() == 1
+    asyncio.run(lock_file.close())                  # nothing changed since the load: not written again
+    assert len(writes) == 1
+
+
 def test_a_lock_lapsed_when_saved_is_not_held_again_after_a_restart(tmp_path):
     """The file was written from the whole lock table, lapsed locks not yet swept (the housekeeping sweeps every
     10 s) included, and each is held again at start as renewed then: a stop in that gap gave the queue of an
@@ -386,7 +412,8 @@ def test_a_refused_lock_file_save_is_said_once_counted_each_time_and_said_writte
     assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
     assert json.loads((tmp_path / "queueLocks.json").read_text()) == {"locks": [["CG", "Orders", 0, "A"]]}
     (tmp_path / "queueLocks.json.tmp").mkdir()
-    asyncio.run(lock_file.close())          # a stop on a full disk: said, counted, and no crash
+    assert clients.lock_queue(("CG", "Orders", 1), "A", _Conn("10.0.0.1", 1), now=0, **caps) is None
+    asyncio.run(lock_file.close())          # a stop on a full disk, a lock to save: said, counted, and no crash
     assert metrics.queue_lock_saves_failed._value.get() == 4
     assert "not written at stop" in caplog.records[-1].getMessage()
 
