@@ -3,6 +3,7 @@ topics. The hang is real: topics.json.tmp is a FIFO no one reads, so the config 
 as on a stopped NFS."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -49,13 +50,18 @@ async def test_sigterm_behind_a_hung_catalogue_write_ends_the_process_and_saves_
 
 @bounded(90)
 async def test_sigterm_behind_a_hung_queue_lock_write_ends_the_process_and_saves_offsets(tmp_path):
-    """The queue lock file (queueLocks.json) is written at every stop, before the store and the offsets close: on
-    the default executor (a thread the interpreter's exit joins) and waited for without a bound, a write that hung
-    kept the stop from ever ending, and nothing after it -- the store, the offsets -- was closed or saved."""
+    """The queue lock file (queueLocks.json) is written at a stop a holder changed since its last save, before the
+    store and the offsets close: on the default executor (a thread the interpreter's exit joins) and waited for
+    without a bound, a write that hung kept the stop from ever ending, and nothing after it -- the store, the
+    offsets -- was closed or saved."""
     broker = BrokerProcess(tmp_path / "store").start()
     fifo = tmp_path / "store" / "config" / "queueLocks.json.tmp"
     try:
         os.mkfifo(fifo)
+        locked = await request(broker.broker, R.LOCK_BATCH_MQ, {}, json.dumps({
+            "consumerGroup": "CG_hung_locks", "clientId": "127.0.0.1@locker",
+            "mqSet": [{"topic": "TBW102", "brokerName": "broker-a", "queueId": 0}]}).encode())
+        assert locked.code == C.SUCCESS and b'"queueId": 0' in locked.body_bytes(), (locked.code, locked.body_bytes())
         commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
             "consumerGroup": "CG_hung_locks", "topic": "TBW102", "queueId": "0", "commitOffset": "0"})
         assert commit.code == C.SUCCESS, commit.remark
