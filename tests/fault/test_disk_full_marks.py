@@ -436,6 +436,47 @@ def _free(path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+@bounded(30)
+async def test_the_index_slot_table_leaves_the_commit_log_its_next_segment_below_the_force_clean_ratio(tmp_path):
+    """The slot table was allocated whenever the disk stayed below the force-clean ratio (0.85) with it, to the last
+    byte: in test_a_full_disk_is_refused_survived_and_resumed a restart's index took its 48 MiB disk to 84%, the
+    commit log's next segment took it to 93% and retention removed the two oldest segments (433 acknowledged
+    messages, none expired) for a table of derived data. The table now leaves the next segment room below the
+    ratio; otherwise indexing stops as on a full disk and resumes once there is room."""
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        store_dir = str(disk / "store")
+        store = MessageStore(store_dir, CFG)
+        await store.open()
+        svc = IndexService(store_dir, segment_size=CFG.segment_size, slots=1 << 20, entries=200_000,
+                           refuse_ratio=0.85)
+        svc.resume_every_s = 3600       # no resume meanwhile: the refusal stays to be seen
+        store.add_dispatch_listener(svc.on_dispatch)
+        await svc.open(store.min_physical_offset, store.max_physical_offset)
+        try:
+            assert (await store.put(PutRequest.build("T", b"z"))).ok     # the log's first segment, no key
+            st = os.statvfs(disk)
+            total = st.f_blocks * st.f_frsize
+            table = 4 << 20                 # 1 << 20 slots: a quarter of the disk; a segment is a sixteenth
+            (disk / "ballast").write_bytes(bytes(int(0.82 * total) - table - (st.f_blocks - st.f_bfree) * st.f_frsize))
+            first = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "first"}))
+            assert first.ok
+            await svc.query("T", "first", 1, 0, 2**62)        # the index's first entry: its slot table
+            segments = len(os.listdir(os.path.join(store_dir, "commitlog")))
+            for _ in range(64):             # into the log's next segment: a bound, the roll is what ends it
+                assert (await store.put(PutRequest.build("T", bytes(200 << 10)))).ok
+                if len(os.listdir(os.path.join(store_dir, "commitlog"))) > segments:
+                    break
+            else:
+                raise AssertionError("the commit log never rolled")
+            store.disk.probe()
+            assert store.disk.ratio < 0.85, f"the index's table and the next segment took the disk to " \
+                                            f"{store.disk.ratio:.0%}: retention would remove young segments"
+            assert svc.stopped and "next segment" in svc.failed
+        finally:
+            await svc.close()
+            await store.close()
+
+
 @pytest.mark.slow
 @bounded(90)
 async def test_a_slave_whose_disk_is_full_pauses_replication_once_and_resumes_by_itself(tmp_path):
