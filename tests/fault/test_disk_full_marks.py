@@ -20,6 +20,7 @@ from broker.ha.sync import SlaveSync
 from broker.kv_config import KvConfig
 from broker.processors.kv import put_kv_config
 from broker.processors.ops import update_and_create_subscription_group
+from broker.processors.query import query_message
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store.index import IndexService
 from broker.store.offsets import ConsumerOffsets
@@ -472,6 +473,13 @@ async def test_the_index_slot_table_leaves_the_commit_log_its_next_segment_below
             assert store.disk.ratio < 0.85, f"the index's table and the next segment took the disk to " \
                                             f"{store.disk.ratio:.0%}: retention would remove young segments"
             assert svc.stopped and "next segment" in svc.failed
+            # A query by key meanwhile misses the newest messages: the answer says so, not "not found" alone
+            # (QUERY_NOT_FOUND "maybe time range not correct", and `admin query-key` said "0 message(s)").
+            cmd = RemotingCommand.request(RequestCode.QUERY_MESSAGE, {
+                "topic": "T", "key": "first", "maxNum": 32, "beginTimestamp": 0, "endTimestamp": 2**62})
+            resp = await query_message(types.SimpleNamespace(index=svc, store=store), None, cmd)
+            assert resp.code == ResponseCode.QUERY_NOT_FOUND, (resp.code, resp.remark)
+            assert "indexing is stopped" in (resp.remark or "") and str(svc.covered) in resp.remark, resp.remark
         finally:
             await svc.close()
             await store.close()
