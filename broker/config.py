@@ -101,7 +101,7 @@ class BrokerConfig:
     disk_clean_interval_s: float = setting(5.0, "How often the disk usage is compared with the two ratios above.")
     # ---- message index (broker/store/index.py)
     message_index_enable: bool = setting(True, "Index every message by its KEYS and UNIQ_KEY for QUERY_MESSAGE and `admin query-key` (RocketMQ's messageIndexEnable).")
-    index_hash_slots: int = setting(5_000_000, "Hash slots per index file (RocketMQ's maxHashSlotNum); files are sparse, but a file's slot table (4 bytes a slot) is allocated whole at its first entry, and only while the disk stays below disk_refuse_ratio and disk_force_clean_ratio with it.")
+    index_hash_slots: int = setting(5_000_000, "Hash slots per index file (RocketMQ's maxHashSlotNum); files are sparse, but a file's slot table (4 bytes a slot) is allocated whole at its first entry, and only while the disk stays below disk_refuse_ratio and disk_force_clean_ratio with it and one more commit-log segment (segment_size); otherwise indexing stops (txmq_index_failed) until there is room.")
     index_max_entries: int = setting(20_000_000, "Entries per index file (RocketMQ's maxIndexNum); a full file is followed by a new one.")
     index_file_period_hours: float = setting(24.0, "A new index file starts when the last one holds entries this old, so retention can remove old files with their segments.")
     # ---- cluster: many brokers under stand-alone name servers (broker/registration.py)

@@ -8,7 +8,9 @@ record's topic, KEYS, UNIQ_KEY and store time, so a hash collision never returns
 message and [beginTimestamp, endTimestamp] is kept to the millisecond, both ends inclusive. A query reads at
 most MAX_QUERY_CHECKS (4,096) records of its key's hash and MAX_QUERY_READS (16,384) index entries of any hash:
 past that (other keys with the same hashCode or index slot, or the key's own outside the range), the answer is
-what was found, and its remark says the search stopped.
+what was found, and its remark says the search stopped. While indexing is stopped (txmq_index_failed: a full
+disk, or a slot table the disk has no room for) the remark says from which commit-log offset messages are not
+searched, whatever the code.
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ async def query_message(ctx, conn, cmd):
     stopped = (f"the search stopped after {ctx.index.max_checks} records of the key's hash or {ctx.index.max_reads} "
                "index entries (other keys share its hashCode or its index slot): older matches are not answered; "
                "narrow beginTimestamp/endTimestamp") if cut else None
+    # Indexing stopped (a full disk, a slot table refused near disk_force_clean_ratio): the answer is from what was
+    # indexed before; unsaid, a stored key was answered "can not find message" and `admin query-key` "0 message(s)".
+    behind = (f"indexing is stopped (txmq_index_failed; see the broker's log): messages stored from commit-log "
+              f"offset {ctx.index.covered} on are not searched until it catches up") if ctx.index.stopped else None
     views, corrupt = [], 0
     for phy in sorted(found):
         try:
@@ -49,9 +55,10 @@ async def query_message(ctx, conn, cmd):
         # (a search cut short says so here too: older matches, sound ones, may be left unread)
         return cmd.response(ResponseCode.SYSTEM_ERROR, "; ".join(filter(None, (
             f"{corrupt} matching message(s) are corrupt on the broker's disk (their bodies fail their CRC; see the "
-            "broker's log)", stopped))), header)
+            "broker's log)", stopped, behind))), header)
     if not views:
-        return cmd.response(ResponseCode.QUERY_NOT_FOUND, stopped or QUERY_NOT_FOUND_REMARK, header)
+        return cmd.response(ResponseCode.QUERY_NOT_FOUND,
+                            "; ".join(filter(None, (stopped, behind))) or QUERY_NOT_FOUND_REMARK, header)
     left_out = f"{corrupt} corrupt match(es) left out (see the broker's log)" if corrupt else None
-    remark = "; ".join(filter(None, (left_out, stopped))) or None
+    remark = "; ".join(filter(None, (left_out, stopped, behind))) or None
     return cmd.response(ResponseCode.SUCCESS, remark, header, body=views)

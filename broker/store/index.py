@@ -108,7 +108,8 @@ class IndexService:
         self.log_dir = os.path.join(store_dir, "commitlog")
         self.seg_size = segment_size
         self.slots, self.entries, self.period_ms = slots, entries, period_ms
-        self.refuse_ratio = refuse_ratio    # a file's slot table is allocated only below it (IndexFile._check_room)
+        # A file's slot table is allocated only below it, one segment to spare (IndexFile._check_room)
+        self.refuse_ratio = refuse_ratio
         self.clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.files: list[IndexFile] = []
         self.covered = 0                # every record below is indexed (or has no key)
@@ -232,7 +233,7 @@ class IndexService:
         for i, name in enumerate(names):
             path = os.path.join(self.directory, name)
             try:
-                self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio))
+                self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
             except (IndexCorrupt, OSError) as exc:
                 self._drop_damaged(names[i:], str(exc))
                 break
@@ -460,7 +461,7 @@ class IndexService:
         if last is not None and name <= last.name:
             name = f"{int(last.name) + 1:017d}"
         f = IndexFile.create(os.path.join(self.directory, name), self.slots, self.entries,
-                             last.end_phy if last else 0, last.end_ts if last else 0, self.refuse_ratio)
+                             last.end_phy if last else 0, last.end_ts if last else 0, self.refuse_ratio, self.seg_size)
         # Once a file (this is the index thread): the progress saved later says its entries exist, and a file
         # whose name a power loss took would be skipped, not rebuilt, at the next start.
         fsync_dir(self.directory)

@@ -182,9 +182,10 @@ class WalkBudget:
 
 
 class IndexFile:
-    def __init__(self, path: str, fd: int, slots: int, entries: int, room_ratio: float = 1.0):
+    def __init__(self, path: str, fd: int, slots: int, entries: int, room_ratio: float = 1.0, headroom: int = 0):
         self.path = path
-        self.room_ratio = room_ratio    # the slot table is allocated only if the disk stays below this full
+        self.room_ratio = room_ratio    # the slot table is allocated only if the disk stays below this full ...
+        self.headroom = headroom        # ... with this many bytes more (the commit log's next segment) in it
         self.name = os.path.basename(path)
         self.fd = fd
         self.slots = slots
@@ -198,12 +199,12 @@ class IndexFile:
     # ------------------------------------------------------------ lifecycle
     @classmethod
     def create(cls, path: str, slots: int, entries: int, end_phy: int = 0, end_ts: int = 0,
-               room_ratio: float = 1.0) -> "IndexFile":
+               room_ratio: float = 1.0, headroom: int = 0) -> "IndexFile":
         """A new sparse file; like RocketMQ, it starts where the previous file ended."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.ftruncate(fd, file_size(slots, entries))
-            f = cls(path, fd, slots, entries, room_ratio)
+            f = cls(path, fd, slots, entries, room_ratio, headroom)
             if end_phy > 0:
                 f.begin_phy = f.end_phy = end_phy
             if end_ts > 0:
@@ -215,11 +216,11 @@ class IndexFile:
         return f
 
     @classmethod
-    def open(cls, path: str, slots: int, entries: int, room_ratio: float = 1.0) -> "IndexFile":
+    def open(cls, path: str, slots: int, entries: int, room_ratio: float = 1.0, headroom: int = 0) -> "IndexFile":
         """Load and check a file; undo a batch a crash cut short. IndexCorrupt when it cannot be right."""
         fd = os.open(path, os.O_RDWR)
         try:
-            f = cls(path, fd, slots, entries, room_ratio)
+            f = cls(path, fd, slots, entries, room_ratio, headroom)
             f._load()
             f.undo_unfinished()
         except BaseException:
@@ -398,7 +399,9 @@ class IndexFile:
         ``room_ratio`` (the lower of the store's refuse and force-clean ratios): 20 MB at once took a 48 MiB
         disk from 50% to 92%, and the store
         refused every send for the table of its derived index. Indexing stops as on a full disk and resumes once
-        there is room (index.py)."""
+        there is room (index.py). The room is counted with ``headroom`` more used: a table that took the disk to
+        just below the ratio (84.9%) left none for the commit log, whose next segment (made at the next start)
+        took it to 93% and retention removed two young segments of acknowledged messages."""
         if self.room_ratio >= 1.0:
             return
         need = self._entry_base - os.fstat(self.fd).st_blocks * 512     # (what is allocated of the file: enough)
@@ -407,11 +410,12 @@ class IndexFile:
         st = os.fstatvfs(self.fd)
         used, avail = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_bavail * st.f_frsize
         total = used + avail
-        if total <= 0 or used + need >= self.room_ratio * total:
+        if total <= 0 or used + need + self.headroom >= self.room_ratio * total:
             raise OSError(errno.ENOSPC, f"the index's slot table needs {need / 2**20:.1f} MiB, which would take the "
-                          f"disk from {used / max(total, 1):.0%} to {(used + need) / max(total, 1):.0%} full, past "
-                          f"{self.room_ratio:.0%} (the lower of disk_refuse_ratio and disk_force_clean_ratio): not "
-                          "allocated, the room left to the commit log", self.path)
+                          f"disk from {used / max(total, 1):.0%} to {(used + need) / max(total, 1):.0%} full, "
+                          f"{(used + need + self.headroom) / max(total, 1):.0%} with the commit log's next segment, "
+                          f"past {self.room_ratio:.0%} (the lower of disk_refuse_ratio and disk_force_clean_ratio): "
+                          "not allocated, the room left to the commit log", self.path)
 
     def release_slots(self) -> None:
         if self._mem is not None:

@@ -13,6 +13,7 @@ from tests.support.bounded import bounded
 
 class _Index:
     max_checks, max_reads = 4096, 16384
+    stopped, covered = False, 0
 
     async def query(self, topic, key, max_num, begin, end):
         return QueryResult([1000], 0, 0, True)       # one match (a kept damaged record), and more left unread
