@@ -28,6 +28,7 @@ from protocol.errors import (ConnectionClosedError, NoPermissionError, RequestTi
 from protocol.route import NameServers, QueueData, TopicRouteData, decode_route
 
 AUTO_CREATE_TOPIC = "TBW102"
+FORGET_AFTER_S = 3600.0     # a cached route whose topic the name servers have not known this long is forgotten
 log = logging.getLogger("txmq.producer")
 _UNREACHED = (RequestTimeoutError, ConnectionClosedError)     # what NameServers.failed says, once a minute
 
@@ -45,7 +46,7 @@ class RouteCache:
     """Topic routes from the name servers, cached for ``ttl_s``; round-robin queue selection."""
 
     def __init__(self, pool, namesrv_addrs: list[str], *, ttl_s: float = 30.0, timeout: float = 3.0,
-                 default_queue_nums: int = 4):
+                 default_queue_nums: int = 4, forget_after_s: float | None = FORGET_AFTER_S):
         self.pool = pool
         self.namesrv_addrs = NameServers(namesrv_addrs)
         self.ttl_s = ttl_s
@@ -58,6 +59,11 @@ class RouteCache:
         self._counter = itertools.count()
         self._fetching: dict[str, asyncio.Task] = {}     # topic -> its fetch under way, shared by every lookup
         self._defaulted: set[str] = set()   # topics whose cached route is TBW102's (_default_route), not their own
+        # topic -> time.monotonic() of the first TOPIC_NOT_EXIST since its route was last found: kept a while (its
+        # only broker away, unregistered by a clean stop), forgotten ``forget_after_s`` on (None: never)
+        self._missing: dict[str, float] = {}
+        self.forget_after_s = forget_after_s
+        self.forgotten = 0      # routes forgotten so
 
     async def fetch(self, topic: str) -> TopicRouteData:
         """Ask the name servers (from the one that answered last) for ``topic``'s route; raises the first answer's error."""
@@ -96,6 +102,8 @@ class RouteCache:
         try:
             route = await self.fetch(topic)
         except TopicNotExistError:
+            if self._gone(topic):
+                raise
             cached = self._routes.get(topic)
             default = self._routes.get(AUTO_CREATE_TOPIC)
             if cached is not None and topic in self._defaulted and default is not None:
@@ -117,6 +125,7 @@ class RouteCache:
             return cached[1]
         self._routes[topic] = (time.monotonic(), route)
         self._defaulted.discard(topic)
+        self._missing.pop(topic, None)
         for bd in route.broker_datas:       # the newest answer wins: a broker that moved is found there
             if 0 in bd.broker_addrs:
                 self._addrs[bd.broker_name] = bd.broker_addrs[0]
@@ -127,9 +136,26 @@ class RouteCache:
         for task in list(self._fetching.values()):
             task.cancel()
 
+    def _gone(self, topic: str) -> bool:
+        """After a TOPIC_NOT_EXIST for a cached ``topic``: whether the name servers have not known it for
+        ``forget_after_s`` on end, and its route is forgotten (said at INFO, counted in ``forgotten``)."""
+        if topic not in self._routes or topic == AUTO_CREATE_TOPIC or self.forget_after_s is None:
+            return False
+        now = time.monotonic()
+        since = self._missing.setdefault(topic, now)
+        if now - since < self.forget_after_s:
+            return False
+        self.forget(topic)
+        self.forgotten += 1
+        log.info("route of %s forgotten: no name server has known the topic for %.0f s (deleted?); a send to it "
+                 "asks again", topic, now - since)
+        return True
+
     def forget(self, topic: str) -> None:
         """Drop ``topic``'s route: the next use asks the name server (after a routing error)."""
         self._routes.pop(topic, None)
+        self._queues.pop(topic, None)
+        self._missing.pop(topic, None)
         self._defaulted.discard(topic)
 
     def forget_default(self, topic: str) -> None:

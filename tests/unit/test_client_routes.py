@@ -532,3 +532,45 @@ async def test_a_topic_on_tbw102s_route_follows_a_wiped_write_perm_at_the_next_r
         await routes.refresh_all()          # what the background refresh does each period
         assert {q.broker_name for q in await routes.publish_queues("New")} == {"b"}
         assert {q.broker_name for q in routes.cached_publish_queues("New") or ()} == {"b"}
+
+
+async def test_a_route_is_forgotten_only_once_no_name_server_has_known_it_for_forget_after_s(monkeypatch):
+    """A cached route answered TOPIC_NOT_EXIST is kept (its only broker may be away, unregistered by a clean
+    stop) for ``forget_after_s`` on end, then forgotten; the topic found meanwhile starts the wait afresh."""
+    from producer import routes as routes_mod
+    from producer.routes import RouteCache
+    from protocol.errors import TopicNotExistError
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    answers = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            return cmd.response(ResponseCode.SUCCESS, body=found) if answers.pop(0) else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+
+    async def refresh(routes: RouteCache, known: bool, at: float):
+        now[0], answers[:] = at, [known]
+        await (routes.refresh_all() if "T" in routes._routes else routes.route("T"))
+
+    routes = RouteCache(Pool(), ["127.0.0.1:9876"], forget_after_s=3600)
+    await refresh(routes, True, 1000)
+    await refresh(routes, False, 1030)                  # gone from the name server: kept, asked again each period
+    await refresh(routes, False, 1030 + 3599)
+    assert "T" in routes._routes and routes.forgotten == 0
+    await refresh(routes, True, 1030 + 3600)            # back (its broker restarted): the wait starts again
+    await refresh(routes, False, 5000)
+    await refresh(routes, False, 5000 + 3599)
+    assert "T" in routes._routes
+    await refresh(routes, False, 5000 + 3600)
+    assert "T" not in routes._routes and routes.forgotten == 1
+    answers[:] = [False]
+    with pytest.raises(TopicNotExistError):     # nothing cached: the next lookup asks the name server
+        await routes.route("T")
+    never = RouteCache(Pool(), ["127.0.0.1:9876"], forget_after_s=None)
+    await refresh(never, True, 0)
+    await refresh(never, False, 1)
+    await refresh(never, False, 10 ** 9)
+    assert "T" in never._routes                 # None: kept for good, as the Java client keeps it
