@@ -354,7 +354,7 @@ class MessageStore:
         flushed) come down to it: records written from there on are a topic made again, which a mark above them
         hid from the next recovery. Marks at or below the log's first offset hide nothing any more and go (with
         their directory when it holds nothing else): kept, every topic ever deleted was read at each start."""
-        self._forget_marks(_unlink_marks(self._cq_root, self._spent_marks(first)))
+        self._forget_marks(_unlink_marks(self._cq_root, self._spent_marks(first), self._log.directory))
         for topic, below in list(self._deleted.items()):
             if below <= end:
                 continue
@@ -1326,7 +1326,7 @@ class MessageStore:
             # kept a directory and a file for every topic ever deleted (and its next start read them all).
             spent = self._spent_marks(clog.min_offset)
             if spent:
-                self._forget_marks(await self._io.submit(_unlink_marks, self._cq_root, spent))
+                self._forget_marks(await self._io.submit(_unlink_marks, self._cq_root, spent, clog.directory))
             f = facts.get(name)
             log.warning("removed segment %s (%s; %s records, store times %s..%s); the log now starts at %d",
                         name, reason or "asked", f.records if f else "?", f.first_ts if f else "?",
@@ -1373,9 +1373,18 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
     write_checkpoint(store_dir, point)
 
 
-def _unlink_marks(cq_root: str, topics: list[str]) -> list[str]:
+def _unlink_marks(cq_root: str, topics: list[str], log_dir: str) -> list[str]:
     """Remove these deleted topics' marks; returns those removed (or gone already). One that cannot be is said
-    and kept, tried again at the next removal or start."""
+    and kept, tried again at the next removal or start. The log's directory is synced first: the segments'
+    removals that spent the marks outlast a power loss before the marks' do (else a segment back with no mark
+    over it had its deleted topic's records indexed again by the next start)."""
+    if not topics:
+        return []
+    try:
+        fsync_dir(log_dir)
+    except OSError as exc:
+        log.warning("%d deleted topics' spent marks kept: the log's directory not synced: %s", len(topics), exc)
+        return []
     done = []
     for topic in topics:
         try:
