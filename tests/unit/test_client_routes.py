@@ -574,3 +574,33 @@ async def test_a_route_is_forgotten_only_once_no_name_server_has_known_it_for_fo
     await refresh(never, False, 1)
     await refresh(never, False, 10 ** 9)
     assert "T" in never._routes                 # None: kept for good, as the Java client keeps it
+
+
+async def test_a_transaction_producer_keeps_the_route_of_a_broker_away_past_forget_after_s(monkeypatch):
+    """A transaction producer's heartbeats are what let a broker check its undecided transactions: a broker
+    away (unregistered) past ``route_forget_after_s`` had its routes forgotten, so once back it got no heartbeat
+    from the group and its half messages went unchecked until it dead-lettered them (a local transaction
+    committed, its message never delivered). A TransactionProducer keeps its routes unless told otherwise."""
+    from producer import routes as routes_mod
+    from producer.transaction import TransactionProducer
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    answers = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            return cmd.response(ResponseCode.SUCCESS, body=found) if answers.pop(0) else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    for kwargs, kept in (({}, True), ({"route_forget_after_s": 60.0}, False)):
+        producer = TransactionProducer("127.0.0.1:9876", "PG_tx", object(), **kwargs)
+        routes = producer.routes
+        routes.pool = Pool()
+        now[0], answers[:] = 1000.0, [True]
+        await routes.route("T")
+        for at in (1030.0, 1030.0 + 86400):             # the broker away a day
+            now[0], answers[:] = at, [False]
+            await routes.refresh_all()
+        assert ("T" in routes._routes) is kept and ("127.0.0.1:9" in routes.all_broker_addrs()) is kept
+        await producer.pool.close()
