@@ -604,3 +604,40 @@ async def test_a_transaction_producer_keeps_the_route_of_a_broker_away_past_forg
             await routes.refresh_all()
         assert ("T" in routes._routes) is kept and ("127.0.0.1:9" in routes.all_broker_addrs()) is kept
         await producer.pool.close()
+
+
+async def test_a_route_one_name_server_forgot_is_kept_while_another_knows_it(monkeypatch):
+    """A lookup asks the name server that answered last and takes its TOPIC_NOT_EXIST as the answer. One that
+    lost the topic's broker (its registrations cut off by a partition, or restarted and not yet registered to)
+    made a producer stuck on it forget a live topic's route after ``route_forget_after_s``, though another name
+    server knew it: its sends moved to TBW102's brokers or failed. Before forgetting, the others are asked."""
+    from producer import routes as routes_mod
+    from producer.routes import RouteCache
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    knows = {"127.0.0.1:1": True, "127.0.0.1:2": True}
+    asked = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            asked.append(addr)
+            return cmd.response(ResponseCode.SUCCESS, body=found) if knows[addr] else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    routes = RouteCache(Pool(), list(knows), forget_after_s=3600)
+    routes.namesrv_addrs.answered("127.0.0.1:1")       # stuck on the first
+    await routes.route("T")
+    knows["127.0.0.1:1"] = False                        # the first lost the broker; the second still has it
+    for at in (1030.0, 1030.0 + 3600, 1030.0 + 7200):
+        now[0] = at
+        await routes.refresh_all()
+    assert "T" in routes._routes and routes.forgotten == 0
+    assert "127.0.0.1:2" in asked
+    knows["127.0.0.1:2"] = False                        # known to none now
+    asked.clear()
+    for at in (9000.0, 9000.0 + 3600):
+        now[0] = at
+        await routes.refresh_all()
+    assert "T" not in routes._routes and routes.forgotten == 1
+    assert asked.count("127.0.0.1:2") == 1              # the others asked once, when the route is due to go
