@@ -70,8 +70,7 @@ class RouteCache:
         last_error = None
         for addr in self.namesrv_addrs:
             try:
-                resp = await self.pool.request(addr, RemotingCommand.request(
-                    RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}), self.timeout)
+                resp = await self._ask(addr, topic)
             except Exception as exc:  # noqa: BLE001 - try the next name server
                 self.namesrv_addrs.failed(addr, exc)
                 last_error = exc
@@ -102,17 +101,22 @@ class RouteCache:
         try:
             route = await self.fetch(topic)
         except TopicNotExistError:
-            if self._gone(topic):
+            # due to be forgotten: the other name servers asked first (a lookup takes the answer of the one that
+            # answered last, which may have lost the topic's broker while another still has it)
+            route = await self._known_elsewhere(topic) if self._overdue(topic) else None
+            if route is None:
+                if self._overdue(topic):
+                    self._forget_gone(topic)
+                    raise
+                cached = self._routes.get(topic)
+                default = self._routes.get(AUTO_CREATE_TOPIC)
+                if cached is not None and topic in self._defaulted and default is not None:
+                    # still on TBW102's route: taken again from TBW102's latest, so a broker whose write permission
+                    # was wiped since (or made read-only) leaves its sends at the refresh, as from any route
+                    self._routes[topic] = (time.monotonic(), _default_route(default[1], self.default_queue_nums))
+                elif cached is not None:    # kept (see refresh_all), asked again a ttl later, not by every send
+                    self._routes[topic] = (time.monotonic(), cached[1])
                 raise
-            cached = self._routes.get(topic)
-            default = self._routes.get(AUTO_CREATE_TOPIC)
-            if cached is not None and topic in self._defaulted and default is not None:
-                # still on TBW102's route: taken again from TBW102's latest, so a broker whose write permission
-                # was wiped since (or made read-only) leaves its sends at the refresh, as from any route
-                self._routes[topic] = (time.monotonic(), _default_route(default[1], self.default_queue_nums))
-            elif cached is not None:    # kept (see refresh_all), asked again a ttl later, not by every send
-                self._routes[topic] = (time.monotonic(), cached[1])
-            raise
         except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
             cached = self._routes.get(topic)
             if cached is None or self.pool.closed:     # closed: the producer's own shutdown, not an outage
@@ -136,20 +140,41 @@ class RouteCache:
         for task in list(self._fetching.values()):
             task.cancel()
 
-    def _gone(self, topic: str) -> bool:
-        """After a TOPIC_NOT_EXIST for a cached ``topic``: whether the name servers have not known it for
-        ``forget_after_s`` on end, and its route is forgotten (said at INFO, counted in ``forgotten``)."""
+    def _overdue(self, topic: str) -> bool:
+        """After a TOPIC_NOT_EXIST for a cached ``topic``: whether it has been answered that for ``forget_after_s``
+        on end (the clock starts at the first such answer since the route was last found)."""
         if topic not in self._routes or topic == AUTO_CREATE_TOPIC or self.forget_after_s is None:
             return False
         now = time.monotonic()
-        since = self._missing.setdefault(topic, now)
-        if now - since < self.forget_after_s:
-            return False
+        return now - self._missing.setdefault(topic, now) >= self.forget_after_s
+
+    def _ask(self, addr: str, topic: str):
+        return self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}),
+                                 self.timeout)
+
+    async def _known_elsewhere(self, topic: str) -> TopicRouteData | None:
+        """``topic``'s route from a name server other than the one that answered TOPIC_NOT_EXIST last, or None
+        when none knows it (or answers): asked once a route is due to be forgotten, so at most once a period."""
+        answered = self.namesrv_addrs.current
+        for addr in self.namesrv_addrs:
+            if addr == answered:
+                continue
+            try:
+                resp = await self._ask(addr, topic)
+            except Exception as exc:  # noqa: BLE001 - unreachable: not one that knows it
+                self.namesrv_addrs.failed(addr, exc)
+                continue
+            if resp.code == ResponseCode.SUCCESS:
+                return decode_route(resp.body_bytes())
+        return None
+
+    def _forget_gone(self, topic: str) -> None:
+        """Forget an overdue route: said at INFO, counted in ``forgotten``."""
+        since = self._missing.get(topic, time.monotonic())
         self.forget(topic)
         self.forgotten += 1
         log.info("route of %s forgotten: no name server has known the topic for %.0f s (deleted?); a send to it "
-                 "asks again", topic, now - since)
-        return True
+                 "asks again", topic, time.monotonic() - since)
 
     def forget(self, topic: str) -> None:
         """Drop ``topic``'s route: the next use asks the name server (after a routing error)."""
