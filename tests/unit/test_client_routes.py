@@ -641,3 +641,36 @@ async def test_a_route_one_name_server_forgot_is_kept_while_another_knows_it(mon
         await routes.refresh_all()
     assert "T" not in routes._routes and routes.forgotten == 1
     assert asked.count("127.0.0.1:2") == 1              # the others asked once, when the route is due to go
+
+
+async def test_routes_due_to_go_do_not_each_wait_out_a_name_server_that_is_down(monkeypatch):
+    """The others asked before a route goes: one that is down cost each due route a timeout, one after the
+    other in the refresh (40 deleted topics, a second name server down: 2 minutes of 3 s timeouts, every other
+    route's refresh waiting). One that failed and has not answered since is not asked."""
+    from producer import routes as routes_mod
+    from producer.routes import RouteCache
+    from protocol.errors import RequestTimeoutError
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    known, asked = [True], []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            asked.append(addr)
+            if addr == "127.0.0.1:2":
+                raise RequestTimeoutError("down")
+            return cmd.response(ResponseCode.SUCCESS, body=found) if known[0] else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    routes = RouteCache(Pool(), ["127.0.0.1:1", "127.0.0.1:2"], forget_after_s=60)
+    routes.namesrv_addrs.answered("127.0.0.1:1")
+    topics = [f"T{i}" for i in range(5)]
+    for t in topics:
+        await routes.route(t)
+    known[0] = False                                    # all deleted
+    for at in (1030.0, 1100.0):
+        now[0] = at
+        await routes.refresh_all()
+    assert not set(topics) & set(routes._routes) and routes.forgotten == 5
+    assert asked.count("127.0.0.1:2") == 1, asked
