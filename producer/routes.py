@@ -154,10 +154,11 @@ class RouteCache:
 
     async def _known_elsewhere(self, topic: str) -> TopicRouteData | None:
         """``topic``'s route from a name server other than the one that answered TOPIC_NOT_EXIST last, or None
-        when none knows it (or answers): asked once a route is due to be forgotten, so at most once a period."""
+        when none knows it (or answers): asked once a route is due to be forgotten, so at most once a period; one
+        down (failed, not answered since) is not asked."""
         answered = self.namesrv_addrs.current
         for addr in self.namesrv_addrs:
-            if addr == answered:
+            if addr == answered or self.namesrv_addrs.failing(addr):     # (down: a timeout each route)
                 continue
             try:
                 resp = await self._ask(addr, topic)
