@@ -35,7 +35,7 @@ from protocol.message import (TIMER_PROPS, Prop, SendMessageRequestHeader, UniqI
 from protocol.signature import Credentials
 
 from .accumulator import Accumulator
-from .routes import MessageQueue, RouteCache
+from .routes import FORGET_AFTER_S, MessageQueue, RouteCache
 
 log = logging.getLogger("txmq.producer")
 _TIMER_PROPS = frozenset(TIMER_PROPS)       # RocketMQ 5 timers, Aliyun's __STARTDELIVERTIME
@@ -177,7 +177,9 @@ class Producer:
     ``namesrv_addr``: name servers, ``;``-separated. ``group``: the producer group. A send times out
     after ``send_timeout`` seconds and retriable failures are retried ``retries`` times on another
     queue. ``heartbeat_interval_s``: how often the group is announced to every known broker;
-    ``route_refresh_interval_s``: how often cached routes are fetched again. ``batch_size`` > 1
+    ``route_refresh_interval_s``: how often cached routes are fetched again; ``route_forget_after_s`` (an hour;
+    None: never): how long a cached route whose topic no name server knows is kept (asked again each period) before
+    it is forgotten. ``batch_size`` > 1
     gathers plain sends for up to ``linger_ms`` into one batch of at most ``max_batch_bytes``.
     ``credentials`` sign every request (ACL). Use it as ``async with Producer(...) as producer``.
     """
@@ -185,7 +187,8 @@ class Producer:
     def __init__(self, namesrv_addr: str, group: str, *, send_timeout: float = 3.0, retries: int = 2,
                  heartbeat_interval_s: float = 30.0, instance_name: str | None = None,
                  batch_size: int = 1, linger_ms: float = 0.0, max_batch_bytes: int = 1 << 20,
-                 credentials: Credentials | None = None, route_refresh_interval_s: float = 30.0):
+                 credentials: Credentials | None = None, route_refresh_interval_s: float = 30.0,
+                 route_forget_after_s: float | None = FORGET_AFTER_S):
         self.group = group
         self.route_refresh_interval_s = route_refresh_interval_s
         self.send_timeout = send_timeout
@@ -195,7 +198,8 @@ class Producer:
         self.client_id = f"{ip}@{instance_name or f'{os.getpid()}#{time.monotonic_ns()}'}"
         self.pool = ConnectionPool(self._on_request, sign=credentials.sign if credentials else None)
         self.routes = RouteCache(self.pool, [a.strip() for a in namesrv_addr.split(";") if a.strip()],
-                                 ttl_s=route_refresh_interval_s, timeout=send_timeout)
+                                 ttl_s=route_refresh_interval_s, timeout=send_timeout,
+                                 forget_after_s=route_forget_after_s)
         self.uniq_ids = UniqIdGenerator(ip)
         self._heartbeat_task: asyncio.Task | None = None
         # Set when a connection breaks: a restarted broker knows this group again only from a heartbeat (or a

@@ -28,6 +28,7 @@ from protocol.errors import (ConnectionClosedError, NoPermissionError, RequestTi
 from protocol.route import NameServers, QueueData, TopicRouteData, decode_route
 
 AUTO_CREATE_TOPIC = "TBW102"
+FORGET_AFTER_S = 3600.0     # a cached route whose topic the name servers have not known this long is forgotten
 log = logging.getLogger("txmq.producer")
 _UNREACHED = (RequestTimeoutError, ConnectionClosedError)     # what NameServers.failed says, once a minute
 
@@ -45,7 +46,7 @@ class RouteCache:
     """Topic routes from the name servers, cached for ``ttl_s``; round-robin queue selection."""
 
     def __init__(self, pool, namesrv_addrs: list[str], *, ttl_s: float = 30.0, timeout: float = 3.0,
-                 default_queue_nums: int = 4):
+                 default_queue_nums: int = 4, forget_after_s: float | None = FORGET_AFTER_S):
         self.pool = pool
         self.namesrv_addrs = NameServers(namesrv_addrs)
         self.ttl_s = ttl_s
@@ -58,14 +59,18 @@ class RouteCache:
         self._counter = itertools.count()
         self._fetching: dict[str, asyncio.Task] = {}     # topic -> its fetch under way, shared by every lookup
         self._defaulted: set[str] = set()   # topics whose cached route is TBW102's (_default_route), not their own
+        # topic -> time.monotonic() of the first TOPIC_NOT_EXIST since its route was last found: kept a while (its
+        # only broker away, unregistered by a clean stop), forgotten ``forget_after_s`` on (None: never)
+        self._missing: dict[str, float] = {}
+        self.forget_after_s = forget_after_s
+        self.forgotten = 0      # routes forgotten so
 
     async def fetch(self, topic: str) -> TopicRouteData:
         """Ask the name servers (from the one that answered last) for ``topic``'s route; raises the first answer's error."""
         last_error = None
         for addr in self.namesrv_addrs:
             try:
-                resp = await self.pool.request(addr, RemotingCommand.request(
-                    RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}), self.timeout)
+                resp = await self._ask(addr, topic)
             except Exception as exc:  # noqa: BLE001 - try the next name server
                 self.namesrv_addrs.failed(addr, exc)
                 last_error = exc
@@ -96,15 +101,22 @@ class RouteCache:
         try:
             route = await self.fetch(topic)
         except TopicNotExistError:
-            cached = self._routes.get(topic)
-            default = self._routes.get(AUTO_CREATE_TOPIC)
-            if cached is not None and topic in self._defaulted and default is not None:
-                # still on TBW102's route: taken again from TBW102's latest, so a broker whose write permission
-                # was wiped since (or made read-only) leaves its sends at the refresh, as from any route
-                self._routes[topic] = (time.monotonic(), _default_route(default[1], self.default_queue_nums))
-            elif cached is not None:    # kept (see refresh_all), asked again a ttl later, not by every send
-                self._routes[topic] = (time.monotonic(), cached[1])
-            raise
+            # due to be forgotten: the other name servers asked first (a lookup takes the answer of the one that
+            # answered last, which may have lost the topic's broker while another still has it)
+            route = await self._known_elsewhere(topic) if self._overdue(topic) else None
+            if route is None:
+                if self._overdue(topic):
+                    self._forget_gone(topic)
+                    raise
+                cached = self._routes.get(topic)
+                default = self._routes.get(AUTO_CREATE_TOPIC)
+                if cached is not None and topic in self._defaulted and default is not None:
+                    # still on TBW102's route: taken again from TBW102's latest, so a broker whose write permission
+                    # was wiped since (or made read-only) leaves its sends at the refresh, as from any route
+                    self._routes[topic] = (time.monotonic(), _default_route(default[1], self.default_queue_nums))
+                elif cached is not None:    # kept (see refresh_all), asked again a ttl later, not by every send
+                    self._routes[topic] = (time.monotonic(), cached[1])
+                raise
         except Exception as exc:  # noqa: BLE001 - no name server answered: the route known serves, as in Java
             cached = self._routes.get(topic)
             if cached is None or self.pool.closed:     # closed: the producer's own shutdown, not an outage
@@ -117,6 +129,7 @@ class RouteCache:
             return cached[1]
         self._routes[topic] = (time.monotonic(), route)
         self._defaulted.discard(topic)
+        self._missing.pop(topic, None)
         for bd in route.broker_datas:       # the newest answer wins: a broker that moved is found there
             if 0 in bd.broker_addrs:
                 self._addrs[bd.broker_name] = bd.broker_addrs[0]
@@ -127,9 +140,48 @@ class RouteCache:
         for task in list(self._fetching.values()):
             task.cancel()
 
+    def _overdue(self, topic: str) -> bool:
+        """After a TOPIC_NOT_EXIST for a cached ``topic``: whether it has been answered that for ``forget_after_s``
+        on end (the clock starts at the first such answer since the route was last found)."""
+        if topic not in self._routes or topic == AUTO_CREATE_TOPIC or self.forget_after_s is None:
+            return False
+        now = time.monotonic()
+        return now - self._missing.setdefault(topic, now) >= self.forget_after_s
+
+    def _ask(self, addr: str, topic: str):
+        return self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ROUTEINFO_BY_TOPIC, {"topic": topic}),
+                                 self.timeout)
+
+    async def _known_elsewhere(self, topic: str) -> TopicRouteData | None:
+        """``topic``'s route from a name server other than the one that answered TOPIC_NOT_EXIST last, or None
+        when none knows it (or answers): asked once a route is due to be forgotten, so at most once a period; one
+        down (failed, not answered since) is not asked."""
+        answered = self.namesrv_addrs.current
+        for addr in self.namesrv_addrs:
+            if addr == answered or self.namesrv_addrs.failing(addr):     # (down: a timeout each route)
+                continue
+            try:
+                resp = await self._ask(addr, topic)
+            except Exception as exc:  # noqa: BLE001 - unreachable: not one that knows it
+                self.namesrv_addrs.failed(addr, exc)
+                continue
+            if resp.code == ResponseCode.SUCCESS:
+                return decode_route(resp.body_bytes())
+        return None
+
+    def _forget_gone(self, topic: str) -> None:
+        """Forget an overdue route: said at INFO, counted in ``forgotten``."""
+        since = self._missing.get(topic, time.monotonic())
+        self.forget(topic)
+        self.forgotten += 1
+        log.info("route of %s forgotten: no name server has known the topic for %.0f s (deleted?); a send to it "
+                 "asks again", topic, time.monotonic() - since)
+
     def forget(self, topic: str) -> None:
         """Drop ``topic``'s route: the next use asks the name server (after a routing error)."""
         self._routes.pop(topic, None)
+        self._queues.pop(topic, None)
+        self._missing.pop(topic, None)
         self._defaulted.discard(topic)
 
     def forget_default(self, topic: str) -> None:

@@ -117,7 +117,9 @@ class TransactionProducer(Producer):
     sent as a request again to find out whether acknowledgements are back. ``shutdown_grace_s``: how long
     shutdown waits for the broker's checks being answered (see ``shutdown``); ``abandon_after_s``: how long a
     check cancelled past that grace may still take to end before it is given up on (a
-    ``check_local_transaction`` that swallows CancelledError). Other keywords: ``Producer``.
+    ``check_local_transaction`` that swallows CancelledError). Other keywords: ``Producer``, but
+    ``route_forget_after_s`` is None unless given: routes are kept for good, so a broker away for hours still
+    gets the group's heartbeats once back, and checks its undecided transactions.
     """
 
     def __init__(self, namesrv_addr: str, group: str, listener: TransactionListener, *,
@@ -128,6 +130,10 @@ class TransactionProducer(Producer):
             raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every check before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
+        # Its routes kept for good (as the Java client keeps them), unless told otherwise: its heartbeats are what
+        # let a broker check its undecided transactions, and a broker away past route_forget_after_s (its routes
+        # forgotten, unregistered) got none once back: its half messages unchecked until dead-lettered.
+        kwargs.setdefault("route_forget_after_s", None)
         super().__init__(namesrv_addr, group, **kwargs)
         self.listener = listener
         self.end_retries = end_retries

@@ -144,6 +144,15 @@ class NameServers:
     def __len__(self) -> int:
         return len(self.addrs)
 
+    @property
+    def current(self) -> str | None:
+        """The name server a walk starts at: the one that answered last."""
+        return self.addrs[self._first] if self.addrs else None
+
+    def failing(self, addr: str) -> bool:
+        """Whether ``addr`` failed (said so) and has not answered since."""
+        return addr in self._failing
+
     def answered(self, addr: str) -> None:
         self._first = self.addrs.index(addr)
         if self._failing and addr in self._failing:

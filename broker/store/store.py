@@ -354,18 +354,8 @@ class MessageStore:
         flushed) come down to it: records written from there on are a topic made again, which a mark above them
         hid from the next recovery. Marks at or below the log's first offset hide nothing any more and go (with
         their directory when it holds nothing else): kept, every topic ever deleted was read at each start."""
+        self._forget_marks(_unlink_marks(self._cq_root, self._spent_marks(first), self._log.directory))
         for topic, below in list(self._deleted.items()):
-            if below <= first:
-                tdir = os.path.join(self._cq_root, topic)
-                try:
-                    os.unlink(os.path.join(tdir, TOMBSTONE))
-                except OSError as exc:
-                    log.warning("deleted topic %s's spent mark not removed: %s", topic, exc)
-                    continue
-                del self._deleted[topic]
-                with contextlib.suppress(OSError):
-                    os.rmdir(tdir)      # only when empty: a topic made again keeps its queues there
-                continue
             if below <= end:
                 continue
             log.warning("deleted topic %s's mark at log offset %d is past the log's end %d: moved down to it",
@@ -376,6 +366,20 @@ class MessageStore:
             except OSError as exc:
                 raise StoreError(f"deleted topic {topic}'s mark cannot be moved down to the log's end {end} "
                                  f"(records written after it would be hidden from the next recovery): {exc}")
+
+    def _spent_marks(self, first: int) -> list[str]:
+        """Deleted topics whose marks hide nothing any more: every record below them is gone from the log."""
+        return [topic for topic, below in self._deleted.items() if below <= first]
+
+    def _forget_marks(self, topics: list[str]) -> None:
+        """Marks ``_unlink_marks`` removed: forgotten, with their directory when it holds nothing else. On the
+        loop, where every queue but the queue-file thread's is made: a topic made again keeps its directory."""
+        busy = {key[0] for key in self._cqs}.union(key[0] for key in self._making)
+        for topic in topics:
+            del self._deleted[topic]
+            if topic not in busy:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(self._cq_root, topic))      # (only when empty)
 
     def _make_queue(self, key: tuple[str, int]) -> ConsumeQueue:
         topic, qid = key
@@ -1161,7 +1165,9 @@ class MessageStore:
             # Every record of the topic lies below the readable end now (this runs between writer batches).
             below = self._log.readable
             why = await self._io.submit(_remove_queue_files, gone, directory, below)
-            if why is not None and unmarked is not None:
+            if why is None:     # removed once retention has removed every record below it (remove_segment)
+                self._deleted[topic] = below
+            elif unmarked is not None:
                 unmarked(why)
 
         # A new queue of the topic whose first file the queue-file thread is making: the sends waiting for it
@@ -1316,6 +1322,11 @@ class MessageStore:
                 dead += cq.expire_before(clog.min_offset)
             await self._io.submit(_remove_files, dead)
             await self._forget_kept_before(clog.min_offset)
+            # Deleted topics' marks hiding nothing now go too: kept until a restart, a broker that ran for months
+            # kept a directory and a file for every topic ever deleted (and its next start read them all).
+            spent = self._spent_marks(clog.min_offset)
+            if spent:
+                self._forget_marks(await self._io.submit(_unlink_marks, self._cq_root, spent, clog.directory))
             f = facts.get(name)
             log.warning("removed segment %s (%s; %s records, store times %s..%s); the log now starts at %d",
                         name, reason or "asked", f.records if f else "?", f.first_ts if f else "?",
@@ -1360,6 +1371,31 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
         except FileNotFoundError:           # its topic was deleted meanwhile: nothing there to keep
             pass
     write_checkpoint(store_dir, point)
+
+
+def _unlink_marks(cq_root: str, topics: list[str], log_dir: str) -> list[str]:
+    """Remove these deleted topics' marks; returns those removed (or gone already). One that cannot be is said
+    and kept, tried again at the next removal or start. The log's directory is synced first: the segments'
+    removals that spent the marks outlast a power loss before the marks' do (else a segment back with no mark
+    over it had its deleted topic's records indexed again by the next start)."""
+    if not topics:
+        return []
+    try:
+        fsync_dir(log_dir)
+    except OSError as exc:
+        log.warning("%d deleted topics' spent marks kept: the log's directory not synced: %s", len(topics), exc)
+        return []
+    done = []
+    for topic in topics:
+        try:
+            os.unlink(os.path.join(cq_root, topic, TOMBSTONE))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("deleted topic %s's spent mark not removed: %s", topic, exc)
+            continue
+        done.append(topic)
+    return done
 
 
 def _remove_queue_files(queues, directory: str, deleted_below: int) -> str | None:

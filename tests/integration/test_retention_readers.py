@@ -21,6 +21,7 @@ from protocol.codes import RequestCode
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import MessageIllegalError
+from tests.support.cluster_process import stored_count
 
 pytestmark = pytest.mark.asyncio
 
@@ -216,3 +217,42 @@ async def _lag_and_removed_once(b, done) -> tuple[dict, dict]:
             break
         await asyncio.sleep(0.1)
     return lag, removed
+
+
+async def test_a_deleted_topics_mark_goes_once_retention_removed_its_records_not_at_the_next_restart(
+        broker_factory):
+    """DELETE_TOPIC_IN_BROKER leaves a mark (consumequeue/<topic>/deleted) so that recovery indexes none of the
+    topic's records still in the log. It was removed only by a start after retention had removed them: a broker
+    that ran for months kept a directory and a file for every topic ever deleted (2,000 topics made and deleted:
+    4,000 entries under consumequeue/, read by its next start). It goes now once the log starts past it; a topic
+    made again under the name keeps its directory, its queue and its messages, over a restart too."""
+    b = broker_factory(*EXPIRING)
+    cq_root = b.store_dir / "consumequeue"
+    async with asyncio.timeout(90):
+        pool = ConnectionPool()
+        try:
+            async with Producer(b.namesrv, "PG_marks") as producer:
+                for topic in ("Doomed0", "Doomed1", "Reborn"):
+                    await producer.send(topic, b"old")
+                    deleted = await pool.request(b.broker, RemotingCommand.request(
+                        RequestCode.DELETE_TOPIC_IN_BROKER, {"topic": topic}), 5.0)
+                    assert deleted.code == 0, deleted.remark
+                    assert (cq_root / topic / "deleted").exists()
+                mq = (await producer.send("Reborn", b"new0")).queue          # made again: from offset 0
+                for n in range(1, 5):
+                    await producer.send("Reborn", b"new%d" % n, queue=mq)
+        finally:
+            await pool.close()
+        assert (cq_root / "Reborn" / "deleted").exists()
+        await _fill(b, "Filler")
+        # the first segment (every old record and mark's offset lay in it) and the next: the first's removal,
+        # marks included, is over once the second's began (one at a time, between the writer's batches)
+        await _until_removed(b, 2 * SEGMENT)
+        assert not any((cq_root / t / "deleted").exists() for t in ("Doomed0", "Doomed1", "Reborn"))
+        assert not (cq_root / "Doomed0").exists() and not (cq_root / "Doomed1").exists()
+        assert (cq_root / "Reborn" / str(mq.queue_id)).is_dir()
+        assert await stored_count(b.broker, "Reborn", 4) == 5
+        b.stop()
+        b.start()
+        assert await stored_count(b.broker, "Reborn", 4) == 5
+        assert sorted(p.name for p in cq_root.iterdir() if p.name.startswith(("Doomed", "Reborn"))) == ["Reborn"]

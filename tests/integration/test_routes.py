@@ -13,11 +13,11 @@ import pytest
 
 from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import Producer
-from protocol.codes import RequestCode
+from protocol.codes import RequestCode, ResponseCode
 from protocol.route import NameServers
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
-from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, wait_for_route
+from tests.support.cluster_process import NamesrvProcess, cluster_flags, create_topic, request, wait_for_route
 from tests.support.namesrv_proxy import CountingNamesrv
 
 pytestmark = pytest.mark.asyncio
@@ -279,5 +279,40 @@ async def test_a_topic_refused_by_the_topic_cap_fails_loudly_and_is_not_kept(tmp
             await producer.routes.refresh_all()                # what the background refresh does each period
             assert sum(proxy.route_requests[f"CapRefused{n}"] for n in range(3)) == asked, proxy.route_requests
             assert (await producer.send("CapMade", b"y")).queue.topic == "CapMade"    # its own route is kept
+    finally:
+        broker.kill()
+
+
+@bounded(60)
+async def test_routes_of_deleted_topics_are_forgotten_not_refreshed_for_good(tmp_path, proxy_of):
+    """A long-lived producer that sent to topics deleted since (a topic per tenant, per day, per test run) kept
+    each one's route for good, as the Java client keeps its topicPublishInfoTable: in memory, and asked of the name
+    server every refresh period, each answered TOPIC_NOT_EXIST (N lookups a period, growing with months of
+    history). A route the name servers have not known for ``route_forget_after_s`` on end is forgotten; a live
+    topic's is kept, and a send to a forgotten name asks again."""
+    n = 40
+    broker = BrokerProcess(tmp_path / "store", "--max-auto-create-topics-per-s", "1000").start()
+    try:
+        proxy = await proxy_of(broker.namesrv)
+        async with Producer(proxy.addr, "PG_churn", route_refresh_interval_s=3600,
+                            route_forget_after_s=0.0) as producer:
+            for i in range(n):
+                await create_topic(broker.broker, f"Churn{i}", 1)
+                assert (await producer.send(f"Churn{i}", b"x")).queue.topic == f"Churn{i}"
+            await create_topic(broker.broker, "Kept", 1)
+            assert (await producer.send("Kept", b"x")).queue.topic == "Kept"
+            for i in range(n):
+                deleted = await request(broker.broker, RequestCode.DELETE_TOPIC_IN_BROKER, {"topic": f"Churn{i}"})
+                assert deleted.code == ResponseCode.SUCCESS, deleted.remark
+            churned = [f"Churn{i}" for i in range(n)]
+            for _ in range(3):                      # what the background refresh does each period
+                asked = sum(proxy.route_requests[t] for t in churned)
+                await producer.routes.refresh_all()
+            assert sum(proxy.route_requests[t] for t in churned) == asked, "forgotten routes are asked no more"
+            assert not set(churned) & set(producer.routes._routes)
+            assert producer.routes.forgotten == n
+            assert (await producer.send("Kept", b"y")).queue.topic == "Kept"     # a live topic's route is kept
+            await create_topic(broker.broker, "Churn0", 1)                       # made again: found again
+            assert (await producer.send("Churn0", b"z")).queue.topic == "Churn0"
     finally:
         broker.kill()

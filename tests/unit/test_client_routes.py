@@ -532,3 +532,145 @@ async def test_a_topic_on_tbw102s_route_follows_a_wiped_write_perm_at_the_next_r
         await routes.refresh_all()          # what the background refresh does each period
         assert {q.broker_name for q in await routes.publish_queues("New")} == {"b"}
         assert {q.broker_name for q in routes.cached_publish_queues("New") or ()} == {"b"}
+
+
+async def test_a_route_is_forgotten_only_once_no_name_server_has_known_it_for_forget_after_s(monkeypatch):
+    """A cached route answered TOPIC_NOT_EXIST is kept (its only broker may be away, unregistered by a clean
+    stop) for ``forget_after_s`` on end, then forgotten; the topic found meanwhile starts the wait afresh."""
+    from producer import routes as routes_mod
+    from producer.routes import RouteCache
+    from protocol.errors import TopicNotExistError
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    answers = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            return cmd.response(ResponseCode.SUCCESS, body=found) if answers.pop(0) else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+
+    async def refresh(routes: RouteCache, known: bool, at: float):
+        now[0], answers[:] = at, [known]
+        await (routes.refresh_all() if "T" in routes._routes else routes.route("T"))
+
+    routes = RouteCache(Pool(), ["127.0.0.1:9876"], forget_after_s=3600)
+    await refresh(routes, True, 1000)
+    await refresh(routes, False, 1030)                  # gone from the name server: kept, asked again each period
+    await refresh(routes, False, 1030 + 3599)
+    assert "T" in routes._routes and routes.forgotten == 0
+    await refresh(routes, True, 1030 + 3600)            # back (its broker restarted): the wait starts again
+    await refresh(routes, False, 5000)
+    await refresh(routes, False, 5000 + 3599)
+    assert "T" in routes._routes
+    await refresh(routes, False, 5000 + 3600)
+    assert "T" not in routes._routes and routes.forgotten == 1
+    answers[:] = [False]
+    with pytest.raises(TopicNotExistError):     # nothing cached: the next lookup asks the name server
+        await routes.route("T")
+    never = RouteCache(Pool(), ["127.0.0.1:9876"], forget_after_s=None)
+    await refresh(never, True, 0)
+    await refresh(never, False, 1)
+    await refresh(never, False, 10 ** 9)
+    assert "T" in never._routes                 # None: kept for good, as the Java client keeps it
+
+
+async def test_a_transaction_producer_keeps_the_route_of_a_broker_away_past_forget_after_s(monkeypatch):
+    """A transaction producer's heartbeats are what let a broker check its undecided transactions: a broker
+    away (unregistered) past ``route_forget_after_s`` had its routes forgotten, so once back it got no heartbeat
+    from the group and its half messages went unchecked until it dead-lettered them (a local transaction
+    committed, its message never delivered). A TransactionProducer keeps its routes unless told otherwise."""
+    from producer import routes as routes_mod
+    from producer.transaction import TransactionProducer
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    answers = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            return cmd.response(ResponseCode.SUCCESS, body=found) if answers.pop(0) else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    for kwargs, kept in (({}, True), ({"route_forget_after_s": 60.0}, False)):
+        producer = TransactionProducer("127.0.0.1:9876", "PG_tx", object(), **kwargs)
+        routes = producer.routes
+        routes.pool = Pool()
+        now[0], answers[:] = 1000.0, [True]
+        await routes.route("T")
+        for at in (1030.0, 1030.0 + 86400):             # the broker away a day
+            now[0], answers[:] = at, [False]
+            await routes.refresh_all()
+        assert ("T" in routes._routes) is kept and ("127.0.0.1:9" in routes.all_broker_addrs()) is kept
+        await producer.pool.close()
+
+
+async def test_a_route_one_name_server_forgot_is_kept_while_another_knows_it(monkeypatch):
+    """A lookup asks the name server that answered last and takes its TOPIC_NOT_EXIST as the answer. One that
+    lost the topic's broker (its registrations cut off by a partition, or restarted and not yet registered to)
+    made a producer stuck on it forget a live topic's route after ``route_forget_after_s``, though another name
+    server knew it: its sends moved to TBW102's brokers or failed. Before forgetting, the others are asked."""
+    from producer import routes as routes_mod
+    from producer.routes import RouteCache
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    knows = {"127.0.0.1:1": True, "127.0.0.1:2": True}
+    asked = []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            asked.append(addr)
+            return cmd.response(ResponseCode.SUCCESS, body=found) if knows[addr] else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    routes = RouteCache(Pool(), list(knows), forget_after_s=3600)
+    routes.namesrv_addrs.answered("127.0.0.1:1")       # stuck on the first
+    await routes.route("T")
+    knows["127.0.0.1:1"] = False                        # the first lost the broker; the second still has it
+    for at in (1030.0, 1030.0 + 3600, 1030.0 + 7200):
+        now[0] = at
+        await routes.refresh_all()
+    assert "T" in routes._routes and routes.forgotten == 0
+    assert "127.0.0.1:2" in asked
+    knows["127.0.0.1:2"] = False                        # known to none now
+    asked.clear()
+    for at in (9000.0, 9000.0 + 3600):
+        now[0] = at
+        await routes.refresh_all()
+    assert "T" not in routes._routes and routes.forgotten == 1
+    assert asked.count("127.0.0.1:2") == 1              # the others asked once, when the route is due to go
+
+
+async def test_routes_due_to_go_do_not_each_wait_out_a_name_server_that_is_down(monkeypatch):
+    """The others asked before a route goes: one that is down cost each due route a timeout, one after the
+    other in the refresh (40 deleted topics, a second name server down: 2 minutes of 3 s timeouts, every other
+    route's refresh waiting). One that failed and has not answered since is not asked."""
+    from producer import routes as routes_mod
+    from producer.routes import RouteCache
+    from protocol.errors import RequestTimeoutError
+    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+    known, asked = [True], []
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            asked.append(addr)
+            if addr == "127.0.0.1:2":
+                raise RequestTimeoutError("down")
+            return cmd.response(ResponseCode.SUCCESS, body=found) if known[0] else cmd.response(
+                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic")
+    now = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    routes = RouteCache(Pool(), ["127.0.0.1:1", "127.0.0.1:2"], forget_after_s=60)
+    routes.namesrv_addrs.answered("127.0.0.1:1")
+    topics = [f"T{i}" for i in range(5)]
+    for t in topics:
+        await routes.route(t)
+    known[0] = False                                    # all deleted
+    for at in (1030.0, 1100.0):
+        now[0] = at
+        await routes.refresh_all()
+    assert not set(topics) & set(routes._routes) and routes.forgotten == 5
+    assert asked.count("127.0.0.1:2") == 1, asked

@@ -137,3 +137,38 @@ def test_decision_files_are_synced_into_their_directory_before_a_snapshot_relies
     assert dir_syncs(synced, str(tmp_path)) == ["tx/decisions", "tx"]     # the files' names, then the snapshot's
     assert json.loads((tmp_path / "tx" / "snapshot.json").read_text()).get("v") == 1
     t.close()
+
+
+@bounded(30)
+async def test_a_deleted_topics_mark_goes_only_once_the_segment_removal_below_it_is_synced(tmp_path, synced,
+                                                                                          monkeypatch):
+    """A deleted topic's mark hides its records still in the log from recovery. Retention removes it with the
+    segment that held them: unlinked before that segment's unlink was synced into commitlog/, a power loss could
+    keep the mark's removal and bring the segment back, and the next start indexed the deleted topic's records
+    again (served to consumers of a topic made again under the name)."""
+    real_unlink = os.unlink
+
+    def unlink(path, *a, **kw):
+        if os.path.basename(path) == "deleted":
+            synced.append(("mark", os.path.abspath(path), threading.current_thread().name))
+        real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(store_mod.os, "unlink", unlink)
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    try:
+        assert (await store.put(req("Gone", 0, 0))).ok
+        assert await store.delete_topic("Gone") == 1
+        assert (tmp_path / "consumequeue" / "Gone" / "deleted").exists()
+        body = b"x" * 4000
+        while len(await store.segment_facts()) < 2:
+            assert (await store.put(PutRequest.build("Filler", body, queue_id=0))).ok
+        await store._checkpoint()       # (the segment flushed: removable)
+        synced.clear()
+        await store.remove_segment((await store.segment_facts())[0].name, "plan")
+        assert not (tmp_path / "consumequeue" / "Gone").exists()
+        commitlog = os.path.abspath(tmp_path / "commitlog")
+        order = [kind for kind, path, _ in synced if kind == "mark" or path == commitlog]
+        assert order[:2] == ["dir", "mark"], order
+    finally:
+        await store.close()
