@@ -1854,3 +1854,59 @@ async def test_a_group_the_slave_forgets_as_its_master_deleted_it_leaves_the_sla
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def _lag_series(metrics_addr: str, group: str, topic: str) -> float | None:
+    """``group``'s rocketmq_consumer_lag_messages in ``topic`` in one scrape, or None without that series."""
+    want = f'rocketmq_consumer_lag_messages{{consumer_group="{group}",topic="{topic}"}}'
+    found = [line.split()[-1] for line in await asyncio.to_thread(_series_of, metrics_addr, group)
+             if line.startswith(want)]
+    return float(found[0]) if found else None
+
+
+async def test_a_slave_counts_no_lag_of_a_group_online_only_on_its_master(tmp_path):
+    """A group moved off a topic (its consumers now read another) keeps its offset there: its master leaves that
+    topic out of rocketmq_consumer_lag_messages while the group is online, as consumer-progress does. Its slave
+    copies the offset, sees none of the group's consumers (they beat the master) and counted every topic: the old
+    one's lag (5 here) grew there with every message copied, an alert on the slave alone that never cleared. A
+    slave counts the groups online on it only (failed over; a stock consumer, which beats it too): their
+    members' topics, as the master's."""
+    started = []
+    pool = ConnectionPool()
+    group = "CG_moved_off"
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-lag", started, "--slave-sync-interval-ms",
+                                                      "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_moved_off") as producer, PullConsumer(ns.addr, group) as consumer:
+                mq = await _until_replicating(producer)
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                read = await consumer.max_offset(mq)
+                await consumer.commit_offset(mq, read)                    # to the master
+                consumer.subscriptions = {"Elsewhere": "*"}             # the group now reads another topic only
+                await consumer.heartbeat()
+                for i in range(5):
+                    assert (await producer.send(TOPIC, b"not for it %d" % i, queue=mq)).status is SendStatus.SEND_OK
+                await _until_slave_has_offset(slave, group, mq, read)
+                # Online on the slave too (a member naming no topic: it may read any): counted there, so the
+                # slave's gauge has the copied offset and messages.
+                beat = RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps({
+                    "clientID": "127.0.0.1@on-slave", "producerDataSet": [], "consumerDataSet": [{
+                        "groupName": group, "consumeType": "CONSUME_ACTIVELY", "messageModel": "CLUSTERING",
+                        "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "unitMode": False,
+                        "subscriptionDataSet": []}]}).encode())
+                assert (await pool.request(slave.broker, beat, 5.0)).code == ResponseCode.SUCCESS
+                while await _lag_series(slave.metrics, group, TOPIC) != 5:
+                    await asyncio.sleep(0.1)
+                await pool.close()                                  # gone from the slave, online on the master
+                assert await _lag_series(master.metrics, group, TOPIC) is None
+                for _ in range(50):     # the slave's gauge is refreshed every second
+                    if (lag := await _lag_series(slave.metrics, group, TOPIC)) is None:
+                        break
+                    await asyncio.sleep(0.1)
+                assert lag is None, f"the slave counts a lag of {lag} its master leaves out"
+                assert await _lag_series(master.metrics, group, TOPIC) is None
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
