@@ -31,8 +31,8 @@ from ..store import PutRequest
 from ..store.results import PutStatus
 from ..topics import HALF_TOPIC, RETRY_PREFIX
 from .levels import SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels
-from .progress import (PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress, load_snapshot,
-                       write_snapshot)
+from .progress import (MASTER_COPY_NAME, PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress,
+                       load_snapshot, read_master_copy, write_snapshot)
 
 # Dropped from a delivered copy: forwarded with its properties, a relative ask (DELAY, TIMER_DELAY_*) would wait
 # again. Aliyun's __STARTDELIVERTIME stays, as RocketMQ 4.9.8 and Aliyun keep it: ali-ons' getStartDeliverTime()
@@ -124,6 +124,7 @@ class ScheduleService:
                 p.apply(*parsed)
                 replayed += 1
         p.progress_offset = end
+        self._take_master_copy(p)
         removed = []        # (what, messages): waiting ones retention removed while the broker was down
         for level in range(1, self.levels.max_level + 1):
             qid = level - 1
@@ -164,6 +165,22 @@ class ScheduleService:
                 log.error("%s not rewritten (%s): remove it before the next start", SNAPSHOT_NAME, exc)
         log.info("schedule recovered: %d progress records replayed, %d level messages and %d timers waiting",
                  replayed, sum(n for _, n in self.waiting() if _ != "timer"), len(self._timers))
+
+    def _take_master_copy(self, p: Progress) -> None:
+        """Levels the delay progress copied from a Java master (read_master_copy) has further on than the log: a
+        Java master writes no progress record, so a slave of one, promoted, had every delayed message its log held
+        waiting again, those its master had delivered (their copies in the log too) delivered twice. Taken at
+        every start (a slave's too: it delivers nothing); the log's own progress wins where it is further on."""
+        raised = []
+        for level, offset in sorted(read_master_copy(self.config_dir).items()):
+            if offset > p.levels.get(level, 0):
+                raised.append(f"level {level} {p.levels.get(level, 0)} -> {offset}")
+                p.levels[level] = offset
+        if raised:
+            config = getattr(self.ctx, "config", None)
+            slave = config is not None and config.broker_role == "SLAVE"
+            log.log(logging.INFO if slave else logging.WARNING, "schedule recovery: delay progress taken from the copy of a Java master's (%s): %s",
+                        MASTER_COPY_NAME, "; ".join(raised))
 
     def _removed_while_down(self, removed: list[tuple[str, int]], known: bool) -> None:
         """Said at start-up: waiting messages whose records retention removed before they were delivered (the

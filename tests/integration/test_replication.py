@@ -1910,3 +1910,32 @@ async def test_a_slave_counts_no_lag_of_a_group_online_only_on_its_master(tmp_pa
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_slave_promoted_from_under_a_java_master_delivers_no_delayed_message_its_master_delivered(
+        broker_factory):
+    """A Java master keeps its delay progress in delayOffset.json, not in its log (no progress record): a txmq slave
+    of one, promoted, took its copied log alone and had every delayed message still in it waiting again (3 here),
+    its master's deliveries of them (copied too) made a second time when due. The slave copies the master's
+    GET_ALL_DELAY_OFFSET (slaveMasterDelayOffset.json, as tests/unit/test_slave_sync.py shows it written) and
+    its start takes it; a level the copy has not seen delivered still waits."""
+    from broker.schedule.progress import write_master_copy
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    async with asyncio.timeout(60):
+        async with Producer(master.namesrv, "PG_java_delays") as producer:
+            await _until_replicating(producer)
+            for level, n in ((18, 3), (17, 2)):         # 2 h and 1 h: none due while the test runs
+                for i in range(n):
+                    res = await producer.send(TOPIC, f"l{level}-{i}".encode(), delay_level=level)
+                    assert res.status is SendStatus.SEND_OK        # (SYNC_MASTER: the slave has it)
+        master.kill()
+        assert slave.stop() == 0
+        # What the slave copied of a Java master that delivered level 18's three and none of level 17's
+        await asyncio.to_thread(write_master_copy, str(slave.store_dir / "config"), {17: 0, 18: 3})
+        promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+        while (waiting := await asyncio.to_thread(_waiting, promoted.metrics)).get("17") != 2:
+            await asyncio.sleep(0.1)        # (the gauges refresh every second)
+    assert waiting.get("18") == 0, waiting
+    assert "delay progress taken from the copy of a Java master's" in promoted.log()
