@@ -179,7 +179,8 @@ class ScheduleService:
         if raised:
             config = getattr(self.ctx, "config", None)
             slave = config is not None and config.broker_role == "SLAVE"
-            log.log(logging.INFO if slave else logging.WARNING, "schedule recovery: delay progress taken from the copy of a Java master's (%s): %s",
+            log.log(logging.INFO if slave else logging.WARNING,
+                    "schedule recovery: delay progress taken from the copy of a Java master's (%s): %s",
                         MASTER_COPY_NAME, "; ".join(raised))
 
     def _removed_while_down(self, removed: list[tuple[str, int]], known: bool) -> None:

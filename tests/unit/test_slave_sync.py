@@ -884,8 +884,9 @@ async def test_a_java_masters_delay_progress_is_copied_for_the_slaves_promotion(
     sync.topics = sync.subscriptions = None
     asked: list[int] = []
     _java_or_txmq_master(sync, {"bootTimestamp": "1"},
-                         [b'{"offsetTable":{1:4,2:0,18:7}}', b'{"offsetTable":{1:4,2:0,18:7}}', b'{"offsetTable":{1:"x"}}',
-                          b"nonsense", ResponseCode.SYSTEM_ERROR, b'{"offsetTable":{1:5,2:0,18:7}}'], asked)
+                         [b'{"offsetTable":{1:4,2:0,18:7}}', b'{"offsetTable":{1:4,2:0,18:7}}',
+                          b'{"offsetTable":{1:"x"}}', b"nonsense", ResponseCode.SYSTEM_ERROR,
+                          b'{"offsetTable":{1:5,2:0,18:7}}'], asked)
     try:
         assert await sync.sync_once()
         assert read_master_copy(str(config)) == {1: 4, 2: 0, 18: 7}
