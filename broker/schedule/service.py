@@ -181,7 +181,7 @@ class ScheduleService:
             slave = config is not None and config.broker_role == "SLAVE"
             log.log(logging.INFO if slave else logging.WARNING,
                     "schedule recovery: delay progress taken from the copy of a Java master's (%s): %s",
-                        MASTER_COPY_NAME, "; ".join(raised))
+                    MASTER_COPY_NAME, "; ".join(raised))
 
     def _removed_while_down(self, removed: list[tuple[str, int]], known: bool) -> None:
         """Said at start-up: waiting messages whose records retention removed before they were delivered (the
