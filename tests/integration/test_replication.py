@@ -1939,3 +1939,43 @@ async def test_a_slave_promoted_from_under_a_java_master_delivers_no_delayed_mes
             await asyncio.sleep(0.1)        # (the gauges refresh every second)
     assert waiting.get("18") == 0, waiting
     assert "delay progress taken from the copy of a Java master's" in promoted.log()
+
+
+async def test_a_stale_copy_of_a_java_masters_delay_progress_skips_nothing_under_a_txmq_master(broker_factory,
+                                                                                             tmp_path):
+    """slaveMasterDelayOffset.json is left in config/ from a slave's time under a Java master (level 18 at 3 there).
+    Put under a txmq master (its store rebuilt), the slave never wrote or removed it, and every start took it: the
+    slave's own levels raised past its new master's three undelivered level-18 messages (saved in its
+    delayOffset.json too), promoted it had them as delivered and never delivered them (0 of 3 waiting): lost
+    without a word. A slave takes no copy at start (its promotion does), and one whose master is a txmq broker
+    removes a copy left there."""
+    from broker.schedule.progress import MASTER_COPY_NAME, write_master_copy
+
+    config = tmp_path / "slave" / "config"
+    await asyncio.to_thread(write_master_copy, str(config), {18: 3})    # from under a Java master, long ago
+    started = []
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-stale", started, "--slave-sync-interval-ms",
+                                                      "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_stale_copy") as producer, \
+                    PullConsumer(ns.addr, "CG_stale_copy") as consumer:
+                mq = await _until_replicating(producer)
+                for level, n in ((18, 3), (17, 2)):         # 2 h and 1 h: none due while the test runs
+                    for i in range(n):
+                        res = await producer.send(TOPIC, f"l{level}-{i}".encode(), delay_level=level)
+                        assert res.status is SendStatus.SEND_OK        # (SYNC_MASTER: the slave has it)
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                for offset in (1, 2):   # the second copied: a whole sync (log bounds and all) ended after the first
+                    await consumer.commit_offset(mq, offset)
+                    await _until_slave_has_offset(slave, "CG_stale_copy", mq, offset)
+            master.kill()
+            assert slave.stop() == 0
+            assert not (config / MASTER_COPY_NAME).exists(), "a txmq master's slave kept a Java master's progress"
+            promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+            while (waiting := await asyncio.to_thread(_waiting, promoted.metrics)).get("17") != 2:
+                await asyncio.sleep(0.1)        # (the gauges refresh every second)
+        assert waiting.get("18") == 3, waiting
+    finally:
+        for p in reversed(started):
+            p.kill()
