@@ -179,6 +179,20 @@ def write_master_copy(config_dir: str, levels: dict[int, int]) -> None:
         {"offsetTable": {str(k): v for k, v in sorted(levels.items())}}, separators=(",", ":")).encode()))
 
 
+def drop_master_copy(config_dir: str) -> bool:
+    """Blocking: off the loop. Remove MASTER_COPY_NAME (and its .bak); whether there was one."""
+    removed = False
+    for name in (MASTER_COPY_NAME, MASTER_COPY_NAME + ".bak"):
+        try:
+            os.remove(os.path.join(config_dir, name))
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed:
+        fsync_dirs([config_dir])
+    return removed
+
+
 def write_snapshot(config_dir: str, data: "dict | Progress") -> None:
     """Write delayOffset.json with the catalogues' save (temp file synced, the previous one kept as
     delayOffset.json.bak as RocketMQ keeps it, rename, directory synced). Runs off the event loop; a ``Progress``

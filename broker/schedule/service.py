@@ -169,19 +169,21 @@ class ScheduleService:
     def _take_master_copy(self, p: Progress) -> None:
         """Levels the delay progress copied from a Java master (read_master_copy) has further on than the log: a
         Java master writes no progress record, so a slave of one, promoted, had every delayed message its log held
-        waiting again, those its master had delivered (their copies in the log too) delivered twice. Taken at
-        every start (a slave's too: it delivers nothing); the log's own progress wins where it is further on."""
+        waiting again, those its master had delivered (their copies in the log too) delivered twice. Taken at a
+        start as a master (the promotion); the log's own progress wins where it is further on. Not by a slave: it
+        delivers nothing, and its delayOffset.json carried the levels on, a copy left from a Java master it no
+        longer follows (its sync removes it under a txmq one) raised over its log's undelivered messages."""
+        config = getattr(self.ctx, "config", None)
+        if config is not None and config.broker_role == "SLAVE":
+            return
         raised = []
         for level, offset in sorted(read_master_copy(self.config_dir).items()):
             if offset > p.levels.get(level, 0):
                 raised.append(f"level {level} {p.levels.get(level, 0)} -> {offset}")
                 p.levels[level] = offset
         if raised:
-            config = getattr(self.ctx, "config", None)
-            slave = config is not None and config.broker_role == "SLAVE"
-            log.log(logging.INFO if slave else logging.WARNING,
-                    "schedule recovery: delay progress taken from the copy of a Java master's (%s): %s",
-                    MASTER_COPY_NAME, "; ".join(raised))
+            log.warning("schedule recovery: delay progress taken from the copy of a Java master's (%s): %s",
+                        MASTER_COPY_NAME, "; ".join(raised))
 
     def _removed_while_down(self, removed: list[tuple[str, int]], known: bool) -> None:
         """Said at start-up: waiting messages whose records retention removed before they were delivered (the
