@@ -1979,3 +1979,37 @@ async def test_a_stale_copy_of_a_java_masters_delay_progress_skips_nothing_under
     finally:
         for p in reversed(started):
             p.kill()
+
+
+async def test_a_promoted_slaves_later_start_skips_no_delayed_message_sent_to_it_past_its_java_masters_copy(
+        broker_factory):
+    """The copy of a Java master's delay progress may be further on than the slave's log (an ASYNC_MASTER's
+    slave lags: level 18 at 5 there, 3 here): the promotion caps it at the log's 3. The copy stayed in config/ and
+    every later start took it again over the promoted master's own progress: two level-18 messages sent to it
+    since (offsets 3 and 4, undelivered) were taken as delivered at its next restart (0 of 2 waiting): lost. Taken,
+    the copy goes once the start's delayOffset.json holds it."""
+    from broker.schedule.progress import MASTER_COPY_NAME, write_master_copy
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    async with asyncio.timeout(60):
+        async with Producer(master.namesrv, "PG_java_delays") as producer:
+            await _until_replicating(producer)
+            for i in range(3):
+                assert (await producer.send(TOPIC, b"l18-%d" % i, delay_level=18)).status is SendStatus.SEND_OK
+        master.kill()
+        assert slave.stop() == 0
+        await asyncio.to_thread(write_master_copy, str(slave.store_dir / "config"), {18: 5})
+        promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+        async with Producer(promoted.namesrv, "PG_java_delays") as producer:
+            for i in range(2):
+                assert (await producer.send(TOPIC, b"new-%d" % i, delay_level=18)).status is SendStatus.SEND_OK
+            assert (await producer.send(TOPIC, b"a marker", delay_level=17)).status is SendStatus.SEND_OK
+        while (await asyncio.to_thread(_waiting, promoted.metrics)).get("18") != 2:
+            await asyncio.sleep(0.1)
+        assert promoted.stop() == 0
+        assert not (slave.store_dir / "config" / MASTER_COPY_NAME).exists()
+        again = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+        while (waiting := await asyncio.to_thread(_waiting, again.metrics)).get("17") != 1:
+            await asyncio.sleep(0.1)        # (the gauges refresh every second)
+    assert waiting.get("18") == 2, waiting
