@@ -734,6 +734,11 @@ class ClientRegistry:
         read = self.topics_read(group)
         return read is not None and topic not in read
 
+    def online(self, group: str) -> bool:
+        """``group`` has a consumer connection here."""
+        g = self.consumers.get(group)
+        return g is not None and bool(g.channels)
+
     def topics_read(self, group: str) -> frozenset | None:
         """The topics ``group``'s online members subscribe to, and always its own %RETRY%<group>; None when any
         topic may be read (nobody online, or a member naming no subscription). A caller asking of many topics asks

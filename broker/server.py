@@ -657,13 +657,20 @@ class BrokerServer:
 
     def _lag_counted(self) -> Callable[[str, str], bool]:
         """fn(group, topic): is that lag counted (ClientRegistry.reads_elsewhere, asking topics_read once a group)?
-        The gauge and the metric snapshots leave out what consumer-progress does."""
+        The gauge and the metric snapshots leave out what consumer-progress does.
+
+        On a slave, only the groups with a consumer online there (failed over, or a stock client, which beats
+        every broker of its topics): the others' offsets are its master's, copied every sync, and their members
+        on the master, which leaves out the topics none of them reads. Counted here as a group nobody reads
+        (every topic), a group moved off a topic had its old offset there show a lag the master did not, growing
+        with every message copied: a lag alert on the slave alone, firing for good."""
         read: dict[str, frozenset | None] = {}
         clients = self.ctx.clients
+        slave = ha_roles.is_slave(self.config)
 
         def counted(group: str, topic: str) -> bool:
             if group not in read:
-                read[group] = clients.topics_read(group)
+                read[group] = frozenset() if slave and not clients.online(group) else clients.topics_read(group)
             return read[group] is None or topic in read[group]
         return counted
 

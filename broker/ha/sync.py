@@ -33,6 +33,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.txlog import PROGRESS_GROUP
 
+from ..schedule.progress import MASTER_COPY_NAME, decode_delay_offsets, drop_master_copy, write_master_copy
 from ..slices import in_slices, in_steps
 from ..store.mapped_file import fsync_dirs, make_dirs
 from ..store.saved import check, read_saved, save
@@ -88,6 +89,13 @@ class SlaveSync:
         self._master_boot = None                # the master's bootTimestamp as last answered (a restart: _absent afresh)
         self._unsaved_removals: set[str] = set()    # groups removed here whose removal is not on disk yet: still named
         self.forget_groups = lambda groups: None    # set by the server: their delivery series go too (metrics)
+        # A master whose runtime info has no txmq keys (a Java one) keeps its delay progress in delayOffset.json, not
+        # in its log: copied (GET_ALL_DELAY_OFFSET) to MASTER_COPY_NAME, as a Java slave copies it.
+        self._master_is_java: bool | None = None    # unknown until its runtime info is read
+        self._copy_dropped = False      # a copy left from a Java master removed (or none) under a txmq one
+        self._config_dir = path and os.path.dirname(path)
+        self._delay_copied: dict[int, int] | None = None    # as last written there
+        self._delay_failing: str | None = None
 
     def copy_age_s(self) -> float:
         """Seconds since the master's offsets, groups and topics were last copied whole (since this slave's start
@@ -143,6 +151,10 @@ class SlaveSync:
         if self.subscriptions is not None and not await self._sync_groups(addr):
             return False
         await self._sync_log_bounds(addr)      # its failure is said apart: the copies above stand
+        if self._master_is_java:
+            await self._sync_delay_offsets(addr)    # said apart too
+        elif self._master_is_java is False and not self._copy_dropped:
+            await self._drop_delay_copy(addr)
         self.synced += 1
         self.copied_at = self.clock()
         if self._failing is not None:
@@ -270,6 +282,7 @@ class SlaveSync:
                 raise ValueError(f"refused: code {resp.code} {resp.remark}")
             table = json.loads(resp.body_bytes())["table"]
             self._master_booted(table.get("bootTimestamp"))
+            self._master_is_java = not any(key.startswith("txmq") for key in table)
             bounds = int(table["commitLogMinOffset"]), int(table["commitLogMaxOffset"])
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             why = (f"master {addr}'s log start not learnt from GET_BROKER_RUNTIME_INFO ({exc or type(exc).__name__}): "
@@ -287,6 +300,54 @@ class SlaveSync:
             # master's end as last said, replaced at each sync, and so removed nothing until disk pressure.
             self._master_log = bounds
         self.removable_end(self.log_end())
+
+    async def _sync_delay_offsets(self, addr: str) -> None:
+        """A Java master's delay levels' progress (GET_ALL_DELAY_OFFSET), written for this slave's start as a
+        master (ScheduleService._take_master_copy) when it changed. Not copied, a slave of a Java master promoted
+        delivered again every delayed message its log still held: that master writes no progress record there."""
+        if self._config_dir is None:
+            return
+        try:
+            resp = await self.pool.request(addr, RemotingCommand.request(RequestCode.GET_ALL_DELAY_OFFSET),
+                                           self.timeout_s)
+            if resp.code != ResponseCode.SUCCESS:
+                raise ValueError(f"refused: code {resp.code} {resp.remark}")
+            levels = decode_delay_offsets(resp.body_bytes())
+            if levels != self._delay_copied:
+                await asyncio.to_thread(write_master_copy, self._config_dir, levels)
+                self._delay_copied = levels
+        except Exception as exc:  # noqa: BLE001 - the master away, a bad body, a full disk: said once, tried again
+            why = (f"delay progress not copied from Java master {addr} ({exc or type(exc).__name__}): promoted, this "
+                   "slave delivers again the delayed messages its master delivered since the last copy")
+            if why != self._delay_failing:
+                log.warning("%s", why)
+                self._delay_failing = why
+            return
+        if self._delay_failing is not None:
+            log.warning("delay progress copied from Java master %s again", addr)
+            self._delay_failing = None
+
+    async def _drop_delay_copy(self, addr: str) -> None:
+        """A txmq master keeps its delay progress in its log: a copy left from a Java master this slave had (its
+        store since rebuilt under this one) named levels of another log, and a promotion took them over this log's
+        own, its undelivered delayed messages taken as delivered. Removed once; refused, tried next sync."""
+        if self._config_dir is None:
+            self._copy_dropped = True
+            return
+        try:
+            removed = await asyncio.to_thread(drop_master_copy, self._config_dir)
+        except OSError as exc:
+            why = f"{MASTER_COPY_NAME} of a Java master not removed under txmq master {addr} ({exc}): promoted, " \
+                  "this slave takes its levels and may skip delayed messages"
+            if why != self._delay_failing:
+                log.warning("%s", why)
+                self._delay_failing = why
+            return
+        self._copy_dropped = True
+        self._delay_failing = None
+        if removed:
+            log.warning("removed %s, a Java master's delay progress: master %s is a txmq broker (its progress is "
+                        "in its log)", MASTER_COPY_NAME, addr)
 
     async def _master_restarted(self, addr: str) -> bool:
         """Whether the master's bootTimestamp is another than last answered (the missed times set to 0 then); asked

@@ -29,7 +29,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ..store.saved import crc_matches, save, with_crc
+from protocol.admin_bodies import quote_int_keys, split_at_string_literals
+
+from ..store.mapped_file import fsync_dirs, make_dirs
+from ..store.saved import check, crc_matches, is_int, save, with_crc
 from ..topics import SCHEDULE_PROGRESS_TOPIC
 from .runs import OffsetRuns, PastTheLog
 
@@ -37,6 +40,10 @@ log = logging.getLogger("txmq.schedule")
 
 PROGRESS_TOPIC = SCHEDULE_PROGRESS_TOPIC
 SNAPSHOT_NAME = "delayOffset.json"
+# A slave's copy of its Java master's delay progress (GET_ALL_DELAY_OFFSET, as a Java slave copies it into its own
+# delayOffset.json): a Java master writes no progress record in its log, so the copied log alone says nothing was
+# delivered. Same shape as delayOffset.json's offsetTable, with a crc; read at every start (recover).
+MASTER_COPY_NAME = "slaveMasterDelayOffset.json"
 
 
 @dataclass
@@ -130,6 +137,60 @@ def load_snapshot(config_dir: str, timer_end: int | None = None) -> Progress:
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         log.error("ignoring unreadable %s (%s): progress is replayed from the log", path, exc)
         return Progress()
+
+
+def decode_delay_offsets(body: bytes) -> dict[int, int]:
+    """{level: offset} of a GET_ALL_DELAY_OFFSET body or a delayOffset.json, Java's (fastjson's bare level keys) or
+    ours; ValueError for anything else (a level or an offset that is no whole number, a negative one)."""
+    pieces = split_at_string_literals(body.decode("utf-8"))
+    pieces[::2] = map(quote_int_keys, pieces[::2])
+    table = json.loads("".join(pieces))
+    check(isinstance(table, dict) and isinstance(table.get("offsetTable"), dict), "no offsetTable object")
+    levels = {}
+    for level, offset in table["offsetTable"].items():
+        check(level.isdigit() and is_int(offset) and offset >= 0, f"level {level!r}: offset {offset!r}")
+        levels[int(level)] = offset
+    return levels
+
+
+def read_master_copy(config_dir: str) -> dict[int, int]:
+    """The delay levels' progress a slave last copied from a Java master (MASTER_COPY_NAME), {} when none; a
+    file that cannot be read is said at ERROR (its levels are then the log's alone)."""
+    path = os.path.join(config_dir, MASTER_COPY_NAME)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        data = json.loads(raw)
+        check(isinstance(data, dict) and "crc" in data and crc_matches(raw, data["crc"]),
+              "its checksum does not match: it was changed after it was written")
+        return decode_delay_offsets(raw)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError) as exc:
+        log.error("ignoring unreadable %s (%s): the delay progress its Java master had is not known here, and "
+                  "messages it delivered may be delivered again", path, exc)
+        return {}
+
+
+def write_master_copy(config_dir: str, levels: dict[int, int]) -> None:
+    """Blocking: off the loop."""
+    fsync_dirs(make_dirs(config_dir))
+    save(os.path.join(config_dir, MASTER_COPY_NAME), with_crc(json.dumps(
+        {"offsetTable": {str(k): v for k, v in sorted(levels.items())}}, separators=(",", ":")).encode()))
+
+
+def drop_master_copy(config_dir: str) -> bool:
+    """Blocking: off the loop. Remove MASTER_COPY_NAME (and its .bak); whether there was one."""
+    removed = False
+    for name in (MASTER_COPY_NAME, MASTER_COPY_NAME + ".bak"):
+        try:
+            os.remove(os.path.join(config_dir, name))
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed:
+        fsync_dirs([config_dir])
+    return removed
 
 
 def write_snapshot(config_dir: str, data: "dict | Progress") -> None:

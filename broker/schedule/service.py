@@ -31,8 +31,8 @@ from ..store import PutRequest
 from ..store.results import PutStatus
 from ..topics import HALF_TOPIC, RETRY_PREFIX
 from .levels import SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels
-from .progress import (PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress, load_snapshot,
-                       write_snapshot)
+from .progress import (MASTER_COPY_NAME, PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress,
+                       drop_master_copy, load_snapshot, read_master_copy, write_snapshot)
 
 # Dropped from a delivered copy: forwarded with its properties, a relative ask (DELAY, TIMER_DELAY_*) would wait
 # again. Aliyun's __STARTDELIVERTIME stays, as RocketMQ 4.9.8 and Aliyun keep it: ali-ons' getStartDeliverTime()
@@ -124,6 +124,7 @@ class ScheduleService:
                 p.apply(*parsed)
                 replayed += 1
         p.progress_offset = end
+        copied = self._take_master_copy(p)
         removed = []        # (what, messages): waiting ones retention removed while the broker was down
         for level in range(1, self.levels.max_level + 1):
             qid = level - 1
@@ -162,8 +163,43 @@ class ScheduleService:
                 await self.snapshot()
             except OSError as exc:
                 log.error("%s not rewritten (%s): remove it before the next start", SNAPSHOT_NAME, exc)
+        if copied:
+            await self._drop_master_copy()
         log.info("schedule recovered: %d progress records replayed, %d level messages and %d timers waiting",
                  replayed, sum(n for _, n in self.waiting() if _ != "timer"), len(self._timers))
+
+    def _take_master_copy(self, p: Progress) -> bool:
+        """Levels the delay progress copied from a Java master (read_master_copy) has further on than the log: a
+        Java master writes no progress record, so a slave of one, promoted, had every delayed message its log held
+        waiting again, those its master had delivered (their copies in the log too) delivered twice. Taken at a
+        start as a master (the promotion); the log's own progress wins where it is further on. Not by a slave: it
+        delivers nothing, and its delayOffset.json carried the levels on, a copy left from a Java master it no
+        longer follows (its sync removes it under a txmq one) raised over its log's undelivered messages."""
+        config = getattr(self.ctx, "config", None)
+        if config is not None and config.broker_role == "SLAVE":
+            return False
+        raised = []
+        copy = read_master_copy(self.config_dir)
+        for level, offset in sorted(copy.items()):
+            if offset > p.levels.get(level, 0):
+                raised.append(f"level {level} {p.levels.get(level, 0)} -> {offset}")
+                p.levels[level] = offset
+        if raised:
+            log.warning("schedule recovery: delay progress taken from the copy of a Java master's (%s): %s",
+                        MASTER_COPY_NAME, "; ".join(raised))
+        return bool(copy)
+
+    async def _drop_master_copy(self) -> None:
+        """Once taken (capped by the log) and in delayOffset.json, the copy goes: kept, the next start took it
+        again over this master's own progress, a level raised past the delayed messages sent here since (their
+        offsets under the Java master's further one) and those never delivered. Not written, it stays (taken
+        again, capped by that start's log), said at ERROR."""
+        try:
+            await asyncio.to_thread(write_snapshot, self.config_dir, self._view())
+            await asyncio.to_thread(drop_master_copy, self.config_dir)
+        except OSError as exc:
+            log.error("%s not removed (%s): until it is, each start takes its levels over this broker's own "
+                      "progress, and may skip delayed messages sent here since", MASTER_COPY_NAME, exc)
 
     def _removed_while_down(self, removed: list[tuple[str, int]], known: bool) -> None:
         """Said at start-up: waiting messages whose records retention removed before they were delivered (the
@@ -227,11 +263,15 @@ class ScheduleService:
         key = (p.progress_offset, p.timer_floor, len(p.timer_done), tuple(sorted(p.levels.items())))
         if key == self._snapshot_key:
             return False
-        view = Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=p.timer_done.copy(),
-                        progress_offset=p.progress_offset)
-        await asyncio.to_thread(write_snapshot, self.config_dir, view)
+        await asyncio.to_thread(write_snapshot, self.config_dir, self._view())
         self._snapshot_key = key
         return True
+
+    def _view(self) -> Progress:
+        """A copy of the progress for write_snapshot (on the loop; ``timer_done``'s bitmaps shared until changed)."""
+        p = self.progress
+        return Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=p.timer_done.copy(),
+                        progress_offset=p.progress_offset)
 
     async def _snapshots(self) -> None:
         failing = False

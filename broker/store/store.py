@@ -659,7 +659,10 @@ class MessageStore:
                       "same: it is the master's damaged record kept in place (keep_corrupt_records), copied as it "
                       "is; lost, not served (a pull stops at it, as on the master)", phys, size)
             self._kept.add(phys)
-            write_corrupt_kept(self.store_dir, {o for o in self._kept if o >= self._log.min_offset})
+            # The file follows off the loop (the disk loop's next turn; no checkpoint passes the record before it
+            # is written). Written here, it held the loop on two fsyncs, and refused (a full disk) the OSError
+            # dropped the link: the master sent the record again, refused again, the slave copying nothing.
+            self._kept_unsaved = True
             self._check_below = max(self._check_below, phys + size)
         self._refused_chunk = None
         if chunk.nul_end > self._nul_free_from:
@@ -819,12 +822,15 @@ class MessageStore:
 
     async def _save_kept(self) -> None:
         """Off the loop: the corrupt_kept file brought up to ``_kept``; refused (a full disk), the disk loop retries."""
+        kept = set(self._kept)      # (taken on the loop)
         try:
-            await self._io.submit(write_corrupt_kept, self.store_dir, set(self._kept))    # (taken on the loop)
+            await self._io.submit(write_corrupt_kept, self.store_dir, kept)
         except OSError as exc:
             self._kept_written(exc)
         else:
             self._kept_written()
+            if self._kept != kept:  # one kept (a slave's copy) while it was written: the next turn writes it
+                self._kept_unsaved = True
 
     def _drop_stale_kept_file(self, known: frozenset[int]) -> None:
         """The corrupt_kept file names an offset at or past the log's end (a start cut the log below a kept

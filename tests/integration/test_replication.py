@@ -1854,3 +1854,162 @@ async def test_a_group_the_slave_forgets_as_its_master_deleted_it_leaves_the_sla
         await pool.close()
         for p in reversed(started):
             p.kill()
+
+
+async def _lag_series(metrics_addr: str, group: str, topic: str) -> float | None:
+    """``group``'s rocketmq_consumer_lag_messages in ``topic`` in one scrape, or None without that series."""
+    want = f'rocketmq_consumer_lag_messages{{consumer_group="{group}",topic="{topic}"}}'
+    found = [line.split()[-1] for line in await asyncio.to_thread(_series_of, metrics_addr, group)
+             if line.startswith(want)]
+    return float(found[0]) if found else None
+
+
+async def test_a_slave_counts_no_lag_of_a_group_online_only_on_its_master(tmp_path):
+    """A group moved off a topic (its consumers now read another) keeps its offset there: its master leaves that
+    topic out of rocketmq_consumer_lag_messages while the group is online, as consumer-progress does. Its slave
+    copies the offset, sees none of the group's consumers (they beat the master) and counted every topic: the old
+    one's lag (5 here) grew there with every message copied, an alert on the slave alone that never cleared. A
+    slave counts the groups online on it only (failed over; a stock consumer, which beats it too): their
+    members' topics, as the master's."""
+    started = []
+    pool = ConnectionPool()
+    group = "CG_moved_off"
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-lag", started, "--slave-sync-interval-ms",
+                                                      "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_moved_off") as producer, PullConsumer(ns.addr, group) as consumer:
+                mq = await _until_replicating(producer)
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                read = await consumer.max_offset(mq)
+                await consumer.commit_offset(mq, read)                    # to the master
+                consumer.subscriptions = {"Elsewhere": "*"}             # the group now reads another topic only
+                await consumer.heartbeat()
+                for i in range(5):
+                    assert (await producer.send(TOPIC, b"not for it %d" % i, queue=mq)).status is SendStatus.SEND_OK
+                await _until_slave_has_offset(slave, group, mq, read)
+                # Online on the slave too (a member naming no topic: it may read any): counted there, so the
+                # slave's gauge has the copied offset and messages.
+                beat = RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps({
+                    "clientID": "127.0.0.1@on-slave", "producerDataSet": [], "consumerDataSet": [{
+                        "groupName": group, "consumeType": "CONSUME_ACTIVELY", "messageModel": "CLUSTERING",
+                        "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "unitMode": False,
+                        "subscriptionDataSet": []}]}).encode())
+                assert (await pool.request(slave.broker, beat, 5.0)).code == ResponseCode.SUCCESS
+                while await _lag_series(slave.metrics, group, TOPIC) != 5:
+                    await asyncio.sleep(0.1)
+                await pool.close()                                  # gone from the slave, online on the master
+                assert await _lag_series(master.metrics, group, TOPIC) is None
+                for _ in range(50):     # the slave's gauge is refreshed every second
+                    if (lag := await _lag_series(slave.metrics, group, TOPIC)) is None:
+                        break
+                    await asyncio.sleep(0.1)
+                assert lag is None, f"the slave counts a lag of {lag} its master leaves out"
+                assert await _lag_series(master.metrics, group, TOPIC) is None
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_slave_promoted_from_under_a_java_master_delivers_no_delayed_message_its_master_delivered(
+        broker_factory):
+    """A Java master keeps its delay progress in delayOffset.json, not in its log (no progress record): a txmq slave
+    of one, promoted, took its copied log alone and had every delayed message still in it waiting again (3 here),
+    its master's deliveries of them (copied too) made a second time when due. The slave copies the master's
+    GET_ALL_DELAY_OFFSET (slaveMasterDelayOffset.json, as tests/unit/test_slave_sync.py shows it written) and
+    its start takes it; a level the copy has not seen delivered still waits."""
+    from broker.schedule.progress import write_master_copy
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    async with asyncio.timeout(60):
+        async with Producer(master.namesrv, "PG_java_delays") as producer:
+            await _until_replicating(producer)
+            for level, n in ((18, 3), (17, 2)):         # 2 h and 1 h: none due while the test runs
+                for i in range(n):
+                    res = await producer.send(TOPIC, f"l{level}-{i}".encode(), delay_level=level)
+                    assert res.status is SendStatus.SEND_OK        # (SYNC_MASTER: the slave has it)
+        master.kill()
+        assert slave.stop() == 0
+        # What the slave copied of a Java master that delivered level 18's three and none of level 17's
+        await asyncio.to_thread(write_master_copy, str(slave.store_dir / "config"), {17: 0, 18: 3})
+        promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+        while (waiting := await asyncio.to_thread(_waiting, promoted.metrics)).get("17") != 2:
+            await asyncio.sleep(0.1)        # (the gauges refresh every second)
+    assert waiting.get("18") == 0, waiting
+    assert "delay progress taken from the copy of a Java master's" in promoted.log()
+
+
+async def test_a_stale_copy_of_a_java_masters_delay_progress_skips_nothing_under_a_txmq_master(broker_factory,
+                                                                                             tmp_path):
+    """slaveMasterDelayOffset.json is left in config/ from a slave's time under a Java master (level 18 at 3 there).
+    Put under a txmq master (its store rebuilt), the slave never wrote or removed it, and every start took it: the
+    slave's own levels raised past its new master's three undelivered level-18 messages (saved in its
+    delayOffset.json too), promoted it had them as delivered and never delivered them (0 of 3 waiting): lost
+    without a word. A slave takes no copy at start (its promotion does), and one whose master is a txmq broker
+    removes a copy left there."""
+    from broker.schedule.progress import MASTER_COPY_NAME, write_master_copy
+
+    config = tmp_path / "slave" / "config"
+    await asyncio.to_thread(write_master_copy, str(config), {18: 3})    # from under a Java master, long ago
+    started = []
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-stale", started, "--slave-sync-interval-ms",
+                                                      "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_stale_copy") as producer, \
+                    PullConsumer(ns.addr, "CG_stale_copy") as consumer:
+                mq = await _until_replicating(producer)
+                for level, n in ((18, 3), (17, 2)):         # 2 h and 1 h: none due while the test runs
+                    for i in range(n):
+                        res = await producer.send(TOPIC, f"l{level}-{i}".encode(), delay_level=level)
+                        assert res.status is SendStatus.SEND_OK        # (SYNC_MASTER: the slave has it)
+                await _fetch_queues_once_routed(consumer, TOPIC)
+                for offset in (1, 2):   # the second copied: a whole sync (log bounds and all) ended after the first
+                    await consumer.commit_offset(mq, offset)
+                    await _until_slave_has_offset(slave, "CG_stale_copy", mq, offset)
+            master.kill()
+            assert slave.stop() == 0
+            assert not (config / MASTER_COPY_NAME).exists(), "a txmq master's slave kept a Java master's progress"
+            promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+            while (waiting := await asyncio.to_thread(_waiting, promoted.metrics)).get("17") != 2:
+                await asyncio.sleep(0.1)        # (the gauges refresh every second)
+        assert waiting.get("18") == 3, waiting
+    finally:
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_promoted_slaves_later_start_skips_no_delayed_message_sent_to_it_past_its_java_masters_copy(
+        broker_factory):
+    """The copy of a Java master's delay progress may be further on than the slave's log (an ASYNC_MASTER's
+    slave lags: level 18 at 5 there, 3 here): the promotion caps it at the log's 3. The copy stayed in config/ and
+    every later start took it again over the promoted master's own progress: two level-18 messages sent to it
+    since (offsets 3 and 4, undelivered) were taken as delivered at its next restart (0 of 2 waiting): lost. Taken,
+    the copy goes once the start's delayOffset.json holds it."""
+    from broker.schedule.progress import MASTER_COPY_NAME, write_master_copy
+
+    master = _master(broker_factory)
+    slave = _slave(broker_factory, master)
+    async with asyncio.timeout(60):
+        async with Producer(master.namesrv, "PG_java_delays") as producer:
+            await _until_replicating(producer)
+            for i in range(3):
+                assert (await producer.send(TOPIC, b"l18-%d" % i, delay_level=18)).status is SendStatus.SEND_OK
+        master.kill()
+        assert slave.stop() == 0
+        await asyncio.to_thread(write_master_copy, str(slave.store_dir / "config"), {18: 5})
+        promoted = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+        async with Producer(promoted.namesrv, "PG_java_delays") as producer:
+            for i in range(2):
+                assert (await producer.send(TOPIC, b"new-%d" % i, delay_level=18)).status is SendStatus.SEND_OK
+            assert (await producer.send(TOPIC, b"a marker", delay_level=17)).status is SendStatus.SEND_OK
+        while (await asyncio.to_thread(_waiting, promoted.metrics)).get("18") != 2:
+            await asyncio.sleep(0.1)
+        assert promoted.stop() == 0
+        assert not (slave.store_dir / "config" / MASTER_COPY_NAME).exists()
+        again = broker_factory("--broker-role", "ASYNC_MASTER", store="slave")
+        while (waiting := await asyncio.to_thread(_waiting, again.metrics)).get("17") != 1:
+            await asyncio.sleep(0.1)        # (the gauges refresh every second)
+    assert waiting.get("18") == 2, waiting

@@ -848,3 +848,72 @@ def _offsets_answers(sync, answers: list) -> None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, "not asked here")
         return cmd.response(ResponseCode.SUCCESS, body=answers.pop(0))
     sync.pool.request = request
+
+
+def _java_or_txmq_master(sync, runtime: dict, delay_bodies: list, asked: list) -> None:
+    """The master answers GET_BROKER_RUNTIME_INFO with ``runtime`` (plus log bounds) and GET_ALL_DELAY_OFFSET with
+    the next of ``delay_bodies`` (an int: refused with that code); every other request (offsets, topics, groups)
+    with an empty table. ``asked`` gets each request code."""
+    async def request(addr, cmd, timeout):
+        asked.append(cmd.code)
+        if cmd.code == RequestCode.GET_BROKER_RUNTIME_INFO:
+            table = {"commitLogMinOffset": "0", "commitLogMaxOffset": "0", **runtime}
+            return cmd.response(ResponseCode.SUCCESS, body=json.dumps({"table": table}).encode())
+        if cmd.code == RequestCode.GET_ALL_DELAY_OFFSET:
+            body = delay_bodies.pop(0)
+            if isinstance(body, int):
+                return cmd.response(body, "no")
+            return cmd.response(ResponseCode.SUCCESS, body=body)
+        if cmd.code == RequestCode.GET_ALL_CONSUMER_OFFSET:
+            return cmd.response(ResponseCode.SUCCESS, body=b'{"offsetTable":{}}')
+        return cmd.response(ResponseCode.SUCCESS, body=b'{"topicConfigTable":{},"subscriptionGroupTable":{},'
+                                                         b'"dataVersion":{"timestamp":1,"counter":1}}')
+    sync.pool.request = request
+
+
+@bounded(10)
+async def test_a_java_masters_delay_progress_is_copied_for_the_slaves_promotion(tmp_path, caplog):
+    """A Java master keeps its delay progress out of its log (delayOffset.json): a Java slave copies it with
+    GET_ALL_DELAY_OFFSET every sync; ours asked nothing, and promoted, delivered again every delayed message its
+    master had delivered. It copies it now (fastjson's bare level keys), written only when it changed; a body it
+    cannot read is said once and keeps the last copy."""
+    from broker.schedule.progress import MASTER_COPY_NAME, read_master_copy
+
+    config = tmp_path / "config"
+    sync = _following("127.0.0.1:10911", ConsumerOffsets(str(tmp_path)))
+    sync.topics = sync.subscriptions = None
+    asked: list[int] = []
+    _java_or_txmq_master(sync, {"bootTimestamp": "1"},
+                         [b'{"offsetTable":{1:4,2:0,18:7}}', b'{"offsetTable":{1:4,2:0,18:7}}',
+                          b'{"offsetTable":{1:"x"}}', b"nonsense", ResponseCode.SYSTEM_ERROR,
+                          b'{"offsetTable":{1:5,2:0,18:7}}'], asked)
+    try:
+        assert await sync.sync_once()
+        assert read_master_copy(str(config)) == {1: 4, 2: 0, 18: 7}
+        written = (config / MASTER_COPY_NAME).stat().st_mtime_ns
+        assert await sync.sync_once()           # unchanged: not written again
+        assert (config / MASTER_COPY_NAME).stat().st_mtime_ns == written
+        for _ in range(3):                      # refused or unreadable: said once, the copy kept
+            assert await sync.sync_once()       # (the offsets, topics and groups were copied all the same)
+            assert read_master_copy(str(config)) == {1: 4, 2: 0, 18: 7}
+        assert await sync.sync_once()
+        assert read_master_copy(str(config)) == {1: 5, 2: 0, 18: 7}
+    finally:
+        await sync.close()
+    said = [r.getMessage() for r in caplog.records if "delay progress not copied" in r.getMessage()]
+    assert len(said) == 3, said     # one line a cause (a bad offset, bad JSON, a refusal), not one a sync
+    assert "delay progress copied from Java master 127.0.0.1:10911 again" in caplog.text
+
+
+@bounded(10)
+async def test_a_txmq_master_is_not_asked_its_delay_progress_which_its_log_carries(tmp_path):
+    sync = _following("127.0.0.1:10911", ConsumerOffsets(str(tmp_path)))
+    sync.topics = sync.subscriptions = None
+    asked: list[int] = []
+    _java_or_txmq_master(sync, {"bootTimestamp": "1", "txmqTopics": "3"}, [], asked)
+    try:
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    assert RequestCode.GET_BROKER_RUNTIME_INFO in asked and RequestCode.GET_ALL_DELAY_OFFSET not in asked
+    assert not (tmp_path / "config").exists() or not list((tmp_path / "config").glob("slaveMaster*Delay*"))

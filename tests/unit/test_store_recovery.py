@@ -1820,3 +1820,50 @@ async def test_a_queue_rebuilt_from_the_whole_log_serves_a_record_whose_type_bit
     assert store.max_offset("T", 0) == 900
     assert read_queue(store) == [r.physical_offset for r in results]
     await store.close()
+
+
+@bounded(30)
+async def test_a_slave_writes_corrupt_kept_for_its_masters_kept_record_off_the_loop_and_through_a_full_disk(
+        tmp_path, monkeypatch):
+    """A record failing its body CRC that the master sends twice the same is its own kept in place: the slave
+    takes it and names it in corrupt_kept. That file was written in append_replica, on the loop (two fsyncs
+    holding every connection), and refused there (a full disk) the OSError dropped the link: the master sent the
+    record again, the slave refused it again, and copied nothing more until the disk had room. Now the disk loop
+    writes it (txmq_store_corrupt_kept_unwritten meanwhile) and the copy goes on."""
+    results = await fill(tmp_path / "m", 3)
+    master = await reopen(tmp_path / "m")
+    sound, damaged, after = results
+    chunks = [bytes(master.replica_chunk(r.physical_offset, r.size)) for r in results]
+    await master.close()
+    bad = bytearray(chunks[1])
+    body_at = bad.find(b"\x01" * 2000)
+    bad[body_at + 1000] ^= 0xFF
+    slave = MessageStore(str(tmp_path / "s"), CFG)
+    await slave.open()
+    slave.set_replica_only()
+    room, seen = [False], []
+
+    def write_kept(store_dir, offsets):
+        seen.append((set(offsets), threading.current_thread() is threading.main_thread()))
+        if not room[0]:
+            raise OSError(28, "No space left on device")
+        write_corrupt_kept(store_dir, offsets)
+
+    monkeypatch.setattr("broker.store.store.write_corrupt_kept", write_kept)
+    try:
+        fut, at = slave.append_replica(0, chunks[0])
+        assert (await fut).ok
+        with pytest.raises(ValueError):
+            slave.append_replica(at, bytes(bad))
+        fut, at = slave.append_replica(at, bytes(bad))     # the same again: the master's kept record
+        assert (await fut).ok and at == damaged.physical_offset + damaged.size
+        fut, at = slave.append_replica(at, chunks[2])      # the copy goes on
+        assert (await fut).ok and at == after.physical_offset + after.size
+        while not slave.kept_unwritten:                     # refused: said in the gauge (bounded by the test)
+            await asyncio.sleep(0.05)
+        room[0] = True
+        while slave.kept_unwritten or read_corrupt_kept(slave.store_dir) != {damaged.physical_offset}:
+            await asyncio.sleep(0.05)
+    finally:
+        await slave.close()
+    assert seen and not any(on_loop for _, on_loop in seen), seen
