@@ -327,6 +327,10 @@ class ConnectionGate:
         self.monotonic = monotonic
         self.open: set = set()
         self._by_host: dict[str, int] = {}
+        # the gates whose connections share the process's descriptors, and how many they may hold together
+        # (share_descriptors); None: no cap but each gate's own
+        self._together: list["ConnectionGate"] = [self]
+        self.max_together: int | None = None
         self._refused = 0                   # since the last log line
         self._logged_at = -_GATE_LOG_INTERVAL_S
 
@@ -341,6 +345,8 @@ class ConnectionGate:
         host = peer_host(conn)
         if len(self.open) >= self.max_total:
             why = "max_connections"
+        elif self.max_together is not None and sum(len(g.open) for g in self._together) >= self.max_together:
+            why = "open-files"
         elif self._by_host.get(host, 0) >= self.max_per_host:
             why = "max_connections_per_host"
         else:
@@ -356,6 +362,16 @@ class ConnectionGate:
                              _GATE_LOG_INTERVAL_S)
             self._logged_at, self._refused = now, 0
         return why
+
+    @staticmethod
+    def share_descriptors(gates: list["ConnectionGate"], max_together: int) -> None:
+        """Hold ``gates`` to ``max_together`` connections between them: what the open-files limit leaves beside
+        the store's files. Past it a connection is refused on accept (reason "open-files"), not taken from the
+        store: accepted until accept() itself failed, idle connections held every descriptor, and sends to a
+        queue whose file was not open yet failed, checkpoints and offsets went unwritten, until they left."""
+        for gate in gates:
+            gate._together = gates
+            gate.max_together = max_together
 
     def close_quiet(self, ticks: int) -> int:
         """Close the connections whose peer sent nothing for ``ticks`` calls of this (while its reading is paused or

@@ -582,3 +582,33 @@ async def test_an_open_files_limit_too_small_for_one_more_topic_is_said_at_start
         assert "NO NEW TOPICS" not in b.log()
     finally:
         b.kill()
+
+
+@bounded(90)
+async def test_idle_connections_past_what_the_open_files_limit_leaves_are_refused_not_taken_from_the_store(
+        tmp_path):
+    """At ulimit -n 256 the broker accepted connections until accept() itself failed (236 idle ones held every
+    descriptor) and the store had none left: 45 of 60 sends to queues not yet opened were refused "create mapped
+    file failed ... lower --max-queues=96", which was no cause, and checkpoints went unwritten, until the idle
+    connections left. Now the listeners together hold what the limit leaves beside max_queues' files: more are
+    refused on accept (counted, reason "open-files"), and the store keeps its descriptors."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(256)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        idle = []
+        try:
+            assert (await _update_topic(client, "Idle", 8)).code == C.SUCCESS
+            for _ in range(300):                    # each never sends a byte
+                try:
+                    idle.append(await RawClient.open(b.broker, "127.0.0.2"))
+                except OSError:
+                    break
+            answers = [await _send_to_queue(client, "Idle", q) for q in range(8) for _ in range(4)]
+            assert [r.code for r in answers] == [C.SUCCESS] * 32, {(r.code, r.remark) for r in answers}
+            assert _refusals(b, "open-files") > 0
+        finally:
+            for c in idle:
+                c.close()
+            client.close()
+    finally:
+        b.kill()

@@ -203,3 +203,18 @@ def test_ipv4_clients_seen_through_a_nat64_translator_are_each_their_own():
     gate = ConnectionGate(100, 1, logging.getLogger("test"), "broker listener")
     assert [gate.admit(_Conn(i, f"64:ff9b::10.0.0.{i}")) for i in (1, 2)] == [None, None]
     assert gate.admit(_Conn(3, "64:ff9b::10.0.0.1")) == "max_connections_per_host"
+
+
+def test_gates_sharing_descriptors_refuse_past_their_total_together_and_admit_again_on_release():
+    """The broker's listeners each had their own max_connections (10,000), far past an open-files limit of 256:
+    idle connections took every descriptor the store needed. Held together, past the total one more is refused
+    (reason "open-files") whichever listener it comes to, and a release gives its room to any of them."""
+    log = logging.getLogger("test")
+    broker, namesrv = ConnectionGate(100, 100, log, "broker"), ConnectionGate(100, 100, log, "namesrv")
+    ConnectionGate.share_descriptors([broker, namesrv], 3)
+    first = _Conn(1)
+    assert [broker.admit(first), broker.admit(_Conn(2)), namesrv.admit(_Conn(3))] == [None, None, None]
+    assert broker.admit(_Conn(4)) == "open-files"
+    assert namesrv.admit(_Conn(5)) == "open-files"
+    broker.release(first)
+    assert namesrv.admit(_Conn(6)) is None
