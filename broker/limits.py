@@ -375,14 +375,17 @@ class ConnectionGate:
 
     def close_quiet(self, ticks: int) -> int:
         """Close the connections whose peer sent nothing for ``ticks`` calls of this (while its reading is paused or
-        a request of its is being handled, a connection is not quiet); how many. A peer gone without a FIN (its host down, a NAT or firewall that dropped the flow) left
+        a request of its is being handled, a connection is not quiet, unless its peer read nothing since the last
+        call); how many. A peer gone without a FIN (its host down, a NAT or firewall that dropped the flow) left
         its connection open for good, holding its address's room: RocketMQ's server closes a channel idle for
         120 s, and a stock client heartbeats every 30 s on each connection."""
         closed = 0
         for conn in list(self.open):
-            if conn.reading_paused or conn.handling:
+            if (conn.reading_paused or conn.handling) and not _read_nothing(conn):
                 conn.quiet_ticks = 0
             elif conn.quiet_ticks >= ticks:
+                if conn.writing_paused and conn.budget is not None:
+                    conn.budget.closed_for("channel_expire_ms")
                 conn.abort()
                 closed += 1
             else:
@@ -399,3 +402,14 @@ class ConnectionGate:
 
 
 _GATE_LOG_INTERVAL_S = 10
+
+
+def _read_nothing(conn) -> bool:
+    """The peer of ``conn`` stopped reading and took none of its responses since the last close_quiet. Its
+    reading paused for it, a frozen client (SIGSTOP, a hung process or VM) was never quiet: kept for good with
+    what it left unread (6 MB of 3,000 answers here, up to max_write_buffer) and its address's room, nothing
+    said. RocketMQ closes a channel that neither reads nor completes a write for 120 s."""
+    unread = conn.unread_bytes()
+    stuck = conn.writing_paused and unread >= conn.quiet_unsent
+    conn.quiet_unsent = unread
+    return stuck

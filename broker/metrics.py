@@ -184,7 +184,8 @@ class BrokerMetrics:
             "start keep the saver at most a quarter busy.", registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
-                                     "connections' together, the largest holders closed first).", ["reason"],
+                                     "connections' together, the largest holders closed first; channel_expire_ms: "
+                                     "its peer read none of them for that long).", ["reason"],
                                      registry=r)
         self.queue_lock_saves_failed = Counter("txmq_queue_lock_saves_failed", "Saves of the queue lock file "
                                                "(config/queueLocks.json) the disk refused: retried every second; a "

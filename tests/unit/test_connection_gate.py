@@ -16,6 +16,13 @@ class _Conn:
         self.reading_paused = False
         self.handling = False
         self.aborted = False
+        self.writing_paused = False     # the peer left more than the high-water mark unread
+        self.unread = 0                 # what unread_bytes() says
+        self.quiet_unsent = 0
+        self.budget = None
+
+    def unread_bytes(self):
+        return self.unread
 
     def abort(self):
         self.aborted = True
@@ -218,3 +225,21 @@ def test_gates_sharing_descriptors_refuse_past_their_total_together_and_admit_ag
     assert namesrv.admit(_Conn(5)) == "open-files"
     broker.release(first)
     assert namesrv.admit(_Conn(6)) is None
+
+
+def test_a_peer_that_reads_none_of_its_responses_is_closed_after_the_expiry_and_one_reading_slowly_is_kept():
+    """A peer that stopped reading paused the broker's reading of it, and a connection paused was never quiet: a
+    frozen client kept its connection, and its unread responses, for good. Now only one whose peer takes some of
+    them each turn is kept."""
+    gate = ConnectionGate(10, 10, logging.getLogger("test"), "broker listener")
+    frozen, slow = _Conn(1), _Conn(2)
+    for conn in (frozen, slow):
+        conn.reading_paused = conn.writing_paused = True
+        conn.unread = 6_000_000
+        assert gate.admit(conn) is None
+    for _ in range(3):
+        slow.unread -= 4096
+        assert gate.close_quiet(3) == 0
+    slow.unread -= 4096
+    assert gate.close_quiet(3) == 1
+    assert frozen.aborted and not slow.aborted
