@@ -780,8 +780,8 @@ class BrokerServer:
             for listener, conns in self.connections.items():
                 closed = conns.close_quiet(ticks)
                 if closed:
-                    log.info("%s listener: closed %d connections whose peer sent nothing, or read "
-                             "none of its responses, for %d ms (channel_expire_ms)", listener, closed, expire_ms)
+                    log.info("%s listener: closed %d connections whose peer sent nothing for %d ms "
+                             "(channel_expire_ms), or read none of its responses for as long", listener, closed, expire_ms)
             for group in self.ctx.clients.expire(expire_ms):
                 self.ctx.clients.notify_ids_changed(group)
             self.ctx.clients.expire_locks(self.config.queue_lock_max_live_ms)
